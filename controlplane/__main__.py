@@ -1,0 +1,22 @@
+"""`ponto-control`: run one control plane replica."""
+
+from __future__ import annotations
+
+import sys
+
+import uvloop
+
+from controlplane.app import serve
+from controlplane.settings import parse
+from ponto.logs import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+    uvloop.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

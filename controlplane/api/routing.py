@@ -1,0 +1,128 @@
+"""The Routing service: proxy registration and the route table stream.
+
+RouteStream is registered through a generic handler whose response serializer
+is the identity, so the bytes serialised once per push by the Publisher go to
+every stream as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from controlplane.api.errors import grpc_errors
+from controlplane.distribute import Publisher, Snapshot
+from controlplane.errors import InvalidArgument
+from controlplane.model import NAME_RE, check_name
+from controlplane.registry import ProxyRegistry
+from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
+SERVICE = "ponto.v1.Routing"
+MAX_FIELD = 256
+
+
+def _identity(payload: bytes) -> bytes:
+    return payload
+
+
+class RoutingService:
+    def __init__(
+        self, registry: ProxyRegistry, publisher: Publisher, *, write_timeout: float = 30.0
+    ) -> None:
+        self._registry = registry
+        self._publisher = publisher
+        self._write_timeout = write_timeout
+        self.streams = 0
+        self.slow_closed = 0
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Register": grpc.unary_unary_rpc_method_handler(
+                    self.register,
+                    request_deserializer=pb.RegisterRequest.FromString,
+                    response_serializer=pb.RegisterResponse.SerializeToString,
+                ),
+                "RouteStream": grpc.stream_stream_rpc_method_handler(
+                    self.route_stream,
+                    request_deserializer=pb.RouteRequest.FromString,
+                    response_serializer=_identity,
+                ),
+            },
+        )
+
+    @grpc_errors
+    async def register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RegisterResponse:
+        info = request.proxy
+        check_name("proxy", info.name)
+        if not NAME_RE.match(info.region):
+            raise InvalidArgument(f"proxy region {info.region!r} is invalid")
+        if len(info.address) > MAX_FIELD or len(info.version) > MAX_FIELD:
+            raise InvalidArgument("proxy address or version is too long")
+        record = await self._registry.register(info.name, info.region, info.address, info.version)
+        log.info("proxy %s (%s) registered, session %s", info.name, info.region, record.session_id)
+        return pb.RegisterResponse(
+            session_id=record.session_id, control_plane_id=self._registry.replica_id
+        )
+
+    async def route_stream(
+        self,
+        requests: AsyncIterator[pb.RouteRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            return
+        session_id = first.session_id
+        if session_id not in self._registry.sessions:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "unknown session: call Register first"
+            )
+        name = self._registry.sessions[session_id].name
+        self.streams += 1
+        reader = asyncio.create_task(self._read_acks(session_id, requests))
+        sent: Snapshot | None = None
+        try:
+            while not reader.done():
+                waiter = asyncio.ensure_future(self._publisher.next_after(sent))
+                done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if waiter not in done:
+                    waiter.cancel()
+                    break
+                sent = waiter.result()
+                try:
+                    await asyncio.wait_for(context.write(sent.payload), self._write_timeout)
+                except TimeoutError:
+                    # Linkerd's rule: never let one stuck stream hold memory or
+                    # block others; close it, count it, let the proxy reconnect.
+                    self.slow_closed += 1
+                    log.warning(
+                        "closing stream of %s: write blocked %ss", name, self._write_timeout
+                    )
+                    return
+        finally:
+            self.streams -= 1
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await reader
+            await self._registry.unregister(session_id)
+            log.info("proxy %s stream closed", name)
+
+    async def _read_acks(self, session_id: str, requests: AsyncIterator[pb.RouteRequest]) -> None:
+        async for req in requests:
+            if not req.response_nonce:
+                continue
+            error = req.error_detail[:1024]
+            if error:
+                log.warning("proxy NACKed push %s: %s", req.response_nonce, error)
+            await self._registry.acked(session_id, req.version_info, error)

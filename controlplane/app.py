@@ -1,0 +1,114 @@
+"""Composition root of the control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controlplane.api.admin import AdminService
+from controlplane.api.routing import SERVICE as ROUTING_SERVICE
+from controlplane.api.routing import RoutingService
+from controlplane.builder import TableBuilder
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.registry import ProxyRegistry
+from controlplane.settings import Settings
+from controlplane.store import StateStore
+from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
+from ponto.writefile import write_atomic
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    """All parts of one replica, wired; start() binds, stop() releases."""
+
+    def __init__(self, settings: Settings, store: StateStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.catalog = Catalog(store)
+        self.publisher = Publisher(settings.replica_id)
+        self.builder = TableBuilder(
+            self.catalog,
+            self.publisher,
+            quiet=settings.debounce_quiet,
+            max_delay=settings.debounce_max,
+        )
+        self.registry = ProxyRegistry(
+            self.catalog, settings.replica_id, lease_ttl=settings.lease_ttl
+        )
+        self.routing = RoutingService(self.registry, self.publisher)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+            ]
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server.add_generic_rpc_handlers((self.routing.handler(),))
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminService(self.catalog, self.publisher), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                routing_pb2.DESCRIPTOR.services_by_name["Routing"].full_name,
+                admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(self.settings.listen)
+        if not self.port:
+            raise OSError(f"cannot listen on {self.settings.listen}")
+        await self.server.start()
+        self._tasks = [
+            asyncio.create_task(self.builder.run(), name="table-builder"),
+            asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
+        ]
+        await self.health.set(ROUTING_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        host = self.settings.listen.rsplit(":", 1)[0]
+        log.info("control plane %s serving on %s:%d", self.settings.replica_id, host, self.port)
+        if self.settings.ready_file:
+            write_atomic(self.settings.ready_file, f"{host}:{self.port}".encode())
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.server.stop(grace)
+        await self.registry.close()
+        await self.store.close()
+
+
+async def serve(settings: Settings) -> None:
+    from controlplane.store.etcd import EtcdStore  # noqa: PLC0415
+
+    store = EtcdStore(settings.etcd)
+    await store.connect()
+    plane = ControlPlane(settings, store)
+    await plane.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await plane.stop()

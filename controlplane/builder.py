@@ -1,0 +1,104 @@
+"""Keeps the published route table in step with the store.
+
+Watches the state prefix; after a change waits for a quiet period (more changes
+restart it) but never longer than max_delay since the first unhandled change,
+then re-reads the whole state at one revision, compiles and publishes. When the
+store is unreachable the last published table stays (static stability) and the
+builder retries with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from controlplane.catalog import STATE_PREFIX, Catalog
+from controlplane.compile import compile_table
+from controlplane.distribute import Publisher
+from controlplane.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class TableBuilder:
+    def __init__(
+        self,
+        catalog: Catalog,
+        publisher: Publisher,
+        *,
+        quiet: float = 0.05,
+        max_delay: float = 0.5,
+        retry_max: float = 2.0,
+    ) -> None:
+        self._catalog = catalog
+        self._publisher = publisher
+        self._quiet = quiet
+        self._max_delay = max_delay
+        self._retry_max = retry_max
+        self._dirty = asyncio.Event()
+        self.store_ok = False
+        self.builds = 0
+
+    async def build_once(self) -> bool:
+        """Read, compile, publish; return whether a new snapshot was published."""
+        state = await self._catalog.snapshot()
+        self.builds += 1
+        snap = self._publisher.publish(compile_table(state))
+        if snap is not None:
+            log.info("route table version %d (etag %s…) published", snap.version, snap.etag[:12])
+        return snap is not None
+
+    async def run(self) -> None:
+        """Run until cancelled."""
+        watcher = asyncio.create_task(self._watch())
+        try:
+            await self._loop()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _loop(self) -> None:
+        backoff = 0.1
+        self._dirty.set()
+        while True:
+            await self._dirty.wait()
+            await self._debounce()
+            self._dirty.clear()
+            try:
+                await self.build_once()
+                self.store_ok = True
+                backoff = 0.1
+            except Unavailable as exc:
+                self.store_ok = False
+                log.warning("cannot rebuild route table, serving the last one: %s", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._retry_max)
+                self._dirty.set()
+
+    async def _debounce(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._max_delay
+        while True:
+            self._dirty.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._dirty.wait(), min(self._quiet, remaining))
+            except TimeoutError:
+                return
+
+    async def _watch(self) -> None:
+        revision = 0
+        while True:
+            try:
+                stream: AsyncIterator[int] = self._catalog.store.watch(STATE_PREFIX, revision)
+                async for rev in stream:
+                    revision = rev
+                    self._dirty.set()
+            except Exception:  # the watch must never die silently
+                log.exception("state watch failed; restarting")
+                await asyncio.sleep(0.5)

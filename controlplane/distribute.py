@@ -1,0 +1,66 @@
+"""Latest-snapshot fan-out of route tables to proxy streams.
+
+"What to serve" (the latest Snapshot) is kept apart from "how to stream it"
+(api/routing.py). A snapshot is serialised once when published; every stream
+sends the same bytes. Streams never queue: a slow stream that wakes up sends
+only the newest snapshot, so intermediate versions coalesce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from ponto.v1 import routing_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An internally consistent, immutable route table ready to send."""
+
+    table: pb.RouteTable
+    nonce: str
+    payload: bytes  # serialised RouteUpdate(table, nonce)
+
+    @property
+    def version(self) -> int:
+        return self.table.version
+
+    @property
+    def etag(self) -> str:
+        return self.table.etag
+
+
+class Publisher:
+    """Holds the latest snapshot; publish() wakes every waiting stream.
+
+    Single event loop only. Publishing is O(1) in the number of streams.
+    """
+
+    def __init__(self, replica_id: str) -> None:
+        self._replica_id = replica_id
+        self._latest: Snapshot | None = None
+        self._changed = asyncio.Event()
+        self._pushes = itertools.count(1)
+
+    @property
+    def latest(self) -> Snapshot | None:
+        return self._latest
+
+    def publish(self, table: pb.RouteTable) -> Snapshot | None:
+        """Publish table unless its content equals the latest; return the new snapshot."""
+        if self._latest is not None and self._latest.etag == table.etag:
+            return None
+        nonce = f"{self._replica_id}-{next(self._pushes)}"
+        payload = pb.RouteUpdate(table=table, nonce=nonce).SerializeToString()
+        self._latest = Snapshot(table, nonce, payload)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return self._latest
+
+    async def next_after(self, sent: Snapshot | None) -> Snapshot:
+        """Return the latest snapshot once it differs from `sent`."""
+        while self._latest is None or self._latest is sent:
+            await self._changed.wait()
+        return self._latest

@@ -1,0 +1,75 @@
+"""Control plane settings: parsed once, frozen, validated."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    etcd: tuple[str, ...]
+    listen: str
+    replica_id: str
+    debounce_quiet: float
+    debounce_max: float
+    lease_ttl: int
+    ready_file: Path | None
+    log_level: str
+
+
+def parse(argv: list[str]) -> Settings:
+    p = argparse.ArgumentParser(prog="ponto-control", description="Ponto control plane")
+    p.add_argument(
+        "--etcd",
+        default="http://127.0.0.1:2379",
+        help="etcd endpoints, comma-separated (http://host:port)",
+    )
+    p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC listen HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--id",
+        dest="replica_id",
+        default=f"{socket.gethostname()}-{os.getpid()}",
+        help="replica id shown to operators",
+    )
+    p.add_argument(
+        "--debounce-quiet-ms",
+        type=int,
+        default=50,
+        help="push after this long without further changes",
+    )
+    p.add_argument(
+        "--debounce-max-ms",
+        type=int,
+        default=500,
+        help="push at the latest this long after the first change",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=int,
+        default=10,
+        help="seconds before a dead replica's proxy registrations vanish",
+    )
+    p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    a = p.parse_args(argv)
+    if a.debounce_quiet_ms < 0 or a.debounce_max_ms < a.debounce_quiet_ms:
+        p.error("need 0 <= --debounce-quiet-ms <= --debounce-max-ms")
+    if a.lease_ttl < 2:
+        p.error("--lease-ttl must be at least 2 seconds")
+    etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
+    if not etcd:
+        p.error("--etcd needs at least one endpoint")
+    return Settings(
+        etcd=etcd,
+        listen=a.listen,
+        replica_id=a.replica_id,
+        debounce_quiet=a.debounce_quiet_ms / 1000,
+        debounce_max=a.debounce_max_ms / 1000,
+        lease_ttl=a.lease_ttl,
+        ready_file=a.ready_file,
+        log_level=a.log_level,
+    )

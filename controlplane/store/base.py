@@ -1,0 +1,102 @@
+"""The state store protocol: the only way the control plane touches etcd.
+
+Two implementations keep one contract (tests/contract runs the same suite on
+both): `EtcdStore` for production and `MemoryStore` for unit tests. Keys are
+strings under a prefix; values are opaque bytes (the catalog encodes JSON).
+Every mutation returns the store revision it produced, and revisions increase
+strictly across the whole store, as in etcd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StoreError(Exception):
+    """Base class of store failures."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached now; the caller may retry later."""
+
+
+class Conflict(StoreError):
+    """A conditional write found the key in another state than required."""
+
+
+class LeaseExpired(StoreError):
+    """The lease no longer exists; keys attached to it are gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str
+    value: bytes
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """All keys under a prefix as of one store revision (a consistent read)."""
+
+    revision: int
+    items: tuple[KeyValue, ...]
+
+
+class StateStore(Protocol):
+    """Key-value state with revisions, conditional writes, leases and watches.
+
+    Implementations must be safe to call from many tasks on one event loop.
+    Every method may raise StoreUnavailable.
+    """
+
+    async def get(self, key: str) -> KeyValue | None: ...
+
+    async def list(self, prefix: str) -> Listing:
+        """Keys under prefix, sorted by key, read at one revision."""
+        ...
+
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        lease: int = 0,
+        if_absent: bool = False,
+        if_mod_revision: int | None = None,
+    ) -> int:
+        """Write key; with a condition, raise Conflict when it does not hold.
+
+        if_absent: the key must not exist. if_mod_revision: the key's current
+        mod_revision must equal it (0 means absent). Returns the new revision.
+        """
+        ...
+
+    async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:
+        """Delete key; return whether it existed. Conditional like put."""
+        ...
+
+    async def grant_lease(self, ttl: int) -> int:
+        """Create a lease of ttl seconds; keys put with it vanish when it expires."""
+        ...
+
+    async def refresh_lease(self, lease_id: int) -> int:
+        """Renew the lease; return its TTL; raise LeaseExpired if it is gone."""
+        ...
+
+    async def revoke_lease(self, lease_id: int) -> None: ...
+
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
+        """Yield a store revision each time keys under prefix change.
+
+        Starts after start_revision. It yields revisions, not events: callers
+        re-list, which also covers history lost to compaction. The iterator
+        survives store restarts (it waits and resumes); it ends only when the
+        consumer stops iterating.
+        """
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,140 @@
+"""In-memory StateStore for unit tests; keeps the same contract as EtcdStore.
+
+Leases expire against an injected clock, checked on every call, so tests can
+move time without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+
+from controlplane.store.base import Conflict, KeyValue, LeaseExpired, Listing, StoreUnavailable
+
+
+class MemoryStore:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._data: dict[str, KeyValue] = {}
+        self._keys: list[str] = []  # sorted, for prefix listing
+        self._revision = 1
+        self._leases: dict[int, tuple[int, float]] = {}  # id -> (ttl, deadline)
+        self._lease_ids = itertools.count(0x1000)
+        self._changed = asyncio.Event()
+        # (revision, key) of each change, for watchers that fall behind.
+        self._history: list[tuple[int, str]] = []
+        self.available = True  # tests flip this to simulate an outage
+
+    def _check(self) -> None:
+        if not self.available:
+            raise StoreUnavailable("memory store marked unavailable")
+        now = self._clock()
+        expired = [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]
+        for lid in expired:
+            self._drop_lease(lid)
+
+    def _drop_lease(self, lease_id: int) -> None:
+        del self._leases[lease_id]
+        doomed = [k for k, kv in self._data.items() if kv.lease == lease_id]
+        if doomed:
+            self._revision += 1
+            for key in doomed:
+                self._remove(key)
+            self._notify()
+
+    def _remove(self, key: str) -> None:
+        del self._data[key]
+        self._keys.pop(bisect.bisect_left(self._keys, key))
+        self._history.append((self._revision, key))
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def get(self, key: str) -> KeyValue | None:
+        self._check()
+        return self._data.get(key)
+
+    async def list(self, prefix: str) -> Listing:
+        self._check()
+        start = bisect.bisect_left(self._keys, prefix)
+        items = []
+        for key in itertools.islice(self._keys, start, None):
+            if not key.startswith(prefix):
+                break
+            items.append(self._data[key])
+        return Listing(self._revision, tuple(items))
+
+    def _condition(self, key: str, if_absent: bool, if_mod_revision: int | None) -> None:
+        current = self._data.get(key)
+        if if_absent and current is not None:
+            raise Conflict(f"{key} exists")
+        if if_mod_revision is not None:
+            have = current.mod_revision if current else 0
+            if have != if_mod_revision:
+                raise Conflict(f"{key} is at revision {have}, not {if_mod_revision}")
+
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        lease: int = 0,
+        if_absent: bool = False,
+        if_mod_revision: int | None = None,
+    ) -> int:
+        self._check()
+        self._condition(key, if_absent, if_mod_revision)
+        if lease and lease not in self._leases:
+            raise LeaseExpired(f"lease {lease:x} not found")
+        self._revision += 1
+        if key not in self._data:
+            bisect.insort(self._keys, key)
+        self._data[key] = KeyValue(key, value, self._revision, lease)
+        self._history.append((self._revision, key))
+        self._notify()
+        return self._revision
+
+    async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:
+        self._check()
+        self._condition(key, False, if_mod_revision)
+        if key not in self._data:
+            return False
+        self._revision += 1
+        self._remove(key)
+        self._notify()
+        return True
+
+    async def grant_lease(self, ttl: int) -> int:
+        self._check()
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = (ttl, self._clock() + ttl)
+        return lease_id
+
+    async def refresh_lease(self, lease_id: int) -> int:
+        self._check()
+        if lease_id not in self._leases:
+            raise LeaseExpired(f"lease {lease_id:x} not found")
+        ttl, _ = self._leases[lease_id]
+        self._leases[lease_id] = (ttl, self._clock() + ttl)
+        return ttl
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        self._check()
+        if lease_id in self._leases:
+            self._drop_lease(lease_id)
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
+        seen = start_revision
+        while True:
+            if any(r > seen and k.startswith(prefix) for r, k in reversed(self._history)):
+                seen = self._revision
+                yield seen
+            else:
+                await self._changed.wait()
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,53 @@
+"""`ponto-proxy`: run one edge proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+from aiohttp import web
+
+from dataplane.app import build_app
+from dataplane.settings import Settings, parse
+from ponto.logs import setup_logging
+from ponto.writefile import write_atomic
+
+log = logging.getLogger("dataplane")
+
+
+async def serve(settings: Settings) -> None:
+    app = build_app(settings)
+    # handler_cancellation: a client that disconnects cancels its handler, and
+    # with it the origin request, even while no byte is being written.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+    await site.start()
+    server = site._server
+    assert server is not None
+    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    address = f"{settings.listen_host}:{port}"
+    log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
+    if settings.ready_file:
+        write_atomic(settings.ready_file, address.encode())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+    uvloop.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""Composition root of the proxy: the aiohttp app and the lifetimes of its parts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+
+import aiohttp
+from aiohttp import web
+
+from dataplane.handlers import (
+    errors_and_metrics,
+    healthz,
+    list_models,
+    make_proxy_handler,
+    metrics,
+    readyz,
+)
+from dataplane.metrics import Metrics
+from dataplane.settings import Settings
+from dataplane.state import CLIENT, FORWARDER, HOLDER, METRICS, SETTINGS
+from dataplane.sync import ControlPlaneClient, TableHolder
+from dataplane.upstream import Forwarder
+from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def software_version() -> str:
+    try:
+        return version("ponto")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "dev"
+
+
+def build_app(settings: Settings) -> web.Application:
+    """The proxy app; its upstream session and control plane link live with it."""
+    app = web.Application(
+        middlewares=[errors_and_metrics],
+        client_max_size=settings.max_body_bytes,
+        handler_args={"max_field_size": 16384},
+    )
+    app[SETTINGS] = settings
+    app[METRICS] = m = Metrics()
+    holder = TableHolder(settings.region, settings.state_dir)
+    if holder.load_saved():
+        log.warning("serving the saved route table until the control plane answers")
+    app[HOLDER] = holder
+    info = pb.ProxyInfo(
+        name=settings.name,
+        region=settings.region,
+        address=settings.advertise,
+        version=software_version(),
+    )
+    app[CLIENT] = client = ControlPlaneClient(holder, settings.control_plane, info)
+    m.bind(
+        version=lambda: float(holder.routes.version) if holder.routes else 0.0,
+        connected=lambda: 1.0 if client.connected else 0.0,
+        last_heard=lambda: holder.received_at or holder.applied_at,
+        nacks=lambda: float(client.nacks),
+    )
+    app.cleanup_ctx.append(_upstream)
+    app.cleanup_ctx.append(_control_plane)
+    r = app.router
+    r.add_post(
+        "/v1/chat/completions", make_proxy_handler("chat.completions"), name="chat.completions"
+    )
+    r.add_post("/v1/completions", make_proxy_handler("completions"), name="completions")
+    r.add_post("/v1/embeddings", make_proxy_handler("embeddings"), name="embeddings")
+    r.add_get("/v1/models", list_models, name="models")
+    r.add_get("/healthz", healthz, name="healthz")
+    r.add_get("/readyz", readyz, name="readyz")
+    r.add_get("/metrics", metrics, name="metrics")
+    return app
+
+
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+    app[FORWARDER] = Forwarder(session, app[METRICS], app[SETTINGS].upstream)
+    yield
+    await session.close()
+
+
+async def _control_plane(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[CLIENT].run(), name="control-plane-link")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

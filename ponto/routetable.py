@@ -1,0 +1,21 @@
+"""Rules of the route table that both planes share (owned by neither).
+
+The control plane stamps each table with content_etag(); the proxy recomputes
+it on receipt, so a table damaged anywhere between compile and apply is
+refused instead of served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from ponto.v1 import routing_pb2 as pb
+
+
+def content_etag(table: pb.RouteTable) -> str:
+    """SHA-256 of the table without version and etag, serialised deterministically."""
+    bare = pb.RouteTable()
+    bare.CopyFrom(table)
+    bare.version = 0
+    bare.etag = ""
+    return hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
