@@ -12,6 +12,7 @@ from aiohttp import web
 
 from dataplane.app import build_app
 from dataplane.settings import Settings, parse
+from dataplane.state import CLIENT
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -31,6 +32,7 @@ async def serve(settings: Settings) -> None:
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
     address = f"{settings.listen_host}:{port}"
     log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
+    app[CLIENT].set_address(address)
     if settings.ready_file:
         write_atomic(settings.ready_file, address.encode())
     stop = asyncio.Event()

@@ -130,8 +130,19 @@ class ControlPlaneClient:
         self.connected = False
         self.nacks = 0
         self.connects = 0
+        # Registration waits until the proxy knows the address it serves on
+        # (with --listen HOST:0 that is only known after binding).
+        self.address_known = asyncio.Event()
+        if info.address and not info.address.endswith(":0"):
+            self.address_known.set()
+
+    def set_address(self, address: str) -> None:
+        if not self.address_known.is_set():
+            self._info.address = address
+            self.address_known.set()
 
     async def run(self) -> None:
+        await self.address_known.wait()
         backoff = self._backoff_min
         attempt = random.randrange(len(self._addresses))  # noqa: S311 - spreading load
         while True:

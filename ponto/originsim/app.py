@@ -94,7 +94,7 @@ class SimConfig:
     out of range.
 
     Attributes:
-        name: Reported in ``x-sim-origin`` and log lines.
+        name: Reported in ``x-sim-origin``, error messages and the startup line.
         region: Reported in ``x-sim-region``; a label only.
         models: Model ids served; any other model gets a 404.
         ttft_ms: Delay from admission to the first token.
@@ -145,8 +145,9 @@ class SimConfig:
 class SimStats:
     """What reached the inference API since start or the last reset.
 
-    ``last_request`` holds the lower-cased request headers and the parsed JSON
-    body (None when the body was empty or not JSON) of the latest request.
+    ``last_request`` describes the latest request: its ``endpoint``, its
+    ``headers`` with lower-cased names (the last value wins for repeated
+    names) and its parsed JSON ``body`` (None when empty or not JSON).
     """
 
     requests: int = 0

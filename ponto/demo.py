@@ -1,0 +1,294 @@
+"""`ponto-demo`: the whole system on one machine, with one command.
+
+Without flags it starts etcd, a control plane, a simulated origin in each of
+three regions and proxies in two of them, prints how to use them, and stays
+up until Ctrl-C. With --check it starts the same topology, proves the product's
+promises with the official openai client (streaming, failover of the control
+plane, restart from the saved table) and exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from ponto.fleet import DEMO_REGIONS, Fleet, start_demo_fleet
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _preferred(port: int) -> int:
+    return port if _port_free(port) else 0
+
+
+def banner(fleet: Fleet) -> str:
+    control = next(iter(fleet.controls.values())).address
+    lines = ["", "Ponto is running.", ""]
+    for name, proxy in fleet.proxies.items():
+        lines.append(f"  proxy  {name:<22} http://{proxy.address}/v1")
+    for name, origin in fleet.origins.items():
+        lines.append(f"  origin {name:<22} http://{origin.address}/v1")
+    lines.append(f"  control plane (gRPC)          {control}")
+    assert fleet.etcd is not None
+    lines.append(f"  etcd                          {fleet.etcd.url}")
+    first = fleet.proxy_url(next(iter(fleet.proxies)))
+    lines += [
+        "",
+        "Try it with curl:",
+        f"  curl -s {first}/chat/completions -H 'content-type: application/json' \\",
+        '    -d \'{"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}\'',
+        "",
+        "Or with the openai client (only the base URL changes):",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{first}", api_key="unused")',
+        '  r = client.chat.completions.create(model="sim-small",',
+        '      messages=[{"role": "user", "content": "hi"}])',
+        "  print(r.choices[0].message.content)",
+        "",
+        "Operate the fleet:",
+        f"  .venv/bin/pontoctl --control-plane {control} get proxies",
+        f"  .venv/bin/pontoctl --control-plane {control} drain region us-east",
+        "",
+        f"Logs are in {fleet.workdir}. Press Ctrl-C to stop.",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- checks
+
+
+class Report:
+    def __init__(self) -> None:
+        self.results: list[tuple[str, bool, str]] = []
+
+    def check(self, name: str, fn: Callable[[], str]) -> bool:
+        try:
+            detail = fn()
+            ok = True
+        except Exception as exc:  # a failed check is reported, not raised
+            detail, ok = f"{type(exc).__name__}: {exc}", False
+        self.results.append((name, ok, detail))
+        mark = "ok  " if ok else "FAIL"
+        print(f"  [{mark}] {name}: {detail}", flush=True)
+        return ok
+
+    @property
+    def ok(self) -> bool:
+        return all(ok for _, ok, _ in self.results)
+
+
+def _chat(base_url: str, stream: bool = False) -> tuple[str, dict[str, str], int]:
+    """One chat call with the official openai client: (text, headers, chunks)."""
+    from openai import OpenAI  # noqa: PLC0415 - dev dependency, only for checks
+    from openai.types.chat import ChatCompletionUserMessageParam  # noqa: PLC0415
+
+    client = OpenAI(base_url=base_url, api_key="demo", max_retries=0, timeout=30)
+    messages = [ChatCompletionUserMessageParam(role="user", content="what is a point of presence")]
+    if not stream:
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-small", messages=messages, temperature=0
+        )
+        completion = raw.parse()
+        return completion.choices[0].message.content or "", dict(raw.headers), 1
+    chunks_iter = client.chat.completions.create(
+        model="sim-small", messages=messages, temperature=0, stream=True
+    )
+    text, chunks = [], 0
+    for chunk in chunks_iter:
+        chunks += 1
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+    return "".join(text), dict(chunks_iter.response.headers), chunks
+
+
+def _post_raw(url: str, body: bytes, content_type: str) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(  # noqa: S310 - loopback http only
+        url, data=body, headers={"content-type": content_type}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _timed_calls(url: str, n: int) -> list[float]:
+    body = json.dumps(
+        {"model": "sim-bare", "max_tokens": 8, "messages": [{"role": "user", "content": "ping"}]}
+    ).encode()
+    out = []
+    for _ in range(n):
+        req = urllib.request.Request(  # noqa: S310 - loopback http only
+            url, data=body, headers={"content-type": "application/json"}
+        )
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback
+            resp.read()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def overhead(fleet: Fleet, n: int = 400) -> str:
+    """Direct vs through the proxy, interleaved in one run, same unpaced origin."""
+    fleet.start_origin("origin-bare", "us-east", models=("sim-bare",))
+    fleet.add_origin("origin-bare", "us-east", fleet.origin_url("origin-bare"), ("sim-bare",))
+    fleet.wait_proxies_at(fleet.table_version(origins=len(fleet.origins)))
+    origin = fleet.origin_url("origin-bare") + "/chat/completions"
+    proxy = fleet.proxy_url("proxy-us-east") + "/chat/completions"
+    _timed_calls(origin, 20)
+    _timed_calls(proxy, 20)
+    direct, via = [], []
+    for _ in range(n // 20):
+        direct += _timed_calls(origin, 20)
+        via += _timed_calls(proxy, 20)
+    d50, p50 = statistics.median(direct), statistics.median(via)
+    return (
+        f"p50 direct {d50 * 1000:.2f} ms, via proxy {p50 * 1000:.2f} ms "
+        f"(+{(p50 - d50) * 1000:.2f} ms, ratio {p50 / d50:.2f}) over {n} sequential calls each"
+    )
+
+
+def run_checks(fleet: Fleet) -> Report:
+    report = Report()
+    us = fleet.proxy_url("proxy-us-east")
+    eu = fleet.proxy_url("proxy-eu-west")
+
+    def models() -> str:
+        from openai import OpenAI  # noqa: PLC0415
+
+        ids = sorted(m.id for m in OpenAI(base_url=us, api_key="demo").models.list())
+        assert ids == ["sim-large", "sim-small"], ids
+        return f"models {ids}"
+
+    def non_streaming() -> str:
+        text, headers, _ = _chat(us)
+        assert text, "empty answer"
+        assert headers.get("x-ponto-region") == "us-east", headers.get("x-ponto-region")
+        return f"{len(text.split())} words from {headers['x-ponto-origin']}"
+
+    def streaming() -> str:
+        text, headers, chunks = _chat(eu, stream=True)
+        plain, _, _ = _chat(eu)
+        assert chunks > 2, f"only {chunks} chunks"
+        assert text == plain, "streamed text differs from the non-streamed answer"
+        return f"{chunks} SSE chunks from {headers.get('x-ponto-origin')}, text matches"
+
+    def bad_input() -> str:
+        status, body = _post_raw(us + "/chat/completions", b"{not json", "application/json")
+        assert status == 400 and "error" in body, (status, body)
+        status, body = _post_raw(us + "/chat/completions", b"{}", "text/plain")
+        assert status == 415 and "error" in body, (status, body)
+        return "malformed JSON -> 400, wrong content type -> 415, OpenAI error shape"
+
+    def control_plane_down() -> str:
+        for control in fleet.controls.values():
+            control.kill()
+        time.sleep(0.5)
+        text, _, _ = _chat(us)
+        streamed, _, _ = _chat(eu, stream=True)
+        assert text and streamed
+        return "control plane killed; both proxies still answer"
+
+    def restart_from_disk() -> str:
+        proxy = fleet.proxies["proxy-us-east"]
+        proxy.stop()
+        fleet.start_proxy("proxy-us-east", "us-east")
+        status = fleet.proxy_status("proxy-us-east")
+        assert status["route_table_source"] == "disk", status
+        text, _, _ = _chat(fleet.proxy_url("proxy-us-east"))
+        assert text
+        return "proxy restarted with no control plane; served from its saved table"
+
+    def control_plane_back() -> str:
+        fleet.start_control()
+        fleet.proxies["proxy-us-east"].stop()
+        fleet.start_proxy("proxy-us-east", "us-east")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            states = [fleet.proxy_status(n)["control_plane_connected"] for n in fleet.proxies]
+            if all(states):
+                return "control plane restarted; every proxy reconnected"
+            time.sleep(0.1)
+        raise AssertionError(f"proxies not reconnected: {states}")
+
+    print("Checks:", flush=True)
+    report.check("models", models)
+    report.check("chat, non-streaming", non_streaming)
+    report.check("chat, streaming", streaming)
+    report.check("bad input", bad_input)
+    report.check("overhead", lambda: overhead(fleet))
+    report.check("control plane down", control_plane_down)
+    report.check("restart without control plane", restart_from_disk)
+    report.check("control plane back", control_plane_back)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ponto-demo", description=__doc__)
+    p.add_argument("--check", action="store_true", help="run the checks, report, exit")
+    p.add_argument("--workdir", type=Path, help="where logs and state go (default: a temp dir)")
+    args = p.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ponto-demo-"))
+    print(f"Starting etcd, control plane, {len(DEMO_REGIONS)} origins and 2 proxies…", flush=True)
+    if args.check:
+        fleet = start_demo_fleet(workdir)
+    else:
+        fleet = start_demo_fleet(
+            workdir,
+            proxy_ports=(_preferred(8080), _preferred(8081)),
+            control_port=_preferred(7070),
+        )
+    try:
+        if args.check:
+            report = run_checks(fleet)
+            passed = sum(ok for _, ok, _ in report.results)
+            print(f"{passed} passed, {len(report.results) - passed} failed", flush=True)
+            if report.ok and args.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+            return 0 if report.ok else 1
+        print(banner(fleet), flush=True)
+        stop = False
+
+        def _stop(*_: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
+        while not stop:
+            dead = [
+                m.name
+                for g in (fleet.proxies, fleet.controls, fleet.origins)
+                for m in g.values()
+                if not m.alive()
+            ]
+            if dead:
+                print(f"stopped unexpectedly: {', '.join(dead)}; see logs in {workdir}")
+                return 1
+            time.sleep(0.5)
+        print("\nstopping…")
+        return 0
+    finally:
+        fleet.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

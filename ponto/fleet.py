@@ -1,0 +1,224 @@
+"""A whole Ponto system as local processes: etcd, control planes, origins, proxies.
+
+Used by `ponto-demo`, the end-to-end tests and the benchmarks, so all three run
+the system exactly as an operator would: real processes, real ports, state in a
+real etcd, topology written through the Admin API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from ponto.devenv import DevEnvError, Etcd, Managed, python_entry, spawn, start_etcd
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
+
+
+@dataclass(frozen=True)
+class RegionDef:
+    name: str
+    latitude: float
+    longitude: float
+
+
+# Real cloud region locations, so distances and failover order look familiar.
+DEMO_REGIONS = (
+    RegionDef("us-east", 38.9, -77.4),  # N. Virginia
+    RegionDef("eu-west", 53.3, -6.3),  # Dublin
+    RegionDef("ap-southeast", 1.35, 103.8),  # Singapore
+)
+DEMO_MODELS = ("sim-small", "sim-large")
+
+
+@dataclass
+class Fleet:
+    """Owns every process it starts; stop() ends them all (also on errors)."""
+
+    workdir: Path
+    etcd: Etcd | None = None
+    controls: dict[str, Managed] = field(default_factory=dict)
+    origins: dict[str, Managed] = field(default_factory=dict)
+    proxies: dict[str, Managed] = field(default_factory=dict)
+    _channel: grpc.Channel | None = None
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def _ready(self, name: str) -> Path:
+        path = self.workdir / f"{name}.addr"
+        path.unlink(missing_ok=True)
+        return path
+
+    # ------------------------------------------------------------ processes
+
+    def start_etcd(self) -> Etcd:
+        if self.etcd is not None and self.etcd.managed.alive():
+            return self.etcd
+        if self.etcd is not None:  # restart the same member on the same ports
+            old = self.etcd
+            self.etcd = start_etcd(
+                self.workdir,
+                data_dir=old.data_dir,
+                client_port=old.client_port,
+                peer_port=old.peer_port,
+            )
+        else:
+            self.etcd = start_etcd(self.workdir)
+        return self.etcd
+
+    def start_control(self, name: str = "control-1", listen: str = "127.0.0.1:0") -> Managed:
+        """Start a replica; restarting a known name reuses its address, as in production."""
+        assert self.etcd is not None, "start etcd first"
+        if name in self.controls and listen.endswith(":0"):
+            listen = self.controls[name].address
+        ready = self._ready(name)
+        argv = [*python_entry("controlplane"), "--etcd", self.etcd.url, "--listen", listen,
+                "--id", name, "--ready-file", str(ready)]  # fmt: skip
+        self.controls[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
+        return m
+
+    def start_origin(
+        self,
+        name: str,
+        region: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        ttft_ms: int = 0,
+        tokens_per_s: int = 0,
+        models: tuple[str, ...] = DEMO_MODELS,
+    ) -> Managed:
+        ready = self._ready(name)
+        argv = [*python_entry("ponto.originsim"), "--listen", listen, "--region", region,
+                "--name", name, "--models", ",".join(models), "--ttft-ms", str(ttft_ms),
+                "--tokens-per-s", str(tokens_per_s), "--ready-file", str(ready)]  # fmt: skip
+        self.origins[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
+        return m
+
+    def start_proxy(
+        self,
+        name: str,
+        region: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        control_planes: list[str] | None = None,
+        extra: list[str] | None = None,
+    ) -> Managed:
+        addresses = control_planes or [m.address for m in self.controls.values()]
+        ready = self._ready(name)
+        argv = [*python_entry("dataplane"), "--control-plane", ",".join(addresses),
+                "--listen", listen, "--region", region, "--name", name,
+                "--state-dir", str(self.workdir / f"{name}-state"),
+                "--ready-file", str(ready), *(extra or [])]  # fmt: skip
+        self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
+        return m
+
+    # ------------------------------------------------------------ admin
+
+    def admin(self) -> admin_pb2_grpc.AdminStub:
+        if self._channel is None:
+            address = next(iter(self.controls.values())).address
+            self._channel = grpc.insecure_channel(address)
+        return admin_pb2_grpc.AdminStub(self._channel)
+
+    def add_region(self, region: RegionDef) -> None:
+        spec = apb.RegionSpec(
+            name=region.name, latitude=region.latitude, longitude=region.longitude
+        )
+        self.admin().PutRegion(apb.PutRegionRequest(region=spec, allow_update=True), timeout=10)
+
+    def add_origin(
+        self, name: str, region: str, url: str, models: tuple[str, ...] = DEMO_MODELS
+    ) -> None:
+        spec = apb.OriginSpec(name=name, base_url=url, region=region, models=list(models))
+        self.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
+
+    def table_version(self, *, origins: int = 0, timeout: float = 10.0) -> int:
+        """Version of the control plane's table once it lists at least `origins` origins."""
+        deadline = time.monotonic() + timeout
+        while True:
+            table = self.admin().GetRouteTable(apb.ListRequest(), timeout=10).table
+            if len(table.origins) >= origins and table.version:
+                return int(table.version)
+            if time.monotonic() > deadline:
+                raise DevEnvError(f"route table has {len(table.origins)} origins, not {origins}")
+            time.sleep(0.02)
+
+    # ------------------------------------------------------------ waiting
+
+    def proxy_status(self, name: str) -> dict[str, object]:
+        url = f"http://{self.proxies[name].address}/healthz"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            status: dict[str, object] = json.loads(resp.read())
+            return status
+
+    def wait_proxies_at(self, version: int, timeout: float = 15.0) -> None:
+        """Wait until every proxy serves a table of at least this version."""
+        deadline = time.monotonic() + timeout
+        pending = set(self.proxies)
+        while pending:
+            for name in list(pending):
+                with contextlib.suppress(OSError):
+                    served = self.proxy_status(name).get("route_table_version", 0)
+                    if isinstance(served, int) and served >= version:
+                        pending.discard(name)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise DevEnvError(f"proxies {sorted(pending)} not at version {version}")
+            time.sleep(0.05)
+
+    def proxy_url(self, name: str) -> str:
+        return f"http://{self.proxies[name].address}/v1"
+
+    def origin_url(self, name: str) -> str:
+        return f"http://{self.origins[name].address}/v1"
+
+    # ------------------------------------------------------------ teardown
+
+    def stop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        for group in (self.proxies, self.controls, self.origins):
+            for managed in group.values():
+                with contextlib.suppress(Exception):
+                    managed.stop()
+        if self.etcd is not None:
+            with contextlib.suppress(Exception):
+                self.etcd.stop()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_demo_fleet(
+    workdir: Path, *, proxy_ports: tuple[int, int] = (0, 0), control_port: int = 0
+) -> Fleet:
+    """The demo topology: etcd, one control plane, an origin per region, two proxies."""
+    fleet = Fleet(workdir)
+    try:
+        fleet.start_etcd()
+        fleet.start_control(listen=f"127.0.0.1:{control_port}")
+        for region in DEMO_REGIONS:
+            fleet.add_region(region)
+            origin = f"origin-{region.name}"
+            fleet.start_origin(origin, region.name, ttft_ms=40, tokens_per_s=200)
+            fleet.add_origin(origin, region.name, fleet.origin_url(origin))
+        version = fleet.table_version(origins=len(DEMO_REGIONS))
+        for region_name, port in zip(("us-east", "eu-west"), proxy_ports, strict=True):
+            fleet.start_proxy(f"proxy-{region_name}", region_name, listen=f"127.0.0.1:{port}")
+        fleet.wait_proxies_at(version)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet

