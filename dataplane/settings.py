@@ -73,6 +73,12 @@ def parse(argv: list[str]) -> Settings:
         default=600.0,
         help="seconds a request may spend before its response starts",
     )
+    p.add_argument(
+        "--forward-headers",
+        default="",
+        help="extra client headers to pass to origins, comma-separated "
+        "(Authorization is never passed)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -91,6 +97,9 @@ def parse(argv: list[str]) -> Settings:
     ):
         if value <= 0:
             p.error(f"{flag} must be positive")
+    forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
+    if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
+        p.error("--forward-headers must not name authorization, host, content-length or cookie")
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
     if not addresses:
         p.error("--control-plane needs at least one address")
@@ -108,6 +117,7 @@ def parse(argv: list[str]) -> Settings:
             read_timeout=a.read_timeout,
             max_attempts=a.max_attempts,
             deadline=a.deadline,
+            forward_headers=forward,
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,

@@ -58,6 +58,8 @@ class UpstreamSettings:
     max_attempts: int = 3
     # Whole-request budget across all attempts before the response starts.
     deadline: float = 600.0
+    # Client headers sent on to origins besides FORWARD_REQUEST_HEADERS.
+    forward_headers: tuple[str, ...] = ()
 
 
 class _Retryable(Exception):
@@ -80,13 +82,14 @@ class Forwarder:
         self._session = session
         self._metrics = metrics
         self._settings = settings
+        self._forward = FORWARD_REQUEST_HEADERS + tuple(h.lower() for h in settings.forward_headers)
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
 
     def _headers(self, request: web.Request, request_id: str) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
-        for name in FORWARD_REQUEST_HEADERS:
+        for name in self._forward:
             value = request.headers.get(name)
             if value is not None:
                 headers[name] = value

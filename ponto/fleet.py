@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import grpc
 from ponto.devenv import DevEnvError, Etcd, Managed, python_entry, spawn, start_etcd
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import routing_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Fleet:
     origins: dict[str, Managed] = field(default_factory=dict)
     proxies: dict[str, Managed] = field(default_factory=dict)
     _channel: grpc.Channel | None = None
+    _channel_to: str = ""
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -73,14 +76,16 @@ class Fleet:
             self.etcd = start_etcd(self.workdir)
         return self.etcd
 
-    def start_control(self, name: str = "control-1", listen: str = "127.0.0.1:0") -> Managed:
+    def start_control(
+        self, name: str = "control-1", listen: str = "127.0.0.1:0", extra: list[str] | None = None
+    ) -> Managed:
         """Start a replica; restarting a known name reuses its address, as in production."""
         assert self.etcd is not None, "start etcd first"
         if name in self.controls and listen.endswith(":0"):
             listen = self.controls[name].address
         ready = self._ready(name)
         argv = [*python_entry("controlplane"), "--etcd", self.etcd.url, "--listen", listen,
-                "--id", name, "--ready-file", str(ready)]  # fmt: skip
+                "--id", name, "--ready-file", str(ready), *(extra or [])]  # fmt: skip
         self.controls[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
         return m
 
@@ -122,9 +127,14 @@ class Fleet:
     # ------------------------------------------------------------ admin
 
     def admin(self) -> admin_pb2_grpc.AdminStub:
-        if self._channel is None:
-            address = next(iter(self.controls.values())).address
+        """A stub on a live replica (the most recently started one if none is alive)."""
+        alive = [m for m in self.controls.values() if m.alive()] or list(self.controls.values())
+        address = alive[-1].address
+        if self._channel is None or self._channel_to != address:
+            if self._channel is not None:
+                self._channel.close()
             self._channel = grpc.insecure_channel(address)
+            self._channel_to = address
         return admin_pb2_grpc.AdminStub(self._channel)
 
     def add_region(self, region: RegionDef) -> None:
@@ -139,16 +149,20 @@ class Fleet:
         spec = apb.OriginSpec(name=name, base_url=url, region=region, models=list(models))
         self.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
 
-    def table_version(self, *, origins: int = 0, timeout: float = 10.0) -> int:
-        """Version of the control plane's table once it lists at least `origins` origins."""
+    def wait_table(self, ready: Callable[[pb.RouteTable], bool], timeout: float = 10.0) -> int:
+        """Version of the control plane's table once `ready(table)` holds."""
         deadline = time.monotonic() + timeout
         while True:
             table = self.admin().GetRouteTable(apb.ListRequest(), timeout=10).table
-            if len(table.origins) >= origins and table.version:
+            if table.version and ready(table):
                 return int(table.version)
             if time.monotonic() > deadline:
-                raise DevEnvError(f"route table has {len(table.origins)} origins, not {origins}")
+                raise DevEnvError(f"route table never became ready; last:\n{table}")
             time.sleep(0.02)
+
+    def table_version(self, *, origins: int = 0) -> int:
+        """Version of the table once it lists at least `origins` origins."""
+        return self.wait_table(lambda t: len(t.origins) >= origins)
 
     # ------------------------------------------------------------ waiting
 

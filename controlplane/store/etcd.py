@@ -36,10 +36,19 @@ class EtcdStore:
         self._timeout = timeout
         self._client = Etcd3Client(
             self._endpoints,
-            rpc_max_attempts=2,
+            # Retries with backoff ride out a reconnect (about 1.5 s in all),
+            # all within the per-call timeout.
+            rpc_max_attempts=6,
             watch_reconnect_backoff_seconds=0.1,
             watch_max_reconnect_backoff_seconds=1.0,
         )
+        # gRPC's default reconnect backoff grows to minutes; an etcd that comes
+        # back must be used again within about a second.
+        self._client._manager.grpc_options += [  # noqa: SLF001 - no public knob
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self._connected = False
 
     async def connect(self) -> None:

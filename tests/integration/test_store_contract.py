@@ -371,6 +371,21 @@ async def test_watch_replays_changes_after_start_revision(store: StateStore) -> 
         await watcher.close()
 
 
+async def test_watch_from_zero_starts_now(store: StateStore) -> None:
+    """Revision 0 means "from now on" (EtcdStore.watch); history is not replayed.
+
+    TableBuilder starts its watch at 0, so both stores must agree on this.
+    """
+    await store.put(P + "w/old", b"1")
+    watcher = Watcher(store, P + "w/", 0)
+    try:
+        assert await watcher.silent_for(SHORT), "watch from 0 replayed old changes"
+        rev = await store.put(P + "w/new", b"1")
+        assert await watcher.next(LONG) >= rev
+    finally:
+        await watcher.close()
+
+
 async def test_watch_keeps_yielding(store: StateStore) -> None:
     start = (await store.list(P)).revision
     watcher = Watcher(store, P + "w/", start)

@@ -1,0 +1,355 @@
+"""compile_table, Publisher and TableBuilder: from store state to published snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import pytest
+
+from controlplane.builder import TableBuilder
+from controlplane.catalog import Catalog
+from controlplane.compile import compile_table
+from controlplane.distribute import Publisher, Snapshot
+from controlplane.model import Origin, Region, State
+from controlplane.store.memory import MemoryStore
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+
+US = Region("us-east", 39.0, -77.0)
+EU = Region("eu-west", 53.0, -6.0)
+O1 = Origin("o1", "http://o1.example/v1", "us-east", ("llama-3", "mistral"), 300)
+O2 = Origin("o2", "http://o2.example/v1", "eu-west", ("llama-3",), 100)
+O3 = Origin("o3", "https://o3.example/v1", "us-east", ("qwen",), 50)
+
+
+def state(
+    revision: int = 10,
+    regions: tuple[Region, ...] = (US, EU),
+    origins: tuple[Origin, ...] = (O1, O2, O3),
+) -> State:
+    return State(revision, regions, origins)
+
+
+# ---------------------------------------------------------------- compile
+
+
+def test_compile_is_deterministic_and_order_independent() -> None:
+    a = compile_table(state())
+    b = compile_table(state())
+    c = compile_table(
+        state(
+            regions=(EU, US),
+            origins=(O3, O1, replace(O2, models=tuple(reversed(O2.models)))),
+        )
+    )
+    assert a.etag == b.etag == c.etag
+    assert a.SerializeToString(deterministic=True) == c.SerializeToString(deterministic=True)
+
+
+def test_compile_content() -> None:
+    table = compile_table(state(revision=42))
+    assert table.version == 42
+    assert [r.name for r in table.regions] == ["eu-west", "us-east"]
+    assert [o.name for o in table.origins] == ["o1", "o2", "o3"]
+    o1 = table.origins[0]
+    assert (o1.base_url, o1.region, list(o1.models), o1.weight) == (
+        "http://o1.example/v1",
+        "us-east",
+        ["llama-3", "mistral"],
+        300,
+    )
+    assert o1.healthy is True
+    assert o1.drained is False
+    assert table.regions[1].latitude == 39.0
+    assert table.regions[1].longitude == -77.0
+    assert table.etag == content_etag(table)
+    assert len(table.etag) == 64
+
+
+def test_compile_unsorted_models_are_sorted() -> None:
+    odd = replace(O1, models=("zeta", "alpha"))
+    table = compile_table(state(origins=(odd,)))
+    assert list(table.origins[0].models) == ["alpha", "zeta"]
+
+
+def test_etag_ignores_revision() -> None:
+    a = compile_table(state(revision=10))
+    b = compile_table(state(revision=11))
+    assert a.version != b.version
+    assert a.etag == b.etag
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: replace(s, regions=(replace(US, drained=True), EU)),
+        lambda s: replace(s, regions=(replace(US, latitude=40.0), EU)),
+        lambda s: replace(s, regions=(replace(US, longitude=-70.0), EU)),
+        lambda s: replace(s, origins=(replace(O1, drained=True), O2, O3)),
+        lambda s: replace(s, origins=(replace(O1, weight=301), O2, O3)),
+        lambda s: replace(s, origins=(replace(O1, base_url="http://o1.example/v2"), O2, O3)),
+        lambda s: replace(s, origins=(replace(O1, models=("llama-3",)), O2, O3)),
+        lambda s: replace(s, origins=(replace(O1, region="eu-west"), O2, O3)),
+        lambda s: replace(s, origins=(O1, O2)),
+        lambda s: replace(s, regions=(US, EU, Region("ap-south", 19.0, 73.0))),
+    ],
+    ids=[
+        "region-drained",
+        "region-latitude",
+        "region-longitude",
+        "origin-drained",
+        "origin-weight",
+        "origin-url",
+        "origin-models",
+        "origin-region",
+        "origin-removed",
+        "region-added",
+    ],
+)
+def test_etag_changes_with_routed_fields(change: Callable[[State], State]) -> None:
+    before = compile_table(state())
+    after = compile_table(change(state()))
+    assert after.etag != before.etag
+    assert after.etag == content_etag(after)
+
+
+def test_origins_in_unknown_regions_left_out() -> None:
+    orphan = Origin("orphan", "http://x.example/v1", "gone", ("llama-3",))
+    table = compile_table(state(origins=(O1, orphan, O2)))
+    assert [o.name for o in table.origins] == ["o1", "o2"]
+    assert table.etag == compile_table(state(origins=(O1, O2))).etag
+
+
+def test_empty_state_compiles() -> None:
+    table = compile_table(State(3))
+    assert table.version == 3
+    assert list(table.regions) == [] and list(table.origins) == []
+    assert table.etag == content_etag(table)
+
+
+# ---------------------------------------------------------------- publisher
+
+
+def test_publish_first_and_identical() -> None:
+    pub = Publisher("cp-a")
+    assert pub.latest is None
+    first = pub.publish(compile_table(state(revision=10)))
+    assert first is not None
+    assert pub.latest is first
+    assert first.version == 10
+    assert pub.publish(compile_table(state(revision=10))) is None
+    # Same content at a later revision is not a new snapshot either.
+    assert pub.publish(compile_table(state(revision=11))) is None
+    assert pub.latest is first
+
+
+def test_publish_new_content_makes_new_snapshot() -> None:
+    pub = Publisher("cp-a")
+    first = pub.publish(compile_table(state(revision=10)))
+    second = pub.publish(compile_table(state(revision=12, origins=(O1,))))
+    assert first is not None and second is not None
+    assert second is not first
+    assert second.version == 12
+    assert second.etag != first.etag
+    assert second.nonce != first.nonce
+    assert pub.latest is second
+
+
+def test_payload_is_route_update_with_same_nonce() -> None:
+    pub = Publisher("cp-a")
+    table = compile_table(state())
+    snap = pub.publish(table)
+    assert snap is not None
+    update = pb.RouteUpdate()
+    update.ParseFromString(snap.payload)
+    assert update.nonce == snap.nonce
+    assert snap.nonce.startswith("cp-a-")
+    assert update.table == table
+    assert update.table.etag == snap.etag
+
+
+def test_nonces_unique_across_publishes() -> None:
+    pub = Publisher("cp-a")
+    nonces = set()
+    for rev in range(1, 6):
+        snap = pub.publish(compile_table(state(revision=rev, origins=(O1,) if rev % 2 else ())))
+        assert snap is not None
+        nonces.add(snap.nonce)
+    assert len(nonces) == 5
+
+
+async def test_next_after_returns_immediately_when_newer() -> None:
+    pub = Publisher("cp-a")
+    snap = pub.publish(compile_table(state()))
+    assert await asyncio.wait_for(pub.next_after(None), 1.0) is snap
+
+
+async def test_next_after_waits_for_change() -> None:
+    pub = Publisher("cp-a")
+    first = pub.publish(compile_table(state()))
+    waiter = asyncio.create_task(pub.next_after(first))
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    assert pub.publish(compile_table(state(revision=11))) is None  # same content: no wake
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    second = pub.publish(compile_table(state(revision=12, origins=(O2,))))
+    assert await asyncio.wait_for(waiter, 1.0) is second
+
+
+async def test_next_after_coalesces() -> None:
+    pub = Publisher("cp-a")
+    first = pub.publish(compile_table(state(revision=1)))
+    assert first is not None
+    waiter = asyncio.create_task(pub.next_after(first))
+    await asyncio.sleep(0)  # the waiter is now blocked on the event
+    snaps: list[Snapshot | None] = [
+        pub.publish(compile_table(state(revision=2, origins=(O1,)))),
+        pub.publish(compile_table(state(revision=3, origins=(O2,)))),
+        pub.publish(compile_table(state(revision=4, origins=(O3,)))),
+    ]
+    assert all(s is not None for s in snaps)
+    got = await asyncio.wait_for(waiter, 1.0)
+    assert got is snaps[-1]
+    assert got.version == 4
+
+
+async def test_many_waiters_all_wake() -> None:
+    pub = Publisher("cp-a")
+    waiters = [asyncio.create_task(pub.next_after(None)) for _ in range(50)]
+    await asyncio.sleep(0)
+    snap = pub.publish(compile_table(state()))
+    done = await asyncio.wait_for(asyncio.gather(*waiters), 1.0)
+    assert all(d is snap for d in done)
+
+
+# ---------------------------------------------------------------- builder
+
+
+async def seed(catalog: Catalog) -> None:
+    await catalog.put_region(US, allow_update=False)
+    await catalog.put_origin(O1, allow_update=False)
+
+
+@contextlib.asynccontextmanager
+async def running(builder: TableBuilder) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(builder.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2.0)
+
+
+async def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.005)
+
+
+async def test_build_once_publishes_store_state() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await seed(catalog)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub)
+    assert await builder.build_once() is True
+    assert pub.latest is not None
+    assert pub.latest.version == (await store.list("/ponto/state/")).revision
+    assert [o.name for o in pub.latest.table.origins] == ["o1"]
+    assert await builder.build_once() is False  # nothing changed
+    assert builder.builds == 2
+
+
+async def test_builder_publishes_initial_table_and_changes() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await seed(catalog)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    async with running(builder):
+        first = await asyncio.wait_for(pub.next_after(None), 1.0)
+        assert [o.name for o in first.table.origins] == ["o1"]
+        assert builder.store_ok is True
+
+        started = time.monotonic()
+        await catalog.set_origin_drained("o1", True)
+        second = await asyncio.wait_for(pub.next_after(first), 1.0)
+        elapsed = time.monotonic() - started
+        assert second.table.origins[0].drained is True
+        assert second.version == (await store.list("/ponto/state/")).revision
+        # quiet 0.01 / max 0.05; the margin absorbs a loaded CI machine.
+        assert elapsed < 0.5, f"publish took {elapsed:.3f}s"
+
+
+async def test_builder_ignores_changes_outside_state() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await seed(catalog)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    async with running(builder):
+        await asyncio.wait_for(pub.next_after(None), 1.0)
+        await wait_until(lambda: builder.builds >= 1, 1.0, "first build")
+        await asyncio.sleep(0.1)
+        builds = builder.builds
+        await store.put("/ponto/proxies/p1", b"{}")
+        await asyncio.sleep(0.2)
+        assert builder.builds == builds
+
+
+async def test_builder_debounces_bursts() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await seed(catalog)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    async with running(builder):
+        first = await asyncio.wait_for(pub.next_after(None), 1.0)
+        await asyncio.sleep(0.1)  # let the start-up build settle
+        before = builder.builds
+        for i in range(20):
+            await catalog.put_origin(
+                replace(O1, weight=i + 1), allow_update=True
+            )  # each change yields to the watcher
+            await asyncio.sleep(0.001)
+        await wait_until(
+            lambda: pub.latest is not None and pub.latest.table.origins[0].weight == 20,
+            1.0,
+            "last change of the burst published",
+        )
+        await asyncio.sleep(0.1)  # let the burst settle completely
+        burst_builds = builder.builds - before
+        assert 1 <= burst_builds <= 3, f"{burst_builds} builds for a burst of 20 changes"
+        assert pub.latest is not None and pub.latest is not first
+        assert pub.latest.version == (await store.list("/ponto/state/")).revision
+
+
+async def test_builder_keeps_last_snapshot_when_store_unavailable() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await seed(catalog)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05, retry_max=0.1)
+    async with running(builder):
+        first = await asyncio.wait_for(pub.next_after(None), 1.0)
+        await wait_until(lambda: builder.store_ok, 1.0, "store_ok after first build")
+        await catalog.set_origin_drained("o1", True)
+        store.available = False  # before the builder could read the change
+        await wait_until(lambda: not builder.store_ok, 1.0, "builder notices the outage")
+        assert pub.latest is first
+        await asyncio.sleep(0.2)  # a few retries later: still the last good table
+        assert pub.latest is first
+        assert not builder.store_ok
+
+        store.available = True
+        recovered = await asyncio.wait_for(pub.next_after(first), 2.0)
+        assert recovered.table.origins[0].drained is True
+        await wait_until(lambda: builder.store_ok, 1.0, "store_ok after recovery")
