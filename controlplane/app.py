@@ -17,6 +17,8 @@ from controlplane.api.routing import RoutingService
 from controlplane.builder import TableBuilder
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
+from controlplane.election import Leadership
+from controlplane.health import Prober
 from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
 from controlplane.store import StateStore
@@ -44,6 +46,10 @@ class ControlPlane:
             self.catalog, settings.replica_id, lease_ttl=settings.lease_ttl
         )
         self.routing = RoutingService(self.registry, self.publisher)
+        self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
+        self.prober = Prober(
+            self.catalog, settings.probe, may_write=lambda: self.leadership.is_leader
+        )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             options=[
@@ -78,6 +84,7 @@ class ControlPlane:
         self._tasks = [
             asyncio.create_task(self.builder.run(), name="table-builder"),
             asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
+            asyncio.create_task(self.leadership.run(self._lead), name="election"),
         ]
         await self.health.set(ROUTING_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -85,6 +92,10 @@ class ControlPlane:
         log.info("control plane %s serving on %s:%d", self.settings.replica_id, host, self.port)
         if self.settings.ready_file:
             write_atomic(self.settings.ready_file, f"{host}:{self.port}".encode())
+
+    async def _lead(self) -> None:
+        """The loops only the leader runs."""
+        await self.prober.run()
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -3,6 +3,7 @@
 Layout in the store (one JSON object per key):
   /ponto/state/regions/NAME     Region       compiled into route tables
   /ponto/state/origins/NAME     Origin       compiled into route tables
+  /ponto/state/health/NAME      OriginHealth written by the leader's probes
   /ponto/proxies/NAME           ProxyRecord  under a replica's lease; not compiled
 
 Everything under STATE_PREFIX is read in one range read, so a route table is
@@ -21,10 +22,12 @@ from typing import TypeVar
 from controlplane.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from controlplane.model import (
     Origin,
+    OriginHealth,
     ProxyRecord,
     Region,
     State,
     check_name,
+    decode_health,
     decode_origin,
     decode_proxy,
     decode_region,
@@ -38,6 +41,7 @@ ROOT = "/ponto/"
 STATE_PREFIX = ROOT + "state/"
 REGIONS = STATE_PREFIX + "regions/"
 ORIGINS = STATE_PREFIX + "origins/"
+HEALTH = STATE_PREFIX + "health/"
 PROXIES = ROOT + "proxies/"
 CAS_ATTEMPTS = 8
 
@@ -64,15 +68,22 @@ class Catalog:
         listing = await _guard(self.store.list(STATE_PREFIX))
         regions: list[Region] = []
         origins: list[Origin] = []
+        health: dict[str, OriginHealth] = {}
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
                     regions.append(decode_region(kv.value))
                 elif kv.key.startswith(ORIGINS):
                     origins.append(decode_origin(kv.value))
+                elif kv.key.startswith(HEALTH):
+                    h = decode_health(kv.value)
+                    health[h.origin] = h
             except (ValueError, TypeError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
-        return State(listing.revision, tuple(regions), tuple(origins))
+        return State(listing.revision, tuple(regions), tuple(origins), health)
+
+    async def put_health(self, health: OriginHealth) -> None:
+        await _guard(self.store.put(HEALTH + health.origin, encode(health)))
 
     # ------------------------------------------------------------ regions
 
@@ -153,6 +164,7 @@ class Catalog:
     async def delete_origin(self, name: str) -> None:
         if not await _guard(self.store.delete(ORIGINS + check_name("origin", name))):
             raise NotFound(f"origin {name!r} not found")
+        await _guard(self.store.delete(HEALTH + name))
 
     async def set_origin_drained(self, name: str, drained: bool) -> Origin:
         return await self._update(

@@ -27,14 +27,20 @@ TIMEOUT = 10.0
 
 
 def _rows_regions(resp: apb.ListRegionsResponse) -> tuple[list[str], list[list[str]]]:
-    return ["NAME", "LAT", "LON", "DRAINED"], [
-        [r.name, f"{r.latitude:g}", f"{r.longitude:g}", "yes" if r.drained else "no"]
+    return ["NAME", "LAT", "LON", "DRAINED", "RTT"], [
+        [
+            r.name,
+            f"{r.latitude:g}",
+            f"{r.longitude:g}",
+            "yes" if r.drained else "no",
+            ",".join(f"{k}={v:g}" for k, v in sorted(r.rtt_ms.items())) or "-",
+        ]
         for r in resp.regions
     ]
 
 
 def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
-    return ["NAME", "REGION", "URL", "MODELS", "WEIGHT", "DRAINED", "HEALTHY"], [
+    return ["NAME", "REGION", "URL", "MODELS", "WEIGHT", "DRAINED", "HEALTHY", "INFLIGHT"], [
         [
             o.name,
             o.region,
@@ -42,7 +48,8 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             ",".join(o.models),
             str(o.weight),
             "yes" if o.drained else "no",
-            "yes" if o.healthy else "no",
+            "yes" if o.healthy else f"no ({o.health_detail})",
+            f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else ""),
         ]
         for o in resp.origins
     ]
@@ -89,6 +96,19 @@ def render(
     return "\n".join(lines)
 
 
+def parse_rtt(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, ms = item.partition("=")
+        try:
+            out[name.strip()] = float(ms)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"error: --rtt expects REGION=MS[,REGION=MS...], got {item!r}")
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pontoctl", description="Operate a Ponto fleet")
     p.add_argument(
@@ -105,6 +125,18 @@ def _parser() -> argparse.ArgumentParser:
     ra.add_argument("name")
     ra.add_argument("--lat", type=float, required=True, help="latitude, -90..90")
     ra.add_argument("--lon", type=float, required=True, help="longitude, -180..180")
+    ra.add_argument(
+        "--rtt",
+        default="",
+        metavar="R=MS,...",
+        help="measured round-trip ms to other regions (orders failover by RTT)",
+    )
+    ra.add_argument(
+        "--spill-threshold",
+        type=float,
+        default=0.0,
+        help="load fraction (0..1) above which new requests spill to the next region (default 0.8)",
+    )
     ra.add_argument("--update", action="store_true", help="update the region if it exists")
     region.add_parser("delete", help="delete a region without origins").add_argument("name")
 
@@ -117,6 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     oa.add_argument("--region", required=True)
     oa.add_argument("--models", required=True, help="comma-separated model names")
     oa.add_argument("--weight", type=int, default=0, help="traffic share among equals (1..1000)")
+    oa.add_argument(
+        "--capacity",
+        type=int,
+        default=0,
+        help="concurrent requests the origin serves well (enables spill)",
+    )
     oa.add_argument("--update", action="store_true", help="update the origin if it exists")
     origin.add_parser("delete", help="delete an origin").add_argument("name")
 
@@ -134,7 +172,13 @@ def _parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, stub: admin_pb2_grpc.AdminStub) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
-        spec = apb.RegionSpec(name=args.name, latitude=args.lat, longitude=args.lon)
+        spec = apb.RegionSpec(
+            name=args.name,
+            latitude=args.lat,
+            longitude=args.lon,
+            rtt_ms=parse_rtt(args.rtt),
+            spill_threshold=args.spill_threshold,
+        )
         r = stub.PutRegion(
             apb.PutRegionRequest(region=spec, allow_update=args.update), timeout=TIMEOUT
         )
@@ -145,7 +189,12 @@ def run(args: argparse.Namespace, stub: admin_pb2_grpc.AdminStub) -> str:
     if args.command == "origin" and args.action == "add":
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         ospec = apb.OriginSpec(
-            name=args.name, base_url=args.url, region=args.region, models=models, weight=args.weight
+            name=args.name,
+            base_url=args.url,
+            region=args.region,
+            models=models,
+            weight=args.weight,
+            capacity=args.capacity,
         )
         o = stub.PutOrigin(
             apb.PutOriginRequest(origin=ospec, allow_update=args.update), timeout=TIMEOUT

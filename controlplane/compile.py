@@ -11,6 +11,8 @@ from controlplane.model import State
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
+DEFAULT_SPILL_THRESHOLD = 0.8
+
 
 def compile_table(state: State) -> pb.RouteTable:
     """Build the table proxies serve from state read at state.revision.
@@ -19,20 +21,18 @@ def compile_table(state: State) -> pb.RouteTable:
     compile) are left out rather than shipped as a table proxies would refuse.
     """
     table = pb.RouteTable(version=state.revision)
-    known = set()
-    for region in sorted(state.regions, key=lambda r: r.name):
-        known.add(region.name)
-        table.regions.append(
-            pb.Region(
-                name=region.name,
-                latitude=region.latitude,
-                longitude=region.longitude,
-                drained=region.drained,
-            )
-        )
+    known = {r.name for r in state.regions}
+    inflight: dict[str, float] = {}
+    capacity: dict[str, int] = {}
     for origin in sorted(state.origins, key=lambda o: o.name):
         if origin.region not in known:
             continue
+        health = state.health.get(origin.name)
+        healthy = health.healthy if health else True
+        load = health.inflight if health else 0.0
+        if healthy and origin.capacity:
+            inflight[origin.region] = inflight.get(origin.region, 0.0) + load
+            capacity[origin.region] = capacity.get(origin.region, 0) + origin.capacity
         table.origins.append(
             pb.Origin(
                 name=origin.name,
@@ -41,7 +41,24 @@ def compile_table(state: State) -> pb.RouteTable:
                 models=sorted(origin.models),
                 weight=origin.weight,
                 drained=origin.drained,
-                healthy=True,
+                healthy=healthy,
+                capacity=origin.capacity,
+                inflight=load,
+                health_detail=health.detail if health else "",
+            )
+        )
+    for region in sorted(state.regions, key=lambda r: r.name):
+        cap = capacity.get(region.name, 0)
+        table.regions.append(
+            pb.Region(
+                name=region.name,
+                latitude=region.latitude,
+                longitude=region.longitude,
+                drained=region.drained,
+                rtt_ms=dict(region.rtt_ms),
+                spill_threshold=region.spill_threshold or DEFAULT_SPILL_THRESHOLD,
+                # Rounded so that small load jitter does not push new tables.
+                load=round(inflight.get(region.name, 0.0) / cap, 2) if cap else 0.0,
             )
         )
     table.etag = content_etag(table)

@@ -21,6 +21,7 @@ NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000
+MAX_CAPACITY = 1_000_000
 
 
 def check_name(kind: str, name: str) -> str:
@@ -51,6 +52,10 @@ class Region:
     latitude: float
     longitude: float
     drained: bool = False
+    # (other region, round-trip ms), sorted; empty: order by distance.
+    rtt_ms: tuple[tuple[str, float], ...] = ()
+    # Load fraction above which new requests spill to the next region; 0 = default.
+    spill_threshold: float = 0.0
 
     def validated(self) -> Region:
         check_name("region", self.name)
@@ -62,7 +67,17 @@ class Region:
                 raise InvalidArgument(
                     f"{label} {value} of region {self.name!r} is out of range [-{bound}, {bound}]"
                 )
-        return self
+        for other, ms in self.rtt_ms:
+            check_name("region", other)
+            if not math.isfinite(ms) or not 0 <= ms <= 10_000:
+                raise InvalidArgument(
+                    f"RTT {ms} ms from {self.name!r} to {other!r} is not in 0..10000"
+                )
+        if not math.isfinite(self.spill_threshold) or not 0 <= self.spill_threshold <= 1:
+            raise InvalidArgument(
+                f"spill threshold {self.spill_threshold} of region {self.name!r} is not in 0..1"
+            )
+        return replace(self, rtt_ms=tuple(sorted(dict(self.rtt_ms).items())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +88,7 @@ class Origin:
     models: tuple[str, ...]
     weight: int = DEFAULT_WEIGHT
     drained: bool = False
+    capacity: int = 0
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
@@ -107,16 +123,27 @@ class ProxyRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class OriginHealth:
+    """What the leader's probes last saw of an origin."""
+
+    origin: str
+    healthy: bool
+    inflight: float = 0.0  # running + waiting requests (vLLM metrics)
+    detail: str = ""
+    checked_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class State:
     """Everything a route table is compiled from, read at one store revision."""
 
     revision: int
     regions: tuple[Region, ...] = ()
     origins: tuple[Origin, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
+    health: dict[str, OriginHealth] = field(default_factory=dict)
 
 
-def encode(value: Region | Origin | ProxyRecord) -> bytes:
+def encode(value: Region | Origin | ProxyRecord | OriginHealth) -> bytes:
     return orjson.dumps(asdict(value), option=orjson.OPT_SORT_KEYS)
 
 
@@ -129,7 +156,13 @@ def _fields(cls: type, raw: bytes) -> dict[str, Any]:
 
 
 def decode_region(raw: bytes) -> Region:
-    return Region(**_fields(Region, raw))
+    fields = _fields(Region, raw)
+    fields["rtt_ms"] = tuple((str(k), float(v)) for k, v in fields.get("rtt_ms", ()))
+    return Region(**fields)
+
+
+def decode_health(raw: bytes) -> OriginHealth:
+    return OriginHealth(**_fields(OriginHealth, raw))
 
 
 def decode_origin(raw: bytes) -> Origin:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from controlplane.health import ProbeSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +21,8 @@ class Settings:
     lease_ttl: int
     ready_file: Path | None
     log_level: str
+    leader_ttl: int = 5
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
 
 
 def parse(argv: list[str]) -> Settings:
@@ -53,6 +57,24 @@ def parse(argv: list[str]) -> Settings:
         default=10,
         help="seconds before a dead replica's proxy registrations vanish",
     )
+    p.add_argument(
+        "--leader-ttl", type=int, default=5, help="seconds before a dead leader is replaced"
+    )
+    p.add_argument("--probe-interval-ms", type=int, default=1000, help="origin probe period")
+    p.add_argument("--probe-timeout-ms", type=int, default=1000, help="origin probe timeout")
+    p.add_argument(
+        "--probe-path",
+        default="/health",
+        help="health path, resolved against each origin's scheme://host:port "
+        "(e.g. /health for vLLM, /v1/models)",
+    )
+    p.add_argument(
+        "--metrics-path",
+        default="/metrics",
+        help="Prometheus path with vLLM load gauges ('' to skip)",
+    )
+    p.add_argument("--rise", type=int, default=2, help="successes before an origin is healthy")
+    p.add_argument("--fall", type=int, default=2, help="failures before an origin is unhealthy")
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -60,6 +82,12 @@ def parse(argv: list[str]) -> Settings:
         p.error("need 0 <= --debounce-quiet-ms <= --debounce-max-ms")
     if a.lease_ttl < 2:
         p.error("--lease-ttl must be at least 2 seconds")
+    if a.leader_ttl < 2:
+        p.error("--leader-ttl must be at least 2 seconds")
+    if min(a.probe_interval_ms, a.probe_timeout_ms, a.rise, a.fall) < 1:
+        p.error("probe interval, timeout, rise and fall must be positive")
+    if not a.probe_path.startswith("/"):
+        p.error("--probe-path must start with /")
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
     if not etcd:
         p.error("--etcd needs at least one endpoint")
@@ -72,4 +100,13 @@ def parse(argv: list[str]) -> Settings:
         lease_ttl=a.lease_ttl,
         ready_file=a.ready_file,
         log_level=a.log_level,
+        leader_ttl=a.leader_ttl,
+        probe=ProbeSettings(
+            interval=a.probe_interval_ms / 1000,
+            timeout=a.probe_timeout_ms / 1000,
+            path=a.probe_path,
+            metrics_path=a.metrics_path,
+            rise=a.rise,
+            fall=a.fall,
+        ),
     )

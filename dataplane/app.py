@@ -11,6 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 import aiohttp
 from aiohttp import web
 
+from dataplane.geo import TrustedProxies, open_locator
+from dataplane.geo.home import ClientLocator
 from dataplane.handlers import (
     errors_and_metrics,
     healthz,
@@ -21,7 +23,7 @@ from dataplane.handlers import (
 )
 from dataplane.metrics import Metrics
 from dataplane.settings import Settings
-from dataplane.state import CLIENT, FORWARDER, HOLDER, METRICS, SETTINGS
+from dataplane.state import CLIENT, FORWARDER, HOLDER, LOCATOR, METRICS, SETTINGS
 from dataplane.sync import ControlPlaneClient, TableHolder
 from dataplane.upstream import Forwarder
 from ponto.v1 import routing_pb2 as pb
@@ -62,6 +64,10 @@ def build_app(settings: Settings) -> web.Application:
         last_heard=lambda: holder.received_at or holder.applied_at,
         nacks=lambda: float(client.nacks),
     )
+    app[LOCATOR] = ClientLocator(
+        open_locator(settings.geoip_db), TrustedProxies(settings.trusted_proxies)
+    )
+    app.on_cleanup.append(_close_locator)
     app.cleanup_ctx.append(_upstream)
     app.cleanup_ctx.append(_control_plane)
     r = app.router
@@ -75,6 +81,10 @@ def build_app(settings: Settings) -> web.Application:
     r.add_get("/readyz", readyz, name="readyz")
     r.add_get("/metrics", metrics, name="metrics")
     return app
+
+
+async def _close_locator(app: web.Application) -> None:
+    app[LOCATOR].close()
 
 
 async def _upstream(app: web.Application) -> AsyncIterator[None]:

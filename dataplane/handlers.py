@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
 from dataplane.errors import ApiError, bad_request
-from dataplane.state import CLIENT, FORWARDER, HOLDER, METRICS, SETTINGS
+from dataplane.state import CLIENT, FORWARDER, HOLDER, LOCATOR, METRICS, SETTINGS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -86,7 +86,9 @@ def make_proxy_handler(endpoint: str) -> Handler:
                 code="no_route_table",
                 headers={"retry-after": "1"},
             )
-        candidates = routes.candidates(model)
+        home = request.app[LOCATOR].home(routes, request.remote, request.headers)
+        forwarder = request.app[FORWARDER]
+        candidates = routes.candidates(model, home, limit=forwarder.candidate_limit())
         if not candidates:
             if model not in routes.groups:
                 raise ApiError(
@@ -102,9 +104,7 @@ def make_proxy_handler(endpoint: str) -> Handler:
                 code="no_healthy_origin",
                 headers={"retry-after": "5"},
             )
-        return await request.app[FORWARDER].forward(
-            request, path, request["raw_body"], candidates, request_id
-        )
+        return await forwarder.forward(request, path, request["raw_body"], candidates, request_id)
 
     handle.__name__ = f"handle_{endpoint.replace('.', '_')}"
     return handle

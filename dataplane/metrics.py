@@ -33,6 +33,17 @@ class Metrics:
             ["origin", "outcome"],
             registry=r,
         )
+        self.ejections = Counter(
+            "ponto_origin_ejections",
+            "Times an origin was ejected by passive health checking",
+            ["origin"],
+            registry=r,
+        )
+        self.retries_refused = Counter(
+            "ponto_retries_refused",
+            "Retries not made because the retry budget was spent",
+            registry=r,
+        )
         self.stream_cuts = Counter(
             "ponto_stream_cuts",
             "Streams whose origin failed after bytes reached the client",

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
 EARTH_RADIUS_KM = 6371.0
+HOME_CACHE = 4096
 
 
 class TableError(ValueError):
@@ -39,29 +40,67 @@ class Target:
 class Routes:
     """Immutable routing state built from one table; shared by all requests.
 
-    groups[model] lists candidate origin groups, nearest region first; origins
-    within a group are equally near and split traffic by weight.
+    order[home][model] lists candidate origin groups for clients whose nearest
+    region is `home`: nearest usable region first, regions over their spill
+    threshold after all others. Origins within a group are equally near and
+    split traffic by weight.
     """
 
     version: int
     etag: str
-    region: str
+    region: str  # the proxy's own region: home of clients that cannot be located
     models: tuple[str, ...]
-    groups: dict[str, tuple[tuple[Target, ...], ...]]
+    order: dict[str, dict[str, tuple[tuple[Target, ...], ...]]]
+    coords: tuple[tuple[str, float, float], ...]  # (region, lat, lon) for homing
+    # Located points repeat (a GeoIP database has one point per city), so the
+    # home of each point is computed once per table. Bounded by HOME_CACHE.
+    _homes: dict[tuple[float, float], str] = field(default_factory=dict, compare=False)
 
-    def candidates(self, model: str, rand: Callable[[], float] = random.random) -> list[Target]:
+    @property
+    def groups(self) -> dict[str, tuple[tuple[Target, ...], ...]]:
+        """Candidate groups as seen from the proxy's own region."""
+        return self.order.get(self.region) or next(iter(self.order.values()), {})
+
+    def home_of(self, latitude: float, longitude: float) -> str:
+        """The region nearest to a point (a handful of great circles, then cached)."""
+        point = (latitude, longitude)
+        cached = self._homes.get(point)
+        if cached is not None:
+            return cached
+        best, best_km = self.region, math.inf
+        for name, lat, lon in self.coords:
+            km = great_circle_km(latitude, longitude, lat, lon)
+            if km < best_km:
+                best, best_km = name, km
+        if len(self._homes) >= HOME_CACHE:
+            self._homes.clear()
+        self._homes[point] = best
+        return best
+
+    def candidates(
+        self,
+        model: str,
+        home: str | None = None,
+        *,
+        limit: int = 0,
+        rand: Callable[[], float] = random.random,
+    ) -> list[Target]:
         """Origins to try for model, in order; empty if the model is unknown here.
 
         Within each group the order is a weighted random permutation
         (Efraimidis-Spirakis): each origin leads with probability weight/sum.
+        With a limit, stops after the group that reaches it (callers try only
+        a few origins; shuffling the rest is wasted work).
         """
+        per_home = self.order.get(home or self.region) or self.groups
         out: list[Target] = []
-        for group in self.groups.get(model, ()):
+        for group in per_home.get(model, ()):
+            if limit and len(out) >= limit:
+                break
             if len(group) == 1:
                 out.append(group[0])
             else:
-                keyed = sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True)
-                out.extend(keyed)
+                out.extend(sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True))
         return out
 
 
@@ -97,48 +136,68 @@ def validate(table: pb.RouteTable) -> None:
             raise TableError(f"origin {o.name!r} has an invalid base URL {o.base_url!r}")
         if not o.models:
             raise TableError(f"origin {o.name!r} serves no model")
+        if len(set(o.models)) != len(o.models):
+            raise TableError(f"origin {o.name!r} lists a model twice")
         if o.weight < 1:
             raise TableError(f"origin {o.name!r} has weight {o.weight}")
 
 
 def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
-    """Validate table and precompute per-model candidate groups for proxy_region.
+    """Validate table and precompute candidate groups for every home region.
 
-    Regions are ordered by great-circle distance from the proxy's region (its
-    own region first); when the proxy's region is not in the table, by name.
-    Drained regions, drained origins and unhealthy origins are left out.
+    Regions are ordered from each home by the RTT matrix when every region
+    has one, else by great-circle distance (home first). Drained regions,
+    drained origins and unhealthy origins are left out; regions whose load is
+    over their spill threshold go after all the others.
     """
     validate(table)
-    coords = {r.name: (r.latitude, r.longitude) for r in table.regions}
-    drained_regions = {r.name for r in table.regions if r.drained}
-    home = coords.get(proxy_region)
-
-    def distance(region: str) -> tuple[float, str]:
-        if region == proxy_region:
-            return (-1.0, region)
-        if home is None:
-            return (0.0, region)
-        return (great_circle_km(*home, *coords[region]), region)
-
+    regions = {r.name: r for r in table.regions}
+    use_rtt = bool(regions) and all(r.rtt_ms for r in table.regions)
     by_model: dict[str, dict[str, list[Target]]] = {}
     all_models: set[str] = set()
     for o in table.origins:
         all_models.update(o.models)
-        if o.drained or not o.healthy or o.region in drained_regions:
+        if o.drained or not o.healthy or regions[o.region].drained:
             continue
         target = Target(o.name, o.region, o.base_url.rstrip("/"), o.weight)
         for model in o.models:
             by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
-    groups = {
-        model: tuple(tuple(per_region[region]) for region in sorted(per_region, key=distance))
-        for model, per_region in by_model.items()
-    }
-    for model in all_models:
-        groups.setdefault(model, ())
+
+    def cost(home: pb.Region, other: str) -> float:
+        if other == home.name:
+            return -1.0
+        if use_rtt:
+            return home.rtt_ms.get(other, math.inf)
+        r = regions[other]
+        return great_circle_km(home.latitude, home.longitude, r.latitude, r.longitude)
+
+    def hot(region: str) -> bool:
+        r = regions[region]
+        return r.spill_threshold > 0 and r.load >= r.spill_threshold
+
+    order: dict[str, dict[str, tuple[tuple[Target, ...], ...]]] = {}
+    homes = list(table.regions)
+    if proxy_region not in regions:  # a proxy outside every region: order by name
+        homes.append(pb.Region(name=proxy_region))
+    for home in homes:
+        known_home = home.name in regions
+
+        def key(
+            name: str, home: pb.Region = home, known: bool = known_home
+        ) -> tuple[bool, float, str]:
+            return (hot(name), cost(home, name) if known else 0.0, name)
+
+        order[home.name] = {
+            model: tuple(tuple(per_region[r]) for r in sorted(per_region, key=key))
+            for model, per_region in by_model.items()
+        }
+        for model in all_models:
+            order[home.name].setdefault(model, ())
     return Routes(
         version=table.version,
         etag=table.etag,
         region=proxy_region,
         models=tuple(sorted(all_models)),
-        groups=groups,
+        order=order,
+        coords=tuple((r.name, r.latitude, r.longitude) for r in table.regions),
     )

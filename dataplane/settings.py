@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from dataplane.geo import TrustedProxies
 from dataplane.upstream import UpstreamSettings
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
@@ -25,6 +26,8 @@ class Settings:
     upstream: UpstreamSettings
     ready_file: Path | None
     log_level: str
+    geoip_db: Path | None = None
+    trusted_proxies: tuple[str, ...] = ()
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -79,6 +82,18 @@ def parse(argv: list[str]) -> Settings:
         help="extra client headers to pass to origins, comma-separated "
         "(Authorization is never passed)",
     )
+    p.add_argument(
+        "--geoip-db",
+        type=Path,
+        help="GeoIP2/GeoLite2 City or DB-IP City Lite .mmdb; clients are routed "
+        "from their located region (default: every client is local)",
+    )
+    p.add_argument(
+        "--trusted-proxies",
+        default="",
+        help="CIDRs of load balancers whose X-Forwarded-For/Forwarded is believed, "
+        "comma-separated; headers from other peers are ignored",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -100,6 +115,13 @@ def parse(argv: list[str]) -> Settings:
     forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
     if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
+    trusted = tuple(c.strip() for c in a.trusted_proxies.split(",") if c.strip())
+    try:
+        TrustedProxies(trusted)
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.geoip_db is not None and not a.geoip_db.is_file():
+        p.error(f"--geoip-db {a.geoip_db} is not a readable file")
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
     if not addresses:
         p.error("--control-plane needs at least one address")
@@ -121,4 +143,6 @@ def parse(argv: list[str]) -> Settings:
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,
+        geoip_db=a.geoip_db,
+        trusted_proxies=trusted,
     )

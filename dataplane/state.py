@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from dataplane.geo.home import ClientLocator
 from dataplane.metrics import Metrics
 from dataplane.settings import Settings
 from dataplane.sync import ControlPlaneClient, TableHolder
@@ -14,3 +15,4 @@ HOLDER = web.AppKey("holder", TableHolder)
 CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 METRICS = web.AppKey("metrics", Metrics)
+LOCATOR = web.AppKey("locator", ClientLocator)

@@ -56,7 +56,9 @@ class TableHolder:
                     f"stale table: version {table.version} < serving {current.version}"
                 )
         if current is not None and current.etag == table.etag:
-            if table.version != current.version:
+            # Same content: only ever move the version forward, so the stale
+            # check keeps comparing against the newest version seen.
+            if table.version > current.version:
                 self.routes = build_routes(table, self.region)
             self.source = source
             return False

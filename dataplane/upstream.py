@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from dataplane import jsonio
 from dataplane.errors import upstream_error
 from dataplane.metrics import Metrics
+from dataplane.outlier import OutlierDetector, RetryBudget
 from dataplane.routes import Target
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,27 @@ class Forwarder:
     """Sends a request to origins in order. One per app; safe for concurrent use."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, metrics: Metrics, settings: UpstreamSettings
+        self,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        settings: UpstreamSettings,
+        *,
+        outliers: OutlierDetector | None = None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self._session = session
         self._metrics = metrics
         self._settings = settings
+        self.outliers = outliers or OutlierDetector()
+        self.budget = budget or RetryBudget()
         self._forward = FORWARD_REQUEST_HEADERS + tuple(h.lower() for h in settings.forward_headers)
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
+
+    def candidate_limit(self) -> int:
+        """Candidates worth ordering: the attempts, plus room for ejected origins."""
+        return self._settings.max_attempts + self.outliers.ejected_now()
 
     def _headers(self, request: web.Request, request_id: str) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
@@ -108,21 +121,33 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
         failures: list[str] = []
-        for attempt, target in enumerate(candidates[: self._settings.max_attempts], start=1):
+        self.budget.deposit()
+        ordered = self.outliers.order(candidates)
+        for attempt, target in enumerate(ordered[: self._settings.max_attempts], start=1):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 failures.append("request deadline exceeded")
                 break
+            if attempt > 1 and not self.budget.try_retry():
+                failures.append("retry budget exhausted")
+                self._metrics.retries_refused.inc()
+                break
             try:
                 async with asyncio.timeout(remaining):
-                    return await self._attempt(request, target, path, body, headers, attempt)
+                    response = await self._attempt(request, target, path, body, headers, attempt)
+                self.outliers.success(target.name)
+                return response
             except _Retryable as exc:
                 self._metrics.upstream_attempts.labels(target.name, exc.outcome).inc()
                 failures.append(f"{target.name}: {exc}")
+                if self.outliers.failure(target.name):
+                    self._metrics.ejections.labels(target.name).inc()
+                    log.warning("origin %s ejected after repeated failures", target.name)
                 log.warning("origin %s failed (%s); %s", target.name, exc, request_id)
             except TimeoutError:
                 self._metrics.upstream_attempts.labels(target.name, "deadline").inc()
                 failures.append(f"{target.name}: request deadline exceeded")
+                self.outliers.failure(target.name)
                 break
         raise upstream_error(
             f"no origin could serve the request after {len(failures)} attempt(s): "

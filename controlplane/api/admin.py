@@ -10,7 +10,7 @@ from controlplane.api.errors import grpc_errors
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import InvalidArgument
-from controlplane.model import Origin, ProxyRecord, Region
+from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -19,10 +19,17 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 def region_pb(r: Region) -> pb.Region:
-    return pb.Region(name=r.name, latitude=r.latitude, longitude=r.longitude, drained=r.drained)
+    return pb.Region(
+        name=r.name,
+        latitude=r.latitude,
+        longitude=r.longitude,
+        drained=r.drained,
+        rtt_ms=dict(r.rtt_ms),
+        spill_threshold=r.spill_threshold,
+    )
 
 
-def origin_pb(o: Origin) -> pb.Origin:
+def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
     return pb.Origin(
         name=o.name,
         base_url=o.base_url,
@@ -30,7 +37,10 @@ def origin_pb(o: Origin) -> pb.Origin:
         models=list(o.models),
         weight=o.weight,
         drained=o.drained,
-        healthy=True,
+        healthy=health.healthy if health else True,
+        capacity=o.capacity,
+        inflight=health.inflight if health else 0.0,
+        health_detail=health.detail if health else "",
     )
 
 
@@ -55,7 +65,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not request.HasField("region"):
             raise InvalidArgument("region is required")
         spec = request.region
-        region = Region(spec.name, spec.latitude, spec.longitude)
+        region = Region(
+            spec.name,
+            spec.latitude,
+            spec.longitude,
+            rtt_ms=tuple(spec.rtt_ms.items()),
+            spill_threshold=spec.spill_threshold,
+        )
         return region_pb(await self._catalog.put_region(region, allow_update=request.allow_update))
 
     @grpc_errors
@@ -77,7 +93,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not request.HasField("origin"):
             raise InvalidArgument("origin is required")
         spec = request.origin
-        origin = Origin(spec.name, spec.base_url, spec.region, tuple(spec.models), spec.weight)
+        origin = Origin(
+            spec.name,
+            spec.base_url,
+            spec.region,
+            tuple(spec.models),
+            spec.weight,
+            capacity=spec.capacity,
+        )
         return origin_pb(await self._catalog.put_origin(origin, allow_update=request.allow_update))
 
     @grpc_errors
@@ -87,8 +110,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def ListOrigins(self, request: apb.ListRequest, context: Ctx) -> apb.ListOriginsResponse:
-        origins = await self._catalog.list_origins()
-        return apb.ListOriginsResponse(origins=[origin_pb(o) for o in origins])
+        state = await self._catalog.snapshot()
+        return apb.ListOriginsResponse(
+            origins=[origin_pb(o, state.health.get(o.name)) for o in state.origins]
+        )
 
     @grpc_errors
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:

@@ -92,7 +92,7 @@ class StateStore(Protocol):
     def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         """Yield a store revision each time keys under prefix change.
 
-        Starts after start_revision. It yields revisions, not events: callers
+        Starts after start_revision (0: from now on). It yields revisions, not events: callers
         re-list, which also covers history lost to compaction. The iterator
         survives store restarts (it waits and resumes); it ends only when the
         consumer stops iterating.

@@ -44,7 +44,7 @@ class EtcdStore:
         )
         # gRPC's default reconnect backoff grows to minutes; an etcd that comes
         # back must be used again within about a second.
-        self._client._manager.grpc_options += [  # noqa: SLF001 - no public knob
+        self._client._manager.grpc_options += [
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),

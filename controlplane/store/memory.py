@@ -128,7 +128,8 @@ class MemoryStore:
             self._drop_lease(lease_id)
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
-        seen = start_revision
+        # 0 means from now on, as in etcd.
+        seen = start_revision or self._revision
         while True:
             if any(r > seen and k.startswith(prefix) for r, k in reversed(self._history)):
                 seen = self._revision

@@ -25,39 +25,43 @@ _sym_db = _symbol_database.Default()
 from ponto.v1 import routing_pb2 as ponto_dot_v1_dot_routing__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14ponto/v1/admin.proto\x12\x08ponto.v1\x1a\x16ponto/v1/routing.proto\"?\n\nRegionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08latitude\x18\x02 \x01(\x01\x12\x11\n\tlongitude\x18\x03 \x01(\x01\"\\\n\nOriginSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06weight\x18\x05 \x01(\r\"N\n\x10PutRegionRequest\x12$\n\x06region\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RegionSpec\x12\x14\n\x0c\x61llow_update\x18\x02 \x01(\x08\"N\n\x10PutOriginRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.ponto.v1.OriginSpec\x12\x14\n\x0c\x61llow_update\x18\x02 \x01(\x08\"\x1d\n\rDeleteRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65leteResponse\"\r\n\x0bListRequest\"8\n\x13ListRegionsResponse\x12!\n\x07regions\x18\x01 \x03(\x0b\x32\x10.ponto.v1.Region\"8\n\x13ListOriginsResponse\x12!\n\x07origins\x18\x01 \x03(\x0b\x32\x10.ponto.v1.Origin\"\x9f\x01\n\x0bProxyStatus\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.ponto.v1.ProxyInfo\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\racked_version\x18\x03 \x01(\x04\x12\x12\n\nlast_error\x18\x04 \x01(\t\x12\x18\n\x10\x63ontrol_plane_id\x18\x05 \x01(\t\x12\x14\n\x0c\x63onnected_at\x18\x06 \x01(\x01\"V\n\x13ListProxiesResponse\x12&\n\x07proxies\x18\x01 \x03(\x0b\x32\x15.ponto.v1.ProxyStatus\x12\x17\n\x0f\x63urrent_version\x18\x02 \x01(\x04\"-\n\x0c\x44rainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\"<\n\x15GetRouteTableResponse\x12#\n\x05table\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RouteTable2\x8d\x05\n\x05\x41\x64min\x12\x39\n\tPutRegion\x12\x1a.ponto.v1.PutRegionRequest\x1a\x10.ponto.v1.Region\x12\x41\n\x0c\x44\x65leteRegion\x12\x17.ponto.v1.DeleteRequest\x1a\x18.ponto.v1.DeleteResponse\x12\x43\n\x0bListRegions\x12\x15.ponto.v1.ListRequest\x1a\x1d.ponto.v1.ListRegionsResponse\x12\x37\n\x0b\x44rainRegion\x12\x16.ponto.v1.DrainRequest\x1a\x10.ponto.v1.Region\x12\x39\n\tPutOrigin\x12\x1a.ponto.v1.PutOriginRequest\x1a\x10.ponto.v1.Origin\x12\x41\n\x0c\x44\x65leteOrigin\x12\x17.ponto.v1.DeleteRequest\x1a\x18.ponto.v1.DeleteResponse\x12\x43\n\x0bListOrigins\x12\x15.ponto.v1.ListRequest\x1a\x1d.ponto.v1.ListOriginsResponse\x12\x37\n\x0b\x44rainOrigin\x12\x16.ponto.v1.DrainRequest\x1a\x10.ponto.v1.Origin\x12\x43\n\x0bListProxies\x12\x15.ponto.v1.ListRequest\x1a\x1d.ponto.v1.ListProxiesResponse\x12G\n\rGetRouteTable\x12\x15.ponto.v1.ListRequest\x1a\x1f.ponto.v1.GetRouteTableResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14ponto/v1/admin.proto\x12\x08ponto.v1\x1a\x16ponto/v1/routing.proto\"\xb7\x01\n\nRegionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08latitude\x18\x02 \x01(\x01\x12\x11\n\tlongitude\x18\x03 \x01(\x01\x12/\n\x06rtt_ms\x18\x04 \x03(\x0b\x32\x1f.ponto.v1.RegionSpec.RttMsEntry\x12\x17\n\x0fspill_threshold\x18\x05 \x01(\x01\x1a,\n\nRttMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"n\n\nOriginSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06weight\x18\x05 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\r\"N\n\x10PutRegionRequest\x12$\n\x06region\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RegionSpec\x12\x14\n\x0c\x61llow_update\x18\x02 \x01(\x08\"N\n\x10PutOriginRequest\x12$\n\x06origin\x18\x01 \x01(\x0b\x32\x14.ponto.v1.OriginSpec\x12\x14\n\x0c\x61llow_update\x18\x02 \x01(\x08\"\x1d\n\rDeleteRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65leteResponse\"\r\n\x0bListRequest\"8\n\x13ListRegionsResponse\x12!\n\x07regions\x18\x01 \x03(\x0b\x32\x10.ponto.v1.Region\"8\n\x13ListOriginsResponse\x12!\n\x07origins\x18\x01 \x03(\x0b\x32\x10.ponto.v1.Origin\"\x9f\x01\n\x0bProxyStatus\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.ponto.v1.ProxyInfo\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\racked_version\x18\x03 \x01(\x04\x12\x12\n\nlast_error\x18\x04 \x01(\t\x12\x18\n\x10\x63ontrol_plane_id\x18\x05 \x01(\t\x12\x14\n\x0c\x63onnected_at\x18\x06 \x01(\x01\"V\n\x13ListProxiesResponse\x12&\n\x07proxies\x18\x01 \x03(\x0b\x32\x15.ponto.v1.ProxyStatus\x12\x17\n\x0f\x63urrent_version\x18\x02 \x01(\x04\"-\n\x0c\x44rainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\"<\n\x15GetRouteTableResponse\x12#\n\x05table\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RouteTable2\x8d\x05\n\x05\x41\x64min\x12\x39\n\tPutRegion\x12\x1a.ponto.v1.PutRegionRequest\x1a\x10.ponto.v1.Region\x12\x41\n\x0c\x44\x65leteRegion\x12\x17.ponto.v1.DeleteRequest\x1a\x18.ponto.v1.DeleteResponse\x12\x43\n\x0bListRegions\x12\x15.ponto.v1.ListRequest\x1a\x1d.ponto.v1.ListRegionsResponse\x12\x37\n\x0b\x44rainRegion\x12\x16.ponto.v1.DrainRequest\x1a\x10.ponto.v1.Region\x12\x39\n\tPutOrigin\x12\x1a.ponto.v1.PutOriginRequest\x1a\x10.ponto.v1.Origin\x12\x41\n\x0c\x44\x65leteOrigin\x12\x17.ponto.v1.DeleteRequest\x1a\x18.ponto.v1.DeleteResponse\x12\x43\n\x0bListOrigins\x12\x15.ponto.v1.ListRequest\x1a\x1d.ponto.v1.ListOriginsResponse\x12\x37\n\x0b\x44rainOrigin\x12\x16.ponto.v1.DrainRequest\x1a\x10.ponto.v1.Origin\x12\x43\n\x0bListProxies\x12\x15.ponto.v1.ListRequest\x1a\x1d.ponto.v1.ListProxiesResponse\x12G\n\rGetRouteTable\x12\x15.ponto.v1.ListRequest\x1a\x1f.ponto.v1.GetRouteTableResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ponto.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGIONSPEC']._serialized_start=58
-  _globals['_REGIONSPEC']._serialized_end=121
-  _globals['_ORIGINSPEC']._serialized_start=123
-  _globals['_ORIGINSPEC']._serialized_end=215
-  _globals['_PUTREGIONREQUEST']._serialized_start=217
-  _globals['_PUTREGIONREQUEST']._serialized_end=295
-  _globals['_PUTORIGINREQUEST']._serialized_start=297
-  _globals['_PUTORIGINREQUEST']._serialized_end=375
-  _globals['_DELETEREQUEST']._serialized_start=377
-  _globals['_DELETEREQUEST']._serialized_end=406
-  _globals['_DELETERESPONSE']._serialized_start=408
-  _globals['_DELETERESPONSE']._serialized_end=424
-  _globals['_LISTREQUEST']._serialized_start=426
-  _globals['_LISTREQUEST']._serialized_end=439
-  _globals['_LISTREGIONSRESPONSE']._serialized_start=441
-  _globals['_LISTREGIONSRESPONSE']._serialized_end=497
-  _globals['_LISTORIGINSRESPONSE']._serialized_start=499
-  _globals['_LISTORIGINSRESPONSE']._serialized_end=555
-  _globals['_PROXYSTATUS']._serialized_start=558
-  _globals['_PROXYSTATUS']._serialized_end=717
-  _globals['_LISTPROXIESRESPONSE']._serialized_start=719
-  _globals['_LISTPROXIESRESPONSE']._serialized_end=805
-  _globals['_DRAINREQUEST']._serialized_start=807
-  _globals['_DRAINREQUEST']._serialized_end=852
-  _globals['_GETROUTETABLERESPONSE']._serialized_start=854
-  _globals['_GETROUTETABLERESPONSE']._serialized_end=914
-  _globals['_ADMIN']._serialized_start=917
-  _globals['_ADMIN']._serialized_end=1570
+  _globals['_REGIONSPEC_RTTMSENTRY']._loaded_options = None
+  _globals['_REGIONSPEC_RTTMSENTRY']._serialized_options = b'8\001'
+  _globals['_REGIONSPEC']._serialized_start=59
+  _globals['_REGIONSPEC']._serialized_end=242
+  _globals['_REGIONSPEC_RTTMSENTRY']._serialized_start=198
+  _globals['_REGIONSPEC_RTTMSENTRY']._serialized_end=242
+  _globals['_ORIGINSPEC']._serialized_start=244
+  _globals['_ORIGINSPEC']._serialized_end=354
+  _globals['_PUTREGIONREQUEST']._serialized_start=356
+  _globals['_PUTREGIONREQUEST']._serialized_end=434
+  _globals['_PUTORIGINREQUEST']._serialized_start=436
+  _globals['_PUTORIGINREQUEST']._serialized_end=514
+  _globals['_DELETEREQUEST']._serialized_start=516
+  _globals['_DELETEREQUEST']._serialized_end=545
+  _globals['_DELETERESPONSE']._serialized_start=547
+  _globals['_DELETERESPONSE']._serialized_end=563
+  _globals['_LISTREQUEST']._serialized_start=565
+  _globals['_LISTREQUEST']._serialized_end=578
+  _globals['_LISTREGIONSRESPONSE']._serialized_start=580
+  _globals['_LISTREGIONSRESPONSE']._serialized_end=636
+  _globals['_LISTORIGINSRESPONSE']._serialized_start=638
+  _globals['_LISTORIGINSRESPONSE']._serialized_end=694
+  _globals['_PROXYSTATUS']._serialized_start=697
+  _globals['_PROXYSTATUS']._serialized_end=856
+  _globals['_LISTPROXIESRESPONSE']._serialized_start=858
+  _globals['_LISTPROXIESRESPONSE']._serialized_end=944
+  _globals['_DRAINREQUEST']._serialized_start=946
+  _globals['_DRAINREQUEST']._serialized_end=991
+  _globals['_GETROUTETABLERESPONSE']._serialized_start=993
+  _globals['_GETROUTETABLERESPONSE']._serialized_end=1053
+  _globals['_ADMIN']._serialized_start=1056
+  _globals['_ADMIN']._serialized_end=1709
 # @@protoc_insertion_point(module_scope)

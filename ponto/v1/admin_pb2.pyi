@@ -26,22 +26,49 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class RegionSpec(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RttMsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     LATITUDE_FIELD_NUMBER: _builtins.int
     LONGITUDE_FIELD_NUMBER: _builtins.int
+    RTT_MS_FIELD_NUMBER: _builtins.int
+    SPILL_THRESHOLD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     latitude: _builtins.float
     longitude: _builtins.float
+    spill_threshold: _builtins.float
+    @_builtins.property
+    def rtt_ms(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         latitude: _builtins.float = ...,
         longitude: _builtins.float = ...,
+        rtt_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        spill_threshold: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["latitude", b"latitude", "longitude", b"longitude", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["latitude", b"latitude", "longitude", b"longitude", "name", b"name", "rtt_ms", b"rtt_ms", "spill_threshold", b"spill_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -56,11 +83,14 @@ class OriginSpec(_message.Message):
     REGION_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     region: _builtins.str
     weight: _builtins.int
     """0 means the default weight (100)."""
+    capacity: _builtins.int
+    """Concurrent requests the origin serves well; 0 = unknown (never spills)."""
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -71,10 +101,11 @@ class OriginSpec(_message.Message):
         region: _builtins.str = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
         weight: _builtins.int = ...,
+        capacity: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

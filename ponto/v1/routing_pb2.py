@@ -24,29 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ponto/v1/routing.proto\x12\x08ponto.v1\"K\n\tProxyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"5\n\x0fRegisterRequest\x12\"\n\x05proxy\x18\x01 \x01(\x0b\x32\x13.ponto.v1.ProxyInfo\"@\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ontrol_plane_id\x18\x02 \x01(\t\"L\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08latitude\x18\x02 \x01(\x01\x12\x11\n\tlongitude\x18\x03 \x01(\x01\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\"z\n\x06Origin\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06weight\x18\x05 \x01(\r\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\"q\n\nRouteTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x07regions\x18\x02 \x03(\x0b\x32\x10.ponto.v1.Region\x12!\n\x07origins\x18\x03 \x03(\x0b\x32\x10.ponto.v1.Origin\x12\x0c\n\x04\x65tag\x18\x04 \x01(\t\"f\n\x0cRouteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_info\x18\x02 \x01(\x04\x12\x16\n\x0eresponse_nonce\x18\x03 \x01(\t\x12\x14\n\x0c\x65rror_detail\x18\x04 \x01(\t\"A\n\x0bRouteUpdate\x12#\n\x05table\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RouteTable\x12\r\n\x05nonce\x18\x02 \x01(\t2\x8e\x01\n\x07Routing\x12\x41\n\x08Register\x12\x19.ponto.v1.RegisterRequest\x1a\x1a.ponto.v1.RegisterResponse\x12@\n\x0bRouteStream\x12\x16.ponto.v1.RouteRequest\x1a\x15.ponto.v1.RouteUpdate(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ponto/v1/routing.proto\x12\x08ponto.v1\"K\n\tProxyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"5\n\x0fRegisterRequest\x12\"\n\x05proxy\x18\x01 \x01(\x0b\x32\x13.ponto.v1.ProxyInfo\"@\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ontrol_plane_id\x18\x02 \x01(\t\"\xce\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08latitude\x18\x02 \x01(\x01\x12\x11\n\tlongitude\x18\x03 \x01(\x01\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\x12+\n\x06rtt_ms\x18\x05 \x03(\x0b\x32\x1b.ponto.v1.Region.RttMsEntry\x12\x17\n\x0fspill_threshold\x18\x06 \x01(\x01\x12\x0c\n\x04load\x18\x07 \x01(\x01\x1a,\n\nRttMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x01\n\x06Origin\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06weight\x18\x05 \x01(\r\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\r\x12\x10\n\x08inflight\x18\t \x01(\x01\x12\x15\n\rhealth_detail\x18\n \x01(\t\"q\n\nRouteTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x07regions\x18\x02 \x03(\x0b\x32\x10.ponto.v1.Region\x12!\n\x07origins\x18\x03 \x03(\x0b\x32\x10.ponto.v1.Origin\x12\x0c\n\x04\x65tag\x18\x04 \x01(\t\"f\n\x0cRouteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_info\x18\x02 \x01(\x04\x12\x16\n\x0eresponse_nonce\x18\x03 \x01(\t\x12\x14\n\x0c\x65rror_detail\x18\x04 \x01(\t\"A\n\x0bRouteUpdate\x12#\n\x05table\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RouteTable\x12\r\n\x05nonce\x18\x02 \x01(\t2\x8e\x01\n\x07Routing\x12\x41\n\x08Register\x12\x19.ponto.v1.RegisterRequest\x1a\x1a.ponto.v1.RegisterResponse\x12@\n\x0bRouteStream\x12\x16.ponto.v1.RouteRequest\x1a\x15.ponto.v1.RouteUpdate(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ponto.v1.routing_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REGION_RTTMSENTRY']._loaded_options = None
+  _globals['_REGION_RTTMSENTRY']._serialized_options = b'8\001'
   _globals['_PROXYINFO']._serialized_start=36
   _globals['_PROXYINFO']._serialized_end=111
   _globals['_REGISTERREQUEST']._serialized_start=113
   _globals['_REGISTERREQUEST']._serialized_end=166
   _globals['_REGISTERRESPONSE']._serialized_start=168
   _globals['_REGISTERRESPONSE']._serialized_end=232
-  _globals['_REGION']._serialized_start=234
-  _globals['_REGION']._serialized_end=310
-  _globals['_ORIGIN']._serialized_start=312
-  _globals['_ORIGIN']._serialized_end=434
-  _globals['_ROUTETABLE']._serialized_start=436
-  _globals['_ROUTETABLE']._serialized_end=549
-  _globals['_ROUTEREQUEST']._serialized_start=551
-  _globals['_ROUTEREQUEST']._serialized_end=653
-  _globals['_ROUTEUPDATE']._serialized_start=655
-  _globals['_ROUTEUPDATE']._serialized_end=720
-  _globals['_ROUTING']._serialized_start=723
-  _globals['_ROUTING']._serialized_end=865
+  _globals['_REGION']._serialized_start=235
+  _globals['_REGION']._serialized_end=441
+  _globals['_REGION_RTTMSENTRY']._serialized_start=397
+  _globals['_REGION_RTTMSENTRY']._serialized_end=441
+  _globals['_ORIGIN']._serialized_start=444
+  _globals['_ORIGIN']._serialized_end=625
+  _globals['_ROUTETABLE']._serialized_start=627
+  _globals['_ROUTETABLE']._serialized_end=740
+  _globals['_ROUTEREQUEST']._serialized_start=742
+  _globals['_ROUTEREQUEST']._serialized_end=844
+  _globals['_ROUTEUPDATE']._serialized_start=846
+  _globals['_ROUTEUPDATE']._serialized_end=911
+  _globals['_ROUTING']._serialized_start=914
+  _globals['_ROUTING']._serialized_end=1056
 # @@protoc_insertion_point(module_scope)

@@ -111,15 +111,53 @@ class Region(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RttMsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     LATITUDE_FIELD_NUMBER: _builtins.int
     LONGITUDE_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    RTT_MS_FIELD_NUMBER: _builtins.int
+    SPILL_THRESHOLD_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     latitude: _builtins.float
     longitude: _builtins.float
     drained: _builtins.bool
     """A drained region receives no new requests; in-flight ones finish."""
+    spill_threshold: _builtins.float
+    """Load (0..1 of capacity) above which the region's new requests spill to the
+    next region. 0 means the default (0.8).
+    """
+    load: _builtins.float
+    """Load of the region's healthy origins, as last scraped: sum of running and
+    waiting requests over sum of capacity (0 when no origin reports capacity).
+    """
+    @_builtins.property
+    def rtt_ms(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Measured round-trip times to other regions, in milliseconds. When every
+        region of a table has them, proxies order regions by RTT instead of by
+        great-circle distance.
+        """
+
     def __init__(
         self,
         *,
@@ -127,10 +165,13 @@ class Region(_message.Message):
         latitude: _builtins.float = ...,
         longitude: _builtins.float = ...,
         drained: _builtins.bool = ...,
+        rtt_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        spill_threshold: _builtins.float = ...,
+        load: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "latitude", b"latitude", "longitude", b"longitude", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "latitude", b"latitude", "load", b"load", "longitude", b"longitude", "name", b"name", "rtt_ms", b"rtt_ms", "spill_threshold", b"spill_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -147,6 +188,9 @@ class Origin(_message.Message):
     WEIGHT_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    INFLIGHT_FIELD_NUMBER: _builtins.int
+    HEALTH_DETAIL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -156,6 +200,13 @@ class Origin(_message.Message):
     drained: _builtins.bool
     healthy: _builtins.bool
     """Health as last seen by the control plane's probes; true until probed."""
+    capacity: _builtins.int
+    """Concurrent requests the origin serves well (0: unknown, no spill)."""
+    inflight: _builtins.float
+    """Running + waiting requests as last scraped (vLLM metrics), and why the
+    origin is unhealthy if it is.
+    """
+    health_detail: _builtins.str
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -168,10 +219,13 @@ class Origin(_message.Message):
         weight: _builtins.int = ...,
         drained: _builtins.bool = ...,
         healthy: _builtins.bool = ...,
+        capacity: _builtins.int = ...,
+        inflight: _builtins.float = ...,
+        health_detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "drained", b"drained", "healthy", b"healthy", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,6 @@ Each test builds its own fleet because each one breaks it.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +15,9 @@ import pytest
 
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
+from tests.e2e.load import BODY, SteadyLoad
 
 pytestmark = pytest.mark.e2e
-
-BODY = {"model": "sim-small", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
@@ -40,36 +38,8 @@ def chat(fleet: Fleet, proxy: str = "p-us") -> httpx.Response:
     return httpx.post(fleet.proxy_url(proxy) + "/chat/completions", json=BODY, timeout=10)
 
 
-class Load:
-    """Steady requests from a thread; records every status code."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        self.codes: list[int | str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            url = self.fleet.proxy_url("p-us") + "/chat/completions"
-            while not self._stop.is_set() and len(self.codes) < 5000:
-                try:
-                    self.codes.append(client.post(url, json=BODY).status_code)
-                except httpx.HTTPError as exc:
-                    self.codes.append(type(exc).__name__)
-                time.sleep(0.005)
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
 def test_killing_the_control_plane_changes_nothing_for_clients(fleet: Fleet) -> None:
-    with Load(fleet) as load:
+    with SteadyLoad(fleet.proxy_url("p-us") + "/chat/completions") as load:
         time.sleep(0.3)
         fleet.controls["control-1"].kill()
         time.sleep(1.0)
@@ -106,7 +76,7 @@ def test_control_plane_back_pushes_changes_made_meanwhile(fleet: Fleet) -> None:
 def test_etcd_down_proxies_serve_admin_says_unavailable_then_converges(fleet: Fleet) -> None:
     assert fleet.etcd is not None
     fleet.etcd.stop()
-    with Load(fleet) as load:
+    with SteadyLoad(fleet.proxy_url("p-us") + "/chat/completions") as load:
         time.sleep(0.5)
         with pytest.raises(grpc.RpcError) as info:
             fleet.admin().ListRegions(apb.ListRequest(), timeout=15)

@@ -37,30 +37,34 @@ SHORT = 0.3  # how long "nothing happens" is observed
 LONG = 5.0  # upper bound for something that must happen
 
 
-@pytest.fixture(params=["memory", "etcd"])
-def backend(request: pytest.FixtureRequest) -> EtcdEndpoint | None:
-    """None for the in-memory store; a wiped session etcd otherwise.
+@pytest.fixture
+def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
+    """The session etcd, wiped (clean_etcd).
 
-    Sync on purpose: an async fixture cannot resolve another async fixture
-    (clean_etcd) lazily from inside the running loop.
-    """
-    if request.param == "etcd":
-        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        collect_docker_probe_garbage()
-        return endpoint
-    return None
+    Resolved lazily so that the memory variant never starts etcd. Sync on
+    purpose: an async fixture cannot resolve another async fixture from inside
+    the running loop.
 
-
-def collect_docker_probe_garbage() -> None:
-    """Free the socket tests/conftest.py leaks when no Docker engine answers.
-
-    docker-py does not close its unix socket when connecting fails; the socket
-    sits in a reference cycle and its ResourceWarning would surface (as an
-    error, under filterwarnings=error) in whichever test the GC happens to run.
+    Starting the session etcd probes for Docker first (tests/conftest.py), and
+    docker-py leaks a unix socket when no engine answers; the socket sits in a
+    reference cycle, and its ResourceWarning would fail (filterwarnings=error)
+    whichever test the garbage collector happens to run in. It is collected
+    here, with that one warning ignored.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
+        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
         gc.collect()
+    return endpoint
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def backend(request: pytest.FixtureRequest) -> EtcdEndpoint | None:
+    """None for the in-memory store; the wiped session etcd otherwise."""
+    if request.param == "etcd":
+        endpoint: EtcdEndpoint = request.getfixturevalue("etcd_endpoint")
+        return endpoint
+    return None
 
 
 @pytest.fixture
@@ -77,9 +81,8 @@ async def store(backend: EtcdEndpoint | None) -> AsyncIterator[StateStore]:
 
 
 @pytest.fixture
-async def etcd_store(clean_etcd: EtcdEndpoint) -> AsyncIterator[EtcdStore]:
-    collect_docker_probe_garbage()
-    etcd = EtcdStore([clean_etcd.endpoint])
+async def etcd_store(etcd_endpoint: EtcdEndpoint) -> AsyncIterator[EtcdStore]:
+    etcd = EtcdStore([etcd_endpoint.endpoint])
     await etcd.connect()
     try:
         yield etcd

@@ -88,7 +88,9 @@ def proxy(name: str = "p1", session: str = "s1") -> ProxyRecord:
         "lat-inf",
     ],
 )
-async def test_put_region_rejects_invalid(catalog: Catalog, store: MemoryStore, bad: Region) -> None:
+async def test_put_region_rejects_invalid(
+    catalog: Catalog, store: MemoryStore, bad: Region
+) -> None:
     with pytest.raises(InvalidArgument):
         await catalog.put_region(bad, allow_update=False)
     assert (await store.list(REGIONS)).items == ()
@@ -335,19 +337,19 @@ async def test_store_unavailable_maps_to_unavailable(
     await with_region.put_origin(origin(), allow_update=False)
     store.available = False
     calls: list[Callable[[], Awaitable[object]]] = [
-        lambda: with_region.snapshot(),
+        with_region.snapshot,
         lambda: with_region.put_region(region("eu-west", 53.0, -6.0), allow_update=False),
         lambda: with_region.get_region("us-east"),
-        lambda: with_region.list_regions(),
+        with_region.list_regions,
         lambda: with_region.delete_region("us-east"),
         lambda: with_region.set_region_drained("us-east", True),
         lambda: with_region.put_origin(origin("o2"), allow_update=False),
-        lambda: with_region.list_origins(),
+        with_region.list_origins,
         lambda: with_region.delete_origin("o1"),
         lambda: with_region.set_origin_drained("o1", True),
         lambda: with_region.put_proxy(proxy(), 0),
         lambda: with_region.remove_proxy("p1", "s1"),
-        lambda: with_region.list_proxies(),
+        with_region.list_proxies,
     ]
     for call in calls:
         with pytest.raises(Unavailable):
@@ -356,9 +358,7 @@ async def test_store_unavailable_maps_to_unavailable(
     assert await with_region.get_region("us-east") == region()
 
 
-async def test_validation_comes_before_store_access(
-    catalog: Catalog, store: MemoryStore
-) -> None:
+async def test_validation_comes_before_store_access(catalog: Catalog, store: MemoryStore) -> None:
     store.available = False
     with pytest.raises(InvalidArgument):
         await catalog.put_region(region(lat=91.0), allow_update=False)

@@ -136,7 +136,8 @@ def test_empty_state_compiles() -> None:
 
 def test_publish_first_and_identical() -> None:
     pub = Publisher("cp-a")
-    assert pub.latest is None
+    initial = pub.latest
+    assert initial is None
     first = pub.publish(compile_table(state(revision=10)))
     assert first is not None
     assert pub.latest is first

@@ -363,7 +363,7 @@ def test_weighted_lead_share() -> None:
     leads: Counter[str] = Counter()
     draws = 4000
     for _ in range(draws):
-        order = routes.candidates("llama-3", rng.random)
+        order = routes.candidates("llama-3", rand=rng.random)
         assert sorted(t.name for t in order[:2]) == ["heavy", "light"]
         assert order[2].name == "far"  # a farther region never jumps ahead
         leads[order[0].name] += 1
@@ -372,12 +372,13 @@ def test_weighted_lead_share() -> None:
 
 
 def test_equal_weights_split_evenly() -> None:
-    table = make_table(
-        origins=[origin("a", "us-east", weight=5), origin("b", "us-east", weight=5)]
-    )
+    table = make_table(origins=[origin("a", "us-east", weight=5), origin("b", "us-east", weight=5)])
     routes = build_routes(table, "us-east")
     rng = random.Random(7)
-    share = sum(routes.candidates("llama-3", rng.random)[0].name == "a" for _ in range(4000)) / 4000
+    share = (
+        sum(routes.candidates("llama-3", rand=rng.random)[0].name == "a" for _ in range(4000))
+        / 4000
+    )
     assert 0.45 <= share <= 0.55, share
 
 
@@ -411,7 +412,9 @@ def tables(draw: st.DrawFn) -> pb.RouteTable:
         )
         for i in range(count)
     ]
-    return stamp(pb.RouteTable(version=draw(st.integers(1, 2**40)), regions=regions, origins=origins))
+    return stamp(
+        pb.RouteTable(version=draw(st.integers(1, 2**40)), regions=regions, origins=origins)
+    )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -430,12 +433,9 @@ def test_candidates_contain_each_eligible_origin_once(
         eligible = sorted(
             o.name
             for o in table.origins
-            if model in o.models
-            and not o.drained
-            and o.healthy
-            and o.region not in drained_regions
+            if model in o.models and not o.drained and o.healthy and o.region not in drained_regions
         )
-        targets = routes.candidates(model, rng.random)
+        targets = routes.candidates(model, rand=rng.random)
         got = names(targets)
         assert sorted(got) == eligible
         assert len(got) == len(set(got))

@@ -14,7 +14,9 @@ from ponto.v1 import routing_pb2 as pb
 CP = "control-plane"
 
 
-def table(version: int, *, weight: int = 100, models: tuple[str, ...] = ("llama-3",)) -> pb.RouteTable:
+def table(
+    version: int, *, weight: int = 100, models: tuple[str, ...] = ("llama-3",)
+) -> pb.RouteTable:
     t = pb.RouteTable(
         version=version,
         regions=[
@@ -196,3 +198,19 @@ def test_control_plane_confirms_disk_table(tmp_path: Path) -> None:
     holder.apply(table(5), "disk")
     assert holder.apply(table(5), CP) is False
     assert holder.source == CP
+
+
+def test_same_etag_older_version_does_not_reopen_stale_window(tmp_path: Path) -> None:
+    """Content A at v7, B at v8, A again at v9: after serving v9, B (v8) is stale.
+
+    A lagging replica may resend A as v7 before pushing v8; accepting v7 must not
+    lower the version the stale check compares against.
+    """
+    holder = TableHolder("us-east", tmp_path)
+    holder.apply(table(9), CP)
+    assert holder.apply(table(7), CP) is False  # same content, older version
+    assert holder.routes is not None
+    assert holder.routes.version == 9, "serving version went backwards"
+    with pytest.raises(TableError, match="stale"):
+        holder.apply(table(8, weight=5), CP)
+    assert holder.routes.etag == table(9).etag

@@ -1,0 +1,82 @@
+"""Leader election over the state store: one key, held under a lease.
+
+Every replica serves proxies and admin reads; only the leader runs the loops
+that write observed state (health probes, load scraping). A replica that
+cannot renew its lease within the TTL stops its leader loops at once, so two
+leaders overlap for at most the time it takes the old one to notice (the
+renew interval), and the new one is elected within the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from controlplane.store import Conflict, LeaseExpired, StateStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+LEADER_KEY = "/ponto/leader"
+
+
+class Leadership:
+    def __init__(self, store: StateStore, replica_id: str, *, ttl: int = 5) -> None:
+        self._store = store
+        self.replica_id = replica_id
+        self._ttl = ttl
+        self.is_leader = False
+        self.terms = 0
+
+    async def run(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Campaign forever; run `lead()` while leader, cancel it when leadership ends."""
+        while True:
+            lease = await self._campaign()
+            self.is_leader = True
+            self.terms += 1
+            log.info("%s is the leader (lease %x)", self.replica_id, lease)
+            leader_task = asyncio.create_task(lead(), name="leader-loops")
+            try:
+                await self._hold(lease, leader_task)
+            finally:
+                self.is_leader = False
+                leader_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await leader_task
+                with contextlib.suppress(StoreUnavailable):
+                    await self._store.revoke_lease(lease)
+            log.warning("%s lost leadership", self.replica_id)
+
+    async def _campaign(self) -> int:
+        while True:
+            try:
+                current = await self._store.get(LEADER_KEY)
+                if current is None:
+                    lease = await self._store.grant_lease(self._ttl)
+                    try:
+                        await self._store.put(
+                            LEADER_KEY, self.replica_id.encode(), lease=lease, if_absent=True
+                        )
+                        return lease
+                    except Conflict:
+                        await self._store.revoke_lease(lease)
+            except (StoreUnavailable, LeaseExpired) as exc:
+                log.debug("campaign: %s", exc)
+            await asyncio.sleep(min(1.0, self._ttl / 5))
+
+    async def _hold(self, lease: int, leader_task: asyncio.Task[None]) -> None:
+        loop = asyncio.get_running_loop()
+        renewed = loop.time()
+        while not leader_task.done():
+            await asyncio.sleep(self._ttl / 3)
+            try:
+                await self._store.refresh_lease(lease)
+                renewed = loop.time()
+            except LeaseExpired:
+                return
+            except StoreUnavailable:
+                # Not renewed: the lease may already be gone on the server.
+                # Step down before the TTL so another leader cannot overlap.
+                if loop.time() - renewed > self._ttl * 2 / 3:
+                    return

@@ -1,0 +1,175 @@
+"""Active health checks and load scraping of origins (leader only).
+
+Each origin is probed every interval at its probe path (resolved against the
+origin's scheme://host:port, so vLLM's /health works) and its Prometheus
+metrics are read for vLLM's load gauges. Health changes after `rise`
+consecutive successes or `fall` consecutive failures. Results are written to
+the store only when they change what proxies would do (health, or load by a
+tenth of capacity), so probing does not churn route tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from controlplane.catalog import Catalog
+from controlplane.errors import Unavailable
+from controlplane.model import Origin, OriginHealth
+
+log = logging.getLogger(__name__)
+LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    interval: float = 1.0
+    timeout: float = 1.0
+    path: str = "/health"
+    metrics_path: str = "/metrics"
+    rise: int = 2
+    fall: int = 2
+
+
+@dataclass
+class _Track:
+    healthy: bool = True
+    successes: int = 0
+    failures: int = 0
+    written: OriginHealth | None = None
+    detail: str = ""
+
+
+def parse_load(text: str) -> float | None:
+    """Sum of vLLM's running and waiting gauges over all label sets; None if absent."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(LOAD_GAUGES):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (ValueError, IndexError):
+                continue
+    return total if seen else None
+
+
+def root_of(base_url: str) -> str:
+    parts = urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def judge(track: _Track, ok: bool, detail: str, settings: ProbeSettings) -> None:
+    """Pure rise/fall hysteresis on one probe result."""
+    if ok:
+        track.successes += 1
+        track.failures = 0
+        if not track.healthy and track.successes >= settings.rise:
+            track.healthy = True
+            track.detail = ""
+    else:
+        track.failures += 1
+        track.successes = 0
+        track.detail = detail
+        if track.healthy and track.failures >= settings.fall:
+            track.healthy = False
+
+
+def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) -> bool:
+    if old is None or old.healthy != new.healthy:
+        return True
+    if not new.healthy:
+        return old.detail != new.detail
+    if capacity:
+        return round(old.inflight / capacity, 1) != round(new.inflight / capacity, 1)
+    return False
+
+
+class Prober:
+    def __init__(
+        self,
+        catalog: Catalog,
+        settings: ProbeSettings,
+        *,
+        may_write: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self._catalog = catalog
+        self._settings = settings
+        self._may_write = may_write
+        self._tracks: dict[str, _Track] = {}
+        self.rounds = 0
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self._settings.timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                started = asyncio.get_running_loop().time()
+                try:
+                    await self.probe_all(session)
+                except Unavailable as exc:
+                    log.warning("health round skipped: %s", exc)
+                elapsed = asyncio.get_running_loop().time() - started
+                await asyncio.sleep(max(0.0, self._settings.interval - elapsed))
+
+    async def probe_all(self, session: aiohttp.ClientSession) -> None:
+        state = await self._catalog.snapshot()
+        names = {o.name for o in state.origins}
+        for gone in set(self._tracks) - names:
+            del self._tracks[gone]
+        for origin in state.origins:
+            if origin.name not in self._tracks:
+                stored = state.health.get(origin.name)
+                self._tracks[origin.name] = _Track(
+                    healthy=stored.healthy if stored else True, written=stored
+                )
+        await asyncio.gather(*(self._probe(session, o) for o in state.origins))
+        self.rounds += 1
+
+    async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> None:
+        track = self._tracks[origin.name]
+        root = root_of(origin.base_url)
+        ok, detail, load = False, "", None
+        try:
+            async with session.get(root + self._settings.path) as resp:
+                ok = resp.status < 400
+                detail = "" if ok else f"probe answered {resp.status}"
+                await resp.read()
+            if ok and self._settings.metrics_path:
+                try:
+                    async with session.get(root + self._settings.metrics_path) as resp:
+                        if resp.status == 200:
+                            load = parse_load(await resp.text())
+                except (aiohttp.ClientError, TimeoutError):
+                    pass  # no metrics is not a health failure
+        except TimeoutError:
+            detail = f"probe timed out after {self._settings.timeout}s"
+        except aiohttp.ClientError as exc:
+            detail = f"probe failed: {type(exc).__name__}"
+        judge(track, ok, detail, self._settings)
+        new = OriginHealth(
+            origin=origin.name,
+            healthy=track.healthy,
+            inflight=load if load is not None else (track.written.inflight if track.written else 0),
+            detail=track.detail,
+            checked_at=time.time(),
+        )
+        if self._may_write() and worth_writing(track.written, new, origin.capacity):
+            flipped = track.written is None or track.written.healthy != new.healthy
+            try:
+                await self._catalog.put_health(new)
+            except Unavailable as exc:
+                log.warning("cannot record health of %s: %s", origin.name, exc)
+                return
+            track.written = new
+            if flipped:
+                log.info(
+                    "origin %s is %s%s",
+                    origin.name,
+                    "healthy" if new.healthy else "unhealthy",
+                    f" ({new.detail})" if new.detail else "",
+                )

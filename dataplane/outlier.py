@@ -1,0 +1,127 @@
+"""Passive health at the proxy: outlier detection per origin, and a retry budget.
+
+An origin that fails `consecutive` times in a row (connect error, 5xx,
+timeout) is ejected for base * 2**(ejections-1) seconds, capped; a success
+resets its failure count, and an ejection that ends without new failures
+lowers the multiplier again. Ejected origins are not removed from candidate
+lists but moved to the end, so a request still finds one if all are ejected.
+Both classes are single-threaded (one event loop) and read time from an
+injected clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dataplane.routes import Target
+
+
+@dataclass
+class _State:
+    failures: int = 0
+    ejections: int = 0
+    until: float = 0.0
+
+
+class OutlierDetector:
+    def __init__(
+        self,
+        *,
+        consecutive: int = 3,
+        base: float = 1.0,
+        cap: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._consecutive = consecutive
+        self._base = base
+        self._cap = cap
+        self._clock = clock
+        self._states: dict[str, _State] = {}
+        self.ejections_total = 0
+
+    def success(self, origin: str) -> None:
+        state = self._states.get(origin)
+        if state is not None:
+            state.failures = 0
+            if state.until <= self._clock():
+                state.ejections = max(0, state.ejections - 1)
+
+    def failure(self, origin: str) -> bool:
+        """Record a failure; return True if it ejected the origin."""
+        state = self._states.setdefault(origin, _State())
+        state.failures += 1
+        now = self._clock()
+        if state.failures >= self._consecutive and state.until <= now:
+            state.ejections += 1
+            state.failures = 0
+            state.until = now + min(self._cap, self._base * 2 ** (state.ejections - 1))
+            self.ejections_total += 1
+            return True
+        return False
+
+    def ejected_now(self) -> int:
+        """How many origins are ejected at this moment."""
+        if not self._states:
+            return 0
+        now = self._clock()
+        return sum(1 for state in self._states.values() if state.until > now)
+
+    def ejected(self, origin: str) -> bool:
+        state = self._states.get(origin)
+        return state is not None and state.until > self._clock()
+
+    def order(self, candidates: list[Target]) -> list[Target]:
+        """Candidates with ejected origins moved last, order otherwise kept."""
+        if not self._states:
+            return candidates
+        now = self._clock()
+        live: list[Target] = []
+        out: list[Target] = []
+        for target in candidates:
+            state = self._states.get(target.name)
+            (out if state is not None and state.until > now else live).append(target)
+        return live + out if out else candidates
+
+
+class RetryBudget:
+    """Retries may add at most `ratio` of the request rate, plus `floor` per second.
+
+    Finagle's scheme: each request deposits `ratio` tokens, each retry takes
+    one; a floor lets a quiet proxy still retry. Stops retry storms from
+    multiplying load on origins that are already failing.
+    """
+
+    def __init__(
+        self,
+        *,
+        ratio: float = 0.2,
+        floor_per_s: float = 10.0,
+        cap: float = 100.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ratio = ratio
+        self._floor = floor_per_s
+        self._cap = cap
+        self._clock = clock
+        self._tokens = cap
+        self._last = clock()
+        self.refused = 0
+
+    def deposit(self) -> None:
+        self._refill()
+        self._tokens = min(self._cap, self._tokens + self._ratio)
+
+    def try_retry(self) -> bool:
+        self._refill()
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.refused += 1
+        return False
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self._cap, self._tokens + (now - self._last) * self._floor)
+        self._last = now
