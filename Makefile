@@ -64,7 +64,7 @@ demo-check: $(STAMP)
 	$(BIN)/ponto-demo --check
 
 bench: $(STAMP)
-	$(PY) -m bench.overhead
+	$(PY) -m bench.routing
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
