@@ -63,7 +63,9 @@ demo: $(STAMP)
 demo-check: $(STAMP)
 	$(BIN)/ponto-demo --check
 
+# Side-by-side measurements; each prints its figures and ratios.
 bench: $(STAMP)
+	$(PY) -m bench.overhead
 	$(PY) -m bench.routing
 
 clean:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -28,6 +30,32 @@ from controlplane.store.base import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def grpc_target(endpoints: Sequence[str]) -> str | None:
+    """A gRPC target for endpoints that name hosts rather than IPs.
+
+    etcd3aio builds an `ipv4:` target, which takes IP literals only. One DNS
+    name (a Kubernetes headless Service, say) becomes a `dns:` target that
+    gRPC re-resolves on reconnect and balances over every address; several
+    names are resolved once here. None: all IP literals, keep etcd3aio's.
+    """
+    hosts = [e.rsplit(":", 1)[0].strip("[]") for e in endpoints]
+    try:
+        for host in hosts:
+            ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if len(endpoints) == 1:
+        return f"dns:///{endpoints[0]}"
+    resolved = []
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        for info in socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM):
+            resolved.append(f"{info[4][0]}:{port}")
+    log.warning("etcd endpoints resolved once at start: %s", ", ".join(resolved))
+    return "ipv4:" + ",".join(dict.fromkeys(resolved))
 
 
 class EtcdStore:
