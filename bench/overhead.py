@@ -69,7 +69,7 @@ def report(label: str, r: dict[str, list[float]]) -> None:
     print(f"  proxy   p50 {p50 * 1e3:.3f} ms  p99 {p99 * 1e3:.3f} ms")
     print(f"  added   p50 {(p50 - d50) * 1e3:.3f} ms  p99 {(p99 - d99) * 1e3:.3f} ms  "
           f"(proxy/direct p50 = {p50 / d50:.2f}x)")  # fmt: skip
-    if "stream" in label:
+    if label == "streaming":
         dt, pt = statistics.median(r["direct_ttfb"]), statistics.median(r["proxy_ttfb"])
         print(f"  time to first chunk p50: direct {dt * 1e3:.3f} ms, proxy {pt * 1e3:.3f} ms "
               f"(+{(pt - dt) * 1e3:.3f} ms)")  # fmt: skip

@@ -67,16 +67,20 @@ class Leadership:
 
     async def _hold(self, lease: int, leader_task: asyncio.Task[None]) -> None:
         loop = asyncio.get_running_loop()
+        # Past this point the lease may be gone on the server and another
+        # replica may lead: step down before it, whatever a renewal is doing.
+        step_down_after = self._ttl * 2 / 3
         renewed = loop.time()
         while not leader_task.done():
             await asyncio.sleep(self._ttl / 3)
+            budget = renewed + step_down_after - loop.time()
+            if budget <= 0:
+                return
             try:
-                await self._store.refresh_lease(lease)
+                await asyncio.wait_for(self._store.refresh_lease(lease), budget)
                 renewed = loop.time()
             except LeaseExpired:
                 return
-            except StoreUnavailable:
-                # Not renewed: the lease may already be gone on the server.
-                # Step down before the TTL so another leader cannot overlap.
-                if loop.time() - renewed > self._ttl * 2 / 3:
+            except (StoreUnavailable, TimeoutError):
+                if loop.time() - renewed >= step_down_after:
                     return

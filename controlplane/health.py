@@ -86,7 +86,9 @@ def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) ->
     if not new.healthy:
         return old.detail != new.detail
     if capacity:
-        return round(old.inflight / capacity, 1) != round(new.inflight / capacity, 1)
+        # A change of a tenth of capacity, not a crossing of a rounding edge:
+        # jitter around an edge would otherwise push a table every probe.
+        return abs(new.inflight - old.inflight) >= capacity / 10
     return False
 
 

@@ -113,9 +113,13 @@ class RoutingService:
         finally:
             self.streams -= 1
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            # Unregister first and shielded: the handler may itself be
+            # cancelled (the peer vanished), and a registration left behind
+            # would only go when the replica's lease does.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._registry.unregister(session_id))
+            with contextlib.suppress(BaseException):
                 await reader
-            await self._registry.unregister(session_id)
             log.info("proxy %s stream closed", name)
 
     async def _read_acks(self, session_id: str, requests: AsyncIterator[pb.RouteRequest]) -> None:

@@ -1,0 +1,426 @@
+"""controlplane.election over MemoryStore, and the load that compile_table derives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from controlplane.compile import DEFAULT_SPILL_THRESHOLD, compile_table
+from controlplane.election import LEADER_KEY, Leadership
+from controlplane.model import Origin, OriginHealth, Region, State
+from controlplane.store import KeyValue, Listing, StoreUnavailable
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import routing_pb2 as pb
+
+TTL = 2
+MARGIN = 1.5  # scheduling slack on top of what the protocol allows
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float) -> float:
+    """Poll until predicate holds; return the seconds it took. Fails after timeout."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout)
+    return loop.time() - start
+
+
+async def stop(*tasks: asyncio.Task[None]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+
+class Journal:
+    """Records when each replica's lead() starts and is cancelled."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def lead_for(self, name: str) -> Callable[[], Coroutine[Any, Any, None]]:
+        async def lead() -> None:
+            self.events.append(("start", name))
+            try:
+                await asyncio.Event().wait()  # leader loops run until cancelled
+            except asyncio.CancelledError:
+                self.events.append(("cancelled", name))
+                raise
+
+        return lead
+
+    def started(self) -> list[str]:
+        return [name for kind, name in self.events if kind == "start"]
+
+    def cancelled(self) -> list[str]:
+        return [name for kind, name in self.events if kind == "cancelled"]
+
+
+class Partitioned:
+    """One replica's view of a shared MemoryStore that can be cut off alone.
+
+    MemoryStore.available is global to the store; this simulates a network
+    partition (or a hung process) of a single replica.
+    """
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self._inner = inner
+        self.cut = False
+        # While cut, a lease renewal hangs this long before failing, as a
+        # keepalive does against a blackholed network until the client's
+        # per-call timeout (EtcdStore's default is 3 s). 0: fail at once.
+        self.renew_hangs = 0.0
+
+    def _check(self) -> None:
+        if self.cut:
+            raise StoreUnavailable("partitioned")
+
+    async def get(self, key: str) -> KeyValue | None:
+        self._check()
+        return await self._inner.get(key)
+
+    async def list(self, prefix: str) -> Listing:
+        self._check()
+        return await self._inner.list(prefix)
+
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        lease: int = 0,
+        if_absent: bool = False,
+        if_mod_revision: int | None = None,
+    ) -> int:
+        self._check()
+        return await self._inner.put(
+            key, value, lease=lease, if_absent=if_absent, if_mod_revision=if_mod_revision
+        )
+
+    async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:
+        self._check()
+        return await self._inner.delete(key, if_mod_revision=if_mod_revision)
+
+    async def grant_lease(self, ttl: int) -> int:
+        self._check()
+        return await self._inner.grant_lease(ttl)
+
+    async def refresh_lease(self, lease_id: int) -> int:
+        if self.cut and self.renew_hangs:
+            await asyncio.sleep(self.renew_hangs)
+        self._check()
+        return await self._inner.refresh_lease(lease_id)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        self._check()
+        await self._inner.revoke_lease(lease_id)
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
+        self._check()
+        async for revision in self._inner.watch(prefix, start_revision):
+            yield revision
+
+    async def close(self) -> None:
+        return None
+
+
+async def leader_name(store: MemoryStore) -> str | None:
+    kv = await store.get(LEADER_KEY)
+    return kv.value.decode() if kv else None
+
+
+# ---------------------------------------------------------------- election
+
+
+async def test_exactly_one_of_two_leads() -> None:
+    store = MemoryStore()
+    journal = Journal()
+    a, b = Leadership(store, "a", ttl=TTL), Leadership(store, "b", ttl=TTL)
+    tasks = [
+        asyncio.create_task(a.run(journal.lead_for("a"))),
+        asyncio.create_task(b.run(journal.lead_for("b"))),
+    ]
+    try:
+        await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
+        # Several campaign and renew intervals later there is still one leader.
+        await asyncio.sleep(TTL * 0.75)
+        assert len(journal.started()) == 1
+        (winner,) = journal.started()
+        assert journal.cancelled() == []
+        assert [a.is_leader, b.is_leader].count(True) == 1
+        leader, follower = (a, b) if a.is_leader else (b, a)
+        assert leader.replica_id == winner
+        assert (leader.terms, follower.terms) == (1, 0)
+        assert await leader_name(store) == winner
+    finally:
+        await stop(*tasks)
+    assert not a.is_leader
+    assert not b.is_leader
+
+
+async def test_follower_takes_over_when_leader_task_is_cancelled() -> None:
+    store = MemoryStore()
+    journal = Journal()
+    replicas = {"a": Leadership(store, "a", ttl=TTL), "b": Leadership(store, "b", ttl=TTL)}
+    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    try:
+        await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
+        (old,) = journal.started()
+        new = "b" if old == "a" else "a"
+        await stop(tasks[old])  # run() revokes its lease on the way out
+        assert journal.cancelled() == [old]  # lead() is cancelled with it
+        assert not replicas[old].is_leader
+        took = await wait_until(lambda: replicas[new].is_leader, TTL + MARGIN)
+        assert took < TTL
+        assert journal.started() == [old, new]
+        assert await leader_name(store) == new
+        assert (replicas[old].terms, replicas[new].terms) == (1, 1)
+    finally:
+        await stop(*tasks.values())
+
+
+async def test_follower_takes_over_from_a_partitioned_leader() -> None:
+    """A leader cut off from the store cannot revoke: the lease must expire."""
+    store = MemoryStore()
+    journal = Journal()
+    views = {"a": Partitioned(store), "b": Partitioned(store)}
+    replicas = {n: Leadership(v, n, ttl=TTL) for n, v in views.items()}
+    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    try:
+        await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
+        (old,) = journal.started()
+        new = "b" if old == "a" else "a"
+        views[old].cut = True
+
+        stepped_down = await wait_until(lambda: not replicas[old].is_leader, TTL + MARGIN)
+        assert stepped_down < TTL  # before its lease can expire on the server
+        assert journal.cancelled() == [old]
+        took = await wait_until(lambda: replicas[new].is_leader, TTL + MARGIN)
+        assert stepped_down + took <= TTL + MARGIN
+        # The old leader's loops stopped before the new one's started: no overlap.
+        assert journal.events == [("start", old), ("cancelled", old), ("start", new)]
+        assert await leader_name(store) == new
+
+        # Healed, the old leader stays a follower while the new one renews.
+        views[old].cut = False
+        await asyncio.sleep(TTL)
+        assert not replicas[old].is_leader
+        assert replicas[new].is_leader
+        assert (replicas[old].terms, replicas[new].terms) == (1, 1)
+    finally:
+        await stop(*tasks.values())
+
+
+async def test_hung_renewal_does_not_outlive_the_lease() -> None:
+    """The old leader must step down before its lease can expire, even if a
+    renewal call hangs until the store client's timeout (3 s for EtcdStore,
+    more than the smallest allowed --leader-ttl of 2 s)."""
+    store = MemoryStore()
+    journal = Journal()
+    views = {"a": Partitioned(store), "b": Partitioned(store)}
+    replicas = {n: Leadership(v, n, ttl=TTL) for n, v in views.items()}
+    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    try:
+        await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
+        (old,) = journal.started()
+        new = "b" if old == "a" else "a"
+        views[old].renew_hangs = 3.0
+        views[old].cut = True
+        await wait_until(lambda: replicas[new].is_leader, TTL + MARGIN)
+        # When the new leader's loops start, the old leader's must be gone.
+        assert not replicas[old].is_leader, "two leaders at once"
+        assert journal.events == [("start", old), ("cancelled", old), ("start", new)]
+    finally:
+        await stop(*tasks.values())
+
+
+async def test_store_outage_ends_leadership_and_it_is_regained() -> None:
+    store = MemoryStore()
+    journal = Journal()
+    replica = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(journal.lead_for("a")))
+    try:
+        await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+        store.available = False
+        took = await wait_until(lambda: not replica.is_leader, TTL + MARGIN)
+        assert took < TTL
+        assert journal.cancelled() == ["a"]
+        await asyncio.sleep(0.5)
+        assert not replica.is_leader  # cannot campaign during the outage
+        assert replica.terms == 1
+        store.available = True
+        await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+        assert replica.terms == 2
+        assert journal.started() == ["a", "a"]
+    finally:
+        await stop(task)
+
+
+async def test_lost_lease_ends_the_term_and_a_new_one_starts() -> None:
+    store = MemoryStore()
+    journal = Journal()
+    replica = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(journal.lead_for("a")))
+    try:
+        await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+        kv = await store.get(LEADER_KEY)
+        assert kv is not None
+        assert kv.lease
+        await store.revoke_lease(kv.lease)  # the lease vanished server-side
+        await wait_until(lambda: replica.terms == 2, TTL + MARGIN)
+        assert journal.events == [("start", "a"), ("cancelled", "a"), ("start", "a")]
+        assert replica.is_leader
+        renewed = await store.get(LEADER_KEY)
+        assert renewed is not None
+        assert renewed.lease != kv.lease
+    finally:
+        await stop(task)
+
+
+async def test_lead_returning_ends_the_term() -> None:
+    store = MemoryStore()
+    runs = 0
+
+    async def lead() -> None:
+        nonlocal runs
+        runs += 1
+
+    replica = Leadership(store, "a", ttl=1)
+    task = asyncio.create_task(replica.run(lead))
+    try:
+        await wait_until(lambda: replica.terms >= 3, 5)
+        assert runs >= 2
+        assert runs in (replica.terms, replica.terms - 1)
+    finally:
+        await stop(task)
+
+
+async def test_nobody_leads_while_the_store_is_down() -> None:
+    store = MemoryStore()
+    store.available = False
+    journal = Journal()
+    replica = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(journal.lead_for("a")))
+    try:
+        await asyncio.sleep(1.0)
+        assert not replica.is_leader
+        assert journal.events == []
+        store.available = True
+        await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+        assert replica.terms == 1
+    finally:
+        await stop(task)
+
+
+async def test_key_held_by_another_replica_is_respected() -> None:
+    store = MemoryStore()
+    lease = await store.grant_lease(60)
+    await store.put(LEADER_KEY, b"someone-else", lease=lease, if_absent=True)
+    journal = Journal()
+    replica = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(journal.lead_for("a")))
+    try:
+        await asyncio.sleep(1.0)
+        assert not replica.is_leader
+        await store.revoke_lease(lease)
+        await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+        assert await leader_name(store) == "a"
+    finally:
+        await stop(task)
+
+
+# ---------------------------------------------------------------- compile: region load
+
+EU = Region("eu-west", 53.0, -6.0)
+US = Region("us-east", 39.0, -77.0)
+
+
+def origin(name: str, region: str = "eu-west", capacity: int = 10) -> Origin:
+    return Origin(name, f"http://{name}.example/v1", region, ("llama-3",), capacity=capacity)
+
+
+def compiled_region(table: pb.RouteTable, name: str) -> pb.Region:
+    (region,) = [r for r in table.regions if r.name == name]
+    return region
+
+
+def test_region_load_is_inflight_over_capacity() -> None:
+    state = State(
+        3,
+        (EU,),
+        (origin("a"),),
+        {"a": OriginHealth("a", healthy=True, inflight=9)},
+    )
+    region = compiled_region(compile_table(state), "eu-west")
+    assert region.load == pytest.approx(0.9)
+    assert region.spill_threshold == pytest.approx(DEFAULT_SPILL_THRESHOLD)
+    assert DEFAULT_SPILL_THRESHOLD == 0.8
+
+
+def test_region_load_sums_over_origins() -> None:
+    state = State(
+        3,
+        (EU, US),
+        (origin("a"), origin("b", capacity=30), origin("c", "us-east")),
+        {
+            "a": OriginHealth("a", healthy=True, inflight=9),
+            "b": OriginHealth("b", healthy=True, inflight=3),
+            "c": OriginHealth("c", healthy=True, inflight=2),
+        },
+    )
+    table = compile_table(state)
+    assert compiled_region(table, "eu-west").load == pytest.approx(12 / 40)
+    assert compiled_region(table, "us-east").load == pytest.approx(0.2)
+
+
+def test_unhealthy_origins_are_excluded_from_load() -> None:
+    state = State(
+        3,
+        (EU,),
+        (origin("a"), origin("b")),
+        {
+            "a": OriginHealth("a", healthy=False, inflight=9, detail="probe answered 503"),
+            "b": OriginHealth("b", healthy=True, inflight=2),
+        },
+    )
+    region = compiled_region(compile_table(state), "eu-west")
+    assert region.load == pytest.approx(0.2)  # 2 / 10: neither a's load nor capacity
+
+
+def test_origin_without_health_counts_as_healthy_and_idle() -> None:
+    state = State(3, (EU,), (origin("a"), origin("b")), {"a": OriginHealth("a", True, 5)})
+    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(0.25)
+
+
+def test_no_capacity_means_zero_load() -> None:
+    state = State(
+        3,
+        (EU,),
+        (origin("a", capacity=0),),
+        {"a": OriginHealth("a", healthy=True, inflight=50)},
+    )
+    table = compile_table(state)
+    assert compiled_region(table, "eu-west").load == 0.0
+    assert table.origins[0].inflight == 50  # still reported per origin
+
+
+def test_all_unhealthy_means_zero_load() -> None:
+    state = State(3, (EU,), (origin("a"),), {"a": OriginHealth("a", False, 9, "down")})
+    assert compiled_region(compile_table(state), "eu-west").load == 0.0
+
+
+def test_explicit_spill_threshold_is_kept() -> None:
+    custom = Region("eu-west", 53.0, -6.0, spill_threshold=0.5)
+    state = State(3, (custom,), (origin("a"),), {"a": OriginHealth("a", True, 6)})
+    region = compiled_region(compile_table(state), "eu-west")
+    assert region.spill_threshold == pytest.approx(0.5)
+    assert region.load == pytest.approx(0.6)

@@ -1,0 +1,465 @@
+"""controlplane.health: metrics parsing, hysteresis, write filtering, and real probes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from controlplane.catalog import Catalog
+from controlplane.health import (
+    Prober,
+    ProbeSettings,
+    _Track,
+    judge,
+    parse_load,
+    root_of,
+    worth_writing,
+)
+from controlplane.model import Origin, OriginHealth, Region
+from controlplane.store.memory import MemoryStore
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+VLLM_METRICS = f"""\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 3.0
+vllm:num_requests_running{{engine="1",model_name="{MODEL}"}} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 4.0
+vllm:num_requests_waiting{{engine="1",model_name="{MODEL}"}} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.42
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}} 123456.0
+# HELP process_resident_memory_bytes Resident memory size in bytes.
+# TYPE process_resident_memory_bytes gauge
+process_resident_memory_bytes 1.2345678e+09
+"""
+
+
+# ---------------------------------------------------------------- parse_load
+
+
+def test_parse_load_sums_running_and_waiting_over_label_sets() -> None:
+    assert parse_load(VLLM_METRICS) == 9.0
+
+
+def test_parse_load_without_labels() -> None:
+    text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 2.5\n"
+    assert parse_load(text) == 3.5
+
+
+def test_parse_load_label_values_with_spaces() -> None:
+    text = 'vllm:num_requests_running{model_name="my model v2"} 6\n'
+    assert parse_load(text) == 6.0
+
+
+def test_parse_load_zero_is_not_none() -> None:
+    text = 'vllm:num_requests_running{model_name="m"} 0.0\n'
+    assert parse_load(text) == 0.0
+
+
+def test_parse_load_only_one_gauge() -> None:
+    text = '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 7\n'
+    assert parse_load(text) == 7.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "# HELP vllm:num_requests_running Number of requests.\n"
+        "# TYPE vllm:num_requests_running gauge\n",
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\nprocess_open_fds 12\n',
+        "<html><body>Not Found</body></html>",
+    ],
+    ids=["empty", "help-and-type-only", "other-metrics", "html"],
+)
+def test_parse_load_none_without_the_gauges(text: str) -> None:
+    assert parse_load(text) is None
+
+
+def test_parse_load_ignores_malformed_lines() -> None:
+    text = (
+        'vllm:num_requests_running{model_name="m"} 2\n'
+        'vllm:num_requests_running{model_name="m"} not-a-number\n'
+        "vllm:num_requests_waiting\n"
+        'vllm:num_requests_waiting{model_name="m"} 1\n'
+    )
+    assert parse_load(text) == 3.0
+
+
+def test_parse_load_only_malformed_lines_is_none() -> None:
+    text = "vllm:num_requests_running{} garbage\nvllm:num_requests_waiting\n"
+    assert parse_load(text) is None
+
+
+# ---------------------------------------------------------------- root_of
+
+
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://10.0.0.5:8000/v1", "http://10.0.0.5:8000"),
+        ("https://gpu.example/openai/v1/", "https://gpu.example"),
+        ("http://gpu.example", "http://gpu.example"),
+        ("http://[::1]:9000/v1", "http://[::1]:9000"),
+    ],
+)
+def test_root_of_strips_the_path(url: str, root: str) -> None:
+    assert root_of(url) == root
+
+
+# ---------------------------------------------------------------- judge
+
+RISE_FALL_2 = ProbeSettings(rise=2, fall=2)
+DOWN = "probe answered 503"
+
+
+def step(
+    track: _Track, ok: bool, settings: ProbeSettings = RISE_FALL_2, detail: str = DOWN
+) -> bool:
+    """Judge one probe result; return whether the track is healthy afterwards."""
+    judge(track, ok, "" if ok else detail, settings)
+    return track.healthy
+
+
+def test_one_failure_keeps_healthy_two_flip() -> None:
+    track = _Track()
+    assert step(track, False) is True
+    assert step(track, False) is False
+    assert track.detail == DOWN
+
+
+def test_interrupted_failures_do_not_flip() -> None:
+    track = _Track()
+    for _ in range(5):
+        assert step(track, False) is True
+        assert step(track, True) is True
+
+
+def test_one_success_keeps_unhealthy_two_flip_back() -> None:
+    track = _Track(healthy=False, detail=DOWN)
+    assert step(track, True) is False
+    assert track.detail == DOWN  # still unhealthy: reason kept
+    assert step(track, True) is True
+    assert track.detail == ""
+
+
+def test_interrupted_successes_do_not_flip_back() -> None:
+    track = _Track(healthy=False, detail="probe failed: ClientConnectorError")
+    for _ in range(5):
+        assert step(track, True) is False
+        assert step(track, False, detail="probe answered 502") is False
+    assert track.detail == "probe answered 502"
+
+
+def test_detail_follows_latest_failure_while_unhealthy() -> None:
+    track = _Track()
+    step(track, False)
+    assert step(track, False) is False
+    assert step(track, False, detail="probe timed out after 1.0s") is False
+    assert track.detail == "probe timed out after 1.0s"
+    assert step(track, True) is False
+    assert track.detail == "probe timed out after 1.0s"
+
+
+def test_rise_and_fall_of_one_flip_at_once() -> None:
+    settings = ProbeSettings(rise=1, fall=1)
+    track = _Track()
+    assert step(track, False, settings) is False
+    assert track.detail == DOWN
+    assert step(track, True, settings) is True
+    assert track.detail == ""
+
+
+def test_asymmetric_rise_and_fall() -> None:
+    settings = ProbeSettings(rise=3, fall=1)
+    track = _Track()
+    assert step(track, False, settings) is False
+    assert step(track, True, settings) is False
+    assert step(track, True, settings) is False
+    assert step(track, True, settings) is True
+
+
+# ---------------------------------------------------------------- worth_writing
+
+
+def health(healthy: bool = True, inflight: float = 0.0, detail: str = "") -> OriginHealth:
+    return OriginHealth(origin="o1", healthy=healthy, inflight=inflight, detail=detail)
+
+
+def test_first_result_is_always_written() -> None:
+    assert worth_writing(None, health(), 0)
+    assert worth_writing(None, health(healthy=False, detail="x"), 10)
+
+
+def test_health_flips_are_written() -> None:
+    assert worth_writing(health(True), health(False, detail="probe answered 503"), 0)
+    assert worth_writing(health(False, detail="probe answered 503"), health(True), 0)
+
+
+def test_same_health_same_load_not_written() -> None:
+    assert not worth_writing(health(True, 3), health(True, 3), 10)
+    unhealthy = health(False, 3, "probe answered 503")
+    assert not worth_writing(unhealthy, unhealthy, 10)
+
+
+def test_detail_change_while_unhealthy_is_written() -> None:
+    old = health(False, detail="probe answered 503")
+    new = health(False, detail="probe failed: ClientConnectorError")
+    assert worth_writing(old, new, 10)
+
+
+def test_load_change_while_unhealthy_is_not_written() -> None:
+    old = health(False, 0, "probe answered 503")
+    new = health(False, 9, "probe answered 503")
+    assert not worth_writing(old, new, 10)
+
+
+def test_load_change_of_a_tenth_of_capacity_is_written() -> None:
+    assert worth_writing(health(True, 0), health(True, 1), 10)
+    assert worth_writing(health(True, 2), health(True, 5), 10)
+    assert worth_writing(health(True, 90), health(True, 0), 100)
+
+
+def test_small_load_change_is_not_written() -> None:
+    assert not worth_writing(health(True, 0), health(True, 0.4), 10)
+    assert not worth_writing(health(True, 30), health(True, 31), 100)
+
+
+def test_load_change_without_capacity_is_not_written() -> None:
+    assert not worth_writing(health(True, 0), health(True, 500), 0)
+
+
+def test_tiny_load_jitter_is_not_written() -> None:
+    """Docstring: only load changes "by a tenth of capacity" are written.
+
+    worth_writing compares round(load, 1) buckets instead of the size of the
+    change, so an origin jittering between 4 and 6 requests out of 100 (2% of
+    capacity) crosses the 0.05 rounding edge and is rewritten every probe,
+    which recompiles and re-pushes the route table every interval.
+    """
+    assert not worth_writing(health(True, 4), health(True, 6), 100)
+    assert not worth_writing(health(True, 6), health(True, 4), 100)
+
+
+# ---------------------------------------------------------------- Prober, real servers
+
+
+@dataclass
+class FakeOrigin:
+    """What the tiny vLLM stand-in answers; tests change it between rounds."""
+
+    status: int = 200
+    metrics: str = VLLM_METRICS
+    health_hits: list[str] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        async def health_handler(request: web.Request) -> web.Response:
+            self.health_hits.append(request.path)
+            return web.Response(status=self.status, text="ok" if self.status < 400 else "down")
+
+        async def metrics_handler(request: web.Request) -> web.Response:
+            return web.Response(text=self.metrics, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/health", health_handler)
+        app.router.add_get("/metrics", metrics_handler)
+        return app
+
+
+@pytest.fixture
+async def fake_origin() -> AsyncIterator[tuple[FakeOrigin, TestServer]]:
+    origin = FakeOrigin()
+    server = TestServer(origin.app(), host="127.0.0.1")
+    await asyncio.wait_for(server.start_server(), 10)
+    try:
+        yield origin, server
+    finally:
+        await asyncio.wait_for(server.close(), 10)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        yield s
+
+
+async def make_catalog(*origins: Origin) -> Catalog:
+    catalog = Catalog(MemoryStore())
+    await catalog.put_region(Region("eu-west", 53.0, -6.0), allow_update=False)
+    for o in origins:
+        await catalog.put_origin(o, allow_update=False)
+    return catalog
+
+
+def closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+async def stored(catalog: Catalog, name: str) -> OriginHealth | None:
+    return (await catalog.snapshot()).health.get(name)
+
+
+async def probe(prober: Prober, session: aiohttp.ClientSession) -> None:
+    await asyncio.wait_for(prober.probe_all(session), 10)
+
+
+async def test_prober_follows_health_and_load(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    origin, server = fake_origin
+    base_url = str(server.make_url("/v1"))
+    catalog = await make_catalog(Origin("o1", base_url, "eu-west", ("llama-3",), capacity=10))
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+
+    await probe(prober, session)
+    first = await stored(catalog, "o1")
+    assert first is not None
+    assert first.healthy
+    assert first.inflight == 9.0  # 3 + 2 running, 4 + 0 waiting
+    assert first.detail == ""
+    assert first.checked_at > 0
+    assert origin.health_hits == ["/health"]  # resolved against the root, not /v1
+
+    origin.status = 503
+    await probe(prober, session)
+    down = await stored(catalog, "o1")
+    assert down is not None
+    assert not down.healthy
+    assert "503" in down.detail
+    assert down.inflight == 9.0  # no metrics read while down: last load kept
+
+    origin.status = 200
+    origin.metrics = VLLM_METRICS.replace("} 3.0", "} 7.0")  # engine 0 running 3 -> 7
+    await probe(prober, session)
+    up = await stored(catalog, "o1")
+    assert up is not None
+    assert up.healthy
+    assert up.detail == ""
+    assert up.inflight == 13.0
+    assert prober.rounds == 3
+
+
+async def test_prober_hysteresis_with_default_rise_fall(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    origin, server = fake_origin
+    catalog = await make_catalog(
+        Origin("o1", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10)
+    )
+    prober = Prober(catalog, ProbeSettings(rise=2, fall=2, timeout=2))
+    await probe(prober, session)
+    origin.status = 500
+    await probe(prober, session)
+    one = await stored(catalog, "o1")
+    assert one is not None
+    assert one.healthy  # one failure is not enough
+    await probe(prober, session)
+    two = await stored(catalog, "o1")
+    assert two is not None
+    assert not two.healthy
+    assert "500" in two.detail
+
+
+async def test_prober_without_metrics_keeps_zero_load(session: aiohttp.ClientSession) -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)  # no /metrics: 404
+    server = TestServer(app, host="127.0.0.1")
+    await asyncio.wait_for(server.start_server(), 10)
+    try:
+        catalog = await make_catalog(
+            Origin("o1", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10)
+        )
+        prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+        await probe(prober, session)
+    finally:
+        await asyncio.wait_for(server.close(), 10)
+    h = await stored(catalog, "o1")
+    assert h is not None
+    assert h.healthy  # missing metrics is not a health failure
+    assert h.inflight == 0.0
+
+
+async def test_prober_writes_nothing_when_not_allowed(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    origin, server = fake_origin
+    catalog = await make_catalog(
+        Origin("o1", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10)
+    )
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2), may_write=lambda: False)
+    await probe(prober, session)
+    origin.status = 503
+    await probe(prober, session)
+    assert len(origin.health_hits) == 2  # it did probe
+    assert (await catalog.snapshot()).health == {}
+    assert prober.rounds == 2
+
+
+async def test_prober_marks_closed_port_unhealthy(session: aiohttp.ClientSession) -> None:
+    port = closed_port()
+    catalog = await make_catalog(
+        Origin("dead", f"http://127.0.0.1:{port}/v1", "eu-west", ("llama-3",), capacity=10)
+    )
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    await probe(prober, session)
+    h = await stored(catalog, "dead")
+    assert h is not None
+    assert not h.healthy
+    assert h.detail.startswith("probe failed")
+
+
+async def test_prober_probes_every_origin_independently(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    _, server = fake_origin
+    port = closed_port()
+    catalog = await make_catalog(
+        Origin("live", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10),
+        Origin("dead", f"http://127.0.0.1:{port}/v1", "eu-west", ("llama-3",), capacity=10),
+    )
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    await probe(prober, session)
+    health_by_name = (await catalog.snapshot()).health
+    assert health_by_name["live"].healthy
+    assert health_by_name["live"].inflight == 9.0
+    assert not health_by_name["dead"].healthy
+
+
+async def test_prober_starts_from_stored_health(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    """A new leader resumes from what the previous one stored (rise applies)."""
+    _, server = fake_origin
+    catalog = await make_catalog(
+        Origin("o1", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10)
+    )
+    await catalog.put_health(OriginHealth("o1", healthy=False, detail="probe answered 503"))
+    prober = Prober(catalog, ProbeSettings(rise=2, fall=2, timeout=2))
+    await probe(prober, session)
+    h = await stored(catalog, "o1")
+    assert h is not None
+    assert not h.healthy  # one success of two
+    await probe(prober, session)
+    h = await stored(catalog, "o1")
+    assert h is not None
+    assert h.healthy
