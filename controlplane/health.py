@@ -71,7 +71,8 @@ def judge(track: _Track, ok: bool, detail: str, settings: ProbeSettings) -> None
         track.failures = 0
         if not track.healthy and track.successes >= settings.rise:
             track.healthy = True
-            track.detail = ""
+        if track.healthy:
+            track.detail = ""  # a passing probe clears a reason that never flipped health
     else:
         track.failures += 1
         track.successes = 0

@@ -115,7 +115,7 @@ class RetryBudget:
 
     def try_retry(self) -> bool:
         self._refill()
-        if self._tokens >= 1.0:
+        if self._tokens >= 1.0 - 1e-9:  # ten deposits of 0.1 make 0.999…
             self._tokens -= 1.0
             return True
         self.refused += 1

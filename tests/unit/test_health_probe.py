@@ -244,15 +244,16 @@ def test_load_change_without_capacity_is_not_written() -> None:
 
 
 def test_tiny_load_jitter_is_not_written() -> None:
-    """Docstring: only load changes "by a tenth of capacity" are written.
+    """Only load changes "by a tenth of capacity" are written (module docstring).
 
-    worth_writing compares round(load, 1) buckets instead of the size of the
-    change, so an origin jittering between 4 and 6 requests out of 100 (2% of
-    capacity) crosses the 0.05 rounding edge and is rewritten every probe,
-    which recompiles and re-pushes the route table every interval.
+    Comparing round(load, 1) buckets instead would rewrite an origin jittering
+    between 4 and 6 requests out of 100 (2% of capacity) on every probe, and
+    so recompile and re-push the route table every interval.
     """
     assert not worth_writing(health(True, 4), health(True, 6), 100)
     assert not worth_writing(health(True, 6), health(True, 4), 100)
+    assert not worth_writing(health(True, 6), health(True, 14), 100)  # 8%: same bucket too
+    assert worth_writing(health(True, 6), health(True, 16), 100)
 
 
 # ---------------------------------------------------------------- Prober, real servers
