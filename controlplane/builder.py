@@ -65,8 +65,7 @@ class TableBuilder:
         self._dirty.set()
         while True:
             await self._dirty.wait()
-            await self._debounce()
-            self._dirty.clear()
+            await self._debounce()  # returns with _dirty cleared
             try:
                 await self.build_once()
                 self.store_ok = True

@@ -46,6 +46,7 @@ PROXIES = ROOT + "proxies/"
 CAS_ATTEMPTS = 8
 
 T = TypeVar("T")
+R = TypeVar("R", Region, Origin)
 
 
 async def _guard(aw: Awaitable[T]) -> T:
@@ -89,22 +90,7 @@ class Catalog:
 
     async def put_region(self, region: Region, *, allow_update: bool) -> Region:
         region = region.validated()
-        key = REGIONS + region.name
-        current = await _guard(self.store.get(key))
-        if current is not None:
-            if not allow_update:
-                raise AlreadyExists(f"region {region.name!r} already exists")
-            # An update keeps the drain flag: draining is its own operation.
-            region = replace(region, drained=decode_region(current.value).drained)
-        try:
-            await _guard(
-                self.store.put(
-                    key, encode(region), if_mod_revision=current.mod_revision if current else 0
-                )
-            )
-        except Conflict as exc:
-            raise AlreadyExists(f"region {region.name!r} was changed concurrently") from exc
-        return region
+        return await self._put("region", REGIONS, region, decode_region, allow_update)
 
     async def get_region(self, name: str) -> Region:
         kv = await _guard(self.store.get(REGIONS + check_name("region", name)))
@@ -142,21 +128,7 @@ class Catalog:
                 f"region {origin.region!r} of origin {origin.name!r} not found; "
                 "add the region first"
             )
-        key = ORIGINS + origin.name
-        current = await _guard(self.store.get(key))
-        if current is not None:
-            if not allow_update:
-                raise AlreadyExists(f"origin {origin.name!r} already exists")
-            origin = replace(origin, drained=decode_origin(current.value).drained)
-        try:
-            await _guard(
-                self.store.put(
-                    key, encode(origin), if_mod_revision=current.mod_revision if current else 0
-                )
-            )
-        except Conflict as exc:
-            raise AlreadyExists(f"origin {origin.name!r} was changed concurrently") from exc
-        return origin
+        return await self._put("origin", ORIGINS, origin, decode_origin, allow_update)
 
     async def list_origins(self) -> list[Origin]:
         return list((await self.snapshot()).origins)
@@ -173,6 +145,32 @@ class Catalog:
             lambda o: replace(o, drained=drained),
             f"origin {name!r} not found",
         )
+
+    async def _put(
+        self,
+        kind: str,
+        prefix: str,
+        value: R,
+        decode: Callable[[bytes], R],
+        allow_update: bool,
+    ) -> R:
+        """Create value, or replace it when allow_update; an update keeps the
+        drain flag, because draining is its own operation."""
+        key = prefix + value.name
+        current = await _guard(self.store.get(key))
+        if current is not None:
+            if not allow_update:
+                raise AlreadyExists(f"{kind} {value.name!r} already exists")
+            value = replace(value, drained=decode(current.value).drained)
+        try:
+            await _guard(
+                self.store.put(
+                    key, encode(value), if_mod_revision=current.mod_revision if current else 0
+                )
+            )
+        except Conflict as exc:
+            raise AlreadyExists(f"{kind} {value.name!r} was changed concurrently") from exc
+        return value
 
     async def _update(
         self,

@@ -28,6 +28,12 @@ ENDPOINTS = {
 }
 
 
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
+    )
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise ApiError(
@@ -36,16 +42,14 @@ async def read_json(request: web.Request) -> dict[str, Any]:
             code="unsupported_media_type",
         )
     limit = request.app[SETTINGS].max_body_bytes
+    # A declared length over the limit is refused before reading a byte;
+    # chunked bodies are cut off by aiohttp's client_max_size while reading.
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(
-            413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
-        )
+        raise _too_large(limit)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(
-            413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
-        ) from exc
+        raise _too_large(limit) from exc
     if not raw:
         raise bad_request("request body is empty; expected a JSON object")
     try:

@@ -255,12 +255,17 @@ async def wait_until(check: Callable[[], bool], timeout: float, what: str) -> No
         await asyncio.sleep(0.005)
 
 
-async def test_build_once_publishes_store_state() -> None:
+async def seeded_builder(**settings: float) -> tuple[MemoryStore, Catalog, Publisher, TableBuilder]:
+    """A builder over a seeded in-memory store; settings go to TableBuilder."""
     store = MemoryStore()
     catalog = Catalog(store)
     await seed(catalog)
     pub = Publisher("cp-a")
-    builder = TableBuilder(catalog, pub)
+    return store, catalog, pub, TableBuilder(catalog, pub, **settings)
+
+
+async def test_build_once_publishes_store_state() -> None:
+    store, _catalog, pub, builder = await seeded_builder()
     assert await builder.build_once() is True
     assert pub.latest is not None
     assert pub.latest.version == (await store.list("/ponto/state/")).revision
@@ -270,11 +275,7 @@ async def test_build_once_publishes_store_state() -> None:
 
 
 async def test_builder_publishes_initial_table_and_changes() -> None:
-    store = MemoryStore()
-    catalog = Catalog(store)
-    await seed(catalog)
-    pub = Publisher("cp-a")
-    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    store, catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05)
     async with running(builder):
         first = await asyncio.wait_for(pub.next_after(None), 1.0)
         assert [o.name for o in first.table.origins] == ["o1"]
@@ -291,11 +292,7 @@ async def test_builder_publishes_initial_table_and_changes() -> None:
 
 
 async def test_builder_ignores_changes_outside_state() -> None:
-    store = MemoryStore()
-    catalog = Catalog(store)
-    await seed(catalog)
-    pub = Publisher("cp-a")
-    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    store, _catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05)
     async with running(builder):
         await asyncio.wait_for(pub.next_after(None), 1.0)
         await wait_until(lambda: builder.builds >= 1, 1.0, "first build")
@@ -307,11 +304,7 @@ async def test_builder_ignores_changes_outside_state() -> None:
 
 
 async def test_builder_debounces_bursts() -> None:
-    store = MemoryStore()
-    catalog = Catalog(store)
-    await seed(catalog)
-    pub = Publisher("cp-a")
-    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    store, catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05)
     async with running(builder):
         first = await asyncio.wait_for(pub.next_after(None), 1.0)
         await asyncio.sleep(0.1)  # let the start-up build settle
@@ -334,11 +327,7 @@ async def test_builder_debounces_bursts() -> None:
 
 
 async def test_builder_keeps_last_snapshot_when_store_unavailable() -> None:
-    store = MemoryStore()
-    catalog = Catalog(store)
-    await seed(catalog)
-    pub = Publisher("cp-a")
-    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05, retry_max=0.1)
+    store, catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05, retry_max=0.1)
     async with running(builder):
         first = await asyncio.wait_for(pub.next_after(None), 1.0)
         await wait_until(lambda: builder.store_ok, 1.0, "store_ok after first build")

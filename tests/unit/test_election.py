@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from controlplane.compile import DEFAULT_SPILL_THRESHOLD, compile_table
 from controlplane.election import LEADER_KEY, Leadership
 from controlplane.model import Origin, OriginHealth, Region, State
-from controlplane.store import KeyValue, Listing, StoreUnavailable
+from controlplane.store import KeyValue, Listing, StateStore, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
 
@@ -143,6 +143,15 @@ async def leader_name(store: MemoryStore) -> str | None:
 # ---------------------------------------------------------------- election
 
 
+def campaign(
+    views: Mapping[str, StateStore], journal: Journal
+) -> tuple[dict[str, Leadership], dict[str, asyncio.Task[None]]]:
+    """One Leadership per named view of the store, all campaigning."""
+    replicas = {n: Leadership(v, n, ttl=TTL) for n, v in views.items()}
+    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    return replicas, tasks
+
+
 async def test_exactly_one_of_two_leads() -> None:
     store = MemoryStore()
     journal = Journal()
@@ -172,8 +181,7 @@ async def test_exactly_one_of_two_leads() -> None:
 async def test_follower_takes_over_when_leader_task_is_cancelled() -> None:
     store = MemoryStore()
     journal = Journal()
-    replicas = {"a": Leadership(store, "a", ttl=TTL), "b": Leadership(store, "b", ttl=TTL)}
-    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    replicas, tasks = campaign({"a": store, "b": store}, journal)
     try:
         await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
         (old,) = journal.started()
@@ -194,8 +202,7 @@ async def test_follower_takes_over_from_a_partitioned_leader() -> None:
     store = MemoryStore()
     journal = Journal()
     views = {"a": Partitioned(store), "b": Partitioned(store)}
-    replicas = {n: Leadership(v, n, ttl=TTL) for n, v in views.items()}
-    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    replicas, tasks = campaign(views, journal)
     try:
         await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
         (old,) = journal.started()
@@ -226,8 +233,7 @@ async def test_hung_renewal_does_not_outlive_the_lease() -> None:
     store = MemoryStore()
     journal = Journal()
     views = {"a": Partitioned(store), "b": Partitioned(store)}
-    replicas = {n: Leadership(v, n, ttl=TTL) for n, v in views.items()}
-    tasks = {n: asyncio.create_task(r.run(journal.lead_for(n))) for n, r in replicas.items()}
+    replicas, tasks = campaign(views, journal)
     try:
         await wait_until(lambda: bool(journal.started()), TTL + MARGIN)
         (old,) = journal.started()
