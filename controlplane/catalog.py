@@ -4,7 +4,12 @@ Layout in the store (one JSON object per key):
   /ponto/state/regions/NAME     Region       compiled into route tables
   /ponto/state/origins/NAME     Origin       compiled into route tables
   /ponto/state/health/NAME      OriginHealth written by the leader's probes
+  /ponto/state/tenants/NAME     Tenant       limits, prompt and cache policy
+  /ponto/state/keys/ID          ApiKeyRecord the key's hash, never the key
+  /ponto/state/purges/ID        Purge        cache purges, the newest MAX_PURGES kept
   /ponto/proxies/NAME           ProxyRecord  under a replica's lease; not compiled
+  /ponto/replicas/ID            control-plane replicas, under their own leases
+  /ponto/acks/ID                a replica's proxies' ACKed versions, one key per replica
 
 Everything under STATE_PREFIX is read in one range read, so a route table is
 compiled from one consistent revision. Read-modify-write operations (drain) use
@@ -15,38 +20,66 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
-from controlplane.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+import orjson
+
+from controlplane.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from controlplane.model import (
+    MODEL_RE,
+    ApiKeyRecord,
+    Limits,
     Origin,
     OriginHealth,
     ProxyRecord,
+    Purge,
     Region,
     State,
+    Tenant,
     check_name,
     decode_health,
+    decode_key,
     decode_origin,
     decode_proxy,
+    decode_purge,
     decode_region,
+    decode_tenant,
     encode,
 )
-from controlplane.store import Conflict, StateStore, StoreUnavailable
+from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
+from ponto.apikeys import issue_key
 
 log = logging.getLogger(__name__)
 
 ROOT = "/ponto/"
+# Written by the election; read here for operators.
+LEADER_KEY = ROOT + "leader"
 STATE_PREFIX = ROOT + "state/"
 REGIONS = STATE_PREFIX + "regions/"
 ORIGINS = STATE_PREFIX + "origins/"
 HEALTH = STATE_PREFIX + "health/"
+TENANTS = STATE_PREFIX + "tenants/"
+KEYS = STATE_PREFIX + "keys/"
+PURGES = STATE_PREFIX + "purges/"
+MAX_PURGES = 64
 PROXIES = ROOT + "proxies/"
+REPLICAS = ROOT + "replicas/"
+ACKS = ROOT + "acks/"
 CAS_ATTEMPTS = 8
 
 T = TypeVar("T")
-R = TypeVar("R", Region, Origin)
+R = TypeVar("R", Region, Origin, Tenant)
 
 
 async def _guard(aw: Awaitable[T]) -> T:
@@ -59,8 +92,9 @@ async def _guard(aw: Awaitable[T]) -> T:
 class Catalog:
     """The control plane's view of desired state. Safe for concurrent use."""
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        self._clock = clock
 
     # ------------------------------------------------------------ snapshot
 
@@ -70,6 +104,9 @@ class Catalog:
         regions: list[Region] = []
         origins: list[Origin] = []
         health: dict[str, OriginHealth] = {}
+        tenants: list[Tenant] = []
+        keys: list[ApiKeyRecord] = []
+        purges: list[Purge] = []
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
@@ -79,12 +116,28 @@ class Catalog:
                 elif kv.key.startswith(HEALTH):
                     h = decode_health(kv.value)
                     health[h.origin] = h
-            except (ValueError, TypeError) as exc:
+                elif kv.key.startswith(TENANTS):
+                    tenants.append(decode_tenant(kv.value))
+                elif kv.key.startswith(KEYS):
+                    keys.append(decode_key(kv.value))
+                elif kv.key.startswith(PURGES):
+                    purges.append(decode_purge(kv.value, kv.mod_revision))
+            except (ValueError, TypeError, KeyError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
-        return State(listing.revision, tuple(regions), tuple(origins), health)
+        purges.sort(key=lambda p: p.revision)
+        return State(
+            listing.revision,
+            tuple(regions),
+            tuple(origins),
+            health,
+            tuple(tenants),
+            tuple(keys),
+            tuple(purges),
+        )
 
-    async def put_health(self, health: OriginHealth) -> None:
-        await _guard(self.store.put(HEALTH + health.origin, encode(health)))
+    async def put_health(self, health: OriginHealth, *, fence: Fence | None = None) -> None:
+        """Leader-only write; with a fence it raises Conflict once leadership is lost."""
+        await _guard(self.store.put(HEALTH + health.origin, encode(health), fence=fence))
 
     # ------------------------------------------------------------ regions
 
@@ -161,7 +214,8 @@ class Catalog:
         if current is not None:
             if not allow_update:
                 raise AlreadyExists(f"{kind} {value.name!r} already exists")
-            value = replace(value, drained=decode(current.value).drained)
+            if isinstance(value, Region | Origin):
+                value = replace(value, drained=decode(current.value).drained)
         try:
             await _guard(
                 self.store.put(
@@ -186,12 +240,131 @@ class Catalog:
             updated = change(decode(current.value))
             try:
                 await _guard(
-                    self.store.put(key, encode(updated), if_mod_revision=current.mod_revision)  # type: ignore[arg-type]
+                    self.store.put(key, encode(updated), if_mod_revision=current.mod_revision)
                 )
             except Conflict:
                 continue
             return updated
         raise Unavailable(f"{key} kept changing; try again")
+
+    # ------------------------------------------------------------ tenants
+
+    async def put_tenant(self, tenant: Tenant, *, allow_update: bool) -> Tenant:
+        tenant = tenant.validated()
+        await self._check_issuer_unique(tenant)
+        return await self._put("tenant", TENANTS, tenant, decode_tenant, allow_update)
+
+    async def update_tenant(self, name: str, change: Callable[[Tenant], Tenant]) -> Tenant:
+        def apply(t: Tenant) -> Tenant:
+            return change(t).validated()
+
+        updated = await self._update(
+            TENANTS + check_name("tenant", name), decode_tenant, apply, f"tenant {name!r} not found"
+        )
+        await self._check_issuer_unique(updated)
+        return updated
+
+    async def get_tenant(self, name: str) -> Tenant:
+        kv = await _guard(self.store.get(TENANTS + check_name("tenant", name)))
+        if kv is None:
+            raise NotFound(f"tenant {name!r} not found")
+        return decode_tenant(kv.value)
+
+    async def list_tenants(self) -> list[Tenant]:
+        return sorted((await self.snapshot()).tenants, key=lambda t: t.name)
+
+    async def delete_tenant(self, name: str) -> None:
+        check_name("tenant", name)
+        active = [k.id for k in (await self.snapshot()).keys if k.tenant == name and not k.revoked]
+        if active:
+            raise FailedPrecondition(
+                f"tenant {name!r} still has active keys: {', '.join(active)}; revoke them first"
+            )
+        if not await _guard(self.store.delete(TENANTS + name)):
+            raise NotFound(f"tenant {name!r} not found")
+
+    async def _check_issuer_unique(self, tenant: Tenant) -> None:
+        if tenant.jwt is None:
+            return
+        for other in (await self.snapshot()).tenants:
+            if other.name != tenant.name and other.jwt and other.jwt.issuer == tenant.jwt.issuer:
+                raise AlreadyExists(
+                    f"JWT issuer {tenant.jwt.issuer!r} already belongs to tenant {other.name!r}"
+                )
+
+    # ------------------------------------------------------------ keys
+
+    async def create_key(
+        self, tenant: str, *, description: str = "", limits: Limits | None = None
+    ) -> tuple[ApiKeyRecord, str]:
+        """Store a new key's hash and return (record, key). The key is not kept."""
+        await self.get_tenant(tenant)
+        limits = limits or Limits()
+        if len(description) > 256:
+            raise InvalidArgument("key description is longer than 256 characters")
+        limits = limits.validated("the key")
+        issued = issue_key()
+        record = ApiKeyRecord(
+            id=issued.key_id,
+            hash=issued.key_hash,
+            tenant=tenant,
+            description=description,
+            limits=limits,
+            created_at=self._clock(),
+        )
+        try:
+            await _guard(self.store.put(KEYS + record.id, encode(record), if_absent=True))
+        except Conflict as exc:  # 50 random bits colliding: astronomically rare
+            raise Unavailable("key id collision; try again") from exc
+        return record, issued.key
+
+    async def list_keys(
+        self, tenant: str = "", *, include_revoked: bool = False
+    ) -> list[ApiKeyRecord]:
+        keys = (await self.snapshot()).keys
+        return sorted(
+            (
+                k
+                for k in keys
+                if (not tenant or k.tenant == tenant) and (include_revoked or not k.revoked)
+            ),
+            key=lambda k: (k.tenant, k.created_at, k.id),
+        )
+
+    async def revoke_key(self, key_id: str) -> ApiKeyRecord:
+        now = self._clock()
+        return await self._update(
+            KEYS + _key_id(key_id),
+            decode_key,
+            lambda k: k if k.revoked else replace(k, revoked=True, revoked_at=now),
+            f"key {key_id!r} not found",
+        )
+
+    async def set_key_limits(self, key_id: str, limits: Limits) -> ApiKeyRecord:
+        limits = limits.validated(f"key {key_id!r}")
+        return await self._update(
+            KEYS + _key_id(key_id),
+            decode_key,
+            lambda k: replace(k, limits=limits),
+            f"key {key_id!r} not found",
+        )
+
+    # ------------------------------------------------------------ cache purges
+
+    async def purge_cache(self, tenant: str = "", model: str = "") -> Purge:
+        """Record a purge; proxies run it when the next table reaches them."""
+        if tenant:
+            check_name("tenant", tenant)
+        if model and not MODEL_RE.match(model):
+            raise InvalidArgument(f"model name {model!r} is invalid")
+        key = PURGES + f"{int(self._clock() * 1000):015d}-{uuid.uuid4().hex[:8]}"
+        revision = await _guard(
+            self.store.put(key, encode(Purge(0, tenant, model)), if_absent=True)
+        )
+        listing = await _guard(self.store.list(PURGES))
+        for old in listing.items[:-MAX_PURGES]:
+            await _guard(self.store.delete(old.key))
+        return Purge(revision, tenant, model)
 
     # ------------------------------------------------------------ proxies
 
@@ -207,7 +380,41 @@ class Catalog:
         with contextlib.suppress(Conflict):
             await _guard(self.store.delete(kv.key, if_mod_revision=kv.mod_revision))
 
+    async def list_replicas(self) -> tuple[list[dict[str, object]], str]:
+        """Live replicas and the leader's id ("" during an election)."""
+        listing = await _guard(self.store.list(REPLICAS))
+        replicas = []
+        for kv in listing.items:
+            with contextlib.suppress(ValueError, TypeError):
+                value = orjson.loads(kv.value)
+                if isinstance(value, dict):
+                    replicas.append(value)
+        leader = await _guard(self.store.get(LEADER_KEY))
+        return replicas, leader.value.decode() if leader else ""
+
+    async def proxy_names(self) -> list[str]:
+        """Names of registered proxies (no decoding)."""
+        listing = await _guard(self.store.list(PROXIES))
+        return [kv.key[len(PROXIES) :] for kv in listing.items]
+
+    async def put_acks(self, replica: str, acks: dict[str, tuple[int, str]], lease: int) -> None:
+        await _guard(self.store.put(ACKS + replica, orjson.dumps(acks), lease=lease))
+
     async def list_proxies(self) -> list[ProxyRecord]:
+        """Registered proxies with the ACK state their replicas last wrote."""
+        acks: dict[str, tuple[int, str]] = {}
+        for kv in (await _guard(self.store.list(ACKS))).items:
+            with contextlib.suppress(ValueError, TypeError):
+                for name, (version, error) in orjson.loads(kv.value).items():
+                    acks[name] = (int(version), str(error))
+        return [
+            replace(p, acked_version=acks[p.name][0], last_error=acks[p.name][1])
+            if p.name in acks
+            else p
+            for p in await self._proxy_records()
+        ]
+
+    async def _proxy_records(self) -> list[ProxyRecord]:
         listing = await _guard(self.store.list(PROXIES))
         out = []
         for kv in listing.items:
@@ -216,3 +423,12 @@ class Catalog:
             except (ValueError, TypeError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         return out
+
+
+KEY_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")
+
+
+def _key_id(key_id: str) -> str:
+    if not KEY_ID_RE.match(key_id):
+        raise InvalidArgument(f"key id {key_id!r} is invalid")
+    return key_id

@@ -19,10 +19,18 @@ import yaml
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from controlplane.apply import ApplyError, apply_file
+from ponto import grpcconn as conn
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import routing_pb2 as pb
 
 ENV_ADDRESS = "PONTO_CONTROL_PLANE"
+
+
+class UsageError(Exception):
+    """The command line is wrong in a way argparse cannot tell (exit code 2)."""
+
 TIMEOUT = 10.0
 
 
@@ -105,8 +113,14 @@ def parse_rtt(text: str) -> dict[str, float]:
         except ValueError:
             sep = ""
         if not sep:
-            raise SystemExit(f"error: --rtt expects REGION=MS[,REGION=MS...], got {item!r}")
+            raise UsageError(f"--rtt expects REGION=MS[,REGION=MS...], got {item!r}")
     return out
+
+
+def _limits_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
+    p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
+    p.add_argument("--concurrency", type=int, default=0, help="concurrent requests (0: no limit)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get(ENV_ADDRESS, "127.0.0.1:7070"),
         help=f"control plane HOST:PORT (env {ENV_ADDRESS})",
     )
+    conn.add_arguments(p)
     sub = p.add_subparsers(dest="command", required=True)
 
     region = sub.add_parser("region", help="add or delete regions").add_subparsers(
@@ -155,11 +170,99 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="concurrent requests the origin serves well (enables spill)",
     )
+    oa.add_argument(
+        "--credential-env",
+        default="",
+        help="environment variable on the proxies holding the origin's API key",
+    )
+    oa.add_argument(
+        "--credential-file", default="", help="file on the proxies holding the origin's API key"
+    )
     oa.add_argument("--update", action="store_true", help="update the origin if it exists")
     origin.add_parser("delete", help="delete an origin").add_argument("name")
 
-    get = sub.add_parser("get", help="list regions, origins, proxies or the route table")
-    get.add_argument("kind", choices=["regions", "origins", "proxies", "table"])
+    tenant = sub.add_parser("tenant", help="add, change or delete tenants").add_subparsers(
+        dest="action", required=True
+    )
+    ta = tenant.add_parser("add", help="add a tenant")
+    ta.add_argument("name")
+    ts = tenant.add_parser("set", help="change a tenant's cache or prompt policy")
+    ts.add_argument("name")
+    ts.add_argument("--cache", choices=["off", "exact", "semantic"])
+    ts.add_argument("--semantic-threshold", type=float)
+    ts.add_argument("--cache-ttl", type=int, metavar="SECONDS")
+    ts.add_argument(
+        "--cache-nondeterministic",
+        choices=["on", "off"],
+        help="also cache requests with temperature > 0 and no seed",
+    )
+    ts.add_argument("--system-prompt", help="system prompt added to every request")
+    ts.add_argument(
+        "--enforce-system-prompt",
+        choices=["on", "off"],
+        help="on: replace the client's system messages; off: prepend",
+    )
+    ts.add_argument("--max-tokens", type=int, help="ceiling (and default) of max_tokens")
+    ts.add_argument(
+        "--default",
+        action="append",
+        default=[],
+        metavar="PARAM=JSON",
+        help="default parameter, e.g. temperature=0 (repeatable)",
+    )
+    ts.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="PUBLIC=ORIGIN_MODEL",
+        help="model alias (repeatable)",
+    )
+    tenant.add_parser("delete", help="delete a tenant without active keys").add_argument("name")
+
+    key = sub.add_parser("key", help="create, list and revoke API keys").add_subparsers(
+        dest="action", required=True
+    )
+    kc = key.add_parser("create", help="create a key; it is printed once, on the last line")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--description", default="")
+    _limits_args(kc)
+    kl = key.add_parser("list", help="list keys (never their secrets)")
+    kl.add_argument("--tenant", default="")
+    kl.add_argument("--all", action="store_true", help="include revoked keys")
+    kl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    key.add_parser("revoke", help="revoke a key by its id").add_argument("id")
+
+    limit = sub.add_parser("limit", help="set rate limits").add_subparsers(
+        dest="action", required=True
+    )
+    ls = limit.add_parser("set", help="set a tenant's or a key's global limits")
+    owner = ls.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--tenant")
+    owner.add_argument("--key", metavar="ID")
+    _limits_args(ls)
+
+    cache = sub.add_parser("cache", help="purge cached answers").add_subparsers(
+        dest="action", required=True
+    )
+    cp = cache.add_parser("purge", help="purge by tenant, model, or everything")
+    cp.add_argument("--tenant", default="")
+    cp.add_argument("--model", default="")
+    cp.add_argument("--all", action="store_true", help="required to purge everything")
+
+    ap = sub.add_parser("apply", help="make regions, origins and tenants match a YAML file")
+    ap.add_argument("-f", "--file", required=True, help="topology YAML ('-' for stdin)")
+    ap.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
+    ap.add_argument(
+        "--prune",
+        action="store_true",
+        help="also delete regions, origins and tenants the file does not list",
+    )
+
+    get = sub.add_parser("get", help="list regions, origins, tenants, keys, proxies or the table")
+    get.add_argument(
+        "kind",
+        choices=["regions", "origins", "tenants", "keys", "proxies", "controlplanes", "table"],
+    )
     get.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
 
     for verb in ("drain", "undrain"):
@@ -169,7 +272,95 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace, stub: admin_pb2_grpc.AdminStub) -> str:
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise UsageError(f"{flag} expects NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _limits(args: argparse.Namespace) -> pb.Limits:
+    for label in ("rpm", "tpm", "concurrency"):
+        if getattr(args, label) < 0:
+            raise UsageError(f"--{label} must be 0 or more")
+    return pb.Limits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency)
+
+
+def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTenantRequest:
+    req = apb.UpdateTenantRequest(name=args.name)
+    cache = pb.CachePolicy()
+    cache.CopyFrom(current.cache)
+    if args.cache is not None:
+        cache.mode = args.cache
+    if args.semantic_threshold is not None:
+        cache.semantic_threshold = args.semantic_threshold
+    if args.cache_ttl is not None:
+        cache.ttl_s = args.cache_ttl
+    if args.cache_nondeterministic is not None:
+        cache.cache_nondeterministic = args.cache_nondeterministic == "on"
+    if cache != current.cache:
+        req.cache.CopyFrom(cache)
+    prompt = pb.PromptPolicy()
+    prompt.CopyFrom(current.prompt)
+    if args.system_prompt is not None:
+        prompt.system_prompt = args.system_prompt
+    if args.enforce_system_prompt is not None:
+        prompt.enforce_system_prompt = args.enforce_system_prompt == "on"
+    if args.max_tokens is not None:
+        prompt.max_tokens_ceiling = args.max_tokens
+    prompt.defaults.update(_pairs(args.default, "--default"))
+    prompt.aliases.update(_pairs(args.alias, "--alias"))
+    if prompt != current.prompt:
+        req.prompt.CopyFrom(prompt)
+    return req
+
+
+def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[str]]]:
+    def limits(m: pb.Limits) -> str:
+        parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
+        return ",".join(p for p in parts if not p.endswith("=0")) or "-"
+
+    return ["NAME", "LIMITS", "CACHE", "TTL", "SYSTEM-PROMPT", "ALIASES", "JWT"], [
+        [
+            t.name,
+            limits(t.limits),
+            t.cache.mode
+            + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else ""),
+            f"{t.cache.ttl_s}s" if t.cache.ttl_s else "default",
+            (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
+            or "-",
+            ",".join(f"{k}->{v}" for k, v in sorted(t.prompt.aliases.items())) or "-",
+            t.jwt.issuer if t.HasField("jwt") else "-",
+        ]
+        for t in resp.tenants
+    ]
+
+
+def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list[list[str]]]:
+    now = time.time()
+    return ["ID", "ADDRESS", "LEADER", "AGE"], [
+        [r.id, r.address, "yes" if r.leader else "-", f"{max(0, now - r.started_at):.0f}s"]
+        for r in resp.replicas
+    ]
+
+
+def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
+    return ["ID", "TENANT", "DESCRIPTION", "CREATED", "STATE"], [
+        [
+            k.id,
+            k.tenant,
+            k.description or "-",
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.created_at)),
+            "revoked" if k.revoked else "active",
+        ]
+        for k in resp.keys
+    ]
+
+
+def run(args: argparse.Namespace, stub: Any) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
         spec = apb.RegionSpec(
@@ -179,12 +370,10 @@ def run(args: argparse.Namespace, stub: admin_pb2_grpc.AdminStub) -> str:
             rtt_ms=parse_rtt(args.rtt),
             spill_threshold=args.spill_threshold,
         )
-        r = stub.PutRegion(
-            apb.PutRegionRequest(region=spec, allow_update=args.update), timeout=TIMEOUT
-        )
+        r = stub.PutRegion(apb.PutRegionRequest(region=spec, allow_update=args.update))
         return f"region {r.name} ({r.latitude:g}, {r.longitude:g}) saved"
     if args.command == "region" and args.action == "delete":
-        stub.DeleteRegion(apb.DeleteRequest(name=args.name), timeout=TIMEOUT)
+        stub.DeleteRegion(apb.DeleteRequest(name=args.name))
         return f"region {args.name} deleted"
     if args.command == "origin" and args.action == "add":
         models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -195,45 +384,121 @@ def run(args: argparse.Namespace, stub: admin_pb2_grpc.AdminStub) -> str:
             models=models,
             weight=args.weight,
             capacity=args.capacity,
+            credential_env=args.credential_env,
+            credential_file=args.credential_file,
         )
-        o = stub.PutOrigin(
-            apb.PutOriginRequest(origin=ospec, allow_update=args.update), timeout=TIMEOUT
-        )
+        o = stub.PutOrigin(apb.PutOriginRequest(origin=ospec, allow_update=args.update))
         return f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
     if args.command == "origin" and args.action == "delete":
-        stub.DeleteOrigin(apb.DeleteRequest(name=args.name), timeout=TIMEOUT)
+        stub.DeleteOrigin(apb.DeleteRequest(name=args.name))
         return f"origin {args.name} deleted"
+    if args.command == "tenant":
+        if args.action == "add":
+            stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name=args.name)))
+            return f"tenant {args.name} added"
+        if args.action == "delete":
+            stub.DeleteTenant(apb.DeleteRequest(name=args.name))
+            return f"tenant {args.name} deleted"
+        tenants = stub.ListTenants(apb.ListRequest()).tenants
+        current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
+        t = stub.UpdateTenant(_tenant_update(args, current))
+        return f"tenant {t.name} saved (cache {t.cache.mode})"
+    if args.command == "key":
+        if args.action == "create":
+            resp = stub.CreateKey(
+                apb.CreateKeyRequest(
+                    tenant=args.tenant, description=args.description, limits=_limits(args)
+                )
+            )
+            # The key alone on the last line, so scripts can take `tail -n1`.
+            return (
+                f"key {resp.key.id} created for tenant {resp.key.tenant}; "
+                "it is shown only now, store it safely:\n" + str(resp.secret)
+            )
+        if args.action == "list":
+            keys = stub.ListKeys(apb.ListKeysRequest(tenant=args.tenant, include_revoked=args.all))
+            return render(keys, args.output, _rows_keys)
+        k = stub.RevokeKey(apb.KeyRequest(id=args.id))
+        return f"key {k.id} of tenant {k.tenant} revoked"
+    if args.command == "limit":
+        limits = _limits(args)
+        if args.key:
+            stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=args.key, limits=limits))
+            return f"limits of key {args.key} set"
+        stub.UpdateTenant(apb.UpdateTenantRequest(name=args.tenant, limits=limits))
+        return f"limits of tenant {args.tenant} set"
+    if args.command == "cache":
+        if not (args.tenant or args.model or args.all):
+            raise UsageError("give --tenant, --model, or --all to purge everything")
+        resp = stub.PurgeCache(apb.PurgeCacheRequest(tenant=args.tenant, model=args.model))
+        scope = (
+            " ".join(
+                filter(
+                    None,
+                    [
+                        f"tenant {args.tenant}" if args.tenant else "",
+                        f"model {args.model}" if args.model else "",
+                    ],
+                )
+            )
+            or "everything"
+        )
+        return f"cache purge of {scope} sent (revision {resp.purge.revision})"
+    if args.command == "apply":
+        return apply_file(stub, args.file, dry_run=args.dry_run, prune=args.prune)
     if args.command == "get":
         req = apb.ListRequest()
         if args.kind == "regions":
-            return render(stub.ListRegions(req, timeout=TIMEOUT), args.output, _rows_regions)
+            return render(stub.ListRegions(req), args.output, _rows_regions)
         if args.kind == "origins":
-            return render(stub.ListOrigins(req, timeout=TIMEOUT), args.output, _rows_origins)
+            return render(stub.ListOrigins(req), args.output, _rows_origins)
+        if args.kind == "tenants":
+            return render(stub.ListTenants(req), args.output, _rows_tenants)
+        if args.kind == "keys":
+            return render(stub.ListKeys(apb.ListKeysRequest()), args.output, _rows_keys)
         if args.kind == "proxies":
-            return render(stub.ListProxies(req, timeout=TIMEOUT), args.output, _rows_proxies)
-        return render(stub.GetRouteTable(req, timeout=TIMEOUT), args.output, None)
+            return render(stub.ListProxies(req), args.output, _rows_proxies)
+        if args.kind == "controlplanes":
+            return render(stub.ListControlPlanes(req), args.output, _rows_replicas)
+        return render(stub.GetRouteTable(req), args.output, None)
     if args.command in ("drain", "undrain"):
         drained = args.command == "drain"
         req_d = apb.DrainRequest(name=args.name, drained=drained)
         if args.kind == "region":
-            stub.DrainRegion(req_d, timeout=TIMEOUT)
+            stub.DrainRegion(req_d)
         else:
-            stub.DrainOrigin(req_d, timeout=TIMEOUT)
+            stub.DrainOrigin(req_d)
         return f"{args.kind} {args.name} {'drained' if drained else 'undrained'}"
     raise AssertionError(f"unhandled command {args}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    with grpc.insecure_channel(args.control_plane) as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
+    try:
+        options = conn.ClientOptions.from_args(args)
+    except conn.CredentialError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with conn.admin_channel(args.control_plane, options) as channel:
+        stub = conn.CallDefaults(admin_pb2_grpc.AdminStub(channel), TIMEOUT)
         try:
             print(run(args, stub))
+        except ApplyError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         except grpc.RpcError as exc:
             code = exc.code()
             detail = exc.details()
             if code == grpc.StatusCode.UNAVAILABLE and "state store" not in (detail or ""):
                 detail = f"control plane at {args.control_plane} is unreachable ({detail})"
+                if not options.secure:
+                    detail += (
+                        "; if it requires TLS, give --tls-ca, --tls-cert and --tls-key "
+                        "(or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
+                    )
             print(f"error: {detail} [{code.name}]", file=sys.stderr)
             return 1
     return 0

@@ -7,7 +7,7 @@ change what proxies see (a proxy registering, say) is not pushed.
 
 from __future__ import annotations
 
-from controlplane.model import State
+from controlplane.model import Limits, State, Tenant
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -45,6 +45,8 @@ def compile_table(state: State) -> pb.RouteTable:
                 capacity=origin.capacity,
                 inflight=load,
                 health_detail=health.detail if health else "",
+                credential_env=origin.credential_env,
+                credential_file=origin.credential_file,
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):
@@ -61,5 +63,54 @@ def compile_table(state: State) -> pb.RouteTable:
                 load=round(inflight.get(region.name, 0.0) / cap, 2) if cap else 0.0,
             )
         )
+    tenants = {t.name for t in state.tenants}
+    table.tenants.extend(tenant_pb(t) for t in sorted(state.tenants, key=lambda t: t.name))
+    table.keys.extend(
+        pb.ApiKey(id=k.id, hash=k.hash, tenant=k.tenant, limits=limits_pb(k.limits))
+        for k in sorted(state.keys, key=lambda k: k.id)
+        if not k.revoked and k.tenant in tenants
+    )
+    table.auth_required = bool(state.keys) or any(t.jwt is not None for t in state.tenants)
+    table.purges.extend(
+        pb.CachePurge(revision=p.revision, tenant=p.tenant, model=p.model) for p in state.purges
+    )
     table.etag = content_etag(table)
     return table
+
+
+def limits_pb(limits: Limits) -> pb.Limits:
+    return pb.Limits(rpm=limits.rpm, tpm=limits.tpm, concurrency=limits.concurrency)
+
+
+def tenant_pb(t: Tenant) -> pb.Tenant:
+    out = pb.Tenant(
+        name=t.name,
+        limits=limits_pb(t.limits),
+        prompt=pb.PromptPolicy(
+            system_prompt=t.prompt.system_prompt,
+            enforce_system_prompt=t.prompt.enforce_system_prompt,
+            defaults=dict(t.prompt.defaults),
+            max_tokens_ceiling=t.prompt.max_tokens_ceiling,
+            aliases=dict(t.prompt.aliases),
+        ),
+        cache=pb.CachePolicy(
+            mode=t.cache.mode,
+            semantic_threshold=t.cache.semantic_threshold,
+            ttl_s=t.cache.ttl_s,
+            cache_nondeterministic=t.cache.cache_nondeterministic,
+            store_truncated=t.cache.store_truncated,
+        ),
+    )
+    if t.jwt is not None:
+        out.jwt.CopyFrom(
+            pb.JwtIssuer(
+                issuer=t.jwt.issuer,
+                audiences=list(t.jwt.audiences),
+                algorithms=list(t.jwt.algorithms),
+                jwks_file=t.jwt.jwks_file,
+                hs256_secret_file=t.jwt.hs256_secret_file,
+                hs256_secret_env=t.jwt.hs256_secret_env,
+                leeway_s=t.jwt.leeway_s,
+            )
+        )
+    return out

@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from controlplane.store import Conflict, LeaseExpired, StateStore, StoreUnavailable
+from controlplane.catalog import LEADER_KEY
+from controlplane.store import Conflict, Fence, LeaseExpired, StateStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
-LEADER_KEY = "/ponto/leader"
 
 
 class Leadership:
@@ -28,11 +28,15 @@ class Leadership:
         self._ttl = ttl
         self.is_leader = False
         self.terms = 0
+        # The leader key's revision while this replica leads: leader-only
+        # writes carry it, so they fail once another replica has taken over.
+        self.fence: Fence | None = None
 
     async def run(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Campaign forever; run `lead()` while leader, cancel it when leadership ends."""
         while True:
-            lease = await self._campaign()
+            lease, revision = await self._campaign()
+            self.fence = Fence(LEADER_KEY, revision)
             self.is_leader = True
             self.terms += 1
             log.info("%s is the leader (lease %x)", self.replica_id, lease)
@@ -41,6 +45,7 @@ class Leadership:
                 await self._hold(lease, leader_task)
             finally:
                 self.is_leader = False
+                self.fence = None
                 leader_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await leader_task
@@ -48,17 +53,17 @@ class Leadership:
                     await self._store.revoke_lease(lease)
             log.warning("%s lost leadership", self.replica_id)
 
-    async def _campaign(self) -> int:
+    async def _campaign(self) -> tuple[int, int]:
         while True:
             try:
                 current = await self._store.get(LEADER_KEY)
                 if current is None:
                     lease = await self._store.grant_lease(self._ttl)
                     try:
-                        await self._store.put(
+                        revision = await self._store.put(
                             LEADER_KEY, self.replica_id.encode(), lease=lease, if_absent=True
                         )
-                        return lease
+                        return lease, revision
                     except Conflict:
                         await self._store.revoke_lease(lease)
             except (StoreUnavailable, LeaseExpired) as exc:

@@ -22,6 +22,7 @@ import aiohttp
 from controlplane.catalog import Catalog
 from controlplane.errors import Unavailable
 from controlplane.model import Origin, OriginHealth
+from controlplane.store import Conflict, Fence
 
 log = logging.getLogger(__name__)
 LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -100,10 +101,12 @@ class Prober:
         settings: ProbeSettings,
         *,
         may_write: Callable[[], bool] = lambda: True,
+        fence: Callable[[], Fence | None] = lambda: None,
     ) -> None:
         self._catalog = catalog
         self._settings = settings
         self._may_write = may_write
+        self._fence = fence
         self._tracks: dict[str, _Track] = {}
         self.rounds = 0
 
@@ -164,9 +167,12 @@ class Prober:
         if self._may_write() and worth_writing(track.written, new, origin.capacity):
             flipped = track.written is None or track.written.healthy != new.healthy
             try:
-                await self._catalog.put_health(new)
+                await self._catalog.put_health(new, fence=self._fence())
             except Unavailable as exc:
                 log.warning("cannot record health of %s: %s", origin.name, exc)
+                return
+            except Conflict:
+                log.warning("not recording health of %s: no longer the leader", origin.name)
                 return
             track.written = new
             if flipped:

@@ -19,6 +19,14 @@ from controlplane.errors import InvalidArgument
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+CACHE_MODES = ("off", "exact", "semantic")
+JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
+# Request fields a tenant's defaults may not set: they carry the request itself.
+NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
+MAX_TTL_S = 30 * 86_400
+MAX_SYSTEM_PROMPT = 64 * 1024
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000
 MAX_CAPACITY = 1_000_000
@@ -89,6 +97,9 @@ class Origin:
     weight: int = DEFAULT_WEIGHT
     drained: bool = False
     capacity: int = 0
+    # Where proxies read the upstream credential; never the credential itself.
+    credential_env: str = ""
+    credential_file: str = ""
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
@@ -105,6 +116,20 @@ class Origin:
         if not 1 <= weight <= MAX_WEIGHT:
             raise InvalidArgument(
                 f"weight {weight} of origin {self.name!r} is not in 1..{MAX_WEIGHT}"
+            )
+        if self.credential_env and self.credential_file:
+            raise InvalidArgument(
+                f"origin {self.name!r}: give credential_env or credential_file, not both"
+            )
+        if self.credential_env and not ENV_RE.match(self.credential_env):
+            raise InvalidArgument(
+                f"credential_env {self.credential_env!r} of origin {self.name!r} is not an "
+                "environment variable name"
+            )
+        if self.credential_file and not self.credential_file.startswith("/"):
+            raise InvalidArgument(
+                f"credential_file {self.credential_file!r} of origin {self.name!r} must be "
+                "an absolute path"
             )
         return replace(self, base_url=url, weight=weight, models=tuple(sorted(self.models)))
 
@@ -141,9 +166,13 @@ class State:
     regions: tuple[Region, ...] = ()
     origins: tuple[Origin, ...] = ()
     health: dict[str, OriginHealth] = field(default_factory=dict)
+    tenants: tuple[Tenant, ...] = ()
+    keys: tuple[ApiKeyRecord, ...] = ()
+    purges: tuple[Purge, ...] = ()
 
 
-def encode(value: Region | Origin | ProxyRecord | OriginHealth) -> bytes:
+def encode(value: Any) -> bytes:
+    """JSON of a dataclass value, keys sorted, as stored in etcd."""
     return orjson.dumps(asdict(value), option=orjson.OPT_SORT_KEYS)
 
 
@@ -173,3 +202,204 @@ def decode_origin(raw: bytes) -> Origin:
 
 def decode_proxy(raw: bytes) -> ProxyRecord:
     return ProxyRecord(**_fields(ProxyRecord, raw))
+
+
+# ---------------------------------------------------------------- tenants
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Global limits of a tenant or key; 0 means no limit."""
+
+    rpm: int = 0
+    tpm: int = 0
+    concurrency: int = 0
+
+    def validated(self, owner: str) -> Limits:
+        for label, value in (
+            ("rpm", self.rpm),
+            ("tpm", self.tpm),
+            ("concurrency", self.concurrency),
+        ):
+            if not 0 <= value <= 10**12:
+                raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPolicy:
+    system_prompt: str = ""
+    enforce_system_prompt: bool = False
+    # (parameter, JSON text), sorted.
+    defaults: tuple[tuple[str, str], ...] = ()
+    max_tokens_ceiling: int = 0
+    # (public model, origin model), sorted.
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def validated(self, owner: str) -> PromptPolicy:
+        if len(self.system_prompt) > MAX_SYSTEM_PROMPT:
+            raise InvalidArgument(f"system prompt of {owner} is longer than {MAX_SYSTEM_PROMPT}")
+        for name, text in self.defaults:
+            if not PARAM_RE.match(name) or name in NOT_DEFAULTABLE:
+                raise InvalidArgument(f"{owner}: {name!r} cannot have a default")
+            try:
+                orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                raise InvalidArgument(
+                    f"{owner}: default of {name!r} is not valid JSON: {text!r}"
+                ) from exc
+        if not 0 <= self.max_tokens_ceiling <= 10**7:
+            raise InvalidArgument(f"max_tokens ceiling of {owner} is not in 0..10^7")
+        for public, target in self.aliases:
+            for model in (public, target):
+                if not MODEL_RE.match(model):
+                    raise InvalidArgument(f"{owner}: model name {model!r} in aliases is invalid")
+            if public == target:
+                raise InvalidArgument(f"{owner}: alias {public!r} maps to itself")
+        return replace(
+            self,
+            defaults=tuple(sorted(dict(self.defaults).items())),
+            aliases=tuple(sorted(dict(self.aliases).items())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    mode: str = "exact"
+    semantic_threshold: float = 0.0  # 0: the proxy's default
+    ttl_s: int = 0  # 0: the proxy's default
+    cache_nondeterministic: bool = False
+    store_truncated: bool = False
+
+    def validated(self, owner: str) -> CachePolicy:
+        mode = self.mode or "exact"
+        if mode not in CACHE_MODES:
+            raise InvalidArgument(
+                f"cache mode {self.mode!r} of {owner} is not one of {', '.join(CACHE_MODES)}"
+            )
+        t = self.semantic_threshold
+        if not math.isfinite(t) or not (t == 0 or 0.5 <= t <= 1):
+            raise InvalidArgument(f"semantic threshold {t} of {owner} is not in 0.5..1")
+        if not 0 <= self.ttl_s <= MAX_TTL_S:
+            raise InvalidArgument(f"cache TTL {self.ttl_s} s of {owner} is not in 0..{MAX_TTL_S}")
+        return replace(self, mode=mode)
+
+
+@dataclass(frozen=True, slots=True)
+class JwtIssuer:
+    issuer: str
+    audiences: tuple[str, ...] = ()
+    algorithms: tuple[str, ...] = ("RS256",)
+    jwks_file: str = ""
+    hs256_secret_file: str = ""
+    hs256_secret_env: str = ""
+    leeway_s: float = 30.0
+
+    def validated(self, owner: str) -> JwtIssuer:
+        if not self.issuer:
+            raise InvalidArgument(f"JWT issuer of {owner} is empty")
+        algorithms = self.algorithms or ("RS256",)
+        bad = [a for a in algorithms if a not in JWT_ALGORITHMS]
+        if bad:
+            raise InvalidArgument(
+                f"JWT algorithms {bad} of {owner} are not supported; "
+                f"use {', '.join(JWT_ALGORITHMS)}"
+            )
+        if "HS256" in algorithms and not (self.hs256_secret_file or self.hs256_secret_env):
+            raise InvalidArgument(f"{owner}: HS256 needs hs256_secret_file or hs256_secret_env")
+        if self.hs256_secret_env and not ENV_RE.match(self.hs256_secret_env):
+            raise InvalidArgument(f"{owner}: {self.hs256_secret_env!r} is not a variable name")
+        if set(algorithms) - {"HS256"} and not self.jwks_file:
+            raise InvalidArgument(f"{owner}: RS256 and ES256 need a jwks_file")
+        for path in (self.jwks_file, self.hs256_secret_file):
+            if path and not path.startswith("/"):
+                raise InvalidArgument(f"{owner}: {path!r} must be an absolute path")
+        if not math.isfinite(self.leeway_s) or not 0 <= self.leeway_s <= 600:
+            raise InvalidArgument(f"{owner}: JWT leeway {self.leeway_s} s is not in 0..600")
+        return replace(self, algorithms=tuple(sorted(set(algorithms))))
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    limits: Limits = Limits()
+    prompt: PromptPolicy = PromptPolicy()
+    cache: CachePolicy = CachePolicy()
+    jwt: JwtIssuer | None = None
+
+    def validated(self) -> Tenant:
+        check_name("tenant", self.name)
+        owner = f"tenant {self.name!r}"
+        return replace(
+            self,
+            limits=self.limits.validated(owner),
+            prompt=self.prompt.validated(owner),
+            cache=self.cache.validated(owner),
+            jwt=self.jwt.validated(owner) if self.jwt else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRecord:
+    """A key as stored: its hash, never the key."""
+
+    id: str
+    hash: str
+    tenant: str
+    description: str = ""
+    limits: Limits = Limits()
+    created_at: float = 0.0
+    revoked: bool = False
+    revoked_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Purge:
+    revision: int
+    tenant: str = ""
+    model: str = ""
+
+
+def _limits(raw: Any) -> Limits:
+    return Limits(**{k: int(v) for k, v in (raw or {}).items() if k in Limits.__dataclass_fields__})
+
+
+def decode_tenant(raw: bytes) -> Tenant:
+    fields = _fields(Tenant, raw)
+    prompt = {
+        k: v
+        for k, v in (fields.get("prompt") or {}).items()
+        if k in PromptPolicy.__dataclass_fields__
+    }
+    prompt["defaults"] = tuple((str(a), str(b)) for a, b in prompt.get("defaults", ()))
+    prompt["aliases"] = tuple((str(a), str(b)) for a, b in prompt.get("aliases", ()))
+    cache = {
+        k: v
+        for k, v in (fields.get("cache") or {}).items()
+        if k in CachePolicy.__dataclass_fields__
+    }
+    jwt_raw = fields.get("jwt")
+    jwt = None
+    if jwt_raw:
+        jwt_fields = {k: v for k, v in jwt_raw.items() if k in JwtIssuer.__dataclass_fields__}
+        jwt_fields["audiences"] = tuple(jwt_fields.get("audiences", ()))
+        jwt_fields["algorithms"] = tuple(jwt_fields.get("algorithms", ()))
+        jwt = JwtIssuer(**jwt_fields)
+    return Tenant(
+        name=fields["name"],
+        limits=_limits(fields.get("limits")),
+        prompt=PromptPolicy(**prompt),
+        cache=CachePolicy(**cache),
+        jwt=jwt,
+    )
+
+
+def decode_key(raw: bytes) -> ApiKeyRecord:
+    fields = _fields(ApiKeyRecord, raw)
+    fields["limits"] = _limits(fields.get("limits"))
+    return ApiKeyRecord(**fields)
+
+
+def decode_purge(raw: bytes, revision: int) -> Purge:
+    fields = _fields(Purge, raw)
+    return Purge(revision, str(fields.get("tenant", "")), str(fields.get("model", "")))

@@ -16,7 +16,9 @@ import time
 import uuid
 from dataclasses import replace
 
-from controlplane.catalog import Catalog
+import orjson
+
+from controlplane.catalog import REPLICAS, Catalog
 from controlplane.errors import Unavailable
 from controlplane.model import ProxyRecord
 from controlplane.store import LeaseExpired, StoreUnavailable
@@ -32,6 +34,13 @@ class ProxyRegistry:
         self._lease = 0
         self._lease_lock = asyncio.Lock()
         self.sessions: dict[str, ProxyRecord] = {}
+        self._by_name: dict[str, str] = {}  # proxy name -> its current session id
+        self._announcement: bytes | None = None
+        # ACKs are kept here and written as one key per replica (ACKS + id) at
+        # most every ack_flush seconds: a push to N proxies costs one etcd
+        # write, not N.
+        self._acks_dirty = False
+        self._fleet: tuple[float, int] = (0.0, 0)
 
     async def _ensure_lease(self) -> int:
         async with self._lease_lock:
@@ -42,6 +51,38 @@ class ProxyRegistry:
                     raise Unavailable(f"state store unavailable: {exc}") from exc
                 log.info("replica lease %x granted (ttl %ds)", self._lease, self._ttl)
             return self._lease
+
+    async def announce(self, address: str) -> None:
+        """List this replica under /ponto/replicas/ for as long as it lives."""
+        self._announcement = orjson.dumps(
+            {"id": self.replica_id, "address": address, "started_at": time.time()}
+        )
+        try:
+            await self._put_announcement(await self._ensure_lease())
+        except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
+            log.warning("replica not announced yet (retried with the lease): %s", exc)
+
+    async def _put_announcement(self, lease: int) -> None:
+        if self._announcement is not None:
+            await self._catalog.store.put(
+                REPLICAS + self.replica_id, self._announcement, lease=lease
+            )
+
+    async def lease(self) -> int:
+        """The replica's lease, granted on first use; keys under it die with the replica."""
+        return await self._ensure_lease()
+
+    async def fleet_size(self) -> int:
+        """Registered proxies across all replicas (at least 1), read at most once a second."""
+        at, size = self._fleet
+        now = time.monotonic()
+        if now - at > 1.0:
+            try:
+                size = len(await self._catalog.proxy_names())
+            except Unavailable:
+                size = len(self.sessions)
+            self._fleet = (now, size)
+        return max(1, size)
 
     async def register(self, name: str, region: str, address: str, version: str) -> ProxyRecord:
         lease = await self._ensure_lease()
@@ -55,15 +96,17 @@ class ProxyRegistry:
             connected_at=time.time(),
         )
         await self._catalog.put_proxy(record, lease)
-        # A re-registration of the same name supersedes older sessions here.
-        for sid, old in list(self.sessions.items()):
-            if old.name == name:
-                del self.sessions[sid]
+        # A re-registration of the same name supersedes an older session here.
+        old = self._by_name.get(name)
+        if old is not None:
+            self.sessions.pop(old, None)
+        self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
+        self._acks_dirty = True
         return record
 
     async def acked(self, session_id: str, version: int, error: str) -> None:
-        """Record an ACK (error empty) or a NACK; the store write is best effort."""
+        """Record an ACK (error empty) or a NACK; written with the next flush."""
         record = self.sessions.get(session_id)
         if record is None:
             return
@@ -72,15 +115,34 @@ class ProxyRegistry:
         else:
             record = replace(record, acked_version=version, last_error="")
         self.sessions[session_id] = record
-        try:
-            await self._catalog.put_proxy(record, await self._ensure_lease())
-        except (Unavailable, LeaseExpired) as exc:
-            log.warning("could not record ack of %s: %s", record.name, exc)
+        self._acks_dirty = True
+
+    def acks(self) -> dict[str, tuple[int, str]]:
+        """This replica's proxies: name -> (acked version, last error)."""
+        return {r.name: (r.acked_version, r.last_error) for r in self.sessions.values()}
+
+    async def flush_acks(self, interval: float = 0.2) -> None:
+        """Write this replica's ACK summary when it changed, until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            if not self._acks_dirty:
+                continue
+            self._acks_dirty = False
+            try:
+                await self._catalog.put_acks(
+                    self.replica_id, self.acks(), await self._ensure_lease()
+                )
+            except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
+                self._acks_dirty = True
+                log.debug("ACK summary not written: %s", exc)
 
     async def unregister(self, session_id: str) -> None:
         record = self.sessions.pop(session_id, None)
         if record is None:
             return
+        if self._by_name.get(record.name) == session_id:
+            del self._by_name[record.name]
+        self._acks_dirty = True
         try:
             await self._catalog.remove_proxy(record.name, session_id)
         except Unavailable as exc:
@@ -93,7 +155,7 @@ class ProxyRegistry:
         while True:
             await asyncio.sleep(max(self._ttl / 3, 0.2))
             if not self._lease:
-                if self.sessions:
+                if self.sessions or self._announcement is not None:
                     await self._rewrite()
                 continue
             try:
@@ -112,9 +174,11 @@ class ProxyRegistry:
     async def _rewrite(self) -> None:
         try:
             lease = await self._ensure_lease()
+            await self._put_announcement(lease)
             for record in list(self.sessions.values()):
                 await self._catalog.put_proxy(record, lease)
-        except (Unavailable, LeaseExpired) as exc:
+            self._acks_dirty = True
+        except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
             log.warning("re-registration failed, will retry: %s", exc)
             self._lease = 0
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controlplane.health import ProbeSettings
+from ponto.grpcconn import CredentialError, ServerSecurity, read_secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,9 @@ class Settings:
     log_level: str
     leader_ttl: int = 5
     probe: ProbeSettings = field(default_factory=ProbeSettings)
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    health_listen: str = ""
+    quota_interval: float = 1.0
 
 
 def parse(argv: list[str]) -> Settings:
@@ -75,6 +79,33 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument("--rise", type=int, default=2, help="successes before an origin is healthy")
     p.add_argument("--fall", type=int, default=2, help="failures before an origin is unhealthy")
+    p.add_argument(
+        "--quota-interval-ms",
+        type=int,
+        default=1000,
+        help="how often the leader rebalances rate-limit shares from proxies' demand",
+    )
+    p.add_argument(
+        "--health-listen",
+        default="",
+        help="also serve gRPC health checking alone, in plaintext, on HOST:PORT "
+        "(for kubelet grpc probes, which cannot present a client certificate)",
+    )
+    p.add_argument("--tls-cert", default="", help="server certificate (PEM); enables TLS")
+    p.add_argument("--tls-key", default="", help="server private key (PEM)")
+    p.add_argument(
+        "--tls-client-ca",
+        default="",
+        help="CA that client certificates must chain to; enables mutual TLS",
+    )
+    p.add_argument(
+        "--bootstrap-token-file",
+        default="",
+        help="file with the token proxies must present to register",
+    )
+    p.add_argument(
+        "--admin-token-file", default="", help="file with the token Admin API callers must present"
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -91,6 +122,23 @@ def parse(argv: list[str]) -> Settings:
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
     if not etcd:
         p.error("--etcd needs at least one endpoint")
+    if a.quota_interval_ms < 50:
+        p.error("--quota-interval-ms must be at least 50")
+    try:
+        security = ServerSecurity(
+            tls_cert=a.tls_cert,
+            tls_key=a.tls_key,
+            tls_client_ca=a.tls_client_ca,
+            bootstrap_token=read_secret(a.bootstrap_token_file, "bootstrap token")
+            if a.bootstrap_token_file
+            else "",
+            admin_token=read_secret(a.admin_token_file, "admin token")
+            if a.admin_token_file
+            else "",
+        )
+        security.server_credentials()  # fail at start, not on the first call
+    except CredentialError as exc:
+        p.error(str(exc))
     return Settings(
         etcd=etcd,
         listen=a.listen,
@@ -109,4 +157,7 @@ def parse(argv: list[str]) -> Settings:
             rise=a.rise,
             fall=a.fall,
         ),
+        security=security,
+        health_listen=a.health_listen,
+        quota_interval=a.quota_interval_ms / 1000,
     )

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 
 import aiohttp
 from aiohttp import web
 
+from dataplane.cache.store import ExactStore
+from dataplane.edgecache import EdgeCache
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
 from dataplane.handlers import (
@@ -22,8 +25,19 @@ from dataplane.handlers import (
     readyz,
 )
 from dataplane.metrics import Metrics
+from dataplane.quota import QuotaState
+from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
-from dataplane.state import CLIENT, FORWARDER, HOLDER, LOCATOR, METRICS, SETTINGS
+from dataplane.state import (
+    CACHE,
+    CLIENT,
+    FORWARDER,
+    HOLDER,
+    LIMITER,
+    LOCATOR,
+    METRICS,
+    SETTINGS,
+)
 from dataplane.sync import ControlPlaneClient, TableHolder
 from dataplane.upstream import Forwarder
 from ponto.v1 import routing_pb2 as pb
@@ -47,7 +61,14 @@ def build_app(settings: Settings) -> web.Application:
     )
     app[SETTINGS] = settings
     app[METRICS] = m = Metrics()
-    holder = TableHolder(settings.region, settings.state_dir)
+    holder = TableHolder(settings.region, settings.state_dir, settings.cache)
+    app[LIMITER] = limiter = RateLimiter()
+    quota = QuotaState(limiter)
+    holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
+    store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
+    app[CACHE] = cache = EdgeCache(store, m)
+    m.bind_cache(lambda: store.stats)
+    holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
     if holder.load_saved():
         log.warning("serving the saved route table until the control plane answers")
     app[HOLDER] = holder
@@ -57,7 +78,16 @@ def build_app(settings: Settings) -> web.Application:
         address=settings.advertise,
         version=software_version(),
     )
-    app[CLIENT] = client = ControlPlaneClient(holder, settings.control_plane, info)
+    app[CLIENT] = client = ControlPlaneClient(
+        holder,
+        settings.control_plane,
+        info,
+        credentials=settings.credentials,
+        on_quota=quota.on_quota,
+        on_fleet_size=quota.on_fleet_size,
+        demand=quota.demand,
+        report_interval=settings.report_interval,
+    )
     m.bind(
         version=lambda: float(holder.routes.version) if holder.routes else 0.0,
         connected=lambda: 1.0 if client.connected else 0.0,
@@ -69,6 +99,7 @@ def build_app(settings: Settings) -> web.Application:
     )
     app.on_cleanup.append(_close_locator)
     app.cleanup_ctx.append(_upstream)
+    app.cleanup_ctx.append(_cache_sweeper)
     app.cleanup_ctx.append(_control_plane)
     r = app.router
     r.add_post(
@@ -93,6 +124,21 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     app[FORWARDER] = Forwarder(session, app[METRICS], app[SETTINGS].upstream)
     yield
     await session.close()
+
+
+async def _cache_sweeper(app: web.Application) -> AsyncIterator[None]:
+    """Drop expired entries now and then, so memory follows the TTLs."""
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(30)
+            app[CACHE].store.sweep()
+
+    task = asyncio.create_task(sweep(), name="cache-sweeper")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _control_plane(app: web.Application) -> AsyncIterator[None]:

@@ -8,15 +8,32 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
+from dataplane.assemble import assemble
+from dataplane.auth.authenticator import AuthError, Principal
+from dataplane.edgecache import CacheRequest
 from dataplane.errors import ApiError, bad_request
-from dataplane.state import CLIENT, FORWARDER, HOLDER, LOCATOR, METRICS, SETTINGS
+from dataplane.policy import EdgePolicy
+from dataplane.ratelimit.limiter import Admission
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
+from dataplane.state import (
+    CACHE,
+    CLIENT,
+    FORWARDER,
+    HOLDER,
+    LIMITER,
+    LOCATOR,
+    METRICS,
+    SETTINGS,
+)
+from dataplane.upstream import StreamTap
+from dataplane.usage import Usage, UsageTap, usage_of_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -62,61 +79,165 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _no_table() -> ApiError:
+    return ApiError(
+        503,
+        "the proxy has no route table yet; retry shortly",
+        type="server_error",
+        code="no_route_table",
+        headers={"retry-after": "1"},
+    )
+
+
+def _refusal(admission: Admission, headers: list[tuple[str, str]]) -> ApiError:
+    """429 in OpenAI's words, or 400 for a request no wait could admit."""
+    if admission.too_large:
+        return ApiError(
+            400,
+            "this request needs more tokens than the per-minute limit allows; "
+            "shorten it or lower max_tokens",
+            code="tokens_over_limit",
+        )
+    what = {"requests": "requests", "tokens": "tokens", "concurrency": "concurrent requests"}[
+        admission.limit or "requests"
+    ]
+    err = ApiError(
+        429,
+        f"Rate limit reached for {what}. Please try again in {admission.retry_after_s:.2f}s.",
+        type="requests" if admission.limit != "tokens" else "tokens",
+        code="rate_limit_exceeded",
+        headers={"retry-after": admission.retry_after_header()},
+    )
+    err.headers.update(headers)
+    return err
+
+
+def _validate(endpoint: str, body: dict[str, Any], required: str) -> bool:
+    """Check the fields every endpoint needs; return the stream flag."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a non-empty string", param="model")
+    if required not in body:
+        raise bad_request(f"'{required}' is required", param=required)
+    if required == "messages":
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise bad_request(
+                    f"'messages[{i}]' must be an object with a string 'role'",
+                    param=f"messages[{i}]",
+                )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream")
+    return stream
+
+
 def make_proxy_handler(endpoint: str) -> Handler:
     path, required = ENDPOINTS[endpoint]
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        app = request.app
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         request["request_id"] = request_id
+        holder = app[HOLDER]
+        routes, policy = holder.routes, holder.policy
+        if routes is None or policy is None:
+            raise _no_table()
+        # Who is calling is settled before the body is read: a caller without
+        # a valid credential costs the proxy no more than its headers.
+        principal = _authenticate(request, policy)
+        request["principal"] = principal
         body = await read_json(request)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad_request("'model' is required and must be a non-empty string", param="model")
-        if required not in body:
-            raise bad_request(f"'{required}' is required", param=required)
-        if required == "messages" and (
-            not isinstance(body["messages"], list) or not body["messages"]
-        ):
-            raise bad_request("'messages' must be a non-empty array", param="messages")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad_request("'stream' must be a boolean", param="stream")
-        routes = request.app[HOLDER].routes
-        if routes is None:
+        stream = _validate(endpoint, body, required)
+        tenant = policy.tenant(principal.tenant)
+        public_model = body["model"]
+        assembled = assemble(endpoint, body, tenant.prompt)
+        model = body["model"]
+        if not isinstance(model, str) or model not in routes.groups:
             raise ApiError(
-                503,
-                "the proxy has no route table yet; retry shortly",
-                type="server_error",
-                code="no_route_table",
-                headers={"retry-after": "1"},
+                404,
+                f"The model '{public_model}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
             )
-        home = request.app[LOCATOR].home(routes, request.remote, request.headers)
-        forwarder = request.app[FORWARDER]
-        candidates = routes.candidates(model, home, limit=forwarder.candidate_limit())
-        if not candidates:
-            if model not in routes.groups:
-                raise ApiError(
-                    404,
-                    f"The model '{model}' does not exist or you do not have access to it.",
-                    param="model",
-                    code="model_not_found",
+        limiter = app[LIMITER]
+        estimate = estimate_prompt_tokens(endpoint, body)
+        now = time.monotonic()
+        admission = limiter.admit(principal.scopes, estimate, now)
+        limit_headers = limiter.headers(principal.scopes, now)
+        request["limit_headers"] = limit_headers
+        if not admission.ok:
+            raise _refusal(admission, limit_headers)
+        usage: Usage | None = None
+        try:
+            raw = jsonio.dumps(body) if assembled else request["raw_body"]
+
+            async def call_origin(
+                tap: StreamTap | None, extra: Sequence[tuple[str, str]]
+            ) -> web.StreamResponse:
+                home = app[LOCATOR].home(routes, request.remote, request.headers)
+                forwarder = app[FORWARDER]
+                candidates = routes.candidates(model, home, limit=forwarder.candidate_limit())
+                if not candidates:
+                    raise ApiError(
+                        503,
+                        f"no healthy origin serves model '{model}' now (drained or unhealthy)",
+                        type="server_error",
+                        code="no_healthy_origin",
+                        headers={"retry-after": "5"},
+                    )
+                return await forwarder.forward(
+                    request,
+                    path,
+                    raw,
+                    candidates,
+                    request_id,
+                    extra_headers=[*limit_headers, *extra],
+                    tap=tap,
                 )
-            raise ApiError(
-                503,
-                f"no healthy origin serves model '{model}' now (drained or unhealthy)",
-                type="server_error",
-                code="no_healthy_origin",
-                headers={"retry-after": "5"},
-            )
-        return await forwarder.forward(request, path, request["raw_body"], candidates, request_id)
+
+            usage_tap = UsageTap() if stream else None
+            cached = CacheRequest(endpoint, body, tenant, stream)
+            response = await app[CACHE].respond(request, cached, call_origin, usage_tap)
+            if response.headers.get("x-ponto-cache") == "hit":
+                pass  # no origin tokens were spent
+            elif usage_tap is not None:
+                usage = usage_tap.result(estimate)
+            elif isinstance(response, web.Response) and response.status < 400:
+                usage = usage_of_body(response.body) if isinstance(response.body, bytes) else None
+            return response
+        finally:
+            admission.release(usage.total if usage is not None else None, time.monotonic())
+            if usage is not None:
+                app[METRICS].account_tokens(principal.tenant, principal.key_id, usage)
 
     handle.__name__ = f"handle_{endpoint.replace('.', '_')}"
     return handle
 
 
+def _authenticate(request: web.Request, policy: EdgePolicy) -> Principal:
+    try:
+        return policy.authenticator.authenticate(request.headers.get("authorization"), time.time())
+    except AuthError as exc:
+        raise ApiError(
+            401, exc.message, code=exc.code, headers={"www-authenticate": exc.www_authenticate}
+        ) from None
+
+
 async def list_models(request: web.Request) -> web.Response:
-    routes = request.app[HOLDER].routes
-    models = routes.models if routes else ()
+    """The models the caller may name: what origins serve, plus its tenant's aliases."""
+    holder = request.app[HOLDER]
+    routes, policy = holder.routes, holder.policy
+    models: list[str] = list(routes.models) if routes else []
+    if policy is not None:
+        principal = _authenticate(request, policy)
+        request["principal"] = principal
+        served = set(models)
+        aliases = policy.tenant(principal.tenant).prompt.aliases
+        models += sorted(a for a, target in aliases.items() if target in served and a not in served)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "ponto"} for m in models]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps_str)
 
@@ -179,6 +300,13 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = ApiError(
             500, "internal error in the proxy", type="server_error", code="internal_error"
         ).response()
+    principal = request.get("principal")
+    if principal is not None:
+        m.account_request(principal.tenant, principal.key_id, response.status)
+    limit_headers = request.get("limit_headers")
+    if limit_headers and not response.prepared:
+        for name, value in limit_headers:
+            response.headers.setdefault(name, value)
     m.requests.labels(endpoint, str(response.status)).inc()
     m.duration.labels(endpoint).observe(time.perf_counter() - started)
     return response

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dataplane.usage import Usage
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -69,9 +72,56 @@ class Metrics:
             "was applied at start)",
             registry=r,
         )
+        self.tenant_requests = Counter(
+            "ponto_tenant_requests",
+            "Requests by tenant, API key id ('-' in open mode) and status code",
+            ["tenant", "key", "code"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "ponto_tenant_tokens",
+            "Tokens by tenant, API key id and kind (prompt, completion), from the "
+            "origins' usage or, for streams without it, counted by the proxy",
+            ["tenant", "key", "kind"],
+            registry=r,
+        )
+        self.cache_requests = Counter(
+            "ponto_cache_requests",
+            "Cache outcomes: result hit|miss|bypass; kind exact|semantic|coalesced, or the "
+            "reason of a bypass",
+            ["result", "kind"],
+            registry=r,
+        )
+        self.cache_entries = Gauge("ponto_cache_entries", "Entries in the exact cache", registry=r)
+        self.cache_bytes = Gauge("ponto_cache_bytes", "Bytes held by the exact cache", registry=r)
+        self.cache_evictions = Gauge(
+            "ponto_cache_evictions", "Entries evicted to stay under the memory bound", registry=r
+        )
+        self.cache_expired = Gauge(
+            "ponto_cache_expired", "Entries dropped because their TTL passed", registry=r
+        )
+        self.cache_purged = Gauge("ponto_cache_purged", "Entries dropped by purges", registry=r)
         self.table_nacks = Gauge(
             "ponto_route_table_nacks", "Tables refused since start", registry=r
         )
+
+    def account_request(self, tenant: str, key: str, status: int) -> None:
+        self.tenant_requests.labels(tenant, key or "-", str(status)).inc()
+
+    def account_tokens(self, tenant: str, key: str, usage: Usage) -> None:
+        key = key or "-"
+        if usage.prompt_tokens:
+            self.tenant_tokens.labels(tenant, key, "prompt").inc(usage.prompt_tokens)
+        if usage.completion_tokens:
+            self.tenant_tokens.labels(tenant, key, "completion").inc(usage.completion_tokens)
+
+    def bind_cache(self, stats: Callable[[], Any]) -> None:
+        """Read the cache store's counters at scrape time."""
+        self.cache_entries.set_function(lambda: float(stats().entries))
+        self.cache_bytes.set_function(lambda: float(stats().bytes))
+        self.cache_evictions.set_function(lambda: float(stats().evictions))
+        self.cache_expired.set_function(lambda: float(stats().expired))
+        self.cache_purged.set_function(lambda: float(stats().purged))
 
     def bind(
         self,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from dataplane.auth.credentials import OriginCredentials
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -34,6 +35,8 @@ class Target:
     region: str
     base_url: str
     weight: int
+    # Upstream credential the proxy injects; None: the origin needs none.
+    credential: OriginCredentials | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +162,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         all_models.update(o.models)
         if o.drained or not o.healthy or regions[o.region].drained:
             continue
-        target = Target(o.name, o.region, o.base_url.rstrip("/"), o.weight)
+        target = Target(o.name, o.region, o.base_url.rstrip("/"), o.weight, _credential(o))
         for model in o.models:
             by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
 
@@ -201,3 +204,16 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         order=order,
         coords=tuple((r.name, r.latitude, r.longitude) for r in table.regions),
     )
+
+
+def _credential(o: pb.Origin) -> OriginCredentials | None:
+    if not (o.credential_env or o.credential_file):
+        return None
+    try:
+        return OriginCredentials(
+            o.name,
+            credential_env=o.credential_env or None,
+            credential_file=o.credential_file or None,
+        )
+    except ValueError as exc:
+        raise TableError(str(exc)) from exc

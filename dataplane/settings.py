@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dataplane.geo import TrustedProxies
+from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream import UpstreamSettings
+from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
@@ -28,6 +30,10 @@ class Settings:
     log_level: str
     geoip_db: Path | None = None
     trusted_proxies: tuple[str, ...] = ()
+    credentials: ClientOptions = field(default_factory=ClientOptions)
+    report_interval: float = 1.0
+    cache_max_bytes: int = 256 << 20
+    cache: CacheDefaults = field(default_factory=CacheDefaults)
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -94,6 +100,39 @@ def parse(argv: list[str]) -> Settings:
         help="CIDRs of load balancers whose X-Forwarded-For/Forwarded is believed, "
         "comma-separated; headers from other peers are ignored",
     )
+    p.add_argument("--tls-ca", default="", help="CA that signed the control plane's certificate")
+    p.add_argument("--tls-cert", default="", help="this proxy's client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default="", help="this proxy's client key")
+    p.add_argument(
+        "--bootstrap-token-file",
+        default="",
+        help="file with the token the control plane requires of proxies",
+    )
+    p.add_argument(
+        "--report-interval-ms",
+        type=int,
+        default=1000,
+        help="how often rate-limit demand is reported to the control plane",
+    )
+    p.add_argument(
+        "--cache-max-mb",
+        type=int,
+        default=256,
+        help="memory bound of the response cache (least recently used entries go first)",
+    )
+    p.add_argument(
+        "--cache-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a cached answer may serve, for tenants that set no TTL",
+    )
+    p.add_argument(
+        "--semantic-threshold",
+        type=float,
+        default=DEFAULT_SEMANTIC_THRESHOLD,
+        help="cosine similarity a semantic hit needs, for tenants that set none "
+        "(chosen from bench/cache_eval.py; see docs/semantic-cache.md)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -122,6 +161,27 @@ def parse(argv: list[str]) -> Settings:
         p.error(str(exc))
     if a.geoip_db is not None and not a.geoip_db.is_file():
         p.error(f"--geoip-db {a.geoip_db} is not a readable file")
+    try:
+        credentials = ClientOptions(
+            a.tls_ca,
+            a.tls_cert,
+            a.tls_key,
+            read_secret(a.bootstrap_token_file, "bootstrap token")
+            if a.bootstrap_token_file
+            else "",
+        )
+        if credentials.secure:
+            credentials.channel_credentials()  # fail now on unreadable files
+    except CredentialError as exc:
+        p.error(str(exc))
+    if a.cache_max_mb < 0:
+        p.error("--cache-max-mb must be 0 (no cache) or more")
+    if a.cache_ttl <= 0:
+        p.error("--cache-ttl must be positive")
+    if not 0.5 <= a.semantic_threshold <= 1:
+        p.error("--semantic-threshold must be in 0.5..1")
+    if a.report_interval_ms < 50:
+        p.error("--report-interval-ms must be at least 50")
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
     if not addresses:
         p.error("--control-plane needs at least one address")
@@ -145,4 +205,8 @@ def parse(argv: list[str]) -> Settings:
         log_level=a.log_level,
         geoip_db=a.geoip_db,
         trusted_proxies=trusted,
+        credentials=credentials,
+        report_interval=a.report_interval_ms / 1000,
+        cache_max_bytes=a.cache_max_mb << 20,
+        cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
     )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from dataplane.edgecache import EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.metrics import Metrics
+from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
 from dataplane.sync import ControlPlaneClient, TableHolder
 from dataplane.upstream import Forwarder
@@ -16,3 +18,5 @@ CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 METRICS = web.AppKey("metrics", Metrics)
 LOCATOR = web.AppKey("locator", ClientLocator)
+LIMITER = web.AppKey("limiter", RateLimiter)
+CACHE = web.AppKey("cache", EdgeCache)

@@ -12,12 +12,14 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import grpc
 
+from dataplane.policy import CacheDefaults, EdgePolicy, build_policy
 from dataplane.routes import Routes, TableError, build_routes
+from ponto.grpcconn import ClientOptions, aio_channel
 from ponto.v1 import routing_pb2 as pb
 from ponto.v1 import routing_pb2_grpc
 from ponto.writefile import write_atomic
@@ -33,10 +35,21 @@ class TableHolder:
     or the new table, never a mix.
     """
 
-    def __init__(self, region: str, state_dir: Path | None) -> None:
+    def __init__(
+        self,
+        region: str,
+        state_dir: Path | None,
+        cache_defaults: CacheDefaults | None = None,
+    ) -> None:
         self.region = region
         self.state_dir = state_dir
+        self.cache_defaults = cache_defaults or CacheDefaults()
         self.routes: Routes | None = None
+        # Compiled with routes from the same table; read together by handlers
+        # in one synchronous step, so they always match.
+        self.policy: EdgePolicy | None = None
+        # Called after a table with new content is installed.
+        self.on_apply: list[Callable[[Routes, EdgePolicy], None]] = []
         self.source = "none"
         self.applied_at = 0.0  # time.time() of the last apply
         self.received_at = 0.0  # time.time() the control plane last sent a table
@@ -63,14 +76,22 @@ class TableHolder:
             self.source = source
             return False
         routes = build_routes(table, self.region)
+        policy = build_policy(table, self.cache_defaults)
         self.routes = routes
+        self.policy = policy
         self.source = source
+        for hook in self.on_apply:
+            hook(routes, policy)
         self.applied_at = time.time()
         log.info(
-            "applied route table version %d from %s: %d models",
+            "applied route table version %d from %s: %d models, %d tenants%s",
             routes.version,
             source,
             len(routes.models),
+            len(policy.tenants),
+            "; no API keys or JWT issuers: the proxy is OPEN, every request is tenant 'default'"
+            if policy.authenticator.open
+            else "",
         )
         if source == "control-plane":
             self._save(table)
@@ -119,6 +140,11 @@ class ControlPlaneClient:
         addresses: Sequence[str],
         info: pb.ProxyInfo,
         *,
+        credentials: ClientOptions | None = None,
+        on_quota: Callable[[pb.QuotaShares], None] | None = None,
+        on_fleet_size: Callable[[int], None] | None = None,
+        demand: Callable[[], list[pb.ScopeDemand]] | None = None,
+        report_interval: float = 1.0,
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
     ) -> None:
@@ -129,7 +155,13 @@ class ControlPlaneClient:
         self._info = info
         self._backoff_min = backoff_min
         self._backoff_max = backoff_max
+        self._credentials = credentials or ClientOptions()
+        self._on_quota = on_quota
+        self._on_fleet_size = on_fleet_size
+        self._demand = demand
+        self._report_interval = report_interval
         self.connected = False
+        self.quota_generation = 0
         self.nacks = 0
         self.connects = 0
         # Registration waits until the proxy knows the address it serves on
@@ -172,9 +204,14 @@ class ControlPlaneClient:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
         got_table = False
-        async with grpc.aio.insecure_channel(address, options=options) as channel:
+        metadata = self._credentials.metadata
+        async with aio_channel(address, self._credentials, options) as channel:
             stub = routing_pb2_grpc.RoutingStub(channel)
-            reg = await stub.Register(pb.RegisterRequest(proxy=self._info), timeout=5)
+            reg = await stub.Register(
+                pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
+            )
+            if self._on_fleet_size is not None:
+                self._on_fleet_size(reg.fleet_size)
             outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
             current = self._holder.routes
             outbox.put_nowait(
@@ -187,14 +224,38 @@ class ControlPlaneClient:
                 while True:
                     yield await outbox.get()
 
-            call = stub.RouteStream(requests())
+            call = stub.RouteStream(requests(), metadata=metadata)
             self.connects += 1
             log.info("connected to control plane %s (%s)", address, reg.control_plane_id)
-            async for update in call:
-                self.connected = True
-                got_table = True
-                outbox.put_nowait(self._handle(reg.session_id, update))
+            reporter = asyncio.create_task(self._report(reg.session_id, outbox))
+            try:
+                async for update in call:
+                    self.connected = True
+                    if update.HasField("quota"):
+                        self._apply_quota(update.quota)
+                    if update.HasField("table"):
+                        got_table = True
+                        outbox.put_nowait(self._handle(reg.session_id, update))
+            finally:
+                reporter.cancel()
         return got_table
+
+    def _apply_quota(self, quota: pb.QuotaShares) -> None:
+        if quota.generation and quota.generation < self.quota_generation:
+            return  # an older replica's view; the newer one stands
+        self.quota_generation = quota.generation
+        if self._on_quota is not None:
+            self._on_quota(quota)
+
+    async def _report(self, session_id: str, outbox: asyncio.Queue[pb.RouteRequest]) -> None:
+        """Send this proxy's rate-limit demand about once an interval."""
+        if self._demand is None:
+            return
+        while True:
+            await asyncio.sleep(self._report_interval)
+            outbox.put_nowait(
+                pb.RouteRequest(session_id=session_id, is_report=True, demand=self._demand())
+            )
 
     def _handle(self, session_id: str, update: pb.RouteUpdate) -> pb.RouteRequest:
         try:

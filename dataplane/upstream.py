@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from dataplane import jsonio
+from dataplane.auth.credentials import CredentialError
 from dataplane.errors import upstream_error
 from dataplane.metrics import Metrics
 from dataplane.outlier import OutlierDetector, RetryBudget
@@ -61,6 +64,16 @@ class UpstreamSettings:
     deadline: float = 600.0
     # Client headers sent on to origins besides FORWARD_REQUEST_HEADERS.
     forward_headers: tuple[str, ...] = ()
+
+
+class StreamTap(Protocol):
+    """Sees every chunk relayed to the client, then how the stream ended."""
+
+    def feed(self, chunk: bytes) -> None: ...
+
+    def end(self, complete: bool) -> None:
+        """complete: the origin ended the stream and the client got all of it."""
+        ...
 
 
 class _Retryable(Exception):
@@ -116,7 +129,12 @@ class Forwarder:
         body: bytes,
         candidates: list[Target],
         request_id: str,
+        *,
+        extra_headers: Sequence[tuple[str, str]] = (),
+        tap: StreamTap | None = None,
     ) -> web.StreamResponse:
+        """Answer from the first origin that responds; extra_headers go on the
+        response; tap sees a streamed response's chunks."""
         headers = self._headers(request, request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
@@ -134,7 +152,9 @@ class Forwarder:
                 break
             try:
                 async with asyncio.timeout(remaining):
-                    response = await self._attempt(request, target, path, body, headers, attempt)
+                    response = await self._attempt(
+                        request, target, path, body, headers, attempt, extra_headers, tap
+                    )
                 self.outliers.success(target.name)
                 return response
             except _Retryable as exc:
@@ -163,7 +183,17 @@ class Forwarder:
         body: bytes,
         headers: CIMultiDict[str],
         attempt: int,
+        extra_headers: Sequence[tuple[str, str]],
+        tap: StreamTap | None,
     ) -> web.StreamResponse:
+        if target.credential is not None:
+            try:
+                authorization = target.credential.authorization()
+            except CredentialError as exc:
+                raise _Retryable("credential_error", exc.client_message) from exc
+            if authorization is not None:
+                headers = headers.copy()
+                headers["authorization"] = authorization
         try:
             resp = await self._session.post(
                 target.base_url + path, data=body, headers=headers, timeout=self._timeout
@@ -181,8 +211,9 @@ class Forwarder:
                 "x-ponto-attempts": str(attempt),
                 "x-request-id": headers["x-request-id"],
             }
+            extra.update(extra_headers)
             if resp.content_type == "text/event-stream":
-                return await self._relay_stream(request, resp, target, extra)
+                return await self._relay_stream(request, resp, target, extra, tap)
             try:
                 data = await resp.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -209,6 +240,7 @@ class Forwarder:
         resp: aiohttp.ClientResponse,
         target: Target,
         extra: dict[str, str],
+        tap: StreamTap | None,
     ) -> web.StreamResponse:
         # Wait for the first chunk before answering: until the client has seen a
         # byte, a failing origin can still be replaced by the next one.
@@ -221,7 +253,10 @@ class Forwarder:
         out = web.StreamResponse(status=resp.status, headers=self._copy(resp, extra))
         out.headers["cache-control"] = "no-cache"
         await out.prepare(request)
+        complete = False
         try:
+            if tap is not None:
+                tap.feed(first)
             await out.write(first)
             while True:
                 try:
@@ -236,7 +271,10 @@ class Forwarder:
                     if not resp.content.is_eof():  # pragma: no cover - defensive
                         continue
                     self._metrics.upstream_attempts.labels(target.name, "ok").inc()
+                    complete = True
                     break
+                if tap is not None:
+                    tap.feed(chunk)
                 # write() waits for the client's socket to drain: backpressure
                 # reaches the origin through the unread upstream socket.
                 await out.write(chunk)
@@ -244,5 +282,11 @@ class Forwarder:
         except ConnectionResetError:
             # The client went away; leaving returns through release(), which
             # closes the origin connection and so cancels its generation.
+            complete = False
             self._metrics.client_disconnects.inc()
+        finally:
+            # Also on cancellation (the client vanished mid-write): a tap must
+            # learn the stream did not end properly.
+            if tap is not None:
+                tap.end(complete)
         return out

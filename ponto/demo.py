@@ -63,9 +63,16 @@ def banner(fleet: Fleet) -> str:
         '      messages=[{"role": "user", "content": "hi"}])',
         "  print(r.choices[0].message.content)",
         "",
-        "Operate the fleet:",
-        f"  .venv/bin/pontoctl --control-plane {control} get proxies",
-        f"  .venv/bin/pontoctl --control-plane {control} drain region us-east",
+        "Operate the fleet (mutual TLS and an admin token, from a throwaway CA):",
+        *[
+            f"  export {k}={v}"
+            for k, v in (fleet.security.admin_env() if fleet.security else {}).items()
+        ],
+        f"  export PONTO_CONTROL_PLANE={control}",
+        "  .venv/bin/pontoctl get proxies",
+        "  .venv/bin/pontoctl drain region us-east",
+        "  .venv/bin/pontoctl tenant add acme && .venv/bin/pontoctl key create --tenant acme",
+        "  (once a key exists, requests need 'Authorization: Bearer <key>')",
         "",
         f"Logs are in {fleet.workdir}. Press Ctrl-C to stop.",
     ]

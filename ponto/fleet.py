@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 
 from ponto.devenv import DevEnvError, Etcd, Managed, python_entry, spawn, start_etcd
+from ponto.grpcconn import ClientOptions, admin_channel, read_secret
+from ponto.pki import Bundle, make_bundle
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -48,11 +50,31 @@ class Fleet:
     controls: dict[str, Managed] = field(default_factory=dict)
     origins: dict[str, Managed] = field(default_factory=dict)
     proxies: dict[str, Managed] = field(default_factory=dict)
+    # Mutual TLS and tokens between the planes, as in production (the demo
+    # and the security tests); None runs them in plaintext without tokens.
+    security: Bundle | None = None
     _channel: grpc.Channel | None = None
     _channel_to: str = ""
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def secure(self) -> Bundle:
+        """Generate a throwaway CA, certificates and tokens; later starts use them."""
+        if self.security is None:
+            self.security = make_bundle(self.workdir / "pki")
+        return self.security
+
+    def admin_options(self) -> ClientOptions:
+        b = self.security
+        if b is None:
+            return ClientOptions()
+        return ClientOptions(
+            b.ca,
+            b.path("admin.crt"),
+            b.path("admin.key"),
+            read_secret(b.admin_token_file, "admin token"),
+        )
 
     def _ready(self, name: str) -> Path:
         path = self.workdir / f"{name}.addr"
@@ -84,8 +106,9 @@ class Fleet:
         if name in self.controls and listen.endswith(":0"):
             listen = self.controls[name].address
         ready = self._ready(name)
+        security = self.security.control_args() if self.security else []
         argv = [*python_entry("controlplane"), "--etcd", self.etcd.url, "--listen", listen,
-                "--id", name, "--ready-file", str(ready), *(extra or [])]  # fmt: skip
+                "--id", name, "--ready-file", str(ready), *security, *(extra or [])]  # fmt: skip
         self.controls[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
         return m
 
@@ -120,7 +143,8 @@ class Fleet:
         argv = [*python_entry("dataplane"), "--control-plane", ",".join(addresses),
                 "--listen", listen, "--region", region, "--name", name,
                 "--state-dir", str(self.workdir / f"{name}-state"),
-                "--ready-file", str(ready), *(extra or [])]  # fmt: skip
+                "--ready-file", str(ready),
+                *(self.security.proxy_args() if self.security else []), *(extra or [])]  # fmt: skip
         self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
         return m
 
@@ -133,7 +157,7 @@ class Fleet:
         if self._channel is None or self._channel_to != address:
             if self._channel is not None:
                 self._channel.close()
-            self._channel = grpc.insecure_channel(address)
+            self._channel = admin_channel(address, self.admin_options())
             self._channel_to = address
         return admin_pb2_grpc.AdminStub(self._channel)
 
@@ -216,11 +240,17 @@ class Fleet:
 
 
 def start_demo_fleet(
-    workdir: Path, *, proxy_ports: tuple[int, int] = (0, 0), control_port: int = 0
+    workdir: Path,
+    *,
+    proxy_ports: tuple[int, int] = (0, 0),
+    control_port: int = 0,
+    secure: bool = True,
 ) -> Fleet:
     """The demo topology: etcd, one control plane, an origin per region, two proxies."""
     fleet = Fleet(workdir)
     try:
+        if secure:
+            fleet.secure()
         fleet.start_etcd()
         fleet.start_control(listen=f"127.0.0.1:{control_port}")
         for region in DEMO_REGIONS:

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from controlplane.api.errors import grpc_errors
 from controlplane.catalog import Catalog
+from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.errors import InvalidArgument
-from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
+from controlplane.model import (
+    ApiKeyRecord,
+    CachePolicy,
+    JwtIssuer,
+    Limits,
+    Origin,
+    OriginHealth,
+    PromptPolicy,
+    ProxyRecord,
+    Region,
+    Tenant,
+)
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -41,6 +54,66 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         capacity=o.capacity,
         inflight=health.inflight if health else 0.0,
         health_detail=health.detail if health else "",
+        credential_env=o.credential_env,
+        credential_file=o.credential_file,
+    )
+
+
+def limits_of(m: pb.Limits) -> Limits:
+    return Limits(rpm=m.rpm, tpm=m.tpm, concurrency=m.concurrency)
+
+
+def prompt_of(m: pb.PromptPolicy) -> PromptPolicy:
+    return PromptPolicy(
+        system_prompt=m.system_prompt,
+        enforce_system_prompt=m.enforce_system_prompt,
+        defaults=tuple(m.defaults.items()),
+        max_tokens_ceiling=m.max_tokens_ceiling,
+        aliases=tuple(m.aliases.items()),
+    )
+
+
+def cache_of(m: pb.CachePolicy) -> CachePolicy:
+    return CachePolicy(
+        mode=m.mode,
+        semantic_threshold=m.semantic_threshold,
+        ttl_s=m.ttl_s,
+        cache_nondeterministic=m.cache_nondeterministic,
+        store_truncated=m.store_truncated,
+    )
+
+
+def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
+    return JwtIssuer(
+        issuer=m.issuer,
+        audiences=tuple(m.audiences),
+        algorithms=tuple(m.algorithms),
+        jwks_file=m.jwks_file,
+        hs256_secret_file=m.hs256_secret_file,
+        hs256_secret_env=m.hs256_secret_env,
+        leeway_s=m.leeway_s if m.leeway_s else 30.0,
+    )
+
+
+def tenant_of(m: pb.Tenant) -> Tenant:
+    return Tenant(
+        name=m.name,
+        limits=limits_of(m.limits),
+        prompt=prompt_of(m.prompt),
+        cache=cache_of(m.cache),
+        jwt=jwt_of(m.jwt) if m.HasField("jwt") else None,
+    )
+
+
+def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
+    return apb.ApiKeyInfo(
+        id=k.id,
+        tenant=k.tenant,
+        description=k.description,
+        limits=limits_pb(k.limits),
+        created_at=k.created_at,
+        revoked=k.revoked,
+        revoked_at=k.revoked_at,
     )
 
 
@@ -100,6 +173,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             tuple(spec.models),
             spec.weight,
             capacity=spec.capacity,
+            credential_env=spec.credential_env,
+            credential_file=spec.credential_file,
         )
         return origin_pb(await self._catalog.put_origin(origin, allow_update=request.allow_update))
 
@@ -120,12 +195,99 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return origin_pb(await self._catalog.set_origin_drained(request.name, request.drained))
 
     @grpc_errors
+    async def PutTenant(self, request: apb.PutTenantRequest, context: Ctx) -> pb.Tenant:
+        if not request.HasField("tenant"):
+            raise InvalidArgument("tenant is required")
+        tenant = tenant_of(request.tenant)
+        return tenant_pb(await self._catalog.put_tenant(tenant, allow_update=request.allow_update))
+
+    @grpc_errors
+    async def UpdateTenant(self, request: apb.UpdateTenantRequest, context: Ctx) -> pb.Tenant:
+        if request.clear_jwt and request.HasField("jwt"):
+            raise InvalidArgument("give jwt or clear_jwt, not both")
+
+        def change(t: Tenant) -> Tenant:
+            if request.HasField("limits"):
+                t = replace(t, limits=limits_of(request.limits))
+            if request.HasField("cache"):
+                t = replace(t, cache=cache_of(request.cache))
+            if request.HasField("prompt"):
+                t = replace(t, prompt=prompt_of(request.prompt))
+            if request.HasField("jwt"):
+                t = replace(t, jwt=jwt_of(request.jwt))
+            if request.clear_jwt:
+                t = replace(t, jwt=None)
+            return t
+
+        return tenant_pb(await self._catalog.update_tenant(request.name, change))
+
+    @grpc_errors
+    async def DeleteTenant(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
+        await self._catalog.delete_tenant(request.name)
+        return apb.DeleteResponse()
+
+    @grpc_errors
+    async def ListTenants(self, request: apb.ListRequest, context: Ctx) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(
+            tenants=[tenant_pb(t) for t in await self._catalog.list_tenants()]
+        )
+
+    @grpc_errors
+    async def CreateKey(self, request: apb.CreateKeyRequest, context: Ctx) -> apb.CreateKeyResponse:
+        record, secret = await self._catalog.create_key(
+            request.tenant, description=request.description, limits=limits_of(request.limits)
+        )
+        return apb.CreateKeyResponse(key=key_pb(record), secret=secret)
+
+    @grpc_errors
+    async def ListKeys(self, request: apb.ListKeysRequest, context: Ctx) -> apb.ListKeysResponse:
+        keys = await self._catalog.list_keys(
+            request.tenant, include_revoked=request.include_revoked
+        )
+        return apb.ListKeysResponse(keys=[key_pb(k) for k in keys])
+
+    @grpc_errors
+    async def RevokeKey(self, request: apb.KeyRequest, context: Ctx) -> apb.ApiKeyInfo:
+        return key_pb(await self._catalog.revoke_key(request.id))
+
+    @grpc_errors
+    async def SetKeyLimits(self, request: apb.SetKeyLimitsRequest, context: Ctx) -> apb.ApiKeyInfo:
+        return key_pb(await self._catalog.set_key_limits(request.id, limits_of(request.limits)))
+
+    @grpc_errors
+    async def PurgeCache(
+        self, request: apb.PurgeCacheRequest, context: Ctx
+    ) -> apb.PurgeCacheResponse:
+        purge = await self._catalog.purge_cache(request.tenant, request.model)
+        return apb.PurgeCacheResponse(
+            purge=pb.CachePurge(revision=purge.revision, tenant=purge.tenant, model=purge.model)
+        )
+
+    @grpc_errors
     async def ListProxies(self, request: apb.ListRequest, context: Ctx) -> apb.ListProxiesResponse:
         proxies = await self._catalog.list_proxies()
         latest = self._publisher.latest
         return apb.ListProxiesResponse(
             proxies=[proxy_pb(p) for p in sorted(proxies, key=lambda p: p.name)],
             current_version=latest.version if latest else 0,
+        )
+
+    @grpc_errors
+    async def ListControlPlanes(
+        self, request: apb.ListRequest, context: Ctx
+    ) -> apb.ListControlPlanesResponse:
+        replicas, leader = await self._catalog.list_replicas()
+        return apb.ListControlPlanesResponse(
+            leader=leader,
+            replicas=[
+                apb.ControlPlaneInfo(
+                    id=str(r.get("id", "")),
+                    address=str(r.get("address", "")),
+                    started_at=float(r.get("started_at", 0.0)),  # type: ignore[arg-type]
+                    leader=r.get("id") == leader,
+                )
+                for r in sorted(replicas, key=lambda r: str(r.get("id", "")))
+            ],
         )
 
     @grpc_errors

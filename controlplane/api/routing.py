@@ -19,12 +19,15 @@ from controlplane.api.errors import grpc_errors
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import InvalidArgument
 from controlplane.model import NAME_RE, check_name
+from controlplane.quotasync import QuotaHub
 from controlplane.registry import ProxyRegistry
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE = "ponto.v1.Routing"
 MAX_FIELD = 256
+# A proxy reports at most this many scopes a time; the rest is ignored.
+MAX_SCOPES = 10_000
 
 
 def _identity(payload: bytes) -> bytes:
@@ -33,10 +36,16 @@ def _identity(payload: bytes) -> bytes:
 
 class RoutingService:
     def __init__(
-        self, registry: ProxyRegistry, publisher: Publisher, *, write_timeout: float = 30.0
+        self,
+        registry: ProxyRegistry,
+        publisher: Publisher,
+        quotas: QuotaHub | None = None,
+        *,
+        write_timeout: float = 30.0,
     ) -> None:
         self._registry = registry
         self._publisher = publisher
+        self._quotas = quotas
         self._write_timeout = write_timeout
         self.streams = 0
         self.slow_closed = 0
@@ -71,7 +80,9 @@ class RoutingService:
         record = await self._registry.register(info.name, info.region, info.address, info.version)
         log.info("proxy %s (%s) registered, session %s", info.name, info.region, record.session_id)
         return pb.RegisterResponse(
-            session_id=record.session_id, control_plane_id=self._registry.replica_id
+            session_id=record.session_id,
+            control_plane_id=self._registry.replica_id,
+            fleet_size=await self._registry.fleet_size(),
         )
 
     async def route_stream(
@@ -90,29 +101,56 @@ class RoutingService:
             )
         name = self._registry.sessions[session_id].name
         self.streams += 1
-        reader = asyncio.create_task(self._read_acks(session_id, requests))
+        reader = asyncio.create_task(self._read_acks(session_id, name, requests))
         sent: Snapshot | None = None
+        sent_quota = 0
+        sent_quota_payload = b""
+        tables: asyncio.Future[Snapshot] | None = None
+        quotas: asyncio.Future[tuple[int, bytes]] | None = None
         try:
             while not reader.done():
-                waiter = asyncio.ensure_future(self._publisher.next_after(sent))
-                done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if waiter not in done:
-                    waiter.cancel()
-                    break
-                sent = waiter.result()
-                try:
-                    await asyncio.wait_for(context.write(sent.payload), self._write_timeout)
-                except TimeoutError:
-                    # Linkerd's rule: never let one stuck stream hold memory or
-                    # block others; close it, count it, let the proxy reconnect.
-                    self.slow_closed += 1
-                    log.warning(
-                        "closing stream of %s: write blocked %ss", name, self._write_timeout
+                if tables is None:
+                    tables = asyncio.ensure_future(self._publisher.next_after(sent))
+                if quotas is None and self._quotas is not None:
+                    quotas = asyncio.ensure_future(
+                        self._quotas.next_for(name, sent_quota, sent_quota_payload)
                     )
-                    return
+                waiting: set[asyncio.Future[Any]] = {tables, reader}
+                if quotas is not None:
+                    waiting.add(quotas)
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    break
+                payloads = []
+                if tables in done:
+                    sent = tables.result()
+                    tables = None
+                    payloads.append(sent.payload)
+                if quotas is not None and quotas in done:
+                    sent_quota, sent_quota_payload = quotas.result()
+                    quotas = None
+                    payloads.append(sent_quota_payload)
+                for payload in payloads:
+                    try:
+                        # asyncio.timeout, not wait_for: no task per write.
+                        async with asyncio.timeout(self._write_timeout):
+                            await context.write(payload)
+                    except TimeoutError:
+                        # Linkerd's rule: never let one stuck stream hold memory or
+                        # block others; close it, count it, let the proxy reconnect.
+                        self.slow_closed += 1
+                        log.warning(
+                            "closing stream of %s: write blocked %ss", name, self._write_timeout
+                        )
+                        return
         finally:
             self.streams -= 1
             reader.cancel()
+            for waiter in (tables, quotas):
+                if waiter is not None:
+                    waiter.cancel()
+            if self._quotas is not None:
+                self._quotas.forget(name)
             # Unregister first and shielded: the handler may itself be
             # cancelled (the peer vanished), and a registration left behind
             # would only go when the replica's lease does.
@@ -122,8 +160,14 @@ class RoutingService:
                 await reader
             log.info("proxy %s stream closed", name)
 
-    async def _read_acks(self, session_id: str, requests: AsyncIterator[pb.RouteRequest]) -> None:
+    async def _read_acks(
+        self, session_id: str, name: str, requests: AsyncIterator[pb.RouteRequest]
+    ) -> None:
         async for req in requests:
+            if req.is_report:
+                if self._quotas is not None:
+                    self._quotas.report(name, req.demand[:MAX_SCOPES])
+                continue
             if not req.response_nonce:
                 continue
             error = req.error_detail[:1024]

@@ -2,6 +2,7 @@
 
 from controlplane.store.base import (
     Conflict,
+    Fence,
     KeyValue,
     LeaseExpired,
     Listing,
@@ -12,6 +13,7 @@ from controlplane.store.base import (
 
 __all__ = [
     "Conflict",
+    "Fence",
     "KeyValue",
     "LeaseExpired",
     "Listing",

@@ -39,6 +39,14 @@ class KeyValue:
 
 
 @dataclass(frozen=True, slots=True)
+class Fence:
+    """A write condition on another key: it must be at mod_revision."""
+
+    key: str
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
 class Listing:
     """All keys under a prefix as of one store revision (a consistent read)."""
 
@@ -67,11 +75,14 @@ class StateStore(Protocol):
         lease: int = 0,
         if_absent: bool = False,
         if_mod_revision: int | None = None,
+        fence: Fence | None = None,
     ) -> int:
         """Write key; with a condition, raise Conflict when it does not hold.
 
         if_absent: the key must not exist. if_mod_revision: the key's current
-        mod_revision must equal it (0 means absent). Returns the new revision.
+        mod_revision must equal it (0 means absent). fence: another key (the
+        leader key) must still be at the given mod_revision, so a replica that
+        lost leadership cannot write. Returns the new revision.
         """
         ...
 

@@ -22,6 +22,7 @@ from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
 from controlplane.store.base import (
     Conflict,
+    Fence,
     KeyValue,
     LeaseExpired,
     Listing,
@@ -119,17 +120,22 @@ class EtcdStore:
         return Listing(resp.header.revision, tuple(sorted(items, key=lambda i: i.key)))
 
     def _compares(
-        self, key: str, if_absent: bool, if_mod_revision: int | None
+        self, key: str, if_absent: bool, if_mod_revision: int | None, fence: Fence | None = None
     ) -> builtins.list[Any]:
+        from etcd3aio._protobuf import Compare  # noqa: PLC0415
+
         kv = self._kv
         compares: builtins.list[Any] = []
         if if_absent:
             compares.append(kv.txn_compare_create_revision(key, 0))
-        if if_mod_revision is not None:
-            from etcd3aio._protobuf import Compare  # noqa: PLC0415
-
-            c = Compare(result=Compare.EQUAL, target=Compare.MOD, key=key.encode())
-            c.mod_revision = if_mod_revision
+        for k, rev in (
+            (key, if_mod_revision),
+            (fence.key, fence.mod_revision) if fence else ("", None),
+        ):
+            if rev is None:
+                continue
+            c = Compare(result=Compare.EQUAL, target=Compare.MOD, key=k.encode())
+            c.mod_revision = rev
             compares.append(c)
         return compares
 
@@ -141,8 +147,9 @@ class EtcdStore:
         lease: int = 0,
         if_absent: bool = False,
         if_mod_revision: int | None = None,
+        fence: Fence | None = None,
     ) -> int:
-        compares = self._compares(key, if_absent, if_mod_revision)
+        compares = self._compares(key, if_absent, if_mod_revision, fence)
         try:
             if not compares:
                 resp = await self._call(

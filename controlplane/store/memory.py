@@ -12,7 +12,14 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
-from controlplane.store.base import Conflict, KeyValue, LeaseExpired, Listing, StoreUnavailable
+from controlplane.store.base import (
+    Conflict,
+    Fence,
+    KeyValue,
+    LeaseExpired,
+    Listing,
+    StoreUnavailable,
+)
 
 
 class MemoryStore:
@@ -85,9 +92,12 @@ class MemoryStore:
         lease: int = 0,
         if_absent: bool = False,
         if_mod_revision: int | None = None,
+        fence: Fence | None = None,
     ) -> int:
         self._check()
         self._condition(key, if_absent, if_mod_revision)
+        if fence is not None:
+            self._condition(fence.key, False, fence.mod_revision)
         if lease and lease not in self._leases:
             raise LeaseExpired(f"lease {lease:x} not found")
         self._revision += 1

@@ -84,6 +84,8 @@ class OriginSpec(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     region: _builtins.str
@@ -91,6 +93,12 @@ class OriginSpec(_message.Message):
     """0 means the default weight (100)."""
     capacity: _builtins.int
     """Concurrent requests the origin serves well; 0 = unknown (never spills)."""
+    credential_env: _builtins.str
+    """Where proxies find the origin's credential (sent as Authorization:
+    Bearer): an environment variable name or a file path on the proxy. The
+    credential itself is never stored in etcd.
+    """
+    credential_file: _builtins.str
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -102,10 +110,12 @@ class OriginSpec(_message.Message):
         models: _abc.Iterable[_builtins.str] | None = ...,
         weight: _builtins.int = ...,
         capacity: _builtins.int = ...,
+        credential_env: _builtins.str = ...,
+        credential_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,3 +361,362 @@ class GetRouteTableResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetRouteTableResponse: _TypeAlias = GetRouteTableResponse  # noqa: Y015
+
+@_typing.final
+class PutTenantRequest(_message.Message):
+    """---------------------------------------------------------------- tenants"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    ALLOW_UPDATE_FIELD_NUMBER: _builtins.int
+    allow_update: _builtins.bool
+    @_builtins.property
+    def tenant(self) -> _routing_pb2.Tenant: ...
+    def __init__(
+        self,
+        *,
+        tenant: _routing_pb2.Tenant | None = ...,
+        allow_update: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_update", b"allow_update", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutTenantRequest: _TypeAlias = PutTenantRequest  # noqa: Y015
+
+@_typing.final
+class UpdateTenantRequest(_message.Message):
+    """Changes the parts that are set and keeps the others."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    CACHE_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    JWT_FIELD_NUMBER: _builtins.int
+    CLEAR_JWT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    clear_jwt: _builtins.bool
+    """Remove the tenant's JWT issuer."""
+    @_builtins.property
+    def limits(self) -> _routing_pb2.Limits: ...
+    @_builtins.property
+    def cache(self) -> _routing_pb2.CachePolicy: ...
+    @_builtins.property
+    def prompt(self) -> _routing_pb2.PromptPolicy: ...
+    @_builtins.property
+    def jwt(self) -> _routing_pb2.JwtIssuer: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        limits: _routing_pb2.Limits | None = ...,
+        cache: _routing_pb2.CachePolicy | None = ...,
+        prompt: _routing_pb2.PromptPolicy | None = ...,
+        jwt: _routing_pb2.JwtIssuer | None = ...,
+        clear_jwt: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateTenantRequest: _TypeAlias = UpdateTenantRequest  # noqa: Y015
+
+@_typing.final
+class ListTenantsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[_routing_pb2.Tenant]: ...
+    def __init__(
+        self,
+        *,
+        tenants: _abc.Iterable[_routing_pb2.Tenant] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTenantsResponse: _TypeAlias = ListTenantsResponse  # noqa: Y015
+
+@_typing.final
+class ApiKeyInfo(_message.Message):
+    """A key as operators see it: never the secret, never the hash."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
+    REVOKED_AT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    tenant: _builtins.str
+    description: _builtins.str
+    created_at: _builtins.float
+    """Unix seconds."""
+    revoked: _builtins.bool
+    revoked_at: _builtins.float
+    @_builtins.property
+    def limits(self) -> _routing_pb2.Limits: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        description: _builtins.str = ...,
+        limits: _routing_pb2.Limits | None = ...,
+        created_at: _builtins.float = ...,
+        revoked: _builtins.bool = ...,
+        revoked_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "id", b"id", "limits", b"limits", "revoked", b"revoked", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApiKeyInfo: _TypeAlias = ApiKeyInfo  # noqa: Y015
+
+@_typing.final
+class CreateKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    description: _builtins.str
+    @_builtins.property
+    def limits(self) -> _routing_pb2.Limits: ...
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        description: _builtins.str = ...,
+        limits: _routing_pb2.Limits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateKeyRequest: _TypeAlias = CreateKeyRequest  # noqa: Y015
+
+@_typing.final
+class CreateKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    secret: _builtins.str
+    """The key itself. Shown once: only its hash is stored."""
+    @_builtins.property
+    def key(self) -> Global___ApiKeyInfo: ...
+    def __init__(
+        self,
+        *,
+        key: Global___ApiKeyInfo | None = ...,
+        secret: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateKeyResponse: _TypeAlias = CreateKeyResponse  # noqa: Y015
+
+@_typing.final
+class ListKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    INCLUDE_REVOKED_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Empty: every tenant's keys."""
+    include_revoked: _builtins.bool
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        include_revoked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_revoked", b"include_revoked", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListKeysRequest: _TypeAlias = ListKeysRequest  # noqa: Y015
+
+@_typing.final
+class ListKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApiKeyInfo]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[Global___ApiKeyInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListKeysResponse: _TypeAlias = ListKeysResponse  # noqa: Y015
+
+@_typing.final
+class KeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyRequest: _TypeAlias = KeyRequest  # noqa: Y015
+
+@_typing.final
+class SetKeyLimitsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    @_builtins.property
+    def limits(self) -> _routing_pb2.Limits: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        limits: _routing_pb2.Limits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "limits", b"limits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetKeyLimitsRequest: _TypeAlias = SetKeyLimitsRequest  # noqa: Y015
+
+@_typing.final
+class ControlPlaneInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    address: _builtins.str
+    """Address the replica serves gRPC on, as it sees it."""
+    started_at: _builtins.float
+    """Unix seconds."""
+    leader: _builtins.bool
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        started_at: _builtins.float = ...,
+        leader: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "id", b"id", "leader", b"leader", "started_at", b"started_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlPlaneInfo: _TypeAlias = ControlPlaneInfo  # noqa: Y015
+
+@_typing.final
+class ListControlPlanesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    leader: _builtins.str
+    """Id of the replica running the leader-only loops ("" during an election)."""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ControlPlaneInfo]: ...
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[Global___ControlPlaneInfo] | None = ...,
+        leader: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader", b"leader", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListControlPlanesResponse: _TypeAlias = ListControlPlanesResponse  # noqa: Y015
+
+@_typing.final
+class PurgeCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Empty: every tenant / every model."""
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeCacheRequest: _TypeAlias = PurgeCacheRequest  # noqa: Y015
+
+@_typing.final
+class PurgeCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PURGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def purge(self) -> _routing_pb2.CachePurge: ...
+    def __init__(
+        self,
+        *,
+        purge: _routing_pb2.CachePurge | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["purge", b"purge"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["purge", b"purge"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeCacheResponse: _TypeAlias = PurgeCacheResponse  # noqa: Y015

@@ -75,10 +75,60 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_routing__pb2.Origin.FromString,
                 _registered_method=True)
+        self.PutTenant = channel.unary_unary(
+                '/ponto.v1.Admin/PutTenant',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.PutTenantRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_routing__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.UpdateTenant = channel.unary_unary(
+                '/ponto.v1.Admin/UpdateTenant',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.UpdateTenantRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_routing__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.DeleteTenant = channel.unary_unary(
+                '/ponto.v1.Admin/DeleteTenant',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.DeleteResponse.FromString,
+                _registered_method=True)
+        self.ListTenants = channel.unary_unary(
+                '/ponto.v1.Admin/ListTenants',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ListTenantsResponse.FromString,
+                _registered_method=True)
+        self.CreateKey = channel.unary_unary(
+                '/ponto.v1.Admin/CreateKey',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.CreateKeyRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.CreateKeyResponse.FromString,
+                _registered_method=True)
+        self.ListKeys = channel.unary_unary(
+                '/ponto.v1.Admin/ListKeys',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.ListKeysRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ListKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeKey = channel.unary_unary(
+                '/ponto.v1.Admin/RevokeKey',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.KeyRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+                _registered_method=True)
+        self.SetKeyLimits = channel.unary_unary(
+                '/ponto.v1.Admin/SetKeyLimits',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeyLimitsRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+                _registered_method=True)
+        self.PurgeCache = channel.unary_unary(
+                '/ponto.v1.Admin/PurgeCache',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheResponse.FromString,
+                _registered_method=True)
         self.ListProxies = channel.unary_unary(
                 '/ponto.v1.Admin/ListProxies',
                 request_serializer=ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.ListProxiesResponse.FromString,
+                _registered_method=True)
+        self.ListControlPlanes = channel.unary_unary(
+                '/ponto.v1.Admin/ListControlPlanes',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ListControlPlanesResponse.FromString,
                 _registered_method=True)
         self.GetRouteTable = channel.unary_unary(
                 '/ponto.v1.Admin/GetRouteTable',
@@ -138,7 +188,67 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTenants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetKeyLimits(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListProxies(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListControlPlanes(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,10 +303,60 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_routing__pb2.Origin.SerializeToString,
             ),
+            'PutTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutTenant,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.PutTenantRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_routing__pb2.Tenant.SerializeToString,
+            ),
+            'UpdateTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTenant,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.UpdateTenantRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_routing__pb2.Tenant.SerializeToString,
+            ),
+            'DeleteTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTenant,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.DeleteRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.DeleteResponse.SerializeToString,
+            ),
+            'ListTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTenants,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.ListRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ListTenantsResponse.SerializeToString,
+            ),
+            'CreateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateKey,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.CreateKeyRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.CreateKeyResponse.SerializeToString,
+            ),
+            'ListKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKeys,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.ListKeysRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ListKeysResponse.SerializeToString,
+            ),
+            'RevokeKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeKey,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.KeyRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
+            ),
+            'SetKeyLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKeyLimits,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeyLimitsRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
+            ),
+            'PurgeCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeCache,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheResponse.SerializeToString,
+            ),
             'ListProxies': grpc.unary_unary_rpc_method_handler(
                     servicer.ListProxies,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.ListRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.ListProxiesResponse.SerializeToString,
+            ),
+            'ListControlPlanes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListControlPlanes,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.ListRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ListControlPlanesResponse.SerializeToString,
             ),
             'GetRouteTable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRouteTable,
@@ -431,6 +591,249 @@ class Admin:
             _registered_method=True)
 
     @staticmethod
+    def PutTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/PutTenant',
+            ponto_dot_v1_dot_admin__pb2.PutTenantRequest.SerializeToString,
+            ponto_dot_v1_dot_routing__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/UpdateTenant',
+            ponto_dot_v1_dot_admin__pb2.UpdateTenantRequest.SerializeToString,
+            ponto_dot_v1_dot_routing__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/DeleteTenant',
+            ponto_dot_v1_dot_admin__pb2.DeleteRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/ListTenants',
+            ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ListTenantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/CreateKey',
+            ponto_dot_v1_dot_admin__pb2.CreateKeyRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.CreateKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/ListKeys',
+            ponto_dot_v1_dot_admin__pb2.ListKeysRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ListKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/RevokeKey',
+            ponto_dot_v1_dot_admin__pb2.KeyRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKeyLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/SetKeyLimits',
+            ponto_dot_v1_dot_admin__pb2.SetKeyLimitsRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/PurgeCache',
+            ponto_dot_v1_dot_admin__pb2.PurgeCacheRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.PurgeCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ListProxies(request,
             target,
             options=(),
@@ -447,6 +850,33 @@ class Admin:
             '/ponto.v1.Admin/ListProxies',
             ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.ListProxiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListControlPlanes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/ListControlPlanes',
+            ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ListControlPlanesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,7 +43,17 @@ class AdminStub:
     DeleteOrigin: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteRequest, _admin_pb2.DeleteResponse]
     ListOrigins: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListOriginsResponse]
     DrainOrigin: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DrainRequest, _routing_pb2.Origin]
+    PutTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PutTenantRequest, _routing_pb2.Tenant]
+    UpdateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UpdateTenantRequest, _routing_pb2.Tenant]
+    DeleteTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteRequest, _admin_pb2.DeleteResponse]
+    ListTenants: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListTenantsResponse]
+    CreateKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateKeyRequest, _admin_pb2.CreateKeyResponse]
+    ListKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListKeysRequest, _admin_pb2.ListKeysResponse]
+    RevokeKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.KeyRequest, _admin_pb2.ApiKeyInfo]
+    SetKeyLimits: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeyLimitsRequest, _admin_pb2.ApiKeyInfo]
+    PurgeCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeCacheRequest, _admin_pb2.PurgeCacheResponse]
     ListProxies: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]
+    ListControlPlanes: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]
     GetRouteTable: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.GetRouteTableResponse]
 
 @_typing.type_check_only
@@ -57,7 +67,17 @@ class AdminAsyncStub(AdminStub):
     DeleteOrigin: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteRequest, _admin_pb2.DeleteResponse]  # type: ignore[assignment]
     ListOrigins: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListOriginsResponse]  # type: ignore[assignment]
     DrainOrigin: _aio.UnaryUnaryMultiCallable[_admin_pb2.DrainRequest, _routing_pb2.Origin]  # type: ignore[assignment]
+    PutTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.PutTenantRequest, _routing_pb2.Tenant]  # type: ignore[assignment]
+    UpdateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.UpdateTenantRequest, _routing_pb2.Tenant]  # type: ignore[assignment]
+    DeleteTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteRequest, _admin_pb2.DeleteResponse]  # type: ignore[assignment]
+    ListTenants: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListTenantsResponse]  # type: ignore[assignment]
+    CreateKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateKeyRequest, _admin_pb2.CreateKeyResponse]  # type: ignore[assignment]
+    ListKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListKeysRequest, _admin_pb2.ListKeysResponse]  # type: ignore[assignment]
+    RevokeKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.KeyRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
+    SetKeyLimits: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeyLimitsRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
+    PurgeCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeCacheRequest, _admin_pb2.PurgeCacheResponse]  # type: ignore[assignment]
     ListProxies: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]  # type: ignore[assignment]
+    ListControlPlanes: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]  # type: ignore[assignment]
     GetRouteTable: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.GetRouteTableResponse]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
@@ -118,11 +138,81 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_routing_pb2.Origin, _abc.Awaitable[_routing_pb2.Origin]]: ...
 
     @_abc_1.abstractmethod
+    def PutTenant(
+        self,
+        request: _admin_pb2.PutTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_routing_pb2.Tenant, _abc.Awaitable[_routing_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateTenant(
+        self,
+        request: _admin_pb2.UpdateTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_routing_pb2.Tenant, _abc.Awaitable[_routing_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteTenant(
+        self,
+        request: _admin_pb2.DeleteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteResponse, _abc.Awaitable[_admin_pb2.DeleteResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListTenants(
+        self,
+        request: _admin_pb2.ListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListTenantsResponse, _abc.Awaitable[_admin_pb2.ListTenantsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateKey(
+        self,
+        request: _admin_pb2.CreateKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.CreateKeyResponse, _abc.Awaitable[_admin_pb2.CreateKeyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListKeys(
+        self,
+        request: _admin_pb2.ListKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListKeysResponse, _abc.Awaitable[_admin_pb2.ListKeysResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeKey(
+        self,
+        request: _admin_pb2.KeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApiKeyInfo, _abc.Awaitable[_admin_pb2.ApiKeyInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def SetKeyLimits(
+        self,
+        request: _admin_pb2.SetKeyLimitsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApiKeyInfo, _abc.Awaitable[_admin_pb2.ApiKeyInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def PurgeCache(
+        self,
+        request: _admin_pb2.PurgeCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PurgeCacheResponse, _abc.Awaitable[_admin_pb2.PurgeCacheResponse]]: ...
+
+    @_abc_1.abstractmethod
     def ListProxies(
         self,
         request: _admin_pb2.ListRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListProxiesResponse, _abc.Awaitable[_admin_pb2.ListProxiesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListControlPlanes(
+        self,
+        request: _admin_pb2.ListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListControlPlanesResponse, _abc.Awaitable[_admin_pb2.ListControlPlanesResponse]]: ...
 
     @_abc_1.abstractmethod
     def GetRouteTable(

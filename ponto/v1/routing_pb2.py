@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ponto/v1/routing.proto\x12\x08ponto.v1\"K\n\tProxyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"5\n\x0fRegisterRequest\x12\"\n\x05proxy\x18\x01 \x01(\x0b\x32\x13.ponto.v1.ProxyInfo\"@\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ontrol_plane_id\x18\x02 \x01(\t\"\xce\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08latitude\x18\x02 \x01(\x01\x12\x11\n\tlongitude\x18\x03 \x01(\x01\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\x12+\n\x06rtt_ms\x18\x05 \x03(\x0b\x32\x1b.ponto.v1.Region.RttMsEntry\x12\x17\n\x0fspill_threshold\x18\x06 \x01(\x01\x12\x0c\n\x04load\x18\x07 \x01(\x01\x1a,\n\nRttMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x01\n\x06Origin\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06weight\x18\x05 \x01(\r\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\r\x12\x10\n\x08inflight\x18\t \x01(\x01\x12\x15\n\rhealth_detail\x18\n \x01(\t\"q\n\nRouteTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x07regions\x18\x02 \x03(\x0b\x32\x10.ponto.v1.Region\x12!\n\x07origins\x18\x03 \x03(\x0b\x32\x10.ponto.v1.Origin\x12\x0c\n\x04\x65tag\x18\x04 \x01(\t\"f\n\x0cRouteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_info\x18\x02 \x01(\x04\x12\x16\n\x0eresponse_nonce\x18\x03 \x01(\t\x12\x14\n\x0c\x65rror_detail\x18\x04 \x01(\t\"A\n\x0bRouteUpdate\x12#\n\x05table\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RouteTable\x12\r\n\x05nonce\x18\x02 \x01(\t2\x8e\x01\n\x07Routing\x12\x41\n\x08Register\x12\x19.ponto.v1.RegisterRequest\x1a\x1a.ponto.v1.RegisterResponse\x12@\n\x0bRouteStream\x12\x16.ponto.v1.RouteRequest\x1a\x15.ponto.v1.RouteUpdate(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ponto/v1/routing.proto\x12\x08ponto.v1\"K\n\tProxyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"5\n\x0fRegisterRequest\x12\"\n\x05proxy\x18\x01 \x01(\x0b\x32\x13.ponto.v1.ProxyInfo\"T\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ontrol_plane_id\x18\x02 \x01(\t\x12\x12\n\nfleet_size\x18\x03 \x01(\r\"\xce\x01\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08latitude\x18\x02 \x01(\x01\x12\x11\n\tlongitude\x18\x03 \x01(\x01\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\x12+\n\x06rtt_ms\x18\x05 \x03(\x0b\x32\x1b.ponto.v1.Region.RttMsEntry\x12\x17\n\x0fspill_threshold\x18\x06 \x01(\x01\x12\x0c\n\x04load\x18\x07 \x01(\x01\x1a,\n\nRttMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe6\x01\n\x06Origin\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06weight\x18\x05 \x01(\r\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\r\x12\x10\n\x08inflight\x18\t \x01(\x01\x12\x15\n\rhealth_detail\x18\n \x01(\t\x12\x16\n\x0e\x63redential_env\x18\x0b \x01(\t\x12\x17\n\x0f\x63redential_file\x18\x0c \x01(\t\"7\n\x06Limits\x12\x0b\n\x03rpm\x18\x01 \x01(\x04\x12\x0b\n\x03tpm\x18\x02 \x01(\x04\x12\x13\n\x0b\x63oncurrency\x18\x03 \x01(\r\"T\n\x06\x41piKey\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04hash\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12 \n\x06limits\x18\x04 \x01(\x0b\x32\x10.ponto.v1.Limits\"\x9c\x01\n\tJwtIssuer\x12\x0e\n\x06issuer\x18\x01 \x01(\t\x12\x11\n\taudiences\x18\x02 \x03(\t\x12\x12\n\nalgorithms\x18\x03 \x03(\t\x12\x11\n\tjwks_file\x18\x04 \x01(\t\x12\x19\n\x11hs256_secret_file\x18\x05 \x01(\t\x12\x18\n\x10hs256_secret_env\x18\x06 \x01(\t\x12\x10\n\x08leeway_s\x18\x07 \x01(\x01\"\xaf\x02\n\x0cPromptPolicy\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x1d\n\x15\x65nforce_system_prompt\x18\x02 \x01(\x08\x12\x36\n\x08\x64\x65\x66\x61ults\x18\x03 \x03(\x0b\x32$.ponto.v1.PromptPolicy.DefaultsEntry\x12\x1a\n\x12max_tokens_ceiling\x18\x04 \x01(\r\x12\x34\n\x07\x61liases\x18\x05 \x03(\x0b\x32#.ponto.v1.PromptPolicy.AliasesEntry\x1a/\n\rDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0c\x41liasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x7f\n\x0b\x43\x61\x63hePolicy\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1a\n\x12semantic_threshold\x18\x02 \x01(\x01\x12\r\n\x05ttl_s\x18\x03 \x01(\r\x12\x1e\n\x16\x63\x61\x63he_nondeterministic\x18\x04 \x01(\x08\x12\x17\n\x0fstore_truncated\x18\x05 \x01(\x08\"\xa8\x01\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x06limits\x18\x02 \x01(\x0b\x32\x10.ponto.v1.Limits\x12&\n\x06prompt\x18\x03 \x01(\x0b\x32\x16.ponto.v1.PromptPolicy\x12$\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x15.ponto.v1.CachePolicy\x12 \n\x03jwt\x18\x05 \x01(\x0b\x32\x13.ponto.v1.JwtIssuer\"=\n\nCachePurge\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\xf1\x01\n\nRouteTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x07regions\x18\x02 \x03(\x0b\x32\x10.ponto.v1.Region\x12!\n\x07origins\x18\x03 \x03(\x0b\x32\x10.ponto.v1.Origin\x12\x0c\n\x04\x65tag\x18\x04 \x01(\t\x12!\n\x07tenants\x18\x05 \x03(\x0b\x32\x10.ponto.v1.Tenant\x12\x1e\n\x04keys\x18\x06 \x03(\x0b\x32\x10.ponto.v1.ApiKey\x12$\n\x06purges\x18\x07 \x03(\x0b\x32\x14.ponto.v1.CachePurge\x12\x15\n\rauth_required\x18\x08 \x01(\x08\"_\n\x0bScopeDemand\x12\r\n\x05scope\x18\x01 \x01(\t\x12\x16\n\x0erequests_per_s\x18\x02 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x63oncurrency\x18\x04 \x01(\r\"B\n\nQuotaShare\x12\r\n\x05scope\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x01\x12\x13\n\x0b\x63oncurrency\x18\x03 \x01(\r\"a\n\x0bQuotaShares\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12$\n\x06shares\x18\x02 \x03(\x0b\x32\x14.ponto.v1.QuotaShare\x12\x18\n\x10\x64\x65\x66\x61ult_fraction\x18\x03 \x01(\x01\"\xa0\x01\n\x0cRouteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cversion_info\x18\x02 \x01(\x04\x12\x16\n\x0eresponse_nonce\x18\x03 \x01(\t\x12\x14\n\x0c\x65rror_detail\x18\x04 \x01(\t\x12%\n\x06\x64\x65mand\x18\x05 \x03(\x0b\x32\x15.ponto.v1.ScopeDemand\x12\x11\n\tis_report\x18\x06 \x01(\x08\"g\n\x0bRouteUpdate\x12#\n\x05table\x18\x01 \x01(\x0b\x32\x14.ponto.v1.RouteTable\x12\r\n\x05nonce\x18\x02 \x01(\t\x12$\n\x05quota\x18\x03 \x01(\x0b\x32\x15.ponto.v1.QuotaShares2\x8e\x01\n\x07Routing\x12\x41\n\x08Register\x12\x19.ponto.v1.RegisterRequest\x1a\x1a.ponto.v1.RegisterResponse\x12@\n\x0bRouteStream\x12\x16.ponto.v1.RouteRequest\x1a\x15.ponto.v1.RouteUpdate(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGION_RTTMSENTRY']._loaded_options = None
   _globals['_REGION_RTTMSENTRY']._serialized_options = b'8\001'
+  _globals['_PROMPTPOLICY_DEFAULTSENTRY']._loaded_options = None
+  _globals['_PROMPTPOLICY_DEFAULTSENTRY']._serialized_options = b'8\001'
+  _globals['_PROMPTPOLICY_ALIASESENTRY']._loaded_options = None
+  _globals['_PROMPTPOLICY_ALIASESENTRY']._serialized_options = b'8\001'
   _globals['_PROXYINFO']._serialized_start=36
   _globals['_PROXYINFO']._serialized_end=111
   _globals['_REGISTERREQUEST']._serialized_start=113
   _globals['_REGISTERREQUEST']._serialized_end=166
   _globals['_REGISTERRESPONSE']._serialized_start=168
-  _globals['_REGISTERRESPONSE']._serialized_end=232
-  _globals['_REGION']._serialized_start=235
-  _globals['_REGION']._serialized_end=441
-  _globals['_REGION_RTTMSENTRY']._serialized_start=397
-  _globals['_REGION_RTTMSENTRY']._serialized_end=441
-  _globals['_ORIGIN']._serialized_start=444
-  _globals['_ORIGIN']._serialized_end=625
-  _globals['_ROUTETABLE']._serialized_start=627
-  _globals['_ROUTETABLE']._serialized_end=740
-  _globals['_ROUTEREQUEST']._serialized_start=742
-  _globals['_ROUTEREQUEST']._serialized_end=844
-  _globals['_ROUTEUPDATE']._serialized_start=846
-  _globals['_ROUTEUPDATE']._serialized_end=911
-  _globals['_ROUTING']._serialized_start=914
-  _globals['_ROUTING']._serialized_end=1056
+  _globals['_REGISTERRESPONSE']._serialized_end=252
+  _globals['_REGION']._serialized_start=255
+  _globals['_REGION']._serialized_end=461
+  _globals['_REGION_RTTMSENTRY']._serialized_start=417
+  _globals['_REGION_RTTMSENTRY']._serialized_end=461
+  _globals['_ORIGIN']._serialized_start=464
+  _globals['_ORIGIN']._serialized_end=694
+  _globals['_LIMITS']._serialized_start=696
+  _globals['_LIMITS']._serialized_end=751
+  _globals['_APIKEY']._serialized_start=753
+  _globals['_APIKEY']._serialized_end=837
+  _globals['_JWTISSUER']._serialized_start=840
+  _globals['_JWTISSUER']._serialized_end=996
+  _globals['_PROMPTPOLICY']._serialized_start=999
+  _globals['_PROMPTPOLICY']._serialized_end=1302
+  _globals['_PROMPTPOLICY_DEFAULTSENTRY']._serialized_start=1207
+  _globals['_PROMPTPOLICY_DEFAULTSENTRY']._serialized_end=1254
+  _globals['_PROMPTPOLICY_ALIASESENTRY']._serialized_start=1256
+  _globals['_PROMPTPOLICY_ALIASESENTRY']._serialized_end=1302
+  _globals['_CACHEPOLICY']._serialized_start=1304
+  _globals['_CACHEPOLICY']._serialized_end=1431
+  _globals['_TENANT']._serialized_start=1434
+  _globals['_TENANT']._serialized_end=1602
+  _globals['_CACHEPURGE']._serialized_start=1604
+  _globals['_CACHEPURGE']._serialized_end=1665
+  _globals['_ROUTETABLE']._serialized_start=1668
+  _globals['_ROUTETABLE']._serialized_end=1909
+  _globals['_SCOPEDEMAND']._serialized_start=1911
+  _globals['_SCOPEDEMAND']._serialized_end=2006
+  _globals['_QUOTASHARE']._serialized_start=2008
+  _globals['_QUOTASHARE']._serialized_end=2074
+  _globals['_QUOTASHARES']._serialized_start=2076
+  _globals['_QUOTASHARES']._serialized_end=2173
+  _globals['_ROUTEREQUEST']._serialized_start=2176
+  _globals['_ROUTEREQUEST']._serialized_end=2336
+  _globals['_ROUTEUPDATE']._serialized_start=2338
+  _globals['_ROUTEUPDATE']._serialized_end=2441
+  _globals['_ROUTING']._serialized_start=2444
+  _globals['_ROUTING']._serialized_end=2586
 # @@protoc_insertion_point(module_scope)

@@ -87,19 +87,26 @@ class RegisterResponse(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CONTROL_PLANE_ID_FIELD_NUMBER: _builtins.int
+    FLEET_SIZE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Identifies this registration; the proxy sends it on its RouteStream."""
     control_plane_id: _builtins.str
     """Replica that accepted the registration (for logs)."""
+    fleet_size: _builtins.int
+    """Live proxies in the fleet, this one included. A proxy that has no quota
+    share yet takes 1/fleet_size of each limit until the leader's first
+    rebalance (see docs/rate-limits.md).
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         control_plane_id: _builtins.str = ...,
+        fleet_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_plane_id", b"control_plane_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_plane_id", b"control_plane_id", "fleet_size", b"fleet_size", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,6 +198,8 @@ class Origin(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     INFLIGHT_FIELD_NUMBER: _builtins.int
     HEALTH_DETAIL_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -207,6 +216,9 @@ class Origin(_message.Message):
     origin is unhealthy if it is.
     """
     health_detail: _builtins.str
+    credential_env: _builtins.str
+    """Where the proxy reads the origin's upstream credential (see OriginSpec)."""
+    credential_file: _builtins.str
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -222,14 +234,316 @@ class Origin(_message.Message):
         capacity: _builtins.int = ...,
         inflight: _builtins.float = ...,
         health_detail: _builtins.str = ...,
+        credential_env: _builtins.str = ...,
+        credential_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Origin: _TypeAlias = Origin  # noqa: Y015
+
+@_typing.final
+class Limits(_message.Message):
+    """---------------------------------------------------------------- tenants
+
+    Global limits of one scope (a tenant or a key); 0 means no limit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RPM_FIELD_NUMBER: _builtins.int
+    TPM_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    rpm: _builtins.int
+    tpm: _builtins.int
+    concurrency: _builtins.int
+    def __init__(
+        self,
+        *,
+        rpm: _builtins.int = ...,
+        tpm: _builtins.int = ...,
+        concurrency: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "rpm", b"rpm", "tpm", b"tpm"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Limits: _TypeAlias = Limits  # noqa: Y015
+
+@_typing.final
+class ApiKey(_message.Message):
+    """An API key as proxies see it: never the key itself, only its hash."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    HASH_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Public id, the middle part of the key (sk-ponto-<id>-<secret>)."""
+    hash: _builtins.str
+    """Hex SHA-256 of the whole key."""
+    tenant: _builtins.str
+    @_builtins.property
+    def limits(self) -> Global___Limits: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        hash: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        limits: Global___Limits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash", b"hash", "id", b"id", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApiKey: _TypeAlias = ApiKey  # noqa: Y015
+
+@_typing.final
+class JwtIssuer(_message.Message):
+    """JWTs a tenant's users may present instead of an API key. Key material is
+    read from files or environment variables on the proxy, never from etcd.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISSUER_FIELD_NUMBER: _builtins.int
+    AUDIENCES_FIELD_NUMBER: _builtins.int
+    ALGORITHMS_FIELD_NUMBER: _builtins.int
+    JWKS_FILE_FIELD_NUMBER: _builtins.int
+    HS256_SECRET_FILE_FIELD_NUMBER: _builtins.int
+    HS256_SECRET_ENV_FIELD_NUMBER: _builtins.int
+    LEEWAY_S_FIELD_NUMBER: _builtins.int
+    issuer: _builtins.str
+    """Matched against the token's `iss`; unique across tenants."""
+    jwks_file: _builtins.str
+    """Path of a JWKS file (RS256, ES256) on the proxy."""
+    hs256_secret_file: _builtins.str
+    """HS256 shared secret: a file path or an environment variable name."""
+    hs256_secret_env: _builtins.str
+    leeway_s: _builtins.float
+    @_builtins.property
+    def audiences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The token's `aud` must contain one of these (empty: not checked)."""
+
+    @_builtins.property
+    def algorithms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Allowed: HS256, RS256, ES256."""
+
+    def __init__(
+        self,
+        *,
+        issuer: _builtins.str = ...,
+        audiences: _abc.Iterable[_builtins.str] | None = ...,
+        algorithms: _abc.Iterable[_builtins.str] | None = ...,
+        jwks_file: _builtins.str = ...,
+        hs256_secret_file: _builtins.str = ...,
+        hs256_secret_env: _builtins.str = ...,
+        leeway_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithms", b"algorithms", "audiences", b"audiences", "hs256_secret_env", b"hs256_secret_env", "hs256_secret_file", b"hs256_secret_file", "issuer", b"issuer", "jwks_file", b"jwks_file", "leeway_s", b"leeway_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JwtIssuer: _TypeAlias = JwtIssuer  # noqa: Y015
+
+@_typing.final
+class PromptPolicy(_message.Message):
+    """Prompt assembly applied at the proxy before a request goes anywhere."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DefaultsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class AliasesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    ENFORCE_SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    DEFAULTS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_CEILING_FIELD_NUMBER: _builtins.int
+    ALIASES_FIELD_NUMBER: _builtins.int
+    system_prompt: _builtins.str
+    """Added as the first system message."""
+    enforce_system_prompt: _builtins.bool
+    """false: prepended before the client's messages (client system messages
+    stay); true: replaces every client system message.
+    """
+    max_tokens_ceiling: _builtins.int
+    """Upper bound on max_tokens / max_completion_tokens (0: none); also the
+    default when the client sends none.
+    """
+    @_builtins.property
+    def defaults(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Parameter name -> JSON value, set when the client leaves it out."""
+
+    @_builtins.property
+    def aliases(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Public model name -> the name origins serve."""
+
+    def __init__(
+        self,
+        *,
+        system_prompt: _builtins.str = ...,
+        enforce_system_prompt: _builtins.bool = ...,
+        defaults: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_tokens_ceiling: _builtins.int = ...,
+        aliases: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "defaults", b"defaults", "enforce_system_prompt", b"enforce_system_prompt", "max_tokens_ceiling", b"max_tokens_ceiling", "system_prompt", b"system_prompt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptPolicy: _TypeAlias = PromptPolicy  # noqa: Y015
+
+@_typing.final
+class CachePolicy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    SEMANTIC_THRESHOLD_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    CACHE_NONDETERMINISTIC_FIELD_NUMBER: _builtins.int
+    STORE_TRUNCATED_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """off, exact or semantic ("" means exact)."""
+    semantic_threshold: _builtins.float
+    """Cosine similarity a semantic hit needs (0: the default)."""
+    ttl_s: _builtins.int
+    """Entry lifetime in seconds (0: the default)."""
+    cache_nondeterministic: _builtins.bool
+    """Also cache requests with temperature > 0 and no seed."""
+    store_truncated: _builtins.bool
+    """Also cache answers cut by max_tokens (finish_reason "length")."""
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        semantic_threshold: _builtins.float = ...,
+        ttl_s: _builtins.int = ...,
+        cache_nondeterministic: _builtins.bool = ...,
+        store_truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_nondeterministic", b"cache_nondeterministic", "mode", b"mode", "semantic_threshold", b"semantic_threshold", "store_truncated", b"store_truncated", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachePolicy: _TypeAlias = CachePolicy  # noqa: Y015
+
+@_typing.final
+class Tenant(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    CACHE_FIELD_NUMBER: _builtins.int
+    JWT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def limits(self) -> Global___Limits: ...
+    @_builtins.property
+    def prompt(self) -> Global___PromptPolicy: ...
+    @_builtins.property
+    def cache(self) -> Global___CachePolicy: ...
+    @_builtins.property
+    def jwt(self) -> Global___JwtIssuer:
+        """Unset: the tenant accepts API keys only."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        limits: Global___Limits | None = ...,
+        prompt: Global___PromptPolicy | None = ...,
+        cache: Global___CachePolicy | None = ...,
+        jwt: Global___JwtIssuer | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tenant: _TypeAlias = Tenant  # noqa: Y015
+
+@_typing.final
+class CachePurge(_message.Message):
+    """Ask proxies to drop cached answers. Empty tenant or model: all of them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """etcd revision of the request; proxies run each purge once, in order."""
+    tenant: _builtins.str
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "revision", b"revision", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachePurge: _TypeAlias = CachePurge  # noqa: Y015
 
 @_typing.final
 class RouteTable(_message.Message):
@@ -239,16 +553,34 @@ class RouteTable(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     ORIGINS_FIELD_NUMBER: _builtins.int
     ETAG_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    PURGES_FIELD_NUMBER: _builtins.int
+    AUTH_REQUIRED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """etcd revision the table was compiled from; increases with every change."""
     etag: _builtins.str
     """Hex SHA-256 of the table with version and etag cleared: equal content,
     equal etag, whichever replica compiled it.
     """
+    auth_required: _builtins.bool
+    """True once the fleet has had any API key or JWT issuer, revoked ones
+    included: revoking the last key must not reopen the proxies.
+    """
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Region]: ...
     @_builtins.property
     def origins(self) -> _containers.RepeatedCompositeFieldContainer[Global___Origin]: ...
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tenant]: ...
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApiKey]:
+        """Active keys only: a revoked key is simply absent."""
+
+    @_builtins.property
+    def purges(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachePurge]:
+        """Recent purges, oldest first."""
+
     def __init__(
         self,
         *,
@@ -256,14 +588,110 @@ class RouteTable(_message.Message):
         regions: _abc.Iterable[Global___Region] | None = ...,
         origins: _abc.Iterable[Global___Origin] | None = ...,
         etag: _builtins.str = ...,
+        tenants: _abc.Iterable[Global___Tenant] | None = ...,
+        keys: _abc.Iterable[Global___ApiKey] | None = ...,
+        purges: _abc.Iterable[Global___CachePurge] | None = ...,
+        auth_required: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["etag", b"etag", "origins", b"origins", "regions", b"regions", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RouteTable: _TypeAlias = RouteTable  # noqa: Y015
+
+@_typing.final
+class ScopeDemand(_message.Message):
+    """---------------------------------------------------------------- quotas
+
+    What one proxy asked of one limit scope recently ("t/<tenant>" or
+    "k/<key id>"): attempted, not just admitted, so refused demand counts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    REQUESTS_PER_S_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    scope: _builtins.str
+    requests_per_s: _builtins.float
+    tokens_per_s: _builtins.float
+    concurrency: _builtins.int
+    """Peak concurrent requests wanted in the last interval."""
+    def __init__(
+        self,
+        *,
+        scope: _builtins.str = ...,
+        requests_per_s: _builtins.float = ...,
+        tokens_per_s: _builtins.float = ...,
+        concurrency: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "requests_per_s", b"requests_per_s", "scope", b"scope", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScopeDemand: _TypeAlias = ScopeDemand  # noqa: Y015
+
+@_typing.final
+class QuotaShare(_message.Message):
+    """This proxy's part of one scope's global limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    FRACTION_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    scope: _builtins.str
+    fraction: _builtins.float
+    """Fraction (0..1) of the scope's rpm and tpm this proxy may admit."""
+    concurrency: _builtins.int
+    """Concurrent requests this proxy may hold."""
+    def __init__(
+        self,
+        *,
+        scope: _builtins.str = ...,
+        fraction: _builtins.float = ...,
+        concurrency: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "fraction", b"fraction", "scope", b"scope"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuotaShare: _TypeAlias = QuotaShare  # noqa: Y015
+
+@_typing.final
+class QuotaShares(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    DEFAULT_FRACTION_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    """Increases with every rebalance (the etcd revision it was written at)."""
+    default_fraction: _builtins.float
+    """Share a scope missing from `shares` gets (a new scope, a new proxy)."""
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuotaShare]: ...
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        shares: _abc.Iterable[Global___QuotaShare] | None = ...,
+        default_fraction: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_fraction", b"default_fraction", "generation", b"generation", "shares", b"shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuotaShares: _TypeAlias = QuotaShares  # noqa: Y015
 
 @_typing.final
 class RouteRequest(_message.Message):
@@ -277,6 +705,8 @@ class RouteRequest(_message.Message):
     VERSION_INFO_FIELD_NUMBER: _builtins.int
     RESPONSE_NONCE_FIELD_NUMBER: _builtins.int
     ERROR_DETAIL_FIELD_NUMBER: _builtins.int
+    DEMAND_FIELD_NUMBER: _builtins.int
+    IS_REPORT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -286,6 +716,13 @@ class RouteRequest(_message.Message):
     """Nonce of the push this message answers; empty on the first message."""
     error_detail: _builtins.str
     """Set on a NACK: why the pushed table was refused."""
+    is_report: _builtins.bool
+    @_builtins.property
+    def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeDemand]:
+        """Usage report, sent about once a second on its own message (with
+        response_nonce empty): demand per limit scope since the last report.
+        """
+
     def __init__(
         self,
         *,
@@ -293,10 +730,12 @@ class RouteRequest(_message.Message):
         version_info: _builtins.int = ...,
         response_nonce: _builtins.str = ...,
         error_detail: _builtins.str = ...,
+        demand: _abc.Iterable[Global___ScopeDemand] | None = ...,
+        is_report: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_detail", b"error_detail", "response_nonce", b"response_nonce", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "response_nonce", b"response_nonce", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,23 +743,31 @@ Global___RouteRequest: _TypeAlias = RouteRequest  # noqa: Y015
 
 @_typing.final
 class RouteUpdate(_message.Message):
+    """A push: a new table (answered with an ACK or NACK) or new quota shares
+    (not answered), or both.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TABLE_FIELD_NUMBER: _builtins.int
     NONCE_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
     nonce: _builtins.str
     """Unique per push; echoed back in the ACK or NACK."""
     @_builtins.property
     def table(self) -> Global___RouteTable: ...
+    @_builtins.property
+    def quota(self) -> Global___QuotaShares: ...
     def __init__(
         self,
         *,
         table: Global___RouteTable | None = ...,
         nonce: _builtins.str = ...,
+        quota: Global___QuotaShares | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["table", b"table"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota", "table", b"table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "quota", b"quota", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,376 @@
+"""Write docs/benchmarks/README.md and PNG plots from the benchmarks' JSON results.
+
+    .venv/bin/python -m bench.report [--dir docs/benchmarks]      (last step of make bench)
+
+Reads every ``*.json`` in the directory. ``overhead.json`` (bench/compare.py)
+gets its table, the issue's goals and plots; any other result is shown by a
+small convention, so that new benchmarks need no change here:
+
+* ``"title"``: the section heading (else ``"name"``, else the file name);
+* ``"table": {"columns": [...], "rows": [[...], ...]}`` or ``"tables": [{"title":
+  ..., "columns": ..., "rows": ...}, ...]``: rendered as Markdown tables;
+* ``"text"``: a preformatted block (e.g. what the benchmark printed);
+* otherwise the scalar figures, flattened to ``a.b.c | value`` rows.
+
+The page starts with the machine (CPU model, cores, memory, kernel), the
+versions of Python and the packages that matter, the git commit and the date,
+since a figure means nothing without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display; must precede pyplot
+import matplotlib.pyplot as plt
+
+from bench.compare import figure
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = ROOT / "docs" / "benchmarks"
+PACKAGES = (
+    "ponto",
+    "aiohttp",
+    "uvloop",
+    "orjson",
+    "grpcio",
+    "protobuf",
+    "etcd3aio",
+    "py-spy",
+    "matplotlib",
+)
+COLORS = {"direct": "#7f7f7f", "ponto": "#1f77b4", "litellm": "#d62728"}
+MAX_FLAT_ROWS = 60
+
+
+# ---------------------------------------------------------------- machine
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = ""
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                memory = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    return {
+        "CPU": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": memory,
+        "kernel": platform.release(),
+        "Python": platform.python_version(),
+    }
+
+
+def versions(extra: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for dist in PACKAGES:
+        with contextlib.suppress(PackageNotFoundError):
+            out[dist] = version(dist)
+    return {**out, **extra}
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return "unknown (not a git checkout)"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"{commit}{' + uncommitted changes' if dirty else ''}"
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def md_table(columns: list[str], rows: list[list[Any]]) -> str:
+    def cell(value: Any) -> str:
+        text = _fmt(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(c) or " " for c in columns) + " |"]
+    lines.append("| " + " | ".join("---" for _ in columns) + " |")
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value[:8]) + (" …" if len(value) > 8 else "")
+    return str(value)
+
+
+def flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Scalar leaves as (dotted.path, value); lists of scalars stay one value."""
+    out: list[tuple[str, Any]] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out += flatten(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(data, list) and any(isinstance(v, dict | list) for v in data):
+        for i, value in enumerate(data):
+            out += flatten(value, f"{prefix}[{i}]")
+    else:
+        out.append((prefix, data))
+    return out
+
+
+def generic_section(name: str, data: dict[str, Any]) -> str:
+    title = str(data.get("title") or data.get("name") or name)
+    parts = [f"## {title}", "", f"Data: [{name}.json]({name}.json)"]
+    if data.get("date"):
+        parts[-1] += f", run {data['date']}"
+    parts.append("")
+    tables = list(data.get("tables") or [])
+    if isinstance(data.get("table"), dict):
+        tables.insert(0, data["table"])
+    for t in tables:
+        if isinstance(t, dict) and "columns" in t and "rows" in t:
+            if t.get("title"):
+                parts += [f"**{t['title']}**", ""]
+            parts += [md_table(list(t["columns"]), [list(r) for r in t["rows"]]), ""]
+    if isinstance(data.get("text"), str):
+        parts += ["```", data["text"].rstrip(), "```", ""]
+    if not tables and not isinstance(data.get("text"), str):
+        skip = {"title", "name", "date"}
+        rows = [[k, v] for k, v in flatten({k: v for k, v in data.items() if k not in skip})]
+        shown = rows[:MAX_FLAT_ROWS]
+        parts += [md_table(["figure", "value"], shown), ""]
+        if len(rows) > len(shown):
+            parts += [f"({len(rows) - len(shown)} more figures in the JSON)", ""]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- overhead
+
+
+def _phase(data: dict[str, Any], name: str) -> dict[str, Any]:
+    for phase in data.get("phases", []):
+        if phase.get("name") == name:
+            result: dict[str, Any] = phase.get("results", {})
+            return result
+    return {}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+def overhead_plots(data: dict[str, Any], out_dir: Path) -> list[str]:
+    """PNG files written (names relative to out_dir)."""
+    targets: dict[str, Any] = data.get("targets", {})
+    keys = list(targets)
+    if not keys:
+        return []
+    labels = [targets[k].get("label", k) for k in keys]
+    written = []
+
+    # 1. Latency percentiles at each open-loop rate (log scale: LiteLLM is far above).
+    open_phases = [p for p in data.get("phases", []) if p.get("mode") == "open" and p.get("rate")]
+    open_phases = [p for p in open_phases if p.get("name") != "sustained"]
+    if open_phases:
+        fig, axes = plt.subplots(
+            1, len(open_phases), figsize=(4.2 * len(open_phases), 3.8), squeeze=False
+        )
+        quantiles = ["p50", "p90", "p99", "p99.9"]
+        for ax, phase in zip(axes[0], open_phases, strict=True):
+            metric = "ttfb_ms" if phase.get("stream") else "latency_ms"
+            for key, label in zip(keys, labels, strict=True):
+                result = phase["results"].get(key)
+                if not result:
+                    continue
+                ys = [_num(result.get(metric, {}).get(q)) for q in quantiles]
+                failed = (result.get("error_ratio") or 0) >= 0.01
+                ax.plot(
+                    quantiles,
+                    [y if y is not None else float("nan") for y in ys],
+                    marker="o",
+                    color=COLORS.get(key),
+                    linestyle="--" if failed else "-",
+                    label=f"{label}{' (>1% errors)' if failed else ''}",
+                )
+            what = "time to first token" if phase.get("stream") else "latency"
+            ax.set_title(f"{what} @ {phase['rate']:,.0f}/s", fontsize=10)
+            ax.set_yscale("log")
+            ax.set_ylabel("ms from due time")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle("Open-loop latency: direct, Ponto, LiteLLM (lower is better)", fontsize=11)
+        fig.tight_layout()
+        fig.savefig(out_dir / "overhead-latency.png", dpi=110)
+        plt.close(fig)
+        written.append("overhead-latency.png")
+
+    # 2. Capacity and footprint: req/s per core, CPU per request, peak RSS.
+    mx = _phase(data, "max")
+    panels = [
+        ("req/s per core (higher is better)", [_num(mx.get(k, {}).get("per_core")) for k in keys]),
+        (
+            "CPU per request, us (lower is better)",
+            [_num(mx.get(k, {}).get("cpu_us_per_request")) for k in keys],
+        ),
+        ("peak RSS, MB (lower is better)", [_num(targets[k].get("rss_peak_mb")) for k in keys]),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), squeeze=False)
+    for ax, (title, values) in zip(axes[0], panels, strict=True):
+        heights = [v or 0.0 for v in values]
+        bars = ax.bar(labels, heights, color=[COLORS.get(k, "#999999") for k in keys])
+        for bar, v in zip(bars, values, strict=True):
+            ax.annotate(
+                "n/a" if v is None else f"{v:,.0f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_title(title, fontsize=10)
+        if (
+            max(heights, default=0) > 0
+            and max(heights) / max(min(h for h in heights if h > 0), 1e-9) > 30
+        ):
+            ax.set_yscale("log")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("Server capacity and footprint (each server alone on one core)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out_dir / "overhead-capacity.png", dpi=110)
+    plt.close(fig)
+    written.append("overhead-capacity.png")
+    return written
+
+
+def overhead_section(data: dict[str, Any], plots: list[str]) -> str:
+    m = data.get("machine", {})
+    lite = data.get("litellm", {})
+    parts = [
+        f"## {data.get('title', 'Overhead')}",
+        "",
+        f"`bench/compare.py`, run {data.get('date', '?')} in {data.get('seconds', '?')} s"
+        f"{' (--quick)' if data.get('quick') else ''}; load average before the run "
+        f"{(m.get('loadavg_before') or ['?'])[0]}. Data: [overhead.json](overhead.json).",
+        "",
+        f"- Placement: {data.get('placement', '?')}.",
+        f"- Ponto: {data.get('ponto_features', '?')}.",
+        f"- LiteLLM {lite.get('version', '?')}: "
+        + (
+            f"**not measured**: {lite['error']}"
+            if lite.get("error")
+            else "one worker, master key, callbacks, telemetry and message logging off."
+        ),
+        "- Open loop: requests evenly spaced at the rate, latency from each request's due time; "
+        "*added* = the target's percentile minus direct's at the same rate. *Max rate*: closed "
+        "loop; *per core*: that throughput divided by the CPU the server used meanwhile.",
+        "",
+    ]
+    table = data.get("table")
+    if isinstance(table, dict):
+        parts += [md_table(table["columns"], table["rows"]), ""]
+    goals = data.get("goals") or []
+    if goals:
+        parts += ["**Goals (issue 8)**", ""]
+        for g in goals:
+            mark = {True: "pass", False: "**FAIL**", None: "not measured"}[g.get("pass")]
+            value = "-" if g.get("value") is None else f"{figure(g['value'])} {g.get('unit', '')}"
+            parts.append(f"- {mark}: {g['goal']} — {value.strip()}")
+        parts.append("")
+    parts += [f"![{name}]({name})" for name in plots]
+    parts.append("")
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- main
+
+
+def load_results(directory: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            out[path.stem] = {"title": path.stem, "error": f"unreadable: {exc}"}
+            continue
+        if isinstance(data, dict):
+            out[path.stem] = data
+    return out
+
+
+def write_report(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    results = load_results(directory)
+    overhead = results.pop("overhead", None)
+    litellm = {}
+    if overhead and overhead.get("litellm", {}).get("version"):
+        litellm["litellm (compared)"] = overhead["litellm"]["version"]
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "# Benchmarks",
+        "",
+        f"Generated {now} by `make bench` (bench/report.py) from the JSON results in this "
+        "directory. Each benchmark compares within one run on one machine; figures from "
+        "different machines or runs are not comparable.",
+        "",
+        "| machine | |",
+        "| --- | --- |",
+        *[f"| {k} | {v} |" for k, v in machine().items()],
+        f"| git commit | {git_commit()} |",
+        f"| date | {now} |",
+        "",
+        "| package | version |",
+        "| --- | --- |",
+        *[f"| {k} | {v} |" for k, v in versions(litellm).items()],
+        "",
+    ]
+    if overhead is not None:
+        parts.append(overhead_section(overhead, overhead_plots(overhead, directory)))
+    else:
+        parts += ["## Overhead", "", "No overhead.json yet: run `make bench`.", ""]
+    if (directory / "profile.txt").exists():
+        parts += [
+            "## Profile",
+            "",
+            "Where the proxy's time goes: [profile.txt](profile.txt) (`make profile`).",
+            "",
+        ]
+    for name, data in results.items():
+        parts.append(generic_section(name, data))
+    out = directory / "README.md"
+    out.write_text("\n".join(parts).rstrip() + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    a = p.parse_args(argv)
+    out = write_report(a.dir)
+    print(f"wrote {out} and its plots")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+{{/*
+Names. Every object is "<fullname>-<part>"; names that would pass the 63-character
+limit of a DNS label fail the render instead of being cut (a cut name can collide).
+*/}}
+{{- define "ponto.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ponto.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<part>", checked against the DNS label limit. Call with (list $ "part"). */}}
+{{- define "ponto.part" -}}
+{{- $root := index . 0 -}}
+{{- $name := printf "%s-%s" (include "ponto.fullname" $root) (index . 1) -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "name %q is longer than 63 characters: shorten the release name, fullnameOverride or the region name" $name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{- define "ponto.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels. Call with (list $ "component"). */}}
+{{- define "ponto.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ponto.name" (index . 0) }}
+app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "ponto.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "ponto.chart" $root }}
+{{ include "ponto.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: ponto
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end -}}
+
+{{- define "ponto.image" -}}
+{{- $img := .Values.image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Addresses inside the cluster. */}}
+{{- define "ponto.controlPlane.host" -}}
+{{- printf "%s.%s.svc" (include "ponto.part" (list . "control")) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "ponto.controlPlane.address" -}}
+{{- printf "%s:%d" (include "ponto.controlPlane.host" .) (int .Values.controlPlane.service.port) -}}
+{{- end -}}
+
+{{- define "ponto.etcd.endpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- printf "%s.%s.svc:2379" (include "ponto.part" (list . "etcd")) .Release.Namespace -}}
+{{- else -}}
+{{- if not .Values.etcd.external.endpoints -}}
+{{- fail "etcd.enabled is false: set etcd.external.endpoints (HOST:PORT of an existing etcd cluster)" -}}
+{{- end -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Secret names: the user's when given, else the chart's. */}}
+{{- define "ponto.tokens.secretName" -}}
+{{- .Values.auth.existingSecret | default (include "ponto.part" (list . "tokens")) -}}
+{{- end -}}
+
+{{/* The TLS Secret of "control", "proxy" or "admin". Call with (list $ key). */}}
+{{- define "ponto.tls.secretName" -}}
+{{- $root := index . 0 -}}
+{{- $key := index . 1 -}}
+{{- $field := get (dict "control" "controlPlane" "proxy" "proxy" "admin" "admin") $key -}}
+{{- get $root.Values.tls.existingSecrets $field | default (include "ponto.part" (list $root (printf "%s-tls" $key))) -}}
+{{- end -}}
+
+{{- define "ponto.podSecurityContext" -}}
+{{- toYaml .Values.podSecurityContext -}}
+{{- end -}}
+
+{{- define "ponto.containerSecurityContext" -}}
+{{- toYaml .Values.containerSecurityContext -}}
+{{- end -}}
+
+{{/*
+Soft or hard anti-affinity on the node, for pods carrying the given selector labels.
+Call with (list mode selectorLabelsYaml).
+*/}}
+{{- define "ponto.antiAffinity" -}}
+{{- $mode := index . 0 -}}
+{{- $labels := index . 1 | fromYaml -}}
+{{- if eq $mode "hard" }}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- toYaml $labels | nindent 10 }}
+{{- else if eq $mode "soft" }}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- toYaml $labels | nindent 12 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Secret material: tokens and TLS. Computed once per render and kept on the root
+context, so that the Secrets and the checksum annotations on the pods see the same
+values. Existing Secrets (lookup) are reused, which keeps generated tokens and
+certificates stable across upgrades; a certificate is issued again when it is
+within tls.renewBeforeDays of its end. `helm template` and `--dry-run` have no
+cluster, so they show freshly generated material each time.
+Result ($.pontoMaterial):
+  tokens: {admin-token, bootstrap-token} (base64) or absent with auth.existingSecret
+  tls:    {ca, control, proxy, admin} -> {data: {...base64}, notAfter} or absent
+*/}}
+{{- define "ponto.material" -}}
+{{- if not (hasKey $ "pontoMaterial") -}}
+{{- $ns := .Release.Namespace -}}
+{{- $m := dict -}}
+{{- if not .Values.auth.existingSecret -}}
+{{- $old := (lookup "v1" "Secret" $ns (include "ponto.tokens.secretName" .)).data | default dict -}}
+{{- $admin := .Values.auth.adminToken | default (get $old "admin-token" | b64dec) | default (randAlphaNum 48) -}}
+{{- $boot := .Values.auth.bootstrapToken | default (get $old "bootstrap-token" | b64dec) | default (randAlphaNum 48) -}}
+{{- $_ := set $m "tokens" (dict "admin-token" (b64enc $admin) "bootstrap-token" (b64enc $boot)) -}}
+{{- end -}}
+{{- $given := .Values.tls.existingSecrets -}}
+{{- $nGiven := len (compact (list $given.controlPlane $given.proxy $given.admin)) -}}
+{{- if and .Values.tls.enabled (ne $nGiven 0) (ne $nGiven 3) -}}
+{{- fail "tls.existingSecrets: give all of controlPlane, proxy and admin, or none (the chart then issues all three from one CA)" -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (eq $nGiven 0) -}}
+{{- $now := now | unixEpoch | int64 -}}
+{{- $renewAt := add $now (mul .Values.tls.renewBeforeDays 86400) -}}
+{{- $caName := include "ponto.part" (list . "ca") -}}
+{{- $caOld := lookup "v1" "Secret" $ns $caName | default dict -}}
+{{- $caNotAfter := int64 (dig "metadata" "annotations" "ponto.io/not-after" "0" $caOld) -}}
+{{- $ca := dict -}}
+{{- $caFresh := true -}}
+{{- $tls := dict -}}
+{{- if and $caOld.data (gt $caNotAfter $renewAt) -}}
+{{- $ca = buildCustomCert (index $caOld.data "tls.crt") (index $caOld.data "tls.key") -}}
+{{- $caFresh = false -}}
+{{- $_ := set $tls "ca" (dict "data" $caOld.data "notAfter" $caNotAfter) -}}
+{{- else -}}
+{{- /* ECDSA P-256: as strong as RSA-3072 for these uses, and generated in microseconds. */ -}}
+{{- $ca = genCAWithKey (printf "%s CA" (include "ponto.fullname" .)) (int .Values.tls.caValidityDays) (genPrivateKey "ecdsa") -}}
+{{- $_ := set $tls "ca" (dict "data" (dict "tls.crt" (b64enc $ca.Cert) "tls.key" (b64enc $ca.Key)) "notAfter" (add $now (mul .Values.tls.caValidityDays 86400))) -}}
+{{- end -}}
+{{- $host := include "ponto.controlPlane.host" . -}}
+{{- $cpNames := concat (list (include "ponto.part" (list . "control")) (printf "%s.%s" (include "ponto.part" (list . "control")) $ns) $host (printf "%s.%s" $host .Values.clusterDomain) "localhost") .Values.tls.extraDnsNames -}}
+{{- $leaves := dict "control" (list "ponto-control-plane" $cpNames) "proxy" (list "ponto-proxy" list) "admin" (list "ponto-admin" list) -}}
+{{- range $key := list "control" "proxy" "admin" -}}
+{{- $name := include "ponto.part" (list $ (printf "%s-tls" $key)) -}}
+{{- $old := lookup "v1" "Secret" $ns $name | default dict -}}
+{{- $notAfter := int64 (dig "metadata" "annotations" "ponto.io/not-after" "0" $old) -}}
+{{- if and (not $caFresh) $old.data (gt $notAfter $renewAt) -}}
+{{- $_ := set $tls $key (dict "data" $old.data "notAfter" $notAfter) -}}
+{{- else -}}
+{{- $spec := get $leaves $key -}}
+{{- $ips := ternary (list "127.0.0.1") list (eq $key "control") -}}
+{{- $cert := genSignedCertWithKey (index $spec 0) $ips (index $spec 1) (int $.Values.tls.certValidityDays) $ca (genPrivateKey "ecdsa") -}}
+{{- $_ := set $tls $key (dict "data" (dict "tls.crt" (b64enc $cert.Cert) "tls.key" (b64enc $cert.Key) "ca.crt" (b64enc $ca.Cert)) "notAfter" (add $now (mul $.Values.tls.certValidityDays 86400))) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $m "tls" $tls -}}
+{{- end -}}
+{{- $_ := set $ "pontoMaterial" $m -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A checksum of the secret material a component mounts. Call with (list $ "control"|"proxy"|"admin"). */}}
+{{- define "ponto.material.checksum" -}}
+{{- $root := index . 0 -}}
+{{- include "ponto.material" $root -}}
+{{- $m := $root.pontoMaterial -}}
+{{- $tls := get (get $m "tls" | default dict) (index . 1) -}}
+{{- list (get $m "tokens") $tls $root.Values.auth.existingSecret $root.Values.tls | toJson | sha256sum -}}
+{{- end -}}
+
+{{/* Checks the schema cannot express; fails the render with the reason. */}}
+{{- define "ponto.validate" -}}
+{{- $regions := list -}}
+{{- range .Values.proxy.regions }}{{ $regions = append $regions .name }}{{ end -}}
+{{- range .Values.topology.extraRegions }}{{ $regions = append $regions .name }}{{ end -}}
+{{- range $r := $regions -}}
+{{- $n := 0 -}}
+{{- range $regions }}{{ if eq . $r }}{{ $n = add1 $n }}{{ end }}{{ end -}}
+{{- if gt $n 1 -}}
+{{- fail (printf "region %q is listed twice (proxy.regions and topology.extraRegions together)" $r) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.topology.origins -}}
+{{- if not (has .region $regions) -}}
+{{- fail (printf "origin %q is in region %q, which is neither in proxy.regions nor in topology.extraRegions" .name .region) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.geoip.enabled (not .Values.geoip.volume) -}}
+{{- fail "geoip.enabled needs geoip.volume: the volume that holds the .mmdb file" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,253 @@
+"""Moving rate-limit demand and shares between proxies, replicas and the leader.
+
+    proxy --ScopeDemand on its RouteStream--> replica (QuotaHub.report)
+    replica --every interval--> /ponto/quota/demand/<replica>   (under its lease)
+    leader (Rebalancer) reads all demand + the proxy registry + the limits of the
+      current table, computes shares (controlplane.quota.compute_shares) and
+      writes /ponto/quota/shares, fenced by its leadership
+    every replica watches /ponto/quota/shares (QuotaHub.watch) and pushes each
+      connected proxy its own shares as RouteUpdate(quota=...)
+
+Quota keys live outside /ponto/state/, so demand and shares never cause a new
+route table. The scheme, its accuracy bound and what happens without a control
+plane are in docs/rate-limits.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.errors import Unavailable
+from controlplane.quota import compute_shares
+from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
+from ponto.quota_types import Demand, ScopeLimits, Share, key_scope, tenant_scope
+from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+QUOTA_PREFIX = "/ponto/quota/"
+DEMAND_PREFIX = QUOTA_PREFIX + "demand/"
+SHARES_KEY = QUOTA_PREFIX + "shares"
+
+Shares = dict[str, dict[str, Share]]
+
+
+def limits_of_table(table: pb.RouteTable) -> dict[str, ScopeLimits]:
+    """Scopes with at least one limit, from a route table."""
+    out: dict[str, ScopeLimits] = {}
+    for t in table.tenants:
+        lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
+        if not lim.unlimited:
+            out[tenant_scope(t.name)] = lim
+    for k in table.keys:
+        lim = ScopeLimits(k.limits.rpm, k.limits.tpm, k.limits.concurrency)
+        if not lim.unlimited:
+            out[key_scope(k.id)] = lim
+    return out
+
+
+def encode_shares(shares: Mapping[str, Mapping[str, Share]], default_fraction: float) -> bytes:
+    body = {
+        "default_fraction": default_fraction,
+        "proxies": {
+            proxy: {scope: [s.fraction, s.concurrency] for scope, s in sorted(by_scope.items())}
+            for proxy, by_scope in sorted(shares.items())
+        },
+    }
+    return orjson.dumps(body)
+
+
+def decode_shares(raw: bytes) -> tuple[Shares, float]:
+    data = orjson.loads(raw)
+    shares: Shares = {
+        proxy: {scope: Share(float(v[0]), int(v[1])) for scope, v in by_scope.items()}
+        for proxy, by_scope in data.get("proxies", {}).items()
+    }
+    return shares, float(data.get("default_fraction", 0.0))
+
+
+def _shares_part(payload: bytes) -> bytes:
+    """A quota push without its generation, to tell whether it changes anything."""
+    if not payload:
+        return b""
+    update = pb.RouteUpdate.FromString(payload)
+    update.quota.generation = 0
+    return update.SerializeToString()
+
+
+class QuotaHub:
+    """One per replica: demand in from its streams, shares out to them.
+
+    Single event loop. `report` is called by stream readers; `next_for` by
+    stream writers; `publish_demand` and `watch` run as the replica's tasks.
+    """
+
+    def __init__(
+        self, store: StateStore, replica_id: str, lease: Callable[[], Any], interval: float
+    ) -> None:
+        self._store = store
+        self._replica_id = replica_id
+        self._lease = lease  # async () -> lease id of the replica
+        self._interval = interval
+        self._demand: dict[str, dict[str, list[float]]] = {}
+        self._dirty = False
+        self._shares: Shares = {}
+        self._default = 0.0
+        self.generation = 0
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------ demand in
+
+    def report(self, proxy: str, demand: Iterable[pb.ScopeDemand]) -> None:
+        self._demand[proxy] = {
+            d.scope: [d.requests_per_s, d.tokens_per_s, float(d.concurrency)]
+            for d in demand
+            if d.scope
+        }
+        self._dirty = True
+
+    def forget(self, proxy: str) -> None:
+        if self._demand.pop(proxy, None) is not None:
+            self._dirty = True
+
+    async def publish_demand(self) -> None:
+        """Write this replica's proxies' demand every interval while it changes."""
+        key = DEMAND_PREFIX + self._replica_id
+        while True:
+            await asyncio.sleep(self._interval)
+            if not self._dirty:
+                continue
+            self._dirty = False
+            try:
+                lease = await self._lease()
+                await self._store.put(key, orjson.dumps({"proxies": self._demand}), lease=lease)
+            except (StoreUnavailable, Unavailable) as exc:
+                self._dirty = True
+                log.debug("demand report not written: %s", exc)
+
+    # ------------------------------------------------------------ shares out
+
+    async def watch(self) -> None:
+        """Follow the leader's shares key; wake the streams on every change."""
+        await self._load()
+        async for _ in self._store.watch(SHARES_KEY, 0):
+            await self._load()
+
+    async def _load(self) -> None:
+        try:
+            kv = await self._store.get(SHARES_KEY)
+        except StoreUnavailable as exc:
+            log.debug("shares not read: %s", exc)
+            return
+        if kv is None or kv.mod_revision == self.generation:
+            return
+        try:
+            self._shares, self._default = decode_shares(kv.value)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            log.error("ignoring undecodable quota shares: %s", exc)
+            return
+        self.generation = kv.mod_revision
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def update_for(self, proxy: str) -> bytes:
+        """The serialised RouteUpdate(quota=...) for one proxy, current generation."""
+        mine = self._shares.get(proxy, {})
+        quota = pb.QuotaShares(
+            generation=self.generation,
+            default_fraction=self._default,
+            shares=[
+                pb.QuotaShare(scope=scope, fraction=s.fraction, concurrency=s.concurrency)
+                for scope, s in mine.items()
+            ],
+        )
+        return pb.RouteUpdate(quota=quota).SerializeToString()
+
+    async def next_for(
+        self, proxy: str, sent_generation: int, sent: bytes = b""
+    ) -> tuple[int, bytes]:
+        """Wait for shares newer than sent_generation that change what this proxy
+        was last sent (`sent`); return (generation, payload)."""
+        while True:
+            while self.generation in (0, sent_generation):
+                await self._changed.wait()
+            payload = self.update_for(proxy)
+            if _shares_part(payload) != _shares_part(sent):
+                return self.generation, payload
+            sent_generation = self.generation
+
+
+class Rebalancer:
+    """Leader only: turns demand into shares, about once an interval."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        catalog: Catalog,
+        publisher: Publisher,
+        fence: Callable[[], Fence | None],
+        interval: float,
+    ) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._publisher = publisher
+        self._fence = fence
+        self._interval = interval
+        self._previous: Shares = {}
+        self._written: bytes = b""
+        self.rounds = 0
+
+    async def run(self) -> None:
+        try:
+            kv = await self._store.get(SHARES_KEY)
+            if kv is not None:
+                self._previous, _ = decode_shares(kv.value)
+                self._written = kv.value
+        except (StoreUnavailable, ValueError) as exc:
+            log.info("starting quotas from scratch: %s", exc)
+        while True:
+            try:
+                await self.round()
+            except (StoreUnavailable, Unavailable) as exc:
+                log.warning("quota rebalance skipped: %s", exc)
+            except Conflict:
+                log.warning("quota shares not written: no longer the leader")
+                return
+            await asyncio.sleep(self._interval)
+
+    async def round(self) -> None:
+        latest = self._publisher.latest
+        if latest is None:
+            return
+        limits = limits_of_table(latest.table)
+        proxies = sorted(await self._catalog.proxy_names())
+        listing = await self._store.list(DEMAND_PREFIX)
+        demand: dict[str, dict[str, Demand]] = {}
+        for kv in listing.items:
+            try:
+                body = orjson.loads(kv.value)
+                for proxy, by_scope in body.get("proxies", {}).items():
+                    demand[proxy] = {
+                        scope: Demand(float(v[0]), float(v[1]), int(v[2]))
+                        for scope, v in by_scope.items()
+                    }
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                log.error("ignoring undecodable demand %s: %s", kv.key, exc)
+        shares = compute_shares(limits, proxies, demand, self._previous)
+        # Without limits there is nothing to share: keep the payload constant so
+        # proxies joining and leaving cause no pushes.
+        default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
+        payload = encode_shares(shares, default)
+        self.rounds += 1
+        if payload == self._written:
+            return
+        await self._store.put(SHARES_KEY, payload, fence=self._fence())
+        self._previous = shares
+        self._written = payload

@@ -1,0 +1,635 @@
+"""Who is calling: API keys and per-tenant JWTs, checked at the proxy.
+
+Compiled, not interpreted: `Authenticator.build` turns the route table's key
+records and JWT configs into lookup tables once per table (reading JWKS and
+secret files then, so a broken file refuses the table instead of failing
+requests), and `Authenticator.authenticate` is a handful of dictionary look-ups
+and one SHA-256 per request.
+
+Modes:
+
+- **Open** (no key records and no JWT configs, the demo's default, unless
+  built ``closed``): every request is the tenant ``default``, whatever its
+  ``Authorization`` header says (OpenAI SDKs always send one).
+- **Closed** (anything configured): a request needs ``Authorization: Bearer``
+  with a valid Ponto API key, or a JWT that one tenant's config verifies.
+  Revoking a key means the next table no longer lists it.
+
+API keys are checked in constant time with respect to the secret: the record is
+found by the key's *public* id, then the SHA-256 of the presented key is
+compared with `hmac.compare_digest` against the stored hash. An unknown id
+still costs one compare (against a dummy digest), so timing does not tell a
+caller whether a guessed id exists. (Ids are public anyway; it is the secret
+that must not leak through timing.)
+
+JWTs (three dot-separated parts) pick their tenant config by the token's
+*unverified* ``iss`` and are then verified with that config's keys only:
+``alg: none`` is never accepted, the header's ``alg`` must be listed in the
+config *and* match the type of the key selected (by ``kid``), and ``exp``
+(required), ``nbf``, ``aud`` (any configured audience) and ``iss`` are
+checked with the config's leeway against the caller's clock. Successful
+verifications are cached by SHA-256 of the token until ``exp`` + leeway in a
+bounded LRU; failures are not cached.
+
+Concurrency: `authenticate` mutates the JWT cache and is meant to be called
+from one event loop thread (it never awaits, so concurrent requests on that
+loop are safe). An `Authenticator` is immutable apart from that cache; build a
+new one for each route table.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import jwt
+from jwt.types import Options
+
+from ponto.apikeys import KEY_PREFIX, is_key_id, parse_key_id
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "OPEN_PRINCIPAL",
+    "SUPPORTED_JWT_ALGORITHMS",
+    "AuthConfigError",
+    "AuthError",
+    "Authenticator",
+    "JwtConfig",
+    "KeyRecord",
+    "Principal",
+]
+
+DEFAULT_TENANT: Final = "default"
+
+# Deliberately short: each entry is an algorithm family whose key type PyJWK
+# binds (oct -> HS256, RSA -> RS256, EC P-256 -> ES256), so a token can never
+# pick a verification routine the key was not made for.
+SUPPORTED_JWT_ALGORITHMS: Final = frozenset({"HS256", "RS256", "ES256"})
+
+_MIN_HS256_SECRET = 32  # bytes; RFC 7518 section 3.2: at least the hash output size
+_MAX_JWT_LENGTH = 8192  # aiohttp refuses longer header lines anyway
+_MAX_SUBJECT_LENGTH = 256
+# Compact JWS: three base64url parts. Strict, because base64 decoding skips
+# stray characters and would let many strings verify as one token.
+_JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
+_DEFAULT_JWT_CACHE_SIZE = 10_000
+
+# exp/nbf/iat are checked here, against the caller's clock, rather than by
+# PyJWT (which reads the wall clock itself): the core reads no clock, and tests
+# stay deterministic.
+_DECODE_OPTIONS: Final[Options] = {
+    "verify_signature": True,
+    "verify_aud": True,
+    "verify_iss": True,
+    "verify_exp": False,
+    "verify_nbf": False,
+    "verify_iat": False,
+    "require": ["exp", "iss", "aud"],
+    "enforce_minimum_key_length": True,
+}
+# For a config that lists no audience (see JwtConfig).
+_DECODE_OPTIONS_ANY_AUD: Final[Options] = {
+    **_DECODE_OPTIONS,
+    "verify_aud": False,
+    "require": ["exp", "iss"],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """One API key as the route table carries it: never the key itself.
+
+    `key_hash` is `ponto.apikeys.hash_key` of the key (64 hex characters).
+    """
+
+    key_id: str
+    key_hash: str
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class JwtConfig:
+    """How one tenant's JWTs are verified. Read once, at `Authenticator.build`.
+
+    Keys come from `jwks_file` (a JSON Web Key Set; public keys, or ``oct``
+    keys for HS256) and/or one HS256 secret from `hs256_secret_file` or
+    `hs256_secret_env` (not both; surrounding whitespace is stripped; at least
+    32 bytes). Secrets are named here, never stored here.
+
+    `issuer` selects this config (one config per issuer) and must equal the
+    token's ``iss``; the token's ``aud`` must name one of `audiences`. An empty
+    `audiences` leaves ``aud`` unchecked (the route table's contract allows
+    it), which accepts any token of that issuer, including ones minted for
+    other services: configure an audience wherever the issuer is shared.
+    `leeway_s` is the clock skew allowed on ``exp`` and
+    ``nbf``. The claim named by `key_id_claim` identifies the caller within
+    the tenant (for rate limits and logs).
+    """
+
+    tenant: str
+    issuer: str
+    audiences: tuple[str, ...]
+    algorithms: tuple[str, ...]
+    jwks_file: str | None = None
+    hs256_secret_file: str | None = None
+    hs256_secret_env: str | None = None
+    leeway_s: float = 0.0
+    key_id_claim: str = "sub"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The authenticated caller.
+
+    `scopes` are the rate-limit scopes that apply, computed once per key (not
+    per request): ``t/<tenant>`` and ``k/<key_id>``. Key ids:
+
+    - API key: its public id (10 base32 characters).
+    - JWT: ``jwt:<tenant>:<subject>``. A subject is only unique within its
+      issuer, so the tenant is part of the id (tenant names cannot contain
+      ``:``, which keeps the id unambiguous); the ``jwt:`` prefix cannot clash
+      with an API key id (no ``:`` in base32).
+    - Open mode: ``""``, and the only scope is ``t/default``.
+    """
+
+    tenant: str
+    key_id: str
+    scopes: tuple[str, ...]
+
+
+OPEN_PRINCIPAL: Final = Principal(DEFAULT_TENANT, "", (f"t/{DEFAULT_TENANT}",))
+
+
+class AuthError(Exception):
+    """A request that may not pass: always 401. `message` is safe to show the
+    client (it never contains the presented credential).
+
+    Codes: ``missing_api_key``, ``invalid_api_key`` (malformed header, unknown
+    or revoked key), ``invalid_token`` (JWT signature, algorithm, key,
+    issuer, audience, ``nbf`` or claims), ``expired_token``.
+    """
+
+    status: Final = 401
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @property
+    def www_authenticate(self) -> str:
+        """A ``WWW-Authenticate`` value for the 401 (RFC 6750 section 3)."""
+        if self.code == "missing_api_key":
+            return 'Bearer realm="ponto"'
+        return 'Bearer realm="ponto", error="invalid_token"'
+
+
+class AuthConfigError(ValueError):
+    """Keys or JWT configs that cannot be used: the proxy refuses (NACKs) the
+    route table and keeps its previous one. The message names the tenant and
+    file or variable, never secret material."""
+
+
+def _missing() -> AuthError:
+    return AuthError(
+        "missing_api_key",
+        "You didn't provide an API key. Send it in the Authorization header: "
+        "'Authorization: Bearer YOUR_KEY'.",
+    )
+
+
+def _malformed_header() -> AuthError:
+    return AuthError(
+        "invalid_api_key",
+        "Malformed Authorization header: expected 'Bearer YOUR_KEY'.",
+    )
+
+
+def _bad_key() -> AuthError:
+    return AuthError("invalid_api_key", "Incorrect API key provided.")
+
+
+def _bad_token(reason: str) -> AuthError:
+    return AuthError("invalid_token", f"Invalid token: {reason}.")
+
+
+def _read_bytes(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+# The hot path uses the key's bytes, found by id: (expected digest, principal).
+# The dummy entry stands in for unknown ids; its principal is None.
+_KeyEntry = tuple[bytes, Principal | None]
+
+
+class Authenticator:
+    """API-key and JWT authentication for one route table. Build with `build`."""
+
+    __slots__ = ("_cache", "_cache_size", "_dummy", "_is_open", "_keys", "_verifiers")
+
+    def __init__(
+        self,
+        keys: dict[str, _KeyEntry],
+        verifiers: dict[str, _JwtVerifier],
+        *,
+        closed: bool,
+        jwt_cache_size: int,
+    ) -> None:
+        """Internal: use `Authenticator.build`."""
+        self._keys = keys
+        self._verifiers = verifiers
+        self._is_open = not closed and not keys and not verifiers
+        # A random digest no key can hash to; see "constant time" above.
+        self._dummy: _KeyEntry = (secrets.token_bytes(32), None)
+        self._cache: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
+        self._cache_size = jwt_cache_size
+
+    @classmethod
+    def build(
+        cls,
+        keys: Iterable[KeyRecord],
+        jwts: Iterable[JwtConfig],
+        *,
+        read_file: Callable[[str], bytes] = _read_bytes,
+        environ: Mapping[str, str] | None = None,
+        closed: bool = False,
+        jwt_cache_size: int = _DEFAULT_JWT_CACHE_SIZE,
+    ) -> Authenticator:
+        """Compile key records and JWT configs; read JWKS and secret files now.
+
+        With nothing configured the result is open, unless `closed`: pass it
+        when the fleet has had keys and all were revoked, so that revoking the
+        last key refuses everyone instead of opening the proxy.
+
+        `environ` defaults to ``os.environ``. Raises `AuthConfigError` for a
+        malformed or duplicate record, a duplicate issuer, an unsupported
+        algorithm (``none`` included), or a missing, unreadable or broken JWKS
+        or secret. Blocking file I/O: call it where the table is applied, not
+        per request.
+        """
+        env = os.environ if environ is None else environ
+        entries: dict[str, _KeyEntry] = {}
+        tenant_scopes: dict[str, str] = {}
+        for record in keys:
+            if not is_key_id(record.key_id):
+                raise AuthConfigError(f"API key id {record.key_id!r} is malformed")
+            if record.key_id in entries:
+                raise AuthConfigError(f"API key id {record.key_id!r} is listed twice")
+            digest = _parse_key_hash(record)
+            if not record.tenant:
+                raise AuthConfigError(f"API key {record.key_id!r} has no tenant")
+            # One tenant-scope string per tenant, shared by all its principals.
+            tscope = tenant_scopes.setdefault(record.tenant, f"t/{record.tenant}")
+            principal = Principal(record.tenant, record.key_id, (tscope, f"k/{record.key_id}"))
+            entries[record.key_id] = (digest, principal)
+
+        verifiers: dict[str, _JwtVerifier] = {}
+        for config in jwts:
+            verifier = _JwtVerifier.build(config, read_file, env)
+            if config.issuer in verifiers:
+                raise AuthConfigError(
+                    f"JWT issuer {config.issuer!r} is configured twice "
+                    f"(tenants {verifiers[config.issuer].config.tenant!r} and "
+                    f"{config.tenant!r}); the issuer selects the tenant, so it must be unique"
+                )
+            verifiers[config.issuer] = verifier
+        if jwt_cache_size < 1:
+            raise AuthConfigError("jwt_cache_size must be at least 1")
+        return cls(entries, verifiers, closed=closed, jwt_cache_size=jwt_cache_size)
+
+    @property
+    def open(self) -> bool:
+        """True when nothing is configured: every request is `OPEN_PRINCIPAL`."""
+        return self._is_open
+
+    def authenticate(self, authorization_header: str | None, now: float) -> Principal:
+        """The caller named by an ``Authorization`` header value, or `AuthError`.
+
+        `now` is Unix time (``time.time()``), used for JWT ``exp``/``nbf`` and
+        the JWT cache. The scheme ``Bearer`` is matched case-insensitively;
+        otherwise the header must be exactly ``<scheme> <token>`` (one space,
+        no other whitespace). Never awaits and does no I/O.
+        """
+        if self._is_open:
+            return OPEN_PRINCIPAL
+        if not authorization_header:
+            raise _missing()
+        scheme, sep, token = authorization_header.partition(" ")
+        if not sep or len(scheme) != 6 or scheme.lower() != "bearer" or not token or " " in token:
+            raise _malformed_header()
+        # The token's characters are checked by the path it takes (the key's
+        # alphabet; the JWT grammar before verification), not here: a
+        # per-character scan of a 1 kB JWT would cost more than the cache hit.
+        if token.startswith(KEY_PREFIX):
+            return self._api_key(token)
+        if self._verifiers:
+            return self._jwt(token, now)
+        raise _bad_key()
+
+    def _api_key(self, token: str) -> Principal:
+        key_id = parse_key_id(token)
+        if key_id is None:
+            raise _bad_key()
+        # parse_key_id accepted only ASCII characters.
+        digest = hashlib.sha256(token.encode("ascii")).digest()
+        expected, principal = self._keys.get(key_id, self._dummy)
+        # Compare first, decide after: an unknown id costs the same compare.
+        if not hmac.compare_digest(digest, expected) or principal is None:
+            raise _bad_key()
+        return principal
+
+    def _jwt(self, token: str, now: float) -> Principal:
+        if len(token) > _MAX_JWT_LENGTH:
+            raise _bad_token("too long")
+        # Cached by hash: bounded memory per entry and no tokens held in memory.
+        token_hash = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        cached = self._cache.get(token_hash)
+        if cached is not None:
+            principal, valid_until = cached
+            if now < valid_until:
+                self._cache.move_to_end(token_hash)
+                return principal
+            del self._cache[token_hash]
+        # Only strings that passed this check are ever cached, so a hit
+        # implies it too.
+        if _JWT_SHAPE.fullmatch(token) is None:
+            raise _bad_key() if token.count(".") != 2 else _bad_token("not a well-formed JWT")
+        principal, valid_until = self._verify_jwt(token, now)
+        self._cache[token_hash] = (principal, valid_until)
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return principal
+
+    def _verify_jwt(self, token: str, now: float) -> tuple[Principal, float]:
+        try:
+            header = jwt.get_unverified_header(token)
+            unverified = jwt.decode(token, options={"verify_signature": False})
+        except jwt.PyJWTError:
+            raise _bad_token("not a well-formed JWT") from None
+        issuer = unverified.get("iss")
+        verifier = self._verifiers.get(issuer) if isinstance(issuer, str) else None
+        if verifier is None:
+            raise _bad_token("issuer not accepted")
+        return verifier.verify(token, header, now)
+
+
+def _parse_key_hash(record: KeyRecord) -> bytes:
+    h = record.key_hash
+    if len(h) != 64:
+        raise AuthConfigError(f"API key {record.key_id!r}: hash is not a SHA-256 hex digest")
+    try:
+        return bytes.fromhex(h)
+    except ValueError:
+        raise AuthConfigError(
+            f"API key {record.key_id!r}: hash is not a SHA-256 hex digest"
+        ) from None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class _JwtVerifier:
+    """One tenant's compiled JWT config: its keys by ``kid`` and, for tokens
+    without a ``kid``, by algorithm."""
+
+    __slots__ = (
+        "audiences",
+        "by_kid",
+        "config",
+        "leeway",
+        "options",
+        "tenant_scope",
+        "unnamed",
+    )
+
+    def __init__(
+        self,
+        config: JwtConfig,
+        by_kid: dict[str, jwt.PyJWK],
+        unnamed: dict[str, list[jwt.PyJWK]],
+    ) -> None:
+        self.config = config
+        self.by_kid = by_kid
+        self.unnamed = unnamed
+        self.audiences = list(config.audiences) or None
+        self.options = _DECODE_OPTIONS if config.audiences else _DECODE_OPTIONS_ANY_AUD
+        self.leeway = float(config.leeway_s)
+        self.tenant_scope = f"t/{config.tenant}"
+
+    @classmethod
+    def build(
+        cls,
+        config: JwtConfig,
+        read_file: Callable[[str], bytes],
+        environ: Mapping[str, str],
+    ) -> _JwtVerifier:
+        where = f"JWT config of tenant {config.tenant!r}"
+        if not config.tenant or ":" in config.tenant:
+            raise AuthConfigError(f"{where}: tenant must be non-empty and contain no ':'")
+        if not config.issuer:
+            raise AuthConfigError(f"{where}: issuer is required")
+        if not all(config.audiences):
+            raise AuthConfigError(f"{where}: an audience is empty")
+        if not config.algorithms:
+            raise AuthConfigError(f"{where}: no algorithms listed")
+        for alg in config.algorithms:
+            if alg.lower() == "none":
+                raise AuthConfigError(f"{where}: algorithm 'none' is never accepted")
+            if alg not in SUPPORTED_JWT_ALGORITHMS:
+                raise AuthConfigError(
+                    f"{where}: algorithm {alg!r} is not supported "
+                    f"(supported: {', '.join(sorted(SUPPORTED_JWT_ALGORITHMS))})"
+                )
+        if not math.isfinite(config.leeway_s) or config.leeway_s < 0:
+            raise AuthConfigError(f"{where}: leeway_s must be a finite number >= 0")
+        if not config.key_id_claim:
+            raise AuthConfigError(f"{where}: key_id_claim must name a claim")
+
+        by_kid: dict[str, jwt.PyJWK] = {}
+        unnamed: dict[str, list[jwt.PyJWK]] = {}
+        secret = _hs256_secret(config, where, read_file, environ)
+        if secret is not None:
+            if "HS256" not in config.algorithms:
+                raise AuthConfigError(f"{where}: an HS256 secret is set but HS256 is not listed")
+            key = _pyjwk({"kty": "oct", "k": _b64url(secret)}, "HS256", f"{where}: HS256 secret")
+            unnamed.setdefault("HS256", []).append(key)
+        if config.jwks_file is not None:
+            _load_jwks(config, where, read_file, by_kid, unnamed)
+        if not by_kid and not unnamed:
+            raise AuthConfigError(
+                f"{where}: no usable verification key (set jwks_file or an HS256 secret, "
+                "with keys for the listed algorithms)"
+            )
+        return cls(config, by_kid, unnamed)
+
+    def verify(self, token: str, header: dict[str, Any], now: float) -> tuple[Principal, float]:
+        """Verify `token` with this config only; (principal, valid until)."""
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg not in self.config.algorithms:
+            raise _bad_token("algorithm not accepted")
+        key = self._select_key(header, alg)
+        try:
+            claims = jwt.decode(
+                token,
+                key=key,
+                algorithms=[alg],
+                audience=self.audiences,
+                issuer=self.config.issuer,
+                options=self.options,
+            )
+        except jwt.InvalidAudienceError:
+            raise _bad_token("audience not accepted") from None
+        except jwt.InvalidIssuerError:
+            raise _bad_token("issuer not accepted") from None
+        except jwt.InvalidAlgorithmError:
+            raise _bad_token("algorithm does not match the key") from None
+        except jwt.MissingRequiredClaimError as e:
+            raise _bad_token(f"the {e.claim!r} claim is required") from None
+        except jwt.PyJWTError:
+            raise _bad_token("signature or format is invalid") from None
+
+        exp = claims["exp"]
+        if not _is_number(exp):
+            raise _bad_token("'exp' must be a number")
+        valid_until = float(exp) + self.leeway
+        if now >= valid_until:
+            raise AuthError("expired_token", "The token has expired.")
+        nbf = claims.get("nbf")
+        if nbf is not None:
+            if not _is_number(nbf):
+                raise _bad_token("'nbf' must be a number")
+            if now + self.leeway < nbf:
+                raise _bad_token("not valid yet ('nbf')")
+        subject = claims.get(self.config.key_id_claim)
+        if not isinstance(subject, str) or not 0 < len(subject) <= _MAX_SUBJECT_LENGTH:
+            raise _bad_token(
+                f"the {self.config.key_id_claim!r} claim must be a string of 1 to "
+                f"{_MAX_SUBJECT_LENGTH} characters"
+            )
+        key_id = f"jwt:{self.config.tenant}:{subject}"
+        principal = Principal(self.config.tenant, key_id, (self.tenant_scope, f"k/{key_id}"))
+        return principal, valid_until
+
+    def _select_key(self, header: dict[str, Any], alg: str) -> jwt.PyJWK:
+        # One key per token, never "try them all": a kid names its key; a
+        # token without a (known) kid needs exactly one unnamed key for its
+        # alg. The key's own algorithm is then enforced by PyJWT (PyJWK binds
+        # it), which is what stops HS256-with-the-RSA-public-key confusion.
+        kid = header.get("kid")
+        if kid is not None and not isinstance(kid, str):
+            raise _bad_token("'kid' must be a string")
+        if kid is not None:
+            key = self.by_kid.get(kid)
+            if key is not None:
+                return key
+        candidates = self.unnamed.get(alg, ())
+        if len(candidates) == 1:
+            return candidates[0]
+        if kid is None:
+            raise _bad_token("no 'kid', and no single key for its algorithm")
+        raise _bad_token("unknown 'kid'")
+
+
+def _hs256_secret(
+    config: JwtConfig,
+    where: str,
+    read_file: Callable[[str], bytes],
+    environ: Mapping[str, str],
+) -> bytes | None:
+    if config.hs256_secret_file is not None and config.hs256_secret_env is not None:
+        raise AuthConfigError(f"{where}: set hs256_secret_file or hs256_secret_env, not both")
+    if config.hs256_secret_file is not None:
+        source = f"HS256 secret file {config.hs256_secret_file!r}"
+        try:
+            secret = read_file(config.hs256_secret_file).strip()
+        except OSError as e:
+            raise AuthConfigError(f"{where}: cannot read {source}: {e.strerror}") from None
+    elif config.hs256_secret_env is not None:
+        source = f"HS256 secret variable {config.hs256_secret_env!r}"
+        value = environ.get(config.hs256_secret_env)
+        if value is None:
+            raise AuthConfigError(f"{where}: {source} is not set")
+        secret = value.strip().encode("utf-8", "surrogateescape")
+    else:
+        return None
+    if len(secret) < _MIN_HS256_SECRET:
+        raise AuthConfigError(
+            f"{where}: {source} is shorter than {_MIN_HS256_SECRET} bytes (RFC 7518 section 3.2)"
+        )
+    return secret
+
+
+def _load_jwks(
+    config: JwtConfig,
+    where: str,
+    read_file: Callable[[str], bytes],
+    by_kid: dict[str, jwt.PyJWK],
+    unnamed: dict[str, list[jwt.PyJWK]],
+) -> None:
+    assert config.jwks_file is not None
+    where = f"{where}: JWKS file {config.jwks_file!r}"
+    try:
+        raw = read_file(config.jwks_file)
+    except OSError as e:
+        raise AuthConfigError(f"{where}: cannot read: {e.strerror}") from None
+    try:
+        document = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        # JSONDecodeError's message gives a position, never content.
+        raise AuthConfigError(f"{where}: not JSON ({e})") from None
+    keys = document.get("keys") if isinstance(document, dict) else None
+    if not isinstance(keys, list):
+        raise AuthConfigError(f'{where}: expected an object with a "keys" list')
+    for index, jwk_data in enumerate(keys):
+        if not isinstance(jwk_data, dict):
+            raise AuthConfigError(f"{where}: key #{index} is not an object")
+        kid = jwk_data.get("kid")
+        label = f"{where}: key #{index} (kid={kid!r}, kty={jwk_data.get('kty')!r})"
+        if kid is not None and not isinstance(kid, str):
+            raise AuthConfigError(f"{label}: 'kid' must be a string")
+        if jwk_data.get("use", "sig") != "sig":
+            continue  # an encryption key published alongside; not ours to use
+        if jwk_data.get("kty") != "oct" and "d" in jwk_data:
+            raise AuthConfigError(f"{label}: holds private key material; publish public keys only")
+        declared = jwk_data.get("alg")
+        if declared is not None and declared not in SUPPORTED_JWT_ALGORITHMS:
+            continue  # e.g. a PS256 key for some other consumer of the same set
+        key = _pyjwk(jwk_data, None, label)
+        if key.algorithm_name not in config.algorithms:
+            continue
+        if kid is None:
+            unnamed.setdefault(key.algorithm_name, []).append(key)
+        elif kid in by_kid:
+            raise AuthConfigError(f"{label}: kid is used twice")
+        else:
+            by_kid[kid] = key
+
+
+def _pyjwk(data: dict[str, Any], algorithm: str | None, label: str) -> jwt.PyJWK:
+    """A PyJWK checked now as it will be used later (curve, minimum size)."""
+    try:
+        key = jwt.PyJWK(data, algorithm)
+        prepared = key.Algorithm.prepare_key(key.key)
+        too_short = key.Algorithm.check_key_length(prepared)
+    except (jwt.PyJWTError, ValueError, TypeError, KeyError) as e:
+        # The exception text may quote the JWK (for oct keys, the secret).
+        raise AuthConfigError(f"{label}: not a usable key ({type(e).__name__})") from None
+    if too_short:
+        raise AuthConfigError(f"{label}: key is too short for its algorithm")
+    return key
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")

@@ -1,0 +1,322 @@
+"""Coalescing identical concurrent cache misses into one origin call (singleflight).
+
+The first request to miss on a key becomes the flight's `Leader`: it calls the
+origin, publishes every chunk of bytes it relays to its own client, and finally
+the outcome. Requests that miss on the same key while the flight is in the air
+become `Follower`s: a streaming follower iterates the same chunks from the
+beginning (a late joiner first gets the ones already buffered, then the live
+ones); a non-streaming follower awaits `result()`.
+
+Outcomes, as the leader reports them with `finish(entry, error)`:
+
+- `error` set (origin failure, cut stream, leader cancelled): iteration and
+  `result()` raise `FlightFailed`; `delivered` says how many bytes that follower
+  had already been given. With nothing delivered the caller makes its own origin
+  call; otherwise it ends its stream as a relay cut ends one.
+- no error: iteration ends normally (the follower has every chunk);
+  `result()` returns `entry`, or raises `FlightFailed` when the leader had no
+  entry to give (a non-streamed answer that is not cacheable, a stream too large
+  to record), so that a follower with nothing yet makes its own call.
+
+Memory: a flight buffers its chunks so late joiners can start from the first.
+Past `max_buffer_bytes` it stops taking joiners (they start a new flight of
+their own), drops the chunks every follower already has, and fails any follower
+that lags further behind than the bound: the leader never waits for followers.
+
+`CacheTap` joins this to the relay: it feeds a `StreamRecorder` and the leader
+with every chunk the relay passes to the leader's client.
+
+Everything runs on one event loop; nothing here is thread-safe. The leader never
+blocks; followers wait on an asyncio.Event that is set and replaced at each
+change (no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from types import TracebackType
+
+from dataplane.cache.entry import CachedResponse, StreamRecorder
+
+
+class FlightFailed(Exception):
+    """The flight a follower joined cannot answer it (see the module docstring)."""
+
+    def __init__(self, reason: str, *, delivered: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        # Bytes this follower had yielded before the failure.
+        self.delivered = delivered
+
+
+class LeaderGone(Exception):
+    """The leader left its `with` block without reporting an outcome."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoalescerStats:
+    flights: int = 0  # leaders registered
+    followers: int = 0  # requests that joined a flight instead of calling the origin
+    overflows: int = 0  # flights that outgrew the buffer and stopped taking joiners
+    lagged: int = 0  # followers failed for falling too far behind
+    in_flight: int = 0
+
+
+class _Flight:
+    __slots__ = (
+        "base",
+        "buffered",
+        "changed",
+        "chunks",
+        "done",
+        "entry",
+        "error",
+        "joinable",
+        "key",
+        "lagged",
+        "positions",
+    )
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.chunks: list[bytes] = []
+        # Index (since the first chunk) of chunks[0]; > 0 once trimmed.
+        self.base = 0
+        self.buffered = 0
+        self.joinable = True
+        self.done = False
+        self.entry: CachedResponse | None = None
+        self.error: BaseException | None = None
+        self.changed = asyncio.Event()
+        # Follower id -> index of the next chunk it will take. Only followers
+        # that may still iterate are here; they hold back trimming.
+        self.positions: dict[int, int] = {}
+        self.lagged: set[int] = set()
+
+    def wake(self) -> None:
+        # Waiters hold the old event; a fresh one is for the next change.
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class Coalescer:
+    """Flights by cache key. One per proxy process, owned by the app.
+
+    `join` must be called right after an exact-cache miss, with no await in
+    between, and the leader must store its entry before calling `finish`: then a
+    request either finds the entry, or finds the flight, or starts one.
+    """
+
+    def __init__(self, *, max_buffer_bytes: int = 4 << 20) -> None:
+        if max_buffer_bytes <= 0:
+            raise ValueError(f"max_buffer_bytes must be positive, not {max_buffer_bytes}")
+        self.max_buffer_bytes = max_buffer_bytes
+        self._flights: dict[str, _Flight] = {}
+        self._ids = itertools.count()
+        self._flights_started = self._followers = self._overflows = self._lagged = 0
+
+    def join(self, key: str) -> Leader | Follower:
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = self._flights[key] = _Flight(key)
+            self._flights_started += 1
+            return Leader(self, flight)
+        self._followers += 1
+        return Follower(flight, next(self._ids))
+
+    @property
+    def stats(self) -> CoalescerStats:
+        return CoalescerStats(
+            flights=self._flights_started,
+            followers=self._followers,
+            overflows=self._overflows,
+            lagged=self._lagged,
+            in_flight=len(self._flights),
+        )
+
+    def _release(self, flight: _Flight) -> None:
+        if self._flights.get(flight.key) is flight:
+            del self._flights[flight.key]
+
+    def _publish(self, flight: _Flight, data: bytes) -> None:
+        flight.chunks.append(data)
+        flight.buffered += len(data)
+        if flight.buffered > self.max_buffer_bytes:
+            if flight.joinable:
+                flight.joinable = False
+                self._overflows += 1
+                self._release(flight)
+            self._trim(flight)
+        flight.wake()
+
+    def _trim(self, flight: _Flight) -> None:
+        """Drop chunks every follower has; fail the slowest while still over."""
+        while True:
+            keep_from = min(flight.positions.values(), default=flight.base + len(flight.chunks))
+            drop = keep_from - flight.base
+            if drop > 0:
+                flight.buffered -= sum(len(c) for c in flight.chunks[:drop])
+                del flight.chunks[:drop]
+                flight.base = keep_from
+            if flight.buffered <= self.max_buffer_bytes or not flight.positions:
+                return
+            slowest = min(flight.positions, key=flight.positions.__getitem__)
+            del flight.positions[slowest]
+            flight.lagged.add(slowest)
+            self._lagged += 1
+
+
+class Leader:
+    """The request that calls the origin for a flight. Owned by that request's task.
+
+    Use it as a context manager: leaving the block without `finish` (an
+    exception, a cancellation when the client disconnects) reports a failure, so
+    followers never wait for an outcome that will not come.
+    """
+
+    def __init__(self, coalescer: Coalescer, flight: _Flight) -> None:
+        self._coalescer = coalescer
+        self._flight = flight
+
+    @property
+    def key(self) -> str:
+        return self._flight.key
+
+    @property
+    def finished(self) -> bool:
+        return self._flight.done
+
+    def chunk(self, data: bytes) -> None:
+        """Publish bytes exactly as relayed to the leader's own client. Never blocks."""
+        if self._flight.done:
+            raise RuntimeError("chunk() after finish()")
+        if data:
+            self._coalescer._publish(self._flight, data)
+
+    def finish(self, entry: CachedResponse | None, error: BaseException | None = None) -> None:
+        """Report the outcome; see the module docstring. Later calls are ignored."""
+        flight = self._flight
+        if flight.done:
+            return
+        flight.done = True
+        flight.entry = entry if error is None else None
+        flight.error = error
+        self._coalescer._release(flight)
+        flight.wake()
+
+    def __enter__(self) -> Leader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._flight.done:
+            self.finish(None, exc or LeaderGone("the leader ended without an outcome"))
+
+
+class Follower:
+    """A request waiting on another's origin call. Owned by that request's task.
+
+    Either iterate it (`async for chunk in follower`, streaming requests) and
+    then, if nothing came (the leader did not stream), await `result()`; or only
+    await `result()` (non-streaming requests). Use it as a context manager, or
+    call `close()`, so a follower whose client has gone stops holding chunks in
+    the buffer.
+    """
+
+    def __init__(self, flight: _Flight, ident: int) -> None:
+        self._flight = flight
+        self._id = ident
+        self._next = 0
+        self.delivered = 0
+        flight.positions[ident] = 0
+
+    def __aiter__(self) -> Follower:
+        return self
+
+    async def __anext__(self) -> bytes:
+        flight = self._flight
+        while True:
+            if self._id in flight.lagged:
+                self.close()
+                raise FlightFailed("fell too far behind the leader", delivered=self.delivered)
+            if self._id not in flight.positions and not flight.done:
+                raise RuntimeError("iterating a follower after close() or result()")
+            at = self._next - flight.base
+            if at < 0:
+                raise FlightFailed("its chunks were already dropped", delivered=self.delivered)
+            if at < len(flight.chunks):
+                data = flight.chunks[at]
+                self._next += 1
+                flight.positions[self._id] = self._next
+                self.delivered += len(data)
+                return data
+            if flight.done:
+                self.close()
+                if flight.error is not None:
+                    raise FlightFailed(_describe(flight.error), delivered=self.delivered)
+                raise StopAsyncIteration
+            await flight.changed.wait()
+
+    async def result(self) -> CachedResponse:
+        """The leader's entry once it has finished; raises FlightFailed when there
+        is none. Ends this follower's interest in chunks."""
+        flight = self._flight
+        self.close()
+        while not flight.done:
+            await flight.changed.wait()
+        if flight.entry is None:
+            reason = _describe(flight.error) if flight.error else "the answer was not kept"
+            raise FlightFailed(reason, delivered=self.delivered)
+        return flight.entry
+
+    def close(self) -> None:
+        self._flight.positions.pop(self._id, None)
+        self._flight.lagged.discard(self._id)
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, asyncio.CancelledError):
+        return "the leading request was cancelled"
+    return f"the leading request failed: {type(error).__name__}: {error}"
+
+
+class CacheTap:
+    """A stream tap (dataplane.upstream.StreamTap) for a cacheable streamed miss:
+    records the relayed bytes and publishes them to the flight as they pass.
+
+    One per relay, owned by the handler's task. `end` only notes how the relay
+    ended; the handler judges and stores afterwards (storing may suspend, a tap
+    may not): `entry = tap.recorder.finish(now=...) if tap.complete else None`.
+    """
+
+    __slots__ = ("complete", "leader", "recorder")
+
+    def __init__(self, recorder: StreamRecorder, leader: Leader | None = None) -> None:
+        self.recorder = recorder
+        self.leader = leader
+        self.complete = False
+
+    def feed(self, chunk: bytes) -> None:
+        self.recorder.feed(chunk)
+        if self.leader is not None:
+            self.leader.chunk(chunk)
+
+    def end(self, complete: bool) -> None:
+        self.complete = complete

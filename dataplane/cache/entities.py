@@ -1,0 +1,219 @@
+"""Entity signatures: what two texts must agree on before they may share an answer.
+
+Embeddings blur exactly the parts of a question that decide its answer: MiniLM
+scores "cancel purchase 732201349959" against "cancel purchase 113542617735902" at
+0.96, "book a table for Anna" against "... for David" above most thresholds. So a
+semantic hit also requires `entities_match` of the two texts' signatures.
+
+A signature (`extract`) has two parts:
+
+- `strict`: canonical values that must be equal as sets on both sides. Numbers
+  (thousands separators, spaces and dashes between digit groups dropped, so
+  "1,000" == "1000" and "4111 1111 1111" == "4111-1111-1111"; decimals, times and
+  slashes kept: "1.5" != "15", "10:30" != "1030"), ordinals ("3rd" == "3"), number
+  words from two to ninety ("for two" == "for 2"), codes mixing letters and digits
+  ("ABC-123" == "abc123"), times of day ("7pm" == "7:00 p.m."), dates with month names ("Jan 5th" == "5 January"),
+  emails, URLs, @handles, quoted strings (exact case), currency symbols and tokens
+  like C++ or C#.
+- `names`: words written with a capital letter that do not start a sentence
+  ("Anna", "Platinum", "iPhone", "USA"). A name of one text must occur, in any case,
+  among the words of the other: "Paris flights" and "flights to Paris" agree,
+  "flights to Paris" and "flights to London" do not. Sentence-initial words are not
+  names (they are capitalised anyway); a text written mostly in capitals has no names.
+
+Limits, on purpose: a regex cannot see a lower-case name ("flights to paris" vs
+"... london") or a spelled-out number other than the ones listed; those are left to
+the embedding threshold. Differences in format of one value ("2024-01-05" vs
+"January 5, 2024", "$5" vs "5 dollars") block a hit: a missed hit costs one origin
+call, a wrong one a wrong answer.
+
+Pure, cheap (regexes over the text; tens of microseconds for a short query) and
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+__all__ = ["Entities", "entities_match", "extract"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entities:
+    """The entity signature of one text (see the module doc)."""
+
+    strict: frozenset[str]
+    names: frozenset[str]
+    words: frozenset[str]
+
+    def matches(self, other: Entities) -> bool:
+        return (
+            self.strict == other.strict
+            and self.names <= other.words
+            and other.names <= self.words
+        )
+
+
+def entities_match(a: Entities | str, b: Entities | str) -> bool:
+    """True when the two texts (or signatures) agree on every entity."""
+    ea = extract(a) if isinstance(a, str) else a
+    eb = extract(b) if isinstance(b, str) else b
+    return ea.matches(eb)
+
+
+_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+
+_URL = re.compile(r"\b(?:https?://|www\.)[^\s<>\"']+", re.IGNORECASE)
+_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+_HANDLE = re.compile(r"(?<![\w@])@(\w{2,})")
+_QUOTED = re.compile(r"\"([^\"\n]{1,200})\"|(?<!\w)'([^'\n]{1,200})'(?!\w)|`([^`\n]{1,200})`")
+_CURRENCY = re.compile(r"[$€£¥₹₽₩¢]")
+_TECH = re.compile(r"(?<![\w+#])([A-Za-z][A-Za-z0-9]*)(\+\+|#)(?![\w+#])")
+# "7pm", "7 pm", "7:00 p.m." are one time of day: 19:00.
+_TIME = re.compile(r"\b(\d{1,2})(?::(\d{2}))?\s?([ap])\.?m\b\.?", re.IGNORECASE)
+
+_MONTHS = {
+    "jan": 1, "january": 1, "feb": 2, "february": 2, "mar": 3, "march": 3,
+    "apr": 4, "april": 4, "may": 5, "jun": 6, "june": 6, "jul": 7, "july": 7,
+    "aug": 8, "august": 8, "sep": 9, "sept": 9, "september": 9, "oct": 10,
+    "october": 10, "nov": 11, "november": 11, "dec": 12, "december": 12,
+}  # fmt: skip
+_MONTH = "|".join(sorted(_MONTHS, key=len, reverse=True))
+_ORD = r"(?:st|nd|rd|th)?"
+# "5 Jan", "5th of January 2024", "Jan 5", "January 5th, 2024", "May 2024". A month
+# name alone is not a date ("you may", "in March" is left to the name check).
+_DATE = re.compile(
+    rf"\b(?:(?P<d1>\d{{1,2}}){_ORD}\s+(?:of\s+)?(?P<m1>{_MONTH})\.?(?:,?\s+(?P<y1>\d{{4}}))?"
+    rf"|(?P<m2>{_MONTH})\.?\s+(?:(?P<d2>\d{{1,2}}){_ORD}\b(?:,?\s+(?P<y2>\d{{4}}))?"
+    rf"|(?P<y3>\d{{4}})))\b",
+    re.IGNORECASE,
+)
+
+_NUMBER_WORDS = {
+    "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
+    "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14,
+    "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19,
+    "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70,
+    "eighty": 80, "ninety": 90,
+}  # fmt: skip
+# "one" is left out on purpose: it is mostly a pronoun ("which one", "one of them").
+
+# Digit groups of 3+ separated by single spaces are one number (cards, phones).
+_SPACED_DIGITS = re.compile(r"(?<=\d{3}) (?=\d{3})")
+# A token: letters/digits, joined by inner separators. Sentence ends are separate.
+_TOKEN = re.compile(r"(?P<tok>[^\W_]+(?:[-_/.:,'][^\W_]+)*)|(?P<end>[.!?;:\n]+)")
+_DIGIT_SEPARATORS = re.compile(r"[-_, ]")
+_ORDINAL = re.compile(r"^(\d+)(?:st|nd|rd|th)$", re.IGNORECASE)
+_CODE_SEPARATORS = re.compile(r"[-_]")
+
+_NOT_NAMES = frozenset({"i", "i'm", "i've", "i'll", "i'd"})
+# A period after these does not end a sentence ("Mr. Smith": Smith is a name).
+_ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "no"}
+)
+
+
+def _has_upper(word: str) -> bool:
+    return any(c.isupper() for c in word)
+
+
+def _strip_possessive(word: str) -> str:
+    return word[:-2] if word.endswith("'s") else word
+
+
+def extract(text: str) -> Entities:
+    """The entity signature of `text`. Pure; never raises for any str."""
+    text = unicodedata.normalize("NFKC", text).translate(_QUOTES)
+    strict: set[str] = set()
+
+    def take(pattern: re.Pattern[str], kind: str, fold: bool) -> None:
+        nonlocal text
+
+        def found(m: re.Match[str]) -> str:
+            value = m.group(0).rstrip(".,;:!?)]}")
+            strict.add(f"{kind}:{value.casefold() if fold else value}")
+            return " "
+
+        text = pattern.sub(found, text)
+
+    take(_URL, "url", fold=False)
+    take(_EMAIL, "email", fold=True)
+    for m in _HANDLE.finditer(text):
+        strict.add(f"handle:{m.group(1).casefold()}")
+    for m in _QUOTED.finditer(text):
+        inner = " ".join((m.group(1) or m.group(2) or m.group(3) or "").split())
+        if inner:
+            strict.add(f"quote:{inner}")
+
+    def tech(m: re.Match[str]) -> str:
+        strict.add(f"tech:{m.group(1).casefold()}{m.group(2)}")
+        return " "
+
+    def time(m: re.Match[str]) -> str:
+        hour = int(m.group(1)) % 12 + (12 if m.group(3).casefold() == "p" else 0)
+        strict.add(f"time:{hour:02d}:{m.group(2) or '00'}")
+        return " "
+
+    text = _TECH.sub(tech, text)
+    text = _TIME.sub(time, text)
+    strict.update(f"cur:{c}" for c in _CURRENCY.findall(text))
+
+    def date(m: re.Match[str]) -> str:
+        month = _MONTHS[(m.group("m1") or m.group("m2")).casefold()]
+        day = m.group("d1") or m.group("d2") or ""
+        year = m.group("y1") or m.group("y2") or m.group("y3") or ""
+        strict.add(f"date:{year}-{month}-{day.lstrip('0')}")
+        return " . " if m.group(0)[-1] == "." else " "
+
+    text = _DATE.sub(date, text)
+    text = _SPACED_DIGITS.sub("", text)
+
+    words: set[str] = set()
+    names: list[str] = []
+    capitals = 0
+    lettered = 0
+    sentence_start = True
+    previous = ""
+    for m in _TOKEN.finditer(text):
+        tok = m.group("tok")
+        if tok is None:
+            # A period after an abbreviation ("Mr.") does not end the sentence.
+            if not (m.group("end") == "." and previous.casefold() in _ABBREVIATIONS):
+                sentence_start = True
+            continue
+        starts = sentence_start
+        sentence_start = False
+        previous = tok
+        if any(c.isdigit() for c in tok):
+            strict.add(_canonical_number_or_code(tok))
+            continue
+        folded = _strip_possessive(tok.casefold())
+        words.add(folded)
+        words.update(re.split(r"[-_/.:,']", folded))
+        if folded in _NUMBER_WORDS:
+            strict.add(f"num:{_NUMBER_WORDS[folded]}")
+        lettered += 1
+        if len(tok) > 1 and tok.isupper():
+            capitals += 1
+        if not starts and _has_upper(tok) and folded not in _NOT_NAMES:
+            names.append(folded)
+    # Text mostly in capitals is shouting, not names.
+    shouting = lettered >= 2 and capitals * 5 >= lettered * 3
+    return Entities(
+        strict=frozenset(strict),
+        names=frozenset() if shouting else frozenset(names),
+        words=frozenset(words),
+    )
+
+
+def _canonical_number_or_code(tok: str) -> str:
+    ordinal = _ORDINAL.match(tok)
+    if ordinal:
+        return f"num:{ordinal.group(1)}"
+    if not any(c.isalpha() for c in tok):
+        # Thousands separators and group separators go; decimals, times and
+        # slashed dates stay, as they change the value.
+        return f"num:{_DIGIT_SEPARATORS.sub('', tok)}"
+    return f"code:{_CODE_SEPARATORS.sub('', tok).casefold()}"

@@ -1,0 +1,632 @@
+"""Cache entries: complete 200 answers, kept either as a JSON body or as the SSE chunks
+an origin streamed, and their conversion to whichever form a request asks for.
+
+- `from_completion` checks and wraps a non-streamed body;
+- `StreamRecorder` is fed a stream's raw bytes as they are relayed and, at the end,
+  says whether they form a complete answer worth keeping;
+- `to_sse_chunks` replays an entry as SSE frames (a stored stream keeps its original
+  chunking; a stored body is cut into several chunks so a replay still streams);
+- `to_completion` gives an entry as a non-streamed body.
+
+Replays keep the original `id` and `created`: a hit can then be traced to the
+answer that filled the entry, and rewriting every chunk on every hit would cost a
+parse and a dump per chunk. The handler marks hits with `x-ponto-cache: hit`.
+
+Everything here is pure and synchronous. An entry is immutable and may be
+replayed by any number of tasks at once; a recorder belongs to one relay.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane import jsonio
+
+# Approximate memory of the Python objects around the payload bytes, so the
+# store's byte bound tracks memory rather than only payload length.
+ENTRY_OVERHEAD = 256
+CHUNK_OVERHEAD = 48
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+# Finish reasons of a complete, natural answer. "eos_token" and "stop_sequence"
+# are what TGI reports for the same. Anything else ("length" unless the tenant
+# allows it, "content_filter", vLLM's "abort", an unknown value) is not kept.
+NATURAL_FINISH = frozenset({"stop", "tool_calls", "function_call", "eos_token", "stop_sequence"})
+
+# Replays of a stored body cut content into pieces of at least this many
+# characters, on whitespace: several chunks, like a real stream, cheaply.
+REPLAY_PIECE_CHARS = 16
+
+
+class ResponseKind(enum.StrEnum):
+    CHAT = "chat"  # chat.completion / chat.completion.chunk
+    TEXT = "text"  # text_completion (legacy completions)
+    EMBEDDINGS = "embeddings"  # object "list" of embeddings
+
+
+@dataclass(frozen=True, slots=True)
+class CachedResponse:
+    """A complete answer that was a 200 from the origin. Exactly one of `body`
+    (a non-streamed JSON body, as sent) or `chunks` (the `data:` payloads of a
+    stream, without framing and without the final [DONE]) is set."""
+
+    kind: ResponseKind
+    # The clock reading (of the clock injected into the caller) when recorded.
+    created_at: float
+    # The model the origin named in its answer.
+    model: str
+    body: bytes | None = None
+    chunks: tuple[bytes, ...] | None = None
+    # Indexes of chunks holding only usage (no choices), sent when the request
+    # asked for stream_options.include_usage; skipped for requests that did not.
+    usage_only: frozenset[int] = frozenset()
+    # Approximate memory held, in bytes.
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if (self.body is None) == (self.chunks is None):
+            raise ValueError("exactly one of body and chunks must be set")
+        if self.chunks is not None:
+            size = ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in self.chunks)
+        else:
+            assert self.body is not None
+            size = ENTRY_OVERHEAD + len(self.body)
+        object.__setattr__(self, "size", size)
+
+    @property
+    def streamed(self) -> bool:
+        return self.chunks is not None
+
+
+def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> str | None:
+    """Why a set of finish reasons must not be kept, or None when it may be."""
+    seen = False
+    for reason in finish_reasons:
+        seen = True
+        if reason is None:
+            return "a choice has no finish_reason"
+        if reason == "length" and store_truncated:
+            continue
+        if reason not in NATURAL_FINISH:
+            return f"finish_reason {reason!r}"
+    return None if seen else "no choices"
+
+
+def from_completion(
+    body: bytes, *, now: float, store_truncated: bool = False, max_bytes: int | None = None
+) -> CachedResponse | None:
+    """Wrap a non-streamed 200 body, or None when it must not be kept: not a JSON
+    object, an error object, an unknown shape, no choices, a choice that did not
+    finish naturally (see `finish_refusal`), or larger than max_bytes. The caller
+    checks the status first: only a 200 may be passed here."""
+    if max_bytes is not None and len(body) + ENTRY_OVERHEAD > max_bytes:
+        return None
+    try:
+        obj = jsonio.loads(body)
+    except jsonio.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("error") is not None:
+        return None
+    kind = _body_kind(obj)
+    if kind is None:
+        return None
+    if kind is not ResponseKind.EMBEDDINGS:
+        choices = obj["choices"]
+        if not all(isinstance(c, dict) for c in choices):
+            return None
+        reasons = (c.get("finish_reason") for c in choices)
+        if finish_refusal(reasons, store_truncated=store_truncated) is not None:
+            return None
+    model = obj.get("model")
+    return CachedResponse(
+        kind=kind, created_at=now, model=model if isinstance(model, str) else "", body=body
+    )
+
+
+def _body_kind(obj: dict[str, Any]) -> ResponseKind | None:
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        first = choices[0] if choices else None
+        if obj.get("object") == "chat.completion" or (
+            isinstance(first, dict) and "message" in first
+        ):
+            return ResponseKind.CHAT
+        if obj.get("object") == "text_completion" or (isinstance(first, dict) and "text" in first):
+            return ResponseKind.TEXT
+        return None
+    if obj.get("object") == "list" and isinstance(obj.get("data"), list):
+        return ResponseKind.EMBEDDINGS
+    return None
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class StreamRecorder:
+    """Records a stream relayed to a client and judges it at the end.
+
+    One per streamed relay; not shared between tasks. The relay calls `feed` with
+    every chunk of bytes as it is sent on (splits may fall anywhere, even inside a
+    line ending), then `finish` once the origin's stream has ended. On a cut
+    stream or a client disconnect the relay simply does not call `finish` (or
+    calls it and gets None, as no [DONE] was seen).
+
+    The parser follows the SSE rules: lines end with CRLF, LF or CR; a blank line
+    ends an event; `data:` lines are joined with newlines; lines starting with ':'
+    are comments; an event whose `event:` field is `error` is an error.
+
+    `finish` gives None when the stream is not a complete, natural answer: no
+    [DONE], an error event or error object, a chunk that is not a JSON object with
+    choices, a choice with no finish_reason, a finish_reason that is not natural
+    (`length` is kept only with store_truncated), or more than max_bytes recorded
+    (recording stops there, so a huge answer costs no memory). `reason` then
+    says why.
+    """
+
+    def __init__(self, *, store_truncated: bool = False, max_bytes: int | None = None) -> None:
+        self._store_truncated = store_truncated
+        self._max_bytes = max_bytes
+        self._buf = bytearray()
+        # How much of _buf is known to hold no line ending.
+        self._scanned = 0
+        self._data: list[bytes] = []
+        self._event = b""
+        self._chunks: list[bytes] = []
+        self._usage_only: set[int] = set()
+        self._size = ENTRY_OVERHEAD
+        self._finish: dict[int, Any] = {}
+        self._kind: ResponseKind | None = None
+        self._model = ""
+        self._done = False
+        self.reason: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.reason is not None or not data:
+            return
+        buf = self._buf
+        buf.extend(data)
+        start = 0
+        search = self._scanned
+        while True:
+            m = _LINE_END.search(buf, search)
+            if m is None:
+                search = len(buf)
+                break
+            if m.end() == len(buf) and m.end() - m.start() == 1 and buf[m.start()] == 0x0D:
+                # A CR at the very end may be the first half of a CRLF.
+                search = m.start()
+                break
+            self._line(bytes(buf[start : m.start()]))
+            start = search = m.end()
+            if self._failed():
+                self._buf.clear()
+                return
+        del buf[:start]
+        self._scanned = search - start
+
+    def finish(self, *, now: float) -> CachedResponse | None:
+        """Judge the stream once it has ended; see the class docstring."""
+        if self.reason is None and self._buf:
+            # Whatever is left is a last line without its ending (a lone CR
+            # included); an event it starts is incomplete.
+            self._line(bytes(self._buf.rstrip(b"\r")))
+            self._buf.clear()
+        if self.reason is None and self._data:
+            if not self._done and b"\n".join(self._data).strip() == b"[DONE]":
+                # Lenient on the last [DONE] without its blank line only.
+                self._done = True
+            else:
+                self.reason = "the stream ended inside an event"
+        if self.reason is None and not self._done:
+            self.reason = "no [DONE]"
+        if self.reason is None and self._kind is None:
+            self.reason = "no chunks"
+        if self.reason is None:
+            self.reason = finish_refusal(
+                self._finish.values(), store_truncated=self._store_truncated
+            )
+        if self.reason is not None:
+            return None
+        assert self._kind is not None
+        return CachedResponse(
+            kind=self._kind,
+            created_at=now,
+            model=self._model,
+            chunks=tuple(self._chunks),
+            usage_only=frozenset(self._usage_only),
+        )
+
+    def _failed(self) -> bool:
+        # A method rather than a test of self.reason inline: mypy would keep the
+        # narrowing from the top of feed() across the calls that may set it.
+        return self.reason is not None
+
+    def _fail(self, reason: str) -> None:
+        self.reason = reason
+        self._chunks.clear()
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            self._dispatch()
+            return
+        if line[0] == 0x3A:  # ':' starts a comment (keep-alives)
+            return
+        name, _, value = line.partition(b":")
+        if value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            self._data.append(value)
+        elif name == b"event":
+            self._event = value
+
+    def _dispatch(self) -> None:
+        data, event = self._data, self._event
+        self._data, self._event = [], b""
+        if event == b"error":
+            self._fail("an error event")
+            return
+        if not data or self._done:
+            return
+        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        if payload.strip() == b"[DONE]":
+            self._done = True
+            return
+        try:
+            obj = jsonio.loads(payload)
+        except jsonio.JSONDecodeError:
+            self._fail("a chunk that is not JSON")
+            return
+        if not isinstance(obj, dict):
+            self._fail("a chunk that is not a JSON object")
+            return
+        if obj.get("error") is not None:
+            self._fail("an error object")
+            return
+        choices = obj.get("choices")
+        if choices is None and obj.get("usage") is not None:
+            choices = []  # a usage chunk from an origin that leaves out empty choices
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            self._fail("a chunk without a list of choices")
+            return
+        if self._kind is None:
+            self._kind = _chunk_kind(obj)
+            if self._kind is None:
+                self._fail("chunks of an unknown kind")
+                return
+            model = obj.get("model")
+            self._model = model if isinstance(model, str) else ""
+        for c in choices:
+            index = c.get("index", 0)
+            if not isinstance(index, int) or isinstance(index, bool):
+                self._fail("a choice whose index is not an integer")
+                return
+            reason = c.get("finish_reason")
+            # Once a choice has finished it stays finished: later chunks (usage,
+            # vLLM's continuous stats) do not reopen it.
+            if reason is not None:
+                self._finish[index] = reason
+            else:
+                self._finish.setdefault(index, None)
+        if len(data) > 1:
+            # Replays frame each payload as one data line.
+            payload = jsonio.dumps(obj)
+        if not choices and obj.get("usage") is not None:
+            self._usage_only.add(len(self._chunks))
+        self._size += len(payload) + CHUNK_OVERHEAD
+        if self._max_bytes is not None and self._size > self._max_bytes:
+            self._fail(f"larger than {self._max_bytes} bytes")
+            return
+        self._chunks.append(payload)
+
+
+def _chunk_kind(obj: dict[str, Any]) -> ResponseKind | None:
+    kind = obj.get("object")
+    if kind == "chat.completion.chunk":
+        return ResponseKind.CHAT
+    if kind == "text_completion":
+        return ResponseKind.TEXT
+    for c in obj.get("choices") or []:
+        if "delta" in c:
+            return ResponseKind.CHAT
+        if "text" in c:
+            return ResponseKind.TEXT
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Replays
+
+
+def _frame(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+_PIECE = re.compile(r"\s*\S+|\s+")
+
+
+def split_text(text: str, target: int = REPLAY_PIECE_CHARS) -> list[str]:
+    """Cut text on whitespace into pieces of at least `target` characters (the
+    last may be shorter); the pieces concatenate to exactly `text`."""
+    pieces: list[str] = []
+    current = ""
+    for m in _PIECE.finditer(text):
+        current += m.group()
+        if len(current) >= target:
+            pieces.append(current)
+            current = ""
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
+    """The SSE frames that answer a streaming request from `entry`, ending with
+    `data: [DONE]`. include_usage is the request's stream_options.include_usage:
+    usage-only chunks are sent only when asked for, because clients that did not
+    ask often read `choices[0]` of every chunk.
+
+    A stored stream replays its own chunks. A stored body becomes, per choice, a
+    role chunk, the content in several pieces (in one piece with its logprobs
+    when it has any), other message fields, each tool call whole, and a finish
+    chunk; then the usage chunk. Raises ValueError for embeddings, which have no
+    streamed form."""
+    if entry.chunks is not None:
+        replay = [
+            _frame(c)
+            for i, c in enumerate(entry.chunks)
+            if include_usage or i not in entry.usage_only
+        ]
+        replay.append(DONE_FRAME)
+        return replay
+    assert entry.body is not None
+    if entry.kind is ResponseKind.EMBEDDINGS:
+        raise ValueError("an embeddings answer cannot be streamed")
+    obj: dict[str, Any] = jsonio.loads(entry.body)
+    chat = entry.kind is ResponseKind.CHAT
+    base: dict[str, Any] = {
+        "id": obj.get("id", ""),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": obj.get("created", 0),
+        "model": obj.get("model", entry.model),
+    }
+    for name in ("system_fingerprint", "service_tier"):
+        if obj.get(name) is not None:
+            base[name] = obj[name]
+    if include_usage:
+        base["usage"] = None  # as OpenAI marks every chunk but the last
+    frames: list[bytes] = []
+
+    def emit(choice: dict[str, Any]) -> None:
+        frames.append(_frame(jsonio.dumps({**base, "choices": [choice]})))
+
+    for choice in obj.get("choices", []):
+        if chat:
+            _replay_chat_choice(choice, emit)
+        else:
+            _replay_text_choice(choice, emit)
+    usage = obj.get("usage")
+    if include_usage and usage is not None:
+        frames.append(_frame(jsonio.dumps({**base, "choices": [], "usage": usage})))
+    frames.append(DONE_FRAME)
+    return frames
+
+
+# Message fields replayed by their own rules; any other field (reasoning_content,
+# annotations, audio, ...) is replayed whole in a delta of its own.
+_MESSAGE_FIELDS = frozenset({"role", "content", "refusal", "tool_calls", "function_call"})
+
+
+_Emit = Callable[[dict[str, Any]], None]
+
+
+def _replay_chat_choice(choice: dict[str, Any], emit: _Emit) -> None:
+    index = choice.get("index", 0)
+    message: dict[str, Any] = choice.get("message") or {}
+    logprobs = choice.get("logprobs")
+
+    def delta(d: dict[str, Any], finish: Any = None, lp: Any = None) -> None:
+        emit({"index": index, "delta": d, "logprobs": lp, "finish_reason": finish})
+
+    content = message.get("content")
+    # An empty string opens a text answer, as OpenAI's first chunk; null a
+    # tool-call-only one, so that a reassembled body keeps content null.
+    delta({"role": message.get("role") or "assistant", "content": "" if content else None})
+    for name, value in message.items():
+        # Before the content, as reasoning models stream their reasoning first.
+        if name not in _MESSAGE_FIELDS and value is not None:
+            delta({name: value})
+    if isinstance(content, str) and content:
+        if logprobs is not None:
+            delta({"content": content}, lp=logprobs)
+            logprobs = None
+        else:
+            for piece in split_text(content):
+                delta({"content": piece})
+    if message.get("refusal"):
+        delta({"refusal": message["refusal"]})
+    if message.get("function_call") is not None:
+        delta({"function_call": message["function_call"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        delta({"tool_calls": [{"index": i, **call}]})
+    delta({}, finish=choice.get("finish_reason"), lp=logprobs)
+
+
+def _replay_text_choice(choice: dict[str, Any], emit: _Emit) -> None:
+    index = choice.get("index", 0)
+    text = choice.get("text") or ""
+    logprobs = choice.get("logprobs")
+
+    def piece(t: str, finish: Any = None, lp: Any = None) -> None:
+        emit({"index": index, "text": t, "logprobs": lp, "finish_reason": finish})
+
+    if logprobs is not None:
+        piece(text, lp=logprobs)
+    else:
+        for p in split_text(text):
+            piece(p)
+    piece("", finish=choice.get("finish_reason"))
+
+
+def to_completion(entry: CachedResponse) -> bytes:
+    """The non-streamed body that answers a request from `entry`.
+
+    A stored body is returned as is. A stored stream is assembled: per choice
+    index, string deltas concatenated (content, refusal, reasoning, ...), list
+    deltas extended, tool calls gathered by index with their argument strings
+    concatenated, the last finish_reason, logprobs lists concatenated; usage from
+    the usage chunk if any; id, created, model and system_fingerprint from the
+    first chunk."""
+    if entry.body is not None:
+        return entry.body
+    assert entry.chunks is not None
+    chat = entry.kind is ResponseKind.CHAT
+    head: dict[str, Any] | None = None
+    usage: Any = None
+    choices: dict[int, _Choice] = {}
+    for payload in entry.chunks:
+        obj: dict[str, Any] = jsonio.loads(payload)
+        if head is None:
+            head = obj
+        if obj.get("usage") is not None:
+            usage = obj["usage"]
+        for c in obj.get("choices", []):
+            acc = choices.get(c.get("index", 0))
+            if acc is None:
+                acc = choices[c.get("index", 0)] = _Choice()
+            acc.add(c, chat=chat)
+    assert head is not None
+    out: dict[str, Any] = {
+        "id": head.get("id", ""),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": head.get("created", 0),
+        "model": head.get("model", entry.model),
+        "choices": [choices[i].build(i, chat=chat) for i in sorted(choices)],
+    }
+    for name in ("system_fingerprint", "service_tier"):
+        if head.get(name) is not None:
+            out[name] = head[name]
+    if usage is not None:
+        out["usage"] = usage
+    return jsonio.dumps(out)
+
+
+class _Choice:
+    """The parts of one choice gathered from stream chunks."""
+
+    def __init__(self) -> None:
+        self.role: Any = None
+        self.strings: dict[str, list[str]] = {}
+        self.lists: dict[str, list[Any]] = {}
+        self.others: dict[str, Any] = {}
+        self.tools: dict[int, dict[str, Any]] = {}
+        self.function_call: dict[str, Any] | None = None
+        self.logprobs: dict[str, Any] | None = None
+        self.finish: Any = None
+
+    def add(self, c: dict[str, Any], *, chat: bool) -> None:
+        if c.get("finish_reason") is not None:
+            self.finish = c["finish_reason"]
+        lp = c.get("logprobs")
+        if isinstance(lp, dict):
+            self._merge_logprobs(lp)
+        if not chat:
+            text = c.get("text")
+            if isinstance(text, str):
+                self.strings.setdefault("text", []).append(text)
+            return
+        delta = c.get("delta")
+        if not isinstance(delta, dict):
+            return
+        for name, value in delta.items():
+            if value is None:
+                continue
+            if name == "role":
+                self.role = value
+            elif name == "tool_calls" and isinstance(value, list):
+                for call in value:
+                    self._add_tool_call(call)
+            elif name == "function_call" and isinstance(value, dict):
+                if self.function_call is None:
+                    self.function_call = {"name": "", "arguments": ""}
+                _extend_call(self.function_call, value)
+            elif isinstance(value, str):
+                self.strings.setdefault(name, []).append(value)
+            elif isinstance(value, list):
+                self.lists.setdefault(name, []).extend(value)
+            else:
+                self.others[name] = value
+
+    def _add_tool_call(self, call: Any) -> None:
+        if not isinstance(call, dict):
+            return
+        index = call.get("index", 0)
+        if not isinstance(index, int):
+            return
+        slot = self.tools.get(index)
+        if slot is None:
+            slot = self.tools[index] = {
+                "id": "",
+                "type": "function",
+                "function": {"name": "", "arguments": ""},
+            }
+        for name in ("id", "type"):
+            if call.get(name) is not None:
+                slot[name] = call[name]
+        function = call.get("function")
+        if isinstance(function, dict):
+            _extend_call(slot["function"], function)
+
+    def _merge_logprobs(self, lp: dict[str, Any]) -> None:
+        if self.logprobs is None:
+            self.logprobs = {}
+        for name, value in lp.items():
+            if isinstance(value, list):
+                have = self.logprobs.get(name)
+                self.logprobs[name] = (have if isinstance(have, list) else []) + value
+            elif value is not None or name not in self.logprobs:
+                self.logprobs[name] = value
+
+    def build(self, index: int, *, chat: bool) -> dict[str, Any]:
+        joined = {name: "".join(parts) for name, parts in self.strings.items()}
+        if not chat:
+            return {
+                "index": index,
+                "text": joined.get("text", ""),
+                "logprobs": self.logprobs,
+                "finish_reason": self.finish,
+            }
+        message: dict[str, Any] = {
+            "role": self.role or "assistant",
+            "content": joined.pop("content", None if self.tools or self.function_call else ""),
+            "refusal": joined.pop("refusal", None),
+        }
+        message.update(joined)
+        message.update(self.lists)
+        message.update(self.others)
+        if self.function_call is not None:
+            message["function_call"] = self.function_call
+        if self.tools:
+            message["tool_calls"] = [self.tools[i] for i in sorted(self.tools)]
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish,
+        }
+
+
+def _extend_call(call: dict[str, Any], part: dict[str, Any]) -> None:
+    """Tool and function calls stream their name once and their arguments in pieces.
+    A name is taken whole (some origins repeat it in every delta), arguments are
+    concatenated."""
+    name = part.get("name")
+    if isinstance(name, str) and name:
+        call["name"] = name
+    arguments = part.get("arguments")
+    if isinstance(arguments, str):
+        call["arguments"] += arguments

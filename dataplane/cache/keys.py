@@ -1,0 +1,250 @@
+"""Canonical cache keys: equal keys if and only if the origin would be asked the same thing.
+
+Pure and synchronous; safe to call from any task. The handler computes one key per
+request after parsing the body and resolving the model alias, before any cache
+lookup or coalescing.
+
+What goes into a key (see `canonical_request`):
+
+- the endpoint, the tenant and the model after aliasing;
+- every body parameter except the few known not to change the content of the
+  answer (`NON_AFFECTING`). Unknown parameters are kept: an origin extension we
+  have never heard of (vLLM's `top_k`, `guided_json`, ...) must split the key;
+- chat messages with the text of their content normalised (NFKC, whitespace
+  collapsed and trimmed); roles, names, tool calls (arguments byte for byte),
+  tool results and non-text parts are kept exactly. Completion prompts and
+  embedding inputs are kept exactly too: a raw prompt's trailing whitespace
+  changes its tokens, and an embedding is of the exact text.
+
+The canonical form is JSON with sorted keys and no whitespace, where a float that
+holds an integer is written as that integer (0 == 0.0, 1 == 1.0, as JSON means
+them) and NaN or infinities are refused. A top-level parameter set to null is
+dropped: in the OpenAI API an explicit null means "use the default", the same as
+omitting it. Defaults themselves are not filled in (temperature absent is not
+temperature 1): defaults differ between origins, and a missed hit is cheap while
+a wrong hit is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import unicodedata
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dataplane import jsonio
+
+# Bumped whenever the canonical form changes, so entries written under the old
+# rules (in a shared store, one day) can never answer under the new ones.
+KEY_VERSION = 1
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+EMBEDDINGS = "embeddings"
+
+# Body parameters that never change the content of the answer. Everything else
+# is part of the key. `stream`/`stream_options` only change the framing (a
+# streamed entry can answer a non-streamed request and the reverse); the rest
+# are billing, abuse-monitoring or provider-side storage hints.
+NON_AFFECTING = frozenset(
+    {
+        "model",  # replaced by the aliased model passed to canonical_request
+        "stream",
+        "stream_options",
+        "user",
+        "safety_identifier",
+        "metadata",
+        "store",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+    }
+)
+
+# Messages whose content is a tool's output: kept byte for byte, because tools
+# return data (JSON, code, tables) where whitespace can carry meaning.
+_EXACT_CONTENT_ROLES = frozenset({"tool", "function"})
+
+# orjson reads integers in [-2**63, 2**64) as int and anything wider as float.
+_INT_MIN = -(2**63)
+_INT_MAX = 2**64 - 1
+
+
+class UncacheableRequest(ValueError):
+    """The body holds a value with no canonical form (NaN, infinity, an integer
+    wider than 64 bits, a non-JSON type). The caller bypasses the cache."""
+
+
+def normalise_text(s: str) -> str:
+    """NFKC, every run of whitespace made one space, trimmed."""
+    if not s.isascii():
+        s = unicodedata.normalize("NFKC", s)
+    # str.split() with no argument splits on runs of Unicode whitespace and
+    # drops empty ends, which is exactly collapse-and-trim.
+    return " ".join(s.split())
+
+
+def canonical_request(
+    endpoint: str,
+    body: Mapping[str, Any],
+    *,
+    tenant: str,
+    model: str,
+    headers: Mapping[str, str] | None = None,
+) -> bytes:
+    """The canonical bytes of a request; see the module docstring for the rules.
+
+    `headers` are the client headers forwarded to the origin that may change
+    the answer (the proxy's configured forward_headers); names are compared
+    case-insensitively, values exactly. Raises UncacheableRequest for values
+    that have no canonical form.
+    """
+    params: dict[str, Any] = {}
+    for name in sorted(body):
+        value = body[name]
+        if name in NON_AFFECTING or value is None:
+            continue
+        if name == "messages" and endpoint == CHAT:
+            params[name] = _canon_messages(value)
+        else:
+            params[name] = _canon(value)
+    doc: dict[str, Any] = {
+        "body": params,
+        "endpoint": endpoint,
+        "model": model,
+        "tenant": tenant,
+        "v": KEY_VERSION,
+    }
+    if headers:
+        # Only when there are any, so the common key stays as it is.
+        lowered = {k.lower(): v for k, v in headers.items()}
+        doc["headers"] = {k: lowered[k] for k in sorted(lowered)}
+    return jsonio.dumps({k: doc[k] for k in sorted(doc)})
+
+
+def cache_key(
+    endpoint: str,
+    body: Mapping[str, Any],
+    *,
+    tenant: str,
+    model: str,
+    headers: Mapping[str, str] | None = None,
+) -> str:
+    """sha256 hex of `canonical_request`. Raises UncacheableRequest like it."""
+    canonical = canonical_request(endpoint, body, tenant=tenant, model=model, headers=headers)
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def _last_user_index(messages: Sequence[Any]) -> int | None:
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, Mapping) and m.get("role") == "user":
+            return i
+    return None
+
+
+def context_hash(messages: Sequence[Any]) -> str:
+    """Hash of the conversation around the last user message, for the semantic layer.
+
+    Covers every message before the last user message, that message's fields other
+    than the text of its content (its name, its image or audio parts), and every
+    message after it (tool calls and results of an agent turn), all normalised as
+    in the key. Two requests may share a semantic hit only when this hash is equal,
+    so a hit never crosses conversations whose earlier turns differ. Without a user
+    message the whole list is hashed. Raises UncacheableRequest like the key.
+    """
+    idx = _last_user_index(messages)
+    canon: list[Any] = []
+    for i, m in enumerate(messages):
+        if i == idx:
+            assert isinstance(m, Mapping)
+            canon.append(_canon_message(m, drop_text=True))
+        else:
+            canon.append(_canon_message(m) if isinstance(m, Mapping) else _canon(m))
+    doc = {"last_user": idx is not None, "messages": canon, "v": KEY_VERSION}
+    return hashlib.sha256(jsonio.dumps(doc)).hexdigest()
+
+
+def last_user_text(messages: Sequence[Any]) -> str | None:
+    """The normalised text of the last user message (text parts joined by a space),
+    or None when there is no user message or it holds no text."""
+    idx = _last_user_index(messages)
+    if idx is None:
+        return None
+    content = messages[idx].get("content")
+    if isinstance(content, str):
+        text = normalise_text(content)
+    elif isinstance(content, list):
+        text = normalise_text(" ".join(t for t in map(_text_of_part, content) if t is not None))
+    else:
+        return None
+    return text or None
+
+
+def _text_of_part(part: Any) -> str | None:
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        text = part.get("text")
+        if isinstance(text, str):
+            return text
+    return None
+
+
+def _canon_messages(messages: Any) -> Any:
+    if not isinstance(messages, list):
+        return _canon(messages)
+    return [_canon_message(m) if isinstance(m, Mapping) else _canon(m) for m in messages]
+
+
+def _canon_message(message: Mapping[str, Any], *, drop_text: bool = False) -> dict[str, Any]:
+    exact = message.get("role") in _EXACT_CONTENT_ROLES
+    out: dict[str, Any] = {}
+    for name in sorted(message):
+        value = message[name]
+        if name == "content" and not exact:
+            out[name] = _canon_content(value, drop_text=drop_text)
+        else:
+            out[name] = _canon(value)
+    return out
+
+
+def _canon_content(content: Any, *, drop_text: bool) -> Any:
+    if isinstance(content, str):
+        # drop_text keeps the *shape* (a string, not parts) in the hash.
+        return "" if drop_text else normalise_text(content)
+    if not isinstance(content, list):
+        return _canon(content)
+    parts: list[Any] = []
+    for part in content:
+        if _text_of_part(part) is None:
+            parts.append(_canon(part))
+            continue
+        if drop_text:
+            continue
+        canon = _canon(part)
+        canon["text"] = normalise_text(part["text"])
+        parts.append(canon)
+    return parts
+
+
+def _canon(value: Any) -> Any:
+    """A copy of a JSON value with sorted object keys and integral floats as ints."""
+    # bool before int: True is an int in Python but not the same JSON as 1.
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, int):
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise UncacheableRequest(f"integer {value} is wider than 64 bits")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UncacheableRequest(f"{value} has no JSON form")
+        if value.is_integer() and _INT_MIN <= value <= _INT_MAX:
+            return int(value)  # also folds -0.0 into 0
+        return value
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise UncacheableRequest("an object key is not a string")
+        return {k: _canon(value[k]) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_canon(v) for v in value]
+    raise UncacheableRequest(f"{type(value).__name__} is not a JSON value")

@@ -1,0 +1,176 @@
+"""Whether a request may be answered from the cache and whether its answer may be kept.
+
+Pure: the handler calls `decide` once per request (after auth has resolved the
+tenant's policy, before computing anything expensive) and maps the result to the
+`x-ponto-cache` header: `bypass` when `lookup` is false, otherwise `hit` or `miss`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS
+
+CACHEABLE_ENDPOINTS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
+
+
+class CacheMode(enum.StrEnum):
+    OFF = "off"
+    EXACT = "exact"
+    # Exact first, then a semantic lookup on an exact miss (chat only).
+    SEMANTIC = "semantic"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantCachePolicy:
+    """One tenant's cache settings; built from the control plane's tenant policy."""
+
+    mode: CacheMode = CacheMode.EXACT
+    # How long an entry may answer, from the moment it was stored.
+    ttl_s: float = 3600.0
+    # Least cosine similarity for a semantic hit (used by the semantic layer).
+    semantic_threshold: float = 0.95
+    # Cache sampled answers too (temperature > 0 and no seed). Off by default: a
+    # cached sample turns a random answer into a fixed one, which only the tenant
+    # can say is acceptable.
+    cache_nondeterministic: bool = False
+    # Keep answers cut by max_tokens (finish_reason "length").
+    store_truncated: bool = False
+    # Larger answers are relayed but not kept (nor recorded past this size).
+    max_entry_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise ValueError(f"ttl_s must be a positive number of seconds, not {self.ttl_s}")
+        if not 0.0 < self.semantic_threshold <= 1.0:
+            raise ValueError(f"semantic_threshold must be in (0, 1], not {self.semantic_threshold}")
+        if self.max_entry_bytes <= 0:
+            raise ValueError(f"max_entry_bytes must be positive, not {self.max_entry_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCacheControl:
+    """The request directives of RFC 9111 that the proxy honours."""
+
+    # Do not answer from the cache, but do store the fresh answer.
+    no_cache: bool = False
+    # Neither read nor write the cache.
+    no_store: bool = False
+    # max-age=N: only entries at most N seconds old may answer (0 == no-cache).
+    max_age: int | None = None
+
+    @classmethod
+    def parse(cls, header: str | None) -> RequestCacheControl:
+        """Parse a Cache-Control value. Pass every header line joined with ", ".
+
+        Directive names are case-insensitive; unknown directives, stray commas
+        and malformed values are ignored (a malformed max-age is ignored rather
+        than treated as 0, as RFC 9111 suggests for caches that cannot parse it:
+        we only ever lose a hit by being stricter elsewhere).
+        """
+        if not header:
+            return _NONE
+        no_cache = no_store = False
+        max_age: int | None = None
+        for name, value in _directives(header):
+            if name == "no-cache":
+                no_cache = True
+            elif name == "no-store":
+                no_store = True
+            elif name == "max-age" and value is not None and value.isdigit():
+                age = int(value)
+                max_age = age if max_age is None else min(max_age, age)
+        if not (no_cache or no_store or max_age is not None):
+            return _NONE
+        return cls(no_cache=no_cache or max_age == 0, no_store=no_store, max_age=max_age)
+
+    def accepts_age(self, age_s: float) -> bool:
+        """Whether an entry this old may answer the request."""
+        return self.max_age is None or age_s <= self.max_age
+
+
+_NONE = RequestCacheControl()
+
+
+def _directives(header: str) -> list[tuple[str, str | None]]:
+    """Split on commas outside quoted strings; names lowercased, quotes removed."""
+    out: list[tuple[str, str | None]] = []
+    start = 0
+    quoted = False
+    i = 0
+    n = len(header)
+    while i <= n:
+        c = header[i] if i < n else ","
+        if c == '"':
+            quoted = not quoted
+        elif c == "\\" and quoted:
+            i += 1
+        elif c == "," and not quoted:
+            item = header[start:i].strip()
+            if item:
+                name, sep, value = item.partition("=")
+                v = value.strip().strip('"') if sep else None
+                out.append((name.strip().lower(), v))
+            start = i + 1
+        i += 1
+    return out
+
+
+class Reason(enum.StrEnum):
+    CACHEABLE = "cacheable"
+    DISABLED = "disabled"
+    NO_STORE = "no-store"
+    NO_CACHE = "no-cache"
+    ENDPOINT = "endpoint"
+    NONDETERMINISTIC = "nondeterministic"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    # Look the request up (and join an identical request in flight).
+    lookup: bool
+    # Keep a complete answer.
+    store: bool
+    reason: Reason
+    # After an exact miss, also try the semantic index.
+    semantic: bool = False
+
+
+def is_deterministic(endpoint: str, body: Mapping[str, Any]) -> bool:
+    """Embeddings always; completions with temperature 0 or an integer seed."""
+    if endpoint == EMBEDDINGS:
+        return True
+    temperature = body.get("temperature")
+    if _is_number(temperature) and temperature == 0:
+        return True
+    seed = body.get("seed")
+    return isinstance(seed, int) and not isinstance(seed, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def decide(
+    policy: TenantCachePolicy,
+    endpoint: str,
+    body: Mapping[str, Any],
+    cache_control: RequestCacheControl,
+) -> Decision:
+    """What the cache may do for one request. Pure; cheap (reads two fields)."""
+    if policy.mode is CacheMode.OFF:
+        return Decision(False, False, Reason.DISABLED)
+    if endpoint not in CACHEABLE_ENDPOINTS:
+        return Decision(False, False, Reason.ENDPOINT)
+    if cache_control.no_store:
+        return Decision(False, False, Reason.NO_STORE)
+    if not (policy.cache_nondeterministic or is_deterministic(endpoint, body)):
+        return Decision(False, False, Reason.NONDETERMINISTIC)
+    if cache_control.no_cache:
+        return Decision(False, True, Reason.NO_CACHE)
+    semantic = policy.mode is CacheMode.SEMANTIC and endpoint == CHAT
+    return Decision(True, True, Reason.CACHEABLE, semantic=semantic)

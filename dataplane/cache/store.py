@@ -1,0 +1,254 @@
+"""Where exact-cache entries live: a `CacheStore` protocol and its in-memory form.
+
+The protocol is async so that a shared store (Redis, a peer fetch) can be added
+behind it later without changing callers; `ExactStore` never actually suspends.
+Any implementation must pass tests/unit/test_cache_store.py::TestContract.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from dataplane.cache.entry import CachedResponse
+
+# Approximate memory of the key string, the slot object and the index entries
+# kept for each entry, beyond the entry's own size.
+SLOT_OVERHEAD = 320
+
+
+class EvictReason(enum.StrEnum):
+    LRU = "lru"  # pushed out by the byte bound
+    EXPIRED = "expired"  # its TTL ran out
+    PURGED = "purged"  # purge() by tenant, model or everything
+    DELETED = "deleted"  # delete()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of a store's counters (monotonic since start) and gauges."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # by the byte bound only
+    expired: int = 0
+    purged: int = 0
+    # put() refused: larger than the store's per-entry bound, or a TTL <= 0.
+    rejected: int = 0
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+
+
+class CacheStore(Protocol):
+    """A key -> entry map with TTLs, scoped by tenant and model for purges.
+
+    Keys come from dataplane.cache.keys.cache_key and already hold the tenant and
+    the model; the `tenant`/`model` given to put() only index the entry for
+    purge(). Implementations are safe for concurrent use by the tasks of one
+    event loop.
+    """
+
+    async def get(self, key: str) -> CachedResponse | None:
+        """The live entry under key, or None (absent or expired). Counts a hit or a miss."""
+        ...
+
+    async def put(
+        self, key: str, entry: CachedResponse, *, tenant: str, model: str, ttl_s: float
+    ) -> bool:
+        """Keep entry for ttl_s seconds, replacing any entry under key; False when
+        the store refuses it (too large, ttl_s <= 0)."""
+        ...
+
+    async def delete(self, key: str) -> bool:
+        """Drop one entry; whether there was one."""
+        ...
+
+    async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
+        """Drop the entries of a tenant, of a model, of both (when both are given:
+        that tenant's entries for that model), or all (neither); how many."""
+        ...
+
+    @property
+    def stats(self) -> StoreStats: ...
+
+
+@dataclass(slots=True)
+class _Slot:
+    entry: CachedResponse
+    tenant: str
+    model: str
+    expires_at: float
+    cost: int
+
+
+EvictListener = Callable[[str, EvictReason], None]
+
+
+class ExactStore:
+    """In-memory CacheStore: LRU bounded by bytes, a TTL per entry.
+
+    One per proxy process, owned by the app. Every method runs without
+    suspending, so it is atomic for the tasks of the event loop it is used from;
+    it is not thread-safe. `clock` gives seconds on any fixed origin (inject
+    time.monotonic, or a fake in tests); TTLs are measured on it.
+
+    `on_evict(key, reason)` is called after an entry has left the store for any
+    reason (not when it is replaced under the same key), once the store is
+    consistent again; the semantic index uses it to drop its pointer. It must be
+    quick, must not raise and must not call back into the store.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        clock: Callable[[], float],
+        max_entry_bytes: int | None = None,
+        on_evict: EvictListener | None = None,
+    ) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, not {max_bytes}")
+        self._max_bytes = max_bytes
+        self._max_entry = min(max_entry_bytes or max_bytes, max_bytes)
+        self._clock = clock
+        self.on_evict = on_evict
+        self._entries: OrderedDict[str, _Slot] = OrderedDict()
+        self._by_tenant: dict[str, set[str]] = {}
+        self._by_model: dict[str, set[str]] = {}
+        # (expires_at, key) of every put; stale pairs (entry replaced or gone)
+        # are skipped when popped, and the heap is rebuilt when they pile up.
+        self._expiry: list[tuple[float, str]] = []
+        self._bytes = 0
+        self._hits = self._misses = self._evictions = 0
+        self._expired = self._purged = self._rejected = 0
+
+    @property
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+            expired=self._expired,
+            purged=self._purged,
+            rejected=self._rejected,
+            entries=len(self._entries),
+            bytes=self._bytes,
+            max_bytes=self._max_bytes,
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def get(self, key: str) -> CachedResponse | None:
+        slot = self._entries.get(key)
+        if slot is None:
+            self._misses += 1
+            return None
+        if slot.expires_at <= self._clock():
+            self._remove(key)
+            self._expired += 1
+            self._misses += 1
+            self._notify([key], EvictReason.EXPIRED)
+            return None
+        self._entries.move_to_end(key)
+        self._hits += 1
+        return slot.entry
+
+    async def put(
+        self, key: str, entry: CachedResponse, *, tenant: str, model: str, ttl_s: float
+    ) -> bool:
+        cost = entry.size + len(key) + SLOT_OVERHEAD
+        if cost > self._max_entry or not ttl_s > 0:
+            self._rejected += 1
+            return False
+        now = self._clock()
+        expired = self._sweep(now)
+        if key in self._entries:
+            self._remove(key)
+        slot = _Slot(entry=entry, tenant=tenant, model=model, expires_at=now + ttl_s, cost=cost)
+        self._entries[key] = slot
+        self._by_tenant.setdefault(tenant, set()).add(key)
+        self._by_model.setdefault(model, set()).add(key)
+        self._bytes += cost
+        heapq.heappush(self._expiry, (slot.expires_at, key))
+        evicted: list[str] = []
+        while self._bytes > self._max_bytes:
+            # The new entry is last and fits on its own, so it is never evicted.
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+            evicted.append(oldest)
+        self._evictions += len(evicted)
+        if len(self._expiry) > 2 * len(self._entries) + 64:
+            self._expiry = [(s.expires_at, k) for k, s in self._entries.items()]
+            heapq.heapify(self._expiry)
+        self._notify(expired, EvictReason.EXPIRED)
+        self._notify(evicted, EvictReason.LRU)
+        return True
+
+    async def delete(self, key: str) -> bool:
+        if key not in self._entries:
+            return False
+        self._remove(key)
+        self._notify([key], EvictReason.DELETED)
+        return True
+
+    async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
+        keys: list[str]
+        if tenant is not None and model is not None:
+            keys = list(self._by_tenant.get(tenant, set()) & self._by_model.get(model, set()))
+        elif tenant is not None:
+            keys = list(self._by_tenant.get(tenant, ()))
+        elif model is not None:
+            keys = list(self._by_model.get(model, ()))
+        else:
+            keys = list(self._entries)
+        for key in keys:
+            self._remove(key)
+        self._purged += len(keys)
+        self._notify(keys, EvictReason.PURGED)
+        return len(keys)
+
+    def sweep(self) -> int:
+        """Drop every expired entry now; how many. put() does this too, so an
+        expired entry holds memory at most until the next put() or get() of it;
+        call this on a timer if puts can stop for long."""
+        expired = self._sweep(self._clock())
+        self._notify(expired, EvictReason.EXPIRED)
+        return len(expired)
+
+    def _sweep(self, now: float) -> list[str]:
+        gone: list[str] = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            expires_at, key = heapq.heappop(heap)
+            slot = self._entries.get(key)
+            if slot is not None and slot.expires_at == expires_at:
+                self._remove(key)
+                gone.append(key)
+        self._expired += len(gone)
+        return gone
+
+    def _remove(self, key: str) -> None:
+        slot = self._entries.pop(key)
+        self._bytes -= slot.cost
+        _discard(self._by_tenant, slot.tenant, key)
+        _discard(self._by_model, slot.model, key)
+
+    def _notify(self, keys: list[str], reason: EvictReason) -> None:
+        listener = self.on_evict
+        if listener is not None:
+            for key in keys:
+                listener(key, reason)
+
+
+def _discard(index: dict[str, set[str]], name: str, key: str) -> None:
+    keys = index.get(name)
+    if keys is not None:
+        keys.discard(key)
+        if not keys:
+            del index[name]

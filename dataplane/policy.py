@@ -1,0 +1,136 @@
+"""Per-table edge policy: who may call, which limits apply, how requests are shaped.
+
+Compiled once per route table (like Routes), so the hot path only does dict
+lookups. Compiling reads JWKS and secret files named by tenants; a table whose
+files are missing or broken is refused (NACKed) and the previous one serves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import orjson
+
+from dataplane.assemble import NO_RULES, PromptRules
+from dataplane.auth.authenticator import AuthConfigError, Authenticator, JwtConfig, KeyRecord
+from dataplane.cache.policy import CacheMode, TenantCachePolicy
+from dataplane.routes import TableError
+from ponto.quota_types import ScopeLimits, key_scope, tenant_scope
+from ponto.v1 import routing_pb2 as pb
+
+DEFAULT_TENANT = "default"
+# Chosen from the evaluation in bench/cache_eval.py (docs/semantic-cache.md).
+DEFAULT_SEMANTIC_THRESHOLD = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDefaults:
+    """The proxy's own defaults for what a tenant leaves at 0."""
+
+    ttl_s: float = 3600.0
+    semantic_threshold: float = DEFAULT_SEMANTIC_THRESHOLD
+    max_entry_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRules:
+    name: str
+    prompt: PromptRules
+    cache: TenantCachePolicy
+
+
+@dataclass(frozen=True, slots=True)
+class EdgePolicy:
+    authenticator: Authenticator
+    tenants: Mapping[str, TenantRules]
+    limits: Mapping[str, ScopeLimits]
+    # (revision, tenant, model) of cache purges, oldest first.
+    purges: tuple[tuple[int, str, str], ...] = ()
+    default: TenantRules = field(
+        default_factory=lambda: TenantRules(DEFAULT_TENANT, NO_RULES, TenantCachePolicy())
+    )
+
+    def tenant(self, name: str) -> TenantRules:
+        rules = self.tenants.get(name)
+        return rules if rules is not None else self.default
+
+
+def _cache(m: pb.CachePolicy, defaults: CacheDefaults) -> TenantCachePolicy:
+    return TenantCachePolicy(
+        mode=CacheMode(m.mode or "exact"),
+        ttl_s=float(m.ttl_s) or defaults.ttl_s,
+        semantic_threshold=m.semantic_threshold or defaults.semantic_threshold,
+        cache_nondeterministic=m.cache_nondeterministic,
+        store_truncated=m.store_truncated,
+        max_entry_bytes=defaults.max_entry_bytes,
+    )
+
+
+def _prompt(m: pb.PromptPolicy, tenant: str) -> PromptRules:
+    defaults = {}
+    for name, text in m.defaults.items():
+        try:
+            defaults[name] = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise TableError(f"tenant {tenant!r}: default of {name!r} is not JSON") from exc
+    return PromptRules(
+        system_prompt=m.system_prompt,
+        enforce_system_prompt=m.enforce_system_prompt,
+        defaults=defaults,
+        max_tokens_ceiling=m.max_tokens_ceiling,
+        aliases=dict(m.aliases),
+    )
+
+
+def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) -> EdgePolicy:
+    """Compile a table's tenants, keys and purges; raise TableError if unusable."""
+    defaults = defaults or CacheDefaults()
+    tenants: dict[str, TenantRules] = {}
+    limits: dict[str, ScopeLimits] = {}
+    jwts: list[JwtConfig] = []
+    for t in table.tenants:
+        if t.name in tenants:
+            raise TableError(f"tenant {t.name!r} is listed twice")
+        try:
+            cache = _cache(t.cache, defaults)
+        except ValueError as exc:
+            raise TableError(f"tenant {t.name!r}: {exc}") from exc
+        tenants[t.name] = TenantRules(t.name, _prompt(t.prompt, t.name), cache)
+        lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
+        if not lim.unlimited:
+            limits[tenant_scope(t.name)] = lim
+        if t.HasField("jwt"):
+            j = t.jwt
+            jwts.append(
+                JwtConfig(
+                    tenant=t.name,
+                    issuer=j.issuer,
+                    audiences=tuple(j.audiences),
+                    algorithms=tuple(j.algorithms),
+                    jwks_file=j.jwks_file or None,
+                    hs256_secret_file=j.hs256_secret_file or None,
+                    hs256_secret_env=j.hs256_secret_env or None,
+                    leeway_s=j.leeway_s if math.isfinite(j.leeway_s) else 0.0,
+                )
+            )
+    keys = []
+    for k in table.keys:
+        if k.tenant not in tenants:
+            raise TableError(f"key {k.id!r} belongs to unknown tenant {k.tenant!r}")
+        keys.append(KeyRecord(k.id, k.hash, k.tenant))
+        lim = ScopeLimits(k.limits.rpm, k.limits.tpm, k.limits.concurrency)
+        if not lim.unlimited:
+            limits[key_scope(k.id)] = lim
+    try:
+        authenticator = Authenticator.build(keys, jwts, closed=table.auth_required)
+    except AuthConfigError as exc:
+        raise TableError(str(exc)) from exc
+    default = tenants.get(DEFAULT_TENANT) or TenantRules(
+        DEFAULT_TENANT,
+        NO_RULES,
+        _cache(pb.CachePolicy(), defaults),
+    )
+    purges = tuple((p.revision, p.tenant, p.model) for p in table.purges)
+    return EdgePolicy(authenticator, tenants, limits, purges, default)

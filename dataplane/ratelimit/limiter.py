@@ -1,0 +1,450 @@
+"""Per-proxy enforcement of global limits: local buckets sized by leased shares.
+
+Each limit scope (`t/<tenant>`, `k/<key_id>`) has global limits. This proxy
+holds a share of them, given by the control-plane leader: a fraction f of the
+requests and tokens per minute, and a whole number of concurrency slots. Its
+buckets hold f x limit and refill f x limit per minute; the leader keeps the
+fractions of a scope summing to at most 1 across proxies, so the fleet admits
+no more than one bucket would. docs/rate-limits.md has the scheme, the
+accuracy bound and what happens when the control plane is away.
+
+Contract: one event loop owns a RateLimiter. `admit`, `Admission.release`
+and `headers` are the hot path: no I/O, no logging, no clock (every call gets
+`now`, seconds on the monotonic clock the caller uses for all calls).
+`configure`, `apply_shares` and `demand` are called from the sync and report
+tasks of the same loop; none of them awaits, so no call sees another's
+half-done state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from dataplane.ratelimit.bucket import INF, TokenBucket
+from ponto.quota_types import NO_SHARE, Demand, ScopeLimits, Share
+
+__all__ = ["Admission", "Limit", "RateLimiter", "ScopeLimits", "format_duration"]
+
+Limit = Literal["requests", "tokens", "concurrency"]
+
+# Header names, built once.
+_LIMIT_REQ = "x-ratelimit-limit-requests"
+_REMAINING_REQ = "x-ratelimit-remaining-requests"
+_RESET_REQ = "x-ratelimit-reset-requests"
+_LIMIT_TOK = "x-ratelimit-limit-tokens"
+_REMAINING_TOK = "x-ratelimit-remaining-tokens"
+_RESET_TOK = "x-ratelimit-reset-tokens"
+
+# Below this an EWMA counts as no demand, so idle scopes drop out of reports.
+_IDLE_RATE = 1e-3
+_NO_MAX = 1 << 62
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format (Go durations), rounded up.
+
+    Resolution 1 ms below a second, 10 ms below a minute, 1 s above:
+    0.02 -> "20ms", 1 -> "1s", 1.234 -> "1.24s", 360 -> "6m0s", 3725 -> "1h2m5s".
+    """
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1.0:
+        ms = math.ceil(seconds * 1000.0)
+    elif seconds < 60.0:
+        ms = math.ceil(seconds * 100.0) * 10
+    elif seconds < _DAY:
+        ms = math.ceil(seconds) * 1000
+    else:
+        ms = _DAY * 1000
+    text = _DURATIONS.get(ms)
+    if text is None:
+        text = _format_ms(ms)
+        # Bounded: about 1,000 + 5,900 + 3,540 strings below an hour.
+        if ms < 3_600_000:
+            _DURATIONS[ms] = text
+    return text
+
+
+_DAY = 86_400
+_DURATIONS: dict[int, str] = {}
+
+
+def _format_ms(ms: int) -> str:
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs, frac = divmod(ms, 1000)
+    text = f"{secs}s" if not frac else f"{secs}.{frac:03d}".rstrip("0") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{text}"
+    if minutes:
+        return f"{minutes}m{text}"
+    return text
+
+
+class _Scope:
+    """One limited scope on this proxy: its buckets, slots and demand counters."""
+
+    __slots__ = (
+        "attempt_tokens",
+        "attempts",
+        "concurrency",
+        "fill",
+        "fraction",
+        "in_flight",
+        "limits",
+        "max_tokens",
+        "peak",
+        "req",
+        "req_limit",
+        "rps",
+        "slots",
+        "tok",
+        "tok_limit",
+        "tps",
+        "turned_away",
+    )
+
+    def __init__(self, limits: ScopeLimits, share: Share, now: float, *, fill: bool) -> None:
+        # Whether buckets start full with the first share (a scope new to the
+        # fleet) or empty (this proxy is (re)starting and cannot know what was
+        # used of the minute before it came).
+        self.fill = fill
+        self.fraction = share.fraction
+        self.slots = share.concurrency
+        self.in_flight = 0
+        self.attempts = 0
+        self.attempt_tokens = 0
+        self.peak = 0
+        self.turned_away = 0
+        self.rps = 0.0
+        self.tps = 0.0
+        self.req: TokenBucket | None = None
+        self.tok: TokenBucket | None = None
+        self.limits = ScopeLimits()
+        self.set_limits(limits, now)
+
+    def set_limits(self, limits: ScopeLimits, now: float) -> None:
+        self.limits = limits
+        self.concurrency = limits.concurrency
+        self.req_limit = str(limits.rpm)
+        self.tok_limit = str(limits.tpm)
+        self.max_tokens = limits.tpm or _NO_MAX
+        self.req = self._bucket(self.req, limits.rpm, now)
+        self.tok = self._bucket(self.tok, limits.tpm, now)
+        if self.fraction > 0:
+            self.fill = False
+
+    def set_share(self, share: Share, now: float) -> None:
+        self.fraction = share.fraction
+        self.slots = share.concurrency
+        self.set_limits(self.limits, now)
+
+    def _bucket(self, bucket: TokenBucket | None, limit: int, now: float) -> TokenBucket | None:
+        if not limit:
+            return None
+        capacity = self.fraction * limit
+        if bucket is None:
+            return TokenBucket(capacity, capacity / 60.0, now, level=capacity if self.fill else 0.0)
+        bucket.resize(capacity, capacity / 60.0, now)
+        if self.fill:
+            bucket.level = capacity
+        return bucket
+
+
+class Admission:
+    """The answer of `RateLimiter.admit`.
+
+    If `ok`, the request holds a concurrency slot and has been charged its
+    estimated tokens in every limited scope; the caller must call `release`
+    exactly when the request ends (success, error or client gone), and may
+    call it more than once. If not `ok`, `limit` says which limit refused it
+    and `retry_after_s` when to try again; `too_large` marks a request whose
+    estimate exceeds a scope's whole token limit, which no wait can admit.
+    """
+
+    __slots__ = ("_open", "_scopes", "est_tokens", "limit", "ok", "retry_after_s", "too_large")
+
+    def __init__(
+        self,
+        ok: bool,
+        scopes: Sequence[_Scope] = (),
+        est_tokens: int = 0,
+        limit: Limit | None = None,
+        retry_after_s: float = 0.0,
+        too_large: bool = False,
+    ) -> None:
+        self.ok = ok
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.too_large = too_large
+        self.est_tokens = est_tokens
+        self._scopes = scopes
+        self._open = bool(scopes)
+
+    def retry_after_header(self) -> str:
+        """`Retry-After` in whole seconds, at least 1."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+    def release(self, actual_tokens: int | None, now: float) -> None:
+        """Free the slots and settle tokens: charge `actual_tokens - est_tokens`.
+
+        `actual_tokens` is the request's real prompt + completion count (the
+        origin's `usage`, or for a stream without it an estimate from the
+        streamed text); None keeps the estimate. A charge above the estimate may
+        leave buckets in debt, which delays later requests: that is how
+        completion tokens are paid for. Idempotent; a no-op when refused.
+        """
+        if not self._open:
+            return
+        self._open = False
+        delta = 0 if actual_tokens is None else actual_tokens - self.est_tokens
+        for st in self._scopes:
+            st.in_flight -= 1
+            if delta:
+                st.attempt_tokens += delta
+                tok = st.tok
+                if tok is not None:
+                    if delta > 0:
+                        tok.take(delta, now)
+                    else:
+                        tok.give(-delta, now)
+
+
+# Shared by every request that no limit applies to: it holds nothing.
+UNLIMITED = Admission(True)
+
+
+class RateLimiter:
+    """Enforces this proxy's shares of global limits; see the module docstring."""
+
+    def __init__(self, *, unknown_retry_s: float = 1.0, demand_tau_s: float = 5.0) -> None:
+        """`unknown_retry_s`: the Retry-After when no refill can tell (no share
+        yet, or all slots busy), about one rebalance. `demand_tau_s`: time
+        constant of the demand EWMA."""
+        self._scopes: dict[str, _Scope] = {}
+        self._shares: dict[str, Share] = {}
+        self._unknown_retry_s = unknown_retry_s
+        self._tau = demand_tau_s
+        self._last_report: float | None = None
+        self._booted = False
+
+    # ------------------------------------------------------------ control
+
+    def configure(self, limits: Mapping[str, ScopeLimits], now: float) -> None:
+        """Take the limits of a new route table.
+
+        Unchanged scopes keep their bucket levels; changed ones are resized
+        (never refilled); removed scopes are dropped with their shares, and
+        requests in flight in them release harmlessly. New scopes take the
+        share already known for them, if any. The first call is this proxy's
+        boot: its scopes start with empty buckets, since the proxy cannot know
+        how much of the minute was used before it came. Scopes that appear in
+        later calls are new to the fleet (a tenant or key just created or
+        limited): their buckets start full with their first share, as one
+        global bucket would. So call it first with the table the proxy will
+        serve (from disk or the control plane), not with an empty one.
+        """
+        fresh = self._booted
+        self._booted = True
+        if self._last_report is None:
+            self._last_report = now
+        old = self._scopes
+        scopes: dict[str, _Scope] = {}
+        shares = self._shares
+        for name, lim in limits.items():
+            if lim.unlimited:
+                continue
+            st = old.get(name)
+            if st is None:
+                st = _Scope(lim, shares.get(name, NO_SHARE), now, fill=fresh)
+            elif st.limits != lim:
+                st.set_limits(lim, now)
+            scopes[name] = st
+        for name in old.keys() - scopes.keys():
+            shares.pop(name, None)
+        self._scopes = scopes
+
+    def apply_shares(self, shares: Mapping[str, Share], now: float) -> None:
+        """Merge shares from the leader: listed scopes change, others keep theirs.
+
+        A share may arrive before the table that limits its scope; it is kept
+        and used when the scope appears. A shrinking share clamps the buckets at
+        once; a growing one adds no tokens.
+        """
+        known = self._shares
+        scopes = self._scopes
+        for name, share in shares.items():
+            known[name] = share
+            st = scopes.get(name)
+            if st is not None and (st.fraction != share.fraction or st.slots != share.concurrency):
+                st.set_share(share, now)
+
+    def share(self, scope: str) -> Share:
+        """The share this proxy applies to `scope` (NO_SHARE if none)."""
+        st = self._scopes.get(scope)
+        return NO_SHARE if st is None else Share(st.fraction, st.slots)
+
+    def in_flight(self, scope: str) -> int:
+        st = self._scopes.get(scope)
+        return 0 if st is None else st.in_flight
+
+    def demand(self, now: float) -> dict[str, Demand]:
+        """This interval's demand per active scope, for the report to the leader.
+
+        Called by the report task, about once a second; each call closes an
+        interval. Scopes with no recent demand and nothing in flight are left
+        out: the leader reads a missing scope as no demand.
+        """
+        last = self._last_report
+        self._last_report = now
+        dt = now - last if last is not None and now > last else self._tau
+        keep = math.exp(-dt / self._tau)
+        fresh = 1.0 - keep
+        out: dict[str, Demand] = {}
+        for name, st in self._scopes.items():
+            if not (st.attempts or st.attempt_tokens or st.rps or st.tps or st.peak):
+                continue  # st.turned_away implies st.attempts
+            rps = fresh * st.attempts / dt + keep * st.rps
+            tps = fresh * max(0, st.attempt_tokens) / dt + keep * st.tps
+            st.rps = rps if rps >= _IDLE_RATE else 0.0
+            st.tps = tps if tps >= _IDLE_RATE else 0.0
+            # Each request turned away for concurrency would have been one more
+            # in flight: a weight for the leader, not a measured peak.
+            peak = st.peak + st.turned_away
+            st.attempts = 0
+            st.attempt_tokens = 0
+            st.peak = st.in_flight
+            st.turned_away = 0
+            if st.rps or st.tps or peak:
+                out[name] = Demand(st.rps, st.tps, peak, st.in_flight)
+        return out
+
+    # ------------------------------------------------------------ hot path
+
+    def admit(self, scopes: Sequence[str], est_tokens: int, now: float) -> Admission:
+        """Admit a request against every limited scope in `scopes`, or none.
+
+        All scopes are checked before any is charged, so a refusal leaves no
+        trace but the demand it shows. Scopes without limits cost one dict
+        lookup; with none limited the shared UNLIMITED admission is returned.
+        """
+        get = self._scopes.get
+        found: list[_Scope] | None = None
+        too_large = False
+        for name in scopes:
+            st = get(name)
+            if st is not None:
+                if est_tokens > st.max_tokens:
+                    too_large = True
+                if found is None:
+                    found = [st]
+                else:
+                    found.append(st)
+        if found is None:
+            return UNLIMITED
+
+        if too_large:
+            # No wait can admit an estimate above a scope's whole token limit;
+            # it is refused before it counts as demand.
+            return Admission(False, (), 0, "tokens", 60.0, too_large=True)
+
+        refused: Limit | None = None
+        wait = 0.0
+        unknown = self._unknown_retry_s
+        for st in found:
+            # Demand counts every attempt: refusals are what the leader must see.
+            st.attempts += 1
+            st.attempt_tokens += est_tokens
+            # A refused scope's wait is the longest of its limits', so that
+            # the client does not come back before every limit would admit it.
+            if st.concurrency and st.in_flight >= st.slots:
+                st.turned_away += 1
+                if refused is None or unknown > wait:
+                    refused, wait = "concurrency", unknown
+            req = st.req
+            if req is not None and not req.admits(1.0, now):
+                w = req.wait_s(1.0, now)
+                if w == INF:
+                    w = unknown
+                if refused is None or w > wait:
+                    refused, wait = "requests", w
+            tok = st.tok
+            if tok is not None and not tok.admits(est_tokens, now):
+                w = tok.wait_s(est_tokens, now)
+                if w == INF:
+                    w = unknown
+                if refused is None or w > wait:
+                    refused, wait = "tokens", w
+        if refused is not None:
+            return Admission(False, (), 0, refused, wait)
+
+        for st in found:
+            busy = st.in_flight + 1
+            st.in_flight = busy
+            st.peak = max(st.peak, busy)
+            req = st.req
+            if req is not None:
+                req.level -= 1.0  # admits() has just refilled to `now`
+            tok = st.tok
+            if tok is not None:
+                tok.level -= est_tokens
+        return Admission(True, found, est_tokens)
+
+    def headers(self, scopes: Sequence[str], now: float) -> list[tuple[str, str]]:
+        """OpenAI's `x-ratelimit-*` headers for `scopes`, for any response.
+
+        Per dimension (requests, tokens), the scope with the least estimated
+        global remaining is shown: its global limit, that remaining (local
+        level / share, in [0, limit]) and the time until its bucket is full,
+        which is also when the global bucket would be, were the other proxies
+        as full as this one. A dimension that no scope limits gets no headers.
+        """
+        get = self._scopes.get
+        req: TokenBucket | None = None
+        tok: TokenBucket | None = None
+        req_st = tok_st = None
+        req_left = tok_left = INF
+        for name in scopes:
+            st = get(name)
+            if st is None:
+                continue
+            f = st.fraction
+            b = st.req
+            if b is not None:
+                left = b.refill(now) / f if f > 0 else 0.0
+                if left < req_left:
+                    req_left, req, req_st = left, b, st
+            b = st.tok
+            if b is not None:
+                left = b.refill(now) / f if f > 0 else 0.0
+                if left < tok_left:
+                    tok_left, tok, tok_st = left, b, st
+        out: list[tuple[str, str]] = []
+        if req is not None and req_st is not None:
+            limit = req_st.limits.rpm
+            out.append((_LIMIT_REQ, req_st.req_limit))
+            out.append((_REMAINING_REQ, _remaining(req_left, limit)))
+            out.append((_RESET_REQ, self._reset(req)))
+        if tok is not None and tok_st is not None:
+            limit = tok_st.limits.tpm
+            out.append((_LIMIT_TOK, tok_st.tok_limit))
+            out.append((_REMAINING_TOK, _remaining(tok_left, limit)))
+            out.append((_RESET_TOK, self._reset(tok)))
+        return out
+
+    def _reset(self, bucket: TokenBucket) -> str:
+        # The bucket was refilled to `now` just before.
+        rate = bucket.rate
+        if rate <= 0:  # no share yet: it comes with the next rebalance
+            return format_duration(self._unknown_retry_s)
+        return format_duration((bucket.capacity - bucket.level) / rate)
+
+
+def _remaining(left: float, limit: int) -> str:
+    if left <= 0:
+        return "0"
+    return str(limit if left >= limit else int(left))

@@ -1,0 +1,130 @@
+"""Cheap token estimates for admission, before the origin has counted anything.
+
+Rate limiting charges an estimate of the prompt when it admits a request and
+corrects it with the real count afterwards (`Admission.release`), so these
+only need to be close and cheap: no tokenizer, one pass over the body. About
+four characters per token is OpenAI's own rule of thumb for English; the
+per-message overhead follows its cookbook's chat accounting (rounded up).
+
+Never raises on a malformed body: whatever is not the expected shape counts
+as nothing, and validation is the handler's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from dataplane import jsonio
+
+PER_MESSAGE = 4  # role and separators that every chat message adds
+PER_REQUEST = 3  # the primer of the assistant's reply
+# Images are charged by size. Without decoding them, assume a 1024 px square
+# at "auto"/"high" detail (85 base + 170 for each of 4 tiles); the correction
+# after the call settles the difference.
+IMAGE_LOW = 85
+IMAGE_DEFAULT = 765
+
+
+def estimate_text_tokens(text: str) -> int:
+    """About four characters per token, rounded up."""
+    return (len(text) + 3) >> 2
+
+
+def _content_chars(content: Any) -> tuple[int, int]:
+    """(characters of text, tokens charged flat, e.g. for images) in a content value."""
+    if isinstance(content, str):
+        return len(content), 0
+    chars = flat = 0
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, str):
+                chars += len(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    chars += len(text)
+                    continue
+                image = part.get("image_url")
+                if image is not None:
+                    low = isinstance(image, dict) and image.get("detail") == "low"
+                    flat += IMAGE_LOW if low else IMAGE_DEFAULT
+    return chars, flat
+
+
+def _chat_tokens(body: Mapping[str, Any]) -> int:
+    messages = body.get("messages")
+    chars = 0
+    tokens = PER_REQUEST
+    if isinstance(messages, list):
+        for message in messages:
+            tokens += PER_MESSAGE
+            if not isinstance(message, dict):
+                continue
+            c, flat = _content_chars(message.get("content"))
+            chars += c
+            tokens += flat
+            name = message.get("name")
+            if isinstance(name, str):
+                chars += len(name)
+            calls = message.get("tool_calls")
+            if isinstance(calls, list):
+                for call in calls:
+                    fn = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(fn, dict):
+                        for field in ("name", "arguments"):
+                            value = fn.get(field)
+                            if isinstance(value, str):
+                                chars += len(value)
+    tools = body.get("tools")
+    if tools:
+        # Tool schemas reach the model as text about as long as their JSON.
+        with contextlib.suppress(TypeError):
+            chars += len(jsonio.dumps(tools))
+    return tokens + ((chars + 3) >> 2)
+
+
+def _input_tokens(value: Any) -> int:
+    """A completions `prompt` or embeddings `input`: text, texts, or token ids."""
+    if isinstance(value, str):
+        return estimate_text_tokens(value)
+    if not isinstance(value, list) or not value:
+        return 0
+    first = value[0]
+    if isinstance(first, int):
+        return len(value)  # already token ids
+    chars = tokens = 0
+    for item in value:
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, list):
+            tokens += len(item)
+    return tokens + ((chars + 3) >> 2)
+
+
+def estimate_prompt_tokens(endpoint: str, body: Mapping[str, Any]) -> int:
+    """Estimated prompt tokens of a parsed request body.
+
+    `endpoint` is the handler's name for it: "chat.completions",
+    "completions" or "embeddings"; any other endpoint is estimated from its
+    `messages`, `prompt` or `input` field, whichever is present.
+    """
+    if endpoint == "chat.completions":
+        return _chat_tokens(body)
+    if endpoint == "completions":
+        return _input_tokens(body.get("prompt"))
+    if endpoint == "embeddings":
+        return _input_tokens(body.get("input"))
+    if "messages" in body:
+        return _chat_tokens(body)
+    return _input_tokens(body.get("prompt", body.get("input")))
+
+
+def estimate_stream_tokens(prompt_estimate: int, streamed_chars: int) -> int:
+    """Total tokens of a stream whose last chunk carried no `usage`.
+
+    `streamed_chars` counts the text of the streamed deltas (content, and
+    tool-call arguments); the prompt keeps its admission estimate.
+    """
+    return prompt_estimate + ((streamed_chars + 3) >> 2)

@@ -1,0 +1,225 @@
+"""How clients and servers of the control plane's gRPC API authenticate.
+
+Two layers, both optional so a laptop can run without them, both on in the
+demo and the Helm chart:
+
+- Transport: TLS with mutual authentication. The control plane presents a
+  server certificate and requires a client certificate signed by its client CA;
+  clients verify the server against their CA. Certificates come from files.
+- Call: a bearer token in the `authorization` metadata. Proxies send the
+  bootstrap token (Routing service); operators send the admin token (Admin
+  service). The tokens differ, so a proxy's credentials cannot steer the fleet.
+
+Token values are read from files (or, for pontoctl, also an environment
+variable) and never logged: `ClientOptions.__repr__` leaves them out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+ENV_TLS_CA = "PONTO_TLS_CA"
+ENV_TLS_CERT = "PONTO_TLS_CERT"
+ENV_TLS_KEY = "PONTO_TLS_KEY"
+ENV_ADMIN_TOKEN = "PONTO_ADMIN_TOKEN"  # noqa: S105 (a variable name)
+ENV_ADMIN_TOKEN_FILE = "PONTO_ADMIN_TOKEN_FILE"  # noqa: S105
+
+
+class CredentialError(Exception):
+    """A credential file is missing, unreadable or inconsistent."""
+
+
+def read_secret(path: str, what: str) -> str:
+    """The first line of a secret file, stripped; never echoes the content."""
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise CredentialError(f"cannot read {what} file {path}: {exc.strerror}") from exc
+    if not text:
+        raise CredentialError(f"{what} file {path} is empty")
+    return text.splitlines()[0].strip()
+
+
+def read_bytes(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CredentialError(f"cannot read {what} {path}: {exc.strerror}") from exc
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """TLS material and a bearer token for calls to the control plane."""
+
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    token: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise CredentialError("give both a TLS certificate and its key, or neither")
+        if self.tls_cert and not self.tls_ca:
+            raise CredentialError("a client certificate needs --tls-ca to verify the server")
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.tls_ca)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_bytes(self.tls_ca, "TLS CA"),
+            private_key=read_bytes(self.tls_key, "TLS key") if self.tls_key else None,
+            certificate_chain=read_bytes(self.tls_cert, "TLS certificate")
+            if self.tls_cert
+            else None,
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientOptions:
+        """From `add_arguments` flags: pontoctl's admin credential."""
+        token = ""
+        if args.admin_token_file:
+            token = read_secret(args.admin_token_file, "admin token")
+        elif os.environ.get(ENV_ADMIN_TOKEN):
+            token = os.environ[ENV_ADMIN_TOKEN].strip()
+        return cls(args.tls_ca, args.tls_cert, args.tls_key, token)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """pontoctl's connection flags, with environment defaults."""
+    env = os.environ.get
+    parser.add_argument(
+        "--tls-ca",
+        default=env(ENV_TLS_CA, ""),
+        help=f"CA that signed the server (env {ENV_TLS_CA})",
+    )
+    parser.add_argument(
+        "--tls-cert", default=env(ENV_TLS_CERT, ""), help=f"client certificate (env {ENV_TLS_CERT})"
+    )
+    parser.add_argument(
+        "--tls-key", default=env(ENV_TLS_KEY, ""), help=f"client key (env {ENV_TLS_KEY})"
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        default=env(ENV_ADMIN_TOKEN_FILE, ""),
+        help=f"file holding the admin token (env {ENV_ADMIN_TOKEN_FILE}, or the token "
+        f"itself in {ENV_ADMIN_TOKEN})",
+    )
+
+
+def target_of(address: str) -> str:
+    """A gRPC target: 'dns:///name:port' stays, 'host:port' stays."""
+    return address
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor):
+    """Adds the bearer token to every unary call of a sync channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        merged = (*(details.metadata or ()), *self._metadata)
+        new = _Details(
+            details.method,
+            details.timeout,
+            merged,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+        return continuation(new, request)
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """The documented way to change a call's metadata in a client interceptor."""
+
+
+def admin_channel(address: str, options: ClientOptions) -> grpc.Channel:
+    """A sync channel whose calls carry the admin credential."""
+    if options.secure:
+        channel = grpc.secure_channel(target_of(address), options.channel_credentials())
+    else:
+        channel = grpc.insecure_channel(target_of(address))
+    if options.metadata:
+        return grpc.intercept_channel(channel, _AddMetadata(options.metadata))
+    return channel
+
+
+def aio_channel(
+    address: str, options: ClientOptions, channel_options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    if options.secure:
+        return grpc.aio.secure_channel(
+            target_of(address), options.channel_credentials(), options=channel_options
+        )
+    return grpc.aio.insecure_channel(target_of(address), options=channel_options)
+
+
+class CallDefaults:
+    """Wraps a sync stub so every call has a timeout."""
+
+    def __init__(self, stub: object, timeout: float) -> None:
+        self._stub = stub
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._stub, name)
+
+        def call(request: Any) -> Any:
+            return method(request, timeout=self._timeout)
+
+        return call
+
+
+# ---------------------------------------------------------------- server side
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What the control plane requires of its callers."""
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    bootstrap_token: str = field(default="", repr=False)
+    admin_token: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise CredentialError("give both --tls-cert and --tls-key, or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise CredentialError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.bootstrap_token and self.bootstrap_token == self.admin_token:
+            raise CredentialError("the admin token must differ from the bootstrap token")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls_cert:
+            return None
+        pair = (read_bytes(self.tls_key, "TLS key"), read_bytes(self.tls_cert, "TLS certificate"))
+        if self.tls_client_ca:
+            return grpc.ssl_server_credentials(
+                [pair],
+                root_certificates=read_bytes(self.tls_client_ca, "TLS client CA"),
+                require_client_auth=True,
+            )
+        return grpc.ssl_server_credentials([pair])

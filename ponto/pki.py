@@ -1,0 +1,192 @@
+"""A throwaway certificate authority for the demo and the tests.
+
+`make demo` and the security tests run the planes with mutual TLS like
+production; this makes the files they need: a CA, a server certificate for the
+control plane and client certificates for proxies and operators, plus the
+bootstrap and admin tokens. Production certificates come from the operator's
+PKI (the Helm chart generates its own or takes existing secrets).
+
+    python -m ponto.pki DIR     # writes DIR/{ca,server,proxy,admin}.{crt,key} and tokens
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ponto.writefile import write_atomic
+
+VALIDITY = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Paths of everything a secured local fleet needs."""
+
+    directory: Path
+
+    def path(self, name: str) -> str:
+        return str(self.directory / name)
+
+    @property
+    def ca(self) -> str:
+        return self.path("ca.crt")
+
+    @property
+    def bootstrap_token_file(self) -> str:
+        return self.path("bootstrap.token")
+
+    @property
+    def admin_token_file(self) -> str:
+        return self.path("admin.token")
+
+    def control_args(self) -> list[str]:
+        return [
+            "--tls-cert", self.path("server.crt"), "--tls-key", self.path("server.key"),
+            "--tls-client-ca", self.ca,
+            "--bootstrap-token-file", self.bootstrap_token_file,
+            "--admin-token-file", self.admin_token_file,
+        ]  # fmt: skip
+
+    def proxy_args(self) -> list[str]:
+        return [
+            "--tls-ca", self.ca, "--tls-cert", self.path("proxy.crt"),
+            "--tls-key", self.path("proxy.key"),
+            "--bootstrap-token-file", self.bootstrap_token_file,
+        ]  # fmt: skip
+
+    def admin_args(self) -> list[str]:
+        return [
+            "--tls-ca", self.ca, "--tls-cert", self.path("admin.crt"),
+            "--tls-key", self.path("admin.key"),
+            "--admin-token-file", self.admin_token_file,
+        ]  # fmt: skip
+
+    def admin_env(self) -> dict[str, str]:
+        return {
+            "PONTO_TLS_CA": self.ca,
+            "PONTO_TLS_CERT": self.path("admin.crt"),
+            "PONTO_TLS_KEY": self.path("admin.key"),
+            "PONTO_ADMIN_TOKEN_FILE": self.admin_token_file,
+        }
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Ponto (throwaway)"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    *,
+    ca: bool = False,
+    server_names: tuple[str, ...] = (),
+    client: bool = False,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, issuer_key = issuer or (_name(subject), key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )  # fmt: skip
+    if server_names:
+        alt: list[x509.GeneralName] = []
+        for n in server_names:
+            try:
+                alt.append(x509.IPAddress(ipaddress.ip_address(n)))
+            except ValueError:
+                alt.append(x509.DNSName(n))
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+    usages = []
+    if server_names:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    if client:
+        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_bundle(
+    directory: Path, server_names: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
+) -> Bundle:
+    """Write a CA, certificates and tokens into directory (mode 0600 keys)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key = _key()
+    ca = _cert("ponto-demo-ca", ca_key, None, ca=True)
+    issuer = (ca.subject, ca_key)
+
+    def save(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        write_atomic(directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
+        write_atomic(directory / f"{name}.key", _pem_key(key))
+        (directory / f"{name}.key").chmod(0o600)
+
+    save("ca", ca, ca_key)
+    server_key = _key()
+    save(
+        "server", _cert("ponto-control", server_key, issuer, server_names=server_names), server_key
+    )
+    for role in ("proxy", "admin"):
+        k = _key()
+        save(role, _cert(f"ponto-{role}", k, issuer, client=True), k)
+    for token in ("bootstrap", "admin"):
+        path = directory / f"{token}.token"
+        write_atomic(path, (secrets.token_urlsafe(32) + "\n").encode())
+        path.chmod(0o600)
+    return Bundle(directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m ponto.pki DIR", file=sys.stderr)  # noqa: T201
+        return 2
+    bundle = make_bundle(Path(args[0]))
+    print(f"wrote a throwaway CA, certificates and tokens to {bundle.directory}")  # noqa: T201
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

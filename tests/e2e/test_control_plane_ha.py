@@ -1,0 +1,221 @@
+"""Issue 6 with real processes: three replicas, leader failover, trust between the planes.
+
+The fleet is secured as in production (mutual TLS, bootstrap and admin tokens).
+Proxies know all three replica addresses; clients load them throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ponto.fleet import Fleet, RegionDef
+from ponto.grpcconn import ClientOptions, admin_channel, read_secret
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import routing_pb2 as pb
+from ponto.v1 import routing_pb2_grpc
+from tests.e2e.load import SteadyLoad
+
+pytestmark = pytest.mark.e2e
+
+LEADER_TTL = 3
+REPLICAS = ("cp-1", "cp-2", "cp-3")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with Fleet(tmp_path) as f:
+        f.secure()
+        f.start_etcd()
+        for name in REPLICAS:
+            f.start_control(name, extra=["--leader-ttl", str(LEADER_TTL), "--lease-ttl", "4"])
+        f.add_region(RegionDef("us-east", 38.9, -77.4))
+        f.start_origin("o1", "us-east")
+        f.add_origin("o1", "us-east", f.origin_url("o1"))
+        version = f.table_version(origins=1)
+        for proxy in ("p1", "p2"):
+            f.start_proxy(proxy, "us-east")
+        f.wait_proxies_at(version)
+        yield f
+
+
+def leader(fleet: Fleet) -> str:
+    return str(fleet.admin().ListControlPlanes(apb.ListRequest(), timeout=5).leader)
+
+
+def wait_leader(fleet: Fleet, other_than: str, timeout: float) -> tuple[str, float]:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        try:
+            now = leader(fleet)
+        except grpc.RpcError:
+            now = ""
+        if now and now != other_than:
+            return now, time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"no new leader within {timeout}s")
+
+
+def test_replicas_are_listed_with_one_leader(fleet: Fleet) -> None:
+    resp = fleet.admin().ListControlPlanes(apb.ListRequest(), timeout=5)
+    assert sorted(r.id for r in resp.replicas) == sorted(REPLICAS)
+    assert [r.id for r in resp.replicas if r.leader] == [resp.leader]
+
+
+def test_killing_the_leader_hands_over_within_the_ttl_and_no_request_fails(
+    fleet: Fleet,
+) -> None:
+    old = leader(fleet)
+    urls = [fleet.proxy_url(p) + "/chat/completions" for p in ("p1", "p2")]
+    with SteadyLoad(urls[0]) as load1, SteadyLoad(urls[1]) as load2:
+        time.sleep(0.3)
+        fleet.controls[old].kill()
+        new, took = wait_leader(fleet, old, timeout=LEADER_TTL + 5)
+        time.sleep(0.5)
+    assert took <= LEADER_TTL + 1.5, took
+    assert new in REPLICAS and new != old
+    codes = load1.codes + load2.codes
+    assert len(codes) > 40
+    assert set(codes) == {200}, [c for c in codes if c != 200][:5]
+
+
+def test_killing_a_replica_moves_its_proxies_without_client_errors(fleet: Fleet) -> None:
+    proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    victim = proxies[0].control_plane_id
+    moved = {p.info.name for p in proxies if p.control_plane_id == victim}
+    with SteadyLoad(fleet.proxy_url("p1") + "/chat/completions") as load:
+        fleet.controls[victim].kill()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                now = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+                homes = {p.info.name: p.control_plane_id for p in now}
+                if all(homes.get(n) not in (None, victim) for n in moved):
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("proxies did not move to a live replica")
+    assert set(load.codes) == {200}
+    # A change made now still reaches every proxy.
+    fleet.admin().DrainOrigin(apb.DrainRequest(name="o1", drained=True), timeout=5)
+    fleet.wait_proxies_at(fleet.wait_table(lambda t: t.origins[0].drained))
+
+
+def test_a_table_a_proxy_cannot_use_is_nacked_and_the_old_one_serves(fleet: Fleet) -> None:
+    before = fleet.proxy_status("p1")["route_table_version"]
+    # The control plane accepts the path; the proxies cannot read the file.
+    jwt = pb.JwtIssuer(issuer="https://x.example", jwks_file="/nonexistent/jwks.json")
+    fleet.admin().PutTenant(
+        apb.PutTenantRequest(tenant=pb.Tenant(name="broken", jwt=jwt)), timeout=5
+    )
+    bad = fleet.wait_table(lambda t: any(x.name == "broken" for x in t.tenants))
+    deadline = time.monotonic() + 10
+    errors: dict[str, str] = {}
+    while time.monotonic() < deadline and len(errors) < 2:
+        listed = fleet.admin().ListProxies(apb.ListRequest(), timeout=5)
+        errors = {p.info.name: p.last_error for p in listed.proxies if p.last_error}
+        time.sleep(0.1)
+    assert set(errors) == {"p1", "p2"}, errors
+    assert all("jwks" in e.lower() for e in errors.values()), errors
+    status = fleet.proxy_status("p1")
+    assert status["route_table_version"] == before != bad
+    r = httpx.post(
+        fleet.proxy_url("p1") + "/chat/completions",
+        json={"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
+    assert r.status_code == 200
+    metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    assert "ponto_route_table_nacks 1.0" in metrics
+    # Fixing the state lets the next table through.
+    fleet.admin().DeleteTenant(apb.DeleteRequest(name="broken"), timeout=5)
+    fleet.wait_proxies_at(fleet.wait_table(lambda t: not t.tenants))
+
+
+def _address(fleet: Fleet) -> str:
+    return next(m.address for m in fleet.controls.values() if m.alive())
+
+
+def test_calls_without_the_right_credential_are_refused(fleet: Fleet) -> None:
+    b = fleet.security
+    assert b is not None
+    address = _address(fleet)
+    proxy_creds = ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key"))
+    bootstrap = read_secret(b.bootstrap_token_file, "bootstrap token")
+    info = pb.ProxyInfo(name="intruder", region="us-east", address="1.2.3.4:1")
+
+    # mTLS but no bootstrap token: cannot register.
+    with admin_channel(address, proxy_creds) as ch:
+        routing = routing_pb2_grpc.RoutingStub(ch)
+        with pytest.raises(grpc.RpcError) as no_token:
+            routing.Register(pb.RegisterRequest(proxy=info), timeout=5)
+        assert no_token.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # A wrong token is no better.
+        with pytest.raises(grpc.RpcError) as wrong:
+            routing.Register(
+                pb.RegisterRequest(proxy=info),
+                timeout=5,
+                metadata=(("authorization", "Bearer not-the-token"),),
+            )
+        assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The proxy credential cannot call the Admin API.
+        admin = admin_pb2_grpc.AdminStub(ch)
+        with pytest.raises(grpc.RpcError) as denied:
+            admin.ListKeys(
+                apb.ListKeysRequest(),
+                timeout=5,
+                metadata=(("authorization", f"Bearer {bootstrap}"),),
+            )
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as anonymous:
+            admin.DrainRegion(apb.DrainRequest(name="us-east", drained=True), timeout=5)
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health checking stays open for probes (over the mTLS channel).
+        health = health_pb2_grpc.HealthStub(ch)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert "intruder" not in {
+        p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    }
+
+    # No client certificate: the TLS handshake fails, whatever the token.
+    with admin_channel(address, ClientOptions(b.ca, token=bootstrap)) as ch:
+        with pytest.raises(grpc.RpcError) as no_cert:
+            routing_pb2_grpc.RoutingStub(ch).Register(pb.RegisterRequest(proxy=info), timeout=5)
+        assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Plaintext against a TLS server fails too.
+    with grpc.insecure_channel(address) as ch:
+        with pytest.raises(grpc.RpcError) as plain:
+            admin_pb2_grpc.AdminStub(ch).ListKeys(apb.ListKeysRequest(), timeout=5)
+        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_proxy_without_the_bootstrap_token_never_joins(fleet: Fleet) -> None:
+    b = fleet.security
+    assert b is not None
+    empty = fleet.workdir / "empty.token"
+    empty.write_text("wrong-token\n")
+    fleet.start_proxy(
+        "rogue",
+        "us-east",
+        extra=["--bootstrap-token-file", str(empty)],
+    )
+    time.sleep(1.5)
+    names = {p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies}
+    assert "rogue" not in names
+    status = fleet.proxy_status("rogue")
+    assert status["route_table_version"] == 0
+    assert "UNAUTHENTICATED" in (fleet.workdir / "rogue.log").read_text()
+    assert (
+        Path(b.bootstrap_token_file).read_text().strip()
+        not in (fleet.workdir / "rogue.log").read_text()
+    )

@@ -1,0 +1,686 @@
+"""The Helm chart (charts/ponto): what its schema refuses and what it renders.
+
+The renders are parsed with PyYAML and checked object by object; the flags the
+chart passes are parsed by the same argument parsers the binaries use, so a flag
+renamed on one side fails here. `make helm-check` also lints the chart and
+validates both renders against the Kubernetes 1.30 schemas.
+
+Helm is the binary `make helm` installs (.cache/helm/helm). When it is missing the
+session fetches it with the same script, so nothing here is ever skipped.
+"""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from controlplane import apply as topology_apply
+from controlplane import cli as pontoctl
+from controlplane import settings as control_settings
+from dataplane import settings as proxy_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ponto"
+THREE_REGIONS = CHART / "ci" / "three-regions-values.yaml"
+HELM_DIR = ROOT / ".cache" / "helm"
+KUBE_VERSION = "1.30.0"
+REGIONS = ("us-east", "eu-west", "ap-southeast")
+
+Doc = dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    binary = HELM_DIR / "helm"
+    if not binary.is_file():
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "fetch_helm.py"), str(HELM_DIR)], check=True
+        )
+    return binary
+
+
+def template(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            str(helm),
+            "template",
+            "ponto",
+            str(CHART),
+            "--namespace",
+            "ponto",
+            "--kube-version",
+            KUBE_VERSION,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+def render(helm: Path, *args: str) -> list[Doc]:
+    out = template(helm, *args)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def refused(helm: Path, *args: str) -> str:
+    """Render that must fail; returns Helm's message."""
+    out = template(helm, *args)
+    assert out.returncode != 0, "the render should have been refused"
+    assert out.stdout == ""
+    return out.stderr
+
+
+def values_file(tmp_path: Path, values: Doc) -> str:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def objects(docs: list[Doc], kind: str) -> dict[str, Doc]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def one(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = objects(docs, kind)
+    assert name in found, f"no {kind} {name}; have {sorted(found)}"
+    return found[name]
+
+
+def pod_spec(workload: Doc) -> Doc:
+    spec: Doc = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def container(workload: Doc) -> Doc:
+    containers = pod_spec(workload)["containers"]
+    assert len(containers) == 1
+    c: Doc = containers[0]
+    return c
+
+
+def flags(c: Doc) -> dict[str, str]:
+    out = {}
+    for arg in c["args"]:
+        if arg.startswith("--") and "=" in arg:
+            name, _, value = arg.partition("=")
+            out[name] = value
+    return out
+
+
+def volume(workload: Doc, name: str) -> Doc:
+    vols = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+    assert name in vols, f"no volume {name}; have {sorted(vols)}"
+    v: Doc = vols[name]
+    return v
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def workloads(docs: list[Doc]) -> Iterator[Doc]:
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            yield d
+
+
+@pytest.fixture(scope="module")
+def default(helm: Path) -> list[Doc]:
+    return render(helm)
+
+
+@pytest.fixture(scope="module")
+def three(helm: Path) -> list[Doc]:
+    return render(helm, "-f", str(THREE_REGIONS))
+
+
+# ---------------------------------------------------------------- the schema
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"controlPlane": {"replicas": "two"}}, "controlPlane.replicas"),
+        ({"tls": {"enabled": "yes"}}, "tls.enabled"),
+        (
+            {"proxy": {"regions": [{"name": "us-east", "lat": "38.9", "lon": -77.4}]}},
+            "proxy.regions.0.lat",
+        ),
+        ({"etcd": {"replicas": 2}}, "etcd.replicas"),
+    ],
+)
+def test_schema_refuses_a_wrong_type(helm: Path, tmp_path: Path, values: Doc, where: str) -> None:
+    message = refused(helm, "-f", values_file(tmp_path, values))
+    assert "values don't meet the specifications of the schema" in message
+    assert where in message
+
+
+def test_schema_refuses_a_wrong_type_given_with_set(helm: Path) -> None:
+    message = refused(helm, "--set-string", "controlPlane.replicas=2")
+    assert "controlPlane.replicas: Invalid type. Expected: integer, given: string" in message
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"controlPlane": {"replicaz": 2}}, "replicaz"),
+        ({"etcdd": {"enabled": True}}, "etcdd"),
+        (
+            {"proxy": {"regions": [{"name": "us-east", "lat": 1, "lon": 2, "zone": "a"}]}},
+            "zone",
+        ),
+        # The topology takes pontoctl's own spelling; the values' camelCase is a typo there.
+        (
+            {
+                "topology": {
+                    "origins": [
+                        {
+                            "name": "o",
+                            "region": "us-east",
+                            "url": "http://o:8000/v1",
+                            "models": ["m"],
+                            "credentialEnv": "KEY",
+                        }
+                    ]
+                }
+            },
+            "credentialEnv",
+        ),
+        ({"proxy": {"resources": {"requests": {"cpu": "1"}, "limit": {}}}}, "limit"),
+    ],
+)
+def test_schema_refuses_an_unknown_key(helm: Path, tmp_path: Path, values: Doc, key: str) -> None:
+    message = refused(helm, "-f", values_file(tmp_path, values))
+    assert f"Additional property {key} is not allowed" in message
+
+
+def test_lint_is_strict_clean(helm: Path) -> None:
+    for extra in ([], ["-f", str(THREE_REGIONS)]):
+        out = subprocess.run(
+            [str(helm), "lint", "--strict", str(CHART), *extra],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------- proxies
+
+
+def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
+    deployments = {n for n in objects(three, "Deployment") if n.startswith("ponto-proxy-")}
+    services = {n for n in objects(three, "Service") if n.startswith("ponto-proxy-")}
+    assert deployments == {f"ponto-proxy-{r}" for r in REGIONS}
+    assert services == deployments
+    for region in REGIONS:
+        name = f"ponto-proxy-{region}"
+        deployment = one(three, "Deployment", name)
+        c = container(deployment)
+        assert c["command"] == ["ponto-proxy"]
+        f = flags(c)
+        assert f["--region"] == region
+        assert f["--name"] == "$(POD_NAME)"
+        assert f["--control-plane"] == "ponto-control.ponto.svc:7000"
+        assert f["--listen"] == "0.0.0.0:8080"
+        assert f["--state-dir"] == "/var/lib/ponto"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        pods = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pods["ponto.io/region"] == region
+        assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
+        service = one(three, "Service", name)
+        assert matches(service["spec"]["selector"], pods)
+        assert service["spec"]["selector"]["ponto.io/region"] == region
+        assert service["spec"]["ports"] == [
+            {
+                "name": "http",
+                "port": 80,
+                "targetPort": "http",
+                "protocol": "TCP",
+                "appProtocol": "http",
+            }
+        ]
+        # GeoIP needs the client's address: a LoadBalancer must not SNAT it away.
+        assert service["spec"]["type"] == "LoadBalancer"
+        assert service["spec"]["externalTrafficPolicy"] == "Local"
+
+
+def test_regions_take_their_own_settings(three: list[Doc]) -> None:
+    use = one(three, "Deployment", "ponto-proxy-us-east")
+    assert flags(container(use))["--advertise"] == "https://us-east.llm.example.com"
+    assert pod_spec(use)["nodeSelector"] == {"topology.kubernetes.io/region": "us-east-1"}
+    assert flags(container(use))["--trusted-proxies"] == "10.0.0.0/8"
+    svc = one(three, "Service", "ponto-proxy-us-east")
+    assert svc["metadata"]["annotations"] == {
+        "service.beta.kubernetes.io/aws-load-balancer-type": "nlb"
+    }
+
+    euw = one(three, "Deployment", "ponto-proxy-eu-west")
+    terms = pod_spec(euw)["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["eu-west-1"]
+
+    aps = one(three, "Deployment", "ponto-proxy-ap-southeast")
+    assert pod_spec(aps)["tolerations"][0]["value"] == "edge"
+    assert flags(container(aps))["--trusted-proxies"] == "172.16.0.0/12"
+    assert flags(container(aps))["--advertise"] == "http://ponto-proxy-ap-southeast.ponto.svc:80"
+
+
+def test_default_values_run_one_region_with_fixed_replicas(default: list[Doc]) -> None:
+    proxies = {n: d for n, d in objects(default, "Deployment").items() if "proxy" in n}
+    assert list(proxies) == ["ponto-proxy-us-east"]
+    assert proxies["ponto-proxy-us-east"]["spec"]["replicas"] == 2
+    assert one(default, "Service", "ponto-proxy-us-east")["spec"]["type"] == "ClusterIP"
+
+
+def test_origin_credentials_come_from_secrets(three: list[Doc]) -> None:
+    env = {e["name"]: e for e in container(one(three, "Deployment", "ponto-proxy-eu-west"))["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["ORIGIN_USE1_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "origin-keys",
+        "key": "use1",
+    }
+    assert "value" not in env["ORIGIN_EUW1_KEY"]
+
+
+def test_hpa_only_when_enabled(default: list[Doc], three: list[Doc]) -> None:
+    assert objects(default, "HorizontalPodAutoscaler") == {}
+    hpas = objects(three, "HorizontalPodAutoscaler")
+    assert set(hpas) == {f"ponto-proxy-{r}" for r in REGIONS}
+    for name, hpa in hpas.items():
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": name,
+        }
+        target = hpa["spec"]["metrics"][0]["resource"]
+        assert target == {
+            "name": "cpu",
+            "target": {"type": "Utilization", "averageUtilization": 65},
+        }
+        # The HPA owns the replica count; the Deployment must not fight it.
+        assert "replicas" not in one(three, "Deployment", name)["spec"]
+    assert (
+        hpas["ponto-proxy-us-east"]["spec"]["minReplicas"],
+        hpas["ponto-proxy-us-east"]["spec"]["maxReplicas"],
+    ) == (3, 12)
+    assert (
+        hpas["ponto-proxy-eu-west"]["spec"]["minReplicas"],
+        hpas["ponto-proxy-eu-west"]["spec"]["maxReplicas"],
+    ) == (2, 8)
+
+
+def test_service_monitor_only_when_enabled(default: list[Doc], three: list[Doc]) -> None:
+    assert objects(default, "ServiceMonitor") == {}
+    monitor = one(three, "ServiceMonitor", "ponto-proxy")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    selected = [
+        n
+        for n, s in objects(three, "Service").items()
+        if matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert sorted(selected) == sorted(f"ponto-proxy-{r}" for r in REGIONS)
+
+
+def test_geoip_database_is_a_mounted_volume(default: list[Doc], three: list[Doc]) -> None:
+    for region in REGIONS:
+        deployment = one(three, "Deployment", f"ponto-proxy-{region}")
+        assert volume(deployment, "geoip")["persistentVolumeClaim"] == {
+            "claimName": "geoip",
+            "readOnly": True,
+        }
+        c = container(deployment)
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "geoip")
+        assert (mount["mountPath"], mount["readOnly"]) == ("/geoip", True)
+        assert flags(c)["--geoip-db"] == "/geoip/dbip-city-lite.mmdb"
+    plain = one(default, "Deployment", "ponto-proxy-us-east")
+    assert "--geoip-db" not in flags(container(plain))
+    assert all(v["name"] != "geoip" for v in pod_spec(plain)["volumes"])
+
+
+def test_geoip_without_a_volume_is_refused(helm: Path) -> None:
+    assert "geoip.volume" in refused(helm, "--set", "geoip.enabled=true")
+
+
+# ---------------------------------------------------------------- control plane
+
+
+def test_control_plane_replicas_pdb_and_anti_affinity(three: list[Doc]) -> None:
+    deployment = one(three, "Deployment", "ponto-control")
+    assert deployment["spec"]["replicas"] == 2
+    c = container(deployment)
+    assert c["command"] == ["ponto-control"]
+    f = flags(c)
+    assert f["--listen"] == "0.0.0.0:7000"
+    assert f["--id"] == "$(POD_NAME)"
+    assert f["--etcd"] == "ponto-etcd.ponto.svc:2379"
+    pods = deployment["spec"]["template"]["metadata"]["labels"]
+    pdb = one(three, "PodDisruptionBudget", "ponto-control")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert matches(pdb["spec"]["selector"]["matchLabels"], pods)
+    anti = pod_spec(deployment)["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert matches(term["labelSelector"]["matchLabels"], pods)
+    service = one(three, "Service", "ponto-control")
+    assert service["spec"]["ports"][0]["port"] == 7000
+    assert matches(service["spec"]["selector"], pods)
+
+
+def test_hard_anti_affinity(helm: Path) -> None:
+    docs = render(helm, "--set", "controlPlane.antiAffinity=hard")
+    anti = pod_spec(one(docs, "Deployment", "ponto-control"))["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+
+
+def test_control_plane_grpc_probes(helm: Path, default: list[Doc]) -> None:
+    # The kubelet's native gRPC probes, with or without TLS: they use the
+    # plaintext health-only port, since they cannot present a client certificate.
+    for docs in (default, render(helm, "--set", "tls.enabled=false")):
+        c = container(one(docs, "Deployment", "ponto-control"))
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": 7001}
+        assert "--health-listen=0.0.0.0:7001" in c["args"]
+        assert {"name": "health", "containerPort": 7001, "protocol": "TCP"} in c["ports"]
+
+
+# ---------------------------------------------------------------- etcd
+
+
+def test_etcd_statefulset_with_three_members_and_volumes(three: list[Doc]) -> None:
+    sts = one(three, "StatefulSet", "ponto-etcd")
+    assert sts["spec"]["replicas"] == 3
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["serviceName"] == "ponto-etcd-peer"
+    c = container(sts)
+    assert c["image"].startswith("gcr.io/etcd-development/etcd:v3.5.")
+    f = flags(c)
+    assert f["--initial-cluster"].split(",") == [
+        f"ponto-etcd-{i}=http://ponto-etcd-{i}.ponto-etcd-peer.ponto.svc:2380" for i in range(3)
+    ]
+    assert f["--data-dir"].startswith("/var/lib/etcd/")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    assert {"name": "data", "mountPath": "/var/lib/etcd"} in c["volumeMounts"]
+    peers = one(three, "Service", "ponto-etcd-peer")
+    assert peers["spec"]["clusterIP"] == "None"
+    assert peers["spec"]["publishNotReadyAddresses"] is True
+    pods = sts["spec"]["template"]["metadata"]["labels"]
+    assert matches(one(three, "Service", "ponto-etcd")["spec"]["selector"], pods)
+    assert matches(
+        one(three, "PodDisruptionBudget", "ponto-etcd")["spec"]["selector"]["matchLabels"], pods
+    )
+    policy = one(three, "NetworkPolicy", "ponto-etcd")
+    clients = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    control_pods = one(three, "Deployment", "ponto-control")["spec"]["template"]["metadata"]
+    assert matches(clients, control_pods["labels"])
+
+
+def test_external_etcd(helm: Path) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "etcd.enabled=false",
+        "--set",
+        "etcd.external.endpoints={etcd-a.db:2379,etcd-b.db:2379}",
+    )
+    assert objects(docs, "StatefulSet") == {}
+    f = flags(container(one(docs, "Deployment", "ponto-control")))
+    assert f["--etcd"] == "etcd-a.db:2379,etcd-b.db:2379"
+    assert "etcd.external.endpoints" in refused(helm, "--set", "etcd.enabled=false")
+
+
+# ---------------------------------------------------------------- secrets and accounts
+
+
+def _certificate(secret: Doc, key: str = "tls.crt") -> x509.Certificate:
+    return x509.load_pem_x509_certificate(base64.b64decode(secret["data"][key]))
+
+
+def test_generated_secrets(three: list[Doc]) -> None:
+    secrets = objects(three, "Secret")
+    assert set(secrets) == {
+        "ponto-tokens",
+        "ponto-ca",
+        "ponto-control-tls",
+        "ponto-proxy-tls",
+        "ponto-admin-tls",
+    }
+    tokens = {k: base64.b64decode(v).decode() for k, v in secrets["ponto-tokens"]["data"].items()}
+    assert set(tokens) == {"admin-token", "bootstrap-token"}
+    assert all(len(t) == 48 and t.isalnum() for t in tokens.values())
+    assert tokens["admin-token"] != tokens["bootstrap-token"]
+
+    ca = _certificate(secrets["ponto-ca"])
+    for name in ("ponto-control-tls", "ponto-proxy-tls", "ponto-admin-tls"):
+        secret = secrets[name]
+        assert secret["type"] == "kubernetes.io/tls"
+        assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+        assert _certificate(secret, "ca.crt") == ca
+        leaf = _certificate(secret)
+        leaf.verify_directly_issued_by(ca)
+        usages = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert ExtendedKeyUsageOID.CLIENT_AUTH in usages
+    server = _certificate(secrets["ponto-control-tls"])
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"ponto-control.ponto.svc", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
+
+
+def test_each_pod_mounts_only_its_own_credentials(three: list[Doc]) -> None:
+    control = one(three, "Deployment", "ponto-control")
+    assert volume(control, "tls")["secret"]["secretName"] == "ponto-control-tls"
+    assert [i["key"] for i in volume(control, "tokens")["secret"]["items"]] == [
+        "admin-token",
+        "bootstrap-token",
+    ]
+    for region in REGIONS:
+        proxy = one(three, "Deployment", f"ponto-proxy-{region}")
+        assert volume(proxy, "tls")["secret"]["secretName"] == "ponto-proxy-tls"
+        assert [i["key"] for i in volume(proxy, "tokens")["secret"]["items"]] == ["bootstrap-token"]
+    job = one(three, "Job", "ponto-topology")
+    assert volume(job, "tls")["secret"]["secretName"] == "ponto-admin-tls"
+    assert [i["key"] for i in volume(job, "tokens")["secret"]["items"]] == ["admin-token"]
+
+
+def test_secret_checksums_roll_pods_on_new_material(three: list[Doc]) -> None:
+    sums = {
+        one(three, "Deployment", f"ponto-proxy-{r}")["spec"]["template"]["metadata"]["annotations"][
+            "checksum/secrets"
+        ]
+        for r in REGIONS
+    }
+    assert len(sums) == 1
+    control = one(three, "Deployment", "ponto-control")["spec"]["template"]["metadata"]
+    assert control["annotations"]["checksum/secrets"] not in sums
+
+
+def test_given_credentials_are_used(helm: Path) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "auth.existingSecret=my-tokens",
+        "--set",
+        "tls.existingSecrets.controlPlane=cp-cert,tls.existingSecrets.proxy=px-cert",
+        "--set",
+        "tls.existingSecrets.admin=adm-cert",
+    )
+    assert objects(docs, "Secret") == {}
+    assert volume(one(docs, "Deployment", "ponto-control"), "tls")["secret"]["secretName"] == (
+        "cp-cert"
+    )
+    proxy = one(docs, "Deployment", "ponto-proxy-us-east")
+    assert volume(proxy, "tls")["secret"]["secretName"] == "px-cert"
+    assert volume(proxy, "tokens")["secret"]["secretName"] == "my-tokens"
+    assert volume(one(docs, "Job", "ponto-topology"), "tls")["secret"]["secretName"] == "adm-cert"
+
+    given = render(helm, "--set", "auth.adminToken=admin-secret-value")
+    data = one(given, "Secret", "ponto-tokens")["data"]
+    assert base64.b64decode(data["admin-token"]) == b"admin-secret-value"
+
+    message = refused(helm, "--set", "tls.existingSecrets.proxy=px-cert")
+    assert "give all of controlPlane, proxy and admin" in message
+
+
+def test_least_privilege_service_accounts(three: list[Doc]) -> None:
+    accounts = objects(three, "ServiceAccount")
+    assert set(accounts) == {"ponto-control", "ponto-proxy", "ponto-etcd", "ponto-topology"}
+    assert all(a["automountServiceAccountToken"] is False for a in accounts.values())
+    assert not [d for d in three if d["kind"] in ("Role", "ClusterRole", "RoleBinding")]
+    for w in workloads(three):
+        spec = pod_spec(w)
+        assert spec["serviceAccountName"] in accounts
+        assert spec["automountServiceAccountToken"] is False
+    assert pod_spec(one(three, "Deployment", "ponto-control"))["serviceAccountName"] == (
+        "ponto-control"
+    )
+
+
+def test_every_container_has_requests_limits_and_a_locked_down_context(three: list[Doc]) -> None:
+    seen = 0
+    for w in workloads(three):
+        spec = pod_spec(w)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for c in spec["containers"]:
+            seen += 1
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), (w["metadata"]["name"], part)
+            ctx = c["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["readOnlyRootFilesystem"] is True
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+    assert seen == 6  # control plane, etcd, three proxies, the topology job
+
+
+# ---------------------------------------------------------------- topology
+
+
+def test_topology_is_what_pontoctl_apply_accepts(three: list[Doc]) -> None:
+    text = one(three, "ConfigMap", "ponto-topology")["data"]["topology.yaml"]
+    desired = topology_apply.parse(yaml.safe_load(text))
+    regions, origins, tenants = desired.regions, desired.origins, desired.tenants
+    by_name = {r.name: r for r in regions}
+    assert list(by_name) == [*REGIONS, "us-west"]
+    assert (by_name["us-east"].latitude, by_name["us-east"].longitude) == (38.9, -77.4)
+    assert dict(by_name["us-east"].rtt_ms) == {"eu-west": 75.0, "ap-southeast": 215.0}
+    assert by_name["us-east"].spill_threshold == pytest.approx(0.8)
+    assert by_name["ap-southeast"].drained is True
+    assert by_name["eu-west"].drained is False
+    assert [o.name for o in origins] == ["vllm-use1", "vllm-euw1", "tgi-usw2"]
+    assert origins[0].credential_env == "ORIGIN_USE1_KEY"
+    assert [t.name for t in tenants] == ["acme", "globex"]
+
+
+def test_topology_leaves_out_empty_sections(default: list[Doc]) -> None:
+    doc = yaml.safe_load(one(default, "ConfigMap", "ponto-topology")["data"]["topology.yaml"])
+    assert doc == {"regions": [{"name": "us-east", "lat": 38.9, "lon": -77.4}]}
+
+
+def test_topology_job_is_a_hook_with_the_admin_credential(three: list[Doc]) -> None:
+    job = one(three, "Job", "ponto-topology")
+    notes = job["metadata"]["annotations"]
+    assert notes["helm.sh/hook"] == "post-install,post-upgrade"
+    c = container(job)
+    assert c["command"] == ["pontoctl"]
+    args = pontoctl._parser().parse_args(c["args"])
+    assert args.command == "apply"
+    assert args.file == "/etc/ponto/topology/topology.yaml"
+    assert args.control_plane == "ponto-control.ponto.svc:7000"
+    assert args.admin_token_file == "/etc/ponto/tokens/admin-token"
+    assert (args.tls_ca, args.tls_cert) == ("/etc/ponto/tls/ca.crt", "/etc/ponto/tls/tls.crt")
+    assert args.prune is False
+    assert volume(job, "topology")["configMap"]["name"] == "ponto-topology"
+
+
+@pytest.mark.parametrize(
+    ("values", "reason"),
+    [
+        (
+            {"topology": {"extraRegions": [{"name": "us-east", "lat": 1, "lon": 1}]}},
+            'region "us-east" is listed twice',
+        ),
+        (
+            {
+                "topology": {
+                    "origins": [
+                        {"name": "o", "region": "mars", "url": "http://o/v1", "models": ["m"]}
+                    ]
+                }
+            },
+            'origin "o" is in region "mars"',
+        ),
+    ],
+)
+def test_inconsistent_topology_is_refused(
+    helm: Path, tmp_path: Path, values: Doc, reason: str
+) -> None:
+    assert reason in refused(helm, "-f", values_file(tmp_path, values))
+
+
+# ---------------------------------------------------------------- the binaries accept the flags
+
+
+def _materialise(docs: list[Doc], root: Path, workload: Doc) -> list[str]:
+    """The container's args with its mounted Secrets written under root."""
+    secrets = objects(docs, "Secret")
+    mounts = {m["name"]: m["mountPath"] for m in container(workload)["volumeMounts"]}
+    for v in pod_spec(workload)["volumes"]:
+        if "secret" not in v:
+            continue
+        data = secrets[v["secret"]["secretName"]]["data"]
+        keys = [i["key"] for i in v["secret"].get("items", [])] or list(data)
+        target = root / mounts[v["name"]].lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        for key in keys:
+            (target / key).write_bytes(base64.b64decode(data[key]))
+    args: list[str] = container(workload)["args"]
+    return [
+        a.replace("$(POD_NAME)", "pod-0")
+        .replace("=/etc/", f"={root}/etc/")
+        .replace("=/geoip/", f"={root}/geoip/")
+        .replace("=/var/", f"={root}/var/")
+        for a in args
+    ]
+
+
+def test_binaries_accept_the_rendered_flags(three: list[Doc], tmp_path: Path) -> None:
+    control = control_settings.parse(
+        _materialise(three, tmp_path, one(three, "Deployment", "ponto-control"))
+    )
+    assert control.replica_id == "pod-0"
+    assert control.etcd == ("ponto-etcd.ponto.svc:2379",)
+    assert control.lease_ttl == 10
+    assert control.leader_ttl == 5
+
+    geoip = tmp_path / "geoip" / "dbip-city-lite.mmdb"
+    geoip.parent.mkdir()
+    geoip.write_bytes(b"")
+    for region in REGIONS:
+        deployment = one(three, "Deployment", f"ponto-proxy-{region}")
+        proxy = proxy_settings.parse(_materialise(three, tmp_path, deployment))
+        assert proxy.region == region
+        assert proxy.control_plane == ("ponto-control.ponto.svc:7000",)
+        assert (proxy.listen_host, proxy.listen_port) == ("0.0.0.0", 8080)
+        assert proxy.geoip_db == geoip

@@ -1,0 +1,493 @@
+"""Cache entries: recording streams, judging answers, replaying either form."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from openai.types import Completion, CreateEmbeddingResponse
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from dataplane.cache.entry import (
+    DONE_FRAME,
+    CachedResponse,
+    ResponseKind,
+    StreamRecorder,
+    from_completion,
+    split_text,
+    to_completion,
+    to_sse_chunks,
+)
+from dataplane.upstream import sse_error_event
+
+NOW = 1000.0
+USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
+
+
+# ---------------------------------------------------------------------------
+# Builders of origin answers (the shapes OpenAI and vLLM send)
+
+
+def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "llama-3-8b",
+        "system_fingerprint": "fp_1",
+        "choices": choices,
+        **extra,
+    }
+
+
+def delta(d: dict[str, Any], *, index: int = 0, finish: str | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": d, "logprobs": None, "finish_reason": finish}
+
+
+def chat_stream(
+    pieces: list[str], *, finish: str = "stop", usage: bool = True, n: int = 1
+) -> list[dict[str, Any]]:
+    out = [chunk([delta({"role": "assistant", "content": ""}, index=i)]) for i in range(n)]
+    for piece in pieces:
+        out.extend(chunk([delta({"content": piece}, index=i)]) for i in range(n))
+    out.extend(chunk([delta({}, index=i, finish=finish)]) for i in range(n))
+    if usage:
+        out.append(chunk([], usage=USAGE))
+    return out
+
+
+def tool_stream() -> list[dict[str, Any]]:
+    def call(index: int, **fields: Any) -> dict[str, Any]:
+        return chunk([delta({"tool_calls": [{"index": index, **fields}]})])
+
+    return [
+        chunk([delta({"role": "assistant", "content": None})]),
+        call(0, id="call_a", type="function", function={"name": "weather", "arguments": ""}),
+        call(0, function={"arguments": '{"city": '}),
+        call(1, id="call_b", type="function", function={"name": "time", "arguments": '{"tz"'}),
+        call(0, function={"arguments": '"Paris"}'}),
+        call(1, function={"arguments": ': "CET"}'}),
+        chunk([delta({}, finish="tool_calls")]),
+    ]
+
+
+def sse(payloads: list[dict[str, Any]], *, eol: bytes = b"\n", done: bool = True) -> bytes:
+    out = b"".join(b"data: " + orjson.dumps(p) + eol + eol for p in payloads)
+    return out + (b"data: [DONE]" + eol + eol if done else b"")
+
+
+def chat_body(
+    content: str | None = "Paris is the capital.", *, finish: str = "stop", **message: Any
+) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-9",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "llama-3-8b",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "refusal": None, **message},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": USAGE,
+    }
+
+
+def record(data: bytes, **kwargs: Any) -> CachedResponse | None:
+    recorder = StreamRecorder(**kwargs)
+    recorder.feed(data)
+    return recorder.finish(now=NOW)
+
+
+def recorded(data: bytes, **kwargs: Any) -> CachedResponse:
+    entry = record(data, **kwargs)
+    assert entry is not None
+    return entry
+
+
+def payloads_of(frames: list[bytes]) -> list[bytes]:
+    assert frames[-1] == DONE_FRAME
+    out = []
+    for f in frames[:-1]:
+        assert f.startswith(b"data: ") and f.endswith(b"\n\n") and b"\n" not in f[:-2]
+        out.append(f[6:-2])
+    return out
+
+
+def chunks_validate(frames: list[bytes]) -> list[ChatCompletionChunk]:
+    return [ChatCompletionChunk.model_validate_json(p) for p in payloads_of(frames)]
+
+
+# ---------------------------------------------------------------------------
+# Recording
+
+
+def test_records_a_complete_stream_chunk_by_chunk() -> None:
+    events = chat_stream(["Paris", " is", " the capital."])
+    entry = recorded(sse(events))
+    assert entry.streamed and entry.kind is ResponseKind.CHAT
+    assert entry.model == "llama-3-8b" and entry.created_at == NOW
+    assert entry.chunks == tuple(orjson.dumps(e) for e in events)
+    assert entry.usage_only == frozenset({len(events) - 1})
+    assert entry.size > sum(len(c) for c in entry.chunks)
+
+
+SPLIT_STREAM = (
+    b": keep-alive\r\n\r\n"
+    + sse(chat_stream(["Hel", "lo ", "wor", "ld"])[:2], eol=b"\r\n", done=False)
+    # A payload over two data lines, CR line endings, a comment inside an event.
+    + b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,\r'
+    + b": a comment\r"
+    + b'data: "model":"m","choices":[{"index":0,"delta":{"content":"!"},"finish_reason":null}]}\r\r'
+    + b"event: message\n"
+    + sse(chat_stream(["x"])[2:], done=False)
+    + b"id: 7\nretry: 10\n\n"
+    + b"data:[DONE]\n\n"
+)
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(SPLIT_STREAM)), max_size=30))
+def test_recording_does_not_depend_on_how_bytes_are_split(cuts: list[int]) -> None:
+    whole = recorded(SPLIT_STREAM)
+    recorder = StreamRecorder()
+    points = [0, *sorted(cuts), len(SPLIT_STREAM)]
+    for a, b in itertools.pairwise(points):
+        recorder.feed(SPLIT_STREAM[a:b])
+    assert recorder.finish(now=NOW) == whole
+    assert whole.chunks is not None and len(whole.chunks) == 5
+    # The two-line payload is stored as one compact line.
+    assert orjson.loads(whole.chunks[2])["choices"][0]["delta"] == {"content": "!"}
+
+
+@given(data=st.data())
+def test_every_byte_split_of_a_crlf_stream(data: st.DataObject) -> None:
+    raw = sse(chat_stream(["a", "b"], usage=False), eol=b"\r\n")
+    cut = data.draw(st.integers(min_value=0, max_value=len(raw)))
+    recorder = StreamRecorder()
+    recorder.feed(raw[:cut])
+    recorder.feed(raw[cut:])
+    entry = recorder.finish(now=NOW)
+    assert entry is not None and entry.chunks is not None and len(entry.chunks) == 4
+
+
+def test_byte_by_byte() -> None:
+    raw = sse(tool_stream(), eol=b"\r\n")
+    recorder = StreamRecorder()
+    for i in range(len(raw)):
+        recorder.feed(raw[i : i + 1])
+    assert recorder.finish(now=NOW) == recorded(raw)
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (sse(chat_stream(["a"]), done=False), "no [DONE]"),
+        (sse(chat_stream(["a"])[:2]), "a choice has no finish_reason"),
+        (
+            sse(chat_stream(["a"])[:2], done=False) + sse_error_event("origin failed"),
+            "an error object",
+        ),
+        (sse(chat_stream(["a"])[:2]) + b"event: error\ndata: {}\n\n", "an error event"),
+        (sse(chat_stream(["a"], finish="length")), "finish_reason 'length'"),
+        (sse(chat_stream(["a"], finish="content_filter")), "finish_reason 'content_filter'"),
+        (sse(chat_stream(["a"], finish="abort")), "finish_reason 'abort'"),
+        (b"data: {not json}\n\n" + DONE_FRAME, "a chunk that is not JSON"),
+        (b"data: [1]\n\n" + DONE_FRAME, "a chunk that is not a JSON object"),
+        (b'data: {"object":"x"}\n\n' + DONE_FRAME, "a chunk without a list of choices"),
+        (DONE_FRAME, "no chunks"),
+        (b"", "no [DONE]"),
+        (sse(chat_stream(["a"]), done=False) + b"data: {", "the stream ended inside an event"),
+    ],
+)
+def test_incomplete_or_failed_streams_are_not_kept(raw: bytes, reason: str) -> None:
+    recorder = StreamRecorder()
+    recorder.feed(raw)
+    assert recorder.finish(now=NOW) is None
+    assert recorder.reason == reason
+
+
+def test_truncated_answers_are_kept_only_when_the_tenant_says_so() -> None:
+    raw = sse(chat_stream(["a"], finish="length"))
+    assert record(raw) is None
+    assert record(raw, store_truncated=True) is not None
+    assert record(sse(chat_stream(["a"], finish="content_filter")), store_truncated=True) is None
+
+
+def test_every_choice_must_finish() -> None:
+    events = chat_stream(["a", "b"], n=2)
+    assert record(sse(events)) is not None
+    unfinished = [e for e in events if e["choices"] != [delta({}, index=1, finish="stop")]]
+    assert record(sse(unfinished)) is None
+
+
+def test_a_last_done_without_its_blank_line_is_accepted() -> None:
+    raw = sse(chat_stream(["a"]), done=False) + b"data: [DONE]"
+    assert record(raw) is not None
+    assert record(raw + b"\r") is not None
+
+
+def test_recording_stops_past_max_bytes() -> None:
+    raw = sse(chat_stream(["x" * 100] * 50))
+    recorder = StreamRecorder(max_bytes=2000)
+    recorder.feed(raw)
+    assert recorder.finish(now=NOW) is None
+    assert recorder.reason == "larger than 2000 bytes"
+    assert record(raw, max_bytes=1_000_000) is not None
+
+
+def test_chunks_after_done_are_ignored() -> None:
+    raw = sse(chat_stream(["a"])) + b'data: {"error": {"message": "late"}}\n\n'
+    assert record(raw) == recorded(sse(chat_stream(["a"])))
+
+
+# ---------------------------------------------------------------------------
+# Replaying a stream
+
+
+def test_a_stream_replays_as_recorded_and_parses_with_the_openai_sdk() -> None:
+    events = chat_stream(["Paris", " is", " the capital."])
+    raw = sse(events)
+    entry = recorded(raw)
+    frames = to_sse_chunks(entry, include_usage=True)
+    assert b"".join(frames) == raw
+    parsed = chunks_validate(frames)
+    assert parsed[-1].usage is not None and parsed[-1].usage.total_tokens == 13
+    # Without include_usage the usage-only chunk (no choices) is left out.
+    frames = to_sse_chunks(entry, include_usage=False)
+    assert len(frames) == len(events)
+    assert all(c.choices for c in chunks_validate(frames))
+
+
+def test_a_stream_answers_a_non_streaming_request() -> None:
+    entry = recorded(sse(chat_stream(["Paris", " is", " the capital."])))
+    body = to_completion(entry)
+    completion = ChatCompletion.model_validate_json(body)
+    assert completion.id == "chatcmpl-1" and completion.object == "chat.completion"
+    assert completion.model == "llama-3-8b" and completion.system_fingerprint == "fp_1"
+    (choice,) = completion.choices
+    assert choice.message.content == "Paris is the capital."
+    assert choice.message.role == "assistant" and choice.finish_reason == "stop"
+    assert completion.usage is not None and completion.usage.prompt_tokens == 9
+
+
+def test_tool_calls_are_assembled_by_index() -> None:
+    entry = recorded(sse(tool_stream()))
+    completion = ChatCompletion.model_validate_json(to_completion(entry))
+    message = completion.choices[0].message
+    assert message.content is None
+    assert message.tool_calls is not None
+    calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]  # type: ignore[union-attr]
+    assert calls == [
+        ("call_a", "weather", '{"city": "Paris"}'),
+        ("call_b", "time", '{"tz": "CET"}'),
+    ]
+    assert completion.choices[0].finish_reason == "tool_calls"
+    assert completion.usage is None
+
+
+def test_several_choices_are_assembled_apart() -> None:
+    entry = recorded(sse(chat_stream(["a", "b", "c"], n=3)))
+    completion = ChatCompletion.model_validate_json(to_completion(entry))
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert {c.message.content for c in completion.choices} == {"abc"}
+
+
+def test_reasoning_and_logprobs_are_assembled() -> None:
+    def lp(token: str) -> dict[str, Any]:
+        return {"content": [{"token": token, "logprob": -0.1, "bytes": None, "top_logprobs": []}]}
+
+    events = [
+        chunk([delta({"role": "assistant", "reasoning_content": "Think"})]),
+        chunk([delta({"reasoning_content": "ing."})]),
+        chunk([{**delta({"content": "Hi"}), "logprobs": lp("Hi")}]),
+        chunk([{**delta({"content": "!"}), "logprobs": lp("!")}]),
+        chunk([delta({}, finish="stop")]),
+    ]
+    body = orjson.loads(to_completion(recorded(sse(events))))
+    choice = body["choices"][0]
+    assert choice["message"]["reasoning_content"] == "Thinking."
+    assert choice["message"]["content"] == "Hi!"
+    assert [t["token"] for t in choice["logprobs"]["content"]] == ["Hi", "!"]
+    ChatCompletion.model_validate(body)
+
+
+# ---------------------------------------------------------------------------
+# Non-streamed answers
+
+
+def test_a_completion_body_is_kept_and_returned_as_is() -> None:
+    raw = orjson.dumps(chat_body())
+    entry = from_completion(raw, now=NOW)
+    assert entry is not None and not entry.streamed
+    assert entry.kind is ResponseKind.CHAT and entry.model == "llama-3-8b"
+    assert to_completion(entry) is raw
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[]",
+        orjson.dumps({"error": {"message": "overloaded"}}),
+        orjson.dumps(chat_body(finish="length")),
+        orjson.dumps(chat_body(finish="content_filter")),
+        orjson.dumps({**chat_body(), "choices": []}),
+        orjson.dumps({**chat_body(), "choices": [{"index": 0, "message": {}}]}),
+        orjson.dumps({"object": "something"}),
+    ],
+)
+def test_bodies_that_are_not_kept(body: bytes) -> None:
+    assert from_completion(body, now=NOW) is None
+
+
+def test_completion_bounds() -> None:
+    raw = orjson.dumps(chat_body(finish="length"))
+    assert from_completion(raw, now=NOW, store_truncated=True) is not None
+    assert from_completion(orjson.dumps(chat_body()), now=NOW, max_bytes=100) is None
+
+
+def test_a_completion_replays_as_several_chunks() -> None:
+    content = "The capital of France is Paris, which is also its largest city."
+    entry = from_completion(orjson.dumps(chat_body(content)), now=NOW)
+    assert entry is not None
+    frames = to_sse_chunks(entry, include_usage=False)
+    parsed = chunks_validate(frames)
+    assert len(parsed) >= 5
+    assert parsed[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content or "" for c in parsed]
+    assert "".join(pieces) == content
+    assert sum(1 for p in pieces if p) >= 3
+    assert parsed[-1].choices[0].finish_reason == "stop"
+    assert all(c.id == "chatcmpl-9" and c.usage is None for c in parsed)
+    with_usage = chunks_validate(to_sse_chunks(entry, include_usage=True))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage is not None
+    assert len(with_usage) == len(parsed) + 1
+
+
+def test_a_completion_with_tool_calls_replays_them() -> None:
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+    ]
+    body = chat_body(None, finish="tool_calls", tool_calls=calls)
+    entry = from_completion(orjson.dumps(body), now=NOW)
+    assert entry is not None
+    frames = to_sse_chunks(entry, include_usage=True)
+    chunks_validate(frames)
+    again = recorded(b"".join(frames))
+    assert orjson.loads(to_completion(again)) == body
+
+
+@given(
+    content=st.text(max_size=200),
+    include_usage=st.booleans(),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_round_trip_completion_to_stream_to_completion(
+    content: str, include_usage: bool, finish: str
+) -> None:
+    body = chat_body(content, finish=finish)
+    entry = from_completion(orjson.dumps(body), now=NOW, store_truncated=True)
+    assert entry is not None
+    frames = to_sse_chunks(entry, include_usage=include_usage)
+    chunks_validate(frames)
+    back = orjson.loads(to_completion(recorded(b"".join(frames), store_truncated=True)))
+    if not include_usage:
+        body = {k: v for k, v in body.items() if k != "usage"}
+    assert back == body
+    ChatCompletion.model_validate(back)
+
+
+@given(pieces=st.lists(st.text(max_size=12), max_size=12), n=st.integers(1, 3))
+def test_round_trip_stream_to_completion_to_stream(pieces: list[str], n: int) -> None:
+    first = recorded(sse(chat_stream(pieces, n=n)))
+    completion = to_completion(first)
+    ChatCompletion.model_validate_json(completion)
+    entry = from_completion(completion, now=NOW)
+    assert entry is not None
+    frames = to_sse_chunks(entry, include_usage=True)
+    chunks_validate(frames)
+    second = recorded(b"".join(frames))
+    assert orjson.loads(to_completion(second)) == orjson.loads(completion)
+
+
+def test_text_completions_stream_and_body() -> None:
+    def text_chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [choice],
+        }
+
+    events = [text_chunk(" once"), text_chunk(" upon"), text_chunk(" a time", "stop")]
+    entry = recorded(sse(events))
+    assert entry.kind is ResponseKind.TEXT
+    completion = Completion.model_validate_json(to_completion(entry))
+    assert completion.choices[0].text == " once upon a time"
+    assert completion.choices[0].finish_reason == "stop"
+
+    body_entry = from_completion(to_completion(entry), now=NOW)
+    assert body_entry is not None and body_entry.kind is ResponseKind.TEXT
+    frames = to_sse_chunks(body_entry, include_usage=False)
+    parsed = [orjson.loads(p) for p in payloads_of(frames)]
+    assert len(parsed) >= 2
+    assert "".join(c["choices"][0]["text"] for c in parsed) == " once upon a time"
+    # The SDK builds stream chunks without validation (finish_reason is null until
+    # the last); the last one validates as a Completion.
+    assert Completion.model_validate(parsed[-1]).choices[0].finish_reason == "stop"
+    assert all(c["object"] == "text_completion" and c["id"] == "cmpl-1" for c in parsed)
+
+
+def test_embeddings_are_kept_but_never_streamed() -> None:
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [0.1, -0.2]}],
+        "model": "minilm",
+        "usage": {"prompt_tokens": 2, "total_tokens": 2},
+    }
+    entry = from_completion(orjson.dumps(body), now=NOW)
+    assert entry is not None and entry.kind is ResponseKind.EMBEDDINGS
+    CreateEmbeddingResponse.model_validate_json(to_completion(entry))
+    with pytest.raises(ValueError):
+        to_sse_chunks(entry, include_usage=False)
+
+
+def test_an_entry_holds_exactly_one_form() -> None:
+    with pytest.raises(ValueError):
+        CachedResponse(kind=ResponseKind.CHAT, created_at=0, model="m")
+    with pytest.raises(ValueError):
+        CachedResponse(kind=ResponseKind.CHAT, created_at=0, model="m", body=b"{}", chunks=())
+
+
+@given(text=st.text(max_size=300))
+def test_split_text_keeps_every_character(text: str) -> None:
+    pieces = split_text(text)
+    assert "".join(pieces) == text
+    assert all(len(p) >= 16 for p in pieces[:-1])
+    assert all(p for p in pieces)
+
+
+def test_split_text_cuts_on_whitespace() -> None:
+    assert split_text("one two three four five six seven") == [
+        "one two three four",
+        " five six seven",
+    ]
+
+
+def test_a_usage_chunk_without_choices_is_usage_only() -> None:
+    events = [*chat_stream(["a"], usage=False), {"id": "chatcmpl-1", "usage": USAGE}]
+    entry = recorded(sse(events))
+    assert entry.usage_only == frozenset({len(events) - 1})
+    assert len(to_sse_chunks(entry, include_usage=False)) == len(events)
+    body = ChatCompletion.model_validate_json(to_completion(entry))
+    assert body.usage is not None and body.usage.total_tokens == 13

@@ -1,0 +1,438 @@
+"""Cache keys: equal requests give equal keys, and any change to the output does not."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from dataplane.cache.keys import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    NON_AFFECTING,
+    UncacheableRequest,
+    cache_key,
+    canonical_request,
+    context_hash,
+    last_user_text,
+    normalise_text,
+)
+
+# ---------------------------------------------------------------------------
+# Strategies
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+# Words that NFKC leaves alone and that hold no whitespace, so that only the
+# separators between them vary.
+word = st.text(
+    alphabet=st.characters(codec="utf-8", categories=["Lu", "Ll", "Nd", "Po", "Sm"]),
+    min_size=1,
+    max_size=8,
+).filter(lambda w: normalise_text(w) == w)
+words = st.lists(word, min_size=1, max_size=8)
+whitespace = st.text(alphabet=" \t\n\r\u00a0\u2003\u3000\x0b\x0c", min_size=1, max_size=4)
+
+# Two values of every listed output-affecting parameter that must give
+# different keys (their canonical JSON differs).
+PARAM_VALUES: dict[str, tuple[Any, Any]] = {
+    "temperature": (0, 0.7),
+    "top_p": (1, 0.9),
+    "max_tokens": (16, 17),
+    "max_completion_tokens": (100, 200),
+    "seed": (1, 2),
+    "stop": (["\n"], ["\n\n"]),
+    "tools": (
+        [{"type": "function", "function": {"name": "a", "parameters": {}}}],
+        [{"type": "function", "function": {"name": "b", "parameters": {}}}],
+    ),
+    "tool_choice": ("auto", "none"),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"}, {"type": "json_object"}),
+    "n": (1, 2),
+    "logprobs": (True, False),
+    "top_logprobs": (1, 5),
+    "presence_penalty": (0, 0.5),
+    "frequency_penalty": (0, 0.5),
+    "logit_bias": ({"50256": -100}, {"50256": 100}),
+    "reasoning_effort": ("low", "high"),
+    "modalities": (["text"], ["text", "audio"]),
+    "service_tier": ("auto", "flex"),
+    "top_k": (1, 40),  # a vLLM extension: unknown parameters count
+    "guided_json": ({"type": "object"}, {"type": "array"}),
+}
+
+
+def chat(**params: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "client-alias",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+    }
+    body.update(params)
+    return body
+
+
+def key(body: dict[str, Any], *, endpoint: str = CHAT, tenant: str = "t1", model: str = "m") -> str:
+    return cache_key(endpoint, body, tenant=tenant, model=model)
+
+
+def reorder(value: Any, rnd: random.Random) -> Any:
+    """The same JSON value with every object's keys in another order."""
+    if isinstance(value, dict):
+        items = list(value.items())
+        rnd.shuffle(items)
+        return {k: reorder(v, rnd) for k, v in items}
+    if isinstance(value, list):
+        return [reorder(v, rnd) for v in value]
+    return value
+
+
+def json_eq(a: Any, b: Any) -> bool:
+    """Equality as JSON means it: 1 == 1.0, but true != 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_eq(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_eq(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+# ---------------------------------------------------------------------------
+# Equal requests, equal keys
+
+
+@given(body=st.dictionaries(st.text(max_size=6), json_values, max_size=6), seed=st.integers())
+def test_key_ignores_object_key_order(body: dict[str, Any], seed: int) -> None:
+    body = {**body, "messages": [{"role": "user", "content": "hi", "name": "x"}]}
+    shuffled = reorder(body, random.Random(seed))
+    assert key(body) == key(shuffled)
+
+
+@given(body=st.dictionaries(st.text(max_size=6), json_values, max_size=6))
+def test_key_survives_a_json_round_trip(body: dict[str, Any]) -> None:
+    assert key(body) == key(orjson.loads(orjson.dumps(body)))
+
+
+def test_integral_floats_equal_ints_and_negative_zero_equals_zero() -> None:
+    assert key(chat(temperature=0)) == key(chat(temperature=0.0)) == key(chat(temperature=-0.0))
+    assert key(chat(top_p=1)) == key(chat(top_p=1.0))
+    assert key(chat(logit_bias={"1": 5})) == key(chat(logit_bias={"1": 5.0}))
+    assert key(chat(temperature=0)) != key(chat(temperature=1e-9))
+    # Booleans are not numbers in JSON.
+    assert key(chat(logprobs=True)) != key(chat(logprobs=1))
+
+
+@given(
+    words=words,
+    seps=st.lists(whitespace, min_size=9, max_size=9),
+    pad=st.tuples(whitespace, whitespace),
+)
+def test_key_ignores_whitespace_in_message_text(
+    words: list[str], seps: list[str], pad: tuple[str, str]
+) -> None:
+    plain = " ".join(words)
+    spaced = pad[0] + "".join(w + s for w, s in zip(words, seps, strict=False)) + pad[1]
+    assert normalise_text(spaced) == plain
+    a = chat(messages=[{"role": "user", "content": plain}])
+    b = chat(messages=[{"role": "user", "content": spaced}])
+    assert key(a) == key(b)
+    # Also inside a text part, and in system and assistant turns.
+    for role in ("system", "developer", "assistant", "user"):
+        a = chat(messages=[{"role": role, "content": [{"type": "text", "text": plain}]}])
+        b = chat(messages=[{"role": role, "content": [{"type": "text", "text": spaced}]}])
+        assert key(a) == key(b)
+
+
+@given(
+    text=st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCXYZ0123456789!?", min_size=1, max_size=30)
+)
+def test_key_ignores_compatibility_forms(text: str) -> None:
+    fullwidth = "".join(chr(ord(c) + 0xFEE0) for c in text)  # fullwidth forms
+    assert normalise_text(fullwidth) == text
+    a = chat(messages=[{"role": "user", "content": text}])
+    b = chat(messages=[{"role": "user", "content": fullwidth}])
+    assert key(a) == key(b)
+
+
+def test_nfkc_examples() -> None:
+    assert normalise_text("\ufb01le\u00a0 \u2116\uff11") == "file No1"
+    assert normalise_text("  \n\t ") == ""
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("stream", True),
+        ("stream_options", {"include_usage": True}),
+        ("user", "someone"),
+        ("metadata", {"a": "b"}),
+        ("store", True),
+        ("safety_identifier", "x"),
+        ("prompt_cache_key", "k"),
+        ("model", "another-alias"),
+        ("temperature", None),  # null is the default, as when absent
+    ],
+)
+def test_parameters_that_do_not_change_the_answer(name: str, value: Any) -> None:
+    assert key(chat(**{name: value})) == key(chat())
+
+
+def test_stream_flag_does_not_change_the_key() -> None:
+    assert key(chat(stream=True, stream_options={"include_usage": True})) == key(chat(stream=False))
+
+
+# ---------------------------------------------------------------------------
+# Any output-affecting change, another key
+
+
+@pytest.mark.parametrize("name", sorted(PARAM_VALUES))
+def test_every_listed_parameter_changes_the_key(name: str) -> None:
+    a, b = PARAM_VALUES[name]
+    assert name not in NON_AFFECTING
+    assert key(chat(**{name: a})) != key(chat(**{name: b}))
+    assert key(chat(**{name: a})) != key(chat())
+
+
+# A small domain, so that random pairs often hold equal values.
+small = st.sampled_from([0, 0.0, 1, 1.0, 0.5, True, False, "a", "b", [], {}, [1], [1.0], {"x": 1}])
+param_name = st.sampled_from(
+    ["temperature", "top_p", "seed", "stop", "n", "tools", "x_unknown", "stream", "user"]
+)
+
+
+@settings(max_examples=300)
+@given(
+    a=st.dictionaries(param_name, small | st.none(), max_size=4),
+    b=st.dictionaries(param_name, small | st.none(), max_size=4),
+)
+def test_keys_are_equal_exactly_when_the_parameters_are(
+    a: dict[str, Any], b: dict[str, Any]
+) -> None:
+    def significant(p: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in p.items() if k not in NON_AFFECTING and v is not None}
+
+    assert (key(chat(**a)) == key(chat(**b))) == json_eq(significant(a), significant(b))
+
+
+@given(name=st.text(min_size=1, max_size=12), value=json_values)
+def test_unknown_parameters_are_part_of_the_key(name: str, value: Any) -> None:
+    assume(name not in NON_AFFECTING and name not in chat() and value is not None)
+    assert key(chat(**{name: value})) != key(chat())
+
+
+@given(a=st.text(max_size=20), b=st.text(max_size=20))
+def test_different_message_text_gives_a_different_key(a: str, b: str) -> None:
+    assume(normalise_text(a) != normalise_text(b))
+    ka = key(chat(messages=[{"role": "user", "content": a}]))
+    kb = key(chat(messages=[{"role": "user", "content": b}]))
+    assert ka != kb
+
+
+def test_tenant_model_and_endpoint_are_part_of_the_key() -> None:
+    body = {"model": "m", "input": "hello"}
+    assert key(body, tenant="a") != key(body, tenant="b")
+    assert key(body, model="m1") != key(body, model="m2")
+    assert key(body, endpoint=EMBEDDINGS) != key(body, endpoint=COMPLETIONS)
+
+
+def test_roles_names_and_turn_order_are_kept() -> None:
+    user = {"role": "user", "content": "hi"}
+    assert key(chat(messages=[user])) != key(chat(messages=[{**user, "role": "system"}]))
+    assert key(chat(messages=[user])) != key(chat(messages=[{**user, "name": "bob"}]))
+    assert key(chat(messages=[{**user, "name": "bob"}])) != key(
+        chat(messages=[{**user, "name": "Bob"}])
+    )
+    two = [user, {"role": "assistant", "content": "hello"}]
+    assert key(chat(messages=two)) != key(chat(messages=two[::-1]))
+    # A string and a list of one text part are kept apart (templates may differ).
+    assert key(chat(messages=[user])) != key(
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    )
+
+
+def test_tool_call_arguments_and_tool_results_are_exact() -> None:
+    def convo(arguments: str, result: str) -> dict[str, Any]:
+        return chat(
+            messages=[
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": arguments},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": result},
+            ]
+        )
+
+    base = key(convo('{"city": "Paris"}', "sunny  \n 21C"))
+    assert base == key(convo('{"city": "Paris"}', "sunny  \n 21C"))
+    assert base != key(convo('{"city":"Paris"}', "sunny  \n 21C"))
+    assert base != key(convo('{"city": "Paris"}', "sunny 21C"))
+    assert base != key(convo('{"city": "paris"}', "sunny  \n 21C"))
+
+
+def test_non_text_parts_are_exact() -> None:
+    def image(url: str) -> dict[str, Any]:
+        return chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ]
+        )
+
+    assert key(image("https://x/a.png")) != key(image("https://x/b.png"))
+    assert key(image("https://x/a.png")) != key(image("https://x/a.png "))
+
+
+def test_completion_prompts_and_embedding_inputs_are_exact() -> None:
+    for endpoint, field in ((COMPLETIONS, "prompt"), (EMBEDDINGS, "input")):
+        a = {"model": "m", field: "def f():\n    return 1"}
+        b = {"model": "m", field: "def f(): return 1"}
+        assert key(a, endpoint=endpoint) != key(b, endpoint=endpoint)
+
+
+def test_values_without_a_canonical_form_are_refused() -> None:
+    for bad in (float("nan"), float("inf"), 2**64, -(2**63) - 1, {1, 2}, b"x"):
+        with pytest.raises(UncacheableRequest):
+            key(chat(temperature=bad))
+    with pytest.raises(UncacheableRequest):
+        key(chat(logit_bias={1: 2}))
+
+
+def test_the_key_does_not_mutate_the_body() -> None:
+    body = chat(messages=[{"role": "user", "content": "  a  b "}], temperature=0.0)
+    before = copy.deepcopy(body)
+    key(body)
+    assert body == before
+    assert repr(body) == repr(before)
+
+
+def test_canonical_form_is_sorted_and_compact() -> None:
+    raw = canonical_request(
+        CHAT, {"b": 1.0, "a": [1.5, {"d": 0, "c": None}]}, tenant="t", model="m"
+    )
+    assert raw == (
+        b'{"body":{"a":[1.5,{"c":null,"d":0}],"b":1},"endpoint":"chat.completions",'
+        b'"model":"m","tenant":"t","v":1}'
+    )
+
+
+# ---------------------------------------------------------------------------
+# The semantic layer's helpers
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def test_context_hash_ignores_only_the_last_user_text() -> None:
+    a = [SYSTEM, {"role": "user", "content": "How do I reset my password?"}]
+    b = [SYSTEM, {"role": "user", "content": "how can I reset my password"}]
+    assert context_hash(a) == context_hash(b)
+    # Normalised like the key.
+    c = [{"role": "system", "content": "  Be   brief. "}, b[1]]
+    assert context_hash(a) == context_hash(c)
+
+
+def test_context_hash_changes_with_earlier_turns() -> None:
+    q = {"role": "user", "content": "and tomorrow?"}
+    paris = [
+        SYSTEM,
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Sunny."},
+        q,
+    ]
+    rome = [
+        SYSTEM,
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": "Sunny."},
+        q,
+    ]
+    assert context_hash(paris) != context_hash(rome)
+    assert context_hash(paris) != context_hash(paris[1:])
+
+
+def test_context_hash_covers_turns_after_the_last_user_message() -> None:
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+    user = {"role": "user", "content": "look it up"}
+    a = [user, call, {"role": "tool", "tool_call_id": "1", "content": "42"}]
+    b = [user, call, {"role": "tool", "tool_call_id": "1", "content": "43"}]
+    assert context_hash(a) != context_hash(b)
+    assert context_hash(a) != context_hash([user])
+
+
+def test_context_hash_covers_non_text_parts_of_the_last_user_message() -> None:
+    def with_image(url: str, text: str) -> list[dict[str, Any]]:
+        parts = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+        return [{"role": "user", "content": parts}]
+
+    assert context_hash(with_image("a", "what?")) == context_hash(with_image("a", "what is it?"))
+    assert context_hash(with_image("a", "what?")) != context_hash(with_image("b", "what?"))
+    assert last_user_text(with_image("a", "  what \n is it? ")) == "what is it?"
+
+
+def test_last_user_text() -> None:
+    assert last_user_text([SYSTEM]) is None
+    assert last_user_text([]) is None
+    assert last_user_text([{"role": "user", "content": None}]) is None
+    assert last_user_text([{"role": "user", "content": "   "}]) is None
+    msgs = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "\uff33econd\tquestion "},
+    ]
+    assert last_user_text(msgs) == "Second question"
+    two_parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert last_user_text(two_parts) == "a b"
+
+
+def test_forwarded_headers_are_part_of_the_key() -> None:
+    body = chat()
+    plain = cache_key(CHAT, body, tenant="t", model="m")
+    assert cache_key(CHAT, body, tenant="t", model="m", headers={}) == plain
+    a = cache_key(CHAT, body, tenant="t", model="m", headers={"X-Variant": "a", "X-B": "1"})
+    assert a == cache_key(CHAT, body, tenant="t", model="m", headers={"x-b": "1", "x-variant": "a"})
+    assert a != cache_key(CHAT, body, tenant="t", model="m", headers={"x-variant": "b", "x-b": "1"})
+    assert a != plain

@@ -1,0 +1,208 @@
+"""The exact store: LRU by bytes, TTLs, purges, eviction callbacks, and the contract
+every CacheStore must meet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from dataplane.cache.entry import CachedResponse, ResponseKind
+from dataplane.cache.store import (
+    SLOT_OVERHEAD,
+    CacheStore,
+    EvictReason,
+    ExactStore,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def entry(payload: int = 100, model: str = "m") -> CachedResponse:
+    return CachedResponse(kind=ResponseKind.CHAT, created_at=0, model=model, body=b"x" * payload)
+
+
+def cost(e: CachedResponse, key: str) -> int:
+    return e.size + len(key) + SLOT_OVERHEAD
+
+
+# ---------------------------------------------------------------------------
+# The contract: run against every implementation of CacheStore. A shared store
+# added later joins the `store` fixture's params.
+
+StoreFactory = Callable[[FakeClock], CacheStore]
+
+
+def _exact(clock: FakeClock) -> CacheStore:
+    return ExactStore(max_bytes=1 << 20, clock=clock)
+
+
+@pytest.fixture(params=[_exact], ids=["exact"])
+def make_store(request: pytest.FixtureRequest) -> StoreFactory:
+    factory: StoreFactory = request.param
+    return factory
+
+
+class TestContract:
+    async def test_get_put_replace_delete(self, make_store: StoreFactory) -> None:
+        store = make_store(FakeClock())
+        assert await store.get("k") is None
+        a, b = entry(10), entry(20)
+        assert await store.put("k", a, tenant="t", model="m", ttl_s=60)
+        assert await store.get("k") == a
+        assert await store.put("k", b, tenant="t", model="m", ttl_s=60)
+        assert await store.get("k") == b
+        assert await store.delete("k")
+        assert not await store.delete("k")
+        assert await store.get("k") is None
+
+    async def test_entries_expire_after_their_ttl(self, make_store: StoreFactory) -> None:
+        clock = FakeClock()
+        store = make_store(clock)
+        await store.put("short", entry(), tenant="t", model="m", ttl_s=10)
+        await store.put("long", entry(), tenant="t", model="m", ttl_s=100)
+        clock.advance(9.9)
+        assert await store.get("short") is not None
+        clock.advance(0.1)
+        assert await store.get("short") is None
+        assert await store.get("long") is not None
+        assert not await store.put("zero", entry(), tenant="t", model="m", ttl_s=0)
+        assert await store.get("zero") is None
+
+    async def test_purge_by_tenant_model_or_all(self, make_store: StoreFactory) -> None:
+        store = make_store(FakeClock())
+        for tenant in ("t1", "t2"):
+            for model in ("m1", "m2"):
+                await store.put(f"{tenant}/{model}", entry(), tenant=tenant, model=model, ttl_s=60)
+        assert await store.purge(tenant="t1", model="m1") == 1
+        assert await store.get("t1/m1") is None and await store.get("t1/m2") is not None
+        assert await store.purge(model="m2") == 2
+        assert await store.get("t2/m1") is not None
+        assert await store.purge(tenant="nobody") == 0
+        assert await store.purge(tenant="t2") == 1
+        await store.put("x", entry(), tenant="t3", model="m3", ttl_s=60)
+        assert await store.purge() == 1
+        assert store.stats.entries == 0 and store.stats.bytes == 0
+
+    async def test_stats_count_hits_and_misses(self, make_store: StoreFactory) -> None:
+        store = make_store(FakeClock())
+        await store.put("k", entry(), tenant="t", model="m", ttl_s=60)
+        await store.get("k")
+        await store.get("k")
+        await store.get("nope")
+        stats = store.stats
+        assert (stats.hits, stats.misses, stats.entries) == (2, 1, 1)
+        assert stats.bytes > 0
+
+
+# ---------------------------------------------------------------------------
+# ExactStore specifics
+
+
+async def test_lru_eviction_is_by_bytes_and_by_recency() -> None:
+    e = entry(1000)
+    evicted: list[tuple[str, EvictReason]] = []
+    store = ExactStore(
+        max_bytes=3 * cost(e, "k0"),
+        clock=FakeClock(),
+        on_evict=lambda key, why: evicted.append((key, why)),
+    )
+    for i in range(3):
+        await store.put(f"k{i}", e, tenant="t", model="m", ttl_s=60)
+    assert await store.get("k0") is not None  # k0 is now the most recent
+    await store.put("k3", e, tenant="t", model="m", ttl_s=60)
+    assert evicted == [("k1", EvictReason.LRU)]
+    assert await store.get("k1") is None
+    # One big entry pushes out as many as it needs.
+    big = entry(2000)
+    await store.put("big", big, tenant="t", model="m", ttl_s=60)
+    assert [k for k, _ in evicted] == ["k1", "k2", "k0"]
+    assert store.stats.evictions == 3
+    assert store.stats.bytes == cost(e, "k3") + cost(big, "big") <= store.stats.max_bytes
+    assert len(store) == 2
+
+
+async def test_too_large_entries_are_refused() -> None:
+    store = ExactStore(max_bytes=10_000, clock=FakeClock(), max_entry_bytes=2000)
+    assert not await store.put("k", entry(5000), tenant="t", model="m", ttl_s=60)
+    assert not await store.put("k", entry(20_000), tenant="t", model="m", ttl_s=60)
+    assert await store.put("k", entry(100), tenant="t", model="m", ttl_s=60)
+    assert store.stats.rejected == 2
+
+
+async def test_replacing_an_entry_adjusts_bytes_without_a_callback() -> None:
+    calls: list[str] = []
+    store = ExactStore(max_bytes=1 << 20, clock=FakeClock(), on_evict=lambda k, _: calls.append(k))
+    small, large = entry(10), entry(5000)
+    await store.put("k", large, tenant="t", model="m", ttl_s=60)
+    await store.put("k", small, tenant="t", model="m", ttl_s=60)
+    assert store.stats.bytes == cost(small, "k")
+    assert calls == []
+
+
+async def test_expired_entries_are_swept_on_put_and_reported() -> None:
+    clock = FakeClock()
+    calls: list[tuple[str, EvictReason]] = []
+    store = ExactStore(max_bytes=1 << 20, clock=clock, on_evict=lambda k, w: calls.append((k, w)))
+    await store.put("a", entry(), tenant="t", model="m", ttl_s=5)
+    await store.put("b", entry(), tenant="t", model="m", ttl_s=50)
+    clock.advance(10)
+    await store.put("c", entry(), tenant="t", model="m", ttl_s=5)
+    assert calls == [("a", EvictReason.EXPIRED)]
+    assert store.stats.entries == 2 and store.stats.expired == 1
+    clock.advance(10)
+    assert store.sweep() == 1
+    assert calls[-1] == ("c", EvictReason.EXPIRED)
+    assert store.sweep() == 0
+
+
+async def test_a_refreshed_entry_lives_for_its_new_ttl() -> None:
+    clock = FakeClock()
+    store = ExactStore(max_bytes=1 << 20, clock=clock)
+    await store.put("k", entry(), tenant="t", model="m", ttl_s=10)
+    clock.advance(8)
+    await store.put("k", entry(), tenant="t", model="m", ttl_s=10)
+    clock.advance(8)
+    assert store.sweep() == 0
+    assert await store.get("k") is not None
+
+
+async def test_the_expiry_heap_stays_bounded_under_replacement() -> None:
+    store = ExactStore(max_bytes=1 << 20, clock=FakeClock())
+    for _ in range(1000):
+        await store.put("k", entry(), tenant="t", model="m", ttl_s=60)
+    assert len(store._expiry) <= 2 * len(store) + 65
+
+
+async def test_purge_and_delete_report_to_the_callback() -> None:
+    calls: list[tuple[str, EvictReason]] = []
+    store = ExactStore(
+        max_bytes=1 << 20, clock=FakeClock(), on_evict=lambda k, w: calls.append((k, w))
+    )
+    await store.put("a", entry(), tenant="t", model="m", ttl_s=60)
+    await store.put("b", entry(), tenant="u", model="m", ttl_s=60)
+    await store.delete("a")
+    await store.purge(tenant="u")
+    assert calls == [("a", EvictReason.DELETED), ("b", EvictReason.PURGED)]
+    assert store.stats.purged == 1
+    # The per-tenant and per-model indexes leave nothing behind.
+    assert store._by_tenant == {} and store._by_model == {}
+
+
+def test_store_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        ExactStore(max_bytes=0, clock=FakeClock())
+
+
+def test_exact_store_satisfies_the_protocol() -> None:
+    store: CacheStore = ExactStore(max_bytes=1, clock=FakeClock())
+    assert store.stats.max_bytes == 1

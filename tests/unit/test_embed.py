@@ -1,0 +1,106 @@
+"""The Embedder contract, run against the real int8 MiniLM and the hashing fake."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from dataplane.cache.embed import Embedder, HashingEmbedder, MiniLmOnnxEmbedder
+
+_minilm: MiniLmOnnxEmbedder | None = None
+
+
+def minilm() -> MiniLmOnnxEmbedder:
+    # Loading the model takes about a second here; share one per test session.
+    global _minilm  # noqa: PLW0603
+    if _minilm is None:
+        _minilm = MiniLmOnnxEmbedder()
+    return _minilm
+
+
+@pytest.fixture(params=["minilm", "hashing"])
+def embedder(request: pytest.FixtureRequest) -> Iterator[Embedder]:
+    yield minilm() if request.param == "minilm" else HashingEmbedder()
+
+
+TEXTS = [
+    "how do I reset my password",
+    "I forgot my password, how can I reset it",
+    "what is the weather in Lisbon tomorrow",
+    "",
+    "a much longer text " * 20,
+]
+
+
+def test_shape_dtype_and_unit_norm(embedder: Embedder) -> None:
+    vecs = embedder.embed(TEXTS)
+    assert vecs.shape == (len(TEXTS), embedder.dim)
+    assert vecs.dtype == np.float32
+    assert vecs.flags.c_contiguous
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    assert embedder.embed([]).shape == (0, embedder.dim)
+
+
+def test_batch_equals_single(embedder: Embedder) -> None:
+    batch = embedder.embed(TEXTS)
+    for text, row in zip(TEXTS, batch, strict=True):
+        single = embedder.embed([text])[0]
+        assert float(single @ row) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_deterministic(embedder: Embedder) -> None:
+    np.testing.assert_allclose(embedder.embed(TEXTS[:2]), embedder.embed(TEXTS[:2]), atol=1e-6)
+
+
+def test_similar_sentences_score_higher_than_unrelated(embedder: Embedder) -> None:
+    a, b, c = embedder.embed(TEXTS[:3])
+    assert float(a @ b) > float(a @ c) + 0.2
+
+
+def test_thread_safe(embedder: Embedder) -> None:
+    expected = embedder.embed(TEXTS[:3])
+    failures: list[str] = []
+
+    def work() -> None:
+        for _ in range(5):
+            got = embedder.embed(TEXTS[:3])
+            if not np.allclose(got, expected, atol=1e-5):
+                failures.append("differs")
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_fits_short_texts(embedder: Embedder) -> None:
+    assert embedder.fits("cancel my order")
+
+
+def test_minilm_semantics_and_window() -> None:
+    e = minilm()
+    vecs = e.embed(
+        [
+            "cancel purchase 732201349959",
+            "cancel purchase 113542617735902",
+            "how do I cancel my order",
+            "what time is it in Tokyo",
+        ]
+    )
+    sims = vecs @ vecs.T
+    # The reason the entity check exists: different order ids score as near twins.
+    assert sims[0, 1] > 0.9
+    assert sims[0, 2] > sims[0, 3] + 0.3
+    assert e.dim == 384
+    assert not e.fits("word " * 300)  # past the 256 word-piece window
+    assert e.fits("word " * 100)
+
+
+def test_hashing_embedder_rejects_bad_parameters() -> None:
+    with pytest.raises(ValueError, match="dim"):
+        HashingEmbedder(dim=4)

@@ -1,0 +1,520 @@
+"""controlplane.quota: shares from demand, safe transitions, and a fleet simulation.
+
+The simulation runs three real RateLimiters and the real compute_shares on
+simulated time: Poisson clients per proxy, a leader rebalancing every second,
+shares reaching each proxy after its own propagation delay. It compares what
+the fleet admits with what one RateLimiter holding the whole limit admits
+from the same arrivals (docs/rate-limits.md, "Accuracy").
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.quota import changed_shares, compute_shares
+from dataplane.ratelimit import Admission, RateLimiter
+from ponto.quota_types import Demand, ScopeLimits, Share
+
+S = "t/acme"
+P3 = ["p0", "p1", "p2"]
+
+
+def fractions(shares: dict[str, dict[str, Share]], scope: str = S) -> list[float]:
+    return [shares[p][scope].fraction for p in sorted(shares)]
+
+
+def slots(shares: dict[str, dict[str, Share]], scope: str = S) -> list[int]:
+    return [shares[p][scope].concurrency for p in sorted(shares)]
+
+
+def rps(value: float, in_flight: int = 0, peak: int = 0) -> Demand:
+    return Demand(requests_per_s=value, concurrency_peak=peak, in_flight=in_flight)
+
+
+def settle(
+    limits: dict[str, ScopeLimits],
+    proxies: list[str],
+    demand: dict[str, dict[str, Demand]],
+    previous: dict[str, dict[str, Share]] | None = None,
+    rounds: int = 5,
+) -> dict[str, dict[str, Share]]:
+    """Rebalance `rounds` times with the same demand, as the leader would."""
+    shares = previous or {}
+    for _ in range(rounds):
+        shares = compute_shares(limits, proxies, demand, shares)
+    return shares
+
+
+# ---------------------------------------------------------------- allocation
+
+
+def test_idle_scope_is_split_evenly_and_unlimited_scopes_get_nothing() -> None:
+    limits = {S: ScopeLimits(rpm=600, concurrency=9), "t/free": ScopeLimits()}
+    shares = compute_shares(limits, P3, {}, {})
+    assert fractions(shares) == pytest.approx([1 / 3] * 3)
+    assert sum(fractions(shares)) <= 1
+    assert slots(shares) == [3, 3, 3]
+    assert all("t/free" not in row for row in shares.values())
+    assert compute_shares(limits, [], {}, {}) == {}
+
+
+def test_fractions_follow_demand_with_a_floor_for_idle_proxies() -> None:
+    limits = {S: ScopeLimits(rpm=600)}  # 10 requests per second
+    demand = {"p0": {S: rps(12.0)}, "p1": {S: rps(3.0)}}
+    f = fractions(settle(limits, P3, demand))
+    # Over-subscribed (15 of 10 per second): floors of 0.02, the rest 4:1.
+    assert f == pytest.approx([0.02 + 0.94 * 0.8, 0.02 + 0.94 * 0.2, 0.02], abs=1e-6)
+    assert sum(f) <= 1
+
+
+def test_spare_capacity_is_split_evenly_on_top_of_demand() -> None:
+    limits = {S: ScopeLimits(rpm=600)}
+    demand = {"p0": {S: rps(4.0)}}  # 0.4 of the limit; 0.6 to spare
+    f = fractions(settle(limits, P3, demand))
+    assert f == pytest.approx([0.02 + 0.94 * 0.6, 0.02 + 0.94 * 0.2, 0.02 + 0.94 * 0.2], abs=1e-6)
+
+
+def test_tokens_count_when_they_bind_harder_than_requests() -> None:
+    limits = {S: ScopeLimits(rpm=600, tpm=60_000)}
+    demand = {
+        "p0": {S: Demand(requests_per_s=9.0, tokens_per_s=100.0)},  # 0.9 requests, 0.1 tokens
+        "p1": {S: Demand(requests_per_s=1.0, tokens_per_s=2700.0)},  # 0.1, 2.7
+    }
+    f = fractions(settle(limits, ["p0", "p1"], demand))
+    assert f[0] == pytest.approx(0.02 + 0.96 * 0.9 / 3.6, abs=1e-6)
+
+
+def test_a_tiny_floor_per_proxy_in_a_large_fleet() -> None:
+    proxies = [f"p{i:02d}" for i in range(50)]
+    shares = compute_shares({S: ScopeLimits(rpm=600)}, proxies, {"p00": {S: rps(100.0)}}, {})
+    f = fractions(shares)
+    assert f[1] == pytest.approx(0.1 / 50, abs=1e-9)  # all floors together take 10 %
+    assert sum(f) <= 1
+
+
+def test_small_changes_are_not_published() -> None:
+    limits = {S: ScopeLimits(rpm=600, concurrency=10)}
+    before = settle(limits, P3, {p: {S: rps(5.0, peak=4)} for p in P3})
+    demand = {"p0": {S: rps(5.2, peak=4)}, "p1": {S: rps(4.9, peak=5)}, "p2": {S: rps(5.1, peak=4)}}
+    after = compute_shares(limits, P3, demand, before)
+    assert all(after[p][S] is before[p][S] for p in P3)
+    assert changed_shares(before, after) == {}
+
+
+def test_increases_wait_for_the_decreases_they_come_from() -> None:
+    limits = {S: ScopeLimits(rpm=600)}
+    even = settle(limits, P3, {})
+    demand = {"p0": {S: rps(30.0)}}
+    first = compute_shares(limits, P3, demand, even)
+    # The idle proxies shrink at once; p0 cannot grow yet: nothing was free.
+    assert fractions(first)[1] == pytest.approx(0.02, abs=1e-6)
+    assert fractions(first)[0] == fractions(even)[0]
+    assert sum(max(a, b) for a, b in zip(fractions(even), fractions(first), strict=True)) <= 1
+    second = compute_shares(limits, P3, demand, first)
+    assert fractions(second)[0] == pytest.approx(0.96, abs=1e-6)
+    assert changed_shares(first, second) == {"p0": {S: second["p0"][S]}}
+
+
+def test_overcommit_lets_small_increases_through_in_the_same_round() -> None:
+    limits = {S: ScopeLimits(rpm=600)}
+    even = settle(limits, P3, {})
+    demand = {"p0": {S: rps(30.0)}}
+    first = compute_shares(limits, P3, demand, even, overcommit=0.05)
+    assert fractions(first)[0] == pytest.approx(fractions(even)[0] + 0.05, abs=1e-6)
+    mix = [max(a, b) for a, b in zip(fractions(even), fractions(first), strict=True)]
+    assert 1 < sum(mix) <= 1.05
+    assert sum(fractions(first)) <= 1
+
+
+def test_a_departed_proxys_share_is_given_again_at_once() -> None:
+    limits = {S: ScopeLimits(rpm=600, concurrency=9)}
+    three = settle(limits, P3, {})
+    two = compute_shares(limits, ["p0", "p1"], {}, three)
+    assert fractions(two) == pytest.approx([0.5, 0.5])
+    assert slots(two) == [5, 4] or slots(two) == [4, 5]
+    assert sum(slots(two)) == 9
+
+
+def test_a_new_proxy_gets_its_share_once_others_have_shrunk() -> None:
+    limits = {S: ScopeLimits(rpm=600)}
+    two = settle(limits, ["p0", "p1"], {})
+    first = compute_shares(limits, P3, {}, two)
+    assert fractions(first) == pytest.approx([1 / 3, 1 / 3, 0.0])
+    second = compute_shares(limits, P3, {}, first)
+    assert fractions(second) == pytest.approx([1 / 3] * 3)
+
+
+def test_slots_by_largest_remainder_summing_to_the_limit() -> None:
+    limits = {S: ScopeLimits(concurrency=10)}
+    demand = {"p0": {S: rps(1.0, peak=9)}, "p1": {S: rps(1.0, peak=6)}, "p2": {S: rps(1.0, peak=5)}}
+    assert slots(settle(limits, P3, demand)) == [5, 3, 2]  # 4.5, 3, 2.5: ties to the name
+
+
+def test_an_idle_proxy_gets_no_slot_when_the_limit_is_below_the_fleet_size() -> None:
+    limits = {S: ScopeLimits(concurrency=2)}
+    demand = {"p1": {S: rps(1.0, peak=3)}, "p2": {S: rps(1.0, peak=1)}}
+    # Quotas 0, 1.5, 0.5: the tie between p1 and p2 goes to the name.
+    assert slots(settle(limits, P3, demand)) == [0, 2, 0]
+    assert slots(settle(limits, P3, {})) == [1, 1, 0]
+
+
+def test_a_valid_rounding_is_kept_to_avoid_churn() -> None:
+    limits = {S: ScopeLimits(concurrency=4)}
+    before = settle(limits, P3, {p: {S: rps(1.0, peak=1)} for p in P3})
+    assert slots(before) == [2, 1, 1]
+    # Quotas now 1.2, 1.6, 1.2: [1, 2, 1] from scratch, but [2, 1, 1] still rounds them.
+    demand = {"p0": {S: rps(1.0, peak=3)}, "p1": {S: rps(1.0, peak=4)}, "p2": {S: rps(1.0, peak=3)}}
+    assert slots(compute_shares(limits, P3, demand, {})) == [1, 2, 1]
+    assert compute_shares(limits, P3, demand, before) == before
+
+
+def test_saturated_proxies_keep_their_shares_through_noise() -> None:
+    limits = {S: ScopeLimits(rpm=600, concurrency=12)}
+    before = settle(limits, P3, {p: {S: rps(5.0, peak=8)} for p in P3})
+    # Every proxy wants more than its third: a 20 % swing moves only refusals.
+    noisy = {"p0": {S: rps(6.0, peak=9)}, "p1": {S: rps(4.2, peak=6)}, "p2": {S: rps(5.0, peak=8)}}
+    assert compute_shares(limits, P3, noisy, before) == before
+    # A proxy far below its target (a new client at an idle proxy) moves them.
+    starving = {**noisy, "p2": {S: rps(20.0, peak=30)}}
+    after = compute_shares(limits, P3, starving, before)
+    assert fractions(after)[0] < fractions(before)[0]
+    assert slots(after)[0] < slots(before)[0]
+
+
+def test_slots_still_held_in_flight_are_not_given_to_others() -> None:
+    limits = {S: ScopeLimits(concurrency=6)}
+    # p0 was cut from 3 slots to 0 but still has 3 requests in flight.
+    cut = {"p0": {S: Share(0.5, 0)}, "p1": {S: Share(0.5, 3)}}
+    demand = {"p0": {S: rps(0.0, in_flight=3, peak=3)}, "p1": {S: rps(9.0, in_flight=3, peak=30)}}
+    after = compute_shares(limits, ["p0", "p1"], demand, cut)
+    # p0's requests still hold 3 of the 6, so p1 cannot grow. p0's own slot
+    # (its quota 6 * 3/33 rounds up) costs nothing: it sits under those 3.
+    assert slots(after) == [1, 3]
+    demand["p0"] = {S: rps(0.0)}  # they have ended
+    later = compute_shares(limits, ["p0", "p1"], demand, after)
+    assert slots(later) == [0, 5]  # p0's last slot is freed only by this round
+    assert slots(compute_shares(limits, ["p0", "p1"], demand, later)) == [0, 6]
+
+
+# ---------------------------------------------------------------- properties
+
+proxy_names = st.lists(st.sampled_from([f"p{i}" for i in range(7)]), min_size=1, unique=True)
+demands = st.builds(
+    Demand,
+    requests_per_s=st.floats(0, 1e4),
+    tokens_per_s=st.floats(0, 1e7),
+    concurrency_peak=st.integers(0, 50),
+    in_flight=st.integers(0, 20),
+)
+scope_limits = st.builds(
+    ScopeLimits,
+    rpm=st.integers(0, 10_000),
+    tpm=st.integers(0, 10**7),
+    concurrency=st.integers(0, 40),
+)
+
+
+Round = tuple[
+    dict[str, ScopeLimits], list[str], dict[str, dict[str, Demand]], dict[str, dict[str, Share]]
+]
+
+
+@st.composite
+def rounds(draw: st.DrawFn) -> Round:
+    scopes = draw(st.lists(st.sampled_from(["t/a", "t/b", "k/1"]), min_size=1, unique=True))
+    limits = {s: draw(scope_limits) for s in scopes}
+    proxies = draw(proxy_names)
+    demand = {
+        p: {s: draw(demands) for s in scopes if draw(st.booleans())}
+        for p in proxies
+        if draw(st.booleans())
+    }
+    # A previous round the leader computed, possibly for another set of proxies.
+    old_proxies = draw(proxy_names)
+    old_demand = {p: {s: draw(demands) for s in scopes} for p in old_proxies}
+    previous = compute_shares(limits, old_proxies, old_demand, {})
+    return limits, proxies, demand, previous
+
+
+def held(share: Share | None, demand: Demand | None) -> int:
+    return max(share.concurrency if share else 0, demand.in_flight if demand else 0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(rounds(), st.sampled_from([0.0, 0.05]))
+def test_shares_never_exceed_the_limit_in_any_mix_of_old_and_new(
+    case: Round, overcommit: float
+) -> None:
+    limits, proxies, demand, previous = case
+    new = compute_shares(limits, proxies, demand, previous, overcommit=overcommit)
+    assert set(new) == set(proxies)
+    for scope, lim in limits.items():
+        if lim.unlimited:
+            assert all(scope not in new[p] for p in proxies)
+            continue
+        shares = [new[p][scope] for p in proxies]
+        olds = [previous.get(p, {}).get(scope) for p in proxies]
+        ds = [demand.get(p, {}).get(scope) for p in proxies]
+        assert sum(s.fraction for s in shares) <= 1
+        mix = [max(s.fraction, o.fraction if o else 0.0) for s, o in zip(shares, olds, strict=True)]
+        assert sum(mix) <= 1 + overcommit
+        if lim.concurrency:
+            assert sum(s.concurrency for s in shares) <= lim.concurrency
+            holding = [held(o, d) for o, d in zip(olds, ds, strict=True)]
+            if sum(holding) <= lim.concurrency:
+                mixed = sum(max(s.concurrency, h) for s, h in zip(shares, holding, strict=True))
+                assert mixed <= lim.concurrency
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    limits=scope_limits,
+    proxies=proxy_names,
+    junk=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 100)), min_size=7, max_size=7),
+)
+def test_even_an_inconsistent_previous_yields_valid_shares(
+    limits: ScopeLimits, proxies: list[str], junk: list[tuple[float, int]]
+) -> None:
+    previous = {p: {S: Share(f, c)} for p, (f, c) in zip(proxies, junk, strict=False)}
+    new = compute_shares({S: limits}, proxies, {}, previous)
+    if not limits.unlimited:
+        assert sum(new[p][S].fraction for p in proxies) <= 1
+        assert sum(new[p][S].concurrency for p in proxies) <= limits.concurrency
+
+
+# ---------------------------------------------------------------- simulation
+
+
+@dataclass
+class Scenario:
+    limits: ScopeLimits
+    rates: Callable[[int], Sequence[float]]  # arrivals/s per proxy during second t
+    delays: Sequence[float] = (0.05, 0.3, 0.8)  # leader -> proxy, each way
+    acked: bool = False  # previous = max(acknowledged, pushed since) instead of last pushed
+    est_tokens: int = 0
+    actual: tuple[int, int] = (0, 0)  # uniform range of a request's real total tokens
+    hold_s: tuple[float, float] = (0.2, 0.2)  # uniform range of a request's duration
+    warmup_s: int = 60  # idle at first, so that every bucket can fill
+    run_s: int = 600
+    seed: int = 7
+
+
+@dataclass
+class Outcome:
+    fleet: int = 0
+    single: int = 0
+    fleet_tokens: int = 0
+    single_tokens: int = 0
+    max_in_flight: int = 0
+    in_flight_area: float = 0.0  # integral of the fleet's in-flight count over time
+    single_area: float = 0.0  # the same for the single limiter
+    per_proxy: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+    @property
+    def ratio(self) -> float:
+        return self.fleet / self.single
+
+    @property
+    def token_ratio(self) -> float:
+        return self.fleet_tokens / self.single_tokens
+
+
+def arrivals(sc: Scenario, rng: random.Random) -> list[tuple[float, int, int, float]]:
+    """(time, proxy, actual tokens, duration) for every request, in time order."""
+    out = []
+    end = sc.warmup_s + sc.run_s
+    for proxy in range(3):
+        t = float(sc.warmup_s)
+        while t < end:
+            rate = sc.rates(int(t))[proxy]
+            boundary = math.floor(t) + 1.0
+            gap = rng.expovariate(rate) if rate > 0 else math.inf
+            if t + gap >= boundary:  # memoryless: start again at the next second
+                t = boundary
+                continue
+            t += gap
+            out.append((t, proxy, rng.randint(*sc.actual), rng.uniform(*sc.hold_s)))
+    out.sort()
+    return out
+
+
+def simulate(sc: Scenario) -> Outcome:
+    rng = random.Random(sc.seed)
+    limits = {S: sc.limits}
+    fleet = [RateLimiter() for _ in P3]
+    for rl in fleet:
+        rl.configure(limits, 0.0)
+    single = RateLimiter()
+    single.configure(limits, 0.0)
+    single.apply_shares({S: Share(1.0, sc.limits.concurrency)}, 0.0)
+
+    seq = itertools.count()
+    events: list[tuple[float, int, str, object]] = []
+
+    def at(t: float, kind: str, payload: object) -> None:
+        heapq.heappush(events, (t, next(seq), kind, payload))
+
+    for item in arrivals(sc, rng):
+        at(item[0], "arrive", item)
+    end = sc.warmup_s + sc.run_s
+    for k in range(1, end + 1):
+        at(float(k), "round", None)
+
+    published: dict[str, dict[str, Share]] = {}
+    acked: dict[str, Share] = {}
+    pending: dict[str, list[tuple[int, Share]]] = {p: [] for p in P3}
+    out = Outcome()
+    in_flight = single_in_flight = 0
+    last_t = 0.0
+
+    def bound(p: str) -> dict[str, Share]:
+        shares = [s for _, s in pending[p]] + ([acked[p]] if p in acked else [])
+        if not shares:
+            return {}
+        return {S: Share(max(s.fraction for s in shares), max(s.concurrency for s in shares))}
+
+    while events:
+        t, n, kind, payload = heapq.heappop(events)
+        out.in_flight_area += in_flight * (t - last_t)
+        out.single_area += single_in_flight * (t - last_t)
+        last_t = t
+        if kind == "arrive":
+            assert isinstance(payload, tuple)
+            _, proxy, actual, hold = payload
+            est = sc.est_tokens
+            adm = fleet[proxy].admit([S], est, t)
+            if adm.ok:
+                out.fleet += 1
+                out.fleet_tokens += actual
+                out.per_proxy[proxy] += 1
+                in_flight += 1
+                out.max_in_flight = max(out.max_in_flight, in_flight)
+                at(t + hold, "release", (adm, actual, True))
+            ref = single.admit([S], est, t)
+            if ref.ok:
+                out.single += 1
+                out.single_tokens += actual
+                single_in_flight += 1
+                at(t + hold, "release", (ref, actual, False))
+        elif kind == "release":
+            assert isinstance(payload, tuple)
+            adm, actual, in_fleet = payload
+            assert isinstance(adm, Admission)
+            adm.release(actual if sc.actual != (0, 0) else None, t)
+            if in_fleet:
+                in_flight -= 1
+            else:
+                single_in_flight -= 1
+        elif kind == "round":
+            demand = {p: rl.demand(t) for p, rl in zip(P3, fleet, strict=True)}
+            previous = {p: bound(p) for p in P3} if sc.acked else published
+            published = compute_shares(limits, P3, demand, previous)
+            for i, p in enumerate(P3):
+                share = published[p][S]
+                pending[p].append((n, share))
+                at(t + sc.delays[i], "deliver", (i, n, share))
+        elif kind == "deliver":
+            assert isinstance(payload, tuple)
+            i, push, share = payload
+            fleet[i].apply_shares({S: share}, t)
+            at(t + sc.delays[i], "ack", (i, push, share))
+        elif kind == "ack":
+            assert isinstance(payload, tuple)
+            i, push, share = payload
+            p = P3[i]
+            acked[p] = share
+            pending[p] = [(m, s) for m, s in pending[p] if m > push]
+    return out
+
+
+def even(t: int) -> Sequence[float]:
+    return (5.0, 5.0, 5.0)
+
+
+def uneven(t: int) -> Sequence[float]:
+    return (11.0, 3.0, 1.0)
+
+
+def moving(t: int) -> Sequence[float]:
+    """A hot spot that moves to the next proxy every minute."""
+    hot = (t // 60) % 3
+    return tuple(12.0 if i == hot else 1.5 for i in range(3))
+
+
+def flapping(t: int) -> Sequence[float]:
+    """All demand jumps between two proxies every 3 s: the worst case for transitions."""
+    return (15.0, 0.0, 0.0) if (t // 3) % 2 else (0.0, 15.0, 0.0)
+
+
+RPM = ScopeLimits(rpm=600)  # 10 per second; demand is 15 per second
+
+
+@pytest.mark.parametrize("acked", [False, True], ids=["last-pushed", "acked"])
+@pytest.mark.parametrize("rates", [even, uneven, moving, flapping])
+def test_fleet_admits_about_what_one_bucket_would(
+    rates: Callable[[int], Sequence[float]], acked: bool
+) -> None:
+    out = simulate(Scenario(RPM, rates, acked=acked))
+    assert out.ratio <= 1.05, out
+    assert out.ratio >= (0.9 if rates in (even, uneven) else 0.8), out
+
+
+def test_even_demand_is_served_evenly() -> None:
+    out = simulate(Scenario(RPM, even))
+    assert out.ratio >= 0.97, out
+    assert max(out.per_proxy) / min(out.per_proxy) < 1.05, out
+
+
+def test_slow_propagation_still_within_five_percent() -> None:
+    # Pushes take longer than a rebalance round: proxies lag behind the leader.
+    out = simulate(Scenario(RPM, moving, delays=(0.3, 1.5, 2.5)))
+    assert 0.8 <= out.ratio <= 1.05, out
+
+
+@pytest.mark.parametrize("rates", [even, uneven])
+def test_tokens_settled_after_the_call_are_limited_globally(
+    rates: Callable[[int], Sequence[float]],
+) -> None:
+    sc = Scenario(
+        ScopeLimits(tpm=60_000),  # 1000 tokens per second
+        rates,
+        est_tokens=200,
+        actual=(100, 600),  # completions charged at release
+        hold_s=(0.5, 3.0),
+    )
+    out = simulate(sc)
+    assert 0.9 <= out.token_ratio <= 1.05, out
+
+
+@pytest.mark.parametrize("acked", [False, True], ids=["last-pushed", "acked"])
+@pytest.mark.parametrize("rates", [even, uneven, moving])
+def test_concurrency_never_exceeds_the_global_limit(
+    rates: Callable[[int], Sequence[float]], acked: bool
+) -> None:
+    sc = Scenario(ScopeLimits(concurrency=12), rates, hold_s=(1.0, 3.0), acked=acked)
+    out = simulate(sc)
+    assert out.max_in_flight <= 12, out
+    # Refused requests do not queue, so even one limiter leaves slots idle
+    # between a release and the next arrival; compare with it.
+    # Smaller pools idle more (Erlang loss): about 0.9 of the single one here.
+    assert out.in_flight_area >= 0.85 * out.single_area, out
+
+
+@pytest.mark.parametrize("rates", [even, moving])
+def test_acknowledged_shares_hold_even_when_proxies_lag_rounds_behind(
+    rates: Callable[[int], Sequence[float]],
+) -> None:
+    slow = (0.3, 1.5, 2.5)
+    conc = simulate(Scenario(ScopeLimits(concurrency=12), rates, hold_s=(1.0, 3.0), delays=slow))
+    assert conc.max_in_flight > 12  # bounding by the last push is not enough here...
+    sc = Scenario(ScopeLimits(concurrency=12), rates, hold_s=(1.0, 3.0), delays=slow, acked=True)
+    assert simulate(sc).max_in_flight <= 12  # ...bounding by acknowledgements is

@@ -1,0 +1,391 @@
+"""dataplane.ratelimit: admission against shares, settling, headers, demand, estimates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dataplane.ratelimit import (
+    UNLIMITED,
+    RateLimiter,
+    ScopeLimits,
+    Share,
+    estimate_prompt_tokens,
+    estimate_stream_tokens,
+    estimate_text_tokens,
+    format_duration,
+)
+from ponto.quota_types import NO_SHARE
+
+T, K = "t/acme", "k/key1"
+TAU = 5.0  # the default time constant of the demand EWMA
+
+
+def limiter(limits: dict[str, ScopeLimits], shares: dict[str, Share]) -> RateLimiter:
+    """Configured with shares at time 0; its buckets start empty and fill from there."""
+    rl = RateLimiter()
+    rl.configure(limits, 0.0)
+    rl.apply_shares(shares, 0.0)
+    return rl
+
+
+def header_map(rl: RateLimiter, scopes: list[str], now: float) -> dict[str, str]:
+    return dict(rl.headers(scopes, now))
+
+
+# ---------------------------------------------------------------- fast path
+
+
+def test_scopes_without_limits_take_the_shared_unlimited_admission() -> None:
+    rl = limiter({T: ScopeLimits(), K: ScopeLimits(rpm=0, tpm=0, concurrency=0)}, {})
+    adm = rl.admit([T, K, "t/other"], 10_000_000, 1.0)
+    assert adm is UNLIMITED and adm.ok
+    adm.release(5, 1.0)
+    assert rl.headers([T, K], 1.0) == []
+    assert rl.demand(2.0) == {}
+
+
+# ---------------------------------------------------------------- requests
+
+
+def test_a_share_is_a_fraction_of_the_global_bucket_and_starts_empty() -> None:
+    rl = limiter({T: ScopeLimits(rpm=60)}, {T: Share(0.5)})
+    # 30 per minute here, refilling from empty: 0.5 per second.
+    assert not rl.admit([T], 1, 1.0).ok
+    assert rl.admit([T], 1, 2.0).ok
+    admitted = sum(rl.admit([T], 1, 60.0).ok for _ in range(100))
+    assert admitted == 29  # 1 taken at t=2, then 58 s at 0.5 per second
+    refused = rl.admit([T], 1, 60.0)
+    assert not refused.ok and refused.limit == "requests"
+    assert refused.retry_after_s == pytest.approx(2.0)
+    assert refused.retry_after_header() == "2"
+
+
+def test_no_share_refuses_with_the_rebalance_retry() -> None:
+    rl = limiter({T: ScopeLimits(rpm=600, tpm=10_000, concurrency=5)}, {})
+    adm = rl.admit([T], 10, 100.0)
+    assert not adm.ok
+    assert adm.retry_after_s == 1.0
+    assert adm.retry_after_header() == "1"
+    assert rl.share(T) == NO_SHARE
+    h = header_map(rl, [T], 100.0)
+    assert h["x-ratelimit-limit-requests"] == "600"
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-reset-requests"] == "1s"
+
+
+def test_all_or_nothing_across_scopes() -> None:
+    rl = limiter(
+        {T: ScopeLimits(rpm=600, concurrency=10), K: ScopeLimits(rpm=6)},
+        {T: Share(1.0, 10), K: Share(1.0)},
+    )
+    for _ in range(6):
+        assert rl.admit([T, K], 1, 60.0).ok
+    before = header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"]
+    refused = rl.admit([T, K], 1, 60.0)
+    assert not refused.ok and refused.limit == "requests"
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == before
+    assert rl.in_flight(T) == 6
+
+
+def test_retry_after_is_the_longest_wait_of_the_refusing_limits() -> None:
+    rl = limiter({T: ScopeLimits(rpm=60), K: ScopeLimits(rpm=6)}, {T: Share(1.0), K: Share(1.0)})
+    for _ in range(6):
+        assert rl.admit([T, K], 1, 60.0).ok
+    for _ in range(54):
+        assert rl.admit([T], 1, 60.0).ok
+    refused = rl.admit([T, K], 1, 60.0)
+    assert refused.retry_after_s == pytest.approx(10.0)  # K: 1 per 10 s; T: 1 per s
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_concurrency_slots_and_idempotent_release() -> None:
+    rl = limiter({T: ScopeLimits(concurrency=4)}, {T: Share(0.5, 2)})
+    a, b = rl.admit([T], 0, 1.0), rl.admit([T], 0, 1.0)
+    assert a.ok and b.ok
+    c = rl.admit([T], 0, 1.0)
+    assert not c.ok and c.limit == "concurrency" and c.retry_after_s == 1.0
+    a.release(None, 2.0)
+    a.release(None, 2.0)
+    c.release(None, 2.0)  # a refusal holds nothing
+    assert rl.in_flight(T) == 1
+    assert rl.admit([T], 0, 2.0).ok
+    assert not rl.admit([T], 0, 2.0).ok
+
+
+def test_shrinking_slots_below_in_flight_lets_requests_finish() -> None:
+    rl = limiter({T: ScopeLimits(concurrency=4)}, {T: Share(1.0, 4)})
+    held = [rl.admit([T], 0, 1.0) for _ in range(4)]
+    rl.apply_shares({T: Share(1.0, 1)}, 1.0)
+    assert not rl.admit([T], 0, 1.0).ok
+    for adm in held[:3]:
+        adm.release(None, 2.0)
+    assert not rl.admit([T], 0, 2.0).ok  # one still in flight, one slot
+    held[3].release(None, 2.0)
+    assert rl.admit([T], 0, 2.0).ok
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def test_estimate_is_charged_then_settled_with_the_actual_count() -> None:
+    rl = limiter({T: ScopeLimits(tpm=6000)}, {T: Share(1.0)})  # 100 tokens/s
+    adm = rl.admit([T], 1000, 60.0)
+    assert adm.ok
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-tokens"] == "5000"
+    adm.release(7000, 60.0)  # completion tokens: 6000 more than estimated
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-tokens"] == "0"
+    refused = rl.admit([T], 100, 60.0)
+    assert not refused.ok and refused.limit == "tokens"
+    assert refused.retry_after_s == pytest.approx(11.0)  # 1000 of debt + 100, at 100/s
+    assert rl.admit([T], 100, 71.0).ok
+
+
+def test_an_estimate_above_the_actual_is_refunded() -> None:
+    rl = limiter({T: ScopeLimits(tpm=6000)}, {T: Share(1.0)})
+    adm = rl.admit([T], 3000, 60.0)
+    adm.release(1000, 60.0)
+    adm.release(0, 60.0)  # idempotent: no second refund
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-tokens"] == "5000"
+
+
+def test_a_request_above_the_local_share_but_within_the_global_limit_passes_when_full() -> None:
+    rl = limiter({T: ScopeLimits(tpm=6000)}, {T: Share(0.1)})  # 600 here
+    assert rl.admit([T], 2000, 60.0).ok
+    refused = rl.admit([T], 2000, 60.0)
+    assert not refused.ok
+    assert refused.retry_after_s == pytest.approx(200.0)  # debt of 1400 + 600, at 10/s
+
+
+def test_a_request_above_the_global_token_limit_is_too_large_and_not_demand() -> None:
+    rl = limiter({T: ScopeLimits(tpm=6000)}, {T: Share(1.0)})
+    refused = rl.admit([T], 6001, 60.0)
+    assert not refused.ok and refused.too_large and refused.limit == "tokens"
+    assert rl.demand(61.0) == {}
+
+
+# ---------------------------------------------------------------- headers
+
+
+def test_headers_estimate_global_remaining_from_the_local_share() -> None:
+    rl = limiter({T: ScopeLimits(rpm=600, tpm=90_000)}, {T: Share(1 / 3)})
+    for _ in range(50):
+        assert rl.admit([T], 100, 60.0).ok
+    h = header_map(rl, [T], 60.0)
+    assert h["x-ratelimit-limit-requests"] == "600"
+    assert h["x-ratelimit-limit-tokens"] == "90000"
+    # Local 200 - 50 = 150 of a third: about 450 of 600 globally.
+    assert h["x-ratelimit-remaining-requests"] in {"449", "450"}
+    assert h["x-ratelimit-remaining-tokens"] in {"74999", "75000"}
+    assert h["x-ratelimit-reset-requests"] == "15s"  # 50 at 10/3 per second
+    assert h["x-ratelimit-reset-tokens"] == "10s"
+    assert [name for name, _ in rl.headers([T], 60.0)] == [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ]
+
+
+def test_headers_show_the_most_restrictive_scope_per_dimension() -> None:
+    rl = limiter(
+        {T: ScopeLimits(rpm=600, tpm=1000), K: ScopeLimits(rpm=60, tpm=100_000)},
+        {T: Share(1.0), K: Share(1.0)},
+    )
+    h = header_map(rl, [T, K], 60.0)
+    assert h["x-ratelimit-limit-requests"] == "60"  # the key's
+    assert h["x-ratelimit-limit-tokens"] == "1000"  # the tenant's
+    h = header_map(rl, [K], 60.0)
+    assert h["x-ratelimit-limit-tokens"] == "100000"
+
+
+def test_remaining_is_clamped_to_the_limit_and_to_zero() -> None:
+    rl = limiter({T: ScopeLimits(tpm=1000)}, {T: Share(0.5)})
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-tokens"] == "1000"
+    rl.admit([T], 400, 60.0).release(5000, 60.0)
+    h = header_map(rl, [T], 60.0)
+    assert h["x-ratelimit-remaining-tokens"] == "0"
+    assert h["x-ratelimit-reset-tokens"] == "10m0s"  # 5000 to refill at 500/min
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.0, "0s"),
+        (-1.0, "0s"),
+        (0.0004, "1ms"),
+        (0.02, "20ms"),
+        (0.999, "999ms"),
+        (1.0, "1s"),
+        (1.5, "1.5s"),
+        (8.641, "8.65s"),
+        (59.999, "1m0s"),
+        (60.0, "1m0s"),
+        (360.0, "6m0s"),
+        (90.2, "1m31s"),
+        (3725.0, "1h2m5s"),
+        (1e12, "24h0m0s"),
+    ],
+)
+def test_durations_use_openais_format(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_configure_keeps_unchanged_scopes_resizes_changed_and_drops_removed() -> None:
+    rl = limiter({T: ScopeLimits(rpm=60), K: ScopeLimits(rpm=60)}, {T: Share(1.0), K: Share(1.0)})
+    held = rl.admit([K], 0, 60.0)
+    for _ in range(30):
+        rl.admit([T], 0, 60.0)
+    rl.configure(
+        {T: ScopeLimits(rpm=60), K: ScopeLimits(rpm=30), "t/new": ScopeLimits(rpm=5)}, 60.0
+    )
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == "30"
+    assert header_map(rl, [K], 60.0)["x-ratelimit-remaining-requests"] == "30"  # clamped
+    assert rl.in_flight(K) == 1
+    rl.configure({K: ScopeLimits(rpm=30)}, 61.0)
+    assert rl.admit([T], 0, 61.0) is UNLIMITED
+    held.release(None, 61.0)
+    assert rl.in_flight(K) == 0
+    # A removed scope loses its share: coming back, it waits for a new one.
+    rl.configure({T: ScopeLimits(rpm=60), K: ScopeLimits(rpm=30)}, 62.0)
+    assert rl.share(T) == NO_SHARE
+
+
+def test_a_share_that_arrives_before_its_scope_is_used_when_the_scope_appears() -> None:
+    rl = RateLimiter()
+    rl.configure({K: ScopeLimits(rpm=60)}, 0.0)
+    rl.apply_shares({T: Share(0.25, 1)}, 0.0)
+    rl.configure({K: ScopeLimits(rpm=60), T: ScopeLimits(rpm=60, concurrency=4)}, 1.0)
+    assert rl.share(T) == Share(0.25, 1)
+
+
+def test_scopes_at_boot_start_empty_and_scopes_new_to_the_fleet_start_full() -> None:
+    rl = RateLimiter()
+    rl.configure({T: ScopeLimits(rpm=60)}, 0.0)  # boot: usage before it is unknown
+    rl.apply_shares({T: Share(0.5)}, 0.0)
+    assert not rl.admit([T], 0, 0.0).ok
+    # A tenant created later: like one global bucket, it starts full, once it
+    # has a share (all shares sum to at most 1, so the fleet's burst is one limit).
+    rl.configure({T: ScopeLimits(rpm=60), K: ScopeLimits(rpm=60)}, 10.0)
+    assert not rl.admit([K], 0, 10.0).ok
+    rl.apply_shares({K: Share(0.5)}, 11.0)
+    assert sum(rl.admit([K], 0, 11.0).ok for _ in range(40)) == 30
+    # Only the first share fills: later growth adds no tokens.
+    rl.apply_shares({K: Share(0.0)}, 11.0)
+    rl.apply_shares({K: Share(1.0)}, 11.0)
+    assert not rl.admit([K], 0, 11.0).ok
+    # A share known before the scope appears fills it at once.
+    rl.apply_shares({"t/b": Share(0.1)}, 12.0)
+    rl.configure({"t/b": ScopeLimits(tpm=6000)}, 12.0)
+    assert header_map(rl, ["t/b"], 12.0)["x-ratelimit-remaining-tokens"] == "6000"
+
+
+def test_a_growing_share_adds_no_tokens_and_a_shrinking_one_clamps() -> None:
+    rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.1)})
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == "600"  # 60 of 0.1
+    rl.apply_shares({T: Share(0.5)}, 60.0)
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == "120"  # 60 of 0.5
+    rl.apply_shares({T: Share(0.05)}, 60.0)
+    assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == "600"  # 30 of 0.05
+
+
+# ---------------------------------------------------------------- demand
+
+
+def test_demand_counts_attempts_refused_included_and_decays() -> None:
+    rl = limiter({T: ScopeLimits(rpm=60, concurrency=2)}, {T: Share(1.0, 2)})
+    rl.demand(60.0)  # closes the warm-up interval, which saw nothing
+    held = [rl.admit([T], 100, 60.5) for _ in range(5)]
+    assert sum(a.ok for a in held) == 2
+    d = rl.demand(61.0)[T]
+    fresh = 1 - math.exp(-1.0 / TAU)  # weight of one 1 s interval
+    assert d.requests_per_s == pytest.approx(5 * fresh)
+    assert d.tokens_per_s == pytest.approx(500 * fresh)
+    assert d.concurrency_peak == 5  # 2 in flight + 3 turned away
+    assert d.in_flight == 2
+    later = rl.demand(62.0)[T]
+    assert later.requests_per_s == pytest.approx(d.requests_per_s * (1 - fresh))
+    assert later.concurrency_peak == 2
+    for adm in held:
+        adm.release(None, 62.0)
+    last = rl.demand(80.0)[T]  # the two were in flight during this interval
+    assert (last.concurrency_peak, last.in_flight) == (2, 0)
+    assert last.requests_per_s < 0.1 * d.requests_per_s
+    assert rl.demand(200.0) == {}  # decayed below the idle threshold, nothing in flight
+
+
+def test_demand_tokens_include_the_settled_difference() -> None:
+    rl = limiter({T: ScopeLimits(tpm=60_000)}, {T: Share(1.0)})
+    rl.demand(60.0)
+    rl.admit([T], 100, 60.5).release(400, 60.5)
+    d = rl.demand(61.0)[T]
+    assert d.tokens_per_s == pytest.approx(400 * (1 - math.exp(-1.0 / TAU)))
+
+
+# ---------------------------------------------------------------- estimates
+
+
+def test_text_estimate_is_chars_over_four_rounded_up() -> None:
+    assert [estimate_text_tokens("x" * n) for n in (0, 1, 4, 5, 400)] == [0, 1, 1, 2, 100]
+
+
+def test_chat_estimate_counts_text_parts_names_tool_calls_tools_and_overhead() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "x" * 40},
+            {
+                "role": "user",
+                "name": "ab",
+                "content": [
+                    {"type": "text", "text": "y" * 20},
+                    {"type": "image_url", "image_url": {"url": "data:...", "detail": "low"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "get", "arguments": '{"a":1}'}}],
+            },
+            "not a message",
+        ],
+        "tools": [{"type": "function", "function": {"name": "get"}}],
+    }
+    tools_json = len('[{"type":"function","function":{"name":"get"}}]')
+    chars = 40 + 2 + 20 + 3 + 7 + tools_json
+    expected = 3 + 4 * 4 + 85 + (chars + 3) // 4
+    assert estimate_prompt_tokens("chat.completions", body) == expected
+
+
+def test_completions_and_embeddings_accept_text_lists_and_token_ids() -> None:
+    assert estimate_prompt_tokens("completions", {"prompt": "x" * 8}) == 2
+    assert estimate_prompt_tokens("completions", {"prompt": ["x" * 4, "y" * 4]}) == 2
+    assert estimate_prompt_tokens("completions", {"prompt": [1, 2, 3]}) == 3
+    assert estimate_prompt_tokens("embeddings", {"input": [[1, 2], [3, 4, 5]]}) == 5
+    assert estimate_prompt_tokens("embeddings", {"input": "hello world!"}) == 3
+    assert estimate_prompt_tokens("responses", {"input": "hello world!"}) == 3
+    assert estimate_prompt_tokens("other", {"messages": []}) == 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"messages": "x"}, {"messages": [{"content": 5}]}, {"prompt": None}, {"input": {}}],
+)
+def test_malformed_bodies_are_estimated_without_raising(body: dict[str, object]) -> None:
+    for endpoint in ("chat.completions", "completions", "embeddings"):
+        assert estimate_prompt_tokens(endpoint, body) >= 0
+
+
+def test_unserialisable_tools_count_as_nothing() -> None:
+    assert estimate_prompt_tokens("chat.completions", {"messages": [], "tools": [{1, 2}]}) == 3
+
+
+def test_stream_estimate_adds_streamed_text_to_the_prompt_estimate() -> None:
+    assert estimate_stream_tokens(50, 41) == 61
