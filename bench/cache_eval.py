@@ -131,9 +131,7 @@ def _bitext(rows: list[list[str]], header: list[str]) -> list[Item]:
     return [
         Item(
             r[col["instruction"]],
-            "|".join(
-                (r[col["intent"]], r[col["entity_type"]], r[col["entity_value"]].casefold())
-            ),
+            "|".join((r[col["intent"]], r[col["entity_type"]], r[col["entity_value"]].casefold())),
         )
         for r in rows[1:]
     ]
@@ -198,7 +196,7 @@ def embeddings(texts: Sequence[str], threads: int) -> npt.NDArray[np.float32]:
         (CACHE_DIR.parent / ".gitignore").write_text("*\n")
         np.save(path, matrix)
     row_of = {t: i for i, t in enumerate(unique)}
-    return matrix[[row_of[t] for t in texts]]
+    return np.asarray(matrix[[row_of[t] for t in texts]], dtype=np.float32)
 
 
 def earlier_neighbours(
@@ -370,7 +368,9 @@ def evaluate(
     for thr in thresholds:
         row = {
             "plain": simulate(p, thr, entity_check=False, use_context=True, candidates=1),
-            "entities": simulate(p, thr, entity_check=True, use_context=True, candidates=candidates),
+            "entities": simulate(
+                p, thr, entity_check=True, use_context=True, candidates=candidates
+            ),
         }
         if has_context:
             row["no_context"] = simulate(

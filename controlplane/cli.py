@@ -31,6 +31,7 @@ ENV_ADDRESS = "PONTO_CONTROL_PLANE"
 class UsageError(Exception):
     """The command line is wrong in a way argparse cannot tell (exit code 2)."""
 
+
 TIMEOUT = 10.0
 
 

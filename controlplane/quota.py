@@ -10,14 +10,17 @@ docs/rate-limits.md explains the scheme; in short:
   limit, plus an even split of whatever the fleet does not demand.
 - Concurrency: whole slots by the largest remainder, summing exactly to the
   limit, from the peak concurrency each proxy saw (refused requests counted).
-- Hysteresis: a fraction within `hysteresis` of the previous one is kept; an
-  integer allocation is kept while it is still a valid rounding.
+- Hysteresis: a fraction within `hysteresis` of the previous one is kept; a
+  proxy that demands at least its share is cut only beyond `fairness_band`
+  unless another is starving (such cuts move refusals, not throughput). An
+  integer allocation is kept while it is still a valid rounding, or while all
+  proxies use all their slots and none is far below its quota.
 - Safe transitions: decreases apply at once; increases only use what
   `previous` leaves free (for slots: what neither the previous allowance nor
-  the requests still in flight hold). Any mix of previous and new shares then
-  still sums to at most 1 (at most the limit in slots), whichever proxies have
-  applied the new ones. Freed share is handed out in the next round, so a move
-  takes two rebalances.
+  the requests still in flight hold), plus `overcommit`. Any mix of previous
+  and new shares then still sums to at most 1 + overcommit (at most the limit
+  in slots), whichever proxies have applied the new ones. Freed share is
+  handed out in the next round, so a move takes two rebalances.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ def compute_shares(
     registry; their previous shares are free again. A proxy with no previous
     share of a scope counts as holding none.
 
-    Guarantees, per scope: new fractions sum to at most 1, and so do the
-    per-proxy maxima of previous and new when the previous ones did; new slots
+    Guarantees, per scope: new fractions sum to at most 1, and the per-proxy
+    maxima of previous and new to at most 1 + `overcommit` when the previous
+    ones summed to at most 1; new slots
     sum to at most the limit, and so do the maxima of new slots and of
     max(previous slots, reported in-flight) when those did.
 

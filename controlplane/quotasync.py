@@ -27,7 +27,14 @@ from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.quota import compute_shares
 from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
-from ponto.quota_types import Demand, ScopeLimits, Share, key_scope, tenant_scope
+from ponto.quota_types import (
+    Demand,
+    ScopeLimits,
+    Share,
+    default_share,
+    key_scope,
+    tenant_scope,
+)
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -107,7 +114,7 @@ class QuotaHub:
 
     def report(self, proxy: str, demand: Iterable[pb.ScopeDemand]) -> None:
         self._demand[proxy] = {
-            d.scope: [d.requests_per_s, d.tokens_per_s, float(d.concurrency)]
+            d.scope: [d.requests_per_s, d.tokens_per_s, float(d.concurrency), float(d.in_flight)]
             for d in demand
             if d.scope
         }
@@ -158,14 +165,18 @@ class QuotaHub:
         changed.set()
 
     def update_for(self, proxy: str) -> bytes:
-        """The serialised RouteUpdate(quota=...) for one proxy, current generation."""
-        mine = self._shares.get(proxy, {})
+        """The serialised RouteUpdate(quota=...) for one proxy, current generation.
+
+        A proxy the leader has not rebalanced yet gets no default share: the
+        leader does not count it, so a default could exceed the limit.
+        """
+        mine = self._shares.get(proxy)
         quota = pb.QuotaShares(
             generation=self.generation,
-            default_fraction=self._default,
+            default_fraction=self._default if mine is not None else 0.0,
             shares=[
                 pb.QuotaShare(scope=scope, fraction=s.fraction, concurrency=s.concurrency)
-                for scope, s in mine.items()
+                for scope, s in (mine or {}).items()
             ],
         )
         return pb.RouteUpdate(quota=quota).SerializeToString()
@@ -201,6 +212,7 @@ class Rebalancer:
         self._fence = fence
         self._interval = interval
         self._previous: Shares = {}
+        self._default = 0.0
         self._written: bytes = b""
         self.rounds = 0
 
@@ -208,7 +220,7 @@ class Rebalancer:
         try:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
-                self._previous, _ = decode_shares(kv.value)
+                self._previous, self._default = decode_shares(kv.value)
                 self._written = kv.value
         except (StoreUnavailable, ValueError) as exc:
             log.info("starting quotas from scratch: %s", exc)
@@ -235,12 +247,27 @@ class Rebalancer:
                 body = orjson.loads(kv.value)
                 for proxy, by_scope in body.get("proxies", {}).items():
                     demand[proxy] = {
-                        scope: Demand(float(v[0]), float(v[1]), int(v[2]))
+                        scope: Demand(
+                            float(v[0]), float(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else 0
+                        )
                         for scope, v in by_scope.items()
                     }
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 log.error("ignoring undecodable demand %s: %s", kv.key, exc)
-        shares = compute_shares(limits, proxies, demand, self._previous)
+        # What each proxy may be applying now: its last shares, and the default
+        # share for scopes that appeared since (proxies apply it at once).
+        previous = {
+            proxy: {
+                **{
+                    scope: default_share(lim, self._default)
+                    for scope, lim in limits.items()
+                    if scope not in by_scope
+                },
+                **by_scope,
+            }
+            for proxy, by_scope in self._previous.items()
+        }
+        shares = compute_shares(limits, proxies, demand, previous)
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
@@ -250,4 +277,5 @@ class Rebalancer:
             return
         await self._store.put(SHARES_KEY, payload, fence=self._fence())
         self._previous = shares
+        self._default = default
         self._written = payload

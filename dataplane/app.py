@@ -36,6 +36,7 @@ from dataplane.state import (
     LIMITER,
     LOCATOR,
     METRICS,
+    QUOTA,
     SETTINGS,
 )
 from dataplane.sync import ControlPlaneClient, TableHolder
@@ -63,10 +64,11 @@ def build_app(settings: Settings) -> web.Application:
     app[METRICS] = m = Metrics()
     holder = TableHolder(settings.region, settings.state_dir, settings.cache)
     app[LIMITER] = limiter = RateLimiter()
-    quota = QuotaState(limiter)
+    quota = QuotaState(limiter, settings.state_dir)
+    app[QUOTA] = quota
     holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
     store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
-    app[CACHE] = cache = EdgeCache(store, m)
+    app[CACHE] = cache = EdgeCache(store, m, forward_headers=settings.upstream.forward_headers)
     m.bind_cache(lambda: store.stats)
     holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
     if holder.load_saved():
@@ -84,7 +86,6 @@ def build_app(settings: Settings) -> web.Application:
         info,
         credentials=settings.credentials,
         on_quota=quota.on_quota,
-        on_fleet_size=quota.on_fleet_size,
         demand=quota.demand,
         report_interval=settings.report_interval,
     )

@@ -87,9 +87,13 @@ class EdgeCache:
         *,
         coalescer: Coalescer | None = None,
         semantic: SemanticLayer | None = None,
+        forward_headers: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        # Client headers passed to origins can change the answer: they are
+        # part of the key.
+        self._forward_headers = tuple(h.lower() for h in forward_headers)
         self.coalescer = coalescer or Coalescer()
         self.semantic = semantic
         self._metrics = metrics
@@ -130,7 +134,7 @@ class EdgeCache:
         key = ""
         if decision.lookup or decision.store:
             try:
-                key = cache_key(req.endpoint, req.body, tenant=req.tenant.name, model=model)
+                key = self._key(request, req)
             except UncacheableRequest:
                 decision = Decision(False, False, Reason.NONDETERMINISTIC)
         if not (decision.lookup or decision.store):
@@ -247,12 +251,24 @@ class EdgeCache:
         except FlightFailed as exc:
             if out is None and exc.delivered == 0:
                 # Nothing reached this client: make its own call (and keep it).
-                return await self._lead(req, _key_of(req), None, origin, usage_tap, "", "")
+                return await self._lead(
+                    req, self._key(request, req), None, origin, usage_tap, "", ""
+                )
             if out is None:  # pragma: no cover - delivered implies started
                 raise
             await out.write(sse_error_event(f"the shared origin call failed: {exc}"))
             await out.write_eof()
             return out
+
+    def _key(self, request: web.Request, req: CacheRequest) -> str:
+        headers = None
+        if self._forward_headers:
+            headers = {
+                h: v for h in self._forward_headers if (v := request.headers.get(h)) is not None
+            }
+        return cache_key(
+            req.endpoint, req.body, tenant=req.tenant.name, model=req.body["model"], headers=headers
+        )
 
     # ------------------------------------------------------------ replies
 
@@ -298,10 +314,6 @@ class EdgeCache:
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
-
-
-def _key_of(req: CacheRequest) -> str:
-    return cache_key(req.endpoint, req.body, tenant=req.tenant.name, model=req.body["model"])
 
 
 __all__ = ["CacheRequest", "EdgeCache", "SemanticLayer"]

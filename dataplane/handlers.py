@@ -30,6 +30,7 @@ from dataplane.state import (
     LIMITER,
     LOCATOR,
     METRICS,
+    QUOTA,
     SETTINGS,
 )
 from dataplane.upstream import StreamTap
@@ -203,7 +204,7 @@ def make_proxy_handler(endpoint: str) -> Handler:
             cached = CacheRequest(endpoint, body, tenant, stream)
             response = await app[CACHE].respond(request, cached, call_origin, usage_tap)
             if response.headers.get("x-ponto-cache") == "hit":
-                pass  # no origin tokens were spent
+                usage = Usage(0, 0)  # no origin tokens were spent: give the estimate back
             elif usage_tap is not None:
                 usage = usage_tap.result(estimate)
             elif isinstance(response, web.Response) and response.status < 400:
@@ -252,14 +253,23 @@ async def healthz(request: web.Request) -> web.Response:
             "route_table_version": routes.version if routes else 0,
             "route_table_source": holder.source,
             "control_plane_connected": request.app[CLIENT].connected,
+            "quota_generation": request.app[CLIENT].quota_generation,
         },
         dumps=_dumps_str,
     )
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready: a route table to serve, and its rate-limit shares if it has limits."""
     if request.app[HOLDER].routes is None:
         raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")
+    if not request.app[QUOTA].ready:
+        raise ApiError(
+            503,
+            "waiting for this proxy's share of the rate limits",
+            type="server_error",
+            code="no_quota_shares",
+        )
     return web.json_response({"status": "ready"})
 
 

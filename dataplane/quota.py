@@ -1,63 +1,76 @@
 """The proxy's side of global rate limits: shares in, demand out.
 
-Glue between the control-plane link (sync.py) and the RateLimiter. Until the
-leader's first shares arrive, every limited scope gets 1/fleet_size of its
-limits (the fleet size comes with registration); a scope the leader has not
-rebalanced yet gets the shares message's default fraction. See
-docs/rate-limits.md for the accuracy this gives.
+Glue between the control-plane link (sync.py) and the RateLimiter. A proxy
+applies exactly what the leader gave it: its explicit shares, and for a
+limited scope newer than the last rebalance the message's default fraction
+(which the leader counts as given). Before its first shares a proxy admits
+nothing under a limit; /readyz says so, so a load balancer waits for it.
+
+The last shares are saved beside the route table, so a proxy restarted while
+the control plane is away keeps enforcing its part of the limits instead of
+refusing every limited request. docs/rate-limits.md has the whole scheme.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from dataplane.ratelimit.limiter import RateLimiter
-from ponto.quota_types import ScopeLimits, Share
+from ponto.quota_types import ScopeLimits, Share, default_share
 from ponto.v1 import routing_pb2 as pb
+from ponto.writefile import write_atomic
+
+log = logging.getLogger(__name__)
+QUOTA_FILE = "quota_shares.pb"
 
 
 class QuotaState:
     """Owned by the app; called on its event loop only."""
 
-    def __init__(self, limiter: RateLimiter, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        state_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._limiter = limiter
+        self._state_dir = state_dir
         self._clock = clock
         self._limits: Mapping[str, ScopeLimits] = {}
         self._explicit: dict[str, Share] = {}
-        self.default_fraction = 1.0
-        self._heard_from_leader = False
+        self.default_fraction = 0.0
+        # True once shares came from the leader or from the saved copy.
+        self.heard = False
+        self._load()
+
+    @property
+    def ready(self) -> bool:
+        """Whether limited requests can be admitted: no limits, or shares known."""
+        return self.heard or not self._limits
 
     def on_limits(self, limits: Mapping[str, ScopeLimits]) -> None:
         self._limits = limits
         self._limiter.configure(limits, self._clock())
         self._apply()
 
-    def on_fleet_size(self, size: int) -> None:
-        if not self._heard_from_leader and size > 0:
-            self.default_fraction = 1.0 / size
-            self._apply()
-
     def on_quota(self, quota: pb.QuotaShares) -> None:
-        self._heard_from_leader = True
-        if quota.default_fraction > 0:
-            self.default_fraction = min(1.0, quota.default_fraction)
+        self._take(quota)
+        self._save(quota)
+
+    def _take(self, quota: pb.QuotaShares) -> None:
+        self.heard = True
+        self.default_fraction = min(1.0, max(0.0, quota.default_fraction))
         self._explicit = {
             s.scope: Share(min(1.0, max(0.0, s.fraction)), s.concurrency) for s in quota.shares
         }
         self._apply()
 
-    def _default(self, limits: ScopeLimits) -> Share:
-        # Whole slots only; at least one where a limit exists, so a proxy that
-        # has not been rebalanced yet can still serve (over-admits by at most
-        # one slot per proxy until the first rebalance).
-        slots = math.floor(limits.concurrency * self.default_fraction)
-        return Share(self.default_fraction, max(1, slots) if limits.concurrency else 0)
-
     def _apply(self) -> None:
         shares = {
-            scope: self._explicit.get(scope) or self._default(lim)
+            scope: self._explicit.get(scope) or default_share(lim, self.default_fraction)
             for scope, lim in self._limits.items()
         }
         self._limiter.apply_shares(shares, self._clock())
@@ -69,6 +82,31 @@ class QuotaState:
                 requests_per_s=d.requests_per_s,
                 tokens_per_s=d.tokens_per_s,
                 concurrency=d.concurrency_peak,
+                in_flight=d.in_flight,
             )
             for scope, d in self._limiter.demand(self._clock()).items()
         ]
+
+    # ------------------------------------------------------------ saved copy
+
+    def _save(self, quota: pb.QuotaShares) -> None:
+        if self._state_dir is None:
+            return
+        try:
+            write_atomic(self._state_dir / QUOTA_FILE, quota.SerializeToString())
+        except OSError as exc:
+            log.error("cannot save quota shares to %s: %s", self._state_dir, exc)
+
+    def _load(self) -> None:
+        if self._state_dir is None:
+            return
+        path = self._state_dir / QUOTA_FILE
+        try:
+            quota = pb.QuotaShares.FromString(path.read_bytes())
+        except FileNotFoundError:
+            return
+        except Exception as exc:  # any damage: wait for the leader instead
+            log.error("ignoring saved quota shares %s: %s", path, exc)
+            return
+        self._take(quota)
+        log.info("using saved quota shares (generation %d) until the leader's", quota.generation)

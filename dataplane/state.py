@@ -7,6 +7,7 @@ from aiohttp import web
 from dataplane.edgecache import EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.metrics import Metrics
+from dataplane.quota import QuotaState
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
 from dataplane.sync import ControlPlaneClient, TableHolder
@@ -20,3 +21,4 @@ METRICS = web.AppKey("metrics", Metrics)
 LOCATOR = web.AppKey("locator", ClientLocator)
 LIMITER = web.AppKey("limiter", RateLimiter)
 CACHE = web.AppKey("cache", EdgeCache)
+QUOTA = web.AppKey("quota", QuotaState)

@@ -142,7 +142,6 @@ class ControlPlaneClient:
         *,
         credentials: ClientOptions | None = None,
         on_quota: Callable[[pb.QuotaShares], None] | None = None,
-        on_fleet_size: Callable[[int], None] | None = None,
         demand: Callable[[], list[pb.ScopeDemand]] | None = None,
         report_interval: float = 1.0,
         backoff_min: float = 0.2,
@@ -157,7 +156,6 @@ class ControlPlaneClient:
         self._backoff_max = backoff_max
         self._credentials = credentials or ClientOptions()
         self._on_quota = on_quota
-        self._on_fleet_size = on_fleet_size
         self._demand = demand
         self._report_interval = report_interval
         self.connected = False
@@ -210,8 +208,6 @@ class ControlPlaneClient:
             reg = await stub.Register(
                 pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
             )
-            if self._on_fleet_size is not None:
-                self._on_fleet_size(reg.fleet_size)
             outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
             current = self._holder.routes
             outbox.put_nowait(

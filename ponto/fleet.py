@@ -121,11 +121,13 @@ class Fleet:
         ttft_ms: int = 0,
         tokens_per_s: int = 0,
         models: tuple[str, ...] = DEMO_MODELS,
+        extra: list[str] | None = None,
     ) -> Managed:
         ready = self._ready(name)
         argv = [*python_entry("ponto.originsim"), "--listen", listen, "--region", region,
                 "--name", name, "--models", ",".join(models), "--ttft-ms", str(ttft_ms),
-                "--tokens-per-s", str(tokens_per_s), "--ready-file", str(ready)]  # fmt: skip
+                "--tokens-per-s", str(tokens_per_s), "--ready-file", str(ready),
+                *(extra or [])]  # fmt: skip
         self.origins[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
         return m
 

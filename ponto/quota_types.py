@@ -73,3 +73,14 @@ class Share:
 
 
 NO_SHARE = Share(0.0, 0)
+
+
+def default_share(limits: ScopeLimits, fraction: float) -> Share:
+    """The share a proxy applies to a scope the leader has not rebalanced yet.
+
+    Both planes use this one rule: the leader counts it as given when it
+    computes the next shares, so the sum stays within the limits.
+    """
+    if fraction <= 0:
+        return NO_SHARE
+    return Share(min(1.0, fraction), int(limits.concurrency * fraction))

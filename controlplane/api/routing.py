@@ -119,8 +119,8 @@ class RoutingService:
                 if quotas is not None:
                     waiting.add(quotas)
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if reader in done:
-                    break
+                if reader in done or session_id not in self._registry.sessions:
+                    break  # the proxy left, or registered again on a new stream
                 payloads = []
                 if tables in done:
                     sent = tables.result()

@@ -12,9 +12,9 @@ A signature (`extract`) has two parts:
   "1,000" == "1000" and "4111 1111 1111" == "4111-1111-1111"; decimals, times and
   slashes kept: "1.5" != "15", "10:30" != "1030"), ordinals ("3rd" == "3"), number
   words from two to ninety ("for two" == "for 2"), codes mixing letters and digits
-  ("ABC-123" == "abc123"), times of day ("7pm" == "7:00 p.m."), dates with month names ("Jan 5th" == "5 January"),
-  emails, URLs, @handles, quoted strings (exact case), currency symbols and tokens
-  like C++ or C#.
+  ("ABC-123" == "abc123"), times of day ("7pm" == "7:00 p.m."), dates with month
+  names ("Jan 5th" == "5 January"), emails, URLs, @handles, quoted strings (exact
+  case), currency symbols and tokens like C++ or C#.
 - `names`: words written with a capital letter that do not start a sentence
   ("Anna", "Platinum", "iPhone", "USA"). A name of one text must occur, in any case,
   among the words of the other: "Paris flights" and "flights to Paris" agree,
@@ -50,9 +50,7 @@ class Entities:
 
     def matches(self, other: Entities) -> bool:
         return (
-            self.strict == other.strict
-            and self.names <= other.words
-            and other.names <= self.words
+            self.strict == other.strict and self.names <= other.words and other.names <= self.words
         )
 
 

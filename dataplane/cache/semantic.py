@@ -154,7 +154,7 @@ class SemanticIndex:
         self._candidates = candidates
         self._max_pending = max_pending
         self._entity_check = entity_check
-        self._index_factory = index_factory or (lambda dim: TieredIndex(dim))
+        self._index_factory = index_factory or TieredIndex
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ponto-embed"
@@ -189,7 +189,7 @@ class SemanticIndex:
         vector = self._embedder.embed([normalised])[0]
         return _Prepared(normalised, extract(text), vector)
 
-    async def _prepare(self, text: str) -> _Prepared | None | bool:
+    async def _prepare(self, text: str) -> _Prepared | bool | None:
         """The prepared message; None when too long; False when the embedder is busy."""
         cached = self._recent.get(text)
         if cached is not None:
@@ -252,9 +252,7 @@ class SemanticIndex:
             self.stats.entity_blocked += 1
         return None
 
-    async def insert(
-        self, tenant: str, model: str, context_hash: str, text: str, key: str
-    ) -> None:
+    async def insert(self, tenant: str, model: str, context_hash: str, text: str, key: str) -> None:
         """Store `text` (a last user message) as answered by exact-cache entry `key`.
 
         Call it after the exact cache has stored `key`. A key stored before is

@@ -130,8 +130,9 @@ class _Scope:
     def set_limits(self, limits: ScopeLimits, now: float) -> None:
         self.limits = limits
         self.concurrency = limits.concurrency
-        self.req_limit = str(limits.rpm)
-        self.tok_limit = str(limits.tpm)
+        # Header pairs that only change with the limits, built once.
+        self.req_limit = (_LIMIT_REQ, str(limits.rpm))
+        self.tok_limit = (_LIMIT_TOK, str(limits.tpm))
         self.max_tokens = limits.tpm or _NO_MAX
         self.req = self._bucket(self.req, limits.rpm, now)
         self.tok = self._bucket(self.tok, limits.tpm, now)
@@ -426,12 +427,12 @@ class RateLimiter:
         out: list[tuple[str, str]] = []
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
-            out.append((_LIMIT_REQ, req_st.req_limit))
+            out.append(req_st.req_limit)
             out.append((_REMAINING_REQ, _remaining(req_left, limit)))
             out.append((_RESET_REQ, self._reset(req)))
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
-            out.append((_LIMIT_TOK, tok_st.tok_limit))
+            out.append(tok_st.tok_limit)
             out.append((_REMAINING_TOK, _remaining(tok_left, limit)))
             out.append((_RESET_TOK, self._reset(tok)))
         return out

@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         help="pace of later tokens; 0 sends them back to back",
     )
     parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=defaults.answer_tokens,
+        help="natural answer length (finish_reason stop when max_tokens is larger); "
+        "0 runs every answer to its max_tokens",
+    )
+    parser.add_argument(
         "--models",
         type=_model_list,
         default=defaults.models,
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             fail_status=args.fail_status,
             max_concurrency=args.max_concurrency,
             seed=args.seed,
+            answer_tokens=args.answer_tokens,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -106,6 +106,9 @@ class SimConfig:
         max_concurrency: Requests generating at once; more wait in a queue that
             ``vllm:num_requests_waiting`` reports. 0 means unlimited.
         seed: Seed for ``fail_rate`` draws; None draws from OS entropy.
+        answer_tokens: Natural answer length: a larger ``max_tokens`` ends with
+            finish_reason "stop" after this many tokens, a smaller one with
+            "length". 0 runs every answer to its budget (16 without one).
     """
 
     name: str = "origin-sim"
@@ -118,6 +121,7 @@ class SimConfig:
     mode: Mode = "ok"
     max_concurrency: int = 0
     seed: int | None = None
+    answer_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.models or not all(self.models):
@@ -133,6 +137,8 @@ class SimConfig:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
         if self.max_concurrency < 0:
             raise ValueError(f"max_concurrency must be >= 0, got {self.max_concurrency!r}")
+        if not 0 <= self.answer_tokens <= MAX_COMPLETION_TOKENS:
+            raise ValueError(f"answer_tokens must be in 0..{MAX_COMPLETION_TOKENS}")
 
     def knobs(self) -> dict[str, object]:
         """Return the settings as JSON-ready data (the ``/sim/config`` view)."""
@@ -343,15 +349,22 @@ class _Job:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    # Natural answer length (SimConfig.answer_tokens); 0: run to the budget.
+    natural: int = 0
 
     @property
     def completion_tokens(self) -> int:
+        if self.natural:
+            return self.natural if self.max_tokens is None else min(self.max_tokens, self.natural)
         return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property
     def finish_reason(self) -> str:
-        # Generation always runs to the token budget, so an explicit budget is
-        # always the reason it stopped.
+        if self.natural:
+            cut = self.max_tokens is not None and self.max_tokens < self.natural
+            return "length" if cut else "stop"
+        # Without a natural length, generation runs to the token budget, so an
+        # explicit budget is always the reason it stopped.
         return "stop" if self.max_tokens is None else "length"
 
     def usage(self) -> dict[str, int]:
@@ -735,6 +748,8 @@ async def _stream(
 
 async def _generate(request: web.Request, state: SimState, job: _Job) -> web.StreamResponse:
     config = state.config
+    if config.answer_tokens:
+        job = dataclasses.replace(job, natural=config.answer_tokens)
     cut_after = _header_int(request, "x-sim-cut-after", 0, 2**31) if job.stream else None
     prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
     ident = prefix + uuid.uuid4().hex
@@ -842,14 +857,15 @@ def _number(body: dict[str, object], key: str, current: float) -> float:
 
 async def _set_config(request: web.Request) -> web.StreamResponse:
     """Change runtime knobs from a JSON object holding any of
-    ttft_ms, tokens_per_s, fail_rate, fail_status and mode; answer the new settings."""
+    ttft_ms, tokens_per_s, fail_rate, fail_status, mode and answer_tokens; answer the new
+    settings."""
     state = request.config_dict[SIM_STATE]
     try:
         body, well_formed = _parse_body(await request.read())
         if not well_formed:
             raise _ApiError(400, "The request body is not valid JSON.", code="invalid_json")
         obj = _require_object(body)
-        known = {"ttft_ms", "tokens_per_s", "fail_rate", "fail_status", "mode"}
+        known = {"ttft_ms", "tokens_per_s", "fail_rate", "fail_status", "mode", "answer_tokens"}
         unknown = sorted(set(obj) - known)
         if unknown:
             raise _ApiError(
@@ -859,6 +875,9 @@ async def _set_config(request: web.Request) -> web.StreamResponse:
         fail_status = obj.get("fail_status", current.fail_status)
         if isinstance(fail_status, bool) or not isinstance(fail_status, int):
             raise _ApiError(400, "'fail_status' must be an integer.", param="fail_status")
+        answer_tokens = obj.get("answer_tokens", current.answer_tokens)
+        if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int):
+            raise _ApiError(400, "'answer_tokens' must be an integer.", param="answer_tokens")
         mode = obj.get("mode", current.mode)
         if not isinstance(mode, str) or mode not in MODES:
             raise _ApiError(400, f"'mode' must be one of {sorted(MODES)}.", param="mode")
@@ -870,6 +889,7 @@ async def _set_config(request: web.Request) -> web.StreamResponse:
                 fail_rate=_number(obj, "fail_rate", current.fail_rate),
                 fail_status=fail_status,
                 mode=cast(Mode, mode),
+                answer_tokens=answer_tokens,
             )
         except ValueError as exc:
             raise _ApiError(400, str(exc)) from None

@@ -93,10 +93,7 @@ class RegisterResponse(_message.Message):
     control_plane_id: _builtins.str
     """Replica that accepted the registration (for logs)."""
     fleet_size: _builtins.int
-    """Live proxies in the fleet, this one included. A proxy that has no quota
-    share yet takes 1/fleet_size of each limit until the leader's first
-    rebalance (see docs/rate-limits.md).
-    """
+    """Live proxies in the fleet, this one included (for logs and operators)."""
     def __init__(
         self,
         *,
@@ -615,11 +612,14 @@ class ScopeDemand(_message.Message):
     REQUESTS_PER_S_FIELD_NUMBER: _builtins.int
     TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     requests_per_s: _builtins.float
     tokens_per_s: _builtins.float
     concurrency: _builtins.int
     """Peak concurrent requests wanted in the last interval."""
+    in_flight: _builtins.int
+    """Requests holding a slot now: the leader never hands these slots away."""
     def __init__(
         self,
         *,
@@ -627,10 +627,11 @@ class ScopeDemand(_message.Message):
         requests_per_s: _builtins.float = ...,
         tokens_per_s: _builtins.float = ...,
         concurrency: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "requests_per_s", b"requests_per_s", "scope", b"scope", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "in_flight", b"in_flight", "requests_per_s", b"requests_per_s", "scope", b"scope", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -675,7 +676,11 @@ class QuotaShares(_message.Message):
     generation: _builtins.int
     """Increases with every rebalance (the etcd revision it was written at)."""
     default_fraction: _builtins.float
-    """Share a scope missing from `shares` gets (a new scope, a new proxy)."""
+    """Share of a limited scope missing from `shares` (a scope newer than the
+    last rebalance). The leader counts it as given; 0 for a proxy the leader
+    has not rebalanced yet, which therefore admits nothing under a limit
+    until its first shares arrive (about one rebalance interval).
+    """
     @_builtins.property
     def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuotaShare]: ...
     def __init__(

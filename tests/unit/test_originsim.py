@@ -142,6 +142,22 @@ async def test_token_budget_gives_length_and_prefix(client: SimClient, key: str)
     assert words == full["choices"][0]["message"]["content"].split()[:4]
 
 
+async def test_natural_answer_length_stops_before_a_larger_budget(
+    make_client: MakeClient,
+) -> None:
+    client = await make_client(answer_tokens=6)
+    roomy = await post_json(client, CHAT, chat_body(max_tokens=100))
+    assert roomy["choices"][0]["finish_reason"] == "stop"
+    assert roomy["usage"]["completion_tokens"] == 6
+    tight = await post_json(client, CHAT, chat_body(max_tokens=3))
+    assert tight["choices"][0]["finish_reason"] == "length"
+    assert tight["usage"]["completion_tokens"] == 3
+    resp = await client.post("/sim/config", data=orjson.dumps({"answer_tokens": 9}))
+    assert (await resp.json())["answer_tokens"] == 9
+    again = await post_json(client, CHAT, chat_body(max_tokens=100))
+    assert again["usage"]["completion_tokens"] == 9
+
+
 async def test_completions_shape(client: SimClient) -> None:
     data = await post_json(
         client, COMPLETIONS, {"model": "sim-large", "prompt": "one two three", "max_tokens": 5}

@@ -31,7 +31,7 @@ def make(request: pytest.FixtureRequest) -> Factory:
 
 def unit(rng: np.random.Generator, n: int = 1) -> npt.NDArray[np.float32]:
     v = rng.standard_normal((n, DIM)).astype(np.float32)
-    return v / np.linalg.norm(v, axis=1, keepdims=True)
+    return np.asarray(v / np.linalg.norm(v, axis=1, keepdims=True), dtype=np.float32)
 
 
 def test_empty_index_finds_nothing(make: Factory) -> None:
@@ -129,18 +129,20 @@ def test_remove_everything_then_add_again(make: Factory) -> None:
     assert len(index) == 0
     assert index.search(vecs[0], 3) == []
     index.add(1000, vecs[0])
-    assert index.search(vecs[0], 3) == [(1000, pytest.approx(1.0, abs=1e-5))]
+    ((only, sim),) = index.search(vecs[0], 3)
+    assert only == 1000
+    assert sim == pytest.approx(1.0, abs=1e-5)
 
 
 def test_refuses_present_ids_bad_ids_and_wrong_dimensions(make: Factory) -> None:
     rng = np.random.default_rng(7)
     index = make()
     index.add(1, unit(rng)[0])
-    with pytest.raises(ValueError, match="present|new"):
+    with pytest.raises(ValueError, match=r"present|new"):
         index.add(1, unit(rng)[0])
     with pytest.raises(ValueError, match="non-negative"):
         index.add(-1, unit(rng)[0])
-    with pytest.raises(ValueError, match="dimensions|shape"):
+    with pytest.raises(ValueError, match=r"dimensions|shape"):
         index.add(2, np.ones(DIM + 1, dtype=np.float32))
     assert len(index) == 1
 
@@ -152,9 +154,10 @@ def test_tiered_index_promotes_without_losing_entries() -> None:
     for i, v in enumerate(vecs[:9]):
         index.add(i, v)
     index.remove(3)
-    assert not index.promoted
+    before = index.promoted
     for i, v in enumerate(vecs[9:], start=9):
         index.add(i, v)
+    assert not before
     assert index.promoted
     assert len(index) == 11
     assert index.search(vecs[11], 1)[0][0] == 11

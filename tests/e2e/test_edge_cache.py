@@ -1,0 +1,271 @@
+"""Issue 5 with real processes: the exact cache never gives a wrong answer.
+
+One fleet: etcd, a control plane, one origin (200 ms to first token, so
+concurrent requests overlap) and one proxy. Two tenants with a key each.
+The origin simulator counts what reaches it: a hit is a request it never saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+
+pytestmark = pytest.mark.e2e
+
+# Each tenant's API key, made by the fleet fixture.
+KEYS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with Fleet(tmp_path_factory.mktemp("cache")) as f:
+        f.start_etcd()
+        f.start_control()
+        f.add_region(RegionDef("us-east", 38.9, -77.4))
+        f.start_origin(
+            "o1", "us-east", ttft_ms=200, tokens_per_s=400, extra=["--answer-tokens", "12"]
+        )
+        f.add_origin("o1", "us-east", f.origin_url("o1"))
+        f.start_proxy("p1", "us-east", extra=["--forward-headers", "x-sim-cut-after"])
+        admin = f.admin()
+        for name in ("alpha", "beta"):
+            admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name=name)), timeout=5)
+        for name in ("alpha", "beta"):
+            KEYS[name] = admin.CreateKey(apb.CreateKeyRequest(tenant=name), timeout=5).secret
+        f.wait_proxies_at(f.wait_table(lambda t: len(t.keys) == 2 and len(t.origins) == 1))
+        yield f
+
+
+def key(fleet: Fleet, tenant: str = "alpha") -> str:
+    return KEYS[tenant]
+
+
+def origin_requests(fleet: Fleet) -> int:
+    stats = httpx.get(f"http://{fleet.origins['o1'].address}/sim/stats", timeout=5).json()
+    return int(stats["requests"])
+
+
+def body(question: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "sim-small",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": question}],
+        **extra,
+    }
+
+
+def post(
+    fleet: Fleet, payload: dict[str, Any], tenant: str = "alpha", **headers: str
+) -> httpx.Response:
+    return httpx.post(
+        fleet.proxy_url("p1") + "/chat/completions",
+        json=payload,
+        headers={"authorization": f"Bearer {key(fleet, tenant)}", **headers},
+        timeout=15,
+    )
+
+
+def client(fleet: Fleet, tenant: str = "alpha") -> OpenAI:
+    return OpenAI(base_url=fleet.proxy_url("p1"), api_key=key(fleet, tenant), max_retries=0)
+
+
+def test_repeat_is_a_hit_that_never_reaches_the_origin(fleet: Fleet) -> None:
+    before = origin_requests(fleet)
+    first = post(fleet, body("what is ponto"))
+    second = post(fleet, body("  what is   ponto ", max_tokens=None))
+    assert first.headers["x-ponto-cache"] == "miss"
+    assert second.headers["x-ponto-cache"] == "hit"
+    assert second.json()["choices"] == first.json()["choices"]
+    assert origin_requests(fleet) == before + 1
+    assert "x-ratelimit-limit-requests" not in second.headers  # no limits configured
+
+
+def test_a_tenant_never_receives_another_tenants_answer(fleet: Fleet) -> None:
+    before = origin_requests(fleet)
+    assert post(fleet, body("tenant isolation"), "alpha").headers["x-ponto-cache"] == "miss"
+    beta = post(fleet, body("tenant isolation"), "beta")
+    assert beta.headers["x-ponto-cache"] == "miss"
+    assert post(fleet, body("tenant isolation"), "beta").headers["x-ponto-cache"] == "hit"
+    assert origin_requests(fleet) == before + 2
+
+
+def test_errors_are_never_cached(fleet: Fleet) -> None:
+    sim = f"http://{fleet.origins['o1'].address}/sim/config"
+    httpx.post(sim, json={"mode": "fail", "fail_status": 400}, timeout=5)
+    try:
+        failed = post(fleet, body("errors are not answers"))
+        assert failed.status_code == 400
+    finally:
+        httpx.post(sim, json={"mode": "ok"}, timeout=5)
+    before = origin_requests(fleet)
+    ok = post(fleet, body("errors are not answers"))
+    assert ok.status_code == 200 and ok.headers["x-ponto-cache"] == "miss"
+    assert origin_requests(fleet) == before + 1
+
+
+def test_a_cut_stream_is_never_replayed(fleet: Fleet) -> None:
+    payload = body("cut me short", stream=True)
+    for _ in range(2):
+        before = origin_requests(fleet)
+        resp = post(fleet, payload, **{"x-sim-cut-after": "3"})
+        assert resp.headers["x-ponto-cache"] == "miss"
+        assert "stream_interrupted" in resp.text
+        assert origin_requests(fleet) == before + 1
+
+
+def test_truncated_answers_are_not_kept(fleet: Fleet) -> None:
+    payload = body("too long to finish", max_tokens=3)
+    assert post(fleet, payload).json()["choices"][0]["finish_reason"] == "length"
+    assert post(fleet, payload).headers["x-ponto-cache"] == "miss"
+
+
+def test_a_cached_stream_replays_as_several_chunks_the_openai_client_reads(
+    fleet: Fleet,
+) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "stream me a story"}]
+    oai = client(fleet)
+
+    def read() -> tuple[str, int, str]:
+        raw = oai.chat.completions.with_raw_response.create(
+            model="sim-small",
+            messages=messages,
+            temperature=0,
+            stream=True,
+        )
+        chunks = list(raw.parse())
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, len(chunks), raw.headers["x-ponto-cache"]
+
+    text, n, state = read()
+    assert state == "miss" and n > 3
+    before = origin_requests(fleet)
+    again, m, state = read()
+    assert state == "hit"
+    assert again == text and m == n  # the stored chunking, chunk for chunk
+    assert origin_requests(fleet) == before
+    # The stored stream also answers a non-streaming request, and the reverse.
+    flat = oai.chat.completions.with_raw_response.create(
+        model="sim-small",
+        messages=messages,
+        temperature=0,
+    )
+    assert flat.headers["x-ponto-cache"] == "hit"
+    assert flat.parse().choices[0].message.content == text
+    other: list[ChatCompletionMessageParam] = [{"role": "user", "content": "first as a whole"}]
+    whole = oai.chat.completions.create(model="sim-small", messages=other, temperature=0)
+    replay = list(
+        oai.chat.completions.create(
+            model="sim-small",
+            messages=other,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert len(replay) > 3
+    assert "".join(c.choices[0].delta.content or "" for c in replay if c.choices) == (
+        whole.choices[0].message.content
+    )
+    assert origin_requests(fleet) == before + 1
+
+
+def test_twenty_identical_concurrent_requests_reach_the_origin_once(fleet: Fleet) -> None:
+    before = origin_requests(fleet)
+
+    async def burst() -> list[httpx.Response]:
+        headers = {"authorization": f"Bearer {key(fleet)}"}
+        async with httpx.AsyncClient(timeout=15, headers=headers) as c:
+            url = fleet.proxy_url("p1") + "/chat/completions"
+            return await asyncio.gather(
+                *(c.post(url, json=body("all at once", stream=i % 2 == 0)) for i in range(20))
+            )
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 20
+    assert origin_requests(fleet) == before + 1
+    states = sorted(r.headers["x-ponto-cache"] for r in responses)
+    assert states.count("miss") == 1
+    texts = set()
+    for r in responses:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            events = [
+                json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")
+            ]
+            texts.add(
+                "".join(
+                    e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+                )
+            )
+        else:
+            texts.add(r.json()["choices"][0]["message"]["content"])
+    assert len(texts) == 1
+
+
+def test_cache_control_and_sampling_decide_what_is_cached(fleet: Fleet) -> None:
+    q = body("cache control")
+    assert post(fleet, q).headers["x-ponto-cache"] == "miss"
+    before = origin_requests(fleet)
+    # no-cache: skip the lookup, refresh the entry.
+    assert post(fleet, q, **{"cache-control": "no-cache"}).headers["x-ponto-cache"] == "miss"
+    assert origin_requests(fleet) == before + 1
+    assert post(fleet, q).headers["x-ponto-cache"] == "hit"
+    # no-store: neither read nor write.
+    fresh = body("never stored")
+    assert post(fleet, fresh, **{"cache-control": "no-store"}).headers["x-ponto-cache"] == "bypass"
+    assert post(fleet, fresh).headers["x-ponto-cache"] == "miss"
+    # Sampling without a seed is not cached unless the tenant opts in.
+    sampled = body("sampled", temperature=0.8)
+    assert post(fleet, sampled).headers["x-ponto-cache"] == "bypass"
+    assert post(fleet, {**sampled, "seed": 7}).headers["x-ponto-cache"] == "miss"
+    assert post(fleet, {**sampled, "seed": 7}).headers["x-ponto-cache"] == "hit"
+    # Another parameter that changes the output is another entry.
+    assert post(fleet, {**q, "top_p": 0.5}).headers["x-ponto-cache"] == "miss"
+
+
+def test_a_follow_up_after_a_different_earlier_turn_misses(fleet: Fleet) -> None:
+    def turns(topic: str) -> dict[str, Any]:
+        return {
+            "model": "sim-small",
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": f"tell me about {topic}"},
+                {"role": "assistant", "content": f"{topic} is a city."},
+                {"role": "user", "content": "what about its population?"},
+            ],
+        }
+
+    assert post(fleet, turns("paris")).headers["x-ponto-cache"] == "miss"
+    assert post(fleet, turns("tokyo")).headers["x-ponto-cache"] == "miss"
+    assert post(fleet, turns("paris")).headers["x-ponto-cache"] == "hit"
+
+
+def test_purge_and_cache_metrics(fleet: Fleet) -> None:
+    q = body("purge me")
+    post(fleet, q)
+    assert post(fleet, q).headers["x-ponto-cache"] == "hit"
+    purge = fleet.admin().PurgeCache(apb.PurgeCacheRequest(tenant="alpha"), timeout=5).purge
+    fleet.wait_proxies_at(
+        fleet.wait_table(lambda t: any(p.revision == purge.revision for p in t.purges))
+    )
+    assert post(fleet, q).headers["x-ponto-cache"] == "miss"
+    metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    for line in (
+        'ponto_cache_requests_total{kind="exact",result="hit"}',
+        'ponto_cache_requests_total{kind="exact",result="miss"}',
+        'ponto_cache_requests_total{kind="coalesced",result="hit"}',
+        "ponto_cache_entries ",
+        "ponto_cache_bytes ",
+        "ponto_cache_evictions ",
+        "ponto_cache_purged ",
+    ):
+        assert line in metrics, line

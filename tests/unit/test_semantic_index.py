@@ -1,0 +1,286 @@
+"""SemanticIndex: scoping (tenant, model, context), threshold, entities, eviction, purge.
+
+Runs on the hashing fake embedder: similarities are predictable from shared character
+n-grams, and the tests need no model. The real model's behaviour is measured by
+bench/cache_eval.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+import pytest
+
+from dataplane.cache.embed import HashingEmbedder, Vectors
+from dataplane.cache.semantic import SemanticHit, SemanticIndex, normalise_text
+from dataplane.cache.vectors import ExactIndex
+
+Q = "how do i reset my password for the mobile app"
+Q_NEAR = "how do I reset my password for the mobile app please"
+Q_FAR = "what is the weather like in lisbon tomorrow morning"
+T = 0.8  # HashingEmbedder scores Q against Q_NEAR at ~0.9 and Q_FAR near 0
+
+
+@pytest.fixture
+async def index() -> AsyncIterator[SemanticIndex]:
+    idx = SemanticIndex(HashingEmbedder())
+    yield idx
+    idx.close()
+
+
+async def test_similar_text_hits_and_unrelated_misses(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "ctx", Q, "key-1")
+    hit = await index.lookup("t1", "m", "ctx", Q_NEAR, T)
+    assert isinstance(hit, SemanticHit)
+    assert hit.key == "key-1"
+    assert T <= hit.similarity <= 1.0
+    assert await index.lookup("t1", "m", "ctx", Q_FAR, T) is None
+    assert index.stats.hits == 1
+    assert index.stats.lookups == 2
+
+
+async def test_threshold_is_the_callers(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "ctx", Q, "key-1")
+    hit = await index.lookup("t1", "m", "ctx", Q_NEAR, T)
+    assert hit is not None
+    assert await index.lookup("t1", "m", "ctx", Q_NEAR, hit.similarity + 0.01) is None
+    assert await index.lookup("t1", "m", "ctx", Q_NEAR, hit.similarity - 0.01) is not None
+
+
+async def test_tenants_and_models_are_isolated(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "ctx", Q, "key-1")
+    assert await index.lookup("t2", "m", "ctx", Q, T) is None
+    assert await index.lookup("t1", "other-model", "ctx", Q, T) is None
+    assert await index.lookup("t1", "m", "ctx", Q, T) is not None
+
+
+async def test_multi_turn_isolation_by_context_hash(index: SemanticIndex) -> None:
+    # "what about the second one?" after two different earlier turns: the caller
+    # hashes the earlier turns into context_hash, and nothing crosses between them.
+    follow_up = "what about the second one"
+    await index.insert("t1", "m", "hash(turns about laptops)", follow_up, "key-laptops")
+    assert await index.lookup("t1", "m", "hash(turns about phones)", follow_up, T) is None
+    hit = await index.lookup("t1", "m", "hash(turns about laptops)", follow_up, T)
+    assert hit is not None
+    assert hit.key == "key-laptops"
+
+
+A = "please cancel my purchase with number 732201349959"
+B = "please cancel my purchase with number 113542617735902"  # 0.69 to A with hashing
+
+
+async def test_entities_block_a_near_twin(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "", A, "key-a")
+    assert await index.lookup("t1", "m", "", B, 0.5) is None
+    assert index.stats.entity_blocked == 1
+    hit = await index.lookup("t1", "m", "", "please cancel my purchase number 732201349959", 0.5)
+    assert hit is not None
+    assert hit.key == "key-a"
+
+
+async def test_a_farther_neighbour_with_matching_entities_still_hits(
+    index: SemanticIndex,
+) -> None:
+    await index.insert("t1", "m", "", "cancel my purchase 111 now", "key-111")
+    await index.insert("t1", "m", "", "cancel my purchase 222 today please", "key-222")
+    hit = await index.lookup("t1", "m", "", "cancel my purchase 222 now", 0.5)
+    assert hit is not None
+    assert hit.key == "key-222"
+
+
+async def test_entity_check_can_be_disabled() -> None:
+    idx = SemanticIndex(HashingEmbedder(), entity_check=False)
+    await idx.insert("t1", "m", "", A, "key-a")
+    assert await idx.lookup("t1", "m", "", B, 0.5) is not None
+    idx.close()
+
+
+async def test_remove_and_replace_by_key(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "ctx", Q, "key-1")
+    assert index.remove("key-1")
+    assert not index.remove("key-1")
+    assert await index.lookup("t1", "m", "ctx", Q, T) is None
+    assert len(index) == 0
+    assert index.namespaces() == 0
+    # one entry per key: inserting a key again replaces its text
+    await index.insert("t1", "m", "ctx", Q, "key-2")
+    await index.insert("t1", "m", "ctx", Q_FAR, "key-2")
+    assert len(index) == 1
+    assert await index.lookup("t1", "m", "ctx", Q, T) is None
+    hit = await index.lookup("t1", "m", "ctx", Q_FAR, T)
+    assert hit is not None
+    assert hit.key == "key-2"
+
+
+async def test_purge_by_tenant_model_or_all(index: SemanticIndex) -> None:
+    for tenant in ("t1", "t2"):
+        for model in ("a", "b"):
+            await index.insert(tenant, model, "", Q, f"{tenant}-{model}")
+    assert index.purge(tenant="t1", model="a") == 1
+    assert await index.lookup("t1", "a", "", Q, T) is None
+    assert await index.lookup("t1", "b", "", Q, T) is not None
+    assert index.purge(tenant="t2") == 2
+    assert await index.lookup("t2", "b", "", Q, T) is None
+    assert index.purge(model="b") == 1
+    assert len(index) == 0
+    await index.insert("t3", "a", "", Q, "t3-a")
+    assert index.purge() == 1
+    assert not index.remove("t3-a")
+
+
+async def test_eviction_per_namespace_and_global_least_recent_first() -> None:
+    idx = SemanticIndex(HashingEmbedder(), max_entries=4, max_entries_per_namespace=2)
+    texts = [f"question number {w} about topic {w}" for w in ("alpha", "bravo", "charlie")]
+    for i, text in enumerate(texts):
+        await idx.insert("t", "m", "ns1", text, f"k{i}")
+    assert len(idx) == 2  # k0 went first
+    assert await idx.lookup("t", "m", "ns1", texts[0], 0.99) is None
+    # a hit refreshes k1, so k2 is the least recently used of ns1 now
+    assert await idx.lookup("t", "m", "ns1", texts[1], 0.99) is not None
+    await idx.insert("t", "m", "ns1", "question number delta about topic delta", "k3")
+    assert not idx.remove("k2")
+    # the global bound spans namespaces
+    for i in range(3):
+        await idx.insert("t", "m", f"other{i}", texts[0], f"o{i}")
+    assert len(idx) == 4
+    assert idx.stats.evictions == 3
+    assert not idx.remove("k1")  # the oldest overall
+    idx.close()
+
+
+async def test_empty_namespace_costs_no_embedding(index: SemanticIndex) -> None:
+    assert await index.lookup("t1", "m", "nothing here", Q, T) is None
+    assert index.stats.lookups == 1
+    assert index.stats.busy == 0
+
+
+async def test_too_long_texts_are_not_matched() -> None:
+    class Windowed(HashingEmbedder):
+        def fits(self, text: str) -> bool:
+            return len(text) < 40
+
+    idx = SemanticIndex(Windowed())
+    await idx.insert("t", "m", "", "short question", "k")
+    await idx.insert("t", "m", "", "x" * 50, "k-long")
+    assert len(idx) == 1
+    assert await idx.lookup("t", "m", "", "short question" + " padding" * 5, 0.1) is None
+    assert idx.stats.too_long == 2
+    idx.close()
+
+
+class SlowEmbedder(HashingEmbedder):
+    """Blocks in embed until released; records the thread it ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.threads: set[int] = set()
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        self.threads.add(threading.get_ident())
+        self.release.wait(5)
+        return super().embed(texts)
+
+
+async def test_embedding_runs_off_the_event_loop() -> None:
+    slow = SlowEmbedder()
+    idx = SemanticIndex(slow)
+    insert = asyncio.create_task(idx.insert("t", "m", "", Q, "k"))
+    # The loop keeps running while the embedder is blocked in its thread.
+    ticks = 0
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks >= 5
+    assert not insert.done()
+    slow.release.set()
+    await insert
+    assert len(idx) == 1
+    assert threading.get_ident() not in slow.threads
+    idx.close()
+
+
+async def test_busy_embedder_skips_instead_of_queueing() -> None:
+    slow = SlowEmbedder()
+    idx = SemanticIndex(slow, max_pending=1)
+    first = asyncio.create_task(idx.insert("t", "m", "", Q, "k1"))
+    await asyncio.sleep(0.05)
+    await idx.insert("t", "m", "", Q_FAR, "k2")  # returns at once: skipped
+    assert idx.stats.busy == 1
+    slow.release.set()
+    await first
+    assert len(idx) == 1
+    idx.close()
+
+
+async def test_insert_in_flight_during_purge_is_dropped() -> None:
+    slow = SlowEmbedder()
+    idx = SemanticIndex(slow)
+    insert = asyncio.create_task(idx.insert("t", "m", "", Q, "k"))
+    await asyncio.sleep(0.05)
+    idx.purge(tenant="t")
+    slow.release.set()
+    await insert
+    assert len(idx) == 0
+    idx.close()
+
+
+async def test_a_miss_then_insert_embeds_once() -> None:
+    calls: list[int] = []
+
+    class Counting(HashingEmbedder):
+        def embed(self, texts: Sequence[str]) -> Vectors:
+            calls.append(len(texts))
+            return super().embed(texts)
+
+    idx = SemanticIndex(Counting())
+    await idx.insert("t", "m", "", Q_FAR, "k0")
+    assert await idx.lookup("t", "m", "", Q, T) is None
+    await idx.insert("t", "m", "", Q, "k1")
+    assert calls == [1, 1]
+    idx.close()
+
+
+async def test_custom_index_factory_is_used() -> None:
+    made: list[int] = []
+
+    def factory(dim: int) -> ExactIndex:
+        made.append(dim)
+        return ExactIndex(dim)
+
+    idx = SemanticIndex(HashingEmbedder(dim=64), index_factory=factory)
+    await idx.insert("t", "m", "", Q, "k")
+    assert made == [64]
+    idx.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("  How   do I\treset\nmy PASSWORD?? ", "how do i reset my password"),
+        ("It\u2019s \u201cfine\u201d!", 'it\'s "fine"'),
+        ("ﬁle №5.", "file no5"),
+        ("C++ vs C#?", "c++ vs c#"),
+        ("...", ""),
+        ("what is 3.5", "what is 3.5"),
+    ],
+)
+def test_normalise_text(raw: str, expected: str) -> None:
+    assert normalise_text(raw) == expected
+
+
+def test_constructor_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        SemanticIndex(HashingEmbedder(), max_entries=0)
+
+
+def test_hashing_vectors_behave_as_the_tests_assume() -> None:
+    v = HashingEmbedder().embed([Q, Q_NEAR, Q_FAR])
+    assert float(v[0] @ v[1]) > 0.85
+    assert abs(float(v[0] @ v[2])) < 0.3
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0)
