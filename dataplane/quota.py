@@ -48,8 +48,10 @@ class QuotaState:
 
     @property
     def ready(self) -> bool:
-        """Whether limited requests can be admitted: no limits, or shares known."""
-        return self.heard or not self._limits
+        """Whether every limited scope has a share (explicit, or the default)."""
+        return all(
+            scope in self._explicit or self.default_fraction > 0 for scope in self._limits
+        )
 
     def on_limits(self, limits: Mapping[str, ScopeLimits]) -> None:
         self._limits = limits

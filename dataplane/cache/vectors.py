@@ -132,7 +132,8 @@ class HnswIndex:
 
     Parameters (see bench/semantic_lookup.py for what they cost): `m` graph degree,
     `ef_construction` build beam, `ef_search` query beam (raised to k when k is
-    larger). Searches run on one thread: the caller owns parallelism.
+    larger). Searches run on one thread: the caller owns parallelism;
+    `build_threads` only applies to bulk adds (benchmarks, promotion).
     """
 
     def __init__(
@@ -144,9 +145,11 @@ class HnswIndex:
         ef_construction: int = 100,
         ef_search: int = 64,
         seed: int = 100,
+        build_threads: int = 1,
     ) -> None:
         self._dim = dim
         self._ef_search = ef_search
+        self._build_threads = build_threads
         self._params = (m, ef_construction, seed)
         self._index = self._new_graph(max(16, initial_capacity))
         self._present: set[int] = set()
@@ -217,7 +220,7 @@ class HnswIndex:
                 while capacity < needed:
                     capacity *= 2
                 self._index.resize_index(capacity)
-            self._index.add_items(vecs[reuse:], ids[reuse:])
+            self._index.add_items(vecs[reuse:], ids[reuse:], num_threads=self._build_threads)
         self._present.update(new)
 
     def remove(self, id: int) -> None:
