@@ -55,12 +55,12 @@ import numpy.typing as npt
 
 from dataplane.cache.embed import MiniLmOnnxEmbedder, default_model_path
 from dataplane.cache.entities import Entities, extract
-from dataplane.cache.semantic import normalise_text
+from dataplane.cache.semantic import DEFAULT_THRESHOLD, normalise_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "semcache"
 CACHE_DIR = ROOT / ".cache" / "embeddings"
-DEFAULT_THRESHOLDS = (0.80, 0.83, 0.85, 0.87, 0.88, 0.89, 0.90, 0.91, 0.92, 0.93, 0.95)
+DEFAULT_THRESHOLDS = (0.80, 0.85, 0.87, 0.88, 0.89, 0.90, 0.91, 0.92, 0.93, 0.95, 0.97)
 NEIGHBOURS = 32  # earlier neighbours kept per query; the simulation falls back to
 # an exact scan in the rare case that more than these are needed
 
@@ -382,7 +382,7 @@ def evaluate(
         )
         wrongs = ", ".join(f"{o.wrong}/{o.hits}" for o in row.values())
         print(f"{line}   (wrong/hits: {wrongs})", flush=True)
-        if show_wrong and thr == thresholds[-1]:
+        if show_wrong and thr == DEFAULT_THRESHOLD:
             for label, outcome in row.items():
                 for asked, stored, sim in outcome.examples[:show_wrong]:
                     print(f"    wrong ({label}, {sim:.3f}): {asked!r} -> {stored!r}")
@@ -399,19 +399,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2, help="onnxruntime threads")
     parser.add_argument(
-        "--show-wrong", type=int, default=0, help="print N wrong hits at the last threshold"
+        "--show-wrong", type=int, default=0, help="print N wrong hits at the default threshold"
     )
     args = parser.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
+    for needed in (DEFAULT_THRESHOLD, 0.95):  # the summary compares these two
+        if needed not in thresholds:
+            thresholds.append(needed)
+    thresholds.sort()
     datasets = (
         [(path.name, [path]) for path in args.dataset] if args.dataset else default_datasets()
     )
+    summary: list[str] = []
     for name, paths in datasets:
         items = [item for path in paths for item in load(path)]
         items = stream_order(items, args.seed)
         if args.limit:
             items = items[: args.limit]
-        evaluate(
+        results = evaluate(
             name,
             items,
             thresholds,
@@ -419,6 +424,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             show_wrong=args.show_wrong,
         )
+        chosen = results[DEFAULT_THRESHOLD]["entities"]
+        base = results[0.95]["plain"]
+        ratio = chosen.hit_rate / base.hit_rate if base.hit_rate else float("inf")
+        summary.append(
+            f"  {name:<34} {100 * chosen.hit_rate:5.1f} % hits, {100 * chosen.wrong_rate:5.2f} %"
+            f" wrong | plain 0.95: {100 * base.hit_rate:5.1f} %, {100 * base.wrong_rate:5.2f} %"
+            f" | x{ratio:.2f}"
+        )
+    print(f"\ndefault {DEFAULT_THRESHOLD} with entities vs a plain 0.95 threshold:")
+    print("\n".join(summary))
     return 0
 
 

@@ -70,6 +70,10 @@ STREAM_BODY = json.dumps(
     }
 ).encode()
 MAX_ERRORS = 0.01  # "sustained" means under 1 % errors
+OVERLOAD = 1.5  # an open-loop rate over 1.5x a target's closed-loop max gets a short probe
+PROBE_S = 2.0  # duration and timeout of such a probe
+MIN_SAMPLES = 400  # open-loop runs last long enough for this many requests ...
+MAX_OPEN_S = 30.0  # ... but no longer than this
 
 
 # ---------------------------------------------------------------- processes
@@ -180,7 +184,7 @@ def configure_ponto_features(fleet: Fleet) -> tuple[tuple[tuple[str, str], ...],
     return (), "defaults (no auth, rate limit or cache configured)"
 
 
-def check(target: Target, body: bytes = BODY) -> None:
+def check(target: Target, body: bytes = BODY, timeout: float = 30.0) -> None:
     """One request must succeed before any measuring (catches a misconfiguration)."""
     request = urllib.request.Request(
         target.url,
@@ -188,20 +192,24 @@ def check(target: Target, body: bytes = BODY) -> None:
         headers={"content-type": "application/json", **dict(target.headers)},
     )
     try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             resp.read()
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"{target.label}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
 
 
-def settle(target: Target, limit: float = 30.0) -> None:
+def settle(target: Target, limit: float = 20.0) -> None:
     """After an overload, wait until the server answers promptly again (its backlog drained)."""
     deadline = time.monotonic() + limit
     quick_in_a_row = 0
     while time.monotonic() < deadline and quick_in_a_row < 3:
         t0 = time.monotonic()
-        with contextlib.suppress(OSError, RuntimeError):
-            check(target)
+        try:
+            check(target, timeout=max(0.5, min(5.0, deadline - t0)))
+        except (OSError, RuntimeError):
+            quick_in_a_row = 0
+            time.sleep(0.1)
+            continue
         quick_in_a_row = quick_in_a_row + 1 if time.monotonic() - t0 < 0.2 else 0
 
 
@@ -260,10 +268,23 @@ class Runner:
         self.targets = targets
         self.origin_pid = origin_pid
         self.plan = plan
+        # Closed-loop throughput per target, once measured: an open-loop rate far
+        # above it only needs a short probe to show that the target fails there.
+        self.maxima: dict[str, float] = {}
 
-    def spec(self, target: Target, *, mode: str, rate: float, stream: bool) -> LoadSpec:
+    def overloaded(self, target: Target, rate: float) -> bool:
+        best = self.maxima.get(target.key)
+        return best is not None and rate > OVERLOAD * best
+
+    def spec(
+        self, target: Target, *, mode: str, rate: float, stream: bool, probe: bool = False
+    ) -> LoadSpec:
         p = self.plan
-        rounds_duration = (p.closed_s if mode == "closed" else p.open_s) / p.rounds
+        if mode == "closed":
+            duration = p.closed_s / p.rounds
+        else:
+            # Enough requests for a p99 that is not just the maximum, within reason.
+            duration = max(p.open_s, min(MAX_OPEN_S, MIN_SAMPLES / rate)) / p.rounds
         return LoadSpec(
             url=target.url,
             body=STREAM_BODY if stream else BODY,
@@ -271,9 +292,9 @@ class Runner:
             mode="closed" if mode == "closed" else "open",
             rate=rate,
             connections=p.connections if mode == "closed" else 0,
-            duration=rounds_duration,
-            warmup=p.warmup,
-            timeout=p.timeout,
+            duration=PROBE_S if probe else duration,
+            warmup=min(p.warmup, 0.5) if probe else p.warmup,
+            timeout=PROBE_S if probe else p.timeout,
             stream=stream,
             cpu=LOAD_CPU if cpus_available() else None,
             watch_pids=(*target.pids(), self.origin_pid),
@@ -294,10 +315,13 @@ class Runner:
         phase = Phase(name, mode, stream, fixed if mode == "open" else None)
         runs: dict[str, list[LoadResult]] = {t.key: [] for t in chosen}
         started = time.monotonic()
-        for _ in range(self.plan.rounds):
+        for round_ in range(self.plan.rounds):
             for target in chosen:
                 r = rate(target) if callable(rate) else rate
-                spec = self.spec(target, mode=mode, rate=r, stream=stream)
+                probe = mode == "open" and self.overloaded(target, r)
+                if probe and round_ > 0:
+                    continue  # one short probe is enough to show the failure
+                spec = self.spec(target, mode=mode, rate=r, stream=stream, probe=probe)
                 try:
                     result = self.gen.run(spec)
                 except (ConnectionError, OSError) as exc:
@@ -675,13 +699,14 @@ def measure(targets: list[Target], origin_pid: int, plan: Plan) -> dict[str, Pha
     with LoadGenerator() as gen:
         runner = Runner(gen, targets, origin_pid, plan)
         phases["max"] = runner.phase("max", mode="closed")
+        runner.maxima = {k: r.get("throughput") or 0.0 for k, r in phases["max"].results.items()}
         for rate in plan.rates:
             phases[f"open-{rate:g}"] = runner.phase(f"open-{rate:g}", mode="open", rate=rate)
         phases["stream"] = runner.phase("stream", mode="open", stream=True, rate=plan.stream_rate)
         if plan.sustained:
-            maxima = {k: r.get("throughput") or 0.0 for k, r in phases["max"].results.items()}
+            maxima = runner.maxima
             phases["sustained"] = runner.phase(
-                "sustained", mode="open", rate=lambda t: max(10.0, round(0.8 * maxima[t.key]))
+                "sustained", mode="open", rate=lambda t: max(5.0, round(0.8 * maxima[t.key]))
             )
         lite = phases["max"].results.get("litellm")
         low = plan.rates[0]

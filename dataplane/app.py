@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from dataplane.cache.store import ExactStore
-from dataplane.edgecache import EdgeCache
+from dataplane.edgecache import EdgeCache, SemanticLayer
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
 from dataplane.handlers import (
@@ -68,8 +68,14 @@ def build_app(settings: Settings) -> web.Application:
     app[QUOTA] = quota
     holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
     store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
-    app[CACHE] = cache = EdgeCache(store, m, forward_headers=settings.upstream.forward_headers)
+    app[CACHE] = cache = EdgeCache(
+        store,
+        m,
+        semantic_factory=_semantic_index,
+        forward_headers=settings.upstream.forward_headers,
+    )
     m.bind_cache(lambda: store.stats)
+    m.bind_semantic(lambda: cache.semantic)
     holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
     if holder.load_saved():
         log.warning("serving the saved route table until the control plane answers")
@@ -113,6 +119,18 @@ def build_app(settings: Settings) -> web.Application:
     r.add_get("/readyz", readyz, name="readyz")
     r.add_get("/metrics", metrics, name="metrics")
     return app
+
+
+def _semantic_index() -> SemanticLayer:
+    """The MiniLM embedder (int8 ONNX, from the installed package) and its index.
+
+    Imported here: numpy, onnxruntime and the model cost memory only in proxies
+    whose tenants use semantic caching.
+    """
+    from dataplane.cache.embed import MiniLmOnnxEmbedder  # noqa: PLC0415
+    from dataplane.cache.semantic import SemanticIndex  # noqa: PLC0415
+
+    return SemanticIndex(MiniLmOnnxEmbedder())
 
 
 async def _close_locator(app: web.Application) -> None:

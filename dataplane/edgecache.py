@@ -17,11 +17,12 @@ One per app; all state lives on the app's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -39,12 +40,15 @@ from dataplane.cache.keys import (
     context_hash,
     last_user_text,
 )
-from dataplane.cache.policy import Decision, Reason, RequestCacheControl, decide
+from dataplane.cache.policy import CacheMode, Decision, Reason, RequestCacheControl, decide
 from dataplane.cache.store import ExactStore
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.upstream import StreamTap, sse_error_event
 from dataplane.usage import Taps
+
+if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
+    from dataplane.cache.semantic import SemanticHit
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +63,16 @@ class SemanticLayer(Protocol):
     """What the cache needs of the semantic index (dataplane.cache.semantic)."""
 
     async def lookup(
-        self, tenant: str, model: str, context: str, text: str, threshold: float
-    ) -> tuple[str, float] | None: ...
+        self, tenant: str, model: str, context_hash: str, text: str, threshold: float
+    ) -> SemanticHit | None: ...
 
-    async def insert(self, tenant: str, model: str, context: str, text: str, key: str) -> None: ...
+    async def insert(
+        self, tenant: str, model: str, context_hash: str, text: str, key: str
+    ) -> None: ...
 
-    def remove(self, key: str) -> None: ...
+    def remove(self, key: str) -> bool: ...
 
-    def purge(self, tenant: str | None = None, model: str | None = None) -> None: ...
+    def purge(self, tenant: str | None = None, model: str | None = None) -> int: ...
 
 
 @dataclass(slots=True)
@@ -87,10 +93,16 @@ class EdgeCache:
         *,
         coalescer: Coalescer | None = None,
         semantic: SemanticLayer | None = None,
+        semantic_factory: Callable[[], SemanticLayer] | None = None,
         forward_headers: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        # The embedding model costs memory and start-up time: it is loaded (off
+        # the event loop) only once a tenant turns semantic caching on.
+        self._semantic_factory = semantic_factory
+        self._semantic_loading = False
+        store.on_evict = self._evicted
         # Client headers passed to origins can change the answer: they are
         # part of the key.
         self._forward_headers = tuple(h.lower() for h in forward_headers)
@@ -102,11 +114,39 @@ class EdgeCache:
 
     # ------------------------------------------------------------ control
 
-    def on_policy(self, policy: EdgePolicy) -> None:
-        """Run the purges of a new table that this proxy has not run yet.
+    def _evicted(self, key: str, reason: object) -> None:
+        if self.semantic is not None:
+            self.semantic.remove(key)
 
-        The first table after start only sets the mark: the cache is empty.
+    def _load_semantic(self) -> None:
+        factory = self._semantic_factory
+        if self.semantic is not None or self._semantic_loading or factory is None:
+            return
+        self._semantic_loading = True
+        loop = asyncio.get_running_loop()
+
+        def done(future: asyncio.Future[SemanticLayer]) -> None:
+            self._semantic_loading = False
+            try:
+                self.semantic = future.result()
+                log.info("semantic cache ready")
+            except Exception as exc:  # a missing model must not stop the proxy
+                log.error("semantic cache unavailable, exact only: %s", exc)
+
+        loop.run_in_executor(None, factory).add_done_callback(done)
+
+    def on_policy(self, policy: EdgePolicy) -> None:
+        """Run the purges of a new table that this proxy has not run yet, and load
+        the embedding model the first time a tenant asks for semantic caching.
+
+        The first table after start only sets the purge mark: the cache is empty.
         """
+        wants_semantic = any(
+            t.cache.mode is CacheMode.SEMANTIC for t in (*policy.tenants.values(), policy.default)
+        )
+        if wants_semantic:
+            with contextlib.suppress(RuntimeError):  # no loop yet: the next table
+                self._load_semantic()
         newest = max((rev for rev, _, _ in policy.purges), default=0)
         if self._purged_to is None:
             self._purged_to = newest
@@ -142,10 +182,12 @@ class EdgeCache:
             return await origin(usage_tap, ((HEADER, "bypass"),))
         include_usage = _include_usage(req.body)
         context = text = ""
+        if decision.semantic and self.semantic is None:
+            self._load_semantic()  # e.g. a saved table applied before the loop ran
         if decision.semantic and self.semantic is not None:
             text = last_user_text(req.body["messages"]) or ""
             if text:
-                context = context_hash(req.body["messages"])
+                context = self._context(request, req)
         if decision.lookup:
             entry = await self.store.get(key)
             if entry is not None and cc.accepts_age(self._clock() - entry.created_at):
@@ -156,13 +198,14 @@ class EdgeCache:
                     req.tenant.name, model, context, text, policy.semantic_threshold
                 )
                 if found is not None:
-                    near = await self.store.get(found[0])
+                    near = await self.store.get(found.key)
                     if near is not None and cc.accepts_age(self._clock() - near.created_at):
                         self._count("hit", "semantic")
-                        similarity = ((SIMILARITY, f"{found[1]:.4f}"),)
+                        similarity = ((SIMILARITY, f"{found.similarity:.4f}"),)
                         return await self._replay(
                             request, near, req.stream, include_usage, similarity
                         )
+                    self.semantic.remove(found.key)  # its answer is gone
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
                 return await self._follow(request, req, flight, include_usage, origin, usage_tap)
@@ -259,6 +302,22 @@ class EdgeCache:
             await out.write(sse_error_event(f"the shared origin call failed: {exc}"))
             await out.write_eof()
             return out
+
+    def _context(self, request: web.Request, req: CacheRequest) -> str:
+        """Everything but the last user message, exactly: the semantic namespace.
+
+        The exact key of the request with that message blanked covers the
+        tenant, the model, every parameter, forwarded headers and every other
+        message, so only the last user message is ever matched by meaning.
+        """
+        messages = list(req.body["messages"])
+        for i in range(len(messages) - 1, -1, -1):
+            m = messages[i]
+            if isinstance(m, dict) and m.get("role") == "user":
+                messages[i] = {**m, "content": ""}
+                break
+        blanked = CacheRequest(req.endpoint, {**req.body, "messages": messages}, req.tenant, False)
+        return context_hash(messages) + ":" + self._key(request, blanked)
 
     def _key(self, request: web.Request, req: CacheRequest) -> str:
         headers = None

@@ -123,6 +123,28 @@ class Metrics:
         self.cache_expired.set_function(lambda: float(stats().expired))
         self.cache_purged.set_function(lambda: float(stats().purged))
 
+    def bind_semantic(self, index: Callable[[], Any]) -> None:
+        """Semantic index counters, once the index is loaded (0 before)."""
+        r = self.registry
+
+        def stat(name: str) -> Callable[[], float]:
+            def read() -> float:
+                current = index()
+                return float(getattr(current.stats, name)) if current is not None else 0.0
+
+            return read
+
+        for name, doc in (
+            ("lookups", "Semantic lookups"),
+            ("hits", "Semantic lookups that found a close enough earlier question"),
+            ("entity_blocked", "Close neighbours refused because numbers or names differed"),
+            ("busy", "Lookups skipped because the embedder was busy"),
+        ):
+            Gauge(f"ponto_semantic_{name}", doc, registry=r).set_function(stat(name))
+        Gauge("ponto_semantic_entries", "Entries in the semantic index", registry=r).set_function(
+            lambda: float(len(current)) if (current := index()) is not None else 0.0
+        )
+
     def bind(
         self,
         version: Callable[[], float],

@@ -49,9 +49,7 @@ class QuotaState:
     @property
     def ready(self) -> bool:
         """Whether every limited scope has a share (explicit, or the default)."""
-        return all(
-            scope in self._explicit or self.default_fraction > 0 for scope in self._limits
-        )
+        return all(scope in self._explicit or self.default_fraction > 0 for scope in self._limits)
 
     def on_limits(self, limits: Mapping[str, ScopeLimits]) -> None:
         self._limits = limits

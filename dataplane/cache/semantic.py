@@ -60,7 +60,12 @@ from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.vectors import TieredIndex, Vector, VectorIndex
 
-__all__ = ["SemanticHit", "SemanticIndex", "SemanticStats", "normalise_text"]
+__all__ = ["DEFAULT_THRESHOLD", "SemanticHit", "SemanticIndex", "SemanticStats", "normalise_text"]
+
+# The threshold a tenant gets unless it sets its own: the highest hit rate at which
+# CLINC150's wrong hits stay under 1 % while the rate doubles that of a plain 0.95
+# (docs/semantic-cache.md has the table, bench/cache_eval.py reproduces it).
+DEFAULT_THRESHOLD = 0.90
 
 _QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 

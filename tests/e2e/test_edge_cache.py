@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,9 +42,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         admin = f.admin()
         for name in ("alpha", "beta"):
             admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name=name)), timeout=5)
-        for name in ("alpha", "beta"):
+        semantic = pb.CachePolicy(mode="semantic", semantic_threshold=0.85)
+        admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="gamma", cache=semantic)))
+        for name in ("alpha", "beta", "gamma"):
             KEYS[name] = admin.CreateKey(apb.CreateKeyRequest(tenant=name), timeout=5).secret
-        f.wait_proxies_at(f.wait_table(lambda t: len(t.keys) == 2 and len(t.origins) == 1))
+        f.wait_proxies_at(f.wait_table(lambda t: len(t.keys) == 3 and len(t.origins) == 1))
         yield f
 
 
@@ -269,3 +272,75 @@ def test_purge_and_cache_metrics(fleet: Fleet) -> None:
         "ponto_cache_purged ",
     ):
         assert line in metrics, line
+
+
+def _semantic_ready(fleet: Fleet) -> None:
+    """The embedding model loads in the background once a tenant turns semantic on."""
+    metrics = f"http://{fleet.proxies['p1'].address}/metrics"
+    deadline = time.monotonic() + 60
+    n = 0
+    while time.monotonic() < deadline:
+        post(fleet, body(f"warm-up question {n}"), "gamma")
+        n += 1
+        if "ponto_semantic_entries 0.0" not in httpx.get(metrics, timeout=5).text:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the semantic index never loaded")
+
+
+def test_a_near_identical_question_is_a_semantic_hit(fleet: Fleet) -> None:
+    _semantic_ready(fleet)
+    first = post(fleet, body("How do I reset my password?"), "gamma")
+    assert first.headers["x-ponto-cache"] == "miss"
+    before = origin_requests(fleet)
+    near = post(fleet, body("how can I reset my password"), "gamma")
+    assert near.headers["x-ponto-cache"] == "hit"
+    assert float(near.headers["x-ponto-cache-similarity"]) >= 0.85
+    assert near.json()["choices"] == first.json()["choices"]
+    assert origin_requests(fleet) == before
+    # Other tenants never see it, semantically or exactly.
+    assert (
+        post(fleet, body("how can I reset my password"), "alpha").headers["x-ponto-cache"] == "miss"
+    )
+
+
+def test_different_numbers_never_share_an_answer(fleet: Fleet) -> None:
+    _semantic_ready(fleet)
+    assert (
+        post(fleet, body("cancel purchase 732201349959"), "gamma").headers["x-ponto-cache"]
+        == "miss"
+    )
+    other = post(fleet, body("cancel purchase 113542617735902"), "gamma")
+    assert other.headers["x-ponto-cache"] == "miss"
+    same = post(fleet, body("Cancel purchase 732201349959 please"), "gamma")
+    assert same.headers["x-ponto-cache"] == "hit"
+
+
+def test_a_semantic_follow_up_after_a_different_earlier_turn_misses(fleet: Fleet) -> None:
+    _semantic_ready(fleet)
+
+    def turns(topic: str, last: str) -> dict[str, Any]:
+        return {
+            "model": "sim-small",
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": f"tell me about {topic}"},
+                {"role": "assistant", "content": f"{topic} is a city."},
+                {"role": "user", "content": last},
+            ],
+        }
+
+    assert (
+        post(fleet, turns("lisbon", "how many people live there?"), "gamma").headers[
+            "x-ponto-cache"
+        ]
+        == "miss"
+    )
+    # Same follow-up, other conversation: a miss, however close the words.
+    assert (
+        post(fleet, turns("porto", "how many people live there?"), "gamma").headers["x-ponto-cache"]
+        == "miss"
+    )
+    # Same conversation, a rephrased follow-up: a semantic hit.
+    hit = post(fleet, turns("lisbon", "how many people live there"), "gamma")
+    assert hit.headers["x-ponto-cache"] == "hit"
