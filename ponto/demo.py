@@ -10,6 +10,7 @@ plane, restart from the saved table) and exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import signal
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ponto.fleet import DEMO_REGIONS, Fleet, start_demo_fleet
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
 
 
 def _port_free(port: int) -> bool:
@@ -236,6 +239,55 @@ def run_checks(fleet: Fleet) -> Report:
             time.sleep(0.1)
         raise AssertionError(f"proxies not reconnected: {states}")
 
+    def cache_hit() -> str:
+        us = fleet.proxy_url("proxy-us-east")  # restarted by the checks before
+        _chat(us)  # the same question as the checks before: already answered
+        _, headers, _ = _chat(us)
+        assert headers.get("x-ponto-cache") == "hit", headers.get("x-ponto-cache")
+        _, streamed, chunks = _chat(us, stream=True)
+        assert streamed.get("x-ponto-cache") == "hit" and chunks > 2, (streamed, chunks)
+        return f"repeat answered at the edge (x-ponto-cache: hit), replayed as {chunks} chunks"
+
+    def keys_and_limits() -> str:
+        from openai import AuthenticationError, OpenAI, RateLimitError  # noqa: PLC0415
+
+        us = fleet.proxy_url("proxy-us-east")
+        admin = fleet.admin()
+        limits = pb.Limits(rpm=5)
+        admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="demo", limits=limits)))
+        key = admin.CreateKey(apb.CreateKeyRequest(tenant="demo"), timeout=10).secret
+        fleet.wait_proxies_at(fleet.wait_table(lambda t: len(t.keys) == 1))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the proxy holds its share
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"http://{fleet.proxies['proxy-us-east'].address}/readyz", timeout=2
+            ):
+                break
+            time.sleep(0.1)
+        try:
+            OpenAI(base_url=us, api_key="sk-wrong", max_retries=0).models.list()
+            raise AssertionError("a wrong key was accepted")
+        except AuthenticationError:
+            pass
+        client = OpenAI(base_url=us, api_key=key, max_retries=0)
+        admitted = 0
+        try:
+            for i in range(20):
+                client.chat.completions.create(
+                    model="sim-small",
+                    messages=[{"role": "user", "content": f"limit {i}"}],
+                    temperature=0.5,
+                )
+                admitted += 1
+        except RateLimitError as exc:
+            headers = exc.response.headers
+            return (
+                f"wrong key -> 401; {admitted} admitted then 429 with Retry-After "
+                f"{headers.get('retry-after')} and x-ratelimit-limit-requests "
+                f"{headers.get('x-ratelimit-limit-requests')}"
+            )
+        raise AssertionError("20 requests passed a limit of 5 a minute")
+
     print("Checks:", flush=True)
     report.check("models", models)
     report.check("chat, non-streaming", non_streaming)
@@ -245,6 +297,8 @@ def run_checks(fleet: Fleet) -> Report:
     report.check("control plane down", control_plane_down)
     report.check("restart without control plane", restart_from_disk)
     report.check("control plane back", control_plane_back)
+    report.check("cache", cache_hit)
+    report.check("keys and rate limits", keys_and_limits)
     return report
 
 
