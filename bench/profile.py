@@ -260,10 +260,40 @@ def profile_phase(
     return render(f"{name}: where the proxy's busy time goes", summarize_stacks(stacks, top), facts)
 
 
+def capacity_rate(gen: LoadGenerator, url: str, pid: int) -> float:
+    """60 % of what the proxy serves in a short closed loop: busy, but not overloaded.
+
+    An overloaded proxy spends its time on what overload causes (connections
+    opened and torn down as clients give up), which is not what a profile of
+    the per-request cost should show.
+    """
+    spec = LoadSpec(
+        url=url,
+        body=BODY,
+        mode="closed",
+        connections=16,
+        duration=3.0,
+        warmup=1.0,
+        cpu=LOAD_CPU if cpus_available() else None,
+        watch_pids=(pid,),
+    )
+    best = gen.run(spec).throughput()
+    rate = max(50.0, round(0.6 * best, -1))
+    print(f"capacity: {best:,.0f} req/s in a closed loop; profiling at {rate:,.0f} req/s")
+    return rate
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rate", type=float, default=1500.0, help="non-streaming requests/s")
-    p.add_argument("--stream-rate", type=float, default=300.0, help="streaming requests/s")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="non-streaming requests/s (0: 60%% of capacity)"
+    )
+    p.add_argument(
+        "--stream-rate",
+        type=float,
+        default=0.0,
+        help="streaming requests/s (0: rate / 4)",
+    )
     p.add_argument("--seconds", type=float, default=15.0, help="sampled seconds per phase")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -281,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         check_attach(binary, pid)
         url = fleet.proxy_url("proxy") + "/chat/completions"
         with LoadGenerator() as gen:
+            plain_rate = a.rate or capacity_rate(gen, url, pid)
+            stream_rate = a.stream_rate or max(10.0, round(plain_rate / 4))
             for name, stream, rate in (
-                ("non-streaming", False, a.rate),
-                ("streaming", True, a.stream_rate),
+                ("non-streaming", False, plain_rate),
+                ("streaming", True, stream_rate),
             ):
                 print(f"profiling {name} at {rate:,.0f} req/s for {a.seconds:.0f} s ...")
                 section = profile_phase(

@@ -520,9 +520,9 @@ def shares_msg(default: float, generation: int = 7, **shares: tuple[float, int])
 
 def test_before_the_leaders_shares_limited_scopes_admit_nothing() -> None:
     state, limiter, _ = quota_state()
-    assert state.ready  # nothing limited yet
+    ready_without_limits = state.ready
     state.on_limits(LIMITS)
-    assert not state.ready
+    assert (ready_without_limits, state.ready) == (True, False)
     assert state.heard is False
     for scope in LIMITS:
         assert limiter.share(scope) == NO_SHARE
