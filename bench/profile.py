@@ -92,9 +92,45 @@ def parse_collapsed(lines: Iterable[str]) -> list[tuple[list[Frame], int]]:
     return out
 
 
+OWN_CODE = ("dataplane/", "ponto/")
+
+
+def layer(frames: list[Frame]) -> str:
+    """Which part of the stack a sample's time belongs to, coarsely (first match wins)."""
+    leaf = frames[-1]
+    files = [f.file for f in frames]
+    functions = [f.function for f in frames]
+    if leaf.file == "asyncio/runners.py":
+        return "event loop itself (uvloop's C code: epoll, recv, callbacks)"
+    if leaf.file == "aiohttp/http_writer.py" and leaf.function.startswith("StreamWriter._write"):
+        return "socket writes (send syscalls)"
+    if any(f.startswith("prometheus_client/") for f in files):
+        return "metrics (prometheus_client)"
+    if any(f == "asyncio/timeouts.py" for f in files) or any(
+        fn.startswith(("TimeoutHandle.", "TimerContext.")) for fn in functions
+    ):
+        return "timeouts (asyncio.timeout, aiohttp timers)"
+    if any(f.startswith("aiohappyeyeballs/") for f in files) or "_create_connection" in " ".join(
+        functions
+    ):
+        return "opening upstream connections"
+    if leaf.file == "uuid.py":
+        return "uuid4 request ids"
+    if any(f.startswith(("aiohttp/client", "aiohttp/connector")) for f in files):
+        return "aiohttp client (calls to the origin)"
+    if leaf.file.startswith(OWN_CODE):
+        return "Ponto's own code (self time)"
+    if any(f.startswith("aiohttp/") for f in files[-3:]):
+        return "aiohttp server (requests, responses)"
+    top = leaf.file.split("/", 1)[0] if "/" in leaf.file else leaf.file
+    return f"other: {top or leaf.function}"
+
+
 @dataclass
 class Summary:
     total: int
+    by_layer: list[tuple[str, int]]
+    own_lines: list[tuple[str, int]]  # Ponto's lines by inclusive time
     self_by_function: list[tuple[str, int, str]]  # function (file), samples, hottest line
     inclusive_by_function: list[tuple[str, int]]
     self_by_line: list[tuple[str, int]]
@@ -108,9 +144,20 @@ def summarize_stacks(stacks: list[tuple[list[Frame], int]], top: int) -> Summary
     self_file: collections.Counter[str] = collections.Counter()
     hottest: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     inclusive: collections.Counter[str] = collections.Counter()
+    layers: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
     for frames, n in stacks:
         if not frames:
             continue
+        layers[layer(frames)] += n
+        # Not the entry point (__main__.py), whose frames hold every sample.
+        mine = {
+            f"{f.where} {f.function}"
+            for f in frames
+            if f.file.startswith(OWN_CODE) and not f.file.endswith("__main__.py")
+        }
+        for where in mine:
+            own[where] += n
         leaf = frames[-1]
         key = f"{leaf.function} ({leaf.file})"
         self_fn[key] += n
@@ -121,6 +168,8 @@ def summarize_stacks(stacks: list[tuple[list[Frame], int]], top: int) -> Summary
             inclusive[name] += n
     return Summary(
         total=total,
+        by_layer=layers.most_common(),
+        own_lines=own.most_common(top),
         self_by_function=[
             (k, n, hottest[k].most_common(1)[0][0]) for k, n in self_fn.most_common(top)
         ],
@@ -169,6 +218,11 @@ def render(title: str, s: Summary, facts: list[str]) -> str:
         return f"{100 * n / s.total:5.1f}%" if s.total else "    -"
 
     out = [f"## {title}", *facts, f"busy samples: {s.total}", ""]
+    out.append("By layer:")
+    out += [f"  {pct(n)}  {name}" for name, n in s.by_layer]
+    out += ["", "Ponto's own lines by inclusive time (what each line costs with its callees):"]
+    out += [f"  {pct(n)}  {name}" for name, n in s.own_lines]
+    out.append("")
     out.append("Top functions by self time (hottest line in brackets):")
     out += [f"  {pct(n)}  {name}  [{where}]" for name, n, where in s.self_by_function]
     out += ["", "Top functions by inclusive time:"]

@@ -76,6 +76,10 @@ class TableBuilder:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._retry_max)
                 self._dirty.set()
+            except Exception:  # a state that cannot compile must not stop publishing
+                log.exception("cannot compile the route table, serving the last one")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._retry_max)
 
     async def _debounce(self) -> None:
         loop = asyncio.get_running_loop()

@@ -117,12 +117,16 @@ class Catalog:
                     h = decode_health(kv.value)
                     health[h.origin] = h
                 elif kv.key.startswith(TENANTS):
-                    tenants.append(decode_tenant(kv.value))
+                    # Validated again: a value edited by hand must not break
+                    # compiling the table for everyone.
+                    tenants.append(decode_tenant(kv.value).validated())
                 elif kv.key.startswith(KEYS):
-                    keys.append(decode_key(kv.value))
+                    key = decode_key(kv.value)
+                    key.limits.validated(f"key {key.id!r}")
+                    keys.append(key)
                 elif kv.key.startswith(PURGES):
                     purges.append(decode_purge(kv.value, kv.mod_revision))
-            except (ValueError, TypeError, KeyError) as exc:
+            except (ValueError, TypeError, KeyError, InvalidArgument) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         purges.sort(key=lambda p: p.revision)
         return State(
@@ -255,14 +259,26 @@ class Catalog:
         return await self._put("tenant", TENANTS, tenant, decode_tenant, allow_update)
 
     async def update_tenant(self, name: str, change: Callable[[Tenant], Tenant]) -> Tenant:
-        def apply(t: Tenant) -> Tenant:
-            return change(t).validated()
+        # The issuer is checked before anything is stored: a duplicate issuer
+        # saved even briefly makes every proxy refuse the next table.
+        issuers = {
+            t.jwt.issuer: t.name
+            for t in (await self.snapshot()).tenants
+            if t.jwt is not None and t.name != name
+        }
 
-        updated = await self._update(
+        def apply(t: Tenant) -> Tenant:
+            updated = change(t).validated()
+            if updated.jwt is not None and updated.jwt.issuer in issuers:
+                raise AlreadyExists(
+                    f"JWT issuer {updated.jwt.issuer!r} already belongs to tenant "
+                    f"{issuers[updated.jwt.issuer]!r}"
+                )
+            return updated
+
+        return await self._update(
             TENANTS + check_name("tenant", name), decode_tenant, apply, f"tenant {name!r} not found"
         )
-        await self._check_issuer_unique(updated)
-        return updated
 
     async def get_tenant(self, name: str) -> Tenant:
         kv = await _guard(self.store.get(TENANTS + check_name("tenant", name)))
@@ -362,7 +378,9 @@ class Catalog:
             self.store.put(key, encode(Purge(0, tenant, model)), if_absent=True)
         )
         listing = await _guard(self.store.list(PURGES))
-        for old in listing.items[:-MAX_PURGES]:
+        # Oldest by store revision, not by the (wall-clock) key name: a replica
+        # whose clock is behind must not trim the purge it just wrote.
+        for old in sorted(listing.items, key=lambda kv: kv.mod_revision)[:-MAX_PURGES]:
             await _guard(self.store.delete(old.key))
         return Purge(revision, tenant, model)
 

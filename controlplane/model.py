@@ -26,6 +26,7 @@ JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
 # Request fields a tenant's defaults may not set: they carry the request itself.
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
 MAX_TTL_S = 30 * 86_400
+MAX_CONCURRENCY = 2**32 - 1  # a uint32 in the route table
 MAX_SYSTEM_PROMPT = 64 * 1024
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000
@@ -216,10 +217,13 @@ class Limits:
     concurrency: int = 0
 
     def validated(self, owner: str) -> Limits:
+        if not 0 <= self.concurrency <= MAX_CONCURRENCY:
+            raise InvalidArgument(
+                f"concurrency {self.concurrency} of {owner} is not in 0..{MAX_CONCURRENCY}"
+            )
         for label, value in (
             ("rpm", self.rpm),
             ("tpm", self.tpm),
-            ("concurrency", self.concurrency),
         ):
             if not 0 <= value <= 10**12:
                 raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12")
@@ -307,6 +311,12 @@ class JwtIssuer:
             )
         if "HS256" in algorithms and not (self.hs256_secret_file or self.hs256_secret_env):
             raise InvalidArgument(f"{owner}: HS256 needs hs256_secret_file or hs256_secret_env")
+        if self.hs256_secret_file and self.hs256_secret_env:
+            raise InvalidArgument(f"{owner}: give hs256_secret_file or hs256_secret_env, not both")
+        if (self.hs256_secret_file or self.hs256_secret_env) and "HS256" not in algorithms:
+            raise InvalidArgument(f"{owner}: an HS256 secret is given but HS256 is not allowed")
+        if any(not a for a in self.audiences):
+            raise InvalidArgument(f"{owner}: an audience is empty")
         if self.hs256_secret_env and not ENV_RE.match(self.hs256_secret_env):
             raise InvalidArgument(f"{owner}: {self.hs256_secret_env!r} is not a variable name")
         if set(algorithms) - {"HS256"} and not self.jwks_file:

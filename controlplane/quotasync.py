@@ -26,7 +26,7 @@ from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.quota import compute_shares
-from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
+from controlplane.store import Conflict, Fence, LeaseExpired, StateStore, StoreUnavailable
 from ponto.quota_types import (
     Demand,
     ScopeLimits,
@@ -135,7 +135,7 @@ class QuotaHub:
             try:
                 lease = await self._lease()
                 await self._store.put(key, orjson.dumps({"proxies": self._demand}), lease=lease)
-            except (StoreUnavailable, Unavailable) as exc:
+            except (StoreUnavailable, Unavailable, LeaseExpired) as exc:
                 self._dirty = True
                 log.debug("demand report not written: %s", exc)
 
@@ -143,26 +143,31 @@ class QuotaHub:
 
     async def watch(self) -> None:
         """Follow the leader's shares key; wake the streams on every change."""
-        await self._load()
-        async for _ in self._store.watch(SHARES_KEY, 0):
+        revision = await self._load()
+        # From the revision read, so a write between the read and the watch
+        # is not missed.
+        async for _ in self._store.watch(SHARES_KEY, revision):
             await self._load()
 
-    async def _load(self) -> None:
+    async def _load(self) -> int:
+        """Read the shares; return the store revision read at (0 if unread)."""
         try:
-            kv = await self._store.get(SHARES_KEY)
+            listing = await self._store.list(SHARES_KEY)
         except StoreUnavailable as exc:
             log.debug("shares not read: %s", exc)
-            return
+            return 0
+        kv = next((i for i in listing.items if i.key == SHARES_KEY), None)
         if kv is None or kv.mod_revision == self.generation:
-            return
+            return listing.revision
         try:
             self._shares, self._default = decode_shares(kv.value)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             log.error("ignoring undecodable quota shares: %s", exc)
-            return
+            return listing.revision
         self.generation = kv.mod_revision
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        return listing.revision
 
     def update_for(self, proxy: str) -> bytes:
         """The serialised RouteUpdate(quota=...) for one proxy, current generation.

@@ -16,6 +16,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,8 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
         changed = True
     for name, value in rules.defaults.items():
         if name not in body:
-            body[name] = value
+            # A copy: a list or object default must not be shared by requests.
+            body[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
             changed = True
     ceiling = rules.max_tokens_ceiling
     if ceiling and endpoint != "embeddings":

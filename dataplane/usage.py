@@ -46,7 +46,9 @@ def usage_of_body(body: bytes) -> Usage | None:
     return _from_usage(data.get("usage")) if isinstance(data, dict) else None
 
 
-# A delta with generated text, in compact or spaced JSON.
+# A delta with generated text, in compact or spaced JSON. An empty string
+# (the role chunk that opens every chat stream) is not text: the byte after
+# the opening quote must not be the closing one.
 _TEXT_MARKERS = (
     b'"content":"',
     b'"content": "',
@@ -55,6 +57,17 @@ _TEXT_MARKERS = (
     b'"arguments":"',
     b'"arguments": "',
 )
+
+
+def _has_text(event: bytes) -> bool:
+    for marker in _TEXT_MARKERS:
+        at = event.find(marker)
+        while at >= 0:
+            end = at + len(marker)
+            if end < len(event) and event[end] != 0x22:  # '"'
+                return True
+            at = event.find(marker, end)
+    return False
 
 
 class UsageTap:
@@ -92,7 +105,7 @@ class UsageTap:
                     found = _from_usage(data.get("usage"))
                     if found is not None:
                         self.usage = found
-            if any(marker in event for marker in _TEXT_MARKERS):
+            if _has_text(event):
                 self.content_events += 1
 
     def end(self, complete: bool) -> None:

@@ -259,8 +259,11 @@ def run_checks(fleet: Fleet) -> Report:
         fleet.wait_proxies_at(fleet.wait_table(lambda t: len(t.keys) == 1))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # until the proxy holds its share
-            with contextlib.suppress(OSError), urllib.request.urlopen(
-                f"http://{fleet.proxies['proxy-us-east'].address}/readyz", timeout=2
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(
+                    f"http://{fleet.proxies['proxy-us-east'].address}/readyz", timeout=2
+                ),
             ):
                 break
             time.sleep(0.1)

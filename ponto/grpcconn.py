@@ -43,6 +43,8 @@ def read_secret(path: str, what: str) -> str:
         text = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise CredentialError(f"cannot read {what} file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise CredentialError(f"{what} file {path} is not UTF-8 text") from None
     if not text:
         raise CredentialError(f"{what} file {path} is empty")
     return text.splitlines()[0].strip()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -153,6 +154,15 @@ def make_bundle(
     directory: Path, server_names: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 ) -> Bundle:
     """Write a CA, certificates and tokens into directory (mode 0600 keys)."""
+    # Keys and tokens are never readable by others, not even for a moment.
+    old_umask = os.umask(0o077)
+    try:
+        return _make_bundle(directory, server_names)
+    finally:
+        os.umask(old_umask)
+
+
+def _make_bundle(directory: Path, server_names: tuple[str, ...]) -> Bundle:
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     ca = _cert("ponto-demo-ca", ca_key, None, ca=True)

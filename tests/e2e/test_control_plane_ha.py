@@ -18,9 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ponto.fleet import Fleet, RegionDef
 from ponto.grpcconn import ClientOptions, admin_channel, read_secret
 from ponto.v1 import admin_pb2 as apb
-from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
-from ponto.v1 import routing_pb2_grpc
 from tests.e2e.load import SteadyLoad
 
 pytestmark = pytest.mark.e2e

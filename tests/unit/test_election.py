@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
+from controlplane.catalog import LEADER_KEY
 from controlplane.compile import DEFAULT_SPILL_THRESHOLD, compile_table
-from controlplane.election import LEADER_KEY, Leadership
+from controlplane.election import Leadership
 from controlplane.model import Origin, OriginHealth, Region, State
-from controlplane.store import KeyValue, Listing, StateStore, StoreUnavailable
+from controlplane.store import Fence, KeyValue, Listing, StateStore, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
 
@@ -102,10 +103,16 @@ class Partitioned:
         lease: int = 0,
         if_absent: bool = False,
         if_mod_revision: int | None = None,
+        fence: Fence | None = None,
     ) -> int:
         self._check()
         return await self._inner.put(
-            key, value, lease=lease, if_absent=if_absent, if_mod_revision=if_mod_revision
+            key,
+            value,
+            lease=lease,
+            if_absent=if_absent,
+            if_mod_revision=if_mod_revision,
+            fence=fence,
         )
 
     async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:

@@ -575,6 +575,18 @@ async def test_snapshot_ignores_unknown_fields_and_skips_broken_values(
     assert "abcdefghij" in caplog.text
 
 
+async def test_a_hand_edited_value_out_of_range_does_not_break_compile(
+    catalog: Catalog, store: MemoryStore
+) -> None:
+    # Values are JSON so operators can read (and edit) them with etcdctl. One
+    # that does not fit the contract must not stop every table from compiling:
+    # the table builder only survives Unavailable.
+    await catalog.put_tenant(Tenant("good"), allow_update=False)
+    await store.put(TENANTS + "acme", b'{"name": "acme", "limits": {"concurrency": -1}}')
+    table = compile_table(await catalog.snapshot())
+    assert "good" in [t.name for t in table.tenants]
+
+
 # ---------------------------------------------------------------- compile
 
 

@@ -1,0 +1,449 @@
+"""Security between the planes: which token each gRPC service needs (TokenGuard),
+the client and server credential options, and the throwaway PKI of the demo."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import stat
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import ponto.pki
+from controlplane.api.admin import AdminService
+from controlplane.api.guard import TokenGuard
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.model import Tenant
+from controlplane.store.memory import MemoryStore
+from ponto.grpcconn import (
+    ClientOptions,
+    CredentialError,
+    ServerSecurity,
+    admin_channel,
+    read_secret,
+)
+from ponto.pki import Bundle, make_bundle
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import routing_pb2 as pb
+from ponto.writefile import write_atomic
+
+T = TypeVar("T")
+
+BOOTSTRAP = "bootstrap-token-0123456789"
+ADMIN = "admin-token-9876543210"
+
+ADMIN_METHOD = "/ponto.v1.Admin/ListTenants"
+ROUTING_METHOD = "/ponto.v1.Routing/RouteStream"
+HEALTH_METHOD = "/grpc.health.v1.Health/Check"
+REFLECTION_METHOD = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+
+# ---------------------------------------------------------------- TokenGuard.check
+
+GUARD = TokenGuard(bootstrap_token=BOOTSTRAP, admin_token=ADMIN)
+
+
+def test_admin_api_needs_the_admin_token() -> None:
+    assert GUARD.check(ADMIN_METHOD, ADMIN) is None
+    assert GUARD.check("/ponto.v1.Admin/DrainRegion", ADMIN) is None
+
+
+def test_bootstrap_token_is_denied_on_the_admin_api() -> None:
+    refusal = GUARD.check(ADMIN_METHOD, BOOTSTRAP)
+    assert refusal is not None
+    code, message = refusal
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "admin token" in message
+    assert BOOTSTRAP not in message
+
+
+@pytest.mark.parametrize("token", ["", "wrong", ADMIN + "x", ADMIN[:-1], BOOTSTRAP + "x"])
+def test_missing_or_wrong_admin_token_is_unauthenticated(token: str) -> None:
+    refusal = GUARD.check(ADMIN_METHOD, token)
+    assert refusal is not None
+    assert refusal[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert ADMIN not in refusal[1]
+
+
+def test_routing_needs_the_bootstrap_token() -> None:
+    assert GUARD.check(ROUTING_METHOD, BOOTSTRAP) is None
+    assert GUARD.check("/ponto.v1.Routing/Register", BOOTSTRAP) is None
+    for token in ("", "wrong", ADMIN):
+        refusal = GUARD.check(ROUTING_METHOD, token)
+        assert refusal is not None
+        assert refusal[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert BOOTSTRAP not in refusal[1]
+
+
+@pytest.mark.parametrize(
+    "method", [HEALTH_METHOD, "/grpc.health.v1.Health/Watch", REFLECTION_METHOD]
+)
+@pytest.mark.parametrize("token", ["", "wrong", BOOTSTRAP, ADMIN])
+def test_health_and_reflection_are_open(method: str, token: str) -> None:
+    assert GUARD.check(method, token) is None
+
+
+@pytest.mark.parametrize("method", [ADMIN_METHOD, ROUTING_METHOD, HEALTH_METHOD])
+def test_nothing_is_required_when_no_token_is_configured(method: str) -> None:
+    guard = TokenGuard(bootstrap_token="", admin_token="")
+    assert guard.check(method, "") is None
+    assert guard.check(method, "anything") is None
+
+
+def test_each_token_is_required_only_when_configured() -> None:
+    admin_only = TokenGuard(bootstrap_token="", admin_token=ADMIN)
+    assert admin_only.check(ROUTING_METHOD, "") is None
+    refusal = admin_only.check(ADMIN_METHOD, "")
+    assert refusal is not None and refusal[0] == grpc.StatusCode.UNAUTHENTICATED
+
+    bootstrap_only = TokenGuard(bootstrap_token=BOOTSTRAP, admin_token="")
+    assert bootstrap_only.check(ADMIN_METHOD, "") is None
+    refusal = bootstrap_only.check(ROUTING_METHOD, "")
+    assert refusal is not None and refusal[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---------------------------------------------------------------- in-process server
+
+
+@contextlib.asynccontextmanager
+async def control_server(
+    *,
+    bootstrap_token: str = BOOTSTRAP,
+    admin_token: str = ADMIN,
+    credentials: grpc.ServerCredentials | None = None,
+) -> AsyncIterator[tuple[str, Catalog]]:
+    """The Admin and Health services behind TokenGuard, wired as controlplane.app does."""
+    catalog = Catalog(MemoryStore())
+    server = grpc.aio.server(
+        interceptors=[TokenGuard(bootstrap_token=bootstrap_token, admin_token=admin_token)]
+    )
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(catalog, Publisher("cp-test")), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    assert port
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    try:
+        yield f"127.0.0.1:{port}", catalog
+    finally:
+        await server.stop(None)
+
+
+def with_admin(
+    address: str, options: ClientOptions, call: Callable[[admin_pb2_grpc.AdminStub], T]
+) -> T:
+    """Run `call` on a sync admin channel (from a worker thread: the server shares our loop)."""
+    with admin_channel(address, options) as channel:
+        return call(admin_pb2_grpc.AdminStub(channel))
+
+
+def status_of(call: Callable[[], object]) -> grpc.StatusCode:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def list_tenants(stub: admin_pb2_grpc.AdminStub) -> list[str]:
+    return [t.name for t in stub.ListTenants(apb.ListRequest(), timeout=5).tenants]
+
+
+def put_tenant_status(stub: admin_pb2_grpc.AdminStub) -> grpc.StatusCode:
+    request = apb.PutTenantRequest(tenant=pb.Tenant(name="intruder"))
+    return status_of(lambda: stub.PutTenant(request, timeout=5))
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+        return int(reply.status)
+
+
+async def test_admin_calls_with_the_right_token_work() -> None:
+    async with control_server() as (address, catalog):
+        await catalog.put_tenant(Tenant("acme"), allow_update=False)
+        names = await asyncio.to_thread(
+            with_admin, address, ClientOptions(token=ADMIN), list_tenants
+        )
+        assert names == ["acme"]
+
+
+@pytest.mark.parametrize(
+    ("token", "code"),
+    [
+        ("", grpc.StatusCode.UNAUTHENTICATED),
+        ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+        (BOOTSTRAP, grpc.StatusCode.PERMISSION_DENIED),
+    ],
+    ids=["none", "wrong", "bootstrap"],
+)
+async def test_admin_calls_without_the_admin_token_are_refused(
+    token: str, code: grpc.StatusCode
+) -> None:
+    async with control_server() as (address, catalog):
+        options = ClientOptions(token=token)
+        listed = await asyncio.to_thread(
+            with_admin, address, options, lambda stub: status_of(lambda: list_tenants(stub))
+        )
+        assert listed == code
+        written = await asyncio.to_thread(with_admin, address, options, put_tenant_status)
+        assert written == code
+        # A refused write changes nothing.
+        assert await catalog.list_tenants() == []
+
+
+async def test_health_needs_no_token() -> None:
+    async with control_server() as (address, _):
+        serving = await asyncio.to_thread(health_status, address)
+        assert serving == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_without_configured_tokens_the_admin_api_is_open() -> None:
+    async with control_server(bootstrap_token="", admin_token="") as (address, catalog):
+        await catalog.put_tenant(Tenant("acme"), allow_update=False)
+        names = await asyncio.to_thread(with_admin, address, ClientOptions(), list_tenants)
+        assert names == ["acme"]
+
+
+# ---------------------------------------------------------------- ClientOptions
+
+
+def test_client_options_validation() -> None:
+    with pytest.raises(CredentialError, match="both"):
+        ClientOptions(tls_ca="/ca.crt", tls_cert="/c.crt")
+    with pytest.raises(CredentialError, match="both"):
+        ClientOptions(tls_ca="/ca.crt", tls_key="/c.key")
+    with pytest.raises(CredentialError, match="tls-ca"):
+        ClientOptions(tls_cert="/c.crt", tls_key="/c.key")
+    assert ClientOptions(tls_ca="/ca.crt").secure
+    assert ClientOptions(tls_ca="/ca.crt", tls_cert="/c.crt", tls_key="/c.key").secure
+    assert not ClientOptions(token="t").secure
+
+
+def test_client_options_metadata_and_repr() -> None:
+    assert ClientOptions().metadata == ()
+    options = ClientOptions(tls_ca="/etc/ca.crt", token="s3cret-token")
+    assert options.metadata == (("authorization", "Bearer s3cret-token"),)
+    assert "s3cret-token" not in repr(options)
+    assert "s3cret-token" not in str(options)
+    assert "/etc/ca.crt" in repr(options)
+
+
+def test_client_options_credentials_name_an_unreadable_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing-ca.crt"
+    with pytest.raises(CredentialError, match=str(missing)):
+        ClientOptions(tls_ca=str(missing)).channel_credentials()
+
+
+# ---------------------------------------------------------------- ServerSecurity
+
+
+def test_server_security_validation() -> None:
+    with pytest.raises(CredentialError, match="differ"):
+        ServerSecurity(bootstrap_token="same", admin_token="same")
+    with pytest.raises(CredentialError):
+        ServerSecurity(tls_cert="/s.crt")
+    with pytest.raises(CredentialError):
+        ServerSecurity(tls_key="/s.key")
+    with pytest.raises(CredentialError):
+        ServerSecurity(tls_client_ca="/ca.crt")
+    assert ServerSecurity().server_credentials() is None
+    assert ServerSecurity(bootstrap_token="", admin_token="").bootstrap_token == ""
+    security = ServerSecurity(bootstrap_token="boot-secret", admin_token="admin-secret")
+    assert "boot-secret" not in repr(security)
+    assert "admin-secret" not in repr(security)
+
+
+# ---------------------------------------------------------------- read_secret
+
+
+def test_read_secret_takes_the_first_line_stripped(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("  the-token  \nsecond line\n")
+    assert read_secret(str(path), "admin token") == "the-token"
+
+
+def test_read_secret_errors_name_the_file_not_the_content(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.token"
+    with pytest.raises(CredentialError) as caught:
+        read_secret(str(missing), "admin token")
+    assert str(missing) in str(caught.value)
+    assert "admin token" in str(caught.value)
+
+    blank = tmp_path / "blank.token"
+    blank.write_text("   \n\n")
+    with pytest.raises(CredentialError, match="empty") as caught:
+        read_secret(str(blank), "bootstrap token")
+    assert str(blank) in str(caught.value)
+
+    with pytest.raises(CredentialError) as caught:
+        read_secret(str(tmp_path), "admin token")  # a directory
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_read_secret_of_a_binary_file_is_a_credential_error(tmp_path: Path) -> None:
+    # Say --admin-token-file was pointed at a DER key by mistake: the settings
+    # turn CredentialError into a usage message; anything else is a traceback.
+    binary = tmp_path / "key.der"
+    binary.write_bytes(b"\x30\x82\x04\xa4\x02\x01\x00\xff\xfe secret-bytes")
+    with pytest.raises(CredentialError) as caught:
+        read_secret(str(binary), "admin token")
+    assert str(binary) in str(caught.value)
+    assert "secret-bytes" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- PKI
+
+KEYS = ("ca.key", "server.key", "proxy.key", "admin.key")
+CERTS = ("ca.crt", "server.crt", "proxy.crt", "admin.crt")
+TOKENS = ("bootstrap.token", "admin.token")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    return make_bundle(tmp_path_factory.mktemp("pki"))
+
+
+def cert(bundle: Bundle, name: str) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(Path(bundle.path(name)).read_bytes())
+
+
+def eku(c: x509.Certificate) -> set[x509.ObjectIdentifier]:
+    return set(c.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+
+
+def test_bundle_files_exist_and_secrets_are_private(bundle: Bundle) -> None:
+    for name in (*KEYS, *CERTS, *TOKENS):
+        assert Path(bundle.path(name)).is_file(), name
+    for name in (*KEYS, *TOKENS):
+        mode = stat.S_IMODE(os.stat(bundle.path(name)).st_mode)
+        assert mode == 0o600, f"{name}: {mode:o}"
+    assert Path(bundle.ca) == bundle.directory / "ca.crt"
+    assert not list(bundle.directory.glob(".*.tmp"))
+
+
+def test_bundle_tokens_differ_and_are_readable(bundle: Bundle) -> None:
+    bootstrap = read_secret(bundle.bootstrap_token_file, "bootstrap token")
+    admin = read_secret(bundle.admin_token_file, "admin token")
+    assert len(bootstrap) >= 32
+    assert len(admin) >= 32
+    assert bootstrap != admin
+    ServerSecurity(bootstrap_token=bootstrap, admin_token=admin)  # accepted
+
+
+def test_server_certificate_names_and_usage(bundle: Bundle) -> None:
+    ca = cert(bundle, "ca.crt")
+    server = cert(bundle, "server.crt")
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert set(san.get_values_for_type(x509.IPAddress)) == {
+        ipaddress.ip_address("127.0.0.1"),
+        ipaddress.ip_address("::1"),
+    }
+    assert eku(server) == {ExtendedKeyUsageOID.SERVER_AUTH}
+    assert server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+
+
+@pytest.mark.parametrize("role", ["proxy", "admin"])
+def test_client_certificates_are_for_client_auth(bundle: Bundle, role: str) -> None:
+    ca = cert(bundle, "ca.crt")
+    client = cert(bundle, f"{role}.crt")
+    client.verify_directly_issued_by(ca)
+    assert eku(client) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert client.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    with pytest.raises(x509.ExtensionNotFound):
+        client.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+
+
+def test_ca_certificate_and_keys_match(bundle: Bundle) -> None:
+    ca = cert(bundle, "ca.crt")
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    ca.verify_directly_issued_by(ca)  # self-signed
+    for name in ("ca", "server", "proxy", "admin"):
+        key = serialization.load_pem_private_key(
+            Path(bundle.path(f"{name}.key")).read_bytes(), password=None
+        )
+        public = cert(bundle, f"{name}.crt").public_key()
+        assert key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ) == public.public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+
+
+def test_bundle_arguments_name_its_files(bundle: Bundle) -> None:
+    assert bundle.path("server.crt") in bundle.control_args()
+    assert bundle.bootstrap_token_file in bundle.proxy_args()
+    assert bundle.admin_token_file in bundle.admin_args()
+    assert bundle.admin_env()["PONTO_TLS_CA"] == bundle.ca
+
+
+def test_private_keys_are_never_readable_by_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A key written with the default mode and restricted afterwards can be
+    # opened by another local user in between (and read later through that
+    # descriptor).
+    seen: dict[str, int] = {}
+
+    def spying_write(path: Path, data: bytes) -> None:
+        write_atomic(path, data)
+        seen[path.name] = stat.S_IMODE(os.stat(path).st_mode)
+
+    monkeypatch.setattr(ponto.pki, "write_atomic", spying_write)
+    old_umask = os.umask(0o022)
+    try:
+        make_bundle(tmp_path / "pki")
+    finally:
+        os.umask(old_umask)
+    for name in (*KEYS, *TOKENS):
+        assert seen[name] & 0o077 == 0, f"{name} was written with mode {seen[name]:o}"
+
+
+async def test_bundle_serves_mutual_tls(bundle: Bundle) -> None:
+    admin_token = read_secret(bundle.admin_token_file, "admin token")
+    security = ServerSecurity(
+        tls_cert=bundle.path("server.crt"),
+        tls_key=bundle.path("server.key"),
+        tls_client_ca=bundle.ca,
+        bootstrap_token=read_secret(bundle.bootstrap_token_file, "bootstrap token"),
+        admin_token=admin_token,
+    )
+    credentials = security.server_credentials()
+    assert credentials is not None
+    async with control_server(
+        bootstrap_token=security.bootstrap_token,
+        admin_token=admin_token,
+        credentials=credentials,
+    ) as (address, catalog):
+        await catalog.put_tenant(Tenant("acme"), allow_update=False)
+        admin = ClientOptions(
+            bundle.ca, bundle.path("admin.crt"), bundle.path("admin.key"), token=admin_token
+        )
+        assert await asyncio.to_thread(with_admin, address, admin, list_tenants) == ["acme"]
+
+        # Without a client certificate the handshake fails, whatever the token.
+        no_cert = ClientOptions(bundle.ca, token=admin_token)
+        code = await asyncio.to_thread(
+            with_admin, address, no_cert, lambda stub: status_of(lambda: list_tenants(stub))
+        )
+        assert code == grpc.StatusCode.UNAVAILABLE
