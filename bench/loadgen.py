@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import ctypes
 import math
 import multiprocessing
 import os
@@ -701,10 +702,19 @@ def _new_loop(spec: LoadSpec) -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def _tight_timers() -> None:
+    """Ask Linux for 1 ns timer slack (default 50 us): sends leave closer to their due time."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK
+
+
 def run(spec: LoadSpec) -> LoadResult:
     """Run `spec` in this process on a fresh event loop; pins to spec.cpu if set."""
     if spec.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {spec.cpu})
+    if sys.platform == "linux":
+        _tight_timers()
     loop = _new_loop(spec)
     try:
         return loop.run_until_complete(run_async(spec))

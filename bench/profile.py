@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.compare import BODY, LOAD_CPU, STREAM_BODY, cpus_available, start_ponto
+from bench.compare import (
+    BODY,
+    LOAD_CPU,
+    STREAM_BODY,
+    Header,
+    configure_ponto_features,
+    cpus_available,
+    start_ponto,
+)
 from bench.loadgen import LoadGenerator, LoadSpec, summarize
 from ponto.fleet import Fleet
 
@@ -262,6 +270,7 @@ def profile_phase(
     binary: str,
     pid: int,
     url: str,
+    headers: Header,
     *,
     name: str,
     stream: bool,
@@ -273,6 +282,7 @@ def profile_phase(
     spec = LoadSpec(
         url=url,
         body=STREAM_BODY if stream else BODY,
+        headers=headers,
         rate=rate,
         duration=seconds,
         warmup=2.0,
@@ -314,7 +324,7 @@ def profile_phase(
     return render(f"{name}: where the proxy's busy time goes", summarize_stacks(stacks, top), facts)
 
 
-def capacity_rate(gen: LoadGenerator, url: str, pid: int) -> float:
+def capacity_rate(gen: LoadGenerator, url: str, pid: int, headers: Header) -> float:
     """60 % of what the proxy serves in a short closed loop: busy, but not overloaded.
 
     An overloaded proxy spends its time on what overload causes (connections
@@ -324,6 +334,7 @@ def capacity_rate(gen: LoadGenerator, url: str, pid: int) -> float:
     spec = LoadSpec(
         url=url,
         body=BODY,
+        headers=headers,
         mode="closed",
         connections=16,
         duration=3.0,
@@ -352,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--ponto-arg", action="append", default=[], metavar="ARG")
+    p.add_argument(
+        "--ponto-features", choices=("auth-limits-cache", "none"), default="auth-limits-cache"
+    )
     a = p.parse_args(argv)
     binary = py_spy()
     RAW_DIR.mkdir(parents=True, exist_ok=True)
@@ -363,9 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         _, proxy = start_ponto(fleet, a.ponto_arg)
         pid = proxy.proc.pid
         check_attach(binary, pid)
+        headers, features = configure_ponto_features(fleet, a.ponto_features)
+        print(f"Ponto: {features}")
         url = fleet.proxy_url("proxy") + "/chat/completions"
         with LoadGenerator() as gen:
-            plain_rate = a.rate or capacity_rate(gen, url, pid)
+            plain_rate = a.rate or capacity_rate(gen, url, pid, headers)
             stream_rate = a.stream_rate or max(10.0, round(plain_rate / 4))
             for name, stream, rate in (
                 ("non-streaming", False, plain_rate),
@@ -373,14 +389,15 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 print(f"profiling {name} at {rate:,.0f} req/s for {a.seconds:.0f} s ...")
                 section = profile_phase(
-                    gen, binary, pid, url, name=name, stream=stream, rate=rate,
+                    gen, binary, pid, url, headers, name=name, stream=stream, rate=rate,
                     seconds=a.seconds, top=a.top,
                 )  # fmt: skip
                 sections.append(section)
     header = (
         f"# Ponto proxy profile ({datetime.now(UTC).isoformat(timespec='seconds')})\n"
         f"py-spy {SAMPLE_HZ} Hz, --nonblocking, idle samples excluded; the proxy alone on "
-        f"CPU 0, origin and load on CPU 1. Made by `make profile` (bench/profile.py).\n\n"
+        f"CPU 0, origin and load on CPU 1. Made by `make profile` (bench/profile.py).\n"
+        f"Ponto: {features}.\n\n"
     )
     text = header + "\n".join(sections)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -303,6 +303,90 @@ def overhead_section(data: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(parts)
 
 
+# ---------------------------------------------------------------- geo
+
+
+def geo_section(data: dict[str, Any], out_dir: Path) -> str:
+    """bench/geo_world.py's geo.json: scenarios x regions; raises KeyError/TypeError if
+    its shape is not the one known here (the caller then falls back to generic)."""
+    scenarios: dict[str, Any] = data["scenarios"]
+    names = list(scenarios)
+    regions = list(scenarios[names[0]]["chat"]["regions"])
+    parts = ["## Geography: an emulated multi-region world", ""]
+    note = (
+        f"`bench/geo_world.py` ({data.get('profile', '?')} profile, {data.get('seconds', '?')} s)"
+    )
+    if (out_dir / "geo-world.md").exists():
+        note += "; method, assumptions and RTT source: [geo-world.md](geo-world.md)"
+    parts += [note + ". Data: [geo.json](geo.json).", ""]
+
+    header = ["", *[f"{n}: {scenarios[n].get('title', '')}".strip(": ") for n in names]]
+    rows: list[list[Any]] = []
+    for region in regions:
+        cells = []
+        for n in names:
+            r = scenarios[n]["chat"]["regions"][region]
+            cells.append(f"{_fmt(r['ttft_p50_ms'])} / {_fmt(r['ttft_p95_ms'])}")
+        rows.append([region, *cells])
+    glob = [scenarios[n]["chat"]["global"] for n in names]
+    rows.append(
+        ["**global**", *[f"{_fmt(g['ttft_p50_ms'])} / {_fmt(g['ttft_p95_ms'])}" for g in glob]]
+    )
+    rows.append(["cache hit rate", *[_fmt(g.get("hit_rate")) for g in glob]])
+    rows.append(
+        ["origin requests", *[_fmt(scenarios[n]["chat"].get("origin_requests")) for n in names]]
+    )
+    rows.append(
+        [
+            "agent loop p50 (s)",
+            *[
+                _fmt(
+                    _median(
+                        [r.get("loop_p50_s") for r in scenarios[n]["agent"]["regions"].values()]
+                    )
+                )
+                for n in names
+            ],
+        ]
+    )
+    parts += ["Streamed chat, time to first token at the user, p50 / p95 (ms):", ""]
+    parts += [md_table(header, rows), ""]
+
+    claims = data.get("claims", {}).get("global_p50_ms", {})
+    for name, cmp in (data.get("comparison") or {}).items():
+        ttft = cmp.get("chat_global_ttft_p50_ms", {})
+        if ttft:
+            parts.append(
+                f"- {name}: global TTFT p50 {_fmt(ttft.get('centralised'))} -> "
+                f"{_fmt(ttft.get(name))} ms ({_fmt(100 * (ttft.get('reduction') or 0))} % less; "
+                f"claim: {claims.get('centralised', '?')} -> {claims.get('ponto', '?')} ms), "
+                f"origin load {_fmt(100 * (cmp.get('chat_origin_load_reduction') or 0))} % less."
+            )
+    parts.append("")
+
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ys = [scenarios[n]["chat"]["regions"][r]["ttft_p50_ms"] for r in regions]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(regions))]
+        ax.bar(xs, ys, width, label=n)
+    ax.set_xticks(range(len(regions)), regions)
+    ax.set_ylabel("TTFT p50 at the user (ms)")
+    ax.set_title("Time to first token by user region (lower is better)", fontsize=11)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "geo-ttft.png", dpi=110)
+    plt.close(fig)
+    parts += ["![geo-ttft.png](geo-ttft.png)", ""]
+    return "\n".join(parts)
+
+
+def _median(values: list[Any]) -> float | None:
+    nums = sorted(float(v) for v in values if isinstance(v, int | float))
+    return nums[len(nums) // 2] if nums else None
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -357,6 +441,12 @@ def write_report(directory: Path) -> Path:
             "",
         ]
     for name, data in results.items():
+        if name == "geo":
+            try:
+                parts.append(geo_section(data, directory))
+                continue
+            except (KeyError, TypeError, IndexError, ValueError) as exc:
+                print(f"geo.json has a shape report.py does not know ({exc!r}); shown generically")
         parts.append(generic_section(name, data))
     out = directory / "README.md"
     out.write_text("\n".join(parts).rstrip() + "\n")

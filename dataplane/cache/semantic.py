@@ -24,12 +24,19 @@ Scoping, which is what makes a semantic hit safe:
   matched semantically at all: the model would only see its beginning.
 
 Concurrency contract: every method is called from the event loop thread that owns
-the index (it is not thread-safe). The embedding model runs in a dedicated
-single-thread executor through `loop.run_in_executor`, so the loop never waits for
-it; vector search (0.1-0.5 ms) and bookkeeping run on the loop. When more than
-`max_pending` embeddings are queued, lookups and inserts are skipped (counted in
-`stats.busy`): under overload the semantic cache steps aside instead of queueing
-every request behind the model.
+the index (it is not thread-safe). Two owners, no locks:
+
+- the loop owns the metadata (entries, keys, namespaces, LRU order, counters);
+- one dedicated executor thread owns the embedder and every vector index: a lookup
+  embeds and searches there in one `loop.run_in_executor` call, and index mutations
+  (add, remove) are submitted there in order, fire-and-forget. The loop never waits
+  for the model, a search, an HNSW insert or a one-off promotion of a growing
+  namespace from exact search to HNSW (about a second at 4096 entries).
+
+A search may return an id the loop has removed meanwhile; the loop skips ids it no
+longer knows. When more than `max_pending` calls wait for the executor, lookups and
+inserts are skipped (counted in `stats.busy`): under overload the semantic cache
+steps aside instead of queueing every request behind the model.
 
 Eviction contract (callback-free): at most `max_entries` entries in all and
 `max_entries_per_namespace` in one namespace; past either bound the least recently
@@ -48,17 +55,22 @@ embedding was in flight during a purge is dropped, so nothing purged comes back.
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.vectors import TieredIndex, Vector, VectorIndex
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_THRESHOLD", "SemanticHit", "SemanticIndex", "SemanticStats", "normalise_text"]
 
@@ -121,6 +133,18 @@ class _Space:
     entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)  # LRU order
 
 
+_T = TypeVar("_T")
+
+
+class _Skipped(enum.Enum):
+    """Work not done: the index is closed or the executor queue is full."""
+
+    SKIPPED = enum.auto()
+
+
+SKIPPED = _Skipped.SKIPPED
+
+
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     text: str  # normalised
@@ -131,11 +155,13 @@ class _Prepared:
 class SemanticIndex:
     """Per-namespace vector indexes plus entry metadata. See the module doc.
 
-    `embedder` is called only from the owned executor (or `executor`, if given; it
-    must run one task at a time for `max_pending` to mean anything).
-    `index_factory(dim)` makes the vector index of a new namespace (default: exact
-    while small, HNSW past 4096 entries). `candidates` is how many neighbours above
-    the threshold are checked for matching entities.
+    `embedder` and every vector index are used only from one executor thread: the
+    owned single-thread executor, or `executor` if given, which must then run one
+    task at a time (a single-thread pool) because the indexes are not thread-safe.
+    `index_factory(dim)` makes the vector index of a new namespace, on the loop, so
+    it must be cheap (default: exact while small, HNSW past 4096 entries).
+    `candidates` is how many neighbours above the threshold are checked for matching
+    entities.
     """
 
     def __init__(
@@ -164,6 +190,7 @@ class SemanticIndex:
         self._executor = executor or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ponto-embed"
         )
+        self._closed = False
         self._pending = 0
         self._spaces: dict[Namespace, _Space] = {}
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # global LRU order
@@ -179,45 +206,66 @@ class SemanticIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def namespaces(self) -> int:
+        return len(self._spaces)
+
+    async def flush(self) -> None:
+        """Wait until every index operation submitted so far has run (the executor is
+        first in, first out). For tests, benchmarks and orderly shutdown."""
+        if not self._closed:
+            await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
+
     def close(self) -> None:
-        """Stop the owned executor (queued embeddings are cancelled). Idempotent."""
+        """Stop the owned executor (queued work is cancelled); later lookups miss and
+        inserts are ignored. Idempotent."""
+        self._closed = True
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    # -- embedding, off the loop ------------------------------------------------
+    # -- the executor thread: embedding and every vector index operation --------
 
     def _prepare_sync(self, text: str) -> _Prepared | None:
-        """Runs in the executor: everything that is O(text) or costs a model call."""
+        """Everything that is O(text) or costs a model call; None when too long."""
         if not self._embedder.fits(text):
             return None
         normalised = normalise_text(text)
-        vector = self._embedder.embed([normalised])[0]
+        vector = np.asarray(self._embedder.embed([normalised])[0], dtype=np.float32)
         return _Prepared(normalised, extract(text), vector)
 
-    async def _prepare(self, text: str) -> _Prepared | bool | None:
-        """The prepared message; None when too long; False when the embedder is busy."""
-        cached = self._recent.get(text)
-        if cached is not None:
-            self._recent.move_to_end(text)
-            return cached
+    def _lookup_sync(
+        self, index: VectorIndex, text: str, prepared: _Prepared | None
+    ) -> tuple[_Prepared, list[tuple[int, float]]] | None:
+        prepared = prepared or self._prepare_sync(text)
+        if prepared is None:
+            return None
+        return prepared, index.search(prepared.vector, self._candidates)
+
+    def _submit(self, fn: Callable[..., object], *args: object) -> None:
+        """Fire-and-forget an index mutation; the single thread keeps the order."""
+        if self._closed:
+            return
+        self._executor.submit(fn, *args).add_done_callback(_log_failure)
+
+    async def _run(self, fn: Callable[..., _T], *args: object) -> _T | _Skipped:
+        """fn(*args) in the executor, unless closed or too much work is queued."""
+        if self._closed:
+            return SKIPPED
         if self._pending >= self._max_pending:
             self.stats.busy += 1
-            return False
+            return SKIPPED
         self._pending += 1
         try:
-            loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._executor, self._prepare_sync, text)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         finally:
             self._pending -= 1
-        if prepared is None:
-            self.stats.too_long += 1
-            return None
+
+    def _remember(self, text: str, prepared: _Prepared) -> None:
         self._recent[text] = prepared
+        self._recent.move_to_end(text)
         if len(self._recent) > self._recent_size:
             self._recent.popitem(last=False)
-        return prepared
 
-    # -- the API ----------------------------------------------------------------
+    # -- the API (event loop thread) ---------------------------------------------
 
     async def lookup(
         self, tenant: str, model: str, context_hash: str, text: str, threshold: float
@@ -230,19 +278,28 @@ class SemanticIndex:
         A hit counts as a use of the entry for eviction.
         """
         self.stats.lookups += 1
-        if (tenant, model, context_hash) not in self._spaces:
+        namespace = (tenant, model, context_hash)
+        space = self._spaces.get(namespace)
+        if space is None:
             return None  # nothing to compare with: do not spend an embedding
-        prepared = await self._prepare(text)
-        if not isinstance(prepared, _Prepared):
+        result = await self._run(self._lookup_sync, space.index, text, self._recent.get(text))
+        if isinstance(result, _Skipped):
             return None
-        space = self._spaces.get((tenant, model, context_hash))  # may be gone after await
+        if result is None:
+            self.stats.too_long += 1
+            return None
+        prepared, found = result
+        self._remember(text, prepared)
+        space = self._spaces.get(namespace)  # may have gone during the search
         if space is None:
             return None
         blocked = False
-        for entry_id, similarity in space.index.search(prepared.vector, self._candidates):
+        for entry_id, similarity in found:
             if similarity < threshold:
                 break
-            entry = space.entries[entry_id]
+            entry = space.entries.get(entry_id)
+            if entry is None:
+                continue  # removed while the search ran
             if (
                 not self._entity_check
                 or entry.text == prepared.text
@@ -265,8 +322,17 @@ class SemanticIndex:
         silently skipped when the message is too long or the embedder is busy.
         """
         purges = self._purges
-        prepared = await self._prepare(text)
-        if not isinstance(prepared, _Prepared) or purges != self._purges:
+        prepared = self._recent.get(text)
+        if prepared is None:
+            result = await self._run(self._prepare_sync, text)
+            if isinstance(result, _Skipped):
+                return
+            if result is None:
+                self.stats.too_long += 1
+                return
+            prepared = result
+            self._remember(text, prepared)
+        if purges != self._purges or self._closed:
             return
         self.remove(key)
         namespace = (tenant, model, context_hash)
@@ -276,10 +342,10 @@ class SemanticIndex:
             self._spaces[namespace] = space
         entry = _Entry(self._next_id, key, namespace, prepared.text, prepared.entities)
         self._next_id += 1
-        space.index.add(entry.id, np.asarray(prepared.vector, dtype=np.float32))
         space.entries[entry.id] = entry
         self._entries[entry.id] = entry
         self._by_key[key] = entry
+        self._submit(space.index.add, entry.id, prepared.vector)
         self.stats.inserts += 1
         while len(space.entries) > self._max_per_space:
             self._evict(next(iter(space.entries.values())))
@@ -308,15 +374,12 @@ class SemanticIndex:
         ]
         dropped = 0
         for ns in doomed:
-            space = self._spaces.pop(ns)
+            space = self._spaces.pop(ns)  # its index goes with it, unreferenced
             for entry in space.entries.values():
                 del self._entries[entry.id]
                 del self._by_key[entry.key]
             dropped += len(space.entries)
         return dropped
-
-    def namespaces(self) -> int:
-        return len(self._spaces)
 
     def _evict(self, entry: _Entry) -> None:
         self.stats.evictions += 1
@@ -328,6 +391,15 @@ class SemanticIndex:
         space = self._spaces[entry.namespace]
         del space.entries[entry.id]
         if space.entries:
-            space.index.remove(entry.id)
+            self._submit(space.index.remove, entry.id)
         else:
             del self._spaces[entry.namespace]  # an empty namespace costs nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+def _log_failure(future: Future[object]) -> None:
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.error("semantic index operation failed: %r", exc)

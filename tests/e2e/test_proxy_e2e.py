@@ -325,7 +325,15 @@ def test_drain_is_pushed_and_proxy_lists_its_ack(
         fleet.wait_proxies_at(version)
         raw = oai(fleet).chat.completions.with_raw_response.create(model="sim-small", messages=USER)
         assert raw.headers["x-ponto-region"] == "eu-west"
-        proxies = fleet.admin().ListProxies(apb.ListRequest())
+        # ACKs reach the listing with the replica's next summary write (200 ms).
+        deadline = time.monotonic() + 5
+        while True:
+            proxies = fleet.admin().ListProxies(apb.ListRequest())
+            if [p.acked_version for p in proxies.proxies] == [version] or (
+                time.monotonic() > deadline
+            ):
+                break
+            time.sleep(0.05)
         assert [p.acked_version for p in proxies.proxies] == [version]
         assert proxies.current_version == version
     finally:

@@ -284,3 +284,72 @@ def test_hashing_vectors_behave_as_the_tests_assume() -> None:
     assert float(v[0] @ v[1]) > 0.85
     assert abs(float(v[0] @ v[2])) < 0.3
     assert np.allclose(np.linalg.norm(v, axis=1), 1.0)
+
+
+class RecordingIndex(ExactIndex):
+    """Records the threads that touch it."""
+
+    threads: set[int]
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.threads = set()
+
+    def add(self, id: int, vec: Vectors) -> None:
+        self.threads.add(threading.get_ident())
+        super().add(id, vec)
+
+    def remove(self, id: int) -> None:
+        self.threads.add(threading.get_ident())
+        super().remove(id)
+
+    def search(self, vec: Vectors, k: int = 1) -> list[tuple[int, float]]:
+        self.threads.add(threading.get_ident())
+        return super().search(vec, k)
+
+
+async def test_vector_indexes_are_only_touched_off_the_loop() -> None:
+    made: list[RecordingIndex] = []
+
+    def factory(dim: int) -> RecordingIndex:
+        made.append(RecordingIndex(dim))
+        return made[-1]
+
+    idx = SemanticIndex(HashingEmbedder(), index_factory=factory)
+    await idx.insert("t", "m", "", Q, "k1")
+    await idx.insert("t", "m", "", Q_FAR, "k2")
+    assert await idx.lookup("t", "m", "", Q_NEAR, T) is not None
+    idx.remove("k1")
+    assert await idx.lookup("t", "m", "", Q_NEAR, T) is None
+    await idx.flush()
+    (index,) = made
+    assert index.threads  # it was used ...
+    assert threading.get_ident() not in index.threads  # ... never on the loop thread
+    assert len(index) == 1
+    idx.close()
+
+
+async def test_an_entry_removed_during_a_search_is_not_a_hit() -> None:
+    slow = SlowEmbedder()
+    idx = SemanticIndex(slow)
+    slow.release.set()
+    await idx.insert("t", "m", "", Q, "k1")
+    await idx.insert("t", "m", "", Q_FAR, "k2")
+    slow.release.clear()
+    lookup = asyncio.create_task(idx.lookup("t", "m", "", Q_NEAR, T))
+    await asyncio.sleep(0.05)  # the lookup is embedding in the executor
+    idx.remove("k1")  # its index removal queues behind the lookup
+    slow.release.set()
+    assert await lookup is None
+    idx.close()
+
+
+async def test_closed_index_misses_and_ignores_inserts() -> None:
+    idx = SemanticIndex(HashingEmbedder())
+    await idx.insert("t", "m", "", Q, "k1")
+    idx.close()
+    idx.close()
+    assert await idx.lookup("t", "m", "", Q, T) is None
+    await idx.insert("t", "m", "", Q_FAR, "k2")
+    assert len(idx) == 1
+    assert idx.remove("k1")
