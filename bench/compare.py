@@ -12,16 +12,22 @@ delay (TTFT 0, tokens back to back), so the difference is proxy overhead.
 How it measures (bench/loadgen.py): open loop at fixed rates, requests evenly
 spaced at t0 + i/rate, latency from each request's due time; every phase
 alternates the targets in rounds so that they share the machine's state; each
-request carries its own prompt (no cache can answer a repeat). The maximum
-rate comes from a closed loop (N connections back to back), and is checked
-with an open loop at 80 % of it. "Per core" divides a throughput by the CPU
+request carries its own prompt (no cache can answer a repeat). A rate far above
+a target's maximum gets a short probe that shows it failing, not a full run.
+The maximum rate comes from a closed loop (N connections back to back), and is
+checked with an open loop at 80 % of it (50 % if that does not hold: under 1 %
+errors and p99 under 1 s). "Per core" divides a throughput by the CPU
 the server process used meanwhile (utime + stime over the measured window), so
 it holds even when CPU 1 (origin + generator) is the bottleneck. Peak RSS is
 VmHWM of each server's process tree at the end.
 
 Phases: max (closed loop), 100/s and 1,000/s non-streaming, 100/s streaming
-(TTFT = first SSE event), 80 % of each target's max; and, if LiteLLM cannot
-hold 100/s, the three again at a rate it can hold, for a fair ratio.
+(TTFT = first SSE event), sustained (80 % or 50 % of each target's max); and,
+if LiteLLM cannot hold 100/s, the three again at half its max, for a fair ratio.
+
+Ponto runs with API-key auth, rate limits and its exact cache on (see
+configure_ponto_features; --ponto-features none for the bare path); LiteLLM
+with its master key (see bench/litellm_env.py).
 
 Prints one table and the issue's goals; writes JSON (default
 docs/benchmarks/overhead.json, none with --quick) for bench/report.py.
@@ -42,7 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -82,8 +88,7 @@ MAX_ERRORS = 0.01  # "sustained" means under 1 % errors ...
 SUSTAINED_P99_MS = 1000.0  # ... and no queue building up
 OVERLOAD = 1.5  # an open-loop rate over 1.5x a target's closed-loop max gets a short probe
 PROBE_S = 2.0  # duration and timeout of such a probe
-MIN_SAMPLES = 400  # open-loop runs last long enough for this many requests ...
-MAX_OPEN_S = 30.0  # ... but no longer than this
+MAX_OPEN_S = 30.0  # ... but no open-loop run lasts longer than this
 
 
 # ---------------------------------------------------------------- processes
@@ -158,9 +163,8 @@ class Target:
     label: str
     url: str
     pid: int  # the server process (its tree is measured)
-    headers: tuple[tuple[str, str], ...] = ()
+    headers: Header = ()
     rss_start_mb: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     def pids(self) -> tuple[int, ...]:
         return tuple(process_tree(self.pid))
@@ -187,9 +191,9 @@ def configure_ponto_features(fleet: Fleet, features: str) -> tuple[Header, str]:
 
     "auth-limits-cache" (issue 8 asks for >= 8,000 req/s per core with these
     on): a tenant with request and token limits far above the load, so every
-    request is counted but none refused, an exact cache (each request carries
-    its own prompt, so every lookup misses and the answer is stored), and an
-    API key that every request presents. Returns the headers Ponto's
+    request is counted but none refused; an exact cache (requests are
+    deterministic, temperature 0, and each has its own prompt, so every lookup
+    runs and misses); and an API key that every request presents. Returns the headers Ponto's
     requests need. If the Admin API lacks a call, runs with defaults and says so.
     """
     if features == "none":
@@ -262,6 +266,8 @@ class Plan:
     stream_rate: float
     sustained: bool
     timeout: float = 5.0
+    min_samples: int = 400  # open-loop runs last long enough for this many requests ...
+    settle_s: float = 20.0  # longest wait for an overloaded server's backlog to drain
 
 
 FULL = Plan(
@@ -283,6 +289,9 @@ QUICK = Plan(
     rates=(100.0, 1000.0),
     stream_rate=100.0,
     sustained=False,
+    timeout=2.0,
+    min_samples=0,
+    settle_s=5.0,
 )
 
 
@@ -319,7 +328,7 @@ class Runner:
             duration = p.closed_s / p.rounds
         else:
             # Enough requests for a p99 that is not just the maximum, within reason.
-            duration = max(p.open_s, min(MAX_OPEN_S, MIN_SAMPLES / rate)) / p.rounds
+            duration = max(p.open_s, min(MAX_OPEN_S, p.min_samples / rate)) / p.rounds
         return LoadSpec(
             url=target.url,
             body=STREAM_BODY if stream else BODY,
@@ -365,7 +374,7 @@ class Runner:
                     result = LoadResult(spec=spec, window=(0.0, 0.0))
                 runs[target.key].append(result)
                 if result.error_ratio() > 0 or _p99(result) > 1.0:
-                    settle(target)
+                    settle(target, self.plan.settle_s)
         for target in chosen:
             phase.results[target.key] = self._summary(target, merge(runs[target.key]))
         print(f"  {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -665,7 +674,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if pinned
             else "not pinned (fewer than 2 CPUs)"
         ),
-        "plan": plan.__dict__,
+        "plan": asdict(plan),
     }
     started = time.monotonic()
     litellm: litellm_env.LiteLLMProxy | None = None

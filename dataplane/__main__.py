@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# The semantic cache searches vectors with numpy one query at a time; BLAS
+# threads only contend with the event loop for the same cores. Set before
+# numpy can be imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import asyncio
 import logging
 import signal

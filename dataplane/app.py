@@ -146,7 +146,8 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _cache_sweeper(app: web.Application) -> AsyncIterator[None]:
-    """Drop expired entries now and then, so memory follows the TTLs."""
+    """Drop expired entries now and then, so memory follows the TTLs; at the end,
+    stop the semantic index's embedding thread."""
 
     async def sweep() -> None:
         while True:
@@ -158,6 +159,7 @@ async def _cache_sweeper(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    app[CACHE].close()
 
 
 async def _control_plane(app: web.Application) -> AsyncIterator[None]:

@@ -72,6 +72,8 @@ class SemanticLayer(Protocol):
 
     def remove(self, key: str) -> bool: ...
 
+    def close(self) -> None: ...
+
     def purge(self, tenant: str | None = None, model: str | None = None) -> int: ...
 
 
@@ -155,6 +157,11 @@ class EdgeCache:
             if rev > self._purged_to:
                 asyncio.get_running_loop().create_task(self.purge(tenant or None, model or None))
         self._purged_to = max(self._purged_to, newest)
+
+    def close(self) -> None:
+        """Stop the semantic index's embedding thread, if it was loaded."""
+        if self.semantic is not None:
+            self.semantic.close()
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
         dropped = await self.store.purge(tenant=tenant, model=model)

@@ -33,7 +33,7 @@ class TenantCachePolicy:
     # How long an entry may answer, from the moment it was stored.
     ttl_s: float = 3600.0
     # Least cosine similarity for a semantic hit (used by the semantic layer).
-    semantic_threshold: float = 0.95
+    semantic_threshold: float = 0.90  # chosen in docs/semantic-cache.md
     # Cache sampled answers too (temperature > 0 and no seed). Off by default: a
     # cached sample turns a random answer into a fixed one, which only the tenant
     # can say is acceptable.
