@@ -138,7 +138,11 @@ async def _close_locator(app: web.Application) -> None:
 
 
 async def _upstream(app: web.Application) -> AsyncIterator[None]:
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+    # Per origin at most 1024 connections: past that, bursts wait for a free
+    # keep-alive connection instead of opening (and tearing down) new ones.
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=1024, ttl_dns_cache=60, keepalive_timeout=30
+    )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     app[FORWARDER] = Forwarder(session, app[METRICS], app[SETTINGS].upstream)
     yield

@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
 log = logging.getLogger(__name__)
 
 HEADER = "x-ponto-cache"
+NO_DIRECTIVES = RequestCacheControl()
 SIMILARITY = "x-ponto-cache-similarity"
 
 # Calls the origins with a tap and extra response headers; raises ApiError.
@@ -175,7 +176,8 @@ class EdgeCache:
     async def respond(self, request: web.Request, req: CacheRequest, origin: OriginCall,
                       usage_tap: StreamTap | None) -> web.StreamResponse:  # fmt: skip
         policy = req.tenant.cache
-        cc = RequestCacheControl.parse(", ".join(request.headers.getall("cache-control", [])))
+        header = request.headers.getall("cache-control", None)
+        cc = RequestCacheControl.parse(", ".join(header)) if header else NO_DIRECTIVES
         decision = decide(policy, req.endpoint, req.body, cc)
         model = req.body["model"]
         key = ""
@@ -374,7 +376,8 @@ class EdgeCache:
         return out
 
     def _count(self, result: str, kind: str) -> None:
-        self._metrics.cache_requests.labels(result, str(kind)).inc()
+        m = self._metrics
+        m.child(m.cache_requests, result, str(kind)).inc()
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

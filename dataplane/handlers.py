@@ -6,8 +6,8 @@ status), raised before anything reaches an origin.
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -141,7 +141,7 @@ def make_proxy_handler(endpoint: str) -> Handler:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         app = request.app
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         request["request_id"] = request_id
         holder = app[HOLDER]
         routes, policy = holder.routes, holder.policy
@@ -317,6 +317,6 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     if limit_headers and not response.prepared:
         for name, value in limit_headers:
             response.headers.setdefault(name, value)
-    m.requests.labels(endpoint, str(response.status)).inc()
-    m.duration.labels(endpoint).observe(time.perf_counter() - started)
+    m.child(m.requests, endpoint, str(response.status)).inc()
+    m.child(m.duration, endpoint).observe(time.perf_counter() - started)
     return response

@@ -16,6 +16,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "ponto_requests",
@@ -105,15 +106,28 @@ class Metrics:
             "ponto_route_table_nacks", "Tables refused since start", registry=r
         )
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), remembered: labels() takes a lock and checks its
+        arguments on every call, which the request path does several times."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def attempt(self, origin: str, outcome: str) -> Any:
+        """The ponto_upstream_attempts counter of one origin and outcome."""
+        return self.child(self.upstream_attempts, origin, outcome)
+
     def account_request(self, tenant: str, key: str, status: int) -> None:
-        self.tenant_requests.labels(tenant, key or "-", str(status)).inc()
+        self.child(self.tenant_requests, tenant, key or "-", str(status)).inc()
 
     def account_tokens(self, tenant: str, key: str, usage: Usage) -> None:
         key = key or "-"
         if usage.prompt_tokens:
-            self.tenant_tokens.labels(tenant, key, "prompt").inc(usage.prompt_tokens)
+            self.child(self.tenant_tokens, tenant, key, "prompt").inc(usage.prompt_tokens)
         if usage.completion_tokens:
-            self.tenant_tokens.labels(tenant, key, "completion").inc(usage.completion_tokens)
+            self.child(self.tenant_tokens, tenant, key, "completion").inc(usage.completion_tokens)
 
     def bind_cache(self, stats: Callable[[], Any]) -> None:
         """Read the cache store's counters at scrape time."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from yarl import URL
+
 from dataplane.auth.credentials import OriginCredentials
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
@@ -37,6 +39,15 @@ class Target:
     weight: int
     # Upstream credential the proxy injects; None: the origin needs none.
     credential: OriginCredentials | None = field(default=None, compare=False)
+    # Parsed once per table: building a URL from a string on every call costs
+    # the upstream client more than the rest of the request line.
+    urls: dict[str, URL] = field(default_factory=dict, compare=False, repr=False)
+
+    def url(self, path: str) -> URL:
+        found = self.urls.get(path)
+        if found is None:
+            found = self.urls[path] = URL(self.base_url + path)
+        return found
 
 
 @dataclass(frozen=True, slots=True)

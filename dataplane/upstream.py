@@ -158,14 +158,14 @@ class Forwarder:
                 self.outliers.success(target.name)
                 return response
             except _Retryable as exc:
-                self._metrics.upstream_attempts.labels(target.name, exc.outcome).inc()
+                self._metrics.attempt(target.name, exc.outcome).inc()
                 failures.append(f"{target.name}: {exc}")
                 if self.outliers.failure(target.name):
-                    self._metrics.ejections.labels(target.name).inc()
+                    self._metrics.child(self._metrics.ejections, target.name).inc()
                     log.warning("origin %s ejected after repeated failures", target.name)
                 log.warning("origin %s failed (%s); %s", target.name, exc, request_id)
             except TimeoutError:
-                self._metrics.upstream_attempts.labels(target.name, "deadline").inc()
+                self._metrics.attempt(target.name, "deadline").inc()
                 failures.append(f"{target.name}: request deadline exceeded")
                 self.outliers.failure(target.name)
                 break
@@ -196,7 +196,7 @@ class Forwarder:
                 headers["authorization"] = authorization
         try:
             resp = await self._session.post(
-                target.base_url + path, data=body, headers=headers, timeout=self._timeout
+                target.url(path), data=body, headers=headers, timeout=self._timeout
             )
         except TimeoutError as exc:
             raise _Retryable("timeout", "timed out before the response started") from exc
@@ -218,7 +218,7 @@ class Forwarder:
                 data = await resp.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
-            self._metrics.upstream_attempts.labels(target.name, "ok").inc()
+            self._metrics.attempt(target.name, "ok").inc()
             out = web.Response(status=resp.status, body=data, headers=self._copy(resp, extra))
             return out
         finally:
@@ -262,15 +262,15 @@ class Forwarder:
                 try:
                     chunk = await resp.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    self._metrics.stream_cuts.labels(target.name).inc()
-                    self._metrics.upstream_attempts.labels(target.name, "cut_after_start").inc()
+                    self._metrics.child(self._metrics.stream_cuts, target.name).inc()
+                    self._metrics.attempt(target.name, "cut_after_start").inc()
                     log.warning("origin %s cut a stream: %s", target.name, exc)
                     await out.write(sse_error_event(f"origin {target.name} failed mid-stream"))
                     break
                 if not chunk:
                     if not resp.content.is_eof():  # pragma: no cover - defensive
                         continue
-                    self._metrics.upstream_attempts.labels(target.name, "ok").inc()
+                    self._metrics.attempt(target.name, "ok").inc()
                     complete = True
                     break
                 if tap is not None:
