@@ -89,13 +89,21 @@ demo: $(STAMP)
 demo-check: $(STAMP)
 	$(BIN)/ponto-demo --check
 
-# Side-by-side measurements; each prints its figures and ratios. Those that write
-# docs/benchmarks/*.json feed bench.report, which must stay last. Order: overhead,
-# routing, compare (direct vs Ponto vs LiteLLM; installs LiteLLM into .bench/ once),
-# then auth_ratelimit, cache, fanout, geo_world, cache_eval as they land, then report.
+# Side-by-side measurements; each prints its figures and ratios and writes
+# docs/benchmarks/*.json, which bench.report (last) turns into
+# docs/benchmarks/README.md with plots. About 13 minutes on 2 cores; compare
+# installs LiteLLM into .bench/ the first time.
 bench: $(STAMP)
-	$(PY) -m bench.overhead
-	$(PY) -m bench.routing
+	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
+	$(PY) -m bench.record routing "Routing cost per request" bench.routing
+	$(PY) -m bench.auth_ratelimit
+	$(PY) -m bench.cache_hit
+	$(PY) -m bench.fanout --cycles 3
+	$(PY) -m bench.record semantic-lookup "Semantic lookup latency, 10k and 1M entries" \
+		bench.semantic_lookup
+	$(PY) -m bench.record cache-eval "Semantic cache evaluation: hit and wrong-hit rates" \
+		bench.cache_eval
+	$(PY) -m bench.geo_world
 	$(PY) -m bench.compare
 	$(PY) -m bench.report
 
