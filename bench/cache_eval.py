@@ -53,12 +53,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from bench.data import SEMCACHE
 from dataplane.cache.embed import MiniLmOnnxEmbedder, default_model_path
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semantic import DEFAULT_THRESHOLD, normalise_text
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data" / "semcache"
+DATA = SEMCACHE  # ../shared/data/semcache, or $PONTO_SEMCACHE_DATA
 CACHE_DIR = ROOT / ".cache" / "embeddings"
 DEFAULT_THRESHOLDS = (0.80, 0.85, 0.87, 0.88, 0.89, 0.90, 0.91, 0.92, 0.93, 0.95, 0.97)
 NEIGHBOURS = 32  # earlier neighbours kept per query; the simulation falls back to

@@ -78,13 +78,14 @@ import aiohttp
 import uvloop
 
 from bench import rtt
+from bench.data import SEMCACHE
 from bench.rtt import ACCESS_RTT_MS, INTRA_REGION_RTT_MS, REGION_NAMES, REGIONS
 from ponto.devenv import Managed, python_entry, spawn
 from ponto.fleet import Fleet, RegionDef
 from ponto.originsim.app import DEFAULT_COMPLETION_TOKENS
 
 REPO: Final = Path(__file__).resolve().parents[1]
-DATA: Final = REPO.parent / "shared" / "data" / "semcache"
+DATA: Final = SEMCACHE  # ../shared/data/semcache, or $PONTO_SEMCACHE_DATA
 OUT: Final = REPO / "docs" / "benchmarks" / "geo.json"
 
 CENTRAL: Final = "us-east"

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import os
 
+from bench.data import SEMCACHE
+
 # One BLAS thread, as the proxy should run (see docs/semantic-cache.md): on a busy
 # 2-core machine OpenBLAS's second thread made a 10k x 384 product 5-9x slower.
 # Set before numpy is imported, which reads it once.
@@ -44,7 +46,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -54,7 +55,7 @@ from dataplane.cache.embed import MiniLmOnnxEmbedder
 from dataplane.cache.semantic import DEFAULT_THRESHOLD, SemanticIndex, normalise_text
 from dataplane.cache.vectors import ExactIndex, HnswIndex, TieredIndex, Vector, VectorIndex
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "semcache"
+DATA = SEMCACHE  # ../shared/data/semcache, or $PONTO_SEMCACHE_DATA
 DIM = 384
 
 
