@@ -80,15 +80,6 @@ def decode_shares(raw: bytes) -> tuple[Shares, float]:
     return shares, float(data.get("default_fraction", 0.0))
 
 
-def _shares_part(payload: bytes) -> bytes:
-    """A quota push without its generation, to tell whether it changes anything."""
-    if not payload:
-        return b""
-    update = pb.RouteUpdate.FromString(payload)
-    update.quota.generation = 0
-    return update.SerializeToString()
-
-
 class QuotaHub:
     """One per replica: demand in from its streams, shares out to them.
 
@@ -169,15 +160,16 @@ class QuotaHub:
         changed.set()
         return listing.revision
 
-    def update_for(self, proxy: str) -> bytes:
-        """The serialised RouteUpdate(quota=...) for one proxy, current generation.
+    def update_for(self, proxy: str, generation: int | None = None) -> bytes:
+        """The serialised RouteUpdate(quota=...) for one proxy, stamped with
+        `generation` (default: the current one).
 
         A proxy the leader has not rebalanced yet gets no default share: the
         leader does not count it, so a default could exceed the limit.
         """
         mine = self._shares.get(proxy)
         quota = pb.QuotaShares(
-            generation=self.generation,
+            generation=self.generation if generation is None else generation,
             default_fraction=self._default if mine is not None else 0.0,
             shares=[
                 pb.QuotaShare(scope=scope, fraction=s.fraction, concurrency=s.concurrency)
@@ -191,13 +183,16 @@ class QuotaHub:
     ) -> tuple[int, bytes]:
         """Wait for shares newer than sent_generation that change what this proxy
         was last sent (`sent`); return (generation, payload)."""
+        # `sent` was stamped with sent_generation: the same shares stamped the
+        # same way serialise to the same bytes (the encoding is deterministic),
+        # so nothing needs parsing to tell a change.
+        stamp = seen = sent_generation
         while True:
-            while self.generation in (0, sent_generation):
+            while self.generation in (0, seen):
                 await self._changed.wait()
-            payload = self.update_for(proxy)
-            if _shares_part(payload) != _shares_part(sent):
-                return self.generation, payload
-            sent_generation = self.generation
+            if self.update_for(proxy, stamp) != sent:
+                return self.generation, self.update_for(proxy)
+            seen = self.generation
 
 
 class Rebalancer:
