@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/ponto/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench profile clean helm helm-check
+.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench profile clean helm helm-check chart-run kind-e2e
 
 setup: $(STAMP)
 
@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy controlplane dataplane ponto tests bench scripts
 
-check: lint proto-check helm-check
+check: lint proto-check helm-check chart-run
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: check
@@ -71,6 +71,18 @@ helm-check: $(HELM) $(STAMP)
 		| $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -
 	set -o pipefail; $(HELM) template ponto $(CHART) -n ponto --kube-version $(KUBE_VERSION) \
 		-f $(CHART_CI_VALUES) | $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -
+
+# Runs what the chart renders (three-region CI values) as local processes, each pod in
+# its own network namespace, Services on their own loopback addresses; then the
+# openai client, a drain, NOTES.txt's commands, an upgrade under traffic and etcd
+# killed. Needs root (namespaces); docs/helm.md says what it proves and what not.
+chart-run: $(HELM) $(STAMP)
+	$(PY) -m tests.chartrun --helm $(HELM)
+
+# On a machine with a Docker engine: build the image, load it into kind, helm
+# install, and run the same client checks. Skipped with a message where there is none.
+kind-e2e: $(HELM) $(STAMP)
+	HELM=$(HELM) bash scripts/kind-e2e.sh
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)

@@ -13,7 +13,6 @@ from grpc_reflection.v1alpha import reflection
 
 from controlplane.api.admin import AdminService
 from controlplane.api.guard import TokenGuard
-from controlplane.api.routing import SERVICE as ROUTING_SERVICE
 from controlplane.api.routing import RoutingService
 from controlplane.builder import TableBuilder
 from controlplane.catalog import Catalog
@@ -21,6 +20,7 @@ from controlplane.distribute import Publisher
 from controlplane.election import Leadership
 from controlplane.health import Prober
 from controlplane.quotasync import QuotaHub, Rebalancer
+from controlplane.readiness import ReplicaHealth
 from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
 from controlplane.store import StateStore
@@ -66,6 +66,7 @@ class ControlPlane:
             fence=lambda: self.leadership.fence,
         )
         self.health = health.aio.HealthServicer()
+        self.status = ReplicaHealth(self.health, store, self.publisher)
         security = settings.security
         self.server = grpc.aio.server(
             interceptors=[
@@ -84,6 +85,7 @@ class ControlPlane:
         self.health_server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
+        self.health_port = 0
 
     async def start(self) -> None:
         self.server.add_generic_rpc_handlers((self.routing.handler(),))
@@ -91,6 +93,7 @@ class ControlPlane:
             AdminService(self.catalog, self.publisher), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        await self.status.publish()  # not ready until a table is built (readiness.py)
         reflection.enable_server_reflection(
             (
                 routing_pb2.DESCRIPTOR.services_by_name["Routing"].full_name,
@@ -111,7 +114,8 @@ class ControlPlane:
         if self.settings.health_listen:
             self.health_server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            if not self.health_server.add_insecure_port(self.settings.health_listen):
+            self.health_port = self.health_server.add_insecure_port(self.settings.health_listen)
+            if not self.health_port:
                 raise OSError(f"cannot listen on {self.settings.health_listen}")
             await self.health_server.start()
         self._tasks = [
@@ -121,10 +125,9 @@ class ControlPlane:
             asyncio.create_task(self.leadership.run(self._lead), name="election"),
             asyncio.create_task(self.quotas.publish_demand(), name="quota-demand"),
             asyncio.create_task(self.quotas.watch(), name="quota-shares"),
+            asyncio.create_task(self.status.run(), name="health-status"),
         ]
         security = self.settings.security
-        await self.health.set(ROUTING_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         host = self.settings.listen.rsplit(":", 1)[0]
         log.info(
             "control plane %s serving on %s:%d (%s; proxies %s; admin %s)",
@@ -162,7 +165,7 @@ class ControlPlane:
 async def serve(settings: Settings) -> None:
     from controlplane.store.etcd import EtcdStore  # noqa: PLC0415
 
-    store = EtcdStore(settings.etcd)
+    store = EtcdStore(settings.etcd, tls=settings.etcd_tls)
     await store.connect()
     plane = ControlPlane(settings, store)
     await plane.start()

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controlplane.health import ProbeSettings
-from ponto.grpcconn import CredentialError, ServerSecurity, read_secret
+from controlplane.store.etcd import EtcdTls
+from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class Settings:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     health_listen: str = ""
     quota_interval: float = 1.0
+    etcd_tls: EtcdTls | None = None  # None: plaintext to etcd
 
 
 def parse(argv: list[str]) -> Settings:
@@ -34,8 +36,19 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument(
         "--etcd",
         default="http://127.0.0.1:2379",
-        help="etcd endpoints, comma-separated (http://host:port)",
+        help="etcd endpoints, comma-separated (http://host:port or https://host:port; "
+        "host may be a DNS name, best one name that resolves to every member)",
     )
+    p.add_argument(
+        "--etcd-ca",
+        default="",
+        help="CA that signed etcd's server certificates (PEM); enables TLS to etcd, "
+        "and https:// endpoints require it (system roots are not used)",
+    )
+    p.add_argument(
+        "--etcd-cert", default="", help="client certificate for etcd (PEM), if etcd asks for one"
+    )
+    p.add_argument("--etcd-key", default="", help="private key of --etcd-cert (PEM)")
     p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC listen HOST:PORT (port 0: any)")
     p.add_argument(
         "--id",
@@ -122,6 +135,14 @@ def parse(argv: list[str]) -> Settings:
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
     if not etcd:
         p.error("--etcd needs at least one endpoint")
+    for endpoint in etcd:
+        host, _, port = endpoint.partition("://")[2 if "://" in endpoint else 0].rpartition(":")
+        if not host.strip("[]") or not port.isdigit():
+            p.error(f"--etcd endpoint {endpoint!r} is not [http[s]://]HOST:PORT")
+    try:
+        etcd_tls = _etcd_tls(etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)
+    except CredentialError as exc:
+        p.error(str(exc))
     if a.quota_interval_ms < 50:
         p.error("--quota-interval-ms must be at least 50")
     try:
@@ -160,4 +181,37 @@ def parse(argv: list[str]) -> Settings:
         security=security,
         health_listen=a.health_listen,
         quota_interval=a.quota_interval_ms / 1000,
+        etcd_tls=etcd_tls,
+    )
+
+
+def _etcd_tls(endpoints: tuple[str, ...], ca: str, cert: str, key: str) -> EtcdTls | None:
+    """TLS to etcd from the flags, checked against the endpoints' schemes.
+
+    The scheme and --etcd-ca must agree: https:// without a CA is refused
+    rather than trusting system roots (etcd is signed by its own CA), and a CA
+    with http:// is refused rather than guessing which one was meant. Bare
+    host:port endpoints follow --etcd-ca.
+    """
+    schemes = {e.partition("://")[0] if "://" in e else "" for e in endpoints}
+    if schemes - {"http", "https", ""}:
+        raise CredentialError("--etcd endpoints must be http://, https:// or bare host:port")
+    if {"http", "https"} <= schemes:
+        raise CredentialError("--etcd mixes http:// and https:// endpoints")
+    if "https" in schemes and not ca:
+        raise CredentialError(
+            "https:// etcd endpoints need --etcd-ca (the CA that signed etcd's certificates)"
+        )
+    if ca and "http" in schemes:
+        raise CredentialError("--etcd-ca is given but --etcd says http://; write https://")
+    if bool(cert) != bool(key):
+        raise CredentialError("give both --etcd-cert and --etcd-key, or neither")
+    if cert and not ca:
+        raise CredentialError("--etcd-cert needs --etcd-ca to verify etcd")
+    if not ca:
+        return None
+    return EtcdTls(
+        ca_cert=read_bytes(ca, "etcd CA certificate"),
+        cert_chain=read_bytes(cert, "etcd client certificate") if cert else None,
+        cert_key=read_bytes(key, "etcd client key") if key else None,
     )

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -143,6 +144,15 @@ def spawn(
     return managed
 
 
+@dataclass(frozen=True)
+class EtcdServerTls:
+    """etcd's client port over TLS; with client_ca, clients must present a certificate."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+
 @dataclass
 class Etcd:
     """A single-member etcd on loopback with its own data dir."""
@@ -151,6 +161,7 @@ class Etcd:
     client_port: int
     peer_port: int
     data_dir: Path
+    scheme: str = "http"  # https when started with EtcdServerTls
 
     @property
     def endpoint(self) -> str:
@@ -158,7 +169,7 @@ class Etcd:
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{self.scheme}://{self.endpoint}"
 
     def stop(self) -> None:
         self.managed.stop()
@@ -175,34 +186,47 @@ def start_etcd(
     client_port: int = 0,
     peer_port: int = 0,
     timeout: float = 20.0,
+    hosts: Sequence[str] = ("127.0.0.1",),
+    tls: EtcdServerTls | None = None,
 ) -> Etcd:
-    """Start etcd on loopback; reusing data_dir and ports restarts the same member."""
+    """Start etcd on loopback; reusing data_dir and ports restarts the same member.
+
+    hosts: loopback addresses the client port listens on (the first is
+    advertised); tls: serve clients over TLS.
+    """
     binary = find_etcd()
     client_port = client_port or free_port()
     peer_port = peer_port or free_port()
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="etcd-", dir=workdir))
-    client = f"http://127.0.0.1:{client_port}"
+    scheme = "https" if tls else "http"
+    clients = [f"{scheme}://{host}:{client_port}" for host in hosts]
     peer = f"http://127.0.0.1:{peer_port}"
+    tls_args: list[str] = []
+    if tls is not None:
+        tls_args = ["--cert-file", str(tls.cert), "--key-file", str(tls.key)]
+        if tls.client_ca is not None:
+            tls_args += ["--client-cert-auth", "--trusted-ca-file", str(tls.client_ca)]
     argv = [
         str(binary),
         "--name", name,
         "--data-dir", str(data_dir),
-        "--listen-client-urls", client,
-        "--advertise-client-urls", client,
+        "--listen-client-urls", ",".join(clients),
+        "--advertise-client-urls", clients[0],
         "--listen-peer-urls", peer,
         "--initial-advertise-peer-urls", peer,
         "--initial-cluster", f"{name}={peer}",
         "--heartbeat-interval", "10",
         "--election-timeout", "100",
         "--log-level", "warn",
+        *tls_args,
     ]  # fmt: skip
     managed = spawn(name, argv, workdir)
     try:
-        wait_for_port("127.0.0.1", client_port, timeout, managed.proc)
+        wait_for_port(hosts[0], client_port, timeout, managed.proc)
     except DevEnvError as exc:
         managed.stop()
         raise DevEnvError(f"{exc}\n{managed.log_tail()}") from exc
-    return Etcd(managed, client_port, peer_port, data_dir)
+    return Etcd(managed, client_port, peer_port, data_dir, scheme)
 
 
 def python_entry(module: str) -> list[str]:

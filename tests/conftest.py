@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ponto.devenv import Etcd, start_etcd
+from ponto.devenv import Etcd, EtcdServerTls, start_etcd
+from ponto.pki import Bundle, make_bundle
+from tests.hostsns import NAME_A, NAME_B, PrivateHosts, unshare_problem
 
 
 @dataclass
@@ -74,11 +77,14 @@ def etcd_server() -> Iterator[EtcdEndpoint]:
             yield ep
         return
     workdir = Path(tempfile.mkdtemp(prefix="ponto-etcd-"))
-    etcd = start_etcd(workdir)
     try:
-        yield EtcdEndpoint(etcd.endpoint, etcd)
+        etcd = start_etcd(workdir)
+        try:
+            yield EtcdEndpoint(etcd.endpoint, etcd)
+        finally:
+            etcd.stop()
     finally:
-        etcd.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the data dir is ~120 MB
 
 
 @pytest.fixture
@@ -95,3 +101,47 @@ async def clean_etcd(etcd_server: EtcdEndpoint) -> EtcdEndpoint:
         assert client.kv is not None
         await client.kv.delete(b"\0", range_end=b"\0")
     return etcd_server
+
+
+@pytest.fixture
+def private_hosts(tmp_path: Path) -> PrivateHosts:
+    """A private /etc/hosts for subprocesses (tests/hostsns.py); skips where unshare cannot."""
+    problem = unshare_problem()
+    if problem:
+        pytest.skip(f"needs a private /etc/hosts: {problem}")
+    return PrivateHosts(tmp_path / "hosts", {})
+
+
+@dataclass
+class TlsEtcd:
+    """etcd over TLS: its certificate lists NAME_A and NAME_B (not localhost), and it
+    requires client certificates signed by pki.ca (proxy.crt is one)."""
+
+    etcd: Etcd
+    pki: Bundle
+
+    def urls(self, *hosts: str) -> list[str]:
+        return [f"https://{host}:{self.etcd.client_port}" for host in hosts]
+
+    @property
+    def client_cert(self) -> tuple[str, str]:
+        return self.pki.path("proxy.crt"), self.pki.path("proxy.key")
+
+
+@pytest.fixture(scope="module")
+def tls_etcd() -> Iterator[TlsEtcd]:
+    """etcd on 127.0.0.1 and 127.0.0.2, certificate for NAME_A and NAME_B, client
+    certificates required; its directory (data dir included) is removed after."""
+    workdir = Path(tempfile.mkdtemp(prefix="ponto-etcd-tls-"))
+    try:
+        pki = make_bundle(workdir / "pki", server_names=(NAME_A, NAME_B))
+        server = EtcdServerTls(
+            Path(pki.path("server.crt")), Path(pki.path("server.key")), Path(pki.ca)
+        )
+        etcd = start_etcd(workdir, hosts=("127.0.0.1", "127.0.0.2"), tls=server)
+        try:
+            yield TlsEtcd(etcd, pki)
+        finally:
+            etcd.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

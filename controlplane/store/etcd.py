@@ -4,6 +4,9 @@ Calls carry a deadline so that an etcd outage surfaces as StoreUnavailable in
 seconds instead of hanging admin calls. Watches resume from their last revision
 after an etcd restart (etcd3aio reconnects); after compaction the consumer
 re-lists, which the revision-only watch contract already requires.
+
+Endpoints may name hosts (etcd3aio alone takes IP literals only); see
+grpc_target for how names become one gRPC target, and EtcdTls for TLS.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -32,64 +36,234 @@ from controlplane.store.base import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# With several host names, a failing call looks them up again at most this often.
+RERESOLVE_INTERVAL = 5.0
 
-def grpc_target(endpoints: Sequence[str]) -> str | None:
-    """A gRPC target for endpoints that name hosts rather than IPs.
 
-    etcd3aio builds an `ipv4:` target, which takes IP literals only. One DNS
-    name (a Kubernetes headless Service, say) becomes a `dns:` target that
-    gRPC re-resolves on reconnect and balances over every address; several
-    names are resolved once here. None: all IP literals, keep etcd3aio's.
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """TLS to etcd, as PEM bytes.
+
+    ca_cert verifies etcd's server certificate (there is no fallback to system
+    roots: etcd clusters are signed by their own CA). cert_chain and cert_key,
+    both or neither, are this replica's client certificate for an etcd run
+    with --client-cert-auth.
     """
-    hosts = [e.rsplit(":", 1)[0].strip("[]") for e in endpoints]
+
+    ca_cert: bytes
+    cert_chain: bytes | None = None
+    cert_key: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.cert_chain is None) != (self.cert_key is None):
+            raise ValueError("an etcd client certificate needs its key, and a key its certificate")
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
+def _is_address(host: str) -> bool:
+    """An IP literal, or `localhost`, which etcd3aio itself turns into 127.0.0.1."""
+    if host == "localhost":
+        return True
     try:
-        for host in hosts:
-            ipaddress.ip_address(host)
-        return None
+        ipaddress.ip_address(host)
     except ValueError:
-        pass
-    if len(endpoints) == 1:
+        return False
+    return True
+
+
+def names_to_resolve(endpoints: Sequence[str]) -> tuple[str, ...]:
+    """Host names EtcdStore must look up itself before building the channel.
+
+    None for IP literals (etcd3aio's own `ipv4:` target) or for a single
+    endpoint (a `dns:` target that gRPC resolves); every name when there are
+    several endpoints, since one gRPC target cannot list several names.
+    """
+    if len(endpoints) < 2:
+        return ()
+    hosts = (_host(e) for e in endpoints)
+    return tuple(dict.fromkeys(h for h in hosts if not _is_address(h)))
+
+
+def grpc_target(
+    endpoints: Sequence[str], addresses: Mapping[str, Sequence[str]] | None = None
+) -> str | None:
+    """The gRPC target for endpoints (`host:port`); pure.
+
+    None: all IP literals, keep etcd3aio's `ipv4:` target. One DNS name (a
+    Kubernetes headless Service, say) becomes a `dns:` target that gRPC
+    re-resolves on reconnect and balances over every address. Several
+    endpoints with names become an `ipv4:` list of `addresses` (name -> IPv4
+    addresses, as looked up for names_to_resolve); names missing from it are
+    left out, and if nothing is left the first endpoint becomes a `dns:`
+    target, so the channel keeps trying while the names do not resolve yet.
+    """
+    names = names_to_resolve(endpoints)
+    if len(endpoints) == 1 and not _is_address(_host(endpoints[0])):
         return f"dns:///{endpoints[0]}"
-    resolved = []
+    if not names:
+        return None
+    addresses = addresses or {}
+    resolved: list[str] = []
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
-        for info in socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM):
-            resolved.append(f"{info[4][0]}:{port}")
-    log.warning("etcd endpoints resolved once at start: %s", ", ".join(resolved))
+        host = host.strip("[]")
+        if _is_address(host):
+            resolved.append(f"{'127.0.0.1' if host == 'localhost' else host}:{port}")
+        else:
+            resolved += [f"{address}:{port}" for address in addresses.get(host, ())]
+    if not resolved:
+        return f"dns:///{endpoints[0]}"
     return "ipv4:" + ",".join(dict.fromkeys(resolved))
 
 
+def tls_server_name(endpoints: Sequence[str]) -> str:
+    """The name etcd's certificates are checked against: the first endpoint's host.
+
+    One target of several addresses carries no name of its own, so with
+    several endpoints every member's certificate must list the first one's
+    host (etcd certificates usually list every member, or a wildcard).
+    """
+    return _host(endpoints[0])
+
+
+async def resolve_ipv4(names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """IPv4 addresses of each name that resolves now (system resolver); others are logged."""
+    loop = asyncio.get_running_loop()
+    found: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        try:
+            infos = await loop.getaddrinfo(
+                name, None, family=socket.AF_INET, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            log.warning("etcd endpoint %s does not resolve: %s", name, exc)
+            continue
+        found[name] = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+    return found
+
+
 class EtcdStore:
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 3.0) -> None:
+    """StateStore on an etcd cluster; see the module docstring.
+
+    endpoints are `host:port`, optionally with `http://` or `https://`; hosts
+    may be IP literals or names. With tls, every endpoint is reached over TLS;
+    an `https://` endpoint without it is refused (ValueError).
+
+    How names are followed: one endpoint that is a name (the recommended form,
+    e.g. a headless Service) is re-resolved by gRPC itself whenever it
+    reconnects. Several endpoints with names are looked up here at connect()
+    and again when calls fail (at most every RERESOLVE_INTERVAL seconds); the
+    channel is rebuilt only if the addresses changed. The limit: a member that
+    moves to a new address is not picked up while the others still answer.
+    """
+
+    def __init__(
+        self, endpoints: Sequence[str], *, timeout: float = 3.0, tls: EtcdTls | None = None
+    ) -> None:
+        if tls is None and any(e.startswith("https://") for e in endpoints):
+            raise ValueError(
+                "https:// etcd endpoints need the CA that signed etcd's certificate (--etcd-ca)"
+            )
         self._endpoints = [e.removeprefix("http://").removeprefix("https://") for e in endpoints]
         self._timeout = timeout
-        self._client = Etcd3Client(
+        self._tls = tls
+        self._names = names_to_resolve(self._endpoints)
+        self._target = grpc_target(self._endpoints)
+        self._client = self._new_client(self._target)
+        self._connected = False
+        self._reresolved_at = 0.0
+        self._reresolving: asyncio.Task[None] | None = None
+
+    @property
+    def target(self) -> str:
+        """The gRPC target in use (names resolved by connect(), for logs and tests)."""
+        return str(self._client._manager.target)
+
+    def _new_client(self, target: str | None) -> Etcd3Client:
+        tls = self._tls
+        client = Etcd3Client(
             self._endpoints,
             # Retries with backoff ride out a reconnect (about 1.5 s in all),
             # all within the per-call timeout.
             rpc_max_attempts=6,
             watch_reconnect_backoff_seconds=0.1,
             watch_max_reconnect_backoff_seconds=1.0,
+            tls_server_name=tls_server_name(self._endpoints) if tls else None,
+            ca_cert=tls.ca_cert if tls else None,
+            cert_chain=tls.cert_chain if tls else None,
+            cert_key=tls.cert_key if tls else None,
         )
+        if target is not None:
+            client._manager.target = target
         # gRPC's default reconnect backoff grows to minutes; an etcd that comes
         # back must be used again within about a second.
-        self._client._manager.grpc_options += [
+        client._manager.grpc_options += [
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        self._connected = False
+        return client
 
     async def connect(self) -> None:
-        """Open the channel; connecting is lazy in gRPC, so this never blocks on etcd."""
-        if not self._connected:
-            await self._client.connect()
-            self._connected = True
+        """Open the channel; connecting is lazy in gRPC, so this never blocks on etcd.
+
+        With several host names it looks them up first (the system resolver,
+        so it waits for DNS, not for etcd).
+        """
+        if self._connected:
+            return
+        if self._names:
+            self._target = grpc_target(self._endpoints, await resolve_ipv4(self._names))
+            self._client = self._new_client(self._target)
+            self._reresolved_at = asyncio.get_running_loop().time()
+        await self._client.connect()
+        self._connected = True
+        tls = self._tls
+        log.info(
+            "etcd at %s over %s",
+            self.target,
+            "plaintext"
+            if tls is None
+            else f"{'mutual TLS' if tls.cert_chain else 'TLS'} (server name "
+            f"{tls_server_name(self._endpoints)})",
+        )
+
+    def _failed(self) -> None:
+        """A call failed: with several names, look them up again soon (in the background)."""
+        if not self._names or not self._connected or self._reresolving is not None:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self._reresolved_at < RERESOLVE_INTERVAL:
+            return
+        self._reresolved_at = now
+        self._reresolving = asyncio.create_task(self._reresolve(), name="etcd-reresolve")
+
+    async def _reresolve(self) -> None:
+        try:
+            target = grpc_target(self._endpoints, await resolve_ipv4(self._names))
+            if target == self._target or not self._connected:
+                return
+            client = self._new_client(target)
+            await client.connect()
+            # Calls look the client up each time, so new calls take the new
+            # channel at once; calls and watches on the old one fail when it
+            # closes (CANCELLED, or UsageError) and are retried by their callers.
+            old, self._client, self._target = self._client, client, target
+            log.warning("etcd endpoints re-resolved; now at %s", target)
+            await old.close()
+        except Exception:  # a failed look-up must not end the store; the next failure retries
+            log.exception("re-resolving etcd endpoints failed")
+        finally:
+            self._reresolving = None
 
     async def _call(self, what: str, aw: Awaitable[T]) -> T:
         try:
             return await aw
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
+        except (EtcdError, TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            self._failed()
             raise StoreUnavailable(f"etcd {what} failed: {exc}") from exc
 
     @property
@@ -220,14 +394,19 @@ class EtcdStore:
                     if resp.events:
                         start_revision = resp.header.revision
                         yield resp.header.revision
-            except (EtcdError, grpc.aio.AioRpcError) as exc:
+            except (EtcdError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 log.warning("etcd watch on %s failed (%s); retrying", prefix, exc)
+                self._failed()
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(Exception):
                     await stream.aclose()  # type: ignore[attr-defined]
 
     async def close(self) -> None:
+        if self._reresolving is not None:
+            self._reresolving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reresolving
         if self._connected:
             await self._client.close()
             self._connected = False

@@ -399,8 +399,10 @@ def test_control_plane_grpc_probes(helm: Path, default: list[Doc]) -> None:
     # plaintext health-only port, since they cannot present a client certificate.
     for docs in (default, render(helm, "--set", "tls.enabled=false")):
         c = container(one(docs, "Deployment", "ponto-control"))
-        for probe in ("livenessProbe", "readinessProbe"):
-            assert c[probe]["grpc"] == {"port": 7001}
+        # Liveness must not ask the readiness service: a replica that cannot read
+        # etcd is alive (and restarting it would not help).
+        assert c["livenessProbe"]["grpc"] == {"port": 7001, "service": "liveness"}
+        assert c["readinessProbe"]["grpc"] == {"port": 7001}
         assert "--health-listen=0.0.0.0:7001" in c["args"]
         assert {"name": "health", "containerPort": 7001, "protocol": "TCP"} in c["ports"]
 

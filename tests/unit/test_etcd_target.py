@@ -1,18 +1,104 @@
-"""How etcd endpoints become a gRPC target (IP literals, one DNS name, several)."""
+"""How etcd endpoints become a gRPC target and TLS settings (IP literals, names, flags).
+
+Real look-ups through the system resolver, with names only a private hosts
+file knows, are in tests/integration/test_etcd_names.py.
+"""
 
 from __future__ import annotations
 
-from controlplane.store.etcd import grpc_target
+from pathlib import Path
+
+import pytest
+
+from controlplane.settings import parse
+from controlplane.store.etcd import (
+    EtcdStore,
+    EtcdTls,
+    grpc_target,
+    names_to_resolve,
+    tls_server_name,
+)
 
 
 def test_ip_literals_keep_the_clients_own_target() -> None:
     assert grpc_target(["127.0.0.1:2379", "10.0.0.2:2379"]) is None
     assert grpc_target(["[::1]:2379"]) is None
+    assert grpc_target(["localhost:2379"]) is None  # etcd3aio makes it 127.0.0.1
+    assert names_to_resolve(["127.0.0.1:2379", "localhost:2380"]) == ()
 
 
-def test_one_dns_name_is_re_resolved_by_grpc() -> None:
+def test_one_dns_name_is_left_to_grpc() -> None:
+    assert names_to_resolve(["etcd.ponto.svc:2379"]) == ()
     assert grpc_target(["etcd.ponto.svc:2379"]) == "dns:///etcd.ponto.svc:2379"
 
 
-def test_several_names_are_resolved_once() -> None:
-    assert grpc_target(["localhost:2379", "localhost:2380"]) == "ipv4:127.0.0.1:2379,127.0.0.1:2380"
+def test_several_names_become_the_addresses_they_resolved_to() -> None:
+    endpoints = ["etcd-0.etcd:2379", "etcd-1.etcd:2379", "10.0.0.9:2379", "localhost:2380"]
+    assert names_to_resolve(endpoints) == ("etcd-0.etcd", "etcd-1.etcd")
+    found = {"etcd-0.etcd": ["10.0.0.1"], "etcd-1.etcd": ["10.0.0.2", "10.0.0.1"]}
+    assert grpc_target(endpoints, found) == (
+        "ipv4:10.0.0.1:2379,10.0.0.2:2379,10.0.0.9:2379,127.0.0.1:2380"
+    )
+
+
+def test_names_that_do_not_resolve_are_left_out_and_none_falls_back_to_dns() -> None:
+    endpoints = ["etcd-0.etcd:2379", "etcd-1.etcd:2379"]
+    assert grpc_target(endpoints, {"etcd-1.etcd": ["10.0.0.2"]}) == "ipv4:10.0.0.2:2379"
+    assert grpc_target(endpoints, {}) == "dns:///etcd-0.etcd:2379"
+
+
+def test_tls_checks_the_first_endpoints_host() -> None:
+    assert tls_server_name(["etcd-0.etcd:2379", "etcd-1.etcd:2379"]) == "etcd-0.etcd"
+    assert tls_server_name(["[::1]:2379"]) == "::1"
+
+
+def test_https_without_a_ca_is_refused() -> None:
+    with pytest.raises(ValueError, match="--etcd-ca"):
+        EtcdStore(["https://etcd:2379"])
+    with pytest.raises(ValueError, match="key"):
+        EtcdTls(b"ca", cert_chain=b"cert")
+    assert "secret" not in repr(EtcdTls(b"ca", b"cert", b"secret"))
+
+
+@pytest.fixture
+def pem(tmp_path: Path) -> dict[str, str]:
+    files = {}
+    for name in ("ca", "cert", "key"):
+        path = tmp_path / f"{name}.pem"
+        path.write_bytes(f"-----{name}-----\n".encode())
+        files[name] = str(path)
+    return files
+
+
+def test_flags_give_tls_with_a_client_certificate(pem: dict[str, str]) -> None:
+    s = parse(
+        ["--etcd", "https://etcd-0.etcd:2379,https://etcd-1.etcd:2379", "--etcd-ca", pem["ca"],
+         "--etcd-cert", pem["cert"], "--etcd-key", pem["key"]]
+    )  # fmt: skip
+    assert s.etcd == ("https://etcd-0.etcd:2379", "https://etcd-1.etcd:2379")
+    assert s.etcd_tls == EtcdTls(b"-----ca-----\n", b"-----cert-----\n", b"-----key-----\n")
+    bare = parse(["--etcd", "etcd:2379", "--etcd-ca", pem["ca"]])
+    assert bare.etcd_tls == EtcdTls(b"-----ca-----\n")
+    assert parse(["--etcd", "http://etcd:2379"]).etcd_tls is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--etcd", "https://etcd:2379"], "need --etcd-ca"),
+        (["--etcd", "http://etcd:2379", "--etcd-ca", "{ca}"], "write https://"),
+        (["--etcd", "http://a:2379,https://b:2379", "--etcd-ca", "{ca}"], "mixes"),
+        (["--etcd", "unix://etcd.sock:1"], "must be http://"),
+        (["--etcd", "http://etcd"], "is not [http[s]://]HOST:PORT"),
+        (["--etcd", "etcd:x"], "is not [http[s]://]HOST:PORT"),
+        (["--etcd", "https://e:2379", "--etcd-ca", "{ca}", "--etcd-cert", "{cert}"], "both"),
+        (["--etcd", "e:2379", "--etcd-cert", "{cert}", "--etcd-key", "{key}"], "needs --etcd-ca"),
+        (["--etcd", "https://e:2379", "--etcd-ca", "/nonexistent/ca.pem"], "cannot read"),
+    ],
+)
+def test_flags_that_disagree_are_refused(
+    pem: dict[str, str], capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        parse([a.format(**pem) for a in args])
+    assert message in capsys.readouterr().err

@@ -1,0 +1,821 @@
+"""`make chart-run`: run what `charts/ponto` renders, on this machine, as Kubernetes would.
+
+Renders the chart with the three-region CI values, starts every container of every
+Deployment, StatefulSet and Job as a local process in its own network namespace
+(cluster.py), runs the post-install hook, then checks the product through the
+rendered Services the way a user would: the official openai client against each
+region's proxy, a drain and undrain with the rendered admin credential, the
+commands NOTES.txt prints (through a kubectl shim), a `helm upgrade` with one more
+region and more proxy replicas under client traffic, and finally etcd killed while
+the proxies keep serving. Each step is reported; any failure exits non-zero.
+
+Needs root (network and mount namespaces, veth, bind mounts). Without root it says
+so and exits 0, except in CI (CI=true), where it fails. docs/helm.md says what this
+proves and what it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import copy
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.chartrun.cluster import Cluster, ClusterError, ImageMap, Obj
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "ponto"
+CI_VALUES = CHART / "ci" / "three-regions-values.yaml"
+RELEASE = "ponto"
+NAMESPACE = "ponto"
+KUBE_VERSION = "1.30.0"
+MODEL = "llama-3-8b"
+log = logging.getLogger("chart-run")
+
+# Rendered with the chart so that NOTES.txt is rendered from exactly the same values.
+NOTES_TEMPLATE = """\
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: chartrun-notes
+data:
+  NOTES.txt: {{ include "chartrun.notes" . | toJson }}
+"""
+
+
+@dataclass
+class Render:
+    objects: list[Obj]
+    hooks: list[Obj]
+    notes: str
+
+
+def render(helm: str, values: list[Path], *, upgrade: bool) -> Render:
+    with tempfile.TemporaryDirectory(prefix="chartrun-render-") as tmp:
+        chart = Path(tmp) / "ponto"
+        shutil.copytree(CHART, chart)
+        notes = (chart / "templates" / "NOTES.txt").read_text()
+        (chart / "templates" / "_chartrun_notes.tpl").write_text(
+            '{{- define "chartrun.notes" -}}\n' + notes + "\n{{- end -}}\n"
+        )
+        (chart / "templates" / "zz-chartrun-notes.yaml").write_text(NOTES_TEMPLATE)
+        argv = [helm, "template", RELEASE, str(chart), "-n", NAMESPACE]
+        argv += ["--kube-version", KUBE_VERSION]
+        if upgrade:
+            argv.append("--is-upgrade")
+        for v in values:
+            argv += ["-f", str(v)]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    objects, hooks, notes_text = [], [], ""
+    for doc in yaml.safe_load_all(out):
+        if not doc:
+            continue
+        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "chartrun-notes":
+            notes_text = doc["data"]["NOTES.txt"]
+            continue
+        if "helm.sh/hook" in doc["metadata"].get("annotations", {}):
+            hooks.append(doc)
+        else:
+            objects.append(doc)
+    return Render(objects, hooks, notes_text)
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass
+class Report:
+    steps: list[tuple[str, bool, float, str]] = field(default_factory=list)
+
+    async def step(self, name: str, fn: Callable[[], Awaitable[str | None]]) -> None:
+        start = time.monotonic()
+        print(f"--- {name}", flush=True)
+        try:
+            detail = await fn() or ""
+        except Exception as exc:
+            elapsed = time.monotonic() - start
+            self.steps.append((name, False, elapsed, f"{type(exc).__name__}: {exc}"))
+            print(f"FAIL {name} ({elapsed:.1f} s): {exc}", flush=True)
+            traceback.print_exc()
+            raise
+        elapsed = time.monotonic() - start
+        self.steps.append((name, True, elapsed, detail))
+        print(f"ok   {name} ({elapsed:.1f} s){': ' + detail if detail else ''}", flush=True)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        self.args = args
+        self.root = root
+        venv_bin = Path(sys.executable).parent
+        from ponto.devenv import find_etcd  # noqa: PLC0415
+
+        images = ImageMap(
+            commands={
+                "/usr/local/bin/etcd": str(find_etcd()),
+                "etcd": str(find_etcd()),
+                "ponto-control": str(venv_bin / "ponto-control"),
+                "ponto-proxy": str(venv_bin / "ponto-proxy"),
+                "pontoctl": str(venv_bin / "pontoctl"),
+                "ponto-origin-sim": str(venv_bin / "ponto-origin-sim"),
+            },
+            default_path=f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
+        )
+        self.cluster = Cluster(root, images, namespace=NAMESPACE, repo=REPO)
+        self.report = Report()
+        self.release: Render | None = None
+        self.admin_dir = root / "admin"
+        self.api_key = ""
+        self.control_plane = ""
+        self.traffic_ok = 0
+        self.traffic_failed: list[str] = []
+
+    # ------------------------------------------------------------------ helpers
+
+    def region_services(self) -> dict[str, str]:
+        """Region name -> the proxy Service's in-cluster DNS name."""
+        out = {}
+        for (kind, name), obj in self.cluster.objects.items():
+            labels = obj["metadata"].get("labels", {})
+            if kind == "Service" and labels.get("app.kubernetes.io/component") == "proxy":
+                out[labels["ponto.io/region"]] = f"{name}.{NAMESPACE}.svc"
+        return out
+
+    def service_port(self, dns: str) -> int:
+        svc = self.cluster.get("Service", dns.split(".", maxsplit=1)[0])
+        return int(svc["spec"]["ports"][0]["port"])
+
+    def write_admin_credentials(self) -> None:
+        """The admin token and client certificate, read from the rendered Secrets."""
+        self.admin_dir.mkdir(exist_ok=True)
+        job = next(h for h in self.release.hooks if h["kind"] == "Job")  # type: ignore[union-attr]
+        volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+        tokens = volumes["tokens"]["secret"]["secretName"]
+        (self.admin_dir / "admin-token").write_bytes(
+            self.cluster.secret_value(tokens, "admin-token")
+        )
+        if "tls" in volumes:
+            tls = volumes["tls"]["secret"]["secretName"]
+            for key in ("ca.crt", "tls.crt", "tls.key"):
+                (self.admin_dir / key).write_bytes(self.cluster.secret_value(tls, key))
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.control_plane = next(
+            a.split("=", 1)[1] for a in args if a.startswith("--control-plane=")
+        )
+
+    async def pontoctl(self, *argv: str, check: bool = True) -> str:
+        cmd = [
+            str(Path(sys.executable).parent / "pontoctl"),
+            f"--control-plane={self.control_plane}",
+        ]
+        cmd += [f"--admin-token-file={self.admin_dir / 'admin-token'}"]
+        if (self.admin_dir / "ca.crt").exists():
+            cmd += [
+                f"--tls-ca={self.admin_dir / 'ca.crt'}",
+                f"--tls-cert={self.admin_dir / 'tls.crt'}",
+                f"--tls-key={self.admin_dir / 'tls.key'}",
+            ]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        out, _ = await proc.communicate()
+        text = out.decode()
+        if check and proc.returncode != 0:
+            raise ClusterError(f"pontoctl {' '.join(argv)} exited {proc.returncode}: {text}")
+        return text
+
+    def client(self, region: str) -> Any:
+        import openai  # noqa: PLC0415
+
+        dns = self.region_services()[region]
+        return openai.AsyncOpenAI(
+            base_url=f"http://{dns}:{self.service_port(dns)}/v1",
+            api_key=self.api_key or "chart-run",
+            timeout=20,
+        )
+
+    async def chat(self, region: str, *, stream: bool, text: str = "hello") -> tuple[str, str]:
+        """One chat call through the region's Service: (answer, origin region)."""
+        client = self.client(region)
+        try:
+            messages = [{"role": "user", "content": text}]
+            if stream:
+                answer, origin_region = "", ""
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=messages, stream=True, max_tokens=8
+                )
+                origin_region = raw.headers.get("x-ponto-region", "")
+                async for chunk in raw.parse():
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        answer += chunk.choices[0].delta.content
+                return answer, origin_region
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=8
+            )
+            resp = raw.parse()
+            return resp.choices[0].message.content or "", raw.headers.get("x-ponto-region", "")
+        finally:
+            await client.close()
+
+    # ------------------------------------------------------------------ steps
+
+    async def install(self) -> str:
+        self.release = render(self.args.helm, [CI_VALUES], upgrade=False)
+        await self.provide_outside_world(self.release)
+        await self.cluster.apply(self.release.objects, prune=False)
+        kinds: dict[str, int] = {}
+        for o in self.release.objects + self.release.hooks:
+            kinds[o["kind"]] = kinds.get(o["kind"], 0) + 1
+        return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+
+    async def provide_outside_world(self, rel: Render) -> None:
+        """What a user provides outside the chart: origins, their keys, the GeoIP volume."""
+        values = yaml.safe_load(CI_VALUES.read_text())
+        from tests.geodb import DOC_RANGES, write_flat_db  # noqa: PLC0415
+
+        if values.get("geoip", {}).get("enabled"):
+            claim = values["geoip"]["volume"]["persistentVolumeClaim"]["claimName"]
+            pv = self.root / "pv" / claim
+            pv.mkdir(parents=True, exist_ok=True)
+            write_flat_db(pv / values["geoip"]["fileName"], DOC_RANGES)
+        secrets: dict[str, dict[str, str]] = {}
+        for cred in values.get("proxy", {}).get("originCredentials", []):
+            data = secrets.setdefault(cred["secretName"], {})
+            data[cred["secretKey"]] = base64.b64encode(f"key-{cred['secretKey']}".encode()).decode()
+        await self.cluster.apply(
+            [
+                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": n}, "data": d}
+                for n, d in secrets.items()
+            ],
+            prune=False,
+        )
+        for origin in values.get("topology", {}).get("origins", []):
+            url = origin["url"]
+            if not url.startswith("http://"):
+                self.cluster.not_exercised[f"origin {origin['name']}"] = (
+                    f"{url}: an HTTPS origin outside the cluster is not simulated; its probes fail"
+                )
+                continue
+            hostport = url.removeprefix("http://").split("/", 1)[0]
+            host, _, port = hostport.partition(":")
+            template = {
+                "metadata": {"labels": {"chartrun/origin": origin["name"]}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "origin",
+                            "command": ["ponto-origin-sim"],
+                            "args": [
+                                f"--listen=0.0.0.0:{port or 80}",
+                                f"--region={origin['region']}",
+                                f"--name={origin['name']}",
+                                f"--models={','.join(origin.get('models', [MODEL]))}",
+                                "--ttft-ms=5",
+                            ],
+                            "readinessProbe": {
+                                "tcpSocket": {"port": int(port or 80)},
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ]
+                },
+            }
+            pod = await self.cluster.create_pod(
+                f"origin-{origin['name']}", template, f"External/{origin['name']}", "ext"
+            )
+            self.cluster.external_hosts[host] = pod.ip
+        self.cluster.write_hosts()
+
+    async def wait_ready(self, timeout: float) -> str:
+        workloads = [k for k in self.cluster.objects if k[0] in ("Deployment", "StatefulSet")]
+        start = time.monotonic()
+        order: list[str] = []
+        pending = set(workloads)
+        while pending:
+            for k in sorted(pending):
+                if self.cluster.workload_ready(*k):
+                    pending.discard(k)
+                    order.append(f"{k[1]} {time.monotonic() - start:.1f}s")
+            if time.monotonic() - start > timeout:
+                raise ClusterError(
+                    "not ready: "
+                    + ", ".join(f"{k}/{n}" for k, n in sorted(pending))
+                    + "\n"
+                    + self.pod_summary()
+                )
+            await asyncio.sleep(0.2)
+        return "; ".join(order)
+
+    def pod_summary(self) -> str:
+        from tests.chartrun.cluster import tail  # noqa: PLC0415
+
+        lines = []
+        for pod in self.cluster.pods.values():
+            for c in pod.containers:
+                lines.append(
+                    f"  {pod.name}/{c.name} ready={c.ready} restarts={c.restarts} "
+                    f"exit={c.exit_code}: {tail(c.log_file, 2)}"
+                )
+        return "\n".join(lines)
+
+    async def run_hooks(self, phase: str) -> str:
+        assert self.release is not None
+        done = []
+        for hook in self.release.hooks:
+            phases = hook["metadata"]["annotations"]["helm.sh/hook"].split(",")
+            if phase not in phases:
+                continue
+            if hook["kind"] != "Job":
+                raise ClusterError(f"hook kind {hook['kind']} is not run by chart-run")
+            await self.cluster.delete("Job", hook["metadata"]["name"])  # before-hook-creation
+            pod = await self.cluster.run_job(hook, deadline=120)
+            done.append(f"Job/{hook['metadata']['name']} ({pod.name})")
+        if not done:
+            raise ClusterError(f"no {phase} hook rendered")
+        return ", ".join(done)
+
+    async def create_key(self) -> str:
+        self.write_admin_credentials()
+        out = await self.pontoctl("key", "create", "--tenant", "acme")
+        self.api_key = out.strip().splitlines()[-1].strip()
+        # Every proxy must know the key before clients use it.
+        regions = list(self.region_services())
+
+        async def all_accept() -> bool:
+            for region in regions:
+                try:
+                    await self.chat(region, stream=False)
+                except Exception:
+                    return False
+            return True
+
+        end = time.monotonic() + 30
+        while not await all_accept():
+            if time.monotonic() > end:
+                raise ClusterError("the new key was not accepted by every region in 30 s")
+            await asyncio.sleep(0.3)
+        return f"key for tenant acme accepted in {', '.join(regions)}"
+
+    async def client_checks(self) -> str:
+        out = []
+        for region in sorted(self.region_services()):
+            for stream in (False, True):
+                answer, origin = await self.chat(region, stream=stream)
+                if not answer:
+                    raise ClusterError(f"{region}: empty answer (stream={stream})")
+                out.append(f"{region}{' stream' if stream else ''} -> {origin}")
+        return "; ".join(out)
+
+    async def drain_cycle(self) -> str:
+        region = "us-east"
+        _, before = await self.chat(region, stream=False, text="before drain")
+        if before != region:
+            raise ClusterError(f"{region} proxy answered from {before!r} before the drain")
+        await self.pontoctl("drain", "region", region)
+        moved = await self._until_origin_region(region, lambda r: r != region)
+        await self.pontoctl("undrain", "region", region)
+        back = await self._until_origin_region(region, lambda r: r == region)
+        return f"{region}: drained -> served from {moved}; undrained -> {back}"
+
+    async def _until_origin_region(self, region: str, ok: Callable[[str], bool]) -> str:
+        end = time.monotonic() + 20
+        n = 0
+        while True:
+            n += 1
+            _, origin = await self.chat(region, stream=False, text=f"drain probe {n}")
+            if ok(origin):
+                return origin
+            if time.monotonic() > end:
+                raise ClusterError(f"{region}: still served from {origin} after 20 s")
+            await asyncio.sleep(0.2)
+
+    # ------------------------------------------------------------------ NOTES.txt
+
+    async def notes_commands(self) -> str:
+        assert self.release is not None
+        script = notes_script(self.release.notes)
+        home = self.root / "home"
+        home.mkdir(exist_ok=True)
+        shim = self.root / "bin"
+        shim.mkdir(exist_ok=True)
+        (shim / "kubectl").write_text(
+            f'#!/bin/sh\nexec {sys.executable} -m tests.chartrun.kubectl "$@"\n'
+        )
+        (shim / "kubectl").chmod(0o755)
+        sock = self.root / "kubectl.sock"
+        server = await asyncio.start_unix_server(self._kubectl, path=str(sock))
+        (self.root / "notes.sh").write_text(script)
+        env = {
+            "PATH": f"{shim}:{Path(sys.executable).parent}:/usr/bin:/bin",
+            "HOME": str(home),
+            "PONTO_API_KEY": self.api_key,
+            "CHARTRUN_API": str(sock),
+            "PYTHONPATH": str(REPO),
+        }
+        out_file = self.root / "notes.out"
+        try:
+            with open(out_file, "wb") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    "bash",
+                    str(self.root / "notes.sh"),
+                    env=env,
+                    cwd=str(home),
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                )
+                await asyncio.wait_for(proc.wait(), 120)
+        finally:
+            server.close()
+        text = out_file.read_text()
+        print(text, flush=True)
+        if proc.returncode != 0:
+            raise ClusterError(f"NOTES.txt commands exited {proc.returncode}")
+        for expected in ('"choices"', "us-east", "current"):
+            if expected not in text:
+                raise ClusterError(f"NOTES.txt commands printed no {expected!r}")
+        return f"{script.count(chr(10))} lines of NOTES.txt commands ran"
+
+    async def _kubectl(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = json.loads(await reader.readline())
+        argv: list[str] = request["argv"]
+        code = 0
+
+        def out(data: bytes) -> None:
+            writer.write(json.dumps({"out": base64.b64encode(data).decode()}).encode() + b"\n")
+
+        try:
+            code = await self._kubectl_verb(argv, reader, out)
+        except Exception as exc:
+            out(f"chart-run kubectl: {exc}\n".encode())
+            code = 1
+        with contextlib.suppress(OSError):
+            writer.write(json.dumps({"exit": code}).encode() + b"\n")
+            await writer.drain()
+            writer.close()
+
+    async def _kubectl_verb(
+        self, argv: list[str], reader: asyncio.StreamReader, out: Callable[[bytes], None]
+    ) -> int:
+        args = list(argv)
+        for flag in ("-n", "--namespace"):
+            while flag in args:
+                i = args.index(flag)
+                if args[i + 1] != NAMESPACE:
+                    raise ClusterError(f"namespace {args[i + 1]} does not exist")
+                del args[i : i + 2]
+        verb = args[0]
+        c = self.cluster
+        if verb == "get" and args[1] in ("svc", "service", "services"):
+            selector = (
+                dict(kv.split("=", 1) for kv in args[args.index("-l") + 1].split(","))
+                if "-l" in args
+                else {}
+            )
+            rows = ["NAME TYPE CLUSTER-IP PORT(S)"]
+            for (kind, name), obj in sorted(c.objects.items()):
+                labels = obj["metadata"].get("labels", {})
+                if kind == "Service" and all(labels.get(k) == v for k, v in selector.items()):
+                    ports = ",".join(f"{p['port']}/TCP" for p in obj["spec"]["ports"])
+                    rows.append(
+                        f"{name} {obj['spec'].get('type', 'ClusterIP')} "
+                        f"{c.service_ips.get(name, 'None')} {ports}"
+                    )
+            out(("\n".join(rows) + "\n").encode())
+            return 0
+        if verb == "get" and args[1] == "secret":
+            name = args[2]
+            spec = args[args.index("-o") + 1]
+            if not spec.startswith("jsonpath={.data.") or not spec.endswith("}"):
+                raise ClusterError(f"output {spec} is not supported")
+            key = spec[len("jsonpath={.data.") : -1].replace("\\.", ".")
+            secret = c.get("Secret", name)
+            out(secret["data"][key].encode())
+            return 0
+        if verb == "port-forward":
+            target, ports = args[1], args[2]
+            kind, _, name = target.partition("/")
+            if kind not in ("svc", "service"):
+                raise ClusterError("only port-forward svc/NAME is supported")
+            local, _, remote = ports.partition(":")
+            server = await c.port_forward(name, int(remote or local), int(local))
+            out(f"Forwarding from 127.0.0.1:{local} -> {remote or local}\n".encode())
+            try:
+                await reader.read()  # until the kubectl process ends
+            finally:
+                server.close()
+            return 0
+        if verb == "exec":
+            target = args[1]
+            cmd = args[args.index("--") + 1 :]
+            kind, _, name = target.partition("/")
+            owner = {"deploy": "Deployment", "deployment": "Deployment", "sts": "StatefulSet"}[kind]
+            pods = [p for p in c.owned(owner, name) if p.ready]
+            if not pods:
+                raise ClusterError(f"{target} has no ready pod")
+            code, output = await c.exec_in(pods[0], cmd)
+            out(output)
+            return code
+        if verb == "logs":
+            name = args[1].partition("/")[2]
+            pods = [p for p in c.pods.values() if p.owner == f"Job/{name}"]
+            for pod in pods:
+                out(pod.containers[0].log_file.read_bytes())
+            return 0
+        raise ClusterError(f"kubectl {' '.join(argv)} is not supported by chart-run")
+
+    # ------------------------------------------------------------------ upgrade
+
+    def upgrade_values(self) -> Path:
+        """One more region and more proxy replicas; the release's material handed back.
+
+        `helm upgrade` keeps generated tokens and certificates through `lookup`, which
+        needs an API server. chart-run has none, so it hands the live material back as
+        values (auth tokens, and the certificates as tls.existingSecrets copies), as a
+        GitOps user does; the changed checksum then rolls every pod.
+        """
+        values = yaml.safe_load(CI_VALUES.read_text())
+        regions = values["proxy"]["regions"]
+        for r in regions:
+            if r["name"] == "us-east":
+                r["autoscaling"]["minReplicas"] += 1
+        regions.append(
+            {
+                "name": "sa-east",
+                "lat": -23.5,
+                "lon": -46.6,
+                "rttMs": {"us-east": 115, "eu-west": 180},
+                "autoscaling": {"minReplicas": 2, "maxReplicas": 4},
+            }
+        )
+        assert self.release is not None
+        tokens = next(
+            o
+            for o in self.release.objects
+            if o["kind"] == "Secret" and "admin-token" in o.get("data", {})
+        )
+        values.setdefault("auth", {})
+        values["auth"]["adminToken"] = base64.b64decode(tokens["data"]["admin-token"]).decode()
+        values["auth"]["bootstrapToken"] = base64.b64decode(
+            tokens["data"]["bootstrap-token"]
+        ).decode()
+        given = {}
+        for role, part in (("controlPlane", "control"), ("proxy", "proxy"), ("admin", "admin")):
+            name = f"{RELEASE}-{part}-tls"
+            src = self.cluster.get("Secret", name)
+            copy_name = f"chartrun-{part}-tls"
+            self.cluster.objects[("Secret", copy_name)] = {
+                **copy.deepcopy(src),
+                "metadata": {"name": copy_name},
+            }
+            given[role] = copy_name
+        values.setdefault("tls", {})["existingSecrets"] = given
+        path = self.root / "upgrade-values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return path
+
+    async def traffic(self, stop: asyncio.Event, region: str) -> None:
+        """Requests to one region's Service until stopped, streams and not, in turn."""
+        n = 0
+        dns = self.region_services()[region]
+        while not stop.is_set():
+            if not self.cluster.endpoints(dns.split(".")[0], self.service_port(dns)):
+                await asyncio.sleep(0.1)  # a new region's Service has no endpoint yet
+                continue
+            n += 1
+            try:
+                answer, _ = await self.chat(region, stream=n % 2 == 0, text=f"{region} {n}")
+                if not answer:
+                    raise ClusterError("empty answer")
+                self.traffic_ok += 1
+            except Exception as exc:
+                self.traffic_failed.append(f"{region}: {type(exc).__name__}: {exc}")
+
+    async def traffic_all(self, stop: asyncio.Event) -> None:
+        """One client loop per region, regions that appear joining as they do."""
+        loops: dict[str, asyncio.Task[None]] = {}
+        while not stop.is_set():
+            for region in self.region_services():
+                if region not in loops:
+                    loops[region] = asyncio.create_task(self.traffic(stop, region))
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*loops.values())
+
+    async def upgrade(self) -> str:
+        values = self.upgrade_values()
+        new = render(self.args.helm, [values], upgrade=True)
+        stop = asyncio.Event()
+        self.traffic_ok, self.traffic_failed = 0, []
+        traffic = asyncio.create_task(self.traffic_all(stop))
+        try:
+            # Secrets first (kept), then the rest; pruned objects go.
+            user = [
+                o
+                for k, o in self.cluster.objects.items()
+                if k[0] == "Secret" and (k[1].startswith("chartrun-") or k[1] == "origin-keys")
+            ]
+            self.release = new
+            await self.cluster.apply(new.objects + user, prune=True)
+            await self.wait_ready(timeout=180)
+            hooks = await self.run_hooks("post-upgrade")
+            await self.converged()
+            await asyncio.sleep(2)
+        finally:
+            stop.set()
+            await traffic
+        if self.traffic_failed:
+            raise ClusterError(
+                f"{len(self.traffic_failed)} of {self.traffic_ok + len(self.traffic_failed)} "
+                f"client requests failed during the upgrade: {self.traffic_failed[:3]}"
+            )
+        regions = sorted(self.region_services())
+        return f"{self.traffic_ok} client requests, 0 failed; regions {regions}; {hooks}"
+
+    async def converged(self) -> None:
+        """Every running proxy pod registered and at the control plane's latest version."""
+        end = time.monotonic() + 60
+        while True:
+            out = json.loads(await self.pontoctl("get", "proxies", "-o", "json"))
+            current = int(out.get("current_version") or 0)
+            proxies = {
+                p["info"]["name"]: int(p.get("acked_version") or 0) for p in out.get("proxies", [])
+            }
+            pods = {
+                p.name
+                for p in self.cluster.pods.values()
+                if p.owner.startswith("Deployment/") and "proxy" in p.owner and not p.terminating
+            }
+            behind = [n for n in pods if proxies.get(n) != current]
+            if not behind:
+                return
+            if time.monotonic() > end:
+                raise ClusterError(f"proxies not at version {current}: {behind}")
+            await asyncio.sleep(0.5)
+
+    async def kill_etcd(self) -> str:
+        sts = [n for k, n in self.cluster.objects if k == "StatefulSet"]
+        for name in sts:
+            # The controller goes first so that nothing restarts the members.
+            task = self.cluster._controllers.pop(f"StatefulSet/{name}", None)
+            if task:
+                task.cancel()
+            for pod in self.cluster.owned("StatefulSet", name):
+                await self.cluster.kill_container(pod)
+                pod.terminating = True
+        await asyncio.sleep(1.0)
+        ok = 0
+        for n in range(3):
+            for region in sorted(self.region_services()):
+                answer, _ = await self.chat(region, stream=n % 2 == 1, text=f"etcd down {n}")
+                if not answer:
+                    raise ClusterError(f"{region}: empty answer with etcd down")
+                ok += 1
+        cp_ready = [
+            p.name
+            for p in self.cluster.pods.values()
+            if p.owner.startswith("Deployment/") and "control" in p.owner and p.ready
+        ]
+        if not cp_ready:
+            raise ClusterError("no control-plane replica stays ready with etcd down")
+        return f"{ok} requests answered with etcd down; ready control planes: {cp_ready}"
+
+    # ------------------------------------------------------------------ main
+
+    async def main(self) -> int:
+        await self.cluster.start()
+        r = self.report
+        try:
+            await r.step("render the chart (three-region CI values) and apply it", self.install)
+            await r.step(
+                "pods ready (probes as the kubelet runs them)", lambda: self.wait_ready(150)
+            )
+            await r.step(
+                "post-install hook: pontoctl apply", lambda: self.run_hooks("post-install")
+            )
+            await r.step("API key created and accepted by every region", self.create_key)
+            await r.step("openai client through each region's Service", self.client_checks)
+            await r.step("drain and undrain a region (rendered admin token)", self.drain_cycle)
+            await r.step("NOTES.txt commands, as printed", self.notes_commands)
+            await r.step(
+                "helm upgrade: one more region, more replicas, under traffic", self.upgrade
+            )
+            await r.step("etcd killed: proxies keep serving", self.kill_etcd)
+        except Exception:
+            print(self.pod_summary(), flush=True)
+            return 1
+        finally:
+            self.summary()
+            await self.cluster.stop()
+        return 0
+
+    def summary(self) -> None:
+        total = sum(s[2] for s in self.report.steps)
+        print(f"\nchart-run: {len(self.report.steps)} steps in {total:.0f} s", flush=True)
+        for name, ok, elapsed, _ in self.report.steps:
+            print(f"  {'ok  ' if ok else 'FAIL'} {elapsed:6.1f}s {name}")
+        kinds: dict[str, list[str]] = {}
+        for kind, name in self.cluster.objects:
+            kinds.setdefault(kind, []).append(name)
+        print("objects in the release:")
+        for kind, names in sorted(kinds.items()):
+            print(f"  {kind}: {', '.join(sorted(names))}")
+        for what, why in sorted(self.cluster.not_exercised.items()):
+            print(f"  not exercised: {what}: {why}")
+
+
+def notes_script(notes: str) -> str:
+    """The commands in NOTES.txt: lines indented five spaces or more, as printed.
+
+    A `kubectl port-forward` a user runs in a second terminal runs in the background
+    here, and the script waits for its port before going on.
+    """
+    lines = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    pending = ""
+    for raw in notes.splitlines():
+        if not raw.startswith("     ") and not pending:
+            continue
+        line = raw.strip()
+        if pending:
+            line = pending + " " + line
+            pending = ""
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip()
+            continue
+        if line.startswith("kubectl") and " port-forward " in line:
+            port = line.rstrip("&").split()[-1].split(":")[0]
+            if not line.endswith("&"):
+                line += " &"
+            lines.append(line)
+            lines.append(
+                f"for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null "
+                "&& break; sleep 0.1; done"
+            )
+            continue
+        lines.append(
+            f"echo; echo '$ {line.replace(chr(39), chr(39) + chr(92) + chr(39) + chr(39))}'"
+        )
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def outside(argv: list[str]) -> int:
+    """Re-run this module inside fresh network and mount namespaces."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        msg = "chart-run needs root, unshare and ip (network namespaces and veth pairs)"
+        if os.environ.get("CI") == "true":
+            print(f"chart-run: {msg}", file=sys.stderr)
+            return 1
+        print(f"chart-run: skipped: {msg}", file=sys.stderr)
+        return 0
+    env = {**os.environ, "CHARTRUN_INSIDE": "1"}
+    cmd = ["unshare", "--net", "--mount", "--propagation", "private", "--"]
+    cmd += [sys.executable, "-m", "tests.chartrun", *argv]
+    return subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="chart-run", description=__doc__.splitlines()[0])
+    parser.add_argument("--helm", default=str(REPO / ".cache" / "helm" / "helm"))
+    parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    args = parser.parse_args(argv)
+    if os.environ.get("CHARTRUN_INSIDE") != "1":
+        return outside(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    root = Path(tempfile.mkdtemp(prefix="ponto-chartrun-"))
+    root.chmod(0o755)
+    start = time.monotonic()
+    try:
+        run = Run(args, root)
+        run.cluster.write_hosts()
+        # The harness and the client checks resolve cluster names too.
+        subprocess.run(["mount", "--bind", str(run.cluster.hosts_file), "/etc/hosts"], check=True)
+        code = asyncio.run(run.main())
+    finally:
+        if args.keep:
+            print(f"run directory kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"chart-run {'passed' if code == 0 else 'FAILED'} in {time.monotonic() - start:.0f} s")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
