@@ -6,6 +6,7 @@ status), raised before anything reaches an origin.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,7 +21,7 @@ from dataplane.auth.authenticator import AuthError, Principal
 from dataplane.edgecache import CacheRequest
 from dataplane.errors import ApiError, bad_request
 from dataplane.policy import EdgePolicy
-from dataplane.ratelimit.limiter import Admission
+from dataplane.ratelimit.limiter import Admission, RateLimiter
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.state import (
     CACHE,
@@ -88,6 +89,35 @@ def _no_table() -> ApiError:
         code="no_route_table",
         headers={"retry-after": "1"},
     )
+
+
+# How long a request may wait for a concurrency slot when this proxy holds none:
+# about two rebalances of the leader, which is how long a proxy that has just
+# joined (a rolling upgrade, a scale-up) waits for slots freed by the others.
+SLOT_WAIT_S = 2.5
+_SLOT_POLL_S = 0.05
+
+
+async def _admit_after_next_share(
+    limiter: RateLimiter, scopes: Sequence[str], estimate: int
+) -> Admission:
+    """Admit again once a new share has arrived, or refuse after SLOT_WAIT_S.
+
+    Waiting admits nothing the fleet's limit does not allow: the request only
+    waits for this proxy's part of it. Each new share is tried once.
+    """
+    deadline = time.monotonic() + SLOT_WAIT_S
+    seen = limiter.share_version
+    while True:
+        await asyncio.sleep(_SLOT_POLL_S)
+        now = time.monotonic()
+        if limiter.share_version != seen:
+            seen = limiter.share_version
+            admission = limiter.admit(scopes, estimate, now)
+            if admission.ok or not limiter.slotless(scopes):
+                return admission
+        if now >= deadline:
+            return limiter.admit(scopes, estimate, now)
 
 
 def _refusal(admission: Admission, headers: list[tuple[str, str]]) -> ApiError:
@@ -168,6 +198,13 @@ def make_proxy_handler(endpoint: str) -> Handler:
         estimate = estimate_prompt_tokens(endpoint, body)
         now = time.monotonic()
         admission = limiter.admit(principal.scopes, estimate, now)
+        if (
+            not admission.ok
+            and admission.limit == "concurrency"
+            and limiter.slotless(principal.scopes)
+        ):
+            admission = await _admit_after_next_share(limiter, principal.scopes, estimate)
+            now = time.monotonic()
         limit_headers = limiter.headers(principal.scopes, now)
         request["limit_headers"] = limit_headers
         if not admission.ok:

@@ -232,6 +232,8 @@ class RateLimiter:
         self._tau = demand_tau_s
         self._last_report: float | None = None
         self._booted = False
+        # Counts apply_shares calls, so a waiter can tell a new share arrived.
+        self.share_version = 0
 
     # ------------------------------------------------------------ control
 
@@ -278,11 +280,27 @@ class RateLimiter:
         """
         known = self._shares
         scopes = self._scopes
+        self.share_version += 1
         for name, share in shares.items():
             known[name] = share
             st = scopes.get(name)
             if st is not None and (st.fraction != share.fraction or st.slots != share.concurrency):
                 st.set_share(share, now)
+
+    def slotless(self, scopes: Sequence[str]) -> bool:
+        """Whether a concurrency refusal for `scopes` is only for want of any slot.
+
+        True when a concurrency-limited scope gives this proxy no slot at all and
+        nothing of it is in flight here: what a proxy that has just joined holds
+        until the leader's next rebalance frees slots for it (two rounds, see
+        controlplane/quota.py). Such a refusal says nothing about the tenant's
+        use of its limit, so the caller may wait for the next share instead.
+        """
+        for name in scopes:
+            st = self._scopes.get(name)
+            if st is not None and st.concurrency and st.slots == 0 and st.in_flight == 0:
+                return True
+        return False
 
     def share(self, scope: str) -> Share:
         """The share this proxy applies to `scope` (NO_SHARE if none)."""

@@ -695,7 +695,28 @@ class Run:
         ]
         if not cp_ready:
             raise ClusterError("no control-plane replica stays ready with etcd down")
-        return f"{ok} requests answered with etcd down; ready control planes: {cp_ready}"
+        # Readiness ("") stays SERVING on a replica with a table; its store health
+        # says etcd is gone.
+        from tests.chartrun.cluster import Probe  # noqa: PLC0415
+
+        store_down = []
+        for name in cp_ready:
+            pod = self.cluster.pods[name]
+            port = self.cluster.named_ports(pod)["health"]
+            store = Probe("grpc", port, service="ponto.store", timeout=3)
+            ready = Probe("grpc", port, service="", timeout=3)
+            end = time.monotonic() + 15
+            while await self.cluster.probe(pod, store):
+                if time.monotonic() > end:
+                    raise ClusterError(f"{name}: ponto.store still SERVING with etcd down")
+                await asyncio.sleep(0.2)
+            if not await self.cluster.probe(pod, ready):
+                raise ClusterError(f"{name}: readiness went NOT_SERVING with etcd down")
+            store_down.append(name)
+        return (
+            f"{ok} requests answered with etcd down; control planes ready with "
+            f"ponto.store NOT_SERVING: {store_down}"
+        )
 
     # ------------------------------------------------------------------ main
 
