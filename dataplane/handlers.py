@@ -101,23 +101,31 @@ _SLOT_POLL_S = 0.05
 async def _admit_after_next_share(
     limiter: RateLimiter, scopes: Sequence[str], estimate: int
 ) -> Admission:
-    """Admit again once a new share has arrived, or refuse after SLOT_WAIT_S.
+    """Admit once a share brings a slot, or refuse after SLOT_WAIT_S.
 
-    Waiting admits nothing the fleet's limit does not allow: the request only
-    waits for this proxy's part of it. Each new share is tried once.
+    Only for a proxy that holds no slot yet (RateLimiter.slotless): waiting
+    admits nothing the fleet's limit does not allow, it waits for this proxy's
+    part of it. A share that still brings no slot is not tried (so waiting adds
+    no demand beyond the first refusal); waiters per scope are capped by its
+    limit.
     """
     deadline = time.monotonic() + SLOT_WAIT_S
     seen = limiter.share_version
-    while True:
-        await asyncio.sleep(_SLOT_POLL_S)
-        now = time.monotonic()
-        if limiter.share_version != seen:
+    limiter.wait_begin(scopes)
+    try:
+        while True:
+            await asyncio.sleep(_SLOT_POLL_S)
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if limiter.share_version == seen:
+                continue
             seen = limiter.share_version
-            admission = limiter.admit(scopes, estimate, now)
-            if admission.ok or not limiter.slotless(scopes):
-                return admission
-        if now >= deadline:
-            return limiter.admit(scopes, estimate, now)
+            if limiter.slots_free(scopes):
+                break
+    finally:
+        limiter.wait_end(scopes)
+    return limiter.admit(scopes, estimate, time.monotonic())
 
 
 def _refusal(admission: Admission, headers: list[tuple[str, str]]) -> ApiError:
@@ -201,7 +209,7 @@ def make_proxy_handler(endpoint: str) -> Handler:
         if (
             not admission.ok
             and admission.limit == "concurrency"
-            and limiter.slotless(principal.scopes)
+            and limiter.slotless(principal.scopes, now)
         ):
             admission = await _admit_after_next_share(limiter, principal.scopes, estimate)
             now = time.monotonic()

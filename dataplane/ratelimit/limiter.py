@@ -85,6 +85,11 @@ def _format_ms(ms: int) -> str:
     return text
 
 
+# How long after a scope appears on this proxy a refusal for want of any slot may
+# wait for the leader's next share instead (see RateLimiter.slotless).
+JOIN_WINDOW_S = 5.0
+
+
 class _Scope:
     """One limited scope on this proxy: its buckets, slots and demand counters."""
 
@@ -92,6 +97,8 @@ class _Scope:
         "attempt_tokens",
         "attempts",
         "concurrency",
+        "created",
+        "ever_slots",
         "fill",
         "fraction",
         "in_flight",
@@ -106,6 +113,7 @@ class _Scope:
         "tok_limit",
         "tps",
         "turned_away",
+        "waiting",
     )
 
     def __init__(self, limits: ScopeLimits, share: Share, now: float, *, fill: bool) -> None:
@@ -115,6 +123,9 @@ class _Scope:
         self.fill = fill
         self.fraction = share.fraction
         self.slots = share.concurrency
+        self.created = now
+        self.ever_slots = share.concurrency > 0
+        self.waiting = 0
         self.in_flight = 0
         self.attempts = 0
         self.attempt_tokens = 0
@@ -142,6 +153,7 @@ class _Scope:
     def set_share(self, share: Share, now: float) -> None:
         self.fraction = share.fraction
         self.slots = share.concurrency
+        self.ever_slots = self.ever_slots or share.concurrency > 0
         self.set_limits(self.limits, now)
 
     def _bucket(self, bucket: TokenBucket | None, limit: int, now: float) -> TokenBucket | None:
@@ -287,20 +299,54 @@ class RateLimiter:
             if st is not None and (st.fraction != share.fraction or st.slots != share.concurrency):
                 st.set_share(share, now)
 
-    def slotless(self, scopes: Sequence[str]) -> bool:
-        """Whether a concurrency refusal for `scopes` is only for want of any slot.
+    def slotless(self, scopes: Sequence[str], now: float) -> bool:
+        """Whether a concurrency refusal for `scopes` is only for want of a first slot.
 
-        True when a concurrency-limited scope gives this proxy no slot at all and
-        nothing of it is in flight here: what a proxy that has just joined holds
-        until the leader's next rebalance frees slots for it (two rounds, see
-        controlplane/quota.py). Such a refusal says nothing about the tenant's
-        use of its limit, so the caller may wait for the next share instead.
+        True when every scope that refuses for concurrency is one this proxy has
+        held for under JOIN_WINDOW_S without ever getting a slot, with nothing of
+        it in flight here and fewer requests waiting than its limit. That is a
+        proxy that has just joined (a rolling upgrade, a scale-up): it holds no
+        slot until the leader's next rebalance frees some from the others (two
+        rounds, see controlplane/quota.py), and a refusal then says nothing about
+        the tenant's use of its limit. A proxy that has held slots, or has had
+        none for longer (a limit smaller than the fleet), refuses at once.
         """
+        found = False
         for name in scopes:
             st = self._scopes.get(name)
-            if st is not None and st.concurrency and st.slots == 0 and st.in_flight == 0:
-                return True
-        return False
+            if st is None or not st.concurrency or st.in_flight < st.slots:
+                continue
+            if (
+                st.slots
+                or st.in_flight
+                or st.ever_slots
+                or now - st.created > JOIN_WINDOW_S
+                or st.waiting >= st.concurrency
+            ):
+                return False
+            found = True
+        return found
+
+    def slots_free(self, scopes: Sequence[str]) -> bool:
+        """Whether every concurrency-limited scope has a slot free here now."""
+        for name in scopes:
+            st = self._scopes.get(name)
+            if st is not None and st.concurrency and st.in_flight >= st.slots:
+                return False
+        return True
+
+    def wait_begin(self, scopes: Sequence[str]) -> None:
+        """Count a request waiting for a first slot (see `slotless`)."""
+        for name in scopes:
+            st = self._scopes.get(name)
+            if st is not None:
+                st.waiting += 1
+
+    def wait_end(self, scopes: Sequence[str]) -> None:
+        for name in scopes:
+            st = self._scopes.get(name)
+            if st is not None:
+                st.waiting = max(0, st.waiting - 1)
 
     def share(self, scope: str) -> Share:
         """The share this proxy applies to `scope` (NO_SHARE if none)."""

@@ -46,6 +46,13 @@ RELEASE = "ponto"
 NAMESPACE = "ponto"
 KUBE_VERSION = "1.30.0"
 MODEL = "llama-3-8b"
+# Requests each region's Service must answer during the upgrade for it to count.
+MIN_REQUESTS = 10
+TRAFFIC_PAUSE_S = 0.2
+# The issue's budget for the whole run on 2 cores.
+TIME_LIMIT_S = 300.0
+# How long etcd stays down before the checks: more than readiness period x threshold.
+ETCD_DOWN_WAIT_S = 11.0
 log = logging.getLogger("chart-run")
 
 # Rendered with the chart so that NOTES.txt is rendered from exactly the same values.
@@ -145,8 +152,10 @@ class Run:
         self.release: Render | None = None
         self.admin_dir = root / "admin"
         self.api_key = ""
+        self.unlimited_key = ""
+        self.limited_refusals: list[str] = []
         self.control_plane = ""
-        self.traffic_ok = 0
+        self.traffic_ok: dict[str, int] = {}
         self.traffic_failed: list[str] = []
 
     # ------------------------------------------------------------------ helpers
@@ -166,7 +175,7 @@ class Run:
 
     def write_admin_credentials(self) -> None:
         """The admin token and client certificate, read from the rendered Secrets."""
-        self.admin_dir.mkdir(exist_ok=True)
+        self.admin_dir.mkdir(mode=0o700, exist_ok=True)
         job = next(h for h in self.release.hooks if h["kind"] == "Job")  # type: ignore[union-attr]
         volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
         tokens = volumes["tokens"]["secret"]["secretName"]
@@ -203,23 +212,28 @@ class Run:
             raise ClusterError(f"pontoctl {' '.join(argv)} exited {proc.returncode}: {text}")
         return text
 
-    def client(self, region: str) -> Any:
+    def client(self, region: str, *, retries: int = 2, key: str = "") -> Any:
         import openai  # noqa: PLC0415
 
         dns = self.region_services()[region]
         return openai.AsyncOpenAI(
             base_url=f"http://{dns}:{self.service_port(dns)}/v1",
-            api_key=self.api_key or "chart-run",
+            api_key=key or self.api_key or "chart-run",
             timeout=20,
+            max_retries=retries,
         )
 
-    async def chat(self, region: str, *, stream: bool, text: str = "hello") -> tuple[str, str]:
+    async def chat(
+        self, region: str, *, stream: bool, text: str = "hello", client: Any = None
+    ) -> tuple[str, str]:
         """One chat call through the region's Service: (answer, origin region)."""
-        client = self.client(region)
+        own = client is None
+        if own:
+            client = self.client(region)
         try:
             messages = [{"role": "user", "content": text}]
             if stream:
-                answer, origin_region = "", ""
+                answer = ""
                 raw = await client.chat.completions.with_raw_response.create(
                     model=MODEL, messages=messages, stream=True, max_tokens=8
                 )
@@ -234,7 +248,8 @@ class Run:
             resp = raw.parse()
             return resp.choices[0].message.content or "", raw.headers.get("x-ponto-region", "")
         finally:
-            await client.close()
+            if own:
+                await client.close()
 
     # ------------------------------------------------------------------ steps
 
@@ -357,6 +372,10 @@ class Run:
         self.write_admin_credentials()
         out = await self.pontoctl("key", "create", "--tenant", "acme")
         self.api_key = out.strip().splitlines()[-1].strip()
+        # A tenant without limits for the availability traffic of the upgrade.
+        await self.pontoctl("tenant", "add", "chart-run")
+        out = await self.pontoctl("key", "create", "--tenant", "chart-run")
+        self.unlimited_key = out.strip().splitlines()[-1].strip()
         # Every proxy must know the key before clients use it.
         regions = list(self.region_services())
 
@@ -592,38 +611,63 @@ class Run:
         path.write_text(yaml.safe_dump(values))
         return path
 
-    async def traffic(self, stop: asyncio.Event, region: str) -> None:
-        """Requests to one region's Service until stopped, streams and not, in turn."""
-        n = 0
+    async def traffic(self, stop: asyncio.Event, region: str, *, limited: bool) -> None:
+        """Requests to one region's Service until stopped, streams and not, in turn.
+
+        One client per region, so kept-alive connections meet pods that go away,
+        and no SDK retries: every error the client sees counts. The availability
+        loop uses a tenant without limits and any error fails the run; the limited
+        loop (acme: 600 requests a minute for the fleet, sent at about 1 a second)
+        records its 429s, which tell how fast new proxies get their share.
+        """
         dns = self.region_services()[region]
-        while not stop.is_set():
-            if not self.cluster.endpoints(dns.split(".")[0], self.service_port(dns)):
-                await asyncio.sleep(0.1)  # a new region's Service has no endpoint yet
-                continue
-            n += 1
-            try:
-                answer, _ = await self.chat(region, stream=n % 2 == 0, text=f"{region} {n}")
-                if not answer:
-                    raise ClusterError("empty answer")
-                self.traffic_ok += 1
-            except Exception as exc:
-                self.traffic_failed.append(f"{region}: {type(exc).__name__}: {exc}")
+        svc, port = dns.split(".")[0], self.service_port(dns)
+        while not self.cluster.endpoints(svc, port):  # a new region: not yet up
+            if stop.is_set():
+                return
+            await asyncio.sleep(0.1)
+        key = self.api_key if limited else self.unlimited_key
+        client = self.client(region, retries=0, key=key)
+        n = 0
+        try:
+            while not stop.is_set():
+                n += 1
+                try:
+                    answer, _ = await self.chat(
+                        region, stream=n % 2 == 0, text=f"{region} {n}", client=client
+                    )
+                    if not answer:
+                        raise ClusterError("empty answer")
+                    if not limited:
+                        self.traffic_ok[region] = self.traffic_ok.get(region, 0) + 1
+                except Exception as exc:
+                    status = getattr(exc, "status_code", None)
+                    if limited and status == 429:
+                        self.limited_refusals.append(region)
+                    else:
+                        self.traffic_failed.append(f"{region}: {type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0 if limited else TRAFFIC_PAUSE_S)
+        finally:
+            await client.close()
 
     async def traffic_all(self, stop: asyncio.Event) -> None:
-        """One client loop per region, regions that appear joining as they do."""
-        loops: dict[str, asyncio.Task[None]] = {}
+        """Client loops per region, regions that appear joining as they do."""
+        loops: dict[str, list[asyncio.Task[None]]] = {}
         while not stop.is_set():
             for region in self.region_services():
                 if region not in loops:
-                    loops[region] = asyncio.create_task(self.traffic(stop, region))
+                    loops[region] = [
+                        asyncio.create_task(self.traffic(stop, region, limited=False)),
+                        asyncio.create_task(self.traffic(stop, region, limited=True)),
+                    ]
             await asyncio.sleep(0.2)
-        await asyncio.gather(*loops.values())
+        await asyncio.gather(*(t for ts in loops.values() for t in ts))
 
     async def upgrade(self) -> str:
         values = self.upgrade_values()
         new = render(self.args.helm, [values], upgrade=True)
         stop = asyncio.Event()
-        self.traffic_ok, self.traffic_failed = 0, []
+        self.traffic_ok, self.traffic_failed, self.limited_refusals = {}, [], []
         traffic = asyncio.create_task(self.traffic_all(stop))
         try:
             # Secrets first (kept), then the rest; pruned objects go.
@@ -641,13 +685,22 @@ class Run:
         finally:
             stop.set()
             await traffic
+        total = sum(self.traffic_ok.values())
         if self.traffic_failed:
             raise ClusterError(
-                f"{len(self.traffic_failed)} of {self.traffic_ok + len(self.traffic_failed)} "
+                f"{len(self.traffic_failed)} of {total + len(self.traffic_failed)} "
                 f"client requests failed during the upgrade: {self.traffic_failed[:3]}"
             )
         regions = sorted(self.region_services())
-        return f"{self.traffic_ok} client requests, 0 failed; regions {regions}; {hooks}"
+        thin = [r for r in regions if self.traffic_ok.get(r, 0) < MIN_REQUESTS]
+        if thin:
+            raise ClusterError(f"too few requests to judge the upgrade in {thin}")
+        per = ", ".join(f"{r} {self.traffic_ok[r]}" for r in regions)
+        refused = {r: self.limited_refusals.count(r) for r in sorted(set(self.limited_refusals))}
+        return (
+            f"{total} client requests ({per}), 0 failed, no retries; "
+            f"limited tenant's 429s by region: {refused or 'none'}; {hooks}"
+        )
 
     async def converged(self) -> None:
         """Every running proxy pod registered and at the control plane's latest version."""
@@ -680,7 +733,16 @@ class Run:
             for pod in self.cluster.owned("StatefulSet", name):
                 await self.cluster.kill_container(pod)
                 pod.terminating = True
-        await asyncio.sleep(1.0)
+        # Longer than any readiness probe's period x failureThreshold, so that a
+        # pod that would go unready with etcd gone has done so.
+        await asyncio.sleep(ETCD_DOWN_WAIT_S)
+        unready = [
+            p.name
+            for p in self.cluster.pods.values()
+            if p.owner.startswith("Deployment/") and not p.ready
+        ]
+        if unready:
+            raise ClusterError(f"not ready with etcd down: {unready}")
         ok = 0
         for n in range(3):
             for region in sorted(self.region_services()):
@@ -747,6 +809,13 @@ class Run:
             await self.cluster.stop()
         return 0
 
+    async def main_within(self, limit: float) -> int:
+        try:
+            return await asyncio.wait_for(self.main(), limit)
+        except TimeoutError:
+            print(f"chart-run: over its time limit of {limit:.0f} s", flush=True)
+            return 1
+
     def summary(self) -> None:
         total = sum(s[2] for s in self.report.steps)
         print(f"\nchart-run: {len(self.report.steps)} steps in {total:.0f} s", flush=True)
@@ -807,7 +876,10 @@ def outside(argv: list[str]) -> int:
         print(f"chart-run: skipped: {msg}", file=sys.stderr)
         return 0
     env = {**os.environ, "CHARTRUN_INSIDE": "1"}
-    cmd = ["unshare", "--net", "--mount", "--propagation", "private", "--"]
+    # A PID namespace of its own: every pod process dies with the harness, however
+    # the harness ends.
+    cmd = ["unshare", "--net", "--mount", "--propagation", "private"]
+    cmd += ["--pid", "--fork", "--kill-child", "--mount-proc", "--"]
     cmd += [sys.executable, "-m", "tests.chartrun", *argv]
     return subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
 
@@ -821,14 +893,14 @@ def main(argv: list[str]) -> int:
         return outside(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     root = Path(tempfile.mkdtemp(prefix="ponto-chartrun-"))
-    root.chmod(0o755)
+    root.chmod(0o711)  # pods (user 10001) traverse it; only root lists it
     start = time.monotonic()
     try:
         run = Run(args, root)
         run.cluster.write_hosts()
         # The harness and the client checks resolve cluster names too.
         subprocess.run(["mount", "--bind", str(run.cluster.hosts_file), "/etc/hosts"], check=True)
-        code = asyncio.run(run.main())
+        code = asyncio.run(run.main_within(TIME_LIMIT_S))
     finally:
         if args.keep:
             print(f"run directory kept: {root}")

@@ -57,6 +57,10 @@ from tests.chartrun import net
 log = logging.getLogger("chart-run")
 Obj = dict[str, Any]
 
+# How long a terminating pod stays in its Services' endpoints (kube-proxy and
+# load balancers learn of the removal a moment later, not at once).
+ENDPOINT_DELAY_S = 1.0
+
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -130,6 +134,8 @@ class Container:
     startup_done: bool = False
     ready: bool = False
     log_file: Path = Path()
+    env: dict[str, str] = field(default_factory=dict)
+    user: list[str] = field(default_factory=list)  # nsenter's -S/-G for exec and hooks
 
 
 @dataclass
@@ -148,6 +154,7 @@ class Pod:
     sandbox: asyncio.subprocess.Process | None = None
     containers: list[Container] = field(default_factory=list)
     terminating: bool = False
+    terminating_since: float = 0.0
     deleted: bool = False
     restart_policy: str = "Always"
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -179,6 +186,15 @@ class ImageMap:
 
     commands: dict[str, str]
     default_path: str
+
+    def image_env(self, image: str) -> dict[str, str]:
+        """The ENV lines of the image (the Dockerfile's for Ponto's own image)."""
+        if "etcd" in image:
+            return {"HOME": "/"}
+        return {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+
+    def workdir(self, image: str) -> str:
+        return "/" if "etcd" in image else "/tmp"
 
     def resolve(self, argv0: str) -> str:
         if argv0 in self.commands:
@@ -328,11 +344,17 @@ class Cluster:
             names = [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.{self.domain}"]
             lines.append(f"{ip} {' '.join(names)}")
         for pod in self.pods.values():
-            if pod.deleted:
+            if pod.deleted or pod.terminating or not pod.subdomain:
                 continue
-            if pod.subdomain:
-                base = f"{pod.hostname}.{pod.subdomain}.{ns}.svc"
-                lines.append(f"{pod.ip} {base} {base}.{self.domain}")
+            svc = self.objects.get(("Service", pod.subdomain))
+            if svc is None or svc["spec"].get("clusterIP") != "None":
+                continue  # no headless Service of that name: no pod records
+            if not matches(svc["spec"].get("selector", {}), pod.labels):
+                continue
+            if not (pod.ready or svc["spec"].get("publishNotReadyAddresses")):
+                continue
+            base = f"{pod.hostname}.{pod.subdomain}.{ns}.svc"
+            lines.append(f"{pod.ip} {base} {base}.{self.domain}")
         for host, ip in self.external_hosts.items():
             lines.append(f"{ip} {host}")
         text = "\n".join(lines) + "\n"
@@ -390,8 +412,15 @@ class Cluster:
             if int(p["port"]) == port:
                 target = p.get("targetPort", p["port"])
         out = []
+        now = time.monotonic()
         for pod in self.pods.values():
-            if pod.deleted or not pod.ready or not matches(selector, pod.labels):
+            if pod.deleted or not matches(selector, pod.labels):
+                continue
+            # Endpoint removal reaches every node's proxy a moment after the pod
+            # starts terminating (its preStop hook covers that moment).
+            lingering = pod.terminating and now - pod.terminating_since < ENDPOINT_DELAY_S
+            serving = all(c.ready for c in pod.containers) and bool(pod.containers)
+            if not (pod.ready or (lingering and serving)):
                 continue
             if isinstance(target, str):
                 ports = self.named_ports(pod)
@@ -478,7 +507,7 @@ class Cluster:
         surge = _scaled(strategy.get("maxSurge", "25%"), want, up=True)
         unavailable = _scaled(strategy.get("maxUnavailable", "25%"), want, up=False)
         if surge == 0 and unavailable == 0:
-            unavailable = 1
+            raise ClusterError(f"Deployment {name}: maxSurge and maxUnavailable are both 0")
         pods = self.owned("Deployment", name)
         new = [p for p in pods if p.template_hash == h]
         old = [p for p in pods if p.template_hash != h]
@@ -511,13 +540,12 @@ class Cluster:
         service = obj["spec"].get("serviceName", "")
         claims = obj["spec"].get("volumeClaimTemplates", [])
         pods = {p.name: p for p in self.owned("StatefulSet", name)}
+        ordered = obj["spec"].get("podManagementPolicy", "OrderedReady") == "OrderedReady"
         for i in range(want):
             pod_name = f"{name}-{i}"
-            pod = pods.get(pod_name)
-            if pod is not None and pod.template_hash != h:
-                await self.terminate(pod)  # rolling update: one at a time, highest first
-                return
-            if pod is None:
+            if pod_name not in pods and pod_name in self.pods:
+                return  # the previous pod of that name is still terminating
+            if pod_name not in pods:
                 volumes = {
                     c["metadata"]["name"]: {
                         "persistentVolumeClaim": {
@@ -535,9 +563,20 @@ class Cluster:
                     subdomain=service,
                     extra_volumes=volumes,
                 )
+                if ordered:
+                    return  # OrderedReady: the next ordinal once this one is ready
+            elif ordered and not pods[pod_name].ready:
+                return
         for pod_name, pod in pods.items():
             if int(pod_name.rsplit("-", 1)[1]) >= want:
                 await self.terminate(pod)
+        # Rolling update: the highest ordinal first, one at a time, the rest ready.
+        current = [pods[f"{name}-{i}"] for i in range(want) if f"{name}-{i}" in pods]
+        if len(current) == want and all(p.ready for p in current):
+            for pod in reversed(current):
+                if pod.template_hash != h:
+                    await self.terminate(pod)
+                    return
 
     async def run_job(self, job: Obj, *, deadline: float) -> Pod:
         """Run a Job to completion: a new pod per failure, up to backoffLimit."""
@@ -602,13 +641,13 @@ class Cluster:
             template_hash=thash,
             ip=next(self._pod_ips),
             index=index,
-            dir=self.root / "pods" / name,
+            dir=self.root / "pods" / f"{name}.{index}",
             hostname=hostname,
             subdomain=subdomain,
             restart_policy=spec.get("restartPolicy", "Always"),
         )
         pod.dir.mkdir(parents=True)
-        pod.dir.chmod(0o755)
+        pod.dir.chmod(0o711)
         self.pods[name] = pod
         self.event(f"pod {name} ({owner}) at {pod.ip}")
         pod.sandbox = await asyncio.create_subprocess_exec("unshare", "--net", "sleep", "infinity")
@@ -670,12 +709,7 @@ class Cluster:
         raise ClusterError(f"{pod.name}: volume kind not supported: {sorted(vol)}")
 
     def _env(self, pod: Pod, cspec: Obj) -> dict[str, str]:
-        env: dict[str, str] = {
-            "PATH": self.images.default_path,
-            "HOME": "/",
-            "HOSTNAME": pod.hostname or pod.name,
-            "PYTHONUNBUFFERED": "1",
-        }
+        env: dict[str, str] = {}
         for item in cspec.get("envFrom", []):
             if "secretRef" in item:
                 for k, v in self.get("Secret", item["secretRef"]["name"]).get("data", {}).items():
@@ -684,6 +718,7 @@ class Cluster:
                 env.update(self.get("ConfigMap", item["configMapRef"]["name"]).get("data", {}))
         for item in cspec.get("env", []):
             if "value" in item:
+                # $(VAR) names only variables defined before it in the container.
                 env[item["name"]] = expand(str(item["value"]), env)
                 continue
             ref = item["valueFrom"]
@@ -707,6 +742,15 @@ class Cluster:
                 raise ClusterError(f"{pod.name}: env source not supported: {sorted(ref)}")
         return env
 
+    def container_env(self, pod: Pod, cspec: Obj, declared: dict[str, str]) -> dict[str, str]:
+        """What the process sees: the image's ENV, then the pod's, then the container's."""
+        return {
+            "PATH": self.images.default_path,
+            **self.images.image_env(cspec.get("image", "")),
+            "HOSTNAME": pod.hostname or pod.name,
+            **declared,
+        }
+
     def _ensure_mountpoint(self, path: Path) -> None:
         missing = []
         p = path
@@ -719,8 +763,9 @@ class Cluster:
 
     async def _start_container(self, pod: Pod, c: Container) -> None:
         cspec = c.spec
-        env = self._env(pod, cspec)
-        argv = [expand(a, env) for a in [*cspec.get("command", []), *cspec.get("args", [])]]
+        declared = self._env(pod, cspec)
+        argv = [expand(a, declared) for a in [*cspec.get("command", []), *cspec.get("args", [])]]
+        env = self.container_env(pod, cspec, declared)
         if not argv:
             raise ClusterError(f"{pod.name}/{c.name}: no command (image defaults are not known)")
         argv[0] = self.images.resolve(argv[0])
@@ -766,11 +811,18 @@ class Cluster:
             "fs_group": psc.get("fsGroup"),
             "env": env,
             "argv": argv,
-            "cwd": cspec.get("workingDir", "/"),
+            "cwd": cspec.get("workingDir", self.images.workdir(cspec.get("image", ""))),
             "log_file": str(c.log_file),
         }
+        c.env = env
+        c.user = []
+        if uid is not None:
+            c.user += ["-S", str(uid)]
+        if gid is not None:
+            c.user += ["-G", str(gid)]
         spec_file = pod.dir / f"{c.name}.spec.json"
         spec_file.write_text(json.dumps(spec))
+        spec_file.chmod(0o600)  # it holds Secret values
         assert pod.sandbox is not None
         c.proc = await asyncio.create_subprocess_exec(
             "nsenter",
@@ -864,6 +916,7 @@ class Cluster:
                 successes += 1
                 if not live and successes >= probe.success_threshold and not c.ready:
                     c.ready = True
+                    self.write_hosts()
                     self.event(f"{pod.name}/{c.name} ready")
             else:
                 successes = 0
@@ -879,6 +932,7 @@ class Cluster:
                     if c.ready:
                         self.event(f"{pod.name}/{c.name} not ready")
                     c.ready = False
+                    self.write_hosts()
             fast = not live and not c.ready
             await asyncio.sleep(min(probe.period, 0.25) if fast else probe.period)
 
@@ -914,6 +968,8 @@ class Cluster:
         if pod.terminating:
             return
         pod.terminating = True
+        pod.terminating_since = time.monotonic()
+        self.write_hosts()
         self.event(f"terminating pod {pod.name}")
         grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
         start = time.monotonic()
@@ -921,7 +977,15 @@ class Cluster:
             pre = c.spec.get("lifecycle", {}).get("preStop", {})
             if "exec" in pre and c.proc is not None and c.proc.returncode is None:
                 hook = await asyncio.create_subprocess_exec(
-                    "nsenter", "-t", str(c.proc.pid), "-n", "-m", "--", *pre["exec"]["command"]
+                    "nsenter",
+                    "-t",
+                    str(c.proc.pid),
+                    "-n",
+                    "-m",
+                    *c.user,
+                    "--",
+                    *pre["exec"]["command"],
+                    env=c.env,
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(hook.wait(), grace)
@@ -950,7 +1014,7 @@ class Cluster:
     async def exec_in(
         self, pod: Pod, argv: list[str], *, env: dict[str, str] | None = None
     ) -> tuple[int, bytes]:
-        """`kubectl exec`: run argv in the pod's network and mount namespaces."""
+        """`kubectl exec`: argv in the container's namespaces, as its user, with its env."""
         c = pod.containers[0]
         assert c.proc is not None
         resolved = [self.images.resolve(argv[0]), *argv[1:]]
@@ -960,9 +1024,10 @@ class Cluster:
             str(c.proc.pid),
             "-n",
             "-m",
+            *c.user,
             "--",
             *resolved,
-            env=env or {"PATH": self.images.default_path, "HOME": "/"},
+            env=env or c.env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )

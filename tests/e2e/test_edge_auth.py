@@ -21,6 +21,7 @@ from jwt.algorithms import RSAAlgorithm
 from openai import OpenAI
 
 from controlplane.cli import main as pontoctl
+from ponto.apikeys import KEY_ID_LENGTH, KEY_PREFIX
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -267,7 +268,8 @@ def test_no_secret_reaches_any_log(fleet: Fleet, tenant_key: str) -> None:
     assert fleet.security is not None
     secrets = [
         tenant_key,
-        tenant_key.rsplit("-", 1)[1],
+        # The secret part alone (it may itself contain "-": split at the id).
+        tenant_key[len(KEY_PREFIX) + KEY_ID_LENGTH + 1 :],
         Path(fleet.security.admin_token_file).read_text().strip(),
         Path(fleet.security.bootstrap_token_file).read_text().strip(),
         "origin-secret-o1",
