@@ -20,7 +20,7 @@ from aiohttp import web
 
 from dataplane.app import build_app
 from dataplane.settings import Settings, parse
-from dataplane.state import CLIENT
+from dataplane.state import CLIENT, DRAINING
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -48,8 +48,23 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if settings.drain_seconds > 0:
+        app[DRAINING].active = True
+        log.info("draining for %.1f s", settings.drain_seconds)
+        await _drain(site, settings.drain_seconds)
     log.info("shutting down")
     await runner.cleanup()
+
+
+async def _drain(site: web.TCPSite, seconds: float) -> None:
+    """Wait until every connection has closed (answers say `Connection: close`) or
+    `seconds` have passed; connections idle all along are closed at the end."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    server = site._runner.server
+    # aiohttp's Server has no event for its last connection closing: poll.
+    while loop.time() < deadline and server is not None and server.connections:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from dataplane.settings import Settings
 from dataplane.state import (
     CACHE,
     CLIENT,
+    DRAINING,
     FORWARDER,
     HOLDER,
     LIMITER,
@@ -38,6 +39,7 @@ from dataplane.state import (
     METRICS,
     QUOTA,
     SETTINGS,
+    Draining,
 )
 from dataplane.sync import ControlPlaneClient, TableHolder
 from dataplane.upstream import Forwarder
@@ -66,6 +68,7 @@ def build_app(settings: Settings) -> web.Application:
     app[LIMITER] = limiter = RateLimiter()
     quota = QuotaState(limiter, settings.state_dir)
     app[QUOTA] = quota
+    app[DRAINING] = Draining()
     holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
     store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
     app[CACHE] = cache = EdgeCache(

@@ -26,6 +26,7 @@ from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.state import (
     CACHE,
     CLIENT,
+    DRAINING,
     FORWARDER,
     HOLDER,
     LIMITER,
@@ -334,6 +335,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     route = request.match_info.route
     endpoint = route.name or "other"
     m = request.app[METRICS]
+    if request.app[DRAINING].active:
+        # Any answer, streams included (they are prepared inside the handler),
+        # says `Connection: close`: the client opens its next request elsewhere.
+        request._message = request._message._replace(should_close=True)
     try:
         response = await handler(request)
     except ApiError as exc:

@@ -33,6 +33,7 @@ class Settings:
     credentials: ClientOptions = field(default_factory=ClientOptions)
     report_interval: float = 1.0
     cache_max_bytes: int = 256 << 20
+    drain_seconds: float = 0.0
     cache: CacheDefaults = field(default_factory=CacheDefaults)
 
 
@@ -133,6 +134,14 @@ def parse(argv: list[str]) -> Settings:
         help="cosine similarity a semantic hit needs, for tenants that set none "
         "(chosen from bench/cache_eval.py; see docs/semantic-cache.md)",
     )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=0.0,
+        help="after SIGTERM, keep serving this long with `Connection: close` on every "
+        "answer before closing connections, so that clients drop kept-alive connections "
+        "between requests instead of racing the close (the Helm chart sets it)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -208,5 +217,6 @@ def parse(argv: list[str]) -> Settings:
         credentials=credentials,
         report_interval=a.report_interval_ms / 1000,
         cache_max_bytes=a.cache_max_mb << 20,
+        drain_seconds=max(0.0, a.drain_seconds),
         cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
     )

@@ -22,3 +22,19 @@ LOCATOR = web.AppKey("locator", ClientLocator)
 LIMITER = web.AppKey("limiter", RateLimiter)
 CACHE = web.AppKey("cache", EdgeCache)
 QUOTA = web.AppKey("quota", QuotaState)
+
+
+class Draining:
+    """Set once SIGTERM arrived: answers carry `Connection: close` from then on.
+
+    One per app, written by the entry point, read by the middleware; the event
+    loop is the only thread touching it.
+    """
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+DRAINING = web.AppKey("draining", Draining)

@@ -22,16 +22,23 @@ for tool in kind kubectl; do
 done
 
 step() { echo "--- $*"; }
+CREATED=0
 cleanup() {
     [[ -n "${PF_PIDS:-}" ]] && kill $PF_PIDS 2>/dev/null || true
-    if [[ "${KEEP:-0}" != 1 ]]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi
+    # Only a cluster this run created is deleted.
+    if [[ "$CREATED" == 1 && "${KEEP:-0}" != 1 ]]; then
+        kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+    fi
 }
 trap cleanup EXIT
 
 step "build $IMAGE"
 docker build -t "$IMAGE" .
 step "kind cluster $CLUSTER"
-kind get clusters 2>/dev/null | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --wait 120s
+if ! kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+    kind create cluster --name "$CLUSTER" --wait 120s
+    CREATED=1
+fi
 kubectl config use-context "kind-$CLUSTER" >/dev/null
 kind load docker-image "$IMAGE" --name "$CLUSTER"
 
@@ -68,7 +75,8 @@ done
 step "helm install"
 "$HELM" upgrade --install ponto charts/ponto -n "$NS" --create-namespace \
     -f charts/ponto/ci/kind-values.yaml --wait --timeout 5m
-kubectl -n "$NS" wait --for=condition=complete job/ponto-topology --timeout=120s 2>/dev/null || true
+# helm --wait returns once the post-install hook Job has succeeded (it fails the
+# install otherwise), so the topology is applied here.
 
 step "API key"
 PONTOCTL=(kubectl -n "$NS" exec deploy/ponto-control -- pontoctl --control-plane localhost:7000
@@ -86,7 +94,6 @@ for region in us-east eu-west; do
     eval "PORT_${region//-/_}=$port"
     port=$((port + 1))
 done
-sleep 3
 KEY="$KEY" PORT_US="$PORT_us_east" PORT_EU="$PORT_eu_west" "$PY" - <<'PYCODE'
 import os, time
 import openai
@@ -111,7 +118,8 @@ while True:  # the key reaches every proxy within seconds
         chat(int(os.environ["PORT_US"]), False)
         chat(int(os.environ["PORT_EU"]), False)
         break
-    except openai.AuthenticationError:
+    except (openai.AuthenticationError, openai.APIConnectionError):
+        # The key reaches every proxy within seconds; port-forwards start too.
         if time.monotonic() > deadline:
             raise
         time.sleep(1)
@@ -138,4 +146,18 @@ while True:
     time.sleep(0.5)
 PYCODE
 "${PONTOCTL[@]}" undrain region us-east
+KEY="$KEY" PORT_US="$PORT_us_east" "$PY" - <<'PYCODE'
+import os, time
+import openai
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{os.environ['PORT_US']}/v1", api_key=os.environ["KEY"])
+deadline = time.monotonic() + 30
+while True:
+    raw = client.chat.completions.with_raw_response.create(
+        model="llama-3-8b", messages=[{"role": "user", "content": "back?"}], max_tokens=4)
+    if raw.headers.get("x-ponto-region") == "us-east":
+        print("ok us-east undrained: served from us-east again")
+        break
+    assert time.monotonic() < deadline, "the undrain did not reach the us-east proxies"
+    time.sleep(0.5)
+PYCODE
 echo "kind-e2e passed"

@@ -337,6 +337,11 @@ class Run:
                     + "\n"
                     + self.pod_summary()
                 )
+            waited = time.monotonic() - start
+            if waited > 15 and int(waited * 5) % 50 == 0:  # every 10 s: what is not ready
+                for pod in self.cluster.pods.values():
+                    if not pod.ready and pod.last_probe_error:
+                        self.cluster.event(f"{pod.name} not ready: {pod.last_probe_error}")
             await asyncio.sleep(0.2)
         return "; ".join(order)
 
@@ -348,7 +353,7 @@ class Run:
             for c in pod.containers:
                 lines.append(
                     f"  {pod.name}/{c.name} ready={c.ready} restarts={c.restarts} "
-                    f"exit={c.exit_code}: {tail(c.log_file, 2)}"
+                    f"exit={c.exit_code} probe={pod.last_probe_error!r}: {tail(c.log_file, 2)}"
                 )
         return "\n".join(lines)
 
@@ -827,6 +832,8 @@ class Run:
         print("objects in the release:")
         for kind, names in sorted(kinds.items()):
             print(f"  {kind}: {', '.join(sorted(names))}")
+        if self.cluster.probe_timeouts:
+            print(f"tcp probe timeouts: {self.cluster.probe_timeouts[:20]}")
         for what, why in sorted(self.cluster.not_exercised.items()):
             print(f"  not exercised: {what}: {why}")
 

@@ -155,6 +155,7 @@ class Pod:
     containers: list[Container] = field(default_factory=list)
     terminating: bool = False
     terminating_since: float = 0.0
+    last_probe_error: str = ""
     deleted: bool = False
     restart_policy: str = "Always"
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -245,6 +246,7 @@ class Cluster:
         self._background: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
         self.events: list[str] = []
+        self.probe_timeouts: list[str] = []
         self.exercised: dict[str, str] = {}
         self.not_exercised: dict[str, str] = {}
 
@@ -914,6 +916,8 @@ class Cluster:
             if ok:
                 fails = 0
                 successes += 1
+                if not live and not c.ready and pod.last_probe_error:
+                    pod.last_probe_error = ""
                 if not live and successes >= probe.success_threshold and not c.ready:
                     c.ready = True
                     self.write_hosts()
@@ -954,12 +958,22 @@ class Cluster:
                     )
                     return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
             if probe.kind == "tcp":
-                _, w = await asyncio.wait_for(
-                    asyncio.open_connection(pod.ip, probe.port), probe.timeout
-                )
+                # Attempts of at most 1 s (the kubelet waits timeoutSeconds): on this
+                # machine a new pod's first connections from the node are now and
+                # then unanswered for a while, and fresh short attempts get through
+                # sooner. Timeouts are listed in the summary.
+                t0 = time.monotonic()
+                try:
+                    _, w = await asyncio.wait_for(
+                        asyncio.open_connection(pod.ip, probe.port), min(probe.timeout, 1.0)
+                    )
+                except TimeoutError:
+                    self.probe_timeouts.append(f"{pod.name} {time.monotonic() - t0:.1f}s")
+                    raise
                 w.close()
                 return True
-        except (OSError, TimeoutError, aiohttp.ClientError, grpc.aio.AioRpcError):
+        except (OSError, TimeoutError, aiohttp.ClientError, grpc.aio.AioRpcError) as exc:
+            pod.last_probe_error = f"{probe.kind} :{probe.port}: {type(exc).__name__}: {exc}"
             return False
         return False
 

@@ -1,0 +1,51 @@
+"""A proxy told to stop drains: every answer, streams included, closes its connection.
+
+With `--drain-seconds`, answers after SIGTERM carry `Connection: close`, so a
+client pool opens its next request on another pod instead of racing the close
+of a kept-alive connection (chart-run's upgrade found that race).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from dataplane.handlers import errors_and_metrics
+from dataplane.metrics import Metrics
+from dataplane.state import DRAINING, METRICS, Draining
+
+
+async def plain(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def app() -> web.Application:
+    a = web.Application(middlewares=[errors_and_metrics])
+    a[METRICS] = Metrics()
+    a[DRAINING] = Draining()
+    a.router.add_get("/plain", plain, name="plain")
+    a.router.add_get("/stream", stream, name="stream")
+    return a
+
+
+async def test_answers_keep_alive_until_draining_then_close() -> None:
+    application = app()
+    async with TestClient(TestServer(application)) as client:
+        for path in ("/plain", "/stream"):
+            resp = await client.get(path)
+            assert resp.status == 200
+            assert resp.headers.get("connection", "").lower() != "close"
+            await resp.read()
+        application[DRAINING].active = True
+        for path in ("/plain", "/stream", "/missing"):
+            resp = await client.get(path)
+            assert resp.headers.get("connection", "").lower() == "close", path
+            await resp.read()
