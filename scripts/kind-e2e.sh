@@ -129,35 +129,28 @@ for name, port in (("us-east", os.environ["PORT_US"]), ("eu-west", os.environ["P
         print(f"ok {name} stream={stream} -> {origin}")
 PYCODE
 
+# Calls us-east's proxy until its answers come from EXPECT's origins (30 s at most).
+served_from() {
+    KEY="$KEY" PORT_US="$PORT_us_east" EXPECT="$1" "$PY" - <<'PYCODE'
+import os, time
+import openai
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{os.environ['PORT_US']}/v1", api_key=os.environ["KEY"])
+expect = os.environ["EXPECT"]
+deadline = time.monotonic() + 30
+while True:
+    raw = client.chat.completions.with_raw_response.create(
+        model="llama-3-8b", messages=[{"role": "user", "content": "where?"}], max_tokens=4)
+    if raw.headers.get("x-ponto-region") == expect:
+        print(f"ok us-east's proxy is served from {expect}")
+        break
+    assert time.monotonic() < deadline, f"us-east's proxy is not served from {expect}"
+    time.sleep(0.5)
+PYCODE
+}
+
 step "drain and undrain us-east"
 "${PONTOCTL[@]}" drain region us-east
-KEY="$KEY" PORT_US="$PORT_us_east" "$PY" - <<'PYCODE'
-import os, time
-import openai
-client = openai.OpenAI(base_url=f"http://127.0.0.1:{os.environ['PORT_US']}/v1", api_key=os.environ["KEY"])
-deadline = time.monotonic() + 30
-while True:
-    raw = client.chat.completions.with_raw_response.create(
-        model="llama-3-8b", messages=[{"role": "user", "content": "drained?"}], max_tokens=4)
-    if raw.headers.get("x-ponto-region") == "eu-west":
-        print("ok us-east drained: served from eu-west")
-        break
-    assert time.monotonic() < deadline, "the drain did not reach the us-east proxies"
-    time.sleep(0.5)
-PYCODE
+served_from eu-west
 "${PONTOCTL[@]}" undrain region us-east
-KEY="$KEY" PORT_US="$PORT_us_east" "$PY" - <<'PYCODE'
-import os, time
-import openai
-client = openai.OpenAI(base_url=f"http://127.0.0.1:{os.environ['PORT_US']}/v1", api_key=os.environ["KEY"])
-deadline = time.monotonic() + 30
-while True:
-    raw = client.chat.completions.with_raw_response.create(
-        model="llama-3-8b", messages=[{"role": "user", "content": "back?"}], max_tokens=4)
-    if raw.headers.get("x-ponto-region") == "us-east":
-        print("ok us-east undrained: served from us-east again")
-        break
-    assert time.monotonic() < deadline, "the undrain did not reach the us-east proxies"
-    time.sleep(0.5)
-PYCODE
+served_from us-east
 echo "kind-e2e passed"
