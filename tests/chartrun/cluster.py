@@ -791,21 +791,15 @@ class Cluster:
         if (csc.get("runAsNonRoot") or psc.get("runAsNonRoot")) and not uid:
             raise ClusterError(f"{pod.name}/{c.name}: runAsNonRoot without a runAsUser")
         expose = []
+        image_paths = [str(self.repo), os.path.realpath(sys.base_prefix)]
         if uid:
             blocked = _blocked_ancestor(Path(os.path.realpath(sys.base_prefix)), int(uid))
             if blocked is not None:
-                stage = pod.dir / f"{c.name}.stage"
-                stage.mkdir(exist_ok=True)
-                expose.append(
-                    {
-                        "path": os.path.realpath(sys.base_prefix),
-                        "blocked": str(blocked),
-                        "stage": str(stage),
-                    }
-                )
+                expose.append({"path": os.path.realpath(sys.base_prefix), "blocked": str(blocked)})
         spec = {
             "hosts_file": str(self.hosts_file),
             "expose": expose,
+            "image_paths": image_paths,
             "mounts": mounts,
             "read_only_root": bool(csc.get("readOnlyRootFilesystem")),
             "uid": uid,
