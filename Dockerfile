@@ -19,6 +19,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 # Dependencies first, read from pyproject.toml: this layer is rebuilt only when
 # pyproject.toml changes, not on every source edit.
+# hnswlib has no wheel for every platform and builds from source: a C++ compiler
+# in this stage only, and no -march=native, so the image runs on any x86-64.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+ENV HNSWLIB_NO_NATIVE=1
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > requirements.txt \

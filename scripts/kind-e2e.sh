@@ -39,7 +39,9 @@ if ! kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
     kind create cluster --name "$CLUSTER" --wait 120s
     CREATED=1
 fi
-kubectl config use-context "kind-$CLUSTER" >/dev/null
+# Every kubectl and helm call names the context: the user's current one is left alone.
+kubectl() { command kubectl --context "kind-$CLUSTER" "$@"; }
+HELM_CTX=(--kube-context "kind-$CLUSTER")
 kind load docker-image "$IMAGE" --name "$CLUSTER"
 
 step "simulated origins (the origins a user already runs)"
@@ -73,7 +75,7 @@ YAML
 done
 
 step "helm install"
-"$HELM" upgrade --install ponto charts/ponto -n "$NS" --create-namespace \
+"$HELM" "${HELM_CTX[@]}" upgrade --install ponto charts/ponto -n "$NS" --create-namespace \
     -f charts/ponto/ci/kind-values.yaml --wait --timeout 5m
 # helm --wait returns once the post-install hook Job has succeeded (it fails the
 # install otherwise), so the topology is applied here.
@@ -82,7 +84,10 @@ step "API key"
 PONTOCTL=(kubectl -n "$NS" exec deploy/ponto-control -- pontoctl --control-plane localhost:7000
     --admin-token-file /etc/ponto/tokens/admin-token
     --tls-ca /etc/ponto/tls/ca.crt --tls-cert /etc/ponto/tls/tls.crt --tls-key /etc/ponto/tls/tls.key)
-"${PONTOCTL[@]}" tenant add kind-e2e >/dev/null 2>&1 || true
+if ! out=$("${PONTOCTL[@]}" tenant add kind-e2e 2>&1) && [[ "$out" != *"already exists"* ]]; then
+    echo "$out" >&2
+    exit 1
+fi
 KEY=$("${PONTOCTL[@]}" key create --tenant kind-e2e | tail -n 1)
 
 step "openai client through each region's Service"

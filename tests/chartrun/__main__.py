@@ -160,6 +160,11 @@ class Run:
 
     # ------------------------------------------------------------------ helpers
 
+    @property
+    def drained_in_values(self) -> set[str]:
+        values = yaml.safe_load(CI_VALUES.read_text())
+        return {r["name"] for r in values["proxy"]["regions"] if r.get("drained")}
+
     def region_services(self) -> dict[str, str]:
         """Region name -> the proxy Service's in-cluster DNS name."""
         out = {}
@@ -369,6 +374,9 @@ class Run:
             await self.cluster.delete("Job", hook["metadata"]["name"])  # before-hook-creation
             pod = await self.cluster.run_job(hook, deadline=120)
             done.append(f"Job/{hook['metadata']['name']} ({pod.name})")
+            policy = hook["metadata"]["annotations"].get("helm.sh/hook-delete-policy", "")
+            if "hook-succeeded" in policy.split(","):
+                await self.cluster.delete("Job", hook["metadata"]["name"])
         if not done:
             raise ClusterError(f"no {phase} hook rendered")
         return ", ".join(done)
@@ -406,7 +414,8 @@ class Run:
                 answer, origin = await self.chat(region, stream=stream)
                 if not answer:
                     raise ClusterError(f"{region}: empty answer (stream={stream})")
-                out.append(f"{region}{' stream' if stream else ''} -> {origin}")
+                note = " (drained in the CI values)" if region in self.drained_in_values else ""
+                out.append(f"{region}{' stream' if stream else ''} -> {origin}{note}")
         return "; ".join(out)
 
     async def drain_cycle(self) -> str:
@@ -670,6 +679,11 @@ class Run:
 
     async def upgrade(self) -> str:
         values = self.upgrade_values()
+        self.cluster.event(
+            "no API server for helm's lookup: the generated tokens and certificates go "
+            "back as values (auth.*Token, tls.existingSecrets = chartrun-*-tls copies), "
+            "so the chart's own token and TLS Secrets leave the release and every pod rolls"
+        )
         new = render(self.args.helm, [values], upgrade=True)
         stop = asyncio.Event()
         self.traffic_ok, self.traffic_failed, self.limited_refusals = {}, [], []
@@ -879,6 +893,12 @@ class Run:
         except TimeoutError:
             print(f"chart-run: over its time limit of {limit:.0f} s", flush=True)
             return 1
+        finally:
+            # Connections that were still being forwarded when their pods went away.
+            leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in leftover:
+                task.cancel()
+            await asyncio.gather(*leftover, return_exceptions=True)
 
     def summary(self) -> None:
         total = sum(s[2] for s in self.report.steps)
@@ -893,6 +913,11 @@ class Run:
             print(f"  {kind}: {', '.join(sorted(names))}")
         if self.cluster.probe_timeouts:
             print(f"tcp probe timeouts: {self.cluster.probe_timeouts[:20]}")
+        print(
+            "  not acted on (docs/helm.md): node placement (nodeSelector, affinity, "
+            "tolerations), PodDisruptionBudgets, the NetworkPolicy, resource limits, seccomp, "
+            "HPA scaling beyond minReplicas, the ServiceMonitor, the image (make kind-e2e)"
+        )
         for what, why in sorted(self.cluster.not_exercised.items()):
             print(f"  not exercised: {what}: {why}")
 
@@ -900,11 +925,13 @@ class Run:
 def notes_script(notes: str) -> str:
     """The commands in NOTES.txt: lines indented five spaces or more, as printed.
 
-    A `kubectl port-forward` a user runs in a second terminal runs in the background
-    here, and the script waits for its port before going on.
+    Each command is echoed once before it runs (a `for … do … done` loop as a
+    whole). A `kubectl port-forward` a user runs in a second terminal runs in the
+    background here, and the script waits for its port before going on.
     """
-    lines = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    commands: list[str] = []
     pending = ""
+    loop: list[str] = []
     for raw in notes.splitlines():
         if not raw.startswith("     ") and not pending:
             continue
@@ -915,20 +942,26 @@ def notes_script(notes: str) -> str:
         if line.endswith("\\"):
             pending = line[:-1].rstrip()
             continue
-        if line.startswith("kubectl") and " port-forward " in line:
-            port = line.rstrip("&").split()[-1].split(":")[0]
-            if not line.endswith("&"):
-                line += " &"
-            lines.append(line)
+        if loop or (line.startswith(("for ", "while ")) and line.endswith("do")):
+            loop.append(line)
+            if line == "done" or line.endswith("; done"):
+                commands.append("\n".join(loop))
+                loop = []
+            continue
+        commands.append(line)
+    lines = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    for command in commands:
+        quoted = command.replace("'", "'\\''")
+        lines.append(f"echo; echo '$ {quoted}'")
+        if command.startswith("kubectl") and " port-forward " in command:
+            port = command.rstrip("&").split()[-1].split(":")[0]
+            lines.append(command if command.endswith("&") else command + " &")
             lines.append(
                 f"for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null "
                 "&& break; sleep 0.1; done"
             )
             continue
-        lines.append(
-            f"echo; echo '$ {line.replace(chr(39), chr(39) + chr(92) + chr(39) + chr(39))}'"
-        )
-        lines.append(line)
+        lines.append(command)
     return "\n".join(lines) + "\n"
 
 
@@ -958,6 +991,9 @@ def main(argv: list[str]) -> int:
     if os.environ.get("CHARTRUN_INSIDE") != "1":
         return outside(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # httpx logs a line per request at INFO; the steps report their counts instead.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: not record.name.startswith("httpx"))
     root = Path(tempfile.mkdtemp(prefix="ponto-chartrun-"))
     root.chmod(0o711)  # pods (user 10001) traverse it; only root lists it
     start = time.monotonic()

@@ -398,7 +398,15 @@ class Cluster:
                 svc_name: str = name,
                 svc_port: int = int(port["port"]),
             ) -> None:
-                await self._forward(svc_name, svc_port, reader, writer)
+                # Held here: a connection cut at both ends may leave no other
+                # reference to this task while it waits.
+                task = asyncio.current_task()
+                assert task is not None
+                self._background.add(task)
+                try:
+                    await self._forward(svc_name, svc_port, reader, writer)
+                finally:
+                    self._background.discard(task)
 
             self._servers[key] = await asyncio.start_server(handle, ip, int(port["port"]))
 
