@@ -45,7 +45,10 @@ class ControlPlane:
             max_delay=settings.debounce_max,
         )
         self.registry = ProxyRegistry(
-            self.catalog, settings.replica_id, lease_ttl=settings.lease_ttl
+            self.catalog,
+            settings.replica_id,
+            lease_ttl=settings.lease_ttl,
+            current_version=self._current_version,
         )
         self.quotas = QuotaHub(
             store, settings.replica_id, self.registry.lease, settings.quota_interval
@@ -86,6 +89,10 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
         self.health_port = 0
+
+    def _current_version(self) -> int:
+        latest = self.publisher.latest
+        return latest.version if latest else 0
 
     async def start(self) -> None:
         self.server.add_generic_rpc_handlers((self.routing.handler(),))

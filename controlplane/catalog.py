@@ -415,22 +415,32 @@ class Catalog:
         listing = await _guard(self.store.list(PROXIES))
         return [kv.key[len(PROXIES) :] for kv in listing.items]
 
-    async def put_acks(self, replica: str, acks: dict[str, tuple[int, str]], lease: int) -> None:
-        await _guard(self.store.put(ACKS + replica, orjson.dumps(acks), lease=lease))
+    async def put_acks(
+        self, replica: str, acks: dict[str, tuple[int, str]], lease: int, *, version: int = 0
+    ) -> None:
+        """Write a replica's ACK summary with the version it serves now."""
+        payload = {"replica_version": version, "acks": acks}
+        await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
 
     async def list_proxies(self) -> list[ProxyRecord]:
-        """Registered proxies with the ACK state their replicas last wrote."""
-        acks: dict[str, tuple[int, str]] = {}
+        """Registered proxies with the ACK state their own replica last wrote.
+
+        A proxy's ACK is read from the summary of the replica it is registered
+        with (a stale summary of a replica it left cannot override it); the
+        summaries of other replicas are a fallback while its own has not been
+        written yet.
+        """
+        by_replica: dict[str, tuple[int, dict[str, tuple[int, str]]]] = {}
         for kv in (await _guard(self.store.list(ACKS))).items:
-            with contextlib.suppress(ValueError, TypeError):
-                for name, (version, error) in orjson.loads(kv.value).items():
-                    acks[name] = (int(version), str(error))
-        return [
-            replace(p, acked_version=acks[p.name][0], last_error=acks[p.name][1])
-            if p.name in acks
-            else p
-            for p in await self._proxy_records()
-        ]
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                raw = orjson.loads(kv.value)
+                if isinstance(raw, dict) and isinstance(raw.get("acks"), dict):
+                    version, entries = int(raw.get("replica_version", 0)), raw["acks"]
+                else:  # the summary of a replica from before replica_version
+                    version, entries = 0, raw
+                acks = {str(n): (int(v), str(e)) for n, (v, e) in entries.items()}
+                by_replica[kv.key[len(ACKS) :]] = (version, acks)
+        return [_with_acks(p, by_replica) for p in await self._proxy_records()]
 
     async def _proxy_records(self) -> list[ProxyRecord]:
         listing = await _guard(self.store.list(PROXIES))
@@ -441,6 +451,20 @@ class Catalog:
             except (ValueError, TypeError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         return out
+
+
+def _with_acks(
+    p: ProxyRecord, by_replica: dict[str, tuple[int, dict[str, tuple[int, str]]]]
+) -> ProxyRecord:
+    own = by_replica.get(p.control_plane_id)
+    if own is not None and p.name in own[1]:
+        acked, error = own[1][p.name]
+        return replace(p, acked_version=acked, last_error=error, replica_version=own[0])
+    for _replica, (_version, acks) in sorted(by_replica.items()):
+        if p.name in acks:
+            acked, error = acks[p.name]
+            p = replace(p, acked_version=acked, last_error=error)
+    return replace(p, replica_version=own[0]) if own is not None else p
 
 
 KEY_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")

@@ -68,7 +68,10 @@ def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[s
     now = time.time()
     rows = []
     for p in resp.proxies:
-        state = "current" if p.acked_version == resp.current_version else "behind"
+        # Judged against the proxy's own replica, which numbers the same content
+        # by the revision it read it at; the answering replica's version otherwise.
+        current = p.replica_version or resp.current_version
+        state = "current" if p.acked_version == current else "behind"
         if p.last_error:
             state = f"nack: {p.last_error[:60]}"
         rows.append(

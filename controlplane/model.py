@@ -146,6 +146,8 @@ class ProxyRecord:
     connected_at: float
     acked_version: int = 0
     last_error: str = ""
+    # The latest version of its replica (from that replica's ACK summary).
+    replica_version: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 import orjson
@@ -27,8 +28,17 @@ log = logging.getLogger(__name__)
 
 
 class ProxyRegistry:
-    def __init__(self, catalog: Catalog, replica_id: str, *, lease_ttl: int = 10) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        replica_id: str,
+        *,
+        lease_ttl: int = 10,
+        current_version: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._catalog = catalog
+        # The version this replica serves now, written with its ACK summary.
+        self._current_version = current_version
         self.replica_id = replica_id
         self._ttl = lease_ttl
         self._lease = 0
@@ -130,7 +140,10 @@ class ProxyRegistry:
             self._acks_dirty = False
             try:
                 await self._catalog.put_acks(
-                    self.replica_id, self.acks(), await self._ensure_lease()
+                    self.replica_id,
+                    self.acks(),
+                    await self._ensure_lease(),
+                    version=self._current_version(),
                 )
             except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
                 self._acks_dirty = True

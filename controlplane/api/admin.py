@@ -125,6 +125,7 @@ def proxy_pb(p: ProxyRecord) -> apb.ProxyStatus:
         last_error=p.last_error,
         control_plane_id=p.control_plane_id,
         connected_at=p.connected_at,
+        replica_version=p.replica_version,
     )
 
 

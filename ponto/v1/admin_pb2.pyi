@@ -267,6 +267,7 @@ class ProxyStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     CONTROL_PLANE_ID_FIELD_NUMBER: _builtins.int
     CONNECTED_AT_FIELD_NUMBER: _builtins.int
+    REPLICA_VERSION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     acked_version: _builtins.int
     """Version of the last table the proxy ACKed (0: none yet)."""
@@ -275,6 +276,12 @@ class ProxyStatus(_message.Message):
     control_plane_id: _builtins.str
     connected_at: _builtins.float
     """Unix seconds of registration."""
+    replica_version: _builtins.int
+    """Latest table version of the replica the proxy is connected to (0: not
+    known). Replicas number the same content by the etcd revision each read it
+    at, so a proxy is current when acked_version equals this, not the answering
+    replica's current_version.
+    """
     @_builtins.property
     def info(self) -> _routing_pb2.ProxyInfo: ...
     def __init__(
@@ -286,10 +293,11 @@ class ProxyStatus(_message.Message):
         last_error: _builtins.str = ...,
         control_plane_id: _builtins.str = ...,
         connected_at: _builtins.float = ...,
+        replica_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_version", b"acked_version", "connected_at", b"connected_at", "control_plane_id", b"control_plane_id", "info", b"info", "last_error", b"last_error", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_version", b"acked_version", "connected_at", b"connected_at", "control_plane_id", b"control_plane_id", "info", b"info", "last_error", b"last_error", "replica_version", b"replica_version", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -721,46 +721,20 @@ class Run:
             f"limited tenant's 429s by region: {refused or 'none'}; {hooks}"
         )
 
-    async def replica_versions(self) -> dict[str, int]:
-        """Each control-plane replica's latest table version, asked of that replica."""
-        versions = {}
-        for pod in self.cluster.pods.values():
-            if not (pod.owner.startswith("Deployment/") and "control" in pod.owner):
-                continue
-            if pod.terminating or not pod.ready:
-                continue
-            argv = [*self.local_pontoctl, "get", "proxies", "-o", "json"]
-            code, out = await self.cluster.exec_in(pod, argv)
-            if code == 0:
-                versions[pod.name] = int(json.loads(out).get("current_version") or 0)
-        return versions
-
-    @property
-    def local_pontoctl(self) -> list[str]:
-        """pontoctl inside a control-plane pod with its own credentials (as NOTES.txt)."""
-        argv = ["pontoctl", "--control-plane", "localhost:7000"]
-        argv += ["--admin-token-file", "/etc/ponto/tokens/admin-token"]
-        if (self.admin_dir / "ca.crt").exists():
-            argv += ["--tls-ca", "/etc/ponto/tls/ca.crt", "--tls-cert", "/etc/ponto/tls/tls.crt"]
-            argv += ["--tls-key", "/etc/ponto/tls/tls.key"]
-        return argv
-
     async def converged(self) -> None:
         """Every running proxy pod registered and at the latest version of its replica.
 
         Replicas number the same content by the etcd revision each read it at, so
-        a proxy is compared with the replica it is connected to (see the closing
-        note of issue 18: `pontoctl get proxies` on one replica can show the other
-        replica's proxies as behind).
+        each proxy is compared with the version of the replica it is connected to
+        (`replica_version`, which `pontoctl get proxies` uses for its STATE too).
         """
         end = time.monotonic() + 60
         while True:
             out = json.loads(await self.pontoctl("get", "proxies", "-o", "json"))
-            latest = await self.replica_versions()
             proxies = {
                 p["info"]["name"]: (
                     int(p.get("acked_version") or 0),
-                    p.get("control_plane_id", ""),
+                    int(p.get("replica_version") or 0),
                 )
                 for p in out.get("proxies", [])
             }
@@ -770,14 +744,16 @@ class Run:
                 if p.owner.startswith("Deployment/") and "proxy" in p.owner and not p.terminating
             }
             behind = [
-                n for n in pods if n not in proxies or latest.get(proxies[n][1]) != proxies[n][0]
+                n
+                for n in pods
+                if n not in proxies or not proxies[n][1] or proxies[n][0] != proxies[n][1]
             ]
             if not behind:
                 return
             if time.monotonic() > end:
                 raise ClusterError(
-                    f"proxies behind their replicas {latest}: "
-                    + ", ".join(f"{n} at {proxies.get(n)}" for n in sorted(behind))
+                    "proxies behind their replicas (acked, replica's version): "
+                    + ", ".join(f"{n} {proxies.get(n)}" for n in sorted(behind))
                 )
             await asyncio.sleep(0.5)
 

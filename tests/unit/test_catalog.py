@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 
+import orjson
 import pytest
 
-from controlplane.catalog import ORIGINS, PROXIES, REGIONS, Catalog
+from controlplane.catalog import ACKS, ORIGINS, PROXIES, REGIONS, Catalog
 from controlplane.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -400,3 +401,25 @@ async def test_list_proxies_skips_undecodable(catalog: Catalog, store: MemorySto
     await catalog.put_proxy(proxy(), 0)
     await store.put(PROXIES + "junk", b"{")
     assert [p.name for p in await catalog.list_proxies()] == ["p1"]
+
+
+async def test_acks_come_from_the_proxys_own_replica(catalog: Catalog, store: MemoryStore) -> None:
+    # Replicas number the same content by the revision each read it at: p1 on
+    # cp-1 at cp-1's 40 is current though cp-2 serves version 41.
+    await catalog.put_proxy(proxy("p1", "s1"), 0)
+    await catalog.put_acks("cp-1", {"p1": (40, "")}, 0, version=40)
+    # A summary another replica left behind (p1 was connected there before).
+    await catalog.put_acks("cp-2", {"p1": (12, "old")}, 0, version=41)
+    (p1,) = await catalog.list_proxies()
+    assert (p1.acked_version, p1.last_error, p1.replica_version) == (40, "", 40)
+
+
+async def test_acks_fall_back_to_any_summary_and_old_shapes(
+    catalog: Catalog, store: MemoryStore
+) -> None:
+    await catalog.put_proxy(proxy("p1", "s1"), 0)  # on cp-1, which wrote nothing yet
+    await store.put(ACKS + "cp-9", orjson.dumps({"p1": [7, ""]}))  # before replica_version
+    (p1,) = await catalog.list_proxies()
+    assert (p1.acked_version, p1.replica_version) == (7, 0)
+    await store.put(ACKS + "cp-8", b"not json")
+    assert [p.acked_version for p in await catalog.list_proxies()] == [7]
