@@ -108,8 +108,7 @@ def grpc_target(
     addresses = addresses or {}
     resolved: list[str] = []
     for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
-        host = host.strip("[]")
+        host, port = _host(endpoint), endpoint.rpartition(":")[2]
         if _is_address(host):
             resolved.append(f"{'127.0.0.1' if host == 'localhost' else host}:{port}")
         else:

@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from tests.chartrun.cluster import Cluster, ClusterError, ImageMap, Obj
+from tests.chartrun.cluster import Cluster, ClusterError, ImageMap, Obj, Probe, tail
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ponto"
@@ -351,8 +351,6 @@ class Run:
         return "; ".join(order)
 
     def pod_summary(self) -> str:
-        from tests.chartrun.cluster import tail  # noqa: PLC0415
-
         lines = []
         for pod in self.cluster.pods.values():
             for c in pod.containers:
@@ -763,9 +761,7 @@ class Run:
         sts = [n for k, n in self.cluster.objects if k == "StatefulSet"]
         for name in sts:
             # The controller goes first so that nothing restarts the members.
-            task = self.cluster._controllers.pop(f"StatefulSet/{name}", None)
-            if task:
-                task.cancel()
+            self.cluster.stop_controller("StatefulSet", name)
             for pod in self.cluster.owned("StatefulSet", name):
                 await self.cluster.kill_container(pod)
                 pod.terminating = True
@@ -812,7 +808,6 @@ class Run:
             raise ClusterError("no control-plane replica stays ready with etcd down")
         # Readiness ("") stays SERVING on a replica with a table; its store health
         # says etcd is gone.
-        from tests.chartrun.cluster import Probe  # noqa: PLC0415
 
         store_down = []
         for name in cp_ready:

@@ -43,7 +43,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,11 +131,15 @@ class Container:
     restarts: int = 0
     started_at: float = 0.0
     exit_code: int | None = None
-    startup_done: bool = False
     ready: bool = False
     log_file: Path = Path()
     env: dict[str, str] = field(default_factory=dict)
     user: list[str] = field(default_factory=list)  # nsenter's -S/-G for exec and hooks
+
+    def nsenter(self, argv: list[str]) -> list[str]:
+        """argv run in this container's namespaces, as its user (exec, hooks)."""
+        assert self.proc is not None
+        return ["nsenter", "-t", str(self.proc.pid), "-n", "-m", *self.user, "--", *argv]
 
 
 @dataclass
@@ -245,9 +249,7 @@ class Cluster:
         self._created_mountpoints: list[Path] = []
         self._background: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
-        self.events: list[str] = []
         self.probe_timeouts: list[str] = []
-        self.exercised: dict[str, str] = {}
         self.not_exercised: dict[str, str] = {}
 
     # ----------------------------------------------------------------- lifecycle
@@ -274,7 +276,6 @@ class Cluster:
 
     def event(self, text: str) -> None:
         log.info("%s", text)
-        self.events.append(f"{time.monotonic():.1f} {text}")
 
     # ----------------------------------------------------------------- objects
 
@@ -322,9 +323,7 @@ class Cluster:
         if obj is None:
             return
         self.event(f"deleted {kind}/{name}")
-        task = self._controllers.pop(f"{kind}/{name}", None)
-        if task:
-            task.cancel()
+        self.stop_controller(kind, name)
         if kind in ("Deployment", "StatefulSet", "Job"):
             owner = f"{kind}/{name}"
             await asyncio.gather(
@@ -846,7 +845,6 @@ class Cluster:
         c.started_at = time.monotonic()
         c.exit_code = None
         c.ready = False
-        c.startup_done = False
         self.event(f"started {pod.name}/{c.name} pid {c.proc.pid}: {' '.join(argv[:1])}")
 
     async def _run_container(self, pod: Pod, c: Container) -> None:
@@ -898,7 +896,6 @@ class Cluster:
                     await _kill(c.proc, grace=1.0)
                     return
                 await asyncio.sleep(min(startup.period, 0.25))
-        c.startup_done = True
         if readiness is None:
             c.ready = True
         tasks = []
@@ -993,15 +990,7 @@ class Cluster:
             pre = c.spec.get("lifecycle", {}).get("preStop", {})
             if "exec" in pre and c.proc is not None and c.proc.returncode is None:
                 hook = await asyncio.create_subprocess_exec(
-                    "nsenter",
-                    "-t",
-                    str(c.proc.pid),
-                    "-n",
-                    "-m",
-                    *c.user,
-                    "--",
-                    *pre["exec"]["command"],
-                    env=c.env,
+                    *c.nsenter(pre["exec"]["command"]), env=c.env
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(hook.wait(), grace)
@@ -1021,6 +1010,12 @@ class Cluster:
         self.pods.pop(pod.name, None)
         self.write_hosts()
 
+    def stop_controller(self, kind: str, name: str) -> None:
+        """Stop reconciling a workload (its pods stay as they are)."""
+        task = self._controllers.pop(f"{kind}/{name}", None)
+        if task:
+            task.cancel()
+
     async def kill_container(self, pod: Pod) -> None:
         """SIGKILL every container of a pod (a crash), without deleting it."""
         for c in pod.containers:
@@ -1032,30 +1027,15 @@ class Cluster:
     ) -> tuple[int, bytes]:
         """`kubectl exec`: argv in the container's namespaces, as its user, with its env."""
         c = pod.containers[0]
-        assert c.proc is not None
         resolved = [self.images.resolve(argv[0]), *argv[1:]]
         proc = await asyncio.create_subprocess_exec(
-            "nsenter",
-            "-t",
-            str(c.proc.pid),
-            "-n",
-            "-m",
-            *c.user,
-            "--",
-            *resolved,
+            *c.nsenter(resolved),
             env=env or c.env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
         out, _ = await proc.communicate()
         return proc.returncode or 0, out
-
-    async def wait(self, what: str, check: Callable[[], bool], *, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > end:
-                raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
-            await asyncio.sleep(0.1)
 
     def workload_ready(self, kind: str, name: str) -> bool:
         obj = self.objects.get((kind, name))
