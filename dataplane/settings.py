@@ -187,6 +187,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--cache-max-mb must be 0 (no cache) or more")
     if a.cache_ttl <= 0:
         p.error("--cache-ttl must be positive")
+    if a.drain_seconds < 0:
+        p.error("--drain-seconds must be 0 (no draining) or more")
     if not 0.5 <= a.semantic_threshold <= 1:
         p.error("--semantic-threshold must be in 0.5..1")
     if a.report_interval_ms < 50:
@@ -217,6 +219,6 @@ def parse(argv: list[str]) -> Settings:
         credentials=credentials,
         report_interval=a.report_interval_ms / 1000,
         cache_max_bytes=a.cache_max_mb << 20,
-        drain_seconds=max(0.0, a.drain_seconds),
+        drain_seconds=a.drain_seconds,
         cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
     )

@@ -7,11 +7,13 @@ of a kept-alive connection (chart-run's upgrade found that race).
 
 from __future__ import annotations
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from dataplane.handlers import errors_and_metrics
 from dataplane.metrics import Metrics
+from dataplane.settings import parse
 from dataplane.state import DRAINING, METRICS, Draining
 
 
@@ -49,3 +51,13 @@ async def test_answers_keep_alive_until_draining_then_close() -> None:
             resp = await client.get(path)
             assert resp.headers.get("connection", "").lower() == "close", path
             await resp.read()
+
+
+def test_drain_seconds_is_a_flag_with_a_clear_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--control-plane", "127.0.0.1:7000", "--region", "us-east"]
+    assert parse([*base, "--drain-seconds", "5"]).drain_seconds == 5.0
+    assert parse(base).drain_seconds == 0.0
+    with pytest.raises(SystemExit) as exc:
+        parse([*base, "--drain-seconds", "-1"])
+    assert exc.value.code == 2
+    assert "--drain-seconds must be 0 (no draining) or more" in capsys.readouterr().err
