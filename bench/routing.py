@@ -28,8 +28,8 @@ import orjson
 
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
-from dataplane.outlier import OutlierDetector
 from dataplane.routes import build_routes
+from dataplane.upstream.outlier import OutlierDetector
 from ponto.fleet import Fleet, RegionDef
 from ponto.routetable import content_etag
 from ponto.v1 import admin_pb2 as apb

@@ -18,9 +18,9 @@ import sys
 import uvloop
 from aiohttp import web
 
-from dataplane.app import build_app
+from dataplane.http.server import build_app
+from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, parse
-from dataplane.state import CLIENT, DRAINING
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 

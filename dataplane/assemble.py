@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane.errors import bad_request
+from dataplane.http.errors import bad_request
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
@@ -40,7 +40,7 @@ class PromptRules:
         return not (self.system_prompt or self.defaults or self.max_tokens_ceiling or self.aliases)
 
 
-NO_RULES = PromptRules()
+NO_RULES: PromptRules = PromptRules()
 
 
 def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
-from dataplane.auth.credentials import OriginCredentials
+from dataplane.upstream.credentials import OriginCredentials
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 

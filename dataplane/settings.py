@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dataplane.geo import TrustedProxies
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
-from dataplane.upstream import UpstreamSettings
+from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024

@@ -1,9 +1,8 @@
-"""Authentication at the proxy: who is calling (`Authenticator`), and what the
-proxy presents upstream on an origin's behalf (`OriginCredentials`).
+"""Authentication at the proxy: who is calling (`Authenticator`).
 
 Self-contained like `dataplane.geo`: nothing here imports aiohttp or the rest
-of the proxy. The request path maps `AuthError` to a 401 and
-`CredentialError` to a 502, both in the OpenAI error shape.
+of the proxy. The request path maps `AuthError` to a 401 in the OpenAI error
+shape. What the proxy presents to origins is `dataplane.upstream.credentials`.
 """
 
 from dataplane.auth.authenticator import (
@@ -17,7 +16,6 @@ from dataplane.auth.authenticator import (
     KeyRecord,
     Principal,
 )
-from dataplane.auth.credentials import CredentialError, OriginCredentials
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -26,9 +24,7 @@ __all__ = [
     "AuthConfigError",
     "AuthError",
     "Authenticator",
-    "CredentialError",
     "JwtConfig",
     "KeyRecord",
-    "OriginCredentials",
     "Principal",
 ]

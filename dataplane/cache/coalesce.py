@@ -23,8 +23,8 @@ Past `max_buffer_bytes` it stops taking joiners (they start a new flight of
 their own), drops the chunks every follower already has, and fails any follower
 that lags further behind than the bound: the leader never waits for followers.
 
-`CacheTap` joins this to the relay: it feeds a `StreamRecorder` and the leader
-with every chunk the relay passes to the leader's client.
+The relay (dataplane.streaming.relay) hands the leader every chunk it passes
+to the leader's client.
 
 Everything runs on one event loop; nothing here is thread-safe. The leader never
 blocks; followers wait on an asyncio.Event that is set and replaced at each
@@ -38,7 +38,7 @@ import itertools
 from dataclasses import dataclass
 from types import TracebackType
 
-from dataplane.cache.entry import CachedResponse, StreamRecorder
+from dataplane.cache.entry import CachedResponse
 
 
 class FlightFailed(Exception):
@@ -295,28 +295,3 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, asyncio.CancelledError):
         return "the leading request was cancelled"
     return f"the leading request failed: {type(error).__name__}: {error}"
-
-
-class CacheTap:
-    """A stream tap (dataplane.upstream.StreamTap) for a cacheable streamed miss:
-    records the relayed bytes and publishes them to the flight as they pass.
-
-    One per relay, owned by the handler's task. `end` only notes how the relay
-    ended; the handler judges and stores afterwards (storing may suspend, a tap
-    may not): `entry = tap.recorder.finish(now=...) if tap.complete else None`.
-    """
-
-    __slots__ = ("complete", "leader", "recorder")
-
-    def __init__(self, recorder: StreamRecorder, leader: Leader | None = None) -> None:
-        self.recorder = recorder
-        self.leader = leader
-        self.complete = False
-
-    def feed(self, chunk: bytes) -> None:
-        self.recorder.feed(chunk)
-        if self.leader is not None:
-            self.leader.chunk(chunk)
-
-    def end(self, complete: bool) -> None:
-        self.complete = complete

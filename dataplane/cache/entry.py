@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane import jsonio
+from dataplane.streaming.sse import Event, SseParser
 
 # Approximate memory of the Python objects around the payload bytes, so the
 # store's byte bound tracks memory rather than only payload length.
@@ -97,19 +98,30 @@ def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> s
     return None if seen else "no choices"
 
 
+_UNPARSED: Any = object()
+
+
 def from_completion(
-    body: bytes, *, now: float, store_truncated: bool = False, max_bytes: int | None = None
+    body: bytes,
+    *,
+    now: float,
+    store_truncated: bool = False,
+    max_bytes: int | None = None,
+    parsed: Any = _UNPARSED,
 ) -> CachedResponse | None:
     """Wrap a non-streamed 200 body, or None when it must not be kept: not a JSON
     object, an error object, an unknown shape, no choices, a choice that did not
     finish naturally (see `finish_refusal`), or larger than max_bytes. The caller
-    checks the status first: only a 200 may be passed here."""
+    checks the status first: only a 200 may be passed here. `parsed` is the body
+    already parsed by the caller (None if it is not JSON), so it is parsed once."""
     if max_bytes is not None and len(body) + ENTRY_OVERHEAD > max_bytes:
         return None
-    try:
-        obj = jsonio.loads(body)
-    except jsonio.JSONDecodeError:
-        return None
+    obj = parsed
+    if obj is _UNPARSED:
+        try:
+            obj = jsonio.loads(body)
+        except jsonio.JSONDecodeError:
+            return None
     if not isinstance(obj, dict) or obj.get("error") is not None:
         return None
     kind = _body_kind(obj)
@@ -144,21 +156,15 @@ def _body_kind(obj: dict[str, Any]) -> ResponseKind | None:
     return None
 
 
-_LINE_END = re.compile(rb"\r\n|\r|\n")
-
-
 class StreamRecorder:
     """Records a stream relayed to a client and judges it at the end.
 
-    One per streamed relay; not shared between tasks. The relay calls `feed` with
-    every chunk of bytes as it is sent on (splits may fall anywhere, even inside a
-    line ending), then `finish` once the origin's stream has ended. On a cut
-    stream or a client disconnect the relay simply does not call `finish` (or
-    calls it and gets None, as no [DONE] was seen).
-
-    The parser follows the SSE rules: lines end with CRLF, LF or CR; a blank line
-    ends an event; `data:` lines are joined with newlines; lines starting with ':'
-    are comments; an event whose `event:` field is `error` is an error.
+    One per streamed relay; not shared between tasks. The relay hands it every
+    parsed event (`event`, from the relay's `SseParser`) or every chunk of bytes
+    (`feed`, which parses them itself), then calls `finish` once the origin's
+    stream has ended. On a cut stream or a client disconnect the relay simply
+    does not call `finish` (or calls it and gets None, as no [DONE] was seen).
+    An event named `error` is an error.
 
     `finish` gives None when the stream is not a complete, natural answer: no
     [DONE], an error event or error object, a chunk that is not a JSON object with
@@ -171,11 +177,7 @@ class StreamRecorder:
     def __init__(self, *, store_truncated: bool = False, max_bytes: int | None = None) -> None:
         self._store_truncated = store_truncated
         self._max_bytes = max_bytes
-        self._buf = bytearray()
-        # How much of _buf is known to hold no line ending.
-        self._scanned = 0
-        self._data: list[bytes] = []
-        self._event = b""
+        self._parser: SseParser | None = None  # only when fed bytes
         self._chunks: list[bytes] = []
         self._usage_only: set[int] = set()
         self._size = ENTRY_OVERHEAD
@@ -186,38 +188,24 @@ class StreamRecorder:
         self.reason: str | None = None
 
     def feed(self, data: bytes) -> None:
+        """Parse and record raw bytes (for a caller without a parser of its own)."""
         if self.reason is not None or not data:
             return
-        buf = self._buf
-        buf.extend(data)
-        start = 0
-        search = self._scanned
-        while True:
-            m = _LINE_END.search(buf, search)
-            if m is None:
-                search = len(buf)
-                break
-            if m.end() == len(buf) and m.end() - m.start() == 1 and buf[m.start()] == 0x0D:
-                # A CR at the very end may be the first half of a CRLF.
-                search = m.start()
-                break
-            self._line(bytes(buf[start : m.start()]))
-            start = search = m.end()
-            if self._failed():
-                self._buf.clear()
-                return
-        del buf[:start]
-        self._scanned = search - start
+        if self._parser is None:
+            self._parser = SseParser()
+        for event in self._parser.feed(data):
+            self.event(event)
 
-    def finish(self, *, now: float) -> CachedResponse | None:
-        """Judge the stream once it has ended; see the class docstring."""
-        if self.reason is None and self._buf:
-            # Whatever is left is a last line without its ending (a lone CR
-            # included); an event it starts is incomplete.
-            self._line(bytes(self._buf.rstrip(b"\r")))
-            self._buf.clear()
-        if self.reason is None and self._data:
-            if not self._done and b"\n".join(self._data).strip() == b"[DONE]":
+    def finish(self, *, now: float, open_event: Event | None = None) -> CachedResponse | None:
+        """Judge the stream once it has ended; see the class docstring.
+
+        open_event: what the stream's parser held when it ended (its `close()`);
+        a recorder fed bytes closes its own parser.
+        """
+        if self._parser is not None:
+            open_event = self._parser.close()
+        if self.reason is None and open_event is not None:
+            if not self._done and open_event.done:
                 # Lenient on the last [DONE] without its blank line only.
                 self._done = True
             else:
@@ -241,39 +229,21 @@ class StreamRecorder:
             usage_only=frozenset(self._usage_only),
         )
 
-    def _failed(self) -> bool:
-        # A method rather than a test of self.reason inline: mypy would keep the
-        # narrowing from the top of feed() across the calls that may set it.
-        return self.reason is not None
-
     def _fail(self, reason: str) -> None:
         self.reason = reason
         self._chunks.clear()
 
-    def _line(self, line: bytes) -> None:
-        if not line:
-            self._dispatch()
+    def event(self, ev: Event) -> None:
+        """Record one parsed event of the stream."""
+        if self.reason is not None:
             return
-        if line[0] == 0x3A:  # ':' starts a comment (keep-alives)
-            return
-        name, _, value = line.partition(b":")
-        if value[:1] == b" ":
-            value = value[1:]
-        if name == b"data":
-            self._data.append(value)
-        elif name == b"event":
-            self._event = value
-
-    def _dispatch(self) -> None:
-        data, event = self._data, self._event
-        self._data, self._event = [], b""
-        if event == b"error":
+        if ev.name == b"error":
             self._fail("an error event")
             return
-        if not data or self._done:
+        payload = ev.data
+        if not payload or self._done:
             return
-        payload = data[0] if len(data) == 1 else b"\n".join(data)
-        if payload.strip() == b"[DONE]":
+        if ev.done:
             self._done = True
             return
         try:
@@ -312,7 +282,7 @@ class StreamRecorder:
                 self._finish[index] = reason
             else:
                 self._finish.setdefault(index, None)
-        if len(data) > 1:
+        if b"\n" in payload:
             # Replays frame each payload as one data line.
             payload = jsonio.dumps(obj)
         if not choices and obj.get("usage") is not None:

@@ -22,7 +22,7 @@ from dataplane.cache.entry import (
     to_completion,
     to_sse_chunks,
 )
-from dataplane.upstream import sse_error_event
+from dataplane.upstream.forwarder import sse_error_event
 
 NOW = 1000.0
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}

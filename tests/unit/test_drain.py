@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from dataplane.handlers import errors_and_metrics
+from dataplane.http.boundary import errors_and_metrics
+from dataplane.http.state import DRAINING, METRICS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import parse
-from dataplane.state import DRAINING, METRICS, Draining
 
 
 async def plain(request: web.Request) -> web.Response:

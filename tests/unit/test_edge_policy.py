@@ -10,15 +10,17 @@ from typing import Any
 
 import pytest
 
+from dataplane import jsonio
 from dataplane.assemble import NO_RULES, PromptRules, assemble
 from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
-from dataplane.errors import ApiError
+from dataplane.http.errors import ApiError
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults, build_policy
-from dataplane.quota import QUOTA_FILE, QuotaState
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.routes import TableError
-from dataplane.usage import Usage, UsageTap, usage_of_body
+from dataplane.streaming.sse import SseParser
+from dataplane.streaming.usage import Usage, UsageCounter, usage_of
+from dataplane.sync.quota import QUOTA_FILE, QuotaState
 from ponto.apikeys import issue_key
 from ponto.quota_types import NO_SHARE, ScopeLimits, Share
 from ponto.v1 import routing_pb2 as pb
@@ -363,7 +365,14 @@ def test_broken_jwks_file_raises_table_error(tmp_path: Path, content: bytes | No
 # ---------------------------------------------------------------- usage
 
 
-def test_usage_of_body() -> None:
+def usage_of_body(body: bytes) -> Usage | None:
+    try:
+        return usage_of(jsonio.loads(body))
+    except jsonio.JSONDecodeError:
+        return None
+
+
+def test_usage_of_a_parsed_answer() -> None:
     assert usage_of_body(
         b'{"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 30}}'
     ) == Usage(12, 30, exact=True)
@@ -393,14 +402,16 @@ CONTENT = [
 USAGE = '{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}'
 
 
-def tap_all(stream: bytes, cuts: list[int]) -> UsageTap:
-    tap = UsageTap()
+def tap_all(stream: bytes, cuts: list[int]) -> UsageCounter:
+    """A counter fed `stream` through one parser, split at `cuts`."""
+    counter = UsageCounter()
+    parser = SseParser()
     start = 0
     for cut in [*cuts, len(stream)]:
-        tap.feed(stream[start:cut])
+        for ev in parser.feed(stream[start:cut]):
+            counter.event(ev)
         start = cut
-    tap.end(True)
-    return tap
+    return counter
 
 
 @pytest.mark.parametrize("newline", ["\n", "\r\n"], ids=["lf", "crlf"])
@@ -413,7 +424,6 @@ def test_usage_tap_counts_content_events_across_any_split(newline: str) -> None:
         assert tap.result(prompt_estimate=20) == Usage(20, 3, exact=False)
     bytewise = tap_all(stream, list(range(1, len(stream))))
     assert bytewise.content_events == 3
-    assert bytewise.complete is True
 
 
 @pytest.mark.parametrize("newline", ["\n", "\r\n"], ids=["lf", "crlf"])
@@ -473,14 +483,14 @@ def test_usage_null_is_ignored_in_both_spellings() -> None:
 
 
 def test_an_unterminated_last_event_is_not_counted_and_bad_usage_is_ignored() -> None:
-    tap = UsageTap()
-    tap.feed(b'data: {"usage": {"prompt_tokens": "many"}}\n\n')
-    tap.feed(b'data: {not json, but mentions "usage"}\n\n')
-    tap.feed(b'data: {"choices":[{"delta":{"content":"cut off')
-    tap.end(False)
+    tap = tap_all(
+        b'data: {"usage": {"prompt_tokens": "many"}}\n\n'
+        b'data: {not json, but mentions "usage"}\n\n'
+        b'data: {"choices":[{"delta":{"content":"cut off',
+        [],
+    )
     assert tap.usage is None
     assert tap.content_events == 0
-    assert tap.complete is False
     assert tap.result(prompt_estimate=1) == Usage(1, 0)
 
 
@@ -504,7 +514,26 @@ class Clock:
 def quota_state(state_dir: Path | None = None) -> tuple[QuotaState, RateLimiter, Clock]:
     limiter = RateLimiter()
     clock = Clock()
-    return QuotaState(limiter, state_dir=state_dir, clock=clock), limiter, clock
+    state = QuotaState(limiter, state_dir=state_dir, clock=clock)
+    state.load_saved()
+    return state, limiter, clock
+
+
+def test_constructing_reads_nothing(tmp_path: Path) -> None:
+    QuotaState(RateLimiter(), state_dir=tmp_path).on_quota(shares_msg(0.5, generation=3))
+    fresh = QuotaState(RateLimiter(), state_dir=tmp_path)
+    assert not fresh.heard  # the composition root loads saved shares at start
+    fresh.load_saved()
+    assert fresh.heard
+
+
+async def test_saving_runs_off_the_event_loop_and_keeps_the_newest(tmp_path: Path) -> None:
+    state = QuotaState(RateLimiter(), state_dir=tmp_path)
+    for generation in range(1, 6):
+        state.on_quota(shares_msg(0.5, generation=generation))
+    await state.flush()
+    saved = pb.QuotaShares.FromString((tmp_path / QUOTA_FILE).read_bytes())
+    assert saved.generation == 5
 
 
 def shares_msg(default: float, generation: int = 7, **shares: tuple[float, int]) -> pb.QuotaShares:
@@ -592,7 +621,7 @@ def test_shares_are_saved_and_used_after_a_restart(tmp_path: Path) -> None:
 
 def test_a_damaged_saved_copy_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / QUOTA_FILE).write_bytes(b"\xff\xff\xff not a protobuf")
-    with caplog.at_level(logging.ERROR, logger="dataplane.quota"):
+    with caplog.at_level(logging.ERROR, logger="dataplane.sync.quota"):
         state, limiter, _ = quota_state(tmp_path)
     assert not state.heard
     state.on_limits(LIMITS)

@@ -1,4 +1,4 @@
-"""dataplane.auth.credentials: an origin's upstream credential from env or file."""
+"""dataplane.upstream.credentials: an origin's upstream credential from env or file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.auth import CredentialError, OriginCredentials
+from dataplane.upstream.credentials import CredentialError, OriginCredentials
 
 SECRET = "upstream-token-0123456789"
 

@@ -1,11 +1,11 @@
-"""dataplane.outlier: passive ejection of failing origins, and the retry budget."""
+"""dataplane.upstream.outlier: passive ejection of failing origins, and the retry budget."""
 
 from __future__ import annotations
 
 import pytest
 
-from dataplane.outlier import OutlierDetector, RetryBudget
 from dataplane.routes import Target
+from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 
 
 class FakeClock:

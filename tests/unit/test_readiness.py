@@ -22,9 +22,9 @@ from controlplane.app import ControlPlane
 from controlplane.readiness import LIVENESS, READINESS, STORE, Condition, statuses
 from controlplane.settings import parse
 from controlplane.store.memory import MemoryStore
-from dataplane.app import build_app
+from dataplane.http.server import build_app
+from dataplane.http.state import HOLDER
 from dataplane.settings import parse as parse_proxy
-from dataplane.state import HOLDER
 from ponto.devenv import free_port
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb

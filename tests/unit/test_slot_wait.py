@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from dataplane import handlers
+from dataplane.http import pipeline as handlers
 from dataplane.ratelimit import RateLimiter, ScopeLimits, Share
 from dataplane.ratelimit.limiter import JOIN_WINDOW_S
 
@@ -71,7 +71,7 @@ async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
     refused = rl.admit([T], 1, 1.0)
     assert refused.limit == "concurrency"
     attempts = rl._scopes[T].attempts
-    waiting = asyncio.create_task(handlers._admit_after_next_share(rl, [T], 1))
+    waiting = asyncio.create_task(handlers.admit_after_next_share(rl, [T], 1))
     await asyncio.sleep(0.12)
     rl.apply_shares({T: Share(0.0, 0)}, 1.0)  # a share, still no slot: keeps waiting
     await asyncio.sleep(0.12)
@@ -89,7 +89,7 @@ async def test_without_a_new_slot_the_wait_ends_in_the_refusal(
 ) -> None:
     monkeypatch.setattr(handlers, "SLOT_WAIT_S", 0.2)
     rl = limiter(0)
-    admission = await asyncio.wait_for(handlers._admit_after_next_share(rl, [T], 1), 2.0)
+    admission = await asyncio.wait_for(handlers.admit_after_next_share(rl, [T], 1), 2.0)
     assert not admission.ok and admission.limit == "concurrency"
     assert rl.in_flight(T) == 0
     assert rl._scopes[T].waiting == 0

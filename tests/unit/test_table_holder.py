@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.routes import TableError
-from dataplane.sync import TABLE_FILE, TableHolder
+from dataplane.sync.holder import TABLE_FILE, TableHolder
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""The cache step of the request pipeline: exact, then semantic, then one origin call.
+"""The cache step of the request pipeline: decides how a request is answered.
 
     decide (tenant policy, Cache-Control, determinism)
       bypass -> origin, `x-ponto-cache: bypass`
@@ -6,6 +6,10 @@
              -> semantic neighbour?     -> replay, `hit` + similarity
              -> identical request in flight? -> follow it (same chunks), `hit`
              -> lead: origin call, recorded; stored only if it ended properly
+
+`EdgeCache.plan` returns a `CachePlan`; the pipeline answers accordingly
+(`dataplane.http.answer`) and hands the outcome back (`settle_body`,
+`settle_stream`). The cache never calls an origin or writes to a client.
 
 Replays keep the stored form's chunking: a stored stream answers a streaming
 request with its own chunks and a non-streaming one with the assembled body;
@@ -20,20 +24,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiohttp import web
-
-from dataplane.cache.coalesce import CacheTap, Coalescer, FlightFailed, Follower, Leader
-from dataplane.cache.entry import (
-    CachedResponse,
-    StreamRecorder,
-    from_completion,
-    to_completion,
-    to_sse_chunks,
-)
+from dataplane.cache.coalesce import Coalescer, Follower, Leader
+from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion
 from dataplane.cache.keys import (
     UncacheableRequest,
     cache_key,
@@ -44,8 +40,7 @@ from dataplane.cache.policy import CacheMode, Decision, Reason, RequestCacheCont
 from dataplane.cache.store import ExactStore
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
-from dataplane.upstream import StreamTap, sse_error_event
-from dataplane.usage import Taps
+from dataplane.streaming.relay import RelayEnd
 
 if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
     from dataplane.cache.semantic import SemanticHit
@@ -55,9 +50,6 @@ log = logging.getLogger(__name__)
 HEADER = "x-ponto-cache"
 NO_DIRECTIVES = RequestCacheControl()
 SIMILARITY = "x-ponto-cache-similarity"
-
-# Calls the origins with a tap and extra response headers; raises ApiError.
-OriginCall = Callable[[StreamTap | None, Sequence[tuple[str, str]]], Awaitable[web.StreamResponse]]
 
 
 class SemanticLayer(Protocol):
@@ -86,6 +78,39 @@ class CacheRequest:
     body: dict[str, Any]
     tenant: TenantRules
     stream: bool
+    # The request's Cache-Control header(s), joined; "" without one.
+    cache_control: str = ""
+    # The client headers forwarded to origins: they can change the answer.
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class CachePlan:
+    """What the cache step decided for one request; the pipeline carries it out.
+
+    Exactly one way to answer: from `entry` (a hit), by following another
+    request's origin call (`follower`), or by calling an origin; in the last
+    case the answer is stored under `key` when it is set (a miss), through
+    `settle_body` or `settle_stream`. `abandon` must run whatever happens, so a
+    flight this request leads never leaves its followers waiting.
+    """
+
+    outcome: str  # the x-ponto-cache header: "hit", "miss" or "bypass"
+    include_usage: bool = False
+    entry: CachedResponse | None = None
+    similarity: float | None = None
+    follower: Follower | None = None
+    key: str = ""
+    leader: Leader | None = None
+    recorder: StreamRecorder | None = None
+    # The semantic layer's namespace and text, when the answer is to be indexed.
+    context: str = ""
+    text: str = ""
+
+    def abandon(self, error: BaseException | None = None) -> None:
+        """Report a failure to the flight this request leads, unless it finished."""
+        if self.leader is not None and not self.leader.finished:
+            self.leader.finish(None, error or RuntimeError("the leading request ended early"))
 
 
 class EdgeCache:
@@ -173,22 +198,21 @@ class EdgeCache:
 
     # ------------------------------------------------------------ requests
 
-    async def respond(self, request: web.Request, req: CacheRequest, origin: OriginCall,
-                      usage_tap: StreamTap | None) -> web.StreamResponse:  # fmt: skip
+    async def plan(self, req: CacheRequest) -> CachePlan:
+        """Decide how `req` is answered: see the module docstring."""
         policy = req.tenant.cache
-        header = request.headers.getall("cache-control", None)
-        cc = RequestCacheControl.parse(", ".join(header)) if header else NO_DIRECTIVES
+        cc = RequestCacheControl.parse(req.cache_control) if req.cache_control else NO_DIRECTIVES
         decision = decide(policy, req.endpoint, req.body, cc)
         model = req.body["model"]
         key = ""
         if decision.lookup or decision.store:
             try:
-                key = self._key(request, req)
+                key = self._key(req)
             except UncacheableRequest:
                 decision = Decision(False, False, Reason.NONDETERMINISTIC)
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
-            return await origin(usage_tap, ((HEADER, "bypass"),))
+            return CachePlan("bypass")
         include_usage = _include_usage(req.body)
         context = text = ""
         if decision.semantic and self.semantic is None:
@@ -196,12 +220,13 @@ class EdgeCache:
         if decision.semantic and self.semantic is not None:
             text = last_user_text(req.body["messages"]) or ""
             if text:
-                context = self._context(request, req)
+                context = self._context(req)
+        leader: Leader | None = None
         if decision.lookup:
             entry = await self.store.get(key)
             if entry is not None and cc.accepts_age(self._clock() - entry.created_at):
                 self._count("hit", "exact")
-                return await self._replay(request, entry, req.stream, include_usage, ())
+                return CachePlan("hit", include_usage, entry=entry)
             if text and self.semantic is not None:
                 found = await self.semantic.lookup(
                     req.tenant.name, model, context, text, policy.semantic_threshold
@@ -210,109 +235,90 @@ class EdgeCache:
                     near = await self.store.get(found.key)
                     if near is not None and cc.accepts_age(self._clock() - near.created_at):
                         self._count("hit", "semantic")
-                        similarity = ((SIMILARITY, f"{found.similarity:.4f}"),)
-                        return await self._replay(
-                            request, near, req.stream, include_usage, similarity
+                        return CachePlan(
+                            "hit", include_usage, entry=near, similarity=found.similarity
                         )
                     self.semantic.remove(found.key)  # its answer is gone
+            # No await between the miss above and joining: see Coalescer.
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
-                return await self._follow(request, req, flight, include_usage, origin, usage_tap)
-            with flight:
-                return await self._lead(req, key, flight, origin, usage_tap, context, text)
-        return await self._lead(req, key, None, origin, usage_tap, context, text)
+                return CachePlan("hit", include_usage, follower=flight, key=key)
+            leader = flight
+        return self._fill(req, key, leader, context, text, include_usage)
 
-    async def _lead(
+    def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
+        """A follower whose flight failed before it got a byte calls an origin
+        itself; its answer is still stored (no semantic indexing, no flight)."""
+        return self._fill(req, plan.key, None, "", "", plan.include_usage)
+
+    def _fill(
         self,
         req: CacheRequest,
         key: str,
         leader: Leader | None,
-        origin: OriginCall,
-        usage_tap: StreamTap | None,
         context: str,
         text: str,
-    ) -> web.StreamResponse:
-        policy = req.tenant.cache
-        self._count("miss", "exact")
-        recorder: CacheTap | None = None
-        tap = usage_tap
-        if req.stream:
-            recorder = CacheTap(
-                StreamRecorder(
-                    store_truncated=policy.store_truncated, max_bytes=policy.max_entry_bytes
-                ),
-                leader,
-            )
-            tap = Taps(usage_tap, recorder) if usage_tap is not None else recorder
-        response = await origin(tap, ((HEADER, "miss"),))
-        entry: CachedResponse | None = None
-        now = self._clock()
-        if response.status == 200:
-            if recorder is not None:
-                entry = recorder.recorder.finish(now=now) if recorder.complete else None
-            elif isinstance(response, web.Response) and isinstance(response.body, bytes):
-                entry = from_completion(
-                    response.body,
-                    now=now,
-                    store_truncated=policy.store_truncated,
-                    max_bytes=policy.max_entry_bytes,
-                )
-        if entry is not None:
-            model = req.body["model"]
-            stored = await self.store.put(
-                key, entry, tenant=req.tenant.name, model=model, ttl_s=policy.ttl_s
-            )
-            if stored and text and self.semantic is not None:
-                await self.semantic.insert(req.tenant.name, model, context, text, key)
-        if leader is not None:
-            if recorder is not None and not recorder.complete:
-                leader.finish(None, RuntimeError("the origin's stream did not end properly"))
-            else:
-                leader.finish(entry)
-        return response
-
-    async def _follow(
-        self,
-        request: web.Request,
-        req: CacheRequest,
-        follower: Follower,
         include_usage: bool,
-        origin: OriginCall,
-        usage_tap: StreamTap | None,
-    ) -> web.StreamResponse:
-        headers = ((HEADER, "hit"), ("x-ponto-coalesced", "1"))
-        out: web.StreamResponse | None = None
-        try:
-            with follower:
-                if not req.stream:
-                    entry = await follower.result()
-                    self._count("hit", "coalesced")
-                    return self._json(to_completion(entry), headers)
-                async for chunk in follower:
-                    if out is None:
-                        out = await self._start_stream(request, headers)
-                    await out.write(chunk)
-                if out is None:  # the leader answered without streaming
-                    entry = await follower.result()
-                    out = await self._start_stream(request, headers)
-                    for frame in to_sse_chunks(entry, include_usage=include_usage):
-                        await out.write(frame)
-                self._count("hit", "coalesced")
-                await out.write_eof()
-                return out
-        except FlightFailed as exc:
-            if out is None and exc.delivered == 0:
-                # Nothing reached this client: make its own call (and keep it).
-                return await self._lead(
-                    req, self._key(request, req), None, origin, usage_tap, "", ""
-                )
-            if out is None:  # pragma: no cover - delivered implies started
-                raise
-            await out.write(sse_error_event(f"the shared origin call failed: {exc}"))
-            await out.write_eof()
-            return out
+    ) -> CachePlan:
+        self._count("miss", "exact")
+        policy = req.tenant.cache
+        recorder = None
+        if req.stream:
+            recorder = StreamRecorder(
+                store_truncated=policy.store_truncated, max_bytes=policy.max_entry_bytes
+            )
+        return CachePlan(
+            "miss",
+            include_usage,
+            key=key,
+            leader=leader,
+            recorder=recorder,
+            context=context,
+            text=text,
+        )
 
-    def _context(self, request: web.Request, req: CacheRequest) -> str:
+    async def settle_body(
+        self, req: CacheRequest, plan: CachePlan, status: int, body: bytes, obj: Any
+    ) -> None:
+        """Keep a non-streamed answer (`obj` is `body` parsed, or None if it is
+        not JSON) when it is a complete 200, and tell the flight."""
+        entry = None
+        if status == 200 and plan.key:
+            policy = req.tenant.cache
+            entry = from_completion(
+                body,
+                now=self._clock(),
+                store_truncated=policy.store_truncated,
+                max_bytes=policy.max_entry_bytes,
+                parsed=obj,
+            )
+        await self._keep(req, plan, entry)
+        if plan.leader is not None:
+            plan.leader.finish(entry)
+
+    async def settle_stream(self, req: CacheRequest, plan: CachePlan, end: RelayEnd) -> None:
+        """Keep a relayed stream that ended properly as a complete, natural answer."""
+        entry = None
+        if end.complete and plan.recorder is not None and plan.key:
+            entry = plan.recorder.finish(now=self._clock(), open_event=end.open_event)
+        await self._keep(req, plan, entry)
+        if plan.leader is not None:
+            if end.complete:
+                plan.leader.finish(entry)
+            else:
+                plan.leader.finish(None, RuntimeError("the origin's stream did not end properly"))
+
+    async def _keep(self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None) -> None:
+        if entry is None:
+            return
+        model = req.body["model"]
+        stored = await self.store.put(
+            plan.key, entry, tenant=req.tenant.name, model=model, ttl_s=req.tenant.cache.ttl_s
+        )
+        if stored and plan.text and self.semantic is not None:
+            await self.semantic.insert(req.tenant.name, model, plan.context, plan.text, plan.key)
+
+    def _context(self, req: CacheRequest) -> str:
         """Everything but the last user message, exactly: the semantic namespace.
 
         The exact key of the request with that message blanked covers the
@@ -325,55 +331,25 @@ class EdgeCache:
             if isinstance(m, dict) and m.get("role") == "user":
                 messages[i] = {**m, "content": ""}
                 break
-        blanked = CacheRequest(req.endpoint, {**req.body, "messages": messages}, req.tenant, False)
-        return context_hash(messages) + ":" + self._key(request, blanked)
+        blanked = CacheRequest(
+            req.endpoint,
+            {**req.body, "messages": messages},
+            req.tenant,
+            False,
+            headers=req.headers,
+        )
+        return context_hash(messages) + ":" + self._key(blanked)
 
-    def _key(self, request: web.Request, req: CacheRequest) -> str:
+    def _key(self, req: CacheRequest) -> str:
         headers = None
         if self._forward_headers:
-            headers = {
-                h: v for h in self._forward_headers if (v := request.headers.get(h)) is not None
-            }
+            headers = {h: v for h in self._forward_headers if (v := req.headers.get(h)) is not None}
         return cache_key(
             req.endpoint, req.body, tenant=req.tenant.name, model=req.body["model"], headers=headers
         )
 
-    # ------------------------------------------------------------ replies
-
-    async def _replay(
-        self,
-        request: web.Request,
-        entry: CachedResponse,
-        stream: bool,
-        include_usage: bool,
-        extra: Sequence[tuple[str, str]],
-    ) -> web.StreamResponse:
-        headers = ((HEADER, "hit"), *extra)
-        if not stream:
-            return self._json(to_completion(entry), headers)
-        out = await self._start_stream(request, headers)
-        # One write per frame: the client sees the stored chunking.
-        for frame in to_sse_chunks(entry, include_usage=include_usage):
-            await out.write(frame)
-        await out.write_eof()
-        return out
-
-    def _json(self, body: bytes, headers: Sequence[tuple[str, str]]) -> web.Response:
-        response = web.Response(body=body, content_type="application/json")
-        response.headers.extend(headers)
-        return response
-
-    async def _start_stream(
-        self, request: web.Request, headers: Sequence[tuple[str, str]]
-    ) -> web.StreamResponse:
-        out = web.StreamResponse(status=200)
-        out.content_type = "text/event-stream"
-        out.headers["cache-control"] = "no-cache"
-        out.headers.extend(headers)
-        for name, value in request.get("limit_headers") or ():
-            out.headers[name] = value
-        await out.prepare(request)
-        return out
+    def count_coalesced(self) -> None:
+        self._count("hit", "coalesced")
 
     def _count(self, result: str, kind: str) -> None:
         m = self._metrics
@@ -385,4 +361,4 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-__all__ = ["CacheRequest", "EdgeCache", "SemanticLayer"]
+__all__ = ["CachePlan", "CacheRequest", "EdgeCache", "SemanticLayer"]

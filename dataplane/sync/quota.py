@@ -21,7 +21,7 @@ from pathlib import Path
 from dataplane.ratelimit.limiter import RateLimiter
 from ponto.quota_types import ScopeLimits, Share, default_share
 from ponto.v1 import routing_pb2 as pb
-from ponto.writefile import write_atomic
+from ponto.writefile import LatestWriter
 
 log = logging.getLogger(__name__)
 QUOTA_FILE = "quota_shares.pb"
@@ -44,7 +44,14 @@ class QuotaState:
         self.default_fraction = 0.0
         # True once shares came from the leader or from the saved copy.
         self.heard = False
-        self._load()
+        self._saved = (
+            None
+            if state_dir is None
+            else LatestWriter(
+                state_dir / QUOTA_FILE,
+                lambda exc: log.error("cannot save quota shares to %s: %s", state_dir, exc),
+            )
+        )
 
     @property
     def ready(self) -> bool:
@@ -90,14 +97,16 @@ class QuotaState:
     # ------------------------------------------------------------ saved copy
 
     def _save(self, quota: pb.QuotaShares) -> None:
-        if self._state_dir is None:
-            return
-        try:
-            write_atomic(self._state_dir / QUOTA_FILE, quota.SerializeToString())
-        except OSError as exc:
-            log.error("cannot save quota shares to %s: %s", self._state_dir, exc)
+        if self._saved is not None:
+            self._saved.save(quota.SerializeToString())
 
-    def _load(self) -> None:
+    async def flush(self) -> None:
+        """Wait until the newest shares are saved (the fsync runs in a thread)."""
+        if self._saved is not None:
+            await self._saved.flush()
+
+    def load_saved(self) -> None:
+        """Take the shares saved by an earlier run, if there is a valid copy."""
         if self._state_dir is None:
             return
         path = self._state_dir / QUOTA_FILE

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dataplane import jsonio
+from dataplane.streaming.sse import Event
 
 
 @dataclass(slots=True)
@@ -35,15 +36,9 @@ def _from_usage(obj: object) -> Usage | None:
     return Usage(prompt, completion, exact=True)
 
 
-def usage_of_body(body: bytes) -> Usage | None:
-    """The usage of a complete JSON answer, or None if it has none."""
-    if b'"usage"' not in body:
-        return None
-    try:
-        data = jsonio.loads(body)
-    except jsonio.JSONDecodeError:
-        return None
-    return _from_usage(data.get("usage")) if isinstance(data, dict) else None
+def usage_of(obj: object) -> Usage | None:
+    """The usage of a complete answer already parsed, or None if it has none."""
+    return _from_usage(obj.get("usage")) if isinstance(obj, dict) else None
 
 
 # A delta with generated text, in compact or spaced JSON. An empty string
@@ -70,65 +65,35 @@ def _has_text(event: bytes) -> bool:
     return False
 
 
-class UsageTap:
-    """Counts a relayed SSE stream as it passes (a StreamTap).
+class UsageCounter:
+    """Counts a relayed stream from its parsed events (one `SseParser` per relay).
 
-    Cheap: events are split on blank lines; only an event that mentions
-    "usage" is parsed as JSON.
+    Cheap: only an event that mentions a non-null "usage" is parsed as JSON;
+    the others are searched for a text delta.
     """
 
-    __slots__ = ("_buf", "complete", "content_events", "usage")
+    __slots__ = ("content_events", "usage")
 
     def __init__(self) -> None:
-        self._buf = b""
         self.content_events = 0
         self.usage: Usage | None = None
-        self.complete = False
 
-    def feed(self, chunk: bytes) -> None:
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r\n" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
-        *events, self._buf = buf.split(b"\n\n")
-        for event in events:
-            if (
-                b'"usage"' in event
-                and b'"usage":null' not in event
-                and b'"usage": null' not in event
-            ):
-                payload = event.partition(b"data:")[2].strip()
-                try:
-                    data = jsonio.loads(payload)
-                except jsonio.JSONDecodeError:
-                    data = None
-                if isinstance(data, dict):
-                    found = _from_usage(data.get("usage"))
-                    if found is not None:
-                        self.usage = found
-            if _has_text(event):
-                self.content_events += 1
-
-    def end(self, complete: bool) -> None:
-        self.complete = complete
+    def event(self, ev: Event) -> None:
+        data = ev.data
+        if b'"usage"' in data and b'"usage":null' not in data and b'"usage": null' not in data:
+            try:
+                obj = jsonio.loads(data)
+            except jsonio.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict):
+                found = _from_usage(obj.get("usage"))
+                if found is not None:
+                    self.usage = found
+        if _has_text(data):
+            self.content_events += 1
 
     def result(self, prompt_estimate: int) -> Usage:
+        """The origin's own count if it sent one, else the estimate and the events."""
         if self.usage is not None:
             return self.usage
         return Usage(prompt_estimate, self.content_events)
-
-
-class Taps:
-    """Several taps as one."""
-
-    __slots__ = ("_taps",)
-
-    def __init__(self, *taps: object) -> None:
-        self._taps = taps
-
-    def feed(self, chunk: bytes) -> None:
-        for tap in self._taps:
-            tap.feed(chunk)  # type: ignore[attr-defined]
-
-    def end(self, complete: bool) -> None:
-        for tap in self._taps:
-            tap.end(complete)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ injected clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dataplane.routes import Target
@@ -72,17 +72,17 @@ class OutlierDetector:
         state = self._states.get(origin)
         return state is not None and state.until > self._clock()
 
-    def order(self, candidates: list[Target]) -> list[Target]:
+    def order(self, candidates: Sequence[Target]) -> list[Target]:
         """Candidates with ejected origins moved last, order otherwise kept."""
         if not self._states:
-            return candidates
+            return list(candidates)
         now = self._clock()
         live: list[Target] = []
         out: list[Target] = []
         for target in candidates:
             state = self._states.get(target.name)
             (out if state is not None and state.until > now else live).append(target)
-        return live + out if out else candidates
+        return live + out
 
 
 class RetryBudget:

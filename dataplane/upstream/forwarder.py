@@ -1,30 +1,28 @@
-"""Calling origins: ordered failover before the first byte, then a committed relay.
+"""Calling origins: ordered failover until one commits to an answer.
 
-Contract: an attempt may be retried on the next candidate only while nothing has
-been sent to the client (connect error, 5xx, timeout or a cut before the first
-body chunk). Once the response has started, a failure ends it: a non-streaming
-response cannot be started (its body is read whole first), and a stream is
-closed with a well-formed SSE error event and `data: [DONE]`, never a hang.
+Contract: an attempt may be retried on the next candidate only while nothing can
+have reached the client: connect error, 5xx, timeout, or a cut before the whole
+body (non-streaming) or the first chunk (streaming) arrived. `forward` returns
+the committed answer without writing anything; the caller relays it
+(`dataplane.streaming.relay`) and releases it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import aiohttp
-from aiohttp import web
 from multidict import CIMultiDict
 
 from dataplane import jsonio
-from dataplane.auth.credentials import CredentialError
-from dataplane.errors import upstream_error
+from dataplane.http.errors import upstream_error
 from dataplane.metrics import Metrics
-from dataplane.outlier import OutlierDetector, RetryBudget
 from dataplane.routes import Target
+from dataplane.upstream.credentials import CredentialError
+from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +64,6 @@ class UpstreamSettings:
     forward_headers: tuple[str, ...] = ()
 
 
-class StreamTap(Protocol):
-    """Sees every chunk relayed to the client, then how the stream ended."""
-
-    def feed(self, chunk: bytes) -> None: ...
-
-    def end(self, complete: bool) -> None:
-        """complete: the origin ended the stream and the client got all of it."""
-        ...
-
-
 class _Retryable(Exception):
     def __init__(self, outcome: str, detail: str) -> None:
         super().__init__(detail)
@@ -85,6 +73,38 @@ class _Retryable(Exception):
 def sse_error_event(message: str) -> bytes:
     event = {"error": {"message": message, "type": "upstream_error", "code": "stream_interrupted"}}
     return b"data: " + jsonio.dumps(event) + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass(slots=True, eq=False)
+class OriginAnswer:
+    """An origin that has committed to answer: its status and headers, and either
+    its whole body (`body`) or, for a stream, its first chunk (`first`) with the
+    rest still to read from `content`.
+
+    The caller relays it and then calls `release()`, which returns the
+    connection to the pool when the body was read to the end and closes it
+    otherwise (which also cancels generation on the origin when the client
+    has gone).
+    """
+
+    target: Target
+    attempt: int
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes | None
+    first: bytes
+    _resp: aiohttp.ClientResponse
+
+    @property
+    def streamed(self) -> bool:
+        return self.body is None
+
+    @property
+    def content(self) -> aiohttp.StreamReader:
+        return self._resp.content
+
+    def release(self) -> None:
+        self._resp.release()
 
 
 class Forwarder:
@@ -113,35 +133,29 @@ class Forwarder:
         """Candidates worth ordering: the attempts, plus room for ejected origins."""
         return self._settings.max_attempts + self.outliers.ejected_now()
 
-    def _headers(self, request: web.Request, request_id: str) -> CIMultiDict[str]:
+    def request_headers(self, incoming: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+        """The headers an origin gets: the allowed client headers and the request id."""
         headers: CIMultiDict[str] = CIMultiDict()
         for name in self._forward:
-            value = request.headers.get(name)
+            value = incoming.get(name)
             if value is not None:
                 headers[name] = value
         headers["x-request-id"] = request_id
         return headers
 
     async def forward(
-        self,
-        request: web.Request,
-        path: str,
-        body: bytes,
-        candidates: list[Target],
-        request_id: str,
-        *,
-        extra_headers: Sequence[tuple[str, str]] = (),
-        tap: StreamTap | None = None,
-    ) -> web.StreamResponse:
-        """Answer from the first origin that responds; extra_headers go on the
-        response; tap sees a streamed response's chunks."""
-        headers = self._headers(request, request_id)
+        self, path: str, body: bytes, headers: CIMultiDict[str], candidates: Sequence[Target]
+    ) -> OriginAnswer:
+        """The first origin (in `candidates`' order, ejected ones last) that
+        commits to an answer: a status under 500 and, for a stream, a first
+        chunk. Raises ApiError (502, or 504 past the deadline) when none does."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._settings.deadline
+        settings = self._settings
+        deadline = loop.time() + settings.deadline
         failures: list[str] = []
         self.budget.deposit()
         ordered = self.outliers.order(candidates)
-        for attempt, target in enumerate(ordered[: self._settings.max_attempts], start=1):
+        for attempt, target in enumerate(ordered[: settings.max_attempts], start=1):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 failures.append("request deadline exceeded")
@@ -151,19 +165,19 @@ class Forwarder:
                 self._metrics.retries_refused.inc()
                 break
             try:
+                # A timer the socket timeouts cannot replace: an origin that
+                # trickles a body never trips the read timeout.
                 async with asyncio.timeout(remaining):
-                    response = await self._attempt(
-                        request, target, path, body, headers, attempt, extra_headers, tap
-                    )
+                    answer = await self._attempt(target, path, body, headers, attempt)
                 self.outliers.success(target.name)
-                return response
+                return answer
             except _Retryable as exc:
                 self._metrics.attempt(target.name, exc.outcome).inc()
                 failures.append(f"{target.name}: {exc}")
                 if self.outliers.failure(target.name):
                     self._metrics.child(self._metrics.ejections, target.name).inc()
                     log.warning("origin %s ejected after repeated failures", target.name)
-                log.warning("origin %s failed (%s); %s", target.name, exc, request_id)
+                log.warning("origin %s failed (%s); %s", target.name, exc, headers["x-request-id"])
             except TimeoutError:
                 self._metrics.attempt(target.name, "deadline").inc()
                 failures.append(f"{target.name}: request deadline exceeded")
@@ -177,15 +191,12 @@ class Forwarder:
 
     async def _attempt(
         self,
-        request: web.Request,
         target: Target,
         path: str,
         body: bytes,
         headers: CIMultiDict[str],
         attempt: int,
-        extra_headers: Sequence[tuple[str, str]],
-        tap: StreamTap | None,
-    ) -> web.StreamResponse:
+    ) -> OriginAnswer:
         if target.credential is not None:
             try:
                 authorization = target.credential.authorization()
@@ -205,88 +216,31 @@ class Forwarder:
         try:
             if resp.status >= RETRY_STATUS_MIN:
                 raise _Retryable("http_5xx", f"answered {resp.status}")
-            extra = {
-                "x-ponto-origin": target.name,
-                "x-ponto-region": target.region,
-                "x-ponto-attempts": str(attempt),
-                "x-request-id": headers["x-request-id"],
-            }
-            extra.update(extra_headers)
-            if resp.content_type == "text/event-stream":
-                return await self._relay_stream(request, resp, target, extra, tap)
+            streamed = resp.content_type == "text/event-stream"
+            body_read: bytes | None = None
+            first = b""
             try:
-                data = await resp.read()
+                if streamed:
+                    # Until the client has seen a byte, a failing origin can
+                    # still be replaced by the next one: wait for the first chunk.
+                    first = await resp.content.readany()
+                else:
+                    body_read = await resp.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
-            self._metrics.attempt(target.name, "ok").inc()
-            out = web.Response(status=resp.status, body=data, headers=self._copy(resp, extra))
-            return out
-        finally:
-            # Closes the connection unless the body was read to the end, which
-            # also cancels generation on the origin when the client has gone.
+            if streamed and not first:
+                raise _Retryable("cut", "stream ended before its first chunk")
+            if not streamed:
+                self._metrics.attempt(target.name, "ok").inc()
+            return OriginAnswer(target, attempt, resp.status, _copy(resp), body_read, first, resp)
+        except BaseException:
             resp.release()
+            raise
 
-    def _copy(self, resp: aiohttp.ClientResponse, extra: dict[str, str]) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
-        for name, value in resp.headers.items():
-            if name.lower() not in DROP_RESPONSE_HEADERS:
-                out.add(name, value)
-        out.update(extra)
-        return out
 
-    async def _relay_stream(
-        self,
-        request: web.Request,
-        resp: aiohttp.ClientResponse,
-        target: Target,
-        extra: dict[str, str],
-        tap: StreamTap | None,
-    ) -> web.StreamResponse:
-        # Wait for the first chunk before answering: until the client has seen a
-        # byte, a failing origin can still be replaced by the next one.
-        try:
-            first = await resp.content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _Retryable("cut", f"stream failed before its first chunk: {exc}") from exc
-        if not first:
-            raise _Retryable("cut", "stream ended before its first chunk")
-        out = web.StreamResponse(status=resp.status, headers=self._copy(resp, extra))
-        out.headers["cache-control"] = "no-cache"
-        await out.prepare(request)
-        complete = False
-        try:
-            if tap is not None:
-                tap.feed(first)
-            await out.write(first)
-            while True:
-                try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    self._metrics.child(self._metrics.stream_cuts, target.name).inc()
-                    self._metrics.attempt(target.name, "cut_after_start").inc()
-                    log.warning("origin %s cut a stream: %s", target.name, exc)
-                    await out.write(sse_error_event(f"origin {target.name} failed mid-stream"))
-                    break
-                if not chunk:
-                    if not resp.content.is_eof():  # pragma: no cover - defensive
-                        continue
-                    self._metrics.attempt(target.name, "ok").inc()
-                    complete = True
-                    break
-                if tap is not None:
-                    tap.feed(chunk)
-                # write() waits for the client's socket to drain: backpressure
-                # reaches the origin through the unread upstream socket.
-                await out.write(chunk)
-            await out.write_eof()
-        except ConnectionResetError:
-            # The client went away; leaving returns through release(), which
-            # closes the origin connection and so cancels its generation.
-            complete = False
-            self._metrics.client_disconnects.inc()
-        finally:
-            # Also on cancellation (the client vanished mid-write): a tap must
-            # learn the stream did not end properly.
-            if tap is not None:
-                tap.end(complete)
-        return out
+def _copy(resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in resp.headers.items():
+        if name.lower() not in DROP_RESPONSE_HEADERS:
+            out.add(name, value)
+    return out

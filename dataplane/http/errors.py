@@ -1,7 +1,8 @@
 """OpenAI-style errors. Each knows its status; only these reach clients.
 
-Anything not raised as an ApiError is a bug: the middleware logs it and the
-client gets a generic 500 in the same shape, never a traceback.
+Anything not raised as an ApiError is a bug: the boundary
+(dataplane.http.boundary) logs it and the client gets a generic 500 in the
+same shape, never a traceback.
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""Writing answers to the client: an origin's body or stream, a cache hit, a flight.
+
+Each answer's headers are built once here: the origin's (hop-by-hop ones
+dropped, see dataplane.upstream.forwarder), then Ponto's (`x-request-id`,
+`x-ponto-cache`, where it came from), then the rate-limit headers of the
+request's scopes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from dataplane.cache.coalesce import FlightFailed, Follower
+from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
+from dataplane.streaming.relay import RelayEnd, relay
+from dataplane.streaming.usage import UsageCounter
+from dataplane.upstream.forwarder import OriginAnswer, sse_error_event
+
+if TYPE_CHECKING:
+    from dataplane.cache.step import CachePlan
+    from dataplane.http.pipeline import Exchange
+
+SIMILARITY = "x-ponto-cache-similarity"
+
+
+def _origin_headers(ex: Exchange, origin: OriginAnswer, outcome: str) -> CIMultiDict[str]:
+    headers = origin.headers
+    target = origin.target
+    headers["x-ponto-origin"] = target.name
+    headers["x-ponto-region"] = target.region
+    headers["x-ponto-attempts"] = str(origin.attempt)
+    # Ours replace an origin's headers of the same name.
+    for name, value in ex.response_headers(outcome):
+        headers[name] = value
+    for name, value in ex.limit_headers:
+        headers[name] = value
+    return headers
+
+
+def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str) -> web.Response:
+    return web.Response(
+        status=origin.status, body=origin.body, headers=_origin_headers(ex, origin, outcome)
+    )
+
+
+async def relay_origin(
+    request: web.Request,
+    ex: Exchange,
+    origin: OriginAnswer,
+    plan: CachePlan,
+    counter: UsageCounter,
+) -> tuple[web.StreamResponse, RelayEnd]:
+    out = web.StreamResponse(
+        status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
+    )
+    out.headers["cache-control"] = "no-cache"
+    await out.prepare(request)
+    readers = (counter, plan.recorder) if plan.recorder is not None else (counter,)
+    end = await relay(
+        origin.first,
+        origin.content,
+        out,
+        readers=readers,
+        chunks=plan.leader,
+        error_event=sse_error_event(f"origin {origin.target.name} failed mid-stream"),
+    )
+    return out, end
+
+
+async def replay(
+    request: web.Request, ex: Exchange, entry: CachedResponse, similarity: float | None
+) -> web.StreamResponse:
+    """Answer from a cache entry, in the form the request asked for."""
+    headers = ex.response_headers("hit")
+    if similarity is not None:
+        headers.append((SIMILARITY, f"{similarity:.4f}"))
+    include_usage = ex.cache is not None and ex.cache.include_usage
+    if not ex.stream:
+        return _json(ex, to_completion(entry), headers)
+    out = await _start_stream(request, ex, headers)
+    # One write per frame: the client sees the stored chunking.
+    for frame in to_sse_chunks(entry, include_usage=include_usage):
+        await out.write(frame)
+    await out.write_eof()
+    return out
+
+
+async def follow(
+    request: web.Request, ex: Exchange, follower: Follower
+) -> web.StreamResponse | None:
+    """Answer from another request's origin call (same chunks, as they come).
+
+    None when that call failed before this client got a byte: the caller then
+    makes its own. A failure after bytes were sent ends the stream with an
+    error event, as a cut relay does.
+    """
+    headers = [*ex.response_headers("hit"), ("x-ponto-coalesced", "1")]
+    include_usage = ex.cache is not None and ex.cache.include_usage
+    out: web.StreamResponse | None = None
+    try:
+        with follower:
+            if not ex.stream:
+                return _json(ex, to_completion(await follower.result()), headers)
+            async for chunk in follower:
+                if out is None:
+                    out = await _start_stream(request, ex, headers)
+                await out.write(chunk)
+            if out is None:  # the leader answered without streaming
+                entry = await follower.result()
+                out = await _start_stream(request, ex, headers)
+                for frame in to_sse_chunks(entry, include_usage=include_usage):
+                    await out.write(frame)
+            await out.write_eof()
+            return out
+    except FlightFailed as exc:
+        if out is None and exc.delivered == 0:
+            return None
+        if out is None:  # pragma: no cover - delivered implies started
+            raise
+        await out.write(sse_error_event(f"the shared origin call failed: {exc}"))
+        await out.write_eof()
+        return out
+
+
+def _json(ex: Exchange, body: bytes, headers: list[tuple[str, str]]) -> web.Response:
+    response = web.Response(body=body, content_type="application/json")
+    response.headers.extend(headers)
+    response.headers.extend(ex.limit_headers)
+    return response
+
+
+async def _start_stream(
+    request: web.Request, ex: Exchange, headers: list[tuple[str, str]]
+) -> web.StreamResponse:
+    out = web.StreamResponse(status=200)
+    out.content_type = "text/event-stream"
+    out.headers["cache-control"] = "no-cache"
+    out.headers.extend(headers)
+    out.headers.extend(ex.limit_headers)
+    await out.prepare(request)
+    return out

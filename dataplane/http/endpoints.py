@@ -1,0 +1,68 @@
+"""The proxy's own endpoints: the model list, health, readiness and metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dataplane import jsonio
+from dataplane.http.errors import ApiError
+from dataplane.http.pipeline import authenticate
+from dataplane.http.state import CLIENT, HOLDER, METRICS, PRINCIPAL, QUOTA
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The models the caller may name: what origins serve, plus its tenant's aliases."""
+    holder = request.app[HOLDER]
+    routes, policy = holder.routes, holder.policy
+    models: list[str] = list(routes.models) if routes else []
+    if policy is not None:
+        principal = authenticate(policy, request.headers.get("authorization"))
+        request[PRINCIPAL] = principal
+        served = set(models)
+        aliases = policy.tenant(principal.tenant).prompt.aliases
+        models += sorted(a for a, target in aliases.items() if target in served and a not in served)
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "ponto"} for m in models]
+    return web.json_response({"object": "list", "data": data}, dumps=_dumps_str)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process answers. Readiness (a table to serve) is /readyz."""
+    holder = request.app[HOLDER]
+    routes = holder.routes
+    client = request.app[CLIENT]
+    return web.json_response(
+        {
+            "status": "ok",
+            "route_table_version": routes.version if routes else 0,
+            "route_table_source": holder.source,
+            "control_plane_connected": client.connected,
+            "quota_generation": client.quota_generation,
+        },
+        dumps=_dumps_str,
+    )
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: a route table to serve, and its rate-limit shares if it has limits."""
+    if request.app[HOLDER].routes is None:
+        raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")
+    if not request.app[QUOTA].ready:
+        raise ApiError(
+            503,
+            "waiting for this proxy's share of the rate limits",
+            type="server_error",
+            code="no_quota_shares",
+        )
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=data, headers={"content-type": CONTENT_TYPE_LATEST})
+
+
+def _dumps_str(value: Any) -> str:
+    return jsonio.dumps(value).decode()

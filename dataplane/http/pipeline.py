@@ -1,0 +1,422 @@
+"""The request pipeline: one straight path from request to settled answer.
+
+    authenticate -> parse -> assemble -> admit -> cache -> route -> forward
+        -> relay (dataplane.http.answer) -> settle
+
+An `Exchange` carries one request through it; each step reads what earlier
+steps set and adds its own part. Every step is a method with one job that a
+test can drive with an Exchange and no HTTP server. Every refusal is an
+ApiError (OpenAI error shape, right status), raised before anything reaches an
+origin; the error boundary (dataplane.http.errors) answers it.
+
+Who is calling is settled before the body is read: a caller without a valid
+credential costs the proxy no more than its headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from dataplane import jsonio
+from dataplane.assemble import assemble
+from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, Principal
+from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
+from dataplane.geo.home import ClientLocator
+from dataplane.http import answer
+from dataplane.http.errors import ApiError, bad_request
+from dataplane.metrics import Metrics
+from dataplane.policy import EdgePolicy, TenantRules
+from dataplane.ratelimit.limiter import Admission, RateLimiter
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
+from dataplane.routes import Routes
+from dataplane.streaming.usage import Usage, UsageCounter, usage_of
+from dataplane.sync.holder import TableHolder
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer
+
+__all__ = ["ENDPOINTS", "Endpoint", "Exchange", "Pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str  # the metrics label, e.g. "chat.completions"
+    upstream_path: str  # appended to an origin's base URL
+    required: str  # the field every request must carry
+
+
+ENDPOINTS = {
+    e.name: e
+    for e in (
+        Endpoint("chat.completions", "/chat/completions", "messages"),
+        Endpoint("completions", "/completions", "prompt"),
+        Endpoint("embeddings", "/embeddings", "input"),
+    )
+}
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One request's state, from arrival to settlement. Owned by its task."""
+
+    endpoint: Endpoint
+    headers: CIMultiDictProxy[str]
+    remote: str | None
+    request_id: str
+    routes: Routes
+    policy: EdgePolicy
+    principal: Principal = OPEN_PRINCIPAL
+    authenticated: bool = False
+    # parse
+    raw: bytes = b""
+    body: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    # assemble
+    tenant: TenantRules | None = None
+    model: str = ""
+    rewritten: bool = False  # assembly changed the body: `raw` no longer matches it
+    # admit
+    estimate: int = 0
+    admission: Admission | None = None
+    limit_headers: list[tuple[str, str]] = field(default_factory=list)
+    # cache, answer
+    cache: CachePlan | None = None
+    cache_request: CacheRequest | None = None
+    counter: UsageCounter | None = None  # a relayed stream's token count
+    usage: Usage | None = None
+
+    def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
+        """What every answer to this request carries besides the origin's headers."""
+        return [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
+
+
+CACHE_HEADER = "x-ponto-cache"
+
+# How long a request may wait for a concurrency slot when this proxy holds none:
+# about two rebalances of the leader, which is how long a proxy that has just
+# joined (a rolling upgrade, a scale-up) waits for slots freed by the others.
+SLOT_WAIT_S = 2.5
+_SLOT_POLL_S = 0.05
+
+
+class Pipeline:
+    """The steps, bound to the proxy's parts. One per app."""
+
+    def __init__(
+        self,
+        holder: TableHolder,
+        limiter: RateLimiter,
+        cache: EdgeCache,
+        locator: ClientLocator,
+        forwarder: Forwarder,
+        metrics: Metrics,
+        *,
+        max_body_bytes: int,
+    ) -> None:
+        self.holder = holder
+        self.limiter = limiter
+        self.cache = cache
+        self.locator = locator
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    # ------------------------------------------------------------ the path
+
+    async def handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        """Answer one proxied request; raises ApiError for every refusal."""
+        self.authenticate(ex)
+        await self.parse(request, ex)
+        self.assemble(ex)
+        await self.admit(ex)
+        try:
+            return await self.answer(request, ex)
+        finally:
+            self.settle(ex)
+
+    def begin(self, request: web.Request, endpoint: Endpoint) -> Exchange:
+        """A new Exchange on the current table; 503 while the proxy has none."""
+        holder = self.holder
+        routes, policy = holder.routes, holder.policy
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        if routes is None or policy is None:
+            raise ApiError(
+                503,
+                "the proxy has no route table yet; retry shortly",
+                type="server_error",
+                code="no_route_table",
+                headers={"retry-after": "1", "x-request-id": request_id},
+            )
+        return Exchange(endpoint, request.headers, request.remote, request_id, routes, policy)
+
+    def authenticate(self, ex: Exchange) -> None:
+        ex.principal = authenticate(ex.policy, ex.headers.get("authorization"))
+        ex.authenticated = True
+
+    async def parse(self, request: web.Request, ex: Exchange) -> None:
+        """Read the body (bounded), parse it once and check what every endpoint needs."""
+        ex.raw = await read_body(request, self.max_body_bytes)
+        ex.body = parse_json(ex.raw)
+        ex.stream = validate(ex.endpoint, ex.body)
+
+    def assemble(self, ex: Exchange) -> None:
+        """Apply the tenant's prompt rules (aliases, system prompt, defaults) and
+        check that the model is served."""
+        ex.tenant = ex.policy.tenant(ex.principal.tenant)
+        asked = ex.body["model"]
+        ex.rewritten = assemble(ex.endpoint.name, ex.body, ex.tenant.prompt)
+        model = ex.body["model"]
+        if not isinstance(model, str) or model not in ex.routes.groups:
+            raise ApiError(
+                404,
+                f"The model '{asked}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        ex.model = model
+
+    async def admit(self, ex: Exchange) -> None:
+        """Take the request's place under its scopes' limits, or refuse it (429/400)."""
+        limiter = self.limiter
+        scopes = ex.principal.scopes
+        ex.estimate = estimate_prompt_tokens(ex.endpoint.name, ex.body)
+        now = time.monotonic()
+        admission = limiter.admit(scopes, ex.estimate, now)
+        if not admission.ok and admission.limit == "concurrency" and limiter.slotless(scopes, now):
+            admission = await admit_after_next_share(limiter, scopes, ex.estimate)
+            now = time.monotonic()
+        ex.limit_headers = limiter.headers(scopes, now)
+        if not admission.ok:
+            raise refusal(admission)
+        ex.admission = admission
+
+    async def answer(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        """From the cache, a flight, or an origin, as the cache step decides."""
+        assert ex.tenant is not None
+        creq = ex.cache_request = CacheRequest(
+            ex.endpoint.name,
+            ex.body,
+            ex.tenant,
+            ex.stream,
+            cache_control=", ".join(ex.headers.getall("cache-control", ())),
+            headers=ex.headers,
+        )
+        plan = ex.cache = await self.cache.plan(creq)
+        try:
+            if plan.entry is not None:
+                ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
+                return await answer.replay(request, ex, plan.entry, plan.similarity)
+            if plan.follower is not None:
+                response = await answer.follow(request, ex, plan.follower)
+                if response is not None:
+                    self.cache.count_coalesced()
+                    ex.usage = Usage(0, 0)
+                    return response
+                plan = ex.cache = self.cache.own_call(creq, plan)
+            origin = await self.forward(ex)
+            try:
+                if origin.streamed:
+                    return await self.relay(request, ex, origin, plan)
+                return await self.respond(ex, origin, plan)
+            finally:
+                origin.release()
+        except BaseException as exc:
+            plan.abandon(exc)
+            raise
+
+    async def forward(self, ex: Exchange) -> OriginAnswer:
+        """Route (region by the client's home, origins in order), then call."""
+        forwarder = self.forwarder
+        home = self.locator.home(ex.routes, ex.remote, ex.headers)
+        candidates = ex.routes.candidates(ex.model, home, limit=forwarder.candidate_limit())
+        if not candidates:
+            raise ApiError(
+                503,
+                f"no healthy origin serves model '{ex.model}' now (drained or unhealthy)",
+                type="server_error",
+                code="no_healthy_origin",
+                headers={"retry-after": "5"},
+            )
+        body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
+        headers = forwarder.request_headers(ex.headers, ex.request_id)
+        return await forwarder.forward(ex.endpoint.upstream_path, body, headers, candidates)
+
+    async def respond(self, ex: Exchange, origin: OriginAnswer, plan: CachePlan) -> web.Response:
+        """A non-streamed answer: sent as is; its JSON parsed once, for both the
+        token count and the cache."""
+        body = origin.body
+        assert body is not None and ex.cache_request is not None
+        obj: Any = None
+        if origin.status < 400 and (plan.key or b'"usage"' in body):
+            try:
+                obj = jsonio.loads(body)
+            except jsonio.JSONDecodeError:
+                obj = None
+            ex.usage = usage_of(obj)
+        await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
+        return answer.origin_body(ex, origin, plan.outcome)
+
+    async def relay(
+        self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
+    ) -> web.StreamResponse:
+        """A stream: relayed as it comes, counted and recorded on the way."""
+        assert ex.cache_request is not None
+        counter = ex.counter = UsageCounter()
+        out, end = await answer.relay_origin(request, ex, origin, plan, counter)
+        m = self.metrics
+        name = origin.target.name
+        if end.cut:
+            m.child(m.stream_cuts, name).inc()
+            m.attempt(name, "cut_after_start").inc()
+            log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)
+        elif end.complete:
+            m.attempt(name, "ok").inc()
+        if end.client_gone:
+            m.client_disconnects.inc()
+        await self.cache.settle_stream(ex.cache_request, plan, end)
+        return out
+
+    def settle(self, ex: Exchange) -> None:
+        """Give back what admission took, with the tokens actually spent, and
+        account them. Runs however the answer ended (cancellation included)."""
+        usage = ex.usage
+        if usage is None and ex.counter is not None:
+            usage = ex.usage = ex.counter.result(ex.estimate)
+        if ex.admission is not None:
+            ex.admission.release(usage.total if usage is not None else None, time.monotonic())
+        if usage is not None:
+            self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
+
+
+# ---------------------------------------------------------------- the steps' parts
+
+
+def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
+    """The caller, or a 401 in OpenAI's words."""
+    try:
+        return policy.authenticator.authenticate(authorization, time.time())
+    except AuthError as exc:
+        raise ApiError(
+            401, exc.message, code=exc.code, headers={"www-authenticate": exc.www_authenticate}
+        ) from None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
+    )
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request's JSON body as bytes: 415 for another type, 413 past `limit`."""
+    if request.content_type != "application/json":
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, not {request.content_type or 'missing'}",
+            code="unsupported_media_type",
+        )
+    # A declared length over the limit is refused before reading a byte;
+    # chunked bodies are cut off by aiohttp's client_max_size while reading.
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise _too_large(limit) from exc
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object")
+    return raw
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = jsonio.loads(raw)
+    except jsonio.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """Check the fields every endpoint needs; return the stream flag."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a non-empty string", param="model")
+    required = endpoint.required
+    if required not in body:
+        raise bad_request(f"'{required}' is required", param=required)
+    if required == "messages":
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise bad_request(
+                    f"'messages[{i}]' must be an object with a string 'role'",
+                    param=f"messages[{i}]",
+                )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream")
+    return stream
+
+
+async def admit_after_next_share(
+    limiter: RateLimiter, scopes: Sequence[str], estimate: int
+) -> Admission:
+    """Admit once a share brings a slot, or refuse after SLOT_WAIT_S.
+
+    Only for a proxy that holds no slot yet (RateLimiter.slotless): waiting
+    admits nothing the fleet's limit does not allow, it waits for this proxy's
+    part of it. A share that still brings no slot is not tried (so waiting adds
+    no demand beyond the first refusal); waiters per scope are capped by its
+    limit.
+    """
+    deadline = time.monotonic() + SLOT_WAIT_S
+    seen = limiter.share_version
+    limiter.wait_begin(scopes)
+    try:
+        while True:
+            await asyncio.sleep(_SLOT_POLL_S)
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if limiter.share_version == seen:
+                continue
+            seen = limiter.share_version
+            if limiter.slots_free(scopes):
+                break
+    finally:
+        limiter.wait_end(scopes)
+    return limiter.admit(scopes, estimate, time.monotonic())
+
+
+def refusal(admission: Admission) -> ApiError:
+    """429 in OpenAI's words, or 400 for a request no wait could admit."""
+    if admission.too_large:
+        return ApiError(
+            400,
+            "this request needs more tokens than the per-minute limit allows; "
+            "shorten it or lower max_tokens",
+            code="tokens_over_limit",
+        )
+    what = {"requests": "requests", "tokens": "tokens", "concurrency": "concurrent requests"}[
+        admission.limit or "requests"
+    ]
+    return ApiError(
+        429,
+        f"Rate limit reached for {what}. Please try again in {admission.retry_after_s:.2f}s.",
+        type="requests" if admission.limit != "tokens" else "tokens",
+        code="rate_limit_exceeded",
+        headers={"retry-after": admission.retry_after_header()},
+    )

@@ -1,0 +1,213 @@
+"""Composition root of the proxy: its parts, the routes, and their lifetimes.
+
+`build_app` only builds and wires: it reads no file and starts nothing, so it
+can run anywhere (a test, a worker before its loop). `Proxy.lifetime` is the
+start and stop step: it loads the saved route table and rate-limit shares,
+opens the GeoIP database and the upstream connection pool, and runs the
+control-plane link and the cache sweeper until the app stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
+
+import aiohttp
+from aiohttp import web
+
+from dataplane.cache.step import EdgeCache, SemanticLayer
+from dataplane.cache.store import ExactStore
+from dataplane.geo import TrustedProxies, open_locator
+from dataplane.geo.home import ClientLocator
+from dataplane.http import endpoints
+from dataplane.http.boundary import errors_and_metrics
+from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
+from dataplane.http.state import (
+    CACHE,
+    CLIENT,
+    DRAINING,
+    EXCHANGE,
+    HOLDER,
+    LIMITER,
+    LOCATOR,
+    METRICS,
+    PIPELINE,
+    QUOTA,
+    SETTINGS,
+    Draining,
+)
+from dataplane.metrics import Metrics
+from dataplane.ratelimit.limiter import RateLimiter
+from dataplane.settings import Settings
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from dataplane.sync.quota import QuotaState
+from dataplane.upstream.forwarder import Forwarder
+from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# How often expired cache entries are dropped, so memory follows the TTLs.
+SWEEP_INTERVAL_S = 30.0
+
+
+def software_version() -> str:
+    try:
+        return version("ponto")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "dev"
+
+
+class Proxy:
+    """The proxy's parts, built and wired; `lifetime` starts and stops them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = m = Metrics()
+        self.holder = holder = TableHolder(settings.region, settings.state_dir, settings.cache)
+        self.limiter = RateLimiter()
+        self.quota = quota = QuotaState(self.limiter, settings.state_dir)
+        self.draining = Draining()
+        self.store = store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
+        self.cache = cache = EdgeCache(
+            store,
+            m,
+            semantic_factory=_semantic_index,
+            forward_headers=settings.upstream.forward_headers,
+        )
+        holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
+        holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
+        self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
+        info = pb.ProxyInfo(
+            name=settings.name,
+            region=settings.region,
+            address=settings.advertise,
+            version=software_version(),
+        )
+        self.client = client = ControlPlaneClient(
+            holder,
+            settings.control_plane,
+            info,
+            credentials=settings.credentials,
+            on_quota=quota.on_quota,
+            demand=quota.demand,
+            report_interval=settings.report_interval,
+        )
+        m.bind_cache(lambda: store.stats)
+        m.bind_semantic(lambda: cache.semantic)
+        m.bind(
+            version=lambda: float(holder.routes.version) if holder.routes else 0.0,
+            connected=lambda: 1.0 if client.connected else 0.0,
+            last_heard=lambda: holder.received_at or holder.applied_at,
+            nacks=lambda: float(client.nacks),
+        )
+        self.pipeline: Pipeline | None = None  # needs the upstream pool: built at start
+
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        """The start step, then (after the yield) the stop step."""
+        settings = self.settings
+        self.quota.load_saved()
+        if self.holder.load_saved():
+            log.warning("serving the saved route table until the control plane answers")
+        self.locator.locator = open_locator(settings.geoip_db)
+        # Per origin at most 1024 connections: past that, bursts wait for a free
+        # keep-alive connection instead of opening (and tearing down) new ones.
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=1024, ttl_dns_cache=60, keepalive_timeout=30
+        )
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+        forwarder = Forwarder(session, self.metrics, settings.upstream)
+        app[PIPELINE] = self.pipeline = Pipeline(
+            self.holder,
+            self.limiter,
+            self.cache,
+            self.locator,
+            forwarder,
+            self.metrics,
+            max_body_bytes=settings.max_body_bytes,
+        )
+        tasks = [
+            asyncio.create_task(self.client.run(), name="control-plane-link"),
+            asyncio.create_task(self._sweep(), name="cache-sweeper"),
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await session.close()
+            self.cache.close()  # the semantic index's embedding thread
+            self.locator.close()
+            await self.holder.flush()
+            await self.quota.flush()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.store.sweep()
+
+
+def build_app(settings: Settings) -> web.Application:
+    """The proxy app. Builds and wires only; see the module docstring."""
+    proxy = Proxy(settings)
+    app = web.Application(
+        middlewares=[errors_and_metrics],
+        client_max_size=settings.max_body_bytes,
+        handler_args={"max_field_size": 16384},
+    )
+    app[SETTINGS] = settings
+    app[METRICS] = proxy.metrics
+    app[HOLDER] = proxy.holder
+    app[LIMITER] = proxy.limiter
+    app[QUOTA] = proxy.quota
+    app[DRAINING] = proxy.draining
+    app[CACHE] = proxy.cache
+    app[LOCATOR] = proxy.locator
+    app[CLIENT] = proxy.client
+    app.cleanup_ctx.append(proxy.lifetime)
+    r = app.router
+    for endpoint in ENDPOINTS.values():
+        r.add_post(
+            "/v1/" + endpoint.upstream_path.lstrip("/"),
+            proxied(endpoint),
+            name=endpoint.name,
+        )
+    r.add_get("/v1/models", endpoints.list_models, name="models")
+    r.add_get("/healthz", endpoints.healthz, name="healthz")
+    r.add_get("/readyz", endpoints.readyz, name="readyz")
+    r.add_get("/metrics", endpoints.metrics, name="metrics")
+    return app
+
+
+def proxied(endpoint: Endpoint) -> Handler:
+    """The route handler of one proxied endpoint: the pipeline, on a new Exchange."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        pipeline = request.app[PIPELINE]
+        ex = pipeline.begin(request, endpoint)
+        request[EXCHANGE] = ex
+        return await pipeline.handle(request, ex)
+
+    handle.__name__ = f"handle_{endpoint.name.replace('.', '_')}"
+    return handle
+
+
+def _semantic_index() -> SemanticLayer:
+    """The MiniLM embedder (int8 ONNX, from the installed package) and its index.
+
+    Imported here: numpy, onnxruntime and the model cost memory only in proxies
+    whose tenants use semantic caching.
+    """
+    from dataplane.cache.embed import MiniLmOnnxEmbedder  # noqa: PLC0415
+    from dataplane.cache.semantic import SemanticIndex  # noqa: PLC0415
+
+    return SemanticIndex(MiniLmOnnxEmbedder())

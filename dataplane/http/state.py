@@ -1,0 +1,50 @@
+"""Typed keys of the proxy's app and request state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from dataplane.auth.authenticator import Principal
+from dataplane.cache.step import EdgeCache
+from dataplane.geo.home import ClientLocator
+from dataplane.metrics import Metrics
+from dataplane.ratelimit.limiter import RateLimiter
+from dataplane.settings import Settings
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from dataplane.sync.quota import QuotaState
+
+if TYPE_CHECKING:
+    from dataplane.http.pipeline import Exchange, Pipeline
+
+
+class Draining:
+    """Set once SIGTERM arrived: answers carry `Connection: close` from then on.
+
+    One per app, written by the entry point, read by the error boundary; the
+    event loop is the only thread touching it.
+    """
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+SETTINGS = web.AppKey("settings", Settings)
+HOLDER = web.AppKey("holder", TableHolder)
+CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
+METRICS = web.AppKey("metrics", Metrics)
+LOCATOR = web.AppKey("locator", ClientLocator)
+LIMITER = web.AppKey("limiter", RateLimiter)
+CACHE = web.AppKey("cache", EdgeCache)
+QUOTA = web.AppKey("quota", QuotaState)
+DRAINING = web.AppKey("draining", Draining)
+PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
+
+# The proxied request's state, for the error boundary.
+EXCHANGE: web.RequestKey[Exchange] = web.RequestKey("exchange")
+# The caller of an endpoint outside the pipeline (GET /v1/models), for accounting.
+PRINCIPAL = web.RequestKey("principal", Principal)

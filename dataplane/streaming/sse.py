@@ -1,0 +1,97 @@
+"""The proxy's one Server-Sent Events parser.
+
+Every reader of an origin's stream goes through it: usage counting
+(`dataplane.streaming.usage`), recording for the cache
+(`dataplane.cache.entry.StreamRecorder`) and the relay that feeds both. The
+relay itself forwards the origin's bytes unchanged; events are parsed only
+when someone reads them.
+
+The rules are the WHATWG ones that matter for completions: a line ends with
+CRLF, LF or CR (a CR at the end of one chunk and an LF at the start of the
+next are one line ending); a blank line ends an event; the `data` lines of an
+event are joined with LF; one space after the colon is dropped; lines starting
+with ':' are comments (keep-alives); `event` names the event; other fields
+(`id`, `retry`) are ignored. An event is dispatched when it has data or a
+name, so an `event: error` without data still counts.
+
+Chunks may split anywhere, even inside a line ending. Pure and synchronous;
+one parser per stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DONE", "Event", "SseParser"]
+
+DONE = b"[DONE]"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One dispatched event: its data lines joined with LF, and its name."""
+
+    data: bytes
+    name: bytes = b""
+
+    @property
+    def done(self) -> bool:
+        """The `data: [DONE]` sentinel that OpenAI-style streams end with."""
+        return self.data.strip() == DONE
+
+
+class SseParser:
+    __slots__ = ("_cr", "_data", "_line", "_name")
+
+    def __init__(self) -> None:
+        self._line = b""  # the start of a line whose ending has not arrived
+        self._cr = False  # the last chunk ended with CR: a leading LF is its pair
+        self._data: list[bytes] = []
+        self._name = b""
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        """The events that `chunk` completes, in order."""
+        if self._cr:
+            self._cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            self._cr = chunk[-1:] == b"\r"
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = chunk.split(b"\n")
+        if self._line:
+            lines[0] = self._line + lines[0]
+        self._line = lines.pop()
+        events: list[Event] = []
+        for line in lines:
+            if not line:
+                if self._data or self._name:
+                    events.append(Event(b"\n".join(self._data), self._name))
+                    self._data = []
+                    self._name = b""
+            elif line[0] != 0x3A:  # ':' starts a comment
+                name, _, value = line.partition(b":")
+                if value[:1] == b" ":
+                    value = value[1:]
+                if name == b"data":
+                    self._data.append(value)
+                elif name == b"event":
+                    self._name = value
+        return events
+
+    def close(self) -> Event | None:
+        """At the end of the stream: the event it stopped inside, if any.
+
+        A last line without its ending is taken as a line first; an event that
+        a blank line did not end is then returned (not dispatched), so callers
+        decide how lenient to be with it.
+        """
+        if self._line:
+            line, self._line = self._line, b""
+            self.feed(line + b"\n")
+        if not (self._data or self._name):
+            return None
+        open_event = Event(b"\n".join(self._data), self._name)
+        self._data = []
+        self._name = b""
+        return open_event

@@ -1,0 +1,130 @@
+"""The proxy's last good route table (and the policy compiled with it).
+
+Static stability: the proxy serves whatever table it last applied, whether or
+not the control plane is reachable, and keeps a copy on disk so a restart
+without a control plane still serves. A pushed table is validated first; one
+that fails is refused (the link NACKs it) and the previous one keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dataplane.policy import CacheDefaults, EdgePolicy, build_policy
+from dataplane.routes import Routes, TableError, build_routes
+from ponto.v1 import routing_pb2 as pb
+from ponto.writefile import LatestWriter
+
+log = logging.getLogger(__name__)
+TABLE_FILE = "route_table.pb"
+
+
+class TableHolder:
+    """The current Routes; replaced atomically (one reference swap) on apply.
+
+    Request handlers read `routes` without locks: a request sees either the old
+    or the new table, never a mix.
+    """
+
+    def __init__(
+        self,
+        region: str,
+        state_dir: Path | None,
+        cache_defaults: CacheDefaults | None = None,
+    ) -> None:
+        self.region = region
+        self.state_dir = state_dir
+        self.cache_defaults = cache_defaults or CacheDefaults()
+        self.routes: Routes | None = None
+        # Compiled with routes from the same table; read together by handlers
+        # in one synchronous step, so they always match.
+        self.policy: EdgePolicy | None = None
+        # Called after a table with new content is installed.
+        self.on_apply: list[Callable[[Routes, EdgePolicy], None]] = []
+        self.source = "none"
+        self.applied_at = 0.0  # time.time() of the last apply
+        self.received_at = 0.0  # time.time() the control plane last sent a table
+        self._saved = (
+            None
+            if state_dir is None
+            else LatestWriter(
+                state_dir / TABLE_FILE,
+                lambda exc: log.error("cannot save route table to %s: %s", state_dir, exc),
+            )
+        )
+
+    def apply(self, table: pb.RouteTable, source: str) -> bool:
+        """Validate and install table; return False if it was already current."""
+        current = self.routes
+        if source == "control-plane":
+            self.received_at = time.time()
+            if (
+                current is not None
+                and self.source == "control-plane"
+                and table.version < current.version
+                and table.etag != current.etag
+            ):
+                raise TableError(
+                    f"stale table: version {table.version} < serving {current.version}"
+                )
+        if current is not None and current.etag == table.etag:
+            # Same content: only ever move the version forward, so the stale
+            # check keeps comparing against the newest version seen.
+            if table.version > current.version:
+                self.routes = build_routes(table, self.region)
+            self.source = source
+            return False
+        routes = build_routes(table, self.region)
+        policy = build_policy(table, self.cache_defaults)
+        self.routes = routes
+        self.policy = policy
+        self.source = source
+        for hook in self.on_apply:
+            hook(routes, policy)
+        self.applied_at = time.time()
+        log.info(
+            "applied route table version %d from %s: %d models, %d tenants%s",
+            routes.version,
+            source,
+            len(routes.models),
+            len(policy.tenants),
+            "; no API keys or JWT issuers: the proxy is OPEN, every request is tenant 'default'"
+            if policy.authenticator.open
+            else "",
+        )
+        if source == "control-plane":
+            self._save(table)
+        return True
+
+    def _save(self, table: pb.RouteTable) -> None:
+        if self._saved is not None:
+            self._saved.save(table.SerializeToString())
+
+    async def flush(self) -> None:
+        """Wait until the newest applied table is saved (its fsync runs in a thread)."""
+        if self._saved is not None:
+            await self._saved.flush()
+
+    def load_saved(self) -> bool:
+        """Serve the table saved by an earlier run, if there is a valid one."""
+        if self.state_dir is None:
+            return False
+        path = self.state_dir / TABLE_FILE
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.error("cannot read saved route table %s: %s", path, exc)
+            return False
+        table = pb.RouteTable()
+        try:
+            table.ParseFromString(data)
+            self.apply(table, "disk")
+        except Exception as exc:  # any damage: ignore the file, wait for a push
+            log.error("ignoring saved route table %s: %s", path, exc)
+            return False
+        return True

@@ -1,0 +1,393 @@
+"""The request pipeline in one process: the proxy's app and the origin simulator's
+app on aiohttp test servers, driven with real HTTP on loopback.
+
+No control plane: each test applies a route table to the proxy's holder and
+gives it its rate-limit shares, as the control-plane link would. Every answer
+is checked against what the origin saw (its own request counter), so a refusal
+that reached an origin, or a hit that did, fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from dataplane.http.errors import ApiError
+from dataplane.http.pipeline import ENDPOINTS, Exchange
+from dataplane.http.server import build_app
+from dataplane.http.state import HOLDER, METRICS, PIPELINE, QUOTA
+from dataplane.settings import parse as parse_proxy
+from ponto.apikeys import issue_key
+from ponto.originsim.app import SIM_STATE, SimConfig
+from ponto.originsim.app import build_app as sim_app
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+
+MODEL = "sim-small"
+KEY = issue_key()
+LIMITED_KEY = issue_key()
+
+
+def chat(text: str, **fields: Any) -> dict[str, Any]:
+    fields.setdefault("temperature", 0)  # deterministic: cacheable
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
+
+
+def table(
+    origins: list[tuple[str, str]], *, version: int = 2, limited: bool = True
+) -> pb.RouteTable:
+    """One region; the given (name, base URL) origins; tenant acme with a free key
+    and (if `limited`) a key limited to 2 requests a minute."""
+    t = pb.RouteTable(
+        version=version,
+        regions=[pb.Region(name="r1", latitude=0.0, longitude=0.0)],
+        origins=[
+            pb.Origin(
+                name=name, base_url=url, region="r1", models=[MODEL], weight=100, healthy=True
+            )
+            for name, url in origins
+        ],
+        tenants=[pb.Tenant(name="acme")],
+        keys=[
+            pb.ApiKey(id=KEY.key_id, hash=KEY.key_hash, tenant="acme"),
+            pb.ApiKey(
+                id=LIMITED_KEY.key_id,
+                hash=LIMITED_KEY.key_hash,
+                tenant="acme",
+                limits=pb.Limits(rpm=2),
+            ),
+        ][: 2 if limited else 1],
+        auth_required=True,
+    )
+    t.etag = content_etag(t)
+    return t
+
+
+@dataclass
+class Stack:
+    client: TestClient[web.Request, web.Application]
+    app: web.Application
+    origins: list[TestServer]
+
+    def origin_requests(self) -> int:
+        return sum(o.app[SIM_STATE].stats.requests for o in self.origins)
+
+    async def post(self, body: Any, *, key: str = KEY.key, **kw: Any) -> Any:
+        headers = {"authorization": f"Bearer {key}", **kw.pop("headers", {})}
+        return await self.client.post("/v1/chat/completions", json=body, headers=headers, **kw)
+
+
+async def start_stack(
+    tmp_path: Path, configs: list[SimConfig], extra: list[str] | None = None
+) -> Stack:
+    origins = [TestServer(sim_app(c)) for c in configs]
+    for o in origins:
+        await o.start_server()
+    settings = parse_proxy(
+        [
+            "--region=r1",
+            "--name=functional",
+            "--control-plane=127.0.0.1:9",  # never answers: tables are applied below
+            f"--state-dir={tmp_path}",
+            *(extra or []),
+        ]
+    )
+    app = build_app(settings)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    served = [(c.name, str(o.make_url("/v1"))) for c, o in zip(configs, origins, strict=True)]
+    # The limited key arrives with the second table, as a key created while the
+    # proxy runs: its bucket starts full (at boot a proxy's buckets start empty).
+    app[HOLDER].apply(table(served, version=1, limited=False), "control-plane")
+    app[HOLDER].apply(table(served, version=2), "control-plane")
+    app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+    return Stack(client, app, origins)
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)])
+    yield s
+    await s.client.close()
+    for o in s.origins:
+        await o.close()
+
+
+def error_of(body: Any) -> dict[str, Any]:
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return dict(err)
+
+
+async def read_sse(resp: Any) -> list[str]:
+    text = (await resp.read()).decode()
+    return [e.removeprefix("data: ") for e in text.split("\n\n") if e.startswith("data: ")]
+
+
+# ---------------------------------------------------------------- answers
+
+
+async def test_a_miss_goes_to_the_origin_and_a_repeat_is_answered_from_the_cache(
+    stack: Stack,
+) -> None:
+    first = await stack.post(chat("hello there"))
+    assert first.status == 200
+    body = await first.json()
+    assert first.headers["x-ponto-cache"] == "miss"
+    assert first.headers["x-ponto-origin"] == "o1"
+    assert first.headers["x-ponto-region"] == "r1"
+    assert first.headers["x-ponto-attempts"] == "1"
+    assert len(first.headers["x-request-id"]) == 32
+    assert body["choices"][0]["message"]["content"]
+    assert stack.origin_requests() == 1
+
+    again = await stack.post(chat("hello there"), headers={"x-request-id": "mine-1"})
+    assert again.status == 200
+    assert again.headers["x-ponto-cache"] == "hit"
+    assert again.headers["x-request-id"] == "mine-1"
+    assert "x-ponto-origin" not in again.headers
+    assert await again.json() == body
+    assert stack.origin_requests() == 1
+
+
+async def test_a_stream_is_relayed_recorded_and_replayed(stack: Stack) -> None:
+    request = chat("stream me", stream=True, stream_options={"include_usage": True})
+    first = await stack.post(request)
+    assert first.status == 200
+    assert first.headers["content-type"].startswith("text/event-stream")
+    assert first.headers["x-ponto-cache"] == "miss"
+    events = await read_sse(first)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
+    )
+    assert text
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 6
+
+    replay = await stack.post(request)
+    assert replay.headers["x-ponto-cache"] == "hit"
+    assert await read_sse(replay) == events
+    # The same question without streaming: the recorded stream, assembled.
+    whole = await stack.post(chat("stream me"))
+    assert whole.headers["x-ponto-cache"] == "hit"
+    assert (await whole.json())["choices"][0]["message"]["content"] == text
+    assert stack.origin_requests() == 1
+
+
+async def test_tokens_are_accounted_once_per_answer_from_the_origin(stack: Stack) -> None:
+    m = stack.app[METRICS]
+
+    def spent() -> float:
+        value = m.registry.get_sample_value(
+            "ponto_tenant_tokens_total",
+            {"tenant": "acme", "key": KEY.key_id, "kind": "completion"},
+        )
+        return value or 0.0
+
+    await (await stack.post(chat("count me"))).read()
+    await (await stack.post(chat("count me", stream=True, seed=2))).read()
+    await (await stack.post(chat("count me"))).read()  # a hit spends nothing
+    assert spent() == 12
+
+
+async def test_identical_concurrent_requests_make_one_origin_call(tmp_path: Path) -> None:
+    s = await start_stack(tmp_path, [SimConfig(name="slow", answer_tokens=4, ttft_ms=300, seed=3)])
+    try:
+        answers = await asyncio.gather(*(s.post(chat("together")) for _ in range(3)))
+        bodies = [await a.json() for a in answers]
+        assert all(a.status == 200 for a in answers)
+        assert bodies[0] == bodies[1] == bodies[2]
+        assert sorted(a.headers.get("x-ponto-coalesced", "0") for a in answers) == ["0", "1", "1"]
+        assert s.origin_requests() == 1
+    finally:
+        await s.client.close()
+        for o in s.origins:
+            await o.close()
+
+
+async def test_a_failing_origin_is_replaced_before_the_first_byte(tmp_path: Path) -> None:
+    s = await start_stack(
+        tmp_path,
+        [
+            SimConfig(name="bad", mode="fail", fail_status=503),
+            SimConfig(name="good", answer_tokens=3, seed=4),
+        ],
+    )
+    try:
+        for i in range(6):  # the weighted order puts "bad" first about half the time
+            resp = await s.post(chat(f"failover {i}"))
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
+            await resp.read()
+    finally:
+        await s.client.close()
+        for o in s.origins:
+            await o.close()
+
+
+async def test_no_origin_answering_is_a_502_in_the_openai_shape(tmp_path: Path) -> None:
+    s = await start_stack(tmp_path, [SimConfig(name="down", mode="fail", fail_status=500)])
+    try:
+        resp = await s.post(chat("nobody home"))
+        assert resp.status == 502
+        err = error_of(await resp.json())
+        assert err["type"] == "upstream_error"
+        assert "down: answered 500" in err["message"]
+        assert resp.headers["x-request-id"]
+    finally:
+        await s.client.close()
+        for o in s.origins:
+            await o.close()
+
+
+# ---------------------------------------------------------------- refusals
+
+
+BAD = [
+    ("no key", None, {"json": chat("x")}, 401, "missing_api_key"),
+    ("wrong key", "sk-ponto-aaaaaaaaaa-nope", {"json": chat("x")}, 401, None),
+    (
+        "not json",
+        KEY.key,
+        {"data": b"{nope", "headers": {"content-type": "application/json"}},
+        400,
+        "invalid_json",
+    ),
+    ("not an object", KEY.key, {"json": [1, 2]}, 400, "invalid_json"),
+    ("form", KEY.key, {"data": {"a": "b"}}, 415, "unsupported_media_type"),
+    ("no messages", KEY.key, {"json": {"model": MODEL}}, 400, None),
+    ("empty messages", KEY.key, {"json": {"model": MODEL, "messages": []}}, 400, None),
+    ("unknown model", KEY.key, {"json": chat("x", model="gpt-9")}, 404, "model_not_found"),
+    ("stream not bool", KEY.key, {"json": chat("x", stream="yes")}, 400, None),
+    ("too large", KEY.key, {"json": chat("x" * 70_000)}, 413, "body_too_large"),
+]
+
+
+@pytest.mark.parametrize(("case", "key", "kw", "status", "code"), BAD, ids=[b[0] for b in BAD])
+async def test_bad_requests_get_a_clear_error_and_reach_no_origin(
+    tmp_path: Path, case: str, key: str | None, kw: dict[str, Any], status: int, code: str | None
+) -> None:
+    s = await start_stack(tmp_path, [SimConfig(name="o1")], ["--max-body-bytes=65536"])
+    try:
+        headers = dict(kw.pop("headers", {}))
+        if key is not None:
+            headers["authorization"] = f"Bearer {key}"
+        resp = await s.client.post("/v1/chat/completions", headers=headers, **kw)
+        assert resp.status == status, await resp.text()
+        err = error_of(await resp.json())
+        if code is not None:
+            assert err["code"] == code
+        assert s.origin_requests() == 0
+    finally:
+        await s.client.close()
+        for o in s.origins:
+            await o.close()
+
+
+async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> None:
+    for i in range(2):
+        ok = await stack.post(chat(f"limited {i}"), key=LIMITED_KEY.key)
+        assert ok.status == 200
+        assert ok.headers["x-ratelimit-limit-requests"] == "2"
+    refused = await stack.post(chat("limited 3"), key=LIMITED_KEY.key)
+    assert refused.status == 429
+    assert error_of(await refused.json())["code"] == "rate_limit_exceeded"
+    assert float(refused.headers["retry-after"]) > 0
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.headers["x-request-id"]
+    assert stack.origin_requests() == 2
+
+
+# ---------------------------------------------------------------- a cut stream
+
+
+async def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event(
+    tmp_path: Path,
+) -> None:
+    async def cut(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        chunk = {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}],
+        }
+        await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        assert request.transport is not None
+        request.transport.close()  # the origin dies mid-answer
+        return out
+
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", cut)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    s = await start_stack(tmp_path, [])
+    s.app[HOLDER].apply(
+        table([("cutter", str(origin.make_url("/v1")))], version=3), "control-plane"
+    )
+    try:
+        resp = await s.post(chat("cut me", stream=True))
+        assert resp.status == 200
+        events = await read_sse(resp)
+        assert json.loads(events[0])["choices"][0]["delta"]["content"] == "par"
+        assert json.loads(events[1])["error"]["code"] == "stream_interrupted"
+        assert events[-1] == "[DONE]"
+        # A cut answer is not kept: the next one goes to the origin again.
+        again = await s.post(chat("cut me", stream=True))
+        assert again.headers["x-ponto-cache"] == "miss"
+        await again.read()
+    finally:
+        await s.client.close()
+        await origin.close()
+
+
+# ---------------------------------------------------------------- steps without HTTP
+
+
+def exchange(stack: Stack, body: dict[str, Any], key: str) -> Exchange:
+    holder = stack.app[HOLDER]
+    assert holder.routes is not None and holder.policy is not None
+    headers = CIMultiDictProxy(CIMultiDict({"authorization": f"Bearer {key}"}))
+    ex = Exchange(
+        ENDPOINTS["chat.completions"], headers, "127.0.0.1", "rid", holder.routes, holder.policy
+    )
+    ex.body = body
+    return ex
+
+
+StepCheck = Callable[[Exchange], None]
+
+
+async def test_the_steps_run_on_an_exchange_without_a_server(stack: Stack) -> None:
+    pipeline = stack.app[PIPELINE]
+    ex = exchange(stack, chat("steps"), LIMITED_KEY.key)
+    pipeline.authenticate(ex)
+    assert (ex.principal.tenant, ex.principal.key_id) == ("acme", LIMITED_KEY.key_id)
+    pipeline.assemble(ex)
+    assert ex.model == MODEL and ex.tenant is not None and not ex.rewritten
+    await pipeline.admit(ex)
+    assert ex.admission is not None and ex.estimate > 0
+    assert ("x-ratelimit-limit-requests", "2") in ex.limit_headers
+    pipeline.settle(ex)
+
+    unknown = exchange(stack, chat("steps", model="nope"), KEY.key)
+    pipeline.authenticate(unknown)
+    with pytest.raises(ApiError) as refused:
+        pipeline.assemble(unknown)
+    assert refused.value.status == 404
+    assert stack.origin_requests() == 0
