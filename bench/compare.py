@@ -223,6 +223,18 @@ def configure_ponto_features(fleet: Fleet, features: str) -> tuple[Header, str]:
     )
 
 
+def wait_ready(fleet: Fleet, name: str, timeout: float = 15.0) -> None:
+    """Until proxy `name` answers /readyz: it serves a table and, when tenants have
+    limits, holds its share of them (before that it answers 429)."""
+    url = f"http://{fleet.proxies[name].address}/readyz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"proxy {name} not ready (/readyz) after {timeout:.0f} s")
+
+
 def check(target: Target, body: bytes = BODY, timeout: float = 30.0) -> None:
     """One request must succeed before any measuring (catches a misconfiguration)."""
     request = urllib.request.Request(
@@ -683,6 +695,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             origin, proxy = start_ponto(fleet, args.ponto_arg)
             headers, features = configure_ponto_features(fleet, args.ponto_features)
             headers += tuple(_header(h) for h in args.ponto_header)
+            wait_ready(fleet, "proxy")
             targets = [
                 Target(
                     "direct",
