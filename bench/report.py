@@ -35,7 +35,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt
 
-from bench.compare import figure
+from bench.compare_table import figure
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / "docs" / "benchmarks"
