@@ -101,7 +101,7 @@ def times(a: float | None, b: float | None, word: str) -> str:
 
 
 def over_floor(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    return "-" if value is None else f"{value:,.2f}x"
 
 
 def cell(phase: Phase | None, key: str, fn: Callable[[], str]) -> str:
