@@ -101,11 +101,21 @@ demo: $(STAMP)
 demo-check: $(STAMP)
 	$(BIN)/ponto-demo --check
 
+# Debian's wrk drives bench.compare's closed loop (maximum rate, server CPU per
+# request). Installed with apt when missing, which needs root; bench.compare
+# stops with the command to run if it is still missing.
+WRK := wrk
+.PHONY: $(WRK)
+
+$(WRK):
+	@command -v wrk >/dev/null || apt-get install -y wrk || \
+		{ apt-get update && apt-get install -y wrk; }
+
 # Side-by-side measurements; each prints its figures and ratios and writes
 # docs/benchmarks/*.json, which bench.report (last) turns into
-# docs/benchmarks/README.md with plots. About 13 minutes on 2 cores; compare
+# docs/benchmarks/README.md with plots. About 15 minutes on 2 cores; compare
 # installs LiteLLM into .bench/ the first time.
-bench: $(STAMP)
+bench: $(STAMP) $(WRK)
 	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
 	$(PY) -m bench.record routing "Routing cost per request" bench.routing
 	$(PY) -m bench.auth_ratelimit

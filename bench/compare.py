@@ -1,54 +1,71 @@
-"""Overhead side by side: the origin direct, through Ponto, and through LiteLLM, in one run.
+"""Overhead side by side, in one run: the origin direct, the bare pass-through, Ponto, LiteLLM.
 
-    .venv/bin/python -m bench.compare [--quick] [--no-litellm] [--out PATH]
+    .venv/bin/python -m bench.compare [--quick] [--no-litellm] [--ponto-features none]
+        [--ponto-workers N] [--out PATH]
 
-What runs where (two CPUs): the server under test (Ponto's proxy or LiteLLM's,
-one process, one worker) alone on CPU 0; the origin simulator, the load
-generator, etcd and Ponto's control plane on CPU 1. "direct" sends the same
-requests straight to the origin, so "added" latency is what the extra hop and
-the proxy's own work cost. The origin simulator answers with no artificial
-delay (TTFT 0, tokens back to back), so the difference is proxy overhead.
+What is compared. "direct" sends the requests straight to the origin, so each
+proxy's *added* latency is what its extra hop and its own work cost. The
+origin simulator answers with no artificial delay (TTFT 0, tokens back to
+back), so differences are proxy overhead. "pass-through" (bench/passthrough.py)
+is the floor: an aiohttp + uvloop reverse proxy on Ponto's stack, run the way
+Ponto runs (one ClientSession on a keep-alive connector, handler_cancellation,
+no access log, one process), that forwards the body and Content-Type and
+relays the answer (SSE chunk by chunk) and does nothing else. Ponto over the
+pass-through ("Ponto / pass-through" in the table) is the cost of Ponto's own
+work: routing, auth, limits, cache, metrics. Ponto runs with API-key auth,
+rate limits and its exact cache on (configure_ponto_features; its exact cache
+bounded at 32 MB); --ponto-features none measures its bare path. LiteLLM runs
+with its master key (bench/litellm_env.py).
 
-How it measures (bench/loadgen.py): open loop at fixed rates, requests evenly
-spaced at t0 + i/rate, latency from each request's due time; every phase
-alternates the targets in rounds so that they share the machine's state; each
-request carries its own prompt (no cache can answer a repeat). A rate far above
-a target's maximum gets a short probe that shows it failing, not a full run.
-The maximum rate comes from a closed loop (N connections back to back), and is
-checked with an open loop at 80 % of it (50 % if that does not hold: under 1 %
-errors and p99 under 1 s). "Per core" divides a throughput by the CPU
-the server process used meanwhile (utime + stime over the measured window), so
-it holds even when CPU 1 (origin + generator) is the bottleneck. Peak RSS is
-VmHWM of each server's process tree at the end.
+What runs where (two CPUs): each server under test (pass-through, Ponto,
+LiteLLM: one process, one worker) alone on CPU 0; the origin simulator, the
+load generators, etcd and Ponto's control plane on CPU 1.
 
-Phases: max (closed loop), 100/s and 1,000/s non-streaming, 100/s streaming
-(TTFT = first SSE event), sustained (80 % or 50 % of each target's max); and,
-if LiteLLM cannot hold 100/s, the three again at half its max, for a fair ratio.
+How it measures. Maximum throughput and server CPU per request: wrk
+(bench/wrk.py), a closed loop of N connections, each request with its own
+prompt; CPU per request = the server's process tree's utime + stime over the
+run / answers; "per core" = throughput / CPU busy, so it holds even when CPU
+1 (origin + wrk) is the bottleneck. Latency: bench/loadgen.py, one request at
+a time (a closed loop of one connection), and open loop at fixed rates
+(requests evenly spaced at t0 + i/rate, latency from each request's due
+time, so nothing is hidden by coordinated omission). Every phase alternates
+the targets in rounds so that they share the machine's state, and every run
+gets prompts of its own, so no cache answers a repeat (but the exact-cache
+phase, which repeats one question on purpose). A rate far above a target's
+maximum gets a short probe that shows it failing, not a full run. Peak RSS
+is VmHWM of each server's process tree at the end.
 
-Ponto runs with API-key auth, rate limits and its exact cache on (see
-configure_ponto_features; --ponto-features none for the bare path); LiteLLM
-with its master key (see bench/litellm_env.py).
+Phases: max (wrk); one at a time; exact-cache hit (Ponto, one question
+repeated) against direct; 100/s and 1,000/s non-streaming; 100/s streaming
+(TTFT = first SSE event); sustained (80 % or 50 % of each target's max); if
+LiteLLM cannot hold 100/s, the latencies again at half its max, for a fair
+ratio; with --ponto-workers N (N >= 2), a last phase where a one-worker Ponto
+and the N-worker one get every CPU (shared with origin and wrk) for wrk.
 
-Prints one table and the issue's goals; writes JSON (default
+Prints one table, the ratios, issue 8's goals and issue 17's aims (PASS or
+MISS; a MISS never fails the run); writes JSON (default
 docs/benchmarks/overhead.json, none with --quick) for bench/report.py.
+Needs wrk (apt-get install -y wrk; `make bench` installs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -56,17 +73,29 @@ from typing import Any
 
 import grpc
 
-from bench import litellm_env
+from bench import litellm_env, wrk
+from bench.compare_table import (
+    Phase,
+    aims,
+    build_table,
+    figure,
+    finite,
+    goals,
+    held,
+    ok,
+    scaling_table,
+)
 from bench.loadgen import LoadGenerator, LoadResult, LoadSpec, merge, summarize
-from ponto.devenv import Managed, free_port
+from bench.procs import affinity, cpus_available, largest_mb, pin_tree, process_tree, tree_mb
+from ponto.devenv import Managed, free_port, python_entry, spawn
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
 Header = tuple[tuple[str, str], ...]
 
-SERVER_CPU = 0  # the proxy under test, alone
-LOAD_CPU = 1  # origin, load generator, etcd, control plane
+SERVER_CPU = 0  # the server under test, alone
+LOAD_CPU = 1  # origin, load generators, etcd, control plane
 MODEL = "sim-small"
 DEFAULT_OUT = Path("docs/benchmarks/overhead.json")
 # "{i}" becomes each request's index: distinct prompts, so no cache answers a repeat.
@@ -84,72 +113,17 @@ STREAM_BODY = json.dumps(
         "messages": [{"role": "user", "content": "count to sixteen {i}"}],
     }
 ).encode()
-MAX_ERRORS = 0.01  # "sustained" means under 1 % errors ...
-SUSTAINED_P99_MS = 1000.0  # ... and no queue building up
+# The exact-cache phase repeats this one question: after the first, every answer is a hit.
+HIT_BODY = BODY.replace(b"{i}", b"asked again and again")
+# Ponto's exact cache is bounded so that its peak RSS is that of a production
+# worker with a small cache (issue 17: one worker < 80 MB with 32 MB of cache).
+CACHE_MAX_MB = 32
+PONTO_ARGS = ("--log-level", "WARNING", "--cache-max-mb", str(CACHE_MAX_MB))
+# Every CPU this process may use, read before run() pins it to LOAD_CPU (scaling uses them).
+CPUS_AT_START = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())
 OVERLOAD = 1.5  # an open-loop rate over 1.5x a target's closed-loop max gets a short probe
 PROBE_S = 2.0  # duration and timeout of such a probe
 MAX_OPEN_S = 30.0  # ... but no open-loop run lasts longer than this
-
-
-# ---------------------------------------------------------------- processes
-
-
-def cpus_available() -> bool:
-    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
-
-
-@contextlib.contextmanager
-def affinity(cpus: set[int] | None) -> Iterator[None]:
-    """Pin this thread to `cpus` for the block; processes started inside inherit it."""
-    if cpus is None or not cpus_available():
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (from /proc/*/task/*/children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-    return out
-
-
-def pin_tree(pid: int, cpus: set[int]) -> None:
-    """Pin every thread of pid and its descendants (threads made later inherit it)."""
-    if not cpus_available():
-        return
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(task), cpus)
-
-
-def status_kb(pid: int, key: str) -> int:
-    """A /proc/<pid>/status field in kB (VmHWM, VmRSS); 0 if gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def tree_mb(pid: int, key: str) -> float:
-    return round(sum(status_kb(p, key) for p in process_tree(pid)) / 1024, 1)
 
 
 # ---------------------------------------------------------------- targets
@@ -159,7 +133,7 @@ def tree_mb(pid: int, key: str) -> float:
 class Target:
     """Something to send chat completions to, with the process that serves them."""
 
-    key: str  # direct | ponto | litellm
+    key: str  # direct | passthrough | ponto | litellm (ponto-1, ponto-N: scaling)
     label: str
     url: str
     pid: int  # the server process (its tree is measured)
@@ -172,7 +146,8 @@ class Target:
 
 def start_ponto(fleet: Fleet, proxy_args: Sequence[str] = ()) -> tuple[Managed, Managed]:
     """etcd, one control plane, one origin (no delays) and one proxy, which runs alone on
-    SERVER_CPU; returns (origin, proxy) once the proxy serves the origin."""
+    SERVER_CPU with PONTO_ARGS (then `proxy_args`, which may override them); returns
+    (origin, proxy) once the proxy serves the origin."""
     fleet.start_etcd()
     fleet.start_control()
     fleet.add_region(RegionDef("local", 0.0, 0.0))
@@ -180,10 +155,25 @@ def start_ponto(fleet: Fleet, proxy_args: Sequence[str] = ()) -> tuple[Managed, 
     fleet.add_origin("origin", "local", fleet.origin_url("origin"), models=(MODEL,))
     table = fleet.table_version(origins=1)
     with affinity({SERVER_CPU}):
-        proxy = fleet.start_proxy("proxy", "local", extra=["--log-level", "WARNING", *proxy_args])
+        proxy = fleet.start_proxy("proxy", "local", extra=[*PONTO_ARGS, *proxy_args])
     pin_tree(proxy.proc.pid, {SERVER_CPU})
     fleet.wait_proxies_at(table)
     return origin, proxy
+
+
+def start_passthrough(fleet: Fleet, origin: Managed) -> Managed:
+    """bench/passthrough.py in front of `origin`, alone on SERVER_CPU like the proxies.
+
+    The caller owns the process (the fleet does not know it) and must stop it.
+    """
+    ready = fleet.workdir / "passthrough.addr"
+    ready.unlink(missing_ok=True)
+    argv = [*python_entry("bench.passthrough"), "--listen", "127.0.0.1:0",
+            "--origin", f"http://{origin.address}", "--ready-file", str(ready)]  # fmt: skip
+    with affinity({SERVER_CPU}):
+        managed = spawn("passthrough", argv, fleet.workdir, ready_file=ready)
+    pin_tree(managed.proc.pid, {SERVER_CPU})
+    return managed
 
 
 def configure_ponto_features(fleet: Fleet, features: str) -> tuple[Header, str]:
@@ -193,16 +183,22 @@ def configure_ponto_features(fleet: Fleet, features: str) -> tuple[Header, str]:
     on): a tenant with request and token limits far above the load, so every
     request is counted but none refused; an exact cache (requests are
     deterministic, temperature 0, and each has its own prompt, so every lookup
-    runs and misses); and an API key that every request presents. Returns the headers Ponto's
-    requests need. If the Admin API lacks a call, runs with defaults and says so.
+    runs and misses); and an API key that every request presents. The cache
+    keeps answers cut by max_tokens (store_truncated; BODY's all are), so every
+    miss is stored as a production cache's would be and the cache fills up to
+    its bound (CACHE_MAX_MB): peak RSS is that of a full cache. Returns the
+    headers Ponto's requests need. If the Admin API lacks a call, runs with
+    defaults and says so.
     """
     if features == "none":
-        return (), "defaults (no auth, rate limit or cache)"
+        # Ponto's default cache policy still looks every request up (a miss), and keeps
+        # no answer cut by max_tokens, so nothing is stored.
+        return (), "defaults (no API keys or limits; exact-cache lookups that miss, nothing stored)"
     try:
         tenant = pb.Tenant(
             name="bench",
             limits=pb.Limits(rpm=10**9, tpm=10**12),
-            cache=pb.CachePolicy(mode="exact"),
+            cache=pb.CachePolicy(mode="exact", store_truncated=True),
         )
         admin = fleet.admin()
         admin.PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=True), timeout=10)
@@ -219,8 +215,44 @@ def configure_ponto_features(fleet: Fleet, features: str) -> tuple[Header, str]:
         return (), f"defaults: could not configure auth, limits and cache ({exc})"
     return (
         (("Authorization", f"Bearer {created.secret}"),),
-        "API key auth, rate limits (not binding) and exact-cache lookup on (every lookup misses)",
+        "API key auth, rate limits (not binding) and the exact cache on (every lookup misses and "
+        f"every answer is stored; the cache is bounded at {CACHE_MAX_MB} MB)",
     )
+
+
+def wait_ready(fleet: Fleet, name: str, timeout: float = 15.0) -> None:
+    """Until proxy `name` answers /readyz: it serves a table and, when tenants have
+    limits, holds its share of them (before that it answers 429)."""
+    url = f"http://{fleet.proxies[name].address}/readyz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"proxy {name} not ready (/readyz) after {timeout:.0f} s")
+
+
+def cache_stats(address: str) -> dict[str, float]:
+    """Ponto's exact-cache counters from its /metrics: hit, miss, entries, bytes, evictions
+    (0 for what is absent); {} if the proxy does not answer."""
+    names = {
+        'ponto_cache_requests_total{kind="exact",result="hit"}': "hit",
+        'ponto_cache_requests_total{kind="exact",result="miss"}': "miss",
+        "ponto_cache_entries": "entries",
+        "ponto_cache_bytes": "bytes",
+        "ponto_cache_evictions": "evictions",
+    }
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out = dict.fromkeys(names.values(), 0.0)
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in names:
+            out[names[name]] = float(value)
+    return out
 
 
 def check(target: Target, body: bytes = BODY, timeout: float = 30.0) -> None:
@@ -259,9 +291,10 @@ def settle(target: Target, limit: float = 20.0) -> None:
 class Plan:
     rounds: int
     open_s: float
-    closed_s: float
+    closed_s: float  # wrk's measured seconds, over all rounds
+    sequential_s: float  # one request at a time, over all rounds
     warmup: float
-    connections: int
+    connections: int  # wrk's
     rates: tuple[float, ...]
     stream_rate: float
     sustained: bool
@@ -269,11 +302,16 @@ class Plan:
     min_samples: int = 400  # open-loop runs last long enough for this many requests ...
     settle_s: float = 20.0  # longest wait for an overloaded server's backlog to drain
 
+    def wrk_seconds(self) -> tuple[int, int]:
+        """(measured, warm-up) whole seconds of one wrk round: wrk takes no fractions."""
+        return max(1, round(self.closed_s / self.rounds)), max(1, math.ceil(self.warmup))
+
 
 FULL = Plan(
     rounds=2,
     open_s=10.0,
     closed_s=8.0,
+    sequential_s=10.0,
     warmup=1.0,
     connections=16,
     rates=(100.0, 1000.0),
@@ -284,6 +322,7 @@ QUICK = Plan(
     rounds=1,
     open_s=2.0,
     closed_s=2.0,
+    sequential_s=2.0,
     warmup=0.5,
     connections=16,
     rates=(100.0, 1000.0),
@@ -294,17 +333,15 @@ QUICK = Plan(
     settle_s=5.0,
 )
 
-
-@dataclass
-class Phase:
-    name: str
-    mode: str
-    stream: bool
-    rate: float | None  # None: closed loop, or a rate per target
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+BodyFor = Callable[[Target], bytes]
 
 
 class Runner:
+    """Runs phases against the targets; owns nothing but the generator it is given.
+
+    Not thread-safe; one phase at a time.
+    """
+
     def __init__(
         self, gen: LoadGenerator, targets: list[Target], origin_pid: int, plan: Plan
     ) -> None:
@@ -315,27 +352,34 @@ class Runner:
         # Closed-loop throughput per target, once measured: an open-loop rate far
         # above it only needs a short probe to show that the target fails there.
         self.maxima: dict[str, float] = {}
+        self._runs = itertools.count()
 
     def overloaded(self, target: Target, rate: float) -> bool:
         best = self.maxima.get(target.key)
         return best is not None and rate > OVERLOAD * best
 
+    def tagged(self, body: bytes) -> bytes:
+        """`body` with a tag unique to this run before its {i}: loadgen numbers every
+        run's requests from 0, and a prompt seen in an earlier run would be a cache hit."""
+        return body.replace(b"{i}", b"r%d-{i}" % next(self._runs))
+
     def spec(
-        self, target: Target, *, mode: str, rate: float, stream: bool, probe: bool = False
+        self, target: Target, *, mode: str, rate: float, body: bytes, stream: bool, probe: bool
     ) -> LoadSpec:
+        """mode "open": paced at `rate`; "sequential": one request at a time."""
         p = self.plan
-        if mode == "closed":
-            duration = p.closed_s / p.rounds
+        if mode == "sequential":
+            duration = p.sequential_s / p.rounds
         else:
             # Enough requests for a p99 that is not just the maximum, within reason.
             duration = max(p.open_s, min(MAX_OPEN_S, p.min_samples / rate)) / p.rounds
         return LoadSpec(
             url=target.url,
-            body=STREAM_BODY if stream else BODY,
+            body=self.tagged(body),
             headers=target.headers,
-            mode="closed" if mode == "closed" else "open",
+            mode="closed" if mode == "sequential" else "open",
             rate=rate,
-            connections=p.connections if mode == "closed" else 0,
+            connections=1 if mode == "sequential" else 0,
             duration=PROBE_S if probe else duration,
             warmup=min(p.warmup, 0.5) if probe else p.warmup,
             timeout=PROBE_S if probe else p.timeout,
@@ -352,8 +396,10 @@ class Runner:
         stream: bool = False,
         rate: float | Callable[[Target], float] = 0.0,
         targets: Sequence[Target] | None = None,
+        body: BodyFor | None = None,
     ) -> Phase:
-        """Run every target, alternating them over the plan's rounds; results merged."""
+        """Run every target with bench/loadgen.py, alternating them over the plan's
+        rounds; results merged. `body` picks a target's body (default BODY or STREAM_BODY)."""
         chosen = list(targets or self.targets)
         fixed = None if callable(rate) else rate
         phase = Phase(name, mode, stream, fixed if mode == "open" else None)
@@ -365,7 +411,10 @@ class Runner:
                 probe = mode == "open" and self.overloaded(target, r)
                 if probe and round_ > 0:
                     continue  # one short probe is enough to show the failure
-                spec = self.spec(target, mode=mode, rate=r, stream=stream, probe=probe)
+                payload = body(target) if body else STREAM_BODY if stream else BODY
+                spec = self.spec(
+                    target, mode=mode, rate=r, body=payload, stream=stream, probe=probe
+                )
                 try:
                     result = self.gen.run(spec)
                 except (ConnectionError, OSError) as exc:
@@ -389,16 +438,96 @@ class Runner:
         server_cpu = sum(result.watched_cpu_s[p] for p in server_pids)
         origin_cpu = result.watched_cpu_s.get(self.origin_pid, math.nan)
         s["rate"] = result.spec.rate if result.spec.mode == "open" else None
-        s["server_cpu"] = _round(server_cpu / elapsed, 3) if elapsed else None
-        s["origin_cpu"] = _round(origin_cpu / elapsed, 3) if elapsed else None
-        s["cpu_us_per_request"] = _round(server_cpu / result.ok * 1e6, 1) if result.ok else None
-        s["per_core"] = (
-            _round(result.throughput() / (server_cpu / elapsed), 0)
-            if elapsed and server_cpu > 0
-            else None
-        )
+        s.update(_cpu_figures(server_cpu, origin_cpu, elapsed, result.ok))
         s.pop("watched_cpu", None)
         return s
+
+
+def wrk_phase(
+    name: str,
+    targets: Sequence[Target],
+    origin_pid: int,
+    plan: Plan,
+    cpus: frozenset[int] | None = None,
+) -> Phase:
+    """Maximum rate: wrk's closed loop against every target, alternating over the plan's
+    rounds. wrk runs on `cpus` (None: this process's, CPU 1), one thread per CPU."""
+    seconds, warmup = plan.wrk_seconds()
+    phase = Phase(name, "wrk", False, None)
+    runs: dict[str, list[wrk.WrkResult]] = {t.key: [] for t in targets}
+    started = time.monotonic()
+    for _ in range(plan.rounds):
+        for target in targets:
+            spec = wrk.WrkSpec(
+                url=target.url,
+                body=BODY,
+                headers=target.headers,
+                connections=plan.connections,
+                threads=len(cpus) if cpus else 1,
+                duration=seconds,
+                warmup=warmup,
+                timeout=max(1, math.ceil(plan.timeout)),
+                cpus=cpus,
+                watch_pids=(target.pid, origin_pid),
+            )
+            try:
+                result = wrk.run(spec)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                print(f"  {name}: {target.label}: {exc}", file=sys.stderr)
+                settle(target, plan.settle_s)
+                continue
+            runs[target.key].append(result)
+            if result.errors:
+                settle(target, plan.settle_s)
+    for target in targets:
+        phase.results[target.key] = _wrk_summary(target, runs[target.key], origin_pid, plan)
+    print(f"  {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return phase
+
+
+def _wrk_summary(
+    target: Target, results: list[wrk.WrkResult], origin_pid: int, plan: Plan
+) -> dict[str, Any]:
+    """Rounds added up; latency percentiles are the mean of the rounds' (wrk's
+    histograms are not merged), and are service times."""
+    elapsed = sum(r.duration_s for r in results)
+    ok_ = sum(r.ok for r in results)
+    errors: dict[str, int] = {}
+    for r in results:
+        for kind, n in r.errors.items():
+            errors[kind] = errors.get(kind, 0) + n
+    failed = sum(errors.values())
+    attempts = sum(r.requests for r in results) + failed - errors.get("status", 0)
+    server_cpu = sum(r.watched_cpu_s.get(target.pid, 0.0) for r in results)
+    origin_cpu = sum(r.watched_cpu_s.get(origin_pid, 0.0) for r in results)
+    latency = {
+        q: round(sum(r.latency_us.get(q, 0.0) for r in results) / len(results) / 1e3, 4)
+        for q in ("p50", "p90", "p99", "p99.9", "max", "mean")
+    } if results else {}  # fmt: skip
+    return {
+        "mode": "wrk",
+        "rate": None,
+        "connections": plan.connections,
+        "rounds": len(results),
+        "duration_s": round(elapsed, 3),
+        "requests": attempts,
+        "ok": ok_,
+        "errors": errors,
+        "error_ratio": round(failed / attempts, 5) if attempts else 1.0,
+        "throughput": round(ok_ / elapsed, 1) if elapsed else 0.0,
+        "latency_ms": latency,
+        **_cpu_figures(server_cpu, origin_cpu, elapsed, ok_),
+    }
+
+
+def _cpu_figures(server_cpu: float, origin_cpu: float, elapsed: float, ok_: int) -> dict[str, Any]:
+    """CPU busy (cores), CPU per ok answer and answers per core-second of the server."""
+    return {
+        "server_cpu": _round(server_cpu / elapsed, 3) if elapsed else None,
+        "origin_cpu": _round(origin_cpu / elapsed, 3) if elapsed else None,
+        "cpu_us_per_request": _round(server_cpu / ok_ * 1e6, 1) if ok_ else None,
+        "per_core": _round(ok_ / server_cpu, 0) if server_cpu > 0 else None,
+    }
 
 
 def _p99(result: LoadResult) -> float:
@@ -410,224 +539,99 @@ def _round(value: float, digits: int) -> float | None:
     return None if value is None or math.isnan(value) else round(value, digits)
 
 
-# ---------------------------------------------------------------- report
+def measure(
+    targets: list[Target], origin_pid: int, plan: Plan, *, ponto_cache: str | None
+) -> dict[str, Phase]:
+    """Every phase but scaling, in order (see the module docstring); the exact-cache
+    phase only with `ponto_cache`, the address of a Ponto whose cache is on."""
+    phases: dict[str, Phase] = {}
+    with LoadGenerator() as gen:
+        runner = Runner(gen, targets, origin_pid, plan)
+        phases["max"] = wrk_phase("max", targets, origin_pid, plan)
+        runner.maxima = {k: r.get("throughput") or 0.0 for k, r in phases["max"].results.items()}
+        phases["sequential"] = runner.phase("sequential", mode="sequential")
+        if ponto_cache is not None:
+            phases["cache-hit"] = cache_hit(runner, ponto_cache)
+        for rate in plan.rates:
+            phases[f"open-{rate:g}"] = runner.phase(f"open-{rate:g}", mode="open", rate=rate)
+        phases["stream"] = runner.phase("stream", mode="open", stream=True, rate=plan.stream_rate)
+        if plan.sustained:
+            phases["sustained"] = sustained(runner)
+        lite = phases["max"].results.get("litellm")
+        low = plan.rates[0]
+        if plan.sustained and lite and not ok(phases.get(f"open-{low:g}"), "litellm"):
+            pace = max(5.0, math.floor(0.5 * (lite.get("throughput") or 10.0)))
+            phase = runner.phase("ratio", mode="open", rate=pace)
+            phases["ratio"] = phase
+    return phases
 
 
-def _get(phase: Phase | None, key: str, *path: str) -> float | None:
-    if phase is None or key not in phase.results:
-        return None
-    value: Any = phase.results[key]
-    for part in path:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(part)
-    return value if isinstance(value, int | float) else None
-
-
-def _ok(phase: Phase | None, key: str) -> bool:
-    ratio = _get(phase, key, "error_ratio")
-    return ratio is not None and ratio < MAX_ERRORS
-
-
-def _held(phase: Phase | None, key: str) -> bool:
-    """A rate is sustained when under 1 % fail and the queue does not grow: a p99
-    of seconds from the due time means requests were waiting, not being served."""
-    p99 = _get(phase, key, "latency_ms", "p99")
-    return _ok(phase, key) and p99 is not None and p99 < SUSTAINED_P99_MS
-
-
-def added(phase: Phase | None, key: str, q: str, metric: str = "latency_ms") -> float | None:
-    """Target's percentile minus direct's, in ms; None if either failed the phase."""
-    if not (_ok(phase, key) and _ok(phase, "direct")):
-        return None
-    mine, base = _get(phase, key, metric, q), _get(phase, "direct", metric, q)
-    return None if mine is None or base is None else round(mine - base, 4)
-
-
-def _fmt(value: float | None, digits: int = 3, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}{unit}"
-
-
-def _cell(phase: Phase | None, key: str, fn: Callable[[], str]) -> str:
-    if phase is None or key not in phase.results:
-        return "n/a"
-    if not _ok(phase, key):
-        ratio = _get(phase, key, "error_ratio") or 0.0
-        kinds: dict[str, int] = phase.results[key].get("errors") or {}
-        worst = max(kinds, key=lambda kind: kinds[kind]) if kinds else "errors"
-        return f"fails: {ratio:.0%} {worst}"
-    return fn()
-
-
-def figure(value: float) -> str:
-    """A number with the digits it deserves: 12,345 / 12.35 / 0.123."""
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3f}"
-
-
-def _times(a: float | None, b: float | None, word: str) -> str:
-    """'N x word' for a/b, when both are positive."""
-    if a is None or b is None or a <= 0 or b <= 0:
-        return "-"
-    return f"{a / b:,.1f}x {word}"
-
-
-@dataclass
-class Table:
-    columns: list[str]
-    rows: list[list[str]] = field(default_factory=list)
-
-    def add(self, *cells: str) -> None:
-        self.rows.append(list(cells))
-
-    def render(self) -> str:
-        widths = [
-            max(len(r[i]) for r in [self.columns, *self.rows]) for i in range(len(self.columns))
-        ]
-        lines = []
-        for n, row in enumerate([self.columns, *self.rows]):
-            first = row[0].ljust(widths[0])
-            rest = [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-            lines.append("  ".join([first, *rest]))
-            if n == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-
-
-def build_table(
-    targets: list[Target], phases: dict[str, Phase], rss: dict[str, float], rates: Sequence[float]
-) -> tuple[Table, dict[str, Any]]:
-    """The printed table (one column per target) and the LiteLLM/Ponto ratios."""
-    keys = [t.key for t in targets]
-    has_litellm = "litellm" in keys
-    table = Table(["", *[t.label for t in targets], *(["LiteLLM vs Ponto"] if has_litellm else [])])
-    ratios: dict[str, Any] = {}
-
-    def row(label: str, cell: Callable[[str], str], ratio: str = "") -> None:
-        table.add(label, *[cell(k) for k in keys], *([ratio] if has_litellm else []))
-
-    def latency_rows(phase: Phase | None, title: str, metric: str = "latency_ms") -> None:
-        if phase is None:
-            return
-        for q in ("p50", "p99"):
-
-            def value(k: str, q: str = q) -> str:
-                return _cell(phase, k, lambda: _fmt(_get(phase, k, metric, q)))
-
-            row(f"{title} {q} (ms)", value)
-        for q in ("p50", "p99"):
-            a_p, a_l = added(phase, "ponto", q, metric), added(phase, "litellm", q, metric)
-            ratios[f"{phase.name}_added_{metric}_{q}"] = (
-                round(a_l / a_p, 2) if a_p is not None and a_l is not None and a_p > 0 else None
-            )
-
-            def extra(k: str, q: str = q) -> str:
-                if k == "direct":
-                    return "-"
-                return _cell(phase, k, lambda: _fmt(added(phase, k, q, metric)))
-
-            row(f"  added {q} (ms)", extra, _times(a_l, a_p, "more"))
-
-        def late(k: str) -> str:
-            return _fmt(_get(phase, k, "lateness_ms", "p99"))
-
-        # The generator's own delay in sending (CPU 1 busy); latencies include it.
-        row("  sent late, p99 (ms)", late)
-
-    for rate in rates:
-        latency_rows(phases.get(f"open-{rate:g}"), f"latency @ {rate:,.0f}/s")
-    pace = phases.get("ratio")
-    if pace is not None and pace.rate is not None:
-        latency_rows(pace, f"latency @ {pace.rate:,.0f}/s (LiteLLM's pace)")
-    stream = phases.get("stream")
-    if stream is not None and stream.rate is not None:
-        latency_rows(stream, f"TTFT, streams @ {stream.rate:,.0f}/s", "ttfb_ms")
-    mx = phases.get("max")
-    if mx is not None:
-        conns = _get(mx, "direct", "connections") or 0
-
-        def throughput(k: str) -> str:
-            text = _fmt(_get(mx, k, "throughput"), 0)
-            return text if _ok(mx, k) else f"{text} ({_get(mx, k, 'error_ratio') or 0:.0%} err)"
-
-        row(f"max rate, closed loop, {conns:.0f} conns (req/s)", throughput)
-        row("  server CPU busy meanwhile", lambda k: _fmt(_get(mx, k, "server_cpu"), 2))
-        row("  origin CPU busy meanwhile", lambda k: _fmt(_get(mx, k, "origin_cpu"), 2))
-        pc_p, pc_l = _get(mx, "ponto", "per_core"), _get(mx, "litellm", "per_core")
-        ratios["per_core"] = round(pc_p / pc_l, 2) if pc_p and pc_l else None
-        row(
-            "  req/s per core of the server",
-            lambda k: _cell(mx, k, lambda: _fmt(_get(mx, k, "per_core"), 0)),
-            _times(pc_p, pc_l, "fewer"),
-        )
-        cpu_p = _get(mx, "ponto", "cpu_us_per_request")
-        cpu_l = _get(mx, "litellm", "cpu_us_per_request")
-        ratios["cpu_per_request"] = round(cpu_l / cpu_p, 2) if cpu_p and cpu_l else None
-        row(
-            "  server CPU per request (us)",
-            lambda k: _fmt(_get(mx, k, "cpu_us_per_request"), 0),
-            _times(cpu_l, cpu_p, "more"),
-        )
-    sus = phases.get("sustained")
-    if sus is not None:
-        row(
-            "sustained: 80 % (else 50 %) of max (req/s)",
-            lambda k: _fmt(_get(sus, k, "rate"), 0),
-        )
-        row("  errors", lambda k: _fmt((_get(sus, k, "error_ratio") or 0) * 100, 2, " %"))
-        row("  held (errors < 1 %, p99 < 1 s)", lambda k: "yes" if _held(sus, k) else "no")
-        row("  latency p99 (ms)", lambda k: _fmt(_get(sus, k, "latency_ms", "p99")))
-    row(
-        "peak RSS (MB)",
-        lambda k: _fmt(rss.get(k), 1),
-        _times(rss.get("litellm"), rss.get("ponto"), "more"),
+def cache_hit(runner: Runner, address: str) -> Phase:
+    """One request at a time: Ponto asked the same question again and again (answered
+    from its exact cache after the first, in the warm-up), the origin direct asked new
+    ones. Issue 17: a hit must be faster than a direct call to a bare origin. Ponto's
+    result says how many answers its cache gave meanwhile ("cache_hits"), warm-up
+    included, so that a cache that did not answer shows."""
+    chosen = [t for t in runner.targets if t.key in ("direct", "ponto")]
+    before = cache_stats(address).get("hit", math.nan)
+    phase = runner.phase(
+        "cache-hit",
+        mode="sequential",
+        targets=chosen,
+        body=lambda t: HIT_BODY if t.key == "ponto" else BODY,
     )
-    ratios["rss"] = (
-        round(rss["litellm"] / rss["ponto"], 2) if rss.get("litellm") and rss.get("ponto") else None
+    phase.results["ponto"]["cache_hits"] = cache_stats(address).get("hit", math.nan) - before
+    return phase
+
+
+def sustained(runner: Runner) -> Phase:
+    """Open loop at 80 % of each target's closed-loop max; where that does not hold
+    (see held), at 50 %. Each target's entry is the higher rate that held."""
+    maxima = runner.maxima
+    first = runner.phase(
+        "sustained", mode="open", rate=lambda t: max(5.0, round(0.8 * maxima[t.key]))
     )
-    return table, ratios
+    failed = [t for t in runner.targets if not held(first, t.key)]
+    if failed:
+        second = runner.phase(
+            "sustained-50",
+            mode="open",
+            rate=lambda t: max(5.0, round(0.5 * maxima[t.key])),
+            targets=failed,
+        )
+        for t in failed:
+            if held(second, t.key):
+                first.results[t.key] = {**second.results[t.key], "fraction_of_max": 0.5}
+    for result in first.results.values():
+        result.setdefault("fraction_of_max", 0.8)
+    return first
 
 
-def goals(
-    phases: dict[str, Phase], rss: dict[str, float], ratios: dict[str, Any], features: str
-) -> list[dict[str, Any]]:
-    """The issue's targets for Ponto, each with its measured value and verdict."""
-    at1000 = phases.get("open-1000")
-    pace = "ratio" if "ratio" in phases else "open-100"
-    checks: list[tuple[str, float | None, Callable[[float], bool], str]] = [
-        (
-            "Ponto added p50 at 1,000/s under 0.3 ms",
-            added(at1000, "ponto", "p50"),
-            lambda v: v < 0.3,
-            "ms",
-        ),
-        (
-            "Ponto added p99 at 1,000/s under 1 ms",
-            added(at1000, "ponto", "p99"),
-            lambda v: v < 1.0,
-            "ms",
-        ),
-        (
-            f"Ponto at least 8,000 req/s per core [{features}]",
-            _get(phases.get("max"), "ponto", "per_core"),
-            lambda v: v >= 8000,
-            "req/s",
-        ),
-        ("Ponto peak RSS under 80 MB", rss.get("ponto"), lambda v: v < 80, "MB"),
-        (
-            "at least 20x less added latency than LiteLLM (p50, same rate)",
-            ratios.get(f"{pace}_added_latency_ms_p50"),
-            lambda v: v >= 20,
-            "x",
-        ),
-    ]
-    return [
-        {"goal": g, "value": v, "unit": unit, "pass": None if v is None else test(v)}
-        for g, v, test, unit in checks
-    ]
+def scaling(
+    fleet: Fleet, ponto: Target, origin: Managed, plan: Plan, workers: int, proxy_args: list[str]
+) -> Phase:
+    """`workers` workers against one, both Ponto, with every CPU open to every process.
+
+    A one-worker proxy (same arguments but --workers) is started for this phase;
+    the N-worker proxy, the origin and wrk get every CPU this run started with
+    (one wrk thread per CPU).
+    On a machine whose CPUs also run the origin and wrk, the ratio is bounded by
+    what those take: the table shows the CPU each side used. Runs last: the
+    placement of the other phases is not restored.
+    """
+    every = set(CPUS_AT_START) | {SERVER_CPU, LOAD_CPU}
+    with affinity(every):
+        single = fleet.start_proxy("proxy-1", "local", extra=[*PONTO_ARGS, *proxy_args])
+    fleet.wait_proxies_at(fleet.table_version(origins=1))
+    wait_ready(fleet, "proxy-1")
+    for pid in (ponto.pid, origin.proc.pid, single.proc.pid):
+        pin_tree(pid, every)
+    one = Target("ponto-1", "Ponto, 1 worker", fleet.proxy_url("proxy-1") + "/chat/completions",
+                 single.proc.pid, ponto.headers)  # fmt: skip
+    many = Target(f"ponto-{workers}", f"Ponto, {workers} workers", ponto.url, ponto.pid,
+                  ponto.headers)  # fmt: skip
+    check(one)
+    return wrk_phase("scaling", [one, many], origin.proc.pid, plan, frozenset(every))
 
 
 # ---------------------------------------------------------------- main
@@ -653,7 +657,27 @@ def versions() -> dict[str, str]:
     for dist in ("aiohttp", "uvloop", "orjson", "grpcio"):
         with contextlib.suppress(PackageNotFoundError):
             out[dist] = version(dist)
+    done = subprocess.run(["wrk", "--version"], capture_output=True, text=True, check=False)
+    out["wrk"] = (done.stdout or done.stderr).split(" [", 1)[0].removeprefix("wrk ").strip()
     return out
+
+
+def start_litellm(tmp: Path, fleet: Fleet, report: dict[str, Any]) -> litellm_env.LiteLLMProxy:
+    """LiteLLM alone on SERVER_CPU; raises LiteLLMUnavailable (noted in the report)."""
+    try:
+        litellm = litellm_env.start(
+            tmp / "litellm",
+            fleet.origin_url("origin"),
+            port=free_port(),
+            models=(MODEL,),
+            cpus={SERVER_CPU} if cpus_available() else None,
+        )
+    except litellm_env.LiteLLMUnavailable as exc:
+        report["litellm"]["error"] = str(exc)
+        print(f"\nLiteLLM NOT MEASURED: {exc}\n", file=sys.stderr)
+        raise
+    pin_tree(litellm.pid, {SERVER_CPU})
+    return litellm
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -663,61 +687,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.sched_setaffinity(0, {LOAD_CPU})  # everything started from here inherits CPU 1
     report: dict[str, Any] = {
         "name": "overhead",
-        "title": "Proxy overhead: direct vs Ponto vs LiteLLM",
+        "title": "Proxy overhead: direct vs pass-through vs Ponto vs LiteLLM",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "quick": args.quick,
         "machine": machine(),
         "versions": versions(),
         "placement": (
-            f"CPU {SERVER_CPU}: server under test alone; CPU {LOAD_CPU}: origin, load generator, "
-            "etcd, control plane"
+            f"CPU {SERVER_CPU}: server under test alone; CPU {LOAD_CPU}: origin, load generators "
+            "(wrk, bench/loadgen.py), etcd, control plane"
             if pinned
             else "not pinned (fewer than 2 CPUs)"
         ),
         "plan": asdict(plan),
+        "ponto_workers": args.ponto_workers,
+        "passthrough": "bench/passthrough.py: aiohttp + uvloop, one ClientSession, body and "
+        "Content-Type forwarded, SSE relayed chunk by chunk, nothing else",
     }
     started = time.monotonic()
+    measured = measure_all(args, plan, report)
+    add_results(report, measured, args, plan)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    return report
+
+
+@dataclass
+class Measured:
+    """What a run measured, before it is judged (see add_results)."""
+
+    targets: list[Target]
+    phases: dict[str, Phase]
+    rss: dict[str, float]  # peak RSS of each target's process tree
+    largest: dict[str, float]  # ... and of its largest process
+    cache_on: bool  # Ponto's exact cache stores answers (the cache-hit phase ran)
+    scaled: Phase | None = None
+
+
+def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) -> Measured:
+    """Start every target, measure every phase, stop them; notes set-up facts in `report`."""
+    started = time.monotonic()
+    workers_args = ["--workers", str(args.ponto_workers)] if args.ponto_workers else []
     litellm: litellm_env.LiteLLMProxy | None = None
+    passthrough: Managed | None = None
     with tempfile.TemporaryDirectory(prefix="ponto-compare-") as tmp, Fleet(Path(tmp)) as fleet:
         try:
-            origin, proxy = start_ponto(fleet, args.ponto_arg)
+            origin, proxy = start_ponto(fleet, [*args.ponto_arg, *workers_args])
+            passthrough = start_passthrough(fleet, origin)
             headers, features = configure_ponto_features(fleet, args.ponto_features)
             headers += tuple(_header(h) for h in args.ponto_header)
+            wait_ready(fleet, "proxy")
             targets = [
-                Target(
-                    "direct",
-                    "direct",
-                    fleet.origin_url("origin") + "/chat/completions",
-                    origin.proc.pid,
-                ),
-                Target(
-                    "ponto",
-                    "Ponto",
-                    fleet.proxy_url("proxy") + "/chat/completions",
-                    proxy.proc.pid,
-                    headers,
-                ),
-            ]
+                Target("direct", "direct", fleet.origin_url("origin") + "/chat/completions",
+                       origin.proc.pid),
+                Target("passthrough", "pass-through",
+                       f"http://{passthrough.address}/v1/chat/completions", passthrough.proc.pid),
+                Target("ponto", "Ponto", fleet.proxy_url("proxy") + "/chat/completions",
+                       proxy.proc.pid, headers),
+            ]  # fmt: skip
             report["ponto_features"] = features
             report["litellm"] = {"version": litellm_env.LITELLM_VERSION, "error": None}
             if args.no_litellm:
                 report["litellm"]["error"] = "skipped (--no-litellm)"
             else:
-                try:
-                    litellm = litellm_env.start(
-                        Path(tmp) / "litellm",
-                        fleet.origin_url("origin"),
-                        port=free_port(),
-                        models=(MODEL,),
-                        cpus={SERVER_CPU} if pinned else None,
-                    )
-                    pin_tree(litellm.pid, {SERVER_CPU})
+                with contextlib.suppress(litellm_env.LiteLLMUnavailable):
+                    litellm = start_litellm(Path(tmp), fleet, report)
                     key = ("Authorization", f"Bearer {litellm_env.MASTER_KEY}")
                     url = litellm.base_url + "/chat/completions"
                     targets.append(Target("litellm", "LiteLLM", url, litellm.pid, (key,)))
-                except litellm_env.LiteLLMUnavailable as exc:
-                    report["litellm"]["error"] = str(exc)
-                    print(f"\nLiteLLM NOT MEASURED: {exc}\n", file=sys.stderr)
             for t in targets:
                 check(t)
                 check(t, STREAM_BODY)
@@ -727,80 +762,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{', '.join(t.label for t in targets)}",
                 file=sys.stderr,
             )
-            phases = measure(targets, origin.proc.pid, plan)
-            rss = {t.key: tree_mb(t.pid, "VmHWM") for t in targets}
+            cache_on = args.ponto_features != "none" and bool(headers)
+            phases = measure(
+                targets, origin.proc.pid, plan, ponto_cache=proxy.address if cache_on else None
+            )
+            report["ponto_cache_at_end"] = cache_stats(proxy.address)
+            # Before scaling, which loads the proxy on every CPU.
+            measured = Measured(
+                targets,
+                phases,
+                rss={t.key: tree_mb(t.pid, "VmHWM") for t in targets},
+                largest={t.key: largest_mb(t.pid, "VmHWM") for t in targets},
+                cache_on=cache_on,
+            )
+            if args.ponto_workers and args.ponto_workers > 1:
+                ponto = next(t for t in targets if t.key == "ponto")
+                measured.scaled = scaling(
+                    fleet, ponto, origin, plan, args.ponto_workers, args.ponto_arg
+                )
         finally:
             if litellm is not None:
                 litellm.stop()
-    table, ratios = build_table(targets, phases, rss, plan.rates)
+            if passthrough is not None:
+                passthrough.stop()
+    return measured
+
+
+def add_results(report: dict[str, Any], m: Measured, args: argparse.Namespace, plan: Plan) -> None:
+    """The table, ratios, goals and aims of `m`, and its raw phases, into `report`."""
+    verdicts = build_table({t.key: t.label for t in m.targets}, m.phases, m.rss, m.largest,
+                           plan.rates)  # fmt: skip
     report["targets"] = {
-        t.key: {"label": t.label, "rss_start_mb": t.rss_start_mb, "rss_peak_mb": rss[t.key]}
-        for t in targets
+        t.key: {
+            "label": t.label,
+            "rss_start_mb": t.rss_start_mb,
+            "rss_peak_mb": m.rss[t.key],
+            "rss_peak_largest_process_mb": m.largest[t.key],
+        }
+        for t in m.targets
     }
+    phases = {**m.phases, **({"scaling": m.scaled} if m.scaled is not None else {})}
     report["phases"] = [
         {"name": p.name, "mode": p.mode, "stream": p.stream, "rate": p.rate, "results": p.results}
         for p in phases.values()
     ]
-    report["ratios"] = ratios
-    report["goals"] = goals(phases, rss, ratios, report["ponto_features"])
-    report["table"] = {"columns": table.columns, "rows": table.rows}
-    report["text"] = table.render()
-    report["seconds"] = round(time.monotonic() - started, 1)
-    return report
-
-
-def measure(targets: list[Target], origin_pid: int, plan: Plan) -> dict[str, Phase]:
-    phases: dict[str, Phase] = {}
-    with LoadGenerator() as gen:
-        runner = Runner(gen, targets, origin_pid, plan)
-        phases["max"] = runner.phase("max", mode="closed")
-        runner.maxima = {k: r.get("throughput") or 0.0 for k, r in phases["max"].results.items()}
-        for rate in plan.rates:
-            phases[f"open-{rate:g}"] = runner.phase(f"open-{rate:g}", mode="open", rate=rate)
-        phases["stream"] = runner.phase("stream", mode="open", stream=True, rate=plan.stream_rate)
-        if plan.sustained:
-            phases["sustained"] = sustained(runner)
-        lite = phases["max"].results.get("litellm")
-        low = plan.rates[0]
-        if plan.sustained and lite and not _ok(phases.get(f"open-{low:g}"), "litellm"):
-            pace = max(5.0, math.floor(0.5 * (lite.get("throughput") or 10.0)))
-            phase = runner.phase("ratio", mode="open", rate=pace)
-            phases["ratio"] = phase
-    return phases
-
-
-def sustained(runner: Runner) -> Phase:
-    """Open loop at 80 % of each target's closed-loop max; where that does not hold
-    (see _held), at 50 %. Each target's entry is the higher rate that held."""
-    maxima = runner.maxima
-    first = runner.phase(
-        "sustained", mode="open", rate=lambda t: max(5.0, round(0.8 * maxima[t.key]))
-    )
-    failed = [t for t in runner.targets if not _held(first, t.key)]
-    if failed:
-        second = runner.phase(
-            "sustained-50",
-            mode="open",
-            rate=lambda t: max(5.0, round(0.5 * maxima[t.key])),
-            targets=failed,
-        )
-        for t in failed:
-            if _held(second, t.key):
-                first.results[t.key] = {**second.results[t.key], "fraction_of_max": 0.5}
-    for result in first.results.values():
-        result.setdefault("fraction_of_max", 0.8)
-    return first
-
-
-def _finite(value: Any) -> Any:
-    """NaN and infinities become None (JSON has no such numbers)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
+    report["ratios"] = verdicts.litellm
+    report["floor_ratios"] = verdicts.floor
+    report["goals"] = goals(phases, m.rss, verdicts.litellm, report["ponto_features"])
+    # Features asked for but not configured: neither CPU aim applies.
+    features = args.ponto_features if m.cache_on or args.ponto_features == "none" else "failed"
+    report["aims"] = aims(
+        phases, verdicts.floor, m.largest.get("ponto"), features=features,
+        workers=args.ponto_workers,
+    )  # fmt: skip
+    report["table"] = {"columns": verdicts.table.columns, "rows": verdicts.table.rows}
+    report["text"] = verdicts.table.render()
+    workers_table = scaling_table(m.scaled, args.ponto_workers or 0)
+    if workers_table is not None:
+        report["scaling_table"] = {"columns": workers_table.columns, "rows": workers_table.rows}
+        report["scaling_text"] = workers_table.render()
 
 
 def _header(value: str) -> tuple[str, str]:
@@ -808,6 +828,15 @@ def _header(value: str) -> tuple[str, str]:
     if not sep:
         raise argparse.ArgumentTypeError(f"expected NAME:VALUE, got {value!r}")
     return name.strip(), rest.strip()
+
+
+def print_verdicts(title: str, verdicts: list[dict[str, Any]]) -> None:
+    """Each aim with its value and PASS / MISS (n/a: not measured in this run)."""
+    print(f"\n{title}:")
+    for g in verdicts:
+        mark = {True: "PASS", False: "MISS", None: "n/a "}[g["pass"]]
+        value = "not measured" if g["value"] is None else f"{figure(g['value'])} {g['unit']}"
+        print(f"  [{mark}] {g['goal']}: {value}")
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -819,14 +848,27 @@ def print_report(report: dict[str, Any]) -> None:
     )
     lite = report["litellm"]
     setup = lite["error"] or "1 worker, master key, logging and telemetry off"
-    print(f"Ponto: {report['ponto_features']}. LiteLLM {lite['version']}: {setup}")
-    print("Open loop, evenly spaced; latency from each request's due time; added = minus direct.\n")
+    workers = f", {report['ponto_workers']} worker(s)" if report.get("ponto_workers") else ""
+    print(f"Ponto{workers}: {report['ponto_features']}. LiteLLM {lite['version']}: {setup}")
+    print(f"Pass-through: {report['passthrough']}.")
+    print(
+        "Max rate: wrk closed loop. Latency: bench/loadgen.py, one at a time, and open loop "
+        "evenly spaced (latency from each request's due time); added = minus direct.\n"
+    )
     print(report["text"])
-    print("\nGoals (issue 8):")
-    for g in report["goals"]:
-        mark = {True: "PASS", False: "FAIL", None: "n/a "}[g["pass"]]
-        value = "not measured" if g["value"] is None else f"{figure(g['value'])} {g['unit']}"
-        print(f"  [{mark}] {g['goal']}: {value}")
+    cache = report.get("ponto_cache_at_end") or {}
+    if cache.get("hit") or cache.get("miss"):
+        print(
+            f"\nPonto's exact cache at the end: {cache['entries']:,.0f} entries, "
+            f"{cache['bytes'] / 2**20:.1f} MB (bound {CACHE_MAX_MB} MB), "
+            f"{cache['evictions']:,.0f} evicted; {cache['hit']:,.0f} hits, "
+            f"{cache['miss']:,.0f} misses"
+        )
+    if report.get("scaling_text"):
+        print("\nWorkers: every CPU open to the proxy, the origin and wrk alike\n")
+        print(report["scaling_text"])
+    print_verdicts("Goals (issue 8)", report["goals"])
+    print_verdicts("Aims (issue 17): Ponto against the floor", report["aims"])
     print(f"\n{report['seconds']:.0f} s in all")
 
 
@@ -841,6 +883,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auth-limits-cache", "none"),
         default="auth-limits-cache",
         help="what Ponto runs per request (default: auth, rate limits and cache lookup on)",
+    )
+    p.add_argument(
+        "--ponto-workers",
+        type=int,
+        metavar="N",
+        help="run ponto-proxy with --workers N (not passed when not given); N >= 2 adds a "
+        "phase against one worker on every CPU",
     )
     p.add_argument(
         "--out", type=Path, help=f"JSON results (default {DEFAULT_OUT}; none if --quick)"
@@ -860,6 +909,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra header on Ponto's requests (repeatable), e.g. an API key",
     )
     args = p.parse_args(argv)
+    if args.ponto_workers is not None and args.ponto_workers < 1:
+        p.error("--ponto-workers must be at least 1")
+    try:
+        wrk.find_wrk()
+    except wrk.WrkMissing as exc:
+        print(f"bench.compare: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up processes on SIGTERM too
     report = run(args)
     print_report(report)
@@ -867,7 +923,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_finite(report), indent=2, allow_nan=False, default=str) + "\n")
+        tmp.write_text(json.dumps(finite(report), indent=2, allow_nan=False, default=str) + "\n")
         tmp.replace(out)
         print(f"wrote {out}")
     return 0

@@ -42,10 +42,10 @@ from bench.compare import (
     STREAM_BODY,
     Header,
     configure_ponto_features,
-    cpus_available,
     start_ponto,
 )
 from bench.loadgen import LoadGenerator, LoadSpec, summarize
+from bench.procs import cpus_available
 from ponto.fleet import Fleet
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,8 +3,10 @@
     .venv/bin/python -m bench.report [--dir docs/benchmarks]      (last step of make bench)
 
 Reads every ``*.json`` in the directory. ``overhead.json`` (bench/compare.py)
-gets its table, the issue's goals and plots; any other result is shown by a
-small convention, so that new benchmarks need no change here:
+gets the method (what the pass-through floor is, what wrk and bench/loadgen.py
+each measure), its table with the "Ponto / pass-through" column, the workers
+table when there is one, issue 8's goals, issue 17's aims and plots; any other
+result is shown by a small convention, so that new benchmarks need no change here:
 
 * ``"title"``: the section heading (else ``"name"``, else the file name);
 * ``"table": {"columns": [...], "rows": [[...], ...]}`` or ``"tables": [{"title":
@@ -35,7 +37,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt
 
-from bench.compare import figure
+from bench.compare_table import figure
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / "docs" / "benchmarks"
@@ -50,7 +52,7 @@ PACKAGES = (
     "py-spy",
     "matplotlib",
 )
-COLORS = {"direct": "#7f7f7f", "ponto": "#1f77b4", "litellm": "#d62728"}
+COLORS = {"direct": "#7f7f7f", "passthrough": "#2ca02c", "ponto": "#1f77b4", "litellm": "#d62728"}
 MAX_FLAT_ROWS = 60
 
 
@@ -221,7 +223,8 @@ def overhead_plots(data: dict[str, Any], out_dir: Path) -> list[str]:
             ax.set_ylabel("ms from due time")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle("Open-loop latency: direct, Ponto, LiteLLM (lower is better)", fontsize=11)
+        names = ", ".join(labels)
+        fig.suptitle(f"Open-loop latency: {names} (lower is better)", fontsize=11)
         fig.tight_layout()
         fig.savefig(out_dir / "overhead-latency.png", dpi=110)
         plt.close(fig)
@@ -264,9 +267,63 @@ def overhead_plots(data: dict[str, Any], out_dir: Path) -> list[str]:
     return written
 
 
+# How compare measures, for the page: the method, so that the table can be read alone.
+FLOOR_METHOD = """\
+*pass-through* is the floor: `bench/passthrough.py`, a reverse proxy of a few
+dozen lines on Ponto's own stack, run the way Ponto runs (aiohttp server and
+client, uvloop, one `ClientSession` on a keep-alive connector sized like
+Ponto's, `handler_cancellation=True`, no access log, one process, alone on CPU
+0). It forwards the body and Content-Type, answers with the origin's status
+and Content-Type, relays SSE chunk by chunk (`readany` then `write`) and reads
+other answers whole; it parses nothing and does no routing, auth, limits,
+cache, metrics, logging or retries. Any Python proxy on this stack pays what it
+costs over *direct*; what Ponto costs over it (*Ponto / pass-through*: 1.00x is
+as cheap as the floor) is Ponto's own work.
+
+*Max rate* and *server CPU per request* come from Debian's `wrk`: a closed
+loop of N keep-alive connections on CPU 1, each sending its next request as
+soon as the previous answer ends, every request with its own prompt (a Lua
+counter), for a fixed time; CPU per request is the server's process tree's
+utime + stime over the run divided by the answers, and *per core* the answers
+per CPU-second, which hold even when CPU 1 (origin and wrk) is the bottleneck.
+wrk is C and costs CPU 1 far less per request than a Python generator, so the
+server's limit shows rather than the generator's; its latencies are service
+times. Latency therefore comes from `bench/loadgen.py`: *one at a time* (a
+closed loop of one connection) and open loop at fixed rates, requests evenly
+spaced, latency from each request's due time, so a stall is charged to every
+request it delays. *Added* is the target's percentile minus direct's in the
+same phase.
+"""
+
+
+def _verdict_lines(title: str, verdicts: list[dict[str, Any]]) -> list[str]:
+    """A heading and one line per goal or aim: its verdict, what it asks, the value."""
+    if not verdicts:
+        return []
+    lines = [f"**{title}**", ""]
+    for g in verdicts:
+        mark = {True: "pass", False: "**miss**", None: "not measured"}[g.get("pass")]
+        value = "-" if g.get("value") is None else f"{figure(g['value'])} {g.get('unit', '')}"
+        lines.append(f"- {mark}: {g['goal']} — {value.strip()}")
+    return [*lines, ""]
+
+
+def _cache_line(data: dict[str, Any]) -> list[str]:
+    cache = data.get("ponto_cache_at_end") or {}
+    if not (cache.get("hit") or cache.get("miss")):
+        return []
+    return [
+        f"Ponto's exact cache at the end: {cache.get('entries', 0):,.0f} entries, "
+        f"{cache.get('bytes', 0) / 2**20:.1f} MB, {cache.get('evictions', 0):,.0f} evicted; "
+        f"{cache.get('hit', 0):,.0f} hits, {cache.get('miss', 0):,.0f} misses.",
+        "",
+    ]
+
+
 def overhead_section(data: dict[str, Any], plots: list[str]) -> str:
     m = data.get("machine", {})
     lite = data.get("litellm", {})
+    workers = data.get("ponto_workers")
     parts = [
         f"## {data.get('title', 'Overhead')}",
         "",
@@ -275,29 +332,37 @@ def overhead_section(data: dict[str, Any], plots: list[str]) -> str:
         f"{(m.get('loadavg_before') or ['?'])[0]}. Data: [overhead.json](overhead.json).",
         "",
         f"- Placement: {data.get('placement', '?')}.",
-        f"- Ponto: {data.get('ponto_features', '?')}.",
+        f"- Ponto{f' ({workers} workers)' if workers else ''}: {data.get('ponto_features', '?')}.",
         f"- LiteLLM {lite.get('version', '?')}: "
         + (
             f"**not measured**: {lite['error']}"
             if lite.get("error")
             else "one worker, master key, callbacks, telemetry and message logging off."
         ),
-        "- Open loop: requests evenly spaced at the rate, latency from each request's due time; "
-        "*added* = the target's percentile minus direct's at the same rate. *Max rate*: closed "
-        "loop; *per core*: that throughput divided by the CPU the server used meanwhile.",
         "",
+        FLOOR_METHOD,
     ]
+    if "passthrough" not in data.get("targets", {}):
+        parts += [
+            "*This run predates the pass-through and wrk* (its max rate came from "
+            "bench/loadgen.py's closed loop): `make bench` measures them.",
+            "",
+        ]
     table = data.get("table")
     if isinstance(table, dict):
         parts += [md_table(table["columns"], table["rows"]), ""]
-    goals = data.get("goals") or []
-    if goals:
-        parts += ["**Goals (issue 8)**", ""]
-        for g in goals:
-            mark = {True: "pass", False: "**FAIL**", None: "not measured"}[g.get("pass")]
-            value = "-" if g.get("value") is None else f"{figure(g['value'])} {g.get('unit', '')}"
-            parts.append(f"- {mark}: {g['goal']} — {value.strip()}")
-        parts.append("")
+    parts += _cache_line(data)
+    scaling = data.get("scaling_table")
+    if isinstance(scaling, dict):
+        parts += [
+            "**Workers**: one worker against several, every CPU open to the proxy, the origin "
+            "and wrk alike (so the origin's and wrk's share bounds the ratio on a small machine).",
+            "",
+            md_table(scaling["columns"], scaling["rows"]),
+            "",
+        ]
+    parts += _verdict_lines("Goals (issue 8)", data.get("goals") or [])
+    parts += _verdict_lines("Aims (issue 17): Ponto against the floor", data.get("aims") or [])
     parts += [f"![{name}]({name})" for name in plots]
     parts.append("")
     return "\n".join(parts)
