@@ -1,0 +1,59 @@
+"""The one SSE parser: the same events however the bytes are split, with every
+line ending the spec allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.streaming.sse import Event, SseParser
+
+STREAM = (
+    b": keep-alive\n"
+    b'data: {"a":1}\n\n'
+    b"event: ping\n\n"
+    b"data: first line\ndata:second line\n\n"
+    b"id: 7\nretry: 10\ndata: [DONE]\n\n"
+)
+EVENTS = [
+    Event(b'{"a":1}'),
+    Event(b"", b"ping"),
+    Event(b"first line\nsecond line"),
+    Event(b"[DONE]"),
+]
+
+
+def parse(data: bytes, cuts: list[int]) -> tuple[list[Event], Event | None]:
+    parser = SseParser()
+    events: list[Event] = []
+    start = 0
+    for cut in [*cuts, len(data)]:
+        events += parser.feed(data[start:cut])
+        start = cut
+    return events, parser.close()
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_every_split_gives_the_same_events(ending: bytes) -> None:
+    data = STREAM.replace(b"\n", ending)
+    for cut in range(len(data) + 1):
+        assert parse(data, [cut]) == (EVENTS, None), f"split at {cut}"
+    assert parse(data, list(range(1, len(data)))) == (EVENTS, None)
+
+
+def test_a_crlf_split_between_chunks_is_one_line_ending() -> None:
+    events, _ = parse(b"data: x\r\n\r\ndata: y\r\n\r\n", [8, 9, 10])
+    assert events == [Event(b"x"), Event(b"y")]
+
+
+def test_a_stream_that_stops_inside_an_event_says_so() -> None:
+    events, open_event = parse(b"data: whole\n\ndata: [DONE]", [])
+    assert events == [Event(b"whole")]
+    assert open_event == Event(b"[DONE]") and open_event.done
+    _, cut = parse(b'data: {"choices":', [])
+    assert cut is not None and not cut.done
+    assert parse(b"data: x\n\n", []) == ([Event(b"x")], None)
+
+
+def test_one_space_after_the_colon_is_dropped_and_no_more() -> None:
+    events, _ = parse(b"data:  two spaces\n\ndata:none\n\n", [])
+    assert events == [Event(b" two spaces"), Event(b"none")]
