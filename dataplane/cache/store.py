@@ -18,7 +18,7 @@ from dataplane.cache.entry import CachedResponse
 
 # Approximate memory of the key string, the slot object and the index entries
 # kept for each entry, beyond the entry's own size.
-SLOT_OVERHEAD = 320
+SLOT_OVERHEAD = 480
 
 
 class EvictReason(enum.StrEnum):
@@ -111,8 +111,9 @@ class ExactStore:
         max_entry_bytes: int | None = None,
         on_evict: EvictListener | None = None,
     ) -> None:
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, not {max_bytes}")
+        # 0 keeps nothing (`ponto-proxy --cache-max-mb 0`): every put is refused.
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be 0 or more, not {max_bytes}")
         self._max_bytes = max_bytes
         self._max_entry = min(max_entry_bytes or max_bytes, max_bytes)
         self._clock = clock

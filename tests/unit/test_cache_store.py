@@ -200,7 +200,15 @@ async def test_purge_and_delete_report_to_the_callback() -> None:
 
 def test_store_settings_are_checked() -> None:
     with pytest.raises(ValueError):
-        ExactStore(max_bytes=0, clock=FakeClock())
+        ExactStore(max_bytes=-1, clock=FakeClock())
+
+
+async def test_a_store_bounded_at_zero_keeps_nothing() -> None:
+    # `ponto-proxy --cache-max-mb 0` turns the cache off; it once failed to start.
+    store = ExactStore(max_bytes=0, clock=FakeClock())
+    assert not await store.put("k", entry(), tenant="t", model="m", ttl_s=60)
+    assert await store.get("k") is None
+    assert (store.stats.entries, store.stats.bytes, store.stats.rejected) == (0, 0, 1)
 
 
 def test_exact_store_satisfies_the_protocol() -> None:

@@ -1,0 +1,127 @@
+"""Peak memory of one proxy under a long unique-request load, against its cache bound.
+
+    .venv/bin/python -m bench.memory [--cache-mb 32] [--seconds 40] [--max-tokens 256]
+
+Issue 17 asks that memory be bounded by configuration: a proxy's peak RSS stays
+under its exact cache's bound plus its base footprint, however long the load.
+Two runs, one after the other, each in the benchmark topology of
+bench/compare.py (etcd, control plane, one origin, the proxy alone on CPU 0)
+with API keys, limits and the exact cache on, storing every answer
+(store_truncated, so each answer cut at max_tokens is kept), driven by wrk
+from CPU 1 with a new prompt per request:
+
+- **base**: `--cache-max-mb 0`, so nothing is kept: the footprint of a proxy
+  serving this load (libraries, connections, buffers, metrics);
+- **bounded**: `--cache-max-mb N`, long enough that the cache is full for most
+  of the run (evictions > 0).
+
+Prints both peaks (VmHWM), the idle RSS before the load, the cache's bytes and
+evictions, and whether peak(bounded) <= peak(base) + N. Writes nothing unless
+--out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.compare import LOAD_CPU, configure_ponto_features, start_ponto, wait_ready
+from bench.procs import affinity, status_kb
+from bench.wrk import WrkSpec
+from bench.wrk import run as run_wrk
+from ponto.fleet import Fleet
+
+BODY = (
+    b'{"model":"sim-small","temperature":0,"max_tokens":MAXTOK,'
+    b'"messages":[{"role":"user","content":"memory probe {i}"}]}'
+)
+
+
+def cache_metrics(address: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for name in ("ponto_cache_bytes", "ponto_cache_entries", "ponto_cache_evictions"):
+        m = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One proxy with its exact cache bounded at cache_mb, under the load."""
+    with tempfile.TemporaryDirectory(prefix="ponto-memory-") as tmp, Fleet(Path(tmp)) as fleet:
+        with affinity({LOAD_CPU}):
+            _, proxy = start_ponto(fleet, ["--cache-max-mb", str(cache_mb)])
+        headers, what = configure_ponto_features(fleet, "auth-limits-cache")
+        wait_ready(fleet, "proxy")  # its share of the new key's limits
+        pid = proxy.proc.pid
+        idle_mb = status_kb(pid, "VmRSS") / 1024
+        body = BODY.replace(b"MAXTOK", str(args.max_tokens).encode())
+        result = run_wrk(
+            WrkSpec(
+                url=f"http://{proxy.address}/v1/chat/completions",
+                body=body,
+                headers=tuple(headers),
+                connections=16,
+                duration=args.seconds,
+                warmup=0,
+                cpus=frozenset({LOAD_CPU}),
+                watch_pids=(pid,),
+            )
+        )
+        peak_mb = status_kb(pid, "VmHWM") / 1024
+        cache = cache_metrics(proxy.address)
+    return {
+        "features": what,
+        "cache_bound_mb": cache_mb,
+        "idle_rss_mb": round(idle_mb, 1),
+        "peak_rss_mb": round(peak_mb, 1),
+        "requests": result.requests,
+        "errors": result.errors,
+        "cache_mb": round(cache["ponto_cache_bytes"] / 2**20, 1),
+        "cache_entries": int(cache["ponto_cache_entries"]),
+        "cache_evictions": int(cache["ponto_cache_evictions"]),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    base = measure(0, args)
+    bounded = measure(args.cache_mb, args)
+    return {
+        "base": base,
+        "bounded": bounded,
+        "within_bound": bounded["peak_rss_mb"] <= base["peak_rss_mb"] + args.cache_mb,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cache-mb", type=int, default=32)
+    p.add_argument("--seconds", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    report = run(args)
+    print(json.dumps(report, indent=2))
+    verdict = "PASS" if report["within_bound"] else "MISS"
+    base, bounded = report["base"], report["bounded"]
+    print(
+        f"[{verdict}] peak RSS {bounded['peak_rss_mb']} MB <= {base['peak_rss_mb']} MB"
+        f" (same load, no cache) + cache bound {args.cache_mb} MB"
+        f" (cache held {bounded['cache_mb']} MB, {bounded['cache_evictions']} evictions;"
+        f" idle {base['idle_rss_mb']} MB)",
+        file=sys.stderr,
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
