@@ -16,6 +16,7 @@ credential costs the proxy no more than its headers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -129,6 +130,7 @@ class Pipeline:
         self.forwarder = forwarder
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self._ids = RequestIds()
 
     # ------------------------------------------------------------ the path
 
@@ -147,7 +149,7 @@ class Pipeline:
         """A new Exchange on the current table; 503 while the proxy has none."""
         holder = self.holder
         routes, policy = holder.routes, holder.policy
-        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        request_id = request.headers.get("x-request-id") or self._ids.next()
         if routes is None or policy is None:
             raise ApiError(
                 503,
@@ -298,6 +300,24 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- the steps' parts
+
+
+class RequestIds:
+    """Request ids: 32 hex digits, unique across processes and restarts.
+
+    A random 64-bit prefix per instance, then a counter: no system call per
+    request (os.urandom would make one), and two proxies, workers or restarts
+    share a prefix with probability 2**-64.
+    """
+
+    __slots__ = ("_count", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:

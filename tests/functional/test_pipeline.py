@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from dataplane.http.errors import ApiError
-from dataplane.http.pipeline import ENDPOINTS, Exchange
+from dataplane.http.pipeline import ENDPOINTS, Exchange, RequestIds
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.settings import parse as parse_proxy
@@ -391,3 +391,10 @@ async def test_the_steps_run_on_an_exchange_without_a_server(stack: Stack) -> No
         pipeline.assemble(unknown)
     assert refused.value.status == 404
     assert stack.origin_requests() == 0
+
+
+def test_request_ids_are_32_hex_digits_and_do_not_repeat() -> None:
+    first, second = RequestIds(), RequestIds()
+    ids = [first.next() for _ in range(1000)] + [second.next() for _ in range(1000)]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len(set(ids)) == len(ids)
