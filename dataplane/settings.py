@@ -57,7 +57,9 @@ class Settings:
 def available_cores() -> int:
     """Cores this process may run on. A container's CPU quota is not seen here,
     which is why the Helm chart passes --workers from the CPU limit."""
-    return len(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS has no affinity call
 
 
 def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:

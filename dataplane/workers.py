@@ -3,11 +3,12 @@
 Python runs one event loop on one core, so a proxy uses more cores by running
 more processes. The parent becomes a supervisor that serves no traffic:
 
-- It reserves the port (bound with SO_REUSEPORT, never listening, so it gets no
-  connections) and starts N workers as `python -m dataplane ARGV --worker-index I
-  ...` (a fresh interpreter each: forking after grpc and uvloop are loaded is not
-  safe). Each worker binds the same port with SO_REUSEPORT, and the kernel
-  spreads new connections over the listening workers.
+- It reserves the port (refused if anything listens there; then bound with
+  SO_REUSEPORT, never listening, so it gets no connections) and starts N
+  workers as `python -m dataplane ARGV --worker-index I ...` (a fresh
+  interpreter each: forking after grpc and uvloop are loaded is not safe). Each
+  worker binds the same port with SO_REUSEPORT, and the kernel spreads new
+  connections over the listening workers.
 - Each worker is its own proxy to the control plane (`NAME-wI`, its own state
   directory, see settings.as_worker), so global limits and convergence stay
   exact: the control plane simply sees N proxies.
@@ -84,19 +85,37 @@ def ready_path(run_dir: Path, index: int) -> Path:
 def reuseport_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port with SO_REUSEPORT, not yet listening.
 
-    The supervisor keeps one to hold the port (and to learn it when `port` is 0);
-    each worker listens on its own. The kernel hands connections only to
+    Each worker listens on its own; the kernel hands connections only to
     listening sockets. `host` must resolve to one address: the first is used.
     """
+    return _bound(host, port, reuse_port=True)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """The supervisor's hold on host:port (port 0: a free port, chosen once).
+
+    Refused with EADDRINUSE, as a single proxy's bind is, when something already
+    listens there: SO_REUSEPORT alone would let a second group started on the
+    same port by the same user share it silently. The socket returned never
+    listens, so it takes no connections; it keeps the port while workers restart.
+    """
+    with _bound(host, port, reuse_port=False) as probe:
+        port = probe.getsockname()[1]
+    return reuseport_socket(host, port)
+
+
+def _bound(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
+        # As asyncio does: restarting is not refused for connections in TIME_WAIT,
+        # and an IPv6 address means IPv6 only.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
-            # As asyncio does: an IPv6 address means IPv6 only.
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
         sock.setblocking(False)
@@ -386,8 +405,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        holder = reserve_port(s.listen_host, s.listen_port)
         run_dir = Path(tempfile.mkdtemp(prefix="ponto-proxy-"))
-        holder = reuseport_socket(s.listen_host, s.listen_port)
         lifeline, keep_alive = os.pipe()
         try:
             port = holder.getsockname()[1]
@@ -405,6 +424,8 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await announce
         finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
             holder.close()
             os.close(lifeline)
             os.close(keep_alive)

@@ -8,9 +8,12 @@ middleware, on a TCP port (the shared port) and on its private unix socket, as
 from __future__ import annotations
 
 import asyncio
+import errno
 import shutil
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -95,7 +98,7 @@ def test_exits_are_described_by_code_or_signal() -> None:
 
 
 def test_the_port_is_held_once_and_shared() -> None:
-    holder = workers.reuseport_socket("127.0.0.1", 0)
+    holder = workers.reserve_port("127.0.0.1", 0)
     port = holder.getsockname()[1]
     listeners = [workers.reuseport_socket("127.0.0.1", port) for _ in range(2)]
     try:
@@ -104,9 +107,66 @@ def test_the_port_is_held_once_and_shared() -> None:
         # Only listening sockets take connections: the holder never does.
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass
+        # A second group on the same port is refused, as a second proxy is.
+        with pytest.raises(OSError) as exc:
+            workers.reserve_port("127.0.0.1", port)
+        assert exc.value.errno == errno.EADDRINUSE
     finally:
         for s in (holder, *listeners):
             s.close()
+
+
+# ---------------------------------------------------------------- the supervisor
+
+# Stand-ins for workers: one that says it listens and waits for SIGTERM, and one
+# that dies at once.
+WAITS = """
+import signal, sys
+from pathlib import Path
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+Path(sys.argv[1]).write_text("listening")
+signal.sigwait({signal.SIGTERM})
+"""
+DIES = "raise SystemExit(3)"
+
+
+def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    def argv(_argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int) -> list[str]:
+        return [sys.executable, "-c", code, str(workers.ready_path(run_dir, index))]
+
+    monkeypatch.setattr(workers, "worker_argv", argv)
+
+
+async def test_the_supervisor_announces_the_group_and_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_workers(monkeypatch, WAITS)
+    ready = tmp_path / "group.addr"
+    settings = parse(
+        [*BASE, "--workers", "3", "--listen", "127.0.0.1:0", "--ready-file", str(ready)]
+    )
+    supervisor = workers.Supervisor(settings, [])
+    run = asyncio.create_task(supervisor.run())
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert not run.done() and time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    host, _, port = ready.read_text().rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    supervisor.stopping.set()  # what SIGTERM does
+    # Every worker got SIGTERM and exited 0.
+    assert await asyncio.wait_for(run, 30) == 0
+
+
+async def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_workers(monkeypatch, DIES)
+    settings = parse([*BASE, "--workers", "2", "--listen", "127.0.0.1:0"])
+    policy = workers.RestartPolicy(first_delay=0.01, max_failures=2)
+    assert await asyncio.wait_for(workers.Supervisor(settings, [], policy).run(), 30) == 1
+    assert "restarting it in 0.0 s" in caplog.text
+    assert "exited with 3 (3 failures in a row); giving up" in caplog.text
 
 
 # ---------------------------------------------------------------- the merge
