@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.auth_ratelimit [--quick]
 
-1. In process, the exact steps the handler adds (dataplane/handlers.py): check
+1. In process, the exact steps the handler adds (dataplane/http/pipeline.py): check
    the key, estimate prompt tokens, admit against the tenant and key limits,
    build the x-ratelimit-* headers, release with the real usage. A table of
    1,000 keys over 100 limited tenants; CPU time per request, beside parsing

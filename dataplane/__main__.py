@@ -18,6 +18,7 @@ import sys
 import uvloop
 from aiohttp import web
 
+from dataplane import workers
 from dataplane.http.server import build_app
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, parse
@@ -28,13 +29,22 @@ log = logging.getLogger("dataplane")
 
 
 async def serve(settings: Settings) -> None:
+    """Serve one proxy until SIGTERM or SIGINT: the whole process, or one worker
+    of a group (`settings.worker`, see dataplane/workers.py)."""
     app = build_app(settings)
+    slot = settings.worker
+    if slot is not None:
+        app.middlewares.append(workers.group_views(slot, settings.workers))
     # handler_cancellation: a client that disconnects cancels its handler, and
     # with it the origin request, even while no byte is being written.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
-    await site.start()
+    site: web.BaseSite
+    if slot is None:
+        site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+        await site.start()
+    else:
+        site = await workers.start_sites(runner, settings)
     server = site._server
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -47,6 +57,8 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if slot is not None:
+        workers.watch_lifeline(slot.lifeline_fd, stop.set)
     await stop.wait()
     if settings.drain_seconds > 0:
         app[DRAINING].active = True
@@ -56,7 +68,7 @@ async def serve(settings: Settings) -> None:
     await runner.cleanup()
 
 
-async def _drain(site: web.TCPSite, seconds: float) -> None:
+async def _drain(site: web.BaseSite, seconds: float) -> None:
     """Wait until every connection has closed (answers say `Connection: close`) or
     `seconds` have passed; connections idle all along are closed at the end."""
     loop = asyncio.get_running_loop()
@@ -68,8 +80,12 @@ async def _drain(site: web.TCPSite, seconds: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse(sys.argv[1:] if argv is None else argv)
-    setup_logging(settings.log_level)
+    args = sys.argv[1:] if argv is None else argv
+    settings = parse(args)
+    slot = settings.worker
+    setup_logging(settings.log_level, tag=f"w{slot.index}" if slot else "")
+    if settings.workers > 1 and slot is None:
+        return workers.supervise(settings, args)
     uvloop.run(serve(settings))
     return 0
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dataplane.geo import TrustedProxies
@@ -13,6 +14,18 @@ from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """What a worker process was told by its supervisor (dataplane/workers.py).
+
+    Only the supervisor sets these flags; they are hidden from --help.
+    """
+
+    index: int  # 0 .. workers-1, kept by a restarted worker
+    run_dir: Path  # the group's private directory: workers' sockets and ready files
+    lifeline_fd: int  # read end of a pipe whose EOF means the supervisor is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +48,34 @@ class Settings:
     cache_max_bytes: int = 256 << 20
     drain_seconds: float = 0.0
     cache: CacheDefaults = field(default_factory=CacheDefaults)
+    # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
+    workers: int = 1
+    # Set in a worker process only: its settings are already per worker (as_worker).
+    worker: WorkerSlot | None = None
+
+
+def available_cores() -> int:
+    """Cores this process may run on. A container's CPU quota is not seen here,
+    which is why the Helm chart passes --workers from the CPU limit."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS has no affinity call
+
+
+def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:
+    """The settings of worker `slot.index` of a group started with `settings`.
+
+    Each worker is its own proxy to the control plane, so its name is unique
+    (`NAME-wI`), its saved table and quota shares have their own directory, and
+    the cache's memory bound is split so the group keeps to the one given.
+    """
+    return replace(
+        settings,
+        name=f"{settings.name}-w{slot.index}",
+        state_dir=settings.state_dir / f"w{slot.index}" if settings.state_dir else None,
+        cache_max_bytes=settings.cache_max_bytes // settings.workers,
+        worker=slot,
+    )
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -142,7 +183,23 @@ def parse(argv: list[str]) -> Settings:
         "answer before closing connections, so that clients drop kept-alive connections "
         "between requests instead of racing the close (the Helm chart sets it)",
     )
-    p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes serving --listen together (SO_REUSEPORT), each its own proxy "
+        "NAME-wI to the control plane, under one supervisor; 1 runs a single process "
+        "(default: the cores this process may use)",
+    )
+    # Set by the supervisor on the command lines of its workers (dataplane/workers.py).
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--lifeline-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        help="write the bound HOST:PORT here when serving (with workers: once all listen)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     try:
@@ -196,7 +253,16 @@ def parse(argv: list[str]) -> Settings:
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
     if not addresses:
         p.error("--control-plane needs at least one address")
-    return Settings(
+    workers = available_cores() if a.workers is None else a.workers
+    if workers < 1:
+        p.error("--workers must be at least 1")
+    slot = None
+    hidden = (a.worker_index, a.run_dir, a.lifeline_fd)
+    if any(v is not None for v in hidden):
+        if any(v is None for v in hidden) or not 0 <= a.worker_index < workers:
+            p.error("--worker-index, --run-dir and --lifeline-fd are set by ponto-proxy itself")
+        slot = WorkerSlot(a.worker_index, a.run_dir, a.lifeline_fd)
+    settings = Settings(
         control_plane=addresses,
         listen_host=host,
         listen_port=port,
@@ -221,4 +287,6 @@ def parse(argv: list[str]) -> Settings:
         cache_max_bytes=a.cache_max_mb << 20,
         drain_seconds=a.drain_seconds,
         cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
+        workers=workers,
     )
+    return settings if slot is None else as_worker(settings, slot)

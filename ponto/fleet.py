@@ -138,12 +138,16 @@ class Fleet:
         *,
         listen: str = "127.0.0.1:0",
         control_planes: list[str] | None = None,
+        workers: int = 1,
         extra: list[str] | None = None,
     ) -> Managed:
+        """Start a proxy; one process unless `workers` > 1 (dataplane/workers.py),
+        whatever the machine's cores, so that runs do not depend on the machine."""
         addresses = control_planes or [m.address for m in self.controls.values()]
         ready = self._ready(name)
         argv = [*python_entry("dataplane"), "--control-plane", ",".join(addresses),
                 "--listen", listen, "--region", region, "--name", name,
+                "--workers", str(workers),
                 "--state-dir", str(self.workdir / f"{name}-state"),
                 "--ready-file", str(ready),
                 *(self.security.proxy_args() if self.security else []), *(extra or [])]  # fmt: skip

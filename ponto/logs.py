@@ -6,10 +6,13 @@ import logging
 import sys
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, tag: str = "") -> None:
+    """Log at `level` to stderr; `tag` (e.g. a proxy worker's "w1") starts every
+    line, for processes that share one stream."""
     handler = logging.StreamHandler(sys.stderr)
+    prefix = f"{tag} " if tag else ""
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

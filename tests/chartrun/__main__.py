@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from tests.chartrun.cluster import Cluster, ClusterError, ImageMap, Obj, Probe, tail
+from tests.chartrun.cluster import Cluster, ClusterError, ImageMap, Obj, Pod, Probe, tail
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ponto"
@@ -101,6 +101,16 @@ def render(helm: str, values: list[Path], *, upgrade: bool) -> Render:
         else:
             objects.append(doc)
     return Render(objects, hooks, notes_text)
+
+
+def proxy_names(pod: Pod) -> list[str]:
+    """The names a proxy pod registers: the pod's, or POD-wI for each of its
+    --workers when it runs more than one (dataplane/workers.py)."""
+    workers = 1
+    for arg in pod.spec["containers"][0].get("args", []):
+        if arg.startswith("--workers="):
+            workers = int(arg.partition("=")[2])
+    return [pod.name] if workers == 1 else [f"{pod.name}-w{i}" for i in range(workers)]
 
 
 # --------------------------------------------------------------------------- report
@@ -737,9 +747,10 @@ class Run:
                 for p in out.get("proxies", [])
             }
             pods = {
-                p.name
+                name
                 for p in self.cluster.pods.values()
                 if p.owner.startswith("Deployment/") and "proxy" in p.owner and not p.terminating
+                for name in proxy_names(p)
             }
             behind = [
                 n

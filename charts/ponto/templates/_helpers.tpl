@@ -221,3 +221,21 @@ Result ($.pontoMaterial):
 {{- fail "geoip.enabled needs geoip.volume: the volume that holds the .mmdb file" -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+ponto-proxy --workers: the given count, else the whole cores of the CPU limit ("2" and
+2 -> 2, "1500m" and 1.5 -> 1, at least 1), else 1. One worker per core the container
+may use: more would only share the same quota. Call with (list workers resources).
+*/}}
+{{- define "ponto.proxy.workers" -}}
+{{- $workers := index . 0 | default 0 | int -}}
+{{- $cpu := dig "limits" "cpu" "" ((index . 1) | default dict) | toString -}}
+{{- if not $workers -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $workers = div (trimSuffix "m" $cpu | atoi) 1000 -}}
+{{- else if $cpu -}}
+{{- $workers = $cpu | float64 | floor | int -}}
+{{- end -}}
+{{- end -}}
+{{- max 1 $workers -}}
+{{- end -}}

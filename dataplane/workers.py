@@ -1,0 +1,510 @@
+"""`ponto-proxy --workers N`: N event loops in N processes on one port.
+
+Python runs one event loop on one core, so a proxy uses more cores by running
+more processes. The parent becomes a supervisor that serves no traffic:
+
+- It reserves the port (refused if anything listens there; then bound with
+  SO_REUSEPORT, never listening, so it gets no connections) and starts N
+  workers as `python -m dataplane ARGV --worker-index I ...` (a fresh
+  interpreter each: forking after grpc and uvloop are loaded is not safe). Each
+  worker binds the same port with SO_REUSEPORT, and the kernel spreads new
+  connections over the listening workers.
+- Each worker is its own proxy to the control plane (`NAME-wI`, its own state
+  directory, see settings.as_worker), so global limits and convergence stay
+  exact: the control plane simply sees N proxies.
+- It forwards SIGTERM and SIGINT (each worker drains as a single proxy does),
+  restarts a worker that dies unexpectedly after a growing delay, gives up (and
+  stops the group, exiting 1) when one keeps dying, and exits once all workers
+  have. `--ready-file` is written once every worker listens.
+- Workers hold the read end of a pipe whose write end only the supervisor holds:
+  if the supervisor is killed outright, they see EOF and stop as on SIGTERM.
+
+Each worker also serves the whole app on a private unix socket in the group's run
+directory. A scrape of `/metrics` on the shared port, whichever worker takes it,
+reads its siblings' `/metrics` there and answers every worker's series, each with
+a `worker="I"` label, plus `ponto_worker_up`. `/readyz` on the shared port is
+ready when the answering worker is and every sibling that listens is too: the
+kernel gives each listening worker its part of the connections, so one without
+a table would refuse its part. A sibling that is not listening (dead, or starting
+again) gets no connections and does not count. `/healthz` stays per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from dataplane import jsonio
+from dataplane.http.errors import ApiError
+from dataplane.settings import Settings, WorkerSlot
+from ponto.writefile import write_atomic
+
+log = logging.getLogger("dataplane.workers")
+
+# Route names of build_app's /metrics and /readyz: the answers merged for the group.
+METRICS_ROUTE = "metrics"
+READY_ROUTE = "readyz"
+WORKER_LABEL = "worker"
+WORKER_HEADER = "x-ponto-worker"
+# A sibling slower than this is left out of a scrape and makes /readyz fail: its
+# event loop is stuck, and so are the requests it holds.
+SIBLING_TIMEOUT_S = 1.0
+# After SIGTERM a worker drains for --drain-seconds, then aiohttp gives in-flight
+# requests up to 60 s; a worker still running after that is killed.
+SHUTDOWN_GRACE_S = 65.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# ---------------------------------------------------------------- shared names
+
+
+def socket_path(run_dir: Path, index: int) -> Path:
+    """The private unix socket of worker `index`."""
+    return run_dir / f"w{index}.sock"
+
+
+def ready_path(run_dir: Path, index: int) -> Path:
+    """The ready file worker `index` writes once it listens on the shared port."""
+    return run_dir / f"w{index}.addr"
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT, not yet listening.
+
+    Each worker listens on its own; the kernel hands connections only to
+    listening sockets. `host` must resolve to one address: the first is used.
+    """
+    return _bound(host, port, reuse_port=True)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """The supervisor's hold on host:port (port 0: a free port, chosen once).
+
+    Refused with EADDRINUSE, as a single proxy's bind is, when something already
+    listens there: SO_REUSEPORT alone would let a second group started on the
+    same port by the same user share it silently. The socket returned never
+    listens, so it takes no connections; it keeps the port while workers restart.
+    """
+    with _bound(host, port, reuse_port=False) as probe:
+        port = probe.getsockname()[1]
+    return reuseport_socket(host, port)
+
+
+def _bound(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As asyncio does: restarting is not refused for connections in TIME_WAIT,
+        # and an IPv6 address means IPv6 only.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# ---------------------------------------------------------------- metrics merge
+
+
+def with_label(line: str, name: str, value: str) -> str:
+    """A sample line of the text exposition format with one more label, first.
+
+    Only the metric name is looked at: label values (which may hold braces or
+    spaces) are left as they are.
+    """
+    cut = next((i for i, ch in enumerate(line) if ch in "{ \t"), len(line))
+    metric, rest = line[:cut], line[cut:]
+    label = f'{name}="{value}"'
+    if rest.startswith("{"):
+        inner = rest[1:]
+        return f"{metric}{{{label}{'' if inner.startswith('}') else ','}{inner}"
+    return f"{metric}{{{label}}}{rest}"
+
+
+def _families(text: str) -> list[tuple[str, list[str], list[str]]]:
+    """(name, HELP and TYPE lines, sample lines) of each family, in order."""
+    families: list[tuple[str, list[str], list[str]]] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            parts = line.split(maxsplit=3)
+            if len(parts) < 3 or parts[1] not in ("HELP", "TYPE"):
+                continue  # other comments carry nothing a scraper reads
+            if not families or families[-1][0] != parts[2] or families[-1][2]:
+                families.append((parts[2], [], []))
+            families[-1][1].append(line)
+        else:
+            if not families:
+                families.append(("", [], []))
+            families[-1][2].append(line)
+    return families
+
+
+def merge_expositions(parts: Sequence[tuple[int, bytes | None]]) -> bytes:
+    """One text exposition (format 0.0.4) of a worker group.
+
+    `parts` holds each worker's index and its own exposition, or None when it did
+    not answer. Every sample gets a `worker` label; the samples of one family
+    stay together under one HELP and TYPE (the format requires it), in the order
+    the first answering worker gave them. `ponto_worker_up` says which workers'
+    series are in. Workers run the same code, so their families agree; one that
+    only some workers have is kept too.
+
+    Labels rather than sums: gauges such as the route table version or cache
+    entries are per worker and do not add up, and `sum without (worker)` gives
+    the group's counters in PromQL.
+    """
+    merged: dict[str, tuple[list[str], list[str]]] = {}
+    for index, text in parts:
+        if text is None:
+            continue
+        for name, header, samples in _families(text.decode()):
+            kept = merged.setdefault(name, (header, []))
+            kept[1].extend(with_label(s, WORKER_LABEL, str(index)) for s in samples)
+    out: list[str] = []
+    for header, samples in merged.values():
+        out.extend(header)
+        out.extend(samples)
+    out.append("# HELP ponto_worker_up 1 if this worker's series are in this scrape")
+    out.append("# TYPE ponto_worker_up gauge")
+    out.extend(
+        f'ponto_worker_up{{{WORKER_LABEL}="{i}"}} {0.0 if text is None else 1.0}'
+        for i, text in parts
+    )
+    return ("\n".join(out) + "\n").encode()
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingAnswer:
+    status: int  # 0: no answer within SIBLING_TIMEOUT_S, or a broken one
+    body: bytes
+
+
+async def ask_sibling(path: Path, route: str) -> SiblingAnswer | None:
+    """GET `route` from a sibling's private socket; None when nothing listens there."""
+    connector = aiohttp.UnixConnector(path=str(path))
+    timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
+    try:
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            session.get(f"http://worker{route}") as resp,
+        ):
+            return SiblingAnswer(resp.status, await resp.read())
+    except aiohttp.ClientConnectorError:
+        return None
+    except (TimeoutError, aiohttp.ClientError):
+        return SiblingAnswer(0, b"")
+
+
+def _refusal(answer: SiblingAnswer) -> str:
+    """The error code a sibling's /readyz gave, for the group's answer."""
+    if answer.status == 0:
+        return f"no answer within {SIBLING_TIMEOUT_S:g} s"
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        return str(jsonio.loads(answer.body)["error"]["code"])
+    return f"status {answer.status}"
+
+
+def _from_sibling(request: web.Request) -> bool:
+    sock = request.get_extra_info("socket")
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def group_views(slot: WorkerSlot, workers: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Middleware that answers /metrics and /readyz on the shared port for the group.
+
+    Appended to the app's middlewares before the runner starts, so that it runs
+    inside the app's own (errors become OpenAI-style answers, every scrape is
+    counted). Requests that came over the private socket, a sibling asking, get
+    this worker's own answer. The group's answers say which worker gave them
+    (`x-ponto-worker`).
+    """
+    siblings = [(i, socket_path(slot.run_dir, i)) for i in range(workers) if i != slot.index]
+    me = {WORKER_HEADER: str(slot.index)}
+
+    async def ask_all(route: str) -> list[tuple[int, SiblingAnswer | None]]:
+        answers = await asyncio.gather(*(ask_sibling(path, route) for _, path in siblings))
+        return [(i, a) for (i, _), a in zip(siblings, answers, strict=True)]
+
+    async def ready(own: web.StreamResponse) -> web.StreamResponse:
+        for index, answer in await ask_all(f"/{READY_ROUTE}"):
+            if answer is not None and answer.status != 200:
+                raise ApiError(
+                    503,
+                    f"worker {index} of this proxy is not ready: {_refusal(answer)}",
+                    type="server_error",
+                    code="worker_not_ready",
+                    headers=dict(me),
+                )
+        return own
+
+    async def metrics(own: web.StreamResponse) -> web.StreamResponse:
+        body = own.body if isinstance(own, web.Response) else None
+        if own.status != 200 or not isinstance(body, bytes):
+            return own
+        parts: dict[int, bytes | None] = {slot.index: body}
+        for index, answer in await ask_all(f"/{METRICS_ROUTE}"):
+            parts[index] = answer.body if answer is not None and answer.status == 200 else None
+        merged = merge_expositions(sorted(parts.items()))
+        return web.Response(body=merged, headers={"content-type": own.headers["content-type"]})
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.name
+        if route not in (METRICS_ROUTE, READY_ROUTE) or _from_sibling(request):
+            return await handler(request)
+        try:
+            own = await handler(request)  # a worker that is not ready raises here
+        except ApiError as exc:
+            exc.headers.update(me)
+            raise
+        answer = await (ready(own) if route == READY_ROUTE else metrics(own))
+        answer.headers.update(me)
+        return answer
+
+    return middleware
+
+
+async def start_sites(runner: web.AppRunner, settings: Settings) -> web.BaseSite:
+    """Start a worker's private socket, then its listener on the shared port.
+
+    In that order: a worker that takes connections always answers its siblings.
+    Returns the shared-port site.
+    """
+    slot = settings.worker
+    assert slot is not None
+    await web.UnixSite(runner, str(socket_path(slot.run_dir, slot.index))).start()
+    shared = reuseport_socket(settings.listen_host, settings.listen_port)
+    site = web.SockSite(runner, shared, backlog=1024)
+    await site.start()
+    return site
+
+
+def watch_lifeline(fd: int, on_orphaned: Callable[[], None]) -> None:
+    """Call `on_orphaned` once the supervisor is gone (the pipe's EOF).
+
+    The supervisor never writes to the pipe, so readable means closed.
+    """
+    loop = asyncio.get_running_loop()
+
+    def closed() -> None:
+        loop.remove_reader(fd)
+        log.warning("the supervisor is gone; stopping")
+        on_orphaned()
+
+    loop.add_reader(fd, closed)
+
+
+# ---------------------------------------------------------------- supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How a worker that dies unexpectedly is restarted.
+
+    The n-th failure in a row waits first_delay * 2**(n-1), at most max_delay; a
+    worker that ran stable_after seconds starts the count again. After
+    max_failures failures in a row the supervisor gives up: a worker that cannot
+    stay up needs a person (or the container's restart policy), not a loop.
+    """
+
+    first_delay: float = 0.5
+    max_delay: float = 30.0
+    stable_after: float = 60.0
+    max_failures: int = 5
+
+    def delay(self, failures: int) -> float | None:
+        """Seconds before restarting after `failures` failures in a row, or None."""
+        if failures > self.max_failures:
+            return None
+        return min(self.max_delay, self.first_delay * 2.0 ** (failures - 1))
+
+
+def worker_argv(
+    argv: Sequence[str], settings: Settings, index: int, port: int, run_dir: Path, lifeline: int
+) -> list[str]:
+    """The command line of worker `index`: the group's own flags, then the ones
+    that make it a worker (argparse keeps the last of a repeated flag)."""
+    return [
+        sys.executable,
+        "-m",
+        "dataplane",
+        *argv,
+        "--workers",
+        str(settings.workers),
+        "--listen",
+        hostport(settings.listen_host, port),
+        "--ready-file",
+        str(ready_path(run_dir, index)),
+        "--worker-index",
+        str(index),
+        "--run-dir",
+        str(run_dir),
+        "--lifeline-fd",
+        str(lifeline),
+    ]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with {code}"
+
+
+class Supervisor:
+    """Runs the workers of one `ponto-proxy --workers N` until told to stop.
+
+    Lives in the parent process on a plain asyncio loop that serves no traffic;
+    run() is called once.
+    """
+
+    def __init__(
+        self, settings: Settings, argv: Sequence[str], policy: RestartPolicy | None = None
+    ) -> None:
+        self.settings = settings
+        self.argv = list(argv)
+        self.policy = policy or RestartPolicy()
+        self.stopping = asyncio.Event()
+        self.unclean = False
+
+    async def run(self) -> int:
+        """0 when stopped by a signal and every worker exited cleanly, else 1."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        holder = reserve_port(s.listen_host, s.listen_port)
+        run_dir = Path(tempfile.mkdtemp(prefix="ponto-proxy-"))
+        lifeline, keep_alive = os.pipe()
+        try:
+            port = holder.getsockname()[1]
+            keepers = [
+                asyncio.create_task(self._keep(i, port, run_dir, lifeline), name=f"worker-{i}")
+                for i in range(s.workers)
+            ]
+            announce = asyncio.create_task(self._announce(port, run_dir))
+            stop = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait([stop, *keepers], return_when=asyncio.FIRST_COMPLETED)
+            gave_up = not stop.done()
+            self.stopping.set()
+            await asyncio.gather(*keepers)
+            announce.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await announce
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            holder.close()
+            os.close(lifeline)
+            os.close(keep_alive)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        log.info("all %d workers have exited", s.workers)
+        return 1 if gave_up or self.unclean else 0
+
+    async def _announce(self, port: int, run_dir: Path) -> None:
+        """Write --ready-file once every worker listens."""
+        s = self.settings
+        # Polled: the ready files are how a proxy says it listens (tests and the
+        # demo read them too), and this runs only until the group is up.
+        while not all(ready_path(run_dir, i).exists() for i in range(s.workers)):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        address = f"{s.listen_host}:{port}"
+        log.info("%d workers of proxy %s listening on http://%s", s.workers, s.name, address)
+        if s.ready_file:
+            write_atomic(s.ready_file, address.encode())
+
+    async def _keep(self, index: int, port: int, run_dir: Path, lifeline: int) -> None:
+        """Run worker `index` until stopping, restarting it when it dies; returns
+        early only when the restart policy gives up."""
+        argv = worker_argv(self.argv, self.settings, index, port, run_dir, lifeline)
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(lifeline,))
+            started = loop.time()
+            exited = asyncio.create_task(proc.wait())
+            stop = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait([exited, stop], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not exited.done():
+                await self._stop(index, proc, exited)
+                return
+            code = exited.result()
+            failures = 1 if loop.time() - started >= self.policy.stable_after else failures + 1
+            delay = self.policy.delay(failures)
+            if delay is None:
+                log.error(
+                    "worker %d %s (%d failures in a row); giving up, stopping the others",
+                    index,
+                    describe_exit(code),
+                    failures,
+                )
+                self.unclean = True
+                return
+            log.warning(
+                "worker %d (pid %d) %s; restarting it in %.1f s",
+                index,
+                proc.pid,
+                describe_exit(code),
+                delay,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            if self.stopping.is_set():
+                return
+
+    async def _stop(
+        self, index: int, proc: asyncio.subprocess.Process, exited: asyncio.Task[int]
+    ) -> None:
+        """SIGTERM (the worker drains), then SIGKILL if it outlives the grace."""
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(
+                asyncio.shield(exited), self.settings.drain_seconds + SHUTDOWN_GRACE_S
+            )
+        except TimeoutError:
+            log.error("worker %d did not stop in time; killing it", index)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            code = await exited
+        if code != 0:
+            log.warning("worker %d %s while stopping", index, describe_exit(code))
+            self.unclean = True
+
+
+def supervise(settings: Settings, argv: Sequence[str]) -> int:
+    """Run `settings.workers` workers of the proxy started with `argv`; the exit code."""
+    return asyncio.run(Supervisor(settings, argv).run())

@@ -1,0 +1,193 @@
+"""`ponto-proxy --workers 2` as real processes against a real control plane.
+
+One fleet per module: etcd, a control plane, an origin, and a proxy group `p` of
+two workers. Tests that stop or kill a group start their own. Every wait polls
+a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ponto.devenv import Managed
+from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import admin_pb2 as apb
+
+pytestmark = pytest.mark.e2e
+
+T = TypeVar("T")
+CHAT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def until(what: str, check: Callable[[], T | None], timeout: float = 20.0) -> T:
+    """check()'s first truthy value, polled until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with Fleet(tmp_path_factory.mktemp("fleet")) as f:
+        f.start_etcd()
+        f.start_control()
+        f.add_region(RegionDef("us-east", 38.9, -77.4))
+        f.start_origin("o-us", "us-east")
+        f.add_origin("o-us", "us-east", f.origin_url("o-us"))
+        version = f.table_version(origins=1)
+        f.start_proxy("p", "us-east", workers=2)
+        f.wait_proxies_at(version)
+        yield f
+
+
+def workers_of(group: Managed) -> dict[int, int]:
+    """Worker index -> pid of the group's live workers (children of its supervisor)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[1]) == group.proc.pid and b"--worker-index" in argv:
+            found[int(argv[argv.index(b"--worker-index") + 1])] = int(entry.name)
+    return found
+
+
+def both_workers(group: Managed, not_pid: int = 0) -> dict[int, int] | None:
+    """Both workers' pids, once both run (and worker 1 is not `not_pid`)."""
+    found = workers_of(group)
+    return found if len(found) == 2 and found[1] != not_pid else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def registered(fleet: Fleet) -> set[str]:
+    return {p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies}
+
+
+def scrape(group: Managed) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
+    """The answering worker and the samples of one scrape over a fresh connection."""
+    r = httpx.get(f"http://{group.address}/metrics", timeout=10)
+    assert r.status_code == 200
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return r.headers["x-ponto-worker"], samples
+
+
+def served_by(samples: dict[str, dict[tuple[tuple[str, str], ...], float]]) -> dict[str, float]:
+    """Chat completions answered, by worker."""
+    out: dict[str, float] = {}
+    for labels, value in samples.get("ponto_requests_total", {}).items():
+        d = dict(labels)
+        if d["endpoint"] == "chat.completions" and d["code"] == "200":
+            out[d["worker"]] = value
+    return out
+
+
+def test_each_worker_is_its_own_proxy(fleet: Fleet) -> None:
+    until("both workers registered", lambda: registered(fleet) == {"p-w0", "p-w1"})
+    version = fleet.table_version(origins=1)
+
+    def converged() -> bool:
+        listed = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+        return len(listed) == 2 and all(p.acked_version == version for p in listed)
+
+    until("both workers acked the table", converged)
+    # Each keeps its own last good table.
+    state = fleet.workdir / "p-state"
+    until("per-worker saved tables", lambda: all((state / w).is_dir() for w in ("w0", "w1")))
+
+
+def test_requests_are_served_by_both_workers(fleet: Fleet) -> None:
+    group = fleet.proxies["p"]
+    for _ in range(100):
+        # A new client per request: a new connection, which the kernel may give
+        # to either worker.
+        r = httpx.post(f"http://{group.address}/v1/chat/completions", json=CHAT, timeout=10)
+        assert r.status_code == 200, r.text
+        by_worker = served_by(scrape(group)[1])
+        if len(by_worker) == 2:
+            break
+    assert set(by_worker) == {"0", "1"}, by_worker
+
+
+def test_metrics_from_any_worker_show_both_workers(fleet: Fleet) -> None:
+    group = fleet.proxies["p"]
+    answered: set[str] = set()
+    for _ in range(60):
+        worker, samples = scrape(group)
+        answered.add(worker)
+        versions = samples["ponto_route_table_version"]
+        assert {dict(labels)["worker"] for labels in versions} == {"0", "1"}
+        assert set(samples["ponto_worker_up"].values()) == {1.0}
+        if answered == {"0", "1"}:
+            break
+    assert answered == {"0", "1"}
+    # Readiness and liveness answer on the shared port too.
+    assert httpx.get(f"http://{group.address}/readyz", timeout=10).status_code == 200
+    assert httpx.get(f"http://{group.address}/healthz", timeout=10).json()["status"] == "ok"
+
+
+def test_a_killed_worker_is_restarted(fleet: Fleet) -> None:
+    group = fleet.proxies["p"]
+    before = until("two workers", lambda: both_workers(group))
+    os.kill(before[1], signal.SIGKILL)
+    after = until("worker 1 restarted", lambda: both_workers(group, not_pid=before[1]))
+    assert after[0] == before[0], "the other worker was left alone"
+
+    def back() -> bool:
+        _, samples = scrape(group)
+        return samples["ponto_worker_up"].get((("worker", "1"),)) == 1.0
+
+    until("worker 1 serving its metrics again", back)
+    until("worker 1 registered again", lambda: registered(fleet) == {"p-w0", "p-w1"})
+    assert "worker 1 (pid" in group.log_tail(200) and "restarting it in" in group.log_tail(200)
+    assert group.alive()
+
+
+def test_sigterm_stops_the_group_cleanly(fleet: Fleet) -> None:
+    group = fleet.start_proxy("q", "us-east", workers=2, extra=["--drain-seconds", "0.5"])
+    until("q's workers registered", lambda: {"q-w0", "q-w1"} <= registered(fleet))
+    pids = until("two workers", lambda: both_workers(group))
+    started = time.monotonic()
+    assert group.stop(signal.SIGTERM, timeout=20) == 0
+    assert time.monotonic() - started < 10
+    assert not any(alive(pid) for pid in pids.values())
+    until(
+        "q's workers gone from the control plane", lambda: not {"q-w0", "q-w1"} & registered(fleet)
+    )
+    assert "all 2 workers have exited" in group.log_tail()
+
+
+def test_workers_stop_when_the_supervisor_is_killed(fleet: Fleet) -> None:
+    group = fleet.start_proxy("r", "us-east", workers=2)
+    pids = until("two workers", lambda: both_workers(group))
+    group.kill()
+    until("orphaned workers stopped", lambda: not any(alive(pid) for pid in pids.values()))
+    assert "the supervisor is gone; stopping" in group.log_tail()

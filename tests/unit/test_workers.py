@@ -1,0 +1,397 @@
+"""`--workers N`: settings, the metrics merge, the group's /metrics and /readyz.
+
+The group views run in-process: each "worker" is an app with the real group
+middleware, on a TCP port (the shared port) and on its private unix socket, as
+`ponto-proxy` serves them. Real processes are in tests/e2e/test_workers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from dataplane import workers
+from dataplane.http.boundary import errors_and_metrics
+from dataplane.http.endpoints import metrics
+from dataplane.http.errors import ApiError
+from dataplane.http.state import DRAINING, METRICS, Draining
+from dataplane.metrics import Metrics
+from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
+
+BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east", "--name", "p"]
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_workers_default_to_the_usable_cores_and_refuse_less_than_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse(BASE).workers == available_cores()
+    assert parse([*BASE, "--workers", "3"]).workers == 3
+    assert parse([*BASE, "--workers", "1"]).worker is None
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit) as exc:
+            parse([*BASE, "--workers", bad])
+        assert exc.value.code == 2
+        assert "--workers must be at least 1" in capsys.readouterr().err
+
+
+def test_worker_flags_are_hidden_and_all_or_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse([*BASE, "--help"])
+    shown = capsys.readouterr().out
+    assert "--workers" in shown
+    assert "--worker-index" not in shown and "--lifeline-fd" not in shown
+    for partial in (["--worker-index", "0"], ["--workers", "2", "--worker-index", "2",
+                    "--run-dir", "/tmp", "--lifeline-fd", "3"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse([*BASE, *partial])
+        assert "set by ponto-proxy itself" in capsys.readouterr().err
+
+
+def test_a_worker_is_its_own_proxy_with_its_own_state_and_part_of_the_cache(
+    tmp_path: Path,
+) -> None:
+    group = parse([*BASE, "--workers", "4", "--state-dir", str(tmp_path), "--cache-max-mb", "256"])
+    w2 = as_worker(group, WorkerSlot(2, tmp_path / "run", 7))
+    assert (w2.name, w2.state_dir, w2.cache_max_bytes) == ("p-w2", tmp_path / "w2", 64 << 20)
+    assert w2.worker == WorkerSlot(2, tmp_path / "run", 7)
+    assert as_worker(parse([*BASE, "--workers", "2"]), WorkerSlot(0, tmp_path, 7)).state_dir is None
+
+
+def test_a_workers_command_line_parses_to_its_settings(tmp_path: Path) -> None:
+    argv = [*BASE, "--listen", "127.0.0.1:0", "--workers", "2", "--state-dir", str(tmp_path),
+            "--ready-file", str(tmp_path / "group.addr")]  # fmt: skip
+    group = parse(argv)
+    line = workers.worker_argv(argv, group, 1, 40123, tmp_path / "run", 9)
+    assert line[1:3] == ["-m", "dataplane"]
+    w1 = parse(line[3:])
+    assert (w1.name, w1.workers, w1.listen_port) == ("p-w1", 2, 40123)
+    assert w1.state_dir == tmp_path / "w1"
+    assert w1.ready_file == workers.ready_path(tmp_path / "run", 1)
+    assert w1.worker == WorkerSlot(1, tmp_path / "run", 9)
+    assert w1.advertise == "127.0.0.1:40123"
+
+
+def test_restarts_back_off_then_give_up() -> None:
+    policy = workers.RestartPolicy(first_delay=0.5, max_delay=3.0, max_failures=5)
+    assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 3.0, 3.0, None]
+
+
+def test_exits_are_described_by_code_or_signal() -> None:
+    assert workers.describe_exit(1) == "exited with 1"
+    assert workers.describe_exit(-9) == "was killed by SIGKILL"
+
+
+def test_the_port_is_held_once_and_shared() -> None:
+    holder = workers.reserve_port("127.0.0.1", 0)
+    port = holder.getsockname()[1]
+    listeners = [workers.reuseport_socket("127.0.0.1", port) for _ in range(2)]
+    try:
+        for s in listeners:
+            s.listen()
+        # Only listening sockets take connections: the holder never does.
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+        # A second group on the same port is refused, as a second proxy is.
+        with pytest.raises(OSError) as exc:
+            workers.reserve_port("127.0.0.1", port)
+        assert exc.value.errno == errno.EADDRINUSE
+    finally:
+        for s in (holder, *listeners):
+            s.close()
+
+
+# ---------------------------------------------------------------- the supervisor
+
+# Stand-ins for workers: one that says it listens and waits for SIGTERM, and one
+# that dies at once.
+WAITS = """
+import signal, sys
+from pathlib import Path
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+Path(sys.argv[1]).write_text("listening")
+signal.sigwait({signal.SIGTERM})
+"""
+DIES = "raise SystemExit(3)"
+
+
+def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    def argv(_argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int) -> list[str]:
+        return [sys.executable, "-c", code, str(workers.ready_path(run_dir, index))]
+
+    monkeypatch.setattr(workers, "worker_argv", argv)
+
+
+async def test_the_supervisor_announces_the_group_and_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_workers(monkeypatch, WAITS)
+    ready = tmp_path / "group.addr"
+    settings = parse(
+        [*BASE, "--workers", "3", "--listen", "127.0.0.1:0", "--ready-file", str(ready)]
+    )
+    supervisor = workers.Supervisor(settings, [])
+    run = asyncio.create_task(supervisor.run())
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert not run.done() and time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    host, _, port = ready.read_text().rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    supervisor.stopping.set()  # what SIGTERM does
+    # Every worker got SIGTERM and exited 0.
+    assert await asyncio.wait_for(run, 30) == 0
+
+
+async def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_workers(monkeypatch, DIES)
+    settings = parse([*BASE, "--workers", "2", "--listen", "127.0.0.1:0"])
+    policy = workers.RestartPolicy(first_delay=0.01, max_failures=2)
+    assert await asyncio.wait_for(workers.Supervisor(settings, [], policy).run(), 30) == 1
+    assert "restarting it in 0.0 s" in caplog.text
+    assert "exited with 3 (3 failures in a row); giving up" in caplog.text
+
+
+# ---------------------------------------------------------------- the merge
+
+
+def test_a_label_goes_first_whatever_the_line_holds() -> None:
+    w = workers.with_label
+    assert w("up 1.0", "worker", "0") == 'up{worker="0"} 1.0'
+    assert w("up{} 1", "worker", "0") == 'up{worker="0"} 1'
+    assert w('a_total{k="x"} 2', "worker", "1") == 'a_total{worker="1",k="x"} 2'
+    assert w('a{k="} {x"} 2 1700000000', "worker", "1") == 'a{worker="1",k="} {x"} 2 1700000000'
+
+
+def exposition(metrics: Metrics) -> bytes:
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    return generate_latest(metrics.registry)
+
+
+def test_merge_keeps_each_family_together_with_every_workers_series() -> None:
+    parts: list[tuple[int, bytes | None]] = []
+    for index, count in ((0, 3), (1, 5)):
+        m = Metrics()
+        m.child(m.requests, "chat.completions", "200").inc(count)
+        m.child(m.duration, "chat.completions").observe(0.01 * count)
+        m.table_version.set(40 + index)
+        parts.append((index, exposition(m)))
+    parts.append((2, None))
+    merged = workers.merge_expositions(parts).decode()
+
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    requests = families["ponto_requests"]
+    totals = {(s.labels["worker"], s.value) for s in requests.samples if s.name.endswith("_total")}
+    assert totals == {("0", 3.0), ("1", 5.0)}
+    version = families["ponto_route_table_version"]
+    assert sorted((s.labels["worker"], s.value) for s in version.samples) == [
+        ("0", 40.0),
+        ("1", 41.0),
+    ]
+    counts = [s for s in families["ponto_request_duration_seconds"].samples if "_count" in s.name]
+    assert sorted(s.labels["worker"] for s in counts) == ["0", "1"]
+    up = {s.labels["worker"]: s.value for s in families["ponto_worker_up"].samples}
+    assert up == {"0": 1.0, "1": 1.0, "2": 0.0}
+    # One HELP and TYPE per family: the text format forbids a family in two groups.
+    helps = [line for line in merged.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) == len(set(helps))
+    promtool_accepts(merged)
+
+
+def test_merge_keeps_a_family_only_some_workers_have() -> None:
+    a = b"# HELP x_total X\n# TYPE x_total counter\nx_total 1.0\n"
+    b = b"# HELP y Y\n# TYPE y gauge\ny 2.0\n" + a.replace(b"1.0", b"4.0")
+    merged = workers.merge_expositions([(0, a), (1, b)]).decode()
+    lines = merged.splitlines()
+    assert lines[:4] == ["# HELP x_total X", "# TYPE x_total counter", 'x_total{worker="0"} 1.0',
+                         'x_total{worker="1"} 4.0']  # fmt: skip
+    assert 'y{worker="1"} 2.0' in lines
+    promtool_accepts(merged)
+
+
+def promtool_accepts(text: str) -> None:
+    """`promtool check metrics` where it is installed (Debian's prometheus package)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return  # the prometheus_client parser above has read it already
+    out = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------- group views
+
+
+@dataclass
+class Worker:
+    index: int
+    metrics: Metrics
+    port: int
+    ready: bool = True
+    stuck: bool = False
+
+
+def worker_app(w: Worker, run_dir: Path, count: int) -> web.Application:
+    """What the group middleware needs of build_app: named routes, the app's own
+    middleware, metrics; readiness switched by the test."""
+
+    async def readyz(request: web.Request) -> web.Response:
+        if w.stuck:
+            await asyncio.sleep(5)
+        if not w.ready:
+            raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")
+        return web.json_response({"status": "ready"})
+
+    app = web.Application(middlewares=[errors_and_metrics])
+    app.middlewares.append(workers.group_views(WorkerSlot(w.index, run_dir, -1), count))
+    app[METRICS] = w.metrics
+    app[DRAINING] = Draining()
+    app.router.add_get("/readyz", readyz, name="readyz")
+    app.router.add_get("/metrics", metrics, name="metrics")
+    return app
+
+
+@asynccontextmanager
+async def group(
+    tmp_path: Path, count: int, running: tuple[int, ...]
+) -> AsyncIterator[dict[int, Worker]]:
+    """Workers `running` of a group of `count`, each on TCP and its private socket."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started: dict[int, Worker] = {}
+    runners = []
+    try:
+        for index in running:
+            w = Worker(index, Metrics(), 0)
+            runner = web.AppRunner(worker_app(w, run_dir, count))
+            await runner.setup()
+            runners.append(runner)
+            await web.UnixSite(runner, str(workers.socket_path(run_dir, index))).start()
+            tcp = web.TCPSite(runner, "127.0.0.1", 0)
+            await tcp.start()
+            assert tcp._server is not None
+            w.port = tcp._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+            started[index] = w
+        yield started
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def get(w: Worker, path: str) -> tuple[int, dict[str, str], bytes]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"http://127.0.0.1:{w.port}{path}") as r,
+    ):
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+
+async def get_private(run_dir: Path, index: int, path: str) -> bytes:
+    connector = aiohttp.UnixConnector(path=str(workers.socket_path(run_dir, index)))
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.get(f"http://worker{path}") as r,
+    ):
+        return await r.read()
+
+
+def requests_by_worker(text: bytes) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == "ponto_requests_total" and s.labels.get("endpoint") == "work":
+                out[s.labels["worker"]] = s.value
+    return out
+
+
+async def test_metrics_from_any_worker_show_every_worker(tmp_path: Path) -> None:
+    async with group(tmp_path, 3, running=(0, 1)) as ws:
+        for index, count in ((0, 2), (1, 7)):
+            m = ws[index].metrics
+            m.child(m.requests, "work", "200").inc(count)
+        for index in (0, 1):
+            status, headers, body = await get(ws[index], "/metrics")
+            assert status == 200
+            assert headers["x-ponto-worker"] == str(index)
+            assert headers["content-type"].startswith("text/plain")
+            assert requests_by_worker(body) == {"0": 2.0, "1": 7.0}
+            assert 'ponto_worker_up{worker="2"} 0.0' in body.decode()
+            promtool_accepts(body.decode())
+        # A sibling asking over the private socket gets this worker's own series.
+        own = await get_private(tmp_path / "run", 1, "/metrics")
+        assert b'worker="' not in own and b'ponto_requests_total{code="200",endpoint="work"}' in own
+
+
+async def test_a_worker_without_a_table_makes_the_group_unready(tmp_path: Path) -> None:
+    async with group(tmp_path, 3, running=(0, 1)) as ws:
+        # Worker 2 is not listening: it gets no connections, so it does not count.
+        assert (await get(ws[0], "/readyz"))[0] == 200
+        ws[1].ready = False
+        status, headers, body = await get(ws[0], "/readyz")
+        assert (status, headers["x-ponto-worker"]) == (503, "0")
+        assert b"worker_not_ready" in body and b"worker 1" in body and b"no_route_table" in body
+        status, headers, body = await get(ws[1], "/readyz")
+        assert (status, headers["x-ponto-worker"]) == (503, "1")
+        assert b'"no_route_table"' in body
+        ws[1].ready = True
+        assert (await get(ws[1], "/readyz"))[0] == 200
+
+
+async def test_a_stuck_sibling_is_unready_and_left_out_of_scrapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(workers, "SIBLING_TIMEOUT_S", 0.2)
+    async with group(tmp_path, 2, running=(0, 1)) as ws:
+        ws[1].stuck = True
+        status, _, body = await get(ws[0], "/readyz")
+        assert status == 503 and b"no answer within 0.2 s" in body
+        # Metrics of worker 1 answer fine: only its /readyz handler is slow here.
+        assert b'ponto_worker_up{worker="1"} 1.0' in (await get(ws[0], "/metrics"))[2]
+
+
+async def test_every_other_route_passes_through(tmp_path: Path) -> None:
+    """Only the two named routes are the group's: a proxied request is one worker's."""
+
+    async def work(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.middlewares.append(workers.group_views(WorkerSlot(0, tmp_path, -1), 2))
+    app.router.add_get("/work", work, name="work")
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    assert site._server is not None
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/work") as r:
+            assert (r.status, await r.text()) == (200, "ok")
+            assert "x-ponto-worker" not in r.headers
+    finally:
+        await runner.cleanup()
