@@ -1,22 +1,138 @@
-"""Prometheus metrics of one proxy, in a registry the app owns."""
+"""Prometheus metrics of one proxy, in a registry the app owns.
+
+The metrics the request path updates are this module's `Counter` and
+`Histogram`: plain numbers in dicts, with no lock and no argument checks per
+update (prometheus_client's take a lock on every `inc`). That is safe because
+one event loop is their only writer and the scrape runs on the same loop.
+They export what prometheus_client's would, without the `_created` series.
+Gauges read at scrape time stay prometheus_client's.
+"""
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from dataplane.streaming.usage import Usage
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class CounterCell:
+    """One labelled series of a Counter."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class Counter(Collector):
+    """A labelled counter, exported as NAME_total."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
+        registry: CollectorRegistry,
+    ) -> None:  # fmt: skip
+        self._name = name
+        self._doc = documentation
+        self._labelnames = list(labelnames)
+        self._cells: dict[tuple[str, ...], CounterCell] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> CounterCell:
+        cell = self._cells.get(values)
+        if cell is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}, not {values}")
+            cell = self._cells[values] = CounterCell()
+        return cell
+
+    def inc(self, amount: float = 1.0) -> None:
+        """For a counter without labels."""
+        self.labels().inc(amount)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, cell in list(self._cells.items()):
+            family.add_metric(list(values), cell.value)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+
+class HistogramCell:
+    """One labelled series of a Histogram: counts per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class Histogram(Collector):
+    """A labelled histogram with fixed buckets (`le` is inclusive, as Prometheus says)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
+        buckets: Sequence[float], registry: CollectorRegistry,
+    ) -> None:  # fmt: skip
+        self._name = name
+        self._doc = documentation
+        self._labelnames = list(labelnames)
+        self._bounds = tuple(float(b) for b in buckets if not math.isinf(b))
+        self._cells: dict[tuple[str, ...], HistogramCell] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> HistogramCell:
+        cell = self._cells.get(values)
+        if cell is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}, not {values}")
+            cell = self._cells[values] = HistogramCell(self._bounds)
+        return cell
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        les = [*(_le(b) for b in self._bounds), "+Inf"]
+        for values, cell in list(self._cells.items()):
+            cumulative = 0
+            buckets = []
+            for le, count in zip(les, cell.counts, strict=True):
+                cumulative += count
+                buckets.append((le, float(cumulative)))
+            family.add_metric(list(values), buckets, cell.sum)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+
+def _le(bound: float) -> str:
+    # As prometheus_client spells bucket bounds: 0.001 -> "0.001", 1 -> "1.0".
+    return repr(float(bound))
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "ponto_requests",
@@ -107,13 +223,8 @@ class Metrics:
         )
 
     def child(self, metric: Any, *labels: str) -> Any:
-        """metric.labels(*labels), remembered: labels() takes a lock and checks its
-        arguments on every call, which the request path does several times."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+        """metric.labels(*labels): one series of a labelled Counter or Histogram."""
+        return metric.labels(*labels)
 
     def attempt(self, origin: str, outcome: str) -> Any:
         """The ponto_upstream_attempts counter of one origin and outcome."""

@@ -1,0 +1,53 @@
+"""The proxy's lock-free Counter and Histogram export exactly what
+prometheus_client's do for the same updates, without the `_created` series."""
+
+from __future__ import annotations
+
+import prometheus_client
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from dataplane.metrics import LATENCY_BUCKETS, Counter, Histogram, Metrics
+
+
+def exposition(registry: CollectorRegistry) -> list[str]:
+    text = generate_latest(registry).decode()
+    return sorted(line for line in text.splitlines() if "_created" not in line)
+
+
+def test_counters_and_histograms_match_prometheus_client() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    c1 = Counter("x_requests", "Requests", ["code"], registry=ours)
+    c2 = prometheus_client.Counter("x_requests", "Requests", ["code"], registry=theirs)
+    h1 = Histogram("x_seconds", "Time", ["ep"], buckets=LATENCY_BUCKETS, registry=ours)
+    h2 = prometheus_client.Histogram(
+        "x_seconds", "Time", ["ep"], buckets=LATENCY_BUCKETS, registry=theirs
+    )
+    for code, amount in (("200", 1), ("200", 2.5), ("429", 1)):
+        c1.labels(code).inc(amount)
+        c2.labels(code).inc(amount)
+    # Bucket bounds are inclusive: 0.001 falls in le="0.001".
+    for value in (0.0, 0.001, 0.0011, 0.5, 7.0, 61.0):
+        h1.labels("chat").observe(value)
+        h2.labels("chat").observe(value)
+    assert exposition(ours) == exposition(theirs)
+    assert "_created" not in generate_latest(ours).decode()
+
+
+def test_label_counts_are_checked_and_series_are_reused() -> None:
+    registry = CollectorRegistry()
+    counter = Counter("y", "Y", ["a", "b"], registry=registry)
+    with pytest.raises(ValueError):
+        counter.labels("only-one")
+    assert counter.labels("1", "2") is counter.labels("1", "2")
+
+
+def test_the_proxy_metrics_read_back_through_the_registry() -> None:
+    m = Metrics()
+    m.child(m.requests, "chat.completions", "200").inc()
+    m.retries_refused.inc()
+    m.child(m.duration, "chat.completions").observe(0.002)
+    get = m.registry.get_sample_value
+    assert get("ponto_requests_total", {"endpoint": "chat.completions", "code": "200"}) == 1
+    assert get("ponto_retries_refused_total") == 1
+    assert get("ponto_request_duration_seconds_count", {"endpoint": "chat.completions"}) == 1
