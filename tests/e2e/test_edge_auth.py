@@ -140,8 +140,8 @@ def test_wrong_missing_and_malformed_credentials_never_reach_the_origin(
 
 
 def test_valid_key_is_served_and_never_forwarded(fleet: Fleet, tenant_key: str) -> None:
-    client = OpenAI(base_url=fleet.proxy_url("p1"), api_key=tenant_key, max_retries=0)
-    reply = client.chat.completions.create(model="sim-small", messages=MSG)  # type: ignore[arg-type]
+    with OpenAI(base_url=fleet.proxy_url("p1"), api_key=tenant_key, max_retries=0) as client:
+        reply = client.chat.completions.create(model="sim-small", messages=MSG)  # type: ignore[arg-type]
     assert reply.choices[0].message.content
     seen = sim(fleet)["last_request"]["headers"]
     # The origin gets its own credential, never the client's key.

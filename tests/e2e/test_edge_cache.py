@@ -79,8 +79,22 @@ def post(
     )
 
 
+_CLIENTS: list[OpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Close the tests' OpenAI clients: left to the garbage collector, their
+    sockets warn (an error here) in whichever later test it happens to run."""
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
 def client(fleet: Fleet, tenant: str = "alpha") -> OpenAI:
-    return OpenAI(base_url=fleet.proxy_url("p1"), api_key=key(fleet, tenant), max_retries=0)
+    made = OpenAI(base_url=fleet.proxy_url("p1"), api_key=key(fleet, tenant), max_retries=0)
+    _CLIENTS.append(made)
+    return made
 
 
 def test_repeat_is_a_hit_that_never_reaches_the_origin(fleet: Fleet) -> None:

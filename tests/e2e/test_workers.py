@@ -8,6 +8,7 @@ a condition with a deadline.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -188,6 +189,11 @@ def test_sigterm_stops_the_group_cleanly(fleet: Fleet) -> None:
 def test_workers_stop_when_the_supervisor_is_killed(fleet: Fleet) -> None:
     group = fleet.start_proxy("r", "us-east", workers=2)
     pids = until("two workers", lambda: both_workers(group))
+    argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
+    run_dir = Path(argv[argv.index(b"--run-dir") + 1].decode())
     group.kill()
     until("orphaned workers stopped", lambda: not any(alive(pid) for pid in pids.values()))
     assert "the supervisor is gone; stopping" in group.log_tail()
+    # A killed supervisor cannot remove the group's run directory.
+    assert run_dir.is_dir()
+    shutil.rmtree(run_dir)
