@@ -269,6 +269,21 @@ def check(target: Target, body: bytes = BODY, timeout: float = 30.0) -> None:
         raise RuntimeError(f"{target.label}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
 
 
+def check_until_ok(target: Target, limit: float = 20.0) -> None:
+    """`check`, retried for up to `limit` seconds: a proxy that has just joined
+    answers 429 for a limited key until the leader's next rebalance gives it a
+    share that matches its demand (docs/rate-limits.md)."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            check(target)
+            return
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.25)
+
+
 def settle(target: Target, limit: float = 20.0) -> None:
     """After an overload, wait until the server answers promptly again (its backlog drained)."""
     deadline = time.monotonic() + limit
@@ -630,7 +645,7 @@ def scaling(
                  single.proc.pid, ponto.headers)  # fmt: skip
     many = Target(f"ponto-{workers}", f"Ponto, {workers} workers", ponto.url, ponto.pid,
                   ponto.headers)  # fmt: skip
-    check(one)
+    check_until_ok(one)
     return wrk_phase("scaling", [one, many], origin.proc.pid, plan, frozenset(every))
 
 

@@ -6,7 +6,7 @@ Starts etcd, one control plane replica and one origin simulator as real
 processes (ponto.fleet), writes a realistic topology through the Admin API
 (10 regions with an RTT matrix, 30 origins, a few models), then connects the
 simulated proxies from a separate worker process. Each simulated proxy speaks
-the protocol of dataplane/sync.py: Register, open RouteStream, ACK every
+the protocol of dataplane/sync/link.py: Register, open RouteStream, ACK every
 pushed table by version and nonce (quota-only pushes are not answered). Each
 has its own channel and HTTP/2 connection, as real proxies do; all share one
 event loop in one worker process by default (a second process on the same
@@ -95,7 +95,7 @@ def _channel(target: str, tls: TlsFiles | None) -> grpc.aio.Channel:
     connection, as a real proxy process has; otherwise gRPC would share one
     connection among all channels with equal arguments."""
     options = [
-        ("grpc.keepalive_time_ms", 10_000),  # as dataplane/sync.py
+        ("grpc.keepalive_time_ms", 10_000),  # as dataplane/sync/link.py
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.use_local_subchannel_pool", 1),
@@ -169,7 +169,7 @@ class Bye:
 
 
 class SimProxy:
-    """One simulated proxy: the protocol of dataplane/sync.py, no routing work."""
+    """One simulated proxy: the protocol of dataplane/sync/link.py, no routing work."""
 
     def __init__(self, index: int, name: str, region: str, watched: str) -> None:
         self.index = index

@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from dataplane.streaming.usage import Usage
 
@@ -48,6 +49,8 @@ class Counter(Collector):
         self._doc = documentation
         self._labelnames = list(labelnames)
         self._cells: dict[tuple[str, ...], CounterCell] = {}
+        if not self._labelnames:
+            self._cells[()] = CounterCell()  # exported at 0 from the start, as usual
         registry.register(self)
 
     def labels(self, *values: str) -> CounterCell:
@@ -127,7 +130,8 @@ class Histogram(Collector):
 
 def _le(bound: float) -> str:
     # As prometheus_client spells bucket bounds: 0.001 -> "0.001", 1 -> "1.0".
-    return repr(float(bound))
+    spelled: str = floatToGoString(bound)  # type: ignore[no-untyped-call]
+    return spelled
 
 
 class Metrics:

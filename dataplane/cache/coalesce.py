@@ -171,9 +171,10 @@ class Coalescer:
 class Leader:
     """The request that calls the origin for a flight. Owned by that request's task.
 
-    Use it as a context manager: leaving the block without `finish` (an
-    exception, a cancellation when the client disconnects) reports a failure, so
-    followers never wait for an outcome that will not come.
+    Whatever happens, `finish` must be called, so followers never wait for an
+    outcome that will not come: the pipeline does it through
+    `CachePlan.abandon`; as a context manager, leaving the block without
+    `finish` (an exception, a cancellation) reports a failure.
     """
 
     def __init__(self, coalescer: Coalescer, flight: _Flight) -> None:

@@ -8,7 +8,7 @@
              -> lead: origin call, recorded; stored only if it ended properly
 
 `EdgeCache.plan` returns a `CachePlan`; the pipeline answers accordingly
-(`dataplane.http.answer`) and hands the outcome back (`settle_body`,
+(`dataplane.http.reply`) and hands the outcome back (`settle_body`,
 `settle_stream`). The cache never calls an origin or writes to a client.
 
 Replays keep the stored form's chunking: a stored stream answers a streaming
@@ -47,9 +47,7 @@ if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
 
 log = logging.getLogger(__name__)
 
-HEADER = "x-ponto-cache"
 NO_DIRECTIVES = RequestCacheControl()
-SIMILARITY = "x-ponto-cache-similarity"
 
 
 class SemanticLayer(Protocol):
@@ -296,10 +294,12 @@ class EdgeCache:
         if plan.leader is not None:
             plan.leader.finish(entry)
 
-    async def settle_stream(self, req: CacheRequest, plan: CachePlan, end: RelayEnd) -> None:
-        """Keep a relayed stream that ended properly as a complete, natural answer."""
+    async def settle_stream(
+        self, req: CacheRequest, plan: CachePlan, status: int, end: RelayEnd
+    ) -> None:
+        """Keep a relayed 200 stream that ended properly as a complete, natural answer."""
         entry = None
-        if end.complete and plan.recorder is not None and plan.key:
+        if status == 200 and end.complete and plan.recorder is not None and plan.key:
             entry = plan.recorder.finish(now=self._clock(), open_event=end.open_event)
         await self._keep(req, plan, entry)
         if plan.leader is not None:

@@ -12,6 +12,8 @@ from dataplane.http.state import DRAINING, EXCHANGE, METRICS, PRINCIPAL
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+CLIENT_CLOSED = 499
+
 
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -34,29 +36,14 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         request._message = request._message._replace(should_close=True)
     try:
         response = await handler(request)
-    except ApiError as exc:
+    except Exception as exc:
+        response = _error_response(request, exc)
         ex = request.get(EXCHANGE)
-        if ex is None:
-            response = exc.response()
-        else:
-            response = exc.response({"x-request-id": ex.request_id})
+        if ex is not None:
+            # An error answer to a proxied request: its id and the caller's limits.
+            response.headers.setdefault("x-request-id", ex.request_id)
             for name, value in ex.limit_headers:
                 response.headers.setdefault(name, value)
-    except web.HTTPException as exc:
-        # Router errors (unknown path, wrong method) in the same shape.
-        if exc.status < 400:
-            raise
-        response = ApiError(
-            exc.status,
-            f"{request.method} {request.path}: {exc.reason}",
-            code=exc.reason.lower().replace(" ", "_"),
-        ).response()
-        response.headers.extend((k, v) for k, v in exc.headers.items() if k.lower() == "allow")
-    except Exception:
-        app.logger.exception("unhandled error on %s %s", request.method, request.path)
-        response = ApiError(
-            500, "internal error in the proxy", type="server_error", code="internal_error"
-        ).response()
     ex = request.get(EXCHANGE)
     principal = ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
     if principal is not None:
@@ -64,3 +51,30 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     m.child(m.requests, endpoint, str(response.status)).inc()
     m.child(m.duration, endpoint).observe(time.perf_counter() - started)
     return response
+
+
+def _error_response(request: web.Request, exc: Exception) -> web.Response:
+    """The answer to a failure (an unprepared response); a redirect is re-raised."""
+    if isinstance(exc, ApiError):
+        return exc.response()
+    if isinstance(exc, web.HTTPException):
+        # Router errors (unknown path, wrong method) in the same shape.
+        if exc.status < 400:
+            raise exc
+        response = ApiError(
+            exc.status,
+            f"{request.method} {request.path}: {exc.reason}",
+            code=exc.reason.lower().replace(" ", "_"),
+        ).response()
+        response.headers.extend((k, v) for k, v in exc.headers.items() if k.lower() == "allow")
+        return response
+    if isinstance(exc, ConnectionResetError):
+        # The client went away while its answer was being written (a replay, a
+        # followed flight): nobody to answer, nothing to log. Counted as
+        # nginx's 499, "client closed request".
+        request.app[METRICS].client_disconnects.inc()
+        return web.Response(status=CLIENT_CLOSED)
+    request.app.logger.exception("unhandled error on %s %s", request.method, request.path)
+    return ApiError(
+        500, "internal error in the proxy", type="server_error", code="internal_error"
+    ).response()

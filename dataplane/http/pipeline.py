@@ -1,11 +1,12 @@
 """The request pipeline: one straight path from request to settled answer.
 
     authenticate -> parse -> assemble -> admit -> cache -> route -> forward
-        -> relay (dataplane.http.answer) -> settle
+        -> relay (dataplane.http.reply) -> settle
 
 An `Exchange` carries one request through it; each step reads what earlier
-steps set and adds its own part. Every step is a method with one job that a
-test can drive with an Exchange and no HTTP server. Every refusal is an
+steps set and adds its own part. Every step is a method with one job; those
+that do not read or write the socket (authenticate, assemble, admit, settle)
+take only an Exchange, so a test drives them with no HTTP server at all. Every refusal is an
 ApiError (OpenAI error shape, right status), raised before anything reaches an
 origin; the error boundary (dataplane.http.errors) answers it.
 
@@ -32,7 +33,7 @@ from dataplane.assemble import assemble
 from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, Principal
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
-from dataplane.http import answer
+from dataplane.http import reply
 from dataplane.http.errors import ApiError, bad_request
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
@@ -216,11 +217,13 @@ class Pipeline:
         try:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
-                return await answer.replay(request, ex, plan.entry, plan.similarity)
+                return await reply.replay(request, ex, plan.entry, plan.similarity)
             if plan.follower is not None:
-                response = await answer.follow(request, ex, plan.follower)
-                if response is not None:
-                    self.cache.count_coalesced()
+                followed = await reply.follow(request, ex, plan.follower)
+                if followed is not None:
+                    response, whole = followed
+                    if whole:
+                        self.cache.count_coalesced()
                     ex.usage = Usage(0, 0)
                     return response
                 plan = ex.cache = self.cache.own_call(creq, plan)
@@ -265,7 +268,7 @@ class Pipeline:
                 obj = None
             ex.usage = usage_of(obj)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
-        return answer.origin_body(ex, origin, plan.outcome)
+        return reply.origin_body(ex, origin, plan.outcome)
 
     async def relay(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
@@ -273,7 +276,7 @@ class Pipeline:
         """A stream: relayed as it comes, counted and recorded on the way."""
         assert ex.cache_request is not None
         counter = ex.counter = UsageCounter()
-        out, end = await answer.relay_origin(request, ex, origin, plan, counter)
+        out, end = await reply.relay_origin(request, ex, origin, plan, counter)
         m = self.metrics
         name = origin.target.name
         if end.cut:
@@ -284,7 +287,7 @@ class Pipeline:
             m.attempt(name, "ok").inc()
         if end.client_gone:
             m.client_disconnects.inc()
-        await self.cache.settle_stream(ex.cache_request, plan, end)
+        await self.cache.settle_stream(ex.cache_request, plan, origin.status, end)
         return out
 
     def settle(self, ex: Exchange) -> None:

@@ -27,17 +27,13 @@ from dataplane.http import endpoints
 from dataplane.http.boundary import errors_and_metrics
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
 from dataplane.http.state import (
-    CACHE,
     CLIENT,
     DRAINING,
     EXCHANGE,
     HOLDER,
-    LIMITER,
-    LOCATOR,
     METRICS,
     PIPELINE,
     QUOTA,
-    SETTINGS,
     Draining,
 )
 from dataplane.metrics import Metrics
@@ -107,7 +103,6 @@ class Proxy:
             last_heard=lambda: holder.received_at or holder.applied_at,
             nacks=lambda: float(client.nacks),
         )
-        self.pipeline: Pipeline | None = None  # needs the upstream pool: built at start
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """The start step, then (after the yield) the stop step."""
@@ -123,7 +118,8 @@ class Proxy:
         )
         session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
         forwarder = Forwarder(session, self.metrics, settings.upstream)
-        app[PIPELINE] = self.pipeline = Pipeline(
+        # Built here, not in __init__: it needs the upstream pool.
+        app[PIPELINE] = Pipeline(
             self.holder,
             self.limiter,
             self.cache,
@@ -164,14 +160,10 @@ def build_app(settings: Settings) -> web.Application:
         client_max_size=settings.max_body_bytes,
         handler_args={"max_field_size": 16384},
     )
-    app[SETTINGS] = settings
     app[METRICS] = proxy.metrics
     app[HOLDER] = proxy.holder
-    app[LIMITER] = proxy.limiter
     app[QUOTA] = proxy.quota
     app[DRAINING] = proxy.draining
-    app[CACHE] = proxy.cache
-    app[LOCATOR] = proxy.locator
     app[CLIENT] = proxy.client
     app.cleanup_ctx.append(proxy.lifetime)
     r = app.router

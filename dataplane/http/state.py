@@ -7,11 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from dataplane.auth.authenticator import Principal
-from dataplane.cache.step import EdgeCache
-from dataplane.geo.home import ClientLocator
 from dataplane.metrics import Metrics
-from dataplane.ratelimit.limiter import RateLimiter
-from dataplane.settings import Settings
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from dataplane.sync.quota import QuotaState
@@ -33,13 +29,9 @@ class Draining:
         self.active = False
 
 
-SETTINGS = web.AppKey("settings", Settings)
 HOLDER = web.AppKey("holder", TableHolder)
 CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
 METRICS = web.AppKey("metrics", Metrics)
-LOCATOR = web.AppKey("locator", ClientLocator)
-LIMITER = web.AppKey("limiter", RateLimiter)
-CACHE = web.AppKey("cache", EdgeCache)
 QUOTA = web.AppKey("quota", QuotaState)
 DRAINING = web.AppKey("draining", Draining)
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")

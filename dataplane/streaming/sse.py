@@ -51,6 +51,8 @@ class SseParser:
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events that `chunk` completes, in order."""
+        if not chunk:
+            return []
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":

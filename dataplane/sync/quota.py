@@ -1,6 +1,6 @@
 """The proxy's side of global rate limits: shares in, demand out.
 
-Glue between the control-plane link (sync.py) and the RateLimiter. A proxy
+Glue between the control-plane link (dataplane/sync/link.py) and the RateLimiter. A proxy
 applies exactly what the leader gave it: its explicit shares, and for a
 limited scope newer than the last rebalance the message's default fraction
 (which the leader counts as given). Before its first shares a proxy admits

@@ -72,10 +72,10 @@ class OutlierDetector:
         state = self._states.get(origin)
         return state is not None and state.until > self._clock()
 
-    def order(self, candidates: Sequence[Target]) -> list[Target]:
+    def order(self, candidates: Sequence[Target]) -> Sequence[Target]:
         """Candidates with ejected origins moved last, order otherwise kept."""
         if not self._states:
-            return list(candidates)
+            return candidates
         now = self._clock()
         live: list[Target] = []
         out: list[Target] = []

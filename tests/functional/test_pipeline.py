@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -370,9 +370,6 @@ def exchange(stack: Stack, body: dict[str, Any], key: str) -> Exchange:
     return ex
 
 
-StepCheck = Callable[[Exchange], None]
-
-
 async def test_the_steps_run_on_an_exchange_without_a_server(stack: Stack) -> None:
     pipeline = stack.app[PIPELINE]
     ex = exchange(stack, chat("steps"), LIMITED_KEY.key)
@@ -398,3 +395,129 @@ def test_request_ids_are_32_hex_digits_and_do_not_repeat() -> None:
     ids = [first.next() for _ in range(1000)] + [second.next() for _ in range(1000)]
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     assert len(set(ids)) == len(ids)
+
+
+# ---------------------------------------------------------------- origins that misbehave
+
+OriginHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def stack_on(tmp_path: Path, handler: OriginHandler) -> tuple[Stack, TestServer]:
+    """A proxy whose one origin is `handler` at /v1/chat/completions."""
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", handler)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    s = await start_stack(tmp_path, [])
+    s.app[HOLDER].apply(
+        table([("custom", str(origin.make_url("/v1")))], version=3), "control-plane"
+    )
+    return s, origin
+
+
+STREAM_203 = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"sim-small",'
+    b'"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+async def test_only_a_200_stream_is_kept(tmp_path: Path) -> None:
+    calls = 0
+
+    async def non_authoritative(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        out = web.StreamResponse(status=203, headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(STREAM_203)
+        await out.write_eof()
+        return out
+
+    s, origin = await stack_on(tmp_path, non_authoritative)
+    try:
+        for _ in range(2):
+            resp = await s.post(chat("two hundred and three", stream=True))
+            assert resp.status == 203
+            assert resp.headers["x-ponto-cache"] == "miss"
+            assert (await read_sse(resp))[-1] == "[DONE]"
+        assert calls == 2
+    finally:
+        await s.client.close()
+        await origin.close()
+
+
+async def test_an_origin_4xx_is_passed_on_and_not_kept(tmp_path: Path) -> None:
+    calls = 0
+
+    async def refuses(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        return web.json_response(
+            {"error": {"message": "context too long", "type": "invalid_request_error"}},
+            status=400,
+        )
+
+    s, origin = await stack_on(tmp_path, refuses)
+    try:
+        for _ in range(2):
+            resp = await s.post(chat("too long"))
+            assert resp.status == 400
+            assert (await resp.json())["error"]["message"] == "context too long"
+            assert resp.headers["x-ponto-origin"] == "custom"
+        assert calls == 2
+        spent = s.app[METRICS].registry.get_sample_value(
+            "ponto_tenant_tokens_total", {"tenant": "acme", "key": KEY.key_id, "kind": "prompt"}
+        )
+        assert spent is None  # a refusal spent no tokens
+    finally:
+        await s.client.close()
+        await origin.close()
+
+
+async def test_a_follower_whose_leader_failed_before_a_byte_calls_the_origin_itself(
+    tmp_path: Path,
+) -> None:
+    calls = 0
+
+    async def first_fails(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.3)  # long enough for the second request to follow
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return web.json_response(
+            {
+                "id": "ok",
+                "object": "chat.completion",
+                "created": 1,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "fine"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            }
+        )
+
+    s, origin = await stack_on(tmp_path, first_fails)
+    try:
+        leader = asyncio.create_task(s.post(chat("shared fate")))
+        await asyncio.sleep(0.1)
+        follower = await s.post(chat("shared fate"))
+        assert follower.status == 200
+        assert (await follower.json())["choices"][0]["message"]["content"] == "fine"
+        assert follower.headers["x-ponto-cache"] == "miss"
+        assert "x-ponto-coalesced" not in follower.headers
+        assert (await leader).status == 502
+        assert calls == 2
+        # The follower's own answer was kept.
+        again = await s.post(chat("shared fate"))
+        assert again.headers["x-ponto-cache"] == "hit"
+        assert calls == 2
+    finally:
+        await s.client.close()
+        await origin.close()

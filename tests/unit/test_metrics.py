@@ -51,3 +51,10 @@ def test_the_proxy_metrics_read_back_through_the_registry() -> None:
     assert get("ponto_requests_total", {"endpoint": "chat.completions", "code": "200"}) == 1
     assert get("ponto_retries_refused_total") == 1
     assert get("ponto_request_duration_seconds_count", {"endpoint": "chat.completions"}) == 1
+
+
+def test_counters_without_labels_are_exported_at_zero_from_the_start() -> None:
+    m = Metrics()
+    get = m.registry.get_sample_value
+    assert get("ponto_retries_refused_total") == 0
+    assert get("ponto_client_disconnects_total") == 0

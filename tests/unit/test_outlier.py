@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from dataplane.routes import Target
@@ -28,7 +30,7 @@ def target(name: str) -> Target:
     return Target(name=name, region="us-east", base_url=f"http://{name}.example/v1", weight=100)
 
 
-def names(targets: list[Target]) -> list[str]:
+def names(targets: Sequence[Target]) -> list[str]:
     return [t.name for t in targets]
 
 

@@ -57,3 +57,9 @@ def test_a_stream_that_stops_inside_an_event_says_so() -> None:
 def test_one_space_after_the_colon_is_dropped_and_no_more() -> None:
     events, _ = parse(b"data:  two spaces\n\ndata:none\n\n", [])
     assert events == [Event(b" two spaces"), Event(b"none")]
+
+
+def test_an_empty_chunk_between_cr_and_lf_changes_nothing() -> None:
+    parser = SseParser()
+    events = parser.feed(b"data: x\r") + parser.feed(b"") + parser.feed(b"\ndata: y\n\n")
+    assert events == [Event(b"x\ny")]

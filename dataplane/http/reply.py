@@ -90,12 +90,13 @@ async def replay(
 
 async def follow(
     request: web.Request, ex: Exchange, follower: Follower
-) -> web.StreamResponse | None:
-    """Answer from another request's origin call (same chunks, as they come).
+) -> tuple[web.StreamResponse, bool] | None:
+    """Answer from another request's origin call (same chunks, as they come),
+    and whether the answer was whole.
 
     None when that call failed before this client got a byte: the caller then
     makes its own. A failure after bytes were sent ends the stream with an
-    error event, as a cut relay does.
+    error event, as a cut relay does (not whole).
     """
     headers = [*ex.response_headers("hit"), ("x-ponto-coalesced", "1")]
     include_usage = ex.cache is not None and ex.cache.include_usage
@@ -103,7 +104,7 @@ async def follow(
     try:
         with follower:
             if not ex.stream:
-                return _json(ex, to_completion(await follower.result()), headers)
+                return _json(ex, to_completion(await follower.result()), headers), True
             async for chunk in follower:
                 if out is None:
                     out = await _start_stream(request, ex, headers)
@@ -114,7 +115,7 @@ async def follow(
                 for frame in to_sse_chunks(entry, include_usage=include_usage):
                     await out.write(frame)
             await out.write_eof()
-            return out
+            return out, True
     except FlightFailed as exc:
         if out is None and exc.delivered == 0:
             return None
@@ -122,7 +123,7 @@ async def follow(
             raise
         await out.write(sse_error_event(f"the shared origin call failed: {exc}"))
         await out.write_eof()
-        return out
+        return out, False
 
 
 def _json(ex: Exchange, body: bytes, headers: list[tuple[str, str]]) -> web.Response:
