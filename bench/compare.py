@@ -627,25 +627,27 @@ def scaling(
 ) -> Phase:
     """`workers` workers against one, both Ponto, with every CPU open to every process.
 
-    A one-worker proxy (same arguments but --workers) is started for this phase;
-    the N-worker proxy, the origin and wrk get every CPU this run started with
-    (one wrk thread per CPU).
-    On a machine whose CPUs also run the origin and wrk, the ratio is bounded by
-    what those take: the table shows the CPU each side used. Runs last: the
-    placement of the other phases is not restored.
+    The one-worker proxy is the table's; an N-worker proxy (same arguments but
+    --workers N) is started for this phase. Both proxies, the origin and wrk
+    get every CPU this run started with (one wrk thread per CPU). On a machine
+    whose CPUs also run the origin and wrk, the ratio is bounded by what those
+    take: the table shows the CPU each side used. Runs last: the placement of
+    the other phases is not restored.
     """
     every = set(CPUS_AT_START) | {SERVER_CPU, LOAD_CPU}
     with affinity(every):
-        single = fleet.start_proxy("proxy-1", "local", extra=[*PONTO_ARGS, *proxy_args])
+        group = fleet.start_proxy(
+            "proxy-n", "local", workers=workers, extra=[*PONTO_ARGS, *proxy_args]
+        )
     fleet.wait_proxies_at(fleet.table_version(origins=1))
-    wait_ready(fleet, "proxy-1")
-    for pid in (ponto.pid, origin.proc.pid, single.proc.pid):
+    wait_ready(fleet, "proxy-n")
+    for pid in (ponto.pid, origin.proc.pid, group.proc.pid):
         pin_tree(pid, every)
-    one = Target("ponto-1", "Ponto, 1 worker", fleet.proxy_url("proxy-1") + "/chat/completions",
-                 single.proc.pid, ponto.headers)  # fmt: skip
-    many = Target(f"ponto-{workers}", f"Ponto, {workers} workers", ponto.url, ponto.pid,
+    one = Target("ponto-1", "Ponto, 1 worker", ponto.url, ponto.pid, ponto.headers)
+    many = Target(f"ponto-{workers}", f"Ponto, {workers} workers",
+                  fleet.proxy_url("proxy-n") + "/chat/completions", group.proc.pid,
                   ponto.headers)  # fmt: skip
-    check_until_ok(one)
+    check_until_ok(many)
     return wrk_phase("scaling", [one, many], origin.proc.pid, plan, frozenset(every))
 
 
@@ -740,12 +742,13 @@ class Measured:
 def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) -> Measured:
     """Start every target, measure every phase, stop them; notes set-up facts in `report`."""
     started = time.monotonic()
-    workers_args = ["--workers", str(args.ponto_workers)] if args.ponto_workers else []
     litellm: litellm_env.LiteLLMProxy | None = None
     passthrough: Managed | None = None
     with tempfile.TemporaryDirectory(prefix="ponto-compare-") as tmp, Fleet(Path(tmp)) as fleet:
         try:
-            origin, proxy = start_ponto(fleet, [*args.ponto_arg, *workers_args])
+            # One worker, like every other server in the table; --ponto-workers
+            # adds a last phase with an N-worker proxy (scaling).
+            origin, proxy = start_ponto(fleet, [*args.ponto_arg, "--workers", "1"])
             passthrough = start_passthrough(fleet, origin)
             headers, features = configure_ponto_features(fleet, args.ponto_features)
             headers += tuple(_header(h) for h in args.ponto_header)
@@ -863,8 +866,7 @@ def print_report(report: dict[str, Any]) -> None:
     )
     lite = report["litellm"]
     setup = lite["error"] or "1 worker, master key, logging and telemetry off"
-    workers = f", {report['ponto_workers']} worker(s)" if report.get("ponto_workers") else ""
-    print(f"Ponto{workers}: {report['ponto_features']}. LiteLLM {lite['version']}: {setup}")
+    print(f"Ponto, 1 worker: {report['ponto_features']}. LiteLLM {lite['version']}: {setup}")
     print(f"Pass-through: {report['passthrough']}.")
     print(
         "Max rate: wrk closed loop. Latency: bench/loadgen.py, one at a time, and open loop "
@@ -903,8 +905,8 @@ def main(argv: list[str] | None = None) -> int:
         "--ponto-workers",
         type=int,
         metavar="N",
-        help="run ponto-proxy with --workers N (not passed when not given); N >= 2 adds a "
-        "phase against one worker on every CPU",
+        help="N >= 2 adds a last phase: an N-worker ponto-proxy against the table's one-worker "
+        "one, both on every CPU (the table's servers are one process each)",
     )
     p.add_argument(
         "--out", type=Path, help=f"JSON results (default {DEFAULT_OUT}; none if --quick)"
