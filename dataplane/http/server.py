@@ -84,7 +84,6 @@ class Proxy:
             name=settings.name,
             region=settings.region,
             address=settings.advertise,
-            version=software_version(),
         )
         self.client = client = ControlPlaneClient(
             holder,
@@ -107,6 +106,7 @@ class Proxy:
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """The start step, then (after the yield) the stop step."""
         settings = self.settings
+        self.client.set_version(software_version())  # package metadata: a file read
         self.quota.load_saved()
         if self.holder.load_saved():
             log.warning("serving the saved route table until the control plane answers")

@@ -64,6 +64,10 @@ class ControlPlaneClient:
         if info.address and not info.address.endswith(":0"):
             self.address_known.set()
 
+    def set_version(self, version: str) -> None:
+        """The software version this proxy registers with (read at start)."""
+        self._info.version = version
+
     def set_address(self, address: str) -> None:
         if not self.address_known.is_set():
             self._info.address = address

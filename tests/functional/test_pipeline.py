@@ -521,3 +521,27 @@ async def test_a_follower_whose_leader_failed_before_a_byte_calls_the_origin_its
     finally:
         await s.client.close()
         await origin.close()
+
+
+async def test_building_the_app_reads_nothing_and_its_start_loads_the_saved_state(
+    tmp_path: Path,
+) -> None:
+    # A proxy that served before left its table and shares in the state dir.
+    first = await start_stack(tmp_path, [SimConfig(name="o1")])
+    await first.client.close()  # the stop step flushes both files
+    for o in first.origins:
+        await o.close()
+
+    settings = parse_proxy(
+        ["--region=r1", "--name=again", "--control-plane=127.0.0.1:9", f"--state-dir={tmp_path}"]
+    )
+    app = build_app(settings)
+    assert app[HOLDER].routes is None and app[QUOTA].heard is False
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        assert app[HOLDER].source == "disk" and app[HOLDER].routes is not None
+        assert app[HOLDER].routes.version == 2
+        assert app[QUOTA].heard
+    finally:
+        await client.close()
