@@ -126,7 +126,10 @@ bench: $(STAMP) $(WRK)
 	$(PY) -m bench.record cache-eval "Semantic cache evaluation: hit and wrong-hit rates" \
 		bench.cache_eval
 	$(PY) -m bench.geo_world
-	$(PY) -m bench.compare
+	$(PY) -m bench.compare --ponto-workers 2
+	$(PY) -m bench.compare --quick --no-litellm --ponto-features none \
+		--out docs/benchmarks/overhead-defaults.json
+	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
 	$(PY) -m bench.report
 
 # Where the proxy's time per request goes: py-spy on a live proxy under load,

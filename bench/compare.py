@@ -704,7 +704,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.sched_setaffinity(0, {LOAD_CPU})  # everything started from here inherits CPU 1
     report: dict[str, Any] = {
         "name": "overhead",
-        "title": "Proxy overhead: direct vs pass-through vs Ponto vs LiteLLM",
+        "title": "Proxy overhead: direct vs pass-through vs Ponto vs LiteLLM"
+        + (" (Ponto's defaults)" if args.ponto_features == "none" else ""),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "quick": args.quick,
         "machine": machine(),

@@ -324,6 +324,7 @@ def overhead_section(data: dict[str, Any], plots: list[str]) -> str:
     m = data.get("machine", {})
     lite = data.get("litellm", {})
     workers = data.get("ponto_workers")
+    workers_note = f"; {workers} workers only in the workers table" if workers else ""
     parts = [
         f"## {data.get('title', 'Overhead')}",
         "",
@@ -332,7 +333,7 @@ def overhead_section(data: dict[str, Any], plots: list[str]) -> str:
         f"{(m.get('loadavg_before') or ['?'])[0]}. Data: [overhead.json](overhead.json).",
         "",
         f"- Placement: {data.get('placement', '?')}.",
-        f"- Ponto{f' ({workers} workers)' if workers else ''}: {data.get('ponto_features', '?')}.",
+        f"- Ponto (one process{workers_note}): {data.get('ponto_features', '?')}.",
         f"- LiteLLM {lite.get('version', '?')}: "
         + (
             f"**not measured**: {lite['error']}"

@@ -540,8 +540,9 @@ async def test_building_the_app_reads_nothing_and_its_start_loads_the_saved_stat
     client = TestClient(TestServer(app))
     await client.start_server()
     try:
-        assert app[HOLDER].source == "disk" and app[HOLDER].routes is not None
-        assert app[HOLDER].routes.version == 2
+        routes = app[HOLDER].routes
+        assert app[HOLDER].source == "disk" and routes is not None
+        assert routes.version == 2
         assert app[QUOTA].heard
     finally:
         await client.close()
