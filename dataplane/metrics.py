@@ -14,7 +14,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -226,11 +226,17 @@ class Metrics:
             "ponto_route_table_nacks", "Tables refused since start", registry=r
         )
 
-    def child(self, metric: Any, *labels: str) -> Any:
+    @overload
+    def child(self, metric: Counter, *labels: str) -> CounterCell: ...
+
+    @overload
+    def child(self, metric: Histogram, *labels: str) -> HistogramCell: ...
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> CounterCell | HistogramCell:
         """metric.labels(*labels): one series of a labelled Counter or Histogram."""
         return metric.labels(*labels)
 
-    def attempt(self, origin: str, outcome: str) -> Any:
+    def attempt(self, origin: str, outcome: str) -> CounterCell:
         """The ponto_upstream_attempts counter of one origin and outcome."""
         return self.child(self.upstream_attempts, origin, outcome)
 

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion
@@ -82,6 +82,9 @@ class CacheRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+Outcome = Literal["hit", "miss", "bypass"]
+
+
 @dataclass(slots=True, eq=False)
 class CachePlan:
     """What the cache step decided for one request; the pipeline carries it out.
@@ -93,7 +96,7 @@ class CachePlan:
     flight this request leads never leaves its followers waiting.
     """
 
-    outcome: str  # the x-ponto-cache header: "hit", "miss" or "bypass"
+    outcome: Outcome  # the x-ponto-cache header
     include_usage: bool = False
     entry: CachedResponse | None = None
     similarity: float | None = None
