@@ -33,11 +33,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from bench.procs import affinity
 
 LITELLM_VERSION = "1.106.12"
 # uvicorn's C HTTP parser, as `uvicorn[standard]` brings: without it LiteLLM's
@@ -184,20 +185,6 @@ class LiteLLMProxy:
         return _tail(self.log_path, lines)
 
 
-@contextlib.contextmanager
-def _affinity(cpus: set[int] | None) -> Iterator[None]:
-    """Run the block with this thread pinned to `cpus`; a child forked inside inherits it."""
-    if cpus is None or not hasattr(os, "sched_getaffinity"):
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def start(
     workdir: Path,
     origin_url: str,
@@ -231,7 +218,7 @@ def start(
         env.pop(key, None)
     argv = [str(entry), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
             "--num_workers", "1"]  # fmt: skip
-    with log_path.open("ab") as log, _affinity(cpus):
+    with log_path.open("ab") as log, affinity(cpus):
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.compare import LOAD_CPU, configure_ponto_features, start_ponto, wait_ready
+from bench.compare import LOAD_CPU, cache_stats, configure_ponto_features, start_ponto, wait_ready
 from bench.procs import affinity, status_kb
 from bench.wrk import WrkSpec
 from bench.wrk import run as run_wrk
@@ -41,16 +39,6 @@ BODY = (
     b'{"model":"sim-small","temperature":0,"max_tokens":MAXTOK,'
     b'"messages":[{"role":"user","content":"memory probe {i}"}]}'
 )
-
-
-def cache_metrics(address: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for name in ("ponto_cache_bytes", "ponto_cache_entries", "ponto_cache_evictions"):
-        m = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else 0.0
-    return out
 
 
 def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +64,7 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         peak_mb = status_kb(pid, "VmHWM") / 1024
-        cache = cache_metrics(proxy.address)
+        cache = cache_stats(proxy.address)
     return {
         "features": what,
         "cache_bound_mb": cache_mb,
@@ -84,9 +72,9 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_mb": round(peak_mb, 1),
         "requests": result.requests,
         "errors": result.errors,
-        "cache_mb": round(cache["ponto_cache_bytes"] / 2**20, 1),
-        "cache_entries": int(cache["ponto_cache_entries"]),
-        "cache_evictions": int(cache["ponto_cache_evictions"]),
+        "cache_mb": round(cache.get("bytes", 0.0) / 2**20, 1),
+        "cache_entries": int(cache.get("entries", 0.0)),
+        "cache_evictions": int(cache.get("evictions", 0.0)),
     }
 
 
