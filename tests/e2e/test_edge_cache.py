@@ -21,6 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
+from tests.e2e.clients import tracked
 
 pytestmark = pytest.mark.e2e
 
@@ -79,22 +80,10 @@ def post(
     )
 
 
-_CLIENTS: list[OpenAI] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    """Close the tests' OpenAI clients: left to the garbage collector, their
-    sockets warn (an error here) in whichever later test it happens to run."""
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
-
-
 def client(fleet: Fleet, tenant: str = "alpha") -> OpenAI:
-    made = OpenAI(base_url=fleet.proxy_url("p1"), api_key=key(fleet, tenant), max_retries=0)
-    _CLIENTS.append(made)
-    return made
+    return tracked(
+        OpenAI(base_url=fleet.proxy_url("p1"), api_key=key(fleet, tenant), max_retries=0)
+    )
 
 
 def test_repeat_is_a_hit_that_never_reaches_the_origin(fleet: Fleet) -> None:

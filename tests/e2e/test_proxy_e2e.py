@@ -22,6 +22,7 @@ from openai.types.chat import ChatCompletionUserMessageParam
 from controlplane.cli import main as pontoctl
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
+from tests.e2e.clients import tracked
 
 pytestmark = pytest.mark.e2e
 
@@ -69,24 +70,10 @@ def sim_stats(client: httpx.Client, fleet: Fleet, origin: str) -> dict[str, Any]
     return stats
 
 
-_CLIENTS: list[OpenAI] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    """Close the tests' OpenAI clients: left to the garbage collector, their
-    sockets warn (an error here) in whichever later test it happens to run."""
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
-
-
 def oai(fleet: Fleet, **kw: Any) -> OpenAI:
-    client = OpenAI(
-        base_url=fleet.proxy_url("p-us"), api_key="sk-client-secret", max_retries=0, **kw
+    return tracked(
+        OpenAI(base_url=fleet.proxy_url("p-us"), api_key="sk-client-secret", max_retries=0, **kw)
     )
-    _CLIENTS.append(client)
-    return client
 
 
 def test_chat_non_streaming_reaches_nearest_origin(fleet: Fleet, sims: httpx.Client) -> None:
