@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,13 @@ def table(
 class Stack:
     client: TestClient[web.Request, web.Application]
     app: web.Application
-    origins: list[TestServer]
+    origins: list[TestServer]  # origin simulators
+    others: list[TestServer] = field(default_factory=list)  # origins a test wrote
+
+    async def close(self) -> None:
+        await self.client.close()
+        for server in (*self.origins, *self.others):
+            await server.close()
 
     def origin_requests(self) -> int:
         return sum(o.app[SIM_STATE].stats.requests for o in self.origins)
@@ -117,9 +123,7 @@ async def start_stack(
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)])
     yield s
-    await s.client.close()
-    for o in s.origins:
-        await o.close()
+    await s.close()
 
 
 def error_of(body: Any) -> dict[str, Any]:
@@ -213,9 +217,7 @@ async def test_identical_concurrent_requests_make_one_origin_call(tmp_path: Path
         assert sorted(a.headers.get("x-ponto-coalesced", "0") for a in answers) == ["0", "1", "1"]
         assert s.origin_requests() == 1
     finally:
-        await s.client.close()
-        for o in s.origins:
-            await o.close()
+        await s.close()
 
 
 async def test_a_failing_origin_is_replaced_before_the_first_byte(tmp_path: Path) -> None:
@@ -233,9 +235,7 @@ async def test_a_failing_origin_is_replaced_before_the_first_byte(tmp_path: Path
             assert resp.headers["x-ponto-origin"] == "good"
             await resp.read()
     finally:
-        await s.client.close()
-        for o in s.origins:
-            await o.close()
+        await s.close()
 
 
 async def test_no_origin_answering_is_a_502_in_the_openai_shape(tmp_path: Path) -> None:
@@ -248,9 +248,7 @@ async def test_no_origin_answering_is_a_502_in_the_openai_shape(tmp_path: Path) 
         assert "down: answered 500" in err["message"]
         assert resp.headers["x-request-id"]
     finally:
-        await s.client.close()
-        for o in s.origins:
-            await o.close()
+        await s.close()
 
 
 # ---------------------------------------------------------------- refusals
@@ -292,9 +290,7 @@ async def test_bad_requests_get_a_clear_error_and_reach_no_origin(
             assert err["code"] == code
         assert s.origin_requests() == 0
     finally:
-        await s.client.close()
-        for o in s.origins:
-            await o.close()
+        await s.close()
 
 
 async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> None:
@@ -311,7 +307,24 @@ async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> N
     assert stack.origin_requests() == 2
 
 
-# ---------------------------------------------------------------- a cut stream
+# ---------------------------------------------------------------- origins that misbehave
+
+
+OriginHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def stack_on(tmp_path: Path, handler: OriginHandler) -> Stack:
+    """A proxy whose one origin is `handler` at /v1/chat/completions."""
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", handler)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    s = await start_stack(tmp_path, [])
+    s.others.append(origin)
+    s.app[HOLDER].apply(
+        table([("custom", str(origin.make_url("/v1")))], version=3), "control-plane"
+    )
+    return s
 
 
 async def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event(
@@ -332,14 +345,7 @@ async def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event(
         request.transport.close()  # the origin dies mid-answer
         return out
 
-    origin_app = web.Application()
-    origin_app.router.add_post("/v1/chat/completions", cut)
-    origin = TestServer(origin_app)
-    await origin.start_server()
-    s = await start_stack(tmp_path, [])
-    s.app[HOLDER].apply(
-        table([("cutter", str(origin.make_url("/v1")))], version=3), "control-plane"
-    )
+    s = await stack_on(tmp_path, cut)
     try:
         resp = await s.post(chat("cut me", stream=True))
         assert resp.status == 200
@@ -352,8 +358,135 @@ async def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event(
         assert again.headers["x-ponto-cache"] == "miss"
         await again.read()
     finally:
-        await s.client.close()
-        await origin.close()
+        await s.close()
+
+
+STREAM_203 = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"sim-small",'
+    b'"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+async def test_only_a_200_stream_is_kept(tmp_path: Path) -> None:
+    calls = 0
+
+    async def non_authoritative(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        out = web.StreamResponse(status=203, headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(STREAM_203)
+        await out.write_eof()
+        return out
+
+    s = await stack_on(tmp_path, non_authoritative)
+    try:
+        for _ in range(2):
+            resp = await s.post(chat("two hundred and three", stream=True))
+            assert resp.status == 203
+            assert resp.headers["x-ponto-cache"] == "miss"
+            assert (await read_sse(resp))[-1] == "[DONE]"
+        assert calls == 2
+    finally:
+        await s.close()
+
+
+async def test_an_origin_4xx_is_passed_on_and_not_kept(tmp_path: Path) -> None:
+    calls = 0
+
+    async def refuses(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        return web.json_response(
+            {"error": {"message": "context too long", "type": "invalid_request_error"}},
+            status=400,
+        )
+
+    s = await stack_on(tmp_path, refuses)
+    try:
+        for _ in range(2):
+            resp = await s.post(chat("too long"))
+            assert resp.status == 400
+            assert (await resp.json())["error"]["message"] == "context too long"
+            assert resp.headers["x-ponto-origin"] == "custom"
+        assert calls == 2
+        spent = s.app[METRICS].registry.get_sample_value(
+            "ponto_tenant_tokens_total", {"tenant": "acme", "key": KEY.key_id, "kind": "prompt"}
+        )
+        assert spent is None  # a refusal spent no tokens
+    finally:
+        await s.close()
+
+
+async def test_a_follower_whose_leader_failed_before_a_byte_calls_the_origin_itself(
+    tmp_path: Path,
+) -> None:
+    calls = 0
+
+    async def first_fails(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.3)  # long enough for the second request to follow
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return web.json_response(
+            {
+                "id": "ok",
+                "object": "chat.completion",
+                "created": 1,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "fine"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            }
+        )
+
+    s = await stack_on(tmp_path, first_fails)
+    try:
+        leader = asyncio.create_task(s.post(chat("shared fate")))
+        await asyncio.sleep(0.1)
+        follower = await s.post(chat("shared fate"))
+        assert follower.status == 200
+        assert (await follower.json())["choices"][0]["message"]["content"] == "fine"
+        assert follower.headers["x-ponto-cache"] == "miss"
+        assert "x-ponto-coalesced" not in follower.headers
+        assert (await leader).status == 502
+        assert calls == 2
+        # The follower's own answer was kept.
+        again = await s.post(chat("shared fate"))
+        assert again.headers["x-ponto-cache"] == "hit"
+        assert calls == 2
+    finally:
+        await s.close()
+
+
+async def test_building_the_app_reads_nothing_and_its_start_loads_the_saved_state(
+    tmp_path: Path,
+) -> None:
+    # A proxy that served before left its table and shares in the state dir.
+    first = await start_stack(tmp_path, [SimConfig(name="o1")])
+    await first.close()  # the stop step flushes both files
+
+    settings = parse_proxy(
+        ["--region=r1", "--name=again", "--control-plane=127.0.0.1:9", f"--state-dir={tmp_path}"]
+    )
+    app = build_app(settings)
+    assert app[HOLDER].routes is None and app[QUOTA].heard is False
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        routes = app[HOLDER].routes
+        assert app[HOLDER].source == "disk" and routes is not None
+        assert routes.version == 2
+        assert app[QUOTA].heard
+    finally:
+        await client.close()
 
 
 # ---------------------------------------------------------------- steps without HTTP
@@ -395,154 +528,3 @@ def test_request_ids_are_32_hex_digits_and_do_not_repeat() -> None:
     ids = [first.next() for _ in range(1000)] + [second.next() for _ in range(1000)]
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     assert len(set(ids)) == len(ids)
-
-
-# ---------------------------------------------------------------- origins that misbehave
-
-OriginHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-async def stack_on(tmp_path: Path, handler: OriginHandler) -> tuple[Stack, TestServer]:
-    """A proxy whose one origin is `handler` at /v1/chat/completions."""
-    origin_app = web.Application()
-    origin_app.router.add_post("/v1/chat/completions", handler)
-    origin = TestServer(origin_app)
-    await origin.start_server()
-    s = await start_stack(tmp_path, [])
-    s.app[HOLDER].apply(
-        table([("custom", str(origin.make_url("/v1")))], version=3), "control-plane"
-    )
-    return s, origin
-
-
-STREAM_203 = (
-    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"sim-small",'
-    b'"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
-    b"data: [DONE]\n\n"
-)
-
-
-async def test_only_a_200_stream_is_kept(tmp_path: Path) -> None:
-    calls = 0
-
-    async def non_authoritative(request: web.Request) -> web.StreamResponse:
-        nonlocal calls
-        calls += 1
-        out = web.StreamResponse(status=203, headers={"content-type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(STREAM_203)
-        await out.write_eof()
-        return out
-
-    s, origin = await stack_on(tmp_path, non_authoritative)
-    try:
-        for _ in range(2):
-            resp = await s.post(chat("two hundred and three", stream=True))
-            assert resp.status == 203
-            assert resp.headers["x-ponto-cache"] == "miss"
-            assert (await read_sse(resp))[-1] == "[DONE]"
-        assert calls == 2
-    finally:
-        await s.client.close()
-        await origin.close()
-
-
-async def test_an_origin_4xx_is_passed_on_and_not_kept(tmp_path: Path) -> None:
-    calls = 0
-
-    async def refuses(request: web.Request) -> web.StreamResponse:
-        nonlocal calls
-        calls += 1
-        return web.json_response(
-            {"error": {"message": "context too long", "type": "invalid_request_error"}},
-            status=400,
-        )
-
-    s, origin = await stack_on(tmp_path, refuses)
-    try:
-        for _ in range(2):
-            resp = await s.post(chat("too long"))
-            assert resp.status == 400
-            assert (await resp.json())["error"]["message"] == "context too long"
-            assert resp.headers["x-ponto-origin"] == "custom"
-        assert calls == 2
-        spent = s.app[METRICS].registry.get_sample_value(
-            "ponto_tenant_tokens_total", {"tenant": "acme", "key": KEY.key_id, "kind": "prompt"}
-        )
-        assert spent is None  # a refusal spent no tokens
-    finally:
-        await s.client.close()
-        await origin.close()
-
-
-async def test_a_follower_whose_leader_failed_before_a_byte_calls_the_origin_itself(
-    tmp_path: Path,
-) -> None:
-    calls = 0
-
-    async def first_fails(request: web.Request) -> web.StreamResponse:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            await asyncio.sleep(0.3)  # long enough for the second request to follow
-            return web.json_response({"error": {"message": "boom"}}, status=500)
-        return web.json_response(
-            {
-                "id": "ok",
-                "object": "chat.completion",
-                "created": 1,
-                "model": MODEL,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "fine"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-            }
-        )
-
-    s, origin = await stack_on(tmp_path, first_fails)
-    try:
-        leader = asyncio.create_task(s.post(chat("shared fate")))
-        await asyncio.sleep(0.1)
-        follower = await s.post(chat("shared fate"))
-        assert follower.status == 200
-        assert (await follower.json())["choices"][0]["message"]["content"] == "fine"
-        assert follower.headers["x-ponto-cache"] == "miss"
-        assert "x-ponto-coalesced" not in follower.headers
-        assert (await leader).status == 502
-        assert calls == 2
-        # The follower's own answer was kept.
-        again = await s.post(chat("shared fate"))
-        assert again.headers["x-ponto-cache"] == "hit"
-        assert calls == 2
-    finally:
-        await s.client.close()
-        await origin.close()
-
-
-async def test_building_the_app_reads_nothing_and_its_start_loads_the_saved_state(
-    tmp_path: Path,
-) -> None:
-    # A proxy that served before left its table and shares in the state dir.
-    first = await start_stack(tmp_path, [SimConfig(name="o1")])
-    await first.client.close()  # the stop step flushes both files
-    for o in first.origins:
-        await o.close()
-
-    settings = parse_proxy(
-        ["--region=r1", "--name=again", "--control-plane=127.0.0.1:9", f"--state-dir={tmp_path}"]
-    )
-    app = build_app(settings)
-    assert app[HOLDER].routes is None and app[QUOTA].heard is False
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
-        routes = app[HOLDER].routes
-        assert app[HOLDER].source == "disk" and routes is not None
-        assert routes.version == 2
-        assert app[QUOTA].heard
-    finally:
-        await client.close()
