@@ -14,7 +14,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, Generic, TypeVar, overload
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -22,6 +22,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from dataplane.streaming.usage import Usage
+
+CellT = TypeVar("CellT", "CounterCell", "HistogramCell")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -36,43 +38,6 @@ class CounterCell:
 
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
-
-
-class Counter(Collector):
-    """A labelled counter, exported as NAME_total."""
-
-    def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
-        registry: CollectorRegistry,
-    ) -> None:  # fmt: skip
-        self._name = name
-        self._doc = documentation
-        self._labelnames = list(labelnames)
-        self._cells: dict[tuple[str, ...], CounterCell] = {}
-        if not self._labelnames:
-            self._cells[()] = CounterCell()  # exported at 0 from the start, as usual
-        registry.register(self)
-
-    def labels(self, *values: str) -> CounterCell:
-        cell = self._cells.get(values)
-        if cell is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self._name} takes labels {self._labelnames}, not {values}")
-            cell = self._cells[values] = CounterCell()
-        return cell
-
-    def inc(self, amount: float = 1.0) -> None:
-        """For a counter without labels."""
-        self.labels().inc(amount)
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
-        for values, cell in list(self._cells.items()):
-            family.add_metric(list(values), cell.value)
-        yield family
-
-    def describe(self) -> Iterator[Metric]:
-        yield CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
 
 
 class HistogramCell:
@@ -90,30 +55,83 @@ class HistogramCell:
         self.sum += value
 
 
-class Histogram(Collector):
+class _Family(Collector, Generic[CellT]):
+    """A metric's series by label values, registered as a collector."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str],
+        registry: CollectorRegistry,
+    ) -> None:  # fmt: skip
+        self._name = name
+        self._doc = documentation
+        self._labelnames = list(labelnames)
+        self._cells: dict[tuple[str, ...], CellT] = {}
+        if not self._labelnames:
+            self._cells[()] = self._new_cell()  # exported from the start, as usual
+        registry.register(self)
+
+    def _new_cell(self) -> CellT:
+        raise NotImplementedError
+
+    def _empty(self) -> Metric:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> CellT:
+        cell = self._cells.get(values)
+        if cell is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name} takes labels {self._labelnames}, not {values}")
+            cell = self._cells[values] = self._new_cell()
+        return cell
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._empty()
+
+
+class Counter(_Family[CounterCell]):
+    """A labelled counter, exported as NAME_total."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
+        registry: CollectorRegistry,
+    ) -> None:  # fmt: skip
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new_cell(self) -> CounterCell:
+        return CounterCell()
+
+    def _empty(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def inc(self, amount: float = 1.0) -> None:
+        """For a counter without labels."""
+        self.labels().inc(amount)
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._empty()
+        for values, cell in list(self._cells.items()):
+            family.add_metric(list(values), cell.value)
+        yield family
+
+
+class Histogram(_Family[HistogramCell]):
     """A labelled histogram with fixed buckets (`le` is inclusive, as Prometheus says)."""
 
     def __init__(
         self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
         buckets: Sequence[float], registry: CollectorRegistry,
     ) -> None:  # fmt: skip
-        self._name = name
-        self._doc = documentation
-        self._labelnames = list(labelnames)
         self._bounds = tuple(float(b) for b in buckets if not math.isinf(b))
-        self._cells: dict[tuple[str, ...], HistogramCell] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> HistogramCell:
-        cell = self._cells.get(values)
-        if cell is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self._name} takes labels {self._labelnames}, not {values}")
-            cell = self._cells[values] = HistogramCell(self._bounds)
-        return cell
+    def _new_cell(self) -> HistogramCell:
+        return HistogramCell(self._bounds)
+
+    def _empty(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        family = self._empty()
         les = [*(_le(b) for b in self._bounds), "+Inf"]
         for values, cell in list(self._cells.items()):
             cumulative = 0
@@ -123,9 +141,6 @@ class Histogram(Collector):
                 buckets.append((le, float(cumulative)))
             family.add_metric(list(values), buckets, cell.sum)
         yield family
-
-    def describe(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
 
 
 def _le(bound: float) -> str:
