@@ -34,17 +34,18 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # Any answer, streams included (they are prepared inside the handler),
         # says `Connection: close`: the client opens its next request elsewhere.
         request._message = request._message._replace(should_close=True)
+    failed = False
     try:
         response = await handler(request)
     except Exception as exc:
         response = _error_response(request, exc)
-        ex = request.get(EXCHANGE)
-        if ex is not None:
-            # An error answer to a proxied request: its id and the caller's limits.
-            response.headers.setdefault("x-request-id", ex.request_id)
-            for name, value in ex.limit_headers:
-                response.headers.setdefault(name, value)
+        failed = True
     ex = request.get(EXCHANGE)
+    if failed and ex is not None:
+        # An error answer to a proxied request: its id and the caller's limits.
+        response.headers.setdefault("x-request-id", ex.request_id)
+        for name, value in ex.limit_headers:
+            response.headers.setdefault(name, value)
     principal = ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, response.status)
