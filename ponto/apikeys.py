@@ -87,6 +87,12 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def secret_of(key: str) -> str:
+    """The secret part of a key, after its id (it may itself contain "-", so
+    the key is cut at the id's fixed length, not at its last "-")."""
+    return key[_ID_END + 1 :]
+
+
 def parse_key_id(token: str) -> str | None:
     """The public id of a well-formed Ponto key, or None if `token` is not one.
 

@@ -16,6 +16,7 @@ from ponto.apikeys import (
     is_key_id,
     issue_key,
     parse_key_id,
+    secret_of,
 )
 
 B32 = set(string.ascii_lowercase + "234567")
@@ -56,6 +57,8 @@ def test_parse_key_id_accepts_issued_keys() -> None:
 def test_secret_may_contain_dashes() -> None:
     key = f"{KEY_PREFIX}abcdefgh23-{'-' * 43}"
     assert parse_key_id(key) == "abcdefgh23"
+    assert secret_of(key) == "-" * 43
+    assert secret_of(f"{KEY_PREFIX}abcdefgh23-ab-cd") == "ab-cd"
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from controlplane.model import (
 )
 from controlplane.store import Fence
 from controlplane.store.memory import MemoryStore
-from ponto.apikeys import hash_key, parse_key_id
+from ponto.apikeys import hash_key, parse_key_id, secret_of
 from ponto.v1 import routing_pb2 as pb
 
 
@@ -419,7 +419,7 @@ async def test_create_key_returns_the_key_once_and_stores_only_its_hash(
     kv = await store.get(KEYS + record.id)
     assert kv is not None
     assert key.encode() not in kv.value
-    secret = key.rsplit("-", 1)[1]
+    secret = secret_of(key)
     assert secret.encode() not in kv.value
     for item in (await store.list("/ponto/")).items:
         assert secret.encode() not in item.value
