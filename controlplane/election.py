@@ -82,7 +82,11 @@ class Leadership:
             if budget <= 0:
                 return
             try:
-                await asyncio.wait_for(self._store.refresh_lease(lease), budget)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses
+                # a cancellation that lands as the renewal completes, and this
+                # replica would then campaign on after being told to stop.
+                async with asyncio.timeout(budget):
+                    await self._store.refresh_lease(lease)
                 renewed = loop.time()
             except LeaseExpired:
                 return
