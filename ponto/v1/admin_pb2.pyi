@@ -407,6 +407,7 @@ class UpdateTenantRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     JWT_FIELD_NUMBER: _builtins.int
     CLEAR_JWT_FIELD_NUMBER: _builtins.int
+    ROUTING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     clear_jwt: _builtins.bool
     """Remove the tenant's JWT issuer."""
@@ -418,6 +419,8 @@ class UpdateTenantRequest(_message.Message):
     def prompt(self) -> _routing_pb2.PromptPolicy: ...
     @_builtins.property
     def jwt(self) -> _routing_pb2.JwtIssuer: ...
+    @_builtins.property
+    def routing(self) -> _routing_pb2.RoutingPolicy: ...
     def __init__(
         self,
         *,
@@ -427,10 +430,11 @@ class UpdateTenantRequest(_message.Message):
         prompt: _routing_pb2.PromptPolicy | None = ...,
         jwt: _routing_pb2.JwtIssuer | None = ...,
         clear_jwt: _builtins.bool = ...,
+        routing: _routing_pb2.RoutingPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

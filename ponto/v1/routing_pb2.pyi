@@ -478,6 +478,70 @@ class CachePolicy(_message.Message):
 Global___CachePolicy: _TypeAlias = CachePolicy  # noqa: Y015
 
 @_typing.final
+class RoutingPolicy(_message.Message):
+    """How a tenant's requests pick an origin inside a region (docs/routing.md)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ModelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODE_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    USER_SESSIONS_FIELD_NUMBER: _builtins.int
+    LOAD_BOUND_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """affinity, least-loaded or weighted. "" means the default: affinity for
+    chat and completions, least-loaded for embeddings.
+    """
+    user_sessions: _builtins.bool
+    """Use the request's `user` field as a session key (after prompt_cache_key
+    and the session header).
+    """
+    load_bound: _builtins.float
+    """A replica is past its load bound when it holds more than this multiple of
+    its weighted share of the region's load (consistent hashing with bounded
+    loads); 0 means the default (1.25). Sessions and prefixes leave their
+    replica only then, or when it is unhealthy.
+    """
+    @_builtins.property
+    def models(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Model name (as the client sends it) -> mode, overriding `mode`."""
+
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        models: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        user_sessions: _builtins.bool = ...,
+        load_bound: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_bound", b"load_bound", "mode", b"mode", "models", b"models", "user_sessions", b"user_sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoutingPolicy: _TypeAlias = RoutingPolicy  # noqa: Y015
+
+@_typing.final
 class Tenant(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -486,6 +550,7 @@ class Tenant(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     CACHE_FIELD_NUMBER: _builtins.int
     JWT_FIELD_NUMBER: _builtins.int
+    ROUTING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     @_builtins.property
     def limits(self) -> Global___Limits: ...
@@ -497,6 +562,8 @@ class Tenant(_message.Message):
     def jwt(self) -> Global___JwtIssuer:
         """Unset: the tenant accepts API keys only."""
 
+    @_builtins.property
+    def routing(self) -> Global___RoutingPolicy: ...
     def __init__(
         self,
         *,
@@ -505,10 +572,11 @@ class Tenant(_message.Message):
         prompt: Global___PromptPolicy | None = ...,
         cache: Global___CachePolicy | None = ...,
         jwt: Global___JwtIssuer | None = ...,
+        routing: Global___RoutingPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -747,9 +815,84 @@ class RouteRequest(_message.Message):
 Global___RouteRequest: _TypeAlias = RouteRequest  # noqa: Y015
 
 @_typing.final
+class OriginLoad(_message.Message):
+    """---------------------------------------------------------------- live load
+
+    One origin's load as the leader last scraped it from its vLLM gauges.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    PREFIX_HIT_RATE_FIELD_NUMBER: _builtins.int
+    origin: _builtins.str
+    running: _builtins.float
+    """vllm:num_requests_running and vllm:num_requests_waiting."""
+    waiting: _builtins.float
+    kv_cache_usage: _builtins.float
+    """vllm:kv_cache_usage_perc (or gpu_cache_usage_perc), 0..1; -1 unknown."""
+    prefix_hit_rate: _builtins.float
+    """Prefix-cache hits over queries (in tokens) since the previous scrape,
+    0..1; -1 unknown.
+    """
+    def __init__(
+        self,
+        *,
+        origin: _builtins.str = ...,
+        running: _builtins.float = ...,
+        waiting: _builtins.float = ...,
+        kv_cache_usage: _builtins.float = ...,
+        prefix_hit_rate: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "origin", b"origin", "prefix_hit_rate", b"prefix_hit_rate", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OriginLoad: _TypeAlias = OriginLoad  # noqa: Y015
+
+@_typing.final
+class OriginLoads(_message.Message):
+    """Loads of every origin that answered its last scrape. Pushed on their own,
+    about twice a second, so load never rebuilds route tables.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
+    SCRAPED_AT_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    """Increases with every scrape round the leader writes; proxies ignore an
+    older one.
+    """
+    scraped_at: _builtins.float
+    """Unix time of the scrape, for the age proxies report."""
+    @_builtins.property
+    def loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___OriginLoad]: ...
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        loads: _abc.Iterable[Global___OriginLoad] | None = ...,
+        scraped_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "loads", b"loads", "scraped_at", b"scraped_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OriginLoads: _TypeAlias = OriginLoads  # noqa: Y015
+
+@_typing.final
 class RouteUpdate(_message.Message):
-    """A push: a new table (answered with an ACK or NACK) or new quota shares
-    (not answered), or both.
+    """A push: a new table (answered with an ACK or NACK), new quota shares or
+    origin loads (not answered), or several.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -757,22 +900,28 @@ class RouteUpdate(_message.Message):
     TABLE_FIELD_NUMBER: _builtins.int
     NONCE_FIELD_NUMBER: _builtins.int
     QUOTA_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
     nonce: _builtins.str
     """Unique per push; echoed back in the ACK or NACK."""
     @_builtins.property
     def table(self) -> Global___RouteTable: ...
     @_builtins.property
     def quota(self) -> Global___QuotaShares: ...
+    @_builtins.property
+    def loads(self) -> Global___OriginLoads:
+        """Not answered, like quota."""
+
     def __init__(
         self,
         *,
         table: Global___RouteTable | None = ...,
         nonce: _builtins.str = ...,
         quota: Global___QuotaShares | None = ...,
+        loads: Global___OriginLoads | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota", "table", b"table"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["loads", b"loads", "quota", b"quota", "table", b"table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "quota", b"quota", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loads", b"loads", "nonce", b"nonce", "quota", b"quota", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,1 @@
+"""Choosing the origin inside a region: sessions, shared prefixes and live load."""
