@@ -49,6 +49,7 @@ DEFAULT_LOAD_BOUND: Final = 1.25
 UNKNOWN_CAPACITY: Final = 4
 
 _M64: Final = (1 << 64) - 1
+_MULTIPLIER: Final = 0xD6E8FEB86659FD93  # odd, from Steele and Vigna's mixers
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,30 +68,30 @@ class RoutingRules:
         return LEAST_LOADED if endpoint == "embeddings" else AFFINITY
 
 
-def mix64(x: int) -> int:
-    """SplitMix64's finaliser: a deterministic, well-spread 64-bit hash of x."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
+def spread(key: int, seed: int) -> int:
+    """A deterministic, well-spread 64-bit value for (key, origin): a
+    multiplicative hash of their XOR. Two operations, because it runs for
+    every origin of a region on every request."""
+    return ((key ^ seed) * _MULTIPLIER) & _M64
 
 
 def ranked(group: Sequence[Target], key: int) -> list[Target]:
     """The group in the key's rendezvous order (highest random weight first).
 
-    With equal weights the order is by hash alone; otherwise each origin's
-    score is -weight / ln(u) for its hash u in (0, 1), which makes an origin
+    With equal weights the order is by `spread` alone; otherwise each origin's
+    score is -weight / ln(u) for its spread u in (0, 1), which makes an origin
     rank first with probability weight / total (weighted rendezvous hashing).
     """
     w0 = group[0].weight
+    scores: list[int] | list[float]
     if all(t.weight == w0 for t in group):
-        return sorted(group, key=lambda t: mix64(key ^ t.seed), reverse=True)
-
-    def score(t: Target) -> float:
-        u = ((mix64(key ^ t.seed) >> 11) + 0.5) / (1 << 53)
-        return -t.weight / math.log(u)
-
-    return sorted(group, key=score, reverse=True)
+        scores = [((key ^ t.seed) * _MULTIPLIER) & _M64 for t in group]
+    else:
+        scores = [
+            -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
+        ]
+    order = sorted(range(len(group)), key=scores.__getitem__, reverse=True)
+    return [group[i] for i in order]
 
 
 class Picker:
@@ -127,15 +128,10 @@ class Picker:
         """True when target holds more than `bound` times its weighted share of
         the group's load (counting the request being placed) and at least its
         capacity."""
-        loads = self.loads
-        total = 1.0
-        weights = 0
-        for t in group:
-            total += loads.load(t.name)
-            weights += t.weight
-        own = loads.load(target.name)
-        share = bound * total * target.weight / weights
-        return own >= share and own >= (target.capacity or UNKNOWN_CAPACITY)
+        load = self.loads.load
+        total = 1.0 + sum(load(t.name) for t in group)
+        weights = sum(t.weight for t in group)
+        return _over(load(target.name), target, total, weights, bound)
 
     def _group(
         self, group: tuple[Target, ...], mode: str, key: Key | None, bound: float
@@ -147,8 +143,16 @@ class Picker:
         if len(group) == 1:
             return [group[0]], key.kind
         order = ranked(group, key.value)
+        load = self.loads.load
+        first = order[0]
+        first_load = load(first.name)
+        if first_load < (first.capacity or UNKNOWN_CAPACITY):
+            return order, key.kind  # the common case: its replica has room
+        loads = {t.name: load(t.name) for t in group}
+        total = 1.0 + sum(loads.values())
+        weights = sum(t.weight for t in group)
         for i, target in enumerate(order):
-            if not self.over_bound(target, group, bound):
+            if not _over(loads[target.name], target, total, weights, bound):
                 if i == 0:
                     return order, key.kind
                 return [target, *order[:i], *order[i + 1 :]], "load"
@@ -167,3 +171,8 @@ class Picker:
         rand = self._rand
         # Efraimidis-Spirakis: each origin leads with probability weight/sum.
         return sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True)
+
+
+def _over(load: float, target: Target, total: float, weights: int, bound: float) -> bool:
+    share = bound * total * target.weight / weights
+    return load >= share and load >= (target.capacity or UNKNOWN_CAPACITY)
