@@ -36,6 +36,11 @@ class ProbeSettings:
     metrics_path: str = "/metrics"
     rise: int = 2
     fall: int = 2
+    # The load scraper's own cadence (controlplane.loadsync), apart from the
+    # health probes: how often load is scraped, and how long the load key may
+    # go unwritten while nothing changes (proxies tell stale figures by age).
+    load_interval: float = 0.5
+    load_refresh: float = 2.0
 
 
 @dataclass
