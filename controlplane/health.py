@@ -5,7 +5,9 @@ origin's scheme://host:port, so vLLM's /health works) and its Prometheus
 metrics are read for vLLM's load gauges. Health changes after `rise`
 consecutive successes or `fall` consecutive failures. Results are written to
 the store only when they change what proxies would do (health, or load by a
-tenth of capacity), so probing does not churn route tables.
+tenth of capacity), so probing does not churn route tables. The fresh
+per-origin load that proxies place requests by is scraped apart, more often,
+and pushed outside tables (controlplane.loadsync).
 """
 
 from __future__ import annotations
