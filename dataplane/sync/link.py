@@ -40,7 +40,7 @@ class ControlPlaneClient:
         *,
         credentials: ClientOptions | None = None,
         on_quota: Callable[[pb.QuotaShares], None] | None = None,
-        on_loads: Callable[[pb.OriginLoads], None] | None = None,
+        on_loads: Callable[[pb.OriginLoads], object] | None = None,
         demand: Callable[[], list[pb.ScopeDemand]] | None = None,
         report_interval: float = 1.0,
         backoff_min: float = 0.2,

@@ -179,3 +179,16 @@ def test_a_dead_replica_re_pins_its_sessions_with_no_failed_request(fleet: Fleet
     for s in sessions:
         if s not in orphans:
             assert replica(ask(fleet, "p1", user("later"), session=s)) == placed[s]
+
+
+def test_proxies_hold_live_load_figures_pushed_by_the_control_plane(fleet: Fleet) -> None:
+    deadline = time.monotonic() + 10
+    for proxy in PROXIES:
+        while True:
+            text = CLIENT.get(f"http://{fleet.proxies[proxy].address}/metrics").text
+            line = next(x for x in text.splitlines() if x.startswith("ponto_origin_loads_age"))
+            age = float(line.split()[-1])
+            if 0 <= age < 5:  # pushed twice a second; at most every 2 s when idle
+                break
+            assert time.monotonic() < deadline, line
+            time.sleep(0.1)
