@@ -189,6 +189,14 @@ class Metrics:
             ["origin"],
             registry=r,
         )
+        self.continuations = Counter(
+            "ponto_stream_continuations",
+            "Streams cut after bytes reached the client: continued on another origin (ok), "
+            "a continuation that failed, or not continued (refused: off, limit reached, "
+            "a tool call under way, no origin that accepts continuations)",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
             "Requests whose client went away before the response ended",

@@ -51,6 +51,9 @@ class Settings:
     cache: CacheDefaults = field(default_factory=CacheDefaults)
     # Header whose value keeps a client's requests on one replica (a session).
     session_header: str = SESSION_HEADER
+    # Seconds without a chunk after which a stream counts as cut (tenants may
+    # set their own).
+    stream_idle_timeout: float = 60.0
     # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
     workers: int = 1
     # Set in a worker process only: its settings are already per worker (as_worker).
@@ -126,6 +129,14 @@ def parse(argv: list[str]) -> Settings:
         type=float,
         default=600.0,
         help="seconds a request may spend before its response starts",
+    )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a stream with no chunk for this long counts as cut and is continued on "
+        "another origin (default %(default)s; a tenant's own setting wins)",
     )
     p.add_argument(
         "--session-header",
@@ -230,6 +241,8 @@ def parse(argv: list[str]) -> Settings:
     forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
     if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
+    if not a.stream_idle_timeout > 0:
+        p.error("--stream-idle-timeout must be positive")
     session_header = a.session_header.strip().lower()
     if not session_header or not all(c.isalnum() or c in "-_" for c in session_header):
         p.error("--session-header must be a header name (letters, digits, '-', '_')")
@@ -301,6 +314,7 @@ def parse(argv: list[str]) -> Settings:
         drain_seconds=a.drain_seconds,
         cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
         session_header=session_header,
+        stream_idle_timeout=a.stream_idle_timeout,
         workers=workers,
     )
     return settings if slot is None else as_worker(settings, slot)

@@ -302,7 +302,10 @@ class EdgeCache:
     ) -> None:
         """Keep a relayed 200 stream that ended properly as a complete, natural answer."""
         entry = None
-        if status == 200 and end.complete and plan.recorder is not None and plan.key:
+        # A continued stream is complete but carries the splice's metadata:
+        # served, not stored.
+        stored = end.complete and not end.continued
+        if status == 200 and stored and plan.recorder is not None and plan.key:
             entry = plan.recorder.finish(now=self._clock(), open_event=end.open_event)
         await self._keep(req, plan, entry)
         if plan.leader is not None:

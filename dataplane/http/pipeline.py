@@ -35,6 +35,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.errors import ApiError, bad_request
+from dataplane.http.resume import CONTINUABLE, Continuations
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
@@ -42,6 +43,7 @@ from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import Routes, Target
+from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer
@@ -100,6 +102,11 @@ class Exchange:
     # route: why the first candidate was chosen, then (once an origin has
     # answered) why that origin answers
     route: str = ""
+    candidates: list[Target] = field(default_factory=list)
+    # Prompt tokens of origin calls beyond the one answering: continuations
+    # (counted in a summed usage when the stream has one) and hedges (never).
+    continuation_prompt: int = 0
+    hedge_prompt: int = 0
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers."""
@@ -134,6 +141,7 @@ class Pipeline:
         *,
         max_body_bytes: int,
         session_header: str = SESSION_HEADER,
+        stream_idle_timeout: float | None = None,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -144,6 +152,7 @@ class Pipeline:
         self.picker = picker
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
+        self.stream_idle_timeout = stream_idle_timeout
         self._ids = RequestIds()
 
     # ------------------------------------------------------------ the path
@@ -256,7 +265,7 @@ class Pipeline:
         tenant's policy), then call."""
         forwarder = self.forwarder
         home = self.locator.home(ex.routes, ex.remote, ex.headers)
-        candidates = self.place(ex, home, forwarder.candidate_limit())
+        candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit())
         if not candidates:
             raise ApiError(
                 503,
@@ -318,12 +327,39 @@ class Pipeline:
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
     ) -> web.StreamResponse:
         """A stream: relayed as it comes, counted and recorded on the way."""
-        assert ex.cache_request is not None
+        assert ex.cache_request is not None and ex.tenant is not None
         counter = ex.counter = UsageCounter()
-        out, end = await reply.relay_origin(request, ex, origin, plan, counter)
+        rules = ex.tenant.streams
+        resume = transcript = None
+        if rules.continuation and ex.endpoint.name in CONTINUABLE:
+            transcript = Transcript()
+            resume = Continuations(
+                ex,
+                self.forwarder,
+                self.metrics,
+                transcript,
+                origin,
+                ex.candidates,
+                rules.max_continuations,
+            )
+        try:
+            out, end = await reply.relay_origin(
+                request,
+                ex,
+                origin,
+                plan,
+                counter,
+                idle_timeout=rules.idle_timeout_s or self.stream_idle_timeout,
+                resume=resume,
+                transcript=transcript,
+            )
+        finally:
+            if resume is not None:
+                resume.close()
+                ex.continuation_prompt = resume.extra_prompt
         m = self.metrics
-        name = origin.target.name
-        if end.cut:
+        name = resume.origin if resume is not None else origin.target.name
+        if end.cut and resume is None:  # the hook counts the cuts it sees
             m.child(m.stream_cuts, name).inc()
             m.attempt(name, "cut_after_start").inc()
             log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)
@@ -340,6 +376,10 @@ class Pipeline:
         usage = ex.usage
         if usage is None and ex.counter is not None:
             usage = ex.usage = ex.counter.result(ex.estimate)
+            if not usage.exact:  # a summed usage already holds the continuations
+                usage.prompt_tokens += ex.continuation_prompt
+        if usage is not None:
+            usage.prompt_tokens += ex.hedge_prompt
         if ex.admission is not None:
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
         if usage is not None:

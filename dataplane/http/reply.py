@@ -15,7 +15,8 @@ from multidict import CIMultiDict
 
 from dataplane.cache.coalesce import FlightFailed, Follower
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
-from dataplane.streaming.relay import RelayEnd, relay
+from dataplane.streaming.relay import EventSink, RelayEnd, Resume, relay
+from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import UsageCounter
 from dataplane.upstream.forwarder import OriginAnswer, sse_error_event
 
@@ -52,13 +53,21 @@ async def relay_origin(
     origin: OriginAnswer,
     plan: CachePlan,
     counter: UsageCounter,
+    *,
+    idle_timeout: float | None = None,
+    resume: Resume | None = None,
+    transcript: Transcript | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     out = web.StreamResponse(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
     out.headers["cache-control"] = "no-cache"
     await out.prepare(request)
-    readers = (counter, plan.recorder) if plan.recorder is not None else (counter,)
+    readers: list[EventSink] = [counter]
+    if plan.recorder is not None:
+        readers.append(plan.recorder)
+    if transcript is not None:
+        readers.append(transcript)
     end = await relay(
         origin.first,
         origin.content,
@@ -66,6 +75,8 @@ async def relay_origin(
         readers=readers,
         chunks=plan.leader,
         error_event=sse_error_event(f"origin {origin.target.name} failed mid-stream"),
+        idle_timeout=idle_timeout,
+        resume=resume,
     )
     return out, end
 

@@ -134,6 +134,7 @@ class Proxy:
             Picker(self.loads),
             max_body_bytes=settings.max_body_bytes,
             session_header=settings.session_header,
+            stream_idle_timeout=settings.stream_idle_timeout,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),

@@ -6,24 +6,28 @@ events once and each reader gets them; a flight's leader gets the raw chunks
 for its followers. A relay whose stream nobody reads parses nothing.
 
 Contract: once the client has a byte the response is committed; a failure of
-the origin ends the client's stream with a well-formed SSE error event and
-`data: [DONE]`, never a hang; a client that goes away ends the relay, and the
-caller releases the origin's response, which closes its connection (vLLM then
-aborts the generation).
+the origin (a cut, a stall past the idle timeout, an in-band error event) is
+continued on another origin when the caller gives a `resume` hook that finds
+one (dataplane.streaming.splice), and otherwise ends the client's stream with
+a well-formed SSE error event and `data: [DONE]`, never a hang; a client that
+goes away ends the relay, and the caller releases the origins' responses,
+which closes their connections (vLLM then aborts the generation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 
+from dataplane.streaming.splice import is_error_event
 from dataplane.streaming.sse import Event, SseParser
 
-__all__ = ["ChunkSink", "EventSink", "RelayEnd", "relay"]
+__all__ = ["ChunkSink", "EventSink", "Next", "Readable", "RelayEnd", "Resume", "relay"]
 
 
 class EventSink(Protocol):
@@ -34,14 +38,40 @@ class ChunkSink(Protocol):
     def chunk(self, data: bytes) -> None: ...
 
 
+class Readable(Protocol):
+    """An origin's body as the relay reads it (aiohttp's StreamReader)."""
+
+    async def readany(self) -> bytes: ...
+
+
+@dataclass(slots=True)
+class Next:
+    """Where a broken stream goes on: another origin's stream, and how its
+    events are rewritten (dataplane.streaming.splice.Splicer.rewrite)."""
+
+    first: bytes
+    content: Readable
+    rewrite: Callable[[bytes], bytes | None]
+
+
+class Resume(Protocol):
+    async def __call__(self, cut: str) -> Next | None:
+        """The stream to continue with after `cut`, or None to end with the
+        error event."""
+        ...
+
+
 @dataclass(slots=True)
 class RelayEnd:
     """How a relay ended."""
 
     # The origin ended its stream and the client got all of it.
     complete: bool = False
-    # Why the origin's stream stopped early, if it did ("" otherwise).
+    # Why the origin's stream stopped early, if it did ("" otherwise); with
+    # continuations, the last cut that was not continued.
     cut: str = ""
+    # Why each continued stream stopped, in order.
+    continued: list[str] = field(default_factory=list)
     # The client went away before the end.
     client_gone: bool = False
     # What the parser held when the stream ended (see SseParser.close).
@@ -50,19 +80,32 @@ class RelayEnd:
 
 async def relay(
     first: bytes,
-    content: aiohttp.StreamReader,
+    content: Readable,
     out: web.StreamResponse,
     *,
     readers: Sequence[EventSink] = (),
     chunks: ChunkSink | None = None,
     error_event: bytes = b"",
+    idle_timeout: float | None = None,
+    resume: Resume | None = None,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
-    A cut (read error, timeout) writes `error_event` and returns with `cut`
-    set. A cancellation (the client vanished with the server's handler
-    cancellation on) propagates; the caller learns of it in its `finally`.
+    A cut (read error, timeout, no chunk for `idle_timeout` seconds) writes
+    `error_event` and returns with `cut` set, unless `resume` gives a stream
+    to go on with. A cancellation (the client vanished with the server's
+    handler cancellation on) propagates; the caller learns of it in its
+    `finally`.
+
+    With `resume`, the client is sent whole events only, re-framed as
+    `data:` lines (a stream broken inside an event must not leave half an
+    event before the continuation's), and an origin's in-band error event
+    counts as a cut; without it, the origin's bytes go through unchanged.
     """
+    if resume is not None:
+        return await _relay_events(
+            first, content, out, readers, chunks, error_event, idle_timeout, resume
+        )
     end = RelayEnd()
     parser = SseParser() if readers else None
     chunk = first
@@ -78,9 +121,9 @@ async def relay(
             # reaches the origin through the unread upstream socket.
             await out.write(chunk)
             try:
-                chunk = await content.readany()
+                chunk = await _read(content, idle_timeout)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                end.cut = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                end.cut = _why(exc, idle_timeout)
                 await out.write(error_event)
                 break
             if not chunk:
@@ -93,3 +136,92 @@ async def relay(
     if parser is not None:
         end.open_event = parser.close()
     return end
+
+
+async def _relay_events(
+    first: bytes,
+    content: Readable,
+    out: web.StreamResponse,
+    readers: Sequence[EventSink],
+    chunks: ChunkSink | None,
+    error_event: bytes,
+    idle_timeout: float | None,
+    resume: Resume,
+) -> RelayEnd:
+    end = RelayEnd()
+    parser = SseParser()
+    rewrite: Callable[[bytes], bytes | None] | None = None
+    chunk = first
+    try:
+        while True:
+            cut = ""
+            frames: list[bytes] = []
+            for parsed in parser.feed(chunk):
+                ev = parsed
+                data: bytes | None = ev.data
+                if not ev.done:
+                    if rewrite is not None:
+                        try:
+                            data = rewrite(ev.data)
+                        except ValueError as exc:
+                            cut = str(exc)
+                            break
+                    elif is_error_event(ev.data):
+                        cut = "the origin sent an error event"
+                        break
+                if data is None:
+                    continue
+                if data is not ev.data:
+                    ev = Event(data, ev.name)
+                for reader in readers:
+                    reader.event(ev)
+                frames.append(_frame(ev))
+            if frames:
+                framed = b"".join(frames)
+                if chunks is not None:
+                    chunks.chunk(framed)
+                await out.write(framed)
+            if not cut:
+                try:
+                    chunk = await _read(content, idle_timeout)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    cut = _why(exc, idle_timeout)
+                else:
+                    if chunk:
+                        continue
+                    if parser.close() is None:
+                        end.complete = True
+                        break
+                    cut = "the stream ended inside an event"
+            following = await resume(cut)
+            if following is None:
+                end.cut = cut
+                await out.write(error_event)
+                break
+            end.continued.append(cut)
+            parser = SseParser()
+            chunk, content, rewrite = following.first, following.content, following.rewrite
+        await out.write_eof()
+    except ConnectionResetError:
+        end.complete = False
+        end.client_gone = True
+    return end
+
+
+async def _read(content: Readable, idle_timeout: float | None) -> bytes:
+    if idle_timeout is None:
+        return await content.readany()
+    async with asyncio.timeout(idle_timeout):
+        return await content.readany()
+
+
+def _why(exc: BaseException, idle_timeout: float | None) -> str:
+    if isinstance(exc, TimeoutError) and idle_timeout is not None:
+        return f"no chunk for {idle_timeout:g} s"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _frame(ev: Event) -> bytes:
+    lines = ev.data.split(b"\n")
+    head = b"event: " + ev.name + b"\n" if ev.name else b""
+    return head + b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"

@@ -1,0 +1,172 @@
+"""The relay's resume hook: a broken stream goes on at the next origin.
+
+One `Continuations` per relayed stream that may be continued (a streamed
+chat or completions request whose tenant allows it). When the relay reports a
+cut, it reads what the client has been sent (dataplane.streaming.splice),
+asks the next origin that accepts continuations for the rest, and hands the
+relay that stream with a Splicer that makes it look like the original one.
+It ends the stream cleanly instead when nothing is left to say (every choice
+finished, or the token budget spent), and gives up (the relay then writes the
+error event) when the stream cannot be continued, the request's limit of
+continuations is reached, or no origin answers.
+
+Every origin answer it opens is released when the next one takes over or when
+the relay ends (`close`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from dataplane import jsonio
+from dataplane.http.errors import ApiError
+from dataplane.metrics import Metrics
+from dataplane.routes import Target
+from dataplane.streaming.relay import Next
+from dataplane.streaming.splice import Splicer, Transcript, continuation_body, read_state
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer
+
+if TYPE_CHECKING:
+    from dataplane.http.pipeline import Exchange
+
+log = logging.getLogger(__name__)
+
+CONTINUABLE = frozenset({"chat.completions", "completions"})
+
+
+class _Ended:
+    """A stream with nothing left to read (for an ending the proxy writes itself)."""
+
+    async def readany(self) -> bytes:
+        return b""
+
+
+class Continuations:
+    """The resume hook (dataplane.streaming.relay.Resume) of one stream."""
+
+    def __init__(
+        self,
+        ex: Exchange,
+        forwarder: Forwarder,
+        metrics: Metrics,
+        transcript: Transcript,
+        origin: OriginAnswer,
+        candidates: Sequence[Target],
+        limit: int,
+    ) -> None:
+        self._ex = ex
+        self._forwarder = forwarder
+        self._metrics = metrics
+        self._transcript = transcript
+        self._current = origin
+        self._candidates = candidates
+        self._limit = limit
+        self._tried: set[str] = {origin.target.name}
+        self._opened: list[OriginAnswer] = []
+        # Tokens the client had when each continuation call started.
+        self._starts: list[int] = [0]
+        self.count = 0
+        # Prompt tokens of the continuation calls, estimated: the original
+        # prompt plus the text sent before each (for accounting without usage).
+        self.extra_prompt = 0
+
+    async def __call__(self, cut: str) -> Next | None:
+        ex, m = self._ex, self._metrics
+        name = self._current.target.name
+        m.child(m.stream_cuts, name).inc()
+        m.attempt(name, "cut_after_start").inc()
+        self._current.release()  # the origin's request ends here; its slot frees
+        state = read_state(self._transcript.events, ex.endpoint.name)
+        if state is None:
+            self._give_up(cut, "its events could not be read")
+            return None
+        if state.done:
+            return Next(b"data: [DONE]\n\n", _Ended(), _unchanged)
+        if self.count >= self._limit:
+            self._give_up(cut, f"it was continued {self.count} times already")
+            return None
+        body = continuation_body(ex.endpoint.name, ex.body, state)
+        if body is None:
+            if _budget_spent(ex.body, state.tokens):
+                return Next(_length_end(state, ex.endpoint.name), _Ended(), _unchanged)
+            self._give_up(cut, "a tool call or several choices cannot be continued")
+            return None
+        candidates = [t for t in self._candidates if t.continuation and t.name not in self._tried]
+        if not candidates:
+            self._give_up(cut, "no other origin accepts continuations")
+            return None
+        headers = self._forwarder.request_headers(ex.headers, ex.request_id)
+        try:
+            answer = await self._forwarder.forward(
+                ex.endpoint.upstream_path, jsonio.dumps(body), headers, candidates
+            )
+        except ApiError as exc:
+            m.child(m.continuations, "failed").inc()
+            self._give_up(cut, exc.message)
+            return None
+        self._opened.append(answer)
+        self._tried.add(answer.target.name)
+        if not answer.streamed or answer.status != 200:
+            answer.release()
+            m.child(m.continuations, "failed").inc()
+            self._give_up(cut, f"{answer.target.name} answered {answer.status}")
+            return None
+        self.count += 1
+        self._current = answer
+        self.extra_prompt += ex.estimate + state.tokens
+        splicer = Splicer(state, self.count, tuple(self._starts), state.tokens)
+        self._starts.append(state.tokens)
+        m.child(m.continuations, "ok").inc()
+        log.info(
+            "stream cut on %s after %d tokens (%s); continued on %s (%d); %s",
+            name, state.tokens, cut, answer.target.name, self.count, ex.request_id,
+        )  # fmt: skip
+        return Next(answer.first, answer.content, splicer.rewrite)
+
+    @property
+    def origin(self) -> str:
+        """The origin streaming now (the last one continued on)."""
+        return self._current.target.name
+
+    def close(self) -> None:
+        """Release every origin answer this hook opened."""
+        for answer in self._opened:
+            answer.release()
+
+    def _give_up(self, cut: str, why: str) -> None:
+        self._metrics.child(self._metrics.continuations, "refused").inc()
+        log.warning(
+            "origin %s cut a stream: %s; not continued: %s; %s",
+            self._current.target.name, cut, why, self._ex.request_id,
+        )  # fmt: skip
+
+
+def _unchanged(data: bytes) -> bytes:
+    return data
+
+
+def _budget_spent(body: dict[str, Any], tokens: int) -> bool:
+    for name in ("max_completion_tokens", "max_tokens"):
+        limit = body.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            return tokens >= limit
+    return False
+
+
+def _length_end(state: Any, endpoint: str) -> bytes:
+    """The final chunk of a stream whose token budget ran out as it was cut."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+    if endpoint == "completions":
+        choice["text"] = ""
+    else:
+        choice["delta"] = {}
+    chunk = {
+        "id": state.id,
+        "object": state.object,
+        "created": state.created,
+        "model": state.model,
+        "choices": [choice],
+    }
+    return b"data: " + jsonio.dumps(chunk) + b"\n\ndata: [DONE]\n\n"

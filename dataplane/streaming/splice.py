@@ -1,0 +1,245 @@
+"""Pure: continuing a broken stream on another origin, as one unbroken stream.
+
+When an origin's stream stops after the client has bytes, the proxy asks the
+next origin for the rest and splices it into the same client stream:
+
+* `Transcript` keeps the raw data of every event relayed so far (an append
+  per event; nothing is parsed unless the stream breaks).
+* `read_state` turns a transcript into what was said: the stream's `id`,
+  `created` and `model`, each choice's text, whether a choice finished or a
+  tool call was under way, the tokens sent.
+* `continuation_body` is the request that asks for the rest: for chat, the
+  same request with the text so far as a final assistant message and vLLM's
+  `continue_final_message: true, add_generation_prompt: false`; for
+  completions, the prompt followed by the text so far. `max_tokens` shrinks
+  by the tokens already sent. None when the stream cannot be continued
+  (several choices, a tool call under way, a prompt that is not one string).
+* `Splicer` rewrites each event of the continuation so that the client sees
+  the original stream going on: the original `id`, `created` and `model`, no
+  second role delta, `usage` that adds every call (the retries' prompt tokens
+  counted), and `"ponto": {"continued": N}` on the event that carries the
+  finish reason and on the usage event.
+
+Only events whose data is a JSON object with `choices` are rewritten; the
+`[DONE]` sentinel passes as is.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from dataplane import jsonio
+from dataplane.streaming.sse import Event
+
+__all__ = [
+    "Splicer",
+    "StreamState",
+    "Transcript",
+    "continuation_body",
+    "is_error_event",
+    "read_state",
+]
+
+CHAT: Final = "chat.completions"
+COMPLETIONS: Final = "completions"
+
+
+class Transcript:
+    """The data of every event relayed so far, in order (an EventSink)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+
+    def event(self, ev: Event) -> None:
+        if not ev.done:
+            self.events.append(ev.data)
+
+
+def is_error_event(data: bytes) -> bool:
+    """An origin's in-band error (`{"error": …}` or vLLM's `{"object": "error", …}`):
+    the stream failed, even if the connection stays open."""
+    head = data[:48].lstrip()
+    return head.startswith(b'{"error"') or b'"object":"error"' in head.replace(b" ", b"")
+
+
+@dataclass(slots=True)
+class StreamState:
+    """What a stream has said so far."""
+
+    id: str = ""
+    created: int = 0
+    model: str = ""
+    object: str = ""
+    text: dict[int, str] = field(default_factory=dict)  # per choice index
+    finished: set[int] = field(default_factory=set)
+    tool_calls: bool = False
+    # Events that carried text: the tokens sent (vLLM sends one token per event).
+    tokens: int = 0
+    # The stream's own usage event, if it had one (then it was complete).
+    usage: dict[str, Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        """Every choice has its finish reason: only the end of the stream is missing."""
+        return bool(self.text) and self.finished >= set(self.text)
+
+
+def read_state(events: list[bytes], endpoint: str) -> StreamState | None:
+    """The state after `events`, or None when an event is not a chunk this
+    proxy understands (then the stream is not continued)."""
+    state = StreamState()
+    for data in events:
+        try:
+            obj = jsonio.loads(data)
+        except jsonio.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if not state.id:
+            state.id = str(obj.get("id", ""))
+            created = obj.get("created", 0)
+            state.created = created if isinstance(created, int) else 0
+            state.model = str(obj.get("model", ""))
+            state.object = str(obj.get("object", ""))
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            state.usage = usage
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return None
+        for choice in choices:
+            if not isinstance(choice, dict) or not isinstance(choice.get("index", 0), int):
+                return None
+            index = choice.get("index", 0)
+            piece = _piece(choice, endpoint)
+            if piece is None:
+                return None
+            if piece:
+                state.tokens += 1
+            state.text[index] = state.text.get(index, "") + piece
+            if choice.get("finish_reason") is not None:
+                state.finished.add(index)
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and delta.get("tool_calls"):
+                state.tool_calls = True
+    return state
+
+
+def _piece(choice: dict[str, Any], endpoint: str) -> str | None:
+    if endpoint == COMPLETIONS:
+        text = choice.get("text", "")
+        return text if isinstance(text, str) else None
+    delta = choice.get("delta") or {}
+    if not isinstance(delta, dict):
+        return None
+    content = delta.get("content") or ""
+    return content if isinstance(content, str) else None
+
+
+def continuation_body(
+    endpoint: str, body: dict[str, Any], state: StreamState
+) -> dict[str, Any] | None:
+    """The request for the rest of the answer, or None if it cannot be asked."""
+    if state.tool_calls or len(state.text) > 1 or body.get("n", 1) not in (1, None):
+        return None
+    partial = state.text.get(0, "")
+    out = copy.copy(body)
+    out["stream"] = True
+    for name in ("max_completion_tokens", "max_tokens"):
+        limit = body.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            left = limit - state.tokens
+            if left < 1:
+                return None  # nothing is left to generate: the caller ends the stream
+            out[name] = left
+    if not partial:
+        return out  # nothing was said yet: the same request again
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        out["messages"] = [*messages, {"role": "assistant", "content": partial}]
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+        return out
+    if endpoint == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return None
+        out["prompt"] = prompt + partial
+        return out
+    return None
+
+
+@dataclass(slots=True)
+class Splicer:
+    """Rewrites one continuation's events into the original stream."""
+
+    state: StreamState
+    continued: int  # this is the Nth continuation of the request
+    # Tokens the client had when each earlier call started (0 for the first).
+    starts: tuple[int, ...]
+    # Tokens the client had when this call started: its prompt is the original
+    # prompt followed by them.
+    before: int
+
+    def rewrite(self, data: bytes) -> bytes | None:
+        """The event's data as the client should see it; None drops the event.
+
+        Raises ValueError for an event that is not a chunk (an in-band error
+        included): the caller treats it as another cut.
+        """
+        if is_error_event(data):
+            raise ValueError("the continuation answered with an error event")
+        obj = jsonio.loads(data)
+        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+            raise ValueError("the continuation sent an event that is not a chunk")
+        s = self.state
+        obj["id"], obj["created"], obj["model"] = s.id, s.created, s.model
+        finishing = False
+        choices = []
+        for choice in obj["choices"]:
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                delta.pop("role", None)  # the client had the role at the start
+            if choice.get("finish_reason") is not None:
+                finishing = True
+            elif not _says_anything(choice, delta):
+                continue
+            choices.append(choice)
+        obj["choices"] = choices
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            obj["usage"] = self._summed(usage)
+            finishing = True
+        elif not choices:
+            return None
+        if finishing:
+            obj["ponto"] = {"continued": self.continued}
+        return jsonio.dumps(obj)
+
+    def _summed(self, usage: dict[str, Any]) -> dict[str, Any]:
+        prompt = usage.get("prompt_tokens", 0)
+        completion = usage.get("completion_tokens", 0)
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            return usage
+        # Every call's prompt was the original one plus the text sent before it.
+        original = max(0, prompt - self.before)
+        out = dict(usage)
+        out["prompt_tokens"] = prompt + sum(original + start for start in self.starts)
+        out["completion_tokens"] = self.before + completion
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+        return out
+
+
+def _says_anything(choice: dict[str, Any], delta: object) -> bool:
+    if isinstance(delta, dict):
+        return any(v not in (None, "", []) for v in delta.values())
+    text = choice.get("text")
+    return (isinstance(text, str) and bool(text)) or choice.get("logprobs") is not None

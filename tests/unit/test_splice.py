@@ -1,0 +1,148 @@
+"""Splicing a continuation into a broken stream (pure parts)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dataplane.streaming.splice import (
+    Splicer,
+    Transcript,
+    continuation_body,
+    is_error_event,
+    read_state,
+)
+from dataplane.streaming.sse import Event
+
+CHAT = "chat.completions"
+
+
+def chunk(content: str | None = None, *, role: bool = False, finish: str | None = None,
+          index: int = 0, ident: str = "chatcmpl-1", **extra: Any) -> bytes:  # fmt: skip
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = "assistant"
+    if content is not None:
+        delta["content"] = content
+    body = {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": 111,
+        "model": "m",
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
+        **extra,
+    }
+    return json.dumps(body).encode()
+
+
+def transcript(*events: bytes) -> list[bytes]:
+    t = Transcript()
+    for data in events:
+        t.event(Event(data))
+    t.event(Event(b"[DONE]"))  # never kept
+    return t.events
+
+
+def test_state_reads_text_tokens_and_identity() -> None:
+    events = transcript(chunk("", role=True), chunk("Hello"), chunk(" wor"), chunk("ld"))
+    state = read_state(events, CHAT)
+    assert state is not None
+    assert (state.id, state.created, state.model) == ("chatcmpl-1", 111, "m")
+    assert state.text == {0: "Hello world"}
+    assert state.tokens == 3
+    assert not state.done and not state.tool_calls
+
+
+def test_state_knows_a_finished_stream_and_a_tool_call_and_garbage() -> None:
+    done = read_state(transcript(chunk("a"), chunk(finish="stop")), CHAT)
+    assert done is not None and done.done
+    tool = json.loads(chunk())
+    tool["choices"][0]["delta"]["tool_calls"] = [{"index": 0, "function": {"arguments": "{"}}]
+    state = read_state([json.dumps(tool).encode()], CHAT)
+    assert state is not None and state.tool_calls
+    assert read_state([b"not json"], CHAT) is None
+    assert read_state([b'{"no": "choices"}'], CHAT) is None
+
+
+def test_chat_continuation_asks_vllm_to_continue_the_final_message() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    state = read_state(transcript(chunk("", role=True), chunk("Hel"), chunk("lo")), CHAT)
+    assert state is not None
+    out = continuation_body(CHAT, body, state)
+    assert out is not None
+    assert out["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert out["continue_final_message"] is True and out["add_generation_prompt"] is False
+    assert out["max_tokens"] == 8 and out["stream"] is True
+    assert body["messages"] == [{"role": "user", "content": "hi"}]  # the original is kept
+    # Nothing said yet: the same request again.
+    empty = read_state(transcript(chunk("", role=True)), CHAT)
+    assert empty is not None
+    again = continuation_body(CHAT, body, empty)
+    assert again is not None and "continue_final_message" not in again
+
+
+def test_completions_continuation_extends_the_prompt() -> None:
+    event = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": " alpha beta", "finish_reason": None}]}  # fmt: skip
+    state = read_state([json.dumps(event).encode()], "completions")
+    assert state is not None
+    out = continuation_body("completions", {"model": "m", "prompt": ["Once"]}, state)
+    assert out is not None and out["prompt"] == "Once alpha beta"
+    assert continuation_body("completions", {"prompt": [1, 2]}, state) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [], "n": 2},
+        {"messages": [], "max_tokens": 2},  # the budget is spent
+    ],
+)
+def test_what_cannot_be_continued(body: dict[str, Any]) -> None:
+    state = read_state(transcript(chunk("a"), chunk("b")), CHAT)
+    assert state is not None
+    assert continuation_body(CHAT, body, state) is None
+
+
+def test_splicer_keeps_the_stream_identity_and_drops_the_second_role() -> None:
+    state = read_state(transcript(chunk("", role=True), chunk("Hel")), CHAT)
+    assert state is not None
+    splicer = Splicer(state, 1, (0,), state.tokens)
+    assert splicer.rewrite(chunk("", role=True, ident="chatcmpl-2")) is None
+    out = json.loads(splicer.rewrite(chunk("lo", ident="chatcmpl-2")) or b"")
+    assert out["id"] == "chatcmpl-1" and out["created"] == 111
+    assert out["choices"][0]["delta"] == {"content": "lo"}
+    assert "ponto" not in out
+    final = json.loads(splicer.rewrite(chunk(finish="stop", ident="x")) or b"")
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert final["ponto"] == {"continued": 1}
+
+
+def test_splicer_sums_usage_over_every_call() -> None:
+    state = read_state(transcript(chunk("a"), chunk("b"), chunk("c")), CHAT)
+    assert state is not None
+    # Second continuation: the first call started at 0 tokens, the first
+    # continuation at 1; this one at 3. Its prompt is the original (10) + 3.
+    splicer = Splicer(state, 2, (0, 1), 3)
+    usage = {"prompt_tokens": 13, "completion_tokens": 4, "total_tokens": 17}
+    out = json.loads(splicer.rewrite(json.dumps({
+        "id": "x", "created": 2, "model": "m", "choices": [], "usage": usage,
+    }).encode()) or b"")  # fmt: skip
+    assert out["usage"] == {
+        "prompt_tokens": 13 + 10 + 11,
+        "completion_tokens": 3 + 4,
+        "total_tokens": 41,
+    }
+    assert out["ponto"] == {"continued": 2}
+
+
+def test_error_events_are_cuts() -> None:
+    assert is_error_event(b'{"error": {"message": "boom"}}')
+    assert is_error_event(b'{"object": "error", "message": "x"}')
+    assert not is_error_event(chunk("error"))
+    state = read_state(transcript(chunk("a")), CHAT)
+    assert state is not None
+    with pytest.raises(ValueError, match="error event"):
+        Splicer(state, 1, (0,), 1).rewrite(b'{"error": {"message": "again"}}')
