@@ -109,17 +109,25 @@ async def relay(
     end = RelayEnd()
     parser = SseParser() if readers else None
     chunk = first
+    # Bytes after the last event boundary are held until the event is whole,
+    # so a cut never leaves the client half an event before the error event.
+    pending = b""
     try:
         while True:
             if parser is not None:
                 for ev in parser.feed(chunk):
                     for reader in readers:
                         reader.event(ev)
-            if chunks is not None:
-                chunks.chunk(chunk)
-            # write() waits for the client's socket to drain: backpressure
-            # reaches the origin through the unread upstream socket.
-            await out.write(chunk)
+            whole = pending + chunk if pending else chunk
+            at = _boundary(whole)
+            pending = whole[at:]
+            if at:
+                data = whole[:at] if pending else whole
+                if chunks is not None:
+                    chunks.chunk(data)
+                # write() waits for the client's socket to drain: backpressure
+                # reaches the origin through the unread upstream socket.
+                await out.write(data)
             try:
                 chunk = await _read(content, idle_timeout)
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -128,6 +136,10 @@ async def relay(
                 break
             if not chunk:
                 end.complete = True
+                if pending:  # a last event without its blank line: as it came
+                    if chunks is not None:
+                        chunks.chunk(pending)
+                    await out.write(pending)
                 break
         await out.write_eof()
     except ConnectionResetError:
@@ -205,6 +217,20 @@ async def _relay_events(
     except ConnectionResetError:
         end.complete = False
         end.client_gone = True
+    return end
+
+
+def _boundary(data: bytes) -> int:
+    """The end of the last whole event in data (0: none): after a blank line."""
+    at = data.rfind(b"\n\n")
+    end = at + 2 if at >= 0 else 0
+    if b"\r" in data:
+        crlf = data.rfind(b"\r\n\r\n")
+        if crlf >= 0:
+            end = max(end, crlf + 4)
+        cr = data.rfind(b"\r\r")
+        if cr >= 0:
+            end = max(end, cr + 2)
     return end
 
 

@@ -1,0 +1,279 @@
+"""Mid-stream continuation in one process: the proxy's app and scripted origins
+on aiohttp test servers.
+
+An origin that breaks a stream after the client had bytes (a cut, a stall past
+the idle timeout, an in-band error) is replaced by the next origin that accepts
+continuations; the client reads one stream with the first origin's identity,
+the whole text once, one finish reason and usage that adds both calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from dataplane.http.server import build_app
+from dataplane.http.state import HOLDER, METRICS, QUOTA
+from dataplane.settings import parse as parse_proxy
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+
+MODEL = "m"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def event(ident: str, content: str | None = None, *, role: bool = False,
+          finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:  # fmt: skip
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if content is not None:
+        delta["content"] = content
+    body: dict[str, Any] = {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": 1000 if ident == "first" else 2000,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    if usage is not None:
+        body = {**body, "choices": [], "usage": usage}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class Origin:
+    """A scripted origin: records request bodies, answers with `handler`."""
+
+    def __init__(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self._handler = handler
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self.server = TestServer(app)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        return await self._handler(request)
+
+
+async def sse(request: web.Request) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await out.prepare(request)
+    return out
+
+
+async def first_origin(how: str) -> Origin:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "", role=True) + event("first", "Hel"))
+        await out.write(event("first", "lo"))
+        if how != "error":  # half an event, then the failure: the client must never see it
+            await out.write(event("first", " wo")[:20])
+        if how == "cut":
+            assert request.transport is not None
+            request.transport.close()
+        elif how == "stall":
+            await asyncio.sleep(30)
+        elif how == "error":
+            await out.write(b'data: {"error": {"message": "engine died"}}\n\n')
+            await asyncio.sleep(30)
+        return out
+
+    return Origin(handler)
+
+
+async def second_origin() -> Origin:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        usage = {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}
+        await out.write(
+            event("second", "", role=True)
+            + event("second", " wor")
+            + event("second", "ld")
+            + event("second", finish="stop")
+            + event("second", usage=usage)
+            + b"data: [DONE]\n\n"
+        )
+        await out.write_eof()
+        return out
+
+    return Origin(handler)
+
+
+def table(origins: list[tuple[str, str, bool]], streams: pb.StreamPolicy) -> pb.RouteTable:
+    """Each origin in a region of its own, farther from the proxy's (r0) the
+    later it is listed: the order of candidates is the order given."""
+    t = pb.RouteTable(
+        version=5,
+        regions=[pb.Region(name=f"r{i}", latitude=0, longitude=i) for i in range(len(origins))],
+        origins=[
+            pb.Origin(
+                name=n,
+                base_url=u,
+                region=f"r{i}",
+                models=[MODEL],
+                weight=100,
+                healthy=True,
+                continuation=c,
+            )
+            for i, (n, u, c) in enumerate(origins)
+        ],
+        tenants=[pb.Tenant(name="default", streams=streams)],
+    )
+    t.etag = content_etag(t)
+    return t
+
+
+class Proxy:
+    def __init__(self, client: TestClient[web.Request, web.Application]) -> None:
+        self.client = client
+
+    @property
+    def app(self) -> web.Application:
+        return self.client.app
+
+    async def stream(self, **body: Any) -> tuple[list[dict[str, Any]], str]:
+        request = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "say hello world"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 50,
+            **body,
+        }
+        resp = await self.client.post("/v1/chat/completions", json=request)
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+        frames = [f for f in raw.split("\n\n") if f]
+        assert all(f.startswith("data: ") for f in frames), raw
+        assert frames[-1] == "data: [DONE]"
+        return [json.loads(f[6:]) for f in frames[:-1]], raw
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+    servers: list[TestServer] = []
+    clients: list[TestClient[web.Request, web.Application]] = []
+
+    async def make(
+        origins: list[tuple[Origin, bool]],
+        streams: pb.StreamPolicy | None = None,
+        idle: str = "0.3",
+    ) -> Proxy:
+        rows = []
+        for i, (origin, continuation) in enumerate(origins):
+            await origin.server.start_server()
+            servers.append(origin.server)
+            rows.append((f"o{i}", str(origin.server.make_url("/v1")), continuation))
+        settings = parse_proxy([
+            "--region=r0", "--name=p", "--control-plane=127.0.0.1:9",
+            f"--state-dir={tmp_path}", f"--stream-idle-timeout={idle}",
+        ])  # fmt: skip
+        client = TestClient(TestServer(build_app(settings)))
+        await client.start_server()
+        clients.append(client)
+        app = client.app
+        app[HOLDER].apply(table(rows, streams or pb.StreamPolicy()), "control-plane")
+        app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+        return Proxy(client)
+
+    yield make
+    for client in clients:
+        await client.close()
+    for server in servers:
+        await server.close()
+
+
+def text_of(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("how", ["cut", "stall", "error"])
+async def test_a_broken_stream_goes_on_at_the_next_origin_as_one_stream(
+    proxy: Callable[..., Awaitable[Proxy]], how: str
+) -> None:
+    a, b = await first_origin(how), await second_origin()
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(hedge_ms=0))
+    chunks, raw = await p.stream()
+    assert "error" not in raw
+    assert text_of(chunks) == "Hello world"
+    assert {c["id"] for c in chunks} == {"first"}
+    assert {c["created"] for c in chunks} == {1000}
+    roles = [c for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]]
+    assert len(roles) == 1
+    finishes = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finishes] == ["stop"]
+    assert finishes[0]["ponto"] == {"continued": 1}
+    # Usage adds both calls: the continuation's prompt (12) held the original
+    # prompt (12 - 2 tokens sent) and the text so far.
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 12 + 10,
+        "completion_tokens": 2 + 2,
+        "total_tokens": 26,
+    }
+    # What the second origin was asked.
+    asked = b.bodies[0]
+    assert asked["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert asked["continue_final_message"] is True
+    assert asked["add_generation_prompt"] is False
+    assert asked["max_tokens"] == 48
+    metrics = p.app[METRICS]
+    assert metrics.child(metrics.continuations, "ok").value == 1
+
+
+async def test_continuation_off_ends_with_the_error_event(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation="off"))
+    chunks, _ = await p.stream()
+    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert not b.bodies
+
+
+async def test_only_origins_that_accept_continuations_are_asked(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, False)])
+    chunks, _ = await p.stream()
+    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert not b.bodies
+    metrics = p.app[METRICS]
+    assert metrics.child(metrics.continuations, "refused").value == 1
+
+
+async def test_a_tool_call_cut_mid_argument_ends_cleanly_with_an_error_event(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    async def tool(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "f", "arguments": '{"ci'}}  # fmt: skip
+        chunk = {"id": "first", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                 "choices": [{"index": 0, "delta": {"tool_calls": [call]},
+                              "finish_reason": None}]}  # fmt: skip
+        await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+    b = await second_origin()
+    p = await proxy([(Origin(tool), True), (b, True)])
+    chunks, _ = await p.stream()
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"ci'
+    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert not b.bodies
+
+
+async def test_the_limit_of_continuations_holds(proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    origins = [await first_origin("cut") for _ in range(3)]
+    p = await proxy([(o, True) for o in origins], pb.StreamPolicy(max_continuations=1))
+    chunks, _ = await p.stream()
+    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert sum(len(o.bodies) for o in origins) == 2  # the first call and one continuation
