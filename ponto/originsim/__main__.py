@@ -134,7 +134,34 @@ def _parser() -> argparse.ArgumentParser:
         metavar="F",
         help="decode pace is tokens-per-s / (1 + F * (running - 1)); 0 = no slowdown",
     )
-    parser.add_argument("--seed", type=int, default=None, help="seed for --fail-rate draws")
+    faults = parser.add_argument_group(
+        "Faults", "Also settable at runtime through POST /sim/config."
+    )
+    faults.add_argument(
+        "--stall-rate",
+        type=float,
+        default=defaults.stall_rate,
+        metavar="P",
+        help="probability 0..1 that a request, once generating (counted as running), "
+        "waits --stall-ms before its first token",
+    )
+    faults.add_argument(
+        "--stall-ms",
+        type=float,
+        default=defaults.stall_ms,
+        metavar="N",
+        help="length of a stall in ms (default %(default)s)",
+    )
+    faults.add_argument(
+        "--cut-after-tokens",
+        type=int,
+        default=defaults.cut_after_tokens,
+        metavar="N",
+        help="close every stream without [DONE] right after its N-th content token; 0 = never",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed for --fail-rate and --stall-rate draws"
+    )
     parser.add_argument(
         "--ready-file",
         type=Path,
@@ -220,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             kv_block_tokens=args.kv_block_tokens,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
             decode_slowdown=args.decode_slowdown,
+            stall_rate=args.stall_rate,
+            stall_ms=args.stall_ms,
+            cut_after_tokens=args.cut_after_tokens,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -14,6 +14,23 @@ prefill engine whose time grows with a prompt's uncached tokens
 (``decode_slowdown``). Time to first token is then queue wait + prefill +
 ``ttft_ms``. Neither the cache nor timing ever changes an answer's text.
 
+A stream cut mid-way can be continued as on vLLM, and the continued answer
+equals the uncut one. Chat: the request again with the text so far as a final
+``{"role": "assistant", "content": PARTIAL}`` message, ``"continue_final_message":
+true`` and ``"add_generation_prompt": false`` (both true, or the latter left to
+its default true, is a 400 as on vLLM; so is a final message not from the
+assistant); the answer is the rest of the answer to the conversation without
+that message, its first piece starting with a space, or a deterministic
+continuation if PARTIAL is not the start of that answer. Completions, whose
+tokens each start with a space (" w1 w2 ..."): the prompt with the text so far
+appended, answered with the rest. Either way length rules (``answer_tokens``,
+the default 16) apply to PARTIAL plus the new words, ``max_tokens`` bounds the
+new words, and ``usage`` counts PARTIAL in the prompt, only new words as
+completion tokens.
+
+A client that hangs up aborts its request wherever it is (queued, in prefill,
+stalled, between tokens): the slot and the running gauge are freed at once.
+
 Routes:
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
@@ -43,9 +60,13 @@ Per-request fault headers (inference API only), applied in this order:
 * ``x-sim-fail: STATUS`` -- answer STATUS (400-599) with an OpenAI error body.
 * ``x-sim-cut-after: N`` -- on a stream, send N ``data:`` events, then close the
   connection without ``[DONE]`` (ignored for non-streaming requests).
+* ``x-sim-stall-ms: N`` -- once holding a generation slot (counted as running),
+  wait N more ms before the first token; overrides the ``stall_rate`` draw.
 
 After the headers, the sticky ``mode`` ("drop" or "fail") applies, then
-``fail_rate``. Every response carries ``x-sim-origin`` and ``x-sim-region``.
+``fail_rate``; a request that gets through may then stall (``stall_rate``,
+``stall_ms``) and, streamed, be cut after ``cut_after_tokens`` content tokens.
+Every response carries ``x-sim-origin`` and ``x-sim-region``.
 """
 
 from __future__ import annotations
@@ -76,12 +97,21 @@ from ponto.originsim.kvcache import (
     prefill_seconds,
 )
 from ponto.originsim.slots import FifoSlots
-from ponto.originsim.synth import embed, embedding_base64, generate_words
+from ponto.originsim.synth import (
+    answer_seed,
+    embed,
+    embedding_base64,
+    prefix_seeds,
+    starts_with,
+    vocab_tail,
+    words_from_seed,
+)
 
 __all__ = [
     "CHAT_PATH",
     "COMPLETIONS_PATH",
     "EMBEDDINGS_PATH",
+    "MAX_CONTINUED_WORDS",
     "MODELS_PATH",
     "MODES",
     "SIM_STATE",
@@ -113,6 +143,11 @@ DEFAULT_KV_BLOCK_TOKENS: Final = 16
 # Non-streamed answers re-read the batch size this often rather than at every
 # token: one timer per token is a cost only a stream needs to pay.
 _DECODE_STEP: Final = 16
+# Longest answer tail a completion prompt is checked for as a continuation of
+# the simulator's own text: bounds the work of a prompt ending in many words.
+MAX_CONTINUED_WORDS: Final = 4096
+# How often in-flight requests are checked for a client that hung up.
+_DISCONNECT_POLL_S: Final = 0.01
 
 _OWNER: Final = "ponto-origin-sim"
 
@@ -122,9 +157,10 @@ class SimConfig:
     """Settings of one simulated origin.
 
     ``ttft_ms``, ``tokens_per_s``, ``fail_rate``, ``fail_status``, ``mode``,
-    ``answer_tokens``, ``prefill_tokens_per_s`` and ``decode_slowdown`` can be
-    changed at runtime through ``POST /sim/config``; the rest are fixed for the
-    app's lifetime. Construction raises :class:`ValueError` for values
+    ``answer_tokens``, ``prefill_tokens_per_s``, ``decode_slowdown``,
+    ``stall_rate``, ``stall_ms`` and ``cut_after_tokens`` can be changed at
+    runtime through ``POST /sim/config``; the rest are fixed for the app's
+    lifetime. Construction raises :class:`ValueError` for values
     out of range.
 
     Attributes:
@@ -141,7 +177,8 @@ class SimConfig:
             closes every connection without a response.
         max_concurrency: Requests generating at once; more wait in a FIFO queue
             that ``vllm:num_requests_waiting`` reports. 0 means unlimited.
-        seed: Seed for ``fail_rate`` draws; None draws from OS entropy.
+        seed: Seed for ``fail_rate`` and ``stall_rate`` draws; None draws from
+            OS entropy.
         answer_tokens: Natural answer length: a larger ``max_tokens`` ends with
             finish_reason "stop" after this many tokens, a smaller one with
             "length". 0 runs every answer to its budget (16 without one).
@@ -155,6 +192,14 @@ class SimConfig:
         decode_slowdown: How much each extra running request slows decoding:
             the pace is ``tokens_per_s / (1 + decode_slowdown * (running - 1))``,
             re-read at every token. 0 keeps the pace fixed.
+        stall_rate: Probability in [0, 1] that a chat or completion request
+            stalls: once it holds a generation slot (so it counts as running,
+            like a stuck vLLM request) it waits ``stall_ms`` more before its
+            first token. A client that hangs up meanwhile aborts it.
+        stall_ms: Length of a stall.
+        cut_after_tokens: Close every stream, without ``[DONE]``, right after
+            its N-th content token (a stream of fewer tokens ends normally);
+            0 never cuts.
     """
 
     name: str = "origin-sim"
@@ -172,6 +217,9 @@ class SimConfig:
     kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS
     prefill_tokens_per_s: float = 0.0
     decode_slowdown: float = 0.0
+    stall_rate: float = 0.0
+    stall_ms: float = 0.0
+    cut_after_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.models or not all(self.models):
@@ -181,11 +229,16 @@ class SimConfig:
             ("tokens_per_s", self.tokens_per_s),
             ("prefill_tokens_per_s", self.prefill_tokens_per_s),
             ("decode_slowdown", self.decode_slowdown),
+            ("stall_ms", self.stall_ms),
         ):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError(f"fail_rate must be within [0, 1], got {self.fail_rate!r}")
+        if not 0.0 <= self.stall_rate <= 1.0:
+            raise ValueError(f"stall_rate must be within [0, 1], got {self.stall_rate!r}")
+        if self.cut_after_tokens < 0:
+            raise ValueError(f"cut_after_tokens must be >= 0, got {self.cut_after_tokens!r}")
         if not 400 <= self.fail_status <= 599:
             raise ValueError(f"fail_status must be within 400-599, got {self.fail_status!r}")
         if self.mode not in MODES:
@@ -328,6 +381,72 @@ class SimMetrics:
         return generate_latest(self.registry)
 
 
+class _DisconnectWatch:
+    """Aborts the work of requests whose client hung up, as vLLM aborts them.
+
+    aiohttp tells a handler of a disconnect only by failing its next write,
+    or by cancelling it when the server was built with
+    ``handler_cancellation=True``, which embedders of :func:`build_app` choose,
+    not us. A request waiting for a slot, for prefill, in a stall or between
+    slow tokens writes nothing, so it would hold its slot (and count as
+    running) until its wait ended. Instead one ticker per app checks the
+    transports of the guarded requests every ``_DISCONNECT_POLL_S`` while
+    there are any, and cancels the task of each gone client; :meth:`guard`
+    turns that cancellation into :class:`ConnectionResetError`.
+
+    Used from the app's event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._guarded: dict[asyncio.Task[object], asyncio.BaseTransport] = {}
+        self._aborted: set[asyncio.Task[object]] = set()
+        self._ticker: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def guard(self, request: web.Request) -> Iterator[None]:
+        """Run the block in the current task, aborted if ``request``'s client hangs up.
+
+        Raises :class:`ConnectionResetError` when the client is gone already
+        or leaves while the block awaits; other cancellations pass through.
+        """
+        task = asyncio.current_task()
+        transport = request.transport
+        if transport is None or transport.is_closing() or task is None:
+            raise ConnectionResetError("client disconnected")
+        self._guarded[task] = transport
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        try:
+            yield
+        except asyncio.CancelledError:
+            if task not in self._aborted:
+                raise
+            task.uncancel()
+            raise ConnectionResetError("client disconnected") from None
+        finally:
+            del self._guarded[task]
+            self._aborted.discard(task)
+
+    async def _tick(self) -> None:
+        try:
+            while self._guarded:
+                await asyncio.sleep(_DISCONNECT_POLL_S)
+                for task, transport in list(self._guarded.items()):
+                    if transport.is_closing() and task not in self._aborted:
+                        self._aborted.add(task)
+                        task.cancel()
+        finally:
+            self._ticker = None
+
+    async def close(self) -> None:
+        """Stop the ticker (app cleanup); guards still open keep working unwatched."""
+        ticker = self._ticker
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+
+
 class SimState:
     """Mutable state of one app: runtime settings, stats, metrics, admission and KV cache.
 
@@ -347,6 +466,7 @@ class SimState:
         self.running = 0
         self._slots = FifoSlots(config.max_concurrency) if config.max_concurrency > 0 else None
         self._prefill_engine = FifoSlots(1)
+        self.watch = _DisconnectWatch()
 
     @contextlib.asynccontextmanager
     async def occupy(self, model: str) -> AsyncIterator[None]:
@@ -486,17 +606,30 @@ def _drop(request: web.Request) -> web.StreamResponse:
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    """A validated generation request."""
+    """A validated generation request.
+
+    The answer is words ``skip`` onwards of the word stream of ``seed``. A
+    continuation (a partial answer sent back to be finished) has ``continued``
+    words written already: the length rules apply to the whole answer, those
+    words included, and only the new words count as completion tokens.
+    """
 
     kind: Literal["chat", "text"]
     model: str
-    prompt_key: str
+    seed: bytes
     prompt_tokens: int
     max_tokens: int | None
     stream: bool
     include_usage: bool
     # Natural answer length (SimConfig.answer_tokens); 0: run to the budget.
     natural: int = 0
+    # Words of the stream the client has already (its partial answer is ours).
+    skip: int = 0
+    # Words of the partial answer being continued, ours or not.
+    continued: int = 0
+    # Whether the first piece starts with a space: always for completions,
+    # for a chat continuation when the partial answer does not end in one.
+    lead_space: bool = False
     # Chained hashes of the prompt's full KV blocks; empty without a cache.
     block_hashes: tuple[int, ...] = ()
     # Prompt tokens found in the KV cache, once prefilled; None without a cache.
@@ -504,18 +637,31 @@ class _Job:
 
     @property
     def completion_tokens(self) -> int:
-        if self.natural:
-            return self.natural if self.max_tokens is None else min(self.max_tokens, self.natural)
-        return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+        if not self.natural and self.max_tokens is not None:
+            # Without a natural length, generation runs to the token budget.
+            return self.max_tokens
+        total = self.natural or DEFAULT_COMPLETION_TOKENS
+        remaining = max(total - self.continued, 0)
+        return remaining if self.max_tokens is None else min(self.max_tokens, remaining)
 
     @property
     def finish_reason(self) -> str:
         if self.natural:
-            cut = self.max_tokens is not None and self.max_tokens < self.natural
+            remaining = self.natural - self.continued
+            cut = self.max_tokens is not None and self.max_tokens < remaining
             return "length" if cut else "stop"
         # Without a natural length, generation runs to the token budget, so an
         # explicit budget is always the reason it stopped.
         return "stop" if self.max_tokens is None else "length"
+
+    def pieces(self) -> list[str]:
+        """Return the answer's tokens as sent: each but a leading one after a space."""
+        count = self.completion_tokens
+        words = words_from_seed(self.seed, self.skip + count)[self.skip :]
+        pieces = [" " + word for word in words]
+        if pieces and not self.lead_space:
+            pieces[0] = words[0]
+        return pieces
 
     def usage(self) -> dict[str, object]:
         usage: dict[str, object] = {
@@ -622,8 +768,31 @@ def _hashes(model: str, tokens: list[str], block_tokens: int) -> tuple[int, ...]
     return tuple(block_hashes(model, tokens, block_tokens)) if block_tokens else ()
 
 
-def _parse_chat(body: object, models: tuple[str, ...], block_tokens: int) -> _Job:
-    """Validate a chat request; ``block_tokens`` > 0 also hashes its KV blocks."""
+def _flag(body: dict[str, object], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _ApiError(400, f"'{key}' must be a boolean.", param=key, code="invalid_type")
+    return value
+
+
+def _answer_cap(natural: int, max_tokens: int | None) -> int:
+    """Return the most words an answer's stream can reach under these length rules."""
+    if natural:
+        return natural
+    return DEFAULT_COMPLETION_TOKENS if max_tokens is None else MAX_COMPLETION_TOKENS
+
+
+def _parse_chat(body: object, models: tuple[str, ...], block_tokens: int, natural: int = 0) -> _Job:
+    """Validate a chat request; ``block_tokens`` > 0 also hashes its KV blocks.
+
+    With ``continue_final_message`` the final (assistant) message is a partial
+    answer to finish, as vLLM does it. If its words begin the answer the
+    conversation before it gets (same model, same ``natural`` length rules),
+    the job is the rest of that answer, so partial + continuation is the
+    uncut text; otherwise it is a fresh deterministic continuation.
+    """
     obj = _require_object(body)
     model = _require_model(obj, models)
     messages = obj.get("messages")
@@ -640,19 +809,55 @@ def _parse_chat(body: object, models: tuple[str, ...], block_tokens: int) -> _Jo
             )
         text = _content_text(message.get("content"), f"messages[{i}].content")
         turns.append((role, text))
+    continuing = _flag(obj, "continue_final_message", False)
+    # vLLM's default; both true is refused by its request validation (explicit
+    # true) or its chat template (left to the default).
+    if continuing and _flag(obj, "add_generation_prompt", True):
+        raise _ApiError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+            "(add_generation_prompt defaults to true).",
+            param="add_generation_prompt",
+        )
+    if continuing and turns[-1][0] != "assistant":
+        raise _ApiError(
+            400,
+            "continue_final_message requires a final assistant message.",
+            param="continue_final_message",
+        )
     # Each message's words plus TOKENS_PER_MESSAGE markers, counted once.
     tokens = chat_tokens(turns)
     stream, include_usage = _stream_flags(obj)
+    max_tokens = _max_tokens(obj)
+    # The whole conversation keys the answer, so the same last question
+    # in different conversations gets different answers.
+    seed = answer_seed(model, orjson.dumps(turns).decode())
+    skip = continued = 0
+    lead_space = False
+    if continuing:
+        # vLLM's template leaves the continued message open: no end marker.
+        tokens.pop()
+        partial = turns[-1][1]
+        partial_words = partial.split()
+        continued = len(partial_words)
+        lead_space = bool(partial) and not partial[-1].isspace()
+        base = answer_seed(model, orjson.dumps(turns[:-1]).decode())
+        if continued <= _answer_cap(natural, max_tokens) and starts_with(base, partial_words):
+            seed, skip = base, continued
+        else:
+            seed = answer_seed(model, orjson.dumps(["continue_final_message", turns]).decode())
     return _Job(
         kind="chat",
         model=model,
-        # The whole conversation keys the answer, so the same last question
-        # in different conversations gets different answers.
-        prompt_key=orjson.dumps(turns).decode(),
+        seed=seed,
         prompt_tokens=len(tokens),
-        max_tokens=_max_tokens(obj),
+        max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
+        natural=natural,
+        skip=skip,
+        continued=continued,
+        lead_space=lead_space,
         block_hashes=_hashes(model, tokens, block_tokens),
     )
 
@@ -686,23 +891,71 @@ def _inputs(value: object, param: str) -> list[tuple[str, list[str]]]:
     )
 
 
-def _parse_completion(body: object, models: tuple[str, ...], block_tokens: int) -> _Job:
-    """Validate a completion request; ``block_tokens`` > 0 also hashes its KV blocks."""
+def _text_continuation(model: str, prompt: str, cap: int) -> tuple[int, bytes] | None:
+    """Return (j, seed) if ``prompt`` ends with the first j words of our answer to the rest.
+
+    That is how a completion cut mid-stream is continued: the prompt sent
+    again with the text streamed so far (" w1 w2 ...", every word after a
+    space) appended. The answer to ``prompt`` without those words and their
+    spaces has stream ``seed``. Tries the longest run of at most ``cap`` (and
+    :data:`MAX_CONTINUED_WORDS`) trailing vocabulary words first. A prompt
+    that merely ends with such words passes for a continuation only if the
+    answer to the rest starts with them, odds of 1 in 64 per word.
+    """
+    cuts = vocab_tail(prompt, min(cap, MAX_CONTINUED_WORDS))
+    if not cuts:
+        return None
+    run = len(cuts)
+    words = prompt[cuts[-1] :].split()
+    # The key of a one-string prompt is its JSON list form; the tail words
+    # need no escaping, so every candidate's key is the head's plus raw text.
+    head = orjson.dumps([prompt[: cuts[-1]]]).decode()[: -len('"]')]
+    steps = [""] + [prompt[cuts[j] : cuts[j - 1]] for j in range(run - 1, 0, -1)]
+    for j, seed in zip(range(run, 0, -1), prefix_seeds(model, head, steps, '"]'), strict=True):
+        if starts_with(seed, words[run - j :]):
+            return j, seed
+    return None
+
+
+def _parse_completion(
+    body: object, models: tuple[str, ...], block_tokens: int, natural: int = 0
+) -> _Job:
+    """Validate a completion request; ``block_tokens`` > 0 also hashes its KV blocks.
+
+    A one-string prompt ending with the start of the answer to the text before
+    it is a continuation (see :func:`_text_continuation`): the job is the rest
+    of that answer, the words already there counting toward its length.
+    """
     obj = _require_object(body)
     model = _require_model(obj, models)
-    prompts = _inputs(obj.get("prompt"), "prompt")
+    raw_prompt = obj.get("prompt")
+    prompts = _inputs(raw_prompt, "prompt")
     stream, include_usage = _stream_flags(obj)
+    max_tokens = _max_tokens(obj)
     # Several prompts are answered as one (the simulator always returns a
     # single choice) and cached as one prompt, their tokens back to back.
     tokens = list(itertools.chain.from_iterable(item_tokens for _, item_tokens in prompts))
+    found = None
+    if isinstance(raw_prompt, str):
+        found = _text_continuation(model, raw_prompt, _answer_cap(natural, max_tokens))
+    if found is not None:
+        continued, seed = found
+    else:
+        continued, seed = 0, answer_seed(model, orjson.dumps([key for key, _ in prompts]).decode())
     return _Job(
         kind="text",
         model=model,
-        prompt_key=orjson.dumps([key for key, _ in prompts]).decode(),
+        seed=seed,
         prompt_tokens=len(tokens),
-        max_tokens=_max_tokens(obj),
+        max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
+        natural=natural,
+        skip=continued,
+        continued=continued,
+        # Completion tokens start with their space, as a real model's do, so
+        # prompt + answer splits at a word boundary.
+        lead_space=True,
         block_hashes=_hashes(model, tokens, block_tokens),
     )
 
@@ -805,12 +1058,15 @@ class _Pacer:
 
     Deadlines are absolute, advanced token by token, so sleep overshoot does
     not accumulate over a long answer. Settings are read from ``config`` once;
-    ``running`` is read as the deadlines advance.
+    ``running`` is read as the deadlines advance. ``stall_ms`` delays the
+    first token further.
     """
 
-    def __init__(self, config: SimConfig, running: Callable[[], int]) -> None:
+    def __init__(
+        self, config: SimConfig, running: Callable[[], int], stall_ms: float = 0.0
+    ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._deadline = self._loop.time() + config.ttft_ms / 1000
+        self._deadline = self._loop.time() + (config.ttft_ms + stall_ms) / 1000
         self._index = 0
         self._tokens_per_s = config.tokens_per_s
         self._slowdown = config.decode_slowdown
@@ -845,8 +1101,8 @@ class _Pacer:
         await self.until_token(last)
 
 
-def _full_body(job: _Job, ident: str, created: int, words: list[str]) -> dict[str, object]:
-    text = " ".join(words)
+def _full_body(job: _Job, ident: str, created: int, pieces: list[str]) -> dict[str, object]:
+    text = "".join(pieces)
     choice: dict[str, object]
     if job.kind == "chat":
         choice = {
@@ -870,9 +1126,13 @@ def _full_body(job: _Job, ident: str, created: int, words: list[str]) -> dict[st
 
 
 def _stream_events(
-    job: _Job, ident: str, created: int, words: list[str]
+    job: _Job, ident: str, created: int, pieces: list[str]
 ) -> Iterator[tuple[int | None, dict[str, object]]]:
-    """Yield (token index to wait for, or None) and the chunk of every ``data:`` event."""
+    """Yield (token index to wait for, or None) and the chunk of every ``data:`` event.
+
+    The pieces concatenate to exactly the non-streamed text. A chat answer's
+    first chunk carries the assistant role, a continuation's too (as vLLM's).
+    """
     obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
     def chunk(choices: list[dict[str, object]]) -> dict[str, object]:
@@ -896,11 +1156,9 @@ def _stream_events(
             delta["content"] = piece
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    for i, word in enumerate(words):
-        # A leading space on every token but the first makes the pieces
-        # concatenate to exactly the non-streamed text.
-        yield i, chunk([choice(word if i == 0 else " " + word, None, i == 0)])
-    yield None, chunk([choice("", job.finish_reason, not words)])
+    for i, piece in enumerate(pieces):
+        yield i, chunk([choice(piece, None, i == 0)])
+    yield None, chunk([choice("", job.finish_reason, not pieces)])
     if job.include_usage:
         final = chunk([])
         final["usage"] = job.usage()
@@ -909,66 +1167,93 @@ def _stream_events(
 
 async def _stream(
     request: web.Request,
+    resp: web.StreamResponse,
     pacer: _Pacer,
     events: Iterator[tuple[int | None, dict[str, object]]],
-    cut_after: int | None,
-    headers: dict[str, str],
-) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-    )
-    try:
-        await resp.prepare(request)
-        for sent, (token_index, event) in enumerate(events):
-            if sent == cut_after:
-                break
-            if token_index is not None:
-                await pacer.until_token(token_index)
-            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
-        if cut_after is not None:
-            # The already prepared response is still returned: its final write
-            # fails on the closed transport, which aiohttp takes as a disconnect.
-            _close_connection(request)
-            return resp
-        await resp.write(b"data: [DONE]\n\n")
-    except ConnectionError:
-        # The client hung up. aiohttp's own finishing write then fails the same
-        # way and is treated as a premature disconnect, without a traceback.
-        pass
-    return resp
+    cut_events: int | None,
+    cut_tokens: int,
+) -> None:
+    """Send ``events`` at the pace of ``pacer``, then ``[DONE]``.
+
+    With ``cut_events`` (``x-sim-cut-after``) the connection is closed after
+    that many events, or after the last one; with ``cut_tokens`` > 0 right
+    after that many content tokens. A cut sends no ``[DONE]``. Raises
+    :class:`ConnectionError` if the client hangs up.
+    """
+    await resp.prepare(request)
+    tokens = 0
+    for sent, (token_index, event) in enumerate(events):
+        if sent == cut_events:
+            break
+        if token_index is not None:
+            await pacer.until_token(token_index)
+        await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        if token_index is not None:
+            tokens += 1
+            if tokens == cut_tokens:
+                _close_connection(request)
+                return
+    if cut_events is not None:
+        _close_connection(request)
+        return
+    await resp.write(b"data: [DONE]\n\n")
+
+
+def _stall_ms(request: web.Request, state: SimState) -> float:
+    """Return how long this request stalls: ``x-sim-stall-ms`` or a ``stall_rate`` draw."""
+    forced = _header_int(request, "x-sim-stall-ms", 0, 3_600_000)
+    if forced is not None:
+        return float(forced)
+    config = state.config
+    # No draw without a rate, so seeded fail_rate sequences stay as they were.
+    if config.stall_rate > 0 and state.rng.random() < config.stall_rate:
+        return config.stall_ms
+    return 0.0
 
 
 async def _generate(request: web.Request, state: SimState, job: _Job) -> web.StreamResponse:
     """Answer ``job``: wait for a slot, prefill, then send tokens at the decode pace.
 
     Time to first token = queue wait + prefill (engine queue and uncached
-    tokens) + ``ttft_ms``. Headers, which carry the cached token count, go out
-    once prefill is done. The text depends on model and prompt only.
+    tokens) + any stall + ``ttft_ms``. Headers, which carry the cached token
+    count, go out once prefill is done. The text depends on model and prompt
+    only. A client that hangs up at any point aborts the request, freeing its
+    slot at once (see :class:`_DisconnectWatch`).
     """
     config = state.config
-    if config.answer_tokens:
-        job = dataclasses.replace(job, natural=config.answer_tokens)
-    cut_after = _header_int(request, "x-sim-cut-after", 0, 2**31) if job.stream else None
+    cut_events = _header_int(request, "x-sim-cut-after", 0, 2**31) if job.stream else None
+    stall_ms = _stall_ms(request, state)
     prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
     ident = prefix + uuid.uuid4().hex
     created = int(time.time())
-    words = generate_words(job.model, job.prompt_key, job.completion_tokens)
-    async with state.occupy(job.model):
-        cached = await state.prefill(
-            job.model, job.block_hashes, job.prompt_tokens, config.prefill_tokens_per_s
-        )
-        if state.kv_cache.capacity_blocks:
-            job = dataclasses.replace(job, cached_tokens=cached)
-        headers = {"x-sim-cached-tokens": str(cached)}
-        pacer = _Pacer(config, lambda: state.running)
-        if job.stream:
-            return await _stream(
-                request, pacer, _stream_events(job, ident, created, words), cut_after, headers
-            )
-        await pacer.until_last(len(words))
-        resp = _json(_full_body(job, ident, created, words))
-        resp.headers.update(headers)
-        return resp
+    pieces = job.pieces()
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        with state.watch.guard(request):
+            async with state.occupy(job.model):
+                cached = await state.prefill(
+                    job.model, job.block_hashes, job.prompt_tokens, config.prefill_tokens_per_s
+                )
+                if state.kv_cache.capacity_blocks:
+                    job = dataclasses.replace(job, cached_tokens=cached)
+                headers = {"x-sim-cached-tokens": str(cached)}
+                pacer = _Pacer(config, lambda: state.running, stall_ms)
+                if job.stream:
+                    resp.headers.update(headers)
+                    events = _stream_events(job, ident, created, pieces)
+                    await _stream(request, resp, pacer, events, cut_events, config.cut_after_tokens)
+                    return resp
+                await pacer.until_last(len(pieces))
+                full = _json(_full_body(job, ident, created, pieces))
+                full.headers.update(headers)
+                return full
+    except ConnectionError:
+        # The client hung up. Returning the stream already under way (or a
+        # placeholder) lets aiohttp's own finishing write fail on the closed
+        # transport, which it treats as a disconnect, without a traceback.
+        return resp if resp.prepared else _DroppedResponse()
 
 
 def _block_tokens(state: SimState) -> int:
@@ -977,12 +1262,14 @@ def _block_tokens(state: SimState) -> int:
 
 
 async def _chat(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
-    job = _parse_chat(body, state.config.models, _block_tokens(state))
+    config = state.config
+    job = _parse_chat(body, config.models, _block_tokens(state), config.answer_tokens)
     return await _generate(request, state, job)
 
 
 async def _completions(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
-    job = _parse_completion(body, state.config.models, _block_tokens(state))
+    config = state.config
+    job = _parse_completion(body, config.models, _block_tokens(state), config.answer_tokens)
     return await _generate(request, state, job)
 
 
@@ -1072,6 +1359,9 @@ _RUNTIME_KNOBS: Final = frozenset(
         "answer_tokens",
         "prefill_tokens_per_s",
         "decode_slowdown",
+        "stall_rate",
+        "stall_ms",
+        "cut_after_tokens",
     }
 )
 
@@ -1081,6 +1371,13 @@ def _number(body: dict[str, object], key: str, current: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _ApiError(400, f"'{key}' must be a number.", param=key, code="invalid_type")
     return float(value)
+
+
+def _integer(body: dict[str, object], key: str, current: int) -> int:
+    value = body.get(key, current)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _ApiError(400, f"'{key}' must be an integer.", param=key, code="invalid_type")
+    return value
 
 
 async def _set_config(request: web.Request) -> web.StreamResponse:
@@ -1109,9 +1406,8 @@ async def _set_config(request: web.Request) -> web.StreamResponse:
         fail_status = obj.get("fail_status", current.fail_status)
         if isinstance(fail_status, bool) or not isinstance(fail_status, int):
             raise _ApiError(400, "'fail_status' must be an integer.", param="fail_status")
-        answer_tokens = obj.get("answer_tokens", current.answer_tokens)
-        if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int):
-            raise _ApiError(400, "'answer_tokens' must be an integer.", param="answer_tokens")
+        answer_tokens = _integer(obj, "answer_tokens", current.answer_tokens)
+        cut_after_tokens = _integer(obj, "cut_after_tokens", current.cut_after_tokens)
         mode = obj.get("mode", current.mode)
         if not isinstance(mode, str) or mode not in MODES:
             raise _ApiError(400, f"'mode' must be one of {sorted(MODES)}.", param="mode")
@@ -1128,6 +1424,9 @@ async def _set_config(request: web.Request) -> web.StreamResponse:
                     obj, "prefill_tokens_per_s", current.prefill_tokens_per_s
                 ),
                 decode_slowdown=_number(obj, "decode_slowdown", current.decode_slowdown),
+                stall_rate=_number(obj, "stall_rate", current.stall_rate),
+                stall_ms=_number(obj, "stall_ms", current.stall_ms),
+                cut_after_tokens=cut_after_tokens,
             )
         except ValueError as exc:
             raise _ApiError(400, str(exc)) from None
@@ -1175,7 +1474,13 @@ def build_app(config: SimConfig) -> web.Application:
     particular event loop; the console entry point runs it on uvloop.
     """
     app = web.Application(middlewares=[_count_requests], client_max_size=MAX_BODY_BYTES)
-    app[SIM_STATE] = SimState(config)
+    state = SimState(config)
+    app[SIM_STATE] = state
+
+    async def stop_watch(app: web.Application) -> None:
+        await state.watch.close()
+
+    app.on_cleanup.append(stop_watch)
     app.on_response_prepare.append(_stamp_origin)
     app.router.add_post(CHAT_PATH, _inference(CHAT_PATH, _chat))
     app.router.add_post(COMPLETIONS_PATH, _inference(COMPLETIONS_PATH, _completions))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import math
 import struct
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
 EMBEDDING_DIM: Final = 8
@@ -27,18 +29,45 @@ _VOCAB: Final = (
     "topaz", "tundra", "umber", "valley", "willow", "zenith", "zephyr", "zinc",
 )  # fmt: skip
 assert len(_VOCAB) == 64
+_WORDS: Final = frozenset(_VOCAB)
+_LONGEST: Final = max(map(len, _VOCAB))
+
+
+def _encode(text: str) -> bytes:
+    # surrogatepass accepts any str a JSON decoder may hand us; it encodes
+    # code point by code point, so encoding pieces equals encoding their join.
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _digest(*parts: str) -> bytes:
-    # NUL separators keep ("ab", "c") and ("a", "bc") apart; surrogatepass
-    # accepts any str a JSON decoder may hand us.
-    joined = "\x00".join(parts)
-    return hashlib.sha256(joined.encode("utf-8", "surrogatepass")).digest()
+    # NUL separators keep ("ab", "c") and ("a", "bc") apart.
+    return hashlib.sha256(_encode("\x00".join(parts))).digest()
 
 
 def count_tokens(text: str) -> int:
     """Approximate the token count of ``text`` as its number of whitespace-separated words."""
     return len(text.split())
+
+
+def answer_seed(model: str, prompt: str) -> bytes:
+    """Return the seed of the word stream :func:`generate_words` draws for ``model``, ``prompt``."""
+    return _digest(model, prompt)
+
+
+def _blocks(seed: bytes) -> Iterator[tuple[str, ...]]:
+    """Yield the word stream of ``seed`` one digest (32 words) at a time, endlessly."""
+    for block in itertools.count():
+        digest = hashlib.sha256(seed + block.to_bytes(8, "big")).digest()
+        yield tuple(_VOCAB[byte % len(_VOCAB)] for byte in digest)
+
+
+def words_from_seed(seed: bytes, n: int) -> list[str]:
+    """Return the first ``n`` words of the stream of ``seed`` (see :func:`answer_seed`)."""
+    words: list[str] = []
+    blocks = _blocks(seed)
+    while len(words) < n:
+        words.extend(next(blocks))
+    return words[:n]
 
 
 def generate_words(model: str, prompt: str, n: int) -> list[str]:
@@ -49,14 +78,56 @@ def generate_words(model: str, prompt: str, n: int) -> list[str]:
     instead of replacing it. Words contain no whitespace, so joining them with
     single spaces gives a text whose :func:`count_tokens` is exactly ``n``.
     """
-    seed = _digest(model, prompt)
-    words: list[str] = []
-    block = 0
-    while len(words) < n:
-        digest = hashlib.sha256(seed + block.to_bytes(8, "big")).digest()
-        words.extend(_VOCAB[byte % len(_VOCAB)] for byte in digest)
-        block += 1
-    return words[:n]
+    return words_from_seed(answer_seed(model, prompt), n)
+
+
+def starts_with(seed: bytes, words: Sequence[str]) -> bool:
+    """Return whether the word stream of ``seed`` begins with ``words``.
+
+    Stops at the first digest that differs, so a mismatch (63 times in 64 at
+    the first word) costs one hash whatever the length of ``words``.
+    """
+    for start, block in zip(range(0, len(words), 32), _blocks(seed), strict=False):
+        expected = words[start : start + 32]
+        if tuple(expected) != block[: len(expected)]:
+            return False
+    return True
+
+
+def prefix_seeds(model: str, head: str, steps: Iterable[str], tail: str) -> Iterator[bytes]:
+    """Yield ``answer_seed(model, head + steps[0] + ... + steps[i] + tail)`` for each i.
+
+    One pass of the hash over ``head`` and the steps instead of one per prefix:
+    checking which of a prompt's last j words a continuation starts at costs
+    O(prompt + j), not O(prompt * j).
+    """
+    hasher = hashlib.sha256(_encode(model + "\x00" + head))
+    end = _encode(tail)
+    for step in steps:
+        hasher.update(_encode(step))
+        final = hasher.copy()
+        final.update(end)
+        yield final.digest()
+
+
+def vocab_tail(text: str, limit: int) -> list[int]:
+    """Return where the words this module writes start at the end of ``text``.
+
+    Looks at the run of at most ``limit`` vocabulary words that ends ``text``,
+    each preceded by a space (as completion answers write every word), and
+    returns, nearest first, the index of the space before each: ``text[:i]``
+    is ``text`` without its last j words when ``i`` is the j-th. Costs O(1) for
+    a text that does not end with such a word.
+    """
+    cuts: list[int] = []
+    end = len(text)
+    while len(cuts) < limit:
+        space = text.rfind(" ", max(0, end - _LONGEST - 1), end)
+        if space < 0 or text[space + 1 : end] not in _WORDS:
+            break
+        cuts.append(space)
+        end = space
+    return cuts
 
 
 def embed(model: str, text: str) -> list[float]:
