@@ -49,7 +49,8 @@ def _rows_regions(resp: apb.ListRegionsResponse) -> tuple[list[str], list[list[s
 
 
 def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
-    return ["NAME", "REGION", "URL", "MODELS", "WEIGHT", "DRAINED", "HEALTHY", "INFLIGHT"], [
+    header = ["NAME", "REGION", "URL", "MODELS", "WEIGHT", "DRAINED", "HEALTHY", "INFLIGHT"]
+    return [*header, "CONTINUATION"], [
         [
             o.name,
             o.region,
@@ -59,6 +60,7 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             "yes" if o.drained else "no",
             "yes" if o.healthy else f"no ({o.health_detail})",
             f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else ""),
+            "on" if o.continuation else "off",
         ]
         for o in resp.origins
     ]

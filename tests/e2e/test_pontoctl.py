@@ -215,3 +215,56 @@ def test_tenant_routing_policy_round_trips_and_bad_modes_are_refused(
     bad = TOPOLOGY + "    routing: {mode: random}\n"
     _, err = ctl(fleet, capsys, "apply", "-f", write(tmp_path, bad), code=1)
     assert "routing mode 'random'" in err
+
+
+def test_stream_policy_and_origin_continuation_round_trip(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
+    ctl(
+        fleet, capsys, "tenant", "set", "acme", "--continuation", "off", "--hedge-ms", "auto",
+        "--model-hedge-ms", "llama-3-8b=250", "--stream-idle-timeout", "20",
+        "--max-continuations", "3",
+    )  # fmt: skip
+    acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
+    assert acme["streams"] == {
+        "continuation": "off",
+        "max_continuations": 3,
+        "stream_idle_timeout_s": 20.0,
+        "hedge_auto": True,
+        "hedge_models": {"llama-3-8b": "250"},
+    }
+    assert (
+        "no-cont,hedge=auto,llama-3-8b:hedge=250,idle=20s"
+        in ctl(fleet, capsys, "get", "tenants")[0]
+    )
+    ctl(fleet, capsys, "tenant", "set", "acme", "--hedge-ms", "0", "--continuation", "on")
+    acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
+    assert "hedge_auto" not in acme["streams"] and "continuation" not in acme["streams"]
+    _, err = ctl(fleet, capsys, "tenant", "set", "acme", "--hedge-ms", "soon", code=2)
+    assert "--hedge-ms takes milliseconds" in err
+    _, err = ctl(fleet, capsys, "tenant", "set", "acme", "--max-continuations", "99", code=1)
+    assert "max continuations 99" in err
+    # Origins accept continuations unless told otherwise.
+    table, _ = ctl(fleet, capsys, "get", "origins")
+    assert "CONTINUATION" in table and " on" in table
+    ctl(fleet, capsys, "origin", "add", "hosted", "--url", "https://api.example/v1",
+        "--region", "us-east", "--models", "llama-3-8b", "--continuation", "off")  # fmt: skip
+    origins = json.loads(ctl(fleet, capsys, "get", "origins", "-o", "json")[0])["origins"]
+    hosted = next(o for o in origins if o["name"] == "hosted")
+    assert not hosted.get("continuation", False)
+    assert all(o.get("continuation") for o in origins if o["name"] != "hosted")
+    # apply keeps a file's continuation setting, and its tenants' streams.
+    with_streams = (
+        TOPOLOGY.replace(
+            "credential_env: ORIGIN_USE1_KEY}",
+            "credential_env: ORIGIN_USE1_KEY, continuation: false}",
+        )
+        + "    streams: {hedge_ms: 300, stream_idle_timeout_s: 15}\n"
+    )
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, with_streams), "--prune")
+    origins = json.loads(ctl(fleet, capsys, "get", "origins", "-o", "json")[0])["origins"]
+    use1 = next(o for o in origins if o["name"] == "vllm-use1")
+    assert not use1.get("continuation", False)
+    acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
+    assert acme["streams"] == {"hedge_ms": 300, "stream_idle_timeout_s": 15.0}
