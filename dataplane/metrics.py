@@ -168,7 +168,9 @@ class Metrics:
         )
         self.upstream_attempts = Counter(
             "ponto_upstream_attempts",
-            "Attempts to call an origin, by origin and outcome",
+            "Attempts to call an origin, by origin and outcome: ok, connect_error, timeout, "
+            "http_5xx, cut, cut_after_start, deadline, credential_error, or hedge_cancelled "
+            "(sent, then cancelled because the other copy of a hedged request answered)",
             ["origin", "outcome"],
             registry=r,
         )
@@ -176,6 +178,14 @@ class Metrics:
             "ponto_origin_ejections",
             "Times an origin was ejected by passive health checking",
             ["origin"],
+            registry=r,
+        )
+        self.hedges = Counter(
+            "ponto_hedges",
+            "Hedged requests by outcome: started (a second copy was sent), won (the hedge "
+            "answered), lost (the first attempt answered), refused (the hedge budget was "
+            "spent). Started minus won and lost: both copies failed, or the request ended first",
+            ["outcome"],
             registry=r,
         )
         self.retries_refused = Counter(
@@ -205,7 +215,7 @@ class Metrics:
         self.routes = Counter(
             "ponto_route_decisions",
             "Why each answered request's origin was chosen: affinity, prefix, load, "
-            "weighted, spill or failover",
+            "weighted, spill, failover or hedge",
             ["reason"],
             registry=r,
         )

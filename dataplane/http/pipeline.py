@@ -47,6 +47,7 @@ from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer
+from dataplane.upstream.hedge import HedgeSetting
 
 __all__ = ["ENDPOINTS", "Endpoint", "Exchange", "Pipeline"]
 
@@ -260,9 +261,10 @@ class Pipeline:
             plan.abandon(exc)
             raise
 
-    async def forward(self, ex: Exchange) -> OriginAnswer:
+    async def forward(self, ex: Exchange, hedge: HedgeSetting | None = None) -> OriginAnswer:
         """Route (region by the client's home, the origin inside it by the
-        tenant's policy), then call."""
+        tenant's policy), then call; with `hedge`, a slow first origin gets a
+        hedge (`Forwarder.forward`)."""
         forwarder = self.forwarder
         home = self.locator.home(ex.routes, ex.remote, ex.headers)
         candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit())
@@ -276,8 +278,12 @@ class Pipeline:
             )
         body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
         headers = forwarder.request_headers(ex.headers, ex.request_id)
-        answer = await forwarder.forward(ex.endpoint.upstream_path, body, headers, candidates)
-        if answer.target is not candidates[0]:
+        answer = await forwarder.forward(
+            ex.endpoint.upstream_path, body, headers, candidates, hedge=hedge, stream=ex.stream
+        )
+        if answer.hedged:
+            ex.route = "hedge"  # the chosen origin was slower than the next one
+        elif answer.target is not candidates[0]:
             ex.route = "failover"  # the chosen origin failed or is ejected
         self.metrics.child(self.metrics.routes, ex.route).inc()
         return answer

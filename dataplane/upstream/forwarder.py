@@ -5,14 +5,19 @@ have reached the client: connect error, 5xx, timeout, or a cut before the whole
 body (non-streaming) or the first chunk (streaming) arrived. `forward` returns
 the committed answer without writing anything; the caller relays it
 (`dataplane.streaming.relay`) and releases it.
+
+Hedging (off unless the caller asks): when the first attempt has not committed
+after a delay, the same request goes to the next candidate as well, and the
+first of the two to commit answers; see `Forwarder.forward`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from multidict import CIMultiDict
@@ -23,6 +28,7 @@ from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
 from dataplane.upstream.credentials import CredentialError
+from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,11 @@ class OriginAnswer:
     connection to the pool when the body was read to the end and closes it
     otherwise (which also cancels generation on the origin when the client
     has gone), and ends the request in the origin's outstanding count.
+
+    `hedged` is True when the answer came from a hedge (the second copy of the
+    request). `extra_calls` counts the other calls of this request that were
+    sent and then cancelled because this one answered first (0 or 1): the
+    origin spent that call's prompt tokens, and the caller may account them.
     """
 
     target: Target
@@ -96,6 +107,8 @@ class OriginAnswer:
     first: bytes
     _resp: aiohttp.ClientResponse
     _loads: LoadBoard | None = None
+    hedged: bool = False
+    extra_calls: int = 0
 
     @property
     def streamed(self) -> bool:
@@ -112,8 +125,19 @@ class OriginAnswer:
             loads.finished(self.target.name)
 
 
+@dataclass(slots=True)
+class _Tries:
+    """One request's attempts so far, shared by the race and the failover loop."""
+
+    deadline: float  # loop time
+    failures: list[str] = field(default_factory=list)
+    made: int = 0
+    past_deadline: bool = False
+
+
 class Forwarder:
-    """Sends a request to origins in order. One per app; safe for concurrent use."""
+    """Sends a request to origins in order. One per app; safe for concurrent use
+    on its event loop."""
 
     def __init__(
         self,
@@ -124,6 +148,8 @@ class Forwarder:
         outliers: OutlierDetector | None = None,
         budget: RetryBudget | None = None,
         loads: LoadBoard | None = None,
+        hedges: RetryBudget | None = None,
+        commit_times: CommitTimes | None = None,
     ) -> None:
         self._session = session
         # Counts this proxy's requests in flight per origin, for the picker.
@@ -132,6 +158,9 @@ class Forwarder:
         self._settings = settings
         self.outliers = outliers or OutlierDetector()
         self.budget = budget or RetryBudget()
+        # Its own bucket: hedges never spend the retries' tokens, nor retries the hedges'.
+        self.hedges = hedges or hedge_budget()
+        self.commit_times = commit_times or CommitTimes()
         self._forward = FORWARD_REQUEST_HEADERS + tuple(h.lower() for h in settings.forward_headers)
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
@@ -140,6 +169,11 @@ class Forwarder:
     def candidate_limit(self) -> int:
         """Candidates worth ordering: the attempts, plus room for ejected origins."""
         return self._settings.max_attempts + self.outliers.ejected_now()
+
+    def ttft_p95(self, origin: str, *, stream: bool = True) -> float | None:
+        """The origin's recent p95 seconds from send to commit (first chunk of a
+        stream, or whole body); None with too few samples. What "auto" hedges after."""
+        return self.commit_times.p95(origin, stream)
 
     def request_headers(self, incoming: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
         """The headers an origin gets: the allowed client headers and the request id."""
@@ -152,19 +186,76 @@ class Forwarder:
         return headers
 
     async def forward(
-        self, path: str, body: bytes, headers: CIMultiDict[str], candidates: Sequence[Target]
+        self,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        candidates: Sequence[Target],
+        *,
+        hedge: HedgeSetting | None = None,
+        stream: bool = False,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 and, for a stream, a first
-        chunk. Raises ApiError (502, or 504 past the deadline) when none does."""
+        chunk. Raises ApiError (502, or 504 past the deadline) when none does.
+
+        `stream` says whether the request asks for a stream; it picks the
+        time-to-commit window that samples go to and that "auto" reads.
+
+        With `hedge` (a delay in seconds, or "auto": the first candidate's
+        `ttft_p95`, no hedge while that is unknown) and a second candidate: if
+        the first attempt has not committed within the delay, the request is
+        also sent to the second candidate, when the hedge budget allows (else
+        counted as refused). The first of the two to commit answers; the other
+        is cancelled at once, which closes its connection (a committed one is
+        released). While one of them runs, the other failing changes nothing;
+        when both have failed, failover goes on sequentially from the third
+        candidate. The hedge counts as an attempt (`max_attempts`) but takes
+        no retry-budget token; the deadline covers both. At most one hedge per
+        request, and only of the first attempt. Cancelling `forward` cancels
+        every attempt it started.
+        """
         loop = asyncio.get_running_loop()
         settings = self._settings
-        deadline = loop.time() + settings.deadline
-        failures: list[str] = []
+        tries = _Tries(loop.time() + settings.deadline)
         self.budget.deposit()
-        ordered = self.outliers.order(candidates)
-        for attempt, target in enumerate(ordered[: settings.max_attempts], start=1):
-            remaining = deadline - loop.time()
+        ordered = self.outliers.order(candidates)[: settings.max_attempts]
+        if hedge is not None:
+            # Only requests that may hedge feed the hedge budget: 10 % of them.
+            self.hedges.deposit()
+            if len(ordered) > 1:
+                delay = self.commit_times.p95(ordered[0].name, stream) if hedge == AUTO else hedge
+                if delay is not None:
+                    answer = await self._race(
+                        ordered, float(delay), path, body, headers, stream, tries
+                    )
+                    if answer is not None:
+                        return answer
+        if not tries.past_deadline:
+            answer = await self._failover(ordered, path, body, headers, stream, tries)
+            if answer is not None:
+                return answer
+        failures = tries.failures
+        raise upstream_error(
+            f"no origin could serve the request after {len(failures)} attempt(s): "
+            + "; ".join(failures),
+            504 if failures and failures[-1].endswith("deadline exceeded") else 502,
+        )
+
+    async def _failover(
+        self,
+        ordered: Sequence[Target],
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        stream: bool,
+        tries: _Tries,
+    ) -> OriginAnswer | None:
+        """Attempts one at a time from candidate `tries.made`; None when none committed."""
+        loop = asyncio.get_running_loop()
+        failures = tries.failures
+        for attempt, target in enumerate(ordered[tries.made :], start=tries.made + 1):
+            remaining = tries.deadline - loop.time()
             if remaining <= 0:
                 failures.append("request deadline exceeded")
                 break
@@ -172,30 +263,195 @@ class Forwarder:
                 failures.append("retry budget exhausted")
                 self._metrics.retries_refused.inc()
                 break
+            tries.made = attempt
             try:
                 # A timer the socket timeouts cannot replace: an origin that
                 # trickles a body never trips the read timeout.
                 async with asyncio.timeout(remaining):
-                    answer = await self._attempt(target, path, body, headers, attempt)
-                self.outliers.success(target.name)
+                    answer = await self._attempt(target, path, body, headers, attempt, stream)
+                self._won(answer)
                 return answer
             except _Retryable as exc:
-                self._metrics.attempt(target.name, exc.outcome).inc()
-                failures.append(f"{target.name}: {exc}")
-                if self.outliers.failure(target.name):
-                    self._metrics.child(self._metrics.ejections, target.name).inc()
-                    log.warning("origin %s ejected after repeated failures", target.name)
-                log.warning("origin %s failed (%s); %s", target.name, exc, headers["x-request-id"])
+                self._failed(target, exc, failures, headers)
             except TimeoutError:
-                self._metrics.attempt(target.name, "deadline").inc()
-                failures.append(f"{target.name}: request deadline exceeded")
-                self.outliers.failure(target.name)
+                self._past_deadline(target, failures)
                 break
-        raise upstream_error(
-            f"no origin could serve the request after {len(failures)} attempt(s): "
-            + "; ".join(failures),
-            504 if failures and failures[-1].endswith("deadline exceeded") else 502,
-        )
+        return None
+
+    async def _race(
+        self,
+        ordered: Sequence[Target],
+        delay: float,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        stream: bool,
+        tries: _Tries,
+    ) -> OriginAnswer | None:
+        """The first attempt on ordered[0], hedged on ordered[1] after `delay`.
+
+        Returns the first answer committed; None when every attempt it made
+        failed (`tries` records them, and whether the deadline passed). Every
+        other attempt has ended (cancelled, or released if committed) when it
+        returns or raises, so the LoadBoard holds only the winner's request.
+        """
+        loop = asyncio.get_running_loop()
+        metrics = self._metrics
+        first_target, hedge_target = ordered[0], ordered[1]
+        sent_at = loop.time()
+        first = self._start(first_target, path, body, headers, 1, stream)
+        tries.made = 1
+        hedge: asyncio.Task[OriginAnswer] | None = None
+        targets = {first: first_target}  # every attempt of the race
+        running = dict(targets)
+        hedge_at = sent_at + delay
+        winner: asyncio.Task[OriginAnswer] | None = None
+        answer: OriginAnswer | None = None
+        try:
+            while running:
+                wake_for_hedge = hedge_at < tries.deadline
+                wake = hedge_at if wake_for_hedge else tries.deadline
+                done, _ = await asyncio.wait(
+                    running,
+                    timeout=max(0.0, wake - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done and not wake_for_hedge:
+                    for target in running.values():
+                        self._past_deadline(target, tries.failures)
+                    tries.past_deadline = True
+                    return None
+                if not done:
+                    hedge_at = math.inf
+                    if not self.hedges.try_retry():
+                        metrics.child(metrics.hedges, "refused").inc()
+                        continue
+                    metrics.child(metrics.hedges, "started").inc()
+                    hedge = self._start(hedge_target, path, body, headers, 2, stream)
+                    running[hedge] = targets[hedge] = hedge_target
+                    tries.made = 2
+                    continue
+                # The first attempt before the hedge: when both commit at once,
+                # the one sent first answers.
+                unexpected: tuple[Target, BaseException] | None = None
+                for task in sorted(done, key=lambda t: t is not first):
+                    target = running.pop(task)
+                    if task is first:
+                        hedge_at = math.inf  # a hedge is sent only while the first runs
+                    exc = task.exception()
+                    if exc is None:
+                        if winner is None:
+                            winner = task
+                    elif isinstance(exc, _Retryable):
+                        self._failed(target, exc, tries.failures, headers)
+                    else:
+                        unexpected = (target, exc)
+                if winner is not None:
+                    answer = winner.result()
+                    if unexpected is not None:  # not the client's concern: it has an answer
+                        log.error(
+                            "attempt on %s failed", unexpected[0].name, exc_info=unexpected[1]
+                        )
+                    break
+                if unexpected is not None:
+                    raise unexpected[1]
+        finally:
+            extra = await self._end_others(targets, first, winner, answer, stream, sent_at)
+        if answer is None:
+            return None
+        answer.extra_calls = extra
+        if hedge is not None:
+            answer.hedged = winner is hedge
+            metrics.child(metrics.hedges, "won" if answer.hedged else "lost").inc()
+        self._won(answer)
+        return answer
+
+    def _start(
+        self,
+        target: Target,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        attempt: int,
+        stream: bool,
+    ) -> asyncio.Task[OriginAnswer]:
+        return asyncio.create_task(self._attempt(target, path, body, headers, attempt, stream))
+
+    async def _end_others(
+        self,
+        targets: dict[asyncio.Task[OriginAnswer], Target],
+        first: asyncio.Task[OriginAnswer],
+        winner: asyncio.Task[OriginAnswer] | None,
+        answer: OriginAnswer | None,
+        stream: bool,
+        sent_at: float,
+    ) -> int:
+        """End every attempt of a race but the winner; return how many were sent
+        and then cancelled (or released) because the winner answered first.
+
+        Runs however the race ended. A cancelled attempt closes its own
+        connection and ends its LoadBoard count (`_attempt`); one that had
+        committed is released here. Counted as outcome "hedge_cancelled" only
+        when there is a winner: after the deadline or a client's disconnect
+        there is nobody to lose to.
+        """
+        loop = asyncio.get_running_loop()
+        others = [t for t in targets if t is not winner]
+        cancelled = [t for t in others if t.cancel()]
+        try:
+            if cancelled:
+                # They end at their next step: nothing in _attempt shields a cancel.
+                await asyncio.wait(cancelled)
+        except BaseException:
+            # Cancelled again while waiting (the client went away): the attempts
+            # still end on their own; one that commits anyway is released.
+            if answer is not None:
+                answer.release()
+            for task in cancelled:
+                task.add_done_callback(_release_late)
+            raise
+        extra = 0
+        for task in others:
+            if task.cancelled():
+                lost = task in cancelled
+            elif task.exception() is not None:
+                continue  # failed before: counted when it did
+            else:
+                task.result().release()
+                lost = True
+            if not lost or winner is None:
+                continue
+            extra += 1
+            target = targets[task]
+            self._metrics.attempt(target.name, "hedge_cancelled").inc()
+            if task is first and task.cancelled():
+                # A lower bound of its time to commit: without it the window
+                # would lose exactly the slow tail that hedges cut off, and its
+                # p95 (the "auto" delay) would creep down.
+                self.commit_times.observe(target.name, stream, loop.time() - sent_at)
+        return extra
+
+    def _won(self, answer: OriginAnswer) -> None:
+        name = answer.target.name
+        self.outliers.success(name)
+        if answer.streamed:
+            return  # counted "ok" by the relay once the stream has ended
+        self._metrics.attempt(name, "ok").inc()
+
+    def _failed(
+        self, target: Target, exc: _Retryable, failures: list[str], headers: CIMultiDict[str]
+    ) -> None:
+        self._metrics.attempt(target.name, exc.outcome).inc()
+        failures.append(f"{target.name}: {exc}")
+        if self.outliers.failure(target.name):
+            self._metrics.child(self._metrics.ejections, target.name).inc()
+            log.warning("origin %s ejected after repeated failures", target.name)
+        log.warning("origin %s failed (%s); %s", target.name, exc, headers["x-request-id"])
+
+    def _past_deadline(self, target: Target, failures: list[str]) -> None:
+        self._metrics.attempt(target.name, "deadline").inc()
+        failures.append(f"{target.name}: request deadline exceeded")
+        self.outliers.failure(target.name)
 
     async def _attempt(
         self,
@@ -204,6 +460,7 @@ class Forwarder:
         body: bytes,
         headers: CIMultiDict[str],
         attempt: int,
+        stream: bool,
     ) -> OriginAnswer:
         if target.credential is not None:
             try:
@@ -214,6 +471,8 @@ class Forwarder:
                 headers = headers.copy()
                 headers["authorization"] = authorization
         loads = self.loads
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
         loads.started(target.name)
         try:
             resp = await self._session.post(
@@ -245,8 +504,9 @@ class Forwarder:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
-            if not streamed:
-                self._metrics.attempt(target.name, "ok").inc()
+            if resp.status < 400:
+                # Refusals come back at once and would make "slow" look fast.
+                self.commit_times.observe(target.name, stream, loop.time() - sent_at)
             return OriginAnswer(
                 target, attempt, resp.status, _copy(resp), body_read, first, resp, loads
             )
@@ -254,6 +514,13 @@ class Forwarder:
             resp.release()
             loads.finished(target.name)
             raise
+
+
+def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
+    """Done callback of an attempt abandoned mid-cancel: release an answer it
+    committed anyway, and retrieve its failure so it is not logged as lost."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().release()
 
 
 def _copy(resp: aiohttp.ClientResponse) -> CIMultiDict[str]:

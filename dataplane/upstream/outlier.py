@@ -90,7 +90,8 @@ class RetryBudget:
 
     Finagle's scheme: each request deposits `ratio` tokens, each retry takes
     one; a floor lets a quiet proxy still retry. Stops retry storms from
-    multiplying load on origins that are already failing.
+    multiplying load on origins that are already failing. Hedges are bounded
+    by another instance of it (`dataplane.upstream.hedge.hedge_budget`).
     """
 
     def __init__(

@@ -1,0 +1,443 @@
+"""Hedged requests through the Forwarder, against real aiohttp origins on loopback.
+
+Each origin is a tiny app whose behaviour a test sets (a delay before the
+headers, a status, a stream whose first chunk comes late) and which records
+what it saw, a cancellation included: the test servers cancel a handler when
+its client closes the connection, as vLLM aborts a request. Delays only order
+events (a slow origin is seconds slower than a fast one, and is cancelled long
+before); nothing asserts how fast anything was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
+
+from dataplane.http.errors import ApiError
+from dataplane.metrics import Metrics
+from dataplane.placement.load import LoadBoard
+from dataplane.routes import Target
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, UpstreamSettings
+from dataplane.upstream.hedge import CommitTimes
+from dataplane.upstream.outlier import RetryBudget
+from ponto.originsim.app import SIM_STATE, SimConfig
+from ponto.originsim.app import build_app as sim_app
+
+SLOW = 5.0  # an origin this slow is always cancelled before it answers
+SHORT = 0.02  # a hedge delay that passes long before a slow origin answers
+
+
+@dataclass
+class Behaviour:
+    delay: float = 0.0  # before the headers
+    status: int = 200
+    stream: bool = False
+    first_delay: float = 0.0  # a stream's: after the headers, before its first chunk
+
+
+@dataclass
+class Origin:
+    """A test origin: answers as `behaviour` says, counts requests and cancellations."""
+
+    name: str
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    started: int = 0
+    cancelled: int = 0
+    cancel_seen: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.started += 1
+        b = self.behaviour
+        try:
+            await request.read()
+            await asyncio.sleep(b.delay)
+            if b.status != 200:
+                return web.json_response({"error": {"message": "no"}}, status=b.status)
+            if not b.stream:
+                return web.json_response({"origin": self.name})
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(b.first_delay)
+            await resp.write(f'data: {{"origin": "{self.name}"}}\n\n'.encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self.cancel_seen.set()
+            raise
+
+
+@dataclass
+class Rig:
+    forwarder: Forwarder
+    metrics: Metrics
+    origins: list[Origin]
+    targets: list[Target]
+
+    def origin(self, name: str) -> Origin:
+        return next(o for o in self.origins if o.name == name)
+
+    async def forward(self, **kw: Any) -> OriginAnswer:
+        headers: CIMultiDict[str] = CIMultiDict({"x-request-id": "r1"})
+        return await self.forwarder.forward(
+            "/chat/completions", b"{}", headers, kw.pop("targets", self.targets), **kw
+        )
+
+    def sample(self, name: str, labels: dict[str, str]) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def hedges(self, outcome: str) -> float:
+        return self.sample("ponto_hedges_total", {"outcome": outcome})
+
+    def attempts(self, origin: str, outcome: str) -> float:
+        return self.sample("ponto_upstream_attempts_total", {"origin": origin, "outcome": outcome})
+
+    def outstanding(self) -> list[int]:
+        return [self.forwarder.loads.outstanding(t.name) for t in self.targets]
+
+
+RigMaker = Callable[..., Awaitable[Rig]]
+
+
+@pytest.fixture
+async def rigs() -> AsyncIterator[RigMaker]:
+    """Build rigs of N test origins; everything is closed at the end."""
+    servers: list[TestServer] = []
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def make(*behaviours: Behaviour, **kw: Any) -> Rig:
+        origins = [Origin(f"o{i}", b) for i, b in enumerate(behaviours, start=1)]
+        targets = []
+        for origin in origins:
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", origin.handle)
+            server = TestServer(app)
+            await server.start_server()
+            servers.append(server)
+            targets.append(Target(origin.name, "r1", str(server.make_url("/v1")), 100))
+        session = aiohttp.ClientSession()
+        sessions.append(session)
+        metrics = Metrics()
+        settings = kw.pop("settings", UpstreamSettings())
+        forwarder = Forwarder(session, metrics, settings, loads=LoadBoard(), **kw)
+        return Rig(forwarder, metrics, origins, targets)
+
+    yield make
+    for session in sessions:
+        await session.close()
+    for server in servers:
+        await server.close()
+
+
+async def cancelled(origin: Origin) -> None:
+    """Wait (bounded) until the origin has seen its request cancelled."""
+    async with asyncio.timeout(5):
+        await origin.cancel_seen.wait()
+
+
+async def read_rest(answer: OriginAnswer) -> bytes:
+    rest = await answer.content.read()
+    return answer.first + rest
+
+
+# ---------------------------------------------------------------- races
+
+
+async def test_a_slow_first_origin_loses_to_the_hedge_and_is_cancelled(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=SLOW), Behaviour())
+    answer = await rig.forward(hedge=SHORT)
+    try:
+        assert answer.target.name == "o2"
+        assert (answer.hedged, answer.extra_calls, answer.attempt) == (True, 1, 2)
+        assert answer.body is not None and b'"o2"' in answer.body
+        # The loser has ended before forward returns; the winner counts until released.
+        assert rig.outstanding() == [0, 1]
+    finally:
+        answer.release()
+    assert rig.outstanding() == [0, 0]
+    await cancelled(rig.origin("o1"))
+    assert [rig.hedges(o) for o in ("started", "won", "lost", "refused")] == [1, 1, 0, 0]
+    assert rig.attempts("o1", "hedge_cancelled") == 1
+    assert rig.attempts("o2", "ok") == 1
+    assert rig.attempts("o1", "ok") == 0
+
+
+async def test_a_stream_whose_first_chunk_is_late_loses_to_the_hedge(rigs: RigMaker) -> None:
+    # Headers come at once; only the first chunk is slow, so the loser is
+    # cancelled while the proxy reads its body.
+    rig = await rigs(Behaviour(stream=True, first_delay=SLOW), Behaviour(stream=True))
+    answer = await rig.forward(hedge=SHORT, stream=True)
+    try:
+        assert answer.streamed
+        assert (answer.target.name, answer.hedged, answer.extra_calls) == ("o2", True, 1)
+        assert b'"o2"' in await read_rest(answer)
+    finally:
+        answer.release()
+    assert rig.outstanding() == [0, 0]
+    await cancelled(rig.origin("o1"))
+    assert rig.attempts("o1", "hedge_cancelled") == 1
+    assert rig.attempts("o2", "ok") == 0  # a stream is "ok" once relayed to its end
+
+
+async def test_the_hedged_origin_sees_its_request_aborted(rigs: RigMaker) -> None:
+    # The origin simulator: generation holds a slot (vllm:num_requests_running)
+    # until the first token; the aborted request gives it back.
+    slow = TestServer(sim_app(SimConfig(name="slow", ttft_ms=60_000)))
+    fast = TestServer(sim_app(SimConfig(name="fast", answer_tokens=3)))
+    for server in (slow, fast):
+        await server.start_server()
+    targets = [
+        Target("slow", "r1", str(slow.make_url("/v1")), 100),
+        Target("fast", "r1", str(fast.make_url("/v1")), 100),
+    ]
+    rig = await rigs()
+    body = (
+        b'{"model": "sim-small", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+    )
+    try:
+        headers: CIMultiDict[str] = CIMultiDict({"x-request-id": "r1"})
+        answer = await rig.forwarder.forward(
+            "/chat/completions", body, headers, targets, hedge=SHORT, stream=True
+        )
+        try:
+            assert (answer.target.name, answer.hedged) == ("fast", True)
+            assert b"[DONE]" in await read_rest(answer)
+        finally:
+            answer.release()
+        state = slow.app[SIM_STATE]
+        assert state.stats.requests == 1
+        registry = state.metrics.registry
+        labels = {"model_name": "sim-small"}
+        # Left alone it would run for a minute: dropping to 0 is the abort.
+        async with asyncio.timeout(5):
+            while registry.get_sample_value("vllm:num_requests_running", labels):
+                await asyncio.sleep(0.01)
+        assert [rig.forwarder.loads.outstanding(t.name) for t in targets] == [0, 0]
+    finally:
+        await slow.close()
+        await fast.close()
+
+
+async def test_a_fast_first_origin_sends_no_hedge(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(), Behaviour())
+    answer = await rig.forward(hedge=SLOW)
+    answer.release()
+    assert (answer.target.name, answer.hedged, answer.extra_calls) == ("o1", False, 0)
+    assert rig.origin("o2").started == 0
+    assert rig.hedges("started") == 0
+    assert rig.outstanding() == [0, 0]
+
+
+async def test_the_first_origin_answering_first_cancels_the_hedge(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=0.2), Behaviour(delay=SLOW))
+    answer = await rig.forward(hedge=SHORT)
+    answer.release()
+    assert (answer.target.name, answer.hedged, answer.extra_calls) == ("o1", False, 1)
+    await cancelled(rig.origin("o2"))
+    assert [rig.hedges(o) for o in ("started", "won", "lost")] == [1, 0, 1]
+    assert rig.attempts("o2", "hedge_cancelled") == 1
+    assert rig.outstanding() == [0, 0]
+
+
+async def test_a_failing_hedge_leaves_the_first_attempt_running(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=0.2), Behaviour(status=503), Behaviour())
+    answer = await rig.forward(hedge=SHORT)
+    answer.release()
+    assert (answer.target.name, answer.hedged, answer.extra_calls) == ("o1", False, 0)
+    assert rig.origin("o3").started == 0
+    assert rig.attempts("o2", "http_5xx") == 1
+    assert rig.outstanding() == [0, 0, 0]
+
+
+async def test_a_failing_first_attempt_leaves_the_hedge_running(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=0.1, status=502), Behaviour(delay=0.2), Behaviour())
+    answer = await rig.forward(hedge=SHORT)
+    answer.release()
+    assert (answer.target.name, answer.hedged, answer.extra_calls) == ("o2", True, 0)
+    assert rig.origin("o3").started == 0
+    assert rig.attempts("o1", "http_5xx") == 1
+    assert rig.hedges("won") == 1
+    assert rig.outstanding() == [0, 0, 0]
+
+
+async def test_when_both_fail_the_next_candidate_answers(rigs: RigMaker) -> None:
+    budget = RetryBudget()
+    rig = await rigs(
+        Behaviour(delay=0.1, status=503), Behaviour(status=500), Behaviour(), budget=budget
+    )
+    answer = await rig.forward(hedge=SHORT)
+    answer.release()
+    assert (answer.target.name, answer.attempt, answer.hedged) == ("o3", 3, False)
+    assert rig.attempts("o1", "http_5xx") == rig.attempts("o2", "http_5xx") == 1
+    assert [rig.hedges(o) for o in ("started", "won", "lost")] == [1, 0, 0]
+    assert rig.outstanding() == [0, 0, 0]
+
+
+async def test_the_hedge_is_one_of_max_attempts(rigs: RigMaker) -> None:
+    settings = UpstreamSettings(max_attempts=2)
+    rig = await rigs(
+        Behaviour(delay=0.1, status=503), Behaviour(status=500), Behaviour(), settings=settings
+    )
+    with pytest.raises(ApiError) as err:
+        await rig.forward(hedge=SHORT)
+    assert err.value.status == 502
+    assert rig.origin("o3").started == 0
+    assert rig.outstanding() == [0, 0, 0]
+
+
+async def test_a_first_attempt_that_fails_before_the_delay_is_retried_without_a_hedge(
+    rigs: RigMaker,
+) -> None:
+    rig = await rigs(Behaviour(status=503), Behaviour())
+    answer = await rig.forward(hedge=SLOW)
+    answer.release()
+    assert (answer.target.name, answer.hedged) == ("o2", False)
+    assert rig.hedges("started") == 0
+    assert rig.outstanding() == [0, 0]
+
+
+async def test_a_4xx_commits_and_ends_the_race(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=0.1, status=400), Behaviour(delay=SLOW))
+    answer = await rig.forward(hedge=SHORT)
+    answer.release()
+    assert (answer.target.name, answer.status, answer.extra_calls) == ("o1", 400, 1)
+    await cancelled(rig.origin("o2"))
+    assert rig.outstanding() == [0, 0]
+
+
+async def test_the_deadline_ends_both_attempts(rigs: RigMaker) -> None:
+    settings = UpstreamSettings(deadline=0.2)
+    rig = await rigs(Behaviour(delay=SLOW), Behaviour(delay=SLOW), Behaviour(), settings=settings)
+    with pytest.raises(ApiError) as err:
+        await rig.forward(hedge=SHORT)
+    assert err.value.status == 504
+    await cancelled(rig.origin("o1"))
+    await cancelled(rig.origin("o2"))
+    assert rig.attempts("o1", "deadline") == rig.attempts("o2", "deadline") == 1
+    assert rig.attempts("o1", "hedge_cancelled") == 0
+    assert rig.origin("o3").started == 0
+    assert rig.outstanding() == [0, 0, 0]
+
+
+async def test_cancelling_forward_cancels_both_attempts(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=SLOW), Behaviour(delay=SLOW))
+    task = asyncio.create_task(rig.forward(hedge=SHORT))
+    async with asyncio.timeout(5):
+        while rig.origin("o2").started == 0:
+            await asyncio.sleep(0.005)
+    assert rig.outstanding() == [1, 1]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert rig.outstanding() == [0, 0]
+    await cancelled(rig.origin("o1"))
+    await cancelled(rig.origin("o2"))
+    assert rig.attempts("o1", "hedge_cancelled") == rig.attempts("o2", "hedge_cancelled") == 0
+
+
+async def test_one_candidate_means_no_hedge(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=0.1))
+    answer = await rig.forward(hedge=0.0)
+    answer.release()
+    assert (answer.target.name, answer.hedged) == ("o1", False)
+    assert rig.hedges("started") == rig.hedges("refused") == 0
+
+
+# ---------------------------------------------------------------- budget and auto
+
+
+async def test_the_budget_refuses_hedges_past_its_share(rigs: RigMaker) -> None:
+    # Time stands still: no floor. A burst of one, then one hedge per ten requests.
+    budget = RetryBudget(ratio=0.1, floor_per_s=0.0, cap=1.0, clock=lambda: 0.0)
+    rig = await rigs(Behaviour(), Behaviour(), hedges=budget)
+    for _ in range(31):
+        # A delay of 0: every request wants a hedge before its first can commit.
+        answer = await rig.forward(hedge=0.0)
+        answer.release()
+        assert rig.outstanding() == [0, 0]
+    assert rig.hedges("started") == 4  # requests 1, 11, 21 and 31
+    assert rig.hedges("refused") == 27
+    assert rig.hedges("won") + rig.hedges("lost") == 4
+
+
+async def test_requests_without_hedging_leave_the_hedge_budget_alone(rigs: RigMaker) -> None:
+    budget = RetryBudget(ratio=0.1, floor_per_s=0.0, cap=1.0, clock=lambda: 0.0)
+    rig = await rigs(Behaviour(), Behaviour(), hedges=budget)
+    (await rig.forward(hedge=0.0)).release()  # spends the one token
+    for _ in range(20):
+        (await rig.forward()).release()
+    (await rig.forward(hedge=0.0)).release()
+    assert rig.hedges("started") == 1
+    assert rig.hedges("refused") == 1
+
+
+async def test_auto_waits_for_enough_samples_then_hedges_after_the_p95(rigs: RigMaker) -> None:
+    now = [0.0]
+    times = CommitTimes(min_samples=20, cache_s=1.0, clock=lambda: now[0])
+    rig = await rigs(Behaviour(delay=0.1), Behaviour(), commit_times=times)
+    # The forwarder takes its own samples: ten fast answers from o1.
+    rig.origin("o1").behaviour = Behaviour()
+    for _ in range(10):
+        (await rig.forward()).release()
+    now[0] += 2
+    assert rig.forwarder.ttft_p95("o1", stream=False) is None  # 10 < 20
+    rig.origin("o1").behaviour = Behaviour(delay=0.1)
+    answer = await rig.forward(hedge="auto")
+    answer.release()
+    assert (answer.target.name, answer.hedged) == ("o1", False)
+    assert rig.origin("o2").started == 0
+
+    for _ in range(20):
+        times.observe("o1", False, 0.01)
+    now[0] += 2
+    p95 = rig.forwarder.ttft_p95("o1", stream=False)
+    assert p95 is not None and p95 < 0.1
+    assert rig.forwarder.ttft_p95("o1") is None  # streams have their own window
+    rig.origin("o1").behaviour = Behaviour(delay=SLOW)
+    answer = await rig.forward(hedge="auto")
+    answer.release()
+    assert (answer.target.name, answer.hedged) == ("o2", True)
+    await cancelled(rig.origin("o1"))
+    assert rig.outstanding() == [0, 0]
+
+
+class FakeResponse:
+    released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+async def test_a_loser_that_committed_as_well_is_released(rigs: RigMaker) -> None:
+    # Both copies commit in the same turn of the loop: no timing reaches that
+    # case reliably, so the race's ending is driven with two finished attempts.
+    rig = await rigs()
+    loads = rig.forwarder.loads
+    a, b = Target("a", "r1", "http://a", 100), Target("b", "r1", "http://b", 100)
+    responses = {"a": FakeResponse(), "b": FakeResponse()}
+
+    async def committed(target: Target, attempt: int) -> OriginAnswer:
+        loads.started(target.name)
+        resp = cast(aiohttp.ClientResponse, responses[target.name])
+        return OriginAnswer(target, attempt, 200, CIMultiDict(), b"{}", b"", resp, loads)
+
+    first = asyncio.create_task(committed(a, 1))
+    hedge = asyncio.create_task(committed(b, 2))
+    await asyncio.wait([first, hedge])
+    answer = first.result()
+    extra = await rig.forwarder._end_others({first: a, hedge: b}, first, first, answer, False, 0.0)
+    assert extra == 1
+    assert responses["b"].released and not responses["a"].released
+    assert (loads.outstanding("a"), loads.outstanding("b")) == (1, 0)
+    assert rig.attempts("b", "hedge_cancelled") == 1
+    answer.release()
+    assert loads.outstanding("a") == 0
