@@ -12,6 +12,8 @@ result is shown by a small convention, so that new benchmarks need no change her
 * ``"table": {"columns": [...], "rows": [[...], ...]}`` or ``"tables": [{"title":
   ..., "columns": ..., "rows": ...}, ...]``: rendered as Markdown tables;
 * ``"text"``: a preformatted block (e.g. what the benchmark printed);
+* ``"doc"``: a page beside the JSON with the method (linked); ``"images"``: PNG
+  files beside it, shown after the tables;
 * otherwise the scalar figures, flattened to ``a.b.c | value`` rows.
 
 The page starts with the machine (CPU model, cores, memory, kernel), the
@@ -148,6 +150,8 @@ def generic_section(name: str, data: dict[str, Any]) -> str:
     parts = [f"## {title}", "", f"Data: [{name}.json]({name}.json)"]
     if data.get("date"):
         parts[-1] += f", run {data['date']}"
+    if isinstance(data.get("doc"), str):
+        parts[-1] += f"; method and discussion: [{data['doc']}]({data['doc']})"
     parts.append("")
     tables = list(data.get("tables") or [])
     if isinstance(data.get("table"), dict):
@@ -160,12 +164,15 @@ def generic_section(name: str, data: dict[str, Any]) -> str:
     if isinstance(data.get("text"), str):
         parts += ["```", data["text"].rstrip(), "```", ""]
     if not tables and not isinstance(data.get("text"), str):
-        skip = {"title", "name", "date"}
+        skip = {"title", "name", "date", "doc", "images"}
         rows = [[k, v] for k, v in flatten({k: v for k, v in data.items() if k not in skip})]
         shown = rows[:MAX_FLAT_ROWS]
         parts += [md_table(["figure", "value"], shown), ""]
         if len(rows) > len(shown):
             parts += [f"({len(rows) - len(shown)} more figures in the JSON)", ""]
+    for image in data.get("images") or []:
+        if isinstance(image, str):
+            parts += [f"![{image}]({image})", ""]
     return "\n".join(parts)
 
 
