@@ -19,6 +19,8 @@ file: they are secrets and are made with `pontoctl key create`.
                  defaults: {temperature: 0}}
         jwt: {issuer: "https://id.acme.example", audiences: [ponto], algorithms: [RS256],
               jwks_file: /etc/ponto/acme-jwks.json}
+        routing: {mode: affinity, models: {embed-small: least-loaded}, user_sessions: true,
+                  load_bound: 1.25}
 
 Unknown fields are refused with their path, so a typo never passes silently.
 """
@@ -56,7 +58,8 @@ ORIGIN_FIELDS = {
     "credential_file",
     "drained",
 }
-TENANT_FIELDS = {"name", "limits", "cache", "prompt", "jwt"}
+TENANT_FIELDS = {"name", "limits", "cache", "prompt", "jwt", "routing"}
+ROUTING_FIELDS = {"mode", "models", "user_sessions", "load_bound"}
 LIMIT_FIELDS = {"rpm", "tpm", "concurrency"}
 CACHE_FIELDS = {"mode", "ttl_s", "semantic_threshold", "cache_nondeterministic", "store_truncated"}
 PROMPT_FIELDS = {"system_prompt", "enforce_system_prompt", "defaults", "max_tokens", "aliases"}
@@ -197,6 +200,18 @@ def parse(doc: Any) -> Desired:
                 semantic_threshold=float(_get(cache, "semantic_threshold", (int, float), cpath, 0)),
                 cache_nondeterministic=_get(cache, "cache_nondeterministic", bool, cpath, False),
                 store_truncated=_get(cache, "store_truncated", bool, cpath, False),
+            )
+        )
+        routing = _obj(t.get("routing") or {}, f"{path}.routing", ROUTING_FIELDS)
+        rpath = f"{path}.routing"
+        tenant.routing.CopyFrom(
+            pb.RoutingPolicy(
+                mode=_get(routing, "mode", str, rpath, ""),
+                models={
+                    str(k): str(v) for k, v in _get(routing, "models", dict, rpath, {}).items()
+                },
+                user_sessions=_get(routing, "user_sessions", bool, rpath, False),
+                load_bound=float(_get(routing, "load_bound", (int, float), rpath, 0)),
             )
         )
         prompt = _obj(t.get("prompt") or {}, f"{path}.prompt", PROMPT_FIELDS)

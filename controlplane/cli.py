@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ta = tenant.add_parser("add", help="add a tenant")
     ta.add_argument("name")
-    ts = tenant.add_parser("set", help="change a tenant's cache or prompt policy")
+    ts = tenant.add_parser("set", help="change a tenant's cache, prompt or routing policy")
     ts.add_argument("name")
     ts.add_argument("--cache", choices=["off", "exact", "semantic"])
     ts.add_argument("--semantic-threshold", type=float)
@@ -220,6 +220,34 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PUBLIC=ORIGIN_MODEL",
         help="model alias (repeatable)",
+    )
+    ts.add_argument(
+        "--routing",
+        choices=["affinity", "least-loaded", "weighted", "default"],
+        help="how requests pick a replica inside a region: affinity (sessions and shared "
+        "prefixes stay on one replica, within a load bound), least-loaded, or weighted; "
+        "default: affinity for chat and completions, least-loaded for embeddings",
+    )
+    ts.add_argument(
+        "--model-routing",
+        action="append",
+        default=[],
+        metavar="MODEL=MODE",
+        help="routing mode for one model, overriding --routing (repeatable; MODE "
+        "'default' removes the override)",
+    )
+    ts.add_argument(
+        "--user-sessions",
+        choices=["on", "off"],
+        help="on: the request's `user` field names a session (after prompt_cache_key and "
+        "the session header)",
+    )
+    ts.add_argument(
+        "--load-bound",
+        type=float,
+        metavar="FACTOR",
+        help="a replica past FACTOR times its share of the region's load (and its "
+        "capacity) loses new sessions to the next one; 0 = default 1.25",
     )
     tenant.add_parser("delete", help="delete a tenant without active keys").add_argument("name")
 
@@ -319,6 +347,21 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
     prompt.aliases.update(_pairs(args.alias, "--alias"))
     if prompt != current.prompt:
         req.prompt.CopyFrom(prompt)
+    routing = pb.RoutingPolicy()
+    routing.CopyFrom(current.routing)
+    if args.routing is not None:
+        routing.mode = "" if args.routing == "default" else args.routing
+    for model, mode in _pairs(args.model_routing, "--model-routing").items():
+        if mode == "default":
+            routing.models.pop(model, None)
+        else:
+            routing.models[model] = mode
+    if args.user_sessions is not None:
+        routing.user_sessions = args.user_sessions == "on"
+    if args.load_bound is not None:
+        routing.load_bound = args.load_bound
+    if routing != current.routing:
+        req.routing.CopyFrom(routing)
     return req
 
 
@@ -327,13 +370,23 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
         parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
         return ",".join(p for p in parts if not p.endswith("=0")) or "-"
 
-    return ["NAME", "LIMITS", "CACHE", "TTL", "SYSTEM-PROMPT", "ALIASES", "JWT"], [
+    def routing(m: pb.RoutingPolicy) -> str:
+        parts = [m.mode or "default"]
+        parts += [f"{model}={mode}" for model, mode in sorted(m.models.items())]
+        if m.user_sessions:
+            parts.append("user")
+        if m.load_bound:
+            parts.append(f"bound={m.load_bound:g}")
+        return ",".join(parts)
+
+    return ["NAME", "LIMITS", "CACHE", "TTL", "ROUTING", "SYSTEM-PROMPT", "ALIASES", "JWT"], [
         [
             t.name,
             limits(t.limits),
             t.cache.mode
             + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else ""),
             f"{t.cache.ttl_s}s" if t.cache.ttl_s else "default",
+            routing(t.routing),
             (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
             or "-",
             ",".join(f"{k}->{v}" for k, v in sorted(t.prompt.aliases.items())) or "-",
@@ -406,7 +459,9 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         tenants = stub.ListTenants(apb.ListRequest()).tenants
         current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
         t = stub.UpdateTenant(_tenant_update(args, current))
-        return f"tenant {t.name} saved (cache {t.cache.mode})"
+        return (
+            f"tenant {t.name} saved (cache {t.cache.mode}; routing {t.routing.mode or 'default'})"
+        )
     if args.command == "key":
         if args.action == "create":
             resp = stub.CreateKey(

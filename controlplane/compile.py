@@ -100,6 +100,12 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
             cache_nondeterministic=t.cache.cache_nondeterministic,
             store_truncated=t.cache.store_truncated,
         ),
+        routing=pb.RoutingPolicy(
+            mode=t.routing.mode,
+            models=dict(t.routing.models),
+            user_sessions=t.routing.user_sessions,
+            load_bound=t.routing.load_bound,
+        ),
     )
     if t.jwt is not None:
         out.jwt.CopyFrom(

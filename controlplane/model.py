@@ -22,6 +22,7 @@ MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 CACHE_MODES = ("off", "exact", "semantic")
+ROUTING_MODES = ("affinity", "least-loaded", "weighted")
 JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
 # Request fields a tenant's defaults may not set: they carry the request itself.
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
@@ -292,6 +293,29 @@ class CachePolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """How a tenant's requests pick a replica inside a region (docs/routing.md)."""
+
+    mode: str = ""  # "": affinity for chat and completions, least-loaded for embeddings
+    models: tuple[tuple[str, str], ...] = ()  # (model, mode) overrides
+    user_sessions: bool = False
+    load_bound: float = 0.0  # 0: the proxy's default (1.25)
+
+    def validated(self, owner: str) -> RoutingPolicy:
+        for mode in (self.mode, *(m for _, m in self.models)):
+            if mode and mode not in ROUTING_MODES:
+                raise InvalidArgument(
+                    f"routing mode {mode!r} of {owner} is not one of {', '.join(ROUTING_MODES)}"
+                )
+        if any(not model for model, _ in self.models):
+            raise InvalidArgument(f"a per-model routing mode of {owner} names no model")
+        b = self.load_bound
+        if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
+            raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100")
+        return replace(self, models=tuple(sorted(dict(self.models).items())))
+
+
+@dataclass(frozen=True, slots=True)
 class JwtIssuer:
     issuer: str
     audiences: tuple[str, ...] = ()
@@ -338,6 +362,7 @@ class Tenant:
     prompt: PromptPolicy = PromptPolicy()
     cache: CachePolicy = CachePolicy()
     jwt: JwtIssuer | None = None
+    routing: RoutingPolicy = RoutingPolicy()
 
     def validated(self) -> Tenant:
         check_name("tenant", self.name)
@@ -348,6 +373,7 @@ class Tenant:
             prompt=self.prompt.validated(owner),
             cache=self.cache.validated(owner),
             jwt=self.jwt.validated(owner) if self.jwt else None,
+            routing=self.routing.validated(owner),
         )
 
 
@@ -390,6 +416,12 @@ def decode_tenant(raw: bytes) -> Tenant:
         for k, v in (fields.get("cache") or {}).items()
         if k in CachePolicy.__dataclass_fields__
     }
+    routing = {
+        k: v
+        for k, v in (fields.get("routing") or {}).items()
+        if k in RoutingPolicy.__dataclass_fields__
+    }
+    routing["models"] = tuple((str(a), str(b)) for a, b in routing.get("models", ()))
     jwt_raw = fields.get("jwt")
     jwt = None
     if jwt_raw:
@@ -403,6 +435,7 @@ def decode_tenant(raw: bytes) -> Tenant:
         prompt=PromptPolicy(**prompt),
         cache=CachePolicy(**cache),
         jwt=jwt,
+        routing=RoutingPolicy(**routing),
     )
 
 

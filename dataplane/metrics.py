@@ -194,6 +194,13 @@ class Metrics:
             "Requests whose client went away before the response ended",
             registry=r,
         )
+        self.routes = Counter(
+            "ponto_route_decisions",
+            "Why each answered request's origin was chosen: affinity, prefix, load, "
+            "weighted, spill or failover",
+            ["reason"],
+            registry=r,
+        )
         self.table_version = Gauge(
             "ponto_route_table_version", "Version of the route table being served", registry=r
         )

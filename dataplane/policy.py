@@ -16,6 +16,7 @@ import orjson
 from dataplane.assemble import NO_RULES, PromptRules
 from dataplane.auth.authenticator import AuthConfigError, Authenticator, JwtConfig, KeyRecord
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
+from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
 from ponto.quota_types import ScopeLimits, key_scope, tenant_scope
 from ponto.v1 import routing_pb2 as pb
@@ -39,6 +40,7 @@ class TenantRules:
     name: str
     prompt: PromptRules
     cache: TenantCachePolicy
+    routing: RoutingRules = field(default_factory=RoutingRules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,16 @@ def _cache(m: pb.CachePolicy, defaults: CacheDefaults) -> TenantCachePolicy:
         store_truncated=m.store_truncated,
         max_entry_bytes=defaults.max_entry_bytes,
     )
+
+
+def _routing(m: pb.RoutingPolicy, tenant: str) -> RoutingRules:
+    for mode in (m.mode, *m.models.values()):
+        if mode and mode not in MODES:
+            raise TableError(f"tenant {tenant!r}: unknown routing mode {mode!r}")
+    bound = m.load_bound or DEFAULT_LOAD_BOUND
+    if not math.isfinite(bound) or bound < 1.0:
+        raise TableError(f"tenant {tenant!r}: load bound {bound} is not a number >= 1")
+    return RoutingRules(m.mode, dict(m.models), m.user_sessions, bound)
 
 
 def _prompt(m: pb.PromptPolicy, tenant: str) -> PromptRules:
@@ -97,7 +109,9 @@ def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) ->
             cache = _cache(t.cache, defaults)
         except ValueError as exc:
             raise TableError(f"tenant {t.name!r}: {exc}") from exc
-        tenants[t.name] = TenantRules(t.name, _prompt(t.prompt, t.name), cache)
+        tenants[t.name] = TenantRules(
+            t.name, _prompt(t.prompt, t.name), cache, _routing(t.routing, t.name)
+        )
         lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
         if not lim.unlimited:
             limits[tenant_scope(t.name)] = lim

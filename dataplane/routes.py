@@ -9,6 +9,7 @@ equally near origins remains.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Callable
@@ -37,6 +38,11 @@ class Target:
     region: str
     base_url: str
     weight: int
+    # Concurrent requests the origin serves well (0: not stated).
+    capacity: int = field(default=0, compare=False)
+    # The origin's rendezvous-hashing seed, from its name: the same on every
+    # proxy, so every proxy ranks origins for a key the same way.
+    seed: int = field(default=0, compare=False)
     # Upstream credential the proxy injects; None: the origin needs none.
     credential: OriginCredentials | None = field(default=None, compare=False)
     # Parsed once per table: building a URL from a string on every call costs
@@ -66,6 +72,9 @@ class Routes:
     models: tuple[str, ...]
     order: dict[str, dict[str, tuple[tuple[Target, ...], ...]]]
     coords: tuple[tuple[str, float, float], ...]  # (region, lat, lon) for homing
+    # The table's regions, and those whose load is over their spill threshold.
+    known: frozenset[str] = frozenset()
+    hot: frozenset[str] = frozenset()
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
     _homes: dict[tuple[float, float], str] = field(default_factory=dict, compare=False)
@@ -90,6 +99,12 @@ class Routes:
             self._homes.clear()
         self._homes[point] = best
         return best
+
+    def groups_for(self, model: str, home: str | None = None) -> tuple[tuple[Target, ...], ...]:
+        """Candidate groups for model from home (default: the proxy's region),
+        nearest usable region first; empty if no origin serves it."""
+        per_home = self.order.get(home or self.region) or self.groups
+        return per_home.get(model, ())
 
     def candidates(
         self,
@@ -173,7 +188,15 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         all_models.update(o.models)
         if o.drained or not o.healthy or regions[o.region].drained:
             continue
-        target = Target(o.name, o.region, o.base_url.rstrip("/"), o.weight, _credential(o))
+        target = Target(
+            o.name,
+            o.region,
+            o.base_url.rstrip("/"),
+            o.weight,
+            capacity=o.capacity,
+            seed=origin_seed(o.name),
+            credential=_credential(o),
+        )
         for model in o.models:
             by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
 
@@ -214,7 +237,14 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         models=tuple(sorted(all_models)),
         order=order,
         coords=tuple((r.name, r.latitude, r.longitude) for r in table.regions),
+        known=frozenset(regions),
+        hot=frozenset(r.name for r in table.regions if hot(r.name)),
     )
+
+
+def origin_seed(name: str) -> int:
+    """A 64-bit seed from an origin's name, equal in every process."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
 
 
 def _credential(o: pb.Origin) -> OriginCredentials | None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dataplane.geo import TrustedProxies
+from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
@@ -48,6 +49,8 @@ class Settings:
     cache_max_bytes: int = 256 << 20
     drain_seconds: float = 0.0
     cache: CacheDefaults = field(default_factory=CacheDefaults)
+    # Header whose value keeps a client's requests on one replica (a session).
+    session_header: str = SESSION_HEADER
     # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
     workers: int = 1
     # Set in a worker process only: its settings are already per worker (as_worker).
@@ -123,6 +126,13 @@ def parse(argv: list[str]) -> Settings:
         type=float,
         default=600.0,
         help="seconds a request may spend before its response starts",
+    )
+    p.add_argument(
+        "--session-header",
+        default=SESSION_HEADER,
+        metavar="NAME",
+        help="request header naming a session: its requests stay on one replica while it "
+        "is healthy and under its load bound (default %(default)s; docs/routing.md)",
     )
     p.add_argument(
         "--forward-headers",
@@ -220,6 +230,9 @@ def parse(argv: list[str]) -> Settings:
     forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
     if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
+    session_header = a.session_header.strip().lower()
+    if not session_header or not all(c.isalnum() or c in "-_" for c in session_header):
+        p.error("--session-header must be a header name (letters, digits, '-', '_')")
     trusted = tuple(c.strip() for c in a.trusted_proxies.split(",") if c.strip())
     try:
         TrustedProxies(trusted)
@@ -287,6 +300,7 @@ def parse(argv: list[str]) -> Settings:
         cache_max_bytes=a.cache_max_mb << 20,
         drain_seconds=a.drain_seconds,
         cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
+        session_header=session_header,
         workers=workers,
     )
     return settings if slot is None else as_worker(settings, slot)

@@ -22,6 +22,7 @@ from controlplane.model import (
     PromptPolicy,
     ProxyRecord,
     Region,
+    RoutingPolicy,
     Tenant,
 )
 from ponto.v1 import admin_pb2 as apb
@@ -83,6 +84,15 @@ def cache_of(m: pb.CachePolicy) -> CachePolicy:
     )
 
 
+def routing_of(m: pb.RoutingPolicy) -> RoutingPolicy:
+    return RoutingPolicy(
+        mode=m.mode,
+        models=tuple(m.models.items()),
+        user_sessions=m.user_sessions,
+        load_bound=m.load_bound,
+    )
+
+
 def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
     return JwtIssuer(
         issuer=m.issuer,
@@ -102,6 +112,7 @@ def tenant_of(m: pb.Tenant) -> Tenant:
         prompt=prompt_of(m.prompt),
         cache=cache_of(m.cache),
         jwt=jwt_of(m.jwt) if m.HasField("jwt") else None,
+        routing=routing_of(m.routing),
     )
 
 
@@ -214,6 +225,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 t = replace(t, cache=cache_of(request.cache))
             if request.HasField("prompt"):
                 t = replace(t, prompt=prompt_of(request.prompt))
+            if request.HasField("routing"):
+                t = replace(t, routing=routing_of(request.routing))
             if request.HasField("jwt"):
                 t = replace(t, jwt=jwt_of(request.jwt))
             if request.clear_jwt:

@@ -1,6 +1,6 @@
 """The request pipeline: one straight path from request to settled answer.
 
-    authenticate -> parse -> assemble -> admit -> cache -> route -> forward
+    authenticate -> parse -> assemble -> admit -> cache -> place -> forward
         -> relay (dataplane.http.reply) -> settle
 
 An `Exchange` carries one request through it; each step reads what earlier
@@ -36,10 +36,12 @@ from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.errors import ApiError, bad_request
 from dataplane.metrics import Metrics
+from dataplane.placement.keys import SESSION_HEADER, placement_key
+from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
-from dataplane.routes import Routes
+from dataplane.routes import Routes, Target
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer
@@ -95,13 +97,20 @@ class Exchange:
     cache_request: CacheRequest | None = None
     counter: UsageCounter | None = None  # a relayed stream's token count
     usage: Usage | None = None
+    # route: why the first candidate was chosen, then (once an origin has
+    # answered) why that origin answers
+    route: str = ""
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers."""
-        return [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
+        headers = [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
+        if self.route:
+            headers.append((ROUTE_HEADER, self.route))
+        return headers
 
 
 CACHE_HEADER = "x-ponto-cache"
+ROUTE_HEADER = "x-ponto-route"
 
 # How long a request may wait for a concurrency slot when this proxy holds none:
 # about two rebalances of the leader, which is how long a proxy that has just
@@ -121,8 +130,10 @@ class Pipeline:
         locator: ClientLocator,
         forwarder: Forwarder,
         metrics: Metrics,
+        picker: Picker,
         *,
         max_body_bytes: int,
+        session_header: str = SESSION_HEADER,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -130,7 +141,9 @@ class Pipeline:
         self.locator = locator
         self.forwarder = forwarder
         self.metrics = metrics
+        self.picker = picker
         self.max_body_bytes = max_body_bytes
+        self.session_header = session_header
         self._ids = RequestIds()
 
     # ------------------------------------------------------------ the path
@@ -239,10 +252,11 @@ class Pipeline:
             raise
 
     async def forward(self, ex: Exchange) -> OriginAnswer:
-        """Route (region by the client's home, origins in order), then call."""
+        """Route (region by the client's home, the origin inside it by the
+        tenant's policy), then call."""
         forwarder = self.forwarder
         home = self.locator.home(ex.routes, ex.remote, ex.headers)
-        candidates = ex.routes.candidates(ex.model, home, limit=forwarder.candidate_limit())
+        candidates = self.place(ex, home, forwarder.candidate_limit())
         if not candidates:
             raise ApiError(
                 503,
@@ -253,7 +267,37 @@ class Pipeline:
             )
         body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
         headers = forwarder.request_headers(ex.headers, ex.request_id)
-        return await forwarder.forward(ex.endpoint.upstream_path, body, headers, candidates)
+        answer = await forwarder.forward(ex.endpoint.upstream_path, body, headers, candidates)
+        if answer.target is not candidates[0]:
+            ex.route = "failover"  # the chosen origin failed or is ejected
+        self.metrics.child(self.metrics.routes, ex.route).inc()
+        return answer
+
+    def place(self, ex: Exchange, home: str, limit: int) -> list[Target]:
+        """The candidates in the order to try them; sets why the first was chosen."""
+        assert ex.tenant is not None
+        routes = ex.routes
+        rules = ex.tenant.routing
+        mode = rules.mode_for(ex.endpoint.name, ex.model)
+        key = None
+        if mode == AFFINITY:
+            key = placement_key(
+                ex.endpoint.name,
+                ex.body,
+                ex.headers,
+                ex.tenant.name,
+                user_sessions=rules.user_sessions,
+                session_header=self.session_header,
+            )
+        groups = routes.groups_for(ex.model, home)
+        candidates, ex.route = self.picker.order(
+            groups, mode, key, load_bound=rules.load_bound, limit=limit
+        )
+        if candidates and candidates[0].region != home and home in routes.known:
+            # The client's own region is past its spill threshold, or has no
+            # usable origin for the model.
+            ex.route = "spill" if home in routes.hot else "failover"
+        return candidates
 
     async def respond(self, ex: Exchange, origin: OriginAnswer, plan: CachePlan) -> web.Response:
         """A non-streamed answer: sent as is; its JSON parsed once, for both the

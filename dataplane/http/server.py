@@ -37,6 +37,8 @@ from dataplane.http.state import (
     Draining,
 )
 from dataplane.metrics import Metrics
+from dataplane.placement.load import LoadBoard
+from dataplane.placement.picker import Picker
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
 from dataplane.sync.holder import TableHolder
@@ -70,6 +72,7 @@ class Proxy:
         self.limiter = RateLimiter()
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
         self.draining = Draining()
+        self.loads = LoadBoard()
         self.store = store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
         self.cache = cache = EdgeCache(
             store,
@@ -117,7 +120,7 @@ class Proxy:
             limit=0, limit_per_host=1024, ttl_dns_cache=60, keepalive_timeout=30
         )
         session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
-        forwarder = Forwarder(session, self.metrics, settings.upstream)
+        forwarder = Forwarder(session, self.metrics, settings.upstream, loads=self.loads)
         # Built here, not in __init__: it needs the upstream pool.
         app[PIPELINE] = Pipeline(
             self.holder,
@@ -126,7 +129,9 @@ class Proxy:
             self.locator,
             forwarder,
             self.metrics,
+            Picker(self.loads),
             max_body_bytes=settings.max_body_bytes,
+            session_header=settings.session_header,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),

@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from dataplane import jsonio
 from dataplane.http.errors import upstream_error
 from dataplane.metrics import Metrics
+from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
@@ -84,7 +85,7 @@ class OriginAnswer:
     The caller relays it and then calls `release()`, which returns the
     connection to the pool when the body was read to the end and closes it
     otherwise (which also cancels generation on the origin when the client
-    has gone).
+    has gone), and ends the request in the origin's outstanding count.
     """
 
     target: Target
@@ -94,6 +95,7 @@ class OriginAnswer:
     body: bytes | None
     first: bytes
     _resp: aiohttp.ClientResponse
+    _loads: LoadBoard | None = None
 
     @property
     def streamed(self) -> bool:
@@ -105,6 +107,9 @@ class OriginAnswer:
 
     def release(self) -> None:
         self._resp.release()
+        loads, self._loads = self._loads, None
+        if loads is not None:
+            loads.finished(self.target.name)
 
 
 class Forwarder:
@@ -118,8 +123,11 @@ class Forwarder:
         *,
         outliers: OutlierDetector | None = None,
         budget: RetryBudget | None = None,
+        loads: LoadBoard | None = None,
     ) -> None:
         self._session = session
+        # Counts this proxy's requests in flight per origin, for the picker.
+        self.loads = loads or LoadBoard()
         self._metrics = metrics
         self._settings = settings
         self.outliers = outliers or OutlierDetector()
@@ -205,14 +213,21 @@ class Forwarder:
             if authorization is not None:
                 headers = headers.copy()
                 headers["authorization"] = authorization
+        loads = self.loads
+        loads.started(target.name)
         try:
             resp = await self._session.post(
                 target.url(path), data=body, headers=headers, timeout=self._timeout
             )
         except TimeoutError as exc:
+            loads.finished(target.name)
             raise _Retryable("timeout", "timed out before the response started") from exc
         except aiohttp.ClientError as exc:
+            loads.finished(target.name)
             raise _Retryable("connect_error", f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            loads.finished(target.name)
+            raise
         try:
             if resp.status >= RETRY_STATUS_MIN:
                 raise _Retryable("http_5xx", f"answered {resp.status}")
@@ -232,9 +247,12 @@ class Forwarder:
                 raise _Retryable("cut", "stream ended before its first chunk")
             if not streamed:
                 self._metrics.attempt(target.name, "ok").inc()
-            return OriginAnswer(target, attempt, resp.status, _copy(resp), body_read, first, resp)
+            return OriginAnswer(
+                target, attempt, resp.status, _copy(resp), body_read, first, resp, loads
+            )
         except BaseException:
             resp.release()
+            loads.finished(target.name)
             raise
 
 

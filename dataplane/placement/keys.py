@@ -1,0 +1,165 @@
+"""Pure: what a request should stick to — its session, or a long shared prefix.
+
+Two kinds of key decide where a request goes inside a region:
+
+* A **session key** keeps one conversation on one replica, so each step finds
+  the previous steps' KV cache. It comes from, in order: the body's
+  `prompt_cache_key` (OpenAI's field), the session header (default
+  `x-session-id`), the body's `user` (when the tenant opts in), and otherwise
+  a hash of the conversation's stable start: its system prompt and first user
+  turn, which every later step of an agent loop resends unchanged.
+* A **prefix key** gathers prompts that share a long start (one tenant's
+  system prompt and tools) on few replicas. It is used for the first turn of
+  a conversation without an explicit session key whose system prompt and
+  tools are at least `PREFIX_MIN_TOKENS` long and longer than its first
+  question: a short question after a long shared preamble gains more from the
+  preamble's cache than from any session. Later turns of that conversation
+  follow its session key (they resend the first turn, which is theirs alone).
+
+Tokens are approximated as `CHARS_PER_TOKEN` characters (no tokenizer runs at
+the edge), and a prefix is cut to whole blocks of `BLOCK_TOKENS` so a preamble
+that differs only in its unfinished last block keys the same way, as vLLM's
+block-granular prefix cache would treat it.
+
+Keys are namespaced by tenant: the same session id from two tenants is two
+sessions, and a tenant cannot aim at another's replica by reusing its key.
+Hashes are deterministic across processes (CRC-32, not Python's salted
+`hash`), since every proxy in a region must compute the same placement.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+CHARS_PER_TOKEN: Final = 4
+BLOCK_TOKENS: Final = 16
+BLOCK_CHARS: Final = BLOCK_TOKENS * CHARS_PER_TOKEN
+# A shared start shorter than this is cheap to prefill again: not worth
+# gathering requests on it (vLLM needs a full block anyway).
+PREFIX_MIN_TOKENS: Final = 256
+# Hashing stops here: a longer stable start is still told apart by its first
+# 64k characters, and hashing costs stay bounded.
+HASH_MAX_CHARS: Final = 65_536
+
+SESSION_HEADER: Final = "x-session-id"
+MAX_SESSION_KEY: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A placement key: a 32-bit hash, and what it stands for."""
+
+    value: int
+    kind: str  # "affinity" (a session) or "prefix" (a shared start)
+    source: str  # prompt_cache_key, header, user, conversation, prefix
+
+
+def placement_key(
+    endpoint: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    tenant: str,
+    *,
+    user_sessions: bool = False,
+    session_header: str = SESSION_HEADER,
+) -> Key | None:
+    """The key a request is placed by; None when it has nothing to stick to
+    (an empty prompt), which leaves placement to load alone."""
+    explicit = body.get("prompt_cache_key")
+    if isinstance(explicit, str) and explicit:
+        return _session(tenant, "k", explicit, "prompt_cache_key")
+    header = headers.get(session_header)
+    if header:
+        return _session(tenant, "h", header, "header")
+    if user_sessions:
+        user = body.get("user")
+        if isinstance(user, str) and user:
+            return _session(tenant, "u", user, "user")
+    if endpoint == "chat.completions":
+        return _chat_key(body, tenant)
+    text = _prompt_text(body.get("prompt") if endpoint == "completions" else body.get("input"))
+    if not text:
+        return None
+    # A bare prompt has no turns: its own block-aligned start is the prefix.
+    return _prefix(tenant, text[: _aligned(min(len(text), PREFIX_MIN_TOKENS * CHARS_PER_TOKEN))])
+
+
+def _session(tenant: str, kind: str, value: str, source: str) -> Key:
+    data = f"{tenant}\0{kind}\0{value[:MAX_SESSION_KEY]}".encode(errors="surrogatepass")
+    return Key(zlib.crc32(data), "affinity", source)
+
+
+def _prefix(tenant: str, text: str) -> Key:
+    data = f"{tenant}\0p\0".encode() + text[:HASH_MAX_CHARS].encode(errors="surrogatepass")
+    return Key(zlib.crc32(data), "prefix", "prefix")
+
+
+def _aligned(chars: int) -> int:
+    return chars - chars % BLOCK_CHARS
+
+
+def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    stable: list[str] = []  # leading system/developer messages, then tools
+    first_user: str | None = None
+    later_turns = False
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        if first_user is None:
+            if role in ("system", "developer"):
+                stable.append(_content_text(message.get("content")))
+            elif role == "user":
+                first_user = _content_text(message.get("content"))
+        elif role != "user":
+            later_turns = True
+            break
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        # Tools are part of every step's prompt (vLLM renders them into the
+        # system part); their JSON is stable per application.
+        stable.append(repr(tools))
+    preamble = "\n".join(stable)
+    # A first turn whose shared preamble outweighs its question gains most
+    # from the preamble's cache; a long first question is a session's own.
+    if (
+        not later_turns
+        and len(preamble) >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN
+        and len(preamble) >= len(first_user or "")
+    ):
+        return _prefix(tenant, preamble[: _aligned(len(preamble))])
+    if not preamble and first_user is None:
+        return None
+    return _session(tenant, "c", f"{preamble}\0{first_user or ''}", "conversation")
+
+
+def _content_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return ""
+
+
+def _prompt_text(prompt: object) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, int):
+            return repr(prompt[:PREFIX_MIN_TOKENS])
+        if isinstance(first, list):
+            return repr(first[:PREFIX_MIN_TOKENS])
+    return ""

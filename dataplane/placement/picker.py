@@ -1,0 +1,178 @@
+"""Ordering one region's origins for one request, and saying why.
+
+Three policies, chosen per tenant and model (`RoutingRules`):
+
+* `affinity` (the default for chat and completions): rendezvous hashing of
+  the request's placement key (dataplane.placement.keys) over the region's
+  origins, weighted by their weights, with bounded loads. Every proxy ranks
+  the same key the same way from the same table, so a session or a shared
+  prefix lands on the same replica from any proxy, across proxy restarts,
+  with nothing shared between proxies. The top-ranked origin is passed over
+  only while it is past its load bound (more than `load_bound` times its
+  weighted share of the region's load, and at least its capacity); the key
+  then goes to the next origin in its own ranking, which is where every proxy
+  sends it, so it re-pins rather than scatters. When an origin leaves the
+  table (unhealthy, drained) only its keys move, each to its next rank.
+* `least-loaded` (the default for embeddings): fewest requests per unit of
+  weight first, ties broken at random.
+* `weighted`: a weighted random order (what Ponto did before).
+
+The reason returned names what decided the first origin: `affinity` or
+`prefix` (its key's top rank), `load` (the load bound, or least-loaded),
+`weighted`. The caller adds `spill` and `failover` (dataplane.http.pipeline),
+which depend on the region and on the attempts.
+
+Loads come from a LoadBoard (dataplane.placement.load). Pure apart from
+reading it and the injected random source.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from dataplane.placement.keys import Key
+from dataplane.placement.load import LoadBoard
+from dataplane.routes import Target
+
+AFFINITY: Final = "affinity"
+LEAST_LOADED: Final = "least-loaded"
+WEIGHTED: Final = "weighted"
+MODES: Final = frozenset({AFFINITY, LEAST_LOADED, WEIGHTED})
+
+DEFAULT_LOAD_BOUND: Final = 1.25
+# An origin that states no capacity counts as full at this many requests: a
+# key does not leave a replica that is merely busier than an idle neighbour.
+UNKNOWN_CAPACITY: Final = 4
+
+_M64: Final = (1 << 64) - 1
+_MULTIPLIER: Final = 0xD6E8FEB86659FD93  # odd, from Steele and Vigna's mixers
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRules:
+    """A tenant's routing policy, compiled from its table entry."""
+
+    mode: str = ""  # "" = the endpoint's default
+    models: Mapping[str, str] = field(default_factory=dict)
+    user_sessions: bool = False
+    load_bound: float = DEFAULT_LOAD_BOUND
+
+    def mode_for(self, endpoint: str, model: str) -> str:
+        mode = self.models.get(model) or self.mode
+        if mode:
+            return mode
+        return LEAST_LOADED if endpoint == "embeddings" else AFFINITY
+
+
+def spread(key: int, seed: int) -> int:
+    """A deterministic, well-spread 64-bit value for (key, origin): a
+    multiplicative hash of their XOR. Two operations, because it runs for
+    every origin of a region on every request."""
+    return ((key ^ seed) * _MULTIPLIER) & _M64
+
+
+def ranked(group: Sequence[Target], key: int) -> list[Target]:
+    """The group in the key's rendezvous order (highest random weight first).
+
+    With equal weights the order is by `spread` alone; otherwise each origin's
+    score is -weight / ln(u) for its spread u in (0, 1), which makes an origin
+    rank first with probability weight / total (weighted rendezvous hashing).
+    """
+    w0 = group[0].weight
+    scores: list[int] | list[float]
+    if all(t.weight == w0 for t in group):
+        scores = [((key ^ t.seed) * _MULTIPLIER) & _M64 for t in group]
+    else:
+        scores = [
+            -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
+        ]
+    order = sorted(range(len(group)), key=scores.__getitem__, reverse=True)
+    return [group[i] for i in order]
+
+
+class Picker:
+    """Orders candidates by policy. One per proxy; single event loop."""
+
+    def __init__(self, loads: LoadBoard, rand: Callable[[], float] = random.random) -> None:
+        self.loads = loads
+        self._rand = rand
+
+    def order(
+        self,
+        groups: Sequence[tuple[Target, ...]],
+        mode: str,
+        key: Key | None,
+        *,
+        load_bound: float = DEFAULT_LOAD_BOUND,
+        limit: int = 0,
+    ) -> tuple[list[Target], str]:
+        """Candidates in order (groups kept in their order, each ordered by
+        the policy) and the reason for the first; stops after the group that
+        reaches `limit` (0: no limit)."""
+        out: list[Target] = []
+        reason = ""
+        for group in groups:
+            if limit and len(out) >= limit:
+                break
+            ordered, why = self._group(group, mode, key, load_bound)
+            if not out:
+                reason = why
+            out.extend(ordered)
+        return out, reason
+
+    def over_bound(self, target: Target, group: Sequence[Target], bound: float) -> bool:
+        """True when target holds more than `bound` times its weighted share of
+        the group's load (counting the request being placed) and at least its
+        capacity."""
+        load = self.loads.load
+        total = 1.0 + sum(load(t.name) for t in group)
+        weights = sum(t.weight for t in group)
+        return _over(load(target.name), target, total, weights, bound)
+
+    def _group(
+        self, group: tuple[Target, ...], mode: str, key: Key | None, bound: float
+    ) -> tuple[list[Target], str]:
+        if mode == WEIGHTED:
+            return self._weighted(group), WEIGHTED
+        if mode != AFFINITY or key is None:
+            return self._least_loaded(group), "load"
+        if len(group) == 1:
+            return [group[0]], key.kind
+        order = ranked(group, key.value)
+        load = self.loads.load
+        first = order[0]
+        first_load = load(first.name)
+        if first_load < (first.capacity or UNKNOWN_CAPACITY):
+            return order, key.kind  # the common case: its replica has room
+        loads = {t.name: load(t.name) for t in group}
+        total = 1.0 + sum(loads.values())
+        weights = sum(t.weight for t in group)
+        for i, target in enumerate(order):
+            if not _over(loads[target.name], target, total, weights, bound):
+                if i == 0:
+                    return order, key.kind
+                return [target, *order[:i], *order[i + 1 :]], "load"
+        # Every replica is past its bound: the least loaded takes it.
+        return self._least_loaded(group), "load"
+
+    def _least_loaded(self, group: tuple[Target, ...]) -> list[Target]:
+        if len(group) == 1:
+            return [group[0]]
+        load, rand = self.loads.load, self._rand
+        return sorted(group, key=lambda t: ((load(t.name) + 1.0) / t.weight, rand()))
+
+    def _weighted(self, group: tuple[Target, ...]) -> list[Target]:
+        if len(group) == 1:
+            return [group[0]]
+        rand = self._rand
+        # Efraimidis-Spirakis: each origin leads with probability weight/sum.
+        return sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True)
+
+
+def _over(load: float, target: Target, total: float, weights: int, bound: float) -> bool:
+    share = bound * total * target.weight / weights
+    return load >= share and load >= (target.capacity or UNKNOWN_CAPACITY)

@@ -1,0 +1,277 @@
+"""Placement inside a region: keys, the picker's policies, and the load board."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+
+from dataplane.placement.keys import BLOCK_CHARS, PREFIX_MIN_TOKENS, Key, placement_key
+from dataplane.placement.load import LoadBoard
+from dataplane.placement.picker import (
+    AFFINITY,
+    LEAST_LOADED,
+    WEIGHTED,
+    Picker,
+    RoutingRules,
+    ranked,
+)
+from dataplane.routes import Target, origin_seed
+from ponto.v1 import routing_pb2 as pb
+
+LONG = "You are the support agent of Example Corp. " * 40  # ~1,700 characters
+
+
+def target(name: str, weight: int = 100, capacity: int = 8) -> Target:
+    return Target(
+        name, "r1", f"http://{name}/v1", weight, capacity=capacity, seed=origin_seed(name)
+    )
+
+
+GROUP = tuple(target(f"o{i}") for i in range(8))
+
+
+def chat(*messages: tuple[str, str], **extra: object) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": r, "content": c} for r, c in messages],
+        **extra,
+    }
+
+
+def key_of(body: dict[str, object], headers: dict[str, str] | None = None, **kw: object) -> Key:
+    key = placement_key("chat.completions", body, headers or {}, "acme", **kw)  # type: ignore[arg-type]
+    assert key is not None
+    return key
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_session_key_sources_in_order() -> None:
+    body = chat(("user", "hi"), prompt_cache_key="pk", user="alice")
+    assert key_of(body, {"x-session-id": "h"}).source == "prompt_cache_key"
+    del body["prompt_cache_key"]
+    assert key_of(body, {"x-session-id": "h"}).source == "header"
+    assert key_of(body).source == "conversation"  # user is opt-in
+    assert key_of(body, user_sessions=True).source == "user"
+    assert key_of(body, {"x-other": "h"}, session_header="x-other").source == "header"
+
+
+def test_same_session_value_same_key_and_different_values_differ() -> None:
+    one = key_of(chat(("user", "a")), {"x-session-id": "s1"})
+    again = key_of(chat(("user", "b"), ("assistant", "c")), {"x-session-id": "s1"})
+    other = key_of(chat(("user", "a")), {"x-session-id": "s2"})
+    assert one == again
+    assert one.value != other.value
+
+
+def test_a_session_key_never_crosses_tenants() -> None:
+    body = chat(("user", "a"), prompt_cache_key="shared-id")
+    a = placement_key("chat.completions", body, {}, "acme")
+    b = placement_key("chat.completions", body, {}, "globex")
+    assert a is not None and b is not None
+    assert a.value != b.value
+
+
+def test_every_step_of_an_agent_loop_has_the_conversation_key() -> None:
+    steps = [("system", "Be an agent."), ("user", "Fix the bug in parser.py")]
+    first = key_of(chat(*steps))
+    for i in range(5):
+        steps += [("assistant", f"calling tool {i}"), ("tool", f"result {i}" * 50)]
+        assert key_of(chat(*steps)) == first
+    assert first.kind == "affinity"
+    other_task = key_of(chat(("system", "Be an agent."), ("user", "Write the docs")))
+    assert other_task.value != first.value
+
+
+def test_a_long_shared_preamble_keys_first_turns_by_prefix() -> None:
+    a = key_of(chat(("system", LONG), ("user", "What are your hours?")))
+    b = key_of(chat(("system", LONG), ("user", "Where is my order?")))
+    assert a.kind == b.kind == "prefix"
+    assert a == b
+    # The unfinished last block does not matter: vLLM caches whole blocks.
+    cut = len(LONG) - len(LONG) % BLOCK_CHARS
+    c = key_of(chat(("system", LONG[:cut] + "x"), ("user", "?")))
+    assert c == a
+    # A later turn follows the conversation instead.
+    later = key_of(chat(("system", LONG), ("user", "Hi"), ("assistant", "Hello")))
+    assert later.kind == "affinity"
+
+
+def test_a_short_preamble_or_a_long_question_is_a_session() -> None:
+    assert key_of(chat(("system", "Be brief."), ("user", "q"))).kind == "affinity"
+    long_question = "x" * (len(LONG) * 2)
+    assert key_of(chat(("system", LONG), ("user", long_question))).kind == "affinity"
+    assert len(LONG) >= PREFIX_MIN_TOKENS * 4
+
+
+def test_tools_are_part_of_the_preamble() -> None:
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": LONG}} for i in (1, 2)
+    ]
+    a = key_of(chat(("user", "q1"), tools=tools))
+    b = key_of(chat(("user", "q2"), tools=tools))
+    assert a.kind == "prefix" and a == b
+
+
+def test_completions_and_embeddings_key_by_the_prompt_start() -> None:
+    p1 = placement_key("completions", {"prompt": LONG + "one"}, {}, "t")
+    p2 = placement_key("completions", {"prompt": LONG + "two"}, {}, "t")
+    assert p1 is not None and p1 == p2 and p1.kind == "prefix"
+    assert placement_key("completions", {"prompt": ""}, {}, "t") is None
+    tokens = placement_key("completions", {"prompt": [1, 2, 3]}, {}, "t")
+    assert tokens is not None
+    e = placement_key("embeddings", {"input": ["a text"]}, {}, "t")
+    assert e is not None
+
+
+def test_malformed_messages_give_no_key_instead_of_failing() -> None:
+    assert placement_key("chat.completions", {"messages": "x"}, {}, "t") is None
+    assert placement_key("chat.completions", {"messages": [1, None]}, {}, "t") is None
+    parts = chat(("user", "x"))
+    parts["messages"] = [{"role": "user", "content": [{"type": "text", "text": "hi"}, 3]}]
+    assert key_of(parts).kind == "affinity"
+
+
+# ---------------------------------------------------------------- picker
+
+
+def test_rendezvous_spreads_keys_evenly_and_moves_only_the_dead_replicas_keys() -> None:
+    keys = range(0, 40_000, 5)
+    first = {k: ranked(GROUP, k)[0].name for k in keys}
+    counts = Counter(first.values())
+    assert len(counts) == 8
+    assert max(counts.values()) < 1.2 * len(keys) / 8
+    survivors = tuple(t for t in GROUP if t.name != "o3")
+    for k in keys:
+        now = ranked(survivors, k)[0].name
+        if first[k] != "o3":
+            assert now == first[k]  # nobody else's sessions move
+        else:
+            assert now == ranked(GROUP, k)[1].name  # to its own second choice
+
+
+def test_weighted_rendezvous_follows_the_weights() -> None:
+    group = (target("big", weight=300), target("small", weight=100))
+    counts = Counter(ranked(group, k)[0].name for k in range(20_000))
+    assert 0.70 < counts["big"] / 20_000 < 0.80
+
+
+def test_affinity_keeps_a_key_on_its_replica_until_the_load_bound() -> None:
+    loads = LoadBoard()
+    picker = Picker(loads)
+    key = Key(12345, "affinity", "header")
+    home = ranked(GROUP, key.value)[0]
+    order, why = picker.order([GROUP], AFFINITY, key)
+    assert order[0] is home and why == "affinity"
+    # Busier than its neighbours but under its capacity: it stays.
+    for _ in range(6):
+        loads.started(home.name)
+    order, why = picker.order([GROUP], AFFINITY, key)
+    assert order[0] is home and why == "affinity"
+    # At its capacity and far past its share: the key moves to its second rank.
+    for _ in range(4):
+        loads.started(home.name)
+    order, why = picker.order([GROUP], AFFINITY, key)
+    assert order[0] is ranked(GROUP, key.value)[1]
+    assert why == "load"
+    assert home in order  # still a failover candidate
+    # Load falls back: it returns.
+    for _ in range(10):
+        loads.finished(home.name)
+    assert picker.order([GROUP], AFFINITY, key)[0][0] is home
+
+
+def test_bounded_loads_spread_a_hot_key_when_every_replica_is_busy() -> None:
+    loads = LoadBoard()
+    picker = Picker(loads)
+    key = Key(99, "prefix", "prefix")
+    placed: Counter[str] = Counter()
+    for _ in range(200):  # 200 requests of one prefix, none finishing
+        order, _ = picker.order([GROUP], AFFINITY, key)
+        loads.started(order[0].name)
+        placed[order[0].name] += 1
+    # Each replica takes the key up to the bound, in the key's own ranking
+    # (so every proxy spills it to the same replicas), and none passes it.
+    assert max(placed.values()) <= 1.25 * 200 / 8 + 1
+    used = [t.name for t in ranked(GROUP, key.value) if placed[t.name]]
+    assert used == [t.name for t in ranked(GROUP, key.value)][: len(used)]
+    assert len(used) >= 6
+
+
+def test_least_loaded_and_weighted_modes() -> None:
+    loads = LoadBoard()
+    picker = Picker(loads, rand=random.Random(1).random)
+    for t, n in zip(GROUP, itertools.count(3), strict=False):
+        for _ in range(n):
+            loads.started(t.name)
+    loads.finished(GROUP[5].name)
+    for _ in range(8):
+        loads.finished(GROUP[5].name)
+    order, why = picker.order([GROUP], LEAST_LOADED, None)
+    assert order[0] is GROUP[5] and why == "load"
+    order, why = picker.order([GROUP], AFFINITY, None)  # nothing to stick to
+    assert order[0] is GROUP[5] and why == "load"
+    firsts = Counter(picker.order([GROUP], WEIGHTED, None)[0][0].name for _ in range(800))
+    assert len(firsts) == 8
+    assert picker.order([GROUP], WEIGHTED, None)[1] == "weighted"
+
+
+def test_groups_keep_their_order_and_the_limit_stops_after_a_group() -> None:
+    other = tuple(target(f"far{i}") for i in range(3))
+    key = Key(7, "affinity", "header")
+    order, _ = Picker(LoadBoard()).order([GROUP, other], AFFINITY, key)
+    assert {t.name for t in order[:8]} == {t.name for t in GROUP}
+    assert [t.name for t in order[8:]] == [t.name for t in ranked(other, 7)]
+    limited, _ = Picker(LoadBoard()).order([GROUP, other], AFFINITY, key, limit=3)
+    assert len(limited) == 8
+
+
+def test_rules_default_by_endpoint_and_model_overrides() -> None:
+    rules = RoutingRules()
+    assert rules.mode_for("chat.completions", "m") == AFFINITY
+    assert rules.mode_for("embeddings", "e") == LEAST_LOADED
+    rules = RoutingRules(mode=WEIGHTED, models={"m": LEAST_LOADED})
+    assert rules.mode_for("chat.completions", "m") == LEAST_LOADED
+    assert rules.mode_for("chat.completions", "x") == WEIGHTED
+
+
+# ---------------------------------------------------------------- load board
+
+
+def test_load_is_the_scrape_plus_this_proxys_requests_since() -> None:
+    now = [1000.0]
+    board = LoadBoard(clock=lambda: now[0])
+    assert board.load("a") == 0 and board.age() == float("inf")
+    board.started("a")
+    board.started("a")
+    assert board.load("a") == 2
+    # The scrape saw our two, and three from other proxies.
+    assert board.apply(pb.OriginLoads(generation=5, scraped_at=999.5, loads=[
+        pb.OriginLoad(origin="a", running=4, waiting=1),
+    ]))  # fmt: skip
+    assert board.load("a") == 5
+    board.started("a")
+    assert board.load("a") == 6
+    board.finished("a")
+    board.finished("a")
+    board.finished("a")
+    assert board.load("a") == 3  # ours are done; the other proxies' three remain
+    assert board.age() == pytest.approx(0.5)
+    # An older scrape changes nothing.
+    assert not board.apply(pb.OriginLoads(generation=4, loads=[pb.OriginLoad(origin="a")]))
+    assert board.load("a") == 3
+    scraped = board.scraped("a")
+    assert scraped is not None and scraped.running == 4
+
+
+def test_own_requests_count_even_when_a_scrape_lags() -> None:
+    board = LoadBoard()
+    board.apply(pb.OriginLoads(generation=1, loads=[pb.OriginLoad(origin="a", running=0)]))
+    for _ in range(3):
+        board.started("a")
+    board.apply(pb.OriginLoads(generation=2, loads=[pb.OriginLoad(origin="a", running=1)]))
+    assert board.load("a") == 3  # never less than what this proxy has in flight
