@@ -4,7 +4,8 @@
 
 1. Routing cost, in-process: locate the client (real .mmdb through geoip2),
    home it, order the candidates, apply passive health. Compared side by side
-   with the cost of the request's JSON parse, measured in the same run.
+   with the cost of the request's JSON parse, measured in the same run. Then
+   the placement inside the region (key + scorer) per policy and prompt shape.
 2. Origin death: steady load from a client near us-east; the us-east origin
    process is killed; time until responses come from the next region, and how
    many requests failed.
@@ -21,14 +22,17 @@ import threading
 import time
 import timeit
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import orjson
 
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
-from dataplane.routes import build_routes
+from dataplane.placement.keys import placement_key
+from dataplane.placement.load import LoadBoard
+from dataplane.placement.picker import AFFINITY, LEAST_LOADED, WEIGHTED, Picker
+from dataplane.routes import Target, build_routes, origin_seed
 from dataplane.upstream.outlier import OutlierDetector
 from ponto.fleet import Fleet, RegionDef
 from ponto.routetable import content_etag
@@ -88,6 +92,58 @@ def routing_cost(n: int) -> None:
     print(f"  JSON parse of a 1 kB chat body, same run:       {t_parse * 1e6:.1f} us "
           f"(routing/parse = {t_route / t_parse:.1f}x)")  # fmt: skip
     print(f"  per table (validate + precompute all homes):    {t_build * 1e3:.2f} ms")
+
+
+def placement_cost(n: int) -> None:
+    """Choosing the replica inside a region: the placement key plus the
+    scorer, for 8 replicas with uneven load, per policy and prompt shape."""
+    group = tuple(
+        Target(f"r{i}", "eu-west", f"http://r{i}.example/v1", 100, capacity=16,
+               seed=origin_seed(f"r{i}"))
+        for i in range(8)
+    )  # fmt: skip
+    loads = LoadBoard()
+    picker = Picker(loads)
+    for i, replica in enumerate(group):
+        for _ in range(i * 2):
+            loads.started(replica.name)
+    system = {"role": "system", "content": "You are a careful coding agent. " * 130}  # ~1k tokens
+    agent: list[dict[str, str]] = [system, {"role": "user", "content": "Fix the parser. " * 60}]
+    while sum(len(m["content"]) for m in agent) < 48_000:  # ~12k tokens, 15 steps
+        agent += [{"role": "assistant", "content": "Calling the tool. " * 80},
+                  {"role": "user", "content": "Tool output line. " * 100}]  # fmt: skip
+    shapes: dict[str, Mapping[str, object]] = {
+        "agent step, 12k tokens, no session id": {"messages": agent},
+        "agent step, x-session-id": {"messages": agent},
+        "4k-token shared prefix, first turn": {
+            "messages": [
+                {"role": "system", "content": "Policy text. " * 1300},
+                {"role": "user", "content": "Where is my order?"},
+            ]
+        },
+        "short chat": {"messages": [{"role": "user", "content": "hello there"}]},
+    }
+    print("\n## Placement inside a region (8 replicas; key + scorer), aim < 20 us")
+    worst = 0.0
+    for label, body in shapes.items():
+        headers = {"x-session-id": "task-42"} if "x-session-id" in label else {}
+
+        def place(body: Mapping[str, object] = body, headers: dict[str, str] = headers) -> None:
+            key = placement_key("chat.completions", body, headers, "acme")
+            picker.order([group], AFFINITY, key, limit=3)
+
+        t = min(timeit.repeat(place, number=n, repeat=5)) / n
+        worst = max(worst, t)
+        print(f"  affinity, {label:<40} {t * 1e6:6.1f} us")
+    for mode in (LEAST_LOADED, WEIGHTED):
+
+        def order(mode: str = mode) -> None:
+            picker.order([group], mode, None, limit=3)
+
+        t = min(timeit.repeat(order, number=n, repeat=5)) / n
+        worst = max(worst, t)
+        print(f"  {mode:<50} {t * 1e6:6.1f} us")
+    print(f"  worst {worst * 1e6:.1f} us: {'PASS' if worst < 20e-6 else 'MISS'} (aim < 20 us)")
 
 
 BODY_FOR_PARSE = {
@@ -197,6 +253,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     routing_cost(2_000 if args.quick else 20_000)
+    placement_cost(2_000 if args.quick else 20_000)
     with tempfile.TemporaryDirectory() as tmp:
         failover_and_drain(Path(tmp), 4 if args.quick else 10)
     return 0

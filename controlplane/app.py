@@ -19,6 +19,7 @@ from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.election import Leadership
 from controlplane.health import Prober
+from controlplane.loadsync import LoadHub, LoadScraper
 from controlplane.quotasync import QuotaHub, Rebalancer
 from controlplane.readiness import ReplicaHealth
 from controlplane.registry import ProxyRegistry
@@ -53,7 +54,8 @@ class ControlPlane:
         self.quotas = QuotaHub(
             store, settings.replica_id, self.registry.lease, settings.quota_interval
         )
-        self.routing = RoutingService(self.registry, self.publisher, self.quotas)
+        self.loads = LoadHub(store)
+        self.routing = RoutingService(self.registry, self.publisher, self.quotas, self.loads)
         self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
         self.rebalancer = Rebalancer(
             store,
@@ -67,6 +69,9 @@ class ControlPlane:
             settings.probe,
             may_write=lambda: self.leadership.is_leader,
             fence=lambda: self.leadership.fence,
+        )
+        self.scraper = LoadScraper(
+            store, self.publisher, settings.probe, fence=lambda: self.leadership.fence
         )
         self.health = health.aio.HealthServicer()
         self.status = ReplicaHealth(self.health, store, self.publisher)
@@ -132,6 +137,7 @@ class ControlPlane:
             asyncio.create_task(self.leadership.run(self._lead), name="election"),
             asyncio.create_task(self.quotas.publish_demand(), name="quota-demand"),
             asyncio.create_task(self.quotas.watch(), name="quota-shares"),
+            asyncio.create_task(self.loads.watch(), name="origin-loads"),
             asyncio.create_task(self.status.run(), name="health-status"),
         ]
         security = self.settings.security
@@ -153,7 +159,7 @@ class ControlPlane:
 
     async def _lead(self) -> None:
         """The loops only the leader runs."""
-        await asyncio.gather(self.prober.run(), self.rebalancer.run())
+        await asyncio.gather(self.prober.run(), self.rebalancer.run(), self.scraper.run())
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -5,7 +5,9 @@ origin's scheme://host:port, so vLLM's /health works) and its Prometheus
 metrics are read for vLLM's load gauges. Health changes after `rise`
 consecutive successes or `fall` consecutive failures. Results are written to
 the store only when they change what proxies would do (health, or load by a
-tenth of capacity), so probing does not churn route tables.
+tenth of capacity), so probing does not churn route tables. The fresh
+per-origin load that proxies place requests by is scraped apart, more often,
+and pushed outside tables (controlplane.loadsync).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class ProbeSettings:
     metrics_path: str = "/metrics"
     rise: int = 2
     fall: int = 2
+    # The load scraper's own cadence (controlplane.loadsync), apart from the
+    # health probes: how often load is scraped, and how long the load key may
+    # go unwritten while nothing changes (proxies tell stale figures by age).
+    load_interval: float = 0.5
+    load_refresh: float = 2.0
 
 
 @dataclass

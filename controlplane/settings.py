@@ -90,6 +90,20 @@ def parse(argv: list[str]) -> Settings:
         default="/metrics",
         help="Prometheus path with vLLM load gauges ('' to skip)",
     )
+    p.add_argument(
+        "--load-interval-ms",
+        type=int,
+        default=500,
+        help="how often the leader scrapes every origin's vLLM load gauges from "
+        "--metrics-path and pushes them to the proxies (no route table is rebuilt)",
+    )
+    p.add_argument(
+        "--load-refresh-ms",
+        type=int,
+        default=2000,
+        help="write origin loads at least this often even when they did not change, "
+        "so proxies can tell figures that are current from figures no leader updates",
+    )
     p.add_argument("--rise", type=int, default=2, help="successes before an origin is healthy")
     p.add_argument("--fall", type=int, default=2, help="failures before an origin is unhealthy")
     p.add_argument(
@@ -130,6 +144,10 @@ def parse(argv: list[str]) -> Settings:
         p.error("--leader-ttl must be at least 2 seconds")
     if min(a.probe_interval_ms, a.probe_timeout_ms, a.rise, a.fall) < 1:
         p.error("probe interval, timeout, rise and fall must be positive")
+    if a.load_interval_ms < 50:
+        p.error("--load-interval-ms must be at least 50")
+    if a.load_refresh_ms < a.load_interval_ms:
+        p.error("--load-refresh-ms must be at least --load-interval-ms")
     if not a.probe_path.startswith("/"):
         p.error("--probe-path must start with /")
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
@@ -177,6 +195,8 @@ def parse(argv: list[str]) -> Settings:
             metrics_path=a.metrics_path,
             rise=a.rise,
             fall=a.fall,
+            load_interval=a.load_interval_ms / 1000,
+            load_refresh=a.load_refresh_ms / 1000,
         ),
         security=security,
         health_listen=a.health_listen,

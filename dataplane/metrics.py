@@ -201,6 +201,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.loads_age = Gauge(
+            "ponto_origin_loads_age_seconds",
+            "Age of the origins' live load figures the control plane last pushed "
+            "(-1 before the first)",
+            registry=r,
+        )
         self.table_version = Gauge(
             "ponto_route_table_version", "Version of the route table being served", registry=r
         )
@@ -308,8 +314,10 @@ class Metrics:
         connected: Callable[[], float],
         last_heard: Callable[[], float],
         nacks: Callable[[], float],
+        loads_age: Callable[[], float] = lambda: float("inf"),
     ) -> None:
         """Read state at scrape time instead of updating gauges on the hot path."""
+        self.loads_age.set_function(lambda: -1.0 if math.isinf(age := loads_age()) else age)
         self.table_version.set_function(version)
         self.cp_connected.set_function(connected)
         self.table_age.set_function(

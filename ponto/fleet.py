@@ -174,9 +174,23 @@ class Fleet:
         self.admin().PutRegion(apb.PutRegionRequest(region=spec, allow_update=True), timeout=10)
 
     def add_origin(
-        self, name: str, region: str, url: str, models: tuple[str, ...] = DEMO_MODELS
+        self,
+        name: str,
+        region: str,
+        url: str,
+        models: tuple[str, ...] = DEMO_MODELS,
+        *,
+        weight: int = 0,
+        capacity: int = 0,
     ) -> None:
-        spec = apb.OriginSpec(name=name, base_url=url, region=region, models=list(models))
+        spec = apb.OriginSpec(
+            name=name,
+            base_url=url,
+            region=region,
+            models=list(models),
+            weight=weight,
+            capacity=capacity,
+        )
         self.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
 
     def wait_table(self, ready: Callable[[pb.RouteTable], bool], timeout: float = 10.0) -> int:

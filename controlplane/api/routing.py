@@ -1,8 +1,8 @@
 """The Routing service: proxy registration and the route table stream.
 
 RouteStream is registered through a generic handler whose response serializer
-is the identity, so the bytes serialised once per push by the Publisher go to
-every stream as they are.
+is the identity, so the bytes serialised once per push by the Publisher (and
+once per change of origin loads by the LoadHub) go to every stream as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import grpc
 from controlplane.api.errors import grpc_errors
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import InvalidArgument
+from controlplane.loadsync import LoadHub
 from controlplane.model import NAME_RE, check_name
 from controlplane.quotasync import QuotaHub
 from controlplane.registry import ProxyRegistry
@@ -40,12 +41,14 @@ class RoutingService:
         registry: ProxyRegistry,
         publisher: Publisher,
         quotas: QuotaHub | None = None,
+        loads: LoadHub | None = None,
         *,
         write_timeout: float = 30.0,
     ) -> None:
         self._registry = registry
         self._publisher = publisher
         self._quotas = quotas
+        self._loads = loads
         self._write_timeout = write_timeout
         self.streams = 0
         self.slow_closed = 0
@@ -107,6 +110,11 @@ class RoutingService:
         sent_quota_payload = b""
         tables: asyncio.Future[Snapshot] | None = None
         quotas: asyncio.Future[tuple[int, bytes]] | None = None
+        # Loads are the same bytes for every stream; only the generation sent
+        # is per stream.
+        hub = self._loads
+        sent_loads = 0
+        loads: asyncio.Future[tuple[int, bytes]] | None = None
         try:
             while not reader.done():
                 if tables is None:
@@ -115,9 +123,13 @@ class RoutingService:
                     quotas = asyncio.ensure_future(
                         self._quotas.next_for(name, sent_quota, sent_quota_payload)
                     )
+                if loads is None and hub is not None:
+                    loads = asyncio.ensure_future(hub.next_after(sent_loads))
                 waiting: set[asyncio.Future[Any]] = {tables, reader}
                 if quotas is not None:
                     waiting.add(quotas)
+                if loads is not None:
+                    waiting.add(loads)
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if reader in done or session_id not in self._registry.sessions:
                     break  # the proxy left, or registered again on a new stream
@@ -130,23 +142,22 @@ class RoutingService:
                     sent_quota, sent_quota_payload = quotas.result()
                     quotas = None
                     payloads.append(sent_quota_payload)
+                send_loads = loads is not None and loads in done
+                if send_loads:
+                    loads = None
                 for payload in payloads:
-                    try:
-                        # asyncio.timeout, not wait_for: no task per write.
-                        async with asyncio.timeout(self._write_timeout):
-                            await context.write(payload)
-                    except TimeoutError:
-                        # Linkerd's rule: never let one stuck stream hold memory or
-                        # block others; close it, count it, let the proxy reconnect.
-                        self.slow_closed += 1
-                        log.warning(
-                            "closing stream of %s: write blocked %ss", name, self._write_timeout
-                        )
+                    if not await self._write(context, name, payload):
+                        return
+                if send_loads and hub is not None:
+                    # The newest now, not the one that woke the waiter: a
+                    # stream held up by the writes above skips what came meanwhile.
+                    sent_loads = hub.generation
+                    if not await self._write(context, name, hub.payload):
                         return
         finally:
             self.streams -= 1
             reader.cancel()
-            for waiter in (tables, quotas):
+            for waiter in (tables, quotas, loads):
                 if waiter is not None:
                     waiter.cancel()
             if self._quotas is not None:
@@ -159,6 +170,22 @@ class RoutingService:
             with contextlib.suppress(BaseException):
                 await reader
             log.info("proxy %s stream closed", name)
+
+    async def _write(
+        self, context: grpc.aio.ServicerContext[Any, Any], name: str, payload: bytes
+    ) -> bool:
+        """Write one push; False if the stream was stuck and must be closed."""
+        try:
+            # asyncio.timeout, not wait_for: no task per write.
+            async with asyncio.timeout(self._write_timeout):
+                await context.write(payload)
+        except TimeoutError:
+            # Linkerd's rule: never let one stuck stream hold memory or block
+            # others; close it, count it, let the proxy reconnect.
+            self.slow_closed += 1
+            log.warning("closing stream of %s: write blocked %ss", name, self._write_timeout)
+            return False
+        return True
 
     async def _read_acks(
         self, session_id: str, name: str, requests: AsyncIterator[pb.RouteRequest]

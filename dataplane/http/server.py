@@ -94,6 +94,7 @@ class Proxy:
             info,
             credentials=settings.credentials,
             on_quota=quota.on_quota,
+            on_loads=self.loads.apply,
             demand=quota.demand,
             report_interval=settings.report_interval,
         )
@@ -104,6 +105,7 @@ class Proxy:
             connected=lambda: 1.0 if client.connected else 0.0,
             last_heard=lambda: holder.received_at or holder.applied_at,
             nacks=lambda: float(client.nacks),
+            loads_age=self.loads.age,
         )
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:

@@ -40,9 +40,10 @@ BLOCK_CHARS: Final = BLOCK_TOKENS * CHARS_PER_TOKEN
 # A shared start shorter than this is cheap to prefill again: not worth
 # gathering requests on it (vLLM needs a full block anyway).
 PREFIX_MIN_TOKENS: Final = 256
-# Hashing stops here: a longer stable start is still told apart by its first
-# 64k characters, and hashing costs stay bounded.
-HASH_MAX_CHARS: Final = 65_536
+# Keys hash at most this much of each part (about 1k tokens): prompts that
+# share their first 1k tokens share those blocks in a replica's KV cache, so
+# gathering them is right, and hashing stays cheap for 100k-token prompts.
+HASH_CHARS: Final = 4096
 
 SESSION_HEADER: Final = "x-session-id"
 MAX_SESSION_KEY: Final = 256
@@ -84,7 +85,7 @@ def placement_key(
     if not text:
         return None
     # A bare prompt has no turns: its own block-aligned start is the prefix.
-    return _prefix(tenant, text[: _aligned(min(len(text), PREFIX_MIN_TOKENS * CHARS_PER_TOKEN))])
+    return _prefix(tenant, text[: _aligned(min(len(text), HASH_CHARS))] or text)
 
 
 def _session(tenant: str, kind: str, value: str, source: str) -> Key:
@@ -93,7 +94,7 @@ def _session(tenant: str, kind: str, value: str, source: str) -> Key:
 
 
 def _prefix(tenant: str, text: str) -> Key:
-    data = f"{tenant}\0p\0".encode() + text[:HASH_MAX_CHARS].encode(errors="surrogatepass")
+    data = f"{tenant}\0p\0".encode() + text[:HASH_CHARS].encode(errors="surrogatepass")
     return Key(zlib.crc32(data), "prefix", "prefix")
 
 
@@ -125,18 +126,35 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
         # Tools are part of every step's prompt (vLLM renders them into the
         # system part); their JSON is stable per application.
         stable.append(repr(tools))
-    preamble = "\n".join(stable)
+    length = sum(map(len, stable)) + len(stable)
+    question = first_user or ""
     # A first turn whose shared preamble outweighs its question gains most
     # from the preamble's cache; a long first question is a session's own.
     if (
         not later_turns
-        and len(preamble) >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN
-        and len(preamble) >= len(first_user or "")
+        and length >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN
+        and length >= len(question)
     ):
-        return _prefix(tenant, preamble[: _aligned(len(preamble))])
-    if not preamble and first_user is None:
+        return _prefix(tenant, _head(stable, _aligned(min(length, HASH_CHARS))))
+    if not stable and first_user is None:
         return None
-    return _session(tenant, "c", f"{preamble}\0{first_user or ''}", "conversation")
+    data = f"{tenant}\0c\0{length}\0".encode()
+    crc = zlib.crc32(_head(stable, HASH_CHARS).encode(errors="surrogatepass"), zlib.crc32(data))
+    crc = zlib.crc32(question[:HASH_CHARS].encode(errors="surrogatepass"), crc)
+    return Key(crc, "affinity", "conversation")
+
+
+def _head(parts: list[str], chars: int) -> str:
+    """The first `chars` characters of the parts joined by newlines, without
+    joining more than that."""
+    out: list[str] = []
+    left = chars
+    for part in parts:
+        if left <= 0:
+            break
+        out.append(part[:left])
+        left -= len(part) + 1
+    return "\n".join(out)[:chars]
 
 
 def _content_text(content: object) -> str:

@@ -1,8 +1,10 @@
-"""The proxy's link to the control plane: register, take tables and shares, report.
+"""The proxy's link to the control plane: register, take tables, shares and
+origin loads, report.
 
 Tables go to the TableHolder (dataplane.sync.holder), which keeps serving the
 last good one whatever happens to this link; rate-limit shares go to
-QuotaState (dataplane.sync.quota).
+QuotaState (dataplane.sync.quota); origin loads to whoever passed `on_loads`
+(the LoadBoard, dataplane.placement.load).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ControlPlaneClient:
         *,
         credentials: ClientOptions | None = None,
         on_quota: Callable[[pb.QuotaShares], None] | None = None,
+        on_loads: Callable[[pb.OriginLoads], object] | None = None,
         demand: Callable[[], list[pb.ScopeDemand]] | None = None,
         report_interval: float = 1.0,
         backoff_min: float = 0.2,
@@ -52,10 +55,12 @@ class ControlPlaneClient:
         self._backoff_max = backoff_max
         self._credentials = credentials or ClientOptions()
         self._on_quota = on_quota
+        self._on_loads = on_loads
         self._demand = demand
         self._report_interval = report_interval
         self.connected = False
         self.quota_generation = 0
+        self.loads_generation = 0
         self.nacks = 0
         self.connects = 0
         # Registration waits until the proxy knows the address it serves on
@@ -129,6 +134,8 @@ class ControlPlaneClient:
                     self.connected = True
                     if update.HasField("quota"):
                         self._apply_quota(update.quota)
+                    if update.HasField("loads"):
+                        self._apply_loads(update.loads)
                     if update.HasField("table"):
                         got_table = True
                         outbox.put_nowait(self._handle(reg.session_id, update))
@@ -142,6 +149,16 @@ class ControlPlaneClient:
         self.quota_generation = quota.generation
         if self._on_quota is not None:
             self._on_quota(quota)
+
+    def _apply_loads(self, loads: pb.OriginLoads) -> None:
+        """Hand pushed loads on, unless older than the last (a lagging
+        replica's view after a reconnect). Called on the link's task: the
+        callback must not block."""
+        if loads.generation and loads.generation < self.loads_generation:
+            return
+        self.loads_generation = loads.generation
+        if self._on_loads is not None:
+            self._on_loads(loads)
 
     async def _report(self, session_id: str, outbox: asyncio.Queue[pb.RouteRequest]) -> None:
         """Send this proxy's rate-limit demand about once an interval."""

@@ -173,3 +173,45 @@ def test_tenant_cache_settings_limits_and_purge(
     fleet.wait_table(lambda t: bool(t.purges) and t.purges[-1].tenant == "acme")
     table = json.loads(ctl(fleet, capsys, "get", "table", "-o", "json")[0])["table"]
     assert table["purges"][-1]["tenant"] == "acme"
+
+
+def test_tenant_routing_policy_round_trips_and_bad_modes_are_refused(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
+    out, _ = ctl(
+        fleet, capsys, "tenant", "set", "acme", "--routing", "least-loaded",
+        "--model-routing", "llama-3-8b=affinity", "--user-sessions", "on", "--load-bound", "1.5",
+    )  # fmt: skip
+    assert "routing least-loaded" in out
+    table, _ = ctl(fleet, capsys, "get", "tenants")
+    assert "least-loaded,llama-3-8b=affinity,user,bound=1.5" in table
+    acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
+    assert acme["routing"] == {
+        "mode": "least-loaded",
+        "models": {"llama-3-8b": "affinity"},
+        "user_sessions": True,
+        "load_bound": 1.5,
+    }
+    # The table proxies get carries it.
+    fleet.wait_table(
+        lambda t: any(x.name == "acme" and x.routing.mode == "least-loaded" for x in t.tenants)
+    )
+    ctl(fleet, capsys, "tenant", "set", "acme", "--routing", "default",
+        "--model-routing", "llama-3-8b=default")  # fmt: skip
+    acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
+    assert acme["routing"] == {"user_sessions": True, "load_bound": 1.5}
+    _, err = ctl(fleet, capsys, "tenant", "set", "acme", "--load-bound", "0.5", code=1)
+    assert "load bound 0.5" in err
+    with pytest.raises(SystemExit) as exited:
+        ctl(fleet, capsys, "tenant", "set", "acme", "--routing", "nearest")
+    assert exited.value.code == 2
+    assert "invalid choice: 'nearest'" in capsys.readouterr().err
+    # apply sets it from a file, and refuses an unknown mode with its path.
+    with_routing = TOPOLOGY + "    routing: {mode: weighted, models: {llama-3-8b: affinity}}\n"
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, with_routing))
+    acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
+    assert acme["routing"] == {"mode": "weighted", "models": {"llama-3-8b": "affinity"}}
+    bad = TOPOLOGY + "    routing: {mode: random}\n"
+    _, err = ctl(fleet, capsys, "apply", "-f", write(tmp_path, bad), code=1)
+    assert "routing mode 'random'" in err

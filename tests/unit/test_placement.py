@@ -7,7 +7,9 @@ import random
 from collections import Counter
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from dataplane.http.pipeline import ENDPOINTS, Exchange, Pipeline
 from dataplane.placement.keys import BLOCK_CHARS, PREFIX_MIN_TOKENS, Key, placement_key
 from dataplane.placement.load import LoadBoard
 from dataplane.placement.picker import (
@@ -18,7 +20,9 @@ from dataplane.placement.picker import (
     RoutingRules,
     ranked,
 )
-from dataplane.routes import Target, origin_seed
+from dataplane.policy import build_policy
+from dataplane.routes import Target, build_routes, origin_seed
+from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
 LONG = "You are the support agent of Example Corp. " * 40  # ~1,700 characters
@@ -275,3 +279,49 @@ def test_own_requests_count_even_when_a_scrape_lags() -> None:
         board.started("a")
     board.apply(pb.OriginLoads(generation=2, loads=[pb.OriginLoad(origin="a", running=1)]))
     assert board.load("a") == 3  # never less than what this proxy has in flight
+
+
+# ---------------------------------------------------------------- the pipeline's place step
+
+
+def two_region_table(*, hot: bool = False, home_healthy: bool = True) -> pb.RouteTable:
+    table = pb.RouteTable(version=1)
+    table.regions.add(name="near", latitude=0, longitude=0, load=0.9 if hot else 0.0)
+    table.regions[0].spill_threshold = 0.8
+    table.regions.add(name="far", latitude=0, longitude=90)
+    for region, healthy in (("near", home_healthy), ("far", True)):
+        for i in range(2):
+            table.origins.add(
+                name=f"{region}{i}",
+                base_url=f"http://{region}{i}.example/v1",
+                region=region,
+                models=["m"],
+                weight=100,
+                healthy=healthy,
+            )
+    table.etag = content_etag(table)
+    return table
+
+
+@pytest.mark.parametrize(
+    ("hot", "home_healthy", "reason", "region"),
+    [
+        (False, True, "affinity", "near"),
+        (True, True, "spill", "far"),
+        (False, False, "failover", "far"),
+    ],
+)
+def test_place_says_spill_or_failover_when_the_home_region_is_passed_over(
+    hot: bool, home_healthy: bool, reason: str, region: str
+) -> None:
+    table = two_region_table(hot=hot, home_healthy=home_healthy)
+    routes, policy = build_routes(table, "near"), build_policy(table)
+    headers = CIMultiDictProxy(CIMultiDict({"x-session-id": "s1"}))
+    ex = Exchange(ENDPOINTS["chat.completions"], headers, None, "id", routes, policy)
+    ex.tenant, ex.model = policy.tenant("default"), "m"
+    ex.body = chat(("user", "hi"))
+    pipeline = Pipeline.__new__(Pipeline)  # place() needs only the picker and the header
+    pipeline.picker, pipeline.session_header = Picker(LoadBoard()), "x-session-id"
+    candidates = pipeline.place(ex, "near", 3)
+    assert ex.route == reason
+    assert candidates[0].region == region

@@ -1,0 +1,214 @@
+"""Moving origins' live load from their vLLM metrics to every proxy.
+
+    leader (LoadScraper) every --load-interval-ms (default 0.5 s): GET the
+      metrics page of every healthy, undrained origin of the current table,
+      concurrently, and write /ponto/load, fenced by its leadership
+    every replica watches /ponto/load (LoadHub.watch) and pushes each
+      connected proxy RouteUpdate(loads=OriginLoads(...)): the same bytes,
+      serialised once per change, to every stream
+
+The load key lives outside /ponto/state/, so load never rebuilds a route
+table. (The health prober's coarse inflight figure, written into the table
+when it moves by a tenth of capacity, is separate and unchanged.)
+
+Freshness. The leader writes when the rounded figures change, or when the
+last write is `load_refresh` (default 2 s) old although nothing changed. So:
+
+- while the leader scrapes, what a proxy holds matches the origins as of at
+  most one scrape interval plus the scrape and push time ago;
+- ``scraped_at`` is when the round that wrote the figures began, so a proxy's
+  age (now - scraped_at) may reach `load_refresh` on a quiet fleet and stays
+  below about refresh + interval + timeout while the leader works: an age
+  beyond that means no leader is scraping (or the figures cannot reach this
+  proxy), and the figures should be trusted less.
+
+The generation of a push is the key's store revision: it increases across
+leaders, so a proxy ignores a lagging replica's older view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from controlplane.distribute import Publisher
+from controlplane.health import ProbeSettings, root_of
+from controlplane.load import Figures, Sample, decode_loads, encode_loads, figures, parse_vllm
+from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
+from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+LOAD_KEY = "/ponto/load"
+
+# url -> the page's text, or None when it cannot be had in time.
+Fetch = Callable[[str], Awaitable[str | None]]
+
+
+def targets(table: pb.RouteTable) -> list[tuple[str, str]]:
+    """(origin, scheme://host:port) of the origins worth scraping: healthy,
+    not drained, not in a drained region (proxies send them nothing)."""
+    drained_regions = {r.name for r in table.regions if r.drained}
+    return [
+        (o.name, root_of(o.base_url))
+        for o in table.origins
+        if o.healthy and not o.drained and o.region not in drained_regions
+    ]
+
+
+class LoadScraper:
+    """Leader only: scrapes origins' load every interval and writes the load key.
+
+    Runs as one task (`run`) while this replica leads; it returns when a write
+    finds leadership lost. Origins come from the latest compiled table (in
+    memory), not from a store read per round. An origin whose scrape fails or
+    whose page has no request gauges is left out of that round; health is the
+    prober's business, not this loop's.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        publisher: Publisher,
+        settings: ProbeSettings,
+        *,
+        fence: Callable[[], Fence | None] = lambda: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._publisher = publisher
+        self._settings = settings
+        self._fence = fence
+        self._clock = clock
+        self._previous: dict[str, Sample] = {}
+        self._written: dict[str, Figures] | None = None
+        self._written_at = 0.0
+        self.rounds = 0
+        self.writes = 0
+
+    async def run(self) -> None:
+        if not self._settings.metrics_path:
+            log.info("origin loads are not scraped: no metrics path")
+            return
+        # A new term starts afresh: another leader may have written since.
+        self._previous, self._written = {}, None
+        # A scrape slower than the interval is too late to be of use, and
+        # must not hold up the next round.
+        timeout = aiohttp.ClientTimeout(
+            total=min(self._settings.timeout, self._settings.load_interval)
+        )
+        # No connection limit: a round opens one request per origin at once,
+        # and aiohttp's default of 100 would queue the rest into timeouts.
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            loop = asyncio.get_running_loop()
+            while True:
+                started = loop.time()
+                try:
+                    await self.round(lambda url: _fetch(session, url))
+                except StoreUnavailable as exc:
+                    log.warning("origin loads not written: %s", exc)
+                except Conflict:
+                    log.warning("origin loads not written: no longer the leader")
+                    return
+                elapsed = loop.time() - started
+                await asyncio.sleep(max(0.0, self._settings.load_interval - elapsed))
+
+    async def round(self, fetch: Fetch) -> None:
+        """Scrape every target once with `fetch` and write the key if due.
+
+        Raises StoreUnavailable, or Conflict once leadership is lost.
+        """
+        latest = self._publisher.latest
+        if latest is None:
+            return
+        wanted = targets(latest.table)
+        path = self._settings.metrics_path
+        scraped_at = self._clock()
+        pages = await asyncio.gather(*(fetch(root + path) for _, root in wanted))
+        names = {name for name, _ in wanted}
+        for gone in set(self._previous) - names:
+            del self._previous[gone]
+        loads: dict[str, Figures] = {}
+        for (name, _), page in zip(wanted, pages, strict=True):
+            if page is None:
+                continue
+            sample = parse_vllm(page)
+            if not sample.has_requests:
+                continue
+            loads[name] = figures(sample, self._previous.get(name))
+            self._previous[name] = sample
+        self.rounds += 1
+        if loads == self._written and scraped_at - self._written_at < self._settings.load_refresh:
+            return
+        await self._store.put(LOAD_KEY, encode_loads(loads, scraped_at), fence=self._fence())
+        self._written = loads
+        self._written_at = scraped_at
+        self.writes += 1
+
+
+async def _fetch(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The page at url, or None when it cannot be had (in time)."""
+    try:
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                return None
+            return (await resp.read()).decode("utf-8", "replace")
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+class LoadHub:
+    """One per replica: the leader's latest loads, ready to send.
+
+    Single event loop. `watch` runs as the replica's task; `next_after` is
+    awaited by every stream writer. The payload is serialised once per change
+    and shared; a stream that was busy sends only the newest.
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self.generation = 0
+        self.payload = b""
+        self.loads: pb.OriginLoads | None = None
+        self._changed = asyncio.Event()
+
+    async def watch(self) -> None:
+        """Follow the load key; wake the streams on every change."""
+        revision = await self._load()
+        # From the revision read, so a write between the read and the watch
+        # is not missed.
+        async for _ in self._store.watch(LOAD_KEY, revision):
+            await self._load()
+
+    async def _load(self) -> int:
+        """Read the key; return the store revision read at (0 if unread)."""
+        try:
+            listing = await self._store.list(LOAD_KEY)
+        except StoreUnavailable as exc:
+            log.debug("origin loads not read: %s", exc)
+            return 0
+        kv = next((i for i in listing.items if i.key == LOAD_KEY), None)
+        if kv is None or kv.mod_revision <= self.generation:
+            return listing.revision
+        try:
+            loads = decode_loads(kv.value, kv.mod_revision)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            log.error("ignoring undecodable origin loads: %s", exc)
+            return listing.revision
+        self.loads = loads
+        self.payload = pb.RouteUpdate(loads=loads).SerializeToString()
+        self.generation = kv.mod_revision
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return listing.revision
+
+    async def next_after(self, sent_generation: int) -> tuple[int, bytes]:
+        """Wait for loads newer than sent_generation; return (generation, payload)."""
+        while self.generation in (0, sent_generation):
+            await self._changed.wait()
+        return self.generation, self.payload

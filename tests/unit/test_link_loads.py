@@ -1,0 +1,127 @@
+"""dataplane.sync.link: pushed origin loads reach `on_loads`, newest generation only.
+
+A scripted Routing server on loopback (real gRPC) sends the pushes, so the
+link is exercised as it runs against a control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from ponto.v1 import routing_pb2 as pb
+
+WAIT = 5.0
+
+
+def loads(generation: int, running: float) -> pb.RouteUpdate:
+    return pb.RouteUpdate(
+        loads=pb.OriginLoads(
+            generation=generation,
+            scraped_at=1_700_000_000.0 + generation,
+            loads=[pb.OriginLoad(origin="gpu-1", running=running, waiting=0.0)],
+        )
+    )
+
+
+class ScriptedRouting:
+    """Registers anyone; each RouteStream sends `script` and then stays open."""
+
+    def __init__(self, script: list[pb.RouteUpdate]) -> None:
+        self.script = script
+
+    async def register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RegisterResponse:
+        return pb.RegisterResponse(session_id="s-1", control_plane_id="scripted", fleet_size=1)
+
+    async def route_stream(
+        self, requests: AsyncIterator[pb.RouteRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.RouteUpdate]:
+        await anext(requests)
+        for update in self.script:
+            yield update
+        await asyncio.Event().wait()  # until the client goes
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "ponto.v1.Routing",
+            {
+                "Register": grpc.unary_unary_rpc_method_handler(
+                    self.register,
+                    request_deserializer=pb.RegisterRequest.FromString,
+                    response_serializer=pb.RegisterResponse.SerializeToString,
+                ),
+                "RouteStream": grpc.stream_stream_rpc_method_handler(
+                    self.route_stream,
+                    request_deserializer=pb.RouteRequest.FromString,
+                    response_serializer=pb.RouteUpdate.SerializeToString,
+                ),
+            },
+        )
+
+
+async def test_on_loads_gets_every_push_except_older_generations() -> None:
+    # A lagging replica's view (generation 3) after a newer one (5) is dropped;
+    # the same generation again (another replica after a reconnect) is not older.
+    script = [loads(5, 1.0), loads(3, 9.0), loads(7, 2.0), loads(7, 3.0)]
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((ScriptedRouting(script).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    got: list[pb.OriginLoads] = []
+    arrived = asyncio.Event()
+
+    def on_loads(pushed: pb.OriginLoads) -> None:
+        got.append(pushed)
+        arrived.set()
+
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        on_loads=on_loads,
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while len(got) < 3:
+                arrived.clear()
+                await arrived.wait()
+        await asyncio.sleep(0.05)  # nothing more comes
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
+    assert [(p.generation, p.loads[0].running) for p in got] == [(5, 1.0), (7, 2.0), (7, 3.0)]
+    assert link.loads_generation == 7
+    assert link.quota_generation == 0  # loads are not quota shares
+
+
+async def test_without_on_loads_pushes_are_only_counted_by_generation() -> None:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((ScriptedRouting([loads(4, 1.0)]).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while link.loads_generation != 4:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
