@@ -89,7 +89,7 @@ TENANT: Final = "default"  # requests without an API key belong to it
 class SimSettings:
     """Every replica's settings (scaled time: see the module docstring)."""
 
-    prefill_tokens_per_s: int = 48_000
+    prefill_tokens_per_s: int = 32_000
     ttft_ms: int = 10  # fixed cost on top of prefill
     tokens_per_s: int = 100  # decode pace of one answer
     answer_tokens: int = load.ANSWER_TOKENS
@@ -350,7 +350,12 @@ async def run_phase(
     With `kill_at`, SIGKILL replica `kill` that many seconds into the window."""
     measured = timing.duration_s if duration is None else duration
     start = time.monotonic() + 0.3
-    window = (start + timing.warmup_s, start + timing.warmup_s + measured)
+    warmup = timing.warmup_s
+    if workload is load.AGENT:
+        # Every loop met at the start sends its first, cold request within one
+        # think time (sessions / rate): all of them fall into the warm-up.
+        warmup = max(warmup, 1.1 * load.AGENT_SESSIONS / rate)
+    window = (start + warmup, start + warmup + measured)
     run = load.Run(rate, start, window[1], tag)
     addresses = {n: m.address for n, m in bed.fleet.origins.items()}
     urls = [bed.fleet.proxy_url(p) + "/chat/completions" for p in PROXIES]
@@ -384,6 +389,17 @@ async def run_phase(
             spent = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
             return before, after, spent, time.monotonic() - t_cpu0
 
+        async def lag_monitor() -> None:
+            # How late this loop wakes from a short sleep: when the generator
+            # itself stalls, its requests go out late and the figures say so.
+            while True:
+                t = time.monotonic()
+                await asyncio.sleep(0.01)
+                if window[0] <= t < window[1]:
+                    lags.append(time.monotonic() - t - 0.01)
+
+        lags: list[float] = []
+        monitor = asyncio.create_task(lag_monitor())
         watcher = asyncio.create_task(watch())
         tasks = await drive
         before, after, spent, wall = await watcher
@@ -393,6 +409,7 @@ async def run_phase(
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        monitor.cancel()
     kv = {}
     for name, m in after.items():
         b = before.get(name, {})
@@ -402,6 +419,8 @@ async def run_phase(
         }
     inflight = {n: sum(v) / len(v) for n, v in loads.items() if v}
     cpu = {k: v / wall for k, v in spent.items()}  # fraction of one core
+    events["loop_lag_p99"] = pct(lags, 99)
+    events["loop_lag_max"] = max(lags, default=math.nan)
     return PhaseResult(client.samples, window, kv, inflight, cpu, events)
 
 
@@ -470,6 +489,10 @@ def figures(result: PhaseResult) -> dict[str, Any]:
         else None,
         "routes": dict(Counter(s.route or "(none)" for s in ok)),
         "late_p99_ms": _ms(pct(late, 99)),
+        "generator_lag_ms": {
+            "p99": _ms(result.events["loop_lag_p99"]),
+            "max": _ms(result.events["loop_lag_max"]),
+        },
         "cpu_core_fraction": {k: round(v, 3) for k, v in result.cpu.items()},
     }
 
@@ -555,13 +578,16 @@ def _r(value: float) -> float | None:
 # ----------------------------------------------------------------------------- the run
 
 
-def tag_of(workload: str, level: float, policy: str) -> str:
-    return f"{workload}-{round(level * 100)}-{policy}"
+def tag_of(workload: str, level: float) -> str:
+    """Seeds a phase's requests: the three policies of a level get the same stream."""
+    return f"{workload}-{round(level * 100)}"
 
 
-async def measure(bed: Testbed, timing: Timing, pool: list[str]) -> dict[str, Any]:
+async def measure(
+    bed: Testbed, timing: Timing, pool: list[str], workloads: list[str]
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for wname in ("agent", "prefix", "unique"):
+    for wname in workloads:
         workload = load.WORKLOADS[wname]
         kv = bed.sim.kv_tokens(workload)
         capacity = bed.sim.capacity_rps(workload)
@@ -578,9 +604,7 @@ async def measure(bed: Testbed, timing: Timing, pool: list[str]) -> dict[str, An
             for policy in POLICIES:
                 t0 = time.monotonic()
                 await asyncio.to_thread(fresh_start, bed, kv, policy)
-                result = await run_phase(
-                    bed, workload, rate, tag_of(wname, level, policy), timing, pool
-                )
+                result = await run_phase(bed, workload, rate, tag_of(wname, level), timing, pool)
                 fig = figures(result)
                 fig["policy_applied"] = bool(bed.policy_supported)
                 per_policy[policy] = fig
@@ -590,6 +614,7 @@ async def measure(bed: Testbed, timing: Timing, pool: list[str]) -> dict[str, An
                     f"{_fmt_ms(fig['ttft_ms']['p50'])}/{_fmt_ms(fig['ttft_ms']['p90'])}/"
                     f"{_fmt_ms(fig['ttft_ms']['p99'])} ms  KV hit "
                     f"{_fmt_pct(fig['kv_hit_rate'])}  failed {fig['failed']}  "
+                    f"late p99 {_fmt_ms(fig['late_p99_ms'])} ms  "
                     f"({time.monotonic() - t0:.0f} s)",
                     flush=True,
                 )
@@ -670,7 +695,13 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help=f"where to write (default {OUT_DIR}; a --quick run writes nothing unless asked)",
     )
-    p.add_argument("--prefill-tokens-per-s", type=int, default=48_000)
+    p.add_argument("--prefill-tokens-per-s", type=int, default=32_000)
+    p.add_argument(
+        "--workloads",
+        type=lambda v: v.split(","),
+        default=list(load.WORKLOADS),
+        help="comma-separated subset of agent,prefix,unique (for iterating)",
+    )
     p.add_argument("--no-death", action="store_true", help="skip the replica-death phase")
     args = p.parse_args(argv)
     timing = QUICK if args.quick else FULL
@@ -684,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             print("starting etcd, a control plane, 10 replicas, 2 proxies", flush=True)
             bed.start()
             print(f"  up in {time.monotonic() - started:.0f} s", flush=True)
-            phases = uvloop.run(measure(bed, timing, pool))
+            phases = uvloop.run(measure(bed, timing, pool, args.workloads))
             death = None if args.no_death else uvloop.run(replica_death(bed, timing, pool))
         except DevEnvError as exc:
             print(f"could not run: {exc}", file=sys.stderr)

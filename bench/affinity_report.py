@@ -104,7 +104,7 @@ def level_table(wname: str, level: str, data: dict[str, Any]) -> dict[str, Any]:
         row("route reasons", lambda f: _routes(f["routes"])),
         row("proxies' CPU (% of a core)", _proxy_cpu),
     ]
-    w, a, ll = (pol[p] for p in POLICIES)
+    w, ll, a = (pol[p] for p in POLICIES)
     rows.append(
         [
             "weighted p90 / affinity p90",
@@ -359,7 +359,9 @@ def write(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     md = out_dir / "affinity.md"
     md.write_text(markdown(doc, [p.name for p in written]), encoding="utf-8")
     js = out_dir / "affinity.json"
-    js.write_text(json.dumps(_json_safe(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    # The printed text repeats the tables; bench/report.py renders the tables.
+    data = {k: v for k, v in doc.items() if k != "text"}
+    js.write_text(json.dumps(_json_safe(data), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     return [js, md, *written]
 
 
