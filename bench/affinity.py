@@ -125,9 +125,9 @@ class Timing:
 
 
 FULL: Final = Timing(
-    loads=(0.5, 0.8, 0.95), warmup_s=6.0, duration_s=12.0, grace_s=4.0, death_s=24.0
+    loads=(0.5, 0.8, 0.95), warmup_s=5.0, duration_s=10.0, grace_s=4.0, death_s=20.0
 )
-QUICK: Final = Timing(loads=(0.8,), warmup_s=5.0, duration_s=8.0, grace_s=3.0, death_s=16.0)
+QUICK: Final = Timing(loads=(0.8,), warmup_s=4.0, duration_s=6.0, grace_s=3.0, death_s=12.0)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -166,16 +166,6 @@ class Testbed:
         for region in (PRIMARY, SPILL):
             f.add_region(region)
         self.start_sims(self.sim.kv_tokens(load.AGENT))
-        for name in self.all_replicas():
-            where = PRIMARY.name if name in REPLICAS else SPILL.name
-            spec = apb.OriginSpec(
-                name=name,
-                base_url=f.origin_url(name),
-                region=where,
-                models=[load.MODEL],
-                capacity=self.sim.capacity,
-            )
-            f.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
         # No API keys: every request is the default tenant's. Its exact cache is
         # off so that no answer comes from the proxy (none would: no request is
         # deterministic, but the figures must not depend on it).
@@ -208,29 +198,57 @@ class Testbed:
         return argv
 
     def start_sims(self, kv_tokens: int) -> None:
-        """(Re)start every replica on its address with empty caches."""
+        """Replace every replica by a new process with an empty cache, without a gap.
+
+        New processes start on new ports while the old ones still serve; the
+        origins are re-registered with the new URLs; once both proxies serve
+        that table the old processes stop. (Restarting in place would leave the
+        control plane to notice the gap a probe or two later and to take the
+        replicas out of the table in the middle of the next measurement.)
+        """
         f = self.fleet
         extra = self.sim_argv(kv_tokens)
+        old = {name: f.origins[name] for name in self.all_replicas() if name in f.origins}
 
         def one(name: str) -> None:
-            old = f.origins.get(name)
-            listen = "127.0.0.1:0"
-            if old is not None:
-                listen = old.address
-                old.stop()
-            region = PRIMARY.name if name in REPLICAS else SPILL.name
             f.start_origin(
                 name,
-                region,
-                listen=listen,
+                self.region_of(name),
                 ttft_ms=self.sim.ttft_ms,
                 tokens_per_s=self.sim.tokens_per_s,
                 models=(load.MODEL,),
                 extra=extra,
             )
 
-        _in_parallel(one, self.all_replicas())
+        try:
+            _in_parallel(one, self.all_replicas())
+            self._register_replicas()
+        finally:
+            # The old processes are the fleet's no more: stop them whatever happened.
+            for managed in old.values():
+                managed.stop()
         self.kv_tokens = kv_tokens
+
+    def _register_replicas(self) -> None:
+        f = self.fleet
+        urls = {name: f.origin_url(name) for name in self.all_replicas()}
+        for name, url in urls.items():
+            spec = apb.OriginSpec(
+                name=name,
+                base_url=url,
+                region=self.region_of(name),
+                models=[load.MODEL],
+                capacity=self.sim.capacity,
+            )
+            f.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
+        version = f.wait_table(
+            lambda t: {o.name: o.base_url for o in t.origins if o.healthy} == urls, timeout=30
+        )
+        if f.proxies:
+            f.wait_proxies_at(version, timeout=30)
+
+    def region_of(self, name: str) -> str:
+        return PRIMARY.name if name in REPLICAS else SPILL.name
 
     def wait_healthy(self, timeout: float = 30.0) -> int:
         n = len(self.all_replicas())
@@ -353,8 +371,9 @@ async def run_phase(
     warmup = timing.warmup_s
     if workload is load.AGENT:
         # Every loop met at the start sends its first, cold request within one
-        # think time (sessions / rate): all of them fall into the warm-up.
-        warmup = max(warmup, 1.1 * load.AGENT_SESSIONS / rate)
+        # think time (sessions / rate), a burst of cold prefill whose backlog
+        # must drain before the window opens.
+        warmup = max(warmup, 1.5 * load.AGENT_SESSIONS / rate)
     window = (start + warmup, start + warmup + measured)
     run = load.Run(rate, start, window[1], tag)
     addresses = {n: m.address for n, m in bed.fleet.origins.items()}
@@ -629,9 +648,7 @@ def fresh_start(bed: Testbed, kv_tokens: int, policy: str) -> None:
     """Empty every replica's KV cache (a restart; the simulator has no cache reset)
     and switch the policy; wait until both proxies serve the resulting table."""
     bed.start_sims(kv_tokens)
-    version = bed.wait_healthy()
     bed.set_policy(policy)
-    bed.fleet.wait_proxies_at(version, timeout=30)
 
 
 async def replica_death(bed: Testbed, timing: Timing, pool: list[str]) -> dict[str, Any]:
