@@ -21,6 +21,8 @@ file: they are secrets and are made with `pontoctl key create`.
               jwks_file: /etc/ponto/acme-jwks.json}
         routing: {mode: affinity, models: {embed-small: least-loaded}, user_sessions: true,
                   load_bound: 1.25}
+        streams: {continuation: true, max_continuations: 2, stream_idle_timeout_s: 30,
+                  hedge_ms: auto, hedge_models: {llama-3-8b: "500"}}
 
 Unknown fields are refused with their path, so a typo never passes silently.
 """
@@ -57,8 +59,16 @@ ORIGIN_FIELDS = {
     "credential_env",
     "credential_file",
     "drained",
+    "continuation",
 }
-TENANT_FIELDS = {"name", "limits", "cache", "prompt", "jwt", "routing"}
+TENANT_FIELDS = {"name", "limits", "cache", "prompt", "jwt", "routing", "streams"}
+STREAM_FIELDS = {
+    "continuation",
+    "max_continuations",
+    "stream_idle_timeout_s",
+    "hedge_ms",
+    "hedge_models",
+}
 ROUTING_FIELDS = {"mode", "models", "user_sessions", "load_bound"}
 LIMIT_FIELDS = {"rpm", "tpm", "concurrency"}
 CACHE_FIELDS = {"mode", "ttl_s", "semantic_threshold", "cache_nondeterministic", "store_truncated"}
@@ -124,6 +134,12 @@ def _unique(items: list[Message], kind: str) -> None:
         seen.add(name)
 
 
+def _hedge_ms(value: int | str, path: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ApplyError(f"{path}.hedge_ms: expected milliseconds (0 or more) or auto")
+
+
 def _limits(raw: Any, path: str) -> pb.Limits:
     obj = _obj(raw, path, LIMIT_FIELDS)
     return pb.Limits(**{k: _typed(obj, k, int, path) for k in obj})
@@ -180,6 +196,7 @@ def parse(doc: Any) -> Desired:
                 credential_env=_get(o, "credential_env", str, path, ""),
                 credential_file=_get(o, "credential_file", str, path, ""),
                 drained=_get(o, "drained", bool, path, False),
+                continuation=_get(o, "continuation", bool, path, True),
             )
         )
         if "drained" not in o:
@@ -212,6 +229,25 @@ def parse(doc: Any) -> Desired:
                 },
                 user_sessions=_get(routing, "user_sessions", bool, rpath, False),
                 load_bound=float(_get(routing, "load_bound", (int, float), rpath, 0)),
+            )
+        )
+        streams = _obj(t.get("streams") or {}, f"{path}.streams", STREAM_FIELDS)
+        spath = f"{path}.streams"
+        hedge = _get(streams, "hedge_ms", (int, str), spath, 0)
+        continuation = _get(streams, "continuation", bool, spath, True)
+        tenant.streams.CopyFrom(
+            pb.StreamPolicy(
+                continuation="" if continuation else "off",
+                max_continuations=_get(streams, "max_continuations", int, spath, 0),
+                stream_idle_timeout_s=float(
+                    _get(streams, "stream_idle_timeout_s", (int, float), spath, 0)
+                ),
+                hedge_ms=0 if hedge == "auto" else _hedge_ms(hedge, spath),
+                hedge_auto=hedge == "auto",
+                hedge_models={
+                    str(k): str(v)
+                    for k, v in _get(streams, "hedge_models", dict, spath, {}).items()
+                },
             )
         )
         prompt = _obj(t.get("prompt") or {}, f"{path}.prompt", PROMPT_FIELDS)
@@ -272,6 +308,7 @@ def _origin_view(o: pb.Origin) -> pb.Origin:
         credential_env=o.credential_env,
         credential_file=o.credential_file,
         drained=o.drained,
+        continuation=o.continuation,
     )
 
 
@@ -349,6 +386,7 @@ def plan(stub: Any, desired: Desired, *, prune: bool) -> _Plan:
             capacity=o.capacity,
             credential_env=o.credential_env,
             credential_file=o.credential_file,
+            continuation="on" if o.continuation else "off",
         )
         old_o = have_origins.get(o.name)
         oput = apb.PutOriginRequest(origin=ospec, allow_update=old_o is not None)

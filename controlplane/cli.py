@@ -182,6 +182,14 @@ def _parser() -> argparse.ArgumentParser:
     oa.add_argument(
         "--credential-file", default="", help="file on the proxies holding the origin's API key"
     )
+    oa.add_argument(
+        "--continuation",
+        choices=["on", "off"],
+        default="on",
+        help="the origin accepts continuation requests (vLLM's continue_final_message), so "
+        "streams cut elsewhere may continue here; on by default (vLLM, SGLang), off for "
+        "hosted APIs",
+    )
     oa.add_argument("--update", action="store_true", help="update the origin if it exists")
     origin.add_parser("delete", help="delete an origin").add_argument("name")
 
@@ -248,6 +256,34 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FACTOR",
         help="a replica past FACTOR times its share of the region's load (and its "
         "capacity) loses new sessions to the next one; 0 = default 1.25",
+    )
+    ts.add_argument(
+        "--continuation",
+        choices=["on", "off"],
+        help="on: a stream cut after the client got bytes continues on the next origin; "
+        "off: it ends with an error event (default on)",
+    )
+    ts.add_argument(
+        "--max-continuations", type=int, metavar="N", help="continuations per request (default 2)"
+    )
+    ts.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a stream with no chunk for this long counts as cut (0: the proxy's default)",
+    )
+    ts.add_argument(
+        "--hedge-ms",
+        metavar="N|auto",
+        help="send the request to the next origin too when no first byte came after N ms "
+        "(auto: the origin's observed p95); 0 turns hedging off (the default)",
+    )
+    ts.add_argument(
+        "--model-hedge-ms",
+        action="append",
+        default=[],
+        metavar="MODEL=N|auto",
+        help="hedge delay for one model, overriding --hedge-ms (repeatable; 'default' removes it)",
     )
     tenant.add_parser("delete", help="delete a tenant without active keys").add_argument("name")
 
@@ -362,7 +398,31 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
         routing.load_bound = args.load_bound
     if routing != current.routing:
         req.routing.CopyFrom(routing)
+    streams = pb.StreamPolicy()
+    streams.CopyFrom(current.streams)
+    if args.continuation is not None:
+        streams.continuation = "" if args.continuation == "on" else "off"
+    if args.max_continuations is not None:
+        streams.max_continuations = args.max_continuations
+    if args.stream_idle_timeout is not None:
+        streams.stream_idle_timeout_s = args.stream_idle_timeout
+    if args.hedge_ms is not None:
+        streams.hedge_auto = args.hedge_ms == "auto"
+        streams.hedge_ms = 0 if streams.hedge_auto else _milliseconds(args.hedge_ms)
+    for model, delay in _pairs(args.model_hedge_ms, "--model-hedge-ms").items():
+        if delay == "default":
+            streams.hedge_models.pop(model, None)
+        else:
+            streams.hedge_models[model] = delay if delay == "auto" else str(_milliseconds(delay))
+    if streams != current.streams:
+        req.streams.CopyFrom(streams)
     return req
+
+
+def _milliseconds(text: str) -> int:
+    if not text.isdigit():
+        raise UsageError(f"--hedge-ms takes milliseconds (0 or more) or auto, not {text!r}")
+    return int(text)
 
 
 def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[str]]]:
@@ -379,7 +439,17 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
             parts.append(f"bound={m.load_bound:g}")
         return ",".join(parts)
 
-    return ["NAME", "LIMITS", "CACHE", "TTL", "ROUTING", "SYSTEM-PROMPT", "ALIASES", "JWT"], [
+    def streams(m: pb.StreamPolicy) -> str:
+        parts = ["cont" if m.continuation != "off" else "no-cont"]
+        if m.hedge_auto or m.hedge_ms:
+            parts.append("hedge=" + ("auto" if m.hedge_auto else f"{m.hedge_ms}ms"))
+        parts += [f"{model}:hedge={v}" for model, v in sorted(m.hedge_models.items())]
+        if m.stream_idle_timeout_s:
+            parts.append(f"idle={m.stream_idle_timeout_s:g}s")
+        return ",".join(parts)
+
+    header = ["NAME", "LIMITS", "CACHE", "TTL", "ROUTING", "STREAMS", "SYSTEM-PROMPT", "ALIASES"]
+    return [*header, "JWT"], [
         [
             t.name,
             limits(t.limits),
@@ -387,6 +457,7 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
             + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else ""),
             f"{t.cache.ttl_s}s" if t.cache.ttl_s else "default",
             routing(t.routing),
+            streams(t.streams),
             (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
             or "-",
             ",".join(f"{k}->{v}" for k, v in sorted(t.prompt.aliases.items())) or "-",
@@ -443,6 +514,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             capacity=args.capacity,
             credential_env=args.credential_env,
             credential_file=args.credential_file,
+            continuation=args.continuation,
         )
         o = stub.PutOrigin(apb.PutOriginRequest(origin=ospec, allow_update=args.update))
         return f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"

@@ -47,6 +47,7 @@ def compile_table(state: State) -> pb.RouteTable:
                 health_detail=health.detail if health else "",
                 credential_env=origin.credential_env,
                 credential_file=origin.credential_file,
+                continuation=origin.continuation,
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):
@@ -105,6 +106,14 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
             models=dict(t.routing.models),
             user_sessions=t.routing.user_sessions,
             load_bound=t.routing.load_bound,
+        ),
+        streams=pb.StreamPolicy(
+            continuation=t.streams.continuation,
+            max_continuations=t.streams.max_continuations,
+            stream_idle_timeout_s=t.streams.stream_idle_timeout_s,
+            hedge_ms=t.streams.hedge_ms,
+            hedge_auto=t.streams.hedge_auto,
+            hedge_models=dict(t.streams.hedge_models),
         ),
     )
     if t.jwt is not None:

@@ -23,6 +23,9 @@ ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 CACHE_MODES = ("off", "exact", "semantic")
 ROUTING_MODES = ("affinity", "least-loaded", "weighted")
+MAX_CONTINUATIONS = 10
+MAX_IDLE_TIMEOUT_S = 3600.0
+MAX_HEDGE_MS = 600_000
 JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
 # Request fields a tenant's defaults may not set: they carry the request itself.
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
@@ -102,6 +105,9 @@ class Origin:
     # Where proxies read the upstream credential; never the credential itself.
     credential_env: str = ""
     credential_file: str = ""
+    # Accepts continuation requests (vLLM's continue_final_message): on by
+    # default, as Ponto's origins are vLLM-compatible unless said otherwise.
+    continuation: bool = True
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
@@ -316,6 +322,40 @@ class RoutingPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamPolicy:
+    """Continuation of broken streams, stall detection and hedging (docs/streams.md)."""
+
+    continuation: str = ""  # "" or "on": continue cut streams; "off": error event
+    max_continuations: int = 0  # 0: the default (2)
+    stream_idle_timeout_s: float = 0.0  # 0: the proxy's --stream-idle-timeout
+    hedge_ms: int = 0  # 0: no hedging
+    hedge_auto: bool = False  # hedge after the origin's observed TTFT p95
+    hedge_models: tuple[tuple[str, str], ...] = ()  # (model, "N" | "auto" | "0")
+
+    def validated(self, owner: str) -> StreamPolicy:
+        if self.continuation not in ("", "on", "off"):
+            raise InvalidArgument(f"continuation {self.continuation!r} of {owner} is not on or off")
+        if not 0 <= self.max_continuations <= MAX_CONTINUATIONS:
+            raise InvalidArgument(
+                f"max continuations {self.max_continuations} of {owner} is not in "
+                f"0..{MAX_CONTINUATIONS}"
+            )
+        t = self.stream_idle_timeout_s
+        if not math.isfinite(t) or not 0 <= t <= MAX_IDLE_TIMEOUT_S:
+            raise InvalidArgument(
+                f"stream idle timeout {t} s of {owner} is not in 0..{MAX_IDLE_TIMEOUT_S}"
+            )
+        for ms in (str(self.hedge_ms), *(v for _, v in self.hedge_models)):
+            if ms != "auto" and not (ms.isdigit() and int(ms) <= MAX_HEDGE_MS):
+                raise InvalidArgument(
+                    f"hedge delay {ms!r} of {owner} is not auto or 0..{MAX_HEDGE_MS} ms"
+                )
+        if any(not model for model, _ in self.hedge_models):
+            raise InvalidArgument(f"a per-model hedge delay of {owner} names no model")
+        return replace(self, hedge_models=tuple(sorted(dict(self.hedge_models).items())))
+
+
+@dataclass(frozen=True, slots=True)
 class JwtIssuer:
     issuer: str
     audiences: tuple[str, ...] = ()
@@ -363,6 +403,7 @@ class Tenant:
     cache: CachePolicy = CachePolicy()
     jwt: JwtIssuer | None = None
     routing: RoutingPolicy = RoutingPolicy()
+    streams: StreamPolicy = StreamPolicy()
 
     def validated(self) -> Tenant:
         check_name("tenant", self.name)
@@ -374,6 +415,7 @@ class Tenant:
             cache=self.cache.validated(owner),
             jwt=self.jwt.validated(owner) if self.jwt else None,
             routing=self.routing.validated(owner),
+            streams=self.streams.validated(owner),
         )
 
 
@@ -422,6 +464,12 @@ def decode_tenant(raw: bytes) -> Tenant:
         if k in RoutingPolicy.__dataclass_fields__
     }
     routing["models"] = tuple((str(a), str(b)) for a, b in routing.get("models", ()))
+    streams = {
+        k: v
+        for k, v in (fields.get("streams") or {}).items()
+        if k in StreamPolicy.__dataclass_fields__
+    }
+    streams["hedge_models"] = tuple((str(a), str(b)) for a, b in streams.get("hedge_models", ()))
     jwt_raw = fields.get("jwt")
     jwt = None
     if jwt_raw:
@@ -436,6 +484,7 @@ def decode_tenant(raw: bytes) -> Tenant:
         cache=CachePolicy(**cache),
         jwt=jwt,
         routing=RoutingPolicy(**routing),
+        streams=StreamPolicy(**streams),
     )
 
 

@@ -35,12 +35,40 @@ class CacheDefaults:
     max_entry_bytes: int = 1 << 20
 
 
+DEFAULT_MAX_CONTINUATIONS = 2
+# A hedge delay: seconds, or "auto" (the origin's observed time-to-first-byte p95).
+Hedge = float | str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRules:
+    """A tenant's rules for broken and slow streams (docs/streams.md)."""
+
+    continuation: bool = True
+    max_continuations: int = DEFAULT_MAX_CONTINUATIONS
+    idle_timeout_s: float = 0.0  # 0: the proxy's --stream-idle-timeout
+    hedge: Hedge | None = None  # None: no hedging
+    hedge_models: Mapping[str, Hedge | None] = field(default_factory=dict)
+
+    def hedge_for(self, model: str) -> Hedge | None:
+        if model in self.hedge_models:
+            return self.hedge_models[model]
+        return self.hedge
+
+
+def _hedge(ms: str) -> Hedge | None:
+    if ms == "auto":
+        return "auto"
+    return int(ms) / 1000 if int(ms) else None
+
+
 @dataclass(frozen=True, slots=True)
 class TenantRules:
     name: str
     prompt: PromptRules
     cache: TenantCachePolicy
     routing: RoutingRules = field(default_factory=RoutingRules)
+    streams: StreamRules = field(default_factory=StreamRules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +108,23 @@ def _routing(m: pb.RoutingPolicy, tenant: str) -> RoutingRules:
     return RoutingRules(m.mode, dict(m.models), m.user_sessions, bound)
 
 
+def _streams(m: pb.StreamPolicy, tenant: str) -> StreamRules:
+    try:
+        models = {model: _hedge(ms) for model, ms in m.hedge_models.items()}
+    except ValueError as exc:
+        raise TableError(f"tenant {tenant!r}: a per-model hedge delay is not a number") from exc
+    idle = m.stream_idle_timeout_s
+    if not math.isfinite(idle) or idle < 0:
+        raise TableError(f"tenant {tenant!r}: stream idle timeout {idle} is not a duration")
+    return StreamRules(
+        continuation=m.continuation != "off",
+        max_continuations=m.max_continuations or DEFAULT_MAX_CONTINUATIONS,
+        idle_timeout_s=idle,
+        hedge="auto" if m.hedge_auto else (m.hedge_ms / 1000 if m.hedge_ms else None),
+        hedge_models=models,
+    )
+
+
 def _prompt(m: pb.PromptPolicy, tenant: str) -> PromptRules:
     defaults = {}
     for name, text in m.defaults.items():
@@ -110,7 +155,11 @@ def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) ->
         except ValueError as exc:
             raise TableError(f"tenant {t.name!r}: {exc}") from exc
         tenants[t.name] = TenantRules(
-            t.name, _prompt(t.prompt, t.name), cache, _routing(t.routing, t.name)
+            t.name,
+            _prompt(t.prompt, t.name),
+            cache,
+            _routing(t.routing, t.name),
+            _streams(t.streams, t.name),
         )
         lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
         if not lim.unlimited:

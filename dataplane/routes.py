@@ -43,6 +43,8 @@ class Target:
     # The origin's rendezvous-hashing seed, from its name: the same on every
     # proxy, so every proxy ranks origins for a key the same way.
     seed: int = field(default=0, compare=False)
+    # Accepts continuation requests (continue_final_message).
+    continuation: bool = field(default=True, compare=False)
     # Upstream credential the proxy injects; None: the origin needs none.
     credential: OriginCredentials | None = field(default=None, compare=False)
     # Parsed once per table: building a URL from a string on every call costs
@@ -195,6 +197,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
             o.weight,
             capacity=o.capacity,
             seed=origin_seed(o.name),
+            continuation=o.continuation,
             credential=_credential(o),
         )
         for model in o.models:

@@ -23,6 +23,7 @@ from controlplane.model import (
     ProxyRecord,
     Region,
     RoutingPolicy,
+    StreamPolicy,
     Tenant,
 )
 from ponto.v1 import admin_pb2 as apb
@@ -57,6 +58,7 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         health_detail=health.detail if health else "",
         credential_env=o.credential_env,
         credential_file=o.credential_file,
+        continuation=o.continuation,
     )
 
 
@@ -93,6 +95,23 @@ def routing_of(m: pb.RoutingPolicy) -> RoutingPolicy:
     )
 
 
+def streams_of(m: pb.StreamPolicy) -> StreamPolicy:
+    return StreamPolicy(
+        continuation=m.continuation,
+        max_continuations=m.max_continuations,
+        stream_idle_timeout_s=m.stream_idle_timeout_s,
+        hedge_ms=m.hedge_ms,
+        hedge_auto=m.hedge_auto,
+        hedge_models=tuple(m.hedge_models.items()),
+    )
+
+
+def _on_off(value: str, name: str) -> bool:
+    if value not in ("", "on", "off"):
+        raise InvalidArgument(f"{name} must be on or off, not {value!r}")
+    return value != "off"
+
+
 def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
     return JwtIssuer(
         issuer=m.issuer,
@@ -113,6 +132,7 @@ def tenant_of(m: pb.Tenant) -> Tenant:
         cache=cache_of(m.cache),
         jwt=jwt_of(m.jwt) if m.HasField("jwt") else None,
         routing=routing_of(m.routing),
+        streams=streams_of(m.streams),
     )
 
 
@@ -187,6 +207,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             capacity=spec.capacity,
             credential_env=spec.credential_env,
             credential_file=spec.credential_file,
+            continuation=_on_off(spec.continuation, "continuation"),
         )
         return origin_pb(await self._catalog.put_origin(origin, allow_update=request.allow_update))
 
@@ -227,6 +248,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 t = replace(t, prompt=prompt_of(request.prompt))
             if request.HasField("routing"):
                 t = replace(t, routing=routing_of(request.routing))
+            if request.HasField("streams"):
+                t = replace(t, streams=streams_of(request.streams))
             if request.HasField("jwt"):
                 t = replace(t, jwt=jwt_of(request.jwt))
             if request.clear_jwt:

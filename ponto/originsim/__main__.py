@@ -98,7 +98,41 @@ def _parser() -> argparse.ArgumentParser:
         "--max-concurrency",
         type=int,
         default=defaults.max_concurrency,
-        help="requests generating at once, the rest queue as 'waiting'; 0 = unlimited",
+        help="requests generating at once, the rest queue first come first served as "
+        "'waiting'; 0 = unlimited",
+    )
+    vllm = parser.add_argument_group(
+        "vLLM replica model",
+        "Off by default. Time to first token becomes queue wait + prefill + --ttft-ms.",
+    )
+    vllm.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=defaults.kv_cache_tokens,
+        metavar="N",
+        help="prefix (KV block) cache capacity in tokens, LRU-evicted; 0 = no cache",
+    )
+    vllm.add_argument(
+        "--kv-block-tokens",
+        type=int,
+        default=defaults.kv_block_tokens,
+        metavar="N",
+        help="tokens per cache block; only full blocks are cached (default %(default)s)",
+    )
+    vllm.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=defaults.prefill_tokens_per_s,
+        metavar="N",
+        help="prefill rate of uncached prompt tokens on the replica's one prefill engine, "
+        "one request at a time; 0 = instant",
+    )
+    vllm.add_argument(
+        "--decode-slowdown",
+        type=float,
+        default=defaults.decode_slowdown,
+        metavar="F",
+        help="decode pace is tokens-per-s / (1 + F * (running - 1)); 0 = no slowdown",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for --fail-rate draws")
     parser.add_argument(
@@ -182,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             answer_tokens=args.answer_tokens,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_block_tokens=args.kv_block_tokens,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_slowdown=args.decode_slowdown,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -5,6 +5,15 @@ benchmarks. Answers are a pure function of (model, prompt), latency follows the
 configured time-to-first-token and token rate, and faults can be injected per
 request with ``x-sim-*`` headers or for every request through ``/sim/config``.
 
+For LLM-aware routing it can also behave like one vLLM replica (all off by
+default; see :class:`SimConfig`): a FIFO queue for generation slots
+(``max_concurrency``), a prefix cache of KV blocks with chained hashes and LRU
+eviction (``kv_cache_tokens``, ``kv_block_tokens``; :mod:`.kvcache`), one
+prefill engine whose time grows with a prompt's uncached tokens
+(``prefill_tokens_per_s``), and decoding that slows as the batch grows
+(``decode_slowdown``). Time to first token is then queue wait + prefill +
+``ttft_ms``. Neither the cache nor timing ever changes an answer's text.
+
 Routes:
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
@@ -12,10 +21,20 @@ Routes:
 * ``GET /health`` -- ``{"status": "ok"}``; follows the sticky ``mode`` (so an
   active health checker sees an origin switched to fail or drop) but not the
   random ``fail_rate`` or the ``x-sim-*`` headers.
-* ``GET /metrics`` -- Prometheus text: ``vllm:num_requests_running`` and
-  ``vllm:num_requests_waiting`` per ``model_name``, and
-  ``ponto_sim_requests_total{endpoint,status}``.
-* ``GET /sim/stats``, ``POST /sim/reset``, ``GET|POST /sim/config`` -- test control.
+* ``GET /metrics`` -- Prometheus text, per ``model_name`` under vLLM's names:
+  gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
+  ``vllm:kv_cache_usage_perc`` (0..1, blocks used / capacity, 0 without a
+  cache; the replica's one cache, so equal for every model; also as vLLM v0's
+  ``vllm:gpu_cache_usage_perc``), counters ``vllm:prefix_cache_queries_total``
+  and ``vllm:prefix_cache_hits_total`` (prompt tokens looked up, found cached);
+  and ``ponto_sim_requests_total{endpoint,status}``.
+* ``GET /sim/stats`` (requests, last request, prefix-cache tokens queried and
+  hit, prefill seconds), ``POST /sim/reset``, ``GET|POST /sim/config`` -- test
+  control.
+
+Chat and completion answers carry ``x-sim-cached-tokens: N``, the prompt tokens
+found in the KV cache (0 without one); with a cache, their ``usage`` also has
+``prompt_tokens_details.cached_tokens`` as in OpenAI's and vLLM's API.
 
 Per-request fault headers (inference API only), applied in this order:
 
@@ -34,11 +53,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, cast, get_args
 
@@ -48,7 +68,15 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
-from ponto.originsim.synth import count_tokens, embed, embedding_base64, generate_words
+from ponto.originsim.kvcache import (
+    BlockCache,
+    block_hashes,
+    chat_tokens,
+    decode_interval,
+    prefill_seconds,
+)
+from ponto.originsim.slots import FifoSlots
+from ponto.originsim.synth import embed, embedding_base64, generate_words
 
 __all__ = [
     "CHAT_PATH",
@@ -80,6 +108,11 @@ MAX_COMPLETION_TOKENS: Final = 100_000
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 # Charged per chat message on top of its words, like OpenAI's role/separator tokens.
 TOKENS_PER_MESSAGE: Final = 3
+# vLLM's default --block-size on GPUs.
+DEFAULT_KV_BLOCK_TOKENS: Final = 16
+# Non-streamed answers re-read the batch size this often rather than at every
+# token: one timer per token is a cost only a stream needs to pay.
+_DECODE_STEP: Final = 16
 
 _OWNER: Final = "ponto-origin-sim"
 
@@ -88,27 +121,40 @@ _OWNER: Final = "ponto-origin-sim"
 class SimConfig:
     """Settings of one simulated origin.
 
-    ``ttft_ms``, ``tokens_per_s``, ``fail_rate``, ``fail_status`` and ``mode``
-    can be changed at runtime through ``POST /sim/config``; the rest are fixed
-    for the app's lifetime. Construction raises :class:`ValueError` for values
+    ``ttft_ms``, ``tokens_per_s``, ``fail_rate``, ``fail_status``, ``mode``,
+    ``answer_tokens``, ``prefill_tokens_per_s`` and ``decode_slowdown`` can be
+    changed at runtime through ``POST /sim/config``; the rest are fixed for the
+    app's lifetime. Construction raises :class:`ValueError` for values
     out of range.
 
     Attributes:
         name: Reported in ``x-sim-origin``, error messages and the startup line.
         region: Reported in ``x-sim-region``; a label only.
         models: Model ids served; any other model gets a 404.
-        ttft_ms: Delay from admission to the first token.
-        tokens_per_s: Pace of the following tokens; 0 sends them back to back.
+        ttft_ms: Delay from the end of prefill to the first token; with the
+            defaults (no prefill model) that is from admission.
+        tokens_per_s: Pace of the following tokens for a request decoding
+            alone; 0 sends them back to back.
         fail_rate: Probability in [0, 1] that an inference request gets ``fail_status``.
         fail_status: HTTP status (400-599) of injected failures.
         mode: "ok"; "fail" answers every request with ``fail_status``; "drop"
             closes every connection without a response.
-        max_concurrency: Requests generating at once; more wait in a queue that
-            ``vllm:num_requests_waiting`` reports. 0 means unlimited.
+        max_concurrency: Requests generating at once; more wait in a FIFO queue
+            that ``vllm:num_requests_waiting`` reports. 0 means unlimited.
         seed: Seed for ``fail_rate`` draws; None draws from OS entropy.
         answer_tokens: Natural answer length: a larger ``max_tokens`` ends with
             finish_reason "stop" after this many tokens, a smaller one with
             "length". 0 runs every answer to its budget (16 without one).
+        kv_cache_tokens: Capacity of the prefix (KV block) cache in tokens; 0
+            disables it. Must hold at least one block. See :class:`BlockCache`.
+        kv_block_tokens: Tokens per cache block, 16 as in vLLM; only full
+            blocks are cached.
+        prefill_tokens_per_s: Rate at which the replica's one prefill engine
+            processes a prompt's uncached tokens, one request at a time in
+            arrival order; 0 makes prefill instant.
+        decode_slowdown: How much each extra running request slows decoding:
+            the pace is ``tokens_per_s / (1 + decode_slowdown * (running - 1))``,
+            re-read at every token. 0 keeps the pace fixed.
     """
 
     name: str = "origin-sim"
@@ -122,11 +168,20 @@ class SimConfig:
     max_concurrency: int = 0
     seed: int | None = None
     answer_tokens: int = 0
+    kv_cache_tokens: int = 0
+    kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS
+    prefill_tokens_per_s: float = 0.0
+    decode_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.models or not all(self.models):
             raise ValueError("models must be a non-empty list of non-empty ids")
-        for label, value in (("ttft_ms", self.ttft_ms), ("tokens_per_s", self.tokens_per_s)):
+        for label, value in (
+            ("ttft_ms", self.ttft_ms),
+            ("tokens_per_s", self.tokens_per_s),
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+            ("decode_slowdown", self.decode_slowdown),
+        ):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
         if not 0.0 <= self.fail_rate <= 1.0:
@@ -139,6 +194,13 @@ class SimConfig:
             raise ValueError(f"max_concurrency must be >= 0, got {self.max_concurrency!r}")
         if not 0 <= self.answer_tokens <= MAX_COMPLETION_TOKENS:
             raise ValueError(f"answer_tokens must be in 0..{MAX_COMPLETION_TOKENS}")
+        if self.kv_block_tokens < 1:
+            raise ValueError(f"kv_block_tokens must be >= 1, got {self.kv_block_tokens!r}")
+        if self.kv_cache_tokens < 0 or 0 < self.kv_cache_tokens < self.kv_block_tokens:
+            raise ValueError(
+                "kv_cache_tokens must be 0 (no cache) or at least kv_block_tokens "
+                f"({self.kv_block_tokens}), got {self.kv_cache_tokens!r}"
+            )
 
     def knobs(self) -> dict[str, object]:
         """Return the settings as JSON-ready data (the ``/sim/config`` view)."""
@@ -154,11 +216,18 @@ class SimStats:
     ``last_request`` describes the latest request: its ``endpoint``, its
     ``headers`` with lower-cased names (the last value wins for repeated
     names) and its parsed JSON ``body`` (None when empty or not JSON).
+    ``prefix_cache_queries_tokens`` and ``prefix_cache_hits_tokens`` count
+    prompt tokens looked up in the KV cache and found there (chat and
+    completions, whether or not a cache is configured); ``prefill_seconds``
+    sums the computed prefill durations, the prefill engine's busy time.
     """
 
     requests: int = 0
     by_endpoint: dict[str, int] = field(default_factory=dict)
     last_request: dict[str, object] | None = None
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    prefill_seconds: float = 0.0
 
     def record(self, endpoint: str, headers: dict[str, str], body: object) -> None:
         """Count one request to ``endpoint`` and remember it as the latest."""
@@ -166,11 +235,20 @@ class SimStats:
         self.by_endpoint[endpoint] = self.by_endpoint.get(endpoint, 0) + 1
         self.last_request = {"endpoint": endpoint, "headers": headers, "body": body}
 
+    def record_prefill(self, queried: int, hit: int, seconds: float) -> None:
+        """Count one prefill of ``queried`` prompt tokens, ``hit`` of them cached."""
+        self.prefix_cache_queries_tokens += queried
+        self.prefix_cache_hits_tokens += hit
+        self.prefill_seconds += seconds
+
     def reset(self) -> None:
-        """Forget everything recorded so far."""
+        """Forget everything recorded so far (the KV cache itself is kept)."""
         self.requests = 0
         self.by_endpoint = {}
         self.last_request = None
+        self.prefix_cache_queries_tokens = 0
+        self.prefix_cache_hits_tokens = 0
+        self.prefill_seconds = 0.0
 
     def snapshot(self) -> dict[str, object]:
         """Return the ``/sim/stats`` view."""
@@ -178,6 +256,9 @@ class SimStats:
             "requests": self.requests,
             "by_endpoint": dict(self.by_endpoint),
             "last_request": self.last_request,
+            "prefix_cache_queries_tokens": self.prefix_cache_queries_tokens,
+            "prefix_cache_hits_tokens": self.prefix_cache_hits_tokens,
+            "prefill_seconds": self.prefill_seconds,
         }
 
 
@@ -185,10 +266,12 @@ class SimMetrics:
     """Prometheus metrics of one app, in a registry of its own.
 
     A private registry lets several simulators live in one process (tests,
-    embedded demos) without clashing on the global default registry.
+    embedded demos) without clashing on the global default registry. The KV
+    cache gauges read ``kv_usage`` at scrape time; a replica has one cache, so
+    every model's series shows the same value.
     """
 
-    def __init__(self, models: tuple[str, ...]) -> None:
+    def __init__(self, models: tuple[str, ...], kv_usage: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
         self.running = Gauge(
             "vllm:num_requests_running",
@@ -202,6 +285,29 @@ class SimMetrics:
             ["model_name"],
             registry=self.registry,
         )
+        kv_usage_gauges = [
+            Gauge(
+                name,
+                "KV-cache usage: fraction of the cache's blocks in use, 0 without a cache.",
+                ["model_name"],
+                registry=self.registry,
+            )
+            # vLLM v1's name, and the one vLLM v0 used.
+            for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+        ]
+        # prometheus_client appends _total to counter names.
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens found cached.",
+            ["model_name"],
+            registry=self.registry,
+        )
         self.requests = Counter(
             "ponto_sim_requests_total",
             "HTTP requests answered, by route and status ('dropped' when no response was sent).",
@@ -212,6 +318,10 @@ class SimMetrics:
         for model in models:
             self.running.labels(model_name=model).set(0)
             self.waiting.labels(model_name=model).set(0)
+            self.prefix_queries.labels(model_name=model)
+            self.prefix_hits.labels(model_name=model)
+            for gauge in kv_usage_gauges:
+                gauge.labels(model_name=model).set_function(kv_usage)
 
     def exposition(self) -> bytes:
         """Return the registry in Prometheus text format."""
@@ -219,50 +329,86 @@ class SimMetrics:
 
 
 class SimState:
-    """Mutable state of one app: runtime settings, stats, metrics and admission.
+    """Mutable state of one app: runtime settings, stats, metrics, admission and KV cache.
 
     ``config`` starts as the config given to :func:`build_app` and is replaced
     (never mutated) by ``POST /sim/config``; a request reads it once so a
-    change mid-stream does not alter a response already under way.
+    change mid-stream does not alter a response already under way. Everything
+    here is used from the app's event loop only.
     """
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.stats = SimStats()
-        self.metrics = SimMetrics(config.models)
+        self.kv_cache = BlockCache(config.kv_cache_tokens, config.kv_block_tokens)
+        self.metrics = SimMetrics(config.models, self.kv_cache.usage)
         self.rng = random.Random(config.seed)  # noqa: S311 -- fault dice, not cryptography
         self.started = int(time.time())
-        self._slots = (
-            asyncio.Semaphore(config.max_concurrency) if config.max_concurrency > 0 else None
-        )
+        self.running = 0
+        self._slots = FifoSlots(config.max_concurrency) if config.max_concurrency > 0 else None
+        self._prefill_engine = FifoSlots(1)
 
     @contextlib.asynccontextmanager
     async def occupy(self, model: str) -> AsyncIterator[None]:
         """Hold a generation slot for ``model`` for the duration of the block.
 
-        While waiting for a slot the request counts in ``vllm:num_requests_waiting``,
-        while holding one in ``vllm:num_requests_running``.
+        Slots are granted in arrival order. While waiting for a slot the
+        request counts in ``vllm:num_requests_waiting``, while holding one in
+        ``vllm:num_requests_running`` and in :attr:`running` (all models: the
+        batch size that slows decoding).
         """
         running = self.metrics.running.labels(model_name=model)
-        if self._slots is None:
-            running.inc()
+        if self._slots is not None:
+            waiting = self.metrics.waiting.labels(model_name=model)
+            waiting.inc()
             try:
-                yield
+                await self._slots.acquire()
             finally:
-                running.dec()
-            return
-        waiting = self.metrics.waiting.labels(model_name=model)
-        waiting.inc()
-        try:
-            await self._slots.acquire()
-        finally:
-            waiting.dec()
+                waiting.dec()
         running.inc()
+        self.running += 1
         try:
             yield
         finally:
+            self.running -= 1
             running.dec()
-            self._slots.release()
+            if self._slots is not None:
+                self._slots.release()
+
+    async def prefill(
+        self, model: str, hashes: Sequence[int], prompt_tokens: int, rate: float
+    ) -> int:
+        """Prefill a prompt of ``prompt_tokens`` tokens; return how many were cached.
+
+        Called by a request holding a generation slot. The replica has one
+        prefill engine: requests take it in arrival order and hold it for
+        :func:`prefill_seconds` of their uncached tokens at ``rate`` (the
+        request's ``prefill_tokens_per_s``). The cache is looked up once the
+        engine is ours, so a prompt queued behind one sharing its prefix hits
+        the blocks that one just filled; ``hashes`` (from :func:`block_hashes`,
+        empty without a cache) are then inserted.
+        """
+        if rate <= 0:
+            # Instant prefill: nothing here awaits, so no engine is needed.
+            cached = self._look_up(model, hashes, prompt_tokens, rate)
+            self.kv_cache.insert(hashes)
+            return cached
+        async with self._prefill_engine.hold():
+            cached = self._look_up(model, hashes, prompt_tokens, rate)
+            await asyncio.sleep(prefill_seconds(prompt_tokens - cached, rate))
+            # A request cancelled mid-prefill leaves nothing behind, as an aborted one in vLLM.
+            self.kv_cache.insert(hashes)
+        return cached
+
+    def _look_up(self, model: str, hashes: Sequence[int], prompt_tokens: int, rate: float) -> int:
+        """Return the cached tokens of a prompt and count the query in stats and metrics."""
+        cached = self.kv_cache.cached_blocks(hashes, prompt_tokens) * self.kv_cache.block_tokens
+        self.stats.record_prefill(
+            prompt_tokens, cached, prefill_seconds(prompt_tokens - cached, rate)
+        )
+        self.metrics.prefix_queries.labels(model_name=model).inc(prompt_tokens)
+        self.metrics.prefix_hits.labels(model_name=model).inc(cached)
+        return cached
 
 
 SIM_STATE: Final = web.AppKey("ponto.originsim.state", SimState)
@@ -351,6 +497,10 @@ class _Job:
     include_usage: bool
     # Natural answer length (SimConfig.answer_tokens); 0: run to the budget.
     natural: int = 0
+    # Chained hashes of the prompt's full KV blocks; empty without a cache.
+    block_hashes: tuple[int, ...] = ()
+    # Prompt tokens found in the KV cache, once prefilled; None without a cache.
+    cached_tokens: int | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -367,12 +517,16 @@ class _Job:
         # explicit budget is always the reason it stopped.
         return "stop" if self.max_tokens is None else "length"
 
-    def usage(self) -> dict[str, int]:
-        return {
+    def usage(self) -> dict[str, object]:
+        usage: dict[str, object] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            # vLLM reports this only when asked to; a simulator with a cache always does.
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def _require_object(body: object) -> dict[str, object]:
@@ -464,14 +618,18 @@ def _content_text(content: object, param: str) -> str:
     raise _ApiError(400, f"'{param}' must be a string or an array of parts.", param=param)
 
 
-def _parse_chat(body: object, models: tuple[str, ...]) -> _Job:
+def _hashes(model: str, tokens: list[str], block_tokens: int) -> tuple[int, ...]:
+    return tuple(block_hashes(model, tokens, block_tokens)) if block_tokens else ()
+
+
+def _parse_chat(body: object, models: tuple[str, ...], block_tokens: int) -> _Job:
+    """Validate a chat request; ``block_tokens`` > 0 also hashes its KV blocks."""
     obj = _require_object(body)
     model = _require_model(obj, models)
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ApiError(400, "'messages' must be a non-empty array.", param="messages")
     turns: list[tuple[str, str]] = []
-    prompt_tokens = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _ApiError(400, f"'messages[{i}]' must be an object.", param=f"messages[{i}]")
@@ -481,8 +639,9 @@ def _parse_chat(body: object, models: tuple[str, ...]) -> _Job:
                 400, f"'messages[{i}].role' must be a string.", param=f"messages[{i}].role"
             )
         text = _content_text(message.get("content"), f"messages[{i}].content")
-        prompt_tokens += count_tokens(text) + TOKENS_PER_MESSAGE
         turns.append((role, text))
+    # Each message's words plus TOKENS_PER_MESSAGE markers, counted once.
+    tokens = chat_tokens(turns)
     stream, include_usage = _stream_flags(obj)
     return _Job(
         kind="chat",
@@ -490,10 +649,11 @@ def _parse_chat(body: object, models: tuple[str, ...]) -> _Job:
         # The whole conversation keys the answer, so the same last question
         # in different conversations gets different answers.
         prompt_key=orjson.dumps(turns).decode(),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=len(tokens),
         max_tokens=_max_tokens(obj),
         stream=stream,
         include_usage=include_usage,
+        block_hashes=_hashes(model, tokens, block_tokens),
     )
 
 
@@ -503,21 +663,22 @@ def _is_token_list(value: object) -> bool:
     )
 
 
-def _inputs(value: object, param: str) -> list[tuple[str, int]]:
-    """Split an OpenAI ``prompt``/``input`` into (hash key, token count) per item.
+def _inputs(value: object, param: str) -> list[tuple[str, list[str]]]:
+    """Split an OpenAI ``prompt``/``input`` into (hash key, tokens) per item.
 
     Accepts a string, a list of strings, a list of token ids, or a list of
-    token-id lists.
+    token-id lists. A string's tokens are its words (see ``synth.count_tokens``),
+    a token id's token is its decimal form.
     """
     if isinstance(value, str):
-        return [(value, count_tokens(value))]
+        return [(value, value.split())]
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
-            return [(v, count_tokens(v)) for v in value]
+            return [(v, v.split()) for v in value]
         if _is_token_list(value):
-            return [(orjson.dumps(value).decode(), len(value))]
+            return [(orjson.dumps(value).decode(), list(map(str, value)))]
         if all(_is_token_list(v) and v for v in value):
-            return [(orjson.dumps(v).decode(), len(v)) for v in value]
+            return [(orjson.dumps(v).decode(), list(map(str, v))) for v in value]
     raise _ApiError(
         400,
         f"'{param}' must be a string, an array of strings or an array of token arrays.",
@@ -525,21 +686,24 @@ def _inputs(value: object, param: str) -> list[tuple[str, int]]:
     )
 
 
-def _parse_completion(body: object, models: tuple[str, ...]) -> _Job:
+def _parse_completion(body: object, models: tuple[str, ...], block_tokens: int) -> _Job:
+    """Validate a completion request; ``block_tokens`` > 0 also hashes its KV blocks."""
     obj = _require_object(body)
     model = _require_model(obj, models)
     prompts = _inputs(obj.get("prompt"), "prompt")
     stream, include_usage = _stream_flags(obj)
-    # Several prompts are answered as one: the simulator always returns a
-    # single choice.
+    # Several prompts are answered as one (the simulator always returns a
+    # single choice) and cached as one prompt, their tokens back to back.
+    tokens = list(itertools.chain.from_iterable(item_tokens for _, item_tokens in prompts))
     return _Job(
         kind="text",
         model=model,
         prompt_key=orjson.dumps([key for key, _ in prompts]).decode(),
-        prompt_tokens=sum(tokens for _, tokens in prompts),
+        prompt_tokens=len(tokens),
         max_tokens=_max_tokens(obj),
         stream=stream,
         include_usage=include_usage,
+        block_hashes=_hashes(model, tokens, block_tokens),
     )
 
 
@@ -636,22 +800,49 @@ def _inference(endpoint: str, handler: _Endpoint) -> Handler:
 
 
 class _Pacer:
-    """Schedules token i at ttft + i / tokens_per_s after admission.
+    """Schedules the first token at ttft after its start and each later one a
+    :func:`decode_interval` after the previous, at the batch size of the moment.
 
-    Deadlines are absolute so sleep overshoot does not accumulate over a long
-    answer.
+    Deadlines are absolute, advanced token by token, so sleep overshoot does
+    not accumulate over a long answer. Settings are read from ``config`` once;
+    ``running`` is read as the deadlines advance.
     """
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, running: Callable[[], int]) -> None:
         self._loop = asyncio.get_running_loop()
-        self._start = self._loop.time()
-        self._ttft = config.ttft_ms / 1000
-        self._interval = 1 / config.tokens_per_s if config.tokens_per_s > 0 else 0.0
+        self._deadline = self._loop.time() + config.ttft_ms / 1000
+        self._index = 0
+        self._tokens_per_s = config.tokens_per_s
+        self._slowdown = config.decode_slowdown
+        self._running = running
+
+    @property
+    def due(self) -> float:
+        """Return the event-loop time the latest token waited for was due."""
+        return self._deadline
 
     async def until_token(self, index: int) -> None:
-        delay = self._start + self._ttft + index * self._interval - self._loop.time()
+        """Wait until token ``index`` (counted from 0, never going back) is due."""
+        if index > self._index:
+            steps = index - self._index
+            interval = decode_interval(self._tokens_per_s, self._slowdown, self._running())
+            # Gaps waited for together (a non-streamed answer's step) share
+            # the batch size of the moment; without a slowdown the product
+            # is exactly the fixed-rate schedule ttft + i / tokens_per_s.
+            self._deadline += steps * interval
+            self._index = index
+        delay = self._deadline - self._loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
+
+    async def until_last(self, count: int) -> None:
+        """Wait until the last of ``count`` tokens is due, for a non-streamed answer."""
+        last = count - 1
+        if self._slowdown > 0:
+            # Re-read the batch size every _DECODE_STEP tokens.
+            for index in range(_DECODE_STEP, last, _DECODE_STEP):
+                await self.until_token(index)
+        await self.until_token(last)
 
 
 def _full_body(job: _Job, ident: str, created: int, words: list[str]) -> dict[str, object]:
@@ -721,9 +912,10 @@ async def _stream(
     pacer: _Pacer,
     events: Iterator[tuple[int | None, dict[str, object]]],
     cut_after: int | None,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
     try:
         await resp.prepare(request)
@@ -747,6 +939,12 @@ async def _stream(
 
 
 async def _generate(request: web.Request, state: SimState, job: _Job) -> web.StreamResponse:
+    """Answer ``job``: wait for a slot, prefill, then send tokens at the decode pace.
+
+    Time to first token = queue wait + prefill (engine queue and uncached
+    tokens) + ``ttft_ms``. Headers, which carry the cached token count, go out
+    once prefill is done. The text depends on model and prompt only.
+    """
     config = state.config
     if config.answer_tokens:
         job = dataclasses.replace(job, natural=config.answer_tokens)
@@ -756,21 +954,36 @@ async def _generate(request: web.Request, state: SimState, job: _Job) -> web.Str
     created = int(time.time())
     words = generate_words(job.model, job.prompt_key, job.completion_tokens)
     async with state.occupy(job.model):
-        pacer = _Pacer(config)
+        cached = await state.prefill(
+            job.model, job.block_hashes, job.prompt_tokens, config.prefill_tokens_per_s
+        )
+        if state.kv_cache.capacity_blocks:
+            job = dataclasses.replace(job, cached_tokens=cached)
+        headers = {"x-sim-cached-tokens": str(cached)}
+        pacer = _Pacer(config, lambda: state.running)
         if job.stream:
             return await _stream(
-                request, pacer, _stream_events(job, ident, created, words), cut_after
+                request, pacer, _stream_events(job, ident, created, words), cut_after, headers
             )
-        await pacer.until_token(len(words) - 1)
-        return _json(_full_body(job, ident, created, words))
+        await pacer.until_last(len(words))
+        resp = _json(_full_body(job, ident, created, words))
+        resp.headers.update(headers)
+        return resp
+
+
+def _block_tokens(state: SimState) -> int:
+    """Return the block size to hash prompts with, 0 when there is no cache to look up."""
+    return state.kv_cache.block_tokens if state.kv_cache.capacity_blocks else 0
 
 
 async def _chat(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
-    return await _generate(request, state, _parse_chat(body, state.config.models))
+    job = _parse_chat(body, state.config.models, _block_tokens(state))
+    return await _generate(request, state, job)
 
 
 async def _completions(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
-    return await _generate(request, state, _parse_completion(body, state.config.models))
+    job = _parse_completion(body, state.config.models, _block_tokens(state))
+    return await _generate(request, state, job)
 
 
 async def _embeddings(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
@@ -791,7 +1004,7 @@ async def _embeddings(request: web.Request, state: SimState, body: object) -> we
             vector = embed(model, key)
             embedding: object = embedding_base64(vector) if encoding == "base64" else vector
             data.append({"object": "embedding", "index": i, "embedding": embedding})
-    tokens = sum(count for _, count in inputs)
+    tokens = sum(len(item_tokens) for _, item_tokens in inputs)
     return _json(
         {
             "object": "list",
@@ -848,6 +1061,21 @@ async def _get_config(request: web.Request) -> web.StreamResponse:
     return _json(request.config_dict[SIM_STATE].config.knobs())
 
 
+# Settings POST /sim/config may change; requests under way keep the ones they started with.
+_RUNTIME_KNOBS: Final = frozenset(
+    {
+        "ttft_ms",
+        "tokens_per_s",
+        "fail_rate",
+        "fail_status",
+        "mode",
+        "answer_tokens",
+        "prefill_tokens_per_s",
+        "decode_slowdown",
+    }
+)
+
+
 def _number(body: dict[str, object], key: str, current: float) -> float:
     value = body.get(key, current)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -856,22 +1084,28 @@ def _number(body: dict[str, object], key: str, current: float) -> float:
 
 
 async def _set_config(request: web.Request) -> web.StreamResponse:
-    """Change runtime knobs from a JSON object holding any of
-    ttft_ms, tokens_per_s, fail_rate, fail_status, mode and answer_tokens; answer the new
-    settings."""
+    """Change runtime knobs from a JSON object holding any of :data:`_RUNTIME_KNOBS`;
+    answer the new settings. Other settings, the cache size among them, are
+    fixed at start."""
     state = request.config_dict[SIM_STATE]
     try:
         body, well_formed = _parse_body(await request.read())
         if not well_formed:
             raise _ApiError(400, "The request body is not valid JSON.", code="invalid_json")
         obj = _require_object(body)
-        known = {"ttft_ms", "tokens_per_s", "fail_rate", "fail_status", "mode", "answer_tokens"}
-        unknown = sorted(set(obj) - known)
+        current = state.config
+        fixed = sorted(set(obj) & set(current.knobs()) - _RUNTIME_KNOBS)
+        if fixed:
+            raise _ApiError(
+                400, f"Settings {fixed} are fixed at start.", param=fixed[0], code="fixed_setting"
+            )
+        unknown = sorted(set(obj) - _RUNTIME_KNOBS)
         if unknown:
             raise _ApiError(
-                400, f"Unknown settings {unknown}; known: {sorted(known)}.", param=unknown[0]
+                400,
+                f"Unknown settings {unknown}; known: {sorted(_RUNTIME_KNOBS)}.",
+                param=unknown[0],
             )
-        current = state.config
         fail_status = obj.get("fail_status", current.fail_status)
         if isinstance(fail_status, bool) or not isinstance(fail_status, int):
             raise _ApiError(400, "'fail_status' must be an integer.", param="fail_status")
@@ -890,6 +1124,10 @@ async def _set_config(request: web.Request) -> web.StreamResponse:
                 fail_status=fail_status,
                 mode=cast(Mode, mode),
                 answer_tokens=answer_tokens,
+                prefill_tokens_per_s=_number(
+                    obj, "prefill_tokens_per_s", current.prefill_tokens_per_s
+                ),
+                decode_slowdown=_number(obj, "decode_slowdown", current.decode_slowdown),
             )
         except ValueError as exc:
             raise _ApiError(400, str(exc)) from None

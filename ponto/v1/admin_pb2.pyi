@@ -86,6 +86,7 @@ class OriginSpec(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
     CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
+    CONTINUATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     region: _builtins.str
@@ -99,6 +100,10 @@ class OriginSpec(_message.Message):
     credential itself is never stored in etcd.
     """
     credential_file: _builtins.str
+    continuation: _builtins.str
+    """"on" (or ""): the origin accepts continuation requests, as vLLM and
+    SGLang do; "off" for hosted APIs that do not.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -112,10 +117,11 @@ class OriginSpec(_message.Message):
         capacity: _builtins.int = ...,
         credential_env: _builtins.str = ...,
         credential_file: _builtins.str = ...,
+        continuation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -408,6 +414,7 @@ class UpdateTenantRequest(_message.Message):
     JWT_FIELD_NUMBER: _builtins.int
     CLEAR_JWT_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
+    STREAMS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     clear_jwt: _builtins.bool
     """Remove the tenant's JWT issuer."""
@@ -421,6 +428,8 @@ class UpdateTenantRequest(_message.Message):
     def jwt(self) -> _routing_pb2.JwtIssuer: ...
     @_builtins.property
     def routing(self) -> _routing_pb2.RoutingPolicy: ...
+    @_builtins.property
+    def streams(self) -> _routing_pb2.StreamPolicy: ...
     def __init__(
         self,
         *,
@@ -431,10 +440,11 @@ class UpdateTenantRequest(_message.Message):
         jwt: _routing_pb2.JwtIssuer | None = ...,
         clear_jwt: _builtins.bool = ...,
         routing: _routing_pb2.RoutingPolicy | None = ...,
+        streams: _routing_pb2.StreamPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

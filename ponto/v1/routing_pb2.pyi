@@ -197,6 +197,7 @@ class Origin(_message.Message):
     HEALTH_DETAIL_FIELD_NUMBER: _builtins.int
     CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
     CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
+    CONTINUATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -216,6 +217,11 @@ class Origin(_message.Message):
     credential_env: _builtins.str
     """Where the proxy reads the origin's upstream credential (see OriginSpec)."""
     credential_file: _builtins.str
+    continuation: _builtins.bool
+    """The origin accepts continuation requests (vLLM's continue_final_message
+    for chat, a prompt extended by the partial text for completions), so a
+    stream cut elsewhere may be continued here.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -233,10 +239,11 @@ class Origin(_message.Message):
         health_detail: _builtins.str = ...,
         credential_env: _builtins.str = ...,
         credential_file: _builtins.str = ...,
+        continuation: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -542,6 +549,79 @@ class RoutingPolicy(_message.Message):
 Global___RoutingPolicy: _TypeAlias = RoutingPolicy  # noqa: Y015
 
 @_typing.final
+class StreamPolicy(_message.Message):
+    """What the proxy does when a tenant's streams stall or break, and whether it
+    hedges slow first tokens (docs/streams.md).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HedgeModelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CONTINUATION_FIELD_NUMBER: _builtins.int
+    MAX_CONTINUATIONS_FIELD_NUMBER: _builtins.int
+    STREAM_IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    HEDGE_MS_FIELD_NUMBER: _builtins.int
+    HEDGE_AUTO_FIELD_NUMBER: _builtins.int
+    HEDGE_MODELS_FIELD_NUMBER: _builtins.int
+    continuation: _builtins.str
+    """"on" (or ""): a stream cut after bytes reached the client is continued
+    on the next origin that accepts continuations; "off": it ends with an
+    error event.
+    """
+    max_continuations: _builtins.int
+    """Continuations per request at most; 0 means the default (2)."""
+    stream_idle_timeout_s: _builtins.float
+    """Seconds without a chunk after which a stream counts as cut; 0 means the
+    proxy's default (--stream-idle-timeout).
+    """
+    hedge_ms: _builtins.int
+    """Hedge a request whose first byte has not come after this many
+    milliseconds; 0: no hedging (the default).
+    """
+    hedge_auto: _builtins.bool
+    """Hedge after the origin's observed time-to-first-byte p95 instead."""
+    @_builtins.property
+    def hedge_models(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Model -> "N" (ms), "auto" or "0", overriding hedge_ms and hedge_auto."""
+
+    def __init__(
+        self,
+        *,
+        continuation: _builtins.str = ...,
+        max_continuations: _builtins.int = ...,
+        stream_idle_timeout_s: _builtins.float = ...,
+        hedge_ms: _builtins.int = ...,
+        hedge_auto: _builtins.bool = ...,
+        hedge_models: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["continuation", b"continuation", "hedge_auto", b"hedge_auto", "hedge_models", b"hedge_models", "hedge_ms", b"hedge_ms", "max_continuations", b"max_continuations", "stream_idle_timeout_s", b"stream_idle_timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamPolicy: _TypeAlias = StreamPolicy  # noqa: Y015
+
+@_typing.final
 class Tenant(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -551,6 +631,7 @@ class Tenant(_message.Message):
     CACHE_FIELD_NUMBER: _builtins.int
     JWT_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
+    STREAMS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     @_builtins.property
     def limits(self) -> Global___Limits: ...
@@ -564,6 +645,8 @@ class Tenant(_message.Message):
 
     @_builtins.property
     def routing(self) -> Global___RoutingPolicy: ...
+    @_builtins.property
+    def streams(self) -> Global___StreamPolicy: ...
     def __init__(
         self,
         *,
@@ -573,10 +656,11 @@ class Tenant(_message.Message):
         cache: Global___CachePolicy | None = ...,
         jwt: Global___JwtIssuer | None = ...,
         routing: Global___RoutingPolicy | None = ...,
+        streams: Global___StreamPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

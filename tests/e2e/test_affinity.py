@@ -38,7 +38,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         f.start_control(extra=["--probe-interval-ms", "200", "--rise", "1", "--fall", "1"])
         f.add_region(REGION)
         for name in REPLICAS:
-            f.start_origin(name, REGION.name)
+            f.start_origin(name, REGION.name, extra=["--kv-cache-tokens", "100000"])
             f.add_origin(name, REGION.name, f.origin_url(name), capacity=2)
         admin = f.admin()
         for tenant in ("acme", "globex"):
@@ -100,11 +100,17 @@ def test_sessions_stay_on_one_replica_across_proxies_and_restarts(fleet: Fleet) 
     assert r.headers["x-ponto-route"] == "affinity"
 
     # An agent loop without any session id: the conversation's start keys it.
-    convo = [{"role": "system", "content": "You are a coding agent."}, *user("fix parser.py")]
+    convo = [{"role": "system", "content": "You are a coding agent."}, *user("fix it " * 20)]
     first = replica(ask(fleet, "p0", convo))
     for step, proxy in enumerate(PROXIES * 2):
-        convo += [{"role": "assistant", "content": f"ran tool {step}"}, *user(f"result {step}")]
-        assert replica(ask(fleet, proxy, convo)) == first
+        convo += [
+            {"role": "assistant", "content": f"ran tool {step} " * 20},
+            *user(f"result {step} " * 20),
+        ]
+        r = ask(fleet, proxy, convo)
+        assert replica(r) == first
+        # Each step finds the previous steps' blocks in its replica's KV cache.
+        assert int(r.headers["x-sim-cached-tokens"]) >= 16 * (step + 1)
 
     # A restarted proxy computes the same placement from the same table.
     fleet.proxies["p2"].stop()

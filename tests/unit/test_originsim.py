@@ -412,8 +412,17 @@ async def test_stats_record_last_request_and_reset(client: SimClient) -> None:
     assert "authorization" not in last["headers"]
     assert last["body"] == chat_body("check headers")
 
+    # Prompt tokens are counted as prefix-cache queries even without a cache.
+    assert (await (await client.get("/sim/stats")).json())["prefix_cache_queries_tokens"] == 10
     reset = await (await client.post("/sim/reset")).json()
-    assert reset == {"requests": 0, "by_endpoint": {}, "last_request": None}
+    assert reset == {
+        "requests": 0,
+        "by_endpoint": {},
+        "last_request": None,
+        "prefix_cache_queries_tokens": 0,
+        "prefix_cache_hits_tokens": 0,
+        "prefill_seconds": 0.0,
+    }
     # Control and health traffic is not counted.
     await client.get("/health")
     assert (await (await client.get("/sim/stats")).json())["requests"] == 0
@@ -499,6 +508,14 @@ def test_console_script_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("ponto-origin-sim")
     ready = tmp_path / "ready"
     argv = [str(script), "--listen", "127.0.0.1:0", "--ready-file", str(ready), "--name", "proc"]
+    replica = {
+        "kv_cache_tokens": 4096,
+        "kv_block_tokens": 32,
+        "prefill_tokens_per_s": 1e6,
+        "decode_slowdown": 0.5,
+    }
+    for key, value in replica.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         try:
             deadline = time.monotonic() + 15
@@ -518,6 +535,9 @@ def test_console_script_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
                 assert resp.headers["x-sim-origin"] == "proc"
                 data = orjson.loads(resp.read())
             assert data["object"] == "chat.completion"
+            with urllib.request.urlopen(f"http://{address}/sim/config", timeout=10) as resp:
+                knobs = orjson.loads(resp.read())
+            assert {key: knobs[key] for key in replica} == replica
 
             proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=15)
