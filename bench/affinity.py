@@ -720,7 +720,17 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of agent,prefix,unique (for iterating)",
     )
     p.add_argument("--no-death", action="store_true", help="skip the replica-death phase")
+    p.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only write the tables, Markdown and plots again from a run's JSON",
+    )
     args = p.parse_args(argv)
+    if args.render is not None:
+        for path in report.rerender(args.render):
+            print(f"wrote {path}")
+        return 0
     timing = QUICK if args.quick else FULL
     sim = SimSettings(prefill_tokens_per_s=args.prefill_tokens_per_s)
     started = time.monotonic()

@@ -82,6 +82,12 @@ def _proxy_cpu(fig: dict[str, Any]) -> str:
     return f"{100 * sum(v for k, v in cpu.items() if k.startswith('proxy-')):.0f}"
 
 
+def _all_cpu(fig: dict[str, Any]) -> str:
+    cpu = fig["cpu_core_fraction"]
+    # "proxies" already sums proxy-a and proxy-b.
+    return f"{sum(v for k, v in cpu.items() if not k.startswith('proxy-')):.2f}"
+
+
 def level_table(wname: str, level: str, data: dict[str, Any]) -> dict[str, Any]:
     pol = data["policies"]
     cols = ["figure", *POLICIES]
@@ -103,6 +109,8 @@ def level_table(wname: str, level: str, data: dict[str, Any]) -> dict[str, Any]:
         row("served by the spill region", lambda f: _pct(f["spill_share"])),
         row("route reasons", lambda f: _routes(f["routes"])),
         row("proxies' CPU (% of a core)", _proxy_cpu),
+        row("all processes' CPU (cores of 2)", _all_cpu),
+        row("requests sent late, p99 (ms)", lambda f: _ms(f["late_p99_ms"])),
     ]
     w, ll, a = (pol[p] for p in POLICIES)
     rows.append(
@@ -226,6 +234,14 @@ def death_table(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _aims_table(aim_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "title": "Aims (reported, not asserted)",
+        "columns": ["aim", "measured", "verdict"],
+        "rows": [[a["aim"], a["measured"], a["verdict"]] for a in aim_rows],
+    }
+
+
 def cpu_lines(phases: dict[str, Any]) -> list[str]:
     """The busiest phase's CPU per process group, to show nothing saturated."""
     best: tuple[float, str, dict[str, float]] = (-1.0, "", {})
@@ -287,13 +303,7 @@ def document(
     if death is not None:
         tables.append(death_table(death))
     aim_rows = aims(phases, death)
-    tables.append(
-        {
-            "title": "Aims (reported, not asserted)",
-            "columns": ["aim", "measured", "verdict"],
-            "rows": [[a["aim"], a["measured"], a["verdict"]] for a in aim_rows],
-        }
-    )
+    tables.append(_aims_table(aim_rows))
     all_notes = list(notes)
     if not policy_supported:
         all_notes.append(
@@ -339,6 +349,34 @@ def document(
 
 
 # ----------------------------------------------------------------------------- files
+
+
+def _from_json(value: Any) -> Any:
+    if value == "never":
+        return math.inf
+    if isinstance(value, dict):
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def rerender(path: Path) -> list[Path]:
+    """Write the tables, Markdown and plots again from a run's JSON (no measuring)."""
+    doc: dict[str, Any] = _from_json(json.loads(path.read_text(encoding="utf-8")))
+    tables = [
+        level_table(w, level, lv)
+        for w, wd in doc["phases"].items()
+        for level, lv in wd["levels"].items()
+    ]
+    if doc.get("death") is not None:
+        tables.append(death_table(doc["death"]))
+    doc["aims"] = aims(doc["phases"], doc.get("death"))
+    tables.append(_aims_table(doc["aims"]))
+    doc["tables"] = tables
+    doc["text"] = render_text(doc)
+    print(doc["text"])
+    return write(doc, path.parent)
 
 
 def _json_safe(value: Any) -> Any:
@@ -519,6 +557,13 @@ replicas' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 deltas over the window. Imbalance is max / mean over the eight replicas of the
 requests served and of the requests in flight (running + waiting, sampled once
 a second).
+
+**Is the machine the bottleneck?** Every phase shows the CPU of all
+processes (in cores; the machine has two, shared with whatever else runs on
+it) and how late the load generator sent its requests (p99 of send time minus
+due time). Where requests went out hundreds of milliseconds late, the
+generator's event loop was starved of CPU and that phase's latencies measure
+the machine, not the routing; compare such a phase's policies with care.
 
 **Replica death**: an affinity run of (a) at 80 %; one replica is SIGKILLed in
 the middle of the window. Failed requests are client-visible errors. For every
