@@ -12,6 +12,7 @@ result is shown by a small convention, so that new benchmarks need no change her
 * ``"table": {"columns": [...], "rows": [[...], ...]}`` or ``"tables": [{"title":
   ..., "columns": ..., "rows": ...}, ...]``: rendered as Markdown tables;
 * ``"text"``: a preformatted block (e.g. what the benchmark printed);
+* a ``<name>.md`` beside ``<name>.json``: linked (the benchmark's own page);
 * otherwise the scalar figures, flattened to ``a.b.c | value`` rows.
 
 The page starts with the machine (CPU model, cores, memory, kernel), the
@@ -143,11 +144,14 @@ def flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def generic_section(name: str, data: dict[str, Any]) -> str:
+def generic_section(name: str, data: dict[str, Any], directory: Path | None = None) -> str:
     title = str(data.get("title") or data.get("name") or name)
     parts = [f"## {title}", "", f"Data: [{name}.json]({name}.json)"]
     if data.get("date"):
         parts[-1] += f", run {data['date']}"
+    if directory is not None and (directory / f"{name}.md").exists():
+        # A benchmark that writes its own page (method, plots) is linked.
+        parts[-1] += f"; method, plots and details: [{name}.md]({name}.md)"
     parts.append("")
     tables = list(data.get("tables") or [])
     if isinstance(data.get("table"), dict):
@@ -513,7 +517,7 @@ def write_report(directory: Path) -> Path:
                 continue
             except (KeyError, TypeError, IndexError, ValueError) as exc:
                 print(f"geo.json has a shape report.py does not know ({exc!r}); shown generically")
-        parts.append(generic_section(name, data))
+        parts.append(generic_section(name, data, directory))
     out = directory / "README.md"
     out.write_text("\n".join(parts).rstrip() + "\n")
     return out
