@@ -113,7 +113,8 @@ $(WRK):
 
 # Side-by-side measurements; each prints its figures and ratios and writes
 # docs/benchmarks/*.json, which bench.report (last) turns into
-# docs/benchmarks/README.md with plots. About 15 minutes on 2 cores; compare
+# docs/benchmarks/README.md with plots. About 27 minutes on 2 cores (bench.affinity,
+# routing inside a region, about 11 of them, writes its own affinity.md too); compare
 # installs LiteLLM into .bench/ the first time.
 bench: $(STAMP) $(WRK)
 	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
@@ -130,6 +131,7 @@ bench: $(STAMP) $(WRK)
 	$(PY) -m bench.compare --quick --no-litellm --ponto-features none \
 		--out docs/benchmarks/overhead-defaults.json
 	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
+	$(PY) -m bench.affinity
 	$(PY) -m bench.report
 
 # Where the proxy's time per request goes: py-spy on a live proxy under load,

@@ -12,8 +12,8 @@ result is shown by a small convention, so that new benchmarks need no change her
 * ``"table": {"columns": [...], "rows": [[...], ...]}`` or ``"tables": [{"title":
   ..., "columns": ..., "rows": ...}, ...]``: rendered as Markdown tables;
 * ``"text"``: a preformatted block (e.g. what the benchmark printed);
-* ``"doc"``: a page beside the JSON with the method (linked); ``"images"``: PNG
-  files beside it, shown after the tables;
+* a ``<name>.md`` beside ``<name>.json``: linked (the benchmark's own page);
+* ``"images"``: PNG files beside the JSON, shown after the tables;
 * otherwise the scalar figures, flattened to ``a.b.c | value`` rows.
 
 The page starts with the machine (CPU model, cores, memory, kernel), the
@@ -145,13 +145,14 @@ def flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def generic_section(name: str, data: dict[str, Any]) -> str:
+def generic_section(name: str, data: dict[str, Any], directory: Path | None = None) -> str:
     title = str(data.get("title") or data.get("name") or name)
     parts = [f"## {title}", "", f"Data: [{name}.json]({name}.json)"]
     if data.get("date"):
         parts[-1] += f", run {data['date']}"
-    if isinstance(data.get("doc"), str):
-        parts[-1] += f"; method and discussion: [{data['doc']}]({data['doc']})"
+    if directory is not None and (directory / f"{name}.md").exists():
+        # A benchmark that writes its own page (method, plots) is linked.
+        parts[-1] += f"; method, plots and details: [{name}.md]({name}.md)"
     parts.append("")
     tables = list(data.get("tables") or [])
     if isinstance(data.get("table"), dict):
@@ -164,7 +165,7 @@ def generic_section(name: str, data: dict[str, Any]) -> str:
     if isinstance(data.get("text"), str):
         parts += ["```", data["text"].rstrip(), "```", ""]
     if not tables and not isinstance(data.get("text"), str):
-        skip = {"title", "name", "date", "doc", "images"}
+        skip = {"title", "name", "date", "images"}
         rows = [[k, v] for k, v in flatten({k: v for k, v in data.items() if k not in skip})]
         shown = rows[:MAX_FLAT_ROWS]
         parts += [md_table(["figure", "value"], shown), ""]
@@ -520,7 +521,7 @@ def write_report(directory: Path) -> Path:
                 continue
             except (KeyError, TypeError, IndexError, ValueError) as exc:
                 print(f"geo.json has a shape report.py does not know ({exc!r}); shown generically")
-        parts.append(generic_section(name, data))
+        parts.append(generic_section(name, data, directory))
     out = directory / "README.md"
     out.write_text("\n".join(parts).rstrip() + "\n")
     return out

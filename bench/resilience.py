@@ -817,7 +817,6 @@ def main(argv: list[str] | None = None) -> int:
         "title": "Resilience: cut streams and stalled origins",
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "seconds": round(seconds, 1),
-        "doc": "resilience.md",
         "images": ["resilience.png"],
         "machine": machine(),
         "versions": versions({}),

@@ -18,6 +18,7 @@ from dataplane.auth.authenticator import AuthConfigError, Authenticator, JwtConf
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
+from dataplane.upstream.hedge import AUTO, HedgeSetting
 from ponto.quota_types import ScopeLimits, key_scope, tenant_scope
 from ponto.v1 import routing_pb2 as pb
 
@@ -36,8 +37,6 @@ class CacheDefaults:
 
 
 DEFAULT_MAX_CONTINUATIONS = 2
-# A hedge delay: seconds, or "auto" (the origin's observed time-to-first-byte p95).
-Hedge = float | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +46,18 @@ class StreamRules:
     continuation: bool = True
     max_continuations: int = DEFAULT_MAX_CONTINUATIONS
     idle_timeout_s: float = 0.0  # 0: the proxy's --stream-idle-timeout
-    hedge: Hedge | None = None  # None: no hedging
-    hedge_models: Mapping[str, Hedge | None] = field(default_factory=dict)
+    hedge: HedgeSetting | None = None  # None: no hedging
+    hedge_models: Mapping[str, HedgeSetting | None] = field(default_factory=dict)
 
-    def hedge_for(self, model: str) -> Hedge | None:
+    def hedge_for(self, model: str) -> HedgeSetting | None:
         if model in self.hedge_models:
             return self.hedge_models[model]
         return self.hedge
 
 
-def _hedge(ms: str) -> Hedge | None:
-    if ms == "auto":
-        return "auto"
+def _hedge(ms: str) -> HedgeSetting | None:
+    if ms == AUTO:
+        return AUTO
     return int(ms) / 1000 if int(ms) else None
 
 
@@ -120,7 +119,7 @@ def _streams(m: pb.StreamPolicy, tenant: str) -> StreamRules:
         continuation=m.continuation != "off",
         max_continuations=m.max_continuations or DEFAULT_MAX_CONTINUATIONS,
         idle_timeout_s=idle,
-        hedge="auto" if m.hedge_auto else (m.hedge_ms / 1000 if m.hedge_ms else None),
+        hedge=AUTO if m.hedge_auto else (m.hedge_ms / 1000 if m.hedge_ms else None),
         hedge_models=models,
     )
 

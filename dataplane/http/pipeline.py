@@ -250,7 +250,9 @@ class Pipeline:
                     ex.usage = Usage(0, 0)
                     return response
                 plan = ex.cache = self.cache.own_call(creq, plan)
-            origin = await self.forward(ex)
+            origin = await self.forward(ex, ex.tenant.streams.hedge_for(ex.model))
+            # A cancelled hedge still cost its origin the prompt's prefill.
+            ex.hedge_prompt = ex.estimate * origin.extra_calls
             try:
                 if origin.streamed:
                     return await self.relay(request, ex, origin, plan)

@@ -33,6 +33,8 @@ def _origin_headers(ex: Exchange, origin: OriginAnswer, outcome: str) -> CIMulti
     headers["x-ponto-origin"] = target.name
     headers["x-ponto-region"] = target.region
     headers["x-ponto-attempts"] = str(origin.attempt)
+    if origin.hedged:
+        headers["x-ponto-hedged"] = "1"
     # Ours replace an origin's headers of the same name.
     for name, value in ex.response_headers(outcome):
         headers[name] = value

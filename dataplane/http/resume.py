@@ -100,7 +100,7 @@ class Continuations:
         headers = self._forwarder.request_headers(ex.headers, ex.request_id)
         try:
             answer = await self._forwarder.forward(
-                ex.endpoint.upstream_path, jsonio.dumps(body), headers, candidates
+                ex.endpoint.upstream_path, jsonio.dumps(body), headers, candidates, stream=True
             )
         except ApiError as exc:
             m.child(m.continuations, "failed").inc()
