@@ -113,8 +113,9 @@ $(WRK):
 
 # Side-by-side measurements; each prints its figures and ratios and writes
 # docs/benchmarks/*.json, which bench.report (last) turns into
-# docs/benchmarks/README.md with plots. About 27 minutes on 2 cores (bench.affinity,
-# routing inside a region, about 11 of them, writes its own affinity.md too); compare
+# docs/benchmarks/README.md with plots. About 31 minutes on 2 cores (bench.affinity,
+# routing inside a region, about 11 of them, and bench.resilience, about 4, write their
+# own pages too); compare
 # installs LiteLLM into .bench/ the first time.
 bench: $(STAMP) $(WRK)
 	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
@@ -132,6 +133,7 @@ bench: $(STAMP) $(WRK)
 		--out docs/benchmarks/overhead-defaults.json
 	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
 	$(PY) -m bench.affinity
+	$(PY) -m bench.resilience
 	$(PY) -m bench.report
 
 # Where the proxy's time per request goes: py-spy on a live proxy under load,
