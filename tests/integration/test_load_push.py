@@ -162,7 +162,9 @@ async def test_the_proxy_receives_the_origins_gauges_and_their_changes(setup: Se
     assert first.scraped_at > 0
     load = setup.got.latest("gpu-1")
     assert load is not None
-    assert load.kv_cache_usage == -1.0 and load.prefix_hit_rate == -1.0  # not simulated
+    # The simulator exports KV usage (0: it runs without a KV cache here) and
+    # prefix-cache counters that no request moved between scrapes.
+    assert load.kv_cache_usage == 0.0 and load.prefix_hit_rate == -1.0
 
     loop = asyncio.get_running_loop()
     changed = loop.time()
