@@ -201,12 +201,16 @@ class Splicer:
         if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
             raise ValueError("the continuation sent an event that is not a chunk")
         s = self.state
-        obj["id"], obj["created"], obj["model"] = s.id, s.created, s.model
+        # A client that got no whole event before the cut has seen nothing to
+        # keep: the continuation's own identity and role delta stand.
+        seen = bool(s.id)
+        if seen:
+            obj["id"], obj["created"], obj["model"] = s.id, s.created, s.model
         finishing = False
         choices = []
         for choice in obj["choices"]:
             delta = choice.get("delta")
-            if isinstance(delta, dict):
+            if isinstance(delta, dict) and seen:
                 delta.pop("role", None)  # the client had the role at the start
             if choice.get("finish_reason") is not None:
                 finishing = True

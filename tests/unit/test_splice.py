@@ -146,3 +146,15 @@ def test_error_events_are_cuts() -> None:
     assert state is not None
     with pytest.raises(ValueError, match="error event"):
         Splicer(state, 1, (0,), 1).rewrite(b'{"error": {"message": "again"}}')
+
+
+def test_a_stream_cut_before_its_first_whole_event_keeps_the_continuations_identity() -> None:
+    state = read_state([], CHAT)
+    assert state is not None and not state.done
+    out = continuation_body(CHAT, {"messages": [{"role": "user", "content": "x"}]}, state)
+    assert out is not None and "continue_final_message" not in out
+    first = json.loads(
+        Splicer(state, 1, (0,), 0).rewrite(chunk("Hi", role=True, ident="c2")) or b""
+    )
+    assert first["id"] == "c2"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
