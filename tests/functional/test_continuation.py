@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, METRICS, QUOTA
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.settings import parse as parse_proxy
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
@@ -90,13 +91,15 @@ async def first_origin(how: str) -> Origin:
 async def second_origin() -> Origin:
     async def handler(request: web.Request) -> web.StreamResponse:
         out = await sse(request)
+        body = await request.json()
         usage = {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}
+        wants_usage = (body.get("stream_options") or {}).get("include_usage")
         await out.write(
             event("second", "", role=True)
             + event("second", " wor")
             + event("second", "ld")
             + event("second", finish="stop")
-            + event("second", usage=usage)
+            + (event("second", usage=usage) if wants_usage else b"")
             + b"data: [DONE]\n\n"
         )
         await out.write_eof()
@@ -277,3 +280,19 @@ async def test_the_limit_of_continuations_holds(proxy: Callable[..., Awaitable[P
     chunks, _ = await p.stream()
     assert chunks[-1]["error"]["code"] == "stream_interrupted"
     assert sum(len(o.bodies) for o in origins) == 2  # the first call and one continuation
+
+
+async def test_without_a_usage_chunk_the_continuation_prompt_is_still_charged(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, True)])
+    chunks, _ = await p.stream(stream_options=None)
+    assert text_of(chunks) == "Hello world"
+    assert all(c.get("usage") is None for c in chunks)
+    estimate = estimate_prompt_tokens("chat.completions", a.bodies[0])
+    metrics = p.app[METRICS]
+    # The first call's prompt, and the continuation's: that prompt plus the
+    # two tokens already sent; completion: the events that carried text.
+    assert metrics.child(metrics.tenant_tokens, "default", "-", "prompt").value == 2 * estimate + 2
+    assert metrics.child(metrics.tenant_tokens, "default", "-", "completion").value == 4
