@@ -147,6 +147,8 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
 def _head(parts: list[str], chars: int) -> str:
     """The first `chars` characters of the parts joined by newlines, without
     joining more than that."""
+    if len(parts) == 1:
+        return parts[0][:chars]
     out: list[str] = []
     left = chars
     for part in parts:

@@ -84,12 +84,15 @@ def ranked(group: Sequence[Target], key: int) -> list[Target]:
     """
     w0 = group[0].weight
     scores: list[int] | list[float]
-    if all(t.weight == w0 for t in group):
-        scores = [((key ^ t.seed) * _MULTIPLIER) & _M64 for t in group]
+    for t in group:
+        if t.weight != w0:
+            scores = [
+                -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
+            ]
+            break
     else:
-        scores = [
-            -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
-        ]
+        multiplier, mask = _MULTIPLIER, _M64  # locals: this runs per origin per request
+        scores = [((key ^ t.seed) * multiplier) & mask for t in group]
     order = sorted(range(len(group)), key=scores.__getitem__, reverse=True)
     return [group[i] for i in order]
 
