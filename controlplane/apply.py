@@ -158,6 +158,14 @@ class Desired:
 
 
 def parse(doc: Any) -> Desired:
+    """The desired state a document describes; ApplyError names what is wrong."""
+    try:
+        return _parse(doc)
+    except ValueError as exc:  # a number protobuf cannot hold (a negative count, 2**32)
+        raise ApplyError(f"a value is out of range: {exc}") from exc
+
+
+def _parse(doc: Any) -> Desired:
     """The desired objects of a topology document; raises ApplyError."""
     drain_unset: set[tuple[str, str]] = set()
     if doc is None:
@@ -196,7 +204,7 @@ def parse(doc: Any) -> Desired:
                 credential_env=_get(o, "credential_env", str, path, ""),
                 credential_file=_get(o, "credential_file", str, path, ""),
                 drained=_get(o, "drained", bool, path, False),
-                continuation=_get(o, "continuation", bool, path, True),
+                no_continuation=not _get(o, "continuation", bool, path, True),
             )
         )
         if "drained" not in o:
@@ -308,7 +316,7 @@ def _origin_view(o: pb.Origin) -> pb.Origin:
         credential_env=o.credential_env,
         credential_file=o.credential_file,
         drained=o.drained,
-        continuation=o.continuation,
+        no_continuation=o.no_continuation,
     )
 
 
@@ -386,7 +394,7 @@ def plan(stub: Any, desired: Desired, *, prune: bool) -> _Plan:
             capacity=o.capacity,
             credential_env=o.credential_env,
             credential_file=o.credential_file,
-            continuation="on" if o.continuation else "off",
+            continuation="off" if o.no_continuation else "on",
         )
         old_o = have_origins.get(o.name)
         oput = apb.PutOriginRequest(origin=ospec, allow_update=old_o is not None)

@@ -60,7 +60,7 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             "yes" if o.drained else "no",
             "yes" if o.healthy else f"no ({o.health_detail})",
             f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else ""),
-            "on" if o.continuation else "off",
+            "off" if o.no_continuation else "on",
         ]
         for o in resp.origins
     ]
@@ -410,20 +410,25 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
         streams.stream_idle_timeout_s = args.stream_idle_timeout
     if args.hedge_ms is not None:
         streams.hedge_auto = args.hedge_ms == "auto"
-        streams.hedge_ms = 0 if streams.hedge_auto else _milliseconds(args.hedge_ms)
+        if not streams.hedge_auto:
+            streams.hedge_ms = _milliseconds(args.hedge_ms, "--hedge-ms")
+        else:
+            streams.hedge_ms = 0
     for model, delay in _pairs(args.model_hedge_ms, "--model-hedge-ms").items():
         if delay == "default":
             streams.hedge_models.pop(model, None)
+        elif delay == "auto":
+            streams.hedge_models[model] = delay
         else:
-            streams.hedge_models[model] = delay if delay == "auto" else str(_milliseconds(delay))
+            streams.hedge_models[model] = str(_milliseconds(delay, "--model-hedge-ms"))
     if streams != current.streams:
         req.streams.CopyFrom(streams)
     return req
 
 
-def _milliseconds(text: str) -> int:
-    if not text.isdigit():
-        raise UsageError(f"--hedge-ms takes milliseconds (0 or more) or auto, not {text!r}")
+def _milliseconds(text: str, flag: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise UsageError(f"{flag} takes milliseconds (0 or more) or auto, not {text!r}")
     return int(text)
 
 
@@ -621,6 +626,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         except UsageError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            # run() only builds messages from the arguments: a ValueError is a
+            # number protobuf cannot hold (a negative count, 2**32).
+            print(f"error: a value is out of range: {exc}", file=sys.stderr)
             return 2
         except grpc.RpcError as exc:
             code = exc.code()

@@ -47,7 +47,7 @@ def compile_table(state: State) -> pb.RouteTable:
                 health_detail=health.detail if health else "",
                 credential_env=origin.credential_env,
                 credential_file=origin.credential_file,
-                continuation=origin.continuation,
+                no_continuation=not origin.continuation,
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):

@@ -313,8 +313,8 @@ class RoutingPolicy:
                 raise InvalidArgument(
                     f"routing mode {mode!r} of {owner} is not one of {', '.join(ROUTING_MODES)}"
                 )
-        if any(not model for model, _ in self.models):
-            raise InvalidArgument(f"a per-model routing mode of {owner} names no model")
+        if any(not model or not mode for model, mode in self.models):
+            raise InvalidArgument(f"a per-model routing mode of {owner} names no model or mode")
         b = self.load_bound
         if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
             raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100")
@@ -346,7 +346,7 @@ class StreamPolicy:
                 f"stream idle timeout {t} s of {owner} is not in 0..{MAX_IDLE_TIMEOUT_S}"
             )
         for ms in (str(self.hedge_ms), *(v for _, v in self.hedge_models)):
-            if ms != "auto" and not (ms.isdigit() and int(ms) <= MAX_HEDGE_MS):
+            if ms != "auto" and not (ms.isascii() and ms.isdigit() and int(ms) <= MAX_HEDGE_MS):
                 raise InvalidArgument(
                     f"hedge delay {ms!r} of {owner} is not auto or 0..{MAX_HEDGE_MS} ms"
                 )

@@ -197,7 +197,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
             o.weight,
             capacity=o.capacity,
             seed=origin_seed(o.name),
-            continuation=o.continuation,
+            continuation=not o.no_continuation,
             credential=_credential(o),
         )
         for model in o.models:

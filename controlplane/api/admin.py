@@ -58,7 +58,7 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         health_detail=health.detail if health else "",
         credential_env=o.credential_env,
         credential_file=o.credential_file,
-        continuation=o.continuation,
+        no_continuation=not o.continuation,
     )
 
 

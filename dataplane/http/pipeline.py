@@ -368,6 +368,7 @@ class Pipeline:
         m = self.metrics
         name = resume.origin if resume is not None else origin.target.name
         if end.cut and resume is None:  # the hook counts the cuts it sees
+            m.child(m.continuations, "refused").inc()  # off, or not continuable
             m.child(m.stream_cuts, name).inc()
             m.attempt(name, "cut_after_start").inc()
             log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)

@@ -78,6 +78,9 @@ class Continuations:
         m.child(m.stream_cuts, name).inc()
         m.attempt(name, "cut_after_start").inc()
         self._current.release()  # the origin's request ends here; its slot frees
+        if self._transcript.overflow:
+            self._give_up(cut, "the answer was too long to keep for a continuation")
+            return None
         state = read_state(self._transcript.events, ex.endpoint.name)
         if state is None:
             self._give_up(cut, "its events could not be read")
@@ -91,7 +94,11 @@ class Continuations:
         if body is None:
             if _budget_spent(ex.body, state.tokens):
                 return Next(_length_end(state, ex.endpoint.name), _Ended(), _unchanged)
-            self._give_up(cut, "a tool call or several choices cannot be continued")
+            self._give_up(
+                cut,
+                "a tool call, reasoning, several choices, structured output or an echo "
+                "cannot be continued",
+            )
             return None
         candidates = [t for t in self._candidates if t.continuation and t.name not in self._tried]
         if not candidates:
@@ -103,15 +110,13 @@ class Continuations:
                 ex.endpoint.upstream_path, jsonio.dumps(body), headers, candidates, stream=True
             )
         except ApiError as exc:
-            m.child(m.continuations, "failed").inc()
-            self._give_up(cut, exc.message)
+            self._give_up(cut, exc.message, outcome="failed")
             return None
         self._opened.append(answer)
         self._tried.add(answer.target.name)
         if not answer.streamed or answer.status != 200:
             answer.release()
-            m.child(m.continuations, "failed").inc()
-            self._give_up(cut, f"{answer.target.name} answered {answer.status}")
+            self._give_up(cut, f"{answer.target.name} answered {answer.status}", outcome="failed")
             return None
         self.count += 1
         self._current = answer
@@ -135,8 +140,8 @@ class Continuations:
         for answer in self._opened:
             answer.release()
 
-    def _give_up(self, cut: str, why: str) -> None:
-        self._metrics.child(self._metrics.continuations, "refused").inc()
+    def _give_up(self, cut: str, why: str, *, outcome: str = "refused") -> None:
+        self._metrics.child(self._metrics.continuations, outcome).inc()
         log.warning(
             "origin %s cut a stream: %s; not continued: %s; %s",
             self._current.target.name, cut, why, self._ex.request_id,

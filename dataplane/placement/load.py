@@ -14,11 +14,15 @@ Single event loop; no locks. Reads are O(1) dict lookups on the hot path.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ponto.v1 import routing_pb2 as pb
+
+# The leader pushes at least every 2 s (--load-refresh-ms) while it scrapes.
+STALE_AFTER_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +46,20 @@ class LoadBoard:
         self._own_at_scrape: dict[str, int] = {}
         self.generation = 0
         self.scraped_at = 0.0
+        self._expiry: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ updates
 
     def apply(self, loads: pb.OriginLoads) -> bool:
-        """Take a pushed scrape; False (and nothing changes) if it is older
-        than the one held."""
-        if loads.generation and loads.generation < self.generation:
+        """Take a pushed scrape; False (and nothing changes) if it is not newer
+        than the one held (a replica resends its current one on every new
+        stream: taking it again would forget the requests sent since).
+
+        Scraped figures are dropped STALE_AFTER_S after they arrive unless a
+        newer scrape replaces them: without a leader scraping, the proxy goes
+        by its own requests alone rather than by a replica's old queue.
+        """
+        if loads.generation and loads.generation <= self.generation:
             return False
         self.generation = loads.generation
         self.scraped_at = loads.scraped_at
@@ -58,7 +69,23 @@ class LoadBoard:
         }
         self._base = {name: s.running + s.waiting for name, s in self._scraped.items()}
         self._own_at_scrape = dict(self._own)
+        self._expire_later()
         return True
+
+    def expire(self) -> None:
+        """Forget the scraped figures (they are too old to go by)."""
+        self._scraped = {}
+        self._base = {}
+        self._own_at_scrape = {}
+
+    def _expire_later(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # applied outside a loop (a test): nothing to schedule
+            return
+        self._expiry = loop.call_later(STALE_AFTER_S, self.expire)
 
     def started(self, origin: str) -> None:
         """This proxy sent a request to origin."""

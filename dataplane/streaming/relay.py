@@ -112,6 +112,7 @@ async def relay(
     # Bytes after the last event boundary are held until the event is whole,
     # so a cut never leaves the client half an event before the error event.
     pending = b""
+    done = False  # the client has its `data: [DONE]`
     try:
         while True:
             if parser is not None:
@@ -128,9 +129,13 @@ async def relay(
                 # write() waits for the client's socket to drain: backpressure
                 # reaches the origin through the unread upstream socket.
                 await out.write(data)
+                done = data.rstrip().endswith(b"[DONE]")
             try:
                 chunk = await _read(content, idle_timeout)
             except (aiohttp.ClientError, TimeoutError) as exc:
+                if done:  # a connection that drops after [DONE] ended a whole answer
+                    end.complete = True
+                    break
                 end.cut = _why(exc, idle_timeout)
                 await out.write(error_event)
                 break
@@ -163,6 +168,7 @@ async def _relay_events(
     end = RelayEnd()
     parser = SseParser()
     rewrite: Callable[[bytes], bytes | None] | None = None
+    done = False  # the client has its `data: [DONE]`: nothing after it matters
     chunk = first
     try:
         while True:
@@ -175,8 +181,9 @@ async def _relay_events(
                     if rewrite is not None:
                         try:
                             data = rewrite(ev.data)
-                        except ValueError as exc:
-                            cut = str(exc)
+                        # An origin's bytes: whatever they hold, a cut, never a crash.
+                        except Exception as exc:
+                            cut = str(exc) or type(exc).__name__
                             break
                     elif is_error_event(ev.data):
                         cut = "the origin sent an error event"
@@ -188,6 +195,8 @@ async def _relay_events(
                 for reader in readers:
                     reader.event(ev)
                 frames.append(_frame(ev))
+                if ev.done:
+                    done = True
             if frames:
                 framed = b"".join(frames)
                 if chunks is not None:
@@ -205,6 +214,9 @@ async def _relay_events(
                         end.complete = True
                         break
                     cut = "the stream ended inside an event"
+            if done:  # a connection that drops after [DONE] ended a whole answer
+                end.complete = True
+                break
             following = await resume(cut)
             if following is None:
                 end.cut = cut

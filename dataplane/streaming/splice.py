@@ -46,17 +46,32 @@ CHAT: Final = "chat.completions"
 COMPLETIONS: Final = "completions"
 
 
-class Transcript:
-    """The data of every event relayed so far, in order (an EventSink)."""
+# A stream whose events add up to more than this is not continued: the
+# transcript stops there, so memory per stream stays bounded (about 10k tokens
+# of a typical stream fit).
+MAX_TRANSCRIPT_BYTES: Final = 4 << 20
 
-    __slots__ = ("events",)
+
+class Transcript:
+    """The data of every event relayed so far, in order (an EventSink), up to
+    MAX_TRANSCRIPT_BYTES; `overflow` says it stopped there."""
+
+    __slots__ = ("_size", "events", "overflow")
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
+        self.overflow = False
+        self._size = 0
 
     def event(self, ev: Event) -> None:
-        if not ev.done:
-            self.events.append(ev.data)
+        if ev.done or self.overflow:
+            return
+        self._size += len(ev.data)
+        if self._size > MAX_TRANSCRIPT_BYTES:
+            self.overflow = True
+            self.events = []
+            return
+        self.events.append(ev.data)
 
 
 def is_error_event(data: bytes) -> bool:
@@ -77,6 +92,8 @@ class StreamState:
     text: dict[int, str] = field(default_factory=dict)  # per choice index
     finished: set[int] = field(default_factory=set)
     tool_calls: bool = False
+    # Reasoning deltas were streamed: they cannot be resent as a prefill.
+    reasoning: bool = False
     # Events that carried text: the tokens sent (vLLM sends one token per event).
     tokens: int = 0
     # The stream's own usage event, if it had one (then it was complete).
@@ -124,8 +141,11 @@ def read_state(events: list[bytes], endpoint: str) -> StreamState | None:
             if choice.get("finish_reason") is not None:
                 state.finished.add(index)
             delta = choice.get("delta")
-            if isinstance(delta, dict) and delta.get("tool_calls"):
-                state.tool_calls = True
+            if isinstance(delta, dict):
+                if delta.get("tool_calls"):
+                    state.tool_calls = True
+                if delta.get("reasoning_content") or delta.get("reasoning"):
+                    state.reasoning = True
     return state
 
 
@@ -140,29 +160,63 @@ def _piece(choice: dict[str, Any], endpoint: str) -> str | None:
     return content if isinstance(content, str) else None
 
 
+# Requests whose continuation would not continue the same answer: constrained
+# decoding restarts its grammar at the prefill (the joined output would not
+# parse), an echoed prompt would be echoed again with the text.
+_CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs")  # fmt: skip
+
+
+def unresumable(body: dict[str, Any]) -> bool:
+    """True for a request whose stream cannot be continued whatever was said."""
+    if body.get("echo") or any(body.get(name) is not None for name in _CONSTRAINED):
+        return True
+    response_format = body.get("response_format")
+    return isinstance(response_format, dict) and response_format.get("type") != "text"
+
+
 def continuation_body(
     endpoint: str, body: dict[str, Any], state: StreamState
 ) -> dict[str, Any] | None:
     """The request for the rest of the answer, or None if it cannot be asked."""
-    if state.tool_calls or len(state.text) > 1 or body.get("n", 1) not in (1, None):
+    if (
+        state.tool_calls
+        or state.reasoning
+        or len(state.text) > 1
+        or body.get("n", 1) not in (1, None)
+        or unresumable(body)
+    ):
         return None
     partial = state.text.get(0, "")
     out = copy.copy(body)
     out["stream"] = True
     for name in ("max_completion_tokens", "max_tokens"):
         limit = body.get(name)
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            left = limit - state.tokens
-            if left < 1:
-                return None  # nothing is left to generate: the caller ends the stream
-            out[name] = left
+        if limit is None:
+            continue
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return None
+        left = limit - state.tokens
+        if left < 1:
+            return None  # nothing is left to generate: the caller ends the stream
+        out[name] = left
     if not partial:
         return out  # nothing was said yet: the same request again
     if endpoint == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return None
-        out["messages"] = [*messages, {"role": "assistant", "content": partial}]
+        last = messages[-1] if messages else None
+        if (
+            body.get("continue_final_message") is True
+            and isinstance(last, dict)
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            # The client's own prefill: the partial text continues it.
+            out["messages"] = [*messages[:-1], {**last, "content": last["content"] + partial}]
+        else:
+            out["messages"] = [*messages, {"role": "assistant", "content": partial}]
         out["continue_final_message"] = True
         out["add_generation_prompt"] = False
         return out
@@ -198,7 +252,11 @@ class Splicer:
         if is_error_event(data):
             raise ValueError("the continuation answered with an error event")
         obj = jsonio.loads(data)
-        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+        if (
+            not isinstance(obj, dict)
+            or not isinstance(obj.get("choices"), list)
+            or not all(isinstance(c, dict) for c in obj["choices"])
+        ):
             raise ValueError("the continuation sent an event that is not a chunk")
         s = self.state
         # A client that got no whole event before the cut has seen nothing to
@@ -231,8 +289,9 @@ class Splicer:
     def _summed(self, usage: dict[str, Any]) -> dict[str, Any]:
         prompt = usage.get("prompt_tokens", 0)
         completion = usage.get("completion_tokens", 0)
-        if not isinstance(prompt, int) or not isinstance(completion, int):
-            return usage
+        for value in (prompt, completion):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                return usage  # not a count this proxy can add to
         # Every call's prompt was the original one plus the text sent before it.
         original = max(0, prompt - self.before)
         out = dict(usage)

@@ -197,7 +197,7 @@ class Origin(_message.Message):
     HEALTH_DETAIL_FIELD_NUMBER: _builtins.int
     CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
     CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
-    CONTINUATION_FIELD_NUMBER: _builtins.int
+    NO_CONTINUATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -217,10 +217,11 @@ class Origin(_message.Message):
     credential_env: _builtins.str
     """Where the proxy reads the origin's upstream credential (see OriginSpec)."""
     credential_file: _builtins.str
-    continuation: _builtins.bool
-    """The origin accepts continuation requests (vLLM's continue_final_message
-    for chat, a prompt extended by the partial text for completions), so a
-    stream cut elsewhere may be continued here.
+    no_continuation: _builtins.bool
+    """The origin does not accept continuation requests (vLLM's
+    continue_final_message for chat, a prompt extended by the partial text
+    for completions). Negative so that a table without the field (an older
+    control plane's, a saved one) keeps the default: continuations on.
     """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -239,11 +240,11 @@ class Origin(_message.Message):
         health_detail: _builtins.str = ...,
         credential_env: _builtins.str = ...,
         credential_file: _builtins.str = ...,
-        continuation: _builtins.bool = ...,
+        no_continuation: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

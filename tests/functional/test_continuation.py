@@ -122,7 +122,7 @@ def table(origins: list[tuple[str, str, bool]], streams: pb.StreamPolicy) -> pb.
                 models=[MODEL],
                 weight=100,
                 healthy=True,
-                continuation=c,
+                no_continuation=not c,
             )
             for i, (n, u, c) in enumerate(origins)
         ],
@@ -296,3 +296,37 @@ async def test_without_a_usage_chunk_the_continuation_prompt_is_still_charged(
     # two tokens already sent; completion: the events that carried text.
     assert metrics.child(metrics.tenant_tokens, "default", "-", "prompt").value == 2 * estimate + 2
     assert metrics.child(metrics.tenant_tokens, "default", "-", "completion").value == 4
+
+
+async def test_a_connection_dropped_after_done_is_a_whole_answer(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    async def done_then_drop(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "", role=True) + event("first", "Hi") + b"data: [DONE]\n\n")
+        assert request.transport is not None
+        request.transport.close()  # no chunked terminator
+        return out
+
+    b = await second_origin()
+    p = await proxy([(Origin(done_then_drop), True), (b, True)])
+    chunks, raw = await p.stream(stream_options=None)
+    assert raw.count("[DONE]") == 1 and "error" not in raw
+    assert text_of(chunks) == "Hi"
+    assert not b.bodies
+
+
+async def test_a_continuation_that_sends_garbage_ends_with_the_error_event(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(b'data: {"choices": [null]}\n\ndata: [DONE]\n\n')
+        await out.write_eof()
+        return out
+
+    a = await first_origin("cut")
+    p = await proxy([(a, True), (Origin(garbage), True)])
+    chunks, _ = await p.stream()
+    assert text_of(chunks[:-1]) == "Hello"
+    assert chunks[-1]["error"]["code"] == "stream_interrupted"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections import Counter
@@ -325,3 +326,25 @@ def test_place_says_spill_or_failover_when_the_home_region_is_passed_over(
     candidates = pipeline.place(ex, "near", 3)
     assert ex.route == reason
     assert candidates[0].region == region
+
+
+def test_a_resent_scrape_is_not_taken_again_and_old_figures_expire() -> None:
+    board = LoadBoard()
+    board.apply(pb.OriginLoads(generation=3, loads=[pb.OriginLoad(origin="a", running=5)]))
+    board.started("a")
+    assert board.load("a") == 6
+    # A new stream to a replica sends generation 3 again: nothing changes.
+    assert not board.apply(pb.OriginLoads(generation=3, loads=[pb.OriginLoad(origin="a")]))
+    assert board.load("a") == 6
+    board.expire()
+    assert board.load("a") == 1  # only this proxy's own request is known now
+    assert board.scraped("a") is None
+
+
+async def test_scraped_figures_expire_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dataplane.placement.load.STALE_AFTER_S", 0.01)
+    board = LoadBoard()
+    board.apply(pb.OriginLoads(generation=1, loads=[pb.OriginLoad(origin="a", running=4)]))
+    assert board.load("a") == 4
+    await asyncio.sleep(0.05)  # the loop's timer, not a clock the board reads
+    assert board.load("a") == 0

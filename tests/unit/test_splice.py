@@ -158,3 +158,74 @@ def test_a_stream_cut_before_its_first_whole_event_keeps_the_continuations_ident
     )
     assert first["id"] == "c2"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"echo": True},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        {"guided_json": {"type": "object"}},
+        {"max_tokens": 5.0},
+    ],
+)
+def test_requests_whose_continuation_would_change_the_answer_are_not_continued(
+    extra: dict[str, Any],
+) -> None:
+    state = read_state(transcript(chunk("a")), CHAT)
+    assert state is not None
+    assert continuation_body(CHAT, {"messages": [], **extra}, state) is None
+    plain = continuation_body(CHAT, {"messages": [], "response_format": {"type": "text"}}, state)
+    assert plain is not None
+
+
+def test_reasoning_cannot_be_continued() -> None:
+    thinking = json.loads(chunk())
+    thinking["choices"][0]["delta"]["reasoning_content"] = "Let me think"
+    state = read_state([json.dumps(thinking).encode(), chunk("The answer")], CHAT)
+    assert state is not None and state.reasoning
+    assert continuation_body(CHAT, {"messages": []}, state) is None
+
+
+def test_a_clients_own_prefill_is_extended_not_followed_by_a_second_message() -> None:
+    state = read_state(transcript(chunk(" upon a time")), CHAT)
+    assert state is not None
+    body = {
+        "messages": [{"role": "user", "content": "a story"},
+                     {"role": "assistant", "content": "Once"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }  # fmt: skip
+    out = continuation_body(CHAT, body, state)
+    assert out is not None
+    assert out["messages"] == [
+        {"role": "user", "content": "a story"},
+        {"role": "assistant", "content": "Once upon a time"},
+    ]
+
+
+@pytest.mark.parametrize("bad", [b'{"choices": [null]}', b'{"choices": [1]}', b"[1, 2]"])
+def test_a_continuation_chunk_that_is_not_one_is_a_cut_not_a_crash(bad: bytes) -> None:
+    state = read_state(transcript(chunk("a")), CHAT)
+    assert state is not None
+    with pytest.raises(ValueError, match="not a chunk"):
+        Splicer(state, 1, (0,), 1).rewrite(bad)
+
+
+def test_usage_that_is_not_a_count_is_passed_on_unsummed() -> None:
+    state = read_state(transcript(chunk("a")), CHAT)
+    assert state is not None
+    usage = {"prompt_tokens": -50, "completion_tokens": 5, "total_tokens": -45}
+    out = json.loads(Splicer(state, 1, (0,), 1).rewrite(json.dumps(
+        {"id": "x", "created": 1, "model": "m", "choices": [], "usage": usage}
+    ).encode()) or b"")  # fmt: skip
+    assert out["usage"] == usage
+
+
+def test_a_transcript_past_its_bound_keeps_nothing() -> None:
+    t = Transcript()
+    big = b"x" * (1 << 20)
+    for _ in range(5):
+        t.event(Event(big))
+    assert t.overflow and t.events == []
