@@ -252,8 +252,8 @@ def test_stream_policy_and_origin_continuation_round_trip(
         "--region", "us-east", "--models", "llama-3-8b", "--continuation", "off")  # fmt: skip
     origins = json.loads(ctl(fleet, capsys, "get", "origins", "-o", "json")[0])["origins"]
     hosted = next(o for o in origins if o["name"] == "hosted")
-    assert not hosted.get("continuation", False)
-    assert all(o.get("continuation") for o in origins if o["name"] != "hosted")
+    assert hosted["no_continuation"] is True
+    assert not any(o.get("no_continuation") for o in origins if o["name"] != "hosted")
     # apply keeps a file's continuation setting, and its tenants' streams.
     with_streams = (
         TOPOLOGY.replace(
@@ -265,6 +265,6 @@ def test_stream_policy_and_origin_continuation_round_trip(
     ctl(fleet, capsys, "apply", "-f", write(tmp_path, with_streams), "--prune")
     origins = json.loads(ctl(fleet, capsys, "get", "origins", "-o", "json")[0])["origins"]
     use1 = next(o for o in origins if o["name"] == "vllm-use1")
-    assert not use1.get("continuation", False)
+    assert use1["no_continuation"] is True
     acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
     assert acme["streams"] == {"hedge_ms": 300, "stream_idle_timeout_s": 15.0}
