@@ -256,8 +256,8 @@ def _parser() -> argparse.ArgumentParser:
         "--load-bound",
         type=float,
         metavar="FACTOR",
-        help="a replica past FACTOR times its share of the region's load (and its "
-        "capacity) loses new sessions to the next one; 0 = default 1.25",
+        help="a replica past FACTOR (1..100) times its share of the region's load (and "
+        "its capacity) loses new sessions to the next one; 0 = the default, 1.25",
     )
     ts.add_argument(
         "--continuation",
@@ -447,10 +447,10 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
         return ",".join(parts)
 
     def streams(m: pb.StreamPolicy) -> str:
-        parts = ["cont" if m.continuation != "off" else "no-cont"]
+        parts = ["continue" if m.continuation != "off" else "no-continue"]
         if m.hedge_auto or m.hedge_ms:
             parts.append("hedge=" + ("auto" if m.hedge_auto else f"{m.hedge_ms}ms"))
-        parts += [f"{model}:hedge={v}" for model, v in sorted(m.hedge_models.items())]
+        parts += [f"hedge[{model}]={v}" for model, v in sorted(m.hedge_models.items())]
         if m.stream_idle_timeout_s:
             parts.append(f"idle={m.stream_idle_timeout_s:g}s")
         return ",".join(parts)

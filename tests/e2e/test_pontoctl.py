@@ -235,7 +235,7 @@ def test_stream_policy_and_origin_continuation_round_trip(
         "hedge_models": {"llama-3-8b": "250"},
     }
     assert (
-        "no-cont,hedge=auto,llama-3-8b:hedge=250,idle=20s"
+        "no-continue,hedge=auto,hedge[llama-3-8b]=250,idle=20s"
         in ctl(fleet, capsys, "get", "tenants")[0]
     )
     ctl(fleet, capsys, "tenant", "set", "acme", "--hedge-ms", "0", "--continuation", "on")
