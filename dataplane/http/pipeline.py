@@ -35,6 +35,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.errors import ApiError, bad_request
+from dataplane.http.fields import check_fields
 from dataplane.http.resume import CONTINUABLE, Continuations
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
@@ -484,6 +485,7 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", param="stream")
+    check_fields(endpoint.name, body, stream)
     return stream
 
 

@@ -271,7 +271,27 @@ BAD = [
     ("unknown model", KEY.key, {"json": chat("x", model="gpt-9")}, 404, "model_not_found"),
     ("stream not bool", KEY.key, {"json": chat("x", stream="yes")}, 400, None),
     ("too large", KEY.key, {"json": chat("x" * 70_000)}, 413, "body_too_large"),
-]
+    ("content a number", KEY.key,
+     {"json": {"model": MODEL, "messages": [{"role": "user", "content": 5}]}}, 400, None),
+    ("content an object", KEY.key,
+     {"json": {"model": MODEL, "messages": [{"role": "user", "content": {"a": 1}}]}}, 400, None),
+    ("text part without text", KEY.key,
+     {"json": {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}},
+     400, None),
+    ("stream_options a string", KEY.key,
+     {"json": chat("x", stream=True, stream_options="yes")}, 400, None),
+    ("include_usage a string", KEY.key,
+     {"json": chat("x", stream=True, stream_options={"include_usage": "yes"})}, 400, None),
+    ("stream_options without stream", KEY.key,
+     {"json": chat("x", stream_options={"include_usage": True})}, 400, None),
+    ("max_tokens negative", KEY.key, {"json": chat("x", max_tokens=-1)}, 400, None),
+    ("max_tokens fractional", KEY.key, {"json": chat("x", max_tokens=1.5)}, 400, None),
+    ("max_tokens huge", KEY.key, {"json": chat("x", max_tokens=10**30)}, 400, None),
+    ("n zero", KEY.key, {"json": chat("x", n=0)}, 400, None),
+    ("temperature 3", KEY.key, {"json": chat("x", temperature=3)}, 400, None),
+    ("prompt_cache_key a number", KEY.key, {"json": chat("x", prompt_cache_key=123)}, 400, None),
+    ("user an object", KEY.key, {"json": chat("x", user={"id": 1})}, 400, None),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("case", "key", "kw", "status", "code"), BAD, ids=[b[0] for b in BAD])
