@@ -23,11 +23,11 @@ import aiohttp
 
 from controlplane.catalog import Catalog
 from controlplane.errors import Unavailable
+from controlplane.load import parse_vllm
 from controlplane.model import Origin, OriginHealth
 from controlplane.store import Conflict, Fence
 
 log = logging.getLogger(__name__)
-LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +55,14 @@ class _Track:
 
 
 def parse_load(text: str) -> float | None:
-    """Sum of vLLM's running and waiting gauges over all label sets; None if absent."""
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(LOAD_GAUGES):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-            except (ValueError, IndexError):
-                continue
-    return total if seen else None
+    """Sum of vLLM's running and waiting gauges over all label sets; None if absent.
+
+    The one vLLM page reader (controlplane.load.parse_vllm) reads them.
+    """
+    sample = parse_vllm(text)
+    if not sample.has_requests:
+        return None
+    return (sample.running or 0.0) + (sample.waiting or 0.0)
 
 
 def root_of(base_url: str) -> str:

@@ -286,6 +286,11 @@ class Metrics:
         """The ponto_upstream_attempts counter of one origin and outcome."""
         return self.child(self.upstream_attempts, origin, outcome)
 
+    def stream_cut(self, origin: str) -> None:
+        """An origin's stream broke after the client had bytes."""
+        self.child(self.stream_cuts, origin).inc()
+        self.attempt(origin, "cut_after_start").inc()
+
     def account_request(self, tenant: str, key: str, status: int) -> None:
         self.child(self.tenant_requests, tenant, key or "-", str(status)).inc()
 

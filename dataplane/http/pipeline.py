@@ -370,8 +370,7 @@ class Pipeline:
         name = resume.origin if resume is not None else origin.target.name
         if end.cut and resume is None:  # the hook counts the cuts it sees
             m.child(m.continuations, "refused").inc()  # off, or not continuable
-            m.child(m.stream_cuts, name).inc()
-            m.attempt(name, "cut_after_start").inc()
+            m.stream_cut(name)
             log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)
         elif end.complete:
             m.attempt(name, "ok").inc()

@@ -75,8 +75,7 @@ class Continuations:
     async def __call__(self, cut: str) -> Next | None:
         ex, m = self._ex, self._metrics
         name = self._current.target.name
-        m.child(m.stream_cuts, name).inc()
-        m.attempt(name, "cut_after_start").inc()
+        m.stream_cut(name)
         self._current.release()  # the origin's request ends here; its slot frees
         if self._transcript.overflow:
             self._give_up(cut, "the answer was too long to keep for a continuation")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from ponto.v1 import routing_pb2 as pb
 
@@ -25,22 +24,14 @@ from ponto.v1 import routing_pb2 as pb
 STALE_AFTER_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class Scraped:
-    """One origin's figures from the leader's last scrape."""
-
-    running: float
-    waiting: float
-    kv_cache_usage: float  # 0..1; -1 unknown
-    prefix_hit_rate: float  # 0..1; -1 unknown
-
-
 class LoadBoard:
     """Per-origin load estimates for the scorer; one per proxy process."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._scraped: dict[str, Scraped] = {}
+        # The pushed figures as they came (kv_cache_usage and
+        # prefix_hit_rate are -1 when unknown).
+        self._scraped: dict[str, pb.OriginLoad] = {}
         self._base: dict[str, float] = {}  # scraped running + waiting
         self._own: dict[str, int] = {}  # this proxy's requests in flight
         self._own_at_scrape: dict[str, int] = {}
@@ -63,10 +54,7 @@ class LoadBoard:
             return False
         self.generation = loads.generation
         self.scraped_at = loads.scraped_at
-        self._scraped = {
-            o.origin: Scraped(o.running, o.waiting, o.kv_cache_usage, o.prefix_hit_rate)
-            for o in loads.loads
-        }
+        self._scraped = {o.origin: o for o in loads.loads}
         self._base = {name: s.running + s.waiting for name, s in self._scraped.items()}
         self._own_at_scrape = dict(self._own)
         self._expire_later()
@@ -113,7 +101,7 @@ class LoadBoard:
         """This proxy's own requests in flight to origin."""
         return self._own.get(origin, 0)
 
-    def scraped(self, origin: str) -> Scraped | None:
+    def scraped(self, origin: str) -> pb.OriginLoad | None:
         return self._scraped.get(origin)
 
     def age(self) -> float:

@@ -127,15 +127,6 @@ class Picker:
             out.extend(ordered)
         return out, reason
 
-    def over_bound(self, target: Target, group: Sequence[Target], bound: float) -> bool:
-        """True when target holds more than `bound` times its weighted share of
-        the group's load (counting the request being placed) and at least its
-        capacity."""
-        load = self.loads.load
-        total = 1.0 + sum(load(t.name) for t in group)
-        weights = sum(t.weight for t in group)
-        return _over(load(target.name), target, total, weights, bound)
-
     def _group(
         self, group: tuple[Target, ...], mode: str, key: Key | None, bound: float
     ) -> tuple[list[Target], str]:
@@ -177,5 +168,8 @@ class Picker:
 
 
 def _over(load: float, target: Target, total: float, weights: int, bound: float) -> bool:
+    """True when target holds more than `bound` times its weighted share of the
+    group's load (`total`, counting the request being placed) and at least its
+    capacity."""
     share = bound * total * target.weight / weights
     return load >= share and load >= (target.capacity or UNKNOWN_CAPACITY)
