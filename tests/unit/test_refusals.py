@@ -1,0 +1,50 @@
+"""The refusal log: one INFO line per refusal, no traceback, rate-limited."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dataplane.http.refusals import RefusalLog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_one_info_line_per_refusal_without_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    log = RefusalLog(logging.getLogger("t.refusals"), clock=Clock())
+    with caplog.at_level(logging.INFO, logger="t.refusals"):
+        assert log.refused(400, "invalid_json", "body is not JSON", request_id="r1", what="POST /x")
+    [record] = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.exc_info is None
+    assert "r1" in record.getMessage() and "invalid_json" in record.getMessage()
+
+
+def test_a_flood_is_cut_to_the_rate_and_the_next_line_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    log = RefusalLog(logging.getLogger("t.flood"), per_second=10, burst=5, clock=clock)
+    with caplog.at_level(logging.INFO, logger="t.flood"):
+        written = sum(log.refused(400, None, "bad") for _ in range(1000))
+        assert written == 5
+        assert log.skipped == 995
+        clock.now += 1.0  # ten more lines' worth, capped by the burst
+        assert log.refused(400, None, "bad")
+    assert len(caplog.records) == 6
+    assert "995 more refusals not logged" in caplog.records[-1].getMessage()
+    assert log.skipped == 0
+
+
+def test_a_huge_reason_makes_a_short_line(caplog: pytest.LogCaptureFixture) -> None:
+    log = RefusalLog(logging.getLogger("t.huge"), clock=Clock())
+    with caplog.at_level(logging.INFO, logger="t.huge"):
+        log.refused(400, None, "x" * 100_000)
+    assert len(caplog.records[0].getMessage()) < 400
