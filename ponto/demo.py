@@ -2,7 +2,8 @@
 
 Without flags it starts etcd, a control plane, a simulated origin in each of
 three regions and proxies in two of them, prints how to use them, and stays
-up until Ctrl-C. With --check it starts the same topology, proves the product's
+up until Ctrl-C, starting again any of its processes that dies (kill an origin
+to watch failover). With --check it starts the same topology, proves the product's
 promises with the official openai client (streaming, failover of the control
 plane, restart from the saved table) and exits non-zero on any failure.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import shutil
 import signal
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ponto.fleet import DEMO_REGIONS, Fleet, start_demo_fleet
+from ponto.supervise import Supervisor
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -42,16 +45,17 @@ def _preferred(port: int) -> int:
     return port if _port_free(port) else 0
 
 
-def banner(fleet: Fleet) -> str:
-    control = next(iter(fleet.controls.values())).address
-    lines = ["", "Ponto is running.", ""]
-    for name, proxy in fleet.proxies.items():
-        lines.append(f"  proxy  {name:<22} http://{proxy.address}/v1")
-    for name, origin in fleet.origins.items():
-        lines.append(f"  origin {name:<22} http://{origin.address}/v1")
-    lines.append(f"  control plane (gRPC)          {control}")
+def banner(fleet: Fleet, *, logs_removed: bool) -> str:
+    control_name, control = next(iter(fleet.controls.items()))
     assert fleet.etcd is not None
-    lines.append(f"  etcd                          {fleet.etcd.url}")
+    rows = [
+        *[(f"proxy  {n}", f"http://{m.address}/v1", m.pid) for n, m in fleet.proxies.items()],
+        *[(f"origin {n}", f"http://{m.address}/v1", m.pid) for n, m in fleet.origins.items()],
+        (f"control plane {control_name}", f"{control.address} (gRPC)", control.pid),
+        ("etcd", fleet.etcd.url, fleet.etcd.managed.pid),
+    ]
+    lines = ["", "Ponto is running.", ""]
+    lines += [f"  {what:<29} {where:<30} pid {pid}" for what, where, pid in rows]
     first = fleet.proxy_url(next(iter(fleet.proxies)))
     lines += [
         "",
@@ -71,15 +75,47 @@ def banner(fleet: Fleet) -> str:
             f"  export {k}={v}"
             for k, v in (fleet.security.admin_env() if fleet.security else {}).items()
         ],
-        f"  export PONTO_CONTROL_PLANE={control}",
+        f"  export PONTO_CONTROL_PLANE={control.address}",
         "  .venv/bin/pontoctl get proxies",
         "  .venv/bin/pontoctl drain region us-east",
         "  .venv/bin/pontoctl tenant add acme && .venv/bin/pontoctl key create --tenant acme",
         "  (once a key exists, requests need 'Authorization: Bearer <key>')",
+        *failover_hint(fleet, first),
         "",
-        f"Logs are in {fleet.workdir}. Press Ctrl-C to stop.",
+        f"Logs are in {fleet.workdir}"
+        + (" (removed on exit; --workdir DIR keeps them)." if logs_removed else "."),
+        "Press Ctrl-C to stop.",
     ]
     return "\n".join(lines)
+
+
+def failover_hint(fleet: Fleet, first_proxy_url: str) -> list[str]:
+    """How to watch a failover: kill the origin the first proxy answers from."""
+    proxy = next(iter(fleet.proxies))
+    region = proxy.removeprefix("proxy-")
+    origin = fleet.origins[f"origin-{region}"]
+    return [
+        "",
+        "Every process is supervised: kill one and the demo reports it and starts it",
+        "again on the same address. To watch failover, kill the "
+        f"{region} origin (kill {origin.pid});",
+        f"{proxy} then answers from the next region (header x-ponto-region) until it is back:",
+        f"  curl -si {first_proxy_url}/chat/completions -H 'cache-control: no-cache' \\",
+        "    -H 'content-type: application/json' \\",
+        '    -d \'{"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}\'',
+    ]
+
+
+def supervise(fleet: Fleet) -> Supervisor:
+    """A supervisor for every process of the fleet, reporting on the console."""
+
+    def report(line: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+    supervisor = Supervisor(time.monotonic, report)
+    for name, managed in fleet.members().items():
+        supervisor.watch(name, managed, functools.partial(fleet.restart, name))
+    return supervisor
 
 
 # ---------------------------------------------------------------- checks
@@ -320,15 +356,17 @@ def main(argv: list[str] | None = None) -> int:
             proxy_ports=(_preferred(8080), _preferred(8081)),
             control_port=_preferred(7070),
         )
+    # A temp dir goes once the demo ends as it should; after a failed check
+    # or an error its logs stay for the user to read.
+    remove = False
     try:
         if args.check:
             report = run_checks(fleet)
             passed = sum(ok for _, ok, _ in report.results)
             print(f"{passed} passed, {len(report.results) - passed} failed", flush=True)
-            if report.ok and args.workdir is None:
-                shutil.rmtree(workdir, ignore_errors=True)
+            remove = report.ok and args.workdir is None
             return 0 if report.ok else 1
-        print(banner(fleet), flush=True)
+        print(banner(fleet, logs_removed=args.workdir is None), flush=True)
         stop = False
 
         def _stop(*_: object) -> None:
@@ -337,21 +375,17 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGTERM, _stop)
+        supervisor = supervise(fleet)
         while not stop:
-            dead = [
-                m.name
-                for g in (fleet.proxies, fleet.controls, fleet.origins)
-                for m in g.values()
-                if not m.alive()
-            ]
-            if dead:
-                print(f"stopped unexpectedly: {', '.join(dead)}; see logs in {workdir}")
-                return 1
-            time.sleep(0.5)
-        print("\nstopping…")
+            supervisor.poll()
+            time.sleep(0.2)
+        print("\nstopping…", flush=True)
+        remove = args.workdir is None
         return 0
     finally:
         fleet.stop()
+        if remove:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

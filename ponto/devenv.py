@@ -80,10 +80,19 @@ class Managed:
     proc: subprocess.Popen[bytes]
     log_path: Path
     address: str = ""
+    argv: list[str] = field(default_factory=list)
     _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        """None while it runs, else its exit status (-N: killed by signal N)."""
+        return self.proc.poll()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
@@ -127,7 +136,7 @@ def spawn(
     log = log_path.open("ab")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    managed = Managed(name, proc, log_path, _log=log)
+    managed = Managed(name, proc, log_path, argv=argv, _log=log)
     if ready_file is not None:
         deadline = time.monotonic() + timeout
         while True:

@@ -154,6 +154,32 @@ class Fleet:
         self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
         return m
 
+    def members(self) -> dict[str, Managed]:
+        """Every process of the fleet by name: etcd, control planes, origins, proxies."""
+        etcd = {self.etcd.managed.name: self.etcd.managed} if self.etcd else {}
+        return {**etcd, **self.controls, **self.origins, **self.proxies}
+
+    def restart(self, name: str) -> Managed:
+        """Start a member again as it was; stop it first if it still runs.
+
+        Same arguments and address (the port it had bound, so proxies, probes
+        and clients find it where it was), same data and state dirs and
+        certificates. Returns once it serves; raises DevEnvError if it cannot.
+        """
+        if self.etcd is not None and name == self.etcd.managed.name:
+            self.etcd.managed.stop()
+            return self.start_etcd().managed
+        groups = [g for g in (self.controls, self.origins, self.proxies) if name in g]
+        if not groups:
+            raise KeyError(name)
+        group = groups[0]
+        old = group[name]
+        old.stop()
+        argv = list(old.argv)
+        argv[argv.index("--listen") + 1] = old.address
+        group[name] = m = spawn(name, argv, self.workdir, ready_file=self._ready(name))
+        return m
+
     # ------------------------------------------------------------ admin
 
     def admin(self) -> admin_pb2_grpc.AdminStub:

@@ -1,0 +1,172 @@
+"""The demo's supervisor with fake processes and a hand-moved clock."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+
+import pytest
+
+from ponto.supervise import Backoff, Supervisor, describe_exit
+
+_pids = itertools.count(100)
+
+
+class FakeProcess:
+    def __init__(self) -> None:
+        self.pid = next(_pids)
+        self.status: int | None = None
+
+    def returncode(self) -> int | None:
+        return self.status
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Launcher:
+    """Starts FakeProcesses; `fail` makes the next starts raise."""
+
+    def __init__(self) -> None:
+        self.started: list[FakeProcess] = []
+        self.fail = 0
+
+    def __call__(self) -> FakeProcess:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("port 9000 in use\nlog tail line")
+        self.started.append(FakeProcess())
+        return self.started[-1]
+
+    @property
+    def current(self) -> FakeProcess:
+        return self.started[-1]
+
+
+def setup() -> tuple[Supervisor, Clock, Launcher, list[str]]:
+    clock, launcher, lines = Clock(), Launcher(), list[str]()
+    supervisor = Supervisor(clock, lines.append)
+    supervisor.watch("origin-us-east", launcher(), launcher)
+    return supervisor, clock, launcher, lines
+
+
+def test_a_live_child_is_left_alone() -> None:
+    supervisor, clock, launcher, lines = setup()
+    for _ in range(5):
+        clock.now += 60
+        supervisor.poll()
+    assert len(launcher.started) == 1
+    assert lines == []
+
+
+def test_a_death_is_reported_and_the_child_restarted_after_the_first_delay() -> None:
+    supervisor, clock, launcher, lines = setup()
+    first = launcher.current
+    first.status = -signal.SIGKILL
+    supervisor.poll()
+    assert lines == [f"origin-us-east (pid {first.pid}) killed by SIGKILL; restarting it in 0.5 s"]
+    clock.now += 0.4
+    supervisor.poll()
+    assert len(launcher.started) == 1, "restarted before its delay"
+    clock.now += 0.1
+    supervisor.poll()
+    assert len(launcher.started) == 2
+    assert lines[-1] == f"origin-us-east is back (pid {launcher.current.pid})"
+    # The new process is the one watched from now on.
+    launcher.current.status = 1
+    supervisor.poll()
+    assert lines[-1].startswith(f"origin-us-east (pid {launcher.current.pid}) exited with code 1")
+
+
+def delays_of_a_crash_loop(supervisor: Supervisor, clock: Clock, launcher: Launcher) -> list[float]:
+    """Kill the child as soon as it is back, 8 times; the delays the supervisor waited."""
+    delays = []
+    for _ in range(8):
+        launcher.current.status = 1
+        supervisor.poll()
+        died_at, before = clock.now, len(launcher.started)
+        while len(launcher.started) == before:
+            clock.now += 0.25
+            supervisor.poll()
+        delays.append(clock.now - died_at)
+    return delays
+
+
+def test_a_crash_loop_backs_off_doubling_up_to_ten_seconds() -> None:
+    supervisor, clock, launcher, _ = setup()
+    assert delays_of_a_crash_loop(supervisor, clock, launcher) == [
+        0.5, 1, 2, 4, 8, 10, 10, 10
+    ]  # fmt: skip
+
+
+def test_the_backoff_resets_once_the_child_stayed_up() -> None:
+    supervisor, clock, launcher, lines = setup()
+    delays_of_a_crash_loop(supervisor, clock, launcher)
+    clock.now += 29
+    launcher.current.status = 1
+    supervisor.poll()
+    assert lines[-1].endswith("restarting it in 10 s"), "29 s up is not yet stable"
+    clock.now += 10
+    supervisor.poll()
+    clock.now += 30
+    launcher.current.status = 1
+    supervisor.poll()
+    assert lines[-1].endswith("restarting it in 0.5 s")
+
+
+def test_a_failed_start_is_reported_and_retried_with_the_next_delay() -> None:
+    supervisor, clock, launcher, lines = setup()
+    launcher.current.status = -signal.SIGTERM
+    launcher.fail = 2
+    supervisor.poll()
+    clock.now += 0.5
+    supervisor.poll()
+    assert lines[-1] == (
+        "origin-us-east did not start again (RuntimeError: port 9000 in use); next try in 1 s"
+    )
+    clock.now += 0.9
+    supervisor.poll()
+    assert len(launcher.started) == 1
+    clock.now += 0.1
+    supervisor.poll()
+    assert lines[-1].endswith("next try in 2 s")
+    clock.now += 2
+    supervisor.poll()
+    assert len(launcher.started) == 2
+    assert lines[-1] == f"origin-us-east is back (pid {launcher.current.pid})"
+
+
+def test_children_are_independent() -> None:
+    clock, lines = Clock(), list[str]()
+    supervisor = Supervisor(clock, lines.append, Backoff(first=1, limit=4, stable_after=5))
+    a, b = Launcher(), Launcher()
+    supervisor.watch("a", a(), a)
+    supervisor.watch("b", b(), b)
+    a.current.status = 1
+    supervisor.poll()
+    clock.now += 1
+    supervisor.poll()
+    assert len(a.started) == 2 and len(b.started) == 1
+    assert [line.split()[0] for line in lines] == ["a", "a"]
+    b.current.status = 1
+    supervisor.poll()
+    assert lines[-1].startswith("b ") and lines[-1].endswith("restarting it in 1 s")
+
+
+@pytest.mark.parametrize(
+    ("status", "words"),
+    [
+        (0, "exited with code 0"),
+        (3, "exited with code 3"),
+        (-9, "killed by SIGKILL"),
+        (-15, "killed by SIGTERM"),
+        (-200, "killed by signal 200"),
+    ],
+)
+def test_exit_statuses_in_words(status: int, words: str) -> None:
+    assert describe_exit(status) == words
