@@ -1,0 +1,195 @@
+"""A demo that survives its parts, with real processes.
+
+The first test runs `ponto-demo` as a user does (etcd, control plane, three
+origins, two proxies, in a process of its own) and reads its console: kill an
+origin, watch failover, see it come back. The second runs the demo's supervisor
+over a small fleet and kills the members that hold state.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ponto.demo import supervise
+from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import admin_pb2 as apb
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}
+NO_CACHE = {"cache-control": "no-cache"}  # every call must reach an origin
+
+
+@dataclass
+class Demo:
+    proc: subprocess.Popen[str]
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    seen: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def expect(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        """The first console line from now on that matches `pattern`."""
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(
+                    f"no line matching {pattern!r}; the demo said:\n" + "\n".join(self.seen)
+                ) from None
+            self.seen.append(line)
+            if found := re.search(pattern, line):
+                return found
+
+
+@pytest.fixture
+def demo() -> Iterator[Demo]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ponto.demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a failed test can end the whole tree
+    )
+    demo = Demo(proc)
+    try:
+        yield demo
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        assert proc.stdout is not None and demo.reader is not None
+        demo.reader.join(10)  # it ends at the pipe's end, before the pipe is closed
+        proc.stdout.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def chat(proxy: str) -> httpx.Response:
+    r = httpx.post(f"http://{proxy}/v1/chat/completions", json=CHAT, headers=NO_CACHE, timeout=10)
+    assert r.status_code == 200, (r.status_code, r.text)
+    return r
+
+
+def read_banner(demo: Demo) -> tuple[dict[str, tuple[str, int]], Path]:
+    """{name: (host:port, pid)} of every process the banner lists, and the demo's dir."""
+    members: dict[str, tuple[str, int]] = {}
+    while True:
+        line = demo.expect(r"^  (?:proxy|origin|control plane|etcd) |^Logs are in ").string
+        if logs := re.match(r"^Logs are in (\S+) \(removed on exit", line):
+            return members, Path(logs.group(1))
+        name, address, pid = re.findall(r"(\S+)\s+(\S+)(?: \(gRPC\))?\s+pid (\d+)$", line)[0]
+        members[name] = (address.removeprefix("http://").removesuffix("/v1"), int(pid))
+
+
+def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays_up(
+    demo: Demo,
+) -> None:
+    members, workdir = read_banner(demo)
+    assert {"proxy-us-east", "origin-us-east", "control-1", "etcd"} <= members.keys()
+    origin, origin_pid = members["origin-us-east"]
+    proxy = members["proxy-us-east"][0]
+    assert chat(proxy).headers["x-ponto-origin"] == "origin-us-east"
+
+    os.kill(origin_pid, signal.SIGKILL)
+    # The origin is gone and not yet back (that takes its 0.5 s delay at least):
+    # the proxy answers from the next region.
+    r = chat(proxy)
+    assert (r.headers["x-ponto-origin"], r.headers["x-ponto-region"]) == (
+        "origin-eu-west",
+        "eu-west",
+    )
+
+    demo.expect(rf"^\S+ origin-us-east \(pid {origin_pid}\) killed by SIGKILL; restarting it in")
+    back = int(demo.expect(r"^\S+ origin-us-east is back \(pid (\d+)\)").group(1))
+    assert back != origin_pid and alive(back)
+    # The same address, served by the new process.
+    assert httpx.get(f"http://{origin}/v1/models", timeout=5).status_code == 200
+    # The proxy goes back to its own region's origin once health says so.
+    deadline = time.monotonic() + 30
+    while chat(proxy).headers["x-ponto-origin"] != "origin-us-east":
+        assert time.monotonic() < deadline, "proxy-us-east never went back to origin-us-east"
+        time.sleep(0.1)
+    assert demo.proc.poll() is None, "the demo stopped"
+
+    demo.proc.send_signal(signal.SIGINT)
+    assert demo.proc.wait(30) == 0
+    demo.expect(r"^stopping")
+    assert not [pid for _, pid in members.values() if alive(pid)]
+    assert not alive(back)
+    assert not workdir.exists()
+
+
+def test_etcd_control_plane_and_proxy_come_back_with_their_addresses_and_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's supervisor over a small secured fleet: its stateful members,
+    killed together, restart where they were, with the data they had."""
+    with Fleet(tmp_path) as fleet:
+        fleet.secure()
+        fleet.start_etcd()
+        fleet.start_control()
+        fleet.add_region(RegionDef("us-east", 38.9, -77.4))
+        fleet.start_origin("o-us", "us-east")
+        fleet.add_origin("o-us", "us-east", fleet.origin_url("o-us"))
+        version = fleet.table_version(origins=1)
+        fleet.start_proxy("p-us", "us-east")
+        fleet.wait_proxies_at(version)
+        supervisor = supervise(fleet)
+        before = {name: (m.address, m.pid) for name, m in fleet.members().items()}
+        for name in ("etcd", "control-1", "p-us"):
+            fleet.members()[name].kill()
+
+        deadline = time.monotonic() + 60
+        while any(not fleet.members()[n].alive() for n in ("etcd", "control-1", "p-us")):
+            assert time.monotonic() < deadline, capsys.readouterr().out
+            supervisor.poll()
+            time.sleep(0.1)
+
+        after = {name: (m.address, m.pid) for name, m in fleet.members().items()}
+        for name in ("control-1", "p-us"):
+            assert after[name][0] == before[name][0] and after[name][1] != before[name][1]
+        assert after["o-us"] == before["o-us"], "a live member was restarted"
+        out = capsys.readouterr().out
+        assert f"etcd (pid {before['etcd'][1]}) killed by SIGKILL" in out
+        assert f"p-us is back (pid {after['p-us'][1]})" in out
+        # etcd kept its data: the region and origin written before are still there.
+        regions = fleet.admin().ListRegions(apb.ListRequest(), timeout=10).regions
+        assert [r.name for r in regions] == ["us-east"]
+        # The proxy serves and reconnects to the restarted control plane.
+        r = httpx.post(fleet.proxy_url("p-us") + "/chat/completions", json=CHAT, timeout=10)
+        assert r.status_code == 200 and r.headers["x-ponto-origin"] == "o-us"
+        while not fleet.proxy_status("p-us")["control_plane_connected"]:
+            assert time.monotonic() < deadline, "the proxy never reconnected"
+            time.sleep(0.1)
