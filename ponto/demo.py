@@ -341,49 +341,72 @@ def run_checks(fleet: Fleet) -> Report:
     return report
 
 
+def run_supervised(fleet: Fleet) -> None:
+    """Start again whatever dies, until SIGINT or SIGTERM.
+
+    A signal during a restart takes effect once that process is up (a second
+    or two): it is then in the fleet, which stops it with the rest.
+    """
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    supervisor = supervise(fleet)
+    while not stop:
+        supervisor.poll()
+        time.sleep(0.2)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ponto-demo", description=__doc__)
     p.add_argument("--check", action="store_true", help="run the checks, report, exit")
     p.add_argument("--workdir", type=Path, help="where logs and state go (default: a temp dir)")
     args = p.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ponto-demo-"))
-    print(f"Starting etcd, control plane, {len(DEMO_REGIONS)} origins and 2 proxies…", flush=True)
-    if args.check:
-        fleet = start_demo_fleet(workdir)
-    else:
-        fleet = start_demo_fleet(
-            workdir,
-            proxy_ports=(_preferred(8080), _preferred(8081)),
-            control_port=_preferred(7070),
-        )
+    # Until run_supervised owns the signals, SIGTERM stops the demo as Ctrl-C
+    # does: through the clean-up below, leaving no process behind.
+    signal.signal(signal.SIGTERM, _interrupt)
     # A temp dir goes once the demo ends as it should; after a failed check
     # or an error its logs stay for the user to read.
     remove = False
+    fleet: Fleet | None = None
     try:
+        print(
+            f"Starting etcd, control plane, {len(DEMO_REGIONS)} origins and 2 proxies…",
+            flush=True,
+        )
         if args.check:
+            fleet = start_demo_fleet(workdir)
             report = run_checks(fleet)
             passed = sum(ok for _, ok, _ in report.results)
             print(f"{passed} passed, {len(report.results) - passed} failed", flush=True)
             remove = report.ok and args.workdir is None
             return 0 if report.ok else 1
+        fleet = start_demo_fleet(
+            workdir,
+            proxy_ports=(_preferred(8080), _preferred(8081)),
+            control_port=_preferred(7070),
+        )
         print(banner(fleet, logs_removed=args.workdir is None), flush=True)
-        stop = False
-
-        def _stop(*_: object) -> None:
-            nonlocal stop
-            stop = True
-
-        signal.signal(signal.SIGINT, _stop)
-        signal.signal(signal.SIGTERM, _stop)
-        supervisor = supervise(fleet)
-        while not stop:
-            supervisor.poll()
-            time.sleep(0.2)
+        run_supervised(fleet)
         print("\nstopping…", flush=True)
         remove = args.workdir is None
         return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping…", flush=True)
+        remove = args.workdir is None
+        return 130
     finally:
-        fleet.stop()
+        if fleet is not None:  # start_demo_fleet stops what it started if it fails
+            fleet.stop()
         if remove:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -139,17 +139,22 @@ def spawn(
     managed = Managed(name, proc, log_path, argv=argv, _log=log)
     if ready_file is not None:
         deadline = time.monotonic() + timeout
-        while True:
-            if ready_file.exists() and (text := ready_file.read_text().strip()):
-                managed.address = text
-                break
-            if proc.poll() is not None:
-                managed.stop()
-                raise DevEnvError(f"{name} exited with {proc.returncode}:\n{managed.log_tail()}")
-            if time.monotonic() > deadline:
-                managed.stop()
-                raise DevEnvError(f"{name} not ready after {timeout}s:\n{managed.log_tail()}")
-            time.sleep(0.02)
+        try:
+            while True:
+                if ready_file.exists() and (text := ready_file.read_text().strip()):
+                    managed.address = text
+                    break
+                if proc.poll() is not None:
+                    tail = managed.log_tail()
+                    raise DevEnvError(f"{name} exited with {proc.returncode}:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise DevEnvError(f"{name} not ready after {timeout}s:\n{managed.log_tail()}")
+                time.sleep(0.02)
+        # Not ready, or interrupted while waiting (Ctrl-C): the caller gets no
+        # handle on the process, so it must not outlive this call.
+        except BaseException:
+            managed.stop()
+            raise
     return managed
 
 

@@ -8,6 +8,7 @@ over a small fleet and kills the members that hold state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -64,12 +65,14 @@ class Demo:
 
 
 @pytest.fixture
-def demo() -> Iterator[Demo]:
+def demo(tmp_path: Path) -> Iterator[Demo]:
+    """`ponto-demo` with its temp dirs under tmp_path, in a process group of its own."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ponto.demo"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         start_new_session=True,  # so a failed test can end the whole tree
     )
     demo = Demo(proc)
@@ -96,6 +99,17 @@ def alive(pid: int) -> bool:
     return True
 
 
+def group(pgid: int) -> set[int]:
+    """The live processes of a process group (the demo's children stay in it)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpgid(int(entry.name)) == pgid:
+                    found.add(int(entry.name))
+    return found
+
+
 def chat(proxy: str) -> httpx.Response:
     r = httpx.post(f"http://{proxy}/v1/chat/completions", json=CHAT, headers=NO_CACHE, timeout=10)
     assert r.status_code == 200, (r.status_code, r.text)
@@ -114,9 +128,10 @@ def read_banner(demo: Demo) -> tuple[dict[str, tuple[str, int]], Path]:
 
 
 def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays_up(
-    demo: Demo,
+    demo: Demo, tmp_path: Path
 ) -> None:
     members, workdir = read_banner(demo)
+    assert workdir.parent == tmp_path
     assert {"proxy-us-east", "origin-us-east", "control-1", "etcd"} <= members.keys()
     origin, origin_pid = members["origin-us-east"]
     proxy = members["proxy-us-east"][0]
@@ -146,9 +161,27 @@ def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays
     demo.proc.send_signal(signal.SIGINT)
     assert demo.proc.wait(30) == 0
     demo.expect(r"^stopping")
+    assert group(demo.proc.pid) == set()
     assert not [pid for _, pid in members.values() if alive(pid)]
     assert not alive(back)
-    assert not workdir.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_during_start_up_leaves_no_process_and_no_temp_dir(
+    demo: Demo, tmp_path: Path
+) -> None:
+    demo.expect(r"^Starting")
+    deadline = time.monotonic() + 30
+    while len(group(demo.proc.pid)) < 3:  # the demo, etcd and the control plane so far
+        assert time.monotonic() < deadline, "nothing started"
+        time.sleep(0.05)
+    demo.proc.send_signal(signal.SIGTERM)
+    # 130 when the signal lands during start-up, as it does unless the machine
+    # is so slow that the start-up finished first; then the demo stops with 0.
+    assert demo.proc.wait(30) in (0, 130)
+    demo.expect(r"stopping")
+    assert group(demo.proc.pid) == set()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_etcd_control_plane_and_proxy_come_back_with_their_addresses_and_state(
