@@ -58,7 +58,7 @@ def describe_exit(status: int) -> str:
 
 
 def _first_line(exc: Exception) -> str:
-    return str(exc).split("\n", 1)[0]
+    return str(exc).split("\n", 1)[0].rstrip(":")
 
 
 @dataclass

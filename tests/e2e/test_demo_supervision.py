@@ -3,7 +3,8 @@
 The first test runs `ponto-demo` as a user does (etcd, control plane, three
 origins, two proxies, in a process of its own) and reads its console: kill an
 origin, watch failover, see it come back. The second runs the demo's supervisor
-over a small fleet and kills the members that hold state.
+over a small fleet: kills the members that hold state, and keeps a member from
+starting until its port is free.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -226,3 +228,29 @@ def test_etcd_control_plane_and_proxy_come_back_with_their_addresses_and_state(
         while not fleet.proxy_status("p-us")["control_plane_connected"]:
             assert time.monotonic() < deadline, "the proxy never reconnected"
             time.sleep(0.1)
+
+
+def test_a_member_that_cannot_start_is_retried_until_it_can(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its port taken by someone else, the origin fails to start; the supervisor
+    says so, tries again later, and brings it back once the port is free."""
+    with Fleet(tmp_path) as fleet:
+        fleet.start_origin("o-us", "us-east")
+        supervisor = supervise(fleet)
+        host, port = fleet.origins["o-us"].address.rsplit(":", 1)
+        fleet.origins["o-us"].kill()
+        with socket.create_server((host, int(port))):
+            deadline = time.monotonic() + 30
+            while "o-us did not start again" not in (out := capsys.readouterr().out):
+                assert time.monotonic() < deadline, out
+                supervisor.poll()
+                time.sleep(0.1)
+        assert "next try in 1 s" in out
+        while not fleet.origins["o-us"].alive():
+            assert time.monotonic() < deadline, capsys.readouterr().out
+            supervisor.poll()
+            time.sleep(0.1)
+        assert fleet.origins["o-us"].address == f"{host}:{port}"
+        r = httpx.get(fleet.origin_url("o-us") + "/models", timeout=5)
+        assert r.status_code == 200
