@@ -3,6 +3,14 @@
 Anything not raised as an ApiError is a bug: the boundary
 (dataplane.http.boundary) logs it and the client gets a generic 500 in the
 same shape, never a traceback.
+
+The allowlist for origin failures: a client learns the status, a type and
+code, a fixed message and its request id; which origin failed, its URL and
+the exception text go to the log only (dataplane.upstream.forwarder logs
+them at WARNING with the request id). An origin's own 4xx answer is passed
+on only when it is an OpenAI-style JSON error, rebuilt from its four fields
+(`origin_error_body`); anything else (a text or HTML page, a stack trace)
+becomes a fixed error of the same status.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        logged: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,6 +39,9 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        # Its cause was already logged where it happened (an origin failure):
+        # the boundary does not log it again as a refusal.
+        self.logged = logged
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         body = {
@@ -52,5 +64,90 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ApiError(400, message, param=param, code=code)
 
 
-def upstream_error(message: str, status: int = 502) -> ApiError:
-    return ApiError(status, message, type="upstream_error", code="upstream_unavailable")
+# Fixed messages: what clients see of an origin failure, whatever the cause.
+UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly."
+UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
+UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
+UPSTREAM_REFUSED = "The model's servers refused the request."
+# Past this an origin's error message is not passed on: a client error
+# message is a sentence or two, anything longer is a dump.
+MAX_ORIGIN_MESSAGE = 1024
+
+
+def upstream_unavailable() -> ApiError:
+    """502: no origin committed to an answer (connect errors, 5xx, cuts)."""
+    return ApiError(
+        502, UPSTREAM_UNAVAILABLE, type="upstream_error", code="upstream_unavailable", logged=True
+    )
+
+
+def upstream_timeout() -> ApiError:
+    """504: the request's deadline passed before any origin committed."""
+    return ApiError(
+        504, UPSTREAM_TIMEOUT, type="upstream_error", code="upstream_timeout", logged=True
+    )
+
+
+def stream_broken_event() -> bytes:
+    """The SSE event that ends a stream an origin broke, then `data: [DONE]`.
+
+    The openai SDK raises an APIError for an event whose data has an `error`
+    object, in chat, completions and Responses streams alike.
+    """
+    event = {
+        "error": {
+            "message": UPSTREAM_STREAM_BROKEN,
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_stream_broken",
+        }
+    }
+    return b"data: " + jsonio.dumps(event) + b"\n\ndata: [DONE]\n\n"
+
+
+def origin_error_body(status: int, content_type: str, body: bytes) -> bytes:
+    """What a client gets of an origin's error answer (status 400 and up).
+
+    An OpenAI-style JSON error (`{"error": {"message": ...}}`, or vLLM's flat
+    `{"object": "error", "message": ...}`) is rebuilt from its message, type,
+    param and code, all strings or null; other members are dropped. Any other
+    body becomes a fixed error of the same status. Pure.
+    """
+    err = _origin_error(content_type, body)
+    if err is None:
+        err = {
+            "message": UPSTREAM_REFUSED,
+            "type": "invalid_request_error" if status < 500 else "upstream_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+    return jsonio.dumps({"error": err})
+
+
+def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | None:
+    if content_type != "application/json":
+        return None
+    try:
+        obj = jsonio.loads(body)
+    except jsonio.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    inner = obj.get("error")
+    err = inner if isinstance(inner, dict) else obj if obj.get("object") == "error" else None
+    if err is None:
+        return None
+    message = err.get("message")
+    if not isinstance(message, str) or not message or len(message) > MAX_ORIGIN_MESSAGE:
+        return None
+    kind = err.get("type")
+    return {
+        "message": message,
+        "type": kind if isinstance(kind, str) else "invalid_request_error",
+        "param": _str_or_none(err.get("param")),
+        "code": _str_or_none(err.get("code")),
+    }
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
