@@ -30,8 +30,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     answer is counted and carries `x-request-id`.
 
     The request's id (the client's own when acceptable, see
-    dataplane.http.requestid) is set in request[REQUEST_ID] before the
-    handler runs. An ApiError is answered with its status and logged once
+    dataplane.http.requestid; new ones from the app's REQUEST_IDS) is set in
+    request[REQUEST_ID] before the handler runs. An ApiError is answered with its status and logged once
     in the refusal log (unless its cause was logged where it happened); the
     caller's rate-limit headers come from the request's Exchange when it has
     one. Anything else is a bug: logged once with its traceback, answered

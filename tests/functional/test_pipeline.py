@@ -22,8 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from dataplane.http.errors import ApiError
-from dataplane.http.requestid import RequestIds
 from dataplane.http.pipeline import ENDPOINTS, Exchange
+from dataplane.http.requestid import RequestIds
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.settings import parse as parse_proxy
