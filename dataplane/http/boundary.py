@@ -31,11 +31,11 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
 
     The request's id (the client's own when acceptable, see
     dataplane.http.requestid; new ones from the app's REQUEST_IDS) is set in
-    request[REQUEST_ID] before the handler runs. An ApiError is answered with its status and logged once
-    in the refusal log (unless its cause was logged where it happened); the
-    caller's rate-limit headers come from the request's Exchange when it has
-    one. Anything else is a bug: logged once with its traceback, answered
-    with a generic 500 in the same shape.
+    request[REQUEST_ID] before the handler runs. An ApiError is answered
+    with its status and logged once in the refusal log (unless its cause was
+    logged where it happened); the caller's rate-limit headers come from the
+    request's Exchange when it has one. Anything else is a bug: logged once
+    with its traceback, answered with a generic 500 in the same shape.
     """
     started = time.perf_counter()
     app = request.app

@@ -8,9 +8,10 @@ The allowlist for origin failures: a client learns the status, a type and
 code, a fixed message and its request id; which origin failed, its URL and
 the exception text go to the log only (dataplane.upstream.forwarder logs
 them at WARNING with the request id). An origin's own 4xx answer is passed
-on only when it is an OpenAI-style JSON error, rebuilt from its four fields
-(`origin_error_body`); anything else (a text or HTML page, a stack trace)
-becomes a fixed error of the same status.
+on only when it is an OpenAI-style JSON error about the client's request,
+rebuilt from its four fields (`origin_error_body`); anything else (a text or
+HTML page, a stack trace, a word on the operator's account) becomes a fixed
+error of the same status, and a refusal of the proxy's own credential a 502.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly.
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
 UPSTREAM_REFUSED = "The model's servers refused the request."
+UPSTREAM_BUSY = "The model's servers are busy; retry shortly."
+# Origin statuses whose OpenAI-style message is about the client's request
+# (its content, size or model) and useful to it. Others describe the
+# operator's account with the origin (401, 403: its credential; 429: its
+# organisation's limits, named in the message): a fixed message instead.
+PASSED_ORIGIN_STATUSES = frozenset({400, 404, 409, 413, 415, 422})
+# An origin that refuses the proxy's own credential: the client's request
+# was fine, so the next origin is tried (dataplane.upstream.forwarder), and
+# with none left the client gets a 502, not the origin's 401.
+CREDENTIAL_REFUSED = frozenset({401, 403, 407})
 # Past this an origin's error message is not passed on: a client error
 # message is a sentence or two, anything longer is a dump.
 MAX_ORIGIN_MESSAGE = 1024
@@ -108,12 +119,20 @@ def stream_broken_event() -> bytes:
 def origin_error_body(status: int, content_type: str, body: bytes) -> bytes:
     """What a client gets of an origin's error answer (status 400 and up).
 
-    An OpenAI-style JSON error (`{"error": {"message": ...}}`, or vLLM's flat
-    `{"object": "error", "message": ...}`) is rebuilt from its message, type,
-    param and code, all strings or null; other members are dropped. Any other
-    body becomes a fixed error of the same status. Pure.
+    With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
+    (`{"error": {"message": ...}}`, or vLLM's flat `{"object": "error",
+    "message": ...}`) is rebuilt from its message, type, param and code, all
+    strings or null; other members are dropped. Anything else becomes a
+    fixed error of the same status (429: `upstream_busy`). Pure.
     """
-    err = _origin_error(content_type, body)
+    err = _origin_error(content_type, body) if status in PASSED_ORIGIN_STATUSES else None
+    if err is None and status == 429:
+        err = {
+            "message": UPSTREAM_BUSY,
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_busy",
+        }
     if err is None:
         err = {
             "message": UPSTREAM_REFUSED,

@@ -39,6 +39,8 @@ def _origin_headers(
     ex: Exchange, origin: OriginAnswer, outcome: str, *, error: bool = False
 ) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
+    if error and "retry-after" in origin.headers:  # an origin's 429 or 503
+        headers["retry-after"] = origin.headers["retry-after"]
     target = origin.target
     headers["x-ponto-origin"] = target.name
     headers["x-ponto-region"] = target.region

@@ -1,8 +1,10 @@
 """Calling origins: ordered failover until one commits to an answer.
 
 Contract: an attempt may be retried on the next candidate only while nothing can
-have reached the client: connect error, 5xx, timeout, or a cut before the whole
-body (non-streaming) or the first chunk (streaming) arrived. `forward` returns
+have reached the client: connect error, 5xx, a refusal of the proxy's own
+credential (401, 403, 407: the client's request was fine, another origin may
+take it), timeout, or a cut before the whole body (non-streaming) or the first
+chunk (streaming) arrived. `forward` returns
 the committed answer without writing anything; the caller relays it
 (`dataplane.streaming.relay`) and releases it.
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from multidict import CIMultiDict
 
-from dataplane.http.errors import upstream_timeout, upstream_unavailable
+from dataplane.http.errors import CREDENTIAL_REFUSED, upstream_timeout, upstream_unavailable
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
@@ -539,6 +541,10 @@ class Forwarder:
         try:
             if resp.status >= RETRY_STATUS_MIN:
                 raise _Retryable("http_5xx", f"answered {resp.status}")
+            if resp.status in CREDENTIAL_REFUSED:
+                raise _Retryable(
+                    "credential_refused", f"refused the proxy's credential ({resp.status})"
+                )
             streamed = resp.content_type == "text/event-stream"
             body_read: bytes | None = None
             first = b""

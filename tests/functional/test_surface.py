@@ -17,8 +17,14 @@ from typing import Any
 import pytest
 import yarl
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from dataplane.http.errors import UPSTREAM_REFUSED, UPSTREAM_STREAM_BROKEN, UPSTREAM_UNAVAILABLE
+from dataplane.http.errors import (
+    UPSTREAM_BUSY,
+    UPSTREAM_REFUSED,
+    UPSTREAM_STREAM_BROKEN,
+    UPSTREAM_UNAVAILABLE,
+)
 from dataplane.http.state import HOLDER, METRICS
 from dataplane.upstream.forwarder import MAX_FORWARDED_VALUE
 from ponto.originsim.app import SIM_STATE, SimConfig
@@ -214,6 +220,11 @@ ORIGIN_ERRORS = [
     ("huge message", 400, b'{"error": {"message": "' + b"x" * 5000 + b'"}}', "application/json",
      None),
     ("broken json", 400, b'{"error": ', "application/json", None),
+    ("account limit", 429,
+     b'{"error": {"message": "Rate limit reached in organization org-secret",'
+     b' "type": "requests", "code": "rate_limit_exceeded"}}',
+     "application/json",
+     {"message": UPSTREAM_BUSY, "type": "upstream_error", "param": None, "code": "upstream_busy"}),
 ]  # fmt: skip
 
 
@@ -245,12 +256,56 @@ async def test_an_origin_error_reaches_the_client_only_through_the_allowlist(
             }
         else:
             assert err == shown
-        assert "gpu" not in await resp.text()
+        assert "gpu" not in await resp.text() and "secret" not in await resp.text()
         # The origin's own headers stay behind; Ponto's say who answered, as
         # on a success.
         assert "x-internal-host" not in resp.headers
         assert resp.headers["x-ponto-origin"] == "custom"
         assert len(resp.headers["x-request-id"]) == 32
+    finally:
+        await s.close()
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_an_origin_refusing_the_proxys_credential_is_a_502_for_the_client(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, status: int
+) -> None:
+    body = b'{"error": {"message": "Incorrect API key provided: sk-op***xyz"}}'
+    s = await stack_on(tmp_path, answering(status, body, "application/json"))
+    try:
+        with caplog.at_level(logging.WARNING):
+            resp = await s.post(chat("credential"))
+        assert resp.status == 502
+        text = await resp.text()
+        assert error_of(json.loads(text))["code"] == "upstream_unavailable"
+        assert "sk-op" not in text
+        [line] = [r for r in caplog.records if "no origin could serve" in r.getMessage()]
+        message = line.getMessage()
+        assert f"custom: refused the proxy's credential ({status})" in message
+        assert resp.headers["x-request-id"] in message
+    finally:
+        await s.close()
+
+
+async def test_an_origin_refusing_the_proxys_credential_is_failed_over(tmp_path: Path) -> None:
+    bad = web.Application()
+    bad.router.add_post("/v1/chat/completions", answering(401, b"no", "text/plain"))
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    bad_server = TestServer(bad)
+    await bad_server.start_server()
+    s.others.append(bad_server)
+    try:
+        origins = [
+            ("bad", str(bad_server.make_url("/v1"))),
+            ("good", str(s.origins[0].make_url("/v1"))),
+        ]
+        t = table(origins, version=3)
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        for i in range(6):  # the weighted order puts "bad" first about half the time
+            resp = await s.post(chat(f"failover {i}"))
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
     finally:
         await s.close()
 
