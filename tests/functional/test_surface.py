@@ -502,3 +502,33 @@ async def test_a_bad_responses_request_reaches_no_origin(
     assert resp.status in (400, 404)
     error_of(await resp.json())
     assert stack.origin_requests() == 0
+
+
+async def test_a_cut_responses_stream_is_not_continued(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=8), SimConfig(name="o2", answer_tokens=8)],
+        ["--forward-headers=x-sim-cut-after"],
+    )
+    try:
+        with caplog.at_level(logging.WARNING):
+            resp = await s.client.post(
+                "/v1/responses",
+                json=responses_body("cut me", stream=True),
+                headers={**AUTH, "x-sim-cut-after": "4"},
+            )
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        frames = [f for f in text.split("\n\n") if f]
+        assert len(frames) == 4 + 2  # four events, the error event, [DONE]
+        assert json.loads(frames[-2].removeprefix("data: "))["error"]["code"] == (
+            "upstream_stream_broken"
+        )
+        # Continuation is on, but the hook never sees a Responses stream.
+        assert s.origin_requests() == 1
+        cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]
+        assert len(cuts) == 1 and "not continued" not in cuts[0]
+    finally:
+        await s.close()
