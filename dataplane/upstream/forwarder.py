@@ -4,9 +4,10 @@ Contract: an attempt may be retried on the next candidate only while nothing can
 have reached the client: connect error, 5xx, a refusal of the proxy's own
 credential (401, 403, 407: the client's request was fine, another origin may
 take it), timeout, or a cut before the whole body (non-streaming) or the first
-chunk (streaming) arrived. `forward` returns
-the committed answer without writing anything; the caller relays it
-(`dataplane.streaming.relay`) and releases it.
+chunk (streaming) arrived. `forward` returns the committed answer without
+writing anything; the caller relays it (`dataplane.streaming.relay`) and
+releases it. What fails is logged here, at WARNING with the request id; the
+client learns only a fixed message (dataplane.http.errors).
 
 Hedging (off unless the caller asks): when the first attempt has not committed
 after a delay, the same request goes to the next candidate as well, and the
