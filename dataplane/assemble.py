@@ -7,11 +7,15 @@ be bypassed by a cached answer.
 
 Rules, in order:
 1. model aliases: a public name is replaced by the name origins serve;
-2. the system prompt (chat only): prepended as the first message, or, when
+2. the system prompt: for chat, prepended as the first message, or, when
    enforced, replacing every system and developer message the client sent;
+   for Responses, the `instructions` (before the client's own, or, when
+   enforced, instead of them and of every system and developer item of the
+   `input`); completions and embeddings have no place for one;
 3. defaults: parameters the client left out;
-4. the max_tokens ceiling: max_tokens and max_completion_tokens are clamped to
-   it, and set to it when the client sent neither.
+4. the max_tokens ceiling: max_tokens and max_completion_tokens (Responses:
+   max_output_tokens) are clamped to it, and set to it when the client sent
+   none.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataplane.http.errors import bad_request
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+RESPONSES_TOKEN_FIELDS = ("max_output_tokens",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,9 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
             ]
         body["messages"] = [{"role": "system", "content": rules.system_prompt}, *messages]
         changed = True
+    if rules.system_prompt and endpoint == "responses":
+        _instruct(body, rules)
+        changed = True
     for name, value in rules.defaults.items():
         if name not in body:
             # A copy: a list or object default must not be shared by requests.
@@ -73,7 +81,8 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
     ceiling = rules.max_tokens_ceiling
     if ceiling and endpoint != "embeddings":
         present = False
-        for name in TOKEN_FIELDS:
+        fields = RESPONSES_TOKEN_FIELDS if endpoint == "responses" else TOKEN_FIELDS
+        for name in fields:
             if name not in body or body[name] is None:
                 continue
             value = body[name]
@@ -84,6 +93,24 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
                 body[name] = ceiling
                 changed = True
         if not present:
-            body["max_tokens"] = ceiling
+            body[fields[0]] = ceiling
             changed = True
     return changed
+
+
+def _instruct(body: dict[str, Any], rules: PromptRules) -> None:
+    """The tenant's system prompt into a Responses request's `instructions`."""
+    theirs = body.get("instructions")
+    if theirs is not None and not isinstance(theirs, str):
+        raise bad_request("'instructions' must be a string", param="instructions")
+    if rules.enforce_system_prompt:
+        body["instructions"] = rules.system_prompt
+        items = body["input"]
+        if isinstance(items, list):
+            body["input"] = [
+                i for i in items if not (isinstance(i, dict) and i.get("role") in SYSTEM_ROLES)
+            ]
+    else:
+        body["instructions"] = (
+            f"{rules.system_prompt}\n\n{theirs}" if theirs else rules.system_prompt
+        )

@@ -15,6 +15,10 @@ from typing import Any
 
 from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS
 
+# Not "responses": a Responses request is stateful on the origin (stored by
+# default, `store`; continued by `previous_response_id`), and its answer's id
+# names what the origin stored, so a copy would hand a client an id the origin
+# holds for another request, and a hit would leave nothing stored.
 CACHEABLE_ENDPOINTS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
 
 

@@ -1,4 +1,5 @@
-"""The error boundary of every route: errors in the OpenAI shape, every answer counted."""
+"""The error boundary of every route: errors in the OpenAI shape, every answer
+counted, every answer with its request id."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from dataplane.http.errors import ApiError
-from dataplane.http.state import DRAINING, EXCHANGE, METRICS, PRINCIPAL
+from dataplane.http.refusals import refusals
+from dataplane.http.state import (
+    DRAINING,
+    EXCHANGE,
+    METRICS,
+    PRINCIPAL,
+    REQUEST_ID,
+    REQUEST_IDS,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -18,15 +27,19 @@ CLIENT_CLOSED = 499
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The error boundary: every failure becomes an OpenAI-style error, and every
-    answer is counted.
+    answer is counted and carries `x-request-id`.
 
-    An ApiError is answered with its status; its request id and the caller's
-    rate-limit headers come from the request's Exchange when it has one.
-    Anything else is a bug: logged once with its traceback, answered with a
-    generic 500 in the same shape.
+    The request's id (the client's own when acceptable, see
+    dataplane.http.requestid; new ones from the app's REQUEST_IDS) is set in
+    request[REQUEST_ID] before the handler runs. An ApiError is answered
+    with its status and logged once in the refusal log (unless its cause was
+    logged where it happened); the caller's rate-limit headers come from the
+    request's Exchange when it has one. Anything else is a bug: logged once
+    with its traceback, answered with a generic 500 in the same shape.
     """
     started = time.perf_counter()
     app = request.app
+    request_id = request[REQUEST_ID] = app[REQUEST_IDS].of(request.headers.get("x-request-id"))
     route = request.match_info.route
     endpoint = route.name or "other"
     m = app[METRICS]
@@ -41,9 +54,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = _error_response(request, exc)
         failed = True
     ex = request.get(EXCHANGE)
+    if not response.prepared:  # a stream sent its headers itself
+        response.headers.setdefault("x-request-id", request_id)
     if failed and ex is not None:
-        # An error answer to a proxied request: its id and the caller's limits.
-        response.headers.setdefault("x-request-id", ex.request_id)
+        # An error answer to a proxied request: the caller's limits.
         for name, value in ex.limit_headers:
             response.headers.setdefault(name, value)
     principal = ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
@@ -57,16 +71,20 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
 def _error_response(request: web.Request, exc: Exception) -> web.Response:
     """The answer to a failure (an unprepared response); a redirect is re-raised."""
     if isinstance(exc, ApiError):
+        if not exc.logged:
+            _refused(request, exc.status, exc.code, exc.message)
         return exc.response()
     if isinstance(exc, web.HTTPException):
         # Router errors (unknown path, wrong method) in the same shape.
         if exc.status < 400:
             raise exc
-        response = ApiError(
+        error = ApiError(
             exc.status,
-            f"{request.method} {request.path}: {exc.reason}",
+            f"{_what(request)}: {exc.reason}",
             code=exc.reason.lower().replace(" ", "_"),
-        ).response()
+        )
+        _refused(request, error.status, error.code, error.message)
+        response = error.response()
         response.headers.extend((k, v) for k, v in exc.headers.items() if k.lower() == "allow")
         return response
     if isinstance(exc, ConnectionResetError):
@@ -79,3 +97,21 @@ def _error_response(request: web.Request, exc: Exception) -> web.Response:
     return ApiError(
         500, "internal error in the proxy", type="server_error", code="internal_error"
     ).response()
+
+
+def _refused(request: web.Request, status: int, code: str | None, message: str) -> None:
+    refusals.refused(
+        status,
+        code,
+        message,
+        request_id=request[REQUEST_ID],
+        remote=request.remote,
+        what=_what(request),
+    )
+
+
+def _what(request: web.Request) -> str:
+    """The request line's method and path, the path cut so that a huge one
+    makes neither a huge log line nor a huge error message."""
+    path = request.path
+    return f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"

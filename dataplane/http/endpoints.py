@@ -1,4 +1,4 @@
-"""The proxy's own endpoints: the model list, health, readiness and metrics."""
+"""The proxy's own endpoints: the models, health, readiness and metrics."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from dataplane.http.pipeline import authenticate
 from dataplane.http.state import CLIENT, HOLDER, METRICS, PRINCIPAL, QUOTA
 
 
-async def list_models(request: web.Request) -> web.Response:
-    """The models the caller may name: what origins serve, plus its tenant's aliases."""
+def _callable_models(request: web.Request) -> list[str]:
+    """The models the caller may name: what origins serve, plus its tenant's
+    aliases of those. Authenticates the caller (401) when the table has a policy."""
     holder = request.app[HOLDER]
     routes, policy = holder.routes, holder.policy
     models: list[str] = list(routes.models) if routes else []
@@ -24,12 +25,35 @@ async def list_models(request: web.Request) -> web.Response:
         served = set(models)
         aliases = policy.tenant(principal.tenant).prompt.aliases
         models += sorted(a for a, target in aliases.items() if target in served and a not in served)
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "ponto"} for m in models]
+    return models
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ponto"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The models the caller may name, in OpenAI's list shape."""
+    data = [_model(m) for m in _callable_models(request)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps_str)
 
 
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else 404."""
+    name = request.match_info["model"]
+    if name not in _callable_models(request):
+        raise ApiError(
+            404,
+            f"The model '{name[:256]}' does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_model(name), dumps=_dumps_str)
+
+
 async def healthz(request: web.Request) -> web.Response:
-    """Liveness: the process answers. Readiness (a table to serve) is /readyz."""
+    """Liveness: the process answers (`/healthz`, and `/health`, which tools
+    such as guidellm check). Readiness (a table to serve) is /readyz."""
     holder = request.app[HOLDER]
     routes = holder.routes
     client = request.app[CLIENT]

@@ -3,6 +3,15 @@
 Anything not raised as an ApiError is a bug: the boundary
 (dataplane.http.boundary) logs it and the client gets a generic 500 in the
 same shape, never a traceback.
+
+The allowlist for origin failures: a client learns the status, a type and
+code, a fixed message and its request id; which origin failed, its URL and
+the exception text go to the log only (dataplane.upstream.forwarder logs
+them at WARNING with the request id). An origin's own 4xx answer is passed
+on only when it is an OpenAI-style JSON error about the client's request,
+rebuilt from its four fields (`origin_error_body`); anything else (a text or
+HTML page, a stack trace, a word on the operator's account) becomes a fixed
+error of the same status, and a refusal of the proxy's own credential a 502.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        logged: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,6 +40,9 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        # Its cause was already logged where it happened (an origin failure):
+        # the boundary does not log it again as a refusal.
+        self.logged = logged
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         body = {
@@ -52,5 +65,108 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ApiError(400, message, param=param, code=code)
 
 
-def upstream_error(message: str, status: int = 502) -> ApiError:
-    return ApiError(status, message, type="upstream_error", code="upstream_unavailable")
+# Fixed messages: what clients see of an origin failure, whatever the cause.
+UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly."
+UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
+UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
+UPSTREAM_REFUSED = "The model's servers refused the request."
+UPSTREAM_BUSY = "The model's servers are busy; retry shortly."
+# Origin statuses whose OpenAI-style message is about the client's request
+# (its content, size or model) and useful to it. Others describe the
+# operator's account with the origin (401, 403: its credential; 429: its
+# organisation's limits, named in the message): a fixed message instead.
+PASSED_ORIGIN_STATUSES = frozenset({400, 404, 409, 413, 415, 422})
+# An origin that refuses the proxy's own credential: the client's request
+# was fine, so the next origin is tried (dataplane.upstream.forwarder), and
+# with none left the client gets a 502, not the origin's 401.
+CREDENTIAL_REFUSED = frozenset({401, 403, 407})
+# Past this an origin's error message is not passed on: a client error
+# message is a sentence or two, anything longer is a dump.
+MAX_ORIGIN_MESSAGE = 1024
+
+
+def upstream_unavailable() -> ApiError:
+    """502: no origin committed to an answer (connect errors, 5xx, cuts)."""
+    return ApiError(
+        502, UPSTREAM_UNAVAILABLE, type="upstream_error", code="upstream_unavailable", logged=True
+    )
+
+
+def upstream_timeout() -> ApiError:
+    """504: the request's deadline passed before any origin committed."""
+    return ApiError(
+        504, UPSTREAM_TIMEOUT, type="upstream_error", code="upstream_timeout", logged=True
+    )
+
+
+def stream_broken_event() -> bytes:
+    """The SSE event that ends a stream an origin broke, then `data: [DONE]`.
+
+    The openai SDK raises an APIError for an event whose data has an `error`
+    object, in chat, completions and Responses streams alike.
+    """
+    event = {
+        "error": {
+            "message": UPSTREAM_STREAM_BROKEN,
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_stream_broken",
+        }
+    }
+    return b"data: " + jsonio.dumps(event) + b"\n\ndata: [DONE]\n\n"
+
+
+def origin_error_body(status: int, content_type: str, body: bytes) -> bytes:
+    """What a client gets of an origin's error answer (status 400 and up).
+
+    With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
+    (`{"error": {"message": ...}}`, or vLLM's flat `{"object": "error",
+    "message": ...}`) is rebuilt from its message, type, param and code, all
+    strings or null; other members are dropped. Anything else becomes a
+    fixed error of the same status (429: `upstream_busy`). Pure.
+    """
+    err = _origin_error(content_type, body) if status in PASSED_ORIGIN_STATUSES else None
+    if err is None and status == 429:
+        err = {
+            "message": UPSTREAM_BUSY,
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_busy",
+        }
+    if err is None:
+        err = {
+            "message": UPSTREAM_REFUSED,
+            "type": "invalid_request_error" if status < 500 else "upstream_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+    return jsonio.dumps({"error": err})
+
+
+def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | None:
+    if content_type != "application/json":
+        return None
+    try:
+        obj = jsonio.loads(body)
+    except jsonio.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    inner = obj.get("error")
+    err = inner if isinstance(inner, dict) else obj if obj.get("object") == "error" else None
+    if err is None:
+        return None
+    message = err.get("message")
+    if not isinstance(message, str) or not message or len(message) > MAX_ORIGIN_MESSAGE:
+        return None
+    kind = err.get("type")
+    return {
+        "message": message,
+        "type": kind if isinstance(kind, str) else "invalid_request_error",
+        "param": _str_or_none(err.get("param")),
+        "code": _str_or_none(err.get("code")),
+    }
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None

@@ -17,9 +17,7 @@ credential costs the proxy no more than its headers.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +35,7 @@ from dataplane.http import reply
 from dataplane.http.errors import ApiError, bad_request
 from dataplane.http.fields import check_fields
 from dataplane.http.resume import CONTINUABLE, Continuations
+from dataplane.http.state import REQUEST_ID
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
@@ -68,6 +67,9 @@ ENDPOINTS = {
         Endpoint("chat.completions", "/chat/completions", "messages"),
         Endpoint("completions", "/completions", "prompt"),
         Endpoint("embeddings", "/embeddings", "input"),
+        # OpenAI's Responses API, proxied like chat. Never cached (see
+        # dataplane.cache.policy) and never continued (dataplane.http.resume).
+        Endpoint("responses", "/responses", "input"),
     )
 }
 
@@ -155,7 +157,6 @@ class Pipeline:
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
         self.stream_idle_timeout = stream_idle_timeout
-        self._ids = RequestIds()
 
     # ------------------------------------------------------------ the path
 
@@ -174,16 +175,17 @@ class Pipeline:
         """A new Exchange on the current table; 503 while the proxy has none."""
         holder = self.holder
         routes, policy = holder.routes, holder.policy
-        request_id = request.headers.get("x-request-id") or self._ids.next()
         if routes is None or policy is None:
             raise ApiError(
                 503,
                 "the proxy has no route table yet; retry shortly",
                 type="server_error",
                 code="no_route_table",
-                headers={"retry-after": "1", "x-request-id": request_id},
+                headers={"retry-after": "1"},
             )
-        return Exchange(endpoint, request.headers, request.remote, request_id, routes, policy)
+        return Exchange(
+            endpoint, request.headers, request.remote, request[REQUEST_ID], routes, policy
+        )
 
     def authenticate(self, ex: Exchange) -> None:
         ex.principal = authenticate(ex.policy, ex.headers.get("authorization"))
@@ -221,7 +223,7 @@ class Pipeline:
         if not admission.ok and admission.limit == "concurrency" and limiter.slotless(scopes, now):
             admission = await admit_after_next_share(limiter, scopes, ex.estimate)
             now = time.monotonic()
-        ex.limit_headers = limiter.headers(scopes, now)
+        ex.limit_headers = limiter.headers(scopes, now, admission)
         if not admission.ok:
             raise refusal(admission)
         ex.admission = admission
@@ -255,7 +257,7 @@ class Pipeline:
             # A cancelled hedge still cost its origin the prompt's prefill.
             ex.hedge_prompt = ex.estimate * origin.extra_calls
             try:
-                if origin.streamed:
+                if origin.streamed and origin.status < 400:
                     return await self.relay(request, ex, origin, plan)
                 return await self.respond(ex, origin, plan)
             finally:
@@ -318,10 +320,11 @@ class Pipeline:
         return candidates
 
     async def respond(self, ex: Exchange, origin: OriginAnswer, plan: CachePlan) -> web.Response:
-        """A non-streamed answer: sent as is; its JSON parsed once, for both the
-        token count and the cache."""
-        body = origin.body
-        assert body is not None and ex.cache_request is not None
+        """A non-streamed answer: sent as is (an error one allowlisted, see
+        reply.origin_body); its JSON parsed once, for both the token count and
+        the cache. An error sent as a stream is answered from its first chunk."""
+        body = origin.body if origin.body is not None else origin.first
+        assert ex.cache_request is not None
         obj: Any = None
         if origin.status < 400 and (plan.key or b'"usage"' in body):
             try:
@@ -330,7 +333,7 @@ class Pipeline:
                 obj = None
             ex.usage = usage_of(obj)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
-        return reply.origin_body(ex, origin, plan.outcome)
+        return reply.origin_body(ex, origin, plan.outcome, body)
 
     async def relay(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
@@ -396,24 +399,6 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- the steps' parts
-
-
-class RequestIds:
-    """Request ids: 32 hex digits, unique across processes and restarts.
-
-    A random 64-bit prefix per instance, then a counter: no system call per
-    request (os.urandom would make one), and two proxies, workers or restarts
-    share a prefix with probability 2**-64.
-    """
-
-    __slots__ = ("_count", "_prefix")
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
-        self._count = itertools.count(1)
-
-    def next(self) -> str:
-        return f"{self._prefix}{next(self._count):016x}"
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:

@@ -4,6 +4,13 @@ Each answer's headers are built once here: the origin's (hop-by-hop ones
 dropped, see dataplane.upstream.forwarder), then Ponto's (`x-request-id`,
 `x-ponto-cache`, where it came from), then the rate-limit headers of the
 request's scopes.
+
+An origin's error answer (400 and up) keeps none of the origin's headers and
+only an allowlisted body (dataplane.http.errors.origin_error_body). It names
+the origin in `x-ponto-origin` as every answer an origin gave does: the
+operator's origin names are no secret from the operator's clients, and a
+client reporting a refusal should be able to say who refused. Errors the
+proxy makes itself (502, 504, a broken stream) name no origin.
 """
 
 from __future__ import annotations
@@ -15,10 +22,11 @@ from multidict import CIMultiDict
 
 from dataplane.cache.coalesce import FlightFailed, Follower
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
+from dataplane.http.errors import origin_error_body, stream_broken_event
 from dataplane.streaming.relay import EventSink, RelayEnd, Resume, relay
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import UsageCounter
-from dataplane.upstream.forwarder import OriginAnswer, sse_error_event
+from dataplane.upstream.forwarder import OriginAnswer
 
 if TYPE_CHECKING:
     from dataplane.cache.step import CachePlan
@@ -27,8 +35,12 @@ if TYPE_CHECKING:
 SIMILARITY = "x-ponto-cache-similarity"
 
 
-def _origin_headers(ex: Exchange, origin: OriginAnswer, outcome: str) -> CIMultiDict[str]:
-    headers = origin.headers
+def _origin_headers(
+    ex: Exchange, origin: OriginAnswer, outcome: str, *, error: bool = False
+) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
+    if error and "retry-after" in origin.headers:  # an origin's 429 or 503
+        headers["retry-after"] = origin.headers["retry-after"]
     target = origin.target
     headers["x-ponto-origin"] = target.name
     headers["x-ponto-region"] = target.region
@@ -43,9 +55,19 @@ def _origin_headers(ex: Exchange, origin: OriginAnswer, outcome: str) -> CIMulti
     return headers
 
 
-def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str) -> web.Response:
+def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -> web.Response:
+    """The origin's whole `body` as it sent it; an error one (status 400 and
+    up) allowlisted."""
+    if origin.status < 400:
+        return web.Response(
+            status=origin.status, body=body, headers=_origin_headers(ex, origin, outcome)
+        )
+    content_type = origin.headers.get("content-type", "").partition(";")[0].strip().lower()
     return web.Response(
-        status=origin.status, body=origin.body, headers=_origin_headers(ex, origin, outcome)
+        status=origin.status,
+        body=origin_error_body(origin.status, content_type, body),
+        content_type="application/json",
+        headers=_origin_headers(ex, origin, outcome, error=True),
     )
 
 
@@ -76,7 +98,7 @@ async def relay_origin(
         out,
         readers=readers,
         chunks=plan.leader,
-        error_event=sse_error_event(f"origin {origin.target.name} failed mid-stream"),
+        error_event=stream_broken_event(),
         idle_timeout=idle_timeout,
         resume=resume,
     )
@@ -134,7 +156,7 @@ async def follow(
             return None
         if out is None:  # pragma: no cover - delivered implies started
             raise
-        await out.write(sse_error_event(f"the shared origin call failed: {exc}"))
+        await out.write(stream_broken_event())
         await out.write_eof()
         return out, False
 

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Not "responses": its events carry sequence numbers, item ids and a final
+# response object that a splice does not rewrite, and the origin stores the
+# answer it generated, which a continuation elsewhere would not complete.
 CONTINUABLE = frozenset({"chat.completions", "completions"})
 
 

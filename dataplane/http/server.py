@@ -26,6 +26,7 @@ from dataplane.geo.home import ClientLocator
 from dataplane.http import endpoints
 from dataplane.http.boundary import errors_and_metrics
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
+from dataplane.http.requestid import RequestIds
 from dataplane.http.state import (
     CLIENT,
     DRAINING,
@@ -34,6 +35,7 @@ from dataplane.http.state import (
     METRICS,
     PIPELINE,
     QUOTA,
+    REQUEST_IDS,
     Draining,
 )
 from dataplane.metrics import Metrics
@@ -173,6 +175,7 @@ def build_app(settings: Settings) -> web.Application:
     app[QUOTA] = proxy.quota
     app[DRAINING] = proxy.draining
     app[CLIENT] = proxy.client
+    app[REQUEST_IDS] = RequestIds()
     app.cleanup_ctx.append(proxy.lifetime)
     r = app.router
     for endpoint in ENDPOINTS.values():
@@ -182,7 +185,9 @@ def build_app(settings: Settings) -> web.Application:
             name=endpoint.name,
         )
     r.add_get("/v1/models", endpoints.list_models, name="models")
+    r.add_get("/v1/models/{model:.+}", endpoints.retrieve_model, name="models.retrieve")
     r.add_get("/healthz", endpoints.healthz, name="healthz")
+    r.add_get("/health", endpoints.healthz, name="health")
     r.add_get("/readyz", endpoints.readyz, name="readyz")
     r.add_get("/metrics", endpoints.metrics, name="metrics")
     return app

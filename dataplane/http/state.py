@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from dataplane.auth.authenticator import Principal
+from dataplane.http.requestid import RequestIds
 from dataplane.metrics import Metrics
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
@@ -35,6 +36,10 @@ METRICS = web.AppKey("metrics", Metrics)
 QUOTA = web.AppKey("quota", QuotaState)
 DRAINING = web.AppKey("draining", Draining)
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
+REQUEST_IDS = web.AppKey("request_ids", RequestIds)
+
+# Every request's id, set by the error boundary before any handler runs.
+REQUEST_ID = web.RequestKey("request_id", str)
 
 # The proxied request's state, for the error boundary.
 EXCHANGE: web.RequestKey[Exchange] = web.RequestKey("exchange")

@@ -81,6 +81,8 @@ def placement_key(
             return _session(tenant, "u", user, "user")
     if endpoint == "chat.completions":
         return _chat_key(body, tenant)
+    if endpoint == "responses":
+        return _chat_key(_as_chat(body), tenant)
     text = _prompt_text(body.get("prompt") if endpoint == "completions" else body.get("input"))
     if not text:
         return None
@@ -144,6 +146,25 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
     return Key(crc, "affinity", "conversation")
 
 
+def _as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses request as the chat request it stands for: its
+    instructions as the system message, its input as the messages, its
+    tools. A request that continues a stored response (previous_response_id)
+    resends only its new turn: it keys as a new conversation, since the
+    stored turns are not in the request."""
+    messages: list[Any] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        # An item without a role (a tool call or output) is a later turn.
+        messages += [i if isinstance(i, dict) and "role" in i else {"role": "tool"} for i in items]
+    return {"messages": messages, "tools": body.get("tools")}
+
+
 def _head(parts: list[str], chars: int) -> str:
     """The first `chars` characters of the parts joined by newlines, without
     joining more than that."""
@@ -166,9 +187,13 @@ def _content_text(content: object) -> str:
         return "\n".join(
             str(part.get("text", ""))
             for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
+            if isinstance(part, dict) and part.get("type") in _TEXT_PARTS
         )
     return ""
+
+
+# Chat's text parts, and the Responses API's.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
 def _prompt_text(prompt: object) -> str:

@@ -177,9 +177,19 @@ class Admission:
     call it more than once. If not `ok`, `limit` says which limit refused it
     and `retry_after_s` when to try again; `too_large` marks a request whose
     estimate exceeds a scope's whole token limit, which no wait can admit.
+    `refused_by` is the scope whose limit refused (for the headers).
     """
 
-    __slots__ = ("_open", "_scopes", "est_tokens", "limit", "ok", "retry_after_s", "too_large")
+    __slots__ = (
+        "_open",
+        "_scopes",
+        "est_tokens",
+        "limit",
+        "ok",
+        "refused_by",
+        "retry_after_s",
+        "too_large",
+    )
 
     def __init__(
         self,
@@ -189,8 +199,10 @@ class Admission:
         limit: Limit | None = None,
         retry_after_s: float = 0.0,
         too_large: bool = False,
+        refused_by: _Scope | None = None,
     ) -> None:
         self.ok = ok
+        self.refused_by = refused_by
         self.limit = limit
         self.retry_after_s = retry_after_s
         self.too_large = too_large
@@ -418,6 +430,7 @@ class RateLimiter:
             return Admission(False, (), 0, "tokens", 60.0, too_large=True)
 
         refused: Limit | None = None
+        refused_by: _Scope | None = None
         wait = 0.0
         unknown = self._unknown_retry_s
         for st in found:
@@ -429,23 +442,23 @@ class RateLimiter:
             if st.concurrency and st.in_flight >= st.slots:
                 st.turned_away += 1
                 if refused is None or unknown > wait:
-                    refused, wait = "concurrency", unknown
+                    refused, wait, refused_by = "concurrency", unknown, st
             req = st.req
             if req is not None and not req.admits(1.0, now):
                 w = req.wait_s(1.0, now)
                 if w == INF:
                     w = unknown
                 if refused is None or w > wait:
-                    refused, wait = "requests", w
+                    refused, wait, refused_by = "requests", w, st
             tok = st.tok
             if tok is not None and not tok.admits(est_tokens, now):
                 w = tok.wait_s(est_tokens, now)
                 if w == INF:
                     w = unknown
                 if refused is None or w > wait:
-                    refused, wait = "tokens", w
+                    refused, wait, refused_by = "tokens", w, st
         if refused is not None:
-            return Admission(False, (), 0, refused, wait)
+            return Admission(False, (), 0, refused, wait, refused_by=refused_by)
 
         for st in found:
             busy = st.in_flight + 1
@@ -459,7 +472,9 @@ class RateLimiter:
                 tok.level -= est_tokens
         return Admission(True, found, est_tokens)
 
-    def headers(self, scopes: Sequence[str], now: float) -> list[tuple[str, str]]:
+    def headers(
+        self, scopes: Sequence[str], now: float, refusal: Admission | None = None
+    ) -> list[tuple[str, str]]:
         """OpenAI's `x-ratelimit-*` headers for `scopes`, for any response.
 
         Per dimension (requests, tokens), the scope with the least estimated
@@ -467,6 +482,12 @@ class RateLimiter:
         level / share, in [0, limit]) and the time until its bucket is full,
         which is also when the global bucket would be, were the other proxies
         as full as this one. A dimension that no scope limits gets no headers.
+
+        With `refusal` (a refused admission of these scopes), the dimension
+        that refused shows the scope that refused it: remaining 0 and the
+        reset when the refusal's wait ends, as `Retry-After` says; an
+        estimate of the global remaining would tell the client to come back
+        at once.
         """
         get = self._scopes.get
         req: TokenBucket | None = None
@@ -499,6 +520,8 @@ class RateLimiter:
             out.append(tok_st.tok_limit)
             out.append((_REMAINING_TOK, _remaining(tok_left, limit)))
             out.append((_RESET_TOK, self._reset(tok)))
+        if refusal is not None and not refusal.ok and refusal.refused_by is not None:
+            return _refused_headers(out, refusal, refusal.refused_by)
         return out
 
     def _reset(self, bucket: TokenBucket) -> str:
@@ -507,6 +530,22 @@ class RateLimiter:
         if rate <= 0:  # no share yet: it comes with the next rebalance
             return format_duration(self._unknown_retry_s)
         return format_duration((bucket.capacity - bucket.level) / rate)
+
+
+def _refused_headers(
+    out: list[tuple[str, str]], refusal: Admission, st: _Scope
+) -> list[tuple[str, str]]:
+    """`out` with the refusing dimension's headers replaced by the refusing
+    scope's: its limit, remaining 0, reset at the end of the refusal's wait."""
+    if refusal.limit == "requests":
+        limit, remaining, reset = st.req_limit, _REMAINING_REQ, _RESET_REQ
+    elif refusal.limit == "tokens":
+        limit, remaining, reset = st.tok_limit, _REMAINING_TOK, _RESET_TOK
+    else:  # concurrency: OpenAI's headers have no dimension for it
+        return out
+    names = (limit[0], remaining, reset)
+    kept = [(name, value) for name, value in out if name not in names]
+    return [*kept, limit, (remaining, "0"), (reset, format_duration(refusal.retry_after_s))]
 
 
 def _remaining(left: float, limit: int) -> str:

@@ -103,15 +103,48 @@ def _input_tokens(value: Any) -> int:
     return tokens + ((chars + 3) >> 2)
 
 
+def _responses_tokens(body: Mapping[str, Any]) -> int:
+    """A Responses request: its instructions, its input (text, or items that
+    are messages, tool calls or tool outputs) and its tools."""
+    chars = tokens = 0
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        chars += len(instructions)
+    items = body.get("input")
+    if isinstance(items, str):
+        chars += len(items)
+        tokens += PER_MESSAGE
+    elif isinstance(items, list):
+        for item in items:
+            tokens += PER_MESSAGE
+            if not isinstance(item, dict):
+                continue
+            c, flat = _content_chars(item.get("content"))
+            chars += c
+            tokens += flat
+            for name in ("arguments", "output"):  # function_call, function_call_output
+                value = item.get(name)
+                if isinstance(value, str):
+                    chars += len(value)
+    tools = body.get("tools")
+    if tools:
+        with contextlib.suppress(TypeError):
+            chars += len(jsonio.dumps(tools))
+    return PER_REQUEST + tokens + ((chars + 3) >> 2)
+
+
 def estimate_prompt_tokens(endpoint: str, body: Mapping[str, Any]) -> int:
     """Estimated prompt tokens of a parsed request body.
 
     `endpoint` is the handler's name for it: "chat.completions",
-    "completions" or "embeddings"; any other endpoint is estimated from its
-    `messages`, `prompt` or `input` field, whichever is present.
+    "completions", "embeddings" or "responses"; any other endpoint is
+    estimated from its `messages`, `prompt` or `input` field, whichever is
+    present.
     """
     if endpoint == "chat.completions":
         return _chat_tokens(body)
+    if endpoint == "responses":
+        return _responses_tokens(body)
     if endpoint == "completions":
         return _input_tokens(body.get("prompt"))
     if endpoint == "embeddings":

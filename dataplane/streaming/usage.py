@@ -5,6 +5,10 @@ when the client asked for `stream_options.include_usage`; otherwise the count
 is the number of events that carried generated text (origins such as vLLM
 send one token per event), which is what "the streamed count" means in
 docs/rate-limits.md.
+
+Responses answers name their counts `input_tokens` and `output_tokens`; a
+Responses stream always ends with a `response.completed` event whose
+`response.usage` holds them, and its text comes in `"delta": "..."` events.
 """
 
 from __future__ import annotations
@@ -29,16 +33,25 @@ class Usage:
 def _from_usage(obj: object) -> Usage | None:
     if not isinstance(obj, dict):
         return None
-    prompt = obj.get("prompt_tokens")
-    completion = obj.get("completion_tokens", 0)
+    if "prompt_tokens" in obj:
+        prompt, completion = obj.get("prompt_tokens"), obj.get("completion_tokens", 0)
+    else:  # the Responses API's names
+        prompt, completion = obj.get("input_tokens"), obj.get("output_tokens", 0)
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return Usage(prompt, completion, exact=True)
 
 
 def usage_of(obj: object) -> Usage | None:
-    """The usage of a complete answer already parsed, or None if it has none."""
-    return _from_usage(obj.get("usage")) if isinstance(obj, dict) else None
+    """The usage of a complete answer already parsed, or None if it has none:
+    `usage`, or `response.usage` (a Responses stream's `response.completed`)."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if usage is None:
+        inner = obj.get("response")
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+    return _from_usage(usage)
 
 
 # A delta with generated text, in compact or spaced JSON. An empty string
@@ -51,6 +64,8 @@ _TEXT_MARKERS = (
     b'"text": "',
     b'"arguments":"',
     b'"arguments": "',
+    b'"delta":"',  # Responses: response.output_text.delta and its kin
+    b'"delta": "',
 )
 
 
@@ -85,10 +100,9 @@ class UsageCounter:
                 obj = jsonio.loads(data)
             except jsonio.JSONDecodeError:
                 obj = None
-            if isinstance(obj, dict):
-                found = _from_usage(obj.get("usage"))
-                if found is not None:
-                    self.usage = found
+            found = usage_of(obj)
+            if found is not None:
+                self.usage = found
         if _has_text(data):
             self.content_events += 1
 

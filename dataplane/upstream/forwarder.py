@@ -1,10 +1,13 @@
 """Calling origins: ordered failover until one commits to an answer.
 
 Contract: an attempt may be retried on the next candidate only while nothing can
-have reached the client: connect error, 5xx, timeout, or a cut before the whole
-body (non-streaming) or the first chunk (streaming) arrived. `forward` returns
-the committed answer without writing anything; the caller relays it
-(`dataplane.streaming.relay`) and releases it.
+have reached the client: connect error, 5xx, a refusal of the proxy's own
+credential (401, 403, 407: the client's request was fine, another origin may
+take it), timeout, or a cut before the whole body (non-streaming) or the first
+chunk (streaming) arrived. `forward` returns the committed answer without
+writing anything; the caller relays it (`dataplane.streaming.relay`) and
+releases it. What fails is logged here, at WARNING with the request id; the
+client learns only a fixed message (dataplane.http.errors).
 
 Hedging (off unless the caller asks): when the first attempt has not committed
 after a delay, the same request goes to the next candidate as well, and the
@@ -22,8 +25,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from multidict import CIMultiDict
 
-from dataplane import jsonio
-from dataplane.http.errors import upstream_error
+from dataplane.http.errors import CREDENTIAL_REFUSED, upstream_timeout, upstream_unavailable
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
@@ -53,8 +55,39 @@ DROP_RESPONSE_HEADERS = frozenset(
     }
 )
 # The only request headers sent on to an origin. The client's Authorization is
-# never among them: client keys stay at the edge.
-FORWARD_REQUEST_HEADERS = ("content-type", "accept", "user-agent")
+# never among them: client keys stay at the edge. Content-Type is not the
+# client's: the proxy sends the JSON it parsed.
+FORWARD_REQUEST_HEADERS = ("accept", "user-agent")
+# Never forwarded, even when configured in `forward_headers`: hop-by-hop
+# headers (RFC 9110 7.6.1) describe the client's connection, not the
+# origin's; the others the proxy sets itself.
+NEVER_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-type",
+        "content-encoding",
+        "authorization",
+        "cookie",
+        "x-request-id",
+    }
+)
+# What the proxy sends stays far under the 8 KB request-header limit of
+# common origin servers (nginx, vLLM's uvicorn/h11 at 8 KB per line or in all),
+# whatever the client sent: a User-Agent is cut to MAX_FORWARDED_VALUE bytes,
+# another value over it is dropped (cutting it would change its meaning),
+# and headers past MAX_FORWARDED_TOTAL in all are dropped.
+MAX_FORWARDED_VALUE = 512
+MAX_FORWARDED_TOTAL = 2048
 RETRY_STATUS_MIN = 500
 
 
@@ -75,11 +108,6 @@ class _Retryable(Exception):
     def __init__(self, outcome: str, detail: str) -> None:
         super().__init__(detail)
         self.outcome = outcome
-
-
-def sse_error_event(message: str) -> bytes:
-    event = {"error": {"message": message, "type": "upstream_error", "code": "stream_interrupted"}}
-    return b"data: " + jsonio.dumps(event) + b"\n\ndata: [DONE]\n\n"
 
 
 @dataclass(slots=True, eq=False)
@@ -161,7 +189,10 @@ class Forwarder:
         # Its own bucket: hedges never spend the retries' tokens, nor retries the hedges'.
         self.hedges = hedges or hedge_budget()
         self.commit_times = commit_times or CommitTimes()
-        self._forward = FORWARD_REQUEST_HEADERS + tuple(h.lower() for h in settings.forward_headers)
+        configured = (h.lower() for h in settings.forward_headers)
+        self._forward = FORWARD_REQUEST_HEADERS + tuple(
+            h for h in configured if h not in NEVER_FORWARDED and h not in FORWARD_REQUEST_HEADERS
+        )
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
@@ -176,13 +207,29 @@ class Forwarder:
         return self.commit_times.p95(origin, stream)
 
     def request_headers(self, incoming: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-        """The headers an origin gets: the allowed client headers and the request id."""
+        """The headers an origin gets: the JSON content type, the request id and
+        the allowed client headers, within MAX_FORWARDED_VALUE each and
+        MAX_FORWARDED_TOTAL in all (see there)."""
         headers: CIMultiDict[str] = CIMultiDict()
+        headers["content-type"] = "application/json"
+        headers["x-request-id"] = request_id
+        total = 0
         for name in self._forward:
             value = incoming.get(name)
-            if value is not None:
-                headers[name] = value
-        headers["x-request-id"] = request_id
+            if value is None:
+                continue
+            size = len(value.encode(errors="surrogateescape"))
+            if size > MAX_FORWARDED_VALUE:
+                if name != "user-agent":
+                    continue
+                value = value.encode(errors="surrogateescape")[:MAX_FORWARDED_VALUE].decode(
+                    errors="ignore"
+                )
+                size = MAX_FORWARDED_VALUE
+            total += len(name) + size
+            if total > MAX_FORWARDED_TOTAL:
+                break
+            headers[name] = value
         return headers
 
     async def forward(
@@ -236,11 +283,16 @@ class Forwarder:
             if answer is not None:
                 return answer
         failures = tries.failures
-        raise upstream_error(
-            f"no origin could serve the request after {len(failures)} attempt(s): "
-            + "; ".join(failures),
-            504 if failures and failures[-1].endswith("deadline exceeded") else 502,
+        timed_out = bool(failures) and failures[-1].endswith("deadline exceeded")
+        # The client gets a fixed message (dataplane.http.errors); the causes
+        # are the operator's, once, with the request id.
+        log.warning(
+            "no origin could serve %s after %d attempt(s): %s",
+            headers["x-request-id"],
+            len(failures),
+            "; ".join(failures) or "no candidate",
         )
+        raise upstream_timeout() if timed_out else upstream_unavailable()
 
     async def _failover(
         self,
@@ -490,6 +542,10 @@ class Forwarder:
         try:
             if resp.status >= RETRY_STATUS_MIN:
                 raise _Retryable("http_5xx", f"answered {resp.status}")
+            if resp.status in CREDENTIAL_REFUSED:
+                raise _Retryable(
+                    "credential_refused", f"refused the proxy's credential ({resp.status})"
+                )
             streamed = resp.content_type == "text/event-stream"
             body_read: bytes | None = None
             first = b""

@@ -34,7 +34,13 @@ stalled, between tokens): the slot and the running gauge are freed at once.
 Routes:
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-  ``GET /v1/models`` -- the inference API, subject to fault injection.
+  ``POST /v1/responses``, ``GET /v1/models`` -- the inference API, subject to
+  fault injection. A Responses request is answered like the chat request it
+  stands for (its ``instructions`` as the system message, its ``input`` as
+  the messages), with OpenAI's response object, or streamed as named events
+  (``response.created`` ... ``response.output_text.delta`` ...
+  ``response.completed``, whose response carries ``usage``; no ``[DONE]``).
+  Nothing is stored: ``previous_response_id`` is not looked up.
 * ``GET /health`` -- ``{"status": "ok"}``; follows the sticky ``mode`` (so an
   active health checker sees an origin switched to fail or drop) but not the
   random ``fail_rate`` or the ``x-sim-*`` headers.
@@ -114,6 +120,7 @@ __all__ = [
     "MAX_CONTINUED_WORDS",
     "MODELS_PATH",
     "MODES",
+    "RESPONSES_PATH",
     "SIM_STATE",
     "Mode",
     "SimConfig",
@@ -130,6 +137,7 @@ CHAT_PATH: Final = "/v1/chat/completions"
 COMPLETIONS_PATH: Final = "/v1/completions"
 EMBEDDINGS_PATH: Final = "/v1/embeddings"
 MODELS_PATH: Final = "/v1/models"
+RESPONSES_PATH: Final = "/v1/responses"
 
 DEFAULT_COMPLETION_TOKENS: Final = 16
 # Bounds memory per request: the whole answer is materialised up front.
@@ -614,7 +622,7 @@ class _Job:
     words included, and only the new words count as completion tokens.
     """
 
-    kind: Literal["chat", "text"]
+    kind: Literal["chat", "text", "responses"]
     model: str
     seed: bytes
     prompt_tokens: int
@@ -862,6 +870,73 @@ def _parse_chat(body: object, models: tuple[str, ...], block_tokens: int, natura
     )
 
 
+def _response_turns(obj: dict[str, object]) -> list[tuple[str, str]]:
+    """The (role, text) turns of a Responses request: its instructions, then
+    its input, a string or a list of items (messages; a tool call's output
+    counts as a "tool" turn)."""
+    turns: list[tuple[str, str]] = []
+    instructions = obj.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _ApiError(400, "'instructions' must be a string.", param="instructions")
+        turns.append(("system", instructions))
+    items = obj.get("input")
+    if isinstance(items, str):
+        return [*turns, ("user", items)]
+    if not isinstance(items, list) or not items:
+        raise _ApiError(
+            400, "'input' must be a string or a non-empty array of items.", param="input"
+        )
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _ApiError(400, f"'input[{i}]' must be an object.", param=f"input[{i}]")
+        role = item.get("role")
+        if role is None:
+            output = item.get("output")
+            turns.append(("tool", output if isinstance(output, str) else ""))
+            continue
+        if not isinstance(role, str):
+            raise _ApiError(400, f"'input[{i}].role' must be a string.", param=f"input[{i}].role")
+        turns.append((role, _content_text(item.get("content"), f"input[{i}].content")))
+    return turns
+
+
+def _parse_responses(
+    body: object, models: tuple[str, ...], block_tokens: int, natural: int = 0
+) -> _Job:
+    """Validate a Responses request; answered as the chat request it stands for."""
+    obj = _require_object(body)
+    model = _require_model(obj, models)
+    turns = _response_turns(obj)
+    tokens = chat_tokens(turns)
+    max_tokens: int | None = None
+    value = obj.get("max_output_tokens")
+    if value is not None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 1 <= value <= MAX_COMPLETION_TOKENS
+        ):
+            raise _ApiError(
+                400,
+                f"'max_output_tokens' must be an integer between 1 and {MAX_COMPLETION_TOKENS}.",
+                param="max_output_tokens",
+                code="invalid_value",
+            )
+        max_tokens = value
+    return _Job(
+        kind="responses",
+        model=model,
+        seed=answer_seed(model, orjson.dumps(turns).decode()),
+        prompt_tokens=len(tokens),
+        max_tokens=max_tokens,
+        stream=_flag(obj, "stream", False),
+        include_usage=True,
+        natural=natural,
+        block_hashes=_hashes(model, tokens, block_tokens),
+    )
+
+
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
@@ -1101,8 +1176,65 @@ class _Pacer:
         await self.until_token(last)
 
 
+def _response_usage(job: _Job) -> dict[str, object]:
+    return {
+        "input_tokens": job.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": job.cached_tokens or 0},
+        "output_tokens": job.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": job.prompt_tokens + job.completion_tokens,
+    }
+
+
+def _output_message(ident: str, text: str | None) -> dict[str, object]:
+    """A Responses output message: in progress (no text yet) or completed."""
+    return {
+        "type": "message",
+        "id": "msg_" + ident.removeprefix("resp_"),
+        "status": "in_progress" if text is None else "completed",
+        "role": "assistant",
+        "content": [] if text is None else [_output_text(text)],
+    }
+
+
+def _output_text(text: str) -> dict[str, object]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _response_body(job: _Job, ident: str, created: int, text: str | None) -> dict[str, object]:
+    """OpenAI's response object: in progress (``text`` None) or finished."""
+    status = "in_progress"
+    if text is not None:
+        status = "incomplete" if job.finish_reason == "length" else "completed"
+    return {
+        "id": ident,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": None,
+        "max_output_tokens": job.max_tokens,
+        "metadata": {},
+        "model": job.model,
+        "output": [] if text is None else [_output_message(ident, text)],
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "store": False,
+        "temperature": 1.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": 1.0,
+        "truncation": "disabled",
+        "usage": None if text is None else _response_usage(job),
+    }
+
+
 def _full_body(job: _Job, ident: str, created: int, pieces: list[str]) -> dict[str, object]:
     text = "".join(pieces)
+    if job.kind == "responses":
+        return _response_body(job, ident, created, text)
     choice: dict[str, object]
     if job.kind == "chat":
         choice = {
@@ -1165,6 +1297,43 @@ def _stream_events(
         yield None, final
 
 
+def _response_events(
+    job: _Job, ident: str, created: int, pieces: list[str]
+) -> Iterator[tuple[int | None, dict[str, object]]]:
+    """Like :func:`_stream_events` for a Responses stream: named events, each
+    with its ``type`` and ``sequence_number``; the last (``response.completed``,
+    or ``response.incomplete`` when cut by ``max_output_tokens``) carries the
+    whole response with its usage."""
+    text = "".join(pieces)
+    message = _output_message(ident, None)
+    at = {"item_id": message["id"], "output_index": 0, "content_index": 0}
+    finished = _response_body(job, ident, created, text)
+    events: list[tuple[int | None, dict[str, object]]] = [
+        (None, {"type": "response.created", "response": _response_body(job, ident, created, None)}),
+        (None, {"type": "response.output_item.added", "output_index": 0, "item": message}),
+        (None, {"type": "response.content_part.added", **at, "part": _output_text("")}),
+    ]
+    events += [
+        (i, {"type": "response.output_text.delta", **at, "delta": piece, "logprobs": []})
+        for i, piece in enumerate(pieces)
+    ]
+    events += [
+        (None, {"type": "response.output_text.done", **at, "text": text, "logprobs": []}),
+        (None, {"type": "response.content_part.done", **at, "part": _output_text(text)}),
+        (
+            None,
+            {
+                "type": "response.output_item.done",
+                "output_index": 0,
+                "item": _output_message(ident, text),
+            },
+        ),
+        (None, {"type": f"response.{finished['status']}", "response": finished}),
+    ]
+    for sequence, (token_index, event) in enumerate(events):
+        yield token_index, {**event, "sequence_number": sequence}
+
+
 async def _stream(
     request: web.Request,
     resp: web.StreamResponse,
@@ -1172,8 +1341,11 @@ async def _stream(
     events: Iterator[tuple[int | None, dict[str, object]]],
     cut_events: int | None,
     cut_tokens: int,
+    *,
+    named: bool = False,
 ) -> None:
-    """Send ``events`` at the pace of ``pacer``, then ``[DONE]``.
+    """Send ``events`` at the pace of ``pacer``, then ``[DONE]``; ``named``
+    (Responses): each as ``event: TYPE`` with its data, and no ``[DONE]``.
 
     With ``cut_events`` (``x-sim-cut-after``) the connection is closed after
     that many events, or after the last one; with ``cut_tokens`` > 0 right
@@ -1187,7 +1359,8 @@ async def _stream(
             break
         if token_index is not None:
             await pacer.until_token(token_index)
-        await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        head = b"event: " + str(event["type"]).encode() + b"\n" if named else b""
+        await resp.write(head + b"data: " + orjson.dumps(event) + b"\n\n")
         if token_index is not None:
             tokens += 1
             if tokens == cut_tokens:
@@ -1196,7 +1369,8 @@ async def _stream(
     if cut_events is not None:
         _close_connection(request)
         return
-    await resp.write(b"data: [DONE]\n\n")
+    if not named:
+        await resp.write(b"data: [DONE]\n\n")
 
 
 def _stall_ms(request: web.Request, state: SimState) -> float:
@@ -1223,7 +1397,7 @@ async def _generate(request: web.Request, state: SimState, job: _Job) -> web.Str
     config = state.config
     cut_events = _header_int(request, "x-sim-cut-after", 0, 2**31) if job.stream else None
     stall_ms = _stall_ms(request, state)
-    prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
+    prefix = {"chat": "chatcmpl-", "text": "cmpl-", "responses": "resp_"}[job.kind]
     ident = prefix + uuid.uuid4().hex
     created = int(time.time())
     pieces = job.pieces()
@@ -1242,8 +1416,19 @@ async def _generate(request: web.Request, state: SimState, job: _Job) -> web.Str
                 pacer = _Pacer(config, lambda: state.running, stall_ms)
                 if job.stream:
                     resp.headers.update(headers)
-                    events = _stream_events(job, ident, created, pieces)
-                    await _stream(request, resp, pacer, events, cut_events, config.cut_after_tokens)
+                    named = job.kind == "responses"
+                    events = (_response_events if named else _stream_events)(
+                        job, ident, created, pieces
+                    )
+                    await _stream(
+                        request,
+                        resp,
+                        pacer,
+                        events,
+                        cut_events,
+                        config.cut_after_tokens,
+                        named=named,
+                    )
                     return resp
                 await pacer.until_last(len(pieces))
                 full = _json(_full_body(job, ident, created, pieces))
@@ -1270,6 +1455,12 @@ async def _chat(request: web.Request, state: SimState, body: object) -> web.Stre
 async def _completions(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
     config = state.config
     job = _parse_completion(body, config.models, _block_tokens(state), config.answer_tokens)
+    return await _generate(request, state, job)
+
+
+async def _responses(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
+    config = state.config
+    job = _parse_responses(body, config.models, _block_tokens(state), config.answer_tokens)
     return await _generate(request, state, job)
 
 
@@ -1485,6 +1676,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post(CHAT_PATH, _inference(CHAT_PATH, _chat))
     app.router.add_post(COMPLETIONS_PATH, _inference(COMPLETIONS_PATH, _completions))
     app.router.add_post(EMBEDDINGS_PATH, _inference(EMBEDDINGS_PATH, _embeddings))
+    app.router.add_post(RESPONSES_PATH, _inference(RESPONSES_PATH, _responses))
     app.router.add_get(MODELS_PATH, _inference(MODELS_PATH, _models))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

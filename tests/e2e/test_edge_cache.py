@@ -126,7 +126,7 @@ def test_a_cut_stream_is_never_replayed(fleet: Fleet) -> None:
         before = origin_requests(fleet)
         resp = post(fleet, payload, **{"x-sim-cut-after": "3"})
         assert resp.headers["x-ponto-cache"] == "miss"
-        assert "stream_interrupted" in resp.text
+        assert "upstream_stream_broken" in resp.text
         assert origin_requests(fleet) == before + 1
 
 

@@ -235,7 +235,7 @@ async def test_continuation_off_ends_with_the_error_event(
     a, b = await first_origin("cut"), await second_origin()
     p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation="off"))
     chunks, _ = await p.stream()
-    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert not b.bodies
 
 
@@ -245,7 +245,7 @@ async def test_only_origins_that_accept_continuations_are_asked(
     a, b = await first_origin("cut"), await second_origin()
     p = await proxy([(a, True), (b, False)])
     chunks, _ = await p.stream()
-    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert not b.bodies
     metrics = p.app[METRICS]
     assert metrics.child(metrics.continuations, "refused").value == 1
@@ -270,7 +270,7 @@ async def test_a_tool_call_cut_mid_argument_ends_cleanly_with_an_error_event(
     p = await proxy([(Origin(tool), True), (b, True)])
     chunks, _ = await p.stream()
     assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"ci'
-    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert not b.bodies
 
 
@@ -278,7 +278,7 @@ async def test_the_limit_of_continuations_holds(proxy: Callable[..., Awaitable[P
     origins = [await first_origin("cut") for _ in range(3)]
     p = await proxy([(o, True) for o in origins], pb.StreamPolicy(max_continuations=1))
     chunks, _ = await p.stream()
-    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert sum(len(o.bodies) for o in origins) == 2  # the first call and one continuation
 
 
@@ -329,4 +329,4 @@ async def test_a_continuation_that_sends_garbage_ends_with_the_error_event(
     p = await proxy([(a, True), (Origin(garbage), True)])
     chunks, _ = await p.stream()
     assert text_of(chunks[:-1]) == "Hello"
-    assert chunks[-1]["error"]["code"] == "stream_interrupted"
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"

@@ -22,7 +22,7 @@ from dataplane.cache.entry import (
     to_completion,
     to_sse_chunks,
 )
-from dataplane.upstream.forwarder import sse_error_event
+from dataplane.http.errors import stream_broken_event
 
 NOW = 1000.0
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
@@ -191,7 +191,7 @@ def test_byte_by_byte() -> None:
         (sse(chat_stream(["a"]), done=False), "no [DONE]"),
         (sse(chat_stream(["a"])[:2]), "a choice has no finish_reason"),
         (
-            sse(chat_stream(["a"])[:2], done=False) + sse_error_event("origin failed"),
+            sse(chat_stream(["a"])[:2], done=False) + stream_broken_event(),
             "an error object",
         ),
         (sse(chat_stream(["a"])[:2]) + b"event: error\ndata: {}\n\n", "an error event"),

@@ -12,7 +12,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from dataplane.http.boundary import errors_and_metrics
-from dataplane.http.state import DRAINING, METRICS, Draining
+from dataplane.http.requestid import RequestIds
+from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import parse
 
@@ -33,6 +34,7 @@ def app() -> web.Application:
     a = web.Application(middlewares=[errors_and_metrics])
     a[METRICS] = Metrics()
     a[DRAINING] = Draining()
+    a[REQUEST_IDS] = RequestIds()
     a.router.add_get("/plain", plain, name="plain")
     a.router.add_get("/stream", stream, name="stream")
     return a

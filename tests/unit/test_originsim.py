@@ -547,3 +547,60 @@ def test_console_script_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
                 proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert out.decode() == f"origin-sim proc listening on http://{address}\n"
+
+
+RESPONSES = "/v1/responses"
+
+
+async def test_a_response_is_the_answer_to_the_chat_it_stands_for(client: SimClient) -> None:
+    body = {"model": "sim-small", "input": "hello there", "instructions": "Be brief."}
+    resp = await client.post(RESPONSES, json=body)
+    assert resp.status == 200
+    data = await resp.json()
+    assert data["object"] == "response" and data["status"] == "completed"
+    assert data["id"].startswith("resp_")
+    text = data["output"][0]["content"][0]["text"]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello there"},
+    ]
+    chat = await (await client.post(CHAT, json={"model": "sim-small", "messages": messages})).json()
+    assert text == chat["choices"][0]["message"]["content"]
+    usage = data["usage"]
+    assert usage["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert usage["output_tokens"] == chat["usage"]["completion_tokens"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+async def test_a_response_stream_is_named_events_in_sequence(client: SimClient) -> None:
+    body = {"model": "sim-small", "input": "stream", "stream": True, "max_output_tokens": 3}
+    resp = await client.post(RESPONSES, json=body)
+    raw = (await resp.read()).decode()
+    frames = [f.split("\n", 1) for f in raw.split("\n\n") if f]
+    events = [(head.removeprefix("event: "), orjson.loads(data[6:])) for head, data in frames]
+    assert all(name == data["type"] for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    deltas = [d["delta"] for name, d in events if name == "response.output_text.delta"]
+    assert len(deltas) == 3
+    name, last = events[-1]
+    assert name == "response.incomplete"  # cut by max_output_tokens
+    assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last["response"]["output"][0]["content"][0]["text"] == "".join(deltas)
+    assert last["response"]["usage"]["output_tokens"] == 3
+    assert "[DONE]" not in raw
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "sim-small"},
+        {"model": "sim-small", "input": []},
+        {"model": "sim-small", "input": [5]},
+        {"model": "sim-small", "input": "x", "instructions": 5},
+        {"model": "sim-small", "input": "x", "max_output_tokens": 0},
+    ],
+)
+async def test_a_bad_responses_request_is_400(client: SimClient, body: object) -> None:
+    resp = await client.post(RESPONSES, json=body)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"]

@@ -8,6 +8,7 @@ import pytest
 
 from dataplane.ratelimit import (
     UNLIMITED,
+    Admission,
     RateLimiter,
     ScopeLimits,
     Share,
@@ -370,8 +371,23 @@ def test_completions_and_embeddings_accept_text_lists_and_token_ids() -> None:
     assert estimate_prompt_tokens("completions", {"prompt": [1, 2, 3]}) == 3
     assert estimate_prompt_tokens("embeddings", {"input": [[1, 2], [3, 4, 5]]}) == 5
     assert estimate_prompt_tokens("embeddings", {"input": "hello world!"}) == 3
-    assert estimate_prompt_tokens("responses", {"input": "hello world!"}) == 3
+    assert estimate_prompt_tokens("other", {"input": "hello world!"}) == 3
     assert estimate_prompt_tokens("other", {"messages": []}) == 3
+
+
+def test_a_responses_request_counts_instructions_input_items_and_tools() -> None:
+    # 3 for the request, 4 for the one message, 12 characters: 3 tokens.
+    assert estimate_prompt_tokens("responses", {"input": "hello world!"}) == 10
+    body = {
+        "instructions": "x" * 40,
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "y" * 40}]},
+            {"type": "function_call_output", "call_id": "c", "output": "z" * 40},
+            {"role": "user", "content": [{"type": "input_image", "image_url": "data:..."}]},
+        ],
+    }
+    # 3 + 3 items x 4 + one image (765) + 120 characters (30)
+    assert estimate_prompt_tokens("responses", body) == 3 + 12 + 765 + 30
 
 
 @pytest.mark.parametrize(
@@ -389,3 +405,37 @@ def test_unserialisable_tools_count_as_nothing() -> None:
 
 def test_stream_estimate_adds_streamed_text_to_the_prompt_estimate() -> None:
     assert estimate_stream_tokens(50, 41) == 61
+
+
+def test_a_refusal_shows_none_remaining_until_its_retry_after() -> None:
+    # A share of a quarter: the local level 0.5 reads as 2 left globally, yet
+    # this proxy refuses until its bucket holds a whole request.
+    rl = limiter({T: ScopeLimits(rpm=60, tpm=600)}, {T: Share(0.25)})
+    refused = rl.admit([T], 1, 2.0)
+    assert not refused.ok and refused.limit == "requests"
+    assert header_map(rl, [T], 2.0)["x-ratelimit-remaining-requests"] == "2"
+    h = header_map_refused(rl, [T], 2.0, refused)
+    assert h["x-ratelimit-limit-requests"] == "60"
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-reset-requests"] == format_duration(refused.retry_after_s) == "2s"
+    assert refused.retry_after_header() == "2"
+    # The dimension that did not refuse keeps its estimate.
+    assert (
+        h["x-ratelimit-remaining-tokens"]
+        == header_map(rl, [T, K], 2.0)["x-ratelimit-remaining-tokens"]
+    )
+
+
+def test_a_token_refusal_shows_no_tokens_remaining() -> None:
+    rl = limiter({T: ScopeLimits(tpm=600)}, {T: Share(1.0)})
+    refused = rl.admit([T], 50, 3.0)  # 30 tokens refilled by now
+    assert not refused.ok and refused.limit == "tokens"
+    h = header_map_refused(rl, [T], 3.0, refused)
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("600", "0")
+    assert h["x-ratelimit-reset-tokens"] == format_duration(refused.retry_after_s) == "2s"
+
+
+def header_map_refused(
+    rl: RateLimiter, scopes: list[str], now: float, refused: Admission
+) -> dict[str, str]:
+    return dict(rl.headers(scopes, now, refused))

@@ -28,7 +28,8 @@ from dataplane import workers
 from dataplane.http.boundary import errors_and_metrics
 from dataplane.http.endpoints import metrics
 from dataplane.http.errors import ApiError
-from dataplane.http.state import DRAINING, METRICS, Draining
+from dataplane.http.requestid import RequestIds
+from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
 
@@ -271,6 +272,7 @@ def worker_app(w: Worker, run_dir: Path, count: int) -> web.Application:
     app.middlewares.append(workers.group_views(WorkerSlot(w.index, run_dir, -1), count))
     app[METRICS] = w.metrics
     app[DRAINING] = Draining()
+    app[REQUEST_IDS] = RequestIds()
     app.router.add_get("/readyz", readyz, name="readyz")
     app.router.add_get("/metrics", metrics, name="metrics")
     return app

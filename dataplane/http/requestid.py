@@ -1,0 +1,51 @@
+"""Request ids: the one every answer carries in `x-request-id`.
+
+A client may bring its own id (to find its request in our logs and the
+origin's); it is kept only when it is short and plain, since it is echoed
+to the client, sent to origins and written to logs. Anything else is
+replaced by a new id, and the client's is neither echoed nor forwarded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Final
+
+__all__ = ["MAX_CLIENT_ID", "RequestIds", "accepted_client_id"]
+
+MAX_CLIENT_ID: Final = 128
+
+
+def accepted_client_id(value: str | None) -> str | None:
+    """The client's own id when at most MAX_CLIENT_ID characters of printable
+    ASCII without spaces; None otherwise (absent, empty, too long, or holding
+    a space, a control or a non-ASCII character)."""
+    if not value or len(value) > MAX_CLIENT_ID:
+        return None
+    if not value.isascii() or not all("!" <= c <= "~" for c in value):
+        return None
+    return value
+
+
+class RequestIds:
+    """New ids: 32 hex digits, unique across processes and restarts.
+
+    A random 64-bit prefix per instance, then a counter: no system call per
+    request (os.urandom would make one), and two proxies, workers or restarts
+    share a prefix with probability 2**-64. One instance per app: a module
+    global would be copied into every worker started from this process.
+    """
+
+    __slots__ = ("_count", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
+
+    def of(self, client_id: str | None) -> str:
+        """The id of a request that came with `client_id` (the header's value)."""
+        return accepted_client_id(client_id) or self.next()

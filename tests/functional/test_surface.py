@@ -1,0 +1,534 @@
+"""The API surface in one process: request ids on every answer, the error
+allowlist, the model lookup, /health, the Responses API, what origins are sent
+and the rate-limit headers of a refusal.
+
+Reuses tests/functional/test_pipeline.py's stack: the proxy's app and origin
+simulators on aiohttp test servers, tables applied by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yarl
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from dataplane.http.errors import (
+    UPSTREAM_BUSY,
+    UPSTREAM_REFUSED,
+    UPSTREAM_STREAM_BROKEN,
+    UPSTREAM_UNAVAILABLE,
+)
+from dataplane.http.state import HOLDER, METRICS
+from dataplane.upstream.forwarder import MAX_FORWARDED_VALUE
+from ponto.originsim.app import SIM_STATE, SimConfig
+from ponto.routetable import content_etag
+from tests.functional.test_pipeline import (
+    KEY,
+    LIMITED_KEY,
+    MODEL,
+    Stack,
+    chat,
+    error_of,
+    read_sse,
+    stack,
+    stack_on,
+    start_stack,
+    table,
+)
+
+__all__ = ["stack"]  # the fixture, imported for the tests below
+
+AUTH = {"authorization": f"Bearer {KEY.key}"}
+
+
+def last_request(s: Stack) -> dict[str, Any]:
+    last = s.origins[0].app[SIM_STATE].stats.last_request
+    assert last is not None
+    return last
+
+
+# ---------------------------------------------------------------- request ids
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("GET", "/nope", {}, 404),
+        ("GET", "/v1/models", {}, 401),
+        ("GET", "/v1/models", AUTH, 200),
+        ("GET", "/healthz", {}, 200),
+        ("GET", "/health", {}, 200),
+        ("GET", "/readyz", {}, 200),
+        ("GET", "/metrics", {}, 200),
+        ("GET", "/v1/chat/completions", AUTH, 405),
+        ("POST", "/v1/chat/completions", {}, 401),
+        ("POST", "/v1/responses", AUTH, 415),
+    ],
+)
+async def test_every_answer_carries_a_request_id(
+    stack: Stack, method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    resp = await stack.client.request(method, path, headers=headers)
+    assert resp.status == status
+    rid = resp.headers["x-request-id"]
+    assert len(rid) == 32 and int(rid, 16) >= 0
+    if status >= 400:
+        error_of(await resp.json())
+
+
+async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:
+    resp = await stack.post(chat("my id"), headers={"x-request-id": "client-42_A.b"})
+    assert resp.status == 200
+    assert resp.headers["x-request-id"] == "client-42_A.b"
+    assert last_request(stack)["headers"]["x-request-id"] == "client-42_A.b"
+    refused = await stack.client.get("/v1/models", headers={"x-request-id": "client-43"})
+    assert refused.status == 401
+    assert refused.headers["x-request-id"] == "client-43"
+
+
+@pytest.mark.parametrize("bad", ["x" * 129, "has space", "tab\there", "caf\u00e9"], ids=repr)
+async def test_a_long_or_unprintable_client_id_is_replaced_and_never_echoed(
+    stack: Stack, bad: str
+) -> None:
+    resp = await stack.post(chat(f"bad id {bad!r}"), headers={"x-request-id": bad})
+    assert resp.status == 200
+    rid = resp.headers["x-request-id"]
+    assert rid != bad and len(rid) == 32
+    assert last_request(stack)["headers"]["x-request-id"] == rid
+
+
+# ---------------------------------------------------------------- /health, models
+
+
+async def test_health_is_liveness_in_json(stack: Stack) -> None:
+    health = await stack.client.get("/health")
+    healthz = await stack.client.get("/healthz")
+    assert health.status == healthz.status == 200
+    assert health.content_type == "application/json"
+    body = await health.json()
+    assert body["status"] == "ok"
+    assert body.keys() == (await healthz.json()).keys()
+
+
+async def with_alias(s: Stack, alias: str) -> None:
+    """Give tenant acme the alias `alias` -> MODEL and a system prompt."""
+    routes = s.app[HOLDER].routes
+    assert routes is not None
+    served = [(o.app[SIM_STATE].config.name, str(o.make_url("/v1"))) for o in s.origins]
+    t = table(served, version=routes.version + 1)
+    t.tenants[0].prompt.aliases[alias] = MODEL
+    t.tenants[0].prompt.system_prompt = "Be brief."
+    t.etag = content_etag(t)
+    s.app[HOLDER].apply(t, "control-plane")
+
+
+async def test_a_model_is_retrieved_by_its_name_or_its_alias(stack: Stack) -> None:
+    await with_alias(stack, "house-model")
+    for name in (MODEL, "house-model"):
+        resp = await stack.client.get(f"/v1/models/{name}", headers=AUTH)
+        assert resp.status == 200
+        assert await resp.json() == {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ponto",
+        }
+    missing = await stack.client.get("/v1/models/gpt-9", headers=AUTH)
+    assert missing.status == 404
+    err = error_of(await missing.json())
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert err["message"] == "The model 'gpt-9' does not exist or you do not have access to it."
+    nobody = await stack.client.get(f"/v1/models/{MODEL}")
+    assert nobody.status == 401
+    assert stack.origin_requests() == 0
+
+
+async def test_a_model_name_with_a_slash_is_retrieved(tmp_path: Path) -> None:
+    name = "org/model-7b"
+    s = await start_stack(tmp_path, [SimConfig(name="o1", models=(MODEL,))])
+    try:
+        await with_alias(s, name)
+        # The openai SDK quotes the slash; curl users do not.
+        for path in (f"/v1/models/{name}", "/v1/models/org%2Fmodel-7b"):
+            resp = await s.client.get(yarl.URL(path, encoded=True), headers=AUTH)
+            assert resp.status == 200, path
+            assert (await resp.json())["id"] == name
+    finally:
+        await s.close()
+
+
+# ---------------------------------------------------------------- the error allowlist
+
+
+def answering(status: int, body: bytes, content_type: str) -> Any:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            status=status,
+            body=body,
+            headers={
+                "content-type": content_type,
+                "x-internal-host": "gpu-node-17.internal",
+            },
+        )
+
+    return handler
+
+
+ORIGIN_ERRORS = [
+    (
+        "openai error",
+        400,
+        b'{"error": {"message": "context too long", "type": "invalid_request_error",'
+        b' "param": "messages", "code": "context_length_exceeded", "trace": "at gpu-17"}}',
+        "application/json",
+        {
+            "message": "context too long",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        },
+    ),
+    (
+        "vllm flat error",
+        400,
+        b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",'
+        b' "param": null, "code": 400}',
+        "application/json",
+        {
+            "message": "max_tokens is too large",
+            "type": "BadRequestError",
+            "param": None,
+            "code": None,
+        },
+    ),
+    (
+        "text page",
+        400,
+        b"Bad Request: header too large at gpu-node-17.internal:8000",
+        "text/plain",
+        None,
+    ),
+    ("html page", 404, b"<html><body>nginx 404 gpu-17</body></html>", "text/html", None),
+    ("json without error", 422, b'{"detail": "at gpu-17"}', "application/json", None),
+    ("huge message", 400, b'{"error": {"message": "' + b"x" * 5000 + b'"}}', "application/json",
+     None),
+    ("broken json", 400, b'{"error": ', "application/json", None),
+    ("account limit", 429,
+     b'{"error": {"message": "Rate limit reached in organization org-secret",'
+     b' "type": "requests", "code": "rate_limit_exceeded"}}',
+     "application/json",
+     {"message": UPSTREAM_BUSY, "type": "upstream_error", "param": None, "code": "upstream_busy"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "body", "content_type", "shown"),
+    ORIGIN_ERRORS,
+    ids=[c[0] for c in ORIGIN_ERRORS],
+)
+async def test_an_origin_error_reaches_the_client_only_through_the_allowlist(
+    tmp_path: Path,
+    case: str,
+    status: int,
+    body: bytes,
+    content_type: str,
+    shown: dict[str, Any] | None,
+) -> None:
+    s = await stack_on(tmp_path, answering(status, body, content_type))
+    try:
+        resp = await s.post(chat(case))
+        assert resp.status == status
+        assert resp.content_type == "application/json"
+        err = error_of(await resp.json())
+        if shown is None:
+            assert err == {
+                "message": UPSTREAM_REFUSED,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "upstream_error",
+            }
+        else:
+            assert err == shown
+        assert "gpu" not in await resp.text() and "secret" not in await resp.text()
+        # The origin's own headers stay behind; Ponto's say who answered, as
+        # on a success.
+        assert "x-internal-host" not in resp.headers
+        assert resp.headers["x-ponto-origin"] == "custom"
+        assert len(resp.headers["x-request-id"]) == 32
+    finally:
+        await s.close()
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_an_origin_refusing_the_proxys_credential_is_a_502_for_the_client(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, status: int
+) -> None:
+    body = b'{"error": {"message": "Incorrect API key provided: sk-op***xyz"}}'
+    s = await stack_on(tmp_path, answering(status, body, "application/json"))
+    try:
+        with caplog.at_level(logging.WARNING):
+            resp = await s.post(chat("credential"))
+        assert resp.status == 502
+        text = await resp.text()
+        assert error_of(json.loads(text))["code"] == "upstream_unavailable"
+        assert "sk-op" not in text
+        [line] = [r for r in caplog.records if "no origin could serve" in r.getMessage()]
+        message = line.getMessage()
+        assert f"custom: refused the proxy's credential ({status})" in message
+        assert resp.headers["x-request-id"] in message
+    finally:
+        await s.close()
+
+
+async def test_an_origin_refusing_the_proxys_credential_is_failed_over(tmp_path: Path) -> None:
+    bad = web.Application()
+    bad.router.add_post("/v1/chat/completions", answering(401, b"no", "text/plain"))
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    bad_server = TestServer(bad)
+    await bad_server.start_server()
+    s.others.append(bad_server)
+    try:
+        origins = [
+            ("bad", str(bad_server.make_url("/v1"))),
+            ("good", str(s.origins[0].make_url("/v1"))),
+        ]
+        t = table(origins, version=3)
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        for i in range(6):  # the weighted order puts "bad" first about half the time
+            resp = await s.post(chat(f"failover {i}"))
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
+    finally:
+        await s.close()
+
+
+async def test_a_502_names_no_origin_and_its_cause_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = await start_stack(tmp_path, [SimConfig(name="down-origin", mode="fail", fail_status=500)])
+    try:
+        with caplog.at_level(logging.INFO):
+            resp = await s.post(chat("nobody home"))
+        assert resp.status == 502
+        text = await resp.text()
+        err = error_of(json.loads(text))
+        assert err == {
+            "message": UPSTREAM_UNAVAILABLE,
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_unavailable",
+        }
+        assert "down-origin" not in text and "x-ponto-origin" not in resp.headers
+        rid = resp.headers["x-request-id"]
+        summary = [r for r in caplog.records if "no origin could serve" in r.getMessage()]
+        assert len(summary) == 1
+        line = summary[0]
+        assert line.levelno == logging.WARNING and line.exc_info is None
+        assert rid in line.getMessage() and "down-origin: answered 500" in line.getMessage()
+        # Not logged again as a refusal.
+        assert not [r for r in caplog.records if r.name == "ponto.refusals"]
+    finally:
+        await s.close()
+
+
+async def test_a_broken_stream_ends_with_a_fixed_error_event(tmp_path: Path) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="cutter-origin", answer_tokens=8)],
+        ["--forward-headers=x-sim-cut-after"],
+    )
+    try:
+        resp = await s.post(chat("cut", stream=True), headers={"x-sim-cut-after": "2"})
+        assert resp.status == 200
+        events = await read_sse(resp)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2]) == {
+            "error": {
+                "message": UPSTREAM_STREAM_BROKEN,
+                "type": "upstream_error",
+                "param": None,
+                "code": "upstream_stream_broken",
+            }
+        }
+        assert "cutter-origin" not in events[-2]
+    finally:
+        await s.close()
+
+
+async def test_a_refusal_is_logged_once_without_a_traceback(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="ponto.refusals"):
+        resp = await stack.post(chat("x", temperature="hot"))
+    assert resp.status == 400
+    lines = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(lines) == 1
+    assert lines[0].exc_info is None
+    assert resp.headers["x-request-id"] in lines[0].getMessage()
+
+
+# ---------------------------------------------------------------- what origins get
+
+
+async def test_forwarded_headers_stay_within_what_origins_accept(tmp_path: Path) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1")],
+        ["--forward-headers=x-tenant-hint,connection,te,x-big"],
+    )
+    try:
+        resp = await s.post(
+            chat("headers"),
+            headers={
+                "user-agent": "ua/" + "u" * 8000,
+                "x-tenant-hint": "blue",
+                "x-big": "b" * 4000,
+                "te": "trailers",
+                "content-type": "application/json; charset=utf-8",
+            },
+        )
+        assert resp.status == 200
+        sent = last_request(s)["headers"]
+        assert sent["user-agent"] == ("ua/" + "u" * 8000)[:MAX_FORWARDED_VALUE]
+        assert sent["x-tenant-hint"] == "blue"
+        assert "x-big" not in sent
+        assert "te" not in sent
+        assert "authorization" not in sent  # client keys stay at the edge
+        assert sent["content-type"] == "application/json"
+        assert sum(len(k) + len(v) for k, v in sent.items()) < 4096
+    finally:
+        await s.close()
+
+
+# ---------------------------------------------------------------- 429
+
+
+async def test_a_429_says_none_remain_until_its_retry_after(stack: Stack) -> None:
+    for i in range(2):
+        assert (await stack.post(chat(f"limited {i}"), key=LIMITED_KEY.key)).status == 200
+    refused = await stack.post(chat("limited 3"), key=LIMITED_KEY.key)
+    assert refused.status == 429
+    h = refused.headers
+    assert h["x-ratelimit-limit-requests"] == "2"
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    reset = h["x-ratelimit-reset-requests"]
+    assert reset.endswith("s") and not reset.endswith("ms")
+    assert math.ceil(float(reset.removesuffix("s"))) == int(h["retry-after"])
+
+
+# ---------------------------------------------------------------- /v1/responses
+
+
+def responses_body(text: str, **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": text, **fields}
+
+
+async def test_responses_are_proxied_counted_and_never_cached(stack: Stack) -> None:
+    for _ in range(2):
+        resp = await stack.client.post(
+            "/v1/responses", json=responses_body("hello there", temperature=0), headers=AUTH
+        )
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-ponto-cache"] == "bypass"
+        body = await resp.json()
+        assert body["object"] == "response" and body["status"] == "completed"
+        assert body["output"][0]["content"][0]["text"]
+    assert stack.origin_requests() == 2
+    assert last_request(stack)["endpoint"] == "/v1/responses"
+    usage = body["usage"]
+    spent = stack.app[METRICS].registry.get_sample_value(
+        "ponto_tenant_tokens_total", {"tenant": "acme", "key": KEY.key_id, "kind": "completion"}
+    )
+    assert spent == 2 * usage["output_tokens"]
+
+
+async def test_a_responses_stream_is_relayed_and_its_usage_counted(stack: Stack) -> None:
+    resp = await stack.client.post(
+        "/v1/responses", json=responses_body("stream it", stream=True), headers=AUTH
+    )
+    assert resp.status == 200
+    assert resp.content_type == "text/event-stream"
+    text = (await resp.read()).decode()
+    frames = [f for f in text.split("\n\n") if f]
+    names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
+    assert names[0] == "response.created" and names[-1] == "response.completed"
+    assert "response.output_text.delta" in names
+    final = json.loads(frames[-1].split("\n")[1].removeprefix("data: "))
+    usage = final["response"]["usage"]
+    kinds = {"prompt": usage["input_tokens"], "completion": usage["output_tokens"]}
+    for kind, count in kinds.items():
+        spent = stack.app[METRICS].registry.get_sample_value(
+            "ponto_tenant_tokens_total", {"tenant": "acme", "key": KEY.key_id, "kind": kind}
+        )
+        assert spent == count
+
+
+async def test_a_tenant_prompt_reaches_a_responses_request_as_instructions(
+    stack: Stack,
+) -> None:
+    await with_alias(stack, "house-model")
+    resp = await stack.client.post(
+        "/v1/responses",
+        json={"model": "house-model", "input": "hi", "instructions": "Answer in French."},
+        headers=AUTH,
+    )
+    assert resp.status == 200
+    sent = last_request(stack)["body"]
+    assert sent["model"] == MODEL
+    assert sent["instructions"] == "Be brief.\n\nAnswer in French."
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL},
+        {"input": "x"},
+        {"model": MODEL, "input": "x", "stream": "yes"},
+        {"model": "gpt-9", "input": "x"},
+    ],
+)
+async def test_a_bad_responses_request_reaches_no_origin(
+    stack: Stack, body: dict[str, Any]
+) -> None:
+    resp = await stack.client.post("/v1/responses", json=body, headers=AUTH)
+    assert resp.status in (400, 404)
+    error_of(await resp.json())
+    assert stack.origin_requests() == 0
+
+
+async def test_a_cut_responses_stream_is_not_continued(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=8), SimConfig(name="o2", answer_tokens=8)],
+        ["--forward-headers=x-sim-cut-after"],
+    )
+    try:
+        with caplog.at_level(logging.WARNING):
+            resp = await s.client.post(
+                "/v1/responses",
+                json=responses_body("cut me", stream=True),
+                headers={**AUTH, "x-sim-cut-after": "4"},
+            )
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        frames = [f for f in text.split("\n\n") if f]
+        assert len(frames) == 4 + 2  # four events, the error event, [DONE]
+        assert json.loads(frames[-2].removeprefix("data: "))["error"]["code"] == (
+            "upstream_stream_broken"
+        )
+        # Continuation is on, but the hook never sees a Responses stream.
+        assert s.origin_requests() == 1
+        cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]
+        assert len(cuts) == 1 and "not continued" not in cuts[0]
+    finally:
+        await s.close()
