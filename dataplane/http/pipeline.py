@@ -253,7 +253,7 @@ class Pipeline:
                     ex.usage = Usage(0, 0)
                     return response
                 plan = ex.cache = self.cache.own_call(creq, plan)
-            origin = await self.forward(ex, ex.tenant.streams.hedge_for(ex.model))
+            origin = await self.forward(ex, self.hedge_for(ex))
             # A cancelled hedge still cost its origin the prompt's prefill.
             ex.hedge_prompt = ex.estimate * origin.extra_calls
             try:
@@ -265,6 +265,16 @@ class Pipeline:
         except BaseException as exc:
             plan.abandon(exc)
             raise
+
+    @staticmethod
+    def hedge_for(ex: Exchange) -> HedgeSetting | None:
+        """The tenant's hedge for this model, but never for a Responses request
+        the origin stores (the default): a hedge would store it twice, on two
+        origins, and the client would be told one id."""
+        assert ex.tenant is not None
+        if ex.endpoint.name == "responses" and ex.body.get("store", True) is not False:
+            return None
+        return ex.tenant.streams.hedge_for(ex.model)
 
     async def forward(self, ex: Exchange, hedge: HedgeSetting | None = None) -> OriginAnswer:
         """Route (region by the client's home, the origin inside it by the

@@ -85,3 +85,29 @@ def test_a_setting_is_auto_or_seconds() -> None:
     for bad in (-1, math.inf, math.nan, "fast", True, None):
         with pytest.raises(ValueError, match="hedge delay"):
             check_setting(bad)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "hedged"),
+    [
+        ("chat.completions", {}, True),
+        ("responses", {}, False),  # stored by default: a hedge would store it twice
+        ("responses", {"store": True}, False),
+        ("responses", {"store": False}, True),
+    ],
+)
+def test_stored_responses_are_never_hedged(
+    endpoint: str, body: dict[str, object], hedged: bool
+) -> None:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from dataplane.http.pipeline import Pipeline  # noqa: PLC0415
+    from dataplane.policy import StreamRules  # noqa: PLC0415
+
+    ex = SimpleNamespace(
+        endpoint=SimpleNamespace(name=endpoint),
+        body=body,
+        model="m",
+        tenant=SimpleNamespace(streams=StreamRules(hedge=AUTO)),
+    )
+    assert Pipeline.hedge_for(ex) == (AUTO if hedged else None)  # type: ignore[arg-type]
