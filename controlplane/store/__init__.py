@@ -4,14 +4,17 @@ from controlplane.store.base import (
     Conflict,
     Fence,
     KeyValue,
+    MAX_TXN_OPS,
     LeaseExpired,
     Listing,
     StateStore,
     StoreError,
     StoreUnavailable,
+    Write,
 )
 
 __all__ = [
+    "MAX_TXN_OPS",
     "Conflict",
     "Fence",
     "KeyValue",
@@ -20,4 +23,5 @@ __all__ = [
     "StateStore",
     "StoreError",
     "StoreUnavailable",
+    "Write",
 ]
