@@ -125,6 +125,10 @@ class Origin:
             raise InvalidArgument(
                 f"weight {weight} of origin {self.name!r} is not in 1..{MAX_WEIGHT}"
             )
+        if not 0 <= self.capacity <= MAX_CAPACITY:
+            raise InvalidArgument(
+                f"capacity {self.capacity} of origin {self.name!r} is not in 0..{MAX_CAPACITY}"
+            )
         if self.credential_env and self.credential_file:
             raise InvalidArgument(
                 f"origin {self.name!r}: give credential_env or credential_file, not both"
@@ -315,6 +319,9 @@ class RoutingPolicy:
                 )
         if any(not model or not mode for model, mode in self.models):
             raise InvalidArgument(f"a per-model routing mode of {owner} names no model or mode")
+        for model, _ in self.models:
+            if not MODEL_RE.match(model):
+                raise InvalidArgument(f"{owner}: model name {model!r} in routing is invalid")
         b = self.load_bound
         if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
             raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100")
@@ -350,8 +357,9 @@ class StreamPolicy:
                 raise InvalidArgument(
                     f"hedge delay {ms!r} of {owner} is not auto or 0..{MAX_HEDGE_MS} ms"
                 )
-        if any(not model for model, _ in self.hedge_models):
-            raise InvalidArgument(f"a per-model hedge delay of {owner} names no model")
+        for model, _ in self.hedge_models:
+            if not MODEL_RE.match(model):
+                raise InvalidArgument(f"{owner}: model name {model!r} in hedge_models is invalid")
         return replace(self, hedge_models=tuple(sorted(dict(self.hedge_models).items())))
 
 
