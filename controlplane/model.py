@@ -31,6 +31,8 @@ JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
 MAX_TTL_S = 30 * 86_400
 MAX_CONCURRENCY = 2**32 - 1  # a uint32 in the route table
+MAX_RATE = 10**12  # rpm and tpm
+MAX_TOKENS_CEILING = 10**7
 MAX_SYSTEM_PROMPT = 64 * 1024
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000
@@ -238,7 +240,7 @@ class Limits:
             ("rpm", self.rpm),
             ("tpm", self.tpm),
         ):
-            if not 0 <= value <= 10**12:
+            if not 0 <= value <= MAX_RATE:
                 raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12")
         return self
 
@@ -265,7 +267,7 @@ class PromptPolicy:
                 raise InvalidArgument(
                     f"{owner}: default of {name!r} is not valid JSON: {text!r}"
                 ) from exc
-        if not 0 <= self.max_tokens_ceiling <= 10**7:
+        if not 0 <= self.max_tokens_ceiling <= MAX_TOKENS_CEILING:
             raise InvalidArgument(f"max_tokens ceiling of {owner} is not in 0..10^7")
         for public, target in self.aliases:
             for model in (public, target):

@@ -1,10 +1,10 @@
 """State store: protocol, etcd implementation, in-memory implementation."""
 
 from controlplane.store.base import (
+    MAX_TXN_OPS,
     Conflict,
     Fence,
     KeyValue,
-    MAX_TXN_OPS,
     LeaseExpired,
     Listing,
     StateStore,
