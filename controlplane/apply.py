@@ -33,6 +33,7 @@ document: they are secrets, made with `pontoctl key create`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -154,7 +155,13 @@ class _Obj:
         if wrong:
             self.errors.append(f"{path}: expected {_type_name(kind)}, got {_shown(value)}")
             return default
-        return float(value) if kind == _NUMBER else value
+        if kind != _NUMBER:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            self.errors.append(f"{path}: {value} is out of range")
+            return default
 
     def sub(self, key: str, allowed: Sequence[str]) -> _Obj:
         raw = self.raw.get(key)
@@ -301,7 +308,7 @@ def _tenant(o: _Obj) -> Tenant:
         prompt=PromptPolicy(
             system_prompt=prompt.get("system_prompt", str, ""),
             enforce_system_prompt=prompt.get("enforce_system_prompt", bool, False),
-            defaults=tuple((str(k), _json(v)) for k, v in defaults.items()),
+            defaults=tuple((str(k), _default(prompt, k, v)) for k, v in defaults.items()),
             max_tokens_ceiling=prompt.get("max_tokens", int, 0),
             aliases=tuple(prompt.mapping("aliases", str).items()),
         ),
@@ -325,8 +332,25 @@ def _tenant(o: _Obj) -> Tenant:
     )
 
 
-def _json(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+def _default(prompt: _Obj, name: str, value: Any) -> str:
+    """A default's JSON text; values JSON (and orjson) cannot hold are recorded as errors."""
+    try:
+        if _non_finite(value):
+            raise TypeError("NaN and infinity are not JSON")
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError as exc:  # beyond 64-bit integers, nesting beyond 254 levels
+        prompt.errors.append(f"{prompt.path}.defaults.{name}: not a JSON value ({exc})")
+        return "null"
+
+
+def _non_finite(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if depth > 255:  # orjson refuses this depth anyway
+        return False
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, list) and any(_non_finite(v, depth + 1) for v in value)
 
 
 _FIELDS = {"region": REGION_FIELDS, "origin": ORIGIN_FIELDS, "tenant": TENANT_FIELDS}

@@ -450,3 +450,39 @@ def test_an_unreachable_control_plane_is_one_line(capsys: pytest.CaptureFixture[
     assert got == 1
     assert err.startswith("error: control plane at 127.0.0.1:") and "[UNAVAILABLE]" in err
     assert len(err.splitlines()) == 1
+
+
+def test_refused_credentials_are_one_line_with_exit_code_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with Fleet(tmp_path / "secured") as secured:
+        b = secured.secure()
+        secured.start_etcd()
+        secured.start_control()
+        address = next(iter(secured.controls.values())).address
+        tls = [
+            "--tls-ca",
+            b.ca,
+            "--tls-cert",
+            b.path("admin.crt"),
+            "--tls-key",
+            b.path("admin.key"),
+        ]
+        as_proxy = [
+            "--tls-ca", b.ca, "--tls-cert", b.path("proxy.crt"), "--tls-key", b.path("proxy.key"),
+            "--admin-token-file", b.bootstrap_token_file,
+        ]  # fmt: skip
+        for flags, status in (
+            (tls, "UNAUTHENTICATED"),
+            (as_proxy, "PERMISSION_DENIED"),
+            ([], "UNAVAILABLE"),  # plaintext against TLS
+        ):
+            assert pontoctl(["--control-plane", address, *flags, "get", "regions"]) == 1
+            err = capsys.readouterr().err
+            assert f"[{status}]" in err and len(err.splitlines()) == 1, err
+        assert pontoctl(["--control-plane", address, *b.admin_args(), "export"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out) == {
+            "regions": [],
+            "origins": [],
+            "tenants": [],
+        }

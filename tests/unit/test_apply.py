@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 
@@ -130,6 +131,13 @@ def test_every_error_is_reported_with_its_path() -> None:
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"model": "x"}}}]},
          "'model' cannot have a default"),
         ({"tenants": [{"name": "T"}]}, "tenant name 'T' is invalid"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"seed": 2**70}}}]},
+         "tenants[0].prompt.defaults.seed: not a JSON value"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": [float("nan")]}}}]},
+         "tenants[0].prompt.defaults.stop: not a JSON value"),
+        ({"regions": [{"name": "a", "lat": 2**2000, "lon": 1}]}, "regions[0].lat: 1"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": orjson.loads(
+            "[" * 300 + "]" * 300)}}}]}, "tenants[0].prompt.defaults.stop: not a JSON value"),
     ],
 )  # fmt: skip
 def test_bad_documents_are_refused(doc: Any, message: str) -> None:
