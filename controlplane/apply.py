@@ -29,6 +29,10 @@ Unknown fields are refused with their path, so a typo never passes silently.
 An object's `drained` left out keeps the control plane's drain state (that is
 the operators' `pontoctl drain`); given, it is applied. Keys are never in the
 document: they are secrets, made with `pontoctl key create`.
+
+The control plane writes a whole document in one etcd transaction, so one
+apply may change at most MAX_TXN_OPS (128, etcd's default --max-txn-ops)
+objects; unchanged objects do not count.
 """
 
 from __future__ import annotations
