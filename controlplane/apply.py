@@ -532,8 +532,8 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     """The changes that make current match the topology, checked as a whole.
 
     Raises ApplyError listing every reference the result would break: an
-    origin in a region that neither the document nor the control plane has
-    (or that --prune deletes), a tenant --prune would delete that still has
+    origin's region or a region's RTT peer that neither the document nor the
+    control plane has (or that --prune deletes), a tenant --prune would delete that still has
     active keys, a JWT issuer two tenants would share.
     """
     errors: list[str] = []
@@ -566,17 +566,21 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
                 changes.append(Change(kind, name, "deleted"))
     in_file = {r.name for r in topology.regions}
     relies: set[str] = set()
+
+    def region_ref(name: str, path: str) -> None:
+        if name in in_file:
+            return
+        if name in current.regions and name not in deleted["region"]:
+            relies.add(name)
+            return
+        where = "is deleted by --prune" if name in deleted["region"] else "does not exist"
+        errors.append(f"{path}: region {name!r} {where}; list it under regions")
+
+    for r in topology.regions:
+        for other, _ in r.rtt_ms:
+            region_ref(other, f"{topology.paths[('region', r.name)]}.rtt_ms.{other}")
     for o in topology.origins:
-        if o.region in in_file:
-            continue
-        if o.region in current.regions and o.region not in deleted["region"]:
-            relies.add(o.region)
-            continue
-        where = "is deleted by --prune" if o.region in deleted["region"] else "does not exist"
-        errors.append(
-            f"{topology.paths.get(('origin', o.name), 'origin ' + o.name)}.region: "
-            f"region {o.region!r} {where}; list it under regions"
-        )
+        region_ref(o.region, f"{topology.paths[('origin', o.name)]}.region")
     for name in sorted(deleted["tenant"]):
         if current.active_keys.get(name):
             errors.append(

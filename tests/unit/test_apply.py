@@ -220,6 +220,13 @@ def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
     assert relied.relies_on == ("gone",)
     with pytest.raises(ApplyError, match="region 'gone' is deleted by --prune"):
         plan(lone, have, prune=True)
+    far = parse({"regions": [{"name": "a", "lat": 0, "lon": 0, "rtt_ms": {"b": 5, "gone": 9}}]})
+    with pytest.raises(ApplyError) as raised:
+        plan(far, have, prune=True)
+    assert raised.value.errors == (
+        "regions[0].rtt_ms.b: region 'b' does not exist; list it under regions",
+        "regions[0].rtt_ms.gone: region 'gone' is deleted by --prune; list it under regions",
+    )
     keyed = Current(tenants={"old": Tenant("old")}, active_keys={"old": ["k1"]})
     with pytest.raises(ApplyError, match=r"tenant 'old' .* still has active keys: k1"):
         plan(parse({}), keyed, prune=True)
@@ -281,6 +288,7 @@ async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_
     smaller = full()
     smaller["origins"] = smaller["origins"][:1]
     smaller["regions"] = smaller["regions"][:1]
+    smaller["regions"][0]["rtt_ms"] = {}  # it named eu-west, which goes
     smaller["tenants"] = smaller["tenants"][:1]
     changes = await catalog.apply(smaller, prune=True, dry_run=False)
     assert [(c.kind, c.name) for c in changes if c.action == "deleted"] == [
