@@ -1,10 +1,11 @@
-"""`pontoctl apply -f`: make regions, origins and tenants match a YAML file.
+"""The topology document: regions, origins and tenants in one declarative shape.
 
-The file is the desired state; applying it twice changes nothing the second
-time. Each object is compared with what the control plane holds, and only the
-differences are written, in dependency order (regions, then origins, then
-tenants; deletions under --prune in the reverse order). Keys are never in the
-file: they are secrets and are made with `pontoctl key create`.
+It is the one representation operators see: `pontoctl apply -f` reads it,
+`pontoctl get regions|origins|tenants -o yaml|json` and `pontoctl export`
+write it, and the Admin API's Apply and Export speak it (as JSON text). The
+checks live here and in the model's `validated()`, so the control plane runs
+them for every client and `--dry-run` runs exactly what a real apply does.
+Pure: no I/O, no clock.
 
     regions:
       - {name: us-east, lat: 38.9, lon: -77.4, rtt_ms: {eu-west: 75}, spill_threshold: 0.8}
@@ -22,34 +23,43 @@ file: they are secrets and are made with `pontoctl key create`.
         routing: {mode: affinity, models: {embed-small: least-loaded}, user_sessions: true,
                   load_bound: 1.25}
         streams: {continuation: true, max_continuations: 2, stream_idle_timeout_s: 30,
-                  hedge_ms: auto, hedge_models: {llama-3-8b: "500"}}
+                  hedge_ms: auto, hedge_models: {llama-3-8b: 500}}
 
 Unknown fields are refused with their path, so a typo never passes silently.
+An object's `drained` left out keeps the control plane's drain state (that is
+the operators' `pontoctl drain`); given, it is applied. Keys are never in the
+document: they are secrets, made with `pontoctl key create`.
+
+The control plane writes a whole document in one etcd transaction, so one
+apply may change at most MAX_TXN_OPS (128, etcd's default --max-txn-ops)
+objects; unchanged objects do not count.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from functools import partial
-from pathlib import Path
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
-import yaml
-from google.protobuf.message import Message
 
-from ponto.v1 import admin_pb2 as apb
-from ponto.v1 import routing_pb2 as pb
+from controlplane.errors import InvalidArgument
+from controlplane.model import (
+    CachePolicy,
+    JwtIssuer,
+    Limits,
+    Origin,
+    PromptPolicy,
+    Region,
+    RoutingPolicy,
+    StreamPolicy,
+    Tenant,
+)
 
-
-class ApplyError(Exception):
-    """The file is invalid; nothing was changed."""
-
-
-REGION_FIELDS = {"name", "lat", "lon", "rtt_ms", "spill_threshold", "drained"}
-ORIGIN_FIELDS = {
+KINDS = ("regions", "origins", "tenants")
+REGION_FIELDS = ("name", "lat", "lon", "rtt_ms", "spill_threshold", "drained")
+ORIGIN_FIELDS = (
     "name",
     "region",
     "url",
@@ -58,22 +68,14 @@ ORIGIN_FIELDS = {
     "capacity",
     "credential_env",
     "credential_file",
+    "continuation",
     "drained",
-    "continuation",
-}
-TENANT_FIELDS = {"name", "limits", "cache", "prompt", "jwt", "routing", "streams"}
-STREAM_FIELDS = {
-    "continuation",
-    "max_continuations",
-    "stream_idle_timeout_s",
-    "hedge_ms",
-    "hedge_models",
-}
-ROUTING_FIELDS = {"mode", "models", "user_sessions", "load_bound"}
-LIMIT_FIELDS = {"rpm", "tpm", "concurrency"}
-CACHE_FIELDS = {"mode", "ttl_s", "semantic_threshold", "cache_nondeterministic", "store_truncated"}
-PROMPT_FIELDS = {"system_prompt", "enforce_system_prompt", "defaults", "max_tokens", "aliases"}
-JWT_FIELDS = {
+)
+TENANT_FIELDS = ("name", "limits", "cache", "prompt", "jwt", "routing", "streams")
+LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
+CACHE_FIELDS = ("mode", "ttl_s", "semantic_threshold", "cache_nondeterministic", "store_truncated")
+PROMPT_FIELDS = ("system_prompt", "enforce_system_prompt", "defaults", "max_tokens", "aliases")
+JWT_FIELDS = (
     "issuer",
     "audiences",
     "algorithms",
@@ -81,397 +83,522 @@ JWT_FIELDS = {
     "hs256_secret_file",
     "hs256_secret_env",
     "leeway_s",
+)
+ROUTING_FIELDS = ("mode", "models", "user_sessions", "load_bound")
+STREAM_FIELDS = (
+    "continuation",
+    "max_continuations",
+    "stream_idle_timeout_s",
+    "hedge_ms",
+    "hedge_models",
+)
+
+
+class ApplyError(InvalidArgument):
+    """The document is invalid; nothing was changed. `errors` lists every one, with its path."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        self.errors = tuple(errors)
+        count = f"{len(self.errors)} error" + ("s" if len(self.errors) != 1 else "")
+        super().__init__(
+            f"the topology has {count}, nothing was changed:\n  " + "\n  ".join(errors)
+        )
+
+
+# ---------------------------------------------------------------- reading
+
+
+_NUMBER = (int, float)
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    if kind == _NUMBER:
+        return "a number"
+    names = {int: "an integer", str: "a string", bool: "true or false", list: "a list"}
+    return names.get(kind if isinstance(kind, type) else kind[0], "a mapping")
+
+
+class _Obj:
+    """One mapping of the document. Wrong types are recorded in errors, not raised,
+    so one pass reports every error of the document."""
+
+    def __init__(
+        self,
+        raw: Any,
+        path: str,
+        allowed: Sequence[str],
+        errors: list[str],
+        required: Sequence[str] = (),
+    ) -> None:
+        self.path = path
+        self.errors = errors
+        self.raw: Mapping[str, Any] = {}
+        if not isinstance(raw, dict):
+            errors.append(f"{path}: expected a mapping, got {_shown(raw)}")
+            return
+        self.raw = raw
+        unknown = sorted(str(k) for k in raw if k not in allowed)
+        if unknown:
+            errors.append(
+                f"{path}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+            )
+        for name in required:
+            if raw.get(name) is None:
+                errors.append(f"{path}.{name}: required")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        return self._check(value, kind, f"{self.path}.{key}", default)
+
+    def _check(self, value: Any, kind: type | tuple[type, ...], path: str, default: Any) -> Any:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # bool is an int in Python: a YAML `yes` must not pass as a number.
+        wrong = (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds)
+        if wrong:
+            self.errors.append(f"{path}: expected {_type_name(kind)}, got {_shown(value)}")
+            return default
+        if kind != _NUMBER:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            self.errors.append(f"{path}: {value} is out of range")
+            return default
+
+    def sub(self, key: str, allowed: Sequence[str]) -> _Obj:
+        raw = self.raw.get(key)
+        return _Obj({} if raw is None else raw, f"{self.path}.{key}", allowed, self.errors)
+
+    def strings(self, key: str, default: Sequence[str] = ()) -> tuple[str, ...]:
+        items = self.get(key, list, None)
+        if items is None:
+            return tuple(default)
+        path = f"{self.path}.{key}"
+        return tuple(self._check(v, str, f"{path}[{i}]", "") for i, v in enumerate(items))
+
+    def mapping(self, key: str, kind: type | tuple[type, ...]) -> dict[str, Any]:
+        raw = self.get(key, dict, {})
+        path = f"{self.path}.{key}"
+        return {str(k): self._check(v, kind, f"{path}.{k}", None) for k, v in raw.items()}
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, dict | list):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A parsed, validated document: the model values it asks for."""
+
+    regions: tuple[Region, ...] = ()
+    origins: tuple[Origin, ...] = ()
+    tenants: tuple[Tenant, ...] = ()
+    # (kind, name) of regions and origins whose `drained` the document leaves out.
+    drain_unset: frozenset[tuple[str, str]] = frozenset()
+    # (kind, name) -> the object's path in the document, for error messages.
+    paths: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+
+def parse(doc: Any) -> Topology:
+    """The validated values a document describes; ApplyError lists every error with its path."""
+    errors: list[str] = []
+    top = _Obj({} if doc is None else doc, "document", KINDS, errors)
+    lists = {}
+    for kind in KINDS:
+        raw = top.raw.get(kind)
+        if raw is not None and not isinstance(raw, list):
+            errors.append(f"{kind}: expected a list, got {_shown(raw)}")
+            raw = None
+        lists[kind] = raw or []
+    regions: list[Region] = []
+    origins: list[Origin] = []
+    tenants: list[Tenant] = []
+    unset: set[tuple[str, str]] = set()
+    paths: dict[tuple[str, str], str] = {}
+    for kind, read, out in (
+        ("region", _region, regions),
+        ("origin", _origin, origins),
+        ("tenant", _tenant, tenants),
+    ):
+        for i, raw in enumerate(lists[kind + "s"]):
+            path = f"{kind}s[{i}]"
+            before = len(errors)
+            obj = _Obj(raw, path, _FIELDS[kind], errors, _REQUIRED[kind])
+            value = read(obj)
+            if len(errors) > before:
+                continue
+            try:
+                value = value.validated()
+            except InvalidArgument as exc:
+                errors.append(f"{path}: {exc}")
+                continue
+            if (kind, value.name) in paths:
+                errors.append(f"{path}: {kind} {value.name!r} is listed twice")
+                continue
+            paths[(kind, value.name)] = path
+            out.append(value)  # type: ignore[arg-type]
+            if kind != "tenant" and "drained" not in obj.raw:
+                unset.add((kind, value.name))
+    if errors:
+        raise ApplyError(errors)
+    return Topology(tuple(regions), tuple(origins), tuple(tenants), frozenset(unset), paths)
+
+
+def _region(o: _Obj) -> Region:
+    return Region(
+        name=o.get("name", str, ""),
+        latitude=o.get("lat", _NUMBER, 0.0),
+        longitude=o.get("lon", _NUMBER, 0.0),
+        drained=o.get("drained", bool, False),
+        rtt_ms=tuple(o.mapping("rtt_ms", _NUMBER).items()),
+        spill_threshold=o.get("spill_threshold", _NUMBER, 0.0),
+    )
+
+
+def _origin(o: _Obj) -> Origin:
+    return Origin(
+        name=o.get("name", str, ""),
+        base_url=o.get("url", str, ""),
+        region=o.get("region", str, ""),
+        models=o.strings("models"),
+        weight=o.get("weight", int, 0),
+        drained=o.get("drained", bool, False),
+        capacity=o.get("capacity", int, 0),
+        credential_env=o.get("credential_env", str, ""),
+        credential_file=o.get("credential_file", str, ""),
+        continuation=o.get("continuation", bool, True),
+    )
+
+
+def _tenant(o: _Obj) -> Tenant:
+    limits = o.sub("limits", LIMIT_FIELDS)
+    cache = o.sub("cache", CACHE_FIELDS)
+    prompt = o.sub("prompt", PROMPT_FIELDS)
+    routing = o.sub("routing", ROUTING_FIELDS)
+    streams = o.sub("streams", STREAM_FIELDS)
+    hedge = streams.get("hedge_ms", (int, str), 0)
+    if isinstance(hedge, str) and hedge != "auto":
+        o.errors.append(f"{streams.path}.hedge_ms: expected milliseconds or auto, got {hedge!r}")
+    jwt = None
+    if o.raw.get("jwt") is not None:
+        j = _Obj(o.raw["jwt"], f"{o.path}.jwt", JWT_FIELDS, o.errors, ("issuer",))
+        jwt = JwtIssuer(
+            issuer=j.get("issuer", str, ""),
+            audiences=j.strings("audiences"),
+            algorithms=j.strings("algorithms", ("RS256",)),
+            jwks_file=j.get("jwks_file", str, ""),
+            hs256_secret_file=j.get("hs256_secret_file", str, ""),
+            hs256_secret_env=j.get("hs256_secret_env", str, ""),
+            leeway_s=j.get("leeway_s", _NUMBER, 30.0),
+        )
+    defaults = prompt.get("defaults", dict, {})
+    return Tenant(
+        name=o.get("name", str, ""),
+        limits=Limits(**{k: limits.get(k, int, 0) for k in LIMIT_FIELDS}),
+        cache=CachePolicy(
+            mode=cache.get("mode", str, "exact"),
+            semantic_threshold=cache.get("semantic_threshold", _NUMBER, 0.0),
+            ttl_s=cache.get("ttl_s", int, 0),
+            cache_nondeterministic=cache.get("cache_nondeterministic", bool, False),
+            store_truncated=cache.get("store_truncated", bool, False),
+        ),
+        prompt=PromptPolicy(
+            system_prompt=prompt.get("system_prompt", str, ""),
+            enforce_system_prompt=prompt.get("enforce_system_prompt", bool, False),
+            defaults=tuple((str(k), _default(prompt, k, v)) for k, v in defaults.items()),
+            max_tokens_ceiling=prompt.get("max_tokens", int, 0),
+            aliases=tuple(prompt.mapping("aliases", str).items()),
+        ),
+        jwt=jwt,
+        routing=RoutingPolicy(
+            mode=routing.get("mode", str, ""),
+            models=tuple(routing.mapping("models", str).items()),
+            user_sessions=routing.get("user_sessions", bool, False),
+            load_bound=routing.get("load_bound", _NUMBER, 0.0),
+        ),
+        streams=StreamPolicy(
+            continuation="" if streams.get("continuation", bool, True) else "off",
+            max_continuations=streams.get("max_continuations", int, 0),
+            stream_idle_timeout_s=streams.get("stream_idle_timeout_s", _NUMBER, 0.0),
+            hedge_ms=hedge if isinstance(hedge, int) else 0,
+            hedge_auto=hedge == "auto",
+            hedge_models=tuple(
+                (k, str(v)) for k, v in streams.mapping("hedge_models", (int, str)).items()
+            ),
+        ),
+    )
+
+
+def _default(prompt: _Obj, name: str, value: Any) -> str:
+    """A default's JSON text; values JSON (and orjson) cannot hold are recorded as errors."""
+    try:
+        if _non_finite(value):
+            raise TypeError("NaN and infinity are not JSON")
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError as exc:  # beyond 64-bit integers, nesting beyond 254 levels
+        prompt.errors.append(f"{prompt.path}.defaults.{name}: not a JSON value ({exc})")
+        return "null"
+
+
+def _non_finite(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if depth > 255:  # orjson refuses this depth anyway
+        return False
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, list) and any(_non_finite(v, depth + 1) for v in value)
+
+
+_FIELDS = {"region": REGION_FIELDS, "origin": ORIGIN_FIELDS, "tenant": TENANT_FIELDS}
+_REQUIRED = {
+    "region": ("name", "lat", "lon"),
+    "origin": ("name", "region", "url", "models"),
+    "tenant": ("name",),
 }
 
 
-def _obj(
-    value: Any, path: str, allowed: set[str], required: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ApplyError(f"{path}: expected a mapping, got {type(value).__name__}")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise ApplyError(
-            f"{path}: unknown field(s) {', '.join(map(str, unknown))}; "
-            f"allowed: {', '.join(sorted(allowed))}"
-        )
-    for name in required:
-        if name not in value:
-            raise ApplyError(f"{path}: {name} is required")
-    return value
+# ---------------------------------------------------------------- writing
 
 
-def _typed(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: str) -> Any:
-    value = obj[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    # bool is an int in Python; a YAML "yes" must not pass as a number.
-    if isinstance(value, bool) and bool not in kinds:
-        raise ApplyError(f"{path}.{key}: expected {kinds[0].__name__}, got a boolean")
-    if not isinstance(value, kinds):
-        raise ApplyError(f"{path}.{key}: expected {kinds[0].__name__}, got {value!r}")
-    return value
-
-
-def _get(
-    obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: str, default: Any
-) -> Any:
-    return _typed(obj, key, kind, path) if key in obj and obj[key] is not None else default
-
-
-def _list(doc: Mapping[str, Any], key: str) -> list[Any]:
-    items = doc.get(key) or []
-    if not isinstance(items, list):
-        raise ApplyError(f"{key}: expected a list")
-    return items
-
-
-def _unique(items: list[Message], kind: str) -> None:
-    seen: set[str] = set()
-    for item in items:
-        name = item.name  # type: ignore[attr-defined]
-        if name in seen:
-            raise ApplyError(f"{kind} {name!r} is listed twice")
-        seen.add(name)
-
-
-def _hedge_ms(value: int | str, path: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise ApplyError(f"{path}.hedge_ms: expected milliseconds (0 or more) or auto")
-
-
-def _limits(raw: Any, path: str) -> pb.Limits:
-    obj = _obj(raw, path, LIMIT_FIELDS)
-    return pb.Limits(**{k: _typed(obj, k, int, path) for k in obj})
-
-
-@dataclass
-class Desired:
-    """A topology document, normalised as the server stores its objects."""
-
-    regions: list[pb.Region] = field(default_factory=list)
-    origins: list[pb.Origin] = field(default_factory=list)
-    tenants: list[pb.Tenant] = field(default_factory=list)
-    # (kind, name) of regions and origins whose `drained` the file leaves out:
-    # their drain state is the operators' (pontoctl drain), not the file's.
-    drain_unset: set[tuple[str, str]] = field(default_factory=set)
-
-
-def parse(doc: Any) -> Desired:
-    """The desired state a document describes; ApplyError names what is wrong."""
-    try:
-        return _parse(doc)
-    except ValueError as exc:  # a number protobuf cannot hold (a negative count, 2**32)
-        raise ApplyError(f"a value is out of range: {exc}") from exc
-
-
-def _parse(doc: Any) -> Desired:
-    """The desired objects of a topology document; raises ApplyError."""
-    drain_unset: set[tuple[str, str]] = set()
-    if doc is None:
-        doc = {}
-    doc = _obj(doc, "file", {"regions", "origins", "tenants"})
-    regions: list[pb.Region] = []
-    for i, raw in enumerate(_list(doc, "regions")):
-        path = f"regions[{i}]"
-        r = _obj(raw, path, REGION_FIELDS, ("name", "lat", "lon"))
-        rtt = _get(r, "rtt_ms", dict, path, {})
-        regions.append(
-            pb.Region(
-                name=str(_typed(r, "name", str, path)),
-                latitude=float(_typed(r, "lat", (int, float), path)),
-                longitude=float(_typed(r, "lon", (int, float), path)),
-                rtt_ms={str(k): float(v) for k, v in rtt.items()},
-                spill_threshold=float(_get(r, "spill_threshold", (int, float), path, 0.0)),
-                drained=bool(_get(r, "drained", bool, path, False)),
-            )
-        )
-        if "drained" not in r:
-            drain_unset.add(("region", r["name"]))
-    origins: list[pb.Origin] = []
-    for i, raw in enumerate(_list(doc, "origins")):
-        path = f"origins[{i}]"
-        o = _obj(raw, path, ORIGIN_FIELDS, ("name", "region", "url", "models"))
-        models = _typed(o, "models", list, path)
-        origins.append(
-            pb.Origin(
-                name=_typed(o, "name", str, path),
-                region=_typed(o, "region", str, path),
-                base_url=str(_typed(o, "url", str, path)).rstrip("/"),
-                models=sorted(str(m) for m in models),
-                weight=_get(o, "weight", int, path, 0) or 100,
-                capacity=_get(o, "capacity", int, path, 0),
-                credential_env=_get(o, "credential_env", str, path, ""),
-                credential_file=_get(o, "credential_file", str, path, ""),
-                drained=_get(o, "drained", bool, path, False),
-                no_continuation=not _get(o, "continuation", bool, path, True),
-            )
-        )
-        if "drained" not in o:
-            drain_unset.add(("origin", o["name"]))
-    tenants: list[pb.Tenant] = []
-    for i, raw in enumerate(_list(doc, "tenants")):
-        path = f"tenants[{i}]"
-        t = _obj(raw, path, TENANT_FIELDS, ("name",))
-        tenant = pb.Tenant(name=_typed(t, "name", str, path))
-        if t.get("limits") is not None:
-            tenant.limits.CopyFrom(_limits(t["limits"], f"{path}.limits"))
-        cache = _obj(t.get("cache") or {}, f"{path}.cache", CACHE_FIELDS)
-        cpath = f"{path}.cache"
-        tenant.cache.CopyFrom(
-            pb.CachePolicy(
-                mode=_get(cache, "mode", str, cpath, "exact"),
-                ttl_s=_get(cache, "ttl_s", int, cpath, 0),
-                semantic_threshold=float(_get(cache, "semantic_threshold", (int, float), cpath, 0)),
-                cache_nondeterministic=_get(cache, "cache_nondeterministic", bool, cpath, False),
-                store_truncated=_get(cache, "store_truncated", bool, cpath, False),
-            )
-        )
-        routing = _obj(t.get("routing") or {}, f"{path}.routing", ROUTING_FIELDS)
-        rpath = f"{path}.routing"
-        tenant.routing.CopyFrom(
-            pb.RoutingPolicy(
-                mode=_get(routing, "mode", str, rpath, ""),
-                models={
-                    str(k): str(v) for k, v in _get(routing, "models", dict, rpath, {}).items()
-                },
-                user_sessions=_get(routing, "user_sessions", bool, rpath, False),
-                load_bound=float(_get(routing, "load_bound", (int, float), rpath, 0)),
-            )
-        )
-        streams = _obj(t.get("streams") or {}, f"{path}.streams", STREAM_FIELDS)
-        spath = f"{path}.streams"
-        hedge = _get(streams, "hedge_ms", (int, str), spath, 0)
-        continuation = _get(streams, "continuation", bool, spath, True)
-        tenant.streams.CopyFrom(
-            pb.StreamPolicy(
-                continuation="" if continuation else "off",
-                max_continuations=_get(streams, "max_continuations", int, spath, 0),
-                stream_idle_timeout_s=float(
-                    _get(streams, "stream_idle_timeout_s", (int, float), spath, 0)
-                ),
-                hedge_ms=0 if hedge == "auto" else _hedge_ms(hedge, spath),
-                hedge_auto=hedge == "auto",
-                hedge_models={
-                    str(k): str(v)
-                    for k, v in _get(streams, "hedge_models", dict, spath, {}).items()
-                },
-            )
-        )
-        prompt = _obj(t.get("prompt") or {}, f"{path}.prompt", PROMPT_FIELDS)
-        ppath = f"{path}.prompt"
-        defaults = _get(prompt, "defaults", dict, ppath, {})
-        aliases = _get(prompt, "aliases", dict, ppath, {})
-        tenant.prompt.CopyFrom(
-            pb.PromptPolicy(
-                system_prompt=_get(prompt, "system_prompt", str, ppath, ""),
-                enforce_system_prompt=_get(prompt, "enforce_system_prompt", bool, ppath, False),
-                max_tokens_ceiling=_get(prompt, "max_tokens", int, ppath, 0),
-                defaults={str(k): orjson.dumps(v).decode() for k, v in defaults.items()},
-                aliases={str(k): str(v) for k, v in aliases.items()},
-            )
-        )
-        if t.get("jwt") is not None:
-            jpath = f"{path}.jwt"
-            j = _obj(t["jwt"], jpath, JWT_FIELDS, ("issuer",))
-            tenant.jwt.CopyFrom(
-                pb.JwtIssuer(
-                    issuer=_typed(j, "issuer", str, jpath),
-                    audiences=[str(a) for a in _get(j, "audiences", list, jpath, [])],
-                    algorithms=sorted(
-                        {str(a) for a in _get(j, "algorithms", list, jpath, ["RS256"])}
-                    ),
-                    jwks_file=_get(j, "jwks_file", str, jpath, ""),
-                    hs256_secret_file=_get(j, "hs256_secret_file", str, jpath, ""),
-                    hs256_secret_env=_get(j, "hs256_secret_env", str, jpath, ""),
-                    leeway_s=float(_get(j, "leeway_s", (int, float), jpath, 30.0)),
-                )
-            )
-        tenants.append(tenant)
-    _unique(list(regions), "region")
-    _unique(list(origins), "origin")
-    _unique(list(tenants), "tenant")
-    return Desired(regions, origins, tenants, drain_unset)
-
-
-def _region_view(r: pb.Region) -> pb.Region:
-    return pb.Region(
-        name=r.name,
-        latitude=r.latitude,
-        longitude=r.longitude,
-        rtt_ms=dict(r.rtt_ms),
-        spill_threshold=r.spill_threshold,
-        drained=r.drained,
-    )
-
-
-def _origin_view(o: pb.Origin) -> pb.Origin:
-    return pb.Origin(
-        name=o.name,
-        region=o.region,
-        base_url=o.base_url,
-        models=sorted(o.models),
-        weight=o.weight,
-        capacity=o.capacity,
-        credential_env=o.credential_env,
-        credential_file=o.credential_file,
-        drained=o.drained,
-        no_continuation=o.no_continuation,
-    )
-
-
-def _changed_fields(old: Message, new: Message) -> list[str]:
-    names = [f.name for f in new.DESCRIPTOR.fields]
-    return [n for n in names if getattr(old, n) != getattr(new, n)]
-
-
-class _Plan:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.steps: list[Callable[[], object]] = []
-        self.counts = {"created": 0, "updated": 0, "deleted": 0, "unchanged": 0}
-
-    def add(
-        self, verb: str, what: str, step: Callable[[], object] | None, detail: str = ""
-    ) -> None:
-        self.counts[verb] += 1
-        self.lines.append(f"{what} {verb}" + (f" ({detail})" if detail else ""))
-        if step is not None:
-            self.steps.append(step)
-
-
-def plan(stub: Any, desired: Desired, *, prune: bool) -> _Plan:
-    """Compare the desired objects with the control plane's; return the writes to make."""
-    out = _Plan()
-    regions, origins, tenants = desired.regions, desired.origins, desired.tenants
-    have_regions = {r.name: _region_view(r) for r in stub.ListRegions(apb.ListRequest()).regions}
-    have_origins = {o.name: _origin_view(o) for o in stub.ListOrigins(apb.ListRequest()).origins}
-    have_tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
-    for r in regions:
-        if ("region", r.name) in desired.drain_unset and r.name in have_regions:
-            r.drained = have_regions[r.name].drained
-    for o in origins:
-        if ("origin", o.name) in desired.drain_unset and o.name in have_origins:
-            o.drained = have_origins[o.name].drained
-
-    for r in regions:
-        spec = apb.RegionSpec(
-            name=r.name,
-            latitude=r.latitude,
-            longitude=r.longitude,
-            rtt_ms=dict(r.rtt_ms),
-            spill_threshold=r.spill_threshold,
-        )
-        old = have_regions.get(r.name)
-        put = apb.PutRegionRequest(region=spec, allow_update=old is not None)
-        changed = _changed_fields(old, r) if old is not None else []
-        if old is None:
-            out.add("created", f"region {r.name}", partial(stub.PutRegion, put))
-            if r.drained:
-                out.steps.append(
-                    partial(stub.DrainRegion, apb.DrainRequest(name=r.name, drained=True))
-                )
-        elif changed:
-            steps: list[Callable[[], object]] = []
-            if set(changed) - {"drained"}:
-                steps.append(partial(stub.PutRegion, put))
-            if "drained" in changed:
-                steps.append(
-                    partial(stub.DrainRegion, apb.DrainRequest(name=r.name, drained=r.drained))
-                )
-            out.add("updated", f"region {r.name}", None, ", ".join(changed))
-            out.steps.extend(steps)
-        else:
-            out.add("unchanged", f"region {r.name}", None)
-
-    for o in origins:
-        ospec = apb.OriginSpec(
-            name=o.name,
-            base_url=o.base_url,
-            region=o.region,
-            models=list(o.models),
-            weight=o.weight,
-            capacity=o.capacity,
-            credential_env=o.credential_env,
-            credential_file=o.credential_file,
-            continuation="off" if o.no_continuation else "on",
-        )
-        old_o = have_origins.get(o.name)
-        oput = apb.PutOriginRequest(origin=ospec, allow_update=old_o is not None)
-        if old_o is None:
-            out.add("created", f"origin {o.name}", partial(stub.PutOrigin, oput))
-            if o.drained:
-                out.steps.append(
-                    partial(stub.DrainOrigin, apb.DrainRequest(name=o.name, drained=True))
-                )
-            continue
-        changed = _changed_fields(old_o, o)
-        if not changed:
-            out.add("unchanged", f"origin {o.name}", None)
-            continue
-        if set(changed) - {"drained"}:
-            out.steps.append(partial(stub.PutOrigin, oput))
-        if "drained" in changed:
-            out.steps.append(
-                partial(stub.DrainOrigin, apb.DrainRequest(name=o.name, drained=o.drained))
-            )
-        out.add("updated", f"origin {o.name}", None, ", ".join(changed))
-
-    for t in tenants:
-        old_t = have_tenants.get(t.name)
-        if old_t is None:
-            out.add(
-                "created",
-                f"tenant {t.name}",
-                partial(stub.PutTenant, apb.PutTenantRequest(tenant=t)),
-            )
-            continue
-        changed = _changed_fields(old_t, t)
-        if not changed:
-            out.add("unchanged", f"tenant {t.name}", None)
-            continue
-        out.add(
-            "updated",
-            f"tenant {t.name}",
-            partial(stub.PutTenant, apb.PutTenantRequest(tenant=t, allow_update=True)),
-            ", ".join(changed),
-        )
-
-    if prune:
-        # Dependants first: tenants and origins, then the regions they were in.
-        for kind, have, wanted, delete in (
-            ("tenant", have_tenants, tenants, stub.DeleteTenant),
-            ("origin", have_origins, origins, stub.DeleteOrigin),
-            ("region", have_regions, regions, stub.DeleteRegion),
-        ):
-            keep = {m.name for m in wanted}
-            for name in sorted(set(have) - keep):
-                out.add("deleted", f"{kind} {name}", partial(delete, apb.DeleteRequest(name=name)))
+def region_doc(r: Region) -> dict[str, Any]:
+    """A region as the document writes it: what parse reads back to the same value."""
+    out: dict[str, Any] = {"name": r.name, "lat": r.latitude, "lon": r.longitude}
+    if r.rtt_ms:
+        out["rtt_ms"] = dict(r.rtt_ms)
+    if r.spill_threshold:
+        out["spill_threshold"] = r.spill_threshold
+    if r.drained:
+        out["drained"] = True
     return out
 
 
-def load(path: str) -> Any:
+def origin_doc(o: Origin) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": o.name,
+        "region": o.region,
+        "url": o.base_url,
+        "models": list(o.models),
+        "weight": o.weight,
+    }
+    for key, value in (
+        ("capacity", o.capacity),
+        ("credential_env", o.credential_env),
+        ("credential_file", o.credential_file),
+    ):
+        if value:
+            out[key] = value
+    if not o.continuation:
+        out["continuation"] = False
+    if o.drained:
+        out["drained"] = True
+    return out
+
+
+def _set(**values: Any) -> dict[str, Any]:
+    """The values that are not their type's zero: defaults stay out of the document."""
+    return {k: v for k, v in values.items() if v}
+
+
+def tenant_doc(t: Tenant) -> dict[str, Any]:
+    cache = _set(
+        ttl_s=t.cache.ttl_s,
+        semantic_threshold=t.cache.semantic_threshold,
+        cache_nondeterministic=t.cache.cache_nondeterministic,
+        store_truncated=t.cache.store_truncated,
+    )
+    p = t.prompt
+    s = t.streams
+    out: dict[str, Any] = {"name": t.name}
+    parts: dict[str, dict[str, Any]] = {
+        "limits": _set(rpm=t.limits.rpm, tpm=t.limits.tpm, concurrency=t.limits.concurrency),
+        "cache": {"mode": t.cache.mode or "exact", **cache},
+        "prompt": _set(
+            system_prompt=p.system_prompt,
+            enforce_system_prompt=p.enforce_system_prompt,
+            defaults={k: orjson.loads(v) for k, v in p.defaults},
+            max_tokens=p.max_tokens_ceiling,
+            aliases=dict(p.aliases),
+        ),
+        "routing": _set(
+            mode=t.routing.mode,
+            models=dict(t.routing.models),
+            user_sessions=t.routing.user_sessions,
+            load_bound=t.routing.load_bound,
+        ),
+        "streams": _set(
+            max_continuations=s.max_continuations,
+            stream_idle_timeout_s=s.stream_idle_timeout_s,
+            hedge_ms="auto" if s.hedge_auto else s.hedge_ms,
+            hedge_models={k: int(v) if v.isdigit() else v for k, v in s.hedge_models},
+        ),
+    }
+    if s.continuation == "off":
+        parts["streams"] = {"continuation": False, **parts["streams"]}
+    if t.jwt is not None:
+        j = t.jwt
+        parts["jwt"] = {
+            "issuer": j.issuer,
+            **_set(audiences=list(j.audiences)),
+            "algorithms": list(j.algorithms),
+            **_set(
+                jwks_file=j.jwks_file,
+                hs256_secret_file=j.hs256_secret_file,
+                hs256_secret_env=j.hs256_secret_env,
+            ),
+            "leeway_s": j.leeway_s,
+        }
+    out.update((k, v) for k, v in parts.items() if v)
+    return out
+
+
+def document(
+    regions: Sequence[Region] = (), origins: Sequence[Origin] = (), tenants: Sequence[Tenant] = ()
+) -> dict[str, list[dict[str, Any]]]:
+    """The document of these values, each kind sorted by name; parse() reads it back."""
+    return {
+        "regions": [region_doc(r) for r in sorted(regions, key=lambda r: r.name)],
+        "origins": [origin_doc(o) for o in sorted(origins, key=lambda o: o.name)],
+        "tenants": [tenant_doc(t) for t in sorted(tenants, key=lambda t: t.name)],
+    }
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    """What the control plane holds now, as decoded from one store revision."""
+
+    regions: Mapping[str, Region] = field(default_factory=dict)
+    origins: Mapping[str, Origin] = field(default_factory=dict)
+    tenants: Mapping[str, Tenant] = field(default_factory=dict)
+    # tenant -> ids of its keys that are not revoked
+    active_keys: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+
+Value = Region | Origin | Tenant
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: str  # region, origin, tenant
+    name: str
+    action: str  # created, updated, deleted, unchanged
+    fields: tuple[str, ...] = ()  # for updated: the document fields that differ
+    value: Value | None = None  # what to store; None for deleted and unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    changes: tuple[Change, ...]
+    # Regions the result relies on without writing them (an origin's region
+    # that only the control plane has): the write must fail if they change.
+    relies_on: tuple[str, ...] = ()
+
+    def writes(self) -> tuple[Change, ...]:
+        return tuple(c for c in self.changes if c.action != "unchanged")
+
+
+_DOC = {"region": region_doc, "origin": origin_doc, "tenant": tenant_doc}
+
+
+def _normal(value: Value) -> Value | None:
+    """A stored value as validation normalises it; None if it no longer validates."""
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ApplyError(f"cannot read {path}: {exc.strerror}") from exc
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ApplyError(f"{path} is not valid YAML: {exc}") from exc
+        return value.validated()
+    except InvalidArgument:
+        return None
 
 
-def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = False) -> str:
-    """Apply the topology in path; return the report to print.
+def _compare(kind: str, old: Value, new: Value) -> Change:
+    old_doc: dict[str, Any] = _DOC[kind](_normal(old) or old)  # type: ignore[operator]
+    new_doc: dict[str, Any] = _DOC[kind](new)  # type: ignore[operator]
+    names = _FIELDS[kind]
+    differ = tuple(n for n in names if old_doc.get(n) != new_doc.get(n))
+    if differ:
+        return Change(kind, new.name, "updated", differ, new)
+    return Change(kind, new.name, "unchanged")
 
-    Validation that needs the server (unknown region, bad URL, latitude out of
-    range) happens on the first write that fails; the report then says which
-    object failed, and the writes before it stay (each write is atomic).
+
+def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
+    """The changes that make current match the topology, checked as a whole.
+
+    Raises ApplyError listing every reference the result would break: an
+    origin's region or a region's RTT peer that neither the document nor the
+    control plane has (or that --prune deletes), a tenant --prune would delete that still has
+    active keys, a JWT issuer two tenants would share.
     """
-    p = plan(stub, parse(load(path)), prune=prune)
-    if not dry_run:
-        for step in p.steps:
-            step()
-    summary = ", ".join(f"{n} {verb}" for verb, n in p.counts.items())
-    suffix = " (dry run: nothing changed)" if dry_run else ""
-    return "\n".join([*p.lines, summary + suffix])
+    errors: list[str] = []
+    changes: list[Change] = []
+    for kind, wanted, have in (
+        ("region", topology.regions, current.regions),
+        ("origin", topology.origins, current.origins),
+        ("tenant", topology.tenants, current.tenants),
+    ):
+        for given in wanted:
+            old = have.get(given.name)
+            if old is None:
+                changes.append(Change(kind, given.name, "created", (), given))
+                continue
+            new = given
+            if (kind, given.name) in topology.drain_unset and isinstance(old, Region | Origin):
+                new = replace(given, drained=old.drained)  # type: ignore[arg-type]
+            changes.append(_compare(kind, old, new))
+    deleted: dict[str, set[str]] = {"region": set(), "origin": set(), "tenant": set()}
+    if prune:
+        # Dependants first: tenants and origins, then the regions they were in.
+        for kind, wanted, have in (
+            ("tenant", topology.tenants, current.tenants),
+            ("origin", topology.origins, current.origins),
+            ("region", topology.regions, current.regions),
+        ):
+            keep = {v.name for v in wanted}
+            for name in sorted(set(have) - keep):
+                deleted[kind].add(name)
+                changes.append(Change(kind, name, "deleted"))
+    in_file = {r.name for r in topology.regions}
+    relies: set[str] = set()
+
+    def region_ref(name: str, path: str) -> None:
+        if name in in_file:
+            return
+        if name in current.regions and name not in deleted["region"]:
+            relies.add(name)
+            return
+        where = "is deleted by --prune" if name in deleted["region"] else "does not exist"
+        errors.append(f"{path}: region {name!r} {where}; list it under regions")
+
+    for r in topology.regions:
+        for other, _ in r.rtt_ms:
+            region_ref(other, f"{topology.paths[('region', r.name)]}.rtt_ms.{other}")
+    for o in topology.origins:
+        region_ref(o.region, f"{topology.paths[('origin', o.name)]}.region")
+    for name in sorted(deleted["tenant"]):
+        if current.active_keys.get(name):
+            errors.append(
+                f"tenant {name!r} (not in the document, --prune deletes it) still has active "
+                f"keys: {', '.join(current.active_keys[name])}; revoke them first"
+            )
+    issuers: dict[str, str] = {}
+    final = {t.name: t for t in current.tenants.values() if t.name not in deleted["tenant"]}
+    final.update((t.name, t) for t in topology.tenants)
+    for t in sorted(final.values(), key=lambda t: t.name):
+        if t.jwt is None:
+            continue
+        if t.jwt.issuer in issuers:
+            errors.append(
+                f"{topology.paths.get(('tenant', t.name), 'tenant ' + t.name)}.jwt.issuer: "
+                f"{t.jwt.issuer!r} already belongs to tenant {issuers[t.jwt.issuer]!r}"
+            )
+        issuers.setdefault(t.jwt.issuer, t.name)
+    if errors:
+        raise ApplyError(errors)
+    return Plan(tuple(changes), tuple(sorted(relies)))

@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import orjson
 
+from controlplane import apply as topology
 from controlplane.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -57,7 +58,15 @@ from controlplane.model import (
     decode_tenant,
     encode,
 )
-from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
+from controlplane.store import (
+    MAX_TXN_OPS,
+    Conflict,
+    Fence,
+    KeyValue,
+    StateStore,
+    StoreUnavailable,
+    Write,
+)
 from ponto.apikeys import issue_key
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,7 @@ PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
 ACKS = ROOT + "acks/"
 CAS_ATTEMPTS = 8
+_PREFIX = {"region": REGIONS, "origin": ORIGINS, "tenant": TENANTS}
 
 T = TypeVar("T")
 R = TypeVar("R", Region, Origin, Tenant)
@@ -307,6 +317,77 @@ class Catalog:
                 raise AlreadyExists(
                     f"JWT issuer {tenant.jwt.issuer!r} already belongs to tenant {other.name!r}"
                 )
+
+    # ------------------------------------------------------------ topology
+
+    async def apply(
+        self, doc: object, *, prune: bool, dry_run: bool
+    ) -> tuple[topology.Change, ...]:
+        """Make regions, origins and tenants match a topology document, all or nothing.
+
+        The whole document is checked first (controlplane/apply.py), against
+        the state of one revision; then every change is written in one store
+        transaction, conditional on each written key and each region relied
+        on being as read, retried from the read on a conflict. dry_run stops
+        after the checks. Raises ApplyError (INVALID_ARGUMENT) listing every
+        error; nothing is written then.
+        """
+        wanted = topology.parse(doc)
+        for _ in range(CAS_ATTEMPTS):
+            listing = await _guard(self.store.list(STATE_PREFIX))
+            revisions = {kv.key: kv.mod_revision for kv in listing.items}
+            current = self._current(listing.items)
+            plan = topology.plan(wanted, current, prune=prune)
+            if dry_run:
+                return plan.changes
+            writes = []
+            for change in plan.writes():
+                key = _PREFIX[change.kind] + change.name
+                value = None if change.value is None else encode(change.value)
+                writes.append(Write(key, value, if_mod_revision=revisions.get(key, 0)))
+                if change.kind == "origin" and change.action == "deleted":
+                    writes.append(Write(HEALTH + change.name, None))
+            if len(writes) > MAX_TXN_OPS:
+                raise InvalidArgument(
+                    f"the topology changes {len(writes)} objects, more than one transaction "
+                    f"holds ({MAX_TXN_OPS}); apply it in parts"
+                )
+            checks = [Fence(REGIONS + r, revisions[REGIONS + r]) for r in plan.relies_on]
+            try:
+                await _guard(self.store.commit(writes, checks))
+            except Conflict:
+                continue
+            return plan.changes
+        raise Unavailable("the state kept changing while applying; try again")
+
+    @staticmethod
+    def _current(items: tuple[KeyValue, ...]) -> topology.Current:
+        regions: dict[str, Region] = {}
+        origins: dict[str, Origin] = {}
+        tenants: dict[str, Tenant] = {}
+        active: dict[str, list[str]] = {}
+        for kv in items:
+            # An undecodable value is treated as absent, as snapshot() does;
+            # the document may then replace it.
+            try:
+                if kv.key.startswith(REGIONS):
+                    regions[kv.key[len(REGIONS) :]] = decode_region(kv.value)
+                elif kv.key.startswith(ORIGINS):
+                    origins[kv.key[len(ORIGINS) :]] = decode_origin(kv.value)
+                elif kv.key.startswith(TENANTS):
+                    tenants[kv.key[len(TENANTS) :]] = decode_tenant(kv.value)
+                elif kv.key.startswith(KEYS):
+                    key = decode_key(kv.value)
+                    if not key.revoked:
+                        active.setdefault(key.tenant, []).append(key.id)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.error("ignoring undecodable key %s: %s", kv.key, exc)
+        return topology.Current(regions, origins, tenants, active)
+
+    async def export(self) -> dict[str, list[dict[str, object]]]:
+        """The whole topology as an apply document; keys and health are not part of it."""
+        state = await self.snapshot()
+        return topology.document(state.regions, state.origins, state.tenants)
 
     # ------------------------------------------------------------ keys
 

@@ -1,7 +1,13 @@
 """`pontoctl`: the operators' CLI over the Admin gRPC API.
 
-Exit codes: 0 success, 1 the control plane refused or failed the call (its
-message is printed), 2 bad usage.
+Exit codes: 0 success; 2 a bad value (flags, a topology file, or a value the
+control plane refused as INVALID_ARGUMENT), found before anything is written;
+1 any other refusal or failure of the control plane (not found, already
+exists, unreachable, not allowed). Every error is one message on stderr,
+never a traceback.
+
+Values are checked here with the model's own `validated()` before a call, and
+again by the control plane, which checks every client's writes the same way.
 """
 
 from __future__ import annotations
@@ -12,14 +18,28 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import grpc
+import orjson
 import yaml
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from controlplane.apply import ApplyError, apply_file
+from controlplane.errors import InvalidArgument
+from controlplane.messages import origin_of, region_of, tenant_of
+from controlplane.model import (
+    MAX_CAPACITY,
+    MAX_CONCURRENCY,
+    MAX_CONTINUATIONS,
+    MAX_RATE,
+    MAX_TOKENS_CEILING,
+    MAX_TTL_S,
+    MAX_WEIGHT,
+    Limits,
+    Tenant,
+)
 from ponto import grpcconn as conn
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -29,7 +49,7 @@ ENV_ADDRESS = "PONTO_CONTROL_PLANE"
 
 
 class UsageError(Exception):
-    """The command line is wrong in a way argparse cannot tell (exit code 2)."""
+    """The command line or its file is wrong in a way argparse cannot tell (exit code 2)."""
 
 
 TIMEOUT = 10.0
@@ -91,17 +111,20 @@ def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[s
 
 
 def render(
-    message: Message, output: str, rows: Callable[[Any], tuple[list[str], list[list[str]]]] | None
+    message: Message, output: str, rows: Callable[[Any], tuple[list[str], list[list[str]]] | str]
 ) -> str:
+    """message as JSON or YAML (proto field names), or as the text rows() makes of it."""
     if output == "json":
         return json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2)
     if output == "yaml":
         return yaml.safe_dump(
             MessageToDict(message, preserving_proto_field_name=True), sort_keys=False
         ).rstrip()
-    if rows is None:
-        return str(message).rstrip()
-    header, body = rows(message)
+    made = rows(message)
+    return made if isinstance(made, str) else _table(*made)
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=False)]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()
@@ -123,14 +146,42 @@ def parse_rtt(text: str) -> dict[str, float]:
     return out
 
 
+def _count(high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in 0..high (the range the model accepts)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not 0 <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in 0..{high}")
+        return value
+
+    return parse
+
+
 def _limits_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
-    p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
-    p.add_argument("--concurrency", type=int, default=0, help="concurrent requests (0: no limit)")
+    rate = _count(MAX_RATE)
+    p.add_argument("--rpm", type=rate, default=0, help="requests per minute (0: no limit)")
+    p.add_argument("--tpm", type=rate, default=0, help="tokens per minute (0: no limit)")
+    p.add_argument(
+        "--concurrency",
+        type=_count(MAX_CONCURRENCY),
+        default=0,
+        help="concurrent requests (0: no limit)",
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its refusals on one line, like every other pontoctl error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pontoctl", description="Operate a Ponto fleet")
+    p = _Parser(prog="pontoctl", description="Operate a Ponto fleet")
     p.add_argument(
         "--control-plane",
         default=os.environ.get(ENV_ADDRESS, "127.0.0.1:7070"),
@@ -169,10 +220,12 @@ def _parser() -> argparse.ArgumentParser:
     oa.add_argument("--url", required=True, help="OpenAI-compatible base URL, with /v1")
     oa.add_argument("--region", required=True)
     oa.add_argument("--models", required=True, help="comma-separated model names")
-    oa.add_argument("--weight", type=int, default=0, help="traffic share among equals (1..1000)")
+    oa.add_argument(
+        "--weight", type=_count(MAX_WEIGHT), default=0, help="traffic share among equals (1..1000)"
+    )
     oa.add_argument(
         "--capacity",
-        type=int,
+        type=_count(MAX_CAPACITY),
         default=0,
         help="concurrent requests the origin serves well (enables spill)",
     )
@@ -204,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     ts.add_argument("name")
     ts.add_argument("--cache", choices=["off", "exact", "semantic"])
     ts.add_argument("--semantic-threshold", type=float)
-    ts.add_argument("--cache-ttl", type=int, metavar="SECONDS")
+    ts.add_argument("--cache-ttl", type=_count(MAX_TTL_S), metavar="SECONDS")
     ts.add_argument(
         "--cache-nondeterministic",
         choices=["on", "off"],
@@ -216,7 +269,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=["on", "off"],
         help="on: replace the client's system messages; off: prepend",
     )
-    ts.add_argument("--max-tokens", type=int, help="ceiling (and default) of max_tokens")
+    ts.add_argument(
+        "--max-tokens", type=_count(MAX_TOKENS_CEILING), help="ceiling (and default) of max_tokens"
+    )
     ts.add_argument(
         "--default",
         action="append",
@@ -266,7 +321,10 @@ def _parser() -> argparse.ArgumentParser:
         "off: it ends with an error event (default on)",
     )
     ts.add_argument(
-        "--max-continuations", type=int, metavar="N", help="continuations per request (default 2)"
+        "--max-continuations",
+        type=_count(MAX_CONTINUATIONS),
+        metavar="N",
+        help="continuations per request (default 2)",
     )
     ts.add_argument(
         "--stream-idle-timeout",
@@ -298,7 +356,11 @@ def _parser() -> argparse.ArgumentParser:
     _limits_args(kc)
     kl = key.add_parser("list", help="list keys (never their secrets)")
     kl.add_argument("--tenant", default="")
-    kl.add_argument("--all", action="store_true", help="include revoked keys")
+    shown = kl.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--all", action="store_true", help="active and revoked keys, with their STATE (the default)"
+    )
+    shown.add_argument("--active", action="store_true", help="hide revoked keys")
     kl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
     key.add_parser("revoke", help="revoke a key by its id").add_argument("id")
 
@@ -328,7 +390,16 @@ def _parser() -> argparse.ArgumentParser:
         help="also delete regions, origins and tenants the file does not list",
     )
 
-    get = sub.add_parser("get", help="list regions, origins, tenants, keys, proxies or the table")
+    ex = sub.add_parser(
+        "export", help="write the whole topology (regions, origins, tenants) as an apply file"
+    )
+    ex.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+
+    get = sub.add_parser(
+        "get",
+        help="list regions, origins, tenants, keys, proxies or the table; -o yaml|json of "
+        "regions, origins and tenants is an apply file",
+    )
     get.add_argument(
         "kind",
         choices=["regions", "origins", "tenants", "keys", "proxies", "controlplanes", "table"],
@@ -352,10 +423,8 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
     return out
 
 
-def _limits(args: argparse.Namespace) -> pb.Limits:
-    for label in ("rpm", "tpm", "concurrency"):
-        if getattr(args, label) < 0:
-            raise UsageError(f"--{label} must be 0 or more")
+def _limits(args: argparse.Namespace, owner: str) -> pb.Limits:
+    Limits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency).validated(owner)
     return pb.Limits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency)
 
 
@@ -495,6 +564,89 @@ def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
     ]
 
 
+def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:
+    """The tenant the control plane will hold after update, as a model value."""
+    merged = pb.Tenant()
+    merged.CopyFrom(current)
+    merged.name = update.name
+    for part in ("limits", "cache", "prompt", "routing", "streams"):
+        if update.HasField(part):
+            getattr(merged, part).CopyFrom(getattr(update, part))
+    return tenant_of(merged)
+
+
+def _load(path: str) -> Any:
+    """The YAML (or JSON) document in path, '-' for stdin."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path} is not valid YAML: {exc}") from exc
+
+
+def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = False) -> str:
+    """Send the topology in path to the control plane's Apply; return the report.
+
+    The control plane checks the whole file (the same checks with or without
+    dry_run) and writes all of it in one transaction, or nothing.
+    """
+    doc = _load(path)
+    try:
+        # Non-string keys become strings, which the control plane then checks as names.
+        text = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError as exc:
+        raise UsageError(f"{path} holds a value that is not JSON: {exc}") from exc
+    resp = stub.Apply(apb.ApplyRequest(document=text, prune=prune, dry_run=dry_run))
+    counts = dict.fromkeys(("created", "updated", "deleted", "unchanged"), 0)
+    lines = []
+    for c in resp.changes:
+        counts[c.action] += 1
+        lines.append(
+            f"{c.kind} {c.name} {c.action}" + (f" ({', '.join(c.fields)})" if c.fields else "")
+        )
+    summary = ", ".join(f"{n} {action}" for action, n in counts.items())
+    suffix = " (dry run: nothing changed)" if resp.dry_run else ""
+    return "\n".join([*lines, summary + suffix])
+
+
+def _export(stub: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = orjson.loads(stub.Export(apb.ListRequest()).document)
+    return doc
+
+
+def _dump(doc: dict[str, Any], output: str) -> str:
+    if output == "json":
+        return json.dumps(doc, indent=2)
+    return yaml.safe_dump(doc, sort_keys=False).rstrip()
+
+
+def _table_summary(resp: apb.GetRouteTableResponse) -> str:
+    t = resp.table
+    if not t.version:
+        return "no route table yet (the control plane has not compiled one)"
+    head = (
+        f"route table version {t.version} (etag {t.etag[:12]}): {len(t.regions)} regions, "
+        f"{len(t.origins)} origins, {len(t.tenants)} tenants, {len(t.keys)} active keys, "
+        f"{len(t.purges)} purges; auth {'required' if t.auth_required else 'open'}"
+    )
+    rows = []
+    for r in t.regions:
+        rows.append([r.name, "drained" if r.drained else "serving", "", "", ""])
+        for o in (o for o in t.origins if o.region == r.name):
+            load = f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else "")
+            health = "healthy" if o.healthy else f"unhealthy ({o.health_detail or '?'})"
+            state = "drained" if o.drained else "serving"
+            rows.append([f"  {o.name}", state, health, load, ",".join(o.models)])
+    table = _table(["REGION / ORIGIN", "STATE", "HEALTH", "INFLIGHT", "MODELS"], rows)
+    tenants = "tenants: " + (", ".join(x.name for x in t.tenants) or "-")
+    return "\n".join([head, table, tenants, "(-o json for the whole table)"])
+
+
 def run(args: argparse.Namespace, stub: Any) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
@@ -505,6 +657,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             rtt_ms=parse_rtt(args.rtt),
             spill_threshold=args.spill_threshold,
         )
+        region_of(spec).validated()
         r = stub.PutRegion(apb.PutRegionRequest(region=spec, allow_update=args.update))
         return f"region {r.name} ({r.latitude:g}, {r.longitude:g}) saved"
     if args.command == "region" and args.action == "delete":
@@ -523,6 +676,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             credential_file=args.credential_file,
             continuation=args.continuation,
         )
+        origin_of(ospec).validated()
         o = stub.PutOrigin(apb.PutOriginRequest(origin=ospec, allow_update=args.update))
         return f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
     if args.command == "origin" and args.action == "delete":
@@ -537,7 +691,9 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return f"tenant {args.name} deleted"
         tenants = stub.ListTenants(apb.ListRequest()).tenants
         current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
-        t = stub.UpdateTenant(_tenant_update(args, current))
+        update = _tenant_update(args, current)
+        _merged(current, update).validated()
+        t = stub.UpdateTenant(update)
         return (
             f"tenant {t.name} saved (cache {t.cache.mode}; routing {t.routing.mode or 'default'})"
         )
@@ -545,7 +701,9 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if args.action == "create":
             resp = stub.CreateKey(
                 apb.CreateKeyRequest(
-                    tenant=args.tenant, description=args.description, limits=_limits(args)
+                    tenant=args.tenant,
+                    description=args.description,
+                    limits=_limits(args, "the key"),
                 )
             )
             # The key alone on the last line, so scripts can take `tail -n1`.
@@ -554,12 +712,14 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 "it is shown only now, store it safely:\n" + str(resp.secret)
             )
         if args.action == "list":
-            keys = stub.ListKeys(apb.ListKeysRequest(tenant=args.tenant, include_revoked=args.all))
+            keys = stub.ListKeys(
+                apb.ListKeysRequest(tenant=args.tenant, include_revoked=not args.active)
+            )
             return render(keys, args.output, _rows_keys)
         k = stub.RevokeKey(apb.KeyRequest(id=args.id))
         return f"key {k.id} of tenant {k.tenant} revoked"
     if args.command == "limit":
-        limits = _limits(args)
+        limits = _limits(args, f"key {args.key!r}" if args.key else f"tenant {args.tenant!r}")
         if args.key:
             stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=args.key, limits=limits))
             return f"limits of key {args.key} set"
@@ -584,8 +744,13 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         return f"cache purge of {scope} sent (revision {resp.purge.revision})"
     if args.command == "apply":
         return apply_file(stub, args.file, dry_run=args.dry_run, prune=args.prune)
+    if args.command == "export":
+        return _dump(_export(stub), args.output)
     if args.command == "get":
         req = apb.ListRequest()
+        if args.kind in ("regions", "origins", "tenants") and args.output != "table":
+            # The apply file's representation, so the output is valid `apply -f` input.
+            return _dump({args.kind: _export(stub)[args.kind]}, args.output)
         if args.kind == "regions":
             return render(stub.ListRegions(req), args.output, _rows_regions)
         if args.kind == "origins":
@@ -593,12 +758,13 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if args.kind == "tenants":
             return render(stub.ListTenants(req), args.output, _rows_tenants)
         if args.kind == "keys":
-            return render(stub.ListKeys(apb.ListKeysRequest()), args.output, _rows_keys)
+            keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+            return render(keys, args.output, _rows_keys)
         if args.kind == "proxies":
             return render(stub.ListProxies(req), args.output, _rows_proxies)
         if args.kind == "controlplanes":
             return render(stub.ListControlPlanes(req), args.output, _rows_replicas)
-        return render(stub.GetRouteTable(req), args.output, None)
+        return render(stub.GetRouteTable(req), args.output, _table_summary)
     if args.command in ("drain", "undrain"):
         drained = args.command == "drain"
         req_d = apb.DrainRequest(name=args.name, drained=drained)
@@ -611,7 +777,10 @@ def run(args: argparse.Namespace, stub: Any) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a refused command line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         options = conn.ClientOptions.from_args(args)
     except conn.CredentialError as exc:
@@ -621,10 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub = conn.CallDefaults(admin_pb2_grpc.AdminStub(channel), TIMEOUT)
         try:
             print(run(args, stub))
-        except ApplyError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except UsageError as exc:
+        except (UsageError, InvalidArgument) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         except ValueError as exc:
@@ -633,18 +799,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: a value is out of range: {exc}", file=sys.stderr)
             return 2
         except grpc.RpcError as exc:
-            code = exc.code()
-            detail = exc.details()
-            if code == grpc.StatusCode.UNAVAILABLE and "state store" not in (detail or ""):
-                detail = f"control plane at {args.control_plane} is unreachable ({detail})"
-                if not options.secure:
-                    detail += (
-                        "; if it requires TLS, give --tls-ca, --tls-cert and --tls-key "
-                        "(or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
-                    )
-            print(f"error: {detail} [{code.name}]", file=sys.stderr)
-            return 1
+            return _refused(exc, args.control_plane, options)
     return 0
+
+
+def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> int:
+    """Print the control plane's refusal on one line; return the exit code."""
+    code: grpc.StatusCode | None = getattr(exc, "code", lambda: None)()
+    detail: str = getattr(exc, "details", lambda: "")() or str(code)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        print(f"error: {detail}", file=sys.stderr)
+        return 2
+    if code == grpc.StatusCode.UNAVAILABLE and "state store" not in detail:
+        detail = f"control plane at {address} is unreachable ({detail})"
+        if not options.secure:
+            detail += (
+                "; if it requires TLS, give --tls-ca, --tls-cert and --tls-key "
+                "(or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
+            )
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
+    elif code == grpc.StatusCode.PERMISSION_DENIED:
+        detail += "; this credential may not use the Admin API"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        detail = f"control plane at {address} did not answer within {TIMEOUT:g} s"
+    name = code.name if code is not None else "UNKNOWN"
+    print(f"error: {detail} [{name}]", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

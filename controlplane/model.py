@@ -31,6 +31,8 @@ JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
 MAX_TTL_S = 30 * 86_400
 MAX_CONCURRENCY = 2**32 - 1  # a uint32 in the route table
+MAX_RATE = 10**12  # rpm and tpm
+MAX_TOKENS_CEILING = 10**7
 MAX_SYSTEM_PROMPT = 64 * 1024
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000
@@ -124,6 +126,10 @@ class Origin:
         if not 1 <= weight <= MAX_WEIGHT:
             raise InvalidArgument(
                 f"weight {weight} of origin {self.name!r} is not in 1..{MAX_WEIGHT}"
+            )
+        if not 0 <= self.capacity <= MAX_CAPACITY:
+            raise InvalidArgument(
+                f"capacity {self.capacity} of origin {self.name!r} is not in 0..{MAX_CAPACITY}"
             )
         if self.credential_env and self.credential_file:
             raise InvalidArgument(
@@ -234,7 +240,7 @@ class Limits:
             ("rpm", self.rpm),
             ("tpm", self.tpm),
         ):
-            if not 0 <= value <= 10**12:
+            if not 0 <= value <= MAX_RATE:
                 raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12")
         return self
 
@@ -261,7 +267,7 @@ class PromptPolicy:
                 raise InvalidArgument(
                     f"{owner}: default of {name!r} is not valid JSON: {text!r}"
                 ) from exc
-        if not 0 <= self.max_tokens_ceiling <= 10**7:
+        if not 0 <= self.max_tokens_ceiling <= MAX_TOKENS_CEILING:
             raise InvalidArgument(f"max_tokens ceiling of {owner} is not in 0..10^7")
         for public, target in self.aliases:
             for model in (public, target):
@@ -315,6 +321,9 @@ class RoutingPolicy:
                 )
         if any(not model or not mode for model, mode in self.models):
             raise InvalidArgument(f"a per-model routing mode of {owner} names no model or mode")
+        for model, _ in self.models:
+            if not MODEL_RE.match(model):
+                raise InvalidArgument(f"{owner}: model name {model!r} in routing is invalid")
         b = self.load_bound
         if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
             raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100")
@@ -350,8 +359,9 @@ class StreamPolicy:
                 raise InvalidArgument(
                     f"hedge delay {ms!r} of {owner} is not auto or 0..{MAX_HEDGE_MS} ms"
                 )
-        if any(not model for model, _ in self.hedge_models):
-            raise InvalidArgument(f"a per-model hedge delay of {owner} names no model")
+        for model, _ in self.hedge_models:
+            if not MODEL_RE.match(model):
+                raise InvalidArgument(f"{owner}: model name {model!r} in hedge_models is invalid")
         return replace(self, hedge_models=tuple(sorted(dict(self.hedge_models).items())))
 
 

@@ -6,24 +6,30 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import orjson
 
 from controlplane.api.errors import grpc_errors
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.errors import InvalidArgument
+from controlplane.messages import (
+    cache_of,
+    jwt_of,
+    limits_of,
+    origin_of,
+    prompt_of,
+    region_of,
+    routing_of,
+    streams_of,
+    tenant_of,
+)
 from controlplane.model import (
     ApiKeyRecord,
-    CachePolicy,
-    JwtIssuer,
-    Limits,
     Origin,
     OriginHealth,
-    PromptPolicy,
     ProxyRecord,
     Region,
-    RoutingPolicy,
-    StreamPolicy,
     Tenant,
 )
 from ponto.v1 import admin_pb2 as apb
@@ -62,80 +68,6 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
     )
 
 
-def limits_of(m: pb.Limits) -> Limits:
-    return Limits(rpm=m.rpm, tpm=m.tpm, concurrency=m.concurrency)
-
-
-def prompt_of(m: pb.PromptPolicy) -> PromptPolicy:
-    return PromptPolicy(
-        system_prompt=m.system_prompt,
-        enforce_system_prompt=m.enforce_system_prompt,
-        defaults=tuple(m.defaults.items()),
-        max_tokens_ceiling=m.max_tokens_ceiling,
-        aliases=tuple(m.aliases.items()),
-    )
-
-
-def cache_of(m: pb.CachePolicy) -> CachePolicy:
-    return CachePolicy(
-        mode=m.mode,
-        semantic_threshold=m.semantic_threshold,
-        ttl_s=m.ttl_s,
-        cache_nondeterministic=m.cache_nondeterministic,
-        store_truncated=m.store_truncated,
-    )
-
-
-def routing_of(m: pb.RoutingPolicy) -> RoutingPolicy:
-    return RoutingPolicy(
-        mode=m.mode,
-        models=tuple(m.models.items()),
-        user_sessions=m.user_sessions,
-        load_bound=m.load_bound,
-    )
-
-
-def streams_of(m: pb.StreamPolicy) -> StreamPolicy:
-    return StreamPolicy(
-        continuation=m.continuation,
-        max_continuations=m.max_continuations,
-        stream_idle_timeout_s=m.stream_idle_timeout_s,
-        hedge_ms=m.hedge_ms,
-        hedge_auto=m.hedge_auto,
-        hedge_models=tuple(m.hedge_models.items()),
-    )
-
-
-def _on_off(value: str, name: str) -> bool:
-    if value not in ("", "on", "off"):
-        raise InvalidArgument(f"{name} must be on or off, not {value!r}")
-    return value != "off"
-
-
-def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
-    return JwtIssuer(
-        issuer=m.issuer,
-        audiences=tuple(m.audiences),
-        algorithms=tuple(m.algorithms),
-        jwks_file=m.jwks_file,
-        hs256_secret_file=m.hs256_secret_file,
-        hs256_secret_env=m.hs256_secret_env,
-        leeway_s=m.leeway_s if m.leeway_s else 30.0,
-    )
-
-
-def tenant_of(m: pb.Tenant) -> Tenant:
-    return Tenant(
-        name=m.name,
-        limits=limits_of(m.limits),
-        prompt=prompt_of(m.prompt),
-        cache=cache_of(m.cache),
-        jwt=jwt_of(m.jwt) if m.HasField("jwt") else None,
-        routing=routing_of(m.routing),
-        streams=streams_of(m.streams),
-    )
-
-
 def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
     return apb.ApiKeyInfo(
         id=k.id,
@@ -169,14 +101,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def PutRegion(self, request: apb.PutRegionRequest, context: Ctx) -> pb.Region:
         if not request.HasField("region"):
             raise InvalidArgument("region is required")
-        spec = request.region
-        region = Region(
-            spec.name,
-            spec.latitude,
-            spec.longitude,
-            rtt_ms=tuple(spec.rtt_ms.items()),
-            spill_threshold=spec.spill_threshold,
-        )
+        region = region_of(request.region)
         return region_pb(await self._catalog.put_region(region, allow_update=request.allow_update))
 
     @grpc_errors
@@ -197,18 +122,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def PutOrigin(self, request: apb.PutOriginRequest, context: Ctx) -> pb.Origin:
         if not request.HasField("origin"):
             raise InvalidArgument("origin is required")
-        spec = request.origin
-        origin = Origin(
-            spec.name,
-            spec.base_url,
-            spec.region,
-            tuple(spec.models),
-            spec.weight,
-            capacity=spec.capacity,
-            credential_env=spec.credential_env,
-            credential_file=spec.credential_file,
-            continuation=_on_off(spec.continuation, "continuation"),
-        )
+        origin = origin_of(request.origin)
         return origin_pb(await self._catalog.put_origin(origin, allow_update=request.allow_update))
 
     @grpc_errors
@@ -326,6 +240,26 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 for r in sorted(replicas, key=lambda r: str(r.get("id", "")))
             ],
         )
+
+    @grpc_errors
+    async def Apply(self, request: apb.ApplyRequest, context: Ctx) -> apb.ApplyResponse:
+        try:
+            doc = orjson.loads(request.document or "{}")
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgument(f"the document is not valid JSON: {exc}") from exc
+        changes = await self._catalog.apply(doc, prune=request.prune, dry_run=request.dry_run)
+        return apb.ApplyResponse(
+            changes=[
+                apb.Change(kind=c.kind, name=c.name, action=c.action, fields=list(c.fields))
+                for c in changes
+            ],
+            dry_run=request.dry_run,
+        )
+
+    @grpc_errors
+    async def Export(self, request: apb.ListRequest, context: Ctx) -> apb.ExportResponse:
+        doc = await self._catalog.export()
+        return apb.ExportResponse(document=orjson.dumps(doc).decode())
 
     @grpc_errors
     async def GetRouteTable(

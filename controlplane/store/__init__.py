@@ -1,6 +1,7 @@
 """State store: protocol, etcd implementation, in-memory implementation."""
 
 from controlplane.store.base import (
+    MAX_TXN_OPS,
     Conflict,
     Fence,
     KeyValue,
@@ -9,9 +10,11 @@ from controlplane.store.base import (
     StateStore,
     StoreError,
     StoreUnavailable,
+    Write,
 )
 
 __all__ = [
+    "MAX_TXN_OPS",
     "Conflict",
     "Fence",
     "KeyValue",
@@ -20,4 +23,5 @@ __all__ = [
     "StateStore",
     "StoreError",
     "StoreUnavailable",
+    "Write",
 ]

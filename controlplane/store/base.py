@@ -9,7 +9,7 @@ strictly across the whole store, as in etcd.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +44,22 @@ class Fence:
 
     key: str
     mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """One operation of a transaction: put value at key, or delete key (value None).
+
+    if_mod_revision: the key's mod_revision must equal it (0: absent); None: no condition.
+    """
+
+    key: str
+    value: bytes | None
+    if_mod_revision: int | None = None
+
+
+# etcd refuses a transaction of more operations than its --max-txn-ops (128 by default).
+MAX_TXN_OPS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +104,16 @@ class StateStore(Protocol):
 
     async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:
         """Delete key; return whether it existed. Conditional like put."""
+        ...
+
+    async def commit(self, writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:
+        """Apply all writes at one new revision, or none of them.
+
+        Raise Conflict, writing nothing, when a write's if_mod_revision or a
+        check (a key that must still be at mod_revision, 0: absent) does not
+        hold. Keys must be distinct; at most MAX_TXN_OPS writes. Returns the
+        revision (the current one when writes is empty).
+        """
         ...
 
     async def grant_lease(self, ttl: int) -> int:

@@ -25,12 +25,14 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 
 from controlplane.store.base import (
+    MAX_TXN_OPS,
     Conflict,
     Fence,
     KeyValue,
     LeaseExpired,
     Listing,
     StoreUnavailable,
+    Write,
 )
 
 log = logging.getLogger(__name__)
@@ -349,6 +351,26 @@ class EtcdStore:
         if not txn.succeeded:
             raise Conflict(f"condition on {key} failed")
         return bool(txn.responses[0].response_delete_range.deleted)
+
+    async def commit(self, writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:
+        if len({w.key for w in writes}) != len(writes):
+            raise ValueError("a transaction names a key twice")
+        if len(writes) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes")
+        compares: builtins.list[Any] = []
+        for w in writes:
+            compares += self._compares(w.key, False, w.if_mod_revision)
+        for c in checks:
+            compares += self._compares(c.key, False, c.mod_revision)
+        kv = self._kv
+        ops = [
+            kv.txn_op_delete(w.key) if w.value is None else kv.txn_op_put(w.key, w.value)
+            for w in writes
+        ]
+        txn = await self._call("txn", kv.txn(compares, ops, timeout=self._timeout))
+        if not txn.succeeded:
+            raise Conflict("a condition of the transaction failed")
+        return int(txn.header.revision)
 
     async def grant_lease(self, ttl: int) -> int:
         resp = await self._call("lease grant", self._lease.grant(ttl, timeout=self._timeout))

@@ -10,15 +10,17 @@ import asyncio
 import bisect
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from controlplane.store.base import (
+    MAX_TXN_OPS,
     Conflict,
     Fence,
     KeyValue,
     LeaseExpired,
     Listing,
     StoreUnavailable,
+    Write,
 )
 
 
@@ -117,6 +119,31 @@ class MemoryStore:
         self._remove(key)
         self._notify()
         return True
+
+    async def commit(self, writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:
+        self._check()
+        if len({w.key for w in writes}) != len(writes):
+            raise ValueError("a transaction names a key twice")
+        if len(writes) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes")
+        for w in writes:
+            self._condition(w.key, False, w.if_mod_revision)
+        for c in checks:
+            self._condition(c.key, False, c.mod_revision)
+        if not writes:
+            return self._revision
+        self._revision += 1
+        for w in writes:
+            if w.value is None:
+                if w.key in self._data:
+                    self._remove(w.key)
+                continue
+            if w.key not in self._data:
+                bisect.insort(self._keys, w.key)
+            self._data[w.key] = KeyValue(w.key, w.value, self._revision)
+            self._history.append((self._revision, w.key))
+        self._notify()
+        return self._revision
 
     async def grant_lease(self, ttl: int) -> int:
         self._check()

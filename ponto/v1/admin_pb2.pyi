@@ -742,3 +742,118 @@ class PurgeCacheResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PurgeCacheResponse: _TypeAlias = PurgeCacheResponse  # noqa: Y015
+
+@_typing.final
+class ApplyRequest(_message.Message):
+    """---------------------------------------------------------------- apply
+
+    A whole topology (regions, origins, tenants) in the apply-file shape that
+    `pontoctl apply -f` reads and `pontoctl export` writes (controlplane/apply.py
+    documents it), as JSON text: one representation for every client.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    PRUNE_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    document: _builtins.str
+    prune: _builtins.bool
+    """Also delete regions, origins and tenants the document does not list."""
+    dry_run: _builtins.bool
+    """Run every check and report the changes, write nothing."""
+    def __init__(
+        self,
+        *,
+        document: _builtins.str = ...,
+        prune: _builtins.bool = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "dry_run", b"dry_run", "prune", b"prune"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyRequest: _TypeAlias = ApplyRequest  # noqa: Y015
+
+@_typing.final
+class Change(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"region", "origin" or "tenant"."""
+    name: _builtins.str
+    action: _builtins.str
+    """"created", "updated", "deleted" or "unchanged"."""
+    @_builtins.property
+    def fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """For "updated": the fields that differ, in the document's names."""
+
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        name: _builtins.str = ...,
+        action: _builtins.str = ...,
+        fields: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "fields", b"fields", "kind", b"kind", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Change: _TypeAlias = Change  # noqa: Y015
+
+@_typing.final
+class ApplyResponse(_message.Message):
+    """Every change, in the order written; all were written in one store
+    transaction (none when dry_run). An invalid document is refused with
+    INVALID_ARGUMENT naming every error, one per line, and nothing is written.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Change]: ...
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[Global___Change] | None = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "dry_run", b"dry_run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyResponse: _TypeAlias = ApplyResponse  # noqa: Y015
+
+@_typing.final
+class ExportResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    document: _builtins.str
+    """JSON text of an apply document; secrets are never part of it."""
+    def __init__(
+        self,
+        *,
+        document: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportResponse: _TypeAlias = ExportResponse  # noqa: Y015

@@ -135,6 +135,16 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.GetRouteTableResponse.FromString,
                 _registered_method=True)
+        self.Apply = channel.unary_unary(
+                '/ponto.v1.Admin/Apply',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.ApplyRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ApplyResponse.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/ponto.v1.Admin/Export',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ExportResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -260,6 +270,20 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Apply(self, request, context):
+        """Validate a whole document, then write all of it in one transaction.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """The whole topology as an apply document.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -362,6 +386,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetRouteTable,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.ListRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.GetRouteTableResponse.SerializeToString,
+            ),
+            'Apply': grpc.unary_unary_rpc_method_handler(
+                    servicer.Apply,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.ApplyRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ApplyResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.ListRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ExportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -904,6 +938,60 @@ class Admin:
             '/ponto.v1.Admin/GetRouteTable',
             ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.GetRouteTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Apply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/Apply',
+            ponto_dot_v1_dot_admin__pb2.ApplyRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ApplyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/Export',
+            ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ExportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,10 @@ class AdminStub:
     ListProxies: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]
     ListControlPlanes: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]
     GetRouteTable: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.GetRouteTableResponse]
+    Apply: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ApplyRequest, _admin_pb2.ApplyResponse]
+    """Validate a whole document, then write all of it in one transaction."""
+    Export: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ExportResponse]
+    """The whole topology as an apply document."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -79,6 +83,10 @@ class AdminAsyncStub(AdminStub):
     ListProxies: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]  # type: ignore[assignment]
     ListControlPlanes: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]  # type: ignore[assignment]
     GetRouteTable: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.GetRouteTableResponse]  # type: ignore[assignment]
+    Apply: _aio.UnaryUnaryMultiCallable[_admin_pb2.ApplyRequest, _admin_pb2.ApplyResponse]  # type: ignore[assignment]
+    """Validate a whole document, then write all of it in one transaction."""
+    Export: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ExportResponse]  # type: ignore[assignment]
+    """The whole topology as an apply document."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -220,5 +228,21 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.ListRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.GetRouteTableResponse, _abc.Awaitable[_admin_pb2.GetRouteTableResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Apply(
+        self,
+        request: _admin_pb2.ApplyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApplyResponse, _abc.Awaitable[_admin_pb2.ApplyResponse]]:
+        """Validate a whole document, then write all of it in one transaction."""
+
+    @_abc_1.abstractmethod
+    def Export(
+        self,
+        request: _admin_pb2.ListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ExportResponse, _abc.Awaitable[_admin_pb2.ExportResponse]]:
+        """The whole topology as an apply document."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

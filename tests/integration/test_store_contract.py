@@ -20,10 +20,12 @@ import pytest
 
 from controlplane.store import (
     Conflict,
+    Fence,
     LeaseExpired,
     StateStore,
     StoreError,
     StoreUnavailable,
+    Write,
 )
 from controlplane.store.etcd import EtcdStore
 from controlplane.store.memory import MemoryStore
@@ -477,3 +479,53 @@ async def test_etcd_watch_survives_restart(tmp_path: Path) -> None:
             await writer.close()
         await watching.close()
         etcd.stop()
+
+
+# ---------------------------------------------------------------- commit
+
+
+async def test_commit_writes_and_deletes_at_one_revision(store: StateStore) -> None:
+    await store.put(P + "t/old", b"1")
+    rev = await store.commit(
+        [
+            Write(P + "t/a", b"a"),
+            Write(P + "t/b", b"b", if_mod_revision=0),
+            Write(P + "t/old", None),
+        ]
+    )
+    listing = await store.list(P + "t/")
+    assert [(kv.key, kv.value, kv.mod_revision) for kv in listing.items] == [
+        (P + "t/a", b"a", rev),
+        (P + "t/b", b"b", rev),
+    ]
+
+
+async def test_commit_writes_nothing_when_one_condition_fails(store: StateStore) -> None:
+    kept = await store.put(P + "t/x", b"1")
+    await store.put(P + "t/guard", b"g")
+    with pytest.raises(Conflict):
+        await store.commit([Write(P + "t/new", b"n"), Write(P + "t/x", b"2", if_mod_revision=0)])
+    with pytest.raises(Conflict):
+        await store.commit([Write(P + "t/new", b"n")], checks=[Fence(P + "t/guard", kept - 1)])
+    assert await store.get(P + "t/new") is None
+    x = await store.get(P + "t/x")
+    assert x is not None and (x.value, x.mod_revision) == (b"1", kept)
+    guard = await store.get(P + "t/guard")
+    assert guard is not None
+    rev = await store.commit(
+        [Write(P + "t/x", b"3", if_mod_revision=kept)],
+        checks=[Fence(P + "t/guard", guard.mod_revision), Fence(P + "t/absent", 0)],
+    )
+    x = await store.get(P + "t/x")
+    assert x is not None and (x.value, x.mod_revision) == (b"3", rev)
+
+
+async def test_commit_is_one_change_to_watchers(store: StateStore) -> None:
+    start = await store.put(P + "w2/seed", b"0")
+    watcher = Watcher(store, P + "w2/", start)
+    try:
+        rev = await store.commit([Write(P + "w2/a", b"1"), Write(P + "w2/b", b"2")])
+        assert await watcher.next(LONG) == rev
+        assert await watcher.silent_for(SHORT)
+    finally:
+        await watcher.close()

@@ -1,0 +1,121 @@
+"""Admin API messages to model values: one conversion for the servicer and pontoctl.
+
+pontoctl converts what it is about to send and validates it with the model's
+own `validated()`, so a bad flag is refused before anything is written with
+the message the control plane would give.
+"""
+
+from __future__ import annotations
+
+from controlplane.errors import InvalidArgument
+from controlplane.model import (
+    CachePolicy,
+    JwtIssuer,
+    Limits,
+    Origin,
+    PromptPolicy,
+    Region,
+    RoutingPolicy,
+    StreamPolicy,
+    Tenant,
+)
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+
+
+def region_of(spec: apb.RegionSpec) -> Region:
+    return Region(
+        spec.name,
+        spec.latitude,
+        spec.longitude,
+        rtt_ms=tuple(spec.rtt_ms.items()),
+        spill_threshold=spec.spill_threshold,
+    )
+
+
+def origin_of(spec: apb.OriginSpec) -> Origin:
+    return Origin(
+        spec.name,
+        spec.base_url,
+        spec.region,
+        tuple(spec.models),
+        spec.weight,
+        capacity=spec.capacity,
+        credential_env=spec.credential_env,
+        credential_file=spec.credential_file,
+        continuation=_on_off(spec.continuation, "continuation"),
+    )
+
+
+def limits_of(m: pb.Limits) -> Limits:
+    return Limits(rpm=m.rpm, tpm=m.tpm, concurrency=m.concurrency)
+
+
+def prompt_of(m: pb.PromptPolicy) -> PromptPolicy:
+    return PromptPolicy(
+        system_prompt=m.system_prompt,
+        enforce_system_prompt=m.enforce_system_prompt,
+        defaults=tuple(m.defaults.items()),
+        max_tokens_ceiling=m.max_tokens_ceiling,
+        aliases=tuple(m.aliases.items()),
+    )
+
+
+def cache_of(m: pb.CachePolicy) -> CachePolicy:
+    return CachePolicy(
+        mode=m.mode,
+        semantic_threshold=m.semantic_threshold,
+        ttl_s=m.ttl_s,
+        cache_nondeterministic=m.cache_nondeterministic,
+        store_truncated=m.store_truncated,
+    )
+
+
+def routing_of(m: pb.RoutingPolicy) -> RoutingPolicy:
+    return RoutingPolicy(
+        mode=m.mode,
+        models=tuple(m.models.items()),
+        user_sessions=m.user_sessions,
+        load_bound=m.load_bound,
+    )
+
+
+def streams_of(m: pb.StreamPolicy) -> StreamPolicy:
+    return StreamPolicy(
+        continuation=m.continuation,
+        max_continuations=m.max_continuations,
+        stream_idle_timeout_s=m.stream_idle_timeout_s,
+        hedge_ms=m.hedge_ms,
+        hedge_auto=m.hedge_auto,
+        hedge_models=tuple(m.hedge_models.items()),
+    )
+
+
+def _on_off(value: str, name: str) -> bool:
+    if value not in ("", "on", "off"):
+        raise InvalidArgument(f"{name} must be on or off, not {value!r}")
+    return value != "off"
+
+
+def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
+    return JwtIssuer(
+        issuer=m.issuer,
+        audiences=tuple(m.audiences),
+        algorithms=tuple(m.algorithms),
+        jwks_file=m.jwks_file,
+        hs256_secret_file=m.hs256_secret_file,
+        hs256_secret_env=m.hs256_secret_env,
+        leeway_s=m.leeway_s if m.leeway_s else 30.0,
+    )
+
+
+def tenant_of(m: pb.Tenant) -> Tenant:
+    return Tenant(
+        name=m.name,
+        limits=limits_of(m.limits),
+        prompt=prompt_of(m.prompt),
+        cache=cache_of(m.cache),
+        jwt=jwt_of(m.jwt) if m.HasField("jwt") else None,
+        routing=routing_of(m.routing),
+        streams=streams_of(m.streams),
+    )

@@ -1,0 +1,326 @@
+"""The topology document: parsing with every error's path, writing, planning, and
+Catalog.apply's all-or-nothing write over MemoryStore."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from controlplane.apply import (
+    ApplyError,
+    Change,
+    Current,
+    document,
+    parse,
+    plan,
+)
+from controlplane.catalog import HEALTH, Catalog
+from controlplane.errors import InvalidArgument
+from controlplane.model import (
+    ApiKeyRecord,
+    JwtIssuer,
+    Origin,
+    OriginHealth,
+    Region,
+    Tenant,
+)
+from controlplane.store.memory import MemoryStore
+
+FULL = """
+regions:
+  - {name: us-east, lat: 38.9, lon: -77.4, rtt_ms: {eu-west: 75}, spill_threshold: 0.8}
+  - {name: eu-west, lat: 53.3, lon: -6.3, drained: true}
+origins:
+  - {name: vllm-use1, region: us-east, url: "http://vllm:8000/v1/", models: [b, a],
+     weight: 100, capacity: 64, credential_env: ORIGIN_USE1_KEY}
+  - {name: hosted, region: eu-west, url: "https://api.example/v1", models: [a],
+     continuation: false, credential_file: /etc/key}
+tenants:
+  - name: acme
+    limits: {rpm: 600, tpm: 100000, concurrency: 20}
+    cache: {mode: semantic, ttl_s: 3600, semantic_threshold: 0.9, store_truncated: true}
+    prompt: {system_prompt: "Be brief.", max_tokens: 1024, aliases: {gpt-4o: a},
+             defaults: {temperature: 0, stop: ["x"], response_format: {type: json_object}}}
+    jwt: {issuer: "https://id.acme.example", audiences: [ponto], algorithms: [RS256],
+          jwks_file: /etc/ponto/acme-jwks.json}
+    routing: {mode: affinity, models: {a: least-loaded}, user_sessions: true, load_bound: 1.25}
+    streams: {continuation: false, max_continuations: 2, stream_idle_timeout_s: 30,
+              hedge_ms: auto, hedge_models: {a: 500, b: auto}}
+  - name: plain
+"""
+
+
+def full() -> Any:
+    return yaml.safe_load(FULL)
+
+
+def errors_of(doc: Any) -> list[str]:
+    with pytest.raises(ApplyError) as raised:
+        parse(doc)
+    return list(raised.value.errors)
+
+
+# ---------------------------------------------------------------- parse
+
+
+def test_a_full_document_parses_into_normalised_values() -> None:
+    t = parse(full())
+    use1 = next(o for o in t.origins if o.name == "vllm-use1")
+    assert use1.base_url == "http://vllm:8000/v1"
+    assert use1.models == ("a", "b")
+    hosted = next(o for o in t.origins if o.name == "hosted")
+    assert hosted.continuation is False
+    acme = t.tenants[0]
+    assert acme.streams.hedge_auto and acme.streams.hedge_models == (("a", "500"), ("b", "auto"))
+    assert dict(acme.prompt.defaults)["stop"] == '["x"]'
+    assert t.drain_unset == {("region", "us-east"), ("origin", "vllm-use1"), ("origin", "hosted")}
+    assert t.paths[("origin", "hosted")] == "origins[1]"
+
+
+def test_every_error_is_reported_with_its_path() -> None:
+    doc = {
+        "regions": [
+            {"name": "ok", "lat": 1, "lon": 1},
+            {"name": "north", "lat": 200, "lon": 0},
+            {"name": "x", "lat": True, "lon": 0, "colour": "red"},
+        ],
+        "origins": [{"name": "o", "region": "ok", "url": "ftp://h/v1", "models": ["m"]}],
+        "tenants": [
+            {"name": "t", "cache": {"ttl_s": -1}, "limits": {"rpm": "60"}},
+            {"name": "u", "streams": {"hedge_ms": "soon"}, "routing": {"mode": "random"}},
+        ],
+    }
+    errors = errors_of(doc)
+    assert errors == [
+        "regions[1]: latitude 200.0 of region 'north' is out of range [-90, 90]",
+        "regions[2]: unknown field(s) colour; allowed: name, lat, lon, rtt_ms, spill_threshold, "
+        "drained",
+        "regions[2].lat: expected a number, got a boolean",
+        "origins[0]: base URL 'ftp://h/v1' is invalid: expected http(s)://host[:port]/path",
+        "tenants[0].limits.rpm: expected an integer, got '60'",
+        "tenants[1].streams.hedge_ms: expected milliseconds or auto, got 'soon'",
+    ]
+    # Values are checked once their types are right; the model's message then.
+    more = errors_of({"tenants": [{"name": "t", "cache": {"ttl_s": -1}}]})
+    assert more == ["tenants[0]: cache TTL -1 s of tenant 't' is not in 0..2592000"]
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"regions": {"name": "x"}}, "regions: expected a list, got a mapping"),
+        ({"region": []}, "document: unknown field(s) region"),
+        ([1], "document: expected a mapping, got a list"),
+        ({"regions": ["x"]}, "regions[0]: expected a mapping, got 'x'"),
+        ({"origins": [{"name": "o", "region": "r", "url": "http://h"}]},
+         "origins[0].models: required"),
+        ({"regions": [{"name": "a", "lat": 1, "lon": 1}] * 2}, "region 'a' is listed twice"),
+        ({"regions": [{"name": "a", "lat": 1, "lon": 1, "rtt_ms": {"b": "far"}}]},
+         "regions[0].rtt_ms.b: expected a number"),
+        ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
+                       "capacity": -1}]}, "capacity -1 of origin 'o' is not in 0..1000000"),
+        ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
+                       "weight": 5000}]}, "weight 5000 of origin 'o' is not in 1..1000"),
+        ({"regions": [{"name": "a", "lat": 1, "lon": 181}]}, "longitude 181.0"),
+        ({"tenants": [{"name": "t", "limits": {"concurrency": 2**33}}]}, "concurrency 8589934592"),
+        ({"tenants": [{"name": "t", "routing": {"models": {"": "affinity"}}}]},
+         "names no model or mode"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"model": "x"}}}]},
+         "'model' cannot have a default"),
+        ({"tenants": [{"name": "T"}]}, "tenant name 'T' is invalid"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"seed": 2**70}}}]},
+         "tenants[0].prompt.defaults.seed: not a JSON value"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": [float("nan")]}}}]},
+         "tenants[0].prompt.defaults.stop: not a JSON value"),
+        ({"regions": [{"name": "a", "lat": 2**2000, "lon": 1}]}, "regions[0].lat: 1"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": orjson.loads(
+            "[" * 300 + "]" * 300)}}}]}, "tenants[0].prompt.defaults.stop: not a JSON value"),
+    ],
+)  # fmt: skip
+def test_bad_documents_are_refused(doc: Any, message: str) -> None:
+    assert any(message in e for e in errors_of(doc)), errors_of(doc)
+
+
+# ---------------------------------------------------------------- document
+
+
+def test_document_reads_back_to_the_same_values() -> None:
+    t = parse(full())
+    again = parse(document(t.regions, t.origins, t.tenants))
+    assert sorted(again.regions, key=lambda r: r.name) == sorted(t.regions, key=lambda r: r.name)
+    assert sorted(again.origins, key=lambda o: o.name) == sorted(t.origins, key=lambda o: o.name)
+    assert again.tenants == t.tenants
+
+
+def test_document_uses_the_file_names_and_plain_numbers() -> None:
+    doc = document(
+        [Region("r", 1.5, 2.0)],
+        [Origin("o", "http://h/v1", "r", ("m",), 100, capacity=8)],
+        [Tenant("t")],
+    )
+    assert doc == {
+        "regions": [{"name": "r", "lat": 1.5, "lon": 2.0}],
+        "origins": [
+            {"name": "o", "region": "r", "url": "http://h/v1", "models": ["m"], "weight": 100,
+             "capacity": 8}
+        ],
+        "tenants": [{"name": "t", "cache": {"mode": "exact"}}],
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------- plan
+
+
+def current_of(t: Any, **extra: Any) -> Current:
+    return Current(
+        {r.name: r for r in t.regions},
+        {o.name: o for o in t.origins},
+        {x.name: x for x in t.tenants},
+        **extra,
+    )
+
+
+def test_plan_reports_each_change_and_nothing_for_the_same_state() -> None:
+    t = parse(full())
+    created = plan(t, Current(), prune=False)
+    assert [(c.kind, c.name, c.action) for c in created.changes] == [
+        ("region", "us-east", "created"),
+        ("region", "eu-west", "created"),
+        ("origin", "vllm-use1", "created"),
+        ("origin", "hosted", "created"),
+        ("tenant", "acme", "created"),
+        ("tenant", "plain", "created"),
+    ]
+    same = plan(t, current_of(t), prune=True)
+    assert {c.action for c in same.changes} == {"unchanged"} and not same.writes()
+    doc = full()
+    doc["origins"][0]["capacity"] = 32
+    doc["tenants"][0]["limits"]["rpm"] = 900
+    del doc["regions"][1]["drained"]  # left out: the control plane's drain state stays
+    changed = plan(parse(doc), current_of(t), prune=False)
+    assert [(c.name, c.fields) for c in changed.writes()] == [
+        ("vllm-use1", ("capacity",)),
+        ("acme", ("limits",)),
+    ]
+
+
+def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
+    lone = parse({"origins": [{"name": "o", "region": "gone", "url": "http://h", "models": ["m"]}]})
+    with pytest.raises(ApplyError) as raised:
+        plan(lone, Current(), prune=False)
+    assert raised.value.errors == (
+        "origins[0].region: region 'gone' does not exist; list it under regions",
+    )
+    # A region only the control plane has is relied on, not written.
+    have = Current(regions={"gone": Region("gone", 0, 0)})
+    relied = plan(lone, have, prune=False)
+    assert relied.relies_on == ("gone",)
+    with pytest.raises(ApplyError, match="region 'gone' is deleted by --prune"):
+        plan(lone, have, prune=True)
+    far = parse({"regions": [{"name": "a", "lat": 0, "lon": 0, "rtt_ms": {"b": 5, "gone": 9}}]})
+    with pytest.raises(ApplyError) as raised:
+        plan(far, have, prune=True)
+    assert raised.value.errors == (
+        "regions[0].rtt_ms.b: region 'b' does not exist; list it under regions",
+        "regions[0].rtt_ms.gone: region 'gone' is deleted by --prune; list it under regions",
+    )
+    keyed = Current(tenants={"old": Tenant("old")}, active_keys={"old": ["k1"]})
+    with pytest.raises(ApplyError, match=r"tenant 'old' .* still has active keys: k1"):
+        plan(parse({}), keyed, prune=True)
+    jwt = JwtIssuer("https://id", algorithms=("HS256",), hs256_secret_env="S")
+    other = Current(tenants={"a": Tenant("a", jwt=jwt)})
+    dup = parse({"tenants": [{"name": "b", "jwt": {"issuer": "https://id",
+                 "algorithms": ["HS256"], "hs256_secret_env": "S"}}]})  # fmt: skip
+    with pytest.raises(ApplyError, match=r"tenants\[0\].jwt.issuer: 'https://id' already belongs"):
+        plan(dup, other, prune=False)
+    assert plan(dup, other, prune=True).writes() == (
+        Change("tenant", "b", "created", (), dup.tenants[0]),
+        Change("tenant", "a", "deleted"),
+    )
+
+
+# ---------------------------------------------------------------- Catalog.apply
+
+
+async def test_catalog_apply_writes_everything_at_one_revision() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    changes = await catalog.apply(full(), prune=False, dry_run=False)
+    assert {c.action for c in changes} == {"created"}
+    listing = await store.list("/ponto/state/")
+    assert len({kv.mod_revision for kv in listing.items}) == 1
+    state = await catalog.snapshot()
+    assert {r.name: r.drained for r in state.regions} == {"us-east": False, "eu-west": True}
+    again = await catalog.apply(await catalog.export(), prune=True, dry_run=False)
+    assert {c.action for c in again} == {"unchanged"}
+    assert (await store.list("/ponto/state/")).revision == listing.revision
+
+
+async def test_catalog_apply_writes_nothing_when_any_part_is_invalid() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    bad = {
+        "regions": [{"name": "good", "lat": 1, "lon": 1}, {"name": "bad", "lat": 200, "lon": 1}],
+        "origins": [{"name": "o", "region": "nowhere", "url": "http://h", "models": ["m"]}],
+    }
+    for dry_run in (True, False):
+        with pytest.raises(InvalidArgument) as raised:
+            await catalog.apply(bad, prune=False, dry_run=dry_run)
+        assert "latitude 200.0" in str(raised.value)
+    assert (await store.list("/ponto/")).items == ()
+    # References are checked after the values: the same file with a good latitude.
+    bad["regions"][1]["lat"] = 2  # type: ignore[index]
+    with pytest.raises(InvalidArgument, match="region 'nowhere' does not exist"):
+        await catalog.apply(bad, prune=False, dry_run=True)
+    assert (await store.list("/ponto/")).items == ()
+
+
+async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_keys() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store, clock=lambda: 1000.0)
+    await catalog.apply(full(), prune=False, dry_run=False)
+    await catalog.put_health(OriginHealth("hosted", healthy=False, detail="down"))
+    record, _ = await catalog.create_key("plain")
+    await catalog.revoke_key(record.id)
+    smaller = full()
+    smaller["origins"] = smaller["origins"][:1]
+    smaller["regions"] = smaller["regions"][:1]
+    smaller["regions"][0]["rtt_ms"] = {}  # it named eu-west, which goes
+    smaller["tenants"] = smaller["tenants"][:1]
+    changes = await catalog.apply(smaller, prune=True, dry_run=False)
+    assert [(c.kind, c.name) for c in changes if c.action == "deleted"] == [
+        ("tenant", "plain"),
+        ("origin", "hosted"),
+        ("region", "eu-west"),
+    ]
+    assert await store.get(HEALTH + "hosted") is None
+    keys: list[ApiKeyRecord] = await catalog.list_keys(include_revoked=True)
+    assert [k.id for k in keys] == [record.id]
+
+
+async def test_catalog_apply_retries_from_a_fresh_read_after_a_concurrent_write() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await catalog.apply(full(), prune=False, dry_run=False)
+    real_commit = store.commit
+    calls = 0
+
+    async def racing_commit(writes: Any, checks: Any = ()) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # another admin changes the tenant between read and write
+            await catalog.put_tenant(Tenant("acme"), allow_update=True)
+        return await real_commit(writes, checks)
+
+    store.commit = racing_commit  # type: ignore[method-assign]
+    doc = full()
+    doc["tenants"][0]["limits"]["rpm"] = 900
+    changes = await catalog.apply(doc, prune=False, dry_run=False)
+    assert calls == 2
+    acme = next(c for c in changes if c.name == "acme")
+    assert acme.action == "updated" and "cache" in acme.fields  # judged against the new state
+    stored = next(t for t in (await catalog.snapshot()).tenants if t.name == "acme")
+    assert stored.limits.rpm == 900
