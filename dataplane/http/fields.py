@@ -445,7 +445,20 @@ def _logit_bias(value: Any) -> None:
 
 
 _TOKEN = integer(0, MAX_INT)
-_TOKENS = array(_TOKEN, expected="an array of integers", non_empty=True)
+_EACH_TOKEN = array(_TOKEN, expected="an array of integers", non_empty=True)
+
+
+def _token_ids(value: Any) -> None:
+    """A non-empty array of token ids. Prompts can hold many thousands: they are
+    checked at C speed, and item by item only to name a wrong one."""
+    if (
+        isinstance(value, list)
+        and set(map(type, value)) == {int}
+        and min(value) >= 0
+        and max(value) <= MAX_INT
+    ):
+        return
+    _EACH_TOKEN(value)
 
 
 def _prompt_like(*, non_empty: bool, max_len: int | None = None) -> Check:
@@ -462,10 +475,13 @@ def _prompt_like(*, non_empty: bool, max_len: int | None = None) -> Check:
         first = value[0]
         if isinstance(first, str):
             each: Check = text
+            if set(map(type, value)) == {str} and (not non_empty or all(value)):
+                return
         elif isinstance(first, list):
-            each = _TOKENS
+            each = _token_ids
         elif isinstance(first, int) and not isinstance(first, bool):
-            each = _TOKEN
+            _token_ids(value)
+            return
         else:
             raise _step(_wrong_type("a string, an integer or an array", first), "[0]")
         kind = type(first)

@@ -341,6 +341,16 @@ def test_wrong_fields_are_refused_naming_the_param(
     assert f"'{param}'" in err.message or err.code == V
 
 
+def test_long_token_prompts_pass_and_a_wrong_token_is_named() -> None:
+    check_fields(P, completion(prompt=list(range(20_000))), False)
+    check_fields(E, embedding(input=[list(range(5000)), [2**31 - 1]]), False)
+    assert refusal(P, completion(prompt=[*range(9999), -1])).param == "prompt[9999]"
+    assert refusal(P, completion(prompt=[*range(10), True])).param == "prompt[10]"
+    err = refusal(E, embedding(input=[[1, 2], [3, 2**31]]))
+    assert (err.param, err.code) == ("input[1][1]", "integer_above_max_value")
+    assert refusal(E, embedding(input=[[1], 2])).param == "input[1]"
+
+
 def test_messages_are_in_openai_words() -> None:
     assert refusal(C, chat(temperature="hot")).message == (
         "Invalid type for 'temperature': expected a decimal, but got a string instead."
