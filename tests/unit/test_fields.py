@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane.http.errors import ApiError
 from dataplane.http.fields import ENDPOINT_RULES, MAX_DEPTH, check_depth, check_fields
@@ -449,3 +451,129 @@ def test_check_depth_on_a_parsed_value() -> None:
     check_depth(raw, value)
     with pytest.raises(ApiError):
         check_depth(orjson.dumps([value]), [value])
+
+
+# ---------------------------------------------------------------- generated requests
+# The chat endpoint's generated requests go through the whole proxy
+# (tests/functional/test_validation.py); the others are generated here.
+
+token_ids = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=5)
+words = st.text(min_size=1, max_size=8)
+GENERATED: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    P: st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "prompt": st.text(max_size=8)
+            | st.lists(st.text(max_size=8), min_size=1, max_size=3)
+            | token_ids
+            | st.lists(token_ids, min_size=1, max_size=3),
+        },
+        optional={
+            "echo": st.booleans(),
+            "suffix": st.text(max_size=5),
+            "logprobs": st.integers(0, 5),
+            "temperature": st.floats(0, 2),
+            "max_tokens": st.integers(1, 2**31 - 1),
+            "seed": st.integers(-(2**63), 2**63 - 1),
+            "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=4),
+            "n": st.integers(1, 5),
+            "best_of": st.integers(5, 20),
+            "top_k": st.integers(),  # an origin's extension
+        },
+    ),
+    E: st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "input": words
+            | st.lists(words, min_size=1, max_size=3)
+            | token_ids
+            | st.lists(token_ids, min_size=1, max_size=3),
+        },
+        optional={
+            "encoding_format": st.sampled_from(["float", "base64"]),
+            "dimensions": st.integers(1, 4096),
+            "user": st.text(max_size=8),
+        },
+    ),
+    R: st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "input": st.text(max_size=8)
+            | st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": st.sampled_from(["user", "assistant", "system", "developer"]),
+                        "content": st.text(max_size=8)
+                        | st.lists(
+                            st.builds(lambda t: {"type": "input_text", "text": t}, words),
+                            max_size=2,
+                        ),
+                    },
+                    optional={"type": st.just("message")},
+                ),
+                max_size=3,
+            ),
+        },
+        optional={
+            "instructions": st.text(max_size=8),
+            "max_output_tokens": st.integers(1, 2**31 - 1),
+            "temperature": st.floats(0, 2),
+            "top_p": st.floats(0, 1),
+            "store": st.booleans(),
+            "truncation": st.sampled_from(["auto", "disabled"]),
+            "parallel_tool_calls": st.booleans(),
+            "previous_response_id": words,
+            "reasoning": st.fixed_dictionaries(
+                {}, optional={"effort": st.sampled_from(["low", "medium", "high"])}
+            ),
+            "text": st.just({"format": {"type": "text"}}),
+            "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
+        },
+    ),
+}
+WRONG: dict[str, dict[str, list[Any]]] = {
+    P: {
+        "prompt": [5, {}, True, []],
+        "echo": ["yes", 1],
+        "suffix": [1],
+        "logprobs": [6, "1", True],
+        "temperature": ["hot", 3],
+        "max_tokens": [0, "1"],
+        "seed": [0.5],
+        "stop": [5, ["a"] * 5],
+        "n": [0, "1"],
+    },
+    E: {
+        "input": ["", [], 5, {}],
+        "encoding_format": ["hex", 1],
+        "dimensions": [0, "8", 1.5],
+        "user": [1],
+    },
+    R: {
+        "input": [5, {}],
+        "instructions": [1],
+        "max_output_tokens": [0, "1"],
+        "temperature": ["hot", 2.5],
+        "top_p": [2],
+        "store": ["yes"],
+        "truncation": ["sometimes"],
+        "parallel_tool_calls": [1],
+        "previous_response_id": [1, ""],
+        "reasoning": ["high"],
+        "text": ["json"],
+        "metadata": [[]],
+    },
+}
+
+
+@pytest.mark.parametrize("endpoint", [P, E, R])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_generated_requests_pass_and_one_wrong_field_is_named(
+    endpoint: str, data: st.DataObject
+) -> None:
+    body = data.draw(GENERATED[endpoint])
+    check_fields(endpoint, body, False)
+    name = data.draw(st.sampled_from(sorted(WRONG[endpoint])))
+    body[name] = data.draw(st.sampled_from(WRONG[endpoint][name]))
+    assert refusal(endpoint, body).param == name
