@@ -799,7 +799,8 @@ def _tool_choice_names_a_tool(*, flat: bool) -> Cross:
             return
         kind, name = choice["type"], name_of(choice)
         if not any(t.get("type") == kind and name_of(t) == name for t in tools):
-            raise invalid_value("tool_choice", f"no {kind} tool named '{name}' is in 'tools'")
+            shown = str(name)[:64]
+            raise invalid_value("tool_choice", f"no {kind} tool named '{shown}' is in 'tools'")
 
     return cross
 
