@@ -65,6 +65,12 @@ NON_AFFECTING = frozenset(
 # return data (JSON, code, tables) where whitespace can carry meaning.
 _EXACT_CONTENT_ROLES = frozenset({"tool", "function"})
 
+# Values nested deeper have no key and are not cached. orjson writes at most
+# 254 levels and Python recursion ends near 1,000, so the key stays total on
+# its own; the proxy already refuses bodies nested past 64 levels
+# (dataplane.http.fields.MAX_DEPTH) before any key is made.
+MAX_DEPTH = 128
+
 # orjson reads integers in [-2**63, 2**64) as int and anything wider as float.
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
@@ -72,7 +78,8 @@ _INT_MAX = 2**64 - 1
 
 class UncacheableRequest(ValueError):
     """The body holds a value with no canonical form (NaN, infinity, an integer
-    wider than 64 bits, a non-JSON type). The caller bypasses the cache."""
+    wider than 64 bits, a non-JSON type, nesting past MAX_DEPTH). The caller
+    bypasses the cache."""
 
 
 def normalise_text(s: str) -> str:
@@ -226,8 +233,9 @@ def _canon_content(content: Any, *, drop_text: bool) -> Any:
     return parts
 
 
-def _canon(value: Any) -> Any:
-    """A copy of a JSON value with sorted object keys and integral floats as ints."""
+def _canon(value: Any, depth: int = 0) -> Any:
+    """A copy of a JSON value with sorted object keys and integral floats as ints;
+    `depth` is how deep `value` sits under the one the caller started from."""
     # bool before int: True is an int in Python but not the same JSON as 1.
     if value is None or isinstance(value, (str, bool)):
         return value
@@ -241,10 +249,12 @@ def _canon(value: Any) -> Any:
         if value.is_integer() and _INT_MIN <= value <= _INT_MAX:
             return int(value)  # also folds -0.0 into 0
         return value
+    if depth >= MAX_DEPTH and isinstance(value, (Mapping, list, tuple)):
+        raise UncacheableRequest(f"nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, Mapping):
         if not all(isinstance(k, str) for k in value):
             raise UncacheableRequest("an object key is not a string")
-        return {k: _canon(value[k]) for k in sorted(value)}
+        return {k: _canon(value[k], depth + 1) for k in sorted(value)}
     if isinstance(value, (list, tuple)):
-        return [_canon(v) for v in value]
+        return [_canon(v, depth + 1) for v in value]
     raise UncacheableRequest(f"{type(value).__name__} is not a JSON value")

@@ -1,91 +1,943 @@
-"""Pure: the types and ranges of the request fields the proxy reads or routes by.
+"""Pure: the type, range and shape of every documented request field.
 
-A field that an origin would refuse is refused here, with OpenAI's status and
-wording, so a bad request costs no origin call and no rate-limit token. Only
-fields whose meaning the proxy knows are checked; anything else passes on
-unchanged, as the origin may accept fields this proxy has never heard of.
+A request an origin would refuse is refused here, with OpenAI's status,
+wording and codes, so a bad request costs no origin call and no rate-limit
+token. The rules are tables built once at import (one per endpoint: chat
+completions, completions, embeddings, responses); a request costs one pass
+over its own fields. Error paths (`param`) are those of the body as the
+client sent it, so they must be checked before assembly injects anything.
+
+What passes on unchecked, for forward compatibility: fields no table names
+(an origin's extensions: vLLM's `top_k`, `guided_json`, ...); content parts
+of a type OpenAI does not document (vLLM's `video_url`); and the Responses
+API's input items, tools and tool choices of types other than those below
+(its built-in tools, reasoning items, ...). A known type is checked in full. An explicit null in an
+optional field means "the default", as in the OpenAI API, and passes.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from dataplane.http.errors import ApiError, bad_request
 
+__all__ = [
+    "ENDPOINT_RULES",
+    "MAX_DEPTH",
+    "check_depth",
+    "check_fields",
+    "invalid_type",
+    "too_deep",
+]
+
 MAX_INT: Final = 2**31 - 1
 MAX_CHOICES: Final = 128
 MAX_KEY_CHARS: Final = 1024
+MAX_STOPS: Final = 4
+MAX_TOOLS: Final = 128
+MAX_METADATA_KEYS: Final = 16
+MAX_METADATA_KEY_CHARS: Final = 64
+MAX_METADATA_VALUE_CHARS: Final = 512
+MAX_EMBEDDING_INPUTS: Final = 2048
+_INT64: Final = 2**63
+# Deeper than any real request: a tool's JSON schema nested 25 levels is about
+# 55 here, and OpenAI's own limit for schemas is far lower. Well under the 254
+# levels orjson can write, so nothing after parsing meets its limit.
+MAX_DEPTH: Final = 64
+
+
+class Invalid(Exception):
+    """A check's refusal. The path to the value is only written when a request
+    fails: each container it passes on the way out adds its own step."""
+
+    __slots__ = ("path", "render")
+
+    def __init__(self, render: Callable[[str], ApiError], *path: str) -> None:
+        super().__init__()
+        self.render = render
+        self.path = list(path)  # innermost step first
+
+    def at(self, name: str) -> ApiError:
+        return self.render(name + "".join(reversed(self.path)))
+
+
+# value -> None, or raises Invalid. `value` is never None where a field may be
+# left out (an explicit null is skipped), and may be None as an array's item.
+Check = Callable[[Any], None]
+
+
+# ---------------------------------------------------------------- the entry points
 
 
 def check_fields(endpoint: str, body: dict[str, Any], stream: bool) -> None:
-    """Raise a 400 ApiError for the first field of a wrong type or out of range."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        _int(body, name, 1, MAX_INT)
-    _int(body, "n", 1, MAX_CHOICES)
-    _number(body, "temperature", 0.0, 2.0)
-    _number(body, "top_p", 0.0, 1.0)
-    for name in ("prompt_cache_key", "user"):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, str) or len(value) > MAX_KEY_CHARS):
-            raise bad_request(
-                f"'{name}' must be a string of at most {MAX_KEY_CHARS} characters", param=name
-            )
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", param="stream_options")
-        if not stream:
-            raise bad_request(
-                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
-            )
-        include = options.get("include_usage")
-        if include is not None and not isinstance(include, bool):
-            raise bad_request(
-                "'stream_options.include_usage' must be a boolean",
-                param="stream_options.include_usage",
-            )
-    if endpoint == "chat.completions":
-        for i, message in enumerate(body["messages"]):
-            _content(message.get("content"), f"messages[{i}].content")
+    """Raise a 400 ApiError (OpenAI's wording and code, `param` the path of the
+    field in the client's body) for the first field that is missing, of a wrong
+    type, out of range or of a wrong shape; `endpoint` is one of ENDPOINT_RULES.
+    Checks a body already known to be a JSON object; reads, never changes it.
+    Pure; safe from any thread."""
+    rules = ENDPOINT_RULES[endpoint]
+    for name in rules.required:
+        if body.get(name) is None:
+            raise missing(name)
+    fields = rules.fields
+    for name, value in body.items():
+        if value is None:
+            continue
+        check = fields.get(name)
+        if check is not None:
+            try:
+                check(value)
+            except Invalid as bad:
+                raise bad.at(name) from None
+    for cross in rules.cross:
+        cross(body, stream)
 
 
-def _int(body: dict[str, Any], name: str, low: int, high: int) -> None:
-    value = body.get(name)
-    if value is None:
+def check_depth(raw: bytes, body: object) -> None:
+    """Raise `too_deep()` when `body` (parsed from `raw`) nests arrays and
+    objects more than MAX_DEPTH levels (the body itself is level 1)."""
+    # Every level opens a bracket, so few brackets (counted in C) prove a
+    # shallow body and spare the walk; brackets inside strings only overcount.
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise bad_request(f"'{name}' must be an integer from {low} to {high}", param=name)
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, dict | list):
+                if depth >= MAX_DEPTH:
+                    raise too_deep()
+                stack.append((item, depth + 1))
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> None:
-    value = body.get(name)
+def too_deep() -> ApiError:
+    return bad_request(
+        f"The request body nests arrays and objects more than {MAX_DEPTH} levels deep.",
+        code="invalid_json",
+    )
+
+
+# ---------------------------------------------------------------- errors, in OpenAI's words
+
+
+def _got(value: object) -> str:
     if value is None:
-        return
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def invalid_type(param: str, expected: str, value: object) -> ApiError:
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {_got(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def invalid_value(param: str, why: str) -> ApiError:
+    return bad_request(f"Invalid value for '{param}': {why}.", param=param, code="invalid_value")
+
+
+def missing(param: str) -> ApiError:
+    return bad_request(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+def _wrong_type(expected: str, value: object) -> Invalid:
+    return Invalid(lambda param: invalid_type(param, expected, value))
+
+
+def _wrong_value(why: str) -> Invalid:
+    return Invalid(lambda param: invalid_value(param, why))
+
+
+def _missing(name: str) -> Invalid:
+    return Invalid(missing, f".{name}")
+
+
+def _out_of_range(kind: str, value: float, low: float, high: float) -> Invalid:
+    below = value < low
+    word, sign, bound = ("below minimum", ">=", low) if below else ("above maximum", "<=", high)
+    code = f"{kind}_{'below_min' if below else 'above_max'}_value"
+    return Invalid(
+        lambda param: bad_request(
+            f"Invalid '{param}': {kind} {word} value. "
+            f"Expected a value {sign} {_num(bound)}, but got {_num(value)} instead.",
+            param=param,
+            code=code,
+        )
+    )
+
+
+def _num(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _too_long(what: str, limit: int, length: int) -> Invalid:
+    return Invalid(
+        lambda param: bad_request(
+            f"Invalid '{param}': {what} too long. Expected {_an(what)} with maximum length "
+            f"{limit}, but got {_an(what)} with length {length} instead.",
+            param=param,
+            code=f"{what}_above_max_length",
+        )
+    )
+
+
+def _empty(what: str) -> Invalid:
+    return Invalid(
+        lambda param: bad_request(
+            f"Invalid '{param}': empty {what}. Expected {_an(what)} with minimum length 1, "
+            f"but got an empty {what} instead.",
+            param=param,
+            code=f"empty_{what}",
+        )
+    )
+
+
+def _an(what: str) -> str:
+    return f"an {what}" if what[0] in "aeiou" else f"a {what}"
+
+
+def _step(bad: Invalid, step: str) -> Invalid:
+    bad.path.append(step)
+    return bad
+
+
+# ---------------------------------------------------------------- checks, built once
+
+
+def boolean(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _wrong_type("a boolean", value)
+
+
+def any_object(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise _wrong_type("an object", value)
+
+
+def integer(low: int, high: int) -> Check:
+    def check(value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _wrong_type("an integer", value)
+        if not low <= value <= high:
+            raise _out_of_range("integer", value, low, high)
+
+    return check
+
+
+def number(low: float, high: float) -> Check:
+    def check(value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _wrong_type("a decimal", value)
+        if not low <= value <= high:  # NaN fails both
+            if not math.isfinite(value):
+                raise _wrong_value("expected a finite number")
+            raise _out_of_range("decimal", value, low, high)
+
+    return check
+
+
+def any_string(value: Any) -> None:
+    if not isinstance(value, str):
+        raise _wrong_type("a string", value)
+
+
+def string(*, max_len: int | None = None, non_empty: bool = False) -> Check:
+    if max_len is None and not non_empty:
+        return any_string
+
+    def check(value: Any) -> None:
+        if not isinstance(value, str):
+            raise _wrong_type("a string", value)
+        if non_empty and not value:
+            raise _empty("string")
+        if max_len is not None and len(value) > max_len:
+            raise _too_long("string", max_len, len(value))
+
+    return check
+
+
+def pattern(regex: str, *, shown: str) -> Check:
+    """A string matching `regex` in full; `shown` is the rule as OpenAI states it."""
+    match = re.compile(regex).fullmatch
+
+    def check(value: Any) -> None:
+        if not isinstance(value, str):
+            raise _wrong_type("a string", value)
+        if match(value) is None:
+            raise Invalid(
+                lambda param: bad_request(
+                    f"Invalid '{param}': string does not match pattern. "
+                    f"Expected a string that matches the pattern '{shown}'.",
+                    param=param,
+                    code="invalid_value",
+                )
+            )
+
+    return check
+
+
+def enum(*values: str) -> Check:
+    allowed = frozenset(values)
+    listed = ", ".join(f"'{v}'" for v in values[:-1])
+    listed = f"{listed}{',' if len(values) > 2 else ''} and '{values[-1]}'"
+
+    def check(value: Any) -> None:
+        if not isinstance(value, str):
+            raise _wrong_type("a string", value)
+        if value not in allowed:
+            shown = value[:64]
+            raise Invalid(
+                lambda param: bad_request(
+                    f"Invalid value: '{shown}'. Supported values are: {listed}.",
+                    param=param,
+                    code="invalid_value",
+                )
+            )
+
+    return check
+
+
+def array(
+    item: Check,
+    *,
+    expected: str = "an array",
+    max_len: int | None = None,
+    non_empty: bool = False,
+) -> Check:
+    def check(value: Any) -> None:
+        if not isinstance(value, list):
+            raise _wrong_type(expected, value)
+        if non_empty and not value:
+            raise _empty("array")
+        if max_len is not None and len(value) > max_len:
+            raise _too_long("array", max_len, len(value))
+        for i, v in enumerate(value):
+            try:
+                item(v)  # a null item is refused as of the wrong type
+            except Invalid as bad:
+                raise _step(bad, f"[{i}]") from None
+
+    return check
+
+
+def obj(fields: Mapping[str, Check], *, required: tuple[str, ...] = ()) -> Check:
+    """An object whose named fields are checked; others pass."""
+    table = dict(fields)
+
+    def check(value: Any) -> None:
+        if not isinstance(value, dict):
+            raise _wrong_type("an object", value)
+        for name in required:
+            if value.get(name) is None:
+                raise _missing(name)
+        for name, v in value.items():
+            if v is None:
+                continue
+            rule = table.get(name)
+            if rule is not None:
+                try:
+                    rule(v)
+                except Invalid as bad:
+                    raise _step(bad, f".{name}") from None
+
+    return check
+
+
+def typed(kinds: Mapping[str, Check], *, closed: bool = False, required: bool = True) -> Check:
+    """An object told apart by its string `type`, checked by that type's rule.
+    An unknown type is refused when `closed`, else passes (an origin's
+    extension). Without a `type` the object is refused when `required`, else
+    passes."""
+    table = dict(kinds)
+    known = enum(*table)
+
+    def check(value: Any) -> None:
+        if not isinstance(value, dict):
+            raise _wrong_type("an object", value)
+        kind = value.get("type")
+        if kind is None:
+            if required:
+                raise _missing("type")
+            return
+        rule = table.get(kind) if isinstance(kind, str) else None
+        if rule is not None:
+            rule(value)
+        elif closed or not isinstance(kind, str):
+            try:
+                known(kind)
+            except Invalid as bad:
+                raise _step(bad, ".type") from None
+
+    return check
+
+
+def either(
+    text: Check, other: Check, *, expected: str, container: type[list[Any] | dict[str, Any]] = list
+) -> Check:
+    """A string (checked by `text`) or a `container` (checked by `other`)."""
+    if text is any_string:  # the common case, spared a call
+
+        def any_text(value: Any) -> None:
+            if isinstance(value, str):
+                return
+            if not isinstance(value, container):
+                raise _wrong_type(expected, value)
+            other(value)
+
+        return any_text
+
+    def check(value: Any) -> None:
+        if isinstance(value, str):
+            text(value)
+        elif isinstance(value, container):
+            other(value)
+        else:
+            raise _wrong_type(expected, value)
+
+    return check
+
+
+def _metadata(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise _wrong_type("an object", value)
+    if len(value) > MAX_METADATA_KEYS:
+        raise _wrong_value(f"expected at most {MAX_METADATA_KEYS} keys")
+    for key, v in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise _wrong_value(f"keys must be at most {MAX_METADATA_KEY_CHARS} characters long")
+        if not isinstance(v, str):
+            raise _step(_wrong_type("a string", v), f".{key}")
+        if len(v) > MAX_METADATA_VALUE_CHARS:
+            raise _step(_too_long("string", MAX_METADATA_VALUE_CHARS, len(v)), f".{key}")
+
+
+_BIAS = number(-100, 100)
+
+
+def _logit_bias(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise _wrong_type("an object", value)
+    for key, v in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise _wrong_value(f"'{key[:32]}' is not a token id")
+        try:
+            _BIAS(v)
+        except Invalid as bad:
+            raise _step(bad, f".{key}") from None
+
+
+_TOKEN = integer(0, MAX_INT)
+_EACH_TOKEN = array(_TOKEN, expected="an array of integers", non_empty=True)
+
+
+def _token_ids(value: Any) -> None:
+    """A non-empty array of token ids. Prompts can hold many thousands: they are
+    checked at C speed, and item by item only to name a wrong one."""
     if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and low <= value <= high)
+        isinstance(value, list)
+        and set(map(type, value)) == {int}
+        and min(value) >= 0
+        and max(value) <= MAX_INT
     ):
-        raise bad_request(f"'{name}' must be a number from {low:g} to {high:g}", param=name)
-
-
-def _content(content: object, param: str) -> None:
-    """A message's content: a string, null, or an array of typed parts."""
-    if content is None or isinstance(content, str):
         return
-    if not isinstance(content, list):
-        raise _bad_content(param)
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise bad_request(
-                f"'{param}[{j}]' must be an object with a string 'type'", param=f"{param}[{j}]"
-            )
-        if part["type"] == "text" and not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"'{param}[{j}]' is a text part without a string 'text'", param=f"{param}[{j}]"
-            )
+    _EACH_TOKEN(value)
 
 
-def _bad_content(param: str) -> ApiError:
-    return bad_request(f"'{param}' must be a string, null or an array of parts", param=param)
+def _prompt_like(*, non_empty: bool, max_len: int | None = None) -> Check:
+    """A string, or an array of strings, of token ids, or of arrays of token ids
+    (the `prompt` of completions and the `input` of embeddings)."""
+    text = string(non_empty=non_empty)
+    expected = "a string, an array of strings, an array of integers or an array of arrays"
+
+    def items(value: list[Any]) -> None:
+        if not value:
+            raise _empty("array")
+        if max_len is not None and len(value) > max_len:
+            raise _too_long("array", max_len, len(value))
+        first = value[0]
+        if isinstance(first, str):
+            each: Check = text
+            if set(map(type, value)) == {str} and (not non_empty or all(value)):
+                return
+        elif isinstance(first, list):
+            each = _token_ids
+        elif isinstance(first, int) and not isinstance(first, bool):
+            _token_ids(value)
+            return
+        else:
+            raise _step(_wrong_type("a string, an integer or an array", first), "[0]")
+        kind = type(first)
+        for i, v in enumerate(value):
+            try:
+                # Mixed arrays are refused: every item is of the first one's kind.
+                if type(v) is not kind:
+                    raise _wrong_type(_got(first), v)
+                each(v)
+            except Invalid as bad:
+                raise _step(bad, f"[{i}]") from None
+
+    return either(text, items, expected=expected)
+
+
+# ---------------------------------------------------------------- shared field rules
+
+NAME = pattern(r"[a-zA-Z0-9_-]{1,64}", shown="^[a-zA-Z0-9_-]{1,64}$")
+TEMPERATURE = number(0.0, 2.0)
+TOP_P = number(0.0, 1.0)
+PENALTY = number(-2.0, 2.0)
+MAX_TOKENS = integer(1, MAX_INT)
+KEY_STRING = string(max_len=MAX_KEY_CHARS)
+SEED = integer(-_INT64, _INT64 - 1)
+STOP = either(
+    string(),
+    array(string(), expected="an array of strings", max_len=MAX_STOPS),
+    expected="a string or an array of strings",
+)
+SERVICE_TIER = enum("auto", "default", "flex", "scale", "priority")
+REASONING_EFFORT = enum("none", "minimal", "low", "medium", "high", "xhigh")
+VERBOSITY = enum("low", "medium", "high")
+STREAM_OPTIONS = obj({"include_usage": boolean, "include_obfuscation": boolean})
+# A JSON schema's own vocabulary is the origin's to judge; here only that it is one.
+SCHEMA = any_object
+OBJECTS = "an array of objects"
+TOOL_CHOICE_MODE = enum("none", "auto", "required")
+
+# ------------------------------------------------ chat completions
+
+TEXT_PART = obj({"text": string()}, required=("text",))
+REFUSAL_PART = obj({"refusal": string()}, required=("refusal",))
+CHAT_PART = typed(
+    {
+        "text": TEXT_PART,
+        "image_url": obj(
+            {
+                "image_url": obj(
+                    {"url": string(non_empty=True), "detail": enum("auto", "low", "high")},
+                    required=("url",),
+                )
+            },
+            required=("image_url",),
+        ),
+        "input_audio": obj(
+            {
+                "input_audio": obj(
+                    {"data": string(), "format": enum("wav", "mp3")}, required=("data", "format")
+                )
+            },
+            required=("input_audio",),
+        ),
+        "file": obj(
+            {"file": obj({"file_data": string(), "file_id": string(), "filename": string()})},
+            required=("file",),
+        ),
+        "refusal": REFUSAL_PART,
+    }
+)
+CHAT_CONTENT = either(
+    string(),
+    array(CHAT_PART, expected=OBJECTS, non_empty=True),
+    expected="one of a string or array of objects",
+)
+
+FUNCTION_CALL = obj({"name": string(), "arguments": string()}, required=("name", "arguments"))
+TOOL_CALL = typed(
+    {
+        "function": obj({"id": string(), "function": FUNCTION_CALL}, required=("id", "function")),
+        "custom": obj(
+            {
+                "id": string(),
+                "custom": obj({"name": string(), "input": string()}, required=("name", "input")),
+            },
+            required=("id", "custom"),
+        ),
+    },
+    closed=True,
+)
+
+_MESSAGE_FIELDS: dict[str, Check] = {"content": CHAT_CONTENT, "name": string()}
+_ROLE = enum("system", "assistant", "user", "function", "tool", "developer")
+_ROLES: dict[str, Check] = {
+    "system": obj(_MESSAGE_FIELDS, required=("content",)),
+    "developer": obj(_MESSAGE_FIELDS, required=("content",)),
+    "user": obj(_MESSAGE_FIELDS, required=("content",)),
+    "assistant": obj(
+        {
+            **_MESSAGE_FIELDS,
+            "refusal": string(),
+            "audio": obj({"id": string()}, required=("id",)),
+            "tool_calls": array(TOOL_CALL, expected=OBJECTS),
+            "function_call": FUNCTION_CALL,
+        }
+    ),
+    "tool": obj(
+        {**_MESSAGE_FIELDS, "tool_call_id": string()}, required=("content", "tool_call_id")
+    ),
+    "function": obj({"content": string(), "name": string()}, required=("name",)),
+}
+
+
+def _message(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise _wrong_type("an object", value)
+    role = value.get("role")
+    rule = _ROLES.get(role) if isinstance(role, str) else None
+    if rule is None:
+        if role is None:
+            raise _missing("role")
+        try:
+            _ROLE(role)  # raises: not a string, or not a role
+        except Invalid as bad:
+            raise _step(bad, ".role") from None
+    else:
+        rule(value)
+    if (
+        role == "assistant"
+        and value.get("content") is None
+        and value.get("tool_calls") is None
+        and value.get("function_call") is None
+    ):
+        raise _missing("content")
+
+
+FUNCTION = obj(
+    {"name": NAME, "description": string(), "parameters": SCHEMA, "strict": boolean},
+    required=("name",),
+)
+CUSTOM_TOOL = obj({"name": NAME, "description": string(), "format": any_object}, required=("name",))
+CHAT_TOOLS = array(
+    typed(
+        {
+            "function": obj({"function": FUNCTION}, required=("function",)),
+            "custom": obj({"custom": CUSTOM_TOOL}, required=("custom",)),
+        },
+        closed=True,
+    ),
+    expected=OBJECTS,
+    max_len=MAX_TOOLS,
+)
+_NAMED = obj({"name": string()}, required=("name",))
+CHAT_TOOL_CHOICE = either(
+    TOOL_CHOICE_MODE,
+    typed(
+        {
+            "function": obj({"function": _NAMED}, required=("function",)),
+            "custom": obj({"custom": _NAMED}, required=("custom",)),
+            "allowed_tools": obj(
+                {
+                    "allowed_tools": obj(
+                        {"mode": enum("auto", "required"), "tools": array(any_object)},
+                        required=("mode", "tools"),
+                    )
+                },
+                required=("allowed_tools",),
+            ),
+        },
+        closed=True,
+    ),
+    expected="a string or an object",
+    container=dict,
+)
+RESPONSE_FORMAT = typed(
+    {
+        "text": any_object,
+        "json_object": any_object,
+        "json_schema": obj(
+            {
+                "json_schema": obj(
+                    {"name": NAME, "description": string(), "schema": SCHEMA, "strict": boolean},
+                    required=("name",),
+                )
+            },
+            required=("json_schema",),
+        ),
+    },
+    closed=True,
+)
+
+
+# ------------------------------------------------ the Responses API
+# Items of `input` and tools are flat (a function's name sits on the tool
+# itself), and structured output is asked for in `text.format`.
+
+INPUT_TEXT = obj({"text": string()}, required=("text",))
+RESPONSE_PART = typed(
+    {
+        "input_text": INPUT_TEXT,
+        "output_text": INPUT_TEXT,
+        "refusal": REFUSAL_PART,
+        "input_image": obj(
+            {
+                "image_url": string(non_empty=True),
+                "file_id": string(),
+                "detail": enum("auto", "low", "high"),
+            }
+        ),
+        "input_file": obj(
+            {"file_data": string(), "file_id": string(), "file_url": string(), "filename": string()}
+        ),
+    }
+)
+RESPONSE_CONTENT = either(
+    string(),
+    array(RESPONSE_PART, expected=OBJECTS),
+    expected="one of a string or array of objects",
+)
+RESPONSE_MESSAGE = obj(
+    {"role": enum("user", "assistant", "system", "developer"), "content": RESPONSE_CONTENT},
+    required=("role", "content"),
+)
+_RESPONSE_ITEM = typed(
+    {
+        "message": RESPONSE_MESSAGE,
+        "function_call": obj(
+            {"call_id": string(), "name": string(), "arguments": string()},
+            required=("call_id", "name", "arguments"),
+        ),
+        "function_call_output": obj(
+            {"call_id": string(), "output": RESPONSE_CONTENT}, required=("call_id", "output")
+        ),
+        "item_reference": obj({"id": string()}, required=("id",)),
+    },
+    required=False,
+)
+
+
+def _response_item(value: Any) -> None:
+    # A message may leave out `type`; other items carry one.
+    _RESPONSE_ITEM(value)
+    if value.get("type") is None:
+        RESPONSE_MESSAGE(value)
+
+
+RESPONSE_TOOLS = array(
+    typed(
+        {
+            "function": obj(
+                {"name": NAME, "description": string(), "parameters": SCHEMA, "strict": boolean},
+                required=("name",),
+            ),
+            "custom": CUSTOM_TOOL,
+        }
+    ),
+    expected=OBJECTS,
+    max_len=MAX_TOOLS,
+)
+RESPONSE_TOOL_CHOICE = either(
+    TOOL_CHOICE_MODE,
+    typed({"function": _NAMED, "custom": _NAMED}),
+    expected="a string or an object",
+    container=dict,
+)
+TEXT_FORMAT = typed(
+    {
+        "text": any_object,
+        "json_object": any_object,
+        "json_schema": obj(
+            {"name": NAME, "description": string(), "schema": SCHEMA, "strict": boolean},
+            required=("name", "schema"),
+        ),
+    },
+    closed=True,
+)
+
+
+# ---------------------------------------------------------------- cross-field rules
+
+Cross = Callable[[dict[str, Any], bool], None]
+
+
+def _stream_options_need_stream(body: dict[str, Any], stream: bool) -> None:
+    if body.get("stream_options") is not None and not stream:
+        raise invalid_value("stream_options", "only allowed when 'stream' is true")
+
+
+def _top_logprobs_need_logprobs(body: dict[str, Any], stream: bool) -> None:
+    if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        raise invalid_value("top_logprobs", "only allowed when 'logprobs' is true")
+
+
+def _best_of_at_least_n(body: dict[str, Any], stream: bool) -> None:
+    best_of, n = body.get("best_of"), body.get("n")
+    if best_of is not None and n is not None and best_of < n:
+        raise invalid_value("best_of", "must be greater than or equal to 'n'")
+
+
+def _tool_choice_names_a_tool(*, flat: bool) -> Cross:
+    """tool_choice needs tools, and a named choice a tool of that name and type.
+    `flat`: the name sits on the tool and the choice themselves (Responses)."""
+
+    def name_of(item: dict[str, Any]) -> object:
+        inner = item if flat else item.get(item["type"])
+        return inner.get("name") if isinstance(inner, dict) else None
+
+    def cross(body: dict[str, Any], stream: bool) -> None:
+        choice = body.get("tool_choice")
+        if choice is None or choice in ("none", "auto"):
+            return
+        tools = body.get("tools")
+        if not tools:
+            raise invalid_value("tool_choice", "only allowed when 'tools' are specified")
+        if not isinstance(choice, dict) or choice["type"] not in ("function", "custom"):
+            return
+        kind, name = choice["type"], name_of(choice)
+        if not any(t.get("type") == kind and name_of(t) == name for t in tools):
+            shown = str(name)[:64]
+            raise invalid_value("tool_choice", f"no {kind} tool named '{shown}' is in 'tools'")
+
+    return cross
+
+
+# ---------------------------------------------------------------- the tables
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """One endpoint's rules: the fields it must carry, a check per field, and
+    checks across fields (run after every field passed its own)."""
+
+    required: tuple[str, ...]
+    fields: Mapping[str, Check]
+    cross: tuple[Cross, ...] = ()
+
+
+COMMON: Final[dict[str, Check]] = {
+    "model": string(non_empty=True),
+    "stream": boolean,
+    "stream_options": STREAM_OPTIONS,
+    "temperature": TEMPERATURE,
+    "top_p": TOP_P,
+    "user": KEY_STRING,
+    "safety_identifier": KEY_STRING,
+    "prompt_cache_key": KEY_STRING,
+    "metadata": _metadata,
+    "service_tier": SERVICE_TIER,
+    "store": boolean,
+}
+SAMPLING: Final[dict[str, Check]] = {
+    "frequency_penalty": PENALTY,
+    "presence_penalty": PENALTY,
+    "logit_bias": _logit_bias,
+    "max_tokens": MAX_TOKENS,
+    "n": integer(1, MAX_CHOICES),
+    "seed": SEED,
+    "stop": STOP,
+}
+
+ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
+    "chat.completions": Rules(
+        ("model", "messages"),
+        {
+            **COMMON,
+            **SAMPLING,
+            "messages": array(_message, expected=OBJECTS, non_empty=True),
+            "max_completion_tokens": MAX_TOKENS,
+            "logprobs": boolean,
+            "top_logprobs": integer(0, 20),
+            "tools": CHAT_TOOLS,
+            "tool_choice": CHAT_TOOL_CHOICE,
+            "parallel_tool_calls": boolean,
+            "functions": array(FUNCTION, expected=OBJECTS, non_empty=True),
+            "function_call": either(
+                enum("none", "auto"), _NAMED, expected="a string or an object", container=dict
+            ),
+            "response_format": RESPONSE_FORMAT,
+            "modalities": array(enum("text", "audio"), expected="an array of strings"),
+            "audio": obj(
+                {"voice": string(), "format": enum("wav", "aac", "mp3", "flac", "opus", "pcm16")},
+                required=("voice", "format"),
+            ),
+            "prediction": typed(
+                {"content": obj({"content": CHAT_CONTENT}, required=("content",))}, closed=True
+            ),
+            "reasoning_effort": REASONING_EFFORT,
+            "verbosity": VERBOSITY,
+            "web_search_options": any_object,
+        },
+        (
+            _stream_options_need_stream,
+            _top_logprobs_need_logprobs,
+            _tool_choice_names_a_tool(flat=False),
+        ),
+    ),
+    "completions": Rules(
+        ("model", "prompt"),
+        {
+            **COMMON,
+            **SAMPLING,
+            "prompt": _prompt_like(non_empty=False),
+            "best_of": integer(1, 20),
+            "echo": boolean,
+            "logprobs": integer(0, 5),
+            "suffix": string(),
+        },
+        (_stream_options_need_stream, _best_of_at_least_n),
+    ),
+    "embeddings": Rules(
+        ("model", "input"),
+        {
+            "model": COMMON["model"],
+            "input": _prompt_like(non_empty=True, max_len=MAX_EMBEDDING_INPUTS),
+            "encoding_format": enum("float", "base64"),
+            "dimensions": integer(1, MAX_INT),
+            "user": KEY_STRING,
+        },
+    ),
+    "responses": Rules(
+        ("model", "input"),
+        {
+            **COMMON,
+            "input": either(
+                string(),
+                array(_response_item, expected=OBJECTS),
+                expected="a string or an array of objects",
+            ),
+            "instructions": string(),
+            "max_output_tokens": MAX_TOKENS,
+            "max_tool_calls": integer(1, MAX_INT),
+            "top_logprobs": integer(0, 20),
+            "tools": RESPONSE_TOOLS,
+            "tool_choice": RESPONSE_TOOL_CHOICE,
+            "parallel_tool_calls": boolean,
+            "text": obj({"format": TEXT_FORMAT, "verbosity": VERBOSITY}),
+            "previous_response_id": string(non_empty=True),
+            "truncation": enum("auto", "disabled"),
+            "reasoning": obj(
+                {
+                    "effort": REASONING_EFFORT,
+                    "summary": enum("auto", "concise", "detailed"),
+                    "generate_summary": enum("auto", "concise", "detailed"),
+                }
+            ),
+            "background": boolean,
+            "include": array(string(), expected="an array of strings"),
+            "conversation": either(
+                string(),
+                obj({"id": string()}, required=("id",)),
+                expected="a string or an object",
+                container=dict,
+            ),
+            "prompt": obj(
+                {"id": string(), "version": string(), "variables": any_object}, required=("id",)
+            ),
+        },
+        (_stream_options_need_stream, _tool_choice_names_a_tool(flat=True)),
+    ),
+}

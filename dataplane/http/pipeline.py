@@ -33,7 +33,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.errors import ApiError, bad_request
-from dataplane.http.fields import check_fields
+from dataplane.http.fields import check_depth, check_fields, invalid_type, too_deep
 from dataplane.http.resume import CONTINUABLE, Continuations
 from dataplane.http.state import REQUEST_ID
 from dataplane.metrics import Metrics
@@ -449,36 +449,27 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object nested at most MAX_DEPTH levels, or a 400."""
     try:
         body = jsonio.loads(raw)
     except jsonio.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):  # orjson stops at 1024 levels
+            raise too_deep() from None
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    check_depth(raw, body)
     return body
 
 
 def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:
-    """Check the fields every endpoint needs; return the stream flag."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string", param="model")
-    required = endpoint.required
-    if required not in body:
-        raise bad_request(f"'{required}' is required", param=required)
-    if required == "messages":
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty array", param="messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise bad_request(
-                    f"'messages[{i}]' must be an object with a string 'role'",
-                    param=f"messages[{i}]",
-                )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", param="stream")
+    """Check every field the endpoint documents (dataplane.http.fields), on the
+    body as the client sent it; return the stream flag."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise invalid_type("stream", "a boolean", stream)
     check_fields(endpoint.name, body, stream)
     return stream
 

@@ -15,6 +15,7 @@ from dataplane.cache.keys import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    MAX_DEPTH,
     NON_AFFECTING,
     UncacheableRequest,
     cache_key,
@@ -332,6 +333,33 @@ def test_values_without_a_canonical_form_are_refused() -> None:
             key(chat(temperature=bad))
     with pytest.raises(UncacheableRequest):
         key(chat(logit_bias={1: 2}))
+
+
+def nested(depth: int) -> Any:
+    """A JSON value of arrays `depth` levels deep, as orjson parses it."""
+    return orjson.loads(b"[" * depth + b"]" * depth)
+
+
+@pytest.mark.parametrize("depth", [129, 253, 1000, 1024])
+def test_values_nested_too_deep_for_a_key_are_uncacheable_not_a_crash(depth: int) -> None:
+    with pytest.raises(UncacheableRequest):
+        key(chat(extra=nested(depth)))
+    for messages in (
+        [{"role": "user", "content": "x", "extra": nested(depth)}],
+        [{"role": "user", "content": [{"type": "image_url", "x": nested(depth)}]}],
+        [{"role": "tool", "content": nested(depth)}, {"role": "user", "content": "x"}],
+    ):
+        with pytest.raises(UncacheableRequest):
+            key(chat(messages=messages))
+        with pytest.raises(UncacheableRequest):
+            context_hash(messages)
+
+
+def test_values_nested_up_to_the_bound_have_a_key() -> None:
+    deep = nested(MAX_DEPTH)
+    assert key(chat(extra=deep)) != key(chat(extra=nested(MAX_DEPTH - 1)))
+    messages = [{"role": "assistant", "content": "x", "extra": deep}]
+    assert context_hash(messages)
 
 
 def test_the_key_does_not_mutate_the_body() -> None:

@@ -1,0 +1,579 @@
+"""The request field rules (dataplane.http.fields) and the JSON depth bound, per endpoint.
+
+Each bad case names the param and code the client must see: the path is the
+one in the body the client sent, in OpenAI's notation (`messages[0].content`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataplane.http.errors import ApiError
+from dataplane.http.fields import ENDPOINT_RULES, MAX_DEPTH, check_depth, check_fields
+from dataplane.http.pipeline import ENDPOINTS, parse_json, validate
+
+USER = {"role": "user", "content": "hi"}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [USER], **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "Once", **fields}
+
+
+def embedding(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "text", **fields}
+
+
+def response(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "hi", **fields}
+
+
+def refusal(endpoint: str, body: dict[str, Any]) -> ApiError:
+    before = copy.deepcopy(body)
+    with pytest.raises(ApiError) as caught:
+        check_fields(endpoint, body, bool(body.get("stream")))
+    assert body == before  # the check reads, never writes
+    err = caught.value
+    assert err.status == 400 and err.type == "invalid_request_error"
+    return err
+
+
+# ---------------------------------------------------------------- requests that pass
+
+GOOD = [
+    ("chat.completions", chat()),
+    ("chat.completions", chat(
+        messages=[
+            {"role": "system", "content": "Be brief.", "name": "sys"},
+            {"role": "developer", "content": [{"type": "text", "text": "Rules."}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
+                {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                {"type": "file", "file": {"file_id": "file-1"}},
+                {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}},  # vLLM's
+            ]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{}"}},
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+            {"role": "function", "name": "f", "content": "1"},
+        ],
+        temperature=0, top_p=1, n=2, stop=["a", "b", "c", "d"], max_tokens=5,
+        max_completion_tokens=5, presence_penalty=-2, frequency_penalty=2.0,
+        logit_bias={"50256": -100, "1": 3.5}, seed=-(2**63), logprobs=True, top_logprobs=20,
+        tools=[TOOL, {"type": "custom", "custom": {"name": "grep"}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "out", "schema": {"type": "object"},
+                                         "strict": True}},
+        stream=True, stream_options={"include_usage": True}, user="u-1",
+        metadata={"k" * 64: "v" * 512, **{f"k{i}": "v" for i in range(15)}},
+        prompt_cache_key="p", service_tier="flex", modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "mp3"}, reasoning_effort="low", store=False,
+        prediction={"type": "content", "content": "x"}, verbosity="high",
+        top_k=40, guided_json={"type": "object"},  # an origin's extensions pass
+    )),
+    ("chat.completions", chat(temperature=None, stop=None, tools=None, n=None, stream=None)),
+    ("chat.completions", chat(stop="\n", tool_choice="none", response_format={"type": "text"})),
+    ("chat.completions", chat(tools=[TOOL], tool_choice="required")),
+    ("chat.completions", chat(
+        tools=[{"type": "custom", "custom": {"name": "grep"}}],
+        tool_choice={"type": "custom", "custom": {"name": "grep"}},
+    )),
+    ("completions", completion()),
+    ("completions", completion(prompt=["a", ""], echo=True, best_of=3, n=3, suffix="end",
+                               logprobs=5, stream=True, stream_options={"include_usage": False})),
+    ("completions", completion(prompt=[1, 2, 3])),
+    ("completions", completion(prompt=[[1, 2], [3]])),
+    ("completions", completion(prompt="")),
+    ("embeddings", embedding()),
+    ("embeddings", embedding(input=["a", "b"], encoding_format="base64", dimensions=256,
+                             user="u")),
+    ("embeddings", embedding(input=[1, 2])),
+    ("embeddings", embedding(input=[[1], [2, 3]])),
+    ("responses", response()),
+    ("responses", response(
+        input=[
+            {"role": "user", "content": "hi"},
+            {"type": "message", "role": "developer", "content": [
+                {"type": "input_text", "text": "Rules."},
+                {"type": "input_image", "image_url": "https://x/y.png", "detail": "auto"},
+                {"type": "input_file", "file_id": "file-1"},
+            ]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+            {"type": "item_reference", "id": "msg_1"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},  # other item types pass
+        ],
+        instructions="Be brief.", max_output_tokens=100, temperature=2, top_p=0.5,
+        tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}},
+               {"type": "web_search"}],
+        tool_choice={"type": "function", "name": "f"}, parallel_tool_calls=True,
+        text={"format": {"type": "json_schema", "name": "out", "schema": {}}, "verbosity": "low"},
+        stream=True, stream_options={"include_obfuscation": False}, metadata={"a": "b"},
+        user="u", previous_response_id="resp_1", store=True, truncation="auto",
+        reasoning={"effort": "high", "summary": "auto"}, background=False,
+        include=["reasoning.encrypted_content"], top_logprobs=3, conversation="conv_1",
+    )),
+    ("responses", response(tools=[{"type": "file_search"}], tool_choice={"type": "file_search"})),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("endpoint", "body"), GOOD)
+def test_documented_requests_pass(endpoint: str, body: dict[str, Any]) -> None:
+    check_fields(endpoint, body, bool(body.get("stream")))
+
+
+# ---------------------------------------------------------------- requests refused
+
+C, P, E, R = "chat.completions", "completions", "embeddings", "responses"
+T, V, M = "invalid_type", "invalid_value", "missing_required_parameter"
+
+BAD = [
+    # what every endpoint needs
+    (C, {"messages": [USER]}, "model", M),
+    (C, chat(model=""), "model", "empty_string"),
+    (C, chat(model=5), "model", T),
+    (C, {"model": "m"}, "messages", M),
+    (C, {"model": "m", "messages": None}, "messages", M),
+    (P, {"model": "m"}, "prompt", M),
+    (E, {"model": "m"}, "input", M),
+    (R, {"model": "m"}, "input", M),
+    # messages: the client's own indexes
+    (C, chat(messages=[]), "messages", "empty_array"),
+    (C, chat(messages={"role": "user"}), "messages", T),
+    (C, chat(messages=[USER, "hi"]), "messages[1]", T),
+    (C, chat(messages=[USER, None]), "messages[1]", T),
+    (C, chat(messages=[{"content": "x"}]), "messages[0].role", M),
+    (C, chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", V),
+    (C, chat(messages=[{"role": 1, "content": "x"}]), "messages[0].role", T),
+    (C, chat(messages=[USER, {"role": "user"}]), "messages[1].content", M),
+    (C, chat(messages=[{"role": "assistant"}]), "messages[0].content", M),
+    (C, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", T),
+    (C, chat(messages=[{"role": "user", "content": []}]), "messages[0].content", "empty_array"),
+    (C, chat(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+     "messages[0].content[0].type", M),
+    (C, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     "messages[0].content[0].text", M),
+    (C, chat(messages=[{"role": "user", "content": ["x"]}]), "messages[0].content[0]", T),
+    (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     "messages[0].content[0].image_url.url", M),
+    (C, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}]),
+     "messages[0].content[0].image_url.detail", V),
+    (C, chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "A", "format": "ogg"}}]}]),
+     "messages[0].content[0].input_audio.format", V),
+    (C, chat(messages=[{"role": "user", "content": [{"type": "file", "file": "x"}]}]),
+     "messages[0].content[0].file", T),
+    (C, chat(messages=[{"role": "assistant", "content": [{"type": "refusal"}]}]),
+     "messages[0].content[0].refusal", M),
+    (C, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id", M),
+    (C, chat(messages=[{"role": "function", "content": "x"}]), "messages[0].name", M),
+    (C, chat(messages=[{"role": "user", "content": "x", "name": 1}]), "messages[0].name", T),
+    (C, chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "id": "1"}]}]),
+     "messages[0].tool_calls[0].function", M),
+    (C, chat(messages=[{"role": "assistant", "tool_calls": [
+        {"type": "function", "id": "1", "function": {"name": "f", "arguments": {}}}]}]),
+     "messages[0].tool_calls[0].function.arguments", T),
+    (C, chat(messages=[{"role": "assistant", "tool_calls": [{"type": "magic", "id": "1"}]}]),
+     "messages[0].tool_calls[0].type", V),
+    # sampling and limits
+    (C, chat(temperature="hot"), "temperature", T),
+    (C, chat(temperature=True), "temperature", T),
+    (C, chat(temperature=2.5), "temperature", "decimal_above_max_value"),
+    (C, chat(temperature=-0.1), "temperature", "decimal_below_min_value"),
+    (C, chat(top_p=1.01), "top_p", "decimal_above_max_value"),
+    (C, chat(n="2"), "n", T),
+    (C, chat(n=0), "n", "integer_below_min_value"),
+    (C, chat(n=129), "n", "integer_above_max_value"),
+    (C, chat(n=1.0), "n", T),
+    (C, chat(max_tokens=0), "max_tokens", "integer_below_min_value"),
+    (C, chat(max_tokens=10**30), "max_tokens", "integer_above_max_value"),
+    (C, chat(max_completion_tokens="5"), "max_completion_tokens", T),
+    (C, chat(presence_penalty=-2.5), "presence_penalty", "decimal_below_min_value"),
+    (C, chat(frequency_penalty="x"), "frequency_penalty", T),
+    (C, chat(logit_bias=[1]), "logit_bias", T),
+    (C, chat(logit_bias={"the": 1}), "logit_bias", V),
+    (C, chat(logit_bias={"1": 101}), "logit_bias.1", "decimal_above_max_value"),
+    (C, chat(seed=1.5), "seed", T),
+    (C, chat(seed="1"), "seed", T),
+    (C, chat(seed=2**63), "seed", "integer_above_max_value"),
+    (C, chat(stop=5), "stop", T),
+    (C, chat(stop=["a"] * 5), "stop", "array_above_max_length"),
+    (C, chat(stop=["a", 1]), "stop[1]", T),
+    (C, chat(logprobs=1), "logprobs", T),
+    (C, chat(logprobs=True, top_logprobs=21), "top_logprobs", "integer_above_max_value"),
+    (C, chat(top_logprobs=2), "top_logprobs", V),
+    (C, chat(logprobs=False, top_logprobs=2), "top_logprobs", V),
+    # tools
+    (C, chat(tools={"type": "function"}), "tools", T),
+    (C, chat(tools=[{"type": "function"}]), "tools[0].function", M),
+    (C, chat(tools=[{"function": {"name": "f"}}]), "tools[0].type", M),
+    (C, chat(tools=[{"type": "plugin", "plugin": {}}]), "tools[0].type", V),
+    (C, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]),
+     "tools[0].function.name", V),
+    (C, chat(tools=[{"type": "function", "function": {"name": "f" * 65}}]),
+     "tools[0].function.name", V),
+    (C, chat(tools=[TOOL, {"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
+     "tools[1].function.parameters", T),
+    (C, chat(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
+     "tools[0].function.strict", T),
+    (C, chat(tools=[TOOL] * 129), "tools", "array_above_max_length"),
+    (C, chat(tool_choice="sometimes", tools=[TOOL]), "tool_choice", V),
+    (C, chat(tool_choice=1, tools=[TOOL]), "tool_choice", T),
+    (C, chat(tool_choice="required"), "tool_choice", V),
+    (C, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "other"}}),
+     "tool_choice", V),
+    (C, chat(tools=[TOOL], tool_choice={"type": "function"}), "tool_choice.function", M),
+    (C, chat(tools=[TOOL], tool_choice={"type": "custom", "custom": {"name": "get_weather"}}),
+     "tool_choice", V),
+    (C, chat(parallel_tool_calls="yes"), "parallel_tool_calls", T),
+    # output shape and the rest
+    (C, chat(response_format="json"), "response_format", T),
+    (C, chat(response_format={"type": "xml"}), "response_format.type", V),
+    (C, chat(response_format={"type": "json_schema"}), "response_format.json_schema", M),
+    (C, chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+     "response_format.json_schema.name", M),
+    (C, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b"}}),
+     "response_format.json_schema.name", V),
+    (C, chat(stream="yes"), "stream", T),
+    (C, chat(stream_options={"include_usage": True}), "stream_options", V),
+    (C, chat(stream=True, stream_options="yes"), "stream_options", T),
+    (C, chat(stream=True, stream_options={"include_usage": "yes"}),
+     "stream_options.include_usage", T),
+    (C, chat(user={"id": 1}), "user", T),
+    (C, chat(user="u" * 1025), "user", "string_above_max_length"),
+    (C, chat(prompt_cache_key=123), "prompt_cache_key", T),
+    (C, chat(metadata=[]), "metadata", T),
+    (C, chat(metadata={"k": 1}), "metadata.k", T),
+    (C, chat(metadata={"k": "v" * 513}), "metadata.k", "string_above_max_length"),
+    (C, chat(metadata={"k" * 65: "v"}), "metadata", V),
+    (C, chat(metadata={f"k{i}": "v" for i in range(17)}), "metadata", V),
+    (C, chat(service_tier="gold"), "service_tier", V),
+    (C, chat(modalities=["smell"]), "modalities[0]", V),
+    (C, chat(reasoning_effort="max"), "reasoning_effort", V),
+    (C, chat(store="no"), "store", T),
+    (C, chat(audio={"voice": "alloy"}), "audio.format", M),
+    (C, chat(prediction={"type": "content", "content": 1}), "prediction.content", T),
+    # completions
+    (P, completion(prompt=5), "prompt", T),
+    (P, completion(prompt=[]), "prompt", "empty_array"),
+    (P, completion(prompt=["a", 1]), "prompt[1]", T),
+    (P, completion(prompt=[1, -1]), "prompt[1]", "integer_below_min_value"),
+    (P, completion(prompt=[[1], []]), "prompt[1]", "empty_array"),
+    (P, completion(prompt=[[1], ["a"]]), "prompt[1][0]", T),
+    (P, completion(prompt=[True]), "prompt[0]", T),
+    (P, completion(echo="yes"), "echo", T),
+    (P, completion(best_of=21), "best_of", "integer_above_max_value"),
+    (P, completion(best_of=2, n=3), "best_of", V),
+    (P, completion(logprobs=True), "logprobs", T),
+    (P, completion(logprobs=6), "logprobs", "integer_above_max_value"),
+    (P, completion(suffix=1), "suffix", T),
+    (P, completion(temperature="hot"), "temperature", T),
+    (P, completion(stop=["a"] * 5), "stop", "array_above_max_length"),
+    (P, completion(stream_options={}), "stream_options", V),
+    # embeddings
+    (E, embedding(input=""), "input", "empty_string"),
+    (E, embedding(input=[]), "input", "empty_array"),
+    (E, embedding(input=["a", ""]), "input[1]", "empty_string"),
+    (E, embedding(input={"text": "a"}), "input", T),
+    (E, embedding(input=["x"] * 2049), "input", "array_above_max_length"),
+    (E, embedding(encoding_format="hex"), "encoding_format", V),
+    (E, embedding(dimensions=0), "dimensions", "integer_below_min_value"),
+    (E, embedding(dimensions="256"), "dimensions", T),
+    (E, embedding(user=1), "user", T),
+    # responses
+    (R, response(input=5), "input", T),
+    (R, response(input=[{"content": "x"}]), "input[0].role", M),
+    (R, response(input=[{"role": "tool", "content": "x"}]), "input[0].role", V),
+    (R, response(input=[{"role": "user"}]), "input[0].content", M),
+    (R, response(input=[{"role": "user", "content": [{"type": "input_text"}]}]),
+     "input[0].content[0].text", M),
+    (R, response(input=[{"type": "function_call", "call_id": "c"}]), "input[0].name", M),
+    (R, response(input=[{"type": "function_call_output", "call_id": "c", "output": 1}]),
+     "input[0].output", T),
+    (R, response(input=["hi"]), "input[0]", T),
+    (R, response(instructions=1), "instructions", T),
+    (R, response(max_output_tokens=0), "max_output_tokens", "integer_below_min_value"),
+    (R, response(temperature="hot"), "temperature", T),
+    (R, response(top_p=2), "top_p", "decimal_above_max_value"),
+    (R, response(tools=[{"type": "function"}]), "tools[0].name", M),
+    (R, response(tools=[{"type": "function", "name": "a b"}]), "tools[0].name", V),
+    (R, response(tools=[{"type": "function", "name": "f"}],
+                 tool_choice={"type": "function", "name": "g"}), "tool_choice", V),
+    (R, response(tool_choice="required"), "tool_choice", V),
+    (R, response(text={"format": {"type": "yaml"}}), "text.format.type", V),
+    (R, response(text={"format": {"type": "json_schema", "schema": {}}}), "text.format.name", M),
+    (R, response(text="json"), "text", T),
+    (R, response(stream="yes"), "stream", T),
+    (R, response(stream_options={"include_obfuscation": True}), "stream_options", V),
+    (R, response(metadata={"k": 1}), "metadata.k", T),
+    (R, response(user=1), "user", T),
+    (R, response(previous_response_id=1), "previous_response_id", T),
+    (R, response(store="yes"), "store", T),
+    (R, response(parallel_tool_calls=1), "parallel_tool_calls", T),
+    (R, response(truncation="sometimes"), "truncation", V),
+    (R, response(reasoning={"effort": "max"}), "reasoning.effort", V),
+    (R, response(include="all"), "include", T),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "code"), BAD)
+def test_wrong_fields_are_refused_naming_the_param(
+    endpoint: str, body: dict[str, Any], param: str, code: str
+) -> None:
+    err = refusal(endpoint, body)
+    assert (err.param, err.code) == (param, code), err.message
+    assert f"'{param}'" in err.message or err.code == V
+
+
+def test_long_token_prompts_pass_and_a_wrong_token_is_named() -> None:
+    check_fields(P, completion(prompt=list(range(20_000))), False)
+    check_fields(E, embedding(input=[list(range(5000)), [2**31 - 1]]), False)
+    assert refusal(P, completion(prompt=[*range(9999), -1])).param == "prompt[9999]"
+    assert refusal(P, completion(prompt=[*range(10), True])).param == "prompt[10]"
+    err = refusal(E, embedding(input=[[1, 2], [3, 2**31]]))
+    assert (err.param, err.code) == ("input[1][1]", "integer_above_max_value")
+    assert refusal(E, embedding(input=[[1], 2])).param == "input[1]"
+
+
+def test_messages_are_in_openai_words() -> None:
+    assert refusal(C, chat(temperature="hot")).message == (
+        "Invalid type for 'temperature': expected a decimal, but got a string instead."
+    )
+    assert refusal(C, {"model": "m"}).message == "Missing required parameter: 'messages'."
+    assert refusal(C, chat(n=0)).message == (
+        "Invalid 'n': integer below minimum value. Expected a value >= 1, but got 0 instead."
+    )
+    assert refusal(C, chat(messages=[{"role": "wizard", "content": "x"}])).message == (
+        "Invalid value: 'wizard'. Supported values are: 'system', 'assistant', 'user', "
+        "'function', 'tool', and 'developer'."
+    )
+    assert refusal(E, embedding(encoding_format="hex")).message == (
+        "Invalid value: 'hex'. Supported values are: 'float' and 'base64'."
+    )
+
+
+def test_the_first_wrong_field_in_the_body_is_named() -> None:
+    assert refusal(C, chat(n=0, temperature="hot")).param == "n"
+    assert refusal(C, {"temperature": "hot", **chat()}).param == "temperature"
+
+
+def test_every_endpoint_has_rules_and_the_proxys_endpoints_are_among_them() -> None:
+    assert set(ENDPOINT_RULES) == {"chat.completions", "completions", "embeddings", "responses"}
+    assert set(ENDPOINTS) <= set(ENDPOINT_RULES)
+    for name, endpoint in ENDPOINTS.items():
+        assert endpoint.required in ENDPOINT_RULES[name].required
+
+
+def test_validate_reads_the_stream_flag_and_treats_null_as_false() -> None:
+    endpoint = ENDPOINTS["chat.completions"]
+    assert validate(endpoint, chat(stream=True)) is True
+    assert validate(endpoint, chat(stream=None)) is False
+    assert validate(endpoint, chat()) is False
+    with pytest.raises(ApiError) as caught:
+        validate(endpoint, chat(stream=1))
+    assert (caught.value.param, caught.value.code) == ("stream", "invalid_type")
+
+
+# ---------------------------------------------------------------- nesting depth
+
+
+def nested_body(depth: int) -> bytes:
+    """A chat body whose deepest value sits `depth` levels down (the body is level 1)."""
+    inner = b"[" * (depth - 1) + b"]" * (depth - 1)
+    return b'{"model":"m","messages":[{"role":"user","content":"x"}],"extra":' + inner + b"}"
+
+
+def test_the_depth_bound_is_exact() -> None:
+    assert parse_json(nested_body(MAX_DEPTH))["model"] == "m"
+    with pytest.raises(ApiError) as caught:
+        parse_json(nested_body(MAX_DEPTH + 1))
+    assert (caught.value.status, caught.value.code) == (400, "invalid_json")
+
+
+@pytest.mark.parametrize("depth", [253, 254, 1000, 1024, 1025, 100_000])
+def test_deep_bodies_are_refused_with_a_400_before_anything_reads_them(depth: int) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_json(nested_body(depth))
+    err = caught.value
+    assert (err.status, err.code) == (400, "invalid_json")
+    assert f"more than {MAX_DEPTH} levels" in err.message
+
+
+def test_depth_is_counted_in_objects_and_arrays_and_anywhere_in_the_body() -> None:
+    deep_objects = b'{"a":' * (MAX_DEPTH + 1) + b"1" + b"}" * (MAX_DEPTH + 1)
+    with pytest.raises(ApiError):
+        parse_json(deep_objects)
+    # The deep value last, after many shallow ones, in a message: its arrays
+    # start at level 4 (body, messages, message), so 62 of them reach level 65.
+    shallow = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 50
+    deep: Any = "x"
+    for _ in range(MAX_DEPTH - 2):
+        deep = [deep]
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [*shallow, {"role": "user", "content": "x", "d": deep}],
+    }
+    with pytest.raises(ApiError):
+        parse_json(orjson.dumps(body))
+    body["messages"][-1]["d"] = deep[0]
+    assert parse_json(orjson.dumps(body))["messages"][-1]["d"] == deep[0]
+
+
+def test_brackets_inside_strings_do_not_count_as_depth() -> None:
+    text = "[" * 5000 + "{" * 5000
+    body = orjson.dumps(chat(messages=[{"role": "user", "content": text}]))
+    assert parse_json(body)["messages"][0]["content"] == text
+
+
+def test_check_depth_on_a_parsed_value() -> None:
+    value: Any = {}
+    for _ in range(MAX_DEPTH - 1):
+        value = {"k": value}
+    raw = orjson.dumps(value)
+    check_depth(raw, value)
+    with pytest.raises(ApiError):
+        check_depth(orjson.dumps([value]), [value])
+
+
+# ---------------------------------------------------------------- generated requests
+# The chat endpoint's generated requests go through the whole proxy
+# (tests/functional/test_validation.py); the others are generated here.
+
+token_ids = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=5)
+words = st.text(min_size=1, max_size=8)
+GENERATED: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    P: st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "prompt": st.text(max_size=8)
+            | st.lists(st.text(max_size=8), min_size=1, max_size=3)
+            | token_ids
+            | st.lists(token_ids, min_size=1, max_size=3),
+        },
+        optional={
+            "echo": st.booleans(),
+            "suffix": st.text(max_size=5),
+            "logprobs": st.integers(0, 5),
+            "temperature": st.floats(0, 2),
+            "max_tokens": st.integers(1, 2**31 - 1),
+            "seed": st.integers(-(2**63), 2**63 - 1),
+            "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=4),
+            "n": st.integers(1, 5),
+            "best_of": st.integers(5, 20),
+            "top_k": st.integers(),  # an origin's extension
+        },
+    ),
+    E: st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "input": words
+            | st.lists(words, min_size=1, max_size=3)
+            | token_ids
+            | st.lists(token_ids, min_size=1, max_size=3),
+        },
+        optional={
+            "encoding_format": st.sampled_from(["float", "base64"]),
+            "dimensions": st.integers(1, 4096),
+            "user": st.text(max_size=8),
+        },
+    ),
+    R: st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "input": st.text(max_size=8)
+            | st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": st.sampled_from(["user", "assistant", "system", "developer"]),
+                        "content": st.text(max_size=8)
+                        | st.lists(
+                            st.builds(lambda t: {"type": "input_text", "text": t}, words),
+                            max_size=2,
+                        ),
+                    },
+                    optional={"type": st.just("message")},
+                ),
+                max_size=3,
+            ),
+        },
+        optional={
+            "instructions": st.text(max_size=8),
+            "max_output_tokens": st.integers(1, 2**31 - 1),
+            "temperature": st.floats(0, 2),
+            "top_p": st.floats(0, 1),
+            "store": st.booleans(),
+            "truncation": st.sampled_from(["auto", "disabled"]),
+            "parallel_tool_calls": st.booleans(),
+            "previous_response_id": words,
+            "reasoning": st.fixed_dictionaries(
+                {}, optional={"effort": st.sampled_from(["low", "medium", "high"])}
+            ),
+            "text": st.just({"format": {"type": "text"}}),
+            "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
+        },
+    ),
+}
+WRONG: dict[str, dict[str, list[Any]]] = {
+    P: {
+        "prompt": [5, {}, True, []],
+        "echo": ["yes", 1],
+        "suffix": [1],
+        "logprobs": [6, "1", True],
+        "temperature": ["hot", 3],
+        "max_tokens": [0, "1"],
+        "seed": [0.5],
+        "stop": [5, ["a"] * 5],
+        "n": [0, "1"],
+    },
+    E: {
+        "input": ["", [], 5, {}],
+        "encoding_format": ["hex", 1],
+        "dimensions": [0, "8", 1.5],
+        "user": [1],
+    },
+    R: {
+        "input": [5, {}],
+        "instructions": [1],
+        "max_output_tokens": [0, "1"],
+        "temperature": ["hot", 2.5],
+        "top_p": [2],
+        "store": ["yes"],
+        "truncation": ["sometimes"],
+        "parallel_tool_calls": [1],
+        "previous_response_id": [1, ""],
+        "reasoning": ["high"],
+        "text": ["json"],
+        "metadata": [[]],
+    },
+}
+
+
+@pytest.mark.parametrize("endpoint", [P, E, R])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_generated_requests_pass_and_one_wrong_field_is_named(
+    endpoint: str, data: st.DataObject
+) -> None:
+    body = data.draw(GENERATED[endpoint])
+    check_fields(endpoint, body, False)
+    name = data.draw(st.sampled_from(sorted(WRONG[endpoint])))
+    body[name] = data.draw(st.sampled_from(WRONG[endpoint][name]))
+    assert refusal(endpoint, body).param == name
