@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -13,7 +13,7 @@ from controlplane.catalog import LEADER_KEY
 from controlplane.compile import DEFAULT_SPILL_THRESHOLD, compile_table
 from controlplane.election import Leadership
 from controlplane.model import Origin, OriginHealth, Region, State
-from controlplane.store import Fence, KeyValue, Listing, StateStore, StoreUnavailable
+from controlplane.store import Fence, KeyValue, Listing, StateStore, StoreUnavailable, Write
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
 
@@ -114,6 +114,10 @@ class Partitioned:
             if_mod_revision=if_mod_revision,
             fence=fence,
         )
+
+    async def commit(self, writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:
+        self._check()
+        return await self._inner.commit(writes, checks)
 
     async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:
         self._check()
