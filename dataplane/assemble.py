@@ -21,6 +21,7 @@ Rules, in order:
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,3 +115,30 @@ def _instruct(body: dict[str, Any], rules: PromptRules) -> None:
         body["instructions"] = (
             f"{rules.system_prompt}\n\n{theirs}" if theirs else rules.system_prompt
         )
+
+
+_LIST_INDEX = re.compile(r"\b(messages|input)\[(\d+)\]")
+
+
+def client_indexes(text: str, sent: Mapping[str, Any], assembled: Mapping[str, Any]) -> str:
+    """`text` (an origin's error message or param) with each `messages[k]` or
+    `input[k]` of the assembled body rewritten to the index the client sent.
+
+    An origin counts the messages it received, which the tenant's system prompt
+    shifted (or, enforced, thinned); a client must read its own index. The
+    assembled list holds the client's own message objects, so each is found by
+    identity. A message the proxy added is named as such. Pure.
+    """
+
+    def client(match: re.Match[str]) -> str:
+        name, k = match[1], int(match[2])
+        ours, theirs = assembled.get(name), sent.get(name)
+        if not isinstance(ours, list) or not isinstance(theirs, list) or k >= len(ours):
+            return match[0]
+        item = ours[k]
+        for j, original in enumerate(theirs):
+            if original is item:
+                return f"{name}[{j}]"
+        return f"{name}[system prompt added by the gateway]"
+
+    return _LIST_INDEX.sub(client, text)

@@ -16,6 +16,8 @@ error of the same status, and a refusal of the proxy's own credential a 502.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 
 from dataplane import jsonio
@@ -116,16 +118,24 @@ def stream_broken_event() -> bytes:
     return b"data: " + jsonio.dumps(event) + b"\n\ndata: [DONE]\n\n"
 
 
-def origin_error_body(status: int, content_type: str, body: bytes) -> bytes:
+def origin_error_body(
+    status: int,
+    content_type: str,
+    body: bytes,
+    reindex: Callable[[str], str] | None = None,
+) -> bytes:
     """What a client gets of an origin's error answer (status 400 and up).
 
     With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
     (`{"error": {"message": ...}}`, or vLLM's flat `{"object": "error",
     "message": ...}`) is rebuilt from its message, type, param and code, all
     strings or null; other members are dropped. Anything else becomes a
-    fixed error of the same status (429: `upstream_busy`). Pure.
+    fixed error of the same status (429: `upstream_busy`). `reindex` rewrites
+    the passed message and param (the client's own message indexes). Pure.
     """
     err = _origin_error(content_type, body) if status in PASSED_ORIGIN_STATUSES else None
+    if err is not None and reindex is not None:
+        err = {k: reindex(v) if k in ("message", "param") and v else v for k, v in err.items()}
     if err is None and status == 429:
         err = {
             "message": UPSTREAM_BUSY,

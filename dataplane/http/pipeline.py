@@ -94,6 +94,9 @@ class Exchange:
     tenant: TenantRules | None = None
     model: str = ""
     rewritten: bool = False  # assembly changed the body: `raw` no longer matches it
+    # The message lists as the client sent them, kept when the tenant's system
+    # prompt may shift their indexes (an origin's error then names the client's).
+    sent: dict[str, Any] | None = None
     # admit
     estimate: int = 0
     admission: Admission | None = None
@@ -202,6 +205,8 @@ class Pipeline:
         check that the model is served."""
         ex.tenant = ex.policy.tenant(ex.principal.tenant)
         asked = ex.body["model"]
+        if ex.tenant.prompt.system_prompt:
+            ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         ex.rewritten = assemble(ex.endpoint.name, ex.body, ex.tenant.prompt)
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:

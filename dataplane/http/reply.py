@@ -15,11 +15,13 @@ proxy makes itself (502, 504, a broken stream) name no origin.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from multidict import CIMultiDict
 
+from dataplane.assemble import client_indexes
 from dataplane.cache.coalesce import FlightFailed, Follower
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
 from dataplane.http.errors import origin_error_body, stream_broken_event
@@ -65,7 +67,12 @@ def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -
     content_type = origin.headers.get("content-type", "").partition(";")[0].strip().lower()
     return web.Response(
         status=origin.status,
-        body=origin_error_body(origin.status, content_type, body),
+        body=origin_error_body(
+            origin.status,
+            content_type,
+            body,
+            None if ex.sent is None else partial(client_indexes, sent=ex.sent, assembled=ex.body),
+        ),
         content_type="application/json",
         headers=_origin_headers(ex, origin, outcome, error=True),
     )

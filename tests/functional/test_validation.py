@@ -115,6 +115,11 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
     async def record(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         seen.append((request.path, raw))
+        refuse = (json.loads(raw).get("metadata") or {}).get("refuse_message")
+        if refuse is not None:  # an origin refusing one message, by its own count
+            param = f"messages[{refuse}].content"
+            err = {"message": f"'{param}' is too long", "type": "BadRequestError", "param": param}
+            return web.json_response({"error": err}, status=400)
         if json.loads(raw).get("stream"):
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
@@ -167,6 +172,35 @@ async def test_errors_name_the_clients_message_index_whatever_the_tenants_system
     }
     err = await refused(proxy, "/v1/chat/completions", orjson.dumps(two), key.key)
     assert err["param"] == "messages[1].role"
+
+
+@pytest.mark.parametrize(
+    ("key", "origin_index", "client_index"),
+    [
+        (PLAIN, 2, "2"),
+        (PROMPTED, 2, "1"),  # the tenant's system prompt came first
+        (PROMPTED, 0, "system prompt added by the gateway"),
+        (ENFORCED, 1, "1"),  # the client's own system message was replaced
+    ],
+    ids=["plain", "prepended", "the-gateways-own", "enforced"],
+)
+async def test_an_origins_error_names_the_clients_message_index(
+    proxy: Proxy, key: Any, origin_index: int, client_index: str
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": "b"},
+        ],
+        "metadata": {"refuse_message": str(origin_index)},
+    }
+    resp = await proxy.post("/v1/chat/completions", orjson.dumps(body), key.key)
+    assert resp.status == 400
+    err = error_of(await resp.json())
+    assert err["param"] == f"messages[{client_index}].content"
+    assert err["message"] == f"'messages[{client_index}].content' is too long"
 
 
 async def test_a_valid_request_is_checked_before_the_system_prompt_is_added(proxy: Proxy) -> None:
