@@ -81,6 +81,7 @@ JWT_FIELDS = {
     "hs256_secret_file",
     "hs256_secret_env",
     "leeway_s",
+    "max_lifetime_s",
 }
 
 
@@ -285,6 +286,7 @@ def _parse(doc: Any) -> Desired:
                     hs256_secret_file=_get(j, "hs256_secret_file", str, jpath, ""),
                     hs256_secret_env=_get(j, "hs256_secret_env", str, jpath, ""),
                     leeway_s=float(_get(j, "leeway_s", (int, float), jpath, 30.0)),
+                    max_lifetime_s=float(_get(j, "max_lifetime_s", (int, float), jpath, 0)),
                 )
             )
         tenants.append(tenant)

@@ -13,6 +13,7 @@ from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.errors import InvalidArgument
 from controlplane.model import (
+    JWT_DEFAULT_MAX_LIFETIME_S,
     ApiKeyRecord,
     CachePolicy,
     JwtIssuer,
@@ -121,6 +122,7 @@ def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
         hs256_secret_file=m.hs256_secret_file,
         hs256_secret_env=m.hs256_secret_env,
         leeway_s=m.leeway_s if m.leeway_s else 30.0,
+        max_lifetime_s=m.max_lifetime_s or JWT_DEFAULT_MAX_LIFETIME_S,
     )
 
 

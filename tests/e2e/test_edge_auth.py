@@ -211,6 +211,11 @@ def test_jwts_are_checked_for_signature_expiry_audience_and_issuer(
     for code, token in refused.items():
         resp = post(fleet, token)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == code, resp.text
+    # No tenant set max_lifetime_s: the default 24 h applies.
+    year_5000 = jwt.encode({**good, "exp": 95_617_584_000}, HS_SECRET, algorithm="HS256")
+    resp = post(fleet, year_5000)
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_token"
+    assert "longer than this issuer allows" in resp.json()["error"]["message"]
     not_yet = jwt.encode({**good, "nbf": now + 300}, HS_SECRET, algorithm="HS256")
     assert post(fleet, not_yet).status_code == 401
     forged = jwt.encode(good, "x" * 48, algorithm="HS256")
