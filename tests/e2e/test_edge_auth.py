@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import jwt
 import pytest
@@ -23,7 +24,10 @@ from openai import OpenAI
 from controlplane.cli import main as pontoctl
 from ponto.apikeys import secret_of
 from ponto.fleet import Fleet, RegionDef
+from ponto.grpcconn import ClientOptions, admin_channel, read_secret
+from ponto.pki import add_client
 from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 
 pytestmark = pytest.mark.e2e
@@ -267,6 +271,47 @@ def test_requests_and_tokens_are_accounted_per_tenant_and_key(
     assert f'ponto_tenant_tokens_total{{key="{key_id}",kind="prompt",tenant="acme"}}' in text
     assert f'ponto_tenant_tokens_total{{key="{key_id}",kind="completion",tenant="acme"}}' in text
     assert 'ponto_tenant_requests_total{code="401",key="-",tenant="default"}' not in text
+
+
+def test_a_certificate_of_one_role_cannot_act_as_the_other(fleet: Fleet) -> None:
+    """The control plane checks the client certificate's role as well as the token."""
+    b = fleet.security
+    assert b is not None
+    address = next(iter(fleet.controls.values())).address
+    bootstrap = read_secret(b.bootstrap_token_file, "bootstrap token")
+    admin_token = read_secret(b.admin_token_file, "admin token")
+    add_client(b, "roleless", role="", common_name="ops-laptop")
+
+    def creds(name: str, token: str) -> ClientOptions:
+        return ClientOptions(b.ca, b.path(f"{name}.crt"), b.path(f"{name}.key"), token)
+
+    def refusal(call: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        return caught.value.code(), str(caught.value.details())
+
+    info = pb.ProxyInfo(name="intruder", region="us-east", address="1.2.3.4:1")
+    register = pb.RegisterRequest(proxy=info)
+    # An admin's certificate with the bootstrap token registers no proxy.
+    with admin_channel(address, creds("admin", bootstrap)) as ch:
+        code, message = refusal(lambda: routing_pb2_grpc.RoutingStub(ch).Register(register))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "role admin cannot call the Routing API" in message
+    # A proxy's certificate with the admin token calls no Admin API.
+    with admin_channel(address, creds("proxy", admin_token)) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        code, message = refusal(lambda: admin.ListKeys(apb.ListKeysRequest(), timeout=5))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "role proxy cannot call the Admin API" in message
+    # A certificate that states no role serves neither.
+    with admin_channel(address, creds("roleless", admin_token)) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        code, message = refusal(lambda: admin.ListKeys(apb.ListKeysRequest(), timeout=5))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "states no role" in message
+    proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    assert "intruder" not in {p.info.name for p in proxies}
+    assert "p1" in {p.info.name for p in proxies}  # the proxy's own certificate works
 
 
 def test_no_secret_reaches_any_log(fleet: Fleet, tenant_key: str) -> None:

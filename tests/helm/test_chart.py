@@ -12,6 +12,7 @@ session fetches it with the same script, so nothing here is ever skipped.
 from __future__ import annotations
 
 import base64
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,11 +22,12 @@ from typing import Any
 import pytest
 import yaml
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from controlplane import apply as topology_apply
 from controlplane import cli as pontoctl
 from controlplane import settings as control_settings
+from controlplane.api.guard import peer_role
 from dataplane import settings as proxy_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -489,6 +491,26 @@ def test_generated_secrets(three: list[Doc]) -> None:
     server = _certificate(secrets["ponto-control-tls"])
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert {"ponto-control.ponto.svc", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
+
+
+def _stated_role(cert: x509.Certificate) -> str | None:
+    """The role the control plane reads from `cert`, as grpc would show it."""
+    context: dict[str, list[bytes]] = {
+        "x509_common_name": [
+            str(a.value).encode() for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        ]
+    }
+    with contextlib.suppress(x509.ExtensionNotFound):
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        context["x509_subject_alternative_name"] = [str(n.value).encode() for n in alt]
+    return peer_role(context)
+
+
+def test_generated_client_certificates_state_their_role(three: list[Doc]) -> None:
+    secrets = objects(three, "Secret")
+    assert _stated_role(_certificate(secrets["ponto-proxy-tls"])) == "proxy"
+    assert _stated_role(_certificate(secrets["ponto-admin-tls"])) == "admin"
+    assert _stated_role(_certificate(secrets["ponto-control-tls"])) is None
 
 
 def test_each_pod_mounts_only_its_own_credentials(three: list[Doc]) -> None:
