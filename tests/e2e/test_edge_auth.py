@@ -23,6 +23,7 @@ from openai import OpenAI
 
 from controlplane.cli import main as pontoctl
 from ponto.apikeys import secret_of
+from ponto.devenv import free_port
 from ponto.fleet import Fleet, RegionDef
 from ponto.grpcconn import ClientOptions, admin_channel, read_secret
 from ponto.pki import add_client
@@ -37,7 +38,13 @@ HS_SECRET = "an-hs256-secret-that-is-long-enough-0123456789"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def metrics_address() -> str:
+    """Where the proxy serves /metrics (--metrics-listen): not its public port."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, metrics_address: str) -> Iterator[Fleet]:
     with Fleet(tmp_path_factory.mktemp("auth")) as f:
         f.secure()
         f.start_etcd()
@@ -55,7 +62,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )
         f.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
         version = f.table_version(origins=1)
-        f.start_proxy("p1", "us-east")
+        f.start_proxy("p1", "us-east", extra=["--metrics-listen", metrics_address])
         f.wait_proxies_at(version)
         yield f
 
@@ -262,11 +269,14 @@ def test_system_prompt_defaults_clamp_and_alias_reach_the_origin(
 
 
 def test_requests_and_tokens_are_accounted_per_tenant_and_key(
-    fleet: Fleet, tenant_key: str
+    fleet: Fleet, tenant_key: str, metrics_address: str
 ) -> None:
     key_id = tenant_key.split("-")[2]
     assert post(fleet, tenant_key).status_code == 200
-    text = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    # Tenant names and key ids are not for whoever reaches the public port.
+    public = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5)
+    assert public.status_code == 404 and public.json()["error"]["code"] == "not_found"
+    text = httpx.get(f"http://{metrics_address}/metrics", timeout=5).text
     assert f'ponto_tenant_requests_total{{code="200",key="{key_id}",tenant="acme"}}' in text
     assert f'ponto_tenant_tokens_total{{key="{key_id}",kind="prompt",tenant="acme"}}' in text
     assert f'ponto_tenant_tokens_total{{key="{key_id}",kind="completion",tenant="acme"}}' in text
