@@ -227,7 +227,7 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
     deployments = {n for n in objects(three, "Deployment") if n.startswith("ponto-proxy-")}
     services = {n for n in objects(three, "Service") if n.startswith("ponto-proxy-")}
     assert deployments == {f"ponto-proxy-{r}" for r in REGIONS}
-    assert services == deployments
+    assert services == deployments | {f"{d}-metrics" for d in deployments}
     for region in REGIONS:
         name = f"ponto-proxy-{region}"
         deployment = one(three, "Deployment", name)
@@ -238,6 +238,9 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
         assert f["--name"] == "$(POD_NAME)"
         assert f["--control-plane"] == "ponto-control.ponto.svc:7000"
         assert f["--listen"] == "0.0.0.0:8080"
+        assert f["--metrics-listen"] == "0.0.0.0:9090"
+        assert f["--metrics-key-labels"] == "on"
+        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in c["ports"]
         assert f["--state-dir"] == "/var/lib/ponto"
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -259,6 +262,15 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
         # GeoIP needs the client's address: a LoadBalancer must not SNAT it away.
         assert service["spec"]["type"] == "LoadBalancer"
         assert service["spec"]["externalTrafficPolicy"] == "Local"
+        # /metrics (tenant names) only through a Service inside the cluster.
+        scraped = one(three, "Service", f"{name}-metrics")
+        assert scraped["spec"]["type"] == "ClusterIP"
+        assert scraped["spec"]["selector"] == service["spec"]["selector"]
+        assert [(p["name"], p["port"], p["targetPort"]) for p in scraped["spec"]["ports"]] == [
+            ("metrics", 9090, "metrics")
+        ]
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == "9090"
 
 
 def test_regions_take_their_own_settings(three: list[Doc]) -> None:
@@ -334,13 +346,23 @@ def test_service_monitor_only_when_enabled(default: list[Doc], three: list[Doc])
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     endpoint = monitor["spec"]["endpoints"][0]
-    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
     selected = [
         n
         for n, s in objects(three, "Service").items()
         if matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
     ]
-    assert sorted(selected) == sorted(f"ponto-proxy-{r}" for r in REGIONS)
+    assert sorted(selected) == sorted(f"ponto-proxy-{r}-metrics" for r in REGIONS)
+
+
+def test_metrics_port_and_key_labels_are_values(helm: Path) -> None:
+    docs = render(
+        helm, "--set", "proxy.metrics.port=9100", "--set", "proxy.metrics.keyLabels=false"
+    )
+    deployment = next(d for n, d in objects(docs, "Deployment").items() if "proxy" in n)
+    f = flags(container(deployment))
+    assert (f["--metrics-listen"], f["--metrics-key-labels"]) == ("0.0.0.0:9100", "off")
+    assert "proxy.metrics.port" in refused(helm, "--set", "proxy.metrics.port=8080")
 
 
 def test_geoip_database_is_a_mounted_volume(default: list[Doc], three: list[Doc]) -> None:
