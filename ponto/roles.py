@@ -5,7 +5,11 @@ certificates (ponto.pki, the Helm chart) and the control plane that checks them
 A certificate states its role as a URI subject alternative name
 `spiffe://ponto/role/<role>`, SPIFFE's form for a workload identity. Certificates
 made by tools that cannot write URI names (Helm's certificate functions) state it
-by their subject's common name, `ponto-<role>`.
+by their subject's common name, `ponto-<role>`. The Helm chart's control-plane
+certificate (`ponto-control-plane`, which has the client usage for the liveness
+probe) counts as admin: `kubectl exec deploy/ponto-control -- pontoctl ...`, as
+the chart's NOTES print it, runs with it, and that pod holds the admin token
+anyway.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ ADMIN: Final = "admin"  # calls the Admin API
 ROLES: Final = (PROXY, ADMIN)
 
 URI_PREFIX: Final = "spiffe://ponto/role/"
-COMMON_NAMES: Final = {f"ponto-{role}": role for role in ROLES}
+COMMON_NAMES: Final = {**{f"ponto-{role}": role for role in ROLES}, "ponto-control-plane": ADMIN}
 
 
 def role_uri(role: str) -> str:

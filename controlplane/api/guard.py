@@ -19,7 +19,8 @@ certificate (`peer_role`):
   adds the same URI);
 - failing that, the subject's common name `ponto-proxy` or `ponto-admin` (what
   the Helm chart's certificates carry: Helm's certificate functions can set the
-  common name but no URI name).
+  common name but no URI name), or `ponto-control-plane`, the chart's own
+  control-plane certificate, as admin (see ponto.roles).
 
 The names are ponto.roles'. A certificate that states no role, or two different
 ones, is refused on the Routing and Admin services with PERMISSION_DENIED and a

@@ -138,6 +138,7 @@ def auth_context(
         (auth_context(uris=("spiffe://other/role/admin",), dns=("a.example",)), None),
         (auth_context(cn="ponto-admin"), "admin"),  # the Helm chart's certificates
         (auth_context(cn="ponto-proxy", dns=("p.example",)), "proxy"),
+        (auth_context(cn="ponto-control-plane", dns=("cp.example",)), "admin"),
         (auth_context(cn="someone"), None),
         (auth_context(uris=("spiffe://ponto/role/root",)), None),
         (auth_context(uris=("spiffe://ponto/role/proxy", "spiffe://ponto/role/admin")), None),
@@ -149,6 +150,7 @@ def auth_context(
         "foreign-uri",
         "cn-admin",
         "cn-proxy",
+        "cn-chart-control-plane",
         "no-role",
         "unknown-role",
         "two-roles",
