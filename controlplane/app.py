@@ -79,7 +79,9 @@ class ControlPlane:
         self.server = grpc.aio.server(
             interceptors=[
                 TokenGuard(
-                    bootstrap_token=security.bootstrap_token, admin_token=security.admin_token
+                    bootstrap_token=security.bootstrap_token,
+                    admin_token=security.admin_token,
+                    require_roles=bool(security.tls_client_ca),
                 )
             ],
             options=[
@@ -147,7 +149,7 @@ class ControlPlane:
             self.settings.replica_id,
             host,
             self.port,
-            "mutual TLS"
+            "mutual TLS, certificates of each service's role"
             if security.tls_client_ca
             else ("TLS" if security.tls_cert else "plaintext"),
             "need the bootstrap token" if security.bootstrap_token else "are not authenticated",

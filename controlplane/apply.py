@@ -46,6 +46,7 @@ import orjson
 
 from controlplane.errors import InvalidArgument
 from controlplane.model import (
+    JWT_DEFAULT_MAX_LIFETIME_S,
     CachePolicy,
     JwtIssuer,
     Limits,
@@ -83,6 +84,7 @@ JWT_FIELDS = (
     "hs256_secret_file",
     "hs256_secret_env",
     "leeway_s",
+    "max_lifetime_s",
 )
 ROUTING_FIELDS = ("mode", "models", "user_sessions", "load_bound")
 STREAM_FIELDS = (
@@ -297,6 +299,7 @@ def _tenant(o: _Obj) -> Tenant:
             hs256_secret_file=j.get("hs256_secret_file", str, ""),
             hs256_secret_env=j.get("hs256_secret_env", str, ""),
             leeway_s=j.get("leeway_s", _NUMBER, 30.0),
+            max_lifetime_s=j.get("max_lifetime_s", _NUMBER, JWT_DEFAULT_MAX_LIFETIME_S),
         )
     defaults = prompt.get("defaults", dict, {})
     return Tenant(
@@ -454,6 +457,7 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
                 hs256_secret_env=j.hs256_secret_env,
             ),
             "leeway_s": j.leeway_s,
+            "max_lifetime_s": j.max_lifetime_s,
         }
     out.update((k, v) for k, v in parts.items() if v)
     return out

@@ -126,6 +126,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
                 hs256_secret_file=t.jwt.hs256_secret_file,
                 hs256_secret_env=t.jwt.hs256_secret_env,
                 leeway_s=t.jwt.leeway_s,
+                max_lifetime_s=t.jwt.max_lifetime_s,
             )
         )
     return out

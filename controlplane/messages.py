@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from controlplane.errors import InvalidArgument
 from controlplane.model import (
+    JWT_DEFAULT_MAX_LIFETIME_S,
     CachePolicy,
     JwtIssuer,
     Limits,
@@ -106,6 +107,7 @@ def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
         hs256_secret_file=m.hs256_secret_file,
         hs256_secret_env=m.hs256_secret_env,
         leeway_s=m.leeway_s if m.leeway_s else 30.0,
+        max_lifetime_s=m.max_lifetime_s or JWT_DEFAULT_MAX_LIFETIME_S,
     )
 
 

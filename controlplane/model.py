@@ -27,6 +27,11 @@ MAX_CONTINUATIONS = 10
 MAX_IDLE_TIMEOUT_S = 3600.0
 MAX_HEDGE_MS = 600_000
 JWT_ALGORITHMS = ("HS256", "RS256", "ES256")
+# A token valid for longer than its issuer's maximum is refused (a leaked
+# long-lived token is a standing credential). 24 h unless the tenant says;
+# at most a year.
+JWT_DEFAULT_MAX_LIFETIME_S = 86_400.0
+JWT_LONGEST_MAX_LIFETIME_S = 31_536_000
 # Request fields a tenant's defaults may not set: they carry the request itself.
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
 MAX_TTL_S = 30 * 86_400
@@ -374,6 +379,7 @@ class JwtIssuer:
     hs256_secret_file: str = ""
     hs256_secret_env: str = ""
     leeway_s: float = 30.0
+    max_lifetime_s: float = JWT_DEFAULT_MAX_LIFETIME_S
 
     def validated(self, owner: str) -> JwtIssuer:
         if not self.issuer:
@@ -402,6 +408,14 @@ class JwtIssuer:
                 raise InvalidArgument(f"{owner}: {path!r} must be an absolute path")
         if not math.isfinite(self.leeway_s) or not 0 <= self.leeway_s <= 600:
             raise InvalidArgument(f"{owner}: JWT leeway {self.leeway_s} s is not in 0..600")
+        if (
+            not math.isfinite(self.max_lifetime_s)
+            or not 60 <= self.max_lifetime_s <= JWT_LONGEST_MAX_LIFETIME_S
+        ):
+            raise InvalidArgument(
+                f"{owner}: JWT max_lifetime_s {self.max_lifetime_s:g} is not in "
+                f"60..{JWT_LONGEST_MAX_LIFETIME_S} (seconds)"
+            )
         return replace(self, algorithms=tuple(sorted(set(algorithms))))
 
 

@@ -20,7 +20,7 @@ import uvloop
 from aiohttp import web
 
 from dataplane import workers
-from dataplane.http.server import build_app
+from dataplane.http.server import build_app, build_metrics_app
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, parse
 from ponto.logs import setup_logging
@@ -53,6 +53,7 @@ async def serve(settings: Settings) -> None:
     tune_gc()
     log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
     app[CLIENT].set_address(address)
+    metrics_runner = await serve_metrics(app, settings)
     if settings.ready_file:
         write_atomic(settings.ready_file, address.encode())
     stop = asyncio.Event()
@@ -68,6 +69,36 @@ async def serve(settings: Settings) -> None:
         await _drain(site, settings.drain_seconds)
     log.info("shutting down")
     await runner.cleanup()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
+
+
+async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunner | None:
+    """Serve `app`'s /metrics on --metrics-listen (for the group, in a worker);
+    None without the flag (the public port serves it)."""
+    if settings.metrics_listen is None:
+        return None
+    metrics_app = build_metrics_app(app)
+    slot = settings.worker
+    if slot is not None:
+        views = workers.group_views(slot, settings.workers, workers.metrics_socket_path)
+        metrics_app.middlewares.append(views)
+    runner = web.AppRunner(metrics_app, access_log=None)
+    await runner.setup()
+    host, port = settings.metrics_listen
+    site: web.BaseSite
+    if slot is None:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    else:
+        site = await workers.start_sites(
+            runner, settings, address=settings.metrics_listen, sockets=workers.metrics_socket_path
+        )
+    server = site._server
+    assert server is not None
+    bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    log.info("metrics on http://%s/metrics", workers.hostport(host, bound))
+    return runner
 
 
 # Young-generation collections every this many allocations (CPython's default is

@@ -150,7 +150,13 @@ def _le(bound: float) -> str:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """The proxy's metrics. `key_labels=False` leaves the API key id out of the
+    per-tenant series (`ponto_tenant_requests`, `ponto_tenant_tokens`): who can
+    scrape them then learns tenant names, not the key ids of their callers."""
+
+    def __init__(self, *, key_labels: bool = True) -> None:
+        self.key_labels = key_labels
+        by_key = ["key"] if key_labels else []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -241,15 +247,17 @@ class Metrics:
         )
         self.tenant_requests = Counter(
             "ponto_tenant_requests",
-            "Requests by tenant, API key id ('-' in open mode) and status code",
-            ["tenant", "key", "code"],
+            "Requests by tenant, API key id ('-' in open mode; unless --metrics-key-labels "
+            "off) and status code",
+            ["tenant", *by_key, "code"],
             registry=r,
         )
         self.tenant_tokens = Counter(
             "ponto_tenant_tokens",
-            "Tokens by tenant, API key id and kind (prompt, completion), from the "
-            "origins' usage or, for streams without it, counted by the proxy",
-            ["tenant", "key", "kind"],
+            "Tokens by tenant, API key id (unless --metrics-key-labels off) and kind "
+            "(prompt, completion), from the origins' usage or, for streams without it, "
+            "counted by the proxy",
+            ["tenant", *by_key, "kind"],
             registry=r,
         )
         self.cache_requests = Counter(
@@ -291,15 +299,18 @@ class Metrics:
         self.child(self.stream_cuts, origin).inc()
         self.attempt(origin, "cut_after_start").inc()
 
+    def _who(self, tenant: str, key: str) -> tuple[str, ...]:
+        return (tenant, key or "-") if self.key_labels else (tenant,)
+
     def account_request(self, tenant: str, key: str, status: int) -> None:
-        self.child(self.tenant_requests, tenant, key or "-", str(status)).inc()
+        self.child(self.tenant_requests, *self._who(tenant, key), str(status)).inc()
 
     def account_tokens(self, tenant: str, key: str, usage: Usage) -> None:
-        key = key or "-"
+        who = self._who(tenant, key)
         if usage.prompt_tokens:
-            self.child(self.tenant_tokens, tenant, key, "prompt").inc(usage.prompt_tokens)
+            self.child(self.tenant_tokens, *who, "prompt").inc(usage.prompt_tokens)
         if usage.completion_tokens:
-            self.child(self.tenant_tokens, tenant, key, "completion").inc(usage.completion_tokens)
+            self.child(self.tenant_tokens, *who, "completion").inc(usage.completion_tokens)
 
     def bind_cache(self, stats: Callable[[], Any]) -> None:
         """Read the cache store's counters at scrape time."""

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import orjson
 
 from dataplane.assemble import NO_RULES, PromptRules
-from dataplane.auth.authenticator import AuthConfigError, Authenticator, JwtConfig, KeyRecord
+from dataplane.auth.authenticator import (
+    DEFAULT_JWT_MAX_LIFETIME_S,
+    AuthConfigError,
+    Authenticator,
+    JwtConfig,
+    KeyRecord,
+)
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
@@ -175,6 +181,8 @@ def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) ->
                     hs256_secret_file=j.hs256_secret_file or None,
                     hs256_secret_env=j.hs256_secret_env or None,
                     leeway_s=j.leeway_s if math.isfinite(j.leeway_s) else 0.0,
+                    # 0: a control plane older than the field; its default.
+                    max_lifetime_s=j.max_lifetime_s or DEFAULT_JWT_MAX_LIFETIME_S,
                 )
             )
     keys = []

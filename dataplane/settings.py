@@ -58,6 +58,12 @@ class Settings:
     workers: int = 1
     # Set in a worker process only: its settings are already per worker (as_worker).
     worker: WorkerSlot | None = None
+    # (host, port) serving /metrics instead of the public port; None: the public port.
+    metrics_listen: tuple[str, int] | None = None
+    # API key ids as a label of the per-tenant series. parse() decides the default
+    # from metrics_listen (see --metrics-key-labels); True here keeps the series
+    # whole for code that builds Settings itself (tests).
+    metrics_key_labels: bool = True
 
 
 def available_cores() -> int:
@@ -221,12 +227,36 @@ def parse(argv: list[str]) -> Settings:
         type=Path,
         help="write the bound HOST:PORT here when serving (with workers: once all listen)",
     )
+    p.add_argument(
+        "--metrics-listen",
+        default="",
+        help="serve GET /metrics on this HOST:PORT only, not on --listen: keep the tenant "
+        "names and counts it lists off the public port (the Helm chart sets it)",
+    )
+    p.add_argument(
+        "--metrics-key-labels",
+        choices=["on", "off"],
+        help="label per-tenant series with the API key id (default: on with "
+        "--metrics-listen, off when /metrics is on the public port)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     try:
         host, port = split_hostport(a.listen)
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
+    metrics_listen = None
+    if a.metrics_listen:
+        try:
+            metrics_listen = split_hostport(a.metrics_listen)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"--metrics-listen: {exc}")
+        if metrics_listen == (host, port) and port != 0:
+            p.error("--metrics-listen must differ from --listen")
+    if a.metrics_key_labels is None:
+        key_labels = metrics_listen is not None
+    else:
+        key_labels = a.metrics_key_labels == "on"
     if a.max_body_bytes < 1024:
         p.error("--max-body-bytes must be at least 1024")
     if a.max_attempts < 1:
@@ -316,5 +346,7 @@ def parse(argv: list[str]) -> Settings:
         session_header=session_header,
         stream_idle_timeout=a.stream_idle_timeout,
         workers=workers,
+        metrics_listen=metrics_listen,
+        metrics_key_labels=key_labels,
     )
     return settings if slot is None else as_worker(settings, slot)

@@ -22,7 +22,10 @@ more processes. The parent becomes a supervisor that serves no traffic:
 Each worker also serves the whole app on a private unix socket in the group's run
 directory. A scrape of `/metrics` on the shared port, whichever worker takes it,
 reads its siblings' `/metrics` there and answers every worker's series, each with
-a `worker="I"` label, plus `ponto_worker_up`. `/readyz` on the shared port is
+a `worker="I"` label, plus `ponto_worker_up`. With `--metrics-listen`, /metrics is
+served on that port instead, the same way: the supervisor reserves it, each
+worker listens there with SO_REUSEPORT and on a second private socket, and a
+scrape answers for the group. `/readyz` on the shared port is
 ready when the answering worker is and every sibling that listens is too: the
 kernel gives each listening worker its part of the connections, so one without
 a table would refuse its part. A sibling that is not listening (dead, or starting
@@ -75,6 +78,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def socket_path(run_dir: Path, index: int) -> Path:
     """The private unix socket of worker `index`."""
     return run_dir / f"w{index}.sock"
+
+
+def metrics_socket_path(run_dir: Path, index: int) -> Path:
+    """The private unix socket of worker `index`'s metrics app (--metrics-listen)."""
+    return run_dir / f"w{index}.metrics.sock"
 
 
 def ready_path(run_dir: Path, index: int) -> Path:
@@ -240,16 +248,19 @@ def _from_sibling(request: web.Request) -> bool:
     return sock is not None and sock.family == socket.AF_UNIX
 
 
-def group_views(slot: WorkerSlot, workers: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+def group_views(
+    slot: WorkerSlot, workers: int, sockets: Callable[[Path, int], Path] = socket_path
+) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Middleware that answers /metrics and /readyz on the shared port for the group.
 
     Appended to the app's middlewares before the runner starts, so that it runs
     inside the app's own (errors become OpenAI-style answers, every scrape is
     counted). Requests that came over the private socket, a sibling asking, get
     this worker's own answer. The group's answers say which worker gave them
-    (`x-ponto-worker`).
+    (`x-ponto-worker`). `sockets` names the siblings' private sockets of the
+    same app (`metrics_socket_path` for the metrics app).
     """
-    siblings = [(i, socket_path(slot.run_dir, i)) for i in range(workers) if i != slot.index]
+    siblings = [(i, sockets(slot.run_dir, i)) for i in range(workers) if i != slot.index]
     me = {WORKER_HEADER: str(slot.index)}
 
     async def ask_all(route: str) -> list[tuple[int, SiblingAnswer | None]]:
@@ -295,17 +306,25 @@ def group_views(slot: WorkerSlot, workers: int) -> Callable[..., Awaitable[web.S
     return middleware
 
 
-async def start_sites(runner: web.AppRunner, settings: Settings) -> web.BaseSite:
-    """Start a worker's private socket, then its listener on the shared port.
+async def start_sites(
+    runner: web.AppRunner,
+    settings: Settings,
+    *,
+    address: tuple[str, int] | None = None,
+    sockets: Callable[[Path, int], Path] = socket_path,
+) -> web.BaseSite:
+    """Start a worker's private socket, then its listener on the shared port
+    (`address`, default --listen; the metrics app passes its own and
+    `metrics_socket_path`).
 
     In that order: a worker that takes connections always answers its siblings.
     Returns the shared-port site.
     """
     slot = settings.worker
     assert slot is not None
-    await web.UnixSite(runner, str(socket_path(slot.run_dir, slot.index))).start()
-    shared = reuseport_socket(settings.listen_host, settings.listen_port)
-    site = web.SockSite(runner, shared, backlog=1024)
+    await web.UnixSite(runner, str(sockets(slot.run_dir, slot.index))).start()
+    host, port = address or (settings.listen_host, settings.listen_port)
+    site = web.SockSite(runner, reuseport_socket(host, port), backlog=1024)
     await site.start()
     return site
 
@@ -351,10 +370,19 @@ class RestartPolicy:
 
 
 def worker_argv(
-    argv: Sequence[str], settings: Settings, index: int, port: int, run_dir: Path, lifeline: int
+    argv: Sequence[str],
+    settings: Settings,
+    index: int,
+    port: int,
+    run_dir: Path,
+    lifeline: int,
+    metrics_port: int | None = None,
 ) -> list[str]:
     """The command line of worker `index`: the group's own flags, then the ones
     that make it a worker (argparse keeps the last of a repeated flag)."""
+    metrics = []
+    if settings.metrics_listen is not None and metrics_port is not None:
+        metrics = ["--metrics-listen", hostport(settings.metrics_listen[0], metrics_port)]
     return [
         sys.executable,
         "-m",
@@ -372,6 +400,7 @@ def worker_argv(
         str(run_dir),
         "--lifeline-fd",
         str(lifeline),
+        *metrics,
     ]
 
 
@@ -406,12 +435,17 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         holder = reserve_port(s.listen_host, s.listen_port)
+        # Held like the main port, so a worker restarted on port 0 gets the same one.
+        metrics_holder = reserve_port(*s.metrics_listen) if s.metrics_listen else None
         run_dir = Path(tempfile.mkdtemp(prefix="ponto-proxy-"))
         lifeline, keep_alive = os.pipe()
         try:
             port = holder.getsockname()[1]
+            metrics_port = metrics_holder.getsockname()[1] if metrics_holder else None
             keepers = [
-                asyncio.create_task(self._keep(i, port, run_dir, lifeline), name=f"worker-{i}")
+                asyncio.create_task(
+                    self._keep(i, port, run_dir, lifeline, metrics_port), name=f"worker-{i}"
+                )
                 for i in range(s.workers)
             ]
             announce = asyncio.create_task(self._announce(port, run_dir))
@@ -427,6 +461,8 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             holder.close()
+            if metrics_holder is not None:
+                metrics_holder.close()
             os.close(lifeline)
             os.close(keep_alive)
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -445,10 +481,12 @@ class Supervisor:
         if s.ready_file:
             write_atomic(s.ready_file, address.encode())
 
-    async def _keep(self, index: int, port: int, run_dir: Path, lifeline: int) -> None:
+    async def _keep(
+        self, index: int, port: int, run_dir: Path, lifeline: int, metrics_port: int | None
+    ) -> None:
         """Run worker `index` until stopping, restarting it when it dies; returns
         early only when the restart policy gives up."""
-        argv = worker_argv(self.argv, self.settings, index, port, run_dir, lifeline)
+        argv = worker_argv(self.argv, self.settings, index, port, run_dir, lifeline, metrics_port)
         loop = asyncio.get_running_loop()
         failures = 0
         while True:

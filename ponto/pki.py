@@ -2,9 +2,11 @@
 
 `make demo` and the security tests run the planes with mutual TLS like
 production; this makes the files they need: a CA, a server certificate for the
-control plane and client certificates for proxies and operators, plus the
-bootstrap and admin tokens. Production certificates come from the operator's
-PKI (the Helm chart generates its own or takes existing secrets).
+control plane and client certificates for proxies and operators, each stating
+its role as the URI name `spiffe://ponto/role/proxy` or `.../admin` (ponto.roles;
+the control plane checks it), plus the bootstrap and admin tokens. Production
+certificates come from the operator's PKI (the Helm chart generates its own or
+takes existing secrets).
 
     python -m ponto.pki DIR     # writes DIR/{ca,server,proxy,admin}.{crt,key} and tokens
 """
@@ -24,6 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ponto.roles import ROLES, role_uri
 from ponto.writefile import write_atomic
 
 VALIDITY = datetime.timedelta(days=30)
@@ -109,8 +112,9 @@ def _cert(
     *,
     ca: bool = False,
     server_names: tuple[str, ...] = (),
-    client: bool = False,
+    role: str | None = None,
 ) -> x509.Certificate:
+    """A certificate; `role` makes it a client's ("": one that states no role)."""
     now = datetime.datetime.now(datetime.UTC)
     issuer_name, issuer_key = issuer or (_name(subject), key)
     builder = (
@@ -132,18 +136,21 @@ def _cert(
             ),
             critical=True,
         )  # fmt: skip
-    if server_names:
-        alt: list[x509.GeneralName] = []
-        for n in server_names:
-            try:
-                alt.append(x509.IPAddress(ipaddress.ip_address(n)))
-            except ValueError:
-                alt.append(x509.DNSName(n))
+    alt: list[x509.GeneralName] = []
+    for n in server_names:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            alt.append(x509.DNSName(n))
+    if role:
+        # The control plane reads a client's role here (controlplane.api.guard).
+        alt.append(x509.UniformResourceIdentifier(role_uri(role)))
+    if alt:
         builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
     usages = []
     if server_names:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-    if client:
+    if role is not None:
         usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     if usages:
         builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
@@ -162,30 +169,51 @@ def make_bundle(
         os.umask(old_umask)
 
 
+def _save(
+    directory: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
+) -> None:
+    write_atomic(directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
+    write_atomic(directory / f"{name}.key", _pem_key(key))
+    (directory / f"{name}.key").chmod(0o600)
+
+
+def add_client(bundle: Bundle, name: str, *, role: str, common_name: str = "") -> Bundle:
+    """Issue a client certificate from the bundle's CA as `name`.{crt,key}.
+
+    `role` is one of ponto.roles.ROLES, stated as a URI name; "" states none (as
+    certificates made before roles did, unless their common name is
+    `ponto-<role>`). `common_name` defaults to `ponto-<name>`.
+    """
+    directory = bundle.directory
+    ca = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    old_umask = os.umask(0o077)
+    try:
+        key = _key()
+        cert = _cert(common_name or f"ponto-{name}", key, (ca.subject, ca_key), role=role)
+        _save(directory, name, cert, key)
+    finally:
+        os.umask(old_umask)
+    return bundle
+
+
 def _make_bundle(directory: Path, server_names: tuple[str, ...]) -> Bundle:
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     ca = _cert("ponto-demo-ca", ca_key, None, ca=True)
-    issuer = (ca.subject, ca_key)
-
-    def save(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
-        write_atomic(directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
-        write_atomic(directory / f"{name}.key", _pem_key(key))
-        (directory / f"{name}.key").chmod(0o600)
-
-    save("ca", ca, ca_key)
+    _save(directory, "ca", ca, ca_key)
     server_key = _key()
-    save(
-        "server", _cert("ponto-control", server_key, issuer, server_names=server_names), server_key
-    )
-    for role in ("proxy", "admin"):
-        k = _key()
-        save(role, _cert(f"ponto-{role}", k, issuer, client=True), k)
+    server = _cert("ponto-control", server_key, (ca.subject, ca_key), server_names=server_names)
+    _save(directory, "server", server, server_key)
+    bundle = Bundle(directory)
+    for role in ROLES:
+        add_client(bundle, role, role=role)
     for token in ("bootstrap", "admin"):
         path = directory / f"{token}.token"
         write_atomic(path, (secrets.token_urlsafe(32) + "\n").encode())
         path.chmod(0o600)
-    return Bundle(directory)
+    return bundle
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,6 +88,9 @@ _MAX_SUBJECT_LENGTH = 256
 # stray characters and would let many strings verify as one token.
 _JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 _DEFAULT_JWT_CACHE_SIZE = 10_000
+# The longest validity a token may have unless its tenant's config says
+# otherwise (the control plane's default too).
+DEFAULT_JWT_MAX_LIFETIME_S = 86_400.0
 
 # exp/nbf/iat are checked here, against the caller's clock, rather than by
 # PyJWT (which reads the wall clock itself): the core reads no clock, and tests
@@ -139,6 +142,10 @@ class JwtConfig:
     `leeway_s` is the clock skew allowed on ``exp`` and
     ``nbf``. The claim named by `key_id_claim` identifies the caller within
     the tenant (for rate limits and logs).
+
+    `max_lifetime_s` bounds how long a token may be valid: one whose
+    ``exp - iat`` exceeds it, or whose ``exp`` is further than it from now (so
+    a made-up ``iat`` buys nothing), is refused, leeway allowed on both.
     """
 
     tenant: str
@@ -150,6 +157,7 @@ class JwtConfig:
     hs256_secret_env: str | None = None
     leeway_s: float = 0.0
     key_id_claim: str = "sub"
+    max_lifetime_s: float = DEFAULT_JWT_MAX_LIFETIME_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,6 +470,8 @@ class _JwtVerifier:
             raise AuthConfigError(f"{where}: leeway_s must be a finite number >= 0")
         if not config.key_id_claim:
             raise AuthConfigError(f"{where}: key_id_claim must name a claim")
+        if not math.isfinite(config.max_lifetime_s) or config.max_lifetime_s <= 0:
+            raise AuthConfigError(f"{where}: max_lifetime_s must be a finite number > 0")
 
         by_kid: dict[str, jwt.PyJWK] = {}
         unnamed: dict[str, list[jwt.PyJWK]] = {}
@@ -514,6 +524,14 @@ class _JwtVerifier:
         valid_until = float(exp) + self.leeway
         if now >= valid_until:
             raise AuthError("expired_token", "The token has expired.")
+        longest = self.config.max_lifetime_s + self.leeway
+        iat = claims.get("iat")
+        if iat is not None and not _is_number(iat):
+            raise _bad_token("'iat' must be a number")
+        if exp - now > longest or (iat is not None and exp - iat > longest):
+            raise _bad_token(
+                f"it is valid for longer than this issuer allows ({self.config.max_lifetime_s:g} s)"
+            )
         nbf = claims.get("nbf")
         if nbf is not None:
             if not _is_number(nbf):

@@ -199,7 +199,9 @@ class SemanticIndex:
         self._purges = 0  # bumped by purge; inserts in flight across one are dropped
         # A miss is usually followed by an insert of the same message once the
         # origin answers; keeping recent preparations saves embedding it twice.
-        self._recent: OrderedDict[str, _Prepared] = OrderedDict()
+        # Keyed by tenant as well as text: a memo shared across tenants would let
+        # one tenant time whether another just sent a text (a hit skips the model).
+        self._recent: OrderedDict[tuple[str, str], _Prepared] = OrderedDict()
         self._recent_size = embedding_cache_size
         self.stats = SemanticStats()
 
@@ -259,9 +261,9 @@ class SemanticIndex:
         finally:
             self._pending -= 1
 
-    def _remember(self, text: str, prepared: _Prepared) -> None:
-        self._recent[text] = prepared
-        self._recent.move_to_end(text)
+    def _remember(self, memo: tuple[str, str], prepared: _Prepared) -> None:
+        self._recent[memo] = prepared
+        self._recent.move_to_end(memo)
         if len(self._recent) > self._recent_size:
             self._recent.popitem(last=False)
 
@@ -282,14 +284,15 @@ class SemanticIndex:
         space = self._spaces.get(namespace)
         if space is None:
             return None  # nothing to compare with: do not spend an embedding
-        result = await self._run(self._lookup_sync, space.index, text, self._recent.get(text))
+        memo = (tenant, text)
+        result = await self._run(self._lookup_sync, space.index, text, self._recent.get(memo))
         if isinstance(result, _Skipped):
             return None
         if result is None:
             self.stats.too_long += 1
             return None
         prepared, found = result
-        self._remember(text, prepared)
+        self._remember(memo, prepared)
         space = self._spaces.get(namespace)  # may have gone during the search
         if space is None:
             return None
@@ -322,7 +325,8 @@ class SemanticIndex:
         silently skipped when the message is too long or the embedder is busy.
         """
         purges = self._purges
-        prepared = self._recent.get(text)
+        memo = (tenant, text)
+        prepared = self._recent.get(memo)
         if prepared is None:
             result = await self._run(self._prepare_sync, text)
             if isinstance(result, _Skipped):
@@ -331,7 +335,7 @@ class SemanticIndex:
                 self.stats.too_long += 1
                 return
             prepared = result
-            self._remember(text, prepared)
+            self._remember(memo, prepared)
         if purges != self._purges or self._closed:
             return
         self.remove(key)

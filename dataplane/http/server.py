@@ -69,7 +69,7 @@ class Proxy:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.metrics = m = Metrics()
+        self.metrics = m = Metrics(key_labels=settings.metrics_key_labels)
         self.holder = holder = TableHolder(settings.region, settings.state_dir, settings.cache)
         self.limiter = RateLimiter()
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
@@ -189,8 +189,22 @@ def build_app(settings: Settings) -> web.Application:
     r.add_get("/healthz", endpoints.healthz, name="healthz")
     r.add_get("/health", endpoints.healthz, name="health")
     r.add_get("/readyz", endpoints.readyz, name="readyz")
-    r.add_get("/metrics", endpoints.metrics, name="metrics")
+    if settings.metrics_listen is None:
+        r.add_get("/metrics", endpoints.metrics, name="metrics")
     return app
+
+
+def build_metrics_app(app: web.Application) -> web.Application:
+    """GET /metrics of the proxy `app`, alone, for `--metrics-listen`.
+
+    The same registry and error boundary; served by its own runner, so the
+    public port does not answer /metrics at all.
+    """
+    metrics_app = web.Application(middlewares=[errors_and_metrics])
+    metrics_app[METRICS] = app[METRICS]
+    metrics_app[DRAINING] = app[DRAINING]
+    metrics_app.router.add_get("/metrics", endpoints.metrics, name="metrics")
+    return metrics_app
 
 
 def proxied(endpoint: Endpoint) -> Handler:

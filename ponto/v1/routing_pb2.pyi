@@ -328,6 +328,7 @@ class JwtIssuer(_message.Message):
     HS256_SECRET_FILE_FIELD_NUMBER: _builtins.int
     HS256_SECRET_ENV_FIELD_NUMBER: _builtins.int
     LEEWAY_S_FIELD_NUMBER: _builtins.int
+    MAX_LIFETIME_S_FIELD_NUMBER: _builtins.int
     issuer: _builtins.str
     """Matched against the token's `iss`; unique across tenants."""
     jwks_file: _builtins.str
@@ -336,6 +337,10 @@ class JwtIssuer(_message.Message):
     """HS256 shared secret: a file path or an environment variable name."""
     hs256_secret_env: _builtins.str
     leeway_s: _builtins.float
+    max_lifetime_s: _builtins.float
+    """Longest validity accepted, in seconds: a token is refused when `exp - iat`,
+    or `exp - now`, is longer (plus leeway). 0: the proxy's default, 24 h.
+    """
     @_builtins.property
     def audiences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The token's `aud` must contain one of these (empty: not checked)."""
@@ -354,10 +359,11 @@ class JwtIssuer(_message.Message):
         hs256_secret_file: _builtins.str = ...,
         hs256_secret_env: _builtins.str = ...,
         leeway_s: _builtins.float = ...,
+        max_lifetime_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithms", b"algorithms", "audiences", b"audiences", "hs256_secret_env", b"hs256_secret_env", "hs256_secret_file", b"hs256_secret_file", "issuer", b"issuer", "jwks_file", b"jwks_file", "leeway_s", b"leeway_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithms", b"algorithms", "audiences", b"audiences", "hs256_secret_env", b"hs256_secret_env", "hs256_secret_file", b"hs256_secret_file", "issuer", b"issuer", "jwks_file", b"jwks_file", "leeway_s", b"leeway_s", "max_lifetime_s", b"max_lifetime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

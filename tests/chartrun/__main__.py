@@ -176,11 +176,16 @@ class Run:
         return {r["name"] for r in values["proxy"]["regions"] if r.get("drained")}
 
     def region_services(self) -> dict[str, str]:
-        """Region name -> the proxy Service's in-cluster DNS name."""
+        """Region name -> the proxy Service's in-cluster DNS name (the public one,
+        not the region's metrics Service)."""
         out = {}
         for (kind, name), obj in self.cluster.objects.items():
             labels = obj["metadata"].get("labels", {})
-            if kind == "Service" and labels.get("app.kubernetes.io/component") == "proxy":
+            if (
+                kind == "Service"
+                and labels.get("app.kubernetes.io/component") == "proxy"
+                and "ponto.io/metrics" not in labels
+            ):
                 out[labels["ponto.io/region"]] = f"{name}.{NAMESPACE}.svc"
         return out
 
@@ -424,6 +429,27 @@ class Run:
                     raise ClusterError(f"{region}: empty answer (stream={stream})")
                 note = " (drained in the CI values)" if region in self.drained_in_values else ""
                 out.append(f"{region}{' stream' if stream else ''} -> {origin}{note}")
+        return "; ".join(out)
+
+    async def metrics_checks(self) -> str:
+        """Each region's metrics Service serves the group's /metrics; its public
+        Service answers /metrics with an OpenAI-style 404 (tenant names stay inside)."""
+        import httpx  # noqa: PLC0415
+
+        out = []
+        public = self.region_services()
+        async with httpx.AsyncClient(timeout=20) as http:
+            for region, dns in sorted(public.items()):
+                name = dns.split(".", maxsplit=1)[0]
+                scraped = f"{name}-metrics.{NAMESPACE}.svc"
+                port = self.service_port(scraped)
+                reply = await http.get(f"http://{scraped}:{port}/metrics")
+                if reply.status_code != 200 or "ponto_worker_up" not in reply.text:
+                    raise ClusterError(f"{region}: {scraped} /metrics gave {reply.status_code}")
+                hidden = await http.get(f"http://{dns}:{self.service_port(dns)}/metrics")
+                if hidden.status_code != 404 or "error" not in hidden.json():
+                    raise ClusterError(f"{region}: the public Service served /metrics")
+                out.append(f"{region}: {scraped}:{port}")
         return "; ".join(out)
 
     async def drain_cycle(self) -> str:
@@ -855,6 +881,7 @@ class Run:
             )
             await r.step("API key created and accepted by every region", self.create_key)
             await r.step("openai client through each region's Service", self.client_checks)
+            await r.step("/metrics on the metrics Service only", self.metrics_checks)
             await r.step("drain and undrain a region (rendered admin token)", self.drain_cycle)
             await r.step("NOTES.txt commands, as printed", self.notes_commands)
             await r.step(

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import jwt
 import pytest
@@ -22,8 +23,12 @@ from openai import OpenAI
 
 from controlplane.cli import main as pontoctl
 from ponto.apikeys import secret_of
+from ponto.devenv import free_port
 from ponto.fleet import Fleet, RegionDef
+from ponto.grpcconn import ClientOptions, admin_channel, read_secret
+from ponto.pki import add_client
 from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +38,13 @@ HS_SECRET = "an-hs256-secret-that-is-long-enough-0123456789"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def metrics_address() -> str:
+    """Where the proxy serves /metrics (--metrics-listen): not its public port."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, metrics_address: str) -> Iterator[Fleet]:
     with Fleet(tmp_path_factory.mktemp("auth")) as f:
         f.secure()
         f.start_etcd()
@@ -51,7 +62,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )
         f.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
         version = f.table_version(origins=1)
-        f.start_proxy("p1", "us-east")
+        f.start_proxy("p1", "us-east", extra=["--metrics-listen", metrics_address])
         f.wait_proxies_at(version)
         yield f
 
@@ -211,6 +222,11 @@ def test_jwts_are_checked_for_signature_expiry_audience_and_issuer(
     for code, token in refused.items():
         resp = post(fleet, token)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == code, resp.text
+    # No tenant set max_lifetime_s: the default 24 h applies.
+    year_5000 = jwt.encode({**good, "exp": 95_617_584_000}, HS_SECRET, algorithm="HS256")
+    resp = post(fleet, year_5000)
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_token"
+    assert "longer than this issuer allows" in resp.json()["error"]["message"]
     not_yet = jwt.encode({**good, "nbf": now + 300}, HS_SECRET, algorithm="HS256")
     assert post(fleet, not_yet).status_code == 401
     forged = jwt.encode(good, "x" * 48, algorithm="HS256")
@@ -253,15 +269,59 @@ def test_system_prompt_defaults_clamp_and_alias_reach_the_origin(
 
 
 def test_requests_and_tokens_are_accounted_per_tenant_and_key(
-    fleet: Fleet, tenant_key: str
+    fleet: Fleet, tenant_key: str, metrics_address: str
 ) -> None:
     key_id = tenant_key.split("-")[2]
     assert post(fleet, tenant_key).status_code == 200
-    text = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    # Tenant names and key ids are not for whoever reaches the public port.
+    public = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5)
+    assert public.status_code == 404 and public.json()["error"]["code"] == "not_found"
+    text = httpx.get(f"http://{metrics_address}/metrics", timeout=5).text
     assert f'ponto_tenant_requests_total{{code="200",key="{key_id}",tenant="acme"}}' in text
     assert f'ponto_tenant_tokens_total{{key="{key_id}",kind="prompt",tenant="acme"}}' in text
     assert f'ponto_tenant_tokens_total{{key="{key_id}",kind="completion",tenant="acme"}}' in text
     assert 'ponto_tenant_requests_total{code="401",key="-",tenant="default"}' not in text
+
+
+def test_a_certificate_of_one_role_cannot_act_as_the_other(fleet: Fleet) -> None:
+    """The control plane checks the client certificate's role as well as the token."""
+    b = fleet.security
+    assert b is not None
+    address = next(iter(fleet.controls.values())).address
+    bootstrap = read_secret(b.bootstrap_token_file, "bootstrap token")
+    admin_token = read_secret(b.admin_token_file, "admin token")
+    add_client(b, "roleless", role="", common_name="ops-laptop")
+
+    def creds(name: str, token: str) -> ClientOptions:
+        return ClientOptions(b.ca, b.path(f"{name}.crt"), b.path(f"{name}.key"), token)
+
+    def refusal(call: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        return caught.value.code(), str(caught.value.details())
+
+    info = pb.ProxyInfo(name="intruder", region="us-east", address="1.2.3.4:1")
+    register = pb.RegisterRequest(proxy=info)
+    # An admin's certificate with the bootstrap token registers no proxy.
+    with admin_channel(address, creds("admin", bootstrap)) as ch:
+        code, message = refusal(lambda: routing_pb2_grpc.RoutingStub(ch).Register(register))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "role admin cannot call the Routing API" in message
+    # A proxy's certificate with the admin token calls no Admin API.
+    with admin_channel(address, creds("proxy", admin_token)) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        code, message = refusal(lambda: admin.ListKeys(apb.ListKeysRequest(), timeout=5))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "role proxy cannot call the Admin API" in message
+    # A certificate that states no role serves neither.
+    with admin_channel(address, creds("roleless", admin_token)) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        code, message = refusal(lambda: admin.ListKeys(apb.ListKeysRequest(), timeout=5))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "states no role" in message
+    proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    assert "intruder" not in {p.info.name for p in proxies}
+    assert "p1" in {p.info.name for p in proxies}  # the proxy's own certificate works
 
 
 def test_no_secret_reaches_any_log(fleet: Fleet, tenant_key: str) -> None:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ponto.devenv import Managed
+from ponto.devenv import Managed, free_port
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 
@@ -90,9 +90,12 @@ def registered(fleet: Fleet) -> set[str]:
     return {p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies}
 
 
-def scrape(group: Managed) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
-    """The answering worker and the samples of one scrape over a fresh connection."""
-    r = httpx.get(f"http://{group.address}/metrics", timeout=10)
+def scrape(
+    group: Managed, address: str = ""
+) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
+    """The answering worker and the samples of one scrape over a fresh connection
+    (on `address`, the group's --metrics-listen, if given)."""
+    r = httpx.get(f"http://{address or group.address}/metrics", timeout=10)
     assert r.status_code == 200
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(r.text):
@@ -153,6 +156,34 @@ def test_metrics_from_any_worker_show_both_workers(fleet: Fleet) -> None:
     # Readiness and liveness answer on the shared port too.
     assert httpx.get(f"http://{group.address}/readyz", timeout=10).status_code == 200
     assert httpx.get(f"http://{group.address}/healthz", timeout=10).json()["status"] == "ok"
+
+
+def test_metrics_on_their_own_port_show_both_workers_and_no_key_ids(fleet: Fleet) -> None:
+    metrics_address = f"127.0.0.1:{free_port()}"
+    flags = ["--metrics-listen", metrics_address, "--metrics-key-labels", "off"]
+    group = fleet.start_proxy("m", "us-east", workers=2, extra=flags)
+    until("m's workers registered", lambda: {"m-w0", "m-w1"} <= registered(fleet))
+    # The public port does not serve /metrics: an OpenAI-style 404.
+    public = httpx.get(f"http://{group.address}/metrics", timeout=10)
+    assert public.status_code == 404
+    assert public.json()["error"]["code"] == "not_found"
+    for _ in range(4):
+        reply = httpx.post(f"http://{group.address}/v1/chat/completions", json=CHAT, timeout=10)
+        assert reply.status_code == 200
+    answered: set[str] = set()
+    for _ in range(60):
+        worker, samples = scrape(group, metrics_address)
+        answered.add(worker)
+        assert set(samples["ponto_worker_up"].values()) == {1.0}
+        versions = samples["ponto_route_table_version"]
+        assert {dict(labels)["worker"] for labels in versions} == {"0", "1"}
+        tenants = samples["ponto_tenant_requests_total"]
+        assert sum(tenants.values()) == 4
+        assert all("key" not in dict(labels) for labels in tenants)
+        if answered == {"0", "1"}:
+            break
+    assert answered == {"0", "1"}
+    assert group.stop(signal.SIGTERM, timeout=20) == 0
 
 
 def test_a_killed_worker_is_restarted(fleet: Fleet) -> None:

@@ -176,6 +176,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
         settings = parse_proxy([
             "--region=r0", "--name=p", "--control-plane=127.0.0.1:9",
             f"--state-dir={tmp_path}", f"--stream-idle-timeout={idle}",
+            "--metrics-key-labels=on",  # token accounting is read per key below
         ])  # fmt: skip
         client = TestClient(TestServer(build_app(settings)))
         await client.start_server()

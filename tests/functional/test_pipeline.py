@@ -105,6 +105,7 @@ async def start_stack(
             "--name=functional",
             "--control-plane=127.0.0.1:9",  # never answers: tables are applied below
             f"--state-dir={tmp_path}",
+            "--metrics-key-labels=on",  # the accounting tests read per-key series
             *(extra or []),
         ]
     )

@@ -12,6 +12,7 @@ session fetches it with the same script, so nothing here is ever skipped.
 from __future__ import annotations
 
 import base64
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,11 +22,12 @@ from typing import Any
 import pytest
 import yaml
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from controlplane import apply as topology_apply
 from controlplane import cli as pontoctl
 from controlplane import settings as control_settings
+from controlplane.api.guard import peer_role
 from dataplane import settings as proxy_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -225,7 +227,7 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
     deployments = {n for n in objects(three, "Deployment") if n.startswith("ponto-proxy-")}
     services = {n for n in objects(three, "Service") if n.startswith("ponto-proxy-")}
     assert deployments == {f"ponto-proxy-{r}" for r in REGIONS}
-    assert services == deployments
+    assert services == deployments | {f"{d}-metrics" for d in deployments}
     for region in REGIONS:
         name = f"ponto-proxy-{region}"
         deployment = one(three, "Deployment", name)
@@ -236,6 +238,9 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
         assert f["--name"] == "$(POD_NAME)"
         assert f["--control-plane"] == "ponto-control.ponto.svc:7000"
         assert f["--listen"] == "0.0.0.0:8080"
+        assert f["--metrics-listen"] == "0.0.0.0:9090"
+        assert f["--metrics-key-labels"] == "on"
+        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in c["ports"]
         assert f["--state-dir"] == "/var/lib/ponto"
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -257,6 +262,15 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
         # GeoIP needs the client's address: a LoadBalancer must not SNAT it away.
         assert service["spec"]["type"] == "LoadBalancer"
         assert service["spec"]["externalTrafficPolicy"] == "Local"
+        # /metrics (tenant names) only through a Service inside the cluster.
+        scraped = one(three, "Service", f"{name}-metrics")
+        assert scraped["spec"]["type"] == "ClusterIP"
+        assert scraped["spec"]["selector"] == service["spec"]["selector"]
+        assert [(p["name"], p["port"], p["targetPort"]) for p in scraped["spec"]["ports"]] == [
+            ("metrics", 9090, "metrics")
+        ]
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == "9090"
 
 
 def test_regions_take_their_own_settings(three: list[Doc]) -> None:
@@ -332,13 +346,23 @@ def test_service_monitor_only_when_enabled(default: list[Doc], three: list[Doc])
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     endpoint = monitor["spec"]["endpoints"][0]
-    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
     selected = [
         n
         for n, s in objects(three, "Service").items()
         if matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
     ]
-    assert sorted(selected) == sorted(f"ponto-proxy-{r}" for r in REGIONS)
+    assert sorted(selected) == sorted(f"ponto-proxy-{r}-metrics" for r in REGIONS)
+
+
+def test_metrics_port_and_key_labels_are_values(helm: Path) -> None:
+    docs = render(
+        helm, "--set", "proxy.metrics.port=9100", "--set", "proxy.metrics.keyLabels=false"
+    )
+    deployment = next(d for n, d in objects(docs, "Deployment").items() if "proxy" in n)
+    f = flags(container(deployment))
+    assert (f["--metrics-listen"], f["--metrics-key-labels"]) == ("0.0.0.0:9100", "off")
+    assert "proxy.metrics.port" in refused(helm, "--set", "proxy.metrics.port=8080")
 
 
 def test_geoip_database_is_a_mounted_volume(default: list[Doc], three: list[Doc]) -> None:
@@ -489,6 +513,27 @@ def test_generated_secrets(three: list[Doc]) -> None:
     server = _certificate(secrets["ponto-control-tls"])
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert {"ponto-control.ponto.svc", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
+
+
+def _stated_role(cert: x509.Certificate) -> str | None:
+    """The role the control plane reads from `cert`, as grpc would show it."""
+    context: dict[str, list[bytes]] = {
+        "x509_common_name": [
+            str(a.value).encode() for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        ]
+    }
+    with contextlib.suppress(x509.ExtensionNotFound):
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        context["x509_subject_alternative_name"] = [str(n.value).encode() for n in alt]
+    return peer_role(context)
+
+
+def test_generated_client_certificates_state_their_role(three: list[Doc]) -> None:
+    secrets = objects(three, "Secret")
+    assert _stated_role(_certificate(secrets["ponto-proxy-tls"])) == "proxy"
+    assert _stated_role(_certificate(secrets["ponto-admin-tls"])) == "admin"
+    # pontoctl run in the control plane pod (NOTES.txt) presents this one.
+    assert _stated_role(_certificate(secrets["ponto-control-tls"])) == "admin"
 
 
 def test_each_pod_mounts_only_its_own_credentials(three: list[Doc]) -> None:

@@ -494,6 +494,36 @@ def test_exp_with_leeway(rsa_key: rsa.RSAPrivateKey) -> None:
     assert error.code == "expired_token"
 
 
+YEAR_5000 = 95_617_584_000
+
+
+def test_a_token_valid_until_the_year_5000_is_refused(
+    rsa_auth: Authenticator, rsa_key: rsa.RSAPrivateKey
+) -> None:
+    error = fails(rsa_auth, bearer(rs256(rsa_key, exp=YEAR_5000)))
+    assert error.code == "invalid_token"
+    assert "longer than this issuer allows (86400 s)" in error.message
+    # Without iat, the time left counts; a made-up recent iat buys nothing.
+    assert fails(rsa_auth, bearer(rs256(rsa_key, exp=YEAR_5000, iat=None))).status == 401
+    assert fails(rsa_auth, bearer(rs256(rsa_key, exp=YEAR_5000, iat=YEAR_5000 - 60))).status == 401
+
+
+def test_max_lifetime_is_per_issuer_with_leeway(rsa_key: rsa.RSAPrivateKey) -> None:
+    auth = build(
+        jwts=[config(max_lifetime_s=3600, leeway_s=10)],
+        files={"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"))},
+    )
+    iat = int(NOW) - 100
+    ok = rs256(rsa_key, iat=iat, exp=iat + 3610)
+    assert auth.authenticate(bearer(ok), NOW).tenant == "acme"
+    # Issued an hour and a minute for: too long, though it expires soon.
+    old = rs256(rsa_key, iat=int(NOW) - 3000, exp=int(NOW) + 660)
+    assert fails(auth, bearer(old)).code == "invalid_token"
+    assert auth.authenticate(bearer(rs256(rsa_key, iat=None, exp=int(NOW) + 3600)), NOW)
+    assert fails(auth, bearer(rs256(rsa_key, iat=None, exp=int(NOW) + 3611))).status == 401
+    assert "'iat'" in fails(auth, bearer(rs256(rsa_key, iat="yesterday"))).message
+
+
 def test_exp_is_required(rsa_auth: Authenticator, rsa_key: rsa.RSAPrivateKey) -> None:
     error = fails(rsa_auth, bearer(rs256(rsa_key, exp=None)))
     assert error.code == "invalid_token"
@@ -636,6 +666,8 @@ def test_jwt_build_errors(rsa_key: rsa.RSAPrivateKey, ec_key: ec.EllipticCurvePr
         ([config(leeway_s=-1)], good, {}, "leeway"),
         ([config(leeway_s=float("nan"))], good, {}, "leeway"),
         ([config(key_id_claim="")], good, {}, "key_id_claim"),
+        ([config(max_lifetime_s=0)], good, {}, "max_lifetime_s"),
+        ([config(max_lifetime_s=float("inf"))], good, {}, "max_lifetime_s"),
         (
             [config(algorithms=("HS256",), jwks_file=None, hs256_secret_env="S")],
             {},

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import ponto.pki
 from controlplane.api.admin import AdminService
-from controlplane.api.guard import TokenGuard
+from controlplane.api.guard import TokenGuard, peer_role
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.model import Tenant
@@ -33,9 +33,9 @@ from ponto.grpcconn import (
     admin_channel,
     read_secret,
 )
-from ponto.pki import Bundle, make_bundle
+from ponto.pki import Bundle, add_client, make_bundle
 from ponto.v1 import admin_pb2 as apb
-from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 from ponto.writefile import write_atomic
 
@@ -113,6 +113,73 @@ def test_each_token_is_required_only_when_configured() -> None:
     assert refusal is not None and refusal[0] == grpc.StatusCode.UNAUTHENTICATED
 
 
+# ---------------------------------------------------------------- certificate roles
+
+
+def auth_context(
+    *, uris: tuple[str, ...] = (), dns: tuple[str, ...] = (), cn: str = ""
+) -> dict[str, list[bytes]]:
+    """What grpc's ServicerContext.auth_context() holds for such a certificate."""
+    context: dict[str, list[bytes]] = {"transport_security_type": [b"ssl"]}
+    if cn:
+        context["x509_common_name"] = [cn.encode()]
+    if uris or dns:
+        context["x509_subject_alternative_name"] = [n.encode() for n in (*uris, *dns)]
+    if uris:
+        context["peer_uri"] = [u.encode() for u in uris]
+    return context
+
+
+@pytest.mark.parametrize(
+    ("context", "role"),
+    [
+        (auth_context(uris=("spiffe://ponto/role/proxy",)), "proxy"),
+        (auth_context(uris=("spiffe://ponto/role/admin",), cn="ponto-proxy"), "admin"),
+        (auth_context(uris=("spiffe://other/role/admin",), dns=("a.example",)), None),
+        (auth_context(cn="ponto-admin"), "admin"),  # the Helm chart's certificates
+        (auth_context(cn="ponto-proxy", dns=("p.example",)), "proxy"),
+        (auth_context(cn="ponto-control-plane", dns=("cp.example",)), "admin"),
+        (auth_context(cn="someone"), None),
+        (auth_context(uris=("spiffe://ponto/role/root",)), None),
+        (auth_context(uris=("spiffe://ponto/role/proxy", "spiffe://ponto/role/admin")), None),
+        ({}, None),
+    ],
+    ids=[
+        "uri-proxy",
+        "uri-over-cn",
+        "foreign-uri",
+        "cn-admin",
+        "cn-proxy",
+        "cn-chart-control-plane",
+        "no-role",
+        "unknown-role",
+        "two-roles",
+        "no-certificate",
+    ],
+)
+def test_peer_role(context: dict[str, list[bytes]], role: str | None) -> None:
+    assert peer_role(context) == role
+
+
+MTLS_GUARD = TokenGuard(bootstrap_token=BOOTSTRAP, admin_token=ADMIN, require_roles=True)
+
+
+def test_each_service_needs_a_certificate_of_its_role() -> None:
+    assert MTLS_GUARD.check_role(ROUTING_METHOD, "proxy") is None
+    assert MTLS_GUARD.check_role(ADMIN_METHOD, "admin") is None
+    for method, role in ((ROUTING_METHOD, "admin"), (ADMIN_METHOD, "proxy")):
+        refusal = MTLS_GUARD.check_role(method, role)
+        assert refusal is not None and refusal[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert f"role {role} cannot call" in refusal[1]
+    refusal = MTLS_GUARD.check_role(ADMIN_METHOD, None)
+    assert refusal is not None and refusal[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert "states no role" in refusal[1] and "spiffe://ponto/role/admin" in refusal[1]
+    for method in (HEALTH_METHOD, REFLECTION_METHOD):
+        assert MTLS_GUARD.check_role(method, None) is None
+    # Without mutual TLS there is no certificate to ask.
+    assert GUARD.check_role(ADMIN_METHOD, None) is None
+
+
 # ---------------------------------------------------------------- in-process server
 
 
@@ -122,13 +189,17 @@ async def control_server(
     bootstrap_token: str = BOOTSTRAP,
     admin_token: str = ADMIN,
     credentials: grpc.ServerCredentials | None = None,
+    require_roles: bool = False,
 ) -> AsyncIterator[tuple[str, Catalog]]:
-    """The Admin and Health services behind TokenGuard, wired as controlplane.app does."""
+    """The Admin and Health services behind TokenGuard, wired as controlplane.app does,
+    and a fake Routing service (see FakeRouting)."""
     catalog = Catalog(MemoryStore())
-    server = grpc.aio.server(
-        interceptors=[TokenGuard(bootstrap_token=bootstrap_token, admin_token=admin_token)]
+    guard = TokenGuard(
+        bootstrap_token=bootstrap_token, admin_token=admin_token, require_roles=require_roles
     )
+    server = grpc.aio.server(interceptors=[guard])
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(catalog, Publisher("cp-test")), server)
+    server.add_generic_rpc_handlers((FakeRouting().handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if credentials is None:
@@ -142,6 +213,36 @@ async def control_server(
         yield f"127.0.0.1:{port}", catalog
     finally:
         await server.stop(None)
+
+
+class FakeRouting:
+    """The Routing service's two call shapes: Register (a coroutine) and
+    RouteStream (here an async generator; the real one writes to its context)."""
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "ponto.v1.Routing",
+            {
+                "Register": grpc.unary_unary_rpc_method_handler(
+                    self.register,
+                    request_deserializer=pb.RegisterRequest.FromString,
+                    response_serializer=pb.RegisterResponse.SerializeToString,
+                ),
+                "RouteStream": grpc.stream_stream_rpc_method_handler(
+                    self.route_stream,
+                    request_deserializer=pb.RouteRequest.FromString,
+                    response_serializer=pb.RouteTable.SerializeToString,
+                ),
+            },
+        )
+
+    async def register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
+        return pb.RegisterResponse(session_id="s-" + request.proxy.name)
+
+    async def route_stream(
+        self, requests: AsyncIterator[pb.RouteRequest], context: object
+    ) -> AsyncIterator[pb.RouteTable]:
+        yield pb.RouteTable(version=7)
 
 
 def with_admin(
@@ -364,14 +465,19 @@ def test_server_certificate_names_and_usage(bundle: Bundle) -> None:
 
 
 @pytest.mark.parametrize("role", ["proxy", "admin"])
-def test_client_certificates_are_for_client_auth(bundle: Bundle, role: str) -> None:
+def test_client_certificates_are_for_client_auth_and_state_their_role(
+    bundle: Bundle, role: str
+) -> None:
     ca = cert(bundle, "ca.crt")
     client = cert(bundle, f"{role}.crt")
     client.verify_directly_issued_by(ca)
     assert eku(client) == {ExtendedKeyUsageOID.CLIENT_AUTH}
     assert client.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
-    with pytest.raises(x509.ExtensionNotFound):
-        client.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    san = client.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+        f"spiffe://ponto/role/{role}"
+    ]
+    assert san.get_values_for_type(x509.DNSName) == []
 
 
 def test_ca_certificate_and_keys_match(bundle: Bundle) -> None:
@@ -447,3 +553,100 @@ async def test_bundle_serves_mutual_tls(bundle: Bundle) -> None:
             with_admin, address, no_cert, lambda stub: status_of(lambda: list_tenants(stub))
         )
         assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def outcomes(address: str, options: ClientOptions) -> dict[str, grpc.StatusCode]:
+    """The status of one call of each kind with these credentials."""
+    with admin_channel(address, options) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        routing = routing_pb2_grpc.RoutingStub(channel)
+        info = pb.ProxyInfo(name="p1", region="us-east", address="10.0.0.1:8080")
+
+        def stream() -> object:
+            # admin_channel adds the token to unary calls only.
+            replies = routing.RouteStream(
+                iter([pb.RouteRequest()]), timeout=5, metadata=options.metadata
+            )
+            return next(iter(replies))
+
+        def check() -> object:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+
+        return {
+            "admin": status_of(lambda: list_tenants(admin)),
+            "register": status_of(
+                lambda: routing.Register(pb.RegisterRequest(proxy=info), timeout=5)
+            ),
+            "stream": status_of(stream),
+            "health": status_of(check),
+        }
+
+
+async def test_a_certificate_serves_only_its_role(bundle: Bundle) -> None:
+    add_client(bundle, "old", role="", common_name="ops-laptop")
+    bootstrap = read_secret(bundle.bootstrap_token_file, "bootstrap token")
+    admin_token = read_secret(bundle.admin_token_file, "admin token")
+    security = ServerSecurity(
+        tls_cert=bundle.path("server.crt"),
+        tls_key=bundle.path("server.key"),
+        tls_client_ca=bundle.ca,
+        bootstrap_token=bootstrap,
+        admin_token=admin_token,
+    )
+
+    def options(name: str, token: str) -> ClientOptions:
+        return ClientOptions(
+            bundle.ca, bundle.path(f"{name}.crt"), bundle.path(f"{name}.key"), token=token
+        )
+
+    ok, denied = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    async with control_server(
+        bootstrap_token=bootstrap,
+        admin_token=admin_token,
+        credentials=security.server_credentials(),
+        require_roles=True,
+    ) as (address, _):
+
+        async def seen(name: str, token: str) -> dict[str, grpc.StatusCode]:
+            return await asyncio.to_thread(outcomes, address, options(name, token))
+
+        assert await seen("proxy", bootstrap) == {
+            "admin": denied,  # the bootstrap token is not the admin's
+            "register": ok,
+            "stream": ok,
+            "health": ok,
+        }
+        assert await seen("admin", admin_token) == {
+            "admin": ok,
+            "register": unauthenticated,
+            "stream": unauthenticated,
+            "health": ok,
+        }
+        # The right token on a certificate of the other role.
+        assert await seen("admin", bootstrap) == {
+            "admin": denied,
+            "register": denied,
+            "stream": denied,
+            "health": ok,
+        }
+        assert await seen("proxy", admin_token) == {
+            "admin": denied,
+            "register": unauthenticated,
+            "stream": unauthenticated,
+            "health": ok,
+        }
+        # A certificate without a role (made before roles) serves neither.
+        for token in (bootstrap, admin_token):
+            seen_old = await seen("old", token)
+            assert seen_old["health"] == ok
+            assert ok not in (seen_old["admin"], seen_old["register"], seen_old["stream"])
+        with (
+            admin_channel(address, options("old", admin_token)) as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            await asyncio.to_thread(list_tenants, admin_pb2_grpc.AdminStub(channel))
+        assert refused.value.code() == denied
+        assert "states no role" in str(refused.value.details())

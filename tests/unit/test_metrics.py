@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dataplane.metrics import LATENCY_BUCKETS, Counter, Histogram, Metrics
+from dataplane.streaming.usage import Usage
 
 
 def exposition(registry: CollectorRegistry) -> list[str]:
@@ -58,3 +59,22 @@ def test_counters_without_labels_are_exported_at_zero_from_the_start() -> None:
     get = m.registry.get_sample_value
     assert get("ponto_retries_refused_total") == 0
     assert get("ponto_client_disconnects_total") == 0
+
+
+def test_key_labels_can_be_left_out_of_the_per_tenant_series() -> None:
+    usage = Usage(prompt_tokens=3, completion_tokens=5)
+    with_keys, without = Metrics(), Metrics(key_labels=False)
+    for m in (with_keys, without):
+        m.account_request("acme", "key-1", 200)
+        m.account_tokens("acme", "key-1", usage)
+        m.account_tokens("acme", "", usage)
+    get = with_keys.registry.get_sample_value
+    labels = {"tenant": "acme", "key": "key-1"}
+    assert get("ponto_tenant_requests_total", {**labels, "code": "200"}) == 1
+    assert get("ponto_tenant_tokens_total", {**labels, "kind": "completion"}) == 5
+    assert get("ponto_tenant_tokens_total", {"tenant": "acme", "key": "-", "kind": "prompt"}) == 3
+    text = generate_latest(without.registry).decode()
+    assert "key-1" not in text and 'key="' not in text
+    get = without.registry.get_sample_value
+    assert get("ponto_tenant_requests_total", {"tenant": "acme", "code": "200"}) == 1
+    assert get("ponto_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}) == 10

@@ -246,6 +246,34 @@ async def test_a_miss_then_insert_embeds_once() -> None:
     idx.close()
 
 
+async def test_another_tenants_recent_text_is_embedded_again() -> None:
+    """The embedding memo is per tenant: a hit in it skips the model and answers
+    faster, so a shared memo would tell tenant B that tenant A just sent a text.
+    The fake's calls are that signal: B's lookup and insert of A's text each embed."""
+    calls: list[str] = []
+
+    class Counting(HashingEmbedder):
+        def embed(self, texts: Sequence[str]) -> Vectors:
+            calls.extend(texts)
+            return super().embed(texts)
+
+    idx = SemanticIndex(Counting())
+    await idx.insert("tenant-a", "m", "", Q_FAR, "a0")
+    await idx.insert("tenant-b", "m", "", Q_FAR, "b0")
+    calls.clear()
+    assert await idx.lookup("tenant-a", "m", "", Q, T) is None
+    assert len(calls) == 1
+    assert await idx.lookup("tenant-b", "m", "", Q, T) is None
+    assert len(calls) == 2
+    await idx.insert("tenant-b", "m", "", Q, "b1")
+    assert len(calls) == 2  # B's own lookup is remembered for B's insert
+    await idx.insert("tenant-a", "m", "", Q, "a1")
+    assert len(calls) == 2  # and A's for A's
+    await idx.insert("tenant-c", "m", "", Q, "c1")
+    assert len(calls) == 3
+    idx.close()
+
+
 async def test_custom_index_factory_is_used() -> None:
     made: list[int] = []
 

@@ -197,6 +197,8 @@ INVALID: list[tuple[str, Tenant]] = [
         ),
     ),
     ("jwt-leeway", Tenant("acme", jwt=jwt_rs256(leeway_s=601.0))),
+    ("jwt-lifetime-short", Tenant("acme", jwt=jwt_rs256(max_lifetime_s=10.0))),
+    ("jwt-lifetime-long", Tenant("acme", jwt=jwt_rs256(max_lifetime_s=4e7))),
     ("alias-self", Tenant("acme", prompt=PromptPolicy(aliases=(("llama-3", "llama-3"),)))),
     ("alias-bad-model", Tenant("acme", prompt=PromptPolicy(aliases=(("gpt 4", "llama-3"),)))),
     ("default-messages", Tenant("acme", prompt=PromptPolicy(defaults=(("messages", "[]"),)))),

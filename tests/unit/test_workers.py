@@ -89,6 +89,37 @@ def test_a_workers_command_line_parses_to_its_settings(tmp_path: Path) -> None:
     assert w1.advertise == "127.0.0.1:40123"
 
 
+def test_a_workers_command_line_carries_the_groups_metrics_port(tmp_path: Path) -> None:
+    argv = [*BASE, "--listen", "127.0.0.1:0", "--workers", "2", "--metrics-listen", "[::1]:0"]
+    group = parse(argv)
+    assert group.metrics_listen == ("::1", 0)
+    line = workers.worker_argv(argv, group, 1, 40123, tmp_path / "run", 9, metrics_port=40124)
+    w1 = parse(line[3:])
+    assert w1.metrics_listen == ("::1", 40124)
+    assert w1.metrics_key_labels
+    assert workers.metrics_socket_path(tmp_path, 1) != workers.socket_path(tmp_path, 1)
+
+
+def test_metrics_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    public = parse(BASE)
+    assert public.metrics_listen is None
+    assert not public.metrics_key_labels  # /metrics on the public port: no key ids
+    private = parse([*BASE, "--metrics-listen", "0.0.0.0:9090"])
+    assert private.metrics_listen == ("0.0.0.0", 9090)
+    assert private.metrics_key_labels
+    assert parse([*BASE, "--metrics-key-labels", "on"]).metrics_key_labels
+    off = parse([*BASE, "--metrics-listen", "127.0.0.1:9090", "--metrics-key-labels", "off"])
+    assert not off.metrics_key_labels
+    for bad in (
+        ["--metrics-listen", "9090"],
+        ["--metrics-listen", "127.0.0.1:9090", "--listen", "127.0.0.1:9090"],
+        ["--metrics-key-labels", "maybe"],
+    ):
+        with pytest.raises(SystemExit):
+            parse([*BASE, *bad])
+    assert "--metrics-listen" in capsys.readouterr().err
+
+
 def test_restarts_back_off_then_give_up() -> None:
     policy = workers.RestartPolicy(first_delay=0.5, max_delay=3.0, max_failures=5)
     assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 3.0, 3.0, None]
@@ -133,7 +164,9 @@ DIES = "raise SystemExit(3)"
 
 
 def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
-    def argv(_argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int) -> list[str]:
+    def argv(
+        _argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int, _m: object
+    ) -> list[str]:
         return [sys.executable, "-c", code, str(workers.ready_path(run_dir, index))]
 
     monkeypatch.setattr(workers, "worker_argv", argv)

@@ -171,6 +171,7 @@ Result ($.pontoMaterial):
 {{- end -}}
 {{- $host := include "ponto.controlPlane.host" . -}}
 {{- $cpNames := concat (list (include "ponto.part" (list . "control")) (printf "%s.%s" (include "ponto.part" (list . "control")) $ns) $host (printf "%s.%s" $host .Values.clusterDomain) "localhost") .Values.tls.extraDnsNames -}}
+{{- /* The common names ponto-proxy and ponto-admin state the client role the control plane checks (Helm cannot write the URI name spiffe://ponto/role/...; docs/security.md). */ -}}
 {{- $leaves := dict "control" (list "ponto-control-plane" $cpNames) "proxy" (list "ponto-proxy" list) "admin" (list "ponto-admin" list) -}}
 {{- range $key := list "control" "proxy" "admin" -}}
 {{- $name := include "ponto.part" (list $ (printf "%s-tls" $key)) -}}

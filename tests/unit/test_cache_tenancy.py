@@ -1,0 +1,70 @@
+"""The exact cache and its coalescing flights are per tenant: one tenant's answer,
+or an origin call it has under way, never serves another's identical request
+(which would show in content, and in time: a hit or a follower answers sooner)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dataplane.assemble import NO_RULES
+from dataplane.cache.coalesce import Follower, Leader
+from dataplane.cache.keys import CHAT
+from dataplane.cache.policy import TenantCachePolicy
+from dataplane.cache.step import CacheRequest, EdgeCache
+from dataplane.cache.store import ExactStore
+from dataplane.metrics import Metrics
+from dataplane.policy import TenantRules
+
+NOW = 1_900_000_000.0
+BODY: dict[str, Any] = {
+    "model": "m",
+    "temperature": 0,
+    "messages": [{"role": "user", "content": "what is the capital of portugal"}],
+}
+ANSWER = json.dumps(
+    {
+        "id": "c1",
+        "object": "chat.completion",
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Lisbon"},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+).encode()
+
+
+def cache() -> EdgeCache:
+    return EdgeCache(ExactStore(max_bytes=1 << 20, clock=lambda: NOW), Metrics(), clock=lambda: NOW)
+
+
+def request(tenant: str) -> CacheRequest:
+    rules = TenantRules(tenant, NO_RULES, TenantCachePolicy())
+    return CacheRequest(CHAT, dict(BODY), rules, stream=False)
+
+
+async def test_another_tenants_flight_is_not_followed() -> None:
+    edge = cache()
+    a = await edge.plan(request("tenant-a"))
+    assert isinstance(a.leader, Leader)
+    b = await edge.plan(request("tenant-b"))
+    assert b.outcome == "miss" and isinstance(b.leader, Leader) and b.follower is None
+    again = await edge.plan(request("tenant-a"))
+    assert again.outcome == "hit" and isinstance(again.follower, Follower)
+    for plan in (a, b, again):
+        plan.abandon()
+
+
+async def test_another_tenants_answer_is_not_served() -> None:
+    edge = cache()
+    a = await edge.plan(request("tenant-a"))
+    await edge.settle_body(request("tenant-a"), a, 200, ANSWER, json.loads(ANSWER))
+    hit = await edge.plan(request("tenant-a"))
+    assert hit.outcome == "hit" and hit.entry is not None
+    b = await edge.plan(request("tenant-b"))
+    assert b.outcome == "miss" and b.entry is None
+    b.abandon()
