@@ -203,6 +203,7 @@ def build_metrics_app(app: web.Application) -> web.Application:
     metrics_app = web.Application(middlewares=[errors_and_metrics])
     metrics_app[METRICS] = app[METRICS]
     metrics_app[DRAINING] = app[DRAINING]
+    metrics_app[REQUEST_IDS] = app[REQUEST_IDS]
     metrics_app.router.add_get("/metrics", endpoints.metrics, name="metrics")
     return metrics_app
 
