@@ -235,6 +235,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
             what="connection",
         )
         self._manager = None  # so that connection_lost has nothing to undo
+        self._force_close = True  # and data_received ignores what the client sends
         assert isinstance(transport, asyncio.WriteTransport)
         transport.write(_REFUSAL_HEAD + request_id.encode() + _REFUSAL_TAIL)
         transport.close()  # after the write is flushed
