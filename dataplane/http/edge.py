@@ -37,7 +37,8 @@ from typing import Any, Final
 
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
-from aiohttp.streams import StreamReader
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 
 from dataplane import jsonio
 from dataplane.http.body import BodyTimeout
@@ -58,9 +59,11 @@ __all__ = [
 # against MAX_LINE and each header against MAX_FIELD.
 MAX_LINE: Final = 8190
 MAX_FIELD: Final = 8190
-# An OpenAI SDK sends about 15 headers. Bounds one connection's head to
-# MAX_HEADERS * MAX_FIELD bytes (512 KB).
+# An OpenAI SDK sends about 15 headers.
 MAX_HEADERS: Final = 64
+# A whole head: room for a JWT and the usual headers. Without it a slow client
+# could hold MAX_HEADERS * MAX_FIELD (512 KB) per connection.
+MAX_HEAD: Final = 32 * 1024
 
 # Descriptors kept for the rest of the process (origin pools beyond the
 # clients' half, the control-plane link, the GeoIP database, logs).
@@ -168,13 +171,23 @@ class ConnectionCaps:
 class EdgeProtocol(web_protocol.RequestHandler):
     """aiohttp's HTTP/1 protocol with deadlines, caps and JSON parser errors.
 
-    Relies on these aiohttp internals (checked by tests/functional/test_edge.py):
-    `_messages` (parsed requests not yet handled, with their payloads),
-    `_request_count`, `_request_in_progress`, `_manager`, and `data_received`
-    feeding the parser synchronously.
+    Relies on these aiohttp internals (tests/unit/test_edge_limits.py checks
+    they exist, tests/functional/test_edge.py what they do): `_messages`
+    (parsed requests not yet handled, with their payloads) and `_ErrInfo`,
+    `_request_count`, `_request_in_progress`, `_waiter`, `_manager`, `_close`,
+    `_force_close`, and `data_received` feeding the parser synchronously.
     """
 
-    __slots__ = ("_address", "_caps", "_counted", "_deadline", "_ids", "_limits", "_payload")
+    __slots__ = (
+        "_address",
+        "_caps",
+        "_counted",
+        "_deadline",
+        "_head_bytes",
+        "_ids",
+        "_limits",
+        "_payload",
+    )
 
     def __init__(self, manager: EdgeServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -182,6 +195,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._caps = manager.caps
         self._ids = manager.ids
         self._address = ""
+        self._head_bytes = 0  # of the head being received
         self._counted = False
         self._deadline: asyncio.TimerHandle | None = None
         # The body being received; None once it is complete (or before any).
@@ -198,7 +212,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 return
             self._counted = True
         super().connection_made(transport)
-        self._arm(self._limits.header_timeout, self._head_late)
+        self._head_begins()
         if self._counted:
             self._caps.waiting(self, self._address)
 
@@ -247,14 +261,24 @@ class EdgeProtocol(web_protocol.RequestHandler):
             super().data_received(data)
             return
         if data and self._deadline is None and self._payload is None:
-            # The first byte of the next request: its head is due.
-            self._arm(self._limits.header_timeout, self._head_late)
+            self._head_begins()  # the first byte of the next request
+        heading = self._payload is None
+        if heading:
+            self._head_bytes += len(data)
         count = self._request_count
         super().data_received(data)
+        if self._request_count == count and heading and self._head_bytes > MAX_HEAD:
+            self._refuse_head()
+            return
         if self._request_count != count:
             message, payload = self._messages[-1]
-            if isinstance(message, web_protocol._ErrInfo) and self._payload is not None:
-                self._refuse_body(message)
+            if isinstance(message, web_protocol._ErrInfo):
+                if self._payload is not None:
+                    self._refuse_body(message)
+                    return
+            elif _head_size(message) > MAX_HEAD:  # it came whole, in one read
+                self._messages.pop()
+                self._refuse_head()
                 return
             self._disarm()
             if self._counted:
@@ -265,6 +289,24 @@ class EdgeProtocol(web_protocol.RequestHandler):
         elif self._payload is not None and self._payload.is_eof():
             self._payload = None
             self._disarm()
+
+    def _head_begins(self) -> None:
+        self._head_bytes = 0
+        self._arm(self._limits.header_timeout, self._head_late)
+
+    def _refuse_head(self) -> None:
+        """Answer a head past MAX_HEAD as aiohttp answers one its parser refuses
+        (an error message in the queue), and read no more of the connection."""
+        self._disarm()
+        exc = HeadTooLarge(f"request head over {MAX_HEAD} bytes")
+        self._messages.append(
+            (web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD)
+        )
+        self._request_count += 1
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        # Not close(): that cancels the waiter, and with it the answer.
+        self._close = True
 
     def _refuse_body(self, error: web_protocol._ErrInfo) -> None:
         """The parser refused the rest of a body it had begun to pass on (bad
@@ -369,17 +411,25 @@ class EdgeProtocol(web_protocol.RequestHandler):
         return response
 
 
+def _head_size(message: RawRequestMessage) -> int:
+    return len(message.path) + sum(len(k) + len(v) + 4 for k, v in message.raw_headers)
+
+
+class HeadTooLarge(BadHttpMessage):
+    """A request head past MAX_HEAD bytes (aiohttp bounds only its lines)."""
+
+
 def parser_error(exc: HttpProcessingError) -> ApiError:
     """The client's answer to a message aiohttp's parser refused: a fixed message
     per kind (the parser's own text may quote the client's bytes)."""
     text = str(exc)
-    if isinstance(exc, LineTooLong) or "Too many headers" in text:
+    if isinstance(exc, LineTooLong | HeadTooLarge) or "Too many headers" in text:
         # The parser's error does not say whether the request line or a header
         # was too long, so both are a 431 (not 414).
         return ApiError(
             431,
-            f"request head too large: at most {MAX_HEADERS} headers, and at most "
-            f"{MAX_FIELD} bytes in the request line and in each header",
+            f"request head too large: at most {MAX_HEADERS} headers and {MAX_HEAD} "
+            f"bytes, and at most {MAX_FIELD} bytes in the request line and in each header",
             code="request_header_fields_too_large",
         )
     if isinstance(exc, BadHttpMessage) and "Invalid method" in text:

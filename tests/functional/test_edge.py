@@ -219,6 +219,11 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
             "request_header_fields_too_large",
         ),
         (
+            head(CHAT, *(b"X-H%d: " % i + b"v" * 8000 for i in range(5))),
+            431,
+            "request_header_fields_too_large",
+        ),
+        (
             b"POST /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: p\r\n\r\n",
             431,
             "request_header_fields_too_large",
@@ -233,6 +238,7 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
     ids=[
         "long-header",
         "many-headers",
+        "big-head",
         "long-request-line",
         "two-lengths",
         "length-and-chunked",

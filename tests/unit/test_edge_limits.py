@@ -7,12 +7,14 @@ import gzip
 import zlib
 
 import pytest
+from aiohttp import web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, LineTooLong
 
 from dataplane.http.body import decode_body
 from dataplane.http.edge import (
     ConnectionCaps,
     EdgeProtocol,
+    HeadTooLarge,
     default_max_connections,
     parser_error,
 )
@@ -165,6 +167,7 @@ def test_the_default_cap_leaves_headroom_under_the_descriptor_limit() -> None:
     [
         (LineTooLong(b"aaa", 8190), 431, "request_header_fields_too_large"),
         (BadHttpMessage("Too many headers received"), 431, "request_header_fields_too_large"),
+        (HeadTooLarge("head"), 431, "request_header_fields_too_large"),
         (BadStatusLine("\x16\x03\x01"), 400, "invalid_http_request"),
         (BadHttpMessage("Invalid header value char"), 400, "invalid_http_request"),
     ],
@@ -179,7 +182,9 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
     # EdgeProtocol reads these (see its docstring); an aiohttp upgrade that
     # renames one must fail here, not in production.
     slots = {s for cls in EdgeProtocol.__mro__ for s in getattr(cls, "__slots__", ())}
-    assert {"_messages", "_request_count", "_request_in_progress", "_manager"} <= slots
+    used = {"_messages", "_request_count", "_request_in_progress", "_waiter", "_manager"}
+    assert used | {"_close", "_force_close"} <= slots
+    assert web_protocol._ErrInfo(status=400, exc=BadHttpMessage("x"), message="x").status == 400
 
 
 # ---------------------------------------------------------------- flags
