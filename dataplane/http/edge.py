@@ -36,7 +36,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import web, web_protocol
-from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    HttpProcessingError,
+    LineTooLong,
+)
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 
@@ -432,7 +437,7 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
             f"bytes, and at most {MAX_FIELD} bytes in the request line and in each header",
             code="request_header_fields_too_large",
         )
-    if isinstance(exc, BadHttpMessage) and "Invalid method" in text:
+    if isinstance(exc, BadHttpMethod):
         return ApiError(400, "malformed HTTP request: invalid method", code="invalid_http_request")
     return ApiError(400, "malformed HTTP request", code="invalid_http_request")
 
@@ -497,7 +502,7 @@ class EdgeRunner(web.AppRunner):
             max_line_size=MAX_LINE,
             max_field_size=MAX_FIELD,
             max_headers=MAX_HEADERS,
-            auto_decompress=False,  # dataplane.http.encoding decodes, bounded
+            auto_decompress=False,  # dataplane.http.body decodes, bounded
             **kwargs,
         )
         self._limits = limits

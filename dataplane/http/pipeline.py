@@ -436,7 +436,10 @@ def _too_large(limit: int) -> ApiError:
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request's JSON body as bytes, its content coding undone: 415 for
     another type or coding, 413 past `limit`, 408 past the body deadline
-    (dataplane.http.edge), 400 for a body its framing or coding breaks."""
+    (dataplane.http.edge), 400 for a body its framing or coding breaks.
+
+    Expects the body as sent: the listener must not decode it (EdgeRunner
+    turns aiohttp's decoding off)."""
     if request.content_type != "application/json":
         raise ApiError(
             415,

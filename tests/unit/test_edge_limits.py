@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 from aiohttp import web_protocol
-from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine, LineTooLong
 
 from dataplane.http.body import decode_body
 from dataplane.http.edge import (
@@ -169,6 +169,7 @@ def test_the_default_cap_leaves_headroom_under_the_descriptor_limit() -> None:
         (BadHttpMessage("Too many headers received"), 431, "request_header_fields_too_large"),
         (HeadTooLarge("head"), 431, "request_header_fields_too_large"),
         (BadStatusLine("\x16\x03\x01"), 400, "invalid_http_request"),
+        (BadHttpMethod("G\x00T"), 400, "invalid_http_request"),
         (BadHttpMessage("Invalid header value char"), 400, "invalid_http_request"),
     ],
 )
