@@ -20,7 +20,7 @@ import uvloop
 from aiohttp import web
 
 from dataplane import workers
-from dataplane.http.edge import EdgeRunner
+from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
 from dataplane.http.server import build_app
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, parse
@@ -43,7 +43,9 @@ async def serve(settings: Settings) -> None:
     await runner.setup()
     site: web.BaseSite
     if slot is None:
-        site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+        site = web.TCPSite(
+            runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG
+        )
         await site.start()
     else:
         site = await workers.start_sites(runner, settings)

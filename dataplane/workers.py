@@ -48,6 +48,7 @@ import aiohttp
 from aiohttp import web
 
 from dataplane import jsonio
+from dataplane.http.edge import LISTEN_BACKLOG
 from dataplane.http.errors import ApiError
 from dataplane.settings import Settings, WorkerSlot
 from ponto.writefile import write_atomic
@@ -305,7 +306,7 @@ async def start_sites(runner: web.AppRunner, settings: Settings) -> web.BaseSite
     assert slot is not None
     await web.UnixSite(runner, str(socket_path(slot.run_dir, slot.index))).start()
     shared = reuseport_socket(settings.listen_host, settings.listen_port)
-    site = web.SockSite(runner, shared, backlog=1024)
+    site = web.SockSite(runner, shared, backlog=LISTEN_BACKLOG)
     await site.start()
     return site
 

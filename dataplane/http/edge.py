@@ -52,6 +52,7 @@ from dataplane.http.pipeline import RequestIds
 from dataplane.http.refusals import refusals
 
 __all__ = [
+    "LISTEN_BACKLOG",
     "ConnectionCaps",
     "EdgeLimits",
     "EdgeRunner",
@@ -69,6 +70,12 @@ MAX_HEADERS: Final = 64
 # A whole head: room for a JWT and the usual headers. Without it a slow client
 # could hold MAX_HEADERS * MAX_FIELD (512 KB) per connection.
 MAX_HEAD: Final = 32 * 1024
+
+# Connections the kernel queues before the proxy accepts them (capped by
+# net.core.somaxconn). A burst of reconnects (slow clients closed together at
+# their head deadline) must not overflow it: a dropped SYN costs a normal
+# client a 1 s retransmission.
+LISTEN_BACKLOG: Final = 4096
 
 # Descriptors kept for the rest of the process (origin pools beyond the
 # clients' half, the control-plane link, the GeoIP database, logs).
