@@ -285,7 +285,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if self._request_count != count:
             message, payload = self._messages[-1]
             if isinstance(message, web_protocol._ErrInfo):
-                if self._payload is not None:
+                if self._payload is not None and not self._payload.is_eof():
                     self._refuse_body(message)
                     return
             elif _head_size(message) > MAX_HEAD:  # it came whole, in one read
@@ -295,8 +295,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._disarm()
             if self._counted:
                 self._caps.busy(self, self._address)
-            if not payload.is_eof():
-                self._payload = payload
+            self._payload = None if payload.is_eof() else payload
+            if self._payload is not None:
                 self._arm(self._limits.body_timeout, self._body_late)
         elif self._payload is not None and self._payload.is_eof():
             self._payload = None

@@ -289,6 +289,24 @@ async def test_a_bad_chunk_gets_a_json_400(
     assert edge.origin_requests() == 0
 
 
+async def test_pipelined_requests_are_answered_in_order_and_garbage_after_them_refused(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY + head() + BODY)
+    first, second = [await read_answer(reader) for _ in range(2)]
+    assert (first.status, second.status) == (200, 200)
+    # (In one write with the requests, garbage makes aiohttp's parser drop them all.)
+    writer.write(b"NOT HTTP\x00\r\n\r\n")
+    third = await read_answer(reader)
+    assert third.status == 400 and third.error()["code"] == "invalid_http_request"
+    assert await closed(reader)
+    writer.close()
+    assert len(refusal_records(caplog)) == 1
+    assert edge.origin_requests() == 2
+
+
 async def test_a_header_line_of_8_kb_passes(start_edge: Start) -> None:
     edge = await start_edge()
     reader, writer = await edge.connect()
