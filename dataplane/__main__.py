@@ -20,6 +20,7 @@ import uvloop
 from aiohttp import web
 
 from dataplane import workers
+from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
 from dataplane.http.server import build_app, build_metrics_app
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, parse
@@ -38,11 +39,13 @@ async def serve(settings: Settings) -> None:
         app.middlewares.append(workers.group_views(slot, settings.workers))
     # handler_cancellation: a client that disconnects cancels its handler, and
     # with it the origin request, even while no byte is being written.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
     await runner.setup()
     site: web.BaseSite
     if slot is None:
-        site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+        site = web.TCPSite(
+            runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG
+        )
         await site.start()
     else:
         site = await workers.start_sites(runner, settings)

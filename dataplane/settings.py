@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dataplane.geo import TrustedProxies
+from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
@@ -54,6 +55,8 @@ class Settings:
     # Seconds without a chunk after which a stream counts as cut (tenants may
     # set their own).
     stream_idle_timeout: float = 60.0
+    # Read deadlines and connection caps of the HTTP listener (dataplane/http/edge.py).
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
     # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
     workers: int = 1
     # Set in a worker process only: its settings are already per worker (as_worker).
@@ -116,6 +119,49 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a request's head (request line and headers) must arrive within this "
+        "long of its first byte, or of the connection's opening; else the connection "
+        "is closed (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's body must arrive within this long of its head; else 408 "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="a connection with no request under way is closed after this long "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        metavar="N",
+        help="client connections open at once, per process; at the cap the connection "
+        "that has waited longest for a request is closed, or if all are busy the new "
+        "one gets a 503 (default 0: half the descriptor limit, raised to its hard limit "
+        "at start)",
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=0,
+        metavar="N",
+        help="client connections from one address, per process (default 0: a quarter "
+        "of --max-connections; behind a load balancer, set it to --max-connections)",
     )
     p.add_argument(
         "--connect-timeout",
@@ -262,12 +308,21 @@ def parse(argv: list[str]) -> Settings:
     if a.max_attempts < 1:
         p.error("--max-attempts must be at least 1")
     for flag, value in (
+        ("--header-timeout", a.header_timeout),
+        ("--body-timeout", a.body_timeout),
+        ("--keepalive-timeout", a.keepalive_timeout),
         ("--connect-timeout", a.connect_timeout),
         ("--read-timeout", a.read_timeout),
         ("--deadline", a.deadline),
     ):
         if value <= 0:
             p.error(f"{flag} must be positive")
+    if a.max_connections < 0 or a.max_connections_per_client < 0:
+        p.error(
+            "--max-connections and --max-connections-per-client must be 0 (sized at start) or more"
+        )
+    if 0 < a.max_connections < a.max_connections_per_client:
+        p.error("--max-connections-per-client must not exceed --max-connections")
     forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
     if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
@@ -345,6 +400,13 @@ def parse(argv: list[str]) -> Settings:
         cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
         session_header=session_header,
         stream_idle_timeout=a.stream_idle_timeout,
+        edge=EdgeLimits(
+            header_timeout=a.header_timeout,
+            body_timeout=a.body_timeout,
+            keepalive_timeout=a.keepalive_timeout,
+            max_connections=a.max_connections,
+            max_connections_per_client=a.max_connections_per_client,
+        ),
         workers=workers,
         metrics_listen=metrics_listen,
         metrics_key_labels=key_labels,

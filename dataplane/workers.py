@@ -51,6 +51,7 @@ import aiohttp
 from aiohttp import web
 
 from dataplane import jsonio
+from dataplane.http.edge import LISTEN_BACKLOG
 from dataplane.http.errors import ApiError
 from dataplane.settings import Settings, WorkerSlot
 from ponto.writefile import write_atomic
@@ -324,7 +325,7 @@ async def start_sites(
     assert slot is not None
     await web.UnixSite(runner, str(sockets(slot.run_dir, slot.index))).start()
     host, port = address or (settings.listen_host, settings.listen_port)
-    site = web.SockSite(runner, reuseport_socket(host, port), backlog=1024)
+    site = web.SockSite(runner, reuseport_socket(host, port), backlog=LISTEN_BACKLOG)
     await site.start()
     return site
 

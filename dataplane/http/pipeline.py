@@ -32,6 +32,7 @@ from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, Principal
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
+from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.errors import ApiError, bad_request
 from dataplane.http.fields import check_depth, check_fields, invalid_type, too_deep
 from dataplane.http.resume import CONTINUABLE, Continuations
@@ -433,7 +434,12 @@ def _too_large(limit: int) -> ApiError:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request's JSON body as bytes: 415 for another type, 413 past `limit`."""
+    """The request's JSON body as bytes, its content coding undone: 415 for
+    another type or coding, 413 past `limit`, 408 past the body deadline
+    (dataplane.http.edge), 400 for a body its framing or coding breaks.
+
+    Expects the body as sent: the listener must not decode it (EdgeRunner
+    turns aiohttp's decoding off)."""
     if request.content_type != "application/json":
         raise ApiError(
             415,
@@ -448,6 +454,22 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(limit) from exc
+    except BodyTimeout as exc:
+        raise ApiError(
+            408,
+            f"request body not received within {exc.args[0]:g} s",
+            code="body_timeout",
+            headers={"connection": "close"},
+        ) from None
+    except web.RequestPayloadError:
+        # Bad chunked framing: the rest of the connection cannot be read.
+        raise ApiError(
+            400,
+            "request body is malformed (framing)",
+            code="invalid_body",
+            headers={"connection": "close"},
+        ) from None
+    raw = decode_body(raw, request.headers.get("content-encoding"), limit)
     if not raw:
         raise bad_request("request body is empty; expected a JSON object")
     return raw

@@ -168,7 +168,6 @@ def build_app(settings: Settings) -> web.Application:
     app = web.Application(
         middlewares=[errors_and_metrics],
         client_max_size=settings.max_body_bytes,
-        handler_args={"max_field_size": 16384},
     )
     app[METRICS] = proxy.metrics
     app[HOLDER] = proxy.holder

@@ -1,0 +1,524 @@
+"""The proxy's HTTP edge: read deadlines, connection caps, and parser refusals.
+
+aiohttp's parser is kept; its protocol (`web_protocol.RequestHandler`) is
+subclassed at three points:
+
+- `data_received`: a request's head must arrive within `header_timeout` of its
+  first byte (of the connection's opening, for the first request) and its body
+  within `body_timeout` of the head. A late head closes the connection (there
+  is no request to answer); a late body fails the handler's read, which
+  answers 408 (dataplane.http.pipeline.read_body), or closes the connection
+  when no handler is reading. A connection with no request under way is
+  closed after `keepalive_timeout` (aiohttp's keep-alive timer).
+- `connection_made`: connections are capped, in total and per client address.
+  At a cap, the connection that has waited longest for a request (idle or
+  with an unfinished head) is closed to make room; only when every
+  connection is busy with a request is the new one refused. Refused with a
+  canned 503 JSON answer and `Connection: close`, written before any byte is
+  read: one write, no parsing, and a client that reads it knows why (a bare
+  close looks like a network fault and is retried at once).
+- `handle_error`: a message the parser refuses (a line or head too long, too
+  many headers, bad framing, control characters) is answered as an OpenAI
+  error (400 or 431) with an `x-request-id`, and logged once through the
+  refusal log, without a traceback.
+
+Every refusal here goes to `dataplane.http.refusals.refusals`. A deadline or
+eviction that closes a connection without an answer is logged there too, with
+the status it would have had (408, 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    HttpProcessingError,
+    LineTooLong,
+)
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+
+from dataplane import jsonio
+from dataplane.http.body import BodyTimeout
+from dataplane.http.errors import ApiError
+from dataplane.http.pipeline import RequestIds
+from dataplane.http.refusals import refusals
+
+__all__ = [
+    "LISTEN_BACKLOG",
+    "ConnectionCaps",
+    "EdgeLimits",
+    "EdgeRunner",
+    "default_max_connections",
+    "raise_nofile_limit",
+]
+
+# Origins refuse header lines over 8 KB, so a longer one could never be
+# forwarded; a JWT bearer token fits easily. aiohttp checks the request line
+# against MAX_LINE and each header against MAX_FIELD.
+MAX_LINE: Final = 8190
+MAX_FIELD: Final = 8190
+# An OpenAI SDK sends about 15 headers.
+MAX_HEADERS: Final = 64
+# A whole head: room for a JWT and the usual headers. Without it a slow client
+# could hold MAX_HEADERS * MAX_FIELD (512 KB) per connection.
+MAX_HEAD: Final = 32 * 1024
+
+# Connections the kernel queues before the proxy accepts them (capped by
+# net.core.somaxconn). A burst of reconnects (slow clients closed together at
+# their head deadline) must not overflow it: a dropped SYN costs a normal
+# client a 1 s retransmission.
+LISTEN_BACKLOG: Final = 4096
+
+# Descriptors kept for the rest of the process (origin pools beyond the
+# clients' half, the control-plane link, the GeoIP database, logs).
+RESERVED_FDS: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """Deadlines and connection caps of the proxy's HTTP listener (seconds, counts)."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 15.0
+    # 0: sized from the descriptor limit at start (default_max_connections).
+    max_connections: int = 0
+    # 0: a quarter of max_connections.
+    max_connections_per_client: int = 0
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft descriptor limit to the hard one; return the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # a sandbox may refuse; keep the old limit
+            pass
+    return int(soft) if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def default_max_connections(nofile: int) -> int:
+    """The client connection cap for a descriptor limit: half of what is left
+    after RESERVED_FDS, since each client request may hold an origin connection."""
+    return max(64, (nofile - RESERVED_FDS) // 2)
+
+
+class ConnectionCaps:
+    """Open client connections, counted in total and per address, and the ones
+    waiting for a request, oldest first (the ones to evict at a cap).
+
+    One per listener; used from the event loop's thread only.
+    """
+
+    __slots__ = ("_count", "_per_address", "_waiting", "_waiting_at", "per_client", "total")
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total = total
+        self.per_client = per_client
+        self._count = 0
+        self._per_address: dict[str, int] = {}
+        self._waiting: dict[EdgeProtocol, None] = {}  # insertion order: oldest first
+        self._waiting_at: dict[str, dict[EdgeProtocol, None]] = {}
+
+    @property
+    def open(self) -> int:
+        return self._count
+
+    def admit(self, conn: EdgeProtocol, address: str) -> bool:
+        """Count `conn` in, evicting a waiting connection at a cap; False if it
+        must be refused (at a cap, and every connection there is busy)."""
+        if self._per_address.get(address, 0) >= self.per_client and not self._evict(
+            self._waiting_at.get(address)
+        ):
+            return False
+        if self._count >= self.total and not self._evict(self._waiting):
+            return False
+        self._count += 1
+        self._per_address[address] = self._per_address.get(address, 0) + 1
+        return True
+
+    def release(self, conn: EdgeProtocol, address: str) -> None:
+        self.busy(conn, address)
+        self._count -= 1
+        left = self._per_address[address] - 1
+        if left:
+            self._per_address[address] = left
+        else:
+            del self._per_address[address]
+
+    def waiting(self, conn: EdgeProtocol, address: str) -> None:
+        """`conn` waits for a request from now: the newest to evict."""
+        self.busy(conn, address)
+        self._waiting[conn] = None
+        self._waiting_at.setdefault(address, {})[conn] = None
+
+    def busy(self, conn: EdgeProtocol, address: str) -> None:
+        """`conn` has a request under way (or is gone): not to be evicted."""
+        if conn in self._waiting:
+            del self._waiting[conn]
+            mine = self._waiting_at[address]
+            del mine[conn]
+            if not mine:
+                del self._waiting_at[address]
+
+    def _evict(self, waiting: dict[EdgeProtocol, None] | None) -> bool:
+        if not waiting:
+            return False
+        victim = next(iter(waiting))
+        victim.evict()  # releases it, so its count is free now
+        return True
+
+
+class EdgeProtocol(web_protocol.RequestHandler):
+    """aiohttp's HTTP/1 protocol with deadlines, caps and JSON parser errors.
+
+    Relies on these aiohttp internals (tests/unit/test_edge_limits.py checks
+    they exist, tests/functional/test_edge.py what they do): `_messages`
+    (parsed requests not yet handled, with their payloads) and `_ErrInfo`,
+    `_request_count`, `_request_in_progress`, `_waiter`, `_manager`, `_close`,
+    `_force_close`, and `data_received` feeding the parser synchronously.
+    """
+
+    __slots__ = (
+        "_address",
+        "_caps",
+        "_counted",
+        "_deadline",
+        "_head_bytes",
+        "_ids",
+        "_limits",
+        "_payload",
+    )
+
+    def __init__(self, manager: EdgeServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._limits = manager.limits
+        self._caps = manager.caps
+        self._ids = manager.ids
+        self._address = ""
+        self._head_bytes = 0  # of the head being received
+        self._counted = False
+        self._deadline: asyncio.TimerHandle | None = None
+        # The body being received; None once it is complete (or before any).
+        self._payload: StreamReader | None = None
+
+    # ------------------------------------------------------------ connections
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):  # TCP; a worker's private Unix socket is not capped
+            self._address = str(peer[0])
+            if not self._caps.admit(self, self._address):
+                self._refuse(transport)
+                return
+            self._counted = True
+        super().connection_made(transport)
+        self._head_begins()
+        if self._counted:
+            self._caps.waiting(self, self._address)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        self._uncount()
+        super().connection_lost(exc)
+
+    def evict(self) -> None:
+        """Close this waiting connection to make room for a new one."""
+        refusals.refused(
+            503,
+            "connection_evicted",
+            "closed a connection waiting for a request: the proxy is at its connection cap",
+            remote=self._address,
+            what="connection",
+        )
+        self._uncount()
+        self.force_close()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._caps.release(self, self._address)
+
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        request_id = self._ids.next()
+        refusals.refused(
+            503,
+            "too_many_connections",
+            "refused a connection: the proxy is at its connection cap",
+            request_id=request_id,
+            remote=self._address,
+            what="connection",
+        )
+        self._manager = None  # so that connection_lost has nothing to undo
+        self._force_close = True  # and data_received ignores what the client sends
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_REFUSAL_HEAD + request_id.encode() + _REFUSAL_TAIL)
+        transport.close()  # after the write is flushed
+
+    # ------------------------------------------------------------ deadlines
+
+    def data_received(self, data: bytes) -> None:
+        if self._force_close or self._close or self._upgraded:
+            super().data_received(data)
+            return
+        if data and self._deadline is None and self._payload is None:
+            self._head_begins()  # the first byte of the next request
+        heading = self._payload is None
+        if heading:
+            self._head_bytes += len(data)
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count == count and heading and self._head_bytes > MAX_HEAD:
+            self._refuse_head()
+            return
+        if self._request_count != count:
+            message, payload = self._messages[-1]
+            if isinstance(message, web_protocol._ErrInfo):
+                if self._payload is not None and not self._payload.is_eof():
+                    self._refuse_body(message)
+                    return
+            elif _head_size(message) > MAX_HEAD:  # it came whole, in one read
+                self._messages.pop()
+                self._refuse_head()
+                return
+            self._disarm()
+            if self._counted:
+                self._caps.busy(self, self._address)
+            self._payload = None if payload.is_eof() else payload
+            if self._payload is not None:
+                self._arm(self._limits.body_timeout, self._body_late)
+        elif self._payload is not None and self._payload.is_eof():
+            self._payload = None
+            self._disarm()
+
+    def _head_begins(self) -> None:
+        self._head_bytes = 0
+        self._arm(self._limits.header_timeout, self._head_late)
+
+    def _refuse_head(self) -> None:
+        """Answer a head past MAX_HEAD as aiohttp answers one its parser refuses
+        (an error message in the queue), and read no more of the connection."""
+        self._disarm()
+        exc = HeadTooLarge(f"request head over {MAX_HEAD} bytes")
+        self._messages.append(
+            (web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD)
+        )
+        self._request_count += 1
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        # Not close(): that cancels the waiter, and with it the answer.
+        self._close = True
+
+    def _refuse_body(self, error: web_protocol._ErrInfo) -> None:
+        """The parser refused the rest of a body it had begun to pass on (bad
+        chunking): the handler reading that body gets the error, and its
+        answer is the only one; the connection closes after it."""
+        payload, self._payload = self._payload, None
+        assert payload is not None
+        self._messages.pop()
+        self._disarm()
+        self._fail_body(payload, web.RequestPayloadError(error.message))
+
+    def _fail_body(self, payload: StreamReader, exc: Exception) -> None:
+        # Ended as well as failed: aiohttp's lingering read after the answer
+        # would take the error for a bug (an ERROR with a traceback). Closed
+        # after the answer, since the rest of the body is still to come.
+        payload.set_exception(exc)
+        payload.feed_eof()
+        self.close()
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        answered = await super().finish_response(request, resp, start_time)
+        if self._counted and not self._messages:
+            self._caps.waiting(self, self._address)
+        return answered
+
+    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._deadline = self._loop.call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _head_late(self) -> None:
+        self._deadline = None
+        refusals.refused(
+            408,
+            "header_timeout",
+            "closed a connection: no complete request head within "
+            f"{self._limits.header_timeout:g} s",
+            remote=self._address,
+            what="connection",
+        )
+        self.force_close()
+
+    def _body_late(self) -> None:
+        self._deadline = None
+        payload, self._payload = self._payload, None
+        if payload is None or payload.is_eof():  # pragma: no cover - disarmed at the end
+            return
+        if self._request_in_progress:
+            # The handler answers 408 (or, already answering, ignores it).
+            self._fail_body(payload, BodyTimeout(self._limits.body_timeout))
+            return
+        refusals.refused(
+            408,
+            "body_timeout",
+            f"closed a connection: request body not received within "
+            f"{self._limits.body_timeout:g} s",
+            remote=self._address,
+            what="connection",
+        )
+        self.force_close()
+
+    # ------------------------------------------------------------ parser errors
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """The answer to a message aiohttp could not parse (or, for a bug in
+        the handler chain, a generic 500), as an OpenAI error."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was already started")
+        request_id = self._ids.next()
+        if isinstance(exc, HttpProcessingError):
+            error = parser_error(exc)
+            refusals.refused(
+                error.status,
+                error.code,
+                f"{error.message} ({type(exc).__name__})",
+                request_id=request_id,
+                remote=request.remote,
+                what="HTTP request",
+            )
+        else:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            error = ApiError(
+                status,
+                "internal error in the proxy",
+                type="server_error",
+                code="internal_error",
+            )
+        response = error.response({"x-request-id": request_id, "connection": "close"})
+        response.force_close()
+        return response
+
+
+def _head_size(message: RawRequestMessage) -> int:
+    return len(message.path) + sum(len(k) + len(v) + 4 for k, v in message.raw_headers)
+
+
+class HeadTooLarge(BadHttpMessage):
+    """A request head past MAX_HEAD bytes (aiohttp bounds only its lines)."""
+
+
+def parser_error(exc: HttpProcessingError) -> ApiError:
+    """The client's answer to a message aiohttp's parser refused: a fixed message
+    per kind (the parser's own text may quote the client's bytes)."""
+    text = str(exc)
+    if isinstance(exc, LineTooLong | HeadTooLarge) or "Too many headers" in text:
+        # The parser's error does not say whether the request line or a header
+        # was too long, so both are a 431 (not 414).
+        return ApiError(
+            431,
+            f"request head too large: at most {MAX_HEADERS} headers and {MAX_HEAD} "
+            f"bytes, and at most {MAX_FIELD} bytes in the request line and in each header",
+            code="request_header_fields_too_large",
+        )
+    if isinstance(exc, BadHttpMethod):
+        return ApiError(400, "malformed HTTP request: invalid method", code="invalid_http_request")
+    return ApiError(400, "malformed HTTP request", code="invalid_http_request")
+
+
+def _refusal_parts() -> tuple[bytes, bytes]:
+    body = jsonio.dumps(
+        {
+            "error": {
+                "message": "the proxy is at its connection limit; retry shortly",
+                "type": "server_error",
+                "param": None,
+                "code": "too_many_connections",
+            }
+        }
+    )
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+        "Retry-After: 1\r\n"
+        "x-request-id: "
+    ).encode()
+    return head, b"\r\n\r\n" + body
+
+
+_REFUSAL_HEAD, _REFUSAL_TAIL = _refusal_parts()
+
+
+class EdgeServer(web.Server):
+    """aiohttp's protocol factory, making EdgeProtocols. One per listener set."""
+
+    def __init__(self, base: web.Server, limits: EdgeLimits, caps: ConnectionCaps) -> None:
+        # aiohttp keeps the protocol's arguments in `_kwargs` only.
+        super().__init__(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            **base._kwargs,
+        )
+        self.limits = limits
+        self.caps = caps
+        self.ids = RequestIds()
+
+    def __call__(self) -> EdgeProtocol:
+        return EdgeProtocol(self, loop=self._loop, **self._kwargs)
+
+
+class EdgeRunner(web.AppRunner):
+    """An AppRunner whose listeners apply `limits` (see the module docstring).
+
+    `max_connections` of 0 is sized here from the descriptor limit, which is
+    first raised to its hard limit (a process-wide side effect, done at setup).
+    """
+
+    __slots__ = ("_limits", "caps")
+
+    def __init__(self, app: web.Application, limits: EdgeLimits, **kwargs: Any) -> None:
+        super().__init__(
+            app,
+            keepalive_timeout=limits.keepalive_timeout,
+            max_line_size=MAX_LINE,
+            max_field_size=MAX_FIELD,
+            max_headers=MAX_HEADERS,
+            auto_decompress=False,  # dataplane.http.body decodes, bounded
+            **kwargs,
+        )
+        self._limits = limits
+        self.caps: ConnectionCaps | None = None
+
+    async def _make_server(self) -> web.Server:
+        base = await super()._make_server()
+        limits = self._limits
+        total = limits.max_connections or default_max_connections(raise_nofile_limit())
+        per_client = limits.max_connections_per_client or max(1, total // 4)
+        self.caps = ConnectionCaps(total, per_client)
+        return EdgeServer(base, limits, self.caps)

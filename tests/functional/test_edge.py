@@ -1,0 +1,468 @@
+"""The HTTP edge (dataplane.http.edge): deadlines, connection caps, parser
+refusals and request content codings, against the real proxy app served by
+EdgeRunner on loopback, driven with raw sockets.
+
+Deadlines are set short (fractions of a second) so no test sleeps long; waits
+are bounded by generous timeouts, never asserted on. Every refusal is checked
+to have reached no origin (the simulator's request counter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import socket
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from dataplane.http.edge import EdgeRunner
+from dataplane.http.server import build_app
+from dataplane.http.state import HOLDER, QUOTA
+from dataplane.settings import parse as parse_proxy
+from ponto.originsim.app import SIM_STATE, SimConfig
+from ponto.originsim.app import build_app as sim_app
+from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_pipeline import KEY, MODEL, table
+
+REFUSALS = "ponto.refusals"
+CHAT = b"/v1/chat/completions"
+BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+@dataclass
+class Edge:
+    host: str
+    port: int
+    runner: EdgeRunner
+    origin: TestServer
+
+    def origin_requests(self) -> int:
+        return int(self.origin.app[SIM_STATE].stats.requests)
+
+    async def connect(self, source: str | None = None) -> tuple[Any, Any]:
+        return await asyncio.open_connection(
+            self.host, self.port, local_addr=(source, 0) if source else None
+        )
+
+    def url(self, path: str) -> str:
+        return f"http://{self.host}:{self.port}{path}"
+
+
+Start = Callable[..., Awaitable[Edge]]
+
+
+@pytest.fixture
+async def start_edge(tmp_path: Path) -> AsyncIterator[Start]:
+    started: list[Edge] = []
+
+    async def start(*flags: str) -> Edge:
+        origin = TestServer(sim_app(SimConfig(name="o1", answer_tokens=3, seed=1)))
+        await origin.start_server()
+        settings = parse_proxy(
+            [
+                "--region=r1",
+                "--name=edge",
+                "--control-plane=127.0.0.1:9",  # never answers: the table is applied below
+                f"--state-dir={tmp_path}",
+                "--max-body-bytes=65536",
+                *flags,
+            ]
+        )
+        app = build_app(settings)
+        runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        served = [("o1", str(origin.make_url("/v1")))]
+        app[HOLDER].apply(table(served, version=1, limited=False), "control-plane")
+        app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+        edge = Edge("127.0.0.1", site._server.sockets[0].getsockname()[1], runner, origin)  # type: ignore[union-attr]
+        started.append(edge)
+        return edge
+
+    yield start
+    for edge in started:
+        await edge.runner.cleanup()
+        await edge.origin.close()
+
+
+def head(path: bytes = CHAT, *extra: bytes, length: int | None = len(BODY)) -> bytes:
+    lines = [
+        b"POST " + path + b" HTTP/1.1",
+        b"Host: proxy",
+        b"Authorization: Bearer " + KEY.key.encode(),
+        b"Content-Type: application/json",
+    ]
+    if length is not None:
+        lines.append(b"Content-Length: %d" % length)
+    return b"\r\n".join([*lines, *extra]) + b"\r\n\r\n"
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error(self) -> dict[str, Any]:
+        assert self.headers["content-type"].startswith("application/json")
+        doc = json.loads(self.body)
+        assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
+        return dict(doc["error"])
+
+
+async def read_answer(reader: Any) -> Answer:
+    """One HTTP/1.x answer with a Content-Length (all of the proxy's errors have one)."""
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    assert status_line.startswith(b"HTTP/1."), status_line
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return Answer(int(status_line.split()[1]), headers, body)
+
+
+async def closed(reader: Any) -> bool:
+    """True once the proxy has closed the connection (bounded wait)."""
+    rest: bytes = await asyncio.wait_for(reader.read(), 10)
+    return rest == b""
+
+
+def refusal_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    records = [r for r in caplog.records if r.name == REFUSALS]
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in records)
+    return records
+
+
+@pytest.fixture(autouse=True)
+def _refusals_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=REFUSALS)
+
+
+# ---------------------------------------------------------------- deadlines
+
+
+async def test_a_head_not_finished_by_the_deadline_is_closed(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge("--header-timeout=0.3")
+    reader, writer = await edge.connect()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n")
+    assert await closed(reader)
+    writer.close()
+    [record] = refusal_records(caplog)
+    assert "header_timeout" in record.getMessage()
+    assert edge.origin_requests() == 0
+
+
+async def test_the_head_deadline_applies_to_each_request_on_a_kept_alive_connection(
+    start_edge: Start,
+) -> None:
+    edge = await start_edge("--header-timeout=0.3", "--keepalive-timeout=30")
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY)
+    assert (await read_answer(reader)).status == 200
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")  # and no more
+    assert await closed(reader)
+    writer.close()
+    assert edge.origin_requests() == 1
+
+
+async def test_an_idle_kept_alive_connection_is_closed(start_edge: Start) -> None:
+    edge = await start_edge("--keepalive-timeout=0.3")
+    reader, writer = await edge.connect()
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    assert (await read_answer(reader)).status == 200
+    assert await closed(reader)
+    writer.close()
+
+
+async def test_a_body_not_received_by_the_deadline_gets_a_408(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge("--body-timeout=0.3")
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY[:10])
+    answer = await read_answer(reader)
+    assert answer.status == 408
+    assert answer.error()["code"] == "body_timeout"
+    assert answer.headers["x-request-id"]
+    assert answer.headers["connection"] == "close"
+    assert await closed(reader)
+    writer.close()
+    assert edge.origin_requests() == 0
+    refusal_records(caplog)
+
+
+# ---------------------------------------------------------------- parser errors
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        (head(CHAT, b"X-Long: " + b"a" * 9000), 431, "request_header_fields_too_large"),
+        (
+            head(CHAT, *(b"X-H%d: v" % i for i in range(80))),
+            431,
+            "request_header_fields_too_large",
+        ),
+        (
+            head(CHAT, *(b"X-H%d: " % i + b"v" * 8000 for i in range(5))),
+            431,
+            "request_header_fields_too_large",
+        ),
+        (
+            b"POST /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: p\r\n\r\n",
+            431,
+            "request_header_fields_too_large",
+        ),
+        (head(CHAT, b"Content-Length: 7"), 400, "invalid_http_request"),  # two lengths
+        (head(CHAT, b"Transfer-Encoding: chunked"), 400, "invalid_http_request"),
+        (head(CHAT, b"X-Ctl: a\x01b"), 400, "invalid_http_request"),
+        (head(CHAT, length=None)[:-2] + b"Content-Length: -5\r\n\r\n", 400, "invalid_http_request"),
+        (b"P\x00ST / HTTP/1.1\r\n\r\n", 400, "invalid_http_request"),
+        (b"POST / HTTP/9.9\r\nHost: p\r\n\r\n", 400, "invalid_http_request"),
+    ],
+    ids=[
+        "long-header",
+        "many-headers",
+        "big-head",
+        "long-request-line",
+        "two-lengths",
+        "length-and-chunked",
+        "control-character",
+        "negative-length",
+        "bad-method",
+        "bad-version",
+    ],
+)
+async def test_a_message_the_parser_refuses_gets_a_json_error_logged_once(
+    start_edge: Start,
+    caplog: pytest.LogCaptureFixture,
+    request_bytes: bytes,
+    status: int,
+    code: str,
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(request_bytes)
+    answer = await read_answer(reader)
+    assert (answer.status, answer.error()["code"]) == (status, code)
+    assert len(answer.headers["x-request-id"]) == 32
+    assert answer.headers["connection"] == "close"
+    writer.close()
+    [record] = refusal_records(caplog)
+    assert code in record.getMessage()
+    assert edge.origin_requests() == 0
+
+
+async def test_a_bad_chunk_gets_a_json_400(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"Transfer-Encoding: chunked", length=None) + b'5\r\n{"mod\r\n')
+    await writer.drain()
+    # Apart, so the handler is reading the body when the bad chunk comes (in
+    # one packet with the head the parser refuses the message as a whole).
+    await asyncio.sleep(0.1)
+    writer.write(b"zz\r\nabc\r\n")
+    answer = await read_answer(reader)
+    assert (answer.status, answer.error()["code"]) == (400, "invalid_body")
+    assert answer.headers["x-request-id"]
+    assert answer.headers["connection"] == "close"
+    assert await closed(reader)
+    writer.close()
+    refusal_records(caplog)
+    assert edge.origin_requests() == 0
+
+
+async def test_pipelined_requests_are_answered_in_order_and_garbage_after_them_refused(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY + head() + BODY)
+    first, second = [await read_answer(reader) for _ in range(2)]
+    assert (first.status, second.status) == (200, 200)
+    # (In one write with the requests, garbage makes aiohttp's parser drop them all.)
+    writer.write(b"NOT HTTP\x00\r\n\r\n")
+    third = await read_answer(reader)
+    assert third.status == 400 and third.error()["code"] == "invalid_http_request"
+    assert await closed(reader)
+    writer.close()
+    assert len(refusal_records(caplog)) == 1
+    assert edge.origin_requests() == 2
+
+
+async def test_a_header_line_of_8_kb_passes(start_edge: Start) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"X-Big: " + b"a" * 8000) + BODY)
+    assert (await read_answer(reader)).status == 200
+    writer.close()
+
+
+# ---------------------------------------------------------------- content codings
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body", "status", "code"),
+    [
+        ("gzip", gzip.compress(BODY), 200, None),
+        ("deflate", zlib.compress(BODY), 200, None),
+        ("identity", BODY, 200, None),
+        ("gzip", BODY, 400, "invalid_content_encoding"),
+        ("gzip", gzip.compress(BODY)[:-9], 400, "invalid_content_encoding"),
+        ("deflate", b"\x78\x9c not deflate", 400, "invalid_content_encoding"),
+        ("br", BODY, 415, "unsupported_content_encoding"),
+        ("zstd", BODY, 415, "unsupported_content_encoding"),
+        ("compress", BODY, 415, "unsupported_content_encoding"),
+        ("gzip", gzip.compress(b"{" + b" " * 200_000 + b"}"), 413, "body_too_large"),
+    ],
+    ids=[
+        "gzip",
+        "deflate",
+        "identity",
+        "not-gzip",
+        "truncated-gzip",
+        "not-deflate",
+        "br",
+        "zstd",
+        "compress",
+        "bomb",
+    ],
+)
+async def test_request_content_codings(
+    start_edge: Start, encoding: str, body: bytes, status: int, code: str | None
+) -> None:
+    edge = await start_edge()
+    async with aiohttp.ClientSession() as session:
+        answer = await session.post(
+            edge.url("/v1/chat/completions"),
+            data=body,
+            headers={
+                "authorization": f"Bearer {KEY.key}",
+                "content-type": "application/json",
+                "content-encoding": encoding,
+            },
+        )
+        assert answer.status == status
+        assert answer.headers["x-request-id"]
+        if code is not None:
+            doc = await answer.json()
+            assert doc["error"]["code"] == code
+    assert edge.origin_requests() == (1 if status == 200 else 0)
+
+
+# ---------------------------------------------------------------- connection caps
+
+
+async def busy_connection(edge: Edge, source: str | None = None) -> tuple[Any, Any]:
+    """A connection with a request under way (its body still coming)."""
+    reader, writer = await edge.connect(source)
+    writer.write(head() + BODY[:5])
+    await writer.drain()
+    return reader, writer
+
+
+async def wait_open(edge: Edge, count: int) -> None:
+    caps = edge.runner.caps
+    assert caps is not None
+    async with asyncio.timeout(10):
+        while caps.open != count:
+            await asyncio.sleep(0.01)
+
+
+async def test_at_the_cap_with_every_connection_busy_a_new_one_gets_a_503(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge("--max-connections=3", "--max-connections-per-client=3")
+    busy = [await busy_connection(edge) for _ in range(3)]
+    await wait_open(edge, 3)
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY)
+    answer = await read_answer(reader)
+    assert answer.status == 503
+    assert answer.error()["code"] == "too_many_connections"
+    assert answer.headers["connection"] == "close"
+    assert answer.headers["x-request-id"]
+    assert answer.headers["retry-after"] == "1"
+    assert await closed(reader)
+    writer.close()
+    for _, w in busy:
+        w.close()
+    [record] = refusal_records(caplog)
+    assert "too_many_connections" in record.getMessage()
+    assert edge.origin_requests() == 0
+
+
+async def test_at_the_cap_the_longest_waiting_connection_makes_room(start_edge: Start) -> None:
+    edge = await start_edge("--max-connections=3", "--max-connections-per-client=3")
+    idle = [await edge.connect() for _ in range(3)]
+    await wait_open(edge, 3)
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY)
+    assert (await read_answer(reader)).status == 200
+    assert await closed(idle[0][0])  # the oldest went
+    assert not any(r.at_eof() for r, _ in idle[1:])
+    for _, w in idle:
+        w.close()
+    writer.close()
+
+
+async def test_one_address_cannot_hold_every_connection(start_edge: Start) -> None:
+    edge = await start_edge("--max-connections=10", "--max-connections-per-client=2")
+    busy = [await busy_connection(edge, "127.0.0.1") for _ in range(2)]
+    await wait_open(edge, 2)
+    reader, writer = await edge.connect("127.0.0.1")
+    writer.write(head() + BODY)
+    assert (await read_answer(reader)).status == 503
+    writer.close()
+    # Another address is served.
+    reader, writer = await edge.connect("127.0.0.2")
+    writer.write(head() + BODY)
+    assert (await read_answer(reader)).status == 200
+    writer.close()
+    for _, w in busy:
+        w.close()
+
+
+async def test_slow_loris_connections_do_not_starve_a_normal_client(start_edge: Start) -> None:
+    edge = await start_edge("--max-connections=64", "--header-timeout=5")
+    loris: list[socket.socket] = []
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(300):
+            s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, (edge.host, edge.port))
+            await loop.sock_sendall(s, b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n")
+            loris.append(s)
+        async with aiohttp.ClientSession() as session:
+            for i in range(20):
+                answer = await session.post(
+                    edge.url("/v1/chat/completions"),
+                    json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]},
+                    headers={"authorization": f"Bearer {KEY.key}"},
+                )
+                assert answer.status == 200
+                await answer.read()
+        caps = edge.runner.caps
+        assert caps is not None and caps.open <= 64
+    finally:
+        for s in loris:
+            s.close()
+    assert edge.origin_requests() == 20

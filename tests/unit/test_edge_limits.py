@@ -1,0 +1,216 @@
+"""Request content codings (dataplane.http.body) and the connection caps and
+parser-error mapping of the HTTP edge (dataplane.http.edge), without a server."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+from aiohttp import web_protocol
+from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine, LineTooLong
+
+from dataplane.http.body import decode_body
+from dataplane.http.edge import (
+    ConnectionCaps,
+    EdgeProtocol,
+    HeadTooLarge,
+    default_max_connections,
+    parser_error,
+)
+from dataplane.http.errors import ApiError
+from dataplane.settings import parse
+
+DOC = b'{"model": "m", "messages": []}'
+
+
+# ---------------------------------------------------------------- codings
+
+
+@pytest.mark.parametrize("encoding", [None, "", "identity", "IDENTITY", " identity "])
+def test_identity_is_the_body_as_sent(encoding: str | None) -> None:
+    assert decode_body(DOC, encoding, 1024) == DOC
+
+
+@pytest.mark.parametrize(
+    ("encoding", "data"),
+    [
+        ("gzip", gzip.compress(DOC)),
+        ("x-gzip", gzip.compress(DOC)),
+        ("deflate", zlib.compress(DOC)),
+        ("deflate", zlib.compress(DOC, wbits=-15)),  # raw deflate, as some clients send
+        ("gzip", gzip.compress(DOC[:10]) + gzip.compress(DOC[10:])),  # two members
+        ("identity, gzip", gzip.compress(DOC)),
+        ("gzip, gzip", gzip.compress(gzip.compress(DOC))),
+    ],
+)
+def test_gzip_and_deflate_are_decoded(encoding: str, data: bytes) -> None:
+    assert decode_body(data, encoding, 1024) == DOC
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, br", "x-custom"])
+def test_other_codings_are_415(encoding: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        decode_body(DOC, encoding, 1024)
+    assert (caught.value.status, caught.value.code) == (415, "unsupported_content_encoding")
+
+
+@pytest.mark.parametrize(
+    ("encoding", "data"),
+    [
+        ("gzip", DOC),
+        ("gzip", gzip.compress(DOC)[:-4]),  # truncated
+        ("gzip", gzip.compress(DOC) + b"junk"),
+        ("deflate", zlib.compress(DOC)[:-3]),
+        ("deflate", zlib.compress(DOC) + b"junk"),
+        ("deflate", b"\x00\x01\x02"),
+    ],
+)
+def test_a_body_that_is_not_its_coding_is_400(encoding: str, data: bytes) -> None:
+    with pytest.raises(ApiError) as caught:
+        decode_body(data, encoding, 1024)
+    assert (caught.value.status, caught.value.code) == (400, "invalid_content_encoding")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        gzip.compress(b"a" * 1025),
+        gzip.compress(b"\0" * 50_000_000),  # a bomb: 50 MB in about 50 KB
+        gzip.compress(b"a" * 600) + gzip.compress(b"a" * 600),  # members add up
+    ],
+)
+def test_decoding_stops_at_the_limit(data: bytes) -> None:
+    with pytest.raises(ApiError) as caught:
+        decode_body(data, "gzip", 1024)
+    assert (caught.value.status, caught.value.code) == (413, "body_too_large")
+
+
+def test_a_body_of_exactly_the_limit_passes() -> None:
+    assert decode_body(gzip.compress(b"a" * 1024), "gzip", 1024) == b"a" * 1024
+
+
+# ---------------------------------------------------------------- caps
+
+
+class Conn:
+    """Stands in for an EdgeProtocol: ConnectionCaps calls only `evict`."""
+
+    def __init__(self, caps: ConnectionCaps, address: str) -> None:
+        self.caps = caps
+        self.address = address
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.caps.release(self, self.address)  # type: ignore[arg-type]
+
+
+def connect(caps: ConnectionCaps, address: str, *, waiting: bool) -> Conn | None:
+    conn = Conn(caps, address)
+    if not caps.admit(conn, address):  # type: ignore[arg-type]
+        return None
+    if waiting:
+        caps.waiting(conn, address)  # type: ignore[arg-type]
+    return conn
+
+
+def test_at_the_cap_the_oldest_waiting_connection_is_evicted() -> None:
+    caps = ConnectionCaps(total=3, per_client=3)
+    a, b, c = (connect(caps, "1.1.1.1", waiting=True) for _ in range(3))
+    assert a and b and c
+    caps.busy(a, "1.1.1.1")  # type: ignore[arg-type]  # a request arrived on a
+    d = connect(caps, "2.2.2.2", waiting=False)
+    assert d is not None
+    assert (a.evicted, b.evicted, c.evicted) == (False, True, False)
+    assert caps.open == 3
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_is_refused() -> None:
+    caps = ConnectionCaps(total=2, per_client=2)
+    busy = [connect(caps, "1.1.1.1", waiting=False) for _ in range(2)]
+    assert all(busy)
+    assert connect(caps, "2.2.2.2", waiting=False) is None
+    assert caps.open == 2
+    assert busy[0] is not None
+    caps.release(busy[0], "1.1.1.1")  # type: ignore[arg-type]
+    assert connect(caps, "2.2.2.2", waiting=False) is not None
+
+
+def test_the_per_address_cap_evicts_only_that_address() -> None:
+    caps = ConnectionCaps(total=10, per_client=2)
+    other = connect(caps, "9.9.9.9", waiting=True)
+    mine = [connect(caps, "1.1.1.1", waiting=True) for _ in range(2)]
+    assert other and all(mine)
+    assert connect(caps, "1.1.1.1", waiting=False) is not None
+    assert not other.evicted
+    assert [m.evicted for m in mine if m] == [True, False]
+    # Both of this address's connections now busy: the next one is refused.
+    assert mine[1] is not None
+    caps.busy(mine[1], "1.1.1.1")  # type: ignore[arg-type]
+    assert connect(caps, "1.1.1.1", waiting=False) is None
+    assert connect(caps, "2.2.2.2", waiting=False) is not None
+
+
+def test_the_default_cap_leaves_headroom_under_the_descriptor_limit() -> None:
+    for nofile in (1024, 20_000, 1 << 20):
+        cap = default_max_connections(nofile)
+        assert cap > 0 and 2 * cap < nofile
+    assert default_max_connections(100) == 64  # a floor, whatever the limit
+
+
+# ---------------------------------------------------------------- parser errors
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    [
+        (LineTooLong(b"aaa", 8190), 431, "request_header_fields_too_large"),
+        (BadHttpMessage("Too many headers received"), 431, "request_header_fields_too_large"),
+        (HeadTooLarge("head"), 431, "request_header_fields_too_large"),
+        (BadStatusLine("\x16\x03\x01"), 400, "invalid_http_request"),
+        (BadHttpMethod("G\x00T"), 400, "invalid_http_request"),
+        (BadHttpMessage("Invalid header value char"), 400, "invalid_http_request"),
+    ],
+)
+def test_parser_errors_get_fixed_messages(exc: BadHttpMessage, status: int, code: str) -> None:
+    error = parser_error(exc)
+    assert (error.status, error.code) == (status, code)
+    assert "aaa" not in error.message and "\x16" not in error.message
+
+
+def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
+    # EdgeProtocol reads these (see its docstring); an aiohttp upgrade that
+    # renames one must fail here, not in production.
+    slots = {s for cls in EdgeProtocol.__mro__ for s in getattr(cls, "__slots__", ())}
+    used = {"_messages", "_request_count", "_request_in_progress", "_waiter", "_manager"}
+    assert used | {"_close", "_force_close"} <= slots
+    assert web_protocol._ErrInfo(status=400, exc=BadHttpMessage("x"), message="x").status == 400
+
+
+# ---------------------------------------------------------------- flags
+
+
+def test_edge_flags_are_parsed_and_checked() -> None:
+    s = parse(
+        [
+            "--region=r",
+            "--header-timeout=2",
+            "--body-timeout=3",
+            "--keepalive-timeout=4",
+            "--max-connections=100",
+            "--max-connections-per-client=10",
+        ]
+    )
+    e = s.edge
+    assert (e.header_timeout, e.body_timeout, e.keepalive_timeout) == (2, 3, 4)
+    assert (e.max_connections, e.max_connections_per_client) == (100, 10)
+    for bad in (
+        ["--header-timeout=0"],
+        ["--body-timeout=-1"],
+        ["--max-connections=-1"],
+        ["--max-connections=5", "--max-connections-per-client=6"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse(["--region=r", *bad])
+        assert exit_.value.code == 2
