@@ -48,8 +48,8 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from dataplane import jsonio
 from dataplane.http.body import BodyTimeout
 from dataplane.http.errors import ApiError
-from dataplane.http.pipeline import RequestIds
 from dataplane.http.refusals import refusals
+from dataplane.http.requestid import RequestIds
 
 __all__ = [
     "LISTEN_BACKLOG",
