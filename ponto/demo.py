@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from ponto import devenv
 from ponto.fleet import DEMO_REGIONS, Fleet, start_demo_fleet
 from ponto.supervise import Supervisor
 from ponto.v1 import admin_pb2 as apb
@@ -407,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if fleet is not None:  # start_demo_fleet stops what it started if it fails
             fleet.stop()
+        # A child whose handle never reached the fleet (a signal during start-up).
+        devenv.children.stop()
         if remove:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -118,6 +118,53 @@ class Managed:
         return "\n".join(text.splitlines()[-lines:])
 
 
+class Children:
+    """Every child started here and not yet seen to exit.
+
+    A signal that stops the demo can land between a child's start and the
+    moment its handle reaches whoever would stop it; `stop` then finds it.
+    """
+
+    STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+    def __init__(self) -> None:
+        self._live: set[subprocess.Popen[bytes]] = set()
+
+    def start(
+        self, argv: list[str], log: IO[bytes], env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """Popen, registered with SIGINT and SIGTERM held (they are handled
+        once the child is registered, so none can slip in between)."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self._live.difference_update([p for p in self._live if p.poll() is not None])
+            self._live.add(proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        return proc
+
+    def running(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in self._live if p.poll() is None]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every child still running (SIGTERM, then SIGKILL after `timeout`)."""
+        live = self.running()
+        for proc in live:
+            proc.terminate()
+        for proc in live:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        self._live.clear()
+
+
+children = Children()
+"""This process's children, as `spawn` starts them; the demo stops them last."""
+
+
 def spawn(
     name: str,
     argv: list[str],
@@ -135,7 +182,7 @@ def spawn(
     log_path = workdir / f"{name}.log"
     log = log_path.open("ab")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    proc = children.start(argv, log, full_env)
     managed = Managed(name, proc, log_path, argv=argv, _log=log)
     if ready_file is not None:
         deadline = time.monotonic() + timeout

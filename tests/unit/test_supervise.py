@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import signal
+from pathlib import Path
 
 import pytest
 
+from ponto import devenv
 from ponto.supervise import Backoff, Supervisor, describe_exit
 
 _pids = itertools.count(100)
@@ -170,3 +172,14 @@ def test_children_are_independent() -> None:
 )
 def test_exit_statuses_in_words(status: int, words: str) -> None:
     assert describe_exit(status) == words
+
+
+def test_children_stop_stops_a_child_whose_handle_was_lost(tmp_path: Path) -> None:
+    children = devenv.Children()
+    with (tmp_path / "log").open("ab") as log:
+        proc = children.start(["sleep", "30"], log, {})
+    del proc  # as when a signal lands before the handle reaches the fleet
+    [child] = children.running()
+    children.stop()
+    assert child.poll() is not None
+    assert not children.running()
