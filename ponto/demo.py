@@ -354,8 +354,8 @@ def run_supervised(fleet: Fleet) -> None:
         nonlocal stop
         stop = True
 
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, devenv.children.guard(_stop))
     supervisor = supervise(fleet)
     while not stop:
         supervisor.poll()
@@ -374,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ponto-demo-"))
     # Until run_supervised owns the signals, SIGTERM stops the demo as Ctrl-C
     # does: through the clean-up below, leaving no process behind.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Guarded: a signal while a child starts waits until the child is registered.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, devenv.children.guard(_interrupt))
     # A temp dir goes once the demo ends as it should; after a failed check
     # or an error its logs stay for the user to read.
     remove = False

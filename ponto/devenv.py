@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from types import FrameType
 from typing import IO
 
 ETCD_ENV = "PONTO_ETCD_BIN"
@@ -118,30 +120,49 @@ class Managed:
         return "\n".join(text.splitlines()[-lines:])
 
 
+SignalHandler = Callable[[int, "FrameType | None"], None]
+
+
 class Children:
     """Every child started here and not yet seen to exit.
 
     A signal that stops the demo can land between a child's start and the
-    moment its handle reaches whoever would stop it; `stop` then finds it.
+    moment its handle reaches whoever would stop it. A handler made by `guard`
+    waits while a child is being started and registered, so `stop` always
+    finds it. (Blocking the signals instead would block them in the child too:
+    a child inherits the signal mask.)
     """
-
-    STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
     def __init__(self) -> None:
         self._live: set[subprocess.Popen[bytes]] = set()
+        self._starting = False
+        self._pending: Callable[[], object] | None = None
+
+    def guard(self, handler: Callable[[int, FrameType | None], object]) -> SignalHandler:
+        """`handler`, run only once no child is half started."""
+
+        def guarded(signum: int, frame: FrameType | None) -> None:
+            if self._starting:
+                self._pending = partial(handler, signum, frame)
+            else:
+                handler(signum, frame)
+
+        return guarded
 
     def start(
         self, argv: list[str], log: IO[bytes], env: dict[str, str]
     ) -> subprocess.Popen[bytes]:
-        """Popen, registered with SIGINT and SIGTERM held (they are handled
-        once the child is registered, so none can slip in between)."""
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP_SIGNALS)
+        """Popen, registered before a guarded signal handler can run."""
+        self._starting = True
         try:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
             self._live.difference_update([p for p in self._live if p.poll() is not None])
             self._live.add(proc)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            self._starting = False
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending()
         return proc
 
     def running(self) -> list[subprocess.Popen[bytes]]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import signal
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,4 +184,30 @@ def test_children_stop_stops_a_child_whose_handle_was_lost(tmp_path: Path) -> No
     [child] = children.running()
     children.stop()
     assert child.poll() is not None
+    assert not children.running()
+
+
+def test_a_guarded_signal_handler_waits_until_the_child_is_registered(tmp_path: Path) -> None:
+    children = devenv.Children()
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        seen.append(len(children.running()))  # what a stop would find
+        raise KeyboardInterrupt
+
+    guarded = children.guard(handler)
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*args: Any, **kw: Any) -> Any:
+        proc = real_popen(*args, **kw)
+        guarded(signal.SIGTERM, None)  # lands before the handle is registered
+        assert seen == []  # deferred
+        return proc
+
+    with (tmp_path / "log").open("ab") as log, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "Popen", popen_then_signal)
+        with pytest.raises(KeyboardInterrupt):
+            children.start(["sleep", "30"], log, {})
+    assert seen == [1]
+    children.stop()
     assert not children.running()
