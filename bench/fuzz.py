@@ -103,8 +103,9 @@ class System:
 
 
 @contextlib.contextmanager
-def start_system(workdir: Path) -> Iterator[System]:
-    """The fleet above; stops every process it started on the way out."""
+def start_system(workdir: Path, proxy_args: list[str] | None = None) -> Iterator[System]:
+    """The fleet above (the proxy also gets `proxy_args`); stops every process it started
+    on the way out."""
     with Fleet(workdir) as fleet:
         fleet.start_etcd()
         fleet.start_control()
@@ -124,7 +125,9 @@ def start_system(workdir: Path) -> Iterator[System]:
             for name in tenants
         )
         version = fleet.wait_table(lambda t: len(t.keys) == 2 and len(t.origins) == 1)
-        fleet.start_proxy("fuzz-proxy", "us-east", extra=["--forward-headers", MARK])
+        fleet.start_proxy(
+            "fuzz-proxy", "us-east", extra=["--forward-headers", MARK, *(proxy_args or [])]
+        )
         fleet.wait_proxies_at(version)
         yield System(fleet, keys)
 
