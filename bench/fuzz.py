@@ -63,7 +63,7 @@ from bench.fuzz_cases import (
     raw_cases,
     slow_kinds,
 )
-from bench.procs import status_kb
+from bench.procs import cpu_seconds, status_kb
 from ponto.devenv import Managed
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
@@ -166,6 +166,7 @@ class Outcome:
     answers: list[Answer] = field(default_factory=list)
     error: str = ""
     index: int | None = None
+    seconds: float = 0.0  # from the first byte sent to the last answer or the give-up
 
 
 def read_answer(status: int, content_type: str, body: bytes) -> Answer:
@@ -194,6 +195,7 @@ async def send_body(
     # A body over the proxy's limit may be cut off mid-send by its answer and close.
     required = 0 if len(case.body) > 4_000_000 else 1
     out = Outcome(case.label, "body", (case.expect,), (mark,), required, True, index=case.index)
+    t0 = time.perf_counter()
     try:
         async with session.post(
             base + case.path, data=io.BytesIO(case.body), headers=headers
@@ -202,6 +204,7 @@ async def send_body(
             out.answers.append(read_answer(resp.status, resp.headers.get("content-type", ""), body))
     except (aiohttp.ClientError, TimeoutError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:200]
+    out.seconds = time.perf_counter() - t0
     return out
 
 
@@ -245,6 +248,7 @@ async def send_raw(
     expects = case.each or (case.expect,) * max(case.answers, 1)
     out = Outcome(case.label, "raw", expects, marks, case.answers, case.head_complete)
     writer = None
+    t0 = time.perf_counter()
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, limit=1 << 22), wait
@@ -272,6 +276,7 @@ async def send_raw(
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+    out.seconds = time.perf_counter() - t0
     return out
 
 
@@ -287,6 +292,7 @@ class Verdict:
     findings: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     info: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    slowest: dict[str, float] = field(default_factory=dict)  # label -> longest seconds
     requests: int = 0
 
     def add(self, kind: str, example: str, *, failing: bool = True) -> None:
@@ -299,6 +305,7 @@ def judge(outcomes: list[Outcome], reached: set[str], verdict: Verdict) -> None:
         verdict.requests += max(len(out.marks), 1)
         got = ",".join(str(a.status) for a in out.answers) or "no answer"
         verdict.counts[out.label][got] += 1
+        verdict.slowest[out.label] = max(verdict.slowest.get(out.label, 0.0), out.seconds)
         where = f"{out.label}: {got}"
         if len(out.answers) < out.required:
             verdict.add("no answer", f"{where} {out.error}")
@@ -527,6 +534,7 @@ class FuzzReport:
     verdict: Verdict
     slow: SlowFigures
     seconds: float
+    proxy_cpu: float  # CPU seconds the proxy spent on the body and raw cases
     fds: dict[str, int]
     rss_mb: dict[str, float]
     tracebacks: int
@@ -572,10 +580,12 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
     t0 = time.monotonic()
     verdict = Verdict()
     port = system.host_port[1]
-    # Warm-up: pooled connections and lazy imports count in the baseline.
-    warm = [c for c in body_cases(rng, 50, bomb_mb=0) if c.expect == "accept"]
-    await run_cases(system, warm, [], rng=rng, concurrency=4, marks=marks)
+    # Warm-up at full concurrency: the upstream pool at its working size and lazy
+    # imports count in the baseline.
+    warm = [c for c in body_cases(rng, 20 * config.concurrency, bomb_mb=0) if c.expect == "accept"]
+    await run_cases(system, warm, [], rng=rng, concurrency=config.concurrency, marks=marks)
     fds = {"before": open_fds(pid)}
+    cpu_before = cpu_seconds(pid)
     rss = {"before": round(rss_mb(pid), 1)}
     done = 0
     batch = max(config.raw_every, 1)
@@ -595,6 +605,7 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
         if not system.proxy.alive():
             break
     rss["after fuzz"] = round(rss_mb(pid), 1)
+    proxy_cpu = cpu_seconds(pid) - cpu_before
     fds["after fuzz"] = await settle_fds(pid, fds["before"])
     slow = SlowFigures()
     if config.slow and system.proxy.alive():
@@ -610,6 +621,7 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
         verdict=verdict,
         slow=slow,
         seconds=time.monotonic() - t0,
+        proxy_cpu=proxy_cpu,
         fds=fds,
         rss_mb=rss,
         tracebacks=count_tracebacks(system.proxy.log_path, log_offset),
@@ -635,6 +647,8 @@ def markdown(report: FuzzReport) -> str:
         f"- seed {cfg.seed}; {v.requests:,} requests in {report.seconds:.0f} s"
         f" ({cfg.requests:,} body cases, raw framing cases, {slow.opened:,} slow connections"
         f" opened, {len(slow.keepalive_ms) + len(slow.fresh_ms):,} normal-client requests)",
+        f"- the proxy's CPU for the body and raw cases: {report.proxy_cpu:.0f} s"
+        f" ({report.proxy_cpu / max(v.requests, 1) * 1e3:.2f} ms a request)",
         f"- verdict: **{'PASS' if not failures else 'FAIL'}**",
         f"- proxy alive at the end: {report.proxy_alive}; origin alive: {report.origin_alive};"
         f" tracebacks in the proxy's log: {report.tracebacks}",
@@ -669,11 +683,20 @@ def markdown(report: FuzzReport) -> str:
         for kind, examples in sorted(v.info.items()):
             lines.append(f"- {kind}: {len(examples):,}")
             lines += [f"  - `{e[:200]}`" for e in sorted(set(examples))[:4]]
-    lines += ["", "## Answers per case", "", "| case | n | answers |", "|---|---:|---|"]
+    lines += [
+        "",
+        "## Answers per case",
+        "",
+        "| case | n | answers | slowest (s) |",
+        "|---|---:|---|---:|",
+    ]
     for label in sorted(v.counts):
         c = v.counts[label]
         shown = ", ".join(f"{k} x{n}" for k, n in c.most_common(4))
-        lines.append(f"| {label.replace('|', '/')} | {sum(c.values()):,} | {shown} |")
+        lines.append(
+            f"| {label.replace('|', '/')} | {sum(c.values()):,} | {shown}"
+            f" | {v.slowest.get(label, 0.0):.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
