@@ -436,7 +436,7 @@ async def _slow_one(
                 answer = closed.result()
                 if answer is not None:
                     fig.answers[f"{kind.name} {answer.status}"] += 1
-                    if answer.status >= 500 or (kind.head and not answer.json_error):
+                    if answer.status >= 500 or (kind.head_complete and not answer.json_error):
                         fig.bad_answers.append(f"{kind.name} -> {answer.status} {answer.snippet!r}")
         closed.cancel()
         writer.close()

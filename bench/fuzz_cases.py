@@ -722,11 +722,13 @@ def raw_cases(rng: random.Random, port: int) -> list[RawCase]:
 @dataclass(frozen=True)
 class SlowKind:
     """One shape of slow client: `head` is sent at once, then `drip` one byte at a time,
-    one byte per interval, never finishing."""
+    one byte per interval, never finishing. `head_complete`: `head` holds a whole request
+    head, so an answer to it must be a JSON error."""
 
     name: str
     head: bytes
     drip: bytes
+    head_complete: bool = False
 
 
 def slow_kinds() -> list[SlowKind]:
@@ -738,12 +740,16 @@ def slow_kinds() -> list[SlowKind]:
             b"X-Slow-Header-Forever: " + b"a" * 100_000,
         ),
         SlowKind(
-            "slow body", _head(length=len(body) + 100_000, mark="slow") + body, b" " * 100_000
+            "slow body",
+            _head(length=len(body) + 100_000, mark="slow") + body,
+            b" " * 100_000,
+            head_complete=True,
         ),
         SlowKind(
             "slow chunks",
             _head(extra="Transfer-Encoding: chunked\r\n", mark="slow"),
             b"1\r\n \r\n" * 100_000,
+            head_complete=True,
         ),
         SlowKind("idle", b"", b""),
     ]
