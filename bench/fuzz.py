@@ -47,6 +47,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -568,8 +569,16 @@ def count_tracebacks(log: Path, offset: int) -> int:
         return f.read().count(b"Traceback (most recent call last)")
 
 
+def _quiet_upload_resets(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Drop the reset of an upload the proxy cut short by answering (a 413 mid-body):
+    aiohttp's writer task reports it, though the answer has been read; log the rest."""
+    if not isinstance(context.get("exception"), aiohttp.ClientConnectionResetError):
+        loop.default_exception_handler(context)
+
+
 async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
     """Run every phase against `system` and judge it."""
+    asyncio.get_running_loop().set_exception_handler(_quiet_upload_resets)
     rng = random.Random(config.seed)
     marks = Marks(f"fz{config.seed}")
     pid = system.proxy.proc.pid

@@ -532,7 +532,9 @@ def raw_cases(rng: random.Random, port: int) -> list[RawCase]:
     """One of each framing attack; bodies vary with rng, the set of attacks does not."""
 
     def body() -> bytes:
-        return dumps(valid_chat(rng) | {"temperature": 0, "stream": False})
+        chat = valid_chat(rng) | {"temperature": 0, "stream": False}
+        chat.pop("stream_options", None)  # only allowed with "stream": true
+        return dumps(chat)
 
     b = body()
     bad = dumps({"model": MODEL, "messages": "hi"})
