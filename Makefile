@@ -140,7 +140,7 @@ bench: $(STAMP) $(WRK)
 # JSON, wrong types, bad encodings and broken framing, then 2,000 slow clients while a
 # normal client measures its latency. Stops its processes by itself; exits 1 on a
 # crash, a 5xx, a non-JSON error, a refused request that reached the origin or
-# descriptors left behind. About 10 minutes on 2 cores; writes docs/benchmarks/fuzz.md.
+# descriptors left behind. About 8 minutes on 2 cores; writes docs/benchmarks/fuzz.md.
 # tests/e2e/test_fuzz.py runs the same harness bounded in `make test`.
 FUZZ_REQUESTS ?= 100000
 fuzz: $(STAMP)

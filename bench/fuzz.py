@@ -296,8 +296,12 @@ class Verdict:
     slowest: dict[str, float] = field(default_factory=dict)  # label -> longest seconds
     requests: int = 0
 
-    def add(self, kind: str, example: str, *, failing: bool = True) -> None:
+    # kind -> case label -> how many
+    by_case: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+
+    def add(self, kind: str, label: str, example: str, *, failing: bool = True) -> None:
         (self.findings if failing else self.info)[kind].append(example)
+        self.by_case[kind][label] += 1
 
 
 def judge(outcomes: list[Outcome], reached: set[str], verdict: Verdict) -> None:
@@ -309,31 +313,33 @@ def judge(outcomes: list[Outcome], reached: set[str], verdict: Verdict) -> None:
         verdict.slowest[out.label] = max(verdict.slowest.get(out.label, 0.0), out.seconds)
         where = f"{out.label}: {got}"
         if len(out.answers) < out.required:
-            verdict.add("no answer", f"{where} {out.error}")
+            verdict.add("no answer", out.label, f"{where} {out.error}")
         for i, answer in enumerate(out.answers):
             expect = out.expects[i] if i < len(out.expects) else "any"
             mark = out.marks[i] if i < len(out.marks) else ""
             detail = f"{out.label} -> {answer.status} {answer.content_type} {answer.snippet!r}"
             if answer.status >= 500:
-                verdict.add("5xx", detail)
+                verdict.add("5xx", out.label, detail)
             if answer.status >= 400 and out.head_complete and not answer.json_error:
-                verdict.add("non-JSON error", detail)
+                verdict.add("non-JSON error", out.label, detail)
             if expect == "refuse" and 200 <= answer.status < 300:
-                verdict.add("refusal missed (2xx)", detail)
+                verdict.add("refusal missed (2xx)", out.label, detail)
             if expect == "accept" and 400 <= answer.status < 500:
                 if mark in reached:
-                    verdict.add("valid, refused by the origin", detail, failing=False)
+                    verdict.add("valid, refused by the origin", out.label, detail, failing=False)
                 else:
-                    verdict.add("valid, refused by the proxy", detail)
+                    verdict.add("valid, refused by the proxy", out.label, detail)
             if expect != "refuse" and 400 <= answer.status < 500 and mark in reached:
-                verdict.add("origin's 4xx relayed", detail, failing=False)
+                verdict.add("origin's 4xx relayed", out.label, detail, failing=False)
             m = _INDEX.search(answer.param or "")
             if out.index is not None and m and int(m.group(1)) != out.index:
-                verdict.add("wrong message index", f"{detail} (sent at {out.index})")
+                verdict.add("wrong message index", out.label, f"{detail} (sent at {out.index})")
         for i, mark in enumerate(out.marks):
             expect = out.expects[i] if i < len(out.expects) else "any"
             if expect == "refuse" and mark in reached:
-                verdict.add("refused request reached the origin", f"{out.label} ({mark})")
+                verdict.add(
+                    "refused request reached the origin", out.label, f"{out.label} ({mark})"
+                )
 
 
 # ---------------------------------------------------------------- running
@@ -543,6 +549,7 @@ class FuzzReport:
     verdict: Verdict
     slow: SlowFigures
     seconds: float
+    raw_connections: int
     proxy_cpu: float  # CPU seconds the proxy spent on the body and raw cases
     fds: dict[str, int]
     rss_mb: dict[str, float]
@@ -604,15 +611,17 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
     fds = {"before": open_fds(pid)}
     cpu_before = cpu_seconds(pid)
     rss = {"before": round(rss_mb(pid), 1)}
-    done = 0
+    done = raw_connections = 0
     batch = max(config.raw_every, 1)
     while done < config.requests:
         n = min(batch, config.requests - done)
         bodies = body_cases(rng, n, bomb_mb=config.bomb_mb)
+        raws = raw_cases(rng, port)
+        raw_connections += len(raws)
         outcomes = await run_cases(
             system,
             bodies,
-            raw_cases(rng, port),
+            raws,
             rng=rng,
             concurrency=config.concurrency,
             marks=marks,
@@ -639,6 +648,7 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
         slow=slow,
         seconds=time.monotonic() - t0,
         proxy_cpu=proxy_cpu,
+        raw_connections=raw_connections,
         fds=fds,
         rss_mb=rss,
         tracebacks=count_tracebacks(system.proxy.log_path, log_offset),
@@ -649,6 +659,19 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
 
 
 # ---------------------------------------------------------------- the page
+
+
+def _by_case(v: Verdict, kind: str, examples: list[str], cases: int) -> list[str]:
+    """The cases with the most findings of `kind`, each with its count and one example."""
+    if kind not in v.by_case:  # findings made outside judge(): no per-case split
+        return [f"  - `{e[:200]}`" for e in examples[:cases]]
+    out = []
+    for label, n in v.by_case[kind].most_common(cases):
+        example = next((e for e in examples if e.startswith(label)), "")
+        out.append(f"  - {label} x{n}: `{example[len(label) :][:180].strip(' :->')}`")
+    if len(v.by_case[kind]) > cases:
+        out.append(f"  - and {len(v.by_case[kind]) - cases} more cases")
+    return out
 
 
 def markdown(report: FuzzReport) -> str:
@@ -662,7 +685,8 @@ def markdown(report: FuzzReport) -> str:
         " a control plane, on this machine's 2 shared cores.",
         "",
         f"- seed {cfg.seed}; {v.requests:,} requests in {report.seconds:.0f} s"
-        f" ({cfg.requests:,} body cases, raw framing cases, {slow.opened:,} slow connections"
+        f" ({cfg.requests:,} body cases, {report.raw_connections:,} raw-socket connections,"
+        f" {slow.opened:,} slow connections"
         f" opened, {len(slow.keepalive_ms) + len(slow.fresh_ms):,} normal-client requests)",
         f"- the proxy's CPU for the body and raw cases: {report.proxy_cpu:.0f} s"
         f" ({report.proxy_cpu / max(v.requests, 1) * 1e3:.2f} ms a request)",
@@ -694,12 +718,12 @@ def markdown(report: FuzzReport) -> str:
         lines.append("None: 0 crashes, 0 5xx, 0 non-JSON errors, 0 refused requests at the origin.")
     for kind, examples in sorted(failures.items()):
         lines.append(f"- **{kind}**: {len(examples):,}")
-        lines += [f"  - `{e[:200]}`" for e in sorted(set(examples))[:8]]
+        lines += _by_case(v, kind, examples, 12)
     if v.info:
         lines += ["", "Not counted against the proxy:", ""]
         for kind, examples in sorted(v.info.items()):
             lines.append(f"- {kind}: {len(examples):,}")
-            lines += [f"  - `{e[:200]}`" for e in sorted(set(examples))[:4]]
+            lines += _by_case(v, kind, examples, 4)
     lines += [
         "",
         "## Answers per case",
