@@ -1,7 +1,7 @@
 """Hostile clients against a real proxy: malformed JSON, framing, encodings, slow clients.
 
     .venv/bin/python -m bench.fuzz [--requests 100000] [--slow 2000] [--slow-seconds 30]
-                                   [--seed 15] [--out docs/benchmarks/fuzz.md]
+                                   [--seed 15] [--out docs/benchmarks/fuzz.md] [--workdir DIR]
 
 One fleet (etcd, a control plane, one origin simulator, one proxy with
 `--forward-headers x-sim-mark`), two tenants with a key each, one of them with a
@@ -11,7 +11,7 @@ the simulator lists the marks that reached it (GET /sim/marks), so "a refused
 request reached the origin" is checked request by request.
 
 Phases: the body cases (bench/fuzz_cases.py, aiohttp, bounded concurrency), one
-round of every raw framing case per 500 body cases (raw sockets), then the
+round of every raw framing case per 2,000 body cases (raw sockets), then the
 slow clients: `--slow` connections from 127.0.0.2-9 (slow-loris headers, slow
 bodies, slow chunks, idle), each reopened when the proxy closes it, while a
 normal client on 127.0.0.1 sends sequential requests (keep-alive, and on a new
@@ -28,6 +28,10 @@ request refused by the proxy, a refusal missed (a 2xx to a "refuse" case), a
 required answer missing, an error naming the wrong message index, a traceback in
 the proxy's log, descriptors not back to baseline, normal-client errors, or
 the normal client's keep-alive p99 at or over 50 ms during the slow clients.
+
+A "no answer" to a well-framed request usually means the proxy closed a kept-alive
+connection without saying so (no `Connection: close`), after an error on the
+request before it on that connection; the case named is the victim, not the cause.
 """
 
 from __future__ import annotations
