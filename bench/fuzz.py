@@ -665,7 +665,7 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
 # ---------------------------------------------------------------- the page
 
 
-def _by_case(v: Verdict, kind: str, examples: list[str], cases: int) -> list[str]:
+def by_case_lines(v: Verdict, kind: str, examples: list[str], cases: int) -> list[str]:
     """The cases with the most findings of `kind`, each with its count and one example."""
     if kind not in v.by_case:  # findings made outside judge(): no per-case split
         return [f"  - `{e[:200]}`" for e in examples[:cases]]
@@ -722,12 +722,12 @@ def markdown(report: FuzzReport) -> str:
         lines.append("None: 0 crashes, 0 5xx, 0 non-JSON errors, 0 refused requests at the origin.")
     for kind, examples in sorted(failures.items()):
         lines.append(f"- **{kind}**: {len(examples):,}")
-        lines += _by_case(v, kind, examples, 12)
+        lines += by_case_lines(v, kind, examples, 12)
     if v.info:
         lines += ["", "Not counted against the proxy:", ""]
         for kind, examples in sorted(v.info.items()):
             lines.append(f"- {kind}: {len(examples):,}")
-            lines += _by_case(v, kind, examples, 4)
+            lines += by_case_lines(v, kind, examples, 4)
     lines += [
         "",
         "## Answers per case",

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.fuzz import FD_SLACK, FuzzConfig, FuzzReport, fuzz, start_system
+from bench.fuzz import FD_SLACK, FuzzConfig, FuzzReport, by_case_lines, fuzz, start_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -40,10 +40,12 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzReport]:
 
 
 def assert_none(report: FuzzReport, *kinds: str) -> None:
-    """No finding of these kinds; else fail listing how many, with a few distinct examples."""
-    found = {kind: report.verdict.findings.get(kind, []) for kind in kinds}
-    lines = [f"{kind}: {len(examples)}" for kind, examples in found.items() if examples]
-    lines += [f"  {e[:240]}" for examples in found.values() for e in sorted(set(examples))[:10]]
+    """No finding of these kinds; else fail listing them by case, one example each."""
+    lines = []
+    for kind in kinds:
+        if examples := report.verdict.findings.get(kind):
+            lines.append(f"{kind}: {len(examples)}")
+            lines += by_case_lines(report.verdict, kind, examples, 40)
     assert not lines, "\n".join(lines)
 
 
