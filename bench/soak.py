@@ -9,8 +9,9 @@ tenants with a key each), the proxy's exact cache bounded at --cache-mb so that
 it is full early and evicting for the rest of the run. The load is an open loop
 at --rate requests a second: chat (a third of them streamed), completions and
 embeddings; two in five are repeats of 200 fixed questions (exact-cache hits
-once seen), the rest new. Every 10 s: the proxy's RSS, open descriptors and the
-cache's bytes, entries and evictions (its /metrics).
+once seen), the rest new. Every 10 s: the proxy's RSS, its open descriptors (the
+fewest seen in checks a second apart, so connections in flight do not count and a
+leak does) and the cache's bytes, entries and evictions (its /metrics).
 
 The slopes (least squares, MB/min and descriptors/min) are taken over the
 samples after the caches are full: from the later of 20 % of the run and the
@@ -49,7 +50,9 @@ MAX_IN_FLIGHT = 64
 class Sample:
     t: float  # seconds since the load began
     rss_mb: float
-    fds: int
+    fds: (
+        int  # the fewest open descriptors seen in the second-by-second checks since the last sample
+    )
     cache: dict[str, float]
     requests: int
 
@@ -124,14 +127,21 @@ async def soak(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.monotonic()
         end = start + minutes * 60
-        next_sample = start
+        next_sample = next_check = start
+        fewest_fds = open_fds(pid)
         n = 0
         while (now := time.monotonic()) < end:
+            if now >= next_check:
+                # The floor over a sample's checks: connections in flight come and go,
+                # a leaked descriptor stays.
+                fewest_fds = min(fewest_fds, open_fds(pid))
+                next_check += 1.0
             if now >= next_sample:
                 stats = await asyncio.to_thread(cache_stats, system.proxy.address)
                 samples.append(
-                    Sample(now - start, round(rss_mb(pid), 2), open_fds(pid), stats, load.done)
+                    Sample(now - start, round(rss_mb(pid), 2), fewest_fds, stats, load.done)
                 )
+                fewest_fds = open_fds(pid)
                 next_sample += sample_s
             if load.in_flight >= MAX_IN_FLIGHT:
                 load.skipped += 1
