@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/ponto/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench profile clean helm helm-check chart-run kind-e2e
+.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench fuzz soak profile clean helm helm-check chart-run kind-e2e
 
 setup: $(STAMP)
 
@@ -135,6 +135,22 @@ bench: $(STAMP) $(WRK)
 	$(PY) -m bench.affinity
 	$(PY) -m bench.resilience
 	$(PY) -m bench.report
+
+# Hostile clients against a real proxy (bench/fuzz.py): 100,000 requests of malformed
+# JSON, wrong types, bad encodings and broken framing, then 2,000 slow clients while a
+# normal client measures its latency. Stops its processes by itself; exits 1 on a
+# crash, a 5xx, a non-JSON error, a refused request that reached the origin or
+# descriptors left behind. About 8 minutes on 2 cores; writes docs/benchmarks/fuzz.md.
+# tests/e2e/test_fuzz.py runs the same harness bounded in `make test`.
+FUZZ_REQUESTS ?= 100000
+fuzz: $(STAMP)
+	$(PY) -m bench.fuzz --requests $(FUZZ_REQUESTS) --slow 2000 --out docs/benchmarks/fuzz.md
+
+# An hour (SOAK_MINUTES=3 make soak for a short one) of a steady mixed load: RSS and
+# descriptor slopes once the cache is full; writes docs/benchmarks/soak.md.
+SOAK_MINUTES ?= 60
+soak: $(STAMP)
+	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m bench.soak --out docs/benchmarks/soak.md
 
 # Where the proxy's time per request goes: py-spy on a live proxy under load,
 # written to docs/benchmarks/profile.txt.

@@ -52,8 +52,9 @@ Routes:
   and ``vllm:prefix_cache_hits_total`` (prompt tokens looked up, found cached);
   and ``ponto_sim_requests_total{endpoint,status}``.
 * ``GET /sim/stats`` (requests, last request, prefix-cache tokens queried and
-  hit, prefill seconds), ``POST /sim/reset``, ``GET|POST /sim/config`` -- test
-  control.
+  hit, prefill seconds), ``GET /sim/marks`` (the ``x-sim-mark`` header of every
+  inference request that carried one, in arrival order), ``POST /sim/reset``,
+  ``GET|POST /sim/config`` -- test control.
 
 Chat and completion answers carry ``x-sim-cached-tokens: N``, the prompt tokens
 found in the KV cache (0 without one); with a cache, their ``usage`` also has
@@ -281,6 +282,9 @@ class SimStats:
     prompt tokens looked up in the KV cache and found there (chat and
     completions, whether or not a cache is configured); ``prefill_seconds``
     sums the computed prefill durations, the prefill engine's busy time.
+    ``marks`` lists the ``x-sim-mark`` header of every request that had one, so
+    a harness can tell exactly which of its requests arrived (bench/fuzz.py);
+    it grows by one short string per marked request until a reset.
     """
 
     requests: int = 0
@@ -289,12 +293,15 @@ class SimStats:
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hits_tokens: int = 0
     prefill_seconds: float = 0.0
+    marks: list[str] = field(default_factory=list)
 
     def record(self, endpoint: str, headers: dict[str, str], body: object) -> None:
         """Count one request to ``endpoint`` and remember it as the latest."""
         self.requests += 1
         self.by_endpoint[endpoint] = self.by_endpoint.get(endpoint, 0) + 1
         self.last_request = {"endpoint": endpoint, "headers": headers, "body": body}
+        if mark := headers.get("x-sim-mark"):
+            self.marks.append(mark)
 
     def record_prefill(self, queried: int, hit: int, seconds: float) -> None:
         """Count one prefill of ``queried`` prompt tokens, ``hit`` of them cached."""
@@ -310,6 +317,7 @@ class SimStats:
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
         self.prefill_seconds = 0.0
+        self.marks = []
 
     def snapshot(self) -> dict[str, object]:
         """Return the ``/sim/stats`` view."""
@@ -1529,6 +1537,10 @@ async def _stats(request: web.Request) -> web.StreamResponse:
     return _json(request.config_dict[SIM_STATE].stats.snapshot())
 
 
+async def _marks(request: web.Request) -> web.StreamResponse:
+    return _json({"marks": request.config_dict[SIM_STATE].stats.marks})
+
+
 async def _reset(request: web.Request) -> web.StreamResponse:
     stats = request.config_dict[SIM_STATE].stats
     stats.reset()
@@ -1681,6 +1693,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/sim/stats", _stats)
+    app.router.add_get("/sim/marks", _marks)
     app.router.add_post("/sim/reset", _reset)
     app.router.add_get("/sim/config", _get_config)
     app.router.add_post("/sim/config", _set_config)

@@ -428,6 +428,17 @@ async def test_stats_record_last_request_and_reset(client: SimClient) -> None:
     assert (await (await client.get("/sim/stats")).json())["requests"] == 0
 
 
+async def test_marks_list_marked_requests_in_order_until_reset(client: SimClient) -> None:
+    await post_json(client, CHAT, chat_body(), headers={"x-sim-mark": "m-1"})
+    await post_json(client, CHAT, chat_body("unmarked"))
+    await client.post(EMBEDDINGS, data=b"not json", headers={"x-sim-mark": "m-2"})
+    await client.get("/health", headers={"x-sim-mark": "m-health"})
+
+    assert (await (await client.get("/sim/marks")).json()) == {"marks": ["m-1", "m-2"]}
+    await client.post("/sim/reset")
+    assert (await (await client.get("/sim/marks")).json()) == {"marks": []}
+
+
 async def test_mode_fail_via_sim_config(client: SimClient) -> None:
     resp = await client.post("/sim/config", data=orjson.dumps({"mode": "fail", "fail_status": 502}))
     assert resp.status == 200
