@@ -279,10 +279,13 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._head_bytes += len(data)
         count = self._request_count
         super().data_received(data)
-        if self._request_count == count and heading and self._head_bytes > MAX_HEAD:
+        if self._request_count == count and heading and data and self._head_bytes > MAX_HEAD:
             self._refuse_head()
             return
         if self._request_count != count:
+            # The head is done: what comes next is its body, or the next head
+            # (aiohttp also calls with no data, to parse requests it buffered).
+            self._head_bytes = 0
             message, payload = self._messages[-1]
             if isinstance(message, web_protocol._ErrInfo):
                 if self._payload is not None and not self._payload.is_eof():

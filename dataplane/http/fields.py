@@ -9,9 +9,10 @@ client sent it, so they must be checked before assembly injects anything.
 
 What passes on unchecked, for forward compatibility: fields no table names
 (an origin's extensions: vLLM's `top_k`, `guided_json`, ...); content parts
-of a type OpenAI does not document (vLLM's `video_url`); and the Responses
-API's input items, tools and tool choices of types other than those below
-(its built-in tools, reasoning items, ...). A known type is checked in full. An explicit null in an
+of vLLM's own types (`video_url`, `audio_url`, ...; any other type is
+refused, as both OpenAI and vLLM refuse it); and the Responses API's input
+items, tools and tool choices of types other than those below (its built-in
+tools, reasoning items, ...). A known type is checked in full. An explicit null in an
 optional field means "the default", as in the OpenAI API, and passes.
 """
 
@@ -522,6 +523,7 @@ TOOL_CHOICE_MODE = enum("none", "auto", "required")
 
 # ------------------------------------------------ chat completions
 
+VLLM_PART_TYPES = ("audio_url", "video_url", "image_embeds", "image_pil", "input_video")
 TEXT_PART = obj({"text": string()}, required=("text",))
 REFUSAL_PART = obj({"refusal": string()}, required=("refusal",))
 CHAT_PART = typed(
@@ -549,7 +551,10 @@ CHAT_PART = typed(
             required=("file",),
         ),
         "refusal": REFUSAL_PART,
-    }
+        # vLLM's multimodal parts, passed on as its own parser reads them.
+        **dict.fromkeys(VLLM_PART_TYPES, any_object),
+    },
+    closed=True,  # vLLM refuses a part type it does not know, and so does OpenAI
 )
 CHAT_CONTENT = either(
     string(),

@@ -307,6 +307,24 @@ async def test_pipelined_requests_are_answered_in_order_and_garbage_after_them_r
     assert edge.origin_requests() == 2
 
 
+async def test_a_big_body_leaves_its_kept_alive_connection_serving(start_edge: Start) -> None:
+    """A body read over many reads is no part of the next request's head (the
+    head's byte count once ran on across it, and aiohttp's empty re-parse call
+    then refused a head that did not exist, closing the connection silently)."""
+    edge = await start_edge("--max-body-bytes=1000000")
+    reader, writer = await edge.connect()
+    text = "x" * 200_000
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]}).encode()
+    for body in (BODY, big, BODY, big, BODY):
+        writer.write(head(length=len(body)) + body)
+        await writer.drain()
+        answer = await read_answer(reader)
+        assert answer.status == 200, answer.body
+        assert "close" not in answer.headers.get("connection", "")
+    writer.close()
+    assert edge.origin_requests() == 5
+
+
 async def test_a_header_line_of_8_kb_passes(start_edge: Start) -> None:
     edge = await start_edge()
     reader, writer = await edge.connect()

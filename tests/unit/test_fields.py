@@ -171,6 +171,8 @@ BAD = [
     (C, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
      "messages[0].content[0].text", M),
     (C, chat(messages=[{"role": "user", "content": ["x"]}]), "messages[0].content[0]", T),
+    (C, chat(messages=[{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]),
+     "messages[0].content[0].type", V),  # neither OpenAI's nor vLLM's
     (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0].image_url.url", M),
     (C, chat(messages=[{"role": "user", "content": [
