@@ -305,8 +305,10 @@ def malformed(rng: random.Random) -> BodyCase:
     if kind == 3:
         number = rng.choice([b"1e400", b"-1e400", b"123456789012345678901234567890"])
         # Embeddings document no temperature: there it is an unknown field.
-        expect: Expect = "any" if path == EMBEDDINGS else refuse
-        return BodyCase("huge number", expect, path, good[:-1] + b',"temperature":' + number + b"}")
+        number_expect: Expect = "any" if path == EMBEDDINGS else refuse
+        return BodyCase(
+            "huge number", number_expect, path, good[:-1] + b',"temperature":' + number + b"}"
+        )
     if kind == 4:
         number = rng.choice([b"1e400", b"123456789012345678901234567890", b"1" * 5000])
         return BodyCase(
