@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from multidict import CIMultiDict
 
 from dataplane.assemble import client_indexes
@@ -93,7 +93,7 @@ async def relay_origin(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
     out.headers["cache-control"] = "no-cache"
-    await out.prepare(request)
+    await _prepare_stream(out, request)
     readers: list[EventSink] = [counter]
     if plan.recorder is not None:
         readers.append(plan.recorder)
@@ -183,5 +183,13 @@ async def _start_stream(
     out.headers["cache-control"] = "no-cache"
     out.headers.extend(headers)
     out.headers.extend(ex.limit_headers)
-    await out.prepare(request)
+    await _prepare_stream(out, request)
     return out
+
+
+async def _prepare_stream(out: web.StreamResponse, request: web.Request) -> None:
+    """Send a stream's head. HTTP/1.0 has no chunked coding: the stream's end
+    is the connection's, whatever keep-alive the client asked for."""
+    if request.version < HttpVersion11:
+        out.force_close()
+    await out.prepare(request)

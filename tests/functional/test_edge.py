@@ -325,6 +325,22 @@ async def test_a_big_body_leaves_its_kept_alive_connection_serving(start_edge: S
     assert edge.origin_requests() == 5
 
 
+async def test_a_stream_to_an_http_1_0_client_ends_with_the_connection(start_edge: Start) -> None:
+    """HTTP/1.0 has no chunked coding: however the client asks for keep-alive,
+    the stream's end must be the connection's or the client waits forever."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    body = json.dumps(
+        {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    request = head(length=len(body)).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    writer.write(request.replace(b"\r\n\r\n", b"\r\nConnection: keep-alive\r\n\r\n") + body)
+    answer = await asyncio.wait_for(reader.read(), 10)  # to EOF
+    writer.close()
+    assert answer.startswith(b"HTTP/1.")
+    assert b"data: [DONE]" in answer
+
+
 async def test_a_header_line_of_8_kb_passes(start_edge: Start) -> None:
     edge = await start_edge()
     reader, writer = await edge.connect()
