@@ -150,6 +150,19 @@ async def test_a_model_is_retrieved_by_its_name_or_its_alias(stack: Stack) -> No
     assert stack.origin_requests() == 0
 
 
+async def test_an_unknown_model_is_quoted_at_most_256_characters(stack: Stack) -> None:
+    name = "m" * 5000
+    for resp in (
+        await stack.post(chat("hi", model=name)),
+        await stack.client.get(f"/v1/models/{name}", headers=AUTH),
+    ):
+        assert resp.status == 404
+        err = error_of(await resp.json())
+        assert err["code"] == "model_not_found"
+        assert f"'{'m' * 256}'" in err["message"] and len(err["message"]) < 400
+    assert stack.origin_requests() == 0
+
+
 async def test_a_model_name_with_a_slash_is_retrieved(tmp_path: Path) -> None:
     name = "org/model-7b"
     s = await start_stack(tmp_path, [SimConfig(name="o1", models=(MODEL,))])
