@@ -28,6 +28,10 @@ _RAW_DEFLATE: Final = -zlib.MAX_WBITS
 # as a copy, so a body of many empty members (20 bytes each) would cost time
 # quadratic in its size, on the event loop: 50,000 of them (1 MB) took 1 s.
 MAX_GZIP_MEMBERS: Final = 16
+# Codings one body may name: a client applies one. Each undone coding may
+# decode up to the body limit, so the 2,700 that fit in a header line could
+# cost that many times the limit.
+MAX_CODINGS: Final = 4
 
 
 class BodyTimeout(TimeoutError):
@@ -42,12 +46,19 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
     """`raw` with its content codings undone, at most `limit` bytes.
 
     Codings are undone last first (RFC 9110 8.4). Raises ApiError: 415 for a
-    coding other than identity, gzip (x-gzip) or deflate; 400 for a body that
-    is not what its coding says; 413 when the decoded body passes `limit`.
+    coding other than identity, gzip (x-gzip) or deflate, or for more than
+    MAX_CODINGS of them; 400 for a body that is not what its coding says;
+    413 when the decoded body passes `limit`.
     """
     if not content_encoding:
         return raw
     codings = [c.strip().lower() for c in content_encoding.split(",")]
+    if len(codings) > MAX_CODINGS:
+        raise ApiError(
+            415,
+            f"Content-Encoding names {len(codings)} codings; at most {MAX_CODINGS} are supported",
+            code="unsupported_content_encoding",
+        )
     for coding in reversed(codings):
         if coding in ("identity", ""):
             continue

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine, LineTooLong
 
-from dataplane.http.body import MAX_GZIP_MEMBERS, decode_body
+from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
 from dataplane.http.edge import (
     ConnectionCaps,
     EdgeProtocol,
@@ -48,7 +48,10 @@ def test_gzip_and_deflate_are_decoded(encoding: str, data: bytes) -> None:
     assert decode_body(data, encoding, 1024) == DOC
 
 
-@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, br", "x-custom"])
+@pytest.mark.parametrize(
+    "encoding",
+    ["br", "zstd", "compress", "gzip, br", "x-custom", ", ".join(["gzip"] * (MAX_CODINGS + 1))],
+)
 def test_other_codings_are_415(encoding: str) -> None:
     with pytest.raises(ApiError) as caught:
         decode_body(DOC, encoding, 1024)
