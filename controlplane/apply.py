@@ -32,7 +32,9 @@ document: they are secrets, made with `pontoctl key create`.
 
 The control plane writes a whole document in one etcd transaction, so one
 apply may change at most MAX_TXN_OPS (128, etcd's default --max-txn-ops)
-objects; unchanged objects do not count.
+objects, counting with them the regions it relies on without listing them
+(each is a condition of the transaction, and etcd counts conditions against
+the same limit); unchanged objects do not count.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ from controlplane.store import (
     StateStore,
     StoreUnavailable,
     Write,
+    txn_size,
 )
 from ponto.apikeys import issue_key
 
@@ -347,12 +348,13 @@ class Catalog:
                 writes.append(Write(key, value, if_mod_revision=revisions.get(key, 0)))
                 if change.kind == "origin" and change.action == "deleted":
                     writes.append(Write(HEALTH + change.name, None))
-            if len(writes) > MAX_TXN_OPS:
-                raise InvalidArgument(
-                    f"the topology changes {len(writes)} objects, more than one transaction "
-                    f"holds ({MAX_TXN_OPS}); apply it in parts"
-                )
             checks = [Fence(REGIONS + r, revisions[REGIONS + r]) for r in plan.relies_on]
+            if txn_size(writes, checks) > MAX_TXN_OPS:
+                raise InvalidArgument(
+                    f"the topology changes {len(plan.writes())} objects and relies on "
+                    f"{len(checks)} regions it does not list, more than one transaction "
+                    f"holds ({MAX_TXN_OPS} writes or conditions); apply it in parts"
+                )
             try:
                 await _guard(self.store.commit(writes, checks))
             except Conflict:

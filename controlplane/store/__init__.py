@@ -11,6 +11,7 @@ from controlplane.store.base import (
     StoreError,
     StoreUnavailable,
     Write,
+    txn_size,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Write",
+    "txn_size",
 ]

@@ -58,8 +58,16 @@ class Write:
     if_mod_revision: int | None = None
 
 
-# etcd refuses a transaction of more operations than its --max-txn-ops (128 by default).
+# etcd refuses a transaction of more operations, or of more conditions, than
+# its --max-txn-ops (128 by default).
 MAX_TXN_OPS = 128
+
+
+def txn_size(writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:
+    """What etcd holds against --max-txn-ops: the writes, or the conditions
+    (one per write with if_mod_revision, one per check) if there are more."""
+    conditions = len(checks) + sum(w.if_mod_revision is not None for w in writes)
+    return max(len(writes), conditions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +119,7 @@ class StateStore(Protocol):
 
         Raise Conflict, writing nothing, when a write's if_mod_revision or a
         check (a key that must still be at mod_revision, 0: absent) does not
-        hold. Keys must be distinct; at most MAX_TXN_OPS writes. Returns the
+        hold. Keys must be distinct; txn_size at most MAX_TXN_OPS. Returns the
         revision (the current one when writes is empty).
         """
         ...

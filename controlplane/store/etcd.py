@@ -33,6 +33,7 @@ from controlplane.store.base import (
     Listing,
     StoreUnavailable,
     Write,
+    txn_size,
 )
 
 log = logging.getLogger(__name__)
@@ -355,8 +356,8 @@ class EtcdStore:
     async def commit(self, writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:
         if len({w.key for w in writes}) != len(writes):
             raise ValueError("a transaction names a key twice")
-        if len(writes) > MAX_TXN_OPS:
-            raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes")
+        if txn_size(writes, checks) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes or conditions")
         compares: builtins.list[Any] = []
         for w in writes:
             compares += self._compares(w.key, False, w.if_mod_revision)

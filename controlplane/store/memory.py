@@ -21,6 +21,7 @@ from controlplane.store.base import (
     Listing,
     StoreUnavailable,
     Write,
+    txn_size,
 )
 
 
@@ -124,8 +125,8 @@ class MemoryStore:
         self._check()
         if len({w.key for w in writes}) != len(writes):
             raise ValueError("a transaction names a key twice")
-        if len(writes) > MAX_TXN_OPS:
-            raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes")
+        if txn_size(writes, checks) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes or conditions")
         for w in writes:
             self._condition(w.key, False, w.if_mod_revision)
         for c in checks:

@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
-from dataplane.http.errors import ApiError
+from dataplane.http.errors import ApiError, model_not_found
 from dataplane.http.pipeline import authenticate
 from dataplane.http.state import CLIENT, HOLDER, METRICS, PRINCIPAL, QUOTA
 
@@ -42,12 +42,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else 404."""
     name = request.match_info["model"]
     if name not in _callable_models(request):
-        raise ApiError(
-            404,
-            f"The model '{name[:256]}' does not exist or you do not have access to it.",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(name)
     return web.json_response(_model(name), dumps=_dumps_str)
 
 

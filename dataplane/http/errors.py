@@ -67,6 +67,17 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ApiError(400, message, param=param, code=code)
 
 
+def model_not_found(name: str) -> ApiError:
+    """404 for a model the caller may not name, in OpenAI's words; the name as
+    the client sent it, cut to 256 characters."""
+    return ApiError(
+        404,
+        f"The model '{name[:256]}' does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
 # Fixed messages: what clients see of an origin failure, whatever the cause.
 UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly."
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."

@@ -103,7 +103,12 @@ def check_depth(raw: bytes, body: object) -> None:
     objects more than MAX_DEPTH levels (the body itself is level 1)."""
     # Every level opens a bracket, so few brackets (counted in C) prove a
     # shallow body and spare the walk; brackets inside strings only overcount.
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= MAX_DEPTH:
+        return
+    if brackets > _WALK_MAX:
+        if _nests_deeper(raw):
+            raise too_deep()
         return
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
@@ -113,6 +118,28 @@ def check_depth(raw: bytes, body: object) -> None:
                 if depth >= MAX_DEPTH:
                     raise too_deep()
                 stack.append((item, depth + 1))
+
+
+# Past this many brackets the walk (Python steps per array or object) costs
+# more than _nests_deeper (C steps per byte): an 8 MB body of 2.7 million empty
+# arrays took 5 s to walk on the event loop, 0.15 s to scan.
+_WALK_MAX: Final = 4096
+_JSON_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS: Final = bytes(range(256)).translate(None, b"[]{}")
+_BRACES_AS_BRACKETS: Final = bytes.maketrans(b"{}", b"[]")
+
+
+def _nests_deeper(raw: bytes) -> bool:
+    """Whether `raw`, valid JSON, nests arrays and objects more than MAX_DEPTH
+    levels: its brackets outside strings (braces as brackets), with the
+    innermost pairs taken out MAX_DEPTH times over, leave some. One replace
+    takes out exactly one level: it does not rescan the pairs it forms."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(_BRACES_AS_BRACKETS, _NOT_BRACKETS)
+    for _ in range(MAX_DEPTH):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
 
 
 def too_deep() -> ApiError:

@@ -33,7 +33,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
-from dataplane.http.errors import ApiError, bad_request
+from dataplane.http.errors import ApiError, bad_request, model_not_found
 from dataplane.http.fields import check_depth, check_fields, invalid_type, too_deep
 from dataplane.http.resume import CONTINUABLE, Continuations
 from dataplane.http.state import REQUEST_ID
@@ -211,12 +211,7 @@ class Pipeline:
         ex.rewritten = assemble(ex.endpoint.name, ex.body, ex.tenant.prompt)
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:
-            raise ApiError(
-                404,
-                f"The model '{asked}' does not exist or you do not have access to it.",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(asked)
         ex.model = model
 
     async def admit(self, ex: Exchange) -> None:

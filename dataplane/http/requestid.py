@@ -23,7 +23,9 @@ def accepted_client_id(value: str | None) -> str | None:
     a space, a control or a non-ASCII character)."""
     if not value or len(value) > MAX_CLIENT_ID:
         return None
-    if not value.isascii() or not all("!" <= c <= "~" for c in value):
+    # In ASCII, printable is " " to "~": without the space, "!" to "~" (in C,
+    # where a per-character loop in Python costs 20 times more).
+    if not (value.isascii() and value.isprintable()) or " " in value:
         return None
     return value
 

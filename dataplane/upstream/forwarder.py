@@ -6,8 +6,9 @@ credential (401, 403, 407: the client's request was fine, another origin may
 take it), timeout, or a cut before the whole body (non-streaming) or the first
 chunk (streaming) arrived. `forward` returns the committed answer without
 writing anything; the caller relays it (`dataplane.streaming.relay`) and
-releases it. What fails is logged here, at WARNING with the request id; the
-client learns only a fixed message (dataplane.http.errors).
+releases it. What failed is logged here, in one WARNING line per request
+with its id, whether another origin then answered or none did; the client
+learns only a fixed message (dataplane.http.errors).
 
 Hedging (off unless the caller asks): when the first attempt has not committed
 after a delay, the same request goes to the next candidate as well, and the
@@ -267,6 +268,7 @@ class Forwarder:
         tries = _Tries(loop.time() + settings.deadline)
         self.budget.deposit()
         ordered = self.outliers.order(candidates)[: settings.max_attempts]
+        answer = None
         if hedge is not None:
             # Only requests that may hedge feed the hedge budget: 10 % of them.
             self.hedges.deposit()
@@ -276,16 +278,22 @@ class Forwarder:
                     answer = await self._race(
                         ordered, float(delay), path, body, headers, stream, tries
                     )
-                    if answer is not None:
-                        return answer
-        if not tries.past_deadline:
+        if answer is None and not tries.past_deadline:
             answer = await self._failover(ordered, path, body, headers, stream, tries)
-            if answer is not None:
-                return answer
         failures = tries.failures
+        # The causes are the operator's, in one line per request with its id;
+        # the client gets a fixed message (dataplane.http.errors).
+        if answer is not None:
+            if failures:
+                log.warning(
+                    "%s: %d attempt(s) failed before origin %s answered: %s",
+                    headers["x-request-id"],
+                    len(failures),
+                    answer.target.name,
+                    "; ".join(failures),
+                )
+            return answer
         timed_out = bool(failures) and failures[-1].endswith("deadline exceeded")
-        # The client gets a fixed message (dataplane.http.errors); the causes
-        # are the operator's, once, with the request id.
         log.warning(
             "no origin could serve %s after %d attempt(s): %s",
             headers["x-request-id"],
@@ -324,7 +332,7 @@ class Forwarder:
                 self._won(answer)
                 return answer
             except _Retryable as exc:
-                self._failed(target, exc, failures, headers)
+                self._failed(target, exc, failures)
             except TimeoutError:
                 self._past_deadline(target, failures)
                 break
@@ -395,7 +403,7 @@ class Forwarder:
                         if winner is None:
                             winner = task
                     elif isinstance(exc, _Retryable):
-                        self._failed(target, exc, tries.failures, headers)
+                        self._failed(target, exc, tries.failures)
                     else:
                         unexpected = (target, exc)
                 if winner is not None:
@@ -490,15 +498,12 @@ class Forwarder:
             return  # counted "ok" by the relay once the stream has ended
         self._metrics.attempt(name, "ok").inc()
 
-    def _failed(
-        self, target: Target, exc: _Retryable, failures: list[str], headers: CIMultiDict[str]
-    ) -> None:
+    def _failed(self, target: Target, exc: _Retryable, failures: list[str]) -> None:
         self._metrics.attempt(target.name, exc.outcome).inc()
         failures.append(f"{target.name}: {exc}")
         if self.outliers.failure(target.name):
             self._metrics.child(self._metrics.ejections, target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
-        log.warning("origin %s failed (%s); %s", target.name, exc, headers["x-request-id"])
 
     def _past_deadline(self, target: Target, failures: list[str]) -> None:
         self._metrics.attempt(target.name, "deadline").inc()

@@ -150,6 +150,19 @@ async def test_a_model_is_retrieved_by_its_name_or_its_alias(stack: Stack) -> No
     assert stack.origin_requests() == 0
 
 
+async def test_an_unknown_model_is_quoted_at_most_256_characters(stack: Stack) -> None:
+    name = "m" * 5000
+    for resp in (
+        await stack.post(chat("hi", model=name)),
+        await stack.client.get(f"/v1/models/{name}", headers=AUTH),
+    ):
+        assert resp.status == 404
+        err = error_of(await resp.json())
+        assert err["code"] == "model_not_found"
+        assert f"'{'m' * 256}'" in err["message"] and len(err["message"]) < 400
+    assert stack.origin_requests() == 0
+
+
 async def test_a_model_name_with_a_slash_is_retrieved(tmp_path: Path) -> None:
     name = "org/model-7b"
     s = await start_stack(tmp_path, [SimConfig(name="o1", models=(MODEL,))])
@@ -287,7 +300,9 @@ async def test_an_origin_refusing_the_proxys_credential_is_a_502_for_the_client(
         await s.close()
 
 
-async def test_an_origin_refusing_the_proxys_credential_is_failed_over(tmp_path: Path) -> None:
+async def test_an_origin_refusing_the_proxys_credential_is_failed_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     bad = web.Application()
     bad.router.add_post("/v1/chat/completions", answering(401, b"no", "text/plain"))
     s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
@@ -303,9 +318,18 @@ async def test_an_origin_refusing_the_proxys_credential_is_failed_over(tmp_path:
         t.etag = content_etag(t)
         s.app[HOLDER].apply(t, "control-plane")
         for i in range(6):  # the weighted order puts "bad" first about half the time
-            resp = await s.post(chat(f"failover {i}"))
+            with caplog.at_level(logging.WARNING):
+                caplog.clear()
+                resp = await s.post(chat(f"failover {i}"))
             assert resp.status == 200
             assert resp.headers["x-ponto-origin"] == "good"
+            # A failed attempt is the operator's to know, once, with the request id.
+            lines = [r.getMessage() for r in caplog.records if "credential" in r.getMessage()]
+            if resp.headers["x-ponto-attempts"] == "2":
+                [line] = lines
+                assert resp.headers["x-request-id"] in line and "before origin good" in line
+            else:
+                assert lines == []
     finally:
         await s.close()
 
@@ -333,6 +357,8 @@ async def test_a_502_names_no_origin_and_its_cause_is_logged_once(
         line = summary[0]
         assert line.levelno == logging.WARNING and line.exc_info is None
         assert rid in line.getMessage() and "down-origin: answered 500" in line.getMessage()
+        # The cause is in that line only, not also in one line per attempt.
+        assert [r for r in caplog.records if "answered 500" in r.getMessage()] == [line]
         # Not logged again as a refusal.
         assert not [r for r in caplog.records if r.name == "ponto.refusals"]
     finally:

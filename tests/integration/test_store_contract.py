@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.store import (
+    MAX_TXN_OPS,
     Conflict,
     Fence,
     LeaseExpired,
@@ -518,6 +519,19 @@ async def test_commit_writes_nothing_when_one_condition_fails(store: StateStore)
     )
     x = await store.get(P + "t/x")
     assert x is not None and (x.value, x.mod_revision) == (b"3", rev)
+
+
+async def test_commit_holds_up_to_max_txn_ops_conditions(store: StateStore) -> None:
+    """etcd counts a transaction's conditions against --max-txn-ops as well as
+    its writes: both stores take exactly as many, and refuse one more (writing
+    nothing) before etcd would."""
+    guards = [Fence(P + f"c/guard{i}", 0) for i in range(MAX_TXN_OPS)]
+    writes = [Write(P + f"c/w{i}", b"w", if_mod_revision=0) for i in range(MAX_TXN_OPS // 2)]
+    checks = guards[: MAX_TXN_OPS - len(writes)]
+    await store.commit(writes, checks)
+    with pytest.raises(ValueError, match="writes or conditions"):
+        await store.commit([Write(P + "c/more", b"m", if_mod_revision=0)], guards)
+    assert await store.get(P + "c/more") is None
 
 
 async def test_commit_is_one_change_to_watchers(store: StateStore) -> None:

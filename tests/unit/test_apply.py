@@ -301,6 +301,29 @@ async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_
     assert [k.id for k in keys] == [record.id]
 
 
+async def test_catalog_apply_counts_the_regions_it_relies_on_against_one_transaction() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    regions = [{"name": f"r{i}", "lat": 1, "lon": 1} for i in range(40)]
+    await catalog.apply({"regions": regions}, prune=False, dry_run=False)
+    before = (await store.list("/ponto/")).revision
+
+    def origins(n: int) -> dict[str, Any]:
+        return {
+            "origins": [
+                {"name": f"o{i}", "region": f"r{i % 40}", "url": "http://h/v1", "models": ["m"]}
+                for i in range(n)
+            ]
+        }
+
+    # 100 origins and the 40 regions they name (not in the file): 140 conditions.
+    with pytest.raises(InvalidArgument, match="relies on 40 regions"):
+        await catalog.apply(origins(100), prune=False, dry_run=False)
+    assert (await store.list("/ponto/")).revision == before
+    changes = await catalog.apply(origins(88), prune=False, dry_run=False)
+    assert len(changes) == 88
+
+
 async def test_catalog_apply_retries_from_a_fresh_read_after_a_concurrent_write() -> None:
     store = MemoryStore()
     catalog = Catalog(store)

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine, LineTooLong
 
-from dataplane.http.body import decode_body
+from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
 from dataplane.http.edge import (
     ConnectionCaps,
     EdgeProtocol,
@@ -48,7 +48,10 @@ def test_gzip_and_deflate_are_decoded(encoding: str, data: bytes) -> None:
     assert decode_body(data, encoding, 1024) == DOC
 
 
-@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, br", "x-custom"])
+@pytest.mark.parametrize(
+    "encoding",
+    ["br", "zstd", "compress", "gzip, br", "x-custom", ", ".join(["gzip"] * (MAX_CODINGS + 1))],
+)
 def test_other_codings_are_415(encoding: str) -> None:
     with pytest.raises(ApiError) as caught:
         decode_body(DOC, encoding, 1024)
@@ -84,6 +87,20 @@ def test_decoding_stops_at_the_limit(data: bytes) -> None:
     with pytest.raises(ApiError) as caught:
         decode_body(data, "gzip", 1024)
     assert (caught.value.status, caught.value.code) == (413, "body_too_large")
+
+
+def test_gzip_members_are_bounded() -> None:
+    """A body of many (empty) members is refused, not decoded member by member
+    at a cost quadratic in its size."""
+    members = [gzip.compress(DOC[i : i + 1]) for i in range(MAX_GZIP_MEMBERS)]
+    assert decode_body(b"".join(members), "gzip", 1024) == DOC[:MAX_GZIP_MEMBERS]
+    for data in (
+        b"".join(members) + gzip.compress(b""),
+        gzip.compress(b"") * 400_000,  # 8 MB, the default body limit
+    ):
+        with pytest.raises(ApiError) as caught:
+            decode_body(data, "gzip", 1024)
+        assert (caught.value.status, caught.value.code) == (400, "invalid_content_encoding")
 
 
 def test_a_body_of_exactly_the_limit_passes() -> None:

@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane.http.errors import ApiError
-from dataplane.http.fields import ENDPOINT_RULES, MAX_DEPTH, check_depth, check_fields
+from dataplane.http.fields import (
+    _WALK_MAX,
+    ENDPOINT_RULES,
+    MAX_DEPTH,
+    check_depth,
+    check_fields,
+)
 from dataplane.http.pipeline import ENDPOINTS, parse_json, validate
 
 USER = {"role": "user", "content": "hi"}
@@ -453,6 +459,37 @@ def test_check_depth_on_a_parsed_value() -> None:
     check_depth(raw, value)
     with pytest.raises(ApiError):
         check_depth(orjson.dumps([value]), [value])
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+# Strings full of what the byte scan must see through.
+_TRICKY = st.text(alphabet='[]{}"\\ax\n\u00e9', max_size=8)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | _TRICKY,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(value=_JSON, wrap=st.integers(0, MAX_DEPTH + 2))
+def test_the_byte_scan_of_a_large_body_agrees_with_the_walk(value: Any, wrap: int) -> None:
+    """Bodies of more than _WALK_MAX brackets are judged from their bytes."""
+    for _ in range(wrap):
+        value = [value]
+    body = {"pad": [[]] * (_WALK_MAX + 1), "v": value}
+    raw = orjson.dumps(body)
+    if _depth(body) > MAX_DEPTH:
+        with pytest.raises(ApiError):
+            check_depth(raw, body)
+    else:
+        check_depth(raw, body)
 
 
 # ---------------------------------------------------------------- generated requests

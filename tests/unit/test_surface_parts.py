@@ -270,3 +270,9 @@ async def test_the_forwarded_set_is_capped_in_all() -> None:
         assert sum(len(n) + len(sent[n]) for n in forwarded) <= MAX_FORWARDED_TOTAL
     finally:
         await session.close()
+
+
+def test_a_client_id_keeps_exactly_the_visible_ascii_characters() -> None:
+    for code in range(0x100):
+        char = chr(code)
+        assert (accepted_client_id(f"id{char}") is not None) == ("!" <= char <= "~"), code
