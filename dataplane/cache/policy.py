@@ -131,6 +131,7 @@ class Reason(enum.StrEnum):
     NO_CACHE = "no-cache"
     ENDPOINT = "endpoint"
     NONDETERMINISTIC = "nondeterministic"
+    TOO_LARGE = "too-large"  # too many JSON values to key at a bounded cost
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,6 +80,8 @@ class CacheRequest:
     cache_control: str = ""
     # The client headers forwarded to origins: they can change the answer.
     headers: Mapping[str, str] = field(default_factory=dict)
+    # False for a body of too many JSON values to key at a bounded cost.
+    keyable: bool = True
 
 
 Outcome = Literal["hit", "miss", "bypass"]
@@ -206,6 +208,8 @@ class EdgeCache:
         decision = decide(policy, req.endpoint, req.body, cc)
         model = req.body["model"]
         key = ""
+        if (decision.lookup or decision.store) and not req.keyable:
+            decision = Decision(False, False, Reason.TOO_LARGE)
         if decision.lookup or decision.store:
             try:
                 key = self._key(req)

@@ -34,7 +34,14 @@ from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.errors import ApiError, bad_request, model_not_found
-from dataplane.http.fields import check_depth, check_fields, invalid_type, too_deep
+from dataplane.http.fields import (
+    check_containers,
+    check_depth,
+    check_fields,
+    invalid_type,
+    too_deep,
+    too_many_values,
+)
 from dataplane.http.resume import CONTINUABLE, Continuations
 from dataplane.http.state import REQUEST_ID
 from dataplane.metrics import Metrics
@@ -91,6 +98,7 @@ class Exchange:
     raw: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
+    keyable: bool = True  # few enough JSON values to cache-key (fields.MAX_KEYED_VALUES)
     # assemble
     tenant: TenantRules | None = None
     model: str = ""
@@ -199,6 +207,7 @@ class Pipeline:
         """Read the body (bounded), parse it once and check what every endpoint needs."""
         ex.raw = await read_body(request, self.max_body_bytes)
         ex.body = parse_json(ex.raw)
+        ex.keyable = not too_many_values(ex.raw)
         ex.stream = validate(ex.endpoint, ex.body)
 
     def assemble(self, ex: Exchange) -> None:
@@ -239,6 +248,7 @@ class Pipeline:
             ex.stream,
             cache_control=", ".join(ex.headers.getall("cache-control", ())),
             headers=ex.headers,
+            keyable=ex.keyable,
         )
         plan = ex.cache = await self.cache.plan(creq)
         try:
@@ -471,7 +481,9 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object nested at most MAX_DEPTH levels, or a 400."""
+    """The body as a JSON object nested at most MAX_DEPTH levels and holding
+    at most MAX_CONTAINERS arrays and objects, or a 400."""
+    check_containers(raw)
     try:
         body = jsonio.loads(raw)
     except jsonio.JSONDecodeError as exc:

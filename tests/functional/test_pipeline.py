@@ -551,3 +551,29 @@ def test_request_ids_are_32_hex_digits_and_do_not_repeat() -> None:
     ids = [first.next() for _ in range(1000)] + [second.next() for _ in range(1000)]
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     assert len(set(ids)) == len(ids)
+
+
+# ---------------------------------------------------------------- bounded cost
+
+
+async def test_a_body_of_too_many_values_to_key_is_answered_but_not_cached(stack: Stack) -> None:
+    # Cacheable (temperature 0), but 150,000 numbers in a field the proxy does
+    # not know: keying it would walk every one on the event loop.
+    body = chat("count these", x_numbers=[1] * 150_000)
+    for _ in range(2):
+        resp = await stack.post(body)
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-ponto-cache"] == "bypass"
+    assert stack.origin_requests() == 2
+    bypass = stack.app[METRICS].registry.get_sample_value(
+        "ponto_cache_requests_total", {"result": "bypass", "kind": "too-large"}
+    )
+    assert bypass == 2
+
+
+async def test_a_body_of_too_many_arrays_is_a_400_before_its_parse(stack: Stack) -> None:
+    resp = await stack.post(chat("nest", x_lists=[[] for _ in range(100_001)]))
+    assert resp.status == 400
+    err = error_of(await resp.json())
+    assert err["code"] == "invalid_json" and "100000 arrays and objects" in err["message"]
+    assert stack.origin_requests() == 0

@@ -7,6 +7,7 @@ one in the body the client sent, in OpenAI's notation (`messages[0].content`).
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import orjson
@@ -616,3 +617,38 @@ def test_generated_requests_pass_and_one_wrong_field_is_named(
     name = data.draw(st.sampled_from(sorted(WRONG[endpoint])))
     body[name] = data.draw(st.sampled_from(WRONG[endpoint][name]))
     assert refusal(endpoint, body).param == name
+
+
+# ---------------------------------------------------------------- bounded cost
+
+
+def test_containers_and_values_are_counted_outside_strings_only() -> None:
+    from dataplane.http.fields import count_outside_strings  # noqa: PLC0415
+
+    # An escaped quote inside a string must not end it.
+    raw = json.dumps({"a": [1, 2, {"b": "[{,,}]" * 10}], "c": '"[,'}).encode()
+    # Few enough anywhere: the cheap count, strings included, is the answer.
+    assert count_outside_strings(raw, (b"[", b"{"), 1000) == 3 + 20 + 1
+    # Too many anywhere: the exact count, strings cut out.
+    assert count_outside_strings(raw, (b"[", b"{"), 5) == 3
+    assert count_outside_strings(raw, (b",", b"[", b"{"), 5) == 3 + 3
+
+
+def test_a_body_of_too_many_containers_is_refused_before_its_parse() -> None:
+    from dataplane.http.fields import MAX_CONTAINERS, check_containers  # noqa: PLC0415
+
+    many = b'{"x":[' + b",".join([b"[]"] * MAX_CONTAINERS) + b"]}"
+    with pytest.raises(ApiError) as refused:
+        check_containers(many)
+    assert refused.value.status == 400 and refused.value.code == "invalid_json"
+    check_containers(b'{"x":[' + b",".join([b"[]"] * (MAX_CONTAINERS - 2)) + b"]}")
+    # Brackets inside a string (a prompt of code, say) are text, not containers.
+    check_containers(json.dumps({"prompt": "[{" * MAX_CONTAINERS}).encode())
+
+
+def test_too_many_values_to_key() -> None:
+    from dataplane.http.fields import MAX_KEYED_VALUES, too_many_values  # noqa: PLC0415
+
+    assert too_many_values(b'{"x":[' + b",".join([b"1"] * (MAX_KEYED_VALUES + 1)) + b"]}")
+    assert not too_many_values(b'{"x":[' + b",".join([b"1"] * 1000) + b"]}")
+    assert not too_many_values(json.dumps({"prompt": "a, " * MAX_KEYED_VALUES}).encode())
