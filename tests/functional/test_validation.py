@@ -217,7 +217,7 @@ async def test_a_valid_request_is_checked_before_the_system_prompt_is_added(prox
 # ---------------------------------------------------------------- nesting
 
 
-@pytest.mark.parametrize("depth", [65, 253, 1000, 1025, 100_000])
+@pytest.mark.parametrize("depth", [65, 253, 1000, 1025, 50_000])
 async def test_deep_json_is_a_400_in_any_field(proxy: Proxy, depth: int) -> None:
     deep = b"[" * depth + b"]" * depth
     for raw in (

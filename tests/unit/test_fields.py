@@ -417,7 +417,7 @@ def test_the_depth_bound_is_exact() -> None:
     assert (caught.value.status, caught.value.code) == (400, "invalid_json")
 
 
-@pytest.mark.parametrize("depth", [253, 254, 1000, 1024, 1025, 100_000])
+@pytest.mark.parametrize("depth", [253, 254, 1000, 1024, 1025, 50_000])
 def test_deep_bodies_are_refused_with_a_400_before_anything_reads_them(depth: int) -> None:
     with pytest.raises(ApiError) as caught:
         parse_json(nested_body(depth))
