@@ -33,7 +33,7 @@ import asyncio
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import (
@@ -262,8 +262,10 @@ class EdgeProtocol(web_protocol.RequestHandler):
         )
         self._manager = None  # so that connection_lost has nothing to undo
         self._force_close = True  # and data_received ignores what the client sends
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(_REFUSAL_HEAD + request_id.encode() + _REFUSAL_TAIL)
+        # A cast, not an isinstance check: uvloop's transports write but are
+        # no instances of asyncio's transport classes.
+        writer = cast(asyncio.WriteTransport, transport)
+        writer.write(_REFUSAL_HEAD + request_id.encode() + _REFUSAL_TAIL)
         transport.close()  # after the write is flushed
 
     # ------------------------------------------------------------ deadlines

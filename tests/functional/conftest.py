@@ -1,0 +1,22 @@
+"""Functional tests' shared settings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+import pytest
+import uvloop
+
+# The edge's tests run on both loops: the proxy serves on uvloop, whose
+# transports are not instances of asyncio's transport classes.
+BOTH_LOOPS = ("tests.functional.test_edge",)
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]] | None:
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__ in BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return None
