@@ -783,10 +783,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         options = conn.ClientOptions.from_args(args)
+        channel = conn.admin_channel(args.control_plane, options)  # reads the TLS files
     except conn.CredentialError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with conn.admin_channel(args.control_plane, options) as channel:
+    with channel:
         stub = conn.CallDefaults(admin_pb2_grpc.AdminStub(channel), TIMEOUT)
         try:
             print(run(args, stub))

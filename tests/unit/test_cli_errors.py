@@ -61,3 +61,11 @@ def test_bad_values_are_refused_before_any_call(
     assert main(["--control-plane", f"127.0.0.1:{free_port()}", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+def test_a_missing_tls_file_is_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--control-plane", f"127.0.0.1:{free_port()}", "--tls-ca", "/nonexistent/ca.pem"]
+    assert main([*argv, "get", "regions"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "/nonexistent/ca.pem" in err
+    assert len(err.splitlines()) == 1
