@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from controlplane.errors import InvalidArgument
+from dataplane.http.fields import check_default
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
@@ -267,11 +268,15 @@ class PromptPolicy:
             if not PARAM_RE.match(name) or name in NOT_DEFAULTABLE:
                 raise InvalidArgument(f"{owner}: {name!r} cannot have a default")
             try:
-                orjson.loads(text)
+                value = orjson.loads(text)
             except orjson.JSONDecodeError as exc:
                 raise InvalidArgument(
                     f"{owner}: default of {name!r} is not valid JSON: {text!r}"
                 ) from exc
+            # The proxy checks requests before it adds defaults: a bad default
+            # would reach every origin.
+            if (why := check_default(name, value)) is not None:
+                raise InvalidArgument(f"{owner}: default of {name!r}: {why}")
         if not 0 <= self.max_tokens_ceiling <= MAX_TOKENS_CEILING:
             raise InvalidArgument(f"max_tokens ceiling of {owner} is not in 0..10^7")
         for public, target in self.aliases:

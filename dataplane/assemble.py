@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.http.errors import bad_request
+from dataplane.http.fields import default_applies
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
@@ -75,7 +76,7 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
         _instruct(body, rules)
         changed = True
     for name, value in rules.defaults.items():
-        if name not in body:
+        if name not in body and default_applies(endpoint, name):
             # A copy: a list or object default must not be shared by requests.
             body[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
             changed = True

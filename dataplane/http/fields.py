@@ -32,8 +32,10 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_KEYED_VALUES",
     "check_containers",
+    "check_default",
     "check_depth",
     "check_fields",
+    "default_applies",
     "invalid_type",
     "too_deep",
     "too_many_values",
@@ -1015,3 +1017,31 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         (_stream_options_need_stream, _tool_choice_names_a_tool(flat=True)),
     ),
 }
+
+
+# ---------------------------------------------------------------- tenant defaults
+
+# Every field some endpoint documents; a field none does is an origin's own.
+_DOCUMENTED: Final = frozenset(name for rules in ENDPOINT_RULES.values() for name in rules.fields)
+
+
+def default_applies(endpoint: str, name: str) -> bool:
+    """Whether a tenant's default for `name` goes into a request to `endpoint`:
+    where the endpoint documents the field, or no endpoint does (an origin's
+    extension, such as vLLM's `top_k`). A chat default such as `max_tokens`
+    stays out of Responses and embeddings requests, which refuse it."""
+    return name in ENDPOINT_RULES[endpoint].fields or name not in _DOCUMENTED
+
+
+def check_default(name: str, value: Any) -> str | None:
+    """Why a tenant default `name: value` would make a request invalid (the
+    first endpoint documenting `name` that refuses the value), or None. Pure."""
+    for endpoint, rules in ENDPOINT_RULES.items():
+        check = rules.fields.get(name)
+        if check is None or value is None:
+            continue
+        try:
+            check(value)
+        except Invalid as bad:
+            return f"{bad.at(name).message} (for {endpoint})"
+    return None

@@ -131,6 +131,11 @@ def test_every_error_is_reported_with_its_path() -> None:
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"model": "x"}}}]},
          "'model' cannot have a default"),
         ({"tenants": [{"name": "T"}]}, "tenant name 'T' is invalid"),
+        # A default the proxy's request checks would refuse reaches no origin.
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"temperature": "hot"}}}]},
+         "default of 'temperature': Invalid type for 'temperature'"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"n": 0}}}]}, "default of 'n'"),
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": 5}}}]}, "default of 'stop'"),
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"seed": 2**70}}}]},
          "tenants[0].prompt.defaults.seed: not a JSON value"),
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": [float("nan")]}}}]},

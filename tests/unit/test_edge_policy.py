@@ -106,6 +106,21 @@ def test_defaults_fill_only_what_the_client_left_out() -> None:
     assert (complete["temperature"], complete["seed"], complete["top_p"]) == (1.0, 1, 0.5)
 
 
+def test_a_default_goes_only_where_the_endpoint_takes_the_field() -> None:
+    rules = PromptRules(defaults={"stop": ["\n"], "top_k": 40, "encoding_format": "float"})
+    chat_body = chat(USER)
+    assemble(CHAT, chat_body, rules)
+    assert chat_body["stop"] == ["\n"] and chat_body["top_k"] == 40
+    assert "encoding_format" not in chat_body  # an embeddings field
+    response = {"model": "m", "input": "hi"}
+    assemble("responses", response, rules)
+    assert "stop" not in response  # Responses refuse `stop`
+    assert response["top_k"] == 40  # documented nowhere: an origin's own, passed on
+    embedding = {"model": "m", "input": "hi"}
+    assemble("embeddings", embedding, rules)
+    assert embedding["encoding_format"] == "float" and "stop" not in embedding
+
+
 @pytest.mark.parametrize(
     ("sent", "expected"),
     [
