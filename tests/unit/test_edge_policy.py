@@ -112,11 +112,11 @@ def test_a_default_goes_only_where_the_endpoint_takes_the_field() -> None:
     assemble(CHAT, chat_body, rules)
     assert chat_body["stop"] == ["\n"] and chat_body["top_k"] == 40
     assert "encoding_format" not in chat_body  # an embeddings field
-    response = {"model": "m", "input": "hi"}
+    response: dict[str, Any] = {"model": "m", "input": "hi"}
     assemble("responses", response, rules)
     assert "stop" not in response  # Responses refuse `stop`
     assert response["top_k"] == 40  # documented nowhere: an origin's own, passed on
-    embedding = {"model": "m", "input": "hi"}
+    embedding: dict[str, Any] = {"model": "m", "input": "hi"}
     assemble("embeddings", embedding, rules)
     assert embedding["encoding_format"] == "float" and "stop" not in embedding
 
