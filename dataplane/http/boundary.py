@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from dataplane.http.errors import ApiError
 from dataplane.http.refusals import refusals
@@ -115,3 +116,29 @@ def _what(request: web.Request) -> str:
     makes neither a huge log line nor a huge error message."""
     path = request.path
     return f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The proxied routes' `Expect` handler: `100-continue` is answered as
+    aiohttp does; any other expectation gets a 417 in the OpenAI shape (aiohttp
+    answers one in plain text, before any middleware runs)."""
+    expect = request.headers.get("expect", "")
+    if expect.lower() == "100-continue":
+        await _default_expect_handler(request)
+        return None
+    request_id = request.app[REQUEST_IDS].of(request.headers.get("x-request-id"))
+    error = ApiError(
+        417,
+        "Expect: only 100-continue is supported",
+        code="expectation_failed",
+        headers={"x-request-id": request_id},
+    )
+    refusals.refused(
+        error.status,
+        error.code,
+        error.message,
+        request_id=request_id,
+        remote=request.remote,
+        what=f"{request.method} {request.path}",
+    )
+    return error.response()

@@ -24,7 +24,7 @@ from dataplane.cache.store import ExactStore
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
 from dataplane.http import endpoints
-from dataplane.http.boundary import errors_and_metrics
+from dataplane.http.boundary import errors_and_metrics, expect_continue
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import (
@@ -182,6 +182,7 @@ def build_app(settings: Settings) -> web.Application:
             "/v1/" + endpoint.upstream_path.lstrip("/"),
             proxied(endpoint),
             name=endpoint.name,
+            expect_handler=expect_continue,
         )
     r.add_get("/v1/models", endpoints.list_models, name="models")
     r.add_get("/v1/models/{model:.+}", endpoints.retrieve_model, name="models.retrieve")

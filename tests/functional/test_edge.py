@@ -268,6 +268,29 @@ async def test_a_message_the_parser_refuses_gets_a_json_error_logged_once(
     assert edge.origin_requests() == 0
 
 
+async def test_expect_100_continue_works_and_any_other_expectation_is_a_json_417(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"Expect: 100-continue"))
+    assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+    assert await reader.readline() == b"\r\n"
+    writer.write(BODY)
+    assert (await read_answer(reader)).status == 200
+    writer.close()
+
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"Expect: teapot") + BODY)
+    answer = await read_answer(reader)
+    writer.close()
+    assert answer.status == 417
+    assert answer.error()["code"] == "expectation_failed"
+    assert answer.headers["x-request-id"]
+    assert ["expectation_failed" in r.getMessage() for r in refusal_records(caplog)] == [True]
+    assert edge.origin_requests() == 1
+
+
 async def test_a_bad_chunk_gets_a_json_400(
     start_edge: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
