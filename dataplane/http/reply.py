@@ -6,11 +6,10 @@ dropped, see dataplane.upstream.forwarder), then Ponto's (`x-request-id`,
 request's scopes.
 
 An origin's error answer (400 and up) keeps none of the origin's headers and
-only an allowlisted body (dataplane.http.errors.origin_error_body). It names
-the origin in `x-ponto-origin` as every answer an origin gave does: the
-operator's origin names are no secret from the operator's clients, and a
-client reporting a refusal should be able to say who refused. Errors the
-proxy makes itself (502, 504, a broken stream) name no origin.
+only an allowlisted body (dataplane.http.errors.origin_error_body), and, like
+every error, names no origin or region: those stay in the logs, under the
+request id the client can quote. A success names them (`x-ponto-origin`,
+`x-ponto-region`), for tracing which replica answered.
 """
 
 from __future__ import annotations
@@ -43,9 +42,10 @@ def _origin_headers(
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
     if error and "retry-after" in origin.headers:  # an origin's 429 or 503
         headers["retry-after"] = origin.headers["retry-after"]
-    target = origin.target
-    headers["x-ponto-origin"] = target.name
-    headers["x-ponto-region"] = target.region
+    if not error:  # an error answer names no origin: that stays in the logs
+        target = origin.target
+        headers["x-ponto-origin"] = target.name
+        headers["x-ponto-region"] = target.region
     headers["x-ponto-attempts"] = str(origin.attempt)
     if origin.hedged:
         headers["x-ponto-hedged"] = "1"

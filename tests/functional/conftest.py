@@ -15,8 +15,8 @@ BOTH_LOOPS = ("tests.functional.test_edge",)
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
-) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]] | None:
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     module = getattr(item, "module", None)
     if module is not None and module.__name__ in BOTH_LOOPS:
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-    return None
+    return {"asyncio": asyncio.new_event_loop}  # pytest-asyncio wants a mapping
