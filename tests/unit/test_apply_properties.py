@@ -67,12 +67,19 @@ tenant = st.fixed_dictionaries(
             optional={
                 "system_prompt": st.text(max_size=20),
                 "max_tokens": st.integers(0, 10**7),
-                "defaults": st.dictionaries(
-                    st.sampled_from(["temperature", "top_p", "stop", "seed"]),
-                    st.integers(-(2**63), 2**63 - 1)
-                    | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(),
-                    max_size=2,
+                # Documented fields take only what a request may carry;
+                # an origin's own field (top_k) any JSON scalar.
+                "defaults": st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "temperature": st.floats(0, 2),
+                        "top_p": st.floats(0, 1),
+                        "stop": st.text(max_size=8),
+                        "seed": st.integers(-(2**63), 2**63 - 1),
+                        "top_k": st.integers(-(2**63), 2**63 - 1)
+                        | st.floats(allow_nan=False, allow_infinity=False)
+                        | st.text(),
+                    },
                 ),
             },
         ),
