@@ -31,6 +31,7 @@ __all__ = [
     "MAX_CONTAINERS",
     "MAX_DEPTH",
     "MAX_KEYED_VALUES",
+    "brackets_of",
     "check_containers",
     "check_default",
     "check_depth",
@@ -104,12 +105,20 @@ def check_fields(endpoint: str, body: dict[str, Any], stream: bool) -> None:
         cross(body, stream)
 
 
-def check_depth(raw: bytes, body: object) -> None:
+def brackets_of(raw: bytes) -> int:
+    """The `[` and `{` in `raw`, strings included (counted in C): an upper
+    bound of its arrays and objects, and of its depth."""
+    return raw.count(b"[") + raw.count(b"{")
+
+
+def check_depth(raw: bytes, body: object, brackets: int | None = None) -> None:
     """Raise `too_deep()` when `body` (parsed from `raw`) nests arrays and
-    objects more than MAX_DEPTH levels (the body itself is level 1)."""
-    # Every level opens a bracket, so few brackets (counted in C) prove a
-    # shallow body and spare the walk; brackets inside strings only overcount.
-    brackets = raw.count(b"[") + raw.count(b"{")
+    objects more than MAX_DEPTH levels (the body itself is level 1).
+    `brackets` is `brackets_of(raw)`, when the caller has it."""
+    # Every level opens a bracket, so few brackets prove a shallow body and
+    # spare the walk; brackets inside strings only overcount.
+    if brackets is None:
+        brackets = brackets_of(raw)
     if brackets <= MAX_DEPTH:
         return
     if brackets > _WALK_MAX:
@@ -158,22 +167,26 @@ MAX_CONTAINERS: Final = 100_000
 MAX_KEYED_VALUES: Final = 100_000
 
 
-def count_outside_strings(raw: bytes, chars: tuple[bytes, ...], at_most: int) -> int:
+def count_outside_strings(
+    raw: bytes, chars: tuple[bytes, ...], at_most: int, anywhere: int | None = None
+) -> int:
     """How many of `chars` (single bytes) stand outside JSON strings in `raw`,
-    exactly when more than `at_most` stand anywhere (counted in C), else that
-    count, an upper bound. Strings are cut out (one C pass) only when the bound
-    is too high, so an ordinary body costs one count per character."""
-    anywhere = sum(raw.count(c) for c in chars)
+    exactly when more than `at_most` stand anywhere (counted in C, unless the
+    caller gives that count as `anywhere`), else that count, an upper bound.
+    Strings are cut out (one C pass) only when the bound is too high, so an
+    ordinary body costs one count per character."""
+    if anywhere is None:
+        anywhere = sum(raw.count(c) for c in chars)
     if anywhere <= at_most:
         return anywhere
     bare = _JSON_STRING.sub(b"", raw)
     return sum(bare.count(c) for c in chars)
 
 
-def check_containers(raw: bytes) -> None:
+def check_containers(raw: bytes, brackets: int | None = None) -> None:
     """A 400 for a body of more than MAX_CONTAINERS arrays and objects, before
-    it is parsed."""
-    if count_outside_strings(raw, (b"[", b"{"), MAX_CONTAINERS) > MAX_CONTAINERS:
+    it is parsed; `brackets` as for check_depth."""
+    if count_outside_strings(raw, (b"[", b"{"), MAX_CONTAINERS, brackets) > MAX_CONTAINERS:
         raise bad_request(
             f"The request body holds more than {MAX_CONTAINERS} arrays and objects.",
             code="invalid_json",

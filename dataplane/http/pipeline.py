@@ -35,6 +35,7 @@ from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.errors import ApiError, bad_request, model_not_found
 from dataplane.http.fields import (
+    brackets_of,
     check_containers,
     check_depth,
     check_fields,
@@ -483,7 +484,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object nested at most MAX_DEPTH levels and holding
     at most MAX_CONTAINERS arrays and objects, or a 400."""
-    check_containers(raw)
+    brackets = brackets_of(raw)  # once, for both bounds
+    check_containers(raw, brackets)
     try:
         body = jsonio.loads(raw)
     except jsonio.JSONDecodeError as exc:
@@ -492,7 +494,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
-    check_depth(raw, body)
+    check_depth(raw, body, brackets)
     return body
 
 
