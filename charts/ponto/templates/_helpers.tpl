@@ -240,3 +240,21 @@ may use: more would only share the same quota. Call with (list workers resources
 {{- end -}}
 {{- max 1 $workers -}}
 {{- end -}}
+
+{{/* An alert's labels: its severity and alerts.alertLabels. Call with (list alerts "key"). */}}
+{{- define "ponto.alert.labels" -}}
+{{- $a := index . 0 -}}
+labels:
+  severity: {{ (get $a (index . 1)).severity }}
+  {{- with $a.alertLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/* runbook_url of an alert when alerts.runbookUrl is set. Call with (list alerts "AlertName"). */}}
+{{- define "ponto.alert.runbookUrl" -}}
+{{- $a := index . 0 -}}
+{{- with $a.runbookUrl -}}
+runbook_url: {{ printf "%s#%s" . (index $ 1 | lower) | quote }}
+{{- end -}}
+{{- end -}}
