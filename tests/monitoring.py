@@ -1,0 +1,141 @@
+"""What the chart's dashboards and alerts are checked with: promtool, the chart's
+render, the metric names the code exports, and the names a PromQL expression reads.
+
+promtool is Debian's (package `prometheus`; `make check` installs it when missing).
+Under CI=true a missing promtool fails the test that needs it; elsewhere it skips, saying
+so. Helm is the binary `make helm` installs, fetched by the same script when missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "ponto"
+HELM_DIR = ROOT / ".cache" / "helm"
+KUBE_VERSION = "1.30.0"
+
+
+def promtool() -> str:
+    """The promtool binary; skips the test (fails it under CI=true) when there is none."""
+    found = shutil.which("promtool")
+    if found is None:
+        message = "promtool not found: `apt-get install prometheus` (or `make check`) brings it"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [promtool(), *args], capture_output=True, text=True, check=False, timeout=120, cwd=cwd
+    )
+
+
+def helm() -> Path:
+    binary = HELM_DIR / "helm"
+    if not binary.is_file():
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "fetch_helm.py"), str(HELM_DIR)], check=True
+        )
+    return binary
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    """`helm template` of the chart (release and namespace "ponto") with extra args."""
+    out = subprocess.run(
+        [
+            str(helm()),
+            "template",
+            "ponto",
+            str(CHART),
+            "--namespace",
+            "ponto",
+            "--kube-version",
+            KUBE_VERSION,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+# Sample names a family of each type exports (prometheus_client's, less `_created`).
+_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "summary": ("", "_sum", "_count"),
+    "info": ("_info",),
+}
+
+
+def sample_names(registry: CollectorRegistry) -> set[str]:
+    """Every series name the registry's collectors export, labelled families that have
+    no series yet included (their family is described all the same)."""
+    names: set[str] = set()
+    for family in registry.collect():
+        names.update(family.name + s for s in _SUFFIXES.get(family.type, ("",)))
+    return names
+
+
+def exported_names() -> set[str]:
+    """The names a proxy's /metrics and the control plane's /metrics export."""
+    # Imported here so that only the tests that need the planes' metrics import them.
+    from controlplane.metrics import ControlMetrics  # noqa: PLC0415
+    from dataplane.metrics import Metrics  # noqa: PLC0415
+
+    return sample_names(Metrics().registry) | sample_names(ControlMetrics().registry)
+
+
+_KEYWORDS = frozenset(
+    {"and", "or", "unless", "bool", "by", "without", "on", "ignoring", "group_left"}
+    | {"group_right", "offset", "inf", "nan"}
+)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_OFFSET = re.compile(r"\b(?:offset\s+-?|@\s*)[\w.()]+")
+_NAME = re.compile(r"(?<![\w.$:])[a-zA-Z_:][a-zA-Z0-9_:]*(?![\w:])(?!\s*\()")
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers outside strings, label
+    matchers, ranges and grouping clauses that are neither functions nor keywords."""
+    text = _STRING.sub('""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = _GROUPING.sub(" ", text)
+    text = _OFFSET.sub(" ", text)
+    return {n for n in _NAME.findall(text) if n.lower() not in _KEYWORDS}
+
+
+def check_exprs(exprs: dict[str, str], workdir: Path) -> str:
+    """Syntax-checks PromQL expressions with `promtool check rules`, each as the
+    recording rule named by its key. Returns promtool's complaint, "" when none."""
+    rules = {
+        "groups": [{"name": "check", "rules": [{"record": k, "expr": v} for k, v in exprs.items()]}]
+    }
+    path = workdir / "exprs.rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    out = run_promtool("check", "rules", str(path))
+    return "" if out.returncode == 0 else out.stdout + out.stderr
+
+
+def unknown(names: Iterable[str], known: set[str]) -> list[str]:
+    return sorted(set(names) - known)

@@ -1,0 +1,134 @@
+"""The chart's PrometheusRule: valid rules, each alert firing on the series it is
+about and quiet on the others (tests/alerts/ponto-alerts.test.yaml through `promtool
+test rules`), reading only metrics the code exports, tuned by values."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.monitoring import ROOT, exported_names, metric_names, render, run_promtool
+
+CASES = ROOT / "tests" / "alerts" / "ponto-alerts.test.yaml"
+ALERTS = {
+    "PontoProxyStaleTable",
+    "PontoOriginDown",
+    "PontoRegionDrainedTooLong",
+    "PontoHighErrorRatio",
+    "PontoCacheHitRatioCollapse",
+    "PontoControlPlaneNoLeader",
+    "PontoEtcdErrors",
+}
+
+
+def rule_spec(*values: str) -> dict[str, Any]:
+    docs = render("--set", "alerts.enabled=true", *values)
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    spec: dict[str, Any] = rule["spec"]
+    return spec
+
+
+def alert_rules(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in spec["groups"] for r in g["rules"]}
+
+
+@pytest.fixture(scope="module")
+def spec() -> dict[str, Any]:
+    return rule_spec()
+
+
+def promtool_test(spec: dict[str, Any], workdir: Path) -> tuple[int, str]:
+    """Runs the cases against the rules. Annotations are left out: promtool would
+    compare their full text; test_every_alert_explains_itself checks them instead."""
+    bare = {
+        "groups": [
+            {**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+            for g in spec["groups"]
+        ]
+    }
+    (workdir / "rules.yaml").write_text(yaml.safe_dump(bare))
+    shutil.copy(CASES, workdir / CASES.name)
+    out = run_promtool("test", "rules", CASES.name, cwd=workdir)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_rules_pass_promtool_check(spec: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = run_promtool("check", "rules", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert set(alert_rules(spec)) == ALERTS
+
+
+def test_each_alert_fires_when_it_should_and_not_otherwise(
+    spec: dict[str, Any], tmp_path: Path
+) -> None:
+    code, output = promtool_test(spec, tmp_path)
+    assert code == 0, output
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
+    cases = yaml.safe_load(CASES.read_text())
+    evals = [e for t in cases["tests"] for e in t["alert_rule_test"]]
+    firing = {e["alertname"] for e in evals if e["exp_alerts"]}
+    quiet = {e["alertname"] for e in evals if not e["exp_alerts"]}
+    assert firing == quiet == ALERTS
+
+
+def test_the_cases_catch_a_changed_threshold(tmp_path: Path) -> None:
+    # us-east's 20% of 5xx fires at the default 5%; at 25% the case must fail.
+    code, output = promtool_test(
+        rule_spec("--set-json", "alerts.errorRatio.threshold=0.25"), tmp_path
+    )
+    assert code != 0
+    assert "PontoHighErrorRatio" in output
+
+
+def test_every_alert_explains_itself(spec: dict[str, Any]) -> None:
+    for name, rule in alert_rules(spec).items():
+        annotations = rule["annotations"]
+        assert {"summary", "description", "runbook"} <= set(annotations), name
+        assert all(annotations[k].strip() for k in ("summary", "description", "runbook")), name
+        assert "runbook_url" not in annotations, name
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+
+
+def test_alerts_read_only_exported_metrics(spec: dict[str, Any]) -> None:
+    known = exported_names()
+    for name, rule in alert_rules(spec).items():
+        read = metric_names(rule["expr"])
+        assert read, name
+        assert read <= known, f"{name} reads {sorted(read - known)}, which nothing exports"
+
+
+def test_thresholds_durations_and_labels_are_values() -> None:
+    rules = alert_rules(
+        rule_spec(
+            "--set-json", "alerts.errorRatio.threshold=0.2",
+            "--set", "alerts.errorRatio.window=15m",
+            "--set", "alerts.regionDrained.for=12h",
+            "--set", "alerts.noLeader.severity=warning",
+            "--set", "alerts.alertLabels.team=llm",
+            "--set", "alerts.runbookUrl=https://runbooks.example/ponto",
+        )
+    )  # fmt: skip
+    errors = rules["PontoHighErrorRatio"]
+    assert ") > 0.2\n" in errors["expr"]
+    assert "[15m]" in errors["expr"] and "[5m]" not in errors["expr"]
+    assert rules["PontoRegionDrainedTooLong"]["for"] == "12h"
+    assert rules["PontoControlPlaneNoLeader"]["labels"] == {"severity": "warning", "team": "llm"}
+    assert rules["PontoOriginDown"]["annotations"]["runbook_url"] == (
+        "https://runbooks.example/ponto#pontoorigindown"
+    )
+
+
+def test_rule_carries_the_selector_labels_and_is_off_by_default() -> None:
+    docs = render("--set", "alerts.enabled=true", "--set", "alerts.labels.release=prometheus")
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert rule["metadata"]["namespace"] == "ponto"
+    assert not [d for d in render() if d["kind"] == "PrometheusRule"]
