@@ -41,7 +41,18 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy controlplane dataplane ponto tests bench scripts
 
-check: lint proto-check helm-check chart-run
+# Debian's promtool (package prometheus) checks the chart's alert rules and cases and
+# the dashboards' PromQL (tests/unit/test_alerts.py, test_dashboards.py). Installed with
+# apt when missing, which needs root; without it those tests skip, or fail under
+# CI=true. RUNLEVEL=1 keeps the package's own Prometheus server from being started.
+PROMTOOL := promtool
+.PHONY: $(PROMTOOL)
+
+$(PROMTOOL):
+	@command -v promtool >/dev/null || RUNLEVEL=1 apt-get install -y --no-install-recommends prometheus || \
+		{ apt-get update && RUNLEVEL=1 apt-get install -y --no-install-recommends prometheus; }
+
+check: lint proto-check helm-check chart-run $(PROMTOOL)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: check
@@ -84,7 +95,7 @@ chart-run: $(HELM) $(STAMP)
 kind-e2e: $(HELM) $(STAMP)
 	HELM=$(HELM) bash scripts/kind-e2e.sh
 
-unit: $(STAMP)
+unit: $(STAMP) $(PROMTOOL)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 integration: $(STAMP)

@@ -340,19 +340,31 @@ def test_hpa_only_when_enabled(default: list[Doc], three: list[Doc]) -> None:
     ) == (2, 8)
 
 
-def test_service_monitor_only_when_enabled(default: list[Doc], three: list[Doc]) -> None:
+@pytest.mark.parametrize(
+    ("monitor_name", "port", "services"),
+    [
+        ("ponto-proxy", "metrics", [f"ponto-proxy-{r}-metrics" for r in REGIONS]),
+        # The control plane's status page and /metrics (--http-listen).
+        ("ponto-control", "http", ["ponto-control"]),
+    ],
+)
+def test_service_monitors_only_when_enabled(
+    default: list[Doc], three: list[Doc], monitor_name: str, port: str, services: list[str]
+) -> None:
     assert objects(default, "ServiceMonitor") == {}
-    monitor = one(three, "ServiceMonitor", "ponto-proxy")
+    monitor = one(three, "ServiceMonitor", monitor_name)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    endpoint = monitor["spec"]["endpoints"][0]
-    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
-    selected = [
-        n
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == (port, "/metrics")
+    selected = {
+        n: s
         for n, s in objects(three, "Service").items()
         if matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
-    ]
-    assert sorted(selected) == sorted(f"ponto-proxy-{r}-metrics" for r in REGIONS)
+    }
+    assert sorted(selected) == sorted(services)
+    for name, service in selected.items():
+        assert port in [p["name"] for p in service["spec"]["ports"]], name
 
 
 def test_metrics_port_and_key_labels_are_values(helm: Path) -> None:
