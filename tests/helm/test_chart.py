@@ -161,6 +161,10 @@ def three(helm: Path) -> list[Doc]:
             "proxy.regions.0.lat",
         ),
         ({"etcd": {"replicas": 2}}, "etcd.replicas"),
+        ({"alerts": {"errorRatio": {"threshold": 5}}}, "alerts.errorRatio.threshold"),
+        ({"alerts": {"staleTable": {"for": "5 minutes"}}}, "alerts.staleTable.for"),
+        ({"alerts": {"noLeader": {"severity": "page"}}}, "alerts.noLeader.severity"),
+        ({"dashboards": {"labelValue": 1}}, "dashboards.labelValue"),
     ],
 )
 def test_schema_refuses_a_wrong_type(helm: Path, tmp_path: Path, values: Doc, where: str) -> None:
@@ -201,6 +205,8 @@ def test_schema_refuses_a_wrong_type_given_with_set(helm: Path) -> None:
             "credentialEnv",
         ),
         ({"proxy": {"resources": {"requests": {"cpu": "1"}, "limit": {}}}}, "limit"),
+        ({"alerts": {"originDown": {"after": "3m"}}}, "after"),
+        ({"dashboards": {"folder": "Ponto"}}, "folder"),
     ],
 )
 def test_schema_refuses_an_unknown_key(helm: Path, tmp_path: Path, values: Doc, key: str) -> None:
