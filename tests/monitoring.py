@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +97,10 @@ def sample_names(registry: CollectorRegistry) -> set[str]:
 def exported_names() -> set[str]:
     """The names a proxy's /metrics and the control plane's /metrics export."""
     # Imported here so that only the tests that need the planes' metrics import them.
-    from controlplane.metrics import ControlMetrics  # noqa: PLC0415
-    from dataplane.metrics import Metrics  # noqa: PLC0415
+    from controlplane import metrics as control  # noqa: PLC0415
+    from dataplane import metrics as proxy  # noqa: PLC0415
 
-    return sample_names(Metrics().registry) | sample_names(ControlMetrics().registry)
+    return sample_names(proxy.Metrics().registry) | sample_names(control.ControlMetrics().registry)
 
 
 _KEYWORDS = frozenset(
@@ -135,7 +134,3 @@ def check_exprs(exprs: dict[str, str], workdir: Path) -> str:
     path.write_text(yaml.safe_dump(rules))
     out = run_promtool("check", "rules", str(path))
     return "" if out.returncode == 0 else out.stdout + out.stderr
-
-
-def unknown(names: Iterable[str], known: set[str]) -> list[str]:
-    return sorted(set(names) - known)
