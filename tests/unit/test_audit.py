@@ -3,6 +3,7 @@ calls that record them (in-memory store, a real gRPC server on loopback)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -16,10 +17,12 @@ from controlplane import audit
 from controlplane.api.admin import AdminService
 from controlplane.api.auditing import actor_of
 from controlplane.api.guard import TokenGuard
+from controlplane.app import ControlPlane
 from controlplane.audit import PREFIX, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.cli import _rows_audit
 from controlplane.distribute import Publisher
+from controlplane.settings import parse
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -369,3 +372,32 @@ def test_table_rows_show_iso_utc_times_and_refusals() -> None:
         "ipv4:127.0.0.1:5",
         "INVALID_ARGUMENT: line one line two",
     ]
+
+
+# ---------------------------------------------------------------- the replica
+
+
+async def test_the_leader_trims_the_trail_to_its_bound(store: MemoryStore) -> None:
+    writer = AuditLog(store, replica="elsewhere")
+    for i in range(5):
+        await writer.record(actor="a", action="DrainRegion", target=f"region/r{i}", source="s")
+    settings = parse(["--listen", "127.0.0.1:0", "--id", "r1", "--audit-max-entries", "2"])
+    plane = ControlPlane(settings, store)
+    await plane.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while await store.count(PREFIX) > 2:
+            assert asyncio.get_running_loop().time() < deadline, "the trail was never trimmed"
+            await asyncio.sleep(0.02)
+    finally:
+        await plane.stop(grace=0)
+    assert [e.target for e in await writer.read()] == ["region/r4", "region/r3"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--audit-retention-days", "0"), ("--audit-max-entries", "0")]
+)
+def test_bounds_must_be_positive(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse([flag, value])
+    assert flag in capsys.readouterr().err
