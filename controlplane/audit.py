@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Final
 
 import orjson
@@ -80,6 +80,9 @@ class AuditEntry:
     replica: str = ""
 
 
+_FIELDS = frozenset(f.name for f in fields(AuditEntry))
+
+
 def _clip(text: str, most: int) -> str:
     return text if len(text) <= most else text[: most - 1] + "…"
 
@@ -92,8 +95,10 @@ def _decode(value: bytes) -> AuditEntry:
     raw = orjson.loads(value)
     if not isinstance(raw, dict):
         raise TypeError("an audit entry is not a JSON object")
-    detail = raw.pop("detail", {})
-    return AuditEntry(**raw, detail={str(k): str(v) for k, v in dict(detail).items()})
+    detail = {str(k): str(v) for k, v in dict(raw.pop("detail", {})).items()}
+    # Fields a later version adds are left out rather than making the entry unreadable.
+    known = {k: v for k, v in raw.items() if k in _FIELDS}
+    return AuditEntry(**known, detail=detail)
 
 
 class AuditLog:
@@ -165,11 +170,11 @@ class AuditLog:
         or actor it reads every entry since `since` in pages.
         """
         try:
-            return await self._list(limit, action, actor, since)
+            return await self._read(limit, action, actor, since)
         except StoreUnavailable as exc:
             raise Unavailable(f"state store unavailable: {exc}") from exc
 
-    async def _list(self, limit: int, action: str, actor: str, since: float) -> list[AuditEntry]:
+    async def _read(self, limit: int, action: str, actor: str, since: float) -> list[AuditEntry]:
         limit = max(1, min(limit, MAX_LIMIT))
         start = _time_key(since) if since > 0 else PREFIX
         if not action and not actor:

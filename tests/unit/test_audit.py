@@ -138,13 +138,16 @@ async def test_filters_read_every_page(
     assert [e.target for e in both] == ["key/8", "key/4"]
 
 
-async def test_long_values_are_cut_and_undecodable_entries_skipped(
+async def test_long_values_are_cut_unknown_fields_ignored_undecodable_entries_skipped(
     log: AuditLog, store: MemoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     many = {f"k{i:02d}": "v" * 1000 for i in range(40)}
     await log.record(actor="a" * 999, action="A", target="t", detail=many, source="s")
     await store.put(PREFIX + "0000000000000001-bad", b"not json")
-    (entry,) = await log.read()
+    later = {"time": 2.0, "actor": "b", "action": "B", "target": "t", "source": "s", "new": 1}
+    await store.put(PREFIX + "0000000000000002-new", orjson.dumps(later))
+    entry, newer_version = await log.read()
+    assert (newer_version.actor, newer_version.result) == ("b", "ok")
     assert len(entry.actor) == audit.MAX_FIELD and entry.actor.endswith("…")
     assert len(entry.detail) == audit.MAX_DETAIL_KEYS
     assert all(len(v) == audit.MAX_FIELD for v in entry.detail.values())
