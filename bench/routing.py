@@ -35,10 +35,11 @@ from dataplane.placement.picker import AFFINITY, LEAST_LOADED, WEIGHTED, Picker
 from dataplane.routes import Target, build_routes, origin_seed
 from dataplane.upstream.outlier import OutlierDetector
 from ponto.fleet import Fleet, RegionDef
+from ponto.geodb import write_city_db
 from ponto.routetable import content_etag
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
-from tests.geodb import DOC_RANGES, write_city_db
+from tests.geodb import DOC_RANGES
 
 WORLD = [
     ("us-east", 38.9, -77.4), ("us-west", 45.8, -119.7), ("sa-east", -23.5, -46.6),

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from controlplane.api.admin import AdminService
 from controlplane.api.guard import TokenGuard
 from controlplane.api.routing import RoutingService
+from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
@@ -38,6 +39,12 @@ class ControlPlane:
         self.settings = settings
         self.store = store
         self.catalog = Catalog(store)
+        self.audit = AuditLog(
+            store,
+            replica=settings.replica_id,
+            retention_days=settings.audit_retention_days,
+            max_entries=settings.audit_max_entries,
+        )
         self.publisher = Publisher(settings.replica_id)
         self.builder = TableBuilder(
             self.catalog,
@@ -104,7 +111,13 @@ class ControlPlane:
     async def start(self) -> None:
         self.server.add_generic_rpc_handlers((self.routing.handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.catalog, self.publisher), self.server
+            AdminService(
+                self.catalog,
+                self.publisher,
+                self.audit,
+                token_required=bool(self.settings.security.admin_token),
+            ),
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self.status.publish()  # not ready until a table is built (readiness.py)
@@ -161,7 +174,9 @@ class ControlPlane:
 
     async def _lead(self) -> None:
         """The loops only the leader runs."""
-        await asyncio.gather(self.prober.run(), self.rebalancer.run(), self.scraper.run())
+        await asyncio.gather(
+            self.prober.run(), self.rebalancer.run(), self.scraper.run(), self.audit.run_trim()
+        )
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -10,6 +10,7 @@ Layout in the store (one JSON object per key):
   /ponto/proxies/NAME           ProxyRecord  under a replica's lease; not compiled
   /ponto/replicas/ID            control-plane replicas, under their own leases
   /ponto/acks/ID                a replica's proxies' ACKed versions, one key per replica
+  /ponto/audit/TIME-ID          admin actions (controlplane/audit.py)
 
 Everything under STATE_PREFIX is read in one range read, so a route table is
 compiled from one consistent revision. Read-modify-write operations (drain) use

@@ -161,6 +161,17 @@ def _count(high: int) -> Callable[[str], int]:
     return parse
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """An argparse type: a positive duration such as 90s, 30m, 2h or 7d, in seconds."""
+    number, unit = text[:-1], text[-1:]
+    if unit not in _UNITS or not (number.isascii() and number.isdigit()) or int(number) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 90s, 30m, 2h or 7d")
+    return int(number) * _UNITS[unit]
+
+
 def _limits_args(p: argparse.ArgumentParser) -> None:
     rate = _count(MAX_RATE)
     p.add_argument("--rpm", type=rate, default=0, help="requests per minute (0: no limit)")
@@ -402,9 +413,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     get.add_argument(
         "kind",
-        choices=["regions", "origins", "tenants", "keys", "proxies", "controlplanes", "table"],
-    )
+        choices=[
+            "regions", "origins", "tenants", "keys", "proxies", "controlplanes", "table", "audit",
+        ],
+    )  # fmt: skip
     get.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    audit = get.add_argument_group("audit", "filters of `get audit` (the newest entries first)")
+    audit.add_argument(
+        "--limit", type=_count(1000), default=None, help="most entries shown (default 100)"
+    )
+    audit.add_argument(
+        "--since", type=_duration, default=None, metavar="DURATION", help="e.g. 90s, 30m, 2h, 7d"
+    )
+    audit.add_argument("--action", default="", help="only this call, e.g. DrainRegion")
+    audit.add_argument("--actor", default="", help="only this actor, e.g. admin-token")
 
     for verb in ("drain", "undrain"):
         d = sub.add_parser(verb, help=f"{verb} a region or an origin")
@@ -540,6 +562,21 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
             t.jwt.issuer if t.HasField("jwt") else "-",
         ]
         for t in resp.tenants
+    ]
+
+
+def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]]:
+    return ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT"], [
+        [
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.time)),
+            e.actor,
+            e.action,
+            e.target,
+            e.source,
+            # Refusals of Apply list one error a line: the table shows the start.
+            e.result if not e.message else f"{e.result}: {' '.join(e.message.split())[:60]}",
+        ]
+        for e in resp.entries
     ]
 
 
@@ -748,6 +785,17 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         return _dump(_export(stub), args.output)
     if args.command == "get":
         req = apb.ListRequest()
+        filters = (args.limit, args.since, args.action or None, args.actor or None)
+        if args.kind == "audit":
+            audit = apb.ListAuditRequest(
+                limit=args.limit or 0,
+                action=args.action,
+                actor=args.actor,
+                since=time.time() - args.since if args.since else 0.0,
+            )
+            return render(stub.ListAudit(audit), args.output, _rows_audit)
+        if any(f is not None for f in filters):
+            raise UsageError("--limit, --since, --action and --actor are filters of `get audit`")
         if args.kind in ("regions", "origins", "tenants") and args.output != "table":
             # The apply file's representation, so the output is valid `apply -f` input.
             return _dump({args.kind: _export(stub)[args.kind]}, args.output)

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
@@ -29,6 +30,8 @@ class Settings:
     health_listen: str = ""
     quota_interval: float = 1.0
     etcd_tls: EtcdTls | None = None  # None: plaintext to etcd
+    audit_retention_days: float = audit.RETENTION_DAYS
+    audit_max_entries: int = audit.MAX_ENTRIES
 
 
 def parse(argv: list[str]) -> Settings:
@@ -133,6 +136,18 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument(
         "--admin-token-file", default="", help="file with the token Admin API callers must present"
     )
+    p.add_argument(
+        "--audit-retention-days",
+        type=float,
+        default=audit.RETENTION_DAYS,
+        help="the leader removes audit entries older than this",
+    )
+    p.add_argument(
+        "--audit-max-entries",
+        type=int,
+        default=audit.MAX_ENTRIES,
+        help="the leader removes the oldest audit entries beyond this many",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
@@ -161,6 +176,10 @@ def parse(argv: list[str]) -> Settings:
         etcd_tls = _etcd_tls(etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)
     except CredentialError as exc:
         p.error(str(exc))
+    if not a.audit_retention_days > 0:
+        p.error("--audit-retention-days must be more than 0")
+    if a.audit_max_entries < 1:
+        p.error("--audit-max-entries must be at least 1")
     if a.quota_interval_ms < 50:
         p.error("--quota-interval-ms must be at least 50")
     try:
@@ -202,6 +221,8 @@ def parse(argv: list[str]) -> Settings:
         health_listen=a.health_listen,
         quota_interval=a.quota_interval_ms / 1000,
         etcd_tls=etcd_tls,
+        audit_retention_days=a.audit_retention_days,
+        audit_max_entries=a.audit_max_entries,
     )
 
 

@@ -18,16 +18,18 @@ import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ponto import devenv
-from ponto.fleet import DEMO_REGIONS, Fleet, start_demo_fleet
+from ponto.fleet import DEMO_REGIONS, DEMO_USERS, DemoUser, Fleet, start_demo_fleet
 from ponto.supervise import Supervisor
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -44,6 +46,56 @@ def _port_free(port: int) -> bool:
 
 def _preferred(port: int) -> int:
     return port if _port_free(port) else 0
+
+
+GEO_BODY = '{"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@dataclass(frozen=True)
+class GeoCall:
+    """A chat call through a proxy as `user`: X-Forwarded-For carries the user's
+    address, which the proxy believes from loopback and locates with the demo's
+    GeoIP database; no-cache, so that the region nearest the user answers."""
+
+    user: DemoUser
+    proxy_url: str
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Forwarded-For": self.user.address,
+            "cache-control": "no-cache",
+            "content-type": "application/json",
+        }
+
+    def curl(self) -> str:
+        """A shell line that prints the answer's x-ponto-region header."""
+        headers = " ".join(f"-H '{k}: {v}'" for k, v in self.headers().items())
+        return (
+            f"curl -s -D - -o /dev/null {headers} -d '{GEO_BODY}' "
+            f"{self.proxy_url}/chat/completions | grep -i '^x-ponto-region'"
+        )
+
+    def region(self) -> str:
+        """The x-ponto-region of the answer: from the curl line itself where curl
+        is installed, else from the same request made here."""
+        if shutil.which("curl"):
+            out = subprocess.run(
+                ["bash", "-c", f"set -o pipefail; {self.curl()}"],  # noqa: S607
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
+            return out.partition(":")[2].strip()
+        req = urllib.request.Request(  # noqa: S310 - loopback http only
+            f"{self.proxy_url}/chat/completions", data=GEO_BODY.encode(), headers=self.headers()
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback
+            return str(resp.headers["x-ponto-region"])
+
+
+def geo_calls(proxy_url: str) -> list[GeoCall]:
+    return [GeoCall(user, proxy_url) for user in DEMO_USERS]
 
 
 def banner(fleet: Fleet, *, logs_removed: bool) -> str:
@@ -71,6 +123,21 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         '      messages=[{"role": "user", "content": "hi"}])',
         "  print(r.choices[0].message.content)",
         "",
+        "Call as a user in "
+        + ", ".join(u.place for u in DEMO_USERS[:-1])
+        + f" or {DEMO_USERS[-1].place}: the demo's GeoIP database places these",
+        "documentation addresses there and the proxies believe X-Forwarded-For from",
+        "loopback, so each answer comes from the region nearest its user (x-ponto-region):",
+        *[
+            line
+            for call in geo_calls(first)
+            for line in (
+                f"  # a user in {call.user.place} ({call.user.address}), "
+                f"nearest {call.user.region}",
+                f"  {call.curl()}",
+            )
+        ],
+        "",
         "Operate the fleet (mutual TLS and an admin token, from a throwaway CA):",
         *[
             f"  export {k}={v}"
@@ -80,6 +147,7 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         "  .venv/bin/pontoctl get proxies",
         "  .venv/bin/pontoctl drain region us-east",
         "  .venv/bin/pontoctl tenant add acme && .venv/bin/pontoctl key create --tenant acme",
+        "  .venv/bin/pontoctl get audit      # who changed what, when, from where",
         "  (once a key exists, requests need 'Authorization: Bearer <key>')",
         *failover_hint(fleet, first),
         "",
@@ -238,6 +306,15 @@ def run_checks(fleet: Fleet) -> Report:
         assert text == plain, "streamed text differs from the non-streamed answer"
         return f"{chunks} SSE chunks from {headers.get('x-ponto-origin')}, text matches"
 
+    def geo() -> str:
+        calls = geo_calls(us)
+        answered = {call.user.place: call.region() for call in calls}
+        expected = {call.user.place: call.user.region for call in calls}
+        assert answered == expected, answered
+        assert len(set(answered.values())) == len(calls), answered
+        how = "the printed curl lines" if shutil.which("curl") else "their requests"
+        return f"{how}: " + ", ".join(f"{p} -> {r}" for p, r in answered.items())
+
     def bad_input() -> str:
         status, body = _post_raw(us + "/chat/completions", b"{not json", "application/json")
         assert status == 400 and "error" in body, (status, body)
@@ -332,6 +409,7 @@ def run_checks(fleet: Fleet) -> Report:
     report.check("models", models)
     report.check("chat, non-streaming", non_streaming)
     report.check("chat, streaming", streaming)
+    report.check("users in three places, three regions", geo)
     report.check("bad input", bad_input)
     report.check("overhead", lambda: overhead(fleet))
     report.check("control plane down", control_plane_down)

@@ -41,6 +41,34 @@ DEMO_REGIONS = (
 DEMO_MODELS = ("sim-small", "sim-large")
 
 
+@dataclass(frozen=True)
+class DemoUser:
+    """A client the demo's GeoIP database places in `place`, at a documentation
+    address (RFC 5737, so never anybody's real one), nearest `region`."""
+
+    place: str
+    address: str
+    network: str
+    latitude: float
+    longitude: float
+    country: str
+    city: str
+    region: str
+
+
+DEMO_USERS = (
+    DemoUser("Tokyo", "203.0.113.7", "203.0.113.0/24", 35.68, 139.69, "JP", "Tokyo",
+             "ap-southeast"),
+    DemoUser("Frankfurt", "198.51.100.7", "198.51.100.0/24", 50.11, 8.68, "DE", "Frankfurt",
+             "eu-west"),
+    DemoUser("Virginia", "192.0.2.7", "192.0.2.0/24", 39.04, -77.49, "US", "Ashburn",
+             "us-east"),
+)  # fmt: skip
+# The demo's proxies believe X-Forwarded-For from here: curl on this machine
+# then speaks for the users above.
+DEMO_TRUSTED_PROXIES = "127.0.0.0/8,::1/128"
+
+
 @dataclass
 class Fleet:
     """Owns every process it starts; stop() ends them all (also on errors)."""
@@ -285,6 +313,14 @@ class Fleet:
         self.stop()
 
 
+def write_demo_geoip(path: Path) -> Path:
+    """The demo's GeoIP City database: each of DEMO_USERS' networks at its city."""
+    from ponto.geodb import write_city_db  # noqa: PLC0415 - dev dependency, demo only
+
+    entries = {u.network: (u.latitude, u.longitude, u.country, u.city) for u in DEMO_USERS}
+    return write_city_db(path, entries)
+
+
 def start_demo_fleet(
     workdir: Path,
     *,
@@ -292,9 +328,14 @@ def start_demo_fleet(
     control_port: int = 0,
     secure: bool = True,
 ) -> Fleet:
-    """The demo topology: etcd, one control plane, an origin per region, two proxies."""
+    """The demo topology: etcd, one control plane, an origin per region, two
+    proxies that route clients by the demo's GeoIP database."""
     fleet = Fleet(workdir)
     try:
+        geo = [
+            "--geoip-db", str(write_demo_geoip(workdir / "demo-geoip.mmdb")),
+            "--trusted-proxies", DEMO_TRUSTED_PROXIES,
+        ]  # fmt: skip
         if secure:
             fleet.secure()
         fleet.start_etcd()
@@ -306,7 +347,9 @@ def start_demo_fleet(
             fleet.add_origin(origin, region.name, fleet.origin_url(origin))
         version = fleet.table_version(origins=len(DEMO_REGIONS))
         for region_name, port in zip(("us-east", "eu-west"), proxy_ports, strict=True):
-            fleet.start_proxy(f"proxy-{region_name}", region_name, listen=f"127.0.0.1:{port}")
+            fleet.start_proxy(
+                f"proxy-{region_name}", region_name, listen=f"127.0.0.1:{port}", extra=geo
+            )
         fleet.wait_proxies_at(version)
     except BaseException:
         fleet.stop()

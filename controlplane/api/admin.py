@@ -8,7 +8,10 @@ from typing import Any
 import grpc
 import orjson
 
+from controlplane.api import auditing
+from controlplane.api.auditing import audited
 from controlplane.api.errors import grpc_errors
+from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
@@ -92,12 +95,34 @@ def proxy_pb(p: ProxyRecord) -> apb.ProxyStatus:
     )
 
 
+def audit_entry_pb(e: AuditEntry) -> apb.AuditEntry:
+    return apb.AuditEntry(
+        time=e.time,
+        actor=e.actor,
+        action=e.action,
+        target=e.target,
+        source=e.source,
+        result=e.result,
+        message=e.message,
+        detail=dict(e.detail),
+        replica=e.replica,
+    )
+
+
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, catalog: Catalog, publisher: Publisher) -> None:
+    """The Admin API. Mutating calls are recorded in `audit` (controlplane/api/auditing.py);
+    token_required: the guard requires the admin token (it names the actor then)."""
+
+    def __init__(
+        self, catalog: Catalog, publisher: Publisher, audit: AuditLog, *, token_required: bool
+    ) -> None:
         self._catalog = catalog
         self._publisher = publisher
+        self.audit = audit
+        self.token_required = token_required
 
     @grpc_errors
+    @audited(auditing.put_region)
     async def PutRegion(self, request: apb.PutRegionRequest, context: Ctx) -> pb.Region:
         if not request.HasField("region"):
             raise InvalidArgument("region is required")
@@ -105,6 +130,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return region_pb(await self._catalog.put_region(region, allow_update=request.allow_update))
 
     @grpc_errors
+    @audited(auditing.named("region"))
     async def DeleteRegion(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_region(request.name)
         return apb.DeleteResponse()
@@ -115,10 +141,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return apb.ListRegionsResponse(regions=[region_pb(r) for r in regions])
 
     @grpc_errors
+    @audited(auditing.drain("region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
         return region_pb(await self._catalog.set_region_drained(request.name, request.drained))
 
     @grpc_errors
+    @audited(auditing.put_origin)
     async def PutOrigin(self, request: apb.PutOriginRequest, context: Ctx) -> pb.Origin:
         if not request.HasField("origin"):
             raise InvalidArgument("origin is required")
@@ -126,6 +154,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return origin_pb(await self._catalog.put_origin(origin, allow_update=request.allow_update))
 
     @grpc_errors
+    @audited(auditing.named("origin"))
     async def DeleteOrigin(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_origin(request.name)
         return apb.DeleteResponse()
@@ -138,10 +167,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
 
     @grpc_errors
+    @audited(auditing.drain("origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
         return origin_pb(await self._catalog.set_origin_drained(request.name, request.drained))
 
     @grpc_errors
+    @audited(auditing.put_tenant)
     async def PutTenant(self, request: apb.PutTenantRequest, context: Ctx) -> pb.Tenant:
         if not request.HasField("tenant"):
             raise InvalidArgument("tenant is required")
@@ -149,6 +180,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return tenant_pb(await self._catalog.put_tenant(tenant, allow_update=request.allow_update))
 
     @grpc_errors
+    @audited(auditing.update_tenant)
     async def UpdateTenant(self, request: apb.UpdateTenantRequest, context: Ctx) -> pb.Tenant:
         if request.clear_jwt and request.HasField("jwt"):
             raise InvalidArgument("give jwt or clear_jwt, not both")
@@ -173,6 +205,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return tenant_pb(await self._catalog.update_tenant(request.name, change))
 
     @grpc_errors
+    @audited(auditing.named("tenant"))
     async def DeleteTenant(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_tenant(request.name)
         return apb.DeleteResponse()
@@ -184,6 +217,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
 
     @grpc_errors
+    @audited(auditing.create_key)
     async def CreateKey(self, request: apb.CreateKeyRequest, context: Ctx) -> apb.CreateKeyResponse:
         record, secret = await self._catalog.create_key(
             request.tenant, description=request.description, limits=limits_of(request.limits)
@@ -198,14 +232,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return apb.ListKeysResponse(keys=[key_pb(k) for k in keys])
 
     @grpc_errors
+    @audited(auditing.revoke_key)
     async def RevokeKey(self, request: apb.KeyRequest, context: Ctx) -> apb.ApiKeyInfo:
         return key_pb(await self._catalog.revoke_key(request.id))
 
     @grpc_errors
+    @audited(auditing.set_key_limits)
     async def SetKeyLimits(self, request: apb.SetKeyLimitsRequest, context: Ctx) -> apb.ApiKeyInfo:
         return key_pb(await self._catalog.set_key_limits(request.id, limits_of(request.limits)))
 
     @grpc_errors
+    @audited(auditing.purge_cache)
     async def PurgeCache(
         self, request: apb.PurgeCacheRequest, context: Ctx
     ) -> apb.PurgeCacheResponse:
@@ -242,6 +279,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
 
     @grpc_errors
+    @audited(auditing.apply)
     async def Apply(self, request: apb.ApplyRequest, context: Ctx) -> apb.ApplyResponse:
         try:
             doc = orjson.loads(request.document or "{}")
@@ -267,3 +305,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     ) -> apb.GetRouteTableResponse:
         latest = self._publisher.latest
         return apb.GetRouteTableResponse(table=latest.table if latest else None)
+
+    @grpc_errors
+    async def ListAudit(self, request: apb.ListAuditRequest, context: Ctx) -> apb.ListAuditResponse:
+        if request.since < 0:
+            raise InvalidArgument("since must be a time (Unix seconds), or 0")
+        entries = await self.audit.read(
+            limit=request.limit or 100,
+            action=request.action,
+            actor=request.actor,
+            since=request.since,
+        )
+        return apb.ListAuditResponse(entries=[audit_entry_pb(e) for e in entries])

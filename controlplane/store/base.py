@@ -91,6 +91,21 @@ class StateStore(Protocol):
         """Keys under prefix, sorted by key, read at one revision."""
         ...
 
+    async def scan(
+        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
+    ) -> Listing:
+        """Keys in [start, end) at one revision, sorted by key, descending with
+        newest_first (for keys that sort by time), at most limit (0: all)."""
+        ...
+
+    async def count(self, prefix: str) -> int:
+        """How many keys are under prefix, without reading their values."""
+        ...
+
+    async def delete_range(self, start: str, end: str) -> int:
+        """Delete every key in [start, end) at one revision; return how many there were."""
+        ...
+
     async def put(
         self,
         key: str,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdError, SortOrder, prefix_range_end
 
 from controlplane.store.base import (
     MAX_TXN_OPS,
@@ -294,6 +294,42 @@ class EtcdStore:
             KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs
         )
         return Listing(resp.header.revision, tuple(sorted(items, key=lambda i: i.key)))
+
+    async def scan(
+        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
+    ) -> Listing:
+        # Keys come in ascending order unsorted (SortOrder.NONE), and then etcd
+        # stops at the limit before reading values; to sort descending it
+        # reads the whole range first, so callers keep such ranges bounded.
+        resp = await self._call(
+            "scan",
+            self._kv.get(
+                start,
+                range_end=end,
+                limit=limit,
+                sort_order=SortOrder.DESCEND if newest_first else SortOrder.NONE,
+                timeout=self._timeout,
+            ),
+        )
+        items = tuple(
+            KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs
+        )
+        return Listing(resp.header.revision, items)
+
+    async def count(self, prefix: str) -> int:
+        resp = await self._call(
+            "count",
+            self._kv.get(
+                prefix, range_end=prefix_range_end(prefix), count_only=True, timeout=self._timeout
+            ),
+        )
+        return int(resp.count)
+
+    async def delete_range(self, start: str, end: str) -> int:
+        resp = await self._call(
+            "delete range", self._kv.delete(start, range_end=end, timeout=self._timeout)
+        )
+        return int(resp.deleted)
 
     def _compares(
         self, key: str, if_absent: bool, if_mod_revision: int | None, fence: Fence | None = None

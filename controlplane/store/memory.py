@@ -78,6 +78,34 @@ class MemoryStore:
             items.append(self._data[key])
         return Listing(self._revision, tuple(items))
 
+    async def scan(
+        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
+    ) -> Listing:
+        self._check()
+        keys = self._keys[
+            bisect.bisect_left(self._keys, start) : bisect.bisect_left(self._keys, end)
+        ]
+        if newest_first:
+            keys.reverse()
+        if limit:
+            keys = keys[:limit]
+        return Listing(self._revision, tuple(self._data[k] for k in keys))
+
+    async def count(self, prefix: str) -> int:
+        return len((await self.list(prefix)).items)
+
+    async def delete_range(self, start: str, end: str) -> int:
+        self._check()
+        doomed = self._keys[
+            bisect.bisect_left(self._keys, start) : bisect.bisect_left(self._keys, end)
+        ]
+        if doomed:
+            self._revision += 1
+            for key in doomed:
+                self._remove(key)
+            self._notify()
+        return len(doomed)
+
     def _condition(self, key: str, if_absent: bool, if_mod_revision: int | None) -> None:
         current = self._data.get(key)
         if if_absent and current is not None:

@@ -857,3 +857,143 @@ class ExportResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExportResponse: _TypeAlias = ExportResponse  # noqa: Y015
+
+@_typing.final
+class ListAuditRequest(_message.Message):
+    """---------------------------------------------------------------- audit
+
+    Entries of the audit trail, newest first. Filters that are set must all hold.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """Most entries returned: 0 means 100; at most 1000."""
+    action: _builtins.str
+    """Only this action (an Admin call's name, e.g. "DrainRegion")."""
+    actor: _builtins.str
+    """Only this actor."""
+    since: _builtins.float
+    """Only entries at or after this time (Unix seconds; 0: all)."""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+        action: _builtins.str = ...,
+        actor: _builtins.str = ...,
+        since: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "limit", b"limit", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditRequest: _TypeAlias = ListAuditRequest  # noqa: Y015
+
+@_typing.final
+class AuditEntry(_message.Message):
+    """One admin action: who did what to what, when, from where, and how it ended.
+    Secrets (a key's secret, a token) are never part of it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DetailEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TIME_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    time: _builtins.float
+    """Unix seconds."""
+    actor: _builtins.str
+    """The client certificate's identity under mutual TLS (a SPIFFE ID, else
+    the subject's common name), else "admin-token" when the admin token was
+    required, else "anonymous".
+    """
+    action: _builtins.str
+    """The Admin call's name, e.g. "DrainRegion"."""
+    target: _builtins.str
+    """What it acted on: "region/eu-west", "tenant/acme", "key/ID", ..."""
+    source: _builtins.str
+    """The caller's address: "ipv4:10.0.0.5:51234", or "http:10.0.0.5" for the
+    status page.
+    """
+    result: _builtins.str
+    """"ok", or the gRPC status code the call was refused with."""
+    message: _builtins.str
+    """The refusal's message."""
+    replica: _builtins.str
+    """The control-plane replica that served the call."""
+    @_builtins.property
+    def detail(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The values the call set, in short form."""
+
+    def __init__(
+        self,
+        *,
+        time: _builtins.float = ...,
+        actor: _builtins.str = ...,
+        action: _builtins.str = ...,
+        target: _builtins.str = ...,
+        source: _builtins.str = ...,
+        result: _builtins.str = ...,
+        message: _builtins.str = ...,
+        detail: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        replica: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "detail", b"detail", "message", b"message", "replica", b"replica", "result", b"result", "source", b"source", "target", b"target", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditEntry: _TypeAlias = AuditEntry  # noqa: Y015
+
+@_typing.final
+class ListAuditResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___AuditEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditResponse: _TypeAlias = ListAuditResponse  # noqa: Y015

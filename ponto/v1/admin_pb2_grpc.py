@@ -145,6 +145,11 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.ExportResponse.FromString,
                 _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/ponto.v1.Admin/ListAudit',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -284,6 +289,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAudit(self, request, context):
+        """The audit trail of mutating calls, succeeded and refused alike.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -396,6 +408,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Export,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.ListRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.ExportResponse.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.ListAuditRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ListAuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -992,6 +1009,33 @@ class Admin:
             '/ponto.v1.Admin/Export',
             ponto_dot_v1_dot_admin__pb2.ListRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/ListAudit',
+            ponto_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,8 @@ class AdminStub:
     """Validate a whole document, then write all of it in one transaction."""
     Export: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ExportResponse]
     """The whole topology as an apply document."""
+    ListAudit: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAuditRequest, _admin_pb2.ListAuditResponse]
+    """The audit trail of mutating calls, succeeded and refused alike."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -87,6 +89,8 @@ class AdminAsyncStub(AdminStub):
     """Validate a whole document, then write all of it in one transaction."""
     Export: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ExportResponse]  # type: ignore[assignment]
     """The whole topology as an apply document."""
+    ListAudit: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAuditRequest, _admin_pb2.ListAuditResponse]  # type: ignore[assignment]
+    """The audit trail of mutating calls, succeeded and refused alike."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -244,5 +248,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ExportResponse, _abc.Awaitable[_admin_pb2.ExportResponse]]:
         """The whole topology as an apply document."""
+
+    @_abc_1.abstractmethod
+    def ListAudit(
+        self,
+        request: _admin_pb2.ListAuditRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListAuditResponse, _abc.Awaitable[_admin_pb2.ListAuditResponse]]:
+        """The audit trail of mutating calls, succeeded and refused alike."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -285,7 +285,8 @@ class Run:
     async def provide_outside_world(self, rel: Render) -> None:
         """What a user provides outside the chart: origins, their keys, the GeoIP volume."""
         values = yaml.safe_load(CI_VALUES.read_text())
-        from tests.geodb import DOC_RANGES, write_flat_db  # noqa: PLC0415
+        from ponto.geodb import write_flat_db  # noqa: PLC0415
+        from tests.geodb import DOC_RANGES  # noqa: PLC0415
 
         if values.get("geoip", {}).get("enabled"):
             claim = values["geoip"]["volume"]["persistentVolumeClaim"]["claimName"]

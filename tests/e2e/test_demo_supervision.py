@@ -1,8 +1,9 @@
 """A demo that survives its parts, with real processes.
 
 The first test runs `ponto-demo` as a user does (etcd, control plane, three
-origins, two proxies, in a process of its own) and reads its console: kill an
-origin, watch failover, see it come back. The second runs the demo's supervisor
+origins, two proxies, in a process of its own) and reads its console: run the
+curl lines it prints for users in three places and see three regions answer,
+kill an origin, watch failover, see it come back. The second runs the demo's supervisor
 over a small fleet: kills the members that hold state, and keeps a member from
 starting until its port is free.
 """
@@ -10,6 +11,7 @@ starting until its port is free.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import re
@@ -129,11 +131,38 @@ def read_banner(demo: Demo) -> tuple[dict[str, tuple[str, int]], Path]:
         members[name] = (address.removeprefix("http://").removesuffix("/v1"), int(pid))
 
 
+def geo_lines(demo: Demo) -> dict[str, str]:
+    """{place: curl line} of the banner's "as a user in" calls."""
+    lines: dict[str, str] = {}
+    for comment, line in itertools.pairwise(demo.seen):
+        if (user := re.match(r"^  # a user in (\w+) ", comment)) and "curl " in line:
+            lines[user[1]] = line.strip()
+    return lines
+
+
 def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays_up(
     demo: Demo, tmp_path: Path
 ) -> None:
     members, workdir = read_banner(demo)
     assert workdir.parent == tmp_path
+    # The lines printed for users in three places, run as a user pastes them.
+    lines = geo_lines(demo)
+    assert list(lines) == ["Tokyo", "Frankfurt", "Virginia"], demo.seen
+    regions = {
+        place: subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {line}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+        for place, line in lines.items()
+    }
+    assert regions == {
+        "Tokyo": "x-ponto-region: ap-southeast",
+        "Frankfurt": "x-ponto-region: eu-west",
+        "Virginia": "x-ponto-region: us-east",
+    }
     assert {"proxy-us-east", "origin-us-east", "control-1", "etcd"} <= members.keys()
     origin, origin_pid = members["origin-us-east"]
     proxy = members["proxy-us-east"][0]

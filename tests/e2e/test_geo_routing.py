@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from ponto.fleet import Fleet, RegionDef
+from ponto.geodb import write_city_db
 from ponto.v1 import admin_pb2 as apb
 from tests.e2e.load import BODY, SteadyLoad
-from tests.geodb import DOC_RANGES, write_city_db
+from tests.geodb import DOC_RANGES
 
 pytestmark = pytest.mark.e2e
 

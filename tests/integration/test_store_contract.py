@@ -543,3 +543,34 @@ async def test_commit_is_one_change_to_watchers(store: StateStore) -> None:
         assert await watcher.silent_for(SHORT)
     finally:
         await watcher.close()
+
+
+async def test_scan_is_a_bounded_range_either_way(store: StateStore) -> None:
+    for name in ("a", "b", "c", "d"):
+        await store.put(P + "t/" + name, name.encode())
+    await store.put(P + "u", b"outside")
+    end = P + "t0"  # the end of the prefix P + "t/"
+    everything = await store.scan(P + "t/", end)
+    assert [kv.value for kv in everything.items] == [b"a", b"b", b"c", b"d"]
+    assert everything.revision == (await store.list(P)).revision
+    first = await store.scan(P + "t/", end, limit=2)
+    assert [kv.value for kv in first.items] == [b"a", b"b"]
+    newest = await store.scan(P + "t/", end, limit=3, newest_first=True)
+    assert [kv.value for kv in newest.items] == [b"d", b"c", b"b"]
+    middle = await store.scan(P + "t/b", P + "t/d", newest_first=True)
+    assert [kv.value for kv in middle.items] == [b"c", b"b"]
+
+
+async def test_count_and_delete_range(store: StateStore) -> None:
+    for name in ("a", "b", "c", "d"):
+        await store.put(P + "t/" + name, b"")
+    await store.put(P + "u", b"")
+    assert await store.count(P + "t/") == 4
+    assert await store.count(P + "none/") == 0
+    before = (await store.list(P)).revision
+    assert await store.delete_range(P + "t/", P + "t/c") == 2
+    listing = await store.list(P)
+    assert [kv.key for kv in listing.items] == [P + "t/c", P + "t/d", P + "u"]
+    assert listing.revision == before + 1  # one revision for the whole range
+    assert await store.delete_range(P + "t/", P + "t/c") == 0
+    assert await store.count(P + "t/") == 2

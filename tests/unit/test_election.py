@@ -95,6 +95,20 @@ class Partitioned:
         self._check()
         return await self._inner.list(prefix)
 
+    async def scan(
+        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
+    ) -> Listing:
+        self._check()
+        return await self._inner.scan(start, end, limit=limit, newest_first=newest_first)
+
+    async def count(self, prefix: str) -> int:
+        self._check()
+        return await self._inner.count(prefix)
+
+    async def delete_range(self, start: str, end: str) -> int:
+        self._check()
+        return await self._inner.delete_range(start, end)
+
     async def put(
         self,
         key: str,

@@ -26,14 +26,8 @@ from dataplane.geo import (
     open_locator,
     parse_node,
 )
-from tests.geodb import (
-    DOC_RANGES,
-    city_record,
-    flat_record,
-    write_city_db,
-    write_db,
-    write_flat_db,
-)
+from ponto.geodb import city_record, flat_record, write_city_db, write_db, write_flat_db
+from tests.geodb import DOC_RANGES
 
 # --------------------------------------------------------------------------
 # Geolocation

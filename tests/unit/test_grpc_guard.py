@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import ponto.pki
 from controlplane.api.admin import AdminService
 from controlplane.api.guard import TokenGuard, peer_role
+from controlplane.audit import AuditLog
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.model import Tenant
@@ -198,7 +199,13 @@ async def control_server(
         bootstrap_token=bootstrap_token, admin_token=admin_token, require_roles=require_roles
     )
     server = grpc.aio.server(interceptors=[guard])
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(catalog, Publisher("cp-test")), server)
+    service = AdminService(
+        catalog,
+        Publisher("cp-test"),
+        AuditLog(catalog.store, replica="cp-test"),
+        token_required=bool(admin_token),
+    )
+    admin_pb2_grpc.add_AdminServicer_to_server(service, server)
     server.add_generic_rpc_handlers((FakeRouting().handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

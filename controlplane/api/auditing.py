@@ -1,0 +1,188 @@
+"""What each mutating Admin call writes to the audit trail (controlplane/audit.py).
+
+`audited(describe)` wraps a servicer method inside `grpc_errors`: once the call
+has ended, ok or refused by the core, it records the caller, the call's name,
+and what `describe(request, response)` says it acted on (response is None when
+the call failed). Calls refused before they reach the servicer (no admin token,
+a certificate of the wrong role) are logged by the guard, not recorded: an
+unauthenticated client must not be able to write to etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from controlplane.audit import AuditLog
+from controlplane.errors import ControlPlaneError
+from ponto import roles
+from ponto.v1 import admin_pb2 as apb
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+# (target, detail) of a call, or None: not audited (a dry run).
+Description = tuple[str, dict[str, str]] | None
+
+
+class Audited(Protocol):
+    """A servicer whose calls are audited."""
+
+    audit: AuditLog
+    token_required: bool
+
+
+def actor_of(auth_context: Mapping[str, Iterable[bytes]], *, token_required: bool) -> str:
+    """Who made a call that the guard let through.
+
+    Under mutual TLS, the client certificate's identity: a SPIFFE ID URI name
+    that is not one of Ponto's role names (an operator's own PKI names people
+    or workloads so), else the subject's common name, else the role URI. Else
+    "admin-token" when the admin token was required (so it was presented),
+    else "anonymous".
+    """
+    uris = sorted(
+        u.decode(errors="replace")
+        for key in ("peer_uri", "x509_subject_alternative_name")
+        for u in auth_context.get(key, ())
+    )
+    spiffe = [u for u in uris if u.startswith("spiffe://")]
+    own = [u for u in spiffe if not u.startswith(roles.URI_PREFIX)]
+    names = [cn.decode(errors="replace") for cn in auth_context.get("x509_common_name", ())]
+    for found in (own, names, spiffe):
+        if found:
+            return found[0]
+    return "admin-token" if token_required else "anonymous"
+
+
+def audited(
+    describe: Callable[[Any, Any], Description],
+) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
+    def wrap(fn: Callable[..., Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+        @functools.wraps(fn)
+        async def call(
+            self: Audited, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Resp:
+            result, message, response = "ok", "", None
+            try:
+                response = await fn(self, request, context)
+            except ControlPlaneError as exc:
+                result, message = exc.status.name, str(exc)
+                raise
+            except asyncio.CancelledError:
+                result, message = "CANCELLED", "the caller went away; the change may be made"
+                raise
+            except Exception:
+                result, message = "INTERNAL", "internal error"
+                raise
+            finally:
+                described = describe(request, response)
+                if described is not None:
+                    target, detail = described
+                    await self.audit.record(
+                        actor=actor_of(context.auth_context(), token_required=self.token_required),
+                        action=fn.__name__,
+                        target=target,
+                        detail=detail,
+                        source=context.peer(),
+                        result=result,
+                        message=message,
+                    )
+            return response
+
+        return call
+
+    return wrap
+
+
+def fields(message: Message, *, leave: Iterable[str] = ("name",)) -> dict[str, str]:
+    """The fields a message sets, each as compact JSON (strings bare), minus `leave`."""
+    out = {}
+    for name, value in MessageToDict(message, preserving_proto_field_name=True).items():
+        if name not in leave:
+            out[name] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return out
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+# ---------------------------------------------------------------- describers
+
+
+def put_region(req: apb.PutRegionRequest, _: object) -> Description:
+    return f"region/{req.region.name}", {
+        **fields(req.region),
+        "allow_update": _flag(req.allow_update),
+    }
+
+
+def put_origin(req: apb.PutOriginRequest, _: object) -> Description:
+    return f"origin/{req.origin.name}", {
+        **fields(req.origin),
+        "allow_update": _flag(req.allow_update),
+    }
+
+
+def put_tenant(req: apb.PutTenantRequest, _: object) -> Description:
+    return f"tenant/{req.tenant.name}", {
+        **fields(req.tenant),
+        "allow_update": _flag(req.allow_update),
+    }
+
+
+def update_tenant(req: apb.UpdateTenantRequest, _: object) -> Description:
+    return f"tenant/{req.name}", fields(req)
+
+
+def named(kind: str) -> Callable[[apb.DeleteRequest, object], Description]:
+    """The description of a call on one named object (a delete)."""
+
+    def describe(req: apb.DeleteRequest, _: object) -> Description:
+        return f"{kind}/{req.name}", {}
+
+    return describe
+
+
+def drain(kind: str) -> Callable[[apb.DrainRequest, object], Description]:
+    def describe(req: apb.DrainRequest, _: object) -> Description:
+        return f"{kind}/{req.name}", {"drained": _flag(req.drained)}
+
+    return describe
+
+
+def create_key(req: apb.CreateKeyRequest, resp: apb.CreateKeyResponse | None) -> Description:
+    # The secret is in the response only; it is never read here.
+    target = f"key/{resp.key.id}" if resp is not None else f"tenant/{req.tenant}"
+    return target, fields(req, leave=())
+
+
+def revoke_key(req: apb.KeyRequest, _: object) -> Description:
+    return f"key/{req.id}", {}
+
+
+def set_key_limits(req: apb.SetKeyLimitsRequest, _: object) -> Description:
+    return f"key/{req.id}", fields(req, leave=("id",))
+
+
+def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:
+    return f"cache/{req.tenant or '*'}", {"model": req.model or "*"}
+
+
+def apply(req: apb.ApplyRequest, resp: apb.ApplyResponse | None) -> Description:
+    if req.dry_run:
+        return None
+    detail = {"prune": _flag(req.prune)}
+    if resp is not None:
+        changed = [c for c in resp.changes if c.action != "unchanged"]
+        for action in ("created", "updated", "deleted"):
+            detail[action] = ", ".join(f"{c.kind}/{c.name}" for c in changed if c.action == action)
+        detail = {k: v for k, v in detail.items() if v}
+    return "topology", detail

@@ -1,0 +1,426 @@
+"""The audit trail: entries, reads, trimming, write failures, and the Admin
+calls that record them (in-memory store, a real gRPC server on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+
+from controlplane import audit
+from controlplane.api.admin import AdminService
+from controlplane.api.auditing import actor_of
+from controlplane.api.guard import TokenGuard
+from controlplane.app import ControlPlane
+from controlplane.audit import PREFIX, AuditLog
+from controlplane.catalog import Catalog
+from controlplane.cli import _rows_audit
+from controlplane.distribute import Publisher
+from controlplane.settings import parse
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
+from ponto.v1 import routing_pb2 as pb
+
+DAY = 86400.0
+T0 = 1_800_000_000.0  # 2027-01-15, a fixed "now"
+ADMIN = "admin-secret-token"
+
+
+class Clock:
+    """Moved by hand, and by `step` on every reading."""
+
+    def __init__(self, now: float = T0, step: float = 0.0) -> None:
+        self.now = now
+        self.step = step
+
+    def __call__(self) -> float:
+        now, self.now = self.now, self.now + self.step
+        return now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+@pytest.fixture
+def log(store: MemoryStore, clock: Clock) -> AuditLog:
+    return AuditLog(store, replica="cp-1", clock=clock, retention_days=30, max_entries=5)
+
+
+async def record(log: AuditLog, clock: Clock, n: int, action: str = "DrainRegion") -> None:
+    for i in range(n):
+        await log.record(actor="a", action=action, target=f"region/r{i}", source="ipv4:x")
+        clock.now += 1
+
+
+# ---------------------------------------------------------------- the log
+
+
+async def test_entries_read_newest_first_with_every_field(log: AuditLog, clock: Clock) -> None:
+    await log.record(
+        actor="admin-token",
+        action="DrainRegion",
+        target="region/eu",
+        detail={"drained": "true"},
+        source="ipv4:127.0.0.1:5555",
+    )
+    clock.now += 1
+    await log.record(
+        actor="anonymous",
+        action="PutTenant",
+        target="tenant/acme",
+        source="http:10.0.0.1",
+        result="INVALID_ARGUMENT",
+        message="bad",
+    )
+    newest, oldest = await log.read()
+    assert (newest.action, newest.result, newest.message) == (
+        "PutTenant",
+        "INVALID_ARGUMENT",
+        "bad",
+    )
+    assert newest.time == T0 + 1 and newest.detail == {}
+    assert oldest.time == T0 and oldest.replica == "cp-1"
+    assert (oldest.actor, oldest.target, oldest.source) == (
+        "admin-token",
+        "region/eu",
+        "ipv4:127.0.0.1:5555",
+    )
+    assert oldest.result == "ok" and oldest.detail == {"drained": "true"}
+
+
+async def test_keys_sort_by_time_across_digit_counts(log: AuditLog, clock: Clock) -> None:
+    clock.now = 9.5  # fewer digits than T0: the key is zero-padded
+    await record(log, clock, 1, "Early")
+    clock.now = T0
+    await record(log, clock, 1, "Late")
+    assert [e.action for e in await log.read()] == ["Late", "Early"]
+
+
+async def test_limit_and_since(log: AuditLog, clock: Clock) -> None:
+    await record(log, clock, 10)
+    assert [e.target for e in await log.read(limit=3)] == ["region/r9", "region/r8", "region/r7"]
+    assert [e.target for e in await log.read(since=T0 + 8)] == ["region/r9", "region/r8"]
+    assert len(await log.read(limit=0)) == 1  # at least one
+    assert len(await log.read(limit=10**6)) == 10
+
+
+async def test_filters_read_every_page(
+    log: AuditLog, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit, "PAGE", 3)
+    for i in range(10):
+        action = "RevokeKey" if i % 4 == 0 else "DrainRegion"
+        await log.record(actor=f"u{i % 2}", action=action, target=f"key/{i}", source="s")
+        clock.now += 1
+    revokes = await log.read(action="RevokeKey")
+    assert [e.target for e in revokes] == ["key/8", "key/4", "key/0"]
+    assert [e.target for e in await log.read(action="RevokeKey", limit=2)] == ["key/8", "key/4"]
+    assert [e.target for e in await log.read(actor="u1", since=T0 + 5)] == [
+        "key/9",
+        "key/7",
+        "key/5",
+    ]
+    both = await log.read(action="RevokeKey", actor="u0", since=T0 + 1)
+    assert [e.target for e in both] == ["key/8", "key/4"]
+
+
+async def test_long_values_are_cut_unknown_fields_ignored_undecodable_entries_skipped(
+    log: AuditLog, store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    many = {f"k{i:02d}": "v" * 1000 for i in range(40)}
+    await log.record(actor="a" * 999, action="A", target="t", detail=many, source="s")
+    await store.put(PREFIX + "0000000000000001-bad", b"not json")
+    later = {"time": 2.0, "actor": "b", "action": "B", "target": "t", "source": "s", "new": 1}
+    await store.put(PREFIX + "0000000000000002-new", orjson.dumps(later))
+    entry, newer_version = await log.read()
+    assert (newer_version.actor, newer_version.result) == ("b", "ok")
+    assert len(entry.actor) == audit.MAX_FIELD and entry.actor.endswith("…")
+    assert len(entry.detail) == audit.MAX_DETAIL_KEYS
+    assert all(len(v) == audit.MAX_FIELD for v in entry.detail.values())
+    assert "ignoring undecodable audit entry" in caplog.text
+
+
+async def test_a_store_failure_logs_the_entry_once_and_does_not_raise(
+    log: AuditLog, store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.available = False
+    with caplog.at_level(logging.WARNING, logger="controlplane.audit"):
+        await log.record(actor="admin-token", action="DrainRegion", target="region/eu", source="s")
+    (line,) = [r for r in caplog.records if r.name == "controlplane.audit"]
+    assert line.levelno == logging.WARNING and line.exc_info is None
+    assert "audit entry not stored" in line.getMessage()
+    assert '"target":"region/eu"' in line.getMessage()
+    store.available = True
+    assert await log.read() == []
+
+
+async def test_trim_by_age_and_by_count(log: AuditLog, store: MemoryStore, clock: Clock) -> None:
+    await record(log, clock, 3, "Old")  # T0 .. T0+2
+    clock.now = T0 + 20 * DAY
+    await record(log, clock, 2, "Mid")
+    assert await log.trim() == 0  # 5 entries, none older than 30 days
+    clock.now = T0 + 30 * DAY + 1.5  # Old r0 and r1 are now past the retention
+    assert await log.trim() == 2
+    assert [e.action for e in await log.read()] == ["Mid", "Mid", "Old"]
+    await record(log, clock, 4, "New")  # 7 entries, the bound is 5
+    assert await log.trim() == 2
+    assert [e.action for e in await log.read()] == ["New"] * 4 + ["Mid"]
+    assert await store.count(PREFIX) == 5
+
+
+async def test_trim_past_the_count_in_pages(
+    store: MemoryStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit, "PAGE", 2)
+    log = AuditLog(store, replica="r", clock=clock, max_entries=1)
+    await record(log, clock, 6)
+    assert await log.trim() == 5
+    assert [e.target for e in await log.read()] == ["region/r5"]
+
+
+# ---------------------------------------------------------------- who
+
+
+@pytest.mark.parametrize(
+    ("context", "token_required", "actor"),
+    [
+        ({}, True, "admin-token"),
+        ({}, False, "anonymous"),
+        (
+            {
+                "x509_subject_alternative_name": [b"spiffe://ponto/role/admin"],
+                "x509_common_name": [b"ponto-admin"],
+            },
+            True,
+            "ponto-admin",
+        ),
+        (
+            {
+                "peer_uri": [b"spiffe://ponto/role/admin", b"spiffe://corp/user/alice"],
+                "x509_common_name": [b"alice-laptop"],
+            },
+            True,
+            "spiffe://corp/user/alice",
+        ),
+        (
+            {"x509_subject_alternative_name": [b"spiffe://ponto/role/admin"]},
+            False,
+            "spiffe://ponto/role/admin",
+        ),
+    ],
+    ids=["token", "open", "ponto-cert", "own-spiffe-id", "role-uri-only"],
+)
+def test_actor(context: dict[str, list[bytes]], token_required: bool, actor: str) -> None:
+    assert actor_of(context, token_required=token_required) == actor
+
+
+# ---------------------------------------------------------------- the Admin calls
+
+
+@contextlib.asynccontextmanager
+async def admin_server(
+    store: MemoryStore, clock: Clock, *, admin_token: str = ADMIN
+) -> AsyncIterator[Authorized]:
+    """The Admin service behind the guard, as controlplane.app wires them, and a
+    client stub that presents the admin token."""
+    server = grpc.aio.server(interceptors=[TokenGuard(bootstrap_token="", admin_token=admin_token)])
+    service = AdminService(
+        Catalog(store, clock=clock),
+        Publisher("cp-1"),
+        AuditLog(store, replica="cp-1", clock=clock),
+        token_required=bool(admin_token),
+    )
+    admin_pb2_grpc.add_AdminServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Authorized(admin_pb2_grpc.AdminStub(channel), admin_token)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+class Authorized:
+    """An aio Admin stub whose calls carry the admin token and a timeout."""
+
+    def __init__(self, stub: admin_pb2_grpc.AdminStub, token: str) -> None:
+        self._stub = stub
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+
+    def __getattr__(self, name: str) -> Callable[[Any], Any]:
+        method = getattr(self._stub, name)
+        return lambda request: method(request, metadata=self._metadata, timeout=5)
+
+
+async def code_of(call: object) -> grpc.StatusCode:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
+    store: MemoryStore, clock: Clock
+) -> None:
+    clock.step = 0.001  # an entry per reading, in the order of the calls
+    async with admin_server(store, clock) as stub:
+        region = apb.RegionSpec(name="eu-west", latitude=53.3, longitude=-6.3)
+        await stub.PutRegion(apb.PutRegionRequest(region=region))
+        await stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=True))
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        refused = stub.UpdateTenant(
+            apb.UpdateTenantRequest(name="acme", cache=pb.CachePolicy(mode="bogus"))
+        )
+        assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", description="ci"))
+        await stub.RevokeKey(apb.KeyRequest(id=created.key.id))
+        missing = stub.DrainRegion(apb.DrainRequest(name="nowhere", drained=True))
+        assert await code_of(missing) == grpc.StatusCode.NOT_FOUND
+        doc = orjson.dumps({"tenants": [{"name": "beta"}]}).decode()
+        await stub.Apply(apb.ApplyRequest(document=doc, dry_run=True))
+        await stub.Apply(apb.ApplyRequest(document=doc))
+        await stub.ListRegions(apb.ListRequest())
+        await stub.ListKeys(apb.ListKeysRequest())
+
+        entries = list(reversed((await stub.ListAudit(apb.ListAuditRequest())).entries))
+    got = [(e.action, e.target, e.result) for e in entries]
+    assert got == [
+        ("PutRegion", "region/eu-west", "ok"),
+        ("DrainRegion", "region/eu-west", "ok"),
+        ("PutTenant", "tenant/acme", "ok"),
+        ("UpdateTenant", "tenant/acme", "INVALID_ARGUMENT"),
+        ("CreateKey", f"key/{created.key.id}", "ok"),
+        ("RevokeKey", f"key/{created.key.id}", "ok"),
+        ("DrainRegion", "region/nowhere", "NOT_FOUND"),
+        ("Apply", "topology", "ok"),
+    ]
+    for e in entries:
+        assert e.actor == "admin-token" and e.source.startswith("ipv4:127.0.0.1:")
+        assert T0 <= e.time < T0 + 1 and e.replica == "cp-1"
+        text = str(e)
+        assert created.secret not in text and ADMIN not in text
+    by_action = {(e.action, e.target): e for e in entries}
+    assert by_action["DrainRegion", "region/eu-west"].detail == {"drained": "true"}
+    assert by_action["PutRegion", "region/eu-west"].detail["latitude"] == "53.3"
+    refusal = by_action["UpdateTenant", "tenant/acme"]
+    assert refusal.detail == {"cache": '{"mode": "bogus"}'} and "bogus" in refusal.message
+    assert by_action["CreateKey", f"key/{created.key.id}"].detail["description"] == "ci"
+    assert by_action["Apply", "topology"].detail == {"prune": "false", "created": "tenant/beta"}
+
+
+async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:
+    async with admin_server(store, clock) as stub:
+        for name in ("a", "b"):
+            await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name=name)))
+            clock.now += 60
+        await stub.DeleteTenant(apb.DeleteRequest(name="a"))
+        filtered = await stub.ListAudit(apb.ListAuditRequest(action="PutTenant", limit=1))
+        assert [e.target for e in filtered.entries] == ["tenant/b"]
+        recent = await stub.ListAudit(apb.ListAuditRequest(since=T0 + 60))
+        assert [e.action for e in recent.entries] == ["DeleteTenant", "PutTenant"]
+        bad = stub.ListAudit(apb.ListAuditRequest(since=-1))
+        assert await code_of(bad) == grpc.StatusCode.INVALID_ARGUMENT
+        store.available = False
+        down = stub.ListAudit(apb.ListAuditRequest())
+        assert await code_of(down) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_without_an_admin_token_the_actor_is_anonymous(
+    store: MemoryStore, clock: Clock
+) -> None:
+    async with admin_server(store, clock, admin_token="") as stub:
+        await stub.PurgeCache(apb.PurgeCacheRequest(tenant="acme"))
+        (entry,) = (await stub.ListAudit(apb.ListAuditRequest())).entries
+    assert (entry.actor, entry.action, entry.target) == ("anonymous", "PurgeCache", "cache/acme")
+    assert dict(entry.detail) == {"model": "*"}
+
+
+def test_table_rows_show_iso_utc_times_and_refusals() -> None:
+    resp = apb.ListAuditResponse(
+        entries=[
+            apb.AuditEntry(
+                time=T0,
+                actor="admin-token",
+                action="Apply",
+                target="topology",
+                source="ipv4:127.0.0.1:5",
+                result="INVALID_ARGUMENT",
+                message="line one\nline two",
+            )
+        ]
+    )
+    header, (row,) = _rows_audit(resp)
+    assert header == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT"]
+    assert row == [
+        "2027-01-15T08:00:00Z",
+        "admin-token",
+        "Apply",
+        "topology",
+        "ipv4:127.0.0.1:5",
+        "INVALID_ARGUMENT: line one line two",
+    ]
+
+
+# ---------------------------------------------------------------- the replica
+
+
+async def test_the_leader_trims_the_trail_to_its_bound(store: MemoryStore) -> None:
+    writer = AuditLog(store, replica="elsewhere")
+    for i in range(5):
+        await writer.record(actor="a", action="DrainRegion", target=f"region/r{i}", source="s")
+    settings = parse(["--listen", "127.0.0.1:0", "--id", "r1", "--audit-max-entries", "2"])
+    plane = ControlPlane(settings, store)
+    await plane.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while await store.count(PREFIX) > 2:
+            assert asyncio.get_running_loop().time() < deadline, "the trail was never trimmed"
+            await asyncio.sleep(0.02)
+    finally:
+        await plane.stop(grace=0)
+    assert [e.target for e in await writer.read()] == ["region/r4", "region/r3"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--audit-retention-days", "0"), ("--audit-max-entries", "0")]
+)
+def test_bounds_must_be_positive(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse([flag, value])
+    assert flag in capsys.readouterr().err
+
+
+async def test_every_mutating_call_is_recorded_and_no_read(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """Each Admin method called with an empty request (most are refused):
+    a call that can change something leaves exactly one entry, a read none.
+    A method added later is covered here without a change."""
+    service = apb.DESCRIPTOR.services_by_name["Admin"]
+    reads = ("List", "Get", "Export")
+    clock.step = 0.001
+    async with admin_server(store, clock) as stub:
+        for method in service.methods:
+            request = apb.__dict__[method.input_type.name]()
+            await code_of(getattr(stub, method.name)(request))
+        entries = (await stub.ListAudit(apb.ListAuditRequest(limit=1000))).entries
+    recorded = [e.action for e in reversed(entries)]
+    writes = [m.name for m in service.methods if not m.name.startswith(reads)]
+    assert recorded == writes
+    assert {"PutRegion", "DrainOrigin", "SetKeyLimits", "PurgeCache", "Apply"} <= set(writes)
