@@ -202,7 +202,9 @@ class ControlPlane:
         await self.store.close()
 
 
-async def serve(settings: Settings) -> None:
+async def over_etcd(settings: Settings) -> ControlPlane:
+    """A replica over the etcd of `settings`, connected, not started; the watch
+    restarts the store handles itself are counted in the replica's metrics."""
     from controlplane.store.etcd import EtcdStore  # noqa: PLC0415
 
     metrics = ControlMetrics(replica=settings.replica_id)
@@ -210,7 +212,11 @@ async def serve(settings: Settings) -> None:
         settings.etcd, tls=settings.etcd_tls, watch_failed=lambda: metrics.etcd_error("watch")
     )
     await store.connect()
-    plane = ControlPlane(settings, store, metrics=metrics)
+    return ControlPlane(settings, store, metrics=metrics)
+
+
+async def serve(settings: Settings) -> None:
+    plane = await over_etcd(settings)
     await plane.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
