@@ -161,8 +161,8 @@ class EtcdStore:
     channel is rebuilt only if the addresses changed. The limit: a member that
     moves to a new address is not picked up while the others still answer.
 
-    `watch_failed` is called each time a watch fails and is restarted here
-    (its consumer never sees that), for the replica's metrics.
+    `watch_failed` is called each time a watch fails and is restarted, here
+    or inside etcd3aio (its consumer never sees that), for the replica's metrics.
     """
 
     def __init__(
@@ -414,8 +414,16 @@ class EtcdStore:
                 # 0 asks etcd for changes from now on, not for all of history.
                 start_revision=start_revision + 1 if start_revision else 0,
             )
+            created = False
             try:
                 async for resp in stream:
+                    if resp.created:
+                        # etcd3aio re-creates a watch whose stream failed
+                        # (etcd restarted, say) without raising: a second
+                        # creation on one stream is such a restart.
+                        if created:
+                            self._watch_failed()
+                        created = True
                     if resp.compact_revision:
                         # History is gone: tell the consumer to re-list now.
                         start_revision = resp.compact_revision
