@@ -110,8 +110,7 @@ class RoutingService:
             )
         name = self._registry.sessions[session_id].name
         self.streams += 1
-        clock = self._metrics.clock
-        subscribed = clock()
+        subscribed = self._metrics.clock()
         # Nonce of each table push not answered yet -> when the proxy could
         # first have had it (the later of publish and subscribe).
         unanswered: dict[str, float] = {}
