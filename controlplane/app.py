@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controlplane.api.admin import AdminService
 from controlplane.api.guard import TokenGuard
+from controlplane.api.metered import AdminCalls
 from controlplane.api.routing import RoutingService
 from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
@@ -21,11 +22,13 @@ from controlplane.distribute import Publisher
 from controlplane.election import Leadership
 from controlplane.health import Prober
 from controlplane.loadsync import LoadHub, LoadScraper
+from controlplane.metrics import ControlMetrics
 from controlplane.quotasync import QuotaHub, Rebalancer
 from controlplane.readiness import ReplicaHealth
 from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
 from controlplane.store import StateStore
+from controlplane.store.instrumented import InstrumentedStore
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
 
@@ -33,11 +36,20 @@ log = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    """All parts of one replica, wired; start() binds, stop() releases."""
+    """All parts of one replica, wired; start() binds, stop() releases.
 
-    def __init__(self, settings: Settings, store: StateStore) -> None:
+    `metrics` (a new ControlMetrics if None) is exported by whoever serves
+    HTTP; every call to `store` goes through it (InstrumentedStore).
+    """
+
+    def __init__(
+        self, settings: Settings, store: StateStore, *, metrics: ControlMetrics | None = None
+    ) -> None:
         self.settings = settings
-        self.store = store
+        self.metrics = (
+            metrics if metrics is not None else ControlMetrics(replica=settings.replica_id)
+        )
+        self.store = store = InstrumentedStore(store, self.metrics)
         self.catalog = Catalog(store)
         self.audit = AuditLog(
             store,
@@ -45,7 +57,7 @@ class ControlPlane:
             retention_days=settings.audit_retention_days,
             max_entries=settings.audit_max_entries,
         )
-        self.publisher = Publisher(settings.replica_id)
+        self.publisher = Publisher(settings.replica_id, clock=self.metrics.clock)
         self.builder = TableBuilder(
             self.catalog,
             self.publisher,
@@ -62,7 +74,9 @@ class ControlPlane:
             store, settings.replica_id, self.registry.lease, settings.quota_interval
         )
         self.loads = LoadHub(store)
-        self.routing = RoutingService(self.registry, self.publisher, self.quotas, self.loads)
+        self.routing = RoutingService(
+            self.registry, self.publisher, self.quotas, self.loads, metrics=self.metrics
+        )
         self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
         self.rebalancer = Rebalancer(
             store,
@@ -76,6 +90,7 @@ class ControlPlane:
             settings.probe,
             may_write=lambda: self.leadership.is_leader,
             fence=lambda: self.leadership.fence,
+            metrics=self.metrics,
         )
         self.scraper = LoadScraper(
             store, self.publisher, settings.probe, fence=lambda: self.leadership.fence
@@ -85,11 +100,12 @@ class ControlPlane:
         security = settings.security
         self.server = grpc.aio.server(
             interceptors=[
+                AdminCalls(self.metrics),  # first: it counts what the guard refuses
                 TokenGuard(
                     bootstrap_token=security.bootstrap_token,
                     admin_token=security.admin_token,
                     require_roles=bool(security.tls_client_ca),
-                )
+                ),
             ],
             options=[
                 ("grpc.keepalive_time_ms", 10_000),
@@ -97,6 +113,11 @@ class ControlPlane:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ],
+        )
+        self.metrics.bind(
+            table=self._latest_table,
+            acked_versions=lambda: [r.acked_version for r in self.registry.sessions.values()],
+            is_leader=lambda: self.leadership.is_leader,
         )
         # Health alone, in plaintext, for kubelet probes (--health-listen).
         self.health_server: grpc.aio.Server | None = None
@@ -107,6 +128,10 @@ class ControlPlane:
     def _current_version(self) -> int:
         latest = self.publisher.latest
         return latest.version if latest else 0
+
+    def _latest_table(self) -> routing_pb2.RouteTable | None:
+        latest = self.publisher.latest
+        return latest.table if latest else None
 
     async def start(self) -> None:
         self.server.add_generic_rpc_handlers((self.routing.handler(),))
@@ -192,12 +217,21 @@ class ControlPlane:
         await self.store.close()
 
 
-async def serve(settings: Settings) -> None:
+async def over_etcd(settings: Settings) -> ControlPlane:
+    """A replica over the etcd of `settings`, connected, not started; the watch
+    restarts the store handles itself are counted in the replica's metrics."""
     from controlplane.store.etcd import EtcdStore  # noqa: PLC0415
 
-    store = EtcdStore(settings.etcd, tls=settings.etcd_tls)
+    metrics = ControlMetrics(replica=settings.replica_id)
+    store = EtcdStore(
+        settings.etcd, tls=settings.etcd_tls, watch_failed=lambda: metrics.etcd_error("watch")
+    )
     await store.connect()
-    plane = ControlPlane(settings, store)
+    return ControlPlane(settings, store, metrics=metrics)
+
+
+async def serve(settings: Settings) -> None:
+    plane = await over_etcd(settings)
     await plane.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ponto.v1 import routing_pb2 as pb
@@ -22,6 +24,7 @@ class Snapshot:
     table: pb.RouteTable
     nonce: str
     payload: bytes  # serialised RouteUpdate(table, nonce)
+    published_at: float  # the Publisher's clock; push latency counts from it
 
     @property
     def version(self) -> int:
@@ -36,10 +39,12 @@ class Publisher:
     """Holds the latest snapshot; publish() wakes every waiting stream.
 
     Single event loop only. Publishing is O(1) in the number of streams.
+    `clock` (monotonic seconds) stamps each snapshot's published_at.
     """
 
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._replica_id = replica_id
+        self._clock = clock
         self._latest: Snapshot | None = None
         self._changed = asyncio.Event()
         self._pushes = itertools.count(1)
@@ -54,7 +59,7 @@ class Publisher:
             return None
         nonce = f"{self._replica_id}-{next(self._pushes)}"
         payload = pb.RouteUpdate(table=table, nonce=nonce).SerializeToString()
-        self._latest = Snapshot(table, nonce, payload)
+        self._latest = Snapshot(table, nonce, payload, self._clock())
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return self._latest

@@ -24,6 +24,7 @@ import aiohttp
 from controlplane.catalog import Catalog
 from controlplane.errors import Unavailable
 from controlplane.load import parse_vllm
+from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth
 from controlplane.store import Conflict, Fence
 
@@ -107,9 +108,11 @@ class Prober:
         *,
         may_write: Callable[[], bool] = lambda: True,
         fence: Callable[[], Fence | None] = lambda: None,
+        metrics: ControlMetrics | None = None,
     ) -> None:
         self._catalog = catalog
         self._settings = settings
+        self._metrics = metrics if metrics is not None else ControlMetrics()
         self._may_write = may_write
         self._fence = fence
         self._tracks: dict[str, _Track] = {}
@@ -161,6 +164,7 @@ class Prober:
             detail = f"probe timed out after {self._settings.timeout}s"
         except aiohttp.ClientError as exc:
             detail = f"probe failed: {type(exc).__name__}"
+        self._metrics.probed(origin.name, origin.region, ok=ok)
         judge(track, ok, detail, self._settings)
         new = OriginHealth(
             origin=origin.name,

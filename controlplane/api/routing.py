@@ -19,6 +19,7 @@ from controlplane.api.errors import grpc_errors
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import InvalidArgument
 from controlplane.loadsync import LoadHub
+from controlplane.metrics import ControlMetrics
 from controlplane.model import NAME_RE, check_name
 from controlplane.quotasync import QuotaHub
 from controlplane.registry import ProxyRegistry
@@ -29,6 +30,9 @@ SERVICE = "ponto.v1.Routing"
 MAX_FIELD = 256
 # A proxy reports at most this many scopes a time; the rest is ignored.
 MAX_SCOPES = 10_000
+# Table pushes of one stream awaiting an answer, kept for push latency; a
+# proxy answers each push, so more than a few means it stopped answering.
+MAX_UNANSWERED = 16
 
 
 def _identity(payload: bytes) -> bytes:
@@ -44,9 +48,11 @@ class RoutingService:
         loads: LoadHub | None = None,
         *,
         write_timeout: float = 30.0,
+        metrics: ControlMetrics | None = None,
     ) -> None:
         self._registry = registry
         self._publisher = publisher
+        self._metrics = metrics if metrics is not None else ControlMetrics()
         self._quotas = quotas
         self._loads = loads
         self._write_timeout = write_timeout
@@ -104,7 +110,11 @@ class RoutingService:
             )
         name = self._registry.sessions[session_id].name
         self.streams += 1
-        reader = asyncio.create_task(self._read_acks(session_id, name, requests))
+        subscribed = self._metrics.clock()
+        # Nonce of each table push not answered yet -> when the proxy could
+        # first have had it (the later of publish and subscribe).
+        unanswered: dict[str, float] = {}
+        reader = asyncio.create_task(self._read_acks(session_id, name, requests, unanswered))
         sent: Snapshot | None = None
         sent_quota = 0
         sent_quota_payload = b""
@@ -134,10 +144,14 @@ class RoutingService:
                 if reader in done or session_id not in self._registry.sessions:
                     break  # the proxy left, or registered again on a new stream
                 payloads = []
-                if tables in done:
+                pushed_table = tables in done
+                if pushed_table:
                     sent = tables.result()
                     tables = None
                     payloads.append(sent.payload)
+                    unanswered[sent.nonce] = max(sent.published_at, subscribed)
+                    while len(unanswered) > MAX_UNANSWERED:
+                        del unanswered[next(iter(unanswered))]
                 if quotas is not None and quotas in done:
                     sent_quota, sent_quota_payload = quotas.result()
                     quotas = None
@@ -148,6 +162,8 @@ class RoutingService:
                 for payload in payloads:
                     if not await self._write(context, name, payload):
                         return
+                if pushed_table:
+                    self._metrics.push_sent()
                 if send_loads and hub is not None:
                     # The newest now, not the one that woke the waiter: a
                     # stream held up by the writes above skips what came meanwhile.
@@ -188,8 +204,14 @@ class RoutingService:
         return True
 
     async def _read_acks(
-        self, session_id: str, name: str, requests: AsyncIterator[pb.RouteRequest]
+        self,
+        session_id: str,
+        name: str,
+        requests: AsyncIterator[pb.RouteRequest],
+        unanswered: dict[str, float],
     ) -> None:
+        """Record each ACK or NACK; answers to pushes in `unanswered` (this
+        stream's) are counted, and an ACK's latency observed."""
         async for req in requests:
             if req.is_report:
                 if self._quotas is not None:
@@ -200,4 +222,8 @@ class RoutingService:
             error = req.error_detail[:1024]
             if error:
                 log.warning("proxy NACKed push %s: %s", req.response_nonce, error)
+            since = unanswered.pop(req.response_nonce, None)
+            if since is not None:
+                latency = self._metrics.clock() - since
+                self._metrics.push_answered(acked=not error, latency=latency)
             await self._registry.acked(session_id, req.version_info, error)

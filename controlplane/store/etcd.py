@@ -17,7 +17,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -160,10 +160,18 @@ class EtcdStore:
     and again when calls fail (at most every RERESOLVE_INTERVAL seconds); the
     channel is rebuilt only if the addresses changed. The limit: a member that
     moves to a new address is not picked up while the others still answer.
+
+    `watch_failed` is called each time a watch fails and is restarted, here
+    or inside etcd3aio (its consumer never sees that), for the replica's metrics.
     """
 
     def __init__(
-        self, endpoints: Sequence[str], *, timeout: float = 3.0, tls: EtcdTls | None = None
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 3.0,
+        tls: EtcdTls | None = None,
+        watch_failed: Callable[[], None] = lambda: None,
     ) -> None:
         if tls is None and any(e.startswith("https://") for e in endpoints):
             raise ValueError(
@@ -172,6 +180,7 @@ class EtcdStore:
         self._endpoints = [e.removeprefix("http://").removeprefix("https://") for e in endpoints]
         self._timeout = timeout
         self._tls = tls
+        self._watch_failed = watch_failed
         self._names = names_to_resolve(self._endpoints)
         self._target = grpc_target(self._endpoints)
         self._client = self._new_client(self._target)
@@ -441,8 +450,16 @@ class EtcdStore:
                 # 0 asks etcd for changes from now on, not for all of history.
                 start_revision=start_revision + 1 if start_revision else 0,
             )
+            created = False
             try:
                 async for resp in stream:
+                    if resp.created:
+                        # etcd3aio re-creates a watch whose stream failed
+                        # (etcd restarted, say) without raising: a second
+                        # creation on one stream is such a restart.
+                        if created:
+                            self._watch_failed()
+                        created = True
                     if resp.compact_revision:
                         # History is gone: tell the consumer to re-list now.
                         start_revision = resp.compact_revision
@@ -454,6 +471,7 @@ class EtcdStore:
                         yield resp.header.revision
             except (EtcdError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 log.warning("etcd watch on %s failed (%s); retrying", prefix, exc)
+                self._watch_failed()
                 self._failed()
                 await asyncio.sleep(0.5)
             finally:

@@ -439,7 +439,10 @@ async def test_etcd_unreachable_raises_store_unavailable() -> None:
 
 async def test_etcd_watch_survives_restart(tmp_path: Path) -> None:
     etcd = start_etcd(tmp_path, name="restart")
-    watching = EtcdStore([etcd.endpoint], timeout=2.0)
+    watch_failures: list[None] = []
+    watching = EtcdStore(
+        [etcd.endpoint], timeout=2.0, watch_failed=lambda: watch_failures.append(None)
+    )
     await watching.connect()
     watcher: Watcher | None = None
     writer: EtcdStore | None = None
@@ -473,6 +476,7 @@ async def test_etcd_watch_survives_restart(tmp_path: Path) -> None:
         while got < rev:
             got = await watcher.next(10.0)
         assert got >= rev
+        assert watch_failures, "the restart of the watch was not reported"
     finally:
         if watcher is not None:
             await watcher.close()

@@ -1,0 +1,261 @@
+"""Prometheus metrics of one control-plane replica, in a registry it owns.
+
+Two kinds of series:
+
+- events, counted or timed where they happen (pushes and their ACKs, etcd
+  calls, probes, Admin calls), with the data plane's Counter and Histogram:
+  plain numbers updated without a lock, safe because the replica's event loop
+  is their only writer and the scrape runs on the same loop; counters export
+  no `_created` series;
+- state, read at scrape time from the parts that own it (the latest route
+  table, the proxies connected here, the election), so nothing has to keep a
+  gauge in step. Until `bind` is called these read as an empty replica.
+
+The names and labels are a contract with the chart's dashboards and alerts;
+`names()` lists them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dataplane.metrics import Counter, Histogram
+from ponto.v1 import routing_pb2 as pb
+
+# From a sub-second push on loopback to a proxy that took a minute to answer.
+PUSH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# etcd answers in about a millisecond on loopback; calls time out after 3 s.
+ETCD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+PUSH_RESULTS = ("sent", "acked", "nacked")
+
+Series = Iterable[tuple[Sequence[str], float]]
+
+
+def software_version() -> str:
+    try:
+        return version("ponto")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "dev"
+
+
+class _Reading(Collector):
+    """A gauge family whose series `read()` returns at each scrape."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        read: Callable[[], Series],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = list(labelnames)
+        self._read = read
+        registry.register(self)
+
+    def _empty(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._empty()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._empty()
+        for labels, value in self._read():
+            family.add_metric(list(labels), value)
+        yield family
+
+
+class ControlMetrics:
+    """The replica's metrics; see the module docstring.
+
+    `clock` (monotonic seconds) times etcd calls and push latency; the
+    Publisher stamps snapshots with the same clock (ControlPlane wires both).
+    """
+
+    def __init__(self, *, replica: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._table: Callable[[], pb.RouteTable | None] = lambda: None
+        self._acked: Callable[[], Iterable[int]] = tuple
+        self._leader: Callable[[], bool] = lambda: False
+        info = ((replica, software_version()), 1.0)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.pushes = Counter(
+            "ponto_control_pushes",
+            "Route tables written to proxy streams (sent), and the proxies' answers: "
+            "acked, or nacked (refused; the proxy keeps its previous table)",
+            ["result"],
+            registry=r,
+        )
+        for result in PUSH_RESULTS:
+            self.pushes.labels(result)  # exported at 0, so rate() sees the first one
+        self.push_latency = Histogram(
+            "ponto_control_push_latency_seconds",
+            "From a table version being published (or the proxy subscribing, if later) "
+            "to the proxy's ACK of it",
+            buckets=PUSH_BUCKETS,
+            registry=r,
+        )
+        self.etcd_duration = Histogram(
+            "ponto_control_etcd_request_duration_seconds",
+            "etcd calls by state-store operation (get, list, put, delete, commit, "
+            "grant_lease, refresh_lease, revoke_lease), failed ones included",
+            ["op"],
+            buckets=ETCD_BUCKETS,
+            registry=r,
+        )
+        self.etcd_errors = Counter(
+            "ponto_control_etcd_errors",
+            "etcd calls that got no answer (unreachable, timed out), by operation; "
+            "op=watch counts watches that failed and were restarted",
+            ["op"],
+            registry=r,
+        )
+        self.probes = Counter(
+            "ponto_control_probes",
+            "Health probes of origins by the leader, by result (ok, fail)",
+            ["origin", "region", "result"],
+            registry=r,
+        )
+        self.admin_calls = Counter(
+            "ponto_control_admin_calls",
+            "Admin API calls by method and gRPC status code, refused ones included",
+            ["method", "code"],
+            registry=r,
+        )
+        _Reading(
+            "ponto_control_table_version",
+            "Version of the latest route table this replica publishes (0 before the first)",
+            (),
+            lambda: [((), float(self._version()))],
+            r,
+        )
+        _Reading(
+            "ponto_control_proxies",
+            "Proxies connected to this replica whose last ACK is of the latest version "
+            "(latest) or not (behind)",
+            ("state",),
+            self._proxies,
+            r,
+        )
+        _Reading(
+            "ponto_control_leader",
+            "1 while this replica is the leader (it probes origins), else 0",
+            (),
+            lambda: [((), 1.0 if self._leader() else 0.0)],
+            r,
+        )
+        _Reading(
+            "ponto_control_origin_healthy",
+            "1 if the origin passes its health probes, as in the latest table",
+            ("origin", "region"),
+            lambda: self._origins(lambda o: o.healthy),
+            r,
+        )
+        _Reading(
+            "ponto_control_origin_drained",
+            "1 if the origin is drained, as in the latest table",
+            ("origin", "region"),
+            lambda: self._origins(lambda o: o.drained),
+            r,
+        )
+        _Reading(
+            "ponto_control_region_drained",
+            "1 if the region is drained, as in the latest table",
+            ("region",),
+            self._regions,
+            r,
+        )
+        _Reading(
+            "ponto_control_info",
+            "Always 1: the replica's id and software version",
+            ("replica", "version"),
+            lambda: [info],
+            r,
+        )
+
+    def bind(
+        self,
+        *,
+        table: Callable[[], pb.RouteTable | None],
+        acked_versions: Callable[[], Iterable[int]],
+        is_leader: Callable[[], bool],
+    ) -> None:
+        """Where scrape-time state is read: the latest published table, the
+        versions last ACKed by the proxies connected here, the election."""
+        self._table = table
+        self._acked = acked_versions
+        self._leader = is_leader
+
+    # ------------------------------------------------------------ events
+
+    def push_sent(self) -> None:
+        self.pushes.labels("sent").inc()
+
+    def push_answered(self, *, acked: bool, latency: float) -> None:
+        """A proxy answered a push; latency (seconds) is observed for ACKs only."""
+        if acked:
+            self.pushes.labels("acked").inc()
+            self.push_latency.labels().observe(latency)
+        else:
+            self.pushes.labels("nacked").inc()
+
+    def etcd_call(self, op: str, seconds: float, *, failed: bool) -> None:
+        self.etcd_duration.labels(op).observe(seconds)
+        if failed:
+            self.etcd_error(op)
+
+    def etcd_error(self, op: str) -> None:
+        self.etcd_errors.labels(op).inc()
+
+    def probed(self, origin: str, region: str, *, ok: bool) -> None:
+        self.probes.labels(origin, region, "ok" if ok else "fail").inc()
+
+    def admin_call(self, method: str, code: str) -> None:
+        self.admin_calls.labels(method, code).inc()
+
+    # ------------------------------------------------------------ scrape
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition (body, content type) for a GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _version(self) -> int:
+        table = self._table()
+        return table.version if table is not None else 0
+
+    def _proxies(self) -> Series:
+        latest = self._version()
+        acked = list(self._acked())
+        at_latest = sum(1 for v in acked if latest and v == latest)
+        return [(("latest",), float(at_latest)), (("behind",), float(len(acked) - at_latest))]
+
+    def _origins(self, flag: Callable[[pb.Origin], bool]) -> Series:
+        table = self._table()
+        if table is None:
+            return []
+        return [((o.name, o.region), 1.0 if flag(o) else 0.0) for o in table.origins]
+
+    def _regions(self) -> Series:
+        table = self._table()
+        if table is None:
+            return []
+        return [((r.name,), 1.0 if r.drained else 0.0) for r in table.regions]
+
+    def names(self) -> list[str]:
+        """Every metric family this registry exports (counters with their _total)."""
+        out = []
+        for collector in self.registry.collect():
+            suffix = "_total" if collector.type == "counter" else ""
+            out.append(collector.name + suffix)
+        return sorted(out)
