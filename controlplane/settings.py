@@ -29,6 +29,7 @@ class Settings:
     health_listen: str = ""
     quota_interval: float = 1.0
     etcd_tls: EtcdTls | None = None  # None: plaintext to etcd
+    http_listen: str = ""  # the status page and its API; "" for none
 
 
 def parse(argv: list[str]) -> Settings:
@@ -118,6 +119,12 @@ def parse(argv: list[str]) -> Settings:
         help="also serve gRPC health checking alone, in plaintext, on HOST:PORT "
         "(for kubelet grpc probes, which cannot present a client certificate)",
     )
+    p.add_argument(
+        "--http-listen",
+        default="",
+        help="serve the status page (/) and its API on HOST:PORT, in plain HTTP; changes "
+        "from the page need the admin token (default: no HTTP port)",
+    )
     p.add_argument("--tls-cert", default="", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", default="", help="server private key (PEM)")
     p.add_argument(
@@ -148,6 +155,10 @@ def parse(argv: list[str]) -> Settings:
         p.error("--load-interval-ms must be at least 50")
     if a.load_refresh_ms < a.load_interval_ms:
         p.error("--load-refresh-ms must be at least --load-interval-ms")
+    if a.http_listen:
+        host, _, port = a.http_listen.rpartition(":")
+        if not host.strip("[]") or not port.isdigit():
+            p.error(f"--http-listen {a.http_listen!r} is not HOST:PORT")
     if not a.probe_path.startswith("/"):
         p.error("--probe-path must start with /")
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
@@ -202,6 +213,7 @@ def parse(argv: list[str]) -> Settings:
         health_listen=a.health_listen,
         quota_interval=a.quota_interval_ms / 1000,
         etcd_tls=etcd_tls,
+        http_listen=a.http_listen,
     )
 
 
