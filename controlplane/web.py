@@ -194,8 +194,10 @@ class StatusWeb:
         latest_version = latest.version if latest else 0
         self._meter.retain({p.name for p in proxies})
         region_rates: dict[str, list[float]] = {}
+        region_proxies: dict[str, int] = {}
         proxy_rows = []
         for p in proxies:
+            region_proxies[p.region] = region_proxies.get(p.region, 0) + 1
             rates = self._rates(p, now)
             if rates is not None:
                 total = region_rates.setdefault(p.region, [0.0, 0.0, 0.0])
@@ -209,7 +211,10 @@ class StatusWeb:
             "latest_version": latest_version,
             "writes": self.writes,
             "now": now,
-            "regions": [_region_row(r, state, region_rates.get(r.name)) for r in state.regions],
+            "regions": [
+                _region_row(r, state, region_rates.get(r.name), region_proxies.get(r.name, 0))
+                for r in state.regions
+            ],
             "proxies": proxy_rows,
         }
 
@@ -295,7 +300,9 @@ def _origin_row(o: Origin, health: OriginHealth | None) -> dict[str, Any]:
     }
 
 
-def _region_row(r: Region, state: State, rates: list[float] | None) -> dict[str, Any]:
+def _region_row(r: Region, state: State, rates: list[float] | None, proxies: int) -> dict[str, Any]:
+    """A region as the page shows it; its rates are of the requests its own
+    proxies answered (where clients arrived), None while unknown."""
     origins = [o for o in state.origins if o.region == r.name]
     rows = [_origin_row(o, state.health.get(o.name)) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
@@ -307,6 +314,7 @@ def _region_row(r: Region, state: State, rates: list[float] | None) -> dict[str,
         "drained": r.drained,
         "load": sum(row["inflight"] for row in serving) / capacity if capacity else None,
         "origins": rows,
+        "proxies": proxies,
         "requests_per_s": rates[0] if rates else None,
         "server_errors_per_s": rates[1] if rates else None,
         "client_errors_per_s": rates[2] if rates else None,

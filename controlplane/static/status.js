@@ -78,8 +78,10 @@ function renderMarkers(regions) {
       el("svg:title", {}, `${r.name}: ${state}`),
       el("svg:circle", { cx: x, cy: y, r: 2.6 }),
       el("svg:text", { x: x + 3.6, y: y + 1.4 }, r.name),
-      el("svg:text", { class: "rate", x: x + 3.6, y: y + 5.4 },
-        `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s`));
+      r.proxies
+        ? el("svg:text", { class: "rate", x: x + 3.6, y: y + 5.4 },
+          `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s`)
+        : null);
   });
   group.replaceChildren(...markers);
 }
@@ -99,10 +101,14 @@ function renderRegions(regions) {
       el("h3", {}, el("span", { class: "name" }, r.name),
         el("span", { class: `state ${r.drained ? "drained" : ""}` }, state),
         actionButton("regions", r.name, r.drained)),
-      el("p", { class: "rates" },
-        `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s · `
-        + `${rate(r.client_errors_per_s)} 4xx/s · load ${percent(r.load)} · `
-        + `${r.latitude.toFixed(1)}, ${r.longitude.toFixed(1)}`),
+      el("p", { class: "rates", title: "requests answered by this region's proxies" },
+        r.proxies
+          ? `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s · `
+            + `${rate(r.client_errors_per_s)} 4xx/s at ${r.proxies} `
+            + `prox${r.proxies === 1 ? "y" : "ies"}`
+          : "no proxy in this region"),
+      el("p", { class: "where" },
+        `origin load ${percent(r.load)} · ${r.latitude.toFixed(1)}, ${r.longitude.toFixed(1)}`),
       el("table", {},
         el("thead", {}, el("tr", {}, el("th", {}, "origin"), el("th", {}, "health"),
           el("th", {}, "load"), el("th", {}, ""))),

@@ -140,6 +140,7 @@ async def test_status_shows_regions_origins_and_proxies(
     assert not proxies["p-us"]["latest"] and proxies["p-us"]["acked_version"] == 6
     assert proxies["p-eu"]["age_s"] == pytest.approx(100.0)  # since it connected: never heard
     assert regions["eu-west"]["requests_per_s"] is None
+    assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
 
 
 async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> None:
