@@ -108,6 +108,7 @@ class ControlPlane:
             admin_token=security.admin_token,
             admin_needs_certificate=bool(security.tls_client_ca),
             audit=audit,
+            loads=lambda: self.loads.loads,
         )
         self.web_runner: web.AppRunner | None = None
         self.http_port = 0

@@ -43,6 +43,7 @@ from controlplane.errors import (
 from controlplane.model import Origin, OriginHealth, ProxyRecord, Region, State
 from controlplane.rates import RateMeter
 from dataplane.http.refusals import refusals
+from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class StatusWeb:
         admin_token: str = "",
         admin_needs_certificate: bool = False,
         audit: Auditor | None = None,
+        loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._catalog = catalog
@@ -122,6 +124,7 @@ class StatusWeb:
         self._token = admin_token
         self._closed = admin_needs_certificate and not admin_token
         self._audit = audit
+        self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
         self._meter = RateMeter(window=STALE_AFTER)
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
@@ -192,6 +195,8 @@ class StatusWeb:
         replicas, leader = await self._catalog.list_replicas()
         latest = self._publisher.latest
         latest_version = latest.version if latest else 0
+        scraped = self._loads()
+        loads = {load.origin: load for load in scraped.loads} if scraped else {}
         self._meter.retain({p.name for p in proxies})
         region_rates: dict[str, list[float]] = {}
         region_proxies: dict[str, int] = {}
@@ -212,7 +217,9 @@ class StatusWeb:
             "writes": self.writes,
             "now": now,
             "regions": [
-                _region_row(r, state, region_rates.get(r.name), region_proxies.get(r.name, 0))
+                _region_row(
+                    r, state, loads, region_rates.get(r.name), region_proxies.get(r.name, 0)
+                )
                 for r in state.regions
             ],
             "proxies": proxy_rows,
@@ -285,7 +292,9 @@ class StatusWeb:
         return "admin-token"
 
 
-def _origin_row(o: Origin, health: OriginHealth | None) -> dict[str, Any]:
+def _origin_row(
+    o: Origin, health: OriginHealth | None, load: pb.OriginLoad | None
+) -> dict[str, Any]:
     inflight = health.inflight if health else 0.0
     return {
         "name": o.name,
@@ -297,14 +306,24 @@ def _origin_row(o: Origin, health: OriginHealth | None) -> dict[str, Any]:
         "capacity": o.capacity,
         "load": inflight / o.capacity if o.capacity else None,
         "models": list(o.models),
+        # From the vLLM gauges, when the origin exposes them; None otherwise.
+        "running": load.running if load else None,
+        "waiting": load.waiting if load else None,
+        "kv_cache_usage": load.kv_cache_usage if load and load.kv_cache_usage >= 0 else None,
     }
 
 
-def _region_row(r: Region, state: State, rates: list[float] | None, proxies: int) -> dict[str, Any]:
+def _region_row(
+    r: Region,
+    state: State,
+    loads: dict[str, pb.OriginLoad],
+    rates: list[float] | None,
+    proxies: int,
+) -> dict[str, Any]:
     """A region as the page shows it; its rates are of the requests its own
     proxies answered (where clients arrived), None while unknown."""
     origins = [o for o in state.origins if o.region == r.name]
-    rows = [_origin_row(o, state.health.get(o.name)) for o in origins]
+    rows = [_origin_row(o, state.health.get(o.name), loads.get(o.name)) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
     capacity = sum(row["capacity"] for row in serving)
     return {

@@ -86,15 +86,24 @@ function renderMarkers(regions) {
   group.replaceChildren(...markers);
 }
 
+function originLoad(o) {
+  const parts = [o.capacity
+    ? `${o.inflight.toFixed(0)} / ${o.capacity} (${percent(o.load)})`
+    : `${o.inflight.toFixed(0)} in flight`];
+  if (o.waiting) parts.push(`${o.waiting.toFixed(0)} queued`);
+  if (o.kv_cache_usage !== null && o.kv_cache_usage !== undefined) {
+    parts.push(`KV ${percent(o.kv_cache_usage)}`);
+  }
+  return parts.join(" · ");
+}
+
 function renderRegions(regions) {
   const cards = regions.map((r) => {
     const origins = r.origins.map((o) => el("tr", { "data-origin": o.name },
       el("td", {}, o.name),
       el("td", {}, el("span", { class: `state ${o.drained ? "drained" : o.healthy ? "" : "unhealthy"}` },
         o.drained ? "drained" : o.healthy ? "healthy" : "unhealthy")),
-      el("td", { title: o.detail }, o.capacity
-        ? `${o.inflight.toFixed(0)} / ${o.capacity} (${percent(o.load)})`
-        : `${o.inflight.toFixed(0)} in flight`),
+      el("td", { title: o.detail }, originLoad(o)),
       el("td", {}, actionButton("origins", o.name, o.drained))));
     const state = r.drained ? "drained" : "serving";
     return el("article", { class: `region${r.drained ? " drained" : ""}`, "data-region": r.name },

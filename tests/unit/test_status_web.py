@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
+from controlplane.settings import parse
 from controlplane.store.memory import MemoryStore
 from controlplane.web import StatusWeb
 from ponto.v1 import routing_pb2 as pb
@@ -297,3 +298,30 @@ async def test_without_an_audit_log_a_drain_still_works(plane: Plane) -> None:
     async with TestClient(TestServer(web.app())) as c:
         assert (await c.post("/api/regions/us-east/drain")).status == 200
     assert (await plane.catalog.get_region("us-east")).drained
+
+
+async def test_origins_show_the_leaders_latest_vllm_figures(plane: Plane) -> None:
+    scraped = pb.OriginLoads(
+        generation=1,
+        loads=[
+            pb.OriginLoad(origin="o-eu", running=3, waiting=2, kv_cache_usage=0.5),
+            pb.OriginLoad(origin="o-us", running=1, waiting=0, kv_cache_usage=-1),
+        ],
+    )
+    web = web_of(plane, loads=lambda: scraped)
+    regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+    (eu,) = regions["eu-west"]["origins"]
+    assert (eu["running"], eu["waiting"], eu["kv_cache_usage"]) == (3, 2, 0.5)
+    (us,) = regions["us-east"]["origins"]
+    assert (us["running"], us["kv_cache_usage"]) == (1, None)  # -1: the gauge is missing
+    regions = {r["name"]: r for r in (await web_of(plane).status(0.0))["regions"]}
+    assert regions["eu-west"]["origins"][0]["running"] is None  # nothing scraped yet
+
+
+def test_http_listen_is_off_by_default_and_checked() -> None:
+    assert parse([]).http_listen == ""
+    assert parse(["--http-listen", "0.0.0.0:8080"]).http_listen == "0.0.0.0:8080"
+    assert parse(["--http-listen", "[::1]:0"]).http_listen == "[::1]:0"
+    for bad in ("8080", "host:", ":8080", "host:http"):
+        with pytest.raises(SystemExit):
+            parse(["--http-listen", bad])
