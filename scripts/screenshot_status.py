@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         sender = threading.Thread(target=traffic, args=(system, stop), daemon=True)
         sender.start()
         try:
-            with chromium(width=1400, height=1250) as driver:
+            with chromium(width=1400, height=1100) as driver:
                 driver.get(system.page)
                 WebDriverWait(driver, 30, poll_frequency=0.2).until(rates_shown)
                 driver.save_screenshot(str(a.out / "status-page.png"))

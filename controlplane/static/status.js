@@ -76,10 +76,10 @@ function renderMarkers(regions) {
     const state = regionState(r);
     return el("svg:g", { class: `marker ${state}`, "data-region": r.name },
       el("svg:title", {}, `${r.name}: ${state}`),
-      el("svg:circle", { cx: x, cy: y, r: 2.6 }),
-      el("svg:text", { x: x + 3.6, y: y + 1.4 }, r.name),
+      el("svg:circle", { cx: x, cy: y, r: 3 }),
+      el("svg:text", { x: x + 4.2, y: y + 1.8 }, r.name),
       r.proxies
-        ? el("svg:text", { class: "rate", x: x + 3.6, y: y + 5.4 },
+        ? el("svg:text", { class: "rate", x: x + 4.2, y: y + 7 },
           `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s`)
         : null);
   });
