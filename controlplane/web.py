@@ -165,6 +165,10 @@ class StatusWeb:
                 raise
             kind, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", "bad_request"))
             refused = Refused(exc.status, kind, code, exc.reason)
+        except Exception:
+            # A bug, not the client's fault: the traceback is for us, not for it.
+            log.exception("%s %s failed", request.method, request.path[:100])
+            return error_body(500, "server_error", "internal_error", "internal error")
         refusals.refused(
             refused.status,
             refused.code,

@@ -11,6 +11,7 @@ const SVG = "http://www.w3.org/2000/svg";
 let writes = "open";
 let pending = null; // the action waiting for the token form
 let timer = null;
+let unreachable = false; // the last poll failed and said so
 
 function el(tag, attrs, ...children) {
   const node = tag.startsWith("svg:")
@@ -165,8 +166,11 @@ async function poll() {
     const response = await fetch("/api/status", { cache: "no-store" });
     if (!response.ok) throw new Error(`status ${response.status}`);
     render(await response.json());
+    if (unreachable) say("", true);
+    unreachable = false;
   } catch (error) {
     say(`Cannot read the status: ${error.message}`, false);
+    unreachable = true;
   } finally {
     timer = setTimeout(poll, POLL_MS);
   }

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
+from controlplane.errors import Unavailable
 from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store.memory import MemoryStore
@@ -325,3 +326,35 @@ def test_http_listen_is_off_by_default_and_checked() -> None:
     for bad in ("8080", "host:", ":8080", "host:http"):
         with pytest.raises(SystemExit):
             parse(["--http-listen", bad])
+
+
+async def test_a_store_outage_is_a_503_and_a_bug_a_500_both_in_json(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def away() -> None:
+        raise Unavailable("state store unavailable: etcd is away")
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(plane.catalog, "snapshot", away)
+    caplog.set_level(logging.WARNING)
+    resp = await client.get("/api/status")
+    assert resp.status == 503
+    assert_error(await resp.json(), "unavailable")
+    monkeypatch.setattr(plane.catalog, "snapshot", broken)
+    plane.clock.now += 1  # past the cached answer
+    resp = await client.get("/api/status")
+    assert resp.status == 500
+    body = await resp.json()
+    assert_error(body, "internal_error")
+    assert "a bug" not in str(body)
+    # The outage a WARNING line, the bug an ERROR with its traceback.
+    logged = [(r.levelno, r.exc_info is not None) for r in caplog.records]
+    assert [entry for entry in logged if entry[0] >= logging.WARNING] == [
+        (logging.WARNING, False),
+        (logging.ERROR, True),
+    ]
