@@ -7,9 +7,11 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from controlplane.app import ControlPlane
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
@@ -358,3 +360,35 @@ async def test_a_store_outage_is_a_503_and_a_bug_a_500_both_in_json(
         (logging.WARNING, False),
         (logging.ERROR, True),
     ]
+
+
+async def test_the_port_lives_and_dies_with_the_control_plane() -> None:
+    settings = parse(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--id", "r1"])
+    store = MemoryStore()
+    await Catalog(store).put_region(Region("eu-west", 53.3, -6.3), allow_update=False)
+    audit = Recorder()
+    plane = ControlPlane(settings, store, audit=audit)
+    await plane.start()
+    url = f"http://127.0.0.1:{plane.http_port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/api/status") as resp:
+                status = await resp.json()
+            assert status["replica"] == "r1" and status["writes"] == "open"
+            async with session.post(url + "/api/regions/eu-west/drain") as resp:
+                assert resp.status == 200
+        assert audit.calls[0]["target"] == "region/eu-west"
+    finally:
+        await plane.stop(grace=0)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await session.get(url + "/api/status")
+
+
+async def test_without_http_listen_there_is_no_port() -> None:
+    plane = ControlPlane(parse(["--listen", "127.0.0.1:0", "--id", "r1"]), MemoryStore())
+    await plane.start()
+    try:
+        assert plane.http_port == 0 and plane.web_runner is None
+    finally:
+        await plane.stop(grace=0)
