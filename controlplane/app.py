@@ -8,6 +8,7 @@ import logging
 import signal
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -29,6 +30,7 @@ from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
 from controlplane.store import StateStore
 from controlplane.store.instrumented import InstrumentedStore
+from controlplane.web import StatusWeb
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
 
@@ -38,8 +40,8 @@ log = logging.getLogger(__name__)
 class ControlPlane:
     """All parts of one replica, wired; start() binds, stop() releases.
 
-    `metrics` (a new ControlMetrics if None) is exported by whoever serves
-    HTTP; every call to `store` goes through it (InstrumentedStore).
+    `metrics` (a new ControlMetrics if None) is served at /metrics of
+    --http-listen; every call to `store` goes through it (InstrumentedStore).
     """
 
     def __init__(
@@ -124,6 +126,19 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
         self.health_port = 0
+        # The status page, its API and /metrics (--http-listen); drains from it are audited.
+        self.web = StatusWeb(
+            self.catalog,
+            self.publisher,
+            settings.replica_id,
+            admin_token=security.admin_token,
+            admin_needs_certificate=bool(security.tls_client_ca),
+            audit=self.audit,
+            metrics=self.metrics,
+            loads=lambda: self.loads.loads,
+        )
+        self.web_runner: web.AppRunner | None = None
+        self.http_port = 0
 
     def _current_version(self) -> int:
         latest = self.publisher.latest
@@ -170,6 +185,8 @@ class ControlPlane:
             if not self.health_port:
                 raise OSError(f"cannot listen on {self.settings.health_listen}")
             await self.health_server.start()
+        if self.settings.http_listen:
+            await self._serve_http(self.settings.http_listen)
         self._tasks = [
             asyncio.create_task(self.builder.run(), name="table-builder"),
             asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
@@ -197,6 +214,24 @@ class ControlPlane:
         if self.settings.ready_file:
             write_atomic(self.settings.ready_file, f"{host}:{self.port}".encode())
 
+    async def _serve_http(self, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        self.web_runner = web.AppRunner(self.web.app(), access_log=None)
+        await self.web_runner.setup()
+        site = web.TCPSite(self.web_runner, host.strip("[]"), int(port))
+        await site.start()
+        self.http_port = self.web_runner.addresses[0][1]
+        log.info(
+            "status page on http://%s:%d/ (changes %s)",
+            host,
+            self.http_port,
+            {
+                "token": "need the admin token",
+                "open": "are not authenticated",
+                "closed": "are refused: mutual TLS without an admin token",
+            }[self.web.writes],
+        )
+
     async def _lead(self) -> None:
         """The loops only the leader runs."""
         await asyncio.gather(
@@ -213,6 +248,8 @@ class ControlPlane:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.web_runner is not None:
+            await self.web_runner.cleanup()
         await self.registry.close()
         await self.store.close()
 

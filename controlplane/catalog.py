@@ -500,10 +500,17 @@ class Catalog:
         return [kv.key[len(PROXIES) :] for kv in listing.items]
 
     async def put_acks(
-        self, replica: str, acks: dict[str, tuple[int, str]], lease: int, *, version: int = 0
+        self,
+        replica: str,
+        acks: dict[str, tuple[int, str]],
+        lease: int,
+        *,
+        version: int = 0,
+        traffic: dict[str, Traffic] | None = None,
     ) -> None:
-        """Write a replica's ACK summary with the version it serves now."""
-        payload = {"replica_version": version, "acks": acks}
+        """Write a replica's ACK summary with the version it serves now and
+        its proxies' last traffic reports."""
+        payload = {"replica_version": version, "acks": acks, "traffic": traffic or {}}
         await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
 
     async def list_proxies(self) -> list[ProxyRecord]:
@@ -515,16 +522,21 @@ class Catalog:
         written yet.
         """
         by_replica: dict[str, tuple[int, dict[str, tuple[int, str]]]] = {}
+        traffic: dict[str, dict[str, Traffic]] = {}
         for kv in (await _guard(self.store.list(ACKS))).items:
+            replica = kv.key[len(ACKS) :]
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 raw = orjson.loads(kv.value)
                 if isinstance(raw, dict) and isinstance(raw.get("acks"), dict):
                     version, entries = int(raw.get("replica_version", 0)), raw["acks"]
+                    traffic[replica] = _traffic_of(raw.get("traffic"))
                 else:  # the summary of a replica from before replica_version
                     version, entries = 0, raw
                 acks = {str(n): (int(v), str(e)) for n, (v, e) in entries.items()}
-                by_replica[kv.key[len(ACKS) :]] = (version, acks)
-        return [_with_acks(p, by_replica) for p in await self._proxy_records()]
+                by_replica[replica] = (version, acks)
+        return [
+            _with_traffic(_with_acks(p, by_replica), traffic) for p in await self._proxy_records()
+        ]
 
     async def _proxy_records(self) -> list[ProxyRecord]:
         listing = await _guard(self.store.list(PROXIES))
@@ -549,6 +561,31 @@ def _with_acks(
             acked, error = acks[p.name]
             p = replace(p, acked_version=acked, last_error=error)
     return replace(p, replica_version=own[0]) if own is not None else p
+
+
+# A proxy's last report as its replica keeps it: requests, 5xx, 4xx, heard at.
+Traffic = tuple[int, int, int, float]
+
+
+def _traffic_of(raw: object) -> dict[str, Traffic]:
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, Traffic] = {}
+    for name, entry in raw.items():
+        with contextlib.suppress(ValueError, TypeError):
+            requests, server, client, heard = entry
+            out[str(name)] = (int(requests), int(server), int(client), float(heard))
+    return out
+
+
+def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> ProxyRecord:
+    """The traffic its own replica reported: another replica's entry is a
+    previous session's, which a restart may have left behind."""
+    entry = traffic.get(p.control_plane_id, {}).get(p.name)
+    if entry is None:
+        return p
+    requests, server, client, heard = entry
+    return replace(p, requests=requests, server_errors=server, client_errors=client, heard_at=heard)
 
 
 KEY_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")

@@ -167,6 +167,12 @@ class ProxyRecord:
     last_error: str = ""
     # The latest version of its replica (from that replica's ACK summary).
     replica_version: int = 0
+    # Cumulative counters of its last report (requests answered, 5xx, 4xx) and
+    # when its replica last heard from it (Unix time; 0: not yet).
+    requests: int = 0
+    server_errors: int = 0
+    client_errors: int = 0
+    heard_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

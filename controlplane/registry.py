@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import orjson
 
-from controlplane.catalog import REPLICAS, Catalog
+from controlplane.catalog import REPLICAS, Catalog, Traffic
 from controlplane.errors import Unavailable
 from controlplane.model import ProxyRecord
 from controlplane.store import LeaseExpired, StoreUnavailable
@@ -35,6 +35,8 @@ class ProxyRegistry:
         *,
         lease_ttl: int = 10,
         current_version: Callable[[], int] = lambda: 0,
+        traffic_every: float = 1.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._catalog = catalog
         # The version this replica serves now, written with its ACK summary.
@@ -50,6 +52,13 @@ class ProxyRegistry:
         # most every ack_flush seconds: a push to N proxies costs one etcd
         # write, not N.
         self._acks_dirty = False
+        # Traffic reports come about once a second from every proxy; they are
+        # written with the ACK summary, at most every traffic_every seconds.
+        self._traffic: dict[str, Traffic] = {}
+        self._traffic_dirty = False
+        self._traffic_every = traffic_every
+        self._traffic_written = 0.0
+        self._clock = clock
         self._fleet: tuple[float, int] = (0.0, 0)
 
     async def _ensure_lease(self) -> int:
@@ -127,6 +136,22 @@ class ProxyRegistry:
         self.sessions[session_id] = record
         self._acks_dirty = True
 
+    def reported(
+        self, session_id: str, requests: int, server_errors: int, client_errors: int
+    ) -> None:
+        """Record a proxy's cumulative traffic counters; written with a later flush."""
+        record = self.sessions.get(session_id)
+        if record is None:
+            return
+        self._traffic[record.name] = (requests, server_errors, client_errors, self._clock())
+        self._traffic_dirty = True
+
+    def traffic(self) -> dict[str, Traffic]:
+        """This replica's proxies: name -> (requests, 5xx, 4xx, heard at)."""
+        return {
+            r.name: self._traffic[r.name] for r in self.sessions.values() if r.name in self._traffic
+        }
+
     def acks(self) -> dict[str, tuple[int, str]]:
         """This replica's proxies: name -> (acked version, last error)."""
         return {r.name: (r.acked_version, r.last_error) for r in self.sessions.values()}
@@ -135,18 +160,24 @@ class ProxyRegistry:
         """Write this replica's ACK summary when it changed, until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            if not self._acks_dirty:
+            now = time.monotonic()
+            traffic_due = self._traffic_dirty and now - self._traffic_written >= self._traffic_every
+            if not self._acks_dirty and not traffic_due:
                 continue
             self._acks_dirty = False
+            self._traffic_dirty = False
+            self._traffic_written = now
             try:
                 await self._catalog.put_acks(
                     self.replica_id,
                     self.acks(),
                     await self._ensure_lease(),
                     version=self._current_version(),
+                    traffic=self.traffic(),
                 )
             except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
                 self._acks_dirty = True
+                self._traffic_dirty = True
                 log.debug("ACK summary not written: %s", exc)
 
     async def unregister(self, session_id: str) -> None:
@@ -155,6 +186,7 @@ class ProxyRegistry:
             return
         if self._by_name.get(record.name) == session_id:
             del self._by_name[record.name]
+            self._traffic.pop(record.name, None)
         self._acks_dirty = True
         try:
             await self._catalog.remove_proxy(record.name, session_id)

@@ -32,6 +32,7 @@ class Settings:
     etcd_tls: EtcdTls | None = None  # None: plaintext to etcd
     audit_retention_days: float = audit.RETENTION_DAYS
     audit_max_entries: int = audit.MAX_ENTRIES
+    http_listen: str = ""  # the status page and its API; "" for none
 
 
 def parse(argv: list[str]) -> Settings:
@@ -121,6 +122,12 @@ def parse(argv: list[str]) -> Settings:
         help="also serve gRPC health checking alone, in plaintext, on HOST:PORT "
         "(for kubelet grpc probes, which cannot present a client certificate)",
     )
+    p.add_argument(
+        "--http-listen",
+        default="",
+        help="serve the status page (/) and its API on HOST:PORT, in plain HTTP; changes "
+        "from the page need the admin token (default: no HTTP port)",
+    )
     p.add_argument("--tls-cert", default="", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", default="", help="server private key (PEM)")
     p.add_argument(
@@ -163,6 +170,10 @@ def parse(argv: list[str]) -> Settings:
         p.error("--load-interval-ms must be at least 50")
     if a.load_refresh_ms < a.load_interval_ms:
         p.error("--load-refresh-ms must be at least --load-interval-ms")
+    if a.http_listen:
+        host, _, port = a.http_listen.rpartition(":")
+        if not host.strip("[]") or not port.isdigit():
+            p.error(f"--http-listen {a.http_listen!r} is not HOST:PORT")
     if not a.probe_path.startswith("/"):
         p.error("--probe-path must start with /")
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
@@ -223,6 +234,7 @@ def parse(argv: list[str]) -> Settings:
         etcd_tls=etcd_tls,
         audit_retention_days=a.audit_retention_days,
         audit_max_entries=a.audit_max_entries,
+        http_listen=a.http_listen,
     )
 
 

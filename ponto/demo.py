@@ -105,6 +105,7 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         *[(f"proxy  {n}", f"http://{m.address}/v1", m.pid) for n, m in fleet.proxies.items()],
         *[(f"origin {n}", f"http://{m.address}/v1", m.pid) for n, m in fleet.origins.items()],
         (f"control plane {control_name}", f"{control.address} (gRPC)", control.pid),
+        ("  status page and /metrics", fleet.status_url + "/", control.pid),
         ("etcd", fleet.etcd.url, fleet.etcd.managed.pid),
     ]
     lines = ["", "Ponto is running.", ""]
@@ -137,6 +138,10 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
                 f"  {call.curl()}",
             )
         ],
+        "",
+        f"Watch the fleet at {fleet.status_url}/ (regions on a map, origins, proxies,",
+        "live rates; its Drain buttons ask for the admin token: "
+        + (f"cat {fleet.security.admin_token_file})." if fleet.security else "none is needed)."),
         "",
         "Operate the fleet (mutual TLS and an admin token, from a throwaway CA):",
         *[
@@ -315,6 +320,27 @@ def run_checks(fleet: Fleet) -> Report:
         how = "the printed curl lines" if shutil.which("curl") else "their requests"
         return f"{how}: " + ", ".join(f"{p} -> {r}" for p, r in answered.items())
 
+    def status_page() -> str:
+        # The geo calls above went through proxy-us-east: its region shows them
+        # once the proxy has reported twice (about a second apart).
+        page = fleet.status_url + "/"
+        with urllib.request.urlopen(page, timeout=5) as resp:  # noqa: S310 - loopback
+            assert b"<html" in resp.read().lower()
+        deadline = time.monotonic() + 15
+        rate = None
+        while time.monotonic() < deadline:
+            api = fleet.status_url + "/api/status"
+            with urllib.request.urlopen(api, timeout=5) as resp:  # noqa: S310 - loopback
+                status = json.loads(resp.read())
+            regions = {r["name"]: r for r in status["regions"]}
+            rate = regions["us-east"]["requests_per_s"]
+            if rate:
+                return (
+                    f"{fleet.status_url}/ shows {len(regions)} regions, {rate:.1f} req/s at us-east"
+                )
+            time.sleep(0.5)
+        raise AssertionError(f"no traffic on the status page for us-east: {rate}")
+
     def bad_input() -> str:
         status, body = _post_raw(us + "/chat/completions", b"{not json", "application/json")
         assert status == 400 and "error" in body, (status, body)
@@ -410,6 +436,7 @@ def run_checks(fleet: Fleet) -> Report:
     report.check("chat, non-streaming", non_streaming)
     report.check("chat, streaming", streaming)
     report.check("users in three places, three regions", geo)
+    report.check("status page shows the traffic", status_page)
     report.check("bad input", bad_input)
     report.check("overhead", lambda: overhead(fleet))
     report.check("control plane down", control_plane_down)
@@ -475,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir,
             proxy_ports=(_preferred(8080), _preferred(8081)),
             control_port=_preferred(7070),
+            status_port=_preferred(7080),
         )
         print(banner(fleet, logs_removed=args.workdir is None), flush=True)
         run_supervised(fleet)

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import grpc
 
-from ponto.devenv import DevEnvError, Etcd, Managed, python_entry, spawn, start_etcd
+from ponto.devenv import (
+    DevEnvError,
+    Etcd,
+    Managed,
+    free_port,
+    python_entry,
+    spawn,
+    start_etcd,
+)
 from ponto.grpcconn import ClientOptions, admin_channel, read_secret
 from ponto.pki import Bundle, make_bundle
 from ponto.v1 import admin_pb2 as apb
@@ -81,6 +89,7 @@ class Fleet:
     # Mutual TLS and tokens between the planes, as in production (the demo
     # and the security tests); None runs them in plaintext without tokens.
     security: Bundle | None = None
+    status_url: str = ""  # the control plane's status page, when it serves one
     _channel: grpc.Channel | None = None
     _channel_to: str = ""
 
@@ -326,11 +335,14 @@ def start_demo_fleet(
     *,
     proxy_ports: tuple[int, int] = (0, 0),
     control_port: int = 0,
+    status_port: int = 0,
     secure: bool = True,
 ) -> Fleet:
-    """The demo topology: etcd, one control plane, an origin per region, two
-    proxies that route clients by the demo's GeoIP database."""
+    """The demo topology: etcd, one control plane (its status page on
+    `status_port`, any free one if 0), an origin per region, two proxies that
+    route clients by the demo's GeoIP database."""
     fleet = Fleet(workdir)
+    fleet.status_url = f"http://127.0.0.1:{status_port or free_port()}"
     try:
         geo = [
             "--geoip-db", str(write_demo_geoip(workdir / "demo-geoip.mmdb")),
@@ -339,7 +351,10 @@ def start_demo_fleet(
         if secure:
             fleet.secure()
         fleet.start_etcd()
-        fleet.start_control(listen=f"127.0.0.1:{control_port}")
+        fleet.start_control(
+            listen=f"127.0.0.1:{control_port}",
+            extra=["--http-listen", fleet.status_url.removeprefix("http://")],
+        )
         for region in DEMO_REGIONS:
             fleet.add_region(region)
             origin = f"origin-{region.name}"

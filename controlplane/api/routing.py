@@ -216,6 +216,12 @@ class RoutingService:
             if req.is_report:
                 if self._quotas is not None:
                     self._quotas.report(name, req.demand[:MAX_SCOPES])
+                self._registry.reported(
+                    session_id,
+                    req.requests_total,
+                    req.server_errors_total,
+                    req.client_errors_total,
+                )
                 continue
             if not req.response_nonce:
                 continue

@@ -44,7 +44,7 @@ from dataplane.placement.picker import Picker
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
 from dataplane.sync.holder import TableHolder
-from dataplane.sync.link import ControlPlaneClient
+from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
 from ponto.v1 import routing_pb2 as pb
@@ -98,6 +98,7 @@ class Proxy:
             on_quota=quota.on_quota,
             on_loads=self.loads.apply,
             demand=quota.demand,
+            traffic=lambda: traffic_of(m.requests),
             report_interval=settings.report_interval,
         )
         m.bind_cache(lambda: store.stats)

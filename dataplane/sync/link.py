@@ -13,8 +13,10 @@ import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
+from prometheus_client.registry import Collector
 
 from dataplane.routes import TableError
 from dataplane.sync.holder import TableHolder
@@ -23,6 +25,33 @@ from ponto.v1 import routing_pb2 as pb
 from ponto.v1 import routing_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Requests this proxy answered since it started, and how many were errors."""
+
+    requests: int = 0
+    server_errors: int = 0  # status >= 500
+    client_errors: int = 0  # 400 <= status < 500
+
+
+def traffic_of(requests: Collector) -> Traffic:
+    """Totals of a counter of answered requests labelled with `code` (the
+    proxy's ponto_requests); read once a report, so a scan of its series is cheap."""
+    total = server = client = 0
+    for family in requests.collect():
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            count = int(sample.value)
+            total += count
+            code = sample.labels.get("code", "")
+            if code.startswith("5"):
+                server += count
+            elif code.startswith("4"):
+                client += count
+    return Traffic(total, server, client)
 
 
 class ControlPlaneClient:
@@ -42,6 +71,7 @@ class ControlPlaneClient:
         on_quota: Callable[[pb.QuotaShares], None] | None = None,
         on_loads: Callable[[pb.OriginLoads], object] | None = None,
         demand: Callable[[], list[pb.ScopeDemand]] | None = None,
+        traffic: Callable[[], Traffic] | None = None,
         report_interval: float = 1.0,
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
@@ -57,6 +87,7 @@ class ControlPlaneClient:
         self._on_quota = on_quota
         self._on_loads = on_loads
         self._demand = demand
+        self._traffic = traffic
         self._report_interval = report_interval
         self.connected = False
         self.quota_generation = 0
@@ -161,14 +192,25 @@ class ControlPlaneClient:
             self._on_loads(loads)
 
     async def _report(self, session_id: str, outbox: asyncio.Queue[pb.RouteRequest]) -> None:
-        """Send this proxy's rate-limit demand about once an interval."""
-        if self._demand is None:
+        """Send this proxy's rate-limit demand and its traffic counters about
+        once an interval."""
+        if self._demand is None and self._traffic is None:
             return
         while True:
             await asyncio.sleep(self._report_interval)
-            outbox.put_nowait(
-                pb.RouteRequest(session_id=session_id, is_report=True, demand=self._demand())
-            )
+            outbox.put_nowait(self.report(session_id))
+
+    def report(self, session_id: str) -> pb.RouteRequest:
+        """One report message: demand since the last one, cumulative traffic."""
+        message = pb.RouteRequest(session_id=session_id, is_report=True)
+        if self._demand is not None:
+            message.demand.extend(self._demand())
+        if self._traffic is not None:
+            traffic = self._traffic()
+            message.requests_total = traffic.requests
+            message.server_errors_total = traffic.server_errors
+            message.client_errors_total = traffic.client_errors
+        return message
 
     def _handle(self, session_id: str, update: pb.RouteUpdate) -> pb.RouteRequest:
         try:

@@ -871,6 +871,9 @@ class RouteRequest(_message.Message):
     ERROR_DETAIL_FIELD_NUMBER: _builtins.int
     DEMAND_FIELD_NUMBER: _builtins.int
     IS_REPORT_FIELD_NUMBER: _builtins.int
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    SERVER_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    CLIENT_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -881,6 +884,14 @@ class RouteRequest(_message.Message):
     error_detail: _builtins.str
     """Set on a NACK: why the pushed table was refused."""
     is_report: _builtins.bool
+    requests_total: _builtins.int
+    """Also on reports, cumulative since the proxy started: requests answered,
+    and of those the ones answered with a 5xx and with a 4xx status. The
+    control plane derives per-region rates from their differences; a value
+    smaller than the last one means the proxy restarted.
+    """
+    server_errors_total: _builtins.int
+    client_errors_total: _builtins.int
     @_builtins.property
     def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeDemand]:
         """Usage report, sent about once a second on its own message (with
@@ -896,10 +907,13 @@ class RouteRequest(_message.Message):
         error_detail: _builtins.str = ...,
         demand: _abc.Iterable[Global___ScopeDemand] | None = ...,
         is_report: _builtins.bool = ...,
+        requests_total: _builtins.int = ...,
+        server_errors_total: _builtins.int = ...,
+        client_errors_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "response_nonce", b"response_nonce", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -449,6 +449,21 @@ def test_control_plane_grpc_probes(helm: Path, default: list[Doc]) -> None:
         assert {"name": "health", "containerPort": 7001, "protocol": "TCP"} in c["ports"]
 
 
+def test_control_plane_serves_its_status_page_on_the_http_port(
+    helm: Path, default: list[Doc]
+) -> None:
+    c = container(one(default, "Deployment", "ponto-control"))
+    assert "--http-listen=0.0.0.0:8080" in c["args"]
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    ports = one(default, "Service", "ponto-control")["spec"]["ports"]
+    assert {"name": "http", "port": 8080, "targetPort": "http"}.items() <= next(
+        p for p in ports if p["name"] == "http"
+    ).items()
+    moved = render(helm, "--set", "controlPlane.service.httpPort=9090")
+    ports = one(moved, "Service", "ponto-control")["spec"]["ports"]
+    assert [p["port"] for p in ports if p["name"] == "http"] == [9090]
+
+
 # ---------------------------------------------------------------- etcd
 
 

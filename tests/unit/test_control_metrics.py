@@ -24,6 +24,7 @@ from controlplane.api.guard import TokenGuard
 from controlplane.api.metered import AdminCalls
 from controlplane.api.routing import RoutingService
 from controlplane.app import ControlPlane
+from controlplane.audit import AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
@@ -481,7 +482,8 @@ def test_every_admin_method_answers_once() -> None:
 @contextlib.asynccontextmanager
 async def admin_server(metrics: ControlMetrics) -> AsyncIterator[admin_pb2_grpc.AdminAsyncStub]:
     """The Admin service behind AdminCalls and the TokenGuard, as controlplane.app wires them."""
-    catalog = Catalog(MemoryStore())
+    store = MemoryStore()
+    catalog = Catalog(store)
     await catalog.put_region(Region("eu", 53.0, -6.0), allow_update=False)
     server = grpc.aio.server(
         interceptors=[
@@ -489,7 +491,10 @@ async def admin_server(metrics: ControlMetrics) -> AsyncIterator[admin_pb2_grpc.
             TokenGuard(bootstrap_token="", admin_token=ADMIN_TOKEN),
         ]
     )
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(catalog, Publisher("cp")), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        AdminService(catalog, Publisher("cp"), AuditLog(store, replica="cp"), token_required=True),
+        server,
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

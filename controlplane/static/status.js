@@ -1,0 +1,233 @@
+// Ponto status page: polls /api/status every 2 s and renders it.
+// Every name from the API is set with textContent (never innerHTML), so a
+// region called <script> is shown, not run. The admin token is kept in
+// sessionStorage and sent as a header: no cookie, so no cross-site request
+// can drain anything.
+"use strict";
+
+const POLL_MS = 2000;
+const TOKEN_KEY = "ponto-admin-token";
+const SVG = "http://www.w3.org/2000/svg";
+let writes = "open";
+let pending = null; // the action waiting for the token form
+let timer = null;
+let unreachable = false; // the last poll failed and said so
+
+function el(tag, attrs, ...children) {
+  const node = tag.startsWith("svg:")
+    ? document.createElementNS(SVG, tag.slice(4))
+    : document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value !== undefined && value !== null) node.setAttribute(name, String(value));
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(typeof child === "string" ? document.createTextNode(child) : child);
+  }
+  return node;
+}
+
+function rate(value) {
+  return value === null || value === undefined ? "–" : value.toFixed(value < 10 ? 1 : 0);
+}
+
+function percent(value) {
+  return value === null || value === undefined ? "–" : `${Math.round(value * 100)}%`;
+}
+
+function age(seconds) {
+  if (seconds < 60) return `${seconds.toFixed(0)} s ago`;
+  if (seconds < 3600) return `${(seconds / 60).toFixed(0)} min ago`;
+  return `${(seconds / 3600).toFixed(1)} h ago`;
+}
+
+function say(text, ok) {
+  const box = document.getElementById("message");
+  box.textContent = text;
+  box.className = ok ? "ok" : "";
+  box.hidden = !text;
+}
+
+function regionState(region) {
+  if (region.drained) return "drained";
+  const serving = region.origins.filter((o) => !o.drained);
+  const healthy = serving.filter((o) => o.healthy);
+  if (serving.length && !healthy.length) return "down";
+  return healthy.length < serving.length ? "degraded" : "ok";
+}
+
+function actionButton(kind, name, drained) {
+  const verb = drained ? "undrain" : "drain";
+  const button = el("button", {
+    type: "button",
+    "data-action": verb,
+    "data-kind": kind,
+    "data-name": name,
+  }, drained ? "Undrain" : "Drain");
+  button.disabled = writes === "closed";
+  button.addEventListener("click", () => act(kind, name, verb));
+  return button;
+}
+
+function renderMarkers(regions) {
+  const group = document.getElementById("markers");
+  const markers = regions.map((r) => {
+    const x = r.longitude + 180;
+    const y = 90 - r.latitude;
+    const state = regionState(r);
+    return el("svg:g", { class: `marker ${state}`, "data-region": r.name },
+      el("svg:title", {}, `${r.name}: ${state}`),
+      el("svg:circle", { cx: x, cy: y, r: 3 }),
+      el("svg:text", { x: x + 4.2, y: y + 1.8 }, r.name),
+      r.proxies
+        ? el("svg:text", { class: "rate", x: x + 4.2, y: y + 7 },
+          `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s`)
+        : null);
+  });
+  group.replaceChildren(...markers);
+}
+
+function originLoad(o) {
+  const parts = [o.capacity
+    ? `${o.inflight.toFixed(0)} / ${o.capacity} (${percent(o.load)})`
+    : `${o.inflight.toFixed(0)} in flight`];
+  if (o.waiting) parts.push(`${o.waiting.toFixed(0)} queued`);
+  if (o.kv_cache_usage !== null && o.kv_cache_usage !== undefined) {
+    parts.push(`KV ${percent(o.kv_cache_usage)}`);
+  }
+  return parts.join(" · ");
+}
+
+function renderRegions(regions) {
+  const cards = regions.map((r) => {
+    const origins = r.origins.map((o) => el("tr", { "data-origin": o.name },
+      el("td", {}, o.name),
+      el("td", {}, el("span", { class: `state ${o.drained ? "drained" : o.healthy ? "" : "unhealthy"}` },
+        o.drained ? "drained" : o.healthy ? "healthy" : "unhealthy")),
+      el("td", { title: o.detail }, originLoad(o)),
+      el("td", {}, actionButton("origins", o.name, o.drained))));
+    const state = r.drained ? "drained" : "serving";
+    return el("article", { class: `region${r.drained ? " drained" : ""}`, "data-region": r.name },
+      el("h3", {}, el("span", { class: "name" }, r.name),
+        el("span", { class: `state ${r.drained ? "drained" : ""}` }, state),
+        actionButton("regions", r.name, r.drained)),
+      el("p", { class: "rates", title: "requests answered by this region's proxies" },
+        r.proxies
+          ? `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s · `
+            + `${rate(r.client_errors_per_s)} 4xx/s at ${r.proxies} `
+            + `prox${r.proxies === 1 ? "y" : "ies"}`
+          : "no proxy in this region"),
+      el("p", { class: "where" },
+        `origin load ${percent(r.load)} · ${r.latitude.toFixed(1)}, ${r.longitude.toFixed(1)}`),
+      el("table", {},
+        el("thead", {}, el("tr", {}, el("th", {}, "origin"), el("th", {}, "health"),
+          el("th", {}, "load"), el("th", {}, ""))),
+        el("tbody", {}, ...origins)));
+  });
+  document.getElementById("regions").replaceChildren(...cards);
+}
+
+function renderProxies(proxies, latest) {
+  const rows = proxies.map((p) => el("tr", { "data-proxy": p.name },
+    el("td", {}, p.name),
+    el("td", {}, p.region),
+    el("td", {}, p.replica),
+    el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
+      p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${latest}`),
+    el("td", { class: p.age_s > 10 ? "stale" : "" }, age(p.age_s)),
+    el("td", {}, p.address),
+    el("td", {}, p.version)));
+  document.querySelector("#proxies tbody").replaceChildren(...rows);
+}
+
+function render(status) {
+  writes = status.writes;
+  document.getElementById("replica").textContent = status.replica;
+  document.getElementById("leader").textContent = status.leader || "(election)";
+  document.getElementById("latest").textContent = String(status.latest_version);
+  document.getElementById("updated").textContent = new Date(status.now * 1000).toLocaleTimeString();
+  const note = document.getElementById("writes");
+  note.className = writes;
+  note.textContent = {
+    token: "Drain and undrain need the admin token.",
+    open: "No admin token is configured: anyone who reaches this page can drain and undrain.",
+    closed: "Changes are off: the Admin API needs admin certificates; give the control plane --admin-token-file.",
+  }[writes];
+  document.getElementById("token-forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
+  renderMarkers(status.regions);
+  renderRegions(status.regions);
+  renderProxies(status.proxies, status.latest_version);
+  document.body.dataset.loaded = "true";
+}
+
+async function poll() {
+  clearTimeout(timer);
+  try {
+    const response = await fetch("/api/status", { cache: "no-store" });
+    if (!response.ok) throw new Error(`status ${response.status}`);
+    render(await response.json());
+    if (unreachable) say("", true);
+    unreachable = false;
+  } catch (error) {
+    say(`Cannot read the status: ${error.message}`, false);
+    unreachable = true;
+  } finally {
+    timer = setTimeout(poll, POLL_MS);
+  }
+}
+
+function askToken(action) {
+  pending = action;
+  const form = document.getElementById("token-form");
+  form.hidden = false;
+  document.getElementById("token-input").focus();
+}
+
+async function act(kind, name, verb) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (writes === "token" && token === null) {
+    askToken(() => act(kind, name, verb));
+    return;
+  }
+  const headers = {};
+  if (token) headers.Authorization = `Bearer ${token}`;
+  try {
+    const response = await fetch(
+      `/api/${kind}/${encodeURIComponent(name)}/${verb}`, { method: "POST", headers });
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) {
+      if (response.status === 401 || response.status === 403) sessionStorage.removeItem(TOKEN_KEY);
+      const message = body.error && body.error.message ? body.error.message : response.statusText;
+      say(`${verb} ${name} refused (${response.status}): ${message}`, false);
+      return;
+    }
+    say(`${name} ${body.drained ? "drained" : "undrained"}`, true);
+  } catch (error) {
+    say(`${verb} ${name} failed: ${error.message}`, false);
+  }
+  poll();
+}
+
+document.getElementById("token-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const input = document.getElementById("token-input");
+  sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+  input.value = "";
+  event.target.hidden = true;
+  const action = pending;
+  pending = null;
+  if (action) action();
+});
+
+document.getElementById("token-cancel").addEventListener("click", () => {
+  pending = null;
+  document.getElementById("token-form").hidden = true;
+});
+
+document.getElementById("token-forget").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  say("Admin token forgotten", true);
+  poll();
+});
+
+poll();

@@ -1,0 +1,375 @@
+"""The control plane's HTTP port (--http-listen): the status page and its API.
+
+- ``GET /`` the page (controlplane/static/, no external resources), ``GET
+  /api/status`` the JSON it polls: regions with their origins and request
+  rates, proxies with the table version they ACKed, replicas.
+- ``POST /api/regions/{name}/drain`` and ``/undrain`` (and the same under
+  ``/api/origins/``) write through the Catalog, as the Admin API's
+  DrainRegion and DrainOrigin do, so the builder publishes a new table.
+
+Writes need the Admin API's token as ``Authorization: Bearer TOKEN``; with
+no admin token configured they are open, as the Admin API is, unless the
+Admin API asks for admin certificates (mutual TLS), which this port cannot
+check: then writes are refused. The page sends the token as a header, never
+a cookie, so another site cannot make a browser drain a region.
+
+Every refusal is an OpenAI-style JSON error logged through the shared
+refusal log (once, INFO, rate-limited). What every replica shows is read
+from etcd, so the page of any replica shows the whole fleet.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.errors import (
+    AlreadyExists,
+    ControlPlaneError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from controlplane.model import Origin, OriginHealth, ProxyRecord, Region, State
+from controlplane.rates import RateMeter
+from dataplane.http.refusals import refusals
+from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).with_name("static")
+# A proxy not heard from for this long counts as sending nothing.
+STALE_AFTER = 10.0
+# /api/status is built at most this often; more viewers read the same answer.
+STATUS_TTL = 0.5
+
+_ERRORS: dict[type[ControlPlaneError], tuple[int, str, str]] = {
+    InvalidArgument: (400, "invalid_request_error", "invalid_argument"),
+    NotFound: (404, "invalid_request_error", "not_found"),
+    AlreadyExists: (409, "invalid_request_error", "already_exists"),
+    FailedPrecondition: (409, "invalid_request_error", "failed_precondition"),
+    Unavailable: (503, "server_error", "unavailable"),
+}
+_HTTP_CODES = {
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+}
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class Exposition(Protocol):
+    """The replica's Prometheus metrics (controlplane.metrics.ControlMetrics)."""
+
+    def render(self) -> tuple[bytes, str]: ...
+
+
+class Auditor(Protocol):
+    """Where admin actions are recorded (controlplane.audit.AuditLog)."""
+
+    async def record(
+        self,
+        *,
+        actor: str,
+        action: str,
+        target: str,
+        detail: dict[str, str] | None = None,
+        source: str,
+    ) -> None: ...
+
+
+class Refused(Exception):
+    """A request this port answers with an error; the message may reach the client."""
+
+    def __init__(self, status: int, kind: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+
+def error_body(status: int, kind: str, code: str, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.Response(
+        status=status, body=orjson.dumps(body), content_type="application/json", headers=_HEADERS
+    )
+
+
+class StatusWeb:
+    """Handlers of the HTTP port. One event loop; owns nothing it must close."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        publisher: Publisher,
+        replica_id: str,
+        *,
+        admin_token: str = "",
+        admin_needs_certificate: bool = False,
+        audit: Auditor | None = None,
+        metrics: Exposition | None = None,
+        loads: Callable[[], pb.OriginLoads | None] = lambda: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._catalog = catalog
+        self._publisher = publisher
+        self._replica_id = replica_id
+        self._token = admin_token
+        self._closed = admin_needs_certificate and not admin_token
+        self._audit = audit
+        self._metrics = metrics
+        self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
+        self._clock = clock
+        self._meter = RateMeter(window=STALE_AFTER)
+        self._cached: tuple[float, bytes] = (float("-inf"), b"")
+
+    @property
+    def writes(self) -> str:
+        """How the page may change anything: "token", "open" or "closed"."""
+        if self._token:
+            return "token"
+        return "closed" if self._closed else "open"
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024)
+        app.router.add_get("/", self._index)
+        app.router.add_static("/static/", STATIC, follow_symlinks=False)
+        app.router.add_get("/api/status", self._status)
+        if self._metrics is not None:
+            app.router.add_get("/metrics", self._metrics_page)
+        for kind in ("regions", "origins"):
+            for verb in ("drain", "undrain"):
+                app.router.add_post(f"/api/{kind}/{{name}}/{verb}", self._drain)
+        return app
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        assert self._metrics is not None
+        body, content_type = self._metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except Refused as exc:
+            refused = exc
+        except ControlPlaneError as exc:
+            status, kind, code = _ERRORS.get(type(exc), (500, "server_error", "internal_error"))
+            if status >= 500:
+                log.warning("%s %s: %s", request.method, request.path, exc)
+                return error_body(status, kind, code, str(exc))
+            refused = Refused(status, kind, code, str(exc))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            kind, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", "bad_request"))
+            refused = Refused(exc.status, kind, code, exc.reason)
+        except Exception:
+            # A bug, not the client's fault: the traceback is for us, not for it.
+            log.exception("%s %s failed", request.method, request.path[:100])
+            return error_body(500, "server_error", "internal_error", "internal error")
+        refusals.refused(
+            refused.status,
+            refused.code,
+            str(refused),
+            remote=request.remote,
+            what=f"{request.method} {request.path[:100]}",
+        )
+        response = error_body(refused.status, refused.kind, refused.code, str(refused))
+        if refused.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="ponto-admin"'
+        return response
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "index.html", headers=_HEADERS)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        now = self._clock()
+        built, body = self._cached
+        if not 0 <= now - built < STATUS_TTL:
+            body = orjson.dumps(await self.status(now))
+            self._cached = (now, body)
+        return web.Response(body=body, content_type="application/json", headers=_HEADERS)
+
+    async def status(self, now: float) -> dict[str, Any]:
+        """What the page shows, read from etcd at `now` (Unix time)."""
+        state = await self._catalog.snapshot()
+        proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
+        replicas, leader = await self._catalog.list_replicas()
+        latest = self._publisher.latest
+        latest_version = latest.version if latest else 0
+        scraped = self._loads()
+        loads = {load.origin: load for load in scraped.loads} if scraped else {}
+        self._meter.retain({p.name for p in proxies})
+        region_rates: dict[str, list[float]] = {}
+        region_proxies: dict[str, int] = {}
+        proxy_rows = []
+        for p in proxies:
+            region_proxies[p.region] = region_proxies.get(p.region, 0) + 1
+            rates = self._rates(p, now)
+            if rates is not None:
+                total = region_rates.setdefault(p.region, [0.0, 0.0, 0.0])
+                for i, rate in enumerate(rates):
+                    total[i] += rate
+            proxy_rows.append(_proxy_row(p, latest_version, now))
+        return {
+            "replica": self._replica_id,
+            "leader": leader,
+            "replicas": sorted(str(r.get("id", "")) for r in replicas),
+            "latest_version": latest_version,
+            "writes": self.writes,
+            "now": now,
+            "regions": [
+                _region_row(
+                    r, state, loads, region_rates.get(r.name), region_proxies.get(r.name, 0)
+                )
+                for r in state.regions
+            ],
+            "proxies": proxy_rows,
+        }
+
+    def _rates(self, p: ProxyRecord, now: float) -> tuple[float, ...] | None:
+        if not p.heard_at:
+            return None
+        if now - p.heard_at > STALE_AFTER:
+            return (0.0, 0.0, 0.0)
+        counts = (p.requests, p.server_errors, p.client_errors)
+        return self._meter.observe(p.name, p.heard_at, counts)
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        actor = self._authorize(request)
+        kind = request.path.split("/")[2]
+        name = request.match_info["name"]
+        drained = request.path.endswith("/drain")
+        value: Region | Origin
+        if kind == "regions":
+            value = await self._catalog.set_region_drained(name, drained)
+            action, target = "DrainRegion", f"region/{name}"
+        else:
+            value = await self._catalog.set_origin_drained(name, drained)
+            action, target = "DrainOrigin", f"origin/{name}"
+        log.info(
+            "%s %s from the status page (%s, %s)",
+            "drained" if drained else "undrained",
+            target,
+            actor,
+            request.remote,
+        )
+        # Audit (part D): the trail of admin actions, when the plane has one.
+        if self._audit is not None:
+            await self._audit.record(
+                actor=actor,
+                action=action,
+                target=target,
+                detail={"drained": "true" if drained else "false"},
+                source=f"http:{request.remote}",
+            )
+        return web.Response(
+            body=orjson.dumps({"name": value.name, "drained": value.drained}),
+            content_type="application/json",
+            headers=_HEADERS,
+        )
+
+    def _authorize(self, request: web.Request) -> str:
+        """The actor making a write, or Refused."""
+        if self._closed:
+            raise Refused(
+                403,
+                "permission_error",
+                "admin_certificate_required",
+                "the Admin API here needs an admin certificate, which this port cannot check; "
+                "give the control plane --admin-token-file to change anything from the page",
+            )
+        if not self._token:
+            return "anonymous"
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise Refused(
+                401,
+                "authentication_error",
+                "missing_admin_token",
+                "this needs the admin token: Authorization: Bearer TOKEN",
+            )
+        if not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+            raise Refused(403, "permission_error", "invalid_admin_token", "wrong admin token")
+        return "admin-token"
+
+
+def _origin_row(
+    o: Origin, health: OriginHealth | None, load: pb.OriginLoad | None
+) -> dict[str, Any]:
+    inflight = health.inflight if health else 0.0
+    return {
+        "name": o.name,
+        "healthy": health.healthy if health else True,
+        "probed": health is not None,
+        "detail": health.detail if health else "",
+        "drained": o.drained,
+        "inflight": inflight,
+        "capacity": o.capacity,
+        "load": inflight / o.capacity if o.capacity else None,
+        "models": list(o.models),
+        # From the vLLM gauges, when the origin exposes them; None otherwise.
+        "running": load.running if load else None,
+        "waiting": load.waiting if load else None,
+        "kv_cache_usage": load.kv_cache_usage if load and load.kv_cache_usage >= 0 else None,
+    }
+
+
+def _region_row(
+    r: Region,
+    state: State,
+    loads: dict[str, pb.OriginLoad],
+    rates: list[float] | None,
+    proxies: int,
+) -> dict[str, Any]:
+    """A region as the page shows it; its rates are of the requests its own
+    proxies answered (where clients arrived), None while unknown."""
+    origins = [o for o in state.origins if o.region == r.name]
+    rows = [_origin_row(o, state.health.get(o.name), loads.get(o.name)) for o in origins]
+    serving = [row for row in rows if row["healthy"] and not row["drained"]]
+    capacity = sum(row["capacity"] for row in serving)
+    return {
+        "name": r.name,
+        "latitude": r.latitude,
+        "longitude": r.longitude,
+        "drained": r.drained,
+        "load": sum(row["inflight"] for row in serving) / capacity if capacity else None,
+        "origins": rows,
+        "proxies": proxies,
+        "requests_per_s": rates[0] if rates else None,
+        "server_errors_per_s": rates[1] if rates else None,
+        "client_errors_per_s": rates[2] if rates else None,
+    }
+
+
+def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
+    heard = p.heard_at or p.connected_at
+    return {
+        "name": p.name,
+        "region": p.region,
+        "address": p.address,
+        "version": p.version,
+        "replica": p.control_plane_id,
+        "acked_version": p.acked_version,
+        "latest": bool(latest) and p.acked_version >= latest,
+        "last_error": p.last_error,
+        "age_s": max(0.0, now - heard),
+        "requests": p.requests,
+    }

@@ -1,0 +1,241 @@
+"""The status page in a real browser against a real fleet: etcd, the control
+plane with --http-listen (mutual TLS and an admin token between the planes),
+an origin in each of three regions, proxies in two of them, and headless
+Chromium driven by selenium. One browser for the module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import WebDriverWait
+
+from controlplane.cli import main as pontoctl
+from ponto.v1 import admin_pb2 as apb
+from tests.e2e.load import BODY
+from tests.e2e.statuspage import StatusFleet, chromium, start_status_fleet
+
+pytestmark = pytest.mark.e2e
+
+WAIT = 20.0  # seconds for the page to show a change (polls every 2 s)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StatusFleet]:
+    status = start_status_fleet(tmp_path_factory.mktemp("status"))
+    try:
+        yield status
+    finally:
+        status.fleet.stop()
+
+
+@pytest.fixture
+def page(browser: webdriver.Chrome, system: StatusFleet) -> Iterator[webdriver.Chrome]:
+    """The page loaded afresh, without a token; every region undrained after."""
+    browser.get(system.page)
+    browser.execute_script("sessionStorage.clear()")
+    browser.refresh()
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
+    yield browser
+    for region in ("us-east", "eu-west", "ap-southeast"):
+        system.fleet.admin().DrainRegion(apb.DrainRequest(name=region, drained=False), timeout=10)
+
+
+def wait(browser: webdriver.Chrome, condition: object, message: str = "") -> object:
+    return WebDriverWait(browser, WAIT, poll_frequency=0.2).until(condition, message)  # type: ignore[arg-type]
+
+
+def card(browser: webdriver.Chrome, region: str) -> WebElement:
+    return browser.find_element(By.CSS_SELECTOR, f'article.region[data-region="{region}"]')
+
+
+def region_state(browser: webdriver.Chrome, region: str) -> str:
+    try:
+        return card(browser, region).find_element(By.CSS_SELECTOR, "h3 .state").text
+    except WebDriverException:  # re-rendered between the find and the read
+        return ""
+
+
+def served_region(system: StatusFleet, proxy: str) -> str:
+    r = httpx.post(system.fleet.proxy_url(proxy) + "/chat/completions", json=BODY, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.headers["x-ponto-region"]
+
+
+def drained(system: StatusFleet, region: str) -> bool:
+    regions = system.fleet.admin().ListRegions(apb.ListRequest(), timeout=10).regions
+    return any(r.name == region and r.drained for r in regions)
+
+
+def table_version(system: StatusFleet, proxy: str) -> int:
+    version = system.fleet.proxy_status(proxy)["route_table_version"]
+    assert isinstance(version, int)
+    return version
+
+
+def test_the_page_shows_regions_origins_proxies_and_live_rates(
+    page: webdriver.Chrome, system: StatusFleet
+) -> None:
+    regions = {
+        e.get_attribute("data-region")
+        for e in page.find_elements(By.CSS_SELECTOR, "article.region")
+    }
+    assert regions == {"us-east", "eu-west", "ap-southeast"}
+    markers = page.find_elements(By.CSS_SELECTOR, "#markers g.marker")
+    assert {m.get_attribute("data-region") for m in markers} == regions
+    origin = card(page, "eu-west").find_element(By.CSS_SELECTOR, 'tr[data-origin="origin-eu-west"]')
+    assert "healthy" in origin.text
+    for proxy in ("proxy-us-east", "proxy-eu-west"):
+        row = page.find_element(By.CSS_SELECTOR, f'tr[data-proxy="{proxy}"]')
+        assert "(latest)" in row.text and "control-1" in row.text
+    assert "admin token" in page.find_element(By.ID, "writes").text
+    # Traffic through the us-east proxy shows as a request rate of its region.
+    for _ in range(20):
+        served_region(system, "proxy-us-east")
+
+    def us_rate(driver: webdriver.Chrome) -> bool:
+        try:
+            text = card(driver, "us-east").find_element(By.CSS_SELECTOR, ".rates").text
+        except WebDriverException:  # re-rendered between the find and the read
+            return False
+        rate = text.split(" ", 1)[0]  # "12.5 req/s · …", or a dash while unknown
+        return rate.replace(".", "", 1).isdigit() and float(rate) > 0
+
+    for _ in range(3):  # a rate needs two reports; keep some traffic going meanwhile
+        served_region(system, "proxy-us-east")
+    wait(page, us_rate, "the us-east region never showed a request rate")
+
+
+def test_a_drain_by_pontoctl_shows_on_the_page(
+    page: webdriver.Chrome, system: StatusFleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert region_state(page, "eu-west") == "serving"
+    bundle = system.fleet.security
+    assert bundle is not None
+    address = system.fleet.controls["control-1"].address
+    assert (
+        pontoctl(["--control-plane", address, *bundle.admin_args(), "drain", "region", "eu-west"])
+        == 0
+    )
+    assert "eu-west drained" in capsys.readouterr().out
+    wait(page, lambda d: region_state(d, "eu-west") == "drained", "eu-west never shown drained")
+    button = card(page, "eu-west").find_element(By.CSS_SELECTOR, "h3 button")
+    assert button.get_attribute("data-action") == "undrain"
+
+
+def test_a_drain_clicked_with_the_token_reaches_the_proxies(
+    page: webdriver.Chrome, system: StatusFleet
+) -> None:
+    assert served_region(system, "proxy-us-east") == "us-east"
+    before = table_version(system, "proxy-us-east")
+    card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="drain"]').click()
+    token = page.find_element(By.ID, "token-input")
+    wait(page, lambda d: token.is_displayed(), "no token form")
+    token.send_keys(system.admin_token)
+    page.find_element(By.ID, "token-submit").click()
+    wait(page, lambda d: region_state(d, "us-east") == "drained", "us-east never shown drained")
+    assert "us-east drained" in page.find_element(By.ID, "message").text
+    assert drained(system, "us-east")
+    system.fleet.wait_proxies_at(before + 1)
+    assert table_version(system, "proxy-us-east") > before
+    assert served_region(system, "proxy-us-east") != "us-east"
+    # The token is remembered for the session: undraining asks for nothing.
+    card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="undrain"]').click()
+    wait(page, lambda d: region_state(d, "us-east") == "serving", "us-east never undrained")
+    assert not page.find_element(By.ID, "token-form").is_displayed()
+
+
+def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(
+    page: webdriver.Chrome, system: StatusFleet
+) -> None:
+    before = table_version(system, "proxy-us-east")
+    card(page, "ap-southeast").find_element(
+        By.CSS_SELECTOR, 'h3 button[data-action="drain"]'
+    ).click()
+    wait(page, lambda d: d.find_element(By.ID, "token-input").is_displayed(), "no token form")
+    page.find_element(By.ID, "token-submit").click()  # no token typed
+    message = page.find_element(By.ID, "message")
+    wait(page, lambda d: message.is_displayed() and "refused (401)" in message.text, "no error")
+    page.find_element(By.CSS_SELECTOR, 'h3 button[data-action="drain"]').click()
+    page.find_element(By.ID, "token-input").send_keys("not-the-token")
+    page.find_element(By.ID, "token-submit").click()
+    wait(page, lambda d: "refused (403)" in message.text, "a wrong token was not refused")
+    assert region_state(page, "ap-southeast") == "serving"
+    assert not drained(system, "ap-southeast")
+    assert table_version(system, "proxy-us-east") == before
+
+
+HOSTILE = '<img src=x onerror="window.pwned=1">'
+FAKE_STATUS = {
+    "replica": HOSTILE,
+    "leader": HOSTILE,
+    "latest_version": 1,
+    "writes": "token",
+    "now": 0,
+    "regions": [
+        {
+            "name": HOSTILE,
+            "latitude": 0,
+            "longitude": 0,
+            "drained": False,
+            "load": None,
+            "requests_per_s": None,
+            "server_errors_per_s": None,
+            "client_errors_per_s": None,
+            "proxies": 1,
+            "origins": [
+                {
+                    "name": HOSTILE,
+                    "healthy": False,
+                    "probed": True,
+                    "detail": HOSTILE,
+                    "drained": False,
+                    "inflight": 0,
+                    "capacity": 0,
+                    "load": None,
+                    "models": [],
+                }
+            ],
+        }
+    ],
+    "proxies": [
+        {
+            "name": HOSTILE,
+            "region": HOSTILE,
+            "address": HOSTILE,
+            "version": HOSTILE,
+            "replica": HOSTILE,
+            "acked_version": 1,
+            "latest": True,
+            "last_error": "",
+            "age_s": 0,
+            "requests": 0,
+        }
+    ],
+}
+
+
+def test_names_are_shown_as_text_never_run_as_markup(page: webdriver.Chrome) -> None:
+    # The API only serves validated names; this renders hostile ones directly
+    # to check the page itself never parses what it is given as HTML.
+    found = page.execute_script(
+        "render(arguments[0]);"
+        "return [document.querySelectorAll('main img, header img').length,"
+        " document.querySelector('article.region .name').textContent,"
+        " document.querySelector('#proxies tbody td').textContent,"
+        " document.getElementById('replica').textContent];",
+        FAKE_STATUS,
+    )
+    assert found == [0, HOSTILE, HOSTILE, HOSTILE]
+    assert page.execute_script("return window.pwned === undefined")

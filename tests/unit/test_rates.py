@@ -1,0 +1,59 @@
+"""RateMeter: per-second rates from cumulative counters, restarts included."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.rates import RateMeter
+
+
+def test_a_rate_needs_two_samples_then_is_the_difference_over_time() -> None:
+    meter = RateMeter(window=10)
+    assert meter.observe("p", 100.0, (0, 0)) is None
+    assert meter.observe("p", 102.0, (20, 4)) == (10.0, 2.0)
+
+
+def test_a_sample_not_newer_than_the_last_changes_nothing() -> None:
+    meter = RateMeter(window=10)
+    meter.observe("p", 100.0, (0,))
+    assert meter.observe("p", 101.0, (5,)) == (5.0,)
+    assert meter.observe("p", 101.0, (5,)) == (5.0,)
+    assert meter.observe("p", 100.5, (9,)) == (5.0,)
+
+
+def test_the_rate_covers_the_window_not_the_whole_history() -> None:
+    meter = RateMeter(window=4)
+    meter.observe("p", 0.0, (0,))
+    for second in range(1, 11):
+        rate = meter.observe("p", float(second), (second * (100 if second > 6 else 1),))
+    # Since t=6 (the window's start) the counter went from 6 to 1000.
+    assert rate == ((1000 - 6) / 4,)
+
+
+def test_a_counter_going_down_is_a_restart_not_a_negative_rate() -> None:
+    meter = RateMeter(window=10)
+    meter.observe("p", 0.0, (500, 10))
+    meter.observe("p", 1.0, (600, 10))
+    assert meter.observe("p", 2.0, (3, 0)) is None
+    assert meter.observe("p", 3.0, (13, 1)) == (10.0, 1.0)
+
+
+def test_one_counter_going_down_resets_all_of_them() -> None:
+    meter = RateMeter(window=10)
+    meter.observe("p", 0.0, (500, 10))
+    assert meter.observe("p", 1.0, (501, 2)) is None
+
+
+def test_keys_are_independent_and_retain_forgets_the_rest() -> None:
+    meter = RateMeter(window=10)
+    meter.observe("a", 0.0, (0,))
+    meter.observe("b", 0.0, (0,))
+    assert meter.observe("a", 1.0, (3,)) == (3.0,)
+    meter.retain({"a"})
+    assert meter.observe("b", 1.0, (7,)) is None
+    assert meter.observe("a", 2.0, (5,)) == (2.5,)
+
+
+def test_the_window_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="window"):
+        RateMeter(window=0)

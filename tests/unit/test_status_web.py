@@ -1,0 +1,406 @@
+"""The control plane's HTTP port (controlplane/web.py) over a MemoryStore:
+the page, /api/status, drains with and without the admin token, refusals."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from controlplane.app import ControlPlane
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.errors import Unavailable
+from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
+from controlplane.settings import parse
+from controlplane.store.memory import MemoryStore
+from controlplane.web import StatusWeb
+from ponto.v1 import routing_pb2 as pb
+
+TOKEN = "s3cret-admin-token"
+
+
+@dataclass
+class Clock:
+    now: float = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Recorder:
+    """An Auditor that keeps what it was given."""
+
+    calls: list[dict[str, object]] = field(default_factory=list)
+
+    async def record(
+        self,
+        *,
+        actor: str,
+        action: str,
+        target: str,
+        detail: dict[str, str] | None = None,
+        source: str,
+    ) -> None:
+        self.calls.append(
+            {"actor": actor, "action": action, "target": target, "detail": detail, "source": source}
+        )
+
+
+@dataclass
+class Plane:
+    catalog: Catalog
+    publisher: Publisher
+    clock: Clock
+    audit: Recorder
+    lease: int
+
+
+async def seeded() -> Plane:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await catalog.put_region(Region("eu-west", 53.3, -6.3), allow_update=False)
+    await catalog.put_region(Region("us-east", 38.9, -77.4), allow_update=False)
+    await catalog.put_origin(
+        Origin("o-eu", "http://o-eu:8000/v1", "eu-west", ("m",), capacity=10),
+        allow_update=False,
+    )
+    await catalog.put_origin(
+        Origin("o-us", "http://o-us:8000/v1", "us-east", ("m",)), allow_update=False
+    )
+    await catalog.put_health(OriginHealth("o-eu", healthy=True, inflight=4.0))
+    await catalog.put_health(OriginHealth("o-us", healthy=False, detail="connection refused"))
+    publisher = Publisher("r1")
+    publisher.publish(pb.RouteTable(version=7, etag="e7"))
+    lease = await store.grant_lease(10)
+    for name, region in (("p-eu", "eu-west"), ("p-us", "us-east")):
+        record = ProxyRecord(name, region, f"{name}:8080", "1.0", f"s-{name}", "r1", 900.0)
+        await catalog.put_proxy(record, lease)
+    await catalog.put_acks("r1", {"p-eu": (7, ""), "p-us": (6, "")}, lease, version=7)
+    return Plane(catalog, publisher, Clock(), Recorder(), lease)
+
+
+@pytest.fixture
+async def plane() -> Plane:
+    return await seeded()
+
+
+def web_of(plane: Plane, **kwargs: object) -> StatusWeb:
+    options: dict[str, object] = {"admin_token": TOKEN, "audit": plane.audit, **kwargs}
+    return StatusWeb(
+        plane.catalog,
+        plane.publisher,
+        "r1",
+        clock=plane.clock,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def client(plane: Plane) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
+    async with TestClient(TestServer(web_of(plane).app())) as c:
+        yield c
+
+
+async def test_the_page_and_its_files_are_served_with_a_strict_policy(
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    page = await client.get("/")
+    assert page.status == 200
+    html = await page.text()
+    assert "/static/status.js" in html and "<script>" not in html  # no inline script
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    for path, kind in (
+        ("/static/status.js", "javascript"),
+        ("/static/world.svg", "svg"),
+        ("/static/status.css", "css"),
+    ):
+        resp = await client.get(path)
+        assert resp.status == 200, path
+        assert kind in resp.headers["Content-Type"], path
+
+
+async def test_status_shows_regions_origins_and_proxies(
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    status = await (await client.get("/api/status")).json()
+    assert status["replica"] == "r1"
+    assert status["latest_version"] == 7
+    assert status["writes"] == "token"
+    regions = {r["name"]: r for r in status["regions"]}
+    assert regions["eu-west"]["latitude"] == 53.3
+    assert regions["eu-west"]["load"] == pytest.approx(0.4)
+    (eu_origin,) = regions["eu-west"]["origins"]
+    assert eu_origin["name"] == "o-eu" and eu_origin["healthy"] and eu_origin["inflight"] == 4.0
+    (us_origin,) = regions["us-east"]["origins"]
+    assert not us_origin["healthy"] and us_origin["detail"] == "connection refused"
+    proxies = {p["name"]: p for p in status["proxies"]}
+    assert proxies["p-eu"]["latest"] and proxies["p-eu"]["acked_version"] == 7
+    assert not proxies["p-us"]["latest"] and proxies["p-us"]["acked_version"] == 6
+    assert proxies["p-eu"]["age_s"] == pytest.approx(100.0)  # since it connected: never heard
+    assert regions["eu-west"]["requests_per_s"] is None
+    assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
+
+
+async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> None:
+    web = web_of(plane)
+
+    async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
+        plane.clock.now = at
+        traffic = {"p-eu": (*eu, at), "p-us": (*us, at)}
+        await plane.catalog.put_acks(
+            "r1", {"p-eu": (7, ""), "p-us": (6, "")}, plane.lease, version=7, traffic=traffic
+        )
+
+    await report(1_000.0, (100, 1, 5), (0, 0, 0))
+    first = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+    assert first["eu-west"]["requests_per_s"] is None  # one sample: no rate yet
+    await report(1_002.0, (140, 3, 9), (10, 0, 0))
+    status = await web.status(plane.clock.now)
+    regions = {r["name"]: r for r in status["regions"]}
+    assert regions["eu-west"]["requests_per_s"] == 20.0
+    assert regions["eu-west"]["server_errors_per_s"] == 1.0
+    assert regions["eu-west"]["client_errors_per_s"] == 2.0
+    assert regions["us-east"]["requests_per_s"] == 5.0
+    assert {p["name"]: p["age_s"] for p in status["proxies"]} == {"p-eu": 0.0, "p-us": 0.0}
+    # p-eu restarted: its counters start again from zero.
+    await report(1_004.0, (4, 0, 0), (20, 0, 0))
+    regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+    assert regions["eu-west"]["requests_per_s"] is None
+    assert regions["us-east"]["requests_per_s"] == 5.0
+    # Nothing heard for longer than the window: the proxy sends nothing.
+    plane.clock.now = 1_100.0
+    regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+    assert regions["us-east"]["requests_per_s"] == 0.0
+
+
+async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    resp = await client.post("/api/regions/eu-west/drain", headers=auth)
+    assert resp.status == 200
+    assert await resp.json() == {"name": "eu-west", "drained": True}
+    assert (await plane.catalog.get_region("eu-west")).drained
+    assert plane.audit.calls == [
+        {
+            "actor": "admin-token",
+            "action": "DrainRegion",
+            "target": "region/eu-west",
+            "detail": {"drained": "true"},
+            "source": "http:127.0.0.1",
+        }
+    ]
+    status = await (await client.get("/api/status")).json()
+    assert [r["drained"] for r in status["regions"] if r["name"] == "eu-west"] == [True]
+    resp = await client.post("/api/regions/eu-west/undrain", headers=auth)
+    assert await resp.json() == {"name": "eu-west", "drained": False}
+    assert not (await plane.catalog.get_region("eu-west")).drained
+    resp = await client.post("/api/origins/o-us/drain", headers=auth)
+    assert await resp.json() == {"name": "o-us", "drained": True}
+    assert plane.audit.calls[-1]["target"] == "origin/o-us"
+    assert plane.audit.calls[-1]["action"] == "DrainOrigin"
+
+
+def assert_error(body: dict[str, object], code: str) -> None:
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({}, 401, "missing_admin_token"),
+        ({"Authorization": "Basic abc"}, 401, "missing_admin_token"),
+        ({"Authorization": "Bearer "}, 401, "missing_admin_token"),
+        ({"Authorization": "Bearer wrong"}, 403, "invalid_admin_token"),
+        ({"Authorization": f"Bearer {TOKEN}x"}, 403, "invalid_admin_token"),
+    ],
+)
+async def test_drain_without_the_right_token_changes_nothing(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+    headers: dict[str, str],
+    status: int,
+    code: str,
+) -> None:
+    resp = await client.post("/api/regions/eu-west/drain", headers=headers)
+    assert resp.status == status
+    assert_error(await resp.json(), code)
+    assert not (await plane.catalog.get_region("eu-west")).drained
+    assert plane.audit.calls == []
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("POST", "/api/regions/nowhere/drain", 404, "not_found"),
+        ("POST", "/api/origins/nothing/undrain", 404, "not_found"),
+        ("POST", "/api/regions/Bad%20Name/drain", 400, "invalid_argument"),
+        ("GET", "/api/regions/eu-west/drain", 405, "method_not_allowed"),
+        ("DELETE", "/api/status", 405, "method_not_allowed"),
+        ("GET", "/nope", 404, "not_found"),
+        ("GET", "/static/../web.py", 404, "not_found"),
+    ],
+)
+async def test_bad_requests_get_openai_style_errors(
+    client: TestClient,  # type: ignore[type-arg]
+    method: str,
+    path: str,
+    status: int,
+    code: str,
+) -> None:
+    resp = await client.request(method, path, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert resp.status == status
+    assert resp.headers["Content-Type"].startswith("application/json")
+    assert_error(await resp.json(), code)
+
+
+async def test_a_refusal_is_logged_once_at_info_without_a_traceback(
+    client: TestClient,  # type: ignore[type-arg]
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO):
+        await client.post("/api/regions/eu-west/drain")
+    lines = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.INFO and lines[0].exc_info is None
+    assert "401" in lines[0].getMessage() and "/api/regions/eu-west/drain" in lines[0].getMessage()
+
+
+async def test_without_an_admin_token_writes_are_open_like_the_admin_api(plane: Plane) -> None:
+    async with TestClient(TestServer(web_of(plane, admin_token="").app())) as c:
+        assert (await (await c.get("/api/status")).json())["writes"] == "open"
+        resp = await c.post("/api/regions/us-east/drain")
+        assert resp.status == 200
+    assert (await plane.catalog.get_region("us-east")).drained
+    assert plane.audit.calls[0]["actor"] == "anonymous"
+
+
+async def test_admin_certificates_without_a_token_close_writes(plane: Plane) -> None:
+    web = web_of(plane, admin_token="", admin_needs_certificate=True)
+    async with TestClient(TestServer(web.app())) as c:
+        assert (await (await c.get("/api/status")).json())["writes"] == "closed"
+        resp = await c.post("/api/regions/us-east/drain")
+        assert resp.status == 403
+        assert_error(await resp.json(), "admin_certificate_required")
+    assert not (await plane.catalog.get_region("us-east")).drained
+
+
+async def test_without_an_audit_log_a_drain_still_works(plane: Plane) -> None:
+    web = StatusWeb(plane.catalog, plane.publisher, "r1", admin_token="")
+    async with TestClient(TestServer(web.app())) as c:
+        assert (await c.post("/api/regions/us-east/drain")).status == 200
+    assert (await plane.catalog.get_region("us-east")).drained
+
+
+async def test_origins_show_the_leaders_latest_vllm_figures(plane: Plane) -> None:
+    scraped = pb.OriginLoads(
+        generation=1,
+        loads=[
+            pb.OriginLoad(origin="o-eu", running=3, waiting=2, kv_cache_usage=0.5),
+            pb.OriginLoad(origin="o-us", running=1, waiting=0, kv_cache_usage=-1),
+        ],
+    )
+    web = web_of(plane, loads=lambda: scraped)
+    regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+    (eu,) = regions["eu-west"]["origins"]
+    assert (eu["running"], eu["waiting"], eu["kv_cache_usage"]) == (3, 2, 0.5)
+    (us,) = regions["us-east"]["origins"]
+    assert (us["running"], us["kv_cache_usage"]) == (1, None)  # -1: the gauge is missing
+    regions = {r["name"]: r for r in (await web_of(plane).status(0.0))["regions"]}
+    assert regions["eu-west"]["origins"][0]["running"] is None  # nothing scraped yet
+
+
+def test_http_listen_is_off_by_default_and_checked() -> None:
+    assert parse([]).http_listen == ""
+    assert parse(["--http-listen", "0.0.0.0:8080"]).http_listen == "0.0.0.0:8080"
+    assert parse(["--http-listen", "[::1]:0"]).http_listen == "[::1]:0"
+    for bad in ("8080", "host:", ":8080", "host:http"):
+        with pytest.raises(SystemExit):
+            parse(["--http-listen", bad])
+
+
+async def test_a_store_outage_is_a_503_and_a_bug_a_500_both_in_json(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def away() -> None:
+        raise Unavailable("state store unavailable: etcd is away")
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(plane.catalog, "snapshot", away)
+    caplog.set_level(logging.WARNING)
+    resp = await client.get("/api/status")
+    assert resp.status == 503
+    assert_error(await resp.json(), "unavailable")
+    monkeypatch.setattr(plane.catalog, "snapshot", broken)
+    plane.clock.now += 1  # past the cached answer
+    resp = await client.get("/api/status")
+    assert resp.status == 500
+    body = await resp.json()
+    assert_error(body, "internal_error")
+    assert "a bug" not in str(body)
+    # The outage a WARNING line, the bug an ERROR with its traceback.
+    logged = [(r.levelno, r.exc_info is not None) for r in caplog.records]
+    assert [entry for entry in logged if entry[0] >= logging.WARNING] == [
+        (logging.WARNING, False),
+        (logging.ERROR, True),
+    ]
+
+
+async def test_the_port_lives_and_dies_with_the_control_plane() -> None:
+    settings = parse(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--id", "r1"])
+    store = MemoryStore()
+    await Catalog(store).put_region(Region("eu-west", 53.3, -6.3), allow_update=False)
+    plane = ControlPlane(settings, store)
+    await plane.start()
+    url = f"http://127.0.0.1:{plane.http_port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/api/status") as resp:
+                status = await resp.json()
+            assert status["replica"] == "r1" and status["writes"] == "open"
+            async with session.post(url + "/api/regions/eu-west/drain") as resp:
+                assert resp.status == 200
+            # The replica's own metrics, on the same port.
+            async with session.get(url + "/metrics") as resp:
+                assert resp.status == 200
+                exposition = await resp.text()
+        assert 'ponto_control_info{replica="r1"' in exposition
+        assert "# TYPE ponto_control_admin_calls_total counter" in exposition
+        # The drain is in the replica's own audit trail.
+        [entry] = await plane.audit.read()
+        assert (entry.action, entry.target, entry.actor) == (
+            "DrainRegion",
+            "region/eu-west",
+            "anonymous",
+        )
+        assert entry.source.startswith("http:127.0.0.1")
+    finally:
+        await plane.stop(grace=0)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await session.get(url + "/api/status")
+
+
+async def test_without_http_listen_there_is_no_port() -> None:
+    plane = ControlPlane(parse(["--listen", "127.0.0.1:0", "--id", "r1"]), MemoryStore())
+    await plane.start()
+    try:
+        assert plane.http_port == 0 and plane.web_runner is None
+    finally:
+        await plane.stop(grace=0)

@@ -1,0 +1,93 @@
+"""Traffic counters from a proxy to every replica: the proxy's report message,
+the registry keeping them per proxy, the ACK summary carrying them to etcd."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from controlplane.catalog import ACKS, Catalog
+from controlplane.registry import ProxyRegistry
+from controlplane.store.memory import MemoryStore
+from dataplane.metrics import Metrics
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient, Traffic, traffic_of
+from ponto.v1 import routing_pb2 as pb
+
+
+def test_traffic_of_the_proxy_request_counter_splits_5xx_and_4xx() -> None:
+    m = Metrics()
+    for endpoint, code, n in (
+        ("chat", "200", 7),
+        ("chat", "502", 2),
+        ("completions", "503", 1),
+        ("chat", "429", 3),
+        ("other", "404", 1),
+    ):
+        m.child(m.requests, endpoint, code).inc(n)
+    assert traffic_of(m.requests) == Traffic(requests=14, server_errors=3, client_errors=4)
+    assert traffic_of(Metrics().requests) == Traffic(0, 0, 0)
+
+
+def client(**kwargs: object) -> ControlPlaneClient:
+    holder = TableHolder("eu-west", None)
+    info = pb.ProxyInfo(name="p", region="eu-west", address="127.0.0.1:1")
+    return ControlPlaneClient(holder, ["127.0.0.1:1"], info, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_report_carries_the_cumulative_counters_and_the_demand() -> None:
+    demand = [pb.ScopeDemand(scope="t/a", requests_per_s=3.0)]
+    link = client(demand=lambda: demand, traffic=lambda: Traffic(10, 2, 1))
+    report = link.report("s-1")
+    assert report.is_report and report.session_id == "s-1"
+    assert (report.requests_total, report.server_errors_total, report.client_errors_total) == (
+        10,
+        2,
+        1,
+    )
+    assert list(report.demand) == demand
+    assert client(demand=lambda: demand).report("s-1").requests_total == 0
+
+
+async def test_the_registry_writes_reports_with_its_ack_summary() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    clock = [500.0]
+    registry = ProxyRegistry(catalog, "r1", traffic_every=0.0, clock=lambda: clock[0])
+    record = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    await registry.acked(record.session_id, 3, "")
+    registry.reported(record.session_id, 40, 2, 5)
+    registry.reported("no-such-session", 1, 1, 1)
+    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0)}
+    flush = asyncio.create_task(registry.flush_acks(interval=0.0))
+    try:
+        async with asyncio.timeout(5):
+            while not (await store.list(ACKS)).items:
+                await asyncio.sleep(0)
+    finally:
+        flush.cancel()
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.requests, proxy.server_errors, proxy.client_errors) == (40, 2, 5)
+    assert proxy.heard_at == 500.0 and proxy.acked_version == 3
+    # A proxy that left takes its counters with it.
+    await registry.unregister(record.session_id)
+    assert registry.traffic() == {}
+
+
+async def test_counters_are_read_from_the_proxys_own_replica_only() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    lease = await store.grant_lease(10)
+    registry = ProxyRegistry(catalog, "r2")
+    await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    # r1's summary still lists the proxy's previous session, before it moved to r2.
+    stale = {"replica_version": 1, "acks": {}, "traffic": {"p-eu": [999, 9, 9, 1.0]}}
+    await store.put(ACKS + "r1", orjson.dumps(stale), lease=lease)
+    await catalog.put_acks("r2", {}, lease, traffic={"p-eu": (5, 0, 1, 2.0)})
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.requests, proxy.client_errors, proxy.heard_at) == (5, 1, 2.0)
+    # A summary without traffic (a replica from before it) leaves the zeros.
+    await store.put(ACKS + "r2", orjson.dumps({"replica_version": 1, "acks": {}}), lease=lease)
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.requests, proxy.heard_at) == (0, 0.0)
