@@ -12,7 +12,7 @@ class UtcFormatter(logging.Formatter):
     """`%(asctime)s` as ``2026-12-01T01:02:03.456Z``: a line read days later, or
     next to another machine's, says when it happened without a time zone guess."""
 
-    converter = time.gmtime
+    converter = staticmethod(time.gmtime)
     default_time_format = "%Y-%m-%dT%H:%M:%S"
     default_msec_format = "%s.%03dZ"
 
