@@ -185,6 +185,7 @@ class AccessLog:
         fd: int = 1,
         write: Callable[[int, bytes], int] = os.write,
         clock: Callable[[], float] = time.time,
+        call_later: Callable[[float, Callable[[], None]], asyncio.Handle] | None = None,
     ) -> None:
         self.region = region  # the proxy's
         self.trusted = trusted  # whose forwarding headers name the client
@@ -194,7 +195,9 @@ class AccessLog:
         self._write = write
         self._lines: list[bytes] = []
         self._size = 0
-        self._timer: asyncio.TimerHandle | None = None
+        # The running loop's call_later unless a test gives its own.
+        self._call_later = call_later
+        self._timer: asyncio.Handle | None = None
         self._broken = False
 
     def write(self, rec: AccessRecord) -> None:
@@ -207,7 +210,8 @@ class AccessLog:
         if self._size >= MAX_BATCH:
             self.flush()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
+            call_later = self._call_later or asyncio.get_running_loop().call_later
+            self._timer = call_later(FLUSH_AFTER_S, self.flush)
 
     def flush(self) -> None:
         """Write every queued line now, in whole-line writes."""
