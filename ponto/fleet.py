@@ -306,7 +306,13 @@ def start_demo_fleet(
             fleet.add_origin(origin, region.name, fleet.origin_url(origin))
         version = fleet.table_version(origins=len(DEMO_REGIONS))
         for region_name, port in zip(("us-east", "eu-west"), proxy_ports, strict=True):
-            fleet.start_proxy(f"proxy-{region_name}", region_name, listen=f"127.0.0.1:{port}")
+            # The access log goes to the proxy's log file with its other output.
+            fleet.start_proxy(
+                f"proxy-{region_name}",
+                region_name,
+                listen=f"127.0.0.1:{port}",
+                extra=["--access-log", "on"],
+            )
         fleet.wait_proxies_at(version)
     except BaseException:
         fleet.stop()
