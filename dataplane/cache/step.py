@@ -219,7 +219,7 @@ class EdgeCache:
             try:
                 key = self._key(req)
             except UncacheableRequest:
-                decision = Decision(False, False, Reason.NONDETERMINISTIC)
+                decision = Decision(False, False, Reason.UNKEYABLE)
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
             return CachePlan("bypass", reason=decision.reason)
