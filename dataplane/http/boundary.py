@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
@@ -12,7 +13,6 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
 from dataplane.http.errors import ApiError
-from dataplane.http.pipeline import CACHE_HEADER, CACHE_REASON_HEADER
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
     ACCESS_LOG,
@@ -24,6 +24,10 @@ from dataplane.http.state import (
     REQUEST_IDS,
 )
 from dataplane.metrics import GENAI_OPERATIONS
+
+if TYPE_CHECKING:
+    from dataplane.auth.authenticator import Principal
+    from dataplane.http.pipeline import Exchange
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -73,9 +77,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         for name, value in ex.limit_headers:
             response.headers.setdefault(name, value)
         if ex.cache is not None:
-            for name, value in ex.response_headers(ex.cache.outcome)[1:]:
-                if name in (CACHE_HEADER, CACHE_REASON_HEADER):
-                    response.headers.setdefault(name, value)
+            for name, value in ex.cache_headers(ex.cache.outcome):
+                response.headers.setdefault(name, value)
     status = response.status
     if not error and ex is not None:
         error = ex.stream_error
@@ -98,26 +101,42 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
             ex.first_chunk_at - started if ex.stream and ex.first_chunk_at is not None else None,
             ex.usage if ex.origin else None,
         )
-    access = app.get(ACCESS_LOG)
-    if access is not None and access.sampled(status):
-        access.write(
-            accesslog.record(
-                ended=access.clock(),
-                request_id=request_id,
-                method=request.method,
-                path=request.path,
-                endpoint=endpoint,
-                client=_client(request, access.trusted),
-                principal=principal,
-                ex=ex,
-                region=access.region,
-                status=status,
-                error=error,
-                started=started,
-                finished=finished,
-            )
-        )
+    _access_line(request, request_id, endpoint, principal, ex, status, error, started, finished)
     return response
+
+
+def _access_line(
+    request: web.Request,
+    request_id: str,
+    endpoint: str,
+    principal: Principal | None,
+    ex: Exchange | None,
+    status: int,
+    error: str,
+    started: float,
+    finished: float,
+) -> None:
+    """The answer's access-log line, with --access-log on and when sampled."""
+    access = request.app.get(ACCESS_LOG)
+    if access is None or not access.sampled(status):
+        return
+    access.write(
+        accesslog.record(
+            ended=access.clock(),
+            request_id=request_id,
+            method=request.method,
+            path=request.path,
+            endpoint=endpoint,
+            client=_client(request, access.trusted),
+            principal=principal,
+            ex=ex,
+            region=access.region,
+            status=status,
+            error=error,
+            started=started,
+            finished=finished,
+        )
+    )
 
 
 def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response, str]:
@@ -180,6 +199,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """The proxied routes' `Expect` handler: `100-continue` is answered as
     aiohttp does; any other expectation gets a 417 in the OpenAI shape (aiohttp
     answers one in plain text, before any middleware runs)."""
+    started = time.perf_counter()
     expect = request.headers.get("expect", "")
     if expect.lower() == "100-continue":
         await _default_expect_handler(request)
@@ -199,4 +219,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         remote=request.remote,
         what=f"{request.method} {request.path}",
     )
+    name = request.match_info.route.name or "other"
+    code = error.code or ""
+    _access_line(request, request_id, name, None, None, 417, code, started, time.perf_counter())
     return error.response()

@@ -135,12 +135,16 @@ class Exchange:
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
         its id, the cache outcome (with the reason of a bypass) and the route."""
-        headers = [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
-        if cache_outcome == "bypass" and self.cache is not None and self.cache.reason:
-            headers.append((CACHE_REASON_HEADER, self.cache.reason))
+        headers = [("x-request-id", self.request_id), *self.cache_headers(cache_outcome)]
         if self.route:
             headers.append((ROUTE_HEADER, self.route))
         return headers
+
+    def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
+        """`x-ponto-cache`, and for a bypass its reason."""
+        if outcome == "bypass" and self.cache is not None and self.cache.reason:
+            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, self.cache.reason)]
+        return [(CACHE_HEADER, outcome)]
 
     def chunk_sent(self) -> None:
         """Called as a stream's first chunk goes to the client (dataplane.http.reply)."""

@@ -6,6 +6,7 @@ output (pytest's capfd)."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,9 @@ async def test_a_failover_line_counts_both_attempts(
 
 
 async def test_refusals_get_one_line_each_with_their_code(
-    logged: Stack, capfd: pytest.CaptureFixture[str]
+    logged: Stack, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO)
     unauthorized = await logged.post(chat("who"), key="sk-wrong")
     missing = await logged.client.get("/nope")
     wrong_method = await logged.client.get("/v1/chat/completions")
@@ -174,7 +176,10 @@ async def test_refusals_get_one_line_each_with_their_code(
     )
     for i in range(3):  # the limited key allows 2 a minute
         await (await logged.post(chat(f"limit {i}"), key=LIMITED_KEY.key)).read()
-    answers = [unauthorized, missing, wrong_method, broken]
+    expect = await logged.client.post(
+        "/v1/chat/completions", json=chat("x"), headers={"expect": "something-else"}
+    )
+    answers = [unauthorized, missing, wrong_method, broken, expect]
     for resp in answers:
         await resp.read()
         assert resp.headers["x-request-id"]
@@ -187,10 +192,21 @@ async def test_refusals_get_one_line_each_with_their_code(
         (200, None),
         (200, None),
         (429, "rate_limit_exceeded"),
+        (417, "expectation_failed"),
     ]
-    assert [line["request_id"] for line in got[:4]] == [r.headers["x-request-id"] for r in answers]
-    assert got[-1]["tenant"] == "acme" and got[-1]["key_id"] == LIMITED_KEY.key_id
+    assert [line["request_id"] for line in got[:4] + got[-1:]] == [
+        r.headers["x-request-id"] for r in answers
+    ]
+    assert got[-2]["tenant"] == "acme" and got[-2]["key_id"] == LIMITED_KEY.key_id
     assert got[0]["tenant"] is None  # nobody was authenticated
+    # The human log has each refusal once, at INFO, without a traceback (the
+    # only WARNING: this stack's control plane is unreachable), and no access line.
+    refused = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(refused) == 6
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert {r.name for r in caplog.records if r.levelno > logging.INFO} <= {"dataplane.sync.link"}
+    assert not any(r.getMessage().startswith("{") for r in caplog.records)
 
 
 async def test_sampling_writes_a_share_of_answers_and_every_5xx(
