@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,10 @@ from dataplane.http.accesslog import (
     rfc3339,
 )
 from dataplane.http.pipeline import ENDPOINTS, Exchange
+from dataplane.http.server import build_app
+from dataplane.http.state import ACCESS_LOG
 from dataplane.routes import build_routes
+from dataplane.settings import parse
 from dataplane.streaming.usage import Usage
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
@@ -241,3 +245,21 @@ async def test_a_closed_stdout_turns_the_log_off_without_raising(
     log.flush()
     assert len(calls) == 1
     assert "access log off" in caplog.text
+
+
+def test_the_flags_default_to_off_and_check_the_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--region=r", "--control-plane=127.0.0.1:1"]
+    off = parse(base)
+    assert (off.access_log, off.access_log_sample) == (False, 1.0)
+    on = parse([*base, "--access-log=on", "--access-log-sample=0.1"])
+    assert (on.access_log, on.access_log_sample) == (True, 0.1)
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(SystemExit):
+            parse([*base, "--access-log=on", f"--access-log-sample={bad}"])
+        assert "--access-log-sample must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_without_the_flag_the_app_has_no_access_log(tmp_path: Path) -> None:
+    base = ["--region=r", "--control-plane=127.0.0.1:1", f"--state-dir={tmp_path}"]
+    assert ACCESS_LOG not in build_app(parse(base))
+    assert build_app(parse([*base, "--access-log=on"]))[ACCESS_LOG].region == "r"
