@@ -3,6 +3,7 @@ counted (and, with --access-log on, logged), every answer with its request id.""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -116,9 +117,15 @@ def _access_line(
     started: float,
     finished: float,
 ) -> None:
-    """The answer's access-log line, with --access-log on and when sampled."""
+    """The answer's access-log line, with --access-log on and when sampled.
+
+    None for a request over a unix socket: a sibling worker asking for this
+    one's /metrics or /readyz (dataplane.workers), not a client."""
     access = request.app.get(ACCESS_LOG)
     if access is None or not access.sampled(status):
+        return
+    sock = request.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
         return
     access.write(
         accesslog.record(

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -43,12 +44,15 @@ def output(fleet: Fleet) -> list[str]:
     return fleet.proxies["p-eu"].log_path.read_text().splitlines()
 
 
-def access_lines(fleet: Fleet, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """The access lines, once there are `count` (written within ~0.1 s of each answer)."""
+def access_lines(
+    fleet: Fleet, ids: frozenset[str] = frozenset(), timeout: float = 10.0
+) -> list[dict[str, Any]]:
+    """The access lines, once those of `ids` are in (written within ~0.1 s of
+    each answer)."""
     deadline = time.monotonic() + timeout
     while True:
         found = [json.loads(line) for line in output(fleet) if line.startswith("{")]
-        if len(found) >= count or time.monotonic() > deadline:
+        if ids <= {line["request_id"] for line in found} or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
 
@@ -72,7 +76,7 @@ def test_every_answer_gets_one_access_line(fleet: Fleet) -> None:
         client.chat.completions.create(model="no-such-model", messages=USER)
     ids.append(missing.value.response.headers["x-request-id"])
 
-    lines = access_lines(fleet, 4)
+    lines = access_lines(fleet, frozenset(ids))
     by_id = {line["request_id"]: line for line in lines}
     assert set(ids) <= set(by_id), lines
     miss, hit, streamed, refused = (by_id[i] for i in ids)
@@ -95,3 +99,17 @@ def test_every_answer_gets_one_access_line(fleet: Fleet) -> None:
     # Every other line is a dated log line (the proxy's own, on standard error).
     others = [line for line in output(fleet) if not line.startswith("{")]
     assert others and all(DATED.match(line) for line in others), others[:5]
+
+
+def test_a_group_scrape_is_one_line_and_stop_writes_what_is_left(fleet: Fleet) -> None:
+    """Runs last: it stops the proxy. A scrape of the group's /metrics asks the
+    other worker over its private socket: that is not a client's request."""
+    before = len(access_lines(fleet))
+    scrape = httpx.get(f"http://{fleet.proxies['p-eu'].address}/metrics", timeout=10)
+    assert scrape.status_code == 200
+    assert 'ponto_worker_up{worker="1"} 1.0' in scrape.text
+    assert fleet.proxies["p-eu"].stop() == 0  # SIGTERM: each worker flushes at stop
+    lines = access_lines(fleet)[before:]
+    assert [(line["path"], line["request_id"]) for line in lines] == [
+        ("/metrics", scrape.headers["x-request-id"])
+    ]
