@@ -240,7 +240,7 @@ def cache_stats(address: str) -> dict[str, float]:
         'ponto_cache_requests_total{kind="exact",result="miss"}': "miss",
         "ponto_cache_entries": "entries",
         "ponto_cache_bytes": "bytes",
-        "ponto_cache_evictions": "evictions",
+        "ponto_cache_evictions_total": "evictions",
     }
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:

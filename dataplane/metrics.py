@@ -5,7 +5,18 @@ The metrics the request path updates are this module's `Counter` and
 update (prometheus_client's take a lock on every `inc`). That is safe because
 one event loop is their only writer and the scrape runs on the same loop.
 They export what prometheus_client's would, without the `_created` series.
-Gauges read at scrape time stay prometheus_client's.
+Gauges read at scrape time stay prometheus_client's; counts that only grow but
+are kept elsewhere (the cache store's evictions, the link's NACKs) are read at
+scrape time too, and typed as counters (`ReadCounter`).
+
+The GenAI metrics follow OpenTelemetry's GenAI semantic conventions
+(`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`,
+`gen_ai.client.operation.time_to_first_chunk`, with the bucket boundaries they
+advise), spelled as Prometheus names, with Ponto's labels beside theirs:
+`ponto_region` (the region of the origin that answered; the proxy's own for
+cache answers and refusals) and `ponto_cache` (hit, miss, bypass, or "" when no
+cache step ran). Each request records them once, when it is settled
+(`Metrics.operation`).
 """
 
 from __future__ import annotations
@@ -26,6 +37,24 @@ from dataplane.streaming.usage import Usage
 CellT = TypeVar("CellT", "CounterCell", "HistogramCell")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The boundaries OpenTelemetry's GenAI metrics conventions advise.
+GENAI_DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+GENAI_TOKEN_BUCKETS = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+)  # fmt: skip
+GENAI_FIRST_CHUNK_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+# gen_ai.operation.name of each proxied endpoint (OpenTelemetry's well-known
+# values); the Responses API generates as chat does.
+GENAI_OPERATIONS = {
+    "chat.completions": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+    "responses": "chat",
+}
 
 
 class CounterCell:
@@ -141,6 +170,23 @@ class Histogram(_Family[HistogramCell]):
                 buckets.append((le, float(cumulative)))
             family.add_metric(list(values), buckets, cell.sum)
         yield family
+
+
+class ReadCounter(Collector):
+    """A counter without labels whose value is read at scrape time from a count
+    kept elsewhere that only grows (0 until `read` is set)."""
+
+    def __init__(self, name: str, documentation: str, *, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._doc = documentation
+        self.read: Callable[[], float] = lambda: 0.0
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc, value=self.read())
 
 
 def _le(bound: float) -> str:
@@ -269,15 +315,49 @@ class Metrics:
         )
         self.cache_entries = Gauge("ponto_cache_entries", "Entries in the exact cache", registry=r)
         self.cache_bytes = Gauge("ponto_cache_bytes", "Bytes held by the exact cache", registry=r)
-        self.cache_evictions = Gauge(
+        self.cache_evictions = ReadCounter(
             "ponto_cache_evictions", "Entries evicted to stay under the memory bound", registry=r
         )
-        self.cache_expired = Gauge(
+        self.cache_expired = ReadCounter(
             "ponto_cache_expired", "Entries dropped because their TTL passed", registry=r
         )
-        self.cache_purged = Gauge("ponto_cache_purged", "Entries dropped by purges", registry=r)
-        self.table_nacks = Gauge(
+        self.cache_purged = ReadCounter(
+            "ponto_cache_purged", "Entries dropped by purges", registry=r
+        )
+        self.table_nacks = ReadCounter(
             "ponto_route_table_nacks", "Tables refused since start", registry=r
+        )
+        self.genai_duration = Histogram(
+            "gen_ai_client_operation_duration_seconds",
+            "GenAI operation duration (OpenTelemetry gen_ai.client.operation.duration), "
+            "from request received to answer complete; error_type is empty when it succeeded",
+            ["gen_ai_operation_name", "gen_ai_request_model", "error_type", "ponto_region",
+             "ponto_cache"],
+            buckets=GENAI_DURATION_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.genai_tokens = Histogram(
+            "gen_ai_client_token_usage",
+            "Tokens per operation answered by an origin (OpenTelemetry "
+            "gen_ai.client.token.usage), by gen_ai_token_type input or output",
+            ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type",
+             "ponto_region"],
+            buckets=GENAI_TOKEN_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.genai_first_chunk = Histogram(
+            "gen_ai_client_operation_time_to_first_chunk_seconds",
+            "Time from request received to the first chunk of a stream sent to the client "
+            "(OpenTelemetry gen_ai.client.operation.time_to_first_chunk)",
+            ["gen_ai_operation_name", "gen_ai_request_model", "ponto_region", "ponto_cache"],
+            buckets=GENAI_FIRST_CHUNK_BUCKETS,
+            registry=r,
+        )
+        self.info = Gauge(
+            "ponto_proxy_info",
+            "1, labelled with the proxy's name, region and software version",
+            ["proxy", "region", "version"],
+            registry=r,
         )
 
     @overload
@@ -312,16 +392,47 @@ class Metrics:
         if usage.completion_tokens:
             self.child(self.tenant_tokens, *who, "completion").inc(usage.completion_tokens)
 
+    def operation(
+        self,
+        operation: str,
+        model: str,
+        error_type: str,
+        region: str,
+        cache: str,
+        duration_s: float,
+        first_chunk_s: float | None,
+        usage: Usage | None,
+    ) -> None:
+        """Record one settled request in the GenAI metrics: its duration, the time
+        to its first streamed chunk (streams only), and the input and output
+        tokens an origin reported or the proxy counted (`usage`; None for answers
+        no origin produced, such as cache hits and refusals)."""
+        self.genai_duration.labels(operation, model, error_type, region, cache).observe(duration_s)
+        if first_chunk_s is not None:
+            self.genai_first_chunk.labels(operation, model, region, cache).observe(first_chunk_s)
+        if usage is not None:
+            tokens = self.genai_tokens
+            tokens.labels(operation, model, "input", region).observe(usage.prompt_tokens)
+            tokens.labels(operation, model, "output", region).observe(usage.completion_tokens)
+
+    def set_info(self, proxy: str, region: str, version: str) -> None:
+        """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""
+        self.info.clear()
+        self.info.labels(proxy, region, version).set(1)
+
     def bind_cache(self, stats: Callable[[], Any]) -> None:
         """Read the cache store's counters at scrape time."""
         self.cache_entries.set_function(lambda: float(stats().entries))
         self.cache_bytes.set_function(lambda: float(stats().bytes))
-        self.cache_evictions.set_function(lambda: float(stats().evictions))
-        self.cache_expired.set_function(lambda: float(stats().expired))
-        self.cache_purged.set_function(lambda: float(stats().purged))
+        self.cache_evictions.read = lambda: float(stats().evictions)
+        self.cache_expired.read = lambda: float(stats().expired)
+        self.cache_purged.read = lambda: float(stats().purged)
 
     def bind_semantic(self, index: Callable[[], Any]) -> None:
-        """Semantic index counters, once the index is loaded (0 before)."""
+        """Semantic index counters (NAME_total), once the index is loaded (0 before).
+
+        A new index (the model loaded again) starts its counts at 0: Prometheus
+        reads that drop as a counter reset."""
         r = self.registry
 
         def stat(name: str) -> Callable[[], float]:
@@ -337,7 +448,7 @@ class Metrics:
             ("entity_blocked", "Close neighbours refused because numbers or names differed"),
             ("busy", "Lookups skipped because the embedder was busy"),
         ):
-            Gauge(f"ponto_semantic_{name}", doc, registry=r).set_function(stat(name))
+            ReadCounter(f"ponto_semantic_{name}", doc, registry=r).read = stat(name)
         Gauge("ponto_semantic_entries", "Entries in the semantic index", registry=r).set_function(
             lambda: float(len(current)) if (current := index()) is not None else 0.0
         )
@@ -357,4 +468,4 @@ class Metrics:
         self.table_age.set_function(
             lambda: max(0.0, time.time() - last_heard()) if last_heard() else -1.0
         )
-        self.table_nacks.set_function(nacks)
+        self.table_nacks.read = nacks

@@ -67,6 +67,10 @@ class Settings:
     # from metrics_listen (see --metrics-key-labels); True here keeps the series
     # whole for code that builds Settings itself (tests).
     metrics_key_labels: bool = True
+    # One JSON line per answer on standard output (dataplane/http/accesslog.py),
+    # for this share of answers (every 5xx whatever the share).
+    access_log: bool = False
+    access_log_sample: float = 1.0
 
 
 def available_cores() -> int:
@@ -285,6 +289,22 @@ def parse(argv: list[str]) -> Settings:
         help="label per-tenant series with the API key id (default: on with "
         "--metrics-listen, off when /metrics is on the public port)",
     )
+    p.add_argument(
+        "--access-log",
+        choices=["on", "off"],
+        default="off",
+        help="one JSON line per answer on standard output: request id, tenant, model, "
+        "region, origin, attempts, cache status and bypass reason, status, TTFT, "
+        "duration, tokens (README: Access log)",
+    )
+    p.add_argument(
+        "--access-log-sample",
+        type=float,
+        default=1.0,
+        metavar="RATE",
+        help="with --access-log on, write this share of answers (0 < RATE <= 1), "
+        "chosen at random; every 5xx answer is written whatever the share",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     try:
@@ -359,6 +379,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--drain-seconds must be 0 (no draining) or more")
     if not 0.5 <= a.semantic_threshold <= 1:
         p.error("--semantic-threshold must be in 0.5..1")
+    if not 0 < a.access_log_sample <= 1:
+        p.error("--access-log-sample must be in (0, 1]")
     if a.report_interval_ms < 50:
         p.error("--report-interval-ms must be at least 50")
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
@@ -410,5 +432,7 @@ def parse(argv: list[str]) -> Settings:
         workers=workers,
         metrics_listen=metrics_listen,
         metrics_key_labels=key_labels,
+        access_log=a.access_log == "on",
+        access_log_sample=a.access_log_sample,
     )
     return settings if slot is None else as_worker(settings, slot)

@@ -362,8 +362,12 @@ def start_demo_fleet(
             fleet.add_origin(origin, region.name, fleet.origin_url(origin))
         version = fleet.table_version(origins=len(DEMO_REGIONS))
         for region_name, port in zip(("us-east", "eu-west"), proxy_ports, strict=True):
+            # The access log goes to the proxy's log file with its other output.
             fleet.start_proxy(
-                f"proxy-{region_name}", region_name, listen=f"127.0.0.1:{port}", extra=geo
+                f"proxy-{region_name}",
+                region_name,
+                listen=f"127.0.0.1:{port}",
+                extra=[*geo, "--access-log", "on"],
             )
         fleet.wait_proxies_at(version)
     except BaseException:

@@ -17,9 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from dataplane.http.refusals import refusals
 from ponto.devenv import Etcd, EtcdServerTls, start_etcd
 from ponto.pki import Bundle, make_bundle
 from tests.hostsns import NAME_A, NAME_B, PrivateHosts, unshare_problem
+
+
+@pytest.fixture(autouse=True)
+def _full_refusal_budget() -> None:
+    """Each test starts with the refusal log's whole burst: the log is one per
+    process, and a test that floods it must not silence the next test's lines."""
+    refusals.reset()
 
 
 @dataclass

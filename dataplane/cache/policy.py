@@ -125,13 +125,18 @@ def _directives(header: str) -> list[tuple[str, str | None]]:
 
 
 class Reason(enum.StrEnum):
+    """Why the cache may or may not serve a request. The values are stable
+    tokens: clients read a bypass's in `x-ponto-cache-reason`, dashboards in the
+    `kind` label of ponto_cache_requests_total, and README.md lists them."""
+
     CACHEABLE = "cacheable"
-    DISABLED = "disabled"
-    NO_STORE = "no-store"
-    NO_CACHE = "no-cache"
-    ENDPOINT = "endpoint"
-    NONDETERMINISTIC = "nondeterministic"
+    DISABLED = "disabled"  # the tenant's cache is off
+    NO_STORE = "no-store"  # Cache-Control: no-store
+    NO_CACHE = "no-cache"  # Cache-Control: no-cache (looked up no, stored yes: a miss)
+    ENDPOINT = "endpoint"  # not a cached endpoint (the Responses API)
+    NONDETERMINISTIC = "nondeterministic"  # sampled (temperature > 0, no seed)
     TOO_LARGE = "too-large"  # too many JSON values to key at a bounded cost
+    UNKEYABLE = "unkeyable"  # a value with no canonical form (NaN, a huge integer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,11 @@ class CachePlan:
     """
 
     outcome: Outcome  # the x-ponto-cache header
+    # Why a bypass: the policy's reason (dataplane.cache.policy.Reason), a
+    # short stable token sent as x-ponto-cache-reason.
+    reason: str = ""
+    # How a hit was found: exact, semantic or coalesced (a follower).
+    kind: str = ""
     include_usage: bool = False
     entry: CachedResponse | None = None
     similarity: float | None = None
@@ -214,10 +219,10 @@ class EdgeCache:
             try:
                 key = self._key(req)
             except UncacheableRequest:
-                decision = Decision(False, False, Reason.NONDETERMINISTIC)
+                decision = Decision(False, False, Reason.UNKEYABLE)
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
-            return CachePlan("bypass")
+            return CachePlan("bypass", reason=decision.reason)
         include_usage = _include_usage(req.body)
         context = text = ""
         if decision.semantic and self.semantic is None:
@@ -231,7 +236,7 @@ class EdgeCache:
             entry = await self.store.get(key)
             if entry is not None and cc.accepts_age(self._clock() - entry.created_at):
                 self._count("hit", "exact")
-                return CachePlan("hit", include_usage, entry=entry)
+                return CachePlan("hit", kind="exact", include_usage=include_usage, entry=entry)
             if text and self.semantic is not None:
                 found = await self.semantic.lookup(
                     req.tenant.name, model, context, text, policy.semantic_threshold
@@ -241,13 +246,19 @@ class EdgeCache:
                     if near is not None and cc.accepts_age(self._clock() - near.created_at):
                         self._count("hit", "semantic")
                         return CachePlan(
-                            "hit", include_usage, entry=near, similarity=found.similarity
+                            "hit",
+                            kind="semantic",
+                            include_usage=include_usage,
+                            entry=near,
+                            similarity=found.similarity,
                         )
                     self.semantic.remove(found.key)  # its answer is gone
             # No await between the miss above and joining: see Coalescer.
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
-                return CachePlan("hit", include_usage, follower=flight, key=key)
+                return CachePlan(
+                    "hit", kind="coalesced", include_usage=include_usage, follower=flight, key=key
+                )
             leader = flight
         return self._fill(req, key, leader, context, text, include_usage)
 
@@ -274,7 +285,7 @@ class EdgeCache:
             )
         return CachePlan(
             "miss",
-            include_usage,
+            include_usage=include_usage,
             key=key,
             leader=leader,
             recorder=recorder,

@@ -1,17 +1,22 @@
 """The error boundary of every route: errors in the OpenAI shape, every answer
-counted, every answer with its request id."""
+counted (and, with --access-log on, logged), every answer with its request id."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
+from dataplane.geo.clientip import TrustedProxies, client_ip
+from dataplane.http import accesslog
 from dataplane.http.errors import ApiError
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
+    ACCESS_LOG,
     DRAINING,
     EXCHANGE,
     METRICS,
@@ -19,6 +24,11 @@ from dataplane.http.state import (
     REQUEST_ID,
     REQUEST_IDS,
 )
+from dataplane.metrics import GENAI_OPERATIONS
+
+if TYPE_CHECKING:
+    from dataplane.auth.authenticator import Principal
+    from dataplane.http.pipeline import Exchange
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -37,6 +47,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     logged where it happened); the caller's rate-limit headers come from the
     request's Exchange when it has one. Anything else is a bug: logged once
     with its traceback, answered with a generic 500 in the same shape.
+
+    A proxied request (one with an Exchange) is recorded once here in the
+    GenAI metrics, and every answer gets its access-log line here, once the
+    handler has returned: after a stream's last byte, after settlement.
     """
     started = time.perf_counter()
     app = request.app
@@ -49,32 +63,96 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # says `Connection: close`: the client opens its next request elsewhere.
         request._message = request._message._replace(should_close=True)
     failed = False
+    error = ""
     try:
         response = await handler(request)
     except Exception as exc:
-        response = _error_response(request, exc)
+        response, error = _error_response(request, exc)
         failed = True
     ex = request.get(EXCHANGE)
     if not response.prepared:  # a stream sent its headers itself
         response.headers.setdefault("x-request-id", request_id)
     if failed and ex is not None:
-        # An error answer to a proxied request: the caller's limits.
+        # An error answer to a proxied request: the caller's limits, and what
+        # the cache step decided if it ran.
         for name, value in ex.limit_headers:
             response.headers.setdefault(name, value)
+        if ex.cache is not None:
+            for name, value in ex.cache_headers(ex.cache.outcome):
+                response.headers.setdefault(name, value)
+    status = response.status
+    if not error and ex is not None:
+        error = ex.stream_error
+    if not error and status >= 400:
+        error = str(status)  # an origin's own error answer
     principal = ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
     if principal is not None:
-        m.account_request(principal.tenant, principal.key_id, response.status)
-    m.child(m.requests, endpoint, str(response.status)).inc()
-    m.child(m.duration, endpoint).observe(time.perf_counter() - started)
+        m.account_request(principal.tenant, principal.key_id, status)
+    m.child(m.requests, endpoint, str(status)).inc()
+    finished = time.perf_counter()
+    m.child(m.duration, endpoint).observe(finished - started)
+    if ex is not None:
+        m.operation(
+            GENAI_OPERATIONS.get(ex.endpoint.name, ex.endpoint.name),
+            ex.model,
+            error,
+            ex.region or ex.routes.region,
+            ex.cache.outcome if ex.cache is not None else "",
+            finished - started,
+            ex.first_chunk_at - started if ex.stream and ex.first_chunk_at is not None else None,
+            ex.usage if ex.origin else None,
+        )
+    _access_line(request, request_id, endpoint, principal, ex, status, error, started, finished)
     return response
 
 
-def _error_response(request: web.Request, exc: Exception) -> web.Response:
-    """The answer to a failure (an unprepared response); a redirect is re-raised."""
+def _access_line(
+    request: web.Request,
+    request_id: str,
+    endpoint: str,
+    principal: Principal | None,
+    ex: Exchange | None,
+    status: int,
+    error: str,
+    started: float,
+    finished: float,
+) -> None:
+    """The answer's access-log line, with --access-log on and when sampled.
+
+    None for a request over a unix socket: a sibling worker asking for this
+    one's /metrics or /readyz (dataplane.workers), not a client."""
+    access = request.app.get(ACCESS_LOG)
+    if access is None or not access.sampled(status):
+        return
+    sock = request.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        return
+    access.write(
+        accesslog.record(
+            ended=access.clock(),
+            request_id=request_id,
+            method=request.method,
+            path=request.path,
+            endpoint=endpoint,
+            client=_client(request, access.trusted),
+            principal=principal,
+            ex=ex,
+            region=access.region,
+            status=status,
+            error=error,
+            started=started,
+            finished=finished,
+        )
+    )
+
+
+def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response, str]:
+    """The answer to a failure (an unprepared response) and its error code; a
+    redirect is re-raised."""
     if isinstance(exc, ApiError):
         if not exc.logged:
             _refused(request, exc.status, exc.code, exc.message)
-        return exc.response()
+        return exc.response(), exc.code or str(exc.status)
     if isinstance(exc, web.HTTPException):
         # Router errors (unknown path, wrong method) in the same shape.
         if exc.status < 400:
@@ -87,17 +165,23 @@ def _error_response(request: web.Request, exc: Exception) -> web.Response:
         _refused(request, error.status, error.code, error.message)
         response = error.response()
         response.headers.extend((k, v) for k, v in exc.headers.items() if k.lower() == "allow")
-        return response
+        return response, error.code or str(error.status)
     if isinstance(exc, ConnectionResetError):
         # The client went away while its answer was being written (a replay, a
         # followed flight): nobody to answer, nothing to log. Counted as
         # nginx's 499, "client closed request".
         request.app[METRICS].client_disconnects.inc()
-        return web.Response(status=CLIENT_CLOSED)
+        return web.Response(status=CLIENT_CLOSED), "client_disconnected"
     request.app.logger.exception("unhandled error on %s %s", request.method, request.path)
-    return ApiError(
-        500, "internal error in the proxy", type="server_error", code="internal_error"
-    ).response()
+    error = ApiError(500, "internal error in the proxy", type="server_error", code="internal_error")
+    return error.response(), "internal_error"
+
+
+def _client(request: web.Request, trusted: TrustedProxies) -> str | None:
+    """The client's address as the geo step finds it (forwarding headers of
+    trusted proxies believed), or the socket's peer."""
+    ip = client_ip(request.remote, request.headers, trusted)
+    return str(ip) if ip is not None else request.remote
 
 
 def _refused(request: web.Request, status: int, code: str | None, message: str) -> None:
@@ -122,6 +206,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """The proxied routes' `Expect` handler: `100-continue` is answered as
     aiohttp does; any other expectation gets a 417 in the OpenAI shape (aiohttp
     answers one in plain text, before any middleware runs)."""
+    started = time.perf_counter()
     expect = request.headers.get("expect", "")
     if expect.lower() == "100-continue":
         await _default_expect_handler(request)
@@ -141,4 +226,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         remote=request.remote,
         what=f"{request.method} {request.path}",
     )
+    name = request.match_info.route.name or "other"
+    code = error.code or ""
+    _access_line(request, request_id, name, None, None, 417, code, started, time.perf_counter())
     return error.response()

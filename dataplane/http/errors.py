@@ -45,6 +45,8 @@ class ApiError(Exception):
         # Its cause was already logged where it happened (an origin failure):
         # the boundary does not log it again as a refusal.
         self.logged = logged
+        # Origin calls made before it was raised (dataplane.upstream.forwarder).
+        self.attempts = 0
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         body = {

@@ -124,16 +124,36 @@ class Exchange:
     # (counted in a summed usage when the stream has one) and hedges (never).
     continuation_prompt: int = 0
     hedge_prompt: int = 0
+    # What the access log and the GenAI metrics report (dataplane.http.accesslog)
+    origin: str = ""  # the origin that answered, and its region
+    region: str = ""
+    attempts: int = 0  # origin calls made, hedges and continuations included
+    hedged: bool = False
+    first_chunk_at: float | None = None  # time.perf_counter() of a stream's first chunk
+    stream_error: str = ""  # how a stream that started as a success ended badly
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
-        """What every answer to this request carries besides the origin's headers."""
-        headers = [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
+        """What every answer to this request carries besides the origin's headers:
+        its id, the cache outcome (with the reason of a bypass) and the route."""
+        headers = [("x-request-id", self.request_id), *self.cache_headers(cache_outcome)]
         if self.route:
             headers.append((ROUTE_HEADER, self.route))
         return headers
 
+    def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
+        """`x-ponto-cache`, and for a bypass its reason."""
+        if outcome == "bypass" and self.cache is not None and self.cache.reason:
+            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, self.cache.reason)]
+        return [(CACHE_HEADER, outcome)]
+
+    def chunk_sent(self) -> None:
+        """Called as a stream's first chunk goes to the client (dataplane.http.reply)."""
+        if self.first_chunk_at is None:
+            self.first_chunk_at = time.perf_counter()
+
 
 CACHE_HEADER = "x-ponto-cache"
+CACHE_REASON_HEADER = "x-ponto-cache-reason"
 ROUTE_HEADER = "x-ponto-route"
 
 # How long a request may wait for a concurrency slot when this proxy holds none:
@@ -305,9 +325,16 @@ class Pipeline:
             )
         body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
         headers = forwarder.request_headers(ex.headers, ex.request_id)
-        answer = await forwarder.forward(
-            ex.endpoint.upstream_path, body, headers, candidates, hedge=hedge, stream=ex.stream
-        )
+        try:
+            answer = await forwarder.forward(
+                ex.endpoint.upstream_path, body, headers, candidates, hedge=hedge, stream=ex.stream
+            )
+        except ApiError as exc:
+            ex.attempts = exc.attempts
+            raise
+        ex.origin, ex.region = answer.target.name, answer.target.region
+        ex.attempts = answer.attempt
+        ex.hedged = answer.hedged
         if answer.hedged:
             ex.route = "hedge"  # the chosen origin was slower than the next one
         elif answer.target is not candidates[0]:
@@ -391,6 +418,9 @@ class Pipeline:
             if resume is not None:
                 resume.close()
                 ex.continuation_prompt = resume.extra_prompt
+                if resume.count:
+                    ex.attempts += resume.count
+                    ex.origin, ex.region = resume.origin, resume.region
         m = self.metrics
         name = resume.origin if resume is not None else origin.target.name
         if end.cut and resume is None:  # the hook counts the cuts it sees
@@ -401,6 +431,9 @@ class Pipeline:
             m.attempt(name, "ok").inc()
         if end.client_gone:
             m.client_disconnects.inc()
+            ex.stream_error = "client_disconnected"
+        elif not end.complete:
+            ex.stream_error = "stream_cut"
         await self.cache.settle_stream(ex.cache_request, plan, origin.status, end)
         return out
 

@@ -45,6 +45,12 @@ class RefusalLog:
         self._last = clock()
         self.skipped = 0  # refusals not written since the last line
 
+    def reset(self) -> None:
+        """Back to a full burst, as at start (for tests that share the process's log)."""
+        self._allowance = self._burst
+        self._last = self._clock()
+        self.skipped = 0
+
     def refused(
         self,
         status: int,

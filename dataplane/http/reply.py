@@ -94,6 +94,7 @@ async def relay_origin(
     )
     out.headers["cache-control"] = "no-cache"
     await _prepare_stream(out, request)
+    ex.chunk_sent()  # the origin's first chunk is in hand: relay writes it at once
     readers: list[EventSink] = [counter]
     if plan.recorder is not None:
         readers.append(plan.recorder)
@@ -184,6 +185,7 @@ async def _start_stream(
     out.headers.extend(headers)
     out.headers.extend(ex.limit_headers)
     await _prepare_stream(out, request)
+    ex.chunk_sent()  # every caller writes its first chunk next
     return out
 
 

@@ -137,6 +137,11 @@ class Continuations:
         """The origin streaming now (the last one continued on)."""
         return self._current.target.name
 
+    @property
+    def region(self) -> str:
+        """The region of `origin`."""
+        return self._current.target.region
+
     def close(self) -> None:
         """Release every origin answer this hook opened."""
         for answer in self._opened:

@@ -24,10 +24,12 @@ from dataplane.cache.store import ExactStore
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
 from dataplane.http import endpoints
+from dataplane.http.accesslog import AccessLog, Sampler
 from dataplane.http.boundary import errors_and_metrics, expect_continue
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import (
+    ACCESS_LOG,
     CLIENT,
     DRAINING,
     EXCHANGE,
@@ -85,6 +87,11 @@ class Proxy:
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
         self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
+        self.access_log = None
+        if settings.access_log:
+            self.access_log = AccessLog(
+                settings.region, self.locator.trusted, Sampler(settings.access_log_sample)
+            )
         info = pb.ProxyInfo(
             name=settings.name,
             region=settings.region,
@@ -114,7 +121,9 @@ class Proxy:
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """The start step, then (after the yield) the stop step."""
         settings = self.settings
-        self.client.set_version(software_version())  # package metadata: a file read
+        release = software_version()  # package metadata: a file read
+        self.client.set_version(release)
+        self.metrics.set_info(settings.name, settings.region, release)
         self.quota.load_saved()
         if self.holder.load_saved():
             log.warning("serving the saved route table until the control plane answers")
@@ -156,6 +165,8 @@ class Proxy:
             self.locator.close()
             await self.holder.flush()
             await self.quota.flush()
+            if self.access_log is not None:
+                self.access_log.close()
 
     async def _sweep(self) -> None:
         while True:
@@ -176,6 +187,8 @@ def build_app(settings: Settings) -> web.Application:
     app[DRAINING] = proxy.draining
     app[CLIENT] = proxy.client
     app[REQUEST_IDS] = RequestIds()
+    if proxy.access_log is not None:
+        app[ACCESS_LOG] = proxy.access_log
     app.cleanup_ctx.append(proxy.lifetime)
     r = app.router
     for endpoint in ENDPOINTS.values():

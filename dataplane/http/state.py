@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from dataplane.auth.authenticator import Principal
+from dataplane.http.accesslog import AccessLog
 from dataplane.http.requestid import RequestIds
 from dataplane.metrics import Metrics
 from dataplane.sync.holder import TableHolder
@@ -37,6 +38,8 @@ QUOTA = web.AppKey("quota", QuotaState)
 DRAINING = web.AppKey("draining", Draining)
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
+# Set only with --access-log on.
+ACCESS_LOG = web.AppKey("access_log", AccessLog)
 
 # Every request's id, set by the error boundary before any handler runs.
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -300,7 +300,9 @@ class Forwarder:
             len(failures),
             "; ".join(failures) or "no candidate",
         )
-        raise upstream_timeout() if timed_out else upstream_unavailable()
+        error = upstream_timeout() if timed_out else upstream_unavailable()
+        error.attempts = tries.made
+        raise error
 
     async def _failover(
         self,

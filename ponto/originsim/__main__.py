@@ -21,6 +21,7 @@ import uvloop
 from aiohttp import web
 from aiohttp.log import access_logger
 
+from ponto.logs import formatter
 from ponto.originsim.app import SimConfig, build_app
 
 
@@ -256,11 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_file is not None:
         # A file left by an earlier run must not pass for this run's address.
         args.ready_file.unlink(missing_ok=True)
+    # Dated lines, as every Ponto process writes them (ponto.logs).
     logging.basicConfig(
-        level=logging.INFO if args.access_log else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if args.access_log else logging.WARNING, stream=sys.stderr
     )
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter())
     try:
         return uvloop.run(
             _serve(config, args.listen, args.ready_file, args.shutdown_timeout, args.access_log)

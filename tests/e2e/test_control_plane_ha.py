@@ -134,7 +134,7 @@ def test_a_table_a_proxy_cannot_use_is_nacked_and_the_old_one_serves(fleet: Flee
     )
     assert r.status_code == 200
     metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
-    assert "ponto_route_table_nacks 1.0" in metrics
+    assert "ponto_route_table_nacks_total 1.0" in metrics
     # Fixing the state lets the next table through.
     fleet.admin().DeleteTenant(apb.DeleteRequest(name="broken"), timeout=5)
     fleet.wait_proxies_at(fleet.wait_table(lambda t: not t.tenants))

@@ -271,8 +271,8 @@ def test_purge_and_cache_metrics(fleet: Fleet) -> None:
         'ponto_cache_requests_total{kind="coalesced",result="hit"}',
         "ponto_cache_entries ",
         "ponto_cache_bytes ",
-        "ponto_cache_evictions ",
-        "ponto_cache_purged ",
+        "ponto_cache_evictions_total ",
+        "ponto_cache_purged_total ",
     ):
         assert line in metrics, line
 

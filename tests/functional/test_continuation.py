@@ -193,6 +193,18 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
         await server.close()
 
 
+def operations(p: Proxy) -> dict[tuple[str, str], float]:
+    """gen_ai_client_operation_duration_seconds counts by (error_type, ponto_region)."""
+    registry = p.app[METRICS].registry
+    return {
+        (s.labels["error_type"], s.labels["ponto_region"]): s.value
+        for family in registry.collect()
+        if family.name == "gen_ai_client_operation_duration_seconds"
+        for s in family.samples
+        if s.name.endswith("_count")
+    }
+
+
 def text_of(chunks: list[dict[str, Any]]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
@@ -228,6 +240,8 @@ async def test_a_broken_stream_goes_on_at_the_next_origin_as_one_stream(
     assert asked["max_tokens"] == 48
     metrics = p.app[METRICS]
     assert metrics.child(metrics.continuations, "ok").value == 1
+    # The GenAI metrics name the region of the origin that finished the stream.
+    assert operations(p) == {("", "r1"): 1.0}
 
 
 async def test_continuation_off_ends_with_the_error_event(
@@ -238,6 +252,7 @@ async def test_continuation_off_ends_with_the_error_event(
     chunks, _ = await p.stream()
     assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert not b.bodies
+    assert operations(p) == {("stream_cut", "r0"): 1.0}
 
 
 async def test_only_origins_that_accept_continuations_are_asked(

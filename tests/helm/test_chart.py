@@ -383,6 +383,16 @@ def test_metrics_port_and_key_labels_are_values(helm: Path) -> None:
     assert "proxy.metrics.port" in refused(helm, "--set", "proxy.metrics.port=8080")
 
 
+def test_the_access_log_is_on_unless_turned_off(helm: Path, default: list[Doc]) -> None:
+    def access_log(docs: list[Doc]) -> str:
+        deployment = next(d for n, d in objects(docs, "Deployment").items() if "proxy" in n)
+        return flags(container(deployment))["--access-log"]
+
+    assert access_log(default) == "on"
+    assert access_log(render(helm, "--set-string", "proxy.accessLog=off")) == "off"
+    assert "accessLog" in refused(helm, "--set-string", "proxy.accessLog=yes")
+
+
 def test_geoip_database_is_a_mounted_volume(default: list[Doc], three: list[Doc]) -> None:
     for region in REGIONS:
         deployment = one(three, "Deployment", f"ponto-proxy-{region}")

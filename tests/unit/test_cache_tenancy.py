@@ -10,7 +10,7 @@ from typing import Any
 from dataplane.assemble import NO_RULES
 from dataplane.cache.coalesce import Follower, Leader
 from dataplane.cache.keys import CHAT
-from dataplane.cache.policy import TenantCachePolicy
+from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.cache.step import CacheRequest, EdgeCache
 from dataplane.cache.store import ExactStore
 from dataplane.metrics import Metrics
@@ -68,3 +68,19 @@ async def test_another_tenants_answer_is_not_served() -> None:
     b = await edge.plan(request("tenant-b"))
     assert b.outcome == "miss" and b.entry is None
     b.abandon()
+
+
+async def test_a_bypass_plan_carries_the_policys_reason() -> None:
+    edge = cache()
+    sampled = request("acme")
+    sampled.body["temperature"] = 1
+    assert (await edge.plan(sampled)).reason == "nondeterministic"
+    unkeyable = request("acme")
+    unkeyable.body["top_p"] = float("nan")  # no canonical form
+    plan = await edge.plan(unkeyable)
+    assert (plan.outcome, plan.reason) == ("bypass", "unkeyable")
+    off = CacheRequest(CHAT, dict(BODY), TenantRules("t", NO_RULES, TenantCachePolicy(
+        mode=CacheMode.OFF)), stream=False)  # fmt: skip
+    assert (await edge.plan(off)).reason == "disabled"
+    hit_or_miss = await edge.plan(request("acme"))
+    assert (hit_or_miss.outcome, hit_or_miss.reason) == ("miss", "")

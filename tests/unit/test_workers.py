@@ -32,6 +32,7 @@ from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
+from dataplane.streaming.usage import Usage
 
 BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east", "--name", "p"]
 
@@ -227,7 +228,9 @@ def test_merge_keeps_each_family_together_with_every_workers_series() -> None:
         m = Metrics()
         m.child(m.requests, "chat.completions", "200").inc(count)
         m.child(m.duration, "chat.completions").observe(0.01 * count)
+        m.operation("chat", "m", "", "r1", "miss", 0.1 * count, 0.01, Usage(count, 1))
         m.table_version.set(40 + index)
+        m.table_nacks.read = float(index).__float__
         parts.append((index, exposition(m)))
     parts.append((2, None))
     merged = workers.merge_expositions(parts).decode()
@@ -248,6 +251,22 @@ def test_merge_keeps_each_family_together_with_every_workers_series() -> None:
     # One HELP and TYPE per family: the text format forbids a family in two groups.
     helps = [line for line in merged.splitlines() if line.startswith("# HELP ")]
     assert len(helps) == len(set(helps))
+    # Counters stay counters (NACKs too, read at scrape time), with no _created.
+    assert "_created" not in merged
+    for family in families.values():
+        if any(s.name.endswith("_total") for s in family.samples):
+            assert family.type == "counter", family.name
+    nacks = families["ponto_route_table_nacks"]
+    assert sorted((s.labels["worker"], s.value) for s in nacks.samples) == [
+        ("0", 0.0),
+        ("1", 1.0),
+    ]
+    genai = families["gen_ai_client_operation_duration_seconds"]
+    assert genai.type == "histogram"
+    assert sorted(s.labels["worker"] for s in genai.samples if s.name.endswith("_count")) == [
+        "0",
+        "1",
+    ]
     promtool_accepts(merged)
 
 

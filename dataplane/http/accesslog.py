@@ -1,0 +1,256 @@
+"""The access log (`--access-log on`): one JSON line per answer, on standard output.
+
+Every answer passes the error boundary (dataplane.http.boundary) once; there
+an `AccessRecord` is built from the request's `Exchange` (when the request
+reached the pipeline) and handed to the app's `AccessLog`, refusals and errors
+included. Lines are for machines (one JSON object each, the same keys on every
+line, null where a field does not apply), next to the human log on standard
+error, which keeps its refusal lines (dataplane.http.refusals): the access log
+is a record of traffic, not a second error log.
+
+Sampling (`--access-log-sample RATE`, 0 < RATE <= 1): each answer is written
+with probability RATE, except that every 5xx answer is written: server-side
+failures are rare and are the lines an operator looks for.
+
+Writing never blocks the event loop for long: lines are buffered and written
+with one `os.write` per batch, at the latest FLUSH_AFTER_S after the first
+line of a batch, when the batch passes MAX_BATCH bytes, and at stop. A batch
+write holds whole lines and at most PIPE_BUF bytes when it can, so the lines of
+the workers of one group (--workers, all writing to one inherited pipe) never
+interleave inside a line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import random
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from dataplane import jsonio
+
+if TYPE_CHECKING:
+    from dataplane.auth.authenticator import Principal
+    from dataplane.geo.clientip import TrustedProxies
+    from dataplane.http.pipeline import Exchange
+
+__all__ = ["AccessLog", "AccessRecord", "Sampler", "record", "rfc3339"]
+
+log = logging.getLogger(__name__)
+
+FLUSH_AFTER_S: Final = 0.1
+MAX_BATCH: Final = 64 * 1024
+# Writes of at most this many bytes to a pipe are atomic (POSIX, 4096 on Linux).
+ATOMIC_WRITE: Final = getattr(select, "PIPE_BUF", 512)
+MAX_PATH: Final = 200
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """One answer, as the access log writes it. Durations in milliseconds.
+
+    Not frozen: a frozen dataclass's 24 field assignments cost a few µs a request."""
+
+    ts: str  # when the answer ended, RFC 3339 in UTC with milliseconds
+    request_id: str
+    method: str
+    path: str  # cut to MAX_PATH characters; never the query string
+    endpoint: str  # the route's name ("chat.completions", "models", ...) or "other"
+    client: str | None  # the client's address, trusted proxies' forwarding believed
+    tenant: str | None
+    key_id: str | None
+    model: str | None
+    region: str  # of the origin that answered; the proxy's own otherwise
+    origin: str | None
+    attempts: int  # origin calls made (failover, hedge and continuations included)
+    route: str | None  # why that origin (x-ponto-route)
+    hedged: bool
+    cache: str | None  # hit, miss, bypass; None when no cache step ran
+    cache_reason: str | None  # why a bypass
+    cache_kind: str | None  # how a hit was found: exact, semantic, coalesced
+    status: int
+    error: str | None  # the error code of an error answer, or how a stream ended badly
+    stream: bool
+    ttft_ms: float | None  # to a stream's first chunk
+    duration_ms: float
+    input_tokens: int | None
+    output_tokens: int | None
+
+    def line(self) -> bytes:
+        return jsonio.dumps(self) + b"\n"
+
+
+def rfc3339(t: float) -> str:
+    """`t` (seconds since the epoch) as ``2026-12-01T01:02:03.456Z``."""
+    whole = int(t)
+    return f"{_second(whole)}.{int((t - whole) * 1000):03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(whole: int) -> str:
+    # strftime costs more than the rest of a record: once a second, not per line.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+
+
+def record(
+    *,
+    ended: float,
+    request_id: str,
+    method: str,
+    path: str,
+    endpoint: str,
+    client: str | None,
+    principal: Principal | None,
+    ex: Exchange | None,
+    region: str,
+    status: int,
+    error: str,
+    started: float,
+    finished: float,
+) -> AccessRecord:
+    """The record of one answer. `ended` is wall-clock time (the `ts`);
+    `started`, `finished` and the Exchange's first-chunk time are
+    time.perf_counter() readings. `region` is the proxy's own (the Exchange
+    says which origin's region answered, when one did). Pure."""
+    ms = 1000.0
+    tenant = key_id = None
+    if principal is not None:
+        tenant, key_id = principal.tenant, principal.key_id or None
+    if ex is None:
+        return AccessRecord(
+            rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
+            key_id, None, region, None, 0, None, False, None, None, None, status,
+            error or None, False, None, round((finished - started) * ms, 3), None, None,
+        )  # fmt: skip
+    plan = ex.cache
+    usage = ex.usage
+    first = ex.first_chunk_at
+    return AccessRecord(
+        ts=rfc3339(ended),
+        request_id=request_id,
+        method=method,
+        path=path[:MAX_PATH],
+        endpoint=endpoint,
+        client=client,
+        tenant=tenant,
+        key_id=key_id,
+        model=ex.model or None,
+        region=ex.region or region,
+        origin=ex.origin or None,
+        attempts=ex.attempts,
+        route=ex.route or None,
+        hedged=ex.hedged,
+        cache=plan.outcome if plan is not None else None,
+        cache_reason=(plan.reason or None) if plan is not None else None,
+        cache_kind=(plan.kind or None) if plan is not None and plan.outcome == "hit" else None,
+        status=status,
+        error=error or None,
+        stream=ex.stream,
+        ttft_ms=round((first - started) * ms, 3) if ex.stream and first is not None else None,
+        duration_ms=round((finished - started) * ms, 3),
+        input_tokens=usage.prompt_tokens if usage is not None else None,
+        output_tokens=usage.completion_tokens if usage is not None else None,
+    )
+
+
+class Sampler:
+    """Which answers get a line: see the module docstring. `rng` returns a
+    float in [0, 1) (random.random by default)."""
+
+    __slots__ = ("_rng", "rate")
+
+    def __init__(self, rate: float = 1.0, rng: Callable[[], float] = random.random) -> None:
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"the access log's sample rate must be in (0, 1], not {rate}")
+        self.rate = rate
+        self._rng = rng
+
+    def __call__(self, status: int) -> bool:
+        return self.rate >= 1.0 or status >= 500 or self._rng() < self.rate
+
+
+class AccessLog:
+    """Buffers access lines and writes them to `fd` (standard output).
+
+    One per app, used from its event loop only. `close` (at stop) writes what
+    is left. A write error (standard output closed) turns the log off with one
+    ERROR line: the proxy keeps serving.
+    """
+
+    def __init__(
+        self,
+        region: str,
+        trusted: TrustedProxies,
+        sampler: Sampler | None = None,
+        *,
+        fd: int = 1,
+        write: Callable[[int, bytes], int] = os.write,
+        clock: Callable[[], float] = time.time,
+        call_later: Callable[[float, Callable[[], None]], asyncio.Handle] | None = None,
+    ) -> None:
+        self.region = region  # the proxy's
+        self.trusted = trusted  # whose forwarding headers name the client
+        self.sampled = sampler or Sampler()
+        self.clock = clock  # wall time, for the records' `ts`
+        self._fd = fd
+        self._write = write
+        self._lines: list[bytes] = []
+        self._size = 0
+        # The running loop's call_later unless a test gives its own.
+        self._call_later = call_later
+        self._timer: asyncio.Handle | None = None
+        self._broken = False
+
+    def write(self, rec: AccessRecord) -> None:
+        """Queue one line; written within FLUSH_AFTER_S (needs a running loop)."""
+        if self._broken:
+            return
+        line = rec.line()
+        self._lines.append(line)
+        self._size += len(line)
+        if self._size >= MAX_BATCH:
+            self.flush()
+        elif self._timer is None:
+            call_later = self._call_later or asyncio.get_running_loop().call_later
+            self._timer = call_later(FLUSH_AFTER_S, self.flush)
+
+    def flush(self) -> None:
+        """Write every queued line now, in whole-line writes."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        lines, self._lines, self._size = self._lines, [], 0
+        try:
+            for batch in batches(lines, ATOMIC_WRITE):
+                rest = batch
+                while rest:
+                    rest = rest[self._write(self._fd, rest) :]
+        except OSError as exc:
+            self._broken = True
+            log.error("access log off: cannot write to fd %d: %s", self._fd, exc)
+
+    def close(self) -> None:
+        self.flush()
+
+
+def batches(lines: list[bytes], limit: int) -> list[bytes]:
+    """`lines` joined into as few writes as possible of at most `limit` bytes
+    each, every write whole lines; a longer line is a write of its own."""
+    out: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for line in lines:
+        if current and size + len(line) > limit:
+            out.append(b"".join(current))
+            current, size = [], 0
+        current.append(line)
+        size += len(line)
+    if current:
+        out.append(b"".join(current))
+    return out

@@ -1,0 +1,266 @@
+"""The access log, the bypass reason header and the GenAI metrics, through the
+proxy's app and the origin simulator on loopback (tests/functional/test_pipeline.py's
+stack), with `--access-log on`: the lines are read from the process's standard
+output (pytest's capfd)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dataplane.http.accesslog import Sampler
+from dataplane.http.state import ACCESS_LOG, METRICS
+from ponto.originsim.app import SimConfig
+from tests.functional.test_pipeline import (
+    KEY,
+    LIMITED_KEY,
+    Stack,
+    chat,
+    error_of,
+    read_sse,
+    start_stack,
+)
+
+
+@pytest.fixture
+async def logged(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await start_stack(
+        tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)], ["--access-log=on"]
+    )
+    yield s
+    await s.close()
+
+
+def lines(stack: Stack, capfd: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    """The access lines written since the last call (flushed now)."""
+    stack.app[ACCESS_LOG].flush()
+    return [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+
+
+async def test_a_miss_then_a_hit_each_get_one_line(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    first = await logged.post(chat("log me"))
+    await first.read()
+    again = await logged.post(chat("log me"))
+    await again.read()
+    miss, hit = lines(logged, capfd)
+    assert miss["request_id"] == first.headers["x-request-id"]
+    assert (miss["method"], miss["path"], miss["endpoint"]) == (
+        "POST",
+        "/v1/chat/completions",
+        "chat.completions",
+    )
+    assert (miss["tenant"], miss["key_id"], miss["model"]) == ("acme", KEY.key_id, "sim-small")
+    assert (miss["origin"], miss["region"], miss["attempts"]) == ("o1", "r1", 1)
+    assert (miss["cache"], miss["status"], miss["error"], miss["stream"]) == (
+        "miss",
+        200,
+        None,
+        False,
+    )
+    assert miss["client"] == "127.0.0.1"
+    assert miss["output_tokens"] == 6 and miss["input_tokens"] > 0
+    assert miss["duration_ms"] > 0 and miss["ttft_ms"] is None
+    assert (hit["cache"], hit["cache_kind"], hit["origin"], hit["region"]) == (
+        "hit",
+        "exact",
+        None,
+        "r1",
+    )
+    assert hit["output_tokens"] == 0  # no origin spent any
+
+
+async def test_a_stream_line_has_its_time_to_first_chunk(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    resp = await logged.post(chat("stream log", stream=True))
+    assert (await read_sse(resp))[-1] == "[DONE]"
+    [line] = lines(logged, capfd)
+    assert line["stream"] is True
+    assert 0 < line["ttft_ms"] <= line["duration_ms"]
+    assert line["output_tokens"] == 6
+
+
+async def test_a_bypass_says_why_in_headers_and_line_streamed_or_not(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    plain = await logged.post(chat("sampled", temperature=1))
+    streamed = await logged.post(chat("sampled", temperature=1, stream=True))
+    store = await logged.post(chat("kept out"), headers={"cache-control": "no-store"})
+    for resp, reason in ((plain, "nondeterministic"), (streamed, "nondeterministic"),
+                         (store, "no-store")):  # fmt: skip
+        await resp.read()
+        assert resp.headers["x-ponto-cache"] == "bypass"
+        assert resp.headers["x-ponto-cache-reason"] == reason
+    reasons = [(line["cache"], line["cache_reason"]) for line in lines(logged, capfd)]
+    assert reasons == [
+        ("bypass", "nondeterministic"),
+        ("bypass", "nondeterministic"),
+        ("bypass", "no-store"),
+    ]
+    miss = await logged.post(chat("not bypassed"))
+    assert miss.headers["x-ponto-cache"] == "miss"
+    assert "x-ponto-cache-reason" not in miss.headers
+
+
+async def test_an_error_after_the_cache_step_says_the_bypass_too(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="down", mode="fail", fail_status=500)],
+        ["--access-log=on", "--max-attempts=1"],
+    )
+    try:
+        resp = await s.post(chat("nobody", temperature=1))
+        assert resp.status == 502
+        assert error_of(await resp.json())["code"] == "upstream_unavailable"
+        assert resp.headers["x-ponto-cache"] == "bypass"
+        assert resp.headers["x-ponto-cache-reason"] == "nondeterministic"
+        [line] = lines(s, capfd)
+        assert (line["status"], line["error"], line["attempts"], line["origin"]) == (
+            502,
+            "upstream_unavailable",
+            1,
+            None,
+        )
+    finally:
+        await s.close()
+
+
+async def test_a_failover_line_counts_both_attempts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [
+            SimConfig(name="bad", mode="fail", fail_status=503),
+            SimConfig(name="good", answer_tokens=3, seed=4),
+        ],
+        ["--access-log=on"],
+    )
+    try:
+        # The weighted order puts "bad" first about half the time.
+        for i in range(40):
+            resp = await s.post(chat(f"failover {i}"))
+            assert resp.status == 200
+            await resp.read()
+            if resp.headers["x-ponto-attempts"] == "2":
+                break
+        logged = lines(s, capfd)
+        assert all(line["origin"] == "good" for line in logged)
+        last = logged[-1]
+        assert (last["attempts"], last["route"]) == (2, "failover")
+    finally:
+        await s.close()
+
+
+async def test_refusals_get_one_line_each_with_their_code(
+    logged: Stack, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    unauthorized = await logged.post(chat("who"), key="sk-wrong")
+    missing = await logged.client.get("/nope")
+    wrong_method = await logged.client.get("/v1/chat/completions")
+    broken = await logged.client.post(
+        "/v1/chat/completions",
+        data=b"{not json",
+        headers={"authorization": f"Bearer {KEY.key}", "content-type": "application/json"},
+    )
+    for i in range(3):  # the limited key allows 2 a minute
+        await (await logged.post(chat(f"limit {i}"), key=LIMITED_KEY.key)).read()
+    expect = await logged.client.post(
+        "/v1/chat/completions", json=chat("x"), headers={"expect": "something-else"}
+    )
+    answers = [unauthorized, missing, wrong_method, broken, expect]
+    for resp in answers:
+        await resp.read()
+        assert resp.headers["x-request-id"]
+    got = lines(logged, capfd)
+    assert [(line["status"], line["error"]) for line in got] == [
+        (401, "invalid_api_key"),
+        (404, "not_found"),
+        (405, "method_not_allowed"),
+        (400, "invalid_json"),
+        (200, None),
+        (200, None),
+        (429, "rate_limit_exceeded"),
+        (417, "expectation_failed"),
+    ]
+    assert [line["request_id"] for line in got[:4] + got[-1:]] == [
+        r.headers["x-request-id"] for r in answers
+    ]
+    assert got[-2]["tenant"] == "acme" and got[-2]["key_id"] == LIMITED_KEY.key_id
+    assert got[0]["tenant"] is None  # nobody was authenticated
+    # The human log has each refusal once, at INFO, without a traceback (the
+    # only WARNING: this stack's control plane is unreachable), and no access line.
+    refused = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(refused) == 6
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert {r.name for r in caplog.records if r.levelno > logging.INFO} <= {"dataplane.sync.link"}
+    assert not any(r.getMessage().startswith("{") for r in caplog.records)
+
+
+async def test_sampling_writes_a_share_of_answers_and_every_5xx(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    draws = iter([0.9, 0.1, 0.9])
+    logged.app[ACCESS_LOG].sampled = Sampler(0.5, rng=lambda: next(draws))
+    for path in ("/a", "/b", "/c"):
+        await (await logged.client.get(path)).read()
+    assert [line["path"] for line in lines(logged, capfd)] == ["/b"]
+
+
+async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    await (await logged.post(chat("measure me", stream=True))).read()
+    await (await logged.post(chat("measure me", stream=True))).read()  # a hit
+    await (await logged.post(chat("who"), key="sk-wrong")).read()
+    text = await (await logged.client.get("/metrics")).text()
+    assert "_created" not in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        if any(s.name.endswith("_total") for s in family.samples):
+            assert family.type == "counter", family.name
+    for name in ("ponto_cache_evictions", "ponto_cache_expired", "ponto_cache_purged",
+                 "ponto_route_table_nacks", "ponto_requests"):  # fmt: skip
+        assert families[name].type == "counter"
+        assert families[name].samples[0].name == name + "_total"
+
+    def series(name: str, suffix: str) -> list[dict[str, str]]:
+        family = families[name]
+        assert family.type == "histogram"
+        return [s.labels for s in family.samples if s.name == name + suffix]
+
+    duration = series("gen_ai_client_operation_duration_seconds", "_count")
+    common = {"gen_ai_operation_name": "chat", "ponto_region": "r1"}
+    assert {**common, "gen_ai_request_model": "sim-small", "error_type": "",
+            "ponto_cache": "miss"} in duration  # fmt: skip
+    assert {**common, "gen_ai_request_model": "sim-small", "error_type": "",
+            "ponto_cache": "hit"} in duration  # fmt: skip
+    # Refused before the model was read: no model, no cache step.
+    assert {**common, "gen_ai_request_model": "", "error_type": "invalid_api_key",
+            "ponto_cache": ""} in duration  # fmt: skip
+    first = series("gen_ai_client_operation_time_to_first_chunk_seconds", "_count")
+    assert {s["ponto_cache"] for s in first} == {"miss", "hit"}
+    tokens = series("gen_ai_client_token_usage", "_sum")
+    assert {s["gen_ai_token_type"] for s in tokens} == {"input", "output"}
+    assert all(s["ponto_region"] == "r1" for s in tokens)
+    info = families["ponto_proxy_info"].samples
+    assert [(s.labels["proxy"], s.labels["region"], s.value) for s in info] == [
+        ("functional", "r1", 1.0)
+    ]
+    assert logged.app[METRICS].registry.get_sample_value(
+        "gen_ai_client_token_usage_sum",
+        {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
+         "gen_ai_token_type": "output", "ponto_region": "r1"},
+    ) == 6  # fmt: skip  # the hit spent no origin tokens: one answer's 6

@@ -1,0 +1,265 @@
+"""The access log's record, line format, sampling and writing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from dataplane.auth.authenticator import Principal
+from dataplane.cache.step import CachePlan
+from dataplane.geo import TrustedProxies
+from dataplane.http.accesslog import (
+    ATOMIC_WRITE,
+    FLUSH_AFTER_S,
+    MAX_BATCH,
+    AccessLog,
+    AccessRecord,
+    Sampler,
+    batches,
+    record,
+    rfc3339,
+)
+from dataplane.http.pipeline import ENDPOINTS, Exchange
+from dataplane.http.server import build_app
+from dataplane.http.state import ACCESS_LOG
+from dataplane.routes import build_routes
+from dataplane.settings import parse
+from dataplane.streaming.usage import Usage
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+
+FIELDS = {
+    "ts", "request_id", "method", "path", "endpoint", "client", "tenant", "key_id", "model",
+    "region", "origin", "attempts", "route", "hedged", "cache", "cache_reason", "cache_kind",
+    "status", "error", "stream", "ttft_ms", "duration_ms", "input_tokens", "output_tokens",
+}  # fmt: skip
+
+
+def test_timestamps_are_rfc3339_in_utc_with_milliseconds() -> None:
+    assert rfc3339(0.0) == "1970-01-01T00:00:00.000Z"
+    assert rfc3339(1_764_550_923.4567) == "2025-12-01T01:02:03.456Z"
+
+
+def exchange(**fields: Any) -> Exchange:
+    table = pb.RouteTable(version=1, regions=[pb.Region(name="eu")])
+    table.etag = content_etag(table)
+    routes = build_routes(table, "eu")
+    ex = Exchange(
+        ENDPOINTS["chat.completions"],
+        CIMultiDictProxy(CIMultiDict()),
+        "10.0.0.1",
+        "rid",
+        routes,
+        None,  # type: ignore[arg-type]  # the record reads no policy
+    )
+    for name, value in fields.items():
+        setattr(ex, name, value)
+    return ex
+
+
+def line_of(rec: AccessRecord) -> dict[str, Any]:
+    raw = rec.line()
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1
+    obj: dict[str, Any] = json.loads(raw)
+    return obj
+
+
+def build(ex: Exchange | None, **kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "ended": 0.25,
+        "request_id": "rid",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "endpoint": "chat.completions",
+        "client": "203.0.113.9",
+        "principal": Principal("acme", "k1", ()),
+        "ex": ex,
+        "region": "eu",
+        "status": 200,
+        "error": "",
+        "started": 10.0,
+        "finished": 10.5,
+    }
+    args.update(kw)
+    return line_of(record(**args))
+
+
+def test_a_streamed_origin_answer_has_every_field() -> None:
+    ex = exchange(
+        model="m",
+        origin="o-us",
+        region="us",
+        attempts=2,
+        route="failover",
+        cache=CachePlan("miss"),
+        stream=True,
+        first_chunk_at=10.125,
+        usage=Usage(7, 3),
+    )
+    line = build(ex)
+    assert set(line) == FIELDS
+    assert line["ts"] == "1970-01-01T00:00:00.250Z"
+    assert (line["tenant"], line["key_id"], line["client"]) == ("acme", "k1", "203.0.113.9")
+    assert (line["model"], line["origin"], line["region"]) == ("m", "o-us", "us")
+    assert (line["attempts"], line["route"], line["hedged"]) == (2, "failover", False)
+    assert (line["cache"], line["cache_reason"], line["cache_kind"]) == ("miss", None, None)
+    assert (line["ttft_ms"], line["duration_ms"]) == (125.0, 500.0)
+    assert (line["input_tokens"], line["output_tokens"]) == (7, 3)
+    assert line["error"] is None
+
+
+def test_a_bypass_says_why_and_a_hit_how_it_was_found() -> None:
+    bypass = build(exchange(cache=CachePlan("bypass", reason="nondeterministic")))
+    assert (bypass["cache"], bypass["cache_reason"]) == ("bypass", "nondeterministic")
+    hit = build(exchange(cache=CachePlan("hit", kind="semantic"), usage=Usage(0, 0)))
+    assert (hit["cache"], hit["cache_kind"], hit["origin"]) == ("hit", "semantic", None)
+    assert hit["region"] == "eu"  # no origin answered: the proxy's own
+
+
+def test_a_refusal_before_the_pipeline_has_the_request_and_its_error_only() -> None:
+    line = build(None, status=404, error="not_found", principal=None, path="/x" * 500)
+    assert set(line) == FIELDS
+    assert (line["status"], line["error"], line["tenant"], line["cache"]) == (
+        404,
+        "not_found",
+        None,
+        None,
+    )
+    assert len(line["path"]) == 200
+    assert line["ttft_ms"] is None and line["attempts"] == 0
+
+
+def test_a_non_stream_has_no_ttft() -> None:
+    assert build(exchange(stream=False, first_chunk_at=10.1))["ttft_ms"] is None
+
+
+class Rng:
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def __call__(self) -> float:
+        return self.values.pop(0)
+
+
+def test_sampling_keeps_the_rate_and_every_5xx() -> None:
+    sample = Sampler(0.25, rng=Rng(0.1, 0.3, 0.2499, 0.9))
+    assert [sample(200), sample(200), sample(429), sample(404)] == [True, False, True, False]
+    assert sample(502) and sample(500)  # no draw for a 5xx: the Rng is empty
+    assert Sampler(1.0, rng=Rng())(200)  # rate 1 draws nothing
+    for bad in (0.0, -1.0, 1.5):
+        with pytest.raises(ValueError):
+            Sampler(bad)
+
+
+def test_batches_are_whole_lines_within_the_limit() -> None:
+    lines = [b"a" * 30 + b"\n", b"b" * 30 + b"\n", b"c" * 100 + b"\n", b"d\n"]
+    out = batches(lines, 64)
+    assert out == [lines[0] + lines[1], lines[2], lines[3]]
+    assert b"".join(out) == b"".join(lines)
+
+
+class Sink:
+    """os.write's stand-in: keeps what was written, at most `chunk` bytes a call."""
+
+    def __init__(self, chunk: int = 1 << 20) -> None:
+        self.writes: list[bytes] = []
+        self.chunk = chunk
+
+    def __call__(self, fd: int, data: bytes) -> int:
+        self.writes.append(bytes(data[: self.chunk]))
+        return min(len(data), self.chunk)
+
+
+def sample_record(n: int) -> AccessRecord:
+    return record(
+        ended=1.0, request_id=f"r{n}", method="GET", path="/healthz", endpoint="healthz",
+        client=None, principal=None, ex=None, region="eu", status=200, error="",
+        started=0.0, finished=0.001,
+    )  # fmt: skip
+
+
+class Timers:
+    """loop.call_later's stand-in: the test runs what was scheduled."""
+
+    def __init__(self) -> None:
+        self.due: list[tuple[float, Callable[[], None]]] = []
+
+    def __call__(self, delay: float, callback: Callable[[], None]) -> asyncio.Handle:
+        self.due.append((delay, callback))
+        return asyncio.Handle(callback, (), asyncio.get_running_loop())
+
+
+async def test_lines_are_written_within_the_flush_delay_in_whole_line_writes() -> None:
+    sink, timers = Sink(), Timers()
+    log = AccessLog("eu", TrustedProxies(()), write=sink, call_later=timers)
+    for n in range(100):
+        log.write(sample_record(n))
+    assert sink.writes == []  # buffered, with one flush due
+    [(delay, flush)] = timers.due
+    assert delay == FLUSH_AFTER_S
+    flush()
+    assert len(sink.writes) > 1
+    assert all(len(w) <= ATOMIC_WRITE and w.endswith(b"\n") for w in sink.writes)
+    ids = [json.loads(x)["request_id"] for x in b"".join(sink.writes).splitlines()]
+    assert ids == [f"r{n}" for n in range(100)]
+    log.write(sample_record(100))
+    assert len(timers.due) == 2  # the next line starts a new batch
+
+
+async def test_a_big_batch_is_written_at_once() -> None:
+    sink, timers = Sink(), Timers()
+    log = AccessLog("eu", TrustedProxies(()), write=sink, call_later=timers)
+    size = len(sample_record(0).line())
+    for n in range(MAX_BATCH // size + 1):
+        log.write(sample_record(n))
+    assert sink.writes  # past MAX_BATCH: no wait for the timer
+
+
+async def test_close_writes_what_is_left_and_partial_writes_are_finished() -> None:
+    sink = Sink(chunk=7)
+    log = AccessLog("eu", TrustedProxies(()), write=sink)
+    log.write(sample_record(1))
+    log.close()
+    assert json.loads(b"".join(sink.writes))["request_id"] == "r1"
+
+
+async def test_a_closed_stdout_turns_the_log_off_without_raising(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls = []
+
+    def broken(fd: int, data: bytes) -> int:
+        calls.append(data)
+        raise BrokenPipeError(32, "Broken pipe")
+
+    log = AccessLog("eu", TrustedProxies(()), write=broken)
+    log.write(sample_record(1))
+    log.flush()
+    log.write(sample_record(2))
+    log.flush()
+    assert len(calls) == 1
+    assert "access log off" in caplog.text
+
+
+def test_the_flags_default_to_off_and_check_the_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--region=r", "--control-plane=127.0.0.1:1"]
+    off = parse(base)
+    assert (off.access_log, off.access_log_sample) == (False, 1.0)
+    on = parse([*base, "--access-log=on", "--access-log-sample=0.1"])
+    assert (on.access_log, on.access_log_sample) == (True, 0.1)
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(SystemExit):
+            parse([*base, "--access-log=on", f"--access-log-sample={bad}"])
+        assert "--access-log-sample must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_without_the_flag_the_app_has_no_access_log(tmp_path: Path) -> None:
+    base = ["--region=r", "--control-plane=127.0.0.1:1", f"--state-dir={tmp_path}"]
+    assert ACCESS_LOG not in build_app(parse(base))
+    assert build_app(parse([*base, "--access-log=on"]))[ACCESS_LOG].region == "r"
