@@ -100,6 +100,7 @@ class CachePlan:
 
     outcome: Outcome  # the x-ponto-cache header
     include_usage: bool = False
+    reason: str = ""  # why a bypass is one (dataplane.cache.policy.Reason)
     entry: CachedResponse | None = None
     similarity: float | None = None
     follower: Follower | None = None
@@ -217,7 +218,7 @@ class EdgeCache:
                 decision = Decision(False, False, Reason.NONDETERMINISTIC)
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
-            return CachePlan("bypass")
+            return CachePlan("bypass", reason=decision.reason.value)
         include_usage = _include_usage(req.body)
         context = text = ""
         if decision.semantic and self.semantic is None:
