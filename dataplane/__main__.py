@@ -46,14 +46,7 @@ async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
     # Imported only here: a proxy that does not trace loads no OpenTelemetry code.
     from dataplane.telemetry.tracing import start  # noqa: PLC0415
 
-    slot = settings.worker
-    traces = start(
-        tracing,
-        proxy=settings.name,
-        region=settings.region,
-        version=software_version(),
-        worker=f"w{slot.index}" if slot is not None else "",
-    )
+    traces = start(tracing, proxy=settings.name, region=settings.region, version=software_version())
     try:
         await _serve(settings, traces.tracer)
     finally:

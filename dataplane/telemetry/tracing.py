@@ -76,9 +76,7 @@ _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-def start(
-    config: TraceConfig, *, proxy: str, region: str, version: str, worker: str = ""
-) -> Tracing:
+def start(config: TraceConfig, *, proxy: str, region: str, version: str) -> Tracing:
     """A provider exporting through a BatchSpanProcessor to the exporters
     `config` names; the SDK reads the OTEL_* variables for the rest (endpoint,
     headers, sampler, batch sizes, resource). Call `Tracing.shutdown` at stop."""
@@ -100,21 +98,19 @@ def start(
 
             exporter = HttpExporter()
         processors.append(BatchSpanProcessor(exporter))
-    return Tracing(
-        resource(proxy=proxy, region=region, version=version, worker=worker), processors, region
-    )
+    return Tracing(resource(proxy=proxy, region=region, version=version), processors, region)
 
 
-def resource(*, proxy: str, region: str, version: str, worker: str = "") -> Resource:
+def resource(*, proxy: str, region: str, version: str) -> Resource:
     """The proxy's resource: OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME as
     the SDK reads them (the service name defaults to ponto-proxy), plus the
-    proxy's name and region, which the proxy knows better than the environment."""
-    instance = f"{proxy}/{worker}" if worker else proxy
+    proxy's name (a worker's own, e.g. p1-w0) and region, which the proxy knows
+    better than the environment."""
     res = Resource.create(
         {
             "ponto.proxy": proxy,
             "ponto.region": region,
-            "service.instance.id": instance,
+            "service.instance.id": proxy,
             "service.version": version,
         }
     )
