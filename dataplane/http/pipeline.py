@@ -55,7 +55,6 @@ from dataplane.routes import Routes, Target
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
-from dataplane.telemetry import NO_STEP
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer
 from dataplane.upstream.hedge import HedgeSetting
 
@@ -184,12 +183,18 @@ class Pipeline:
     async def handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         """Answer one proxied request; raises ApiError for every refusal."""
         trace = ex.trace
-        with NO_STEP if trace is None else trace.step("ponto.auth"):
+        if trace is None:
             self.authenticate(ex)
+        else:
+            with trace.step("ponto.auth"):
+                self.authenticate(ex)
         await self.parse(request, ex)
         self.assemble(ex)
-        with NO_STEP if trace is None else trace.step("ponto.limits"):
+        if trace is None:
             await self.admit(ex)
+        else:
+            with trace.step("ponto.limits"):
+                await self.admit(ex)
         try:
             return await self.answer(request, ex)
         finally:
@@ -262,8 +267,11 @@ class Pipeline:
             headers=ex.headers,
             keyable=ex.keyable,
         )
-        with NO_STEP if ex.trace is None else ex.trace.cache_step(ex):
+        if ex.trace is None:
             plan = ex.cache = await self.cache.plan(creq)
+        else:
+            with ex.trace.cache_step(ex):
+                plan = ex.cache = await self.cache.plan(creq)
         try:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back

@@ -24,6 +24,8 @@ from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 from dataplane.http.state import PIPELINE
 from dataplane.telemetry.tracing import Tracing, resource
 from ponto.originsim.app import SIM_STATE, SimConfig
+from tests.functional import test_hedging
+from tests.functional.test_hedging import SHORT, SLOW, Behaviour, RigMaker
 from tests.functional.test_pipeline import (
     MODEL,
     Stack,
@@ -31,6 +33,9 @@ from tests.functional.test_pipeline import (
     read_sse,
     start_stack,
 )
+
+# The hedging tests' fixture, under a name of this module's.
+hedge_rigs = test_hedging.rigs
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_PARENT = "b7ad6b7169203331"
@@ -48,13 +53,17 @@ async def traced_stack(
     tmp_path: Path, exporter: InMemorySpanExporter, configs: list[SimConfig] | None = None
 ) -> Stack:
     stack = await start_stack(tmp_path, configs or [SimConfig(name="o1", answer_tokens=6, seed=1)])
-    tracing = Tracing(
+    stack.app[PIPELINE].tracer = tracing(exporter).tracer
+    return stack
+
+
+def tracing(exporter: InMemorySpanExporter) -> Tracing:
+    """A proxy's tracing in region r1, every span exported as it ends."""
+    return Tracing(
         resource(proxy="functional", region="r1", version="test"),
         [SimpleSpanProcessor(exporter)],
         "r1",
     )
-    stack.app[PIPELINE].tracer = tracing.tracer
-    return stack
 
 
 @pytest.fixture
@@ -241,6 +250,32 @@ async def test_a_failover_is_two_origin_calls_under_one_request(
     assert first.status.status_code is StatusCode.ERROR
     assert (sa["ponto.origin"], sa["ponto.outcome"]) == ("good", "ok")
     assert (fa["ponto.attempt"], sa["ponto.attempt"]) == (1, 2)
+
+
+async def test_a_hedge_is_a_second_origin_call_and_the_loser_says_why_it_ended(
+    hedge_rigs: RigMaker, exporter: InMemorySpanExporter
+) -> None:
+    rig = await hedge_rigs(Behaviour(delay=SLOW), Behaviour())
+    tracer = tracing(exporter).tracer
+    trace = tracer.begin("chat.completions", "POST", "/v1/chat/completions", {}, "id")
+    answer = await rig.forward(hedge=SHORT, trace=trace)
+    answer.release()
+    trace.answered(answer)
+    trace.finish(None, 200, None)
+    tree = last_tree(exporter)
+    assert tree.attrs["ponto.attempts"] == 2
+    assert tree.attrs["ponto.origin"] == "o2"
+    outcomes = {
+        str((s.attributes or {})["ponto.origin"]): (
+            (s.attributes or {})["ponto.outcome"],
+            s.status.status_code,
+        )
+        for s in tree.attempts
+    }
+    assert outcomes == {
+        "o1": ("hedge_cancelled", StatusCode.UNSET),  # not a failure of o1's
+        "o2": ("ok", StatusCode.UNSET),
+    }
 
 
 async def test_a_stream_span_lasts_to_the_end_and_counts_its_tokens(
