@@ -31,7 +31,16 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    NonRecordingSpan,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    set_span_in_context,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from yarl import URL
 
@@ -174,11 +183,25 @@ class RequestTrace:
     """One request's spans. Owned by the request's task; its origin calls
     (hedges in their own tasks) add attempt spans on the same event loop."""
 
-    __slots__ = ("_ctx", "_open", "_tracer", "attempts", "model", "op", "origin", "region", "root")
+    __slots__ = (
+        "_ctx",
+        "_open",
+        "_tracer",
+        "attempts",
+        "model",
+        "op",
+        "origin",
+        "recording",
+        "region",
+        "root",
+    )
 
     def __init__(self, tracer: Tracer, root: Span, op: str, region: str) -> None:
         self._tracer = tracer
         self.root = root
+        # A request the sampler dropped makes no child spans: they would be
+        # dropped too (parent-based sampling), at the cost of making them.
+        self.recording = root.is_recording()
         self._ctx: Context = set_span_in_context(root)
         self.op = op
         self.region = region
@@ -193,12 +216,16 @@ class RequestTrace:
 
     def step(self, name: str) -> Step:
         """An INTERNAL child span around a pipeline step (a context manager)."""
+        if not self.recording:
+            return Step(INVALID_SPAN)
         return Step(self._tracer.start_span(name, context=self._ctx, kind=SpanKind.INTERNAL))
 
     def cache_step(self, ex: Exchange) -> CacheStep:
         """The cache lookup's span; it records the cache's outcome when it ends.
         The model is known by then: the request span takes its GenAI name."""
         self.model = ex.model
+        if not self.recording:
+            return CacheStep(INVALID_SPAN, ex)
         self.root.update_name(self.name)
         span = self._tracer.start_span(
             "ponto.cache.lookup", context=self._ctx, kind=SpanKind.INTERNAL
@@ -206,8 +233,13 @@ class RequestTrace:
         return CacheStep(span, ex)
 
     def attempt(self, target: Target, number: int) -> AttemptSpan:
-        """A CLIENT span for one call to `target` (the `number`th of the request)."""
+        """A CLIENT span for one call to `target` (the `number`th of the request).
+
+        In a request the sampler dropped, no span: the call carries the
+        request span's own (unsampled) context, which is all an origin can use."""
         self.attempts += 1
+        if not self.recording:
+            return AttemptSpan(self, NonRecordingSpan(self.root.get_span_context()), target.name)
         url = URL(target.base_url)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": self.op,

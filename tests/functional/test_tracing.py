@@ -347,6 +347,32 @@ async def test_the_clients_traceparent_is_honoured_and_not_sent_on(
     assert headers["tracestate"] == "vendor=abc"  # the trace's state, carried on
 
 
+async def test_a_request_the_sampler_drops_exports_nothing_and_says_so_downstream(
+    tmp_path: Path, exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    s = await traced_stack(tmp_path, exporter)
+    try:
+        resp = await s.post(chat("not sampled", temperature=0.5))
+        assert resp.status == 200
+        assert exporter.get_finished_spans() == ()
+        sent = s.origins[0].app[SIM_STATE].stats.last_request
+        assert sent is not None
+        headers: Any = sent["headers"]
+        version, trace_id, _, flags = headers["traceparent"].split("-")
+        assert version == "00"
+        assert int(flags, 16) & 1 == 0  # not sampled: the origin need not record
+        assert int(trace_id, 16) != 0
+
+        # A client's sampled trace is followed (parent-based), whatever the ratio.
+        resp = await s.post(chat("sampled"), headers={"traceparent": CLIENT_TRACEPARENT})
+        assert resp.status == 200
+        assert f"{last_tree(exporter).trace_id:032x}" == CLIENT_TRACE
+    finally:
+        await s.close()
+
+
 async def test_off_the_clients_trace_context_reaches_the_origin_unchanged(
     tmp_path: Path,
 ) -> None:
