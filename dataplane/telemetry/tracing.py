@@ -23,6 +23,7 @@ import asyncio
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -240,7 +241,7 @@ class RequestTrace:
         self.attempts += 1
         if not self.recording:
             return AttemptSpan(self, NonRecordingSpan(self.root.get_span_context()), target.name)
-        url = URL(target.base_url)
+        host, port = _server(target.base_url)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": self.op,
             "gen_ai.provider.name": PROVIDER,
@@ -249,10 +250,10 @@ class RequestTrace:
             "ponto.region": target.region,
             "ponto.attempt": number,
         }
-        if url.host is not None:
-            attributes["server.address"] = url.host
-        if url.port is not None:
-            attributes["server.port"] = url.port
+        if host is not None:
+            attributes["server.address"] = host
+        if port is not None:
+            attributes["server.port"] = port
         span = self._tracer.start_span(
             self.name, context=self._ctx, kind=SpanKind.CLIENT, attributes=attributes
         )
@@ -343,6 +344,13 @@ class OriginSeen:
     name: str
     region: str
     model: str  # as the origin's answer names it; "" when it names none
+
+
+@lru_cache(maxsize=1024)
+def _server(base_url: str) -> tuple[str | None, int | None]:
+    """An origin's host and port, parsed once per base URL."""
+    url = URL(base_url)
+    return url.host, url.port
 
 
 def _entry_usage(entry: CachedResponse) -> tuple[int, int] | None:
