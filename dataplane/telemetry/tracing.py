@@ -333,6 +333,9 @@ class RequestTrace:
                     attrs["gen_ai.usage.input_tokens"] = usage[0]
                     attrs["gen_ai.usage.cache_read.input_tokens"] = usage[0]
                     attrs["gen_ai.usage.output_tokens"] = usage[1]
+            if plan.outcome == "hit":
+                # Answered from the cache or another request's call: ex.usage
+                # is the zero the origins spent, not what the answer holds.
                 return
         if ex.usage is not None:
             attrs["gen_ai.usage.input_tokens"] = ex.usage.prompt_tokens

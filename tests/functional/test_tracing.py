@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,8 @@ from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 from dataplane.http.state import PIPELINE
 from dataplane.telemetry.tracing import Tracing, resource
 from ponto.originsim.app import SIM_STATE, SimConfig
-from tests.functional import test_hedging
+from ponto.v1 import routing_pb2 as pb
+from tests.functional import test_continuation, test_hedging
 from tests.functional.test_hedging import SHORT, SLOW, Behaviour, RigMaker
 from tests.functional.test_pipeline import (
     MODEL,
@@ -34,8 +35,9 @@ from tests.functional.test_pipeline import (
     start_stack,
 )
 
-# The hedging tests' fixture, under a name of this module's.
+# The hedging and continuation tests' fixtures, under names of this module's.
 hedge_rigs = test_hedging.rigs
+continuing_proxy = test_continuation.proxy
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_PARENT = "b7ad6b7169203331"
@@ -276,6 +278,27 @@ async def test_a_hedge_is_a_second_origin_call_and_the_loser_says_why_it_ended(
         "o1": ("hedge_cancelled", StatusCode.UNSET),  # not a failure of o1's
         "o2": ("ok", StatusCode.UNSET),
     }
+
+
+async def test_a_continued_stream_is_one_request_with_a_call_to_each_origin(
+    continuing_proxy: Callable[..., Awaitable[test_continuation.Proxy]],
+    exporter: InMemorySpanExporter,
+) -> None:
+    first, second = (
+        await test_continuation.first_origin("cut"),
+        await test_continuation.second_origin(),
+    )
+    p = await continuing_proxy([(first, True), (second, True)], pb.StreamPolicy(hedge_ms=0))
+    p.app[PIPELINE].tracer = tracing(exporter).tracer
+    chunks, _ = await p.stream()
+    tree = last_tree(exporter)
+    a = tree.attrs
+    assert a["ponto.attempts"] == 2
+    assert a["ponto.origin"] == "o0"  # the answer keeps the first origin's identity
+    assert a["gen_ai.usage.output_tokens"] == chunks[-1]["usage"]["completion_tokens"]
+    calls = sorted(tree.attempts, key=lambda span: span.start_time or 0)
+    assert [(s.attributes or {})["ponto.origin"] for s in calls] == ["o0", "o1"]
+    assert all((s.attributes or {})["ponto.outcome"] == "ok" for s in calls)
 
 
 async def test_a_stream_span_lasts_to_the_end_and_counts_its_tokens(
