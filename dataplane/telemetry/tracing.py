@@ -14,7 +14,8 @@ for status and errors, and add Ponto's own (ponto.*):
 Parents are passed explicitly, never through the current context: a hedge
 runs in its own task, and nothing here depends on which task is current.
 A client's W3C `traceparent` (and `tracestate`) makes the request span its
-child; each origin call carries a `traceparent` naming its own span.
+child; each origin call carries a `traceparent` naming its own span (in a
+request the sampler dropped, which makes no spans, the request's).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from dataplane.routes import Target
     from dataplane.upstream.forwarder import OriginAnswer
 
-__all__ = ["AttemptSpan", "RequestTrace", "RequestTracer", "Tracing", "start"]
+__all__ = ["AttemptSpan", "RequestTrace", "RequestTracer", "Tracing", "resource", "start"]
 
 DEFAULT_SERVICE_NAME = "ponto-proxy"
 SCOPE = "ponto.dataplane"
