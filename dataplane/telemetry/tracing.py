@@ -269,7 +269,9 @@ class RequestTrace:
 
     def answered(self, origin: OriginAnswer) -> None:
         """The origin that answers (after failover or hedging), and the model
-        its answer names."""
+        its answer names (recorded only on a sampled request)."""
+        if not self.recording:
+            return
         found = _MODEL.search(origin.body if origin.body is not None else origin.first)
         model = found.group(1).decode(errors="replace") if found else ""
         self.origin = OriginSeen(origin.target.name, origin.target.region, model)
