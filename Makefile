@@ -162,6 +162,8 @@ bench: $(STAMP) $(WRK)
 	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
 	$(PY) -m bench.affinity
 	$(PY) -m bench.resilience
+	$(PY) -m bench.record tracing "Tracing cost: proxy CPU per request, off / sampled at 0 / at 100 %" \
+		bench.tracing
 	$(PY) -m bench.report
 
 # Hostile clients against a real proxy (bench/fuzz.py): 100,000 requests of malformed

@@ -15,25 +15,46 @@ import gc
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import uvloop
 from aiohttp import web
 
 from dataplane import workers
 from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
-from dataplane.http.server import build_app, build_metrics_app
+from dataplane.http.server import build_app, build_metrics_app, software_version
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, parse
+from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
+
+if TYPE_CHECKING:
+    from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger("dataplane")
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
     """Serve one proxy until SIGTERM or SIGINT: the whole process, or one worker
-    of a group (`settings.worker`, see dataplane/workers.py)."""
-    app = build_app(settings)
+    of a group (`settings.worker`, see dataplane/workers.py). With `tracing`,
+    requests are traced through a provider of this process's own, flushed
+    at the end."""
+    if tracing is None:
+        await _serve(settings)
+        return
+    # Imported only here: a proxy that does not trace loads no OpenTelemetry code.
+    from dataplane.telemetry.tracing import start  # noqa: PLC0415
+
+    traces = start(tracing, proxy=settings.name, region=settings.region, version=software_version())
+    try:
+        await _serve(settings, traces.tracer)
+    finally:
+        await asyncio.to_thread(traces.shutdown)
+
+
+async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> None:
+    app = build_app(settings, tracer)
     slot = settings.worker
     if slot is not None:
         app.middlewares.append(workers.group_views(slot, settings.workers))
@@ -139,11 +160,18 @@ async def _drain(site: web.BaseSite, seconds: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     settings = parse(args)
+    try:
+        # Checked by the supervisor of a group too: a bad value stops the
+        # start, not each worker in turn.
+        tracing = trace_config(os.environ)
+    except TraceConfigError as exc:
+        sys.stderr.write(f"ponto-proxy: error: {exc}\n")
+        return 2
     slot = settings.worker
     setup_logging(settings.log_level, tag=f"w{slot.index}" if slot else "")
     if settings.workers > 1 and slot is None:
         return workers.supervise(settings, args)
-    uvloop.run(serve(settings))
+    uvloop.run(serve(settings, tracing))
     return 0
 
 

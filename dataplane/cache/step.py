@@ -222,7 +222,7 @@ class EdgeCache:
                 decision = Decision(False, False, Reason.UNKEYABLE)
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
-            return CachePlan("bypass", reason=decision.reason)
+            return CachePlan("bypass", reason=decision.reason.value)
         include_usage = _include_usage(req.body)
         context = text = ""
         if decision.semantic and self.semantic is None:

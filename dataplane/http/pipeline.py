@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -57,6 +57,9 @@ from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer
 from dataplane.upstream.hedge import HedgeSetting
+
+if TYPE_CHECKING:
+    from dataplane.telemetry.tracing import RequestTrace, RequestTracer
 
 __all__ = ["ENDPOINTS", "Endpoint", "Exchange", "Pipeline"]
 
@@ -131,6 +134,8 @@ class Exchange:
     hedged: bool = False
     first_chunk_at: float | None = None  # time.perf_counter() of a stream's first chunk
     stream_error: str = ""  # how a stream that started as a success ended badly
+    # The request's spans; None when tracing is off (dataplane.telemetry).
+    trace: RequestTrace | None = None
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
@@ -179,6 +184,7 @@ class Pipeline:
         max_body_bytes: int,
         session_header: str = SESSION_HEADER,
         stream_idle_timeout: float | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -190,15 +196,25 @@ class Pipeline:
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
         self.stream_idle_timeout = stream_idle_timeout
+        self.tracer = tracer
 
     # ------------------------------------------------------------ the path
 
     async def handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         """Answer one proxied request; raises ApiError for every refusal."""
-        self.authenticate(ex)
+        trace = ex.trace
+        if trace is None:
+            self.authenticate(ex)
+        else:
+            with trace.step("ponto.auth"):
+                self.authenticate(ex)
         await self.parse(request, ex)
         self.assemble(ex)
-        await self.admit(ex)
+        if trace is None:
+            await self.admit(ex)
+        else:
+            with trace.step("ponto.limits"):
+                await self.admit(ex)
         try:
             return await self.answer(request, ex)
         finally:
@@ -271,7 +287,11 @@ class Pipeline:
             headers=ex.headers,
             keyable=ex.keyable,
         )
-        plan = ex.cache = await self.cache.plan(creq)
+        if ex.trace is None:
+            plan = ex.cache = await self.cache.plan(creq)
+        else:
+            with ex.trace.cache_step(ex):
+                plan = ex.cache = await self.cache.plan(creq)
         try:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
@@ -286,6 +306,8 @@ class Pipeline:
                     return response
                 plan = ex.cache = self.cache.own_call(creq, plan)
             origin = await self.forward(ex, self.hedge_for(ex))
+            if ex.trace is not None:
+                ex.trace.answered(origin)
             # A cancelled hedge still cost its origin the prompt's prefill.
             ex.hedge_prompt = ex.estimate * origin.extra_calls
             try:
@@ -327,7 +349,13 @@ class Pipeline:
         headers = forwarder.request_headers(ex.headers, ex.request_id)
         try:
             answer = await forwarder.forward(
-                ex.endpoint.upstream_path, body, headers, candidates, hedge=hedge, stream=ex.stream
+                ex.endpoint.upstream_path,
+                body,
+                headers,
+                candidates,
+                hedge=hedge,
+                stream=ex.stream,
+                trace=ex.trace,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

@@ -109,7 +109,12 @@ class Continuations:
         headers = self._forwarder.request_headers(ex.headers, ex.request_id)
         try:
             answer = await self._forwarder.forward(
-                ex.endpoint.upstream_path, jsonio.dumps(body), headers, candidates, stream=True
+                ex.endpoint.upstream_path,
+                jsonio.dumps(body),
+                headers,
+                candidates,
+                stream=True,
+                trace=ex.trace,
             )
         except ApiError as exc:
             self._give_up(cut, exc.message, outcome="failed")

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -25,7 +26,8 @@ from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
 from dataplane.http import endpoints
 from dataplane.http.accesslog import AccessLog, Sampler
-from dataplane.http.boundary import errors_and_metrics, expect_continue
+from dataplane.http.boundary import CLIENT_CLOSED, errors_and_metrics, expect_continue
+from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import (
@@ -37,6 +39,7 @@ from dataplane.http.state import (
     METRICS,
     PIPELINE,
     QUOTA,
+    REQUEST_ID,
     REQUEST_IDS,
     Draining,
 )
@@ -50,6 +53,9 @@ from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
 from ponto.v1 import routing_pb2 as pb
+
+if TYPE_CHECKING:
+    from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +75,9 @@ def software_version() -> str:
 class Proxy:
     """The proxy's parts, built and wired; `lifetime` starts and stops them."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracer: RequestTracer | None = None) -> None:
         self.settings = settings
+        self.tracer = tracer
         self.metrics = m = Metrics(key_labels=settings.metrics_key_labels)
         self.holder = holder = TableHolder(settings.region, settings.state_dir, settings.cache)
         self.limiter = RateLimiter()
@@ -147,6 +154,7 @@ class Proxy:
             max_body_bytes=settings.max_body_bytes,
             session_header=settings.session_header,
             stream_idle_timeout=settings.stream_idle_timeout,
+            tracer=self.tracer,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),
@@ -174,9 +182,10 @@ class Proxy:
             self.store.sweep()
 
 
-def build_app(settings: Settings) -> web.Application:
-    """The proxy app. Builds and wires only; see the module docstring."""
-    proxy = Proxy(settings)
+def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Application:
+    """The proxy app. Builds and wires only; see the module docstring. With
+    `tracer`, every proxied request is traced (dataplane.telemetry)."""
+    proxy = Proxy(settings, tracer)
     app = web.Application(
         middlewares=[errors_and_metrics],
         client_max_size=settings.max_body_bytes,
@@ -227,12 +236,45 @@ def proxied(endpoint: Endpoint) -> Handler:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         pipeline = request.app[PIPELINE]
+        if pipeline.tracer is not None:
+            return await traced(pipeline, pipeline.tracer, request, endpoint)
         ex = pipeline.begin(request, endpoint)
         request[EXCHANGE] = ex
         return await pipeline.handle(request, ex)
 
     handle.__name__ = f"handle_{endpoint.name.replace('.', '_')}"
     return handle
+
+
+async def traced(
+    pipeline: Pipeline, tracer: RequestTracer, request: web.Request, endpoint: Endpoint
+) -> web.StreamResponse:
+    """The pipeline on a new Exchange, inside the request's span; the span ends
+    with the status the client gets (a refusal's too, which the error boundary
+    answers after this returns)."""
+    trace = tracer.begin(
+        endpoint.name, request.method, request.path, request.headers, request[REQUEST_ID]
+    )
+    ex = None
+    status, error = 500, None
+    try:
+        ex = pipeline.begin(request, endpoint)
+        ex.trace = trace
+        request[EXCHANGE] = ex
+        response = await pipeline.handle(request, ex)
+        status = response.status
+        return response
+    except ApiError as exc:
+        status, error = exc.status, exc.code or str(exc.status)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError) as exc:
+        status, error = CLIENT_CLOSED, type(exc).__name__  # the client went away
+        raise
+    except BaseException as exc:
+        error = type(exc).__qualname__
+        raise
+    finally:
+        trace.finish(ex, status, error)
 
 
 def _semantic_index() -> SemanticLayer:

@@ -22,6 +22,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from multidict import CIMultiDict
@@ -33,6 +34,9 @@ from dataplane.routes import Target
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
+
+if TYPE_CHECKING:
+    from dataplane.telemetry.tracing import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,11 @@ DROP_RESPONSE_HEADERS = frozenset(
 )
 # The only request headers sent on to an origin. The client's Authorization is
 # never among them: client keys stay at the edge. Content-Type is not the
-# client's: the proxy sends the JSON it parsed.
-FORWARD_REQUEST_HEADERS = ("accept", "user-agent")
+# client's: the proxy sends the JSON it parsed. A client's W3C trace context
+# goes on as it came when the proxy does not trace (a gateway must not break
+# the client's trace); when it traces, each call carries its own span's instead
+# (dataplane.telemetry.tracing.AttemptSpan.inject).
+FORWARD_REQUEST_HEADERS = ("accept", "user-agent", "traceparent", "tracestate")
 # Never forwarded, even when configured in `forward_headers`: hop-by-hop
 # headers (RFC 9110 7.6.1) describe the client's connection, not the
 # origin's; the others the proxy sets itself.
@@ -242,6 +249,7 @@ class Forwarder:
         *,
         hedge: HedgeSetting | None = None,
         stream: bool = False,
+        trace: RequestTrace | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 and, for a stream, a first
@@ -262,6 +270,9 @@ class Forwarder:
         no retry-budget token; the deadline covers both. At most one hedge per
         request, and only of the first attempt. Cancelling `forward` cancels
         every attempt it started.
+
+        With `trace`, each attempt is a span of it, and its headers carry that
+        span's trace context.
         """
         loop = asyncio.get_running_loop()
         settings = self._settings
@@ -276,10 +287,10 @@ class Forwarder:
                 delay = self.commit_times.p95(ordered[0].name, stream) if hedge == AUTO else hedge
                 if delay is not None:
                     answer = await self._race(
-                        ordered, float(delay), path, body, headers, stream, tries
+                        ordered, float(delay), path, body, headers, stream, tries, trace
                     )
         if answer is None and not tries.past_deadline:
-            answer = await self._failover(ordered, path, body, headers, stream, tries)
+            answer = await self._failover(ordered, path, body, headers, stream, tries, trace)
         failures = tries.failures
         # The causes are the operator's, in one line per request with its id;
         # the client gets a fixed message (dataplane.http.errors).
@@ -312,6 +323,7 @@ class Forwarder:
         headers: CIMultiDict[str],
         stream: bool,
         tries: _Tries,
+        trace: RequestTrace | None,
     ) -> OriginAnswer | None:
         """Attempts one at a time from candidate `tries.made`; None when none committed."""
         loop = asyncio.get_running_loop()
@@ -330,7 +342,9 @@ class Forwarder:
                 # A timer the socket timeouts cannot replace: an origin that
                 # trickles a body never trips the read timeout.
                 async with asyncio.timeout(remaining):
-                    answer = await self._attempt(target, path, body, headers, attempt, stream)
+                    answer = await self._attempt(
+                        target, path, body, headers, attempt, stream, trace
+                    )
                 self._won(answer)
                 return answer
             except _Retryable as exc:
@@ -349,6 +363,7 @@ class Forwarder:
         headers: CIMultiDict[str],
         stream: bool,
         tries: _Tries,
+        trace: RequestTrace | None,
     ) -> OriginAnswer | None:
         """The first attempt on ordered[0], hedged on ordered[1] after `delay`.
 
@@ -361,7 +376,7 @@ class Forwarder:
         metrics = self._metrics
         first_target, hedge_target = ordered[0], ordered[1]
         sent_at = loop.time()
-        first = self._start(first_target, path, body, headers, 1, stream)
+        first = self._start(first_target, path, body, headers, 1, stream, trace)
         tries.made = 1
         hedge: asyncio.Task[OriginAnswer] | None = None
         targets = {first: first_target}  # every attempt of the race
@@ -389,7 +404,7 @@ class Forwarder:
                         metrics.child(metrics.hedges, "refused").inc()
                         continue
                     metrics.child(metrics.hedges, "started").inc()
-                    hedge = self._start(hedge_target, path, body, headers, 2, stream)
+                    hedge = self._start(hedge_target, path, body, headers, 2, stream, trace)
                     running[hedge] = targets[hedge] = hedge_target
                     tries.made = 2
                     continue
@@ -418,7 +433,7 @@ class Forwarder:
                 if unexpected is not None:
                     raise unexpected[1]
         finally:
-            extra = await self._end_others(targets, first, winner, answer, stream, sent_at)
+            extra = await self._end_others(targets, first, winner, answer, stream, sent_at, trace)
         if answer is None:
             return None
         answer.extra_calls = extra
@@ -436,8 +451,11 @@ class Forwarder:
         headers: CIMultiDict[str],
         attempt: int,
         stream: bool,
+        trace: RequestTrace | None,
     ) -> asyncio.Task[OriginAnswer]:
-        return asyncio.create_task(self._attempt(target, path, body, headers, attempt, stream))
+        return asyncio.create_task(
+            self._attempt(target, path, body, headers, attempt, stream, trace)
+        )
 
     async def _end_others(
         self,
@@ -447,6 +465,7 @@ class Forwarder:
         answer: OriginAnswer | None,
         stream: bool,
         sent_at: float,
+        trace: RequestTrace | None = None,
     ) -> int:
         """End every attempt of a race but the winner; return how many were sent
         and then cancelled (or released) because the winner answered first.
@@ -459,6 +478,9 @@ class Forwarder:
         """
         loop = asyncio.get_running_loop()
         others = [t for t in targets if t is not winner]
+        if trace is not None and winner is not None:
+            for task in others:
+                trace.hedge_lost(targets[task])
         cancelled = [t for t in others if t.cancel()]
         try:
             if cancelled:
@@ -513,6 +535,28 @@ class Forwarder:
         self.outliers.failure(target.name)
 
     async def _attempt(
+        self,
+        target: Target,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        attempt: int,
+        stream: bool,
+        trace: RequestTrace | None,
+    ) -> OriginAnswer:
+        """One call; with `trace`, inside its own span, whose context it sends."""
+        if trace is None:
+            return await self._call(target, path, body, headers, attempt, stream)
+        span = trace.attempt(target, attempt)
+        try:
+            answer = await self._call(target, path, body, span.inject(headers), attempt, stream)
+        except BaseException as exc:
+            span.failed(exc)
+            raise
+        span.committed(answer.status)
+        return answer
+
+    async def _call(
         self,
         target: Target,
         path: str,

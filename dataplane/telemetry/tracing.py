@@ -1,0 +1,474 @@
+"""The tracer and the spans of one proxied request (OpenTelemetry SDK).
+
+Imported only when tracing is on (dataplane.telemetry.config decides). Spans
+follow OpenTelemetry's GenAI semantic conventions (gen_ai.*), the HTTP ones
+for status and errors, and add Ponto's own (ponto.*):
+
+    {op} {model}          SERVER, the request from arrival to its last byte
+      ponto.auth          INTERNAL
+      ponto.limits        INTERNAL, admission under the caller's limits
+      ponto.cache.lookup  INTERNAL, with the cache's outcome
+      {op} {model}        CLIENT, one per origin call (first try, failover,
+                          hedge, stream continuation), with its outcome
+
+Parents are passed explicitly, never through the current context: a hedge
+runs in its own task, and nothing here depends on which task is current.
+A client's W3C `traceparent` (and `tracestate`) makes the request span its
+child; each origin call carries a `traceparent` naming its own span (in a
+request the sampler dropped, which makes no spans, the request's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from multidict import CIMultiDict
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    NonRecordingSpan,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    set_span_in_context,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from yarl import URL
+
+from dataplane import jsonio
+from dataplane.streaming.usage import usage_of
+from dataplane.telemetry.config import TraceConfig
+
+if TYPE_CHECKING:
+    from dataplane.cache.entry import CachedResponse
+    from dataplane.http.pipeline import Exchange
+    from dataplane.routes import Target
+    from dataplane.upstream.forwarder import OriginAnswer
+
+__all__ = ["AttemptSpan", "RequestTrace", "RequestTracer", "Tracing", "resource", "start"]
+
+DEFAULT_SERVICE_NAME = "ponto-proxy"
+SCOPE = "ponto.dataplane"
+
+# gen_ai.operation.name per endpoint. The conventions name OpenAI's Responses
+# API a chat operation.
+OPERATIONS = {
+    "chat.completions": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+    "responses": "chat",
+}
+# The API every origin speaks (OpenAI's), as gen_ai.provider.name names it.
+PROVIDER = "openai"
+# Request fields recorded when present, and their attribute. The first of
+# max_tokens, max_completion_tokens and max_output_tokens present is the limit.
+_REQUEST_FIELDS = (
+    ("temperature", "gen_ai.request.temperature"),
+    ("top_p", "gen_ai.request.top_p"),
+    ("seed", "gen_ai.request.seed"),
+    ("n", "gen_ai.request.choice.count"),
+    ("stream", "gen_ai.request.stream"),
+)
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# The first "model" member of a JSON answer or stream chunk. A "model" inside a
+# string value has escaped quotes and cannot match.
+_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def start(config: TraceConfig, *, proxy: str, region: str, version: str) -> Tracing:
+    """A provider exporting through a BatchSpanProcessor to the exporters
+    `config` names; the SDK reads the OTEL_* variables for the rest (endpoint,
+    headers, sampler, batch sizes, resource). Call `Tracing.shutdown` at stop."""
+    processors: list[SpanProcessor] = []
+    for name in config.exporters:
+        exporter: SpanExporter
+        if name == "console":
+            exporter = ConsoleSpanExporter()
+        elif config.protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
+                OTLPSpanExporter as GrpcExporter,
+            )
+
+            exporter = GrpcExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+                OTLPSpanExporter as HttpExporter,
+            )
+
+            exporter = HttpExporter()
+        processors.append(BatchSpanProcessor(exporter))
+    return Tracing(resource(proxy=proxy, region=region, version=version), processors, region)
+
+
+def resource(*, proxy: str, region: str, version: str) -> Resource:
+    """The proxy's resource: OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME as
+    the SDK reads them (the service name defaults to ponto-proxy), plus the
+    proxy's name (a worker's own, e.g. p1-w0) and region, which the proxy knows
+    better than the environment."""
+    res = Resource.create(
+        {
+            "ponto.proxy": proxy,
+            "ponto.region": region,
+            "service.instance.id": proxy,
+            "service.version": version,
+        }
+    )
+    if str(res.attributes.get("service.name", "")).startswith("unknown_service"):
+        res = res.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
+    return res
+
+
+class Tracing:
+    """The process's tracer provider and the request tracer on it. Owned by the
+    proxy's entry point (one per process, hence per worker)."""
+
+    def __init__(self, resource: Resource, processors: list[SpanProcessor], region: str) -> None:
+        # sampler=None: the SDK builds it from OTEL_TRACES_SAMPLER(_ARG).
+        self.provider = TracerProvider(resource=resource)
+        for processor in processors:
+            self.provider.add_span_processor(processor)
+        self.tracer = RequestTracer(self.provider.get_tracer(SCOPE), region)
+
+    def shutdown(self) -> None:
+        """Export what is buffered, then stop the exporters. Blocks (network)."""
+        self.provider.shutdown()
+
+
+class RequestTracer:
+    """Starts one RequestTrace per proxied request. Safe on one event loop."""
+
+    def __init__(self, tracer: Tracer, region: str) -> None:
+        self._tracer = tracer
+        self.region = region  # the proxy's own
+
+    def begin(
+        self,
+        endpoint: str,
+        method: str,
+        route: str,
+        headers: Mapping[str, str],
+        request_id: str,
+    ) -> RequestTrace:
+        """The SERVER span of a request to `endpoint`, a child of the client's
+        `traceparent` when it sent a valid one. Named by the HTTP route until
+        the model is known."""
+        parent = _PROPAGATOR.extract(headers)
+        op = OPERATIONS[endpoint]
+        span = self._tracer.start_span(
+            f"{method} {route}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": op,
+                "gen_ai.provider.name": PROVIDER,
+                "http.request.method": method,
+                "http.route": route,
+                "ponto.request_id": request_id,
+            },
+        )
+        return RequestTrace(self._tracer, span, op, self.region)
+
+
+class RequestTrace:
+    """One request's spans. Owned by the request's task; its origin calls
+    (hedges in their own tasks) add attempt spans on the same event loop."""
+
+    __slots__ = (
+        "_ctx",
+        "_open",
+        "_tracer",
+        "attempts",
+        "model",
+        "op",
+        "origin",
+        "recording",
+        "region",
+        "root",
+    )
+
+    def __init__(self, tracer: Tracer, root: Span, op: str, region: str) -> None:
+        self._tracer = tracer
+        self.root = root
+        # A request the sampler dropped makes no child spans: they would be
+        # dropped too (parent-based sampling), at the cost of making them.
+        self.recording = root.is_recording()
+        self._ctx: Context = set_span_in_context(root)
+        self.op = op
+        self.region = region
+        self.model = ""
+        self.origin: OriginSeen | None = None
+        self.attempts = 0
+        self._open: dict[str, AttemptSpan] = {}  # by origin name, until they end
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {self.model}" if self.model else self.op
+
+    def step(self, name: str) -> Step:
+        """An INTERNAL child span around a pipeline step (a context manager)."""
+        if not self.recording:
+            return Step(INVALID_SPAN)
+        return Step(self._tracer.start_span(name, context=self._ctx, kind=SpanKind.INTERNAL))
+
+    def cache_step(self, ex: Exchange) -> CacheStep:
+        """The cache lookup's span; it records the cache's outcome when it ends.
+        The model is known by then: the request span takes its GenAI name."""
+        self.model = ex.model
+        if not self.recording:
+            return CacheStep(INVALID_SPAN, ex)
+        self.root.update_name(self.name)
+        span = self._tracer.start_span(
+            "ponto.cache.lookup", context=self._ctx, kind=SpanKind.INTERNAL
+        )
+        return CacheStep(span, ex)
+
+    def attempt(self, target: Target, number: int) -> AttemptSpan:
+        """A CLIENT span for one call to `target` (the `number`th of the request).
+
+        In a request the sampler dropped, no span: the call carries the
+        request span's own (unsampled) context, which is all an origin can use."""
+        self.attempts += 1
+        if not self.recording:
+            return AttemptSpan(self, NonRecordingSpan(self.root.get_span_context()), target.name)
+        host, port = _server(target.base_url)
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": self.op,
+            "gen_ai.provider.name": PROVIDER,
+            "gen_ai.request.model": self.model,
+            "ponto.origin": target.name,
+            "ponto.region": target.region,
+            "ponto.attempt": number,
+        }
+        if host is not None:
+            attributes["server.address"] = host
+        if port is not None:
+            attributes["server.port"] = port
+        span = self._tracer.start_span(
+            self.name, context=self._ctx, kind=SpanKind.CLIENT, attributes=attributes
+        )
+        attempt = self._open[target.name] = AttemptSpan(self, span, target.name)
+        return attempt
+
+    def hedge_lost(self, target: Target) -> None:
+        """The call to `target` is about to be cancelled: another one answered first."""
+        attempt = self._open.get(target.name)
+        if attempt is not None:
+            attempt.outcome = "hedge_cancelled"
+
+    def answered(self, origin: OriginAnswer) -> None:
+        """The origin that answers (after failover or hedging), and the model
+        its answer names (recorded only on a sampled request)."""
+        if not self.recording:
+            return
+        found = _MODEL.search(origin.body if origin.body is not None else origin.first)
+        model = found.group(1).decode(errors="replace") if found else ""
+        self.origin = OriginSeen(origin.target.name, origin.target.region, model)
+
+    def finish(self, ex: Exchange | None, status: int, error: str | None) -> None:
+        """End the request span with what the request became. `error` is the
+        refusal's code (or the failure's type); an answer of 400 and up without
+        one is named by its status."""
+        root = self.root
+        if root.is_recording():
+            attrs: dict[str, Any] = {"http.response.status_code": status}
+            if error is None and status >= 400:
+                error = str(status)
+            if error is not None:
+                attrs["error.type"] = error
+            origin = self.origin
+            region = self.region
+            if origin is not None:
+                region = origin.region
+                attrs["ponto.origin"] = origin.name
+                if origin.model:
+                    attrs["gen_ai.response.model"] = origin.model
+            attrs["ponto.region"] = region
+            attrs["ponto.attempts"] = self.attempts
+            if ex is not None:
+                self._exchange_attributes(ex, attrs)
+            root.set_attributes(attrs)
+            if status >= 500:  # a server span's 4xx is the client's error, not ours
+                root.set_status(Status(StatusCode.ERROR, error))
+        root.end()
+
+    def _exchange_attributes(self, ex: Exchange, attrs: dict[str, Any]) -> None:
+        body = ex.body
+        model = ex.model or body.get("model")
+        if isinstance(model, str) and model:
+            attrs["gen_ai.request.model"] = model
+            if not self.model:
+                self.model = model
+                self.root.update_name(self.name)
+        for name, attr in _REQUEST_FIELDS:
+            value = body.get(name)
+            if isinstance(value, (bool, int, float)):
+                attrs[attr] = value
+        for name in _MAX_TOKENS_FIELDS:
+            value = body.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                attrs["gen_ai.request.max_tokens"] = value
+                break
+        if ex.authenticated:
+            attrs["ponto.tenant"] = ex.principal.tenant
+        if ex.route:
+            attrs["ponto.route"] = ex.route
+        plan = ex.cache
+        if plan is not None:
+            attrs["ponto.cache"] = plan.outcome
+            if plan.reason:
+                attrs["ponto.cache.reason"] = plan.reason
+            if plan.entry is not None:
+                attrs["gen_ai.response.model"] = plan.entry.model
+                usage = _entry_usage(plan.entry)
+                if usage is not None:
+                    attrs["gen_ai.usage.input_tokens"] = usage[0]
+                    attrs["gen_ai.usage.cache_read.input_tokens"] = usage[0]
+                    attrs["gen_ai.usage.output_tokens"] = usage[1]
+            if plan.outcome == "hit":
+                # Answered from the cache or another request's call: ex.usage
+                # is the zero the origins spent, not what the answer holds.
+                return
+        if ex.usage is not None:
+            attrs["gen_ai.usage.input_tokens"] = ex.usage.prompt_tokens
+            attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class OriginSeen:
+    name: str
+    region: str
+    model: str  # as the origin's answer names it; "" when it names none
+
+
+@lru_cache(maxsize=1024)
+def _server(base_url: str) -> tuple[str | None, int | None]:
+    """An origin's host and port, parsed once per base URL."""
+    url = URL(base_url)
+    return url.host, url.port
+
+
+def _entry_usage(entry: CachedResponse) -> tuple[int, int] | None:
+    """The (input, output) tokens a cached answer's usage states, if it has one."""
+    for raw in (entry.body,) if entry.body is not None else reversed(entry.chunks or ()):
+        if b'"usage"' not in raw:
+            continue
+        try:
+            usage = usage_of(jsonio.loads(raw))
+        except jsonio.JSONDecodeError:
+            continue
+        if usage is not None:
+            return usage.prompt_tokens, usage.completion_tokens
+    return None
+
+
+def _error_type(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) and code else type(exc).__qualname__
+
+
+class Step:
+    """A pipeline step's span: ended on exit, an error when the step raised."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            error = _error_type(exc)
+            self.span.set_attribute("error.type", error)
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end()
+
+
+class CacheStep(Step):
+    """The cache lookup's span: its outcome (hit, miss, bypass) and a bypass's reason."""
+
+    __slots__ = ("ex",)
+
+    def __init__(self, span: Span, ex: Exchange) -> None:
+        super().__init__(span)
+        self.ex = ex
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        plan = self.ex.cache
+        if plan is not None:
+            self.span.set_attribute("ponto.cache", plan.outcome)
+            if plan.reason:
+                self.span.set_attribute("ponto.cache.reason", plan.reason)
+            if plan.similarity is not None:
+                self.span.set_attribute("ponto.cache.similarity", plan.similarity)
+        super().__exit__(exc_type, exc, tb)
+
+
+class AttemptSpan:
+    """One origin call's CLIENT span. The forwarder injects it into the call's
+    headers, then ends it with the call's outcome (`committed` or `failed`)."""
+
+    __slots__ = ("_trace", "name", "outcome", "span")
+
+    def __init__(self, trace: RequestTrace, span: Span, name: str) -> None:
+        self._trace = trace
+        self.span = span
+        self.name = name
+        self.outcome = ""  # set ahead of a cancellation whose cause is known
+
+    def inject(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
+        """A copy of `headers` whose trace context names this span, and only it:
+        the client's own traceparent and tracestate are replaced."""
+        out = headers.copy()
+        out.popall("traceparent", None)
+        out.popall("tracestate", None)
+        _PROPAGATOR.inject(out, set_span_in_context(self.span))
+        return out
+
+    def committed(self, status: int) -> None:
+        self._end("ok", status, None)
+
+    def failed(self, exc: BaseException) -> None:
+        """`exc` ended the call: a retryable failure (its `outcome`), a
+        cancellation (a lost hedge, the deadline, the client gone), or a bug."""
+        outcome = getattr(exc, "outcome", None)
+        if not isinstance(outcome, str):
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            outcome = self.outcome or ("cancelled" if cancelled else "error")
+        self._end(outcome, None, outcome if outcome != "hedge_cancelled" else None)
+
+    def _end(self, outcome: str, status: int | None, error: str | None) -> None:
+        if self._trace._open.get(self.name) is self:
+            del self._trace._open[self.name]
+        span = self.span
+        if span.is_recording():
+            span.set_attribute("ponto.outcome", outcome)
+            if status is not None:
+                span.set_attribute("http.response.status_code", status)
+            if error is not None:
+                span.set_attribute("error.type", error)
+                span.set_status(Status(StatusCode.ERROR, error))
+        span.end()

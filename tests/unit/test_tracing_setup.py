@@ -1,0 +1,60 @@
+"""The tracer provider a proxy builds from its settings and the OTEL_* variables."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+from dataplane.telemetry.config import TraceConfig
+from dataplane.telemetry.tracing import Tracing, resource, start
+
+
+def exporters(tracing: Tracing) -> list[type]:
+    processors = tracing.provider._active_span_processor._span_processors
+    assert all(isinstance(p, BatchSpanProcessor) for p in processors)
+    return [type(p._batch_processor._exporter) for p in processors]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (TraceConfig(("otlp",), "http/protobuf"), [Http]),
+        (TraceConfig(("otlp",), "grpc"), [Grpc]),
+        (TraceConfig(("console", "otlp"), "grpc"), [ConsoleSpanExporter, Grpc]),
+    ],
+)
+def test_each_exporter_gets_a_batch_processor(config: TraceConfig, expected: list[type]) -> None:
+    tracing = start(config, proxy="p1", region="eu", version="1.2.3")
+    try:
+        assert exporters(tracing) == expected
+    finally:
+        tracing.shutdown()
+
+
+def test_the_resource_names_the_proxy_and_its_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv(
+        "OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=prod,ponto.region=x"
+    )
+    attrs = resource(proxy="p1-w0", region="eu", version="1.2.3").attributes
+    assert attrs["service.name"] == "ponto-proxy"
+    assert attrs["service.instance.id"] == "p1-w0"
+    assert attrs["service.version"] == "1.2.3"
+    assert attrs["deployment.environment.name"] == "prod"
+    assert attrs["ponto.region"] == "eu"  # the proxy knows its region better
+    assert attrs["ponto.proxy"] == "p1-w0"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("OTEL_SERVICE_NAME", "edge"), ("OTEL_RESOURCE_ATTRIBUTES", "service.name=edge")],
+)
+def test_the_service_name_is_the_environments_when_it_names_one(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    monkeypatch.setenv(variable, value)
+    assert resource(proxy="p", region="r", version="v").attributes["service.name"] == "edge"
