@@ -13,6 +13,11 @@ variables:
            to the receiver: every span is created and dropped unsampled
     full   the SDK's default sampler (every request), exporting to the receiver
 
+With `--baseline-src DIR` (a checkout of an earlier commit, e.g. made with
+`git worktree add`), a fourth proxy, "before", runs that code with tracing
+off: "off" against "before" is what the tracing hooks, the GenAI metrics and
+the access log's boundary check cost together when all are off.
+
 One keep-alive client sends the same non-streaming chat request (temperature
 0.7: a cache bypass, so every request reaches the origin and makes an origin
 span) through each proxy in turn, in rounds, so that all three see the same
@@ -85,6 +90,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=1500, help="per proxy and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="source tree of an earlier commit, run as a fourth proxy 'before'",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, Fleet(Path(tmp)) as fleet:
         fleet.start_etcd()
@@ -119,6 +129,8 @@ def main() -> int:
                 },
                 "full": exporting,
             }
+            if args.baseline_src is not None:
+                modes["before"] = {"PYTHONPATH": str(args.baseline_src.resolve())}
             for mode, variables in modes.items():
                 with environment(variables):
                     fleet.start_proxy(mode, "local", extra=["--log-level", "WARNING"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -95,7 +96,9 @@ def start(config: TraceConfig, *, proxy: str, region: str, version: str) -> Trac
     for name in config.exporters:
         exporter: SpanExporter
         if name == "console":
-            exporter = ConsoleSpanExporter()
+            # Standard error: standard output is the access log's
+            # (dataplane.http.accesslog), one JSON object per line.
+            exporter = ConsoleSpanExporter(out=sys.stderr)
         elif config.protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
                 OTLPSpanExporter as GrpcExporter,
