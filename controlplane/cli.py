@@ -867,7 +867,10 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
                 "(or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
             )
     elif code == grpc.StatusCode.UNAUTHENTICATED:
-        detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
+        if "not this control plane's" in detail:
+            detail += "; check the file --admin-token-file (or PONTO_ADMIN_TOKEN_FILE) names"
+        else:
+            detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
     elif code == grpc.StatusCode.PERMISSION_DENIED:
         detail += "; this credential may not use the Admin API"
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -47,6 +47,16 @@ async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
     from dataplane.telemetry.tracing import start  # noqa: PLC0415
 
     traces = start(tracing, proxy=settings.name, region=settings.region, version=software_version())
+    # One line, so an operator can tell tracing is on and where spans go.
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", "the OTLP default (localhost)"
+    )
+    log.info(
+        "tracing on: exporters %s, OTLP %s to %s",
+        ",".join(tracing.exporters),
+        tracing.protocol,
+        endpoint,
+    )
     try:
         await _serve(settings, traces.tracer)
     finally:

@@ -358,7 +358,11 @@ def start_demo_fleet(
         for region in DEMO_REGIONS:
             fleet.add_region(region)
             origin = f"origin-{region.name}"
-            fleet.start_origin(origin, region.name, ttft_ms=40, tokens_per_s=200)
+            # Answers end by themselves after 24 tokens, as a model's do, so a
+            # request with a larger max_tokens gets a whole answer the cache keeps.
+            fleet.start_origin(
+                origin, region.name, ttft_ms=40, tokens_per_s=200, extra=["--answer-tokens", "24"]
+            )
             fleet.add_origin(origin, region.name, fleet.origin_url(origin))
         version = fleet.table_version(origins=len(DEMO_REGIONS))
         for region_name, port in zip(("us-east", "eu-west"), proxy_ports, strict=True):

@@ -6,7 +6,7 @@ classes, and writes one JSON line per span to --out (standard output by
 default), flushed as it arrives:
 
     {"trace_id", "span_id", "parent_span_id", "name", "kind", "status",
-     "attributes": {...}, "resource": {...}}
+     "start_unix_nano", "end_unix_nano", "attributes": {...}, "resource": {...}}
 
 Ids are lower-case hex ("" for no parent); `kind` and `status` are the
 protocol's enum names (SPAN_KIND_SERVER, STATUS_CODE_ERROR). It keeps nothing
@@ -67,6 +67,8 @@ def span_lines(request: tpb.ExportTraceServiceRequest) -> list[str]:
                     "name": span.name,
                     "kind": Span.SpanKind.Name(span.kind),
                     "status": Status.StatusCode.Name(span.status.code),
+                    "start_unix_nano": span.start_time_unix_nano,
+                    "end_unix_nano": span.end_time_unix_nano,
                     "attributes": attributes_of(span.attributes),
                     "resource": resource,
                 }

@@ -114,9 +114,16 @@ class TokenGuard(grpc.aio.ServerInterceptor):
                     grpc.StatusCode.PERMISSION_DENIED,
                     "a proxy credential cannot call the Admin API; use the admin token",
                 )
+            if not token:
+                return (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "the Admin API needs the admin token (authorization: Bearer ...)",
+                )
+            # Said apart from a missing token: an operator whose file holds an
+            # old or wrong token must not be told to give one.
             return (
                 grpc.StatusCode.UNAUTHENTICATED,
-                "the Admin API needs the admin token (authorization: Bearer ...)",
+                "the admin token given is not this control plane's admin token",
             )
         if method.startswith(ROUTING_PREFIX) and self._bootstrap:
             if _same(token, self._bootstrap):

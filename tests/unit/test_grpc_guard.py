@@ -75,6 +75,9 @@ def test_missing_or_wrong_admin_token_is_unauthenticated(token: str) -> None:
     assert refusal is not None
     assert refusal[0] == grpc.StatusCode.UNAUTHENTICATED
     assert ADMIN not in refusal[1]
+    # A wrong token is told apart from none, so its holder checks the file.
+    wrong = "not this control plane's" in refusal[1]
+    assert wrong == bool(token)
 
 
 def test_routing_needs_the_bootstrap_token() -> None:
