@@ -338,3 +338,30 @@ async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
         {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
          "gen_ai_token_type": "output", "ponto_region": "r1"},
     ) == 6  # fmt: skip  # the hit spent no origin tokens: one answer's 6
+
+
+async def test_a_follower_of_a_cut_stream_is_logged_as_cut(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=10, tokens_per_s=20, cut_after_tokens=3)],
+        ["--access-log=on"],
+    )
+    try:
+        leader = asyncio.create_task(s.post(chat("cut for both", stream=True)))
+        for _ in range(500):  # the leader's call is under way
+            if s.origin_requests():
+                break
+            await asyncio.sleep(0.01)
+        follower = await s.post(chat("cut for both", stream=True))
+        assert follower.headers["x-ponto-coalesced"] == "1"
+        assert "upstream_stream_broken" in (await follower.read()).decode()
+        await (await leader).read()
+        got = {line["cache"]: line for line in lines(s, capfd)}
+        assert s.origin_requests() == 1
+        assert got["hit"]["cache_kind"] == "coalesced"
+        assert (got["hit"]["status"], got["hit"]["error"]) == (200, "stream_cut")
+        assert got["miss"]["error"] == "stream_cut"
+    finally:
+        await s.close()
