@@ -13,17 +13,20 @@ with probability RATE, except that every answer with an error (a refusal, a
 5xx, a cut stream, a client that left) is written: those are the lines an
 operator looks for.
 
-Writing never blocks the event loop: `start` makes standard output
-non-blocking when it is a pipe or a socket (the only kinds whose reader can
-stall the writer), and lines are buffered and written with one `os.write` per
-batch, at the latest FLUSH_AFTER_S after the first line of a batch, when the
-batch passes MAX_BATCH bytes, and at stop. A batch write holds whole lines and
-at most PIPE_BUF bytes when it can, so the lines of the workers of one group
-(--workers, all writing to one inherited pipe) never interleave inside a line.
-What the reader does not take now (a full pipe) waits, up to MAX_BACKLOG
-bytes, and is written on the next flush; lines past that are dropped and
-counted (`dropped`, ponto_access_log_dropped_total), with at most one WARNING
-line per DROP_WARNING_EVERY_S.
+A stalled reader does not block the event loop: `start` makes standard
+output non-blocking when it is a pipe or a socket (the only kinds whose reader
+can stall the writer), unless standard error is the same pipe (its human log
+lines would block on that reader anyway, and must not start failing). What the
+reader does not take now waits, up to MAX_BACKLOG bytes, and is written on the
+next flush; lines past that are dropped and counted (`dropped`,
+ponto_access_log_dropped_total), with at most one WARNING line per
+DROP_WARNING_EVERY_S.
+
+Lines are buffered and written with one `os.write` per batch, at the latest
+FLUSH_AFTER_S after the first line of a batch, when the batch passes MAX_BATCH
+bytes, and at stop. A batch write holds whole lines and at most PIPE_BUF bytes
+when it can, so the lines of the workers of one group (--workers, all writing
+to one inherited pipe) never interleave inside a line.
 """
 
 from __future__ import annotations
@@ -230,13 +233,22 @@ class AccessLog:
         self._timer: asyncio.Handle | None = None
         self._broken = False
 
-    def start(self) -> None:
-        """Make `fd` non-blocking when it is a pipe or a socket. It changes the
-        open file, which the process's siblings (and a standard error that is
-        the same pipe) share: they are written the same way or tolerate it."""
-        mode = os.fstat(self._fd).st_mode
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            os.set_blocking(self._fd, False)
+    def start(self, stderr: int = 2) -> None:
+        """Make `fd` non-blocking when it is a pipe or a socket, unless it is
+        the same one as `stderr`: the flag belongs to the open pipe, and the
+        human log's writes (which block on a stalled reader anyway) must not
+        start failing. The process's siblings share the pipe and its flag;
+        they write the same way."""
+        mode = os.fstat(self._fd)
+        if not (stat.S_ISFIFO(mode.st_mode) or stat.S_ISSOCK(mode.st_mode)):
+            return
+        try:
+            other = os.fstat(stderr)
+        except OSError:  # no standard error at all
+            other = None
+        if other is not None and (other.st_dev, other.st_ino) == (mode.st_dev, mode.st_ino):
+            return
+        os.set_blocking(self._fd, False)
 
     def write(self, rec: AccessRecord) -> None:
         """Queue one line; written within FLUSH_AFTER_S (needs a running loop)."""

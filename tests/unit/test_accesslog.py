@@ -354,12 +354,16 @@ async def test_the_dropped_lines_are_a_counter_on_metrics(tmp_path: Path) -> Non
 
 def test_start_makes_a_pipe_non_blocking_and_leaves_a_file_alone(tmp_path: Path) -> None:
     read, write = os.pipe()
+    other_read, other_write = os.pipe()
     try:
-        AccessLog("eu", TrustedProxies(()), fd=write).start()
+        AccessLog("eu", TrustedProxies(()), fd=write).start(stderr=other_write)
         assert not os.get_blocking(write)
+        # The pipe standard error writes to as well keeps blocking.
+        AccessLog("eu", TrustedProxies(()), fd=other_read).start(stderr=other_read)
+        assert os.get_blocking(other_read)
     finally:
-        os.close(read)
-        os.close(write)
+        for fd in (read, write, other_read, other_write):
+            os.close(fd)
     with (tmp_path / "log").open("wb") as f:
         AccessLog("eu", TrustedProxies(()), fd=f.fileno()).start()
         assert os.get_blocking(f.fileno())
