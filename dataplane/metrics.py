@@ -327,6 +327,11 @@ class Metrics:
         self.table_nacks = ReadCounter(
             "ponto_route_table_nacks", "Tables refused since start", registry=r
         )
+        self.access_log_dropped = ReadCounter(
+            "ponto_access_log_dropped",
+            "Access-log lines dropped because standard output did not take them",
+            registry=r,
+        )
         self.genai_duration = Histogram(
             "gen_ai_client_operation_duration_seconds",
             "GenAI operation duration (OpenTelemetry gen_ai.client.operation.duration), "

@@ -9,15 +9,24 @@ error, which keeps its refusal lines (dataplane.http.refusals): the access log
 is a record of traffic, not a second error log.
 
 Sampling (`--access-log-sample RATE`, 0 < RATE <= 1): each answer is written
-with probability RATE, except that every 5xx answer is written: server-side
-failures are rare and are the lines an operator looks for.
+with probability RATE, except that every answer with an error (a refusal, a
+5xx, a cut stream, a client that left) is written: those are the lines an
+operator looks for.
 
-Writing never blocks the event loop for long: lines are buffered and written
-with one `os.write` per batch, at the latest FLUSH_AFTER_S after the first
-line of a batch, when the batch passes MAX_BATCH bytes, and at stop. A batch
-write holds whole lines and at most PIPE_BUF bytes when it can, so the lines of
-the workers of one group (--workers, all writing to one inherited pipe) never
-interleave inside a line.
+A stalled reader does not block the event loop: `start` makes standard
+output non-blocking when it is a pipe or a socket (the only kinds whose reader
+can stall the writer), unless standard error is the same pipe (its human log
+lines would block on that reader anyway, and must not start failing). What the
+reader does not take now waits, up to MAX_BACKLOG bytes, and is written on the
+next flush; lines past that are dropped and counted (`dropped`,
+ponto_access_log_dropped_total), with at most one WARNING line per
+DROP_WARNING_EVERY_S.
+
+Lines are buffered and written with one `os.write` per batch, at the latest
+FLUSH_AFTER_S after the first line of a batch, when the batch passes MAX_BATCH
+bytes, and at stop. A batch write holds whole lines and at most PIPE_BUF bytes
+when it can, so the lines of the workers of one group (--workers, all writing
+to one inherited pipe) never interleave inside a line.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import logging
 import os
 import random
 import select
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +59,9 @@ MAX_BATCH: Final = 64 * 1024
 # Writes of at most this many bytes to a pipe are atomic (POSIX, 4096 on Linux).
 ATOMIC_WRITE: Final = getattr(select, "PIPE_BUF", 512)
 MAX_PATH: Final = 200
+# Bytes kept while standard output takes nothing: about 4,000 lines.
+MAX_BACKLOG: Final = 1024 * 1024
+DROP_WARNING_EVERY_S: Final = 60.0
 
 
 @dataclass(slots=True)
@@ -171,16 +184,22 @@ class Sampler:
         self.rate = rate
         self._rng = rng
 
-    def __call__(self, status: int) -> bool:
-        return self.rate >= 1.0 or status >= 500 or self._rng() < self.rate
+    def __call__(self, status: int, error: str) -> bool:
+        """Whether the answer with `status` and `error` (its error code, "" for
+        none) gets a line."""
+        return self.rate >= 1.0 or bool(error) or self._rng() < self.rate
 
 
 class AccessLog:
     """Buffers access lines and writes them to `fd` (standard output).
 
-    One per app, used from its event loop only. `close` (at stop) writes what
-    is left. A write error (standard output closed) turns the log off with one
-    ERROR line: the proxy keeps serving.
+    One per app, used from its event loop only. `start` (at start) makes a
+    pipe or socket non-blocking; `close` (at stop) writes what it can. While
+    `fd` takes nothing (BlockingIOError, or a partial write), the rest waits in
+    a backlog of at most MAX_BACKLOG bytes and is retried on the next flush;
+    lines that do not fit are dropped and counted in `dropped`. Any other
+    write error (standard output closed) turns the log off with one ERROR
+    line: the proxy keeps serving.
     """
 
     def __init__(
@@ -192,20 +211,44 @@ class AccessLog:
         fd: int = 1,
         write: Callable[[int, bytes], int] = os.write,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         call_later: Callable[[float, Callable[[], None]], asyncio.Handle] | None = None,
     ) -> None:
         self.region = region  # the proxy's
         self.trusted = trusted  # whose forwarding headers name the client
         self.sampled = sampler or Sampler()
         self.clock = clock  # wall time, for the records' `ts`
+        self.dropped = 0  # lines dropped because the backlog was full
+        self._monotonic = monotonic
         self._fd = fd
         self._write = write
         self._lines: list[bytes] = []
         self._size = 0
+        # Written batches `fd` has not taken yet (the first maybe in part).
+        self._backlog: list[bytes] = []
+        self._warned_at: float | None = None
+        self._dropped_warned = 0
         # The running loop's call_later unless a test gives its own.
         self._call_later = call_later
         self._timer: asyncio.Handle | None = None
         self._broken = False
+
+    def start(self, stderr: int = 2) -> None:
+        """Make `fd` non-blocking when it is a pipe or a socket, unless it is
+        the same one as `stderr`: the flag belongs to the open pipe, and the
+        human log's writes (which block on a stalled reader anyway) must not
+        start failing. The process's siblings share the pipe and its flag;
+        they write the same way."""
+        mode = os.fstat(self._fd)
+        if not (stat.S_ISFIFO(mode.st_mode) or stat.S_ISSOCK(mode.st_mode)):
+            return
+        try:
+            other = os.fstat(stderr)
+        except OSError:  # no standard error at all
+            other = None
+        if other is not None and (other.st_dev, other.st_ino) == (mode.st_dev, mode.st_ino):
+            return
+        os.set_blocking(self._fd, False)
 
     def write(self, rec: AccessRecord) -> None:
         """Queue one line; written within FLUSH_AFTER_S (needs a running loop)."""
@@ -216,27 +259,75 @@ class AccessLog:
         self._size += len(line)
         if self._size >= MAX_BATCH:
             self.flush()
-        elif self._timer is None:
-            call_later = self._call_later or asyncio.get_running_loop().call_later
-            self._timer = call_later(FLUSH_AFTER_S, self.flush)
+        else:
+            self._schedule()
 
     def flush(self) -> None:
-        """Write every queued line now, in whole-line writes."""
+        """Write the backlog, then every queued line, in whole-line writes, as
+        far as `fd` takes them now; never waits for it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         lines, self._lines, self._size = self._lines, [], 0
+        pending = self._backlog
+        self._backlog = []
+        pending.extend(batches(lines, ATOMIC_WRITE))
+        done = 0  # batches written whole
+        rest = b""
         try:
-            for batch in batches(lines, ATOMIC_WRITE):
+            for batch in pending:
                 rest = batch
                 while rest:
-                    rest = rest[self._write(self._fd, rest) :]
+                    written = self._write(self._fd, rest)
+                    rest = rest[written:]
+                    if rest and not written:
+                        raise BlockingIOError
+                done += 1
+        except BlockingIOError:
+            self._keep(rest, pending[done + 1 :])
         except OSError as exc:
             self._broken = True
             log.error("access log off: cannot write to fd %d: %s", self._fd, exc)
+            return
+        if self._backlog:
+            self._schedule()
+        self._warn_dropped()
 
     def close(self) -> None:
         self.flush()
+
+    def _schedule(self) -> None:
+        if self._timer is None:
+            call_later = self._call_later or asyncio.get_running_loop().call_later
+            self._timer = call_later(FLUSH_AFTER_S, self.flush)
+
+    def _keep(self, partial: bytes, batches_left: list[bytes]) -> None:
+        """Hold what `fd` did not take: the rest of a batch begun (always, so
+        no line is cut in two), then whole batches while they fit."""
+        size = len(partial)
+        kept = [partial]
+        for batch in batches_left:
+            if size + len(batch) > MAX_BACKLOG:
+                self.dropped += batch.count(b"\n")
+                continue
+            kept.append(batch)
+            size += len(batch)
+        self._backlog = kept
+
+    def _warn_dropped(self) -> None:
+        new = self.dropped - self._dropped_warned
+        if not new:
+            return
+        now = self._monotonic()
+        if self._warned_at is not None and now - self._warned_at < DROP_WARNING_EVERY_S:
+            return
+        self._warned_at = now
+        self._dropped_warned = self.dropped
+        log.warning(
+            "access log: %d line(s) dropped: standard output does not keep up (%d since start)",
+            new,
+            self.dropped,
+        )
 
 
 def batches(lines: list[bytes], limit: int) -> list[bytes]:

@@ -3,6 +3,7 @@ counted (and, with --access-log on, logged), every answer with its request id.""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from dataplane.metrics import GENAI_OPERATIONS
 
 if TYPE_CHECKING:
     from dataplane.auth.authenticator import Principal
+    from dataplane.http.accesslog import AccessLog
     from dataplane.http.pipeline import Exchange
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -50,14 +52,15 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
 
     A proxied request (one with an Exchange) is recorded once here in the
     GenAI metrics, and every answer gets its access-log line here, once the
-    handler has returned: after a stream's last byte, after settlement.
+    handler has returned: after a stream's last byte, after settlement. A
+    handler cancelled because its client left (or the server stopped it) is
+    recorded the same way, as status 499 (`cancel_reason`), and the
+    cancellation goes on.
     """
     started = time.perf_counter()
     app = request.app
     request_id = request[REQUEST_ID] = app[REQUEST_IDS].of(request.headers.get("x-request-id"))
-    route = request.match_info.route
-    endpoint = route.name or "other"
-    m = app[METRICS]
+    endpoint = request.match_info.route.name or "other"
     if app[DRAINING].active:
         # Any answer, streams included (they are prepared inside the handler),
         # says `Connection: close`: the client opens its next request elsewhere.
@@ -66,6 +69,15 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     error = ""
     try:
         response = await handler(request)
+    except asyncio.CancelledError:
+        # The client left (production runs with handler_cancellation) or the
+        # server stopped the handler while draining: nobody gets an answer,
+        # but the request is still counted and logged, as nginx's 499.
+        error = cancel_reason(app)
+        if error == "client_disconnected":
+            app[METRICS].client_disconnects.inc()
+        _record(request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started)
+        raise
     except Exception as exc:
         response, error = _error_response(request, exc)
         failed = True
@@ -80,7 +92,29 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if ex.cache is not None:
             for name, value in ex.cache_headers(ex.cache.outcome):
                 response.headers.setdefault(name, value)
-    status = response.status
+    _record(request, request_id, endpoint, ex, response.status, error, started)
+    return response
+
+
+def cancel_reason(app: web.Application) -> str:
+    """The error code of a request whose handler was cancelled: the server
+    stopped it while draining, or else its client left."""
+    return "cancelled" if app[DRAINING].active else "client_disconnected"
+
+
+def _record(
+    request: web.Request,
+    request_id: str,
+    endpoint: str,
+    ex: Exchange | None,
+    status: int,
+    error: str,
+    started: float,
+) -> None:
+    """Count the answer (ponto_requests_total, the GenAI metrics of a proxied
+    request) and give it its access-log line. Once per request."""
+    app = request.app
+    m = app[METRICS]
     if not error and ex is not None:
         error = ex.stream_error
     if not error and status >= 400:
@@ -102,11 +136,15 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
             ex.first_chunk_at - started if ex.stream and ex.first_chunk_at is not None else None,
             ex.usage if ex.origin else None,
         )
-    _access_line(request, request_id, endpoint, principal, ex, status, error, started, finished)
-    return response
+    access = app.get(ACCESS_LOG)
+    if access is not None and access.sampled(status, error):
+        _access_line(
+            access, request, request_id, endpoint, principal, ex, status, error, started, finished
+        )
 
 
 def _access_line(
+    access: AccessLog,
     request: web.Request,
     request_id: str,
     endpoint: str,
@@ -117,13 +155,10 @@ def _access_line(
     started: float,
     finished: float,
 ) -> None:
-    """The answer's access-log line, with --access-log on and when sampled.
+    """Write the answer's access-log line (the caller has sampled it).
 
     None for a request over a unix socket: a sibling worker asking for this
     one's /metrics or /readyz (dataplane.workers), not a client."""
-    access = request.app.get(ACCESS_LOG)
-    if access is None or not access.sampled(status):
-        return
     sock = request.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
         return
@@ -226,7 +261,11 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         remote=request.remote,
         what=f"{request.method} {request.path}",
     )
-    name = request.match_info.route.name or "other"
+    access = request.app.get(ACCESS_LOG)
     code = error.code or ""
-    _access_line(request, request_id, name, None, None, 417, code, started, time.perf_counter())
+    if access is not None and access.sampled(417, code):
+        name = request.match_info.route.name or "other"
+        _access_line(
+            access, request, request_id, name, None, None, 417, code, started, time.perf_counter()
+        )
     return error.response()

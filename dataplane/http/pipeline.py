@@ -130,7 +130,9 @@ class Exchange:
     # What the access log and the GenAI metrics report (dataplane.http.accesslog)
     origin: str = ""  # the origin that answered, and its region
     region: str = ""
-    attempts: int = 0  # origin calls made, hedges and continuations included
+    # Origin calls made (OriginAnswer.calls): failed ones, hedges (won or
+    # lost) and continuation calls (failed ones too) included.
+    attempts: int = 0
     hedged: bool = False
     first_chunk_at: float | None = None  # time.perf_counter() of a stream's first chunk
     stream_error: str = ""  # how a stream that started as a success ended badly
@@ -140,7 +142,9 @@ class Exchange:
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
         its id, the cache outcome (with the reason of a bypass) and the route."""
-        headers = [("x-request-id", self.request_id), *self.cache_headers(cache_outcome)]
+        headers = [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
+        if cache_outcome == "bypass" and self.cache is not None and self.cache.reason:
+            headers.append((CACHE_REASON_HEADER, self.cache.reason))
         if self.route:
             headers.append((ROUTE_HEADER, self.route))
         return headers
@@ -302,6 +306,8 @@ class Pipeline:
                     response, whole = followed
                     if whole:
                         self.cache.count_coalesced()
+                    else:  # the flight's stream was cut, and so was this copy
+                        ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
                     return response
                 plan = ex.cache = self.cache.own_call(creq, plan)
@@ -361,7 +367,7 @@ class Pipeline:
             ex.attempts = exc.attempts
             raise
         ex.origin, ex.region = answer.target.name, answer.target.region
-        ex.attempts = answer.attempt
+        ex.attempts = answer.calls
         ex.hedged = answer.hedged
         if answer.hedged:
             ex.route = "hedge"  # the chosen origin was slower than the next one
@@ -446,8 +452,8 @@ class Pipeline:
             if resume is not None:
                 resume.close()
                 ex.continuation_prompt = resume.extra_prompt
+                ex.attempts += resume.calls
                 if resume.count:
-                    ex.attempts += resume.count
                     ex.origin, ex.region = resume.origin, resume.region
         m = self.metrics
         name = resume.origin if resume is not None else origin.target.name

@@ -70,7 +70,8 @@ class Continuations:
         self._opened: list[OriginAnswer] = []
         # Tokens the client had when each continuation call started.
         self._starts: list[int] = [0]
-        self.count = 0
+        self.count = 0  # continuations that took over the stream
+        self.calls = 0  # origin calls made for them, failed ones included
         # Prompt tokens of the continuation calls, estimated: the original
         # prompt plus the text sent before each (for accounting without usage).
         self.extra_prompt = 0
@@ -117,8 +118,10 @@ class Continuations:
                 trace=ex.trace,
             )
         except ApiError as exc:
+            self.calls += exc.attempts
             self._give_up(cut, exc.message, outcome="failed")
             return None
+        self.calls += answer.calls
         self._opened.append(answer)
         self._tried.add(answer.target.name)
         if not answer.streamed or answer.status != 200:

@@ -26,7 +26,12 @@ from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
 from dataplane.http import endpoints
 from dataplane.http.accesslog import AccessLog, Sampler
-from dataplane.http.boundary import CLIENT_CLOSED, errors_and_metrics, expect_continue
+from dataplane.http.boundary import (
+    CLIENT_CLOSED,
+    cancel_reason,
+    errors_and_metrics,
+    expect_continue,
+)
 from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
 from dataplane.http.requestid import RequestIds
@@ -96,9 +101,10 @@ class Proxy:
         self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
         self.access_log = None
         if settings.access_log:
-            self.access_log = AccessLog(
+            access = self.access_log = AccessLog(
                 settings.region, self.locator.trusted, Sampler(settings.access_log_sample)
             )
+            m.access_log_dropped.read = lambda: float(access.dropped)
         info = pb.ProxyInfo(
             name=settings.name,
             region=settings.region,
@@ -135,6 +141,8 @@ class Proxy:
         if self.holder.load_saved():
             log.warning("serving the saved route table until the control plane answers")
         self.locator.locator = open_locator(settings.geoip_db)
+        if self.access_log is not None:
+            self.access_log.start()
         # Per origin at most 1024 connections: past that, bursts wait for a free
         # keep-alive connection instead of opening (and tearing down) new ones.
         connector = aiohttp.TCPConnector(
@@ -267,8 +275,11 @@ async def traced(
     except ApiError as exc:
         status, error = exc.status, exc.code or str(exc.status)
         raise
-    except (asyncio.CancelledError, ConnectionResetError) as exc:
-        status, error = CLIENT_CLOSED, type(exc).__name__  # the client went away
+    except asyncio.CancelledError:
+        status, error = CLIENT_CLOSED, cancel_reason(request.app)
+        raise
+    except ConnectionResetError:
+        status, error = CLIENT_CLOSED, "client_disconnected"
         raise
     except BaseException as exc:
         error = type(exc).__qualname__

@@ -21,6 +21,7 @@ request the sampler dropped, which makes no spans, the request's).
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -48,6 +49,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from yarl import URL
 
 from dataplane import jsonio
+from dataplane.metrics import GENAI_OPERATIONS
 from dataplane.streaming.usage import usage_of
 from dataplane.telemetry.config import TraceConfig
 
@@ -62,18 +64,11 @@ __all__ = ["AttemptSpan", "RequestTrace", "RequestTracer", "Tracing", "resource"
 DEFAULT_SERVICE_NAME = "ponto-proxy"
 SCOPE = "ponto.dataplane"
 
-# gen_ai.operation.name per endpoint. The conventions name OpenAI's Responses
-# API a chat operation.
-OPERATIONS = {
-    "chat.completions": "chat",
-    "completions": "text_completion",
-    "embeddings": "embeddings",
-    "responses": "chat",
-}
 # The API every origin speaks (OpenAI's), as gen_ai.provider.name names it.
 PROVIDER = "openai"
-# Request fields recorded when present, and their attribute. The first of
-# max_tokens, max_completion_tokens and max_output_tokens present is the limit.
+# Request fields recorded when present, and their attribute, once the request
+# has been validated (never a refused body's). The first of max_tokens,
+# max_completion_tokens and max_output_tokens present is the limit.
 _REQUEST_FIELDS = (
     ("temperature", "gen_ai.request.temperature"),
     ("top_p", "gen_ai.request.top_p"),
@@ -82,6 +77,8 @@ _REQUEST_FIELDS = (
     ("stream", "gen_ai.request.stream"),
 )
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# OTLP carries integers as int64: a JSON integer past it is clamped.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The first "model" member of a JSON answer or stream chunk. A "model" inside a
 # string value has escaped quotes and cannot match.
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
@@ -168,7 +165,7 @@ class RequestTracer:
         `traceparent` when it sent a valid one. Named by the HTTP route until
         the model is known."""
         parent = _PROPAGATOR.extract(headers)
-        op = OPERATIONS[endpoint]
+        op = GENAI_OPERATIONS[endpoint]
         span = self._tracer.start_span(
             f"{method} {route}",
             context=parent,
@@ -192,7 +189,6 @@ class RequestTrace:
         "_ctx",
         "_open",
         "_tracer",
-        "attempts",
         "model",
         "op",
         "origin",
@@ -212,7 +208,6 @@ class RequestTrace:
         self.region = region
         self.model = ""
         self.origin: OriginSeen | None = None
-        self.attempts = 0
         self._open: dict[str, AttemptSpan] = {}  # by origin name, until they end
 
     @property
@@ -242,7 +237,6 @@ class RequestTrace:
 
         In a request the sampler dropped, no span: the call carries the
         request span's own (unsampled) context, which is all an origin can use."""
-        self.attempts += 1
         if not self.recording:
             return AttemptSpan(self, NonRecordingSpan(self.root.get_span_context()), target.name)
         host, port = _server(target.base_url)
@@ -270,6 +264,11 @@ class RequestTrace:
         if attempt is not None:
             attempt.outcome = "hedge_cancelled"
 
+    def ended(self, attempt: AttemptSpan) -> None:
+        """`attempt` has ended: no later hedge_lost applies to it."""
+        if self._open.get(attempt.name) is attempt:
+            del self._open[attempt.name]
+
     def answered(self, origin: OriginAnswer) -> None:
         """The origin that answers (after failover or hedging), and the model
         its answer names (recorded only on a sampled request)."""
@@ -281,48 +280,52 @@ class RequestTrace:
 
     def finish(self, ex: Exchange | None, status: int, error: str | None) -> None:
         """End the request span with what the request became. `error` is the
-        refusal's code (or the failure's type); an answer of 400 and up without
-        one is named by its status."""
+        refusal's code (or the failure's type); without one, how a stream that
+        started well ended (the Exchange's stream_error), else an answer of
+        400 and up is named by its status. The origin and region are those
+        that finished the answer (after a continuation, the last origin), as
+        in the access log; the attempts are the Exchange's."""
         root = self.root
         if root.is_recording():
             attrs: dict[str, Any] = {"http.response.status_code": status}
+            if error is None and ex is not None and ex.stream_error:
+                error = ex.stream_error
             if error is None and status >= 400:
                 error = str(status)
             if error is not None:
                 attrs["error.type"] = error
-            origin = self.origin
+            seen = self.origin
             region = self.region
-            if origin is not None:
-                region = origin.region
-                attrs["ponto.origin"] = origin.name
-                if origin.model:
-                    attrs["gen_ai.response.model"] = origin.model
+            if ex is not None and ex.origin:
+                region = ex.region
+                attrs["ponto.origin"] = ex.origin
+            elif seen is not None:
+                region = seen.region
+                attrs["ponto.origin"] = seen.name
+            if seen is not None and seen.model:
+                attrs["gen_ai.response.model"] = seen.model
             attrs["ponto.region"] = region
-            attrs["ponto.attempts"] = self.attempts
             if ex is not None:
+                attrs["ponto.attempts"] = ex.attempts
                 self._exchange_attributes(ex, attrs)
             root.set_attributes(attrs)
-            if status >= 500:  # a server span's 4xx is the client's error, not ours
+            # A server span's 4xx is the client's error, not ours; a cut
+            # stream is ours, whatever its status said.
+            if status >= 500 or error == "stream_cut":
                 root.set_status(Status(StatusCode.ERROR, error))
         root.end()
 
     def _exchange_attributes(self, ex: Exchange, attrs: dict[str, Any]) -> None:
-        body = ex.body
-        model = ex.model or body.get("model")
-        if isinstance(model, str) and model:
+        # ex.model is set once the body was validated and its model found
+        # served: before that, nothing in the body is the span's (a refused
+        # body's values may be anything, of any size).
+        model = ex.model
+        if model:
             attrs["gen_ai.request.model"] = model
-            if not self.model:
+            if not self.model:  # refused after assembly, before the cache step
                 self.model = model
                 self.root.update_name(self.name)
-        for name, attr in _REQUEST_FIELDS:
-            value = body.get(name)
-            if isinstance(value, (bool, int, float)):
-                attrs[attr] = value
-        for name in _MAX_TOKENS_FIELDS:
-            value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                attrs["gen_ai.request.max_tokens"] = value
-                break
+            _request_fields(ex.body, attrs)
         if ex.authenticated:
             attrs["ponto.tenant"] = ex.principal.tenant
         if ex.route:
@@ -346,6 +349,32 @@ class RequestTrace:
         if ex.usage is not None:
             attrs["gen_ai.usage.input_tokens"] = ex.usage.prompt_tokens
             attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
+
+
+def _request_fields(body: dict[str, Any], attrs: dict[str, Any]) -> None:
+    """The request fields of a validated body (a JSON integer may still be
+    past int64, a float infinite or NaN)."""
+    for name, attr in _REQUEST_FIELDS:
+        value = _attribute_number(body.get(name))
+        if value is not None:
+            attrs[attr] = value
+    for name in _MAX_TOKENS_FIELDS:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            attrs["gen_ai.request.max_tokens"] = min(max(value, _INT64_MIN), _INT64_MAX)
+            break
+
+
+def _attribute_number(value: object) -> bool | int | float | None:
+    """`value` as an OTLP attribute: a bool, an int clamped to int64, a
+    finite float; None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return min(max(value, _INT64_MIN), _INT64_MAX)
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,17 +484,23 @@ class AttemptSpan:
         self._end("ok", status, None)
 
     def failed(self, exc: BaseException) -> None:
-        """`exc` ended the call: a retryable failure (its `outcome`), a
-        cancellation (a lost hedge, the deadline, the client gone), or a bug."""
+        """`exc` ended the call: a retryable failure (its `outcome`, and its
+        `status` when the origin answered), a cancellation (its cause set
+        ahead in `outcome`: a lost hedge, the deadline; else the client
+        gone), or a bug."""
         outcome = getattr(exc, "outcome", None)
         if not isinstance(outcome, str):
             cancelled = isinstance(exc, asyncio.CancelledError)
             outcome = self.outcome or ("cancelled" if cancelled else "error")
-        self._end(outcome, None, outcome if outcome != "hedge_cancelled" else None)
+        status = getattr(exc, "status", None)
+        self._end(
+            outcome,
+            status if isinstance(status, int) else None,
+            outcome if outcome != "hedge_cancelled" else None,
+        )
 
     def _end(self, outcome: str, status: int | None, error: str | None) -> None:
-        if self._trace._open.get(self.name) is self:
-            del self._trace._open[self.name]
+        self._trace.ended(self)
         span = self.span
         if span.is_recording():
             span.set_attribute("ponto.outcome", outcome)

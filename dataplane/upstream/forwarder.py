@@ -113,9 +113,13 @@ class UpstreamSettings:
 
 
 class _Retryable(Exception):
-    def __init__(self, outcome: str, detail: str) -> None:
+    """A failed call another origin may take: its outcome (the metrics' label)
+    and, when the origin answered, its status."""
+
+    def __init__(self, outcome: str, detail: str, status: int | None = None) -> None:
         super().__init__(detail)
         self.outcome = outcome
+        self.status = status
 
 
 @dataclass(slots=True, eq=False)
@@ -129,10 +133,13 @@ class OriginAnswer:
     otherwise (which also cancels generation on the origin when the client
     has gone), and ends the request in the origin's outstanding count.
 
-    `hedged` is True when the answer came from a hedge (the second copy of the
-    request). `extra_calls` counts the other calls of this request that were
-    sent and then cancelled because this one answered first (0 or 1): the
-    origin spent that call's prompt tokens, and the caller may account them.
+    `calls` counts every origin call the forward made, this one included
+    (failed attempts, a hedge that lost or won): what the access log and the
+    request span report as attempts. `hedged` is True when the answer came
+    from a hedge (the second copy of the request). `extra_calls` counts the
+    other calls of this request that were sent and then cancelled because
+    this one answered first (0 or 1): the origin spent that call's prompt
+    tokens, and the caller may account them.
     """
 
     target: Target
@@ -143,6 +150,7 @@ class OriginAnswer:
     first: bytes
     _resp: aiohttp.ClientResponse
     _loads: LoadBoard | None = None
+    calls: int = 1
     hedged: bool = False
     extra_calls: int = 0
 
@@ -295,6 +303,7 @@ class Forwarder:
         # The causes are the operator's, in one line per request with its id;
         # the client gets a fixed message (dataplane.http.errors).
         if answer is not None:
+            answer.calls = tries.made
             if failures:
                 log.warning(
                     "%s: %d attempt(s) failed before origin %s answered: %s",
@@ -342,9 +351,12 @@ class Forwarder:
                 # A timer the socket timeouts cannot replace: an origin that
                 # trickles a body never trips the read timeout.
                 async with asyncio.timeout(remaining):
-                    answer = await self._attempt(
-                        target, path, body, headers, attempt, stream, trace
-                    )
+                    if trace is None:
+                        answer = await self._call(target, path, body, headers, attempt, stream)
+                    else:
+                        answer = await self._attempt(
+                            target, path, body, headers, attempt, stream, trace, tries.deadline
+                        )
                 self._won(answer)
                 return answer
             except _Retryable as exc:
@@ -376,7 +388,7 @@ class Forwarder:
         metrics = self._metrics
         first_target, hedge_target = ordered[0], ordered[1]
         sent_at = loop.time()
-        first = self._start(first_target, path, body, headers, 1, stream, trace)
+        first = self._start(first_target, path, body, headers, 1, stream, trace, tries.deadline)
         tries.made = 1
         hedge: asyncio.Task[OriginAnswer] | None = None
         targets = {first: first_target}  # every attempt of the race
@@ -404,7 +416,9 @@ class Forwarder:
                         metrics.child(metrics.hedges, "refused").inc()
                         continue
                     metrics.child(metrics.hedges, "started").inc()
-                    hedge = self._start(hedge_target, path, body, headers, 2, stream, trace)
+                    hedge = self._start(
+                        hedge_target, path, body, headers, 2, stream, trace, tries.deadline
+                    )
                     running[hedge] = targets[hedge] = hedge_target
                     tries.made = 2
                     continue
@@ -452,9 +466,12 @@ class Forwarder:
         attempt: int,
         stream: bool,
         trace: RequestTrace | None,
+        deadline: float,
     ) -> asyncio.Task[OriginAnswer]:
+        if trace is None:  # no extra coroutine frame per call when tracing is off
+            return asyncio.create_task(self._call(target, path, body, headers, attempt, stream))
         return asyncio.create_task(
-            self._attempt(target, path, body, headers, attempt, stream, trace)
+            self._attempt(target, path, body, headers, attempt, stream, trace, deadline)
         )
 
     async def _end_others(
@@ -465,7 +482,7 @@ class Forwarder:
         answer: OriginAnswer | None,
         stream: bool,
         sent_at: float,
-        trace: RequestTrace | None = None,
+        trace: RequestTrace | None,
     ) -> int:
         """End every attempt of a race but the winner; return how many were sent
         and then cancelled (or released) because the winner answered first.
@@ -542,14 +559,20 @@ class Forwarder:
         headers: CIMultiDict[str],
         attempt: int,
         stream: bool,
-        trace: RequestTrace | None,
+        trace: RequestTrace,
+        deadline: float,
     ) -> OriginAnswer:
-        """One call; with `trace`, inside its own span, whose context it sends."""
-        if trace is None:
-            return await self._call(target, path, body, headers, attempt, stream)
+        """One call inside its own span of `trace`, whose context it sends.
+        `deadline` (loop time) is the request's: a cancellation from then on
+        is its timeout."""
         span = trace.attempt(target, attempt)
         try:
             answer = await self._call(target, path, body, span.inject(headers), attempt, stream)
+        except asyncio.CancelledError as exc:
+            if not span.outcome and asyncio.get_running_loop().time() >= deadline:
+                span.outcome = "timeout"
+            span.failed(exc)
+            raise
         except BaseException as exc:
             span.failed(exc)
             raise
@@ -592,10 +615,12 @@ class Forwarder:
             raise
         try:
             if resp.status >= RETRY_STATUS_MIN:
-                raise _Retryable("http_5xx", f"answered {resp.status}")
+                raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
             if resp.status in CREDENTIAL_REFUSED:
                 raise _Retryable(
-                    "credential_refused", f"refused the proxy's credential ({resp.status})"
+                    "credential_refused",
+                    f"refused the proxy's credential ({resp.status})",
+                    resp.status,
                 )
             streamed = resp.content_type == "text/event-stream"
             body_read: bytes | None = None

@@ -5,6 +5,7 @@ output (pytest's capfd)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -209,14 +210,87 @@ async def test_refusals_get_one_line_each_with_their_code(
     assert not any(r.getMessage().startswith("{") for r in caplog.records)
 
 
-async def test_sampling_writes_a_share_of_answers_and_every_5xx(
-    logged: Stack, capfd: pytest.CaptureFixture[str]
+async def test_sampling_writes_a_share_of_answers_and_every_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    draws = iter([0.9, 0.1, 0.9])
-    logged.app[ACCESS_LOG].sampled = Sampler(0.5, rng=lambda: next(draws))
-    for path in ("/a", "/b", "/c"):
-        await (await logged.client.get(path)).read()
-    assert [line["path"] for line in lines(logged, capfd)] == ["/b"]
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="down", mode="fail", fail_status=500)],
+        ["--access-log=on", "--max-attempts=1"],
+    )
+    try:
+        draws = iter([0.9, 0.1, 0.9])
+        s.app[ACCESS_LOG].sampled = Sampler(0.5, rng=lambda: next(draws))
+        for path in ("/healthz", "/health", "/readyz"):
+            await (await s.client.get(path)).read()
+        failed = await s.post(chat("nobody answers"))
+        assert failed.status == 502
+        missing = await s.client.get("/nope")
+        for resp in (failed, missing):
+            await resp.read()
+        got = [(line["path"], line["status"]) for line in lines(s, capfd)]
+        # The draws decide the successes; every error is written, without a draw.
+        assert got == [("/health", 200), ("/v1/chat/completions", 502), ("/nope", 404)]
+    finally:
+        await s.close()
+
+
+async def settled(stack: Stack, status: str) -> None:
+    """Wait (bounded) until the proxy has counted an answer with `status`:
+    a client's disconnect reaches the handler a few loop turns later."""
+    registry = stack.app[METRICS].registry
+    labels = {"endpoint": "chat.completions", "code": status}
+    for _ in range(500):
+        if registry.get_sample_value("ponto_requests_total", labels):
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"no {status} answer was counted")
+
+
+@pytest.mark.parametrize("when", ["before the first chunk", "mid-stream"])
+async def test_a_client_that_leaves_gets_a_499_line_and_its_metrics(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], when: str
+) -> None:
+    # The aiohttp test server, like the proxy's own runner, cancels the
+    # handler of a client that disconnects (handler_cancellation).
+    first = when == "mid-stream"
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=200, tokens_per_s=20, ttft_ms=0 if first else 30_000)],
+        ["--access-log=on"],
+    )
+    try:
+        if first:
+            resp = await s.post(chat("leave me", stream=True))
+            assert resp.status == 200
+            await resp.content.readline()  # the first event has arrived
+            resp.close()
+        else:
+            sent = asyncio.create_task(s.post(chat("leave me", stream=True)))
+            for _ in range(500):
+                if s.origin_requests():
+                    break
+                await asyncio.sleep(0.01)
+            sent.cancel()
+        await settled(s, "499")
+        [line] = lines(s, capfd)
+        assert (line["status"], line["error"], line["origin"], line["stream"]) == (
+            499,
+            "client_disconnected",
+            "o1" if first else None,
+            True,
+        )
+        assert line["ttft_ms"] is None if not first else line["ttft_ms"] > 0
+        registry = s.app[METRICS].registry
+        assert registry.get_sample_value(
+            "gen_ai_client_operation_duration_seconds_count",
+            {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
+             "error_type": "client_disconnected", "ponto_region": "r1",
+             "ponto_cache": "miss"},
+        ) == 1  # fmt: skip
+        assert registry.get_sample_value("ponto_client_disconnects_total") == 1
+    finally:
+        await s.close()
 
 
 async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
@@ -264,3 +338,30 @@ async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
         {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
          "gen_ai_token_type": "output", "ponto_region": "r1"},
     ) == 6  # fmt: skip  # the hit spent no origin tokens: one answer's 6
+
+
+async def test_a_follower_of_a_cut_stream_is_logged_as_cut(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=10, tokens_per_s=20, cut_after_tokens=3)],
+        ["--access-log=on"],
+    )
+    try:
+        leader = asyncio.create_task(s.post(chat("cut for both", stream=True)))
+        for _ in range(500):  # the leader's call is under way
+            if s.origin_requests():
+                break
+            await asyncio.sleep(0.01)
+        follower = await s.post(chat("cut for both", stream=True))
+        assert follower.headers["x-ponto-coalesced"] == "1"
+        assert "upstream_stream_broken" in (await follower.read()).decode()
+        await (await leader).read()
+        got = {line["cache"]: line for line in lines(s, capfd)}
+        assert s.origin_requests() == 1
+        assert got["hit"]["cache_kind"] == "coalesced"
+        assert (got["hit"]["status"], got["hit"]["error"]) == (200, "stream_cut")
+        assert got["miss"]["error"] == "stream_cut"
+    finally:
+        await s.close()

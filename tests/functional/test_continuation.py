@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
         origins: list[tuple[Origin, bool]],
         streams: pb.StreamPolicy | None = None,
         idle: str = "0.3",
+        extra: Sequence[str] = (),
     ) -> Proxy:
         rows = []
         for i, (origin, continuation) in enumerate(origins):
@@ -177,6 +178,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
             "--region=r0", "--name=p", "--control-plane=127.0.0.1:9",
             f"--state-dir={tmp_path}", f"--stream-idle-timeout={idle}",
             "--metrics-key-labels=on",  # token accounting is read per key below
+            *extra,
         ])  # fmt: skip
         client = TestClient(TestServer(build_app(settings)))
         await client.start_server()

@@ -158,6 +158,7 @@ async def test_a_slow_first_origin_loses_to_the_hedge_and_is_cancelled(rigs: Rig
     try:
         assert answer.target.name == "o2"
         assert (answer.hedged, answer.extra_calls, answer.attempt) == (True, 1, 2)
+        assert answer.calls == 2
         assert answer.body is not None and b'"o2"' in answer.body
         # The loser has ended before forward returns; the winner counts until released.
         assert rig.outstanding() == [0, 1]
@@ -169,6 +170,20 @@ async def test_a_slow_first_origin_loses_to_the_hedge_and_is_cancelled(rigs: Rig
     assert rig.attempts("o1", "hedge_cancelled") == 1
     assert rig.attempts("o2", "ok") == 1
     assert rig.attempts("o1", "ok") == 0
+
+
+async def test_a_hedge_that_loses_still_counts_as_a_call(rigs: RigMaker) -> None:
+    # The first origin answers after the hedge was sent and before the hedge does.
+    rig = await rigs(Behaviour(delay=0.3), Behaviour(delay=SLOW))
+    answer = await rig.forward(hedge=SHORT)
+    try:
+        assert answer.target.name == "o1"
+        assert (answer.hedged, answer.attempt, answer.extra_calls) == (False, 1, 1)
+        assert answer.calls == 2  # what the access log and the span report
+    finally:
+        answer.release()
+    await cancelled(rig.origin("o2"))
+    assert [rig.hedges(o) for o in ("started", "won", "lost")] == [1, 0, 1]
 
 
 async def test_a_stream_whose_first_chunk_is_late_loses_to_the_hedge(rigs: RigMaker) -> None:
@@ -434,7 +449,9 @@ async def test_a_loser_that_committed_as_well_is_released(rigs: RigMaker) -> Non
     hedge = asyncio.create_task(committed(b, 2))
     await asyncio.wait([first, hedge])
     answer = first.result()
-    extra = await rig.forwarder._end_others({first: a, hedge: b}, first, first, answer, False, 0.0)
+    extra = await rig.forwarder._end_others(
+        {first: a, hedge: b}, first, first, answer, False, 0.0, None
+    )
     assert extra == 1
     assert responses["b"].released and not responses["a"].released
     assert (loads.outstanding("a"), loads.outstanding("b")) == (1, 0)

@@ -8,7 +8,9 @@ subprocess (no OpenTelemetry module loaded) and by what reaches the origin.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -16,13 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 
-from dataplane.http.state import PIPELINE
+from dataplane.http.errors import ApiError
+from dataplane.http.state import ACCESS_LOG, PIPELINE
 from dataplane.telemetry.tracing import Tracing, resource
+from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.v1 import routing_pb2 as pb
 from tests.functional import test_continuation, test_hedging
@@ -249,6 +255,7 @@ async def test_a_failover_is_two_origin_calls_under_one_request(
         "http_5xx",
         "http_5xx",
     )
+    assert fa["http.response.status_code"] == 503  # what the origin answered
     assert first.status.status_code is StatusCode.ERROR
     assert (sa["ponto.origin"], sa["ponto.outcome"]) == ("good", "ok")
     assert (fa["ponto.attempt"], sa["ponto.attempt"]) == (1, 2)
@@ -264,8 +271,8 @@ async def test_a_hedge_is_a_second_origin_call_and_the_loser_says_why_it_ended(
     answer.release()
     trace.answered(answer)
     trace.finish(None, 200, None)
+    assert answer.calls == 2
     tree = last_tree(exporter)
-    assert tree.attrs["ponto.attempts"] == 2
     assert tree.attrs["ponto.origin"] == "o2"
     outcomes = {
         str((s.attributes or {})["ponto.origin"]): (
@@ -294,7 +301,8 @@ async def test_a_continued_stream_is_one_request_with_a_call_to_each_origin(
     tree = last_tree(exporter)
     a = tree.attrs
     assert a["ponto.attempts"] == 2
-    assert a["ponto.origin"] == "o0"  # the answer keeps the first origin's identity
+    # The origin that finished the answer, as the access log and the metrics say.
+    assert (a["ponto.origin"], a["ponto.region"]) == ("o1", "r1")
     assert a["gen_ai.usage.output_tokens"] == chunks[-1]["usage"]["completion_tokens"]
     calls = sorted(tree.attempts, key=lambda span: span.start_time or 0)
     assert [(s.attributes or {})["ponto.origin"] for s in calls] == ["o0", "o1"]
@@ -338,12 +346,125 @@ async def test_a_refusal_is_a_client_error_with_no_origin_call(
     assert not tree.named("ponto.cache.lookup")
     assert stack.origin_requests() == 0
 
-    missing = await stack.post({"model": "no-such-model", "messages": []})
-    assert missing.status in (400, 404)
+    missing = await stack.post(chat("who serves this?", model="no-such-model"))
+    assert missing.status == 404
     tree = last_tree(exporter)
-    assert tree.root.name == "chat no-such-model"
-    assert tree.attrs["gen_ai.request.model"] == "no-such-model"
+    # Refused before its model was known (served): the span keeps the route's name.
+    assert tree.root.name == "POST /v1/chat/completions"
+    assert "gen_ai.request.model" not in tree.attrs
     assert tree.attempts == []
+
+
+async def test_a_refused_body_gives_the_span_none_of_its_values(
+    stack: Stack, exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    huge = "m" * 100_000
+    for body in (
+        chat("seed out of range", seed=18446744073709551615),
+        chat("too hot", temperature=1e308 * 10, max_tokens=2**70),
+        {"model": huge, "messages": "not a list", "seed": 2**64},
+    ):
+        resp = await stack.post(body)
+        assert resp.status == 400
+        tree = last_tree(exporter)
+        assert tree.root.name == "POST /v1/chat/completions"
+        assert not [k for k in tree.attrs if k.startswith("gen_ai.request.")]
+    # What an OTLP exporter would send encodes without a complaint.
+    encode_spans(list(exporter.get_finished_spans()))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and
+                r.name.startswith("opentelemetry")]  # fmt: skip
+    assert stack.origin_requests() == 0
+
+
+async def test_a_cut_stream_names_its_error_on_the_request_span(
+    tmp_path: Path, exporter: InMemorySpanExporter
+) -> None:
+    s = await traced_stack(
+        tmp_path, exporter, [SimConfig(name="o1", answer_tokens=8, cut_after_tokens=2)]
+    )
+    try:
+        resp = await s.post(chat("cut me", stream=True))
+        assert resp.status == 200
+        await resp.read()
+    finally:
+        await s.close()
+    tree = last_tree(exporter)
+    assert tree.attrs["http.response.status_code"] == 200
+    assert tree.attrs["error.type"] == "stream_cut"
+    assert tree.root.status.status_code is StatusCode.ERROR
+
+
+async def test_a_client_that_leaves_mid_stream_ends_its_span_once_with_a_499(
+    tmp_path: Path, exporter: InMemorySpanExporter
+) -> None:
+    s = await traced_stack(
+        tmp_path, exporter, [SimConfig(name="o1", answer_tokens=200, tokens_per_s=20)]
+    )
+    try:
+        resp = await s.post(chat("leave me", stream=True))
+        assert resp.status == 200
+        await resp.content.readline()
+        resp.close()
+        for _ in range(500):  # the disconnect reaches the handler a few turns later
+            if exporter.get_finished_spans():
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await s.close()
+    [tree] = trees(exporter)
+    a = tree.attrs
+    assert (a["http.response.status_code"], a["error.type"]) == (499, "client_disconnected")
+    assert (a["ponto.origin"], a["ponto.attempts"]) == ("o1", 1)
+    assert tree.root.status.status_code is StatusCode.UNSET  # the client's doing
+
+
+async def test_a_failed_continuation_call_counts_as_an_attempt(
+    continuing_proxy: Callable[..., Awaitable[test_continuation.Proxy]],
+    exporter: InMemorySpanExporter,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    async def down(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response({"error": {"message": "down"}}, status=500)
+
+    first = await test_continuation.first_origin("cut")
+    p = await continuing_proxy(
+        [(first, True), (test_continuation.Origin(down), True)],
+        pb.StreamPolicy(hedge_ms=0),
+        extra=["--access-log=on"],
+    )
+    p.app[PIPELINE].tracer = tracing(exporter).tracer
+    chunks, _ = await p.stream()
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    tree = last_tree(exporter)
+    a = tree.attrs
+    assert a["ponto.attempts"] == 2  # the first call and the continuation's failed one
+    assert (a["ponto.origin"], a["error.type"]) == ("o0", "stream_cut")
+    failed = [dict(c.attributes or {}) for c in tree.attempts if c.attributes and
+              c.attributes["ponto.origin"] == "o1"]  # fmt: skip
+    assert [(f["ponto.outcome"], f["http.response.status_code"]) for f in failed] == [
+        ("http_5xx", 500)
+    ]
+    # The access log counts the same calls.
+    p.app[ACCESS_LOG].flush()
+    [line] = [json.loads(x) for x in capfd.readouterr().out.splitlines()]
+    assert (line["attempts"], line["origin"], line["error"]) == (2, "o0", "stream_cut")
+
+
+async def test_an_origin_call_past_the_deadline_is_a_timeout(
+    hedge_rigs: RigMaker, exporter: InMemorySpanExporter
+) -> None:
+    rig = await hedge_rigs(Behaviour(delay=SLOW), settings=UpstreamSettings(deadline=0.05))
+    trace = tracing(exporter).tracer.begin(
+        "chat.completions", "POST", "/v1/chat/completions", {}, "id"
+    )
+    with pytest.raises(ApiError) as raised:
+        await rig.forward(trace=trace)
+    assert raised.value.status == 504
+    trace.finish(None, 504, "upstream_timeout")
+    [call] = last_tree(exporter).attempts
+    at = dict(call.attributes or {})
+    assert (at["ponto.outcome"], at["error.type"]) == ("timeout", "timeout")
 
 
 async def test_the_clients_traceparent_is_honoured_and_not_sent_on(

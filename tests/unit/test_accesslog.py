@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,9 @@ from dataplane.cache.step import CachePlan
 from dataplane.geo import TrustedProxies
 from dataplane.http.accesslog import (
     ATOMIC_WRITE,
+    DROP_WARNING_EVERY_S,
     FLUSH_AFTER_S,
+    MAX_BACKLOG,
     MAX_BATCH,
     AccessLog,
     AccessRecord,
@@ -27,7 +31,7 @@ from dataplane.http.accesslog import (
 )
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.server import build_app
-from dataplane.http.state import ACCESS_LOG
+from dataplane.http.state import ACCESS_LOG, METRICS
 from dataplane.routes import build_routes
 from dataplane.settings import parse
 from dataplane.streaming.usage import Usage
@@ -147,11 +151,19 @@ class Rng:
         return self.values.pop(0)
 
 
-def test_sampling_keeps_the_rate_and_every_5xx() -> None:
+def test_sampling_keeps_the_rate_and_every_answer_with_an_error() -> None:
     sample = Sampler(0.25, rng=Rng(0.1, 0.3, 0.2499, 0.9))
-    assert [sample(200), sample(200), sample(429), sample(404)] == [True, False, True, False]
-    assert sample(502) and sample(500)  # no draw for a 5xx: the Rng is empty
-    assert Sampler(1.0, rng=Rng())(200)  # rate 1 draws nothing
+    assert [sample(200, ""), sample(200, ""), sample(201, ""), sample(304, "")] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    # No draw for an error (the Rng is empty): refusals, 5xx, cut streams, 499s.
+    for status, error in ((502, "upstream_unavailable"), (404, "not_found"),
+                          (200, "stream_cut"), (499, "client_disconnected")):  # fmt: skip
+        assert sample(status, error)
+    assert Sampler(1.0, rng=Rng())(200, "")  # rate 1 draws nothing
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError):
             Sampler(bad)
@@ -245,6 +257,116 @@ async def test_a_closed_stdout_turns_the_log_off_without_raising(
     log.flush()
     assert len(calls) == 1
     assert "access log off" in caplog.text
+
+
+class Stalled:
+    """A non-blocking pipe's os.write: takes `room` bytes in all, then raises
+    BlockingIOError until `drain` makes room again."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.written = b""
+
+    def __call__(self, fd: int, data: bytes) -> int:
+        if not self.room:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        n = min(len(data), self.room)
+        self.room -= n
+        self.written += bytes(data[:n])
+        return n
+
+    def drain(self) -> None:
+        self.room = 1 << 30
+
+
+def ids_in(written: bytes) -> list[str]:
+    return [json.loads(x)["request_id"] for x in written.splitlines()]
+
+
+async def test_a_stalled_reader_delays_lines_without_losing_or_cutting_them() -> None:
+    stalled, timers = Stalled(room=100), Timers()
+    log = AccessLog("eu", TrustedProxies(()), write=stalled, call_later=timers)
+    for n in range(10):
+        log.write(sample_record(n))
+    timers.due.pop()[1]()  # takes 100 bytes, part of the first line, then blocks
+    assert len(stalled.written) == 100
+    [(delay, retry)] = timers.due  # retried on the flush timer, nothing dropped
+    assert delay == FLUSH_AFTER_S and log.dropped == 0
+    timers.due.clear()
+    log.write(sample_record(10))
+    stalled.drain()
+    retry()
+    assert ids_in(stalled.written) == [f"r{n}" for n in range(11)]
+    assert timers.due == []  # nothing left to retry
+
+
+async def test_past_the_backlog_lines_are_dropped_counted_and_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stalled, timers = Stalled(room=0), Timers()
+    now = [0.0]
+    log = AccessLog(
+        "eu", TrustedProxies(()), write=stalled, call_later=timers, monotonic=lambda: now[0]
+    )
+
+    def dropped_warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "dropped" in r.getMessage()]
+
+    fits = MAX_BACKLOG // len(sample_record(0).line())
+    total = 0
+    for _ in range(fits + 50):
+        log.write(sample_record(total))
+        total += 1
+    log.flush()
+    first = log.dropped
+    assert first >= 40  # no more than MAX_BACKLOG waits
+    [warning] = dropped_warnings()
+    assert warning.levelno == logging.WARNING and warning.exc_info is None
+    for _ in range(10):
+        log.write(sample_record(total))
+        total += 1
+    log.flush()
+    assert log.dropped == first + 10  # the backlog is still full
+    assert len(dropped_warnings()) == 1  # at most one a DROP_WARNING_EVERY_S
+    now[0] = DROP_WARNING_EVERY_S
+    log.write(sample_record(total))
+    total += 1
+    log.flush()
+    assert len(dropped_warnings()) == 2
+    stalled.drain()
+    log.flush()
+    # What was kept is written whole and in order, and the log is still on.
+    kept = [int(i[1:]) for i in ids_in(stalled.written)]
+    assert kept == sorted(set(kept)) and kept[0] == 0
+    assert len(kept) + log.dropped == total
+    log.write(sample_record(total))
+    log.flush()
+    assert ids_in(stalled.written)[-1] == f"r{total}"
+
+
+async def test_the_dropped_lines_are_a_counter_on_metrics(tmp_path: Path) -> None:
+    app = build_app(parse(["--region=r1", "--control-plane=127.0.0.1:9",
+                           f"--state-dir={tmp_path}", "--access-log=on"]))  # fmt: skip
+    app[ACCESS_LOG].dropped = 3
+    text = app[METRICS].registry.get_sample_value("ponto_access_log_dropped_total")
+    assert text == 3.0
+
+
+def test_start_makes_a_pipe_non_blocking_and_leaves_a_file_alone(tmp_path: Path) -> None:
+    read, write = os.pipe()
+    other_read, other_write = os.pipe()
+    try:
+        AccessLog("eu", TrustedProxies(()), fd=write).start(stderr=other_write)
+        assert not os.get_blocking(write)
+        # The pipe standard error writes to as well keeps blocking.
+        AccessLog("eu", TrustedProxies(()), fd=other_read).start(stderr=other_read)
+        assert os.get_blocking(other_read)
+    finally:
+        for fd in (read, write, other_read, other_write):
+            os.close(fd)
+    with (tmp_path / "log").open("wb") as f:
+        AccessLog("eu", TrustedProxies(()), fd=f.fileno()).start()
+        assert os.get_blocking(f.fileno())
 
 
 def test_the_flags_default_to_off_and_check_the_rate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,3 +58,17 @@ def test_the_service_name_is_the_environments_when_it_names_one(
     monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
     monkeypatch.setenv(variable, value)
     assert resource(proxy="p", region="r", version="v").attributes["service.name"] == "edge"
+
+
+def test_the_console_exporter_writes_to_standard_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Standard output is the access log's: one JSON object per line, nothing else.
+    tracing = start(TraceConfig(("console",), "http/protobuf"), proxy="p", region="r", version="v")
+    trace = tracing.tracer.begin("chat.completions", "POST", "/v1/chat/completions", {}, "id-1")
+    trace.finish(None, 200, None)
+    tracing.shutdown()  # exports what is buffered
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert '"name": "POST /v1/chat/completions"' in err
+    assert '"ponto.request_id": "id-1"' in err
