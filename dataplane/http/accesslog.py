@@ -41,7 +41,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from dataplane import jsonio
 
@@ -153,7 +153,7 @@ def record(
         client=client,
         tenant=tenant,
         key_id=key_id,
-        model=ex.model or None,
+        model=ex.model or _asked_model(ex.body),
         region=ex.region or region,
         origin=ex.origin or None,
         attempts=ex.attempts,
@@ -170,6 +170,13 @@ def record(
         input_tokens=usage.prompt_tokens if usage is not None else None,
         output_tokens=usage.completion_tokens if usage is not None else None,
     )
+
+
+def _asked_model(body: dict[str, Any]) -> str | None:
+    """The model a request named, before or without being found served (a 404
+    names it), cut like the path: the log keeps what was asked for."""
+    model = body.get("model")
+    return model[:MAX_PATH] if isinstance(model, str) else None
 
 
 class Sampler:

@@ -342,6 +342,12 @@ class RequestTrace:
                     attrs["gen_ai.usage.input_tokens"] = usage[0]
                     attrs["gen_ai.usage.cache_read.input_tokens"] = usage[0]
                     attrs["gen_ai.usage.output_tokens"] = usage[1]
+                elif ex.estimate:
+                    # A stream recorded without usage (the client did not ask
+                    # for it): the prompt's size as admission estimated it.
+                    attrs["gen_ai.usage.input_tokens"] = ex.estimate
+                    attrs["gen_ai.usage.cache_read.input_tokens"] = ex.estimate
+                    attrs["ponto.usage.estimated"] = True
             if plan.outcome == "hit":
                 # Answered from the cache or another request's call: ex.usage
                 # is the zero the origins spent, not what the answer holds.

@@ -210,6 +210,17 @@ async def test_refusals_get_one_line_each_with_their_code(
     assert not any(r.getMessage().startswith("{") for r in caplog.records)
 
 
+async def test_an_unknown_model_is_logged_as_asked(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    body = {**chat("which model"), "model": "no-such-model"}
+    resp = await logged.post(body)
+    assert resp.status == 404
+    await resp.read()
+    [line] = lines(logged, capfd)
+    assert (line["model"], line["error"]) == ("no-such-model", "model_not_found")
+
+
 async def test_sampling_writes_a_share_of_answers_and_every_error(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

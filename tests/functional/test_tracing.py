@@ -207,6 +207,21 @@ async def test_a_cache_hit_names_the_tokens_read_from_the_cache_and_calls_no_ori
     assert tree.attempts == []
 
 
+async def test_a_streamed_hit_without_usage_reports_the_estimated_prompt_read_from_the_cache(
+    stack: Stack, exporter: InMemorySpanExporter
+) -> None:
+    # Recorded without stream_options.include_usage: the cached stream states
+    # no usage, so the span carries the admission estimate, marked as one.
+    await read_sse(await stack.post(chat("stream twice", stream=True)))
+    resp = await stack.post(chat("stream twice", stream=True))
+    assert resp.headers["x-ponto-cache"] == "hit"
+    await read_sse(resp)
+    a = last_tree(exporter).attrs
+    assert a["gen_ai.usage.cache_read.input_tokens"] == a["gen_ai.usage.input_tokens"] > 0
+    assert a["ponto.usage.estimated"] is True
+    assert "gen_ai.usage.output_tokens" not in a
+
+
 async def test_a_bypass_says_why(stack: Stack, exporter: InMemorySpanExporter) -> None:
     resp = await stack.post(chat("random please", temperature=0.9))
     assert resp.headers["x-ponto-cache"] == "bypass"
