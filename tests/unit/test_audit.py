@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from controlplane import audit
-from controlplane.api.admin import AdminService
+from controlplane.api.admin import AdminService, audit_entry_pb
 from controlplane.api.auditing import actor_of
 from controlplane.api.guard import TokenGuard
 from controlplane.app import ControlPlane
@@ -143,14 +143,17 @@ async def test_long_values_are_cut_unknown_fields_ignored_undecodable_entries_sk
 ) -> None:
     many = {f"k{i:02d}": "v" * 1000 for i in range(40)}
     await log.record(actor="a" * 999, action="A", target="t", detail=many, source="s")
-    await store.put(PREFIX + "0000000000000001-bad", b"not json")
+    await store.put(audit._time_key(1.0) + "-bad", b"not json")
     later = {"time": 2.0, "actor": "b", "action": "B", "target": "t", "source": "s", "new": 1}
-    await store.put(PREFIX + "0000000000000002-new", orjson.dumps(later))
+    await store.put(audit._time_key(2.0) + "-new", orjson.dumps(later))
     entry, newer_version = await log.read()
     assert (newer_version.actor, newer_version.result) == ("b", "ok")
-    assert len(entry.actor) == audit.MAX_FIELD and entry.actor.endswith("…")
-    assert len(entry.detail) == audit.MAX_DETAIL_KEYS
-    assert all(len(v) == audit.MAX_FIELD for v in entry.detail.values())
+    # Cut to MAX_FIELD and MAX_DETAIL_KEYS, then by half again to fit MAX_ENTRY_BYTES.
+    assert len(entry.actor) == audit.MAX_FIELD // 2 and entry.actor.endswith("…")
+    assert list(entry.detail) == [f"k{i:02d}" for i in range(audit.MAX_DETAIL_KEYS // 2)]
+    assert all(len(v) == audit.MAX_FIELD // 2 for v in entry.detail.values())
+    stored = (await store.list(PREFIX)).items
+    assert max(len(kv.value) for kv in stored) <= audit.MAX_ENTRY_BYTES
     assert "ignoring undecodable audit entry" in caplog.text
 
 
@@ -179,17 +182,52 @@ async def test_trim_by_age_and_by_count(log: AuditLog, store: MemoryStore, clock
     await record(log, clock, 4, "New")  # 7 entries, the bound is 5
     assert await log.trim() == 2
     assert [e.action for e in await log.read()] == ["New"] * 4 + ["Mid"]
-    assert await store.count(PREFIX) == 5
+    assert len((await store.list(PREFIX)).items) == 5
 
 
-async def test_trim_past_the_count_in_pages(
-    store: MemoryStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+async def test_concurrent_trims_keep_the_count(store: MemoryStore, clock: Clock) -> None:
+    # Two leaders during a handover: each deletes only what lies past the newest
+    # max_entries, so together they delete no more than one does.
+    one, two = (AuditLog(store, replica=r, clock=clock, max_entries=3) for r in ("a", "b"))
+    await record(one, clock, 10)
+    assert sorted(await asyncio.gather(one.trim(), two.trim())) == [0, 7]
+    assert [e.target for e in await one.read()] == ["region/r9", "region/r8", "region/r7"]
+    assert await two.trim() == 0
+
+
+async def test_entries_of_one_microsecond_are_trimmed_together(
+    store: MemoryStore, clock: Clock
 ) -> None:
-    monkeypatch.setattr(audit, "PAGE", 2)
-    log = AuditLog(store, replica="r", clock=clock, max_entries=1)
-    await record(log, clock, 6)
-    assert await log.trim() == 5
-    assert [e.target for e in await log.read()] == ["region/r5"]
+    log = AuditLog(store, replica="r", clock=clock, max_entries=2)
+    await record(log, clock, 1, "Old")
+    clock.now = T0 + 5
+    await log.record(actor="a", action="Same", target="x", source="s")
+    await log.record(actor="a", action="Same", target="y", source="s")
+    await log.record(actor="a", action="Same", target="z", source="s")
+    assert await log.trim() == 1
+    assert [e.action for e in await log.read()] == ["Same"] * 3
+
+
+def test_an_entry_fits_its_byte_bound_and_a_full_page_a_grpc_message() -> None:
+    # Characters JSON escapes to six bytes, in every field at its full length.
+    worst = "\x01" * 10_000
+    entry = audit.AuditEntry(
+        time=T0,
+        actor=worst,
+        action=worst,
+        target=worst,
+        source=worst,
+        result=worst,
+        message=worst,
+        detail={f"{i:02d}{worst}": worst for i in range(40)},
+        replica=worst,
+    )
+    value = audit._bounded(entry)
+    assert len(value) <= audit.MAX_ENTRY_BYTES
+    fitted = audit._decode(value)
+    assert fitted.actor.startswith("\x01") and fitted.detail
+    page = apb.ListAuditResponse(entries=[audit_entry_pb(fitted)] * audit.MAX_LIMIT)
+    assert page.ByteSize() <= 3_100_000 < 4 * 1024 * 1024
 
 
 # ---------------------------------------------------------------- who
@@ -389,7 +427,7 @@ async def test_the_leader_trims_the_trail_to_its_bound(store: MemoryStore) -> No
     await plane.start()
     try:
         deadline = asyncio.get_running_loop().time() + 10
-        while await store.count(PREFIX) > 2:
+        while len((await store.list(PREFIX)).items) > 2:
             assert asyncio.get_running_loop().time() < deadline, "the trail was never trimmed"
             await asyncio.sleep(0.02)
     finally:
