@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -372,8 +373,9 @@ async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock
         assert [e.target for e in filtered.entries] == ["tenant/b"]
         recent = await stub.ListAudit(apb.ListAuditRequest(since=T0 + 60))
         assert [e.action for e in recent.entries] == ["DeleteTenant", "PutTenant"]
-        bad = stub.ListAudit(apb.ListAuditRequest(since=-1))
-        assert await code_of(bad) == grpc.StatusCode.INVALID_ARGUMENT
+        for since in (-1, math.nan, math.inf):
+            bad = stub.ListAudit(apb.ListAuditRequest(since=since))
+            assert await code_of(bad) == grpc.StatusCode.INVALID_ARGUMENT, since
         store.available = False
         down = stub.ListAudit(apb.ListAuditRequest())
         assert await code_of(down) == grpc.StatusCode.UNAVAILABLE
