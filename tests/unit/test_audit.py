@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import orjson
@@ -24,6 +24,7 @@ from controlplane.catalog import Catalog
 from controlplane.cli import _rows_audit
 from controlplane.distribute import Publisher
 from controlplane.settings import parse
+from controlplane.store import StateStore
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -186,14 +187,36 @@ async def test_trim_by_age_and_by_count(log: AuditLog, store: MemoryStore, clock
     assert len((await store.list(PREFIX)).items) == 5
 
 
+class CountsThenWaits:
+    """A store whose first count answers, then waits for `go` before returning."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self._inner = inner
+        self.counted, self.go = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def count(self, *args: str) -> int:
+        n: int = await self._inner.count(*args)
+        self.counted.set()
+        await self.go.wait()
+        return n
+
+
 async def test_concurrent_trims_keep_the_count(store: MemoryStore, clock: Clock) -> None:
-    # Two leaders during a handover: each deletes only what lies past the newest
-    # max_entries, so together they delete no more than one does.
-    one, two = (AuditLog(store, replica=r, clock=clock, max_entries=3) for r in ("a", "b"))
-    await record(one, clock, 10)
-    assert sorted(await asyncio.gather(one.trim(), two.trim())) == [0, 7]
-    assert [e.target for e in await one.read()] == ["region/r9", "region/r8", "region/r7"]
-    assert await two.trim() == 0
+    # Two leaders during a handover: the old one counts, the new one trims, then the
+    # old one goes on. It must not delete the excess it counted a second time.
+    slow = CountsThenWaits(store)
+    old = AuditLog(cast(StateStore, slow), replica="a", clock=clock, max_entries=3)
+    new = AuditLog(store, replica="b", clock=clock, max_entries=3)
+    await record(new, clock, 10)
+    late = asyncio.create_task(old.trim())
+    await slow.counted.wait()
+    assert await new.trim() == 7
+    slow.go.set()
+    assert await late == 0
+    assert [e.target for e in await new.read()] == ["region/r9", "region/r8", "region/r7"]
 
 
 async def test_entries_of_one_microsecond_are_trimmed_together(
