@@ -404,6 +404,23 @@ async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock
         assert await code_of(down) == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_an_origin_url_with_credentials_is_refused_and_not_recorded(
+    store: MemoryStore, clock: Clock
+) -> None:
+    async with admin_server(store, clock) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
+        for url in ("https://user:s3cret@llm.example/v1", "https://user:s3cret@llm:99999/v1"):
+            spec = apb.OriginSpec(name="o", base_url=url, region="eu", models=["m"])
+            refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
+            assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        entries = (await stub.ListAudit(apb.ListAuditRequest(action="PutOrigin"))).entries
+    assert len(entries) == 2
+    for entry in entries:
+        assert "s3cret" not in str(entry) and "user:" not in entry.detail["base_url"]
+        assert entry.detail["base_url"].startswith("https://***@llm")
+        assert "credential_env or credential_file" in entry.message
+
+
 async def test_without_an_admin_token_the_actor_is_anonymous(
     store: MemoryStore, clock: Clock
 ) -> None:
