@@ -1,7 +1,8 @@
 """What the chart's dashboards and alerts are checked with: promtool, the chart's
 render, the metric names the code exports, and the names a PromQL expression reads.
 
-promtool is Debian's (package `prometheus`; `make check` installs it when missing).
+promtool is Debian's (package `prometheus`; `make check` run as root or under CI=true
+installs it when missing).
 Under CI=true a missing promtool fails the test that needs it; elsewhere it skips, saying
 so. Helm is the binary `make helm` installs, fetched by the same script when missing.
 """
