@@ -9,8 +9,8 @@ them, newest first. Layout in the store:
 
 so keys sort newest first: etcd reads a limited range in key order without
 reading the rest, while to sort it descending it would read the whole range
-(1746-01-01 ... 2286-11-20 fit; an entry written at 2026-12-01T00:00:00Z has
-the key /ponto/audit/8235187200000000-...). Whichever replica served the
+(an entry written at 2026-12-01T00:00:00Z has the key
+/ponto/audit/8203916800000000-...; times up to 2286-11-20 fit). Whichever replica served the
 call writes its entry (no leader needed); the random suffix keeps entries of
 two replicas in the same microsecond apart, and replicas' clocks only need to
 agree as well as the order of entries matters to a reader. The prefix lies
@@ -56,9 +56,9 @@ TRIM_INTERVAL: Final = 60.0
 # MAX_ENTRY_BYTES.
 PAGE: Final = 1000
 MAX_LIMIT: Final = 1000
-# What one entry may hold. MAX_ENTRY_BYTES bounds its JSON (which escapes at least
-# as much as its protobuf does), so a page of MAX_LIMIT entries, about 3 MB, fits
-# gRPC's default 4 MiB message with room for the framing.
+# What one entry may hold. MAX_ENTRY_BYTES bounds its JSON (its protobuf in a
+# ListAudit answer is about as large, or smaller where JSON escapes), so a page of
+# MAX_LIMIT entries, about 3 MB, fits gRPC's default 4 MiB message.
 MAX_ENTRY_BYTES: Final = 3000
 MAX_FIELD: Final = 256
 MAX_MESSAGE: Final = 512
@@ -118,8 +118,8 @@ def _after(key: str) -> str:
 def _bounded(entry: AuditEntry) -> bytes:
     """The entry's JSON, at most MAX_ENTRY_BYTES: values are cut to MAX_FIELD
     (message: MAX_MESSAGE) characters and detail to its first MAX_DETAIL_KEYS keys,
-    and all of these by half again until the JSON fits (characters that escape to
-    several bytes can pass the bound at full length)."""
+    and all of these by half again until the JSON fits: at full length the fields
+    could hold about 10,000 characters, each up to 6 bytes of JSON."""
     most, keys = MAX_FIELD, MAX_DETAIL_KEYS
     while True:
         cut = replace(

@@ -232,9 +232,11 @@ async def test_entries_of_one_microsecond_are_trimmed_together(
     assert [e.action for e in await log.read()] == ["Same"] * 3
 
 
-def test_an_entry_fits_its_byte_bound_and_a_full_page_a_grpc_message() -> None:
-    # Characters JSON escapes to six bytes, in every field at its full length.
-    worst = "\x01" * 10_000
+@pytest.mark.parametrize(
+    "worst",
+    ["\x01" * 10_000, "a" * 10_000],  # six bytes of JSON per character, and one
+)
+def test_an_entry_fits_its_byte_bound_and_a_full_page_a_grpc_message(worst: str) -> None:
     entry = audit.AuditEntry(
         time=T0,
         actor=worst,
@@ -249,7 +251,7 @@ def test_an_entry_fits_its_byte_bound_and_a_full_page_a_grpc_message() -> None:
     value = audit._bounded(entry)
     assert len(value) <= audit.MAX_ENTRY_BYTES
     fitted = audit._decode(value)
-    assert fitted.actor.startswith("\x01") and fitted.detail
+    assert fitted.actor.startswith(worst[0]) and fitted.detail
     page = apb.ListAuditResponse(entries=[audit_entry_pb(fitted)] * audit.MAX_LIMIT)
     assert page.ByteSize() <= 3_100_000 < 4 * 1024 * 1024
 
