@@ -41,28 +41,38 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy controlplane dataplane ponto tests bench scripts
 
+# $(call apt-tool,COMMANDS,APT ARGUMENTS,WHAT GOES WITHOUT): when a command is
+# missing, installs it with apt as root or under CI=true (where a failure stops make);
+# elsewhere says in one line what is missing and how to install it, and goes on.
+# RUNLEVEL=1 keeps a package's own service (Prometheus's server) from being started.
+define apt-tool
+	@if { $(foreach c,$(1),command -v $(c) &&) true; } >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] || [ "$${CI:-}" = true ]; then \
+		RUNLEVEL=1 apt-get install -y $(2) || \
+			{ apt-get update && RUNLEVEL=1 apt-get install -y $(2); }; \
+	else \
+		echo "$(firstword $(1)) not found: $(3); install it with: sudo apt-get install $(2)"; \
+	fi
+endef
+
 # Debian's promtool (package prometheus) checks the chart's alert rules and cases and
-# the dashboards' PromQL (tests/unit/test_alerts.py, test_dashboards.py). Installed with
-# apt when missing, which needs root; without it those tests skip, or fail under
-# CI=true. RUNLEVEL=1 keeps the package's own Prometheus server from being started.
+# the dashboards' PromQL (tests/unit/test_alerts.py, test_dashboards.py); without it
+# those tests skip, or fail under CI=true.
 PROMTOOL := promtool
 .PHONY: $(PROMTOOL)
 
 $(PROMTOOL):
-	@command -v promtool >/dev/null || RUNLEVEL=1 apt-get install -y --no-install-recommends prometheus || \
-		{ apt-get update && RUNLEVEL=1 apt-get install -y --no-install-recommends prometheus; }
+	$(call apt-tool,promtool,--no-install-recommends prometheus,the alert and dashboard tests skip)
 
 
 # Debian's chromium and chromium-driver run the status page's browser tests
-# (tests/e2e/test_status_page.py), which fail rather than skip under CI when
-# they are missing. Installed with apt when missing, which needs root.
+# (tests/e2e/test_status_page.py); without them those tests skip, or fail under
+# CI=true.
 CHROMIUM := chromium
 .PHONY: $(CHROMIUM) screenshots
 
 $(CHROMIUM):
-	@{ command -v chromium && command -v chromedriver; } >/dev/null || \
-		apt-get install -y chromium chromium-driver || \
-		{ apt-get update && apt-get install -y chromium chromium-driver; }
+	$(call apt-tool,chromium chromedriver,chromium chromium-driver,the status page's browser tests skip)
 
 # docs/status-page.png and docs/status-page-drained.png, from a fleet started
 # for the purpose (scripts/screenshot_status.py); about 20 seconds.
@@ -130,14 +140,12 @@ demo-check: $(STAMP)
 	$(BIN)/ponto-demo --check
 
 # Debian's wrk drives bench.compare's closed loop (maximum rate, server CPU per
-# request). Installed with apt when missing, which needs root; bench.compare
-# stops with the command to run if it is still missing.
+# request); bench.compare stops with the command to run if it is still missing.
 WRK := wrk
 .PHONY: $(WRK)
 
 $(WRK):
-	@command -v wrk >/dev/null || apt-get install -y wrk || \
-		{ apt-get update && apt-get install -y wrk; }
+	$(call apt-tool,wrk,wrk,bench.compare will stop)
 
 # Side-by-side measurements; each prints its figures and ratios and writes
 # docs/benchmarks/*.json, which bench.report (last) turns into

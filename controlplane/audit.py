@@ -5,15 +5,20 @@ Every mutating Admin call (controlplane/api/auditing.py) and the status page's
 drain buttons record an entry; `pontoctl get audit` (the ListAudit call) reads
 them, newest first. Layout in the store:
 
-  /ponto/audit/<microseconds since the epoch, 16 digits>-<8 hex>   one JSON entry
+  /ponto/audit/<10^16 - microseconds since the epoch, 16 digits>-<8 hex>   one JSON entry
 
-so a range read returns entries in time order. Whichever replica served the
+so keys sort newest first: etcd reads a limited range in key order without
+reading the rest, while to sort it descending it would read the whole range
+(an entry written at 2026-12-01T00:00:00Z has the key
+/ponto/audit/8203916800000000-...; times up to 2286-11-20 fit). Whichever replica served the
 call writes its entry (no leader needed); the random suffix keeps entries of
 two replicas in the same microsecond apart, and replicas' clocks only need to
 agree as well as the order of entries matters to a reader. The prefix lies
 outside /ponto/state/, so an entry never rebuilds a route table. The leader
 bounds the trail (`run_trim`): entries older than the retention go, then the
-oldest beyond the count.
+oldest beyond the count. Both are deletes of the far end of the range that depend
+only on what the store holds, so two replicas trimming at once during a leader
+handover delete no more than one would.
 
 When an entry cannot be written, the call's answer stands and the entry is
 logged whole, once, at WARNING. The entry is written after the change, which
@@ -27,12 +32,11 @@ and its entry, and the control plane's log holds it then.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Final
 
 import orjson
@@ -48,14 +52,19 @@ _END: Final = prefix_range_end(PREFIX).decode()
 RETENTION_DAYS: Final = 90
 MAX_ENTRIES: Final = 100_000
 TRIM_INTERVAL: Final = 60.0
-# Entries read per store call when filtering, and deleted per call when trimming
-# to the count: a page is at most about MAX_ENTRY_BYTES times this.
+# Entries read per store call when filtering: a page is at most PAGE times
+# MAX_ENTRY_BYTES.
 PAGE: Final = 1000
 MAX_LIMIT: Final = 1000
-# What one entry may hold, so a page stays well inside a gRPC message.
+# What one entry may hold. MAX_ENTRY_BYTES bounds its JSON (its protobuf in a
+# ListAudit answer is about as large, or smaller where JSON escapes), so a page of
+# MAX_LIMIT entries, about 3 MB, fits gRPC's default 4 MiB message.
+MAX_ENTRY_BYTES: Final = 3000
 MAX_FIELD: Final = 256
 MAX_MESSAGE: Final = 512
 MAX_DETAIL_KEYS: Final = 16
+# The time keys count down from here (see the module docstring).
+_NEVER: Final = 10**16
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +97,46 @@ def _clip(text: str, most: int) -> str:
 
 
 def _time_key(t: float) -> str:
-    return f"{PREFIX}{max(0, int(t * 1_000_000)):016d}"
+    """The start of the keys of entries written at t (Unix seconds): newer times sort
+    first."""
+    return _key(_NEVER - min(max(1, int(t * 1_000_000)), _NEVER - 1))
+
+
+def _key(number: int) -> str:
+    return f"{PREFIX}{number:016d}"
+
+
+def _number(key: str) -> int:
+    return int(key[len(PREFIX) : len(PREFIX) + 16])
+
+
+def _after(key: str) -> str:
+    """The first key past every key that starts with key."""
+    return prefix_range_end(key).decode()
+
+
+def _bounded(entry: AuditEntry) -> bytes:
+    """The entry's JSON, at most MAX_ENTRY_BYTES: values are cut to MAX_FIELD
+    (message: MAX_MESSAGE) characters and detail to its first MAX_DETAIL_KEYS keys,
+    and all of these by half again until the JSON fits: at full length the fields
+    could hold about 10,000 characters, each up to 6 bytes of JSON."""
+    most, keys = MAX_FIELD, MAX_DETAIL_KEYS
+    while True:
+        cut = replace(
+            entry,
+            actor=_clip(entry.actor, most),
+            action=_clip(entry.action, most),
+            target=_clip(entry.target, most),
+            source=_clip(entry.source, most),
+            result=_clip(entry.result, most),
+            message=_clip(entry.message, most * MAX_MESSAGE // MAX_FIELD),
+            detail={_clip(k, most): _clip(v, most) for k, v in list(entry.detail.items())[:keys]},
+            replica=_clip(entry.replica, most),
+        )
+        value = orjson.dumps(asdict(cut))
+        if len(value) <= MAX_ENTRY_BYTES:
+            return value
+        most, keys = max(1, most // 2), keys // 2
 
 
 def _decode(value: bytes) -> AuditEntry:
@@ -137,23 +185,20 @@ class AuditLog:
     ) -> None:
         """Append an entry; never raises for the store (see the module docstring).
 
-        Long values are cut, and detail keeps its first MAX_DETAIL_KEYS keys.
+        Long values are cut so the entry fits MAX_ENTRY_BYTES (see _bounded).
         """
         entry = AuditEntry(
             time=self._clock(),
-            actor=_clip(actor, MAX_FIELD),
-            action=_clip(action, MAX_FIELD),
-            target=_clip(target, MAX_FIELD),
-            source=_clip(source, MAX_FIELD),
-            result=_clip(result, MAX_FIELD),
-            message=_clip(message, MAX_MESSAGE),
-            detail={
-                _clip(k, MAX_FIELD): _clip(v, MAX_FIELD)
-                for k, v in list((detail or {}).items())[:MAX_DETAIL_KEYS]
-            },
+            actor=actor,
+            action=action,
+            target=target,
+            source=source,
+            result=result,
+            message=message,
+            detail=dict(detail or {}),
             replica=self._replica,
         )
-        value = orjson.dumps(asdict(entry))
+        value = _bounded(entry)
         key = f"{_time_key(entry.time)}-{uuid.uuid4().hex[:8]}"
         try:
             await self._store.put(key, value)
@@ -166,8 +211,9 @@ class AuditLog:
         """Up to limit (1..MAX_LIMIT) entries, newest first, of this action and
         actor (when given) at or after since (Unix seconds; 0: all).
 
-        Raises Unavailable. Unfiltered, this is one store read; with an action
-        or actor it reads every entry since `since` in pages.
+        Raises Unavailable. Unfiltered, this is one store read of at most limit
+        entries; with an action or actor it reads pages, newest first, until it has
+        limit entries or has read every entry since `since`.
         """
         try:
             return await self._read(limit, action, actor, since)
@@ -176,19 +222,21 @@ class AuditLog:
 
     async def _read(self, limit: int, action: str, actor: str, since: float) -> list[AuditEntry]:
         limit = max(1, min(limit, MAX_LIMIT))
-        start = _time_key(since) if since > 0 else PREFIX
+        start, end = PREFIX, _after(_time_key(since)) if since > 0 else _END
         if not action and not actor:
-            listing = await self._store.scan(start, _END, limit=limit, newest_first=True)
+            listing = await self._store.scan(start, end, limit=limit)
             return [e for kv in listing.items if (e := self._entry(kv.key, kv.value))]
-        found: collections.deque[AuditEntry] = collections.deque(maxlen=limit)
+        found: list[AuditEntry] = []
         while True:
-            page = (await self._store.scan(start, _END, limit=PAGE)).items
+            page = (await self._store.scan(start, end, limit=PAGE)).items
             for kv in page:
                 e = self._entry(kv.key, kv.value)
                 if e and (not action or e.action == action) and (not actor or e.actor == actor):
                     found.append(e)
+                    if len(found) == limit:
+                        return found
             if len(page) < PAGE:
-                return list(reversed(found))
+                return found
             start = page[-1].key + "\0"
 
     @staticmethod
@@ -201,16 +249,27 @@ class AuditLog:
 
     async def trim(self) -> int:
         """Delete entries older than the retention, then the oldest beyond the
-        count; return how many went. Raises StoreUnavailable."""
-        removed = await self._store.delete_range(PREFIX, _time_key(self._clock() - self._retention))
-        excess = await self._store.count(PREFIX) - self._max_entries
-        while excess > 0:
-            page = (await self._store.scan(PREFIX, _END, limit=min(excess, PAGE))).items
-            if not page:
-                break
-            removed += await self._store.delete_range(PREFIX, page[-1].key + "\0")
-            excess -= len(page)
-        return removed
+        count (entries of one microsecond stay or go together); return how many
+        went. Raises StoreUnavailable.
+
+        Idempotent: what it deletes depends only on the store's entries, never on
+        a count taken before, so concurrent trims keep at least max_entries."""
+        cutoff = _number(_time_key(self._clock() - self._retention))
+        removed = await self._store.delete_range(_after(_key(cutoff)), _END)
+        if await self._store.count(PREFIX, _END) <= self._max_entries:
+            return removed
+        # The newest time number n with at least max_entries entries at n or newer:
+        # a binary search of counts, which etcd answers from its index without
+        # reading values (about 43 of them over 90 days of microseconds).
+        (newest,) = (await self._store.scan(PREFIX, _END, limit=1)).items
+        low, high = _number(newest.key), cutoff
+        while low < high:
+            mid = (low + high) // 2
+            if await self._store.count(PREFIX, _after(_key(mid))) >= self._max_entries:
+                high = mid
+            else:
+                low = mid + 1
+        return removed + await self._store.delete_range(_after(_key(low)), _END)
 
     async def run_trim(self) -> None:
         """Trim now and every trim_interval seconds, until cancelled (the leader runs it)."""

@@ -162,14 +162,19 @@ def _count(high: int) -> Callable[[str], int]:
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_DAYS = 36500
 
 
 def _duration(text: str) -> float:
-    """An argparse type: a positive duration such as 90s, 30m, 2h or 7d, in seconds."""
+    """An argparse type: a positive duration such as 90s, 30m, 2h or 7d, in seconds,
+    at most MAX_DURATION_DAYS (so that now minus it is a time)."""
     number, unit = text[:-1], text[-1:]
     if unit not in _UNITS or not (number.isascii() and number.isdigit()) or int(number) == 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 90s, 30m, 2h or 7d")
-    return int(number) * _UNITS[unit]
+    seconds = int(number) * _UNITS[unit]
+    if seconds > MAX_DURATION_DAYS * _UNITS["d"]:
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than {MAX_DURATION_DAYS}d")
+    return seconds
 
 
 def _limits_args(p: argparse.ArgumentParser) -> None:

@@ -34,6 +34,22 @@ PUSH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ETCD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 PUSH_RESULTS = ("sent", "acked", "nacked")
+# The state store's operations (controlplane/store/instrumented.py labels its calls
+# by them), and the watch, whose failures are counted too.
+STORE_OPS = (
+    "get",
+    "list",
+    "scan",
+    "count",
+    "put",
+    "delete",
+    "delete_range",
+    "commit",
+    "grant_lease",
+    "refresh_lease",
+    "revoke_lease",
+)
+ETCD_ERROR_OPS = (*STORE_OPS, "watch")
 
 Series = Iterable[tuple[Sequence[str], float]]
 
@@ -108,19 +124,21 @@ class ControlMetrics:
         )
         self.etcd_duration = Histogram(
             "ponto_control_etcd_request_duration_seconds",
-            "etcd calls by state-store operation (get, list, put, delete, commit, "
-            "grant_lease, refresh_lease, revoke_lease), failed ones included",
+            f"etcd calls by state-store operation ({', '.join(STORE_OPS)}), failed ones included",
             ["op"],
             buckets=ETCD_BUCKETS,
             registry=r,
         )
         self.etcd_errors = Counter(
             "ponto_control_etcd_errors",
-            "etcd calls that got no answer (unreachable, timed out), by operation; "
-            "op=watch counts watches that failed and were restarted",
+            f"etcd calls that got no answer (unreachable, timed out), by operation "
+            f"({', '.join(STORE_OPS)}); op=watch counts watches that failed and were "
+            "restarted",
             ["op"],
             registry=r,
         )
+        for op in ETCD_ERROR_OPS:
+            self.etcd_errors.labels(op)  # exported at 0, so rate() sees the first one
         self.probes = Counter(
             "ponto_control_probes",
             "Health probes of origins by the leader, by result (ok, fail)",

@@ -54,7 +54,25 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+# The user:password@ part of a URL's authority.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def redact_userinfo(url: str) -> str:
+    """url with any user:password@ shown as ***@, for logs, messages and the audit trail."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
 def check_url(url: str) -> str:
+    """The base URL without a trailing slash. Refused with userinfo: the URL goes into
+    every route table, the status page and the audit trail, while a credential has
+    its own fields (credential_env, credential_file) that keep it out of etcd."""
+    shown = redact_userinfo(url)
+    if shown != url:
+        raise InvalidArgument(
+            f"base URL {shown!r} must not carry credentials (user:password@): name the "
+            "origin's credential with credential_env or credential_file"
+        )
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise InvalidArgument(f"base URL {url!r} is invalid: expected http(s)://host[:port]/path")

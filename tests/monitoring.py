@@ -1,7 +1,8 @@
 """What the chart's dashboards and alerts are checked with: promtool, the chart's
 render, the metric names the code exports, and the names a PromQL expression reads.
 
-promtool is Debian's (package `prometheus`; `make check` installs it when missing).
+promtool is Debian's (package `prometheus`; `make check` run as root or under CI=true
+installs it when missing).
 Under CI=true a missing promtool fails the test that needs it; elsewhere it skips, saying
 so. Helm is the binary `make helm` installs, fetched by the same script when missing.
 """
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+
+from dataplane.http.pipeline import ENDPOINTS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "ponto"
@@ -134,3 +137,15 @@ def check_exprs(exprs: dict[str, str], workdir: Path) -> str:
     path.write_text(yaml.safe_dump(rules))
     out = run_promtool("check", "rules", str(path))
     return "" if out.returncode == 0 else out.stdout + out.stderr
+
+
+# How the alerts and dashboards select the clients' requests in ponto_requests_total:
+# the proxied endpoints, not probes (readyz answers 503 while a proxy starts or
+# drains), /metrics or /v1/models.
+PROXIED = 'endpoint=~"' + "|".join(ENDPOINTS) + '"'
+_REQUESTS = re.compile(r"ponto_requests_total(\{[^}]*\})?")
+
+
+def unproxied_request_selectors(expr: str) -> list[str]:
+    """The selectors of ponto_requests_total in expr that do not keep to PROXIED."""
+    return [m[0] for m in _REQUESTS.finditer(expr) if PROXIED not in (m[1] or "")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -308,7 +309,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def ListAudit(self, request: apb.ListAuditRequest, context: Ctx) -> apb.ListAuditResponse:
-        if request.since < 0:
+        if not math.isfinite(request.since) or request.since < 0:
             raise InvalidArgument("since must be a time (Unix seconds), or 0")
         entries = await self.audit.read(
             limit=request.limit or 100,

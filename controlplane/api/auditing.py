@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 from controlplane.audit import AuditLog
 from controlplane.errors import ControlPlaneError
+from controlplane.model import redact_userinfo
 from ponto import roles
 from ponto.v1 import admin_pb2 as apb
 
@@ -125,10 +126,11 @@ def put_region(req: apb.PutRegionRequest, _: object) -> Description:
 
 
 def put_origin(req: apb.PutOriginRequest, _: object) -> Description:
-    return f"origin/{req.origin.name}", {
-        **fields(req.origin),
-        "allow_update": _flag(req.allow_update),
-    }
+    detail = fields(req.origin)
+    # Refused when it carries userinfo, but refusals are recorded too.
+    if "base_url" in detail:
+        detail["base_url"] = redact_userinfo(detail["base_url"])
+    return f"origin/{req.origin.name}", {**detail, "allow_update": _flag(req.allow_update)}
 
 
 def put_tenant(req: apb.PutTenantRequest, _: object) -> Description:

@@ -173,7 +173,9 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _factory(handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
+def handler_factory(handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
+    """grpc's constructor of handlers of the same kind (unary or streaming, each
+    way) as handler: what an interceptor rebuilds a wrapped handler with."""
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler
     if handler.request_streaming:
@@ -183,7 +185,8 @@ def _factory(handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
     return grpc.unary_unary_rpc_method_handler
 
 
-def _behaviour(handler: grpc.RpcMethodHandler[Any, Any]) -> Callable[..., Any]:
+def handler_behaviour(handler: grpc.RpcMethodHandler[Any, Any]) -> Callable[..., Any]:
+    """The servicer method handler runs, whatever its kind."""
     behaviour = (
         handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
     )
@@ -204,7 +207,7 @@ def _denied(
     async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(*refusal)
 
-    return _factory(handler)(  # type: ignore[no-any-return]
+    return handler_factory(handler)(  # type: ignore[no-any-return]
         deny,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
@@ -217,7 +220,7 @@ def _role_checked(
     check_role: Callable[[str, str | None], Refusal | None],
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """`handler`, run only once the caller's certificate has the method's role."""
-    behaviour = _behaviour(handler)
+    behaviour = handler_behaviour(handler)
 
     async def admit(context: grpc.aio.ServicerContext[Any, Any]) -> None:
         refusal = check_role(method, peer_role(context.auth_context()))
@@ -243,7 +246,7 @@ def _role_checked(
             return await behaviour(request, context)
 
         wrapped = call
-    return _factory(handler)(  # type: ignore[no-any-return]
+    return handler_factory(handler)(  # type: ignore[no-any-return]
         wrapped,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from controlplane.api.guard import ADMIN_PREFIX, _behaviour, _factory
+from controlplane.api.guard import ADMIN_PREFIX, handler_behaviour, handler_factory
 from controlplane.metrics import ControlMetrics
 
 
@@ -51,7 +51,7 @@ class AdminCalls(grpc.aio.ServerInterceptor):
     def _counted(
         self, handler: grpc.RpcMethodHandler[Any, Any], method: str
     ) -> grpc.RpcMethodHandler[Any, Any]:
-        behaviour = _behaviour(handler)
+        behaviour = handler_behaviour(handler)
         count = self._metrics.admin_call
 
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
@@ -63,7 +63,7 @@ class AdminCalls(grpc.aio.ServerInterceptor):
             count(method, final_code(context, None))
             return reply
 
-        return _factory(handler)(  # type: ignore[no-any-return]
+        return handler_factory(handler)(  # type: ignore[no-any-return]
             call,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,

@@ -91,15 +91,13 @@ class StateStore(Protocol):
         """Keys under prefix, sorted by key, read at one revision."""
         ...
 
-    async def scan(
-        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
-    ) -> Listing:
-        """Keys in [start, end) at one revision, sorted by key, descending with
-        newest_first (for keys that sort by time), at most limit (0: all)."""
+    async def scan(self, start: str, end: str, *, limit: int = 0) -> Listing:
+        """The first limit (0: all) keys in [start, end) at one revision, sorted by
+        key; the store reads no more of the range than it returns."""
         ...
 
-    async def count(self, prefix: str) -> int:
-        """How many keys are under prefix, without reading their values."""
+    async def count(self, start: str, end: str) -> int:
+        """How many keys are in [start, end), without reading their values."""
         ...
 
     async def delete_range(self, start: str, end: str) -> int:

@@ -304,20 +304,14 @@ class EtcdStore:
         )
         return Listing(resp.header.revision, tuple(sorted(items, key=lambda i: i.key)))
 
-    async def scan(
-        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
-    ) -> Listing:
+    async def scan(self, start: str, end: str, *, limit: int = 0) -> Listing:
         # Keys come in ascending order unsorted (SortOrder.NONE), and then etcd
-        # stops at the limit before reading values; to sort descending it
-        # reads the whole range first, so callers keep such ranges bounded.
+        # stops at the limit before reading values; to sort (even descending)
+        # it would read the whole range first.
         resp = await self._call(
             "scan",
             self._kv.get(
-                start,
-                range_end=end,
-                limit=limit,
-                sort_order=SortOrder.DESCEND if newest_first else SortOrder.NONE,
-                timeout=self._timeout,
+                start, range_end=end, limit=limit, sort_order=SortOrder.NONE, timeout=self._timeout
             ),
         )
         items = tuple(
@@ -325,12 +319,9 @@ class EtcdStore:
         )
         return Listing(resp.header.revision, items)
 
-    async def count(self, prefix: str) -> int:
+    async def count(self, start: str, end: str) -> int:
         resp = await self._call(
-            "count",
-            self._kv.get(
-                prefix, range_end=prefix_range_end(prefix), count_only=True, timeout=self._timeout
-            ),
+            "count", self._kv.get(start, range_end=end, count_only=True, timeout=self._timeout)
         )
         return int(resp.count)
 

@@ -55,15 +55,11 @@ class InstrumentedStore:
     async def list(self, prefix: str) -> Listing:
         return await self._timed("list", self.inner.list(prefix))
 
-    async def scan(
-        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
-    ) -> Listing:
-        return await self._timed(
-            "scan", self.inner.scan(start, end, limit=limit, newest_first=newest_first)
-        )
+    async def scan(self, start: str, end: str, *, limit: int = 0) -> Listing:
+        return await self._timed("scan", self.inner.scan(start, end, limit=limit))
 
-    async def count(self, prefix: str) -> int:
-        return await self._timed("count", self.inner.count(prefix))
+    async def count(self, start: str, end: str) -> int:
+        return await self._timed("count", self.inner.count(start, end))
 
     async def delete_range(self, start: str, end: str) -> int:
         return await self._timed("delete_range", self.inner.delete_range(start, end))

@@ -78,21 +78,17 @@ class MemoryStore:
             items.append(self._data[key])
         return Listing(self._revision, tuple(items))
 
-    async def scan(
-        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
-    ) -> Listing:
+    async def scan(self, start: str, end: str, *, limit: int = 0) -> Listing:
         self._check()
         keys = self._keys[
             bisect.bisect_left(self._keys, start) : bisect.bisect_left(self._keys, end)
         ]
-        if newest_first:
-            keys.reverse()
         if limit:
             keys = keys[:limit]
         return Listing(self._revision, tuple(self._data[k] for k in keys))
 
-    async def count(self, prefix: str) -> int:
-        return len((await self.list(prefix)).items)
+    async def count(self, start: str, end: str) -> int:
+        return len((await self.scan(start, end)).items)
 
     async def delete_range(self, start: str, end: str) -> int:
         self._check()

@@ -363,6 +363,9 @@ def test_service_monitors_only_when_enabled(
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     (endpoint,) = monitor["spec"]["endpoints"]
     assert (endpoint["port"], endpoint["path"]) == (port, "/metrics")
+    # The proxies' `endpoint` label must not become `exported_endpoint`: the
+    # alerts and dashboards select proxied requests by it.
+    assert endpoint.get("honorLabels", False) == (monitor_name == "ponto-proxy")
     selected = {
         n: s
         for n, s in objects(three, "Service").items()

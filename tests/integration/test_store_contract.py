@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.audit import AuditLog
 from controlplane.store import (
     MAX_TXN_OPS,
     Conflict,
@@ -549,7 +550,7 @@ async def test_commit_is_one_change_to_watchers(store: StateStore) -> None:
         await watcher.close()
 
 
-async def test_scan_is_a_bounded_range_either_way(store: StateStore) -> None:
+async def test_scan_is_a_bounded_range(store: StateStore) -> None:
     for name in ("a", "b", "c", "d"):
         await store.put(P + "t/" + name, name.encode())
     await store.put(P + "u", b"outside")
@@ -559,22 +560,36 @@ async def test_scan_is_a_bounded_range_either_way(store: StateStore) -> None:
     assert everything.revision == (await store.list(P)).revision
     first = await store.scan(P + "t/", end, limit=2)
     assert [kv.value for kv in first.items] == [b"a", b"b"]
-    newest = await store.scan(P + "t/", end, limit=3, newest_first=True)
-    assert [kv.value for kv in newest.items] == [b"d", b"c", b"b"]
-    middle = await store.scan(P + "t/b", P + "t/d", newest_first=True)
-    assert [kv.value for kv in middle.items] == [b"c", b"b"]
+    middle = await store.scan(P + "t/b", P + "t/d", limit=5)
+    assert [kv.value for kv in middle.items] == [b"b", b"c"]
 
 
 async def test_count_and_delete_range(store: StateStore) -> None:
     for name in ("a", "b", "c", "d"):
         await store.put(P + "t/" + name, b"")
     await store.put(P + "u", b"")
-    assert await store.count(P + "t/") == 4
-    assert await store.count(P + "none/") == 0
+    assert await store.count(P + "t/", P + "t0") == 4
+    assert await store.count(P + "t/b", P + "t/d") == 2
+    assert await store.count(P + "none/", P + "none0") == 0
     before = (await store.list(P)).revision
     assert await store.delete_range(P + "t/", P + "t/c") == 2
     listing = await store.list(P)
     assert [kv.key for kv in listing.items] == [P + "t/c", P + "t/d", P + "u"]
     assert listing.revision == before + 1  # one revision for the whole range
     assert await store.delete_range(P + "t/", P + "t/c") == 0
-    assert await store.count(P + "t/") == 2
+    assert await store.count(P + "t/", P + "t0") == 2
+
+
+async def test_the_audit_trail_reads_a_limited_range_newest_first(store: StateStore) -> None:
+    # The trail's keys count down in time (controlplane/audit.py), so its newest
+    # entries are the first keys of its range: a limited read is a limited scan.
+    clock = iter(1_800_000_000.0 + i for i in range(1000))
+    trail = AuditLog(store, replica="r", clock=lambda: next(clock), max_entries=4)
+    for i in range(8):
+        action = "Drain" if i % 2 else "Put"
+        await trail.record(actor="a", action=action, target=f"t{i}", source="s")
+    assert [e.target for e in await trail.read(limit=3)] == ["t7", "t6", "t5"]
+    assert [e.target for e in await trail.read(limit=2, action="Put")] == ["t6", "t4"]
+    assert [e.target for e in await trail.read(since=1_800_000_005.0)] == ["t7", "t6", "t5"]
+    assert await trail.trim() == 4
+    assert [e.target for e in await trail.read()] == ["t7", "t6", "t5", "t4"]

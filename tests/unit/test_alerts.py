@@ -11,11 +11,19 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.monitoring import ROOT, exported_names, metric_names, render, run_promtool
+from tests.monitoring import (
+    ROOT,
+    exported_names,
+    metric_names,
+    render,
+    run_promtool,
+    unproxied_request_selectors,
+)
 
 CASES = ROOT / "tests" / "alerts" / "ponto-alerts.test.yaml"
 ALERTS = {
     "PontoProxyStaleTable",
+    "PontoProxyNoControlPlane",
     "PontoOriginDown",
     "PontoRegionDrainedTooLong",
     "PontoHighErrorRatio",
@@ -103,6 +111,18 @@ def test_alerts_read_only_exported_metrics(spec: dict[str, Any]) -> None:
         read = metric_names(rule["expr"])
         assert read, name
         assert read <= known, f"{name} reads {sorted(read - known)}, which nothing exports"
+
+
+def test_alerts_count_proxied_requests_only(spec: dict[str, Any]) -> None:
+    for name, rule in alert_rules(spec).items():
+        assert not unproxied_request_selectors(rule["expr"]), name
+
+
+def test_no_alert_compares_versions_of_two_replicas(spec: dict[str, Any]) -> None:
+    # A version is the etcd revision its replica read: a proxy's compares only with
+    # its own replica's, which the replica itself does (ponto_control_proxies).
+    for name, rule in alert_rules(spec).items():
+        assert "table_version" not in rule["expr"], name
 
 
 def test_thresholds_durations_and_labels_are_values() -> None:

@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import orjson
 import pytest
 
 from controlplane import audit
-from controlplane.api.admin import AdminService
+from controlplane.api.admin import AdminService, audit_entry_pb
 from controlplane.api.auditing import actor_of
 from controlplane.api.guard import TokenGuard
 from controlplane.app import ControlPlane
@@ -23,6 +24,7 @@ from controlplane.catalog import Catalog
 from controlplane.cli import _rows_audit
 from controlplane.distribute import Publisher
 from controlplane.settings import parse
+from controlplane.store import StateStore
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -143,14 +145,17 @@ async def test_long_values_are_cut_unknown_fields_ignored_undecodable_entries_sk
 ) -> None:
     many = {f"k{i:02d}": "v" * 1000 for i in range(40)}
     await log.record(actor="a" * 999, action="A", target="t", detail=many, source="s")
-    await store.put(PREFIX + "0000000000000001-bad", b"not json")
+    await store.put(audit._time_key(1.0) + "-bad", b"not json")
     later = {"time": 2.0, "actor": "b", "action": "B", "target": "t", "source": "s", "new": 1}
-    await store.put(PREFIX + "0000000000000002-new", orjson.dumps(later))
+    await store.put(audit._time_key(2.0) + "-new", orjson.dumps(later))
     entry, newer_version = await log.read()
     assert (newer_version.actor, newer_version.result) == ("b", "ok")
-    assert len(entry.actor) == audit.MAX_FIELD and entry.actor.endswith("…")
-    assert len(entry.detail) == audit.MAX_DETAIL_KEYS
-    assert all(len(v) == audit.MAX_FIELD for v in entry.detail.values())
+    # Cut to MAX_FIELD and MAX_DETAIL_KEYS, then by half again to fit MAX_ENTRY_BYTES.
+    assert len(entry.actor) == audit.MAX_FIELD // 2 and entry.actor.endswith("…")
+    assert list(entry.detail) == [f"k{i:02d}" for i in range(audit.MAX_DETAIL_KEYS // 2)]
+    assert all(len(v) == audit.MAX_FIELD // 2 for v in entry.detail.values())
+    stored = (await store.list(PREFIX)).items
+    assert max(len(kv.value) for kv in stored) <= audit.MAX_ENTRY_BYTES
     assert "ignoring undecodable audit entry" in caplog.text
 
 
@@ -179,17 +184,76 @@ async def test_trim_by_age_and_by_count(log: AuditLog, store: MemoryStore, clock
     await record(log, clock, 4, "New")  # 7 entries, the bound is 5
     assert await log.trim() == 2
     assert [e.action for e in await log.read()] == ["New"] * 4 + ["Mid"]
-    assert await store.count(PREFIX) == 5
+    assert len((await store.list(PREFIX)).items) == 5
 
 
-async def test_trim_past_the_count_in_pages(
-    store: MemoryStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+class CountsThenWaits:
+    """A store whose first count answers, then waits for `go` before returning."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self._inner = inner
+        self.counted, self.go = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def count(self, *args: str) -> int:
+        n: int = await self._inner.count(*args)
+        self.counted.set()
+        await self.go.wait()
+        return n
+
+
+async def test_concurrent_trims_keep_the_count(store: MemoryStore, clock: Clock) -> None:
+    # Two leaders during a handover: the old one counts, the new one trims, then the
+    # old one goes on. It must not delete the excess it counted a second time.
+    slow = CountsThenWaits(store)
+    old = AuditLog(cast(StateStore, slow), replica="a", clock=clock, max_entries=3)
+    new = AuditLog(store, replica="b", clock=clock, max_entries=3)
+    await record(new, clock, 10)
+    late = asyncio.create_task(old.trim())
+    await slow.counted.wait()
+    assert await new.trim() == 7
+    slow.go.set()
+    assert await late == 0
+    assert [e.target for e in await new.read()] == ["region/r9", "region/r8", "region/r7"]
+
+
+async def test_entries_of_one_microsecond_are_trimmed_together(
+    store: MemoryStore, clock: Clock
 ) -> None:
-    monkeypatch.setattr(audit, "PAGE", 2)
-    log = AuditLog(store, replica="r", clock=clock, max_entries=1)
-    await record(log, clock, 6)
-    assert await log.trim() == 5
-    assert [e.target for e in await log.read()] == ["region/r5"]
+    log = AuditLog(store, replica="r", clock=clock, max_entries=2)
+    await record(log, clock, 1, "Old")
+    clock.now = T0 + 5
+    await log.record(actor="a", action="Same", target="x", source="s")
+    await log.record(actor="a", action="Same", target="y", source="s")
+    await log.record(actor="a", action="Same", target="z", source="s")
+    assert await log.trim() == 1
+    assert [e.action for e in await log.read()] == ["Same"] * 3
+
+
+@pytest.mark.parametrize(
+    "worst",
+    ["\x01" * 10_000, "a" * 10_000],  # six bytes of JSON per character, and one
+)
+def test_an_entry_fits_its_byte_bound_and_a_full_page_a_grpc_message(worst: str) -> None:
+    entry = audit.AuditEntry(
+        time=T0,
+        actor=worst,
+        action=worst,
+        target=worst,
+        source=worst,
+        result=worst,
+        message=worst,
+        detail={f"{i:02d}{worst}": worst for i in range(40)},
+        replica=worst,
+    )
+    value = audit._bounded(entry)
+    assert len(value) <= audit.MAX_ENTRY_BYTES
+    fitted = audit._decode(value)
+    assert fitted.actor.startswith(worst[0]) and fitted.detail
+    page = apb.ListAuditResponse(entries=[audit_entry_pb(fitted)] * audit.MAX_LIMIT)
+    assert page.ByteSize() <= 3_100_000 < 4 * 1024 * 1024
 
 
 # ---------------------------------------------------------------- who
@@ -334,11 +398,29 @@ async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock
         assert [e.target for e in filtered.entries] == ["tenant/b"]
         recent = await stub.ListAudit(apb.ListAuditRequest(since=T0 + 60))
         assert [e.action for e in recent.entries] == ["DeleteTenant", "PutTenant"]
-        bad = stub.ListAudit(apb.ListAuditRequest(since=-1))
-        assert await code_of(bad) == grpc.StatusCode.INVALID_ARGUMENT
+        for since in (-1, math.nan, math.inf):
+            bad = stub.ListAudit(apb.ListAuditRequest(since=since))
+            assert await code_of(bad) == grpc.StatusCode.INVALID_ARGUMENT, since
         store.available = False
         down = stub.ListAudit(apb.ListAuditRequest())
         assert await code_of(down) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_an_origin_url_with_credentials_is_refused_and_not_recorded(
+    store: MemoryStore, clock: Clock
+) -> None:
+    async with admin_server(store, clock) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
+        for url in ("https://user:s3cret@llm.example/v1", "https://user:s3cret@llm:99999/v1"):
+            spec = apb.OriginSpec(name="o", base_url=url, region="eu", models=["m"])
+            refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
+            assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        entries = (await stub.ListAudit(apb.ListAuditRequest(action="PutOrigin"))).entries
+    assert len(entries) == 2
+    for entry in entries:
+        assert "s3cret" not in str(entry) and "user:" not in entry.detail["base_url"]
+        assert entry.detail["base_url"].startswith("https://***@llm")
+        assert "credential_env or credential_file" in entry.message
 
 
 async def test_without_an_admin_token_the_actor_is_anonymous(
@@ -389,7 +471,7 @@ async def test_the_leader_trims_the_trail_to_its_bound(store: MemoryStore) -> No
     await plane.start()
     try:
         deadline = asyncio.get_running_loop().time() + 10
-        while await store.count(PREFIX) > 2:
+        while len((await store.list(PREFIX)).items) > 2:
             assert asyncio.get_running_loop().time() < deadline, "the trail was never trimmed"
             await asyncio.sleep(0.02)
     finally:

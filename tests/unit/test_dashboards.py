@@ -13,7 +13,15 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 
-from tests.monitoring import CHART, ROOT, check_exprs, exported_names, metric_names, render
+from tests.monitoring import (
+    CHART,
+    ROOT,
+    check_exprs,
+    exported_names,
+    metric_names,
+    render,
+    unproxied_request_selectors,
+)
 
 Dashboard = dict[str, Any]
 
@@ -172,6 +180,28 @@ def test_dashboards_read_only_exported_metrics() -> None:
         if (read := metric_names(expr)) - known
     }
     assert not unknown, unknown
+
+
+def test_request_panels_count_proxied_requests_only() -> None:
+    stray = {
+        f"{name}: {where}": found
+        for name, board in BOARDS.items()
+        for where, expr in queries(board).items()
+        if (found := unproxied_request_selectors(expr))
+    }
+    assert not stray, stray
+
+
+def test_no_expression_compares_versions_of_two_sources() -> None:
+    # Versions are each control plane replica's own etcd revision: a proxy's
+    # compares with its replica's only, which ponto_control_proxies reports.
+    mixed = [
+        f"{name}: {where}"
+        for name, board in BOARDS.items()
+        for where, expr in queries(board).items()
+        if {"ponto_route_table_version", "ponto_control_table_version"} <= metric_names(expr)
+    ]
+    assert not mixed, mixed
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))

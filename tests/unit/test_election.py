@@ -95,15 +95,13 @@ class Partitioned:
         self._check()
         return await self._inner.list(prefix)
 
-    async def scan(
-        self, start: str, end: str, *, limit: int = 0, newest_first: bool = False
-    ) -> Listing:
+    async def scan(self, start: str, end: str, *, limit: int = 0) -> Listing:
         self._check()
-        return await self._inner.scan(start, end, limit=limit, newest_first=newest_first)
+        return await self._inner.scan(start, end, limit=limit)
 
-    async def count(self, prefix: str) -> int:
+    async def count(self, start: str, end: str) -> int:
         self._check()
-        return await self._inner.count(prefix)
+        return await self._inner.count(start, end)
 
     async def delete_range(self, start: str, end: str) -> int:
         self._check()

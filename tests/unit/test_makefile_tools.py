@@ -1,0 +1,82 @@
+"""The Makefile's tool targets (promtool, chromium, wrk): a missing tool is
+installed with apt as root or under CI=true, and elsewhere named in one line
+while make goes on, so `make unit` and `make check` reach pytest without root.
+
+Runs the real make on the real Makefile with a PATH of fakes: `id` says which
+user runs it, `apt-get` records its arguments and answers as told.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.monitoring import ROOT
+
+MAKE = shutil.which("make")
+pytestmark = pytest.mark.skipif(MAKE is None, reason="no make")
+
+
+def run(tmp_path: Path, target: str, *, uid: int, ci: bool, apt_ok: bool = True) -> tuple[int, str]:
+    """`make TARGET` where no tool is installed; returns its exit code and output,
+    with "apt-get ARGS" lines for each apt call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "apt-calls"
+    fakes = {
+        "id": f"#!/bin/bash\necho {uid}\n",
+        "apt-get": f'#!/bin/bash\necho "apt-get $*" >> {calls}\nexit {0 if apt_ok else 100}\n',
+    }
+    for name, script in fakes.items():
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)} | ({"CI": "true"} if ci else {})
+    assert MAKE is not None
+    out = subprocess.run(
+        [MAKE, "--no-print-directory", "-C", str(ROOT), target],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    apt = calls.read_text() if calls.exists() else ""
+    return out.returncode, out.stdout + out.stderr + apt
+
+
+@pytest.mark.parametrize(
+    ("target", "package"),
+    [("promtool", "prometheus"), ("chromium", "chromium-driver"), ("wrk", "wrk")],
+)
+def test_without_root_a_missing_tool_is_one_line_and_make_goes_on(
+    tmp_path: Path, target: str, package: str
+) -> None:
+    code, output = run(tmp_path, target, uid=1000, ci=False)
+    assert code == 0, output
+    (line,) = output.splitlines()
+    assert line.startswith(f"{target} not found: ") and "sudo apt-get install" in line
+    assert package in line and "apt-get install -y" not in output
+
+
+def test_as_root_a_missing_tool_is_installed(tmp_path: Path) -> None:
+    code, output = run(tmp_path, "promtool", uid=0, ci=False)
+    assert code == 0, output
+    assert "apt-get install -y --no-install-recommends prometheus" in output
+
+
+def test_under_ci_a_tool_that_cannot_be_installed_stops_make(tmp_path: Path) -> None:
+    code, output = run(tmp_path, "chromium", uid=1000, ci=True, apt_ok=False)
+    assert code != 0
+    assert "apt-get install -y chromium chromium-driver" in output
+    assert "apt-get update" in output
+
+
+def test_a_tool_present_is_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "wrk").write_text("#!/bin/bash\n")
+    (tmp_path / "bin" / "wrk").chmod(0o755)
+    code, output = run(tmp_path, "wrk", uid=0, ci=True)
+    assert (code, output) == (0, "")
