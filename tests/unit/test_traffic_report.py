@@ -30,6 +30,19 @@ def test_traffic_of_the_proxy_request_counter_splits_5xx_and_4xx() -> None:
     assert traffic_of(Metrics().requests) == Traffic(0, 0, 0)
 
 
+def test_probes_and_scrapes_are_not_traffic() -> None:
+    m = Metrics()
+    m.child(m.requests, "chat", "200").inc(2)
+    for endpoint, code in (
+        ("healthz", "200"),
+        ("health", "200"),
+        ("readyz", "503"),  # unready or draining
+        ("metrics", "200"),
+    ):
+        m.child(m.requests, endpoint, code).inc(50)
+    assert traffic_of(m.requests) == Traffic(requests=2, server_errors=0, client_errors=0)
+
+
 def client(**kwargs: object) -> ControlPlaneClient:
     holder = TableHolder("eu-west", None)
     info = pb.ProxyInfo(name="p", region="eu-west", address="127.0.0.1:1")
