@@ -153,9 +153,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
         plane.clock.now = at
         traffic = {"p-eu": (*eu, at), "p-us": (*us, at)}
-        await plane.catalog.put_acks(
-            "r1", {"p-eu": (7, ""), "p-us": (6, "")}, plane.lease, version=7, traffic=traffic
-        )
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
 
     await report(1_000.0, (100, 1, 5), (0, 0, 0))
     first = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
