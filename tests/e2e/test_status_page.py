@@ -182,6 +182,7 @@ FAKE_STATUS = {
     "leader": HOSTILE,
     "latest_version": 1,
     "writes": "token",
+    "writes_off": "",
     "now": 0,
     "regions": [
         {
@@ -198,7 +199,6 @@ FAKE_STATUS = {
                 {
                     "name": HOSTILE,
                     "healthy": False,
-                    "probed": True,
                     "detail": HOSTILE,
                     "drained": False,
                     "inflight": 0,
@@ -217,6 +217,7 @@ FAKE_STATUS = {
             "version": HOSTILE,
             "replica": HOSTILE,
             "acked_version": 1,
+            "current_version": 1,
             "latest": True,
             "last_error": "",
             "age_s": 0,
