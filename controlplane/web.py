@@ -301,9 +301,14 @@ class StatusWeb:
     def _rates(self, p: ProxyRecord, now: float) -> tuple[float, ...] | None:
         if not p.heard_at:
             return None
-        if now - p.heard_at > STALE_AFTER:
-            return (0.0, 0.0, 0.0)
         counts = (p.requests, p.server_errors, p.client_errors)
+        if now - p.heard_at > STALE_AFTER:
+            # Its replica writes a change within TRAFFIC_EVERY of hearing it, so
+            # these counts still held twice that ago (a margin for a late
+            # write): the sample a burst after a quiet spell is measured from,
+            # as the burst may come in a single write.
+            self._meter.observe(_connection(p), now - 2 * TRAFFIC_EVERY, counts)
+            return (0.0, 0.0, 0.0)
         return self._meter.observe(_connection(p), p.heard_at, counts)
 
     async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:

@@ -584,6 +584,23 @@ async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
     assert await report("s-2", 1_015.0, 2_050) == [10.0]
 
 
+async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
+    web = web_of(plane)
+
+    async def view(at: float) -> list[Any]:
+        return [
+            r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
+        ]
+
+    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0)}, plane.lease)
+    for second in range(1_016, 1_060, 2):  # quiet: nothing written, the page polls
+        assert await view(float(second)) == [0.0]
+    # 90 requests, heard and written at once; nothing after.
+    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0)}, plane.lease)
+    (rate,) = await view(1_061.0)
+    assert rate is not None and rate > 0
+
+
 @pytest.mark.parametrize(
     ("path", "result"),
     [
