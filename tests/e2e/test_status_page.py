@@ -240,3 +240,14 @@ def test_names_are_shown_as_text_never_run_as_markup(page: webdriver.Chrome) -> 
     )
     assert found == [0, HOSTILE, HOSTILE, HOSTILE]
     assert page.execute_script("return window.pwned === undefined")
+
+
+def test_with_writes_off_the_page_says_why_and_offers_no_button(page: webdriver.Chrome) -> None:
+    why = "changes from this page are off (--http-writes off); use pontoctl"
+    found = page.execute_script(
+        "render(arguments[0]);"
+        "return [document.getElementById('writes').textContent,"
+        " Array.from(document.querySelectorAll('main button')).map((b) => b.disabled)];",
+        {**FAKE_STATUS, "writes": "off", "writes_off": why},
+    )
+    assert found == [why, [True, True]]  # the region's and its origin's
