@@ -415,12 +415,17 @@ def _check_same_origin(request: web.Request) -> None:
 
 
 def _rebind_proof(host: str) -> bool:
-    """Whether a Host header names an IP address or localhost."""
-    name = URL(f"http://{host}").raw_host or ""
+    """Whether a Host header ("name[:port]", "[v6]:port") names an IP address or localhost."""
+    if host.startswith("["):
+        name, bracket, _ = host[1:].partition("]")
+        if not bracket:
+            return False
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
     if name.lower() == "localhost":
         return True
     try:
-        ipaddress.ip_address(name.strip("[]"))
+        ipaddress.ip_address(name)
     except ValueError:
         return False
     return True

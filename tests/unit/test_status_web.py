@@ -502,7 +502,7 @@ async def test_the_pages_own_request_is_taken(plane: Plane, token: str) -> None:
     assert (await plane.catalog.get_region("eu-west")).drained
 
 
-@pytest.mark.parametrize("host", ["evil.example:8080", "ponto.internal"])
+@pytest.mark.parametrize("host", ["evil.example:8080", "ponto.internal", "x@127.0.0.1:8080"])
 async def test_open_writes_are_refused_at_a_name_dns_rebinding_could_point_here(
     plane: Plane, host: str
 ) -> None:
@@ -511,6 +511,8 @@ async def test_open_writes_are_refused_at_a_name_dns_rebinding_could_point_here(
         resp = await c.post("/api/regions/eu-west/drain", headers=headers)
         assert resp.status == 403
         assert_error(await resp.json(), "host_not_allowed")
+        resp = await c.post("/api/regions/eu-west/drain", headers={**WRITE, "Host": "[::1"})
+        assert_error(await resp.json(), "host_not_allowed")  # malformed: no 500
         for allowed in ("localhost:8080", "[::1]:8080", "10.0.0.7"):
             resp = await c.post("/api/regions/eu-west/drain", headers={**WRITE, "Host": allowed})
             assert resp.status == 200, allowed
