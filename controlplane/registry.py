@@ -125,6 +125,9 @@ class ProxyRegistry:
         old = self._by_name.get(name)
         if old is not None:
             self.sessions.pop(old, None)
+        # The old session's counters are not this one's (rates are per session).
+        if self._traffic.pop(name, None) is not None:
+            self._traffic_dirty = True
         self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
         self._acks_dirty = True

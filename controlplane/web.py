@@ -25,8 +25,9 @@ only names DNS rebinding cannot point elsewhere. With a token, rebinding
 gains nothing: the page keeps the token in its origin's sessionStorage.
 
 Every refusal is an OpenAI-style JSON error logged through the shared
-refusal log (once, INFO, rate-limited). What every replica shows is read
-from etcd, so the page of any replica shows the whole fleet.
+refusal log (once, INFO, rate-limited). Proxies and their traffic are read
+from etcd, regions and origins taken from the table the replica compiled
+from it, so the page of any replica shows the whole fleet.
 """
 
 from __future__ import annotations

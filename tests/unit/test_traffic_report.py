@@ -112,6 +112,11 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     await registry.acked(record.session_id, 4, "")
     await registry.flush(130.0)
     assert store.puts[ACKS + "r1"] == 2
+    # Registered again (a restart): the old session's counters are gone.
+    again = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    assert registry.traffic() == {}
+    registry.reported(again.session_id, 1, 0, 0)
+    record = again
     # A proxy that left takes its counters with it.
     await registry.unregister(record.session_id)
     assert registry.traffic() == {}
