@@ -497,5 +497,6 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
         "latest": bool(current) and p.acked_version >= current,
         "last_error": p.last_error,
         "age_s": max(0.0, now - heard),
+        "stale": now - heard > STALE_AFTER,
         "requests": p.requests,
     }

@@ -8,7 +8,6 @@
 "use strict";
 
 const POLL_MS = 2000;
-const STALE_S = 15; // web.py's STALE_AFTER: reports are written every 5 s, if they change
 const TOKEN_KEY = "ponto-admin-token";
 const SVG = "http://www.w3.org/2000/svg";
 let writes = "open";
@@ -137,7 +136,7 @@ function renderProxies(proxies) {
     el("td", {}, p.replica),
     el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
       p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${p.current_version}`),
-    el("td", { class: p.age_s > STALE_S ? "stale" : "" }, age(p.age_s)),
+    el("td", { class: p.stale ? "stale" : "" }, age(p.age_s)),
     el("td", {}, p.address),
     el("td", {}, p.version)));
   document.querySelector("#proxies tbody").replaceChildren(...rows);

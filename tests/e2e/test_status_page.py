@@ -221,6 +221,7 @@ FAKE_STATUS = {
             "latest": True,
             "last_error": "",
             "age_s": 0,
+            "stale": False,
             "requests": 0,
         }
     ],

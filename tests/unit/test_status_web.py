@@ -182,6 +182,7 @@ async def test_status_shows_regions_origins_and_proxies(
     assert not proxies["p-us"]["latest"] and proxies["p-us"]["acked_version"] == 6
     assert proxies["p-us"]["current_version"] == 7
     assert proxies["p-eu"]["age_s"] == pytest.approx(100.0)  # since it connected: never heard
+    assert proxies["p-eu"]["stale"]  # nothing heard for longer than STALE_AFTER
     assert regions["eu-west"]["requests_per_s"] is None
     assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
 
@@ -205,6 +206,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     assert regions["eu-west"]["client_errors_per_s"] == 2.0
     assert regions["us-east"]["requests_per_s"] == 5.0
     assert {p["name"]: p["age_s"] for p in status["proxies"]} == {"p-eu": 0.0, "p-us": 0.0}
+    assert not any(p["stale"] for p in status["proxies"])
     # p-eu restarted: its counters start again from zero.
     await report(1_010.0, (4, 0, 0), (50, 0, 0))
     regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
