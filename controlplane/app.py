@@ -132,7 +132,7 @@ class ControlPlane:
             self.publisher,
             settings.replica_id,
             admin_token=security.admin_token,
-            admin_needs_certificate=bool(security.tls_client_ca),
+            writes_off=_writes_off(settings),
             audit=self.audit,
             metrics=self.metrics,
             loads=lambda: self.loads.loads,
@@ -228,7 +228,7 @@ class ControlPlane:
             {
                 "token": "need the admin token",
                 "open": "are not authenticated",
-                "closed": "are refused: mutual TLS without an admin token",
+                "off": "are off",
             }[self.web.writes],
         )
 
@@ -252,6 +252,19 @@ class ControlPlane:
             await self.web_runner.cleanup()
         await self.registry.close()
         await self.store.close()
+
+
+def _writes_off(settings: Settings) -> str:
+    """Why the status page may not change anything, "" if it may."""
+    if settings.http_writes:
+        return ""
+    if settings.security.tls_client_ca:
+        return (
+            "changes from this page are off: the control plane uses mutual TLS, and this "
+            "plain-HTTP port cannot check an admin certificate (the admin token would cross "
+            "it in the clear); use pontoctl, or start the control plane with --http-writes on"
+        )
+    return "changes from this page are off (--http-writes off); use pontoctl"
 
 
 async def over_etcd(settings: Settings) -> ControlPlane:

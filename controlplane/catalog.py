@@ -87,6 +87,7 @@ MAX_PURGES = 64
 PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
 ACKS = ROOT + "acks/"
+TRAFFIC = ROOT + "traffic/"
 CAS_ATTEMPTS = 8
 _PREFIX = {"region": REGIONS, "origin": ORIGINS, "tenant": TENANTS}
 
@@ -500,18 +501,16 @@ class Catalog:
         return [kv.key[len(PROXIES) :] for kv in listing.items]
 
     async def put_acks(
-        self,
-        replica: str,
-        acks: dict[str, tuple[int, str]],
-        lease: int,
-        *,
-        version: int = 0,
-        traffic: dict[str, Traffic] | None = None,
+        self, replica: str, acks: dict[str, tuple[int, str]], lease: int, *, version: int = 0
     ) -> None:
-        """Write a replica's ACK summary with the version it serves now and
-        its proxies' last traffic reports."""
-        payload = {"replica_version": version, "acks": acks, "traffic": traffic or {}}
+        """Write a replica's ACK summary with the version it serves now."""
+        payload = {"replica_version": version, "acks": acks}
         await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
+
+    async def put_traffic(self, replica: str, traffic: dict[str, Traffic], lease: int) -> None:
+        """Write a replica's proxies' last traffic reports, a key of their own
+        so that the ACK summary is rewritten only when an ACK changes."""
+        await _guard(self.store.put(TRAFFIC + replica, orjson.dumps(traffic), lease=lease))
 
     async def list_proxies(self) -> list[ProxyRecord]:
         """Registered proxies with the ACK state their own replica last wrote.
@@ -522,18 +521,20 @@ class Catalog:
         written yet.
         """
         by_replica: dict[str, tuple[int, dict[str, tuple[int, str]]]] = {}
-        traffic: dict[str, dict[str, Traffic]] = {}
         for kv in (await _guard(self.store.list(ACKS))).items:
             replica = kv.key[len(ACKS) :]
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 raw = orjson.loads(kv.value)
                 if isinstance(raw, dict) and isinstance(raw.get("acks"), dict):
                     version, entries = int(raw.get("replica_version", 0)), raw["acks"]
-                    traffic[replica] = _traffic_of(raw.get("traffic"))
                 else:  # the summary of a replica from before replica_version
                     version, entries = 0, raw
                 acks = {str(n): (int(v), str(e)) for n, (v, e) in entries.items()}
                 by_replica[replica] = (version, acks)
+        traffic: dict[str, dict[str, Traffic]] = {}
+        for kv in (await _guard(self.store.list(TRAFFIC))).items:
+            with contextlib.suppress(ValueError):
+                traffic[kv.key[len(TRAFFIC) :]] = _traffic_of(orjson.loads(kv.value))
         return [
             _with_traffic(_with_acks(p, by_replica), traffic) for p in await self._proxy_records()
         ]

@@ -17,8 +17,13 @@ class RateMeter:
     A rate is the difference between the newest sample and the oldest one
     still in the window, over the time between them, so a report that came
     late or twice does not make a spike. A counter smaller than the previous
-    sample means the proxy restarted: the history is dropped and the rate is
-    unknown until the next sample, never negative. Used from one event loop.
+    sample means the proxy restarted, and a gap longer than the window since
+    the previous sample means nobody looked meanwhile (the caller samples on
+    demand): either way the history is dropped and the rate is unknown until
+    the next sample, never negative nor an average over the gap. Callers key
+    by one connection of a proxy (name and session), so a restarted proxy
+    starts afresh even once its new counters pass the old ones. Used from one
+    event loop.
     """
 
     def __init__(self, window: float = 10.0) -> None:
@@ -33,7 +38,11 @@ class RateMeter:
         samples = self._samples.setdefault(key, deque())
         if samples:
             last_at, last = samples[-1]
-            if len(last) != len(counts) or any(n < p for n, p in zip(counts, last, strict=True)):
+            if (
+                len(last) != len(counts)
+                or any(n < p for n, p in zip(counts, last, strict=True))
+                or at - last_at > self._window
+            ):
                 samples.clear()
             elif at <= last_at:
                 return self._rates(samples)

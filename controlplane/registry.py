@@ -26,6 +26,10 @@ from controlplane.store import LeaseExpired, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
+# How often a replica writes its proxies' traffic reports (/ponto/traffic/ID),
+# if any changed: the status page's rates have this granularity.
+TRAFFIC_EVERY = 5.0
+
 
 class ProxyRegistry:
     def __init__(
@@ -35,7 +39,7 @@ class ProxyRegistry:
         *,
         lease_ttl: int = 10,
         current_version: Callable[[], int] = lambda: 0,
-        traffic_every: float = 1.0,
+        traffic_every: float = TRAFFIC_EVERY,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._catalog = catalog
@@ -53,11 +57,13 @@ class ProxyRegistry:
         # write, not N.
         self._acks_dirty = False
         # Traffic reports come about once a second from every proxy; they are
-        # written with the ACK summary, at most every traffic_every seconds.
+        # written under their own key (TRAFFIC + id), at most every
+        # traffic_every seconds and only when a proxy's counters changed, so
+        # the ACK summary is rewritten only when an ACK changes.
         self._traffic: dict[str, Traffic] = {}
         self._traffic_dirty = False
         self._traffic_every = traffic_every
-        self._traffic_written = 0.0
+        self._traffic_written = float("-inf")
         self._clock = clock
         self._fleet: tuple[float, int] = (0.0, 0)
 
@@ -119,6 +125,9 @@ class ProxyRegistry:
         old = self._by_name.get(name)
         if old is not None:
             self.sessions.pop(old, None)
+        # The old session's counters are not this one's (rates are per session).
+        if self._traffic.pop(name, None) is not None:
+            self._traffic_dirty = True
         self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
         self._acks_dirty = True
@@ -139,12 +148,15 @@ class ProxyRegistry:
     def reported(
         self, session_id: str, requests: int, server_errors: int, client_errors: int
     ) -> None:
-        """Record a proxy's cumulative traffic counters; written with a later flush."""
+        """Record a proxy's cumulative traffic counters; written with a later
+        flush if they changed (the time heard goes along, never alone)."""
         record = self.sessions.get(session_id)
         if record is None:
             return
-        self._traffic[record.name] = (requests, server_errors, client_errors, self._clock())
-        self._traffic_dirty = True
+        counts = (requests, server_errors, client_errors)
+        if self._traffic.get(record.name, (None, None, None))[:3] != counts:
+            self._traffic_dirty = True
+        self._traffic[record.name] = (*counts, self._clock())
 
     def traffic(self) -> dict[str, Traffic]:
         """This replica's proxies: name -> (requests, 5xx, 4xx, heard at)."""
@@ -157,28 +169,34 @@ class ProxyRegistry:
         return {r.name: (r.acked_version, r.last_error) for r in self.sessions.values()}
 
     async def flush_acks(self, interval: float = 0.2) -> None:
-        """Write this replica's ACK summary when it changed, until cancelled."""
+        """Write what changed (see flush) every `interval` seconds, until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            now = time.monotonic()
-            traffic_due = self._traffic_dirty and now - self._traffic_written >= self._traffic_every
-            if not self._acks_dirty and not traffic_due:
-                continue
-            self._acks_dirty = False
-            self._traffic_dirty = False
-            self._traffic_written = now
-            try:
+            await self.flush(time.monotonic())
+
+    async def flush(self, now: float) -> None:
+        """Write the ACK summary if an ACK changed, and the traffic reports if
+        a counter changed and the last write is traffic_every old at `now`
+        (monotonic seconds); what is not written stays due for the next call."""
+        try:
+            if self._acks_dirty:
+                self._acks_dirty = False
                 await self._catalog.put_acks(
                     self.replica_id,
                     self.acks(),
                     await self._ensure_lease(),
                     version=self._current_version(),
-                    traffic=self.traffic(),
                 )
-            except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
-                self._acks_dirty = True
-                self._traffic_dirty = True
-                log.debug("ACK summary not written: %s", exc)
+            if self._traffic_dirty and now - self._traffic_written >= self._traffic_every:
+                self._traffic_dirty = False
+                self._traffic_written = now
+                await self._catalog.put_traffic(
+                    self.replica_id, self.traffic(), await self._ensure_lease()
+                )
+        except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
+            self._acks_dirty = True
+            self._traffic_dirty = True
+            log.debug("ACK summary or traffic not written: %s", exc)
 
     async def unregister(self, session_id: str) -> None:
         record = self.sessions.pop(session_id, None)
@@ -223,6 +241,7 @@ class ProxyRegistry:
             for record in list(self.sessions.values()):
                 await self._catalog.put_proxy(record, lease)
             self._acks_dirty = True
+            self._traffic_dirty = True
         except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
             log.warning("re-registration failed, will retry: %s", exc)
             self._lease = 0

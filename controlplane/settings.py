@@ -33,6 +33,7 @@ class Settings:
     audit_retention_days: float = audit.RETENTION_DAYS
     audit_max_entries: int = audit.MAX_ENTRIES
     http_listen: str = ""  # the status page and its API; "" for none
+    http_writes: bool = True  # drain and undrain from the page
 
 
 def parse(argv: list[str]) -> Settings:
@@ -128,6 +129,13 @@ def parse(argv: list[str]) -> Settings:
         help="serve the status page (/) and its API on HOST:PORT, in plain HTTP; changes "
         "from the page need the admin token (default: no HTTP port)",
     )
+    p.add_argument(
+        "--http-writes",
+        choices=["on", "off"],
+        help="drain and undrain from the status page (default: on, but off under mutual "
+        "TLS: the page cannot check an admin certificate, and the admin token crosses "
+        "plain HTTP in the clear)",
+    )
     p.add_argument("--tls-cert", default="", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", default="", help="server private key (PEM)")
     p.add_argument(
@@ -174,6 +182,9 @@ def parse(argv: list[str]) -> Settings:
         host, _, port = a.http_listen.rpartition(":")
         if not host.strip("[]") or not port.isdigit():
             p.error(f"--http-listen {a.http_listen!r} is not HOST:PORT")
+    http_writes = a.http_writes == "on" if a.http_writes else not a.tls_client_ca
+    if http_writes and a.tls_client_ca and not a.admin_token_file:
+        p.error("--http-writes on under mutual TLS needs --admin-token-file")
     if not a.probe_path.startswith("/"):
         p.error("--probe-path must start with /")
     etcd = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
@@ -235,6 +246,7 @@ def parse(argv: list[str]) -> Settings:
         audit_retention_days=a.audit_retention_days,
         audit_max_entries=a.audit_max_entries,
         http_listen=a.http_listen,
+        http_writes=http_writes,
     )
 
 

@@ -7,20 +7,35 @@
   ``/api/origins/``) write through the Catalog, as the Admin API's
   DrainRegion and DrainOrigin do, so the builder publishes a new table.
 
-Writes need the Admin API's token as ``Authorization: Bearer TOKEN``; with
-no admin token configured they are open, as the Admin API is, unless the
-Admin API asks for admin certificates (mutual TLS), which this port cannot
-check: then writes are refused. The page sends the token as a header, never
-a cookie, so another site cannot make a browser drain a region.
+Writes are on unless ``--http-writes off``, which is the default under
+mutual TLS: this port cannot check the admin certificate the Admin API then
+asks for, and the token crosses plain HTTP in the clear. They need the Admin
+API's token as ``Authorization: Bearer TOKEN``; with no admin token
+configured they are open, as the Admin API is.
+
+A browser may send a form, or a POST without a body, to any site without
+asking it first (no CORS preflight), and a page from elsewhere can reach
+this port through DNS rebinding. So every write, token or not, must carry
+``X-Ponto-Request: 1`` (a header a form cannot set, and a script from another
+origin may not without a preflight this port never grants); one whose
+``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none``, or whose
+``Origin`` names another host than ``Host``, is refused; and open writes (no
+token) are refused unless ``Host`` is an IP address or ``localhost``, the
+only names DNS rebinding cannot point elsewhere. With a token, rebinding
+gains nothing: the page keeps the token in its origin's sessionStorage.
 
 Every refusal is an OpenAI-style JSON error logged through the shared
-refusal log (once, INFO, rate-limited). What every replica shows is read
-from etcd, so the page of any replica shows the whole fleet.
+refusal log (once, INFO, rate-limited). Proxies and their traffic are read
+from etcd, regions and origins taken from the table the replica compiled
+from it, so the page of any replica shows the whole fleet.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +44,7 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
@@ -40,16 +56,21 @@ from controlplane.errors import (
     NotFound,
     Unavailable,
 )
-from controlplane.model import Origin, OriginHealth, ProxyRecord, Region, State
+from controlplane.model import Origin, ProxyRecord, Region
 from controlplane.rates import RateMeter
+from controlplane.registry import TRAFFIC_EVERY
 from dataplane.http.refusals import refusals
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).with_name("static")
-# A proxy not heard from for this long counts as sending nothing.
-STALE_AFTER = 10.0
+# A proxy not heard from for this long counts as sending nothing. Its
+# replica writes reports every TRAFFIC_EVERY seconds when they change, so this
+# is also the rates' window: a few reports.
+STALE_AFTER = 3 * TRAFFIC_EVERY
+# The header every write must carry (see the module docstring).
+REQUEST_HEADER = "X-Ponto-Request"
 # /api/status is built at most this often; more viewers read the same answer.
 STATUS_TTL = 0.5
 
@@ -89,6 +110,8 @@ class Auditor(Protocol):
         target: str,
         detail: dict[str, str] | None = None,
         source: str,
+        result: str = "ok",
+        message: str = "",
     ) -> None: ...
 
 
@@ -119,7 +142,7 @@ class StatusWeb:
         replica_id: str,
         *,
         admin_token: str = "",
-        admin_needs_certificate: bool = False,
+        writes_off: str = "",
         audit: Auditor | None = None,
         metrics: Exposition | None = None,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
@@ -129,20 +152,22 @@ class StatusWeb:
         self._publisher = publisher
         self._replica_id = replica_id
         self._token = admin_token
-        self._closed = admin_needs_certificate and not admin_token
+        # Why writes are off (shown on the page), "" when they are on.
+        self._writes_off = writes_off
         self._audit = audit
         self._metrics = metrics
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
         self._meter = RateMeter(window=STALE_AFTER)
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
+        self._building: asyncio.Task[bytes] | None = None
 
     @property
     def writes(self) -> str:
-        """How the page may change anything: "token", "open" or "closed"."""
-        if self._token:
-            return "token"
-        return "closed" if self._closed else "open"
+        """How the page may change anything: "off", "token" or "open"."""
+        if self._writes_off:
+            return "off"
+        return "token" if self._token else "open"
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024)
@@ -153,7 +178,8 @@ class StatusWeb:
             app.router.add_get("/metrics", self._metrics_page)
         for kind in ("regions", "origins"):
             for verb in ("drain", "undrain"):
-                app.router.add_post(f"/api/{kind}/{{name}}/{verb}", self._drain)
+                handler = functools.partial(self._drain, kind=kind, drained=verb == "drain")
+                app.router.add_post(f"/api/{kind}/{{name}}/{verb}", handler)
         return app
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
@@ -200,23 +226,44 @@ class StatusWeb:
         return web.FileResponse(STATIC / "index.html", headers=_HEADERS)
 
     async def _status(self, request: web.Request) -> web.Response:
-        now = self._clock()
-        built, body = self._cached
-        if not 0 <= now - built < STATUS_TTL:
-            body = orjson.dumps(await self.status(now))
-            self._cached = (now, body)
+        body = await self.status_body()
         return web.Response(body=body, content_type="application/json", headers=_HEADERS)
 
+    async def status_body(self) -> bytes:
+        """/api/status as JSON: the answer built less than STATUS_TTL ago, or
+        the build in flight, which every request arriving meanwhile shares."""
+        built, body = self._cached
+        if 0 <= self._clock() - built < STATUS_TTL:
+            return body
+        if self._building is None:
+            self._building = asyncio.create_task(self._build())
+            self._building.add_done_callback(self._built)
+        # Shielded: a viewer who goes away does not cancel the others' build.
+        return await asyncio.shield(self._building)
+
+    async def _build(self) -> bytes:
+        now = self._clock()
+        body = orjson.dumps(await self.status(now))
+        self._cached = (now, body)
+        return body
+
+    def _built(self, task: asyncio.Task[bytes]) -> None:
+        self._building = None
+        if not task.cancelled():
+            task.exception()  # its waiters got it; retrieved so nothing warns
+
     async def status(self, now: float) -> dict[str, Any]:
-        """What the page shows, read from etcd at `now` (Unix time)."""
-        state = await self._catalog.snapshot()
+        """What the page shows at `now` (Unix time): regions, origins, health
+        and drains from the latest table this replica compiled (none before its
+        first), proxies and replicas read from etcd."""
         proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
         replicas, leader = await self._catalog.list_replicas()
         latest = self._publisher.latest
+        table = latest.table if latest else pb.RouteTable()
         latest_version = latest.version if latest else 0
         scraped = self._loads()
         loads = {load.origin: load for load in scraped.loads} if scraped else {}
-        self._meter.retain({p.name for p in proxies})
+        self._meter.retain({_connection(p) for p in proxies})
         region_rates: dict[str, list[float]] = {}
         region_proxies: dict[str, int] = {}
         proxy_rows = []
@@ -228,18 +275,26 @@ class StatusWeb:
                 for i, rate in enumerate(rates):
                     total[i] += rate
             proxy_rows.append(_proxy_row(p, latest_version, now))
+        origins: dict[str, list[pb.Origin]] = {}
+        for o in table.origins:
+            origins.setdefault(o.region, []).append(o)
         return {
             "replica": self._replica_id,
             "leader": leader,
             "replicas": sorted(str(r.get("id", "")) for r in replicas),
             "latest_version": latest_version,
             "writes": self.writes,
+            "writes_off": self._writes_off,
             "now": now,
             "regions": [
                 _region_row(
-                    r, state, loads, region_rates.get(r.name), region_proxies.get(r.name, 0)
+                    r,
+                    origins.get(r.name, []),
+                    loads,
+                    region_rates.get(r.name),
+                    region_proxies.get(r.name, 0),
                 )
-                for r in state.regions
+                for r in table.regions
             ],
             "proxies": proxy_rows,
         }
@@ -247,23 +302,51 @@ class StatusWeb:
     def _rates(self, p: ProxyRecord, now: float) -> tuple[float, ...] | None:
         if not p.heard_at:
             return None
-        if now - p.heard_at > STALE_AFTER:
-            return (0.0, 0.0, 0.0)
         counts = (p.requests, p.server_errors, p.client_errors)
-        return self._meter.observe(p.name, p.heard_at, counts)
+        if now - p.heard_at > STALE_AFTER:
+            # Its replica writes a change within TRAFFIC_EVERY of hearing it, so
+            # these counts still held twice that ago (a margin for a late
+            # write): the sample a burst after a quiet spell is measured from,
+            # as the burst may come in a single write.
+            self._meter.observe(_connection(p), now - 2 * TRAFFIC_EVERY, counts)
+            return (0.0, 0.0, 0.0)
+        return self._meter.observe(_connection(p), p.heard_at, counts)
 
-    async def _drain(self, request: web.Request) -> web.Response:
+    async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:
         actor = self._authorize(request)
-        kind = request.path.split("/")[2]
         name = request.match_info["name"]
-        drained = request.path.endswith("/drain")
-        value: Region | Origin
+        change: Callable[[str, bool], Awaitable[Region | Origin]]
         if kind == "regions":
-            value = await self._catalog.set_region_drained(name, drained)
             action, target = "DrainRegion", f"region/{name}"
+            change = self._catalog.set_region_drained
         else:
-            value = await self._catalog.set_origin_drained(name, drained)
             action, target = "DrainOrigin", f"origin/{name}"
+            change = self._catalog.set_origin_drained
+        result, message = "ok", ""
+        try:
+            value = await change(name, drained)
+        except ControlPlaneError as exc:
+            result, message = exc.status.name, str(exc)
+            raise
+        except asyncio.CancelledError:
+            result, message = "CANCELLED", "the caller went away; the change may be made"
+            raise
+        except Exception:
+            result, message = "INTERNAL", "internal error"
+            raise
+        finally:
+            # The trail of admin actions, when the plane has one: refused
+            # changes too, as the Admin API records them.
+            if self._audit is not None:
+                await self._audit.record(
+                    actor=actor,
+                    action=action,
+                    target=target,
+                    detail={"drained": "true" if drained else "false"},
+                    source=f"http:{request.remote}",
+                    result=result,
+                    message=message,
+                )
         log.info(
             "%s %s from the status page (%s, %s)",
             "drained" if drained else "undrained",
@@ -271,15 +354,6 @@ class StatusWeb:
             actor,
             request.remote,
         )
-        # Audit (part D): the trail of admin actions, when the plane has one.
-        if self._audit is not None:
-            await self._audit.record(
-                actor=actor,
-                action=action,
-                target=target,
-                detail={"drained": "true" if drained else "false"},
-                source=f"http:{request.remote}",
-            )
         return web.Response(
             body=orjson.dumps({"name": value.name, "drained": value.drained}),
             content_type="application/json",
@@ -288,15 +362,18 @@ class StatusWeb:
 
     def _authorize(self, request: web.Request) -> str:
         """The actor making a write, or Refused."""
-        if self._closed:
-            raise Refused(
-                403,
-                "permission_error",
-                "admin_certificate_required",
-                "the Admin API here needs an admin certificate, which this port cannot check; "
-                "give the control plane --admin-token-file to change anything from the page",
-            )
+        if self._writes_off:
+            raise Refused(403, "permission_error", "writes_off", self._writes_off)
+        _check_same_origin(request)
         if not self._token:
+            if not _rebind_proof(request.host):
+                raise Refused(
+                    403,
+                    "permission_error",
+                    "host_not_allowed",
+                    "with no admin token, changes are taken only at an IP address or "
+                    "localhost (DNS rebinding cannot point those elsewhere)",
+                )
             return "anonymous"
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
@@ -311,19 +388,65 @@ class StatusWeb:
         return "admin-token"
 
 
-def _origin_row(
-    o: Origin, health: OriginHealth | None, load: pb.OriginLoad | None
-) -> dict[str, Any]:
-    inflight = health.inflight if health else 0.0
+def _check_same_origin(request: web.Request) -> None:
+    """Refuse a write a browser sent on behalf of another site (module docstring)."""
+    cross = Refused(
+        403,
+        "permission_error",
+        "cross_site_request",
+        "changes are taken only from this page or a script, not from another site",
+    )
+    if request.headers.get(REQUEST_HEADER) != "1":
+        raise Refused(
+            403,
+            "permission_error",
+            "missing_request_header",
+            f"changes need the header {REQUEST_HEADER}: 1",
+        )
+    if request.headers.get("Sec-Fetch-Site", "none") not in ("same-origin", "none"):
+        raise cross
+    origin = request.headers.get("Origin")
+    if origin is not None:
+        try:
+            authority = URL(origin).raw_authority
+        except ValueError:
+            raise cross from None
+        if authority.lower() != request.host.lower():
+            raise cross
+
+
+def _rebind_proof(host: str) -> bool:
+    """Whether a Host header ("name[:port]", "[v6]:port") names an IP address or localhost."""
+    if host.startswith("["):
+        name, bracket, _ = host[1:].partition("]")
+        if not bracket:
+            return False
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
+    if name.lower() == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _connection(p: ProxyRecord) -> str:
+    """A proxy's rate key: one connection, so a restart under the same name
+    starts its rates afresh."""
+    return f"{p.name}/{p.session_id}"
+
+
+def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
     return {
         "name": o.name,
-        "healthy": health.healthy if health else True,
-        "probed": health is not None,
-        "detail": health.detail if health else "",
+        "healthy": o.healthy,
+        "detail": o.health_detail,
         "drained": o.drained,
-        "inflight": inflight,
+        "inflight": o.inflight,
         "capacity": o.capacity,
-        "load": inflight / o.capacity if o.capacity else None,
+        "load": o.inflight / o.capacity if o.capacity else None,
         "models": list(o.models),
         # From the vLLM gauges, when the origin exposes them; None otherwise.
         "running": load.running if load else None,
@@ -333,16 +456,15 @@ def _origin_row(
 
 
 def _region_row(
-    r: Region,
-    state: State,
+    r: pb.Region,
+    origins: list[pb.Origin],
     loads: dict[str, pb.OriginLoad],
     rates: list[float] | None,
     proxies: int,
 ) -> dict[str, Any]:
     """A region as the page shows it; its rates are of the requests its own
     proxies answered (where clients arrived), None while unknown."""
-    origins = [o for o in state.origins if o.region == r.name]
-    rows = [_origin_row(o, state.health.get(o.name), loads.get(o.name)) for o in origins]
+    rows = [_origin_row(o, loads.get(o.name)) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
     capacity = sum(row["capacity"] for row in serving)
     return {
@@ -361,6 +483,9 @@ def _region_row(
 
 def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
     heard = p.heard_at or p.connected_at
+    # Versions are each replica's own etcd revision: a proxy is compared with
+    # the table of the replica it is connected to, this one's until known.
+    current = p.replica_version or latest
     return {
         "name": p.name,
         "region": p.region,
@@ -368,8 +493,10 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
         "version": p.version,
         "replica": p.control_plane_id,
         "acked_version": p.acked_version,
-        "latest": bool(latest) and p.acked_version >= latest,
+        "current_version": current,
+        "latest": bool(current) and p.acked_version >= current,
         "last_error": p.last_error,
         "age_s": max(0.0, now - heard),
+        "stale": now - heard > STALE_AFTER,
         "requests": p.requests,
     }

@@ -353,7 +353,14 @@ def start_demo_fleet(
         fleet.start_etcd()
         fleet.start_control(
             listen=f"127.0.0.1:{control_port}",
-            extra=["--http-listen", fleet.status_url.removeprefix("http://")],
+            # Drains from the page on: it is on loopback, where the token
+            # crossing plain HTTP is no exposure.
+            extra=[
+                "--http-listen",
+                fleet.status_url.removeprefix("http://"),
+                "--http-writes",
+                "on",
+            ],
         )
         for region in DEMO_REGIONS:
             fleet.add_region(region)

@@ -1,8 +1,10 @@
 // Ponto status page: polls /api/status every 2 s and renders it.
 // Every name from the API is set with textContent (never innerHTML), so a
 // region called <script> is shown, not run. The admin token is kept in
-// sessionStorage and sent as a header: no cookie, so no cross-site request
-// can drain anything.
+// sessionStorage and sent as a header, never a cookie. Every change carries
+// X-Ponto-Request: 1, which a form from another site cannot send and a
+// script from another site may not (the port grants no CORS preflight), so
+// another site cannot drain anything through this browser, token or not.
 "use strict";
 
 const POLL_MS = 2000;
@@ -64,7 +66,7 @@ function actionButton(kind, name, drained) {
     "data-kind": kind,
     "data-name": name,
   }, drained ? "Undrain" : "Drain");
-  button.disabled = writes === "closed";
+  button.disabled = writes === "off";
   button.addEventListener("click", () => act(kind, name, verb));
   return button;
 }
@@ -127,14 +129,14 @@ function renderRegions(regions) {
   document.getElementById("regions").replaceChildren(...cards);
 }
 
-function renderProxies(proxies, latest) {
+function renderProxies(proxies) {
   const rows = proxies.map((p) => el("tr", { "data-proxy": p.name },
     el("td", {}, p.name),
     el("td", {}, p.region),
     el("td", {}, p.replica),
     el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
-      p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${latest}`),
-    el("td", { class: p.age_s > 10 ? "stale" : "" }, age(p.age_s)),
+      p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${p.current_version}`),
+    el("td", { class: p.stale ? "stale" : "" }, age(p.age_s)),
     el("td", {}, p.address),
     el("td", {}, p.version)));
   document.querySelector("#proxies tbody").replaceChildren(...rows);
@@ -151,12 +153,11 @@ function render(status) {
   note.textContent = {
     token: "Drain and undrain need the admin token.",
     open: "No admin token is configured: anyone who reaches this page can drain and undrain.",
-    closed: "Changes are off: the Admin API needs admin certificates; give the control plane --admin-token-file.",
-  }[writes];
+  }[writes] || status.writes_off;
   document.getElementById("token-forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
   renderMarkers(status.regions);
   renderRegions(status.regions);
-  renderProxies(status.proxies, status.latest_version);
+  renderProxies(status.proxies);
   document.body.dataset.loaded = "true";
 }
 
@@ -189,7 +190,7 @@ async function act(kind, name, verb) {
     askToken(() => act(kind, name, verb));
     return;
   }
-  const headers = {};
+  const headers = { "X-Ponto-Request": "1" };
   if (token) headers.Authorization = `Bearer ${token}`;
   try {
     const response = await fetch(

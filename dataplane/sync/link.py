@@ -36,13 +36,21 @@ class Traffic:
     client_errors: int = 0  # 400 <= status < 500
 
 
+# Endpoints that are not traffic: kubelet probes (readyz answers 503 while
+# the proxy is unready or draining) and Prometheus scrapes.
+NOT_TRAFFIC = frozenset({"healthz", "health", "readyz", "metrics"})
+
+
 def traffic_of(requests: Collector) -> Traffic:
-    """Totals of a counter of answered requests labelled with `code` (the
-    proxy's ponto_requests); read once a report, so a scan of its series is cheap."""
+    """Totals of a counter of answered requests labelled with `endpoint` and
+    `code` (the proxy's ponto_requests), probes and scrapes (NOT_TRAFFIC) left
+    out; read once a report, so a scan of its series is cheap."""
     total = server = client = 0
     for family in requests.collect():
         for sample in family.samples:
             if not sample.name.endswith("_total"):
+                continue
+            if sample.labels.get("endpoint", "") in NOT_TRAFFIC:
                 continue
             count = int(sample.value)
             total += count

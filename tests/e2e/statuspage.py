@@ -92,14 +92,18 @@ class StatusFleet:
 def start_status_fleet(workdir: Path) -> StatusFleet:
     """The demo's topology (three regions, an origin in each, proxies in
     us-east and eu-west), in mutual TLS with an admin token, and the control
-    plane serving its status page. Stops what it started if it fails."""
+    plane serving its status page with changes on (--http-writes on). Stops
+    what it started if it fails."""
     fleet = Fleet(workdir)
     try:
         fleet.secure()
         fleet.start_etcd()
         listen = f"127.0.0.1:{free_port()}"
         fleet.start_control(
-            extra=["--http-listen", listen, "--probe-interval-ms", "300", "--rise", "1"]
+            extra=[
+                *("--http-listen", listen, "--http-writes", "on"),
+                *("--probe-interval-ms", "300", "--rise", "1"),
+            ]
         )
         for region in DEMO_REGIONS:
             fleet.add_region(region)

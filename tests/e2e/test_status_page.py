@@ -182,6 +182,7 @@ FAKE_STATUS = {
     "leader": HOSTILE,
     "latest_version": 1,
     "writes": "token",
+    "writes_off": "",
     "now": 0,
     "regions": [
         {
@@ -198,7 +199,6 @@ FAKE_STATUS = {
                 {
                     "name": HOSTILE,
                     "healthy": False,
-                    "probed": True,
                     "detail": HOSTILE,
                     "drained": False,
                     "inflight": 0,
@@ -217,9 +217,11 @@ FAKE_STATUS = {
             "version": HOSTILE,
             "replica": HOSTILE,
             "acked_version": 1,
+            "current_version": 1,
             "latest": True,
             "last_error": "",
             "age_s": 0,
+            "stale": False,
             "requests": 0,
         }
     ],
@@ -239,3 +241,14 @@ def test_names_are_shown_as_text_never_run_as_markup(page: webdriver.Chrome) -> 
     )
     assert found == [0, HOSTILE, HOSTILE, HOSTILE]
     assert page.execute_script("return window.pwned === undefined")
+
+
+def test_with_writes_off_the_page_says_why_and_offers_no_button(page: webdriver.Chrome) -> None:
+    why = "changes from this page are off (--http-writes off); use pontoctl"
+    found = page.execute_script(
+        "render(arguments[0]);"
+        "return [document.getElementById('writes').textContent,"
+        " Array.from(document.querySelectorAll('main button')).map((b) => b.disabled)];",
+        {**FAKE_STATUS, "writes": "off", "writes_off": why},
+    )
+    assert found == [why, [True, True]]  # the region's and its origin's

@@ -472,6 +472,10 @@ def test_control_plane_serves_its_status_page_on_the_http_port(
     assert {"name": "http", "port": 8080, "targetPort": "http"}.items() <= next(
         p for p in ports if p["name"] == "http"
     ).items()
+    # Changes from the page are off unless asked for (plain HTTP, no admin certificate).
+    assert "--http-writes=off" in c["args"]
+    on = render(helm, "--set", "controlPlane.statusPage.writes=true")
+    assert "--http-writes=on" in container(one(on, "Deployment", "ponto-control"))["args"]
     moved = render(helm, "--set", "controlPlane.service.httpPort=9090")
     ports = one(moved, "Service", "ponto-control")["spec"]["ports"]
     assert [p["port"] for p in ports if p["name"] == "http"] == [9090]

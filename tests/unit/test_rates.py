@@ -44,6 +44,15 @@ def test_one_counter_going_down_resets_all_of_them() -> None:
     assert meter.observe("p", 1.0, (501, 2)) is None
 
 
+def test_after_a_gap_longer_than_the_window_the_rate_starts_afresh() -> None:
+    meter = RateMeter(window=15)
+    meter.observe("p", 0.0, (0,))
+    assert meter.observe("p", 5.0, (500,)) == (100.0,)
+    # Nobody looked for an hour; the proxy kept answering 100 requests a second.
+    assert meter.observe("p", 3_605.0, (360_500,)) is None
+    assert meter.observe("p", 3_610.0, (361_000,)) == (100.0,)
+
+
 def test_keys_are_independent_and_retain_forgets_the_rest() -> None:
     meter = RateMeter(window=10)
     meter.observe("a", 0.0, (0,))

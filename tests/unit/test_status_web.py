@@ -1,27 +1,38 @@
 """The control plane's HTTP port (controlplane/web.py) over a MemoryStore:
-the page, /api/status, drains with and without the admin token, refusals."""
+the page, /api/status, drains with and without the admin token, refusals,
+writes another site tries to make through a browser."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.app import ControlPlane
-from controlplane.catalog import Catalog
+from controlplane.catalog import STATE_PREFIX, Catalog
+from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
+from controlplane.store import Listing
 from controlplane.store.memory import MemoryStore
 from controlplane.web import StatusWeb
+from ponto.pki import make_bundle
 from ponto.v1 import routing_pb2 as pb
 
 TOKEN = "s3cret-admin-token"
+# What the page sends with every change.
+WRITE = {"X-Ponto-Request": "1"}
+AUTH = {**WRITE, "Authorization": f"Bearer {TOKEN}"}
 
 
 @dataclass
@@ -46,10 +57,35 @@ class Recorder:
         target: str,
         detail: dict[str, str] | None = None,
         source: str,
+        result: str = "ok",
+        message: str = "",
     ) -> None:
         self.calls.append(
-            {"actor": actor, "action": action, "target": target, "detail": detail, "source": source}
+            {
+                "actor": actor,
+                "action": action,
+                "target": target,
+                "detail": detail,
+                "source": source,
+                "result": result,
+            }
         )
+
+
+class CountingStore(MemoryStore):
+    """A MemoryStore that counts range reads by prefix and, while `gate` is
+    set, holds them until it is released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lists: Counter[str] = Counter()
+        self.gate: asyncio.Event | None = None
+
+    async def list(self, prefix: str) -> Listing:
+        self.lists[prefix] += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().list(prefix)
 
 
 @dataclass
@@ -62,7 +98,7 @@ class Plane:
 
 
 async def seeded() -> Plane:
-    store = MemoryStore()
+    store = CountingStore()
     catalog = Catalog(store)
     await catalog.put_region(Region("eu-west", 53.3, -6.3), allow_update=False)
     await catalog.put_region(Region("us-east", 38.9, -77.4), allow_update=False)
@@ -76,7 +112,9 @@ async def seeded() -> Plane:
     await catalog.put_health(OriginHealth("o-eu", healthy=True, inflight=4.0))
     await catalog.put_health(OriginHealth("o-us", healthy=False, detail="connection refused"))
     publisher = Publisher("r1")
-    publisher.publish(pb.RouteTable(version=7, etag="e7"))
+    table = compile_table(await catalog.snapshot())
+    table.version, table.etag = 7, "e7"
+    publisher.publish(table)
     lease = await store.grant_lease(10)
     for name, region in (("p-eu", "eu-west"), ("p-us", "us-east")):
         record = ProxyRecord(name, region, f"{name}:8080", "1.0", f"s-{name}", "r1", 900.0)
@@ -142,7 +180,9 @@ async def test_status_shows_regions_origins_and_proxies(
     proxies = {p["name"]: p for p in status["proxies"]}
     assert proxies["p-eu"]["latest"] and proxies["p-eu"]["acked_version"] == 7
     assert not proxies["p-us"]["latest"] and proxies["p-us"]["acked_version"] == 6
+    assert proxies["p-us"]["current_version"] == 7
     assert proxies["p-eu"]["age_s"] == pytest.approx(100.0)  # since it connected: never heard
+    assert proxies["p-eu"]["stale"]  # nothing heard for longer than STALE_AFTER
     assert regions["eu-west"]["requests_per_s"] is None
     assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
 
@@ -153,14 +193,12 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
         plane.clock.now = at
         traffic = {"p-eu": (*eu, at), "p-us": (*us, at)}
-        await plane.catalog.put_acks(
-            "r1", {"p-eu": (7, ""), "p-us": (6, "")}, plane.lease, version=7, traffic=traffic
-        )
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
 
     await report(1_000.0, (100, 1, 5), (0, 0, 0))
     first = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
     assert first["eu-west"]["requests_per_s"] is None  # one sample: no rate yet
-    await report(1_002.0, (140, 3, 9), (10, 0, 0))
+    await report(1_005.0, (200, 6, 15), (25, 0, 0))
     status = await web.status(plane.clock.now)
     regions = {r["name"]: r for r in status["regions"]}
     assert regions["eu-west"]["requests_per_s"] == 20.0
@@ -168,8 +206,9 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     assert regions["eu-west"]["client_errors_per_s"] == 2.0
     assert regions["us-east"]["requests_per_s"] == 5.0
     assert {p["name"]: p["age_s"] for p in status["proxies"]} == {"p-eu": 0.0, "p-us": 0.0}
+    assert not any(p["stale"] for p in status["proxies"])
     # p-eu restarted: its counters start again from zero.
-    await report(1_004.0, (4, 0, 0), (20, 0, 0))
+    await report(1_010.0, (4, 0, 0), (50, 0, 0))
     regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
     assert regions["eu-west"]["requests_per_s"] is None
     assert regions["us-east"]["requests_per_s"] == 5.0
@@ -183,7 +222,7 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     plane: Plane,
     client: TestClient,  # type: ignore[type-arg]
 ) -> None:
-    auth = {"Authorization": f"Bearer {TOKEN}"}
+    auth = AUTH
     resp = await client.post("/api/regions/eu-west/drain", headers=auth)
     assert resp.status == 200
     assert await resp.json() == {"name": "eu-west", "drained": True}
@@ -195,8 +234,12 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
             "target": "region/eu-west",
             "detail": {"drained": "true"},
             "source": "http:127.0.0.1",
+            "result": "ok",
         }
     ]
+    # The page shows the table the builder compiles from the change.
+    plane.publisher.publish(compile_table(await plane.catalog.snapshot()))
+    plane.clock.now += 1  # past the cached answer
     status = await (await client.get("/api/status")).json()
     assert [r["drained"] for r in status["regions"] if r["name"] == "eu-west"] == [True]
     resp = await client.post("/api/regions/eu-west/undrain", headers=auth)
@@ -233,7 +276,7 @@ async def test_drain_without_the_right_token_changes_nothing(
     status: int,
     code: str,
 ) -> None:
-    resp = await client.post("/api/regions/eu-west/drain", headers=headers)
+    resp = await client.post("/api/regions/eu-west/drain", headers={**WRITE, **headers})
     assert resp.status == status
     assert_error(await resp.json(), code)
     assert not (await plane.catalog.get_region("eu-west")).drained
@@ -259,7 +302,7 @@ async def test_bad_requests_get_openai_style_errors(
     status: int,
     code: str,
 ) -> None:
-    resp = await client.request(method, path, headers={"Authorization": f"Bearer {TOKEN}"})
+    resp = await client.request(method, path, headers=AUTH)
     assert resp.status == status
     assert resp.headers["Content-Type"].startswith("application/json")
     assert_error(await resp.json(), code)
@@ -270,7 +313,7 @@ async def test_a_refusal_is_logged_once_at_info_without_a_traceback(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO):
-        await client.post("/api/regions/eu-west/drain")
+        await client.post("/api/regions/eu-west/drain", headers=WRITE)
     lines = [r for r in caplog.records if r.name == "ponto.refusals"]
     assert len(lines) == 1
     assert lines[0].levelno == logging.INFO and lines[0].exc_info is None
@@ -280,26 +323,30 @@ async def test_a_refusal_is_logged_once_at_info_without_a_traceback(
 async def test_without_an_admin_token_writes_are_open_like_the_admin_api(plane: Plane) -> None:
     async with TestClient(TestServer(web_of(plane, admin_token="").app())) as c:
         assert (await (await c.get("/api/status")).json())["writes"] == "open"
-        resp = await c.post("/api/regions/us-east/drain")
+        resp = await c.post("/api/regions/us-east/drain", headers=WRITE)
         assert resp.status == 200
     assert (await plane.catalog.get_region("us-east")).drained
     assert plane.audit.calls[0]["actor"] == "anonymous"
 
 
-async def test_admin_certificates_without_a_token_close_writes(plane: Plane) -> None:
-    web = web_of(plane, admin_token="", admin_needs_certificate=True)
-    async with TestClient(TestServer(web.app())) as c:
-        assert (await (await c.get("/api/status")).json())["writes"] == "closed"
-        resp = await c.post("/api/regions/us-east/drain")
+async def test_writes_off_refuses_every_write_and_the_page_says_why(plane: Plane) -> None:
+    why = "changes from this page are off (--http-writes off); use pontoctl"
+    async with TestClient(TestServer(web_of(plane, writes_off=why).app())) as c:
+        status = await (await c.get("/api/status")).json()
+        assert (status["writes"], status["writes_off"]) == ("off", why)
+        resp = await c.post("/api/regions/us-east/drain", headers=AUTH)  # the right token
         assert resp.status == 403
-        assert_error(await resp.json(), "admin_certificate_required")
+        body = await resp.json()
+        assert_error(body, "writes_off")
+        assert body["error"]["message"] == why
     assert not (await plane.catalog.get_region("us-east")).drained
+    assert plane.audit.calls == []
 
 
 async def test_without_an_audit_log_a_drain_still_works(plane: Plane) -> None:
     web = StatusWeb(plane.catalog, plane.publisher, "r1", admin_token="")
     async with TestClient(TestServer(web.app())) as c:
-        assert (await c.post("/api/regions/us-east/drain")).status == 200
+        assert (await c.post("/api/regions/us-east/drain", headers=WRITE)).status == 200
     assert (await plane.catalog.get_region("us-east")).drained
 
 
@@ -342,12 +389,12 @@ async def test_a_store_outage_is_a_503_and_a_bug_a_500_both_in_json(
     async def broken() -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(plane.catalog, "snapshot", away)
+    monkeypatch.setattr(plane.catalog, "list_proxies", away)
     caplog.set_level(logging.WARNING)
     resp = await client.get("/api/status")
     assert resp.status == 503
     assert_error(await resp.json(), "unavailable")
-    monkeypatch.setattr(plane.catalog, "snapshot", broken)
+    monkeypatch.setattr(plane.catalog, "list_proxies", broken)
     plane.clock.now += 1  # past the cached answer
     resp = await client.get("/api/status")
     assert resp.status == 500
@@ -374,7 +421,7 @@ async def test_the_port_lives_and_dies_with_the_control_plane() -> None:
             async with session.get(url + "/api/status") as resp:
                 status = await resp.json()
             assert status["replica"] == "r1" and status["writes"] == "open"
-            async with session.post(url + "/api/regions/eu-west/drain") as resp:
+            async with session.post(url + "/api/regions/eu-west/drain", headers=WRITE) as resp:
                 assert resp.status == 200
             # The replica's own metrics, on the same port.
             async with session.get(url + "/metrics") as resp:
@@ -404,3 +451,189 @@ async def test_without_http_listen_there_is_no_port() -> None:
         assert plane.http_port == 0 and plane.web_runner is None
     finally:
         await plane.stop(grace=0)
+
+
+# ---------------------------------------------------------------- another site
+
+
+@pytest.mark.parametrize("token", [TOKEN, ""], ids=["token", "open"])
+@pytest.mark.parametrize(
+    ("headers", "data", "code"),
+    [
+        # A form posted from another site: no custom header is possible.
+        (
+            {"Content-Type": "application/x-www-form-urlencoded", "Origin": "http://evil.example"},
+            "a=b",
+            "missing_request_header",
+        ),
+        ({"Content-Type": "text/plain"}, "x", "missing_request_header"),
+        ({}, None, "missing_request_header"),
+        ({"X-Ponto-Request": "yes"}, None, "missing_request_header"),
+        ({**WRITE, "Sec-Fetch-Site": "cross-site"}, None, "cross_site_request"),
+        ({**WRITE, "Sec-Fetch-Site": "same-site"}, None, "cross_site_request"),
+        ({**WRITE, "Origin": "http://evil.example"}, None, "cross_site_request"),
+        ({**WRITE, "Origin": "null"}, None, "cross_site_request"),
+    ],
+)
+async def test_a_write_another_site_could_send_is_refused(
+    plane: Plane, token: str, headers: dict[str, str], data: str | None, code: str
+) -> None:
+    async with TestClient(TestServer(web_of(plane, admin_token=token).app())) as c:
+        auth = {"Authorization": f"Bearer {TOKEN}"} if token else {}
+        resp = await c.post("/api/regions/eu-west/drain", headers={**auth, **headers}, data=data)
+        assert resp.status == 403
+        assert_error(await resp.json(), code)
+    assert not (await plane.catalog.get_region("eu-west")).drained
+    assert plane.audit.calls == []
+
+
+@pytest.mark.parametrize("token", [TOKEN, ""], ids=["token", "open"])
+async def test_the_pages_own_request_is_taken(plane: Plane, token: str) -> None:
+    async with TestClient(TestServer(web_of(plane, admin_token=token).app())) as c:
+        host = f"127.0.0.1:{c.port}"
+        headers = {
+            **WRITE,
+            "Host": host,
+            "Origin": f"http://{host}",
+            "Sec-Fetch-Site": "same-origin",
+        }
+        if token:
+            headers["Authorization"] = f"Bearer {TOKEN}"
+        resp = await c.post("/api/regions/eu-west/drain", headers=headers)
+        assert resp.status == 200, await resp.text()
+    assert (await plane.catalog.get_region("eu-west")).drained
+
+
+@pytest.mark.parametrize("host", ["evil.example:8080", "ponto.internal", "x@127.0.0.1:8080"])
+async def test_open_writes_are_refused_at_a_name_dns_rebinding_could_point_here(
+    plane: Plane, host: str
+) -> None:
+    async with TestClient(TestServer(web_of(plane, admin_token="").app())) as c:
+        headers = {**WRITE, "Host": host, "Origin": f"http://{host}"}
+        resp = await c.post("/api/regions/eu-west/drain", headers=headers)
+        assert resp.status == 403
+        assert_error(await resp.json(), "host_not_allowed")
+        resp = await c.post("/api/regions/eu-west/drain", headers={**WRITE, "Host": "[::1"})
+        assert_error(await resp.json(), "host_not_allowed")  # malformed: no 500
+        for allowed in ("localhost:8080", "[::1]:8080", "10.0.0.7"):
+            resp = await c.post("/api/regions/eu-west/drain", headers={**WRITE, "Host": allowed})
+            assert resp.status == 200, allowed
+    # With a token, a name is fine: the rebound page has no token.
+    async with TestClient(TestServer(web_of(plane).app())) as c:
+        resp = await c.post("/api/regions/eu-west/undrain", headers={**AUTH, "Host": host})
+        assert resp.status == 200
+
+
+def test_page_writes_are_off_under_mutual_tls_unless_asked_for(tmp_path: Path) -> None:
+    bundle = make_bundle(tmp_path / "pki")
+    assert parse([]).http_writes
+    assert not parse(["--http-writes", "off"]).http_writes
+    assert not parse(bundle.control_args()).http_writes
+    assert parse([*bundle.control_args(), "--http-writes", "on"]).http_writes
+    without_token = bundle.control_args()[:6]  # TLS flags, no tokens
+    assert "--admin-token-file" not in without_token
+    assert not parse(without_token).http_writes
+    with pytest.raises(SystemExit):
+        parse([*without_token, "--http-writes", "on"])
+    with pytest.raises(SystemExit):
+        parse(["--http-writes", "maybe"])
+
+
+async def test_a_plane_under_mutual_tls_shows_its_writes_off(tmp_path: Path) -> None:
+    bundle = make_bundle(tmp_path / "pki")
+    argv = ["--listen", "127.0.0.1:0", "--id", "r1", *bundle.control_args()]
+    plane = ControlPlane(parse(argv), MemoryStore())
+    status = await plane.web.status(0.0)
+    assert status["writes"] == "off"
+    assert "--http-writes on" in status["writes_off"]
+    plane = ControlPlane(parse([*argv, "--http-writes", "on"]), MemoryStore())
+    status = await plane.web.status(0.0)
+    assert (status["writes"], status["writes_off"]) == ("token", "")
+
+
+# ---------------------------------------------------------------- correctness
+
+
+async def test_each_proxy_is_compared_with_its_own_replicas_table(plane: Plane) -> None:
+    lease = plane.lease
+    record = ProxyRecord("p-r2", "eu-west", "p-r2:8080", "1.0", "s-p-r2", "r2", 900.0)
+    await plane.catalog.put_proxy(record, lease)
+    # r2's revisions are its own: it serves 30 and its proxy ACKed it.
+    await plane.catalog.put_acks("r2", {"p-r2": (30, "")}, lease, version=30)
+    # r3 serves 40, its proxy is at 39.
+    record = ProxyRecord("p-r3", "eu-west", "p-r3:8080", "1.0", "s-p-r3", "r3", 900.0)
+    await plane.catalog.put_proxy(record, lease)
+    await plane.catalog.put_acks("r3", {"p-r3": (39, "")}, lease, version=40)
+    proxies = {p["name"]: p for p in (await web_of(plane).status(1_000.0))["proxies"]}
+    assert proxies["p-r2"]["latest"] and proxies["p-r2"]["current_version"] == 30
+    assert not proxies["p-r3"]["latest"] and proxies["p-r3"]["current_version"] == 40
+    assert proxies["p-eu"]["latest"]  # r1's, at r1's 7
+
+
+async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
+    web = web_of(plane)
+
+    async def report(session: str, at: float, requests: int) -> list[Any]:
+        record = ProxyRecord("p-eu", "eu-west", "p-eu:8080", "1.0", session, "r1", 900.0)
+        await plane.catalog.put_proxy(record, plane.lease)
+        await plane.catalog.put_traffic("r1", {"p-eu": (requests, 0, 0, at)}, plane.lease)
+        return [
+            r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
+        ]
+
+    await report("s-1", 1_000.0, 1_000)
+    assert await report("s-1", 1_005.0, 1_500) == [100.0]
+    # It restarted under the same name and, before anyone looked, passed the old count.
+    assert await report("s-2", 1_010.0, 2_000) == [None]
+    assert await report("s-2", 1_015.0, 2_050) == [10.0]
+
+
+async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
+    web = web_of(plane)
+
+    async def view(at: float) -> list[Any]:
+        return [
+            r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
+        ]
+
+    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0)}, plane.lease)
+    for second in range(1_016, 1_060, 2):  # quiet: nothing written, the page polls
+        assert await view(float(second)) == [0.0]
+    # 90 requests, heard and written at once; nothing after.
+    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0)}, plane.lease)
+    (rate,) = await view(1_061.0)
+    assert rate is not None and rate > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "result"),
+    [
+        ("/api/regions/nowhere/drain", "NOT_FOUND"),
+        ("/api/origins/Bad%20Name/undrain", "INVALID_ARGUMENT"),
+    ],
+)
+async def test_a_drain_the_catalog_refuses_is_audited_with_its_result(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+    path: str,
+    result: str,
+) -> None:
+    resp = await client.post(path, headers=AUTH)
+    assert resp.status in (400, 404)
+    [call] = plane.audit.calls
+    assert call["result"] == result and call["actor"] == "admin-token"
+
+
+async def test_concurrent_viewers_share_one_build_that_reads_no_state(plane: Plane) -> None:
+    web = web_of(plane)
+    store = plane.catalog.store
+    assert isinstance(store, CountingStore)
+    store.lists.clear()
+    store.gate = asyncio.Event()
+    viewers = [asyncio.create_task(web.status_body()) for _ in range(8)]
+    await asyncio.sleep(0)  # every viewer has asked; the build waits at the gate
+    store.gate.set()
+    bodies = await asyncio.gather(*viewers)
+    assert len(set(bodies)) == 1
+    assert store.lists["/ponto/proxies/"] == 1
+    assert not [prefix for prefix in store.lists if prefix.startswith(STATE_PREFIX)]

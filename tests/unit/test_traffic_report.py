@@ -1,13 +1,15 @@
 """Traffic counters from a proxy to every replica: the proxy's report message,
-the registry keeping them per proxy, the ACK summary carrying them to etcd."""
+the registry keeping them per proxy and writing them to etcd beside (not in)
+its ACK summary."""
 
 from __future__ import annotations
 
-import asyncio
+from collections import Counter
+from typing import Any
 
 import orjson
 
-from controlplane.catalog import ACKS, Catalog
+from controlplane.catalog import ACKS, TRAFFIC, Catalog
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
 from dataplane.metrics import Metrics
@@ -30,6 +32,19 @@ def test_traffic_of_the_proxy_request_counter_splits_5xx_and_4xx() -> None:
     assert traffic_of(Metrics().requests) == Traffic(0, 0, 0)
 
 
+def test_probes_and_scrapes_are_not_traffic() -> None:
+    m = Metrics()
+    m.child(m.requests, "chat", "200").inc(2)
+    for endpoint, code in (
+        ("healthz", "200"),
+        ("health", "200"),
+        ("readyz", "503"),  # unready or draining
+        ("metrics", "200"),
+    ):
+        m.child(m.requests, endpoint, code).inc(50)
+    assert traffic_of(m.requests) == Traffic(requests=2, server_errors=0, client_errors=0)
+
+
 def client(**kwargs: object) -> ControlPlaneClient:
     holder = TableHolder("eu-west", None)
     info = pb.ProxyInfo(name="p", region="eu-west", address="127.0.0.1:1")
@@ -50,26 +65,58 @@ def test_a_report_carries_the_cumulative_counters_and_the_demand() -> None:
     assert client(demand=lambda: demand).report("s-1").requests_total == 0
 
 
-async def test_the_registry_writes_reports_with_its_ack_summary() -> None:
-    store = MemoryStore()
+class CountingStore(MemoryStore):
+    """A MemoryStore that counts writes by key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts: Counter[str] = Counter()
+
+    async def put(self, key: str, value: bytes, **kwargs: Any) -> int:
+        self.puts[key] += 1
+        return await super().put(key, value, **kwargs)
+
+
+async def test_the_registry_writes_reports_under_their_own_key_when_they_change() -> None:
+    store = CountingStore()
     catalog = Catalog(store)
     clock = [500.0]
-    registry = ProxyRegistry(catalog, "r1", traffic_every=0.0, clock=lambda: clock[0])
+    registry = ProxyRegistry(catalog, "r1", traffic_every=5.0, clock=lambda: clock[0])
     record = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
     await registry.acked(record.session_id, 3, "")
     registry.reported(record.session_id, 40, 2, 5)
     registry.reported("no-such-session", 1, 1, 1)
     assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0)}
-    flush = asyncio.create_task(registry.flush_acks(interval=0.0))
-    try:
-        async with asyncio.timeout(5):
-            while not (await store.list(ACKS)).items:
-                await asyncio.sleep(0)
-    finally:
-        flush.cancel()
+    await registry.flush(100.0)
+    assert (store.puts[ACKS + "r1"], store.puts[TRAFFIC + "r1"]) == (1, 1)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.server_errors, proxy.client_errors) == (40, 2, 5)
     assert proxy.heard_at == 500.0 and proxy.acked_version == 3
+    assert "traffic" not in orjson.loads((await store.get(ACKS + "r1")).value)  # type: ignore[union-attr]
+    # Reports every second: traffic at most every 5 s, and the ACK summary never.
+    for second in range(1, 12):
+        clock[0] = 500.0 + second
+        registry.reported(record.session_id, 40 + second, 2, 5)
+        await registry.flush(100.0 + second)
+    assert (store.puts[ACKS + "r1"], store.puts[TRAFFIC + "r1"]) == (1, 3)
+    # Counters that did not change are not written again: only the change
+    # heard at 111 s, written once 5 s have passed since the one at 110 s.
+    for second in range(12, 30):
+        clock[0] = 500.0 + second
+        registry.reported(record.session_id, 51, 2, 5)
+        await registry.flush(100.0 + second)
+    assert store.puts[TRAFFIC + "r1"] == 4
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.requests, proxy.heard_at) == (51, 515.0)  # the latest report then
+    # An ACK is written on the next flush.
+    await registry.acked(record.session_id, 4, "")
+    await registry.flush(130.0)
+    assert store.puts[ACKS + "r1"] == 2
+    # Registered again (a restart): the old session's counters are gone.
+    again = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    assert registry.traffic() == {}
+    registry.reported(again.session_id, 1, 0, 0)
+    record = again
     # A proxy that left takes its counters with it.
     await registry.unregister(record.session_id)
     assert registry.traffic() == {}
@@ -81,13 +128,12 @@ async def test_counters_are_read_from_the_proxys_own_replica_only() -> None:
     lease = await store.grant_lease(10)
     registry = ProxyRegistry(catalog, "r2")
     await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
-    # r1's summary still lists the proxy's previous session, before it moved to r2.
-    stale = {"replica_version": 1, "acks": {}, "traffic": {"p-eu": [999, 9, 9, 1.0]}}
-    await store.put(ACKS + "r1", orjson.dumps(stale), lease=lease)
-    await catalog.put_acks("r2", {}, lease, traffic={"p-eu": (5, 0, 1, 2.0)})
+    # r1's reports still list the proxy's previous session, before it moved to r2.
+    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0)}, lease)
+    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0)}, lease)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.client_errors, proxy.heard_at) == (5, 1, 2.0)
-    # A summary without traffic (a replica from before it) leaves the zeros.
-    await store.put(ACKS + "r2", orjson.dumps({"replica_version": 1, "acks": {}}), lease=lease)
+    # No reports from its replica yet: the zeros.
+    await store.delete(TRAFFIC + "r2")
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.heard_at) == (0, 0.0)
