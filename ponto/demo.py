@@ -156,9 +156,10 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         "  (once a key exists, requests need 'Authorization: Bearer <key>')",
         *failover_hint(fleet, first),
         "",
-        f"Logs are in {fleet.workdir}: NAME.log per process; a proxy's log also holds its",
-        "access log (one JSON object per request, the lines starting with '{')"
+        f"Logs are in {fleet.workdir}"
         + (" (removed on exit; --workdir DIR keeps them)." if logs_removed else "."),
+        "One NAME.log per process; a proxy's also holds its access log (one JSON",
+        "object per request: the lines that start with '{').",
         "Press Ctrl-C to stop.",
     ]
     return "\n".join(lines)

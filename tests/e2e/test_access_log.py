@@ -94,7 +94,11 @@ def test_every_answer_gets_one_access_line(fleet: Fleet) -> None:
     )
     assert 0 < streamed["ttft_ms"] <= streamed["duration_ms"]
     assert streamed["output_tokens"] > 0
-    assert (refused["status"], refused["error"], refused["model"]) == (404, "model_not_found", None)
+    assert (refused["status"], refused["error"], refused["model"]) == (
+        404,
+        "model_not_found",
+        "no-such-model",
+    )
     assert all(line["client"] == "127.0.0.1" for line in lines)
     # Every other line is a dated log line (the proxy's own, on standard error).
     others = [line for line in output(fleet) if not line.startswith("{")]
