@@ -85,6 +85,16 @@ _HTTP_CODES = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
 }
+# A refusal's gRPC status name, so that the page's writes are counted in
+# ponto_control_admin_calls_total under the same codes as the Admin API's.
+_GRPC_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    409: "FAILED_PRECONDITION",
+    503: "UNAVAILABLE",
+}
 _HEADERS = {
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
@@ -97,6 +107,8 @@ class Exposition(Protocol):
     """The replica's Prometheus metrics (controlplane.metrics.ControlMetrics)."""
 
     def render(self) -> tuple[bytes, str]: ...
+
+    def admin_call(self, method: str, code: str) -> None: ...
 
 
 class Auditor(Protocol):
@@ -313,14 +325,42 @@ class StatusWeb:
         return self._meter.observe(_connection(p), p.heard_at, counts)
 
     async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:
+        """A drain or undrain, counted as the Admin API call that does the
+        same (DrainRegion or DrainOrigin, an undrain too), so one series
+        covers both ways in; audited as Drain<Kind> or Undrain<Kind>."""
+        kind_name = "Region" if kind == "regions" else "Origin"
+        method = "Drain" + kind_name
+        action = ("Drain" if drained else "Undrain") + kind_name
+        code = "OK"
+        try:
+            return await self._change_drain(request, kind=kind, drained=drained, action=action)
+        except Refused as exc:
+            code = _GRPC_CODES.get(exc.status, "UNKNOWN")
+            raise
+        except ControlPlaneError as exc:
+            code = exc.status.name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.admin_call(method, code)
+
+    async def _change_drain(
+        self, request: web.Request, *, kind: str, drained: bool, action: str
+    ) -> web.Response:
         actor = self._authorize(request)
         name = request.match_info["name"]
         change: Callable[[str, bool], Awaitable[Region | Origin]]
         if kind == "regions":
-            action, target = "DrainRegion", f"region/{name}"
+            target = f"region/{name}"
             change = self._catalog.set_region_drained
         else:
-            action, target = "DrainOrigin", f"origin/{name}"
+            target = f"origin/{name}"
             change = self._catalog.set_origin_drained
         result, message = "ok", ""
         try:

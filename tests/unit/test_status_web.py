@@ -21,6 +21,7 @@ from controlplane.catalog import STATE_PREFIX, Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
+from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store import Listing
@@ -245,10 +246,39 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     resp = await client.post("/api/regions/eu-west/undrain", headers=auth)
     assert await resp.json() == {"name": "eu-west", "drained": False}
     assert not (await plane.catalog.get_region("eu-west")).drained
+    assert plane.audit.calls[-1]["action"] == "UndrainRegion"
     resp = await client.post("/api/origins/o-us/drain", headers=auth)
     assert await resp.json() == {"name": "o-us", "drained": True}
     assert plane.audit.calls[-1]["target"] == "origin/o-us"
     assert plane.audit.calls[-1]["action"] == "DrainOrigin"
+    await client.post("/api/origins/o-us/undrain", headers=auth)
+    assert plane.audit.calls[-1]["action"] == "UndrainOrigin"
+
+
+async def test_page_writes_are_counted_as_admin_calls(plane: Plane) -> None:
+    metrics = ControlMetrics(replica="r1")
+    web = web_of(plane, metrics=metrics)
+    async with TestClient(TestServer(web.app())) as client:
+        await client.post("/api/regions/eu-west/drain", headers=AUTH)
+        await client.post("/api/regions/eu-west/undrain", headers=AUTH)
+        await client.post("/api/regions/eu-west/drain", headers=WRITE)
+        await client.post(
+            "/api/regions/eu-west/drain", headers={**WRITE, "Authorization": "Bearer x"}
+        )
+        await client.post("/api/origins/nowhere/drain", headers=AUTH)
+    calls = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for family in metrics.admin_calls.collect()
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    # Undrains are DrainRegion calls with drained=false, as in the Admin API.
+    assert calls == {
+        ("DrainRegion", "OK"): 2.0,
+        ("DrainRegion", "UNAUTHENTICATED"): 1.0,
+        ("DrainRegion", "PERMISSION_DENIED"): 1.0,
+        ("DrainOrigin", "NOT_FOUND"): 1.0,
+    }
 
 
 def assert_error(body: dict[str, object], code: str) -> None:
