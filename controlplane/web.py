@@ -275,17 +275,30 @@ class StatusWeb:
         latest_version = latest.version if latest else 0
         scraped = self._loads()
         loads = {load.origin: load for load in scraped.loads} if scraped else {}
-        self._meter.retain({_connection(p) for p in proxies})
+        self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
+        names = [r.name for r in table.regions]
         region_rates: dict[str, list[float]] = {}
+        served_rates: dict[str, list[float]] = {}
         region_proxies: dict[str, int] = {}
         proxy_rows = []
         for p in proxies:
             region_proxies[p.region] = region_proxies.get(p.region, 0) + 1
-            rates = self._rates(p, now)
+            counts = (p.requests, p.server_errors, p.client_errors)
+            rates = self._rates(_connection(p), p, counts, now)
             if rates is not None:
                 total = region_rates.setdefault(p.region, [0.0, 0.0, 0.0])
                 for i, rate in enumerate(rates):
                     total[i] += rate
+            # One sample of every region of the table, so a region a proxy
+            # starts sending to counts from 0, not from its first report.
+            served = {region: (n, errors) for region, n, errors in p.served}
+            flat = tuple(c for name in names for c in served.get(name, (0, 0)))
+            rates = self._rates(_served_key(p), p, flat, now)
+            if rates is not None:
+                for i, name in enumerate(names):
+                    total = served_rates.setdefault(name, [0.0, 0.0])
+                    total[0] += rates[2 * i]
+                    total[1] += rates[2 * i + 1]
             proxy_rows.append(_proxy_row(p, latest_version, now))
         origins: dict[str, list[pb.Origin]] = {}
         for o in table.origins:
@@ -304,6 +317,7 @@ class StatusWeb:
                     origins.get(r.name, []),
                     loads,
                     region_rates.get(r.name),
+                    served_rates.get(r.name),
                     region_proxies.get(r.name, 0),
                 )
                 for r in table.regions
@@ -311,18 +325,20 @@ class StatusWeb:
             "proxies": proxy_rows,
         }
 
-    def _rates(self, p: ProxyRecord, now: float) -> tuple[float, ...] | None:
+    def _rates(
+        self, key: str, p: ProxyRecord, counts: tuple[int, ...], now: float
+    ) -> tuple[float, ...] | None:
+        """Rates of a proxy's `counts` as of its last report, kept under `key`."""
         if not p.heard_at:
             return None
-        counts = (p.requests, p.server_errors, p.client_errors)
         if now - p.heard_at > STALE_AFTER:
             # Its replica writes a change within TRAFFIC_EVERY of hearing it, so
             # these counts still held twice that ago (a margin for a late
             # write): the sample a burst after a quiet spell is measured from,
             # as the burst may come in a single write.
-            self._meter.observe(_connection(p), now - 2 * TRAFFIC_EVERY, counts)
-            return (0.0, 0.0, 0.0)
-        return self._meter.observe(_connection(p), p.heard_at, counts)
+            self._meter.observe(key, now - 2 * TRAFFIC_EVERY, counts)
+            return (0.0,) * len(counts)
+        return self._meter.observe(key, p.heard_at, counts)
 
     async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:
         """A drain or undrain, counted as the Admin API call that does the
@@ -478,6 +494,11 @@ def _connection(p: ProxyRecord) -> str:
     return f"{p.name}/{p.session_id}"
 
 
+def _served_key(p: ProxyRecord) -> str:
+    """The rate key of what regions served for a proxy's connection."""
+    return f"{_connection(p)}/served"
+
+
 def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
     return {
         "name": o.name,
@@ -500,10 +521,14 @@ def _region_row(
     origins: list[pb.Origin],
     loads: dict[str, pb.OriginLoad],
     rates: list[float] | None,
+    served: list[float] | None,
     proxies: int,
 ) -> dict[str, Any]:
-    """A region as the page shows it; its rates are of the requests its own
-    proxies answered (where clients arrived), None while unknown."""
+    """A region as the page shows it: `requests_per_s` and its errors are of
+    the requests its own proxies answered (where clients arrived),
+    `served_per_s` and `served_errors_per_s` of the proxied requests its
+    origins served for any proxy (the proxy's own region for cache answers
+    and refusals); None while unknown."""
     rows = [_origin_row(o, loads.get(o.name)) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
     capacity = sum(row["capacity"] for row in serving)
@@ -518,6 +543,8 @@ def _region_row(
         "requests_per_s": rates[0] if rates else None,
         "server_errors_per_s": rates[1] if rates else None,
         "client_errors_per_s": rates[2] if rates else None,
+        "served_per_s": served[0] if served else None,
+        "served_errors_per_s": served[1] if served else None,
     }
 
 

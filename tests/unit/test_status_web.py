@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.app import ControlPlane
-from controlplane.catalog import STATE_PREFIX, Catalog
+from controlplane.catalog import STATE_PREFIX, Catalog, Served, Traffic
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
@@ -193,7 +193,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
 
     async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
         plane.clock.now = at
-        traffic = {"p-eu": (*eu, at), "p-us": (*us, at)}
+        traffic: dict[str, Traffic] = {"p-eu": (*eu, at, {}), "p-us": (*us, at, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
 
     await report(1_000.0, (100, 1, 5), (0, 0, 0))
@@ -217,6 +217,43 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     plane.clock.now = 1_100.0
     regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
     assert regions["us-east"]["requests_per_s"] == 0.0
+
+
+async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Plane) -> None:
+    """All calls arrive at p-us; origins of three regions serve them, one of
+    which (ap-southeast) has no proxy."""
+    await plane.catalog.put_region(Region("ap-southeast", 1.4, 103.8), allow_update=False)
+    plane.publisher.publish(compile_table(await plane.catalog.snapshot()))
+    web = web_of(plane)
+
+    async def report(at: float, requests: int, served: Served) -> dict[str, dict[str, Any]]:
+        plane.clock.now = at
+        traffic: dict[str, Traffic] = {"p-us": (requests, 0, 0, at, served)}
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
+        return {r["name"]: r for r in (await web.status(at))["regions"]}
+
+    regions = await report(1_000.0, 10, {"us-east": (10, 0)})
+    assert regions["ap-southeast"]["served_per_s"] is None  # one sample: no rate yet
+    # ap-southeast was first reported now: it counts from 0, not from here.
+    served = {"us-east": (20, 1), "eu-west": (5, 0), "ap-southeast": (10, 5)}
+    regions = await report(1_005.0, 35, served)
+    rates = {n: (r["served_per_s"], r["served_errors_per_s"]) for n, r in regions.items()}
+    assert rates == {
+        "eu-west": (1.0, 0.0),
+        "us-east": (2.0, 0.2),
+        "ap-southeast": (2.0, 1.0),
+    }
+    assert regions["ap-southeast"]["proxies"] == 0
+    assert regions["ap-southeast"]["requests_per_s"] is None  # no client arrived there
+    assert regions["us-east"]["requests_per_s"] == 5.0
+    # A restart (counters smaller): unknown until the next report.
+    regions = await report(1_010.0, 3, {"ap-southeast": (3, 0)})
+    assert regions["ap-southeast"]["served_per_s"] is None
+    regions = await report(1_012.0, 5, {"ap-southeast": (5, 0)})
+    assert regions["ap-southeast"]["served_per_s"] == 1.0
+    # Nothing heard for longer than the window: nothing served.
+    regions = {r["name"]: r for r in (await web.status(1_100.0))["regions"]}
+    assert regions["ap-southeast"]["served_per_s"] == 0.0
 
 
 async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
@@ -605,7 +642,7 @@ async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
     async def report(session: str, at: float, requests: int) -> list[Any]:
         record = ProxyRecord("p-eu", "eu-west", "p-eu:8080", "1.0", session, "r1", 900.0)
         await plane.catalog.put_proxy(record, plane.lease)
-        await plane.catalog.put_traffic("r1", {"p-eu": (requests, 0, 0, at)}, plane.lease)
+        await plane.catalog.put_traffic("r1", {"p-eu": (requests, 0, 0, at, {})}, plane.lease)
         return [
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
@@ -625,11 +662,11 @@ async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
 
-    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0)}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0, {})}, plane.lease)
     for second in range(1_016, 1_060, 2):  # quiet: nothing written, the page polls
         assert await view(float(second)) == [0.0]
     # 90 requests, heard and written at once; nothing after.
-    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0)}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {})}, plane.lease)
     (rate,) = await view(1_061.0)
     assert rate is not None and rate > 0
 
