@@ -25,7 +25,9 @@ only names DNS rebinding cannot point elsewhere. With a token, rebinding
 gains nothing: the page keeps the token in its origin's sessionStorage.
 
 Every refusal is an OpenAI-style JSON error logged through the shared
-refusal log (once, INFO, rate-limited). Proxies and their traffic are read
+refusal log (once, INFO, rate-limited), those of aiohttp's parser included
+(the port runs on the proxy's edge, `StatusWeb.runner`); every answer
+carries `x-request-id`, a 405 `Allow`. Proxies and their traffic are read
 from etcd, regions and origins taken from the table the replica compiled
 from it, so the page of any replica shows the whole fleet.
 """
@@ -59,7 +61,9 @@ from controlplane.errors import (
 from controlplane.model import Origin, ProxyRecord, Region
 from controlplane.rates import RateMeter
 from controlplane.registry import TRAFFIC_EVERY
+from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
+from dataplane.http.requestid import RequestIds
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,15 @@ STALE_AFTER = 3 * TRAFFIC_EVERY
 REQUEST_HEADER = "X-Ponto-Request"
 # /api/status is built at most this often; more viewers read the same answer.
 STATUS_TTL = 0.5
+# The port's own limits: an admin page has a few viewers and scripts.
+LIMITS = EdgeLimits(
+    header_timeout=10.0,
+    body_timeout=10.0,
+    keepalive_timeout=15.0,
+    max_connections=256,
+    max_connections_per_client=64,
+)
+REQUEST_ID = web.RequestKey("request_id", str)
 
 _ERRORS: dict[type[ControlPlaneError], tuple[int, str, str]] = {
     InvalidArgument: (400, "invalid_request_error", "invalid_argument"),
@@ -171,6 +184,7 @@ class StatusWeb:
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
         self._meter = RateMeter(window=STALE_AFTER)
+        self._ids = RequestIds()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
         self._building: asyncio.Task[bytes] | None = None
 
@@ -181,8 +195,17 @@ class StatusWeb:
             return "off"
         return "token" if self._token else "open"
 
+    def runner(self) -> web.AppRunner:
+        """A runner of app() on the proxy's edge (dataplane.http.edge) with
+        LIMITS: deadlines for a head and a body, a connection cap, and parser
+        refusals (a header line over 8 KB, too many headers, bad framing)
+        answered as JSON 431 or 400 with x-request-id and logged once."""
+        return EdgeRunner(self.app(), LIMITS, access_log=None)
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024)
+        app = web.Application(
+            middlewares=[self._request_id, self._errors], client_max_size=64 * 1024
+        )
         app.router.add_get("/", self._index)
         app.router.add_static("/static/", STATIC, follow_symlinks=False)
         app.router.add_get("/api/status", self._status)
@@ -200,9 +223,21 @@ class StatusWeb:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     @web.middleware
+    async def _request_id(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every answer carries x-request-id: the client's own when plain, as
+        the proxy's do (dataplane.http.requestid)."""
+        request[REQUEST_ID] = request_id = self._ids.of(request.headers.get("x-request-id"))
+        response = await handler(request)
+        response.headers["x-request-id"] = request_id
+        return response
+
+    @web.middleware
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        allow = None
         try:
             return await handler(request)
         except Refused as exc:
@@ -218,6 +253,7 @@ class StatusWeb:
                 raise
             kind, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", "bad_request"))
             refused = Refused(exc.status, kind, code, exc.reason)
+            allow = exc.headers.get("Allow")
         except Exception:
             # A bug, not the client's fault: the traceback is for us, not for it.
             log.exception("%s %s failed", request.method, request.path[:100])
@@ -226,10 +262,13 @@ class StatusWeb:
             refused.status,
             refused.code,
             str(refused),
+            request_id=request[REQUEST_ID],
             remote=request.remote,
             what=f"{request.method} {request.path[:100]}",
         )
         response = error_body(refused.status, refused.kind, refused.code, str(refused))
+        if allow is not None:  # a 405 names the methods the path takes
+            response.headers["Allow"] = allow
         if refused.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="ponto-admin"'
         return response

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.app import ControlPlane
@@ -703,3 +705,82 @@ async def test_concurrent_viewers_share_one_build_that_reads_no_state(plane: Pla
     assert len(set(bodies)) == 1
     assert store.lists["/ponto/proxies/"] == 1
     assert not [prefix for prefix in store.lists if prefix.startswith(STATE_PREFIX)]
+
+
+@pytest.fixture
+async def port(plane: Plane) -> AsyncIterator[int]:
+    """The port served as ponto-control serves it (StatusWeb.runner), on loopback."""
+    runner = web_of(plane).runner()
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield runner.addresses[0][1]
+    await runner.cleanup()
+
+
+async def exchange(port: int, data: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """Send raw bytes, read until the server closes: (status line, headers, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return status.encode(), headers, body
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "code"),
+    [
+        (b"X-Long: " + b"a" * 20_000 + b"\r\n", b"431", "request_header_fields_too_large"),
+        (
+            b"".join(b"X-H%d: v\r\n" % i for i in range(200)),
+            b"431",
+            "request_header_fields_too_large",
+        ),
+        (b"Content-Length: 1\r\nContent-Length: 2\r\n", b"400", "invalid_http_request"),
+    ],
+    ids=["long-header-line", "too-many-headers", "bad-framing"],
+)
+async def test_parser_refusals_are_json_with_a_request_id_logged_once_at_info(
+    port: int, caplog: pytest.LogCaptureFixture, head: bytes, status: bytes, code: str
+) -> None:
+    caplog.set_level(logging.INFO)
+    request = b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head + b"\r\n"
+    line, headers, body = await exchange(port, request)
+    assert line.split()[1] == status
+    assert headers["content-type"].startswith("application/json")
+    assert_error(orjson.loads(body), code)
+    request_id = headers["x-request-id"]
+    assert len(request_id) == 32
+    refusals_logged = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(refusals_logged) == 1 and refusals_logged[0].levelno == logging.INFO
+    assert request_id in refusals_logged[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
+async def test_every_answer_has_a_request_id_and_a_405_says_what_is_allowed(
+    port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    base = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        for method, path in (
+            ("GET", "/"),
+            ("GET", "/static/status.js"),
+            ("GET", "/api/status"),
+            ("GET", "/nowhere"),
+            ("POST", "/api/regions/eu-west/drain"),  # no token: 403
+        ):
+            async with session.request(method, base + path) as resp:
+                assert len(resp.headers.get("x-request-id", "")) == 32, (method, path)
+        # A plain id the client brings is kept, as the proxy keeps it.
+        async with session.get(base + "/api/status", headers={"x-request-id": "abc-1"}) as resp:
+            assert resp.headers["x-request-id"] == "abc-1"
+        async with session.delete(base + "/api/status") as resp:
+            assert resp.status == 405
+            assert resp.headers["Allow"] == "GET,HEAD"
+            assert_error(await resp.json(), "method_not_allowed")
+            request_id = resp.headers["x-request-id"]
+    (line,) = [r.getMessage() for r in caplog.records if "method_not_allowed" in r.getMessage()]
+    assert request_id in line
