@@ -216,7 +216,7 @@ class ControlPlane:
 
     async def _serve_http(self, listen: str) -> None:
         host, _, port = listen.rpartition(":")
-        self.web_runner = web.AppRunner(self.web.app(), access_log=None)
+        self.web_runner = self.web.runner()
         await self.web_runner.setup()
         site = web.TCPSite(self.web_runner, host.strip("[]"), int(port))
         await site.start()

@@ -564,8 +564,10 @@ def _with_acks(
     return replace(p, replica_version=own[0]) if own is not None else p
 
 
-# A proxy's last report as its replica keeps it: requests, 5xx, 4xx, heard at.
-Traffic = tuple[int, int, int, float]
+# A proxy's last report as its replica keeps it: requests, 5xx, 4xx, heard
+# at, and region -> (requests, errors) of the proxied requests each served.
+Served = dict[str, tuple[int, int]]
+Traffic = tuple[int, int, int, float, Served]
 
 
 def _traffic_of(raw: object) -> dict[str, Traffic]:
@@ -573,9 +575,11 @@ def _traffic_of(raw: object) -> dict[str, Traffic]:
         return {}
     out: dict[str, Traffic] = {}
     for name, entry in raw.items():
-        with contextlib.suppress(ValueError, TypeError):
-            requests, server, client, heard = entry
-            out[str(name)] = (int(requests), int(server), int(client), float(heard))
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            # A replica from before `served` wrote four values.
+            requests, server, client, heard, *rest = entry
+            served = {str(r): (int(n), int(e)) for r, (n, e) in (rest[0] if rest else {}).items()}
+            out[str(name)] = (int(requests), int(server), int(client), float(heard), served)
     return out
 
 
@@ -585,8 +589,15 @@ def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> Pro
     entry = traffic.get(p.control_plane_id, {}).get(p.name)
     if entry is None:
         return p
-    requests, server, client, heard = entry
-    return replace(p, requests=requests, server_errors=server, client_errors=client, heard_at=heard)
+    requests, server, client, heard, served = entry
+    return replace(
+        p,
+        requests=requests,
+        server_errors=server,
+        client_errors=client,
+        heard_at=heard,
+        served=tuple((region, n, e) for region, (n, e) in sorted(served.items())),
+    )
 
 
 KEY_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")

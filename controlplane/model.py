@@ -191,6 +191,9 @@ class ProxyRecord:
     server_errors: int = 0
     client_errors: int = 0
     heard_at: float = 0.0
+    # Of its last report too: (region, requests, errors) of the proxied
+    # requests each region served for it.
+    served: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +250,9 @@ def decode_origin(raw: bytes) -> Origin:
 
 
 def decode_proxy(raw: bytes) -> ProxyRecord:
-    return ProxyRecord(**_fields(ProxyRecord, raw))
+    fields = _fields(ProxyRecord, raw)
+    fields["served"] = tuple((str(r), int(n), int(e)) for r, n, e in fields.get("served", ()))
+    return ProxyRecord(**fields)
 
 
 # ---------------------------------------------------------------- tenants

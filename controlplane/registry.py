@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import orjson
 
-from controlplane.catalog import REPLICAS, Catalog, Traffic
+from controlplane.catalog import REPLICAS, Catalog, Served, Traffic
 from controlplane.errors import Unavailable
 from controlplane.model import ProxyRecord
 from controlplane.store import LeaseExpired, StoreUnavailable
@@ -146,20 +146,33 @@ class ProxyRegistry:
         self._acks_dirty = True
 
     def reported(
-        self, session_id: str, requests: int, server_errors: int, client_errors: int
+        self,
+        session_id: str,
+        requests: int,
+        server_errors: int,
+        client_errors: int,
+        served: Served | None = None,
     ) -> None:
-        """Record a proxy's cumulative traffic counters; written with a later
-        flush if they changed (the time heard goes along, never alone)."""
+        """Record a proxy's cumulative traffic counters (`served`: region ->
+        requests, errors it served); written with a later flush if they
+        changed (the time heard goes along, never alone)."""
         record = self.sessions.get(session_id)
         if record is None:
             return
-        counts = (requests, server_errors, client_errors)
-        if self._traffic.get(record.name, (None, None, None))[:3] != counts:
+        served = served or {}
+        last = self._traffic.get(record.name)
+        if last is None or (*last[:3], last[4]) != (requests, server_errors, client_errors, served):
             self._traffic_dirty = True
-        self._traffic[record.name] = (*counts, self._clock())
+        self._traffic[record.name] = (
+            requests,
+            server_errors,
+            client_errors,
+            self._clock(),
+            served,
+        )
 
     def traffic(self) -> dict[str, Traffic]:
-        """This replica's proxies: name -> (requests, 5xx, 4xx, heard at)."""
+        """This replica's proxies: name -> (requests, 5xx, 4xx, heard at, served)."""
         return {
             r.name: self._traffic[r.name] for r in self.sessions.values() if r.name in self._traffic
         }

@@ -25,7 +25,9 @@ only names DNS rebinding cannot point elsewhere. With a token, rebinding
 gains nothing: the page keeps the token in its origin's sessionStorage.
 
 Every refusal is an OpenAI-style JSON error logged through the shared
-refusal log (once, INFO, rate-limited). Proxies and their traffic are read
+refusal log (once, INFO, rate-limited), those of aiohttp's parser included
+(the port runs on the proxy's edge, `StatusWeb.runner`); every answer
+carries `x-request-id`, a 405 `Allow`. Proxies and their traffic are read
 from etcd, regions and origins taken from the table the replica compiled
 from it, so the page of any replica shows the whole fleet.
 """
@@ -59,7 +61,9 @@ from controlplane.errors import (
 from controlplane.model import Origin, ProxyRecord, Region
 from controlplane.rates import RateMeter
 from controlplane.registry import TRAFFIC_EVERY
+from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
+from dataplane.http.requestid import RequestIds
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,15 @@ STALE_AFTER = 3 * TRAFFIC_EVERY
 REQUEST_HEADER = "X-Ponto-Request"
 # /api/status is built at most this often; more viewers read the same answer.
 STATUS_TTL = 0.5
+# The port's own limits: an admin page has a few viewers and scripts.
+LIMITS = EdgeLimits(
+    header_timeout=10.0,
+    body_timeout=10.0,
+    keepalive_timeout=15.0,
+    max_connections=256,
+    max_connections_per_client=64,
+)
+REQUEST_ID = web.RequestKey("request_id", str)
 
 _ERRORS: dict[type[ControlPlaneError], tuple[int, str, str]] = {
     InvalidArgument: (400, "invalid_request_error", "invalid_argument"),
@@ -84,6 +97,16 @@ _ERRORS: dict[type[ControlPlaneError], tuple[int, str, str]] = {
 _HTTP_CODES = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+}
+# A refusal's gRPC status name, so that the page's writes are counted in
+# ponto_control_admin_calls_total under the same codes as the Admin API's.
+_GRPC_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    409: "FAILED_PRECONDITION",
+    503: "UNAVAILABLE",
 }
 _HEADERS = {
     "Cache-Control": "no-store",
@@ -97,6 +120,8 @@ class Exposition(Protocol):
     """The replica's Prometheus metrics (controlplane.metrics.ControlMetrics)."""
 
     def render(self) -> tuple[bytes, str]: ...
+
+    def admin_call(self, method: str, code: str) -> None: ...
 
 
 class Auditor(Protocol):
@@ -159,6 +184,7 @@ class StatusWeb:
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
         self._meter = RateMeter(window=STALE_AFTER)
+        self._ids = RequestIds()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
         self._building: asyncio.Task[bytes] | None = None
 
@@ -169,8 +195,17 @@ class StatusWeb:
             return "off"
         return "token" if self._token else "open"
 
+    def runner(self) -> web.AppRunner:
+        """A runner of app() on the proxy's edge (dataplane.http.edge) with
+        LIMITS: deadlines for a head and a body, a connection cap, and parser
+        refusals (a header line over 8 KB, too many headers, bad framing)
+        answered as JSON 431 or 400 with x-request-id and logged once."""
+        return EdgeRunner(self.app(), LIMITS, access_log=None)
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024)
+        app = web.Application(
+            middlewares=[self._request_id, self._errors], client_max_size=64 * 1024
+        )
         app.router.add_get("/", self._index)
         app.router.add_static("/static/", STATIC, follow_symlinks=False)
         app.router.add_get("/api/status", self._status)
@@ -188,9 +223,21 @@ class StatusWeb:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     @web.middleware
+    async def _request_id(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every answer carries x-request-id: the client's own when plain, as
+        the proxy's do (dataplane.http.requestid)."""
+        request[REQUEST_ID] = request_id = self._ids.of(request.headers.get("x-request-id"))
+        response = await handler(request)
+        response.headers["x-request-id"] = request_id
+        return response
+
+    @web.middleware
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        allow = None
         try:
             return await handler(request)
         except Refused as exc:
@@ -206,6 +253,7 @@ class StatusWeb:
                 raise
             kind, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", "bad_request"))
             refused = Refused(exc.status, kind, code, exc.reason)
+            allow = exc.headers.get("Allow")
         except Exception:
             # A bug, not the client's fault: the traceback is for us, not for it.
             log.exception("%s %s failed", request.method, request.path[:100])
@@ -214,10 +262,13 @@ class StatusWeb:
             refused.status,
             refused.code,
             str(refused),
+            request_id=request[REQUEST_ID],
             remote=request.remote,
             what=f"{request.method} {request.path[:100]}",
         )
         response = error_body(refused.status, refused.kind, refused.code, str(refused))
+        if allow is not None:  # a 405 names the methods the path takes
+            response.headers["Allow"] = allow
         if refused.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="ponto-admin"'
         return response
@@ -263,17 +314,30 @@ class StatusWeb:
         latest_version = latest.version if latest else 0
         scraped = self._loads()
         loads = {load.origin: load for load in scraped.loads} if scraped else {}
-        self._meter.retain({_connection(p) for p in proxies})
+        self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
+        names = [r.name for r in table.regions]
         region_rates: dict[str, list[float]] = {}
+        served_rates: dict[str, list[float]] = {}
         region_proxies: dict[str, int] = {}
         proxy_rows = []
         for p in proxies:
             region_proxies[p.region] = region_proxies.get(p.region, 0) + 1
-            rates = self._rates(p, now)
+            counts = (p.requests, p.server_errors, p.client_errors)
+            rates = self._rates(_connection(p), p, counts, now)
             if rates is not None:
                 total = region_rates.setdefault(p.region, [0.0, 0.0, 0.0])
                 for i, rate in enumerate(rates):
                     total[i] += rate
+            # One sample of every region of the table, so a region a proxy
+            # starts sending to counts from 0, not from its first report.
+            served = {region: (n, errors) for region, n, errors in p.served}
+            flat = tuple(c for name in names for c in served.get(name, (0, 0)))
+            rates = self._rates(_served_key(p), p, flat, now)
+            if rates is not None:
+                for i, name in enumerate(names):
+                    total = served_rates.setdefault(name, [0.0, 0.0])
+                    total[0] += rates[2 * i]
+                    total[1] += rates[2 * i + 1]
             proxy_rows.append(_proxy_row(p, latest_version, now))
         origins: dict[str, list[pb.Origin]] = {}
         for o in table.origins:
@@ -292,6 +356,7 @@ class StatusWeb:
                     origins.get(r.name, []),
                     loads,
                     region_rates.get(r.name),
+                    served_rates.get(r.name),
                     region_proxies.get(r.name, 0),
                 )
                 for r in table.regions
@@ -299,28 +364,58 @@ class StatusWeb:
             "proxies": proxy_rows,
         }
 
-    def _rates(self, p: ProxyRecord, now: float) -> tuple[float, ...] | None:
+    def _rates(
+        self, key: str, p: ProxyRecord, counts: tuple[int, ...], now: float
+    ) -> tuple[float, ...] | None:
+        """Rates of a proxy's `counts` as of its last report, kept under `key`."""
         if not p.heard_at:
             return None
-        counts = (p.requests, p.server_errors, p.client_errors)
         if now - p.heard_at > STALE_AFTER:
             # Its replica writes a change within TRAFFIC_EVERY of hearing it, so
             # these counts still held twice that ago (a margin for a late
             # write): the sample a burst after a quiet spell is measured from,
             # as the burst may come in a single write.
-            self._meter.observe(_connection(p), now - 2 * TRAFFIC_EVERY, counts)
-            return (0.0, 0.0, 0.0)
-        return self._meter.observe(_connection(p), p.heard_at, counts)
+            self._meter.observe(key, now - 2 * TRAFFIC_EVERY, counts)
+            return (0.0,) * len(counts)
+        return self._meter.observe(key, p.heard_at, counts)
 
     async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:
+        """A drain or undrain, counted as the Admin API call that does the
+        same (DrainRegion or DrainOrigin, an undrain too), so one series
+        covers both ways in; audited as Drain<Kind> or Undrain<Kind>."""
+        kind_name = "Region" if kind == "regions" else "Origin"
+        method = "Drain" + kind_name
+        action = ("Drain" if drained else "Undrain") + kind_name
+        code = "OK"
+        try:
+            return await self._change_drain(request, kind=kind, drained=drained, action=action)
+        except Refused as exc:
+            code = _GRPC_CODES.get(exc.status, "UNKNOWN")
+            raise
+        except ControlPlaneError as exc:
+            code = exc.status.name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.admin_call(method, code)
+
+    async def _change_drain(
+        self, request: web.Request, *, kind: str, drained: bool, action: str
+    ) -> web.Response:
         actor = self._authorize(request)
         name = request.match_info["name"]
         change: Callable[[str, bool], Awaitable[Region | Origin]]
         if kind == "regions":
-            action, target = "DrainRegion", f"region/{name}"
+            target = f"region/{name}"
             change = self._catalog.set_region_drained
         else:
-            action, target = "DrainOrigin", f"origin/{name}"
+            target = f"origin/{name}"
             change = self._catalog.set_origin_drained
         result, message = "ok", ""
         try:
@@ -438,6 +533,11 @@ def _connection(p: ProxyRecord) -> str:
     return f"{p.name}/{p.session_id}"
 
 
+def _served_key(p: ProxyRecord) -> str:
+    """The rate key of what regions served for a proxy's connection."""
+    return f"{_connection(p)}/served"
+
+
 def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
     return {
         "name": o.name,
@@ -460,10 +560,14 @@ def _region_row(
     origins: list[pb.Origin],
     loads: dict[str, pb.OriginLoad],
     rates: list[float] | None,
+    served: list[float] | None,
     proxies: int,
 ) -> dict[str, Any]:
-    """A region as the page shows it; its rates are of the requests its own
-    proxies answered (where clients arrived), None while unknown."""
+    """A region as the page shows it: `requests_per_s` and its errors are of
+    the requests its own proxies answered (where clients arrived),
+    `served_per_s` and `served_errors_per_s` of the proxied requests its
+    origins served for any proxy (the proxy's own region for cache answers
+    and refusals); None while unknown."""
     rows = [_origin_row(o, loads.get(o.name)) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
     capacity = sum(row["capacity"] for row in serving)
@@ -478,6 +582,8 @@ def _region_row(
         "requests_per_s": rates[0] if rates else None,
         "server_errors_per_s": rates[1] if rates else None,
         "client_errors_per_s": rates[2] if rates else None,
+        "served_per_s": served[0] if served else None,
+        "served_errors_per_s": served[1] if served else None,
     }
 
 

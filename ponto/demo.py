@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ponto import devenv
 from ponto.fleet import DEMO_REGIONS, DEMO_USERS, DemoUser, Fleet, start_demo_fleet
@@ -313,7 +314,15 @@ def run_checks(fleet: Fleet) -> Report:
         assert text == plain, "streamed text differs from the non-streamed answer"
         return f"{chunks} SSE chunks from {headers.get('x-ponto-origin')}, text matches"
 
+    def status() -> dict[str, dict[str, Any]]:
+        api = fleet.status_url + "/api/status"
+        with urllib.request.urlopen(api, timeout=5) as resp:  # noqa: S310 - loopback
+            return {r["name"]: r for r in json.loads(resp.read())["regions"]}
+
     def geo() -> str:
+        # The page open before the calls, as a viewer's would be: the rates
+        # of what each region served are measured from this sample.
+        status()
         calls = geo_calls(us)
         answered = {call.user.place: call.region() for call in calls}
         expected = {call.user.place: call.user.region for call in calls}
@@ -323,25 +332,27 @@ def run_checks(fleet: Fleet) -> Report:
         return f"{how}: " + ", ".join(f"{p} -> {r}" for p, r in answered.items())
 
     def status_page() -> str:
-        # The geo calls above went through proxy-us-east: its region shows them
-        # once the proxy has reported twice (about a second apart).
+        # The geo calls above all arrived at proxy-us-east and were served in
+        # three regions: us-east shows them arrived, each region what it
+        # served, once the proxy's reports have reached the page.
         page = fleet.status_url + "/"
         with urllib.request.urlopen(page, timeout=5) as resp:  # noqa: S310 - loopback
             assert b"<html" in resp.read().lower()
+        places = {user.region for user in DEMO_USERS}
         deadline = time.monotonic() + 15
-        rate = None
+        arrived, served = None, {}
         while time.monotonic() < deadline:
-            api = fleet.status_url + "/api/status"
-            with urllib.request.urlopen(api, timeout=5) as resp:  # noqa: S310 - loopback
-                status = json.loads(resp.read())
-            regions = {r["name"]: r for r in status["regions"]}
-            rate = regions["us-east"]["requests_per_s"]
-            if rate:
+            regions = status()
+            arrived = regions["us-east"]["requests_per_s"]
+            served = {name: regions[name]["served_per_s"] for name in places}
+            if arrived and all(served.values()):
+                shown = ", ".join(f"{name} {rate:.1f}" for name, rate in sorted(served.items()))
                 return (
-                    f"{fleet.status_url}/ shows {len(regions)} regions, {rate:.1f} req/s at us-east"
+                    f"{fleet.status_url}/ shows {len(regions)} regions, {arrived:.1f} req/s "
+                    f"arrived at us-east, served req/s: {shown}"
                 )
             time.sleep(0.5)
-        raise AssertionError(f"no traffic on the status page for us-east: {rate}")
+        raise AssertionError(f"status page: arrived at us-east {arrived}, served {served}")
 
     def bad_input() -> str:
         status, body = _post_raw(us + "/chat/completions", b"{not json", "application/json")

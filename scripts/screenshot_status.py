@@ -37,12 +37,22 @@ def traffic(system: StatusFleet, stop: threading.Event) -> None:
             client.post(urls[n % len(urls)], json=body)
 
 
+def _moving(text: str) -> bool:
+    """Whether a line such as "arrived 12.5 req/s · …" shows a rate above 0."""
+    words = text.split()
+    return len(words) > 1 and words[1].replace(".", "", 1).isdigit() and float(words[1]) > 0
+
+
 def rates_shown(driver: object) -> bool:
+    """The page loaded, with traffic arrived at both proxies' regions and
+    served in at least two (not the first, empty render)."""
     try:
-        texts = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "article.region .rates")]  # type: ignore[attr-defined]
+        find = driver.find_elements  # type: ignore[attr-defined]
+        arrived = [e.text for e in find(By.CSS_SELECTOR, "article.region .rates")]
+        served = [e.text for e in find(By.CSS_SELECTOR, "article.region .served")]
     except WebDriverException:
         return False
-    return sum(1 for t in texts if t[:1].isdigit() and not t.startswith("0.0 ")) >= 2
+    return sum(map(_moving, arrived)) >= 2 and sum(map(_moving, served)) >= 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,7 +142,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return apb.ListRegionsResponse(regions=[region_pb(r) for r in regions])
 
     @grpc_errors
-    @audited(auditing.drain("region"))
+    @audited(auditing.drain("region"), auditing.drain_action("Region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
         return region_pb(await self._catalog.set_region_drained(request.name, request.drained))
 
@@ -168,7 +168,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
 
     @grpc_errors
-    @audited(auditing.drain("origin"))
+    @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
         return origin_pb(await self._catalog.set_origin_drained(request.name, request.drained))
 

@@ -1,9 +1,11 @@
 """What each mutating Admin call writes to the audit trail (controlplane/audit.py).
 
 `audited(describe)` wraps a servicer method inside `grpc_errors`: once the call
-has ended, ok or refused by the core, it records the caller, the call's name,
-and what `describe(request, response)` says it acted on (response is None when
-the call failed). Calls refused before they reach the servicer (no admin token,
+has ended, ok or refused by the core, it records the caller, the call's name
+(or what `action(request)` names it: an undrain is UndrainRegion, not a
+DrainRegion with drained=false, so the trail can be filtered by it), and what
+`describe(request, response)` says it acted on (response is None when the
+call failed). Calls refused before they reach the servicer (no admin token,
 a certificate of the wrong role) are logged by the guard, not recorded: an
 unauthenticated client must not be able to write to etcd.
 """
@@ -64,6 +66,7 @@ def actor_of(auth_context: Mapping[str, Iterable[bytes]], *, token_required: boo
 
 def audited(
     describe: Callable[[Any, Any], Description],
+    action: Callable[[Any], str] | None = None,
 ) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
     def wrap(fn: Callable[..., Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
         @functools.wraps(fn)
@@ -88,7 +91,7 @@ def audited(
                     target, detail = described
                     await self.audit.record(
                         actor=actor_of(context.auth_context(), token_required=self.token_required),
-                        action=fn.__name__,
+                        action=action(request) if action else fn.__name__,
                         target=target,
                         detail=detail,
                         source=context.peer(),
@@ -158,6 +161,11 @@ def drain(kind: str) -> Callable[[apb.DrainRequest, object], Description]:
         return f"{kind}/{req.name}", {"drained": _flag(req.drained)}
 
     return describe
+
+
+def drain_action(kind: str) -> Callable[[apb.DrainRequest], str]:
+    """The action of a DrainRegion/DrainOrigin call: Drain<Kind> or Undrain<Kind>."""
+    return lambda req: f"{'Drain' if req.drained else 'Undrain'}{kind}"
 
 
 def create_key(req: apb.CreateKeyRequest, resp: apb.CreateKeyResponse | None) -> Description:

@@ -30,6 +30,9 @@ SERVICE = "ponto.v1.Routing"
 MAX_FIELD = 256
 # A proxy reports at most this many scopes a time; the rest is ignored.
 MAX_SCOPES = 10_000
+# And at most this many served regions (a fleet has a few), so a faulty proxy
+# cannot grow the etcd value without bound.
+MAX_REGIONS = 256
 # Table pushes of one stream awaiting an answer, kept for push latency; a
 # proxy answers each push, so more than a few means it stopped answering.
 MAX_UNANSWERED = 16
@@ -221,6 +224,10 @@ class RoutingService:
                     req.requests_total,
                     req.server_errors_total,
                     req.client_errors_total,
+                    {
+                        s.region: (s.requests_total, s.errors_total)
+                        for s in req.served[:MAX_REGIONS]
+                    },
                 )
                 continue
             if not req.response_nonce:

@@ -81,9 +81,11 @@ function renderMarkers(regions) {
       el("svg:title", {}, `${r.name}: ${state}`),
       el("svg:circle", { cx: x, cy: y, r: 3 }),
       el("svg:text", { x: x + 4.2, y: y + 1.8 }, r.name),
+      el("svg:text", { class: "rate", x: x + 4.2, y: y + 7 },
+        `served ${rate(r.served_per_s)} req/s · ${rate(r.served_errors_per_s)} err/s`),
       r.proxies
-        ? el("svg:text", { class: "rate", x: x + 4.2, y: y + 7 },
-          `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s`)
+        ? el("svg:text", { class: "rate", x: x + 4.2, y: y + 12.2 },
+          `arrived ${rate(r.requests_per_s)} req/s`)
         : null);
   });
   group.replaceChildren(...markers);
@@ -113,14 +115,18 @@ function renderRegions(regions) {
       el("h3", {}, el("span", { class: "name" }, r.name),
         el("span", { class: `state ${r.drained ? "drained" : ""}` }, state),
         actionButton("regions", r.name, r.drained)),
-      el("p", { class: "rates", title: "requests answered by this region's proxies" },
+      el("p", { class: "served", title: "requests this region served, wherever clients arrived "
+        + "(its origins; cache answers and refusals count where the proxy is)" },
+        `served ${rate(r.served_per_s)} req/s · ${rate(r.served_errors_per_s)} errors/s`),
+      el("p", { class: "rates", title: "requests that arrived at this region's proxies" },
         r.proxies
-          ? `${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s · `
+          ? `arrived ${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s · `
             + `${rate(r.client_errors_per_s)} 4xx/s at ${r.proxies} `
             + `prox${r.proxies === 1 ? "y" : "ies"}`
-          : "no proxy in this region"),
+          : "no proxy in this region: clients arrive elsewhere"),
       el("p", { class: "where" },
-        `origin load ${percent(r.load)} · ${r.latitude.toFixed(1)}, ${r.longitude.toFixed(1)}`),
+        `load: ${r.load === null ? "n/a (no capacity set)" : percent(r.load)}`
+          + ` · at ${r.latitude.toFixed(1)}°, ${r.longitude.toFixed(1)}°`),
       el("table", {},
         el("thead", {}, el("tr", {}, el("th", {}, "origin"), el("th", {}, "health"),
           el("th", {}, "load"), el("th", {}, ""))),

@@ -118,7 +118,7 @@ class Proxy:
             on_quota=quota.on_quota,
             on_loads=self.loads.apply,
             demand=quota.demand,
-            traffic=lambda: traffic_of(m.requests),
+            traffic=lambda: traffic_of(m.requests, m.genai_duration),
             report_interval=settings.report_interval,
         )
         m.bind_cache(lambda: store.stats)

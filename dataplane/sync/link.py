@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client.registry import Collector
@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Traffic:
-    """Requests this proxy answered since it started, and how many were errors."""
+    """Requests this proxy answered since it started, and how many were errors;
+    `served`: region -> (proxied requests it served, of those errors)."""
 
     requests: int = 0
     server_errors: int = 0  # status >= 500
     client_errors: int = 0  # 400 <= status < 500
+    served: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 # Endpoints that are not traffic: kubelet probes (readyz answers 503 while
@@ -41,10 +43,12 @@ class Traffic:
 NOT_TRAFFIC = frozenset({"healthz", "health", "readyz", "metrics"})
 
 
-def traffic_of(requests: Collector) -> Traffic:
+def traffic_of(requests: Collector, operations: Collector | None = None) -> Traffic:
     """Totals of a counter of answered requests labelled with `endpoint` and
     `code` (the proxy's ponto_requests), probes and scrapes (NOT_TRAFFIC) left
-    out; read once a report, so a scan of its series is cheap."""
+    out, and of a histogram of proxied operations labelled with `ponto_region`
+    and `error_type` (gen_ai_client_operation_duration_seconds) by region; read
+    once a report, so a scan of their series is cheap."""
     total = server = client = 0
     for family in requests.collect():
         for sample in family.samples:
@@ -59,7 +63,17 @@ def traffic_of(requests: Collector) -> Traffic:
                 server += count
             elif code.startswith("4"):
                 client += count
-    return Traffic(total, server, client)
+    served: dict[str, tuple[int, int]] = {}
+    for family in operations.collect() if operations is not None else ():
+        for sample in family.samples:
+            if not sample.name.endswith("_count"):
+                continue
+            region = sample.labels.get("ponto_region", "")
+            count = int(sample.value)
+            failed = count if sample.labels.get("error_type", "") else 0
+            n, errors = served.get(region, (0, 0))
+            served[region] = (n + count, errors + failed)
+    return Traffic(total, server, client, served)
 
 
 class ControlPlaneClient:
@@ -218,6 +232,8 @@ class ControlPlaneClient:
             message.requests_total = traffic.requests
             message.server_errors_total = traffic.server_errors
             message.client_errors_total = traffic.client_errors
+            for region, (n, errors) in sorted(traffic.served.items()):
+                message.served.add(region=region, requests_total=n, errors_total=errors)
         return message
 
     def _handle(self, session_id: str, update: pb.RouteUpdate) -> pb.RouteRequest:

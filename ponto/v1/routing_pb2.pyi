@@ -874,6 +874,7 @@ class RouteRequest(_message.Message):
     REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
     SERVER_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
     CLIENT_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    SERVED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -898,6 +899,13 @@ class RouteRequest(_message.Message):
         response_nonce empty): demand per limit scope since the last report.
         """
 
+    @_builtins.property
+    def served(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedTotal]:
+        """Also on reports, cumulative: the proxied requests answered, by the region
+        that served them (the answering origin's; the proxy's own for cache
+        answers and refusals), so the status page shows which region served whom.
+        """
+
     def __init__(
         self,
         *,
@@ -910,14 +918,44 @@ class RouteRequest(_message.Message):
         requests_total: _builtins.int = ...,
         server_errors_total: _builtins.int = ...,
         client_errors_total: _builtins.int = ...,
+        served: _abc.Iterable[Global___ServedTotal] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RouteRequest: _TypeAlias = RouteRequest  # noqa: Y015
+
+@_typing.final
+class ServedTotal(_message.Message):
+    """Requests one region served for a proxy since it started, and how many of
+    them failed (any error status).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    requests_total: _builtins.int
+    errors_total: _builtins.int
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        requests_total: _builtins.int = ...,
+        errors_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors_total", b"errors_total", "region", b"region", "requests_total", b"requests_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServedTotal: _TypeAlias = ServedTotal  # noqa: Y015
 
 @_typing.final
 class OriginLoad(_message.Message):

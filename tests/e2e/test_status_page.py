@@ -100,21 +100,30 @@ def test_the_page_shows_regions_origins_proxies_and_live_rates(
         row = page.find_element(By.CSS_SELECTOR, f'tr[data-proxy="{proxy}"]')
         assert "(latest)" in row.text and "control-1" in row.text
     assert "admin token" in page.find_element(By.ID, "writes").text
-    # Traffic through the us-east proxy shows as a request rate of its region.
-    for _ in range(20):
-        served_region(system, "proxy-us-east")
+    # Traffic through the us-east proxy shows as a request rate arrived at its
+    # region, and as served by the region that answered it.
+    served = {served_region(system, "proxy-us-east") for _ in range(20)}
 
-    def us_rate(driver: webdriver.Chrome) -> bool:
+    def shown_rate(driver: webdriver.Chrome, region: str, line: str) -> bool:
         try:
-            text = card(driver, "us-east").find_element(By.CSS_SELECTOR, ".rates").text
+            text = card(driver, region).find_element(By.CSS_SELECTOR, line).text
         except WebDriverException:  # re-rendered between the find and the read
             return False
-        rate = text.split(" ", 1)[0]  # "12.5 req/s · …", or a dash while unknown
+        rate = text.split(" ")[1]  # "arrived 12.5 req/s · …", or a dash while unknown
         return rate.replace(".", "", 1).isdigit() and float(rate) > 0
 
     for _ in range(3):  # a rate needs two reports; keep some traffic going meanwhile
-        served_region(system, "proxy-us-east")
-    wait(page, us_rate, "the us-east region never showed a request rate")
+        served.add(served_region(system, "proxy-us-east"))
+    wait(
+        page,
+        lambda d: shown_rate(d, "us-east", ".rates"),
+        "the us-east region never showed a request rate",
+    )
+    wait(
+        page,
+        lambda d: any(shown_rate(d, region, ".served") for region in served),
+        f"no region of {served} showed what it served",
+    )
 
 
 def test_a_drain_by_pontoctl_shows_on_the_page(

@@ -347,6 +347,7 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
         region = apb.RegionSpec(name="eu-west", latitude=53.3, longitude=-6.3)
         await stub.PutRegion(apb.PutRegionRequest(region=region))
         await stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=True))
+        await stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=False))
         await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
         refused = stub.UpdateTenant(
             apb.UpdateTenantRequest(name="acme", cache=pb.CachePolicy(mode="bogus"))
@@ -367,6 +368,7 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
     assert got == [
         ("PutRegion", "region/eu-west", "ok"),
         ("DrainRegion", "region/eu-west", "ok"),
+        ("UndrainRegion", "region/eu-west", "ok"),
         ("PutTenant", "tenant/acme", "ok"),
         ("UpdateTenant", "tenant/acme", "INVALID_ARGUMENT"),
         ("CreateKey", f"key/{created.key.id}", "ok"),
@@ -504,5 +506,6 @@ async def test_every_mutating_call_is_recorded_and_no_read(
         entries = (await stub.ListAudit(apb.ListAuditRequest(limit=1000))).entries
     recorded = [e.action for e in reversed(entries)]
     writes = [m.name for m in service.methods if not m.name.startswith(reads)]
-    assert recorded == writes
+    # An empty DrainRequest has drained=false: an undrain, recorded as one.
+    assert recorded == [w.replace("Drain", "Undrain", 1) for w in writes]
     assert {"PutRegion", "DrainOrigin", "SetKeyLimits", "PurgeCache", "Apply"} <= set(writes)

@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.app import ControlPlane
-from controlplane.catalog import STATE_PREFIX, Catalog
+from controlplane.catalog import STATE_PREFIX, Catalog, Served, Traffic
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
+from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store import Listing
@@ -192,7 +195,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
 
     async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
         plane.clock.now = at
-        traffic = {"p-eu": (*eu, at), "p-us": (*us, at)}
+        traffic: dict[str, Traffic] = {"p-eu": (*eu, at, {}), "p-us": (*us, at, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
 
     await report(1_000.0, (100, 1, 5), (0, 0, 0))
@@ -216,6 +219,43 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     plane.clock.now = 1_100.0
     regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
     assert regions["us-east"]["requests_per_s"] == 0.0
+
+
+async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Plane) -> None:
+    """All calls arrive at p-us; origins of three regions serve them, one of
+    which (ap-southeast) has no proxy."""
+    await plane.catalog.put_region(Region("ap-southeast", 1.4, 103.8), allow_update=False)
+    plane.publisher.publish(compile_table(await plane.catalog.snapshot()))
+    web = web_of(plane)
+
+    async def report(at: float, requests: int, served: Served) -> dict[str, dict[str, Any]]:
+        plane.clock.now = at
+        traffic: dict[str, Traffic] = {"p-us": (requests, 0, 0, at, served)}
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
+        return {r["name"]: r for r in (await web.status(at))["regions"]}
+
+    regions = await report(1_000.0, 10, {"us-east": (10, 0)})
+    assert regions["ap-southeast"]["served_per_s"] is None  # one sample: no rate yet
+    # ap-southeast was first reported now: it counts from 0, not from here.
+    served = {"us-east": (20, 1), "eu-west": (5, 0), "ap-southeast": (10, 5)}
+    regions = await report(1_005.0, 35, served)
+    rates = {n: (r["served_per_s"], r["served_errors_per_s"]) for n, r in regions.items()}
+    assert rates == {
+        "eu-west": (1.0, 0.0),
+        "us-east": (2.0, 0.2),
+        "ap-southeast": (2.0, 1.0),
+    }
+    assert regions["ap-southeast"]["proxies"] == 0
+    assert regions["ap-southeast"]["requests_per_s"] is None  # no client arrived there
+    assert regions["us-east"]["requests_per_s"] == 5.0
+    # A restart (counters smaller): unknown until the next report.
+    regions = await report(1_010.0, 3, {"ap-southeast": (3, 0)})
+    assert regions["ap-southeast"]["served_per_s"] is None
+    regions = await report(1_012.0, 5, {"ap-southeast": (5, 0)})
+    assert regions["ap-southeast"]["served_per_s"] == 1.0
+    # Nothing heard for longer than the window: nothing served.
+    regions = {r["name"]: r for r in (await web.status(1_100.0))["regions"]}
+    assert regions["ap-southeast"]["served_per_s"] == 0.0
 
 
 async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
@@ -248,7 +288,35 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     resp = await client.post("/api/origins/o-us/drain", headers=auth)
     assert await resp.json() == {"name": "o-us", "drained": True}
     assert plane.audit.calls[-1]["target"] == "origin/o-us"
-    assert plane.audit.calls[-1]["action"] == "DrainOrigin"
+    await client.post("/api/origins/o-us/undrain", headers=auth)
+    actions = [call["action"] for call in plane.audit.calls]
+    assert actions == ["DrainRegion", "UndrainRegion", "DrainOrigin", "UndrainOrigin"]
+
+
+async def test_page_writes_are_counted_as_admin_calls(plane: Plane) -> None:
+    metrics = ControlMetrics(replica="r1")
+    web = web_of(plane, metrics=metrics)
+    async with TestClient(TestServer(web.app())) as client:
+        await client.post("/api/regions/eu-west/drain", headers=AUTH)
+        await client.post("/api/regions/eu-west/undrain", headers=AUTH)
+        await client.post("/api/regions/eu-west/drain", headers=WRITE)
+        await client.post(
+            "/api/regions/eu-west/drain", headers={**WRITE, "Authorization": "Bearer x"}
+        )
+        await client.post("/api/origins/nowhere/drain", headers=AUTH)
+    calls = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for family in metrics.admin_calls.collect()
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    # Undrains are DrainRegion calls with drained=false, as in the Admin API.
+    assert calls == {
+        ("DrainRegion", "OK"): 2.0,
+        ("DrainRegion", "UNAUTHENTICATED"): 1.0,
+        ("DrainRegion", "PERMISSION_DENIED"): 1.0,
+        ("DrainOrigin", "NOT_FOUND"): 1.0,
+    }
 
 
 def assert_error(body: dict[str, object], code: str) -> None:
@@ -576,7 +644,7 @@ async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
     async def report(session: str, at: float, requests: int) -> list[Any]:
         record = ProxyRecord("p-eu", "eu-west", "p-eu:8080", "1.0", session, "r1", 900.0)
         await plane.catalog.put_proxy(record, plane.lease)
-        await plane.catalog.put_traffic("r1", {"p-eu": (requests, 0, 0, at)}, plane.lease)
+        await plane.catalog.put_traffic("r1", {"p-eu": (requests, 0, 0, at, {})}, plane.lease)
         return [
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
@@ -596,11 +664,11 @@ async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
 
-    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0)}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0, {})}, plane.lease)
     for second in range(1_016, 1_060, 2):  # quiet: nothing written, the page polls
         assert await view(float(second)) == [0.0]
     # 90 requests, heard and written at once; nothing after.
-    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0)}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {})}, plane.lease)
     (rate,) = await view(1_061.0)
     assert rate is not None and rate > 0
 
@@ -637,3 +705,82 @@ async def test_concurrent_viewers_share_one_build_that_reads_no_state(plane: Pla
     assert len(set(bodies)) == 1
     assert store.lists["/ponto/proxies/"] == 1
     assert not [prefix for prefix in store.lists if prefix.startswith(STATE_PREFIX)]
+
+
+@pytest.fixture
+async def port(plane: Plane) -> AsyncIterator[int]:
+    """The port served as ponto-control serves it (StatusWeb.runner), on loopback."""
+    runner = web_of(plane).runner()
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield runner.addresses[0][1]
+    await runner.cleanup()
+
+
+async def exchange(port: int, data: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """Send raw bytes, read until the server closes: (status line, headers, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return status.encode(), headers, body
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "code"),
+    [
+        (b"X-Long: " + b"a" * 20_000 + b"\r\n", b"431", "request_header_fields_too_large"),
+        (
+            b"".join(b"X-H%d: v\r\n" % i for i in range(200)),
+            b"431",
+            "request_header_fields_too_large",
+        ),
+        (b"Content-Length: 1\r\nContent-Length: 2\r\n", b"400", "invalid_http_request"),
+    ],
+    ids=["long-header-line", "too-many-headers", "bad-framing"],
+)
+async def test_parser_refusals_are_json_with_a_request_id_logged_once_at_info(
+    port: int, caplog: pytest.LogCaptureFixture, head: bytes, status: bytes, code: str
+) -> None:
+    caplog.set_level(logging.INFO)
+    request = b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head + b"\r\n"
+    line, headers, body = await exchange(port, request)
+    assert line.split()[1] == status
+    assert headers["content-type"].startswith("application/json")
+    assert_error(orjson.loads(body), code)
+    request_id = headers["x-request-id"]
+    assert len(request_id) == 32
+    refusals_logged = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(refusals_logged) == 1 and refusals_logged[0].levelno == logging.INFO
+    assert request_id in refusals_logged[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
+async def test_every_answer_has_a_request_id_and_a_405_says_what_is_allowed(
+    port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    base = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        for method, path in (
+            ("GET", "/"),
+            ("GET", "/static/status.js"),
+            ("GET", "/api/status"),
+            ("GET", "/nowhere"),
+            ("POST", "/api/regions/eu-west/drain"),  # no token: 403
+        ):
+            async with session.request(method, base + path) as resp:
+                assert len(resp.headers.get("x-request-id", "")) == 32, (method, path)
+        # A plain id the client brings is kept, as the proxy keeps it.
+        async with session.get(base + "/api/status", headers={"x-request-id": "abc-1"}) as resp:
+            assert resp.headers["x-request-id"] == "abc-1"
+        async with session.delete(base + "/api/status") as resp:
+            assert resp.status == 405
+            assert resp.headers["Allow"] == "GET,HEAD"
+            assert_error(await resp.json(), "method_not_allowed")
+            request_id = resp.headers["x-request-id"]
+    (line,) = [r.getMessage() for r in caplog.records if "method_not_allowed" in r.getMessage()]
+    assert request_id in line

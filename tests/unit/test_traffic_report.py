@@ -45,6 +45,28 @@ def test_probes_and_scrapes_are_not_traffic() -> None:
     assert traffic_of(m.requests) == Traffic(requests=2, server_errors=0, client_errors=0)
 
 
+def test_served_counts_are_by_the_region_that_answered() -> None:
+    m = Metrics()
+    for region, error_type, n in (
+        ("ap-southeast", "", 3),
+        ("eu-west", "", 2),
+        ("eu-west", "502", 1),
+        ("us-east", "429", 4),  # refused at the proxy, in its own region
+    ):
+        for _ in range(n):
+            m.operation("chat", "m", error_type, region, "", 0.1, None, None)
+    m.child(m.requests, "chat", "200").inc(10)
+    traffic = traffic_of(m.requests, m.genai_duration)
+    assert traffic.served == {"ap-southeast": (3, 0), "eu-west": (3, 1), "us-east": (4, 4)}
+    assert traffic.requests == 10
+    report = client(traffic=lambda: traffic).report("s-1")
+    assert [(s.region, s.requests_total, s.errors_total) for s in report.served] == [
+        ("ap-southeast", 3, 0),
+        ("eu-west", 3, 1),
+        ("us-east", 4, 4),
+    ]
+
+
 def client(**kwargs: object) -> ControlPlaneClient:
     holder = TableHolder("eu-west", None)
     info = pb.ProxyInfo(name="p", region="eu-west", address="127.0.0.1:1")
@@ -86,7 +108,7 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     await registry.acked(record.session_id, 3, "")
     registry.reported(record.session_id, 40, 2, 5)
     registry.reported("no-such-session", 1, 1, 1)
-    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0)}
+    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0, {})}
     await registry.flush(100.0)
     assert (store.puts[ACKS + "r1"], store.puts[TRAFFIC + "r1"]) == (1, 1)
     (proxy,) = await catalog.list_proxies()
@@ -112,6 +134,12 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     await registry.acked(record.session_id, 4, "")
     await registry.flush(130.0)
     assert store.puts[ACKS + "r1"] == 2
+    # What regions served is written along, and a change in it alone too.
+    clock[0] = 540.0
+    registry.reported(record.session_id, 51, 2, 5, {"eu-west": (3, 1)})
+    await registry.flush(140.0)
+    (proxy,) = await catalog.list_proxies()
+    assert proxy.served == (("eu-west", 3, 1),) and proxy.heard_at == 540.0
     # Registered again (a restart): the old session's counters are gone.
     again = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
     assert registry.traffic() == {}
@@ -129,10 +157,14 @@ async def test_counters_are_read_from_the_proxys_own_replica_only() -> None:
     registry = ProxyRegistry(catalog, "r2")
     await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
     # r1's reports still list the proxy's previous session, before it moved to r2.
-    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0)}, lease)
-    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0)}, lease)
+    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0, {})}, lease)
+    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0, {})}, lease)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.client_errors, proxy.heard_at) == (5, 1, 2.0)
+    # A replica from before served wrote four values: nothing served is known.
+    await store.put(TRAFFIC + "r2", orjson.dumps({"p-eu": [6, 0, 1, 3.0]}), lease=lease)
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.requests, proxy.served) == (6, ())
     # No reports from its replica yet: the zeros.
     await store.delete(TRAFFIC + "r2")
     (proxy,) = await catalog.list_proxies()
