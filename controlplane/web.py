@@ -48,6 +48,7 @@ import orjson
 from aiohttp import web
 from yarl import URL
 
+from controlplane.api.auditing import outcome_of
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import (
@@ -420,14 +421,8 @@ class StatusWeb:
         result, message = "ok", ""
         try:
             value = await change(name, drained)
-        except ControlPlaneError as exc:
-            result, message = exc.status.name, str(exc)
-            raise
-        except asyncio.CancelledError:
-            result, message = "CANCELLED", "the caller went away; the change may be made"
-            raise
-        except Exception:
-            result, message = "INTERNAL", "internal error"
+        except BaseException as exc:
+            result, message = outcome_of(exc)
             raise
         finally:
             # The trail of admin actions, when the plane has one: refused

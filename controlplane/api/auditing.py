@@ -64,6 +64,17 @@ def actor_of(auth_context: Mapping[str, Iterable[bytes]], *, token_required: boo
     return "admin-token" if token_required else "anonymous"
 
 
+def outcome_of(exc: BaseException) -> tuple[str, str]:
+    """The audit result and message of an admin change that raised `exc`: the
+    gRPC status of a refusal, CANCELLED for a caller gone (the change may have
+    been made), INTERNAL for a bug (its text stays in the log)."""
+    if isinstance(exc, ControlPlaneError):
+        return exc.status.name, str(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED", "the caller went away; the change may be made"
+    return "INTERNAL", "internal error"
+
+
 def audited(
     describe: Callable[[Any, Any], Description],
     action: Callable[[Any], str] | None = None,
@@ -76,14 +87,8 @@ def audited(
             result, message, response = "ok", "", None
             try:
                 response = await fn(self, request, context)
-            except ControlPlaneError as exc:
-                result, message = exc.status.name, str(exc)
-                raise
-            except asyncio.CancelledError:
-                result, message = "CANCELLED", "the caller went away; the change may be made"
-                raise
-            except Exception:
-                result, message = "INTERNAL", "internal error"
+            except BaseException as exc:
+                result, message = outcome_of(exc)
                 raise
             finally:
                 described = describe(request, response)
