@@ -126,8 +126,8 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument(
         "--http-listen",
         default="",
-        help="serve the status page (/) and its API on HOST:PORT, in plain HTTP; changes "
-        "from the page need the admin token (default: no HTTP port)",
+        help="serve the status page (/), its API and Prometheus /metrics on HOST:PORT, in "
+        "plain HTTP (default: no HTTP port); see --http-writes for changes from the page",
     )
     p.add_argument(
         "--http-writes",

@@ -51,12 +51,8 @@ async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_ENDPOINT", "the OTLP default (localhost)"
     )
-    log.info(
-        "tracing on: exporters %s, OTLP %s to %s",
-        ",".join(tracing.exporters),
-        tracing.protocol,
-        endpoint,
-    )
+    otlp = f", OTLP {tracing.protocol} to {endpoint}" if "otlp" in tracing.exporters else ""
+    log.info("tracing on: exporters %s%s", ",".join(tracing.exporters), otlp)
     try:
         await _serve(settings, traces.tracer)
     finally:

@@ -68,7 +68,7 @@ class Settings:
     # whole for code that builds Settings itself (tests).
     metrics_key_labels: bool = True
     # One JSON line per answer on standard output (dataplane/http/accesslog.py),
-    # for this share of answers (every 5xx whatever the share).
+    # for this share of answers (every answer with an error whatever the share).
     access_log: bool = False
     access_log_sample: float = 1.0
 
@@ -303,7 +303,8 @@ def parse(argv: list[str]) -> Settings:
         default=1.0,
         metavar="RATE",
         help="with --access-log on, write this share of answers (0 < RATE <= 1), "
-        "chosen at random; every 5xx answer is written whatever the share",
+        "chosen at random; every answer with an error (refusals, 5xx, cut streams, "
+        "clients that left) is written whatever the share",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)

@@ -191,9 +191,8 @@ class Sampler:
         self.rate = rate
         self._rng = rng
 
-    def __call__(self, status: int, error: str) -> bool:
-        """Whether the answer with `status` and `error` (its error code, "" for
-        none) gets a line."""
+    def __call__(self, error: str) -> bool:
+        """Whether the answer with `error` (its error code, "" for none) gets a line."""
         return self.rate >= 1.0 or bool(error) or self._rng() < self.rate
 
 

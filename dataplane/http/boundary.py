@@ -137,7 +137,7 @@ def _record(
             ex.usage if ex.origin else None,
         )
     access = app.get(ACCESS_LOG)
-    if access is not None and access.sampled(status, error):
+    if access is not None and access.sampled(error):
         _access_line(
             access, request, request_id, endpoint, principal, ex, status, error, started, finished
         )
@@ -157,7 +157,7 @@ def _access_line(
 ) -> None:
     """Write the answer's access-log line (the caller has sampled it).
 
-    None for a request over a unix socket: a sibling worker asking for this
+    No line for a request over a unix socket: a sibling worker asking for this
     one's /metrics or /readyz (dataplane.workers), not a client."""
     sock = request.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
@@ -263,7 +263,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     )
     access = request.app.get(ACCESS_LOG)
     code = error.code or ""
-    if access is not None and access.sampled(417, code):
+    if access is not None and access.sampled(code):
         name = request.match_info.route.name or "other"
         _access_line(
             access, request, request_id, name, None, None, 417, code, started, time.perf_counter()

@@ -252,7 +252,9 @@ def test_names_are_shown_as_text_never_run_as_markup(page: webdriver.Chrome) -> 
     assert page.execute_script("return window.pwned === undefined")
 
 
-def test_with_writes_off_the_page_says_why_and_offers_no_button(page: webdriver.Chrome) -> None:
+def test_with_writes_off_the_page_says_why_and_its_buttons_are_disabled(
+    page: webdriver.Chrome,
+) -> None:
     why = "changes from this page are off (--http-writes off); use pontoctl"
     found = page.execute_script(
         "render(arguments[0]);"

@@ -153,17 +153,16 @@ class Rng:
 
 def test_sampling_keeps_the_rate_and_every_answer_with_an_error() -> None:
     sample = Sampler(0.25, rng=Rng(0.1, 0.3, 0.2499, 0.9))
-    assert [sample(200, ""), sample(200, ""), sample(201, ""), sample(304, "")] == [
+    assert [sample(""), sample(""), sample(""), sample("")] == [
         True,
         False,
         True,
         False,
     ]
     # No draw for an error (the Rng is empty): refusals, 5xx, cut streams, 499s.
-    for status, error in ((502, "upstream_unavailable"), (404, "not_found"),
-                          (200, "stream_cut"), (499, "client_disconnected")):  # fmt: skip
-        assert sample(status, error)
-    assert Sampler(1.0, rng=Rng())(200, "")  # rate 1 draws nothing
+    for error in ("upstream_unavailable", "not_found", "stream_cut", "client_disconnected"):
+        assert sample(error)
+    assert Sampler(1.0, rng=Rng())("")  # rate 1 draws nothing
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError):
             Sampler(bad)
