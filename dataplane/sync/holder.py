@@ -8,6 +8,8 @@ that fails is refused (the link NACKs it) and the previous one keeps serving.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +47,9 @@ class TableHolder:
         # Called after a table with new content is installed.
         self.on_apply: list[Callable[[Routes, EdgePolicy], None]] = []
         self.source = "none"
+        # Set once a first table is installed (asyncio.Event binds no loop
+        # until it is awaited, so building the holder stays side-effect free).
+        self._installed = asyncio.Event()
         self.applied_at = 0.0  # time.time() of the last apply
         self.received_at = 0.0  # time.time() the control plane last sent a table
         self._saved = (
@@ -82,6 +87,7 @@ class TableHolder:
         self.routes = routes
         self.policy = policy
         self.source = source
+        self._installed.set()
         for hook in self.on_apply:
             hook(routes, policy)
         self.applied_at = time.time()
@@ -98,6 +104,13 @@ class TableHolder:
         if source == "control-plane":
             self._save(table)
         return True
+
+    async def wait_first(self, within: float) -> bool:
+        """Wait up to `within` seconds for a first table; True once one is installed."""
+        if self.routes is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._installed.wait(), within)
+        return self.routes is not None
 
     def _save(self, table: pb.RouteTable) -> None:
         if self._saved is not None:

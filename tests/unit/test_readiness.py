@@ -158,3 +158,30 @@ async def test_proxy_is_not_ready_until_it_holds_a_route_table() -> None:
         assert resp.status == 200, await resp.text()
     finally:
         await client.close()
+
+
+async def test_a_request_before_the_first_table_waits_for_it() -> None:
+    # A worker that has just started is reachable before its table arrives (it
+    # shares the port with siblings that are ready): the request waits for the
+    # table instead of answering 503, and is refused only if none comes.
+    control = f"127.0.0.1:{free_port()}"
+    app = build_app(parse_proxy(["--region", "us-east", "--control-plane", control]))
+    client: TestClient[web.Request, web.Application] = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        request = asyncio.ensure_future(
+            client.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+        )
+        await asyncio.sleep(0.1)  # the request is in, waiting on the holder
+        assert not request.done()
+        table = pb.RouteTable(
+            version=7, regions=[pb.Region(name="us-east", latitude=39.0, longitude=-77.0)]
+        )
+        table.etag = content_etag(table)
+        app[HOLDER].apply(table, "control-plane")
+        resp = await request
+        # Answered on the table (no such model), not refused for want of one.
+        body = await resp.json()
+        assert body["error"]["code"] != "no_route_table", body
+    finally:
+        await client.close()
