@@ -4,7 +4,7 @@ render, the metric names the code exports, and the names a PromQL expression rea
 promtool is Debian's (package `prometheus`; `make check` run as root or under CI=true
 installs it when missing).
 Under CI=true a missing promtool fails the test that needs it; elsewhere it skips, saying
-so. Helm is the binary `make helm` installs, fetched by the same script when missing.
+so. Helm renders the chart as tests/helm/test_chart.py does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from dataplane.http.pipeline import ENDPOINTS
-
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "charts" / "ponto"
-HELM_DIR = ROOT / ".cache" / "helm"
-KUBE_VERSION = "1.30.0"
+from tests.helm.test_chart import helm_binary
+from tests.helm.test_chart import render as chart_render
 
 
 def promtool() -> str:
@@ -46,36 +42,9 @@ def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
     )
 
 
-def helm() -> Path:
-    binary = HELM_DIR / "helm"
-    if not binary.is_file():
-        subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "fetch_helm.py"), str(HELM_DIR)], check=True
-        )
-    return binary
-
-
 def render(*args: str) -> list[dict[str, Any]]:
     """`helm template` of the chart (release and namespace "ponto") with extra args."""
-    out = subprocess.run(
-        [
-            str(helm()),
-            "template",
-            "ponto",
-            str(CHART),
-            "--namespace",
-            "ponto",
-            "--kube-version",
-            KUBE_VERSION,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return chart_render(helm_binary(), *args)
 
 
 # Sample names a family of each type exports (prometheus_client's, less `_created`).

@@ -40,14 +40,19 @@ REGIONS = ("us-east", "eu-west", "ap-southeast")
 Doc = dict[str, Any]
 
 
-@pytest.fixture(scope="session")
-def helm() -> Path:
+def helm_binary() -> Path:
+    """The binary `make helm` installs, fetched by the same script when missing."""
     binary = HELM_DIR / "helm"
     if not binary.is_file():
         subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "fetch_helm.py"), str(HELM_DIR)], check=True
         )
     return binary
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    return helm_binary()
 
 
 def template(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helm.test_chart import ROOT
 from tests.monitoring import (
-    ROOT,
     exported_names,
     metric_names,
     render,

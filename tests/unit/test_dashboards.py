@@ -13,9 +13,8 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 
+from tests.helm.test_chart import CHART, ROOT
 from tests.monitoring import (
-    CHART,
-    ROOT,
     check_exprs,
     exported_names,
     metric_names,

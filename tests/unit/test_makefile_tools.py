@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.monitoring import ROOT
+from tests.helm.test_chart import ROOT
 
 MAKE = shutil.which("make")
 pytestmark = pytest.mark.skipif(MAKE is None, reason="no make")
