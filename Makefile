@@ -65,6 +65,15 @@ $(PROMTOOL):
 	$(call apt-tool,promtool,--no-install-recommends prometheus,the alert and dashboard tests skip)
 
 
+# Debian's redis-server backs the regional cache (issue 16) in tests, the demo and
+# chart-run; without it those tests skip (or fail under CI=true) and the demo's
+# proxies keep their cache local.
+REDIS := redis-server
+.PHONY: $(REDIS)
+
+$(REDIS):
+	$(call apt-tool,redis-server,--no-install-recommends redis-server,the regional-cache tests skip and the demo caches per proxy)
+
 # Debian's chromium and chromium-driver run the status page's browser tests
 # (tests/e2e/test_status_page.py); without them those tests skip, or fail under
 # CI=true.
@@ -79,7 +88,7 @@ $(CHROMIUM):
 screenshots: $(STAMP) $(CHROMIUM)
 	PYTHONPATH=. $(PY) scripts/screenshot_status.py --out docs
 
-check: lint proto-check helm-check chart-run $(PROMTOOL) $(CHROMIUM)
+check: lint proto-check helm-check $(REDIS) chart-run $(PROMTOOL) $(CHROMIUM)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: check
@@ -122,21 +131,21 @@ chart-run: $(HELM) $(STAMP)
 kind-e2e: $(HELM) $(STAMP)
 	HELM=$(HELM) bash scripts/kind-e2e.sh
 
-unit: $(STAMP) $(PROMTOOL)
+unit: $(STAMP) $(PROMTOOL) $(REDIS)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-integration: $(STAMP)
+integration: $(STAMP) $(REDIS)
 	$(BIN)/pytest tests/integration $(PYTEST_ARGS)
 
-e2e: $(STAMP) $(CHROMIUM)
+e2e: $(STAMP) $(CHROMIUM) $(REDIS)
 	$(BIN)/pytest tests/e2e $(PYTEST_ARGS)
 
 # The whole system on a laptop: etcd, the control plane, three simulated origins
 # in three regions and two proxies. Stays up until Ctrl-C.
-demo: $(STAMP)
+demo: $(STAMP) $(REDIS)
 	$(BIN)/ponto-demo
 
-demo-check: $(STAMP)
+demo-check: $(STAMP) $(REDIS)
 	$(BIN)/ponto-demo --check
 
 # Debian's wrk drives bench.compare's closed loop (maximum rate, server CPU per

@@ -311,6 +311,70 @@ def start_etcd(
     return Etcd(managed, client_port, peer_port, data_dir, scheme)
 
 
+def find_redis() -> Path:
+    """The redis-server (or valkey-server) binary on PATH (Debian's redis-server
+    package; `make redis-server` installs it as root or under CI)."""
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return Path(found)
+    raise DevEnvError("redis-server not found; install it with: sudo apt-get install redis-server")
+
+
+@dataclass
+class Redis:
+    """A redis-server on loopback, persistence off, with a memory bound."""
+
+    managed: Managed
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.managed.stop()
+
+    def kill(self) -> None:
+        self.managed.kill()
+
+
+def start_redis(
+    workdir: Path,
+    *,
+    name: str = "redis",
+    port: int = 0,
+    maxmemory_mb: int = 64,
+    timeout: float = 20.0,
+) -> Redis:
+    """Start redis-server on 127.0.0.1; reusing port restarts "the same" server
+    (empty: nothing is persisted, as a cache's Redis usually runs).
+
+    Eviction is allkeys-lru under maxmemory_mb, so Redis's own bound and
+    eviction hold what the regional cache keeps.
+    """
+    binary = find_redis()
+    port = port or free_port()
+    argv = [
+        str(binary),
+        "--bind", "127.0.0.1",
+        "--port", str(port),
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(workdir),
+        "--maxmemory", f"{maxmemory_mb}mb",
+        "--maxmemory-policy", "allkeys-lru",
+        "--loglevel", "warning",
+    ]  # fmt: skip
+    managed = spawn(name, argv, workdir)
+    try:
+        wait_for_port("127.0.0.1", port, timeout, managed.proc)
+    except DevEnvError as exc:
+        managed.stop()
+        raise DevEnvError(f"{exc}\n{managed.log_tail()}") from exc
+    return Redis(managed, port)
+
+
 def python_entry(module: str) -> list[str]:
     """argv prefix to run one of Ponto's entry points with this interpreter."""
     return [sys.executable, "-m", module]

