@@ -6,7 +6,7 @@ Layout (integers big-endian):
     created_at f64 | model: u32 length + UTF-8
     body:    u32 length + bytes                              (flags bit 0 clear)
     chunks:  u32 count, then per chunk u32 length + bytes     (flags bit 0 set)
-             usage_only: u32 count, then u32 indexes
+             usage_only: u32 count, then u32 indexes, increasing
 
 Another proxy, possibly of another version, reads what this one wrote: a value
 that is not exactly this (another version, truncated, trailing bytes, an index
@@ -19,6 +19,7 @@ Pure; safe from any thread.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from typing import Any
@@ -80,9 +81,12 @@ def from_bytes(data: bytes) -> CachedResponse:
     if flags & _STREAMED:
         count = reader.u32()
         chunks = tuple(reader.take(reader.u32()) for _ in range(reader.bounded(count, 4)))
-        usage_only = frozenset(reader.u32() for _ in range(reader.bounded(reader.u32(), 4)))
-        if any(i >= len(chunks) for i in usage_only):
+        indexes = [reader.u32() for _ in range(reader.bounded(reader.u32(), 4))]
+        if any(a >= b for a, b in itertools.pairwise(indexes)):
+            raise EntryDecodeError("usage indexes out of order")
+        if indexes and indexes[-1] >= len(chunks):
             raise EntryDecodeError("a usage index past the last chunk")
+        usage_only = frozenset(indexes)
         reader.end()
         return CachedResponse(
             kind=kind, created_at=created_at, model=model, chunks=chunks, usage_only=usage_only

@@ -267,10 +267,7 @@ class RegionalStore:
         rkey = self.region_key(key, tenant, model)
         value = _EXPIRY.pack(self._clock() + ttl_s) + to_bytes(entry)
         ttl_ms = max(1, math.ceil(ttl_s * 1000))
-        task = self._spawn(
-            self.link.call("set", lambda r: r.set(ENTRY_PREFIX + rkey, value, px=ttl_ms)),
-            op="set",
-        )
+        task = self._spawn(self._write(rkey, value, ttl_ms, self._writing.get(rkey)), op="set")
         if task is not None:
             self._writing[rkey] = task
             task.add_done_callback(lambda done: self._written(rkey, done))
@@ -279,14 +276,18 @@ class RegionalStore:
     async def delete(self, key: str, *, tenant: str = "", model: str = "") -> bool:
         held = await self.local.delete(key)
         if tenant or model:
-            rkey = ENTRY_PREFIX + self.region_key(key, tenant, model)
-            await self.link.call("delete", lambda r: r.unlink(rkey))
+            rkey = self.region_key(key, tenant, model)
+            pending = self._writing.get(rkey)
+            if pending is not None:  # so that it does not land after the delete
+                await asyncio.wait([pending])
+            await self.link.call("delete", lambda r: r.unlink(ENTRY_PREFIX + rkey))
         return held
 
     async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
         """Drop the scope's local entries (the count returned) and, from one proxy
         of the region at a time, its keys in Redis (every epoch), bounded."""
         dropped = await self.local.purge(tenant=tenant, model=model)
+        await self.flush()  # no write in flight lands after the purge
         scope = (_escaped(tenant), _escaped(model))
         claim = PURGING_PREFIX + ":".join(name or "*" for name in scope)
         token = f"{self.name}:{next(self._tokens)}"
@@ -340,8 +341,8 @@ class RegionalStore:
     # ------------------------------------------------------------ lifetime
 
     async def flush(self) -> None:
-        """Wait for the writes and lock releases in flight."""
-        while self._tasks:
+        """Wait for the writes and lock releases in flight now (not later ones)."""
+        if self._tasks:
             await asyncio.wait(list(self._tasks))
 
     async def close(self) -> None:
@@ -406,6 +407,13 @@ class RegionalStore:
                 dropped += len(keys)
             if cursor == 0:
                 return
+
+    async def _write(
+        self, rkey: str, value: bytes, ttl_ms: int, previous: asyncio.Task[Any] | None
+    ) -> None:
+        if previous is not None:  # writes of one key land in order
+            await asyncio.wait([previous])
+        await self.link.call("set", lambda r: r.set(ENTRY_PREFIX + rkey, value, px=ttl_ms))
 
     def _written(self, rkey: str, task: asyncio.Task[Any]) -> None:
         if self._writing.get(rkey) is task:
