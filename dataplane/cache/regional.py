@@ -103,13 +103,15 @@ class RegionLink:
     def client(self) -> Redis:
         """The redis.asyncio client (created on first use; no I/O until a command)."""
         if self._client is None:
-            # No retries inside redis-py: the breaker decides when to try again,
-            # and a retry would overrun the call's deadline anyway.
+            # One immediate retry inside redis-py: a pooled connection that
+            # died with a restarted Redis fails once, and must not open the
+            # breaker for a server that answers. The breaker decides the rest,
+            # and the call's deadline bounds both tries.
             self._client = Redis.from_url(
                 self.url,
                 socket_connect_timeout=self._connect_timeout,
                 socket_timeout=max(self._deadline, *self._deadlines.values(), 1.0),
-                retry=Retry(NoBackoff(), 0),
+                retry=Retry(NoBackoff(), 1),
                 health_check_interval=0,
             )
         return self._client
