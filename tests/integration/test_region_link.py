@@ -14,6 +14,7 @@ import pytest
 
 from dataplane.cache.regional import RegionLink, RegionURLError, check_url
 from dataplane.metrics import Metrics
+from dataplane.settings import parse
 from ponto.devenv import Redis, free_port, start_redis
 from tests.conftest import redis_binary_or_skip
 
@@ -139,3 +140,15 @@ def test_bad_urls_are_one_line_errors(url: str) -> None:
 def test_good_urls_pass() -> None:
     assert check_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert check_url("rediss://user:pw@cache.internal:6380/2")
+
+
+def test_the_redis_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["--region=r"]).redis_url == ""
+    assert parse(["--region=r", "--redis=redis://10.0.0.7:6379/1"]).redis_url == (
+        "redis://10.0.0.7:6379/1"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--region=r", "--redis=http://10.0.0.7:6379"])
+    assert exit_.value.code == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "--redis 'http://10.0.0.7:6379': expected redis://HOST:PORT/DB" in error
