@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -44,6 +44,11 @@ T = TypeVar("T")
 
 DEFAULT_DEADLINE_S = 0.05
 CONNECT_TIMEOUT_S = 0.25
+# Connections per worker. Redis answers in a fraction of a millisecond, so a
+# few dozen connections carry tens of thousands of calls a second; background
+# writes take at most half (dataplane.cache.regionstore.MAX_WRITES).
+MAX_CONNECTIONS = 128
+WARM_CONNECTIONS = 16
 URL_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -107,13 +112,23 @@ class RegionLink:
             # died with a restarted Redis fails once, and must not open the
             # breaker for a server that answers. The breaker decides the rest,
             # and the call's deadline bounds both tries.
-            self._client = Redis.from_url(
+            # A blocking pool: a call that finds every connection busy waits
+            # for one (within its deadline) instead of failing at once, as
+            # redis-py's default pool does past 100 connections.
+            pool = BlockingConnectionPool.from_url(
                 self.url,
+                max_connections=MAX_CONNECTIONS,
+                timeout=None,
                 socket_connect_timeout=self._connect_timeout,
                 socket_timeout=max(self._deadline, *self._deadlines.values(), 1.0),
                 retry=Retry(NoBackoff(), 1),
                 health_check_interval=0,
+                # No CLIENT SETINFO on connect: two round trips fewer, which
+                # matters when a burst opens many connections at once.
+                lib_name=None,
+                lib_version=None,
             )
+            self._client = Redis.from_pool(pool)
         return self._client
 
     @property
@@ -143,8 +158,17 @@ class RegionLink:
                 _safe(self.url),
                 self._last_error,
             )
-        else:
-            self._warned = False
+            return
+        self._warned = False
+        # Opening a connection costs a few milliseconds of this loop's time: a
+        # burst that found the pool cold would open dozens at once and overrun
+        # its deadlines. Open some now, with time to spare.
+        await asyncio.gather(
+            *(
+                self.call("ping", lambda r: r.ping(), deadline_s=1.0)
+                for _ in range(WARM_CONNECTIONS)
+            )
+        )
 
     async def close(self) -> None:
         self._closed = True

@@ -73,8 +73,9 @@ LOCK_PREFIX = "ponto:lock:"
 PURGING_PREFIX = "ponto:purging:"
 
 # Background writes in flight at most; more are dropped (and counted): a slow
-# Redis must not pile up tasks and memory in the proxy.
-MAX_WRITES = 256
+# Redis must not pile up tasks and memory in the proxy, nor take every
+# connection from lookups (dataplane.cache.regional.MAX_CONNECTIONS).
+MAX_WRITES = 64
 # The flight lock's life without a refresh: how long other proxies wait for a
 # leader that died. Refreshed every third of it while the origin call runs.
 LOCK_TTL_S = 5.0
