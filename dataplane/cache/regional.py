@@ -125,8 +125,7 @@ class RegionLink:
                 health_check_interval=0,
                 # No CLIENT SETINFO on connect: two round trips fewer, which
                 # matters when a burst opens many connections at once.
-                lib_name=None,
-                lib_version=None,
+                driver_info=None,
             )
             self._client = Redis.from_pool(pool)
         return self._client
