@@ -11,7 +11,9 @@ Every proxy of a region reads and writes the same Redis, so an answer one proxy
 got from an origin is a hit on every other: the region's hit rate no longer
 falls as replicas are added. Redis is optional at every step: a failure, a
 timeout or an open breaker (dataplane.cache.regional.RegionLink) is a miss, and
-writes are dropped, never waited for by a client.
+writes are dropped, never waited for by a client. The store reaches Redis
+through a `RegionSide` (dataplane.cache.regionside): `RedisSide` in the proxy,
+`MemorySide` in unit tests.
 
 Redis keys (names escaped so that `:` and glob characters cannot collide):
 
@@ -56,14 +58,11 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
-from functools import partial
 from typing import Any
-
-from redis.asyncio import Redis
 
 from dataplane.cache.codec import EntryDecodeError, from_bytes, to_bytes
 from dataplane.cache.entry import CachedResponse
-from dataplane.cache.regional import RegionLink
+from dataplane.cache.regionside import RegionSide
 from dataplane.cache.store import EvictListener, ExactStore, Found, StoreStats
 
 log = logging.getLogger(__name__)
@@ -83,21 +82,11 @@ LOCK_TTL_S = 5.0
 FOLLOW_POLL_S = 0.02
 # At most this many keys dropped per purge; the rest age out (see the docstring).
 PURGE_MAX_KEYS = 100_000
-PURGE_SCAN_COUNT = 500
 # Decode failures are logged at most this often (they are all counted).
 DECODE_WARNING_EVERY_S = 60.0
 
 _EXPIRY = struct.Struct(">d")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-# Delete or extend a lock only if this proxy still holds it.
-_RELEASE = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-)
-_REFRESH = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then "
-    "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-)
 
 
 def escape(name: str) -> str:
@@ -151,13 +140,12 @@ class RegionLock:
         self._refresher.add_done_callback(store._refreshers.discard)
 
     async def _refresh(self) -> None:
-        link = self._store.link
-        ttl_ms = str(int(self._store.lock_ttl_s * 1000))
+        side = self._store.side
+        ttl_ms = int(self._store.lock_ttl_s * 1000)
         lock = LOCK_PREFIX + self.rkey
         while True:
             await asyncio.sleep(self._store.lock_ttl_s / 3)
-            held = await link.call("lock", lambda r: _eval(r, _REFRESH, lock, self._token, ttl_ms))
-            if not held:
+            if not await side.refresh(lock, self._token, ttl_ms):
                 return  # lost (expired, or Redis failed): others may lead now
 
     def release(self) -> None:
@@ -173,7 +161,7 @@ class RegionLock:
         if pending is not None:
             await asyncio.wait([pending])
         lock = LOCK_PREFIX + self.rkey
-        await self._store.link.call("unlock", lambda r: _eval(r, _RELEASE, lock, self._token))
+        await self._store.side.release(lock, self._token)
 
 
 class RegionalStore:
@@ -187,7 +175,7 @@ class RegionalStore:
     def __init__(
         self,
         local: ExactStore,
-        link: RegionLink,
+        side: RegionSide,
         *,
         name: str,
         clock: Callable[[], float] = time.time,
@@ -197,7 +185,7 @@ class RegionalStore:
         purge_max_keys: int = PURGE_MAX_KEYS,
     ) -> None:
         self.local = local
-        self.link = link
+        self.side = side
         self.name = name
         self.lock_ttl_s = lock_ttl_s
         self._clock = clock
@@ -255,7 +243,7 @@ class RegionalStore:
             self._count(True)
             return Found(entry, "local")
         rkey = self.region_key(key, tenant, model)
-        raw = await self.link.call("get", lambda r: r.get(ENTRY_PREFIX + rkey))
+        raw = await self.side.get(ENTRY_PREFIX + rkey)
         entry = await self._adopt(raw, key, tenant, model)
         self._count(entry is not None)
         return Found(entry, "region") if entry is not None else None
@@ -281,7 +269,7 @@ class RegionalStore:
             pending = self._writing.get(rkey)
             if pending is not None:  # so that it does not land after the delete
                 await asyncio.wait([pending])
-            await self.link.call("delete", lambda r: r.unlink(ENTRY_PREFIX + rkey))
+            await self.side.unlink(ENTRY_PREFIX + rkey)
         return held
 
     async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
@@ -292,14 +280,12 @@ class RegionalStore:
         scope = (_escaped(tenant), _escaped(model))
         claim = PURGING_PREFIX + ":".join(name or "*" for name in scope)
         token = f"{self.name}:{next(self._tokens)}"
-        won = await self.link.call(
-            "purge", lambda r: _set_nx(r, claim, token, int(self.lock_ttl_s * 12_000))
-        )
+        won = await self.side.set_nx(claim, token, int(self.lock_ttl_s * 12_000))
         if won:
             try:
                 await self._unlink_matching(*scope)
             finally:
-                await self.link.call("purge", lambda r: _eval(r, _RELEASE, claim, token))
+                await self.side.release(claim, token)
         return dropped
 
     # ------------------------------------------------------------ flights
@@ -311,7 +297,7 @@ class RegionalStore:
         rkey = self.region_key(key, tenant, model)
         token = f"{self.name}:{next(self._tokens)}"
         ttl_ms = int(self.lock_ttl_s * 1000)
-        got = await self.link.call("lock", lambda r: _set_nx(r, LOCK_PREFIX + rkey, token, ttl_ms))
+        got = await self.side.set_nx(LOCK_PREFIX + rkey, token, ttl_ms)
         if got is None:
             return None
         return RegionLock(self, rkey, token) if got else False
@@ -327,9 +313,7 @@ class RegionalStore:
         give_up = loop.time() + max_wait_s
         while loop.time() < give_up:
             await asyncio.sleep(self._poll_s)
-            got = await self.link.call(
-                "follow", lambda r: _get_and_exists(r, ENTRY_PREFIX + rkey, LOCK_PREFIX + rkey)
-            )
+            got = await self.side.get_and_exists(ENTRY_PREFIX + rkey, LOCK_PREFIX + rkey)
             if got is None:
                 return None
             raw, held = got
@@ -361,7 +345,7 @@ class RegionalStore:
         if droppable and len(self._tasks) >= self._max_writes:
             if asyncio.iscoroutine(work):
                 work.close()
-            self.link.count(op, "dropped")
+            self.side.count(op, "dropped")
             return None
         task: asyncio.Task[Any] = asyncio.ensure_future(work)
         self._tasks.add(task)
@@ -379,7 +363,7 @@ class RegionalStore:
             (expires_at,) = _EXPIRY.unpack_from(raw)
             entry = from_bytes(raw[_EXPIRY.size :])
         except EntryDecodeError as exc:
-            self.link.error("decode")
+            self.side.error("decode")
             now = time.monotonic()
             if now - self._decode_warned_at >= DECODE_WARNING_EVERY_S:
                 self._decode_warned_at = now
@@ -398,13 +382,13 @@ class RegionalStore:
         cursor = 0
         dropped = 0
         while dropped < self._purge_max_keys:
-            page = await self.link.call("purge", partial(_scan, cursor=cursor, match=pattern))
+            page = await self.side.scan(cursor, pattern)
             if page is None:
                 return
             cursor, found = page
             keys = [k for k in found if _in_scope(k, tenant, model)]
             if keys:
-                await self.link.call("purge", partial(_unlink, keys=keys))
+                await self.side.unlink(*keys)
                 dropped += len(keys)
             if cursor == 0:
                 return
@@ -414,7 +398,7 @@ class RegionalStore:
     ) -> None:
         if previous is not None:  # writes of one key land in order
             await asyncio.wait([previous])
-        await self.link.call("set", lambda r: r.set(ENTRY_PREFIX + rkey, value, px=ttl_ms))
+        await self.side.set(ENTRY_PREFIX + rkey, value, ttl_ms)
 
     def _written(self, rkey: str, task: asyncio.Task[Any]) -> None:
         if self._writing.get(rkey) is task:
@@ -431,37 +415,11 @@ def _escaped(name: str | None) -> str | None:
     return None if name is None else escape(name)
 
 
-def _in_scope(rkey: bytes | str, tenant: str | None, model: str | None) -> bool:
+def _in_scope(rkey: str, tenant: str | None, model: str | None) -> bool:
     # ponto:x:<epoch>:<tenant>:<model>:<key>; escaped names hold no ':'.
-    name = rkey.decode(errors="replace") if isinstance(rkey, bytes) else rkey
-    parts = name.split(":")
+    parts = rkey.split(":")
     return (
         len(parts) == 6
         and (tenant is None or parts[3] == tenant)
         and (model is None or parts[4] == model)
     )
-
-
-async def _scan(r: Redis, *, cursor: int, match: str) -> tuple[int, list[bytes | str]]:
-    return await r.scan(cursor=cursor, match=match, count=PURGE_SCAN_COUNT)
-
-
-async def _unlink(r: Redis, *, keys: list[bytes | str]) -> int:
-    return int(await r.unlink(*keys))
-
-
-async def _set_nx(r: Redis, key: str, value: str, ttl_ms: int) -> bool:
-    return (await r.set(key, value, nx=True, px=ttl_ms)) is True
-
-
-async def _eval(r: Redis, script: str, key: str, *args: str) -> int:
-    result = await r.eval(script, 1, key, *args)
-    return int(result)
-
-
-async def _get_and_exists(r: Redis, entry: str, lock: str) -> tuple[object, bool]:
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.get(entry)
-        pipe.exists(lock)
-        raw, held = await pipe.execute()
-    return raw, bool(held)

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from dataplane.cache.regional import RegionLink
+from dataplane.cache.regionside import RedisSide
 from dataplane.cache.regionstore import RegionalStore
 from dataplane.cache.step import EdgeCache, SemanticLayer
 from dataplane.cache.store import ExactStore
@@ -102,7 +103,8 @@ class Proxy:
         self.region_link: RegionLink | None = None
         if settings.redis_url:
             self.region_link = RegionLink(settings.redis_url, m)
-            self.store = RegionalStore(local, self.region_link, name=settings.name, clock=time.time)
+            side = RedisSide(self.region_link)
+            self.store = RegionalStore(local, side, name=settings.name, clock=time.time)
         store = self.store
         self.cache = cache = EdgeCache(
             store,

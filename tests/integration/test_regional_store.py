@@ -16,6 +16,7 @@ from dataplane.assemble import NO_RULES
 from dataplane.cache.keys import CHAT
 from dataplane.cache.policy import TenantCachePolicy
 from dataplane.cache.regional import RegionLink
+from dataplane.cache.regionside import RedisSide
 from dataplane.cache.regionstore import RegionalStore, RegionLock
 from dataplane.cache.step import CacheRequest, EdgeCache
 from dataplane.cache.store import CacheStore, ExactStore
@@ -24,6 +25,9 @@ from dataplane.policy import EdgePolicy, TenantRules
 from ponto.devenv import Redis, free_port
 from tests.unit.test_cache_store import FakeClock, StoreFactory, entry
 from tests.unit.test_cache_store import TestContract as _Contract
+from tests.unit.test_region_side import SideCase
+from tests.unit.test_region_side import TestDownSideContract as _DownSideContract
+from tests.unit.test_region_side import TestSideContract as _SideContract
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -37,18 +41,23 @@ class Region:
         self.url = url
         self.clock = clock
         self.stores: list[RegionalStore] = []
+        self.links: list[RegionLink] = []
 
     def proxy(self, name: str = "p", **kw: Any) -> RegionalStore:
         link = RegionLink(self.url, Metrics())
         local = ExactStore(max_bytes=1 << 20, clock=self.clock)
-        store = RegionalStore(local, link, name=name, clock=self.clock, **kw)
+        store = RegionalStore(local, RedisSide(link), name=name, clock=self.clock, **kw)
         self.stores.append(store)
+        self.links.append(link)
         return store
 
+    def metrics(self, store: RegionalStore) -> Metrics:
+        return self.links[self.stores.index(store)]._metrics
+
     async def close(self) -> None:
-        for store in self.stores:
+        for store, link in zip(self.stores, self.links, strict=True):
             await store.close()
-            await store.link.close()
+            await link.close()
 
 
 def flushall(server: Redis) -> None:
@@ -86,6 +95,33 @@ async def make_store(
 
 class TestContract(_Contract):
     """The CacheStore contract, run on RegionalStore with Redis up and down."""
+
+
+async def _real_time(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+@pytest.fixture
+async def up_side(redis_server: Redis) -> AsyncIterator[SideCase]:
+    flushall(redis_server)
+    link = RegionLink(redis_server.url, Metrics())
+    yield SideCase(RedisSide(link), _real_time)
+    await link.close()
+
+
+@pytest.fixture
+async def down_side() -> AsyncIterator[SideCase]:
+    link = RegionLink(f"redis://127.0.0.1:{free_port()}/0", Metrics())
+    yield SideCase(RedisSide(link), _real_time)
+    await link.close()
+
+
+class TestSideContract(_SideContract):
+    """The RegionSide contract on a real Redis (MemorySide runs it in tests/unit)."""
+
+
+class TestDownSideContract(_DownSideContract):
+    """... and on a Redis that is not there."""
 
 
 @pytest.fixture
@@ -175,9 +211,9 @@ async def test_a_value_that_does_not_decode_is_a_counted_miss(
     raw.set("ponto:x:0:t:m:k2", b"")
     assert await b.lookup("k", **S) is None
     assert await b.lookup("k2", **S) is None
-    metrics = b.link._metrics
+    metrics = region.metrics(b)
     assert sample(metrics, "ponto_cache_region_errors_total", op="decode") == 2
-    assert b.link.available  # Redis answered: no reason to skip it
+    assert region.links[0].available  # Redis answered: no reason to skip it
     assert len([r for r in caplog.records if "does not decode" in r.getMessage()]) == 1
 
 
@@ -186,7 +222,7 @@ async def test_writes_past_the_bound_are_dropped_and_counted(region: Region) -> 
     assert await a.put("k", entry(), tenant="t", model="m", ttl_s=60)  # locally kept
     await a.flush()
     assert await b.lookup("k", **S) is None
-    metrics = a.link._metrics
+    metrics = region.metrics(a)
     assert sample(metrics, "ponto_cache_region_requests_total", op="set", result="dropped") == 1
 
 
