@@ -76,6 +76,9 @@ class Settings:
     # "" for none (this proxy's memory only). Every proxy of a region names the
     # same one; see dataplane.cache.regionstore.
     redis_url: str = ""
+    # Deadline of each call to it; past it the call is a miss (see
+    # dataplane.cache.regional for why 50 ms).
+    redis_deadline_s: float = 0.05
 
 
 def available_cores() -> int:
@@ -253,6 +256,14 @@ def parse(argv: list[str]) -> Settings:
         "only until it answers). Default: none",
     )
     p.add_argument(
+        "--redis-deadline-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="deadline of each call to --redis; a call past it is a miss and the proxy "
+        "skips Redis for a while (default %(default)s)",
+    )
+    p.add_argument(
         "--cache-ttl",
         type=float,
         default=3600.0,
@@ -389,6 +400,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--cache-max-mb must be 0 (no cache) or more")
     if a.cache_ttl <= 0:
         p.error("--cache-ttl must be positive")
+    if not a.redis_deadline_ms > 0:
+        p.error("--redis-deadline-ms must be positive")
     if a.redis:
         try:
             check_url(a.redis)
@@ -454,5 +467,6 @@ def parse(argv: list[str]) -> Settings:
         access_log=a.access_log == "on",
         access_log_sample=a.access_log_sample,
         redis_url=a.redis,
+        redis_deadline_s=a.redis_deadline_ms / 1000,
     )
     return settings if slot is None else as_worker(settings, slot)

@@ -364,7 +364,7 @@ class RegionalStore:
             entry = from_bytes(raw[_EXPIRY.size :])
         except EntryDecodeError as exc:
             self.side.error("decode")
-            now = time.monotonic()
+            now = self._clock()
             if now - self._decode_warned_at >= DECODE_WARNING_EVERY_S:
                 self._decode_warned_at = now
                 log.warning("regional cache: a value that does not decode (%s), a miss", exc)

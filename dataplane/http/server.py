@@ -102,7 +102,9 @@ class Proxy:
         # group has its own link, so they share entries through Redis too.
         self.region_link: RegionLink | None = None
         if settings.redis_url:
-            self.region_link = RegionLink(settings.redis_url, m)
+            self.region_link = RegionLink(
+                settings.redis_url, m, deadline_s=settings.redis_deadline_s
+            )
             side = RedisSide(self.region_link)
             self.store = RegionalStore(local, side, name=settings.name, clock=time.time)
         store = self.store

@@ -160,15 +160,20 @@ def silent_redis() -> Iterator[str]:
         sock.close()
 
 
-def timeouts(stack: Stack) -> float:
-    """Region calls that ran out of their deadline, whatever their operation."""
+def total(stack: Stack, family_name: str, **labels: str) -> float:
+    """A counter summed over the labels not given."""
     return sum(
         sample.value
         for family in stack.app[METRICS].registry.collect()
-        if family.name == "ponto_cache_region_requests"
+        if family.name == family_name
         for sample in family.samples
-        if sample.labels.get("result") == "timeout"
+        if sample.name.endswith("_total") and labels.items() <= sample.labels.items()
     )
+
+
+def timeouts(stack: Stack) -> float:
+    """Region calls that ran out of their deadline, whatever their operation."""
+    return total(stack, "ponto_cache_region_requests", result="timeout")
 
 
 async def test_a_silent_redis_costs_a_probe_one_deadline(tmp_path: Path, silent_redis: str) -> None:
@@ -192,3 +197,30 @@ async def test_a_silent_redis_costs_a_probe_one_deadline(tmp_path: Path, silent_
         assert (status, headers["x-ponto-cache-tier"]) == (200, "local")
     finally:
         await stack.close()
+
+
+async def test_redis_killed_under_load_fails_no_request(
+    pair: tuple[Stack, Stack], own_redis: Redis
+) -> None:
+    """Both proxies under concurrent load with repeats, Redis killed halfway."""
+    a, b = pair
+    statuses: list[int] = []
+    killed = asyncio.Event()
+
+    async def client(n: int) -> None:
+        for i in range(30):
+            # Client n + 1 asks 7 steps later what client n asked, on the other proxy.
+            stack = (a, b)[n % 2]
+            resp = await stack.post(chat(f"question {(n * 7 + i) % 90}"))
+            await resp.read()
+            statuses.append(resp.status)
+            if len(statuses) == 120 and not killed.is_set():
+                own_redis.kill()
+                killed.set()
+
+    await asyncio.gather(*(client(n) for n in range(8)))
+    assert killed.is_set()
+    assert len(statuses) == 240 and set(statuses) == {200}
+    # Misses went on after the kill: Redis failed under them, and was skipped.
+    assert sum(total(s, "ponto_cache_region_errors") for s in pair) >= 1
+    assert sum(sample(s, "ponto_cache_hits_total", tier="region") for s in pair) >= 1

@@ -144,6 +144,8 @@ def test_good_urls_pass() -> None:
 
 def test_the_redis_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse(["--region=r"]).redis_url == ""
+    assert parse(["--region=r"]).redis_deadline_s == 0.05
+    assert parse(["--region=r", "--redis-deadline-ms=20"]).redis_deadline_s == 0.02
     assert parse(["--region=r", "--redis=redis://10.0.0.7:6379/1"]).redis_url == (
         "redis://10.0.0.7:6379/1"
     )
