@@ -82,6 +82,8 @@ LOCK_TTL_S = 5.0
 FOLLOW_POLL_S = 0.02
 # At most this many keys dropped per purge; the rest age out (see the docstring).
 PURGE_MAX_KEYS = 100_000
+# How long one proxy's claim on a purge's cleanup holds if it dies doing it.
+PURGE_CLAIM_TTL_MS = 60_000
 # Decode failures are logged at most this often (they are all counted).
 DECODE_WARNING_EVERY_S = 60.0
 
@@ -166,7 +168,7 @@ class RegionLock:
 
 class RegionalStore:
     """A CacheStore: `local` (the proxy's byte-bounded LRU) in front of the
-    region's Redis through `link`. See the module docstring.
+    region's Redis through `side`. See the module docstring.
 
     `clock` is the wall clock (entries' expiry is shared between proxies); the
     local store must use the same clock. `name` tells lock holders apart.
@@ -280,7 +282,7 @@ class RegionalStore:
         scope = (_escaped(tenant), _escaped(model))
         claim = PURGING_PREFIX + ":".join(name or "*" for name in scope)
         token = f"{self.name}:{next(self._tokens)}"
-        won = await self.side.set_nx(claim, token, int(self.lock_ttl_s * 12_000))
+        won = await self.side.set_nx(claim, token, PURGE_CLAIM_TTL_MS)
         if won:
             try:
                 await self._unlink_matching(*scope)
