@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dataplane.cache.regional import RegionURLError, check_url
+from dataplane.cache.regionurl import RegionURLError, check_url
 from dataplane.geo import TrustedProxies
 from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER

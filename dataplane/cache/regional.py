@@ -36,6 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from dataplane.cache.breaker import Admit, Breaker
+from dataplane.cache.regionurl import check_url
 from dataplane.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -49,25 +50,6 @@ CONNECT_TIMEOUT_S = 0.25
 # writes take at most half (dataplane.cache.regionstore.MAX_WRITES).
 MAX_CONNECTIONS = 128
 WARM_CONNECTIONS = 16
-URL_SCHEMES = ("redis", "rediss", "unix")
-
-
-class RegionURLError(ValueError):
-    """A --redis value that cannot name a Redis server."""
-
-
-def check_url(url: str) -> str:
-    """The URL as given when redis-py can use it; RegionURLError (one line) if not."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in URL_SCHEMES or not rest:
-        raise RegionURLError(
-            f"--redis {url!r}: expected redis://HOST:PORT/DB (or rediss://, unix://)"
-        )
-    try:
-        Redis.from_url(url)
-    except ValueError as exc:
-        raise RegionURLError(f"--redis {url!r}: {exc}") from None
-    return url
 
 
 class RegionLink:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from redis.asyncio import Redis
+if TYPE_CHECKING:  # redis-py is imported only by a proxy that uses it
+    from redis.asyncio import Redis
 
-from dataplane.cache.regional import RegionLink
+    from dataplane.cache.regional import RegionLink
 
 # Delete or extend a key only while it holds the caller's value (a lock's token).
 _RELEASE = (

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from dataplane.cache.regional import RegionLink
-from dataplane.cache.regionside import RedisSide
 from dataplane.cache.regionstore import RegionalStore
 from dataplane.cache.step import EdgeCache, SemanticLayer
 from dataplane.cache.store import ExactStore
@@ -63,6 +61,7 @@ from dataplane.upstream.forwarder import Forwarder
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
+    from dataplane.cache.regional import RegionLink
     from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -102,6 +101,10 @@ class Proxy:
         # group has its own link, so they share entries through Redis too.
         self.region_link: RegionLink | None = None
         if settings.redis_url:
+            # Imported here: redis-py costs memory a proxy without it keeps.
+            from dataplane.cache.regional import RegionLink  # noqa: PLC0415
+            from dataplane.cache.regionside import RedisSide  # noqa: PLC0415
+
             self.region_link = RegionLink(
                 settings.redis_url, m, deadline_s=settings.redis_deadline_s
             )

@@ -6,13 +6,17 @@ import asyncio
 import contextlib
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis as RedisClient
 
-from dataplane.cache.regional import RegionLink, RegionURLError, check_url
+from dataplane.cache.regional import RegionLink
+from dataplane.cache.regionurl import RegionURLError, check_url
 from dataplane.metrics import Metrics
 from dataplane.settings import parse
 from ponto.devenv import Redis, free_port, start_redis
@@ -130,7 +134,18 @@ async def test_catches_up_when_redis_comes_back(own_redis: Redis, workdir: Path)
             again.stop()
 
 
-@pytest.mark.parametrize("url", ["http://h:1/0", "localhost:6379", "redis://", ""])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://h:1/0",
+        "localhost:6379",
+        "redis://",
+        "",
+        "redis://h:port/0",
+        "redis://h:1/db",
+        "unix://",
+    ],
+)
 def test_bad_urls_are_one_line_errors(url: str) -> None:
     with pytest.raises(RegionURLError) as info:
         check_url(url)
@@ -138,8 +153,27 @@ def test_bad_urls_are_one_line_errors(url: str) -> None:
 
 
 def test_good_urls_pass() -> None:
-    assert check_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
-    assert check_url("rediss://user:pw@cache.internal:6380/2")
+    for url in (
+        "redis://127.0.0.1:6379/0",
+        "rediss://user:pw@cache.internal:6380/2",
+        "redis://valkey",
+        "unix:///run/redis.sock",
+    ):
+        assert check_url(url) == url
+        RedisClient.from_url(url)  # redis-py reads it too
+
+
+def test_a_proxy_without_redis_does_not_import_redis_py() -> None:
+    script = (
+        "import sys\n"
+        "from dataplane.http.server import build_app\n"
+        "from dataplane.settings import parse\n"
+        "build_app(parse(['--region=r']))\n"
+        "assert 'redis' not in sys.modules\n"
+        "build_app(parse(['--region=r', '--redis=redis://127.0.0.1:1/0']))\n"
+        "assert 'redis' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
 
 
 def test_the_redis_flag(capsys: pytest.CaptureFixture[str]) -> None:
