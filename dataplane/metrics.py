@@ -313,6 +313,34 @@ class Metrics:
             ["result", "kind"],
             registry=r,
         )
+        self.cache_hits = Counter(
+            "ponto_cache_hits",
+            "Cache hits by tier: local (this proxy's memory) or region (the region's Redis, "
+            "including answers another proxy of the region fetched for an identical request)",
+            ["tier"],
+            registry=r,
+        )
+        self.region_up = Gauge(
+            "ponto_cache_region_up",
+            "1 while the regional cache (Redis) answers; 0 when it is degraded (unreachable, "
+            "slow or failing: local cache and origins only) or not configured",
+            registry=r,
+        )
+        self.region_errors = Counter(
+            "ponto_cache_region_errors",
+            "Regional cache (Redis) calls that failed, timed out or gave an answer that did "
+            "not parse (op decode), by operation",
+            ["op"],
+            registry=r,
+        )
+        self.region_requests = Counter(
+            "ponto_cache_region_requests",
+            "Regional cache (Redis) calls by operation and result: ok, error, timeout, "
+            "skipped (not tried: the circuit breaker is open) or dropped (a background write "
+            "not made: too many in flight)",
+            ["op", "result"],
+            registry=r,
+        )
         self.cache_entries = Gauge("ponto_cache_entries", "Entries in the exact cache", registry=r)
         self.cache_bytes = Gauge("ponto_cache_bytes", "Bytes held by the exact cache", registry=r)
         self.cache_evictions = ReadCounter(

@@ -1,8 +1,8 @@
 """Where exact-cache entries live: a `CacheStore` protocol and its in-memory form.
 
-The protocol is async so that a shared store (Redis, a peer fetch) can be added
-behind it later without changing callers; `ExactStore` never actually suspends.
-Any implementation must pass tests/unit/test_cache_store.py::TestContract.
+The protocol is async so that a shared store (dataplane.cache.regionstore, on
+Redis) sits behind it without changing callers; `ExactStore` never actually
+suspends. Any implementation must pass tests/unit/test_cache_store.py::TestContract.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from dataplane.cache.entry import CachedResponse
 
@@ -44,17 +44,33 @@ class StoreStats:
     max_bytes: int = 0
 
 
+# Where a hit came from: this proxy's memory, or the region's shared store.
+Tier = Literal["local", "region"]
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    entry: CachedResponse
+    tier: Tier
+
+
 class CacheStore(Protocol):
     """A key -> entry map with TTLs, scoped by tenant and model for purges.
 
     Keys come from dataplane.cache.keys.cache_key and already hold the tenant and
-    the model; the `tenant`/`model` given to put() only index the entry for
-    purge(). Implementations are safe for concurrent use by the tasks of one
-    event loop.
+    the model; the `tenant`/`model` given to put() index the entry for purge(),
+    and a shared store also files the entry under them. Lookups give the same
+    scope, so that a shared store finds an entry another proxy stored; without
+    one (the defaults) a store looks only at what it holds itself.
+    Implementations are safe for concurrent use by the tasks of one event loop.
     """
 
-    async def get(self, key: str) -> CachedResponse | None:
+    async def get(self, key: str, *, tenant: str = "", model: str = "") -> CachedResponse | None:
         """The live entry under key, or None (absent or expired). Counts a hit or a miss."""
+        ...
+
+    async def lookup(self, key: str, *, tenant: str, model: str) -> Found | None:
+        """As get(), saying which tier the entry came from."""
         ...
 
     async def put(
@@ -64,8 +80,8 @@ class CacheStore(Protocol):
         the store refuses it (too large, ttl_s <= 0)."""
         ...
 
-    async def delete(self, key: str) -> bool:
-        """Drop one entry; whether there was one."""
+    async def delete(self, key: str, *, tenant: str = "", model: str = "") -> bool:
+        """Drop one entry (from every tier, given its scope); whether this store held one."""
         ...
 
     async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
@@ -145,7 +161,7 @@ class ExactStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def get(self, key: str) -> CachedResponse | None:
+    async def get(self, key: str, *, tenant: str = "", model: str = "") -> CachedResponse | None:
         slot = self._entries.get(key)
         if slot is None:
             self._misses += 1
@@ -159,6 +175,10 @@ class ExactStore:
         self._entries.move_to_end(key)
         self._hits += 1
         return slot.entry
+
+    async def lookup(self, key: str, *, tenant: str, model: str) -> Found | None:
+        entry = await self.get(key)
+        return Found(entry, "local") if entry is not None else None
 
     async def put(
         self, key: str, entry: CachedResponse, *, tenant: str, model: str, ttl_s: float
@@ -191,7 +211,7 @@ class ExactStore:
         self._notify(evicted, EvictReason.LRU)
         return True
 
-    async def delete(self, key: str) -> bool:
+    async def delete(self, key: str, *, tenant: str = "", model: str = "") -> bool:
         if key not in self._entries:
             return False
         self._remove(key)

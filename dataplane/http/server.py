@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from dataplane.cache.regionstore import RegionalStore
 from dataplane.cache.step import EdgeCache, SemanticLayer
 from dataplane.cache.store import ExactStore
 from dataplane.geo import TrustedProxies, open_locator
@@ -60,6 +61,7 @@ from dataplane.upstream.forwarder import Forwarder
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
+    from dataplane.cache.regional import RegionLink
     from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -93,12 +95,28 @@ class Proxy:
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
         self.draining = Draining()
         self.loads = LoadBoard()
-        self.store = store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
+        local = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
+        self.store: ExactStore | RegionalStore = local
+        # The region's Redis behind the local LRU; each worker of a --workers
+        # group has its own link, so they share entries through Redis too.
+        self.region_link: RegionLink | None = None
+        if settings.redis_url:
+            # Imported here: redis-py costs memory a proxy without it keeps.
+            from dataplane.cache.regional import RegionLink  # noqa: PLC0415
+            from dataplane.cache.regionside import RedisSide  # noqa: PLC0415
+
+            self.region_link = RegionLink(
+                settings.redis_url, m, deadline_s=settings.redis_deadline_s
+            )
+            side = RedisSide(self.region_link)
+            self.store = RegionalStore(local, side, name=settings.name, clock=time.time)
+        store = self.store
         self.cache = cache = EdgeCache(
             store,
             m,
             semantic_factory=_semantic_index,
             forward_headers=settings.upstream.forward_headers,
+            region_wait_s=settings.upstream.deadline,
         )
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
@@ -147,6 +165,8 @@ class Proxy:
         self.locator.locator = open_locator(settings.geoip_db)
         if self.access_log is not None:
             self.access_log.start()
+        if self.region_link is not None:
+            await self.region_link.start()
         # Per origin at most 1024 connections: past that, bursts wait for a free
         # keep-alive connection instead of opening (and tearing down) new ones.
         connector = aiohttp.TCPConnector(
@@ -181,6 +201,10 @@ class Proxy:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await session.close()
+            if isinstance(self.store, RegionalStore):
+                await self.store.close()
+            if self.region_link is not None:
+                await self.region_link.close()
             self.cache.close()  # the semantic index's embedding thread
             self.locator.close()
             await self.holder.flush()
