@@ -101,6 +101,9 @@ __all__ = [
 # (docs/semantic-cache.md has the table, bench/cache_eval.py reproduces it).
 DEFAULT_THRESHOLD = 0.90
 
+# Entries an index holds at most unless told otherwise (and its bytes bound it).
+DEFAULT_MAX_ENTRIES = 100_000
+
 # Memory of an entry's own objects beyond its strings and entity sets: the _Entry
 # (slots), its slots in three maps (global LRU, namespace LRU, by key); and of a
 # namespace beyond its context string: the _Space, its map, the namespace tuple and
@@ -189,6 +192,7 @@ class _Entry:
 class _Space:
     index: VectorIndex
     entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)  # LRU order
+    cost: int = 0  # bytes of the namespace itself, beyond entries and index
     # Bytes of the vector index: `report` = (its nbytes, `cum` when the executor
     # measured it), written by the executor thread only; `cum` = the sum of the
     # loop's predictions so far, so nbytes now ~ report[0] + cum - report[1].
@@ -231,7 +235,7 @@ class SemanticIndex:
         self,
         embedder: Embedder,
         *,
-        max_entries: int = 100_000,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
         max_entries_per_namespace: int = 20_000,
         candidates: int = 4,
         max_pending: int = 64,
@@ -283,7 +287,7 @@ class SemanticIndex:
         self.on_insert: InsertListener | None = None
         # Called after an insert has grown the index (the exact store's fit(), so
         # the two keep to one bound); may call remove().
-        self.on_grow: Callable[[], None] | None = None
+        self.on_grow: Callable[[], object] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -478,9 +482,9 @@ class SemanticIndex:
         space = self._spaces.get(namespace)
         if space is None:
             index = self._index_factory(vec.shape[0])
-            space = _Space(index)
+            space = _Space(index, cost=NAMESPACE_BYTES + sys.getsizeof(namespace[2]))
             self._spaces[namespace] = space
-            self._meta_bytes += NAMESPACE_BYTES + sys.getsizeof(namespace[2])
+            self._meta_bytes += space.cost
             self._predict(space, index.nbytes)  # read before the executor has it
         cost = ENTRY_BYTES + sys.getsizeof(key) + entities_bytes(entities)
         if text is not None:
@@ -565,6 +569,7 @@ class SemanticIndex:
 
     def _forget(self, space: _Space) -> None:
         """Stop counting a namespace's index (dropped, its entries gone)."""
+        self._meta_bytes -= space.cost
         nbytes, cum = space.report
         self._predict(space, -(nbytes + space.cum - cum))
         self._submit(self._unmeasured, space, self._cum)

@@ -277,6 +277,7 @@ class SemanticFeed:
         self._wake: asyncio.Event | None = None
         self._attached: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self._lock = threading.Lock()
         self.stats = FeedStats()
         self.last_id = b"0-0"  # of the last message read
@@ -308,6 +309,11 @@ class SemanticFeed:
 
     async def close(self) -> None:
         """Stop both tasks and close the tail's connection; queued messages are dropped."""
+        # The flag as well as the cancellation: Python 3.11's wait_for (in a link's
+        # call) can swallow a cancellation that races its result.
+        self._closing = True
+        if self._wake is not None:
+            self._wake.set()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -333,7 +339,7 @@ class SemanticFeed:
 
     async def _send(self) -> None:
         assert self._wake is not None
-        while True:
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
@@ -361,7 +367,7 @@ class SemanticFeed:
         index = self._index
         assert index is not None
         delay, failing = self._backoff[0], False
-        while True:
+        while not self._closing:
             try:
                 if failing:
                     await self._check_reset()
