@@ -17,7 +17,8 @@ One message per entry, fields (bytes):
     r   the newest purge revision the publisher had applied (decimal)
 
 Publishing (`publish`, the index's `on_insert`): the message is queued and one
-sender task XADDs queued messages in pipelined batches, trimming the stream to
+sender task XADDs queued messages in pipelined batches through the region link
+(op `sem_publish`, so its deadline, breaker and metrics apply), trimming the stream to
 about `maxlen` (MAXLEN ~, the most entries an index can hold). The queue is
 bounded: when it is full or the region link is down the message is dropped and
 counted. A request never waits for Redis.
@@ -92,10 +93,14 @@ _T = TypeVar("_T")
 
 Purges = Sequence[tuple[int, str, str]]  # (revision, tenant or "", model or "")
 
-# Messages per XADD pipeline and per XREAD; a batch of vector inserts is what a
-# lookup may wait behind in the index's executor during a replay (about 50 ms of
-# HNSW inserts).
+# Messages per XREAD: a batch of vector inserts is what a lookup may wait behind
+# in the index's executor during a replay (about 50 ms of HNSW inserts).
 BATCH = 256
+# Messages per XADD pipeline (about 2 kB each), and its deadline: a background
+# write, so longer than a lookup's, but a Redis that cannot take 64 kB in that
+# time is failing (the link's breaker opens).
+PUBLISH_BATCH = 32
+PUBLISH_DEADLINE_S = 0.25
 # Messages waiting to be published; past this they are dropped (the link is slow).
 MAX_QUEUED = 1024
 # How long one XREAD blocks; the tail's own connection times out a little later.
@@ -108,7 +113,9 @@ class RegionLinkLike(Protocol):
     @property
     def available(self) -> bool: ...
 
-    async def call(self, op: str, fn: Callable[[Redis], Awaitable[_T]]) -> _T | None: ...
+    async def call(
+        self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
+    ) -> _T | None: ...
 
 
 def stream_name(region: str) -> str:
@@ -343,8 +350,11 @@ class SemanticFeed:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
-                sent = await self._link.call("sem_publish", self._xadd(batch))
+                n = min(PUBLISH_BATCH, len(self._queue))
+                batch = [self._queue.popleft() for _ in range(n)]
+                sent = await self._link.call(
+                    "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S
+                )
                 if sent is None:
                     self.stats.dropped += len(batch)
                 else:

@@ -17,6 +17,7 @@ import pytest
 
 from dataplane.cache.embed import HashingEmbedder, Vectors
 from dataplane.cache.entities import extract
+from dataplane.cache.entry import CachedResponse, ResponseKind
 from dataplane.cache.semantic import (
     Inserted,
     SemanticHit,
@@ -24,6 +25,7 @@ from dataplane.cache.semantic import (
     entities_bytes,
     normalise_text,
 )
+from dataplane.cache.store import ExactStore
 from dataplane.cache.vectors import ExactIndex
 
 Q = "how do i reset my password for the mobile app"
@@ -495,3 +497,28 @@ async def test_on_grow_runs_after_an_insert(index: SemanticIndex) -> None:
 def test_entities_bytes_counts_the_strings() -> None:
     small, large = extract("hi"), extract("Order 123456 for Anna to Lisbon on the 3rd of May")
     assert entities_bytes(large) > entities_bytes(small) > 0
+
+
+async def test_store_and_index_keep_to_one_bound_together() -> None:
+    """Wired as the proxy wires them: the store yields to the index's bytes, the
+    index keeps to its share, and together they never pass the bound."""
+    bound = 1_000_000
+    store = ExactStore(max_bytes=bound, clock=lambda: 0.0)
+    idx = SemanticIndex(HashingEmbedder(dim=384), max_bytes=bound // 2)
+    store.reserved = lambda: idx.nbytes
+    store.on_evict = lambda key, reason: bool(idx.remove(key))
+    idx.on_grow = store.fit
+    body = CachedResponse(ResponseKind.CHAT, 0.0, "m", body=b"x" * 600)
+    for i in range(600):
+        key = f"key-{i}"
+        assert await store.put(key, body, tenant="t", model="m", ttl_s=60)
+        await idx.insert("t", "m", "", f"question {i} about topic {i % 7}", key)
+        await idx.flush()
+        assert store.stats.bytes + idx.nbytes <= bound
+    assert store.stats.evictions > 0
+    assert idx.nbytes <= bound // 2
+    # every semantic entry still points at an answer the store holds
+    keys = [e.key for e in idx._entries.values()]
+    assert keys
+    assert all([await store.get(key) is not None for key in keys])
+    idx.close()

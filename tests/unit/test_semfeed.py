@@ -1,7 +1,7 @@
 """The semantic feed's message format, purge rule and reply parsing (pure parts).
 
 The feed against a real Redis (two proxies, replay, faults) is in
-tests/integration/test_semfeed.py.
+tests/integration/test_semfeed_region.py.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class _Clock:
 class _NoLink:
     available = False
 
-    async def call(self, op: str, fn: object) -> None:
+    async def call(self, op: str, fn: object, *, deadline_s: float | None = None) -> None:
         return None
 
 

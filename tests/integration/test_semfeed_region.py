@@ -47,9 +47,12 @@ class StandInLink:
         self.client = Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.available = True
 
-    async def call(self, op: str, fn: Callable[[Redis], Awaitable[T]]) -> T | None:
+    async def call(
+        self, op: str, fn: Callable[[Redis], Awaitable[T]], *, deadline_s: float | None = None
+    ) -> T | None:
         try:
-            return await asyncio.wait_for(fn(self.client), 1.0)
+            async with asyncio.timeout(deadline_s or 1.0):
+                return await fn(self.client)
         except Exception:
             return None
 
