@@ -506,7 +506,11 @@ async def test_store_and_index_keep_to_one_bound_together() -> None:
     store = ExactStore(max_bytes=bound, clock=lambda: 0.0)
     idx = SemanticIndex(HashingEmbedder(dim=384), max_bytes=bound // 2)
     store.reserved = lambda: idx.nbytes
-    store.on_evict = lambda key, reason: bool(idx.remove(key))
+
+    def evicted(key: str, reason: object) -> None:
+        idx.remove(key)
+
+    store.on_evict = evicted
     idx.on_grow = store.fit
     body = CachedResponse(ResponseKind.CHAT, 0.0, "m", body=b"x" * 600)
     for i in range(600):
