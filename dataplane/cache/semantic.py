@@ -54,11 +54,14 @@ embedding was in flight during a purge is dropped, so nothing purged comes back.
 
 Memory (`nbytes`): every byte an entry keeps is counted, on the loop, at insert:
 the entry's objects and map slots, its key, text and entity signature (measured
-with sys.getsizeof), and its share of the namespace's vector index, whose
+with sys.getsizeof), and its share of the namespace's vector index (and the
+memo of recent embeddings, at most an eighth of `max_bytes`), whose
 allocated size (capacity included) the executor thread reports after each
 mutation (`VectorIndex.nbytes`). Between a mutation and its report the loop adds
 a prediction (a vector's bytes per add, minus per removal), corrected by the
-report, so eviction never waits for the executor and never overshoots for long.
+report, so eviction never waits for the executor; when an index grew its
+capacity beyond the prediction, the executor asks the loop to evict again
+(`_rebalance`), so the bound holds again within one turn of the loop.
 
 Region feed: `on_insert` (if set) is called with every entry `insert` adds, vector
 included, so that `dataplane.cache.semfeed` can publish it to the other proxies of
@@ -68,6 +71,7 @@ the region, whose feeds add it with `insert_vector` (no model call there).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import sys
@@ -272,8 +276,11 @@ class SemanticIndex:
         # origin answers; keeping recent preparations saves embedding it twice.
         # Keyed by tenant as well as text: a memo shared across tenants would let
         # one tenant time whether another just sent a text (a hit skips the model).
-        self._recent: OrderedDict[tuple[str, str], _Prepared] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, str], tuple[_Prepared, int]] = OrderedDict()
         self._recent_size = embedding_cache_size
+        # Its bytes count too, and it may take at most an eighth of max_bytes.
+        self._recent_bytes = 0
+        self._recent_max_bytes = max_bytes // 8 if max_bytes is not None else None
         self.stats = SemanticStats()
         # Memory (see the module doc): entries' and namespaces' own bytes, kept on
         # the loop; the vector indexes' total as the executor last measured it,
@@ -283,6 +290,7 @@ class SemanticIndex:
         self._vec_total = 0  # executor thread only
         self._vec_report: tuple[int, int] = (0, 0)
         self._vector_bytes = 4 * embedder.dim + 2 * ID_ENTRY_BYTES
+        self._loop: asyncio.AbstractEventLoop | None = None  # for _rebalance
         # See the module doc. Called on the loop; must be quick and must not raise.
         self.on_insert: InsertListener | None = None
         # Called after an insert has grown the index (the exact store's fit(), so
@@ -300,7 +308,7 @@ class SemanticIndex:
     def nbytes(self) -> int:
         """Memory held: entries, namespaces and vector indexes (see the module doc)."""
         total, cum = self._vec_report
-        return self._meta_bytes + total + self._cum - cum
+        return self._meta_bytes + self._recent_bytes + total + self._cum - cum
 
     def namespaces(self) -> int:
         return len(self._spaces)
@@ -356,10 +364,27 @@ class SemanticIndex:
             self._pending -= 1
 
     def _remember(self, memo: tuple[str, str], prepared: _Prepared) -> None:
-        self._recent[memo] = prepared
-        self._recent.move_to_end(memo)
-        if len(self._recent) > self._recent_size:
-            self._recent.popitem(last=False)
+        cost = (
+            ENTRY_BYTES
+            + sys.getsizeof(memo[1])
+            + sys.getsizeof(prepared.text)
+            + prepared.vector.nbytes
+            + entities_bytes(prepared.entities)
+        )
+        old = self._recent.pop(memo, None)
+        if old is not None:
+            self._recent_bytes -= old[1]
+        self._recent[memo] = (prepared, cost)
+        self._recent_bytes += cost
+        limit = self._recent_max_bytes
+        while len(self._recent) > self._recent_size or (
+            limit is not None and self._recent_bytes > limit and self._recent
+        ):
+            self._recent_bytes -= self._recent.popitem(last=False)[1][1]
+
+    def _recalled(self, memo: tuple[str, str]) -> _Prepared | None:
+        found = self._recent.get(memo)
+        return found[0] if found is not None else None
 
     # -- the API (event loop thread) ---------------------------------------------
 
@@ -379,7 +404,7 @@ class SemanticIndex:
         if space is None:
             return None  # nothing to compare with: do not spend an embedding
         memo = (tenant, text)
-        result = await self._run(self._lookup_sync, space.index, text, self._recent.get(memo))
+        result = await self._run(self._lookup_sync, space.index, text, self._recalled(memo))
         if isinstance(result, _Skipped):
             return None
         if result is None:
@@ -420,7 +445,7 @@ class SemanticIndex:
         """
         purges = self._purges
         memo = (tenant, text)
-        prepared = self._recent.get(memo)
+        prepared = self._recalled(memo)
         if prepared is None:
             result = await self._run(self._prepare_sync, text)
             if isinstance(result, _Skipped):
@@ -524,6 +549,7 @@ class SemanticIndex:
         """
         self._purges += 1
         self._recent.clear()
+        self._recent_bytes = 0
         doomed = [
             ns
             for ns in self._spaces
@@ -564,8 +590,11 @@ class SemanticIndex:
 
     def _mutate(self, space: _Space, op: Callable[..., None], delta: int, *args: object) -> None:
         """Submit op(*args) on space's index, predicting that it changes its bytes by delta."""
+        if self._loop is None:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing to rebalance on
+                self._loop = asyncio.get_running_loop()
         self._predict(space, delta)
-        self._submit(self._measured, space, op, args, space.cum, self._cum)
+        self._submit(self._measured, space, op, args, delta, space.cum, self._cum)
 
     def _forget(self, space: _Space) -> None:
         """Stop counting a namespace's index (dropped, its entries gone)."""
@@ -575,10 +604,17 @@ class SemanticIndex:
         self._submit(self._unmeasured, space, self._cum)
 
     def _measured(
-        self, space: _Space, op: Callable[..., None], args: tuple[object, ...], scum: int, cum: int
+        self,
+        space: _Space,
+        op: Callable[..., None],
+        args: tuple[object, ...],
+        delta: int,
+        scum: int,
+        cum: int,
     ) -> None:
         # Executor thread: the only writer of _vec_total and of the reports, which
         # the loop reads as whole tuples.
+        before = space.index.nbytes
         try:
             op(*args)
         finally:
@@ -586,6 +622,19 @@ class SemanticIndex:
             self._vec_total += nbytes - space.report[0]
             space.report = (nbytes, scum)
             self._vec_report = (self._vec_total, cum)
+            loop = self._loop
+            if nbytes - before > delta and loop is not None and not self._closed:
+                # The index grew its capacity: more than the loop had counted on.
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    loop.call_soon_threadsafe(self._rebalance)
+
+    def _rebalance(self) -> None:
+        """Back under max_bytes after an index grew past the loop's prediction, and
+        let the exact store make room (on_grow)."""
+        if self._max_bytes is not None:
+            while self._entries and self.nbytes > self._max_bytes:
+                self._evict(next(iter(self._entries.values())))
+        self._grown()
 
     def _unmeasured(self, space: _Space, cum: int) -> None:
         self._vec_total -= space.report[0]

@@ -526,3 +526,21 @@ async def test_store_and_index_keep_to_one_bound_together() -> None:
     assert keys
     assert all([await store.get(key) is not None for key in keys])
     idx.close()
+
+
+async def test_an_index_that_grows_its_capacity_is_brought_back_under_the_bound() -> None:
+    """One namespace whose array doubles (128 -> 256 rows) past what the loop had
+    predicted for one vector: once the executor has measured it, the index evicts
+    until it is under its bound again, and tells the store (on_grow)."""
+    bound = 500_000
+    idx = SemanticIndex(HashingEmbedder(dim=384), max_bytes=bound)
+    grown: list[int] = []
+    idx.on_grow = lambda: grown.append(idx.nbytes)
+    for i in range(300):
+        await idx.insert("t", "m", "", f"question {i} about topic {i % 7}", f"key-{i}")
+        await idx.flush()
+        await asyncio.sleep(0)  # the loop's turn for the executor's call back
+        assert idx.nbytes <= bound
+    assert idx.stats.evictions > 0
+    assert len(grown) > 300  # one per insert, and more after a growth
+    idx.close()
