@@ -58,7 +58,8 @@ with sys.getsizeof), and its share of the namespace's vector index (and the
 memo of recent embeddings, at most an eighth of `max_bytes`), whose
 allocated size (capacity included) the executor thread reports after each
 mutation (`VectorIndex.nbytes`). Between a mutation and its report the loop adds
-a prediction (a vector's bytes per add, minus per removal), corrected by the
+a prediction (a slot's id entries per add, minus per removal: capacity is
+allocated ahead and given back only when an index shrinks), corrected by the
 report, so eviction never waits for the executor; when an index grew its
 capacity beyond the prediction, the executor asks the loop to evict again
 (`_rebalance`), so the bound holds again within one turn of the loop.
@@ -289,7 +290,11 @@ class SemanticIndex:
         self._cum = 0
         self._vec_total = 0  # executor thread only
         self._vec_report: tuple[int, int] = (0, 0)
-        self._vector_bytes = 4 * embedder.dim + 2 * ID_ENTRY_BYTES
+        # Predicted change of an index's bytes per add and per removal: a slot's
+        # id entries, as capacity is allocated ahead (a growth is measured and
+        # rebalanced) and a removal frees its slot only when capacity shrinks.
+        self._add_bytes = 2 * ID_ENTRY_BYTES
+        self._remove_bytes = ID_ENTRY_BYTES
         self._loop: asyncio.AbstractEventLoop | None = None  # for _rebalance
         # See the module doc. Called on the loop; must be quick and must not raise.
         self.on_insert: InsertListener | None = None
@@ -520,7 +525,7 @@ class SemanticIndex:
         self._entries[entry.id] = entry
         self._by_key[key] = entry
         self._meta_bytes += cost
-        self._mutate(space, space.index.add, self._vector_bytes, entry.id, vec)
+        self._mutate(space, space.index.add, self._add_bytes, entry.id, vec)
         while len(space.entries) > self._max_per_space:
             self._evict(next(iter(space.entries.values())))
         while len(self._entries) > self._max_entries:
@@ -577,7 +582,7 @@ class SemanticIndex:
         space = self._spaces[entry.namespace]
         del space.entries[entry.id]
         if space.entries:
-            self._mutate(space, space.index.remove, -self._vector_bytes, entry.id)
+            self._mutate(space, space.index.remove, -self._remove_bytes, entry.id)
         else:
             del self._spaces[entry.namespace]  # an empty namespace costs nothing
             self._forget(space)

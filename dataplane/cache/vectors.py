@@ -25,8 +25,8 @@ implementation and checked by one suite (tests/unit/test_vectors.py):
 Implementations:
 
 - `ExactIndex`: numpy brute force. Exact, a few microseconds per insert and no
-  memory beyond the vectors (its arrays start at one row and double: most
-  namespaces hold one or two vectors); a search grows with size (0.12 ms at 10k idle, 6 ms at
+  memory beyond the vectors (its arrays start at one row and grow by a quarter:
+  most namespaces hold one or two vectors); a search grows with size (0.12 ms at 10k idle, 6 ms at
   100k; 0.75 ms at 10k on a busy machine, where HNSW took 0.08 ms). The test fake.
 - `HnswIndex`: hnswlib's HNSW graph. Grows its capacity by a quarter and reuses the
   slots of removed ids (hnswlib only marks deletions). Chosen over usearch, which
@@ -71,6 +71,15 @@ class VectorIndex(Protocol):
 # array's or index object's fixed part; measured with tracemalloc on CPython 3.12.
 ID_ENTRY_BYTES = 64
 OBJECT_BYTES = 400
+
+
+def _grown(capacity: int) -> int:
+    """An index's next capacity: a quarter more, not twice. Every slot costs a
+    vector (and a graph's links) counted against the cache's bound, so a doubling
+    would make one insert claim as much memory as the whole index, and the
+    semantic index would evict half its entries to pay for it; a resize copies,
+    so growth stays geometric (amortised O(1) per insert)."""
+    return capacity + max(4, capacity // 4)
 
 
 def _check_vec(vec: Vector, dim: int) -> Vector:
@@ -125,7 +134,7 @@ class ExactIndex:
             raise ValueError(f"id {id} is already present")
         n = len(self._row_of)
         if n == self._matrix.shape[0]:
-            self._resize(2 * n)
+            self._resize(_grown(n))
         self._matrix[n] = arr
         self._ids[n] = id
         self._row_of[id] = n
@@ -170,14 +179,6 @@ _HNSW_GRAPH_BYTES = 65_536 * 40
 _HNSW_SLOT_EXTRA = 8 + 40 + 4 + 8 + 2
 _HNSW_ELEMENT_BYTES = 48
 _HNSW_DELETED_BYTES = 32
-
-
-def _grown(capacity: int) -> int:
-    """A graph's next capacity: a quarter more, not twice. Every slot costs the
-    vector and its links, counted against the cache's bound, so a doubling would
-    make one insert claim as much memory as the whole graph; a resize copies the
-    graph, so growth stays geometric (amortised O(1) per insert)."""
-    return max(16, capacity + capacity // 4)
 
 
 class HnswIndex:
@@ -237,7 +238,7 @@ class HnswIndex:
             if len(ids)
             else np.zeros((0, self._dim), dtype=np.float32)
         )
-        self._index = self._new_graph(_grown(len(ids)))
+        self._index = self._new_graph(max(16, _grown(len(ids))))
         self._present = set()
         self._deleted = 0
         self.add_many(ids, vecs)
