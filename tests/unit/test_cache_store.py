@@ -234,3 +234,32 @@ async def test_a_store_bounded_at_zero_keeps_nothing() -> None:
 def test_exact_store_satisfies_the_protocol() -> None:
     store: CacheStore = ExactStore(max_bytes=1, clock=FakeClock())
     assert store.stats.max_bytes == 1
+
+
+async def test_reserved_bytes_share_the_bound_and_fit_evicts_for_them() -> None:
+    """The semantic index's bytes count against the same bound: puts make room
+    for them, fit() makes room when they grow, and a put that cannot fit beside
+    them is refused."""
+    e = entry(200)
+    c = cost(e, "k0")
+    evicted: list[tuple[str, EvictReason]] = []
+    store = ExactStore(
+        max_bytes=10 * c, clock=FakeClock(), on_evict=lambda k, r: evicted.append((k, r))
+    )
+    reserved = 0
+    store.reserved = lambda: reserved
+    for i in range(10):
+        assert await store.put(f"k{i}", e, tenant="t", model="m", ttl_s=60)
+    assert len(store) == 10
+    reserved = 3 * c
+    assert store.fit() == 3
+    assert evicted == [(f"k{i}", EvictReason.LRU) for i in range(3)]
+    assert store.stats.bytes + reserved <= store.stats.max_bytes
+    assert await store.put("k10", e, tenant="t", model="m", ttl_s=60)
+    assert store.stats.bytes + reserved <= store.stats.max_bytes
+    assert await store.get("k3") is None  # the least recent went for the new one
+    reserved = 10 * c  # nothing of the store's fits beside it
+    assert not await store.put("k11", e, tenant="t", model="m", ttl_s=60)
+    assert len(store) == 0
+    assert store.stats.rejected == 1
+    assert await store.get("k11") is None
