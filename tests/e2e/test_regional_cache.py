@@ -4,7 +4,10 @@ One fleet: etcd, a control plane, one origin, a redis-server, and two proxies of
 one region that share it (`--redis`). The official openai client asks the
 first proxy, then the second the same question: the second answers from the
 region's Redis (`x-ponto-cache-tier: region`), then from its own memory
-(`local`), and the origin sees the question once.
+(`local`), and the origin sees the question once. A tenant with semantic
+caching asks a question on one proxy and a paraphrase on the other: the region's
+semantic feed carried the first one's vector across, so the paraphrase is a
+semantic hit answered from Redis.
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, redis_for_region: Redis) -> 
         admin = f.admin()
         admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="alpha")), timeout=5)
         KEY.append(admin.CreateKey(apb.CreateKeyRequest(tenant="alpha"), timeout=5).secret)
-        f.wait_proxies_at(f.wait_table(lambda t: len(t.keys) == 1 and len(t.origins) == 1))
+        semantic = pb.CachePolicy(mode="semantic", semantic_threshold=0.85)
+        admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="gamma", cache=semantic)))
+        KEY.append(admin.CreateKey(apb.CreateKeyRequest(tenant="gamma"), timeout=5).secret)
+        f.wait_proxies_at(f.wait_table(lambda t: len(t.keys) == 2 and len(t.origins) == 1))
         yield f
 
 
-def client(fleet: Fleet, proxy: str) -> OpenAI:
-    return tracked(OpenAI(base_url=fleet.proxy_url(proxy), api_key=KEY[0], max_retries=0))
+def client(fleet: Fleet, proxy: str, key: int = 0) -> OpenAI:
+    return tracked(OpenAI(base_url=fleet.proxy_url(proxy), api_key=KEY[key], max_retries=0))
 
 
 def origin_requests(fleet: Fleet) -> int:
@@ -64,8 +70,8 @@ def origin_requests(fleet: Fleet) -> int:
     return int(stats["requests"])
 
 
-def ask(fleet: Fleet, proxy: str, question: str) -> tuple[dict[str, str], str]:
-    raw = client(fleet, proxy).chat.completions.with_raw_response.create(
+def ask(fleet: Fleet, proxy: str, question: str, key: int = 0) -> tuple[dict[str, str], str]:
+    raw = client(fleet, proxy, key).chat.completions.with_raw_response.create(
         model="sim-small", temperature=0, messages=[{"role": "user", "content": question}]
     )
     answer = raw.parse().choices[0].message.content or ""
@@ -93,3 +99,41 @@ def test_the_proxies_say_the_region_is_up(fleet: Fleet) -> None:
     for name in PROXIES:
         metrics = httpx.get(fleet.proxy_url(name).removesuffix("/v1") + "/metrics", timeout=5)
         assert "ponto_cache_region_up 1.0" in metrics.text
+
+
+def metric(fleet: Fleet, proxy: str, name: str) -> float:
+    text = httpx.get(fleet.proxy_url(proxy).removesuffix("/v1") + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_paraphrase_on_the_other_proxy_is_a_semantic_region_hit(fleet: Fleet) -> None:
+    # The embedding model loads in the background once a tenant turns semantic
+    # on; a warm-up question on each proxy waits for it.
+    deadline = time.monotonic() + 90
+    for name in PROXIES:
+        n = 0
+        while metric(fleet, name, "ponto_semantic_entries") == 0:
+            assert time.monotonic() < deadline, f"{name}'s semantic index never loaded"
+            ask(fleet, name, f"warm-up question {name} {n}", key=1)
+            n += 1
+            time.sleep(0.3)
+    published = metric(fleet, "p1", "ponto_semantic_feed_published_total")
+    first, answer = ask(fleet, "p1", "How do I reset my password?", key=1)
+    assert first["x-ponto-cache"] == "miss"
+    before = origin_requests(fleet)
+    # p2 indexes p1's question from the region's stream, without embedding it:
+    # wait until p1 has published it and p2 has applied all p1 published.
+    while not (
+        (sent := metric(fleet, "p1", "ponto_semantic_feed_published_total")) > published
+        and metric(fleet, "p2", "ponto_semantic_feed_applied_total") >= sent
+    ):
+        assert time.monotonic() < deadline, "p2 never applied p1's semantic entry"
+        time.sleep(0.05)
+    near, again = ask(fleet, "p2", "how can I reset my password", key=1)
+    assert (near["x-ponto-cache"], near["x-ponto-cache-tier"]) == ("hit", "region")
+    assert float(near["x-ponto-cache-similarity"]) >= 0.85
+    assert again == answer
+    assert origin_requests(fleet) == before
