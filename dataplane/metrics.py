@@ -320,11 +320,13 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        # Registered by bind_region only: a proxy without --redis has no regional
+        # cache to be up or degraded, and must not look degraded to an alert.
         self.region_up = Gauge(
             "ponto_cache_region_up",
             "1 while the regional cache (Redis) answers; 0 when it is degraded (unreachable, "
-            "slow or failing: local cache and origins only) or not configured",
-            registry=r,
+            "slow or failing: local cache and origins only). Absent without --redis",
+            registry=None,
         )
         self.region_errors = Counter(
             "ponto_cache_region_errors",
@@ -456,6 +458,11 @@ class Metrics:
         """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""
         self.info.clear()
         self.info.labels(proxy, region, version).set(1)
+
+    def bind_region(self, available: Callable[[], bool]) -> None:
+        """Export ponto_cache_region_up from `available` (a proxy with --redis)."""
+        self.region_up.set_function(lambda: 1.0 if available() else 0.0)
+        self.registry.register(self.region_up)
 
     def bind_cache(self, stats: Callable[[], Any], more_bytes: Callable[[], int] = int) -> None:
         """Read the cache store's counters at scrape time; `more_bytes` is what the

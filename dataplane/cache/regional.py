@@ -131,7 +131,7 @@ class RegionLink:
 
     async def start(self) -> None:
         """Check the connection once; an unreachable Redis leaves the link degraded."""
-        self._metrics.region_up.set_function(lambda: 1.0 if self.available else 0.0)
+        self._metrics.bind_region(lambda: self.available)
         self._warned = True  # one line below says it all
         if await self.call("ping", lambda r: r.ping()) is None:
             log.warning(
