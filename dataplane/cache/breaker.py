@@ -53,6 +53,11 @@ class Breaker:
         """The wait before the next probe once (or while) open."""
         return self._delay
 
+    @property
+    def probe_due(self) -> bool:
+        """Open, no probe running, and its wait is over: the next allow() probes."""
+        return not self._closed and not self._probing and self._clock() >= self._retry_at
+
     def allow(self) -> Admit | None:
         """Whether a call may go to Redis now, and how; None: skip it."""
         if self._closed:

@@ -26,6 +26,7 @@ the workers of one process also share their entries through Redis.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -50,6 +51,11 @@ CONNECT_TIMEOUT_S = 0.25
 # writes take at most half (dataplane.cache.regionstore.MAX_WRITES).
 MAX_CONNECTIONS = 128
 WARM_CONNECTIONS = 16
+# Without traffic nothing would notice Redis going or coming back, and
+# ponto_cache_region_up would say what the last request saw: the link pings
+# when it has been idle this long, and probes as soon as the breaker allows.
+IDLE_PING_S = 5.0
+WATCH_TICK_S = 0.25
 
 
 class RegionLink:
@@ -73,6 +79,8 @@ class RegionLink:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         breaker: Breaker | None = None,
+        watch_tick_s: float | None = WATCH_TICK_S,
+        idle_ping_s: float = IDLE_PING_S,
     ) -> None:
         self.url = check_url(url)
         self._metrics = metrics
@@ -85,6 +93,11 @@ class RegionLink:
         # One WARNING per reason while degraded, not one per failed call.
         self._warned = False
         self._last_error = ""
+        self._clock = clock
+        self._last_ok = clock()
+        self._watch: asyncio.Task[None] | None = None
+        self._watch_tick = watch_tick_s  # None: no watcher (tests that count calls)
+        self._idle_ping = idle_ping_s
 
     @property
     def client(self) -> Redis:
@@ -130,8 +143,11 @@ class RegionLink:
         self._metrics.child(self._metrics.region_errors, op).inc()
 
     async def start(self) -> None:
-        """Check the connection once; an unreachable Redis leaves the link degraded."""
+        """Check the connection once (an unreachable Redis leaves the link
+        degraded) and keep watching it: see IDLE_PING_S."""
         self._metrics.bind_region(lambda: self.available)
+        if self._watch_tick is not None:
+            self._watch = asyncio.get_running_loop().create_task(self._watching(self._watch_tick))
         self._warned = True  # one line below says it all
         if await self.call("ping", lambda r: r.ping()) is None:
             log.warning(
@@ -151,8 +167,19 @@ class RegionLink:
             )
         )
 
+    async def _watching(self, tick: float) -> None:
+        while not self._closed:
+            await asyncio.sleep(tick)
+            idle = self._clock() - self._last_ok >= self._idle_ping
+            if (self._breaker.closed and idle) or self._breaker.probe_due:
+                await self.call("ping", lambda r: r.ping())
+
     async def close(self) -> None:
         self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self._client is not None:
             await self._client.aclose()
 
@@ -178,6 +205,7 @@ class RegionLink:
             self._failed(op, admit, "error", f"{type(exc).__name__}: {exc}")
             return None
         self.count(op, "ok")
+        self._last_ok = self._clock()
         if self._breaker.success(admit):
             self._warned = False
             log.info("regional cache %s answers again: region-wide hits resume", _safe(self.url))

@@ -47,6 +47,7 @@ def own_redis(workdir: Path) -> Iterator[Redis]:
 @contextlib.asynccontextmanager
 async def linked(url: str, **kw: object) -> AsyncIterator[tuple[RegionLink, Metrics]]:
     metrics = Metrics()
+    kw.setdefault("watch_tick_s", None)  # these tests count every call
     link = RegionLink(url, metrics, **kw)  # type: ignore[arg-type]
     await link.start()
     try:
@@ -130,6 +131,28 @@ async def test_catches_up_when_redis_comes_back(own_redis: Redis, workdir: Path)
             assert link.available
             assert await link.call("get", lambda r: r.get("k")) == b"w"
             assert sample(metrics, "ponto_cache_region_up") == 1
+        finally:
+            again.stop()
+
+
+async def test_without_traffic_the_link_still_sees_redis_go_and_come_back(
+    own_redis: Redis, workdir: Path
+) -> None:
+    port = own_redis.port
+    async with linked(own_redis.url, watch_tick_s=0.02, idle_ping_s=0.05) as (link, metrics):
+        assert sample(metrics, "ponto_cache_region_up") == 1
+        own_redis.kill()
+        async with asyncio.timeout(10):
+            while sample(metrics, "ponto_cache_region_up") == 1:
+                await asyncio.sleep(0.02)
+        assert sample(metrics, "ponto_cache_region_up") == 0
+        again = start_redis(workdir, port=port)
+        try:
+            async with asyncio.timeout(15):
+                while sample(metrics, "ponto_cache_region_up") == 0:
+                    await asyncio.sleep(0.02)
+            assert link.available
+            assert sample(metrics, "ponto_cache_region_requests_total", op="ping", result="ok") >= 2
         finally:
             again.stop()
 

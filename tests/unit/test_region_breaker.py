@@ -99,3 +99,27 @@ def test_an_abandoned_probe_frees_the_slot(clock: Clock) -> None:
 def test_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="base_s"):
         Breaker(clock=lambda: 0.0, base_s=2, cap_s=1)
+
+
+def test_a_probe_is_due_once_the_wait_is_over_and_none_runs() -> None:
+    now = [0.0]
+    b = Breaker(clock=lambda: now[0], base_s=1.0, cap_s=4.0)
+
+    def due() -> bool:  # a call, so the checker does not narrow the property
+        return b.probe_due
+
+    assert not due()  # closed
+    admit = b.allow()
+    assert admit is not None
+    b.failure(admit)
+    assert not due()  # open, waiting
+    now[0] = 1.0
+    assert due()
+    probe = b.allow()
+    assert probe is not None
+    assert not due()  # one probe at a time
+    b.failure(probe)
+    now[0] = 2.5
+    assert not due()  # the wait doubled to 2 s
+    now[0] = 3.0
+    assert due()
