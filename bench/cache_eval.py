@@ -54,6 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.data import SEMCACHE
+from dataplane.cache.bounded import Action, Evidence, Learner, Tuning
 from dataplane.cache.embed import MiniLmOnnxEmbedder, default_model_path
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semantic import DEFAULT_THRESHOLD, normalise_text
@@ -170,6 +171,29 @@ def stream_order(items: list[Item], seed: int) -> list[Item]:
     return [item for _, _, item in keyed]
 
 
+def split_halves(items: list[Item], seed: int) -> tuple[list[Item], list[Item]]:
+    """A fit part and a held-out part, about half each, stream order kept.
+
+    A MeanCache follow-up goes with its main query, so a conversation never
+    spans both parts."""
+    rng = random.Random(seed)
+    part: dict[str, bool] = {}
+    fit: list[Item] = []
+    held: list[Item] = []
+    for n, item in enumerate(items):
+        group = _conversation(item) or str(n)
+        if group not in part:
+            part[group] = rng.random() < 0.5
+        (fit if part[group] else held).append(item)
+    return fit, held
+
+
+def _conversation(item: Item) -> str:
+    if item.context:
+        return item.context.split("\x00", 1)[0]
+    return item.text if not item.judged else ""
+
+
 # -- embeddings ------------------------------------------------------------------
 
 
@@ -239,9 +263,13 @@ class Prepared:
     exact_rate: float
 
 
-def prepare(items: list[Item], threads: int) -> Prepared:
+def prepare(
+    items: list[Item], threads: int, vectors: npt.NDArray[np.float32] | None = None
+) -> Prepared:
+    """The stream's embeddings (given, or computed) and each query's earlier neighbours."""
     normalised = [normalise_text(it.text) for it in items]
-    vectors = embeddings(normalised, threads)
+    if vectors is None:
+        vectors = embeddings(normalised, threads)
     nbr_idx, nbr_sim = earlier_neighbours(vectors, NEIGHBOURS)
     seen: set[tuple[str, str]] = set()
     repeats = 0
@@ -330,6 +358,91 @@ def _exact_scan(
         if _may_share(p, i, int(earlier[o]), entity_check):
             return int(earlier[o])
     return -1
+
+
+@dataclass(slots=True)
+class BoundedOutcome(Outcome):
+    verifies: int = 0  # would-be hits sent to the origin to check them
+    origin_calls: int = 0  # every origin call, verifications included
+    requests: int = 0  # every query of the stream, scored or not
+
+    @property
+    def verify_share_of_origin(self) -> float:
+        return self.verifies / self.origin_calls if self.origin_calls else 0.0
+
+    @property
+    def verify_share_of_requests(self) -> float:
+        return self.verifies / self.requests if self.requests else 0.0
+
+
+def simulate_bounded(
+    p: Prepared,
+    max_error: float,
+    prior: float,
+    tuning: Tuning,
+    *,
+    candidates: int,
+    seed: int,
+) -> BoundedOutcome:
+    """The error-bounded mode, from a cold cache, learning online as the proxy does.
+
+    The nearest stored neighbour in the namespace (with matching entities, among
+    the top `candidates`) at or above the band floor is judged by the tenant's
+    `Learner`: a hit is served (scored like a fixed threshold's); a verification
+    and a miss in the band go to the origin and label the neighbour (same label =
+    same answer); every origin answer is stored, as on a miss.
+    """
+    learner = Learner(max_error, prior, random.Random(seed).random, tuning)
+    floor = min(tuning.band_floor, prior)
+    evidence: dict[int, Evidence] = {}
+    n = len(p.items)
+    stored = np.zeros(n, dtype=bool)
+    out = BoundedOutcome(queries=sum(it.judged for it in p.items), requests=n)
+    for i in range(n):
+        item = p.items[i]
+        j, s = _nearest(p, i, stored, floor, candidates)
+        if j < 0:
+            learner.count_miss()
+            out.origin_calls += 1
+            stored[i] = True
+            continue
+        action = learner.decide(s, evidence.get(j))
+        if action is Action.HIT:
+            if item.judged:
+                out.hits += 1
+                if p.items[j].label != item.label:
+                    out.wrong += 1
+                    out.examples.append((item.text, p.items[j].text, s))
+            continue
+        out.origin_calls += 1
+        if action is Action.VERIFY:
+            out.verifies += 1
+        if action is not Action.MISS:
+            correct = p.items[j].label == item.label
+            evidence[j] = learner.observe(evidence.get(j), s, correct)
+        stored[i] = True
+    return out
+
+
+def _nearest(
+    p: Prepared, i: int, stored: npt.NDArray[np.bool_], floor: float, candidates: int
+) -> tuple[int, float]:
+    """The first of the top `candidates` stored neighbours of query i in its
+    namespace, at or above `floor`, whose entities match; (-1, 0) if none."""
+    item = p.items[i]
+    tried = 0
+    for j, s in zip(p.nbr_idx[i], p.nbr_sim[i], strict=True):
+        if j < 0 or s < floor:
+            return -1, 0.0
+        if not stored[j] or p.items[j].context != item.context:
+            continue
+        tried += 1
+        if _may_share(p, i, int(j), True):
+            return int(j), float(s)
+        if tried >= candidates:
+            return -1, 0.0
+    j = _exact_scan(p, i, stored, floor, True, True, candidates)
+    return (j, float(p.vectors[j] @ p.vectors[i])) if j >= 0 else (-1, 0.0)
 
 
 # -- the command -----------------------------------------------------------------

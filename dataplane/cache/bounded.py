@@ -1,0 +1,333 @@
+"""Error-bounded semantic hits: per-entry thresholds learned online under a
+per-tenant bound on the share of wrong hits (docs/semantic-cache.md).
+
+Pure: no I/O, no clock; randomness is injected. The semantic index keeps one
+`Learner` per tenant and, on the entries that have been checked, one `Evidence`.
+
+How a lookup decides, once the nearest stored neighbour that may share the
+answer (entity check passed, same namespace) is at similarity `s`:
+
+    risk = estimated probability that the neighbour's answer is wrong for the query
+         = (wrong' + K * g(s)) / (ok' + wrong' + K)
+
+- `g(s)`, the tenant's calibration curve: the share of wrong answers among
+  checked pairs at similarity s, per 0.01 bin, each bin starting from a prior
+  that equals the bound at the tenant's fixed threshold (so a cold cache decides
+  exactly like the fixed threshold) and made non-increasing in s;
+- `ok'` and `wrong'`, the entry's own checks that speak for a query at `s`: a
+  confirmed answer at similarity `lowest_ok` vouches for queries closer than
+  `lowest_ok - REACH`; a wrong one at `highest_wrong` counts against queries up
+  to `highest_wrong + REACH`.
+
+`risk <= max_error` is a would-be hit; otherwise, at `s >= BAND_FLOOR`, it is a
+miss whose origin answer is compared with the neighbour's (a free label), and
+below the band a plain miss. A would-be hit is verified (sent to the origin,
+compared, the client gets the origin's answer) with probability
+`VERIFY_RATE / (1 + ok)`, as long as verifications stay under `VERIFY_CAP` of
+the tenant's origin calls.
+
+Hyper-parameters were chosen on the fit half of each dataset of
+bench/cache_eval.py and are reported on the other half (docs/semantic-cache.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BAND_FLOOR",
+    "Action",
+    "Answer",
+    "Evidence",
+    "Learner",
+    "Tuning",
+    "answer_of",
+    "same_answer",
+]
+
+# Least similarity at which a miss still yields a label: below it the neighbour's
+# answer is almost never the right one and comparing would only confirm that.
+BAND_FLOOR = 0.80
+
+
+class Action(enum.StrEnum):
+    HIT = "hit"  # serve the neighbour's answer
+    VERIFY = "verify"  # a would-be hit sent to the origin; compare the two answers
+    OBSERVE = "observe"  # a miss in the band: compare the origin's answer with the neighbour's
+    MISS = "miss"  # nothing to learn
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """The method's hyper-parameters (see the module doc)."""
+
+    # Pseudo-observations of the calibration curve in an entry's estimate.
+    prior_weight: float = 4.0
+    # How far below its similarity a confirmed answer vouches for a query, and
+    # how far above its similarity a wrong one counts against one.
+    reach: float = 0.03
+    wrong_reach: float = 0.03
+    # Pseudo-observations of the prior in each calibration bin.
+    bin_prior: float = 20.0
+    # Slope of the prior's error curve: it grows e-fold every 1/slope below the
+    # fixed threshold.
+    slope: float = 40.0
+    # The expected share of wrong hits aimed at, as a share of the bound: room
+    # for the estimates' error.
+    aim: float = 0.8
+    # Checked answers before the curve moves the served level off the bound.
+    min_labels: int = 100
+    verify_rate: float = 0.2
+    # Verifications at most this share of the tenant's other origin calls.
+    verify_cap: float = 0.04
+    band_floor: float = BAND_FLOOR
+
+
+@dataclass(slots=True)
+class Evidence:
+    """What the checks of one entry said. Four numbers: 56 bytes of slots object,
+    plus a float object each for the two similarities once set."""
+
+    ok: int = 0
+    wrong: int = 0
+    lowest_ok: float = 2.0  # lowest similarity at which its answer was confirmed
+    highest_wrong: float = -1.0  # highest similarity at which it was wrong
+
+
+_BIN = 0.01
+
+
+class Learner:
+    """One tenant's calibration curve, verification budget and decisions.
+
+    `max_error` in (0, 0.5): the bound on the share of wrong hits. `prior` is the
+    tenant's fixed threshold: the cold-start decision. `rng()` returns a float
+    in [0, 1). Not thread-safe: the semantic index calls it from its loop.
+    """
+
+    def __init__(
+        self,
+        max_error: float,
+        prior: float,
+        rng: Callable[[], float],
+        tuning: Tuning = Tuning(),
+    ) -> None:
+        if not 0.0 < max_error < 0.5:
+            raise ValueError(f"max_error must be in (0, 0.5), not {max_error}")
+        self.max_error = max_error
+        self.prior = prior
+        self.tuning = tuning
+        self._rng = rng
+        self._floor = min(tuning.band_floor, prior)
+        bins = max(1, math.ceil((1.0 - self._floor) / _BIN - 1e-9))
+        self._ok = [0] * bins
+        self._wrong = [0] * bins
+        self._seen = [0] * bins  # lookups whose nearest neighbour fell in each bin
+        self._curve: list[float] | None = None
+        self._level: float | None = None
+        # Origin calls the tenant made for lookups (misses), and verifications.
+        self.misses = 0
+        self.verifies = 0
+
+    def _bin(self, s: float) -> int:
+        return min(len(self._ok) - 1, max(0, int((s - self._floor) / _BIN)))
+
+    @property
+    def level(self) -> float:
+        """The largest estimated risk that is served (see `_serve_level`)."""
+        if self._level is None:
+            self._level = self._serve_level()
+        return self._level
+
+    def _serve_level(self) -> float:
+        # The bound is on the share of wrong hits, an average over what is
+        # served. Serving every bin from the top down to bin t, the expected
+        # share is the traffic-weighted mean of g over those bins; the level is
+        # g at the lowest t whose mean stays within aim * max_error. Until
+        # enough answers were checked the curve is the prior's, and the level
+        # the bound itself: the fixed threshold's decision.
+        target = self.max_error
+        if sum(self._ok) + sum(self._wrong) < self.tuning.min_labels:
+            return target
+        curve = self.curve()
+        errors = weight = 0.0
+        level = target
+        for b in range(len(curve) - 1, -1, -1):
+            w = self._seen[b] + 1
+            errors += w * curve[b]
+            weight += w
+            if errors > self.tuning.aim * target * weight:
+                break
+            level = max(level, curve[b])
+        return level
+
+    def _prior_error(self, s: float) -> float:
+        # At the prior threshold exactly the bound: a cold cache decides like
+        # the fixed threshold.
+        return min(1.0, self.max_error * math.exp(self.tuning.slope * (self.prior - s)))
+
+    def curve(self) -> list[float]:
+        """g per bin, lowest similarity first: non-increasing in similarity."""
+        if self._curve is None:
+            m = self.tuning.bin_prior
+            # Pool adjacent violators: the weighted least-squares non-increasing
+            # fit, so one unlucky bin is averaged with its neighbours rather than
+            # raising every bin below it.
+            blocks: list[list[float]] = []  # [weighted error, weight, bins]
+            for b in range(len(self._ok)):
+                # Judged at the bin's lower edge: the pessimistic end of it.
+                g0 = self._prior_error(self._floor + b * _BIN + 1e-9)
+                n = self._ok[b] + self._wrong[b] + m
+                blocks.append([self._wrong[b] + m * g0, n, 1])
+                while len(blocks) > 1 and (
+                    blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]
+                ):
+                    err, weight, count = blocks.pop()
+                    blocks[-1][0] += err
+                    blocks[-1][1] += weight
+                    blocks[-1][2] += count
+            self._curve = [e / w for e, w, c in blocks for _ in range(int(c))]
+        return self._curve
+
+    def risk(self, similarity: float, evidence: Evidence | None) -> float:
+        """Estimated probability that a neighbour this close gives a wrong answer."""
+        g = self.curve()[self._bin(similarity)]
+        if evidence is None:
+            return g
+        reach = self.tuning.reach
+        ok = evidence.ok if similarity >= evidence.lowest_ok - reach else 0
+        wrong = (
+            evidence.wrong
+            if similarity <= evidence.highest_wrong + self.tuning.wrong_reach
+            else 0
+        )
+        k = self.tuning.prior_weight
+        return (wrong + k * g) / (ok + wrong + k)
+
+    def threshold(self) -> float:
+        """The least similarity the curve alone would serve (entries without checks)."""
+        for b, g in enumerate(self.curve()):
+            if g <= self.level:
+                return self._floor + b * _BIN
+        return 1.0
+
+    def decide(self, similarity: float, evidence: Evidence | None) -> Action:
+        """What to do with the nearest neighbour that may share the answer."""
+        if similarity < self._floor:
+            self.misses += 1
+            return Action.MISS
+        self._seen[self._bin(similarity)] += 1
+        if self.risk(similarity, evidence) > self.level:
+            self.misses += 1
+            return Action.OBSERVE
+        ok = evidence.ok if evidence is not None else 0
+        if self.verifies < self.tuning.verify_cap * self.misses and self._rng() < (
+            self.tuning.verify_rate / (1 + ok)
+        ):
+            self.verifies += 1
+            return Action.VERIFY
+        return Action.HIT
+
+    def count_miss(self) -> None:
+        """A lookup with no neighbour to judge went to the origin."""
+        self.misses += 1
+
+    def observe(self, evidence: Evidence | None, similarity: float, correct: bool) -> Evidence:
+        """Record one check of a neighbour at `similarity`; returns its evidence."""
+        ev = evidence if evidence is not None else Evidence()
+        b = self._bin(similarity)
+        if correct:
+            ev.ok += 1
+            ev.lowest_ok = min(ev.lowest_ok, similarity)
+            self._ok[b] += 1
+        else:
+            ev.wrong += 1
+            ev.highest_wrong = max(ev.highest_wrong, similarity)
+            self._wrong[b] += 1
+        self._curve = self._level = None
+        return ev
+
+
+# -- comparing two answers ------------------------------------------------------
+
+# Answers this short (after normalisation) must be equal; longer ones are
+# compared by meaning. One sentence of a label, a number, a yes/no.
+SHORT_ANSWER_CHARS = 64
+# Least cosine similarity (MiniLM) of two longer answers that count as the same:
+# paraphrases of one reply score 0.85-0.95, answers to neighbouring questions of
+# one topic 0.6-0.8.
+SAME_ANSWER_SIMILARITY = 0.88
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a completion says: its text and its tool calls (name, parsed arguments)."""
+
+    text: str
+    tool_calls: tuple[tuple[str, str], ...] = ()
+
+
+def answer_of(body: bytes) -> Answer | None:
+    """The first choice of a chat or text completion body; None if it has none."""
+    try:
+        obj: Any = json.loads(body)
+        choice = obj["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(choice, dict):
+        return None
+    message = choice.get("message")
+    if isinstance(message, dict):
+        content = message.get("content")
+        text = content if isinstance(content, str) else ""
+        calls = []
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                calls.append((str(fn.get("name", "")), _canonical_arguments(fn.get("arguments"))))
+        return Answer(text, tuple(calls))
+    text = choice.get("text")
+    return Answer(text) if isinstance(text, str) else None
+
+
+def _canonical_arguments(arguments: Any) -> str:
+    # Two calls are the same when their arguments parse to the same JSON value,
+    # whatever the key order or spacing.
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+
+
+def _normalise(text: str) -> str:
+    folded = unicodedata.normalize("NFKC", text).casefold()
+    return " ".join(folded.split()).rstrip("?.! ")
+
+
+def same_answer(
+    a: Answer, b: Answer, similarity: Callable[[Sequence[str]], float] | None
+) -> bool:
+    """Whether two answers count as the same for learning.
+
+    Tool calls must be equal as a sequence (names and parsed arguments). Texts
+    equal after normalisation are the same; otherwise two short ones differ, and
+    two longer ones are the same when `similarity([a, b])` (cosine of their
+    embeddings) reaches SAME_ANSWER_SIMILARITY. Without `similarity`, only equal
+    texts are the same.
+    """
+    if a.tool_calls != b.tool_calls:
+        return False
+    x, y = _normalise(a.text), _normalise(b.text)
+    if x == y:
+        return True
+    if similarity is None or min(len(x), len(y)) <= SHORT_ANSWER_CHARS:
+        return False
+    return similarity([x, y]) >= SAME_ANSWER_SIMILARITY
