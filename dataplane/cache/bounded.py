@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dataplane import jsonio
+
 __all__ = [
     "BAND_FLOOR",
     "Action",
@@ -48,6 +50,7 @@ __all__ = [
     "Learner",
     "Tuning",
     "answer_of",
+    "by_meaning",
     "same_answer",
 ]
 
@@ -124,8 +127,9 @@ class Learner:
         self.prior = prior
         self.tuning = tuning
         self._rng = rng
-        self._floor = min(tuning.band_floor, prior)
-        bins = max(1, math.ceil((1.0 - self._floor) / _BIN - 1e-9))
+        # Below the band a neighbour is a plain miss.
+        self.floor = min(tuning.band_floor, prior)
+        bins = max(1, math.ceil((1.0 - self.floor) / _BIN - 1e-9))
         self._ok = [0] * bins
         self._wrong = [0] * bins
         self._seen = [0] * bins  # lookups whose nearest neighbour fell in each bin
@@ -136,7 +140,7 @@ class Learner:
         self.verifies = 0
 
     def _bin(self, s: float) -> int:
-        return min(len(self._ok) - 1, max(0, int((s - self._floor) / _BIN)))
+        return min(len(self._ok) - 1, max(0, int((s - self.floor) / _BIN)))
 
     @property
     def level(self) -> float:
@@ -182,7 +186,7 @@ class Learner:
             blocks: list[list[float]] = []  # [weighted error, weight, bins]
             for b in range(len(self._ok)):
                 # Judged at the bin's lower edge: the pessimistic end of it.
-                g0 = self._prior_error(self._floor + b * _BIN + 1e-9)
+                g0 = self._prior_error(self.floor + b * _BIN + 1e-9)
                 n = self._ok[b] + self._wrong[b] + m
                 blocks.append([self._wrong[b] + m * g0, n, 1])
                 while len(blocks) > 1 and (
@@ -203,9 +207,7 @@ class Learner:
         reach = self.tuning.reach
         ok = evidence.ok if similarity >= evidence.lowest_ok - reach else 0
         wrong = (
-            evidence.wrong
-            if similarity <= evidence.highest_wrong + self.tuning.wrong_reach
-            else 0
+            evidence.wrong if similarity <= evidence.highest_wrong + self.tuning.wrong_reach else 0
         )
         k = self.tuning.prior_weight
         return (wrong + k * g) / (ok + wrong + k)
@@ -214,12 +216,12 @@ class Learner:
         """The least similarity the curve alone would serve (entries without checks)."""
         for b, g in enumerate(self.curve()):
             if g <= self.level:
-                return self._floor + b * _BIN
+                return self.floor + b * _BIN
         return 1.0
 
     def decide(self, similarity: float, evidence: Evidence | None) -> Action:
         """What to do with the nearest neighbour that may share the answer."""
-        if similarity < self._floor:
+        if similarity < self.floor:
             self.misses += 1
             return Action.MISS
         self._seen[self._bin(similarity)] += 1
@@ -276,8 +278,7 @@ class Answer:
 def answer_of(body: bytes) -> Answer | None:
     """The first choice of a chat or text completion body; None if it has none."""
     try:
-        obj: Any = json.loads(body)
-        choice = obj["choices"][0]
+        choice = jsonio.loads(body)["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
         return None
     if not isinstance(choice, dict):
@@ -285,26 +286,28 @@ def answer_of(body: bytes) -> Answer | None:
     message = choice.get("message")
     if isinstance(message, dict):
         content = message.get("content")
-        text = content if isinstance(content, str) else ""
-        calls = []
-        for call in message.get("tool_calls") or ():
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                calls.append((str(fn.get("name", "")), _canonical_arguments(fn.get("arguments"))))
-        return Answer(text, tuple(calls))
-    text = choice.get("text")
-    return Answer(text) if isinstance(text, str) else None
+        calls = message.get("tool_calls")
+        return Answer(
+            content if isinstance(content, str) else "",
+            tuple(_call(c) for c in calls) if isinstance(calls, list) else (),
+        )
+    plain = choice.get("text")
+    return Answer(plain) if isinstance(plain, str) else None
 
 
-def _canonical_arguments(arguments: Any) -> str:
-    # Two calls are the same when their arguments parse to the same JSON value,
-    # whatever the key order or spacing.
+def _call(call: Any) -> tuple[str, str]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        return ("", json.dumps(call, sort_keys=True, default=str))
+    arguments = fn.get("arguments")
     if isinstance(arguments, str):
+        # Two calls are the same when their arguments parse to the same JSON
+        # value, whatever the key order or spacing.
         try:
-            arguments = json.loads(arguments)
+            arguments = jsonio.loads(arguments)
         except ValueError:
-            return arguments
-    return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+            return (str(fn.get("name", "")), str(arguments))
+    return (str(fn.get("name", "")), json.dumps(arguments, sort_keys=True, default=str))
 
 
 def _normalise(text: str) -> str:
@@ -312,9 +315,15 @@ def _normalise(text: str) -> str:
     return " ".join(folded.split()).rstrip("?.! ")
 
 
-def same_answer(
-    a: Answer, b: Answer, similarity: Callable[[Sequence[str]], float] | None
-) -> bool:
+def by_meaning(a: Answer, b: Answer) -> bool:
+    """Whether `same_answer` needs the similarity of the two texts to decide."""
+    if a.tool_calls != b.tool_calls:
+        return False
+    x, y = _normalise(a.text), _normalise(b.text)
+    return x != y and min(len(x), len(y)) > SHORT_ANSWER_CHARS
+
+
+def same_answer(a: Answer, b: Answer, similarity: Callable[[Sequence[str]], float] | None) -> bool:
     """Whether two answers count as the same for learning.
 
     Tool calls must be equal as a sequence (names and parsed arguments). Texts
@@ -323,11 +332,8 @@ def same_answer(
     embeddings) reaches SAME_ANSWER_SIMILARITY. Without `similarity`, only equal
     texts are the same.
     """
-    if a.tool_calls != b.tool_calls:
-        return False
-    x, y = _normalise(a.text), _normalise(b.text)
-    if x == y:
-        return True
-    if similarity is None or min(len(x), len(y)) <= SHORT_ANSWER_CHARS:
-        return False
-    return similarity([x, y]) >= SAME_ANSWER_SIMILARITY
+    if not by_meaning(a, b):
+        return a.tool_calls == b.tool_calls and _normalise(a.text) == _normalise(b.text)
+    return similarity is not None and similarity([_normalise(a.text), _normalise(b.text)]) >= (
+        SAME_ANSWER_SIMILARITY
+    )

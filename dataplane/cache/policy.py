@@ -57,7 +57,9 @@ class TenantCachePolicy:
         if not 0.0 < self.semantic_threshold <= 1.0:
             raise ValueError(f"semantic_threshold must be in (0, 1], not {self.semantic_threshold}")
         if not 0.0 <= self.semantic_max_error < 0.5:
-            raise ValueError(f"semantic_max_error must be in [0, 0.5), not {self.semantic_max_error}")
+            raise ValueError(
+                f"semantic_max_error must be in [0, 0.5), not {self.semantic_max_error}"
+            )
         if self.max_entry_bytes <= 0:
             raise ValueError(f"max_entry_bytes must be positive, not {self.max_entry_bytes}")
 

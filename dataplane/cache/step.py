@@ -4,6 +4,9 @@
       bypass -> origin, `x-ponto-cache: bypass`
       lookup -> exact entry?            -> replay, `hit`
              -> semantic neighbour?     -> replay, `hit` + similarity
+                (error-bounded tenants: or `miss` with reason `verify`, a would-be
+                hit checked against the origin's answer; or a near miss whose
+                origin answer is compared with the neighbour's, to learn from)
              -> identical request in flight? -> follow it (same chunks), `hit`
              -> lead: origin call, recorded; stored only if it ended properly
 
@@ -28,8 +31,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from dataplane.cache.bounded import Action, answer_of
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
-from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion
+from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion, to_completion
 from dataplane.cache.keys import (
     UncacheableRequest,
     cache_key,
@@ -43,6 +47,7 @@ from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.streaming.relay import RelayEnd
 
 if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
+    from dataplane.cache.bounded import Answer
     from dataplane.cache.semantic import SemanticHit
 
 log = logging.getLogger(__name__)
@@ -54,8 +59,18 @@ class SemanticLayer(Protocol):
     """What the cache needs of the semantic index (dataplane.cache.semantic)."""
 
     async def lookup(
-        self, tenant: str, model: str, context_hash: str, text: str, threshold: float
+        self,
+        tenant: str,
+        model: str,
+        context_hash: str,
+        text: str,
+        threshold: float,
+        max_error: float = 0.0,
     ) -> SemanticHit | None: ...
+
+    async def check(
+        self, key: str, similarity: float, cached: Answer, fresh: Answer
+    ) -> bool | None: ...
 
     async def insert(
         self, tenant: str, model: str, context_hash: str, text: str, key: str
@@ -100,7 +115,8 @@ class CachePlan:
 
     outcome: Outcome  # the x-ponto-cache header
     # Why a bypass: the policy's reason (dataplane.cache.policy.Reason), a
-    # short stable token sent as x-ponto-cache-reason.
+    # short stable token sent as x-ponto-cache-reason; "verify" for a miss that
+    # checks a would-be semantic hit against the origin.
     reason: str = ""
     # How a hit was found: exact, semantic or coalesced (a follower).
     kind: str = ""
@@ -114,6 +130,9 @@ class CachePlan:
     # The semantic layer's namespace and text, when the answer is to be indexed.
     context: str = ""
     text: str = ""
+    # Error-bounded tenants: the neighbour whose answer the origin's is compared
+    # with once it arrives (a verification, or a near miss to learn from).
+    neighbour: SemanticHit | None = None
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished."""
@@ -147,6 +166,9 @@ class EdgeCache:
         self._metrics = metrics
         self._clock = clock
         self._purged_to: int | None = None
+        # Answer comparisons run after the client has its answer; kept here so
+        # they are not collected before they finish.
+        self._checks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ control
 
@@ -232,6 +254,7 @@ class EdgeCache:
             if text:
                 context = self._context(req)
         leader: Leader | None = None
+        neighbour = None
         if decision.lookup:
             entry = await self.store.get(key)
             if entry is not None and cc.accepts_age(self._clock() - entry.created_at):
@@ -239,11 +262,18 @@ class EdgeCache:
                 return CachePlan("hit", kind="exact", include_usage=include_usage, entry=entry)
             if text and self.semantic is not None:
                 found = await self.semantic.lookup(
-                    req.tenant.name, model, context, text, policy.semantic_threshold
+                    req.tenant.name,
+                    model,
+                    context,
+                    text,
+                    policy.semantic_threshold,
+                    policy.semantic_max_error,
                 )
                 if found is not None:
                     near = await self.store.get(found.key)
-                    if near is not None and cc.accepts_age(self._clock() - near.created_at):
+                    if near is None or not cc.accepts_age(self._clock() - near.created_at):
+                        self.semantic.remove(found.key)  # its answer is gone
+                    elif found.action is Action.HIT:
                         self._count("hit", "semantic")
                         return CachePlan(
                             "hit",
@@ -252,7 +282,8 @@ class EdgeCache:
                             entry=near,
                             similarity=found.similarity,
                         )
-                    self.semantic.remove(found.key)  # its answer is gone
+                    else:
+                        neighbour = found
             # No await between the miss above and joining: see Coalescer.
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
@@ -260,12 +291,12 @@ class EdgeCache:
                     "hit", kind="coalesced", include_usage=include_usage, follower=flight, key=key
                 )
             leader = flight
-        return self._fill(req, key, leader, context, text, include_usage)
+        return self._fill(req, key, leader, context, text, include_usage, neighbour)
 
     def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         """A follower whose flight failed before it got a byte calls an origin
         itself; its answer is still stored (no semantic indexing, no flight)."""
-        return self._fill(req, plan.key, None, "", "", plan.include_usage)
+        return self._fill(req, plan.key, None, "", "", plan.include_usage, None)
 
     def _fill(
         self,
@@ -275,8 +306,10 @@ class EdgeCache:
         context: str,
         text: str,
         include_usage: bool,
+        neighbour: SemanticHit | None,
     ) -> CachePlan:
-        self._count("miss", "exact")
+        verify = neighbour is not None and neighbour.action is Action.VERIFY
+        self._count("miss", "verify" if verify else "exact")
         policy = req.tenant.cache
         recorder = None
         if req.stream:
@@ -285,12 +318,14 @@ class EdgeCache:
             )
         return CachePlan(
             "miss",
+            reason="verify" if verify else "",
             include_usage=include_usage,
             key=key,
             leader=leader,
             recorder=recorder,
             context=context,
             text=text,
+            neighbour=neighbour,
         )
 
     async def settle_body(
@@ -336,8 +371,32 @@ class EdgeCache:
         stored = await self.store.put(
             plan.key, entry, tenant=req.tenant.name, model=model, ttl_s=req.tenant.cache.ttl_s
         )
+        if plan.neighbour is not None and self.semantic is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._check(self.semantic, plan.neighbour, entry)
+            )
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
         if stored and plan.text and self.semantic is not None:
             await self.semantic.insert(req.tenant.name, model, plan.context, plan.text, plan.key)
+
+    async def _check(
+        self, semantic: SemanticLayer, near: SemanticHit, entry: CachedResponse
+    ) -> None:
+        """Compare an origin's answer with the neighbour's cached one and let the
+        semantic layer learn from it (error-bounded tenants)."""
+        cached_entry = await self.store.get(near.key)
+        if cached_entry is None:
+            return
+        cached = answer_of(to_completion(cached_entry))
+        fresh = answer_of(to_completion(entry))
+        if cached is not None and fresh is not None:
+            await semantic.check(near.key, near.similarity, cached, fresh)
+
+    async def checks_done(self) -> None:
+        """Wait for the answer comparisons started so far (tests, orderly shutdown)."""
+        while self._checks:
+            await asyncio.gather(*self._checks, return_exceptions=True)
 
     def _context(self, req: CacheRequest) -> str:
         """Everything but the last user message, exactly: the semantic namespace.

@@ -141,17 +141,18 @@ class Exchange:
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
-        its id, the cache outcome (with the reason of a bypass) and the route."""
+        its id, the cache outcome (with the reason of a bypass, or `verify` for
+        a would-be semantic hit checked against the origin) and the route."""
         headers = [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
-        if cache_outcome == "bypass" and self.cache is not None and self.cache.reason:
+        if cache_outcome != "hit" and self.cache is not None and self.cache.reason:
             headers.append((CACHE_REASON_HEADER, self.cache.reason))
         if self.route:
             headers.append((ROUTE_HEADER, self.route))
         return headers
 
     def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
-        """`x-ponto-cache`, and for a bypass its reason."""
-        if outcome == "bypass" and self.cache is not None and self.cache.reason:
+        """`x-ponto-cache`, and the reason of a bypass or a verification."""
+        if outcome != "hit" and self.cache is not None and self.cache.reason:
             return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, self.cache.reason)]
         return [(CACHE_HEADER, outcome)]
 
