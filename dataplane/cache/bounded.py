@@ -44,6 +44,7 @@ from dataplane import jsonio
 
 __all__ = [
     "BAND_FLOOR",
+    "DEFAULT_TUNING",
     "Action",
     "Answer",
     "Evidence",
@@ -68,26 +69,36 @@ class Action(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Tuning:
-    """The method's hyper-parameters (see the module doc)."""
+    """The method's hyper-parameters (see the module doc). The defaults are the
+    configuration bench/cache_eval.py picks on the fit half of its datasets."""
 
-    # Pseudo-observations of the calibration curve in an entry's estimate.
-    prior_weight: float = 4.0
+    # Pseudo-observations of the calibration curve in an entry's estimate: with
+    # 1, one confirmed answer halves an entry's risk.
+    prior_weight: float = 1.0
     # How far below its similarity a confirmed answer vouches for a query, and
-    # how far above its similarity a wrong one counts against one.
-    reach: float = 0.03
-    wrong_reach: float = 0.03
+    # how far above its similarity a wrong one counts against one (1: any query;
+    # an entry once wrong stays refused until many confirmations outweigh it).
+    reach: float = 0.2
+    wrong_reach: float = 1.0
     # Pseudo-observations of the prior in each calibration bin.
     bin_prior: float = 20.0
     # Slope of the prior's error curve: it grows e-fold every 1/slope below the
     # fixed threshold.
-    slope: float = 40.0
+    slope: float = 20.0
     # The expected share of wrong hits aimed at, as a share of the bound: room
     # for the estimates' error.
-    aim: float = 0.8
+    aim: float = 0.5
     # Checked answers before the curve moves the served level off the bound.
-    min_labels: int = 100
-    verify_rate: float = 0.2
-    # Verifications at most this share of the tenant's other origin calls.
+    min_labels: int = 200
+    # The served level never exceeds ceiling * max_error: a bin that has seen
+    # little traffic weighs little in the mean, and would otherwise be served
+    # however risky it is.
+    ceiling: float = 5.0
+    # A would-be hit of an entry with n confirmations is verified with
+    # probability verify_rate / (1 + n) ...
+    verify_rate: float = 0.1
+    # ... while verifications stay under this share of the tenant's other
+    # origin calls.
     verify_cap: float = 0.04
     band_floor: float = BAND_FLOOR
 
@@ -102,6 +113,11 @@ class Evidence:
     lowest_ok: float = 2.0  # lowest similarity at which its answer was confirmed
     highest_wrong: float = -1.0  # highest similarity at which it was wrong
 
+
+DEFAULT_TUNING = Tuning()
+
+# Checked answers a bin below the prior needs before it may be served.
+MIN_BIN_LABELS = 10
 
 _BIN = 0.01
 
@@ -119,7 +135,7 @@ class Learner:
         max_error: float,
         prior: float,
         rng: Callable[[], float],
-        tuning: Tuning = Tuning(),
+        tuning: Tuning = DEFAULT_TUNING,
     ) -> None:
         if not 0.0 < max_error < 0.5:
             raise ValueError(f"max_error must be in (0, 0.5), not {max_error}")
@@ -129,7 +145,10 @@ class Learner:
         self._rng = rng
         # Below the band a neighbour is a plain miss.
         self.floor = min(tuning.band_floor, prior)
-        bins = max(1, math.ceil((1.0 - self.floor) / _BIN - 1e-9))
+        # Bins of 0.01 with an edge at the prior, so that a cold learner serves
+        # exactly from the prior up; the lowest one may reach below the floor.
+        self._below = math.ceil((prior - self.floor) / _BIN - 1e-9)
+        bins = self._below + max(1, math.ceil((1.0 - prior) / _BIN - 1e-9))
         self._ok = [0] * bins
         self._wrong = [0] * bins
         self._seen = [0] * bins  # lookups whose nearest neighbour fell in each bin
@@ -140,7 +159,12 @@ class Learner:
         self.verifies = 0
 
     def _bin(self, s: float) -> int:
-        return min(len(self._ok) - 1, max(0, int((s - self.floor) / _BIN)))
+        b = self._below + math.floor((s - self.prior) / _BIN + 1e-9)
+        return min(len(self._ok) - 1, max(0, b))
+
+    def _edge(self, b: int) -> float:
+        """The lowest similarity of bin b."""
+        return self.prior + (b - self._below) * _BIN
 
     @property
     def level(self) -> float:
@@ -160,13 +184,16 @@ class Learner:
         if sum(self._ok) + sum(self._wrong) < self.tuning.min_labels:
             return target
         curve = self.curve()
+        ceiling = self.tuning.ceiling * target
         errors = weight = 0.0
         level = target
         for b in range(len(curve) - 1, -1, -1):
+            if self._edge(b) < self.prior and self._ok[b] + self._wrong[b] < MIN_BIN_LABELS:
+                break  # below the prior only where checked answers say so
             w = self._seen[b] + 1
             errors += w * curve[b]
             weight += w
-            if errors > self.tuning.aim * target * weight:
+            if errors > self.tuning.aim * target * weight or curve[b] > ceiling:
                 break
             level = max(level, curve[b])
         return level
@@ -186,7 +213,7 @@ class Learner:
             blocks: list[list[float]] = []  # [weighted error, weight, bins]
             for b in range(len(self._ok)):
                 # Judged at the bin's lower edge: the pessimistic end of it.
-                g0 = self._prior_error(self.floor + b * _BIN + 1e-9)
+                g0 = self._prior_error(self._edge(b))
                 n = self._ok[b] + self._wrong[b] + m
                 blocks.append([self._wrong[b] + m * g0, n, 1])
                 while len(blocks) > 1 and (
@@ -216,7 +243,7 @@ class Learner:
         """The least similarity the curve alone would serve (entries without checks)."""
         for b, g in enumerate(self.curve()):
             if g <= self.level:
-                return self.floor + b * _BIN
+                return max(self.floor, self._edge(b))
         return 1.0
 
     def decide(self, similarity: float, evidence: Evidence | None) -> Action:
@@ -229,7 +256,7 @@ class Learner:
             self.misses += 1
             return Action.OBSERVE
         ok = evidence.ok if evidence is not None else 0
-        if self.verifies < self.tuning.verify_cap * self.misses and self._rng() < (
+        if self.verifies + 1 <= self.tuning.verify_cap * self.misses and self._rng() < (
             self.tuning.verify_rate / (1 + ok)
         ):
             self.verifies += 1

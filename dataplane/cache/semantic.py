@@ -69,7 +69,16 @@ from typing import TypeVar
 
 import numpy as np
 
-from dataplane.cache.bounded import Action, Answer, Evidence, Learner, by_meaning, same_answer
+from dataplane.cache.bounded import (
+    DEFAULT_TUNING,
+    Action,
+    Answer,
+    Evidence,
+    Learner,
+    Tuning,
+    by_meaning,
+    same_answer,
+)
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.vectors import TieredIndex, Vector, VectorIndex
@@ -176,7 +185,8 @@ class SemanticIndex:
     `index_factory(dim)` makes the vector index of a new namespace, on the loop, so
     it must be cheap (default: exact while small, HNSW past 4096 entries).
     `candidates` is how many neighbours above the threshold are checked for matching
-    entities. `rng` draws the error-bounded tenants' verifications.
+    entities. `rng` draws the error-bounded tenants' verifications; `tuning` is
+    their learners' (dataplane.cache.bounded.Tuning).
     """
 
     def __init__(
@@ -192,6 +202,7 @@ class SemanticIndex:
         executor: Executor | None = None,
         embedding_cache_size: int = 1024,
         rng: Callable[[], float] = random.random,
+        tuning: Tuning = DEFAULT_TUNING,
     ) -> None:
         if max_entries < 1 or max_entries_per_namespace < 1 or candidates < 1:
             raise ValueError("max_entries, max_entries_per_namespace and candidates must be >= 1")
@@ -220,6 +231,7 @@ class SemanticIndex:
         self._recent: OrderedDict[tuple[str, str], _Prepared] = OrderedDict()
         self._recent_size = embedding_cache_size
         self._rng = rng
+        self._tuning = tuning
         # One per error-bounded tenant: its calibration and verification budget.
         self._learners: dict[str, Learner] = {}
         self.stats = SemanticStats()
@@ -379,7 +391,7 @@ class SemanticIndex:
         learner = self._learners.get(tenant)
         if learner is None or (learner.max_error, learner.prior) != (max_error, prior):
             # A new bound or prior starts over: what was learned answered another question.
-            learner = self._learners[tenant] = Learner(max_error, prior, self._rng)
+            learner = self._learners[tenant] = Learner(max_error, prior, self._rng, self._tuning)
             for entry in self._entries.values():
                 if entry.namespace[0] == tenant:
                     entry.evidence = None
