@@ -73,21 +73,23 @@ class Tuning:
     configuration bench/cache_eval.py picks on the fit half of its datasets."""
 
     # Pseudo-observations of the calibration curve in an entry's estimate: with
-    # 1, one confirmed answer halves an entry's risk.
-    prior_weight: float = 1.0
+    # 2, two confirmed answers halve an entry's risk.
+    prior_weight: float = 2.0
     # How far below its similarity a confirmed answer vouches for a query, and
     # how far above its similarity a wrong one counts against one (1: any query;
     # an entry once wrong stays refused until many confirmations outweigh it).
-    reach: float = 0.2
+    reach: float = 0.1
     wrong_reach: float = 1.0
-    # Pseudo-observations of the prior in each calibration bin.
+    # Pseudo-observations of the fitted prior curve in each calibration bin.
     bin_prior: float = 20.0
+    # Pseudo-answers at the prior threshold in the fit of the curve's place.
+    anchor_weight: float = 30.0
     # Slope of the prior's error curve: it grows e-fold every 1/slope below the
     # fixed threshold.
-    slope: float = 20.0
+    slope: float = 40.0
     # The expected share of wrong hits aimed at, as a share of the bound: room
     # for the estimates' error.
-    aim: float = 0.5
+    aim: float = 0.3
     # Checked answers before the curve moves the served level off the bound.
     min_labels: int = 200
     # The served level never exceeds ceiling * max_error: a bin that has seen
@@ -105,8 +107,9 @@ class Tuning:
 
 @dataclass(slots=True)
 class Evidence:
-    """What the checks of one entry said. Four numbers: 56 bytes of slots object,
-    plus a float object each for the two similarities once set."""
+    """What the checks of one entry said. Four numbers: a 64-byte slots object,
+    plus 24 bytes for each similarity once set (at most 112 bytes); an entry never
+    checked holds None in its slot."""
 
     ok: int = 0
     wrong: int = 0
@@ -154,6 +157,7 @@ class Learner:
         self._seen = [0] * bins  # lookups whose nearest neighbour fell in each bin
         self._curve: list[float] | None = None
         self._level: float | None = None
+        self._anchor: float | None = None
         # Origin calls the tenant made for lookups (misses), and verifications.
         self.misses = 0
         self.verifies = 0
@@ -198,10 +202,33 @@ class Learner:
             level = max(level, curve[b])
         return level
 
+    def anchor(self) -> float:
+        """Where the fitted error curve meets the bound.
+
+        The curve's shape is fixed, P(wrong | s) = max_error * exp(slope * (anchor
+        - s)); its place is the maximum-likelihood fit to every checked answer
+        (closed form, Poisson approximation), with `anchor_weight` pseudo-answers
+        at the prior threshold: the prior before any check, and the checks of the
+        band (plentiful, free) say where the curve lies above it, where only
+        verifications look. Never below the prior threshold.
+        """
+        if self._anchor is None:
+            k, m, e = self.tuning.slope, self.tuning.anchor_weight, self.max_error
+            wrong = m * e + sum(self._wrong)
+            exposure = m * e * math.exp(-k * self.prior)
+            for b in range(len(self._ok)):
+                n = self._ok[b] + self._wrong[b]
+                if n:
+                    exposure += n * e * math.exp(-k * (self._edge(b) + _BIN / 2))
+            # Only ever stricter than the prior: where the curve is lower, the
+            # bins' own checks say so, and above the prior there are few.
+            self._anchor = max(self.prior, math.log(wrong / exposure) / k)
+        return self._anchor
+
     def _prior_error(self, s: float) -> float:
-        # At the prior threshold exactly the bound: a cold cache decides like
-        # the fixed threshold.
-        return min(1.0, self.max_error * math.exp(self.tuning.slope * (self.prior - s)))
+        # Before any check the anchor is the prior threshold, where the error
+        # is exactly the bound: a cold cache decides like the fixed threshold.
+        return min(1.0, self.max_error * math.exp(self.tuning.slope * (self.anchor() - s)))
 
     def curve(self) -> list[float]:
         """g per bin, lowest similarity first: non-increasing in similarity."""
@@ -279,7 +306,7 @@ class Learner:
             ev.wrong += 1
             ev.highest_wrong = max(ev.highest_wrong, similarity)
             self._wrong[b] += 1
-        self._curve = self._level = None
+        self._curve = self._level = self._anchor = None
         return ev
 
 

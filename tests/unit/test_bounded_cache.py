@@ -105,16 +105,17 @@ def test_one_wrong_answer_makes_its_entry_stricter_and_confirmed_ones_laxer() ->
     wrong = near.observe(None, 0.93, correct=False)
     assert near.decide(0.95, wrong) is Action.OBSERVE
     assert near.decide(0.99, wrong) is Action.HIT
+    learner = Learner(0.01, 0.9, never)  # no wrong answer anywhere yet
     confirmed: Evidence | None = None
-    for _ in range(6):
+    for _ in range(20):
         confirmed = learner.observe(confirmed, 0.87, correct=True)
-    assert confirmed is not None and (confirmed.ok, confirmed.lowest_ok) == (6, 0.87)
-    assert learner.decide(0.88, None) is Action.OBSERVE
-    assert learner.decide(0.88, confirmed) is Action.HIT
-    assert learner.decide(0.81, confirmed) is Action.HIT  # six confirmations reach far
-    short = Learner(0.01, 0.9, never, Tuning(reach=0.03))
-    assert short.decide(0.85, confirmed) is Action.HIT
-    assert short.decide(0.81, confirmed) is Action.OBSERVE  # below what they vouch for
+    assert confirmed is not None and (confirmed.ok, confirmed.lowest_ok) == (20, 0.87)
+    assert learner.decide(0.86, None) is Action.OBSERVE
+    assert learner.decide(0.86, confirmed) is Action.HIT  # a little below, vouched for
+    assert learner.decide(0.81, confirmed) is Action.OBSERVE  # too far below to trust
+    short = Learner(0.01, 0.9, never, Tuning(reach=0.0))
+    assert short.decide(0.87, confirmed) is Action.HIT
+    assert short.decide(0.86, confirmed) is Action.OBSERVE  # below what they vouch for
 
 
 def test_the_evidence_of_an_entry_is_a_few_numbers() -> None:
