@@ -103,6 +103,9 @@ class Tuning:
     # origin calls.
     verify_cap: float = 0.04
     band_floor: float = BAND_FLOOR
+    # Checks an entry gets from near misses; past them its misses are not
+    # compared (each comparison may embed two answers).
+    max_checks: int = 16
 
 
 @dataclass(slots=True)
@@ -281,6 +284,8 @@ class Learner:
         self._seen[self._bin(similarity)] += 1
         if self.risk(similarity, evidence) > self.level:
             self.misses += 1
+            if evidence is not None and evidence.ok + evidence.wrong >= self.tuning.max_checks:
+                return Action.MISS  # enough is known of it: spare the comparison
             return Action.OBSERVE
         ok = evidence.ok if evidence is not None else 0
         if self.verifies + 1 <= self.tuning.verify_cap * self.misses and self._rng() < (

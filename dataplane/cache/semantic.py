@@ -92,6 +92,10 @@ __all__ = ["DEFAULT_THRESHOLD", "SemanticHit", "SemanticIndex", "SemanticStats",
 # (docs/semantic-cache.md has the table, bench/cache_eval.py reproduces it).
 DEFAULT_THRESHOLD = 0.90
 
+# Characters of an answer given to the model when comparing two answers: more
+# than its window of 256 word pieces holds.
+ANSWER_CHARS = 2048
+
 _QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 
 
@@ -422,10 +426,10 @@ class SemanticIndex:
         return result
 
     def _similarity_sync(self, texts: Sequence[str]) -> float:
-        if not all(self._embedder.fits(t) for t in texts):
-            # The model would see only their beginnings: judge them unequal.
-            return 0.0
-        a, b = self._embedder.embed(list(texts))
+        # Answers past the model's window are compared on their beginnings (the
+        # tokenizer truncates), where an answer usually says what it is about;
+        # the cut bounds the tokenizer's work on a very long one.
+        a, b = self._embedder.embed([t[:ANSWER_CHARS] for t in texts])
         return float(np.dot(a, b))
 
     async def insert(self, tenant: str, model: str, context_hash: str, text: str, key: str) -> None:

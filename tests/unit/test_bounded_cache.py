@@ -112,10 +112,19 @@ def test_one_wrong_answer_makes_its_entry_stricter_and_confirmed_ones_laxer() ->
     assert confirmed is not None and (confirmed.ok, confirmed.lowest_ok) == (20, 0.87)
     assert learner.decide(0.86, None) is Action.OBSERVE
     assert learner.decide(0.86, confirmed) is Action.HIT  # a little below, vouched for
-    assert learner.decide(0.81, confirmed) is Action.OBSERVE  # too far below to trust
+    assert learner.decide(0.81, confirmed) is not Action.HIT  # too far below to trust
     short = Learner(0.01, 0.9, never, Tuning(reach=0.0))
     assert short.decide(0.87, confirmed) is Action.HIT
-    assert short.decide(0.86, confirmed) is Action.OBSERVE  # below what they vouch for
+    assert short.decide(0.86, confirmed) is not Action.HIT  # below what they vouch for
+
+
+def test_an_entry_checked_often_enough_is_not_compared_again() -> None:
+    learner = Learner(0.01, 0.9, never)
+    ev: Evidence | None = None
+    for n in range(Tuning().max_checks):
+        assert learner.decide(0.85, ev) is Action.OBSERVE, n
+        ev = learner.observe(ev, 0.85, correct=n % 2 == 0)  # a mixed record: never served
+    assert learner.decide(0.85, ev) is Action.MISS
 
 
 def test_the_evidence_of_an_entry_is_a_few_numbers() -> None:
