@@ -377,6 +377,7 @@ def _exact_scan(
 @dataclass(slots=True)
 class BoundedOutcome(Outcome):
     verifies: int = 0  # would-be hits sent to the origin to check them
+    observed: int = 0  # misses in the band compared with their neighbour (free labels)
     origin_calls: int = 0  # every origin call, verifications included
     requests: int = 0  # every query of the stream, scored or not
 
@@ -431,6 +432,8 @@ def simulate_bounded(
         out.origin_calls += 1
         if action is Action.VERIFY:
             out.verifies += 1
+        elif action is Action.OBSERVE:
+            out.observed += 1
         if action is not Action.MISS:
             correct = p.items[j].label == item.label
             evidence[j] = learner.observe(evidence.get(j), s, correct)
@@ -618,6 +621,7 @@ def bounded_report(
     print(
         f"  {'dataset':<10} {'plain 0.95':>12} {'0.90 +ent':>12} {'best fixed <bound':>22}"
         f" {'error-bounded':>14} {'x 0.95':>7} {'verify/origin':>14} {'verify/req':>11}"
+        f" {'free/req':>9}"
     )
     for name, _, held in halves:
         plain = simulate(held, 0.95, entity_check=False, use_context=True, candidates=1)
@@ -641,7 +645,8 @@ def bounded_report(
         print(
             f"  {name[:10]:<10} {_cell(plain):>12} {_cell(shipped):>12} {fixed:>22}"
             f" {_cell(b):>14} {ratio:7.2f} {100 * b.verify_share_of_origin:13.1f}%"
-            f" {100 * b.verify_share_of_requests:10.1f}%",
+            f" {100 * b.verify_share_of_requests:10.1f}%"
+            f" {100 * b.observed / b.requests if b.requests else 0.0:8.1f}%",
             flush=True,
         )
 
