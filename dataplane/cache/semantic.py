@@ -95,6 +95,10 @@ DEFAULT_THRESHOLD = 0.90
 # Characters of an answer given to the model when comparing two answers: more
 # than its window of 256 word pieces holds.
 ANSWER_CHARS = 2048
+# A comparison by meaning (two answer embeddings, several times a lookup's) waits
+# for the embedding thread only behind this many queued tasks: under load,
+# learning gives way to lookups.
+CHECK_QUEUE = 2
 
 _QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 
@@ -139,6 +143,7 @@ class SemanticStats:
     verifies: int = 0  # would-be hits sent to the origin to check them (error bound)
     checks: int = 0  # answers compared with a neighbour's (verifications and near misses)
     wrong_checks: int = 0  # of which the neighbour's answer differed
+    checks_skipped: int = 0  # comparisons by meaning dropped: lookups were queued
 
 
 Namespace = tuple[str, str, str]  # (tenant, model, context_hash)
@@ -409,10 +414,14 @@ class SemanticIndex:
         the outcome on the entry and the tenant's learner.
 
         Returns whether they were the same; None when nothing was recorded (the
-        entry or the tenant's bound went meanwhile, or the embedder was busy).
+        entry or the tenant's bound went meanwhile, or the embedder was busy:
+        a comparison by meaning waits behind at most CHECK_QUEUE tasks).
         """
         result: bool | _Skipped = same_answer(cached, fresh, None)
         if by_meaning(cached, fresh):  # two longer texts: the model, off the loop
+            if self._pending >= CHECK_QUEUE:
+                self.stats.checks_skipped += 1
+                return None
             result = await self._run(same_answer, cached, fresh, self._similarity_sync)
         if isinstance(result, _Skipped):
             return None

@@ -6,13 +6,15 @@ Q_NEAR score about 0.9).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
 from dataplane.cache.bounded import Action, Answer, Tuning
-from dataplane.cache.embed import HashingEmbedder
-from dataplane.cache.semantic import SemanticIndex
+from dataplane.cache.embed import HashingEmbedder, Vectors
+from dataplane.cache.semantic import CHECK_QUEUE, SemanticIndex
 
 Q = "how do i reset my password for the mobile app"
 Q_NEAR = "how do I reset my password for the mobile app please"
@@ -110,4 +112,42 @@ async def test_would_be_hits_are_verified_within_the_budget() -> None:
         assert actions == [Action.VERIFY, Action.VERIFY, Action.HIT, Action.HIT]
         assert (index.stats.verifies, index.stats.hits) == (2, 2)
     finally:
+        index.close()
+
+
+class GatedEmbedder(HashingEmbedder):
+    """Embeds only while `open` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = threading.Event()
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        self.open.wait(5)
+        return super().embed(texts)
+
+
+async def test_comparisons_by_meaning_give_way_to_queued_lookups() -> None:
+    gated = GatedEmbedder()
+    index = SemanticIndex(gated, rng=never)
+    try:
+        gated.open.set()
+        await index.insert("t", "m", "", Q, "k1")
+        await index.lookup("t", "m", "", Q_NEAR, 0.95, max_error=0.01)
+        gated.open.clear()
+        queued = [
+            asyncio.create_task(index.lookup("t", "m", "", f"{Q_NEAR} {n}", 0.95, max_error=0.01))
+            for n in range(CHECK_QUEUE)
+        ]
+        await asyncio.sleep(0)  # they are submitted to the embedding thread
+        assert await index.check("k1", 0.9, Answer(LONG), Answer(LONG + " Thanks!")) is None
+        assert index.stats.checks_skipped == 1
+        # Short answers need no model: compared at once, whatever the queue.
+        assert await index.check("k1", 0.9, Answer("Yes."), Answer("yes")) is True
+        gated.open.set()
+        await asyncio.gather(*queued)
+        assert await index.check("k1", 0.9, Answer(LONG), Answer(LONG + " Thanks!")) is True
+        assert index.stats.checks == 2
+    finally:
+        gated.open.set()
         index.close()
