@@ -1,5 +1,6 @@
 """Error-bounded semantic hits: per-entry thresholds learned online under a
-per-tenant bound on the share of wrong hits (docs/semantic-cache.md).
+per-tenant bound on the share of wrong hits (docs/semantic-cache.md has the
+method beside vCache's, what it guarantees and what not, and the evaluation).
 
 Pure: no I/O, no clock; randomness is injected. The semantic index keeps one
 `Learner` per tenant and, on the entries that have been checked, one `Evidence`.
@@ -7,27 +8,28 @@ Pure: no I/O, no clock; randomness is injected. The semantic index keeps one
 How a lookup decides, once the nearest stored neighbour that may share the
 answer (entity check passed, same namespace) is at similarity `s`:
 
-    risk = estimated probability that the neighbour's answer is wrong for the query
-         = (wrong' + K * g(s)) / (ok' + wrong' + K)
+    risk = (wrong' + prior_weight * g(s)) / (ok' + wrong' + prior_weight)
 
 - `g(s)`, the tenant's calibration curve: the share of wrong answers among
-  checked pairs at similarity s, per 0.01 bin, each bin starting from a prior
-  that equals the bound at the tenant's fixed threshold (so a cold cache decides
-  exactly like the fixed threshold) and made non-increasing in s;
-- `ok'` and `wrong'`, the entry's own checks that speak for a query at `s`: a
-  confirmed answer at similarity `lowest_ok` vouches for queries closer than
-  `lowest_ok - REACH`; a wrong one at `highest_wrong` counts against queries up
-  to `highest_wrong + REACH`.
+  checked pairs per 0.01 bin, each bin starting from pseudo-observations of a
+  prior curve, made non-increasing in s. The prior curve equals the bound at
+  its `anchor`: the tenant's fixed threshold before any check (so a cold cache
+  decides exactly like the fixed threshold), then fitted to the checks, only
+  ever upwards;
+- `ok'` and `wrong'`, the entry's own checks that speak for a query at `s`: its
+  confirmations while `s >= lowest_ok - reach`, its wrong answers while
+  `s <= highest_wrong + wrong_reach`.
 
-`risk <= max_error` is a would-be hit; otherwise, at `s >= BAND_FLOOR`, it is a
-miss whose origin answer is compared with the neighbour's (a free label), and
-below the band a plain miss. A would-be hit is verified (sent to the origin,
-compared, the client gets the origin's answer) with probability
-`VERIFY_RATE / (1 + ok)`, as long as verifications stay under `VERIFY_CAP` of
-the tenant's origin calls.
+`risk <= level` is a would-be hit, where `level` is the largest risk whose
+serving keeps the curve's expected share of wrong hits under `aim * max_error`.
+Otherwise, from the band floor up, it is a miss whose origin answer is compared
+with the neighbour's (a free label); below the band a plain miss. A would-be
+hit is verified (sent to the origin and compared; the client gets the origin's
+answer) with probability `verify_rate / (1 + ok)`, while verifications stay
+under `verify_cap` of the tenant's other origin calls.
 
-Hyper-parameters were chosen on the fit half of each dataset of
-bench/cache_eval.py and are reported on the other half (docs/semantic-cache.md).
+The `Tuning` defaults are what bench/cache_eval.py chooses on the fit half of
+each dataset; it reports them on the other half.
 """
 
 from __future__ import annotations
