@@ -524,22 +524,16 @@ def evaluate(
 
 # Hyper-parameters tried on the fit halves (dataplane.cache.bounded.Tuning); the
 # first is the shipped default. Each half is replayed from a cold cache.
-_LAX = replace(DEFAULT_TUNING, prior_weight=1.0, reach=0.2, slope=20.0, aim=0.5)
 CANDIDATES = (
     DEFAULT_TUNING,
-    _LAX,
-    replace(_LAX, anchor_weight=10.0),
-    replace(_LAX, anchor_weight=100.0),
-    replace(_LAX, slope=30.0),
-    # The curve's place fixed at the prior: only the bins' own checks move it.
-    replace(_LAX, anchor_weight=1e9),
-    replace(_LAX, reach=0.1, aim=0.3),
-    replace(_LAX, reach=0.05),
-    replace(_LAX, verify_rate=0.2),
-    replace(_LAX, prior_weight=2.0, reach=0.1, bin_prior=50.0, slope=40.0),
-    replace(_LAX, prior_weight=4.0, reach=0.0, bin_prior=50.0, slope=40.0),
+    replace(DEFAULT_TUNING, confidence=1.0),
+    replace(DEFAULT_TUNING, confidence=2.0),
+    replace(DEFAULT_TUNING, bin_prior=50.0),
+    replace(DEFAULT_TUNING, min_labels=200),
+    replace(DEFAULT_TUNING, prior_weight=1.0),
+    replace(DEFAULT_TUNING, prior_weight=1.0, confidence=2.0),
     # A wrong answer counting only near its own similarity.
-    replace(_LAX, prior_weight=4.0, reach=0.05, wrong_reach=0.03, aim=1.0),
+    replace(DEFAULT_TUNING, wrong_reach=0.05),
 )
 
 

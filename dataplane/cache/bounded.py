@@ -20,9 +20,13 @@ answer (entity check passed, same namespace) is at similarity `s`:
   confirmations while `s >= lowest_ok - reach`, its wrong answers while
   `s <= highest_wrong + wrong_reach`.
 
-`risk <= level` is a would-be hit, where `level` is the largest risk whose
-serving keeps the curve's expected share of wrong hits under `aim * max_error`.
-Otherwise, from the band floor up, it is a miss whose origin answer is compared
+The tenant's threshold t is the lowest bin such that serving every bin from t
+up keeps the share of wrong hits over ALL those hits (each bin's g weighted by
+the lookups seen in it) within `max_error`, by `confidence` standard errors of
+that estimate: a bin whose own rate is over the bound may be served beside
+safer ones, and t may fall below the prior once checked answers say so. An
+entry never checked is a would-be hit from t up; a checked one while its
+`risk <= g(t)` (confirmed: lower; once wrong: higher). Otherwise, from the band floor up, it is a miss whose origin answer is compared
 with the neighbour's (a free label); below the band a plain miss. A would-be
 hit is verified (sent to the origin and compared; the client gets the origin's
 answer) with probability `verify_rate / (1 + ok)`, while verifications stay
@@ -89,11 +93,11 @@ class Tuning:
     # Slope of the prior's error curve: it grows e-fold every 1/slope below the
     # fixed threshold.
     slope: float = 40.0
-    # The expected share of wrong hits aimed at, as a share of the bound: room
-    # for the estimates' error.
-    aim: float = 0.3
+    # Standard errors of the estimated share of wrong hits kept between it and
+    # the bound: room for the estimates' error.
+    confidence: float = 1.5
     # Checked answers before the curve moves the served level off the bound.
-    min_labels: int = 200
+    min_labels: int = 100
     # The served level never exceeds ceiling * max_error: a bin that has seen
     # little traffic weighs little in the mean, and would otherwise be served
     # however risky it is.
@@ -123,9 +127,6 @@ class Evidence:
 
 
 DEFAULT_TUNING = Tuning()
-
-# Checked answers a bin below the prior needs before it may be served.
-MIN_BIN_LABELS = 10
 
 _BIN = 0.01
 
@@ -162,6 +163,11 @@ class Learner:
         self._seen = [0] * bins  # lookups whose nearest neighbour fell in each bin
         self._curve: list[float] | None = None
         self._level: float | None = None
+        self._t = self._below  # the threshold bin, set with _level
+        # Per bin, set with _curve: its pooled block's answers (checked and
+        # pseudo), and the block's number.
+        self._weight: list[float] = []
+        self._block: list[int] = []
         self._anchor: float | None = None
         # Origin calls the tenant made for lookups (misses), and verifications.
         self.misses = 0
@@ -177,35 +183,46 @@ class Learner:
 
     @property
     def level(self) -> float:
-        """The largest estimated risk that is served (see `_serve_level`)."""
+        """The largest estimated risk that is served: the curve at the threshold
+        bin (see `_threshold_bin`); 0 when no bin is served."""
         if self._level is None:
-            self._level = self._serve_level()
+            self._t = self._threshold_bin()
+            self._level = self.curve()[self._t] if self._t < len(self._ok) else 0.0
         return self._level
 
-    def _serve_level(self) -> float:
-        # The bound is on the share of wrong hits, an average over what is
-        # served. Serving every bin from the top down to bin t, the expected
-        # share is the traffic-weighted mean of g over those bins; the level is
-        # g at the lowest t whose mean stays within aim * max_error. Until
-        # enough answers were checked the curve is the prior's, and the level
-        # the bound itself: the fixed threshold's decision.
-        target = self.max_error
+    def _threshold_bin(self) -> int:
+        # The bound is on the share of wrong hits over all hits, not per bin:
+        # serving every bin from the top down to bin t, the expected share is the
+        # mean of g over those bins weighted by the lookups seen in each (the hits
+        # they would serve). t is the lowest bin whose mean, plus `confidence`
+        # standard errors of it (each bin's g from its checked answers and
+        # `bin_prior` pseudo-answers), stays within the bound. Until `min_labels`
+        # answers were checked, the prior's bin: the fixed threshold's decision.
         if sum(self._ok) + sum(self._wrong) < self.tuning.min_labels:
-            return target
+            return self._below
         curve = self.curve()
-        ceiling = self.tuning.ceiling * target
-        errors = weight = 0.0
-        level = target
+        bound = self.max_error
+        ceiling = self.tuning.ceiling * bound
+        z = self.tuning.confidence
+        t = len(curve)
+        hits = errors = closed = block = 0.0
         for b in range(len(curve) - 1, -1, -1):
-            if self._edge(b) < self.prior and self._ok[b] + self._wrong[b] < MIN_BIN_LABELS:
-                break  # below the prior only where checked answers say so
+            g = curve[b]
+            if g > ceiling:
+                break  # monotone: every bin below is riskier still
+            if b + 1 < len(curve) and self._block[b + 1] != self._block[b]:
+                closed += block * block * curve[b + 1] * (1.0 - curve[b + 1]) / self._weight[b + 1]
+                block = 0.0
             w = self._seen[b] + 1
-            errors += w * curve[b]
-            weight += w
-            if errors > self.tuning.aim * target * weight or curve[b] > ceiling:
-                break
-            level = max(level, curve[b])
-        return level
+            hits += w
+            errors += w * g
+            block += w
+            # One pooled block's estimate is shared by its bins: their errors
+            # vary together, with the block's answers behind them.
+            variance = closed + block * block * g * (1.0 - g) / self._weight[b]
+            if errors + z * math.sqrt(variance) <= bound * hits:
+                t = b
+        return t
 
     def anchor(self) -> float:
         """Where the fitted error curve meets the bound.
@@ -256,6 +273,8 @@ class Learner:
                     blocks[-1][1] += weight
                     blocks[-1][2] += count
             self._curve = [e / w for e, w, c in blocks for _ in range(int(c))]
+            self._weight = [w for e, w, c in blocks for _ in range(int(c))]
+            self._block = [i for i, (e, w, c) in enumerate(blocks) for _ in range(int(c))]
         return self._curve
 
     def risk(self, similarity: float, evidence: Evidence | None) -> float:
@@ -272,19 +291,23 @@ class Learner:
         return (wrong + k * g) / (ok + wrong + k)
 
     def threshold(self) -> float:
-        """The least similarity the curve alone would serve (entries without checks)."""
-        for b, g in enumerate(self.curve()):
-            if g <= self.level:
-                return max(self.floor, self._edge(b))
-        return 1.0
+        """The least similarity the curve alone serves (entries without checks)."""
+        self.level  # noqa: B018 - sets the threshold bin with the level
+        return max(self.floor, self._edge(self._t)) if self._t < len(self._ok) else 1.0
 
     def decide(self, similarity: float, evidence: Evidence | None) -> Action:
         """What to do with the nearest neighbour that may share the answer."""
         if similarity < self.floor:
             self.misses += 1
             return Action.MISS
-        self._seen[self._bin(similarity)] += 1
-        if self.risk(similarity, evidence) > self.level:
+        b = self._bin(similarity)
+        self._seen[b] += 1
+        level = self.level
+        if evidence is None:
+            serve = b >= self._t
+        else:
+            serve = self._t < len(self._ok) and self.risk(similarity, evidence) <= level
+        if not serve:
             self.misses += 1
             if evidence is not None and evidence.ok + evidence.wrong >= self.tuning.max_checks:
                 return Action.MISS  # enough is known of it: spare the comparison

@@ -86,7 +86,8 @@ def test_the_threshold_rises_where_checked_answers_were_wrong() -> None:
     learner = Learner(0.01, 0.9, never)
     feed(learner, [0.90, 0.91, 0.92, 0.93], correct=False, times=10)
     feed(learner, [0.90, 0.91, 0.92, 0.93], correct=True, times=30)
-    feed(learner, [0.96, 0.97, 0.98, 0.99], correct=True, times=40)
+    # Clean answers above: enough of them to bound their error rate well under 1 %.
+    feed(learner, [0.96, 0.97, 0.98, 0.99], correct=True, times=150)
     assert learner.threshold() > 0.93
     assert learner.decide(0.92, None) is Action.OBSERVE
     assert learner.decide(0.97, None) is Action.HIT
@@ -158,6 +159,50 @@ def synthetic_stream(
         if action is not Action.MISS:
             learner.observe(None, s, correct)
     return hits, wrong, verifies, calls
+
+
+def test_the_bound_is_on_all_hits_so_a_bin_over_it_is_served_beside_safe_ones() -> None:
+    learner = Learner(0.01, 0.9, never)
+    feed(learner, [0.95, 0.96, 0.97, 0.98, 0.99], correct=True, times=400)
+    # 3 % of the answers at 0.90 are wrong, but it sees a twentieth of the traffic.
+    feed(learner, [0.90], correct=True, times=97)
+    feed(learner, [0.90], correct=False, times=3)
+    assert learner.curve()[learner._bin(0.905)] > 0.01
+    assert learner.decide(0.905, None) is Action.HIT
+    # Half the traffic there would put the share of wrong hits over the bound.
+    feed(learner, [0.90], correct=True, times=970)
+    feed(learner, [0.90], correct=False, times=30)
+    assert learner.decide(0.905, None) is Action.OBSERVE
+
+
+def known_rates(s: float) -> float:
+    """Wrong answers per similarity: 4 % below 0.88, 2 % to 0.92, 0.2 % above."""
+    return 0.04 if s < 0.88 else 0.02 if s < 0.92 else 0.002
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_share_of_wrong_hits_stays_under_the_bound_with_known_bin_rates(seed: int) -> None:
+    # From a strict prior. Serving only bins whose own rate is within 1 % would
+    # start at 0.92; the share over all hits allows lower, and never the bound.
+    learner = Learner(0.01, 0.95, random.Random(seed).random)
+    rng = random.Random(100 + seed)
+    hits = wrong = late_hits = late_safe = 0
+    for i in range(30_000):
+        # Half the lookups have no neighbour close enough to learn from.
+        s = 0.6 + 0.4 * rng.random()
+        correct = rng.random() >= known_rates(s)
+        action = learner.decide(s, None)
+        late = i >= 15_000
+        late_safe += late and s >= 0.92
+        if action is Action.HIT:
+            hits += 1
+            wrong += not correct
+            late_hits += late
+        elif action is not Action.MISS:
+            learner.observe(None, s, correct)
+    assert wrong / hits < 0.01
+    assert learner.threshold() < 0.92
+    assert late_hits > late_safe  # more than serving only the bins within the bound
 
 
 def test_wrong_hits_stay_under_the_bound_when_the_prior_is_too_lax() -> None:
