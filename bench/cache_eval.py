@@ -529,9 +529,9 @@ CANDIDATES = (
     replace(DEFAULT_TUNING, confidence=1.0),
     replace(DEFAULT_TUNING, confidence=2.0),
     replace(DEFAULT_TUNING, bin_prior=50.0),
-    replace(DEFAULT_TUNING, min_labels=200),
-    replace(DEFAULT_TUNING, prior_weight=1.0),
-    replace(DEFAULT_TUNING, prior_weight=1.0, confidence=2.0),
+    replace(DEFAULT_TUNING, min_labels=100),
+    replace(DEFAULT_TUNING, prior_weight=2.0),
+    replace(DEFAULT_TUNING, prior_weight=2.0, confidence=2.0),
     # A wrong answer counting only near its own similarity.
     replace(DEFAULT_TUNING, wrong_reach=0.05),
 )

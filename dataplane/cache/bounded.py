@@ -26,8 +26,9 @@ the lookups seen in it) within `max_error`, by `confidence` standard errors of
 that estimate: a bin whose own rate is over the bound may be served beside
 safer ones, and t may fall below the prior once checked answers say so. An
 entry never checked is a would-be hit from t up; a checked one while its
-`risk <= g(t)` (confirmed: lower; once wrong: higher). Otherwise, from the band floor up, it is a miss whose origin answer is compared
-with the neighbour's (a free label); below the band a plain miss. A would-be
+`risk <= g(t)` (confirmed: lower; once wrong: higher). Otherwise, from the
+band floor up, it is a miss whose origin answer is compared with the
+neighbour's (a free label); below the band a plain miss. A would-be
 hit is verified (sent to the origin and compared; the client gets the origin's
 answer) with probability `verify_rate / (1 + ok)`, while verifications stay
 under `verify_cap` of the tenant's other origin calls.
@@ -79,8 +80,10 @@ class Tuning:
     configuration bench/cache_eval.py picks on the fit half of its datasets."""
 
     # Pseudo-observations of the calibration curve in an entry's estimate: with
-    # 2, two confirmed answers halve an entry's risk.
-    prior_weight: float = 2.0
+    # 3, three confirmed answers halve an entry's risk (checked entries once
+    # confirmed were wrong about half as often as fresh ones at one similarity,
+    # on the fit halves).
+    prior_weight: float = 3.0
     # How far below its similarity a confirmed answer vouches for a query, and
     # how far above its similarity a wrong one counts against one (1: any query;
     # an entry once wrong stays refused until many confirmations outweigh it).
@@ -96,8 +99,8 @@ class Tuning:
     # Standard errors of the estimated share of wrong hits kept between it and
     # the bound: room for the estimates' error.
     confidence: float = 1.5
-    # Checked answers before the curve moves the served level off the bound.
-    min_labels: int = 100
+    # Checked answers before the threshold moves off the prior.
+    min_labels: int = 30
     # The served level never exceeds ceiling * max_error: a bin that has seen
     # little traffic weighs little in the mean, and would otherwise be served
     # however risky it is.
@@ -185,10 +188,15 @@ class Learner:
     def level(self) -> float:
         """The largest estimated risk that is served: the curve at the threshold
         bin (see `_threshold_bin`); 0 when no bin is served."""
+        return self._judge()[1]
+
+    def _judge(self) -> tuple[int, float]:
+        """The threshold bin (len(bins) when none is served) and the level,
+        recomputed after a check."""
         if self._level is None:
             self._t = self._threshold_bin()
             self._level = self.curve()[self._t] if self._t < len(self._ok) else 0.0
-        return self._level
+        return self._t, self._level
 
     def _threshold_bin(self) -> int:
         # The bound is on the share of wrong hits over all hits, not per bin:
@@ -292,8 +300,8 @@ class Learner:
 
     def threshold(self) -> float:
         """The least similarity the curve alone serves (entries without checks)."""
-        self.level  # noqa: B018 - sets the threshold bin with the level
-        return max(self.floor, self._edge(self._t)) if self._t < len(self._ok) else 1.0
+        t = self._judge()[0]
+        return max(self.floor, self._edge(t)) if t < len(self._ok) else 1.0
 
     def decide(self, similarity: float, evidence: Evidence | None) -> Action:
         """What to do with the nearest neighbour that may share the answer."""
@@ -302,11 +310,11 @@ class Learner:
             return Action.MISS
         b = self._bin(similarity)
         self._seen[b] += 1
-        level = self.level
+        t, level = self._judge()
         if evidence is None:
-            serve = b >= self._t
+            serve = b >= t
         else:
-            serve = self._t < len(self._ok) and self.risk(similarity, evidence) <= level
+            serve = t < len(self._ok) and self.risk(similarity, evidence) <= level
         if not serve:
             self.misses += 1
             if evidence is not None and evidence.ok + evidence.wrong >= self.tuning.max_checks:
