@@ -203,8 +203,9 @@ class Learner:
         # serving every bin from the top down to bin t, the expected share is the
         # mean of g over those bins weighted by the lookups seen in each (the hits
         # they would serve). t is the lowest bin whose mean, plus `confidence`
-        # standard errors of it (each bin's g from its checked answers and
-        # `bin_prior` pseudo-answers), stays within the bound. Until `min_labels`
+        # standard errors of it (each pooled block's g from its checked answers
+        # and `bin_prior` pseudo-answers per bin), stays within the bound. If none
+        # does, t is past the top: nothing is served. Until `min_labels`
         # answers were checked, the prior's bin: the fixed threshold's decision.
         if sum(self._ok) + sum(self._wrong) < self.tuning.min_labels:
             return self._below
