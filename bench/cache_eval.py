@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.cache_eval [--dataset PATH ...] [--thresholds 0.85,0.9]
                                          [--limit N] [--candidates 4] [--seed 7]
+                                         [--max-error 0.01] [--prior 0.9]
 
 Replays labelled queries through a simulated cache, in a shuffled (fixed seed) stream
 order: each query looks up its nearest stored neighbours (exact cosine, MiniLM int8,
@@ -27,6 +28,19 @@ Columns: `exact` is the share of queries whose normalised text came before (what
 an exact cache on normalised text would already serve); `plain` is embedding
 similarity alone; `+ent` adds the entity check (the shipped behaviour).
 
+Error-bounded mode (`--max-error`, default 0.01; 0 skips it): each stream is split
+in two halves (a MeanCache conversation stays in one), each replayed from a cold
+cache as a stream of its own. The learner's hyper-parameters (CANDIDATES,
+dataplane.cache.bounded.Tuning) are chosen on the fit halves: under the bound on
+the most datasets, then the highest mean hit rate. The held-out halves are then
+replayed with online learning exactly as the proxy runs it (the tenant's learner
+judges the nearest neighbour with matching entities; a would-be hit is served or
+verified; a verification and a miss in the band go to the origin and label the
+neighbour, "same answer" being "same label"; every origin answer is stored) and
+reported beside a plain 0.95, the shipped 0.90 with entities and the best fixed
+threshold under the bound chosen in hindsight on the held-out half itself, with
+the verifications as a share of origin calls and of requests.
+
 Any labelled file can be given with --dataset: the CLINC150 JSON shape
 `{split: [[text, label], ...]}`, a CSV whose header names a text column (`text`,
 `query`, `instruction`) and a label column (`label`, `category`, `intent`), or a
@@ -47,13 +61,14 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from bench.data import SEMCACHE
+from dataplane.cache.bounded import DEFAULT_TUNING, Action, Evidence, Learner, Tuning
 from dataplane.cache.embed import MiniLmOnnxEmbedder, default_model_path
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semantic import DEFAULT_THRESHOLD, normalise_text
@@ -170,6 +185,29 @@ def stream_order(items: list[Item], seed: int) -> list[Item]:
     return [item for _, _, item in keyed]
 
 
+def split_halves(items: list[Item], seed: int) -> tuple[list[Item], list[Item]]:
+    """A fit part and a held-out part, about half each, stream order kept.
+
+    A MeanCache follow-up goes with its main query, so a conversation never
+    spans both parts."""
+    rng = random.Random(seed)
+    part: dict[str, bool] = {}
+    fit: list[Item] = []
+    held: list[Item] = []
+    for n, item in enumerate(items):
+        group = _conversation(item) or str(n)
+        if group not in part:
+            part[group] = rng.random() < 0.5
+        (fit if part[group] else held).append(item)
+    return fit, held
+
+
+def _conversation(item: Item) -> str:
+    if item.context:
+        return item.context.split("\x00", 1)[0]
+    return item.text if not item.judged else ""
+
+
 # -- embeddings ------------------------------------------------------------------
 
 
@@ -239,9 +277,13 @@ class Prepared:
     exact_rate: float
 
 
-def prepare(items: list[Item], threads: int) -> Prepared:
+def prepare(
+    items: list[Item], threads: int, vectors: npt.NDArray[np.float32] | None = None
+) -> Prepared:
+    """The stream's embeddings (given, or computed) and each query's earlier neighbours."""
     normalised = [normalise_text(it.text) for it in items]
-    vectors = embeddings(normalised, threads)
+    if vectors is None:
+        vectors = embeddings(normalised, threads)
     nbr_idx, nbr_sim = earlier_neighbours(vectors, NEIGHBOURS)
     seen: set[tuple[str, str]] = set()
     repeats = 0
@@ -332,6 +374,94 @@ def _exact_scan(
     return -1
 
 
+@dataclass(slots=True)
+class BoundedOutcome(Outcome):
+    verifies: int = 0  # would-be hits sent to the origin to check them
+    observed: int = 0  # misses in the band compared with their neighbour (free labels)
+    origin_calls: int = 0  # every origin call, verifications included
+    requests: int = 0  # every query of the stream, scored or not
+
+    @property
+    def verify_share_of_origin(self) -> float:
+        return self.verifies / self.origin_calls if self.origin_calls else 0.0
+
+    @property
+    def verify_share_of_requests(self) -> float:
+        return self.verifies / self.requests if self.requests else 0.0
+
+
+def simulate_bounded(
+    p: Prepared,
+    max_error: float,
+    prior: float,
+    tuning: Tuning,
+    *,
+    candidates: int,
+    seed: int,
+) -> BoundedOutcome:
+    """The error-bounded mode, from a cold cache, learning online as the proxy does.
+
+    The nearest stored neighbour in the namespace (with matching entities, among
+    the top `candidates`) at or above the band floor is judged by the tenant's
+    `Learner`: a hit is served (scored like a fixed threshold's); a verification
+    and a miss in the band go to the origin and label the neighbour (same label =
+    same answer); every origin answer is stored, as on a miss.
+    """
+    learner = Learner(max_error, prior, random.Random(seed).random, tuning)
+    floor = min(tuning.band_floor, prior)
+    evidence: dict[int, Evidence] = {}
+    n = len(p.items)
+    stored = np.zeros(n, dtype=bool)
+    out = BoundedOutcome(queries=sum(it.judged for it in p.items), requests=n)
+    for i in range(n):
+        item = p.items[i]
+        j, s = _nearest(p, i, stored, floor, candidates)
+        if j < 0:
+            learner.count_miss()
+            out.origin_calls += 1
+            stored[i] = True
+            continue
+        action = learner.decide(s, evidence.get(j))
+        if action is Action.HIT:
+            if item.judged:
+                out.hits += 1
+                if p.items[j].label != item.label:
+                    out.wrong += 1
+                    out.examples.append((item.text, p.items[j].text, s))
+            continue
+        out.origin_calls += 1
+        if action is Action.VERIFY:
+            out.verifies += 1
+        elif action is Action.OBSERVE:
+            out.observed += 1
+        if action is not Action.MISS:
+            correct = p.items[j].label == item.label
+            evidence[j] = learner.observe(evidence.get(j), s, correct)
+        stored[i] = True
+    return out
+
+
+def _nearest(
+    p: Prepared, i: int, stored: npt.NDArray[np.bool_], floor: float, candidates: int
+) -> tuple[int, float]:
+    """The first of the top `candidates` stored neighbours of query i in its
+    namespace, at or above `floor`, whose entities match; (-1, 0) if none."""
+    item = p.items[i]
+    tried = 0
+    for j, s in zip(p.nbr_idx[i], p.nbr_sim[i], strict=True):
+        if j < 0 or s < floor:
+            return -1, 0.0
+        if not stored[j] or p.items[j].context != item.context:
+            continue
+        tried += 1
+        if _may_share(p, i, int(j), True):
+            return int(j), float(s)
+        if tried >= candidates:
+            return -1, 0.0
+    j = _exact_scan(p, i, stored, floor, True, True, candidates)
+    return (j, float(p.vectors[j] @ p.vectors[i])) if j >= 0 else (-1, 0.0)
+
+
 # -- the command -----------------------------------------------------------------
 
 
@@ -346,15 +476,14 @@ def default_datasets() -> list[tuple[str, list[Path]]]:
 
 def evaluate(
     name: str,
-    items: list[Item],
+    p: Prepared,
     thresholds: Sequence[float],
     *,
     candidates: int,
-    threads: int,
     show_wrong: int = 0,
 ) -> dict[float, dict[str, Outcome]]:
     t0 = time.perf_counter()
-    p = prepare(items, threads)
+    items = p.items
     has_context = any(it.context for it in items)
     print(
         f"\n{name}: {len(items)} queries ({sum(it.judged for it in items)} scored), "
@@ -391,6 +520,135 @@ def evaluate(
     return results
 
 
+# -- the error-bounded mode: fit on one half, report on the other -----------------
+
+# Hyper-parameters tried on the fit halves (dataplane.cache.bounded.Tuning); the
+# first is the shipped default. Each half is replayed from a cold cache.
+CANDIDATES = (
+    DEFAULT_TUNING,
+    replace(DEFAULT_TUNING, confidence=1.0),
+    replace(DEFAULT_TUNING, confidence=2.0),
+    replace(DEFAULT_TUNING, bin_prior=50.0),
+    replace(DEFAULT_TUNING, min_labels=100),
+    replace(DEFAULT_TUNING, prior_weight=2.0),
+    replace(DEFAULT_TUNING, prior_weight=2.0, confidence=2.0),
+    # A wrong answer counting only near its own similarity.
+    replace(DEFAULT_TUNING, wrong_reach=0.05),
+)
+
+
+def split_prepared(p: Prepared, seed: int) -> tuple[Prepared, Prepared]:
+    """The fit and held-out halves of a stream (split_halves), each prepared as a
+    stream of its own: neighbours only within the half."""
+    row = {id(item): i for i, item in enumerate(p.items)}
+    fit, held = split_halves(p.items, seed)
+
+    def part(items: list[Item]) -> Prepared:
+        return prepare(items, 1, p.vectors[[row[id(item)] for item in items]])
+
+    return part(fit), part(held)
+
+
+def _describe(t: Tuning) -> str:
+    changed = [
+        f"{f.name}={getattr(t, f.name):g}"
+        for f in fields(t)
+        if getattr(t, f.name) != getattr(DEFAULT_TUNING, f.name)
+    ]
+    return "default" if not changed else ", ".join(changed)
+
+
+def choose(
+    fit: Sequence[tuple[str, Prepared]],
+    max_error: float,
+    prior: float,
+    *,
+    candidates: int,
+    seed: int,
+) -> Tuning:
+    """The candidate under the bound on the most fit halves, then with the
+    highest mean hit rate."""
+    print(f"\nerror-bounded mode, bound {100 * max_error:g} %: fit halves (hit % / wrong %)")
+    best: tuple[tuple[int, float], Tuning] | None = None
+    for tuning in CANDIDATES:
+        outs = [
+            simulate_bounded(p, max_error, prior, tuning, candidates=candidates, seed=seed)
+            for _, p in fit
+        ]
+        score = (
+            sum(o.wrong_rate < max_error for o in outs),
+            sum(o.hit_rate for o in outs) / len(outs),
+        )
+        cells = "  ".join(
+            f"{name[:9]} {100 * o.hit_rate:4.1f}/{100 * o.wrong_rate:4.2f}"
+            for (name, _), o in zip(fit, outs, strict=True)
+        )
+        print(f"  {cells}  | {_describe(tuning)}", flush=True)
+        if best is None or score > best[0]:
+            best = (score, tuning)
+    assert best is not None
+    print(f"  chosen: {_describe(best[1])}")
+    return best[1]
+
+
+def bounded_report(
+    halves: Sequence[tuple[str, Prepared, Prepared]],
+    max_error: float,
+    prior: float,
+    thresholds: Sequence[float],
+    *,
+    candidates: int,
+    seed: int,
+) -> None:
+    """Fit on one half, report the held-out half against fixed thresholds."""
+    tuning = choose(
+        [(name, fit) for name, fit, _ in halves],
+        max_error,
+        prior,
+        candidates=candidates,
+        seed=seed,
+    )
+    print(
+        f"\nheld-out halves, cold cache, online learning (bound {100 * max_error:g} %, "
+        f"prior {prior:g}): hit % / wrong % of hits"
+    )
+    print(
+        f"  {'dataset':<10} {'plain 0.95':>12} {'0.90 +ent':>12} {'best fixed <bound':>22}"
+        f" {'error-bounded':>14} {'x 0.95':>7} {'verify/origin':>14} {'verify/req':>11}"
+        f" {'free/req':>9}"
+    )
+    for name, _, held in halves:
+        plain = simulate(held, 0.95, entity_check=False, use_context=True, candidates=1)
+        shipped = simulate(
+            held, DEFAULT_THRESHOLD, entity_check=True, use_context=True, candidates=candidates
+        )
+        # In hindsight, on the held-out half itself: what no tenant could pick.
+        under = [
+            (o.hit_rate, thr, o)
+            for thr in thresholds
+            if (
+                o := simulate(held, thr, entity_check=True, use_context=True, candidates=candidates)
+            ).wrong_rate
+            < max_error
+            and o.hits
+        ]
+        best = max(under, key=lambda u: u[0]) if under else None
+        b = simulate_bounded(held, max_error, prior, tuning, candidates=candidates, seed=seed)
+        ratio = b.hit_rate / plain.hit_rate if plain.hit_rate else float("inf")
+        fixed = f"{best[1]:.2f}: {_cell(best[2])}" if best is not None else "none"
+        print(
+            f"  {name[:10]:<10} {_cell(plain):>12} {_cell(shipped):>12} {fixed:>22}"
+            f" {_cell(b):>14} {ratio:7.2f} {100 * b.verify_share_of_origin:13.1f}%"
+            f" {100 * b.verify_share_of_requests:10.1f}%"
+            f" {100 * b.observed / b.requests if b.requests else 0.0:8.1f}%",
+            flush=True,
+        )
+
+
+def _cell(o: Outcome) -> str:
+    return f"{100 * o.hit_rate:4.1f}/{100 * o.wrong_rate:4.2f}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", action="append", type=Path, help="labelled file")
@@ -402,6 +660,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--show-wrong", type=int, default=0, help="print N wrong hits at the default threshold"
     )
+    parser.add_argument(
+        "--max-error",
+        type=float,
+        default=0.01,
+        help="the error-bounded mode's bound on wrong hits (0: skip that part)",
+    )
+    parser.add_argument(
+        "--prior", type=float, default=DEFAULT_THRESHOLD, help="its cold-start threshold"
+    )
     args = parser.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
     for needed in (DEFAULT_THRESHOLD, 0.95):  # the summary compares these two
@@ -412,19 +679,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         [(path.name, [path]) for path in args.dataset] if args.dataset else default_datasets()
     )
     summary: list[str] = []
+    halves: list[tuple[str, Prepared, Prepared]] = []
     for name, paths in datasets:
         items = [item for path in paths for item in load(path)]
         items = stream_order(items, args.seed)
         if args.limit:
             items = items[: args.limit]
+        p = prepare(items, args.threads)
         results = evaluate(
-            name,
-            items,
-            thresholds,
-            candidates=args.candidates,
-            threads=args.threads,
-            show_wrong=args.show_wrong,
+            name, p, thresholds, candidates=args.candidates, show_wrong=args.show_wrong
         )
+        halves.append((name, *split_prepared(p, args.seed)))
         chosen = results[DEFAULT_THRESHOLD]["entities"]
         base = results[0.95]["plain"]
         ratio = chosen.hit_rate / base.hit_rate if base.hit_rate else float("inf")
@@ -435,6 +700,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(f"\ndefault {DEFAULT_THRESHOLD} with entities vs a plain 0.95 threshold:")
     print("\n".join(summary))
+    if args.max_error > 0:
+        bounded_report(
+            halves,
+            args.max_error,
+            args.prior,
+            thresholds,
+            candidates=args.candidates,
+            seed=args.seed,
+        )
     return 0
 
 

@@ -15,7 +15,7 @@ Pure: no I/O, no clock.
     tenants:
       - name: acme
         limits: {rpm: 600, tpm: 100000, concurrency: 20}
-        cache: {mode: semantic, ttl_s: 3600, semantic_threshold: 0.9}
+        cache: {mode: semantic, ttl_s: 3600, semantic_threshold: 0.9, semantic_max_error: 0.01}
         prompt: {system_prompt: "Be brief.", max_tokens: 1024, aliases: {gpt-4o: llama-3-8b},
                  defaults: {temperature: 0}}
         jwt: {issuer: "https://id.acme.example", audiences: [ponto], algorithms: [RS256],
@@ -76,7 +76,14 @@ ORIGIN_FIELDS = (
 )
 TENANT_FIELDS = ("name", "limits", "cache", "prompt", "jwt", "routing", "streams")
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
-CACHE_FIELDS = ("mode", "ttl_s", "semantic_threshold", "cache_nondeterministic", "store_truncated")
+CACHE_FIELDS = (
+    "mode",
+    "ttl_s",
+    "semantic_threshold",
+    "semantic_max_error",
+    "cache_nondeterministic",
+    "store_truncated",
+)
 PROMPT_FIELDS = ("system_prompt", "enforce_system_prompt", "defaults", "max_tokens", "aliases")
 JWT_FIELDS = (
     "issuer",
@@ -313,6 +320,7 @@ def _tenant(o: _Obj) -> Tenant:
             ttl_s=cache.get("ttl_s", int, 0),
             cache_nondeterministic=cache.get("cache_nondeterministic", bool, False),
             store_truncated=cache.get("store_truncated", bool, False),
+            semantic_max_error=cache.get("semantic_max_error", _NUMBER, 0.0),
         ),
         prompt=PromptPolicy(
             system_prompt=prompt.get("system_prompt", str, ""),
@@ -416,6 +424,7 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
     cache = _set(
         ttl_s=t.cache.ttl_s,
         semantic_threshold=t.cache.semantic_threshold,
+        semantic_max_error=t.cache.semantic_max_error,
         cache_nondeterministic=t.cache.cache_nondeterministic,
         store_truncated=t.cache.store_truncated,
     )

@@ -272,7 +272,18 @@ def _parser() -> argparse.ArgumentParser:
     ts = tenant.add_parser("set", help="change a tenant's cache, prompt or routing policy")
     ts.add_argument("name")
     ts.add_argument("--cache", choices=["off", "exact", "semantic"])
-    ts.add_argument("--semantic-threshold", type=float)
+    ts.add_argument(
+        "--semantic-threshold",
+        type=float,
+        help="least similarity of a semantic hit; with --semantic-max-error, the cold-start prior",
+    )
+    ts.add_argument(
+        "--semantic-max-error",
+        type=float,
+        metavar="SHARE",
+        help="error-bounded semantic hits: the largest share of semantic hits that may be "
+        "wrong (0.01 = 1 %%), thresholds learned per entry from checked answers; 0: off",
+    )
     ts.add_argument("--cache-ttl", type=_count(MAX_TTL_S), metavar="SECONDS")
     ts.add_argument(
         "--cache-nondeterministic",
@@ -463,6 +474,8 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
         cache.mode = args.cache
     if args.semantic_threshold is not None:
         cache.semantic_threshold = args.semantic_threshold
+    if args.semantic_max_error is not None:
+        cache.semantic_max_error = args.semantic_max_error
     if args.cache_ttl is not None:
         cache.ttl_s = args.cache_ttl
     if args.cache_nondeterministic is not None:
@@ -557,7 +570,8 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
             t.name,
             limits(t.limits),
             t.cache.mode
-            + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else ""),
+            + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else "")
+            + (f",max-err={t.cache.semantic_max_error:g}" if t.cache.semantic_max_error else ""),
             f"{t.cache.ttl_s}s" if t.cache.ttl_s else "default",
             routing(t.routing),
             streams(t.streams),

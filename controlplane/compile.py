@@ -100,6 +100,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
             ttl_s=t.cache.ttl_s,
             cache_nondeterministic=t.cache.cache_nondeterministic,
             store_truncated=t.cache.store_truncated,
+            semantic_max_error=t.cache.semantic_max_error,
         ),
         routing=pb.RoutingPolicy(
             mode=t.routing.mode,

@@ -69,6 +69,7 @@ def cache_of(m: pb.CachePolicy) -> CachePolicy:
         ttl_s=m.ttl_s,
         cache_nondeterministic=m.cache_nondeterministic,
         store_truncated=m.store_truncated,
+        semantic_max_error=m.semantic_max_error,
     )
 
 

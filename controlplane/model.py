@@ -36,6 +36,8 @@ JWT_LONGEST_MAX_LIFETIME_S = 31_536_000
 # Request fields a tenant's defaults may not set: they carry the request itself.
 NOT_DEFAULTABLE = frozenset({"model", "messages", "prompt", "input", "stream"})
 MAX_TTL_S = 30 * 86_400
+# A bound at or past one wrong hit in two is no bound.
+MAX_SEMANTIC_ERROR = 0.5
 MAX_CONCURRENCY = 2**32 - 1  # a uint32 in the route table
 MAX_RATE = 10**12  # rpm and tpm
 MAX_TOKENS_CEILING = 10**7
@@ -328,6 +330,8 @@ class CachePolicy:
     ttl_s: int = 0  # 0: the proxy's default
     cache_nondeterministic: bool = False
     store_truncated: bool = False
+    # Error-bounded semantic hits (docs/semantic-cache.md); 0: a fixed threshold.
+    semantic_max_error: float = 0.0
 
     def validated(self, owner: str) -> CachePolicy:
         mode = self.mode or "exact"
@@ -338,6 +342,11 @@ class CachePolicy:
         t = self.semantic_threshold
         if not math.isfinite(t) or not (t == 0 or 0.5 <= t <= 1):
             raise InvalidArgument(f"semantic threshold {t} of {owner} is not in 0.5..1")
+        e = self.semantic_max_error
+        if not math.isfinite(e) or not 0 <= e < MAX_SEMANTIC_ERROR:
+            raise InvalidArgument(
+                f"semantic max error {e} of {owner} is not in [0, {MAX_SEMANTIC_ERROR})"
+            )
         if not 0 <= self.ttl_s <= MAX_TTL_S:
             raise InvalidArgument(f"cache TTL {self.ttl_s} s of {owner} is not in 0..{MAX_TTL_S}")
         return replace(self, mode=mode)

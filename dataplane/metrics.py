@@ -492,6 +492,10 @@ class Metrics:
             ("hits", "Semantic lookups that found a close enough earlier question"),
             ("entity_blocked", "Close neighbours refused because numbers or names differed"),
             ("busy", "Lookups skipped because the embedder was busy"),
+            ("verifies", "Would-be hits sent to the origin to check them (error-bounded tenants)"),
+            ("checks", "Origin answers compared with a close neighbour's cached answer"),
+            ("checks_skipped", "Answer comparisons dropped because lookups were queued"),
+            ("wrong_checks", "Compared answers that differed: a hit would have been wrong"),
         ):
             ReadCounter(f"ponto_semantic_{name}", doc, registry=r).read = stat(name)
         Gauge("ponto_semantic_entries", "Entries in the semantic index", registry=r).set_function(

@@ -97,6 +97,7 @@ def _cache(m: pb.CachePolicy, defaults: CacheDefaults) -> TenantCachePolicy:
         mode=CacheMode(m.mode or "exact"),
         ttl_s=float(m.ttl_s) or defaults.ttl_s,
         semantic_threshold=m.semantic_threshold or defaults.semantic_threshold,
+        semantic_max_error=m.semantic_max_error,
         cache_nondeterministic=m.cache_nondeterministic,
         store_truncated=m.store_truncated,
         max_entry_bytes=defaults.max_entry_bytes,

@@ -38,6 +38,10 @@ class TenantCachePolicy:
     ttl_s: float = 3600.0
     # Least cosine similarity for a semantic hit (used by the semantic layer).
     semantic_threshold: float = 0.90  # chosen in docs/semantic-cache.md
+    # Error-bounded semantic hits: the largest share of semantic hits that may be
+    # wrong; thresholds are learned per entry (dataplane.cache.bounded), with
+    # semantic_threshold as the cold-start prior. 0: the fixed threshold.
+    semantic_max_error: float = 0.0
     # Cache sampled answers too (temperature > 0 and no seed). Off by default: a
     # cached sample turns a random answer into a fixed one, which only the tenant
     # can say is acceptable.
@@ -52,6 +56,10 @@ class TenantCachePolicy:
             raise ValueError(f"ttl_s must be a positive number of seconds, not {self.ttl_s}")
         if not 0.0 < self.semantic_threshold <= 1.0:
             raise ValueError(f"semantic_threshold must be in (0, 1], not {self.semantic_threshold}")
+        if not 0.0 <= self.semantic_max_error < 0.5:
+            raise ValueError(
+                f"semantic_max_error must be in [0, 0.5), not {self.semantic_max_error}"
+            )
         if self.max_entry_bytes <= 0:
             raise ValueError(f"max_entry_bytes must be positive, not {self.max_entry_bytes}")
 

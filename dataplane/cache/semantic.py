@@ -14,7 +14,9 @@ Scoping, which is what makes a semantic hit safe:
   matched semantically, and two conversations whose earlier turns differ by a byte
   never share an answer ("what about the second one?" means something else in each).
 - Threshold. A hit needs cosine similarity >= the caller's threshold (per tenant;
-  see docs/semantic-cache.md for how the default was chosen).
+  see docs/semantic-cache.md for how the default was chosen). With an error bound
+  (`max_error` > 0) the tenant's `Learner` (dataplane.cache.bounded) judges the
+  nearest neighbour instead, from its checked answers: hit, verify or observe.
 - Entities. A hit also needs the entity signatures of the two messages to agree
   (`dataplane.cache.entities`): numbers, ids, amounts, dates, names, quoted strings.
   The top `candidates` neighbours above the threshold are tried in order, so a
@@ -75,16 +77,27 @@ import asyncio
 import contextlib
 import enum
 import logging
+import random
 import sys
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
+from dataplane.cache.bounded import (
+    DEFAULT_TUNING,
+    Action,
+    Answer,
+    Evidence,
+    Learner,
+    Tuning,
+    by_meaning,
+    same_answer,
+)
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.vectors import ID_ENTRY_BYTES, TieredIndex, Vector, VectorIndex
@@ -115,6 +128,13 @@ DEFAULT_MAX_ENTRIES = 100_000
 # its slot in the namespace map. Measured with tracemalloc (CPython 3.11).
 ENTRY_BYTES = 400
 NAMESPACE_BYTES = 700
+# Characters of an answer given to the model when comparing two answers: more
+# than its window of 256 word pieces holds.
+ANSWER_CHARS = 2048
+# A comparison by meaning (two answer embeddings, several times a lookup's) waits
+# for the embedding thread only behind this many queued tasks: under load,
+# learning gives way to lookups.
+CHECK_QUEUE = 2
 
 _QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 
@@ -132,10 +152,16 @@ def normalise_text(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SemanticHit:
-    """A stored question close enough to the asked one: fetch `key` from the exact cache."""
+    """A stored question close enough to the asked one: fetch `key` from the exact cache.
+
+    `action` is HIT with a fixed threshold. Under an error bound, VERIFY (a
+    would-be hit: ask the origin and `check` the answers) or OBSERVE (a miss close
+    enough to learn from: `check` the origin's answer against `key`'s) as well.
+    """
 
     key: str
     similarity: float
+    action: Action = Action.HIT
 
 
 @dataclass(slots=True)
@@ -154,6 +180,10 @@ class SemanticStats:
     # held already, a vector of another size, or the index closed
     remote_inserts: int = 0
     remote_refused: int = 0
+    verifies: int = 0  # would-be hits sent to the origin to check them (error bound)
+    checks: int = 0  # answers compared with a neighbour's (verifications and near misses)
+    wrong_checks: int = 0  # of which the neighbour's answer differed
+    checks_skipped: int = 0  # comparisons by meaning dropped: lookups were queued
 
 
 def entities_bytes(entities: Entities) -> int:
@@ -191,6 +221,8 @@ class _Entry:
     text: str | None
     entities: Entities
     cost: int  # bytes, beyond the vector index
+    # What checks of its answer said (error-bounded tenants); None until checked.
+    evidence: Evidence | None = None
 
 
 @dataclass(slots=True)
@@ -233,7 +265,8 @@ class SemanticIndex:
     `index_factory(dim)` makes the vector index of a new namespace, on the loop, so
     it must be cheap (default: exact while small, HNSW past 4096 entries).
     `candidates` is how many neighbours above the threshold are checked for matching
-    entities.
+    entities. `rng` draws the error-bounded tenants' verifications; `tuning` is
+    their learners' (dataplane.cache.bounded.Tuning).
     """
 
     def __init__(
@@ -249,6 +282,8 @@ class SemanticIndex:
         executor: Executor | None = None,
         embedding_cache_size: int = 1024,
         max_bytes: int | None = None,
+        rng: Callable[[], float] = random.random,
+        tuning: Tuning = DEFAULT_TUNING,
     ) -> None:
         if max_entries < 1 or max_entries_per_namespace < 1 or candidates < 1:
             raise ValueError("max_entries, max_entries_per_namespace and candidates must be >= 1")
@@ -282,6 +317,10 @@ class SemanticIndex:
         # Its bytes count too, and it may take at most an eighth of max_bytes.
         self._recent_bytes = 0
         self._recent_max_bytes = max_bytes // 8 if max_bytes is not None else None
+        self._rng = rng
+        self._tuning = tuning
+        # One per error-bounded tenant: its calibration and verification budget.
+        self._learners: dict[str, Learner] = {}
         self.stats = SemanticStats()
         # Memory (see the module doc): entries' and namespaces' own bytes, kept on
         # the loop; the vector indexes' total as the executor last measured it,
@@ -394,7 +433,13 @@ class SemanticIndex:
     # -- the API (event loop thread) ---------------------------------------------
 
     async def lookup(
-        self, tenant: str, model: str, context_hash: str, text: str, threshold: float
+        self,
+        tenant: str,
+        model: str,
+        context_hash: str,
+        text: str,
+        threshold: float,
+        max_error: float = 0.0,
     ) -> SemanticHit | None:
         """The best stored message of this namespace that may share `text`'s answer.
 
@@ -402,7 +447,42 @@ class SemanticIndex:
         normalisation, since capitals mark names). Returns None on a miss, when the
         namespace is empty, when the message is too long or the embedder is busy.
         A hit counts as a use of the entry for eviction.
+
+        `max_error` > 0: the tenant's bound on wrong hits. The nearest neighbour with
+        matching entities at or above the learner's band is judged by the tenant's
+        `Learner`, with `threshold` as its cold-start prior, and returned with its
+        action; the caller reports VERIFY and OBSERVE outcomes through `check`.
         """
+        learner = self._learner(tenant, threshold, max_error) if max_error > 0 else None
+        found = await self._nearest(tenant, model, context_hash, text, threshold, learner)
+        if found is None:
+            if learner is not None:
+                learner.count_miss()
+            return None
+        entry, similarity = found
+        action = Action.HIT
+        if learner is not None:
+            action = learner.decide(similarity, entry.evidence)
+            if action is Action.VERIFY:
+                self.stats.verifies += 1
+        if action is Action.HIT:
+            space = self._spaces[entry.namespace]
+            space.entries.move_to_end(entry.id)
+            self._entries.move_to_end(entry.id)
+            self.stats.hits += 1
+        return SemanticHit(entry.key, min(1.0, similarity), action)
+
+    async def _nearest(
+        self,
+        tenant: str,
+        model: str,
+        context_hash: str,
+        text: str,
+        threshold: float,
+        learner: Learner | None,
+    ) -> tuple[_Entry, float] | None:
+        """The closest entry at or above the threshold (or the learner's band)
+        whose entities match, among the top `candidates`."""
         self.stats.lookups += 1
         namespace = (tenant, model, context_hash)
         space = self._spaces.get(namespace)
@@ -420,9 +500,10 @@ class SemanticIndex:
         space = self._spaces.get(namespace)  # may have gone during the search
         if space is None:
             return None
+        floor = learner.floor if learner is not None else threshold
         blocked = False
         for entry_id, similarity in found:
-            if similarity < threshold:
+            if similarity < floor:
                 break
             entry = space.entries.get(entry_id)
             if entry is None:
@@ -432,14 +513,56 @@ class SemanticIndex:
                 or entry.text == prepared.text
                 or entry.entities.matches(prepared.entities)
             ):
-                space.entries.move_to_end(entry_id)
-                self._entries.move_to_end(entry_id)
-                self.stats.hits += 1
-                return SemanticHit(entry.key, min(1.0, similarity))
+                return entry, similarity
             blocked = True
         if blocked:
             self.stats.entity_blocked += 1
         return None
+
+    def _learner(self, tenant: str, prior: float, max_error: float) -> Learner:
+        learner = self._learners.get(tenant)
+        if learner is None or (learner.max_error, learner.prior) != (max_error, prior):
+            # A new bound or prior starts over: what was learned answered another question.
+            learner = self._learners[tenant] = Learner(max_error, prior, self._rng, self._tuning)
+            for entry in self._entries.values():
+                if entry.namespace[0] == tenant:
+                    entry.evidence = None
+        return learner
+
+    async def check(
+        self, key: str, similarity: float, cached: Answer, fresh: Answer
+    ) -> bool | None:
+        """Compare the origin's answer (`fresh`) with the answer stored for `key`
+        (`cached`), found at `similarity` by a VERIFY or OBSERVE lookup, and record
+        the outcome on the entry and the tenant's learner.
+
+        Returns whether they were the same; None when nothing was recorded (the
+        entry or the tenant's bound went meanwhile, or the embedder was busy:
+        a comparison by meaning waits behind at most CHECK_QUEUE tasks).
+        """
+        result: bool | _Skipped = same_answer(cached, fresh, None)
+        if by_meaning(cached, fresh):  # two longer texts: the model, off the loop
+            if self._pending >= CHECK_QUEUE:
+                self.stats.checks_skipped += 1
+                return None
+            result = await self._run(same_answer, cached, fresh, self._similarity_sync)
+        if isinstance(result, _Skipped):
+            return None
+        entry = self._by_key.get(key)
+        learner = self._learners.get(entry.namespace[0]) if entry is not None else None
+        if entry is None or learner is None:
+            return None
+        entry.evidence = learner.observe(entry.evidence, similarity, result)
+        self.stats.checks += 1
+        self.stats.wrong_checks += not result
+        return result
+
+    def _similarity_sync(self, texts: Sequence[str]) -> float:
+        # Answers past the model's window are compared on their beginnings (the
+        # tokenizer truncates), where an answer usually says what it is about;
+        # the cut bounds the tokenizer's work on a very long one.
+        a, b = self._embedder.embed([t[:ANSWER_CHARS] for t in texts])
+        return float(np.dot(a, b))
 
     async def insert(self, tenant: str, model: str, context_hash: str, text: str, key: str) -> None:
         """Store `text` (a last user message) as answered by exact-cache entry `key`.

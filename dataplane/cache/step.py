@@ -4,6 +4,9 @@
       bypass -> origin, `x-ponto-cache: bypass`
       lookup -> exact entry (local, then region)? -> replay, `hit`
              -> semantic neighbour?     -> replay, `hit` + similarity
+                (error-bounded tenants: or `miss` with reason `verify`, a would-be
+                hit checked against the origin's answer; or a near miss whose
+                origin answer is compared with the neighbour's, to learn from)
              -> identical request in flight here? -> follow it (same chunks), `hit`
              -> identical request in flight on another proxy of the region
                 (non-streaming only)?   -> wait for its entry, `hit`
@@ -39,8 +42,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from dataplane.cache.bounded import Action, answer_of
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
-from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion
+from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion, to_completion
 from dataplane.cache.keys import (
     UncacheableRequest,
     cache_key,
@@ -55,6 +59,7 @@ from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.streaming.relay import RelayEnd
 
 if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
+    from dataplane.cache.bounded import Answer
     from dataplane.cache.semantic import SemanticHit
 
 log = logging.getLogger(__name__)
@@ -66,8 +71,18 @@ class SemanticLayer(Protocol):
     """What the cache needs of the semantic index (dataplane.cache.semantic)."""
 
     async def lookup(
-        self, tenant: str, model: str, context_hash: str, text: str, threshold: float
+        self,
+        tenant: str,
+        model: str,
+        context_hash: str,
+        text: str,
+        threshold: float,
+        max_error: float = 0.0,
     ) -> SemanticHit | None: ...
+
+    async def check(
+        self, key: str, similarity: float, cached: Answer, fresh: Answer
+    ) -> bool | None: ...
 
     async def insert(
         self, tenant: str, model: str, context_hash: str, text: str, key: str
@@ -112,7 +127,8 @@ class CachePlan:
 
     outcome: Outcome  # the x-ponto-cache header
     # Why a bypass: the policy's reason (dataplane.cache.policy.Reason), a
-    # short stable token sent as x-ponto-cache-reason.
+    # short stable token sent as x-ponto-cache-reason; "verify" for a miss that
+    # checks a would-be semantic hit against the origin.
     reason: str = ""
     # How a hit was found: exact, semantic or coalesced (a follower).
     kind: str = ""
@@ -131,6 +147,9 @@ class CachePlan:
     # The region-wide flight lock this request holds, released once its answer
     # is stored (or it failed).
     region_lock: RegionLock | None = None
+    # Error-bounded tenants: the neighbour whose answer the origin's is compared
+    # with once it arrives (a verification, or a near miss to learn from).
+    neighbour: SemanticHit | None = None
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished."""
@@ -174,6 +193,9 @@ class EdgeCache:
         self._metrics = metrics
         self._clock = clock
         self._purged_to: int | None = None
+        # Answer comparisons run after the client has its answer; kept here so
+        # they are not collected before they finish.
+        self._checks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ control
 
@@ -264,21 +286,30 @@ class EdgeCache:
         leader: Leader | None = None
         tenant = req.tenant.name
         region_lock: RegionLock | None = None
+        neighbour = None
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
             if hit is not None and cc.accepts_age(self._clock() - hit.entry.created_at):
                 return self._hit(hit, "exact", include_usage)
             if text and self.semantic is not None:
                 found = await self.semantic.lookup(
-                    tenant, model, context, text, policy.semantic_threshold
+                    tenant,
+                    model,
+                    context,
+                    text,
+                    policy.semantic_threshold,
+                    policy.semantic_max_error,
                 )
                 if found is not None:
                     near = await self.store.lookup(found.key, tenant=tenant, model=model)
-                    if near is not None and cc.accepts_age(self._clock() - near.entry.created_at):
+                    if near is None or not cc.accepts_age(self._clock() - near.entry.created_at):
+                        self.semantic.remove(found.key)  # its answer is gone
+                    elif found.action is Action.HIT:
                         plan = self._hit(near, "semantic", include_usage)
                         plan.similarity = found.similarity
                         return plan
-                    self.semantic.remove(found.key)  # its answer is gone
+                    else:
+                        neighbour = found
             # No await between the miss above and joining: see Coalescer.
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
@@ -306,7 +337,7 @@ class EdgeCache:
                 except BaseException as exc:  # the client went away while waiting
                     leader.finish(None, exc)
                     raise
-        plan = self._fill(req, key, leader, context, text, include_usage)
+        plan = self._fill(req, key, leader, context, text, include_usage, neighbour)
         plan.region_lock = region_lock
         return plan
 
@@ -320,7 +351,7 @@ class EdgeCache:
     def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         """A follower whose flight failed before it got a byte calls an origin
         itself; its answer is still stored (no semantic indexing, no flight)."""
-        return self._fill(req, plan.key, None, "", "", plan.include_usage)
+        return self._fill(req, plan.key, None, "", "", plan.include_usage, None)
 
     def _fill(
         self,
@@ -330,8 +361,10 @@ class EdgeCache:
         context: str,
         text: str,
         include_usage: bool,
+        neighbour: SemanticHit | None,
     ) -> CachePlan:
-        self._count("miss", "exact")
+        verify = neighbour is not None and neighbour.action is Action.VERIFY
+        self._count("miss", "verify" if verify else "exact")
         policy = req.tenant.cache
         recorder = None
         if req.stream:
@@ -340,12 +373,14 @@ class EdgeCache:
             )
         return CachePlan(
             "miss",
+            reason="verify" if verify else "",
             include_usage=include_usage,
             key=key,
             leader=leader,
             recorder=recorder,
             context=context,
             text=text,
+            neighbour=neighbour,
         )
 
     async def settle_body(
@@ -395,8 +430,38 @@ class EdgeCache:
         stored = await self.store.put(
             plan.key, entry, tenant=req.tenant.name, model=model, ttl_s=req.tenant.cache.ttl_s
         )
+        if plan.neighbour is not None and self.semantic is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._check(self.semantic, plan.neighbour, entry, req.tenant.name, model)
+            )
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
         if stored and plan.text and self.semantic is not None:
             await self.semantic.insert(req.tenant.name, model, plan.context, plan.text, plan.key)
+
+    async def _check(
+        self,
+        semantic: SemanticLayer,
+        near: SemanticHit,
+        entry: CachedResponse,
+        tenant: str,
+        model: str,
+    ) -> None:
+        """Compare an origin's answer with the neighbour's cached one (from this
+        proxy or the region) and let the semantic layer learn from it
+        (error-bounded tenants)."""
+        found = await self.store.lookup(near.key, tenant=tenant, model=model)
+        if found is None:
+            return
+        cached = answer_of(to_completion(found.entry))
+        fresh = answer_of(to_completion(entry))
+        if cached is not None and fresh is not None:
+            await semantic.check(near.key, near.similarity, cached, fresh)
+
+    async def checks_done(self) -> None:
+        """Wait for the answer comparisons started so far (tests, orderly shutdown)."""
+        while self._checks:
+            await asyncio.gather(*self._checks, return_exceptions=True)
 
     def _context(self, req: CacheRequest) -> str:
         """Everything but the last user message, exactly: the semantic namespace.

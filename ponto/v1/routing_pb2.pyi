@@ -464,6 +464,7 @@ class CachePolicy(_message.Message):
     TTL_S_FIELD_NUMBER: _builtins.int
     CACHE_NONDETERMINISTIC_FIELD_NUMBER: _builtins.int
     STORE_TRUNCATED_FIELD_NUMBER: _builtins.int
+    SEMANTIC_MAX_ERROR_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """off, exact or semantic ("" means exact)."""
     semantic_threshold: _builtins.float
@@ -474,6 +475,12 @@ class CachePolicy(_message.Message):
     """Also cache requests with temperature > 0 and no seed."""
     store_truncated: _builtins.bool
     """Also cache answers cut by max_tokens (finish_reason "length")."""
+    semantic_max_error: _builtins.float
+    """Error-bounded semantic hits: the largest share of semantic hits that may
+    be wrong, in [0, 0.5). Per-entry thresholds are learned online from
+    checked answers, with semantic_threshold as the cold-start prior
+    (docs/semantic-cache.md). 0: off, a fixed threshold.
+    """
     def __init__(
         self,
         *,
@@ -482,10 +489,11 @@ class CachePolicy(_message.Message):
         ttl_s: _builtins.int = ...,
         cache_nondeterministic: _builtins.bool = ...,
         store_truncated: _builtins.bool = ...,
+        semantic_max_error: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_nondeterministic", b"cache_nondeterministic", "mode", b"mode", "semantic_threshold", b"semantic_threshold", "store_truncated", b"store_truncated", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_nondeterministic", b"cache_nondeterministic", "mode", b"mode", "semantic_max_error", b"semantic_max_error", "semantic_threshold", b"semantic_threshold", "store_truncated", b"store_truncated", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -157,12 +157,17 @@ def test_tenant_cache_settings_limits_and_purge(
     ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
     ctl(
         fleet, capsys, "tenant", "set", "acme", "--cache", "exact",
-        "--semantic-threshold", "0.95", "--cache-ttl", "120",
+        "--semantic-threshold", "0.95", "--semantic-max-error", "0.02", "--cache-ttl", "120",
     )  # fmt: skip
     ctl(fleet, capsys, "limit", "set", "--tenant", "acme", "--rpm", "60", "--concurrency", "2")
     out, _ = ctl(fleet, capsys, "get", "tenants", "-o", "yaml")
     acme = yaml.safe_load(out)["tenants"][0]
-    assert acme["cache"] == {"mode": "exact", "semantic_threshold": 0.95, "ttl_s": 120}
+    assert acme["cache"] == {
+        "mode": "exact",
+        "semantic_threshold": 0.95,
+        "semantic_max_error": 0.02,
+        "ttl_s": 120,
+    }
     assert acme["limits"] == {"rpm": 60, "concurrency": 2}
     # Cache purges need a scope, or --all.
     _, err = ctl(fleet, capsys, "cache", "purge", code=2)

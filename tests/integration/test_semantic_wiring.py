@@ -65,11 +65,11 @@ async def test_the_semantic_index_joins_the_store_bound_and_the_feed(
         assert isinstance(index, SemanticIndex)
         assert proxy.semantic_index is index
         assert index.on_insert == feed.publish
-        assert index.on_grow == proxy.store.fit
+        assert index.on_grow == proxy.local_store.fit
         await index.insert("t", "m", "", "how do I reset my password", "key-1")
         await index.flush()
         # the store yields to the index's bytes; the metric counts both
-        assert proxy.store.reserved() == index.nbytes > 0
+        assert proxy.local_store.reserved() == index.nbytes > 0
         scrape = proxy.metrics.registry.get_sample_value
         assert scrape("ponto_cache_bytes") == index.nbytes
         assert scrape("ponto_semantic_bytes") == index.nbytes

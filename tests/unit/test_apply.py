@@ -41,7 +41,8 @@ origins:
 tenants:
   - name: acme
     limits: {rpm: 600, tpm: 100000, concurrency: 20}
-    cache: {mode: semantic, ttl_s: 3600, semantic_threshold: 0.9, store_truncated: true}
+    cache: {mode: semantic, ttl_s: 3600, semantic_threshold: 0.9, store_truncated: true,
+            semantic_max_error: 0.01}
     prompt: {system_prompt: "Be brief.", max_tokens: 1024, aliases: {gpt-4o: a},
              defaults: {temperature: 0, stop: ["x"], response_format: {type: json_object}}}
     jwt: {issuer: "https://id.acme.example", audiences: [ponto], algorithms: [RS256],
@@ -76,6 +77,7 @@ def test_a_full_document_parses_into_normalised_values() -> None:
     acme = t.tenants[0]
     assert acme.streams.hedge_auto and acme.streams.hedge_models == (("a", "500"), ("b", "auto"))
     assert dict(acme.prompt.defaults)["stop"] == '["x"]'
+    assert (acme.cache.semantic_threshold, acme.cache.semantic_max_error) == (0.9, 0.01)
     assert t.drain_unset == {("region", "us-east"), ("origin", "vllm-use1"), ("origin", "hosted")}
     assert t.paths[("origin", "hosted")] == "origins[1]"
 

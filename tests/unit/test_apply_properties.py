@@ -60,7 +60,11 @@ tenant = st.fixed_dictionaries(
         ),
         "cache": st.fixed_dictionaries(
             {"mode": st.sampled_from(["off", "exact", "semantic"])},
-            optional={"ttl_s": st.integers(0, 86_400), "semantic_threshold": st.floats(0.5, 1)},
+            optional={
+                "ttl_s": st.integers(0, 86_400),
+                "semantic_threshold": st.floats(0.5, 1),
+                "semantic_max_error": st.floats(0, 0.49),
+            },
         ),
         "prompt": st.fixed_dictionaries(
             {},

@@ -122,6 +122,9 @@ def test_semantic_lookup_only_for_chat_in_semantic_mode() -> None:
         {"ttl_s": float("inf")},
         {"semantic_threshold": 0},
         {"semantic_threshold": 1.5},
+        {"semantic_max_error": -0.01},
+        {"semantic_max_error": 0.5},
+        {"semantic_max_error": float("nan")},
         {"max_entry_bytes": 0},
     ],
 )

@@ -221,6 +221,7 @@ def test_build_policy_compiles_tenants_limits_and_purges() -> None:
                 cache=pb.CachePolicy(
                     mode="semantic",
                     semantic_threshold=0.97,
+                    semantic_max_error=0.02,
                     ttl_s=60,
                     cache_nondeterministic=True,
                     store_truncated=True,
@@ -246,6 +247,7 @@ def test_build_policy_compiles_tenants_limits_and_purges() -> None:
         mode=CacheMode.SEMANTIC,
         ttl_s=60.0,
         semantic_threshold=0.97,  # a proto double: the same float
+        semantic_max_error=0.02,
         cache_nondeterministic=True,
         store_truncated=True,
         max_entry_bytes=4096,

@@ -114,7 +114,7 @@ FULL = Tenant(
         max_tokens_ceiling=512,
         aliases=(("gpt-4o", "llama-3"), ("fast", "qwen")),
     ),
-    cache=CachePolicy(mode="semantic", semantic_threshold=0.92, ttl_s=600),
+    cache=CachePolicy(mode="semantic", semantic_threshold=0.92, ttl_s=600, semantic_max_error=0.01),
     jwt=jwt_rs256(),
 )
 
@@ -172,6 +172,9 @@ INVALID: list[tuple[str, Tenant]] = [
     ("threshold-low", Tenant("acme", cache=CachePolicy(semantic_threshold=0.3))),
     ("threshold-high", Tenant("acme", cache=CachePolicy(semantic_threshold=1.01))),
     ("threshold-nan", Tenant("acme", cache=CachePolicy(semantic_threshold=float("nan")))),
+    ("max-error-negative", Tenant("acme", cache=CachePolicy(semantic_max_error=-0.01))),
+    ("max-error-half", Tenant("acme", cache=CachePolicy(semantic_max_error=0.5))),
+    ("max-error-nan", Tenant("acme", cache=CachePolicy(semantic_max_error=float("nan")))),
     ("ttl-negative", Tenant("acme", cache=CachePolicy(ttl_s=-1))),
     ("ttl-too-long", Tenant("acme", cache=CachePolicy(ttl_s=MAX_TTL_S + 1))),
     ("jwt-empty-issuer", Tenant("acme", jwt=jwt_rs256(issuer=""))),
@@ -625,6 +628,7 @@ def test_compile_carries_tenants_keys_and_purges() -> None:
     assert t.prompt.max_tokens_ceiling == 512
     assert (t.cache.mode, t.cache.ttl_s) == ("semantic", 600)
     assert t.cache.semantic_threshold == pytest.approx(0.92)
+    assert t.cache.semantic_max_error == pytest.approx(0.01)
     assert t.HasField("jwt")
     assert (t.jwt.issuer, list(t.jwt.audiences), list(t.jwt.algorithms), t.jwt.jwks_file) == (
         "https://idp.example",

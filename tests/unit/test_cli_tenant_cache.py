@@ -1,0 +1,78 @@
+"""`pontoctl tenant set NAME --semantic-max-error E` and `get tenants`, against a
+fake Admin stub: the update sent, the local validation, the table row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controlplane.cli import _parser, _rows_tenants, run
+from controlplane.errors import InvalidArgument
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+
+
+class Stub:
+    """The two Admin calls `tenant set` makes; keeps what was sent."""
+
+    def __init__(self, current: pb.Tenant) -> None:
+        self.current = current
+        self.updates: list[apb.UpdateTenantRequest] = []
+
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(tenants=[self.current])
+
+    def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
+        self.updates.append(req)
+        merged = pb.Tenant()
+        merged.CopyFrom(self.current)
+        if req.HasField("cache"):
+            merged.cache.CopyFrom(req.cache)
+        self.current = merged
+        return merged
+
+
+def tenant_set(stub: Any, *flags: str) -> str:
+    return run(_parser().parse_args(["tenant", "set", "acme", *flags]), stub)
+
+
+def test_semantic_max_error_is_sent_and_keeps_the_rest_of_the_cache_policy() -> None:
+    stub = Stub(pb.Tenant(name="acme", cache=pb.CachePolicy(mode="semantic", ttl_s=60)))
+    assert "tenant acme saved" in tenant_set(stub, "--semantic-max-error", "0.01")
+    [update] = stub.updates
+    assert update.cache.semantic_max_error == pytest.approx(0.01)
+    assert (update.cache.mode, update.cache.ttl_s) == ("semantic", 60)
+    # --semantic-threshold still sets the fixed threshold (and the bound's prior).
+    tenant_set(stub, "--semantic-threshold", "0.93")
+    assert stub.current.cache.semantic_threshold == pytest.approx(0.93)
+    assert stub.current.cache.semantic_max_error == pytest.approx(0.01)
+    # 0 turns the bound off: the fixed threshold again.
+    tenant_set(stub, "--semantic-max-error", "0")
+    assert stub.current.cache.semantic_max_error == 0
+
+
+@pytest.mark.parametrize("bad", ["0.5", "-0.01", "nan"])
+def test_a_bound_out_of_range_is_refused_before_the_update(bad: str) -> None:
+    stub = Stub(pb.Tenant(name="acme"))
+    with pytest.raises(InvalidArgument, match="semantic max error"):
+        tenant_set(stub, "--semantic-max-error", bad)
+    assert stub.updates == []
+
+
+def test_get_tenants_shows_the_bound_beside_the_threshold() -> None:
+    resp = apb.ListTenantsResponse(
+        tenants=[
+            pb.Tenant(
+                name="acme",
+                cache=pb.CachePolicy(
+                    mode="semantic", semantic_threshold=0.9, semantic_max_error=0.01
+                ),
+            ),
+            pb.Tenant(name="plain", cache=pb.CachePolicy(mode="semantic")),
+        ]
+    )
+    header, rows = _rows_tenants(resp)
+    cache = header.index("CACHE")
+    assert rows[0][cache] == "semantic@0.9,max-err=0.01"
+    assert rows[1][cache] == "semantic"
