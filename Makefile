@@ -162,7 +162,7 @@ $(WRK):
 # routing inside a region, about 11 of them, and bench.resilience, about 4, write their
 # own pages too); compare
 # installs LiteLLM into .bench/ the first time.
-bench: $(STAMP) $(WRK)
+bench: $(STAMP) $(WRK) $(REDIS)
 	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
 	$(PY) -m bench.record routing "Routing cost per request" bench.routing
 	$(PY) -m bench.auth_ratelimit
