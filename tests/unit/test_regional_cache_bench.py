@@ -127,3 +127,12 @@ def test_the_aims_miss_when_hits_fall_region_hits_are_slow_or_requests_fail() ->
     work = Workload(exact=["a", "a", "b"], semantic=["x"])
     verdicts = aims(report(work, measurement(37, failed=2, region_ms=2.0), QUICK, 1.0))
     assert [v for aim, v in verdicts.items() if "resume" not in aim] == ["miss"] * 3
+
+
+def test_no_region_hit_after_the_restart_is_a_miss() -> None:
+    work = Workload(exact=["a", "a", "b"], semantic=["x"])
+    m = measurement(39, failed=0, region_ms=1.2)
+    m["fault"] = [s for s in m["fault"] if s.at < m["restart_at"]]
+    verdicts = aims(report(work, m, QUICK, 1.0))
+    resumed = [v for aim, v in verdicts.items() if "resume" in aim]
+    assert resumed == ["miss"]
