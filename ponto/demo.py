@@ -4,9 +4,10 @@ Without flags it starts etcd, a control plane, a simulated origin in each of
 three regions and proxies in two of them (with redis-server: a second us-east
 proxy and a Redis per region with proxies, each region's shared cache), prints
 how to use them, and stays up until Ctrl-C, starting again any of its processes
-that dies (kill an origin to watch failover). With --check it starts the same topology, proves the product's
-promises with the official openai client (streaming, failover of the control
-plane, restart from the saved table) and exits non-zero on any failure.
+that dies (kill an origin to watch failover). With --check it starts the same
+topology, proves the product's promises with the official openai client
+(streaming, the regional cache, failover of the control plane, restart from the
+saved table) and exits non-zero on any failure.
 """
 
 from __future__ import annotations
