@@ -488,10 +488,10 @@ class Run:
             else:
                 port = self.cluster.named_ports(second)["metrics"]
                 metrics = (await http.get(f"http://{second.ip}:{port}/metrics")).text
-                region = [m for m in metrics.splitlines() if m.startswith("ponto_cache_region")]
+                shown = [m for m in metrics.splitlines() if m.startswith("ponto_cache_region")]
                 raise ClusterError(
                     f"{second.name} never answered from the region: {seen}; its metrics: "
-                    + "; ".join(region)
+                    + "; ".join(shown)
                 )
         store = f"{RELEASE}-redis-{region}.{NAMESPACE}.svc"
         client = aioredis.Redis(host=store, port=6379)
