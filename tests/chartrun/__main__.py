@@ -5,8 +5,9 @@ Deployment, StatefulSet and Job as a local process in its own network namespace
 (cluster.py), runs the post-install hook, then checks the product through the
 rendered Services the way a user would: the official openai client against each
 region's proxy, a question answered by one proxy pod of a region asked again of
-another (a hit from the region's Redis), a drain and undrain with the rendered admin credential, the
-commands NOTES.txt prints (through a kubectl shim), a `helm upgrade` with one more
+another (a hit from the region's Redis), a drain and undrain with the rendered
+admin credential, the commands NOTES.txt prints (through a kubectl shim), a `helm
+upgrade` with one more
 region and more proxy replicas under client traffic, and finally etcd killed while
 the proxies keep serving. Each step is reported; any failure exits non-zero.
 
@@ -468,16 +469,12 @@ class Run:
                     "messages": [{"role": "user", "content": f"regional cache {attempt}"}],
                     "temperature": 0,
                 }
-                answers = []
-                for pod in (first, second):
-                    reply = await http.post(
-                        f"http://{pod.ip}:{port}/v1/chat/completions", json=body
-                    )
+                miss = await http.post(f"http://{first.ip}:{port}/v1/chat/completions", json=body)
+                await asyncio.sleep(0.1 * attempt)
+                hit = await http.post(f"http://{second.ip}:{port}/v1/chat/completions", json=body)
+                for pod, reply in ((first, miss), (second, hit)):
                     if reply.status_code != 200:
                         raise ClusterError(f"{pod.name}: {reply.status_code} {reply.text}")
-                    answers.append(reply)
-                    await asyncio.sleep(0.1 * attempt)
-                miss, hit = answers
                 tier = (hit.headers.get("x-ponto-cache", ""), hit.headers.get("x-ponto-cache-tier"))
                 seen.append(f"{miss.headers.get('x-ponto-cache')}/{tier}")
                 if miss.headers.get("x-ponto-cache") == "hit":
