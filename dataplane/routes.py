@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -77,6 +77,9 @@ class Routes:
     # The table's regions, and those whose load is over their spill threshold.
     known: frozenset[str] = frozenset()
     hot: frozenset[str] = frozenset()
+    # Models routed to unhealthy origins because none of theirs is healthy
+    # (build_routes' panic routing).
+    panic: frozenset[str] = frozenset()
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
     _homes: dict[tuple[float, float], str] = field(default_factory=dict, compare=False)
@@ -180,28 +183,32 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
     has one, else by great-circle distance (home first). Drained regions,
     drained origins and unhealthy origins are left out; regions whose load is
     over their spill threshold go after all the others.
+
+    Panic routing (Envoy's healthy-panic threshold at its limit): a model none of
+    whose usable origins is healthy is routed to its unhealthy ones that are not
+    drained, as if they were healthy, and listed in `Routes.panic`. A control
+    plane whose probes cannot reach the origins (its own network, a starved
+    node) then costs nothing instead of a fleet-wide 503; an origin that is
+    really down still fails its calls, and the proxy's outlier detection and
+    failover handle those. Drains are operators' decisions and always hold.
     """
     validate(table)
     regions = {r.name: r for r in table.regions}
     use_rtt = bool(regions) and all(r.rtt_ms for r in table.regions)
     by_model: dict[str, dict[str, list[Target]]] = {}
     all_models: set[str] = set()
+    unhealthy: list[pb.Origin] = []
     for o in table.origins:
         all_models.update(o.models)
-        if o.drained or not o.healthy or regions[o.region].drained:
+        if o.drained or regions[o.region].drained:
             continue
-        target = Target(
-            o.name,
-            o.region,
-            o.base_url.rstrip("/"),
-            o.weight,
-            capacity=o.capacity,
-            seed=origin_seed(o.name),
-            continuation=not o.no_continuation,
-            credential=_credential(o),
-        )
-        for model in o.models:
-            by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
+        if not o.healthy:
+            unhealthy.append(o)
+            continue
+        _add_target(by_model, o, o.models)
+    panic = frozenset(m for o in unhealthy for m in o.models if m not in by_model)
+    for o in unhealthy:
+        _add_target(by_model, o, [m for m in o.models if m in panic])
 
     def cost(home: pb.Region, other: str) -> float:
         if other == home.name:
@@ -242,7 +249,25 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         coords=tuple((r.name, r.latitude, r.longitude) for r in table.regions),
         known=frozenset(regions),
         hot=frozenset(r.name for r in table.regions if hot(r.name)),
+        panic=panic,
     )
+
+
+def _add_target(
+    by_model: dict[str, dict[str, list[Target]]], o: pb.Origin, models: Iterable[str]
+) -> None:
+    target = Target(
+        o.name,
+        o.region,
+        o.base_url.rstrip("/"),
+        o.weight,
+        capacity=o.capacity,
+        seed=origin_seed(o.name),
+        continuation=not o.no_continuation,
+        credential=_credential(o),
+    )
+    for model in models:
+        by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
 
 
 def origin_seed(name: str) -> int:

@@ -101,6 +101,11 @@ class TableHolder:
             if policy.authenticator.open
             else "",
         )
+        if routes.panic:
+            log.warning(
+                "no healthy origin for %s: routing to the unhealthy ones that are not drained",
+                ", ".join(sorted(routes.panic)),
+            )
         if source == "control-plane":
             self._save(table)
         return True

@@ -298,7 +298,7 @@ def test_model_with_only_drained_origins_is_known_but_empty() -> None:
         origins=[
             origin("o-us", "us-east"),
             origin("o-qwen", "eu-west", ("qwen",), drained=True),
-            origin("o-qwen-2", "ap-south", ("qwen",), healthy=False),
+            origin("o-qwen-2", "ap-south", ("qwen",), healthy=False, drained=True),
         ]
     )
     routes = build_routes(table, "us-east")
@@ -306,6 +306,37 @@ def test_model_with_only_drained_origins_is_known_but_empty() -> None:
     assert routes.groups["qwen"] == ()
     assert "qwen" in routes.models
     assert routes.candidates("qwen") == []
+    assert routes.panic == frozenset()
+
+
+def test_model_with_no_healthy_origin_panics_to_its_unhealthy_ones() -> None:
+    table = make_table(
+        regions=[region(US), region(EU), region(AP, drained=True)],
+        origins=[
+            origin("o-us", "us-east"),
+            origin("o-qwen-eu", "eu-west", ("qwen",), healthy=False),
+            origin("o-qwen-us", "us-east", ("qwen",), healthy=False),
+            origin("o-qwen-drained", "us-east", ("qwen",), healthy=False, drained=True),
+            origin("o-qwen-ap", "ap-south", ("qwen",), healthy=False),
+        ],
+    )
+    routes = build_routes(table, "us-east")
+    # Nearest first as usual; drained origins and drained regions still left out.
+    assert names(routes.candidates("qwen")) == ["o-qwen-us", "o-qwen-eu"]
+    assert routes.panic == frozenset({"qwen"})
+    assert names(routes.candidates("llama-3")) == ["o-us"]
+
+
+def test_one_healthy_origin_anywhere_means_no_panic() -> None:
+    table = make_table(
+        origins=[
+            origin("o-us", "us-east", healthy=False),
+            origin("o-eu", "eu-west"),
+        ]
+    )
+    routes = build_routes(table, "us-east")
+    assert names(routes.candidates("llama-3")) == ["o-eu"]
+    assert routes.panic == frozenset()
 
 
 def test_model_in_drained_region_only_is_known_but_empty() -> None:
@@ -430,11 +461,14 @@ def test_candidates_contain_each_eligible_origin_once(
     drained_regions = {r.name for r in table.regions if r.drained}
     rng = random.Random(seed)
     for model in (*MODELS, "unknown"):
-        eligible = sorted(
-            o.name
+        usable = [
+            o
             for o in table.origins
-            if model in o.models and not o.drained and o.healthy and o.region not in drained_regions
-        )
+            if model in o.models and not o.drained and o.region not in drained_regions
+        ]
+        # Healthy ones; all usable ones when none is (panic routing).
+        eligible = sorted(o.name for o in usable if o.healthy) or sorted(o.name for o in usable)
+        assert (model in routes.panic) == (bool(usable) and not any(o.healthy for o in usable))
         targets = routes.candidates(model, rand=rng.random)
         got = names(targets)
         assert sorted(got) == eligible
