@@ -519,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, a shorter fault")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--note", default="", help="a line shown under the tables")
     args = parser.parse_args(argv)
     p = QUICK if args.quick else Params()
     work = make_workload(load_intents(SEMCACHE / "clinc150_train_val.json"), p)
@@ -532,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
             setup.fleet.stop()
             setup.redis.stop()
     result = report(work, measured, p, time.monotonic() - began)
+    if args.note:
+        result["text"] = args.note
     print_tables(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
