@@ -108,9 +108,11 @@ class System:
 
 
 @contextlib.contextmanager
-def start_system(workdir: Path, proxy_args: list[str] | None = None) -> Iterator[System]:
-    """The fleet above (the proxy also gets `proxy_args`); stops every process it started
-    on the way out."""
+def start_system(
+    workdir: Path, proxy_args: list[str] | None = None, cache: pb.CachePolicy | None = None
+) -> Iterator[System]:
+    """The fleet above (the proxy also gets `proxy_args`, both tenants the `cache`
+    policy if given); stops every process it started on the way out."""
     with Fleet(workdir) as fleet:
         fleet.start_etcd()
         fleet.start_control()
@@ -120,8 +122,8 @@ def start_system(workdir: Path, proxy_args: list[str] | None = None) -> Iterator
         admin = fleet.admin()
         prompted = pb.PromptPolicy(system_prompt="You answer for the fuzz tenant.")
         tenants = {
-            "fuzz-plain": pb.Tenant(name="fuzz-plain"),
-            "fuzz-prompted": pb.Tenant(name="fuzz-prompted", prompt=prompted),
+            "fuzz-plain": pb.Tenant(name="fuzz-plain", cache=cache),
+            "fuzz-prompted": pb.Tenant(name="fuzz-prompted", prompt=prompted, cache=cache),
         }
         for tenant in tenants.values():
             admin.PutTenant(apb.PutTenantRequest(tenant=tenant), timeout=10)

@@ -313,8 +313,42 @@ class Metrics:
             ["result", "kind"],
             registry=r,
         )
+        self.cache_hits = Counter(
+            "ponto_cache_hits",
+            "Cache hits by tier: local (this proxy's memory) or region (the region's Redis, "
+            "including answers another proxy of the region fetched for an identical request)",
+            ["tier"],
+            registry=r,
+        )
+        # Registered by bind_region only: a proxy without --redis has no regional
+        # cache to be up or degraded, and must not look degraded to an alert.
+        self.region_up = Gauge(
+            "ponto_cache_region_up",
+            "1 while the regional cache (Redis) answers; 0 when it is degraded (unreachable, "
+            "slow or failing: local cache and origins only). Absent without --redis",
+            registry=None,
+        )
+        self.region_errors = Counter(
+            "ponto_cache_region_errors",
+            "Regional cache (Redis) calls that failed, timed out or gave an answer that did "
+            "not parse (op decode), by operation",
+            ["op"],
+            registry=r,
+        )
+        self.region_requests = Counter(
+            "ponto_cache_region_requests",
+            "Regional cache (Redis) calls by operation and result: ok, error, timeout, "
+            "skipped (not tried: the circuit breaker is open) or dropped (a background write "
+            "not made: too many in flight)",
+            ["op", "result"],
+            registry=r,
+        )
         self.cache_entries = Gauge("ponto_cache_entries", "Entries in the exact cache", registry=r)
-        self.cache_bytes = Gauge("ponto_cache_bytes", "Bytes held by the exact cache", registry=r)
+        self.cache_bytes = Gauge(
+            "ponto_cache_bytes",
+            "Bytes held by the cache, exact entries and the semantic index, against --cache-max-mb",
+            registry=r,
+        )
         self.cache_evictions = ReadCounter(
             "ponto_cache_evictions", "Entries evicted to stay under the memory bound", registry=r
         )
@@ -425,10 +459,16 @@ class Metrics:
         self.info.clear()
         self.info.labels(proxy, region, version).set(1)
 
-    def bind_cache(self, stats: Callable[[], Any]) -> None:
-        """Read the cache store's counters at scrape time."""
+    def bind_region(self, available: Callable[[], bool]) -> None:
+        """Export ponto_cache_region_up from `available` (a proxy with --redis)."""
+        self.region_up.set_function(lambda: 1.0 if available() else 0.0)
+        self.registry.register(self.region_up)
+
+    def bind_cache(self, stats: Callable[[], Any], more_bytes: Callable[[], int] = int) -> None:
+        """Read the cache store's counters at scrape time; `more_bytes` is what the
+        rest of the cache holds against the same bound (the semantic index)."""
         self.cache_entries.set_function(lambda: float(stats().entries))
-        self.cache_bytes.set_function(lambda: float(stats().bytes))
+        self.cache_bytes.set_function(lambda: float(stats().bytes + more_bytes()))
         self.cache_evictions.read = lambda: float(stats().evictions)
         self.cache_expired.read = lambda: float(stats().expired)
         self.cache_purged.read = lambda: float(stats().purged)
@@ -457,6 +497,44 @@ class Metrics:
         Gauge("ponto_semantic_entries", "Entries in the semantic index", registry=r).set_function(
             lambda: float(len(current)) if (current := index()) is not None else 0.0
         )
+        Gauge(
+            "ponto_semantic_bytes",
+            "Bytes held by the semantic index (vectors, graphs, entries), part of "
+            "ponto_cache_bytes",
+            registry=r,
+        ).set_function(lambda: float(current.nbytes) if (current := index()) is not None else 0.0)
+
+    def bind_semantic_feed(self, feed: Callable[[], Any]) -> None:
+        """The region's semantic feed counters (NAME_total; 0 without a feed)."""
+        r = self.registry
+
+        def stat(*names: str) -> Callable[[], float]:
+            def read() -> float:
+                current = feed()
+                if current is None:
+                    return 0.0
+                return float(sum(getattr(current.stats, name) for name in names))
+
+            return read
+
+        for name, names, doc in (
+            ("published", ("published",), "Semantic entries published to the region"),
+            (
+                "dropped",
+                ("dropped",),
+                "Semantic entries not published (queue full, Redis down or failing)",
+            ),
+            ("applied", ("applied",), "Entries of other proxies added to the semantic index"),
+            (
+                "skipped",
+                ("own", "foreign", "purged", "refused"),
+                "Feed messages not added: this proxy's, another embedder's, purged since, "
+                "or a key held already",
+            ),
+            ("malformed", ("malformed",), "Feed messages that did not parse"),
+            ("read_errors", ("errors",), "Failed reads of the region's semantic stream"),
+        ):
+            ReadCounter(f"ponto_semantic_feed_{name}", doc, registry=r).read = stat(*names)
 
     def bind(
         self,

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dataplane.cache.regionurl import RegionURLError, check_url
 from dataplane.geo import TrustedProxies
 from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
@@ -71,6 +72,13 @@ class Settings:
     # for this share of answers (every answer with an error whatever the share).
     access_log: bool = False
     access_log_sample: float = 1.0
+    # The region's shared cache: redis://HOST:PORT/DB (rediss://, unix:// too);
+    # "" for none (this proxy's memory only). Every proxy of a region names the
+    # same one; see dataplane.cache.regionstore.
+    redis_url: str = ""
+    # Deadline of each call to it; past it the call is a miss (see
+    # dataplane.cache.regional for why 50 ms).
+    redis_deadline_s: float = 0.05
 
 
 def available_cores() -> int:
@@ -240,6 +248,22 @@ def parse(argv: list[str]) -> Settings:
         help="memory bound of the response cache (least recently used entries go first)",
     )
     p.add_argument(
+        "--redis",
+        default="",
+        metavar="URL",
+        help="the region's shared cache, redis://HOST:PORT/DB (Redis or Valkey), the same "
+        "for every proxy of the region; unreachable at start is not an error (local cache "
+        "only until it answers). Default: none",
+    )
+    p.add_argument(
+        "--redis-deadline-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="deadline of each call to --redis; a call past it is a miss and the proxy "
+        "skips Redis for a while (default %(default)s)",
+    )
+    p.add_argument(
         "--cache-ttl",
         type=float,
         default=3600.0,
@@ -376,6 +400,13 @@ def parse(argv: list[str]) -> Settings:
         p.error("--cache-max-mb must be 0 (no cache) or more")
     if a.cache_ttl <= 0:
         p.error("--cache-ttl must be positive")
+    if not a.redis_deadline_ms > 0:
+        p.error("--redis-deadline-ms must be positive")
+    if a.redis:
+        try:
+            check_url(a.redis)
+        except RegionURLError as exc:
+            p.error(str(exc))
     if a.drain_seconds < 0:
         p.error("--drain-seconds must be 0 (no draining) or more")
     if not 0.5 <= a.semantic_threshold <= 1:
@@ -435,5 +466,7 @@ def parse(argv: list[str]) -> Settings:
         metrics_key_labels=key_labels,
         access_log=a.access_log == "on",
         access_log_sample=a.access_log_sample,
+        redis_url=a.redis,
+        redis_deadline_s=a.redis_deadline_ms / 1000,
     )
     return settings if slot is None else as_worker(settings, slot)

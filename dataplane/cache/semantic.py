@@ -38,10 +38,11 @@ longer knows. When more than `max_pending` calls wait for the executor, lookups 
 inserts are skipped (counted in `stats.busy`): under overload the semantic cache
 steps aside instead of queueing every request behind the model.
 
-Eviction contract (callback-free): at most `max_entries` entries in all and
-`max_entries_per_namespace` in one namespace; past either bound the least recently
-inserted or hit entry goes. The index never calls back into the exact cache, and the
-exact cache does not own semantic entries:
+Eviction contract (callback-free): at most `max_entries` entries in all,
+`max_entries_per_namespace` in one namespace and `max_bytes` of memory (`nbytes`);
+past any bound the least recently inserted or hit entry goes. The index never
+calls back into the exact cache, and the exact cache does not own semantic
+entries:
 
 - when the exact cache drops an entry, the caller calls `remove(key)`;
 - a hit may name a key the exact cache no longer has (expired, evicted, or a race
@@ -50,13 +51,31 @@ exact cache does not own semantic entries:
 
 `purge` drops namespaces at once (tenant, model or everything); an insert whose
 embedding was in flight during a purge is dropped, so nothing purged comes back.
+
+Memory (`nbytes`): every byte an entry keeps is counted, on the loop, at insert:
+the entry's objects and map slots, its key, text and entity signature (measured
+with sys.getsizeof), and its share of the namespace's vector index (and the
+memo of recent embeddings, at most an eighth of `max_bytes`), whose
+allocated size (capacity included) the executor thread reports after each
+mutation (`VectorIndex.nbytes`). Between a mutation and its report the loop adds
+a prediction (a slot's id entries per add, minus per removal: capacity is
+allocated ahead and given back only when an index shrinks), corrected by the
+report, so eviction never waits for the executor; when an index grew its
+capacity beyond the prediction, the executor asks the loop to evict again
+(`_rebalance`), so the bound holds again within one turn of the loop.
+
+Region feed: `on_insert` (if set) is called with every entry `insert` adds, vector
+included, so that `dataplane.cache.semfeed` can publish it to the other proxies of
+the region, whose feeds add it with `insert_vector` (no model call there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
+import sys
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
@@ -68,16 +87,34 @@ import numpy as np
 
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
-from dataplane.cache.vectors import TieredIndex, Vector, VectorIndex
+from dataplane.cache.vectors import ID_ENTRY_BYTES, TieredIndex, Vector, VectorIndex
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_THRESHOLD", "SemanticHit", "SemanticIndex", "SemanticStats", "normalise_text"]
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "Inserted",
+    "SemanticHit",
+    "SemanticIndex",
+    "SemanticStats",
+    "entities_bytes",
+    "normalise_text",
+]
 
 # The threshold a tenant gets unless it sets its own: the highest hit rate at which
 # CLINC150's wrong hits stay under 1 % while the rate doubles that of a plain 0.95
 # (docs/semantic-cache.md has the table, bench/cache_eval.py reproduces it).
 DEFAULT_THRESHOLD = 0.90
+
+# Entries an index holds at most unless told otherwise (and its bytes bound it).
+DEFAULT_MAX_ENTRIES = 100_000
+
+# Memory of an entry's own objects beyond its strings and entity sets: the _Entry
+# (slots), its slots in three maps (global LRU, namespace LRU, by key); and of a
+# namespace beyond its context string: the _Space, its map, the namespace tuple and
+# its slot in the namespace map. Measured with tracemalloc (CPython 3.11).
+ENTRY_BYTES = 400
+NAMESPACE_BYTES = 700
 
 _QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 
@@ -113,6 +150,33 @@ class SemanticStats:
     busy: int = 0  # lookups or inserts skipped because the embedder queue was full
     inserts: int = 0
     evictions: int = 0
+    # entries added from other proxies (insert_vector), and those refused: a key
+    # held already, a vector of another size, or the index closed
+    remote_inserts: int = 0
+    remote_refused: int = 0
+
+
+def entities_bytes(entities: Entities) -> int:
+    """Memory of an entity signature: the object, its three sets and their strings."""
+    total = sys.getsizeof(entities)
+    for values in (entities.strict, entities.names, entities.words):
+        total += sys.getsizeof(values) + sum(sys.getsizeof(v) for v in values)
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Inserted:
+    """An entry `insert` added: what another proxy needs to add it without the model."""
+
+    tenant: str
+    model: str
+    context: str
+    key: str
+    vector: Vector  # normalised float32, the index's dim; read-only
+    entities: Entities
+
+
+InsertListener = Callable[[Inserted], None]
 
 
 Namespace = tuple[str, str, str]  # (tenant, model, context_hash)
@@ -123,14 +187,22 @@ class _Entry:
     id: int
     key: str
     namespace: Namespace
-    text: str  # normalised
+    # Normalised; None for an entry from another proxy (only its vector travels).
+    text: str | None
     entities: Entities
+    cost: int  # bytes, beyond the vector index
 
 
 @dataclass(slots=True)
 class _Space:
     index: VectorIndex
     entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)  # LRU order
+    cost: int = 0  # bytes of the namespace itself, beyond entries and index
+    # Bytes of the vector index: `report` = (its nbytes, `cum` when the executor
+    # measured it), written by the executor thread only; `cum` = the sum of the
+    # loop's predictions so far, so nbytes now ~ report[0] + cum - report[1].
+    cum: int = 0
+    report: tuple[int, int] = (0, 0)
 
 
 _T = TypeVar("_T")
@@ -168,7 +240,7 @@ class SemanticIndex:
         self,
         embedder: Embedder,
         *,
-        max_entries: int = 100_000,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
         max_entries_per_namespace: int = 20_000,
         candidates: int = 4,
         max_pending: int = 64,
@@ -176,10 +248,14 @@ class SemanticIndex:
         index_factory: Callable[[int], VectorIndex] | None = None,
         executor: Executor | None = None,
         embedding_cache_size: int = 1024,
+        max_bytes: int | None = None,
     ) -> None:
         if max_entries < 1 or max_entries_per_namespace < 1 or candidates < 1:
             raise ValueError("max_entries, max_entries_per_namespace and candidates must be >= 1")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError("max_bytes must be 0 or more")
         self._embedder = embedder
+        self._max_bytes = max_bytes
         self._max_entries = max_entries
         self._max_per_space = max_entries_per_namespace
         self._candidates = candidates
@@ -201,12 +277,43 @@ class SemanticIndex:
         # origin answers; keeping recent preparations saves embedding it twice.
         # Keyed by tenant as well as text: a memo shared across tenants would let
         # one tenant time whether another just sent a text (a hit skips the model).
-        self._recent: OrderedDict[tuple[str, str], _Prepared] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, str], tuple[_Prepared, int]] = OrderedDict()
         self._recent_size = embedding_cache_size
+        # Its bytes count too, and it may take at most an eighth of max_bytes.
+        self._recent_bytes = 0
+        self._recent_max_bytes = max_bytes // 8 if max_bytes is not None else None
         self.stats = SemanticStats()
+        # Memory (see the module doc): entries' and namespaces' own bytes, kept on
+        # the loop; the vector indexes' total as the executor last measured it,
+        # with the loop's predictions since (`_cum`, as for a _Space).
+        self._meta_bytes = 0
+        self._cum = 0
+        self._vec_total = 0  # executor thread only
+        self._vec_report: tuple[int, int] = (0, 0)
+        # Predicted change of an index's bytes per add and per removal: a slot's
+        # id entries, as capacity is allocated ahead (a growth is measured and
+        # rebalanced) and a removal frees its slot only when capacity shrinks.
+        self._add_bytes = 2 * ID_ENTRY_BYTES
+        self._remove_bytes = ID_ENTRY_BYTES
+        self._loop: asyncio.AbstractEventLoop | None = None  # for _rebalance
+        # See the module doc. Called on the loop; must be quick and must not raise.
+        self.on_insert: InsertListener | None = None
+        # Called after an insert has grown the index (the exact store's fit(), so
+        # the two keep to one bound); may call remove().
+        self.on_grow: Callable[[], object] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def dim(self) -> int:
+        return self._embedder.dim
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: entries, namespaces and vector indexes (see the module doc)."""
+        total, cum = self._vec_report
+        return self._meta_bytes + self._recent_bytes + total + self._cum - cum
 
     def namespaces(self) -> int:
         return len(self._spaces)
@@ -262,10 +369,27 @@ class SemanticIndex:
             self._pending -= 1
 
     def _remember(self, memo: tuple[str, str], prepared: _Prepared) -> None:
-        self._recent[memo] = prepared
-        self._recent.move_to_end(memo)
-        if len(self._recent) > self._recent_size:
-            self._recent.popitem(last=False)
+        cost = (
+            ENTRY_BYTES
+            + sys.getsizeof(memo[1])
+            + sys.getsizeof(prepared.text)
+            + prepared.vector.nbytes
+            + entities_bytes(prepared.entities)
+        )
+        old = self._recent.pop(memo, None)
+        if old is not None:
+            self._recent_bytes -= old[1]
+        self._recent[memo] = (prepared, cost)
+        self._recent_bytes += cost
+        limit = self._recent_max_bytes
+        while len(self._recent) > self._recent_size or (
+            limit is not None and self._recent_bytes > limit and self._recent
+        ):
+            self._recent_bytes -= self._recent.popitem(last=False)[1][1]
+
+    def _recalled(self, memo: tuple[str, str]) -> _Prepared | None:
+        found = self._recent.get(memo)
+        return found[0] if found is not None else None
 
     # -- the API (event loop thread) ---------------------------------------------
 
@@ -285,7 +409,7 @@ class SemanticIndex:
         if space is None:
             return None  # nothing to compare with: do not spend an embedding
         memo = (tenant, text)
-        result = await self._run(self._lookup_sync, space.index, text, self._recent.get(memo))
+        result = await self._run(self._lookup_sync, space.index, text, self._recalled(memo))
         if isinstance(result, _Skipped):
             return None
         if result is None:
@@ -326,7 +450,7 @@ class SemanticIndex:
         """
         purges = self._purges
         memo = (tenant, text)
-        prepared = self._recent.get(memo)
+        prepared = self._recalled(memo)
         if prepared is None:
             result = await self._run(self._prepare_sync, text)
             if isinstance(result, _Skipped):
@@ -340,21 +464,80 @@ class SemanticIndex:
             return
         self.remove(key)
         namespace = (tenant, model, context_hash)
+        self._add(namespace, key, prepared.text, prepared.entities, prepared.vector)
+        self.stats.inserts += 1
+        listener = self.on_insert
+        if listener is not None:
+            listener(Inserted(tenant, model, context_hash, key, prepared.vector, prepared.entities))
+        self._grown()
+
+    def insert_vector(
+        self,
+        tenant: str,
+        model: str,
+        context_hash: str,
+        key: str,
+        vector: Vector,
+        entities: Entities,
+    ) -> bool:
+        """Add an entry whose embedding another proxy computed (no model call).
+
+        `vector` must be normalised float32 of this index's `dim` (from the same
+        embedder; anything else, NaN included, is refused); `entities` the
+        signature of its message. Same namespaces,
+        bounds and eviction as `insert`, and `on_insert` is not called (the entry
+        is not this proxy's to publish). A key held already keeps its entry: it is
+        this proxy's own or an earlier copy. False when not added. A hit on it
+        names `key`, which the caller fetches from the cache store like any other
+        (a key this proxy's store does not hold is a miss there, and removed).
+        """
+        if self._closed or key in self._by_key or not self._unit(vector):
+            self.stats.remote_refused += 1
+            return False
+        self._add((tenant, model, context_hash), key, None, entities, vector)
+        self.stats.remote_inserts += 1
+        self._grown()
+        return True
+
+    def _unit(self, vector: Vector) -> bool:
+        # A NaN would compare as "not below the threshold" in lookup, i.e. a hit.
+        if vector.dtype != np.float32 or vector.shape != (self.dim,):
+            return False
+        norm = float(np.dot(vector, vector))
+        return abs(norm - 1.0) < 1e-3
+
+    def _add(
+        self, namespace: Namespace, key: str, text: str | None, entities: Entities, vec: Vector
+    ) -> None:
         space = self._spaces.get(namespace)
         if space is None:
-            space = _Space(self._index_factory(prepared.vector.shape[0]))
+            index = self._index_factory(vec.shape[0])
+            space = _Space(index, cost=NAMESPACE_BYTES + sys.getsizeof(namespace[2]))
             self._spaces[namespace] = space
-        entry = _Entry(self._next_id, key, namespace, prepared.text, prepared.entities)
+            self._meta_bytes += space.cost
+            self._predict(space, index.nbytes)  # read before the executor has it
+        cost = ENTRY_BYTES + sys.getsizeof(key) + entities_bytes(entities)
+        if text is not None:
+            cost += sys.getsizeof(text)
+        entry = _Entry(self._next_id, key, namespace, text, entities, cost)
         self._next_id += 1
         space.entries[entry.id] = entry
         self._entries[entry.id] = entry
         self._by_key[key] = entry
-        self._submit(space.index.add, entry.id, prepared.vector)
-        self.stats.inserts += 1
+        self._meta_bytes += cost
+        self._mutate(space, space.index.add, self._add_bytes, entry.id, vec)
         while len(space.entries) > self._max_per_space:
             self._evict(next(iter(space.entries.values())))
         while len(self._entries) > self._max_entries:
             self._evict(next(iter(self._entries.values())))
+        if self._max_bytes is not None:
+            while self._entries and self.nbytes > self._max_bytes:
+                self._evict(next(iter(self._entries.values())))
+
+    def _grown(self) -> None:
+        hook = self.on_grow
+        if hook is not None:
+            hook()
 
     def remove(self, key: str) -> bool:
         """Forget the entry stored for `key`; False when there was none."""
@@ -371,6 +554,7 @@ class SemanticIndex:
         """
         self._purges += 1
         self._recent.clear()
+        self._recent_bytes = 0
         doomed = [
             ns
             for ns in self._spaces
@@ -382,7 +566,9 @@ class SemanticIndex:
             for entry in space.entries.values():
                 del self._entries[entry.id]
                 del self._by_key[entry.key]
+                self._meta_bytes -= entry.cost
             dropped += len(space.entries)
+            self._forget(space)
         return dropped
 
     def _evict(self, entry: _Entry) -> None:
@@ -392,12 +578,73 @@ class SemanticIndex:
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.id]
         del self._by_key[entry.key]
+        self._meta_bytes -= entry.cost
         space = self._spaces[entry.namespace]
         del space.entries[entry.id]
         if space.entries:
-            self._submit(space.index.remove, entry.id)
+            self._mutate(space, space.index.remove, -self._remove_bytes, entry.id)
         else:
             del self._spaces[entry.namespace]  # an empty namespace costs nothing
+            self._forget(space)
+
+    # -- memory of the vector indexes (see the module doc) -------------------------
+
+    def _predict(self, space: _Space, delta: int) -> None:
+        space.cum += delta
+        self._cum += delta
+
+    def _mutate(self, space: _Space, op: Callable[..., None], delta: int, *args: object) -> None:
+        """Submit op(*args) on space's index, predicting that it changes its bytes by delta."""
+        if self._loop is None:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing to rebalance on
+                self._loop = asyncio.get_running_loop()
+        self._predict(space, delta)
+        self._submit(self._measured, space, op, args, delta, space.cum, self._cum)
+
+    def _forget(self, space: _Space) -> None:
+        """Stop counting a namespace's index (dropped, its entries gone)."""
+        self._meta_bytes -= space.cost
+        nbytes, cum = space.report
+        self._predict(space, -(nbytes + space.cum - cum))
+        self._submit(self._unmeasured, space, self._cum)
+
+    def _measured(
+        self,
+        space: _Space,
+        op: Callable[..., None],
+        args: tuple[object, ...],
+        delta: int,
+        scum: int,
+        cum: int,
+    ) -> None:
+        # Executor thread: the only writer of _vec_total and of the reports, which
+        # the loop reads as whole tuples.
+        before = space.index.nbytes
+        try:
+            op(*args)
+        finally:
+            nbytes = space.index.nbytes
+            self._vec_total += nbytes - space.report[0]
+            space.report = (nbytes, scum)
+            self._vec_report = (self._vec_total, cum)
+            loop = self._loop
+            if nbytes - before > delta and loop is not None and not self._closed:
+                # The index grew its capacity: more than the loop had counted on.
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    loop.call_soon_threadsafe(self._rebalance)
+
+    def _rebalance(self) -> None:
+        """Back under max_bytes after an index grew past the loop's prediction, and
+        let the exact store make room (on_grow)."""
+        if self._max_bytes is not None:
+            while self._entries and self.nbytes > self._max_bytes:
+                self._evict(next(iter(self._entries.values())))
+        self._grown()
+
+    def _unmeasured(self, space: _Space, cum: int) -> None:
+        self._vec_total -= space.report[0]
+        space.report = (0, space.cum)
+        self._vec_report = (self._vec_total, cum)
 
 
 def _nothing() -> None:

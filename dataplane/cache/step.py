@@ -2,10 +2,21 @@
 
     decide (tenant policy, Cache-Control, determinism)
       bypass -> origin, `x-ponto-cache: bypass`
-      lookup -> exact entry?            -> replay, `hit`
+      lookup -> exact entry (local, then region)? -> replay, `hit`
              -> semantic neighbour?     -> replay, `hit` + similarity
-             -> identical request in flight? -> follow it (same chunks), `hit`
+             -> identical request in flight here? -> follow it (same chunks), `hit`
+             -> identical request in flight on another proxy of the region
+                (non-streaming only)?   -> wait for its entry, `hit`
              -> lead: origin call, recorded; stored only if it ended properly
+
+Every hit says its tier (`CachePlan.tier`): `local` when the entry was in this
+proxy's memory (or came from this proxy's own flight), `region` when it came
+from the region's Redis (dataplane.cache.regionstore), directly or by waiting
+for another proxy's flight. A streaming request never waits for another
+proxy's flight: that would hold its first token until the whole answer is
+stored, which costs a streaming client more than an origin call of its own; it
+still takes the region's lock when it is free, so non-streaming requests
+elsewhere can wait for it.
 
 `EdgeCache.plan` returns a `CachePlan`; the pipeline answers accordingly
 (`dataplane.http.reply`) and hands the outcome back (`settle_body`,
@@ -37,7 +48,8 @@ from dataplane.cache.keys import (
     last_user_text,
 )
 from dataplane.cache.policy import CacheMode, Decision, Reason, RequestCacheControl, decide
-from dataplane.cache.store import ExactStore
+from dataplane.cache.regionstore import RegionalStore, RegionLock
+from dataplane.cache.store import ExactStore, Found
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.streaming.relay import RelayEnd
@@ -114,17 +126,29 @@ class CachePlan:
     # The semantic layer's namespace and text, when the answer is to be indexed.
     context: str = ""
     text: str = ""
+    # Where a hit's entry came from: local or region ("" for no hit).
+    tier: str = ""
+    # The region-wide flight lock this request holds, released once its answer
+    # is stored (or it failed).
+    region_lock: RegionLock | None = None
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished."""
         if self.leader is not None and not self.leader.finished:
             self.leader.finish(None, error or RuntimeError("the leading request ended early"))
+        if self.region_lock is not None:
+            self.region_lock.release()
 
 
 class EdgeCache:
+    """The cache step. `store` is this proxy's ExactStore, or a RegionalStore
+    that puts the region's Redis behind it (and then coalesces across proxies:
+    a non-streaming request waits up to `region_wait_s` for another proxy's
+    flight on the same key)."""
+
     def __init__(
         self,
-        store: ExactStore,
+        store: ExactStore | RegionalStore,
         metrics: Metrics,
         *,
         coalescer: Coalescer | None = None,
@@ -132,8 +156,11 @@ class EdgeCache:
         semantic_factory: Callable[[], SemanticLayer] | None = None,
         forward_headers: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
+        region_wait_s: float = 60.0,
     ) -> None:
         self.store = store
+        self.region = store if isinstance(store, RegionalStore) else None
+        self._region_wait = region_wait_s
         # The embedding model costs memory and start-up time: it is loaded (off
         # the event loop) only once a tenant turns semantic caching on.
         self._semantic_factory = semantic_factory
@@ -183,6 +210,9 @@ class EdgeCache:
         if wants_semantic:
             with contextlib.suppress(RuntimeError):  # no loop yet: the next table
                 self._load_semantic()
+        if self.region is not None:
+            # Before the purges below run: new entries go to the new epoch.
+            self.region.set_purges(policy.purges)
         newest = max((rev for rev, _, _ in policy.purges), default=0)
         if self._purged_to is None:
             self._purged_to = newest
@@ -232,35 +262,60 @@ class EdgeCache:
             if text:
                 context = self._context(req)
         leader: Leader | None = None
+        tenant = req.tenant.name
+        region_lock: RegionLock | None = None
         if decision.lookup:
-            entry = await self.store.get(key)
-            if entry is not None and cc.accepts_age(self._clock() - entry.created_at):
-                self._count("hit", "exact")
-                return CachePlan("hit", kind="exact", include_usage=include_usage, entry=entry)
+            hit = await self.store.lookup(key, tenant=tenant, model=model)
+            if hit is not None and cc.accepts_age(self._clock() - hit.entry.created_at):
+                return self._hit(hit, "exact", include_usage)
             if text and self.semantic is not None:
                 found = await self.semantic.lookup(
-                    req.tenant.name, model, context, text, policy.semantic_threshold
+                    tenant, model, context, text, policy.semantic_threshold
                 )
                 if found is not None:
-                    near = await self.store.get(found.key)
-                    if near is not None and cc.accepts_age(self._clock() - near.created_at):
-                        self._count("hit", "semantic")
-                        return CachePlan(
-                            "hit",
-                            kind="semantic",
-                            include_usage=include_usage,
-                            entry=near,
-                            similarity=found.similarity,
-                        )
+                    near = await self.store.lookup(found.key, tenant=tenant, model=model)
+                    if near is not None and cc.accepts_age(self._clock() - near.entry.created_at):
+                        plan = self._hit(near, "semantic", include_usage)
+                        plan.similarity = found.similarity
+                        return plan
                     self.semantic.remove(found.key)  # its answer is gone
             # No await between the miss above and joining: see Coalescer.
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
                 return CachePlan(
-                    "hit", kind="coalesced", include_usage=include_usage, follower=flight, key=key
+                    "hit",
+                    kind="coalesced",
+                    include_usage=include_usage,
+                    follower=flight,
+                    key=key,
+                    tier="local",
                 )
             leader = flight
-        return self._fill(req, key, leader, context, text, include_usage)
+            if self.region is not None:
+                try:
+                    claim = await self.region.claim(key, tenant, model)
+                    if claim is False and not req.stream:
+                        entry = await self.region.follow(
+                            key, tenant, model, max_wait_s=self._region_wait
+                        )
+                        if entry is not None:
+                            leader.finish(entry)  # local followers take it too
+                            return self._hit(Found(entry, "region"), "coalesced", include_usage)
+                    elif isinstance(claim, RegionLock):
+                        region_lock = claim
+                except BaseException as exc:  # the client went away while waiting
+                    leader.finish(None, exc)
+                    raise
+        plan = self._fill(req, key, leader, context, text, include_usage)
+        plan.region_lock = region_lock
+        return plan
+
+    def _hit(self, found: Found, kind: str, include_usage: bool) -> CachePlan:
+        self._count("hit", kind)
+        self._metrics.child(self._metrics.cache_hits, found.tier).inc()
+        return CachePlan(
+            "hit", kind=kind, include_usage=include_usage, entry=found.entry, tier=found.tier
+        )
 
     def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         """A follower whose flight failed before it got a byte calls an origin
@@ -311,6 +366,8 @@ class EdgeCache:
         await self._keep(req, plan, entry)
         if plan.leader is not None:
             plan.leader.finish(entry)
+        if plan.region_lock is not None:
+            plan.region_lock.release()
 
     async def settle_stream(
         self, req: CacheRequest, plan: CachePlan, status: int, end: RelayEnd
@@ -328,6 +385,8 @@ class EdgeCache:
                 plan.leader.finish(entry)
             else:
                 plan.leader.finish(None, RuntimeError("the origin's stream did not end properly"))
+        if plan.region_lock is not None:
+            plan.region_lock.release()
 
     async def _keep(self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None) -> None:
         if entry is None:
@@ -370,7 +429,9 @@ class EdgeCache:
         )
 
     def count_coalesced(self) -> None:
+        """A follower of this proxy's own flight was answered whole."""
         self._count("hit", "coalesced")
+        self._metrics.child(self._metrics.cache_hits, "local").inc()
 
     def _count(self, result: str, kind: str) -> None:
         m = self._metrics

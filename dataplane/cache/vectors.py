@@ -14,15 +14,21 @@ implementation and checked by one suite (tests/unit/test_vectors.py):
   similar first; fewer than k only when fewer are present (an approximate index may
   rank imperfectly but never returns removed ids);
 - `len(index)` is the number of present ids;
+- `nbytes` is the memory the index holds, allocated capacity included (vectors,
+  graph links, id maps): what the semantic index counts against the cache's bound.
+  It is computed from the index's shape, not measured, and follows removals: an
+  index whose live ids fall to a quarter of its capacity gives memory back
+  (ExactIndex halves its arrays, HnswIndex rebuilds a smaller graph);
 - not thread-safe: one owner calls it (the semantic index calls it from its single
   executor thread only; a search costs 0.1-0.5 ms, see bench/semantic_lookup.py).
 
 Implementations:
 
 - `ExactIndex`: numpy brute force. Exact, a few microseconds per insert and no
-  memory beyond the vectors; a search grows with size (0.12 ms at 10k idle, 6 ms at
+  memory beyond the vectors (its arrays start at one row and grow by a quarter:
+  most namespaces hold one or two vectors); a search grows with size (0.12 ms at 10k idle, 6 ms at
   100k; 0.75 ms at 10k on a busy machine, where HNSW took 0.08 ms). The test fake.
-- `HnswIndex`: hnswlib's HNSW graph. Grows its capacity by doubling and reuses the
+- `HnswIndex`: hnswlib's HNSW graph. Grows its capacity by a quarter and reuses the
   slots of removed ids (hnswlib only marks deletions). Chosen over usearch, which
   was 2-3x slower per query and per insert here and used more memory at 200k
   vectors, and over faiss, whose HNSW cannot delete. Once removed nodes outnumber
@@ -57,6 +63,24 @@ class VectorIndex(Protocol):
 
     def __len__(self) -> int: ...
 
+    @property
+    def nbytes(self) -> int: ...
+
+
+# Memory of one id in a Python dict or set (the hash slot, the boxed int) and of an
+# array's or index object's fixed part; measured with tracemalloc on CPython 3.12.
+ID_ENTRY_BYTES = 64
+OBJECT_BYTES = 400
+
+
+def _grown(capacity: int) -> int:
+    """An index's next capacity: a quarter more, not twice. Every slot costs a
+    vector (and a graph's links) counted against the cache's bound, so a doubling
+    would make one insert claim as much memory as the whole index, and the
+    semantic index would evict half its entries to pay for it; a resize copies,
+    so growth stays geometric (amortised O(1) per insert)."""
+    return capacity + max(4, capacity // 4)
+
 
 def _check_vec(vec: Vector, dim: int) -> Vector:
     arr = np.asarray(vec, dtype=np.float32).reshape(-1)
@@ -73,7 +97,7 @@ def _check_id(id_: int) -> None:
 class ExactIndex:
     """Brute-force inner product over a dense matrix; rows are compacted on removal."""
 
-    def __init__(self, dim: int, initial_capacity: int = 16) -> None:
+    def __init__(self, dim: int, initial_capacity: int = 1) -> None:
         self._dim = dim
         self._matrix = np.zeros((max(1, initial_capacity), dim), dtype=np.float32)
         self._ids = np.zeros(max(1, initial_capacity), dtype=np.int64)
@@ -86,6 +110,23 @@ class ExactIndex:
     def __len__(self) -> int:
         return len(self._row_of)
 
+    @property
+    def nbytes(self) -> int:
+        return (
+            OBJECT_BYTES
+            + self._matrix.nbytes
+            + self._ids.nbytes
+            + ID_ENTRY_BYTES * len(self._row_of)
+        )
+
+    def _resize(self, capacity: int) -> None:
+        n = len(self._row_of)
+        matrix = np.zeros((capacity, self._dim), dtype=np.float32)
+        matrix[:n] = self._matrix[:n]
+        ids = np.zeros(capacity, dtype=np.int64)
+        ids[:n] = self._ids[:n]
+        self._matrix, self._ids = matrix, ids
+
     def add(self, id: int, vec: Vector) -> None:
         _check_id(id)
         arr = _check_vec(vec, self._dim)
@@ -93,10 +134,7 @@ class ExactIndex:
             raise ValueError(f"id {id} is already present")
         n = len(self._row_of)
         if n == self._matrix.shape[0]:
-            grown = np.zeros((2 * n, self._dim), dtype=np.float32)
-            grown[:n] = self._matrix
-            self._matrix = grown
-            self._ids = np.resize(self._ids, 2 * n)
+            self._resize(_grown(n))
         self._matrix[n] = arr
         self._ids[n] = id
         self._row_of[id] = n
@@ -111,6 +149,11 @@ class ExactIndex:
             self._matrix[row] = self._matrix[last]
             self._ids[row] = moved
             self._row_of[moved] = row
+        # Halving at a quarter (not at a half) leaves room to grow again without
+        # copying back and forth at one size.
+        capacity = self._matrix.shape[0]
+        if capacity > 1 and last <= capacity // 4:
+            self._resize(capacity // 2)
 
     def search(self, vec: Vector, k: int = 1) -> list[tuple[int, float]]:
         n = len(self._row_of)
@@ -126,6 +169,16 @@ class ExactIndex:
         """(ids, vectors) of every present entry, copies; used to promote to HNSW."""
         n = len(self._row_of)
         return self._ids[:n].copy(), self._matrix[:n].copy()
+
+
+# hnswlib's memory (hnswalg.h, 0.8): 65,536 label-operation mutexes per graph; per
+# slot of capacity the level-0 links and the vector, the label, a mutex, a level
+# and a visited-list mark; per element a label-map node and, for the 1 in M that
+# reach an upper level, that level's links; per deleted label a set node.
+_HNSW_GRAPH_BYTES = 65_536 * 40
+_HNSW_SLOT_EXTRA = 8 + 40 + 4 + 8 + 2
+_HNSW_ELEMENT_BYTES = 48
+_HNSW_DELETED_BYTES = 32
 
 
 class HnswIndex:
@@ -155,6 +208,10 @@ class HnswIndex:
         self._index = self._new_graph(max(16, initial_capacity))
         self._present: set[int] = set()
         self._deleted = 0  # marked-deleted slots that an add may reuse
+        level0 = (2 * m) * 4 + 4  # hnswlib's maxM0 = 2M links of 4 bytes, and a count
+        upper = (m * 4 + 4) // m  # one upper level's links, for 1 element in M
+        self._slot_bytes = level0 + 4 * dim + _HNSW_SLOT_EXTRA
+        self._element_bytes = _HNSW_ELEMENT_BYTES + upper + ID_ENTRY_BYTES
 
     def _new_graph(self, capacity: int) -> Any:
         import hnswlib  # noqa: PLC0415  (native; only loaded where a graph is used)
@@ -181,7 +238,7 @@ class HnswIndex:
             if len(ids)
             else np.zeros((0, self._dim), dtype=np.float32)
         )
-        self._index = self._new_graph(max(16, 2 * len(ids)))
+        self._index = self._new_graph(max(16, _grown(len(ids))))
         self._present = set()
         self._deleted = 0
         self.add_many(ids, vecs)
@@ -192,6 +249,16 @@ class HnswIndex:
 
     def __len__(self) -> int:
         return len(self._present)
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            OBJECT_BYTES
+            + _HNSW_GRAPH_BYTES
+            + self._slot_bytes * int(self._index.get_max_elements())
+            + self._element_bytes * len(self._present)
+            + _HNSW_DELETED_BYTES * self._deleted
+        )
 
     def add(self, id: int, vec: Vector) -> None:
         self.add_many(np.asarray([id], dtype=np.int64), _check_vec(vec, self._dim)[None, :])
@@ -219,7 +286,7 @@ class HnswIndex:
             capacity = self._index.get_max_elements()
             if needed > capacity:
                 while capacity < needed:
-                    capacity *= 2
+                    capacity = _grown(capacity)
                 self._index.resize_index(capacity)
             self._index.add_items(vecs[reuse:], ids[reuse:], num_threads=self._build_threads)
         self._present.update(new)
@@ -295,6 +362,13 @@ class TieredIndex:
         assert self._exact is not None
         return len(self._exact)
 
+    @property
+    def nbytes(self) -> int:
+        if self._hnsw is not None:
+            return OBJECT_BYTES + self._hnsw.nbytes
+        assert self._exact is not None
+        return OBJECT_BYTES + self._exact.nbytes
+
     def add(self, id: int, vec: Vector) -> None:
         if self._hnsw is not None:
             self._hnsw.add(id, vec)
@@ -303,7 +377,7 @@ class TieredIndex:
         self._exact.add(id, vec)
         if len(self._exact) >= self._promote_at:
             ids, vecs = self._exact.items()
-            hnsw = self._hnsw_factory(self._dim, 2 * len(ids))
+            hnsw = self._hnsw_factory(self._dim, _grown(len(ids)))
             hnsw.add_many(ids, vecs)
             self._hnsw, self._exact = hnsw, None
 

@@ -87,6 +87,7 @@ class AccessRecord:
     cache: str | None  # hit, miss, bypass; None when no cache step ran
     cache_reason: str | None  # why a bypass
     cache_kind: str | None  # how a hit was found: exact, semantic, coalesced
+    cache_tier: str | None  # where a hit came from: local, region
     status: int
     error: str | None  # the error code of an error answer, or how a stream ended badly
     stream: bool
@@ -138,7 +139,7 @@ def record(
     if ex is None:
         return AccessRecord(
             rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
-            key_id, None, region, None, 0, None, False, None, None, None, status,
+            key_id, None, region, None, 0, None, False, None, None, None, None, status,
             error or None, False, None, round((finished - started) * ms, 3), None, None,
         )  # fmt: skip
     plan = ex.cache
@@ -162,6 +163,7 @@ def record(
         cache=plan.outcome if plan is not None else None,
         cache_reason=(plan.reason or None) if plan is not None else None,
         cache_kind=(plan.kind or None) if plan is not None and plan.outcome == "hit" else None,
+        cache_tier=(plan.tier or None) if plan is not None and plan.outcome == "hit" else None,
         status=status,
         error=error or None,
         stream=ex.stream,

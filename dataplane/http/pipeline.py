@@ -142,17 +142,18 @@ class Exchange:
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
         its id, the cache outcome (with the reason of a bypass) and the route."""
-        headers = [("x-request-id", self.request_id), (CACHE_HEADER, cache_outcome)]
-        if cache_outcome == "bypass" and self.cache is not None and self.cache.reason:
-            headers.append((CACHE_REASON_HEADER, self.cache.reason))
+        headers = [("x-request-id", self.request_id), *self.cache_headers(cache_outcome)]
         if self.route:
             headers.append((ROUTE_HEADER, self.route))
         return headers
 
     def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
-        """`x-ponto-cache`, and for a bypass its reason."""
-        if outcome == "bypass" and self.cache is not None and self.cache.reason:
-            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, self.cache.reason)]
+        """`x-ponto-cache`, and for a bypass its reason, for a hit its tier."""
+        plan = self.cache
+        if outcome == "bypass" and plan is not None and plan.reason:
+            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, plan.reason)]
+        if outcome == "hit" and plan is not None and plan.tier:
+            return [(CACHE_HEADER, outcome), (CACHE_TIER_HEADER, plan.tier)]
         return [(CACHE_HEADER, outcome)]
 
     def chunk_sent(self) -> None:
@@ -163,6 +164,8 @@ class Exchange:
 
 CACHE_HEADER = "x-ponto-cache"
 CACHE_REASON_HEADER = "x-ponto-cache-reason"
+# local: this proxy's memory; region: the region's Redis (dataplane.cache.regionstore).
+CACHE_TIER_HEADER = "x-ponto-cache-tier"
 ROUTE_HEADER = "x-ponto-route"
 
 # How long a request may wait for a concurrency slot when this proxy holds none:

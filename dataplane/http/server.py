@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from dataplane.cache.regionstore import RegionalStore
 from dataplane.cache.step import EdgeCache, SemanticLayer
 from dataplane.cache.store import ExactStore
 from dataplane.geo import TrustedProxies, open_locator
@@ -60,6 +61,9 @@ from dataplane.upstream.forwarder import Forwarder
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
+    from dataplane.cache.regional import RegionLink
+    from dataplane.cache.semantic import SemanticIndex
+    from dataplane.cache.semfeed import Purges, RegionLinkLike, SemanticFeed
     from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,10 @@ FIRST_TABLE_WAIT_S = 3.0
 
 # How often expired cache entries are dropped, so memory follows the TTLs.
 SWEEP_INTERVAL_S = 30.0
+
+# The share of --cache-max-mb the semantic index may hold; the exact store has the
+# rest and whatever the index does not use (docs/semantic-cache.md, "Memory").
+SEMANTIC_SHARE = 0.5
 
 
 def software_version() -> str:
@@ -93,12 +101,37 @@ class Proxy:
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
         self.draining = Draining()
         self.loads = LoadBoard()
-        self.store = store = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
+        self.local_store = local = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
+        # Built with the semantic index (the model loads when a tenant first asks
+        # for semantic caching); the local store keeps to one bound with it.
+        self.semantic_index: SemanticIndex | None = None
+        local.reserved = lambda: index.nbytes if (index := self.semantic_index) else 0
+        self.store: ExactStore | RegionalStore = local
+        # The region's Redis behind the local LRU; each worker of a --workers
+        # group has its own link, so they share entries through Redis too.
+        self.region_link: RegionLink | None = None
+        # The region's semantic feed, when the proxy has a regional cache.
+        self.semantic_feed: SemanticFeed | None = None
+        if settings.redis_url:
+            # Imported here: redis-py costs memory a proxy without it keeps.
+            from dataplane.cache.regional import RegionLink  # noqa: PLC0415
+            from dataplane.cache.regionside import RedisSide  # noqa: PLC0415
+
+            self.region_link = RegionLink(
+                settings.redis_url, m, deadline_s=settings.redis_deadline_s
+            )
+            side = RedisSide(self.region_link)
+            self.store = RegionalStore(local, side, name=settings.name, clock=time.time)
+            self.semantic_feed = build_semantic_feed(
+                settings, self.region_link, settings.redis_url, table_purges(holder)
+            )
+        store = self.store
         self.cache = cache = EdgeCache(
             store,
             m,
-            semantic_factory=_semantic_index,
+            semantic_factory=self._semantic_index,
             forward_headers=settings.upstream.forward_headers,
+            region_wait_s=settings.upstream.deadline,
         )
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
@@ -125,8 +158,9 @@ class Proxy:
             traffic=lambda: traffic_of(m.requests, m.genai_duration),
             report_interval=settings.report_interval,
         )
-        m.bind_cache(lambda: store.stats)
+        m.bind_cache(lambda: store.stats, local.reserved)
         m.bind_semantic(lambda: cache.semantic)
+        m.bind_semantic_feed(lambda: self.semantic_feed)
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,
             connected=lambda: 1.0 if client.connected else 0.0,
@@ -147,6 +181,8 @@ class Proxy:
         self.locator.locator = open_locator(settings.geoip_db)
         if self.access_log is not None:
             self.access_log.start()
+        if self.region_link is not None:
+            await self.region_link.start()
         # Per origin at most 1024 connections: past that, bursts wait for a free
         # keep-alive connection instead of opening (and tearing down) new ones.
         connector = aiohttp.TCPConnector(
@@ -172,6 +208,8 @@ class Proxy:
             asyncio.create_task(self.client.run(), name="control-plane-link"),
             asyncio.create_task(self._sweep(), name="cache-sweeper"),
         ]
+        if self.semantic_feed is not None:
+            self.semantic_feed.start()
         try:
             yield
         finally:
@@ -180,7 +218,13 @@ class Proxy:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.semantic_feed is not None:
+                await self.semantic_feed.close()
             await session.close()
+            if isinstance(self.store, RegionalStore):
+                await self.store.close()
+            if self.region_link is not None:
+                await self.region_link.close()
             self.cache.close()  # the semantic index's embedding thread
             self.locator.close()
             await self.holder.flush()
@@ -192,6 +236,26 @@ class Proxy:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             self.store.sweep()
+
+    def _semantic_index(self) -> SemanticLayer:
+        """The MiniLM embedder (int8 ONNX, from the installed package) and its index,
+        bounded by its share of the cache's memory and joined to the region's feed.
+
+        Runs in an executor thread (EdgeCache loads it off the loop). Imported
+        here: numpy, onnxruntime and the model cost memory only in proxies whose
+        tenants use semantic caching.
+        """
+        from dataplane.cache.embed import MiniLmOnnxEmbedder  # noqa: PLC0415
+        from dataplane.cache.semantic import SemanticIndex  # noqa: PLC0415
+
+        index = SemanticIndex(
+            MiniLmOnnxEmbedder(), max_bytes=int(self.settings.cache_max_bytes * SEMANTIC_SHARE)
+        )
+        index.on_grow = self.local_store.fit
+        if self.semantic_feed is not None:
+            self.semantic_feed.attach(index)
+        self.semantic_index = index
+        return index
 
 
 def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Application:
@@ -297,13 +361,36 @@ async def traced(
         trace.finish(ex, status, error)
 
 
-def _semantic_index() -> SemanticLayer:
-    """The MiniLM embedder (int8 ONNX, from the installed package) and its index.
+# ---------------------------------------------------------------- region feed
 
-    Imported here: numpy, onnxruntime and the model cost memory only in proxies
-    whose tenants use semantic caching.
+
+def build_semantic_feed(
+    settings: Settings, link: RegionLinkLike, redis_url: str, purges: Callable[[], Purges]
+) -> SemanticFeed:
+    """The region's semantic feed of this proxy worker (dataplane.cache.semfeed).
+
+    Call it where the proxy builds its RegionLink, only when it has a regional
+    cache, and keep it as `Proxy.semantic_feed` (before `lifetime` runs): the
+    proxy attaches it to the semantic index once that is built and starts and
+    closes it with the app. `purges` gives the route table's cache purges.
+    The stream keeps about as many entries as this worker's index can hold.
     """
-    from dataplane.cache.embed import MiniLmOnnxEmbedder  # noqa: PLC0415
-    from dataplane.cache.semantic import SemanticIndex  # noqa: PLC0415
+    from dataplane.cache.embed import MINILM_DIM, MINILM_ID  # noqa: PLC0415
+    from dataplane.cache.semantic import DEFAULT_MAX_ENTRIES, ENTRY_BYTES  # noqa: PLC0415
+    from dataplane.cache.semfeed import SemanticFeed, build_tail_client  # noqa: PLC0415
 
-    return SemanticIndex(MiniLmOnnxEmbedder())
+    most = int(settings.cache_max_bytes * SEMANTIC_SHARE) // (4 * MINILM_DIM + ENTRY_BYTES)
+    return SemanticFeed(
+        link,
+        build_tail_client(redis_url),
+        region=settings.region,
+        proxy=settings.name,
+        embedder=MINILM_ID,
+        maxlen=max(1, min(DEFAULT_MAX_ENTRIES, most)),
+        purges=purges,
+    )
+
+
+def table_purges(holder: TableHolder) -> Callable[[], Purges]:
+    """The purges of the route table a proxy serves (none before its first)."""
+    return lambda: holder.policy.purges if holder.policy is not None else ()

@@ -75,6 +75,7 @@ async def test_a_miss_then_a_hit_each_get_one_line(
         None,
         "r1",
     )
+    assert (hit["cache_tier"], miss["cache_tier"]) == ("local", None)
     assert hit["output_tokens"] == 0  # no origin spent any
 
 

@@ -161,6 +161,7 @@ async def test_a_miss_goes_to_the_origin_and_a_repeat_is_answered_from_the_cache
     again = await stack.post(chat("hello there"), headers={"x-request-id": "mine-1"})
     assert again.status == 200
     assert again.headers["x-ponto-cache"] == "hit"
+    assert again.headers["x-ponto-cache-tier"] == "local"  # no --redis: memory only
     assert again.headers["x-request-id"] == "mine-1"
     assert "x-ponto-origin" not in again.headers
     assert await again.json() == body

@@ -36,8 +36,9 @@ def cost(e: CachedResponse, key: str) -> int:
 
 
 # ---------------------------------------------------------------------------
-# The contract: run against every implementation of CacheStore. A shared store
-# added later joins the `store` fixture's params.
+# The contract: run against every implementation of CacheStore. Shared stores
+# run it too (tests/integration/test_regional_store.py, against a real Redis
+# and with Redis down) by giving their own `make_store`.
 
 StoreFactory = Callable[[FakeClock], CacheStore]
 
@@ -52,18 +53,30 @@ def make_store(request: pytest.FixtureRequest) -> StoreFactory:
     return factory
 
 
+# Every lookup names the entry's scope, as the cache step does.
+T = {"tenant": "t", "model": "m"}
+
+
 class TestContract:
     async def test_get_put_replace_delete(self, make_store: StoreFactory) -> None:
         store = make_store(FakeClock())
-        assert await store.get("k") is None
+        assert await store.get("k", **T) is None
         a, b = entry(10), entry(20)
         assert await store.put("k", a, tenant="t", model="m", ttl_s=60)
-        assert await store.get("k") == a
+        assert await store.get("k", **T) == a
         assert await store.put("k", b, tenant="t", model="m", ttl_s=60)
-        assert await store.get("k") == b
-        assert await store.delete("k")
-        assert not await store.delete("k")
-        assert await store.get("k") is None
+        assert await store.get("k", **T) == b
+        assert await store.delete("k", **T)
+        assert not await store.delete("k", **T)
+        assert await store.get("k", **T) is None
+
+    async def test_lookup_says_the_tier(self, make_store: StoreFactory) -> None:
+        store = make_store(FakeClock())
+        assert await store.lookup("k", **T) is None
+        a = entry(10)
+        await store.put("k", a, tenant="t", model="m", ttl_s=60)
+        found = await store.lookup("k", **T)
+        assert found is not None and found.entry == a and found.tier == "local"
 
     async def test_entries_expire_after_their_ttl(self, make_store: StoreFactory) -> None:
         clock = FakeClock()
@@ -71,34 +84,41 @@ class TestContract:
         await store.put("short", entry(), tenant="t", model="m", ttl_s=10)
         await store.put("long", entry(), tenant="t", model="m", ttl_s=100)
         clock.advance(9.9)
-        assert await store.get("short") is not None
+        assert await store.get("short", **T) is not None
         clock.advance(0.1)
-        assert await store.get("short") is None
-        assert await store.get("long") is not None
+        assert await store.get("short", **T) is None
+        assert await store.get("long", **T) is not None
         assert not await store.put("zero", entry(), tenant="t", model="m", ttl_s=0)
-        assert await store.get("zero") is None
+        assert await store.get("zero", **T) is None
 
     async def test_purge_by_tenant_model_or_all(self, make_store: StoreFactory) -> None:
         store = make_store(FakeClock())
+
+        async def get(tenant: str, model: str) -> CachedResponse | None:
+            return await store.get(f"{tenant}/{model}", tenant=tenant, model=model)
+
         for tenant in ("t1", "t2"):
             for model in ("m1", "m2"):
                 await store.put(f"{tenant}/{model}", entry(), tenant=tenant, model=model, ttl_s=60)
         assert await store.purge(tenant="t1", model="m1") == 1
-        assert await store.get("t1/m1") is None and await store.get("t1/m2") is not None
+        assert await get("t1", "m1") is None and await get("t1", "m2") is not None
         assert await store.purge(model="m2") == 2
-        assert await store.get("t2/m1") is not None
+        assert await get("t2", "m1") is not None
+        assert await get("t2", "m2") is None
         assert await store.purge(tenant="nobody") == 0
         assert await store.purge(tenant="t2") == 1
+        assert await get("t2", "m1") is None
         await store.put("x", entry(), tenant="t3", model="m3", ttl_s=60)
         assert await store.purge() == 1
+        assert await store.get("x", tenant="t3", model="m3") is None
         assert store.stats.entries == 0 and store.stats.bytes == 0
 
     async def test_stats_count_hits_and_misses(self, make_store: StoreFactory) -> None:
         store = make_store(FakeClock())
         await store.put("k", entry(), tenant="t", model="m", ttl_s=60)
-        await store.get("k")
-        await store.get("k")
-        await store.get("nope")
+        await store.get("k", **T)
+        await store.get("k", **T)
+        await store.get("nope", **T)
         stats = store.stats
         assert (stats.hits, stats.misses, stats.entries) == (2, 1, 1)
         assert stats.bytes > 0
@@ -214,3 +234,32 @@ async def test_a_store_bounded_at_zero_keeps_nothing() -> None:
 def test_exact_store_satisfies_the_protocol() -> None:
     store: CacheStore = ExactStore(max_bytes=1, clock=FakeClock())
     assert store.stats.max_bytes == 1
+
+
+async def test_reserved_bytes_share_the_bound_and_fit_evicts_for_them() -> None:
+    """The semantic index's bytes count against the same bound: puts make room
+    for them, fit() makes room when they grow, and a put that cannot fit beside
+    them is refused."""
+    e = entry(200)
+    c = cost(e, "k0")
+    evicted: list[tuple[str, EvictReason]] = []
+    store = ExactStore(
+        max_bytes=10 * c, clock=FakeClock(), on_evict=lambda k, r: evicted.append((k, r))
+    )
+    reserved = 0
+    store.reserved = lambda: reserved
+    for i in range(10):
+        assert await store.put(f"k{i}", e, tenant="t", model="m", ttl_s=60)
+    assert len(store) == 10
+    reserved = 3 * c
+    assert store.fit() == 3
+    assert evicted == [(f"k{i}", EvictReason.LRU) for i in range(3)]
+    assert store.stats.bytes + reserved <= store.stats.max_bytes
+    assert await store.put("k10", e, tenant="t", model="m", ttl_s=60)
+    assert store.stats.bytes + reserved <= store.stats.max_bytes
+    assert await store.get("k3") is None  # the least recent went for the new one
+    reserved = 10 * c  # nothing of the store's fits beside it
+    assert not await store.put("k11", e, tenant="t", model="m", ttl_s=60)
+    assert len(store) == 0
+    assert store.stats.rejected == 1
+    assert await store.get("k11") is None

@@ -78,3 +78,13 @@ def test_key_labels_can_be_left_out_of_the_per_tenant_series() -> None:
     get = without.registry.get_sample_value
     assert get("ponto_tenant_requests_total", {"tenant": "acme", "code": "200"}) == 1
     assert get("ponto_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}) == 10
+
+
+def test_the_regional_cache_is_up_or_degraded_only_when_there_is_one() -> None:
+    m = Metrics()
+    assert "ponto_cache_region_up" not in generate_latest(m.registry).decode()
+    up = [True]
+    m.bind_region(lambda: up[0])
+    assert "ponto_cache_region_up 1.0" in generate_latest(m.registry).decode()
+    up[0] = False
+    assert "ponto_cache_region_up 0.0" in generate_latest(m.registry).decode()

@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 
 from dataplane.cache.embed import HashingEmbedder, Vectors
-from dataplane.cache.semantic import SemanticHit, SemanticIndex, normalise_text
+from dataplane.cache.entities import extract
+from dataplane.cache.entry import CachedResponse, ResponseKind
+from dataplane.cache.semantic import (
+    Inserted,
+    SemanticHit,
+    SemanticIndex,
+    entities_bytes,
+    normalise_text,
+)
+from dataplane.cache.store import ExactStore
 from dataplane.cache.vectors import ExactIndex
 
 Q = "how do i reset my password for the mobile app"
@@ -381,3 +390,158 @@ async def test_closed_index_misses_and_ignores_inserts() -> None:
     await idx.insert("t", "m", "", Q_FAR, "k2")
     assert len(idx) == 1
     assert idx.remove("k1")
+
+
+# -- entries from other proxies (the region feed) -----------------------------------
+
+
+async def test_on_insert_hands_over_the_vector_and_insert_vector_adds_it_elsewhere() -> None:
+    """What one proxy inserts, another adds from the vector alone and then hits."""
+    here, there = SemanticIndex(HashingEmbedder()), SemanticIndex(HashingEmbedder())
+    published: list[Inserted] = []
+    here.on_insert = published.append
+    await here.insert("t1", "m", "ctx", Q, "key-1")
+    (ins,) = published
+    assert (ins.tenant, ins.model, ins.context, ins.key) == ("t1", "m", "ctx", "key-1")
+    assert ins.vector.dtype == np.float32
+    assert ins.vector.shape == (here.dim,)
+    there.on_insert = published.append
+    assert there.insert_vector(
+        ins.tenant, ins.model, ins.context, ins.key, ins.vector, ins.entities
+    )
+    assert len(published) == 1  # a remote entry is not published again
+    hit = await there.lookup("t1", "m", "ctx", Q_NEAR, T)
+    assert hit is not None
+    assert hit.key == "key-1"
+    assert await there.lookup("t2", "m", "ctx", Q_NEAR, T) is None  # same namespaces
+    assert there.stats.remote_inserts == 1
+    here.close()
+    there.close()
+
+
+async def test_remote_entries_keep_the_entity_check(index: SemanticIndex) -> None:
+    vec = HashingEmbedder().embed([normalise_text(A)])[0]
+    assert index.insert_vector("t1", "m", "", "key-a", vec, extract(A))
+    assert await index.lookup("t1", "m", "", B, 0.5) is None
+    assert index.stats.entity_blocked == 1
+
+
+async def test_insert_vector_refuses_held_keys_and_bad_vectors(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "", Q, "key-1")
+    good = HashingEmbedder().embed([Q_FAR])[0]
+    ents = extract(Q_FAR)
+    assert not index.insert_vector("t1", "m", "", "key-1", good, ents)  # held: kept
+    assert not index.insert_vector("t1", "m", "", "k2", good[:-1], ents)  # other size
+    assert not index.insert_vector("t1", "m", "", "k3", good * 2, ents)  # not unit
+    nan = good.copy()
+    nan[0] = np.nan  # would compare as "not below the threshold": a hit on anything
+    assert not index.insert_vector("t1", "m", "", "k4", nan, ents)
+    assert not index.insert_vector("t1", "m", "", "k5", good.astype(np.float64), ents)
+    assert index.stats.remote_refused == 5
+    assert len(index) == 1
+    hit = await index.lookup("t1", "m", "", Q, T)
+    assert hit is not None
+    assert hit.key == "key-1"
+
+
+# -- memory --------------------------------------------------------------------------
+
+
+async def test_bytes_stay_under_the_bound_and_come_back_when_entries_go() -> None:
+    bound = 400_000
+    idx = SemanticIndex(HashingEmbedder(dim=384), max_bytes=bound, max_entries=10**6)
+    vectors = HashingEmbedder(dim=384).embed([f"message {i} of the soak" for i in range(400)])
+    for i, vec in enumerate(vectors):
+        # many small namespaces and one large one, as conversations and a FAQ give
+        context = f"conversation-{i}" if i % 2 else "faq"
+        idx.insert_vector("t", "m", context, f"key-{i}", vec, extract(f"message {i}"))
+        await idx.flush()  # the executor's measurements in, so nbytes is exact
+        assert idx.nbytes <= bound
+    assert idx.stats.evictions > 0
+    assert 20 < len(idx) < 400
+    # each entry counts at least its vector and its key
+    assert idx.nbytes >= len(idx) * (384 * 4 + 20)
+    idx.purge()
+    await idx.flush()
+    assert idx.nbytes == 0
+    idx.close()
+
+
+async def test_bytes_follow_inserts_before_the_executor_measures() -> None:
+    slow = SlowEmbedder()
+    idx = SemanticIndex(HashingEmbedder(dim=64))
+    before = idx.nbytes
+    # the first insert's vector add waits behind a blocked executor
+    blocker = asyncio.get_running_loop().run_in_executor(idx._executor, slow.release.wait, 5)
+    idx.insert_vector("t", "m", "", "k", HashingEmbedder(dim=64).embed([Q])[0], extract(Q))
+    predicted = idx.nbytes
+    assert predicted > before + 64 * 4
+    slow.release.set()
+    await blocker
+    await idx.flush()
+    assert idx.nbytes > before + 64 * 4
+    assert idx.remove("k")
+    await idx.flush()
+    assert idx.nbytes == 0
+    idx.close()
+
+
+async def test_on_grow_runs_after_an_insert(index: SemanticIndex) -> None:
+    seen: list[int] = []
+    index.on_grow = lambda: seen.append(len(index))
+    await index.insert("t1", "m", "", Q, "k1")
+    index.insert_vector("t1", "m", "", "k2", HashingEmbedder().embed([Q_FAR])[0], extract(Q_FAR))
+    assert seen == [1, 2]
+
+
+def test_entities_bytes_counts_the_strings() -> None:
+    small, large = extract("hi"), extract("Order 123456 for Anna to Lisbon on the 3rd of May")
+    assert entities_bytes(large) > entities_bytes(small) > 0
+
+
+async def test_store_and_index_keep_to_one_bound_together() -> None:
+    """Wired as the proxy wires them: the store yields to the index's bytes, the
+    index keeps to its share, and together they never pass the bound."""
+    bound = 1_000_000
+    store = ExactStore(max_bytes=bound, clock=lambda: 0.0)
+    idx = SemanticIndex(HashingEmbedder(dim=384), max_bytes=bound // 2)
+    store.reserved = lambda: idx.nbytes
+
+    def evicted(key: str, reason: object) -> None:
+        idx.remove(key)
+
+    store.on_evict = evicted
+    idx.on_grow = store.fit
+    body = CachedResponse(ResponseKind.CHAT, 0.0, "m", body=b"x" * 600)
+    for i in range(600):
+        key = f"key-{i}"
+        assert await store.put(key, body, tenant="t", model="m", ttl_s=60)
+        await idx.insert("t", "m", "", f"question {i} about topic {i % 7}", key)
+        await idx.flush()
+        await asyncio.sleep(0)  # the loop's turn for the executor's call back
+        assert store.stats.bytes + idx.nbytes <= bound
+    assert store.stats.evictions > 0
+    assert idx.nbytes <= bound // 2
+    # every semantic entry still points at an answer the store holds
+    keys = [e.key for e in idx._entries.values()]
+    assert keys
+    assert all([await store.get(key) is not None for key in keys])
+    idx.close()
+
+
+async def test_an_index_that_grows_its_capacity_is_brought_back_under_the_bound() -> None:
+    """One namespace whose array doubles (128 -> 256 rows) past what the loop had
+    predicted for one vector: once the executor has measured it, the index evicts
+    until it is under its bound again, and tells the store (on_grow)."""
+    bound = 500_000
+    idx = SemanticIndex(HashingEmbedder(dim=384), max_bytes=bound)
+    grown: list[int] = []
+    idx.on_grow = lambda: grown.append(idx.nbytes)
+    for i in range(300):
+        await idx.insert("t", "m", "", f"question {i} about topic {i % 7}", f"key-{i}")
+        await idx.flush()
+        await asyncio.sleep(0)  # the loop's turn for the executor's call back
+        assert idx.nbytes <= bound
+    assert idx.stats.evictions > 0
+    assert len(grown) > 300  # one per insert, and more after a growth
+    idx.close()

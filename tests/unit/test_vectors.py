@@ -173,3 +173,20 @@ def test_hnsw_bulk_add_grows_capacity() -> None:
     assert index.search(vecs[99], 1)[0][0] == 99
     with pytest.raises(ValueError, match="new and distinct"):
         index.add_many(np.array([5, 200], dtype=np.int64), vecs[:2])
+
+
+def test_nbytes_counts_the_vectors_and_gives_memory_back(make: Factory) -> None:
+    """`nbytes` is what the semantic index counts against the cache's bound: at
+    least the vectors held, and it falls again once most are removed."""
+    rng = np.random.default_rng(9)
+    index = make()
+    empty = index.nbytes
+    vecs = unit(rng, 200)
+    for i, v in enumerate(vecs):
+        index.add(i, v)
+    full = index.nbytes
+    assert full >= empty + 200 * DIM * 4
+    for i in range(195):
+        index.remove(i)
+    assert index.nbytes < full - 100 * DIM * 4
+    assert [i for i, _ in index.search(vecs[199], 1)] == [199]

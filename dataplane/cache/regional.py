@@ -1,0 +1,204 @@
+"""The link of one proxy worker to its region's Redis (or Valkey).
+
+`RegionLink` owns the `redis.asyncio` client and is the only way the data plane
+talks to Redis: every call goes through `call(op, fn)`, which bounds it by a
+deadline, feeds a circuit breaker (dataplane.cache.breaker) and never raises.
+Redis is an optimisation shared by the proxies of a region: when it is down,
+slow or answers nonsense, the proxy serves from its local cache and the origins
+and says so in `ponto_cache_region_up`; when it answers again, the next probe
+closes the breaker and region-wide hits resume without a restart.
+
+Why a 50 ms deadline: a Redis GET on the same network answers in well under a
+millisecond, and an origin round trip costs hundreds of milliseconds; a call
+that has not answered in 50 ms is not going to make the request faster, so the
+request goes on without it (a lookup becomes a miss) and the breaker stops
+later requests from paying the same wait. Writes run after the client has its
+answer, so their deadline only bounds how long they hold a slot.
+
+Lifecycle (as the app's other resources): construction has no side effects;
+`start()` checks the connection once (an unreachable Redis is not an error: the
+proxy starts degraded, logs one WARNING, and catches up when Redis answers);
+`close()` releases the connections. One per proxy worker, used from its event
+loop; not thread-safe. With `--workers N`, each worker has its own link, so
+the workers of one process also share their entries through Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from dataplane.cache.breaker import Admit, Breaker
+from dataplane.cache.regionurl import check_url
+from dataplane.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_DEADLINE_S = 0.05
+CONNECT_TIMEOUT_S = 0.25
+# Connections per worker. Redis answers in a fraction of a millisecond, so a
+# few dozen connections carry tens of thousands of calls a second; background
+# writes take at most half (dataplane.cache.regionstore.MAX_WRITES).
+MAX_CONNECTIONS = 128
+WARM_CONNECTIONS = 16
+
+
+class RegionLink:
+    """One proxy worker's Redis client with per-call deadlines and a circuit breaker.
+
+    `call(op, fn)` runs `fn(client)` within the op's deadline and returns its
+    result, or None when Redis failed, timed out, the reply did not parse (`fn`
+    raised) or the breaker is open; failures count in
+    `ponto_cache_region_errors_total{op}` and open the breaker. Every call counts
+    in `ponto_cache_region_requests_total{op,result}`. It never raises, except
+    the caller's own cancellation.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        metrics: Metrics,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        deadlines: Mapping[str, float] | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        breaker: Breaker | None = None,
+    ) -> None:
+        self.url = check_url(url)
+        self._metrics = metrics
+        self._deadline = deadline_s
+        self._deadlines = dict(deadlines or {})
+        self._connect_timeout = connect_timeout_s
+        self._breaker = breaker or Breaker(clock=clock)
+        self._client: Redis | None = None
+        self._closed = False
+        # One WARNING per reason while degraded, not one per failed call.
+        self._warned = False
+        self._last_error = ""
+
+    @property
+    def client(self) -> Redis:
+        """The redis.asyncio client (created on first use; no I/O until a command)."""
+        if self._client is None:
+            # One immediate retry inside redis-py: a pooled connection that
+            # died with a restarted Redis fails once, and must not open the
+            # breaker for a server that answers. The breaker decides the rest,
+            # and the call's deadline bounds both tries.
+            # A blocking pool: a call that finds every connection busy waits
+            # for one (within its deadline) instead of failing at once, as
+            # redis-py's default pool does past 100 connections.
+            pool = BlockingConnectionPool.from_url(
+                self.url,
+                max_connections=MAX_CONNECTIONS,
+                timeout=None,
+                socket_connect_timeout=self._connect_timeout,
+                socket_timeout=max(self._deadline, *self._deadlines.values(), 1.0),
+                retry=Retry(NoBackoff(), 1),
+                health_check_interval=0,
+                # No CLIENT SETINFO on connect: two round trips fewer, which
+                # matters when a burst opens many connections at once.
+                driver_info=None,
+            )
+            self._client = Redis.from_pool(pool)
+        return self._client
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open (Redis is being skipped)."""
+        return self._breaker.closed and not self._closed
+
+    def deadline(self, op: str) -> float:
+        return self._deadlines.get(op, self._deadline)
+
+    def count(self, op: str, result: str) -> None:
+        """Count an outcome decided outside call(), e.g. a write dropped."""
+        self._metrics.child(self._metrics.region_requests, op, result).inc()
+
+    def error(self, op: str) -> None:
+        """Count a failure found by the caller, e.g. a value that does not decode
+        (op "decode"); it does not open the breaker: Redis itself answered."""
+        self._metrics.child(self._metrics.region_errors, op).inc()
+
+    async def start(self) -> None:
+        """Check the connection once; an unreachable Redis leaves the link degraded."""
+        self._metrics.bind_region(lambda: self.available)
+        self._warned = True  # one line below says it all
+        if await self.call("ping", lambda r: r.ping()) is None:
+            log.warning(
+                "regional cache %s unreachable at start (%s): local cache only until it answers",
+                _safe(self.url),
+                self._last_error,
+            )
+            return
+        self._warned = False
+        # Opening a connection costs a few milliseconds of this loop's time: a
+        # burst that found the pool cold would open dozens at once and overrun
+        # its deadlines. Open some now, with time to spare.
+        await asyncio.gather(
+            *(
+                self.call("ping", lambda r: r.ping(), deadline_s=1.0)
+                for _ in range(WARM_CONNECTIONS)
+            )
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def call(
+        self, op: str, fn: Callable[[Redis], Awaitable[T]], *, deadline_s: float | None = None
+    ) -> T | None:
+        """fn(client) within the deadline (the op's, or `deadline_s`); see the class."""
+        admit = self._breaker.allow() if not self._closed else None
+        if admit is None:
+            self.count(op, "skipped")
+            return None
+        try:
+            async with asyncio.timeout(deadline_s if deadline_s is not None else self.deadline(op)):
+                result = await fn(self.client)
+        except asyncio.CancelledError:
+            # The caller's cancellation (a timeout's is turned into TimeoutError).
+            self._breaker.abandon(admit)
+            raise
+        except TimeoutError:
+            self._failed(op, admit, "timeout", "no answer within the deadline")
+            return None
+        except Exception as exc:  # any failure of an optional tier is a miss
+            self._failed(op, admit, "error", f"{type(exc).__name__}: {exc}")
+            return None
+        self.count(op, "ok")
+        if self._breaker.success(admit):
+            self._warned = False
+            log.info("regional cache %s answers again: region-wide hits resume", _safe(self.url))
+        return result
+
+    def _failed(self, op: str, admit: Admit, result: str, why: str) -> None:
+        self.count(op, result)
+        self.error(op)
+        self._last_error = f"{op} {why}"
+        if self._breaker.failure(admit) and not self._warned:
+            self._warned = True
+            log.warning(
+                "regional cache %s degraded (%s): local cache only, retrying in %.2gs",
+                _safe(self.url),
+                self._last_error,
+                self._breaker.delay_s,
+            )
+
+
+def _safe(url: str) -> str:
+    """The URL without a password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    _, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url

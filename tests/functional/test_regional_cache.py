@@ -1,0 +1,226 @@
+"""The regional cache through the whole pipeline: two proxy apps of one region
+on one real redis-server, real HTTP on loopback, and Redis's faults (killed,
+restarted, slow, holding garbage): every request is answered, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from dataplane.http.state import METRICS
+from ponto.devenv import Redis, start_redis
+from ponto.originsim.app import SimConfig
+from tests.conftest import redis_binary_or_skip
+from tests.functional.test_pipeline import Stack, chat, start_stack
+
+
+def sample(stack: Stack, name: str, **labels: str) -> float:
+    return stack.app[METRICS].registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ponto-regional-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def own_redis(workdir: Path) -> Iterator[Redis]:
+    """A redis-server this test may kill and restart."""
+    redis_binary_or_skip()
+    server = start_redis(workdir)
+    yield server
+    server.stop()
+
+
+async def proxy(tmp_path: Path, name: str, url: str) -> Stack:
+    state = tmp_path / name
+    state.mkdir()
+    config = SimConfig(name=f"origin-{name}", answer_tokens=6, seed=1)
+    return await start_stack(state, [config], [f"--redis={url}"])
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, own_redis: Redis) -> AsyncIterator[tuple[Stack, Stack]]:
+    a = await proxy(tmp_path, "a", own_redis.url)
+    b = await proxy(tmp_path, "b", own_redis.url)
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def answer(stack: Stack, text: str, **fields: object) -> tuple[int, dict[str, str], bytes]:
+    resp = await stack.post(chat(text, **fields))
+    return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_a_repeat_on_another_proxy_is_a_region_hit_then_a_local_one(
+    pair: tuple[Stack, Stack],
+) -> None:
+    a, b = pair
+    status, first, body = await answer(a, "what is the capital of portugal")
+    assert status == 200 and first["x-ponto-cache"] == "miss"
+    assert "x-ponto-cache-tier" not in first
+    await asyncio.sleep(0.1)  # a's write to Redis runs after its answer
+    status, second, again = await answer(b, "what is the capital of portugal")
+    assert (second["x-ponto-cache"], second["x-ponto-cache-tier"]) == ("hit", "region")
+    assert again == body
+    assert b.origin_requests() == 0
+    _, third, _ = await answer(b, "what is the capital of portugal")
+    assert (third["x-ponto-cache"], third["x-ponto-cache-tier"]) == ("hit", "local")
+    _, fourth, _ = await answer(a, "what is the capital of portugal")
+    assert fourth["x-ponto-cache-tier"] == "local"
+    assert sample(b, "ponto_cache_hits_total", tier="region") == 1
+    assert sample(b, "ponto_cache_hits_total", tier="local") == 1
+    assert sample(b, "ponto_cache_region_up") == 1
+
+
+async def test_a_stream_is_shared_and_replayed_as_a_stream(pair: tuple[Stack, Stack]) -> None:
+    a, b = pair
+    request = chat("stream it", stream=True)
+    first = await a.post(request)
+    events = await first.read()
+    await asyncio.sleep(0.1)
+    replay = await b.post(request)
+    assert replay.headers["x-ponto-cache-tier"] == "region"
+    assert replay.headers["content-type"].startswith("text/event-stream")
+    assert await replay.read() == events
+    assert b.origin_requests() == 0
+
+
+async def test_redis_killed_then_back_without_a_restart(
+    pair: tuple[Stack, Stack], own_redis: Redis, workdir: Path
+) -> None:
+    a, b = pair
+    own_redis.kill()
+    for i in range(5):  # answered from the origin and the local cache, never an error
+        status, headers, _ = await answer(a, f"question {i}")
+        assert status == 200 and headers["x-ponto-cache"] == "miss"
+        status, headers, _ = await answer(a, f"question {i}")
+        assert (status, headers["x-ponto-cache-tier"]) == (200, "local")
+    assert sample(a, "ponto_cache_region_up") == 0
+    assert sample(a, "ponto_cache_region_errors_total", op="get") >= 1
+    back = start_redis(workdir, port=own_redis.port)
+    try:
+        # The breaker's next probe (0.25 s after the failure, doubling) finds
+        # Redis back; a's answers reach it again and b hits on them.
+        async with asyncio.timeout(15):
+            n = 0
+            while True:
+                n += 1
+                status, _, _ = await answer(a, f"after {n}")
+                assert status == 200
+                if sample(a, "ponto_cache_region_up") == 1:
+                    break
+                await asyncio.sleep(0.1)
+        await answer(a, "after the restart")
+        await asyncio.sleep(0.1)
+        # b's pooled connections died with the old server: redis-py's one
+        # reconnect makes its first call after the restart a hit, not an error.
+        _, headers, _ = await answer(b, "after the restart")
+        assert (headers["x-ponto-cache"], headers["x-ponto-cache-tier"]) == ("hit", "region")
+    finally:
+        back.stop()
+
+
+async def test_garbage_under_a_key_is_a_miss_not_an_error(
+    pair: tuple[Stack, Stack], own_redis: Redis
+) -> None:
+    a, b = pair
+    await answer(a, "poisoned")
+    await asyncio.sleep(0.1)
+    with redis.Redis.from_url(own_redis.url) as raw:
+        [key] = raw.keys("ponto:x:*")
+        raw.set(key, b"PX\x09not an entry")
+    status, headers, body = await answer(b, "poisoned")
+    assert status == 200 and headers["x-ponto-cache"] == "miss"
+    assert body
+    assert sample(b, "ponto_cache_region_errors_total", op="decode") == 1
+    assert sample(b, "ponto_cache_region_up") == 1
+
+
+@pytest.fixture
+def silent_redis() -> Iterator[str]:
+    """A Redis that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    finally:
+        sock.close()
+
+
+def total(stack: Stack, family_name: str, **labels: str) -> float:
+    """A counter summed over the labels not given."""
+    return sum(
+        sample.value
+        for family in stack.app[METRICS].registry.collect()
+        if family.name == family_name
+        for sample in family.samples
+        if sample.name.endswith("_total") and labels.items() <= sample.labels.items()
+    )
+
+
+def timeouts(stack: Stack) -> float:
+    """Region calls that ran out of their deadline, whatever their operation."""
+    return total(stack, "ponto_cache_region_requests", result="timeout")
+
+
+async def test_a_silent_redis_costs_a_probe_one_deadline(tmp_path: Path, silent_redis: str) -> None:
+    stack = await proxy(tmp_path, "slow", silent_redis)
+    try:
+        assert sample(stack, "ponto_cache_region_up") == 0  # start's ping timed out
+        assert timeouts(stack) == 1
+        # Requests skip Redis while the breaker is open; the call it lets
+        # through as a probe (a lookup, a lock or a write) waits one deadline,
+        # the proxy's (counted as a timeout: redis-py's own would count as an
+        # error), then the request goes on.
+        async with asyncio.timeout(20):
+            n = 0
+            while timeouts(stack) < 2:
+                n += 1
+                status, headers, _ = await answer(stack, f"slow redis {n}")
+                assert status == 200 and headers["x-ponto-cache"] == "miss"
+        assert sample(stack, "ponto_cache_region_requests_total", op="get", result="skipped") >= 1
+        assert sample(stack, "ponto_cache_region_requests_total", op="get", result="error") == 0
+        status, headers, _ = await answer(stack, f"slow redis {n}")
+        assert (status, headers["x-ponto-cache-tier"]) == (200, "local")
+    finally:
+        await stack.close()
+
+
+async def test_redis_killed_under_load_fails_no_request(
+    pair: tuple[Stack, Stack], own_redis: Redis
+) -> None:
+    """Both proxies under concurrent load with repeats, Redis killed halfway."""
+    a, b = pair
+    statuses: list[int] = []
+    killed = asyncio.Event()
+
+    async def client(n: int) -> None:
+        for i in range(30):
+            # Client n + 1 asks 7 steps later what client n asked, on the other proxy.
+            stack = (a, b)[n % 2]
+            resp = await stack.post(chat(f"question {(n * 7 + i) % 90}"))
+            await resp.read()
+            statuses.append(resp.status)
+            if len(statuses) == 120 and not killed.is_set():
+                own_redis.kill()
+                killed.set()
+
+    await asyncio.gather(*(client(n) for n in range(8)))
+    assert killed.is_set()
+    assert len(statuses) == 240 and set(statuses) == {200}
+    # Misses went on after the kill: Redis failed under them, and was skipped.
+    assert sum(total(s, "ponto_cache_region_errors") for s in pair) >= 1
+    assert sum(sample(s, "ponto_cache_hits_total", tier="region") for s in pair) >= 1

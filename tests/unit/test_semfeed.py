@@ -1,0 +1,164 @@
+"""The semantic feed's message format, purge rule and reply parsing (pure parts).
+
+The feed against a real Redis (two proxies, replay, faults) is in
+tests/integration/test_semfeed_region.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from dataplane.cache.embed import HashingEmbedder
+from dataplane.cache.entities import extract
+from dataplane.cache.semantic import Inserted
+from dataplane.cache.semfeed import (
+    Malformed,
+    SemanticFeed,
+    _messages,
+    decode,
+    encode,
+    purged_since,
+    stream_name,
+)
+
+DIM = 64
+TEXT = "Cancel order 732201349959 for Anna"
+
+
+def inserted() -> Inserted:
+    vector = HashingEmbedder(dim=DIM).embed([TEXT])[0]
+    return Inserted("tenant-a", "model-x", "ctx:1", "key:1", vector, extract(TEXT))
+
+
+def test_a_message_decodes_to_what_was_inserted() -> None:
+    ins = inserted()
+    fields = encode(ins, proxy="proxy-1", embedder="emb-1", purge_rev=42)
+    assert set(fields) == {b"v", b"k", b"t", b"m", b"c", b"e", b"p", b"em", b"r"}
+    msg = decode(fields, DIM)
+    assert np.array_equal(msg.vector, ins.vector)
+    assert msg.vector.dtype == np.float32
+    assert (msg.key, msg.tenant, msg.model, msg.context) == (
+        "key:1",
+        "tenant-a",
+        "model-x",
+        "ctx:1",
+    )
+    assert msg.entities == ins.entities
+    assert (msg.proxy, msg.embedder, msg.purge_rev) == ("proxy-1", "emb-1", 42)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({b"v": b"\x00" * 7}, "vector"),
+        ({b"v": b"\x00" * (4 * DIM + 4)}, "vector"),
+        ({b"e": b"{not json"}, "not JSON"),
+        ({b"e": b"[1, 2]"}, "not a JSON object"),
+        ({b"e": b'{"s": [1], "n": [], "w": []}'}, "list of strings"),
+        ({b"e": b'{"s": [], "n": []}'}, "list of strings"),
+        ({b"k": b"\xff\xfe"}, "UTF-8"),
+        ({b"r": b"-1"}, "purge revision"),
+    ],
+)
+def test_malformed_messages_are_refused_with_a_reason(
+    change: dict[bytes, bytes], reason: str
+) -> None:
+    fields = {**encode(inserted(), proxy="p", embedder="e", purge_rev=0), **change}
+    with pytest.raises(Malformed, match=reason):
+        decode(fields, DIM)
+
+
+@pytest.mark.parametrize("missing", [b"v", b"k", b"t", b"m", b"c", b"e", b"p", b"em", b"r"])
+def test_a_missing_field_is_malformed(missing: bytes) -> None:
+    fields = encode(inserted(), proxy="p", embedder="e", purge_rev=0)
+    del fields[missing]
+    with pytest.raises(Malformed):
+        decode(fields, DIM)
+
+
+@pytest.mark.parametrize(
+    ("purges", "tenant", "model", "rev", "purged"),
+    [
+        ([], "t", "m", 0, False),
+        ([(5, "t", "")], "t", "m", 4, True),  # the tenant purged after it was published
+        ([(5, "t", "")], "t", "m", 5, False),  # the publisher had run that purge
+        ([(5, "u", "")], "t", "m", 0, False),  # another tenant's
+        ([(5, "", "m")], "t", "m", 0, True),  # the model, every tenant
+        ([(5, "t", "n")], "t", "m", 0, False),  # another model of the tenant
+        ([(5, "", "")], "t", "m", 0, True),  # everything
+        ([(3, "t", ""), (9, "", "n")], "t", "m", 4, False),
+    ],
+)
+def test_a_message_is_purged_by_newer_purges_that_cover_it(
+    purges: list[tuple[int, str, str]], tenant: str, model: str, rev: int, purged: bool
+) -> None:
+    assert purged_since(purges, tenant, model, rev) is purged
+
+
+def test_xread_replies_in_either_protocol() -> None:
+    fields = {b"k": b"x"}
+    resp2 = [[b"ponto:sem:r", [(b"1-0", fields), (b"2-5", fields)]]]
+    resp3 = {b"ponto:sem:r": [[b"1-0", fields], [b"2-5", fields]]}
+    assert [i for i, _ in _messages(resp2)] == [b"1-0", b"2-5"]
+    assert [i for i, _ in _messages(resp3)] == [b"1-0", b"2-5"]
+    assert _messages(None) == []
+    assert _messages([]) == []
+    with pytest.raises(ValueError):
+        _messages([[b"s", [(b"not-an-id", fields)]]])
+    with pytest.raises(ValueError):
+        _messages([[b"s", [("1-0", fields)]]])
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _NoLink:
+    available = False
+
+    async def call(self, op: str, fn: object, *, deadline_s: float | None = None) -> None:
+        return None
+
+
+async def test_malformed_messages_are_logged_at_most_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from redis.asyncio import Redis  # noqa: PLC0415
+
+    clock = _Clock()
+    client = Redis()  # never connected: only _warn is exercised
+    feed = SemanticFeed(
+        _NoLink(),
+        client,
+        region="r",
+        proxy="p",
+        embedder="e",
+        maxlen=10,
+        log_every_s=30,
+        clock=clock,
+    )
+    with caplog.at_level(logging.WARNING, logger="dataplane.cache.semfeed"):
+        for _ in range(5):
+            feed._warn("bad")
+        clock.now = 31
+        feed._warn("bad again")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[1].endswith("bad again (4 more not logged)")
+    assert stream_name("r") in lines[0]
+    await client.aclose()
+
+
+def test_publish_before_start_or_without_a_link_drops_and_counts() -> None:
+    from redis.asyncio import Redis  # noqa: PLC0415
+
+    feed = SemanticFeed(_NoLink(), Redis(), region="r", proxy="p", embedder="e", maxlen=10)
+    feed.publish(inserted())
+    assert feed.stats.dropped == 1
+    assert feed.stats.published == 0
