@@ -8,7 +8,8 @@ region's proxy, a question answered by one proxy pod of a region asked again of
 another (a hit from the region's Redis), a drain and undrain with the rendered
 admin credential, the commands NOTES.txt prints (through a kubectl shim), a `helm
 upgrade` with one more region and more proxy replicas under client traffic, and
-finally etcd killed while the proxies keep serving. Each step is reported; any failure exits non-zero.
+finally etcd killed while the proxies keep serving. Each step is reported; any
+failure exits non-zero.
 
 Needs root (network and mount namespaces, veth, bind mounts). Without root it says
 so and exits 0, except in CI (CI=true), where it fails. docs/helm.md says what this
