@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/ponto/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench fuzz soak profile clean helm helm-check chart-run kind-e2e
+.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench bench-regional fuzz soak profile clean helm helm-check chart-run kind-e2e
 
 setup: $(STAMP)
 
@@ -158,11 +158,11 @@ $(WRK):
 
 # Side-by-side measurements; each prints its figures and ratios and writes
 # docs/benchmarks/*.json, which bench.report (last) turns into
-# docs/benchmarks/README.md with plots. About 31 minutes on 2 cores (bench.affinity,
+# docs/benchmarks/README.md with plots. About 33 minutes on 2 cores (bench.affinity,
 # routing inside a region, about 11 of them, and bench.resilience, about 4, write their
 # own pages too); compare
 # installs LiteLLM into .bench/ the first time.
-bench: $(STAMP) $(WRK)
+bench: $(STAMP) $(WRK) $(REDIS)
 	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
 	$(PY) -m bench.record routing "Routing cost per request" bench.routing
 	$(PY) -m bench.auth_ratelimit
@@ -181,6 +181,15 @@ bench: $(STAMP) $(WRK)
 	$(PY) -m bench.resilience
 	$(PY) -m bench.record tracing "Tracing cost: proxy CPU per request, off / sampled at 0 / at 100 %" \
 		bench.tracing
+	$(PY) -m bench.regional_cache
+	$(PY) -m bench.report
+
+# One cache per region (issue 16): hit rate of 1, 2 and 4 proxies sharing a Redis
+# against proxies caching alone, local / region hit / origin latency, Redis killed
+# under load; writes docs/benchmarks/regional-cache.json and the report. About 2
+# minutes (BENCH_ARGS=--quick: about 1).
+bench-regional: $(STAMP) $(REDIS)
+	$(PY) -m bench.regional_cache $(BENCH_ARGS)
 	$(PY) -m bench.report
 
 # Hostile clients against a real proxy (bench/fuzz.py): 100,000 requests of malformed

@@ -1,11 +1,13 @@
 """`ponto-demo`: the whole system on one machine, with one command.
 
 Without flags it starts etcd, a control plane, a simulated origin in each of
-three regions and proxies in two of them, prints how to use them, and stays
-up until Ctrl-C, starting again any of its processes that dies (kill an origin
-to watch failover). With --check it starts the same topology, proves the product's
-promises with the official openai client (streaming, failover of the control
-plane, restart from the saved table) and exits non-zero on any failure.
+three regions and proxies in two of them (with redis-server: a second us-east
+proxy and a Redis per region with proxies, each region's shared cache), prints
+how to use them, and stays up until Ctrl-C, starting again any of its processes
+that dies (kill an origin to watch failover). With --check it starts the same
+topology, proves the product's promises with the official openai client
+(streaming, the regional cache, failover of the control plane, restart from the
+saved table) and exits non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from ponto import devenv
-from ponto.fleet import DEMO_REGIONS, DEMO_USERS, DemoUser, Fleet, start_demo_fleet
+from ponto.fleet import (
+    DEMO_PROXIES,
+    DEMO_REGIONS,
+    DEMO_SECOND_PROXY,
+    DEMO_USERS,
+    DemoUser,
+    Fleet,
+    start_demo_fleet,
+)
 from ponto.supervise import Supervisor
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -99,6 +109,55 @@ def geo_calls(proxy_url: str) -> list[GeoCall]:
     return [GeoCall(user, proxy_url) for user in DEMO_USERS]
 
 
+CACHE_QUESTION = "what does a region share"
+
+
+def cache_curl(proxy_url: str, question: str = CACHE_QUESTION) -> str:
+    """A shell line that asks a cacheable question and prints the answer's
+    x-ponto-cache headers (x-ponto-cache, and x-ponto-cache-tier on a hit)."""
+    body = json.dumps(
+        {
+            "model": "sim-small",
+            "temperature": 0,
+            "messages": [{"role": "user", "content": question}],
+        }
+    )
+    return (
+        f"curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{body}' "
+        f"{proxy_url}/chat/completions | grep -i '^x-ponto-cache'"
+    )
+
+
+def regional_cache_hint(fleet: Fleet) -> list[str]:
+    """How to see two proxies of a region share its cache, or why there is none."""
+    first, second = DEMO_PROXIES[0][0], DEMO_SECOND_PROXY[0]
+    if second not in fleet.proxies:
+        return [NO_REDIS]
+    return [
+        f"{first} and {second} share the us-east cache (a redis-server): ask one a",
+        "question, then the other, and the second answer comes from the region's cache",
+        "(x-ponto-cache-tier: region; asked again of the same proxy: local):",
+        f"  # ask {first}: x-ponto-cache: miss (the origin answers)",
+        f"  {cache_curl(fleet.proxy_url(first))}",
+        f"  # then {second}: x-ponto-cache: hit, x-ponto-cache-tier: region",
+        f"  {cache_curl(fleet.proxy_url(second))}",
+    ]
+
+
+NO_REDIS = (
+    "redis-server not found: each proxy keeps a cache of its own (install it with "
+    "`sudo apt-get install redis-server` for a cache shared by a region's proxies)."
+)
+
+
+def redis_available() -> bool:
+    try:
+        devenv.find_redis()
+    except devenv.DevEnvError:
+        return False
+    return True
+
+
 def banner(fleet: Fleet, *, logs_removed: bool) -> str:
     control_name, control = next(iter(fleet.controls.items()))
     assert fleet.etcd is not None
@@ -108,6 +167,7 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         (f"control plane {control_name}", f"{control.address} (gRPC)", control.pid),
         ("  status page and /metrics", fleet.status_url + "/", control.pid),
         ("etcd", fleet.etcd.url, fleet.etcd.managed.pid),
+        *[(f"redis  {r} (cache)", c.url, c.managed.pid) for r, c in fleet.caches.items()],
     ]
     lines = ["", "Ponto is running.", ""]
     lines += [f"  {what:<29} {where:<30} pid {pid}" for what, where, pid in rows]
@@ -139,6 +199,8 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
                 f"  {call.curl()}",
             )
         ],
+        "",
+        *regional_cache_hint(fleet),
         "",
         f"Watch the fleet at {fleet.status_url}/ (regions on a map, origins, proxies,",
         "live rates; its Drain buttons ask for the admin token: "
@@ -218,13 +280,15 @@ class Report:
         return all(ok for _, ok, _ in self.results)
 
 
-def _chat(base_url: str, stream: bool = False) -> tuple[str, dict[str, str], int]:
+def _chat(
+    base_url: str, stream: bool = False, question: str = "what is a point of presence"
+) -> tuple[str, dict[str, str], int]:
     """One chat call with the official openai client: (text, headers, chunks)."""
     from openai import OpenAI  # noqa: PLC0415 - dev dependency, only for checks
     from openai.types.chat import ChatCompletionUserMessageParam  # noqa: PLC0415
 
     client = OpenAI(base_url=base_url, api_key="demo", max_retries=0, timeout=30)
-    messages = [ChatCompletionUserMessageParam(role="user", content="what is a point of presence")]
+    messages = [ChatCompletionUserMessageParam(role="user", content=question)]
     if not stream:
         raw = client.chat.completions.with_raw_response.create(
             model="sim-small", messages=messages, temperature=0
@@ -354,6 +418,27 @@ def run_checks(fleet: Fleet) -> Report:
             time.sleep(0.5)
         raise AssertionError(f"status page: arrived at us-east {arrived}, served {served}")
 
+    def regional_cache() -> str:
+        # The first proxy writes the entry to Redis once it has answered: each
+        # attempt asks a new question and waits a little longer before asking
+        # the second proxy.
+        second = fleet.proxy_url(DEMO_SECOND_PROXY[0])
+        seen = []
+        for attempt in range(1, 9):
+            question = f"{CACHE_QUESTION} {attempt}"
+            text, first_headers, _ = _chat(us, question=question)
+            time.sleep(0.05 * attempt)
+            again, headers, _ = _chat(second, question=question)
+            answer = (headers.get("x-ponto-cache"), headers.get("x-ponto-cache-tier"))
+            seen.append(f"{first_headers.get('x-ponto-cache')} then {answer}")
+            if answer == ("hit", "region"):
+                assert again == text, "the region's answer differs from the origin's"
+                return (
+                    f"answered by proxy-us-east, then by {DEMO_SECOND_PROXY[0]} from the "
+                    f"us-east cache (x-ponto-cache-tier: region, attempt {attempt})"
+                )
+        raise AssertionError(f"no region hit: {seen}")
+
     def bad_input() -> str:
         status, body = _post_raw(us + "/chat/completions", b"{not json", "application/json")
         assert status == 400 and "error" in body, (status, body)
@@ -448,6 +533,10 @@ def run_checks(fleet: Fleet) -> Report:
     report.check("models", models)
     report.check("chat, non-streaming", non_streaming)
     report.check("chat, streaming", streaming)
+    if DEMO_SECOND_PROXY[0] in fleet.proxies:
+        report.check("regional cache", regional_cache)
+    else:
+        print(f"  {NO_REDIS}", flush=True)
     report.check("users in three places, three regions", geo)
     report.check("status page shows the traffic", status_page)
     report.check("bad input", bad_input)
@@ -500,12 +589,16 @@ def main(argv: list[str] | None = None) -> int:
     remove = False
     fleet: Fleet | None = None
     try:
+        regional = redis_available()
+        proxies = len(DEMO_PROXIES) + (1 if regional else 0)
+        caches = ", a redis-server per region with proxies" if regional else ""
         print(
-            f"Starting etcd, control plane, {len(DEMO_REGIONS)} origins and 2 proxies…",
+            f"Starting etcd, control plane, {len(DEMO_REGIONS)} origins{caches} and "
+            f"{proxies} proxies…",
             flush=True,
         )
         if args.check:
-            fleet = start_demo_fleet(workdir)
+            fleet = start_demo_fleet(workdir, regional_cache=regional)
             report = run_checks(fleet)
             passed = sum(ok for _, ok, _ in report.results)
             print(f"{passed} passed, {len(report.results) - passed} failed", flush=True)
@@ -513,9 +606,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if report.ok else 1
         fleet = start_demo_fleet(
             workdir,
-            proxy_ports=(_preferred(8080), _preferred(8081)),
+            proxy_ports=(_preferred(8080), _preferred(8081), _preferred(8082)),
             control_port=_preferred(7070),
             status_port=_preferred(7080),
+            regional_cache=regional,
         )
         print(banner(fleet, logs_removed=args.workdir is None), flush=True)
         run_supervised(fleet)

@@ -21,10 +21,12 @@ from ponto.devenv import (
     DevEnvError,
     Etcd,
     Managed,
+    Redis,
     free_port,
     python_entry,
     spawn,
     start_etcd,
+    start_redis,
 )
 from ponto.grpcconn import ClientOptions, admin_channel, read_secret
 from ponto.pki import Bundle, make_bundle
@@ -86,6 +88,8 @@ class Fleet:
     controls: dict[str, Managed] = field(default_factory=dict)
     origins: dict[str, Managed] = field(default_factory=dict)
     proxies: dict[str, Managed] = field(default_factory=dict)
+    # Each region's shared cache (proxies started with --redis on its URL), by region.
+    caches: dict[str, Redis] = field(default_factory=dict)
     # Mutual TLS and tokens between the planes, as in production (the demo
     # and the security tests); None runs them in plaintext without tokens.
     security: Bundle | None = None
@@ -191,10 +195,21 @@ class Fleet:
         self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
         return m
 
+    def start_cache(self, region: str) -> Redis:
+        """Start the region's shared cache, a redis-server named "redis-REGION"; a
+        region that had one gets it back on the same port, empty (nothing persists)."""
+        old = self.caches.get(region)
+        self.caches[region] = server = start_redis(
+            self.workdir, name=f"redis-{region}", port=old.port if old else 0
+        )
+        return server
+
     def members(self) -> dict[str, Managed]:
-        """Every process of the fleet by name: etcd, control planes, origins, proxies."""
+        """Every process of the fleet by name: etcd, control planes, origins, proxies,
+        the regions' caches."""
         etcd = {self.etcd.managed.name: self.etcd.managed} if self.etcd else {}
-        return {**etcd, **self.controls, **self.origins, **self.proxies}
+        caches = {c.managed.name: c.managed for c in self.caches.values()}
+        return {**etcd, **self.controls, **self.origins, **self.proxies, **caches}
 
     def restart(self, name: str) -> Managed:
         """Start a member again as it was; stop it first if it still runs.
@@ -206,6 +221,10 @@ class Fleet:
         if self.etcd is not None and name == self.etcd.managed.name:
             self.etcd.managed.stop()
             return self.start_etcd().managed
+        for region, cache in self.caches.items():
+            if name == cache.managed.name:
+                cache.stop()
+                return self.start_cache(region).managed
         groups = [g for g in (self.controls, self.origins, self.proxies) if name in g]
         if not groups:
             raise KeyError(name)
@@ -314,6 +333,9 @@ class Fleet:
         if self.etcd is not None:
             with contextlib.suppress(Exception):
                 self.etcd.stop()
+        for cache in self.caches.values():
+            with contextlib.suppress(Exception):
+                cache.stop()
 
     def __enter__(self) -> Fleet:
         return self
@@ -330,17 +352,26 @@ def write_demo_geoip(path: Path) -> Path:
     return write_city_db(path, entries)
 
 
+# The demo's proxies: (name, region). The second us-east proxy is started only
+# with a regional cache, which it shares with the first.
+DEMO_PROXIES = (("proxy-us-east", "us-east"), ("proxy-eu-west", "eu-west"))
+DEMO_SECOND_PROXY = ("proxy-us-east-2", "us-east")
+
+
 def start_demo_fleet(
     workdir: Path,
     *,
-    proxy_ports: tuple[int, int] = (0, 0),
+    proxy_ports: tuple[int, int, int] = (0, 0, 0),
     control_port: int = 0,
     status_port: int = 0,
     secure: bool = True,
+    regional_cache: bool = False,
 ) -> Fleet:
     """The demo topology: etcd, one control plane (its status page on
     `status_port`, any free one if 0), an origin per region, two proxies that
-    route clients by the demo's GeoIP database."""
+    route clients by the demo's GeoIP database. With `regional_cache`, a
+    redis-server for each region with proxies and a second us-east proxy that
+    shares the first's cache through it (needs redis-server)."""
     fleet = Fleet(workdir)
     fleet.status_url = f"http://127.0.0.1:{status_port or free_port()}"
     try:
@@ -372,13 +403,19 @@ def start_demo_fleet(
             )
             fleet.add_origin(origin, region.name, fleet.origin_url(origin))
         version = fleet.table_version(origins=len(DEMO_REGIONS))
-        for region_name, port in zip(("us-east", "eu-west"), proxy_ports, strict=True):
+        proxies = list(DEMO_PROXIES)
+        if regional_cache:
+            proxies.append(DEMO_SECOND_PROXY)
+            for region_name in dict.fromkeys(region for _, region in proxies):
+                fleet.start_cache(region_name)
+        for (name, region_name), port in zip(proxies, proxy_ports, strict=False):
+            cache = fleet.caches.get(region_name)
             # The access log goes to the proxy's log file with its other output.
             fleet.start_proxy(
-                f"proxy-{region_name}",
+                name,
                 region_name,
                 listen=f"127.0.0.1:{port}",
-                extra=[*geo, "--access-log", "on"],
+                extra=[*geo, "--access-log", "on", *(["--redis", cache.url] if cache else [])],
             )
         fleet.wait_proxies_at(version)
     except BaseException:

@@ -4,10 +4,12 @@ Renders the chart with the three-region CI values, starts every container of eve
 Deployment, StatefulSet and Job as a local process in its own network namespace
 (cluster.py), runs the post-install hook, then checks the product through the
 rendered Services the way a user would: the official openai client against each
-region's proxy, a drain and undrain with the rendered admin credential, the
-commands NOTES.txt prints (through a kubectl shim), a `helm upgrade` with one more
-region and more proxy replicas under client traffic, and finally etcd killed while
-the proxies keep serving. Each step is reported; any failure exits non-zero.
+region's proxy, a question answered by one proxy pod of a region asked again of
+another (a hit from the region's Redis), a drain and undrain with the rendered
+admin credential, the commands NOTES.txt prints (through a kubectl shim), a `helm
+upgrade` with one more region and more proxy replicas under client traffic, and
+finally etcd killed while the proxies keep serving. Each step is reported; any
+failure exits non-zero.
 
 Needs root (network and mount namespaces, veth, bind mounts). Without root it says
 so and exits 0, except in CI (CI=true), where it fails. docs/helm.md says what this
@@ -144,12 +146,16 @@ class Run:
         self.args = args
         self.root = root
         venv_bin = Path(sys.executable).parent
-        from ponto.devenv import find_etcd  # noqa: PLC0415
+        from ponto.devenv import find_etcd, find_redis  # noqa: PLC0415
 
+        # Debian's redis-server stands in for the Valkey (or Redis) image's server.
+        redis = str(find_redis())
         images = ImageMap(
             commands={
                 "/usr/local/bin/etcd": str(find_etcd()),
                 "etcd": str(find_etcd()),
+                "valkey-server": redis,
+                "redis-server": redis,
                 "ponto-control": str(venv_bin / "ponto-control"),
                 "ponto-proxy": str(venv_bin / "ponto-proxy"),
                 "pontoctl": str(venv_bin / "pontoctl"),
@@ -431,6 +437,72 @@ class Run:
                 note = " (drained in the CI values)" if region in self.drained_in_values else ""
                 out.append(f"{region}{' stream' if stream else ''} -> {origin}{note}")
         return "; ".join(out)
+
+    async def regional_cache(self) -> str:
+        """Two proxy pods of one region share the region's Redis: a question one pod
+        answered from the origin is a hit on the other, from the region's store.
+
+        The pods are called at their own addresses, not through the Service, so that
+        the second request surely reaches another pod (whose workers have not seen
+        the question). The first pod writes the entry to Redis after it answers, so
+        each attempt waits a little longer before asking the second pod; each
+        attempt asks a new question, so a miss on the second pod spoils nothing.
+        """
+        import httpx  # noqa: PLC0415
+        import redis.asyncio as aioredis  # noqa: PLC0415
+
+        region = "us-east"
+        owner = f"{RELEASE}-proxy-{region}"
+        pods = [p for p in self.cluster.owned("Deployment", owner) if p.ready]
+        if len(pods) < 2:
+            raise ClusterError(f"{region} has {len(pods)} ready proxy pods; the check needs 2")
+        first, second = pods[:2]
+        port = self.cluster.named_ports(first)["http"]
+        headers = {"authorization": f"Bearer {self.api_key}"}
+        seen = []
+        async with httpx.AsyncClient(timeout=20, headers=headers) as http:
+            for attempt in range(1, 9):
+                # No max_tokens: the simulated origins would stop at it, and an answer
+                # cut by max_tokens is not cached.
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"regional cache {attempt}"}],
+                    "temperature": 0,
+                }
+                miss = await http.post(f"http://{first.ip}:{port}/v1/chat/completions", json=body)
+                await asyncio.sleep(0.1 * attempt)
+                hit = await http.post(f"http://{second.ip}:{port}/v1/chat/completions", json=body)
+                for pod, reply in ((first, miss), (second, hit)):
+                    if reply.status_code != 200:
+                        raise ClusterError(f"{pod.name}: {reply.status_code} {reply.text}")
+                tier = (hit.headers.get("x-ponto-cache", ""), hit.headers.get("x-ponto-cache-tier"))
+                seen.append(f"{miss.headers.get('x-ponto-cache')}/{tier}")
+                if miss.headers.get("x-ponto-cache") == "hit":
+                    raise ClusterError(f"{first.name} had a new question cached: {seen}")
+                if tier == ("hit", "region"):
+                    if hit.json()["choices"] != miss.json()["choices"]:
+                        raise ClusterError("the region hit's answer differs from the origin's")
+                    break
+            else:
+                port = self.cluster.named_ports(second)["metrics"]
+                metrics = (await http.get(f"http://{second.ip}:{port}/metrics")).text
+                shown = [m for m in metrics.splitlines() if m.startswith("ponto_cache_region")]
+                raise ClusterError(
+                    f"{second.name} never answered from the region: {seen}; its metrics: "
+                    + "; ".join(shown)
+                )
+        store = f"{RELEASE}-redis-{region}.{NAMESPACE}.svc"
+        client = aioredis.Redis(host=store, port=6379)
+        try:
+            keys = await client.dbsize()
+        finally:
+            await client.aclose()
+        if not keys:
+            raise ClusterError(f"{store} holds no keys")
+        return (
+            f"{first.name} answered from the origin, {second.name} from the region "
+            f"(attempt {attempt}); {store} holds {keys} keys"
+        )
 
     async def metrics_checks(self) -> str:
         """Each region's metrics Service serves the group's /metrics; its public
@@ -882,6 +954,10 @@ class Run:
             )
             await r.step("API key created and accepted by every region", self.create_key)
             await r.step("openai client through each region's Service", self.client_checks)
+            await r.step(
+                "regional cache: a repeat on another us-east pod is a region hit",
+                self.regional_cache,
+            )
             await r.step("/metrics on the metrics Service only", self.metrics_checks)
             await r.step("drain and undrain a region (rendered admin token)", self.drain_cycle)
             await r.step("NOTES.txt commands, as printed", self.notes_commands)

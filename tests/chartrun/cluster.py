@@ -196,9 +196,13 @@ class ImageMap:
         """The ENV lines of the image (the Dockerfile's for Ponto's own image)."""
         if "etcd" in image:
             return {"HOME": "/"}
+        if _is_redis(image):
+            return {"HOME": "/data"}
         return {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 
     def workdir(self, image: str) -> str:
+        if _is_redis(image):
+            return "/data"  # the official Valkey and Redis images' WORKDIR
         return "/" if "etcd" in image else "/tmp"
 
     def resolve(self, argv0: str) -> str:
@@ -1082,6 +1086,11 @@ async def _kill(proc: asyncio.subprocess.Process, *, grace: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
+
+
+def _is_redis(image: str) -> bool:
+    name = image.rsplit("/", 1)[-1]
+    return name.startswith(("valkey:", "redis:"))
 
 
 def _stopping(pod: Pod) -> bool:

@@ -1,8 +1,10 @@
 """A demo that survives its parts, with real processes.
 
 The first test runs `ponto-demo` as a user does (etcd, control plane, three
-origins, two proxies, in a process of its own) and reads its console: run the
-curl lines it prints for users in three places and see three regions answer,
+origins, two proxies, and with redis-server a third proxy and the regions' caches,
+in a process of its own) and reads its console: run the curl lines it prints for
+users in three places and see three regions answer, and its regional-cache lines
+and see the second us-east proxy answer from the region's cache,
 kill an origin, watch failover, see it come back. The second runs the demo's supervisor
 over a small fleet: kills the members that hold state, and keeps a member from
 starting until its port is free.
@@ -28,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ponto.demo import supervise
+from ponto.demo import redis_available, supervise
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 
@@ -140,6 +142,25 @@ def geo_lines(demo: Demo) -> dict[str, str]:
     return lines
 
 
+def cache_lines(demo: Demo) -> list[tuple[str, str]]:
+    """[(proxy, curl line)] of the banner's regional-cache calls, in order."""
+    lines = []
+    for comment, line in itertools.pairwise(demo.seen):
+        if (ask := re.match(r"^  # (?:ask|then) (proxy-\S+):", comment)) and "curl " in line:
+            lines.append((ask[1], line.strip()))
+    return lines
+
+
+def run_line(line: str) -> str:
+    return subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {line}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
+
+
 def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays_up(
     demo: Demo, tmp_path: Path
 ) -> None:
@@ -163,6 +184,20 @@ def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays
         "Frankfurt": "x-ponto-region: eu-west",
         "Virginia": "x-ponto-region: us-east",
     }
+    # The regional cache's lines: a question asked of one us-east proxy, then of
+    # the other, comes back from the region's Redis (the second line is pasted a
+    # moment after the first, as a user would).
+    if redis_available():
+        calls = cache_lines(demo)
+        assert [proxy for proxy, _ in calls] == ["proxy-us-east", "proxy-us-east-2"], demo.seen
+        assert run_line(calls[0][1]).lower() == "x-ponto-cache: miss"
+        time.sleep(0.5)
+        assert set(run_line(calls[1][1]).lower().splitlines()) == {
+            "x-ponto-cache: hit",
+            "x-ponto-cache-tier: region",
+        }
+    else:
+        assert [line for line in demo.seen if line.startswith("redis-server not found")]
     assert {"proxy-us-east", "origin-us-east", "control-1", "etcd"} <= members.keys()
     origin, origin_pid = members["origin-us-east"]
     proxy = members["proxy-us-east"][0]

@@ -170,6 +170,10 @@ def three(helm: Path) -> list[Doc]:
         ({"alerts": {"staleTable": {"for": "5 minutes"}}}, "alerts.staleTable.for"),
         ({"alerts": {"noLeader": {"severity": "page"}}}, "alerts.noLeader.severity"),
         ({"dashboards": {"labelValue": 1}}, "dashboards.labelValue"),
+        ({"cache": {"redis": {"url": "http://redis:6379/0"}}}, "cache.redis.url"),
+        ({"cache": {"redis": {"urls": {"us-east": "redis:6379"}}}}, "cache.redis.urls.us-east"),
+        ({"cache": {"redis": {"maxmemory": "256Mi"}}}, "cache.redis.maxmemory"),
+        ({"cache": {"redis": {"server": "memcached"}}}, "cache.redis.server"),
     ],
 )
 def test_schema_refuses_a_wrong_type(helm: Path, tmp_path: Path, values: Doc, where: str) -> None:
@@ -212,6 +216,8 @@ def test_schema_refuses_a_wrong_type_given_with_set(helm: Path) -> None:
         ({"proxy": {"resources": {"requests": {"cpu": "1"}, "limit": {}}}}, "limit"),
         ({"alerts": {"originDown": {"after": "3m"}}}, "after"),
         ({"dashboards": {"folder": "Ponto"}}, "folder"),
+        ({"cache": {"redis": {"password": "x"}}}, "password"),
+        ({"cache": {"exact": {}}}, "exact"),
     ],
 )
 def test_schema_refuses_an_unknown_key(helm: Path, tmp_path: Path, values: Doc, key: str) -> None:
@@ -534,6 +540,155 @@ def test_external_etcd(helm: Path) -> None:
     assert "etcd.external.endpoints" in refused(helm, "--set", "etcd.enabled=false")
 
 
+# ---------------------------------------------------------------- the regional cache
+
+
+def redis_flag(docs: list[Doc], region: str) -> str | None:
+    """The region's proxies' --redis, or None without one (per-pod caches)."""
+    return flags(container(one(docs, "Deployment", f"ponto-proxy-{region}"))).get("--redis")
+
+
+def redis_objects(docs: list[Doc]) -> set[str]:
+    return {
+        f"{d['kind']}/{d['metadata']['name']}"
+        for d in docs
+        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "redis"
+    }
+
+
+def test_each_region_runs_a_redis_that_only_its_proxies_reach(three: list[Doc]) -> None:
+    for region in REGIONS:
+        name = f"ponto-redis-{region}"
+        deployment = one(three, "Deployment", name)
+        assert deployment["spec"]["replicas"] == 1
+        c = container(deployment)
+        assert (c["image"], c["command"]) == ("valkey/valkey:8.1", ["valkey-server"])
+        assert dict(zip(c["args"][::2], c["args"][1::2], strict=True)) == {
+            "--port": "6379",
+            "--protected-mode": "no",
+            "--save": "",
+            "--appendonly": "no",
+            "--dir": "/data",
+            "--maxmemory": "64mb",
+            "--maxmemory-policy": "allkeys-lru",
+        }
+        assert c["readinessProbe"]["tcpSocket"]["port"] == "redis"
+        pods = deployment["spec"]["template"]["metadata"]["labels"]
+        service = one(three, "Service", name)
+        assert matches(service["spec"]["selector"], pods)
+        assert service["spec"]["ports"][0]["port"] == 6379
+        assert redis_flag(three, region) == f"redis://{name}.ponto.svc:6379/0"
+        policy = one(three, "NetworkPolicy", name)
+        assert matches(policy["spec"]["podSelector"]["matchLabels"], pods)
+        clients = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        proxy = one(three, "Deployment", f"ponto-proxy-{region}")
+        for other in REGIONS:
+            if other != region:
+                other_redis = one(three, "Deployment", f"ponto-redis-{other}")
+                assert not matches(
+                    service["spec"]["selector"],
+                    other_redis["spec"]["template"]["metadata"]["labels"],
+                )
+            labels = one(three, "Deployment", f"ponto-proxy-{other}")["spec"]["template"]
+            assert matches(clients, labels["metadata"]["labels"]) == (other == region)
+        # In its region, as the region's proxies are.
+        for key in ("nodeSelector", "tolerations"):
+            assert pod_spec(deployment).get(key) == pod_spec(proxy).get(key), (region, key)
+    eu_west = pod_spec(one(three, "Deployment", "ponto-proxy-eu-west"))["affinity"]
+    assert pod_spec(one(three, "Deployment", "ponto-redis-eu-west"))["affinity"] == eu_west
+
+
+def test_the_default_values_share_a_redis_among_the_region_s_proxies(default: list[Doc]) -> None:
+    assert redis_objects(default) == {
+        "Deployment/ponto-redis-us-east",
+        "Service/ponto-redis-us-east",
+        "NetworkPolicy/ponto-redis-us-east",
+        "ServiceAccount/ponto-redis",
+    }
+    assert redis_flag(default, "us-east") == "redis://ponto-redis-us-east.ponto.svc:6379/0"
+    assert one(default, "Deployment", "ponto-proxy-us-east")["spec"]["replicas"] == 2
+
+
+def test_an_external_store_replaces_the_deployed_ones(helm: Path) -> None:
+    url = "rediss://cache.example.net:6380/2"
+    docs = render(helm, "-f", str(THREE_REGIONS), "--set", f"cache.redis.url={url}")
+    assert redis_objects(docs) == set()
+    assert {redis_flag(docs, r) for r in REGIONS} == {url}
+
+
+def test_a_region_s_own_url_wins_and_the_others_get_a_deployed_one(
+    helm: Path, tmp_path: Path
+) -> None:
+    own = "redis://valkey.eu-west.example.net:6379/0"
+    values = values_file(tmp_path, {"cache": {"redis": {"urls": {"eu-west": own}}}})
+    docs = render(helm, "-f", str(THREE_REGIONS), "-f", values)
+    assert redis_flag(docs, "eu-west") == own
+    assert "Deployment/ponto-redis-eu-west" not in redis_objects(docs)
+    assert redis_flag(docs, "us-east") == "redis://ponto-redis-us-east.ponto.svc:6379/0"
+    assert "Deployment/ponto-redis-us-east" in redis_objects(docs)
+
+
+def test_deploy_off_without_a_url_leaves_per_pod_caches(helm: Path) -> None:
+    docs = render(helm, "-f", str(THREE_REGIONS), "--set", "cache.redis.deploy=false")
+    assert redis_objects(docs) == set()
+    assert {redis_flag(docs, r) for r in REGIONS} == {None}
+
+
+def test_a_url_with_a_password_comes_from_a_secret(helm: Path) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "cache.redis.urlSecret.name=ponto-redis",
+        "--set",
+        "cache.redis.urlSecret.key=url",
+    )
+    assert redis_objects(docs) == set()
+    c = container(one(docs, "Deployment", "ponto-proxy-us-east"))
+    assert flags(c)["--redis"] == "$(PONTO_REDIS_URL)"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PONTO_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ponto-redis",
+        "key": "url",
+    }
+
+
+def test_a_url_for_a_region_without_proxies_is_refused(helm: Path, tmp_path: Path) -> None:
+    values = values_file(tmp_path, {"cache": {"redis": {"urls": {"mars": "redis://r:6379/0"}}}})
+    assert 'cache.redis.urls names region "mars"' in refused(helm, "-f", values)
+
+
+def test_redis_server_runs_with_the_rendered_args(three: list[Doc], tmp_path: Path) -> None:
+    """Debian's redis-server (what chart-run runs for the image) takes the rendered
+    arguments and applies them."""
+    import redis  # noqa: PLC0415
+
+    from ponto.devenv import find_redis, free_port, wait_for_port  # noqa: PLC0415
+    from tests.conftest import redis_binary_or_skip  # noqa: PLC0415
+
+    redis_binary_or_skip()
+    args = container(one(three, "Deployment", "ponto-redis-us-east"))["args"]
+    port = free_port()
+    args = [str(port) if a == "6379" else str(tmp_path) if a == "/data" else a for a in args]
+    proc = subprocess.Popen(
+        [str(find_redis()), *args, "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port("127.0.0.1", port, 20, proc)
+        client = redis.Redis(port=port)
+        try:
+            config = client.config_get("*")
+        finally:
+            client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert config["maxmemory"] == str(64 * 2**20)
+    assert config["maxmemory-policy"] == "allkeys-lru"
+    assert (config["save"], config["appendonly"], config["protected-mode"]) == ("", "no", "no")
+
+
 # ---------------------------------------------------------------- secrets and accounts
 
 
@@ -648,7 +803,13 @@ def test_given_credentials_are_used(helm: Path) -> None:
 
 def test_least_privilege_service_accounts(three: list[Doc]) -> None:
     accounts = objects(three, "ServiceAccount")
-    assert set(accounts) == {"ponto-control", "ponto-proxy", "ponto-etcd", "ponto-topology"}
+    assert set(accounts) == {
+        "ponto-control",
+        "ponto-proxy",
+        "ponto-etcd",
+        "ponto-topology",
+        "ponto-redis",
+    }
     assert all(a["automountServiceAccountToken"] is False for a in accounts.values())
     assert not [d for d in three if d["kind"] in ("Role", "ClusterRole", "RoleBinding")]
     for w in workloads(three):
@@ -673,7 +834,7 @@ def test_every_container_has_requests_limits_and_a_locked_down_context(three: li
             assert ctx["allowPrivilegeEscalation"] is False
             assert ctx["readOnlyRootFilesystem"] is True
             assert ctx["capabilities"]["drop"] == ["ALL"]
-    assert seen == 6  # control plane, etcd, three proxies, the topology job
+    assert seen == 9  # control plane, etcd, three proxies, three Redis, the topology job
 
 
 # ---------------------------------------------------------------- topology
@@ -786,3 +947,4 @@ def test_binaries_accept_the_rendered_flags(three: list[Doc], tmp_path: Path) ->
         assert proxy.control_plane == ("ponto-control.ponto.svc:7000",)
         assert (proxy.listen_host, proxy.listen_port) == ("0.0.0.0", 8080)
         assert proxy.geoip_db == geoip
+        assert proxy.redis_url == f"redis://ponto-redis-{region}.ponto.svc:6379/0"

@@ -218,6 +218,13 @@ Result ($.pontoMaterial):
 {{- fail (printf "origin %q is in region %q, which is neither in proxy.regions nor in topology.extraRegions" .name .region) -}}
 {{- end -}}
 {{- end -}}
+{{- $proxyRegions := list -}}
+{{- range .Values.proxy.regions }}{{ $proxyRegions = append $proxyRegions .name }}{{ end -}}
+{{- range $region, $_ := .Values.cache.redis.urls -}}
+{{- if not (has $region $proxyRegions) -}}
+{{- fail (printf "cache.redis.urls names region %q, which is not in proxy.regions" $region) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.geoip.enabled (not .Values.geoip.volume) -}}
 {{- fail "geoip.enabled needs geoip.volume: the volume that holds the .mmdb file" -}}
 {{- end -}}
@@ -256,5 +263,35 @@ labels:
 {{- $a := index . 0 -}}
 {{- with $a.runbookUrl -}}
 runbook_url: {{ printf "%s#%s" . (index $ 1 | lower) | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The regional cache's store for a region's proxies (ponto-proxy --redis), by precedence:
+cache.redis.urls[region]; the urlSecret's URL ($(PONTO_REDIS_URL), which the proxy's
+env reads from the Secret); cache.redis.url; the chart's own server for the region
+when deploy is on; else "" (per-pod caches). Call with (list $ regionName).
+*/}}
+{{- define "ponto.redis.url" -}}
+{{- $root := index . 0 -}}
+{{- $region := index . 1 -}}
+{{- $r := $root.Values.cache.redis -}}
+{{- if hasKey ($r.urls | default dict) $region -}}
+{{- get $r.urls $region -}}
+{{- else if $r.urlSecret.name -}}
+$(PONTO_REDIS_URL)
+{{- else if $r.url -}}
+{{- $r.url -}}
+{{- else if $r.deploy -}}
+{{- printf "redis://%s.%s.svc:6379/0" (include "ponto.part" (list $root (printf "redis-%s" $region))) $root.Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the chart runs the region's store itself. Call with (list $ regionName). */}}
+{{- define "ponto.redis.deployed" -}}
+{{- $root := index . 0 -}}
+{{- $r := $root.Values.cache.redis -}}
+{{- if and $r.deploy (not $r.url) (not $r.urlSecret.name) (not (hasKey ($r.urls | default dict) (index . 1))) -}}
+true
 {{- end -}}
 {{- end -}}
