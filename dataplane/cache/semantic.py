@@ -128,6 +128,10 @@ DEFAULT_MAX_ENTRIES = 100_000
 # its slot in the namespace map. Measured with tracemalloc (CPython 3.11).
 ENTRY_BYTES = 400
 NAMESPACE_BYTES = 700
+# An entry's Evidence once checked (at most, see dataplane.cache.bounded), and an
+# error-bounded tenant's Learner (its curve's bins and counters).
+EVIDENCE_BYTES = 112
+LEARNER_BYTES = 5_500
 # Characters of an answer given to the model when comparing two answers: more
 # than its window of 256 word pieces holds.
 ANSWER_CHARS = 2048
@@ -523,10 +527,14 @@ class SemanticIndex:
         learner = self._learners.get(tenant)
         if learner is None or (learner.max_error, learner.prior) != (max_error, prior):
             # A new bound or prior starts over: what was learned answered another question.
+            if learner is None:
+                self._meta_bytes += LEARNER_BYTES
             learner = self._learners[tenant] = Learner(max_error, prior, self._rng, self._tuning)
             for entry in self._entries.values():
-                if entry.namespace[0] == tenant:
+                if entry.namespace[0] == tenant and entry.evidence is not None:
                     entry.evidence = None
+                    entry.cost -= EVIDENCE_BYTES
+                    self._meta_bytes -= EVIDENCE_BYTES
         return learner
 
     async def check(
@@ -552,6 +560,9 @@ class SemanticIndex:
         learner = self._learners.get(entry.namespace[0]) if entry is not None else None
         if entry is None or learner is None:
             return None
+        if entry.evidence is None:  # its bytes count against the bound too
+            entry.cost += EVIDENCE_BYTES
+            self._meta_bytes += EVIDENCE_BYTES
         entry.evidence = learner.observe(entry.evidence, similarity, result)
         self.stats.checks += 1
         self.stats.wrong_checks += not result

@@ -14,7 +14,7 @@ import pytest
 
 from dataplane.cache.bounded import Action, Answer, Tuning
 from dataplane.cache.embed import HashingEmbedder, Vectors
-from dataplane.cache.semantic import CHECK_QUEUE, SemanticIndex
+from dataplane.cache.semantic import CHECK_QUEUE, EVIDENCE_BYTES, LEARNER_BYTES, SemanticIndex
 
 Q = "how do i reset my password for the mobile app"
 Q_NEAR = "how do I reset my password for the mobile app please"
@@ -151,3 +151,20 @@ async def test_comparisons_by_meaning_give_way_to_queued_lookups() -> None:
     finally:
         gated.open.set()
         index.close()
+
+
+async def test_learning_state_counts_against_the_index_bytes(index: SemanticIndex) -> None:
+    await index.insert("t", "m", "", Q, "k1")
+    await index.lookup("t", "m", "", Q_NEAR, 0.95)  # its embedding is kept (memo)
+    await index.flush()
+    plain = index.nbytes
+    found = await index.lookup("t", "m", "", Q_NEAR, 0.95, max_error=0.01)
+    assert found is not None
+    with_learner = index.nbytes
+    assert with_learner == plain + LEARNER_BYTES
+    await index.check("k1", found.similarity, Answer("Yes."), Answer("yes"))
+    await index.check("k1", found.similarity, Answer("Yes."), Answer("yes"))
+    assert index.nbytes == with_learner + EVIDENCE_BYTES  # once per entry
+    # A new bound forgets the evidence, and its bytes.
+    await index.lookup("t", "m", "", Q_NEAR, 0.95, max_error=0.02)
+    assert index.nbytes == with_learner
