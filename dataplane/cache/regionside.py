@@ -20,6 +20,8 @@ import fnmatch
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from dataplane.cache.store import UNANSWERED, Unanswered
+
 if TYPE_CHECKING:  # redis-py is imported only by a proxy that uses it
     from redis.asyncio import Redis
 
@@ -37,8 +39,8 @@ SCAN_COUNT = 500
 
 
 class RegionSide(Protocol):
-    async def get(self, key: str) -> bytes | None:
-        """The value under key; None when absent or the side cannot answer."""
+    async def get(self, key: str) -> bytes | Unanswered | None:
+        """The value under key; None when absent, UNANSWERED when the side cannot answer."""
         ...
 
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
@@ -88,8 +90,12 @@ class RedisSide:
     def __init__(self, link: RegionLink) -> None:
         self.link = link
 
-    async def get(self, key: str) -> bytes | None:
-        value = await self.link.call("get", lambda r: r.get(key))
+    async def get(self, key: str) -> bytes | Unanswered | None:
+        # Boxed: the link's None means "no answer", a GET's None "absent".
+        boxed = await self.link.call("get", lambda r: _get_boxed(r, key))
+        if boxed is None:
+            return UNANSWERED
+        (value,) = boxed
         return value if isinstance(value, bytes) or value is None else str(value).encode()
 
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
@@ -120,6 +126,10 @@ class RedisSide:
 
     def error(self, op: str) -> None:
         self.link.error(op)
+
+
+async def _get_boxed(r: Redis, key: str) -> tuple[object]:
+    return (await r.get(key),)
 
 
 async def _set_nx(r: Redis, key: str, value: str, ttl_ms: int) -> bool:
@@ -167,8 +177,8 @@ class MemorySide:
     def _put(self, key: str, value: bytes, ttl_ms: int) -> None:
         self._data[key] = (value, self._clock() + ttl_ms / 1000)
 
-    async def get(self, key: str) -> bytes | None:
-        return self._live(key) if self.up else None
+    async def get(self, key: str) -> bytes | Unanswered | None:
+        return self._live(key) if self.up else UNANSWERED
 
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
         if self.up:

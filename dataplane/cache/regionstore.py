@@ -63,7 +63,14 @@ from typing import Any
 from dataplane.cache.codec import EntryDecodeError, from_bytes, to_bytes
 from dataplane.cache.entry import CachedResponse
 from dataplane.cache.regionside import RegionSide
-from dataplane.cache.store import EvictListener, ExactStore, Found, StoreStats
+from dataplane.cache.store import (
+    UNANSWERED,
+    EvictListener,
+    ExactStore,
+    Found,
+    StoreStats,
+    Unanswered,
+)
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +241,25 @@ class RegionalStore:
     async def get(self, key: str, *, tenant: str = "", model: str = "") -> CachedResponse | None:
         if tenant or model:
             found = await self.lookup(key, tenant=tenant, model=model)
-            return found.entry if found is not None else None
+            return found.entry if isinstance(found, Found) else None
         entry = await self.local.get(key)
         self._count(entry is not None)
         return entry
 
-    async def lookup(self, key: str, *, tenant: str, model: str) -> Found | None:
+    async def lookup(self, key: str, *, tenant: str, model: str) -> Found | Unanswered | None:
         entry = await self.local.get(key)
         if entry is not None:
             self._count(True)
             return Found(entry, "local")
         rkey = self.region_key(key, tenant, model)
         raw = await self.side.get(ENTRY_PREFIX + rkey)
+        if raw is UNANSWERED:
+            self._count(False)
+            return UNANSWERED
+        # A purge applied while the GET was out moved the scope to a new key
+        # space: what came back is from before it.
+        if self.region_key(key, tenant, model) != rkey:
+            raw = None
         entry = await self._adopt(raw, key, tenant, model)
         self._count(entry is not None)
         return Found(entry, "region") if entry is not None else None
@@ -319,6 +333,8 @@ class RegionalStore:
             if got is None:
                 return None
             raw, held = got
+            if self.region_key(key, tenant, model) != rkey:
+                return None  # purged meanwhile: that flight's answer is from before
             if raw is not None:
                 return await self._adopt(raw, key, tenant, model)
             if not held:

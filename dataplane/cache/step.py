@@ -53,7 +53,7 @@ from dataplane.cache.keys import (
 )
 from dataplane.cache.policy import CacheMode, Decision, Reason, RequestCacheControl, decide
 from dataplane.cache.regionstore import RegionalStore, RegionLock
-from dataplane.cache.store import ExactStore, Found
+from dataplane.cache.store import UNANSWERED, ExactStore, Found
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.streaming.relay import RelayEnd
@@ -147,9 +147,16 @@ class CachePlan:
     # The region-wide flight lock this request holds, released once its answer
     # is stored (or it failed).
     region_lock: RegionLock | None = None
-    # Error-bounded tenants: the neighbour whose answer the origin's is compared
-    # with once it arrives (a verification, or a near miss to learn from).
-    neighbour: SemanticHit | None = None
+    # Error-bounded tenants: the neighbour, and its entry, whose answer the
+    # origin's is compared with once it arrives (a verification, or a near miss
+    # to learn from).
+    neighbour: tuple[SemanticHit, CachedResponse] | None = None
+    # Seconds spent waiting for another proxy's flight that left no answer: the
+    # origin call gets what remains of the request's deadline.
+    waited_s: float = 0.0
+    # The newest purge this proxy had run when the origin call was decided: an
+    # answer that comes back after a newer one may predate it and is not kept.
+    purge_mark: int | None = None
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished."""
@@ -286,10 +293,11 @@ class EdgeCache:
         leader: Leader | None = None
         tenant = req.tenant.name
         region_lock: RegionLock | None = None
-        neighbour = None
+        neighbour: tuple[SemanticHit, CachedResponse] | None = None
+        waited = 0.0
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
-            if hit is not None and cc.accepts_age(self._clock() - hit.entry.created_at):
+            if isinstance(hit, Found) and cc.accepts_age(self._clock() - hit.entry.created_at):
                 return self._hit(hit, "exact", include_usage)
             if text and self.semantic is not None:
                 found = await self.semantic.lookup(
@@ -302,15 +310,21 @@ class EdgeCache:
                 )
                 if found is not None:
                     near = await self.store.lookup(found.key, tenant=tenant, model=model)
-                    if near is None or not cc.accepts_age(self._clock() - near.entry.created_at):
+                    if near is UNANSWERED:
+                        pass  # the region could not say: a miss, the pointer stays
+                    elif near is None or not cc.accepts_age(self._clock() - near.entry.created_at):
                         self.semantic.remove(found.key)  # its answer is gone
                     elif found.action is Action.HIT:
                         plan = self._hit(near, "semantic", include_usage)
                         plan.similarity = found.similarity
                         return plan
-                    else:
-                        neighbour = found
-            # No await between the miss above and joining: see Coalescer.
+                    elif found.action in (Action.VERIFY, Action.OBSERVE):
+                        neighbour = (found, near.entry)
+            # Joining is synchronous: of identical requests that reach it while
+            # a flight is open, one leads and the rest follow (see Coalescer).
+            # One whose lookup above suspended (Redis, the semantic index) and
+            # missed just before a flight ended may call again: a duplicate
+            # origin call, never a wrong answer.
             flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
             if isinstance(flight, Follower):
                 return CachePlan(
@@ -326,12 +340,15 @@ class EdgeCache:
                 try:
                     claim = await self.region.claim(key, tenant, model)
                     if claim is False and not req.stream:
+                        loop = asyncio.get_running_loop()
+                        began = loop.time()
                         entry = await self.region.follow(
                             key, tenant, model, max_wait_s=self._region_wait
                         )
                         if entry is not None:
                             leader.finish(entry)  # local followers take it too
                             return self._hit(Found(entry, "region"), "coalesced", include_usage)
+                        waited = loop.time() - began
                     elif isinstance(claim, RegionLock):
                         region_lock = claim
                 except BaseException as exc:  # the client went away while waiting
@@ -339,6 +356,7 @@ class EdgeCache:
                     raise
         plan = self._fill(req, key, leader, context, text, include_usage, neighbour)
         plan.region_lock = region_lock
+        plan.waited_s = waited
         return plan
 
     def _hit(self, found: Found, kind: str, include_usage: bool) -> CachePlan:
@@ -361,9 +379,9 @@ class EdgeCache:
         context: str,
         text: str,
         include_usage: bool,
-        neighbour: SemanticHit | None,
+        neighbour: tuple[SemanticHit, CachedResponse] | None,
     ) -> CachePlan:
-        verify = neighbour is not None and neighbour.action is Action.VERIFY
+        verify = neighbour is not None and neighbour[0].action is Action.VERIFY
         self._count("miss", "verify" if verify else "exact")
         policy = req.tenant.cache
         recorder = None
@@ -381,6 +399,7 @@ class EdgeCache:
             context=context,
             text=text,
             neighbour=neighbour,
+            purge_mark=self._purged_to,
         )
 
     async def settle_body(
@@ -426,13 +445,18 @@ class EdgeCache:
     async def _keep(self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None) -> None:
         if entry is None:
             return
+        if plan.purge_mark != self._purged_to:
+            # A purge arrived while the origin answered: the answer may be what
+            # the purge was for, and the region would serve it for its whole TTL.
+            return
         model = req.body["model"]
         stored = await self.store.put(
             plan.key, entry, tenant=req.tenant.name, model=model, ttl_s=req.tenant.cache.ttl_s
         )
         if plan.neighbour is not None and self.semantic is not None:
+            near, cached_entry = plan.neighbour
             task = asyncio.get_running_loop().create_task(
-                self._check(self.semantic, plan.neighbour, entry, req.tenant.name, model)
+                self._check(self.semantic, near, cached_entry, entry)
             )
             self._checks.add(task)
             task.add_done_callback(self._checks.discard)
@@ -443,17 +467,13 @@ class EdgeCache:
         self,
         semantic: SemanticLayer,
         near: SemanticHit,
+        cached_entry: CachedResponse,
         entry: CachedResponse,
-        tenant: str,
-        model: str,
     ) -> None:
-        """Compare an origin's answer with the neighbour's cached one (from this
-        proxy or the region) and let the semantic layer learn from it
+        """Compare an origin's answer (`entry`) with the neighbour's cached one,
+        as the lookup found it, and let the semantic layer learn from it
         (error-bounded tenants)."""
-        found = await self.store.lookup(near.key, tenant=tenant, model=model)
-        if found is None:
-            return
-        cached = answer_of(to_completion(found.entry))
+        cached = answer_of(to_completion(cached_entry))
         fresh = answer_of(to_completion(entry))
         if cached is not None and fresh is not None:
             await semantic.check(near.key, near.similarity, cached, fresh)

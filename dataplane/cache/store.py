@@ -57,6 +57,17 @@ class Found:
     tier: Tier
 
 
+class Unanswered(enum.Enum):
+    """A lookup whose shared tier could not answer (down, slow, breaker open): a
+    miss that proves nothing, unlike None (absent). Callers serve it as a miss
+    but must not conclude the entry is gone (e.g. drop a semantic pointer)."""
+
+    UNANSWERED = "unanswered"
+
+
+UNANSWERED = Unanswered.UNANSWERED
+
+
 class CacheStore(Protocol):
     """A key -> entry map with TTLs, scoped by tenant and model for purges.
 
@@ -72,8 +83,9 @@ class CacheStore(Protocol):
         """The live entry under key, or None (absent or expired). Counts a hit or a miss."""
         ...
 
-    async def lookup(self, key: str, *, tenant: str, model: str) -> Found | None:
-        """As get(), saying which tier the entry came from."""
+    async def lookup(self, key: str, *, tenant: str, model: str) -> Found | Unanswered | None:
+        """As get(), saying which tier the entry came from; UNANSWERED when this
+        proxy does not hold it and a shared tier could not say."""
         ...
 
     async def put(

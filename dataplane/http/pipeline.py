@@ -368,6 +368,7 @@ class Pipeline:
                 hedge=hedge,
                 stream=ex.stream,
                 trace=ex.trace,
+                spent_s=ex.cache.waited_s if ex.cache is not None else 0.0,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

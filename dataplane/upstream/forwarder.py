@@ -258,6 +258,7 @@ class Forwarder:
         hedge: HedgeSetting | None = None,
         stream: bool = False,
         trace: RequestTrace | None = None,
+        spent_s: float = 0.0,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 and, for a stream, a first
@@ -280,11 +281,12 @@ class Forwarder:
         every attempt it started.
 
         With `trace`, each attempt is a span of it, and its headers carry that
-        span's trace context.
+        span's trace context. `spent_s` is time the request already spent out of
+        its deadline (waiting for another proxy's identical call).
         """
         loop = asyncio.get_running_loop()
         settings = self._settings
-        tries = _Tries(loop.time() + settings.deadline)
+        tries = _Tries(loop.time() + settings.deadline - spent_s)
         self.budget.deposit()
         ordered = self.outliers.order(candidates)[: settings.max_attempts]
         answer = None

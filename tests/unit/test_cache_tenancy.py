@@ -4,8 +4,9 @@ or an origin call it has under way, never serves another's identical request
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from typing import Any, cast
 
 from dataplane.assemble import NO_RULES
 from dataplane.cache.coalesce import Follower, Leader
@@ -14,7 +15,7 @@ from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.cache.step import CacheRequest, EdgeCache
 from dataplane.cache.store import ExactStore
 from dataplane.metrics import Metrics
-from dataplane.policy import TenantRules
+from dataplane.policy import EdgePolicy, TenantRules
 
 NOW = 1_900_000_000.0
 BODY: dict[str, Any] = {
@@ -84,3 +85,24 @@ async def test_a_bypass_plan_carries_the_policys_reason() -> None:
     assert (await edge.plan(off)).reason == "disabled"
     hit_or_miss = await edge.plan(request("acme"))
     assert (hit_or_miss.outcome, hit_or_miss.reason) == ("miss", "")
+
+
+def policy(*revisions: int) -> EdgePolicy:
+    """A table with these purges of tenant-a (on_policy reads the tenants and purges only)."""
+    purges = tuple((rev, "tenant-a", "") for rev in revisions)
+    return EdgePolicy(cast(Any, None), {}, {}, purges=purges)
+
+
+async def test_an_answer_that_arrives_after_a_purge_is_served_but_not_kept() -> None:
+    edge = cache()
+    edge.on_policy(policy(3))  # the first table: nothing to purge
+    a = await edge.plan(request("tenant-a"))
+    # A purge arrives while the origin answers: the answer may be what it was for.
+    edge.on_policy(policy(3, 4))
+    for _ in range(3):  # the purge runs (a task) before the answer comes back
+        await asyncio.sleep(0)
+    await edge.settle_body(request("tenant-a"), a, 200, ANSWER, json.loads(ANSWER))
+    after = await edge.plan(request("tenant-a"))
+    assert after.outcome == "miss"
+    await edge.settle_body(request("tenant-a"), after, 200, ANSWER, json.loads(ANSWER))
+    assert (await edge.plan(request("tenant-a"))).outcome == "hit"  # kept from then on

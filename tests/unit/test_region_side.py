@@ -9,6 +9,7 @@ also runs here on a RegionalStore over MemorySide, up and down.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -16,8 +17,8 @@ import pytest
 
 from dataplane.cache.regionside import MemorySide, RegionSide
 from dataplane.cache.regionstore import RegionalStore
-from dataplane.cache.store import CacheStore, ExactStore
-from tests.unit.test_cache_store import FakeClock, StoreFactory
+from dataplane.cache.store import UNANSWERED, CacheStore, ExactStore, Found, Unanswered
+from tests.unit.test_cache_store import FakeClock, StoreFactory, entry
 from tests.unit.test_cache_store import TestContract as _StoreContract
 
 
@@ -120,7 +121,7 @@ class TestDownSideContract:
         await side.set("ponto:test:a", b"v", 10_000)  # no error
         await side.unlink("ponto:test:a")
         await side.release("ponto:test:a", "me")
-        assert await side.get("ponto:test:a") is None
+        assert await side.get("ponto:test:a") is UNANSWERED
         assert await side.set_nx("ponto:test:a", "me", 10_000) is None
         assert await side.refresh("ponto:test:a", "me", 10_000) is False
         assert await side.get_and_exists("ponto:test:a", "ponto:test:b") is None
@@ -148,3 +149,56 @@ def make_store(request: pytest.FixtureRequest) -> StoreFactory:
 
 class TestContract(_StoreContract):
     """The CacheStore contract on RegionalStore over MemorySide."""
+
+
+# ---------------------------------------------------------------------------
+# RegionalStore's own rules over MemorySide.
+
+T = {"tenant": "t", "model": "m"}
+
+
+def _two_proxies(clock: FakeClock) -> tuple[MemorySide, RegionalStore, RegionalStore]:
+    side = MemorySide(clock)
+    a = RegionalStore(ExactStore(max_bytes=1 << 20, clock=clock), side, name="a", clock=clock)
+    b = RegionalStore(ExactStore(max_bytes=1 << 20, clock=clock), side, name="b", clock=clock)
+    return side, a, b
+
+
+async def test_a_miss_the_region_could_not_answer_is_not_absent() -> None:
+    clock = FakeClock()
+    side, a, b = _two_proxies(clock)
+    assert await b.lookup("k", **T) is None  # the region answered: absent
+    side.up = False
+    assert await b.lookup("k", **T) is UNANSWERED
+    await a.put("k", entry(), ttl_s=60, **T)
+    assert isinstance(await a.lookup("k", **T), Found)  # its own memory still answers
+
+
+class _SlowGet(MemorySide):
+    """A side whose GET suspends until released, so a purge can land meanwhile."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.gate = asyncio.Event()
+
+    async def get(self, key: str) -> bytes | Unanswered | None:
+        value = await super().get(key)
+        await self.gate.wait()
+        return value
+
+
+async def test_a_purge_applied_while_a_get_is_out_makes_its_answer_a_miss() -> None:
+    clock = FakeClock()
+    side = _SlowGet(clock)
+    side.gate.set()
+    a = RegionalStore(ExactStore(max_bytes=1 << 20, clock=clock), side, name="a", clock=clock)
+    b = RegionalStore(ExactStore(max_bytes=1 << 20, clock=clock), side, name="b", clock=clock)
+    await a.put("k", entry(), ttl_s=60, **T)
+    await a.flush()
+    side.gate.clear()
+    lookup = asyncio.ensure_future(b.lookup("k", **T))
+    await asyncio.sleep(0)  # the GET is out
+    b.set_purges([(7, "t", "")])
+    side.gate.set()
+    assert await lookup is None
+    assert await b.local.get("k") is None  # not adopted either
