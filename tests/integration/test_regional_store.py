@@ -19,7 +19,7 @@ from dataplane.cache.regional import RegionLink
 from dataplane.cache.regionside import RedisSide
 from dataplane.cache.regionstore import RegionalStore, RegionLock
 from dataplane.cache.step import CacheRequest, EdgeCache
-from dataplane.cache.store import CacheStore, ExactStore
+from dataplane.cache.store import CacheStore, ExactStore, Found
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from ponto.devenv import Redis, free_port
@@ -139,9 +139,9 @@ async def test_a_put_on_one_proxy_is_a_region_hit_on_another(region: Region) -> 
     assert await a.put("k", e, tenant="t", model="m", ttl_s=60)
     await a.flush()
     found = await b.lookup("k", **S)
-    assert found is not None and found.entry == e and found.tier == "region"
+    assert isinstance(found, Found) and found.entry == e and found.tier == "region"
     again = await b.lookup("k", **S)
-    assert again is not None and again.tier == "local"  # copied into b's LRU
+    assert isinstance(again, Found) and again.tier == "local"  # copied into b's LRU
     c = region.proxy("c")
     assert await c.lookup("k", tenant="other", model="m") is None  # another tenant's space
 
@@ -179,13 +179,13 @@ async def test_a_purge_moves_every_proxy_to_a_new_epoch(region: Region) -> None:
     b.set_purges(purges)
     assert await b.lookup("k", **S) is None  # unreachable without a delete
     found = await b.lookup("k-u", tenant="u", model="m")
-    assert found is not None and found.tier == "region"  # another tenant keeps its space
+    assert isinstance(found, Found) and found.tier == "region"  # another tenant keeps its space
     a.set_purges(purges)
     await a.local.purge(tenant="t")
     await a.put("k", entry(7), tenant="t", model="m", ttl_s=60)
     await a.flush()
     found = await b.lookup("k", **S)
-    assert found is not None and found.entry == entry(7)
+    assert isinstance(found, Found) and found.entry == entry(7)
     b.set_purges([(3, "", "")])  # an older purge of everything changes nothing
     assert b.region_key("k", "t", "m").startswith("7:")
 
