@@ -75,6 +75,7 @@ from redis.asyncio import Redis
 from dataplane import jsonio
 from dataplane.cache.entities import Entities
 from dataplane.cache.semantic import Inserted, SemanticIndex
+from ponto.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -274,10 +275,7 @@ class SemanticFeed:
         self._maxlen = maxlen
         self._purges = purges
         self._backoff = (backoff_min, backoff_max)
-        self._log_every = log_every_s
-        self._clock = clock
-        self._last_warning = -float("inf")
-        self._unlogged = 0
+        self._malformed_log = Throttled(log, every_s=log_every_s, clock=clock)
         self._queue: deque[dict[bytes, bytes]] = deque()
         self._index: SemanticIndex | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -438,14 +436,7 @@ class SemanticFeed:
 
     def _warn(self, line: str) -> None:
         """At most one line per log_every_s; the next line says how many were not."""
-        now = self._clock()
-        if now - self._last_warning < self._log_every:
-            self._unlogged += 1
-            return
-        self._last_warning = now
-        more = f" ({self._unlogged} more not logged)" if self._unlogged else ""
-        self._unlogged = 0
-        log.warning("semantic feed %s: %s%s", self.stream, line, more)
+        self._malformed_log.log(logging.WARNING, "semantic feed %s: %s", self.stream, line)
 
 
 def _messages(reply: Any) -> list[tuple[bytes, Any]]:
