@@ -41,7 +41,12 @@ ours unless its clock is behind: after an error the tail checks the stream's
 newest id and starts over from the beginning when it is older than the last id
 seen, or when the stream is gone. A malformed message (a vector of the wrong
 size or not of unit length, bad JSON, a missing field) is skipped and counted,
-and logged at most once per `log_every_s`, never a crash.
+and logged at most once per `log_every_s`, never a crash. An exception from
+applying a batch (the index, its memory bound, an eviction listener) or from
+publishing one is a bug of ours: it is counted (`internal_errors`), logged at
+ERROR with its traceback at most once per `log_every_s`, and the task goes on with
+the next batch, the tail from after the message it failed on. `close` never
+raises, so the proxy's shutdown runs to its end.
 
 Purges: a message carries `r`, the newest purge revision its publisher had
 applied. A message of tenant T and model M is skipped when this proxy's route
@@ -60,7 +65,6 @@ hit is served only from an entry the store holds, and purges reach the store
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -237,6 +241,7 @@ class FeedStats:
     refused: int = 0  # the index refused them (key held, not a unit vector)
     malformed: int = 0
     errors: int = 0  # failed reads of the stream
+    internal_errors: int = 0  # batches whose handling raised: a bug here, logged with a traceback
     resets: int = 0  # the stream was gone or restarted: read again from its start
 
 
@@ -276,6 +281,7 @@ class SemanticFeed:
         self._purges = purges
         self._backoff = (backoff_min, backoff_max)
         self._malformed_log = Throttled(log, every_s=log_every_s, clock=clock)
+        self._bug_log = Throttled(log, every_s=log_every_s, clock=clock)
         self._queue: deque[dict[bytes, bytes]] = deque()
         self._index: SemanticIndex | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -321,9 +327,12 @@ class SemanticFeed:
             self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Both tasks contain their failures; should one still end on an exception,
+        # it is logged here and the proxy's shutdown goes on.
+        ended = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task, result in zip(self._tasks, ended, strict=True):
+            if isinstance(result, Exception):
+                log.error("semantic feed: task %s failed", task.get_name(), exc_info=result)
         self._tasks = []
         self.stats.dropped += len(self._queue)
         self._queue.clear()
@@ -350,9 +359,13 @@ class SemanticFeed:
             while self._queue:
                 n = min(PUBLISH_BATCH, len(self._queue))
                 batch = [self._queue.popleft() for _ in range(n)]
-                sent = await self._link.call(
-                    "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S
-                )
+                try:
+                    sent = await self._link.call(
+                        "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S
+                    )
+                except Exception:  # the link never raises: a bug, which must not end the task
+                    self._bug("publishing a batch")
+                    sent = None
                 if sent is None:
                     self.stats.dropped += len(batch)
                 else:
@@ -397,11 +410,19 @@ class SemanticFeed:
                 log.info("semantic feed: reading %s again from id %s", self.stream, self.last_id)
                 delay, failing = self._backoff[0], False
             if batch:
-                purges = self._purges()
-                for msg_id, fields in batch:
-                    self.last_id = msg_id
-                    self._apply(index, fields, purges)
-                await index.flush()
+                try:
+                    purges = self._purges()
+                    for msg_id, fields in batch:
+                        self.last_id = msg_id
+                        self._apply(index, fields, purges)
+                    await index.flush()
+                except Exception:
+                    # A bug in the chain behind the index (insert_vector, its memory
+                    # bound, an eviction listener), not the message's fault: the
+                    # message it failed on is lost, the next read starts after it. A
+                    # pause as after a read error, so a bug that repeats cannot spin.
+                    self._bug(f"applying the messages up to {self.last_id.decode()}")
+                    await asyncio.sleep(self._backoff[0])
 
     async def _check_reset(self) -> None:
         """Start over when the stream is gone or restarted behind our last id."""
@@ -433,6 +454,13 @@ class SemanticFeed:
             self.stats.applied += 1
         else:
             self.stats.refused += 1
+
+    def _bug(self, what: str) -> None:
+        """Count and log (with the traceback being handled) an unexpected exception."""
+        self.stats.internal_errors += 1
+        self._bug_log.log(
+            logging.ERROR, "semantic feed %s: %s failed", self.stream, what, exc_info=True
+        )
 
     def _warn(self, line: str) -> None:
         """At most one line per log_every_s; the next line says how many were not."""
