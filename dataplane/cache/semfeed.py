@@ -13,7 +13,9 @@ One message per entry, fields (bytes):
     k   exact-cache key          t   tenant        m   model
     c   context hash (the namespace, see dataplane.cache.semantic)
     e   entity signature, JSON {"s": [strict], "n": [names], "w": [words]}
-    p   publishing proxy's name  em  embedder model id
+    p   publisher: the proxy's name, "." and 8 random hex digits drawn once per
+        feed (once per worker process)
+    em  embedder model id
     r   the newest purge revision the publisher had applied (decimal)
 
 Publishing (`publish`, the index's `on_insert`): the message is queued and one
@@ -28,10 +30,13 @@ tenant first turns semantic caching on). It starts at the beginning of the strea
 so a new proxy replays up to `maxlen` entries and starts warm, then reads with
 XREAD BLOCK from the last id seen, on a connection of its own: a blocking read
 must neither hold one of the region link's connections nor run into its per-call
-deadline. Messages from this proxy (`p`) or from another embedder (`em`) are
-skipped. Each batch is added, then the feed waits for the index's executor to run
-it (`flush`), so a replay never queues more than one batch of vector inserts ahead
-of lookups.
+deadline. Messages this feed published (`p`) or from another embedder (`em`)
+are skipped. Proxy names are stable across restarts, hence the random part of
+`p`: a proxy restarted under its old name replays what it published before (its
+new index is empty), and the workers of one --workers proxy, each with an index
+of its own, take each other's entries. Each batch is added, then the feed waits
+for the index's executor to run it (`flush`), so a replay never queues more than
+one batch of vector inserts ahead of lookups.
 
 Faults: a Redis error, a timeout or a reply that does not parse makes the tail
 wait (backoff from `backoff_min` doubling to `backoff_max`) and resume from its
@@ -66,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -235,7 +241,7 @@ class FeedStats:
     published: int = 0
     dropped: int = 0  # not published: queue full, link down or the XADD failed
     applied: int = 0  # added to the index
-    own: int = 0  # this proxy's messages, skipped
+    own: int = 0  # messages this feed published, skipped
     foreign: int = 0  # another embedder's, skipped
     purged: int = 0  # published before a purge that covers them, skipped
     refused: int = 0  # the index refused them (key held, not a unit vector)
@@ -253,6 +259,7 @@ class SemanticFeed:
     `link` publishes (its breaker and deadlines apply); `tail_client` is a Redis
     client used for XREAD BLOCK only, whose socket timeout must exceed
     `BLOCK_MS` (`build_tail_client`). `purges()` gives the route table's purges.
+    `publisher` is this feed's `p`, `proxy` with a random part of its own.
     """
 
     def __init__(
@@ -275,7 +282,7 @@ class SemanticFeed:
         self.stream = stream_name(region)
         self._link = link
         self._tail_client = tail_client
-        self._proxy = proxy
+        self.publisher = f"{proxy}.{secrets.token_hex(4)}"
         self._embedder = embedder
         self._maxlen = maxlen
         self._purges = purges
@@ -348,7 +355,9 @@ class SemanticFeed:
             self.stats.dropped += 1
             return
         rev = max((r for r, _, _ in self._purges()), default=0)
-        self._queue.append(encode(ins, proxy=self._proxy, embedder=self._embedder, purge_rev=rev))
+        self._queue.append(
+            encode(ins, proxy=self.publisher, embedder=self._embedder, purge_rev=rev)
+        )
         self._wake.set()
 
     async def _send(self) -> None:
@@ -442,7 +451,7 @@ class SemanticFeed:
             self.stats.malformed += 1
             self._warn(f"skipped a malformed message: {exc}")
             return
-        if msg.proxy == self._proxy:
+        if msg.proxy == self.publisher:
             self.stats.own += 1
         elif msg.embedder != self._embedder:
             self.stats.foreign += 1

@@ -194,6 +194,29 @@ async def test_malformed_foreign_and_purged_messages_are_skipped(region: Region)
     assert await b.index.lookup("t-purged", "m", "", Q_NEAR, THRESHOLD) is not None
 
 
+async def test_a_proxy_restarted_under_its_name_replays_what_it_published(
+    region: Region,
+) -> None:
+    before = await region("proxy-a")
+    texts = [Q, "what is the weather like in lisbon tomorrow"]
+    for i, text in enumerate(texts):
+        await before.index.insert("t1", "m", "", text, f"key-{i}")
+    await eventually(lambda: before.feed.stats.own == 2, "the first run reads its own")
+    await before.close()
+    after = await region("proxy-a")
+    assert after.feed.publisher != before.feed.publisher
+    assert after.feed.publisher.startswith("proxy-a.")
+    await eventually(lambda: after.feed.stats.applied == 2, "the restart replays them")
+    assert after.feed.stats.own == 0
+    hit = await after.index.lookup("t1", "m", "", Q_NEAR, THRESHOLD)
+    assert hit is not None
+    assert hit.key == "key-0"
+    # and still skips what it publishes itself
+    await after.index.insert("t1", "m", "", "how to change my plan", "key-2")
+    await eventually(lambda: after.feed.stats.own == 1, "the restart skips its own")
+    assert len(after.index) == 3
+
+
 class FailsOnce(SemanticIndex):
     """A real index whose first insert_vector raises, as a bug behind it would."""
 
