@@ -537,6 +537,12 @@ class Metrics:
             ),
             ("malformed", ("malformed",), "Feed messages that did not parse"),
             ("read_errors", ("errors",), "Failed reads of the region's semantic stream"),
+            (
+                "internal_errors",
+                ("internal_errors",),
+                "Feed batches (read or published) whose handling failed on a bug in the "
+                "proxy, logged with a traceback",
+            ),
         ):
             ReadCounter(f"ponto_semantic_feed_{name}", doc, registry=r).read = stat(*names)
 

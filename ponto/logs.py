@@ -1,11 +1,13 @@
 """Logging set-up shared by every Ponto process: one line per record, to stderr,
-each starting with its date and time in UTC (ISO 8601, milliseconds)."""
+each starting with its date and time in UTC (ISO 8601, milliseconds); and
+`Throttled`, for a line that may repeat without end."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 
 class UtcFormatter(logging.Formatter):
@@ -36,3 +38,44 @@ def setup_logging(level: str, tag: str = "") -> None:
     # Per-request access lines cost more than the proxying itself (the proxy's
     # own, --access-log, are written apart: dataplane/http/accesslog.py).
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+class Throttled:
+    """One kind of log line, written at most once per `every_s`; the ones not
+    written are counted, and the next line written says how many.
+
+    For a condition that can repeat at any rate (a malformed message in a
+    stream, a failing background task) and must neither flood the log nor go
+    unseen. One per kind of line: two kinds sharing one would hide each other.
+    Not thread-safe (one event loop's, or guarded by its owner); the clock is
+    injected.
+    """
+
+    __slots__ = ("_clock", "_every", "_last", "_log", "unlogged")
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._every = every_s
+        self._clock = clock
+        self._last = -float("inf")
+        self.unlogged = 0  # lines not written since the last one
+
+    def log(self, level: int, msg: str, *args: object, exc_info: bool = False) -> bool:
+        """Write `msg % args` at `level` (with the traceback being handled when
+        `exc_info`) unless a line was written less than `every_s` ago; True if written."""
+        now = self._clock()
+        if now - self._last < self._every:
+            self.unlogged += 1
+            return False
+        self._last = now
+        unlogged, self.unlogged = self.unlogged, 0
+        if unlogged:
+            msg, args = f"{msg} (%d more not logged)", (*args, unlogged)
+        self._log.log(level, msg, *args, exc_info=exc_info)
+        return True

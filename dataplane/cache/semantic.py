@@ -135,9 +135,9 @@ LEARNER_BYTES = 5_500
 # Characters of an answer given to the model when comparing two answers: more
 # than its window of 256 word pieces holds.
 ANSWER_CHARS = 2048
-# A comparison by meaning (two answer embeddings, several times a lookup's) waits
-# for the embedding thread only behind this many queued tasks: under load,
-# learning gives way to lookups.
+# A comparison by meaning (two answer embeddings, several times a lookup's) is
+# skipped when this many tasks are queued on or running in the embedding thread,
+# so it waits behind at most one: under load, learning gives way to lookups.
 CHECK_QUEUE = 2
 
 _QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
@@ -546,7 +546,7 @@ class SemanticIndex:
 
         Returns whether they were the same; None when nothing was recorded (the
         entry or the tenant's bound went meanwhile, or the embedder was busy:
-        a comparison by meaning waits behind at most CHECK_QUEUE tasks).
+        a comparison by meaning waits behind at most CHECK_QUEUE - 1 tasks).
         """
         result: bool | _Skipped = same_answer(cached, fresh, None)
         if by_meaning(cached, fresh):  # two longer texts: the model, off the loop

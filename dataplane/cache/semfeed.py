@@ -13,7 +13,9 @@ One message per entry, fields (bytes):
     k   exact-cache key          t   tenant        m   model
     c   context hash (the namespace, see dataplane.cache.semantic)
     e   entity signature, JSON {"s": [strict], "n": [names], "w": [words]}
-    p   publishing proxy's name  em  embedder model id
+    p   publisher: the proxy's name, "." and 8 random hex digits drawn once per
+        feed (once per worker process)
+    em  embedder model id
     r   the newest purge revision the publisher had applied (decimal)
 
 Publishing (`publish`, the index's `on_insert`): the message is queued and one
@@ -28,10 +30,13 @@ tenant first turns semantic caching on). It starts at the beginning of the strea
 so a new proxy replays up to `maxlen` entries and starts warm, then reads with
 XREAD BLOCK from the last id seen, on a connection of its own: a blocking read
 must neither hold one of the region link's connections nor run into its per-call
-deadline. Messages from this proxy (`p`) or from another embedder (`em`) are
-skipped. Each batch is added, then the feed waits for the index's executor to run
-it (`flush`), so a replay never queues more than one batch of vector inserts ahead
-of lookups.
+deadline. Messages this feed published (`p`) or from another embedder (`em`)
+are skipped. Proxy names are stable across restarts, hence the random part of
+`p`: a proxy restarted under its old name replays what it published before (its
+new index is empty), and the workers of one --workers proxy, each with an index
+of its own, take each other's entries. Each batch is added, then the feed waits
+for the index's executor to run it (`flush`), so a replay never queues more than
+one batch of vector inserts ahead of lookups.
 
 Faults: a Redis error, a timeout or a reply that does not parse makes the tail
 wait (backoff from `backoff_min` doubling to `backoff_max`) and resume from its
@@ -41,7 +46,12 @@ ours unless its clock is behind: after an error the tail checks the stream's
 newest id and starts over from the beginning when it is older than the last id
 seen, or when the stream is gone. A malformed message (a vector of the wrong
 size or not of unit length, bad JSON, a missing field) is skipped and counted,
-and logged at most once per `log_every_s`, never a crash.
+and logged at most once per `log_every_s`, never a crash. An exception from
+applying a batch (the index, its memory bound, an eviction listener) or from
+publishing one is a bug of ours: it is counted (`internal_errors`), logged at
+ERROR with its traceback at most once per `log_every_s`, and the task goes on with
+the next batch, the tail from after the message it failed on. `close` never
+raises, so the proxy's shutdown runs to its end.
 
 Purges: a message carries `r`, the newest purge revision its publisher had
 applied. A message of tenant T and model M is skipped when this proxy's route
@@ -60,8 +70,8 @@ hit is served only from an entry the store holds, and purges reach the store
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -75,6 +85,7 @@ from redis.asyncio import Redis
 from dataplane import jsonio
 from dataplane.cache.entities import Entities
 from dataplane.cache.semantic import Inserted, SemanticIndex
+from ponto.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -230,12 +241,13 @@ class FeedStats:
     published: int = 0
     dropped: int = 0  # not published: queue full, link down or the XADD failed
     applied: int = 0  # added to the index
-    own: int = 0  # this proxy's messages, skipped
+    own: int = 0  # messages this feed published, skipped
     foreign: int = 0  # another embedder's, skipped
     purged: int = 0  # published before a purge that covers them, skipped
     refused: int = 0  # the index refused them (key held, not a unit vector)
     malformed: int = 0
     errors: int = 0  # failed reads of the stream
+    internal_errors: int = 0  # batches whose handling raised: a bug here, logged with a traceback
     resets: int = 0  # the stream was gone or restarted: read again from its start
 
 
@@ -247,6 +259,7 @@ class SemanticFeed:
     `link` publishes (its breaker and deadlines apply); `tail_client` is a Redis
     client used for XREAD BLOCK only, whose socket timeout must exceed
     `BLOCK_MS` (`build_tail_client`). `purges()` gives the route table's purges.
+    `publisher` is this feed's `p`, `proxy` with a random part of its own.
     """
 
     def __init__(
@@ -269,15 +282,13 @@ class SemanticFeed:
         self.stream = stream_name(region)
         self._link = link
         self._tail_client = tail_client
-        self._proxy = proxy
+        self.publisher = f"{proxy}.{secrets.token_hex(4)}"
         self._embedder = embedder
         self._maxlen = maxlen
         self._purges = purges
         self._backoff = (backoff_min, backoff_max)
-        self._log_every = log_every_s
-        self._clock = clock
-        self._last_warning = -float("inf")
-        self._unlogged = 0
+        self._malformed_log = Throttled(log, every_s=log_every_s, clock=clock)
+        self._bug_log = Throttled(log, every_s=log_every_s, clock=clock)
         self._queue: deque[dict[bytes, bytes]] = deque()
         self._index: SemanticIndex | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -323,9 +334,12 @@ class SemanticFeed:
             self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Both tasks contain their failures; should one still end on an exception,
+        # it is logged here and the proxy's shutdown goes on.
+        ended = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task, result in zip(self._tasks, ended, strict=True):
+            if isinstance(result, Exception):
+                log.error("semantic feed: task %s failed", task.get_name(), exc_info=result)
         self._tasks = []
         self.stats.dropped += len(self._queue)
         self._queue.clear()
@@ -341,7 +355,9 @@ class SemanticFeed:
             self.stats.dropped += 1
             return
         rev = max((r for r, _, _ in self._purges()), default=0)
-        self._queue.append(encode(ins, proxy=self._proxy, embedder=self._embedder, purge_rev=rev))
+        self._queue.append(
+            encode(ins, proxy=self.publisher, embedder=self._embedder, purge_rev=rev)
+        )
         self._wake.set()
 
     async def _send(self) -> None:
@@ -352,9 +368,13 @@ class SemanticFeed:
             while self._queue:
                 n = min(PUBLISH_BATCH, len(self._queue))
                 batch = [self._queue.popleft() for _ in range(n)]
-                sent = await self._link.call(
-                    "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S
-                )
+                try:
+                    sent = await self._link.call(
+                        "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S
+                    )
+                except Exception:  # the link never raises: a bug, which must not end the task
+                    self._bug("publishing a batch")
+                    sent = None
                 if sent is None:
                     self.stats.dropped += len(batch)
                 else:
@@ -399,11 +419,19 @@ class SemanticFeed:
                 log.info("semantic feed: reading %s again from id %s", self.stream, self.last_id)
                 delay, failing = self._backoff[0], False
             if batch:
-                purges = self._purges()
-                for msg_id, fields in batch:
-                    self.last_id = msg_id
-                    self._apply(index, fields, purges)
-                await index.flush()
+                try:
+                    purges = self._purges()
+                    for msg_id, fields in batch:
+                        self.last_id = msg_id
+                        self._apply(index, fields, purges)
+                    await index.flush()
+                except Exception:
+                    # A bug in the chain behind the index (insert_vector, its memory
+                    # bound, an eviction listener), not the message's fault: the
+                    # message it failed on is lost, the next read starts after it. A
+                    # pause as after a read error, so a bug that repeats cannot spin.
+                    self._bug(f"applying the messages up to {self.last_id.decode()}")
+                    await asyncio.sleep(self._backoff[0])
 
     async def _check_reset(self) -> None:
         """Start over when the stream is gone or restarted behind our last id."""
@@ -423,7 +451,7 @@ class SemanticFeed:
             self.stats.malformed += 1
             self._warn(f"skipped a malformed message: {exc}")
             return
-        if msg.proxy == self._proxy:
+        if msg.proxy == self.publisher:
             self.stats.own += 1
         elif msg.embedder != self._embedder:
             self.stats.foreign += 1
@@ -436,16 +464,16 @@ class SemanticFeed:
         else:
             self.stats.refused += 1
 
+    def _bug(self, what: str) -> None:
+        """Count and log (with the traceback being handled) an unexpected exception."""
+        self.stats.internal_errors += 1
+        self._bug_log.log(
+            logging.ERROR, "semantic feed %s: %s failed", self.stream, what, exc_info=True
+        )
+
     def _warn(self, line: str) -> None:
         """At most one line per log_every_s; the next line says how many were not."""
-        now = self._clock()
-        if now - self._last_warning < self._log_every:
-            self._unlogged += 1
-            return
-        self._last_warning = now
-        more = f" ({self._unlogged} more not logged)" if self._unlogged else ""
-        self._unlogged = 0
-        log.warning("semantic feed %s: %s%s", self.stream, line, more)
+        self._malformed_log.log(logging.WARNING, "semantic feed %s: %s", self.stream, line)
 
 
 def _messages(reply: Any) -> list[tuple[bytes, Any]]:

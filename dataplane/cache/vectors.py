@@ -16,9 +16,10 @@ implementation and checked by one suite (tests/unit/test_vectors.py):
 - `len(index)` is the number of present ids;
 - `nbytes` is the memory the index holds, allocated capacity included (vectors,
   graph links, id maps): what the semantic index counts against the cache's bound.
-  It is computed from the index's shape, not measured, and follows removals: an
-  index whose live ids fall to a quarter of its capacity gives memory back
-  (ExactIndex halves its arrays, HnswIndex rebuilds a smaller graph);
+  It is computed from the index's shape, not measured, and follows removals:
+  ExactIndex halves its arrays once its live ids fall to a quarter of its
+  capacity; HnswIndex rebuilds its graph from the live vectors (a capacity of a
+  quarter more than them) once its deleted slots outnumber both the live ones and 16;
 - not thread-safe: one owner calls it (the semantic index calls it from its single
   executor thread only; a search costs 0.1-0.5 ms, see bench/semantic_lookup.py).
 

@@ -616,6 +616,21 @@ def test_an_external_store_replaces_the_deployed_ones(helm: Path) -> None:
     assert {redis_flag(docs, r) for r in REGIONS} == {url}
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pa#ss@cache.example.net:6379/0",  # a '#' in the password
+        "redis://cache.example.net:6379/0?client_name=ponto:",  # ':' at the end: a YAML key
+    ],
+)
+def test_a_url_reaches_the_proxies_whole_whatever_its_characters(
+    helm: Path, tmp_path: Path, url: str
+) -> None:
+    values = values_file(tmp_path, {"cache": {"redis": {"url": url, "urls": {"eu-west": url}}}})
+    docs = render(helm, "-f", str(THREE_REGIONS), "-f", values)
+    assert {redis_flag(docs, r) for r in REGIONS} == {url}
+
+
 def test_a_region_s_own_url_wins_and_the_others_get_a_deployed_one(
     helm: Path, tmp_path: Path
 ) -> None:

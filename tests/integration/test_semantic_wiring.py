@@ -78,6 +78,7 @@ async def test_the_semantic_index_joins_the_store_bound_and_the_feed(
                 break
             await asyncio.sleep(0.05)
         assert scrape("ponto_semantic_feed_published_total") == 1
+        assert scrape("ponto_semantic_feed_internal_errors_total") == 0
         assert await link.client.xlen(feed.stream) == 1
         # the index keeps to its share of --cache-max-mb
         assert index._max_bytes == int(8 * 2**20 * SEMANTIC_SHARE)

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 
 from dataplane.cache.embed import HashingEmbedder
-from dataplane.cache.entities import extract
+from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semantic import Inserted, SemanticIndex
 from dataplane.cache.semfeed import SemanticFeed, build_tail_client, encode, stream_name
 from ponto.devenv import Redis as RedisServer
@@ -61,12 +62,17 @@ class Proxy:
     """One proxy's semantic half: its index and its feed."""
 
     def __init__(
-        self, url: str, region: str, name: str, purges: list[tuple[int, str, str]]
+        self,
+        url: str,
+        region: str,
+        name: str,
+        purges: list[tuple[int, str, str]],
+        index: SemanticIndex | None = None,
     ) -> None:
         self.name = name
         self.url = url
         self.link = StandInLink(url)
-        self.index = SemanticIndex(HashingEmbedder())
+        self.index = index if index is not None else SemanticIndex(HashingEmbedder())
         self.feed = SemanticFeed(
             self.link,
             build_tail_client(url),
@@ -96,8 +102,12 @@ async def region(redis_server: RedisServer) -> AsyncIterator[Region]:
     name = f"test-{uuid.uuid4().hex[:8]}"
     made: list[Proxy] = []
 
-    async def make(proxy: str, purges: list[tuple[int, str, str]] | None = None) -> Proxy:
-        p = Proxy(redis_server.url, name, proxy, purges or [])
+    async def make(
+        proxy: str,
+        purges: list[tuple[int, str, str]] | None = None,
+        index: SemanticIndex | None = None,
+    ) -> Proxy:
+        p = Proxy(redis_server.url, name, proxy, purges or [], index)
         made.append(p)
         return p
 
@@ -182,6 +192,79 @@ async def test_malformed_foreign_and_purged_messages_are_skipped(region: Region)
     assert hit is not None
     assert hit.key == "good"
     assert await b.index.lookup("t-purged", "m", "", Q_NEAR, THRESHOLD) is not None
+
+
+async def test_a_proxy_restarted_under_its_name_replays_what_it_published(
+    region: Region,
+) -> None:
+    before = await region("proxy-a")
+    texts = [Q, "what is the weather like in lisbon tomorrow"]
+    for i, text in enumerate(texts):
+        await before.index.insert("t1", "m", "", text, f"key-{i}")
+    await eventually(lambda: before.feed.stats.own == 2, "the first run reads its own")
+    await before.close()
+    after = await region("proxy-a")
+    assert after.feed.publisher != before.feed.publisher
+    assert after.feed.publisher.startswith("proxy-a.")
+    await eventually(lambda: after.feed.stats.applied == 2, "the restart replays them")
+    assert after.feed.stats.own == 0
+    hit = await after.index.lookup("t1", "m", "", Q_NEAR, THRESHOLD)
+    assert hit is not None
+    assert hit.key == "key-0"
+    # and still skips what it publishes itself
+    await after.index.insert("t1", "m", "", "how to change my plan", "key-2")
+    await eventually(lambda: after.feed.stats.own == 1, "the restart skips its own")
+    assert len(after.index) == 3
+
+
+class FailsOnce(SemanticIndex):
+    """A real index whose first insert_vector raises, as a bug behind it would."""
+
+    def __init__(self) -> None:
+        super().__init__(HashingEmbedder())
+        self.failed = False
+
+    def insert_vector(
+        self,
+        tenant: str,
+        model: str,
+        context_hash: str,
+        key: str,
+        vector: np.ndarray[Any, np.dtype[np.float32]],
+        entities: Entities,
+    ) -> bool:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug behind insert_vector")
+        return super().insert_vector(tenant, model, context_hash, key, vector, entities)
+
+
+async def test_a_bug_behind_the_index_is_logged_once_counted_and_the_tail_goes_on(
+    region: Region, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = await region("proxy-a")
+    b = await region("proxy-b", index=FailsOnce())
+    texts = [Q, "what is the weather like in lisbon tomorrow", "how to change my plan"]
+    with caplog.at_level(logging.ERROR, logger="dataplane.cache.semfeed"):
+        for i, text in enumerate(texts):
+            await a.index.insert("t1", "m", "", text, f"key-{i}")
+        await eventually(lambda: b.feed.stats.applied == 2, "b applies what follows the bug")
+        await b.index.insert("t1", "m", "", "a question of b's own", "key-b")
+        await eventually(lambda: a.feed.stats.applied == 1, "b still publishes")
+        await eventually(lambda: b.feed.stats.own == 1, "b reads its own message")
+    assert b.feed.stats.internal_errors == 1
+    assert b.feed.last_id == a.feed.last_id  # b's own message, read and skipped
+    # the message it failed on (a's first) is lost; the ones after it are not
+    assert await b.index.lookup("t1", "m", "", Q_NEAR, THRESHOLD) is None
+    hit = await b.index.lookup("t1", "m", "", texts[2], 0.99)
+    assert hit is not None
+    assert hit.key == "key-2"
+    (record,) = [r for r in caplog.records if r.name == "dataplane.cache.semfeed"]
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is not None
+    assert record.exc_info[0] is RuntimeError
+    await b.feed.close()  # returns normally
+    assert b.feed.stats.internal_errors == 1
 
 
 @contextlib.contextmanager

@@ -1,10 +1,13 @@
-"""Every Ponto process's log lines start with the date and time in UTC."""
+"""Every Ponto process's log lines start with the date and time in UTC; a
+throttled line is written at most once per interval and counts the rest."""
 
 from __future__ import annotations
 
 import logging
 
-from ponto.logs import formatter
+import pytest
+
+from ponto.logs import Throttled, formatter
 
 
 def record(created: float) -> logging.LogRecord:
@@ -20,3 +23,48 @@ def test_lines_carry_an_iso_date_and_time_in_utc_with_milliseconds() -> None:
 
 def test_a_tag_follows_the_time() -> None:
     assert formatter("w1").format(record(0.0)).startswith("1970-01-01T00:00:00.000Z w1 INFO ")
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_throttled_line_is_written_once_per_interval_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    throttled = Throttled(logging.getLogger("ponto.test"), every_s=30, clock=clock)
+    with caplog.at_level(logging.INFO, logger="ponto.test"):
+        assert throttled.log(logging.WARNING, "bad %s", "one")
+        for _ in range(4):
+            assert not throttled.log(logging.WARNING, "bad %s", "again")
+        assert throttled.unlogged == 4
+        clock.now += 29.9
+        assert not throttled.log(logging.WARNING, "bad %s", "again")
+        clock.now += 0.1
+        assert throttled.log(logging.ERROR, "worse %s", "now")
+        clock.now += 30
+        assert throttled.log(logging.WARNING, "quiet")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "bad one"),
+        (logging.ERROR, "worse now (5 more not logged)"),
+        (logging.WARNING, "quiet"),
+    ]
+    assert throttled.unlogged == 0
+
+
+def test_a_throttled_line_carries_the_traceback_when_asked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    throttled = Throttled(logging.getLogger("ponto.test"), clock=Clock())
+    with caplog.at_level(logging.ERROR, logger="ponto.test"):
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            throttled.log(logging.ERROR, "failed", exc_info=True)
+    (rec,) = caplog.records
+    assert rec.exc_info is not None
+    assert rec.exc_info[0] is RuntimeError

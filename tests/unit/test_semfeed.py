@@ -6,10 +6,14 @@ tests/integration/test_semfeed_region.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, cast
 
 import numpy as np
 import pytest
+from redis.asyncio import Redis
 
 from dataplane.cache.embed import HashingEmbedder
 from dataplane.cache.entities import extract
@@ -23,6 +27,8 @@ from dataplane.cache.semfeed import (
     purged_since,
     stream_name,
 )
+
+_T = TypeVar("_T")
 
 DIM = 64
 TEXT = "Cancel order 732201349959 for Anna"
@@ -129,7 +135,6 @@ class _NoLink:
 async def test_malformed_messages_are_logged_at_most_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from redis.asyncio import Redis  # noqa: PLC0415
 
     clock = _Clock()
     client = Redis()  # never connected: only _warn is exercised
@@ -156,9 +161,71 @@ async def test_malformed_messages_are_logged_at_most_once_per_interval(
 
 
 def test_publish_before_start_or_without_a_link_drops_and_counts() -> None:
-    from redis.asyncio import Redis  # noqa: PLC0415
 
     feed = SemanticFeed(_NoLink(), Redis(), region="r", proxy="p", embedder="e", maxlen=10)
     feed.publish(inserted())
     assert feed.stats.dropped == 1
     assert feed.stats.published == 0
+
+
+class _FailsOnceLink:
+    """A link whose first call raises (a bug: the real one never does)."""
+
+    available = True
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def call(
+        self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
+    ) -> _T | None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a bug in the link")
+        return cast("_T", ["1-0"])  # XADD's ids; the feed only tells them from None
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0)
+    pytest.fail("never")
+
+
+async def test_the_publisher_survives_a_bug_logs_it_and_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+
+    feed = SemanticFeed(_FailsOnceLink(), Redis(), region="r", proxy="p", embedder="e", maxlen=10)
+    feed.start()
+    with caplog.at_level(logging.ERROR, logger="dataplane.cache.semfeed"):
+        feed.publish(inserted())
+        await _until(lambda: feed.stats.internal_errors == 1)
+        feed.publish(inserted())
+        await _until(lambda: feed.stats.published == 1)
+        await feed.close()
+    assert feed.stats.dropped == 1
+    (record,) = caplog.records
+    assert record.exc_info is not None
+    assert record.exc_info[0] is RuntimeError
+
+
+async def test_close_logs_a_task_that_failed_and_returns(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    feed = SemanticFeed(_NoLink(), Redis(), region="r", proxy="p", embedder="e", maxlen=10)
+
+    async def fails() -> None:
+        raise RuntimeError("a bug the task did not contain")
+
+    monkeypatch.setattr(feed, "_send", fails)
+    feed.start()
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="dataplane.cache.semfeed"):
+        await feed.close()
+    (record,) = caplog.records
+    assert "semantic-feed-send" in record.getMessage()
+    assert record.exc_info is not None
+    assert record.exc_info[0] is RuntimeError
