@@ -71,6 +71,7 @@ from dataplane.cache.store import (
     StoreStats,
     Unanswered,
 )
+from ponto.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,12 @@ def escape(name: str) -> str:
     return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), name)
 
 
+def covers(purge_tenant: str, purge_model: str, tenant: str, model: str) -> bool:
+    """Whether a purge of (purge_tenant, purge_model) covers an entry of (tenant,
+    model): "" in a purge is every tenant or every model, as the route table says."""
+    return purge_tenant in ("", tenant) and purge_model in ("", model)
+
+
 class PurgeEpochs:
     """The epoch of each (tenant, model): the highest revision of the purges seen
     that cover it (a purge of tenant "" covers every tenant, of model "" every
@@ -125,8 +132,7 @@ class PurgeEpochs:
         found = self._cache.get((tenant, model))
         if found is None:
             found = max(
-                (rev for rev, t, m in self._marks if t in ("", tenant) and m in ("", model)),
-                default=0,
+                (rev for rev, t, m in self._marks if covers(t, m, tenant, model)), default=0
             )
             self._cache[(tenant, model)] = found
         return found
@@ -208,7 +214,7 @@ class RegionalStore:
         self._writing: dict[str, asyncio.Task[Any]] = {}
         self._tokens = itertools.count()
         self._hits = self._misses = 0
-        self._decode_warned_at = -math.inf
+        self._decode_log = Throttled(log, every_s=DECODE_WARNING_EVERY_S)
 
     # ------------------------------------------------------------ the local tier
 
@@ -382,10 +388,9 @@ class RegionalStore:
             entry = from_bytes(raw[_EXPIRY.size :])
         except EntryDecodeError as exc:
             self.side.error("decode")
-            now = self._clock()
-            if now - self._decode_warned_at >= DECODE_WARNING_EVERY_S:
-                self._decode_warned_at = now
-                log.warning("regional cache: a value that does not decode (%s), a miss", exc)
+            self._decode_log.log(
+                logging.WARNING, "regional cache: a value that does not decode (%s), a miss", exc
+            )
             return None
         left = expires_at - self._clock()
         if not left > 0:

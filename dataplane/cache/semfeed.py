@@ -84,6 +84,7 @@ from redis.asyncio import Redis
 
 from dataplane import jsonio
 from dataplane.cache.entities import Entities
+from dataplane.cache.regionstore import covers
 from dataplane.cache.semantic import Inserted, SemanticIndex
 from ponto.logs import Throttled
 
@@ -220,7 +221,7 @@ def decode(fields: dict[bytes, bytes], dim: int) -> Message:
 
 def purged_since(purges: Purges, tenant: str, model: str, rev: int) -> bool:
     """Whether a purge newer than `rev` covers tenant and model ("" = every)."""
-    return any(r > rev and t in ("", tenant) and m in ("", model) for r, t, m in purges)
+    return any(r > rev and covers(t, m, tenant, model) for r, t, m in purges)
 
 
 def _bytes(value: object) -> bytes:

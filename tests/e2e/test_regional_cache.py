@@ -101,6 +101,9 @@ def test_the_proxies_say_the_region_is_up(fleet: Fleet) -> None:
         assert "ponto_cache_region_up 1.0" in metrics.text
 
 
+SETS_OK = 'ponto_cache_region_requests_total{op="set",result="ok"}'
+
+
 def metric(fleet: Fleet, proxy: str, name: str) -> float:
     text = httpx.get(fleet.proxy_url(proxy).removesuffix("/v1") + "/metrics", timeout=5).text
     for line in text.splitlines():
@@ -121,13 +124,16 @@ def test_a_paraphrase_on_the_other_proxy_is_a_semantic_region_hit(fleet: Fleet) 
             n += 1
             time.sleep(0.3)
     published = metric(fleet, "p1", "ponto_semantic_feed_published_total")
+    written = metric(fleet, "p1", SETS_OK)
     first, answer = ask(fleet, "p1", "How do I reset my password?", key=1)
     assert first["x-ponto-cache"] == "miss"
     before = origin_requests(fleet)
     # p2 indexes p1's question from the region's stream, without embedding it:
-    # wait until p1 has published it and p2 has applied all p1 published.
+    # wait until p1 has written the answer to Redis and published the question,
+    # and p2 has applied all p1 published (the write and the message race).
     while not (
-        (sent := metric(fleet, "p1", "ponto_semantic_feed_published_total")) > published
+        metric(fleet, "p1", SETS_OK) > written
+        and (sent := metric(fleet, "p1", "ponto_semantic_feed_published_total")) > published
         and metric(fleet, "p2", "ponto_semantic_feed_applied_total") >= sent
     ):
         assert time.monotonic() < deadline, "p2 never applied p1's semantic entry"
