@@ -203,3 +203,21 @@ async def clean_redis(redis_server: Redis) -> Redis:
     finally:
         await client.aclose()
     return redis_server
+
+
+@pytest.fixture
+def redis_workdir() -> Iterator[Path]:
+    """A directory for a test's own redis-server (its log), removed after."""
+    path = Path(tempfile.mkdtemp(prefix="ponto-redis-own-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def own_redis(redis_workdir: Path) -> Iterator[Redis]:
+    """A redis-server this test may kill and restart on its port
+    (`start_redis(redis_workdir, port=own_redis.port)`)."""
+    redis_binary_or_skip()
+    server = start_redis(redis_workdir)
+    yield server
+    server.stop()

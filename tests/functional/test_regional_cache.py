@@ -6,9 +6,7 @@ restarted, slow, holding garbage): every request is answered, never an error.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,28 +16,11 @@ import redis
 from dataplane.http.state import METRICS
 from ponto.devenv import Redis, start_redis
 from ponto.originsim.app import SimConfig
-from tests.conftest import redis_binary_or_skip
 from tests.functional.test_pipeline import Stack, chat, start_stack
 
 
 def sample(stack: Stack, name: str, **labels: str) -> float:
     return stack.app[METRICS].registry.get_sample_value(name, labels) or 0.0
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ponto-regional-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def own_redis(workdir: Path) -> Iterator[Redis]:
-    """A redis-server this test may kill and restart."""
-    redis_binary_or_skip()
-    server = start_redis(workdir)
-    yield server
-    server.stop()
 
 
 async def proxy(tmp_path: Path, name: str, url: str) -> Stack:
@@ -98,7 +79,7 @@ async def test_a_stream_is_shared_and_replayed_as_a_stream(pair: tuple[Stack, St
 
 
 async def test_redis_killed_then_back_without_a_restart(
-    pair: tuple[Stack, Stack], own_redis: Redis, workdir: Path
+    pair: tuple[Stack, Stack], own_redis: Redis, redis_workdir: Path
 ) -> None:
     a, b = pair
     own_redis.kill()
@@ -109,7 +90,7 @@ async def test_redis_killed_then_back_without_a_restart(
         assert (status, headers["x-ponto-cache-tier"]) == (200, "local")
     assert sample(a, "ponto_cache_region_up") == 0
     assert sample(a, "ponto_cache_region_errors_total", op="get") >= 1
-    back = start_redis(workdir, port=own_redis.port)
+    back = start_redis(redis_workdir, port=own_redis.port)
     try:
         # The breaker's next probe (0.25 s after the failure, doubling) finds
         # Redis back; a's answers reach it again and b hits on them.

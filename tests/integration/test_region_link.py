@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -20,28 +18,11 @@ from dataplane.cache.regionurl import RegionURLError, check_url
 from dataplane.metrics import Metrics
 from dataplane.settings import parse
 from ponto.devenv import Redis, free_port, start_redis
-from tests.conftest import redis_binary_or_skip
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return value or 0.0
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ponto-region-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def own_redis(workdir: Path) -> Iterator[Redis]:
-    """A redis-server this test may kill and restart."""
-    redis_binary_or_skip()
-    server = start_redis(workdir)
-    yield server
-    server.stop()
 
 
 @contextlib.asynccontextmanager
@@ -115,14 +96,14 @@ async def test_a_silent_server_costs_one_deadline_then_is_skipped() -> None:
             )
 
 
-async def test_catches_up_when_redis_comes_back(own_redis: Redis, workdir: Path) -> None:
+async def test_catches_up_when_redis_comes_back(own_redis: Redis, redis_workdir: Path) -> None:
     port = own_redis.port
     async with linked(own_redis.url) as (link, metrics):
         assert await link.call("set", lambda r: r.set("k", b"v")) is True
         own_redis.kill()
         assert await link.call("get", lambda r: r.get("k")) is None
         assert sample(metrics, "ponto_cache_region_up") == 0
-        again = start_redis(workdir, port=port)
+        again = start_redis(redis_workdir, port=port)
         try:
             # The next probe (after the 0.25 s backoff) closes the breaker.
             async with asyncio.timeout(10):
@@ -136,7 +117,7 @@ async def test_catches_up_when_redis_comes_back(own_redis: Redis, workdir: Path)
 
 
 async def test_without_traffic_the_link_still_sees_redis_go_and_come_back(
-    own_redis: Redis, workdir: Path
+    own_redis: Redis, redis_workdir: Path
 ) -> None:
     port = own_redis.port
     async with linked(own_redis.url, watch_tick_s=0.02, idle_ping_s=0.05) as (link, metrics):
@@ -146,7 +127,7 @@ async def test_without_traffic_the_link_still_sees_redis_go_and_come_back(
             while sample(metrics, "ponto_cache_region_up") == 1:
                 await asyncio.sleep(0.02)
         assert sample(metrics, "ponto_cache_region_up") == 0
-        again = start_redis(workdir, port=port)
+        again = start_redis(redis_workdir, port=port)
         try:
             async with asyncio.timeout(15):
                 while sample(metrics, "ponto_cache_region_up") == 0:

@@ -25,6 +25,7 @@ from dataplane.policy import EdgePolicy, TenantRules
 from ponto.devenv import Redis, free_port
 from tests.unit.test_cache_store import FakeClock, StoreFactory, entry
 from tests.unit.test_cache_store import TestContract as _Contract
+from tests.unit.test_cache_tenancy import ANSWER, BODY, NOW
 from tests.unit.test_region_side import SideCase
 from tests.unit.test_region_side import TestDownSideContract as _DownSideContract
 from tests.unit.test_region_side import TestSideContract as _SideContract
@@ -273,27 +274,6 @@ async def test_a_held_lock_is_refreshed(region: Region) -> None:
 
 # ---------------------------------------------------------------------------
 # Cross-proxy coalescing through the cache step
-
-NOW = 1_900_000_000.0
-BODY: dict[str, Any] = {
-    "model": "m",
-    "temperature": 0,
-    "messages": [{"role": "user", "content": "what is the capital of portugal"}],
-}
-ANSWER = json.dumps(
-    {
-        "id": "c1",
-        "object": "chat.completion",
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "Lisbon"},
-                "finish_reason": "stop",
-            }
-        ],
-    }
-).encode()
 
 
 def request(stream: bool = False) -> CacheRequest:

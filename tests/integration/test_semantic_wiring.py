@@ -5,12 +5,10 @@ load costs a second or two) and a real redis-server for the feed's connections."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from redis.asyncio import Redis
-
+from dataplane.cache.regional import RegionLink
 from dataplane.cache.semantic import SemanticIndex
 from dataplane.cache.semfeed import build_tail_client
 from dataplane.http.server import SEMANTIC_SHARE, Proxy, build_semantic_feed, table_purges
@@ -18,23 +16,6 @@ from dataplane.settings import parse as parse_proxy
 from ponto.devenv import Redis as RedisServer
 
 T = TypeVar("T")
-
-
-class StandInLink:
-    """RegionLink's members (available, call) without its breaker."""
-
-    def __init__(self, url: str) -> None:
-        self.client = Redis.from_url(url)
-        self.available = True
-
-    async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[T]], *, deadline_s: float | None = None
-    ) -> T | None:
-        try:
-            async with asyncio.timeout(deadline_s or 1.0):
-                return await fn(self.client)
-        except Exception:
-            return None
 
 
 async def test_the_semantic_index_joins_the_store_bound_and_the_feed(
@@ -50,7 +31,7 @@ async def test_the_semantic_index_joins_the_store_bound_and_the_feed(
         ]
     )
     proxy = Proxy(settings)
-    link = StandInLink(clean_redis.url)
+    link = RegionLink(clean_redis.url, proxy.metrics, watch_tick_s=None)
     feed = build_semantic_feed(settings, link, clean_redis.url, table_purges(proxy.holder))
     proxy.semantic_feed = feed
     assert feed.stream == "ponto:sem:wiring"
@@ -84,7 +65,7 @@ async def test_the_semantic_index_joins_the_store_bound_and_the_feed(
         assert index._max_bytes == int(8 * 2**20 * SEMANTIC_SHARE)
     finally:
         await feed.close()
-        await link.client.aclose()
+        await link.close()
         proxy.cache.close()
         if proxy.semantic_index is not None:
             proxy.semantic_index.close()

@@ -4,20 +4,16 @@ killed and restarted is caught up with; malformed, foreign and purged messages a
 skipped.
 
 The index runs on the hashing fake embedder (tests/unit/test_embed.py holds it to
-the embedder contract); the link is a minimal stand-in with RegionLink's members
-(`available`, `call`), over a real redis.asyncio client.
+the embedder contract); each proxy has its own RegionLink.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,11 +23,12 @@ from redis.asyncio import Redis
 
 from dataplane.cache.embed import HashingEmbedder
 from dataplane.cache.entities import Entities, extract
+from dataplane.cache.regional import RegionLink
 from dataplane.cache.semantic import Inserted, SemanticIndex
 from dataplane.cache.semfeed import SemanticFeed, build_tail_client, encode, stream_name
+from dataplane.metrics import Metrics
 from ponto.devenv import Redis as RedisServer
 from ponto.devenv import start_redis
-from tests.conftest import redis_binary_or_skip
 
 T = TypeVar("T")
 
@@ -39,23 +36,6 @@ Q = "how do i reset my password for the mobile app"
 Q_NEAR = "how do I reset my password for the mobile app please"
 THRESHOLD = 0.8
 EMBEDDER = "hashing-256"
-
-
-class StandInLink:
-    """RegionLink's three members, without its breaker: errors give None."""
-
-    def __init__(self, url: str) -> None:
-        self.client = Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self.available = True
-
-    async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[T]], *, deadline_s: float | None = None
-    ) -> T | None:
-        try:
-            async with asyncio.timeout(deadline_s or 1.0):
-                return await fn(self.client)
-        except Exception:
-            return None
 
 
 class Proxy:
@@ -71,7 +51,8 @@ class Proxy:
     ) -> None:
         self.name = name
         self.url = url
-        self.link = StandInLink(url)
+        # The proxy's own link, watching Redis so it sees it come back unprompted.
+        self.link = RegionLink(url, Metrics(), watch_tick_s=0.02, idle_ping_s=0.2)
         self.index = index if index is not None else SemanticIndex(HashingEmbedder())
         self.feed = SemanticFeed(
             self.link,
@@ -84,12 +65,16 @@ class Proxy:
             backoff_min=0.05,
             backoff_max=0.2,
         )
-        self.feed.start()
         self.feed.attach(self.index)
+
+    async def start(self) -> Proxy:
+        await self.link.start()
+        self.feed.start()
+        return self
 
     async def close(self) -> None:
         await self.feed.close()
-        await self.link.client.aclose()
+        await self.link.close()
         self.index.close()
 
 
@@ -109,7 +94,7 @@ async def region(redis_server: RedisServer) -> AsyncIterator[Region]:
     ) -> Proxy:
         p = Proxy(redis_server.url, name, proxy, purges or [], index)
         made.append(p)
-        return p
+        return await p.start()
 
     yield make
     for p in made:
@@ -267,39 +252,29 @@ async def test_a_bug_behind_the_index_is_logged_once_counted_and_the_tail_goes_o
     assert b.feed.stats.internal_errors == 1
 
 
-@contextlib.contextmanager
-def own_redis() -> Iterator[tuple[Path, RedisServer]]:
-    redis_binary_or_skip()
-    workdir = Path(tempfile.mkdtemp(prefix="ponto-semfeed-"))
-    server = start_redis(workdir, name="redis-semfeed")
+async def test_the_tail_survives_redis_being_killed_and_catches_up_after(
+    own_redis: RedisServer, redis_workdir: Path
+) -> None:
+    server = own_redis
+    a = await Proxy(server.url, "restart", "proxy-a", []).start()
+    b = await Proxy(server.url, "restart", "proxy-b", []).start()
     try:
-        yield workdir, server
+        await a.index.insert("t1", "m", "", Q, "before")
+        await eventually(lambda: b.feed.stats.applied == 1, "b gets the first entry")
+        server.kill()
+        await eventually(lambda: b.feed.stats.errors > 0, "b notices Redis is gone")
+        # published while Redis is down: dropped and counted, the insert is fine
+        await a.index.insert("t1", "m", "", "how to change my plan", "while-down")
+        await eventually(lambda: a.feed.stats.dropped == 1, "a drops the message")
+        assert len(a.index) == 2
+        server = start_redis(redis_workdir, port=server.port)
+        await eventually(lambda: a.link.available, "a's link sees Redis back")
+        await a.index.insert("t1", "m", "", "what is the weather in lisbon", "after")
+        await eventually(lambda: b.feed.stats.applied == 2, "b catches up", timeout=20)
+        hit = await b.index.lookup("t1", "m", "", "what is the weather in lisbon", 0.99)
+        assert hit is not None
+        assert hit.key == "after"
     finally:
+        await a.close()
+        await b.close()
         server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-async def test_the_tail_survives_redis_being_killed_and_catches_up_after() -> None:
-    with own_redis() as (workdir, first):
-        server = first
-        a = Proxy(server.url, "restart", "proxy-a", [])
-        b = Proxy(server.url, "restart", "proxy-b", [])
-        try:
-            await a.index.insert("t1", "m", "", Q, "before")
-            await eventually(lambda: b.feed.stats.applied == 1, "b gets the first entry")
-            server.kill()
-            await eventually(lambda: b.feed.stats.errors > 0, "b notices Redis is gone")
-            # published while Redis is down: dropped and counted, the insert is fine
-            await a.index.insert("t1", "m", "", "how to change my plan", "while-down")
-            await eventually(lambda: a.feed.stats.dropped == 1, "a drops the message")
-            assert len(a.index) == 2
-            server = start_redis(workdir, name="redis-semfeed", port=server.port)
-            await a.index.insert("t1", "m", "", "what is the weather in lisbon", "after")
-            await eventually(lambda: b.feed.stats.applied == 2, "b catches up", timeout=20)
-            hit = await b.index.lookup("t1", "m", "", "what is the weather in lisbon", 0.99)
-            assert hit is not None
-            assert hit.key == "after"
-        finally:
-            await a.close()
-            await b.close()
-            server.stop()
