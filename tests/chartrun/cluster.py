@@ -408,6 +408,11 @@ class Cluster:
                 self._background.add(task)
                 try:
                     await self._forward(svc_name, svc_port, reader, writer)
+                except asyncio.CancelledError:
+                    # Cut when a Service or the cluster goes: nothing waits for
+                    # this task, and asyncio's start_server would log a handler
+                    # that ends cancelled as an error with a traceback.
+                    return
                 finally:
                     self._background.discard(task)
 
