@@ -3,6 +3,7 @@ every CacheStore must meet."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from dataplane.cache.entry import CachedResponse, ResponseKind
 from dataplane.cache.store import (
     SLOT_OVERHEAD,
+    STALE_EXPIRY_SLACK,
     UNANSWERED,
     CacheStore,
     EvictReason,
@@ -203,7 +205,33 @@ async def test_the_expiry_heap_stays_bounded_under_replacement() -> None:
     store = ExactStore(max_bytes=1 << 20, clock=FakeClock())
     for _ in range(1000):
         await store.put("k", entry(), tenant="t", model="m", ttl_s=60)
-    assert len(store._expiry) <= 2 * len(store) + 65
+    assert len(store._expiry) <= len(store) + len(store) // 4 + STALE_EXPIRY_SLACK + 1
+
+
+class _Key(str):
+    """A key whose lifetime a test can watch (str itself takes no weak references)."""
+
+    __slots__ = ("__weakref__",)
+
+
+async def test_a_store_at_its_bound_lets_evicted_keys_go() -> None:
+    # Every put past the bound evicts one entry; what the store still holds of the
+    # evicted ones (its expiry pairs keep their keys alive) is memory it does not
+    # count, so it must stay a small share of what it does: at most a quarter of
+    # the live entries, plus a constant.
+    evicted: list[weakref.ref[str]] = []
+    store = ExactStore(
+        max_bytes=1 << 20,
+        clock=FakeClock(),
+        on_evict=lambda key, _: evicted.append(weakref.ref(key)),
+    )
+    most = 0
+    for n in range(6000):
+        await store.put(_Key(f"key-{n}"), entry(payload=200), tenant="t", model="m", ttl_s=600)
+        if n % 50 == 0:
+            most = max(most, sum(ref() is not None for ref in evicted))
+    assert store.stats.evictions > 4000  # the store sat at its bound
+    assert most <= len(store) // 4 + STALE_EXPIRY_SLACK + 1
 
 
 async def test_purge_and_delete_report_to_the_callback() -> None:
