@@ -90,7 +90,11 @@ def semantic_request_for(rng: random.Random, n: int) -> tuple[str, dict[str, Any
     never hits another), a third of them streamed."""
     a, b, c = rng.sample(WORDS, 3)
     text = f"question {n}: how do I move my {a} and my {b} to the new {c} plan"
-    stream = rng.random() < 0.33
+    return _chat(text, rng.random() < 0.33)
+
+
+def _chat(text: str, stream: bool) -> tuple[str, dict[str, Any], bool]:
+    """A deterministic chat request asking `text`."""
     body: dict[str, Any] = {
         "model": "sim-small",
         "temperature": 0,
@@ -108,14 +112,7 @@ def request_for(rng: random.Random, n: int) -> tuple[str, dict[str, Any], bool]:
     )
     roll = rng.random()
     if roll < 0.7:
-        stream = rng.random() < 0.33
-        body: dict[str, Any] = {
-            "model": "sim-small",
-            "temperature": 0,
-            "messages": [{"role": "user", "content": text}],
-            "stream": stream,
-        }
-        return "/v1/chat/completions", body, stream
+        return _chat(text, rng.random() < 0.33)
     if roll < 0.85:
         return "/v1/completions", {"model": "sim-small", "temperature": 0, "prompt": text}, False
     return "/v1/embeddings", {"model": "sim-small", "input": text}, False
