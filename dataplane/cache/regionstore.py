@@ -239,8 +239,7 @@ class RegionalStore:
         self._epochs.update(purges)
 
     def region_key(self, key: str, tenant: str, model: str) -> str:
-        epoch = self._epochs.epoch(tenant, model)
-        return f"{epoch}:{escape(tenant)}:{escape(model)}:{key}"
+        return _region_key(self._epochs.epoch(tenant, model), key, tenant, model)
 
     # ------------------------------------------------------------ CacheStore
 
@@ -257,14 +256,14 @@ class RegionalStore:
         if entry is not None:
             self._count(True)
             return Found(entry, "local")
-        rkey = self.region_key(key, tenant, model)
-        raw = await self.side.get(ENTRY_PREFIX + rkey)
+        epoch = self._epochs.epoch(tenant, model)
+        raw = await self.side.get(ENTRY_PREFIX + _region_key(epoch, key, tenant, model))
         if raw is UNANSWERED:
             self._count(False)
             return UNANSWERED
         # A purge applied while the GET was out moved the scope to a new key
         # space: what came back is from before it.
-        if self.region_key(key, tenant, model) != rkey:
+        if self._epochs.epoch(tenant, model) != epoch:
             raw = None
         entry = await self._adopt(raw, key, tenant, model)
         self._count(entry is not None)
@@ -330,7 +329,8 @@ class RegionalStore:
         """Wait for another proxy's flight on key; its entry, or None when the
         lock went away without one (the leader failed, or the answer was not
         cacheable), Redis failed, or max_wait_s passed."""
-        rkey = self.region_key(key, tenant, model)
+        epoch = self._epochs.epoch(tenant, model)
+        rkey = _region_key(epoch, key, tenant, model)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + max_wait_s
         while loop.time() < give_up:
@@ -339,7 +339,7 @@ class RegionalStore:
             if got is None:
                 return None
             raw, held = got
-            if self.region_key(key, tenant, model) != rkey:
+            if self._epochs.epoch(tenant, model) != epoch:
                 return None  # purged meanwhile: that flight's answer is from before
             if raw is not None:
                 return await self._adopt(raw, key, tenant, model)
@@ -432,6 +432,10 @@ class RegionalStore:
             self._hits += 1
         else:
             self._misses += 1
+
+
+def _region_key(epoch: int, key: str, tenant: str, model: str) -> str:
+    return f"{epoch}:{escape(tenant)}:{escape(model)}:{key}"
 
 
 def _escaped(name: str | None) -> str | None:

@@ -479,7 +479,8 @@ class EdgeCache:
             await semantic.check(near.key, near.similarity, cached, fresh)
 
     async def checks_done(self) -> None:
-        """Wait for the answer comparisons started so far (tests, orderly shutdown)."""
+        """Wait for the answer comparisons started so far (tests; shutdown does not
+        wait for them: a comparison lost at exit only loses one label)."""
         while self._checks:
             await asyncio.gather(*self._checks, return_exceptions=True)
 
