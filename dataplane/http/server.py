@@ -188,8 +188,7 @@ class Proxy:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=1024, ttl_dns_cache=60, keepalive_timeout=30
         )
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
-        forwarder = Forwarder(session, self.metrics, settings.upstream, loads=self.loads)
+        forwarder = Forwarder(connector, self.metrics, settings.upstream, loads=self.loads)
         # Built here, not in __init__: it needs the upstream pool.
         app[PIPELINE] = Pipeline(
             self.holder,
@@ -220,7 +219,7 @@ class Proxy:
                     await task
             if self.semantic_feed is not None:
                 await self.semantic_feed.close()
-            await session.close()
+            await connector.close()
             if isinstance(self.store, RegionalStore):
                 await self.store.close()
             if self.region_link is not None:

@@ -34,6 +34,7 @@ from dataplane.routes import Target
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
+from dataplane.upstream.wire import OriginResponse, OriginWire
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace
@@ -148,7 +149,7 @@ class OriginAnswer:
     headers: CIMultiDict[str]
     body: bytes | None
     first: bytes
-    _resp: aiohttp.ClientResponse
+    _resp: OriginResponse
     _loads: LoadBoard | None = None
     calls: int = 1
     hedged: bool = False
@@ -185,7 +186,7 @@ class Forwarder:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        connector: aiohttp.BaseConnector,
         metrics: Metrics,
         settings: UpstreamSettings,
         *,
@@ -195,7 +196,6 @@ class Forwarder:
         hedges: RetryBudget | None = None,
         commit_times: CommitTimes | None = None,
     ) -> None:
-        self._session = session
         # Counts this proxy's requests in flight per origin, for the picker.
         self.loads = loads or LoadBoard()
         self._metrics = metrics
@@ -209,8 +209,10 @@ class Forwarder:
         self._forward = FORWARD_REQUEST_HEADERS + tuple(
             h for h in configured if h not in NEVER_FORWARDED and h not in FORWARD_REQUEST_HEADERS
         )
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
+        self._wire = OriginWire(
+            connector,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
         )
 
     def candidate_limit(self) -> int:
@@ -603,9 +605,7 @@ class Forwarder:
         sent_at = loop.time()
         loads.started(target.name)
         try:
-            resp = await self._session.post(
-                target.url(path), data=body, headers=headers, timeout=self._timeout
-            )
+            resp = await self._wire.post(target.url(path), body, headers)
         except TimeoutError as exc:
             loads.finished(target.name)
             raise _Retryable("timeout", "timed out before the response started") from exc
@@ -657,7 +657,7 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
         task.result().release()
 
 
-def _copy(resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
+def _copy(resp: OriginResponse) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
         if name.lower() not in DROP_RESPONSE_HEADERS:

@@ -112,7 +112,7 @@ RigMaker = Callable[..., Awaitable[Rig]]
 async def rigs() -> AsyncIterator[RigMaker]:
     """Build rigs of N test origins; everything is closed at the end."""
     servers: list[TestServer] = []
-    sessions: list[aiohttp.ClientSession] = []
+    connectors: list[aiohttp.TCPConnector] = []
 
     async def make(*behaviours: Behaviour, **kw: Any) -> Rig:
         origins = [Origin(f"o{i}", b) for i, b in enumerate(behaviours, start=1)]
@@ -124,16 +124,16 @@ async def rigs() -> AsyncIterator[RigMaker]:
             await server.start_server()
             servers.append(server)
             targets.append(Target(origin.name, "r1", str(server.make_url("/v1")), 100))
-        session = aiohttp.ClientSession()
-        sessions.append(session)
+        connector = aiohttp.TCPConnector()
+        connectors.append(connector)
         metrics = Metrics()
         settings = kw.pop("settings", UpstreamSettings())
-        forwarder = Forwarder(session, metrics, settings, loads=LoadBoard(), **kw)
+        forwarder = Forwarder(connector, metrics, settings, loads=LoadBoard(), **kw)
         return Rig(forwarder, metrics, origins, targets)
 
     yield make
-    for session in sessions:
-        await session.close()
+    for connector in connectors:
+        await connector.close()
     for server in servers:
         await server.close()
 

@@ -229,13 +229,13 @@ def test_a_client_id_is_kept_only_when_short_and_printable(value: str | None, ke
 # ---------------------------------------------------------------- forwarded headers
 
 
-async def forwarder(*configured: str) -> tuple[Forwarder, aiohttp.ClientSession]:
-    session = aiohttp.ClientSession()
-    return Forwarder(session, Metrics(), UpstreamSettings(forward_headers=configured)), session
+async def forwarder(*configured: str) -> tuple[Forwarder, aiohttp.TCPConnector]:
+    connector = aiohttp.TCPConnector()
+    return Forwarder(connector, Metrics(), UpstreamSettings(forward_headers=configured)), connector
 
 
 async def test_forwarded_headers_are_capped_and_never_hop_by_hop() -> None:
-    fw, session = await forwarder("Connection", "TE", "Keep-Alive", "X-Hint", "X-Big")
+    fw, connector = await forwarder("Connection", "TE", "Keep-Alive", "X-Hint", "X-Big")
     try:
         incoming = CIMultiDict(
             {
@@ -256,12 +256,12 @@ async def test_forwarded_headers_are_capped_and_never_hop_by_hop() -> None:
         assert sent["user-agent"] == "é" * (MAX_FORWARDED_VALUE // 2)
         assert sent["x-request-id"] == "rid"
     finally:
-        await session.close()
+        await connector.close()
 
 
 async def test_the_forwarded_set_is_capped_in_all() -> None:
     names = [f"x-h{i}" for i in range(20)]
-    fw, session = await forwarder(*names)
+    fw, connector = await forwarder(*names)
     try:
         incoming = CIMultiDict({name: "v" * 400 for name in names})
         sent = fw.request_headers(incoming, "rid")
@@ -269,7 +269,7 @@ async def test_the_forwarded_set_is_capped_in_all() -> None:
         assert 0 < len(forwarded) < len(names)
         assert sum(len(n) + len(sent[n]) for n in forwarded) <= MAX_FORWARDED_TOTAL
     finally:
-        await session.close()
+        await connector.close()
 
 
 def test_a_client_id_keeps_exactly_the_visible_ascii_characters() -> None:

@@ -1,0 +1,198 @@
+"""One origin call on aiohttp's lower layers: its connection pool and its response parser.
+
+`aiohttp.ClientSession.post` builds, per request, a `ClientRequest` (URL
+checks, auto headers, cookie jar, payload registry, a writer task for the
+body) and a `ClientResponse` (timers, trace hooks, cookies): a third of the
+proxy's CPU per request went there, for a call whose shape never changes (a
+POST of bytes already in memory to an origin of the route table). `OriginWire`
+keeps what matters and nothing else:
+
+- the connector (`aiohttp.TCPConnector`: keep-alive pool, per-host limit, DNS
+  cache, TLS) hands out connections, keyed by a `ClientRequest` built once per
+  origin URL and reused for every call to it;
+- the request head is aiohttp's own serialisation (`_serialize_headers`, which
+  refuses CR and LF in names and values), written with the body in one
+  `writelines`;
+- the connection's protocol (`aiohttp.client_proto.ResponseHandler`) parses
+  the answer with aiohttp's C parser (llhttp), decompresses it, and enforces
+  the read timeout, exactly as under a ClientSession.
+
+Errors are aiohttp's: `aiohttp.ClientError` subclasses for connection and
+protocol failures, `TimeoutError` subclasses for the connect and read
+timeouts. A call cancelled or failed before it returns closes its connection
+(an origin generating for nobody stops). The body is written whole, not
+streamed under flow control: it is already in memory, bounded by the
+proxy's --max-body-bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Final
+
+import aiohttp
+from aiohttp import hdrs
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.connector import Connection
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_writer import _serialize_headers
+from aiohttp.streams import StreamReader
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+__all__ = ["OriginResponse", "OriginWire"]
+
+# What a ClientSession adds to every request unless the caller set it: the
+# origins saw these before this module existed, and gzip answers stay cheap to
+# accept (the parser decompresses them).
+DEFAULT_HEADERS: Final = (
+    (hdrs.ACCEPT, "*/*"),
+    (hdrs.ACCEPT_ENCODING, "gzip, deflate"),
+    (hdrs.USER_AGENT, SERVER_SOFTWARE),
+)
+# Origin URLs remembered (each with its ClientRequest); a table names a few.
+MAX_ENDPOINTS: Final = 4096
+READ_BUFSIZE: Final = 2**16
+MAX_LINE: Final = 8190
+MAX_HEADERS: Final = 128
+
+
+class _Endpoint:
+    """An origin URL as the wire calls it: the connector's key and the request
+    line and Host header, built once."""
+
+    __slots__ = ("host", "key", "line")
+
+    def __init__(self, url: URL, loop: asyncio.AbstractEventLoop) -> None:
+        if url.scheme not in ("http", "https") or not url.raw_host:
+            raise ValueError(f"not an origin URL: {url}")
+        # Only the connector reads it: the key of its pool, and what it needs
+        # to open (and for https, verify) a new connection.
+        self.key = ClientRequest("POST", url, loop=loop)
+        self.line = f"POST {url.raw_path_qs} HTTP/1.1"
+        default_port = url.is_default_port()
+        self.host = url.raw_host if default_port else f"{url.raw_host}:{url.port}"
+        if ":" in url.raw_host and not url.raw_host.startswith("["):
+            self.host = f"[{url.raw_host}]" + ("" if default_port else f":{url.port}")
+
+
+class OriginResponse:
+    """An origin's answer once its head has arrived: `status`, `headers`, and
+    `content`, the body as aiohttp's StreamReader (decompressed).
+
+    The caller ends it with `release()`: the connection goes back to the pool
+    when the body was read to its end and the origin keeps the connection
+    open, and is closed otherwise. `close()` always closes it. Both are
+    idempotent.
+    """
+
+    __slots__ = ("_conn", "content", "headers", "status")
+
+    def __init__(
+        self,
+        status: int,
+        headers: CIMultiDictProxy[str],
+        content: StreamReader,
+        conn: Connection,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.content = content
+        self._conn: Connection | None = conn
+
+    @property
+    def content_type(self) -> str:
+        """The media type, lower case, without parameters ("" when absent)."""
+        value = self.headers.get(hdrs.CONTENT_TYPE, "")
+        return value.partition(";")[0].strip().lower()
+
+    async def read(self) -> bytes:
+        """The whole body; then the connection is released."""
+        try:
+            body = await self.content.read()
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+        return body
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.release()  # pooled only when the body ended and keep-alive holds
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+class OriginWire:
+    """POSTs to origins over `connector`'s pool. One per app; safe for
+    concurrent use on its event loop."""
+
+    def __init__(
+        self,
+        connector: aiohttp.BaseConnector,
+        *,
+        connect_timeout: float | None,
+        read_timeout: float | None,
+    ) -> None:
+        self._connector = connector
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, connect=connect_timeout
+        )
+        self._read_timeout = read_timeout
+        self._endpoints: dict[URL, _Endpoint] = {}
+
+    def _endpoint(self, url: URL) -> _Endpoint:
+        found = self._endpoints.get(url)
+        if found is None:
+            if len(self._endpoints) >= MAX_ENDPOINTS:
+                self._endpoints.clear()  # tables changed many times: start over
+            found = self._endpoints[url] = _Endpoint(url, asyncio.get_running_loop())
+        return found
+
+    async def post(self, url: URL, body: bytes, headers: CIMultiDict[str]) -> OriginResponse:
+        """Send `body` to `url` with `headers`, to which Host, Content-Length
+        and the DEFAULT_HEADERS it lacks are added (set again on every call, so
+        one dict serves a request's attempts on several origins); return once
+        the answer's head has arrived."""
+        endpoint = self._endpoint(url)
+        conn = await self._connector.connect(endpoint.key, [], self._timeout)
+        try:
+            protocol = conn.protocol
+            transport = conn.transport
+            if protocol is None or transport is None:
+                raise aiohttp.ServerDisconnectedError()
+            protocol.set_response_params(
+                read_timeout=self._read_timeout,
+                read_bufsize=READ_BUFSIZE,
+                max_line_size=MAX_LINE,
+                max_field_size=MAX_LINE,
+                max_headers=MAX_HEADERS,
+            )
+            headers[hdrs.HOST] = endpoint.host
+            headers[hdrs.CONTENT_LENGTH] = str(len(body))
+            for name, value in DEFAULT_HEADERS:
+                headers.setdefault(name, value)
+            transport.writelines((_serialize_headers(endpoint.line, headers), body))
+            protocol.start_timeout()  # the read timeout runs from the request's last byte
+            return await _head(protocol, conn)
+        except BaseException:
+            conn.close()
+            raise
+
+
+async def _head(protocol: ResponseHandler, conn: Connection) -> OriginResponse:
+    """The first final answer's head (1xx interim answers skipped)."""
+    while True:
+        try:
+            message, payload = await protocol.read()
+        except HttpProcessingError as exc:
+            raise aiohttp.ClientPayloadError(f"unparsable answer: {exc.message}") from exc
+        code = message.code
+        if not 100 <= code < 200 or code == 101:
+            return OriginResponse(code, message.headers, payload, conn)
