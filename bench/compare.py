@@ -103,7 +103,15 @@ from bench.compare_table import (
     scaling_table,
 )
 from bench.loadgen import LoadGenerator, LoadResult, LoadSpec, merge, summarize
-from bench.procs import affinity, cpus_available, largest_mb, pin_tree, process_tree, tree_mb
+from bench.procs import (
+    CPUS_AT_START,
+    affinity,
+    cpus_available,
+    largest_mb,
+    pin_tree,
+    process_tree,
+    tree_mb,
+)
 from ponto.devenv import Managed, free_port, python_entry, spawn
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
@@ -145,8 +153,6 @@ HIT_BODY = BODY.replace(b"{i}", b"asked again and again")
 # worker with a small cache (issue 17: one worker < 80 MB with 32 MB of cache).
 CACHE_MAX_MB = 32
 PONTO_ARGS = ("--log-level", "WARNING", "--cache-max-mb", str(CACHE_MAX_MB))
-# Every CPU this process may use, read before run() pins it to LOAD_CPU (scaling uses them).
-CPUS_AT_START = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())
 OVERLOAD = 1.5  # an open-loop rate over 1.5x a target's closed-loop max gets a short probe
 PROBE_S = 2.0  # duration and timeout of such a probe
 MAX_OPEN_S = 30.0  # ... but no open-loop run lasts longer than this
