@@ -28,11 +28,12 @@ request) is the origin of "cpu" and of the workers phase. Why: CPU per request
 is the server's own cost only when the server is saturated (below that, every
 request also pays the wake-ups of an idle event loop, and the figure depends on
 how far below). The simulator is Python and costs CPU 1 about as much per
-request as a proxy costs CPU 0, so against it CPU 1 saturates first and the
-server under test runs at half its core; against nginx the server under test
-is the bottleneck. Ponto routes model "canned" to nginx (a second origin in
-its table) and the simulator's model to the simulator; a second pass-through
-runs in front of nginx.
+request as the pass-through costs CPU 0, so against it CPU 1 (origin and
+wrk) can saturate first and leave the server under test below its core's
+capacity; against nginx the server under test is the bottleneck. Ponto
+routes model "canned" to nginx (a second origin in its table) and the
+simulator's model to the simulator; a second pass-through runs in front of
+nginx.
 
 How it measures. Server CPU per request and maximum throughput: wrk
 (bench/wrk.py), a closed loop of N connections, each request with its own

@@ -323,7 +323,8 @@ def build_table(
 
 
 def scaling_table(phase: Phase | None, workers: int) -> Table | None:
-    """Ponto with one worker against `workers` workers, every CPU open to every process."""
+    """Ponto with one worker against `workers` workers, every CPU open to every process
+    (the canned origin behind both)."""
     if phase is None:
         return None
     one, many = "ponto-1", f"ponto-{workers}"
@@ -331,7 +332,7 @@ def scaling_table(phase: Phase | None, workers: int) -> Table | None:
     for label, path, digits in (
         ("max rate, wrk closed loop (req/s)", ("throughput",), 0),
         ("  server CPU busy meanwhile", ("server_cpu",), 2),
-        ("  origin CPU busy meanwhile", ("origin_cpu",), 2),
+        ("  origin (nginx) CPU busy meanwhile", ("origin_cpu",), 2),
         ("  server CPU per request (us)", ("cpu_us_per_request",), 0),
     ):
         a, b = get(phase, one, *path), get(phase, many, *path)

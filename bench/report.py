@@ -318,9 +318,10 @@ caches it as it does the simulator's), some 13 us of CPU per request. Only a
 saturated server's CPU per request is its own cost: below saturation every
 request also pays an idle event loop's wake-ups, and the figure depends on how
 far below. The origin simulator is Python and costs CPU 1 about as much per
-request as a proxy costs CPU 0, so against it (*max rate (simulator origin)*)
-CPU 1 saturates first and the server under test runs at half its core. Against
-nginx the server under test is the bottleneck (*server CPU busy* near 1).
+request as the pass-through costs CPU 0, so against it (*max rate (simulator
+origin)*) CPU 1 can saturate first and leave the server under test below its
+core's capacity. Against nginx the server under test is the bottleneck
+(*server CPU busy* near 1).
 *direct* there is nginx itself; Ponto routes model `canned` to nginx; a second
 pass-through stands in front of nginx. LiteLLM is not in that phase (its
 config maps every model to one origin). The simulator remains the origin of
