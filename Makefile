@@ -156,13 +156,24 @@ WRK := wrk
 $(WRK):
 	$(call apt-tool,wrk,wrk,bench.compare will stop)
 
+# Debian's nginx (nginx-light) is bench.compare's canned origin (bench/canned.py): a
+# near-free origin, so that the server under test, not the origin, saturates its CPU.
+# Debian puts it in /usr/sbin, which a user's PATH may lack.
+NGINX := nginx
+NGINX_SBIN ?= /usr/sbin
+.PHONY: $(NGINX)
+
+$(NGINX): export PATH := $(PATH):$(NGINX_SBIN)
+$(NGINX):
+	$(call apt-tool,nginx,nginx-light,bench.compare will stop)
+
 # Side-by-side measurements; each prints its figures and ratios and writes
 # docs/benchmarks/*.json, which bench.report (last) turns into
 # docs/benchmarks/README.md with plots. About 33 minutes on 2 cores (bench.affinity,
 # routing inside a region, about 11 of them, and bench.resilience, about 4, write their
 # own pages too); compare
 # installs LiteLLM into .bench/ the first time.
-bench: $(STAMP) $(WRK) $(REDIS)
+bench: $(STAMP) $(WRK) $(NGINX) $(REDIS)
 	$(PY) -m bench.record overhead-sequential "Proxy overhead, sequential client" bench.overhead
 	$(PY) -m bench.record routing "Routing cost per request" bench.routing
 	$(PY) -m bench.auth_ratelimit

@@ -19,13 +19,27 @@ with its master key (bench/litellm_env.py).
 
 What runs where (two CPUs): each server under test (pass-through, Ponto,
 LiteLLM: one process, one worker) alone on CPU 0; the origin simulator, the
-load generators, etcd and Ponto's control plane on CPU 1.
+canned origin, the load generators, etcd and Ponto's control plane on CPU 1.
 
-How it measures. Maximum throughput and server CPU per request: wrk
+Two origins. The simulator (ponto.originsim) is the origin of every latency
+phase and of "max". The canned origin (bench/canned.py: Debian's nginx
+answering one fixed chat completion for model "canned", some 13 us of CPU per
+request) is the origin of "cpu" and of the workers phase. Why: CPU per request
+is the server's own cost only when the server is saturated (below that, every
+request also pays the wake-ups of an idle event loop, and the figure depends on
+how far below). The simulator is Python and costs CPU 1 about as much per
+request as the pass-through costs CPU 0, so against it CPU 1 (origin and
+wrk) can saturate first and leave the server under test below its core's
+capacity; against nginx the server under test is the bottleneck. Ponto
+routes model "canned" to nginx (a second origin in its table) and the
+simulator's model to the simulator; a second pass-through runs in front of
+nginx.
+
+How it measures. Server CPU per request and maximum throughput: wrk
 (bench/wrk.py), a closed loop of N connections, each request with its own
 prompt; CPU per request = the server's process tree's utime + stime over the
-run / answers; "per core" = throughput / CPU busy, so it holds even when CPU
-1 (origin + wrk) is the bottleneck. Latency: bench/loadgen.py, one request at
+measured run (wrk's warm-up run is not in it) / answers; "per core" =
+throughput / CPU busy. Latency: bench/loadgen.py, one request at
 a time (a closed loop of one connection), and open loop at fixed rates
 (requests evenly spaced at t0 + i/rate, latency from each request's due
 time, so nothing is hidden by coordinated omission). Every phase alternates
@@ -35,17 +49,21 @@ phase, which repeats one question on purpose). A rate far above a target's
 maximum gets a short probe that shows it failing, not a full run. Peak RSS
 is VmHWM of each server's process tree at the end.
 
-Phases: max (wrk); one at a time; exact-cache hit (Ponto, one question
+Phases: max (wrk, simulator origin; its maxima set the open-loop probes and
+the sustained rates); cpu (wrk, canned origin; direct is nginx itself,
+LiteLLM is not in it: bench/litellm_env.py maps every model to one origin);
+one at a time; exact-cache hit (Ponto, one question
 repeated) against direct; 100/s and 1,000/s non-streaming; 100/s streaming
 (TTFT = first SSE event); sustained (80 % or 50 % of each target's max); if
 LiteLLM cannot hold 100/s, the latencies again at half its max, for a fair
 ratio; with --ponto-workers N (N >= 2), a last phase where a one-worker Ponto
-and the N-worker one get every CPU (shared with origin and wrk) for wrk.
+and the N-worker one get every CPU (shared with the canned origin and wrk,
+which take little of them) for wrk.
 
 Prints one table, the ratios, issue 8's goals and issue 17's aims (PASS or
 MISS; a MISS never fails the run); writes JSON (default
 docs/benchmarks/overhead.json, none with --quick) for bench/report.py.
-Needs wrk (apt-get install -y wrk; `make bench` installs it).
+Needs wrk and nginx (apt-get install -y wrk nginx-light; `make bench` installs both).
 """
 
 from __future__ import annotations
@@ -73,7 +91,7 @@ from typing import Any
 
 import grpc
 
-from bench import litellm_env, wrk
+from bench import canned, litellm_env, wrk
 from bench.compare_table import (
     Phase,
     aims,
@@ -86,7 +104,15 @@ from bench.compare_table import (
     scaling_table,
 )
 from bench.loadgen import LoadGenerator, LoadResult, LoadSpec, merge, summarize
-from bench.procs import affinity, cpus_available, largest_mb, pin_tree, process_tree, tree_mb
+from bench.procs import (
+    CPUS_AT_START,
+    affinity,
+    cpus_available,
+    largest_mb,
+    pin_tree,
+    process_tree,
+    tree_mb,
+)
 from ponto.devenv import Managed, free_port, python_entry, spawn
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
@@ -95,15 +121,24 @@ from ponto.v1 import routing_pb2 as pb
 Header = tuple[tuple[str, str], ...]
 
 SERVER_CPU = 0  # the server under test, alone
-LOAD_CPU = 1  # origin, load generators, etcd, control plane
+LOAD_CPU = 1  # origins, load generators, etcd, control plane
 MODEL = "sim-small"
 DEFAULT_OUT = Path("docs/benchmarks/overhead.json")
-# "{i}" becomes each request's index: distinct prompts, so no cache answers a repeat.
-# temperature 0: deterministic, so Ponto's cache looks each request up (and misses).
-BODY = json.dumps(
-    {"model": MODEL, "max_tokens": 8, "temperature": 0,
-     "messages": [{"role": "user", "content": "ping {i}"}]}
-).encode()  # fmt: skip
+
+
+def chat_body(model: str) -> bytes:
+    """A non-streaming chat request for `model`; "{i}" becomes each request's index:
+    distinct prompts, so no cache answers a repeat. temperature 0: deterministic,
+    so Ponto's cache looks each request up (and misses)."""
+    return json.dumps(
+        {"model": model, "max_tokens": 8, "temperature": 0,
+         "messages": [{"role": "user", "content": "ping {i}"}]}
+    ).encode()  # fmt: skip
+
+
+BODY = chat_body(MODEL)
+# The "cpu" and workers phases' requests: Ponto routes them to the canned origin.
+CANNED_BODY = chat_body(canned.CANNED_MODEL)
 STREAM_BODY = json.dumps(
     {
         "model": MODEL,
@@ -119,8 +154,6 @@ HIT_BODY = BODY.replace(b"{i}", b"asked again and again")
 # worker with a small cache (issue 17: one worker < 80 MB with 32 MB of cache).
 CACHE_MAX_MB = 32
 PONTO_ARGS = ("--log-level", "WARNING", "--cache-max-mb", str(CACHE_MAX_MB))
-# Every CPU this process may use, read before run() pins it to LOAD_CPU (scaling uses them).
-CPUS_AT_START = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())
 OVERLOAD = 1.5  # an open-loop rate over 1.5x a target's closed-loop max gets a short probe
 PROBE_S = 2.0  # duration and timeout of such a probe
 MAX_OPEN_S = 30.0  # ... but no open-loop run lasts longer than this
@@ -161,19 +194,39 @@ def start_ponto(fleet: Fleet, proxy_args: Sequence[str] = ()) -> tuple[Managed, 
     return origin, proxy
 
 
-def start_passthrough(fleet: Fleet, origin: Managed) -> Managed:
-    """bench/passthrough.py in front of `origin`, alone on SERVER_CPU like the proxies.
+def start_passthrough(fleet: Fleet, origin: str, name: str = "passthrough") -> Managed:
+    """bench/passthrough.py in front of the origin at `origin` (HOST:PORT), alone on
+    SERVER_CPU like the proxies; `name` names its files in the fleet's work dir.
 
     The caller owns the process (the fleet does not know it) and must stop it.
     """
-    ready = fleet.workdir / "passthrough.addr"
+    ready = fleet.workdir / f"{name}.addr"
     ready.unlink(missing_ok=True)
     argv = [*python_entry("bench.passthrough"), "--listen", "127.0.0.1:0",
-            "--origin", f"http://{origin.address}", "--ready-file", str(ready)]  # fmt: skip
+            "--origin", f"http://{origin}", "--ready-file", str(ready)]  # fmt: skip
     with affinity({SERVER_CPU}):
-        managed = spawn("passthrough", argv, fleet.workdir, ready_file=ready)
+        managed = spawn(name, argv, fleet.workdir, ready_file=ready)
     pin_tree(managed.proc.pid, {SERVER_CPU})
     return managed
+
+
+def start_canned(fleet: Fleet, workdir: Path) -> canned.CannedOrigin:
+    """The canned origin (nginx) on LOAD_CPU, registered as origin "canned" for
+    CANNED_MODEL; returns once every proxy serves a table with it.
+
+    The caller owns nginx and must stop it; `workdir` is its directory.
+    """
+    origin = canned.CannedOrigin(workdir, cpus={LOAD_CPU} if cpus_available() else None)
+    origin.start()
+    try:
+        fleet.add_origin("canned", "local", origin.url, models=(canned.CANNED_MODEL,))
+        fleet.wait_proxies_at(
+            fleet.wait_table(lambda t: any(o.name == "canned" for o in t.origins))
+        )
+    except BaseException:
+        origin.stop()
+        raise
+    return origin
 
 
 def configure_ponto_features(fleet: Fleet, features: str) -> tuple[Header, str]:
@@ -269,14 +322,14 @@ def check(target: Target, body: bytes = BODY, timeout: float = 30.0) -> None:
         raise RuntimeError(f"{target.label}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
 
 
-def check_until_ok(target: Target, limit: float = 20.0) -> None:
+def check_until_ok(target: Target, limit: float = 20.0, body: bytes = BODY) -> None:
     """`check`, retried for up to `limit` seconds: a proxy that has just joined
     answers 429 for a limited key until the leader's next rebalance gives it a
     share that matches its demand (docs/rate-limits.md)."""
     deadline = time.monotonic() + limit
     while True:
         try:
-            check(target)
+            check(target, body)
             return
         except RuntimeError:
             if time.monotonic() >= deadline:
@@ -464,9 +517,12 @@ def wrk_phase(
     origin_pid: int,
     plan: Plan,
     cpus: frozenset[int] | None = None,
+    body: bytes = BODY,
 ) -> Phase:
-    """Maximum rate: wrk's closed loop against every target, alternating over the plan's
-    rounds. wrk runs on `cpus` (None: this process's, CPU 1), one thread per CPU."""
+    """Maximum rate: wrk's closed loop of `body` (its {i} made unique per request)
+    against every target, alternating over the plan's rounds. wrk runs on `cpus`
+    (None: this process's, CPU 1), one thread per CPU. `origin_pid` is the origin
+    behind the targets (its CPU is reported beside each server's)."""
     seconds, warmup = plan.wrk_seconds()
     phase = Phase(name, "wrk", False, None)
     runs: dict[str, list[wrk.WrkResult]] = {t.key: [] for t in targets}
@@ -475,7 +531,7 @@ def wrk_phase(
         for target in targets:
             spec = wrk.WrkSpec(
                 url=target.url,
-                body=BODY,
+                body=body,
                 headers=target.headers,
                 connections=plan.connections,
                 threads=len(cpus) if cpus else 1,
@@ -554,16 +610,33 @@ def _round(value: float, digits: int) -> float | None:
     return None if value is None or math.isnan(value) else round(value, digits)
 
 
+@dataclass(frozen=True)
+class CannedTargets:
+    """The "cpu" phase's targets (nginx direct, a pass-through in front of it, Ponto
+    asked for its model) and nginx's pid."""
+
+    targets: list[Target]
+    origin_pid: int
+
+
 def measure(
-    targets: list[Target], origin_pid: int, plan: Plan, *, ponto_cache: str | None
+    targets: list[Target],
+    origin_pid: int,
+    plan: Plan,
+    *,
+    ponto_cache: str | None,
+    cpu: CannedTargets | None = None,
 ) -> dict[str, Phase]:
     """Every phase but scaling, in order (see the module docstring); the exact-cache
-    phase only with `ponto_cache`, the address of a Ponto whose cache is on."""
+    phase only with `ponto_cache`, the address of a Ponto whose cache is on; "cpu"
+    only with `cpu`."""
     phases: dict[str, Phase] = {}
     with LoadGenerator() as gen:
         runner = Runner(gen, targets, origin_pid, plan)
         phases["max"] = wrk_phase("max", targets, origin_pid, plan)
         runner.maxima = {k: r.get("throughput") or 0.0 for k, r in phases["max"].results.items()}
+        if cpu is not None:
+            phases["cpu"] = wrk_phase("cpu", cpu.targets, cpu.origin_pid, plan, body=CANNED_BODY)
         phases["sequential"] = runner.phase("sequential", mode="sequential")
         if ponto_cache is not None:
             phases["cache-hit"] = cache_hit(runner, ponto_cache)
@@ -623,16 +696,23 @@ def sustained(runner: Runner) -> Phase:
 
 
 def scaling(
-    fleet: Fleet, ponto: Target, origin: Managed, plan: Plan, workers: int, proxy_args: list[str]
+    fleet: Fleet,
+    ponto: Target,
+    origin: canned.CannedOrigin,
+    plan: Plan,
+    workers: int,
+    proxy_args: list[str],
 ) -> Phase:
     """`workers` workers against one, both Ponto, with every CPU open to every process.
 
     The one-worker proxy is the table's; an N-worker proxy (same arguments but
-    --workers N) is started for this phase. Both proxies, the origin and wrk
-    get every CPU this run started with (one wrk thread per CPU). On a machine
-    whose CPUs also run the origin and wrk, the ratio is bounded by what those
-    take: the table shows the CPU each side used. Runs last: the placement of
-    the other phases is not restored.
+    --workers N) is started for this phase. Both are asked for the canned
+    origin's model (CANNED_BODY): nginx costs a few percent of what a proxy
+    does per request, so the origin does not bound the ratio as the simulator,
+    as costly as the proxy, would. Both proxies, nginx and wrk get every CPU
+    this run started with (one wrk thread per CPU); wrk's share still does
+    bound it on a small machine: the table shows the CPU each side used. Runs
+    last: the placement of the other phases is not restored.
     """
     every = set(CPUS_AT_START) | {SERVER_CPU, LOAD_CPU}
     with affinity(every):
@@ -641,14 +721,14 @@ def scaling(
         )
     fleet.wait_proxies_at(fleet.table_version(origins=1))
     wait_ready(fleet, "proxy-n")
-    for pid in (ponto.pid, origin.proc.pid, group.proc.pid):
+    for pid in (ponto.pid, origin.pid, group.proc.pid):
         pin_tree(pid, every)
     one = Target("ponto-1", "Ponto, 1 worker", ponto.url, ponto.pid, ponto.headers)
     many = Target(f"ponto-{workers}", f"Ponto, {workers} workers",
                   fleet.proxy_url("proxy-n") + "/chat/completions", group.proc.pid,
                   ponto.headers)  # fmt: skip
-    check_until_ok(many)
-    return wrk_phase("scaling", [one, many], origin.proc.pid, plan, frozenset(every))
+    check_until_ok(many, body=CANNED_BODY)
+    return wrk_phase("scaling", [one, many], origin.pid, plan, frozenset(every), body=CANNED_BODY)
 
 
 # ---------------------------------------------------------------- main
@@ -697,6 +777,15 @@ def start_litellm(tmp: Path, fleet: Fleet, report: dict[str, Any]) -> litellm_en
     return litellm
 
 
+CANNED_NOTE = (
+    "server CPU per request is measured against a canned origin (bench/canned.py: nginx "
+    "answering one fixed chat completion, ~13 us of CPU per request) so that the server "
+    "under test, not the origin, saturates its CPU; the simulator stays the origin of the "
+    "max rate and the latency phases. LiteLLM is not in that phase (bench/litellm_env.py "
+    "maps every model to one origin)"
+)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
     pinned = cpus_available()
@@ -711,8 +800,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "versions": versions(),
         "placement": (
-            f"CPU {SERVER_CPU}: server under test alone; CPU {LOAD_CPU}: origin, load generators "
-            "(wrk, bench/loadgen.py), etcd, control plane"
+            f"CPU {SERVER_CPU}: server under test alone; CPU {LOAD_CPU}: origins (simulator, "
+            "canned nginx), load generators (wrk, bench/loadgen.py), etcd, control plane"
             if pinned
             else "not pinned (fewer than 2 CPUs)"
         ),
@@ -720,6 +809,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ponto_workers": args.ponto_workers,
         "passthrough": "bench/passthrough.py: aiohttp + uvloop, one ClientSession, body and "
         "Content-Type forwarded, SSE relayed chunk by chunk, nothing else",
+        "canned_origin": CANNED_NOTE,
     }
     started = time.monotonic()
     measured = measure_all(args, plan, report)
@@ -745,12 +835,16 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
     started = time.monotonic()
     litellm: litellm_env.LiteLLMProxy | None = None
     passthrough: Managed | None = None
+    passthrough_canned: Managed | None = None
+    nginx: canned.CannedOrigin | None = None
     with tempfile.TemporaryDirectory(prefix="ponto-compare-") as tmp, Fleet(Path(tmp)) as fleet:
         try:
             # One worker, like every other server in the table; --ponto-workers
             # adds a last phase with an N-worker proxy (scaling).
             origin, proxy = start_ponto(fleet, [*args.ponto_arg, "--workers", "1"])
-            passthrough = start_passthrough(fleet, origin)
+            nginx = start_canned(fleet, Path(tmp) / "canned")
+            passthrough = start_passthrough(fleet, origin.address)
+            passthrough_canned = start_passthrough(fleet, nginx.address, "passthrough-canned")
             headers, features = configure_ponto_features(fleet, args.ponto_features)
             headers += tuple(_header(h) for h in args.ponto_header)
             wait_ready(fleet, "proxy")
@@ -762,6 +856,16 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
                 Target("ponto", "Ponto", fleet.proxy_url("proxy") + "/chat/completions",
                        proxy.proc.pid, headers),
             ]  # fmt: skip
+            # The same keys as above, so that the "cpu" rows fall in the same columns.
+            canned_targets = [
+                Target("direct", "direct (nginx)", nginx.url + "/chat/completions", nginx.pid),
+                Target("passthrough", "pass-through (nginx)",
+                       f"http://{passthrough_canned.address}/v1/chat/completions",
+                       passthrough_canned.proc.pid),
+                Target("ponto", "Ponto (model canned)",
+                       fleet.proxy_url("proxy") + "/chat/completions", proxy.proc.pid, headers),
+            ]  # fmt: skip
+            cpu = CannedTargets(canned_targets, nginx.pid)
             report["ponto_features"] = features
             report["litellm"] = {"version": litellm_env.LITELLM_VERSION, "error": None}
             if args.no_litellm:
@@ -776,6 +880,8 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
                 check(t)
                 check(t, STREAM_BODY)
                 t.rss_start_mb = tree_mb(t.pid, "VmRSS")
+            for t in cpu.targets:
+                check(t, CANNED_BODY)
             print(
                 f"started in {time.monotonic() - started:.0f} s; measuring "
                 f"{', '.join(t.label for t in targets)}",
@@ -783,7 +889,11 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
             )
             cache_on = args.ponto_features != "none" and bool(headers)
             phases = measure(
-                targets, origin.proc.pid, plan, ponto_cache=proxy.address if cache_on else None
+                targets,
+                origin.proc.pid,
+                plan,
+                ponto_cache=proxy.address if cache_on else None,
+                cpu=cpu,
             )
             report["ponto_cache_at_end"] = cache_stats(proxy.address)
             # Before scaling, which loads the proxy on every CPU.
@@ -797,13 +907,16 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
             if args.ponto_workers and args.ponto_workers > 1:
                 ponto = next(t for t in targets if t.key == "ponto")
                 measured.scaled = scaling(
-                    fleet, ponto, origin, plan, args.ponto_workers, args.ponto_arg
+                    fleet, ponto, nginx, plan, args.ponto_workers, args.ponto_arg
                 )
         finally:
             if litellm is not None:
                 litellm.stop()
-            if passthrough is not None:
-                passthrough.stop()
+            for server in (passthrough, passthrough_canned):
+                if server is not None:
+                    server.stop()
+            if nginx is not None:
+                nginx.stop()
     return measured
 
 
@@ -871,8 +984,9 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"Pass-through: {report['passthrough']}.")
     print(
         "Max rate: wrk closed loop. Latency: bench/loadgen.py, one at a time, and open loop "
-        "evenly spaced (latency from each request's due time); added = minus direct.\n"
+        "evenly spaced (latency from each request's due time); added = minus direct."
     )
+    print(f"Canned origin: {report['canned_origin']}.\n")
     print(report["text"])
     cache = report.get("ponto_cache_at_end") or {}
     if cache.get("hit") or cache.get("miss"):
@@ -883,7 +997,10 @@ def print_report(report: dict[str, Any]) -> None:
             f"{cache['miss']:,.0f} misses"
         )
     if report.get("scaling_text"):
-        print("\nWorkers: every CPU open to the proxy, the origin and wrk alike\n")
+        print(
+            "\nWorkers: every CPU open to the proxy, the canned origin (nginx) and wrk alike; "
+            "nginx's few us per request do not bound the ratio\n"
+        )
         print(report["scaling_text"])
     print_verdicts("Goals (issue 8)", report["goals"])
     print_verdicts("Aims (issue 17): Ponto against the floor", report["aims"])
@@ -931,7 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ponto-workers must be at least 1")
     try:
         wrk.find_wrk()
-    except wrk.WrkMissing as exc:
+        canned.find_nginx()
+    except (wrk.WrkMissing, canned.NginxMissing) as exc:
         print(f"bench.compare: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up processes on SIGTERM too

@@ -12,11 +12,16 @@ import os
 from collections.abc import Iterable, Iterator
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The CPUs this process could use when this module was imported. Not the current
+# mask: a benchmark narrows its own (bench.compare pins itself to the load CPU) and
+# must still place the server under test on another CPU.
+CPUS_AT_START = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())
 
 
 def cpus_available() -> bool:
-    """Whether there are at least two CPUs to pin to (server on one, load on another)."""
-    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+    """Whether there are at least two CPUs to pin to (server on one, load on another),
+    among CPUS_AT_START: true as well after the caller has pinned itself to one."""
+    return hasattr(os, "sched_setaffinity") and len(CPUS_AT_START) >= 2
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The Makefile's tool targets (promtool, chromium, wrk): a missing tool is
+"""The Makefile's tool targets (promtool, chromium, wrk, nginx): a missing tool is
 installed with apt as root or under CI=true, and elsewhere named in one line
 while make goes on, so `make unit` and `make check` reach pytest without root.
 
@@ -20,9 +20,18 @@ MAKE = shutil.which("make")
 pytestmark = pytest.mark.skipif(MAKE is None, reason="no make")
 
 
-def run(tmp_path: Path, target: str, *, uid: int, ci: bool, apt_ok: bool = True) -> tuple[int, str]:
+def run(
+    tmp_path: Path,
+    target: str,
+    *,
+    uid: int,
+    ci: bool,
+    apt_ok: bool = True,
+    sbin: Path | None = None,
+) -> tuple[int, str]:
     """`make TARGET` where no tool is installed; returns its exit code and output,
-    with "apt-get ARGS" lines for each apt call."""
+    with "apt-get ARGS" lines for each apt call. nginx is also looked for in `sbin`
+    (default: a directory that does not exist, not this machine's /usr/sbin)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     calls = tmp_path / "apt-calls"
@@ -36,7 +45,14 @@ def run(tmp_path: Path, target: str, *, uid: int, ci: bool, apt_ok: bool = True)
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)} | ({"CI": "true"} if ci else {})
     assert MAKE is not None
     out = subprocess.run(
-        [MAKE, "--no-print-directory", "-C", str(ROOT), target],
+        [
+            MAKE,
+            "--no-print-directory",
+            "-C",
+            str(ROOT),
+            target,
+            f"NGINX_SBIN={sbin or tmp_path / 'no-sbin'}",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -49,7 +65,12 @@ def run(tmp_path: Path, target: str, *, uid: int, ci: bool, apt_ok: bool = True)
 
 @pytest.mark.parametrize(
     ("target", "package"),
-    [("promtool", "prometheus"), ("chromium", "chromium-driver"), ("wrk", "wrk")],
+    [
+        ("promtool", "prometheus"),
+        ("chromium", "chromium-driver"),
+        ("wrk", "wrk"),
+        ("nginx", "nginx-light"),
+    ],
 )
 def test_without_root_a_missing_tool_is_one_line_and_make_goes_on(
     tmp_path: Path, target: str, package: str
@@ -79,4 +100,13 @@ def test_a_tool_present_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / "bin" / "wrk").write_text("#!/bin/bash\n")
     (tmp_path / "bin" / "wrk").chmod(0o755)
     code, output = run(tmp_path, "wrk", uid=0, ci=True)
+    assert (code, output) == (0, "")
+
+
+def test_nginx_in_sbin_is_present_though_path_lacks_it(tmp_path: Path) -> None:
+    sbin = tmp_path / "sbin"
+    sbin.mkdir()
+    (sbin / "nginx").write_text("#!/bin/bash\n")
+    (sbin / "nginx").chmod(0o755)
+    code, output = run(tmp_path, "nginx", uid=1000, ci=False, sbin=sbin)
     assert (code, output) == (0, "")

@@ -1,0 +1,72 @@
+"""bench/compare_table.py: the "cpu" section (canned origin) beside "max" (simulator),
+and which of them the CPU aims and the per-core goal read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.compare_table import Phase, aims, build_table, goals
+
+
+def wrk_result(throughput: float, us: float, busy: float) -> dict[str, Any]:
+    return {
+        "connections": 16,
+        "error_ratio": 0.0,
+        "throughput": throughput,
+        "server_cpu": busy,
+        "origin_cpu": 0.9,
+        "cpu_us_per_request": us,
+        "per_core": round(1e6 / us),
+    }
+
+
+LABELS = {"direct": "direct", "passthrough": "pass-through", "ponto": "Ponto"}
+MAX = Phase("max", "wrk", False, None, {
+    "direct": wrk_result(3000, 300, 0.9),
+    "passthrough": wrk_result(1000, 480, 0.5),
+    "ponto": wrk_result(600, 1000, 0.6),
+})  # fmt: skip
+CPU = Phase("cpu", "wrk", False, None, {
+    "direct": wrk_result(70000, 13, 0.9),
+    "passthrough": wrk_result(2800, 350, 0.98),
+    "ponto": wrk_result(1050, 910, 0.96),
+})  # fmt: skip
+
+
+def aim(verdicts: list[dict[str, Any]], start: str) -> dict[str, Any]:
+    (found,) = [v for v in verdicts if v["goal"].startswith(start)]
+    return found
+
+
+def test_the_cpu_section_follows_max_with_its_own_ratios() -> None:
+    v = build_table(LABELS, {"max": MAX, "cpu": CPU}, {}, {}, ())
+    labels = [row[0] for row in v.table.rows]
+    start = labels.index("server CPU per request, canned origin (nginx), wrk closed loop 16 conns")
+    assert labels.index("max rate (simulator origin), wrk closed loop, 16 conns (req/s)") < start
+    section = {row[0].strip(): row for row in v.table.rows[start + 1 :]}
+    assert section["server CPU per request (us)"][1:] == ["13", "350", "910", "2.60x"]
+    assert section["origin (nginx) CPU busy meanwhile"][1] == "0.90"
+    assert v.floor["canned_cpu_per_request"] == 2.6
+    assert v.floor["cpu_per_request"] == 2.08  # "max" keeps its keys
+    assert v.floor["canned_max_throughput"] == 0.38
+
+
+def test_the_aims_and_the_per_core_goal_read_cpu_when_present() -> None:
+    phases = {"max": MAX, "cpu": CPU}
+    v = build_table(LABELS, phases, {}, {}, ())
+    cpu_aim = aim(aims(phases, v.floor, None, features="auth-limits-cache", workers=None),
+                  "server CPU per request with key auth")  # fmt: skip
+    assert cpu_aim["value"] == 2.6 and "[canned origin]" in cpu_aim["goal"]
+    per_core = aim(goals(phases, {}, v.litellm, "auth-limits-cache"), "Ponto at least 8,000")
+    assert per_core["value"] == round(1e6 / 910) and "canned origin" in per_core["goal"]
+
+
+def test_without_cpu_they_fall_back_to_max() -> None:
+    phases = {"max": MAX}
+    v = build_table(LABELS, phases, {}, {}, ())
+    assert not any("canned" in row[0] for row in v.table.rows)
+    cpu_aim = aim(aims(phases, v.floor, None, features="none", workers=None),
+                  "server CPU per request with defaults")  # fmt: skip
+    assert cpu_aim["value"] == 2.08 and "[simulator origin]" in cpu_aim["goal"]
+    per_core = aim(goals(phases, {}, v.litellm, "none"), "Ponto at least 8,000")
+    assert per_core["value"] == 1000
