@@ -138,6 +138,9 @@ class Exchange:
     stream_error: str = ""  # how a stream that started as a success ended badly
     # The request's spans; None when tracing is off (dataplane.telemetry).
     trace: RequestTrace | None = None
+    # With no trace: the traceparent its origin calls carry (a root request
+    # the sampler is known to drop; RequestTracer.unsampled_root).
+    traceparent: str | None = None
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
@@ -358,7 +361,7 @@ class Pipeline:
                 headers={"retry-after": "5"},
             )
         body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
-        headers = forwarder.request_headers(ex.headers, ex.request_id)
+        headers = forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
         try:
             answer = await forwarder.forward(
                 ex.endpoint.upstream_path,

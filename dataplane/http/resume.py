@@ -107,7 +107,7 @@ class Continuations:
         if not candidates:
             self._give_up(cut, "no other origin accepts continuations")
             return None
-        headers = self._forwarder.request_headers(ex.headers, ex.request_id)
+        headers = self._forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
         try:
             answer = await self._forwarder.forward(
                 ex.endpoint.upstream_path,

@@ -316,9 +316,14 @@ def proxied(endpoint: Endpoint) -> Handler:
             # table is a round trip to the control plane away. A request that
             # beats it waits for it rather than failing; begin() refuses after.
             await pipeline.holder.wait_first(FIRST_TABLE_WAIT_S)
-        if pipeline.tracer is not None:
-            return await traced(pipeline, pipeline.tracer, request, endpoint)
+        tracer = pipeline.tracer
+        unsampled = None
+        if tracer is not None:
+            unsampled = tracer.unsampled_root(request.headers)
+            if unsampled is None:
+                return await traced(pipeline, tracer, request, endpoint)
         ex = pipeline.begin(request, endpoint)
+        ex.traceparent = unsampled
         request[EXCHANGE] = ex
         return await pipeline.handle(request, ex)
 

@@ -13,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["EXPORTERS", "PROTOCOLS", "SAMPLERS", "TraceConfig", "TraceConfigError", "trace_config"]
+__all__ = [
+    "EXPORTERS",
+    "PROTOCOLS",
+    "SAMPLERS",
+    "TraceConfig",
+    "TraceConfigError",
+    "drops_roots",
+    "trace_config",
+]
 
 EXPORTERS = ("otlp", "console")
 PROTOCOLS = ("http/protobuf", "grpc")
@@ -110,3 +118,20 @@ def _check_sampler(env: Mapping[str, str]) -> None:
             raise TraceConfigError(
                 f"OTEL_TRACES_SAMPLER_ARG: {arg!r} is not a ratio between 0 and 1"
             )
+
+
+def drops_roots(env: Mapping[str, str]) -> bool:
+    """True when the sampler `env` names (as the SDK reads OTEL_TRACES_SAMPLER
+    and its argument; unset is parentbased_always_on) drops every request that
+    arrives without a parent: always_off, parentbased_always_off, or a ratio
+    sampler at 0. Such a request can be known unsampled before the SDK is
+    asked, which is what makes tracing "sampled at 0" cost nothing."""
+    sampler = _get(env, "OTEL_TRACES_SAMPLER").lower()
+    if sampler in ("always_off", "parentbased_always_off"):
+        return True
+    if sampler not in _RATIO_SAMPLERS:
+        return False
+    try:
+        return float(_get(env, "OTEL_TRACES_SAMPLER_ARG") or "1") == 0.0
+    except ValueError:
+        return False  # refused by trace_config before the proxy starts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -51,7 +52,7 @@ from yarl import URL
 from dataplane import jsonio
 from dataplane.metrics import GENAI_OPERATIONS
 from dataplane.streaming.usage import usage_of
-from dataplane.telemetry.config import TraceConfig
+from dataplane.telemetry.config import TraceConfig, drops_roots
 
 if TYPE_CHECKING:
     from dataplane.cache.entry import CachedResponse
@@ -135,11 +136,14 @@ class Tracing:
     proxy's entry point (one per process, hence per worker)."""
 
     def __init__(self, resource: Resource, processors: list[SpanProcessor], region: str) -> None:
-        # sampler=None: the SDK builds it from OTEL_TRACES_SAMPLER(_ARG).
+        # sampler=None: the SDK builds it from OTEL_TRACES_SAMPLER(_ARG), and
+        # the request tracer reads the same variables to skip it for roots.
         self.provider = TracerProvider(resource=resource)
         for processor in processors:
             self.provider.add_span_processor(processor)
-        self.tracer = RequestTracer(self.provider.get_tracer(SCOPE), region)
+        self.tracer = RequestTracer(
+            self.provider.get_tracer(SCOPE), region, drops_roots=drops_roots(os.environ)
+        )
 
     def shutdown(self) -> None:
         """Export what is buffered, then stop the exporters. Blocks (network)."""
@@ -149,9 +153,22 @@ class Tracing:
 class RequestTracer:
     """Starts one RequestTrace per proxied request. Safe on one event loop."""
 
-    def __init__(self, tracer: Tracer, region: str) -> None:
+    def __init__(self, tracer: Tracer, region: str, *, drops_roots: bool = False) -> None:
         self._tracer = tracer
         self.region = region  # the proxy's own
+        # The sampler drops every request without a parent (see unsampled_root).
+        self.drops_roots = drops_roots
+
+    def unsampled_root(self, headers: Mapping[str, str]) -> str | None:
+        """The `traceparent` for the origin calls of a request the sampler is
+        known to drop without asking it: one with no `traceparent` of its own,
+        under a sampler that drops every root. A new trace, not sampled, so
+        the origin need not record either, as the SDK would have said; no
+        span, no SDK call. None: the request may be sampled; `begin` it."""
+        if not self.drops_roots or "traceparent" in headers:
+            return None
+        ids = os.urandom(24).hex()
+        return f"00-{ids[:32]}-{ids[32:]}-00"
 
     def begin(
         self,

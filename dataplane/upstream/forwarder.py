@@ -224,10 +224,13 @@ class Forwarder:
         stream, or whole body); None with too few samples. What "auto" hedges after."""
         return self.commit_times.p95(origin, stream)
 
-    def request_headers(self, incoming: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+    def request_headers(
+        self, incoming: Mapping[str, str], request_id: str, traceparent: str | None = None
+    ) -> CIMultiDict[str]:
         """The headers an origin gets: the JSON content type, the request id and
         the allowed client headers, within MAX_FORWARDED_VALUE each and
-        MAX_FORWARDED_TOTAL in all (see there)."""
+        MAX_FORWARDED_TOTAL in all (see there); with `traceparent`, that one
+        (the request's own trace context, when no span of it is recorded)."""
         headers: CIMultiDict[str] = CIMultiDict()
         headers["content-type"] = "application/json"
         headers["x-request-id"] = request_id
@@ -248,6 +251,8 @@ class Forwarder:
             if total > MAX_FORWARDED_TOTAL:
                 break
             headers[name] = value
+        if traceparent is not None:
+            headers["traceparent"] = traceparent
         return headers
 
     async def forward(

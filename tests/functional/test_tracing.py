@@ -512,10 +512,21 @@ async def test_a_request_the_sampler_drops_exports_nothing_and_says_so_downstrea
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
     s = await traced_stack(tmp_path, exporter)
+    tracer = s.app[PIPELINE].tracer
+    assert tracer is not None
+    begun: list[str] = []
+    begin = tracer.begin
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        begun.append(args[0])
+        return begin(*args, **kwargs)
+
+    monkeypatch.setattr(tracer, "begin", counting)
     try:
         resp = await s.post(chat("not sampled", temperature=0.5))
         assert resp.status == 200
         assert exporter.get_finished_spans() == ()
+        assert begun == []  # known unsampled before the SDK is asked: no span at all
         sent = s.origins[0].app[SIM_STATE].stats.last_request
         assert sent is not None
         headers: Any = sent["headers"]
@@ -528,6 +539,7 @@ async def test_a_request_the_sampler_drops_exports_nothing_and_says_so_downstrea
         resp = await s.post(chat("sampled"), headers={"traceparent": CLIENT_TRACEPARENT})
         assert resp.status == 200
         assert f"{last_tree(exporter).trace_id:032x}" == CLIENT_TRACE
+        assert begun == ["chat.completions"]  # a request with a parent asks the sampler
     finally:
         await s.close()
 

@@ -187,6 +187,47 @@ def test_revoked_key_is_absent_from_the_next_table() -> None:
     assert after.authenticate(bearer(b.key), NOW).key_id == b.key_id
 
 
+def test_a_verified_key_is_remembered_and_a_refused_one_never_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    issued = issue_key()
+    auth = build(keys=[record(issued)])
+    compares: list[bytes] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        compares.append(a)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    forged = issued.key[:-1] + ("A" if issued.key[-1] != "A" else "B")
+    for _ in range(2):  # each refusal is checked afresh, in constant time
+        assert fails(auth, bearer(forged)).code == "invalid_api_key"
+    assert len(compares) == 2
+    for _ in range(3):
+        assert auth.authenticate(bearer(issued.key), NOW).key_id == issued.key_id
+    assert len(compares) == 3  # verified once, then remembered
+    # Remembered by the exact header: another spelling of the scheme is verified too.
+    assert auth.authenticate("bearer " + issued.key, NOW).key_id == issued.key_id
+    assert len(compares) == 4
+
+
+def test_remembered_keys_die_with_their_table_and_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(authenticator_module, "VERIFIED_KEYS", 2)
+    keys = [issue_key() for _ in range(3)]
+    before = build(keys=[record(k) for k in keys])
+    for k in keys:  # the third starts the map over: still answered right
+        assert before.authenticate(bearer(k.key), NOW).key_id == k.key_id
+    for k in keys:
+        assert before.authenticate(bearer(k.key), NOW).key_id == k.key_id
+    after = build(keys=[record(keys[1])])  # keys[0] and keys[2] revoked
+    assert fails(after, bearer(keys[0].key)).code == "invalid_api_key"
+    assert fails(after, bearer(keys[2].key)).code == "invalid_api_key"
+    assert after.authenticate(bearer(keys[1].key), NOW).key_id == keys[1].key_id
+
+
 def test_unknown_id_still_costs_one_compare(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
+from dataplane.telemetry.config import TraceConfig, TraceConfigError, drops_roots, trace_config
 
 ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}
 
@@ -98,3 +98,24 @@ def test_a_ratio_sampler_with_a_valid_argument_is_accepted() -> None:
         "OTEL_TRACES_SAMPLER_ARG": "0",
     }
     assert trace_config(env) is not None
+
+
+@pytest.mark.parametrize(
+    ("sampler", "arg", "drops"),
+    [
+        ("", "", False),  # the SDK's default, parentbased_always_on
+        ("always_on", "", False),
+        ("parentbased_always_on", "", False),
+        ("always_off", "", True),
+        ("parentbased_always_off", "", True),
+        ("traceidratio", "0", True),
+        ("parentbased_traceidratio", "0", True),
+        ("parentbased_traceidratio", "0.0", True),
+        ("parentbased_traceidratio", "0.01", False),
+        ("parentbased_traceidratio", "", False),  # no argument: the SDK's ratio 1
+        (" ALWAYS_OFF ", "", True),
+    ],
+)
+def test_which_samplers_drop_every_root(sampler: str, arg: str, drops: bool) -> None:
+    env = {"OTEL_TRACES_SAMPLER": sampler, "OTEL_TRACES_SAMPLER_ARG": arg}
+    assert drops_roots(env) is drops
