@@ -196,3 +196,8 @@ async def _head(protocol: ResponseHandler, conn: Connection) -> OriginResponse:
         code = message.code
         if not 100 <= code < 200 or code == 101:
             return OriginResponse(code, message.headers, payload, conn)
+        # The protocol stopped the read timeout at this interim head (its body
+        # is empty); the final head is still awaited, so time it again, unless
+        # it is already queued (a timer armed then would outlive the answer).
+        if not len(protocol) and protocol.exception() is None:
+            protocol.start_timeout()

@@ -1,0 +1,627 @@
+"""OriginWire (dataplane/upstream/wire.py) against origins on loopback.
+
+Well-behaved origins are aiohttp apps (what they saw is what aiohttp's server
+parsed); origins that misbehave at the byte level, or whose connections are
+counted, are raw asyncio servers (`RawOrigin`). Timeouts appear only where the
+behaviour is a timeout (a read timeout of SHORT against an origin that goes
+silent), and as a bound (BOUND) on waits that must end; nothing asserts how
+fast anything was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import hdrs, web
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from dataplane.upstream import wire as wire_module
+from dataplane.upstream.wire import DEFAULT_HEADERS, OriginWire, _Endpoint
+
+SHORT = 0.05  # the read timeout against an origin that never answers
+BOUND = 5.0  # what a wait that must end may take before the test fails
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+# What a RawOrigin does with one request: write (or not) on the connection, and
+# say whether to keep it open for the next request.
+Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]
+
+
+def answering(*parts: bytes, keep_open: bool = True) -> Answer:
+    """An answer that writes `parts`, each flushed before the next."""
+
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+        return keep_open
+
+    return answer
+
+
+never_answering = answering()  # reads the request, then waits for the next or for EOF
+hanging_up = answering(keep_open=False)  # reads the request, then closes
+
+
+@dataclass
+class RawOrigin:
+    """A loopback origin speaking bytes: counts connections, keeps each request
+    (head and body) and any bytes that were not a whole request head, and
+    notes every connection its client closed."""
+
+    answer: Answer = field(default_factory=lambda: answering(OK))
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    stray: list[bytes] = field(default_factory=list)
+    got_request: asyncio.Event = field(default_factory=asyncio.Event)
+    client_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+    _server: asyncio.Server | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    def url(self, path: str = "/v1/chat/completions") -> URL:
+        return URL(f"http://127.0.0.1:{self.port}{path}")
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:  # a handler waiting for a request sees EOF
+            writer.close()
+        async with asyncio.timeout(BOUND):
+            await asyncio.gather(*self._tasks)
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._writers.add(writer)
+        self.connections += 1
+        try:
+            while True:
+                request = await self._read_request(reader)
+                if request is None:
+                    self.client_gone.set()
+                    return
+                self.requests.append(request)
+                self.got_request.set()
+                if not await self.answer(request, writer):
+                    return
+        finally:
+            self._tasks.discard(task)
+            self._writers.discard(writer)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _read_request(self, reader: asyncio.StreamReader) -> bytes | None:
+        """One request, or None once the client has closed the connection."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                self.stray.append(exc.partial)
+            return None
+        except ConnectionError:
+            return None
+        length = 0
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return head + await reader.readexactly(length)
+
+
+@pytest.fixture
+async def origin() -> AsyncIterator[RawOrigin]:
+    raw = RawOrigin()
+    await raw.start()
+    yield raw
+    await raw.stop()
+
+
+@pytest.fixture
+async def connector() -> AsyncIterator[aiohttp.TCPConnector]:
+    conn = aiohttp.TCPConnector()
+    yield conn
+    await conn.close()
+
+
+def make_wire(connector: aiohttp.BaseConnector, *, read_timeout: float = BOUND) -> OriginWire:
+    return OriginWire(connector, connect_timeout=BOUND, read_timeout=read_timeout)
+
+
+@pytest.fixture
+def wire(connector: aiohttp.TCPConnector) -> OriginWire:
+    return make_wire(connector)
+
+
+def no_headers() -> CIMultiDict[str]:
+    return CIMultiDict()
+
+
+async def exchange(wire: OriginWire, origin: RawOrigin) -> bytes:
+    """One whole call (body read, connection released); the body."""
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    return await resp.read()
+
+
+# ---------------------------------------------------------------- the request
+
+
+@dataclass
+class Seen:
+    """What an aiohttp origin saw of one request."""
+
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    host: str
+
+
+@pytest.fixture
+async def app_origin() -> AsyncIterator[tuple[TestServer, list[Seen]]]:
+    """An aiohttp origin that records each request and answers 201 with JSON."""
+    seen: list[Seen] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(Seen(request.headers, await request.read(), request.host))
+        return web.json_response({"ok": True}, status=201, headers={"X-Origin": "o1"})
+
+    app = web.Application(client_max_size=2**23)
+    app.router.add_post("/v1/chat/completions", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server, seen
+    await server.close()
+
+
+async def test_a_post_carries_the_body_the_callers_headers_and_the_added_ones(
+    wire: OriginWire, app_origin: tuple[TestServer, list[Seen]]
+) -> None:
+    server, seen = app_origin
+    body = b'{"model": "m", "messages": []}'
+    headers = CIMultiDict(
+        {"Content-Type": "application/json", "X-Request-Id": "r1", "X-Multi": "a"}
+    )
+    headers.add("X-Multi", "b")
+    resp = await wire.post(server.make_url("/v1/chat/completions"), body, headers)
+    try:
+        assert resp.status == 201
+        assert resp.headers["X-Origin"] == "o1"
+        assert resp.content_type == "application/json"  # without "; charset=utf-8"
+        assert await resp.read() == b'{"ok": true}'
+    finally:
+        resp.close()
+
+    [request] = seen
+    assert request.body == body
+    assert request.headers["X-Request-Id"] == "r1"
+    assert request.headers.getall("X-Multi") == ["a", "b"]
+    assert request.headers["Content-Type"] == "application/json"
+    assert request.headers.getall(hdrs.HOST) == [f"127.0.0.1:{server.port}"]
+    assert request.headers.getall(hdrs.CONTENT_LENGTH) == [str(len(body))]
+    for name, value in DEFAULT_HEADERS:
+        assert request.headers.getall(name) == [value]
+    assert request.headers[hdrs.USER_AGENT] == SERVER_SOFTWARE
+
+
+async def test_the_callers_own_user_agent_and_accept_encoding_are_kept_once(
+    wire: OriginWire, app_origin: tuple[TestServer, list[Seen]]
+) -> None:
+    server, seen = app_origin
+    headers = CIMultiDict({"user-agent": "ponto-test/1", "accept-encoding": "identity"})
+    resp = await wire.post(server.make_url("/v1/chat/completions"), b"{}", headers)
+    await resp.read()
+    [request] = seen
+    assert request.headers.getall(hdrs.USER_AGENT) == ["ponto-test/1"]
+    assert request.headers.getall(hdrs.ACCEPT_ENCODING) == ["identity"]
+    assert request.headers.getall(hdrs.ACCEPT) == ["*/*"]  # not set by the caller: added
+
+
+async def test_one_header_dict_serves_attempts_on_two_origins(
+    wire: OriginWire, app_origin: tuple[TestServer, list[Seen]], origin: RawOrigin
+) -> None:
+    # Host and Content-Length are set again on each call, never left from the last.
+    server, seen = app_origin
+    headers = CIMultiDict({"X-Request-Id": "r1"})
+    first = await wire.post(server.make_url("/v1/chat/completions"), b"{}", headers)
+    await first.read()
+    second = await wire.post(origin.url(), b"[1]", headers)
+    await second.read()
+    assert seen[0].host == f"127.0.0.1:{server.port}"
+    [raw] = origin.requests
+    head, _, body = raw.partition(b"\r\n\r\n")
+    line, *fields = head.lower().split(b"\r\n")
+    assert line == b"post /v1/chat/completions http/1.1"
+    host = f"host: 127.0.0.1:{origin.port}".encode()
+    assert [f for f in fields if f.startswith(b"host:")] == [host]
+    assert [f for f in fields if f.startswith(b"content-length:")] == [b"content-length: 3"]
+    assert body == b"[1]"
+
+
+# ---------------------------------------------------------------- keep-alive
+
+
+async def test_sequential_calls_reuse_one_connection(wire: OriginWire, origin: RawOrigin) -> None:
+    for _ in range(3):
+        assert await exchange(wire, origin) == b"{}"
+    assert (origin.connections, len(origin.requests)) == (1, 3)
+
+
+async def test_release_after_the_body_pools_the_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.content.read() == b"{}"
+    resp.release()
+    resp.release()  # idempotent
+    resp.close()  # a no-op once released: the connection stays pooled
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 1
+
+
+async def test_release_with_the_body_unread_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    # Four bytes announced, two sent: the body has not ended when it is released.
+    origin.answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert resp.status == 200
+    resp.release()
+    resp.release()
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_close_always_closes_the_connection(wire: OriginWire, origin: RawOrigin) -> None:
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.content.read() == b"{}"  # read to its end, and still closed
+    resp.close()
+    resp.close()
+    resp.release()  # a no-op once closed
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_an_origin_that_says_connection_close_is_not_pooled(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = answering(
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    assert await exchange(wire, origin) == b"{}"
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+# ---------------------------------------------------------------- failures
+
+
+async def test_an_origin_that_never_answers_times_out_and_its_connection_closes(
+    connector: aiohttp.TCPConnector, origin: RawOrigin
+) -> None:
+    wire = make_wire(connector, read_timeout=SHORT)
+    origin.answer = never_answering
+    with pytest.raises(aiohttp.ServerTimeoutError) as caught:
+        async with asyncio.timeout(BOUND):  # a TimeoutError, but not aiohttp's
+            await wire.post(origin.url(), b"{}", no_headers())
+    assert isinstance(caught.value, TimeoutError)
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_a_refused_connection_is_a_client_error(wire: OriginWire) -> None:
+    with socket.socket() as sock:  # a port nothing listens on once it is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(aiohttp.ClientConnectorError):
+        await wire.post(URL(f"http://127.0.0.1:{port}/v1"), b"{}", no_headers())
+
+
+async def test_a_call_cancelled_while_waiting_for_the_head_closes_its_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = never_answering
+    call = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    async with asyncio.timeout(BOUND):
+        await origin.got_request.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("x-note", "a\r\nx-injected: 1"),
+        ("x-note", "a\nx-injected: 1"),
+        ("x-note", "a\rb"),
+        ("x-note\r\nx-injected", "1"),
+    ],
+)
+async def test_a_header_with_cr_or_lf_is_refused_before_anything_is_sent(
+    wire: OriginWire, origin: RawOrigin, name: str, value: str
+) -> None:
+    with pytest.raises(ValueError, match="Forbidden control character"):
+        await wire.post(origin.url(), b"{}", CIMultiDict({name: value}))
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()  # closed, not pooled
+    assert (origin.requests, origin.stray) == ([], [])
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_an_origin_that_closes_without_answering_is_a_disconnect(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = hanging_up
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await wire.post(origin.url(), b"{}", no_headers())
+
+
+async def test_a_garbage_status_line_is_a_client_error_and_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = answering(b"SPDY/9 whatever\r\n\r\n")
+    with pytest.raises(aiohttp.ClientError):
+        await wire.post(origin.url(), b"{}", no_headers())
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_a_body_cut_short_fails_its_read_and_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab", keep_open=False)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.read()
+    resp.release()  # a no-op: read() closed it
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_a_body_that_stalls_times_out_and_its_connection_closes(
+    connector: aiohttp.TCPConnector, origin: RawOrigin
+) -> None:
+    wire = make_wire(connector, read_timeout=SHORT)
+    origin.answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    with pytest.raises(aiohttp.ServerTimeoutError):
+        async with asyncio.timeout(BOUND):
+            await resp.read()
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+
+
+# ---------------------------------------------------------------- answers
+
+
+@pytest.mark.parametrize(
+    "interim",
+    [
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n\r\n",
+    ],
+)
+async def test_interim_answers_are_skipped(
+    wire: OriginWire, origin: RawOrigin, interim: bytes
+) -> None:
+    origin.answer = answering(interim, OK)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert (resp.status, resp.content_type) == (200, "application/json")
+    assert await resp.read() == b"{}"
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 1
+
+
+async def test_the_read_timeout_still_runs_after_an_interim_answer(
+    connector: aiohttp.TCPConnector, origin: RawOrigin
+) -> None:
+    # The parser stops the read timeout when a head arrives (its payload is
+    # empty); after a 100 the final head is still awaited and must be bounded.
+    wire = make_wire(connector, read_timeout=SHORT)
+    origin.answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n")
+    with pytest.raises(aiohttp.ServerTimeoutError):
+        async with asyncio.timeout(BOUND):
+            await wire.post(origin.url(), b"{}", no_headers())
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+
+
+async def test_interim_and_final_answers_in_one_packet_leave_no_timer_behind(
+    connector: aiohttp.TCPConnector, origin: RawOrigin
+) -> None:
+    # The pooled connection must not carry a read timeout armed for an
+    # answer that had already arrived: the next call on it would fail.
+    wire = make_wire(connector, read_timeout=SHORT)
+    origin.answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    try:
+        protocol = resp._conn.protocol if resp._conn is not None else None
+        assert protocol is not None
+        assert protocol._read_timeout_handle is None  # the body has ended: nothing to time
+        assert await resp.read() == b"{}"
+    finally:
+        resp.close()  # a no-op once read
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 1
+
+
+async def test_an_answer_without_a_body_reads_empty_and_pools(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = answering(b"HTTP/1.1 204 No Content\r\n\r\n")
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert (resp.status, resp.content_type) == (204, "")
+    assert await resp.read() == b""
+    assert await exchange(wire, origin) == b""
+    assert origin.connections == 1
+
+
+async def test_a_large_body_arrives_whole(
+    wire: OriginWire, app_origin: tuple[TestServer, list[Seen]]
+) -> None:
+    # Far beyond a socket's buffers: written in one go, it still arrives intact.
+    server, seen = app_origin
+    body = bytes(range(256)) * 16384  # 4 MiB
+    resp = await wire.post(server.make_url("/v1/chat/completions"), body, no_headers())
+    try:
+        assert resp.status == 201
+        await resp.read()
+    finally:
+        resp.close()
+    assert seen[0].body == body
+
+
+async def test_a_gzip_answer_comes_back_decompressed(wire: OriginWire, origin: RawOrigin) -> None:
+    plain = b'{"choices": []}' * 100
+    packed = gzip.compress(plain)
+    origin.answer = answering(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+        + f"Content-Length: {len(packed)}\r\n\r\n".encode()
+        + packed
+    )
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.read() == plain
+    assert b"\r\naccept-encoding: gzip, deflate\r\n" in origin.requests[0].lower()
+
+
+async def test_a_chunked_answer_streams_through_readany(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    more = asyncio.Event()
+
+    async def chunked(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            b"9\r\ndata: 1\n\n\r\n"
+        )
+        await writer.drain()
+        await more.wait()  # the second chunk only once the first was read
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    origin.answer = chunked
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert resp.content_type == "text/event-stream"
+    assert await resp.content.readany() == b"data: 1\n\n"
+    more.set()
+    assert await resp.content.readany() == b"data: 2\n\n"
+    assert await resp.content.readany() == b""  # the end
+    resp.release()
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 1  # the whole stream was read: pooled
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("http://[::1]:8080/v1", "[::1]:8080"),
+        ("http://[::1]/v1", "[::1]"),
+        ("https://[2001:db8::1]:443/v1", "[2001:db8::1]"),
+        ("http://origin.example/v1", "origin.example"),
+        ("http://origin.example:80/v1", "origin.example"),
+        ("https://origin.example/v1", "origin.example"),
+        ("https://origin.example:8443/v1", "origin.example:8443"),
+        ("http://10.0.0.7:8000/v1", "10.0.0.7:8000"),
+    ],
+)
+async def test_the_host_header_of_an_endpoint(url: str, host: str) -> None:
+    assert _Endpoint(URL(url), asyncio.get_running_loop()).host == host
+
+
+async def test_the_request_line_keeps_the_path_and_query() -> None:
+    endpoint = _Endpoint(URL("http://o.example/v1/chat?api-version=2"), asyncio.get_running_loop())
+    assert endpoint.line == "POST /v1/chat?api-version=2 HTTP/1.1"
+
+
+async def test_an_ipv6_origin_gets_a_bracketed_host(wire: OriginWire) -> None:
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.headers[hdrs.HOST])
+        return web.Response(body=b"{}")
+
+    app = web.Application()
+    app.router.add_post("/v1", handle)
+    server = TestServer(app, host="::1")
+    try:
+        await server.start_server()
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    port = server.port
+    try:
+        resp = await wire.post(URL(f"http://[::1]:{port}/v1"), b"{}", no_headers())
+        assert await resp.read() == b"{}"
+    finally:
+        await server.close()
+    assert seen == [f"[::1]:{port}"]
+
+
+@pytest.mark.parametrize("url", ["ftp://origin.example/v1", "ws://origin.example/v1", "/v1"])
+async def test_a_url_that_is_not_http_is_refused(wire: OriginWire, url: str) -> None:
+    with pytest.raises(ValueError, match="not an origin URL"):
+        await wire.post(URL(url), b"{}", no_headers())
+
+
+async def test_the_same_url_reuses_its_endpoint(wire: OriginWire) -> None:
+    url = URL("http://127.0.0.1:9/v1/chat/completions")
+    first = wire._endpoint(url)
+    assert wire._endpoint(url) is first
+    assert wire._endpoint(URL(str(url))) is first  # an equal URL is the same key
+    assert wire._endpoint(url.with_path("/v1/embeddings")) is not first
+
+
+async def test_beyond_max_endpoints_the_cache_starts_over(
+    wire: OriginWire, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire_module, "MAX_ENDPOINTS", 2)
+    a, b, c = (URL(f"http://127.0.0.1:9/v{n}") for n in range(3))
+    first_a = wire._endpoint(a)
+    wire._endpoint(b)
+    assert len(wire._endpoints) == 2
+    wire._endpoint(c)
+    assert list(wire._endpoints) == [c]
+    assert wire._endpoint(a) is not first_a  # forgotten, built again
+    assert list(wire._endpoints) == [c, a]
