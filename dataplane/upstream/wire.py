@@ -19,10 +19,12 @@ keeps what matters and nothing else:
 
 Errors are aiohttp's: `aiohttp.ClientError` subclasses for connection and
 protocol failures, `TimeoutError` subclasses for the connect and read
-timeouts. A call cancelled or failed before it returns closes its connection
-(an origin generating for nobody stops). The body is written whole, not
-streamed under flow control: it is already in memory, bounded by the
-proxy's --max-body-bytes.
+timeouts. The connect timeout also bounds the wait for a free connection when
+the origin's pool is at its limit: a request does not queue behind a full
+pool past the time it would give a new connection. A call cancelled or
+failed before it returns closes its connection (an origin generating for
+nobody stops). The body is written whole, not streamed under flow control:
+it is already in memory, bounded by the proxy's --max-body-bytes.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class _Endpoint:
     """An origin URL as the wire calls it: the connector's key and the request
     line and Host header, built once."""
 
-    __slots__ = ("host", "key", "line")
+    __slots__ = ("authorization", "host", "key", "line")
 
     def __init__(self, url: URL, loop: asyncio.AbstractEventLoop) -> None:
         if url.scheme not in ("http", "https") or not url.raw_host:
@@ -76,6 +78,13 @@ class _Endpoint:
         self.host = url.raw_host if default_port else f"{url.raw_host}:{url.port}"
         if ":" in url.raw_host and not url.raw_host.startswith("["):
             self.host = f"[{url.raw_host}]" + ("" if default_port else f":{url.port}")
+        # Credentials written into the URL are sent as basic auth, as a
+        # ClientSession sends them, unless the call carries its own.
+        self.authorization = (
+            aiohttp.encode_basic_auth(url.user or "", url.password or "")
+            if url.user is not None or url.password is not None
+            else None
+        )
 
 
 class OriginResponse:
@@ -174,6 +183,10 @@ class OriginWire:
                 max_field_size=MAX_LINE,
                 max_headers=MAX_HEADERS,
             )
+            if endpoint.authorization is not None and hdrs.AUTHORIZATION not in headers:
+                # This origin's own: not left in a dict the next attempt reuses.
+                headers = headers.copy()
+                headers[hdrs.AUTHORIZATION] = endpoint.authorization
             headers[hdrs.HOST] = endpoint.host
             headers[hdrs.CONTENT_LENGTH] = str(len(body))
             for name, value in DEFAULT_HEADERS:

@@ -234,6 +234,25 @@ async def test_the_callers_own_user_agent_and_accept_encoding_are_kept_once(
     assert request.headers.getall(hdrs.ACCEPT) == ["*/*"]  # not set by the caller: added
 
 
+async def test_credentials_in_an_origin_url_are_sent_as_basic_auth_to_that_origin_only(
+    wire: OriginWire, app_origin: tuple[TestServer, list[Seen]]
+) -> None:
+    server, seen = app_origin
+    plain = server.make_url("/v1/chat/completions")
+    secured = plain.with_user("ponto").with_password("s3cret")
+    headers: CIMultiDict[str] = CIMultiDict({"content-type": "application/json"})
+    for url in (secured, plain):  # one dict, as a request's attempts share it
+        resp = await wire.post(url, b"{}", headers)
+        await resp.read()
+    own = CIMultiDict({"authorization": "Bearer origin-key"})
+    resp = await wire.post(secured, b"{}", own)
+    await resp.read()
+    first, second, third = seen
+    assert first.headers[hdrs.AUTHORIZATION] == aiohttp.encode_basic_auth("ponto", "s3cret")
+    assert hdrs.AUTHORIZATION not in second.headers
+    assert third.headers.getall(hdrs.AUTHORIZATION) == ["Bearer origin-key"]  # the call's own wins
+
+
 async def test_one_header_dict_serves_attempts_on_two_origins(
     wire: OriginWire, app_origin: tuple[TestServer, list[Seen]], origin: RawOrigin
 ) -> None:
