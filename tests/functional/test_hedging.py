@@ -28,6 +28,7 @@ from dataplane.routes import Target
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, UpstreamSettings
 from dataplane.upstream.hedge import CommitTimes
 from dataplane.upstream.outlier import RetryBudget
+from dataplane.upstream.wire import OriginResponse
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
 
@@ -442,7 +443,7 @@ async def test_a_loser_that_committed_as_well_is_released(rigs: RigMaker) -> Non
 
     async def committed(target: Target, attempt: int) -> OriginAnswer:
         loads.started(target.name)
-        resp = cast(aiohttp.ClientResponse, responses[target.name])
+        resp = cast(OriginResponse, responses[target.name])
         return OriginAnswer(target, attempt, 200, CIMultiDict(), b"{}", b"", resp, loads)
 
     first = asyncio.create_task(committed(a, 1))
