@@ -188,6 +188,8 @@ bench: $(STAMP) $(WRK) $(NGINX) $(REDIS)
 	$(PY) -m bench.compare --quick --no-litellm --ponto-features none \
 		--out docs/benchmarks/overhead-defaults.json
 	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
+	$(PY) -m bench.record entry-rss "What an exact-cache entry costs in RSS, against its count" \
+		bench.entry_rss
 	$(PY) -m bench.affinity
 	$(PY) -m bench.resilience
 	$(PY) -m bench.record tracing "Tracing cost: proxy CPU per request, off / sampled at 0 / at 100 %" \

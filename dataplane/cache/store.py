@@ -16,12 +16,18 @@ from typing import Literal, Protocol
 
 from dataplane.cache.entry import CachedResponse
 
-# Approximate memory of the key string, the slot object and the index entries
-# kept for each entry, beyond the entry's own size. With entry.py's overheads the
-# cost counted per entry is within a few per cent above what tracemalloc sees
-# (1.78 kB counted for 1.74 kB held with a 0.9 kB body; 2.95 for 2.77 kB with
-# 20 stream chunks; docs/semantic-cache.md, "Memory").
-SLOT_OVERHEAD = 480
+# What the process holds for each entry beyond the entry's own size: the key
+# string, the slot object, the index entries (LRU order, tenant and model sets,
+# expiry heap), the allocator's and the tables' slack, and the fragmentation
+# that evicting and replacing entries leaves. Set from RSS, not from
+# tracemalloc (which sees about 480 B of it), so that `--cache-max-mb` bounds
+# what the cache adds to the process (issue 17). bench/entry_rss.py measures
+# it, a full store whose entries were all replaced five times: RSS 1,576 /
+# 2,088 / 3,460 B per entry for answers of 300 / 900 / 2,200 characters,
+# counted with this 1,771 / 2,370 / 3,670 B (6-12 % over: room for the
+# fragmentation a longer load adds, and for what the load itself holds
+# beside a full cache; bench/memory.py: peak RSS within bound + base).
+SLOT_OVERHEAD = 900
 # Stale expiry pairs (of entries evicted, deleted or replaced) the heap may hold
 # beyond a quarter of the live entries before it is rebuilt. A stale pair keeps
 # its key alive and is not counted against the bound (about 150 bytes with the
@@ -233,8 +239,7 @@ class ExactStore:
             self._remove(key)
             self._rejected += 1
         if len(self._expiry) > len(self._entries) + len(self._entries) // 4 + STALE_EXPIRY_SLACK:
-            self._expiry = [(s.expires_at, k) for k, s in self._entries.items()]
-            heapq.heapify(self._expiry)
+            self._drop_stale_expiry()
         self._notify(expired, EvictReason.EXPIRED)
         self._notify(evicted, EvictReason.LRU)
         return fits
@@ -300,6 +305,23 @@ class ExactStore:
                 gone.append(key)
         self._expired += len(gone)
         return gone
+
+    def _drop_stale_expiry(self) -> None:
+        """Keep only the live entries' pairs in the expiry heap. The pairs kept
+        are the heap's own, not copies: a copy of every pair would be a peak
+        of about 60 bytes an entry, outside the bound, each time.
+
+        A live pair holds its slot's very `expires_at` object (put pushes
+        exactly that), so identity tells it from a stale pair of a replaced
+        entry even when the two times are equal."""
+        entries = self._entries
+        heap = self._expiry
+        heap[:] = [
+            pair
+            for pair in heap
+            if (slot := entries.get(pair[1])) is not None and slot.expires_at is pair[0]
+        ]
+        heapq.heapify(heap)
 
     def _remove(self, key: str) -> None:
         slot = self._entries.pop(key)

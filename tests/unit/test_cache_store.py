@@ -208,6 +208,25 @@ async def test_the_expiry_heap_stays_bounded_under_replacement() -> None:
     assert len(store._expiry) <= len(store) + len(store) // 4 + STALE_EXPIRY_SLACK + 1
 
 
+async def test_entries_still_expire_on_time_after_the_heap_drops_its_stale_pairs() -> None:
+    clock = FakeClock()
+    store = ExactStore(max_bytes=1 << 20, clock=clock)
+    for n in range(40):
+        await store.put(f"short-{n}", entry(), tenant="t", model="m", ttl_s=10)
+    for n in range(40):
+        await store.put(f"long-{n}", entry(), tenant="t", model="m", ttl_s=60)
+    for _ in range(300):  # replaced again and again at one time: stale pairs, equal times
+        await store.put("same", entry(), tenant="t", model="m", ttl_s=60)
+    assert len(store._expiry) <= len(store) + len(store) // 4 + STALE_EXPIRY_SLACK + 1
+    clock.advance(30)
+    await store.put("trigger", entry(), tenant="t", model="m", ttl_s=60)  # sweeps
+    assert store.stats.expired == 40
+    assert {k for k in store._entries} == {f"long-{n}" for n in range(40)} | {"same", "trigger"}
+    clock.advance(60)
+    await store.put("last", entry(), tenant="t", model="m", ttl_s=60)
+    assert list(store._entries) == ["last"]
+
+
 class _Key(str):
     """A key whose lifetime a test can watch (str itself takes no weak references)."""
 

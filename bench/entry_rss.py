@@ -1,0 +1,112 @@
+"""What one exact-cache entry costs the process, against what the store counts.
+
+    .venv/bin/python -m bench.entry_rss [--bound-mb 32]
+
+For each answer size, a fresh interpreter fills an `ExactStore` bounded at
+`--bound-mb` with distinct chat completions (distinct keys, until every entry
+it holds has been evicted and replaced CHURN times over, as under a long load),
+then compares the store's counted bytes per entry with the process's RSS
+growth per entry (after a collection). Issue 17 asks that peak RSS stay under
+the cache's bound plus the base footprint: store.py's SLOT_OVERHEAD is set
+from this, so that the counted bytes cover RSS, allocator and index slack
+included. Timings play no part; the figures are bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+from dataplane.cache.entry import from_completion
+from dataplane.cache.store import ExactStore
+
+SIZES = (300, 900, 2200)  # answer text in characters: short, typical, 256 tokens
+CHURN = 5  # entries evicted per entry kept at the end, as under a long load
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def answer(i: int, text: str) -> bytes:
+    return json.dumps(
+        {
+            "id": f"chatcmpl-{i}",
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"{text} {i}"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 64, "total_tokens": 73},
+        }
+    ).encode()
+
+
+async def fill(chars: int, bound_mb: int) -> dict[str, float]:
+    """One size, in this process: counted and RSS bytes per entry once full."""
+    store = ExactStore(max_bytes=bound_mb * 2**20, clock=time.monotonic)
+    gc.collect()
+    before = rss_bytes()
+    text = "x" * chars
+    i = 0
+    while store.stats.evictions < CHURN * max(1, store.stats.entries):
+        entry = from_completion(answer(i, text), now=0.0)
+        assert entry is not None
+        key = hashlib.sha256(b"%d" % i).hexdigest()
+        await store.put(key, entry, tenant="t", model="m", ttl_s=3600.0)
+        i += 1
+    gc.collect()
+    stats = store.stats
+    return {
+        "chars": chars,
+        "entries": stats.entries,
+        "evictions": stats.evictions,
+        "counted_per_entry": stats.bytes / stats.entries,
+        "rss_per_entry": (rss_bytes() - before) / stats.entries,
+        "rss_over_bound": (rss_bytes() - before) / stats.bytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--bound-mb", type=int, default=32)
+    p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one size
+    args = p.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(asyncio.run(fill(args.one, args.bound_mb))))
+        return 0
+    print(
+        f"exact cache bounded at {args.bound_mb} MB, its entries replaced {CHURN} times over "
+        "(one size per process)"
+    )
+    print(f"{'answer chars':>12}  {'entries':>8}  {'counted B':>9}  {'RSS B':>7}  RSS / counted")
+    for chars in SIZES:
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.entry_rss", "--bound-mb", str(args.bound_mb),
+             "--one", str(chars)],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        r = json.loads(out)
+        print(
+            f"{r['chars']:>12}  {r['entries']:>8,}  {r['counted_per_entry']:>9,.0f}  "
+            f"{r['rss_per_entry']:>7,.0f}  {r['rss_over_bound']:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
