@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -47,6 +47,7 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 
 from dataplane import jsonio
 from dataplane.http.body import BodyTimeout
+from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.errors import ApiError
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
@@ -482,10 +483,16 @@ _REFUSAL_HEAD, _REFUSAL_TAIL = _refusal_parts()
 class EdgeServer(web.Server):
     """aiohttp's protocol factory, making EdgeProtocols. One per listener set."""
 
-    def __init__(self, base: web.Server, limits: EdgeLimits, caps: ConnectionCaps) -> None:
+    def __init__(
+        self,
+        base: web.Server,
+        limits: EdgeLimits,
+        caps: ConnectionCaps,
+        handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]] | None = None,
+    ) -> None:
         # aiohttp keeps the protocol's arguments in `_kwargs` only.
         super().__init__(
-            base.request_handler,
+            handler or base.request_handler,
             request_factory=base.request_factory,
             handler_cancellation=base.handler_cancellation,
             **base._kwargs,
@@ -526,4 +533,6 @@ class EdgeRunner(web.AppRunner):
         total = limits.max_connections or default_max_connections(raise_nofile_limit())
         per_client = limits.max_connections_per_client or max(1, total // 4)
         self.caps = ConnectionCaps(total, per_client)
-        return EdgeServer(base, limits, self.caps)
+        # The app is frozen by now: its fixed routes are dispatched without the router.
+        fixed = FixedRoutes(self.app, base.request_handler)
+        return EdgeServer(base, limits, self.caps, fixed)

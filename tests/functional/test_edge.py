@@ -25,7 +25,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.edge import EdgeRunner
+from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, QUOTA
 from dataplane.settings import parse as parse_proxy
@@ -149,6 +151,27 @@ def refusal_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]
 @pytest.fixture(autouse=True)
 def _refusals_at_info(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=REFUSALS)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+async def test_the_proxys_fixed_routes_skip_the_router_and_answer_as_through_it(
+    start_edge: Start,
+) -> None:
+    edge = await start_edge()
+    server = edge.runner.server
+    assert server is not None and isinstance(server.request_handler, FixedRoutes)
+    assert len(server.request_handler) >= len(ENDPOINTS)  # every proxied endpoint
+    reader, writer = await edge.connect()
+    writer.write(head() + BODY)
+    answer = await read_answer(reader)
+    assert answer.status == 200 and answer.headers["x-request-id"]  # the boundary ran
+    writer.write(head(b"/v1/nothing", length=0))  # not a fixed route: the router's 404
+    missing = await read_answer(reader)
+    assert missing.status == 404 and missing.error()["code"] == "not_found"
+    writer.close()
+    assert edge.origin_requests() == 1
 
 
 # ---------------------------------------------------------------- deadlines

@@ -1,0 +1,69 @@
+"""The server's own dispatch: a request for one of the app's fixed paths goes
+straight to its handler, through the app's middlewares, without aiohttp's
+per-request routing.
+
+`web.Application._handle` resolves every request against the router (a new
+match-info object, `add_app`, `freeze`), checks for `Expect`, and wraps the
+handler in the middleware chain and aiohttp's `_fix_request_current_app`
+(which only matters for sub-applications). For the proxy's routes, whose paths
+have no variable parts, all of that is the same for every request:
+`FixedRoutes` does it once per route when the server is made, and per request
+looks up (method, path) in a dict.
+
+Anything else takes the application's own path (`fallback`): a path with
+variable parts (`/v1/models/{model}`), one the router does not know (404) or
+knows for other methods (405), a request with `Expect` (the route's expect
+handler answers it), and every request of an application with
+sub-applications or old-style middlewares, which this does not flatten. A
+path is looked up as sent (`rel_url.raw_path`, without the query): one the
+router would match only after decoding falls back too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+from aiohttp import hdrs, web
+from aiohttp.web_urldispatcher import PlainResource, UrlMappingMatchInfo
+
+__all__ = ["FixedRoutes"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class FixedRoutes:
+    """(method, path) -> the handler already wrapped in `app`'s middlewares and
+    the shared, frozen match info the router would have built. Build it once
+    the app is frozen (its routes and middlewares are final)."""
+
+    def __init__(self, app: web.Application, fallback: Handler) -> None:
+        self._fallback = fallback
+        self._routes: dict[tuple[str, str], tuple[Handler, UrlMappingMatchInfo]] = {}
+        if any(isinstance(r, web.PrefixedSubAppResource) for r in app.router.resources()) or any(
+            getattr(m, "__middleware_version__", None) != 1 for m in app.middlewares
+        ):
+            return  # sub-applications or old-style middlewares: the router's path only
+        for resource in app.router.resources():
+            if not isinstance(resource, PlainResource):
+                continue
+            for route in resource:
+                info = UrlMappingMatchInfo({}, route)
+                info.add_app(app)
+                info.freeze()
+                handler: Handler = route.handler
+                for middleware in reversed(app.middlewares):
+                    handler = partial(middleware, handler=handler)
+                self._routes[(route.method, resource.canonical)] = (handler, info)
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        assert isinstance(request, web.Request)  # made by the application's factory
+        found = self._routes.get((request.method, request.rel_url.raw_path))
+        if found is None or hdrs.EXPECT in request.headers:
+            return await self._fallback(request)
+        handler, info = found
+        request._match_info = info
+        return await handler(request)

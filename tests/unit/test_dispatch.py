@@ -1,0 +1,91 @@
+"""The server's own dispatch of fixed paths (dataplane.http.dispatch)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from dataplane.http.dispatch import FixedRoutes
+
+Seen = list[tuple[str, str]]
+
+
+def app_with(seen: Seen) -> web.Application:
+    """An app whose one middleware and handlers record what reached them."""
+
+    @web.middleware
+    async def boundary(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        seen.append(("middleware", request.match_info.route.name or ""))
+        return await handler(request)
+
+    async def chat(request: web.Request) -> web.Response:
+        assert request.app is app
+        seen.append(("chat", request.method))
+        return web.Response(text="chat")
+
+    async def model(request: web.Request) -> web.Response:
+        seen.append(("model", request.match_info["model"]))
+        return web.Response(text="model")
+
+    app = web.Application(middlewares=[boundary])
+    app.router.add_post("/v1/chat/completions", chat, name="chat.completions")
+    app.router.add_get("/v1/models/{model}", model, name="models.retrieve")
+    app.router.add_get("/healthz", chat, name="healthz")
+    app.freeze()
+    return app
+
+
+def fallback_into(seen: Seen) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    async def fallback(request: web.BaseRequest) -> web.StreamResponse:
+        seen.append(("fallback", request.path))
+        return web.Response(text="router")
+
+    return fallback
+
+
+async def test_a_fixed_path_reaches_its_handler_through_the_apps_middlewares() -> None:
+    seen: Seen = []
+    app = app_with(seen)
+    fixed = FixedRoutes(app, fallback_into(seen))
+    assert len(fixed) == 3  # POST chat; GET and HEAD healthz; not the path with a variable
+    for path in ("/v1/chat/completions", "/v1/chat/completions?api-version=1"):
+        response = await fixed(make_mocked_request("POST", path, app=app))
+        assert isinstance(response, web.Response) and response.text == "chat"
+    assert seen == [("middleware", "chat.completions"), ("chat", "POST")] * 2
+
+
+async def test_everything_else_takes_the_routers_path() -> None:
+    seen: Seen = []
+    app = app_with(seen)
+    fixed = FixedRoutes(app, fallback_into(seen))
+    requests = [
+        make_mocked_request("GET", "/v1/models/m1", app=app),  # a variable part
+        make_mocked_request("GET", "/v1/chat/completions", app=app),  # another method: 405
+        make_mocked_request("POST", "/v1/nothing", app=app),  # unknown: 404
+        make_mocked_request("POST", "/v1/chat%2Fcompletions", app=app),  # matched only decoded
+        make_mocked_request(
+            "POST", "/v1/chat/completions", headers={"Expect": "100-continue"}, app=app
+        ),
+    ]
+    for request in requests:
+        response = await fixed(request)
+        assert isinstance(response, web.Response) and response.text == "router"
+    assert [s for s in seen if s[0] != "fallback"] == []
+    assert len(seen) == len(requests)
+
+
+async def test_an_app_with_sub_applications_is_left_to_the_router() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response()
+
+    sub = web.Application()
+    sub.router.add_get("/x", ok)
+    parent = web.Application()
+    parent.router.add_post("/v1/chat/completions", ok)
+    parent.add_subapp("/sub", sub)
+    parent.freeze()
+    assert len(FixedRoutes(parent, fallback_into([]))) == 0
