@@ -18,10 +18,17 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 CPUS_AT_START = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())
 
 
+# The CPUs the benches place on: the server under test on the first, the load on
+# the second (bench.compare's SERVER_CPU and LOAD_CPU).
+PINNED_CPUS = frozenset({0, 1})
+
+
 def cpus_available() -> bool:
-    """Whether there are at least two CPUs to pin to (server on one, load on another),
-    among CPUS_AT_START: true as well after the caller has pinned itself to one."""
-    return hasattr(os, "sched_setaffinity") and len(CPUS_AT_START) >= 2
+    """Whether CPUs 0 and 1 (PINNED_CPUS) are both among CPUS_AT_START, the CPUs
+    this process started with: true as well after the caller has pinned itself
+    to one of them; false in a container limited to other CPUs, where pinning
+    to 0 or 1 would fail."""
+    return hasattr(os, "sched_setaffinity") and PINNED_CPUS <= CPUS_AT_START
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ compared with `hmac.compare_digest` against the stored hash. An unknown id
 still costs one compare (against a dummy digest), so timing does not tell a
 caller whether a guessed id exists. (Ids are public anyway; it is the secret
 that must not leak through timing.) A key that passed is remembered, by the
-whole header value, in a bounded map of this table's verified keys
+key itself, in a bounded map of this table's verified keys
 (`VERIFIED_KEYS`), so a client's next request costs one dict lookup instead
 of a parse, a hash and a compare. Only verified keys enter it, so a lookup
 that misses takes the constant-time path above, and a hit tells the caller
@@ -95,7 +95,7 @@ _MAX_SUBJECT_LENGTH = 256
 # stray characters and would let many strings verify as one token.
 _JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 _DEFAULT_JWT_CACHE_SIZE = 10_000
-# Verified API keys remembered per table (header value -> principal). A fleet
+# Verified API keys remembered per table (key -> principal). A fleet
 # has a few keys in use per proxy; past the bound the map starts over.
 VERIFIED_KEYS = 1024
 # The longest validity a token may have unless its tenant's config says
@@ -356,12 +356,12 @@ class Authenticator:
             return OPEN_PRINCIPAL
         if not authorization_header:
             raise _missing()
-        known = self._verified.get(authorization_header)
-        if known is not None:
-            return known
         scheme, sep, token = authorization_header.partition(" ")
         if not sep or len(scheme) != 6 or scheme.lower() != "bearer" or not token or " " in token:
             raise _malformed_header()
+        known = self._verified.get(token)
+        if known is not None:
+            return known
         # The token's characters are checked by the path it takes (the key's
         # alphabet; the JWT grammar before verification), not here: a
         # per-character scan of a 1 kB JWT would cost more than the cache hit.
@@ -370,7 +370,7 @@ class Authenticator:
             verified = self._verified
             if len(verified) >= VERIFIED_KEYS:
                 verified.clear()
-            verified[authorization_header] = principal
+            verified[token] = principal
             return principal
         if self._verifiers:
             return self._jwt(token, now)

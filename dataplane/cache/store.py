@@ -22,9 +22,9 @@ from dataplane.cache.entry import CachedResponse
 # that evicting and replacing entries leaves. Set from RSS, not from
 # tracemalloc (which sees about 480 B of it), so that `--cache-max-mb` bounds
 # what the cache adds to the process (issue 17). bench/entry_rss.py measures
-# it, a full store whose entries were all replaced five times: RSS 1,576 /
-# 2,088 / 3,460 B per entry for answers of 300 / 900 / 2,200 characters,
-# counted with this 1,771 / 2,370 / 3,670 B (6-12 % over: room for the
+# it, a full store that evicted five times its entries for new keys: RSS
+# 1,576 / 2,087 / 3,460 B per entry for answers of 300 / 900 / 2,200 characters,
+# counted with this 1,771 / 2,370 / 3,670 B (6-14 % over: room for the
 # fragmentation a longer load adds, and for what the load itself holds
 # beside a full cache; bench/memory.py: peak RSS within bound + base).
 SLOT_OVERHEAD = 900
@@ -227,7 +227,10 @@ class ExactStore:
         expired = self._sweep(now)
         if key in self._entries:
             self._remove(key)
-        slot = _Slot(entry=entry, tenant=tenant, model=model, expires_at=now + ttl_s, cost=cost)
+        # A float made here (whatever the clock's type): _drop_stale_expiry
+        # tells a live pair by this very object.
+        expires_at = float(now) + ttl_s
+        slot = _Slot(entry=entry, tenant=tenant, model=model, expires_at=expires_at, cost=cost)
         self._entries[key] = slot
         self._by_tenant.setdefault(tenant, set()).add(key)
         self._by_model.setdefault(model, set()).add(key)

@@ -35,7 +35,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class FixedRoutes:
     """(method, path) -> the handler already wrapped in `app`'s middlewares and
     the shared, frozen match info the router would have built. Build it once
-    the app is frozen (its routes and middlewares are final)."""
+    the app is frozen (its routes and middlewares are final). Every request of
+    a route shares its match info: handlers read it, never write to it (it is
+    a dict; freezing only stops `add_app`)."""
 
     def __init__(self, app: web.Application, fallback: Handler) -> None:
         self._fallback = fallback
@@ -54,7 +56,8 @@ class FixedRoutes:
                 handler: Handler = route.handler
                 for middleware in reversed(app.middlewares):
                     handler = partial(middleware, handler=handler)
-                self._routes[(route.method, resource.canonical)] = (handler, info)
+                # The first of two routes for one (method, path) wins, as in the router.
+                self._routes.setdefault((route.method, resource.canonical), (handler, info))
 
     def __len__(self) -> int:
         return len(self._routes)

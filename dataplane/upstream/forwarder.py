@@ -65,7 +65,9 @@ DROP_RESPONSE_HEADERS = frozenset(
 # client's: the proxy sends the JSON it parsed. A client's W3C trace context
 # goes on as it came when the proxy does not trace (a gateway must not break
 # the client's trace); when it traces, each call carries its own span's instead
-# (dataplane.telemetry.tracing.AttemptSpan.inject).
+# (dataplane.telemetry.tracing.AttemptSpan.inject); a request it knows
+# unsampled without a span carries a new unsampled traceparent and no
+# tracestate (RequestTracer.unsampled_root).
 FORWARD_REQUEST_HEADERS = ("accept", "user-agent", "traceparent", "tracestate")
 # Never forwarded, even when configured in `forward_headers`: hop-by-hop
 # headers (RFC 9110 7.6.1) describe the client's connection, not the
@@ -98,6 +100,11 @@ NEVER_FORWARDED = frozenset(
 MAX_FORWARDED_VALUE = 512
 MAX_FORWARDED_TOTAL = 2048
 RETRY_STATUS_MIN = 500
+# An origin that redirects a POST is misconfigured (its base URL wants https,
+# or a trailing slash): its answer is not one, and following it would resend
+# the prompt, or for 301 and 302 drop it. Refused like a 5xx, with the
+# Location in the operator's log line.
+REDIRECTS = range(300, 400)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +260,7 @@ class Forwarder:
             headers[name] = value
         if traceparent is not None:
             headers["traceparent"] = traceparent
+            headers.popall("tracestate", None)  # a client's, of another trace
         return headers
 
     async def forward(
@@ -623,6 +631,13 @@ class Forwarder:
         try:
             if resp.status >= RETRY_STATUS_MIN:
                 raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
+            if resp.status in REDIRECTS:
+                where = resp.headers.get("location", "nowhere")[:200]
+                raise _Retryable(
+                    "http_3xx",
+                    f"answered {resp.status}, a redirect to {where}: fix its base URL",
+                    resp.status,
+                )
             if resp.status in CREDENTIAL_REFUSED:
                 raise _Retryable(
                     "credential_refused",

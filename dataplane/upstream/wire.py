@@ -14,17 +14,26 @@ keeps what matters and nothing else:
   refuses CR and LF in names and values), written with the body in one
   `writelines`;
 - the connection's protocol (`aiohttp.client_proto.ResponseHandler`) parses
-  the answer with aiohttp's C parser (llhttp), decompresses it, and enforces
-  the read timeout, exactly as under a ClientSession.
+  the answer with aiohttp's C parser (llhttp), decompresses it, reads a body
+  that ends with the connection to its end, and enforces the read timeout, as
+  under a ClientSession. Unlike one, it follows no redirect: an origin's 3xx is
+  its answer (the Forwarder refuses it as a misconfigured base URL).
 
 Errors are aiohttp's: `aiohttp.ClientError` subclasses for connection and
 protocol failures, `TimeoutError` subclasses for the connect and read
-timeouts. The connect timeout also bounds the wait for a free connection when
-the origin's pool is at its limit: a request does not queue behind a full
-pool past the time it would give a new connection. A call cancelled or
-failed before it returns closes its connection (an origin generating for
-nobody stops). The body is written whole, not streamed under flow control:
-it is already in memory, bounded by the proxy's --max-body-bytes.
+timeouts; and ValueError for a URL that is not http(s) or a header with CR,
+LF or NUL, which the route table's checks (dataplane.routes, the control
+plane) and aiohttp's request parser keep from getting here. The connect
+timeout also bounds the wait for a free connection when the origin's pool is
+at its limit: a request does not queue behind a full pool past the time it
+would give a new connection. A call cancelled or failed before it returns
+closes its connection (an origin generating for nobody stops).
+
+The body is written whole, not streamed under flow control: it is already in
+memory, bounded by the proxy's --max-body-bytes. A connection whose request
+has not all left the proxy when the answer is done (an origin that answered
+early, a 413 say) is closed, not pooled: the next request would wait behind
+the rest of this one's body.
 """
 
 from __future__ import annotations
@@ -129,7 +138,12 @@ class OriginResponse:
 
     def release(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
+        if conn is None:
+            return
+        transport = conn.transport
+        if transport is not None and transport.get_write_buffer_size():
+            conn.close()  # the request is still going out: not reusable
+        else:
             conn.release()  # pooled only when the body ended and keep-alive holds
 
     def close(self) -> None:
@@ -177,6 +191,7 @@ class OriginWire:
             if protocol is None or transport is None:
                 raise aiohttp.ServerDisconnectedError()
             protocol.set_response_params(
+                read_until_eof=True,  # a body without a length ends with the connection
                 read_timeout=self._read_timeout,
                 read_bufsize=READ_BUFSIZE,
                 max_line_size=MAX_LINE,
@@ -192,7 +207,10 @@ class OriginWire:
             for name, value in DEFAULT_HEADERS:
                 headers.setdefault(name, value)
             transport.writelines((_serialize_headers(endpoint.line, headers), body))
-            protocol.start_timeout()  # the read timeout runs from the request's last byte
+            # The read timeout runs from here: the request handed to the socket
+            # (a large body may still be leaving; aiohttp's session started it
+            # once the body was written).
+            protocol.start_timeout()
             return await _head(protocol, conn)
         except BaseException:
             conn.close()

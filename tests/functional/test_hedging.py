@@ -42,6 +42,7 @@ class Behaviour:
     status: int = 200
     stream: bool = False
     first_delay: float = 0.0  # a stream's: after the headers, before its first chunk
+    location: str = ""  # with a 3xx status: where it redirects
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Origin:
         try:
             await request.read()
             await asyncio.sleep(b.delay)
+            if b.location:
+                return web.Response(status=b.status, headers={"location": b.location})
             if b.status != 200:
                 return web.json_response({"error": {"message": "no"}}, status=b.status)
             if not b.stream:
@@ -272,6 +275,26 @@ async def test_a_failing_hedge_leaves_the_first_attempt_running(rigs: RigMaker) 
     assert rig.origin("o3").started == 0
     assert rig.attempts("o2", "http_5xx") == 1
     assert rig.outstanding() == [0, 0, 0]
+
+
+async def test_a_redirecting_origin_is_refused_and_the_next_one_answers(
+    rigs: RigMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A redirect is a misconfigured base URL, never the client's answer: followed,
+    # a 301 or 302 would drop the prompt, and its Location names an origin.
+    moved = "https://o1.example/v1/chat/completions"
+    rig = await rigs(Behaviour(status=307, location=moved), Behaviour())
+    answer = await rig.forward()
+    answer.release()
+    assert (answer.target.name, answer.status) == ("o2", 200)
+    assert rig.attempts("o1", "http_3xx") == 1
+    assert moved in caplog.text and "base URL" in caplog.text
+
+    alone = await rigs(Behaviour(status=301, location=moved))
+    with pytest.raises(ApiError) as refused:
+        await alone.forward()
+    assert refused.value.status == 502
+    assert alone.outstanding() == [0]
 
 
 async def test_a_failing_first_attempt_leaves_the_hedge_running(rigs: RigMaker) -> None:

@@ -535,6 +535,14 @@ async def test_a_request_the_sampler_drops_exports_nothing_and_says_so_downstrea
         assert int(flags, 16) & 1 == 0  # not sampled: the origin need not record
         assert int(trace_id, 16) != 0
 
+        # A client's tracestate alone belongs to no trace the origin gets: dropped.
+        resp = await s.post(chat("state only", temperature=0.5), headers={"tracestate": "v=1"})
+        assert resp.status == 200
+        sent = s.origins[0].app[SIM_STATE].stats.last_request
+        assert sent is not None
+        headers = sent["headers"]
+        assert headers["traceparent"].endswith("-00") and "tracestate" not in headers
+
         # A client's sampled trace is followed (parent-based), whatever the ratio.
         resp = await s.post(chat("sampled"), headers={"traceparent": CLIENT_TRACEPARENT})
         assert resp.status == 200

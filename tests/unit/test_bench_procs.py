@@ -9,13 +9,15 @@ import sys
 
 import pytest
 
-from bench.procs import CPUS_AT_START, affinity, cpus_available, pin_tree
+from bench.procs import CPUS_AT_START, PINNED_CPUS, affinity, cpus_available, pin_tree
 
-pytestmark = pytest.mark.skipif(len(CPUS_AT_START) < 2, reason="needs at least two CPUs to pin to")
+pytestmark = pytest.mark.skipif(
+    not PINNED_CPUS <= CPUS_AT_START, reason="needs CPUs 0 and 1 to pin to"
+)
 
 
 def test_a_narrowed_caller_still_places_children_on_other_cpus() -> None:
-    first, second = sorted(CPUS_AT_START)[:2]
+    first, second = sorted(PINNED_CPUS)
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {second})
     try:

@@ -311,6 +311,62 @@ async def test_release_with_the_body_unread_closes_the_connection(
     assert origin.connections == 2
 
 
+async def test_a_body_that_ends_with_the_connection_is_read_whole(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    # No Content-Length, not chunked: the body is what comes before EOF.
+    origin.answer = answering(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: hi\n\n", keep_open=False
+    )
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.read() == b"data: hi\n\n"
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2  # that connection ended with its body: never pooled
+
+
+async def test_a_connection_still_sending_its_request_is_not_pooled(wire: OriginWire) -> None:
+    # An origin that answers once it has the head and reads no more of the body
+    # (a 413, say): the rest of the body is still in the proxy's buffers when the
+    # answer is done, so the next request must not queue behind it.
+    connections = 0
+    done = asyncio.Event()
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await done.wait()  # and reads nothing more
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(early, "127.0.0.1", 0)
+    url = URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions")
+    try:
+        resp = await wire.post(url, b"x" * (32 << 20), no_headers())
+        assert resp.status == 413
+        assert await resp.read() == b""
+        resp = await wire.post(url, b"{}", no_headers())  # a new connection
+        assert resp.status == 413
+        resp.close()
+        assert connections == 2
+    finally:
+        done.set()
+        server.close()
+        async with asyncio.timeout(BOUND):
+            await asyncio.gather(*handlers, return_exceptions=True)
+            await server.wait_closed()
+
+
 async def test_close_always_closes_the_connection(wire: OriginWire, origin: RawOrigin) -> None:
     resp = await wire.post(origin.url(), b"{}", no_headers())
     assert await resp.content.read() == b"{}"  # read to its end, and still closed
