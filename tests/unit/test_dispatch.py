@@ -56,6 +56,9 @@ async def test_a_fixed_path_reaches_its_handler_through_the_apps_middlewares() -
         response = await fixed(make_mocked_request("POST", path, app=app))
         assert isinstance(response, web.Response) and response.text == "chat"
     assert seen == [("middleware", "chat.completions"), ("chat", "POST")] * 2
+    seen.clear()
+    await fixed(make_mocked_request("HEAD", "/healthz", app=app))  # aiohttp adds HEAD to GET
+    assert seen == [("middleware", "healthz"), ("chat", "HEAD")]
 
 
 async def test_everything_else_takes_the_routers_path() -> None:
@@ -67,6 +70,8 @@ async def test_everything_else_takes_the_routers_path() -> None:
         make_mocked_request("GET", "/v1/chat/completions", app=app),  # another method: 405
         make_mocked_request("POST", "/v1/nothing", app=app),  # unknown: 404
         make_mocked_request("POST", "/v1/chat%2Fcompletions", app=app),  # matched only decoded
+        make_mocked_request("GET", "/healthz/", app=app),  # a trailing slash
+        make_mocked_request("GET", "/HEALTHZ", app=app),  # another case
         make_mocked_request(
             "POST", "/v1/chat/completions", headers={"Expect": "100-continue"}, app=app
         ),
