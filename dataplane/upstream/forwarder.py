@@ -276,8 +276,9 @@ class Forwarder:
         spent_s: float = 0.0,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
-        commits to an answer: a status under 500 and, for a stream, a first
-        chunk. Raises ApiError (502, or 504 past the deadline) when none does.
+        commits to an answer: a status under 500 but no redirect and, for a
+        stream, a first chunk. Raises ApiError (502, or 504 past the deadline)
+        when none does.
 
         `stream` says whether the request asks for a stream; it picks the
         time-to-commit window that samples go to and that "auto" reads.
