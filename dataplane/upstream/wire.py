@@ -24,10 +24,10 @@ protocol failures, `TimeoutError` subclasses for the connect and read
 timeouts; and ValueError for a URL that is not http(s) or a header with CR,
 LF or NUL, which the route table's checks (dataplane.routes, the control
 plane) and aiohttp's request parser keep from getting here. The connect
-timeout also bounds the wait for a free connection when the origin's pool is
-at its limit: a request does not queue behind a full pool past the time it
-would give a new connection. A call cancelled or failed before it returns
-closes its connection (an origin generating for nobody stops).
+timeout bounds the socket's connect, not a wait for a free connection of an
+origin at the connector's per-host limit, as under the ClientSession before.
+A call cancelled or failed before it returns closes its connection (an origin
+generating for nobody stops).
 
 The body is written whole, not streamed under flow control: it is already in
 memory, bounded by the proxy's --max-body-bytes. A connection whose request
@@ -165,7 +165,12 @@ class OriginWire:
     ) -> None:
         self._connector = connector
         self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout, connect=connect_timeout
+            # The socket's connect only: a call that waits for a free connection
+            # of a busy origin (at the connector's per-host limit) waits in its
+            # turn, under the request's deadline; timing it out would count a
+            # saturated origin as failing and eject it.
+            total=None,
+            sock_connect=connect_timeout,
         )
         self._read_timeout = read_timeout
         self._endpoints: dict[URL, _Endpoint] = {}

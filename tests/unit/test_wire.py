@@ -409,6 +409,28 @@ async def test_an_origin_that_never_answers_times_out_and_its_connection_closes(
     assert origin.connections == 2
 
 
+async def test_a_call_waiting_for_a_free_connection_is_not_timed_out_by_connect(
+    origin: RawOrigin,
+) -> None:
+    # One connection per origin: the second call waits for the first's, longer
+    # than the connect timeout, and is served once it is free (a busy origin is
+    # not a failing one).
+    connector = aiohttp.TCPConnector(limit_per_host=1)
+    wire = OriginWire(connector, connect_timeout=SHORT, read_timeout=BOUND)
+    try:
+        first = await wire.post(origin.url(), b"{}", no_headers())
+        second = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+        await asyncio.sleep(4 * SHORT)  # the waiting call outlives the connect timeout
+        assert not second.done()
+        assert await first.read() == b"{}"  # its connection goes back to the pool
+        async with asyncio.timeout(BOUND):
+            resp = await second
+        assert await resp.read() == b"{}"
+        assert origin.connections == 1
+    finally:
+        await connector.close()
+
+
 async def test_a_refused_connection_is_a_client_error(wire: OriginWire) -> None:
     with socket.socket() as sock:  # a port nothing listens on once it is closed
         sock.bind(("127.0.0.1", 0))
