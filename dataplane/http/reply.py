@@ -28,6 +28,7 @@ from dataplane.streaming.relay import EventSink, RelayEnd, Resume, relay
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import UsageCounter
 from dataplane.upstream.forwarder import OriginAnswer
+from dataplane.upstream.wire import media_type
 
 if TYPE_CHECKING:
     from dataplane.cache.step import CachePlan
@@ -64,7 +65,7 @@ def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -
         return web.Response(
             status=origin.status, body=body, headers=_origin_headers(ex, origin, outcome)
         )
-    content_type = origin.headers.get("content-type", "").partition(";")[0].strip().lower()
+    content_type = media_type(origin.headers)
     return web.Response(
         status=origin.status,
         body=origin_error_body(

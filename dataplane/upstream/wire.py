@@ -39,6 +39,7 @@ the rest of this one's body.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Final
 
 import aiohttp
@@ -53,7 +54,7 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-__all__ = ["OriginResponse", "OriginWire"]
+__all__ = ["OriginResponse", "OriginWire", "media_type"]
 
 # What a ClientSession adds to every request unless the caller set it: the
 # origins saw these before this module existed, and gzip answers stay cheap to
@@ -96,6 +97,11 @@ class _Endpoint:
         )
 
 
+def media_type(headers: Mapping[str, str]) -> str:
+    """The Content-Type's media type, lower case, without parameters ("" when absent)."""
+    return headers.get(hdrs.CONTENT_TYPE, "").partition(";")[0].strip().lower()
+
+
 class OriginResponse:
     """An origin's answer once its head has arrived: `status`, `headers`, and
     `content`, the body as aiohttp's StreamReader (decompressed).
@@ -123,8 +129,7 @@ class OriginResponse:
     @property
     def content_type(self) -> str:
         """The media type, lower case, without parameters ("" when absent)."""
-        value = self.headers.get(hdrs.CONTENT_TYPE, "")
-        return value.partition(";")[0].strip().lower()
+        return media_type(self.headers)
 
     async def read(self) -> bytes:
         """The whole body; then the connection is released."""
