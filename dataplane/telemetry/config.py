@@ -102,19 +102,16 @@ def trace_config(env: Mapping[str, str]) -> TraceConfig | None:
 
 def _check_sampler(env: Mapping[str, str]) -> None:
     """Refuse what the SDK would only warn about and replace by its default."""
-    sampler = _get(env, "OTEL_TRACES_SAMPLER").lower()
+    sampler = _sampler(env)
     if sampler and sampler not in SAMPLERS:
         raise TraceConfigError(
             f"OTEL_TRACES_SAMPLER: unknown sampler {sampler!r} "
             f"(expected one of {', '.join(SAMPLERS)})"
         )
-    arg = _get(env, "OTEL_TRACES_SAMPLER_ARG")
-    if arg and sampler in _RATIO_SAMPLERS:
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = -1.0
-        if not 0.0 <= ratio <= 1.0:
+    if sampler in _RATIO_SAMPLERS:
+        ratio = _ratio(env)
+        if ratio is None or not 0.0 <= ratio <= 1.0:
+            arg = _get(env, "OTEL_TRACES_SAMPLER_ARG")
             raise TraceConfigError(
                 f"OTEL_TRACES_SAMPLER_ARG: {arg!r} is not a ratio between 0 and 1"
             )
@@ -126,12 +123,23 @@ def drops_roots(env: Mapping[str, str]) -> bool:
     arrives without a parent: always_off, parentbased_always_off, or a ratio
     sampler at 0. Such a request can be known unsampled before the SDK is
     asked, which is what makes tracing "sampled at 0" cost nothing."""
-    sampler = _get(env, "OTEL_TRACES_SAMPLER").lower()
+    sampler = _sampler(env)
     if sampler in ("always_off", "parentbased_always_off"):
         return True
-    if sampler not in _RATIO_SAMPLERS:
-        return False
+    return sampler in _RATIO_SAMPLERS and _ratio(env) == 0.0
+
+
+def _sampler(env: Mapping[str, str]) -> str:
+    return _get(env, "OTEL_TRACES_SAMPLER").lower()
+
+
+def _ratio(env: Mapping[str, str]) -> float | None:
+    """OTEL_TRACES_SAMPLER_ARG as a ratio sampler reads it: 1.0 when unset (the
+    SDK's default), None when it is not a number."""
+    arg = _get(env, "OTEL_TRACES_SAMPLER_ARG")
+    if not arg:
+        return 1.0
     try:
-        return float(_get(env, "OTEL_TRACES_SAMPLER_ARG") or "1") == 0.0
+        return float(arg)
     except ValueError:
-        return False  # refused by trace_config before the proxy starts
+        return None
