@@ -216,7 +216,7 @@ def start_canned(fleet: Fleet, workdir: Path) -> canned.CannedOrigin:
 
     The caller owns nginx and must stop it; `workdir` is its directory.
     """
-    origin = canned.CannedOrigin(workdir, cpus={LOAD_CPU} if cpus_available() else None)
+    origin = canned.CannedOrigin(workdir, cpus={LOAD_CPU})  # affinity() skips it when unpinned
     origin.start()
     try:
         fleet.add_origin("canned", "local", origin.url, models=(canned.CANNED_MODEL,))
@@ -944,9 +944,8 @@ def add_results(report: dict[str, Any], m: Measured, args: argparse.Namespace, p
     # Features asked for but not configured: neither CPU aim applies.
     features = args.ponto_features if m.cache_on or args.ponto_features == "none" else "failed"
     report["aims"] = aims(
-        phases, verdicts.floor, m.largest.get("ponto"), features=features,
-        workers=args.ponto_workers,
-    )  # fmt: skip
+        phases, m.largest.get("ponto"), features=features, workers=args.ponto_workers
+    )
     report["table"] = {"columns": verdicts.table.columns, "rows": verdicts.table.rows}
     report["text"] = verdicts.table.render()
     workers_table = scaling_table(m.scaled, args.ponto_workers or 0)

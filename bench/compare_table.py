@@ -385,7 +385,6 @@ def goals(
 
 def aims(
     phases: dict[str, Phase],
-    floor: dict[str, float | None],
     largest_rss: float | None,
     *,
     features: str,
@@ -404,8 +403,8 @@ def aims(
     )
     if not (ok(hit, "ponto") and ok(hit, "direct")):
         hit_ratio = None
-    origin = cpu_phase(phases)[1]
-    cpu = floor.get(CANNED_PREFIX + "cpu_per_request" if "cpu" in phases else "cpu_per_request")
+    cost, origin = cpu_phase(phases)
+    cpu = ratio(get(cost, "ponto", "cpu_us_per_request"), get(cost, FLOOR, "cpu_us_per_request"))
     scaling = phases.get("scaling")
     many = get(scaling, f"ponto-{workers}", "throughput") if workers else None
     speedup = ratio(many, get(scaling, "ponto-1", "throughput"))

@@ -54,7 +54,7 @@ def test_the_cpu_section_follows_max_with_its_own_ratios() -> None:
 def test_the_aims_and_the_per_core_goal_read_cpu_when_present() -> None:
     phases = {"max": MAX, "cpu": CPU}
     v = build_table(LABELS, phases, {}, {}, ())
-    cpu_aim = aim(aims(phases, v.floor, None, features="auth-limits-cache", workers=None),
+    cpu_aim = aim(aims(phases, None, features="auth-limits-cache", workers=None),
                   "server CPU per request with key auth")  # fmt: skip
     assert cpu_aim["value"] == 2.6 and "[canned origin]" in cpu_aim["goal"]
     per_core = aim(goals(phases, {}, v.litellm, "auth-limits-cache"), "Ponto at least 8,000")
@@ -65,7 +65,7 @@ def test_without_cpu_they_fall_back_to_max() -> None:
     phases = {"max": MAX}
     v = build_table(LABELS, phases, {}, {}, ())
     assert not any("canned" in row[0] for row in v.table.rows)
-    cpu_aim = aim(aims(phases, v.floor, None, features="none", workers=None),
+    cpu_aim = aim(aims(phases, None, features="none", workers=None),
                   "server CPU per request with defaults")  # fmt: skip
     assert cpu_aim["value"] == 2.08 and "[simulator origin]" in cpu_aim["goal"]
     per_core = aim(goals(phases, {}, v.litellm, "none"), "Ponto at least 8,000")
