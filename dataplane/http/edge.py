@@ -17,6 +17,11 @@ subclassed at three points:
   canned 503 JSON answer and `Connection: close`, written before any byte is
   read: one write, no parsing, and a client that reads it knows why (a bare
   close looks like a network fault and is retried at once).
+- `finish_response`: a whole answer (a `web.Response` with its body in
+  bytes, the proxy's usual answer) is written as one head-and-body write,
+  with the head aiohttp's `prepare` would give it; anything else (streams,
+  compression, cookies, HEAD, 1xx/204/304, access logging) goes through
+  aiohttp's own `prepare` and `write_eof`.
 - `handle_error`: a message the parser refuses (a line or head too long, too
   many headers, bad framing, control characters) is answered as an OpenAI
   error (400 or 431) with an `x-request-id`, and logged once through the
@@ -35,7 +40,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-from aiohttp import web, web_protocol
+from aiohttp import HttpVersion10, HttpVersion11, hdrs, web, web_protocol
+from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import (
     BadHttpMessage,
     BadHttpMethod,
@@ -43,6 +50,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
 )
 from aiohttp.http_parser import RawRequestMessage
+from aiohttp.http_writer import StreamWriter, _serialize_headers
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 
 from dataplane import jsonio
@@ -51,6 +59,7 @@ from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.errors import ApiError
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
+from dataplane.timer import LazyTimer
 
 __all__ = [
     "LISTEN_BACKLOG",
@@ -210,7 +219,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._address = ""
         self._head_bytes = 0  # of the head being received
         self._counted = False
-        self._deadline: asyncio.TimerHandle | None = None
+        # The head's or the body's deadline, whichever is running.
+        self._deadline = LazyTimer(self._loop)
         # The body being received; None once it is complete (or before any).
         self._payload: StreamReader | None = None
 
@@ -230,7 +240,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._caps.waiting(self, self._address)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm()
+        self._deadline.close()
         self._uncount()
         super().connection_lost(exc)
 
@@ -275,11 +285,13 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if self._force_close or self._close or self._upgraded:
             super().data_received(data)
             return
-        if data and self._deadline is None and self._payload is None:
+        if data and not self._deadline.armed and self._payload is None:
             self._head_begins()  # the first byte of the next request
         heading = self._payload is None
         if heading:
             self._head_bytes += len(data)
+        # Bytes received since the head began: a bound on its size.
+        received = self._head_bytes if heading else MAX_HEAD + 1
         count = self._request_count
         super().data_received(data)
         if self._request_count == count and heading and data and self._head_bytes > MAX_HEAD:
@@ -294,28 +306,28 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 if self._payload is not None and not self._payload.is_eof():
                     self._refuse_body(message)
                     return
-            elif _head_size(message) > MAX_HEAD:  # it came whole, in one read
+            elif received > MAX_HEAD and _head_size(message) > MAX_HEAD:  # it came whole
                 self._messages.pop()
                 self._refuse_head()
                 return
-            self._disarm()
+            self._deadline.disarm()
             if self._counted:
                 self._caps.busy(self, self._address)
             self._payload = None if payload.is_eof() else payload
             if self._payload is not None:
-                self._arm(self._limits.body_timeout, self._body_late)
+                self._deadline.arm(self._limits.body_timeout, self._body_late)
         elif self._payload is not None and self._payload.is_eof():
             self._payload = None
-            self._disarm()
+            self._deadline.disarm()
 
     def _head_begins(self) -> None:
         self._head_bytes = 0
-        self._arm(self._limits.header_timeout, self._head_late)
+        self._deadline.arm(self._limits.header_timeout, self._head_late)
 
     def _refuse_head(self) -> None:
         """Answer a head past MAX_HEAD as aiohttp answers one its parser refuses
         (an error message in the queue), and read no more of the connection."""
-        self._disarm()
+        self._deadline.disarm()
         exc = HeadTooLarge(f"request head over {MAX_HEAD} bytes")
         self._messages.append(
             (web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD)
@@ -333,7 +345,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         payload, self._payload = self._payload, None
         assert payload is not None
         self._messages.pop()
-        self._disarm()
+        self._deadline.disarm()
         self._fail_body(payload, web.RequestPayloadError(error.message))
 
     def _fail_body(self, payload: StreamReader, exc: Exception) -> None:
@@ -347,22 +359,80 @@ class EdgeProtocol(web_protocol.RequestHandler):
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
-        answered = await super().finish_response(request, resp, start_time)
+        if type(resp) is web.Response and self.access_logger is None and not self._upgraded:
+            answered = await self._finish_whole(request, resp, start_time)
+        else:
+            answered = await super().finish_response(request, resp, start_time)
         if self._counted and not self._messages:
             self._caps.waiting(self, self._address)
         return answered
 
-    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._deadline = self._loop.call_later(delay, callback)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+    async def _finish_whole(
+        self, request: web.BaseRequest, resp: web.Response, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """`resp` written in one write: the head `prepare` would write (the same
+        Content-Length, Content-Type, Date, Server and Connection rules), then
+        its body. aiohttp's `prepare` and `write_eof` build the same bytes
+        through some ten calls; this is the path of nearly every answer.
+        Answers it does not cover go to aiohttp's `finish_response`."""
+        body = resp._body
+        writer = request._payload_writer
+        version = request.version
+        if (
+            resp._payload_writer is not None
+            or resp._eof_sent
+            or not (body is None or type(body) is bytes)
+            or resp._compression
+            or resp._chunked
+            or resp._cookies
+            or version not in (HttpVersion11, HttpVersion10)
+            or must_be_empty_body(request.method, resp.status)
+            or not isinstance(writer, StreamWriter)
+            or writer._on_headers_sent is not None
+            or writer._on_chunk_sent is not None
+            or writer.on_body_write is not None
+            or writer.output_size
+        ):
+            return await super().finish_response(request, resp, start_time)
+        request._finish()
+        headers = resp._headers
+        if hdrs.TRANSFER_ENCODING in headers:  # a handler's, and not what the body is
+            return await super().finish_response(request, resp, start_time)
+        await request._prepare_hook(resp)  # app.on_response_prepare, as prepare runs it
+        size = len(body) if body else 0
+        if hdrs.CONTENT_LENGTH not in headers:
+            headers[hdrs.CONTENT_LENGTH] = str(size)
+        if size and hdrs.CONTENT_TYPE not in headers:
+            headers[hdrs.CONTENT_TYPE] = "application/octet-stream"
+        if hdrs.DATE not in headers:
+            headers[hdrs.DATE] = rfc822_formatted_time()
+        if hdrs.SERVER not in headers:
+            headers[hdrs.SERVER] = SERVER_SOFTWARE
+        keep_alive = resp._keep_alive
+        if keep_alive is None:
+            keep_alive = resp._keep_alive = request.keep_alive
+        if hdrs.CONNECTION not in headers:
+            if keep_alive:
+                if version == HttpVersion10:
+                    headers[hdrs.CONNECTION] = "keep-alive"
+            elif version == HttpVersion11:
+                headers[hdrs.CONNECTION] = "close"
+        head = _serialize_headers(
+            f"HTTP/{version.major}.{version.minor} {resp.status} {resp.reason}", headers
+        )
+        try:
+            # StreamWriter's own accounting (output and buffered sizes), and
+            # its refusal to write to a closing transport (a ConnectionError).
+            writer._writelines((head, body) if body else (head,))
+            await writer.drain()
+        except ConnectionError:
+            return resp, True
+        writer._eof = True
+        resp._eof_sent = True
+        resp._body_length = writer.output_size
+        return resp, False
 
     def _head_late(self) -> None:
-        self._deadline = None
         refusals.refused(
             408,
             "header_timeout",
@@ -374,7 +444,6 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self.force_close()
 
     def _body_late(self) -> None:
-        self._deadline = None
         payload, self._payload = self._payload, None
         if payload is None or payload.is_eof():  # pragma: no cover - disarmed at the end
             return

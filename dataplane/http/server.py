@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
 from dataplane.cache.regionstore import RegionalStore
@@ -58,6 +57,7 @@ from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
+from dataplane.upstream.wire import origin_connector
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class Proxy:
             await self.region_link.start()
         # Per origin at most 1024 connections: past that, bursts wait for a free
         # keep-alive connection instead of opening (and tearing down) new ones.
-        connector = aiohttp.TCPConnector(
+        connector = origin_connector(
             limit=0, limit_per_host=1024, ttl_dns_cache=60, keepalive_timeout=30
         )
         forwarder = Forwarder(connector, self.metrics, settings.upstream, loads=self.loads)

@@ -39,8 +39,9 @@ the rest of this one's body.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final, cast
 
 import aiohttp
 from aiohttp import hdrs
@@ -54,7 +55,9 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-__all__ = ["OriginResponse", "OriginWire", "media_type"]
+from dataplane.timer import LazyTimer
+
+__all__ = ["OriginProtocol", "OriginResponse", "OriginWire", "media_type", "origin_connector"]
 
 # What a ClientSession adds to every request unless the caller set it: the
 # origins saw these before this module existed, and gzip answers stay cheap to
@@ -69,6 +72,44 @@ MAX_ENDPOINTS: Final = 4096
 READ_BUFSIZE: Final = 2**16
 MAX_LINE: Final = 8190
 MAX_HEADERS: Final = 128
+
+
+class OriginProtocol(ResponseHandler):
+    """aiohttp's client protocol, with its read timeout on a LazyTimer.
+
+    aiohttp restarts its timer on every read and cancels it at the answer's
+    end: two timers started and two cancelled per call (dataplane.timer says
+    what that costs). The timeout itself is aiohttp's: `read_timeout` seconds
+    without a byte of the answer fail the read with its SocketTimeoutError.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.read_deadline = LazyTimer(loop)
+
+    def _reschedule_timeout(self) -> None:
+        timeout = self._read_timeout
+        if timeout:
+            self.read_deadline.arm(timeout, self._on_read_timeout)
+        else:
+            self.read_deadline.disarm()
+
+    def _drop_timeout(self) -> None:
+        self.read_deadline.disarm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.read_deadline.close()
+        super().connection_lost(exc)
+
+
+def origin_connector(**kwargs: Any) -> aiohttp.TCPConnector:
+    """`aiohttp.TCPConnector(**kwargs)` whose connections speak OriginProtocol.
+    Call it on the event loop that will use it."""
+    connector = aiohttp.TCPConnector(**kwargs)
+    # aiohttp's connectors make their protocols with this factory, and take no argument for it.
+    factory = functools.partial(OriginProtocol, loop=asyncio.get_running_loop())
+    connector._factory = cast("functools.partial[ResponseHandler]", factory)
+    return connector
 
 
 class _Endpoint:
@@ -133,8 +174,11 @@ class OriginResponse:
 
     async def read(self) -> bytes:
         """The whole body; then the connection is released."""
+        content = self.content
         try:
-            body = await self.content.read()
+            # Usually the whole body came with the head: taken as it is, without
+            # read()'s loop of readany() calls.
+            body = content.read_nowait() if content.is_eof() else await content.read()
         except BaseException:
             self.close()
             raise

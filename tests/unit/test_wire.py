@@ -20,13 +20,20 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import hdrs, web
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dataplane.upstream import wire as wire_module
-from dataplane.upstream.wire import DEFAULT_HEADERS, OriginWire, _Endpoint
+from dataplane.upstream.wire import (
+    DEFAULT_HEADERS,
+    OriginProtocol,
+    OriginWire,
+    _Endpoint,
+    origin_connector,
+)
 
 SHORT = 0.05  # the read timeout against an origin that never answers
 BOUND = 5.0  # what a wait that must end may take before the test fails
@@ -136,11 +143,19 @@ async def origin() -> AsyncIterator[RawOrigin]:
     await raw.stop()
 
 
-@pytest.fixture
-async def connector() -> AsyncIterator[aiohttp.TCPConnector]:
-    conn = aiohttp.TCPConnector()
+@pytest.fixture(params=["aiohttp", "origin"])
+async def connector(request: pytest.FixtureRequest) -> AsyncIterator[aiohttp.TCPConnector]:
+    """Every test runs on aiohttp's own connector and on the proxy's
+    (origin_connector: OriginProtocol's lazy read timer)."""
+    conn = aiohttp.TCPConnector() if request.param == "aiohttp" else origin_connector()
     yield conn
     await conn.close()
+
+
+def read_timer_running(protocol: ResponseHandler) -> bool:
+    if isinstance(protocol, OriginProtocol):
+        return protocol.read_deadline.armed
+    return protocol._read_timeout_handle is not None
 
 
 def make_wire(connector: aiohttp.BaseConnector, *, read_timeout: float = BOUND) -> OriginWire:
@@ -524,6 +539,28 @@ async def test_a_body_that_stalls_times_out_and_its_connection_closes(
         await origin.client_gone.wait()
 
 
+async def test_a_body_that_keeps_coming_outlasts_several_read_timeouts(
+    connector: aiohttp.TCPConnector, origin: RawOrigin
+) -> None:
+    # The read timeout bounds the silence between bytes, not the whole answer:
+    # a timer armed for the first bytes must not fail the later ones.
+    timeout, gap, parts = 0.5, 0.1, 8  # gaps a fifth of the timeout, 1.6 timeouts in all
+
+    async def trickling(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % parts)
+        for _ in range(parts):
+            await asyncio.sleep(gap)
+            writer.write(b"x")
+            await writer.drain()
+        return True
+
+    wire = make_wire(connector, read_timeout=timeout)
+    origin.answer = trickling
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    async with asyncio.timeout(BOUND):
+        assert await resp.read() == b"x" * parts
+
+
 # ---------------------------------------------------------------- answers
 
 
@@ -571,7 +608,7 @@ async def test_interim_and_final_answers_in_one_packet_leave_no_timer_behind(
     try:
         protocol = resp._conn.protocol if resp._conn is not None else None
         assert protocol is not None
-        assert protocol._read_timeout_handle is None  # the body has ended: nothing to time
+        assert not read_timer_running(protocol)  # the body has ended: nothing to time
         assert await resp.read() == b"{}"
     finally:
         resp.close()  # a no-op once read

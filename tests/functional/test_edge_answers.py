@@ -1,0 +1,133 @@
+"""The edge's one-write answers (EdgeProtocol._finish_whole) are byte for byte
+what aiohttp's own prepare and write_eof send: the same answers, asked for by
+the same requests, from an EdgeRunner and from aiohttp's AppRunner on loopback.
+Only the Date header may differ (it is the second the answer left)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiohttp import web
+
+from dataplane.http.edge import EdgeLimits, EdgeRunner
+
+BOUND = 5.0  # what a wait that must end may take before the test fails
+
+
+def closing() -> web.Response:
+    response = web.Response(body=b"bye")
+    response.force_close()
+    return response
+
+
+ANSWERS: dict[str, Callable[[], web.Response]] = {
+    "/json": lambda: web.json_response({"a": 1}),
+    "/bytes": lambda: web.Response(body=b"abc", headers={"x-request-id": "r1"}),
+    "/empty": web.Response,
+    "/empty-bytes": lambda: web.Response(body=b""),
+    "/text": lambda: web.Response(text="hi"),
+    "/typed": lambda: web.Response(body=b"{}", content_type="application/json", charset="utf-8"),
+    "/error": lambda: web.Response(
+        status=429, body=b"{}", content_type="application/json", headers={"retry-after": "1"}
+    ),
+    "/reason": lambda: web.Response(status=599, reason="Odd", body=b"?"),
+    "/no-content": lambda: web.Response(status=204),
+    "/not-modified": lambda: web.Response(status=304),
+    "/force-close": closing,
+    "/says-close": lambda: web.Response(body=b"x", headers={"Connection": "close"}),
+    "/says-keep-alive": lambda: web.Response(body=b"x", headers={"Connection": "keep-alive"}),
+    "/own-length": lambda: web.Response(body=b"xyz", headers={"Content-Length": "3"}),
+    "/own-date-server": lambda: web.Response(
+        body=b"x", headers={"Date": "Tue, 01 Dec 2026 00:00:00 GMT", "Server": "s"}
+    ),
+    "/multi": lambda: web.Response(body=b"x", headers=[("x-a", "1"), ("x-a", "2")]),
+}
+
+REQUESTS = [
+    b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"GET %s HTTP/1.0\r\n\r\n",
+    b"GET %s HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+    b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\n",
+]
+NEXT = b"GET /bytes HTTP/1.1\r\nHost: x\r\n\r\n"
+
+DATE = re.compile(rb"\r\nDate: [^\r]*\r\n")
+
+
+def app() -> web.Application:
+    application = web.Application()
+    for path, make in ANSWERS.items():
+
+        async def handle(
+            request: web.Request, make: Callable[[], web.Response] = make
+        ) -> web.Response:
+            await request.read()
+            return make()
+
+        application.router.add_route("*", path, handle)
+    return application
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[dict[str, int]]:
+    """name -> port: "edge" (EdgeRunner) and "aiohttp" (AppRunner), the same app."""
+    runners: dict[str, web.AppRunner] = {
+        "edge": EdgeRunner(app(), EdgeLimits(), access_log=None),
+        "aiohttp": web.AppRunner(app(), access_log=None),
+    }
+    ports: dict[str, int] = {}
+    for name, runner in runners.items():
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ports[name] = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield ports
+    for runner in runners.values():
+        await runner.cleanup()
+
+
+async def read_answer(reader: asyncio.StreamReader, head_only: bool) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    match = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
+    length = int(match.group(1)) if match and not head_only else 0
+    return head + await reader.readexactly(length)
+
+
+async def exchange(port: int, request: bytes) -> tuple[bytes, bytes]:
+    """The answer to `request` (Date masked), then what the connection does
+    next: the answer to another request, or b"" once the server closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        async with asyncio.timeout(BOUND):
+            writer.write(request)
+            answer = DATE.sub(
+                b"\r\nDate: -\r\n", await read_answer(reader, request.startswith(b"HEAD"))
+            )
+            writer.write(NEXT)
+            try:
+                after = DATE.sub(b"\r\nDate: -\r\n", await read_answer(reader, False))
+            except (asyncio.IncompleteReadError, ConnectionResetError):
+                after = b""
+        return answer, after
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    REQUESTS,
+    ids=lambda r: r.split(b"\r\n")[0][-8:].decode() + "-" + r[:4].decode().strip(),
+)
+@pytest.mark.parametrize("path", list(ANSWERS))
+async def test_an_answer_is_what_aiohttp_sends(
+    servers: dict[str, int], path: str, request_line: bytes
+) -> None:
+    request = request_line.replace(b"%s", path.encode())
+    edge = await exchange(servers["edge"], request)
+    aiohttp_ = await exchange(servers["aiohttp"], request)
+    assert edge == aiohttp_
