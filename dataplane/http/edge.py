@@ -290,8 +290,6 @@ class EdgeProtocol(web_protocol.RequestHandler):
         heading = self._payload is None
         if heading:
             self._head_bytes += len(data)
-        # Bytes received since the head began: a bound on its size.
-        received = self._head_bytes if heading else MAX_HEAD + 1
         count = self._request_count
         super().data_received(data)
         if self._request_count == count and heading and data and self._head_bytes > MAX_HEAD:
@@ -306,7 +304,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 if self._payload is not None and not self._payload.is_eof():
                     self._refuse_body(message)
                     return
-            elif received > MAX_HEAD and _head_size(message) > MAX_HEAD:  # it came whole
+            elif _head_size(message) > MAX_HEAD:  # it came whole, in one read
                 self._messages.pop()
                 self._refuse_head()
                 return
@@ -378,6 +376,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         body = resp._body
         writer = request._payload_writer
         version = request.version
+        headers = resp._headers
         if (
             resp._payload_writer is not None
             or resp._eof_sent
@@ -392,16 +391,17 @@ class EdgeProtocol(web_protocol.RequestHandler):
             or writer._on_chunk_sent is not None
             or writer.on_body_write is not None
             or writer.output_size
+            # A handler's own framing, which aiohttp checks and uses as it is.
+            or hdrs.TRANSFER_ENCODING in headers
+            or hdrs.CONTENT_LENGTH in headers
+            # app.on_response_prepare hooks see (and may change) the prepared
+            # head, which aiohttp's order of steps gives them.
+            or _prepare_hooks(request)
         ):
             return await super().finish_response(request, resp, start_time)
         request._finish()
-        headers = resp._headers
-        if hdrs.TRANSFER_ENCODING in headers:  # a handler's, and not what the body is
-            return await super().finish_response(request, resp, start_time)
-        await request._prepare_hook(resp)  # app.on_response_prepare, as prepare runs it
         size = len(body) if body else 0
-        if hdrs.CONTENT_LENGTH not in headers:
-            headers[hdrs.CONTENT_LENGTH] = str(size)
+        headers[hdrs.CONTENT_LENGTH] = str(size)
         if size and hdrs.CONTENT_TYPE not in headers:
             headers[hdrs.CONTENT_TYPE] = "application/octet-stream"
         if hdrs.DATE not in headers:
@@ -496,6 +496,14 @@ class EdgeProtocol(web_protocol.RequestHandler):
         response = error.response({"x-request-id": request_id, "connection": "close"})
         response.force_close()
         return response
+
+
+def _prepare_hooks(request: web.BaseRequest) -> bool:
+    """Whether an app that routed `request` has on_response_prepare hooks."""
+    if not isinstance(request, web.Request):  # a bare server's: no app, no hooks
+        return False
+    match_info = request._match_info
+    return match_info is not None and any(app.on_response_prepare for app in match_info.apps)
 
 
 def _head_size(message: RawRequestMessage) -> int:

@@ -537,7 +537,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         raise _too_large(limit)
     try:
         content = request.content
-        if length is not None and content.is_eof():
+        if length is not None and content.is_eof() and request._read_bytes is None:
             # The whole body is in (the usual case: it came with the head), and
             # within the limit: taken as it is, without read()'s loop.
             raw = request._read_bytes = content.read_nowait()

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from dataplane.http.dispatch import FixedRoutes
-from dataplane.http.edge import EdgeRunner
+from dataplane.http.edge import MAX_HEAD, EdgeRunner
 from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, QUOTA
@@ -393,6 +393,25 @@ async def test_a_header_line_of_8_kb_passes(start_edge: Start) -> None:
     writer.write(head(CHAT, b"X-Big: " + b"a" * 8000) + BODY)
     assert (await read_answer(reader)).status == 200
     writer.close()
+
+
+async def test_a_head_too_large_behind_a_request_in_the_same_read_gets_a_431(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The big head's first bytes arrive with the end of the request before it:
+    # they count toward its size as much as those that come later.
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    big = head(CHAT, *(b"X-Big-%d: " % i + b"a" * 7000 for i in range(5)))
+    assert len(big) > MAX_HEAD
+    writer.write(head() + BODY + big[:30_000])
+    assert (await read_answer(reader)).status == 200
+    writer.write(big[30_000:] + BODY)
+    answer = await read_answer(reader)
+    assert answer.status == 431
+    assert answer.error()["code"] == "request_header_fields_too_large"
+    writer.close()
+    assert edge.origin_requests() == 1
 
 
 # ---------------------------------------------------------------- content codings

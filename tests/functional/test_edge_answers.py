@@ -44,6 +44,7 @@ ANSWERS: dict[str, Callable[[], web.Response]] = {
         body=b"x", headers={"Date": "Tue, 01 Dec 2026 00:00:00 GMT", "Server": "s"}
     ),
     "/multi": lambda: web.Response(body=b"x", headers=[("x-a", "1"), ("x-a", "2")]),
+    "/large": lambda: web.Response(body=b"z" * (4 << 20)),  # past the transport's high water
 }
 
 REQUESTS = [
@@ -59,8 +60,17 @@ NEXT = b"GET /bytes HTTP/1.1\r\nHost: x\r\n\r\n"
 DATE = re.compile(rb"\r\nDate: [^\r]*\r\n")
 
 
-def app() -> web.Application:
+async def hide_server(request: web.Request, response: web.StreamResponse) -> None:
+    """An on_response_prepare hook that needs the prepared head: it takes the
+    Server header out (KeyError if it is not there yet) and closes the connection."""
+    del response.headers["Server"]
+    response.force_close()
+
+
+def app(*, hooked: bool = False) -> web.Application:
     application = web.Application()
+    if hooked:
+        application.on_response_prepare.append(hide_server)
     for path, make in ANSWERS.items():
 
         async def handle(
@@ -73,12 +83,13 @@ def app() -> web.Application:
     return application
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[dict[str, int]]:
-    """name -> port: "edge" (EdgeRunner) and "aiohttp" (AppRunner), the same app."""
+@pytest.fixture(params=[False, True], ids=["plain", "hooked"])
+async def servers(request: pytest.FixtureRequest) -> AsyncIterator[dict[str, int]]:
+    """name -> port: "edge" (EdgeRunner) and "aiohttp" (AppRunner), the same app,
+    with an on_response_prepare hook or without."""
     runners: dict[str, web.AppRunner] = {
-        "edge": EdgeRunner(app(), EdgeLimits(), access_log=None),
-        "aiohttp": web.AppRunner(app(), access_log=None),
+        "edge": EdgeRunner(app(hooked=request.param), EdgeLimits(), access_log=None),
+        "aiohttp": web.AppRunner(app(hooked=request.param), access_log=None),
     }
     ports: dict[str, int] = {}
     for name, runner in runners.items():
@@ -131,3 +142,24 @@ async def test_an_answer_is_what_aiohttp_sends(
     edge = await exchange(servers["edge"], request)
     aiohttp_ = await exchange(servers["aiohttp"], request)
     assert edge == aiohttp_
+
+
+async def test_pipelined_requests_get_the_same_answers_in_order(servers: dict[str, int]) -> None:
+    paths = ("/json", "/bytes", "/large", "/text")
+    request = b"".join(r.replace(b"%s", p.encode()) for p in paths for r in REQUESTS[:2])
+    answers: dict[str, list[bytes]] = {}
+    for name, port in servers.items():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        got = answers[name] = []
+        try:
+            async with asyncio.timeout(BOUND):
+                writer.write(request)
+                while len(got) < 2 * len(paths):
+                    try:
+                        got.append(DATE.sub(b"", await read_answer(reader, False)))
+                    except (asyncio.IncompleteReadError, ConnectionResetError):
+                        break  # closed after an answer (the hooked app closes every one)
+        finally:
+            writer.close()
+    assert answers["edge"] == answers["aiohttp"]
+    assert answers["edge"]
