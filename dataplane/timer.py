@@ -8,15 +8,21 @@ own steps. `LazyTimer` keeps one timer per owner instead: arming moves the
 deadline, and a timer that fires before the deadline now running waits again
 for it; one due after it is replaced. A busy connection's timer wakes up about
 once per deadline period, whatever its request rate.
+
+`Deadlines` does the same for the deadlines of many tasks (a proxy's origin
+calls, all bounded by the same request deadline): `asyncio.timeout` starts
+and cancels a timer per call and looks the running loop up twice (each a
+getpid system call on Python 3.11), about 6 to 14 us per call under load.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from types import TracebackType
 from typing import Final
 
-__all__ = ["TIMER_GRAIN", "LazyTimer"]
+__all__ = ["TIMER_GRAIN", "Bound", "Deadlines", "LazyTimer"]
 
 # uvloop's clock and timers count whole milliseconds: a timer may fire up to
 # one early by loop.time(), which is then taken as on time.
@@ -72,3 +78,100 @@ class LazyTimer:
             return
         self.disarm()
         late()
+
+
+class Bound:
+    """One task's deadline, as `asyncio.timeout_at`'s context manager: at the
+    deadline the task is cancelled, and that cancellation leaves the block as
+    TimeoutError; a cancellation from elsewhere goes on as CancelledError."""
+
+    __slots__ = ("_cancelling", "_expired", "_owner", "_task", "_timer", "when")
+
+    def __init__(self, owner: Deadlines, task: asyncio.Task[object], when: float) -> None:
+        self._owner = owner
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._expired = False
+        self._timer: asyncio.TimerHandle | None = None  # its own, when out of order
+        self.when = when
+
+    def expire(self) -> None:
+        if not self._expired:
+            self._expired = True
+            self._task.cancel()
+
+    def __enter__(self) -> Bound:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._owner.forget(self)
+        if (
+            self._expired
+            and self._task.uncancel() <= self._cancelling
+            and exc_type is asyncio.CancelledError
+        ):
+            raise TimeoutError from exc
+
+
+class Deadlines:
+    """Deadlines of many tasks on one LazyTimer. One per loop's user.
+
+    Deadlines are kept in the order they were set. Those set in time order
+    (the usual case: every call gets the same time from its start) share the
+    timer, armed for the first; set, cleared and passed in order, they cost a
+    dict entry each. One set earlier than a deadline already kept gets a
+    timer of its own. Used from the loop's thread only.
+    """
+
+    __slots__ = ("_last", "_loop", "_queue", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: dict[Bound, None] = {}  # in order of `when`
+        self._last = float("-inf")  # the latest `when` in the queue
+        self._timer = LazyTimer(loop)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def bound(self, task: asyncio.Task[object], when: float) -> Bound:
+        """`task` cancelled at loop time `when` unless the Bound has exited."""
+        bound = Bound(self, task, when)
+        if when < self._last:
+            bound._timer = self._loop.call_at(when, bound.expire)
+            return bound
+        if not self._queue:
+            self._timer.arm(when - self._loop.time(), self._sweep)
+        self._queue[bound] = None
+        self._last = when
+        return bound
+
+    def forget(self, bound: Bound) -> None:
+        if bound._timer is not None:
+            bound._timer.cancel()
+            bound._timer = None
+        elif self._queue.pop(bound, 0) is None and not self._queue:
+            self._last = float("-inf")
+            self._timer.disarm()
+
+    def _sweep(self) -> None:
+        """Expire the deadlines past (the first ones), then wait for the next."""
+        limit = self._loop.time() + TIMER_GRAIN
+        queue = self._queue
+        while queue:
+            bound = next(iter(queue))
+            if bound.when > limit:
+                self._timer.arm(bound.when - self._loop.time(), self._sweep)
+                return
+            del queue[bound]
+            bound.expire()
+        self._last = float("-inf")

@@ -197,7 +197,10 @@ class EdgeProtocol(web_protocol.RequestHandler):
     they exist, tests/functional/test_edge.py what they do): `_messages`
     (parsed requests not yet handled, with their payloads) and `_ErrInfo`,
     `_request_count`, `_request_in_progress`, `_waiter`, `_manager`, `_close`,
-    `_force_close`, and `data_received` feeding the parser synchronously.
+    `_force_close`, and `data_received` feeding the parser synchronously; and,
+    for the one-write answer, the response's, request's and StreamWriter's
+    private state named in `_finish_whole` (tests/unit/test_edge_limits.py
+    lists them; tests/functional/test_edge_answers.py checks the bytes).
     """
 
     __slots__ = (

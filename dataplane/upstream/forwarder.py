@@ -31,6 +31,7 @@ from dataplane.http.errors import CREDENTIAL_REFUSED, upstream_timeout, upstream
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
+from dataplane.timer import Deadlines
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
@@ -221,6 +222,7 @@ class Forwarder:
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
         )
+        self._deadlines: Deadlines | None = None  # made on the loop of the first call
 
     def candidate_limit(self) -> int:
         """Candidates worth ordering: the attempts, plus room for ejected origins."""
@@ -354,6 +356,11 @@ class Forwarder:
     ) -> OriginAnswer | None:
         """Attempts one at a time from candidate `tries.made`; None when none committed."""
         loop = asyncio.get_running_loop()
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._deadlines = Deadlines(loop)
+        task = asyncio.current_task(loop)
+        assert task is not None  # a coroutine runs in a task
         failures = tries.failures
         for attempt, target in enumerate(ordered[tries.made :], start=tries.made + 1):
             remaining = tries.deadline - loop.time()
@@ -366,9 +373,9 @@ class Forwarder:
                 break
             tries.made = attempt
             try:
-                # A timer the socket timeouts cannot replace: an origin that
+                # A deadline the socket timeouts cannot replace: an origin that
                 # trickles a body never trips the read timeout.
-                async with asyncio.timeout(remaining):
+                with deadlines.bound(task, tries.deadline):
                     if trace is None:
                         answer = await self._call(target, path, body, headers, attempt, stream)
                     else:

@@ -367,6 +367,36 @@ async def test_the_deadline_ends_both_attempts(rigs: RigMaker) -> None:
     assert rig.outstanding() == [0, 0, 0]
 
 
+async def test_without_a_hedge_the_deadline_ends_the_attempt_and_the_failover(
+    rigs: RigMaker,
+) -> None:
+    settings = UpstreamSettings(deadline=0.2)
+    rig = await rigs(Behaviour(delay=SLOW), Behaviour(), settings=settings)
+    with pytest.raises(ApiError) as err:
+        await rig.forward()
+    assert err.value.status == 504
+    await cancelled(rig.origin("o1"))
+    assert rig.attempts("o1", "deadline") == 1
+    assert rig.origin("o2").started == 0  # no time was left for it
+    assert rig.outstanding() == [0, 0]
+
+
+async def test_many_calls_each_end_at_their_own_deadline_or_answer(rigs: RigMaker) -> None:
+    # Calls in flight together share the forwarder's deadline timer: the slow
+    # ones time out, the quick ones answer, whatever order they end in.
+    rig = await rigs(Behaviour(delay=SLOW), Behaviour(), settings=UpstreamSettings(deadline=0.3))
+    slow, quick = ([t] for t in rig.targets)
+    results = await asyncio.gather(
+        *(rig.forward(targets=t) for t in (slow, quick, slow, quick)), return_exceptions=True
+    )
+    assert [getattr(r, "status", None) for r in results] == [504, 200, 504, 200]
+    for r in results:
+        if isinstance(r, OriginAnswer):
+            r.release()
+    assert rig.attempts("o1", "deadline") == 2
+    assert rig.outstanding() == [0, 0]
+
+
 async def test_cancelling_forward_cancels_both_attempts(rigs: RigMaker) -> None:
     rig = await rigs(Behaviour(delay=SLOW), Behaviour(delay=SLOW))
     task = asyncio.create_task(rig.forward(hedge=SHORT))

@@ -7,8 +7,10 @@ import gzip
 import zlib
 
 import pytest
-from aiohttp import web_protocol
+from aiohttp import web, web_protocol
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine, LineTooLong
+from aiohttp.test_utils import make_mocked_request
 
 from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
 from dataplane.http.edge import (
@@ -203,6 +205,22 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
     used = {"_messages", "_request_count", "_request_in_progress", "_waiter", "_manager"}
     assert used | {"_close", "_force_close"} <= slots
     assert web_protocol._ErrInfo(status=400, exc=BadHttpMessage("x"), message="x").status == 400
+
+
+def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that_exist() -> None:
+    # EdgeProtocol._finish_whole (tests/functional/test_edge_answers.py checks
+    # what it writes) and OriginProtocol read or override these.
+    response = web.Response(body=b"x")
+    for name in ("_body", "_headers", "_payload_writer", "_eof_sent", "_compression",
+                 "_chunked", "_cookies", "_keep_alive", "_body_length"):  # fmt: skip
+        assert hasattr(response, name), name
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    for name in ("_finish", "_prepare_hook", "_read_bytes", "_match_info", "_payload_writer"):
+        assert hasattr(request, name), name
+    for name in ("_writelines", "_on_headers_sent", "_on_chunk_sent", "on_body_write", "drain"):
+        assert hasattr(request._payload_writer, name), name
+    for name in ("_reschedule_timeout", "_drop_timeout", "_on_read_timeout", "_read_timeout"):
+        assert hasattr(ResponseHandler, name) or name in vars(ResponseHandler(loop=None)), name  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- flags

@@ -1,4 +1,5 @@
-"""LazyTimer (dataplane/timer.py) on a loop whose clock and timers the test drives."""
+"""LazyTimer and Deadlines (dataplane/timer.py) on a loop whose clock and timers
+the test drives; Deadlines' cancellation contract on a real loop."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import cast
 
 import pytest
 
-from dataplane.timer import TIMER_GRAIN, LazyTimer
+from dataplane.timer import TIMER_GRAIN, Deadlines, LazyTimer
 
 
 class FakeTimer:
@@ -140,3 +141,121 @@ async def test_on_a_real_loop_the_deadline_passes() -> None:
     async with asyncio.timeout(5.0):
         at = await passed
     assert at >= armed_at + 0.01 - TIMER_GRAIN
+
+
+# ---------------------------------------------------------------- Deadlines
+
+
+class FakeTask:
+    """What a Bound uses of a task: cancel, cancelling, uncancel."""
+
+    def __init__(self) -> None:
+        self.cancels = 0
+
+    def cancel(self) -> bool:
+        self.cancels += 1
+        return True
+
+    def cancelling(self) -> int:
+        return self.cancels
+
+    def uncancel(self) -> int:
+        self.cancels -= 1
+        return self.cancels
+
+
+def deadlines_on(loop: FakeLoop) -> Deadlines:
+    return Deadlines(cast(asyncio.AbstractEventLoop, loop))
+
+
+def task() -> asyncio.Task[object]:
+    return cast("asyncio.Task[object]", FakeTask())
+
+
+def cancels(t: asyncio.Task[object]) -> int:
+    return cast(FakeTask, t).cancels
+
+
+def test_deadlines_set_in_order_share_one_timer_and_pass_in_order(loop: FakeLoop) -> None:
+    deadlines = deadlines_on(loop)
+    tasks = [task() for _ in range(3)]
+    bounds = [deadlines.bound(t, 110.0 + i) for i, t in enumerate(tasks)]
+    assert len(loop.started) == 1  # one timer, for the first
+    bounds[0].__exit__(None, None, None)  # the first call answered in time
+    assert len(deadlines) == 2
+    [t] = loop.pending()
+    loop.fire(t)  # at 110: nothing is due yet; it waits for the next, at 111
+    assert [cancels(t) for t in tasks] == [0, 0, 0]
+    [t] = loop.pending()
+    assert t.when() == 111.0
+    loop.fire(t)
+    assert [cancels(t) for t in tasks] == [0, 1, 0]
+    [t] = loop.pending()
+    loop.fire(t)
+    assert [cancels(t) for t in tasks] == [0, 1, 1]
+    assert loop.pending() == []
+    assert len(deadlines) == 0
+
+
+def test_a_deadline_earlier_than_one_kept_gets_its_own_timer(loop: FakeLoop) -> None:
+    deadlines = deadlines_on(loop)
+    late, early = task(), task()
+    deadlines.bound(late, 130.0)
+    deadlines.bound(early, 105.0)  # a call that waited for another one first
+    shared, own = loop.started
+    assert (shared.when(), own.when()) == (130.0, 105.0)
+    loop.fire(own)
+    assert (cancels(late), cancels(early)) == (0, 1)
+    assert not shared.cancelled
+
+
+def test_an_own_timer_is_cancelled_when_its_call_ends_in_time(loop: FakeLoop) -> None:
+    deadlines = deadlines_on(loop)
+    deadlines.bound(task(), 130.0)
+    bound = deadlines.bound(task(), 105.0)
+    bound.__exit__(None, None, None)
+    _, own = loop.started
+    assert own.cancelled
+
+
+def test_when_every_call_has_ended_the_timer_finds_nothing(loop: FakeLoop) -> None:
+    deadlines = deadlines_on(loop)
+    t = task()
+    with deadlines.bound(t, 110.0):
+        pass
+    [timer] = loop.pending()
+    loop.fire(timer)
+    assert cancels(t) == 0
+    assert loop.pending() == []
+    assert len(deadlines) == 0
+
+
+async def test_a_call_past_its_deadline_ends_in_timeout_error() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(loop)
+    current = asyncio.current_task()
+    assert current is not None
+    with pytest.raises(TimeoutError), deadlines.bound(current, loop.time() + 0.01):
+        await asyncio.sleep(5.0)
+    assert current.cancelling() == 0  # the deadline's cancel was taken back
+    assert len(deadlines) == 0
+
+
+async def test_a_call_cancelled_from_elsewhere_stays_cancelled() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(loop)
+    started = asyncio.Event()
+
+    async def call() -> None:
+        current = asyncio.current_task()
+        assert current is not None
+        with deadlines.bound(current, loop.time() + 60.0):
+            started.set()
+            await asyncio.sleep(5.0)
+
+    running = asyncio.ensure_future(call())
+    await started.wait()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert len(deadlines) == 0
