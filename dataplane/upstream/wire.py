@@ -48,6 +48,7 @@ from aiohttp import hdrs
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
+from aiohttp.helpers import DEFAULT_CHUNK_SIZE, BaseTimerContext
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_writer import _serialize_headers
@@ -86,6 +87,50 @@ class OriginProtocol(ResponseHandler):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
         self.read_deadline = LazyTimer(loop)
+        self._parser_params: tuple[object, ...] | None = None
+
+    def set_response_params(
+        self,
+        *,
+        timer: BaseTimerContext | None = None,
+        skip_payload: bool = False,
+        read_until_eof: bool = False,
+        auto_decompress: bool = True,
+        read_timeout: float | None = None,
+        read_bufsize: int = DEFAULT_CHUNK_SIZE,
+        timeout_ceil_threshold: float = 5,
+        max_line_size: int = 8190,
+        max_field_size: int = 8190,
+        max_headers: int = 128,
+    ) -> None:
+        """aiohttp's, but a kept-alive connection keeps its response parser when
+        the parser's parameters have not changed: aiohttp makes a new C parser
+        per call (some 5 us), and llhttp parses a connection's answers one after
+        another as it does pipelined ones. A difference: bytes an origin sent
+        after an answer are the start of the next one here (which then fails
+        to parse, and the connection closes), where a new parser dropped them."""
+        params = (skip_payload, read_until_eof, auto_decompress, read_bufsize,
+                  max_line_size, max_field_size, max_headers)  # fmt: skip
+        if timer is not None or self._parser is None or params != self._parser_params:
+            self._parser_params = params if timer is None else None
+            super().set_response_params(
+                timer=timer,
+                skip_payload=skip_payload,
+                read_until_eof=read_until_eof,
+                auto_decompress=auto_decompress,
+                read_timeout=read_timeout,
+                read_bufsize=read_bufsize,
+                timeout_ceil_threshold=timeout_ceil_threshold,
+                max_line_size=max_line_size,
+                max_field_size=max_field_size,
+                max_headers=max_headers,
+            )
+            return
+        self._skip_payload = skip_payload
+        self._read_bufsize = read_bufsize
+        self._read_timeout = read_timeout
+        self._timeout_ceil_threshold = timeout_ceil_threshold
+        self._drain_tail()
 
     def _reschedule_timeout(self) -> None:
         timeout = self._read_timeout

@@ -298,6 +298,53 @@ async def test_sequential_calls_reuse_one_connection(wire: OriginWire, origin: R
     assert (origin.connections, len(origin.requests)) == (1, 3)
 
 
+async def test_a_kept_alive_connection_keeps_its_response_parser_across_calls(
+    origin: RawOrigin,
+) -> None:
+    connector = origin_connector()
+    try:
+        wire = make_wire(connector)
+        parsers = []
+        for body in (b'{"a":1}', b'{"bb":22}', b"{}"):
+            origin.answer = answering(
+                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            resp = await wire.post(origin.url(), b"{}", no_headers())
+            protocol = resp._conn.protocol if resp._conn is not None else None
+            assert protocol is not None
+            parsers.append(protocol._parser)
+            assert await resp.read() == body
+        assert origin.connections == 1
+        assert parsers[0] is parsers[1] is parsers[2]
+        # Other parameters (here a read that may not end at EOF) get a new parser.
+        conn = await connector.connect(
+            wire._endpoint(URL(origin.url())).key, [], aiohttp.ClientTimeout()
+        )
+        assert conn.protocol is not None
+        conn.protocol.set_response_params(read_until_eof=False)
+        assert conn.protocol._parser is not parsers[0]
+        conn.close()
+    finally:
+        await connector.close()
+
+
+async def test_bytes_after_an_answer_fail_the_next_call_on_that_connection(
+    origin: RawOrigin,
+) -> None:
+    connector = origin_connector()
+    try:
+        wire = make_wire(connector)
+        origin.answer = answering(OK + b"HTTP/1.1 2")  # the start of an answer no one asked for
+        assert await exchange(wire, origin) == b"{}"
+        origin.answer = answering(OK)
+        with pytest.raises(aiohttp.ClientError):
+            await exchange(wire, origin)
+        assert await exchange(wire, origin) == b"{}"  # on a new connection
+        assert origin.connections == 2
+    finally:
+        await connector.close()
+
+
 async def test_release_after_the_body_pools_the_connection(
     wire: OriginWire, origin: RawOrigin
 ) -> None:
