@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/ponto/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench bench-regional fuzz soak profile clean helm helm-check chart-run kind-e2e
+.PHONY: setup proto proto-check lint typecheck check test unit integration e2e demo demo-check bench bench-regional fuzz soak profile revisions clean helm helm-check chart-run kind-e2e
 
 setup: $(STAMP)
 
@@ -225,6 +225,13 @@ soak: $(STAMP)
 # written to docs/benchmarks/profile.txt.
 profile: $(STAMP)
 	$(PY) -m bench.profile
+
+# Is the working tree cheaper per request than BASE (a git revision)? Both run at
+# once on one CPU, in both start orders (bench/revisions.py); about 2 minutes.
+# BASE=HEAD~1 make revisions
+revisions: $(STAMP) $(WRK) $(NGINX)
+	@test -n "$(BASE)" || { echo "usage: BASE=<git revision> make revisions" >&2; exit 2; }
+	$(PY) -m bench.revisions --base $(BASE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
