@@ -35,6 +35,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,12 +77,13 @@ def combined(orders: Sequence[Order]) -> float:
 
 
 @contextlib.contextmanager
-def tree(rev: str | None, workdir: Path) -> Iterator[Path]:
-    """The working tree for None, else `rev` checked out in a temporary worktree."""
+def tree(rev: str | None, workdir: Path, name: str) -> Iterator[Path]:
+    """The working tree for None, else `rev` checked out in a temporary worktree
+    named `name` (head and base may be the same revision: a check of the method)."""
     if rev is None:
         yield REPO
         return
-    path = workdir / f"tree-{rev.replace('/', '_')}"
+    path = workdir / f"tree-{name}"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(path), rev],
                    check=True)  # fmt: skip
     try:
@@ -178,12 +180,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not cpus_available():
         raise SystemExit("bench.revisions needs CPUs 0 and 1 (it pins the proxies and the load)")
     os.sched_setaffinity(0, {compare.LOAD_CPU})
+    # Worktrees of an earlier run that was killed: their directories are gone.
+    subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=False)
+    cwd = Path.cwd()
     with tempfile.TemporaryDirectory(prefix="ponto-revisions-") as tmp:
         workdir = Path(tmp)
         os.chdir(workdir)  # `python -m` would put the working directory's tree first
-        with tree(args.head, workdir) as head, tree(args.base, workdir) as base:
-            trees = {"head": head, "base": base}
-            orders = [run_order(trees, first, args, workdir) for first in ("head", "base")]
+        try:
+            with tree(args.head, workdir, "head") as head, tree(args.base, workdir, "base") as base:
+                trees = {"head": head, "base": base}
+                orders = [run_order(trees, first, args, workdir) for first in ("head", "base")]
+        finally:
+            os.chdir(cwd)
     ratio = combined(orders)
     return {
         "name": "revisions",
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         default="auth-limits-cache")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     args = parser.parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C: the fleet, the worktrees and the temp dir go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run(args)
     for name, value in report["median_ratio_per_order"].items():
         print(f"head/base, {name}: {value:.3f}")

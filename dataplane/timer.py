@@ -165,11 +165,13 @@ class Deadlines:
 
     def _sweep(self) -> None:
         """Expire the deadlines past (the first ones), then wait for the next."""
-        limit = self._loop.time() + TIMER_GRAIN
+        # Not a grain early, as LazyTimer may call: a call is cancelled at its
+        # deadline, never before (the traced path tells a timeout by the clock).
+        now = self._loop.time()
         queue = self._queue
         while queue:
             bound = next(iter(queue))
-            if bound.when > limit:
+            if bound.when > now:
                 self._timer.arm(bound.when - self._loop.time(), self._sweep)
                 return
             del queue[bound]

@@ -87,7 +87,10 @@ class OriginProtocol(ResponseHandler):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
         self.read_deadline = LazyTimer(loop)
+        # The parameters of the parser to keep for the next call; None: make a new one.
         self._parser_params: tuple[object, ...] | None = None
+        self._previous: StreamReader | None = None  # the last call's answer body
+        self._answered = False  # this call's answer has arrived whole
 
     def set_response_params(
         self,
@@ -106,9 +109,17 @@ class OriginProtocol(ResponseHandler):
         """aiohttp's, but a kept-alive connection keeps its response parser when
         the parser's parameters have not changed: aiohttp makes a new C parser
         per call (some 5 us), and llhttp parses a connection's answers one after
-        another as it does pipelined ones. A difference: bytes an origin sent
-        after an answer are the start of the next one here (which then fails
-        to parse, and the connection closes), where a new parser dropped them."""
+        another as it does pipelined ones.
+
+        A new one is made, as aiohttp would, after the parser was paused (a
+        flood of chunks can leave it paused past its answer's end) and after
+        bytes arrived that no call asked for. One case differs: such bytes in
+        the same read as the end of an answer stay in the parser as the start
+        of the next answer, so the next call on that connection fails to parse
+        (and is tried on the next origin, which generates it again), where a
+        new parser would have dropped them. Only an origin that breaks HTTP/1.1
+        sends them."""
+        self._previous, self._answered = self._payload, False
         params = (skip_payload, read_until_eof, auto_decompress, read_bufsize,
                   max_line_size, max_field_size, max_headers)  # fmt: skip
         if timer is not None or self._parser is None or params != self._parser_params:
@@ -131,6 +142,18 @@ class OriginProtocol(ResponseHandler):
         self._read_timeout = read_timeout
         self._timeout_ceil_threshold = timeout_ceil_threshold
         self._drain_tail()
+
+    def data_received(self, data: bytes) -> None:
+        if data and self._answered:
+            self._parser_params = None  # bytes after a whole answer: not a parser to keep
+        super().data_received(data)
+        payload = self._payload
+        if payload is not None and payload is not self._previous and payload.is_eof():
+            self._answered = True
+
+    def pause_reading(self) -> None:
+        self._parser_params = None  # llhttp may stay paused past the answer's end
+        super().pause_reading()
 
     def _reschedule_timeout(self) -> None:
         timeout = self._read_timeout

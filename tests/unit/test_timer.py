@@ -230,6 +230,22 @@ def test_when_every_call_has_ended_the_timer_finds_nothing(loop: FakeLoop) -> No
     assert len(deadlines) == 0
 
 
+def test_a_deadline_is_never_passed_early(loop: FakeLoop) -> None:
+    # LazyTimer takes a timer up to a grain early as on time; a call's deadline
+    # must still not be cancelled before it (the traced path reads the clock).
+    deadlines = deadlines_on(loop)
+    t = task()
+    deadlines.bound(t, 110.0005)
+    [timer] = loop.pending()
+    loop.now = 110.0  # uvloop's milliseconds: the timer fires in the 110th
+    timer.cancelled = True
+    timer.callback()
+    assert cancels(t) == 0
+    [again] = loop.pending()
+    loop.fire(again)  # at 110.0005
+    assert cancels(t) == 1
+
+
 async def test_a_call_past_its_deadline_ends_in_timeout_error() -> None:
     loop = asyncio.get_running_loop()
     deadlines = Deadlines(loop)

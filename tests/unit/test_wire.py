@@ -22,6 +22,7 @@ import pytest
 from aiohttp import hdrs, web
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
@@ -328,21 +329,64 @@ async def test_a_kept_alive_connection_keeps_its_response_parser_across_calls(
         await connector.close()
 
 
-async def test_bytes_after_an_answer_fail_the_next_call_on_that_connection(
-    origin: RawOrigin,
-) -> None:
-    connector = origin_connector()
-    try:
-        wire = make_wire(connector)
-        origin.answer = answering(OK + b"HTTP/1.1 2")  # the start of an answer no one asked for
-        assert await exchange(wire, origin) == b"{}"
-        origin.answer = answering(OK)
-        with pytest.raises(aiohttp.ClientError):
-            await exchange(wire, origin)
-        assert await exchange(wire, origin) == b"{}"  # on a new connection
-        assert origin.connections == 2
-    finally:
-        await connector.close()
+def fed_protocol() -> OriginProtocol:
+    """An OriginProtocol on a transport that takes writes, set for a call."""
+
+    class Transport(asyncio.Transport):
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes | bytearray | memoryview) -> None:
+            pass
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    protocol = OriginProtocol(asyncio.get_running_loop())
+    protocol.connection_made(Transport())
+    protocol.set_response_params(read_until_eof=True)
+    return protocol
+
+
+async def test_bytes_no_call_asked_for_get_the_next_call_a_new_parser() -> None:
+    protocol = fed_protocol()
+    first = protocol._parser
+    protocol.data_received(OK)
+    protocol.set_response_params(read_until_eof=True)
+    assert protocol._parser is first  # a clean end: kept
+    protocol.data_received(OK)
+    protocol.data_received(b"HTTP/1.1 2")  # after the whole answer, in a read of its own
+    protocol.set_response_params(read_until_eof=True)
+    assert protocol._parser is not first  # dropped with those bytes, as aiohttp would
+    protocol.connection_lost(None)
+
+
+async def test_a_parser_that_was_paused_is_not_kept() -> None:
+    protocol = fed_protocol()
+    first = protocol._parser
+    protocol.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+    protocol.pause_reading()  # in the body (as a flood of chunks pauses it)
+    protocol.resume_reading()
+    protocol.data_received(b"cd")
+    protocol.set_response_params(read_until_eof=True)
+    assert protocol._parser is not first
+    protocol.connection_lost(None)
+
+
+async def test_bytes_in_the_same_read_as_an_answers_end_fail_the_next_answer() -> None:
+    # The one case that differs from a parser per call (see set_response_params).
+    protocol = fed_protocol()
+    protocol.data_received(OK + b"HTTP/1.1 2")
+    protocol.set_response_params(read_until_eof=True)
+    protocol.data_received(OK)
+    assert isinstance(protocol.exception(), aiohttp.ClientResponseError | HttpProcessingError)
+    protocol.connection_lost(None)
 
 
 async def test_release_after_the_body_pools_the_connection(
