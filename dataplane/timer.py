@@ -51,7 +51,10 @@ class LazyTimer:
         return self._due is not None
 
     def arm(self, delay: float, late: Callable[[], None]) -> None:
-        due = self._loop.time() + delay
+        self.arm_at(self._loop.time() + delay, late)
+
+    def arm_at(self, due: float, late: Callable[[], None]) -> None:
+        """`late` runs at loop time `due` (as `arm`, for a deadline already absolute)."""
         self._due, self._late = due, late
         timer = self._timer
         if timer is None or timer.when() > due:
@@ -150,7 +153,7 @@ class Deadlines:
             bound._timer = self._loop.call_at(when, bound.expire)
             return bound
         if not self._queue:
-            self._timer.arm(when - self._loop.time(), self._sweep)
+            self._timer.arm_at(when, self._sweep)
         self._queue[bound] = None
         self._last = when
         return bound
@@ -172,7 +175,7 @@ class Deadlines:
         while queue:
             bound = next(iter(queue))
             if bound.when > now:
-                self._timer.arm(bound.when - self._loop.time(), self._sweep)
+                self._timer.arm_at(bound.when, self._sweep)
                 return
             del queue[bound]
             bound.expire()
