@@ -187,11 +187,18 @@ def start_ponto(fleet: Fleet, proxy_args: Sequence[str] = ()) -> tuple[Managed, 
     origin = fleet.start_origin("origin", "local", models=(MODEL,))
     fleet.add_origin("origin", "local", fleet.origin_url("origin"), models=(MODEL,))
     table = fleet.table_version(origins=1)
-    with affinity({SERVER_CPU}):
-        proxy = fleet.start_proxy("proxy", "local", extra=[*PONTO_ARGS, *proxy_args])
-    pin_tree(proxy.proc.pid, {SERVER_CPU})
+    proxy = start_proxy_alone(fleet, "proxy", proxy_args)
     fleet.wait_proxies_at(table)
     return origin, proxy
+
+
+def start_proxy_alone(fleet: Fleet, name: str, proxy_args: Sequence[str] = ()) -> Managed:
+    """Proxy `name` of region "local", alone on SERVER_CPU, with PONTO_ARGS then
+    `proxy_args`; its environment (PYTHONPATH: which Ponto it runs) is the caller's."""
+    with affinity({SERVER_CPU}):
+        proxy = fleet.start_proxy(name, "local", extra=[*PONTO_ARGS, *proxy_args])
+    pin_tree(proxy.proc.pid, {SERVER_CPU})
+    return proxy
 
 
 def start_passthrough(fleet: Fleet, origin: str, name: str = "passthrough") -> Managed:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import compare, wrk
-from bench.procs import affinity, cpus_available, pin_tree
+from bench.procs import cpus_available
 from ponto.fleet import Fleet, RegionDef
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,12 +119,9 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
         fleet.start_control()
         fleet.add_region(RegionDef("local", 0.0, 0.0))
         proxies = {}
-        for which in (first, second):  # each from its own tree, pinned to CPU 0
-            with pythonpath(trees[which]), affinity({compare.SERVER_CPU}):
-                proxies[which] = fleet.start_proxy(
-                    which, "local", extra=[*compare.PONTO_ARGS, "--workers", "1"]
-                )
-            pin_tree(proxies[which].proc.pid, {compare.SERVER_CPU})
+        for which in (first, second):  # each from its own tree, alone on CPU 0
+            with pythonpath(trees[which]):
+                proxies[which] = compare.start_proxy_alone(fleet, which, ["--workers", "1"])
         nginx = compare.start_canned(fleet, Path(tmp) / "canned")
         try:
             headers, _ = compare.configure_ponto_features(fleet, args.ponto_features)
