@@ -221,9 +221,9 @@ SOAK_MINUTES ?= 60
 soak: $(STAMP)
 	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m bench.soak --out docs/benchmarks/soak.md
 
-# Where the proxy's time per request goes: py-spy on a live proxy under load,
+# Where the proxy's time per request goes: py-spy on a live proxy saturated by wrk,
 # written to docs/benchmarks/profile.txt.
-profile: $(STAMP)
+profile: $(STAMP) $(WRK) $(NGINX)
 	$(PY) -m bench.profile
 
 # Is the working tree cheaper per request than BASE (a git revision)? Both run at

@@ -1,29 +1,42 @@
-"""Where the proxy's time per request goes: py-spy on a live proxy under open-loop load.
+"""Where the proxy's time per request goes: py-spy on a live proxy under load.
 
-    .venv/bin/python -m bench.profile [--rate 1500] [--seconds 15] [--top 25]   (make profile)
+    .venv/bin/python -m bench.profile [--seconds 15] [--hz 150] [--top 25]   (make profile)
 
-Starts the benchmark topology of bench/compare.py (etcd, control plane, one
-origin with no delays, one proxy alone on CPU 0), drives the proxy with the
-open-loop generator from CPU 1, and samples the proxy with ``py-spy record
---nonblocking`` (it reads the proxy's memory without stopping it, so the
-profile does not slow what it measures). Two phases: non-streaming, then
-streaming requests.
+Starts the benchmark topology of bench/compare.py (etcd, control plane, the
+origin simulator, the canned nginx origin, one proxy alone on CPU 0) and
+samples the proxy in two phases:
 
-Writes docs/benchmarks/profile.txt: per phase, the proxy's CPU per request,
-then the top functions by self time (with file:line of their hottest line),
-by inclusive time, the hottest single lines, and self time per file. The raw
-collapsed stacks and a speedscope file (open at speedscope.app) go to
-.bench/profile/. Idle samples are left out, so percentages are of the
-proxy's busy time.
+- non-streaming: wrk's closed loop (CONNECTIONS connections, from CPU 1)
+  through the proxy to nginx, which answers in some 13 us, so the proxy is
+  saturated and every sample is per-request work (below saturation an idle
+  loop's epoll wake-ups take a share that is not the cost of a request);
+- streaming: the open-loop generator at a fixed rate (default a quarter of the
+  non-streaming throughput) through the proxy to the simulator, which streams
+  (nginx cannot). Below saturation, the event loop's wake-ups show here.
+
+py-spy samples in its blocking mode (`record --gil`): it stops the proxy for
+each sample, which gives whole coroutine stacks (the non-blocking mode cut half
+of them short under uvloop) and costs about 1 ms a sample, so the rate is kept
+at 100-200 Hz. `--gil` keeps the samples of the thread that holds the GIL: the
+event loop's work, not gRPC's or the thread pool's threads waiting in C.
+
+Writes docs/benchmarks/profile.txt: per phase, the proxy's CPU per request
+(measured while sampled, so above its unsampled cost), then the top functions
+by self time (with file:line of their hottest line), by inclusive time, the
+hottest single lines, and self time per file. The raw collapsed stacks and a
+speedscope file (open at speedscope.app) go to .bench/profile/. Percentages are
+of the samples taken, the proxy's busy time.
 
 py-spy needs ptrace on the proxy: as root or with kernel.yama.ptrace_scope 0
-it works; elsewhere this says so and stops.
+it works; elsewhere this says so and stops. wrk and nginx come from Debian
+(`make bench` installs them).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import os
 import shutil
@@ -36,12 +49,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench import wrk
 from bench.compare import (
-    BODY,
+    CANNED_BODY,
     LOAD_CPU,
     STREAM_BODY,
     Header,
     configure_ponto_features,
+    start_canned,
     start_ponto,
 )
 from bench.loadgen import LoadGenerator, LoadSpec, summarize
@@ -51,7 +66,8 @@ from ponto.fleet import Fleet
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "profile.txt"
 RAW_DIR = ROOT / ".bench" / "profile"
-SAMPLE_HZ = 400
+SAMPLE_HZ = 150  # blocking samples stop the proxy about 1 ms each
+CONNECTIONS = 8  # wrk's: enough to keep the proxy busy, as in bench.revisions
 
 
 @dataclass(frozen=True)
@@ -265,101 +281,117 @@ def check_attach(binary: str, pid: int) -> None:
         )
 
 
-def profile_phase(
-    gen: LoadGenerator,
-    binary: str,
-    pid: int,
-    url: str,
-    headers: Header,
-    *,
-    name: str,
-    stream: bool,
-    rate: float,
-    seconds: float,
-    top: int,
-) -> str:
-    raw = RAW_DIR / f"{name}.txt"
+def start_recorder(
+    binary: str, pid: int, raw: Path, seconds: float, hz: int
+) -> subprocess.Popen[bytes]:
+    """py-spy sampling `pid` for `seconds` (blocking, GIL holder only) into `raw`."""
+    return subprocess.Popen(
+        [binary, "record", "--pid", str(pid), "--rate", str(hz), "--gil", "--format", "raw",
+         "--output", str(raw), "--duration", str(max(1, int(seconds))), "--full-filenames"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def finish_recorder(recorder: subprocess.Popen[bytes], raw: Path, timeout: float) -> None:
+    _, err = recorder.communicate(timeout=timeout)
+    if recorder.returncode != 0 or not raw.exists():
+        raise SystemExit(f"py-spy record failed ({recorder.returncode}): {err.decode()[-2000:]}")
+
+
+def report_phase(name: str, raw: Path, facts: list[str], top: int) -> str:
+    stacks = parse_collapsed(raw.read_text().splitlines())
+    scope = RAW_DIR / f"{name}.speedscope.json"
+    scope.write_text(json.dumps(speedscope(stacks, f"ponto-proxy {name}")))
+    facts = [*facts, f"raw stacks: {raw.relative_to(ROOT)}; speedscope: {scope.relative_to(ROOT)}"]
+    return render(f"{name}: where the proxy's busy time goes", summarize_stacks(stacks, top), facts)
+
+
+def wrk_phase(
+    binary: str, pid: int, url: str, headers: Header, a: argparse.Namespace
+) -> tuple[str, float]:
+    """Non-streaming, wrk's closed loop to the canned origin; returns the section
+    and the throughput. py-spy starts once wrk's warm-up is over and stops before
+    its measured run does."""
+    raw = RAW_DIR / "non-streaming.txt"
+    spec = wrk.WrkSpec(
+        url=url,
+        body=CANNED_BODY,
+        headers=headers,
+        connections=CONNECTIONS,
+        duration=max(2, int(a.seconds) + 1),
+        warmup=2,
+        timeout=5,
+        cpus=frozenset({LOAD_CPU}) if cpus_available() else None,
+        watch_pids=(pid,),
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(wrk.run, spec)
+        time.sleep(spec.warmup + 0.5)  # the warm-up is a run of its own, before the measured one
+        recorder = start_recorder(binary, pid, raw, a.seconds, a.hz)
+        try:
+            result = running.result()
+        finally:
+            finish_recorder(recorder, raw, a.seconds + 60)
+    cpu = result.watched_cpu_s.get(pid, 0.0)
+    facts = [
+        f"load: wrk closed loop, {CONNECTIONS} connections, {spec.duration} s, to the canned "
+        f"nginx origin: {result.ok:,} ok at {result.throughput():,.0f} req/s, "
+        f"errors {result.errors or 'none'}",
+        f"proxy CPU: {cpu / result.duration_s:.0%} of its core, "
+        f"{cpu / max(1, result.ok) * 1e6:.0f} us per request while sampled; "
+        f"wrk's p50 {result.latency_us.get('p50', 0) / 1e3:.2f} ms",
+    ]
+    return report_phase("non-streaming", raw, facts, a.top), result.throughput()
+
+
+def stream_phase(
+    gen: LoadGenerator, binary: str, pid: int, url: str, headers: Header, rate: float,
+    a: argparse.Namespace,
+) -> str:  # fmt: skip
+    """Streaming, the open loop at `rate` to the simulator."""
+    raw = RAW_DIR / "streaming.txt"
     spec = LoadSpec(
         url=url,
-        body=STREAM_BODY if stream else BODY,
+        body=STREAM_BODY,
         headers=headers,
         rate=rate,
-        duration=seconds,
+        duration=a.seconds,
         warmup=2.0,
-        stream=stream,
+        stream=True,
         cpu=LOAD_CPU if cpus_available() else None,
         watch_pids=(pid,),
     )
     # py-spy starts during the warm-up and stops before the load does.
-    recorder = subprocess.Popen(
-        [binary, "record", "--pid", str(pid), "--rate", str(SAMPLE_HZ), "--nonblocking",
-         "--format", "raw", "--output", str(raw), "--duration", str(int(seconds)),
-         "--full-filenames"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
+    recorder = start_recorder(binary, pid, raw, a.seconds, a.hz)
     try:
         result = gen.run(spec)
     finally:
-        _, err = recorder.communicate(timeout=seconds + 60)
-    if recorder.returncode != 0 or not raw.exists():
-        raise SystemExit(f"py-spy record failed ({recorder.returncode}): {err.decode()[-2000:]}")
-    stacks = parse_collapsed(raw.read_text().splitlines())
-    (RAW_DIR / f"{name}.speedscope.json").write_text(
-        json.dumps(speedscope(stacks, f"ponto-proxy {name}"))
-    )
+        finish_recorder(recorder, raw, a.seconds + 60)
     load = summarize(result)
     cpu = result.watched_cpu_s.get(pid, 0.0)
     latency = load["latency_ms"]
     assert isinstance(latency, dict)
     facts = [
-        f"load: open loop {rate:,.0f} req/s for {seconds:.0f} s "
-        f"({'streaming' if stream else 'non-streaming'}), {load['ok']} ok, errors {load['errors']}",
+        f"load: open loop {rate:,.0f} req/s for {a.seconds:.0f} s (streaming, to the "
+        f"simulator), {load['ok']} ok, errors {load['errors']}",
         f"proxy CPU: {cpu / result.elapsed:.0%} of its core, "
-        f"{cpu / max(1, result.ok) * 1e6:.0f} us per request; "
+        f"{cpu / max(1, result.ok) * 1e6:.0f} us per request while sampled; "
         f"latency p50 {latency['p50']} ms, p99 {latency['p99']} ms (through the proxy)",
-        f"raw stacks: {raw.relative_to(ROOT)}; speedscope: "
-        f"{(RAW_DIR / f'{name}.speedscope.json').relative_to(ROOT)}",
     ]
-    return render(f"{name}: where the proxy's busy time goes", summarize_stacks(stacks, top), facts)
-
-
-def capacity_rate(gen: LoadGenerator, url: str, pid: int, headers: Header) -> float:
-    """60 % of what the proxy serves in a short closed loop: busy, but not overloaded.
-
-    An overloaded proxy spends its time on what overload causes (connections
-    opened and torn down as clients give up), which is not what a profile of
-    the per-request cost should show.
-    """
-    spec = LoadSpec(
-        url=url,
-        body=BODY,
-        headers=headers,
-        mode="closed",
-        connections=16,
-        duration=3.0,
-        warmup=1.0,
-        cpu=LOAD_CPU if cpus_available() else None,
-        watch_pids=(pid,),
-    )
-    best = gen.run(spec).throughput()
-    rate = max(50.0, round(0.6 * best, -1))
-    print(f"capacity: {best:,.0f} req/s in a closed loop; profiling at {rate:,.0f} req/s")
-    return rate
+    return report_phase("streaming", raw, facts, a.top)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--rate", type=float, default=0.0, help="non-streaming requests/s (0: 60%% of capacity)"
-    )
-    p.add_argument(
         "--stream-rate",
         type=float,
         default=0.0,
-        help="streaming requests/s (0: rate / 4)",
+        help="streaming requests/s (0: a quarter of the non-streaming throughput)",
     )
     p.add_argument("--seconds", type=float, default=15.0, help="sampled seconds per phase")
+    p.add_argument("--hz", type=int, default=SAMPLE_HZ, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--ponto-arg", action="append", default=[], metavar="ARG")
@@ -368,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     binary = py_spy()
+    wrk.find_wrk()
     RAW_DIR.mkdir(parents=True, exist_ok=True)
     if cpus_available():
         os.sched_setaffinity(0, {LOAD_CPU})  # py-spy and the fleet inherit CPU 1
@@ -377,26 +410,24 @@ def main(argv: list[str] | None = None) -> int:
         _, proxy = start_ponto(fleet, a.ponto_arg)
         pid = proxy.proc.pid
         check_attach(binary, pid)
-        headers, features = configure_ponto_features(fleet, a.ponto_features)
-        print(f"Ponto: {features}")
-        url = fleet.proxy_url("proxy") + "/chat/completions"
+        nginx = start_canned(fleet, Path(tmp) / "canned")
+        try:
+            headers, features = configure_ponto_features(fleet, a.ponto_features)
+            print(f"Ponto: {features}")
+            base = fleet.proxy_url("proxy") + "/chat/completions"
+            print(f"profiling non-streaming (wrk, saturated) for {a.seconds:.0f} s ...")
+            section, throughput = wrk_phase(binary, pid, base, headers, a)
+            sections.append(section)
+        finally:
+            nginx.stop()
+        stream_rate = a.stream_rate or max(10.0, round(throughput / 4))
+        print(f"profiling streaming at {stream_rate:,.0f} req/s for {a.seconds:.0f} s ...")
         with LoadGenerator() as gen:
-            plain_rate = a.rate or capacity_rate(gen, url, pid, headers)
-            stream_rate = a.stream_rate or max(10.0, round(plain_rate / 4))
-            for name, stream, rate in (
-                ("non-streaming", False, plain_rate),
-                ("streaming", True, stream_rate),
-            ):
-                print(f"profiling {name} at {rate:,.0f} req/s for {a.seconds:.0f} s ...")
-                section = profile_phase(
-                    gen, binary, pid, url, headers, name=name, stream=stream, rate=rate,
-                    seconds=a.seconds, top=a.top,
-                )  # fmt: skip
-                sections.append(section)
+            sections.append(stream_phase(gen, binary, pid, base, headers, stream_rate, a))
     header = (
         f"# Ponto proxy profile ({datetime.now(UTC).isoformat(timespec='seconds')})\n"
-        f"py-spy {SAMPLE_HZ} Hz, --nonblocking, idle samples excluded; the proxy alone on "
-        f"CPU 0, origin and load on CPU 1. Made by `make profile` (bench/profile.py).\n"
+        f"py-spy {a.hz} Hz, blocking, samples of the thread holding the GIL; the proxy alone "
+        f"on CPU 0, origins and load on CPU 1. Made by `make profile` (bench/profile.py).\n"
         f"Ponto: {features}.\n\n"
     )
     text = header + "\n".join(sections)
