@@ -16,7 +16,6 @@ which closes their connections (vLLM then aborts the generation).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +25,7 @@ from aiohttp import web
 
 from dataplane.streaming.splice import is_error_event
 from dataplane.streaming.sse import Event, SseParser
+from dataplane.timer import IdleTimeout
 
 __all__ = ["ChunkSink", "EventSink", "Next", "Readable", "RelayEnd", "Resume", "relay"]
 
@@ -102,10 +102,28 @@ async def relay(
     event before the continuation's), and an origin's in-band error event
     counts as a cut; without it, the origin's bytes go through unchanged.
     """
-    if resume is not None:
-        return await _relay_events(
-            first, content, out, readers, chunks, error_event, idle_timeout, resume
-        )
+    # One timer for the whole stream, not one per chunk (dataplane.timer).
+    idle = IdleTimeout(idle_timeout) if idle_timeout is not None else None
+    try:
+        if resume is not None:
+            return await _relay_events(
+                first, content, out, readers, chunks, error_event, idle, resume
+            )
+        return await _relay_bytes(first, content, out, readers, chunks, error_event, idle)
+    finally:
+        if idle is not None:
+            idle.close()
+
+
+async def _relay_bytes(
+    first: bytes,
+    content: Readable,
+    out: web.StreamResponse,
+    readers: Sequence[EventSink],
+    chunks: ChunkSink | None,
+    error_event: bytes,
+    idle: IdleTimeout | None,
+) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser() if readers else None
     chunk = first
@@ -131,12 +149,12 @@ async def relay(
                 await out.write(data)
                 done = data.rstrip().endswith(b"[DONE]")
             try:
-                chunk = await _read(content, idle_timeout)
+                chunk = await _read(content, idle)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if done:  # a connection that drops after [DONE] ended a whole answer
                     end.complete = True
                     break
-                end.cut = _why(exc, idle_timeout)
+                end.cut = _why(exc, idle)
                 await out.write(error_event)
                 break
             if not chunk:
@@ -162,7 +180,7 @@ async def _relay_events(
     readers: Sequence[EventSink],
     chunks: ChunkSink | None,
     error_event: bytes,
-    idle_timeout: float | None,
+    idle: IdleTimeout | None,
     resume: Resume,
 ) -> RelayEnd:
     end = RelayEnd()
@@ -204,9 +222,9 @@ async def _relay_events(
                 await out.write(framed)
             if not cut:
                 try:
-                    chunk = await _read(content, idle_timeout)
+                    chunk = await _read(content, idle)
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    cut = _why(exc, idle_timeout)
+                    cut = _why(exc, idle)
                 else:
                     if chunk:
                         continue
@@ -246,16 +264,16 @@ def _boundary(data: bytes) -> int:
     return end
 
 
-async def _read(content: Readable, idle_timeout: float | None) -> bytes:
-    if idle_timeout is None:
+async def _read(content: Readable, idle: IdleTimeout | None) -> bytes:
+    if idle is None:
         return await content.readany()
-    async with asyncio.timeout(idle_timeout):
+    with idle:
         return await content.readany()
 
 
-def _why(exc: BaseException, idle_timeout: float | None) -> str:
-    if isinstance(exc, TimeoutError) and idle_timeout is not None:
-        return f"no chunk for {idle_timeout:g} s"
+def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
+    if isinstance(exc, TimeoutError) and idle is not None:
+        return f"no chunk for {idle.delay:g} s"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,24 @@ async def test_continuation_off_ends_with_the_error_event(
     chunks, _ = await p.stream()
     assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert not b.bodies
+    assert operations(p) == {("stream_cut", "r0"): 1.0}
+
+
+async def test_a_stall_without_continuation_ends_with_the_error_event_after_the_idle_timeout(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The relay that passes the origin's bytes through (no continuation) has
+    # its own read loop; its idle timeout cuts the stall too.
+    a, b = await first_origin("stall"), await second_origin()
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation="off"), idle="0.2")
+    with caplog.at_level(logging.WARNING):
+        chunks, raw = await p.stream()
+    assert text_of(chunks[:-1]) == "Hello"  # the half event never reached the client
+    assert " wo" not in raw
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    assert not b.bodies
+    cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]
+    assert len(cuts) == 1 and "no chunk for 0.2 s" in cuts[0], cuts
     assert operations(p) == {("stream_cut", "r0"): 1.0}
 
 

@@ -9,7 +9,7 @@ from typing import cast
 
 import pytest
 
-from dataplane.timer import TIMER_GRAIN, Deadlines, LazyTimer
+from dataplane.timer import TIMER_GRAIN, Deadlines, IdleTimeout, LazyTimer
 
 
 class FakeTimer:
@@ -275,3 +275,103 @@ async def test_a_call_cancelled_from_elsewhere_stays_cancelled() -> None:
     with pytest.raises(asyncio.CancelledError):
         await running
     assert len(deadlines) == 0
+
+
+# ---------------------------------------------------------------- IdleTimeout
+
+
+def idle_on(loop: FakeLoop, delay: float = 10.0) -> tuple[IdleTimeout, FakeTask]:
+    task = FakeTask()
+    idle = IdleTimeout(
+        delay,
+        task=cast("asyncio.Task[object]", task),
+        loop=cast("asyncio.AbstractEventLoop", loop),
+    )
+    return idle, task
+
+
+def test_many_waits_start_one_timer(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop)
+    for _ in range(100):  # a stream's chunks, each read in a block
+        with idle:
+            loop.now += 0.5
+    assert len(loop.started) == 1
+    assert task.cancels == 0
+    idle.close()
+    assert loop.pending() == []
+
+
+def test_a_wait_past_the_delay_cancels_the_task_once(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop)
+    with pytest.raises(TimeoutError), idle:
+        loop.fire(loop.pending()[0])  # at 110.0: 10 s without a chunk
+        assert task.cancels == 1
+        raise asyncio.CancelledError  # what the cancelled await raises
+    assert task.cancelling() == 0  # the timeout's cancel was taken back
+
+
+def test_the_timer_of_an_earlier_wait_waits_again_for_the_running_one(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop)
+    with idle:  # deadline 110.0
+        loop.now = 105.0
+    with idle:  # deadline 115.0, on the timer started for 110.0
+        timer = loop.pending()[0]
+        loop.fire(timer)
+        assert task.cancels == 0
+        (again,) = loop.pending()
+        assert again.when() == 115.0
+    idle.close()
+
+
+def test_a_wait_is_never_cut_before_its_deadline(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop)
+    with idle:  # deadline 110.0
+        timer = loop.pending()[0]
+        loop.now = 110.0 - TIMER_GRAIN / 2  # LazyTimer takes this as on time
+        timer.cancelled = True
+        timer.callback()
+        assert task.cancels == 0
+        (again,) = loop.pending()
+        loop.fire(again)  # at 110.0
+        assert task.cancels == 1
+        task.uncancel()  # as the block's exit would, on CancelledError
+
+
+def test_a_timer_that_fires_between_waits_finds_nothing(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop)
+    with idle:
+        pass
+    loop.now = 200.0
+    loop.fire(loop.pending()[0])
+    assert task.cancels == 0
+
+
+async def test_on_a_real_loop_a_stalled_wait_ends_in_timeout_error() -> None:
+    idle = IdleTimeout(0.01)
+    current = asyncio.current_task()
+    assert current is not None
+    with pytest.raises(TimeoutError), idle:
+        await asyncio.sleep(5.0)
+    assert current.cancelling() == 0
+    with idle:  # reusable after a timeout
+        await asyncio.sleep(0)
+    idle.close()
+
+
+async def test_an_idle_wait_cancelled_from_elsewhere_stays_cancelled() -> None:
+    started = asyncio.Event()
+
+    async def wait() -> None:
+        idle = IdleTimeout(60.0)
+        try:
+            with idle:
+                started.set()
+                await asyncio.sleep(5.0)
+        finally:
+            idle.close()
+
+    running = asyncio.ensure_future(wait())
+    await started.wait()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
