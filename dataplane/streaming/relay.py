@@ -278,6 +278,8 @@ def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
 
 
 def _frame(ev: Event) -> bytes:
+    if not ev.name and b"\n" not in ev.data:  # nearly every event: one data line
+        return b"data: " + ev.data + b"\n\n"
     lines = ev.data.split(b"\n")
     head = b"event: " + ev.name + b"\n" if ev.name else b""
     return head + b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"

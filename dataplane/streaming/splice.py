@@ -77,7 +77,10 @@ class Transcript:
 def is_error_event(data: bytes) -> bool:
     """An origin's in-band error (`{"error": …}` or vLLM's `{"object": "error", …}`):
     the stream failed, even if the connection stays open."""
-    head = data[:48].lstrip()
+    head = data[:48]
+    if b"error" not in head:  # nearly every event: one search
+        return False
+    head = head.lstrip()
     return head.startswith(b'{"error"') or b'"object":"error"' in head.replace(b" ", b"")
 
 

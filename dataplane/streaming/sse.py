@@ -20,24 +20,39 @@ one parser per stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 __all__ = ["DONE", "Event", "SseParser"]
 
 DONE = b"[DONE]"
 
 
-@dataclass(frozen=True, slots=True)
 class Event:
-    """One dispatched event: its data lines joined with LF, and its name."""
+    """One dispatched event: its data lines joined with LF, and its name;
+    `done` is True for the `data: [DONE]` sentinel that OpenAI-style streams
+    end with. Immutable by convention; equal when data and name are.
 
-    data: bytes
-    name: bytes = b""
+    A plain slotted class, not a frozen dataclass: every chunk of every
+    stream makes one, and each of its readers asks whether it is the
+    sentinel (a frozen dataclass's init and a property cost more than the
+    rest of some readers)."""
 
-    @property
-    def done(self) -> bool:
-        """The `data: [DONE]` sentinel that OpenAI-style streams end with."""
-        return self.data.strip() == DONE
+    __slots__ = ("data", "done", "name")
+
+    def __init__(self, data: bytes, name: bytes = b"") -> None:
+        self.data = data
+        self.name = name
+        # The sentinel, possibly with surrounding whitespace.
+        self.done = DONE in data and data.strip() == DONE
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Event):
+            return NotImplemented
+        return self.data == other.data and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash((self.data, self.name))
+
+    def __repr__(self) -> str:
+        return f"Event(data={self.data!r}, name={self.name!r})"
 
 
 class SseParser:
@@ -71,6 +86,8 @@ class SseParser:
                     events.append(Event(b"\n".join(self._data), self._name))
                     self._data = []
                     self._name = b""
+            elif line.startswith(b"data: "):  # nearly every line
+                self._data.append(line[6:])
             elif line[0] != 0x3A:  # ':' starts a comment
                 name, _, value = line.partition(b":")
                 if value[:1] == b" ":

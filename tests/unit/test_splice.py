@@ -142,6 +142,9 @@ def test_error_events_are_cuts() -> None:
     assert is_error_event(b'{"error": {"message": "boom"}}')
     assert is_error_event(b'{"object": "error", "message": "x"}')
     assert not is_error_event(chunk("error"))
+    assert is_error_event(b'  {"object":"error","message":"x"}')
+    # Only the start of an event says it is an error: "error" further on is content.
+    assert not is_error_event(b'{"id": "c", "choices": [], "x": "' + b"." * 40 + b'error"}')
     state = read_state(transcript(chunk("a")), CHAT)
     assert state is not None
     with pytest.raises(ValueError, match="error event"):

@@ -63,3 +63,19 @@ def test_an_empty_chunk_between_cr_and_lf_changes_nothing() -> None:
     parser = SseParser()
     events = parser.feed(b"data: x\r") + parser.feed(b"") + parser.feed(b"\ndata: y\n\n")
     assert events == [Event(b"x\ny")]
+
+
+def test_an_event_knows_the_done_sentinel_by_its_data_alone() -> None:
+    assert Event(b"[DONE]").done
+    assert Event(b"  [DONE] \n").done  # whitespace around it, as the parser may leave
+    assert Event(b"[DONE]" + b" " * 40).done
+    assert not Event(b'{"text": "[DONE]"}').done
+    assert not Event(b"").done
+
+
+def test_events_are_equal_by_data_and_name() -> None:
+    assert Event(b"x") == Event(b"x", b"")
+    assert Event(b"x") != Event(b"x", b"ping")
+    assert Event(b"x") != Event(b"y")
+    assert len({Event(b"x"), Event(b"x"), Event(b"x", b"ping")}) == 2
+    assert repr(Event(b"x", b"e")) == "Event(data=b'x', name=b'e')"
