@@ -201,6 +201,20 @@ class _Builder:
             # The generator's own delay in sending (CPU 1 busy); latencies include it.
             self.row("  sent late, p99 (ms)", lambda k: fmt(get(phase, k, "lateness_ms", "p99")))
 
+    def stream_cpu(self, phase: Phase) -> None:
+        """What a relayed stream cost each server's CPU (the open loop's own
+        pace: epoll wake-ups included, as a stream's chunks arrive one by one)."""
+        cpu = {k: get(phase, k, "cpu_us_per_request") for k in self.keys}
+        name = f"{phase.name}_cpu_per_request"
+        self.floor[name] = ratio(cpu.get("ponto"), cpu.get(FLOOR))
+        self.litellm[name] = ratio(cpu.get("litellm"), cpu.get("ponto"))
+        self.row(
+            "  server CPU per stream (us)",
+            lambda k: "-" if k == "direct" else cell(phase, k, lambda: fmt(cpu[k], 0)),
+            over_floor(self.floor[name]),
+            times(cpu.get("litellm"), cpu.get("ponto"), "more"),
+        )
+
     def cache_hit(self, phase: Phase | None) -> None:
         """Ponto answering a repeated question from its exact cache, against the origin direct."""
         if phase is None:
@@ -315,6 +329,7 @@ def build_table(
     stream = phases.get("stream")
     if stream is not None and stream.rate is not None:
         b.latency(stream, f"TTFT, streams @ {stream.rate:,.0f}/s", "ttfb_ms")
+        b.stream_cpu(stream)
     b.capacity(phases.get("max"))
     b.capacity(phases.get("cpu"), prefix=CANNED_PREFIX, canned=True)
     b.sustained(phases.get("sustained"))

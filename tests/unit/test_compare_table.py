@@ -1,5 +1,5 @@
 """bench/compare_table.py: the "cpu" section (canned origin) beside "max" (simulator),
-and which of them the CPU aims and the per-core goal read."""
+which of them the CPU aims and the per-core goal read, and a relayed stream's CPU."""
 
 from __future__ import annotations
 
@@ -70,3 +70,26 @@ def test_without_cpu_they_fall_back_to_max() -> None:
     assert cpu_aim["value"] == 2.08 and "[simulator origin]" in cpu_aim["goal"]
     per_core = aim(goals(phases, {}, v.litellm, "none"), "Ponto at least 8,000")
     assert per_core["value"] == 1000
+
+
+def stream_result(us: float) -> dict[str, Any]:
+    return {
+        "error_ratio": 0.0,
+        "ttfb_ms": {"p50": 2.0, "p99": 3.0},
+        "lateness_ms": {"p99": 0.5},
+        "cpu_us_per_request": us,
+    }
+
+
+def test_a_streams_cpu_follows_its_ttft_with_its_ratio_over_the_floor() -> None:
+    stream = Phase("stream", "open", True, 100.0, {
+        "direct": stream_result(400),
+        "passthrough": stream_result(500),
+        "ponto": stream_result(800),
+    })  # fmt: skip
+    v = build_table(LABELS, {"stream": stream}, {}, {}, ())
+    labels = [row[0] for row in v.table.rows]
+    at = labels.index("  server CPU per stream (us)")
+    assert labels[at - 1] == "  sent late, p99 (ms)"  # the TTFT rows come first
+    assert v.table.rows[at][1:] == ["-", "500", "800", "1.60x"]
+    assert v.floor["stream_cpu_per_request"] == 1.6
