@@ -54,7 +54,8 @@ the sustained rates); cpu (wrk, canned origin; direct is nginx itself,
 LiteLLM is not in it: bench/litellm_env.py maps every model to one origin);
 one at a time; exact-cache hit (Ponto, one question
 repeated) against direct; 100/s and 1,000/s non-streaming; 100/s streaming
-(TTFT = first SSE event, and each server's CPU per stream of 16 tokens); sustained (80 % or 50 % of each target's max); if
+(TTFT = first SSE event, and each server's CPU per stream of 16 tokens);
+sustained (80 % or 50 % of each target's max); if
 LiteLLM cannot hold 100/s, the latencies again at half its max, for a fair
 ratio; with --ponto-workers N (N >= 2), a last phase where a one-worker Ponto
 and the N-worker one get every CPU (shared with the canned origin and wrk,
