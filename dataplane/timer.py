@@ -87,6 +87,14 @@ class LazyTimer:
         late()
 
 
+def _not_before_a_grain(due: float, now: float) -> float:
+    """When to look again at a deadline `due` not passed at `now`: at `due`,
+    but not within a grain of `now`. uvloop's clock counts whole milliseconds:
+    a timer for less than one ahead fires at once with the clock unchanged,
+    and the deadline would be looked at again and again until it ticks."""
+    return max(due, now + TIMER_GRAIN)
+
+
 def _exit_timeout(
     task: asyncio.Task[object],
     expired: bool,
@@ -189,7 +197,7 @@ class Deadlines:
         while queue:
             bound = next(iter(queue))
             if bound.when > now:
-                self._timer.arm_at(bound.when, self._sweep)
+                self._timer.arm_at(_not_before_a_grain(bound.when, now), self._sweep)
                 return
             del queue[bound]
             bound.expire()
@@ -254,8 +262,9 @@ class IdleTimeout:
     def _late(self) -> None:
         # LazyTimer takes a timer one grain early as on time; a wait is cut at
         # its deadline, never before.
-        if self._loop.time() < self._due:
-            self._timer.arm_at(self._due, self._late)
+        now = self._loop.time()
+        if now < self._due:
+            self._timer.arm_at(_not_before_a_grain(self._due, now), self._late)
             return
         self._expired = True
         self._task.cancel()
