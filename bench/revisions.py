@@ -2,7 +2,7 @@
 costs less CPU per request, to about 1 %.
 
     .venv/bin/python -m bench.revisions --base REV [--head REV] [--rounds 8]
-        [--seconds 4] [--ponto-features auth-limits-cache|none] [--out PATH]
+        [--seconds 4] [--ponto-features auth-limits-cache|none] [--stream] [--out PATH]
 
 Why not bench.compare. bench.compare measures its targets one after another,
 and on a shared VM the machine's speed drifts by 15 % and more between rounds
@@ -12,6 +12,9 @@ CPU 0, each loaded by its own wrk (8 connections, on CPU 1) against the canned
 origin (bench/canned.py: nginx, so the origin never saturates), so whatever
 the machine does hits both alike: rounds of the same pair agree to about 1 %.
 A proxy's CPU per request is its CPU time over the round / its answers.
+With --stream the requests ask for streamed answers of 16 tokens, which the
+origin simulator sends (nginx cannot): it shares CPU 1 with the load and
+may saturate first, which leaves the proxies below saturation, both alike.
 
 Both orders. Even with identical code, the proxy started first measured up
 to 3 % apart from the other, so the pair runs twice, once with each revision
@@ -123,7 +126,14 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
             with pythonpath(trees[which]):
                 proxies[which] = compare.start_proxy_alone(fleet, which, ["--workers", "1"])
         nginx = compare.start_canned(fleet, Path(tmp) / "canned")
+        body = compare.CANNED_BODY
         try:
+            if args.stream:  # the simulator streams; nginx answers JSON only
+                fleet.start_origin("origin", "local", models=(compare.MODEL,))
+                fleet.add_origin("origin", "local", fleet.origin_url("origin"),
+                                 models=(compare.MODEL,))  # fmt: skip
+                fleet.wait_proxies_at(fleet.table_version(origins=2))
+                body = compare.STREAM_BODY
             headers, _ = compare.configure_ponto_features(fleet, args.ponto_features)
             for which in proxies:
                 compare.wait_ready(fleet, which)
@@ -133,9 +143,9 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
                 for which, proxy in proxies.items()
             }  # fmt: skip
             for target in targets.values():
-                compare.check(target, compare.CANNED_BODY)
+                compare.check(target, body)
             for round_ in range(args.rounds):
-                got = measure_round(list(targets.values()), args.seconds)
+                got = measure_round(list(targets.values()), args.seconds, body)
                 order.head_us.append(got["head"])
                 order.base_us.append(got["base"])
                 print(f"  {first} first, round {round_ + 1}: head {got['head']:.1f} us, "
@@ -146,12 +156,14 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
     return order
 
 
-def measure_round(targets: list[compare.Target], seconds: int) -> dict[str, float]:
-    """Both targets loaded at once; CPU us per answer of each (by its key)."""
+def measure_round(
+    targets: list[compare.Target], seconds: int, body: bytes = compare.CANNED_BODY
+) -> dict[str, float]:
+    """Both targets loaded at once with `body`; CPU us per answer of each (by its key)."""
     specs = [
         wrk.WrkSpec(
             url=t.url,
-            body=compare.CANNED_BODY,
+            body=body,
             headers=t.headers,
             connections=CONNECTIONS,
             threads=1,
@@ -195,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "head": args.head or "working tree",
         "base": args.base,
         "ponto_features": args.ponto_features,
+        "stream": args.stream,
         "rounds": args.rounds,
         "seconds": args.seconds,
         "orders": [asdict(o) for o in orders],
@@ -213,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=4, help="of each round")
     parser.add_argument("--ponto-features", choices=("auth-limits-cache", "none"),
                         default="auth-limits-cache")  # fmt: skip
+    parser.add_argument("--stream", action="store_true",
+                        help="streamed answers of 16 tokens from the origin simulator (on CPU 1 "
+                             "with the load) instead of nginx's JSON")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     args = parser.parse_args(argv)
     # A SIGTERM unwinds like Ctrl-C: the fleet, the worktrees and the temp dir go.
