@@ -562,7 +562,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         ) from None
     raw = decode_body(raw, request.headers.get("content-encoding"), limit)
     if not raw:
-        raise bad_request("request body is empty; expected a JSON object")
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     return raw
 
 
@@ -576,11 +576,22 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except jsonio.JSONDecodeError as exc:
         if str(exc).startswith("depth limit exceeded"):  # orjson stops at 1024 levels
             raise too_deep() from None
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        raise bad_request(_not_json(raw, exc), code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     check_depth(raw, body, brackets)
     return body
+
+
+def _not_json(raw: bytes, exc: jsonio.JSONDecodeError) -> str:
+    """What is wrong with a body the JSON parser refused. orjson reports bytes
+    that are not UTF-8 as "surrogates not allowed" at the start of the body;
+    the client is told where they are instead."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"request body is not valid UTF-8 (at byte {bad.start})"
+    return f"request body is not valid JSON: {exc}"
 
 
 def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:

@@ -269,6 +269,13 @@ BAD = [
         "invalid_json",
     ),
     ("not an object", KEY.key, {"json": [1, 2]}, 400, "invalid_json"),
+    (
+        "empty body",
+        KEY.key,
+        {"data": b"", "headers": {"content-type": "application/json"}},
+        400,
+        "invalid_json",
+    ),
     ("form", KEY.key, {"data": {"a": "b"}}, 415, "unsupported_media_type"),
     ("no messages", KEY.key, {"json": {"model": MODEL}}, 400, None),
     ("empty messages", KEY.key, {"json": {"model": MODEL, "messages": []}}, 400, None),
@@ -315,6 +322,23 @@ async def test_bad_requests_get_a_clear_error_and_reach_no_origin(
         assert s.origin_requests() == 0
     finally:
         await s.close()
+
+
+async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\xff\xfe"}]}' % (
+        MODEL.encode()
+    )
+    resp = await stack.client.post(
+        "/v1/chat/completions",
+        data=raw,
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEY.key}"},
+    )
+    assert resp.status == 400
+    err = error_of(await resp.json())
+    assert err["code"] == "invalid_json"
+    at = raw.index(b"\xff")
+    assert err["message"] == f"request body is not valid UTF-8 (at byte {at})"
+    assert stack.origin_requests() == 0
 
 
 async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> None:
