@@ -181,9 +181,12 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         "Or with the openai client (only the base URL changes):",
         "  from openai import OpenAI",
         f'  client = OpenAI(base_url="{first}", api_key="unused")',
-        '  r = client.chat.completions.create(model="sim-small",',
+        '  r = client.chat.completions.create(model="sim-small", temperature=0,',
         '      messages=[{"role": "user", "content": "hi"}])',
         "  print(r.choices[0].message.content)",
+        "Asked again, the same request is answered from the exact cache (header",
+        "x-ponto-cache: hit). By default only deterministic requests (temperature 0,",
+        "or a seed) are cached; x-ponto-cache-reason says why another one was not.",
         "",
         "Call as a user in "
         + ", ".join(u.place for u in DEMO_USERS[:-1])
