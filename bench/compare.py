@@ -185,12 +185,19 @@ def start_ponto(fleet: Fleet, proxy_args: Sequence[str] = ()) -> tuple[Managed, 
     fleet.start_etcd()
     fleet.start_control()
     fleet.add_region(RegionDef("local", 0.0, 0.0))
-    origin = fleet.start_origin("origin", "local", models=(MODEL,))
-    fleet.add_origin("origin", "local", fleet.origin_url("origin"), models=(MODEL,))
+    origin = start_simulator(fleet)
     table = fleet.table_version(origins=1)
     proxy = start_proxy_alone(fleet, "proxy", proxy_args)
     fleet.wait_proxies_at(table)
     return origin, proxy
+
+
+def start_simulator(fleet: Fleet) -> Managed:
+    """The origin simulator (no delays) as origin "origin" of region "local",
+    serving MODEL, on the caller's CPUs, registered with the control plane."""
+    origin = fleet.start_origin("origin", "local", models=(MODEL,))
+    fleet.add_origin("origin", "local", fleet.origin_url("origin"), models=(MODEL,))
+    return origin
 
 
 def start_proxy_alone(fleet: Fleet, name: str, proxy_args: Sequence[str] = ()) -> Managed:

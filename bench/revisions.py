@@ -129,9 +129,7 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
         body = compare.CANNED_BODY
         try:
             if args.stream:  # the simulator streams; nginx answers JSON only
-                fleet.start_origin("origin", "local", models=(compare.MODEL,))
-                fleet.add_origin("origin", "local", fleet.origin_url("origin"),
-                                 models=(compare.MODEL,))  # fmt: skip
+                compare.start_simulator(fleet)
                 fleet.wait_proxies_at(fleet.table_version(origins=2))
                 body = compare.STREAM_BODY
             headers, _ = compare.configure_ponto_features(fleet, args.ponto_features)
