@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -200,8 +200,8 @@ class EdgeCache:
         self._metrics = metrics
         self._clock = clock
         self._purged_to: int | None = None
-        # Answer comparisons run after the client has its answer; kept here so
-        # they are not collected before they finish.
+        # Work that runs after the client has its answer (answer comparisons,
+        # semantic indexing); kept here so it is not collected before it ends.
         self._checks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ control
@@ -453,15 +453,27 @@ class EdgeCache:
         stored = await self.store.put(
             plan.key, entry, tenant=req.tenant.name, model=model, ttl_s=req.tenant.cache.ttl_s
         )
-        if plan.neighbour is not None and self.semantic is not None:
+        semantic = self.semantic
+        if plan.neighbour is not None and semantic is not None:
             near, cached_entry = plan.neighbour
-            task = asyncio.get_running_loop().create_task(
-                self._check(self.semantic, near, cached_entry, entry)
-            )
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
-        if stored and plan.text and self.semantic is not None:
-            await self.semantic.insert(req.tenant.name, model, plan.context, plan.text, plan.key)
+            self._after(self._check(semantic, near, cached_entry, entry))
+        if stored and plan.text and semantic is not None:
+            # Indexing embeds the text (milliseconds on the embedder's thread,
+            # more behind a queue): not in the request, which would hold its
+            # concurrency slot and its coalesced followers after its client
+            # had the whole answer, and lose the entry if cancelled then.
+            self._after(semantic.insert(req.tenant.name, model, plan.context, plan.text, plan.key))
+
+    def _after(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` on its own, kept until it ends (`checks_done` waits for it)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._checks.add(task)
+        task.add_done_callback(self._after_done)
+
+    def _after_done(self, task: asyncio.Task[None]) -> None:
+        self._checks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("cache work after an answer failed", exc_info=exc)
 
     async def _check(
         self,
@@ -479,8 +491,9 @@ class EdgeCache:
             await semantic.check(near.key, near.similarity, cached, fresh)
 
     async def checks_done(self) -> None:
-        """Wait for the answer comparisons started so far (tests; shutdown does not
-        wait for them: a comparison lost at exit only loses one label)."""
+        """Wait for the answer comparisons and semantic indexing started so far
+        (tests; shutdown does not wait for them: a comparison lost at exit only
+        loses one label, an insert one semantic entry)."""
         while self._checks:
             await asyncio.gather(*self._checks, return_exceptions=True)
 

@@ -8,8 +8,10 @@ whenever the budget allows: the real model's behaviour is bench/cache_eval.py's.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,7 @@ from dataplane.cache.embed import HashingEmbedder
 from dataplane.cache.semantic import SemanticIndex
 from dataplane.http.state import HOLDER, PIPELINE
 from ponto.originsim.app import SimConfig
+from ponto.quota_types import tenant_scope
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import Stack, chat, start_stack, table
@@ -56,6 +59,7 @@ async def test_a_verification_answers_from_the_origin_and_records_the_check(
     cached = await first.json()
     assert first.headers["x-ponto-cache"] == "miss"
     assert stack.origin_requests() == 1
+    await cache.checks_done()  # indexed after the answer
 
     verified = await stack.post(chat(Q_NEAR))
     assert verified.status == 200
@@ -84,9 +88,50 @@ async def test_a_streamed_verification_is_compared_too(
     stack, index = bounded
     cache = stack.app[PIPELINE].cache
     await (await stack.post(chat(Q, stream=True))).read()
+    await cache.checks_done()  # indexed after the answer
     verified = await stack.post(chat(Q_NEAR, stream=True))
     assert verified.headers["x-ponto-cache-reason"] == "verify"
     assert b"data: [DONE]" in await verified.read()
     await cache.checks_done()
     assert (index.stats.verifies, index.stats.checks) == (1, 1)
     assert stack.origin_requests() == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+async def test_indexing_an_answer_holds_nothing_of_its_request(
+    bounded: tuple[Stack, SemanticIndex], stream: bool
+) -> None:
+    """The embedding that indexes a new answer runs after the client has it: the
+    request's concurrency slot is free and a next request admitted meanwhile,
+    and the entry is indexed once the embedding ends."""
+    stack, index = bounded
+    cache = stack.app[PIPELINE].cache
+    limiter = stack.app[PIPELINE].limiter
+    one_slot = table([("o1", str(stack.origins[0].make_url("/v1")))], version=4)
+    one_slot.tenants[0].limits.CopyFrom(pb.Limits(concurrency=1))
+    one_slot.tenants[0].cache.CopyFrom(pb.CachePolicy(mode="semantic", semantic_threshold=0.8))
+    one_slot.etag = content_etag(one_slot)
+    stack.app[HOLDER].apply(one_slot, "control-plane")
+    assert limiter.share(tenant_scope("acme")).concurrency == 1
+    embedding = threading.Event()
+    prepare = index._prepare_sync
+
+    def held(text: str) -> Any:
+        embedding.wait(10)
+        return prepare(text)
+
+    index._prepare_sync = held  # type: ignore[method-assign]
+    try:
+        first = await stack.post(chat(Q, stream=stream))
+        assert first.status == 200
+        await first.read()  # the whole answer, while its embedding waits
+        assert index.stats.inserts == 0
+        assert limiter.in_flight(tenant_scope("acme")) == 0
+        nxt = await stack.post(chat("a next question, at once", stream=stream))
+        assert nxt.status == 200
+        await nxt.read()
+    finally:
+        embedding.set()
+    await cache.checks_done()
+    assert index.stats.inserts == 2
+    assert (await stack.post(chat(Q))).headers["x-ponto-cache"] == "hit"
