@@ -16,6 +16,7 @@ error of the same status, and a refusal of the proxy's own credential a 502.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from aiohttp import web
@@ -57,11 +58,14 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+        headers = {**self.headers, **(extra_headers or {})}
+        if self.attempts:  # as a successful answer says how many origin calls it took
+            headers["x-ponto-attempts"] = str(self.attempts)
         return web.Response(
             status=self.status,
             body=jsonio.dumps(body),
             content_type="application/json",
-            headers={**self.headers, **(extra_headers or {})},
+            headers=headers,
         )
 
 
@@ -87,9 +91,9 @@ UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retr
 UPSTREAM_REFUSED = "The model's servers refused the request."
 UPSTREAM_BUSY = "The model's servers are busy; retry shortly."
 # Origin statuses whose OpenAI-style message is about the client's request
-# (its content, size or model) and useful to it. Others describe the
-# operator's account with the origin (401, 403: its credential; 429: its
-# organisation's limits, named in the message): a fixed message instead.
+# (its content, size or model) and useful to it. Others may describe the
+# operator's account with the origin (401, 403: its credential; a 429, which
+# is failed over, names its organisation): a fixed message instead.
 PASSED_ORIGIN_STATUSES = frozenset({400, 404, 409, 413, 415, 422})
 # An origin that refuses the proxy's own credential: the client's request
 # was fine, so the next origin is tried (dataplane.upstream.forwarder), and
@@ -107,6 +111,20 @@ def upstream_unavailable() -> ApiError:
     )
 
 
+def upstream_busy(retry_after_s: float) -> ApiError:
+    """429: every origin tried answered 429 (too busy, or its account over its
+    quota) or failed; the client may come back after `retry_after_s` (the
+    soonest an origin named; 0 when none did: 1 s)."""
+    return ApiError(
+        429,
+        UPSTREAM_BUSY,
+        type="upstream_error",
+        code="upstream_busy",
+        headers={"retry-after": str(max(1, math.ceil(retry_after_s)))},
+        logged=True,
+    )
+
+
 def upstream_timeout() -> ApiError:
     """504: the request's deadline passed before any origin committed."""
     return ApiError(
@@ -114,21 +132,39 @@ def upstream_timeout() -> ApiError:
     )
 
 
-def stream_broken_event() -> bytes:
-    """The SSE event that ends a stream an origin broke, then `data: [DONE]`.
+def stream_broken_event(responses: bool = False) -> bytes:
+    """The SSE bytes that end a stream an origin broke.
 
-    The openai SDK raises an APIError for an event whose data has an `error`
-    object, in chat, completions and Responses streams alike.
+    Chat and completions streams: an event whose data is an `error` object,
+    then `data: [DONE]`. A Responses stream has no `[DONE]`: it ends in
+    OpenAI's `error` event (`event: error`, data of type "error" with its code
+    and message), which also holds the `error` object. The openai SDK raises
+    an APIError for an event whose data has an `error` object, in chat,
+    completions and Responses streams alike.
     """
-    event = {
-        "error": {
-            "message": UPSTREAM_STREAM_BROKEN,
-            "type": "upstream_error",
+    return _RESPONSES_BROKEN if responses else _STREAM_BROKEN
+
+
+_BROKEN = {
+    "message": UPSTREAM_STREAM_BROKEN,
+    "type": "upstream_error",
+    "param": None,
+    "code": "upstream_stream_broken",
+}
+_STREAM_BROKEN = b"data: " + jsonio.dumps({"error": _BROKEN}) + b"\n\ndata: [DONE]\n\n"
+_RESPONSES_BROKEN = (
+    b"event: error\ndata: "
+    + jsonio.dumps(
+        {
+            "type": "error",
+            "code": _BROKEN["code"],
+            "message": _BROKEN["message"],
             "param": None,
-            "code": "upstream_stream_broken",
+            "error": _BROKEN,
         }
-    }
-    return b"data: " + jsonio.dumps(event) + b"\n\ndata: [DONE]\n\n"
+    )
+    + b"\n\n"
+)
 
 
 def origin_error_body(
@@ -143,19 +179,13 @@ def origin_error_body(
     (`{"error": {"message": ...}}`, or vLLM's flat `{"object": "error",
     "message": ...}`) is rebuilt from its message, type, param and code, all
     strings or null; other members are dropped. Anything else becomes a
-    fixed error of the same status (429: `upstream_busy`). `reindex` rewrites
+    fixed error of the same status. (A 5xx or 429 never gets here: the
+    forwarder tries the next origin.) `reindex` rewrites
     the passed message and param (the client's own message indexes). Pure.
     """
     err = _origin_error(content_type, body) if status in PASSED_ORIGIN_STATUSES else None
     if err is not None and reindex is not None:
         err = {k: reindex(v) if k in ("message", "param") and v else v for k, v in err.items()}
-    if err is None and status == 429:
-        err = {
-            "message": UPSTREAM_BUSY,
-            "type": "upstream_error",
-            "param": None,
-            "code": "upstream_busy",
-        }
     if err is None:
         err = {
             "message": UPSTREAM_REFUSED,

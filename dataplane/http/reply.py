@@ -41,8 +41,6 @@ def _origin_headers(
     ex: Exchange, origin: OriginAnswer, outcome: str, *, error: bool = False
 ) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
-    if error and "retry-after" in origin.headers:  # an origin's 429 or 503
-        headers["retry-after"] = origin.headers["retry-after"]
     if not error:  # an error answer names no origin: that stays in the logs
         target = origin.target
         headers["x-ponto-origin"] = target.name
@@ -107,7 +105,7 @@ async def relay_origin(
         out,
         readers=readers,
         chunks=plan.leader,
-        error_event=stream_broken_event(),
+        error_event=stream_broken_event(ex.endpoint.name == "responses"),
         idle_timeout=idle_timeout,
         resume=resume,
     )
@@ -165,7 +163,7 @@ async def follow(
             return None
         if out is None:  # pragma: no cover - delivered implies started
             raise
-        await out.write(stream_broken_event())
+        await out.write(stream_broken_event(ex.endpoint.name == "responses"))
         await out.write_eof()
         return out, False
 

@@ -18,8 +18,12 @@ first of the two to commit answers; see `Forwarder.forward`.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import logging
 import math
+import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,7 +31,12 @@ from typing import TYPE_CHECKING
 import aiohttp
 from multidict import CIMultiDict
 
-from dataplane.http.errors import CREDENTIAL_REFUSED, upstream_timeout, upstream_unavailable
+from dataplane.http.errors import (
+    CREDENTIAL_REFUSED,
+    upstream_busy,
+    upstream_timeout,
+    upstream_unavailable,
+)
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
@@ -42,8 +51,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Never copied from an origin's response: hop-by-hop headers and those the
-# proxy recomputes for the body it sends.
+# Never copied from an origin's response: hop-by-hop headers, those the proxy
+# recomputes for the body it sends, and those about the operator's account
+# with the origin or the origin's own host rather than this answer. A hosted
+# API's `openai-organization` and `openai-project` name the operator's
+# account, its `x-ratelimit-*` (dropped by prefix, DROP_RESPONSE_PREFIX) that
+# account's limits: a client sees its own (dataplane.ratelimit) or none. An
+# origin's `alt-svc` and `strict-transport-security` would bind the proxy's
+# host to the origin's protocols and TLS policy.
 DROP_RESPONSE_HEADERS = frozenset(
     {
         "connection",
@@ -59,8 +74,13 @@ DROP_RESPONSE_HEADERS = frozenset(
         "date",
         "server",
         "set-cookie",
+        "openai-organization",
+        "openai-project",
+        "alt-svc",
+        "strict-transport-security",
     }
 )
+DROP_RESPONSE_PREFIX = "x-ratelimit-"
 # The only request headers sent on to an origin. The client's Authorization is
 # never among them: client keys stay at the edge. Content-Type is not the
 # client's: the proxy sends the JSON it parsed. A client's W3C trace context
@@ -101,6 +121,10 @@ NEVER_FORWARDED = frozenset(
 MAX_FORWARDED_VALUE = 512
 MAX_FORWARDED_TOTAL = 2048
 RETRY_STATUS_MIN = 500
+# An origin too busy for the request, or a hosted API's operator account over
+# its quota: another origin may take it. Refused by every origin tried, the
+# client gets a 429 to come back after (errors.upstream_busy), not a 502.
+BUSY = 429
 # An origin that redirects a POST is misconfigured (its base URL wants https,
 # or a trailing slash): its answer is not one, and following it would resend
 # the prompt, or for 301 and 302 drop it. Refused like a 5xx, with the
@@ -125,10 +149,13 @@ class _Retryable(Exception):
     """A failed call another origin may take: its outcome (the metrics' label)
     and, when the origin answered, its status."""
 
-    def __init__(self, outcome: str, detail: str, status: int | None = None) -> None:
+    def __init__(
+        self, outcome: str, detail: str, status: int | None = None, retry_after: str = ""
+    ) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.status = status
+        self.retry_after = retry_after  # a busy origin's Retry-After, as sent
 
 
 @dataclass(slots=True, eq=False)
@@ -186,6 +213,9 @@ class _Tries:
     failures: list[str] = field(default_factory=list)
     made: int = 0
     past_deadline: bool = False
+    # Some origin answered 429 (BUSY): the soonest Retry-After in seconds any
+    # of them gave, 0 when none gave one; None while none answered 429.
+    busy_retry_s: float | None = None
 
 
 class Forwarder:
@@ -340,7 +370,12 @@ class Forwarder:
             len(failures),
             "; ".join(failures) or "no candidate",
         )
-        error = upstream_timeout() if timed_out else upstream_unavailable()
+        if timed_out:
+            error = upstream_timeout()
+        elif tries.busy_retry_s is not None:
+            error = upstream_busy(tries.busy_retry_s)
+        else:
+            error = upstream_unavailable()
         error.attempts = tries.made
         raise error
 
@@ -385,7 +420,7 @@ class Forwarder:
                 self._won(answer)
                 return answer
             except _Retryable as exc:
-                self._failed(target, exc, failures)
+                self._failed(target, exc, tries)
             except TimeoutError:
                 self._past_deadline(target, failures)
                 break
@@ -459,7 +494,7 @@ class Forwarder:
                         if winner is None:
                             winner = task
                     elif isinstance(exc, _Retryable):
-                        self._failed(target, exc, tries.failures)
+                        self._failed(target, exc, tries)
                     else:
                         unexpected = (target, exc)
                 if winner is not None:
@@ -564,9 +599,14 @@ class Forwarder:
             return  # counted "ok" by the relay once the stream has ended
         self._metrics.attempt(name, "ok").inc()
 
-    def _failed(self, target: Target, exc: _Retryable, failures: list[str]) -> None:
+    def _failed(self, target: Target, exc: _Retryable, tries: _Tries) -> None:
         self._metrics.attempt(target.name, exc.outcome).inc()
-        failures.append(f"{target.name}: {exc}")
+        tries.failures.append(f"{target.name}: {exc}")
+        if exc.status == BUSY:
+            # The soonest time an origin named: the client may try again then.
+            wait, known = retry_after_seconds(exc.retry_after), tries.busy_retry_s
+            if known is None or (wait and (not known or wait < known)):
+                tries.busy_retry_s = wait
         if self.outliers.failure(target.name):
             self._metrics.child(self._metrics.ejections, target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
@@ -639,6 +679,13 @@ class Forwarder:
         try:
             if resp.status >= RETRY_STATUS_MIN:
                 raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
+            if resp.status == BUSY:
+                raise _Retryable(
+                    "http_429",
+                    "answered 429 (too busy, or the account with it is over its quota)",
+                    BUSY,
+                    resp.headers.get("retry-after", ""),
+                )
             if resp.status in REDIRECTS:
                 where = resp.headers.get("location", "nowhere")[:200]
                 raise _Retryable(
@@ -678,6 +725,25 @@ class Forwarder:
             raise
 
 
+def retry_after_seconds(value: str, now: float | None = None) -> float:
+    """A `Retry-After` value in seconds from `now` (wall clock; default the
+    current time): delta-seconds (decimals too) or an HTTP date, never
+    negative. 0 when absent or unreadable."""
+    value = value.strip()
+    if _DELTA_SECONDS.fullmatch(value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return 0.0
+    if when.tzinfo is None:  # RFC 9110 dates are GMT
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+_DELTA_SECONDS = re.compile(r"\d{1,9}(?:\.\d{1,6})?")
+
+
 def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
     """Done callback of an attempt abandoned mid-cancel: release an answer it
     committed anyway, and retrieve its failure so it is not logged as lost."""
@@ -688,6 +754,7 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
-        if name.lower() not in DROP_RESPONSE_HEADERS:
+        lower = name.lower()
+        if lower not in DROP_RESPONSE_HEADERS and not lower.startswith(DROP_RESPONSE_PREFIX):
             out.add(name, value)
     return out

@@ -409,6 +409,60 @@ async def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event(
         await s.close()
 
 
+COMPLETION = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 1,
+    "model": MODEL,
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+}
+# What a hosted API sends with every answer about the operator's account.
+ACCOUNT_HEADERS = {
+    "openai-organization": "operator-org",
+    "openai-project": "proj_operator",
+    "x-ratelimit-limit-requests": "10000",
+    "x-ratelimit-remaining-tokens": "1999000",
+    "alt-svc": 'h3=":443"; ma=86400',
+    "strict-transport-security": "max-age=31536000",
+    "set-cookie": "__cf_bm=operator; path=/",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_origins_account_headers_stay_at_the_edge(tmp_path: Path, stream: bool) -> None:
+    async def hosted(request: web.Request) -> web.StreamResponse:
+        headers = {**ACCOUNT_HEADERS, "openai-processing-ms": "42"}
+        if not stream:
+            return web.json_response(COMPLETION, headers=headers)
+        out = web.StreamResponse(headers={**headers, "content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(STREAM_203)
+        await out.write_eof()
+        return out
+
+    s = await stack_on(tmp_path, hosted)
+    try:
+        resp = await s.post(chat("whose account", stream=stream))
+        assert resp.status == 200
+        await resp.read()
+        # About the answer: passed on. About the operator's account: not.
+        assert resp.headers["openai-processing-ms"] == "42"
+        for name in ACCOUNT_HEADERS:
+            assert name not in resp.headers, name
+        # The unlimited key's answer carries no rate-limit headers at all.
+        assert not [h for h in resp.headers if h.lower().startswith("x-ratelimit-")]
+        # A limited key sees its own limits, never the origin's.
+        limited = await s.post(chat("whose limits", stream=stream), key=LIMITED_KEY.key)
+        await limited.read()
+        assert limited.headers["x-ratelimit-limit-requests"] == "2"
+        assert "x-ratelimit-remaining-tokens" not in limited.headers
+    finally:
+        await s.close()
+
+
 STREAM_203 = (
     b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"sim-small",'
     b'"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'

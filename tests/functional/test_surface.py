@@ -333,6 +333,95 @@ async def test_an_origin_refusing_the_proxys_credential_is_failed_over(
         await s.close()
 
 
+async def test_an_origin_answering_429_is_failed_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = await start_stack(
+        tmp_path,
+        [
+            SimConfig(name="busy", mode="fail", fail_status=429),
+            SimConfig(name="good", answer_tokens=3),
+        ],
+    )
+    try:
+        failed_over = 0
+        # The weighted order puts "busy" first about half the time: until it has.
+        for i in range(30):
+            with caplog.at_level(logging.WARNING):
+                caplog.clear()
+                resp = await s.post(chat(f"busy {i}"))
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
+            if resp.headers["x-ponto-attempts"] == "2":
+                failed_over += 1
+                [line] = [
+                    r.getMessage() for r in caplog.records if "failed before" in r.getMessage()
+                ]
+                assert "busy: answered 429" in line and resp.headers["x-request-id"] in line
+                break
+        assert failed_over == 1
+        tried = s.app[METRICS].registry.get_sample_value(
+            "ponto_upstream_attempts_total", {"origin": "busy", "outcome": "http_429"}
+        )
+        assert tried == failed_over
+    finally:
+        await s.close()
+
+
+def busy(retry_after: str) -> Any:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        headers = {"retry-after": retry_after} if retry_after else {}
+        return web.json_response(
+            {"error": {"message": "Rate limit reached for org-operator", "type": "requests"}},
+            status=429,
+            headers=headers,
+        )
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "shown"), [("7", "3", "3"), ("", "2.5", "3"), ("", "", "1")]
+)
+async def test_every_origin_busy_is_a_429_with_the_soonest_retry_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, first: str, second: str, shown: str
+) -> None:
+    s = await start_stack(tmp_path, [])
+    servers = []
+    for after in (first, second):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", busy(after))
+        servers.append(TestServer(app))
+        await servers[-1].start_server()
+    s.others.extend(servers)
+    try:
+        t = table([(f"o{i}", str(o.make_url("/v1"))) for i, o in enumerate(servers)], version=3)
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        with caplog.at_level(logging.INFO):
+            resp = await s.post(chat("everyone busy"))
+        assert resp.status == 429
+        assert resp.headers["retry-after"] == shown
+        assert resp.headers["x-ponto-attempts"] == "2"
+        text = await resp.text()
+        assert error_of(json.loads(text)) == {
+            "message": UPSTREAM_BUSY,
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_busy",
+        }
+        assert "org-operator" not in text and "x-ponto-origin" not in resp.headers
+        # Logged once, by the forwarder, with both causes; not again as a refusal.
+        lines = [
+            r.getMessage() for r in caplog.records if resp.headers["x-request-id"] in r.getMessage()
+        ]
+        [line] = [m for m in lines if "no origin could serve" in m]
+        assert "o0: answered 429" in line and "o1: answered 429" in line
+        assert len([m for m in lines if "429" in m]) == 1
+    finally:
+        await s.close()
+
+
 async def test_a_502_names_no_origin_and_its_cause_is_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -547,10 +636,15 @@ async def test_a_cut_responses_stream_is_not_continued(
             assert resp.status == 200
             text = (await resp.read()).decode()
         frames = [f for f in text.split("\n\n") if f]
-        assert len(frames) == 4 + 2  # four events, the error event, [DONE]
-        assert json.loads(frames[-2].removeprefix("data: "))["error"]["code"] == (
-            "upstream_stream_broken"
-        )
+        # Four events, then OpenAI's `error` event; a Responses stream has no [DONE].
+        assert len(frames) == 4 + 1
+        assert "[DONE]" not in text
+        name, data = frames[-1].split("\n")
+        assert name == "event: error"
+        event = json.loads(data.removeprefix("data: "))
+        assert event["type"] == "error"
+        assert event["code"] == event["error"]["code"] == "upstream_stream_broken"
+        assert event["message"] == event["error"]["message"]
         # Continuation is on, but the hook never sees a Responses stream.
         assert s.origin_requests() == 1
         cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]

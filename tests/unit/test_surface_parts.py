@@ -27,6 +27,7 @@ from dataplane.upstream.forwarder import (
     MAX_FORWARDED_VALUE,
     Forwarder,
     UpstreamSettings,
+    retry_after_seconds,
 )
 
 RESPONSES = "responses"
@@ -276,3 +277,29 @@ def test_a_client_id_keeps_exactly_the_visible_ascii_characters() -> None:
     for code in range(0x100):
         char = chr(code)
         assert (accepted_client_id(f"id{char}") is not None) == ("!" <= char <= "~"), code
+
+
+NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("3", 3.0),
+        (" 20 ", 20.0),
+        ("1.5", 1.5),
+        ("0", 0.0),
+        ("", 0.0),
+        ("soon", 0.0),
+        ("-1", 0.0),
+        ("inf", 0.0),
+        ("nan", 0.0),
+        ("1e9", 0.0),
+        ("Fri, 15 Jan 2027 08:00:10 GMT", 10.0),
+        ("Fri, 15 Jan 2027 07:59:00 GMT", 0.0),  # already past
+        ("Friday, 15-Jan-27 08:01:00 GMT", 60.0),  # RFC 850, still allowed
+        ("Fri, 32 Jan 2027 08:00:10 GMT", 0.0),
+    ],
+)
+def test_retry_after_reads_seconds_or_a_date(value: str, seconds: float) -> None:
+    assert retry_after_seconds(value, NOW) == pytest.approx(seconds)
