@@ -12,8 +12,9 @@ Why a 50 ms deadline: a Redis GET on the same network answers in well under a
 millisecond, and an origin round trip costs hundreds of milliseconds; a call
 that has not answered in 50 ms is not going to make the request faster, so the
 request goes on without it (a lookup becomes a miss) and the breaker stops
-later requests from paying the same wait. Writes run after the client has its
-answer, so their deadline only bounds how long they hold a slot.
+later requests from paying the same wait. Writes run in the background after
+the client has its answer (dataplane.cache.regionstore), so their deadline
+only bounds how long a write's task lives.
 
 Lifecycle (as the app's other resources): construction has no side effects;
 `start()` checks the connection once (an unreachable Redis is not an error: the
