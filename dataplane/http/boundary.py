@@ -14,7 +14,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
-from dataplane.http.errors import ApiError
+from dataplane.http.errors import ApiError, body_too_large
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
     ACCESS_LOG,
@@ -145,7 +145,7 @@ def _record(
 
 def _access_line(
     access: AccessLog,
-    request: web.Request,
+    request: web.BaseRequest,
     request_id: str,
     endpoint: str,
     principal: Principal | None,
@@ -154,6 +154,8 @@ def _access_line(
     error: str,
     started: float,
     finished: float,
+    *,
+    unparsed: bool = False,
 ) -> None:
     """Write the answer's access-log line (the caller has sampled it).
 
@@ -166,8 +168,9 @@ def _access_line(
         accesslog.record(
             ended=access.clock(),
             request_id=request_id,
+            # An unparsed message's request is aiohttp's stand-in ("UNKNOWN /").
             method=request.method,
-            path=request.path,
+            path="" if unparsed else request.path,
             endpoint=endpoint,
             client=_client(request, access.trusted),
             principal=principal,
@@ -212,7 +215,7 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
     return error.response(), "internal_error"
 
 
-def _client(request: web.Request, trusted: TrustedProxies) -> str | None:
+def _client(request: web.BaseRequest, trusted: TrustedProxies) -> str | None:
     """The client's address as the geo step finds it (forwarding headers of
     trusted proxies believed), or the socket's peer."""
     ip = client_ip(request.remote, request.headers, trusted)
@@ -239,20 +242,27 @@ def _what(request: web.Request) -> str:
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """The proxied routes' `Expect` handler: `100-continue` is answered as
-    aiohttp does; any other expectation gets a 417 in the OpenAI shape (aiohttp
-    answers one in plain text, before any middleware runs)."""
+    aiohttp does, unless the declared body is past the limit: then the 413 at
+    once, so the client does not send it; any other expectation gets a 417.
+    Both in the OpenAI shape (aiohttp answers a 417 in plain text), logged and
+    counted here: no middleware runs for an answer given in place of `100`."""
     started = time.perf_counter()
     expect = request.headers.get("expect", "")
-    if expect.lower() == "100-continue":
-        await _default_expect_handler(request)
-        return None
     request_id = request.app[REQUEST_IDS].of(request.headers.get("x-request-id"))
-    error = ApiError(
-        417,
-        "Expect: only 100-continue is supported",
-        code="expectation_failed",
-        headers={"x-request-id": request_id},
-    )
+    if expect.lower() == "100-continue":
+        length, limit = request.content_length, request.client_max_size
+        if length is None or length <= limit:
+            await _default_expect_handler(request)
+            return None
+        error = body_too_large(limit)
+        error.headers.update({"x-request-id": request_id, "connection": "close"})
+    else:
+        error = ApiError(
+            417,
+            "Expect: only 100-continue is supported",
+            code="expectation_failed",
+            headers={"x-request-id": request_id},
+        )
     refusals.refused(
         error.status,
         error.code,
@@ -261,11 +271,46 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         remote=request.remote,
         what=f"{request.method} {request.path}",
     )
-    access = request.app.get(ACCESS_LOG)
     code = error.code or ""
+    name = request.match_info.route.name or "other"
+    metrics = request.app[METRICS]
+    metrics.child(metrics.requests, name, str(error.status)).inc()
+    access = request.app.get(ACCESS_LOG)
     if access is not None and access.sampled(code):
-        name = request.match_info.route.name or "other"
         _access_line(
-            access, request, request_id, name, None, None, 417, code, started, time.perf_counter()
+            access,
+            request,
+            request_id,
+            name,
+            None,
+            None,
+            error.status,
+            code,
+            started,
+            time.perf_counter(),
         )
-    return error.response()
+    response = error.response()
+    if error.status == 413:
+        # The client sends no body after a final answer to its Expect: marked
+        # as read, aiohttp closes the connection after the answer instead of
+        # waiting (lingering) for it.
+        request.content.feed_eof()
+        response.force_close()
+    return response
+
+
+def record_unparsed(
+    app: web.Application, request: web.BaseRequest, request_id: str, status: int, error: str
+) -> None:
+    """Count a message the HTTP parser refused (dataplane.http.edge answers and
+    logs it) and give it its access-log line: endpoint `other`, method
+    `UNKNOWN`, no path (the parser gave neither) and no tenant."""
+    metrics = app[METRICS]
+    metrics.child(metrics.requests, "other", str(status)).inc()
+    access = app.get(ACCESS_LOG)
+    if access is None or not access.sampled(error):
+        return
+    now = time.perf_counter()
+    _access_line(
+        access, request, request_id, "other", None, None, status, error, now, now, unparsed=True
+    )

@@ -59,6 +59,7 @@ from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.errors import ApiError
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
+from dataplane.http.state import UNPARSED
 from dataplane.timer import LazyTimer
 
 __all__ = [
@@ -212,6 +213,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_ids",
         "_limits",
         "_payload",
+        "_unparsed",
     )
 
     def __init__(self, manager: EdgeServer, **kwargs: Any) -> None:
@@ -219,6 +221,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._limits = manager.limits
         self._caps = manager.caps
         self._ids = manager.ids
+        self._unparsed = manager.unparsed
         self._address = ""
         self._head_bytes = 0  # of the head being received
         self._counted = False
@@ -478,6 +481,11 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was already started")
         request_id = self._ids.next()
+        # aiohttp hands an unparsed message's answer a stand-in request of
+        # HTTP/1.0, whose version the status line would repeat (`version` is
+        # cached on first read).
+        request._version = HttpVersion11
+        request._cache.pop("version", None)
         if isinstance(exc, HttpProcessingError):
             error = parser_error(exc)
             refusals.refused(
@@ -488,6 +496,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 remote=request.remote,
                 what="HTTP request",
             )
+            if self._unparsed is not None:
+                self._unparsed(request, request_id, error.status, error.code or "")
         else:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
             error = ApiError(
@@ -532,7 +542,20 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
         )
     if isinstance(exc, BadHttpMethod):
         return ApiError(400, "malformed HTTP request: invalid method", code="invalid_http_request")
-    return ApiError(400, "malformed HTTP request", code="invalid_http_request")
+    reason = _parser_reason(exc.message)
+    message = f"malformed HTTP request: {reason}" if reason else "malformed HTTP request"
+    return ApiError(400, message, code="invalid_http_request")
+
+
+def _parser_reason(text: str) -> str:
+    """The parser's reason without the client's bytes it quotes: llhttp's
+    messages put them after a blank line (`Duplicate Content-Length:` then the
+    line). Empty when what is left is not a short line of plain text."""
+    head = text.split("\n\n", 1)[0]
+    reason = ": ".join(part.strip().rstrip(":") for part in head.splitlines() if part.strip())
+    if len(reason) > 120 or not (reason.isascii() and reason.isprintable()) or "b'" in reason:
+        return ""
+    return reason
 
 
 def _refusal_parts() -> tuple[bytes, bytes]:
@@ -580,6 +603,8 @@ class EdgeServer(web.Server):
         self.limits = limits
         self.caps = caps
         self.ids = RequestIds()
+        # Set by EdgeRunner from the app (dataplane.http.state.UNPARSED).
+        self.unparsed: Callable[[web.BaseRequest, str, int, str], None] | None = None
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._loop, **self._kwargs)
@@ -615,4 +640,6 @@ class EdgeRunner(web.AppRunner):
         self.caps = ConnectionCaps(total, per_client)
         # The app is frozen by now: its fixed routes are dispatched without the router.
         fixed = FixedRoutes(self.app, base.request_handler)
-        return EdgeServer(base, limits, self.caps, fixed)
+        server = EdgeServer(base, limits, self.caps, fixed)
+        server.unparsed = self.app.get(UNPARSED)
+        return server

@@ -73,6 +73,13 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ApiError(400, message, param=param, code=code)
 
 
+def body_too_large(limit: int) -> ApiError:
+    """413 for a body past `limit` bytes (--max-body-bytes), declared or read."""
+    return ApiError(
+        413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
+    )
+
+
 def model_not_found(name: str) -> ApiError:
     """404 for a model the caller may not name, in OpenAI's words; the name as
     the client sent it, cut to 256 characters."""

@@ -33,7 +33,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
-from dataplane.http.errors import ApiError, bad_request, model_not_found
+from dataplane.http.errors import ApiError, bad_request, body_too_large, model_not_found
 from dataplane.http.fields import (
     brackets_of,
     check_containers,
@@ -510,12 +510,6 @@ def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
         ) from None
 
 
-def _too_large(limit: int) -> ApiError:
-    return ApiError(
-        413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
-    )
-
-
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request's JSON body as bytes, its content coding undone: 415 for
     another type or coding, 413 past `limit`, 408 past the body deadline
@@ -534,7 +528,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     # chunked bodies are cut off by aiohttp's client_max_size while reading.
     length = request.content_length
     if length is not None and length > limit:
-        raise _too_large(limit)
+        raise body_too_large(limit)
     try:
         content = request.content
         if length is not None and content.is_eof() and request._read_bytes is None:
@@ -544,7 +538,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         else:
             raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise _too_large(limit) from exc
+        raise body_too_large(limit) from exc
     except BodyTimeout as exc:
         raise ApiError(
             408,

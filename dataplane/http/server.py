@@ -31,6 +31,7 @@ from dataplane.http.boundary import (
     cancel_reason,
     errors_and_metrics,
     expect_continue,
+    record_unparsed,
 )
 from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
@@ -46,6 +47,7 @@ from dataplane.http.state import (
     QUOTA,
     REQUEST_ID,
     REQUEST_IDS,
+    UNPARSED,
     Draining,
 )
 from dataplane.metrics import Metrics
@@ -273,6 +275,11 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
     app[REQUEST_IDS] = RequestIds()
     if proxy.access_log is not None:
         app[ACCESS_LOG] = proxy.access_log
+
+    def unparsed(request: web.BaseRequest, request_id: str, status: int, error: str) -> None:
+        record_unparsed(app, request, request_id, status, error)
+
+    app[UNPARSED] = unparsed
     app.cleanup_ctx.append(proxy.lifetime)
     r = app.router
     for endpoint in ENDPOINTS.values():

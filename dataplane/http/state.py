@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -40,6 +41,9 @@ PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
 # Set only with --access-log on.
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
+# Counts and logs a message the HTTP parser refused (dataplane.http.edge), which
+# no handler or middleware sees: (request, request id, status, error code).
+UNPARSED: web.AppKey[Callable[[web.BaseRequest, str, int, str], None]] = web.AppKey("unparsed")
 
 # Every request's id, set by the error boundary before any handler runs.
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -29,7 +29,7 @@ from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.edge import MAX_HEAD, EdgeRunner
 from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.server import build_app
-from dataplane.http.state import HOLDER, QUOTA
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, QUOTA
 from dataplane.settings import parse as parse_proxy
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
@@ -115,6 +115,7 @@ class Answer:
     status: int
     headers: dict[str, str]
     body: bytes
+    status_line: bytes = b""
 
     def error(self) -> dict[str, Any]:
         assert self.headers["content-type"].startswith("application/json")
@@ -132,7 +133,7 @@ async def read_answer(reader: Any) -> Answer:
         name, _, value = line.decode().partition(":")
         headers[name.strip().lower()] = value.strip()
     body = await reader.readexactly(int(headers.get("content-length", "0")))
-    return Answer(int(status_line.split()[1]), headers, body)
+    return Answer(int(status_line.split()[1]), headers, body, status_line)
 
 
 async def closed(reader: Any) -> bool:
@@ -274,21 +275,66 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
 async def test_a_message_the_parser_refuses_gets_a_json_error_logged_once(
     start_edge: Start,
     caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
     request_bytes: bytes,
     status: int,
     code: str,
+) -> None:
+    edge = await start_edge("--access-log=on")
+    reader, writer = await edge.connect()
+    writer.write(request_bytes)
+    answer = await read_answer(reader)
+    assert (answer.status, answer.error()["code"]) == (status, code)
+    assert answer.status_line.startswith(b"HTTP/1.1 ")
+    assert len(answer.headers["x-request-id"]) == 32
+    assert answer.headers["connection"] == "close"
+    writer.close()
+    await writer.wait_closed()
+    [record] = refusal_records(caplog)
+    assert code in record.getMessage()
+    assert edge.origin_requests() == 0
+    # Counted and in the access log like any other answer.
+    app = edge.runner.app
+    assert (
+        app[METRICS].registry.get_sample_value(
+            "ponto_requests_total", {"endpoint": "other", "code": str(status)}
+        )
+        == 1
+    )
+    app[ACCESS_LOG].flush()
+    [line] = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+    assert (line["status"], line["error"], line["request_id"]) == (
+        status,
+        code,
+        answer.headers["x-request-id"],
+    )
+    assert (line["method"], line["path"], line["endpoint"]) == ("UNKNOWN", "", "other")
+    assert line["client"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "reason"),
+    [
+        (head(CHAT, b"Content-Length: 7"), "Duplicate Content-Length"),
+        (
+            head(CHAT, b"Transfer-Encoding: chunked"),
+            "Transfer-Encoding can't be present with Content-Length",
+        ),
+        (head(CHAT, b"X-Ctl: a\x01b"), "Invalid header value char"),
+        (b"POST / HTTP/9.9\r\nHost: p\r\n\r\n", "Bad status line: Invalid HTTP version"),
+        (b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n", "Missing 'Host' header in request."),
+    ],
+    ids=["two-lengths", "length-and-chunked", "control-character", "bad-version", "no-host"],
+)
+async def test_a_refused_message_is_told_why_without_its_bytes(
+    start_edge: Start, request_bytes: bytes, reason: str
 ) -> None:
     edge = await start_edge()
     reader, writer = await edge.connect()
     writer.write(request_bytes)
     answer = await read_answer(reader)
-    assert (answer.status, answer.error()["code"]) == (status, code)
-    assert len(answer.headers["x-request-id"]) == 32
-    assert answer.headers["connection"] == "close"
     writer.close()
-    [record] = refusal_records(caplog)
-    assert code in record.getMessage()
-    assert edge.origin_requests() == 0
+    assert answer.error()["message"] == f"malformed HTTP request: {reason}"
 
 
 async def test_expect_100_continue_works_and_any_other_expectation_is_a_json_417(
@@ -312,6 +358,31 @@ async def test_expect_100_continue_works_and_any_other_expectation_is_a_json_417
     assert answer.headers["x-request-id"]
     assert ["expectation_failed" in r.getMessage() for r in refusal_records(caplog)] == [True]
     assert edge.origin_requests() == 1
+
+
+async def test_expect_100_continue_with_a_body_past_the_limit_gets_the_413_at_once(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    # The body is never sent: the client waits for 100 Continue.
+    writer.write(head(CHAT, b"Expect: 100-continue", length=65537))
+    answer = await read_answer(reader)
+    assert answer.status_line.startswith(b"HTTP/1.1 413")
+    assert answer.error()["code"] == "body_too_large"
+    assert answer.headers["connection"] == "close"
+    assert answer.headers["x-request-id"]
+    assert await closed(reader)
+    writer.close()
+    await writer.wait_closed()
+    assert ["body_too_large" in r.getMessage() for r in refusal_records(caplog)] == [True]
+    assert (
+        edge.runner.app[METRICS].registry.get_sample_value(
+            "ponto_requests_total", {"endpoint": "chat.completions", "code": "413"}
+        )
+        == 1
+    )
+    assert edge.origin_requests() == 0
 
 
 async def test_a_bad_chunk_gets_a_json_400(
