@@ -317,9 +317,16 @@ def any_object(value: Any) -> None:
         raise _wrong_type("an object", value)
 
 
+# orjson reads an integer past 64 bits as a float: such a value was written as
+# an integer, and is out of any integer range here, not of the wrong type.
+_BEYOND_64_BITS: Final = 2.0**63
+
+
 def integer(low: int, high: int) -> Check:
     def check(value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and abs(value) >= _BEYOND_64_BITS and value.is_integer():
+                raise _out_of_range("integer", value, low, high)
             raise _wrong_type("an integer", value)
         if not low <= value <= high:
             raise _out_of_range("integer", value, low, high)

@@ -341,6 +341,35 @@ async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
     assert stack.origin_requests() == 0
 
 
+@pytest.mark.parametrize(
+    ("field", "written", "code"),
+    [
+        ("max_tokens", b"100000000000000000000", "integer_above_max_value"),
+        ("seed", b"99999999999999999999999", "integer_above_max_value"),
+        ("seed", b"-99999999999999999999999", "integer_below_min_value"),
+    ],
+)
+async def test_an_integer_past_64_bits_is_out_of_range_not_a_decimal(
+    stack: Stack, field: str, written: bytes, code: str
+) -> None:
+    # The JSON parser reads such an integer as a float.
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (
+        MODEL.encode(),
+        field.encode(),
+        written,
+    )
+    resp = await stack.client.post(
+        "/v1/chat/completions",
+        data=raw,
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEY.key}"},
+    )
+    assert resp.status == 400
+    err = error_of(await resp.json())
+    assert (err["code"], err["param"]) == (code, field)
+    assert "decimal" not in err["message"]
+    assert stack.origin_requests() == 0
+
+
 async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> None:
     for i in range(2):
         ok = await stack.post(chat(f"limited {i}"), key=LIMITED_KEY.key)
