@@ -187,6 +187,9 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         "Asked again, the same request is answered from the exact cache (header",
         "x-ponto-cache: hit). By default only deterministic requests (temperature 0,",
         "or a seed) are cached; x-ponto-cache-reason says why another one was not.",
+        "The simulated origins answer with made-up text and ignore n, stop, tools,",
+        "logprobs and response_format; the proxy passes all of them on (a real",
+        "vLLM or OpenAI origin honours them).",
         "",
         "Call as a user in "
         + ", ".join(u.place for u in DEMO_USERS[:-1])
