@@ -202,11 +202,15 @@ class EdgeCache:
         self._purged_to: int | None = None
         # Work that runs after the client has its answer (answer comparisons,
         # semantic indexing); kept here so it is not collected before it ends.
-        self._checks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        # Keys being indexed: False once evicted meanwhile (see _index).
+        self._indexing: dict[str, bool] = {}
 
     # ------------------------------------------------------------ control
 
     def _evicted(self, key: str, reason: object) -> None:
+        if key in self._indexing:
+            self._indexing[key] = False
         if self.semantic is not None:
             self.semantic.remove(key)
 
@@ -462,16 +466,34 @@ class EdgeCache:
             # more behind a queue): not in the request, which would hold its
             # concurrency slot and its coalesced followers after its client
             # had the whole answer, and lose the entry if cancelled then.
-            self._after(semantic.insert(req.tenant.name, model, plan.context, plan.text, plan.key))
+            self._after(self._index(semantic, req.tenant.name, model, plan))
+
+    async def _index(
+        self, semantic: SemanticLayer, tenant: str, model: str, plan: CachePlan
+    ) -> None:
+        """Index the question of an answer just stored. Not after a purge that
+        came since, and taken out again when the store evicted the answer
+        while it was being embedded (an entry pointing at nothing would hold
+        index memory until a lookup found it)."""
+        if plan.purge_mark != self._purged_to:
+            return
+        key = plan.key
+        self._indexing[key] = True
+        try:
+            await semantic.insert(tenant, model, plan.context, plan.text, key)
+        finally:
+            kept = self._indexing.pop(key, False)
+        if not kept or plan.purge_mark != self._purged_to:
+            semantic.remove(key)
 
     def _after(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run `work` on its own, kept until it ends (`checks_done` waits for it)."""
+        """Run `work` on its own, kept until it ends (`background_done` waits for it)."""
         task = asyncio.get_running_loop().create_task(work)
-        self._checks.add(task)
+        self._background.add(task)
         task.add_done_callback(self._after_done)
 
     def _after_done(self, task: asyncio.Task[None]) -> None:
-        self._checks.discard(task)
+        self._background.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("cache work after an answer failed", exc_info=exc)
 
@@ -490,12 +512,12 @@ class EdgeCache:
         if cached is not None and fresh is not None:
             await semantic.check(near.key, near.similarity, cached, fresh)
 
-    async def checks_done(self) -> None:
+    async def background_done(self) -> None:
         """Wait for the answer comparisons and semantic indexing started so far
         (tests; shutdown does not wait for them: a comparison lost at exit only
         loses one label, an insert one semantic entry)."""
-        while self._checks:
-            await asyncio.gather(*self._checks, return_exceptions=True)
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     def _context(self, req: CacheRequest) -> str:
         """Everything but the last user message, exactly: the semantic namespace.

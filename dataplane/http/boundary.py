@@ -76,7 +76,9 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         error = cancel_reason(app)
         if error == "client_disconnected":
             app[METRICS].client_disconnects.inc()
-        _record(request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started)
+        _record(
+            app, request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started
+        )
         raise
     except Exception as exc:
         response, error = _error_response(request, exc)
@@ -92,7 +94,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if ex.cache is not None:
             for name, value in ex.cache_headers(ex.cache.outcome):
                 response.headers.setdefault(name, value)
-    _record(request, request_id, endpoint, ex, response.status, error, started)
+    _record(app, request, request_id, endpoint, ex, response.status, error, started)
     return response
 
 
@@ -103,17 +105,20 @@ def cancel_reason(app: web.Application) -> str:
 
 
 def _record(
-    request: web.Request,
+    app: web.Application,
+    request: web.BaseRequest,
     request_id: str,
     endpoint: str,
     ex: Exchange | None,
     status: int,
     error: str,
     started: float,
+    *,
+    unparsed: bool = False,
 ) -> None:
     """Count the answer (ponto_requests_total, the GenAI metrics of a proxied
-    request) and give it its access-log line. Once per request."""
-    app = request.app
+    request) and give it its access-log line. Once per request. `unparsed`:
+    a message the HTTP parser refused, whose request is aiohttp's stand-in."""
     m = app[METRICS]
     if not error and ex is not None:
         error = ex.stream_error
@@ -139,7 +144,17 @@ def _record(
     access = app.get(ACCESS_LOG)
     if access is not None and access.sampled(error):
         _access_line(
-            access, request, request_id, endpoint, principal, ex, status, error, started, finished
+            access,
+            request,
+            request_id,
+            endpoint,
+            principal,
+            ex,
+            status,
+            error,
+            started,
+            finished,
+            unparsed=unparsed,
         )
 
 
@@ -248,21 +263,16 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     counted here: no middleware runs for an answer given in place of `100`."""
     started = time.perf_counter()
     expect = request.headers.get("expect", "")
-    request_id = request.app[REQUEST_IDS].of(request.headers.get("x-request-id"))
     if expect.lower() == "100-continue":
         length, limit = request.content_length, request.client_max_size
         if length is None or length <= limit:
             await _default_expect_handler(request)
             return None
         error = body_too_large(limit)
-        error.headers.update({"x-request-id": request_id, "connection": "close"})
     else:
-        error = ApiError(
-            417,
-            "Expect: only 100-continue is supported",
-            code="expectation_failed",
-            headers={"x-request-id": request_id},
-        )
+        error = ApiError(417, "Expect: only 100-continue is supported", code="expectation_failed")
+    request_id = request.app[REQUEST_IDS].of(request.headers.get("x-request-id"))
+    error.headers["x-request-id"] = request_id
     refusals.refused(
         error.status,
         error.code,
@@ -271,29 +281,15 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         remote=request.remote,
         what=f"{request.method} {request.path}",
     )
-    code = error.code or ""
     name = request.match_info.route.name or "other"
-    metrics = request.app[METRICS]
-    metrics.child(metrics.requests, name, str(error.status)).inc()
-    access = request.app.get(ACCESS_LOG)
-    if access is not None and access.sampled(code):
-        _access_line(
-            access,
-            request,
-            request_id,
-            name,
-            None,
-            None,
-            error.status,
-            code,
-            started,
-            time.perf_counter(),
-        )
+    _record(request.app, request, request_id, name, None, error.status, error.code or "", started)
     response = error.response()
-    if error.status == 413:
-        # The client sends no body after a final answer to its Expect: marked
-        # as read, aiohttp closes the connection after the answer instead of
-        # waiting (lingering) for it.
+    if error.status == 413 and not request.content.total_bytes:
+        # The client waits for the 100 before it sends the body, and sends
+        # none after a final answer: marked as read, aiohttp closes the
+        # connection after the answer instead of waiting (lingering) for it.
+        # A body already on its way is read and dropped as usual: closing
+        # with unread bytes would reset the connection, 413 and all.
         request.content.feed_eof()
         response.force_close()
     return response
@@ -305,12 +301,6 @@ def record_unparsed(
     """Count a message the HTTP parser refused (dataplane.http.edge answers and
     logs it) and give it its access-log line: endpoint `other`, method
     `UNKNOWN`, no path (the parser gave neither) and no tenant."""
-    metrics = app[METRICS]
-    metrics.child(metrics.requests, "other", str(status)).inc()
-    access = app.get(ACCESS_LOG)
-    if access is None or not access.sampled(error):
-        return
-    now = time.perf_counter()
-    _access_line(
-        access, request, request_id, "other", None, None, status, error, now, now, unparsed=True
+    _record(
+        app, request, request_id, "other", None, status, error, time.perf_counter(), unparsed=True
     )

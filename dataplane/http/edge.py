@@ -35,6 +35,7 @@ the status it would have had (408, 503).
 from __future__ import annotations
 
 import asyncio
+import re
 import resource
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from aiohttp.http_exceptions import (
     BadHttpMessage,
     BadHttpMethod,
     HttpProcessingError,
+    InvalidURLError,
     LineTooLong,
 )
 from aiohttp.http_parser import RawRequestMessage
@@ -481,12 +483,12 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was already started")
         request_id = self._ids.next()
-        # aiohttp hands an unparsed message's answer a stand-in request of
-        # HTTP/1.0, whose version the status line would repeat (`version` is
-        # cached on first read).
-        request._version = HttpVersion11
-        request._cache.pop("version", None)
         if isinstance(exc, HttpProcessingError):
+            # aiohttp hands an unparsed message's answer a stand-in request of
+            # HTTP/1.0, whose version the status line would repeat (`version`
+            # is cached on first read).
+            request._version = HttpVersion11
+            request._cache.pop("version", None)
             error = parser_error(exc)
             refusals.refused(
                 error.status,
@@ -542,18 +544,35 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
         )
     if isinstance(exc, BadHttpMethod):
         return ApiError(400, "malformed HTTP request: invalid method", code="invalid_http_request")
+    if isinstance(exc, InvalidURLError):  # its message is the target as sent
+        return ApiError(
+            400, "malformed HTTP request: invalid request target", code="invalid_http_request"
+        )
     reason = _parser_reason(exc.message)
     message = f"malformed HTTP request: {reason}" if reason else "malformed HTTP request"
     return ApiError(400, message, code="invalid_http_request")
 
 
+# Messages of aiohttp's own checks that quote nothing the client chose but a
+# singleton header's name.
+_FIXED_REASONS: Final = re.compile(
+    r"Missing 'Host' header in request\.|Duplicate '[A-Za-z-]{1,40}' header found\."
+)
+
+
 def _parser_reason(text: str) -> str:
-    """The parser's reason without the client's bytes it quotes: llhttp's
-    messages put them after a blank line (`Duplicate Content-Length:` then the
-    line). Empty when what is left is not a short line of plain text."""
+    """The parser's reason, never the client's bytes: llhttp's fixed reason,
+    which it puts before a blank line and the quoted request bytes
+    (`Duplicate Content-Length:` then the line), or one of aiohttp's fixed
+    messages (_FIXED_REASONS). Empty for anything else (the pure-Python
+    parser's messages quote the request line or a header)."""
+    if _FIXED_REASONS.fullmatch(text):
+        return text
+    if "\n\n" not in text:
+        return ""
     head = text.split("\n\n", 1)[0]
     reason = ": ".join(part.strip().rstrip(":") for part in head.splitlines() if part.strip())
-    if len(reason) > 120 or not (reason.isascii() and reason.isprintable()) or "b'" in reason:
+    if len(reason) > 120 or not (reason.isascii() and reason.isprintable()):
         return ""
     return reason
 
@@ -592,6 +611,7 @@ class EdgeServer(web.Server):
         limits: EdgeLimits,
         caps: ConnectionCaps,
         handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]] | None = None,
+        unparsed: Callable[[web.BaseRequest, str, int, str], None] | None = None,
     ) -> None:
         # aiohttp keeps the protocol's arguments in `_kwargs` only.
         super().__init__(
@@ -603,8 +623,8 @@ class EdgeServer(web.Server):
         self.limits = limits
         self.caps = caps
         self.ids = RequestIds()
-        # Set by EdgeRunner from the app (dataplane.http.state.UNPARSED).
-        self.unparsed: Callable[[web.BaseRequest, str, int, str], None] | None = None
+        # Counts and logs a message the parser refused (dataplane.http.state.UNPARSED).
+        self.unparsed = unparsed
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._loop, **self._kwargs)
@@ -640,6 +660,4 @@ class EdgeRunner(web.AppRunner):
         self.caps = ConnectionCaps(total, per_client)
         # The app is frozen by now: its fixed routes are dispatched without the router.
         fixed = FixedRoutes(self.app, base.request_handler)
-        server = EdgeServer(base, limits, self.caps, fixed)
-        server.unparsed = self.app.get(UNPARSED)
-        return server
+        return EdgeServer(base, limits, self.caps, fixed, self.app.get(UNPARSED))

@@ -9,7 +9,8 @@ Contract: once the client has a byte the response is committed; a failure of
 the origin (a cut, a stall past the idle timeout, an in-band error event) is
 continued on another origin when the caller gives a `resume` hook that finds
 one (dataplane.streaming.splice), and otherwise ends the client's stream with
-a well-formed SSE error event and `data: [DONE]`, never a hang; a client that
+the caller's `error_event` (a well-formed SSE error event, and `data: [DONE]`
+but in a Responses stream), never a hang; a client that
 goes away ends the relay, and the caller releases the origins' responses,
 which closes their connections (vLLM then aborts the generation).
 """

@@ -55,10 +55,12 @@ log = logging.getLogger(__name__)
 # recomputes for the body it sends, and those about the operator's account
 # with the origin or the origin's own host rather than this answer. A hosted
 # API's `openai-organization` and `openai-project` name the operator's
-# account, its `x-ratelimit-*` (dropped by prefix, DROP_RESPONSE_PREFIX) that
-# account's limits: a client sees its own (dataplane.ratelimit) or none. An
-# origin's `alt-svc` and `strict-transport-security` would bind the proxy's
-# host to the origin's protocols and TLS policy.
+# account, its `x-ratelimit-*` that account's limits (a client sees its own,
+# dataplane.ratelimit, or none), as do the IETF draft's `ratelimit-*` and
+# Anthropic's `anthropic-ratelimit-*` (all dropped by prefix,
+# DROP_RESPONSE_PREFIXES). An origin's `alt-svc` and
+# `strict-transport-security` would bind the proxy's host to the origin's
+# protocols and TLS policy.
 DROP_RESPONSE_HEADERS = frozenset(
     {
         "connection",
@@ -76,11 +78,12 @@ DROP_RESPONSE_HEADERS = frozenset(
         "set-cookie",
         "openai-organization",
         "openai-project",
+        "anthropic-organization-id",
         "alt-svc",
         "strict-transport-security",
     }
 )
-DROP_RESPONSE_PREFIX = "x-ratelimit-"
+DROP_RESPONSE_PREFIXES = ("x-ratelimit", "ratelimit", "anthropic-ratelimit")
 # The only request headers sent on to an origin. The client's Authorization is
 # never among them: client keys stay at the edge. Content-Type is not the
 # client's: the proxy sends the JSON it parsed. A client's W3C trace context
@@ -125,6 +128,11 @@ RETRY_STATUS_MIN = 500
 # its quota: another origin may take it. Refused by every origin tried, the
 # client gets a 429 to come back after (errors.upstream_busy), not a 502.
 BUSY = 429
+# How long a busy origin goes last, and the longest wait a client is told:
+# its Retry-After, 1 s without one, at most a minute (an origin's clock or
+# its daily quota must not tell every client to stay away for hours).
+BUSY_DEFAULT_S = 1.0
+BUSY_MAX_S = 60.0
 # An origin that redirects a POST is misconfigured (its base URL wants https,
 # or a trailing slash): its answer is not one, and following it would resend
 # the prompt, or for 301 and 302 drop it. Refused like a 5xx, with the
@@ -213,9 +221,10 @@ class _Tries:
     failures: list[str] = field(default_factory=list)
     made: int = 0
     past_deadline: bool = False
-    # Some origin answered 429 (BUSY): the soonest Retry-After in seconds any
-    # of them gave, 0 when none gave one; None while none answered 429.
+    # Some origin answered 429 (BUSY): the soonest any of them asked to be
+    # tried again (busy_wait_s), None while none answered 429; and how many did.
     busy_retry_s: float | None = None
+    busy: int = 0
 
 
 class Forwarder:
@@ -351,11 +360,15 @@ class Forwarder:
             answer = await self._failover(ordered, path, body, headers, stream, tries, trace)
         failures = tries.failures
         # The causes are the operator's, in one line per request with its id;
-        # the client gets a fixed message (dataplane.http.errors).
+        # the client gets a fixed message (dataplane.http.errors). Busy origins
+        # alone (429s, the steady state of a hosted API near its quota) are
+        # told at INFO.
+        level = logging.INFO if failures and tries.busy == len(failures) else logging.WARNING
         if answer is not None:
             answer.calls = tries.made
             if failures:
-                log.warning(
+                log.log(
+                    level,
                     "%s: %d attempt(s) failed before origin %s answered: %s",
                     headers["x-request-id"],
                     len(failures),
@@ -364,7 +377,8 @@ class Forwarder:
                 )
             return answer
         timed_out = bool(failures) and failures[-1].endswith("deadline exceeded")
-        log.warning(
+        log.log(
+            level,
             "no origin could serve %s after %d attempt(s): %s",
             headers["x-request-id"],
             len(failures),
@@ -603,10 +617,12 @@ class Forwarder:
         self._metrics.attempt(target.name, exc.outcome).inc()
         tries.failures.append(f"{target.name}: {exc}")
         if exc.status == BUSY:
-            # The soonest time an origin named: the client may try again then.
-            wait, known = retry_after_seconds(exc.retry_after), tries.busy_retry_s
-            if known is None or (wait and (not known or wait < known)):
-                tries.busy_retry_s = wait
+            wait = busy_wait_s(exc.retry_after, time.time())
+            self.outliers.busy(target.name, wait)
+            tries.busy += 1
+            known = tries.busy_retry_s
+            tries.busy_retry_s = wait if known is None else min(known, wait)
+            return
         if self.outliers.failure(target.name):
             self._metrics.child(self._metrics.ejections, target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
@@ -725,10 +741,13 @@ class Forwarder:
             raise
 
 
-def retry_after_seconds(value: str, now: float | None = None) -> float:
-    """A `Retry-After` value in seconds from `now` (wall clock; default the
-    current time): delta-seconds (decimals too) or an HTTP date, never
-    negative. 0 when absent or unreadable."""
+_DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+
+
+def retry_after_seconds(value: str, now: float) -> float:
+    """A `Retry-After` value in seconds from `now` (wall-clock time):
+    delta-seconds (decimals too) or an HTTP date, never negative. 0 when
+    absent or unreadable."""
     value = value.strip()
     if _DELTA_SECONDS.fullmatch(value):
         return float(value)
@@ -738,10 +757,13 @@ def retry_after_seconds(value: str, now: float | None = None) -> float:
         return 0.0
     if when.tzinfo is None:  # RFC 9110 dates are GMT
         when = when.replace(tzinfo=datetime.UTC)
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return max(0.0, when.timestamp() - now)
 
 
-_DELTA_SECONDS = re.compile(r"\d{1,9}(?:\.\d{1,6})?")
+def busy_wait_s(retry_after: str, now: float) -> float:
+    """How long an origin that answered 429 with `retry_after` stays busy:
+    its Retry-After, BUSY_DEFAULT_S without one, at most BUSY_MAX_S."""
+    return min(BUSY_MAX_S, retry_after_seconds(retry_after, now) or BUSY_DEFAULT_S)
 
 
 def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
@@ -755,6 +777,6 @@ def _copy(resp: OriginResponse) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
         lower = name.lower()
-        if lower not in DROP_RESPONSE_HEADERS and not lower.startswith(DROP_RESPONSE_PREFIX):
+        if lower not in DROP_RESPONSE_HEADERS and not lower.startswith(DROP_RESPONSE_PREFIXES):
             out.add(name, value)
     return out

@@ -3,8 +3,12 @@
 An origin that fails `consecutive` times in a row (connect error, 5xx,
 timeout) is ejected for base * 2**(ejections-1) seconds, capped; a success
 resets its failure count, and an ejection that ends without new failures
-lowers the multiplier again. Ejected origins are not removed from candidate
-lists but moved to the end, so a request still finds one if all are ejected.
+lowers the multiplier again. An origin that answers 429 is busy, not failing:
+it is tried last for as long as its Retry-After says (capped), and neither
+counts towards an ejection nor is reported as ejected (ejecting a busy origin
+would push its load onto the others). Ejected and busy origins are not
+removed from candidate lists but moved to the end, so a request still finds
+one if all are.
 Both classes are single-threaded (one event loop) and read time from an
 injected clock.
 """
@@ -22,7 +26,8 @@ from dataplane.routes import Target
 class _State:
     failures: int = 0
     ejections: int = 0
-    until: float = 0.0
+    until: float = 0.0  # ejected until
+    busy_until: float = 0.0
 
 
 class OutlierDetector:
@@ -61,6 +66,11 @@ class OutlierDetector:
             return True
         return False
 
+    def busy(self, origin: str, seconds: float) -> None:
+        """Record a 429 asking for `seconds` (capped) before the next request."""
+        state = self._states.setdefault(origin, _State())
+        state.busy_until = max(state.busy_until, self._clock() + min(self._cap, seconds))
+
     def ejected_now(self) -> int:
         """How many origins are ejected at this moment."""
         if not self._states:
@@ -73,7 +83,7 @@ class OutlierDetector:
         return state is not None and state.until > self._clock()
 
     def order(self, candidates: Sequence[Target]) -> Sequence[Target]:
-        """Candidates with ejected origins moved last, order otherwise kept."""
+        """Candidates with ejected and busy origins moved last, order otherwise kept."""
         if not self._states:
             return candidates
         now = self._clock()
@@ -81,7 +91,8 @@ class OutlierDetector:
         out: list[Target] = []
         for target in candidates:
             state = self._states.get(target.name)
-            (out if state is not None and state.until > now else live).append(target)
+            last = state is not None and (state.until > now or state.busy_until > now)
+            (out if last else live).append(target)
         return live + out
 
 

@@ -8,8 +8,9 @@ whenever the budget allows: the real model's behaviour is bench/cache_eval.py's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ async def test_a_verification_answers_from_the_origin_and_records_the_check(
     cached = await first.json()
     assert first.headers["x-ponto-cache"] == "miss"
     assert stack.origin_requests() == 1
-    await cache.checks_done()  # indexed after the answer
+    await cache.background_done()  # indexed after the answer
 
     verified = await stack.post(chat(Q_NEAR))
     assert verified.status == 200
@@ -68,7 +69,7 @@ async def test_a_verification_answers_from_the_origin_and_records_the_check(
     body = await verified.json()
     assert stack.origin_requests() == 2  # the would-be hit went to the origin
     assert body["id"] != cached["id"]  # and the client got the origin's answer
-    await cache.checks_done()
+    await cache.background_done()
     # The simulator's answers depend on the prompt: the cached one was wrong.
     assert (index.stats.verifies, index.stats.checks, index.stats.wrong_checks) == (1, 1, 1)
 
@@ -78,7 +79,7 @@ async def test_a_verification_answers_from_the_origin_and_records_the_check(
     assert again.headers["x-ponto-cache"] == "miss"
     assert "x-ponto-cache-reason" not in again.headers
     assert stack.origin_requests() == 3
-    await cache.checks_done()
+    await cache.background_done()
     assert (index.stats.verifies, index.stats.checks) == (1, 2)
 
 
@@ -88,13 +89,31 @@ async def test_a_streamed_verification_is_compared_too(
     stack, index = bounded
     cache = stack.app[PIPELINE].cache
     await (await stack.post(chat(Q, stream=True))).read()
-    await cache.checks_done()  # indexed after the answer
+    await cache.background_done()  # indexed after the answer
     verified = await stack.post(chat(Q_NEAR, stream=True))
     assert verified.headers["x-ponto-cache-reason"] == "verify"
     assert b"data: [DONE]" in await verified.read()
-    await cache.checks_done()
+    await cache.background_done()
     assert (index.stats.verifies, index.stats.checks) == (1, 1)
     assert stack.origin_requests() == 2
+
+
+@contextlib.contextmanager
+def embedding_held(index: SemanticIndex) -> Iterator[None]:
+    """Every embedding of `index` waits (at most 10 s) until the block ends."""
+    embedding = threading.Event()
+    prepare = index._prepare_sync
+
+    def held(text: str) -> Any:
+        embedding.wait(10)
+        return prepare(text)
+
+    index._prepare_sync = held  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        embedding.set()
+        index._prepare_sync = prepare  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
@@ -113,15 +132,7 @@ async def test_indexing_an_answer_holds_nothing_of_its_request(
     one_slot.etag = content_etag(one_slot)
     stack.app[HOLDER].apply(one_slot, "control-plane")
     assert limiter.share(tenant_scope("acme")).concurrency == 1
-    embedding = threading.Event()
-    prepare = index._prepare_sync
-
-    def held(text: str) -> Any:
-        embedding.wait(10)
-        return prepare(text)
-
-    index._prepare_sync = held  # type: ignore[method-assign]
-    try:
+    with embedding_held(index):
         first = await stack.post(chat(Q, stream=stream))
         assert first.status == 200
         await first.read()  # the whole answer, while its embedding waits
@@ -130,8 +141,20 @@ async def test_indexing_an_answer_holds_nothing_of_its_request(
         nxt = await stack.post(chat("a next question, at once", stream=stream))
         assert nxt.status == 200
         await nxt.read()
-    finally:
-        embedding.set()
-    await cache.checks_done()
+    await cache.background_done()
     assert index.stats.inserts == 2
-    assert (await stack.post(chat(Q))).headers["x-ponto-cache"] == "hit"
+    near = await stack.post(chat(Q_NEAR))
+    assert near.headers["x-ponto-cache"] == "hit" and "x-ponto-cache-similarity" in near.headers
+
+
+async def test_an_answer_evicted_while_its_question_is_indexed_leaves_no_entry(
+    bounded: tuple[Stack, SemanticIndex],
+) -> None:
+    stack, index = bounded
+    cache = stack.app[PIPELINE].cache
+    with embedding_held(index):
+        await (await stack.post(chat(Q))).read()
+        assert await cache.store.purge() == 1  # the answer leaves the store
+    await cache.background_done()
+    assert index.stats.inserts == 1
+    assert len(index) == 0  # and its question left the index after it was added

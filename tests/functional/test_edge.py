@@ -23,10 +23,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.test_utils import TestServer
 
 from dataplane.http.dispatch import FixedRoutes
-from dataplane.http.edge import MAX_HEAD, EdgeRunner
+from dataplane.http.edge import MAX_HEAD, EdgeRunner, parser_error
 from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.server import build_app
 from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, QUOTA
@@ -323,18 +324,45 @@ async def test_a_message_the_parser_refuses_gets_a_json_error_logged_once(
         (head(CHAT, b"X-Ctl: a\x01b"), "Invalid header value char"),
         (b"POST / HTTP/9.9\r\nHost: p\r\n\r\n", "Bad status line: Invalid HTTP version"),
         (b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n", "Missing 'Host' header in request."),
+        (
+            b"POST http:///v1/chat/completions?api_key=sk-live-123 HTTP/1.1\r\nHost: p\r\n\r\n",
+            "invalid request target",
+        ),
     ],
-    ids=["two-lengths", "length-and-chunked", "control-character", "bad-version", "no-host"],
+    ids=[
+        "two-lengths",
+        "length-and-chunked",
+        "control-character",
+        "bad-version",
+        "no-host",
+        "absolute-target",
+    ],
 )
 async def test_a_refused_message_is_told_why_without_its_bytes(
-    start_edge: Start, request_bytes: bytes, reason: str
+    start_edge: Start, caplog: pytest.LogCaptureFixture, request_bytes: bytes, reason: str
 ) -> None:
     edge = await start_edge()
     reader, writer = await edge.connect()
     writer.write(request_bytes)
     answer = await read_answer(reader)
     writer.close()
+    await writer.wait_closed()
     assert answer.error()["message"] == f"malformed HTTP request: {reason}"
+    [record] = refusal_records(caplog)
+    assert "sk-live" not in record.getMessage() and "x01" not in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Bad status line 'POST /v1/x?key=sk-live-123 junk'",  # the pure-Python parser's
+        'Invalid HTTP header: b"Bearer it\'s-sk-123\\x00"',
+        "http:///v1/chat/completions?api_key=sk-live-123",
+        "Duplicate 'Bearer sk-live-123' header found.",
+    ],
+)
+def test_a_parser_message_that_quotes_the_client_gives_no_reason(message: str) -> None:
+    assert parser_error(BadHttpMessage(message)).message == "malformed HTTP request"
 
 
 async def test_expect_100_continue_works_and_any_other_expectation_is_a_json_417(
@@ -382,6 +410,21 @@ async def test_expect_100_continue_with_a_body_past_the_limit_gets_the_413_at_on
         )
         == 1
     )
+    assert edge.origin_requests() == 0
+
+
+async def test_expect_100_continue_past_the_limit_with_the_body_already_sent_still_gets_the_413(
+    start_edge: Start,
+) -> None:
+    """A client that did not wait for the 100 (RFC 9110 allows it): its bytes
+    are read and dropped, so the 413 is not lost to a reset connection."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"Expect: 100-continue", length=65537) + b"x" * 4096)
+    answer = await read_answer(reader)
+    writer.close()
+    await writer.wait_closed()
+    assert (answer.status, answer.error()["code"]) == (413, "body_too_large")
     assert edge.origin_requests() == 0
 
 

@@ -452,6 +452,10 @@ COMPLETION = {
 ACCOUNT_HEADERS = {
     "openai-organization": "operator-org",
     "openai-project": "proj_operator",
+    "anthropic-organization-id": "operator-org",
+    "anthropic-ratelimit-requests-limit": "4000",
+    "ratelimit-policy": "100;w=60",
+    "x-ratelimitbysize-limit-minute": "500000",
     "x-ratelimit-limit-requests": "10000",
     "x-ratelimit-remaining-tokens": "1999000",
     "alt-svc": 'h3=":443"; ma=86400',

@@ -333,42 +333,51 @@ async def test_an_origin_refusing_the_proxys_credential_is_failed_over(
         await s.close()
 
 
-async def test_an_origin_answering_429_is_failed_over(
+async def test_an_origin_answering_429_is_failed_over_and_then_tried_last(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    s = await start_stack(
-        tmp_path,
-        [
-            SimConfig(name="busy", mode="fail", fail_status=429),
-            SimConfig(name="good", answer_tokens=3),
-        ],
-    )
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
     try:
+        serve(
+            s, [("busy", await busy_origin(s, "30")), ("good", str(s.origins[0].make_url("/v1")))]
+        )
         failed_over = 0
         # The weighted order puts "busy" first about half the time: until it has.
         for i in range(30):
-            with caplog.at_level(logging.WARNING):
+            with caplog.at_level(logging.INFO):
                 caplog.clear()
                 resp = await s.post(chat(f"busy {i}"))
             assert resp.status == 200
             assert resp.headers["x-ponto-origin"] == "good"
             if resp.headers["x-ponto-attempts"] == "2":
                 failed_over += 1
-                [line] = [
-                    r.getMessage() for r in caplog.records if "failed before" in r.getMessage()
-                ]
-                assert "busy: answered 429" in line and resp.headers["x-request-id"] in line
+                [record] = [r for r in caplog.records if "failed before" in r.getMessage()]
+                assert "busy: answered 429" in record.getMessage()
+                assert resp.headers["x-request-id"] in record.getMessage()
+                assert record.levelno == logging.INFO  # busy is not broken
                 break
         assert failed_over == 1
-        tried = s.app[METRICS].registry.get_sample_value(
-            "ponto_upstream_attempts_total", {"origin": "busy", "outcome": "http_429"}
+        # For its Retry-After (30 s) it goes last: every request is answered
+        # at the first attempt, and a busy origin is not ejected.
+        for i in range(10):
+            resp = await s.post(chat(f"after {i}"))
+            assert resp.headers["x-ponto-attempts"] == "1"
+        registry = s.app[METRICS].registry
+        assert (
+            registry.get_sample_value(
+                "ponto_upstream_attempts_total", {"origin": "busy", "outcome": "http_429"}
+            )
+            == 1
         )
-        assert tried == failed_over
+        assert not registry.get_sample_value("ponto_origin_ejections_total", {"origin": "busy"})
     finally:
         await s.close()
 
 
-def busy(retry_after: str) -> Any:
+async def busy_origin(s: Stack, retry_after: str) -> str:
+    """The base URL of a new origin that answers 429 with `retry_after`
+    (none when empty), as a hosted API over its account's quota does."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         headers = {"retry-after": retry_after} if retry_after else {}
         return web.json_response(
@@ -377,27 +386,33 @@ def busy(retry_after: str) -> Any:
             headers=headers,
         )
 
-    return handler
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    server = TestServer(app)
+    s.others.append(server)
+    await server.start_server()
+    return str(server.make_url("/v1"))
+
+
+def serve(s: Stack, origins: list[tuple[str, str]]) -> None:
+    """A table of these origins (name, base URL) for the stack's proxy."""
+    t = table(origins, version=3)
+    t.etag = content_etag(t)
+    s.app[HOLDER].apply(t, "control-plane")
 
 
 @pytest.mark.parametrize(
-    ("first", "second", "shown"), [("7", "3", "3"), ("", "2.5", "3"), ("", "", "1")]
+    ("first", "second", "shown"),
+    [("7", "3", "3"), ("2.5", "9", "3"), ("", "30", "1"), ("", "", "1"), ("3600", "99999", "60")],
 )
 async def test_every_origin_busy_is_a_429_with_the_soonest_retry_after(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, first: str, second: str, shown: str
 ) -> None:
     s = await start_stack(tmp_path, [])
-    servers = []
-    for after in (first, second):
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", busy(after))
-        servers.append(TestServer(app))
-        await servers[-1].start_server()
-    s.others.extend(servers)
     try:
-        t = table([(f"o{i}", str(o.make_url("/v1"))) for i, o in enumerate(servers)], version=3)
-        t.etag = content_etag(t)
-        s.app[HOLDER].apply(t, "control-plane")
+        serve(
+            s, [(f"o{i}", await busy_origin(s, after)) for i, after in enumerate((first, second))]
+        )
         with caplog.at_level(logging.INFO):
             resp = await s.post(chat("everyone busy"))
         assert resp.status == 429
@@ -418,6 +433,18 @@ async def test_every_origin_busy_is_a_429_with_the_soonest_retry_after(
         [line] = [m for m in lines if "no origin could serve" in m]
         assert "o0: answered 429" in line and "o1: answered 429" in line
         assert len([m for m in lines if "429" in m]) == 1
+    finally:
+        await s.close()
+
+
+async def test_a_busy_origin_and_a_failing_one_are_a_429_not_a_502(tmp_path: Path) -> None:
+    s = await start_stack(tmp_path, [SimConfig(name="down", mode="fail", fail_status=503)])
+    try:
+        serve(s, [("busy", await busy_origin(s, "5")), ("down", str(s.origins[0].make_url("/v1")))])
+        resp = await s.post(chat("one busy, one down"))
+        assert resp.status == 429
+        assert resp.headers["retry-after"] == "5"
+        assert error_of(await resp.json())["code"] == "upstream_busy"
     finally:
         await s.close()
 

@@ -320,3 +320,27 @@ def test_retry_rate_tracks_ratio(ratio: float) -> None:
     # "At most ratio": never above it. Float accumulation (ten deposits of 0.1
     # sum to 0.9999999999999999) may cost up to a tenth of the retries.
     assert requests * ratio * 0.9 <= allowed <= requests * ratio + 1, allowed
+
+
+def test_a_busy_origin_goes_last_for_its_wait_without_being_ejected() -> None:
+    clock = FakeClock()
+    detector = OutlierDetector(consecutive=3, base=1.0, cap=30.0, clock=clock)
+    candidates = [target("a"), target("b"), target("c")]
+    for _ in range(5):  # many 429s: still not a failure
+        detector.busy("a", 10.0)
+    assert names(detector.order(candidates)) == ["b", "c", "a"]
+    assert not detector.ejected("a") and detector.ejected_now() == 0
+    clock.advance(10.0 - EPS)
+    assert names(detector.order(candidates)) == ["b", "c", "a"]
+    clock.advance(EPS)
+    assert names(detector.order(candidates)) == ["a", "b", "c"]
+    # Busy leaves failures alone: two failures after it do not eject, a third does.
+    assert fail_times(detector, "a", 3) == [False, False, True]
+
+
+def test_a_busy_wait_is_capped() -> None:
+    clock = FakeClock()
+    detector = OutlierDetector(cap=30.0, clock=clock)
+    detector.busy("a", 3600.0)
+    clock.advance(30.0)
+    assert names(detector.order([target("a"), target("b")])) == ["a", "b"]

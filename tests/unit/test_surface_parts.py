@@ -27,6 +27,7 @@ from dataplane.upstream.forwarder import (
     MAX_FORWARDED_VALUE,
     Forwarder,
     UpstreamSettings,
+    busy_wait_s,
     retry_after_seconds,
 )
 
@@ -299,7 +300,21 @@ NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
         ("Fri, 15 Jan 2027 07:59:00 GMT", 0.0),  # already past
         ("Friday, 15-Jan-27 08:01:00 GMT", 60.0),  # RFC 850, still allowed
         ("Fri, 32 Jan 2027 08:00:10 GMT", 0.0),
+        ("\u0663", 0.0),  # an Arabic-Indic three: not an HTTP digit
+        ("\uff11\uff12", 0.0),  # fullwidth 12
+        ("999999999", 999999999.0),
+        ("Fri, 31 Dec 9999 23:59:59 GMT", 253402300799.0 - NOW),
     ],
 )
 def test_retry_after_reads_seconds_or_a_date(value: str, seconds: float) -> None:
     assert retry_after_seconds(value, NOW) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("3", 3.0), ("", 1.0), ("soon", 1.0), ("0", 1.0), ("999999999", 60.0), ("59.5", 59.5)],
+)
+def test_a_busy_origin_waits_its_retry_after_or_a_second_at_most_a_minute(
+    value: str, seconds: float
+) -> None:
+    assert busy_wait_s(value, NOW) == seconds
