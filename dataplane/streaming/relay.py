@@ -17,9 +17,10 @@ which closes their connections (vLLM then aborts the generation).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -131,7 +132,7 @@ async def _relay_bytes(
     # Bytes after the last event boundary are held until the event is whole,
     # so a cut never leaves the client half an event before the error event.
     pending = b""
-    done = False  # the client has its `data: [DONE]`
+    done = False  # the client has the stream's last event
     try:
         while True:
             if parser is not None:
@@ -148,11 +149,11 @@ async def _relay_bytes(
                 # write() waits for the client's socket to drain: backpressure
                 # reaches the origin through the unread upstream socket.
                 await out.write(data)
-                done = data.rstrip().endswith(b"[DONE]")
+                done = ends_answer(data)
             try:
                 chunk = await _read(content, idle)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                if done:  # a connection that drops after [DONE] ended a whole answer
+                if done:  # a connection that drops after the last event ended a whole answer
                     end.complete = True
                     break
                 end.cut = _why(exc, idle)
@@ -187,7 +188,7 @@ async def _relay_events(
     end = RelayEnd()
     parser = SseParser()
     rewrite: Callable[[bytes], bytes | None] | None = None
-    done = False  # the client has its `data: [DONE]`: nothing after it matters
+    done = False  # the client has the stream's last event: nothing after it matters
     chunk = first
     try:
         while True:
@@ -214,7 +215,7 @@ async def _relay_events(
                 for reader in readers:
                     reader.event(ev)
                 frames.append(_frame(ev))
-                if ev.done:
+                if ev.done or ev.name in RESPONSES_ENDS:
                     done = True
             if frames:
                 framed = b"".join(frames)
@@ -233,7 +234,7 @@ async def _relay_events(
                         end.complete = True
                         break
                     cut = "the stream ended inside an event"
-            if done:  # a connection that drops after [DONE] ended a whole answer
+            if done:  # a connection that drops after the last event ended a whole answer
                 end.complete = True
                 break
             following = await resume(cut)
@@ -249,6 +250,24 @@ async def _relay_events(
         end.complete = False
         end.client_gone = True
     return end
+
+
+# The events that end a Responses stream, which has no `data: [DONE]`.
+RESPONSES_ENDS: Final = frozenset(
+    {b"response.completed", b"response.failed", b"response.incomplete"}
+)
+_RESPONSES_END = re.compile(rb"^event: ?response\.(?:completed|failed|incomplete)\r?$", re.M)
+
+
+def ends_answer(data: bytes) -> bool:
+    """Whether whole events `data` end with a stream's last event: chat's and
+    completions' `data: [DONE]`, or a Responses stream's response.completed,
+    .failed or .incomplete."""
+    tail = data.rstrip()
+    if tail.endswith(b"[DONE]"):
+        return True
+    last = tail[tail.rfind(b"\n\n") + 1 :]
+    return b"event:" in last and _RESPONSES_END.search(last) is not None
 
 
 def _boundary(data: bytes) -> int:

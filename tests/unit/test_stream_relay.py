@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import cast
 
+import aiohttp
+import pytest
 from aiohttp import web
 
-from dataplane.streaming.relay import Next, RelayEnd, Resume, relay
+from dataplane.streaming.relay import Next, RelayEnd, Resume, ends_answer, relay
 from dataplane.streaming.sse import Event
 
 
@@ -89,3 +91,73 @@ async def test_the_event_relay_reframes_each_event_as_data_lines() -> None:
         b"data: [DONE]\n\n",
     ]
     assert [e.done for e in reader.events] == [False, False, True]
+
+
+class Dropping(Content):
+    """An origin's body whose connection drops after its chunks."""
+
+    async def readany(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        raise aiohttp.ClientPayloadError("Response payload is not completed")
+
+
+RESPONSES_STREAM = (
+    b'event: response.created\ndata: {"type":"response.created"}\n\n',
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n',
+)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize("last", ["completed", "failed", "incomplete"])
+async def test_a_responses_stream_dropped_after_its_last_event_is_whole(
+    continuable: bool, last: str
+) -> None:
+    final = b'event: response.%s\ndata: {"type":"response.%s"}\n\n' % (last.encode(), last.encode())
+    out = Out()
+    end = await relay(
+        RESPONSES_STREAM[0],
+        Dropping(RESPONSES_STREAM[1], final),
+        cast(web.StreamResponse, out),
+        readers=[Reader()],
+        error_event=b"event: error\ndata: {}\n\n",
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    assert end.complete and not end.cut
+    assert b"event: error" not in b"".join(out.written)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_responses_stream_dropped_before_its_last_event_is_cut(continuable: bool) -> None:
+    out = Out()
+    end = await relay(
+        RESPONSES_STREAM[0],
+        Dropping(RESPONSES_STREAM[1]),
+        cast(web.StreamResponse, out),
+        readers=[Reader()],
+        error_event=b"event: error\ndata: {}\n\n",
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    assert end.cut and not end.complete
+    assert b"".join(out.written).endswith(b"event: error\ndata: {}\n\n")
+
+
+@pytest.mark.parametrize(
+    ("data", "last"),
+    [
+        (b"data: [DONE]\n\n", True),
+        (b'data: {"a":1}\n\n', False),
+        (b'event: response.completed\ndata: {"type":"response.completed"}\n\n', True),
+        (b"event:response.failed\r\ndata: {}\r\n\r\n", True),
+        (
+            b"event: response.completed\ndata: {}\n\n"
+            b"event: response.output_text.delta\ndata: {}\n\n",
+            False,
+        ),
+        (b'data: {"text":"\\nevent: response.completed"}\n\n', False),
+    ],
+)
+def test_the_last_event_of_a_stream_is_told(data: bytes, last: bool) -> None:
+    assert ends_answer(data) is last
