@@ -177,15 +177,23 @@ def _duration(text: str) -> float:
     return seconds
 
 
-def _limits_args(p: argparse.ArgumentParser) -> None:
+def _limits_args(p: argparse.ArgumentParser, *, kept: bool = False) -> None:
+    """--rpm, --tpm and --concurrency. `kept`: a limit not given keeps its
+    current value (`limit set`); else it is none (`key create`)."""
     rate = _count(MAX_RATE)
-    p.add_argument("--rpm", type=rate, default=0, help="requests per minute (0: no limit)")
-    p.add_argument("--tpm", type=rate, default=0, help="tokens per minute (0: no limit)")
+    default = None if kept else 0
+    unset = "; not given: kept as it is" if kept else ""
+    p.add_argument(
+        "--rpm", type=rate, default=default, help=f"requests per minute (0: no limit{unset})"
+    )
+    p.add_argument(
+        "--tpm", type=rate, default=default, help=f"tokens per minute (0: no limit{unset})"
+    )
     p.add_argument(
         "--concurrency",
         type=_count(MAX_CONCURRENCY),
-        default=0,
-        help="concurrent requests (0: no limit)",
+        default=default,
+        help=f"concurrent requests (0: no limit{unset})",
     )
 
 
@@ -394,11 +402,14 @@ def _parser() -> argparse.ArgumentParser:
     limit = sub.add_parser("limit", help="set rate limits").add_subparsers(
         dest="action", required=True
     )
-    ls = limit.add_parser("set", help="set a tenant's or a key's global limits")
+    ls = limit.add_parser(
+        "set",
+        help="set a tenant's or a key's global limits; those not given are kept",
+    )
     owner = ls.add_mutually_exclusive_group(required=True)
     owner.add_argument("--tenant")
     owner.add_argument("--key", metavar="ID")
-    _limits_args(ls)
+    _limits_args(ls, kept=True)
 
     cache = sub.add_parser("cache", help="purge cached answers").add_subparsers(
         dest="action", required=True
@@ -459,6 +470,24 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
             raise UsageError(f"{flag} expects NAME=VALUE, got {item!r}")
         out[name.strip()] = value.strip()
     return out
+
+
+def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb.Limits:
+    """`current` with the limits given on the command line (`limit set`)."""
+    rpm, tpm, concurrency = (
+        current.rpm if args.rpm is None else args.rpm,
+        current.tpm if args.tpm is None else args.tpm,
+        current.concurrency if args.concurrency is None else args.concurrency,
+    )
+    Limits(rpm=rpm, tpm=tpm, concurrency=concurrency).validated(owner)
+    return pb.Limits(rpm=rpm, tpm=tpm, concurrency=concurrency)
+
+
+def _limits_text(limits: pb.Limits) -> str:
+    shown = [
+        f"{n}={getattr(limits, n)}" for n in ("rpm", "tpm", "concurrency") if getattr(limits, n)
+    ]
+    return " ".join(shown) or "no limits"
 
 
 def _limits(args: argparse.Namespace, owner: str) -> pb.Limits:
@@ -775,12 +804,19 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         k = stub.RevokeKey(apb.KeyRequest(id=args.id))
         return f"key {k.id} of tenant {k.tenant} revoked"
     if args.command == "limit":
-        limits = _limits(args, f"key {args.key!r}" if args.key else f"tenant {args.tenant!r}")
+        if args.rpm is None and args.tpm is None and args.concurrency is None:
+            raise UsageError("give --rpm, --tpm or --concurrency (0 removes that limit)")
         if args.key:
+            keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True)).keys
+            current = next((k.limits for k in keys if k.id == args.key), pb.Limits())
+            limits = _limits_over(current, args, f"key {args.key!r}")
             stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=args.key, limits=limits))
-            return f"limits of key {args.key} set"
+            return f"limits of key {args.key} set: {_limits_text(limits)}"
+        tenants = stub.ListTenants(apb.ListRequest()).tenants
+        current = next((t.limits for t in tenants if t.name == args.tenant), pb.Limits())
+        limits = _limits_over(current, args, f"tenant {args.tenant!r}")
         stub.UpdateTenant(apb.UpdateTenantRequest(name=args.tenant, limits=limits))
-        return f"limits of tenant {args.tenant} set"
+        return f"limits of tenant {args.tenant} set: {_limits_text(limits)}"
     if args.command == "cache":
         if not (args.tenant or args.model or args.all):
             raise UsageError("give --tenant, --model, or --all to purge everything")
@@ -857,7 +893,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with channel:
         stub = conn.CallDefaults(admin_pb2_grpc.AdminStub(channel), TIMEOUT)
         try:
-            print(run(args, stub))
+            print(run(args, stub), flush=True)
+        except BrokenPipeError:
+            # The reader left (`pontoctl get audit | head`): no traceback, and
+            # none at exit either, when Python flushes stdout again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
         except (UsageError, InvalidArgument) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

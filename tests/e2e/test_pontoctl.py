@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,7 +170,21 @@ def test_tenant_cache_settings_limits_and_purge(
         "semantic_max_error": 0.02,
         "ttl_s": 120,
     }
-    assert acme["limits"] == {"rpm": 60, "concurrency": 2}
+    # The file's tpm is kept: `limit set` changes only the limits it is given.
+    assert acme["limits"] == {"rpm": 60, "tpm": 100000, "concurrency": 2}
+    # A limit not given keeps its value; 0 removes one; none given is refused.
+    out, _ = ctl(fleet, capsys, "limit", "set", "--tenant", "acme", "--tpm", "9000")
+    assert out.strip() == "limits of tenant acme set: rpm=60 tpm=9000 concurrency=2"
+    ctl(fleet, capsys, "limit", "set", "--tenant", "acme", "--rpm", "0")
+    out, _ = ctl(fleet, capsys, "get", "tenants", "-o", "yaml")
+    assert yaml.safe_load(out)["tenants"][0]["limits"] == {"tpm": 9000, "concurrency": 2}
+    _, err = ctl(fleet, capsys, "limit", "set", "--tenant", "acme", code=2)
+    assert "give --rpm, --tpm or --concurrency" in err
+    # So does a key's.
+    ctl(fleet, capsys, "key", "create", "--tenant", "acme", "--rpm", "5")
+    key_id = json.loads(ctl(fleet, capsys, "key", "list", "-o", "json")[0])["keys"][0]["id"]
+    out, _ = ctl(fleet, capsys, "limit", "set", "--key", key_id, "--concurrency", "3")
+    assert out.strip() == f"limits of key {key_id} set: rpm=5 concurrency=3"
     # Cache purges need a scope, or --all.
     _, err = ctl(fleet, capsys, "cache", "purge", code=2)
     assert "--all" in err
@@ -491,3 +507,20 @@ def test_refused_credentials_are_one_line_with_exit_code_1(
             "origins": [],
             "tenants": [],
         }
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(fleet: Fleet) -> None:
+    """`pontoctl get audit | head -1`: the pipe closes before pontoctl writes."""
+    address = next(iter(fleet.controls.values())).address
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
+         "--control-plane", address, "get", "regions"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before anything is written
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
