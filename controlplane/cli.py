@@ -312,14 +312,14 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PARAM=JSON",
-        help="default parameter, e.g. temperature=0 (repeatable)",
+        help="default parameter, e.g. temperature=0 (repeatable; PARAM= removes one)",
     )
     ts.add_argument(
         "--alias",
         action="append",
         default=[],
         metavar="PUBLIC=ORIGIN_MODEL",
-        help="model alias (repeatable)",
+        help="model alias (repeatable; PUBLIC= removes one)",
     )
     ts.add_argument(
         "--routing",
@@ -519,8 +519,15 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
         prompt.enforce_system_prompt = args.enforce_system_prompt == "on"
     if args.max_tokens is not None:
         prompt.max_tokens_ceiling = args.max_tokens
-    prompt.defaults.update(_pairs(args.default, "--default"))
-    prompt.aliases.update(_pairs(args.alias, "--alias"))
+    for entries, given, flag in (
+        (prompt.defaults, args.default, "--default"),
+        (prompt.aliases, args.alias, "--alias"),
+    ):
+        for name, value in _pairs(given, flag).items():
+            if value:
+                entries[name] = value
+            elif name in entries:  # NAME= removes it
+                del entries[name]
     if prompt != current.prompt:
         req.prompt.CopyFrom(prompt)
     routing = pb.RoutingPolicy()
@@ -637,11 +644,12 @@ def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list
 
 
 def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
-    return ["ID", "TENANT", "DESCRIPTION", "CREATED", "STATE"], [
+    return ["ID", "TENANT", "DESCRIPTION", "LIMITS", "CREATED", "STATE"], [
         [
             k.id,
             k.tenant,
             k.description or "-",
+            _limits_text(k.limits).replace("no limits", "-"),
             time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.created_at)),
             "revoked" if k.revoked else "active",
         ]
@@ -928,7 +936,7 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
             )
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         if "not this control plane's" in detail:
-            detail += "; check the file --admin-token-file (or PONTO_ADMIN_TOKEN_FILE) names"
+            detail += f"; check the admin token in {options.token_source or 'use'}"
         else:
             detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
     elif code == grpc.StatusCode.PERMISSION_DENIED:

@@ -65,6 +65,8 @@ class ClientOptions:
     tls_cert: str = ""
     tls_key: str = ""
     token: str = field(default="", repr=False)
+    # Where the token came from, for a refusal's advice (a flag, or a variable).
+    token_source: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -92,12 +94,14 @@ class ClientOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClientOptions:
         """From `add_arguments` flags: pontoctl's admin credential."""
-        token = ""
+        token = source = ""
         if args.admin_token_file:
             token = read_secret(args.admin_token_file, "admin token")
+            source = f"the file {args.admin_token_file}"
         elif os.environ.get(ENV_ADMIN_TOKEN):
             token = os.environ[ENV_ADMIN_TOKEN].strip()
-        return cls(args.tls_ca, args.tls_cert, args.tls_key, token)
+            source = ENV_ADMIN_TOKEN
+        return cls(args.tls_ca, args.tls_cert, args.tls_key, token, source)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

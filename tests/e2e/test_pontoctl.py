@@ -441,6 +441,14 @@ def test_key_list_shows_revoked_keys_with_their_state(
     active, _ = ctl(fleet, capsys, "key", "list", "--tenant", "acme", "--active")
     assert key_id not in active
     assert key_id in ctl(fleet, capsys, "get", "keys")[0]
+    # A key's own limits show in the table.
+    limited, _ = ctl(fleet, capsys, "key", "create", "--tenant", "acme", "--rpm", "5")
+    limited_id = limited.split()[1]
+    listing, _ = ctl(fleet, capsys, "key", "list", "--tenant", "acme")
+    header = listing.splitlines()[0].split()
+    rows = {line.split()[0]: line.split() for line in listing.splitlines()[1:]}
+    assert rows[limited_id][header.index("LIMITS")] == "rpm=5"
+    assert rows[key_id][header.index("LIMITS")] == "-"
 
 
 def test_get_table_prints_a_summary_and_json_the_whole_table(
@@ -474,7 +482,7 @@ def test_an_unreachable_control_plane_is_one_line(capsys: pytest.CaptureFixture[
 
 
 def test_refused_credentials_are_one_line_with_exit_code_1(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with Fleet(tmp_path / "secured") as secured:
         b = secured.secure()
@@ -501,6 +509,16 @@ def test_refused_credentials_are_one_line_with_exit_code_1(
             assert pontoctl(["--control-plane", address, *flags, "get", "regions"]) == 1
             err = capsys.readouterr().err
             assert f"[{status}]" in err and len(err.splitlines()) == 1, err
+        # A wrong admin token: the advice names where it came from.
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("not-the-admin-token\n")
+        assert pontoctl(["--control-plane", address, *tls, "--admin-token-file", str(wrong),
+                         "get", "regions"]) == 1  # fmt: skip
+        assert f"check the admin token in the file {wrong}" in capsys.readouterr().err
+        monkeypatch.setenv("PONTO_ADMIN_TOKEN", "not-the-admin-token")
+        assert pontoctl(["--control-plane", address, *tls, "get", "regions"]) == 1
+        assert "check the admin token in PONTO_ADMIN_TOKEN" in capsys.readouterr().err
+        monkeypatch.delenv("PONTO_ADMIN_TOKEN")
         assert pontoctl(["--control-plane", address, *b.admin_args(), "export"]) == 0
         assert yaml.safe_load(capsys.readouterr().out) == {
             "regions": [],
@@ -524,3 +542,22 @@ def test_a_reader_that_leaves_early_gets_no_traceback(fleet: Fleet) -> None:
         err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_tenant_set_adds_and_removes_aliases_and_defaults(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
+    ctl(fleet, capsys, "tenant", "set", "acme", "--alias", "mini=llama-3-8b", "--default", "seed=7")
+
+    def prompt() -> dict[str, object]:
+        out, _ = ctl(fleet, capsys, "get", "tenants", "-o", "yaml")
+        return dict(yaml.safe_load(out)["tenants"][0]["prompt"])
+
+    got = prompt()
+    assert got["aliases"] == {"gpt-4o": "llama-3-8b", "mini": "llama-3-8b"}
+    assert got["defaults"] == {"temperature": 0, "seed": 7}
+    ctl(fleet, capsys, "tenant", "set", "acme", "--alias", "mini=", "--default", "seed=")
+    got = prompt()
+    assert got["aliases"] == {"gpt-4o": "llama-3-8b"}
+    assert got["defaults"] == {"temperature": 0}
