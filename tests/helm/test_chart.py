@@ -187,6 +187,12 @@ def test_schema_refuses_a_wrong_type_given_with_set(helm: Path) -> None:
     assert "controlPlane.replicas: Invalid type. Expected: integer, given: string" in message
 
 
+def test_schema_refuses_regions_set_to_null(helm: Path) -> None:
+    # Helm deletes a key set to null: the schema, not a template, says so.
+    message = refused(helm, "--set", "proxy.regions=null")
+    assert "proxy: regions is required" in message
+
+
 @pytest.mark.parametrize(
     ("values", "key"),
     [
