@@ -969,3 +969,13 @@ def test_binaries_accept_the_rendered_flags(three: list[Doc], tmp_path: Path) ->
         assert (proxy.listen_host, proxy.listen_port) == ("0.0.0.0", 8080)
         assert proxy.geoip_db == geoip
         assert proxy.redis_url == f"redis://ponto-redis-{region}.ponto.svc:6379/0"
+
+
+def test_notes_say_when_there_are_no_origins_and_where_the_status_page_is(helm: Path) -> None:
+    from tests.chartrun.__main__ import CI_VALUES, render  # noqa: PLC0415
+
+    bare = render(str(helm), [], upgrade=False).notes
+    assert "No origins yet (topology.origins is empty)" in bare
+    assert "port-forward svc/ponto-control 8090:8080" in bare
+    with_origins = render(str(helm), [CI_VALUES], upgrade=False).notes
+    assert "No origins yet" not in with_origins
