@@ -92,6 +92,11 @@ class Stack:
         headers = {"authorization": f"Bearer {key}", **kw.pop("headers", {})}
         return await self.client.post("/v1/chat/completions", json=body, headers=headers, **kw)
 
+    async def post_raw(self, raw: bytes) -> Any:
+        """A chat request whose body is `raw`, as written (JSON the client built)."""
+        headers = {"content-type": "application/json", "authorization": f"Bearer {KEY.key}"}
+        return await self.client.post("/v1/chat/completions", data=raw, headers=headers)
+
 
 async def start_stack(
     tmp_path: Path, configs: list[SimConfig], extra: list[str] | None = None
@@ -328,11 +333,7 @@ async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
     raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\xff\xfe"}]}' % (
         MODEL.encode()
     )
-    resp = await stack.client.post(
-        "/v1/chat/completions",
-        data=raw,
-        headers={"content-type": "application/json", "authorization": f"Bearer {KEY.key}"},
-    )
+    resp = await stack.post_raw(raw)
     assert resp.status == 400
     err = error_of(await resp.json())
     assert err["code"] == "invalid_json"
@@ -358,11 +359,7 @@ async def test_an_integer_past_64_bits_is_out_of_range_not_a_decimal(
         field.encode(),
         written,
     )
-    resp = await stack.client.post(
-        "/v1/chat/completions",
-        data=raw,
-        headers={"content-type": "application/json", "authorization": f"Bearer {KEY.key}"},
-    )
+    resp = await stack.post_raw(raw)
     assert resp.status == 400
     err = error_of(await resp.json())
     assert (err["code"], err["param"]) == (code, field)

@@ -26,22 +26,13 @@ from dataplane.http.state import HOLDER
 from ponto.apikeys import issue_key
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import MODEL, Stack, error_of, start_stack
+from tests.functional.test_pipeline import COMPLETION, MODEL, Stack, error_of, start_stack
 
 PLAIN, PROMPTED, ENFORCED = issue_key(), issue_key(), issue_key()
 SYSTEM_PROMPT = "Answer in French."
 
 ANSWERS: dict[str, dict[str, Any]] = {
-    "/v1/chat/completions": {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 0,
-        "model": MODEL,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    },
+    "/v1/chat/completions": COMPLETION,
     "/v1/completions": {
         "id": "cmpl-1",
         "object": "text_completion",

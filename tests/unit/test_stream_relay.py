@@ -108,40 +108,40 @@ RESPONSES_STREAM = (
 )
 
 
+ERROR_EVENT = b"event: error\ndata: {}\n\n"
+
+
+async def relay_dropped(*after_first: bytes, continuable: bool) -> tuple[Out, RelayEnd]:
+    """A Responses stream whose connection drops after `after_first`."""
+    out = Out()
+    end = await relay(
+        RESPONSES_STREAM[0],
+        Dropping(*after_first),
+        cast(web.StreamResponse, out),
+        readers=[Reader()],
+        error_event=ERROR_EVENT,
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    return out, end
+
+
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
 @pytest.mark.parametrize("last", ["completed", "failed", "incomplete"])
 async def test_a_responses_stream_dropped_after_its_last_event_is_whole(
     continuable: bool, last: str
 ) -> None:
     final = b'event: response.%s\ndata: {"type":"response.%s"}\n\n' % (last.encode(), last.encode())
-    out = Out()
-    end = await relay(
-        RESPONSES_STREAM[0],
-        Dropping(RESPONSES_STREAM[1], final),
-        cast(web.StreamResponse, out),
-        readers=[Reader()],
-        error_event=b"event: error\ndata: {}\n\n",
-        idle_timeout=60.0,
-        resume=no_resume if continuable else None,
-    )
+    out, end = await relay_dropped(RESPONSES_STREAM[1], final, continuable=continuable)
     assert end.complete and not end.cut
     assert b"event: error" not in b"".join(out.written)
 
 
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
 async def test_a_responses_stream_dropped_before_its_last_event_is_cut(continuable: bool) -> None:
-    out = Out()
-    end = await relay(
-        RESPONSES_STREAM[0],
-        Dropping(RESPONSES_STREAM[1]),
-        cast(web.StreamResponse, out),
-        readers=[Reader()],
-        error_event=b"event: error\ndata: {}\n\n",
-        idle_timeout=60.0,
-        resume=no_resume if continuable else None,
-    )
+    out, end = await relay_dropped(RESPONSES_STREAM[1], continuable=continuable)
     assert end.cut and not end.complete
-    assert b"".join(out.written).endswith(b"event: error\ndata: {}\n\n")
+    assert b"".join(out.written).endswith(ERROR_EVENT)
 
 
 @pytest.mark.parametrize(
