@@ -142,7 +142,8 @@ function renderProxies(proxies) {
     el("td", {}, p.replica),
     el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
       p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${p.current_version}`),
-    el("td", { class: p.stale ? "stale" : "" }, age(p.age_s)),
+    el("td", p.stale ? { class: "stale", title: "no traffic since: a quiet proxy reports nothing" } : {},
+      age(p.age_s)),
     el("td", {}, p.address),
     el("td", {}, p.version)));
   document.querySelector("#proxies tbody").replaceChildren(...rows);

@@ -6,6 +6,7 @@ Chromium driven by selenium. One browser for the module."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import httpx
 import pytest
@@ -263,6 +264,21 @@ def test_names_are_shown_as_text_never_run_as_markup(page: webdriver.Chrome) -> 
     )
     assert found == [0, HOSTILE, HOSTILE, HOSTILE]
     assert page.execute_script("return window.pwned === undefined")
+
+
+def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> None:
+    shown = cast(list[dict[str, object]], FAKE_STATUS["proxies"])[0]
+    status = {**FAKE_STATUS, "proxies": [{**shown, "name": "quiet", "age_s": 120, "stale": True}]}
+    cell = page.execute_script(
+        "render(arguments[0]);"
+        "const td = document.querySelector('#proxies tbody td.stale');"
+        "return [td.getAttribute('title'), getComputedStyle(td).fontWeight,"
+        " getComputedStyle(td).color];",
+        status,
+    )
+    assert cell[0] == "no traffic since: a quiet proxy reports nothing"
+    assert cell[1] == "400"  # not the bold of a proxy behind on its table
+    assert cell[2] == "rgb(107, 119, 133)"  # --muted, not --warn
 
 
 def test_with_writes_off_the_page_says_why_and_its_buttons_are_disabled(
