@@ -128,9 +128,10 @@ RETRY_STATUS_MIN = 500
 # its quota: another origin may take it. Refused by every origin tried, the
 # client gets a 429 to come back after (errors.upstream_busy), not a 502.
 BUSY = 429
-# How long a busy origin goes last, and the longest wait a client is told:
-# its Retry-After, 1 s without one, at most a minute (an origin's clock or
-# its daily quota must not tell every client to stay away for hours).
+# A busy origin's wait: its Retry-After, 1 s without one, at most a minute
+# (an origin's clock or its daily quota must not tell every client to stay
+# away for hours). The client is told the soonest wait of the origins tried;
+# the origin goes last for its wait, within the outlier detector's cap (30 s).
 BUSY_DEFAULT_S = 1.0
 BUSY_MAX_S = 60.0
 # An origin that redirects a POST is misconfigured (its base URL wants https,
