@@ -132,7 +132,9 @@ async def _relay_bytes(
     # Bytes after the last event boundary are held until the event is whole,
     # so a cut never leaves the client half an event before the error event.
     pending = b""
-    done = False  # the client has the stream's last event
+    # The whole events last written: whether they end the answer is asked only
+    # when the connection fails, not for every chunk.
+    written = b""
     try:
         while True:
             if parser is not None:
@@ -149,11 +151,12 @@ async def _relay_bytes(
                 # write() waits for the client's socket to drain: backpressure
                 # reaches the origin through the unread upstream socket.
                 await out.write(data)
-                done = ends_answer(data)
+                written = data
             try:
                 chunk = await _read(content, idle)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                if done:  # a connection that drops after the last event ended a whole answer
+                # A connection that drops after the last event ended a whole answer.
+                if ends_answer(written):
                     end.complete = True
                     break
                 end.cut = _why(exc, idle)
