@@ -121,7 +121,8 @@ def upstream_unavailable() -> ApiError:
 def upstream_busy(retry_after_s: float) -> ApiError:
     """429: every origin tried answered 429 (too busy, or its account over its
     quota) or failed; the client may come back after `retry_after_s` (the
-    soonest an origin named; 0 when none did: 1 s)."""
+    soonest wait of those origins, forwarder.busy_wait_s), in whole seconds,
+    at least 1."""
     return ApiError(
         429,
         UPSTREAM_BUSY,
