@@ -473,7 +473,8 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb.Limits:
-    """`current` with the limits given on the command line (`limit set`)."""
+    """`current` with the limits given on the command line (`limit set`; for
+    `key create`, whose limits all default to 0, over none), validated."""
     rpm, tpm, concurrency = (
         current.rpm if args.rpm is None else args.rpm,
         current.tpm if args.tpm is None else args.tpm,
@@ -483,16 +484,11 @@ def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb
     return pb.Limits(rpm=rpm, tpm=tpm, concurrency=concurrency)
 
 
-def _limits_text(limits: pb.Limits) -> str:
+def _limits_text(limits: pb.Limits, none: str = "no limits") -> str:
     shown = [
         f"{n}={getattr(limits, n)}" for n in ("rpm", "tpm", "concurrency") if getattr(limits, n)
     ]
-    return " ".join(shown) or "no limits"
-
-
-def _limits(args: argparse.Namespace, owner: str) -> pb.Limits:
-    Limits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency).validated(owner)
-    return pb.Limits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency)
+    return " ".join(shown) or none
 
 
 def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTenantRequest:
@@ -649,7 +645,7 @@ def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
             k.id,
             k.tenant,
             k.description or "-",
-            _limits_text(k.limits).replace("no limits", "-"),
+            _limits_text(k.limits, none="-"),
             time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.created_at)),
             "revoked" if k.revoked else "active",
         ]
@@ -796,7 +792,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 apb.CreateKeyRequest(
                     tenant=args.tenant,
                     description=args.description,
-                    limits=_limits(args, "the key"),
+                    limits=_limits_over(pb.Limits(), args, "the key"),
                 )
             )
             # The key alone on the last line, so scripts can take `tail -n1`.
