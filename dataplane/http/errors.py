@@ -16,12 +16,12 @@ error of the same status, and a refusal of the proxy's own credential a 502.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from aiohttp import web
 
 from dataplane import jsonio
+from dataplane.ratelimit.limiter import retry_after_header
 
 
 class ApiError(Exception):
@@ -128,7 +128,7 @@ def upstream_busy(retry_after_s: float) -> ApiError:
         UPSTREAM_BUSY,
         type="upstream_error",
         code="upstream_busy",
-        headers={"retry-after": str(max(1, math.ceil(retry_after_s)))},
+        headers={"retry-after": retry_after_header(retry_after_s)},
         logged=True,
     )
 

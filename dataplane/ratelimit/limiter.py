@@ -42,6 +42,12 @@ _IDLE_RATE = 1e-3
 _NO_MAX = 1 << 62
 
 
+def retry_after_header(seconds: float) -> str:
+    """A `Retry-After` value: `seconds` in whole seconds, rounded up, at least 1
+    (a rate limit's refusal, an origin's busy wait: dataplane.http.errors)."""
+    return str(max(1, math.ceil(seconds)))
+
+
 def format_duration(seconds: float) -> str:
     """OpenAI's reset format (Go durations), rounded up.
 
@@ -212,7 +218,7 @@ class Admission:
 
     def retry_after_header(self) -> str:
         """`Retry-After` in whole seconds, at least 1."""
-        return str(max(1, math.ceil(self.retry_after_s)))
+        return retry_after_header(self.retry_after_s)
 
     def release(self, actual_tokens: int | None, now: float) -> None:
         """Free the slots and settle tokens: charge `actual_tokens - est_tokens`.
