@@ -177,7 +177,12 @@ async def test_closed_loop_sends_back_to_back_on_its_connections(serve: Serve) -
     spec = LoadSpec(
         url=url, body=b'{"n": {i}}', mode="closed", connections=3, duration=0.2, warmup=0.05
     )
-    result = await run_async(spec)
+    # The checks below hold for every answer measured; a loop starved for the
+    # whole 0.2 s window (a busy CI machine) measures none, so run it again.
+    for _ in range(5):
+        result = await run_async(spec)
+        if result.requests:
+            break
     assert result.requests > 0
     assert result.errors() == {}
     assert result.connections_opened == 3
