@@ -82,7 +82,10 @@ def compute_shares(
 
     Each proxy gets `idle_floor` of every scope (capped so that all floors
     together take at most `floor_total`), so that a client arriving at an idle
-    proxy can start at once. Shares equal to the previous ones are returned as
+    proxy can start at once. Every share of a concurrency-limited scope says
+    whether the fleet reported fewer requests in flight than the limit
+    (`Share.spare`): the same for all proxies, so it changes only when the
+    tenant's use crosses its limit. Shares equal to the previous ones are returned as
     the same objects, so callers can publish only what changed.
     """
     n = len(proxies)
@@ -110,11 +113,12 @@ def compute_shares(
             continue
         fractions = _fractions(rpm, tpm, ds, ps, floor, hysteresis, fairness_band, overcommit)
         slots = _slots(conc, proxies, ds, ps, fairness_band) if conc else [0] * n
+        spare = _spare(conc, ds)
         for row, prev, f, c in zip(rows, ps, fractions, slots, strict=True):
-            if prev is not None and prev.fraction == f and prev.concurrency == c:
+            if prev is not None and (prev.fraction, prev.concurrency, prev.spare) == (f, c, spare):
                 row[scope] = prev
             else:
-                row[scope] = Share(f, c)
+                row[scope] = Share(f, c, spare)
     return out
 
 
@@ -141,12 +145,23 @@ def _still_idle(ds: list[Demand | None], ps: list[Share | None], even: float, li
     if any(ds):
         return False
     per_proxy = limit / len(ps)
+    spare = limit > 0  # nothing in flight
     total = 0
     for p in ps:
-        if p is None or p.fraction != even or abs(p.concurrency - per_proxy) >= 1 - 1e-9:
+        if (
+            p is None
+            or p.fraction != even
+            or abs(p.concurrency - per_proxy) >= 1 - 1e-9
+            or p.spare != spare
+        ):
             return False
         total += p.concurrency
     return total == limit
+
+
+def _spare(limit: int, ds: list[Demand | None]) -> bool:
+    """Whether the fleet reported fewer requests in flight than a concurrency limit."""
+    return limit > 0 and sum(d.in_flight for d in ds if d is not None) < limit
 
 
 def _fractions(

@@ -64,7 +64,12 @@ def encode_shares(shares: Mapping[str, Mapping[str, Share]], default_fraction: f
     body = {
         "default_fraction": default_fraction,
         "proxies": {
-            proxy: {scope: [s.fraction, s.concurrency] for scope, s in sorted(by_scope.items())}
+            # [fraction, slots], and a 1 when the fleet has spare slots (read
+            # as absent by a replica that predates it).
+            proxy: {
+                scope: [s.fraction, s.concurrency, 1] if s.spare else [s.fraction, s.concurrency]
+                for scope, s in sorted(by_scope.items())
+            }
             for proxy, by_scope in sorted(shares.items())
         },
     }
@@ -74,7 +79,10 @@ def encode_shares(shares: Mapping[str, Mapping[str, Share]], default_fraction: f
 def decode_shares(raw: bytes) -> tuple[Shares, float]:
     data = orjson.loads(raw)
     shares: Shares = {
-        proxy: {scope: Share(float(v[0]), int(v[1])) for scope, v in by_scope.items()}
+        proxy: {
+            scope: Share(float(v[0]), int(v[1]), len(v) > 2 and bool(v[2]))
+            for scope, v in by_scope.items()
+        }
         for proxy, by_scope in data.get("proxies", {}).items()
     }
     return shares, float(data.get("default_fraction", 0.0))
@@ -172,7 +180,12 @@ class QuotaHub:
             generation=self.generation if generation is None else generation,
             default_fraction=self._default if mine is not None else 0.0,
             shares=[
-                pb.QuotaShare(scope=scope, fraction=s.fraction, concurrency=s.concurrency)
+                pb.QuotaShare(
+                    scope=scope,
+                    fraction=s.fraction,
+                    concurrency=s.concurrency,
+                    fleet_spare=s.spare,
+                )
                 for scope, s in (mine or {}).items()
             ],
         )

@@ -260,6 +260,21 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.limit_refusals = Counter(
+            "ponto_ratelimit_refusals",
+            "Requests refused by a rate limit, by the limit that refused: requests, tokens, "
+            "concurrency, or tokens_over_limit (an estimate above the whole per-minute limit)",
+            ["limit"],
+            registry=r,
+        )
+        self.slot_waits = Counter(
+            "ponto_ratelimit_slot_waits",
+            "Requests that waited for a concurrency slot held elsewhere in the fleet "
+            "(a proxy just joined, or its slots busy while others' are idle), by outcome: "
+            "admitted, or refused after the wait",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
             "Requests whose client went away before the response ended",

@@ -62,10 +62,17 @@ class Share:
     `fraction` applies to both the request and the token limit; `concurrency`
     is a whole number of slots. Across the proxies of a fleet the fractions of a
     scope sum to at most 1 and the slots to at most the concurrency limit.
+
+    `spare`: at the leader's round that made this share, the fleet held fewer
+    of the scope's requests in flight than its concurrency limit. A proxy whose
+    own slots are all busy then waits for its next share instead of refusing:
+    the slots are elsewhere, idle, and the leader moves them to where the
+    refusals are (see RateLimiter.may_wait).
     """
 
     fraction: float
     concurrency: int = 0
+    spare: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0 or self.concurrency < 0:

@@ -174,10 +174,10 @@ CACHE_REASON_HEADER = "x-ponto-cache-reason"
 CACHE_TIER_HEADER = "x-ponto-cache-tier"
 ROUTE_HEADER = "x-ponto-route"
 
-# How long a request may wait for a concurrency slot when this proxy holds none:
-# about two rebalances of the leader, which is how long a proxy that has just
-# joined (a rolling upgrade, a scale-up) waits for slots freed by the others.
-SLOT_WAIT_S = 2.5
+# How long a request may wait for a concurrency slot that the leader's next
+# shares bring (RateLimiter.may_wait): a slot moves in two rebalances after the
+# refusal is reported (about a second each, plus the report's own interval).
+SLOT_WAIT_S = 4.0
 _SLOT_POLL_S = 0.05
 
 
@@ -280,11 +280,15 @@ class Pipeline:
         ex.estimate = estimate_prompt_tokens(ex.endpoint.name, ex.body)
         now = time.monotonic()
         admission = limiter.admit(scopes, ex.estimate, now)
-        if not admission.ok and admission.limit == "concurrency" and limiter.slotless(scopes, now):
-            admission = await admit_after_next_share(limiter, scopes, ex.estimate)
+        if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):
+            admission = await admit_when_slot_frees(limiter, scopes, ex.estimate)
             now = time.monotonic()
+            outcome = "admitted" if admission.ok else "refused"
+            self.metrics.child(self.metrics.slot_waits, outcome).inc()
         ex.limit_headers = limiter.headers(scopes, now, admission)
         if not admission.ok:
+            limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
+            self.metrics.child(self.metrics.limit_refusals, limit).inc()
             raise refusal(admission)
         ex.admission = admission
 
@@ -600,29 +604,23 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:
     return stream
 
 
-async def admit_after_next_share(
+async def admit_when_slot_frees(
     limiter: RateLimiter, scopes: Sequence[str], estimate: int
 ) -> Admission:
-    """Admit once a share brings a slot, or refuse after SLOT_WAIT_S.
+    """Admit once a slot is free here (a share brought one, or a request here
+    ended), or refuse after SLOT_WAIT_S.
 
-    Only for a proxy that holds no slot yet (RateLimiter.slotless): waiting
-    admits nothing the fleet's limit does not allow, it waits for this proxy's
-    part of it. A share that still brings no slot is not tried (so waiting adds
-    no demand beyond the first refusal); waiters per scope are capped by its
-    limit.
+    Only when the slots are elsewhere (RateLimiter.may_wait): waiting admits
+    nothing the fleet's limit does not allow, it waits for this proxy's part
+    of it. Admission is tried only once a slot is free (so the wait adds no
+    attempts beyond the first refusal; the waiter is reported as demand for a
+    slot); waiters per scope are capped by its limit.
     """
     deadline = time.monotonic() + SLOT_WAIT_S
-    seen = limiter.share_version
     limiter.wait_begin(scopes)
     try:
-        while True:
+        while time.monotonic() < deadline:
             await asyncio.sleep(_SLOT_POLL_S)
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if limiter.share_version == seen:
-                continue
-            seen = limiter.share_version
             if limiter.slots_free(scopes):
                 break
     finally:

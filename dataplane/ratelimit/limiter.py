@@ -92,7 +92,7 @@ def _format_ms(ms: int) -> str:
 
 
 # How long after a scope appears on this proxy a refusal for want of any slot may
-# wait for the leader's next share instead (see RateLimiter.slotless).
+# wait for the leader's next share instead (see RateLimiter.may_wait).
 JOIN_WINDOW_S = 5.0
 
 
@@ -115,6 +115,7 @@ class _Scope:
         "req_limit",
         "rps",
         "slots",
+        "spare",
         "tok",
         "tok_limit",
         "tps",
@@ -129,6 +130,7 @@ class _Scope:
         self.fill = fill
         self.fraction = share.fraction
         self.slots = share.concurrency
+        self.spare = share.spare
         self.created = now
         self.ever_slots = share.concurrency > 0
         self.waiting = 0
@@ -159,6 +161,7 @@ class _Scope:
     def set_share(self, share: Share, now: float) -> None:
         self.fraction = share.fraction
         self.slots = share.concurrency
+        self.spare = share.spare
         self.ever_slots = self.ever_slots or share.concurrency > 0
         self.set_limits(self.limits, now)
 
@@ -262,8 +265,6 @@ class RateLimiter:
         self._tau = demand_tau_s
         self._last_report: float | None = None
         self._booted = False
-        # Counts apply_shares calls, so a waiter can tell a new share arrived.
-        self.share_version = 0
 
     # ------------------------------------------------------------ control
 
@@ -310,36 +311,48 @@ class RateLimiter:
         """
         known = self._shares
         scopes = self._scopes
-        self.share_version += 1
         for name, share in shares.items():
             known[name] = share
             st = scopes.get(name)
-            if st is not None and (st.fraction != share.fraction or st.slots != share.concurrency):
+            if st is not None and (
+                st.fraction != share.fraction
+                or st.slots != share.concurrency
+                or st.spare != share.spare
+            ):
                 st.set_share(share, now)
 
-    def slotless(self, scopes: Sequence[str], now: float) -> bool:
-        """Whether a concurrency refusal for `scopes` is only for want of a first slot.
+    def may_wait(self, scopes: Sequence[str], now: float) -> bool:
+        """Whether a concurrency refusal for `scopes` is only for want of slots
+        that the leader's next shares bring here, so worth a wait.
 
-        True when every scope that refuses for concurrency is one this proxy has
-        held for under JOIN_WINDOW_S without ever getting a slot, with nothing of
-        it in flight here and fewer requests waiting than its limit. That is a
-        proxy that has just joined (a rolling upgrade, a scale-up): it holds no
-        slot until the leader's next rebalance frees some from the others (two
-        rounds, see controlplane/quota.py), and a refusal then says nothing about
-        the tenant's use of its limit. A proxy that has held slots, or has had
-        none for longer (a limit smaller than the fleet), refuses at once.
+        True when every scope that refuses for concurrency has fewer requests
+        waiting than its limit and either
+        - had spare slots in the fleet at the leader's last round
+          (`Share.spare`): this proxy's are busy, others' are idle, and its
+          refusal counts as demand, which moves slots here in two rebalances
+          (controlplane/quota.py); or
+        - is one this proxy has held for under JOIN_WINDOW_S without ever
+          getting a slot, with nothing of it in flight here: a proxy that has
+          just joined (a rolling upgrade, a scale-up), whose first shares may
+          not say yet what the fleet holds.
+        A scope whose fleet was at its limit refuses at once: the tenant uses
+        all of it.
         """
         found = False
         for name in scopes:
             st = self._scopes.get(name)
             if st is None or not st.concurrency or st.in_flight < st.slots:
                 continue
-            if (
-                st.slots
-                or st.in_flight
-                or st.ever_slots
-                or now - st.created > JOIN_WINDOW_S
-                or st.waiting >= st.concurrency
+            if st.waiting >= st.concurrency:
+                return False
+            if not (
+                st.spare
+                or (
+                    not st.slots
+                    and not st.in_flight
+                    and not st.ever_slots
+                    and now - st.created <= JOIN_WINDOW_S
+                )
             ):
                 return False
             found = True
@@ -354,7 +367,8 @@ class RateLimiter:
         return True
 
     def wait_begin(self, scopes: Sequence[str]) -> None:
-        """Count a request waiting for a first slot (see `slotless`)."""
+        """Count a request waiting for a slot (see `may_wait`): it counts as
+        demand for one until `wait_end`."""
         for name in scopes:
             st = self._scopes.get(name)
             if st is not None:
@@ -389,15 +403,17 @@ class RateLimiter:
         fresh = 1.0 - keep
         out: dict[str, Demand] = {}
         for name, st in self._scopes.items():
-            if not (st.attempts or st.attempt_tokens or st.rps or st.tps or st.peak):
+            if not (st.attempts or st.attempt_tokens or st.rps or st.tps or st.peak or st.waiting):
                 continue  # st.turned_away implies st.attempts
             rps = fresh * st.attempts / dt + keep * st.rps
             tps = fresh * max(0, st.attempt_tokens) / dt + keep * st.tps
             st.rps = rps if rps >= _IDLE_RATE else 0.0
             st.tps = tps if tps >= _IDLE_RATE else 0.0
             # Each request turned away for concurrency would have been one more
-            # in flight: a weight for the leader, not a measured peak.
-            peak = st.peak + st.turned_away
+            # in flight: a weight for the leader, not a measured peak. Requests
+            # still waiting for a slot want one now, in every report until
+            # they have it (or give up): the leader moves slots over two rounds.
+            peak = max(st.peak + st.turned_away, st.in_flight + st.waiting)
             st.attempts = 0
             st.attempt_tokens = 0
             st.peak = st.in_flight

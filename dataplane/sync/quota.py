@@ -71,7 +71,8 @@ class QuotaState:
         self.heard = True
         self.default_fraction = min(1.0, max(0.0, quota.default_fraction))
         self._explicit = {
-            s.scope: Share(min(1.0, max(0.0, s.fraction)), s.concurrency) for s in quota.shares
+            s.scope: Share(min(1.0, max(0.0, s.fraction)), s.concurrency, s.fleet_spare)
+            for s in quota.shares
         }
         self._apply()
 

@@ -813,21 +813,28 @@ class QuotaShare(_message.Message):
     SCOPE_FIELD_NUMBER: _builtins.int
     FRACTION_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
+    FLEET_SPARE_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     fraction: _builtins.float
     """Fraction (0..1) of the scope's rpm and tpm this proxy may admit."""
     concurrency: _builtins.int
     """Concurrent requests this proxy may hold."""
+    fleet_spare: _builtins.bool
+    """At the leader's round, the fleet held fewer of this scope's requests in
+    flight than its concurrency limit: a proxy whose slots are all busy waits
+    for its next share (the idle slots are moved to it) instead of refusing.
+    """
     def __init__(
         self,
         *,
         scope: _builtins.str = ...,
         fraction: _builtins.float = ...,
         concurrency: _builtins.int = ...,
+        fleet_spare: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "fraction", b"fraction", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "fleet_spare", b"fleet_spare", "fraction", b"fraction", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -379,6 +379,8 @@ async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> N
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert refused.headers["x-request-id"]
     assert stack.origin_requests() == 2
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert 'ponto_ratelimit_refusals_total{limit="requests"} 1.0' in metrics
 
 
 # ---------------------------------------------------------------- origins that misbehave

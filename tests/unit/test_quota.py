@@ -190,6 +190,25 @@ def test_saturated_proxies_keep_their_shares_through_noise() -> None:
     assert slots(after)[0] < slots(before)[0]
 
 
+def test_every_proxy_is_told_whether_the_fleet_has_spare_slots() -> None:
+    limits = {S: ScopeLimits(concurrency=4), "t/rates": ScopeLimits(rpm=60)}
+    idle = settle(limits, P3, {})
+    assert [idle[p][S].spare for p in P3] == [True] * 3
+    # Rates only: no slots to wait for.
+    assert not any(idle[p]["t/rates"].spare for p in P3)
+    # 3 of 4 in flight: one is spare somewhere, whichever proxy holds it.
+    busy = {"p0": {S: rps(1.0, in_flight=2, peak=2)}, "p1": {S: rps(1.0, in_flight=1, peak=1)}}
+    assert [s[S].spare for s in compute_shares(limits, P3, busy, idle).values()] == [True] * 3
+    # All 4 in flight: a proxy whose slots are busy refuses, as one global limit would.
+    full = {**busy, "p2": {S: rps(1.0, in_flight=1, peak=1)}}
+    after = compute_shares(limits, P3, full, idle)
+    assert [after[p][S].spare for p in P3] == [False] * 3
+    # And back: the flag alone changes the share (so it is pushed).
+    again = compute_shares(limits, P3, {}, after)
+    assert [again[p][S].spare for p in P3] == [True] * 3
+    assert slots(again) == slots(after)
+
+
 def test_slots_still_held_in_flight_are_not_given_to_others() -> None:
     limits = {S: ScopeLimits(concurrency=6)}
     # p0 was cut from 3 slots to 0 but still has 3 requests in flight.

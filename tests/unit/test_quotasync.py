@@ -118,6 +118,20 @@ def test_shares_encode_decode_round_trip() -> None:
     assert decode_shares(b"{}") == ({}, 0.0)
 
 
+def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
+    shares = {"p1": {"t/acme": Share(0.5, 1, spare=True), "t/full": Share(0.5, 2)}}
+    raw = encode_shares(shares, 0.5)
+    assert decode_shares(raw) == (shares, 0.5)
+    # Shares written before the flag existed read as "no spare".
+    assert decode_shares(b'{"proxies": {"p1": {"t/acme": [0.5, 1]}}}')[0] == {
+        "p1": {"t/acme": Share(0.5, 1)}
+    }
+    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=1.0)
+    hub._shares = shares
+    quota = quota_of(hub.update_for("p1"))
+    assert {s.scope: s.fleet_spare for s in quota.shares} == {"t/acme": True, "t/full": False}
+
+
 # ---------------------------------------------------------------- demand in
 
 

@@ -1,10 +1,12 @@
-"""A proxy that has just joined waits for its first concurrency slot, briefly.
+"""A proxy whose concurrency slots are elsewhere waits for them, briefly.
 
-A proxy that has just joined the fleet (a rolling upgrade, a scale-up) holds no
-slot of a tenant's concurrency limit until the leader has freed some from the
-others, which takes two rebalances. Refusing in that window would answer 429 to a
-tenant far below its limit; the handler waits for the next share instead. Found
-by chart-run's upgrade under traffic.
+Each proxy holds whole slots of a tenant's concurrency limit. A proxy whose
+slots are all busy while the fleet has idle ones (`Share.spare`), or that has
+just joined the fleet (a rolling upgrade, a scale-up) and holds none yet, gets
+slots from the others only after the leader's next two rebalances. Refusing
+meanwhile would answer 429 to a tenant below its limit; the handler waits for
+the slot instead. Found by chart-run's upgrade under traffic, then by its
+drain step: 2 requests of a tenant with a limit of 20 over 14 proxies.
 """
 
 from __future__ import annotations
@@ -20,50 +22,80 @@ from dataplane.ratelimit.limiter import JOIN_WINDOW_S
 T, K = "t/acme", "k/key1"
 
 
-def limiter(slots: int, *, limit: int = 4) -> RateLimiter:
+def limiter(slots: int, *, limit: int = 4, spare: bool = False) -> RateLimiter:
     rl = RateLimiter()
     rl.configure({T: ScopeLimits(concurrency=limit)}, 0.0)
-    rl.apply_shares({T: Share(0.0, slots)}, 0.0)
+    rl.apply_shares({T: Share(0.0, slots, spare)}, 0.0)
     return rl
 
 
-def test_slotless_only_while_new_and_without_any_slot() -> None:
-    assert limiter(0).slotless([T], 1.0)
+def test_may_wait_only_while_new_and_without_any_slot() -> None:
+    assert limiter(0).may_wait([T], 1.0)
     # Past the join window a proxy without slots refuses at once (a limit
     # smaller than the fleet, or a tenant at its limit on other proxies).
-    assert not limiter(0).slotless([T], JOIN_WINDOW_S + 0.1)
-    assert not RateLimiter().slotless([T], 1.0)  # no such scope: nothing to wait for
+    assert not limiter(0).may_wait([T], JOIN_WINDOW_S + 0.1)
+    assert not RateLimiter().may_wait([T], 1.0)  # no such scope: nothing to wait for
 
 
-def test_a_proxy_that_had_slots_refuses_at_once() -> None:
+def test_a_proxy_that_had_slots_refuses_at_once_when_the_fleet_is_full() -> None:
     rl = limiter(1)
-    assert not rl.slotless([T], 1.0)
+    assert not rl.may_wait([T], 1.0)
     held = rl.admit([T], 1, 1.0)
     assert held.ok
     rl.apply_shares({T: Share(0.0, 0)}, 1.0)
-    assert not rl.slotless([T], 1.0)  # its own request still runs
+    assert not rl.may_wait([T], 1.0)  # its own request still runs
     held.release(1, 2.0)
-    assert not rl.slotless([T], 2.0)  # it has held a slot: a refusal is about use
+    assert not rl.may_wait([T], 2.0)  # it has held a slot, and the fleet is full
 
 
-def test_a_full_scope_with_slots_is_not_slotless_even_beside_an_empty_one() -> None:
+def test_a_full_scope_without_spare_refuses_even_beside_a_waiting_one() -> None:
     rl = RateLimiter()
     rl.configure({T: ScopeLimits(concurrency=4), K: ScopeLimits(concurrency=1)}, 0.0)
     rl.apply_shares({T: Share(0.0, 0), K: Share(0.0, 1)}, 0.0)
-    assert rl.slotless([T], 1.0)
+    assert rl.may_wait([T], 1.0)
     # The key's one slot is busy: that refusal is the key's own, no wait.
     rl._scopes[K].in_flight = 1
-    assert not rl.slotless([T, K], 1.0)
+    assert not rl.may_wait([T, K], 1.0)
 
 
 def test_waiters_are_capped_by_the_limit() -> None:
     rl = limiter(0, limit=2)
     rl.wait_begin([T])
-    assert rl.slotless([T], 1.0)
+    assert rl.may_wait([T], 1.0)
     rl.wait_begin([T])
-    assert not rl.slotless([T], 1.0)
+    assert not rl.may_wait([T], 1.0)
     rl.wait_end([T])
-    assert rl.slotless([T], 1.0)
+    assert rl.may_wait([T], 1.0)
+    busy = limiter(1, limit=2, spare=True)
+    assert busy.admit([T], 1, 1.0).ok
+    busy.wait_begin([T])
+    busy.wait_begin([T])
+    assert not busy.may_wait([T], 1.0)
+
+
+def test_busy_slots_wait_while_the_fleet_has_spare_ones() -> None:
+    # 20 slots over 14 proxies: this one holds 1, busy; the fleet holds 1 in flight.
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, 1.0).ok
+    assert not rl.admit([T], 1, 1.0).ok
+    assert rl.may_wait([T], 100.0)  # long after joining: spare is what counts
+    # The tenant uses its whole limit across the fleet: a refusal is about use.
+    rl.apply_shares({T: Share(0.0, 1, spare=False)}, 2.0)
+    assert not rl.may_wait([T], 100.0)
+    # Free slots here: nothing to wait for (admit would not have refused).
+    assert not limiter(2, limit=20, spare=True).may_wait([T], 1.0)
+
+
+def test_waiters_are_reported_as_demand_until_they_end() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, 1.0).ok
+    assert not rl.admit([T], 1, 1.0).ok
+    rl.wait_begin([T])
+    assert rl.demand(2.0)[T].concurrency_peak == 2
+    # The next interval: no new refusal, but the waiter still wants a slot.
+    assert rl.demand(3.0)[T].concurrency_peak == 2
+    rl.wait_end([T])
+    assert rl.demand(4.0)[T].concurrency_peak == 1
 
 
 async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
@@ -71,7 +103,7 @@ async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
     refused = rl.admit([T], 1, 1.0)
     assert refused.limit == "concurrency"
     attempts = rl._scopes[T].attempts
-    waiting = asyncio.create_task(handlers.admit_after_next_share(rl, [T], 1))
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1))
     await asyncio.sleep(0.12)
     rl.apply_shares({T: Share(0.0, 0)}, 1.0)  # a share, still no slot: keeps waiting
     await asyncio.sleep(0.12)
@@ -84,12 +116,26 @@ async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
     assert rl._scopes[T].waiting == 0
 
 
+async def test_a_request_ending_here_frees_the_slot_a_waiter_takes() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    held = rl.admit([T], 1, 1.0)
+    assert held.ok
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1))
+    await asyncio.sleep(0.12)
+    assert not waiting.done()
+    held.release(1, 2.0)
+    admission = await asyncio.wait_for(waiting, 2.0)
+    assert admission.ok
+    assert rl.in_flight(T) == 1
+    assert rl._scopes[T].waiting == 0
+
+
 async def test_without_a_new_slot_the_wait_ends_in_the_refusal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(handlers, "SLOT_WAIT_S", 0.2)
     rl = limiter(0)
-    admission = await asyncio.wait_for(handlers.admit_after_next_share(rl, [T], 1), 2.0)
+    admission = await asyncio.wait_for(handlers.admit_when_slot_frees(rl, [T], 1), 2.0)
     assert not admission.ok and admission.limit == "concurrency"
     assert rl.in_flight(T) == 0
     assert rl._scopes[T].waiting == 0

@@ -1,0 +1,85 @@
+"""A tenant below its concurrency limit is not refused for want of a local slot.
+
+Each proxy holds whole slots of a concurrency limit (docs/rate-limits.md). With
+a limit of 4 over three proxies, one holds 2 and the others 1. Before
+`Share.spare`, a client whose parallel requests met a proxy with one slot got
+429 at 2 of 4 in flight; now the proxy waits while the leader moves idle
+slots to it. A tenant that uses its whole limit is still refused at once.
+
+The origin takes 5 s per answer, longer than a request may wait for a slot
+(4 s): a request admitted after a wait was admitted by a slot the leader
+moved, not by one that a request here gave back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import routing_pb2 as pb
+from tests.e2e.test_global_limits import make_key
+
+pytestmark = pytest.mark.e2e
+
+ANSWER_MS = 5000
+LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with Fleet(tmp_path_factory.mktemp("slots")) as f:
+        f.start_etcd()
+        f.start_control(extra=["--quota-interval-ms", "500"])
+        f.add_region(RegionDef("us-east", 38.9, -77.4))
+        f.start_origin("slow", "us-east", ttft_ms=ANSWER_MS)
+        f.add_origin("slow", "us-east", f.origin_url("slow"))
+        version = f.table_version(origins=1)
+        for name in ("p1", "p2", "p3"):
+            f.start_proxy(name, "us-east", extra=["--report-interval-ms", "500"])
+        f.wait_proxies_at(version)
+        yield f
+
+
+def metrics(fleet: Fleet, proxy: str) -> str:
+    return httpx.get(f"http://{fleet.proxies[proxy].address}/metrics", timeout=5).text
+
+
+def ask(url: str, key: str) -> int:
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"authorization": f"Bearer {key}", "cache-control": "no-store"}
+    with httpx.Client(timeout=30, headers=headers) as client:
+        return client.post(url, json=body).status_code
+
+
+def test_parallel_requests_at_a_one_slot_proxy_wait_for_idle_slots(fleet: Fleet) -> None:
+    key = make_key(fleet, "parallel", pb.Limits(concurrency=LIMIT))
+    # Past the window in which a newly limited scope may wait anyway
+    # (dataplane.ratelimit.limiter.JOIN_WINDOW_S): this is the steady state.
+    time.sleep(5.5)
+    url = fleet.proxy_url("p3") + "/chat/completions"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        codes = list(pool.map(lambda _: ask(url, key), range(3)))
+    assert codes == [200, 200, 200]
+    assert 'ponto_ratelimit_slot_waits_total{outcome="admitted"} 2.0' in metrics(fleet, "p3")
+
+
+def test_a_tenant_at_its_limit_is_refused_at_once(fleet: Fleet) -> None:
+    key = make_key(fleet, "full", pb.Limits(concurrency=LIMIT))
+    time.sleep(5.5)
+    urls = [fleet.proxy_url(p) + "/chat/completions" for p in ("p1", "p1", "p2", "p3")]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        held = [pool.submit(ask, url, key) for url in urls]
+        # The leader sees all 4 in flight within a report and a round.
+        time.sleep(2.0)
+        # Had it waited, it would be admitted by the first of the 4 to end.
+        extra = pool.submit(ask, urls[0], key)
+        assert extra.result() == 429
+        assert [f.result() for f in held] == [200] * 4
+    text = metrics(fleet, "p1")
+    assert 'ponto_ratelimit_refusals_total{limit="concurrency"} 1.0' in text
+    assert 'outcome="refused"' not in text  # refused without a wait
