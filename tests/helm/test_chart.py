@@ -29,6 +29,7 @@ from controlplane import cli as pontoctl
 from controlplane import settings as control_settings
 from controlplane.api.guard import peer_role
 from dataplane import settings as proxy_settings
+from ponto.pki import make_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ponto"
@@ -543,7 +544,51 @@ def test_external_etcd(helm: Path) -> None:
     assert objects(docs, "StatefulSet") == {}
     f = flags(container(one(docs, "Deployment", "ponto-control")))
     assert f["--etcd"] == "etcd-a.db:2379,etcd-b.db:2379"
+    assert "--etcd-ca" not in f
     assert "etcd.external.endpoints" in refused(helm, "--set", "etcd.enabled=false")
+
+
+EXTERNAL_TLS = (
+    "--set", "etcd.enabled=false",
+    "--set", "etcd.external.endpoints={https://etcd-a.db:2379,https://etcd-b.db:2379}",
+    "--set", "etcd.external.tls.secretName=etcd-client",
+)  # fmt: skip
+
+
+def test_external_etcd_over_tls(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, *EXTERNAL_TLS, "--set", "etcd.external.tls.clientCertificate=true")
+    control = one(docs, "Deployment", "ponto-control")
+    assert volume(control, "etcd-tls")["secret"]["secretName"] == "etcd-client"
+    mounts = {m["name"]: m for m in container(control)["volumeMounts"]}
+    assert mounts["etcd-tls"]["mountPath"] == "/etc/ponto/etcd-tls"
+    # The user's Secret, as Kubernetes would mount it, read by the real parser.
+    bundle = make_bundle(tmp_path / "pki")
+    mounted = tmp_path / "etc" / "ponto" / "etcd-tls"
+    mounted.mkdir(parents=True)
+    for name, source in (("ca.crt", "ca.crt"), ("tls.crt", "admin.crt"), ("tls.key", "admin.key")):
+        (mounted / name).write_bytes((bundle.directory / source).read_bytes())
+    settings = control_settings.parse(_materialise(docs, tmp_path, control))
+    assert settings.etcd == ("https://etcd-a.db:2379", "https://etcd-b.db:2379")
+    assert settings.etcd_tls is not None
+    assert settings.etcd_tls.ca_cert == (bundle.directory / "ca.crt").read_bytes()
+    assert settings.etcd_tls.cert_chain == (bundle.directory / "admin.crt").read_bytes()
+    # Without a client certificate only the CA is passed.
+    f = flags(container(one(render(helm, *EXTERNAL_TLS), "Deployment", "ponto-control")))
+    assert f["--etcd-ca"] == "/etc/ponto/etcd-tls/ca.crt"
+    assert "--etcd-cert" not in f and "--etcd-key" not in f
+
+
+def test_external_etcd_schemes_must_agree_with_tls(helm: Path) -> None:
+    plain = refused(helm, *EXTERNAL_TLS[:2], "--set", "etcd.external.endpoints={https://e:2379}")
+    assert "needs etcd.external.tls.secretName" in plain
+    mixed = refused(helm, *EXTERNAL_TLS, "--set", "etcd.external.endpoints={http://e:2379}")
+    assert "write https://e:2379" in mixed
+    assert "Does not match pattern" in refused(
+        helm, *EXTERNAL_TLS, "--set", "etcd.external.endpoints={https://e}"
+    )
+    # The bundled etcd is plaintext behind its NetworkPolicy: the external TLS is ignored.
+    bundled = render(helm, "--set", "etcd.external.tls.secretName=etcd-client")
+    assert "--etcd-ca" not in flags(container(one(bundled, "Deployment", "ponto-control")))
 
 
 # ---------------------------------------------------------------- the regional cache
@@ -931,8 +976,8 @@ def _materialise(docs: list[Doc], root: Path, workload: Doc) -> list[str]:
     secrets = objects(docs, "Secret")
     mounts = {m["name"]: m["mountPath"] for m in container(workload)["volumeMounts"]}
     for v in pod_spec(workload)["volumes"]:
-        if "secret" not in v:
-            continue
+        if "secret" not in v or v["secret"]["secretName"] not in secrets:
+            continue  # a Secret the user makes: the test writes its files
         data = secrets[v["secret"]["secretName"]]["data"]
         keys = [i["key"] for i in v["secret"].get("items", [])] or list(data)
         target = root / mounts[v["name"]].lstrip("/")

@@ -71,11 +71,25 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- if .Values.etcd.enabled -}}
 {{- printf "%s.%s.svc:2379" (include "ponto.part" (list . "etcd")) .Release.Namespace -}}
 {{- else -}}
-{{- if not .Values.etcd.external.endpoints -}}
+{{- $ext := .Values.etcd.external -}}
+{{- if not $ext.endpoints -}}
 {{- fail "etcd.enabled is false: set etcd.external.endpoints (HOST:PORT of an existing etcd cluster)" -}}
 {{- end -}}
-{{- join "," .Values.etcd.external.endpoints -}}
+{{- range $ext.endpoints -}}
+{{- if and $ext.tls.secretName (hasPrefix "http://" .) -}}
+{{- fail (printf "etcd.external.endpoints: %s says http:// but etcd.external.tls.secretName is set; write https://%s" . (trimPrefix "http://" .)) -}}
 {{- end -}}
+{{- if and (not $ext.tls.secretName) (hasPrefix "https://" .) -}}
+{{- fail (printf "etcd.external.endpoints: %s needs etcd.external.tls.secretName (a Secret with ca.crt, the CA that signed etcd's certificates)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $ext.endpoints -}}
+{{- end -}}
+{{- end -}}
+
+{{/* TLS to an external etcd: the Secret's name, or "" for plaintext (the bundled etcd is plaintext behind its NetworkPolicy). */}}
+{{- define "ponto.etcd.tlsSecret" -}}
+{{- if not .Values.etcd.enabled -}}{{ .Values.etcd.external.tls.secretName }}{{- end -}}
 {{- end -}}
 
 {{/* Secret names: the user's when given, else the chart's. */}}
