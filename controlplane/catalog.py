@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import time
 import uuid
@@ -70,6 +71,7 @@ from controlplane.store import (
     txn_size,
 )
 from ponto.apikeys import issue_key
+from ponto.times import utc
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ REPLICAS = ROOT + "replicas/"
 ACKS = ROOT + "acks/"
 TRAFFIC = ROOT + "traffic/"
 CAS_ATTEMPTS = 8
+# The latest key expiry taken (year 9999): later is a mistake, not a time.
+MAX_EXPIRY = 253402300799.0
 _PREFIX = {"region": REGIONS, "origin": ORIGINS, "tenant": TENANTS}
 
 T = TypeVar("T")
@@ -396,14 +400,23 @@ class Catalog:
     # ------------------------------------------------------------ keys
 
     async def create_key(
-        self, tenant: str, *, description: str = "", limits: Limits | None = None
+        self,
+        tenant: str,
+        *,
+        description: str = "",
+        limits: Limits | None = None,
+        expires_at: float = 0.0,
     ) -> tuple[ApiKeyRecord, str]:
-        """Store a new key's hash and return (record, key). The key is not kept."""
+        """Store a new key's hash and return (record, key). The key is not kept.
+
+        `expires_at`: Unix seconds in the future from which proxies refuse the
+        key, or 0 for a key that does not expire."""
         await self.get_tenant(tenant)
         limits = limits or Limits()
         if len(description) > 256:
             raise InvalidArgument("key description is longer than 256 characters")
         limits = limits.validated("the key")
+        self._check_expiry(expires_at, "the key")
         issued = issue_key()
         record = ApiKeyRecord(
             id=issued.key_id,
@@ -412,6 +425,7 @@ class Catalog:
             description=description,
             limits=limits,
             created_at=self._clock(),
+            expires_at=expires_at,
         )
         try:
             await _guard(self.store.put(KEYS + record.id, encode(record), if_absent=True))
@@ -449,6 +463,30 @@ class Catalog:
             lambda k: replace(k, limits=limits),
             f"key {key_id!r} not found",
         )
+
+    async def set_key_expiry(self, key_id: str, expires_at: float) -> ApiKeyRecord:
+        """Make a key expire at `expires_at` (Unix seconds, in the future), or
+        never (0). A revoked key stays revoked: it is refused."""
+        self._check_expiry(expires_at, f"key {key_id!r}")
+
+        def change(k: ApiKeyRecord) -> ApiKeyRecord:
+            if k.revoked:
+                raise FailedPrecondition(f"key {key_id!r} is revoked; it cannot expire")
+            return replace(k, expires_at=expires_at)
+
+        return await self._update(
+            KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
+        )
+
+    def _check_expiry(self, expires_at: float, what: str) -> None:
+        if expires_at == 0:
+            return
+        if not math.isfinite(expires_at) or expires_at > MAX_EXPIRY:
+            raise InvalidArgument(f"{what}: expiry {expires_at!r} is not a time")
+        if expires_at <= self._clock():
+            raise InvalidArgument(
+                f"{what}: expiry {utc(expires_at)} is in the past; revoke the key instead"
+            )
 
     # ------------------------------------------------------------ cache purges
 

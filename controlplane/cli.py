@@ -41,6 +41,7 @@ from controlplane.model import (
     Tenant,
 )
 from ponto import grpcconn as conn
+from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -382,12 +383,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     tenant.add_parser("delete", help="delete a tenant without active keys").add_argument("name")
 
-    key = sub.add_parser("key", help="create, list and revoke API keys").add_subparsers(
+    key = sub.add_parser("key", help="create, list, expire and revoke API keys").add_subparsers(
         dest="action", required=True
     )
     kc = key.add_parser("create", help="create a key; it is printed once, on the last line")
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--description", default="")
+    kc.add_argument(
+        "--expires-in",
+        type=_duration,
+        metavar="DURATION",
+        help="proxies refuse the key after this long (90s, 30m, 2h, 90d); default: never",
+    )
     _limits_args(kc)
     kl = key.add_parser("list", help="list keys (never their secrets)")
     kl.add_argument("--tenant", default="")
@@ -398,6 +405,15 @@ def _parser() -> argparse.ArgumentParser:
     shown.add_argument("--active", action="store_true", help="hide revoked keys")
     kl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
     key.add_parser("revoke", help="revoke a key by its id").add_argument("id")
+    ke = key.add_parser(
+        "expire", help="make a key expire (to rotate it: create its successor, then expire it)"
+    )
+    ke.add_argument("id")
+    when = ke.add_mutually_exclusive_group(required=True)
+    when.add_argument(
+        "--in", dest="expires_in", type=_duration, metavar="DURATION", help="from now: 7d, 12h"
+    )
+    when.add_argument("--never", action="store_true", help="remove the key's expiry")
 
     limit = sub.add_parser("limit", help="set rate limits").add_subparsers(
         dest="action", required=True
@@ -619,7 +635,7 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
 def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]]:
     return ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT"], [
         [
-            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.time)),
+            utc(e.time),
             e.actor,
             e.action,
             e.target,
@@ -640,17 +656,25 @@ def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list
 
 
 def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
-    return ["ID", "TENANT", "DESCRIPTION", "LIMITS", "CREATED", "STATE"], [
+    now = time.time()
+    return ["ID", "TENANT", "DESCRIPTION", "LIMITS", "CREATED", "EXPIRES", "STATE"], [
         [
             k.id,
             k.tenant,
             k.description or "-",
             _limits_text(k.limits, none="-"),
             time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.created_at)),
-            "revoked" if k.revoked else "active",
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.expires_at)) if k.expires_at else "-",
+            _key_state(k, now),
         ]
         for k in resp.keys
     ]
+
+
+def _key_state(k: apb.ApiKeyInfo, now: float) -> str:
+    if k.revoked:
+        return "revoked"
+    return "expired" if 0 < k.expires_at <= now else "active"
 
 
 def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:
@@ -793,11 +817,13 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     tenant=args.tenant,
                     description=args.description,
                     limits=_limits_over(pb.Limits(), args, "the key"),
+                    expires_at=time.time() + args.expires_in if args.expires_in else 0.0,
                 )
             )
+            expiry = f", expiring {utc(resp.key.expires_at)}" if resp.key.expires_at else ""
             # The key alone on the last line, so scripts can take `tail -n1`.
             return (
-                f"key {resp.key.id} created for tenant {resp.key.tenant}; "
+                f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}; "
                 "it is shown only now, store it safely:\n" + str(resp.secret)
             )
         if args.action == "list":
@@ -805,6 +831,12 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 apb.ListKeysRequest(tenant=args.tenant, include_revoked=not args.active)
             )
             return render(keys, args.output, _rows_keys)
+        if args.action == "expire":
+            at = 0.0 if args.never else time.time() + args.expires_in
+            k = stub.SetKeyExpiry(apb.SetKeyExpiryRequest(id=args.id, expires_at=at))
+            if not k.expires_at:
+                return f"key {k.id} of tenant {k.tenant} no longer expires"
+            return f"key {k.id} of tenant {k.tenant} expires {utc(k.expires_at)}"
         k = stub.RevokeKey(apb.KeyRequest(id=args.id))
         return f"key {k.id} of tenant {k.tenant} revoked"
     if args.command == "limit":

@@ -67,7 +67,13 @@ def compile_table(state: State) -> pb.RouteTable:
     tenants = {t.name for t in state.tenants}
     table.tenants.extend(tenant_pb(t) for t in sorted(state.tenants, key=lambda t: t.name))
     table.keys.extend(
-        pb.ApiKey(id=k.id, hash=k.hash, tenant=k.tenant, limits=limits_pb(k.limits))
+        pb.ApiKey(
+            id=k.id,
+            hash=k.hash,
+            tenant=k.tenant,
+            limits=limits_pb(k.limits),
+            expires_at=k.expires_at,
+        )
         for k in sorted(state.keys, key=lambda k: k.id)
         if not k.revoked and k.tenant in tenants
     )

@@ -190,7 +190,7 @@ def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) ->
     for k in table.keys:
         if k.tenant not in tenants:
             raise TableError(f"key {k.id!r} belongs to unknown tenant {k.tenant!r}")
-        keys.append(KeyRecord(k.id, k.hash, k.tenant))
+        keys.append(KeyRecord(k.id, k.hash, k.tenant, k.expires_at))
         lim = ScopeLimits(k.limits.rpm, k.limits.tpm, k.limits.concurrency)
         if not lim.unlimited:
             limits[key_scope(k.id)] = lim

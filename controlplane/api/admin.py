@@ -81,6 +81,7 @@ def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
         created_at=k.created_at,
         revoked=k.revoked,
         revoked_at=k.revoked_at,
+        expires_at=k.expires_at,
     )
 
 
@@ -221,7 +222,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.create_key)
     async def CreateKey(self, request: apb.CreateKeyRequest, context: Ctx) -> apb.CreateKeyResponse:
         record, secret = await self._catalog.create_key(
-            request.tenant, description=request.description, limits=limits_of(request.limits)
+            request.tenant,
+            description=request.description,
+            limits=limits_of(request.limits),
+            expires_at=request.expires_at,
         )
         return apb.CreateKeyResponse(key=key_pb(record), secret=secret)
 
@@ -241,6 +245,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.set_key_limits)
     async def SetKeyLimits(self, request: apb.SetKeyLimitsRequest, context: Ctx) -> apb.ApiKeyInfo:
         return key_pb(await self._catalog.set_key_limits(request.id, limits_of(request.limits)))
+
+    @grpc_errors
+    @audited(auditing.set_key_expiry)
+    async def SetKeyExpiry(self, request: apb.SetKeyExpiryRequest, context: Ctx) -> apb.ApiKeyInfo:
+        return key_pb(await self._catalog.set_key_expiry(request.id, request.expires_at))
 
     @grpc_errors
     @audited(auditing.purge_cache)

@@ -26,6 +26,7 @@ from controlplane.audit import AuditLog
 from controlplane.errors import ControlPlaneError
 from controlplane.model import redact_userinfo
 from ponto import roles
+from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
 
 Req = TypeVar("Req")
@@ -185,6 +186,11 @@ def revoke_key(req: apb.KeyRequest, _: object) -> Description:
 
 def set_key_limits(req: apb.SetKeyLimitsRequest, _: object) -> Description:
     return f"key/{req.id}", fields(req, leave=("id",))
+
+
+def set_key_expiry(req: apb.SetKeyExpiryRequest, _: object) -> Description:
+    when = req.expires_at
+    return f"key/{req.id}", {"expires_at": utc(when) if when else "never"}
 
 
 def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:

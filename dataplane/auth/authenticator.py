@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from ponto.apikeys import KEY_PREFIX, is_key_id, parse_key_id
+from ponto.times import utc
 
 if TYPE_CHECKING:
     # PyJWT and cryptography cost a proxy ~19 MB of memory: they are imported
@@ -128,11 +129,13 @@ class KeyRecord:
     """One API key as the route table carries it: never the key itself.
 
     `key_hash` is `ponto.apikeys.hash_key` of the key (64 hex characters).
+    `expires_at`: Unix seconds from which the key is refused; 0: never.
     """
 
     key_id: str
     key_hash: str
     tenant: str
+    expires_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +201,8 @@ class AuthError(Exception):
     client (it never contains the presented credential).
 
     Codes: ``missing_api_key``, ``invalid_api_key`` (malformed header, unknown
-    or revoked key), ``invalid_token`` (JWT signature, algorithm, key,
-    issuer, audience, ``nbf`` or claims), ``expired_token``.
+    or revoked key), ``expired_api_key``, ``invalid_token`` (JWT signature,
+    algorithm, key, issuer, audience, ``nbf`` or claims), ``expired_token``.
     """
 
     status: Final = 401
@@ -242,6 +245,12 @@ def _bad_key() -> AuthError:
     return AuthError("invalid_api_key", "Incorrect API key provided.")
 
 
+def _expired_key(expires_at: float) -> AuthError:
+    return AuthError(
+        "expired_api_key", f"This API key expired at {utc(expires_at)}; use another key."
+    )
+
+
 def _bad_token(reason: str) -> AuthError:
     return AuthError("invalid_token", f"Invalid token: {reason}.")
 
@@ -262,6 +271,7 @@ class Authenticator:
         "_cache",
         "_cache_size",
         "_dummy",
+        "_expiry",
         "_is_open",
         "_keys",
         "_verified",
@@ -275,9 +285,12 @@ class Authenticator:
         *,
         closed: bool,
         jwt_cache_size: int,
+        expiry: dict[str, float] | None = None,
     ) -> None:
         """Internal: use `Authenticator.build`."""
         self._keys = keys
+        # Key id -> Unix seconds from which it is refused; only keys that expire.
+        self._expiry = expiry or {}
         self._verifiers = verifiers
         self._is_open = not closed and not keys and not verifiers
         # A random digest no key can hash to; see "constant time" above.
@@ -311,6 +324,7 @@ class Authenticator:
         """
         env = os.environ if environ is None else environ
         entries: dict[str, _KeyEntry] = {}
+        expiry: dict[str, float] = {}
         tenant_scopes: dict[str, str] = {}
         for record in keys:
             if not is_key_id(record.key_id):
@@ -324,6 +338,8 @@ class Authenticator:
             tscope = tenant_scopes.setdefault(record.tenant, f"t/{record.tenant}")
             principal = Principal(record.tenant, record.key_id, (tscope, f"k/{record.key_id}"))
             entries[record.key_id] = (digest, principal)
+            if record.expires_at:
+                expiry[record.key_id] = record.expires_at
 
         verifiers: dict[str, _JwtVerifier] = {}
         for config in jwts:
@@ -337,7 +353,7 @@ class Authenticator:
             verifiers[config.issuer] = verifier
         if jwt_cache_size < 1:
             raise AuthConfigError("jwt_cache_size must be at least 1")
-        return cls(entries, verifiers, closed=closed, jwt_cache_size=jwt_cache_size)
+        return cls(entries, verifiers, closed=closed, jwt_cache_size=jwt_cache_size, expiry=expiry)
 
     @property
     def open(self) -> bool:
@@ -361,6 +377,8 @@ class Authenticator:
             raise _malformed_header()
         known = self._verified.get(token)
         if known is not None:
+            if self._expiry:
+                self._check_expiry(known, now)
             return known
         # The token's characters are checked by the path it takes (the key's
         # alphabet; the JWT grammar before verification), not here: a
@@ -371,10 +389,17 @@ class Authenticator:
             if len(verified) >= VERIFIED_KEYS:
                 verified.clear()
             verified[token] = principal
+            if self._expiry:
+                self._check_expiry(principal, now)
             return principal
         if self._verifiers:
             return self._jwt(token, now)
         raise _bad_key()
+
+    def _check_expiry(self, principal: Principal, now: float) -> None:
+        expires_at = self._expiry.get(principal.key_id)
+        if expires_at is not None and now >= expires_at:
+            raise _expired_key(expires_at)
 
     def _api_key(self, token: str) -> Principal:
         key_id = parse_key_id(token)

@@ -483,6 +483,7 @@ class ApiKeyInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     REVOKED_FIELD_NUMBER: _builtins.int
     REVOKED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant: _builtins.str
     description: _builtins.str
@@ -490,6 +491,8 @@ class ApiKeyInfo(_message.Message):
     """Unix seconds."""
     revoked: _builtins.bool
     revoked_at: _builtins.float
+    expires_at: _builtins.float
+    """Unix seconds from which proxies refuse the key; 0: never."""
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     def __init__(
@@ -502,10 +505,11 @@ class ApiKeyInfo(_message.Message):
         created_at: _builtins.float = ...,
         revoked: _builtins.bool = ...,
         revoked_at: _builtins.float = ...,
+        expires_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "id", b"id", "limits", b"limits", "revoked", b"revoked", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "revoked", b"revoked", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -518,8 +522,11 @@ class CreateKeyRequest(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     description: _builtins.str
+    expires_at: _builtins.float
+    """Unix seconds, in the future; 0: the key does not expire."""
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     def __init__(
@@ -528,10 +535,11 @@ class CreateKeyRequest(_message.Message):
         tenant: _builtins.str = ...,
         description: _builtins.str = ...,
         limits: _routing_pb2.Limits | None = ...,
+        expires_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -645,6 +653,29 @@ class SetKeyLimitsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetKeyLimitsRequest: _TypeAlias = SetKeyLimitsRequest  # noqa: Y015
+
+@_typing.final
+class SetKeyExpiryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    expires_at: _builtins.float
+    """Unix seconds, in the future; 0: the key no longer expires."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetKeyExpiryRequest: _TypeAlias = SetKeyExpiryRequest  # noqa: Y015
 
 @_typing.final
 class ControlPlaneInfo(_message.Message):

@@ -115,6 +115,11 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeyLimitsRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
                 _registered_method=True)
+        self.SetKeyExpiry = channel.unary_unary(
+                '/ponto.v1.Admin/SetKeyExpiry',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeyExpiryRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+                _registered_method=True)
         self.PurgeCache = channel.unary_unary(
                 '/ponto.v1.Admin/PurgeCache',
                 request_serializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheRequest.SerializeToString,
@@ -251,6 +256,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKeyExpiry(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PurgeCache(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -377,6 +388,11 @@ def add_AdminServicer_to_server(servicer, server):
             'SetKeyLimits': grpc.unary_unary_rpc_method_handler(
                     servicer.SetKeyLimits,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeyLimitsRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
+            ),
+            'SetKeyExpiry': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKeyExpiry,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeyExpiryRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
             ),
             'PurgeCache': grpc.unary_unary_rpc_method_handler(
@@ -846,6 +862,33 @@ class Admin:
             target,
             '/ponto.v1.Admin/SetKeyLimits',
             ponto_dot_v1_dot_admin__pb2.SetKeyLimitsRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKeyExpiry(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/SetKeyExpiry',
+            ponto_dot_v1_dot_admin__pb2.SetKeyExpiryRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
             options,
             channel_credentials,

@@ -51,6 +51,7 @@ class AdminStub:
     ListKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListKeysRequest, _admin_pb2.ListKeysResponse]
     RevokeKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.KeyRequest, _admin_pb2.ApiKeyInfo]
     SetKeyLimits: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeyLimitsRequest, _admin_pb2.ApiKeyInfo]
+    SetKeyExpiry: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeyExpiryRequest, _admin_pb2.ApiKeyInfo]
     PurgeCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeCacheRequest, _admin_pb2.PurgeCacheResponse]
     ListProxies: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]
     ListControlPlanes: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]
@@ -81,6 +82,7 @@ class AdminAsyncStub(AdminStub):
     ListKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListKeysRequest, _admin_pb2.ListKeysResponse]  # type: ignore[assignment]
     RevokeKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.KeyRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
     SetKeyLimits: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeyLimitsRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
+    SetKeyExpiry: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeyExpiryRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
     PurgeCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeCacheRequest, _admin_pb2.PurgeCacheResponse]  # type: ignore[assignment]
     ListProxies: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]  # type: ignore[assignment]
     ListControlPlanes: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]  # type: ignore[assignment]
@@ -202,6 +204,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     def SetKeyLimits(
         self,
         request: _admin_pb2.SetKeyLimitsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApiKeyInfo, _abc.Awaitable[_admin_pb2.ApiKeyInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def SetKeyExpiry(
+        self,
+        request: _admin_pb2.SetKeyExpiryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ApiKeyInfo, _abc.Awaitable[_admin_pb2.ApiKeyInfo]]: ...
 

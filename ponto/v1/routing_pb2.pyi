@@ -290,11 +290,14 @@ class ApiKey(_message.Message):
     HASH_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public id, the middle part of the key (sk-ponto-<id>-<secret>)."""
     hash: _builtins.str
     """Hex SHA-256 of the whole key."""
     tenant: _builtins.str
+    expires_at: _builtins.float
+    """Unix seconds from which the key is refused (401 expired_api_key); 0: never."""
     @_builtins.property
     def limits(self) -> Global___Limits: ...
     def __init__(
@@ -304,10 +307,11 @@ class ApiKey(_message.Message):
         hash: _builtins.str = ...,
         tenant: _builtins.str = ...,
         limits: Global___Limits | None = ...,
+        expires_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash", b"hash", "id", b"id", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "hash", b"hash", "id", b"id", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -131,6 +131,37 @@ def test_key_is_printed_once_alone_on_the_last_line_and_never_listed(
     assert post(fleet, key).status_code == 200
 
 
+def test_an_expiring_key_is_served_until_its_expiry_then_refused_with_why(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tenant_key: str
+) -> None:
+    out = ctl(fleet, capsys, "key", "create", "--tenant", "acme", "--expires-in", "3s")
+    assert ", expiring 20" in out.splitlines()[0]
+    key = out.strip().splitlines()[-1]
+    key_id = key.split("-")[2]
+    converge(fleet, lambda t: any(k.id == key_id and k.expires_at for k in t.keys))
+    served, before = 0, sim(fleet)["requests"]
+    deadline = time.monotonic() + 20
+    while (resp := post(fleet, key)).status_code == 200 and time.monotonic() < deadline:
+        served += 1
+        time.sleep(0.2)
+    assert served > 0  # it worked before its expiry
+    assert resp.status_code == 401
+    error = resp.json()["error"]
+    assert error["code"] == "expired_api_key"
+    assert error["message"].startswith("This API key expired at 20")
+    assert resp.headers["www-authenticate"] == 'Bearer realm="ponto", error="invalid_token"'
+    assert sim(fleet)["requests"] == before + served  # the refusal reached no origin
+    row = next(r for r in ctl(fleet, capsys, "key", "list").splitlines() if r.startswith(key_id))
+    assert row.split()[-1] == "expired"
+    # Rotation the other way: the operator lifts the expiry; proxies serve it again.
+    assert "no longer expires" in ctl(fleet, capsys, "key", "expire", key_id, "--never")
+    converge(fleet, lambda t: any(k.id == key_id and not k.expires_at for k in t.keys))
+    assert post(fleet, key).status_code == 200
+    assert f"key {key_id} of tenant acme expires 20" in ctl(
+        fleet, capsys, "key", "expire", key_id, "--in", "30d"
+    )
+
+
 def test_wrong_missing_and_malformed_credentials_never_reach_the_origin(
     fleet: Fleet, tenant_key: str
 ) -> None:

@@ -187,6 +187,30 @@ def test_revoked_key_is_absent_from_the_next_table() -> None:
     assert after.authenticate(bearer(b.key), NOW).key_id == b.key_id
 
 
+def test_a_key_is_refused_from_its_expiry_even_once_remembered() -> None:
+    expiring, lasting = issue_key(), issue_key()
+    auth = build(
+        keys=[
+            KeyRecord(expiring.key_id, expiring.key_hash, "acme", expires_at=NOW + 60),
+            record(lasting),
+        ]
+    )
+    assert auth.authenticate(bearer(expiring.key), NOW).key_id == expiring.key_id
+    assert auth.authenticate(bearer(expiring.key), NOW + 59.9).key_id == expiring.key_id
+    error = fails(auth, bearer(expiring.key), NOW + 60)
+    assert error.code == "expired_api_key"
+    assert error.message == "This API key expired at 2030-03-17T17:47:40Z; use another key."
+    assert expiring.key not in error.message
+    # A fresh authenticator (nothing remembered) refuses it the same way.
+    again = build(keys=[KeyRecord(expiring.key_id, expiring.key_hash, "acme", NOW + 60)])
+    assert fails(again, bearer(expiring.key), NOW + 61).code == "expired_api_key"
+    # A wrong secret for the expired id is just a bad key: expiry is told only
+    # to the key's holder.
+    forged = expiring.key[:-1] + ("A" if expiring.key[-1] != "A" else "B")
+    assert fails(again, bearer(forged), NOW + 61).code == "invalid_api_key"
+    assert auth.authenticate(bearer(lasting.key), NOW + 10**6).key_id == lasting.key_id
+
+
 def test_a_verified_key_is_remembered_and_a_refused_one_never_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

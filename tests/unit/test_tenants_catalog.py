@@ -3,6 +3,7 @@ compile_table turns them into the route table proxies enforce."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -34,6 +35,7 @@ from controlplane.model import (
 )
 from controlplane.store import Fence
 from controlplane.store.memory import MemoryStore
+from dataplane.policy import build_policy
 from ponto.apikeys import hash_key, parse_key_id, secret_of
 from ponto.v1 import routing_pb2 as pb
 
@@ -487,6 +489,29 @@ async def test_set_key_limits(catalog: Catalog) -> None:
         await catalog.set_key_limits(record.id, Limits(rpm=-1))
 
 
+async def test_keys_expire_at_a_future_time_or_never(catalog: Catalog, clock: Clock) -> None:
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    record, _ = await catalog.create_key("acme", expires_at=clock.now + 3600)
+    assert record.expires_at == 1_000.0 + 3600
+    assert not record.expired(clock.now) and record.expired(record.expires_at)
+    assert (await catalog.list_keys())[0].expires_at == record.expires_at
+    for bad in (clock.now - 1, math.nan, math.inf, 1e300):
+        with pytest.raises(InvalidArgument, match="expiry"):
+            await catalog.create_key("acme", expires_at=bad)
+    with pytest.raises(InvalidArgument, match="in the past; revoke the key instead"):
+        await catalog.set_key_expiry(record.id, clock.now - 10)
+    later = await catalog.set_key_expiry(record.id, clock.now + 86400)
+    assert later.expires_at > record.expires_at and later.hash == record.hash
+    never = await catalog.set_key_expiry(record.id, 0)
+    assert never.expires_at == 0 and not never.expired(clock.now)
+    assert (await catalog.list_keys())[0] == never
+    with pytest.raises(NotFound):
+        await catalog.set_key_expiry("abcdefghij", 0)
+    await catalog.revoke_key(record.id)
+    with pytest.raises(FailedPrecondition, match="revoked"):
+        await catalog.set_key_expiry(record.id, clock.now + 60)
+
+
 async def test_list_keys_filters(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
     await catalog.put_tenant(Tenant("globex"), allow_update=False)
@@ -655,6 +680,18 @@ def test_compile_leaves_out_revoked_keys_and_keys_of_deleted_tenants() -> None:
     orphan = ApiKeyRecord("cccccccccc", "c" * 64, "deleted")
     table = compile_table(state(tenants=(Tenant("acme"),), keys=(KEY_A, revoked, orphan)))
     assert [k.id for k in table.keys] == ["aaaaaaaaaa"]
+
+
+def test_compile_keeps_expiring_keys_with_their_expiry_for_the_proxies() -> None:
+    # Proxies refuse a key from its expiry on; the table does not change then.
+    expiring = replace(KEY_B, expires_at=2_000_000_000.0)
+    table = compile_table(state(tenants=(Tenant("acme"),), keys=(KEY_A, expiring)))
+    assert [(k.id, k.expires_at) for k in table.keys] == [
+        ("aaaaaaaaaa", 0.0),
+        ("bbbbbbbbbb", 2_000_000_000.0),
+    ]
+    policy = build_policy(table)
+    assert policy.authenticator._expiry == {"bbbbbbbbbb": 2_000_000_000.0}
 
 
 @pytest.mark.parametrize(
