@@ -83,9 +83,9 @@ def compute_shares(
     Each proxy gets `idle_floor` of every scope (capped so that all floors
     together take at most `floor_total`), so that a client arriving at an idle
     proxy can start at once. Every share of a concurrency-limited scope says
-    whether the fleet reported fewer requests in flight than the limit
-    (`Share.spare`): the same for all proxies, so it changes only when the
-    tenant's use crosses its limit. Shares equal to the previous ones are returned as
+    whether the fleet's peaks (refused and waiting requests counted) stayed
+    below the limit (`Share.spare`, the same for all proxies; see `_spare`).
+    Shares equal to the previous ones are returned as
     the same objects, so callers can publish only what changed.
     """
     n = len(proxies)
@@ -113,7 +113,7 @@ def compute_shares(
             continue
         fractions = _fractions(rpm, tpm, ds, ps, floor, hysteresis, fairness_band, overcommit)
         slots = _slots(conc, proxies, ds, ps, fairness_band) if conc else [0] * n
-        spare = _spare(conc, ds)
+        spare = _spare(conc, ds, ps)
         for row, prev, f, c in zip(rows, ps, fractions, slots, strict=True):
             if prev is not None and (prev.fraction, prev.concurrency, prev.spare) == (f, c, spare):
                 row[scope] = prev
@@ -159,9 +159,30 @@ def _still_idle(ds: list[Demand | None], ps: list[Share | None], even: float, li
     return total == limit
 
 
-def _spare(limit: int, ds: list[Demand | None]) -> bool:
-    """Whether the fleet reported fewer requests in flight than a concurrency limit."""
-    return limit > 0 and sum(d.in_flight for d in ds if d is not None) < limit
+# Share.spare turns on only when the fleet's peaks are this far below the limit
+# (at least 1 slot), and off once they reach it: a tenant whose use hovers at
+# its limit would otherwise flip the flag, and push every proxy a new share,
+# every round.
+SPARE_MARGIN = 0.1
+
+
+def _spare(limit: int, ds: list[Demand | None], ps: list[Share | None]) -> bool:
+    """Whether a proxy whose slots are all busy may wait for the leader to move
+    slots to it (Share.spare).
+
+    The test is on the proxies' peaks, the measure `_slots` allocates by (a
+    waiting request raises its proxy's peak): below the limit, that proxy's
+    quota exceeds its slots by more than one, so the next rounds move slots to
+    it. Requests in flight at report time would not do: between reports short
+    requests come and go, and the fleet can be at its limit by its peaks with
+    slots free at the instant of the report, where no slot would move.
+    """
+    if limit <= 0:
+        return False
+    total = sum(d.concurrency_peak for d in ds if d is not None)
+    if any(p is not None and p.spare for p in ps):
+        return total < limit
+    return total <= limit - max(1, math.ceil(limit * SPARE_MARGIN))
 
 
 def _fractions(

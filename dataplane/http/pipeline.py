@@ -175,8 +175,10 @@ CACHE_TIER_HEADER = "x-ponto-cache-tier"
 ROUTE_HEADER = "x-ponto-route"
 
 # How long a request may wait for a concurrency slot that the leader's next
-# shares bring (RateLimiter.may_wait): a slot moves in two rebalances after the
-# refusal is reported (about a second each, plus the report's own interval).
+# shares bring (RateLimiter.may_wait): after the refusal, the proxy's demand
+# report, its replica's publication and two of the leader's rounds, a second
+# each by default (2.5 s on average; the wait also ends as soon as a share
+# says the fleet has no spare slots).
 SLOT_WAIT_S = 4.0
 _SLOT_POLL_S = 0.05
 
@@ -281,7 +283,7 @@ class Pipeline:
         now = time.monotonic()
         admission = limiter.admit(scopes, ex.estimate, now)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):
-            admission = await admit_when_slot_frees(limiter, scopes, ex.estimate)
+            admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now)
             now = time.monotonic()
             outcome = "admitted" if admission.ok else "refused"
             self.metrics.child(self.metrics.slot_waits, outcome).inc()
@@ -605,27 +607,29 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:
 
 
 async def admit_when_slot_frees(
-    limiter: RateLimiter, scopes: Sequence[str], estimate: int
+    limiter: RateLimiter, scopes: Sequence[str], estimate: int, refused_at: float
 ) -> Admission:
     """Admit once a slot is free here (a share brought one, or a request here
-    ended), or refuse after SLOT_WAIT_S.
+    ended); refuse once a share says the wait is pointless (no spare slots in
+    the fleet) or after SLOT_WAIT_S.
 
     Only when the slots are elsewhere (RateLimiter.may_wait): waiting admits
     nothing the fleet's limit does not allow, it waits for this proxy's part
-    of it. Admission is tried only once a slot is free (so the wait adds no
-    attempts beyond the first refusal; the waiter is reported as demand for a
-    slot); waiters per scope are capped by its limit.
+    of it. The waiter is reported as demand for a slot, and its last attempt
+    is not counted again; waiters per scope are capped by its limit.
+    `refused_at`: the limiter's time of the refusal; the wait is judged as of
+    then (a joining proxy's window closing does not end it).
     """
     deadline = time.monotonic() + SLOT_WAIT_S
     limiter.wait_begin(scopes)
     try:
         while time.monotonic() < deadline:
             await asyncio.sleep(_SLOT_POLL_S)
-            if limiter.slots_free(scopes):
+            if limiter.slots_free(scopes) or not limiter.may_wait(scopes, refused_at, waiting=True):
                 break
     finally:
         limiter.wait_end(scopes)
-    return limiter.admit(scopes, estimate, time.monotonic())
+    return limiter.admit(scopes, estimate, time.monotonic(), again=True)
 
 
 def refusal(admission: Admission) -> ApiError:

@@ -155,6 +155,7 @@ class Proxy:
             info,
             credentials=settings.credentials,
             on_quota=quota.on_quota,
+            on_lost=quota.on_link_lost,
             on_loads=self.loads.apply,
             demand=quota.demand,
             traffic=lambda: traffic_of(m.requests, m.genai_duration),

@@ -321,29 +321,31 @@ class RateLimiter:
             ):
                 st.set_share(share, now)
 
-    def may_wait(self, scopes: Sequence[str], now: float) -> bool:
+    def may_wait(self, scopes: Sequence[str], now: float, *, waiting: bool = False) -> bool:
         """Whether a concurrency refusal for `scopes` is only for want of slots
         that the leader's next shares bring here, so worth a wait.
 
         True when every scope that refuses for concurrency has fewer requests
         waiting than its limit and either
         - had spare slots in the fleet at the leader's last round
-          (`Share.spare`): this proxy's are busy, others' are idle, and its
-          refusal counts as demand, which moves slots here in two rebalances
-          (controlplane/quota.py); or
+          (`Share.spare`, controlplane/quota.py): this proxy's are busy while
+          the fleet's peaks stay below the limit, and its refusal (then its
+          waiting requests) counts as demand, which moves slots here in two
+          rebalances; or
         - is one this proxy has held for under JOIN_WINDOW_S without ever
           getting a slot, with nothing of it in flight here: a proxy that has
           just joined (a rolling upgrade, a scale-up), whose first shares may
           not say yet what the fleet holds.
         A scope whose fleet was at its limit refuses at once: the tenant uses
-        all of it.
+        all of it. `waiting`: asked again by a request that waits (and is
+        counted among the waiters), which stops when this turns False.
         """
         found = False
         for name in scopes:
             st = self._scopes.get(name)
             if st is None or not st.concurrency or st.in_flight < st.slots:
                 continue
-            if st.waiting >= st.concurrency:
+            if st.waiting - (1 if waiting else 0) >= st.concurrency:
                 return False
             if not (
                 st.spare
@@ -383,7 +385,7 @@ class RateLimiter:
     def share(self, scope: str) -> Share:
         """The share this proxy applies to `scope` (NO_SHARE if none)."""
         st = self._scopes.get(scope)
-        return NO_SHARE if st is None else Share(st.fraction, st.slots)
+        return NO_SHARE if st is None else Share(st.fraction, st.slots, st.spare)
 
     def in_flight(self, scope: str) -> int:
         st = self._scopes.get(scope)
@@ -424,12 +426,16 @@ class RateLimiter:
 
     # ------------------------------------------------------------ hot path
 
-    def admit(self, scopes: Sequence[str], est_tokens: int, now: float) -> Admission:
+    def admit(
+        self, scopes: Sequence[str], est_tokens: int, now: float, *, again: bool = False
+    ) -> Admission:
         """Admit a request against every limited scope in `scopes`, or none.
 
         All scopes are checked before any is charged, so a refusal leaves no
         trace but the demand it shows. Scopes without limits cost one dict
         lookup; with none limited the shared UNLIMITED admission is returned.
+        `again`: the same request, after waiting for a slot (`may_wait`); its
+        demand is not counted twice.
         """
         get = self._scopes.get
         found: list[_Scope] | None = None
@@ -456,13 +462,17 @@ class RateLimiter:
         wait = 0.0
         unknown = self._unknown_retry_s
         for st in found:
-            # Demand counts every attempt: refusals are what the leader must see.
-            st.attempts += 1
-            st.attempt_tokens += est_tokens
+            # Demand counts every attempt: refusals are what the leader must
+            # see. A request admitted `again` after waiting for a slot was
+            # counted at its first attempt, and as a waiter since.
+            if not again:
+                st.attempts += 1
+                st.attempt_tokens += est_tokens
             # A refused scope's wait is the longest of its limits', so that
             # the client does not come back before every limit would admit it.
             if st.concurrency and st.in_flight >= st.slots:
-                st.turned_away += 1
+                if not again:
+                    st.turned_away += 1
                 if refused is None or unknown > wait:
                     refused, wait, refused_by = "concurrency", unknown, st
             req = st.req

@@ -91,6 +91,7 @@ class ControlPlaneClient:
         *,
         credentials: ClientOptions | None = None,
         on_quota: Callable[[pb.QuotaShares], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
         on_loads: Callable[[pb.OriginLoads], object] | None = None,
         demand: Callable[[], list[pb.ScopeDemand]] | None = None,
         traffic: Callable[[], Traffic] | None = None,
@@ -107,6 +108,8 @@ class ControlPlaneClient:
         self._backoff_max = backoff_max
         self._credentials = credentials or ClientOptions()
         self._on_quota = on_quota
+        # Called when a session with a control plane ends.
+        self._on_lost = on_lost
         self._on_loads = on_loads
         self._demand = demand
         self._traffic = traffic
@@ -147,6 +150,8 @@ class ControlPlaneClient:
                 log.warning("control plane %s: %s", address, exc)
             finally:
                 self.connected = False
+                if self._on_lost is not None:
+                    self._on_lost()
             if got_table:
                 backoff = self._backoff_min
             # Full jitter keeps a fleet from reconnecting in lockstep.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from dataplane.ratelimit.limiter import RateLimiter
@@ -64,14 +65,24 @@ class QuotaState:
         self._apply()
 
     def on_quota(self, quota: pb.QuotaShares) -> None:
-        self._take(quota)
+        self._take(quota, live=True)
         self._save(quota)
 
-    def _take(self, quota: pb.QuotaShares) -> None:
+    def on_link_lost(self) -> None:
+        """The control plane is away: keep the shares, but no leader moves
+        slots now, so a proxy whose slots are busy refuses at once instead of
+        waiting for them (Share.spare). A reconnect brings the whole set again."""
+        if any(s.spare for s in self._explicit.values()):
+            self._explicit = {k: replace(s, spare=False) for k, s in self._explicit.items()}
+            self._apply()
+
+    def _take(self, quota: pb.QuotaShares, *, live: bool) -> None:
+        """Take `quota`; `live`: pushed by the leader now, so its `fleet_spare`
+        flags hold (a saved copy's are stale)."""
         self.heard = True
         self.default_fraction = min(1.0, max(0.0, quota.default_fraction))
         self._explicit = {
-            s.scope: Share(min(1.0, max(0.0, s.fraction)), s.concurrency, s.fleet_spare)
+            s.scope: Share(min(1.0, max(0.0, s.fraction)), s.concurrency, live and s.fleet_spare)
             for s in quota.shares
         }
         self._apply()
@@ -118,5 +129,5 @@ class QuotaState:
         except Exception as exc:  # any damage: wait for the leader instead
             log.error("ignoring saved quota shares %s: %s", path, exc)
             return
-        self._take(quota)
+        self._take(quota, live=False)
         log.info("using saved quota shares (generation %d) until the leader's", quota.generation)

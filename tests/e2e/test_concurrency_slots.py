@@ -74,7 +74,8 @@ def test_a_tenant_at_its_limit_is_refused_at_once(fleet: Fleet) -> None:
     urls = [fleet.proxy_url(p) + "/chat/completions" for p in ("p1", "p1", "p2", "p3")]
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         held = [pool.submit(ask, url, key) for url in urls]
-        # The leader sees all 4 in flight within a report and a round.
+        # The leader sees the peaks reach the limit after a report, its
+        # publication and a round; a wait begun on an older share ends then.
         time.sleep(2.0)
         # Had it waited, it would be admitted by the first of the 4 to end.
         extra = pool.submit(ask, urls[0], key)

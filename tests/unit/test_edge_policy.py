@@ -553,6 +553,26 @@ async def test_saving_runs_off_the_event_loop_and_keeps_the_newest(tmp_path: Pat
     assert saved.generation == 5
 
 
+async def test_spare_flags_hold_only_while_a_leader_can_move_slots(tmp_path: Path) -> None:
+    limits = {"t/acme": ScopeLimits(concurrency=4)}
+    spare = pb.QuotaShares(
+        generation=3,
+        shares=[pb.QuotaShare(scope="t/acme", fraction=0.5, concurrency=1, fleet_spare=True)],
+    )
+    live, limiter, _ = quota_state(tmp_path)
+    live.on_limits(limits)
+    live.on_quota(spare)
+    assert limiter.share("t/acme") == Share(0.5, 1, spare=True)
+    await live.flush()
+    # The control plane went away: the slot stays, the flag does not.
+    live.on_link_lost()
+    assert limiter.share("t/acme") == Share(0.5, 1)
+    # A restart from the saved copy has no leader yet either.
+    restarted, limiter2, _ = quota_state(tmp_path)
+    restarted.on_limits(limits)
+    assert limiter2.share("t/acme") == Share(0.5, 1)
+
+
 def shares_msg(default: float, generation: int = 7, **shares: tuple[float, int]) -> pb.QuotaShares:
     return pb.QuotaShares(
         generation=generation,

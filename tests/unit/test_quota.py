@@ -174,7 +174,8 @@ def test_a_valid_rounding_is_kept_to_avoid_churn() -> None:
     # Quotas now 1.2, 1.6, 1.2: [1, 2, 1] from scratch, but [2, 1, 1] still rounds them.
     demand = {"p0": {S: rps(1.0, peak=3)}, "p1": {S: rps(1.0, peak=4)}, "p2": {S: rps(1.0, peak=3)}}
     assert slots(compute_shares(limits, P3, demand, {})) == [1, 2, 1]
-    assert compute_shares(limits, P3, demand, before) == before
+    kept = compute_shares(limits, P3, demand, before)
+    assert (fractions(kept), slots(kept)) == (fractions(before), slots(before))
 
 
 def test_saturated_proxies_keep_their_shares_through_noise() -> None:
@@ -190,23 +191,76 @@ def test_saturated_proxies_keep_their_shares_through_noise() -> None:
     assert slots(after)[0] < slots(before)[0]
 
 
+def spares(shares: dict[str, dict[str, Share]], scope: str = S) -> list[bool]:
+    return [shares[p][scope].spare for p in sorted(shares)]
+
+
 def test_every_proxy_is_told_whether_the_fleet_has_spare_slots() -> None:
     limits = {S: ScopeLimits(concurrency=4), "t/rates": ScopeLimits(rpm=60)}
     idle = settle(limits, P3, {})
-    assert [idle[p][S].spare for p in P3] == [True] * 3
+    assert spares(idle) == [True] * 3
     # Rates only: no slots to wait for.
-    assert not any(idle[p]["t/rates"].spare for p in P3)
-    # 3 of 4 in flight: one is spare somewhere, whichever proxy holds it.
+    assert spares(idle, "t/rates") == [False] * 3
+    # Peaks of 3 of 4: one is spare somewhere, whichever proxy holds it.
     busy = {"p0": {S: rps(1.0, in_flight=2, peak=2)}, "p1": {S: rps(1.0, in_flight=1, peak=1)}}
-    assert [s[S].spare for s in compute_shares(limits, P3, busy, idle).values()] == [True] * 3
-    # All 4 in flight: a proxy whose slots are busy refuses, as one global limit would.
+    assert spares(compute_shares(limits, P3, busy, idle)) == [True] * 3
+    # Peaks of 4: a proxy whose slots are busy refuses, as one global limit would.
     full = {**busy, "p2": {S: rps(1.0, in_flight=1, peak=1)}}
     after = compute_shares(limits, P3, full, idle)
-    assert [after[p][S].spare for p in P3] == [False] * 3
+    assert spares(after) == [False] * 3
     # And back: the flag alone changes the share (so it is pushed).
     again = compute_shares(limits, P3, {}, after)
-    assert [again[p][S].spare for p in P3] == [True] * 3
+    assert spares(again) == [True] * 3
     assert slots(again) == slots(after)
+
+
+def test_no_spare_while_the_peaks_fill_the_limit_between_reports() -> None:
+    # Limit 2 over 3: p0 and p1 run short requests (peak 1 each, p0 with none in
+    # flight at the report), p2 has no slot and a request waiting. Requests in
+    # flight say 2 of 2 are free; the peaks say the limit is used, and the
+    # allocation [1, 1, 0] stands: a wait at p2 could never get a slot.
+    limits = {S: ScopeLimits(concurrency=2)}
+    before = {p: {S: Share(0.1, c, spare=True)} for p, c in zip(P3, (1, 1, 0), strict=True)}
+    churn = {
+        "p0": {S: rps(5.0, in_flight=0, peak=1)},
+        "p1": {S: rps(5.0, in_flight=1, peak=1)},
+        "p2": {S: rps(1.0, in_flight=0, peak=1)},
+    }
+    after = settle(limits, P3, churn, before, rounds=3)
+    assert slots(after) == [1, 1, 0]
+    assert spares(after) == [False] * 3
+
+
+def test_with_spare_a_proxy_short_of_slots_gets_more_within_two_rounds() -> None:
+    # Limit 20 over 14, one proxy with 1 slot busy and 1 request waiting (peak 2).
+    names = [f"p{i:02d}" for i in range(14)]
+    limits = {S: ScopeLimits(concurrency=20)}
+    shares = settle(limits, names, {})
+    short = min(names, key=lambda p: (shares[p][S].concurrency, p))
+    held = shares[short][S].concurrency
+    demand = {short: {S: rps(1.0, in_flight=held, peak=held + 1)}}
+    first = compute_shares(limits, names, demand, shares)
+    assert first[short][S].spare
+    second = compute_shares(limits, names, demand, first)
+    assert second[short][S].concurrency > held
+    assert sum(s[S].concurrency for s in second.values()) <= 20
+
+
+def test_a_tenant_hovering_at_its_limit_does_not_flip_the_flag() -> None:
+    limits = {S: ScopeLimits(concurrency=20)}
+    names = [f"p{i}" for i in range(4)]
+    shares = settle(limits, names, {})
+    flips = 0
+    for peak in [5, 5, 5, 5, 4, 5, 4, 5, 5, 4, 4, 5] * 3:  # 20 or 19 in all
+        demand = {p: {S: rps(1.0, in_flight=min(peak, 5), peak=peak if p == "p0" else 5)}
+                  for p in names}  # fmt: skip
+        new = compute_shares(limits, names, demand, shares)
+        flips += spares(new)[0] != spares(shares)[0]
+        shares = new
+    assert flips == 1  # off once the limit was reached, and off it stays
+    # Well below the limit (peaks 16 <= 20 - 2) it turns on again.
+    low = {p: {S: rps(1.0, in_flight=4, peak=4)} for p in names}
+    assert spares(compute_shares(limits, names, low, shares)) == [True] * 4
 
 
 def test_slots_still_held_in_flight_are_not_given_to_others() -> None:

@@ -29,7 +29,7 @@ def limiter(slots: int, *, limit: int = 4, spare: bool = False) -> RateLimiter:
     return rl
 
 
-def test_may_wait_only_while_new_and_without_any_slot() -> None:
+def test_without_spare_only_a_new_proxy_without_any_slot_waits() -> None:
     assert limiter(0).may_wait([T], 1.0)
     # Past the join window a proxy without slots refuses at once (a limit
     # smaller than the fleet, or a tenant at its limit on other proxies).
@@ -103,9 +103,9 @@ async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
     refused = rl.admit([T], 1, 1.0)
     assert refused.limit == "concurrency"
     attempts = rl._scopes[T].attempts
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1))
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
     await asyncio.sleep(0.12)
-    rl.apply_shares({T: Share(0.0, 0)}, 1.0)  # a share, still no slot: keeps waiting
+    rl.apply_shares({T: Share(0.0, 0)}, 1.0)  # a share, still no slot: still joining, waits
     await asyncio.sleep(0.12)
     assert not waiting.done()
     assert rl._scopes[T].attempts == attempts  # waiting adds no demand
@@ -116,11 +116,49 @@ async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
     assert rl._scopes[T].waiting == 0
 
 
+async def test_admitted_after_a_wait_its_demand_is_counted_once() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    held = rl.admit([T], 100, 1.0)
+    assert not rl.admit([T], 100, 1.0).ok
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 100, 1.0))
+    await asyncio.sleep(0.12)
+    held.release(100, 1.5)
+    assert (await asyncio.wait_for(waiting, 2.0)).ok
+    scope = rl._scopes[T]
+    assert (scope.attempts, scope.attempt_tokens, scope.turned_away) == (2, 200, 1)
+
+
+async def test_a_share_without_spare_ends_the_wait_in_a_refusal_at_once() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, 1.0).ok
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
+    await asyncio.sleep(0.12)
+    assert not waiting.done()
+    rl.apply_shares({T: Share(0.0, 1, spare=False)}, 2.0)  # the tenant now uses its limit
+    admission = await asyncio.wait_for(waiting, 0.5)  # well before SLOT_WAIT_S
+    assert not admission.ok and admission.limit == "concurrency"
+    assert rl._scopes[T].waiting == 0
+
+
+async def test_a_cancelled_waiter_leaves_no_trace() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, 1.0).ok
+    waiters = [
+        asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0)) for _ in range(3)
+    ]
+    await asyncio.sleep(0.12)
+    assert rl._scopes[T].waiting == 3
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert (rl._scopes[T].waiting, rl.in_flight(T)) == (0, 1)
+
+
 async def test_a_request_ending_here_frees_the_slot_a_waiter_takes() -> None:
     rl = limiter(1, limit=20, spare=True)
     held = rl.admit([T], 1, 1.0)
     assert held.ok
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1))
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
     await asyncio.sleep(0.12)
     assert not waiting.done()
     held.release(1, 2.0)
@@ -135,7 +173,7 @@ async def test_without_a_new_slot_the_wait_ends_in_the_refusal(
 ) -> None:
     monkeypatch.setattr(handlers, "SLOT_WAIT_S", 0.2)
     rl = limiter(0)
-    admission = await asyncio.wait_for(handlers.admit_when_slot_frees(rl, [T], 1), 2.0)
+    admission = await asyncio.wait_for(handlers.admit_when_slot_frees(rl, [T], 1, 1.0), 2.0)
     assert not admission.ok and admission.limit == "concurrency"
     assert rl.in_flight(T) == 0
     assert rl._scopes[T].waiting == 0
