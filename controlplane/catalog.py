@@ -406,17 +406,20 @@ class Catalog:
         description: str = "",
         limits: Limits | None = None,
         expires_at: float = 0.0,
+        expires_in: float = 0.0,
     ) -> tuple[ApiKeyRecord, str]:
         """Store a new key's hash and return (record, key). The key is not kept.
 
-        `expires_at`: Unix seconds in the future from which proxies refuse the
-        key, or 0 for a key that does not expire."""
+        From `expires_at` (Unix seconds, in the future) or `expires_in` seconds
+        from now (this replica's clock) on, proxies refuse the key; with
+        neither it does not expire."""
         await self.get_tenant(tenant)
         limits = limits or Limits()
         if len(description) > 256:
             raise InvalidArgument("key description is longer than 256 characters")
         limits = limits.validated("the key")
-        self._check_expiry(expires_at, "the key")
+        now = self._clock()
+        expires_at = self._expiry(expires_at, expires_in, "the key", now)
         issued = issue_key()
         record = ApiKeyRecord(
             id=issued.key_id,
@@ -424,7 +427,7 @@ class Catalog:
             tenant=tenant,
             description=description,
             limits=limits,
-            created_at=self._clock(),
+            created_at=now,
             expires_at=expires_at,
         )
         try:
@@ -464,10 +467,14 @@ class Catalog:
             f"key {key_id!r} not found",
         )
 
-    async def set_key_expiry(self, key_id: str, expires_at: float) -> ApiKeyRecord:
-        """Make a key expire at `expires_at` (Unix seconds, in the future), or
-        never (0). A revoked key stays revoked: it is refused."""
-        self._check_expiry(expires_at, f"key {key_id!r}")
+    async def set_key_expiry(
+        self, key_id: str, expires_at: float = 0.0, expires_in: float = 0.0
+    ) -> ApiKeyRecord:
+        """Make a key expire at `expires_at` (Unix seconds, in the future) or
+        `expires_in` seconds from now, or never (neither). An expired key may
+        be given a new expiry (or none), and is served again; a revoked key
+        stays revoked: it is refused."""
+        expires_at = self._expiry(expires_at, expires_in, f"key {key_id!r}", self._clock())
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord:
             if k.revoked:
@@ -478,15 +485,24 @@ class Catalog:
             KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
         )
 
-    def _check_expiry(self, expires_at: float, what: str) -> None:
+    @staticmethod
+    def _expiry(expires_at: float, expires_in: float, what: str, now: float) -> float:
+        """The expiry asked for at `now` (Unix seconds; 0: never), checked."""
+        if expires_at and expires_in:
+            raise InvalidArgument(f"{what}: give an expiry time or a duration, not both")
+        if expires_in:
+            if not math.isfinite(expires_in) or expires_in < 0:
+                raise InvalidArgument(f"{what}: expiry duration {expires_in!r} is not a duration")
+            expires_at = now + expires_in
         if expires_at == 0:
-            return
+            return 0.0
         if not math.isfinite(expires_at) or expires_at > MAX_EXPIRY:
             raise InvalidArgument(f"{what}: expiry {expires_at!r} is not a time")
-        if expires_at <= self._clock():
+        if expires_at <= now:
             raise InvalidArgument(
                 f"{what}: expiry {utc(expires_at)} is in the past; revoke the key instead"
             )
+        return expires_at
 
     # ------------------------------------------------------------ cache purges
 

@@ -663,12 +663,20 @@ def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
             k.tenant,
             k.description or "-",
             _limits_text(k.limits, none="-"),
-            time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.created_at)),
-            time.strftime("%Y-%m-%d %H:%M", time.gmtime(k.expires_at)) if k.expires_at else "-",
+            # RFC 3339, no spaces: one field per column for awk and cut.
+            utc(k.created_at),
+            utc(k.expires_at) if k.expires_at else "-",
             _key_state(k, now),
         ]
         for k in resp.keys
     ]
+
+
+def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
+    """The keys of a table: none revoked; those past their expiry said apart."""
+    now = time.time()
+    expired = sum(1 for k in keys if 0 < k.expires_at <= now)
+    return f"{len(keys)} keys ({expired} expired)" if expired else f"{len(keys)} active keys"
 
 
 def _key_state(k: apb.ApiKeyInfo, now: float) -> str:
@@ -744,7 +752,7 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
         return "no route table yet (the control plane has not compiled one)"
     head = (
         f"route table version {t.version} (etag {t.etag[:12]}): {len(t.regions)} regions, "
-        f"{len(t.origins)} origins, {len(t.tenants)} tenants, {len(t.keys)} active keys, "
+        f"{len(t.origins)} origins, {len(t.tenants)} tenants, {_keys_text(t.keys)}, "
         f"{len(t.purges)} purges; auth {'required' if t.auth_required else 'open'}"
     )
     rows = []
@@ -817,10 +825,17 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     tenant=args.tenant,
                     description=args.description,
                     limits=_limits_over(pb.Limits(), args, "the key"),
-                    expires_at=time.time() + args.expires_in if args.expires_in else 0.0,
+                    # The control plane's clock decides, not this machine's.
+                    expires_in_s=args.expires_in or 0.0,
                 )
             )
             expiry = f", expiring {utc(resp.key.expires_at)}" if resp.key.expires_at else ""
+            if args.expires_in and not resp.key.expires_at:
+                # A control plane older than key expiry drops the field.
+                expiry = (
+                    " WITHOUT AN EXPIRY: the control plane does not support one (upgrade it, "
+                    f"then `pontoctl key expire {resp.key.id} --in ...`)"
+                )
             # The key alone on the last line, so scripts can take `tail -n1`.
             return (
                 f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}; "
@@ -832,8 +847,9 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             )
             return render(keys, args.output, _rows_keys)
         if args.action == "expire":
-            at = 0.0 if args.never else time.time() + args.expires_in
-            k = stub.SetKeyExpiry(apb.SetKeyExpiryRequest(id=args.id, expires_at=at))
+            k = stub.SetKeyExpiry(
+                apb.SetKeyExpiryRequest(id=args.id, expires_in_s=args.expires_in or 0.0)
+            )
             if not k.expires_at:
                 return f"key {k.id} of tenant {k.tenant} no longer expires"
             return f"key {k.id} of tenant {k.tenant} expires {utc(k.expires_at)}"

@@ -83,9 +83,9 @@ def compute_shares(
     Each proxy gets `idle_floor` of every scope (capped so that all floors
     together take at most `floor_total`), so that a client arriving at an idle
     proxy can start at once. Every share of a concurrency-limited scope says
-    whether the fleet's peaks (refused and waiting requests counted) stayed
-    below the limit (`Share.spare`, the same for all proxies; see `_spare`).
-    Shares equal to the previous ones are returned as
+    whether its proxy may wait for slots it lacks (`Share.spare`): while the
+    fleet's peaks leave slots idle (`_idle_slots`), or while the allocation
+    owes the proxy more slots than it holds yet. Shares equal to the previous ones are returned as
     the same objects, so callers can publish only what changed.
     """
     n = len(proxies)
@@ -112,13 +112,20 @@ def compute_shares(
                 row[scope] = prev
             continue
         fractions = _fractions(rpm, tpm, ds, ps, floor, hysteresis, fairness_band, overcommit)
-        slots = _slots(conc, proxies, ds, ps, fairness_band) if conc else [0] * n
-        spare = _spare(conc, ds, ps)
-        for row, prev, f, c in zip(rows, ps, fractions, slots, strict=True):
-            if prev is not None and (prev.fraction, prev.concurrency, prev.spare) == (f, c, spare):
+        if conc:
+            slots, targets = _slots(conc, proxies, ds, ps, fairness_band)
+            free_here = _idle_slots(conc, ds, ps)
+            # A proxy may wait for slots while some are idle in the fleet, or
+            # while the allocation owes it more than it holds yet (its peak
+            # counted its waiting requests; a move takes two rounds).
+            spares = [free_here or t > c for t, c in zip(targets, slots, strict=True)]
+        else:
+            slots, spares = [0] * n, [False] * n
+        for row, prev, f, c, w in zip(rows, ps, fractions, slots, spares, strict=True):
+            if prev is not None and (prev.fraction, prev.concurrency, prev.spare) == (f, c, w):
                 row[scope] = prev
             else:
-                row[scope] = Share(f, c, spare)
+                row[scope] = Share(f, c, w)
     return out
 
 
@@ -159,29 +166,27 @@ def _still_idle(ds: list[Demand | None], ps: list[Share | None], even: float, li
     return total == limit
 
 
-# Share.spare turns on only when the fleet's peaks are this far below the limit
-# (at least 1 slot), and off once they reach it: a tenant whose use hovers at
-# its limit would otherwise flip the flag, and push every proxy a new share,
-# every round.
+# Share.spare for idle slots turns on only when the fleet's peaks are this far
+# below the limit (at least 1 slot), and off once they reach it: a tenant whose
+# use hovers at its limit would otherwise flip the flag, and push every proxy a
+# new share, every round.
 SPARE_MARGIN = 0.1
 
 
-def _spare(limit: int, ds: list[Demand | None], ps: list[Share | None]) -> bool:
-    """Whether a proxy whose slots are all busy may wait for the leader to move
-    slots to it (Share.spare).
+def _idle_slots(limit: int, ds: list[Demand | None], ps: list[Share | None]) -> bool:
+    """Whether the fleet's peaks (refused and waiting requests counted) leave
+    slots of `limit` idle: a proxy whose slots are busy may then wait, since
+    its refusal, reported as demand, makes it due more (see `compute_shares`).
 
-    The test is on the proxies' peaks, the measure `_slots` allocates by (a
-    waiting request raises its proxy's peak): below the limit, that proxy's
-    quota exceeds its slots by more than one, so the next rounds move slots to
-    it. Requests in flight at report time would not do: between reports short
-    requests come and go, and the fleet can be at its limit by its peaks with
-    slots free at the instant of the report, where no slot would move.
+    Peaks, not requests in flight at report time: between reports short
+    requests come and go, and the fleet can use its whole limit by its peaks
+    with slots free at the instant of the report, where no slot would move.
     """
-    if limit <= 0:
-        return False
     total = sum(d.concurrency_peak for d in ds if d is not None)
-    if any(p is not None and p.spare for p in ps):
-        return total < limit
+    if total >= limit:
+        return False
+    if ps and all(p is not None and p.spare for p in ps):  # on: stays on below the limit
+        return True
     return total <= limit - max(1, math.ceil(limit * SPARE_MARGIN))
 
 
@@ -244,7 +249,9 @@ def _slots(
     ds: list[Demand | None],
     ps: list[Share | None],
     band: float,
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
+    """(slots now, the allocation they move towards): increases wait for what
+    decreases free, so a move can take two rounds."""
     n = len(ds)
     peaks = [0 if d is None else d.concurrency_peak for d in ds]
     held = [
@@ -283,10 +290,11 @@ def _slots(
         granted = [0] * n
     # Up to what it still holds in flight a proxy's allowance may rise for
     # free: it cannot admit anything until those requests end.
-    return [
+    now = [
         t if t <= p else min(t, h) + g
         for t, p, h, g in zip(target, prev, held, granted, strict=True)
     ]
+    return now, target
 
 
 def _largest_remainder(

@@ -63,11 +63,12 @@ class Share:
     is a whole number of slots. Across the proxies of a fleet the fractions of a
     scope sum to at most 1 and the slots to at most the concurrency limit.
 
-    `spare`: at the leader's round that made this share, the fleet held fewer
-    of the scope's requests in flight than its concurrency limit. A proxy whose
-    own slots are all busy then waits for its next share instead of refusing:
-    the slots are elsewhere, idle, and the leader moves them to where the
-    refusals are (see RateLimiter.may_wait).
+    `spare`: at the leader's round that made this share, the fleet's peaks
+    (refused and waiting requests counted) left slots of the concurrency limit
+    idle, or the allocation owed this proxy more slots than it holds yet
+    (controlplane.quota.compute_shares). A proxy whose own slots are all busy
+    then waits for its next share instead of refusing: the leader moves slots
+    to where the refusals are (see RateLimiter.may_wait).
     """
 
     fraction: float

@@ -226,6 +226,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             description=request.description,
             limits=limits_of(request.limits),
             expires_at=request.expires_at,
+            expires_in=request.expires_in_s,
         )
         return apb.CreateKeyResponse(key=key_pb(record), secret=secret)
 
@@ -249,7 +250,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.set_key_expiry)
     async def SetKeyExpiry(self, request: apb.SetKeyExpiryRequest, context: Ctx) -> apb.ApiKeyInfo:
-        return key_pb(await self._catalog.set_key_expiry(request.id, request.expires_at))
+        return key_pb(
+            await self._catalog.set_key_expiry(request.id, request.expires_at, request.expires_in_s)
+        )
 
     @grpc_errors
     @audited(auditing.purge_cache)

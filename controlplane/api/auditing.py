@@ -177,7 +177,12 @@ def drain_action(kind: str) -> Callable[[apb.DrainRequest], str]:
 def create_key(req: apb.CreateKeyRequest, resp: apb.CreateKeyResponse | None) -> Description:
     # The secret is in the response only; it is never read here.
     target = f"key/{resp.key.id}" if resp is not None else f"tenant/{req.tenant}"
-    return target, fields(req, leave=())
+    detail = fields(req, leave=("expires_at", "expires_in_s"))
+    if resp is not None and resp.key.expires_at:
+        detail["expires_at"] = utc(resp.key.expires_at)
+    elif resp is None:
+        detail.update(_asked_expiry(req.expires_at, req.expires_in_s))
+    return target, detail
 
 
 def revoke_key(req: apb.KeyRequest, _: object) -> Description:
@@ -188,9 +193,22 @@ def set_key_limits(req: apb.SetKeyLimitsRequest, _: object) -> Description:
     return f"key/{req.id}", fields(req, leave=("id",))
 
 
-def set_key_expiry(req: apb.SetKeyExpiryRequest, _: object) -> Description:
-    when = req.expires_at
-    return f"key/{req.id}", {"expires_at": utc(when) if when else "never"}
+def set_key_expiry(req: apb.SetKeyExpiryRequest, resp: apb.ApiKeyInfo | None) -> Description:
+    if resp is not None:
+        return f"key/{req.id}", {"expires_at": utc(resp.expires_at) if resp.expires_at else "never"}
+    return f"key/{req.id}", _asked_expiry(req.expires_at, req.expires_in_s) or {
+        "expires_at": "never"
+    }
+
+
+def _asked_expiry(at: float, in_s: float) -> dict[str, str]:
+    """A refused call's expiry, as asked (it may be no time at all)."""
+    asked = {}
+    if at:
+        asked["expires_at"] = utc(at)
+    if in_s:
+        asked["expires_in_s"] = repr(in_s)
+    return asked
 
 
 def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:

@@ -523,10 +523,15 @@ class CreateKeyRequest(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     description: _builtins.str
     expires_at: _builtins.float
     """Unix seconds, in the future; 0: the key does not expire."""
+    expires_in_s: _builtins.float
+    """Or seconds from now by the control plane's clock (not the caller's):
+    what `pontoctl key create --expires-in` sends. At most one of the two.
+    """
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     def __init__(
@@ -536,10 +541,11 @@ class CreateKeyRequest(_message.Message):
         description: _builtins.str = ...,
         limits: _routing_pb2.Limits | None = ...,
         expires_at: _builtins.float = ...,
+        expires_in_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "expires_in_s", b"expires_in_s", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -660,18 +666,22 @@ class SetKeyExpiryRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     expires_at: _builtins.float
-    """Unix seconds, in the future; 0: the key no longer expires."""
+    """Unix seconds, in the future; 0 (with expires_in_s 0): the key no longer expires."""
+    expires_in_s: _builtins.float
+    """Or seconds from now by the control plane's clock. At most one of the two."""
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         expires_at: _builtins.float = ...,
+        expires_in_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "id", b"id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "expires_in_s", b"expires_in_s", "id", b"id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

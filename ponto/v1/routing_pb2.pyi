@@ -824,9 +824,10 @@ class QuotaShare(_message.Message):
     concurrency: _builtins.int
     """Concurrent requests this proxy may hold."""
     fleet_spare: _builtins.bool
-    """At the leader's round, the fleet held fewer of this scope's requests in
-    flight than its concurrency limit: a proxy whose slots are all busy waits
-    for its next share (the idle slots are moved to it) instead of refusing.
+    """At the leader's round, the fleet's peaks (refused and waiting requests
+    counted) left slots of the concurrency limit idle, or the allocation owed
+    this proxy more slots than it holds yet: a proxy whose slots are all busy
+    waits for its next share (the slots are moved to it) instead of refusing.
     """
     def __init__(
         self,

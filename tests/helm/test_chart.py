@@ -586,9 +586,18 @@ def test_external_etcd_schemes_must_agree_with_tls(helm: Path) -> None:
     assert "Does not match pattern" in refused(
         helm, *EXTERNAL_TLS, "--set", "etcd.external.endpoints={https://e}"
     )
-    # The bundled etcd is plaintext behind its NetworkPolicy: the external TLS is ignored.
-    bundled = render(helm, "--set", "etcd.external.tls.secretName=etcd-client")
-    assert "--etcd-ca" not in flags(container(one(bundled, "Deployment", "ponto-control")))
+    # The bundled etcd is plaintext behind its NetworkPolicy: TLS settings for it
+    # are a mistake, not something to ignore.
+    bundled = refused(helm, "--set", "etcd.external.tls.secretName=etcd-client")
+    assert "etcd.external.tls is for an etcd outside the release" in bundled
+    no_secret = refused(
+        helm, *EXTERNAL_TLS[:4], "--set", "etcd.external.tls.clientCertificate=true"
+    )
+    assert "clientCertificate needs etcd.external.tls.secretName" in no_secret
+    # Values that drop the whole block render as plaintext, not a template error.
+    dropped = render(helm, *EXTERNAL_TLS[:2], "--set", "etcd.external.endpoints={e:2379}",
+                   "--set", "etcd.external.tls=null")  # fmt: skip
+    assert "--etcd-ca" not in flags(container(one(dropped, "Deployment", "ponto-control")))
 
 
 # ---------------------------------------------------------------- the regional cache

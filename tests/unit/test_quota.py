@@ -246,6 +246,37 @@ def test_with_spare_a_proxy_short_of_slots_gets_more_within_two_rounds() -> None
     assert sum(s[S].concurrency for s in second.values()) <= 20
 
 
+@pytest.mark.parametrize(("limit", "in_flight", "waiting"), [(1, 0, 1), (2, 1, 1), (10, 5, 5)])
+def test_waiters_that_fill_the_limit_may_wait_until_their_slots_come(
+    limit: int, in_flight: int, waiting: int
+) -> None:
+    # Proxy b holds `in_flight` slots, all busy, and `waiting` requests wait:
+    # its peak reaches the limit exactly, and a holds the idle rest.
+    limits = {S: ScopeLimits(concurrency=limit)}
+    shares = {"a": {S: Share(0.5, limit - in_flight, True)}, "b": {S: Share(0.5, in_flight, True)}}
+    demand = {"b": {S: rps(1.0, in_flight=in_flight, peak=in_flight + waiting)}}
+    first = compute_shares(limits, ["a", "b"], demand, shares)
+    # No slot is idle by the peaks, but b is owed a's: b waits, a would not.
+    assert spares(first) == [False, True]
+    second = compute_shares(limits, ["a", "b"], demand, first)
+    assert slots(second) == [0, limit]
+    assert spares(second) == [False, False]  # b holds what it is owed
+
+
+def test_a_burst_over_the_limit_at_one_proxy_gets_the_whole_limit_there() -> None:
+    # Limit 3, one slot each; 5 requests at p0: 1 runs, 3 wait (the cap), 1 is
+    # refused. p0 is owed all 3 slots: its waiters may wait for two of them.
+    limits = {S: ScopeLimits(concurrency=3)}
+    shares = settle(limits, P3, {})
+    assert slots(shares) == [1, 1, 1]
+    demand = {"p0": {S: rps(5.0, in_flight=1, peak=5)}}
+    first = compute_shares(limits, P3, demand, shares)
+    assert spares(first) == [True, False, False]
+    second = compute_shares(limits, P3, demand, first)
+    assert slots(second) == [3, 0, 0]
+    assert spares(second) == [False] * 3  # the rest of the burst is over the limit
+
+
 def test_a_tenant_hovering_at_its_limit_does_not_flip_the_flag() -> None:
     limits = {S: ScopeLimits(concurrency=20)}
     names = [f"p{i}" for i in range(4)]

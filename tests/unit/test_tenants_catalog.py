@@ -507,6 +507,14 @@ async def test_keys_expire_at_a_future_time_or_never(catalog: Catalog, clock: Cl
     assert (await catalog.list_keys())[0] == never
     with pytest.raises(NotFound):
         await catalog.set_key_expiry("abcdefghij", 0)
+    # A duration runs from the control plane's clock, not the caller's.
+    relative, _ = await catalog.create_key("acme", expires_in=60)
+    assert relative.expires_at == relative.created_at + 60
+    moved = await catalog.set_key_expiry(record.id, expires_in=120)
+    assert moved.expires_at == clock.now + 120
+    for at, within in ((clock.now + 60, 60.0), (0.0, -1.0), (0.0, math.nan)):
+        with pytest.raises(InvalidArgument, match="expiry"):
+            await catalog.set_key_expiry(record.id, at, within)
     await catalog.revoke_key(record.id)
     with pytest.raises(FailedPrecondition, match="revoked"):
         await catalog.set_key_expiry(record.id, clock.now + 60)

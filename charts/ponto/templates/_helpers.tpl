@@ -68,7 +68,14 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- end -}}
 
 {{- define "ponto.etcd.endpoints" -}}
+{{- $tls := .Values.etcd.external.tls | default dict -}}
+{{- if and $tls.clientCertificate (not $tls.secretName) -}}
+{{- fail "etcd.external.tls.clientCertificate needs etcd.external.tls.secretName (a Secret with ca.crt, tls.crt and tls.key)" -}}
+{{- end -}}
 {{- if .Values.etcd.enabled -}}
+{{- if $tls.secretName -}}
+{{- fail "etcd.external.tls is for an etcd outside the release (etcd.enabled=false); the bundled etcd is plaintext behind its NetworkPolicy" -}}
+{{- end -}}
 {{- printf "%s.%s.svc:2379" (include "ponto.part" (list . "etcd")) .Release.Namespace -}}
 {{- else -}}
 {{- $ext := .Values.etcd.external -}}
@@ -76,10 +83,10 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- fail "etcd.enabled is false: set etcd.external.endpoints (HOST:PORT of an existing etcd cluster)" -}}
 {{- end -}}
 {{- range $ext.endpoints -}}
-{{- if and $ext.tls.secretName (hasPrefix "http://" .) -}}
+{{- if and $tls.secretName (hasPrefix "http://" .) -}}
 {{- fail (printf "etcd.external.endpoints: %s says http:// but etcd.external.tls.secretName is set; write https://%s" . (trimPrefix "http://" .)) -}}
 {{- end -}}
-{{- if and (not $ext.tls.secretName) (hasPrefix "https://" .) -}}
+{{- if and (not $tls.secretName) (hasPrefix "https://" .) -}}
 {{- fail (printf "etcd.external.endpoints: %s needs etcd.external.tls.secretName (a Secret with ca.crt, the CA that signed etcd's certificates)" .) -}}
 {{- end -}}
 {{- end -}}
@@ -89,7 +96,7 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 
 {{/* TLS to an external etcd: the Secret's name, or "" for plaintext (the bundled etcd is plaintext behind its NetworkPolicy). */}}
 {{- define "ponto.etcd.tlsSecret" -}}
-{{- if not .Values.etcd.enabled -}}{{ .Values.etcd.external.tls.secretName }}{{- end -}}
+{{- if not .Values.etcd.enabled -}}{{ (.Values.etcd.external.tls | default dict).secretName | default "" }}{{- end -}}
 {{- end -}}
 
 {{/* Secret names: the user's when given, else the chart's. */}}

@@ -1,0 +1,73 @@
+"""`pontoctl key`: expiry durations go to the control plane as durations, and
+a control plane that drops the expiry is called out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.cli import _parser, _rows_keys, run
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+
+
+class Stub:
+    """Records the requests; answers as a control plane would, or as one that
+    predates key expiry (`expiry` False: the field is dropped)."""
+
+    def __init__(self, *, expiry: bool = True) -> None:
+        self.expiry = expiry
+        self.requests: list[Any] = []
+
+    def CreateKey(self, req: apb.CreateKeyRequest) -> apb.CreateKeyResponse:
+        self.requests.append(req)
+        at = 1_900_000_000.0 + req.expires_in_s if self.expiry and req.expires_in_s else 0.0
+        key = apb.ApiKeyInfo(id="abcdefghij", tenant=req.tenant, expires_at=at)
+        return apb.CreateKeyResponse(key=key, secret="sk-ponto-abcdefghij-SECRET")
+
+    def SetKeyExpiry(self, req: apb.SetKeyExpiryRequest) -> apb.ApiKeyInfo:
+        self.requests.append(req)
+        at = 1_900_000_000.0 + req.expires_in_s if req.expires_in_s else 0.0
+        return apb.ApiKeyInfo(id=req.id, tenant="acme", expires_at=at)
+
+
+def pontoctl(stub: Stub, *argv: str) -> str:
+    return run(_parser().parse_args(list(argv)), stub)
+
+
+def test_durations_are_sent_as_durations_for_the_control_planes_clock() -> None:
+    stub = Stub()
+    out = pontoctl(stub, "key", "create", "--tenant", "acme", "--expires-in", "2h")
+    assert stub.requests[0].expires_in_s == 7200 and stub.requests[0].expires_at == 0
+    assert out.splitlines()[0].startswith("key abcdefghij created for tenant acme, expiring 2030")
+    assert out.splitlines()[-1] == "sk-ponto-abcdefghij-SECRET"
+    assert "expires 2030" in pontoctl(stub, "key", "expire", "abcdefghij", "--in", "7d")
+    assert stub.requests[1].expires_in_s == 7 * 86400
+    assert "no longer expires" in pontoctl(stub, "key", "expire", "abcdefghij", "--never")
+    assert (stub.requests[2].expires_in_s, stub.requests[2].expires_at) == (0, 0)
+
+
+def test_a_control_plane_that_drops_the_expiry_is_called_out() -> None:
+    out = pontoctl(Stub(expiry=False), "key", "create", "--tenant", "acme", "--expires-in", "1h")
+    assert "WITHOUT AN EXPIRY" in out.splitlines()[0]
+    assert "pontoctl key expire abcdefghij --in" in out
+    assert out.splitlines()[-1] == "sk-ponto-abcdefghij-SECRET"  # still shown, last
+    plain = pontoctl(Stub(expiry=False), "key", "create", "--tenant", "acme")
+    assert "EXPIRY" not in plain and "expiring" not in plain
+
+
+def test_key_list_has_one_field_per_column_and_says_expired() -> None:
+    resp = apb.ListKeysResponse(
+        keys=[
+            apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme", created_at=1.7e9),
+            apb.ApiKeyInfo(id="bbbbbbbbbb", tenant="acme", created_at=1.7e9, expires_at=1.0),
+            apb.ApiKeyInfo(
+                id="cccccccccc", tenant="acme", limits=pb.Limits(rpm=5), revoked=True, expires_at=1
+            ),
+        ]
+    )
+    header, rows = _rows_keys(resp)
+    assert header[-2:] == ["EXPIRES", "STATE"]
+    lines = [" ".join(row).split() for row in rows]
+    assert all(len(line) == len(header) for line in lines)
+    assert [line[-1] for line in lines] == ["active", "expired", "revoked"]
+    assert lines[1][header.index("EXPIRES")] == "1970-01-01T00:00:01Z"
