@@ -507,9 +507,11 @@ class Catalog:
     # ------------------------------------------------------------ cache purges
 
     async def purge_cache(self, tenant: str = "", model: str = "") -> Purge:
-        """Record a purge; proxies run it when the next table reaches them."""
+        """Record a purge; proxies run it when the next table reaches them.
+        An unknown tenant is NOT_FOUND: a misspelt name would purge nothing."""
         if tenant:
             check_name("tenant", tenant)
+            await self.get_tenant(tenant)
         if model and not MODEL_RE.match(model):
             raise InvalidArgument(f"model name {model!r} is invalid")
         key = PURGES + f"{int(self._clock() * 1000):015d}-{uuid.uuid4().hex[:8]}"

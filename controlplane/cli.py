@@ -171,7 +171,9 @@ def _duration(text: str) -> float:
     at most MAX_DURATION_DAYS (so that now minus it is a time)."""
     number, unit = text[:-1], text[-1:]
     if unit not in _UNITS or not (number.isascii() and number.isdigit()) or int(number) == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 90s, 30m, 2h or 7d")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive duration such as 90s, 30m, 2h or 7d"
+        )
     seconds = int(number) * _UNITS[unit]
     if seconds > MAX_DURATION_DAYS * _UNITS["d"]:
         raise argparse.ArgumentTypeError(f"{text!r} is longer than {MAX_DURATION_DAYS}d")
@@ -402,7 +404,9 @@ def _parser() -> argparse.ArgumentParser:
     shown.add_argument(
         "--all", action="store_true", help="active and revoked keys, with their STATE (the default)"
     )
-    shown.add_argument("--active", action="store_true", help="hide revoked keys")
+    shown.add_argument(
+        "--active", action="store_true", help="only keys in use: hide revoked and expired ones"
+    )
     kl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
     key.add_parser("revoke", help="revoke a key by its id").add_argument("id")
     ke = key.add_parser(
@@ -451,8 +455,8 @@ def _parser() -> argparse.ArgumentParser:
 
     get = sub.add_parser(
         "get",
-        help="list regions, origins, tenants, keys, proxies or the table; -o yaml|json of "
-        "regions, origins and tenants is an apply file",
+        help="list regions, origins, tenants, keys, proxies, controlplanes, the table or the "
+        "audit trail; -o yaml|json of regions, origins and tenants is an apply file",
     )
     get.add_argument(
         "kind",
@@ -845,6 +849,10 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             keys = stub.ListKeys(
                 apb.ListKeysRequest(tenant=args.tenant, include_revoked=not args.active)
             )
+            if args.active:
+                now = time.time()
+                live = [k for k in keys.keys if _key_state(k, now) == "active"]
+                keys = apb.ListKeysResponse(keys=live)
             return render(keys, args.output, _rows_keys)
         if args.action == "expire":
             k = stub.SetKeyExpiry(
@@ -872,6 +880,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
     if args.command == "cache":
         if not (args.tenant or args.model or args.all):
             raise UsageError("give --tenant, --model, or --all to purge everything")
+        if args.all and (args.tenant or args.model):
+            raise UsageError("--all purges everything: give it alone, or --tenant/--model")
         resp = stub.PurgeCache(apb.PurgeCacheRequest(tenant=args.tenant, model=args.model))
         scope = (
             " ".join(

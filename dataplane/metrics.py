@@ -275,6 +275,11 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        # Exported at 0 from the start, so that rate() sees the first one.
+        for limit in ("requests", "tokens", "concurrency", "tokens_over_limit"):
+            self.limit_refusals.labels(limit)
+        for outcome in ("admitted", "refused"):
+            self.slot_waits.labels(outcome)
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
             "Requests whose client went away before the response ended",

@@ -207,10 +207,13 @@ class AuthError(Exception):
 
     status: Final = 401
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, principal: Principal | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # The owner of a key that matched and was refused for what it is
+        # (expired): for the logs and metrics, never for the client.
+        self.principal = principal
 
     @property
     def www_authenticate(self) -> str:
@@ -245,9 +248,11 @@ def _bad_key() -> AuthError:
     return AuthError("invalid_api_key", "Incorrect API key provided.")
 
 
-def _expired_key(expires_at: float) -> AuthError:
+def _expired_key(expires_at: float, principal: Principal) -> AuthError:
     return AuthError(
-        "expired_api_key", f"This API key expired at {utc(expires_at)}; use another key."
+        "expired_api_key",
+        f"This API key expired at {utc(expires_at)}; use another key.",
+        principal,
     )
 
 
@@ -399,7 +404,7 @@ class Authenticator:
     def _check_expiry(self, principal: Principal, now: float) -> None:
         expires_at = self._expiry.get(principal.key_id)
         if expires_at is not None and now >= expires_at:
-            raise _expired_key(expires_at)
+            raise _expired_key(expires_at, principal)
 
     def _api_key(self, token: str) -> Principal:
         key_id = parse_key_id(token)

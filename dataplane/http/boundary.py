@@ -14,7 +14,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
-from dataplane.http.errors import ApiError, body_too_large
+from dataplane.http.errors import ApiError, Unauthorized, body_too_large
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
     ACCESS_LOG,
@@ -204,7 +204,10 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
     redirect is re-raised."""
     if isinstance(exc, ApiError):
         if not exc.logged:
-            _refused(request, exc.status, exc.code, exc.message)
+            message = exc.message
+            if isinstance(exc, Unauthorized) and exc.owner is not None:  # an expired key
+                message += f" [key {exc.owner.key_id} of tenant {exc.owner.tenant}]"
+            _refused(request, exc.status, exc.code, message)
         return exc.response(), exc.code or str(exc.status)
     if isinstance(exc, web.HTTPException):
         # Router errors (unknown path, wrong method) in the same shape.

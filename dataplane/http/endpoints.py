@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
-from dataplane.http.errors import ApiError, model_not_found
+from dataplane.http.errors import ApiError, Unauthorized, model_not_found
 from dataplane.http.pipeline import authenticate
 from dataplane.http.state import CLIENT, HOLDER, METRICS, PRINCIPAL, QUOTA
 
@@ -20,7 +20,12 @@ def _callable_models(request: web.Request) -> list[str]:
     routes, policy = holder.routes, holder.policy
     models: list[str] = list(routes.models) if routes else []
     if policy is not None:
-        principal = authenticate(policy, request.headers.get("authorization"))
+        try:
+            principal = authenticate(policy, request.headers.get("authorization"))
+        except Unauthorized as exc:
+            if exc.owner is not None:  # an expired key: counted for its owner
+                request[PRINCIPAL] = exc.owner
+            raise
         request[PRINCIPAL] = principal
         served = set(models)
         aliases = policy.tenant(principal.tenant).prompt.aliases

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from dataplane import jsonio
+from dataplane.auth.authenticator import AuthError
 from dataplane.ratelimit.limiter import retry_after_header
 
 
@@ -67,6 +68,18 @@ class ApiError(Exception):
             content_type="application/json",
             headers=headers,
         )
+
+
+class Unauthorized(ApiError):
+    """A 401. `owner`: whose key it was, when a key matched but was refused
+    (expired), so that the access log, the refusal log and the tenant's
+    metrics name it; the client is told nothing more."""
+
+    def __init__(self, exc: AuthError) -> None:
+        super().__init__(
+            401, exc.message, code=exc.code, headers={"www-authenticate": exc.www_authenticate}
+        )
+        self.owner = exc.principal
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:

@@ -33,7 +33,13 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
-from dataplane.http.errors import ApiError, bad_request, body_too_large, model_not_found
+from dataplane.http.errors import (
+    ApiError,
+    Unauthorized,
+    bad_request,
+    body_too_large,
+    model_not_found,
+)
 from dataplane.http.fields import (
     brackets_of,
     check_containers,
@@ -252,7 +258,13 @@ class Pipeline:
         )
 
     def authenticate(self, ex: Exchange) -> None:
-        ex.principal = authenticate(ex.policy, ex.headers.get("authorization"))
+        try:
+            ex.principal = authenticate(ex.policy, ex.headers.get("authorization"))
+        except Unauthorized as exc:
+            if exc.owner is not None:  # an expired key: its refusals are its owner's
+                ex.principal = exc.owner
+                ex.authenticated = True
+            raise
         ex.authenticated = True
 
     async def parse(self, request: web.Request, ex: Exchange) -> None:
@@ -507,13 +519,11 @@ class Pipeline:
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
-    """The caller, or a 401 in OpenAI's words."""
+    """The caller, or a 401 in OpenAI's words (Unauthorized)."""
     try:
         return policy.authenticator.authenticate(authorization, time.time())
     except AuthError as exc:
-        raise ApiError(
-            401, exc.message, code=exc.code, headers={"www-authenticate": exc.www_authenticate}
-        ) from None
+        raise Unauthorized(exc) from None
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

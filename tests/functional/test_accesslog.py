@@ -16,8 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.http.accesslog import Sampler
-from dataplane.http.state import ACCESS_LOG, METRICS
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS
+from ponto.apikeys import issue_key
 from ponto.originsim.app import SimConfig
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import (
     KEY,
     LIMITED_KEY,
@@ -26,6 +29,7 @@ from tests.functional.test_pipeline import (
     error_of,
     read_sse,
     start_stack,
+    table,
 )
 
 
@@ -377,3 +381,41 @@ async def test_a_follower_of_a_cut_stream_is_logged_as_cut(
         assert got["miss"]["error"] == "stream_cut"
     finally:
         await s.close()
+
+
+async def test_an_expired_keys_refusals_name_its_owner_and_a_wrong_keys_do_not(
+    logged: Stack, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Rotation: "who still uses the key we let expire?" is answered by the logs.
+    expired = issue_key()
+    t = table([("o1", str(logged.origins[0].make_url("/v1")))], version=3)
+    t.keys.append(pb.ApiKey(id=expired.key_id, hash=expired.key_hash, tenant="acme", expires_at=1))
+    t.etag = content_etag(t)
+    assert logged.app[HOLDER].apply(t, "control-plane")
+    lines(logged, capfd)
+    with caplog.at_level(logging.INFO, logger="ponto.refusals"):
+        refused = await logged.post(chat("old key"), key=expired.key)
+        wrong = await logged.post(chat("no key of ours"), key=issue_key().key)
+    assert refused.status == wrong.status == 401
+    assert error_of(await refused.json())["code"] == "expired_api_key"
+    assert expired.key_id not in (await refused.text())  # the holder knows its key
+    old, unknown = lines(logged, capfd)
+    assert (old["tenant"], old["key_id"], old["error"]) == (
+        "acme",
+        expired.key_id,
+        "expired_api_key",
+    )
+    assert (unknown["tenant"], unknown["key_id"], unknown["error"]) == (
+        None,
+        None,
+        "invalid_api_key",
+    )
+    assert f"[key {expired.key_id} of tenant acme]" in caplog.text
+    text = await (await logged.client.get("/metrics")).text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counted = {
+        (s.labels["key"], s.labels["code"]): s.value
+        for s in families["ponto_tenant_requests"].samples
+        if s.name.endswith("_total") and s.labels["tenant"] == "acme"
+    }
+    assert counted[(expired.key_id, "401")] == 1.0

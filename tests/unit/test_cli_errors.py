@@ -52,7 +52,7 @@ def test_each_status_is_one_line_with_its_exit_code(
         (["tenant", "set", "t", "--load-bound", "nope"], "invalid float value"),
         (["get", "nothing"], "invalid choice: 'nothing'"),
         (["apply", "-f", "/nonexistent/topology.yaml"], "cannot read /nonexistent"),
-        (["get", "audit", "--since", "5x"], "'5x' is not a duration such as 90s"),
+        (["get", "audit", "--since", "5x"], "'5x' is not a positive duration such as 90s"),
         (["get", "audit", "--since", "9" * 400 + "d"], "is longer than 36500d"),
         (["get", "audit", "--limit", "1001"], "--limit: 1001 is not in 0..1000"),
         (["get", "regions", "--since", "1h"], "are filters of `get audit`"),

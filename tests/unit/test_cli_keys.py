@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.cli import _parser, _rows_keys, run
+import pytest
+
+from controlplane.cli import UsageError, _parser, _rows_keys, run
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
 
 class Stub:
+    keys: list[apb.ApiKeyInfo] = []
+
     """Records the requests; answers as a control plane would, or as one that
     predates key expiry (`expiry` False: the field is dropped)."""
 
@@ -23,6 +27,10 @@ class Stub:
         at = 1_900_000_000.0 + req.expires_in_s if self.expiry and req.expires_in_s else 0.0
         key = apb.ApiKeyInfo(id="abcdefghij", tenant=req.tenant, expires_at=at)
         return apb.CreateKeyResponse(key=key, secret="sk-ponto-abcdefghij-SECRET")
+
+    def ListKeys(self, req: apb.ListKeysRequest) -> apb.ListKeysResponse:
+        self.requests.append(req)
+        return apb.ListKeysResponse(keys=self.keys)
 
     def SetKeyExpiry(self, req: apb.SetKeyExpiryRequest) -> apb.ApiKeyInfo:
         self.requests.append(req)
@@ -71,3 +79,21 @@ def test_key_list_has_one_field_per_column_and_says_expired() -> None:
     assert all(len(line) == len(header) for line in lines)
     assert [line[-1] for line in lines] == ["active", "expired", "revoked"]
     assert lines[1][header.index("EXPIRES")] == "1970-01-01T00:00:01Z"
+
+
+def test_active_keys_are_neither_revoked_nor_expired() -> None:
+    stub = Stub()
+    stub.keys = [
+        apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme"),
+        apb.ApiKeyInfo(id="bbbbbbbbbb", tenant="acme", expires_at=1.0),
+        apb.ApiKeyInfo(id="cccccccccc", tenant="acme", expires_at=4e9),
+    ]
+    listed = pontoctl(stub, "key", "list", "--active")
+    assert "aaaaaaaaaa" in listed and "cccccccccc" in listed
+    assert "bbbbbbbbbb" not in listed
+    assert not stub.requests[0].include_revoked
+
+
+def test_purge_all_with_a_scope_is_refused() -> None:
+    with pytest.raises(UsageError, match="--all purges everything"):
+        pontoctl(Stub(), "cache", "purge", "--all", "--tenant", "acme")

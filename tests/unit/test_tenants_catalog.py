@@ -542,6 +542,9 @@ async def test_list_keys_filters(catalog: Catalog) -> None:
 
 
 async def test_purge_cache_records_and_validates(catalog: Catalog, store: MemoryStore) -> None:
+    with pytest.raises(NotFound, match="tenant 'acme' not found"):
+        await catalog.purge_cache("acme")  # a misspelt tenant would purge nothing
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
     purge = await catalog.purge_cache("acme", "llama-3")
     assert purge.tenant == "acme"
     assert purge.model == "llama-3"
