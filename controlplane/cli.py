@@ -295,7 +295,12 @@ def _parser() -> argparse.ArgumentParser:
         help="error-bounded semantic hits: the largest share of semantic hits that may be "
         "wrong (0.01 = 1 %%), thresholds learned per entry from checked answers; 0: off",
     )
-    ts.add_argument("--cache-ttl", type=_count(MAX_TTL_S), metavar="SECONDS")
+    ts.add_argument(
+        "--cache-ttl",
+        type=_count(MAX_TTL_S),
+        metavar="SECONDS",
+        help="how long cached answers are kept; 0: the proxies' --cache-ttl",
+    )
     ts.add_argument(
         "--cache-nondeterministic",
         choices=["on", "off"],
@@ -509,6 +514,26 @@ def _limits_text(limits: pb.Limits, none: str = "no limits") -> str:
         f"{n}={getattr(limits, n)}" for n in ("rpm", "tpm", "concurrency") if getattr(limits, n)
     ]
     return " ".join(shown) or none
+
+
+def _tenant_flags_given(args: argparse.Namespace) -> bool:
+    """Whether `tenant set` was given any setting (they all default to None or [])."""
+    skip = {"command", "action", "name", "control_plane", "output"}
+    return any(
+        value is not None and value != []
+        for dest, value in vars(args).items()
+        if dest not in skip and not dest.startswith(("tls", "admin", "token"))
+    )
+
+
+# The calls the audit trail records (what `get audit --action` may name): the
+# Admin API's writes, drains recorded as Drain* or Undrain*.
+_AUDITED = frozenset(
+    name
+    for m in apb.DESCRIPTOR.services_by_name["Admin"].methods
+    if not m.name.startswith(("List", "Get", "Export"))
+    for name in (m.name, m.name.replace("Drain", "Undrain", 1))
+)
 
 
 def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTenantRequest:
@@ -814,9 +839,13 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if args.action == "delete":
             stub.DeleteTenant(apb.DeleteRequest(name=args.name))
             return f"tenant {args.name} deleted"
+        if not _tenant_flags_given(args):
+            raise UsageError("give a setting to change (pontoctl tenant set --help)")
         tenants = stub.ListTenants(apb.ListRequest()).tenants
         current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
         update = _tenant_update(args, current)
+        if [f.name for f, _ in update.ListFields()] == ["name"]:
+            return f"tenant {args.name} unchanged: it already has these settings"
         _merged(current, update).validated()
         t = stub.UpdateTenant(update)
         return (
@@ -904,6 +933,11 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         req = apb.ListRequest()
         filters = (args.limit, args.since, args.action or None, args.actor or None)
         if args.kind == "audit":
+            if args.action and args.action not in _AUDITED:
+                raise UsageError(
+                    f"--action {args.action!r} is no audited call; one of: "
+                    + ", ".join(sorted(_AUDITED))
+                )
             audit = apb.ListAuditRequest(
                 limit=args.limit or 0,
                 action=args.action,

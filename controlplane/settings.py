@@ -192,7 +192,7 @@ def parse(argv: list[str]) -> Settings:
         p.error("--etcd needs at least one endpoint")
     for endpoint in etcd:
         host, _, port = endpoint.partition("://")[2 if "://" in endpoint else 0].rpartition(":")
-        if not host.strip("[]") or not port.isdigit():
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
             p.error(f"--etcd endpoint {endpoint!r} is not [http[s]://]HOST:PORT")
     try:
         etcd_tls = _etcd_tls(etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)

@@ -56,6 +56,9 @@ def test_each_status_is_one_line_with_its_exit_code(
         (["get", "audit", "--since", "9" * 400 + "d"], "is longer than 36500d"),
         (["get", "audit", "--limit", "1001"], "--limit: 1001 is not in 0..1000"),
         (["get", "regions", "--since", "1h"], "are filters of `get audit`"),
+        (["get", "audit", "--action", "setkeyexpiry"], "is no audited call; one of: Apply,"),
+        (["tenant", "set", "acme"], "give a setting to change"),
+        (["cache", "purge", "--all", "--model", "m"], "--all purges everything"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_before_any_call(
