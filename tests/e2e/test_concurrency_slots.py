@@ -83,4 +83,4 @@ def test_a_tenant_at_its_limit_is_refused_at_once(fleet: Fleet) -> None:
         assert [f.result() for f in held] == [200] * 4
     text = metrics(fleet, "p1")
     assert 'ponto_ratelimit_refusals_total{limit="concurrency"} 1.0' in text
-    assert 'outcome="refused"' not in text  # refused without a wait
+    assert 'ponto_ratelimit_slot_waits_total{outcome="refused"} 0.0' in text  # no wait
