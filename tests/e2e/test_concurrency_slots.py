@@ -68,6 +68,17 @@ def test_parallel_requests_at_a_one_slot_proxy_wait_for_idle_slots(fleet: Fleet)
     assert 'ponto_ratelimit_slot_waits_total{outcome="admitted"} 2.0' in metrics(fleet, "p3")
 
 
+def test_a_burst_over_the_limit_at_one_proxy_gets_the_whole_limit(fleet: Fleet) -> None:
+    # Limit 3 over three proxies, a slot each; 5 at once at p2: the leader moves
+    # the other two slots to p2 for its waiters, and the rest is refused.
+    key = make_key(fleet, "burst", pb.Limits(concurrency=3))
+    time.sleep(5.5)
+    url = fleet.proxy_url("p2") + "/chat/completions"
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        codes = sorted(pool.map(lambda _: ask(url, key), range(5)))
+    assert codes == [200, 200, 200, 429, 429]
+
+
 def test_a_tenant_at_its_limit_is_refused_at_once(fleet: Fleet) -> None:
     key = make_key(fleet, "full", pb.Limits(concurrency=LIMIT))
     time.sleep(5.5)
