@@ -1,8 +1,10 @@
 """The proxy's HTTP edge: read deadlines, connection caps, and parser refusals.
 
 aiohttp's parser is kept; its protocol (`web_protocol.RequestHandler`) is
-subclassed at three points:
+subclassed at these points:
 
+- `start`: aiohttp's request loop, with each request's handler awaited in the
+  connection's task rather than in a task of its own (`EdgeProtocol.start`).
 - `data_received`: a request's head must arrive within `header_timeout` of its
   first byte (of the connection's opening, for the first request) and its body
   within `body_timeout` of the head. A late head closes the connection (there
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web, web_protocol
-from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
+from aiohttp.helpers import ceil_timeout, must_be_empty_body, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import (
     BadHttpMessage,
@@ -197,7 +199,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
     """aiohttp's HTTP/1 protocol with deadlines, caps and JSON parser errors.
 
     Relies on these aiohttp internals (tests/unit/test_edge_limits.py checks
-    they exist, tests/functional/test_edge.py what they do): `_messages`
+    they exist, tests/functional/test_edge.py what they do): those of the
+    request loop copied into `start` (aiohttp 3.14.5's, the pinned version);
+    `_messages`
     (parsed requests not yet handled, with their payloads) and `_ErrInfo`,
     `_request_count`, `_request_in_progress`, `_waiter`, `_manager`, `_close`,
     `_force_close`, and `data_received` feeding the parser synchronously; and,
@@ -286,6 +290,132 @@ class EdgeProtocol(web_protocol.RequestHandler):
         writer = cast(asyncio.WriteTransport, transport)
         writer.write(_REFUSAL_HEAD + request_id.encode() + _REFUSAL_TAIL)
         transport.close()  # after the write is flushed
+
+    # ------------------------------------------------------------ requests
+
+    async def start(self) -> None:
+        """aiohttp 3.14's request loop (`RequestHandler.start`), with one change:
+        each request's handler runs in this connection's task instead of a new
+        task per request.
+
+        aiohttp makes that task so that each request has its own context
+        variables (aiohttp #3406); the proxy keeps no request state in context
+        variables, and on Python 3.11 (no eager tasks) the task costs a loop
+        iteration and about 3 us per request. Cancellation is unchanged: a lost
+        connection cancels this task, which was awaiting the handler's.
+        """
+        loop = self._loop
+        manager = self._manager
+        assert manager is not None
+        keepalive_timeout = self._keepalive_timeout
+        resp = None
+        assert self._request_factory is not None
+        assert self._request_handler is not None
+
+        while not self._force_close:
+            if not self._messages:
+                try:
+                    # wait for next request
+                    self._waiter = loop.create_future()
+                    await self._waiter
+                finally:
+                    self._waiter = None
+
+            message, payload = self._messages.popleft()
+
+            # Free a parser slot; resume reading once drained to low water so
+            # pipelining keeps flowing while this request is handled.
+            if self._parser is not None:  # pragma: no branch
+                self._parser.message_consumed()
+            if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
+                self._resume_reading_if_drained()
+
+            start = loop.time() if self._logging_enabled else None
+
+            manager.requests_count += 1
+            writer = StreamWriter(self, loop)
+            if isinstance(message, web_protocol._ErrInfo):
+                request_handler = self._make_error_handler(message)
+                message = web_protocol.ERROR
+            else:
+                request_handler = self._request_handler
+
+            request = self._request_factory(
+                message,
+                payload,
+                self,
+                writer,
+                self._task_handler or asyncio.current_task(loop),  # type: ignore[arg-type]
+            )
+            try:
+                try:
+                    resp, reset = await self._handle_request(request, start, request_handler)
+                except ConnectionError:
+                    self.log_debug("Ignored premature client disconnection")
+                    break
+
+                if reset:
+                    self.log_debug("Ignored premature client disconnection 2")
+                    break
+
+                # notify server about keep-alive
+                self._keepalive = bool(resp.keep_alive)
+
+                # check payload
+                if not payload.is_eof():
+                    lingering_time = self._lingering_time
+                    if not self._force_close and lingering_time:
+                        self.log_debug("Start lingering close timer for %s sec.", lingering_time)
+
+                        now = loop.time()
+                        end_t = now + lingering_time
+
+                        try:
+                            while not payload.is_eof() and now < end_t:
+                                async with ceil_timeout(end_t - now):
+                                    # read and ignore
+                                    await payload.readany()
+                                now = loop.time()
+                        except (asyncio.CancelledError, TimeoutError):
+                            if (t := asyncio.current_task()) and t.cancelling():
+                                raise
+
+                    # if payload still uncompleted
+                    if not payload.is_eof() and not self._force_close:
+                        self.log_debug("Uncompleted request.")
+                        self.close()
+
+                payload.set_exception(web_protocol._PAYLOAD_ACCESS_ERROR)
+
+            except asyncio.CancelledError:
+                self.log_debug("Ignored premature client disconnection")
+                self.force_close()
+                raise
+            except Exception as exc:
+                self.log_exception("Unhandled exception", exc_info=exc)
+                self.force_close()
+            except BaseException:
+                self.force_close()
+                raise
+            finally:
+                request._task = None  # type: ignore[assignment]  # a reference cycle otherwise
+                if self.transport is None and resp is not None:
+                    self.log_debug("Ignored premature client disconnection.")
+
+            if self._keepalive and not self._close and not self._force_close:
+                # start keep-alive timer
+                close_time = loop.time() + keepalive_timeout
+                self._next_keepalive_close_time = close_time
+                if self._keepalive_handle is None:
+                    self._keepalive_handle = loop.call_at(close_time, self._process_keepalive)
+            else:
+                break
+
+        # remove handler, close transport if no handlers left
+        if not self._force_close:
+            self._task_handler = None
+            if self.transport is not None:
+                self.transport.close()
 
     # ------------------------------------------------------------ deadlines
 

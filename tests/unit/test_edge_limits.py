@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import zlib
 
+import aiohttp
 import pytest
 from aiohttp import web, web_protocol
 from aiohttp.client_proto import ResponseHandler
@@ -205,6 +206,20 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
     used = {"_messages", "_request_count", "_request_in_progress", "_waiter", "_manager"}
     assert used | {"_close", "_force_close"} <= slots
     assert web_protocol._ErrInfo(status=400, exc=BadHttpMessage("x"), message="x").status == 400
+    # EdgeProtocol.start is aiohttp 3.14's loop without the task per request:
+    # what it reads of the protocol, and the module names it uses.
+    loop_state = {
+        "_parser", "_buffer_paused", "_msg_queue_resume_size", "_keepalive_timeout",
+        "_keepalive_handle", "_next_keepalive_close_time", "_lingering_time", "_keepalive",
+        "_request_factory", "_request_handler", "_task_handler", "_logging_enabled",
+    }  # fmt: skip
+    assert loop_state <= slots
+    for method in ("_handle_request", "_make_error_handler", "_resume_reading_if_drained"):
+        assert callable(getattr(web_protocol.RequestHandler, method)), method
+    assert web_protocol.ERROR.method == "UNKNOWN"
+    assert isinstance(web_protocol._PAYLOAD_ACCESS_ERROR, Exception)
+    # The loop copied is this version's; another may have changed it.
+    assert aiohttp.__version__ == "3.14.5"
 
 
 def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that_exist() -> None:
