@@ -71,6 +71,7 @@ from controlplane.store import (
     txn_size,
 )
 from ponto.apikeys import issue_key
+from ponto.routetable import OPEN_TENANT
 from ponto.times import utc
 
 log = logging.getLogger(__name__)
@@ -508,10 +509,12 @@ class Catalog:
 
     async def purge_cache(self, tenant: str = "", model: str = "") -> Purge:
         """Record a purge; proxies run it when the next table reaches them.
-        An unknown tenant is NOT_FOUND: a misspelt name would purge nothing."""
+        An unknown tenant is NOT_FOUND (a misspelt name would purge nothing),
+        except `default`, whose answers an open fleet caches without a record."""
         if tenant:
             check_name("tenant", tenant)
-            await self.get_tenant(tenant)
+            if tenant != OPEN_TENANT:
+                await self.get_tenant(tenant)
         if model and not MODEL_RE.match(model):
             raise InvalidArgument(f"model name {model!r} is invalid")
         key = PURGES + f"{int(self._clock() * 1000):015d}-{uuid.uuid4().hex[:8]}"

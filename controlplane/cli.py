@@ -388,6 +388,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODEL=N|auto",
         help="hedge delay for one model, overriding --hedge-ms (repeatable; 'default' removes it)",
     )
+    # Which of the parsed values are settings (see _tenant_flags_given).
+    ts.set_defaults(
+        tenant_settings=tuple(a.dest for a in ts._actions if a.dest not in ("help", "name"))
+    )
     tenant.add_parser("delete", help="delete a tenant without active keys").add_argument("name")
 
     key = sub.add_parser("key", help="create, list, expire and revoke API keys").add_subparsers(
@@ -518,12 +522,7 @@ def _limits_text(limits: pb.Limits, none: str = "no limits") -> str:
 
 def _tenant_flags_given(args: argparse.Namespace) -> bool:
     """Whether `tenant set` was given any setting (they all default to None or [])."""
-    skip = {"command", "action", "name", "control_plane", "output"}
-    return any(
-        value is not None and value != []
-        for dest, value in vars(args).items()
-        if dest not in skip and not dest.startswith(("tls", "admin", "token"))
-    )
+    return any(getattr(args, dest) not in (None, []) for dest in args.tenant_settings)
 
 
 # The calls the audit trail records (what `get audit --action` may name): the
@@ -844,7 +843,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         tenants = stub.ListTenants(apb.ListRequest()).tenants
         current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
         update = _tenant_update(args, current)
-        if [f.name for f, _ in update.ListFields()] == ["name"]:
+        known = any(t.name == args.name for t in tenants)
+        if known and [f.name for f, _ in update.ListFields()] == ["name"]:
             return f"tenant {args.name} unchanged: it already has these settings"
         _merged(current, update).validated()
         t = stub.UpdateTenant(update)

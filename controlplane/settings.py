@@ -192,7 +192,10 @@ def parse(argv: list[str]) -> Settings:
         p.error("--etcd needs at least one endpoint")
     for endpoint in etcd:
         host, _, port = endpoint.partition("://")[2 if "://" in endpoint else 0].rpartition(":")
-        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        if host.startswith("["):
+            # etcd3aio's channel takes IPv4 addresses and names only.
+            p.error(f"--etcd endpoint {endpoint!r}: IPv6 literals are not supported; use a name")
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             p.error(f"--etcd endpoint {endpoint!r} is not [http[s]://]HOST:PORT")
     try:
         etcd_tls = _etcd_tls(etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)

@@ -26,9 +26,10 @@ from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
 from dataplane.upstream.hedge import AUTO, HedgeSetting
 from ponto.quota_types import ScopeLimits, key_scope, tenant_scope
+from ponto.routetable import OPEN_TENANT
 from ponto.v1 import routing_pb2 as pb
 
-DEFAULT_TENANT = "default"
+DEFAULT_TENANT = OPEN_TENANT
 # Chosen from the evaluation in bench/cache_eval.py (docs/semantic-cache.md).
 DEFAULT_SEMANTIC_THRESHOLD = 0.9
 

@@ -11,6 +11,10 @@ import hashlib
 
 from ponto.v1 import routing_pb2 as pb
 
+# The tenant of every request in an open fleet (no keys, no JWT issuers), and of
+# rules a table gives under that name: it needs no tenant record.
+OPEN_TENANT = "default"
+
 
 def content_etag(table: pb.RouteTable) -> str:
     """SHA-256 of the table without version and etag, serialised deterministically."""

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from ponto.apikeys import KEY_PREFIX, is_key_id, parse_key_id
+from ponto.routetable import OPEN_TENANT
 from ponto.times import utc
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ __all__ = [
     "Principal",
 ]
 
-DEFAULT_TENANT: Final = "default"
+DEFAULT_TENANT: Final = OPEN_TENANT
 
 # Deliberately short: each entry is an algorithm family whose key type PyJWK
 # binds (oct -> HS256, RSA -> RS256, EC P-256 -> ES256), so a token can never

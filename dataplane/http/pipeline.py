@@ -103,6 +103,8 @@ class Exchange:
     routes: Routes
     policy: EdgePolicy
     principal: Principal = OPEN_PRINCIPAL
+    # The principal is known: the caller's, or the owner of an expired key it
+    # presented (refused, but its requests are counted and logged as theirs).
     authenticated: bool = False
     # parse
     raw: bytes = b""

@@ -13,10 +13,10 @@ from ponto.v1 import routing_pb2 as pb
 
 
 class Stub:
-    keys: list[apb.ApiKeyInfo] = []
-
     """Records the requests; answers as a control plane would, or as one that
     predates key expiry (`expiry` False: the field is dropped)."""
+
+    keys: tuple[apb.ApiKeyInfo, ...] = ()
 
     def __init__(self, *, expiry: bool = True) -> None:
         self.expiry = expiry
@@ -83,11 +83,11 @@ def test_key_list_has_one_field_per_column_and_says_expired() -> None:
 
 def test_active_keys_are_neither_revoked_nor_expired() -> None:
     stub = Stub()
-    stub.keys = [
+    stub.keys = (
         apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme"),
         apb.ApiKeyInfo(id="bbbbbbbbbb", tenant="acme", expires_at=1.0),
         apb.ApiKeyInfo(id="cccccccccc", tenant="acme", expires_at=4e9),
-    ]
+    )
     listed = pontoctl(stub, "key", "list", "--active")
     assert "aaaaaaaaaa" in listed and "cccccccccc" in listed
     assert "bbbbbbbbbb" not in listed

@@ -76,3 +76,16 @@ def test_get_tenants_shows_the_bound_beside_the_threshold() -> None:
     cache = header.index("CACHE")
     assert rows[0][cache] == "semantic@0.9,max-err=0.01"
     assert rows[1][cache] == "semantic"
+
+
+def test_a_setting_the_tenant_has_is_unchanged_but_an_unknown_tenant_is_asked() -> None:
+    stub = Stub(pb.Tenant(name="acme", cache=pb.CachePolicy(mode="exact")))
+    assert tenant_set(stub, "--cache", "exact") == (
+        "tenant acme unchanged: it already has these settings"
+    )
+    assert stub.updates == []
+    # A misspelt name: the defaults it "already has" are no answer; the control
+    # plane's is (NOT_FOUND), so the update is sent.
+    elsewhere = Stub(pb.Tenant(name="other"))
+    tenant_set(elsewhere, "--continuation", "on")
+    assert [u.name for u in elsewhere.updates] == ["acme"]

@@ -93,6 +93,8 @@ def test_flags_give_tls_with_a_client_certificate(pem: dict[str, str]) -> None:
         (["--etcd", "etcd:x"], "is not [http[s]://]HOST:PORT"),
         (["--etcd", "etcd:99999"], "is not [http[s]://]HOST:PORT"),
         (["--etcd", "etcd:0"], "is not [http[s]://]HOST:PORT"),
+        (["--etcd", "etcd:\u00b2"], "is not [http[s]://]HOST:PORT"),
+        (["--etcd", "[::1]:2379"], "IPv6 literals are not supported"),
         (["--etcd", "https://e:2379", "--etcd-ca", "{ca}", "--etcd-cert", "{cert}"], "both"),
         (["--etcd", "e:2379", "--etcd-cert", "{cert}", "--etcd-key", "{key}"], "needs --etcd-ca"),
         (["--etcd", "https://e:2379", "--etcd-ca", "/nonexistent/ca.pem"], "cannot read"),
