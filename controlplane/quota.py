@@ -85,8 +85,9 @@ def compute_shares(
     proxy can start at once. Every share of a concurrency-limited scope says
     whether its proxy may wait for slots it lacks (`Share.spare`): while the
     fleet's peaks leave slots idle (`_idle_slots`), or while the allocation
-    owes the proxy more slots than it holds yet. Shares equal to the previous ones are returned as
-    the same objects, so callers can publish only what changed.
+    owes the proxy more slots than it holds yet. Shares equal to the previous
+    ones are returned as the same objects, so callers can publish only what
+    changed.
     """
     n = len(proxies)
     out: dict[str, dict[str, Share]] = {p: {} for p in proxies}

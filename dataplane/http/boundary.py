@@ -84,6 +84,11 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response, error = _error_response(request, exc)
         failed = True
     ex = request.get(EXCHANGE)
+    if app[DRAINING].active:
+        # Draining began while this request ran: close after its answer too
+        # (a stream already sent its head; its connection still ends with it),
+        # or a kept-alive client would hold the drain to its deadline.
+        response.force_close()
     if not response.prepared:  # a stream sent its headers itself
         response.headers.setdefault("x-request-id", request_id)
     if failed and ex is not None:

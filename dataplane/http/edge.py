@@ -348,6 +348,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 self._task_handler or asyncio.current_task(loop),  # type: ignore[arg-type]
             )
             try:
+                task = asyncio.current_task(loop)
                 try:
                     resp, reset = await self._handle_request(request, start, request_handler)
                 except ConnectionError:
@@ -369,6 +370,10 @@ class EdgeProtocol(web_protocol.RequestHandler):
 
                         now = loop.time()
                         end_t = now + lingering_time
+                        # This task serves every request of the connection: only
+                        # a cancellation arriving now stops it (aiohttp asks for
+                        # any, which a per-request task could only have now).
+                        cancels = task.cancelling() if task is not None else 0
 
                         try:
                             while not payload.is_eof() and now < end_t:
@@ -377,7 +382,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
                                     await payload.readany()
                                 now = loop.time()
                         except (asyncio.CancelledError, TimeoutError):
-                            if (t := asyncio.current_task()) and t.cancelling():
+                            if task is not None and task.cancelling() > cancels:
                                 raise
 
                     # if payload still uncompleted

@@ -7,6 +7,8 @@ of a kept-alive connection (chart-run's upgrade found that race).
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -53,6 +55,28 @@ async def test_answers_keep_alive_until_draining_then_close() -> None:
             resp = await client.get(path)
             assert resp.headers.get("connection", "").lower() == "close", path
             await resp.read()
+
+
+async def test_a_request_under_way_when_draining_begins_closes_its_connection_too() -> None:
+    application = app()
+    begun = asyncio.Event()
+    go = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        begun.set()
+        await go.wait()
+        return web.json_response({"ok": True})
+
+    application.router.add_get("/slow", slow, name="slow")
+    async with TestClient(TestServer(application)) as client:
+        pending = asyncio.ensure_future(client.get("/slow"))
+        await begun.wait()
+        application[DRAINING].active = True  # SIGTERM while it runs
+        go.set()
+        resp = await pending
+        assert resp.status == 200
+        assert resp.headers.get("connection", "").lower() == "close"
+        await resp.read()
 
 
 def test_drain_seconds_is_a_flag_with_a_clear_refusal(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,11 @@ parser-error mapping of the HTTP edge (dataplane.http.edge), without a server.""
 from __future__ import annotations
 
 import gzip
+import hashlib
+import inspect
+import re
 import zlib
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -218,8 +222,31 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
         assert callable(getattr(web_protocol.RequestHandler, method)), method
     assert web_protocol.ERROR.method == "UNKNOWN"
     assert isinstance(web_protocol._PAYLOAD_ACCESS_ERROR, Exception)
-    # The loop copied is this version's; another may have changed it.
-    assert aiohttp.__version__ == "3.14.5"
+    # The loop copied is aiohttp 3.14.5's: an aiohttp whose loop differs must
+    # be compared with the copy before it is used.
+    source = inspect.getsource(web_protocol.RequestHandler.start)
+    assert hashlib.sha256(source.encode()).hexdigest() == START_SHA256, aiohttp.__version__
+
+
+# sha256 of aiohttp 3.14.5's RequestHandler.start, which EdgeProtocol.start copies.
+START_SHA256 = "2e565fd40c8e04fb3afb481d5ba52691a61d28396573b4b8a4cf3b168782288e"
+
+
+def test_no_request_state_lives_in_context_variables() -> None:
+    # EdgeProtocol.start runs every request of a connection in one task, so in
+    # one context: a context variable set for one request would be seen by the
+    # next. Request state travels in the Exchange and explicit trace contexts.
+    root = Path(__file__).resolve().parents[2] / "dataplane"
+    setters = re.compile(
+        r"ContextVar\(|contextvars|context\.attach\(|use_span\(|set_value\(|as_current_span"
+    )
+    found = [
+        f"{path.relative_to(root)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if setters.search(line)
+    ]
+    assert found == []
 
 
 def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that_exist() -> None:
