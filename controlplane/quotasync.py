@@ -64,8 +64,8 @@ def encode_shares(shares: Mapping[str, Mapping[str, Share]], default_fraction: f
     body = {
         "default_fraction": default_fraction,
         "proxies": {
-            # [fraction, slots], and a 1 when the fleet has spare slots (read
-            # as absent by a replica that predates it).
+            # [fraction, slots], and a 1 when the proxy may wait for slots
+            # (Share.spare; a replica that predates it reads the first two).
             proxy: {
                 scope: [s.fraction, s.concurrency, 1] if s.spare else [s.fraction, s.concurrency]
                 for scope, s in sorted(by_scope.items())

@@ -327,11 +327,10 @@ class RateLimiter:
 
         True when every scope that refuses for concurrency has fewer requests
         waiting than its limit and either
-        - had spare slots in the fleet at the leader's last round
-          (`Share.spare`, controlplane/quota.py): this proxy's are busy while
-          the fleet's peaks stay below the limit, and its refusal (then its
-          waiting requests) counts as demand, which moves slots here in two
-          rebalances; or
+        - was marked `spare` at the leader's last round (controlplane/quota.py):
+          slots idle in the fleet, or owed to this proxy by the allocation.
+          Its refusal (then its waiting requests) counts as demand, which moves
+          slots here in two rebalances; or
         - is one this proxy has held for under JOIN_WINDOW_S without ever
           getting a slot, with nothing of it in flight here: a proxy that has
           just joined (a rolling upgrade, a scale-up), whose first shares may
