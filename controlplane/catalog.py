@@ -70,7 +70,7 @@ from controlplane.store import (
     Write,
     txn_size,
 )
-from ponto.apikeys import issue_key
+from ponto.apikeys import issue_key, key_expired
 from ponto.routetable import OPEN_TENANT
 from ponto.times import utc
 
@@ -499,7 +499,7 @@ class Catalog:
             return 0.0
         if not math.isfinite(expires_at) or expires_at > MAX_EXPIRY:
             raise InvalidArgument(f"{what}: expiry {expires_at!r} is not a time")
-        if expires_at <= now:
+        if key_expired(expires_at, now):  # it would be refused from the start
             raise InvalidArgument(
                 f"{what}: expiry {utc(expires_at)} is in the past; revoke the key instead"
             )

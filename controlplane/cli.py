@@ -41,6 +41,7 @@ from controlplane.model import (
     Tenant,
 )
 from ponto import grpcconn as conn
+from ponto.apikeys import key_expired
 from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -703,14 +704,14 @@ def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
     """The keys of a table: none revoked; those past their expiry said apart."""
     now = time.time()
-    expired = sum(1 for k in keys if 0 < k.expires_at <= now)
+    expired = sum(1 for k in keys if key_expired(k.expires_at, now))
     return f"{len(keys)} keys ({expired} expired)" if expired else f"{len(keys)} active keys"
 
 
 def _key_state(k: apb.ApiKeyInfo, now: float) -> str:
     if k.revoked:
         return "revoked"
-    return "expired" if 0 < k.expires_at <= now else "active"
+    return "expired" if key_expired(k.expires_at, now) else "active"
 
 
 def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:

@@ -498,11 +498,8 @@ class ApiKeyRecord:
     created_at: float = 0.0
     revoked: bool = False
     revoked_at: float = 0.0
-    # Unix seconds from which proxies refuse the key; 0: never.
+    # Unix seconds from which proxies refuse the key; 0: never (ponto.apikeys.key_expired).
     expires_at: float = 0.0
-
-    def expired(self, now: float) -> bool:
-        return 0 < self.expires_at <= now
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,3 +113,9 @@ def parse_key_id(token: str) -> str | None:
 def is_key_id(value: str) -> bool:
     """True if `value` has the shape of a key id (for admin APIs that take one)."""
     return len(value) == KEY_ID_LENGTH and _ID_ALPHABET.issuperset(value)
+
+
+def key_expired(expires_at: float, now: float) -> bool:
+    """Whether a key with this expiry (Unix seconds; 0: never) is refused at
+    `now`: the one rule of the proxies, pontoctl and the control plane."""
+    return 0 < expires_at <= now

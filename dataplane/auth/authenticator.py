@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from ponto.apikeys import KEY_PREFIX, is_key_id, parse_key_id
+from ponto.apikeys import KEY_PREFIX, is_key_id, key_expired, parse_key_id
 from ponto.routetable import OPEN_TENANT
 from ponto.times import utc
 
@@ -404,7 +404,7 @@ class Authenticator:
 
     def _check_expiry(self, principal: Principal, now: float) -> None:
         expires_at = self._expiry.get(principal.key_id)
-        if expires_at is not None and now >= expires_at:
+        if expires_at is not None and key_expired(expires_at, now):
             raise _expired_key(expires_at, principal)
 
     def _api_key(self, token: str) -> Principal:
