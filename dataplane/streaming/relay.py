@@ -259,7 +259,10 @@ async def _relay_events(
 RESPONSES_ENDS: Final = frozenset(
     {b"response.completed", b"response.failed", b"response.incomplete"}
 )
-_RESPONSES_END = re.compile(rb"^event: ?response\.(?:completed|failed|incomplete)\r?$", re.M)
+_RESPONSES_END = re.compile(
+    rb"^event: ?(?:" + b"|".join(re.escape(name) for name in sorted(RESPONSES_ENDS)) + rb")\r?$",
+    re.M,
+)
 
 
 def ends_answer(data: bytes) -> bool:
