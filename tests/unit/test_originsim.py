@@ -359,7 +359,9 @@ async def test_metrics_exposes_vllm_gauges_and_counters(client: SimClient) -> No
 
 
 async def test_gauges_track_running_and_waiting(make_client: MakeClient) -> None:
-    client = await make_client(tokens_per_s=20, max_concurrency=1)
+    # The first stream runs 2 s: the second waits that long, time enough to
+    # see it on a busy machine (at 0.5 s it could end unseen).
+    client = await make_client(tokens_per_s=5, max_concurrency=1)
     body = orjson.dumps(chat_body(max_tokens=10, stream=True))
     first = await client.post(CHAT, data=body)
     assert first.status == 200
