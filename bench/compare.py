@@ -53,8 +53,12 @@ Phases: max (wrk, simulator origin; its maxima set the open-loop probes and
 the sustained rates); cpu (wrk, canned origin; direct is nginx itself,
 LiteLLM is not in it: bench/litellm_env.py maps every model to one origin);
 one at a time; exact-cache hit (Ponto, one question
-repeated) against direct; 100/s and 1,000/s non-streaming; 100/s streaming
-(TTFT = first SSE event, and each server's CPU per stream of 16 tokens);
+repeated) against direct, twice: the usual origin beside the client, and a
+second simulator alone on CPU 0 where the servers sit (the aim's comparison:
+a call to a server on CPU 0 crosses CPUs twice, some 0.1 ms each here, and a
+call to the origin beside the client none); 100/s and 1,000/s non-streaming;
+100/s streaming (TTFT = first SSE event, and each server's CPU per stream of 16
+tokens);
 sustained (80 % or 50 % of each target's max); if
 LiteLLM cannot hold 100/s, the latencies again at half its max, for a fair
 ratio; with --ponto-workers N (N >= 2), a last phase where a one-worker Ponto
@@ -94,6 +98,7 @@ import grpc
 
 from bench import canned, litellm_env, wrk
 from bench.compare_table import (
+    SEAT,
     Phase,
     aims,
     build_table,
@@ -198,6 +203,19 @@ def start_simulator(fleet: Fleet) -> Managed:
     origin = fleet.start_origin("origin", "local", models=(MODEL,))
     fleet.add_origin("origin", "local", fleet.origin_url("origin"), models=(MODEL,))
     return origin
+
+
+def start_seat_origin(fleet: Fleet) -> Managed:
+    """A second origin simulator, "seat" (not in the route table), alone on
+    SERVER_CPU: the bare origin of the exact-cache phase, called where the
+    servers under test sit. The usual origin shares LOAD_CPU with the load
+    generator, so a call to it crosses no CPU, where a call to any server on
+    SERVER_CPU crosses two (some 0.1 ms each on this VM); against that origin a
+    hit would be timed against an origin that skips the hop."""
+    with affinity({SERVER_CPU}):
+        seat = fleet.start_origin("seat", "local", models=(MODEL,))
+    pin_tree(seat.proc.pid, {SERVER_CPU})
+    return seat
 
 
 def start_proxy_alone(fleet: Fleet, name: str, proxy_args: Sequence[str] = ()) -> Managed:
@@ -641,9 +659,11 @@ def measure(
     *,
     ponto_cache: str | None,
     cpu: CannedTargets | None = None,
+    seat: Target | None = None,
 ) -> dict[str, Phase]:
     """Every phase but scaling, in order (see the module docstring); the exact-cache
-    phase only with `ponto_cache`, the address of a Ponto whose cache is on; "cpu"
+    phase only with `ponto_cache`, the address of a Ponto whose cache is on, and
+    against `seat` (the bare origin where the servers sit) too when given; "cpu"
     only with `cpu`."""
     phases: dict[str, Phase] = {}
     with LoadGenerator() as gen:
@@ -654,7 +674,7 @@ def measure(
             phases["cpu"] = wrk_phase("cpu", cpu.targets, cpu.origin_pid, plan, body=CANNED_BODY)
         phases["sequential"] = runner.phase("sequential", mode="sequential")
         if ponto_cache is not None:
-            phases["cache-hit"] = cache_hit(runner, ponto_cache)
+            phases["cache-hit"] = cache_hit(runner, ponto_cache, seat)
         for rate in plan.rates:
             phases[f"open-{rate:g}"] = runner.phase(f"open-{rate:g}", mode="open", rate=rate)
         phases["stream"] = runner.phase("stream", mode="open", stream=True, rate=plan.stream_rate)
@@ -669,13 +689,17 @@ def measure(
     return phases
 
 
-def cache_hit(runner: Runner, address: str) -> Phase:
+def cache_hit(runner: Runner, address: str, seat: Target | None = None) -> Phase:
     """One request at a time: Ponto asked the same question again and again (answered
     from its exact cache after the first, in the warm-up), the origin direct asked new
-    ones. Issue 17: a hit must be faster than a direct call to a bare origin. Ponto's
-    result says how many answers its cache gave meanwhile ("cache_hits"), warm-up
-    included, so that a cache that did not answer shows."""
+    ones. Issue 17: a hit must be faster than a direct call to a bare origin; with
+    `seat` (key SEAT: that origin on the servers' CPU, start_seat_origin) that call
+    is timed from where Ponto's is, the usual direct one beside the client too.
+    Ponto's result says how many answers its cache gave meanwhile ("cache_hits"),
+    warm-up included, so that a cache that did not answer shows."""
     chosen = [t for t in runner.targets if t.key in ("direct", "ponto")]
+    if seat is not None:
+        chosen.insert(1, seat)
     before = cache_stats(address).get("hit", math.nan)
     phase = runner.phase(
         "cache-hit",
@@ -857,6 +881,7 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
             # One worker, like every other server in the table; --ponto-workers
             # adds a last phase with an N-worker proxy (scaling).
             origin, proxy = start_ponto(fleet, [*args.ponto_arg, "--workers", "1"])
+            seat_origin = start_seat_origin(fleet)
             nginx = start_canned(fleet, Path(tmp) / "canned")
             passthrough = start_passthrough(fleet, origin.address)
             passthrough_canned = start_passthrough(fleet, nginx.address, "passthrough-canned")
@@ -881,6 +906,8 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
                        fleet.proxy_url("proxy") + "/chat/completions", proxy.proc.pid, headers),
             ]  # fmt: skip
             cpu = CannedTargets(canned_targets, nginx.pid)
+            seat_url = fleet.origin_url("seat") + "/chat/completions"
+            seat = Target(SEAT, "direct, origin on CPU 0", seat_url, seat_origin.proc.pid)
             report["ponto_features"] = features
             report["litellm"] = {"version": litellm_env.LITELLM_VERSION, "error": None}
             if args.no_litellm:
@@ -897,6 +924,7 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
                 t.rss_start_mb = tree_mb(t.pid, "VmRSS")
             for t in cpu.targets:
                 check(t, CANNED_BODY)
+            check(seat)
             print(
                 f"started in {time.monotonic() - started:.0f} s; measuring "
                 f"{', '.join(t.label for t in targets)}",
@@ -909,6 +937,7 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
                 plan,
                 ponto_cache=proxy.address if cache_on else None,
                 cpu=cpu,
+                seat=seat,
             )
             report["ponto_cache_at_end"] = cache_stats(proxy.address)
             # Before scaling, which loads the proxy on every CPU.

@@ -93,3 +93,33 @@ def test_a_streams_cpu_follows_its_ttft_with_its_ratio_over_the_floor() -> None:
     assert labels[at - 1] == "  sent late, p99 (ms)"  # the TTFT rows come first
     assert v.table.rows[at][1:] == ["-", "500", "800", "1.60x"]
     assert v.floor["stream_cpu_per_request"] == 1.6
+
+
+def hit_result(p50: float) -> dict[str, Any]:
+    return {"error_ratio": 0.0, "latency_ms": {"p50": p50, "p99": 2 * p50}}
+
+
+def test_a_hit_is_timed_against_the_origin_where_the_servers_sit_when_it_ran() -> None:
+    # The origin beside the client (0.28 ms) crosses no CPU; the one on CPU 0
+    # (0.50 ms) crosses what a call to Ponto crosses, and is the aim's measure.
+    hit = Phase("cache-hit", "closed", False, None, {
+        "direct": hit_result(0.28), "seat": hit_result(0.50), "ponto": hit_result(0.43),
+    })  # fmt: skip
+    verdict = aim(aims({"cache-hit": hit}, None, features="auth-limits-cache", workers=None),
+                  "exact-cache hit answered faster")  # fmt: skip
+    assert verdict["value"] == 0.86 and "origin on CPU 0" in verdict["goal"]
+    rows = {row[0].strip(): row[1:] for row in build_table(LABELS, {"cache-hit": hit}, {}, {}, ())
+            .table.rows}  # fmt: skip
+    key = "exact-cache hit (Ponto) vs direct (direct: origin on CPU 0, where the servers sit)"
+    assert rows[f"{key}, one at a time p50 (ms)"][:3] == ["0.500", "-", "0.430"]
+    beside = rows["direct with the origin beside the client (CPU 1), p50 (ms)"]
+    assert beside[:3] == ["0.280", "-", "-"]
+
+
+def test_without_the_seat_origin_a_hit_is_timed_against_direct() -> None:
+    hit = Phase("cache-hit", "closed", False, None, {
+        "direct": hit_result(0.28), "ponto": hit_result(0.43),
+    })  # fmt: skip
+    verdict = aim(aims({"cache-hit": hit}, None, features="auth-limits-cache", workers=None),
+                  "exact-cache hit answered faster")  # fmt: skip
+    assert verdict["value"] == 1.54 and "CPU 0" not in verdict["goal"]
