@@ -4,6 +4,7 @@ counted (and, with --access-log on, logged), every answer with its request id.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
+from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import ApiError, Unauthorized, body_too_large
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
@@ -101,6 +103,29 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
                 response.headers.setdefault(name, value)
     _record(app, request, request_id, endpoint, ex, response.status, error, started)
     return response
+
+
+async def send_whole(request: web.Request, response: web.Response) -> None:
+    """Write a handler's whole answer now instead of once the handler returns,
+    so that the work the handler does after it (keeping it in the cache,
+    giving back its admission, counting its tokens; then this boundary's
+    metrics and access log) is not in the client's wait.
+
+    While draining, the answer closes its connection, as
+    `errors_and_metrics` would decide after the handler. The handler goes on
+    whether or not the client is still there (the edge's own finish finds a
+    client that left); what it does after the answer must not wait on
+    anything, since a client that leaves at once cancels a handler that waits.
+    """
+    if request.app[DRAINING].active:
+        response.force_close()
+    protocol = request.protocol
+    if isinstance(protocol, EdgeProtocol):
+        await protocol.send_whole(request, response)
+        return
+    with contextlib.suppress(ConnectionError):  # aiohttp's own server (tests)
+        await response.prepare(request)
+        await response.write_eof()
 
 
 def cancel_reason(app: web.Application) -> str:

@@ -508,6 +508,24 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._caps.waiting(self, self._address)
         return answered
 
+    async def send_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
+        """Write `resp` now, from inside its handler (see
+        dataplane.http.boundary.send_whole); False if the client is gone. What
+        `finish_response` does once the handler returns then finds it sent."""
+        if (
+            type(resp) is web.Response
+            and self.access_logger is None
+            and not self._upgraded
+            and self._fits(request, resp)
+        ):
+            return await self._write_whole(request, resp)
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionError:
+            return False
+        return True
+
     async def _finish_whole(
         self, request: web.BaseRequest, resp: web.Response, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
@@ -515,12 +533,20 @@ class EdgeProtocol(web_protocol.RequestHandler):
         Content-Length, Content-Type, Date, Server and Connection rules), then
         its body. aiohttp's `prepare` and `write_eof` build the same bytes
         through some ten calls; this is the path of nearly every answer.
-        Answers it does not cover go to aiohttp's `finish_response`."""
-        body = resp._body
+        Answers it does not cover (`_fits`) go to aiohttp's `finish_response`."""
+        if not self._fits(request, resp):
+            return await super().finish_response(request, resp, start_time)
+        sent = await self._write_whole(request, resp)
+        return resp, not sent
+
+    @staticmethod
+    def _fits(request: web.BaseRequest, resp: web.Response) -> bool:
+        """Whether `_write_whole` writes `resp` as aiohttp would."""
         writer = request._payload_writer
         version = request.version
         headers = resp._headers
-        if (
+        body = resp._body
+        return not (
             resp._payload_writer is not None
             or resp._eof_sent
             or not (body is None or type(body) is bytes)
@@ -540,8 +566,15 @@ class EdgeProtocol(web_protocol.RequestHandler):
             # app.on_response_prepare hooks see (and may change) the prepared
             # head, which aiohttp's order of steps gives them.
             or _prepare_hooks(request)
-        ):
-            return await super().finish_response(request, resp, start_time)
+        )
+
+    async def _write_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
+        """`resp`, which `_fits`, in one write; False if the client is gone."""
+        body = resp._body
+        writer = request._payload_writer
+        assert isinstance(writer, StreamWriter) and (body is None or type(body) is bytes)
+        version = request.version
+        headers = resp._headers
         request._finish()
         size = len(body) if body else 0
         headers[hdrs.CONTENT_LENGTH] = str(size)
@@ -569,11 +602,11 @@ class EdgeProtocol(web_protocol.RequestHandler):
             writer._writelines((head, body) if body else (head,))
             await writer.drain()
         except ConnectionError:
-            return resp, True
+            return False
         writer._eof = True
         resp._eof_sent = True
         resp._body_length = writer.output_size
-        return resp, False
+        return True
 
     def _head_late(self) -> None:
         refusals.refused(

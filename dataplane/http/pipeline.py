@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -33,6 +33,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
+from dataplane.http.boundary import send_whole
 from dataplane.http.errors import (
     ApiError,
     Unauthorized,
@@ -328,7 +329,9 @@ class Pipeline:
         try:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
-                return await reply.replay(request, ex, plan.entry, plan.similarity)
+                return await sent(
+                    request, await reply.replay(request, ex, plan.entry, plan.similarity)
+                )
             if plan.follower is not None:
                 followed = await reply.follow(request, ex, plan.follower)
                 if followed is not None:
@@ -338,7 +341,7 @@ class Pipeline:
                     else:  # the flight's stream was cut, and so was this copy
                         ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
-                    return response
+                    return await sent(request, response)
                 plan = ex.cache = self.cache.own_call(creq, plan)
             origin = await self.forward(ex, self.hedge_for(ex))
             if ex.trace is not None:
@@ -348,7 +351,7 @@ class Pipeline:
             try:
                 if origin.streamed and origin.status < 400:
                     return await self.relay(request, ex, origin, plan)
-                return await self.respond(ex, origin, plan)
+                return await self.respond(request, ex, origin, plan)
             finally:
                 origin.release()
         except BaseException as exc:
@@ -432,12 +435,16 @@ class Pipeline:
             ex.route = "spill" if home in routes.hot else "failover"
         return candidates
 
-    async def respond(self, ex: Exchange, origin: OriginAnswer, plan: CachePlan) -> web.Response:
+    async def respond(
+        self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
+    ) -> web.Response:
         """A non-streamed answer: sent as is (an error one allowlisted, see
-        reply.origin_body); its JSON parsed once, for both the token count and
-        the cache. An error sent as a stream is answered from its first chunk."""
+        reply.origin_body), at once; then its JSON parsed once, for both the
+        token count and the cache. An error sent as a stream is answered from
+        its first chunk."""
         body = origin.body if origin.body is not None else origin.first
         assert ex.cache_request is not None
+        response = await sent(request, reply.origin_body(ex, origin, plan.outcome, body))
         obj: Any = None
         if origin.status < 400 and (plan.key or b'"usage"' in body):
             try:
@@ -446,7 +453,7 @@ class Pipeline:
                 obj = None
             ex.usage = usage_of(obj)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
-        return reply.origin_body(ex, origin, plan.outcome, body)
+        return response
 
     async def relay(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
@@ -518,6 +525,17 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- the steps' parts
+
+AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)
+
+
+async def sent(request: web.Request, response: AnswerT) -> AnswerT:
+    """`response`, written now if it is a whole one (boundary.send_whole): what
+    follows it in the handler is then not in the client's wait. A stream
+    (prepared already) is returned as it is."""
+    if isinstance(response, web.Response) and not response.prepared:
+        await send_whole(request, response)
+    return response
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:

@@ -1,7 +1,8 @@
-"""The edge's one-write answers (EdgeProtocol._finish_whole) are byte for byte
-what aiohttp's own prepare and write_eof send: the same answers, asked for by
-the same requests, from an EdgeRunner and from aiohttp's AppRunner on loopback.
-Only the Date header may differ (it is the second the answer left)."""
+"""The edge's one-write answers (EdgeProtocol._finish_whole, and send_whole
+from inside a handler) are byte for byte what aiohttp's own prepare and
+write_eof send: the same answers, asked for by the same requests, from an
+EdgeRunner and from aiohttp's AppRunner on loopback. Only the Date header may
+differ (it is the second the answer left)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
+from dataplane.http.boundary import send_whole
 from dataplane.http.edge import EdgeLimits, EdgeRunner
+from dataplane.http.state import DRAINING, Draining
 
 BOUND = 5.0  # what a wait that must end may take before the test fails
 
@@ -67,8 +70,11 @@ async def hide_server(request: web.Request, response: web.StreamResponse) -> Non
     response.force_close()
 
 
-def app(*, hooked: bool = False) -> web.Application:
+def app(*, hooked: bool = False, sent: bool = False) -> web.Application:
+    """ANSWERS' handlers; with `sent`, each writes its answer itself
+    (boundary.send_whole, as the pipeline does) before it returns it."""
     application = web.Application()
+    application[DRAINING] = Draining()
     if hooked:
         application.on_response_prepare.append(hide_server)
     for path, make in ANSWERS.items():
@@ -77,19 +83,27 @@ def app(*, hooked: bool = False) -> web.Application:
             request: web.Request, make: Callable[[], web.Response] = make
         ) -> web.Response:
             await request.read()
-            return make()
+            response = make()
+            if sent:
+                await send_whole(request, response)
+            return response
 
         application.router.add_route("*", path, handle)
     return application
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "hooked"])
+@pytest.fixture(
+    params=[(False, False), (True, False), (False, True), (True, True)],
+    ids=["plain", "hooked", "plain-sent", "hooked-sent"],
+)
 async def servers(request: pytest.FixtureRequest) -> AsyncIterator[dict[str, int]]:
     """name -> port: "edge" (EdgeRunner) and "aiohttp" (AppRunner), the same app,
-    with an on_response_prepare hook or without."""
+    with an on_response_prepare hook or without, answers returned or written by
+    their handlers (against aiohttp's own server, which prepares and writes)."""
+    hooked, sent = request.param
     runners: dict[str, web.AppRunner] = {
-        "edge": EdgeRunner(app(hooked=request.param), EdgeLimits(), access_log=None),
-        "aiohttp": web.AppRunner(app(hooked=request.param), access_log=None),
+        "edge": EdgeRunner(app(hooked=hooked, sent=sent), EdgeLimits(), access_log=None),
+        "aiohttp": web.AppRunner(app(hooked=hooked), access_log=None),
     }
     ports: dict[str, int] = {}
     for name, runner in runners.items():

@@ -688,3 +688,34 @@ async def test_a_body_of_too_many_arrays_is_a_400_before_its_parse(stack: Stack)
     err = error_of(await resp.json())
     assert err["code"] == "invalid_json" and "100000 arrays and objects" in err["message"]
     assert stack.origin_requests() == 0
+
+
+async def test_an_answer_leaves_before_the_work_after_it(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keeping the answer in the cache (then settling its admission, the metrics,
+    # the access log) is not in the client's wait: with the cache's put held,
+    # the client has its whole answer; once the put goes on, nothing was lost.
+    store = stack.app[PIPELINE].cache.store
+    put = store.put
+    gate, kept = asyncio.Event(), asyncio.Event()
+
+    async def held_put(*args: Any, **kwargs: Any) -> bool:
+        await gate.wait()
+        try:
+            return await put(*args, **kwargs)
+        finally:
+            kept.set()
+
+    monkeypatch.setattr(store, "put", held_put)
+    async with asyncio.timeout(10):  # the old order waited for the put: it never came
+        first = await stack.post(chat("kept after it left"))
+        assert first.status == 200 and first.headers["x-ponto-cache"] == "miss"
+        body = await first.json()
+    assert not kept.is_set()
+    gate.set()
+    await kept.wait()
+    again = await stack.post(chat("kept after it left"))
+    assert again.headers["x-ponto-cache"] == "hit"
+    assert await again.json() == body
+    assert stack.origin_requests() == 1

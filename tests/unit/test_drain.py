@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from dataplane.http.boundary import errors_and_metrics
+from dataplane.http.boundary import errors_and_metrics, send_whole
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
@@ -57,7 +57,10 @@ async def test_answers_keep_alive_until_draining_then_close() -> None:
             await resp.read()
 
 
-async def test_a_request_under_way_when_draining_begins_closes_its_connection_too() -> None:
+@pytest.mark.parametrize("sent", [False, True], ids=["returned", "sent-by-its-handler"])
+async def test_a_request_under_way_when_draining_begins_closes_its_connection_too(
+    sent: bool,
+) -> None:
     application = app()
     begun = asyncio.Event()
     go = asyncio.Event()
@@ -65,7 +68,10 @@ async def test_a_request_under_way_when_draining_begins_closes_its_connection_to
     async def slow(request: web.Request) -> web.Response:
         begun.set()
         await go.wait()
-        return web.json_response({"ok": True})
+        response = web.json_response({"ok": True})
+        if sent:  # as the pipeline does (boundary.send_whole)
+            await send_whole(request, response)
+        return response
 
     application.router.add_get("/slow", slow, name="slow")
     async with TestClient(TestServer(application)) as client:
