@@ -25,7 +25,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -420,37 +420,27 @@ class Metrics:
             registry=r,
         )
 
-    @overload
-    def child(self, metric: Counter, *labels: str) -> CounterCell: ...
-
-    @overload
-    def child(self, metric: Histogram, *labels: str) -> HistogramCell: ...
-
-    def child(self, metric: Counter | Histogram, *labels: str) -> CounterCell | HistogramCell:
-        """metric.labels(*labels): one series of a labelled Counter or Histogram."""
-        return metric.labels(*labels)
-
     def attempt(self, origin: str, outcome: str) -> CounterCell:
         """The ponto_upstream_attempts counter of one origin and outcome."""
-        return self.child(self.upstream_attempts, origin, outcome)
+        return self.upstream_attempts.labels(origin, outcome)
 
     def stream_cut(self, origin: str) -> None:
         """An origin's stream broke after the client had bytes."""
-        self.child(self.stream_cuts, origin).inc()
+        self.stream_cuts.labels(origin).inc()
         self.attempt(origin, "cut_after_start").inc()
 
     def _who(self, tenant: str, key: str) -> tuple[str, ...]:
         return (tenant, key or "-") if self.key_labels else (tenant,)
 
     def account_request(self, tenant: str, key: str, status: int) -> None:
-        self.child(self.tenant_requests, *self._who(tenant, key), str(status)).inc()
+        self.tenant_requests.labels(*self._who(tenant, key), str(status)).inc()
 
     def account_tokens(self, tenant: str, key: str, usage: Usage) -> None:
         who = self._who(tenant, key)
         if usage.prompt_tokens:
-            self.child(self.tenant_tokens, *who, "prompt").inc(usage.prompt_tokens)
+            self.tenant_tokens.labels(*who, "prompt").inc(usage.prompt_tokens)
         if usage.completion_tokens:
-            self.child(self.tenant_tokens, *who, "completion").inc(usage.completion_tokens)
+            self.tenant_tokens.labels(*who, "completion").inc(usage.completion_tokens)
 
     def operation(
         self,

@@ -136,12 +136,12 @@ class RegionLink:
 
     def count(self, op: str, result: str) -> None:
         """Count an outcome decided outside call(), e.g. a write dropped."""
-        self._metrics.child(self._metrics.region_requests, op, result).inc()
+        self._metrics.region_requests.labels(op, result).inc()
 
     def error(self, op: str) -> None:
         """Count a failure found by the caller, e.g. a value that does not decode
         (op "decode"); it does not open the breaker: Redis itself answered."""
-        self._metrics.child(self._metrics.region_errors, op).inc()
+        self._metrics.region_errors.labels(op).inc()
 
     async def start(self) -> None:
         """Check the connection once (an unreachable Redis leaves the link

@@ -365,7 +365,7 @@ class EdgeCache:
 
     def _hit(self, found: Found, kind: str, include_usage: bool) -> CachePlan:
         self._count("hit", kind)
-        self._metrics.child(self._metrics.cache_hits, found.tier).inc()
+        self._metrics.cache_hits.labels(found.tier).inc()
         return CachePlan(
             "hit", kind=kind, include_usage=include_usage, entry=found.entry, tier=found.tier
         )
@@ -552,11 +552,11 @@ class EdgeCache:
     def count_coalesced(self) -> None:
         """A follower of this proxy's own flight was answered whole."""
         self._count("hit", "coalesced")
-        self._metrics.child(self._metrics.cache_hits, "local").inc()
+        self._metrics.cache_hits.labels("local").inc()
 
     def _count(self, result: str, kind: str) -> None:
         m = self._metrics
-        m.child(m.cache_requests, result, str(kind)).inc()
+        m.cache_requests.labels(result, str(kind)).inc()
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -157,9 +157,9 @@ def _record(
     principal = ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
-    m.child(m.requests, endpoint, str(status)).inc()
+    m.requests.labels(endpoint, str(status)).inc()
     finished = time.perf_counter()
-    m.child(m.duration, endpoint).observe(finished - started)
+    m.duration.labels(endpoint).observe(finished - started)
     if ex is not None:
         m.operation(
             GENAI_OPERATIONS.get(ex.endpoint.name, ex.endpoint.name),

@@ -301,11 +301,11 @@ class Pipeline:
             admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now)
             now = time.monotonic()
             outcome = "admitted" if admission.ok else "refused"
-            self.metrics.child(self.metrics.slot_waits, outcome).inc()
+            self.metrics.slot_waits.labels(outcome).inc()
         ex.limit_headers = limiter.headers(scopes, now, admission)
         if not admission.ok:
             limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
-            self.metrics.child(self.metrics.limit_refusals, limit).inc()
+            self.metrics.limit_refusals.labels(limit).inc()
             raise refusal(admission)
         ex.admission = admission
 
@@ -406,7 +406,7 @@ class Pipeline:
             ex.route = "hedge"  # the chosen origin was slower than the next one
         elif answer.target is not candidates[0]:
             ex.route = "failover"  # the chosen origin failed or is ejected
-        self.metrics.child(self.metrics.routes, ex.route).inc()
+        self.metrics.routes.labels(ex.route).inc()
         return answer
 
     def place(self, ex: Exchange, home: str, limit: int) -> list[Target]:
@@ -495,7 +495,7 @@ class Pipeline:
         m = self.metrics
         name = resume.origin if resume is not None else origin.target.name
         if end.cut and resume is None:  # the hook counts the cuts it sees
-            m.child(m.continuations, "refused").inc()  # off, or not continuable
+            m.continuations.labels("refused").inc()  # off, or not continuable
             m.stream_cut(name)
             log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)
         elif end.complete:

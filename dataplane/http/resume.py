@@ -133,7 +133,7 @@ class Continuations:
         self.extra_prompt += ex.estimate + state.tokens
         splicer = Splicer(state, self.count, tuple(self._starts), state.tokens)
         self._starts.append(state.tokens)
-        m.child(m.continuations, "ok").inc()
+        m.continuations.labels("ok").inc()
         log.info(
             "stream cut on %s after %d tokens (%s); continued on %s (%d); %s",
             name, state.tokens, cut, answer.target.name, self.count, ex.request_id,
@@ -156,7 +156,7 @@ class Continuations:
             answer.release()
 
     def _give_up(self, cut: str, why: str, *, outcome: str = "refused") -> None:
-        self._metrics.child(self._metrics.continuations, outcome).inc()
+        self._metrics.continuations.labels(outcome).inc()
         log.warning(
             "origin %s cut a stream: %s; not continued: %s; %s",
             self._current.target.name, cut, why, self._ex.request_id,

@@ -488,9 +488,9 @@ class Forwarder:
                 if not done:
                     hedge_at = math.inf
                     if not self.hedges.try_retry():
-                        metrics.child(metrics.hedges, "refused").inc()
+                        metrics.hedges.labels("refused").inc()
                         continue
-                    metrics.child(metrics.hedges, "started").inc()
+                    metrics.hedges.labels("started").inc()
                     hedge = self._start(
                         hedge_target, path, body, headers, 2, stream, trace, tries.deadline
                     )
@@ -528,7 +528,7 @@ class Forwarder:
         answer.extra_calls = extra
         if hedge is not None:
             answer.hedged = winner is hedge
-            metrics.child(metrics.hedges, "won" if answer.hedged else "lost").inc()
+            metrics.hedges.labels("won" if answer.hedged else "lost").inc()
         self._won(answer)
         return answer
 
@@ -625,7 +625,7 @@ class Forwarder:
             tries.busy_retry_s = wait if known is None else min(known, wait)
             return
         if self.outliers.failure(target.name):
-            self._metrics.child(self._metrics.ejections, target.name).inc()
+            self._metrics.ejections.labels(target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
 
     def _past_deadline(self, target: Target, failures: list[str]) -> None:

@@ -242,7 +242,7 @@ async def test_a_broken_stream_goes_on_at_the_next_origin_as_one_stream(
     assert asked["add_generation_prompt"] is False
     assert asked["max_tokens"] == 48
     metrics = p.app[METRICS]
-    assert metrics.child(metrics.continuations, "ok").value == 1
+    assert metrics.continuations.labels("ok").value == 1
     # The GenAI metrics name the region of the origin that finished the stream.
     assert operations(p) == {("", "r1"): 1.0}
 
@@ -285,7 +285,7 @@ async def test_only_origins_that_accept_continuations_are_asked(
     assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     assert not b.bodies
     metrics = p.app[METRICS]
-    assert metrics.child(metrics.continuations, "refused").value == 1
+    assert metrics.continuations.labels("refused").value == 1
 
 
 async def test_a_tool_call_cut_mid_argument_ends_cleanly_with_an_error_event(
@@ -331,8 +331,8 @@ async def test_without_a_usage_chunk_the_continuation_prompt_is_still_charged(
     metrics = p.app[METRICS]
     # The first call's prompt, and the continuation's: that prompt plus the
     # two tokens already sent; completion: the events that carried text.
-    assert metrics.child(metrics.tenant_tokens, "default", "-", "prompt").value == 2 * estimate + 2
-    assert metrics.child(metrics.tenant_tokens, "default", "-", "completion").value == 4
+    assert metrics.tenant_tokens.labels("default", "-", "prompt").value == 2 * estimate + 2
+    assert metrics.tenant_tokens.labels("default", "-", "completion").value == 4
 
 
 async def test_a_connection_dropped_after_done_is_a_whole_answer(

@@ -45,9 +45,9 @@ def test_label_counts_are_checked_and_series_are_reused() -> None:
 
 def test_the_proxy_metrics_read_back_through_the_registry() -> None:
     m = Metrics()
-    m.child(m.requests, "chat.completions", "200").inc()
+    m.requests.labels("chat.completions", "200").inc()
     m.retries_refused.inc()
-    m.child(m.duration, "chat.completions").observe(0.002)
+    m.duration.labels("chat.completions").observe(0.002)
     get = m.registry.get_sample_value
     assert get("ponto_requests_total", {"endpoint": "chat.completions", "code": "200"}) == 1
     assert get("ponto_retries_refused_total") == 1

@@ -27,21 +27,21 @@ def test_traffic_of_the_proxy_request_counter_splits_5xx_and_4xx() -> None:
         ("chat", "429", 3),
         ("other", "404", 1),
     ):
-        m.child(m.requests, endpoint, code).inc(n)
+        m.requests.labels(endpoint, code).inc(n)
     assert traffic_of(m.requests) == Traffic(requests=14, server_errors=3, client_errors=4)
     assert traffic_of(Metrics().requests) == Traffic(0, 0, 0)
 
 
 def test_probes_and_scrapes_are_not_traffic() -> None:
     m = Metrics()
-    m.child(m.requests, "chat", "200").inc(2)
+    m.requests.labels("chat", "200").inc(2)
     for endpoint, code in (
         ("healthz", "200"),
         ("health", "200"),
         ("readyz", "503"),  # unready or draining
         ("metrics", "200"),
     ):
-        m.child(m.requests, endpoint, code).inc(50)
+        m.requests.labels(endpoint, code).inc(50)
     assert traffic_of(m.requests) == Traffic(requests=2, server_errors=0, client_errors=0)
 
 
@@ -55,7 +55,7 @@ def test_served_counts_are_by_the_region_that_answered() -> None:
     ):
         for _ in range(n):
             m.operation("chat", "m", error_type, region, "", 0.1, None, None)
-    m.child(m.requests, "chat", "200").inc(10)
+    m.requests.labels("chat", "200").inc(10)
     traffic = traffic_of(m.requests, m.genai_duration)
     assert traffic.served == {"ap-southeast": (3, 0), "eu-west": (3, 1), "us-east": (4, 4)}
     assert traffic.requests == 10

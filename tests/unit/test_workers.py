@@ -226,8 +226,8 @@ def test_merge_keeps_each_family_together_with_every_workers_series() -> None:
     parts: list[tuple[int, bytes | None]] = []
     for index, count in ((0, 3), (1, 5)):
         m = Metrics()
-        m.child(m.requests, "chat.completions", "200").inc(count)
-        m.child(m.duration, "chat.completions").observe(0.01 * count)
+        m.requests.labels("chat.completions", "200").inc(count)
+        m.duration.labels("chat.completions").observe(0.01 * count)
         m.operation("chat", "m", "", "r1", "miss", 0.1 * count, 0.01, Usage(count, 1))
         m.table_version.set(40 + index)
         m.table_nacks.read = float(index).__float__
@@ -387,7 +387,7 @@ async def test_metrics_from_any_worker_show_every_worker(tmp_path: Path) -> None
     async with group(tmp_path, 3, running=(0, 1)) as ws:
         for index, count in ((0, 2), (1, 7)):
             m = ws[index].metrics
-            m.child(m.requests, "work", "200").inc(count)
+            m.requests.labels("work", "200").inc(count)
         for index in (0, 1):
             status, headers, body = await get(ws[index], "/metrics")
             assert status == 200
