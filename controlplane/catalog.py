@@ -460,12 +460,17 @@ class Catalog:
         )
 
     async def set_key_limits(self, key_id: str, limits: Limits) -> ApiKeyRecord:
+        """Give a key new limits. A revoked key is refused (FailedPrecondition):
+        it serves nothing, and the success would read as if it did."""
         limits = limits.validated(f"key {key_id!r}")
+
+        def change(k: ApiKeyRecord) -> ApiKeyRecord:
+            if k.revoked:
+                raise FailedPrecondition(f"key {key_id!r} is revoked; its limits cannot change")
+            return replace(k, limits=limits)
+
         return await self._update(
-            KEYS + _key_id(key_id),
-            decode_key,
-            lambda k: replace(k, limits=limits),
-            f"key {key_id!r} not found",
+            KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
         )
 
     async def set_key_expiry(

@@ -440,6 +440,13 @@ def test_key_list_shows_revoked_keys_with_their_state(
     assert listing.splitlines()[0].split()[-1] == "STATE" and row.split()[-1] == "revoked"
     active, _ = ctl(fleet, capsys, "key", "list", "--tenant", "acme", "--active")
     assert key_id not in active
+    # A revoked key's limits are not set: refused on one line, as is an unknown key's.
+    _, err = ctl(fleet, capsys, "limit", "set", "--key", key_id, "--rpm", "5", code=1)
+    assert err == (
+        f"error: key {key_id!r} is revoked; its limits cannot change [FAILED_PRECONDITION]\n"
+    )
+    _, err = ctl(fleet, capsys, "limit", "set", "--key", "abcdefghij", "--rpm", "5", code=1)
+    assert err == "error: key 'abcdefghij' not found [NOT_FOUND]\n"
     assert key_id in ctl(fleet, capsys, "get", "keys")[0]
     # A key's own limits show in the table.
     limited, _ = ctl(fleet, capsys, "key", "create", "--tenant", "acme", "--rpm", "5")

@@ -22,6 +22,7 @@ from controlplane.app import ControlPlane
 from controlplane.audit import PREFIX, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.cli import _rows_audit
+from controlplane.cli import main as pontoctl
 from controlplane.distribute import Publisher
 from controlplane.settings import parse
 from controlplane.store import StateStore
@@ -313,16 +314,18 @@ async def admin_server(
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Authorized(admin_pb2_grpc.AdminStub(channel), admin_token)
+        yield Authorized(admin_pb2_grpc.AdminStub(channel), admin_token, f"127.0.0.1:{port}")
     finally:
         await channel.close()
         await server.stop(None)
 
 
 class Authorized:
-    """An aio Admin stub whose calls carry the admin token and a timeout."""
+    """An aio Admin stub whose calls carry the admin token and a timeout;
+    `address`: the server's, for pontoctl."""
 
-    def __init__(self, stub: admin_pb2_grpc.AdminStub, token: str) -> None:
+    def __init__(self, stub: admin_pb2_grpc.AdminStub, token: str, address: str) -> None:
+        self.address = address
         self._stub = stub
         self._metadata = [("authorization", f"Bearer {token}")] if token else []
 
@@ -406,6 +409,42 @@ async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock
         store.available = False
         down = stub.ListAudit(apb.ListAuditRequest())
         assert await code_of(down) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_limits_of_a_revoked_or_unknown_key_are_refused_recorded_and_printed(
+    store: MemoryStore, clock: Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock.step = 0.001  # an entry per reading, in the order of the calls
+    async with admin_server(store, clock, admin_token="") as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", limits=pb.Limits(rpm=5)))
+        key_id = created.key.id
+        await stub.RevokeKey(apb.KeyRequest(id=key_id))
+        revoked = stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=key_id, limits=pb.Limits(rpm=9)))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await revoked
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details() == f"key {key_id!r} is revoked; its limits cannot change"
+        unknown = stub.SetKeyLimits(apb.SetKeyLimitsRequest(id="abcdefghij"))
+        assert await code_of(unknown) == grpc.StatusCode.NOT_FOUND
+        (key,) = (await stub.ListKeys(apb.ListKeysRequest(include_revoked=True))).keys
+        assert key.limits == pb.Limits(rpm=5)  # nothing was written
+        entries = (await stub.ListAudit(apb.ListAuditRequest(action="SetKeyLimits"))).entries
+        assert [(e.target, e.result) for e in reversed(entries)] == [
+            (f"key/{key_id}", "FAILED_PRECONDITION"),
+            ("key/abcdefghij", "NOT_FOUND"),
+        ]
+        # pontoctl prints the refusal on one line and exits 1 (its calls
+        # block: run in a thread, while this loop serves them).
+        for target, line in (
+            (key_id, f"error: key {key_id!r} is revoked; its limits cannot change"
+                     " [FAILED_PRECONDITION]"),
+            ("abcdefghij", "error: key 'abcdefghij' not found [NOT_FOUND]"),
+        ):  # fmt: skip
+            argv = ["--control-plane", stub.address, "limit", "set", "--key", target, "--rpm", "9"]
+            assert await asyncio.to_thread(pontoctl, argv) == 1
+            out = capsys.readouterr()
+            assert (out.out, out.err) == ("", line + "\n")
 
 
 async def test_an_origin_url_with_credentials_is_refused_and_not_recorded(

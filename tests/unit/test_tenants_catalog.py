@@ -487,6 +487,12 @@ async def test_set_key_limits(catalog: Catalog) -> None:
     assert (await catalog.list_keys())[0].limits == Limits(tpm=5_000, concurrency=3)
     with pytest.raises(InvalidArgument):
         await catalog.set_key_limits(record.id, Limits(rpm=-1))
+    # A revoked key serves nothing: new limits for it are refused, not stored.
+    await catalog.revoke_key(record.id)
+    with pytest.raises(FailedPrecondition, match="is revoked; its limits cannot change"):
+        await catalog.set_key_limits(record.id, Limits(rpm=1))
+    (kept,) = await catalog.list_keys(include_revoked=True)
+    assert kept.limits == Limits(tpm=5_000, concurrency=3)
 
 
 async def test_keys_expire_at_a_future_time_or_never(catalog: Catalog, clock: Clock) -> None:
