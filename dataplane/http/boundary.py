@@ -73,7 +73,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = await handler(request)
     except asyncio.CancelledError:
         # The client left (production runs with handler_cancellation) or the
-        # server stopped the handler while draining: nobody gets an answer,
+        # server stopped the handler as it shut down: nobody gets an answer,
         # but the request is still counted and logged, as nginx's 499.
         error = cancel_reason(app)
         if error == "client_disconnected":
@@ -130,7 +130,8 @@ async def send_whole(request: web.Request, response: web.Response) -> None:
 
 def cancel_reason(app: web.Application) -> str:
     """The error code of a request whose handler was cancelled: the server
-    stopped it while draining, or else its client left."""
+    stopped it (the app is draining or shutting down, see Draining), or
+    else its client left."""
     return "cancelled" if app[DRAINING].active else "client_disconnected"
 
 

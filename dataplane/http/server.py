@@ -172,6 +172,15 @@ class Proxy:
             loads_age=self.loads.age,
         )
 
+    async def stopping(self, app: web.Application) -> None:
+        """The app's on_shutdown step. aiohttp's runner calls it once it has
+        stopped listening, before it waits for the handlers still running and
+        cancels those its shutdown timeout outlasts: with the app marked as
+        draining, each of those is recorded as `cancelled` (the proxy stopped
+        it), not as a client that left. Without --drain-seconds this is where
+        the mark is set; with it, the entry point set it at SIGTERM."""
+        self.draining.active = True
+
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """The start step, then (after the yield) the stop step."""
         settings = self.settings
@@ -281,6 +290,7 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
         record_unparsed(app, request, request_id, status, error)
 
     app[UNPARSED] = unparsed
+    app.on_shutdown.append(proxy.stopping)
     app.cleanup_ctx.append(proxy.lifetime)
     r = app.router
     for endpoint in ENDPOINTS.values():

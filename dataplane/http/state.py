@@ -20,10 +20,14 @@ if TYPE_CHECKING:
 
 
 class Draining:
-    """Set once SIGTERM arrived: answers carry `Connection: close` from then on.
+    """Set once the proxy is stopping: at SIGTERM with --drain-seconds (the
+    entry point), and in any case when the app shuts down (its on_shutdown
+    step, before the runner cancels the handlers still running). From then on
+    answers carry `Connection: close`, and a cancelled handler is recorded as
+    `cancelled`, not as a client that left.
 
-    One per app, written by the entry point, read by the error boundary; the
-    event loop is the only thread touching it.
+    One per app, read by the error boundary; the event loop is the only
+    thread touching it.
     """
 
     __slots__ = ("active",)

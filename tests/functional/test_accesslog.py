@@ -309,6 +309,37 @@ async def test_a_client_that_leaves_gets_a_499_line_and_its_metrics(
         await s.close()
 
 
+async def test_a_stream_the_proxy_stops_at_shutdown_is_cancelled_not_a_client_that_left(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # No --drain-seconds: a plain stop. The server waits its shutdown timeout
+    # for the stream, then cancels its handler.
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=200, tokens_per_s=20)],
+        ["--access-log=on"],
+        shutdown_timeout=0.05,
+    )
+    try:
+        resp = await s.post(chat("stop me", stream=True))
+        assert resp.status == 200
+        await resp.content.readline()  # the first event has arrived
+        await s.client.server.close()
+        await settled(s, "499")
+        [line] = lines(s, capfd)
+        assert (line["status"], line["error"], line["origin"]) == (499, "cancelled", "o1")
+        registry = s.app[METRICS].registry
+        assert registry.get_sample_value(
+            "gen_ai_client_operation_duration_seconds_count",
+            {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
+             "error_type": "cancelled", "ponto_region": "r1", "ponto_cache": "miss"},
+        ) == 1  # fmt: skip
+        # No client left: none is counted as one.
+        assert registry.get_sample_value("ponto_client_disconnects_total") == 0
+    finally:
+        await s.close()
+
+
 async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
     logged: Stack, capfd: pytest.CaptureFixture[str]
 ) -> None:

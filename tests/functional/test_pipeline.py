@@ -99,8 +99,15 @@ class Stack:
 
 
 async def start_stack(
-    tmp_path: Path, configs: list[SimConfig], extra: list[str] | None = None
+    tmp_path: Path,
+    configs: list[SimConfig],
+    extra: list[str] | None = None,
+    *,
+    shutdown_timeout: float = 60.0,
 ) -> Stack:
+    """The proxy's app before origin simulators of `configs`, with tables
+    applied; `shutdown_timeout`: how long closing the proxy's server waits for
+    its handlers before cancelling them (aiohttp's default, as the proxy's)."""
     origins = [TestServer(sim_app(c)) for c in configs]
     for o in origins:
         await o.start_server()
@@ -115,8 +122,9 @@ async def start_stack(
         ]
     )
     app = build_app(settings)
-    client = TestClient(TestServer(app))
-    await client.start_server()
+    server = TestServer(app)
+    await server.start_server(shutdown_timeout=shutdown_timeout)
+    client = TestClient(server)
     served = [(c.name, str(o.make_url("/v1"))) for c, o in zip(configs, origins, strict=True)]
     # The limited key arrives with the second table, as a key created while the
     # proxy runs: its bucket starts full (at boot a proxy's buckets start empty).
