@@ -153,17 +153,38 @@ def upstream_timeout() -> ApiError:
     )
 
 
-def stream_broken_event(responses: bool = False) -> bytes:
-    """The SSE bytes that end a stream an origin broke.
+def stream_broken_event() -> bytes:
+    """The SSE bytes that end a chat or completions stream an origin broke: an
+    event whose data is an `error` object, then `data: [DONE]`. The openai SDK
+    raises an APIError for an event whose data has an `error` object."""
+    return _STREAM_BROKEN
 
-    Chat and completions streams: an event whose data is an `error` object,
-    then `data: [DONE]`. A Responses stream has no `[DONE]`: it ends in
-    OpenAI's `error` event (`event: error`, data of type "error" with its code
-    and message), which also holds the `error` object. The openai SDK raises
-    an APIError for an event whose data has an `error` object, in chat,
-    completions and Responses streams alike.
-    """
-    return _RESPONSES_BROKEN if responses else _STREAM_BROKEN
+
+def responses_broken_event(sequence_number: int | None) -> bytes:
+    """The SSE bytes that end a Responses stream an origin broke. It has no
+    `[DONE]`: it ends in OpenAI's `error` event (`event: error`, data of type
+    "error" with its code and message), which also holds the `error` object
+    the SDK raises for, as in chat streams.
+
+    Every event of a Responses stream carries a `sequence_number`, one more
+    than the event before it: this one `sequence_number`
+    (dataplane.streaming.relay.next_sequence_number), left out when None (an
+    origin whose events carry none)."""
+    numbered = {} if sequence_number is None else {"sequence_number": sequence_number}
+    return (
+        b"event: error\ndata: "
+        + jsonio.dumps(
+            {
+                "type": "error",
+                "code": _BROKEN["code"],
+                "message": _BROKEN["message"],
+                "param": None,
+                **numbered,
+                "error": _BROKEN,
+            }
+        )
+        + b"\n\n"
+    )
 
 
 _BROKEN = {
@@ -173,19 +194,6 @@ _BROKEN = {
     "code": "upstream_stream_broken",
 }
 _STREAM_BROKEN = b"data: " + jsonio.dumps({"error": _BROKEN}) + b"\n\ndata: [DONE]\n\n"
-_RESPONSES_BROKEN = (
-    b"event: error\ndata: "
-    + jsonio.dumps(
-        {
-            "type": "error",
-            "code": _BROKEN["code"],
-            "message": _BROKEN["message"],
-            "param": None,
-            "error": _BROKEN,
-        }
-    )
-    + b"\n\n"
-)
 
 
 def origin_error_body(

@@ -23,9 +23,21 @@ from multidict import CIMultiDict
 from dataplane.assemble import client_indexes
 from dataplane.cache.coalesce import FlightFailed, Follower
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
-from dataplane.http.errors import origin_error_body, stream_broken_event
-from dataplane.streaming.relay import EventSink, RelayEnd, Resume, relay
+from dataplane.http.errors import (
+    origin_error_body,
+    responses_broken_event,
+    stream_broken_event,
+)
+from dataplane.streaming.relay import (
+    Ending,
+    EventSink,
+    RelayEnd,
+    Resume,
+    next_sequence_number,
+    relay,
+)
 from dataplane.streaming.splice import Transcript
+from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter
 from dataplane.upstream.forwarder import OriginAnswer
 from dataplane.upstream.wire import media_type
@@ -105,7 +117,7 @@ async def relay_origin(
         out,
         readers=readers,
         chunks=plan.leader,
-        error_event=stream_broken_event(ex.endpoint.name == "responses"),
+        error_event=_broken_stream_ending(ex),
         idle_timeout=idle_timeout,
         resume=resume,
     )
@@ -163,9 +175,23 @@ async def follow(
             return None
         if out is None:  # pragma: no cover - delivered implies started
             raise
-        await out.write(stream_broken_event(ex.endpoint.name == "responses"))
+        # Flights are of cacheable endpoints only, which Responses is not
+        # (dataplane.cache.policy): a chat or completions stream.
+        await out.write(stream_broken_event())
         await out.write_eof()
         return out, False
+
+
+def _broken_stream_ending(ex: Exchange) -> bytes | Ending:
+    """What ends the client's stream when its origin breaks it: a Responses
+    stream's error event takes the number after the last event relayed."""
+    if ex.endpoint.name == "responses":
+        return _responses_ending
+    return stream_broken_event()
+
+
+def _responses_ending(last: Event | None) -> bytes:
+    return responses_broken_event(next_sequence_number(last))
 
 
 def _json(ex: Exchange, body: bytes, headers: list[tuple[str, str]]) -> web.Response:

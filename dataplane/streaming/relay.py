@@ -10,7 +10,8 @@ the origin (a cut, a stall past the idle timeout, an in-band error event) is
 continued on another origin when the caller gives a `resume` hook that finds
 one (dataplane.streaming.splice), and otherwise ends the client's stream with
 the caller's `error_event` (a well-formed SSE error event, and `data: [DONE]`
-but in a Responses stream), never a hang; a client that
+but in a Responses stream, whose error event is numbered after the last
+event relayed: `next_sequence_number`), never a hang; a client that
 goes away ends the relay, and the caller releases the origins' responses,
 which closes their connections (vLLM then aborts the generation).
 """
@@ -25,11 +26,22 @@ from typing import Final, Protocol
 import aiohttp
 from aiohttp import web
 
+from dataplane import jsonio
 from dataplane.streaming.splice import is_error_event
 from dataplane.streaming.sse import Event, SseParser
 from dataplane.timer import IdleTimeout
 
-__all__ = ["ChunkSink", "EventSink", "Next", "Readable", "RelayEnd", "Resume", "relay"]
+__all__ = [
+    "ChunkSink",
+    "Ending",
+    "EventSink",
+    "Next",
+    "Readable",
+    "RelayEnd",
+    "Resume",
+    "next_sequence_number",
+    "relay",
+]
 
 
 class EventSink(Protocol):
@@ -54,6 +66,13 @@ class Next:
     first: bytes
     content: Readable
     rewrite: Callable[[bytes], bytes | None]
+
+
+class Ending(Protocol):
+    def __call__(self, last: Event | None) -> bytes:
+        """The bytes that end a stream cut after the client got `last`, the
+        last whole event relayed to it (None: not one)."""
+        ...
 
 
 class Resume(Protocol):
@@ -87,17 +106,17 @@ async def relay(
     *,
     readers: Sequence[EventSink] = (),
     chunks: ChunkSink | None = None,
-    error_event: bytes = b"",
+    error_event: bytes | Ending = b"",
     idle_timeout: float | None = None,
     resume: Resume | None = None,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
     A cut (read error, timeout, no chunk for `idle_timeout` seconds) writes
-    `error_event` and returns with `cut` set, unless `resume` gives a stream
-    to go on with. A cancellation (the client vanished with the server's
-    handler cancellation on) propagates; the caller learns of it in its
-    `finally`.
+    `error_event` (or what it makes of the last event relayed) and returns
+    with `cut` set, unless `resume` gives a stream to go on with. A
+    cancellation (the client vanished with the server's handler cancellation
+    on) propagates; the caller learns of it in its `finally`.
 
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
@@ -123,11 +142,13 @@ async def _relay_bytes(
     out: web.StreamResponse,
     readers: Sequence[EventSink],
     chunks: ChunkSink | None,
-    error_event: bytes,
+    error_event: bytes | Ending,
     idle: IdleTimeout | None,
 ) -> RelayEnd:
     end = RelayEnd()
-    parser = SseParser() if readers else None
+    # An ending made from the last event needs the events too.
+    parser = SseParser() if readers or not isinstance(error_event, bytes) else None
+    last: Event | None = None  # the last whole event: the client gets each at once
     chunk = first
     # Bytes after the last event boundary are held until the event is whole,
     # so a cut never leaves the client half an event before the error event.
@@ -141,6 +162,7 @@ async def _relay_bytes(
                 for ev in parser.feed(chunk):
                     for reader in readers:
                         reader.event(ev)
+                    last = ev
             whole = pending + chunk if pending else chunk
             at = _boundary(whole)
             pending = whole[at:]
@@ -160,7 +182,7 @@ async def _relay_bytes(
                     end.complete = True
                     break
                 end.cut = _why(exc, idle)
-                await out.write(error_event)
+                await out.write(_ending(error_event, last))
                 break
             if not chunk:
                 end.complete = True
@@ -184,12 +206,13 @@ async def _relay_events(
     out: web.StreamResponse,
     readers: Sequence[EventSink],
     chunks: ChunkSink | None,
-    error_event: bytes,
+    error_event: bytes | Ending,
     idle: IdleTimeout | None,
     resume: Resume,
 ) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser()
+    last: Event | None = None  # the last event written to the client
     rewrite: Callable[[bytes], bytes | None] | None = None
     done = False  # the client has the stream's last event: nothing after it matters
     chunk = first
@@ -218,6 +241,7 @@ async def _relay_events(
                 for reader in readers:
                     reader.event(ev)
                 frames.append(_frame(ev))
+                last = ev
                 if ev.done or ev.name in RESPONSES_ENDS:
                     done = True
             if frames:
@@ -243,7 +267,7 @@ async def _relay_events(
             following = await resume(cut)
             if following is None:
                 end.cut = cut
-                await out.write(error_event)
+                await out.write(_ending(error_event, last))
                 break
             end.continued.append(cut)
             parser = SseParser()
@@ -263,6 +287,29 @@ _RESPONSES_END = re.compile(
     rb"^event: ?(?:" + b"|".join(re.escape(name) for name in sorted(RESPONSES_ENDS)) + rb")\r?$",
     re.M,
 )
+
+
+def next_sequence_number(last: Event | None) -> int | None:
+    """The `sequence_number` of a Responses event written after `last`: one
+    more than last's, 0 when nothing was relayed (OpenAI numbers a stream
+    from 0), None when last carries none (an origin that numbers nothing).
+
+    Parses only `last`, once, at a cut: the events relayed before it are
+    not parsed for this."""
+    if last is None:
+        return 0
+    try:
+        obj = jsonio.loads(last.data)
+    except jsonio.JSONDecodeError:
+        return None
+    number = obj.get("sequence_number") if isinstance(obj, dict) else None
+    if isinstance(number, int) and not isinstance(number, bool) and number >= 0:
+        return number + 1
+    return None
+
+
+def _ending(error_event: bytes | Ending, last: Event | None) -> bytes:
+    return error_event if isinstance(error_event, bytes) else error_event(last)
 
 
 def ends_answer(data: bytes) -> bool:

@@ -672,6 +672,9 @@ async def test_a_cut_responses_stream_is_not_continued(
         assert event["type"] == "error"
         assert event["code"] == event["error"]["code"] == "upstream_stream_broken"
         assert event["message"] == event["error"]["message"]
+        # Numbered as every Responses event is: one more than the event before.
+        payloads = [json.loads(f.split("\n")[1].removeprefix("data: ")) for f in frames]
+        assert [e["sequence_number"] for e in payloads] == [0, 1, 2, 3, 4]
         # Continuation is on, but the hook never sees a Responses stream.
         assert s.origin_requests() == 1
         cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]

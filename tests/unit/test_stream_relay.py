@@ -10,7 +10,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dataplane.streaming.relay import Next, RelayEnd, Resume, ends_answer, relay
+from dataplane.streaming.relay import (
+    Next,
+    RelayEnd,
+    Resume,
+    ends_answer,
+    next_sequence_number,
+    relay,
+)
 from dataplane.streaming.sse import Event
 
 
@@ -142,6 +149,60 @@ async def test_a_responses_stream_dropped_before_its_last_event_is_cut(continuab
     out, end = await relay_dropped(RESPONSES_STREAM[1], continuable=continuable)
     assert end.cut and not end.complete
     assert b"".join(out.written).endswith(ERROR_EVENT)
+
+
+NUMBERED = (
+    b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
+    b"event: response.output_text.delta\n"
+    b'data: {"type":"response.output_text.delta","sequence_number":1}\n\n'
+    b'event: response.output_text.delta\ndata: {"type":"resp',  # half an event
+)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize("whole", [2, 0], ids=["after-events", "before-any"])
+async def test_a_cut_stream_ends_with_what_its_ending_makes_of_the_last_event_relayed(
+    continuable: bool, whole: int
+) -> None:
+    """No reader: the byte relay parses the stream for the ending alone. The
+    half event the cut leaves is not sent, and is not the last one."""
+    made: list[Event | None] = []
+
+    def ending(last: Event | None) -> bytes:
+        made.append(last)
+        return b"event: error\ndata: {}\n\n"
+
+    chunks = NUMBERED if whole else (b'event: response.created\ndata: {"type"',)
+    out = Out()
+    end = await relay(
+        chunks[0],
+        Dropping(*chunks[1:]),
+        cast(web.StreamResponse, out),
+        error_event=ending,
+        resume=no_resume if continuable else None,
+    )
+    assert end.cut and not end.complete
+    delta = b'{"type":"response.output_text.delta","sequence_number":1}'
+    assert made == [Event(delta, b"response.output_text.delta") if whole else None]
+    relayed = NUMBERED[0] + NUMBERED[1][: NUMBERED[1].index(b"\n\n") + 2] if whole else b""
+    assert b"".join(out.written) == relayed + b"event: error\ndata: {}\n\n"
+
+
+@pytest.mark.parametrize(
+    ("last", "number"),
+    [
+        (None, 0),
+        (Event(b'{"type":"response.output_text.delta","sequence_number":7}', b"x"), 8),
+        (Event(b'{"type":"response.output_text.delta"}'), None),
+        (Event(b'{"sequence_number":"7"}'), None),
+        (Event(b'{"sequence_number":true}'), None),
+        (Event(b'{"sequence_number":-1}'), None),
+        (Event(b"[7]"), None),
+        (Event(b"not json"), None),
+    ],
+)
+def test_the_sequence_number_after_the_last_event(last: Event | None, number: int | None) -> None:
+    assert next_sequence_number(last) == number
 
 
 @pytest.mark.parametrize(

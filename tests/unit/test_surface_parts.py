@@ -15,6 +15,7 @@ from dataplane.http.errors import (
     UPSTREAM_REFUSED,
     ApiError,
     origin_error_body,
+    responses_broken_event,
     stream_broken_event,
 )
 from dataplane.http.requestid import RequestIds, accepted_client_id
@@ -202,6 +203,17 @@ def test_the_broken_stream_event_is_an_error_then_done() -> None:
     events = SseParser().feed(stream_broken_event())
     assert json.loads(events[0].data)["error"]["code"] == "upstream_stream_broken"
     assert events[1].done
+
+
+@pytest.mark.parametrize("number", [0, 41, None])
+def test_a_broken_responses_stream_ends_in_one_numbered_error_event(number: int | None) -> None:
+    [event] = SseParser().feed(responses_broken_event(number))
+    assert event.name == b"error"
+    data = json.loads(event.data)
+    assert (data["type"], data["code"]) == ("error", "upstream_stream_broken")
+    assert data["error"]["code"] == "upstream_stream_broken"
+    # An origin that numbers no events gets no number from the proxy either.
+    assert data.get("sequence_number", None) == number
 
 
 # ---------------------------------------------------------------- request ids
