@@ -10,7 +10,7 @@ from pathlib import Path
 
 from controlplane import audit
 from controlplane.health import ProbeSettings
-from controlplane.store.etcd import EtcdTls
+from controlplane.store.etcd import EtcdTls, split_endpoint
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
 
 
@@ -42,7 +42,8 @@ def parse(argv: list[str]) -> Settings:
         "--etcd",
         default="http://127.0.0.1:2379",
         help="etcd endpoints, comma-separated (http://host:port or https://host:port; "
-        "host may be a DNS name, best one name that resolves to every member)",
+        "host may be an IP address, IPv6 in brackets as in http://[fd00::1]:2379, or a DNS "
+        "name, best one name that resolves to every member)",
     )
     p.add_argument(
         "--etcd-ca",
@@ -191,12 +192,10 @@ def parse(argv: list[str]) -> Settings:
     if not etcd:
         p.error("--etcd needs at least one endpoint")
     for endpoint in etcd:
-        host, _, port = endpoint.partition("://")[2 if "://" in endpoint else 0].rpartition(":")
-        if host.startswith("["):
-            # etcd3aio's channel takes IPv4 addresses and names only.
-            p.error(f"--etcd endpoint {endpoint!r}: IPv6 literals are not supported; use a name")
-        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-            p.error(f"--etcd endpoint {endpoint!r} is not [http[s]://]HOST:PORT")
+        try:
+            split_endpoint(endpoint.partition("://")[2 if "://" in endpoint else 0])
+        except ValueError as exc:
+            p.error(f"--etcd endpoint {endpoint!r} {exc}")
     try:
         etcd_tls = _etcd_tls(etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)
     except CredentialError as exc:

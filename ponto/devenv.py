@@ -244,10 +244,11 @@ class Etcd:
     peer_port: int
     data_dir: Path
     scheme: str = "http"  # https when started with EtcdServerTls
+    host: str = "127.0.0.1"  # the first address it listens on
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{_url_host(self.host)}:{self.client_port}"
 
     @property
     def url(self) -> str:
@@ -274,14 +275,15 @@ def start_etcd(
     """Start etcd on loopback; reusing data_dir and ports restarts the same member.
 
     hosts: loopback addresses the client port listens on (the first is
-    advertised); tls: serve clients over TLS.
+    advertised; IPv6 ones such as "::1" without brackets); tls: serve clients
+    over TLS.
     """
     binary = find_etcd()
     client_port = client_port or free_port()
     peer_port = peer_port or free_port()
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="etcd-", dir=workdir))
     scheme = "https" if tls else "http"
-    clients = [f"{scheme}://{host}:{client_port}" for host in hosts]
+    clients = [f"{scheme}://{_url_host(host)}:{client_port}" for host in hosts]
     peer = f"http://127.0.0.1:{peer_port}"
     tls_args: list[str] = []
     if tls is not None:
@@ -308,7 +310,12 @@ def start_etcd(
     except DevEnvError as exc:
         managed.stop()
         raise DevEnvError(f"{exc}\n{managed.log_tail()}") from exc
-    return Etcd(managed, client_port, peer_port, data_dir, scheme)
+    return Etcd(managed, client_port, peer_port, data_dir, scheme, hosts[0])
+
+
+def _url_host(host: str) -> str:
+    """host as it goes before `:PORT` in a URL: IPv6 addresses in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def find_redis() -> Path:

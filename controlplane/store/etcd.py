@@ -5,8 +5,9 @@ seconds instead of hanging admin calls. Watches resume from their last revision
 after an etcd restart (etcd3aio reconnects); after compaction the consumer
 re-lists, which the revision-only watch contract already requires.
 
-Endpoints may name hosts (etcd3aio alone takes IP literals only); see
-grpc_target for how names become one gRPC target, and EtcdTls for TLS.
+Endpoints may name hosts or be IPv6 literals (etcd3aio alone takes IPv4
+literals only); see grpc_target for how they become one gRPC target, and
+EtcdTls for TLS.
 """
 
 from __future__ import annotations
@@ -62,25 +63,55 @@ class EtcdTls:
             raise ValueError("an etcd client certificate needs its key, and a key its certificate")
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of `host:port` or `[IPv6 address]:port` (no scheme); pure.
+
+    The host comes back without brackets. Raises ValueError naming what is
+    wrong: no port or one outside 1..65535, an IPv6 address without brackets
+    (its last group would read as the port), brackets around anything but an
+    IPv6 address, or an IPv6 zone (`%eth0`), which a gRPC target cannot carry.
+    """
+    if endpoint.endswith("]"):  # [IPv6 address] without a port
+        raise ValueError("is not [http[s]://]HOST:PORT")
+    host, _, port = endpoint.rpartition(":")
+    if host.startswith("[") or host.endswith("]"):
+        inner = host[1:-1] if host.startswith("[") and host.endswith("]") else ""
+        if "%" in inner:
+            raise ValueError("has an IPv6 zone (%...), which the etcd channel cannot use")
+        if not isinstance(_ip(inner), ipaddress.IPv6Address):
+            raise ValueError("has brackets around something other than an IPv6 address")
+        host = inner
+    elif ":" in host:
+        raise ValueError("is an IPv6 address without brackets; write [ADDRESS]:PORT")
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ValueError("is not [http[s]://]HOST:PORT")
+    return host, int(port)
+
+
 def _host(endpoint: str) -> str:
     return endpoint.rpartition(":")[0].strip("[]")
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
 def _is_address(host: str) -> bool:
     """An IP literal, or `localhost`, which etcd3aio itself turns into 127.0.0.1."""
-    if host == "localhost":
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return host == "localhost" or _ip(host) is not None
+
+
+def _is_ipv6(host: str) -> bool:
+    return isinstance(_ip(host), ipaddress.IPv6Address)
 
 
 def names_to_resolve(endpoints: Sequence[str]) -> tuple[str, ...]:
     """Host names EtcdStore must look up itself before building the channel.
 
-    None for IP literals (etcd3aio's own `ipv4:` target) or for a single
+    None for IP literals (an `ipv4:` or `ipv6:` target) or for a single
     endpoint (a `dns:` target that gRPC resolves); every name when there are
     several endpoints, since one gRPC target cannot list several names.
     """
@@ -93,32 +124,41 @@ def names_to_resolve(endpoints: Sequence[str]) -> tuple[str, ...]:
 def grpc_target(
     endpoints: Sequence[str], addresses: Mapping[str, Sequence[str]] | None = None
 ) -> str | None:
-    """The gRPC target for endpoints (`host:port`); pure.
+    """The gRPC target for endpoints (`host:port`, `[IPv6 address]:port`); pure.
 
-    None: all IP literals, keep etcd3aio's `ipv4:` target. One DNS name (a
+    None: all IPv4 literals, keep etcd3aio's `ipv4:` target. One DNS name (a
     Kubernetes headless Service, say) becomes a `dns:` target that gRPC
-    re-resolves on reconnect and balances over every address. Several
-    endpoints with names become an `ipv4:` list of `addresses` (name -> IPv4
-    addresses, as looked up for names_to_resolve); names missing from it are
-    left out, and if nothing is left the first endpoint becomes a `dns:`
-    target, so the channel keeps trying while the names do not resolve yet.
+    re-resolves on reconnect and balances over every address. Otherwise a
+    list of addresses: the literals, and for several endpoints with names the
+    `addresses` each name had (name -> IPv4 addresses, as looked up for
+    names_to_resolve); names missing from it are left out, and if nothing is
+    left the first endpoint becomes a `dns:` target, so the channel keeps
+    trying while the names do not resolve yet.
+
+    A list is `ipv4:` unless it holds an IPv6 address; then it is `ipv6:`,
+    and its IPv4 addresses are written IPv4-mapped (`[::ffff:10.0.0.1]:2379`):
+    gRPC's `ipv4:` and `ipv6:` schemes each refuse the other family's
+    addresses, and gRPC dials an IPv4-mapped address over IPv4.
     """
-    names = names_to_resolve(endpoints)
     if len(endpoints) == 1 and not _is_address(_host(endpoints[0])):
         return f"dns:///{endpoints[0]}"
-    if not names:
+    if not names_to_resolve(endpoints) and not any(_is_ipv6(_host(e)) for e in endpoints):
         return None
     addresses = addresses or {}
-    resolved: list[str] = []
+    resolved: list[tuple[str, str]] = []
     for endpoint in endpoints:
         host, port = _host(endpoint), endpoint.rpartition(":")[2]
         if _is_address(host):
-            resolved.append(f"{'127.0.0.1' if host == 'localhost' else host}:{port}")
+            resolved.append(("127.0.0.1" if host == "localhost" else host, port))
         else:
-            resolved += [f"{address}:{port}" for address in addresses.get(host, ())]
+            resolved += [(address, port) for address in addresses.get(host, ())]
     if not resolved:
         return f"dns:///{endpoints[0]}"
-    return "ipv4:" + ",".join(dict.fromkeys(resolved))
+    if not any(_is_ipv6(address) for address, _ in resolved):
+        return "ipv4:" + ",".join(dict.fromkeys(f"{a}:{port}" for a, port in resolved))
+    return "ipv6:" + ",".join(
+        dict.fromkeys(f"[{a if _is_ipv6(a) else '::ffff:' + a}]:{port}" for a, port in resolved)
+    )
 
 
 def tls_server_name(endpoints: Sequence[str]) -> str:
@@ -150,8 +190,9 @@ async def resolve_ipv4(names: Sequence[str]) -> dict[str, tuple[str, ...]]:
 class EtcdStore:
     """StateStore on an etcd cluster; see the module docstring.
 
-    endpoints are `host:port`, optionally with `http://` or `https://`; hosts
-    may be IP literals or names. With tls, every endpoint is reached over TLS;
+    endpoints are `host:port` or `[IPv6 address]:port` (as split_endpoint
+    checks), optionally with `http://` or `https://`; hosts may be IP
+    literals or names. With tls, every endpoint is reached over TLS;
     an `https://` endpoint without it is refused (ValueError).
 
     How names are followed: one endpoint that is a name (the recommended form,

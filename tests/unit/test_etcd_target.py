@@ -6,6 +6,7 @@ file knows, are in tests/integration/test_etcd_names.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,15 +17,72 @@ from controlplane.store.etcd import (
     EtcdTls,
     grpc_target,
     names_to_resolve,
+    split_endpoint,
     tls_server_name,
 )
 
 
-def test_ip_literals_keep_the_clients_own_target() -> None:
+def test_ipv4_literals_keep_the_clients_own_target() -> None:
     assert grpc_target(["127.0.0.1:2379", "10.0.0.2:2379"]) is None
-    assert grpc_target(["[::1]:2379"]) is None
     assert grpc_target(["localhost:2379"]) is None  # etcd3aio makes it 127.0.0.1
     assert names_to_resolve(["127.0.0.1:2379", "localhost:2380"]) == ()
+
+
+def test_ipv6_literals_become_an_ipv6_target() -> None:
+    # etcd3aio would write `ipv4:[::1]:2379`, which gRPC refuses as a target.
+    assert grpc_target(["[::1]:2379"]) == "ipv6:[::1]:2379"
+    assert grpc_target(["[fd00::1]:2379", "[fd00::2]:2380"]) == (
+        "ipv6:[fd00::1]:2379,[fd00::2]:2380"
+    )
+    assert names_to_resolve(["[fd00::1]:2379", "[fd00::2]:2379"]) == ()
+
+
+def test_ipv4_beside_ipv6_is_written_ipv4_mapped() -> None:
+    """gRPC's ipv4: and ipv6: schemes each take one family only."""
+    assert grpc_target(["10.0.0.1:2379", "[fd00::2]:2379", "localhost:2380"]) == (
+        "ipv6:[::ffff:10.0.0.1]:2379,[fd00::2]:2379,[::ffff:127.0.0.1]:2380"
+    )
+    # Names looked up beside an IPv6 literal: their IPv4 addresses, mapped.
+    endpoints = ["etcd-0.etcd:2379", "[fd00::2]:2379"]
+    assert names_to_resolve(endpoints) == ("etcd-0.etcd",)
+    assert grpc_target(endpoints, {"etcd-0.etcd": ["10.0.0.1"]}) == (
+        "ipv6:[::ffff:10.0.0.1]:2379,[fd00::2]:2379"
+    )
+    assert grpc_target(endpoints, {}) == "ipv6:[fd00::2]:2379"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "split"),
+    [
+        ("etcd:2379", ("etcd", 2379)),
+        ("10.0.0.1:1", ("10.0.0.1", 1)),
+        ("[::1]:2379", ("::1", 2379)),
+        ("[fd00::1]:65535", ("fd00::1", 65535)),
+        ("[::ffff:10.0.0.1]:2379", ("::ffff:10.0.0.1", 2379)),
+    ],
+)
+def test_endpoints_split_into_host_and_port(endpoint: str, split: tuple[str, int]) -> None:
+    assert split_endpoint(endpoint) == split
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "problem"),
+    [
+        ("::1:2379", "IPv6 address without brackets"),
+        ("fd00::1", "IPv6 address without brackets"),
+        ("[fd00::1]", "is not [http[s]://]HOST:PORT"),
+        ("[fd00::1]:", "is not [http[s]://]HOST:PORT"),
+        ("[fd00::1]:65536", "is not [http[s]://]HOST:PORT"),
+        ("[10.0.0.1]:2379", "brackets around something other than an IPv6 address"),
+        ("[etcd]:2379", "brackets around something other than an IPv6 address"),
+        ("[]:2379", "brackets around something other than an IPv6 address"),
+        ("[fd00::1:2379", "brackets around something other than an IPv6 address"),
+        ("[fe80::1%eth0]:2379", "IPv6 zone"),
+    ],
+)
+def test_malformed_endpoints_say_what_is_wrong(endpoint: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        split_endpoint(endpoint)
 
 
 def test_one_dns_name_is_left_to_grpc() -> None:
@@ -82,6 +140,13 @@ def test_flags_give_tls_with_a_client_certificate(pem: dict[str, str]) -> None:
     assert parse(["--etcd", "http://etcd:2379"]).etcd_tls is None
 
 
+def test_flags_take_bracketed_ipv6_literals(pem: dict[str, str]) -> None:
+    endpoints = ("http://[::1]:2379", "[fd00::2]:2379", "10.0.0.3:2379")
+    assert parse(["--etcd", ",".join(endpoints)]).etcd == endpoints
+    over_tls = parse(["--etcd", "https://[fd00::1]:2379", "--etcd-ca", pem["ca"]])
+    assert over_tls.etcd_tls == EtcdTls(b"-----ca-----\n")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -94,7 +159,9 @@ def test_flags_give_tls_with_a_client_certificate(pem: dict[str, str]) -> None:
         (["--etcd", "etcd:99999"], "is not [http[s]://]HOST:PORT"),
         (["--etcd", "etcd:0"], "is not [http[s]://]HOST:PORT"),
         (["--etcd", "etcd:\u00b2"], "is not [http[s]://]HOST:PORT"),
-        (["--etcd", "[::1]:2379"], "IPv6 literals are not supported"),
+        (["--etcd", "http://fd00::1:2379"], "IPv6 address without brackets; write [ADDRESS]"),
+        (["--etcd", "[fd00::1]"], "is not [http[s]://]HOST:PORT"),
+        (["--etcd", "e:2379,[10.0.0.1]:2379"], "brackets around something other than an IPv6"),
         (["--etcd", "https://e:2379", "--etcd-ca", "{ca}", "--etcd-cert", "{cert}"], "both"),
         (["--etcd", "e:2379", "--etcd-cert", "{cert}", "--etcd-key", "{key}"], "needs --etcd-ca"),
         (["--etcd", "https://e:2379", "--etcd-ca", "/nonexistent/ca.pem"], "cannot read"),
