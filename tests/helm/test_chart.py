@@ -578,13 +578,30 @@ def test_external_etcd_over_tls(helm: Path, tmp_path: Path) -> None:
     assert "--etcd-cert" not in f and "--etcd-key" not in f
 
 
+def test_external_etcd_at_ipv6_literals_reaches_the_control_plane(
+    helm: Path, tmp_path: Path
+) -> None:
+    endpoints = "https://[fd00::1]:2379,https://[::ffff:10.0.0.2]:2379,https://10.0.0.3:2379"
+    docs = render(helm, *EXTERNAL_TLS, "--set", f"etcd.external.endpoints={{{endpoints}}}")
+    control = one(docs, "Deployment", "ponto-control")
+    assert flags(container(control))["--etcd"] == endpoints
+    # The rendered flags, read by the real parser: it accepts them.
+    (tmp_path / "etc" / "ponto" / "etcd-tls").mkdir(parents=True)
+    (tmp_path / "etc" / "ponto" / "etcd-tls" / "ca.crt").write_bytes(b"-----ca-----\n")
+    settings = control_settings.parse(_materialise(docs, tmp_path, control))
+    assert settings.etcd == tuple(endpoints.split(","))
+
+
 def test_external_etcd_schemes_must_agree_with_tls(helm: Path) -> None:
     plain = refused(helm, *EXTERNAL_TLS[:2], "--set", "etcd.external.endpoints={https://e:2379}")
     assert "needs etcd.external.tls.secretName" in plain
     mixed = refused(helm, *EXTERNAL_TLS, "--set", "etcd.external.endpoints={http://e:2379}")
     assert "write https://e:2379" in mixed
-    # No IPv6 literals: the control plane's etcd channel cannot dial them.
-    for bad in ("https://e", "https://e:99999", "https://e:0", "https://[fd00::1]:2379"):
+    # IPv6 addresses only in brackets (the last group would read as the port),
+    # without a zone, and brackets only around them.
+    for bad in ("https://e", "https://e:99999", "https://e:0", "https://fd00::1:2379",
+                "https://[fd00::1]", "https://[fe80::1%eth0]:2379", "https://[10.0.0.1]:2379",
+                "https://[etcd]:2379", "https://[1:2:3:4:5:6:7:8:9]:2379"):  # fmt: skip
         assert "Does not match pattern" in refused(
             helm, *EXTERNAL_TLS, "--set", f"etcd.external.endpoints={{{bad}}}"
         )
