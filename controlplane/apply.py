@@ -58,6 +58,7 @@ from controlplane.model import (
     RoutingPolicy,
     StreamPolicy,
     Tenant,
+    unserved_aliases,
 )
 
 KINDS = ("regions", "origins", "tenants")
@@ -517,6 +518,9 @@ class Plan:
     # Regions the result relies on without writing them (an origin's region
     # that only the control plane has): the write must fail if they change.
     relies_on: tuple[str, ...] = ()
+    # What the result allows but the operator should know (model.unserved_aliases
+    # of the document's tenants, against the origins the result has).
+    warnings: tuple[str, ...] = ()
 
     def writes(self) -> tuple[Change, ...]:
         return tuple(c for c in self.changes if c.action != "unchanged")
@@ -549,7 +553,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     Raises ApplyError listing every reference the result would break: an
     origin's region or a region's RTT peer that neither the document nor the
     control plane has (or that --prune deletes), a tenant --prune would delete that still has
-    active keys, a JWT issuer two tenants would share.
+    active keys, a JWT issuer two tenants would share. An alias whose target
+    no origin of the result serves is no error (origins may come later): it
+    is one of the plan's warnings.
     """
     errors: list[str] = []
     changes: list[Change] = []
@@ -616,4 +622,7 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
         issuers.setdefault(t.jwt.issuer, t.name)
     if errors:
         raise ApplyError(errors)
-    return Plan(tuple(changes), tuple(sorted(relies)))
+    origins = {n: o for n, o in current.origins.items() if n not in deleted["origin"]}
+    origins.update((o.name, o) for o in topology.origins)
+    warnings = tuple(w for t in topology.tenants for w in unserved_aliases(t, origins.values()))
+    return Plan(tuple(changes), tuple(sorted(relies)), warnings)

@@ -59,6 +59,7 @@ from controlplane.model import (
     decode_region,
     decode_tenant,
     encode,
+    unserved_aliases,
 )
 from controlplane.store import (
     MAX_TXN_OPS,
@@ -298,6 +299,10 @@ class Catalog:
             TENANTS + check_name("tenant", name), decode_tenant, apply, f"tenant {name!r} not found"
         )
 
+    async def unserved_aliases(self, tenant: Tenant) -> tuple[str, ...]:
+        """model.unserved_aliases of tenant against the origins stored now."""
+        return unserved_aliases(tenant, (await self.snapshot()).origins)
+
     async def get_tenant(self, name: str) -> Tenant:
         kv = await _guard(self.store.get(TENANTS + check_name("tenant", name)))
         if kv is None:
@@ -328,16 +333,15 @@ class Catalog:
 
     # ------------------------------------------------------------ topology
 
-    async def apply(
-        self, doc: object, *, prune: bool, dry_run: bool
-    ) -> tuple[topology.Change, ...]:
+    async def apply(self, doc: object, *, prune: bool, dry_run: bool) -> topology.Plan:
         """Make regions, origins and tenants match a topology document, all or nothing.
 
         The whole document is checked first (controlplane/apply.py), against
         the state of one revision; then every change is written in one store
         transaction, conditional on each written key and each region relied
         on being as read, retried from the read on a conflict. dry_run stops
-        after the checks. Raises ApplyError (INVALID_ARGUMENT) listing every
+        after the checks. Returns the plan written (or that would be, with
+        its warnings). Raises ApplyError (INVALID_ARGUMENT) listing every
         error; nothing is written then.
         """
         wanted = topology.parse(doc)
@@ -347,7 +351,7 @@ class Catalog:
             current = self._current(listing.items)
             plan = topology.plan(wanted, current, prune=prune)
             if dry_run:
-                return plan.changes
+                return plan
             writes = []
             for change in plan.writes():
                 key = _PREFIX[change.kind] + change.name
@@ -366,7 +370,7 @@ class Catalog:
                 await _guard(self.store.commit(writes, checks))
             except Conflict:
                 continue
-            return plan.changes
+            return plan
         raise Unavailable("the state kept changing while applying; try again")
 
     @staticmethod

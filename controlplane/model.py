@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -484,6 +485,24 @@ class Tenant:
             routing=self.routing.validated(owner),
             streams=self.streams.validated(owner),
         )
+
+
+def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ...]:
+    """A warning for each of tenant's aliases whose target no origin lists; pure.
+
+    Such an alias is accepted (its origins may register later), but until an
+    origin lists the target the proxies answer requests for the alias 404
+    model_not_found, as for any model they do not know. A target that only
+    drained or unhealthy origins list counts as served: the proxies know the
+    model and answer 503 while no origin can take it.
+    """
+    served = {model for o in origins for model in o.models}
+    return tuple(
+        f"no origin serves model {target!r} now; requests for alias {alias!r} of tenant "
+        f"{tenant.name!r} will get 404 until one does"
+        for alias, target in tenant.prompt.aliases
+        if target not in served
+    )
 
 
 @dataclass(frozen=True, slots=True)

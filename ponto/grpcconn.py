@@ -181,6 +181,12 @@ def aio_channel(
     return grpc.aio.insecure_channel(target_of(address), options=channel_options)
 
 
+# Trailing metadata of a successful Admin reply: one value per warning, text
+# for people (what the call allowed but its caller should know), in the manner
+# of Kubernetes' API warnings. A client that does not look loses nothing else.
+WARNING_METADATA = "ponto-warning"
+
+
 class CallDefaults:
     """Wraps a sync stub so every call has a timeout."""
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +18,7 @@ from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
-from controlplane.errors import InvalidArgument
+from controlplane.errors import InvalidArgument, Unavailable
 from controlplane.messages import (
     cache_of,
     jwt_of,
@@ -36,11 +38,32 @@ from controlplane.model import (
     Region,
     Tenant,
 )
+from ponto.grpcconn import WARNING_METADATA
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+# Metadata past gRPC's default limit (8 KiB) would fail a call whose write has
+# succeeded, at the client: the warnings of one reply stay well under it.
+WARNINGS_BYTES = 4096
+
+
+def warnings_metadata(warnings: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata carrying warnings (WARNING_METADATA, one value each);
+    past WARNINGS_BYTES the rest are counted in one last value."""
+    sent: list[tuple[str, str]] = []
+    size = 0
+    for i, warning in enumerate(warnings):
+        size += len(warning)
+        if size > WARNINGS_BYTES:
+            sent.append((WARNING_METADATA, f"and {len(warnings) - i} more warnings like these"))
+            break
+        sent.append((WARNING_METADATA, warning))
+    return tuple(sent)
 
 
 def region_pb(r: Region) -> pb.Region:
@@ -179,7 +202,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not request.HasField("tenant"):
             raise InvalidArgument("tenant is required")
         tenant = tenant_of(request.tenant)
-        return tenant_pb(await self._catalog.put_tenant(tenant, allow_update=request.allow_update))
+        saved = await self._catalog.put_tenant(tenant, allow_update=request.allow_update)
+        await self._warn_unserved(saved, context)
+        return tenant_pb(saved)
 
     @grpc_errors
     @audited(auditing.update_tenant)
@@ -204,7 +229,24 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 t = replace(t, jwt=None)
             return t
 
-        return tenant_pb(await self._catalog.update_tenant(request.name, change))
+        saved = await self._catalog.update_tenant(request.name, change)
+        if request.HasField("prompt"):  # the aliases were written: say which are not served
+            await self._warn_unserved(saved, context)
+        return tenant_pb(saved)
+
+    async def _warn_unserved(self, tenant: Tenant, context: Ctx) -> None:
+        """Warn, with the reply, of tenant's aliases no origin serves (model.unserved_aliases).
+
+        Called after the write: if etcd fails to answer the read now, the reply
+        goes without warnings rather than report a write that succeeded as failed.
+        """
+        try:
+            warnings = await self._catalog.unserved_aliases(tenant)
+        except Unavailable as exc:
+            log.warning("tenant %s saved; its aliases were not checked: %s", tenant.name, exc)
+            return
+        if warnings:
+            context.set_trailing_metadata(warnings_metadata(warnings))
 
     @grpc_errors
     @audited(auditing.named("tenant"))
@@ -298,11 +340,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             doc = orjson.loads(request.document or "{}")
         except orjson.JSONDecodeError as exc:
             raise InvalidArgument(f"the document is not valid JSON: {exc}") from exc
-        changes = await self._catalog.apply(doc, prune=request.prune, dry_run=request.dry_run)
+        plan = await self._catalog.apply(doc, prune=request.prune, dry_run=request.dry_run)
+        if plan.warnings:
+            context.set_trailing_metadata(warnings_metadata(plan.warnings))
         return apb.ApplyResponse(
             changes=[
                 apb.Change(kind=c.kind, name=c.name, action=c.action, fields=list(c.fields))
-                for c in changes
+                for c in plan.changes
             ],
             dry_run=request.dry_run,
         )

@@ -4,6 +4,12 @@ isort:skip_file
 The operators' API. Every call is validated; errors use gRPC status codes:
 INVALID_ARGUMENT (bad input), NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION
 (e.g. deleting a region that still has origins) and UNAVAILABLE (etcd down).
+
+A successful reply may carry warnings, text for people about what the call
+allowed but its caller should know, as trailing metadata `ponto-warning`
+(one value each): PutTenant, UpdateTenant (when it sets the prompt) and
+Apply (for the document's tenants) warn of each alias whose target no
+origin lists, which proxies answer 404 until one does.
 """
 
 from collections import abc as _abc

@@ -255,14 +255,14 @@ def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
 async def test_catalog_apply_writes_everything_at_one_revision() -> None:
     store = MemoryStore()
     catalog = Catalog(store)
-    changes = await catalog.apply(full(), prune=False, dry_run=False)
+    changes = (await catalog.apply(full(), prune=False, dry_run=False)).changes
     assert {c.action for c in changes} == {"created"}
     listing = await store.list("/ponto/state/")
     assert len({kv.mod_revision for kv in listing.items}) == 1
     state = await catalog.snapshot()
     assert {r.name: r.drained for r in state.regions} == {"us-east": False, "eu-west": True}
     again = await catalog.apply(await catalog.export(), prune=True, dry_run=False)
-    assert {c.action for c in again} == {"unchanged"}
+    assert {c.action for c in again.changes} == {"unchanged"}
     assert (await store.list("/ponto/state/")).revision == listing.revision
 
 
@@ -297,7 +297,7 @@ async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_
     smaller["regions"] = smaller["regions"][:1]
     smaller["regions"][0]["rtt_ms"] = {}  # it named eu-west, which goes
     smaller["tenants"] = smaller["tenants"][:1]
-    changes = await catalog.apply(smaller, prune=True, dry_run=False)
+    changes = (await catalog.apply(smaller, prune=True, dry_run=False)).changes
     assert [(c.kind, c.name) for c in changes if c.action == "deleted"] == [
         ("tenant", "plain"),
         ("origin", "hosted"),
@@ -327,7 +327,7 @@ async def test_catalog_apply_counts_the_regions_it_relies_on_against_one_transac
     with pytest.raises(InvalidArgument, match="relies on 40 regions"):
         await catalog.apply(origins(100), prune=False, dry_run=False)
     assert (await store.list("/ponto/")).revision == before
-    changes = await catalog.apply(origins(88), prune=False, dry_run=False)
+    changes = (await catalog.apply(origins(88), prune=False, dry_run=False)).changes
     assert len(changes) == 88
 
 
@@ -348,7 +348,7 @@ async def test_catalog_apply_retries_from_a_fresh_read_after_a_concurrent_write(
     store.commit = racing_commit  # type: ignore[method-assign]
     doc = full()
     doc["tenants"][0]["limits"]["rpm"] = 900
-    changes = await catalog.apply(doc, prune=False, dry_run=False)
+    changes = (await catalog.apply(doc, prune=False, dry_run=False)).changes
     assert calls == 2
     acme = next(c for c in changes if c.name == "acme")
     assert acme.action == "updated" and "cache" in acme.fields  # judged against the new state
