@@ -4,7 +4,9 @@ Exit codes: 0 success; 2 a bad value (flags, a topology file, or a value the
 control plane refused as INVALID_ARGUMENT), found before anything is written;
 1 any other refusal or failure of the control plane (not found, already
 exists, unreachable, not allowed). Every error is one message on stderr,
-never a traceback.
+never a traceback. Warnings the control plane sends with a successful reply
+(an alias to a model no origin serves) are `warning: ...` lines on stderr;
+the exit code stays 0.
 
 Values are checked here with the model's own `validated()` before a call, and
 again by the control plane, which checks every client's writes the same way.
@@ -17,7 +19,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -618,7 +620,26 @@ def _milliseconds(text: str, flag: str) -> int:
     return int(text)
 
 
-def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[str]]]:
+# Marks an alias whose target no origin lists (model.unserved_aliases), and says why below.
+UNSERVED = "(unserved)"
+UNSERVED_NOTE = (
+    f"{UNSERVED}: no origin serves that model now; requests for the alias get 404 until one does"
+)
+
+
+def _rows_tenants(
+    resp: apb.ListTenantsResponse, served: Collection[str] | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The tenants table; with served (the models origins list), aliases to
+    any other model are marked UNSERVED."""
+
+    def aliases(m: pb.PromptPolicy) -> str:
+        marked = [
+            f"{k}->{v}" + (UNSERVED if served is not None and v not in served else "")
+            for k, v in sorted(m.aliases.items())
+        ]
+        return ",".join(marked) or "-"
+
     def limits(m: pb.Limits) -> str:
         parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
         return ",".join(p for p in parts if not p.endswith("=0")) or "-"
@@ -654,7 +675,7 @@ def _rows_tenants(resp: apb.ListTenantsResponse) -> tuple[list[str], list[list[s
             streams(t.streams),
             (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
             or "-",
-            ",".join(f"{k}->{v}" for k, v in sorted(t.prompt.aliases.items())) or "-",
+            aliases(t.prompt),
             t.jwt.issuer if t.HasField("jwt") else "-",
         ]
         for t in resp.tenants
@@ -956,7 +977,11 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if args.kind == "origins":
             return render(stub.ListOrigins(req), args.output, _rows_origins)
         if args.kind == "tenants":
-            return render(stub.ListTenants(req), args.output, _rows_tenants)
+            tenants = stub.ListTenants(req)
+            served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)
+            shown = render(tenants, args.output, lambda r: _rows_tenants(r, served))
+            targets = (v for t in tenants.tenants for v in t.prompt.aliases.values())
+            return shown + ("\n" + UNSERVED_NOTE if any(v not in served for v in targets) else "")
         if args.kind == "keys":
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
             return render(keys, args.output, _rows_keys)
@@ -990,7 +1015,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with channel:
         stub = conn.CallDefaults(admin_pb2_grpc.AdminStub(channel), TIMEOUT)
         try:
-            print(run(args, stub), flush=True)
+            shown = run(args, stub)
+            # What the control plane allowed but warns of, such as an alias to
+            # a model no origin serves: on stderr, the exit code stays 0.
+            for warning in stub.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            print(shown, flush=True)
         except BrokenPipeError:
             # The reader left (`pontoctl get audit | head`): no traceback, and
             # none at exit either, when Python flushes stdout again.

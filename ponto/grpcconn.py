@@ -188,17 +188,25 @@ WARNING_METADATA = "ponto-warning"
 
 
 class CallDefaults:
-    """Wraps a sync stub so every call has a timeout."""
+    """Wraps a sync stub so every call has a timeout; the warnings replies
+    carried (WARNING_METADATA) are gathered in `warnings`, in call order."""
 
     def __init__(self, stub: object, timeout: float) -> None:
         self._stub = stub
         self._timeout = timeout
+        self.warnings: list[str] = []
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._stub, name)
 
         def call(request: Any) -> Any:
-            return method(request, timeout=self._timeout)
+            response, done = method.with_call(request, timeout=self._timeout)
+            self.warnings += [
+                str(value)
+                for key, value in done.trailing_metadata() or ()
+                if key == WARNING_METADATA
+            ]
+            return response
 
         return call
 

@@ -299,6 +299,41 @@ def test_system_prompt_defaults_clamp_and_alias_reach_the_origin(
     assert httpx.get(fleet.proxy_url("p1") + "/models", timeout=5).status_code == 401
 
 
+def test_an_alias_no_origin_serves_is_warned_of_and_gets_404_until_one_does(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tenant_key: str
+) -> None:
+    """What pontoctl's warning says is what the proxy does."""
+    assert fleet.security is not None
+    address = next(iter(fleet.controls.values())).address
+    admin = ["--control-plane", address, *fleet.security.admin_args()]
+    assert pontoctl([*admin, "tenant", "set", "acme", "--alias", "later=sim-later"]) == 0
+    assert capsys.readouterr().err == (
+        "warning: no origin serves model 'sim-later' now; requests for alias 'later' of "
+        "tenant 'acme' will get 404 until one does\n"
+    )
+    converge(fleet, lambda t: any("later" in x.prompt.aliases for x in t.tenants))
+    before = sim(fleet)["requests"]
+    resp = post(fleet, tenant_key, {"model": "later", "messages": MSG})
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["code"] == "model_not_found"
+    assert sim(fleet)["requests"] == before
+    # An origin that serves the model registers: the alias is served.
+    fleet.start_origin("o2", "us-east", models=("sim-later",))
+    try:
+        spec = apb.OriginSpec(
+            name="o2", base_url=fleet.origin_url("o2"), region="us-east", models=["sim-later"]
+        )
+        fleet.admin().PutOrigin(apb.PutOriginRequest(origin=spec), timeout=10)
+        converge(fleet, lambda t: any(o.name == "o2" for o in t.origins))
+        resp = post(fleet, tenant_key, {"model": "later", "messages": MSG})
+        assert resp.status_code == 200, resp.text
+    finally:
+        fleet.admin().DeleteOrigin(apb.DeleteRequest(name="o2"), timeout=10)
+        fleet.origins.pop("o2").stop()
+        assert pontoctl([*admin, "tenant", "set", "acme", "--alias", "later="]) == 0
+        capsys.readouterr()
+
+
 def test_requests_and_tokens_are_accounted_per_tenant_and_key(
     fleet: Fleet, tenant_key: str, metrics_address: str
 ) -> None:

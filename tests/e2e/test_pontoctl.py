@@ -568,3 +568,32 @@ def test_tenant_set_adds_and_removes_aliases_and_defaults(
     got = prompt()
     assert got["aliases"] == {"gpt-4o": "llama-3-8b"}
     assert got["defaults"] == {"temperature": 0}
+
+
+def test_an_alias_no_origin_serves_is_saved_with_a_warning_until_one_does(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
+    warning = (
+        "warning: no origin serves model 'llama-4' now; requests for alias 'next' of tenant "
+        "'acme' will get 404 until one does\n"
+    )
+    out, err = ctl(fleet, capsys, "tenant", "set", "acme", "--alias", "next=llama-4")
+    assert out.startswith("tenant acme saved") and err == warning
+    table, _ = ctl(fleet, capsys, "get", "tenants")
+    assert "gpt-4o->llama-3-8b,next->llama-4(unserved)" in table
+    assert table.rstrip().endswith("requests for the alias get 404 until one does")
+    # The same alias in a file: the dry run says so as well.
+    with_next = TOPOLOGY.replace("{gpt-4o: llama-3-8b}", "{gpt-4o: llama-3-8b, next: llama-4}")
+    out, err = ctl(fleet, capsys, "apply", "-f", write(tmp_path, with_next), "--dry-run")
+    assert "dry run" in out and err == warning
+    # Once an origin lists the model, neither warns.
+    ctl(fleet, capsys, "origin", "add", "vllm-next", "--url", "http://10.0.0.3:8000/v1",
+        "--region", "us-east", "--models", "llama-4")  # fmt: skip
+    try:
+        _, err = ctl(fleet, capsys, "apply", "-f", write(tmp_path, with_next))
+        assert err == ""
+        table, _ = ctl(fleet, capsys, "get", "tenants")
+        assert "next->llama-4 " in table and "(unserved)" not in table
+    finally:
+        ctl(fleet, capsys, "origin", "delete", "vllm-next")

@@ -1,0 +1,74 @@
+"""pontoctl and warnings: the ones replies carry are gathered (and printed by
+main, tests/e2e/test_pontoctl.py), and `get tenants` marks aliases no origin
+serves. Against fake stubs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.cli import UNSERVED_NOTE, _parser, run
+from ponto.grpcconn import WARNING_METADATA, CallDefaults
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+
+WARNING = (
+    "no origin serves model 'sim-huge' now; requests for alias 'big' of tenant 'acme' "
+    "will get 404 until one does"
+)
+
+
+def prompt(**aliases: str) -> pb.PromptPolicy:
+    return pb.PromptPolicy(aliases=aliases)
+
+
+class Done:
+    """What a sync gRPC call gives besides its response."""
+
+    def __init__(self, warnings: list[str]) -> None:
+        self._trailing = [(WARNING_METADATA, w) for w in warnings] + [("other", "x")]
+
+    def trailing_metadata(self) -> list[tuple[str, str]]:
+        return self._trailing
+
+
+class Method:
+    def __init__(self, response: Any, warnings: list[str]) -> None:
+        self.response, self.warnings = response, warnings
+
+    def with_call(self, request: Any, timeout: float) -> tuple[Any, Done]:
+        return self.response, Done(self.warnings)
+
+
+class Stub:
+    """The Admin calls of `tenant set` and `get tenants`; UpdateTenant warns."""
+
+    def __init__(self, tenants: list[pb.Tenant], models: list[str], warnings: list[str]) -> None:
+        origins = [pb.Origin(name="o1", models=models)]
+        self.ListTenants = Method(apb.ListTenantsResponse(tenants=tenants), [])
+        self.ListOrigins = Method(apb.ListOriginsResponse(origins=origins), [])
+        self.UpdateTenant = Method(tenants[0], warnings)
+
+
+def pontoctl(stub: Stub, *argv: str) -> tuple[str, list[str]]:
+    calls = CallDefaults(stub, timeout=5)
+    return run(_parser().parse_args(list(argv)), calls), calls.warnings
+
+
+def test_pontoctl_gathers_the_warnings_of_its_calls() -> None:
+    stub = Stub([pb.Tenant(name="acme")], ["sim-small"], [WARNING])
+    out, warnings = pontoctl(stub, "tenant", "set", "acme", "--alias", "big=sim-huge")
+    assert out.startswith("tenant acme saved")
+    assert warnings == [WARNING]
+
+
+def test_get_tenants_marks_aliases_no_origin_serves() -> None:
+    tenants = [
+        pb.Tenant(name="acme", prompt=prompt(big="sim-huge", small="sim-small")),
+        pb.Tenant(name="plain"),
+    ]
+    out, _ = pontoctl(Stub(tenants, ["sim-small"], []), "get", "tenants")
+    lines = out.splitlines()
+    assert "big->sim-huge(unserved),small->sim-small  " in lines[1]  # then the JWT column
+    assert lines[-1] == UNSERVED_NOTE
+    served, _ = pontoctl(Stub(tenants, ["sim-small", "sim-huge"], []), "get", "tenants")
+    assert "(unserved)" not in served and UNSERVED_NOTE not in served
