@@ -8,6 +8,15 @@
     every replica watches /ponto/quota/shares (QuotaHub.watch) and pushes each
       connected proxy its own shares as RouteUpdate(quota=...)
 
+A share's `spare` flag lets its proxy hold a request for a slot the leader
+will move to it (RateLimiter.may_wait), so it must not outlive the leader:
+while any share carries one, the leader rewrites the key at least every
+SPARE_REFRESH_ROUNDS rounds, changed or not; every new generation reaches the
+proxies whose shares carry one (a small `unchanged` message when their
+shares are the same); and a proxy counts its flags only for `spare_ttl_s`
+after the last message. A leader that dies, or cannot write, thus stops
+proxies' slot waits within that time.
+
 Quota keys live outside /ponto/state/, so demand and shares never cause a new
 route table. The scheme, its accuracy bound and what happens without a control
 plane are in docs/rate-limits.md.
@@ -45,6 +54,27 @@ SHARES_KEY = QUOTA_PREFIX + "shares"
 
 Shares = dict[str, dict[str, Share]]
 
+# While a share carries a spare flag, the leader writes the shares at least
+# every this many rounds, changed or not: its proxy's confirmation that a
+# leader still moves slots.
+SPARE_REFRESH_ROUNDS = 2
+# How long a proxy counts its spare flags after the last shares it heard:
+# room for SPARE_REFRESH_ROUNDS rounds of the leader (each longer than the
+# interval by the round itself), the write, the watch and the push.
+SPARE_TTL_ROUNDS = 5
+# At least this long, so that with a short interval a slow round or a busy
+# etcd does not make every flag lapse between two writes.
+SPARE_TTL_MIN_S = 2.0
+
+
+def spare_ttl_s(interval: float) -> float:
+    """The `spare_ttl_s` of a leader rebalancing every `interval` seconds."""
+    return max(SPARE_TTL_MIN_S, SPARE_TTL_ROUNDS * interval)
+
+
+def any_spare(shares: Iterable[Share]) -> bool:
+    return any(s.spare for s in shares)
+
 
 def limits_of_table(table: pb.RouteTable) -> dict[str, ScopeLimits]:
     """Scopes with at least one limit, from a route table."""
@@ -60,9 +90,14 @@ def limits_of_table(table: pb.RouteTable) -> dict[str, ScopeLimits]:
     return out
 
 
-def encode_shares(shares: Mapping[str, Mapping[str, Share]], default_fraction: float) -> bytes:
+def encode_shares(
+    shares: Mapping[str, Mapping[str, Share]], default_fraction: float, spare_ttl: float = 0.0
+) -> bytes:
+    """The shares key's value; `spare_ttl`: how long proxies count the spare
+    flags (0: until the next shares, for a leader that does not rewrite them)."""
     body = {
         "default_fraction": default_fraction,
+        "spare_ttl_s": spare_ttl,
         "proxies": {
             # [fraction, slots], and a 1 when the proxy may wait for slots
             # (Share.spare; a replica that predates it reads the first two).
@@ -76,7 +111,9 @@ def encode_shares(shares: Mapping[str, Mapping[str, Share]], default_fraction: f
     return orjson.dumps(body)
 
 
-def decode_shares(raw: bytes) -> tuple[Shares, float]:
+def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
+    """(shares, default fraction, spare ttl) of the shares key's value; a
+    leader from before the ttl wrote none, and does not rewrite: 0."""
     data = orjson.loads(raw)
     shares: Shares = {
         proxy: {
@@ -85,7 +122,7 @@ def decode_shares(raw: bytes) -> tuple[Shares, float]:
         }
         for proxy, by_scope in data.get("proxies", {}).items()
     }
-    return shares, float(data.get("default_fraction", 0.0))
+    return shares, float(data.get("default_fraction", 0.0)), float(data.get("spare_ttl_s", 0.0))
 
 
 class QuotaHub:
@@ -106,6 +143,11 @@ class QuotaHub:
         self._dirty = False
         self._shares: Shares = {}
         self._default = 0.0
+        self._spare_ttl = 0.0
+        # Proxies with a spare flag in their shares: every new generation
+        # reaches them, changed or not (the module docstring).
+        self._spare: set[str] = set()
+        self._unchanged = b""
         self.generation = 0
         self._changed = asyncio.Event()
 
@@ -159,11 +201,19 @@ class QuotaHub:
         if kv is None or kv.mod_revision == self.generation:
             return listing.revision
         try:
-            self._shares, self._default = decode_shares(kv.value)
+            self._shares, self._default, self._spare_ttl = decode_shares(kv.value)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             log.error("ignoring undecodable quota shares: %s", exc)
             return listing.revision
+        self._spare = {
+            proxy for proxy, by_scope in self._shares.items() if any_spare(by_scope.values())
+        }
         self.generation = kv.mod_revision
+        self._unchanged = pb.RouteUpdate(
+            quota=pb.QuotaShares(
+                generation=self.generation, spare_ttl_s=self._spare_ttl, unchanged=True
+            )
+        ).SerializeToString()
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return listing.revision
@@ -179,6 +229,7 @@ class QuotaHub:
         quota = pb.QuotaShares(
             generation=self.generation if generation is None else generation,
             default_fraction=self._default if mine is not None else 0.0,
+            spare_ttl_s=self._spare_ttl,
             shares=[
                 pb.QuotaShare(
                     scope=scope,
@@ -191,20 +242,26 @@ class QuotaHub:
         )
         return pb.RouteUpdate(quota=quota).SerializeToString()
 
-    async def next_for(
-        self, proxy: str, sent_generation: int, sent: bytes = b""
-    ) -> tuple[int, bytes]:
-        """Wait for shares newer than sent_generation that change what this proxy
-        was last sent (`sent`); return (generation, payload)."""
-        # `sent` was stamped with sent_generation: the same shares stamped the
-        # same way serialise to the same bytes (the encoding is deterministic),
-        # so nothing needs parsing to tell a change.
-        stamp = seen = sent_generation
+    async def next_for(self, proxy: str, seen: int, sent: bytes = b"") -> tuple[int, bytes, bytes]:
+        """Wait for a generation newer than `seen` that this proxy must hear of;
+        return (generation, payload, what to pass as `sent` next time).
+
+        `sent`: the shares last pushed on the proxy's stream, as returned here
+        (b"" before the first). Shares that differ from them are pushed whole;
+        the same shares with a spare flag are confirmed by an `unchanged`
+        message; other generations are skipped.
+        """
         while True:
             while self.generation in (0, seen):
                 await self._changed.wait()
-            if self.update_for(proxy, stamp) != sent:
-                return self.generation, self.update_for(proxy)
+            # Stamped with generation 0: the same shares serialise to the same
+            # bytes (the encoding is deterministic), so nothing needs parsing
+            # to tell a change.
+            content = self.update_for(proxy, 0)
+            if content != sent:
+                return self.generation, self.update_for(proxy), content
+            if proxy in self._spare:
+                return self.generation, self._unchanged, content
             seen = self.generation
 
 
@@ -227,13 +284,16 @@ class Rebalancer:
         self._previous: Shares = {}
         self._default = 0.0
         self._written: bytes = b""
+        # Rounds since the last write. Due at once: a new leader's first round
+        # confirms the spare flags that proxies stopped counting meanwhile.
+        self._unwritten = SPARE_REFRESH_ROUNDS
         self.rounds = 0
 
     async def run(self) -> None:
         try:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
-                self._previous, self._default = decode_shares(kv.value)
+                self._previous, self._default, _ = decode_shares(kv.value)
                 self._written = kv.value
         except (StoreUnavailable, ValueError) as exc:
             log.info("starting quotas from scratch: %s", exc)
@@ -284,11 +344,16 @@ class Rebalancer:
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
-        payload = encode_shares(shares, default)
+        payload = encode_shares(shares, default, spare_ttl_s(self._interval))
         self.rounds += 1
-        if payload == self._written:
+        self._unwritten += 1
+        if payload == self._written and not (
+            self._unwritten >= SPARE_REFRESH_ROUNDS
+            and any(any_spare(by_scope.values()) for by_scope in shares.values())
+        ):
             return
         await self._store.put(SHARES_KEY, payload, fence=self._fence())
         self._previous = shares
         self._default = default
         self._written = payload
+        self._unwritten = 0

@@ -119,10 +119,11 @@ class RoutingService:
         unanswered: dict[str, float] = {}
         reader = asyncio.create_task(self._read_acks(session_id, name, requests, unanswered))
         sent: Snapshot | None = None
+        # The quota generation last sent, and the shares last pushed whole.
         sent_quota = 0
-        sent_quota_payload = b""
+        sent_shares = b""
         tables: asyncio.Future[Snapshot] | None = None
-        quotas: asyncio.Future[tuple[int, bytes]] | None = None
+        quotas: asyncio.Future[tuple[int, bytes, bytes]] | None = None
         # Loads are the same bytes for every stream; only the generation sent
         # is per stream.
         hub = self._loads
@@ -134,7 +135,7 @@ class RoutingService:
                     tables = asyncio.ensure_future(self._publisher.next_after(sent))
                 if quotas is None and self._quotas is not None:
                     quotas = asyncio.ensure_future(
-                        self._quotas.next_for(name, sent_quota, sent_quota_payload)
+                        self._quotas.next_for(name, sent_quota, sent_shares)
                     )
                 if loads is None and hub is not None:
                     loads = asyncio.ensure_future(hub.next_after(sent_loads))
@@ -156,9 +157,9 @@ class RoutingService:
                     while len(unanswered) > MAX_UNANSWERED:
                         del unanswered[next(iter(unanswered))]
                 if quotas is not None and quotas in done:
-                    sent_quota, sent_quota_payload = quotas.result()
+                    sent_quota, quota_payload, sent_shares = quotas.result()
                     quotas = None
-                    payloads.append(sent_quota_payload)
+                    payloads.append(quota_payload)
                 send_loads = loads is not None and loads in done
                 if send_loads:
                     loads = None

@@ -647,15 +647,18 @@ async def admit_when_slot_frees(
     nothing the fleet's limit does not allow, it waits for this proxy's part
     of it. The waiter is reported as demand for a slot, and its last attempt
     is not counted again; waiters per scope are capped by its limit.
-    `refused_at`: the limiter's time of the refusal; the wait is judged as of
-    then (a joining proxy's window closing does not end it).
+    `refused_at`: the limiter's time of the refusal; a joining proxy's window
+    is judged as of then (its closing does not end the wait), spare flags as
+    of each poll (their lapsing, no leader having confirmed them, does).
     """
     deadline = time.monotonic() + SLOT_WAIT_S
     limiter.wait_begin(scopes)
     try:
         while time.monotonic() < deadline:
             await asyncio.sleep(_SLOT_POLL_S)
-            if limiter.slots_free(scopes) or not limiter.may_wait(scopes, refused_at, waiting=True):
+            if limiter.slots_free(scopes) or not limiter.may_wait(
+                scopes, time.monotonic(), waiting=True, refused_at=refused_at
+            ):
                 break
     finally:
         limiter.wait_end(scopes)

@@ -11,9 +11,9 @@ accuracy bound and what happens when the control plane is away.
 Contract: one event loop owns a RateLimiter. `admit`, `Admission.release`
 and `headers` are the hot path: no I/O, no logging, no clock (every call gets
 `now`, seconds on the monotonic clock the caller uses for all calls).
-`configure`, `apply_shares` and `demand` are called from the sync and report
-tasks of the same loop; none of them awaits, so no call sees another's
-half-done state.
+`configure`, `apply_shares`, `confirm_spare` and `demand` are called from the
+sync and report tasks of the same loop; none of them awaits, so no call sees
+another's half-done state.
 """
 
 from __future__ import annotations
@@ -265,6 +265,8 @@ class RateLimiter:
         self._tau = demand_tau_s
         self._last_report: float | None = None
         self._booted = False
+        # Until when the shares' spare flags count (see confirm_spare).
+        self._spare_until = INF
 
     # ------------------------------------------------------------ control
 
@@ -321,7 +323,22 @@ class RateLimiter:
             ):
                 st.set_share(share, now)
 
-    def may_wait(self, scopes: Sequence[str], now: float, *, waiting: bool = False) -> bool:
+    def confirm_spare(self, until: float) -> None:
+        """The leader has just confirmed the shares this proxy holds: their
+        `spare` flags count until `until` (the clock of `now`), and are off
+        after it unless confirmed again. A leader confirms them every few
+        rounds while it leads, so flags past that are a gone leader's, and no
+        slot would come to a request waiting on them."""
+        self._spare_until = until
+
+    def may_wait(
+        self,
+        scopes: Sequence[str],
+        now: float,
+        *,
+        waiting: bool = False,
+        refused_at: float | None = None,
+    ) -> bool:
         """Whether a concurrency refusal for `scopes` is only for want of slots
         that the leader's next shares bring here, so worth a wait.
 
@@ -330,7 +347,9 @@ class RateLimiter:
         - was marked `spare` at the leader's last round (controlplane/quota.py):
           slots idle in the fleet, or owed to this proxy by the allocation.
           Its refusal (then its waiting requests) counts as demand, which moves
-          slots here in two rebalances; or
+          slots here in two rebalances. The flag counts only until the time
+          the last `confirm_spare` gave, which a leader that is gone does not
+          extend; or
         - is one this proxy has held for under JOIN_WINDOW_S without ever
           getting a slot, with nothing of it in flight here: a proxy that has
           just joined (a rolling upgrade, a scale-up), whose first shares may
@@ -338,7 +357,12 @@ class RateLimiter:
         A scope whose fleet was at its limit refuses at once: the tenant uses
         all of it. `waiting`: asked again by a request that waits (and is
         counted among the waiters), which stops when this turns False.
+        `refused_at` (default `now`): when that request was refused; the join
+        window is judged as of then (its closing does not end a wait), the
+        spare flags as of `now` (their lapsing does).
         """
+        spare_counts = now <= self._spare_until
+        joined = now if refused_at is None else refused_at
         found = False
         for name in scopes:
             st = self._scopes.get(name)
@@ -347,12 +371,12 @@ class RateLimiter:
             if st.waiting - (1 if waiting else 0) >= st.concurrency:
                 return False
             if not (
-                st.spare
+                (st.spare and spare_counts)
                 or (
                     not st.slots
                     and not st.in_flight
                     and not st.ever_slots
-                    and now - st.created <= JOIN_WINDOW_S
+                    and joined - st.created <= JOIN_WINDOW_S
                 )
             ):
                 return False

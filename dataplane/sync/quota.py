@@ -14,6 +14,7 @@ refusing every limited request. docs/rate-limits.md has the whole scheme.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -65,6 +66,14 @@ class QuotaState:
         self._apply()
 
     def on_quota(self, quota: pb.QuotaShares) -> None:
+        """Take a push of the leader's shares: new ones, or (`unchanged`) the
+        confirmation that those held still stand. Either way their spare flags
+        count for `spare_ttl_s` from now (0: until the next push), so that they
+        lapse once no leader confirms them (controlplane.quotasync)."""
+        ttl = quota.spare_ttl_s
+        self._limiter.confirm_spare(self._clock() + ttl if ttl > 0 else math.inf)
+        if quota.unchanged:
+            return
         self._take(quota, live=True)
         self._save(quota)
 

@@ -852,6 +852,8 @@ class QuotaShares(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     SHARES_FIELD_NUMBER: _builtins.int
     DEFAULT_FRACTION_FIELD_NUMBER: _builtins.int
+    SPARE_TTL_S_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Increases with every rebalance (the etcd revision it was written at)."""
     default_fraction: _builtins.float
@@ -859,6 +861,20 @@ class QuotaShares(_message.Message):
     last rebalance). The leader counts it as given; 0 for a proxy the leader
     has not rebalanced yet, which therefore admits nothing under a limit
     until its first shares arrive (about one rebalance interval).
+    """
+    spare_ttl_s: _builtins.float
+    """Seconds after this message arrives for which the fleet_spare flags of the
+    shares the proxy holds stay true. While it leads, the leader rewrites
+    shares that carry a flag every few rounds even when nothing changed, and
+    each rewrite reaches their proxy (as `unchanged` when its shares are the
+    same), so a flag older than this is one no leader acts on (the leader is
+    gone, or the proxy's replica cannot reach etcd): the proxy treats it as
+    off. 0: until the next message (a control plane that does not rewrite).
+    """
+    unchanged: _builtins.bool
+    """Set on a message that carries no shares: those of the last message on
+    this stream still stand, as of `generation`. Only spare_ttl_s and
+    generation are set with it.
     """
     @_builtins.property
     def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuotaShare]: ...
@@ -868,10 +884,12 @@ class QuotaShares(_message.Message):
         generation: _builtins.int = ...,
         shares: _abc.Iterable[Global___QuotaShare] | None = ...,
         default_fraction: _builtins.float = ...,
+        spare_ttl_s: _builtins.float = ...,
+        unchanged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_fraction", b"default_fraction", "generation", b"generation", "shares", b"shares"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_fraction", b"default_fraction", "generation", b"generation", "shares", b"shares", "spare_ttl_s", b"spare_ttl_s", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,3 +95,34 @@ def test_a_tenant_at_its_limit_is_refused_at_once(fleet: Fleet) -> None:
     text = metrics(fleet, "p1")
     assert 'ponto_ratelimit_refusals_total{limit="concurrency"} 1.0' in text
     assert 'ponto_ratelimit_slot_waits_total{outcome="refused"} 0.0' in text  # no wait
+
+
+def slot_waits_refused(fleet: Fleet, proxy: str) -> float:
+    prefix = 'ponto_ratelimit_slot_waits_total{outcome="refused"} '
+    (line,) = [x for x in metrics(fleet, proxy).splitlines() if x.startswith(prefix)]
+    return float(line[len(prefix) :])
+
+
+def test_with_no_leader_a_busy_proxy_refuses_at_once(fleet: Fleet) -> None:
+    """etcd goes away: the proxies stay connected to their replica, but no
+    leader moves slots any more. Once no leader has confirmed the shares'
+    spare flags for spare_ttl_s, a request whose slots are busy is refused
+    at once instead of waiting for a slot that would never come. Last in the
+    module: it stops etcd (and starts it again)."""
+    key = make_key(fleet, "leaderless", pb.Limits(concurrency=LIMIT))
+    time.sleep(5.5)  # past the join window
+    before = slot_waits_refused(fleet, "p3")
+    assert fleet.etcd is not None
+    fleet.etcd.stop()
+    try:
+        # spare_ttl_s with 0.5 s rounds: max(2 s, 5 rounds) = 2.5 s.
+        time.sleep(3.5)
+        url = fleet.proxy_url("p3") + "/chat/completions"
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            codes = sorted(pool.map(lambda _: ask(url, key), range(3)))
+        assert 200 in codes and 429 in codes  # p3 holds one or two of the 4 slots
+        assert slot_waits_refused(fleet, "p3") == before  # refused without a wait
+        # Still connected: the flags lapsed, the link was not lost.
+        assert "ponto_control_plane_connected 1.0" in metrics(fleet, "p3")
+    finally:
+        fleet.start_etcd()

@@ -573,6 +573,33 @@ async def test_spare_flags_hold_only_while_a_leader_can_move_slots(tmp_path: Pat
     assert limiter2.share("t/acme") == Share(0.5, 1)
 
 
+def test_spare_flags_lapse_unless_a_leader_confirms_them() -> None:
+    """The proxy stays connected to a replica but the leader is gone: no new
+    shares come, and after spare_ttl_s a request whose slot is busy is
+    refused at once instead of waiting for a slot no leader will move."""
+    state, limiter, clock = quota_state()
+    state.on_limits({"t/acme": ScopeLimits(concurrency=4)})
+    spare = pb.QuotaShare(scope="t/acme", fraction=0.5, concurrency=1, fleet_spare=True)
+    state.on_quota(pb.QuotaShares(generation=3, shares=[spare], spare_ttl_s=5.0))
+    assert limiter.admit(["t/acme"], 1, clock.now).ok  # its one slot, now busy
+    assert limiter.may_wait(["t/acme"], clock.now + 5.0)
+    assert not limiter.may_wait(["t/acme"], clock.now + 5.1)
+    # The leader rewrote the same shares: confirmed for another spare_ttl_s.
+    clock.now += 4.0
+    state.on_quota(pb.QuotaShares(generation=4, spare_ttl_s=5.0, unchanged=True))
+    assert limiter.share("t/acme") == Share(0.5, 1, spare=True)  # kept, not emptied
+    assert limiter.may_wait(["t/acme"], clock.now + 5.0)
+    assert not limiter.may_wait(["t/acme"], clock.now + 5.1)
+    # A new leader's shares count from when they arrive.
+    clock.now += 60.0
+    state.on_quota(pb.QuotaShares(generation=9, shares=[spare], spare_ttl_s=5.0))
+    assert limiter.may_wait(["t/acme"], clock.now + 1.0)
+    # A control plane that does not rewrite shares sends no ttl: flags hold
+    # until the next shares, as before.
+    state.on_quota(pb.QuotaShares(generation=10, shares=[spare]))
+    assert limiter.may_wait(["t/acme"], clock.now + 3600.0)
+
+
 def shares_msg(default: float, generation: int = 7, **shares: tuple[float, int]) -> pb.QuotaShares:
     return pb.QuotaShares(
         generation=generation,

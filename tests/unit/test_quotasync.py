@@ -20,11 +20,15 @@ from controlplane.model import ApiKeyRecord, Limits, ProxyRecord, State, Tenant
 from controlplane.quotasync import (
     DEMAND_PREFIX,
     SHARES_KEY,
+    SPARE_REFRESH_ROUNDS,
+    SPARE_TTL_MIN_S,
+    SPARE_TTL_ROUNDS,
     QuotaHub,
     Rebalancer,
     decode_shares,
     encode_shares,
     limits_of_table,
+    spare_ttl_s,
 )
 from controlplane.store import Conflict, Fence, KeyValue
 from controlplane.store.memory import MemoryStore
@@ -109,19 +113,19 @@ def test_shares_encode_decode_round_trip() -> None:
         "p1": {"t/acme": Share(0.75, 3)},
         "p3": {},
     }
-    raw = encode_shares(shares, 1 / 3)
-    assert decode_shares(raw) == (shares, 1 / 3)
+    raw = encode_shares(shares, 1 / 3, 5.0)
+    assert decode_shares(raw) == (shares, 1 / 3, 5.0)
     # Canonical: the same shares in another order encode to the same bytes, so
     # the leader can compare payloads to skip writes.
     reordered = {p: dict(reversed(list(s.items()))) for p, s in reversed(list(shares.items()))}
-    assert encode_shares(reordered, 1 / 3) == raw
-    assert decode_shares(b"{}") == ({}, 0.0)
+    assert encode_shares(reordered, 1 / 3, 5.0) == raw
+    assert decode_shares(b"{}") == ({}, 0.0, 0.0)
 
 
 def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
     shares = {"p1": {"t/acme": Share(0.5, 1, spare=True), "t/full": Share(0.5, 2)}}
     raw = encode_shares(shares, 0.5)
-    assert decode_shares(raw) == (shares, 0.5)
+    assert decode_shares(raw) == (shares, 0.5, 0.0)
     # Shares written before the flag existed read as "no spare".
     assert decode_shares(b'{"proxies": {"p1": {"t/acme": [0.5, 1]}}}')[0] == {
         "p1": {"t/acme": Share(0.5, 1)}
@@ -265,9 +269,9 @@ async def test_publish_demand_survives_an_expired_lease() -> None:
 
 
 async def put_shares(
-    store: MemoryStore, shares: dict[str, dict[str, Share]], default: float
+    store: MemoryStore, shares: dict[str, dict[str, Share]], default: float, ttl: float = 0.0
 ) -> int:
-    return await store.put(SHARES_KEY, encode_shares(shares, default))
+    return await store.put(SHARES_KEY, encode_shares(shares, default, ttl))
 
 
 def quota_of(payload: bytes) -> pb.QuotaShares:
@@ -286,7 +290,7 @@ async def test_watch_loads_existing_shares_at_start() -> None:
     revision = await put_shares(store, {"p1": {"t/acme": Share(0.5, 2)}}, 0.5)
     hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
     async with running(hub.watch()):
-        generation, payload = await asyncio.wait_for(hub.next_for("p1", 0), WAIT)
+        generation, payload, _ = await asyncio.wait_for(hub.next_for("p1", 0), WAIT)
     assert generation == revision == hub.generation
     quota = quota_of(payload)
     assert quota.generation == revision
@@ -305,11 +309,11 @@ async def test_next_for_wakes_only_when_this_proxys_shares_change() -> None:
         rev1 = await put_shares(
             store, {"p1": {"t/acme": Share(0.5, 2)}, "p2": {"t/acme": Share(0.5, 2)}}, 0.5
         )
-        generation, payload = await asyncio.wait_for(first, WAIT)
+        generation, payload, sent = await asyncio.wait_for(first, WAIT)
         assert generation == rev1
         assert share_map(quota_of(payload)) == {"t/acme": (0.5, 2)}
 
-        waiting = asyncio.ensure_future(hub.next_for("p1", generation, payload))
+        waiting = asyncio.ensure_future(hub.next_for("p1", generation, sent))
         # Only p2's share moves: the hub loads the new generation, but p1's
         # payload is the same, so its stream is not woken.
         rev2 = await put_shares(
@@ -323,24 +327,52 @@ async def test_next_for_wakes_only_when_this_proxys_shares_change() -> None:
         rev3 = await put_shares(
             store, {"p1": {"t/acme": Share(0.3, 1)}, "p2": {"t/acme": Share(0.4, 2)}}, 0.5
         )
-        generation, payload = await asyncio.wait_for(waiting, WAIT)
+        generation, payload, sent = await asyncio.wait_for(waiting, WAIT)
         assert generation == rev3
         quota = quota_of(payload)
         assert quota.generation == rev3
         assert share_map(quota) == {"t/acme": (0.3, 1)}
 
         # A new default fraction is news for every proxy.
-        again = asyncio.ensure_future(hub.next_for("p1", generation, payload))
+        again = asyncio.ensure_future(hub.next_for("p1", generation, sent))
         rev4 = await put_shares(
             store, {"p1": {"t/acme": Share(0.3, 1)}, "p2": {"t/acme": Share(0.4, 2)}}, 0.25
         )
-        generation, payload = await asyncio.wait_for(again, WAIT)
+        generation, payload, _ = await asyncio.wait_for(again, WAIT)
         assert generation == rev4
         assert quota_of(payload).default_fraction == 0.25
 
 
 async def _generation_is(hub: QuotaHub, revision: int) -> bool:
     return hub.generation == revision
+
+
+async def test_every_rewrite_confirms_the_spare_flags_to_their_proxies() -> None:
+    store = MemoryStore()
+    hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
+    shares = {"p1": {"t/acme": Share(0.5, 1, spare=True)}, "p2": {"t/acme": Share(0.5, 1)}}
+    async with running(hub.watch()):
+        await put_shares(store, shares, 0.5, ttl=5.0)
+        got = {}
+        for name in ("p1", "p2"):
+            generation, payload, sent = await asyncio.wait_for(hub.next_for(name, 0), WAIT)
+            quota = quota_of(payload)
+            assert (quota.spare_ttl_s, quota.unchanged) == (5.0, False)
+            got[name] = (generation, sent)
+        p1 = asyncio.ensure_future(hub.next_for("p1", *got["p1"]))
+        p2 = asyncio.ensure_future(hub.next_for("p2", *got["p2"]))
+        # The leader writes the same shares again.
+        rewritten = await put_shares(store, shares, 0.5, ttl=5.0)
+        generation, payload, sent = await asyncio.wait_for(p1, WAIT)
+        assert (generation, sent) == (rewritten, got["p1"][1])
+        confirmed = quota_of(payload)
+        assert confirmed == pb.QuotaShares(generation=rewritten, spare_ttl_s=5.0, unchanged=True)
+        # p2's shares carry no flag: nothing to confirm, nothing sent.
+        await settle()
+        assert not p2.done()
+        p2.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await p2
 
 
 async def test_only_rebalanced_proxies_get_the_default_fraction() -> None:
@@ -384,12 +416,12 @@ async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
 KEY_ID = "aaaaaaaaaa"
 
 
-def limited_table(revision: int = 10) -> pb.RouteTable:
+def limited_table(revision: int = 10, *, concurrency: int = 10) -> pb.RouteTable:
     return compile_table(
         State(
             revision,
             tenants=(
-                Tenant("acme", limits=Limits(rpm=600, concurrency=10)),
+                Tenant("acme", limits=Limits(rpm=600, concurrency=concurrency)),
                 Tenant("open"),
             ),
             keys=(ApiKeyRecord(KEY_ID, "a" * 64, "acme", limits=Limits(tpm=6_000)),),
@@ -432,7 +464,7 @@ class Fleet:
     async def shares(self) -> tuple[dict[str, dict[str, Share]], float, KeyValue]:
         kv = await self.store.get(SHARES_KEY)
         assert kv is not None
-        shares, default = decode_shares(kv.value)
+        shares, default, _ = decode_shares(kv.value)
         return shares, default, kv
 
 
@@ -530,7 +562,8 @@ async def test_stale_fence_raises_conflict_and_stops_run() -> None:
 
 
 async def test_run_resumes_from_the_stored_shares() -> None:
-    fleet = Fleet(limited_table())
+    # No concurrency limit, so no spare flag that a new leader must confirm.
+    fleet = Fleet(limited_table(concurrency=0))
     await fleet.lead()
     await fleet.register("p1", "p2")
     await fleet.rebalancer().round()
@@ -542,6 +575,37 @@ async def test_run_resumes_from_the_stored_shares() -> None:
         await eventually(lambda: _rounds_at_least(successor, 3), "a few rounds")
     *_, after = await fleet.shares()
     assert after.mod_revision == written.mod_revision
+
+
+async def test_shares_with_spare_flags_are_rewritten_every_few_rounds() -> None:
+    """Rewritten unchanged, so that their proxies hear a leader still moves
+    slots; the first round of a new leader rewrites at once, confirming
+    flags that proxies stopped counting while there was none."""
+    fleet = Fleet(limited_table())  # an idle fleet: every slot is spare
+    await fleet.lead()
+    await fleet.register("p1", "p2")
+    rebalancer = fleet.rebalancer()
+    revisions = []
+    for _ in range(2 * SPARE_REFRESH_ROUNDS + 1):
+        await rebalancer.round()
+        *_, kv = await fleet.shares()
+        revisions.append(kv.mod_revision)
+    shares, _, kv = await fleet.shares()
+    assert all(shares[p]["t/acme"].spare for p in ("p1", "p2"))
+    assert len(set(revisions)) == 3  # rounds 1, 3 and 5 wrote
+    assert decode_shares(kv.value)[2] == spare_ttl_s(0.001) == SPARE_TTL_MIN_S
+
+    successor = fleet.rebalancer()
+    async with running(successor.run()):
+        await eventually(lambda: _rounds_at_least(successor, 1), "a round")
+    *_, after = await fleet.shares()
+    assert after.mod_revision > kv.mod_revision
+    assert after.value == kv.value  # the same shares, confirmed
+
+
+def test_the_spare_ttl_spans_a_few_rounds_and_never_less_than_the_floor() -> None:
+    assert spare_ttl_s(1.0) == SPARE_TTL_ROUNDS * 1.0 > SPARE_REFRESH_ROUNDS * 1.0
+    assert spare_ttl_s(0.05) == SPARE_TTL_MIN_S
 
 
 async def _rounds_at_least(rebalancer: Rebalancer, n: int) -> bool:
@@ -602,11 +666,11 @@ async def test_no_limits_means_default_fraction_zero_and_no_pushes_on_join() -> 
         shares, default, _ = await fleet.shares()
         assert default == 0.0
         assert shares == {"p1": {}}
-        generation, payload = await asyncio.wait_for(hub.next_for("p1", 0), WAIT)
+        generation, payload, sent = await asyncio.wait_for(hub.next_for("p1", 0), WAIT)
         assert list(quota_of(payload).shares) == []
         assert quota_of(payload).default_fraction == 0.0
 
-        waiting = asyncio.ensure_future(hub.next_for("p1", generation, payload))
+        waiting = asyncio.ensure_future(hub.next_for("p1", generation, sent))
         for name in ("p2", "p3"):
             await fleet.register(name)
             await rebalancer.round()

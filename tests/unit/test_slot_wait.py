@@ -12,6 +12,7 @@ drain step: 2 requests of a tenant with a limit of 20 over 14 proxies.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -86,6 +87,18 @@ def test_busy_slots_wait_while_the_fleet_has_spare_ones() -> None:
     assert not limiter(2, limit=20, spare=True).may_wait([T], 1.0)
 
 
+def test_spare_flags_count_only_until_the_leader_last_confirmed_them() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, 1.0).ok
+    rl.confirm_spare(10.0)
+    assert rl.may_wait([T], 10.0)
+    assert not rl.may_wait([T], 10.5)
+    # Lapsed flags do not end a new proxy's join window, judged at its refusal.
+    new = limiter(0)
+    new.confirm_spare(0.5)
+    assert new.may_wait([T], 2.0, waiting=True, refused_at=1.0)
+
+
 def test_waiters_are_reported_as_demand_until_they_end() -> None:
     rl = limiter(1, limit=20, spare=True)
     assert rl.admit([T], 1, 1.0).ok
@@ -135,6 +148,19 @@ async def test_a_share_without_spare_ends_the_wait_in_a_refusal_at_once() -> Non
     await asyncio.sleep(0.12)
     assert not waiting.done()
     rl.apply_shares({T: Share(0.0, 1, spare=False)}, 2.0)  # the tenant now uses its limit
+    admission = await asyncio.wait_for(waiting, 0.5)  # well before SLOT_WAIT_S
+    assert not admission.ok and admission.limit == "concurrency"
+    assert rl._scopes[T].waiting == 0
+
+
+async def test_a_wait_ends_in_a_refusal_once_no_leader_confirms_the_flags() -> None:
+    rl = limiter(1, limit=20, spare=True)
+    rl.confirm_spare(time.monotonic() + 3600.0)
+    assert rl.admit([T], 1, 1.0).ok
+    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
+    await asyncio.sleep(0.12)
+    assert not waiting.done()
+    rl.confirm_spare(time.monotonic())  # its last confirmation is now past
     admission = await asyncio.wait_for(waiting, 0.5)  # well before SLOT_WAIT_S
     assert not admission.ok and admission.limit == "concurrency"
     assert rl._scopes[T].waiting == 0
