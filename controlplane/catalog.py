@@ -633,9 +633,11 @@ def _with_acks(
 
 
 # A proxy's last report as its replica keeps it: requests, 5xx, 4xx, heard
-# at, and region -> (requests, errors) of the proxied requests each served.
+# at, region -> (requests, errors) of the proxied requests each served, and
+# tenant -> (requests refused by a rate limit, requests that waited for a slot).
 Served = dict[str, tuple[int, int]]
-Traffic = tuple[int, int, int, float, Served]
+Limited = dict[str, tuple[int, int]]
+Traffic = tuple[int, int, int, float, Served, Limited]
 
 
 def _traffic_of(raw: object) -> dict[str, Traffic]:
@@ -644,11 +646,17 @@ def _traffic_of(raw: object) -> dict[str, Traffic]:
     out: dict[str, Traffic] = {}
     for name, entry in raw.items():
         with contextlib.suppress(ValueError, TypeError, AttributeError):
-            # A replica from before `served` wrote four values.
+            # A replica from before `served` wrote four values, and one from
+            # before `limited` five.
             requests, server, client, heard, *rest = entry
-            served = {str(r): (int(n), int(e)) for r, (n, e) in (rest[0] if rest else {}).items()}
-            out[str(name)] = (int(requests), int(server), int(client), float(heard), served)
+            served, limited = (_pairs(rest[i]) if len(rest) > i else {} for i in (0, 1))
+            counts = (int(requests), int(server), int(client), float(heard))
+            out[str(name)] = (*counts, served, limited)
     return out
+
+
+def _pairs(raw: dict[str, list[int]]) -> dict[str, tuple[int, int]]:
+    return {str(k): (int(a), int(b)) for k, (a, b) in raw.items()}
 
 
 def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> ProxyRecord:
@@ -657,7 +665,7 @@ def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> Pro
     entry = traffic.get(p.control_plane_id, {}).get(p.name)
     if entry is None:
         return p
-    requests, server, client, heard, served = entry
+    requests, server, client, heard, served, limited = entry
     return replace(
         p,
         requests=requests,
@@ -665,6 +673,7 @@ def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> Pro
         client_errors=client,
         heard_at=heard,
         served=tuple((region, n, e) for region, (n, e) in sorted(served.items())),
+        limited=tuple((tenant, n, w) for tenant, (n, w) in sorted(limited.items())),
     )
 
 

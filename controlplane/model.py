@@ -195,8 +195,10 @@ class ProxyRecord:
     client_errors: int = 0
     heard_at: float = 0.0
     # Of its last report too: (region, requests, errors) of the proxied
-    # requests each region served for it.
+    # requests each region served for it, and (tenant, requests refused by a
+    # rate limit, requests that waited for a concurrency slot).
     served: tuple[tuple[str, int, int], ...] = ()
+    limited: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

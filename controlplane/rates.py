@@ -7,12 +7,17 @@ the replica that heard them recorded it), so nothing here reads a clock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from typing import Generic, TypeVar
 
 Counts = tuple[int, ...]
+Rates = tuple[float, ...]
+Sample = TypeVar("Sample")
+Result = TypeVar("Result")
 
 
-class RateMeter:
-    """Rates of each key's counters over a sliding window of its samples.
+class WindowMeter(Generic[Sample, Result]):
+    """Rates of each key's samples over a sliding window of them.
 
     A rate is the difference between the newest sample and the oldest one
     still in the window, over the time between them, so a report that came
@@ -30,19 +35,15 @@ class RateMeter:
         if window <= 0:
             raise ValueError("window must be positive")
         self._window = window
-        self._samples: dict[str, deque[tuple[float, Counts]]] = {}
+        self._samples: dict[str, deque[tuple[float, Sample]]] = {}
 
-    def observe(self, key: str, at: float, counts: Counts) -> tuple[float, ...] | None:
+    def observe(self, key: str, at: float, counts: Sample) -> Result | None:
         """Add a sample (ignored if not newer than the last) and return the
         rates per second over the window, or None while they are unknown."""
         samples = self._samples.setdefault(key, deque())
         if samples:
             last_at, last = samples[-1]
-            if (
-                len(last) != len(counts)
-                or any(n < p for n, p in zip(counts, last, strict=True))
-                or at - last_at > self._window
-            ):
+            if self._went_down(last, counts) or at - last_at > self._window:
                 samples.clear()
             elif at <= last_at:
                 return self._rates(samples)
@@ -53,14 +54,59 @@ class RateMeter:
             samples.popleft()
         return self._rates(samples)
 
-    @staticmethod
-    def _rates(samples: deque[tuple[float, Counts]]) -> tuple[float, ...] | None:
+    def _rates(self, samples: deque[tuple[float, Sample]]) -> Result | None:
         if len(samples) < 2:
             return None
         (t0, first), (t1, last) = samples[0], samples[-1]
-        return tuple((b - a) / (t1 - t0) for a, b in zip(first, last, strict=True))
+        return self._per_second(first, last, t1 - t0)
+
+    def _went_down(self, last: Sample, counts: Sample) -> bool:
+        raise NotImplementedError
+
+    def _per_second(self, first: Sample, last: Sample, seconds: float) -> Result:
+        raise NotImplementedError
 
     def retain(self, keys: set[str]) -> None:
         """Forget every key not in `keys` (proxies that left)."""
         for key in self._samples.keys() - keys:
             del self._samples[key]
+
+
+def _fell(before: Counts, now: Counts) -> bool:
+    """Whether some counter went down (or the counters changed shape)."""
+    return len(before) != len(now) or any(n < p for n, p in zip(now, before, strict=True))
+
+
+class RateMeter(WindowMeter[Counts, Rates]):
+    """Rates of each key's tuple of counters (see WindowMeter)."""
+
+    def _went_down(self, last: Counts, counts: Counts) -> bool:
+        return _fell(last, counts)
+
+    def _per_second(self, first: Counts, last: Counts, seconds: float) -> Rates:
+        return tuple((b - a) / seconds for a, b in zip(first, last, strict=True))
+
+
+class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
+    """Rates of each key's counters by name, such as a tenant's in a proxy's
+    report, which leaves out names with nothing to count: a name missing
+    from a sample counted zeros there, so one that first appears is measured
+    from the sample before, not from its own first. A name that disappears
+    went down (a restart). Rates are given for the names of the newest sample.
+    """
+
+    def _went_down(self, last: Mapping[str, Counts], counts: Mapping[str, Counts]) -> bool:
+        for name, before in last.items():
+            now = counts.get(name)
+            if now is None or _fell(before, now):
+                return True
+        return False
+
+    def _per_second(
+        self, first: Mapping[str, Counts], last: Mapping[str, Counts], seconds: float
+    ) -> dict[str, Rates]:
+        out = {}
+        for name, now in last.items():
+            before = first.get(name, (0,) * len(now))
+            out[name] = tuple((b - a) / seconds for a, b in zip(before, now, strict=True))
+        return out

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import orjson
 
-from controlplane.catalog import REPLICAS, Catalog, Served, Traffic
+from controlplane.catalog import REPLICAS, Catalog, Limited, Served, Traffic
 from controlplane.errors import Unavailable
 from controlplane.model import ProxyRecord
 from controlplane.store import LeaseExpired, StoreUnavailable
@@ -152,16 +152,25 @@ class ProxyRegistry:
         server_errors: int,
         client_errors: int,
         served: Served | None = None,
+        limited: Limited | None = None,
     ) -> None:
         """Record a proxy's cumulative traffic counters (`served`: region ->
-        requests, errors it served); written with a later flush if they
-        changed (the time heard goes along, never alone)."""
+        requests, errors it served; `limited`: tenant -> requests refused by a
+        rate limit, requests that waited for a slot); written with a later
+        flush if they changed (the time heard goes along, never alone)."""
         record = self.sessions.get(session_id)
         if record is None:
             return
         served = served or {}
+        limited = limited or {}
         last = self._traffic.get(record.name)
-        if last is None or (*last[:3], last[4]) != (requests, server_errors, client_errors, served):
+        if last is None or (*last[:3], *last[4:]) != (
+            requests,
+            server_errors,
+            client_errors,
+            served,
+            limited,
+        ):
             self._traffic_dirty = True
         self._traffic[record.name] = (
             requests,
@@ -169,10 +178,12 @@ class ProxyRegistry:
             client_errors,
             self._clock(),
             served,
+            limited,
         )
 
     def traffic(self) -> dict[str, Traffic]:
-        """This replica's proxies: name -> (requests, 5xx, 4xx, heard at, served)."""
+        """This replica's proxies: name -> (requests, 5xx, 4xx, heard at,
+        served, limited)."""
         return {
             r.name: self._traffic[r.name] for r in self.sessions.values() if r.name in self._traffic
         }

@@ -2,7 +2,8 @@
 
 - ``GET /`` the page (controlplane/static/, no external resources), ``GET
   /api/status`` the JSON it polls: regions with their origins and request
-  rates, proxies with the table version they ACKed, replicas.
+  rates, proxies with the table version they ACKed, replicas, and tenants
+  whose requests rate limits refused or held for a slot lately.
 - ``POST /api/regions/{name}/drain`` and ``/undrain`` (and the same under
   ``/api/origins/``) write through the Catalog, as the Admin API's
   DrainRegion and DrainOrigin do, so the builder publishes a new table.
@@ -42,7 +43,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -60,7 +61,7 @@ from controlplane.errors import (
     Unavailable,
 )
 from controlplane.model import Origin, ProxyRecord, Region
-from controlplane.rates import RateMeter
+from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
 from controlplane.registry import TRAFFIC_EVERY
 from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
@@ -87,6 +88,8 @@ LIMITS = EdgeLimits(
     max_connections_per_client=64,
 )
 REQUEST_ID = web.RequestKey("request_id", str)
+Sample = TypeVar("Sample")
+Result = TypeVar("Result")
 
 _ERRORS: dict[type[ControlPlaneError], tuple[int, str, str]] = {
     InvalidArgument: (400, "invalid_request_error", "invalid_argument"),
@@ -185,6 +188,8 @@ class StatusWeb:
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
         self._meter = RateMeter(window=STALE_AFTER)
+        # Per proxy connection, its tenants' limit refusals and slot waits.
+        self._limits = NamedRateMeter(window=STALE_AFTER)
         self._ids = RequestIds()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
         self._building: asyncio.Task[bytes] | None = None
@@ -307,7 +312,9 @@ class StatusWeb:
     async def status(self, now: float) -> dict[str, Any]:
         """What the page shows at `now` (Unix time): regions, origins, health
         and drains from the latest table this replica compiled (none before its
-        first), proxies and replicas read from etcd."""
+        first), proxies and replicas read from etcd, and the tenants whose
+        requests the proxies' rate limits refused or held for a slot over the
+        rates' window (`_tenant_row`)."""
         proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
         replicas, leader = await self._catalog.list_replicas()
         latest = self._publisher.latest
@@ -316,15 +323,17 @@ class StatusWeb:
         scraped = self._loads()
         loads = {load.origin: load for load in scraped.loads} if scraped else {}
         self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
+        self._limits.retain({_connection(p) for p in proxies})
         names = [r.name for r in table.regions]
         region_rates: dict[str, list[float]] = {}
         served_rates: dict[str, list[float]] = {}
+        tenant_rates: dict[str, list[float]] = {}
         region_proxies: dict[str, int] = {}
         proxy_rows = []
         for p in proxies:
             region_proxies[p.region] = region_proxies.get(p.region, 0) + 1
             counts = (p.requests, p.server_errors, p.client_errors)
-            rates = self._rates(_connection(p), p, counts, now)
+            rates = self._rates(self._meter, _connection(p), p, counts, now, (0.0,) * 3)
             if rates is not None:
                 total = region_rates.setdefault(p.region, [0.0, 0.0, 0.0])
                 for i, rate in enumerate(rates):
@@ -333,16 +342,23 @@ class StatusWeb:
             # starts sending to counts from 0, not from its first report.
             served = {region: (n, errors) for region, n, errors in p.served}
             flat = tuple(c for name in names for c in served.get(name, (0, 0)))
-            rates = self._rates(_served_key(p), p, flat, now)
+            rates = self._rates(self._meter, _served_key(p), p, flat, now, (0.0,) * len(flat))
             if rates is not None:
                 for i, name in enumerate(names):
                     total = served_rates.setdefault(name, [0.0, 0.0])
                     total[0] += rates[2 * i]
                     total[1] += rates[2 * i + 1]
+            limited = {tenant: (n, waits) for tenant, n, waits in p.limited}
+            by_tenant = self._rates(self._limits, _connection(p), p, limited, now, {})
+            for tenant, (refused, waited) in (by_tenant or {}).items():
+                total = tenant_rates.setdefault(tenant, [0.0, 0.0])
+                total[0] += refused
+                total[1] += waited
             proxy_rows.append(_proxy_row(p, latest_version, now))
         origins: dict[str, list[pb.Origin]] = {}
         for o in table.origins:
             origins.setdefault(o.region, []).append(o)
+        tenant_limits = {t.name: t.limits for t in table.tenants}
         return {
             "replica": self._replica_id,
             "leader": leader,
@@ -363,12 +379,24 @@ class StatusWeb:
                 for r in table.regions
             ],
             "proxies": proxy_rows,
+            "tenants": [
+                _tenant_row(name, rates, tenant_limits.get(name))
+                for name, rates in sorted(tenant_rates.items())
+                if any(rates)
+            ],
         }
 
+    @staticmethod
     def _rates(
-        self, key: str, p: ProxyRecord, counts: tuple[int, ...], now: float
-    ) -> tuple[float, ...] | None:
-        """Rates of a proxy's `counts` as of its last report, kept under `key`."""
+        meter: WindowMeter[Sample, Result],
+        key: str,
+        p: ProxyRecord,
+        counts: Sample,
+        now: float,
+        quiet: Result,
+    ) -> Result | None:
+        """Rates of a proxy's `counts` as of its last report, kept under `key`
+        in `meter`; `quiet` (no rates) when it has not been heard for a while."""
         if not p.heard_at:
             return None
         if now - p.heard_at > STALE_AFTER:
@@ -376,9 +404,9 @@ class StatusWeb:
             # these counts still held twice that ago (a margin for a late
             # write): the sample a burst after a quiet spell is measured from,
             # as the burst may come in a single write.
-            self._meter.observe(key, now - 2 * TRAFFIC_EVERY, counts)
-            return (0.0,) * len(counts)
-        return self._meter.observe(key, p.heard_at, counts)
+            meter.observe(key, now - 2 * TRAFFIC_EVERY, counts)
+            return quiet
+        return meter.observe(key, p.heard_at, counts)
 
     async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:
         """A drain or undrain, counted as the Admin API call that does the
@@ -579,6 +607,22 @@ def _region_row(
         "client_errors_per_s": rates[2] if rates else None,
         "served_per_s": served[0] if served else None,
         "served_errors_per_s": served[1] if served else None,
+    }
+
+
+def _tenant_row(name: str, rates: list[float], limits: pb.Limits | None) -> dict[str, Any]:
+    """A tenant some limit held back, summed over the proxies: requests per
+    second refused by a rate limit (a 429, or a 400 for an estimate above
+    its tokens per minute; after a slot wait too) and held for a concurrency
+    slot (admitted after the wait or not), by the tenant's limits or its
+    keys'. `limits`: the tenant's own, as the table has them (0: none)."""
+    return {
+        "name": name,
+        "refused_per_s": rates[0],
+        "slot_waits_per_s": rates[1],
+        "rpm": limits.rpm if limits else 0,
+        "tpm": limits.tpm if limits else 0,
+        "concurrency": limits.concurrency if limits else 0,
     }
 
 

@@ -280,6 +280,10 @@ class Metrics:
             self.limit_refusals.labels(limit)
         for outcome in ("admitted", "refused"):
             self.slot_waits.labels(outcome)
+        # The same two per tenant, for the report to the control plane (its
+        # status page), not exported: a tenant label would multiply the
+        # series. Tenant -> [refused, slot waits] since start.
+        self.limited: dict[str, list[int]] = {}
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
             "Requests whose client went away before the response ended",
@@ -431,6 +435,23 @@ class Metrics:
 
     def _who(self, tenant: str, key: str) -> tuple[str, ...]:
         return (tenant, key or "-") if self.key_labels else (tenant,)
+
+    def limit_refusal(self, tenant: str, limit: str) -> None:
+        """A request of `tenant` refused by a rate limit (`limit`: the label)."""
+        self.child(self.limit_refusals, limit).inc()
+        self._limited(tenant)[0] += 1
+
+    def slot_wait(self, tenant: str, outcome: str) -> None:
+        """A request of `tenant` that waited for a concurrency slot, and how
+        the wait ended (admitted, refused)."""
+        self.child(self.slot_waits, outcome).inc()
+        self._limited(tenant)[1] += 1
+
+    def _limited(self, tenant: str) -> list[int]:
+        counts = self.limited.get(tenant)
+        if counts is None:
+            counts = self.limited[tenant] = [0, 0]
+        return counts
 
     def account_request(self, tenant: str, key: str, status: int) -> None:
         self.tenant_requests.labels(*self._who(tenant, key), str(status)).inc()

@@ -33,6 +33,8 @@ MAX_SCOPES = 10_000
 # And at most this many served regions (a fleet has a few), so a faulty proxy
 # cannot grow the etcd value without bound.
 MAX_REGIONS = 256
+# And at most this many tenants held back by limits.
+MAX_TENANTS = 10_000
 # Table pushes of one stream awaiting an answer, kept for push latency; a
 # proxy answers each push, so more than a few means it stopped answering.
 MAX_UNANSWERED = 16
@@ -228,6 +230,11 @@ class RoutingService:
                     {
                         s.region: (s.requests_total, s.errors_total)
                         for s in req.served[:MAX_REGIONS]
+                    },
+                    {
+                        t.tenant: (t.refused_total, t.slot_waits_total)
+                        for t in req.limited[:MAX_TENANTS]
+                        if 0 < len(t.tenant) <= MAX_FIELD
                     },
                 )
                 continue

@@ -33,6 +33,11 @@ function rate(value) {
   return value === null || value === undefined ? "–" : value.toFixed(value < 10 ? 1 : 0);
 }
 
+// A rate that may be small (a refusal now and then): two decimals below 1/s.
+function fineRate(value) {
+  return value < 1 ? value.toFixed(2) : rate(value);
+}
+
 function percent(value) {
   return value === null || value === undefined ? "–" : `${Math.round(value * 100)}%`;
 }
@@ -149,6 +154,25 @@ function renderProxies(proxies) {
   document.querySelector("#proxies tbody").replaceChildren(...rows);
 }
 
+function tenantLimits(t) {
+  const parts = [];
+  if (t.rpm) parts.push(`${t.rpm} req/min`);
+  if (t.tpm) parts.push(`${t.tpm} tokens/min`);
+  if (t.concurrency) parts.push(`${t.concurrency} at once`);
+  return parts.length ? parts.join(" · ") : "none (its keys' limits)";
+}
+
+function renderLimits(tenants) {
+  const rows = tenants.map((t) => el("tr", { "data-tenant": t.name },
+    el("td", {}, t.name),
+    el("td", { class: t.refused_per_s ? "refused" : "" }, `${fineRate(t.refused_per_s)}/s`),
+    el("td", {}, `${fineRate(t.slot_waits_per_s)}/s`),
+    el("td", {}, tenantLimits(t))));
+  document.querySelector("#limits tbody").replaceChildren(...rows);
+  document.getElementById("limits").hidden = !rows.length;
+  document.getElementById("limits-none").hidden = rows.length > 0;
+}
+
 function render(status) {
   writes = status.writes;
   document.getElementById("replica").textContent = status.replica;
@@ -165,6 +189,7 @@ function render(status) {
   renderMarkers(status.regions);
   renderRegions(status.regions);
   renderProxies(status.proxies);
+  renderLimits(status.tenants || []);
   document.body.dataset.loaded = "true";
 }
 

@@ -301,11 +301,11 @@ class Pipeline:
             admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now)
             now = time.monotonic()
             outcome = "admitted" if admission.ok else "refused"
-            self.metrics.slot_waits.labels(outcome).inc()
+            self.metrics.slot_wait(ex.principal.tenant, outcome)
         ex.limit_headers = limiter.headers(scopes, now, admission)
         if not admission.ok:
             limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
-            self.metrics.limit_refusals.labels(limit).inc()
+            self.metrics.limit_refusal(ex.principal.tenant, limit)
             raise refusal(admission)
         ex.admission = admission
 

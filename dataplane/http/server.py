@@ -158,7 +158,7 @@ class Proxy:
             on_lost=quota.on_link_lost,
             on_loads=self.loads.apply,
             demand=quota.demand,
-            traffic=lambda: traffic_of(m.requests, m.genai_duration),
+            traffic=lambda: traffic_of(m.requests, m.genai_duration, m.limited),
             report_interval=settings.report_interval,
         )
         m.bind_cache(lambda: store.stats, local.reserved)

@@ -30,12 +30,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Traffic:
     """Requests this proxy answered since it started, and how many were errors;
-    `served`: region -> (proxied requests it served, of those errors)."""
+    `served`: region -> (proxied requests it served, of those errors);
+    `limited`: tenant -> (requests a rate limit refused, requests that waited
+    for a slot)."""
 
     requests: int = 0
     server_errors: int = 0  # status >= 500
     client_errors: int = 0  # 400 <= status < 500
     served: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    limited: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 # Endpoints that are not traffic: kubelet probes (readyz answers 503 while
@@ -43,12 +46,17 @@ class Traffic:
 NOT_TRAFFIC = frozenset({"healthz", "health", "readyz", "metrics"})
 
 
-def traffic_of(requests: Collector, operations: Collector | None = None) -> Traffic:
+def traffic_of(
+    requests: Collector,
+    operations: Collector | None = None,
+    limited: Mapping[str, Sequence[int]] | None = None,
+) -> Traffic:
     """Totals of a counter of answered requests labelled with `endpoint` and
     `code` (the proxy's ponto_requests), probes and scrapes (NOT_TRAFFIC) left
     out, and of a histogram of proxied operations labelled with `ponto_region`
     and `error_type` (gen_ai_client_operation_duration_seconds) by region; read
-    once a report, so a scan of their series is cheap."""
+    once a report, so a scan of their series is cheap. `limited`: tenant ->
+    (refused, slot waits), the proxy's Metrics.limited, copied."""
     total = server = client = 0
     for family in requests.collect():
         for sample in family.samples:
@@ -73,7 +81,8 @@ def traffic_of(requests: Collector, operations: Collector | None = None) -> Traf
             failed = count if sample.labels.get("error_type", "") else 0
             n, errors = served.get(region, (0, 0))
             served[region] = (n + count, errors + failed)
-    return Traffic(total, server, client, served)
+    tenants = {tenant: (int(n[0]), int(n[1])) for tenant, n in (limited or {}).items()}
+    return Traffic(total, server, client, served, tenants)
 
 
 class ControlPlaneClient:
@@ -239,6 +248,8 @@ class ControlPlaneClient:
             message.client_errors_total = traffic.client_errors
             for region, (n, errors) in sorted(traffic.served.items()):
                 message.served.add(region=region, requests_total=n, errors_total=errors)
+            for tenant, (refused, waits) in sorted(traffic.limited.items()):
+                message.limited.add(tenant=tenant, refused_total=refused, slot_waits_total=waits)
         return message
 
     def _handle(self, session_id: str, update: pb.RouteUpdate) -> pb.RouteRequest:

@@ -913,6 +913,7 @@ class RouteRequest(_message.Message):
     SERVER_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
     CLIENT_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
     SERVED_FIELD_NUMBER: _builtins.int
+    LIMITED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -944,6 +945,13 @@ class RouteRequest(_message.Message):
         answers and refusals), so the status page shows which region served whom.
         """
 
+    @_builtins.property
+    def limited(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantLimited]:
+        """Also on reports, cumulative: per tenant, the requests a rate limit
+        refused and those that waited for a concurrency slot, so the status page
+        shows who is held back. Tenants with neither are left out.
+        """
+
     def __init__(
         self,
         *,
@@ -957,14 +965,50 @@ class RouteRequest(_message.Message):
         server_errors_total: _builtins.int = ...,
         client_errors_total: _builtins.int = ...,
         served: _abc.Iterable[Global___ServedTotal] | None = ...,
+        limited: _abc.Iterable[Global___TenantLimited] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RouteRequest: _TypeAlias = RouteRequest  # noqa: Y015
+
+@_typing.final
+class TenantLimited(_message.Message):
+    """What a proxy's rate limits did to one tenant's requests since it started
+    (its key's tenant for a key's limits).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    REFUSED_TOTAL_FIELD_NUMBER: _builtins.int
+    SLOT_WAITS_TOTAL_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    refused_total: _builtins.int
+    """Refused by a limit: the proxy's ponto_ratelimit_refusals_total, 429s
+    and 400 tokens_over_limit, refusals after a slot wait included.
+    """
+    slot_waits_total: _builtins.int
+    """Held for a concurrency slot (ponto_ratelimit_slot_waits_total),
+    admitted or refused after the wait.
+    """
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        refused_total: _builtins.int = ...,
+        slot_waits_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refused_total", b"refused_total", "slot_waits_total", b"slot_waits_total", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantLimited: _TypeAlias = TenantLimited  # noqa: Y015
 
 @_typing.final
 class ServedTotal(_message.Message):

@@ -17,7 +17,9 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from controlplane.cli import main as pontoctl
+from ponto.routetable import OPEN_TENANT
 from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
 from tests.e2e.load import BODY
 from tests.e2e.statuspage import StatusFleet, chromium, start_status_fleet
 
@@ -140,6 +142,52 @@ def test_the_page_shows_regions_origins_proxies_and_live_rates(
     )
 
 
+def limits_row(browser: webdriver.Chrome, tenant: str) -> list[str]:
+    """The cells of a tenant's row in the rate limits table, [] if none."""
+    try:
+        row = browser.find_element(By.CSS_SELECTOR, f'#limits tr[data-tenant="{tenant}"]')
+        return [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+    except WebDriverException:  # absent, or re-rendered between the find and the read
+        return []
+
+
+def test_a_tenant_held_back_by_its_limit_shows_its_refusals(
+    page: webdriver.Chrome, system: StatusFleet
+) -> None:
+    """The fleet is open (no keys): requests are the default tenant's. A limit
+    on it refuses a burst at proxy-us-east; the proxy reports the refusals
+    and the page lists the tenant with a refusal rate and its limits."""
+    fleet = system.fleet
+    admin = fleet.admin()
+
+    def put_default(limits: pb.Limits) -> None:
+        tenant = pb.Tenant(name=OPEN_TENANT, limits=limits)
+        admin.PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=True), timeout=10)
+        fleet.wait_proxies_at(
+            fleet.wait_table(
+                lambda t: any(x.name == OPEN_TENANT and x.limits == limits for x in t.tenants)
+            )
+        )
+
+    assert limits_row(page, OPEN_TENANT) == []
+    put_default(pb.Limits(rpm=2))
+    try:
+        url = fleet.proxy_url("proxy-us-east") + "/chat/completions"
+        codes = [httpx.post(url, json=BODY, timeout=10).status_code for _ in range(10)]
+        assert 429 in codes
+
+        def refusals_shown(driver: webdriver.Chrome) -> bool:
+            cells = limits_row(driver, OPEN_TENANT)
+            return len(cells) == 4 and float(cells[1].removesuffix("/s")) > 0
+
+        wait(page, refusals_shown, "the default tenant's refusals never shown")
+        name, _, waits, limits = limits_row(page, OPEN_TENANT)
+        assert (name, waits, limits) == (OPEN_TENANT, "0.00/s", "2 req/min")
+    finally:
+        put_default(pb.Limits())
+    assert served_region(system, "proxy-us-east")  # open again for the tests after
+
+
 def test_a_drain_by_pontoctl_shows_on_the_page(
     page: webdriver.Chrome, system: StatusFleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -248,6 +296,16 @@ FAKE_STATUS = {
             "requests": 0,
         }
     ],
+    "tenants": [
+        {
+            "name": HOSTILE,
+            "refused_per_s": 0.25,
+            "slot_waits_per_s": 2.5,
+            "rpm": 0,
+            "tpm": 600,
+            "concurrency": 4,
+        }
+    ],
 }
 
 
@@ -259,11 +317,31 @@ def test_names_are_shown_as_text_never_run_as_markup(page: webdriver.Chrome) -> 
         "return [document.querySelectorAll('main img, header img').length,"
         " document.querySelector('article.region .name').textContent,"
         " document.querySelector('#proxies tbody td').textContent,"
-        " document.getElementById('replica').textContent];",
+        " document.getElementById('replica').textContent,"
+        " document.querySelector('#limits tbody td').textContent];",
         FAKE_STATUS,
     )
-    assert found == [0, HOSTILE, HOSTILE, HOSTILE]
+    assert found == [0, HOSTILE, HOSTILE, HOSTILE, HOSTILE]
     assert page.execute_script("return window.pwned === undefined")
+
+
+def test_limits_show_small_rates_finely_and_say_when_nobody_is_held_back(
+    page: webdriver.Chrome,
+) -> None:
+    shown = page.execute_script(
+        "render(arguments[0]);"
+        "return [Array.from(document.querySelectorAll('#limits tbody td'), (td) => td.textContent),"
+        " document.getElementById('limits-none').hidden];",
+        FAKE_STATUS,
+    )
+    assert shown == [[HOSTILE, "0.25/s", "2.5/s", "600 tokens/min · 4 at once"], True]
+    quiet = page.execute_script(
+        "render(arguments[0]);"
+        "return [document.getElementById('limits').hidden,"
+        " document.getElementById('limits-none').hidden];",
+        {**FAKE_STATUS, "tenants": []},
+    )
+    assert quiet == [True, False]
 
 
 def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> None:

@@ -389,6 +389,8 @@ async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> N
     assert stack.origin_requests() == 2
     metrics = await (await stack.client.get("/metrics")).text()
     assert 'ponto_ratelimit_refusals_total{limit="requests"} 1.0' in metrics
+    # The key's refusal is its tenant's in the report to the control plane.
+    assert stack.app[METRICS].limited == {"acme": [1, 0]}
 
 
 # ---------------------------------------------------------------- origins that misbehave

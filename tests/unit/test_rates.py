@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.rates import RateMeter
+from controlplane.rates import NamedRateMeter, RateMeter
 
 
 def test_a_rate_needs_two_samples_then_is_the_difference_over_time() -> None:
@@ -66,3 +66,25 @@ def test_keys_are_independent_and_retain_forgets_the_rest() -> None:
 def test_the_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window"):
         RateMeter(window=0)
+
+
+def test_a_name_missing_from_a_sample_counted_zero_there() -> None:
+    meter = NamedRateMeter(window=10)
+    assert meter.observe("p", 100.0, {"a": (10, 0)}) is None
+    # b first appears now: measured from the sample before, where it was 0.
+    assert meter.observe("p", 102.0, {"a": (14, 2), "b": (4, 0)}) == {
+        "a": (2.0, 1.0),
+        "b": (2.0, 0.0),
+    }
+    assert meter.observe("p", 104.0, {"a": (14, 2), "b": (4, 0)}) == {
+        "a": (1.0, 0.5),
+        "b": (1.0, 0.0),
+    }
+
+
+def test_a_name_going_down_or_gone_is_a_restart() -> None:
+    meter = NamedRateMeter(window=10)
+    meter.observe("p", 0.0, {"a": (5,), "b": (1,)})
+    assert meter.observe("p", 1.0, {"a": (6,)}) is None  # b gone: counters restarted
+    assert meter.observe("p", 2.0, {"a": (8,)}) == {"a": (2.0,)}
+    assert meter.observe("p", 3.0, {"a": (1,)}) is None

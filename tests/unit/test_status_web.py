@@ -19,12 +19,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.app import ControlPlane
-from controlplane.catalog import STATE_PREFIX, Catalog, Served, Traffic
+from controlplane.catalog import STATE_PREFIX, Catalog, Limited, Served, Traffic
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.metrics import ControlMetrics
-from controlplane.model import Origin, OriginHealth, ProxyRecord, Region
+from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, Tenant
 from controlplane.settings import parse
 from controlplane.store import Listing
 from controlplane.store.memory import MemoryStore
@@ -195,7 +195,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
 
     async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
         plane.clock.now = at
-        traffic: dict[str, Traffic] = {"p-eu": (*eu, at, {}), "p-us": (*us, at, {})}
+        traffic: dict[str, Traffic] = {"p-eu": (*eu, at, {}, {}), "p-us": (*us, at, {}, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
 
     await report(1_000.0, (100, 1, 5), (0, 0, 0))
@@ -230,7 +230,7 @@ async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Pla
 
     async def report(at: float, requests: int, served: Served) -> dict[str, dict[str, Any]]:
         plane.clock.now = at
-        traffic: dict[str, Traffic] = {"p-us": (requests, 0, 0, at, served)}
+        traffic: dict[str, Traffic] = {"p-us": (requests, 0, 0, at, served, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
         return {r["name"]: r for r in (await web.status(at))["regions"]}
 
@@ -622,6 +622,57 @@ async def test_a_plane_under_mutual_tls_shows_its_writes_off(tmp_path: Path) -> 
 # ---------------------------------------------------------------- correctness
 
 
+async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
+    plane: Plane,
+) -> None:
+    await plane.catalog.put_tenant(
+        Tenant("acme", limits=Limits(rpm=600, concurrency=4)), allow_update=False
+    )
+    plane.publisher.publish(compile_table(await plane.catalog.snapshot()))
+    web = web_of(plane)
+
+    async def report(at: float, eu: Limited, us: Limited) -> list[dict[str, Any]]:
+        plane.clock.now = at
+        traffic: dict[str, Traffic] = {
+            "p-eu": (0, 0, 0, at, {}, eu),
+            "p-us": (0, 0, 0, at, {}, us),
+        }
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
+        tenants: list[dict[str, Any]] = (await web.status(at))["tenants"]
+        return tenants
+
+    assert await report(1_000.0, {}, {"acme": (2, 0)}) == []  # one sample: no rate yet
+    # Both proxies held acme back; beta (no longer in the table) first at p-eu,
+    # so counted from the report before, when p-eu had nothing of it.
+    tenants = await report(1_005.0, {"acme": (5, 5), "beta": (1, 0)}, {"acme": (12, 5)})
+    assert tenants == [
+        {
+            "name": "acme",
+            "refused_per_s": 3.0,  # (5 + 10) / 5 s
+            "slot_waits_per_s": 2.0,
+            "rpm": 600,
+            "tpm": 0,
+            "concurrency": 4,
+        },
+        {
+            "name": "beta",
+            "refused_per_s": 0.2,
+            "slot_waits_per_s": 0.0,
+            "rpm": 0,
+            "tpm": 0,
+            "concurrency": 0,
+        },
+    ]
+    # p-us restarted (its counters went down): only p-eu's figures are known.
+    tenants = await report(1_010.0, {"acme": (5, 5), "beta": (1, 0)}, {"acme": (1, 0)})
+    assert [(t["name"], t["refused_per_s"], t["slot_waits_per_s"]) for t in tenants] == [
+        ("acme", 0.5, 0.5),
+        ("beta", 0.1, 0.0),
+    ]
+    # Nothing heard for longer than the window: nobody is held back now.
+    assert (await web.status(1_100.0))["tenants"] == []
+
+
 async def test_each_proxy_is_compared_with_its_own_replicas_table(plane: Plane) -> None:
     lease = plane.lease
     record = ProxyRecord("p-r2", "eu-west", "p-r2:8080", "1.0", "s-p-r2", "r2", 900.0)
@@ -644,7 +695,8 @@ async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
     async def report(session: str, at: float, requests: int) -> list[Any]:
         record = ProxyRecord("p-eu", "eu-west", "p-eu:8080", "1.0", session, "r1", 900.0)
         await plane.catalog.put_proxy(record, plane.lease)
-        await plane.catalog.put_traffic("r1", {"p-eu": (requests, 0, 0, at, {})}, plane.lease)
+        traffic: dict[str, Traffic] = {"p-eu": (requests, 0, 0, at, {}, {})}
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
         return [
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
@@ -664,11 +716,11 @@ async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
 
-    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0, {})}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0, {}, {})}, plane.lease)
     for second in range(1_016, 1_060, 2):  # quiet: nothing written, the page polls
         assert await view(float(second)) == [0.0]
     # 90 requests, heard and written at once; nothing after.
-    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {})}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {}, {})}, plane.lease)
     (rate,) = await view(1_061.0)
     assert rate is not None and rate > 0
 

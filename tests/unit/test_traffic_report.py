@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 import orjson
+from prometheus_client import generate_latest
 
 from controlplane.catalog import ACKS, TRAFFIC, Catalog
 from controlplane.registry import ProxyRegistry
@@ -67,6 +68,27 @@ def test_served_counts_are_by_the_region_that_answered() -> None:
     ]
 
 
+def test_limit_refusals_and_slot_waits_are_reported_by_tenant() -> None:
+    m = Metrics()
+    m.limit_refusal("acme", "requests")
+    m.limit_refusal("acme", "concurrency")
+    m.slot_wait("acme", "refused")
+    m.slot_wait("beta", "admitted")
+    text = generate_latest(m.registry).decode()
+    assert 'ponto_ratelimit_refusals_total{limit="concurrency"} 1.0' in text
+    assert 'ponto_ratelimit_slot_waits_total{outcome="admitted"} 1.0' in text
+    assert "acme" not in text  # per tenant only in the report: no tenant series
+    traffic = traffic_of(m.requests, m.genai_duration, m.limited)
+    assert traffic.limited == {"acme": (2, 1), "beta": (0, 1)}
+    m.limit_refusal("beta", "tokens")
+    assert traffic.limited["beta"] == (0, 1)  # a copy, as of the report
+    report = client(traffic=lambda: traffic).report("s-1")
+    assert [(t.tenant, t.refused_total, t.slot_waits_total) for t in report.limited] == [
+        ("acme", 2, 1),
+        ("beta", 0, 1),
+    ]
+
+
 def client(**kwargs: object) -> ControlPlaneClient:
     holder = TableHolder("eu-west", None)
     info = pb.ProxyInfo(name="p", region="eu-west", address="127.0.0.1:1")
@@ -108,7 +130,7 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     await registry.acked(record.session_id, 3, "")
     registry.reported(record.session_id, 40, 2, 5)
     registry.reported("no-such-session", 1, 1, 1)
-    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0, {})}
+    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0, {}, {})}
     await registry.flush(100.0)
     assert (store.puts[ACKS + "r1"], store.puts[TRAFFIC + "r1"]) == (1, 1)
     (proxy,) = await catalog.list_proxies()
@@ -140,6 +162,12 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     await registry.flush(140.0)
     (proxy,) = await catalog.list_proxies()
     assert proxy.served == (("eu-west", 3, 1),) and proxy.heard_at == 540.0
+    # So are the tenants limits held back, and a change in them alone too.
+    clock[0] = 550.0
+    registry.reported(record.session_id, 51, 2, 5, {"eu-west": (3, 1)}, {"acme": (4, 2)})
+    await registry.flush(150.0)
+    (proxy,) = await catalog.list_proxies()
+    assert proxy.limited == (("acme", 4, 2),) and proxy.heard_at == 550.0
     # Registered again (a restart): the old session's counters are gone.
     again = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
     assert registry.traffic() == {}
@@ -157,14 +185,19 @@ async def test_counters_are_read_from_the_proxys_own_replica_only() -> None:
     registry = ProxyRegistry(catalog, "r2")
     await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
     # r1's reports still list the proxy's previous session, before it moved to r2.
-    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0, {})}, lease)
-    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0, {})}, lease)
+    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0, {}, {})}, lease)
+    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0, {}, {})}, lease)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.client_errors, proxy.heard_at) == (5, 1, 2.0)
     # A replica from before served wrote four values: nothing served is known.
     await store.put(TRAFFIC + "r2", orjson.dumps({"p-eu": [6, 0, 1, 3.0]}), lease=lease)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.served) == (6, ())
+    # One from before limited wrote five: no tenant held back is known.
+    served = {"eu-west": [6, 0]}
+    await store.put(TRAFFIC + "r2", orjson.dumps({"p-eu": [6, 0, 1, 3.0, served]}), lease=lease)
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.served, proxy.limited) == ((("eu-west", 6, 0),), ())
     # No reports from its replica yet: the zeros.
     await store.delete(TRAFFIC + "r2")
     (proxy,) = await catalog.list_proxies()
