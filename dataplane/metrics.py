@@ -438,13 +438,13 @@ class Metrics:
 
     def limit_refusal(self, tenant: str, limit: str) -> None:
         """A request of `tenant` refused by a rate limit (`limit`: the label)."""
-        self.child(self.limit_refusals, limit).inc()
+        self.limit_refusals.labels(limit).inc()
         self._limited(tenant)[0] += 1
 
     def slot_wait(self, tenant: str, outcome: str) -> None:
         """A request of `tenant` that waited for a concurrency slot, and how
         the wait ended (admitted, refused)."""
-        self.child(self.slot_waits, outcome).inc()
+        self.slot_waits.labels(outcome).inc()
         self._limited(tenant)[1] += 1
 
     def _limited(self, tenant: str) -> list[int]:
