@@ -242,14 +242,17 @@ class QuotaHub:
         )
         return pb.RouteUpdate(quota=quota).SerializeToString()
 
-    async def next_for(self, proxy: str, seen: int, sent: bytes = b"") -> tuple[int, bytes, bytes]:
+    async def next_for(
+        self, proxy: str, seen: int, sent: bytes = b"", *, confirm: bool = True
+    ) -> tuple[int, bytes, bytes]:
         """Wait for a generation newer than `seen` that this proxy must hear of;
         return (generation, payload, what to pass as `sent` next time).
 
         `sent`: the shares last pushed on the proxy's stream, as returned here
         (b"" before the first). Shares that differ from them are pushed whole;
-        the same shares with a spare flag are confirmed by an `unchanged`
-        message; other generations are skipped.
+        with `confirm` (the proxy subscribed with takes_unchanged), the same
+        shares with a spare flag are confirmed by an `unchanged` message;
+        other generations are skipped.
         """
         while True:
             while self.generation in (0, seen):
@@ -260,7 +263,7 @@ class QuotaHub:
             content = self.update_for(proxy, 0)
             if content != sent:
                 return self.generation, self.update_for(proxy), content
-            if proxy in self._spare:
+            if confirm and proxy in self._spare:
                 return self.generation, self._unchanged, content
             seen = self.generation
 

@@ -137,7 +137,9 @@ class RoutingService:
                     tables = asyncio.ensure_future(self._publisher.next_after(sent))
                 if quotas is None and self._quotas is not None:
                     quotas = asyncio.ensure_future(
-                        self._quotas.next_for(name, sent_quota, sent_shares)
+                        self._quotas.next_for(
+                            name, sent_quota, sent_shares, confirm=first.takes_unchanged
+                        )
                     )
                 if loads is None and hub is not None:
                     loads = asyncio.ensure_future(hub.next_after(sent_loads))

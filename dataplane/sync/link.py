@@ -184,7 +184,9 @@ class ControlPlaneClient:
             current = self._holder.routes
             outbox.put_nowait(
                 pb.RouteRequest(
-                    session_id=reg.session_id, version_info=current.version if current else 0
+                    session_id=reg.session_id,
+                    version_info=current.version if current else 0,
+                    takes_unchanged=True,  # QuotaState.on_quota takes `unchanged` shares
                 )
             )
 

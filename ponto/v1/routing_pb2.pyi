@@ -874,7 +874,8 @@ class QuotaShares(_message.Message):
     unchanged: _builtins.bool
     """Set on a message that carries no shares: those of the last message on
     this stream still stand, as of `generation`. Only spare_ttl_s and
-    generation are set with it.
+    generation are set with it. Sent only to proxies that subscribed with
+    RouteRequest.takes_unchanged.
     """
     @_builtins.property
     def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuotaShare]: ...
@@ -914,6 +915,7 @@ class RouteRequest(_message.Message):
     CLIENT_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
     SERVED_FIELD_NUMBER: _builtins.int
     LIMITED_FIELD_NUMBER: _builtins.int
+    TAKES_UNCHANGED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -932,6 +934,12 @@ class RouteRequest(_message.Message):
     """
     server_errors_total: _builtins.int
     client_errors_total: _builtins.int
+    takes_unchanged: _builtins.bool
+    """Set on the first message by a proxy that takes QuotaShares.unchanged and
+    spare_ttl_s. A proxy from before them would read an `unchanged` message as
+    empty shares (and admit nothing under a limit until the next ones), so
+    one without this flag is sent shares only when they change, as before.
+    """
     @_builtins.property
     def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeDemand]:
         """Usage report, sent about once a second on its own message (with
@@ -966,10 +974,11 @@ class RouteRequest(_message.Message):
         client_errors_total: _builtins.int = ...,
         served: _abc.Iterable[Global___ServedTotal] | None = ...,
         limited: _abc.Iterable[Global___TenantLimited] | None = ...,
+        takes_unchanged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "version_info", b"version_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

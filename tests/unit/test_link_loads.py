@@ -35,6 +35,7 @@ class ScriptedRouting:
 
     def __init__(self, script: list[pb.RouteUpdate]) -> None:
         self.script = script
+        self.first: pb.RouteRequest | None = None  # the stream's subscription
 
     async def register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -44,7 +45,7 @@ class ScriptedRouting:
     async def route_stream(
         self, requests: AsyncIterator[pb.RouteRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.RouteUpdate]:
-        await anext(requests)
+        self.first = await anext(requests)
         for update in self.script:
             yield update
         await asyncio.Event().wait()  # until the client goes
@@ -107,7 +108,8 @@ async def test_on_loads_gets_every_push_except_older_generations() -> None:
 
 async def test_without_on_loads_pushes_are_only_counted_by_generation() -> None:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((ScriptedRouting([loads(4, 1.0)]).handler(),))
+    routing = ScriptedRouting([loads(4, 1.0)])
+    server.add_generic_rpc_handlers((routing.handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     link = ControlPlaneClient(
@@ -125,3 +127,6 @@ async def test_without_on_loads_pushes_are_only_counted_by_generation() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await server.stop(0)
+    # The subscription says this proxy takes `unchanged` quota messages
+    # (controlplane.quotasync sends them only to proxies that do).
+    assert routing.first is not None and routing.first.takes_unchanged

@@ -361,6 +361,9 @@ async def test_every_rewrite_confirms_the_spare_flags_to_their_proxies() -> None
             got[name] = (generation, sent)
         p1 = asyncio.ensure_future(hub.next_for("p1", *got["p1"]))
         p2 = asyncio.ensure_future(hub.next_for("p2", *got["p2"]))
+        # p1 again, on the stream of a proxy from before `unchanged` (it would
+        # read one as empty shares): sent shares only when they change.
+        p1_old = asyncio.ensure_future(hub.next_for("p1", *got["p1"], confirm=False))
         # The leader writes the same shares again.
         rewritten = await put_shares(store, shares, 0.5, ttl=5.0)
         generation, payload, sent = await asyncio.wait_for(p1, WAIT)
@@ -369,10 +372,11 @@ async def test_every_rewrite_confirms_the_spare_flags_to_their_proxies() -> None
         assert confirmed == pb.QuotaShares(generation=rewritten, spare_ttl_s=5.0, unchanged=True)
         # p2's shares carry no flag: nothing to confirm, nothing sent.
         await settle()
-        assert not p2.done()
-        p2.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await p2
+        assert not p2.done() and not p1_old.done()
+        for waiting in (p2, p1_old):
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
 
 
 async def test_only_rebalanced_proxies_get_the_default_fraction() -> None:
