@@ -83,8 +83,12 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         )
         raise
     except Exception as exc:
-        response, error = _error_response(request, exc)
-        failed = True
+        ex = request.get(EXCHANGE)
+        if ex is not None and ex.answer is not None:
+            response, error = _after_answer(request, ex.answer)
+        else:
+            response, error = _error_response(request, exc)
+            failed = True
     ex = request.get(EXCHANGE)
     if app[DRAINING].active:
         # Draining began while this request ran: close after its answer too
@@ -228,6 +232,19 @@ def _access_line(
             finished=finished,
         )
     )
+
+
+def _after_answer(
+    request: web.Request, answer: web.StreamResponse
+) -> tuple[web.StreamResponse, str]:
+    """A failure once the answer's head went out (a bug in what follows it):
+    a second answer would be read as the next request's, so the connection
+    closes after this one. Logged once, with its traceback."""
+    request.app.logger.exception(
+        "unhandled error on %s after its answer began; closing the connection", _what(request)
+    )
+    answer.force_close()
+    return answer, "internal_error"
 
 
 def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response, str]:

@@ -144,6 +144,9 @@ class Exchange:
     attempts: int = 0
     hedged: bool = False
     first_chunk_at: float | None = None  # time.perf_counter() of a stream's first chunk
+    # The answer, once its head went out (a whole one sent, a stream
+    # prepared): a failure after that gets no second answer (boundary).
+    answer: web.StreamResponse | None = None
     stream_error: str = ""  # how a stream that started as a success ended badly
     # The request's spans; None when tracing is off (dataplane.telemetry).
     trace: RequestTrace | None = None
@@ -330,7 +333,7 @@ class Pipeline:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
                 return await sent(
-                    request, await reply.replay(request, ex, plan.entry, plan.similarity)
+                    request, ex, await reply.replay(request, ex, plan.entry, plan.similarity)
                 )
             if plan.follower is not None:
                 followed = await reply.follow(request, ex, plan.follower)
@@ -341,7 +344,7 @@ class Pipeline:
                     else:  # the flight's stream was cut, and so was this copy
                         ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
-                    return await sent(request, response)
+                    return await sent(request, ex, response)
                 plan = ex.cache = self.cache.own_call(creq, plan)
             origin = await self.forward(ex, self.hedge_for(ex))
             if ex.trace is not None:
@@ -444,7 +447,7 @@ class Pipeline:
         its first chunk."""
         body = origin.body if origin.body is not None else origin.first
         assert ex.cache_request is not None
-        response = await sent(request, reply.origin_body(ex, origin, plan.outcome, body))
+        response = await sent(request, ex, reply.origin_body(ex, origin, plan.outcome, body))
         obj: Any = None
         if origin.status < 400 and (plan.key or b'"usage"' in body):
             try:
@@ -529,11 +532,12 @@ class Pipeline:
 AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)
 
 
-async def sent(request: web.Request, response: AnswerT) -> AnswerT:
+async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT:
     """`response`, written now if it is a whole one (boundary.send_whole): what
     follows it in the handler is then not in the client's wait. A stream
     (prepared already) is returned as it is."""
     if isinstance(response, web.Response) and not response.prepared:
+        ex.answer = response
         await send_whole(request, response)
     return response
 

@@ -104,7 +104,7 @@ async def relay_origin(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
     out.headers["cache-control"] = "no-cache"
-    await _prepare_stream(out, request)
+    await _prepare_stream(out, request, ex)
     ex.chunk_sent()  # the origin's first chunk is in hand: relay writes it at once
     readers: list[EventSink] = [counter]
     if plan.recorder is not None:
@@ -209,14 +209,16 @@ async def _start_stream(
     out.headers["cache-control"] = "no-cache"
     out.headers.extend(headers)
     out.headers.extend(ex.limit_headers)
-    await _prepare_stream(out, request)
+    await _prepare_stream(out, request, ex)
     ex.chunk_sent()  # every caller writes its first chunk next
     return out
 
 
-async def _prepare_stream(out: web.StreamResponse, request: web.Request) -> None:
-    """Send a stream's head. HTTP/1.0 has no chunked coding: the stream's end
-    is the connection's, whatever keep-alive the client asked for."""
+async def _prepare_stream(out: web.StreamResponse, request: web.Request, ex: Exchange) -> None:
+    """Send a stream's head; `ex.answer` is the stream from then on. HTTP/1.0
+    has no chunked coding: the stream's end is the connection's, whatever
+    keep-alive the client asked for."""
     if request.version < HttpVersion11:
         out.force_close()
+    ex.answer = out
     await out.prepare(request)

@@ -729,3 +729,37 @@ async def test_an_answer_leaves_before_the_work_after_it(
     assert again.headers["x-ponto-cache"] == "hit"
     assert await again.json() == body
     assert stack.origin_requests() == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_failure_after_the_answer_began_closes_the_connection_without_a_second_answer(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    # A bug in the work after the answer (here the cache's settlement) must not
+    # put a 500 on the connection after the 200: the client would read it as
+    # the answer to its next request. The connection closes instead.
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug after the answer")
+
+    cache = stack.app[PIPELINE].cache
+    monkeypatch.setattr(cache, "settle_stream" if stream else "settle_body", broken)
+    body = json.dumps(chat("then a bug", stream=stream)).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY.key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    assert stack.client.server.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.client.server.port)
+    try:
+        async with asyncio.timeout(10):
+            writer.write(head + body)
+            received = await reader.read()  # to the connection's end
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert received.count(b"HTTP/1.1 ") == 1
+    assert (b"data: [DONE]" in received) if stream else received.endswith(b"}")
+    bugs = [r for r in caplog.records if "after its answer began" in r.getMessage()]
+    assert len(bugs) == 1 and bugs[0].exc_info is not None
+    # The proxy goes on answering.
+    assert (await stack.post(chat("after the bug"))).status == 200
