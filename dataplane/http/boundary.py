@@ -115,17 +115,18 @@ async def send_whole(request: web.Request, response: web.Response) -> None:
     giving back its admission, counting its tokens; then this boundary's
     metrics and access log) is not in the client's wait.
 
-    While draining, the answer closes its connection, as
-    `errors_and_metrics` would decide after the handler. The handler goes on
-    whether or not the client is still there (the edge's own finish finds a
-    client that left); what it does after the answer must not wait on
-    anything, since a client that leaves at once cancels a handler that waits.
+    On the edge the answer is handed to the transport without a wait
+    (EdgeProtocol.send_whole): a client that reads slowly or leaves neither
+    holds nor cuts short that work, which waits on nothing either, so it is
+    done before the loop serves anything else. While draining, the answer
+    closes its connection, as `errors_and_metrics` would decide after the
+    handler.
     """
     if request.app[DRAINING].active:
         response.force_close()
     protocol = request.protocol
     if isinstance(protocol, EdgeProtocol):
-        await protocol.send_whole(request, response)
+        protocol.send_whole(request, response)
         return
     with contextlib.suppress(ConnectionError):  # aiohttp's own server (tests)
         await response.prepare(request)
@@ -237,13 +238,14 @@ def _access_line(
 def _after_answer(
     request: web.Request, answer: web.StreamResponse
 ) -> tuple[web.StreamResponse, str]:
-    """A failure once the answer's head went out (a bug in what follows it):
-    a second answer would be read as the next request's, so the connection
-    closes after this one. Logged once, with its traceback."""
-    request.app.logger.exception(
-        "unhandled error on %s after its answer began; closing the connection", _what(request)
-    )
-    answer.force_close()
+    """A failure once the answer's head went out (a bug in what follows it): no
+    second answer, which the client would read as its next request's. A whole
+    answer went out whole, so the connection serves on; a stream may have
+    stopped part-way, so its connection closes after it. Logged once, with its
+    traceback; counted with the status the client got."""
+    request.app.logger.exception("unhandled error on %s after its answer began", _what(request))
+    if not isinstance(answer, web.Response):
+        answer.force_close()
     return answer, "internal_error"
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web, web_protocol
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import ceil_timeout, must_be_empty_body, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import (
@@ -219,6 +220,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_ids",
         "_limits",
         "_payload",
+        "_sent",
         "_unparsed",
     )
 
@@ -235,6 +237,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._deadline = LazyTimer(self._loop)
         # The body being received; None once it is complete (or before any).
         self._payload: StreamReader | None = None
+        # The answer its handler handed to the transport (send_whole), whose
+        # drain finish_response waits for.
+        self._sent: web.Response | None = None
 
     # ------------------------------------------------------------ connections
 
@@ -500,7 +505,11 @@ class EdgeProtocol(web_protocol.RequestHandler):
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
-        if type(resp) is web.Response and self.access_logger is None and not self._upgraded:
+        sent, self._sent = self._sent, None
+        answered: tuple[web.StreamResponse, bool]
+        if resp is sent:
+            answered = resp, not await _drained(request._payload_writer)
+        elif type(resp) is web.Response and self.access_logger is None and not self._upgraded:
             answered = await self._finish_whole(request, resp, start_time)
         else:
             answered = await super().finish_response(request, resp, start_time)
@@ -508,22 +517,24 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._caps.waiting(self, self._address)
         return answered
 
-    async def send_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
-        """Write `resp` now, from inside its handler (see
-        dataplane.http.boundary.send_whole); False if the client is gone. What
-        `finish_response` does once the handler returns then finds it sent."""
-        if (
+    def send_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
+        """Hand `resp` to the transport now, from inside its handler (see
+        dataplane.http.boundary.send_whole), without waiting for the client
+        to take it: the handler's work after it is neither held by a client
+        that reads slowly nor cut short by one that leaves. `finish_response`
+        waits for the drain once the handler returns. False when `resp` is
+        not one `_fits` covers (`finish_response` writes it then, as usual)
+        or the client is gone."""
+        if not (
             type(resp) is web.Response
             and self.access_logger is None
             and not self._upgraded
             and self._fits(request, resp)
         ):
-            return await self._write_whole(request, resp)
-        try:
-            await resp.prepare(request)
-            await resp.write_eof()
-        except ConnectionError:
             return False
+        if not self._put_whole(request, resp):
+            return False
+        self._sent = resp
         return True
 
     async def _finish_whole(
@@ -536,7 +547,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         Answers it does not cover (`_fits`) go to aiohttp's `finish_response`."""
         if not self._fits(request, resp):
             return await super().finish_response(request, resp, start_time)
-        sent = await self._write_whole(request, resp)
+        sent = self._put_whole(request, resp) and await _drained(request._payload_writer)
         return resp, not sent
 
     @staticmethod
@@ -568,8 +579,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
             or _prepare_hooks(request)
         )
 
-    async def _write_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
-        """`resp`, which `_fits`, in one write; False if the client is gone."""
+    def _put_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
+        """`resp`, which `_fits`, handed to the transport in one write; False
+        if the client is gone. The caller waits for the drain."""
         body = resp._body
         writer = request._payload_writer
         assert isinstance(writer, StreamWriter) and (body is None or type(body) is bytes)
@@ -600,7 +612,6 @@ class EdgeProtocol(web_protocol.RequestHandler):
             # StreamWriter's own accounting (output and buffered sizes), and
             # its refusal to write to a closing transport (a ConnectionError).
             writer._writelines((head, body) if body else (head,))
-            await writer.drain()
         except ConnectionError:
             return False
         writer._eof = True
@@ -679,6 +690,16 @@ class EdgeProtocol(web_protocol.RequestHandler):
         response = error.response({"x-request-id": request_id, "connection": "close"})
         response.force_close()
         return response
+
+
+async def _drained(writer: AbstractStreamWriter) -> bool:
+    """Wait until the transport takes what was written (pausing while the
+    client reads slowly); False if the client is gone."""
+    try:
+        await writer.drain()
+    except ConnectionError:
+        return False
+    return True
 
 
 def _prepare_hooks(request: web.BaseRequest) -> bool:

@@ -1,0 +1,240 @@
+"""What follows a whole answer that its handler hands to the edge first
+(boundary.send_whole): keeping it, settling its flight and its tokens, the
+metrics. None of it waits for the client to read the answer, none of it is
+cut short by a client that leaves, and a bug in it gets no second answer.
+The real proxy app on EdgeRunner (production's listener, handler
+cancellation on), with a hand-written origin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from dataplane.http.edge import EdgeRunner
+from dataplane.http.server import build_app
+from dataplane.http.state import HOLDER, METRICS, PIPELINE, QUOTA
+from dataplane.settings import parse as parse_proxy
+from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_pipeline import KEY, MODEL, table
+
+# Past the socket buffers (on loopback the kernel's send buffer grows to 4 MB,
+# tcp_wmem): the proxy's write must wait for the client to read.
+BIG = 16 << 20
+
+
+@dataclass
+class Origin:
+    calls: int = 0
+    gate: asyncio.Event | None = None
+    size: int = 10
+    usage: dict[str, int] | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        body = {
+            "id": "x",
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "a" * self.size},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": self.usage or {"prompt_tokens": 3, "completion_tokens": 5000},
+        }
+        return web.json_response(body)
+
+
+@dataclass
+class Edge:
+    port: int
+    app: web.Application
+
+    async def connect(self, rcvbuf: int | None = None) -> tuple[Any, Any]:
+        sock = socket.socket()
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", self.port))
+        return await asyncio.open_connection(sock=sock)
+
+    def sample(self, name: str, labels: dict[str, str]) -> float | None:
+        value = self.app[METRICS].registry.get_sample_value(name, labels)
+        return None if value is None else float(value)
+
+
+Start = Callable[..., Awaitable[Edge]]
+
+
+@pytest.fixture
+async def start(tmp_path: Path) -> AsyncIterator[Start]:
+    cleanup: list[Any] = []
+
+    async def go(origin: Origin, *flags: str) -> Edge:
+        oapp = web.Application()
+        oapp.router.add_post("/v1/chat/completions", origin.handle)
+        server = TestServer(oapp)
+        await server.start_server()
+        cleanup.append(server.close)
+        settings = parse_proxy(
+            [
+                "--region=r1",
+                "--name=edge",
+                "--control-plane=127.0.0.1:9",
+                f"--state-dir={tmp_path}",
+                "--metrics-key-labels=on",
+                *flags,
+            ]
+        )
+        app = build_app(settings)
+        runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        cleanup.insert(0, runner.cleanup)
+        app[HOLDER].apply(
+            table([("o1", str(server.make_url("/v1")))], version=1, limited=False), "control-plane"
+        )
+        app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+        return Edge(site._server.sockets[0].getsockname()[1], app)  # type: ignore[union-attr]
+
+    yield go
+    for close in cleanup:
+        await close()
+
+
+BODY = json.dumps(
+    {"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+).encode()
+
+
+def request(body: bytes = BODY) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"
+        b"Authorization: Bearer " + KEY.key.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
+
+
+async def read_answer(reader: Any) -> tuple[int, dict[str, str], bytes]:
+    status_line = await reader.readline()
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return int(status_line.split()[1]), headers, body
+
+
+async def until(check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(10):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_slow_reader_leading_a_flight_does_not_hold_its_followers(start: Start) -> None:
+    # The leader's client does not read its answer (past the socket buffers);
+    # the flight is finished all the same, and its follower answered.
+    gate = asyncio.Event()
+    origin = Origin(gate=gate, size=BIG)
+    edge = await start(origin)
+    coalescer = edge.app[PIPELINE].cache.coalescer
+    _lreader, lwriter = await edge.connect(rcvbuf=4096)  # a client that does not read
+    lwriter.write(request())
+    await until(lambda: origin.calls == 1)
+    freader, fwriter = await edge.connect()
+    fwriter.write(request())  # the same question: it follows the flight
+    await until(lambda: coalescer.stats.followers == 1)
+    gate.set()
+    try:
+        # The follower (a whole answer, here too large to keep, so it calls
+        # the origin itself once the flight ends) is answered.
+        async with asyncio.timeout(10):
+            status, _headers, _ = await read_answer(freader)
+        assert status == 200
+    finally:
+        lwriter.transport.abort()
+        fwriter.close()
+
+
+async def test_a_client_that_does_not_read_its_big_answer_is_charged_its_tokens(
+    start: Start,
+) -> None:
+    # The origin spent 5000 completion tokens. They are accounted while the
+    # client has not read its answer (past the socket buffers), and stay
+    # accounted once it resets the connection; the request is counted once.
+    origin = Origin(size=BIG)
+    edge = await start(origin)
+    _reader, writer = await edge.connect(rcvbuf=4096)
+    writer.write(request())
+    completion = {"tenant": "acme", "key": KEY.key_id, "kind": "completion"}
+    await until(lambda: edge.sample("ponto_tenant_tokens_total", completion) == 5000)
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()  # RST
+    labels = {"endpoint": "chat.completions", "code": "499"}
+    ok = {"endpoint": "chat.completions", "code": "200"}
+    await until(
+        lambda: (
+            (edge.sample("ponto_requests_total", labels) or 0)
+            + (edge.sample("ponto_requests_total", ok) or 0)
+            >= 1
+        )
+    )
+    assert edge.sample("ponto_tenant_tokens_total", completion) == 5000
+
+
+async def test_bookkeeping_that_fails_after_the_answer_is_counted_as_what_the_client_got(
+    start: Start, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Work after the answer raises (the token accounting, made to fail once:
+    # a stand-in for any bug there). The client has its 200, which is what is
+    # counted; the connection serves the requests pipelined behind it in order;
+    # the bug is logged once.
+    origin = Origin()
+    edge = await start(origin, "--access-log=on")
+    metrics = edge.app[METRICS]
+    real = metrics.account_tokens
+    calls = []
+
+    def failing(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("bookkeeping bug")
+        real(*args)
+
+    monkeypatch.setattr(metrics, "account_tokens", failing)
+    reader, writer = await edge.connect()
+    with caplog.at_level(logging.INFO):
+        writer.write(request() + request(BODY.replace(b"hi", b"ho")))
+        first = await read_answer(reader)
+        second = await read_answer(reader)
+        writer.write(request(BODY.replace(b"hi", b"hu")))
+        third = await read_answer(reader)
+    writer.close()
+    assert (second[0], third[0]) == (200, 200)  # the connection serves on, in order
+    counted = {
+        code: edge.sample("ponto_requests_total", {"endpoint": "chat.completions", "code": code})
+        for code in ("200", "500")
+    }
+    assert first[0] == 200
+    assert counted == {"200": 3.0, "500": None}
+    bugs = [r for r in caplog.records if "after its answer began" in r.getMessage()]
+    assert len(bugs) == 1 and bugs[0].exc_info is not None
