@@ -55,6 +55,10 @@ GENAI_OPERATIONS = {
     "embeddings": "embeddings",
     "responses": "chat",
 }
+# Tenants whose rate-limit refusals and slot waits a proxy reports (the ones
+# limited last): enough for a status page, bounded for the etcd value each
+# replica writes for all its proxies (controlplane.registry).
+MAX_LIMITED_TENANTS = 100
 
 
 class CounterCell:
@@ -282,7 +286,8 @@ class Metrics:
             self.slot_waits.labels(outcome)
         # The same two per tenant, for the report to the control plane (its
         # status page), not exported: a tenant label would multiply the
-        # series. Tenant -> [refused, slot waits] since start.
+        # series. Tenant -> [refused, slot waits] since it was last limited
+        # first; the MAX_LIMITED_TENANTS limited last (see _limited).
         self.limited: dict[str, list[int]] = {}
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
@@ -448,9 +453,18 @@ class Metrics:
         self._limited(tenant)[1] += 1
 
     def _limited(self, tenant: str) -> list[int]:
-        counts = self.limited.get(tenant)
+        """`tenant`'s counts, now the last limited. Past MAX_LIMITED_TENANTS
+        the one limited longest ago is forgotten: every report carries them
+        all, into one etcd value per replica; one forgotten and limited again
+        starts from 0, which the control plane reads as a counter that
+        started over."""
+        limited = self.limited
+        counts = limited.pop(tenant, None)
         if counts is None:
-            counts = self.limited[tenant] = [0, 0]
+            counts = [0, 0]
+            if len(limited) >= MAX_LIMITED_TENANTS:
+                del limited[next(iter(limited))]
+        limited[tenant] = counts
         return counts
 
     def account_request(self, tenant: str, key: str, status: int) -> None:

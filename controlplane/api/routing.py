@@ -33,8 +33,9 @@ MAX_SCOPES = 10_000
 # And at most this many served regions (a fleet has a few), so a faulty proxy
 # cannot grow the etcd value without bound.
 MAX_REGIONS = 256
-# And at most this many tenants held back by limits.
-MAX_TENANTS = 10_000
+# And at most this many tenants held back by limits (a proxy sends at most
+# dataplane.metrics.MAX_LIMITED_TENANTS).
+MAX_TENANTS = 256
 # Table pushes of one stream awaiting an answer, kept for push latency; a
 # proxy answers each push, so more than a few means it stopped answering.
 MAX_UNANSWERED = 16

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from controlplane.catalog import ACKS, TRAFFIC, Catalog
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
-from dataplane.metrics import Metrics
+from dataplane.metrics import MAX_LIMITED_TENANTS, Metrics
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, Traffic, traffic_of
 from ponto.v1 import routing_pb2 as pb
@@ -66,6 +66,20 @@ def test_served_counts_are_by_the_region_that_answered() -> None:
         ("eu-west", 3, 1),
         ("us-east", 4, 4),
     ]
+
+
+def test_only_the_tenants_limited_last_are_kept_for_the_report() -> None:
+    # Every report carries them all, into one etcd value per replica: the
+    # one limited longest ago is forgotten, and starts from 0 if limited again.
+    m = Metrics()
+    for i in range(MAX_LIMITED_TENANTS):
+        m.limit_refusal(f"t{i}", "requests")
+    m.slot_wait("t0", "admitted")  # t0 is now the last limited; t1 the first
+    m.limit_refusal("new", "requests")
+    assert len(m.limited) == MAX_LIMITED_TENANTS
+    assert "t1" not in m.limited and m.limited["t0"] == [1, 1]
+    m.limit_refusal("t1", "requests")
+    assert m.limited["t1"] == [1, 0] and "t2" not in m.limited
 
 
 def test_limit_refusals_and_slot_waits_are_reported_by_tenant() -> None:
