@@ -89,24 +89,25 @@ class RateMeter(WindowMeter[Counts, Rates]):
 
 class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
     """Rates of each key's counters by name, such as a tenant's in a proxy's
-    report, which leaves out names with nothing to count: a name missing
-    from a sample counted zeros there, so one that first appears is measured
-    from the sample before, not from its own first. A name that disappears
-    went down (a restart). Rates are given for the names of the newest sample.
+    report, which leaves out names with nothing to count and forgets the
+    names counted longest ago (dataplane.metrics.MAX_LIMITED_TENANTS). Each
+    name is measured on its own: one missing from the window's first sample,
+    or whose counters fell since (forgotten, then counted again from 0), is
+    measured from 0; one missing from the newest sample has no rate. A
+    restart is a new session, so a new key (see WindowMeter). Rates are
+    given for the names of the newest sample.
     """
 
     def _went_down(self, last: Mapping[str, Counts], counts: Mapping[str, Counts]) -> bool:
-        for name, before in last.items():
-            now = counts.get(name)
-            if now is None or _fell(before, now):
-                return True
-        return False
+        return False  # per name, in _per_second
 
     def _per_second(
         self, first: Mapping[str, Counts], last: Mapping[str, Counts], seconds: float
     ) -> dict[str, Rates]:
         out = {}
         for name, now in last.items():
-            before = first.get(name, (0,) * len(now))
+            before = first.get(name)
+            if before is None or _fell(before, now):
+                before = (0,) * len(now)
             out[name] = tuple((b - a) / seconds for a, b in zip(before, now, strict=True))
         return out

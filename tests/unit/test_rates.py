@@ -82,9 +82,12 @@ def test_a_name_missing_from_a_sample_counted_zero_there() -> None:
     }
 
 
-def test_a_name_going_down_or_gone_is_a_restart() -> None:
+def test_a_name_gone_or_counted_again_from_zero_leaves_the_others_alone() -> None:
+    # A proxy forgets the names it counted longest ago (a restart is a new
+    # session, another key): the others keep their rates.
     meter = NamedRateMeter(window=10)
     meter.observe("p", 0.0, {"a": (5,), "b": (1,)})
-    assert meter.observe("p", 1.0, {"a": (6,)}) is None  # b gone: counters restarted
-    assert meter.observe("p", 2.0, {"a": (8,)}) == {"a": (2.0,)}
-    assert meter.observe("p", 3.0, {"a": (1,)}) is None
+    assert meter.observe("p", 1.0, {"a": (6,)}) == {"a": (1.0,)}  # b forgotten
+    assert meter.observe("p", 2.0, {"a": (8,)}) == {"a": (1.5,)}
+    # a forgotten and counted again from 0: measured from 0 over the window.
+    assert meter.observe("p", 4.0, {"a": (2,), "b": (3,)}) == {"a": (0.5,), "b": (0.5,)}
