@@ -196,7 +196,8 @@ class SimProxy:
                     pb.RegisterRequest(proxy=self.info), metadata=metadata, timeout=30
                 )
                 call = stub.RouteStream(metadata=metadata)
-                await call.write(pb.RouteRequest(session_id=reg.session_id))
+                # As dataplane/sync/link.py subscribes: it takes `unchanged` shares.
+                await call.write(pb.RouteRequest(session_id=reg.session_id, takes_unchanged=True))
             while True:
                 update = await call.read()
                 now = time.time()

@@ -243,7 +243,7 @@ class QuotaHub:
         return pb.RouteUpdate(quota=quota).SerializeToString()
 
     async def next_for(
-        self, proxy: str, seen: int, sent: bytes = b"", *, confirm: bool = True
+        self, proxy: str, seen: int, sent: bytes = b"", *, confirm: bool = False
     ) -> tuple[int, bytes, bytes]:
         """Wait for a generation newer than `seen` that this proxy must hear of;
         return (generation, payload, what to pass as `sent` next time).

@@ -84,7 +84,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         raise
     except Exception as exc:
         ex = request.get(EXCHANGE)
-        if ex is not None and ex.answer is not None:
+        if ex is not None and ex.answer is not None and not isinstance(exc, ConnectionResetError):
             response, error = _after_answer(request, ex.answer)
         else:
             response, error = _error_response(request, exc)
@@ -105,7 +105,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if ex.cache is not None:
             for name, value in ex.cache_headers(ex.cache.outcome):
                 response.headers.setdefault(name, value)
-    _record(app, request, request_id, endpoint, ex, response.status, error, started)
+    try:
+        _record(app, request, request_id, endpoint, ex, response.status, error, started)
+    except Exception:  # a bug in the counting; the answer (maybe out already) stands
+        app.logger.exception("unhandled error recording %s", _what(request))
     return response
 
 
@@ -239,13 +242,16 @@ def _after_answer(
     request: web.Request, answer: web.StreamResponse
 ) -> tuple[web.StreamResponse, str]:
     """A failure once the answer's head went out (a bug in what follows it): no
-    second answer, which the client would read as its next request's. A whole
-    answer went out whole, so the connection serves on; a stream may have
-    stopped part-way, so its connection closes after it. Logged once, with its
-    traceback; counted with the status the client got."""
+    second answer, which the client would read as its next request's. An
+    answer that ended (a whole one, a stream after its last chunk) leaves the
+    connection serving; a stream that stopped part-way is cut with its
+    connection, without the chunked end that would make it look whole.
+    Logged once, with its traceback; counted with the status the client got."""
     request.app.logger.exception("unhandled error on %s after its answer began", _what(request))
-    if not isinstance(answer, web.Response):
+    if not answer._eof_sent:  # aiohttp's: the answer's end was written
         answer.force_close()
+        if request.transport is not None:
+            request.transport.close()
     return answer, "internal_error"
 
 

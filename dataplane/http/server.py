@@ -377,6 +377,8 @@ async def traced(
         status, error = CLIENT_CLOSED, "client_disconnected"
         raise
     except BaseException as exc:
+        if ex is not None and ex.answer is not None:
+            status = ex.answer.status  # a bug after the answer began: what the client got
         error = type(exc).__qualname__
         raise
     finally:

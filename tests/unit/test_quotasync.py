@@ -359,11 +359,11 @@ async def test_every_rewrite_confirms_the_spare_flags_to_their_proxies() -> None
             quota = quota_of(payload)
             assert (quota.spare_ttl_s, quota.unchanged) == (5.0, False)
             got[name] = (generation, sent)
-        p1 = asyncio.ensure_future(hub.next_for("p1", *got["p1"]))
-        p2 = asyncio.ensure_future(hub.next_for("p2", *got["p2"]))
+        p1 = asyncio.ensure_future(hub.next_for("p1", *got["p1"], confirm=True))
+        p2 = asyncio.ensure_future(hub.next_for("p2", *got["p2"], confirm=True))
         # p1 again, on the stream of a proxy from before `unchanged` (it would
         # read one as empty shares): sent shares only when they change.
-        p1_old = asyncio.ensure_future(hub.next_for("p1", *got["p1"], confirm=False))
+        p1_old = asyncio.ensure_future(hub.next_for("p1", *got["p1"]))
         # The leader writes the same shares again.
         rewritten = await put_shares(store, shares, 0.5, ttl=5.0)
         generation, payload, sent = await asyncio.wait_for(p1, WAIT)

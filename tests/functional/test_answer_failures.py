@@ -1,0 +1,236 @@
+"""Failures once an answer began, on the real listener (EdgeRunner, handler
+cancellation on) before the origin simulator: a client that leaves during a
+replayed stream is a 499, not a bug; a stream a bug stops part-way is cut,
+not ended as if whole; a bug in the boundary's own counting after a whole
+answer is logged, and the requests pipelined behind it are answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from dataplane.cache.entry import CachedResponse, to_sse_chunks
+from dataplane.http import reply
+from dataplane.http.edge import EdgeRunner
+from dataplane.http.server import build_app
+from dataplane.http.state import HOLDER, METRICS, QUOTA
+from dataplane.settings import parse as parse_proxy
+from ponto.originsim.app import SimConfig
+from ponto.originsim.app import build_app as sim_app
+from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_pipeline import KEY, chat, table
+
+
+@dataclass
+class Edge:
+    app: web.Application
+    port: int
+    session: aiohttp.ClientSession
+
+    async def post(self, body: Any) -> aiohttp.ClientResponse:
+        return await self.session.post(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {KEY.key}"},
+        )
+
+    async def raw(self, body: Any) -> bytes:
+        """One request on a connection of its own; every byte until it closes."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            writer.write(_request(body))
+            async with asyncio.timeout(10):
+                return await reader.read()
+        finally:
+            writer.close()
+
+    def counted(self) -> float:
+        """Chat requests counted, with the codes these tests see."""
+        return sum(
+            self.sample("ponto_requests_total", {"endpoint": "chat.completions", "code": code})
+            for code in ("200", "499", "500")
+        )
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.app[METRICS].registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else float(value)
+
+
+@pytest.fixture
+async def edge(tmp_path: Path) -> AsyncIterator[Edge]:
+    origin = TestServer(sim_app(SimConfig(name="o1", answer_tokens=6, seed=1)))
+    await origin.start_server()
+    settings = parse_proxy(
+        [
+            "--region=r1",
+            "--name=answers",
+            "--control-plane=127.0.0.1:9",
+            f"--state-dir={tmp_path}",
+        ]
+    )
+    app = build_app(settings)
+    runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    app[HOLDER].apply(
+        table([("o1", str(origin.make_url("/v1")))], version=1, limited=False), "control-plane"
+    )
+    app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    session = aiohttp.ClientSession()
+    try:
+        yield Edge(app, port, session)
+    finally:
+        await session.close()
+        await runner.cleanup()
+        await origin.close()
+
+
+STREAM = chat("stream me, then replay me", stream=True)
+
+
+async def _cached_stream(edge: Edge) -> None:
+    first = await edge.post(STREAM)
+    assert first.headers["x-ponto-cache"] == "miss"
+    assert b"data: [DONE]" in await first.read()
+
+
+@pytest.fixture
+def broken_replay(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BaseException]]:
+    """A hit's stream fails after its first frame with the exception put in
+    the returned list (none: it replays whole)."""
+    failure: list[BaseException] = []
+    real = to_sse_chunks
+
+    def frames(entry: CachedResponse, *, include_usage: bool) -> Any:
+        whole = real(entry, include_usage=include_usage)
+        if not failure:
+            return whole
+
+        def first_then_fail() -> Iterator[bytes]:
+            yield whole[0]
+            raise failure[0]
+
+        return first_then_fail()
+
+    monkeypatch.setattr(reply, "to_sse_chunks", frames)
+    yield failure
+
+
+async def test_a_client_gone_during_a_replayed_stream_is_a_499_not_a_bug(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A hit's stream (reply.replay) or a followed flight's (reply.follow)
+    # writing to a client that left raises ConnectionResetError (aiohttp's
+    # "Cannot write to closing transport"): a 499, client_disconnected,
+    # nothing logged, though the stream's head went out.
+    await _cached_stream(edge)
+    real = web.StreamResponse.write
+    writes: list[web.StreamResponse] = []
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        if self.headers.get("x-ponto-cache") == "hit":
+            writes.append(self)
+            if len(writes) == 2:
+                # The client's connection fails between two frames (a reset
+                # seen by the previous send): the transport is closing.
+                transport = self._req.transport if self._req is not None else None
+                assert transport is not None
+                transport.abort()
+        await real(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    with caplog.at_level(logging.INFO):
+        with contextlib.suppress(ConnectionError):
+            await edge.raw(STREAM)
+        await until(lambda: edge.counted() == 2)
+    bugs = [r for r in caplog.records if "after its answer began" in r.getMessage()]
+    assert bugs == [], "a client that left is logged as a proxy bug, with a traceback"
+    assert edge.sample("ponto_client_disconnects_total") == 1
+    code = {"endpoint": "chat.completions", "code": "499"}
+    assert edge.sample("ponto_requests_total", code) == 1
+
+
+async def until(check: Any) -> None:
+    async with asyncio.timeout(10):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_stream_a_bug_stops_part_way_does_not_end_as_if_whole(
+    edge: Edge, broken_replay: list[BaseException]
+) -> None:
+    # A bug after a stream's head, before its end: the connection is cut, so
+    # the client's read fails rather than finding a well-framed, complete body
+    # (aiohttp's finish_response would write the chunked end) with no [DONE].
+    await _cached_stream(edge)
+    broken_replay.append(RuntimeError("a bug part-way through the stream"))
+    answer = await edge.post(STREAM)
+    assert answer.status == 200
+    try:
+        body = await answer.read()
+    except aiohttp.ClientPayloadError:
+        return  # the client is told the body is incomplete: fine
+    assert b'"error"' in body, f"a cut stream read as complete: {body!r}"
+
+
+def _request(body: Any) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"
+        b"Authorization: Bearer " + KEY.key.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+    ) + data
+
+
+async def test_a_bug_in_the_boundarys_own_bookkeeping_after_a_whole_answer_is_logged(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The boundary's counting (metrics, access log) runs after a whole answer
+    # went out. A bug there is logged once, and the connection goes on with
+    # the request pipelined behind (escaping, it would reach aiohttp's
+    # handle_error, which closes a connection whose answer began, unlogged).
+    metrics = edge.app[METRICS]
+    real = metrics.account_request
+    calls: list[Any] = []
+
+    def failing(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("bookkeeping bug in the boundary")
+        real(*args)
+
+    monkeypatch.setattr(metrics, "account_request", failing)
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
+    statuses = []
+    try:
+        with caplog.at_level(logging.DEBUG):
+            writer.write(_request(chat("one")) + _request(chat("two")))
+            async with asyncio.timeout(10):
+                for _ in range(2):  # both answered, on the same connection
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    await reader.readexactly(length)
+                    statuses.append(int(head.split()[1]))
+    finally:
+        writer.close()
+    logged = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and "bookkeeping bug" in str(r.exc_info)
+    ]
+    assert statuses == [200, 200]
+    assert len(logged) == 1
