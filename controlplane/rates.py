@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import Generic, TypeVar
 
 Counts = tuple[int, ...]
@@ -91,23 +92,34 @@ class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
     """Rates of each key's counters by name, such as a tenant's in a proxy's
     report, which leaves out names with nothing to count and forgets the
     names counted longest ago (dataplane.metrics.MAX_LIMITED_TENANTS). Each
-    name is measured on its own: one missing from the window's first sample,
-    or whose counters fell since (forgotten, then counted again from 0), is
-    measured from 0; one missing from the newest sample has no rate. A
-    restart is a new session, so a new key (see WindowMeter). Rates are
-    given for the names of the newest sample.
+    name is measured on its own, step by step over the window's samples: in
+    a step where it was missing before, or its counters fell (forgotten,
+    then counted again from 0), it counts from 0; in one where it is missing
+    after, nothing. A restart is a new session, so a new key (see
+    WindowMeter). Rates are given for the names of the newest sample.
     """
 
     def _went_down(self, last: Mapping[str, Counts], counts: Mapping[str, Counts]) -> bool:
-        return False  # per name, in _per_second
+        return False  # per name, in _rates
+
+    def _rates(
+        self, samples: deque[tuple[float, Mapping[str, Counts]]]
+    ) -> dict[str, Rates] | None:
+        if len(samples) < 2:
+            return None
+        grown: dict[str, list[int]] = {}
+        for (_, before), (_, after) in pairwise(samples):
+            for name, now in after.items():
+                was = before.get(name)
+                if was is None or _fell(was, now):
+                    was = (0,) * len(now)
+                total = grown.setdefault(name, [0] * len(now))
+                for i, (a, b) in enumerate(zip(was, now, strict=True)):
+                    total[i] += b - a
+        seconds = samples[-1][0] - samples[0][0]
+        return {name: tuple(n / seconds for n in grown[name]) for name in samples[-1][1]}
 
     def _per_second(
         self, first: Mapping[str, Counts], last: Mapping[str, Counts], seconds: float
     ) -> dict[str, Rates]:
-        out = {}
-        for name, now in last.items():
-            before = first.get(name)
-            if before is None or _fell(before, now):
-                before = (0,) * len(now)
-            out[name] = tuple((b - a) / seconds for a, b in zip(before, now, strict=True))
-        return out
+        raise NotImplementedError  # _rates reads every step

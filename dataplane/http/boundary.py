@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -78,9 +79,19 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         error = cancel_reason(app)
         if error == "client_disconnected":
             app[METRICS].client_disconnects.inc()
-        _record(
-            app, request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started
-        )
+        try:
+            _record(
+                app,
+                request,
+                request_id,
+                endpoint,
+                request.get(EXCHANGE),
+                CLIENT_CLOSED,
+                error,
+                started,
+            )
+        except Exception:  # a bug in the counting: the cancellation goes on
+            app.logger.exception("unhandled error recording %s", _what(request))
         raise
     except Exception as exc:
         ex = request.get(EXCHANGE)
@@ -248,11 +259,23 @@ def _after_answer(
     connection, without the chunked end that would make it look whole.
     Logged once, with its traceback; counted with the status the client got."""
     request.app.logger.exception("unhandled error on %s after its answer began", _what(request))
-    if not answer._eof_sent:  # aiohttp's: the answer's end was written
+    if answer.prepared and not answer._eof_sent:  # aiohttp's: its end was not written
         answer.force_close()
-        if request.transport is not None:
-            request.transport.close()
+        _reset(request.transport)
     return answer, "internal_error"
+
+
+def _reset(transport: asyncio.Transport | None) -> None:
+    """Cut a connection with a reset, so that an answer cut short cannot pass
+    for whole: a stream over HTTP/1.0 ends with its connection, and an
+    orderly close would be that end."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response, str]:

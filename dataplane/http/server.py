@@ -34,7 +34,7 @@ from dataplane.http.boundary import (
     record_unparsed,
 )
 from dataplane.http.errors import ApiError
-from dataplane.http.pipeline import ENDPOINTS, Endpoint, Pipeline
+from dataplane.http.pipeline import ENDPOINTS, Endpoint, Exchange, Pipeline
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import (
     ACCESS_LOG,
@@ -368,7 +368,7 @@ async def traced(
         status = response.status
         return response
     except ApiError as exc:
-        status, error = exc.status, exc.code or str(exc.status)
+        status, error = _answered(ex, exc.status), exc.code or str(exc.status)
         raise
     except asyncio.CancelledError:
         status, error = CLIENT_CLOSED, cancel_reason(request.app)
@@ -377,12 +377,16 @@ async def traced(
         status, error = CLIENT_CLOSED, "client_disconnected"
         raise
     except BaseException as exc:
-        if ex is not None and ex.answer is not None:
-            status = ex.answer.status  # a bug after the answer began: what the client got
-        error = type(exc).__qualname__
+        status, error = _answered(ex, status), type(exc).__qualname__
         raise
     finally:
         trace.finish(ex, status, error)
+
+
+def _answered(ex: Exchange | None, status: int) -> int:
+    """The status the client got: its answer's once one began (a failure
+    after it is no answer of its own, boundary._after_answer), else `status`."""
+    return ex.answer.status if ex is not None and ex.answer is not None else status
 
 
 # ---------------------------------------------------------------- region feed

@@ -234,3 +234,30 @@ async def test_a_bug_in_the_boundarys_own_bookkeeping_after_a_whole_answer_is_lo
     ]
     assert statuses == [200, 200]
     assert len(logged) == 1
+
+
+def _request10(body: Any) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.0\r\nHost: p\r\n"
+        b"Authorization: Bearer " + KEY.key.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+    ) + data
+
+
+async def test_an_http10_stream_a_bug_stops_part_way_is_not_ended_as_if_whole(
+    edge: Edge, broken_replay: list[BaseException]
+) -> None:
+    # Over HTTP/1.0 a stream ends with its connection (no chunked coding): an
+    # orderly close would hand the client a whole-looking answer without
+    # [DONE]. The connection is reset instead.
+    await _cached_stream(edge)
+    broken_replay.append(RuntimeError("a bug part-way through the stream"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
+    try:
+        writer.write(_request10(STREAM))
+        async with asyncio.timeout(10):
+            with pytest.raises(ConnectionResetError):
+                await reader.read()  # to the connection's end
+    finally:
+        writer.close()

@@ -89,5 +89,5 @@ def test_a_name_gone_or_counted_again_from_zero_leaves_the_others_alone() -> Non
     meter.observe("p", 0.0, {"a": (5,), "b": (1,)})
     assert meter.observe("p", 1.0, {"a": (6,)}) == {"a": (1.0,)}  # b forgotten
     assert meter.observe("p", 2.0, {"a": (8,)}) == {"a": (1.5,)}
-    # a forgotten and counted again from 0: measured from 0 over the window.
-    assert meter.observe("p", 4.0, {"a": (2,), "b": (3,)}) == {"a": (0.5,), "b": (0.5,)}
+    # a forgotten and counted again from 0 (its 3 before kept), b counted from 0.
+    assert meter.observe("p", 4.0, {"a": (2,), "b": (3,)}) == {"a": (1.25,), "b": (0.75,)}

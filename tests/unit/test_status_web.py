@@ -663,11 +663,11 @@ async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
             "concurrency": 0,
         },
     ]
-    # p-us's counts of acme went down (forgotten, then limited again): measured
-    # from 0, 1 refusal over the window, beside p-eu's 5.
+    # p-us's counts of acme went down (forgotten, then limited again): its 10
+    # refusals and 5 waits before, then 1 refusal from 0, beside p-eu's 5 and 5.
     tenants = await report(1_010.0, {"acme": (5, 5), "beta": (1, 0)}, {"acme": (1, 0)})
     assert [(t["name"], t["refused_per_s"], t["slot_waits_per_s"]) for t in tenants] == [
-        ("acme", 0.6, 0.5),
+        ("acme", 1.6, 1.0),
         ("beta", 0.1, 0.0),
     ]
     # Nothing heard for longer than the window: nobody is held back now.
