@@ -187,10 +187,10 @@ async def test_a_stream_a_bug_stops_part_way_does_not_end_as_if_whole(
     assert b'"error"' in body, f"a cut stream read as complete: {body!r}"
 
 
-def _request(body: Any) -> bytes:
+def _request(body: Any, version: bytes = b"1.1") -> bytes:
     data = json.dumps(body).encode()
     return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"
+        b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: p\r\n"
         b"Authorization: Bearer " + KEY.key.encode() + b"\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
     ) + data
@@ -236,15 +236,6 @@ async def test_a_bug_in_the_boundarys_own_bookkeeping_after_a_whole_answer_is_lo
     assert len(logged) == 1
 
 
-def _request10(body: Any) -> bytes:
-    data = json.dumps(body).encode()
-    return (
-        b"POST /v1/chat/completions HTTP/1.0\r\nHost: p\r\n"
-        b"Authorization: Bearer " + KEY.key.encode() + b"\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
-    ) + data
-
-
 async def test_an_http10_stream_a_bug_stops_part_way_is_not_ended_as_if_whole(
     edge: Edge, broken_replay: list[BaseException]
 ) -> None:
@@ -255,7 +246,7 @@ async def test_an_http10_stream_a_bug_stops_part_way_is_not_ended_as_if_whole(
     broken_replay.append(RuntimeError("a bug part-way through the stream"))
     reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
     try:
-        writer.write(_request10(STREAM))
+        writer.write(_request(STREAM, b"1.0"))
         async with asyncio.timeout(10):
             with pytest.raises(ConnectionResetError):
                 await reader.read()  # to the connection's end
