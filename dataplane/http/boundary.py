@@ -51,7 +51,9 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     with its status and logged once in the refusal log (unless its cause was
     logged where it happened); the caller's rate-limit headers come from the
     request's Exchange when it has one. Anything else is a bug: logged once
-    with its traceback, answered with a generic 500 in the same shape.
+    with its traceback, answered with a generic 500 in the same shape, unless
+    the request's answer began already (a whole one sent first, send_whole;
+    a stream): then no second answer follows it (_after_answer).
 
     A proxied request (one with an Exchange) is recorded once here in the
     GenAI metrics, and every answer gets its access-log line here, once the
