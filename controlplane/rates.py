@@ -102,9 +102,7 @@ class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
     def _went_down(self, last: Mapping[str, Counts], counts: Mapping[str, Counts]) -> bool:
         return False  # per name, in _rates
 
-    def _rates(
-        self, samples: deque[tuple[float, Mapping[str, Counts]]]
-    ) -> dict[str, Rates] | None:
+    def _rates(self, samples: deque[tuple[float, Mapping[str, Counts]]]) -> dict[str, Rates] | None:
         if len(samples) < 2:
             return None
         grown: dict[str, list[int]] = {}
