@@ -502,6 +502,45 @@ class EdgeProtocol(web_protocol.RequestHandler):
         payload.feed_eof()
         self.close()
 
+    async def shutdown(self, timeout: float | None = 15.0) -> None:  # noqa: ASYNC109 - aiohttp's signature
+        """aiohttp 3.14's `RequestHandler.shutdown`, with one change: a request
+        still running after `timeout` is cancelled then (its handler runs in
+        this connection's task, see `start`), so that its boundary records it
+        as cancelled and the stop takes `timeout`.
+
+        aiohttp then only fails the request's body and waits `timeout` again
+        for this task, which a handler that reads no more of its body (a
+        relayed stream) outlives: a stop took twice the timeout, past the
+        worker supervisor's grace (dataplane.workers.SHUTDOWN_GRACE_S), whose
+        kill lost the request's access-log line.
+        """
+        self._force_close = True
+        if self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+        if self._request_in_progress:
+            # Wait for graceful handler completion.
+            self._handler_waiter = self._loop.create_future()
+            try:
+                async with ceil_timeout(timeout):
+                    await self._handler_waiter
+            except (asyncio.CancelledError, TimeoutError):
+                self._handler_waiter = None
+                if (task := asyncio.current_task()) and task.cancelling():
+                    raise
+        task = self._task_handler
+        if task is None or task.done():
+            return
+        if self._request_in_progress:  # past the timeout: stop it now
+            if self._current_request is not None:
+                self._current_request._cancel(asyncio.CancelledError())
+            task.cancel()
+        try:
+            async with ceil_timeout(timeout):
+                await asyncio.shield(task)
+        except (asyncio.CancelledError, TimeoutError):
+            if (current := asyncio.current_task()) and current.cancelling():
+                raise
+
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:

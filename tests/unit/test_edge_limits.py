@@ -226,10 +226,15 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
     # be compared with the copy before it is used.
     source = inspect.getsource(web_protocol.RequestHandler.start)
     assert hashlib.sha256(source.encode()).hexdigest() == START_SHA256, aiohttp.__version__
+    # So is its shutdown, which EdgeProtocol.shutdown copies but for the cancel.
+    source = inspect.getsource(web_protocol.RequestHandler.shutdown)
+    assert hashlib.sha256(source.encode()).hexdigest() == SHUTDOWN_SHA256, aiohttp.__version__
 
 
 # sha256 of aiohttp 3.14.5's RequestHandler.start, which EdgeProtocol.start copies.
 START_SHA256 = "2e565fd40c8e04fb3afb481d5ba52691a61d28396573b4b8a4cf3b168782288e"
+# ... and of its RequestHandler.shutdown (EdgeProtocol.shutdown).
+SHUTDOWN_SHA256 = "5eb4bd473db61e84c485dfec4b411c0fd40f0694920de2a955b5f46fde2438fa"
 
 
 def test_no_request_state_lives_in_context_variables() -> None:
