@@ -207,7 +207,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
     `_request_count`, `_request_in_progress`, `_waiter`, `_manager`, `_close`,
     `_force_close`, and `data_received` feeding the parser synchronously; and,
     for the one-write answer, the response's, request's and StreamWriter's
-    private state named in `_finish_whole` (tests/unit/test_edge_limits.py
+    private state named in `_fits` and `_put_whole` (tests/unit/test_edge_limits.py
     lists them; tests/functional/test_edge_answers.py checks the bytes).
     """
 
@@ -548,8 +548,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
         answered: tuple[web.StreamResponse, bool]
         if resp is sent:
             answered = resp, not await _drained(request._payload_writer)
-        elif type(resp) is web.Response and self.access_logger is None and not self._upgraded:
-            answered = await self._finish_whole(request, resp, start_time)
+        elif self._fits(request, resp):
+            put = self._put_whole(request, cast(web.Response, resp))
+            answered = resp, not (put and await _drained(request._payload_writer))
         else:
             answered = await super().finish_response(request, resp, start_time)
         if self._counted and not self._messages:
@@ -564,34 +565,17 @@ class EdgeProtocol(web_protocol.RequestHandler):
         waits for the drain once the handler returns. False when `resp` is
         not one `_fits` covers (`finish_response` writes it then, as usual)
         or the client is gone."""
-        if not (
-            type(resp) is web.Response
-            and self.access_logger is None
-            and not self._upgraded
-            and self._fits(request, resp)
-        ):
-            return False
-        if not self._put_whole(request, resp):
+        if not (self._fits(request, resp) and self._put_whole(request, resp)):
             return False
         self._sent = resp
         return True
 
-    async def _finish_whole(
-        self, request: web.BaseRequest, resp: web.Response, start_time: float | None
-    ) -> tuple[web.StreamResponse, bool]:
-        """`resp` written in one write: the head `prepare` would write (the same
-        Content-Length, Content-Type, Date, Server and Connection rules), then
-        its body. aiohttp's `prepare` and `write_eof` build the same bytes
-        through some ten calls; this is the path of nearly every answer.
-        Answers it does not cover (`_fits`) go to aiohttp's `finish_response`."""
-        if not self._fits(request, resp):
-            return await super().finish_response(request, resp, start_time)
-        sent = self._put_whole(request, resp) and await _drained(request._payload_writer)
-        return resp, not sent
-
-    @staticmethod
-    def _fits(request: web.BaseRequest, resp: web.Response) -> bool:
-        """Whether `_write_whole` writes `resp` as aiohttp would."""
+    def _fits(self, request: web.BaseRequest, resp: web.StreamResponse) -> bool:
+        """Whether `_put_whole` writes `resp` as aiohttp would: a whole
+        web.Response on a connection with no aiohttp access logger and no
+        upgrade. Answers it does not cover go to aiohttp's `finish_response`."""
+        if type(resp) is not web.Response or self.access_logger is not None or self._upgraded:
+            return False
         writer = request._payload_writer
         version = request.version
         headers = resp._headers
@@ -619,8 +603,12 @@ class EdgeProtocol(web_protocol.RequestHandler):
         )
 
     def _put_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
-        """`resp`, which `_fits`, handed to the transport in one write; False
-        if the client is gone. The caller waits for the drain."""
+        """`resp`, which `_fits`, handed to the transport in one write: the
+        head `prepare` would write (the same Content-Length, Content-Type,
+        Date, Server and Connection rules), then its body. aiohttp's `prepare`
+        and `write_eof` build the same bytes through some ten calls; this is
+        the path of nearly every answer. False if the client is gone; the
+        caller waits for the drain."""
         body = resp._body
         writer = request._payload_writer
         assert isinstance(writer, StreamWriter) and (body is None or type(body) is bytes)

@@ -1,4 +1,4 @@
-"""The edge's one-write answers (EdgeProtocol._finish_whole, and send_whole
+"""The edge's one-write answers (EdgeProtocol._put_whole, after the handler or
 from inside a handler) are byte for byte what aiohttp's own prepare and
 write_eof send: the same answers, asked for by the same requests, from an
 EdgeRunner and from aiohttp's AppRunner on loopback. Only the Date header may

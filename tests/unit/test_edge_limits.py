@@ -255,7 +255,7 @@ def test_no_request_state_lives_in_context_variables() -> None:
 
 
 def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that_exist() -> None:
-    # EdgeProtocol._finish_whole (tests/functional/test_edge_answers.py checks
+    # EdgeProtocol._fits and _put_whole (tests/functional/test_edge_answers.py checks
     # what it writes) and OriginProtocol read or override these.
     response = web.Response(body=b"x")
     for name in ("_body", "_headers", "_payload_writer", "_eof_sent", "_compression",
