@@ -81,19 +81,9 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         error = cancel_reason(app)
         if error == "client_disconnected":
             app[METRICS].client_disconnects.inc()
-        try:
-            _record(
-                app,
-                request,
-                request_id,
-                endpoint,
-                request.get(EXCHANGE),
-                CLIENT_CLOSED,
-                error,
-                started,
-            )
-        except Exception:  # a bug in the counting: the cancellation goes on
-            app.logger.exception("unhandled error recording %s", _what(request))
+        _record_or_log(
+            app, request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started
+        )
         raise
     except Exception as exc:
         ex = request.get(EXCHANGE)
@@ -118,11 +108,27 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if ex.cache is not None:
             for name, value in ex.cache_headers(ex.cache.outcome):
                 response.headers.setdefault(name, value)
-    try:
-        _record(app, request, request_id, endpoint, ex, response.status, error, started)
-    except Exception:  # a bug in the counting; the answer (maybe out already) stands
-        app.logger.exception("unhandled error recording %s", _what(request))
+    _record_or_log(app, request, request_id, endpoint, ex, response.status, error, started)
     return response
+
+
+def _record_or_log(
+    app: web.Application,
+    request: web.Request,
+    request_id: str,
+    endpoint: str,
+    ex: Exchange | None,
+    status: int,
+    error: str,
+    started: float,
+) -> None:
+    """`_record`, where a bug in the counting must not undo what it counts: the
+    answer stands (it may be out already) and a cancellation goes on. Logged
+    once, with its traceback."""
+    try:
+        _record(app, request, request_id, endpoint, ex, status, error, started)
+    except Exception:
+        app.logger.exception("unhandled error recording %s", _what(request))
 
 
 async def send_whole(request: web.Request, response: web.Response) -> None:
