@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -467,15 +467,7 @@ class Catalog:
         """Give a key new limits. A revoked key is refused (FailedPrecondition):
         it serves nothing, and the success would read as if it did."""
         limits = limits.validated(f"key {key_id!r}")
-
-        def change(k: ApiKeyRecord) -> ApiKeyRecord:
-            if k.revoked:
-                raise FailedPrecondition(f"key {key_id!r} is revoked; its limits cannot change")
-            return replace(k, limits=limits)
-
-        return await self._update(
-            KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
-        )
+        return await self._change_live_key(key_id, "its limits cannot change", limits=limits)
 
     async def set_key_expiry(
         self, key_id: str, expires_at: float = 0.0, expires_in: float = 0.0
@@ -485,11 +477,16 @@ class Catalog:
         be given a new expiry (or none), and is served again; a revoked key
         stays revoked: it is refused."""
         expires_at = self._expiry(expires_at, expires_in, f"key {key_id!r}", self._clock())
+        return await self._change_live_key(key_id, "it cannot expire", expires_at=expires_at)
+
+    async def _change_live_key(self, key_id: str, refused: str, **fields: Any) -> ApiKeyRecord:
+        """Key `key_id` with `fields` replaced; a revoked key is refused
+        (FailedPrecondition, "... is revoked; `refused`"), an unknown one NotFound."""
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord:
             if k.revoked:
-                raise FailedPrecondition(f"key {key_id!r} is revoked; it cannot expire")
-            return replace(k, expires_at=expires_at)
+                raise FailedPrecondition(f"key {key_id!r} is revoked; {refused}")
+            return replace(k, **fields)
 
         return await self._update(
             KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
