@@ -20,9 +20,9 @@ Result = TypeVar("Result")
 class WindowMeter(Generic[Sample, Result]):
     """Rates of each key's samples over a sliding window of them.
 
-    A rate is the difference between the newest sample and the oldest one
-    still in the window, over the time between them, so a report that came
-    late or twice does not make a spike. A counter smaller than the previous
+    A rate is what the counters grew by from the oldest sample still in the
+    window to the newest (`_per_second`), over the time between them, so a
+    report that came late or twice does not make a spike. A counter smaller than the previous
     sample means the proxy restarted, and a gap longer than the window since
     the previous sample means nobody looked meanwhile (the caller samples on
     demand): either way the history is dropped and the rate is unknown until
@@ -58,13 +58,13 @@ class WindowMeter(Generic[Sample, Result]):
     def _rates(self, samples: deque[tuple[float, Sample]]) -> Result | None:
         if len(samples) < 2:
             return None
-        (t0, first), (t1, last) = samples[0], samples[-1]
-        return self._per_second(first, last, t1 - t0)
+        return self._per_second(samples, samples[-1][0] - samples[0][0])
 
     def _went_down(self, last: Sample, counts: Sample) -> bool:
         raise NotImplementedError
 
-    def _per_second(self, first: Sample, last: Sample, seconds: float) -> Result:
+    def _per_second(self, samples: deque[tuple[float, Sample]], seconds: float) -> Result:
+        """The rates over the window's `samples` (two or more), `seconds` long."""
         raise NotImplementedError
 
     def retain(self, keys: set[str]) -> None:
@@ -84,7 +84,8 @@ class RateMeter(WindowMeter[Counts, Rates]):
     def _went_down(self, last: Counts, counts: Counts) -> bool:
         return _fell(last, counts)
 
-    def _per_second(self, first: Counts, last: Counts, seconds: float) -> Rates:
+    def _per_second(self, samples: deque[tuple[float, Counts]], seconds: float) -> Rates:
+        first, last = samples[0][1], samples[-1][1]
         return tuple((b - a) / seconds for a, b in zip(first, last, strict=True))
 
 
@@ -100,11 +101,11 @@ class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
     """
 
     def _went_down(self, last: Mapping[str, Counts], counts: Mapping[str, Counts]) -> bool:
-        return False  # per name, in _rates
+        return False  # per name, in _per_second
 
-    def _rates(self, samples: deque[tuple[float, Mapping[str, Counts]]]) -> dict[str, Rates] | None:
-        if len(samples) < 2:
-            return None
+    def _per_second(
+        self, samples: deque[tuple[float, Mapping[str, Counts]]], seconds: float
+    ) -> dict[str, Rates]:
         grown: dict[str, list[int]] = {}
         for (_, before), (_, after) in pairwise(samples):
             for name, now in after.items():
@@ -114,10 +115,4 @@ class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
                 total = grown.setdefault(name, [0] * len(now))
                 for i, (a, b) in enumerate(zip(was, now, strict=True)):
                     total[i] += b - a
-        seconds = samples[-1][0] - samples[0][0]
         return {name: tuple(n / seconds for n in grown[name]) for name in samples[-1][1]}
-
-    def _per_second(
-        self, first: Mapping[str, Counts], last: Mapping[str, Counts], seconds: float
-    ) -> dict[str, Rates]:
-        raise NotImplementedError  # _rates reads every step
