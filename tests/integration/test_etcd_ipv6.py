@@ -11,7 +11,6 @@ machine has no IPv6 loopback.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import socket
@@ -26,6 +25,7 @@ from controlplane.cli import main as pontoctl
 from controlplane.store.etcd import EtcdStore, EtcdTls
 from ponto.devenv import Etcd, EtcdServerTls, free_port, python_entry, spawn, start_etcd
 from ponto.pki import Bundle, make_bundle
+from tests.integration.test_etcd_names import roundtrip as names_roundtrip
 
 pytestmark = pytest.mark.integration
 
@@ -83,20 +83,10 @@ def tls_etcd(workdir: Path) -> Iterator[TlsV6]:
 
 
 async def roundtrip(store: EtcdStore) -> None:
-    """put, get, list, a watch that sees the put, delete: every kind of call."""
+    """Connect, then test_etcd_names' round trip of every kind of call."""
     await store.connect()
     try:
-        start = await store.put(P + "before", b"0")
-        revisions = store.watch(P + "w/", start)
-        try:
-            written = await store.put(P + "w/k", b"v")
-            kv = await store.get(P + "w/k")
-            assert kv is not None and kv.value == b"v"
-            assert [i.key for i in (await store.list(P + "w/")).items] == [P + "w/k"]
-            assert await asyncio.wait_for(anext(revisions), 10) >= written
-            assert await store.delete(P + "w/k")
-        finally:
-            await revisions.aclose()  # type: ignore[attr-defined]
+        await names_roundtrip(store, P)
     finally:
         await store.close()
 

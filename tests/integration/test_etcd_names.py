@@ -98,18 +98,20 @@ async def follow_move(store: EtcdStore, hosts: Path, move_to: dict[str, str]) ->
         await early.aclose()  # type: ignore[attr-defined]
 
 
-async def roundtrip(store: EtcdStore) -> None:
-    start = await store.put(P + "before", b"0")
-    revisions = store.watch(P + "w/", start)
+async def roundtrip(store: EtcdStore, prefix: str = P) -> None:
+    """put, get, list, a watch that sees the put, delete: every kind of call,
+    under `prefix`."""
+    start = await store.put(prefix + "before", b"0")
+    revisions = store.watch(prefix + "w/", start)
     try:
-        written = await store.put(P + "w/k", b"v")
-        kv = await store.get(P + "w/k")
+        written = await store.put(prefix + "w/k", b"v")
+        kv = await store.get(prefix + "w/k")
         assert kv is not None and kv.value == b"v"
-        listing = await store.list(P + "w/")
-        assert [i.key for i in listing.items] == [P + "w/k"]
+        listing = await store.list(prefix + "w/")
+        assert [i.key for i in listing.items] == [prefix + "w/k"]
         seen = await asyncio.wait_for(anext(revisions), 10)
         assert seen >= written
-        assert await store.delete(P + "w/k")
+        assert await store.delete(prefix + "w/k")
     finally:
         await revisions.aclose()  # type: ignore[attr-defined]
 
