@@ -187,6 +187,8 @@ bench: $(STAMP) $(WRK) $(NGINX) $(REDIS)
 	$(PY) -m bench.compare --ponto-workers 2
 	$(PY) -m bench.compare --quick --no-litellm --ponto-features none \
 		--out docs/benchmarks/overhead-defaults.json
+	$(PY) -m bench.record raw-floor "The floor of a Python proxy: raw protocols over aiohttp's parsers" \
+		bench.raw_floor
 	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
 	$(PY) -m bench.record entry-rss "What an exact-cache entry costs in RSS, against its count" \
 		bench.entry_rss
