@@ -158,6 +158,14 @@ def parse(argv: list[str]) -> Settings:
         "(default %(default)s)",
     )
     p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a client that takes no byte of its answer for this long (it stopped "
+        "reading a stream) is cut and its origin request ended (default %(default)s)",
+    )
+    p.add_argument(
         "--max-connections",
         type=int,
         default=0,
@@ -356,6 +364,7 @@ def parse(argv: list[str]) -> Settings:
         ("--header-timeout", a.header_timeout),
         ("--body-timeout", a.body_timeout),
         ("--keepalive-timeout", a.keepalive_timeout),
+        ("--send-timeout", a.send_timeout),
         ("--connect-timeout", a.connect_timeout),
         ("--read-timeout", a.read_timeout),
         ("--deadline", a.deadline),
@@ -458,6 +467,7 @@ def parse(argv: list[str]) -> Settings:
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,
             keepalive_timeout=a.keepalive_timeout,
+            send_timeout=a.send_timeout,
             max_connections=a.max_connections,
             max_connections_per_client=a.max_connections_per_client,
         ),

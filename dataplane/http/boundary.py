@@ -58,8 +58,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     A proxied request (one with an Exchange) is recorded once here in the
     GenAI metrics, and every answer gets its access-log line here, once the
     handler has returned: after a stream's last byte, after settlement. A
-    handler cancelled because its client left (or the server stopped it) is
-    recorded the same way, as status 499 (`cancel_reason`), and the
+    handler cancelled because its client left (or stopped reading, or the
+    server stopped it) is recorded the same way, as status 499 (`cancel_reason`), and the
     cancellation goes on.
     """
     started = time.perf_counter()
@@ -78,7 +78,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # The client left (production runs with handler_cancellation) or the
         # server stopped the handler as it shut down: nobody gets an answer,
         # but the request is still counted and logged, as nginx's 499.
-        error = cancel_reason(app)
+        error = cancel_reason(request)
         if error == "client_disconnected":
             app[METRICS].client_disconnects.inc()
         _record_or_log(
@@ -155,11 +155,15 @@ async def send_whole(request: web.Request, response: web.Response) -> None:
         await response.write_eof()
 
 
-def cancel_reason(app: web.Application) -> str:
-    """The error code of a request whose handler was cancelled: the server
-    stopped it (the app is draining or shutting down, see Draining), or
+def cancel_reason(request: web.Request) -> str:
+    """The error code of a request whose handler was cancelled: its client
+    took no byte of the answer for the edge's send timeout (EdgeProtocol), the
+    server stopped it (the app is draining or shutting down, see Draining), or
     else its client left."""
-    return "cancelled" if app[DRAINING].active else "client_disconnected"
+    protocol = request.protocol
+    if isinstance(protocol, EdgeProtocol) and protocol.send_stalled:
+        return "send_timeout"
+    return "cancelled" if request.app[DRAINING].active else "client_disconnected"
 
 
 def _record(

@@ -12,6 +12,11 @@ subclassed at these points:
   answers 408 (dataplane.http.pipeline.read_body), or closes the connection
   when no handler is reading. A connection with no request under way is
   closed after `keepalive_timeout` (aiohttp's keep-alive timer).
+- `_drain_helper`: a write that waits for the client to take what was sent
+  (the transport's buffer full: the client stopped reading) waits at most
+  `send_timeout`; then the connection is cut and the request's handler
+  cancelled, as when a client leaves (`send_stalled` says why). Nothing is
+  armed for a write that does not wait.
 - `connection_made`: connections are capped, in total and per client address.
   At a cap, the connection that has waited longest for a request (idle or
   with an unfinished head) is closed to make room; only when every
@@ -105,6 +110,8 @@ class EdgeLimits:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keepalive_timeout: float = 15.0
+    # The longest a write waits for the client to take bytes (nginx's send_timeout).
+    send_timeout: float = 30.0
     # 0: sized from the descriptor limit at start (default_max_connections).
     max_connections: int = 0
     # 0: a quarter of max_connections.
@@ -222,6 +229,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_payload",
         "_sent",
         "_unparsed",
+        "send_stalled",
     )
 
     def __init__(self, manager: EdgeServer, **kwargs: Any) -> None:
@@ -240,6 +248,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
         # The answer its handler handed to the transport (send_whole), whose
         # drain finish_response waits for.
         self._sent: web.Response | None = None
+        # The connection was cut because the client took no byte for send_timeout.
+        self.send_stalled = False
 
     # ------------------------------------------------------------ connections
 
@@ -260,6 +270,27 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._deadline.close()
         self._uncount()
         super().connection_lost(exc)
+
+    async def _drain_helper(self) -> None:
+        """aiohttp's wait for a paused transport to drain, for at most the
+        limits' `send_timeout` (see the module docstring)."""
+        if self.transport is None or not self._paused:
+            await super()._drain_helper()  # raises if gone, else returns at once
+            return
+        timer = self._loop.call_later(self._limits.send_timeout, self._send_stalled)
+        try:
+            await super()._drain_helper()
+        finally:
+            timer.cancel()
+
+    def _send_stalled(self) -> None:
+        # Aborting (no lingering close with the unsent bytes) runs
+        # connection_lost, which cancels the handler (handler_cancellation)
+        # and wakes the write with the connection gone.
+        self.send_stalled = True
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
 
     def evict(self) -> None:
         """Close this waiting connection to make room for a new one."""

@@ -371,7 +371,7 @@ async def traced(
         status, error = _answered(ex, exc.status), exc.code or str(exc.status)
         raise
     except asyncio.CancelledError:
-        status, error = CLIENT_CLOSED, cancel_reason(request.app)
+        status, error = CLIENT_CLOSED, cancel_reason(request)
         raise
     except ConnectionResetError:
         status, error = CLIENT_CLOSED, "client_disconnected"

@@ -9,6 +9,7 @@ cancellation on), with a hand-written origin.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -16,7 +17,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from aiohttp import web
@@ -32,6 +33,10 @@ from tests.functional.test_pipeline import KEY, MODEL, table
 # Past the socket buffers (on loopback the kernel's send buffer grows to 4 MB,
 # tcp_wmem): the proxy's write must wait for the client to read.
 BIG = 16 << 20
+
+
+class OriginHandler(Protocol):
+    async def handle(self, request: web.Request) -> web.StreamResponse: ...
 
 
 @dataclass
@@ -85,9 +90,17 @@ Start = Callable[..., Awaitable[Edge]]
 
 @pytest.fixture
 async def start(tmp_path: Path) -> AsyncIterator[Start]:
+    async with edges(tmp_path) as go:
+        yield go
+
+
+@contextlib.asynccontextmanager
+async def edges(tmp_path: Path) -> AsyncIterator[Start]:
+    """Starts the proxy on EdgeRunner before a hand-written origin, with more
+    proxy flags; all of them stopped at the end."""
     cleanup: list[Any] = []
 
-    async def go(origin: Origin, *flags: str) -> Edge:
+    async def go(origin: OriginHandler, *flags: str) -> Edge:
         oapp = web.Application()
         oapp.router.add_post("/v1/chat/completions", origin.handle)
         server = TestServer(oapp)
@@ -115,9 +128,11 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
         return Edge(site._server.sockets[0].getsockname()[1], app)  # type: ignore[union-attr]
 
-    yield go
-    for close in cleanup:
-        await close()
+    try:
+        yield go
+    finally:
+        for close in cleanup:
+            await close()
 
 
 BODY = json.dumps(

@@ -208,7 +208,9 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
     # renames one must fail here, not in production.
     slots = {s for cls in EdgeProtocol.__mro__ for s in getattr(cls, "__slots__", ())}
     used = {"_messages", "_request_count", "_request_in_progress", "_waiter", "_manager"}
-    assert used | {"_close", "_force_close"} <= slots
+    assert used | {"_close", "_force_close", "_paused"} <= slots
+    # The send timeout wraps the base protocol's wait for a drain.
+    assert callable(web_protocol.RequestHandler._drain_helper)
     assert web_protocol._ErrInfo(status=400, exc=BadHttpMessage("x"), message="x").status == 400
     # EdgeProtocol.start is aiohttp 3.14's loop without the task per request:
     # what it reads of the protocol, and the module names it uses.
@@ -280,16 +282,18 @@ def test_edge_flags_are_parsed_and_checked() -> None:
             "--header-timeout=2",
             "--body-timeout=3",
             "--keepalive-timeout=4",
+            "--send-timeout=5",
             "--max-connections=100",
             "--max-connections-per-client=10",
         ]
     )
     e = s.edge
-    assert (e.header_timeout, e.body_timeout, e.keepalive_timeout) == (2, 3, 4)
+    assert (e.header_timeout, e.body_timeout, e.keepalive_timeout, e.send_timeout) == (2, 3, 4, 5)
     assert (e.max_connections, e.max_connections_per_client) == (100, 10)
     for bad in (
         ["--header-timeout=0"],
         ["--body-timeout=-1"],
+        ["--send-timeout=0"],
         ["--max-connections=-1"],
         ["--max-connections=5", "--max-connections-per-client=6"],
     ):
