@@ -69,13 +69,17 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
     await runner.setup()
     site: web.BaseSite
-    if slot is None:
-        site = web.TCPSite(
-            runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG
-        )
-        await site.start()
-    else:
-        site = await workers.start_sites(runner, settings)
+    try:
+        if slot is None:
+            site = web.TCPSite(
+                runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG
+            )
+            await site.start()
+        else:
+            site = await workers.start_sites(runner, settings)
+    except OSError as exc:
+        await runner.cleanup()
+        raise workers.ListenError.of(settings.listen_host, settings.listen_port, exc) from exc
     server = site._server
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -83,7 +87,11 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     tune_gc()
     log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
     app[CLIENT].set_address(address)
-    metrics_runner = await serve_metrics(app, settings)
+    try:
+        metrics_runner = await serve_metrics(app, settings)
+    except workers.ListenError:
+        await runner.cleanup()
+        raise
     if settings.ready_file:
         write_atomic(settings.ready_file, address.encode())
     stop = asyncio.Event()
@@ -117,13 +125,18 @@ async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunn
     await runner.setup()
     host, port = settings.metrics_listen
     site: web.BaseSite
-    if slot is None:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-    else:
-        site = await workers.start_sites(
-            runner, settings, address=settings.metrics_listen, sockets=workers.metrics_socket_path
-        )
+    try:
+        if slot is None:
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+        else:
+            site = await workers.start_sites(
+                runner, settings, address=settings.metrics_listen,
+                sockets=workers.metrics_socket_path,
+            )  # fmt: skip
+    except OSError as exc:
+        await runner.cleanup()
+        raise workers.ListenError.of(host, port, exc) from exc
     server = site._server
     assert server is not None
     bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -175,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     slot = settings.worker
     setup_logging(settings.log_level, tag=f"w{slot.index}" if slot else "")
-    if settings.workers > 1 and slot is None:
-        return workers.supervise(settings, args)
-    uvloop.run(serve(settings, tracing))
+    try:
+        if settings.workers > 1 and slot is None:
+            return workers.supervise(settings, args)
+        uvloop.run(serve(settings, tracing))
+    except workers.ListenError as exc:
+        sys.stderr.write(f"ponto-proxy: error: {exc}\n")
+        return 1
     return 0
 
 

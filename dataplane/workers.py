@@ -100,6 +100,16 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return _bound(host, port, reuse_port=True)
 
 
+class ListenError(Exception):
+    """An address the proxy cannot listen on; the message names it and says why."""
+
+    @classmethod
+    def of(cls, host: str, port: int, exc: OSError) -> ListenError:
+        # The event loop's own message repeats the address: the errno's text alone.
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        return cls(f"cannot listen on {hostport(host, port)}: {why}")
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """The supervisor's hold on host:port (port 0: a free port, chosen once).
 
@@ -107,10 +117,14 @@ def reserve_port(host: str, port: int) -> socket.socket:
     listens there: SO_REUSEPORT alone would let a second group started on the
     same port by the same user share it silently. The socket returned never
     listens, so it takes no connections; it keeps the port while workers restart.
+    Raises ListenError when the address cannot be bound.
     """
-    with _bound(host, port, reuse_port=False) as probe:
-        port = probe.getsockname()[1]
-    return reuseport_socket(host, port)
+    try:
+        with _bound(host, port, reuse_port=False) as probe:
+            port = probe.getsockname()[1]
+        return reuseport_socket(host, port)
+    except OSError as exc:
+        raise ListenError.of(host, port, exc) from exc
 
 
 def _bound(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -437,7 +451,11 @@ class Supervisor:
             loop.add_signal_handler(sig, self.stopping.set)
         holder = reserve_port(s.listen_host, s.listen_port)
         # Held like the main port, so a worker restarted on port 0 gets the same one.
-        metrics_holder = reserve_port(*s.metrics_listen) if s.metrics_listen else None
+        try:
+            metrics_holder = reserve_port(*s.metrics_listen) if s.metrics_listen else None
+        except ListenError:
+            holder.close()
+            raise
         run_dir = Path(tempfile.mkdtemp(prefix="ponto-proxy-"))
         lifeline, keep_alive = os.pipe()
         try:

@@ -142,12 +142,32 @@ def test_the_port_is_held_once_and_shared() -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass
         # A second group on the same port is refused, as a second proxy is.
-        with pytest.raises(OSError) as exc:
+        with pytest.raises(workers.ListenError) as exc:
             workers.reserve_port("127.0.0.1", port)
-        assert exc.value.errno == errno.EADDRINUSE
+        assert str(exc.value) == f"cannot listen on 127.0.0.1:{port}: Address already in use"
+        assert isinstance(exc.value.__cause__, OSError)
+        assert exc.value.__cause__.errno == errno.EADDRINUSE
     finally:
         for s in (holder, *listeners):
             s.close()
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_port_in_use_is_one_line_and_exit_1(count: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "dataplane", *BASE, "--workers", count,
+             "--listen", f"127.0.0.1:{port}", "--log-level", "WARNING"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"ponto-proxy: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in out.stderr
 
 
 # ---------------------------------------------------------------- the supervisor
