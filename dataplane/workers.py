@@ -67,8 +67,9 @@ WORKER_HEADER = "x-ponto-worker"
 # event loop is stuck, and so are the requests it holds.
 SIBLING_TIMEOUT_S = 1.0
 # After SIGTERM a worker drains for --drain-seconds, then aiohttp gives in-flight
-# requests up to 60 s; a worker still running after that is killed.
-SHUTDOWN_GRACE_S = 65.0
+# requests up to 60 s, and its clean-up (the control-plane link, the saved
+# state, the logs) follows; a worker still running 15 s after that is killed.
+SHUTDOWN_GRACE_S = 75.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -379,7 +380,7 @@ class RestartPolicy:
 
     def delay(self, failures: int) -> float | None:
         """Seconds before restarting after `failures` failures in a row, or None."""
-        if failures > self.max_failures:
+        if failures >= self.max_failures:
             return None
         return min(self.max_delay, self.first_delay * 2.0 ** (failures - 1))
 
