@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import functools
 import json
+import shlex
 import shutil
 import signal
 import socket
@@ -144,6 +145,34 @@ def regional_cache_hint(fleet: Fleet) -> list[str]:
     ]
 
 
+OWN_PROXY = "proxy-mine"
+
+
+def own_proxy_command(fleet: Fleet, port: int) -> list[str]:
+    """A proxy of the first proxy's region on `port`, named OWN_PROXY: the
+    first proxy's own command line (the control planes, certificates and
+    bootstrap token, the GeoIP database, the region's Redis), with its name,
+    address and state directory changed and no ready file."""
+    first = fleet.proxies[next(iter(fleet.proxies))]
+    argv = first.argv[3:]  # after `python -m dataplane`
+    changed = {"--listen": f"127.0.0.1:{port}", "--name": OWN_PROXY,
+               "--state-dir": str(fleet.workdir / f"{OWN_PROXY}-state")}  # fmt: skip
+    own = [str(Path(sys.executable).with_name("ponto-proxy"))]
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
+        if flag != "--ready-file":
+            own += [flag, changed.get(flag, value)]
+    return own
+
+
+def own_proxy_hint(fleet: Fleet) -> list[str]:
+    port = _preferred(8099) or devenv.free_port()
+    return [
+        "Add a proxy of your own, in another terminal (Ctrl-C stops it; it registers",
+        "with the control plane and serves its region's table like the demo's own):",
+        f"  {shlex.join(own_proxy_command(fleet, port))}",
+    ]
+
+
 NO_REDIS = (
     "redis-server not found: each proxy keeps a cache of its own (install it with "
     "`sudo apt-get install redis-server` for a cache shared by a region's proxies)."
@@ -224,6 +253,8 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         "  .venv/bin/pontoctl get audit      # who changed what, when, from where",
         "  (once a key exists, requests need 'Authorization: Bearer <key>')",
         *failover_hint(fleet, first),
+        "",
+        *own_proxy_hint(fleet),
         "",
         f"Logs are in {fleet.workdir}"
         + (" (removed on exit; --workdir DIR keeps them)." if logs_removed else "."),

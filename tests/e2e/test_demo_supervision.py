@@ -5,6 +5,7 @@ origins, two proxies, and with redis-server a third proxy and the regions' cache
 in a process of its own) and reads its console: run the curl lines it prints for
 users in three places and see three regions answer, and its regional-cache lines
 and see the second us-east proxy answer from the region's cache,
+run the line it prints to add a proxy of one's own and see it answer,
 kill an origin, watch failover, see it come back. The second runs the demo's supervisor
 over a small fleet: kills the members that hold state, and keeps a member from
 starting until its port is free.
@@ -151,6 +152,44 @@ def cache_lines(demo: Demo) -> list[tuple[str, str]]:
     return lines
 
 
+def own_proxy_line(demo: Demo) -> str:
+    """The banner's command that adds a proxy of one's own."""
+    for intro, _, line in zip(demo.seen, demo.seen[1:], demo.seen[2:], strict=False):
+        if intro.startswith("Add a proxy of your own"):
+            return line.strip()
+    raise AssertionError(demo.seen)
+
+
+def run_own_proxy(line: str) -> None:
+    """Run the banner's add-a-proxy line as a user pastes it, see it answer as
+    a proxy of its region, and stop it with Ctrl-C."""
+    port = int(re.findall(r"--listen 127\.0\.0\.1:(\d+)", line)[0])
+    # A process group of its own: Ctrl-C reaches the proxy, not only bash.
+    proc = subprocess.Popen(
+        ["bash", "-c", f"exec {line}"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT,
+                               headers=NO_CACHE, timeout=10)  # fmt: skip
+                if r.status_code == 200:
+                    break
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the added proxy never answered"
+            time.sleep(0.2)
+        assert r.headers["x-ponto-region"] == "us-east"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+
+
 def run_line(line: str) -> str:
     return subprocess.run(
         ["bash", "-c", f"set -o pipefail; {line}"],
@@ -199,6 +238,7 @@ def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays
     else:
         assert [line for line in demo.seen if line.startswith("redis-server not found")]
     assert {"proxy-us-east", "origin-us-east", "control-1", "etcd"} <= members.keys()
+    run_own_proxy(own_proxy_line(demo))
     origin, origin_pid = members["origin-us-east"]
     proxy = members["proxy-us-east"][0]
     assert chat(proxy).headers["x-ponto-origin"] == "origin-us-east"
