@@ -197,6 +197,11 @@ class ControlPlane:
             asyncio.create_task(self.loads.watch(), name="origin-loads"),
             asyncio.create_task(self.status.run(), name="health-status"),
         ]
+        if self.settings.http_listen:
+            # The page's rates are measured whether or not anyone views it.
+            self._tasks.append(
+                asyncio.create_task(self.web.sample_forever(), name="status-page-rates")
+            )
         security = self.settings.security
         host = self.settings.listen.rsplit(":", 1)[0]
         log.info(

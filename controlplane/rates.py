@@ -24,9 +24,11 @@ class WindowMeter(Generic[Sample, Result]):
     window to the newest (`_per_second`), over the time between them, so a
     report that came late or twice does not make a spike. A counter smaller than the previous
     sample means the proxy restarted, and a gap longer than the window since
-    the previous sample means nobody looked meanwhile (the caller samples on
-    demand): either way the history is dropped and the rate is unknown until
-    the next sample, never negative nor an average over the gap. Callers key
+    the previous sample means the caller could not sample meanwhile (the
+    status page samples every few seconds, viewed or not; etcd was away):
+    either way the history is dropped and the rate is unknown until the next
+    sample, never negative nor an average over the gap. A key's first sample
+    is where its rates start: unknown until the next. Callers key
     by one connection of a proxy (name and session), so a restarted proxy
     starts afresh even once its new counters pass the old ones. Used from one
     event loop.

@@ -42,6 +42,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -75,6 +76,10 @@ STATIC = Path(__file__).with_name("static")
 # replica writes reports every TRAFFIC_EVERY seconds when they change, so this
 # is also the rates' window: a few reports.
 STALE_AFTER = 3 * TRAFFIC_EVERY
+# How often the replica samples the proxies' reports for the rates, viewed or
+# not (StatusWeb.sample_forever): twice per TRAFFIC_EVERY, so every report a
+# replica writes is read before the next replaces it.
+SAMPLE_EVERY = TRAFFIC_EVERY / 2
 # The header every write must carry (see the module docstring).
 REQUEST_HEADER = "X-Ponto-Request"
 # /api/status is built at most this often; more viewers read the same answer.
@@ -176,6 +181,7 @@ class StatusWeb:
         metrics: Exposition | None = None,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._catalog = catalog
         self._publisher = publisher
@@ -187,6 +193,7 @@ class StatusWeb:
         self._metrics = metrics
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
+        self._sleep = sleep  # sample_forever's, between samples
         self._meter = RateMeter(window=STALE_AFTER)
         # Per proxy connection, its tenants' limit refusals and slot waits.
         self._limits = NamedRateMeter(window=STALE_AFTER)
@@ -314,7 +321,8 @@ class StatusWeb:
         and drains from the latest table this replica compiled (none before its
         first), proxies and replicas read from etcd, and the tenants whose
         requests the proxies' rate limits refused or held for a slot over the
-        rates' window (`_tenant_row`)."""
+        rates' window (`_tenant_row`). Reading the proxies is a sample of their
+        reports too (`sample`)."""
         proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
         replicas, leader = await self._catalog.list_replicas()
         latest = self._publisher.latest
@@ -322,39 +330,10 @@ class StatusWeb:
         latest_version = latest.version if latest else 0
         scraped = self._loads()
         loads = {load.origin: load for load in scraped.loads} if scraped else {}
-        self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
-        self._limits.retain({_connection(p) for p in proxies})
-        names = [r.name for r in table.regions]
-        region_rates: dict[str, list[float]] = {}
-        served_rates: dict[str, list[float]] = {}
-        tenant_rates: dict[str, list[float]] = {}
+        rates = self._measure(proxies, [r.name for r in table.regions], now)
         region_proxies: dict[str, int] = {}
-        proxy_rows = []
         for p in proxies:
             region_proxies[p.region] = region_proxies.get(p.region, 0) + 1
-            counts = (p.requests, p.server_errors, p.client_errors)
-            rates = self._rates(self._meter, _connection(p), p, counts, now, (0.0,) * 3)
-            if rates is not None:
-                total = region_rates.setdefault(p.region, [0.0, 0.0, 0.0])
-                for i, rate in enumerate(rates):
-                    total[i] += rate
-            # One sample of every region of the table, so a region a proxy
-            # starts sending to counts from 0, not from its first report.
-            served = {region: (n, errors) for region, n, errors in p.served}
-            flat = tuple(c for name in names for c in served.get(name, (0, 0)))
-            rates = self._rates(self._meter, _served_key(p), p, flat, now, (0.0,) * len(flat))
-            if rates is not None:
-                for i, name in enumerate(names):
-                    total = served_rates.setdefault(name, [0.0, 0.0])
-                    total[0] += rates[2 * i]
-                    total[1] += rates[2 * i + 1]
-            limited = {tenant: (n, waits) for tenant, n, waits in p.limited}
-            by_tenant = self._rates(self._limits, _connection(p), p, limited, now, {})
-            for tenant, (refused, waited) in (by_tenant or {}).items():
-                total = tenant_rates.setdefault(tenant, [0.0, 0.0])
-                total[0] += refused
-                total[1] += waited
-            proxy_rows.append(_proxy_row(p, latest_version, now))
         origins: dict[str, list[pb.Origin]] = {}
         for o in table.origins:
             origins.setdefault(o.region, []).append(o)
@@ -372,19 +351,86 @@ class StatusWeb:
                     r,
                     origins.get(r.name, []),
                     loads,
-                    region_rates.get(r.name),
-                    served_rates.get(r.name),
+                    rates.arrived.get(r.name),
+                    rates.served.get(r.name),
                     region_proxies.get(r.name, 0),
                 )
                 for r in table.regions
             ],
-            "proxies": proxy_rows,
+            "proxies": [_proxy_row(p, latest_version, now) for p in proxies],
             "tenants": [
-                _tenant_row(name, rates, tenant_limits.get(name))
-                for name, rates in sorted(tenant_rates.items())
-                if any(rates)
+                _tenant_row(name, tenant, tenant_limits.get(name))
+                for name, tenant in sorted(rates.tenants.items())
+                if any(rate != 0.0 for rate in tenant)  # unknown (None) included
             ],
         }
+
+    async def sample(self, now: float) -> None:
+        """Read the proxies' reports from etcd and feed them to the rates'
+        meters as of `now` (Unix time), as a page view does. May raise
+        ControlPlaneError (etcd unavailable)."""
+        latest = self._publisher.latest
+        names = [r.name for r in latest.table.regions] if latest else []
+        self._measure(await self._catalog.list_proxies(), names, now)
+
+    async def sample_forever(self, every: float = SAMPLE_EVERY) -> None:
+        """`sample` every `every` seconds until cancelled, whether or not
+        anyone views the page: a meter measures from the samples it has, so
+        one fed only by page views would measure from the first view (a burst
+        before it, or before the window since the last view, counted nowhere).
+        Fed every SAMPLE_EVERY, its window holds every report of the last
+        STALE_AFTER seconds whenever the page is opened. A failed read is
+        logged when reads start failing and when they work again."""
+        failing = False
+        while True:
+            await self._sleep(every)
+            try:
+                await self.sample(self._clock())
+            except ControlPlaneError as exc:
+                if not failing:
+                    log.warning("status page rates: cannot read the proxies' reports: %s", exc)
+                failing = True
+                continue
+            except Exception:  # a bug here must not stop the rates for good
+                log.exception("status page rates: sampling failed")
+                failing = True
+                continue
+            if failing:
+                log.info("status page rates: reading the proxies' reports again")
+            failing = False
+
+    def _measure(self, proxies: list[ProxyRecord], regions: list[str], now: float) -> _Rates:
+        """Feed each proxy's last report to the meters as of `now`, and sum
+        their rates by region (`regions`: the table's) and tenant; meters of
+        proxy connections no longer listed are forgotten."""
+        self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
+        self._limits.retain({_connection(p) for p in proxies})
+        out = _Rates()
+        for p in proxies:
+            counts = (p.requests, p.server_errors, p.client_errors)
+            rates = self._rates(self._meter, _connection(p), p, counts, now, (0.0,) * 3)
+            if rates is not None:
+                total = out.arrived.setdefault(p.region, [0.0, 0.0, 0.0])
+                for i, rate in enumerate(rates):
+                    total[i] += rate
+            # One sample of every region of the table, so a region a proxy
+            # starts sending to counts from 0, not from its first report.
+            served = {region: (n, errors) for region, n, errors in p.served}
+            flat = tuple(c for name in regions for c in served.get(name, (0, 0)))
+            rates = self._rates(self._meter, _served_key(p), p, flat, now, (0.0,) * len(flat))
+            if rates is not None:
+                for i, name in enumerate(regions):
+                    total = out.served.setdefault(name, [0.0, 0.0])
+                    total[0] += rates[2 * i]
+                    total[1] += rates[2 * i + 1]
+            limited = {tenant: (n, waits) for tenant, n, waits in p.limited}
+            by_tenant = self._rates(self._limits, _connection(p), p, limited, now, {})
+            for tenant, held in (_unknown(limited) if by_tenant is None else by_tenant).items():
+                total_held = out.tenants.setdefault(tenant, [0.0, 0.0])
+                for i, one in enumerate(held):
+                    was = total_held[i]
+                    total_held[i] = None if was is None or one is None else was + one
+        return out
 
     @staticmethod
     def _rates(
@@ -610,12 +656,35 @@ def _region_row(
     }
 
 
-def _tenant_row(name: str, rates: list[float], limits: pb.Limits | None) -> dict[str, Any]:
+@dataclass
+class _Rates:
+    """The fleet's rates as of one sample, summed over its proxies: by region
+    the requests that arrived there (requests, 5xx, 4xx per second) and that
+    it served (requests, errors), from the proxies whose rates are known; by
+    tenant those refused by a rate limit and held for a slot, None where a
+    proxy counted some whose rate is unknown (`_unknown`)."""
+
+    arrived: dict[str, list[float]] = field(default_factory=dict)
+    served: dict[str, list[float]] = field(default_factory=dict)
+    tenants: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+def _unknown(limited: dict[str, tuple[int, int]]) -> dict[str, tuple[float | None, ...]]:
+    """The tenant rates of a proxy's report whose rates are unknown (the
+    first this replica read of its connection: when its counts grew is not
+    known): unknown where it counted some, 0 where it counted none since it
+    started (a tenant it refused but never held for a slot, say)."""
+    return {tenant: tuple(None if n else 0.0 for n in counts) for tenant, counts in limited.items()}
+
+
+def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) -> dict[str, Any]:
     """A tenant some limit held back, summed over the proxies: requests per
     second refused by a rate limit (a 429, or a 400 for an estimate above
     its tokens per minute; after a slot wait too) and held for a concurrency
     slot (admitted after the wait or not), by the tenant's limits or its
-    keys'. `limits`: the tenant's own, as the table has them (0: none)."""
+    keys'; None while unknown (a proxy just connected, or this replica just
+    started, and counted some). `limits`: the tenant's own, as the table has
+    them (0: none)."""
     return {
         "name": name,
         "refused_per_s": rates[0],

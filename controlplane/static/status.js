@@ -33,9 +33,21 @@ function rate(value) {
   return value === null || value === undefined ? "–" : value.toFixed(value < 10 ? 1 : 0);
 }
 
-// A rate that may be small (a refusal now and then): two decimals below 1/s.
+// A rate that may be small (a refusal now and then): two decimals below 1/s;
+// a dash while unknown.
 function fineRate(value) {
-  return value < 1 ? value.toFixed(2) : rate(value);
+  if (value === null || value === undefined) return "–";
+  return `${value < 1 ? value.toFixed(2) : rate(value)}/s`;
+}
+
+// The title of a tenant's rate while it is unknown.
+const UNKNOWN_RATE = "not known yet: a proxy counted some before this replica first read "
+  + "its reports (it just connected, or the replica just started); known with its next report";
+
+function limitCell(value, attrs) {
+  const unknown = value === null || value === undefined;
+  return el("td", unknown ? { ...attrs, class: "unknown", title: UNKNOWN_RATE } : attrs,
+    fineRate(value));
 }
 
 function percent(value) {
@@ -165,8 +177,8 @@ function tenantLimits(t) {
 function renderLimits(tenants) {
   const rows = tenants.map((t) => el("tr", { "data-tenant": t.name },
     el("td", {}, t.name),
-    el("td", { class: t.refused_per_s ? "refused" : "" }, `${fineRate(t.refused_per_s)}/s`),
-    el("td", {}, `${fineRate(t.slot_waits_per_s)}/s`),
+    limitCell(t.refused_per_s, { class: t.refused_per_s ? "refused" : "" }),
+    limitCell(t.slot_waits_per_s, {}),
     el("td", {}, tenantLimits(t))));
   document.querySelector("#limits tbody").replaceChildren(...rows);
   document.getElementById("limits").hidden = !rows.length;

@@ -5,6 +5,7 @@ Chromium driven by selenium. One browser for the module."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import cast
 
@@ -17,6 +18,8 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from controlplane.cli import main as pontoctl
+from controlplane.registry import TRAFFIC_EVERY
+from controlplane.web import STALE_AFTER
 from ponto.routetable import OPEN_TENANT
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -151,40 +154,71 @@ def limits_row(browser: webdriver.Chrome, tenant: str) -> list[str]:
         return []
 
 
+def put_default(system: StatusFleet, limits: pb.Limits) -> None:
+    """Give the default tenant `limits`; return once every proxy serves them."""
+    fleet = system.fleet
+    tenant = pb.Tenant(name=OPEN_TENANT, limits=limits)
+    fleet.admin().PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=True), timeout=10)
+    fleet.wait_proxies_at(
+        fleet.wait_table(
+            lambda t: any(x.name == OPEN_TENANT and x.limits == limits for x in t.tenants)
+        )
+    )
+
+
+def refuse_some(system: StatusFleet) -> None:
+    """Requests of the default tenant at proxy-us-east, some refused (429)."""
+    url = system.fleet.proxy_url("proxy-us-east") + "/chat/completions"
+    codes = [httpx.post(url, json=BODY, timeout=10).status_code for _ in range(10)]
+    assert 429 in codes
+
+
+def refusals_shown(driver: webdriver.Chrome) -> bool:
+    """Whether the default tenant's row shows a refusal rate above 0 (not a dash)."""
+    cells = limits_row(driver, OPEN_TENANT)
+    if len(cells) != 4 or not cells[1].endswith("/s"):
+        return False
+    return float(cells[1].removesuffix("/s")) > 0
+
+
 def test_a_tenant_held_back_by_its_limit_shows_its_refusals(
     page: webdriver.Chrome, system: StatusFleet
 ) -> None:
     """The fleet is open (no keys): requests are the default tenant's. A limit
     on it refuses a burst at proxy-us-east; the proxy reports the refusals
     and the page lists the tenant with a refusal rate and its limits."""
-    fleet = system.fleet
-    admin = fleet.admin()
-
-    def put_default(limits: pb.Limits) -> None:
-        tenant = pb.Tenant(name=OPEN_TENANT, limits=limits)
-        admin.PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=True), timeout=10)
-        fleet.wait_proxies_at(
-            fleet.wait_table(
-                lambda t: any(x.name == OPEN_TENANT and x.limits == limits for x in t.tenants)
-            )
-        )
-
     assert limits_row(page, OPEN_TENANT) == []
-    put_default(pb.Limits(rpm=2))
+    put_default(system, pb.Limits(rpm=2))
     try:
-        url = fleet.proxy_url("proxy-us-east") + "/chat/completions"
-        codes = [httpx.post(url, json=BODY, timeout=10).status_code for _ in range(10)]
-        assert 429 in codes
-
-        def refusals_shown(driver: webdriver.Chrome) -> bool:
-            cells = limits_row(driver, OPEN_TENANT)
-            return len(cells) == 4 and float(cells[1].removesuffix("/s")) > 0
-
+        refuse_some(system)
         wait(page, refusals_shown, "the default tenant's refusals never shown")
         name, _, waits, limits = limits_row(page, OPEN_TENANT)
         assert (name, waits, limits) == (OPEN_TENANT, "0.00/s", "2 req/min")
     finally:
-        put_default(pb.Limits())
+        put_default(system, pb.Limits())
+    assert served_region(system, "proxy-us-east")  # open again for the tests after
+
+
+def test_refusals_while_nobody_viewed_the_page_show_when_it_is_opened(
+    browser: webdriver.Chrome, system: StatusFleet
+) -> None:
+    """The operator's trial: refusals while no page was open, and the page
+    opened seconds after them. The replica sampled the proxies' reports
+    meanwhile, so the page shows them at once. The waits are real time: the
+    page must have been closed for longer than the rates' window before the
+    burst, so that no sample a view took is left in it."""
+    browser.get("about:blank")  # nobody views the page from here on
+    put_default(system, pb.Limits(rpm=2))
+    try:
+        time.sleep(STALE_AFTER + 1.0)
+        refuse_some(system)
+        # Reported within a second, written to etcd within TRAFFIC_EVERY.
+        time.sleep(TRAFFIC_EVERY + 1.0)
+        browser.get(system.page)
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
+        wait(browser, refusals_shown, "refusals made while nobody viewed the page never shown")
+    finally:
+        put_default(system, pb.Limits())
     assert served_region(system, "proxy-us-east")  # open again for the tests after
 
 
@@ -342,6 +376,20 @@ def test_limits_show_small_rates_finely_and_say_when_nobody_is_held_back(
         {**FAKE_STATUS, "tenants": []},
     )
     assert quiet == [True, False]
+    # A rate not known yet (a proxy just connected and counted some) is a
+    # dash with the reason on hover, and the table does not say "none".
+    unknown = {**cast(list[dict[str, object]], FAKE_STATUS["tenants"])[0], "refused_per_s": None}
+    shown = page.execute_script(
+        "render(arguments[0]);"
+        "const cells = document.querySelectorAll('#limits tbody td');"
+        "return [Array.from(cells, (td) => td.textContent), cells[1].title,"
+        " document.getElementById('limits').hidden,"
+        " document.getElementById('limits-none').hidden];",
+        {**FAKE_STATUS, "tenants": [unknown]},
+    )
+    assert shown[0] == [HOSTILE, "\u2013", "2.5/s", "600 tokens/min · 4 at once"]  # a dash
+    assert "not known yet" in shown[1]
+    assert shown[2:] == [False, True]
 
 
 def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> None:

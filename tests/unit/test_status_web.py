@@ -26,7 +26,7 @@ from controlplane.errors import Unavailable
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, Tenant
 from controlplane.settings import parse
-from controlplane.store import Listing
+from controlplane.store import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from controlplane.web import StatusWeb
 from ponto.pki import make_bundle
@@ -83,8 +83,11 @@ class CountingStore(MemoryStore):
         super().__init__()
         self.lists: Counter[str] = Counter()
         self.gate: asyncio.Event | None = None
+        self.failing = False  # range reads raise StoreUnavailable
 
     async def list(self, prefix: str) -> Listing:
+        if self.failing:
+            raise StoreUnavailable("etcd is away")
         self.lists[prefix] += 1
         if self.gate is not None:
             await self.gate.wait()
@@ -641,7 +644,12 @@ async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
         tenants: list[dict[str, Any]] = (await web.status(at))["tenants"]
         return tenants
 
-    assert await report(1_000.0, {}, {"acme": (2, 0)}) == []  # one sample: no rate yet
+    # One sample: p-us's 2 refusals have no rate yet, which the page says
+    # (a dash), not that nobody was refused; it counted no slot wait at all.
+    assert [
+        (t["name"], t["refused_per_s"], t["slot_waits_per_s"])
+        for t in await report(1_000.0, {}, {"acme": (2, 0)})
+    ] == [("acme", None, 0.0)]
     # Both proxies held acme back; beta (no longer in the table) first at p-eu,
     # so counted from the report before, when p-eu had nothing of it.
     tenants = await report(1_005.0, {"acme": (5, 5), "beta": (1, 0)}, {"acme": (12, 5)})
@@ -724,6 +732,125 @@ async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
     await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {}, {})}, plane.lease)
     (rate,) = await view(1_061.0)
     assert rate is not None and rate > 0
+
+
+async def unviewed(plane: Plane, reports: dict[float, Limited], until: float) -> StatusWeb:
+    """A StatusWeb whose sampler (sample_forever) ran from the clock's time
+    to `until`, nobody viewing the page, while p-eu's replica wrote `reports`
+    (heard at -> p-eu's tenant counts) as they fell due. Time passes in the
+    sampler's sleeps: nothing sleeps."""
+    assert max(reports) <= until
+    due = sorted(reports.items())
+    stopped = asyncio.Event()
+
+    async def written_until(now: float) -> None:
+        plane.clock.now = now
+        while due and due[0][0] <= now:
+            at, limited = due.pop(0)
+            await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, at, {}, limited)}, plane.lease)
+
+    async def sleep(seconds: float) -> None:
+        if plane.clock.now + seconds > until:
+            stopped.set()
+            await asyncio.Event().wait()  # until cancelled
+        await written_until(plane.clock.now + seconds)
+
+    web = web_of(plane, sleep=sleep)
+    sampler = asyncio.create_task(web.sample_forever())
+    await stopped.wait()
+    sampler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sampler
+    await written_until(until)
+    return web
+
+
+def limits_of(status: dict[str, Any]) -> dict[str, tuple[float | None, float | None]]:
+    return {t["name"]: (t["refused_per_s"], t["slot_waits_per_s"]) for t in status["tenants"]}
+
+
+async def test_a_burst_nobody_viewed_shows_when_the_page_is_opened_after_it(
+    plane: Plane,
+) -> None:
+    """The operator's trial: 39 refusals of acme, reported in two writes; the
+    page opened 6 s after the last. Every report was a sample, viewed or not."""
+    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {})}, plane.lease)
+    burst: dict[float, Limited] = {1_031.0: {"acme": (20, 0)}, 1_035.0: {"acme": (39, 0)}}
+    web = await unviewed(plane, burst, until=1_041.0)
+    # From the quiet sample at the window's start (1_020.0) to the last report.
+    assert limits_of(await web.status(1_041.0)) == {"acme": (39 / 15, 0.0)}
+    # A replica that had not sampled them (just started) cannot tell when they
+    # came: it says the rate is unknown, not that nobody was refused.
+    assert limits_of(await web_of(plane).status(1_041.0)) == {"acme": (None, 0.0)}
+
+
+async def test_a_page_opened_at_the_end_of_a_burst_counts_all_of_it(plane: Plane) -> None:
+    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {})}, plane.lease)
+    burst: dict[float, Limited] = {
+        1_031.0: {"acme": (10, 2)},
+        1_036.0: {"acme": (25, 4)},
+        1_041.0: {"acme": (39, 6)},
+    }
+    web = await unviewed(plane, burst, until=1_041.0)
+    # The first view sees the last report: all 39 refusals and 6 waits since
+    # the quiet sample kept at the window's start (1_020.0), none as a baseline.
+    assert limits_of(await web.status(1_041.0)) == {"acme": (39 / 21, 6 / 21)}
+
+
+async def test_a_tenant_a_known_proxy_first_reports_counts_from_zero(plane: Plane) -> None:
+    """A proxy's first report to a running replica is its baseline (it may have
+    reconnected here with counts from before, see
+    test_a_restarted_proxy_starts_its_rates_afresh); a tenant it first
+    reports later was limited since its report before."""
+    await plane.catalog.put_traffic(
+        "r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {"old": (7, 0)})}, plane.lease
+    )
+    web = await unviewed(plane, {1_004.0: {"old": (7, 0), "new": (8, 0)}}, until=1_005.0)
+    assert limits_of(await web.status(1_005.0)) == {"new": (2.0, 0.0)}
+
+
+async def test_the_sampler_says_once_that_it_cannot_read_and_once_that_it_can(
+    plane: Plane, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = plane.catalog.store
+    assert isinstance(store, CountingStore)
+    outcomes = iter([False, True, True, False, True, True, False])
+    done = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        try:
+            store.failing = next(outcomes)
+        except StopIteration:
+            done.set()
+            await asyncio.Event().wait()
+
+    web = web_of(plane, sleep=sleep)
+    caplog.set_level(logging.DEBUG, logger="controlplane.web")
+    sampler = asyncio.create_task(web.sample_forever())
+    await done.wait()
+    sampler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sampler
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == ["WARNING", "INFO", "WARNING", "INFO"]
+    assert "cannot read the proxies' reports: state store unavailable" in lines[0][1]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+async def test_with_the_page_on_the_replica_samples_whether_or_not_anyone_views_it() -> None:
+    settings = parse(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--id", "r1"])
+    plane = ControlPlane(settings, MemoryStore())
+    await plane.start()
+    try:
+        assert "status-page-rates" in {task.get_name() for task in plane._tasks}
+    finally:
+        await plane.stop(grace=0)
+    plane = ControlPlane(parse(["--listen", "127.0.0.1:0", "--id", "r1"]), MemoryStore())
+    await plane.start()
+    try:
+        assert "status-page-rates" not in {task.get_name() for task in plane._tasks}
+    finally:
+        await plane.stop(grace=0)
 
 
 @pytest.mark.parametrize(
