@@ -681,10 +681,10 @@ def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) 
     """A tenant some limit held back, summed over the proxies: requests per
     second refused by a rate limit (a 429, or a 400 for an estimate above
     its tokens per minute; after a slot wait too) and held for a concurrency
-    slot (admitted after the wait or not), by the tenant's limits or its
-    keys'; None while unknown (a proxy just connected, or this replica just
-    started, and counted some). `limits`: the tenant's own, as the table has
-    them (0: none)."""
+    slot (however the wait ended: admitted, refused, or abandoned by its
+    client), by the tenant's limits or its keys'; None while unknown (a
+    proxy just connected, or this replica just started, and counted some).
+    `limits`: the tenant's own, as the table has them (0: none)."""
     return {
         "name": name,
         "refused_per_s": rates[0],

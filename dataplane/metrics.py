@@ -274,15 +274,16 @@ class Metrics:
         self.slot_waits = Counter(
             "ponto_ratelimit_slot_waits",
             "Requests that waited for a concurrency slot held elsewhere in the fleet "
-            "(a proxy just joined, or its slots busy while others' are idle), by outcome: "
-            "admitted, or refused after the wait",
+            "(a proxy just joined, or its slots busy while others' are idle), by how the "
+            "wait ended: admitted, refused, or abandoned (the client left, or the proxy "
+            "stopped the request as it shut down)",
             ["outcome"],
             registry=r,
         )
         # Exported at 0 from the start, so that rate() sees the first one.
         for limit in ("requests", "tokens", "concurrency", "tokens_over_limit"):
             self.limit_refusals.labels(limit)
-        for outcome in ("admitted", "refused"):
+        for outcome in ("admitted", "refused", "abandoned"):
             self.slot_waits.labels(outcome)
         # The same two per tenant, for the report to the control plane (its
         # status page), not exported: a tenant label would multiply the
@@ -448,7 +449,7 @@ class Metrics:
 
     def slot_wait(self, tenant: str, outcome: str) -> None:
         """A request of `tenant` that waited for a concurrency slot, and how
-        the wait ended (admitted, refused)."""
+        the wait ended (admitted, refused, abandoned)."""
         self.slot_waits.labels(outcome).inc()
         self._limited(tenant)[1] += 1
 

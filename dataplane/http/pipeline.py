@@ -301,7 +301,13 @@ class Pipeline:
         now = time.monotonic()
         admission = limiter.admit(scopes, ex.estimate, now)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):
-            admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now)
+            try:
+                admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now)
+            except asyncio.CancelledError:
+                # The client left during the wait (a 499), or the proxy
+                # stopped the request as it shut down: a wait all the same.
+                self.metrics.slot_wait(ex.principal.tenant, "abandoned")
+                raise
             now = time.monotonic()
             outcome = "admitted" if admission.ok else "refused"
             self.metrics.slot_wait(ex.principal.tenant, outcome)

@@ -1002,7 +1002,7 @@ class TenantLimited(_message.Message):
     """
     slot_waits_total: _builtins.int
     """Held for a concurrency slot (ponto_ratelimit_slot_waits_total),
-    admitted or refused after the wait.
+    however the wait ended: admitted, refused, or abandoned (the client left).
     """
     def __init__(
         self,

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
+from prometheus_client import generate_latest
 
+from dataplane.auth.authenticator import Principal
 from dataplane.http import pipeline as handlers
+from dataplane.metrics import Metrics
 from dataplane.ratelimit import RateLimiter, ScopeLimits, Share
 from dataplane.ratelimit.limiter import JOIN_WINDOW_S
 
@@ -178,6 +183,45 @@ async def test_a_cancelled_waiter_leaves_no_trace() -> None:
         w.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
     assert (rl._scopes[T].waiting, rl.in_flight(T)) == (0, 1)
+
+
+def admitting(rl: RateLimiter, metrics: Metrics) -> asyncio.Task[None]:
+    """Pipeline.admit of an acme request under scope T, under way."""
+    unused = cast(Any, None)  # admit uses the limiter and the metrics only
+    pipeline = handlers.Pipeline(
+        unused, rl, unused, unused, unused, metrics, unused, max_body_bytes=1024
+    )
+    ex = SimpleNamespace(
+        principal=Principal("acme", "", (T,)),
+        endpoint=handlers.ENDPOINTS["chat.completions"],
+        body={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    return asyncio.create_task(pipeline.admit(cast(handlers.Exchange, ex)))
+
+
+async def test_a_wait_whose_client_leaves_is_counted_as_abandoned() -> None:
+    """A wait ends admitted, refused, or with its request cancelled: the
+    client left (aiohttp cancels the handler; a 499) or the proxy stopped it
+    as it shut down. Each is counted, and reported as the tenant's wait."""
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, time.monotonic()).ok  # the one slot here is busy
+    metrics = Metrics()
+    task = admitting(rl, metrics)
+    for _ in range(100):
+        if rl._scopes[T].waiting:
+            break
+        await asyncio.sleep(0)
+    assert rl._scopes[T].waiting == 1, "the request never waited for a slot"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    text = generate_latest(metrics.registry).decode()
+    assert 'ponto_ratelimit_slot_waits_total{outcome="abandoned"} 1.0' in text
+    assert 'ponto_ratelimit_slot_waits_total{outcome="refused"} 0.0' in text
+    assert 'ponto_ratelimit_refusals_total{limit="concurrency"} 0.0' in text  # not a refusal
+    # The status page's "waited for a slot" column counts it too.
+    assert metrics.limited == {"acme": [0, 1]}
+    assert rl._scopes[T].waiting == 0
 
 
 async def test_a_request_ending_here_frees_the_slot_a_waiter_takes() -> None:
