@@ -676,7 +676,9 @@ async def admit_when_slot_frees(
 
 
 def refusal(admission: Admission) -> ApiError:
-    """429 in OpenAI's words, or 400 for a request no wait could admit."""
+    """429 in OpenAI's words, or 400 for a request no wait could admit. The
+    message says when to try again as the reset header does (`retry_in`);
+    `Retry-After` is that wait in whole seconds, rounded up."""
     if admission.too_large:
         return ApiError(
             400,
@@ -689,7 +691,7 @@ def refusal(admission: Admission) -> ApiError:
     ]
     return ApiError(
         429,
-        f"Rate limit reached for {what}. Please try again in {admission.retry_after_s:.2f}s.",
+        f"Rate limit reached for {what}. Please try again in {admission.retry_in()}.",
         type="requests" if admission.limit != "tokens" else "tokens",
         code="rate_limit_exceeded",
         headers={"retry-after": admission.retry_after_header()},

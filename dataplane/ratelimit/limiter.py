@@ -223,6 +223,13 @@ class Admission:
         """`Retry-After` in whole seconds, at least 1."""
         return retry_after_header(self.retry_after_s)
 
+    def retry_in(self) -> str:
+        """When to try again, as OpenAI writes it (`format_duration`, rounded
+        up): the refusal's message and its `x-ratelimit-reset-*` header both
+        say this, so they never disagree and neither says less than the wait
+        (a refusal's wait is above 0, so at least "1ms")."""
+        return format_duration(self.retry_after_s)
+
     def release(self, actual_tokens: int | None, now: float) -> None:
         """Free the slots and settle tokens: charge `actual_tokens - est_tokens`.
 
@@ -600,7 +607,7 @@ def _refused_headers(
         return out
     names = (limit[0], remaining, reset)
     kept = [(name, value) for name, value in out if name not in names]
-    return [*kept, limit, (remaining, "0"), (reset, format_duration(refusal.retry_after_s))]
+    return [*kept, limit, (remaining, "0"), (reset, refusal.retry_in())]
 
 
 def _remaining(left: float, limit: int) -> str:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from dataplane.http.pipeline import refusal
 from dataplane.ratelimit import (
     UNLIMITED,
     Admission,
@@ -439,3 +440,25 @@ def header_map_refused(
     rl: RateLimiter, scopes: list[str], now: float, refused: Admission
 ) -> dict[str, str]:
     return dict(rl.headers(scopes, now, refused))
+
+
+@pytest.mark.parametrize(
+    ("now", "said", "retry_after"),
+    [
+        (2.9975, "3ms", "1"),  # 2.5 ms from a whole request: 0.00s, before
+        (0.0551, "2.95s", "3"),  # 2.9449 s: 2.94s, below the wait and the header
+        (2.99999, "1ms", "1"),  # a wait of 10 µs: never 0
+    ],
+)
+def test_a_refusal_says_when_to_try_again_as_its_reset_header_does(
+    now: float, said: str, retry_after: str
+) -> None:
+    # 20 a minute, a bucket empty at 0: a request every 3 s.
+    rl = limiter({T: ScopeLimits(rpm=20)}, {T: Share(1.0)})
+    refused = rl.admit([T], 1, now)
+    assert not refused.ok and refused.retry_after_s > 0
+    error = refusal(refused)
+    reset = header_map_refused(rl, [T], now, refused)["x-ratelimit-reset-requests"]
+    assert error.message == f"Rate limit reached for requests. Please try again in {said}."
+    assert reset == said
+    assert error.headers["retry-after"] == retry_after
