@@ -4,7 +4,9 @@ Exit codes: 0 success; 2 a bad value (flags, a topology file, or a value the
 control plane refused as INVALID_ARGUMENT), found before anything is written;
 1 any other refusal or failure of the control plane (not found, already
 exists, unreachable, not allowed). Every error is one message on stderr,
-never a traceback. Warnings the control plane sends with a successful reply
+never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
+for them); one that failed to reach the control plane names the TLS setting
+its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
 (an alias to a model no origin serves) are `warning: ...` lines on stderr;
 the exit code stays 0.
 
@@ -14,16 +16,30 @@ again by the control plane, which checks every client's writes the same way.
 
 from __future__ import annotations
 
+import os
+
+# gRPC core writes its own lines on stderr (`I1202 ... ssl_transport_security.cc
+# ... Handshake failed`; a key that is not its certificate's, at ERROR) before
+# pontoctl's one-line error says what failed. It reads GRPC_VERBOSITY once, when
+# grpc is first imported: so grpc is imported first, under NONE unless the user
+# chose a level (to debug), and the variable is removed again so that processes
+# started by an importer of this module (the tests' control planes) keep theirs.
+_QUIET_GRPC = "GRPC_VERBOSITY" not in os.environ
+if _QUIET_GRPC:
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+import grpc
+
+if _QUIET_GRPC:
+    del os.environ["GRPC_VERBOSITY"]
+
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import grpc
 import orjson
 import yaml
 from google.protobuf.json_format import MessageToDict
@@ -1047,12 +1063,7 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
         print(f"error: {detail}", file=sys.stderr)
         return 2
     if code == grpc.StatusCode.UNAVAILABLE and "state store" not in detail:
-        detail = f"control plane at {address} is unreachable ({detail})"
-        if not options.secure:
-            detail += (
-                "; if it requires TLS, give --tls-ca, --tls-cert and --tls-key "
-                "(or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
-            )
+        detail = unreachable(detail, address, options)
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         if "not this control plane's" in detail:
             detail += f"; check the admin token in {options.token_source or 'use'}"
@@ -1065,6 +1076,65 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
     name = code.name if code is not None else "UNKNOWN"
     print(f"error: {detail} [{name}]", file=sys.stderr)
     return 1
+
+
+def unreachable(detail: str, address: str, options: conn.ClientOptions) -> str:
+    """The message of a call that never reached the control plane (UNAVAILABLE
+    with gRPC's `detail`): what gRPC said, and the TLS setting to look at when
+    its words show which one failed. Pure.
+
+    The words matched are gRPC core's (BoringSSL's reasons inside them); a
+    wording they miss still gets gRPC's detail and the general advice.
+    """
+    said = detail.lower()
+    where = f"control plane at {address}"
+    if not options.secure:
+        return (
+            f"{where} is unreachable ({detail}); if it requires TLS, give --tls-ca, --tls-cert "
+            "and --tls-key (or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
+        )
+    if "wrong_version_number" in said:  # the answer to our ClientHello was no TLS
+        return (
+            f"{where} does not answer TLS ({detail}); if it runs without TLS, leave out "
+            "--tls-ca, --tls-cert and --tls-key (and PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
+        )
+    if "hostname verification" in said:
+        return (
+            f"TLS handshake with the {where} failed: its certificate does not list the "
+            f"name or address used to reach it ({detail}); give --control-plane one it lists"
+        )
+    if "handshake failed" in said and "certificate" in said:  # e.g. CERTIFICATE_VERIFY_FAILED
+        return (
+            f"TLS handshake with the {where} failed: its certificate is not trusted by the "
+            f"CA in {options.tls_ca} ({detail}); give the CA that signed the control plane's "
+            "certificate with --tls-ca (or PONTO_TLS_CA)"
+        )
+    if "handshake failed" in said:
+        return f"TLS handshake with the {where} failed ({detail})"
+    if "security handshaker" in said:  # the client's own TLS material is unusable
+        return (
+            f"{where} is unreachable: the client certificate {options.tls_cert} and key "
+            f"{options.tls_key} cannot be used together ({detail}); check that the key is "
+            "the certificate's"
+        )
+    message = f"{where} is unreachable ({detail})"
+    if "connection refused" in said:  # nothing listens: no TLS setting would help
+        return message
+    if not options.tls_cert:
+        # Under mutual TLS the control plane ends the handshake of a client
+        # without a certificate, which gRPC reports as "Socket closed".
+        return (
+            f"{message}; no client certificate was given and a control plane with mutual "
+            "TLS requires one: give --tls-cert and --tls-key (or PONTO_TLS_CERT and "
+            "PONTO_TLS_KEY)"
+        )
+    if "socket closed" in said:
+        return (
+            f"{message}; a control plane with mutual TLS closes the connection when it does "
+            f"not trust the client certificate: check that {options.tls_cert} is signed by "
+            "its client CA (ponto-control --tls-client-ca)"
+        )
+    return message
 
 
 if __name__ == "__main__":

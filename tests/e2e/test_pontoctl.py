@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import yaml
 from controlplane.cli import main as pontoctl
 from ponto.devenv import free_port
 from ponto.fleet import Fleet
+from ponto.pki import make_bundle
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -532,6 +534,72 @@ def test_refused_credentials_are_one_line_with_exit_code_1(
             "origins": [],
             "tenants": [],
         }
+
+
+def run_pontoctl(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """pontoctl as operators run it, in a process of its own: gRPC core's logging
+    is set up at import, which an in-process call cannot show. The environment
+    has none of the caller's PONTO_* or GRPC_* variables, then env's."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PONTO_", "GRPC_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", *argv],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_tls_failures_are_one_line_naming_what_to_fix(tmp_path: Path) -> None:
+    """The operator's trial: PONTO_TLS_CA without a client certificate got a bare
+    "Socket closed", and a wrong CA a line of gRPC core's log before the error."""
+    with Fleet(tmp_path / "secured") as secured:
+        b = secured.secure()
+        secured.start_etcd()
+        secured.start_control()
+        address = next(iter(secured.controls.values())).address
+        other = make_bundle(tmp_path / "other")  # a CA the control plane does not use
+        cases = [
+            (
+                {"PONTO_TLS_CA": b.ca, "PONTO_ADMIN_TOKEN_FILE": b.admin_token_file},
+                [],
+                "no client certificate was given and a control plane with mutual TLS "
+                "requires one: give --tls-cert and --tls-key (or PONTO_TLS_CERT and "
+                "PONTO_TLS_KEY)",
+            ),
+            (
+                {},
+                ["--tls-ca", other.ca, "--tls-cert", b.path("admin.crt"),
+                 "--tls-key", b.path("admin.key")],
+                f"TLS handshake with the control plane at {address} failed: its certificate "
+                f"is not trusted by the CA in {other.ca}",
+            ),
+            (
+                {**b.admin_env(), "PONTO_TLS_CERT": other.path("admin.crt"),
+                 "PONTO_TLS_KEY": other.path("admin.key")},
+                [],
+                f"check that {other.path('admin.crt')} is signed by its client CA",
+            ),
+            (  # gRPC core logs this one at ERROR, three lines twice
+                {**b.admin_env(), "PONTO_TLS_KEY": b.path("proxy.key")},
+                [],
+                "check that the key is the certificate's",
+            ),
+        ]  # fmt: skip
+        for env, flags, hint in cases:
+            done = run_pontoctl(env, "--control-plane", address, *flags, "get", "regions")
+            assert done.returncode == 1, done
+            assert done.stderr.startswith("error: ") and hint in done.stderr, done.stderr
+            assert len(done.stderr.splitlines()) == 1, done.stderr
+            assert done.stdout == ""
+        # The user's own level wins: gRPC core says more, for debugging.
+        env = {"PONTO_TLS_CA": other.ca, "GRPC_VERBOSITY": "INFO"}
+        done = run_pontoctl(env, "--control-plane", address, "get", "regions")
+        assert done.returncode == 1 and "] Handshake failed" in done.stderr
+        assert done.stderr.splitlines()[-1].startswith("error: TLS handshake with the control")
+        done = run_pontoctl(b.admin_env(), "--control-plane", address, "get", "regions")
+        assert (done.returncode, done.stderr) == (0, "")
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback(fleet: Fleet) -> None:

@@ -76,3 +76,65 @@ def test_a_missing_tls_file_is_one_line_and_exit_code_2(capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "/nonexistent/ca.pem" in err
     assert len(err.splitlines()) == 1
+
+
+# What gRPC 1.85 says when a TLS connection fails (the part after "last error: ").
+_FAILED = "failed to connect to all addresses; last error: "
+SOCKET_CLOSED = _FAILED + "UNAVAILABLE: ipv4:127.0.0.1:7000: Socket closed"
+UNTRUSTED = _FAILED + (
+    "UNKNOWN: ipv4:127.0.0.1:7000: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: "
+    "error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: unable to get "
+    "local issuer certificate: OK"
+)
+NOT_TLS = _FAILED + (
+    "UNKNOWN: ipv4:127.0.0.1:7000: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: "
+    "error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate "
+    "verification context: OK"
+)
+WRONG_NAME = _FAILED + (
+    "UNKNOWN: ipv4:127.0.0.1:7000: Custom verification check failed with error: "
+    "UNAUTHENTICATED: Hostname Verification Check failed."
+)
+BAD_KEY = _FAILED + "UNKNOWN: ipv4:127.0.0.1:7000: Failed to create security handshaker."
+REFUSED = _FAILED + (
+    "UNKNOWN: ipv4:127.0.0.1:7000: Failed to connect to remote host: Connection refused"
+)
+
+CA_ONLY = ClientOptions("ca.crt")
+MUTUAL = ClientOptions("ca.crt", "admin.crt", "admin.key")
+
+
+@pytest.mark.parametrize(
+    ("detail", "options", "says", "not_says"),
+    [
+        # PONTO_TLS_CA alone against mutual TLS: the missing certificate is named.
+        (SOCKET_CLOSED, CA_ONLY, "no client certificate was given", "if it requires TLS"),
+        (SOCKET_CLOSED, CA_ONLY, "give --tls-cert and --tls-key (or PONTO_TLS_CERT and "
+                                 "PONTO_TLS_KEY)", "trusted"),
+        (SOCKET_CLOSED, MUTUAL, "check that admin.crt is signed by its client CA",
+         "no client certificate"),
+        (UNTRUSTED, MUTUAL, "its certificate is not trusted by the CA in ca.crt", "unreachable"),
+        (UNTRUSTED, CA_ONLY, "give the CA that signed the control plane's certificate with "
+                             "--tls-ca", "client certificate"),
+        (NOT_TLS, CA_ONLY, "does not answer TLS", "trusted"),
+        (WRONG_NAME, MUTUAL, "its certificate does not list the name or address", "trusted"),
+        (BAD_KEY, MUTUAL, "check that the key is the certificate's", "trusted"),
+        # Nothing listens: no TLS advice, which would send the operator the wrong way.
+        (REFUSED, CA_ONLY, "is unreachable (", "certificate"),
+        (REFUSED, ClientOptions(), "if it requires TLS, give --tls-ca", "certificate"),
+    ],
+)  # fmt: skip
+def test_tls_failures_name_the_setting_to_look_at(
+    capsys: pytest.CaptureFixture[str],
+    detail: str,
+    options: ClientOptions,
+    says: str,
+    not_says: str,
+) -> None:
+    refusal = Refusal(grpc.StatusCode.UNAVAILABLE, detail)
+    assert _refused(refusal, "127.0.0.1:7000", options) == 1
+    err = capsys.readouterr().err
+    assert says in err and not_says not in err, err
+    assert err.startswith("error: ") and err.endswith(" [UNAVAILABLE]\n")
+    assert len(err.splitlines()) == 1
+    assert detail in err  # gRPC's own words stay, for what the advice does not cover
