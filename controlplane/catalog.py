@@ -59,6 +59,7 @@ from controlplane.model import (
     decode_region,
     decode_tenant,
     encode,
+    stranded_by_drain,
     unserved_aliases,
 )
 from controlplane.store import (
@@ -194,6 +195,11 @@ class Catalog:
             lambda r: replace(r, drained=drained),
             f"region {name!r} not found",
         )
+
+    async def stranded_by_drain(self, kind: str, name: str) -> tuple[str, ...]:
+        """model.stranded_by_drain of region or origin name (kind) in the state stored now."""
+        state = await self.snapshot()
+        return stranded_by_drain(kind, name, state.regions, state.origins)
 
     # ------------------------------------------------------------ origins
 

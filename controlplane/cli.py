@@ -7,8 +7,8 @@ exists, unreachable, not allowed). Every error is one message on stderr,
 never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
 its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
-(an alias to a model no origin serves) are `warning: ...` lines on stderr;
-the exit code stays 0.
+(an alias to a model no origin serves, a drain that leaves a model no
+origin) are `warning: ...` lines on stderr; the exit code stays 0.
 
 Values are checked here with the model's own `validated()` before a call, and
 again by the control plane, which checks every client's writes the same way.
@@ -1007,14 +1007,24 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return render(stub.ListControlPlanes(req), args.output, _rows_replicas)
         return render(stub.GetRouteTable(req), args.output, _table_summary)
     if args.command in ("drain", "undrain"):
-        drained = args.command == "drain"
-        req_d = apb.DrainRequest(name=args.name, drained=drained)
-        if args.kind == "region":
-            stub.DrainRegion(req_d)
-        else:
-            stub.DrainOrigin(req_d)
-        return f"{args.kind} {args.name} {'drained' if drained else 'undrained'}"
+        return _drain(stub, args.kind, args.name, drained=args.command == "drain")
     raise AssertionError(f"unhandled command {args}")
+
+
+def _drain(stub: Any, kind: str, name: str, *, drained: bool) -> str:
+    """Drain or undrain region or origin name (kind); one already so is left
+    alone and said to be. The control plane warns of the models a drain
+    leaves no origin to serve (their requests then get 503)."""
+    listing = stub.ListRegions if kind == "region" else stub.ListOrigins
+    items = listing(apb.ListRequest())
+    current = next((x for x in getattr(items, f"{kind}s") if x.name == name), None)
+    if current is not None and current.drained == drained:
+        # Unknown names go on to the call, whose NOT_FOUND says so.
+        state = "already drained" if drained else "not drained"
+        return f"{kind} {name} is {state}: nothing changed"
+    request = apb.DrainRequest(name=name, drained=drained)
+    (stub.DrainRegion if kind == "region" else stub.DrainOrigin)(request)
+    return f"{kind} {name} {'drained' if drained else 'undrained'}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

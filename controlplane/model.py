@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -504,6 +504,55 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
         f"{tenant.name!r} will get 404 until one does"
         for alias, target in tenant.prompt.aliases
         if target not in served
+    )
+
+
+def routed_models(regions: Iterable[Region], origins: Iterable[Origin]) -> frozenset[str]:
+    """The models proxies route requests for: those an origin lists that is not
+    drained, in a region that is not drained (an origin of an unknown region
+    too, as the route table cannot hold one). Pure.
+
+    Health does not count: proxies send a model none of whose origins is
+    healthy to its unhealthy ones (dataplane.routes, panic routing), so only
+    drains leave a model they know answered 503 no_healthy_origin.
+    """
+    drained = {r.name for r in regions if r.drained}
+    return frozenset(
+        model for o in origins if not (o.drained or o.region in drained) for model in o.models
+    )
+
+
+# Models named in one warning; the rest are counted (a warning must stay short).
+MAX_NAMED_MODELS = 10
+
+
+def stranded_by_drain(
+    kind: str, name: str, regions: Sequence[Region], origins: Sequence[Origin]
+) -> tuple[str, ...]:
+    """A warning naming the models that region or origin `name` (kind "region"
+    or "origin"), drained in this state, was the last to route (routed_models
+    were it not drained); () when it is not drained or none. Pure.
+
+    Such a drain is allowed (it may be the point: a model withdrawn), but
+    proxies answer requests for those models 503 no_healthy_origin until an
+    origin serving them is undrained.
+    """
+    if kind == "region":
+        undrained = [replace(r, drained=False) if r.name == name else r for r in regions]
+        lost = routed_models(undrained, origins) - routed_models(regions, origins)
+    else:
+        undrained_o = [replace(o, drained=False) if o.name == name else o for o in origins]
+        lost = routed_models(regions, undrained_o) - routed_models(regions, origins)
+    if not lost:
+        return ()
+    named = sorted(lost)
+    shown = ", ".join(repr(m) for m in named[:MAX_NAMED_MODELS])
+    if len(named) > MAX_NAMED_MODELS:
+        shown += f" and {len(named) - MAX_NAMED_MODELS} more"
+    models, them = (f"models {shown}", "them") if len(named) > 1 else (f"model {shown}", "it")
+    return (
+        f"no undrained origin serves {models} now ({kind} {name!r} was the last): proxies "
+        f"answer requests for {them} 503 no_healthy_origin until one is undrained",
     )
 
 

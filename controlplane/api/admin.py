@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -168,7 +168,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.drain("region"), auditing.drain_action("Region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
-        return region_pb(await self._catalog.set_region_drained(request.name, request.drained))
+        region = await self._catalog.set_region_drained(request.name, request.drained)
+        if request.drained:
+            await self._warn(
+                context,
+                self._catalog.stranded_by_drain("region", region.name),
+                f"region {region.name} drained; the models it leaves unserved were not checked",
+            )
+        return region_pb(region)
 
     @grpc_errors
     @audited(auditing.put_origin)
@@ -194,7 +201,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
-        return origin_pb(await self._catalog.set_origin_drained(request.name, request.drained))
+        origin = await self._catalog.set_origin_drained(request.name, request.drained)
+        if request.drained:
+            await self._warn(
+                context,
+                self._catalog.stranded_by_drain("origin", origin.name),
+                f"origin {origin.name} drained; the models it leaves unserved were not checked",
+            )
+        return origin_pb(origin)
 
     @grpc_errors
     @audited(auditing.put_tenant)
@@ -235,18 +249,28 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return tenant_pb(saved)
 
     async def _warn_unserved(self, tenant: Tenant, context: Ctx) -> None:
-        """Warn, with the reply, of tenant's aliases no origin serves (model.unserved_aliases).
+        """Warn, with the reply, of tenant's aliases no origin serves (model.unserved_aliases)."""
+        await self._warn(
+            context,
+            self._catalog.unserved_aliases(tenant),
+            f"tenant {tenant.name} saved; its aliases were not checked",
+        )
 
-        Called after the write: if etcd fails to answer the read now, the reply
-        goes without warnings rather than report a write that succeeded as failed.
+    @staticmethod
+    async def _warn(context: Ctx, warnings: Awaitable[Sequence[str]], unchecked: str) -> None:
+        """Send the warnings, with the reply, in its trailing metadata.
+
+        Called after the write: if etcd fails to answer the read the warnings
+        need, the reply goes without them (`unchecked` is logged) rather than
+        report a write that succeeded as failed.
         """
         try:
-            warnings = await self._catalog.unserved_aliases(tenant)
+            found = await warnings
         except Unavailable as exc:
-            log.warning("tenant %s saved; its aliases were not checked: %s", tenant.name, exc)
+            log.warning("%s: %s", unchecked, exc)
             return
-        if warnings:
-            context.set_trailing_metadata(warnings_metadata(warnings))
+        if found:
+            context.set_trailing_metadata(warnings_metadata(found))
 
     @grpc_errors
     @audited(auditing.named("tenant"))

@@ -9,7 +9,9 @@ A successful reply may carry warnings, text for people about what the call
 allowed but its caller should know, as trailing metadata `ponto-warning`
 (one value each): PutTenant, UpdateTenant (when it sets the prompt) and
 Apply (for the document's tenants) warn of each alias whose target no
-origin lists, which proxies answer 404 until one does.
+origin lists, which proxies answer 404 until one does; DrainRegion and
+DrainOrigin (drained=true) of the models the drain leaves no undrained
+origin, which proxies answer 503 until one is undrained.
 """
 
 from collections import abc as _abc

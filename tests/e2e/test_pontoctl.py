@@ -665,3 +665,36 @@ def test_an_alias_no_origin_serves_is_saved_with_a_warning_until_one_does(
         assert "next->llama-4 " in table and "(unserved)" not in table
     finally:
         ctl(fleet, capsys, "origin", "delete", "vllm-next")
+
+
+def test_a_drain_warns_of_models_left_without_an_origin_and_repeats_are_said(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY), "--prune")
+    ctl(fleet, capsys, "undrain", "origin", "vllm-euw1")  # as earlier tests left them
+    ctl(fleet, capsys, "undrain", "region", "eu-west")
+    try:
+        # llama-3-8b is served in both regions: draining one says nothing more.
+        assert ctl(fleet, capsys, "drain", "region", "eu-west") == ("region eu-west drained\n", "")
+        out, err = ctl(fleet, capsys, "drain", "region", "eu-west")
+        assert (out, err) == ("region eu-west is already drained: nothing changed\n", "")
+        # The last one: done, and said on stderr (exit code 0).
+        out, err = ctl(fleet, capsys, "drain", "origin", "vllm-use1")
+        assert out == "origin vllm-use1 drained\n"
+        assert err == (
+            "warning: no undrained origin serves model 'llama-3-8b' now (origin 'vllm-use1' "
+            "was the last): proxies answer requests for it 503 no_healthy_origin until one "
+            "is undrained\n"
+        )
+        origins = fleet.admin().ListOrigins(apb.ListRequest(), timeout=5).origins
+        assert {o.name: o.drained for o in origins}["vllm-use1"] is True
+        assert ctl(fleet, capsys, "undrain", "origin", "vllm-use1")[1] == ""
+        out, _ = ctl(fleet, capsys, "undrain", "origin", "vllm-use1")
+        assert out == "origin vllm-use1 is not drained: nothing changed\n"
+        _, err = ctl(fleet, capsys, "drain", "region", "us-east")
+        assert "model 'llama-3-8b' now (region 'us-east' was the last)" in err
+        _, err = ctl(fleet, capsys, "drain", "region", "mars", code=1)
+        assert err == "error: region 'mars' not found [NOT_FOUND]\n"
+    finally:
+        ctl(fleet, capsys, "undrain", "region", "us-east")
+        ctl(fleet, capsys, "undrain", "region", "eu-west")

@@ -1,0 +1,110 @@
+"""Writes the Admin API allows but warns of (trailing metadata `ponto-warning`,
+as for aliases in test_alias_warnings.py): a drain that leaves a model no
+origin to route to. The calls go to a real gRPC server on loopback over an
+in-memory store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controlplane.model import MAX_NAMED_MODELS, Origin, Region, stranded_by_drain
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import admin_pb2 as apb
+from tests.unit.test_alias_warnings import ListFails, admin, warned
+
+
+def origin(name: str, region: str, *models: str, drained: bool = False) -> Origin:
+    return Origin(name, "http://10.0.0.1:8000/v1", region, models, drained=drained)
+
+
+US, EU = Region("us", 1, 1), Region("eu", 2, 2)
+ORIGINS = (origin("o-us", "us", "llama", "mistral"), origin("o-eu", "eu", "llama"))
+
+
+def drained(region: Region) -> Region:
+    return Region(region.name, region.latitude, region.longitude, drained=True)
+
+
+# ---------------------------------------------------------------- the rule
+
+
+def test_a_drain_warns_of_the_models_it_leaves_no_origin() -> None:
+    # mistral only in us: draining us leaves it none; llama still has eu.
+    assert stranded_by_drain("region", "us", (drained(US), EU), ORIGINS) == (
+        "no undrained origin serves model 'mistral' now (region 'us' was the last): proxies "
+        "answer requests for it 503 no_healthy_origin until one is undrained",
+    )
+    # Then eu too: llama is left; mistral was gone before this drain.
+    both = (drained(US), drained(EU))
+    assert stranded_by_drain("region", "eu", both, ORIGINS) == (
+        "no undrained origin serves model 'llama' now (region 'eu' was the last): proxies "
+        "answer requests for it 503 no_healthy_origin until one is undrained",
+    )
+    # The same for an origin, named as the last.
+    o_us = (origin("o-us", "us", "llama", "mistral", drained=True), ORIGINS[1])
+    [warning] = stranded_by_drain("origin", "o-us", (US, EU), o_us)
+    assert warning.startswith("no undrained origin serves model 'mistral' now (origin 'o-us'")
+
+
+def test_no_warning_when_others_serve_or_nothing_changed() -> None:
+    assert stranded_by_drain("region", "eu", (US, drained(EU)), ORIGINS) == ()
+    # Not drained in this state (an undrain): nothing is left unserved by it.
+    assert stranded_by_drain("region", "us", (US, EU), ORIGINS) == ()
+    # An origin in a drained region took no requests before its drain either.
+    o_us = (origin("o-us", "us", "llama", "mistral", drained=True), ORIGINS[1])
+    assert stranded_by_drain("origin", "o-us", (drained(US), EU), o_us) == ()
+    # Health does not count: proxies fall back to unhealthy origins (panic routing).
+
+
+def test_many_models_are_one_warning_naming_the_first() -> None:
+    models = [f"m{i:02d}" for i in range(MAX_NAMED_MODELS + 3)]
+    [warning] = stranded_by_drain("region", "us", (drained(US),), (origin("o", "us", *models),))
+    named = ", ".join(repr(m) for m in models[:MAX_NAMED_MODELS])
+    assert f"serves models {named} and 3 more now" in warning
+    assert "requests for them 503" in warning
+
+
+# ---------------------------------------------------------------- the Admin API
+
+
+async def seed(stub: Any) -> None:
+    """Regions us and eu; llama in both, mistral only in us."""
+    for name in ("us", "eu"):
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name=name)))
+    for o in ORIGINS:
+        spec = apb.OriginSpec(name=o.name, base_url=o.base_url, region=o.region, models=o.models)
+        await stub.PutOrigin(apb.PutOriginRequest(origin=spec))
+
+
+async def test_drains_are_done_and_warned_of_models_left_without_an_origin() -> None:
+    async with admin(MemoryStore()) as stub:
+        await seed(stub)
+        # llama still has o-us.
+        assert await warned(stub.DrainRegion(apb.DrainRequest(name="eu", drained=True))) == []
+        [warning] = await warned(stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True)))
+        assert warning.startswith("no undrained origin serves models 'llama', 'mistral' now")
+        origins = (await stub.ListOrigins(apb.ListRequest())).origins
+        assert {o.name: o.drained for o in origins} == {"o-us": True, "o-eu": False}
+        # Undrains never warn.
+        undrain = apb.DrainRequest(name="o-us", drained=False)
+        assert await warned(stub.DrainOrigin(undrain)) == []
+        [warning] = await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True)))
+        assert "models 'llama', 'mistral'" in warning and "(region 'us' was the last)" in warning
+
+
+async def test_a_drain_stands_when_its_models_cannot_be_checked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = ListFails()
+    async with admin(store) as stub:
+        await seed(stub)
+        store.failing = True
+        assert await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True))) == []
+        store.failing = False
+        regions = (await stub.ListRegions(apb.ListRequest())).regions
+        assert {r.name: r.drained for r in regions} == {"us": True, "eu": False}
+    [line] = [r for r in caplog.records if "leaves unserved were not checked" in r.getMessage()]
+    assert line.getMessage().startswith("region us drained;") and line.exc_info is None
