@@ -61,6 +61,7 @@ from controlplane.model import (
     encode,
     stranded_by_drain,
     unserved_aliases,
+    unserved_purge,
 )
 from controlplane.store import (
     MAX_TXN_OPS,
@@ -539,6 +540,11 @@ class Catalog:
         for old in sorted(listing.items, key=lambda kv: kv.mod_revision)[:-MAX_PURGES]:
             await _guard(self.store.delete(old.key))
         return Purge(revision, tenant, model)
+
+    async def unserved_purge(self, tenant: str, model: str) -> tuple[str, ...]:
+        """model.unserved_purge against the origins and tenants stored now."""
+        state = await self.snapshot()
+        return unserved_purge(model, tenant, state.origins, state.tenants)
 
     # ------------------------------------------------------------ proxies
 

@@ -8,7 +8,8 @@ never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
 its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
 (an alias to a model no origin serves, a drain that leaves a model no
-origin) are `warning: ...` lines on stderr; the exit code stays 0.
+origin, a purge of a model no origin serves) are `warning: ...` lines on
+stderr; the exit code stays 0.
 
 Values are checked here with the model's own `validated()` before a call, and
 again by the control plane, which checks every client's writes the same way.

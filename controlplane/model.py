@@ -556,6 +556,38 @@ def stranded_by_drain(
     )
 
 
+def unserved_purge(
+    model: str, tenant: str, origins: Iterable[Origin], tenants: Iterable[Tenant]
+) -> tuple[str, ...]:
+    """A warning when a purge of `model` (of `tenant`, "" for all) names a model
+    no origin lists; () for any other purge. Pure.
+
+    Such a purge is allowed: entries cached while an origin served the model
+    may still be there. But it may be a misspelling, or an alias: answers are
+    cached under the model an alias names, so a purge of the alias removes
+    none of them, and the warning names the model to purge instead.
+    """
+    if not model or any(model in o.models for o in origins):
+        return ()
+    named = sorted(
+        {
+            (t.name, target)
+            for t in tenants
+            if tenant in ("", t.name)
+            for alias, target in t.prompt.aliases
+            if alias == model
+        }
+    )
+    warning = f"no origin serves model {model!r}; purge sent anyway"
+    if named:
+        of = ", ".join(f"tenant {t!r} to {target!r}" for t, target in named)
+        warning += (
+            f" (it is an alias: {of}; answers are cached under the model an alias names, "
+            "so purge that model for them)"
+        )
+    return (warning,)
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKeyRecord:
     """A key as stored: its hash, never the key."""

@@ -326,6 +326,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: apb.PurgeCacheRequest, context: Ctx
     ) -> apb.PurgeCacheResponse:
         purge = await self._catalog.purge_cache(request.tenant, request.model)
+        if purge.model:
+            await self._warn(
+                context,
+                self._catalog.unserved_purge(purge.tenant, purge.model),
+                f"cache purge {purge.revision} sent; its model was not checked",
+            )
         return apb.PurgeCacheResponse(
             purge=pb.CachePurge(revision=purge.revision, tenant=purge.tenant, model=purge.model)
         )

@@ -190,12 +190,20 @@ def test_tenant_cache_settings_limits_and_purge(
     # Cache purges need a scope, or --all.
     _, err = ctl(fleet, capsys, "cache", "purge", code=2)
     assert "--all" in err
-    out, _ = ctl(fleet, capsys, "cache", "purge", "--tenant", "acme")
-    assert "purge of tenant acme sent" in out
+    out, err = ctl(fleet, capsys, "cache", "purge", "--tenant", "acme")
+    assert "purge of tenant acme sent" in out and err == ""
     # The purge travels in the next table, built after the debounce.
     fleet.wait_table(lambda t: bool(t.purges) and t.purges[-1].tenant == "acme")
     table = json.loads(ctl(fleet, capsys, "get", "table", "-o", "json")[0])["table"]
     assert table["purges"][-1]["tenant"] == "acme"
+    # A model no origin serves: sent (old entries may be there), with a warning.
+    out, err = ctl(fleet, capsys, "cache", "purge", "--tenant", "acme", "--model", "nosuch")
+    assert out.startswith("cache purge of tenant acme model nosuch sent")
+    assert err == "warning: no origin serves model 'nosuch'; purge sent anyway\n"
+    _, err = ctl(fleet, capsys, "cache", "purge", "--tenant", "acme", "--model", "gpt-4o")
+    assert "it is an alias: tenant 'acme' to 'llama-3-8b'" in err
+    _, err = ctl(fleet, capsys, "cache", "purge", "--model", "llama-3-8b")
+    assert err == ""
 
 
 def test_tenant_routing_policy_round_trips_and_bad_modes_are_refused(

@@ -1,18 +1,28 @@
 """Writes the Admin API allows but warns of (trailing metadata `ponto-warning`,
 as for aliases in test_alias_warnings.py): a drain that leaves a model no
-origin to route to. The calls go to a real gRPC server on loopback over an
-in-memory store.
+origin to route to; a cache purge of a model no origin serves. The calls go
+to a real gRPC server on loopback over an in-memory store.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import pytest
 
-from controlplane.model import MAX_NAMED_MODELS, Origin, Region, stranded_by_drain
+from controlplane.model import (
+    MAX_NAMED_MODELS,
+    Origin,
+    PromptPolicy,
+    Region,
+    Tenant,
+    stranded_by_drain,
+    unserved_purge,
+)
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_alias_warnings import ListFails, admin, warned
 
 
@@ -67,6 +77,37 @@ def test_many_models_are_one_warning_naming_the_first() -> None:
     assert "requests for them 503" in warning
 
 
+NOSUCH = "no origin serves model 'nosuch'; purge sent anyway"
+
+
+def test_a_purge_of_a_model_no_origin_lists_is_warned_of() -> None:
+    tenants = [Tenant("acme"), Tenant("beta")]
+    assert unserved_purge("nosuch", "acme", ORIGINS, tenants) == (NOSUCH,)
+    assert unserved_purge("nosuch", "", ORIGINS, tenants) == (NOSUCH,)
+    # A model some origin lists, drained or not, or no model at all: no warning.
+    assert unserved_purge("mistral", "", (origin("o", "us", "mistral", drained=True),), []) == ()
+    assert unserved_purge("", "acme", (), tenants) == ()
+
+
+def test_a_purge_of_an_alias_names_the_model_it_stands_for() -> None:
+    def aliased(name: str, target: str) -> Tenant:
+        return Tenant(name, prompt=PromptPolicy(aliases=(("gpt-4o", target),)))
+
+    tenants = [aliased("acme", "llama"), aliased("beta", "mistral"), Tenant("gamma")]
+    [warning] = unserved_purge("gpt-4o", "acme", ORIGINS, tenants)
+    assert warning == (
+        "no origin serves model 'gpt-4o'; purge sent anyway (it is an alias: tenant 'acme' "
+        "to 'llama'; answers are cached under the model an alias names, so purge that model "
+        "for them)"
+    )
+    # Of every tenant, each one's alias is named; of a tenant without it, none.
+    [warning] = unserved_purge("gpt-4o", "", ORIGINS, tenants)
+    assert "alias: tenant 'acme' to 'llama', tenant 'beta' to 'mistral';" in warning
+    assert unserved_purge("gpt-4o", "gamma", ORIGINS, tenants) == (
+        "no origin serves model 'gpt-4o'; purge sent anyway",
+    )
+
+
 # ---------------------------------------------------------------- the Admin API
 
 
@@ -108,3 +149,23 @@ async def test_a_drain_stands_when_its_models_cannot_be_checked(
         assert {r.name: r.drained for r in regions} == {"us": True, "eu": False}
     [line] = [r for r in caplog.records if "leaves unserved were not checked" in r.getMessage()]
     assert line.getMessage().startswith("region us drained;") and line.exc_info is None
+
+
+async def test_purges_are_sent_and_warned_of_a_model_no_origin_serves() -> None:
+    async with admin(MemoryStore()) as stub:
+        await seed(stub)
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        purge = stub.PurgeCache(apb.PurgeCacheRequest(tenant="acme", model="nosuch"))
+        assert await warned(purge) == [NOSUCH]
+        assert (await purge).purge.model == "nosuch"  # sent all the same
+        assert await warned(stub.PurgeCache(apb.PurgeCacheRequest(model="nosuch"))) == [NOSUCH]
+        for request in (
+            apb.PurgeCacheRequest(tenant="acme", model="mistral"),
+            apb.PurgeCacheRequest(tenant="acme"),
+            apb.PurgeCacheRequest(),
+        ):
+            assert await warned(stub.PurgeCache(request)) == []
+        # An unknown tenant is still refused: a misspelt one would purge nothing.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.PurgeCache(apb.PurgeCacheRequest(tenant="ghost", model="nosuch"))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
