@@ -241,7 +241,10 @@ def _parser() -> argparse.ArgumentParser:
         dest="action", required=True
     )
     ra = region.add_parser("add", help="add a region (--update to change one)")
-    ra.add_argument("name")
+    ra.add_argument(
+        "name",
+        help="the region's name: lowercase letters, digits and '-' (not at either end), at most 63",
+    )
     ra.add_argument("--lat", type=float, required=True, help="latitude, -90..90")
     ra.add_argument("--lon", type=float, required=True, help="longitude, -180..180")
     ra.add_argument(
@@ -257,15 +260,20 @@ def _parser() -> argparse.ArgumentParser:
         help="load fraction (0..1) above which new requests spill to the next region (default 0.8)",
     )
     ra.add_argument("--update", action="store_true", help="update the region if it exists")
-    region.add_parser("delete", help="delete a region without origins").add_argument("name")
+    region.add_parser("delete", help="delete a region without origins").add_argument(
+        "name", help="the region's name"
+    )
 
     origin = sub.add_parser("origin", help="add or delete origins").add_subparsers(
         dest="action", required=True
     )
     oa = origin.add_parser("add", help="add an origin (--update to change one)")
-    oa.add_argument("name")
+    oa.add_argument(
+        "name",
+        help="the origin's name: lowercase letters, digits and '-' (not at either end), at most 63",
+    )
     oa.add_argument("--url", required=True, help="OpenAI-compatible base URL, with /v1")
-    oa.add_argument("--region", required=True)
+    oa.add_argument("--region", required=True, help="the region it is in (add that first)")
     oa.add_argument("--models", required=True, help="comma-separated model names")
     oa.add_argument(
         "--weight", type=_count(MAX_WEIGHT), default=0, help="traffic share among equals (1..1000)"
@@ -293,16 +301,25 @@ def _parser() -> argparse.ArgumentParser:
         "hosted APIs",
     )
     oa.add_argument("--update", action="store_true", help="update the origin if it exists")
-    origin.add_parser("delete", help="delete an origin").add_argument("name")
+    origin.add_parser("delete", help="delete an origin").add_argument(
+        "name", help="the origin's name"
+    )
 
     tenant = sub.add_parser("tenant", help="add, change or delete tenants").add_subparsers(
         dest="action", required=True
     )
     ta = tenant.add_parser("add", help="add a tenant")
-    ta.add_argument("name")
+    ta.add_argument(
+        "name",
+        help="the tenant's name: lowercase letters, digits and '-' (not at either end), at most 63",
+    )
     ts = tenant.add_parser("set", help="change a tenant's cache, prompt or routing policy")
-    ts.add_argument("name")
-    ts.add_argument("--cache", choices=["off", "exact", "semantic"])
+    ts.add_argument("name", help="the tenant's name")
+    ts.add_argument(
+        "--cache",
+        choices=["off", "exact", "semantic"],
+        help="cache mode: off, exact (same request), or semantic (also similar questions)",
+    )
     ts.add_argument(
         "--semantic-threshold",
         type=float,
@@ -412,14 +429,16 @@ def _parser() -> argparse.ArgumentParser:
     ts.set_defaults(
         tenant_settings=tuple(a.dest for a in ts._actions if a.dest not in ("help", "name"))
     )
-    tenant.add_parser("delete", help="delete a tenant without active keys").add_argument("name")
+    tenant.add_parser("delete", help="delete a tenant without active keys").add_argument(
+        "name", help="the tenant's name"
+    )
 
     key = sub.add_parser("key", help="create, list, expire and revoke API keys").add_subparsers(
         dest="action", required=True
     )
     kc = key.add_parser("create", help="create a key; it is printed once, on the last line")
-    kc.add_argument("--tenant", required=True)
-    kc.add_argument("--description", default="")
+    kc.add_argument("--tenant", required=True, help="the tenant the key belongs to")
+    kc.add_argument("--description", default="", help="a note shown by `key list`")
     kc.add_argument(
         "--expires-in",
         type=_duration,
@@ -428,7 +447,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _limits_args(kc)
     kl = key.add_parser("list", help="list keys (never their secrets)")
-    kl.add_argument("--tenant", default="")
+    kl.add_argument("--tenant", default="", help="only this tenant's keys")
     shown = kl.add_mutually_exclusive_group()
     shown.add_argument(
         "--all", action="store_true", help="active and revoked keys, with their STATE (the default)"
@@ -436,12 +455,16 @@ def _parser() -> argparse.ArgumentParser:
     shown.add_argument(
         "--active", action="store_true", help="only keys in use: hide revoked and expired ones"
     )
-    kl.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
-    key.add_parser("revoke", help="revoke a key by its id").add_argument("id")
+    kl.add_argument(
+        "-o", "--output", choices=["table", "json", "yaml"], default="table", help="format"
+    )
+    key.add_parser("revoke", help="revoke a key by its id").add_argument(
+        "id", help="the key's id (key list)"
+    )
     ke = key.add_parser(
         "expire", help="make a key expire (to rotate it: create its successor, then expire it)"
     )
-    ke.add_argument("id")
+    ke.add_argument("id", help="the key's id (key list)")
     when = ke.add_mutually_exclusive_group(required=True)
     when.add_argument(
         "--in", dest="expires_in", type=_duration, metavar="DURATION", help="from now: 7d, 12h"
@@ -456,16 +479,28 @@ def _parser() -> argparse.ArgumentParser:
         help="set a tenant's or a key's global limits; those not given are kept",
     )
     owner = ls.add_mutually_exclusive_group(required=True)
-    owner.add_argument("--tenant")
-    owner.add_argument("--key", metavar="ID")
+    owner.add_argument("--tenant", help="the tenant's limits (all its keys together)")
+    owner.add_argument("--key", metavar="ID", help="one key's own limits (key list shows ids)")
     _limits_args(ls, kept=True)
 
     cache = sub.add_parser("cache", help="purge cached answers").add_subparsers(
         dest="action", required=True
     )
-    cp = cache.add_parser("purge", help="purge by tenant, model, or everything")
-    cp.add_argument("--tenant", default="")
-    cp.add_argument("--model", default="")
+    cp = cache.add_parser(
+        "purge",
+        help="purge by tenant, model, or everything",
+        description="Purge cached answers on every proxy (and Redis), by tenant, by model, "
+        "or both; --all for everything.",
+    )
+    cp.add_argument(
+        "--tenant", default="", help="only this tenant's answers (with --model: of that model)"
+    )
+    cp.add_argument(
+        "--model",
+        default="",
+        help="only answers of this model, the name origins serve (an alias's answers are "
+        "cached under it); without --tenant, of every tenant",
+    )
     cp.add_argument("--all", action="store_true", help="required to purge everything")
 
     ap = sub.add_parser("apply", help="make regions, origins and tenants match a YAML file")
@@ -480,7 +515,7 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser(
         "export", help="write the whole topology (regions, origins, tenants) as an apply file"
     )
-    ex.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    ex.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml", help="format")
 
     get = sub.add_parser(
         "get",
@@ -492,8 +527,15 @@ def _parser() -> argparse.ArgumentParser:
         choices=[
             "regions", "origins", "tenants", "keys", "proxies", "controlplanes", "table", "audit",
         ],
+        help="what to list",
     )  # fmt: skip
-    get.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    get.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "json", "yaml"],
+        default="table",
+        help="format (yaml and json of regions, origins and tenants: an apply file)",
+    )
     audit = get.add_argument_group("audit", "filters of `get audit` (the newest entries first)")
     audit.add_argument(
         "--limit", type=_count(1000), default=None, help="most entries shown (default 100)"
@@ -504,10 +546,17 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--action", default="", help="only this call, e.g. DrainRegion")
     audit.add_argument("--actor", default="", help="only this actor, e.g. admin-token")
 
+    drain_help = {
+        "drain": "A drained region or origin gets no new requests (streams under way finish); "
+        "warns of models left with no origin, which then get 503.",
+        "undrain": "An undrained region or origin gets new requests again.",
+    }
     for verb in ("drain", "undrain"):
-        d = sub.add_parser(verb, help=f"{verb} a region or an origin")
-        d.add_argument("kind", choices=["region", "origin"])
-        d.add_argument("name")
+        d = sub.add_parser(verb, help=f"{verb} a region or an origin", description=drain_help[verb])
+        d.add_argument(
+            "kind", choices=["region", "origin"], help="region: all its origins; origin: that one"
+        )
+        d.add_argument("name", help="the region's or origin's name")
     return p
 
 
