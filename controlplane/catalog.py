@@ -42,6 +42,7 @@ from controlplane.errors import (
 from controlplane.model import (
     MODEL_RE,
     ApiKeyRecord,
+    DrainKind,
     Limits,
     Origin,
     OriginHealth,
@@ -197,7 +198,7 @@ class Catalog:
             f"region {name!r} not found",
         )
 
-    async def stranded_by_drain(self, kind: str, name: str) -> tuple[str, ...]:
+    async def stranded_by_drain(self, kind: DrainKind, name: str) -> tuple[str, ...]:
         """model.stranded_by_drain of region or origin name (kind) in the state stored now."""
         state = await self.snapshot()
         return stranded_by_drain(kind, name, state.regions, state.origins)

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import orjson
@@ -522,12 +522,13 @@ def routed_models(regions: Iterable[Region], origins: Iterable[Origin]) -> froze
     )
 
 
+DrainKind = Literal["region", "origin"]
 # Models named in one warning; the rest are counted (a warning must stay short).
 MAX_NAMED_MODELS = 10
 
 
 def stranded_by_drain(
-    kind: str, name: str, regions: Sequence[Region], origins: Sequence[Origin]
+    kind: DrainKind, name: str, regions: Sequence[Region], origins: Sequence[Origin]
 ) -> tuple[str, ...]:
     """A warning naming the models that region or origin `name` (kind "region"
     or "origin"), drained in this state, was the last to route (routed_models
