@@ -13,10 +13,11 @@ subclassed at these points:
   when no handler is reading. A connection with no request under way is
   closed after `keepalive_timeout` (aiohttp's keep-alive timer).
 - `_drain_helper`: a write that waits for the client to take what was sent
-  (the transport's buffer full: the client stopped reading) waits at most
-  `send_timeout`; then the connection is cut and the request's handler
-  cancelled, as when a client leaves (`send_stalled` says why). Nothing is
-  armed for a write that does not wait.
+  (the transport's buffer full) is cut once the client has taken no byte for
+  `send_timeout` (looked at every `send_timeout`, so a slow reader that keeps
+  reading is kept, as under nginx's send_timeout): the connection is aborted
+  and the request's handler cancelled, as when a client leaves
+  (`send_stalled` says why). Nothing is armed for a write that does not wait.
 - `connection_made`: connections are capped, in total and per client address.
   At a cap, the connection that has waited longest for a request (idle or
   with an unfinished head) is closed to make room; only when every
@@ -272,12 +273,29 @@ class EdgeProtocol(web_protocol.RequestHandler):
         super().connection_lost(exc)
 
     async def _drain_helper(self) -> None:
-        """aiohttp's wait for a paused transport to drain, for at most the
-        limits' `send_timeout` (see the module docstring)."""
+        """aiohttp's wait for a paused transport to drain, cut once the client
+        has taken no byte for the limits' `send_timeout` (see the module
+        docstring)."""
         if self.transport is None or not self._paused:
             await super()._drain_helper()  # raises if gone, else returns at once
             return
-        timer = self._loop.call_later(self._limits.send_timeout, self._send_stalled)
+        # nginx's send_timeout: the time between two takes of the client, not
+        # for the whole drain (a big answer read slowly but steadily is kept).
+        transport = self.transport
+        timeout = self._limits.send_timeout
+        left = transport.get_write_buffer_size()
+        timer: asyncio.TimerHandle
+
+        def check() -> None:
+            nonlocal timer, left
+            now = transport.get_write_buffer_size()
+            if now < left:  # the client took bytes since: wait on
+                left = now
+                timer = self._loop.call_later(timeout, check)
+            else:
+                self._send_stalled()
+
+        timer = self._loop.call_later(timeout, check)
         try:
             await super()._drain_helper()
         finally:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from dataplane.http.state import ACCESS_LOG
 from tests.functional.test_pipeline import MODEL
-from tests.functional.test_whole_answers import Edge, Start, edges, request
+from tests.functional.test_whole_answers import Edge, Origin, Start, edges, request
 
 CHUNK = (
     b'data: {"id":"x","object":"chat.completion.chunk","model":"'
@@ -113,4 +113,33 @@ async def test_a_client_that_reads_slowly_gets_its_whole_stream(start: Start) ->
         writer.close()
     assert received.count(b"chat.completion.chunk") == 64
     assert b"data: [DONE]" in received
+    assert (count(edge, "200"), count(edge, "499")) == (1, 0)
+
+
+async def test_a_client_that_reads_a_big_whole_answer_slowly_but_steadily_is_not_cut(
+    start: Start,
+) -> None:
+    # The timeout is between two takes of the client, not for the whole drain:
+    # a 12 MB whole answer read at some 3 MB/s takes longer than the timeout
+    # to drain, and is not cut, since the client never stops for a second.
+    origin = Origin(size=12 << 20)  # a 12 MB whole answer (an embeddings batch, say)
+    edge = await start(origin, "--send-timeout=1")
+    reader, writer = await edge.connect(rcvbuf=4096)
+    received = 0
+    reads = 0
+    try:
+        writer.write(request())
+        async with asyncio.timeout(60):
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert b" 200 " in head
+            size = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while received < size and (chunk := await reader.read(16 << 10)):
+                received += len(chunk)
+                reads += 1
+                await asyncio.sleep(0.004)
+    finally:
+        writer.close()
+    # The reads' own pauses alone outlast the timeout: the drain was long.
+    assert reads * 0.004 > 1
+    assert received == size
     assert (count(edge, "200"), count(edge, "499")) == (1, 0)
