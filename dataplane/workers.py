@@ -106,8 +106,10 @@ class ListenError(Exception):
 
     @classmethod
     def of(cls, host: str, port: int, exc: OSError) -> ListenError:
-        # The event loop's own message repeats the address: the errno's text alone.
-        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        # The event loop's own message repeats the address: the errno's text
+        # alone. A name that does not resolve (socket.gaierror) has a negative
+        # errno of getaddrinfo's, which os.strerror does not know.
+        why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
         return cls(f"cannot listen on {hostport(host, port)}: {why}")
 
 

@@ -153,6 +153,14 @@ def test_the_port_is_held_once_and_shared() -> None:
             s.close()
 
 
+def test_a_host_name_that_does_not_resolve_is_said_in_words() -> None:
+    # getaddrinfo's errors have negative errnos ("Unknown error -2" to os.strerror).
+    with pytest.raises(workers.ListenError) as exc:
+        workers.reserve_port("nosuch.invalid", 0)
+    assert str(exc.value).startswith("cannot listen on nosuch.invalid:0: ")
+    assert "Unknown error" not in str(exc.value), str(exc.value)
+
+
 @pytest.mark.parametrize("count", ["1", "2"])
 def test_a_port_in_use_is_one_line_and_exit_1(count: str) -> None:
     with socket.socket() as taken:
