@@ -392,7 +392,8 @@ class StatusWeb:
                 failing = True
                 continue
             except Exception:  # a bug here must not stop the rates for good
-                log.exception("status page rates: sampling failed")
+                if not failing:
+                    log.exception("status page rates: sampling failed")
                 failing = True
                 continue
             if failing:

@@ -837,6 +837,37 @@ async def test_the_sampler_says_once_that_it_cannot_read_and_once_that_it_can(
     assert not any(r.exc_info for r in caplog.records)
 
 
+async def test_a_sampler_bug_is_logged_once_with_its_traceback_not_every_round(
+    plane: Plane, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = iter([RuntimeError("bug"), RuntimeError("bug"), None, RuntimeError("bug")])
+    done = asyncio.Event()
+
+    async def sample(now: float) -> None:
+        try:
+            failure = next(rounds)
+        except StopIteration:
+            done.set()
+            await asyncio.Event().wait()
+            return
+        if failure is not None:
+            raise failure
+
+    async def sleep(seconds: float) -> None:
+        pass
+
+    web = web_of(plane, sleep=sleep)
+    monkeypatch.setattr(web, "sample", sample)
+    caplog.set_level(logging.DEBUG, logger="controlplane.web")
+    sampler = asyncio.create_task(web.sample_forever())
+    await done.wait()
+    sampler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sampler
+    lines = [(r.levelname, bool(r.exc_info)) for r in caplog.records]
+    assert lines == [("ERROR", True), ("INFO", False), ("ERROR", True)]
+
+
 async def test_with_the_page_on_the_replica_samples_whether_or_not_anyone_views_it() -> None:
     settings = parse(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--id", "r1"])
     plane = ControlPlane(settings, MemoryStore())
