@@ -157,7 +157,8 @@ def own_proxy_command(fleet: Fleet, port: int) -> list[str]:
     argv = first.argv[3:]  # after `python -m dataplane`
     changed = {"--listen": f"127.0.0.1:{port}", "--name": OWN_PROXY,
                "--state-dir": str(fleet.workdir / f"{OWN_PROXY}-state")}  # fmt: skip
-    own = [str(Path(sys.executable).with_name("ponto-proxy"))]
+    script = Path(sys.executable).with_name("ponto-proxy")  # the venv's entry point
+    own = [str(script)] if script.exists() else [sys.executable, "-m", "dataplane"]
     for flag, value in zip(argv[::2], argv[1::2], strict=True):
         if flag != "--ready-file":
             own += [flag, changed.get(flag, value)]
@@ -168,7 +169,8 @@ def own_proxy_hint(fleet: Fleet) -> list[str]:
     port = _preferred(8099) or devenv.free_port()
     return [
         "Add a proxy of your own, in another terminal (Ctrl-C stops it; it registers",
-        "with the control plane and serves its region's table like the demo's own):",
+        "with the control plane and serves its region's table like the demo's own;",
+        "its state is in the demo's directory: stop it before the demo):",
         f"  {shlex.join(own_proxy_command(fleet, port))}",
     ]
 
