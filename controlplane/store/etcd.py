@@ -89,7 +89,8 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def _host(endpoint: str) -> str:
-    return endpoint.rpartition(":")[0].strip("[]")
+    """The host of a checked endpoint (`split_endpoint`, which raises on others)."""
+    return split_endpoint(endpoint)[0]
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -145,9 +146,9 @@ def grpc_target(
     if not names_to_resolve(endpoints) and not any(_is_ipv6(_host(e)) for e in endpoints):
         return None
     addresses = addresses or {}
-    resolved: list[tuple[str, str]] = []
+    resolved: list[tuple[str, int]] = []
     for endpoint in endpoints:
-        host, port = _host(endpoint), endpoint.rpartition(":")[2]
+        host, port = split_endpoint(endpoint)
         if _is_address(host):
             resolved.append(("127.0.0.1" if host == "localhost" else host, port))
         else:
