@@ -131,7 +131,7 @@ def grpc_target(
     Kubernetes headless Service, say) becomes a `dns:` target that gRPC
     re-resolves on reconnect and balances over every address. Otherwise a
     list of addresses: the literals, and for several endpoints with names the
-    `addresses` each name had (name -> IPv4 addresses, as looked up for
+    `addresses` each name had (name -> addresses, as resolve_names finds them for
     names_to_resolve); names missing from it are left out, and if nothing is
     left the first endpoint becomes a `dns:` target, so the channel keeps
     trying while the names do not resolve yet.
@@ -172,19 +172,29 @@ def tls_server_name(endpoints: Sequence[str]) -> str:
     return _host(endpoints[0])
 
 
-async def resolve_ipv4(names: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """IPv4 addresses of each name that resolves now (system resolver); others are logged."""
-    loop = asyncio.get_running_loop()
+GetAddrInfo = Callable[..., Awaitable[list[tuple[Any, ...]]]]
+
+
+async def resolve_names(
+    names: Sequence[str], getaddrinfo: GetAddrInfo | None = None
+) -> dict[str, tuple[str, ...]]:
+    """The addresses of each name that resolves now (the system resolver, or
+    `getaddrinfo` like the loop's); others are logged. Its IPv4 addresses
+    when it has any (a dual-stack name stays on IPv4, as before IPv6 was
+    looked up), else its IPv6 ones: an IPv6-only cluster's names work too."""
+    lookup = getaddrinfo or asyncio.get_running_loop().getaddrinfo
     found: dict[str, tuple[str, ...]] = {}
     for name in names:
         try:
-            infos = await loop.getaddrinfo(
-                name, None, family=socket.AF_INET, type=socket.SOCK_STREAM
-            )
+            infos = await lookup(name, None, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM)
         except OSError as exc:
             log.warning("etcd endpoint %s does not resolve: %s", name, exc)
             continue
-        found[name] = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+        v4 = [str(i[4][0]) for i in infos if i[0] == socket.AF_INET]
+        # A scoped address (fe80::1%eth0) cannot go into a gRPC target.
+        v6 = [str(i[4][0]) for i in infos if i[0] == socket.AF_INET6 and "%" not in str(i[4][0])]
+        if v4 or v6:
+            found[name] = tuple(dict.fromkeys(v4 or v6))
     return found
 
 
@@ -269,7 +279,7 @@ class EtcdStore:
         if self._connected:
             return
         if self._names:
-            self._target = grpc_target(self._endpoints, await resolve_ipv4(self._names))
+            self._target = grpc_target(self._endpoints, await resolve_names(self._names))
             self._client = self._new_client(self._target)
             self._reresolved_at = asyncio.get_running_loop().time()
         await self._client.connect()
@@ -296,7 +306,7 @@ class EtcdStore:
 
     async def _reresolve(self) -> None:
         try:
-            target = grpc_target(self._endpoints, await resolve_ipv4(self._names))
+            target = grpc_target(self._endpoints, await resolve_names(self._names))
             if target == self._target or not self._connected:
                 return
             client = self._new_client(target)

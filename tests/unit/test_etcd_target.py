@@ -7,7 +7,9 @@ file knows, are in tests/integration/test_etcd_names.py.
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +19,7 @@ from controlplane.store.etcd import (
     EtcdTls,
     grpc_target,
     names_to_resolve,
+    resolve_names,
     split_endpoint,
     tls_server_name,
 )
@@ -173,3 +176,25 @@ def test_flags_that_disagree_are_refused(
     with pytest.raises(SystemExit):
         parse([a.format(**pem) for a in args])
     assert message in capsys.readouterr().err
+
+
+async def test_a_name_resolves_to_its_ipv4_addresses_or_else_its_ipv6_ones() -> None:
+    records = {
+        "dual": [(socket.AF_INET6, "fd00::1"), (socket.AF_INET, "10.0.0.1")],
+        "v6only": [(socket.AF_INET6, "fd00::2"), (socket.AF_INET6, "fe80::2%eth0")],
+        "v4only": [(socket.AF_INET, "10.0.0.3"), (socket.AF_INET, "10.0.0.3")],
+    }
+
+    async def getaddrinfo(name: str, port: object, **_: object) -> list[tuple[Any, ...]]:
+        if name not in records:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [
+            (family, socket.SOCK_STREAM, 6, "", (address, 0)) for family, address in records[name]
+        ]
+
+    found = await resolve_names(["dual", "v6only", "v4only", "nowhere"], getaddrinfo)
+    assert found == {"dual": ("10.0.0.1",), "v6only": ("fd00::2",), "v4only": ("10.0.0.3",)}
+    # An IPv6-only name's addresses make an ipv6: target.
+    assert grpc_target(["v6only:2379", "v4only:2379"], found) == (
+        "ipv6:[fd00::2]:2379,[::ffff:10.0.0.3]:2379"
+    )
