@@ -1171,14 +1171,22 @@ def unreachable(detail: str, address: str, options: conn.ClientOptions) -> str:
         )
     if "handshake failed" in said:
         return f"TLS handshake with the {where} failed ({detail})"
-    if "security handshaker" in said:  # the client's own TLS material is unusable
+    if "security handshaker" in said:
+        # The client's own TLS files are unusable: gRPC says the same of a CA,
+        # a certificate or a key it cannot read, or a key not the certificate's.
+        check = (
+            f"that the CA {options.tls_ca}, the client certificate {options.tls_cert} and "
+            f"key {options.tls_key} are PEM files and that the key is the certificate's"
+            if options.tls_cert
+            else f"that the CA {options.tls_ca} is a PEM file"
+        )
         return (
-            f"{where} is unreachable: the client certificate {options.tls_cert} and key "
-            f"{options.tls_key} cannot be used together ({detail}); check that the key is "
-            "the certificate's"
+            f"{where} is unreachable: the TLS files given cannot be used ({detail}); check {check}"
         )
     message = f"{where} is unreachable ({detail})"
-    if "connection refused" in said:  # nothing listens: no TLS setting would help
+    if "socket closed" not in said:
+        # Nothing was reached (connection refused, a name that does not
+        # resolve, no route): no TLS setting would help.
         return message
     if not options.tls_cert:
         # Under mutual TLS the control plane ends the handshake of a client
@@ -1188,13 +1196,11 @@ def unreachable(detail: str, address: str, options: conn.ClientOptions) -> str:
             "TLS requires one: give --tls-cert and --tls-key (or PONTO_TLS_CERT and "
             "PONTO_TLS_KEY)"
         )
-    if "socket closed" in said:
-        return (
-            f"{message}; a control plane with mutual TLS closes the connection when it does "
-            f"not trust the client certificate: check that {options.tls_cert} is signed by "
-            "its client CA (ponto-control --tls-client-ca)"
-        )
-    return message
+    return (
+        f"{message}; a control plane with mutual TLS closes the connection when it does "
+        f"not trust the client certificate: check that {options.tls_cert} is signed by "
+        "its client CA (ponto-control --tls-client-ca)"
+    )
 
 
 if __name__ == "__main__":

@@ -592,7 +592,7 @@ def test_tls_failures_are_one_line_naming_what_to_fix(tmp_path: Path) -> None:
             (  # gRPC core logs this one at ERROR, three lines twice
                 {**b.admin_env(), "PONTO_TLS_KEY": b.path("proxy.key")},
                 [],
-                "check that the key is the certificate's",
+                "and that the key is the certificate's",
             ),
         ]  # fmt: skip
         for env, flags, hint in cases:

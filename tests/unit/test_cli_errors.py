@@ -118,7 +118,8 @@ MUTUAL = ClientOptions("ca.crt", "admin.crt", "admin.key")
                              "--tls-ca", "client certificate"),
         (NOT_TLS, CA_ONLY, "does not answer TLS", "trusted"),
         (WRONG_NAME, MUTUAL, "its certificate does not list the name or address", "trusted"),
-        (BAD_KEY, MUTUAL, "check that the key is the certificate's", "trusted"),
+        (BAD_KEY, MUTUAL, "and that the key is the certificate's", "trusted"),
+        (BAD_KEY, CA_ONLY, "check that the CA ca.crt is a PEM file", "certificate"),
         # Nothing listens: no TLS advice, which would send the operator the wrong way.
         (REFUSED, CA_ONLY, "is unreachable (", "certificate"),
         (REFUSED, ClientOptions(), "if it requires TLS, give --tls-ca", "certificate"),
@@ -138,3 +139,33 @@ def test_tls_failures_name_the_setting_to_look_at(
     assert err.startswith("error: ") and err.endswith(" [UNAVAILABLE]\n")
     assert len(err.splitlines()) == 1
     assert detail in err  # gRPC's own words stay, for what the advice does not cover
+
+
+# What gRPC 1.85 says (captured from pontoctl runs) for failures that
+# have nothing to do with a missing client certificate or a mismatched key.
+DNS_FAILED = (
+    "errors resolving nosuch.invalid:7000: [field:hostname lookup error:address lookup "
+    "failed for nosuch.invalid:7000: Domain name not found]"
+)
+
+
+def test_a_name_that_does_not_resolve_gets_no_client_certificate_advice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # PONTO_TLS_CA alone (server-side TLS only) and a misspelt --control-plane:
+    # nothing was reached, so mutual TLS is not the cause.
+    assert _refused(Refusal(grpc.StatusCode.UNAVAILABLE, DNS_FAILED), "x:7000", CA_ONLY) == 1
+    err = capsys.readouterr().err
+    assert "client certificate" not in err, err
+
+
+def test_an_unreadable_ca_is_not_blamed_on_a_certificate_never_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `--tls-ca garbage.pem` alone: gRPC says "Failed to create security
+    # handshaker", and the advice names a client certificate and key that
+    # were never given ("the client certificate  and key  cannot be used together").
+    assert _refused(Refusal(grpc.StatusCode.UNAVAILABLE, BAD_KEY), "x:7000", CA_ONLY) == 1
+    err = capsys.readouterr().err
+    assert "client certificate  and key " not in err, err
+    assert "--tls-ca" in err or "CA" in err, err
