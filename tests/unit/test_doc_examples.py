@@ -1,11 +1,15 @@
 """The apply files the docs show are ones the control plane accepts: each
-```yaml block of README.md and docs/*.md that is a topology (regions, origins,
-tenants) goes through the Admin API's Apply as `pontoctl apply --dry-run`
-sends it, to a real gRPC server on loopback over an in-memory store."""
+```yaml block of README.md and docs/*.md (indented ones too) that is a
+topology (regions, origins, tenants), or chart values with a `topology:`
+(docs/helm.md: applied with the regions of `proxy.regions`, as the chart's
+apply Job does), goes through the Admin API's Apply as `pontoctl apply
+--dry-run` sends it, to a real gRPC server on loopback over an in-memory
+store."""
 
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +22,33 @@ from tests.unit.test_alias_warnings import admin
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY_KEYS = {"regions", "origins", "tenants"}
-BLOCK = re.compile(r"^```yaml\n(.*?)^```", re.MULTILINE | re.DOTALL)
+BLOCK = re.compile(r"^ *```yaml\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
 
 
 def topology_examples() -> list[tuple[str, dict[str, Any]]]:
     found: list[tuple[str, dict[str, Any]]] = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for block in BLOCK.findall(path.read_text(encoding="utf-8")):
-            doc = yaml.safe_load(block)
-            if isinstance(doc, dict) and doc and set(doc) <= TOPOLOGY_KEYS:
+            doc = yaml.safe_load(textwrap.dedent(block))
+            if not isinstance(doc, dict) or not doc:
+                continue
+            if set(doc) <= TOPOLOGY_KEYS:
                 found.append((path.name, doc))
+            elif isinstance(topology := doc.get("topology"), dict):  # chart values
+                # As charts/ponto/templates/topology.yaml builds its document.
+                regions = [
+                    {k: r[k] for k in ("name", "lat", "lon") if k in r}
+                    for r in doc.get("proxy", {}).get("regions", [])
+                ]
+                applied = {"regions": regions + topology.get("extraRegions", [])}
+                applied |= {k: topology[k] for k in ("origins", "tenants") if topology.get(k)}
+                found.append((path.name, applied))
     return found
 
 
 async def test_the_docs_apply_examples_pass_a_dry_run() -> None:
     examples = topology_examples()
+    assert {name for name, _ in examples} == {"README.md", "helm.md"}
     # The README shows where a tenant's aliases go: under prompt:.
     assert any(
         t.get("prompt", {}).get("aliases")
