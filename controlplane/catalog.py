@@ -59,8 +59,8 @@ from controlplane.model import (
     decode_purge,
     decode_region,
     decode_tenant,
+    drain_warnings,
     encode,
-    stranded_by_drain,
     unserved_aliases,
     unserved_purge,
 )
@@ -198,10 +198,11 @@ class Catalog:
             f"region {name!r} not found",
         )
 
-    async def stranded_by_drain(self, kind: DrainKind, name: str) -> tuple[str, ...]:
-        """model.stranded_by_drain of region or origin name (kind) in the state stored now."""
+    async def drain_warnings(self, kind: DrainKind, name: str, drained: bool) -> tuple[str, ...]:
+        """model.drain_warnings of a drain (drained) or undrain of region or
+        origin name (kind), in the state stored now."""
         state = await self.snapshot()
-        return stranded_by_drain(kind, name, state.regions, state.origins)
+        return drain_warnings(kind, name, drained, state.regions, state.origins)
 
     # ------------------------------------------------------------ origins
 

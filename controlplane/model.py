@@ -557,6 +557,48 @@ def stranded_by_drain(
     )
 
 
+def unrouted_by_region(
+    name: str, regions: Sequence[Region], origins: Sequence[Origin]
+) -> tuple[str, ...]:
+    """A warning when origin `name`, not drained in this state, is in a
+    drained region; () otherwise (an unknown origin too). Pure.
+
+    Such an undrain is allowed (the region may be undrained next), but
+    proxies send the origin nothing while its region is drained: they leave
+    out a drained region's origins whatever their own flag (dataplane.routes,
+    as routed_models does).
+    """
+    origin = next((o for o in origins if o.name == name), None)
+    if origin is None or origin.drained:
+        return ()
+    region = origin.region
+    if not any(r.name == region and r.drained for r in regions):
+        return ()
+    return (
+        f"origin {name} is undrained, but its region {region} is drained: it gets no traffic "
+        f"until `pontoctl undrain region {region}`",
+    )
+
+
+def drain_warnings(
+    kind: DrainKind,
+    name: str,
+    drained: bool,
+    regions: Sequence[Region],
+    origins: Sequence[Origin],
+) -> tuple[str, ...]:
+    """What a drain (`drained`) or undrain of region or origin `name` (kind),
+    done in this state, warns of: the models a drain leaves no undrained
+    origin (stranded_by_drain); an undrained origin its drained region still
+    keeps from traffic (unrouted_by_region). Pure; the Admin API's drains and
+    the status page's buttons both answer with it."""
+    if drained:
+        return stranded_by_drain(kind, name, regions, origins)
+    if kind == "origin":
+        return unrouted_by_region(name, regions, origins)
+    return ()
+
+
 def unserved_purge(
     model: str, tenant: str, origins: Iterable[Origin], tenants: Iterable[Tenant]
 ) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from controlplane.messages import (
 )
 from controlplane.model import (
     ApiKeyRecord,
+    DrainKind,
     Origin,
     OriginHealth,
     ProxyRecord,
@@ -64,6 +65,26 @@ def warnings_metadata(warnings: Sequence[str]) -> tuple[tuple[str, str], ...]:
             break
         sent.append((WARNING_METADATA, warning))
     return tuple(sent)
+
+
+async def checked(warnings: Awaitable[Sequence[str]], unchecked: str) -> Sequence[str]:
+    """The warnings a write's reply carries, read after the write; () if etcd
+    fails to answer the read they need (`unchecked` is logged, without a
+    traceback), rather than report a write that succeeded as failed."""
+    try:
+        return await warnings
+    except Unavailable as exc:
+        log.warning("%s: %s", unchecked, exc)
+        return ()
+
+
+def unchecked_drain(kind: DrainKind, name: str, drained: bool) -> str:
+    """What is logged when a drain's warnings (model.drain_warnings) cannot be read."""
+    if drained:
+        return f"{kind} {name} drained; the models it leaves unserved were not checked"
+    if kind == "origin":
+        return f"origin {name} undrained; whether its region is drained was not checked"
+    return f"region {name} undrained; its warnings were not checked"
 
 
 def region_pb(r: Region) -> pb.Region:
@@ -169,12 +190,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.drain("region"), auditing.drain_action("Region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
         region = await self._catalog.set_region_drained(request.name, request.drained)
-        if request.drained:
-            await self._warn(
-                context,
-                self._catalog.stranded_by_drain("region", region.name),
-                f"region {region.name} drained; the models it leaves unserved were not checked",
-            )
+        await self._warn(
+            context,
+            self._catalog.drain_warnings("region", region.name, request.drained),
+            unchecked_drain("region", region.name, request.drained),
+        )
         return region_pb(region)
 
     @grpc_errors
@@ -202,12 +222,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
         origin = await self._catalog.set_origin_drained(request.name, request.drained)
-        if request.drained:
-            await self._warn(
-                context,
-                self._catalog.stranded_by_drain("origin", origin.name),
-                f"origin {origin.name} drained; the models it leaves unserved were not checked",
-            )
+        await self._warn(
+            context,
+            self._catalog.drain_warnings("origin", origin.name, request.drained),
+            unchecked_drain("origin", origin.name, request.drained),
+        )
         return origin_pb(origin)
 
     @grpc_errors
@@ -258,17 +277,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @staticmethod
     async def _warn(context: Ctx, warnings: Awaitable[Sequence[str]], unchecked: str) -> None:
-        """Send the warnings, with the reply, in its trailing metadata.
-
-        Called after the write: if etcd fails to answer the read the warnings
-        need, the reply goes without them (`unchecked` is logged) rather than
-        report a write that succeeded as failed.
-        """
-        try:
-            found = await warnings
-        except Unavailable as exc:
-            log.warning("%s: %s", unchecked, exc)
-            return
+        """Send the warnings (`checked`), with the reply, in its trailing metadata."""
+        found = await checked(warnings, unchecked)
         if found:
             context.set_trailing_metadata(warnings_metadata(found))
 

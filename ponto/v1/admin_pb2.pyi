@@ -11,8 +11,10 @@ allowed but its caller should know, as trailing metadata `ponto-warning`
 Apply (for the document's tenants) warn of each alias whose target no
 origin lists, which proxies answer 404 until one does; DrainRegion and
 DrainOrigin (drained=true) of the models the drain leaves no undrained
-origin, which proxies answer 503 until one is undrained; PurgeCache of a
-model no origin lists (sent all the same: old entries may be cached).
+origin, which proxies answer 503 until one is undrained; DrainOrigin
+(drained=false) of an origin whose region is drained, which still gets no
+traffic; PurgeCache of a model no origin lists (sent all the same: old
+entries may be cached).
 """
 
 from collections import abc as _abc

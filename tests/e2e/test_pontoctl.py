@@ -701,6 +701,14 @@ def test_a_drain_warns_of_models_left_without_an_origin_and_repeats_are_said(
         assert out == "origin vllm-use1 is not drained: nothing changed\n"
         _, err = ctl(fleet, capsys, "drain", "region", "us-east")
         assert "model 'llama-3-8b' now (region 'us-east' was the last)" in err
+        # An origin undrained while its region is drained still gets nothing: said.
+        assert ctl(fleet, capsys, "drain", "origin", "vllm-use1")[1] == ""
+        out, err = ctl(fleet, capsys, "undrain", "origin", "vllm-use1")
+        assert out == "origin vllm-use1 undrained\n"
+        assert err == (
+            "warning: origin vllm-use1 is undrained, but its region us-east is drained: it "
+            "gets no traffic until `pontoctl undrain region us-east`\n"
+        )
         _, err = ctl(fleet, capsys, "drain", "region", "mars", code=1)
         assert err == "error: region 'mars' not found [NOT_FOUND]\n"
     finally:

@@ -1,22 +1,26 @@
 """Writes the Admin API allows but warns of (trailing metadata `ponto-warning`,
 as for aliases in test_alias_warnings.py): a drain that leaves a model no
-origin to route to; a cache purge of a model no origin serves. The calls go
-to a real gRPC server on loopback over an in-memory store.
+origin to route to; an undrain of an origin whose region is drained; a cache
+purge of a model no origin serves. The calls go to a real gRPC server on
+loopback over an in-memory store.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
 import pytest
 
+from controlplane.cli import main as pontoctl
 from controlplane.model import (
     MAX_NAMED_MODELS,
     Origin,
     PromptPolicy,
     Region,
     Tenant,
+    drain_warnings,
     stranded_by_drain,
     unserved_purge,
 )
@@ -24,6 +28,7 @@ from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_alias_warnings import ListFails, admin, warned
+from tests.unit.test_audit import Clock, admin_server
 
 
 def origin(name: str, region: str, *models: str, drained: bool = False) -> Origin:
@@ -75,6 +80,28 @@ def test_many_models_are_one_warning_naming_the_first() -> None:
     named = ", ".join(repr(m) for m in models[:MAX_NAMED_MODELS])
     assert f"serves models {named} and 3 more now" in warning
     assert "requests for them 503" in warning
+
+
+UNROUTED = (
+    "origin o-us is undrained, but its region us is drained: it gets no traffic until "
+    "`pontoctl undrain region us`"
+)
+
+
+def test_an_origin_undrained_in_a_drained_region_is_warned_of() -> None:
+    assert drain_warnings("origin", "o-us", False, (drained(US), EU), ORIGINS) == (UNROUTED,)
+    # Its region serving, or the origin drained again: it is not kept from traffic
+    # by its region.
+    assert drain_warnings("origin", "o-us", False, (US, EU), ORIGINS) == ()
+    o_us = (origin("o-us", "us", "llama", "mistral", drained=True), ORIGINS[1])
+    assert drain_warnings("origin", "o-us", False, (drained(US), EU), o_us) == ()
+    # Undraining a region, or an origin that is not there, warns of nothing.
+    assert drain_warnings("region", "us", False, (US, EU), ORIGINS) == ()
+    assert drain_warnings("origin", "ghost", False, (drained(US), EU), ORIGINS) == ()
+    # A drain warns of what it strands, as stranded_by_drain says.
+    assert drain_warnings("region", "us", True, (drained(US), EU), ORIGINS) == stranded_by_drain(
+        "region", "us", (drained(US), EU), ORIGINS
+    )
 
 
 NOSUCH = "no origin serves model 'nosuch'; purge sent anyway"
@@ -149,6 +176,58 @@ async def test_a_drain_stands_when_its_models_cannot_be_checked(
         assert {r.name: r.drained for r in regions} == {"us": True, "eu": False}
     [line] = [r for r in caplog.records if "leaves unserved were not checked" in r.getMessage()]
     assert line.getMessage().startswith("region us drained;") and line.exc_info is None
+
+
+async def test_undraining_an_origin_its_region_keeps_drained_is_done_and_warned_of() -> None:
+    async with admin(MemoryStore()) as stub:
+        await seed(stub)
+        await stub.DrainRegion(apb.DrainRequest(name="us", drained=True))
+        # Drained inside a drained region: it took no requests before either.
+        assert await warned(stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))) == []
+        undrain = apb.DrainRequest(name="o-us", drained=False)
+        assert await warned(stub.DrainOrigin(undrain)) == [UNROUTED]
+        origins = (await stub.ListOrigins(apb.ListRequest())).origins
+        assert {o.name: o.drained for o in origins} == {"o-us": False, "o-eu": False}
+        # Once its region is undrained, neither that undrain nor the origin's warns.
+        assert await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=False))) == []
+        await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))
+        assert await warned(stub.DrainOrigin(undrain)) == []
+
+
+async def test_pontoctl_prints_the_undrain_warning_on_stderr_and_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async with admin_server(MemoryStore(), Clock(), admin_token="") as stub:
+        await seed(stub)
+        await stub.DrainRegion(apb.DrainRequest(name="us", drained=True))
+        await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))
+        capsys.readouterr()
+        # pontoctl's calls block: run in a thread, while this loop serves them.
+        argv = ["--control-plane", stub.address, "undrain", "origin", "o-us"]
+        assert await asyncio.to_thread(pontoctl, argv) == 0
+        out = capsys.readouterr()
+        assert (out.out, out.err) == ("origin o-us undrained\n", f"warning: {UNROUTED}\n")
+
+
+async def test_an_undrain_stands_when_its_region_cannot_be_checked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = ListFails()
+    async with admin(store) as stub:
+        await seed(stub)
+        await stub.DrainRegion(apb.DrainRequest(name="us", drained=True))
+        await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))
+        store.failing = True
+        undrain = apb.DrainRequest(name="o-us", drained=False)
+        assert await warned(stub.DrainOrigin(undrain)) == []
+        store.failing = False
+        origins = (await stub.ListOrigins(apb.ListRequest())).origins
+        assert {o.name: o.drained for o in origins}["o-us"] is False
+    [line] = [r for r in caplog.records if "was not checked" in r.getMessage()]
+    assert line.getMessage().startswith(
+        "origin o-us undrained; whether its region is drained was not checked"
+    )
+    assert line.exc_info is None
 
 
 async def test_purges_are_sent_and_warned_of_a_model_no_origin_serves() -> None:
