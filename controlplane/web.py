@@ -6,7 +6,9 @@
   whose requests rate limits refused or held for a slot lately.
 - ``POST /api/regions/{name}/drain`` and ``/undrain`` (and the same under
   ``/api/origins/``) write through the Catalog, as the Admin API's
-  DrainRegion and DrainOrigin do, so the builder publishes a new table.
+  DrainRegion and DrainOrigin do, so the builder publishes a new table, and
+  answer ``{"name", "drained", "warnings"}``: the warnings those calls send
+  (model.drain_warnings), which the page shows.
 
 Writes are on unless ``--http-writes off``, which is the default under
 mutual TLS: this port cannot check the admin certificate the Admin API then
@@ -50,6 +52,7 @@ import orjson
 from aiohttp import web
 from yarl import URL
 
+from controlplane.api.admin import checked, unchecked_drain
 from controlplane.api.auditing import outcome_of
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
@@ -61,7 +64,7 @@ from controlplane.errors import (
     NotFound,
     Unavailable,
 )
-from controlplane.model import Origin, ProxyRecord, Region
+from controlplane.model import DrainKind, Origin, ProxyRecord, Region
 from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
 from controlplane.registry import TRAFFIC_EVERY
 from dataplane.http.edge import EdgeLimits, EdgeRunner
@@ -487,11 +490,11 @@ class StatusWeb:
         actor = self._authorize(request)
         name = request.match_info["name"]
         change: Callable[[str, bool], Awaitable[Region | Origin]]
+        one: DrainKind = "region" if kind == "regions" else "origin"
+        target = f"{one}/{name}"
         if kind == "regions":
-            target = f"region/{name}"
             change = self._catalog.set_region_drained
         else:
-            target = f"origin/{name}"
             change = self._catalog.set_origin_drained
         result, message = "ok", ""
         try:
@@ -519,10 +522,15 @@ class StatusWeb:
             actor,
             request.remote,
         )
+        # What `pontoctl drain` would print as warnings (a model left with no
+        # undrained origin, an origin its drained region keeps idle).
+        warnings = await checked(
+            self._catalog.drain_warnings(one, value.name, drained),
+            unchecked_drain(one, value.name, drained),
+        )
+        answer = {"name": value.name, "drained": value.drained, "warnings": list(warnings)}
         return web.Response(
-            body=orjson.dumps({"name": value.name, "drained": value.drained}),
-            content_type="application/json",
-            headers=_HEADERS,
+            body=orjson.dumps(answer), content_type="application/json", headers=_HEADERS
         )
 
     def _authorize(self, request: web.Request) -> str:

@@ -60,10 +60,11 @@ function age(seconds) {
   return `${(seconds / 3600).toFixed(1)} h ago`;
 }
 
-function say(text, ok) {
+// tone: "ok", "warn" (done, but see why) or "error".
+function say(text, tone) {
   const box = document.getElementById("message");
   box.textContent = text;
-  box.className = ok ? "ok" : "";
+  box.className = tone;
   box.hidden = !text;
 }
 
@@ -211,10 +212,10 @@ async function poll() {
     const response = await fetch("/api/status", { cache: "no-store" });
     if (!response.ok) throw new Error(`status ${response.status}`);
     render(await response.json());
-    if (unreachable) say("", true);
+    if (unreachable) say("", "ok");
     unreachable = false;
   } catch (error) {
-    say(`Cannot read the status: ${error.message}`, false);
+    say(`Cannot read the status: ${error.message}`, "error");
     unreachable = true;
   } finally {
     timer = setTimeout(poll, POLL_MS);
@@ -243,12 +244,16 @@ async function act(kind, name, verb) {
     if (!response.ok) {
       if (response.status === 401 || response.status === 403) sessionStorage.removeItem(TOKEN_KEY);
       const message = body.error && body.error.message ? body.error.message : response.statusText;
-      say(`${verb} ${name} refused (${response.status}): ${message}`, false);
+      say(`${verb} ${name} refused (${response.status}): ${message}`, "error");
       return;
     }
-    say(`${name} ${body.drained ? "drained" : "undrained"}`, true);
+    // Done, but what the control plane warns of (a model left with no
+    // undrained origin, say), as pontoctl prints it: one line each.
+    const warnings = Array.isArray(body.warnings) ? body.warnings : [];
+    say([`${name} ${body.drained ? "drained" : "undrained"}`,
+      ...warnings.map((w) => `warning: ${w}`)].join("\n"), warnings.length ? "warn" : "ok");
   } catch (error) {
-    say(`${verb} ${name} failed: ${error.message}`, false);
+    say(`${verb} ${name} failed: ${error.message}`, "error");
   }
   poll();
 }
@@ -271,7 +276,7 @@ document.getElementById("token-cancel").addEventListener("click", () => {
 
 document.getElementById("token-forget").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
-  say("Admin token forgotten", true);
+  say("Admin token forgotten", "ok");
   poll();
 });
 

@@ -259,6 +259,21 @@ def test_a_drain_clicked_with_the_token_reaches_the_proxies(
     card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="undrain"]').click()
     wait(page, lambda d: region_state(d, "us-east") == "serving", "us-east never undrained")
     assert not page.find_element(By.ID, "token-form").is_displayed()
+    # The last region serving the models: drained all the same, and the page
+    # says what that leaves, as pontoctl does (the fixture undrains them after).
+    for region in ("eu-west", "ap-southeast"):
+        system.fleet.admin().DrainRegion(apb.DrainRequest(name=region, drained=True), timeout=10)
+    card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="drain"]').click()
+    message = page.find_element(By.ID, "message")
+    wait(page, lambda d: "warning:" in message.text, "the drain's warning was never shown")
+    assert message.is_displayed() and message.get_attribute("class") == "warn"
+    assert message.text.splitlines() == [
+        "us-east drained",
+        "warning: no undrained origin serves models 'sim-large', 'sim-small' now (region "
+        "'us-east' was the last): proxies answer requests for them 503 no_healthy_origin until "
+        "one is undrained",
+    ]
+    assert drained(system, "us-east")
 
 
 def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(

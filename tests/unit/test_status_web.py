@@ -268,7 +268,7 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     auth = AUTH
     resp = await client.post("/api/regions/eu-west/drain", headers=auth)
     assert resp.status == 200
-    assert await resp.json() == {"name": "eu-west", "drained": True}
+    assert await resp.json() == {"name": "eu-west", "drained": True, "warnings": []}
     assert (await plane.catalog.get_region("eu-west")).drained
     assert plane.audit.calls == [
         {
@@ -286,14 +286,58 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     status = await (await client.get("/api/status")).json()
     assert [r["drained"] for r in status["regions"] if r["name"] == "eu-west"] == [True]
     resp = await client.post("/api/regions/eu-west/undrain", headers=auth)
-    assert await resp.json() == {"name": "eu-west", "drained": False}
+    assert await resp.json() == {"name": "eu-west", "drained": False, "warnings": []}
     assert not (await plane.catalog.get_region("eu-west")).drained
     resp = await client.post("/api/origins/o-us/drain", headers=auth)
-    assert await resp.json() == {"name": "o-us", "drained": True}
+    assert await resp.json() == {"name": "o-us", "drained": True, "warnings": []}
     assert plane.audit.calls[-1]["target"] == "origin/o-us"
     await client.post("/api/origins/o-us/undrain", headers=auth)
     actions = [call["action"] for call in plane.audit.calls]
     assert actions == ["DrainRegion", "UndrainRegion", "DrainOrigin", "UndrainOrigin"]
+
+
+async def test_a_drain_answers_with_the_warnings_the_admin_api_sends(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def change(path: str) -> dict[str, object]:
+        resp = await client.post(path, headers=AUTH)
+        assert resp.status == 200
+        body: dict[str, object] = await resp.json()
+        return body
+
+    # Model m is served in both regions: draining one leaves it the other.
+    assert (await change("/api/regions/eu-west/drain"))["warnings"] == []
+    assert await change("/api/regions/us-east/drain") == {
+        "name": "us-east",
+        "drained": True,
+        "warnings": [
+            "no undrained origin serves model 'm' now (region 'us-east' was the last): "
+            "proxies answer requests for it 503 no_healthy_origin until one is undrained"
+        ],
+    }
+    # An origin undrained while its region is drained still gets nothing.
+    assert (await change("/api/origins/o-us/drain"))["warnings"] == []
+    assert (await change("/api/origins/o-us/undrain"))["warnings"] == [
+        "origin o-us is undrained, but its region us-east is drained: it gets no traffic "
+        "until `pontoctl undrain region us-east`"
+    ]
+    assert (await change("/api/regions/us-east/undrain"))["warnings"] == []
+    # etcd failing the read the warnings need: the drain is done, said, and logged.
+    store = plane.catalog.store
+    assert isinstance(store, CountingStore)
+    store.failing = True
+    assert await change("/api/regions/us-east/drain") == {
+        "name": "us-east",
+        "drained": True,
+        "warnings": [],
+    }
+    store.failing = False
+    assert (await plane.catalog.get_region("us-east")).drained
+    [line] = [r for r in caplog.records if "were not checked" in r.getMessage()]
+    assert line.getMessage().startswith("region us-east drained; the models it leaves")
+    assert line.exc_info is None
 
 
 async def test_page_writes_are_counted_as_admin_calls(plane: Plane) -> None:
