@@ -59,6 +59,7 @@ from controlplane.model import (
     StreamPolicy,
     Tenant,
     unserved_aliases,
+    unserved_routing,
 )
 
 KINDS = ("regions", "origins", "tenants")
@@ -519,7 +520,8 @@ class Plan:
     # that only the control plane has): the write must fail if they change.
     relies_on: tuple[str, ...] = ()
     # What the result allows but the operator should know (model.unserved_aliases
-    # of the document's tenants, against the origins the result has).
+    # and model.unserved_routing of the document's tenants, against the origins
+    # the result has).
     warnings: tuple[str, ...] = ()
 
     def writes(self) -> tuple[Change, ...]:
@@ -553,9 +555,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     Raises ApplyError listing every reference the result would break: an
     origin's region or a region's RTT peer that neither the document nor the
     control plane has (or that --prune deletes), a tenant --prune would delete that still has
-    active keys, a JWT issuer two tenants would share. An alias whose target
-    no origin of the result serves is no error (origins may come later): it
-    is one of the plan's warnings.
+    active keys, a JWT issuer two tenants would share. An alias whose target,
+    or a per-model routing policy whose model, no origin of the result serves
+    is no error (origins may come later): it is one of the plan's warnings.
     """
     errors: list[str] = []
     changes: list[Change] = []
@@ -624,5 +626,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
         raise ApplyError(errors)
     origins = {n: o for n, o in current.origins.items() if n not in deleted["origin"]}
     origins.update((o.name, o) for o in topology.origins)
-    warnings = tuple(w for t in topology.tenants for w in unserved_aliases(t, origins.values()))
+    warnings = tuple(
+        w
+        for t in topology.tenants
+        for w in (*unserved_aliases(t, origins.values()), *unserved_routing(t, origins.values()))
+    )
     return Plan(tuple(changes), tuple(sorted(relies)), warnings)

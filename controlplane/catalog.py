@@ -63,6 +63,7 @@ from controlplane.model import (
     encode,
     unserved_aliases,
     unserved_purge,
+    unserved_routing,
 )
 from controlplane.store import (
     MAX_TXN_OPS,
@@ -308,9 +309,15 @@ class Catalog:
             TENANTS + check_name("tenant", name), decode_tenant, apply, f"tenant {name!r} not found"
         )
 
-    async def unserved_aliases(self, tenant: Tenant) -> tuple[str, ...]:
-        """model.unserved_aliases of tenant against the origins stored now."""
-        return unserved_aliases(tenant, (await self.snapshot()).origins)
+    async def unserved_models(
+        self, tenant: Tenant, *, aliases: bool = True, routing: bool = True
+    ) -> tuple[str, ...]:
+        """model.unserved_aliases (with aliases) and model.unserved_routing
+        (with routing) of tenant against the origins stored now."""
+        origins = (await self.snapshot()).origins
+        return (unserved_aliases(tenant, origins) if aliases else ()) + (
+            unserved_routing(tenant, origins) if routing else ()
+        )
 
     async def get_tenant(self, name: str) -> Tenant:
         kv = await _guard(self.store.get(TENANTS + check_name("tenant", name)))

@@ -7,10 +7,10 @@ exists, unreachable, not allowed). Every error is one message on stderr,
 never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
 its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
-(an alias to a model no origin serves, a drain that leaves a model no
-origin, an undrained origin its drained region keeps from traffic, a purge of
-a model no origin serves) are `warning: ...` lines on stderr; the exit code
-stays 0.
+(an alias to a model no origin serves, a routing policy for such a model, a
+drain that leaves a model no origin, an undrained origin its drained region
+keeps from traffic, a purge of a model no origin serves) are `warning: ...`
+lines on stderr; the exit code stays 0.
 
 Values are checked here with the model's own `validated()` before a call, and
 again by the control plane, which checks every client's writes the same way.
@@ -380,7 +380,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="MODEL=MODE",
         help="routing mode for one model, overriding --routing (repeatable; MODE "
-        "'default' removes the override)",
+        "'default' removes the override); warns of a model no origin serves",
     )
     ts.add_argument(
         "--user-sessions",

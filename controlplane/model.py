@@ -507,6 +507,35 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
     )
 
 
+def unserved_routing(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ...]:
+    """A warning for each model of tenant's per-model routing (`--model-routing`)
+    whose policy routes nothing; pure.
+
+    A model no origin lists is accepted (it may be added later), but a
+    misspelt one would do nothing unnoticed. As for aliases, a model only
+    drained or unhealthy origins list counts as served. Proxies pick the
+    policy by the model a request names after the tenant's aliases, so the
+    policy of one of its aliases never applies, served or not: the warning
+    names the model to set instead.
+    """
+    served = {model for o in origins for model in o.models}
+    aliases = dict(tenant.prompt.aliases)
+    warnings = []
+    for model, _ in tenant.routing.models:
+        if model in aliases:
+            warnings.append(
+                f"model {model!r} is an alias of tenant {tenant.name!r}, to "
+                f"{aliases[model]!r}: its routing policy never applies, as requests are routed "
+                f"by the model an alias names (set the policy of {aliases[model]!r})"
+            )
+        elif model not in served:
+            warnings.append(
+                f"no origin serves model {model!r}; its routing policy (tenant "
+                f"{tenant.name!r}) applies once one does"
+            )
+    return tuple(warnings)
+
+
 def routed_models(regions: Iterable[Region], origins: Iterable[Origin]) -> frozenset[str]:
     """The models proxies route requests for: those an origin lists that is not
     drained, in a region that is not drained (an origin of an unknown region

@@ -263,16 +263,23 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             return t
 
         saved = await self._catalog.update_tenant(request.name, change)
-        if request.HasField("prompt"):  # the aliases were written: say which are not served
-            await self._warn_unserved(saved, context)
+        # Of what was written, say what no origin serves (an update of the
+        # limits alone does not repeat the aliases' warnings).
+        aliases, routing = request.HasField("prompt"), request.HasField("routing")
+        if aliases or routing:
+            await self._warn_unserved(saved, context, aliases=aliases, routing=routing)
         return tenant_pb(saved)
 
-    async def _warn_unserved(self, tenant: Tenant, context: Ctx) -> None:
-        """Warn, with the reply, of tenant's aliases no origin serves (model.unserved_aliases)."""
+    async def _warn_unserved(
+        self, tenant: Tenant, context: Ctx, *, aliases: bool = True, routing: bool = True
+    ) -> None:
+        """Warn, with the reply, of the models tenant's aliases (with aliases)
+        and per-model routing (with routing) name that no origin serves
+        (model.unserved_aliases, model.unserved_routing)."""
         await self._warn(
             context,
-            self._catalog.unserved_aliases(tenant),
-            f"tenant {tenant.name} saved; its aliases were not checked",
+            self._catalog.unserved_models(tenant, aliases=aliases, routing=routing),
+            f"tenant {tenant.name} saved; its routing models and aliases were not checked",
         )
 
     @staticmethod

@@ -210,11 +210,20 @@ def test_tenant_routing_policy_round_trips_and_bad_modes_are_refused(
     fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
-    out, _ = ctl(
+    out, err = ctl(
         fleet, capsys, "tenant", "set", "acme", "--routing", "least-loaded",
         "--model-routing", "llama-3-8b=affinity", "--user-sessions", "on", "--load-bound", "1.5",
     )  # fmt: skip
-    assert "routing least-loaded" in out
+    assert "routing least-loaded" in out and err == ""
+    # A model no origin serves (a typo, say): saved, with a warning on stderr.
+    out, err = ctl(fleet, capsys, "tenant", "set", "acme", "--model-routing", "llama-3=weighted")
+    assert out.startswith("tenant acme saved")
+    assert err == (
+        "warning: no origin serves model 'llama-3'; its routing policy (tenant 'acme') "
+        "applies once one does\n"
+    )
+    _, err = ctl(fleet, capsys, "tenant", "set", "acme", "--model-routing", "llama-3=default")
+    assert err == ""
     table, _ = ctl(fleet, capsys, "get", "tenants")
     assert "least-loaded,llama-3-8b=affinity,user,bound=1.5" in table
     acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
