@@ -43,7 +43,7 @@ import hmac
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -409,31 +409,26 @@ class StatusWeb:
         proxy connections no longer listed are forgotten."""
         self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
         self._limits.retain({_connection(p) for p in proxies})
-        out = _Rates()
+        # Every region of the table served 0 until a proxy says otherwise
+        # (with no proxy at all, nothing was served: not unknown).
+        out = _Rates(served={name: [0.0, 0.0] for name in regions})
         for p in proxies:
             counts = (p.requests, p.server_errors, p.client_errors)
             rates = self._rates(self._meter, _connection(p), p, counts, now, (0.0,) * 3)
-            if rates is not None:
-                total = out.arrived.setdefault(p.region, [0.0, 0.0, 0.0])
-                for i, rate in enumerate(rates):
-                    total[i] += rate
+            arrived = out.arrived.setdefault(p.region, [0.0, 0.0, 0.0])
+            _add(arrived, _unknown_counts(counts) if rates is None else rates)
             # One sample of every region of the table, so a region a proxy
             # starts sending to counts from 0, not from its first report.
             served = {region: (n, errors) for region, n, errors in p.served}
             flat = tuple(c for name in regions for c in served.get(name, (0, 0)))
             rates = self._rates(self._meter, _served_key(p), p, flat, now, (0.0,) * len(flat))
-            if rates is not None:
-                for i, name in enumerate(regions):
-                    total = out.served.setdefault(name, [0.0, 0.0])
-                    total[0] += rates[2 * i]
-                    total[1] += rates[2 * i + 1]
+            known = _unknown_counts(flat) if rates is None else rates
+            for i, name in enumerate(regions):
+                _add(out.served[name], known[2 * i : 2 * i + 2])
             limited = {tenant: (n, waits) for tenant, n, waits in p.limited}
             by_tenant = self._rates(self._limits, _connection(p), p, limited, now, {})
             for tenant, held in (_unknown(limited) if by_tenant is None else by_tenant).items():
-                total_held = out.tenants.setdefault(tenant, [0.0, 0.0])
-                for i, one in enumerate(held):
-                    was = total_held[i]
-                    total_held[i] = None if was is None or one is None else was + one
+                _add(out.tenants.setdefault(tenant, [0.0, 0.0]), held)
         return out
 
     @staticmethod
@@ -637,15 +632,15 @@ def _region_row(
     r: pb.Region,
     origins: list[pb.Origin],
     loads: dict[str, pb.OriginLoad],
-    rates: list[float] | None,
-    served: list[float] | None,
+    rates: list[float | None] | None,
+    served: list[float | None] | None,
     proxies: int,
 ) -> dict[str, Any]:
     """A region as the page shows it: `requests_per_s` and its errors are of
-    the requests its own proxies answered (where clients arrived),
-    `served_per_s` and `served_errors_per_s` of the proxied requests its
-    origins served for any proxy (the proxy's own region for cache answers
-    and refusals); None while unknown."""
+    the requests its own proxies answered (where clients arrived; None with
+    no proxy there), `served_per_s` and `served_errors_per_s` of the proxied
+    requests its origins served for any proxy (the proxy's own region for
+    cache answers and refusals); each None while unknown (`_Rates`)."""
     rows = [_origin_row(o, loads.get(o.name)) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
     capacity = sum(row["capacity"] for row in serving)
@@ -669,21 +664,35 @@ def _region_row(
 class _Rates:
     """The fleet's rates as of one sample, summed over its proxies: by region
     the requests that arrived there (requests, 5xx, 4xx per second) and that
-    it served (requests, errors), from the proxies whose rates are known; by
-    tenant those refused by a rate limit and held for a slot, None where a
-    proxy counted some whose rate is unknown (`_unknown`)."""
+    it served (requests, errors); by tenant those refused by a rate limit and
+    held for a slot. Each None where a proxy counted some whose rate is
+    unknown (`_unknown_counts`): a sum without them would pass for the
+    region's or tenant's whole rate."""
 
-    arrived: dict[str, list[float]] = field(default_factory=dict)
-    served: dict[str, list[float]] = field(default_factory=dict)
+    arrived: dict[str, list[float | None]] = field(default_factory=dict)
+    served: dict[str, list[float | None]] = field(default_factory=dict)
     tenants: dict[str, list[float | None]] = field(default_factory=dict)
 
 
+def _add(total: list[float | None], rates: Sequence[float | None]) -> None:
+    """Add one proxy's rates to a sum over proxies, unknown (None) where either is."""
+    for i, rate in enumerate(rates):
+        was = total[i]
+        total[i] = None if was is None or rate is None else was + rate
+
+
+def _unknown_counts(counts: Sequence[int]) -> tuple[float | None, ...]:
+    """The rates of a proxy's counts while they are unknown (the first report
+    this replica read of its connection, or its first since a restart: when
+    they grew is not known): unknown where it counted some, 0 where it
+    counted none since it started (a proxy never heard from counted none)."""
+    return tuple(None if n else 0.0 for n in counts)
+
+
 def _unknown(limited: dict[str, tuple[int, int]]) -> dict[str, tuple[float | None, ...]]:
-    """The tenant rates of a proxy's report whose rates are unknown (the
-    first this replica read of its connection: when its counts grew is not
-    known): unknown where it counted some, 0 where it counted none since it
-    started (a tenant it refused but never held for a slot, say)."""
-    return {tenant: tuple(None if n else 0.0 for n in counts) for tenant, counts in limited.items()}
+    """`_unknown_counts` of each tenant of a proxy's report (of a tenant it
+    refused but never held for a slot: refusals unknown, slot waits 0)."""
+    return {tenant: _unknown_counts(counts) for tenant, counts in limited.items()}
 
 
 def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ function fineRate(value) {
   return `${value < 1 ? value.toFixed(2) : rate(value)}/s`;
 }
 
-// The title of a tenant's rate while it is unknown.
+// The title of a tenant's or a region's rate while it is unknown.
 const UNKNOWN_RATE = "not known yet: a proxy counted some before this replica first read "
   + "its reports (it just connected, or the replica just started); known with its next report";
 
@@ -48,6 +48,15 @@ function limitCell(value, attrs) {
   const unknown = value === null || value === undefined;
   return el("td", unknown ? { ...attrs, class: "unknown", title: UNKNOWN_RATE } : attrs,
     fineRate(value));
+}
+
+// A region's rate in a line of text: a dash with the reason on hover while
+// unknown (in the map's SVG, a tspan whose title is the tooltip).
+function regionRate(value, svg) {
+  if (value !== null && value !== undefined) return rate(value);
+  return svg
+    ? el("svg:tspan", { class: "unknown" }, el("svg:title", {}, UNKNOWN_RATE), rate(value))
+    : el("span", { class: "unknown", title: UNKNOWN_RATE }, rate(value));
 }
 
 function percent(value) {
@@ -100,10 +109,11 @@ function renderMarkers(regions) {
       el("svg:circle", { cx: x, cy: y, r: 3 }),
       el("svg:text", { x: x + 4.2, y: y + 1.8 }, r.name),
       el("svg:text", { class: "rate", x: x + 4.2, y: y + 7 },
-        `served ${rate(r.served_per_s)} req/s · ${rate(r.served_errors_per_s)} err/s`),
+        "served ", regionRate(r.served_per_s, true), " req/s · ",
+        regionRate(r.served_errors_per_s, true), " err/s"),
       r.proxies
         ? el("svg:text", { class: "rate", x: x + 4.2, y: y + 12.2 },
-          `arrived ${rate(r.requests_per_s)} req/s`)
+          "arrived ", regionRate(r.requests_per_s, true), " req/s")
         : null);
   });
   group.replaceChildren(...markers);
@@ -135,13 +145,14 @@ function renderRegions(regions) {
         actionButton("regions", r.name, r.drained)),
       el("p", { class: "served", title: "requests this region served, wherever clients arrived "
         + "(its origins; cache answers and refusals count where the proxy is)" },
-        `served ${rate(r.served_per_s)} req/s · ${rate(r.served_errors_per_s)} errors/s`),
+        "served ", regionRate(r.served_per_s), " req/s · ", regionRate(r.served_errors_per_s),
+        " errors/s"),
       el("p", { class: "rates", title: "requests that arrived at this region's proxies" },
-        r.proxies
-          ? `arrived ${rate(r.requests_per_s)} req/s · ${rate(r.server_errors_per_s)} 5xx/s · `
-            + `${rate(r.client_errors_per_s)} 4xx/s at ${r.proxies} `
-            + `prox${r.proxies === 1 ? "y" : "ies"}`
-          : "no proxy in this region: clients arrive elsewhere"),
+        ...(r.proxies
+          ? ["arrived ", regionRate(r.requests_per_s), " req/s · ",
+            regionRate(r.server_errors_per_s), " 5xx/s · ", regionRate(r.client_errors_per_s),
+            ` 4xx/s at ${r.proxies} prox${r.proxies === 1 ? "y" : "ies"}`]
+          : ["no proxy in this region: clients arrive elsewhere"])),
       el("p", { class: "where" },
         `load: ${r.load === null ? "n/a (no capacity set)" : percent(r.load)}`
           + ` · at ${r.latitude.toFixed(1)}°, ${r.longitude.toFixed(1)}°`),

@@ -407,6 +407,32 @@ def test_limits_show_small_rates_finely_and_say_when_nobody_is_held_back(
     assert shown[2:] == [False, True]
 
 
+def test_an_unknown_region_rate_is_a_dash_with_the_reason(page: webdriver.Chrome) -> None:
+    region = cast(list[dict[str, object]], FAKE_STATUS["regions"])[0]
+    rates = {
+        "requests_per_s": 20.0,
+        "server_errors_per_s": None,  # a proxy of the region counted some, when is not known
+        "client_errors_per_s": 0.0,
+        "served_per_s": 3.0,
+        "served_errors_per_s": None,
+    }
+    shown = page.execute_script(
+        "render(arguments[0]);"
+        "const card = document.querySelector('article.region');"
+        "return [card.querySelector('.rates').textContent,"
+        " card.querySelector('.served').textContent,"
+        " Array.from(card.querySelectorAll('span.unknown'), (s) => s.title),"
+        " Array.from(document.querySelectorAll('#markers tspan.unknown title'),"
+        "  (t) => t.textContent)];",
+        {**FAKE_STATUS, "regions": [{**region, **rates}]},
+    )
+    assert shown[0] == "arrived 20 req/s · \u2013 5xx/s · 0.0 4xx/s at 1 proxy"  # a dash
+    assert shown[1] == "served 3.0 req/s · \u2013 errors/s"
+    # The reason on hover, as for a tenant's: on the card's two, and the map's one.
+    assert len(shown[2]) == 2 and len(shown[3]) == 1
+    assert all(title.startswith("not known yet") for title in shown[2] + shown[3])
+
+
 def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> None:
     shown = cast(list[dict[str, object]], FAKE_STATUS["proxies"])[0]
     status = {**FAKE_STATUS, "proxies": [{**shown, "name": "quiet", "age_s": 120, "stale": True}]}

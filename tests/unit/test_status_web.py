@@ -189,7 +189,8 @@ async def test_status_shows_regions_origins_and_proxies(
     assert proxies["p-us"]["current_version"] == 7
     assert proxies["p-eu"]["age_s"] == pytest.approx(100.0)  # since it connected: never heard
     assert proxies["p-eu"]["stale"]  # nothing heard for longer than STALE_AFTER
-    assert regions["eu-west"]["requests_per_s"] is None
+    # Never heard from: it counted nothing (a rate of 0, not unknown).
+    assert regions["eu-west"]["requests_per_s"] == 0.0
     assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
 
 
@@ -224,6 +225,49 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     assert regions["us-east"]["requests_per_s"] == 0.0
 
 
+def region_rates(region: dict[str, Any]) -> tuple[float | None, ...]:
+    """A region row's rates: arrived (requests, 5xx, 4xx), served (requests, errors)."""
+    names = ("requests", "server_errors", "client_errors", "served", "served_errors")
+    return tuple(region[f"{name}_per_s"] for name in names)
+
+
+async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
+    plane: Plane,
+) -> None:
+    """p-eu2 joins eu-west beside p-eu, having answered requests before this
+    replica first read its reports: the region's rates are unknown (a dash),
+    not p-eu's alone passed off as the region's, until its next report."""
+    web = web_of(plane)
+
+    async def report(at: float, traffic: dict[str, Traffic]) -> dict[str, Any]:
+        plane.clock.now = at
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
+        regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+        eu: dict[str, Any] = regions["eu-west"]
+        return eu
+
+    def p_eu(at: float, n: int) -> Traffic:
+        return (n, 0, 0, at, {"eu-west": (n, 0)}, {})
+
+    await report(1_000.0, {"p-eu": p_eu(1_000.0, 100)})
+    # Registered but not heard from yet: it counted nothing, the rate is p-eu's.
+    record = ProxyRecord("p-eu2", "eu-west", "p-eu2:8080", "1.0", "s-p-eu2", "r1", 1_004.0)
+    await plane.catalog.put_proxy(record, plane.lease)
+    eu = await report(1_005.0, {"p-eu": p_eu(1_005.0, 150)})
+    assert region_rates(eu) == (10.0, 0.0, 0.0, 10.0, 0.0)
+    assert eu["proxies"] == 2
+    # Its first report read: 40 requests (2 of them 4xx, none 5xx) served by
+    # eu-west, when is not known. Unknown where it counted some, p-eu's
+    # (known) plus 0 where it counted none.
+    p_eu2: Traffic = (40, 0, 2, 1_010.0, {"eu-west": (40, 0)}, {})
+    eu = await report(1_010.0, {"p-eu": p_eu(1_010.0, 200), "p-eu2": p_eu2})
+    assert region_rates(eu) == (None, 0.0, None, None, 0.0)
+    # Its next report: both known, summed.
+    p_eu2 = (60, 0, 2, 1_015.0, {"eu-west": (60, 0)}, {})
+    eu = await report(1_015.0, {"p-eu": p_eu(1_015.0, 250), "p-eu2": p_eu2})
+    assert region_rates(eu) == (14.0, 0.0, 0.0, 14.0, 0.0)
+
+
 async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Plane) -> None:
     """All calls arrive at p-us; origins of three regions serve them, one of
     which (ap-southeast) has no proxy."""
@@ -238,7 +282,10 @@ async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Pla
         return {r["name"]: r for r in (await web.status(at))["regions"]}
 
     regions = await report(1_000.0, 10, {"us-east": (10, 0)})
-    assert regions["ap-southeast"]["served_per_s"] is None  # one sample: no rate yet
+    # One sample: unknown where p-us counted some, 0 where it counted none.
+    assert regions["us-east"]["served_per_s"] is None
+    assert regions["us-east"]["served_errors_per_s"] == 0.0
+    assert regions["ap-southeast"]["served_per_s"] == 0.0
     # ap-southeast was first reported now: it counts from 0, not from here.
     served = {"us-east": (20, 1), "eu-west": (5, 0), "ap-southeast": (10, 5)}
     regions = await report(1_005.0, 35, served)
