@@ -66,6 +66,24 @@ def card(browser: webdriver.Chrome, region: str) -> WebElement:
     return browser.find_element(By.CSS_SELECTOR, f'article.region[data-region="{region}"]')
 
 
+def click_region_button(browser: webdriver.Chrome, region: str, action: str) -> None:
+    """Click a region card's Drain or Undrain button; the page re-renders its
+    cards every few seconds, so a button found just before a render is stale:
+    found again until the click lands."""
+
+    def clicked(d: webdriver.Chrome) -> bool:
+        try:
+            button = card(d, region).find_element(
+                By.CSS_SELECTOR, f'h3 button[data-action="{action}"]'
+            )
+            button.click()
+        except WebDriverException:
+            return False
+        return True
+
+    wait(browser, clicked, f"no {action} button on {region}'s card")
+
+
 def region_state(browser: webdriver.Chrome, region: str) -> str:
     try:
         return card(browser, region).find_element(By.CSS_SELECTOR, "h3 .state").text
@@ -244,7 +262,7 @@ def test_a_drain_clicked_with_the_token_reaches_the_proxies(
 ) -> None:
     assert served_region(system, "proxy-us-east") == "us-east"
     before = table_version(system, "proxy-us-east")
-    card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="drain"]').click()
+    click_region_button(page, "us-east", "drain")
     token = page.find_element(By.ID, "token-input")
     wait(page, lambda d: token.is_displayed(), "no token form")
     token.send_keys(system.admin_token)
@@ -256,14 +274,14 @@ def test_a_drain_clicked_with_the_token_reaches_the_proxies(
     assert table_version(system, "proxy-us-east") > before
     assert served_region(system, "proxy-us-east") != "us-east"
     # The token is remembered for the session: undraining asks for nothing.
-    card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="undrain"]').click()
+    click_region_button(page, "us-east", "undrain")
     wait(page, lambda d: region_state(d, "us-east") == "serving", "us-east never undrained")
     assert not page.find_element(By.ID, "token-form").is_displayed()
     # The last region serving the models: drained all the same, and the page
     # says what that leaves, as pontoctl does (the fixture undrains them after).
     for region in ("eu-west", "ap-southeast"):
         system.fleet.admin().DrainRegion(apb.DrainRequest(name=region, drained=True), timeout=10)
-    card(page, "us-east").find_element(By.CSS_SELECTOR, 'h3 button[data-action="drain"]').click()
+    click_region_button(page, "us-east", "drain")
     message = page.find_element(By.ID, "message")
     wait(page, lambda d: "warning:" in message.text, "the drain's warning was never shown")
     assert message.is_displayed() and message.get_attribute("class") == "warn"
@@ -280,14 +298,12 @@ def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(
     page: webdriver.Chrome, system: StatusFleet
 ) -> None:
     before = table_version(system, "proxy-us-east")
-    card(page, "ap-southeast").find_element(
-        By.CSS_SELECTOR, 'h3 button[data-action="drain"]'
-    ).click()
+    click_region_button(page, "ap-southeast", "drain")
     wait(page, lambda d: d.find_element(By.ID, "token-input").is_displayed(), "no token form")
     page.find_element(By.ID, "token-submit").click()  # no token typed
     message = page.find_element(By.ID, "message")
     wait(page, lambda d: message.is_displayed() and "refused (401)" in message.text, "no error")
-    page.find_element(By.CSS_SELECTOR, 'h3 button[data-action="drain"]').click()
+    click_region_button(page, "ap-southeast", "drain")
     page.find_element(By.ID, "token-input").send_keys("not-the-token")
     page.find_element(By.ID, "token-submit").click()
     wait(page, lambda d: "refused (403)" in message.text, "a wrong token was not refused")
