@@ -313,10 +313,11 @@ class Catalog:
         self, tenant: Tenant, *, aliases: bool = True, routing: bool = True
     ) -> tuple[str, ...]:
         """model.unserved_aliases (with aliases) and model.unserved_routing
-        (with routing) of tenant against the origins stored now."""
+        (with routing; with aliases alone, its policies the aliases make dead)
+        of tenant against the origins stored now."""
         origins = (await self.snapshot()).origins
         return (unserved_aliases(tenant, origins) if aliases else ()) + (
-            unserved_routing(tenant, origins) if routing else ()
+            unserved_routing(tenant, origins, unserved=routing) if aliases or routing else ()
         )
 
     async def get_tenant(self, name: str) -> Tenant:

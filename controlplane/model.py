@@ -507,9 +507,12 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
     )
 
 
-def unserved_routing(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ...]:
+def unserved_routing(
+    tenant: Tenant, origins: Iterable[Origin], *, unserved: bool = True
+) -> tuple[str, ...]:
     """A warning for each model of tenant's per-model routing (`--model-routing`)
-    whose policy routes nothing; pure.
+    whose policy routes nothing (without `unserved`, only those that are
+    aliases: what a change of the aliases alone can cause); pure.
 
     A model no origin lists is accepted (it may be added later), but a
     misspelt one would do nothing unnoticed. As for aliases, a model only
@@ -528,7 +531,7 @@ def unserved_routing(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
                 f"{aliases[model]!r}: its routing policy never applies, as requests are routed "
                 f"by the model an alias names (set the policy of {aliases[model]!r})"
             )
-        elif model not in served:
+        elif unserved and model not in served:
             warnings.append(
                 f"no origin serves model {model!r}; its routing policy (tenant "
                 f"{tenant.name!r}) applies once one does"

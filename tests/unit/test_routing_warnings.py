@@ -148,3 +148,16 @@ async def test_pontoctl_prints_the_routing_warning_on_stderr_and_exits_0(
         assert out.out.startswith("tenant acme saved") and out.err == f"warning: {TYPO}\n"
         assert await asyncio.to_thread(pontoctl, [*argv, "--model-routing", "lama=default"]) == 0
         assert capsys.readouterr().err == ""
+
+
+async def test_an_alias_added_over_a_routed_model_is_warned_of() -> None:
+    # `pontoctl tenant set acme --alias big=llama` sends the prompt alone; the
+    # alias makes the 'big' policy dead, as PutTenant of the same state says.
+    async with admin(MemoryStore()) as stub:
+        await serve_llama(stub)
+        put = pb.Tenant(name="acme", routing=routing(big="least-loaded"))
+        await warned(stub.PutTenant(apb.PutTenantRequest(tenant=put)))
+        alias = apb.UpdateTenantRequest(
+            name="acme", prompt=pb.PromptPolicy(aliases={"big": "llama"})
+        )
+        assert await warned(stub.UpdateTenant(alias)) == [ALIASED]
