@@ -192,10 +192,15 @@ class Catalog:
             raise NotFound(f"region {name!r} not found")
 
     async def set_region_drained(self, name: str, drained: bool) -> Region:
-        return await self._update(
+        return (await self.drain_region(name, drained))[0]
+
+    async def drain_region(self, name: str, drained: bool) -> tuple[Region, bool]:
+        """Set region name's drain flag: the region, and whether the flag
+        changed (False: it was so already, and nothing was written)."""
+        return await self._update_if(
             REGIONS + check_name("region", name),
             decode_region,
-            lambda r: replace(r, drained=drained),
+            lambda r: None if r.drained == drained else replace(r, drained=drained),
             f"region {name!r} not found",
         )
 
@@ -225,10 +230,14 @@ class Catalog:
         await _guard(self.store.delete(HEALTH + name))
 
     async def set_origin_drained(self, name: str, drained: bool) -> Origin:
-        return await self._update(
+        return (await self.drain_origin(name, drained))[0]
+
+    async def drain_origin(self, name: str, drained: bool) -> tuple[Origin, bool]:
+        """As drain_region, for origin name."""
+        return await self._update_if(
             ORIGINS + check_name("origin", name),
             decode_origin,
-            lambda o: replace(o, drained=drained),
+            lambda o: None if o.drained == drained else replace(o, drained=drained),
             f"origin {name!r} not found",
         )
 
@@ -266,18 +275,33 @@ class Catalog:
         change: Callable[[T], T],
         missing: str,
     ) -> T:
+        return (await self._update_if(key, decode, change, missing))[0]
+
+    async def _update_if(
+        self,
+        key: str,
+        decode: Callable[[bytes], T],
+        change: Callable[[T], T | None],
+        missing: str,
+    ) -> tuple[T, bool]:
+        """Write change(the stored value) if the value was not changed
+        meanwhile (else read again); a change of None writes nothing. The
+        value now, and whether it was written."""
         for _ in range(CAS_ATTEMPTS):
             current = await _guard(self.store.get(key))
             if current is None:
                 raise NotFound(missing)
-            updated = change(decode(current.value))
+            stored = decode(current.value)
+            updated = change(stored)
+            if updated is None:
+                return stored, False
             try:
                 await _guard(
                     self.store.put(key, encode(updated), if_mod_revision=current.mod_revision)
                 )
             except Conflict:
                 continue
-            return updated
+            return updated, True
         raise Unavailable(f"{key} kept changing; try again")
 
     # ------------------------------------------------------------ tenants

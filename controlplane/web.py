@@ -484,16 +484,14 @@ class StatusWeb:
     ) -> web.Response:
         actor = self._authorize(request)
         name = request.match_info["name"]
-        change: Callable[[str, bool], Awaitable[Region | Origin]]
         one: DrainKind = "region" if kind == "regions" else "origin"
         target = f"{one}/{name}"
-        if kind == "regions":
-            change = self._catalog.set_region_drained
-        else:
-            change = self._catalog.set_origin_drained
+        change: Callable[[str, bool], Awaitable[tuple[Region | Origin, bool]]] = (
+            self._catalog.drain_region if kind == "regions" else self._catalog.drain_origin
+        )
         result, message = "ok", ""
         try:
-            value = await change(name, drained)
+            value, changed = await change(name, drained)
         except BaseException as exc:
             result, message = outcome_of(exc)
             raise
@@ -519,11 +517,20 @@ class StatusWeb:
         )
         # What `pontoctl drain` would print as warnings (a model left with no
         # undrained origin, an origin its drained region keeps idle).
-        warnings = await checked(
-            self._catalog.drain_warnings(one, value.name, drained),
-            unchecked_drain(one, value.name, drained),
+        warnings = (
+            await checked(
+                self._catalog.drain_warnings(one, value.name, drained),
+                unchecked_drain(one, value.name, drained),
+            )
+            if changed  # a click on a stale page: nothing changed, nothing to warn of
+            else ()
         )
-        answer = {"name": value.name, "drained": value.drained, "warnings": list(warnings)}
+        answer = {
+            "name": value.name,
+            "drained": value.drained,
+            "changed": changed,
+            "warnings": list(warnings),
+        }
         return web.Response(
             body=orjson.dumps(answer), content_type="application/json", headers=_HEADERS
         )

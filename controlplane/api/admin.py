@@ -189,12 +189,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.drain("region"), auditing.drain_action("Region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
-        region = await self._catalog.set_region_drained(request.name, request.drained)
-        await self._warn(
-            context,
-            self._catalog.drain_warnings("region", region.name, request.drained),
-            unchecked_drain("region", region.name, request.drained),
-        )
+        region, changed = await self._catalog.drain_region(request.name, request.drained)
+        if changed:  # what a drain that changed nothing leaves is not its doing
+            await self._warn(
+                context,
+                self._catalog.drain_warnings("region", region.name, request.drained),
+                unchecked_drain("region", region.name, request.drained),
+            )
         return region_pb(region)
 
     @grpc_errors
@@ -221,12 +222,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
-        origin = await self._catalog.set_origin_drained(request.name, request.drained)
-        await self._warn(
-            context,
-            self._catalog.drain_warnings("origin", origin.name, request.drained),
-            unchecked_drain("origin", origin.name, request.drained),
-        )
+        origin, changed = await self._catalog.drain_origin(request.name, request.drained)
+        if changed:
+            await self._warn(
+                context,
+                self._catalog.drain_warnings("origin", origin.name, request.drained),
+                unchecked_drain("origin", origin.name, request.drained),
+            )
         return origin_pb(origin)
 
     @grpc_errors

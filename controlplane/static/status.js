@@ -261,7 +261,8 @@ async function act(kind, name, verb) {
     // Done, but what the control plane warns of (a model left with no
     // undrained origin, say), as pontoctl prints it: one line each.
     const warnings = Array.isArray(body.warnings) ? body.warnings : [];
-    say([`${name} ${body.drained ? "drained" : "undrained"}`,
+    const done = body.drained ? "drained" : "undrained";
+    say([body.changed === false ? `${name} is already ${done}: nothing changed` : `${name} ${done}`,
       ...warnings.map((w) => `warning: ${w}`)].join("\n"), warnings.length ? "warn" : "ok");
   } catch (error) {
     say(`${verb} ${name} failed: ${error.message}`, "error");

@@ -161,6 +161,9 @@ async def test_drains_are_done_and_warned_of_models_left_without_an_origin() -> 
         assert await warned(stub.DrainOrigin(undrain)) == []
         [warning] = await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True)))
         assert "models 'llama', 'mistral'" in warning and "(region 'us' was the last)" in warning
+        # The same drain again changes nothing, so it warns of nothing.
+        assert await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True))) == []
+        assert await warned(stub.DrainOrigin(apb.DrainRequest(name="o-eu", drained=False))) == []
 
 
 async def test_a_drain_stands_when_its_models_cannot_be_checked(

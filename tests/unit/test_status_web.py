@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from controlplane.app import ControlPlane
-from controlplane.catalog import STATE_PREFIX, Catalog, Limited, Served, Traffic
+from controlplane.catalog import REGIONS, STATE_PREFIX, Catalog, Limited, Served, Traffic
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
@@ -315,7 +315,12 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     auth = AUTH
     resp = await client.post("/api/regions/eu-west/drain", headers=auth)
     assert resp.status == 200
-    assert await resp.json() == {"name": "eu-west", "drained": True, "warnings": []}
+    assert await resp.json() == {
+        "name": "eu-west",
+        "drained": True,
+        "changed": True,
+        "warnings": [],
+    }
     assert (await plane.catalog.get_region("eu-west")).drained
     assert plane.audit.calls == [
         {
@@ -333,10 +338,10 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
     status = await (await client.get("/api/status")).json()
     assert [r["drained"] for r in status["regions"] if r["name"] == "eu-west"] == [True]
     resp = await client.post("/api/regions/eu-west/undrain", headers=auth)
-    assert await resp.json() == {"name": "eu-west", "drained": False, "warnings": []}
+    assert (await resp.json())["changed"] is True
     assert not (await plane.catalog.get_region("eu-west")).drained
     resp = await client.post("/api/origins/o-us/drain", headers=auth)
-    assert await resp.json() == {"name": "o-us", "drained": True, "warnings": []}
+    assert await resp.json() == {"name": "o-us", "drained": True, "changed": True, "warnings": []}
     assert plane.audit.calls[-1]["target"] == "origin/o-us"
     await client.post("/api/origins/o-us/undrain", headers=auth)
     actions = [call["action"] for call in plane.audit.calls]
@@ -359,11 +364,25 @@ async def test_a_drain_answers_with_the_warnings_the_admin_api_sends(
     assert await change("/api/regions/us-east/drain") == {
         "name": "us-east",
         "drained": True,
+        "changed": True,
         "warnings": [
             "no undrained origin serves model 'm' now (region 'us-east' was the last): "
             "proxies answer requests for it 503 no_healthy_origin until one is undrained"
         ],
     }
+    # A click on a stale page (a second tab, say): nothing changes, nothing is
+    # its doing, nothing is written.
+    stored = await plane.catalog.store.get(REGIONS + "us-east")
+    assert stored is not None
+    assert await change("/api/regions/us-east/drain") == {
+        "name": "us-east",
+        "drained": True,
+        "changed": False,
+        "warnings": [],
+    }
+    again = await plane.catalog.store.get(REGIONS + "us-east")
+    assert again is not None and again.mod_revision == stored.mod_revision
+    assert (await change("/api/origins/o-us/undrain"))["warnings"] == []  # never drained
     # An origin undrained while its region is drained still gets nothing.
     assert (await change("/api/origins/o-us/drain"))["warnings"] == []
     assert (await change("/api/origins/o-us/undrain"))["warnings"] == [
@@ -378,6 +397,7 @@ async def test_a_drain_answers_with_the_warnings_the_admin_api_sends(
     assert await change("/api/regions/us-east/drain") == {
         "name": "us-east",
         "drained": True,
+        "changed": True,
         "warnings": [],
     }
     store.failing = False
