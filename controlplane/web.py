@@ -200,6 +200,9 @@ class StatusWeb:
         self._meter = RateMeter(window=STALE_AFTER)
         # Per proxy connection, its tenants' limit refusals and slot waits.
         self._limits = NamedRateMeter(window=STALE_AFTER)
+        # Per proxy connection, what it sent each region (by name: a region
+        # added to the table or a proxy's first request to one is no restart).
+        self._served = NamedRateMeter(window=STALE_AFTER)
         self._ids = RequestIds()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
         self._building: asyncio.Task[bytes] | None = None
@@ -407,8 +410,9 @@ class StatusWeb:
         """Feed each proxy's last report to the meters as of `now`, and sum
         their rates by region (`regions`: the table's) and tenant; meters of
         proxy connections no longer listed are forgotten."""
-        self._meter.retain({key for p in proxies for key in (_connection(p), _served_key(p))})
+        self._meter.retain({_connection(p) for p in proxies})
         self._limits.retain({_connection(p) for p in proxies})
+        self._served.retain({_connection(p) for p in proxies})
         # Every region of the table served 0 until a proxy says otherwise
         # (with no proxy at all, nothing was served: not unknown).
         out = _Rates(served={name: [0.0, 0.0] for name in regions})
@@ -417,14 +421,12 @@ class StatusWeb:
             rates = self._rates(self._meter, _connection(p), p, counts, now, (0.0,) * 3)
             arrived = out.arrived.setdefault(p.region, [0.0, 0.0, 0.0])
             _add(arrived, _unknown_counts(counts) if rates is None else rates)
-            # One sample of every region of the table, so a region a proxy
-            # starts sending to counts from 0, not from its first report.
+            # By region name: one a proxy starts sending to counts from 0.
             served = {region: (n, errors) for region, n, errors in p.served}
-            flat = tuple(c for name in regions for c in served.get(name, (0, 0)))
-            rates = self._rates(self._meter, _served_key(p), p, flat, now, (0.0,) * len(flat))
-            known = _unknown_counts(flat) if rates is None else rates
-            for i, name in enumerate(regions):
-                _add(out.served[name], known[2 * i : 2 * i + 2])
+            by_region = self._rates(self._served, _connection(p), p, served, now, {})
+            for name, sent in (_unknown(served) if by_region is None else by_region).items():
+                if name in out.served:  # a region still in the table
+                    _add(out.served[name], sent)
             limited = {tenant: (n, waits) for tenant, n, waits in p.limited}
             by_tenant = self._rates(self._limits, _connection(p), p, limited, now, {})
             for tenant, held in (_unknown(limited) if by_tenant is None else by_tenant).items():
@@ -613,11 +615,6 @@ def _connection(p: ProxyRecord) -> str:
     return f"{p.name}/{p.session_id}"
 
 
-def _served_key(p: ProxyRecord) -> str:
-    """The rate key of what regions served for a proxy's connection."""
-    return f"{_connection(p)}/served"
-
-
 def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
     return {
         "name": o.name,
@@ -696,10 +693,11 @@ def _unknown_counts(counts: Sequence[int]) -> tuple[float | None, ...]:
     return tuple(None if n else 0.0 for n in counts)
 
 
-def _unknown(limited: dict[str, tuple[int, int]]) -> dict[str, tuple[float | None, ...]]:
-    """`_unknown_counts` of each tenant of a proxy's report (of a tenant it
-    refused but never held for a slot: refusals unknown, slot waits 0)."""
-    return {tenant: _unknown_counts(counts) for tenant, counts in limited.items()}
+def _unknown(named: dict[str, tuple[int, int]]) -> dict[str, tuple[float | None, ...]]:
+    """`_unknown_counts` of each name of a proxy's report: a tenant (one it
+    refused but never held for a slot: refusals unknown, slot waits 0) or a
+    region it sent requests to."""
+    return {name: _unknown_counts(counts) for name, counts in named.items()}
 
 
 def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) -> dict[str, Any]:

@@ -298,11 +298,12 @@ async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Pla
     assert regions["ap-southeast"]["proxies"] == 0
     assert regions["ap-southeast"]["requests_per_s"] is None  # no client arrived there
     assert regions["us-east"]["requests_per_s"] == 5.0
-    # A restart (counters smaller): unknown until the next report.
+    # Counters of a region that fell (counted afresh): from 0, as a tenant's;
+    # over the window ap-southeast served 10, then 3, then 2 more.
     regions = await report(1_010.0, 3, {"ap-southeast": (3, 0)})
-    assert regions["ap-southeast"]["served_per_s"] is None
+    assert regions["ap-southeast"]["served_per_s"] == 13 / 10
     regions = await report(1_012.0, 5, {"ap-southeast": (5, 0)})
-    assert regions["ap-southeast"]["served_per_s"] == 1.0
+    assert regions["ap-southeast"]["served_per_s"] == 15 / 12
     # Nothing heard for longer than the window: nothing served.
     regions = {r["name"]: r for r in (await web.status(1_100.0))["regions"]}
     assert regions["ap-southeast"]["served_per_s"] == 0.0
@@ -1106,3 +1107,25 @@ async def test_every_answer_has_a_request_id_and_a_405_says_what_is_allowed(
             request_id = resp.headers["x-request-id"]
     (line,) = [r.getMessage() for r in caplog.records if "method_not_allowed" in r.getMessage()]
     assert request_id in line
+
+
+async def test_a_region_added_to_the_table_leaves_the_served_rates_known(plane: Plane) -> None:
+    # What each region served is measured by name: a new region in the table
+    # changes no proxy's sample, so no rate becomes unknown (a dash).
+    web = web_of(plane)
+
+    async def at(t: float, n: int) -> dict[str, Any]:
+        plane.clock.now = t
+        traffic: dict[str, Traffic] = {"p-eu": (n, 0, 0, t, {"eu-west": (n, 0)}, {})}
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
+        return {r["name"]: r for r in (await web.status(t))["regions"]}
+
+    await at(1_000.0, 100)
+    assert (await at(1_005.0, 150))["eu-west"]["served_per_s"] == 10.0
+    await plane.catalog.put_region(Region("ap-south", 1.0, 1.0), allow_update=False)
+    table = compile_table(await plane.catalog.snapshot())
+    table.version, table.etag = 8, "e8"
+    plane.publisher.publish(table)
+    regions = await at(1_006.0, 160)
+    assert regions["eu-west"]["served_per_s"] == 60 / 6
+    assert regions["ap-south"]["served_per_s"] == 0.0
