@@ -921,6 +921,15 @@ async def test_a_tenant_a_known_proxy_first_reports_counts_from_zero(plane: Plan
     assert limits_of(await web.status(1_005.0)) == {"new": (2.0, 0.0)}
 
 
+async def sample_until(web: StatusWeb, done: asyncio.Event) -> None:
+    """Run web's sampler until `done` is set, then stop it."""
+    sampler = asyncio.create_task(web.sample_forever())
+    await done.wait()
+    sampler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sampler
+
+
 async def test_the_sampler_says_once_that_it_cannot_read_and_once_that_it_can(
     plane: Plane, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -938,11 +947,7 @@ async def test_the_sampler_says_once_that_it_cannot_read_and_once_that_it_can(
 
     web = web_of(plane, sleep=sleep)
     caplog.set_level(logging.DEBUG, logger="controlplane.web")
-    sampler = asyncio.create_task(web.sample_forever())
-    await done.wait()
-    sampler.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await sampler
+    await sample_until(web, done)
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in lines] == ["WARNING", "INFO", "WARNING", "INFO"]
     assert "cannot read the proxies' reports: state store unavailable" in lines[0][1]
@@ -971,11 +976,7 @@ async def test_a_sampler_bug_is_logged_once_with_its_traceback_not_every_round(
     web = web_of(plane, sleep=sleep)
     monkeypatch.setattr(web, "sample", sample)
     caplog.set_level(logging.DEBUG, logger="controlplane.web")
-    sampler = asyncio.create_task(web.sample_forever())
-    await done.wait()
-    sampler.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await sampler
+    await sample_until(web, done)
     lines = [(r.levelname, bool(r.exc_info)) for r in caplog.records]
     assert lines == [("ERROR", True), ("INFO", False), ("ERROR", True)]
 
