@@ -111,7 +111,7 @@ class EdgeLimits:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keepalive_timeout: float = 15.0
-    # The longest a write waits for the client to take bytes (nginx's send_timeout).
+    # How long a client may take no byte while a write waits (nginx's send_timeout).
     send_timeout: float = 30.0
     # 0: sized from the descriptor limit at start (default_max_connections).
     max_connections: int = 0

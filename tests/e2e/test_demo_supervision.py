@@ -153,11 +153,12 @@ def cache_lines(demo: Demo) -> list[tuple[str, str]]:
 
 
 def own_proxy_line(demo: Demo) -> str:
-    """The banner's command that adds a proxy of one's own."""
-    for intro, _, line in zip(demo.seen, demo.seen[1:], demo.seen[2:], strict=False):
-        if intro.startswith("Add a proxy of your own"):
-            return line.strip()
-    raise AssertionError(demo.seen)
+    """The banner's command that adds a proxy of one's own: the first command
+    line after its introduction."""
+    intro = next(
+        i for i, line in enumerate(demo.seen) if line.startswith("Add a proxy of your own")
+    )
+    return next(line.strip() for line in demo.seen[intro:] if " --control-plane " in line)
 
 
 def run_own_proxy(line: str) -> None:
