@@ -52,7 +52,7 @@ import orjson
 from aiohttp import web
 from yarl import URL
 
-from controlplane.api.admin import checked, unchecked_drain
+from controlplane.api.admin import drain_warned
 from controlplane.api.auditing import outcome_of
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
@@ -518,15 +518,9 @@ class StatusWeb:
             request.remote,
         )
         # What `pontoctl drain` would print as warnings (a model left with no
-        # undrained origin, an origin its drained region keeps idle).
-        warnings = (
-            await checked(
-                self._catalog.drain_warnings(one, value.name, drained),
-                unchecked_drain(one, value.name, drained),
-            )
-            if changed  # a click on a stale page: nothing changed, nothing to warn of
-            else ()
-        )
+        # undrained origin, an origin its drained region keeps idle; none for
+        # a click on a stale page that changed nothing).
+        warnings = await drain_warned(self._catalog, one, value.name, drained, changed)
         answer = {
             "name": value.name,
             "drained": value.drained,

@@ -78,13 +78,22 @@ async def checked(warnings: Awaitable[Sequence[str]], unchecked: str) -> Sequenc
         return ()
 
 
-def unchecked_drain(kind: DrainKind, name: str, drained: bool) -> str:
-    """What is logged when a drain's warnings (model.drain_warnings) cannot be read."""
+async def drain_warned(
+    catalog: Catalog, kind: DrainKind, name: str, drained: bool, changed: bool
+) -> Sequence[str]:
+    """The warnings of a drain (drained) or undrain of region or origin name
+    (kind; model.drain_warnings, `checked`): none when it changed nothing,
+    since what it leaves is then not its doing. For the Admin API and the
+    status page alike."""
+    if not changed:
+        return ()
     if drained:
-        return f"{kind} {name} drained; the models it leaves unserved were not checked"
-    if kind == "origin":
-        return f"origin {name} undrained; whether its region is drained was not checked"
-    return f"region {name} undrained; its warnings were not checked"
+        unchecked = f"{kind} {name} drained; the models it leaves unserved were not checked"
+    elif kind == "origin":
+        unchecked = f"origin {name} undrained; whether its region is drained was not checked"
+    else:
+        unchecked = f"region {name} undrained; its warnings were not checked"
+    return await checked(catalog.drain_warnings(kind, name, drained), unchecked)
 
 
 def region_pb(r: Region) -> pb.Region:
@@ -190,12 +199,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.drain("region"), auditing.drain_action("Region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
         region, changed = await self._catalog.drain_region(request.name, request.drained)
-        if changed:  # what a drain that changed nothing leaves is not its doing
-            await self._warn(
-                context,
-                self._catalog.drain_warnings("region", region.name, request.drained),
-                unchecked_drain("region", region.name, request.drained),
-            )
+        warnings = await drain_warned(
+            self._catalog, "region", region.name, request.drained, changed
+        )
+        if warnings:
+            context.set_trailing_metadata(warnings_metadata(warnings))
         return region_pb(region)
 
     @grpc_errors
@@ -223,12 +231,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
         origin, changed = await self._catalog.drain_origin(request.name, request.drained)
-        if changed:
-            await self._warn(
-                context,
-                self._catalog.drain_warnings("origin", origin.name, request.drained),
-                unchecked_drain("origin", origin.name, request.drained),
-            )
+        warnings = await drain_warned(
+            self._catalog, "origin", origin.name, request.drained, changed
+        )
+        if warnings:
+            context.set_trailing_metadata(warnings_metadata(warnings))
         return origin_pb(origin)
 
     @grpc_errors
