@@ -23,14 +23,11 @@ from aiohttp.test_utils import TestServer
 
 from dataplane.cache.entry import CachedResponse, to_sse_chunks
 from dataplane.http import reply
-from dataplane.http.edge import EdgeRunner
-from dataplane.http.server import build_app
-from dataplane.http.state import HOLDER, METRICS, QUOTA
-from dataplane.settings import parse as parse_proxy
+from dataplane.http.state import METRICS
 from ponto.originsim.app import SimConfig
 from ponto.originsim.app import build_app as sim_app
-from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import KEY, chat, table
+from tests.functional.edgestack import serve_on_edge
+from tests.functional.test_pipeline import KEY, chat
 
 
 @dataclass
@@ -72,30 +69,13 @@ class Edge:
 async def edge(tmp_path: Path) -> AsyncIterator[Edge]:
     origin = TestServer(sim_app(SimConfig(name="o1", answer_tokens=6, seed=1)))
     await origin.start_server()
-    settings = parse_proxy(
-        [
-            "--region=r1",
-            "--name=answers",
-            "--control-plane=127.0.0.1:9",
-            f"--state-dir={tmp_path}",
-        ]
-    )
-    app = build_app(settings)
-    runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    app[HOLDER].apply(
-        table([("o1", str(origin.make_url("/v1")))], version=1, limited=False), "control-plane"
-    )
-    app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    served = await serve_on_edge(tmp_path, str(origin.make_url("/v1")))
     session = aiohttp.ClientSession()
     try:
-        yield Edge(app, port, session)
+        yield Edge(served.app, served.port, session)
     finally:
         await session.close()
-        await runner.cleanup()
+        await served.runner.cleanup()
         await origin.close()
 
 

@@ -22,20 +22,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.test_utils import TestServer
 
 from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.edge import MAX_HEAD, EdgeRunner, parser_error
 from dataplane.http.pipeline import ENDPOINTS
-from dataplane.http.server import build_app
-from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, QUOTA
-from dataplane.settings import parse as parse_proxy
+from dataplane.http.state import ACCESS_LOG, METRICS
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
-from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import KEY, MODEL, table
+from tests.functional.edgestack import serve_on_edge
+from tests.functional.test_pipeline import KEY, MODEL
 
 REFUSALS = "ponto.refusals"
 CHAT = b"/v1/chat/completions"
@@ -71,25 +68,10 @@ async def start_edge(tmp_path: Path) -> AsyncIterator[Start]:
     async def start(*flags: str) -> Edge:
         origin = TestServer(sim_app(SimConfig(name="o1", answer_tokens=3, seed=1)))
         await origin.start_server()
-        settings = parse_proxy(
-            [
-                "--region=r1",
-                "--name=edge",
-                "--control-plane=127.0.0.1:9",  # never answers: the table is applied below
-                f"--state-dir={tmp_path}",
-                "--max-body-bytes=65536",
-                *flags,
-            ]
+        served = await serve_on_edge(
+            tmp_path, str(origin.make_url("/v1")), "--max-body-bytes=65536", *flags
         )
-        app = build_app(settings)
-        runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        served = [("o1", str(origin.make_url("/v1")))]
-        app[HOLDER].apply(table(served, version=1, limited=False), "control-plane")
-        app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
-        edge = Edge("127.0.0.1", site._server.sockets[0].getsockname()[1], runner, origin)  # type: ignore[union-attr]
+        edge = Edge("127.0.0.1", served.port, served.runner, origin)
         started.append(edge)
         return edge
 

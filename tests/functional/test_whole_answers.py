@@ -23,12 +23,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dataplane.http.edge import EdgeRunner
-from dataplane.http.server import build_app
-from dataplane.http.state import HOLDER, METRICS, PIPELINE, QUOTA
-from dataplane.settings import parse as parse_proxy
-from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import KEY, MODEL, table
+from dataplane.http.state import METRICS, PIPELINE
+from tests.functional.edgestack import serve_on_edge
+from tests.functional.test_pipeline import KEY, MODEL
 
 # Past the socket buffers (on loopback the kernel's send buffer grows to 4 MB,
 # tcp_wmem): the proxy's write must wait for the client to read.
@@ -106,27 +103,11 @@ async def edges(tmp_path: Path) -> AsyncIterator[Start]:
         server = TestServer(oapp)
         await server.start_server()
         cleanup.append(server.close)
-        settings = parse_proxy(
-            [
-                "--region=r1",
-                "--name=edge",
-                "--control-plane=127.0.0.1:9",
-                f"--state-dir={tmp_path}",
-                "--metrics-key-labels=on",
-                *flags,
-            ]
+        served = await serve_on_edge(
+            tmp_path, str(server.make_url("/v1")), "--metrics-key-labels=on", *flags
         )
-        app = build_app(settings)
-        runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        cleanup.insert(0, runner.cleanup)
-        app[HOLDER].apply(
-            table([("o1", str(server.make_url("/v1")))], version=1, limited=False), "control-plane"
-        )
-        app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
-        return Edge(site._server.sockets[0].getsockname()[1], app)  # type: ignore[union-attr]
+        cleanup.insert(0, served.runner.cleanup)
+        return Edge(served.port, served.app)
 
     try:
         yield go
