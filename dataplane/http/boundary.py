@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CLIENT_CLOSED = 499
+CLIENT_GONE = "client_disconnected"  # the error code of a 499 whose client left
 
 
 @web.middleware
@@ -74,12 +75,13 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     error = ""
     try:
         response = await handler(request)
+        status = returned_status(request.get(EXCHANGE), response)
     except asyncio.CancelledError:
         # The client left (production runs with handler_cancellation) or the
         # server stopped the handler as it shut down: nobody gets an answer,
         # but the request is still counted and logged, as nginx's 499.
         error = cancel_reason(request)
-        if error == "client_disconnected":
+        if error == CLIENT_GONE:
             app[METRICS].client_disconnects.inc()
         _record_or_log(
             app, request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started
@@ -92,6 +94,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         else:
             response, error = _error_response(request, exc)
             failed = True
+        status = response.status
     ex = request.get(EXCHANGE)
     if app[DRAINING].active:
         # Draining began while this request ran: close after its answer too
@@ -108,7 +111,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if ex.cache is not None:
             for name, value in ex.cache_headers(ex.cache.outcome):
                 response.headers.setdefault(name, value)
-    _record_or_log(app, request, request_id, endpoint, ex, response.status, error, started)
+    _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
     return response
 
 
@@ -131,7 +134,7 @@ def _record_or_log(
         app.logger.exception("unhandled error recording %s", _what(request))
 
 
-async def send_whole(request: web.Request, response: web.Response) -> None:
+async def send_whole(request: web.Request, response: web.Response) -> bool:
     """Write a handler's whole answer now instead of once the handler returns,
     so that the work the handler does after it (keeping it in the cache,
     giving back its admission, counting its tokens; then this boundary's
@@ -143,16 +146,38 @@ async def send_whole(request: web.Request, response: web.Response) -> None:
     done before the loop serves anything else. While draining, the answer
     closes its connection, as `errors_and_metrics` would decide after the
     handler.
+
+    False when its client was gone, so that nothing was handed over (counted
+    as a client disconnect here); the caller records the request as a 499.
     """
     if request.app[DRAINING].active:
         response.force_close()
     protocol = request.protocol
     if isinstance(protocol, EdgeProtocol):
-        protocol.send_whole(request, response)
-        return
-    with contextlib.suppress(ConnectionError):  # aiohttp's own server (tests)
-        await response.prepare(request)
-        await response.write_eof()
+        if protocol.send_whole(request, response):
+            return True
+        transport = request.transport
+        if transport is not None and not transport.is_closing():
+            return True  # not one it sends early: written once the handler returns
+    else:
+        try:  # aiohttp's own server (tests)
+            await response.prepare(request)
+            await response.write_eof()
+            return True
+        except ConnectionError:
+            pass
+    request.app[METRICS].client_disconnects.inc()
+    return False
+
+
+def returned_status(ex: Exchange | None, response: web.StreamResponse) -> int:
+    """The status a handler's returned answer is recorded with: its own, or 499
+    when its client left before it ended though the handler ran on (a whole
+    answer `send_whole` could not hand over, a stream whose write found the
+    client gone), as when the client's leaving cancels the handler first."""
+    if ex is not None and ex.stream_error == CLIENT_GONE:
+        return CLIENT_CLOSED
+    return response.status
 
 
 def cancel_reason(request: web.Request) -> str:
@@ -163,7 +188,7 @@ def cancel_reason(request: web.Request) -> str:
     protocol = request.protocol
     if isinstance(protocol, EdgeProtocol) and protocol.send_stalled:
         return "send_timeout"
-    return "cancelled" if request.app[DRAINING].active else "client_disconnected"
+    return "cancelled" if request.app[DRAINING].active else CLIENT_GONE
 
 
 def _record(
@@ -318,7 +343,7 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
         # followed flight): nobody to answer, nothing to log. Counted as
         # nginx's 499, "client closed request".
         request.app[METRICS].client_disconnects.inc()
-        return web.Response(status=CLIENT_CLOSED), "client_disconnected"
+        return web.Response(status=CLIENT_CLOSED), CLIENT_GONE
     request.app.logger.exception("unhandled error on %s %s", request.method, request.path)
     error = ApiError(500, "internal error in the proxy", type="server_error", code="internal_error")
     return error.response(), "internal_error"

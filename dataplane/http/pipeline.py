@@ -33,7 +33,7 @@ from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
-from dataplane.http.boundary import send_whole
+from dataplane.http.boundary import CLIENT_GONE, send_whole
 from dataplane.http.errors import (
     ApiError,
     Unauthorized,
@@ -147,7 +147,9 @@ class Exchange:
     # The answer, once its head went out (a whole one sent, a stream
     # prepared): a failure after that gets no second answer (boundary).
     answer: web.StreamResponse | None = None
-    stream_error: str = ""  # how a stream that started as a success ended badly
+    # How an answer that started as a success ended badly: a stream cut, or
+    # a client gone before its answer ended (CLIENT_GONE: recorded as a 499).
+    stream_error: str = ""
     # The request's spans; None when tracing is off (dataplane.telemetry).
     trace: RequestTrace | None = None
     # With no trace: the traceparent its origin calls carry (a root request
@@ -338,9 +340,7 @@ class Pipeline:
         try:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
-                return await sent(
-                    request, ex, await reply.replay(request, ex, plan.entry, plan.similarity)
-                )
+                return await sent(request, ex, reply.replay(ex, plan.entry, plan.similarity))
             if plan.follower is not None:
                 followed = await reply.follow(request, ex, plan.follower)
                 if followed is not None:
@@ -511,7 +511,7 @@ class Pipeline:
             m.attempt(name, "ok").inc()
         if end.client_gone:
             m.client_disconnects.inc()
-            ex.stream_error = "client_disconnected"
+            ex.stream_error = CLIENT_GONE
         elif not end.complete:
             ex.stream_error = "stream_cut"
         await self.cache.settle_stream(ex.cache_request, plan, origin.status, end)
@@ -544,7 +544,8 @@ async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT
     (prepared already) is returned as it is."""
     if isinstance(response, web.Response) and not response.prepared:
         ex.answer = response
-        await send_whole(request, response)
+        if not await send_whole(request, response):
+            ex.stream_error = CLIENT_GONE  # a 499 (boundary.returned_status)
     return response
 
 

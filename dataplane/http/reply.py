@@ -124,22 +124,14 @@ async def relay_origin(
     return out, end
 
 
-async def replay(
-    request: web.Request, ex: Exchange, entry: CachedResponse, similarity: float | None
-) -> web.StreamResponse:
+def replay(ex: Exchange, entry: CachedResponse, similarity: float | None) -> web.Response:
     """Answer from a cache entry, in the form the request asked for."""
     headers = ex.response_headers("hit")
     if similarity is not None:
         headers.append((SIMILARITY, f"{similarity:.4f}"))
-    include_usage = ex.cache is not None and ex.cache.include_usage
     if not ex.stream:
         return _json(ex, to_completion(entry), headers)
-    out = await _start_stream(request, ex, headers)
-    # One write per frame: the client sees the stored chunking.
-    for frame in to_sse_chunks(entry, include_usage=include_usage):
-        await out.write(frame)
-    await out.write_eof()
-    return out
+    return _whole_stream(ex, entry, headers)
 
 
 async def follow(
@@ -153,7 +145,6 @@ async def follow(
     error event, as a cut relay does (not whole).
     """
     headers = [*ex.response_headers("hit"), ("x-ponto-coalesced", "1")]
-    include_usage = ex.cache is not None and ex.cache.include_usage
     out: web.StreamResponse | None = None
     try:
         with follower:
@@ -164,10 +155,7 @@ async def follow(
                     out = await _start_stream(request, ex, headers)
                 await out.write(chunk)
             if out is None:  # the leader answered without streaming
-                entry = await follower.result()
-                out = await _start_stream(request, ex, headers)
-                for frame in to_sse_chunks(entry, include_usage=include_usage):
-                    await out.write(frame)
+                return _whole_stream(ex, await follower.result(), headers), True
             await out.write_eof()
             return out, True
     except FlightFailed as exc:
@@ -198,6 +186,25 @@ def _json(ex: Exchange, body: bytes, headers: list[tuple[str, str]]) -> web.Resp
     response = web.Response(body=body, content_type="application/json")
     response.headers.extend(headers)
     response.headers.extend(ex.limit_headers)
+    return response
+
+
+def _whole_stream(
+    ex: Exchange, entry: CachedResponse, headers: list[tuple[str, str]]
+) -> web.Response:
+    """A stream answered from a stored answer: its SSE frames, every one already
+    in hand, as one whole answer (a Content-Length, no chunked coding), which
+    the connection takes in one write with its head (boundary.send_whole). The
+    client reads the same events, in the same frames, as from a relay; sent
+    frame by frame, each frame cost a write and a system call, and the first
+    byte waited for aiohttp's stream preparation."""
+    include_usage = ex.cache is not None and ex.cache.include_usage
+    frames = to_sse_chunks(entry, include_usage=include_usage)
+    response = web.Response(body=b"".join(frames), content_type="text/event-stream")
+    response.headers["cache-control"] = "no-cache"
+    response.headers.extend(headers)
+    response.headers.extend(ex.limit_headers)
+    ex.chunk_sent()  # the whole stream goes to the connection next (pipeline.sent)
     return response
 
 

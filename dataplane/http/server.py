@@ -28,10 +28,12 @@ from dataplane.http import endpoints
 from dataplane.http.accesslog import AccessLog, Sampler
 from dataplane.http.boundary import (
     CLIENT_CLOSED,
+    CLIENT_GONE,
     cancel_reason,
     errors_and_metrics,
     expect_continue,
     record_unparsed,
+    returned_status,
 )
 from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Exchange, Pipeline
@@ -365,7 +367,7 @@ async def traced(
         ex.trace = trace
         request[EXCHANGE] = ex
         response = await pipeline.handle(request, ex)
-        status = response.status
+        status = returned_status(ex, response)
         return response
     except ApiError as exc:
         status, error = _answered(ex, exc.status), exc.code or str(exc.status)
@@ -374,7 +376,7 @@ async def traced(
         status, error = CLIENT_CLOSED, cancel_reason(request)
         raise
     except ConnectionResetError:
-        status, error = CLIENT_CLOSED, "client_disconnected"
+        status, error = CLIENT_CLOSED, CLIENT_GONE
         raise
     except BaseException as exc:
         status, error = _answered(ex, status), type(exc).__qualname__

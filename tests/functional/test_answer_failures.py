@@ -1,8 +1,9 @@
 """Failures once an answer began, on the real listener (EdgeRunner, handler
 cancellation on) before the origin simulator: a client that leaves during a
-replayed stream is a 499, not a bug; a stream a bug stops part-way is cut,
-not ended as if whole; a bug in the boundary's own counting after a whole
-answer is logged, and the requests pipelined behind it are answered.
+relayed stream, or before a replayed one's write, is a 499, not a bug; a
+stream a bug stops part-way is cut, not ended as if whole; a bug in the
+boundary's own counting after a whole answer is logged, and the requests
+pipelined behind it are answered.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dataplane.cache.entry import CachedResponse, to_sse_chunks
+from dataplane.cache.entry import to_completion, to_sse_chunks
 from dataplane.http import reply
+from dataplane.http.edge import EdgeRunner
 from dataplane.http.state import METRICS
+from dataplane.streaming import relay as relays
 from ponto.originsim.app import SimConfig
 from ponto.originsim.app import build_app as sim_app
 from tests.functional.edgestack import serve_on_edge
@@ -35,6 +38,7 @@ class Edge:
     app: web.Application
     port: int
     session: aiohttp.ClientSession
+    runner: EdgeRunner
 
     async def post(self, body: Any) -> aiohttp.ClientResponse:
         return await self.session.post(
@@ -52,6 +56,14 @@ class Edge:
                 return await reader.read()
         finally:
             writer.close()
+
+    def abort_connections(self) -> None:
+        """Reset every client connection, as a client's failed network would."""
+        server = self.runner.server
+        assert server is not None
+        for protocol in server.connections:
+            if protocol.transport is not None:
+                protocol.transport.abort()
 
     def counted(self) -> float:
         """Chat requests counted, with the codes these tests see."""
@@ -72,7 +84,7 @@ async def edge(tmp_path: Path) -> AsyncIterator[Edge]:
     served = await serve_on_edge(tmp_path, str(origin.make_url("/v1")))
     session = aiohttp.ClientSession()
     try:
-        yield Edge(served.app, served.port, session)
+        yield Edge(served.app, served.port, session, served.runner)
     finally:
         await session.close()
         await served.runner.cleanup()
@@ -89,56 +101,85 @@ async def _cached_stream(edge: Edge) -> None:
 
 
 @pytest.fixture
-def broken_replay(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BaseException]]:
-    """A hit's stream fails after its first frame with the exception put in
-    the returned list (none: it replays whole)."""
+def broken_relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BaseException]]:
+    """A relayed stream fails after its first chunk, its head and that chunk
+    sent, with the exception put in the returned list (none: it relays whole)."""
     failure: list[BaseException] = []
-    real = to_sse_chunks
+    real = relays.relay
 
-    def frames(entry: CachedResponse, *, include_usage: bool) -> Any:
-        whole = real(entry, include_usage=include_usage)
+    async def first_then_fail(
+        first: bytes, content: Any, out: web.StreamResponse, **kwargs: Any
+    ) -> Any:
         if not failure:
-            return whole
+            return await real(first, content, out, **kwargs)
+        await out.write(first)
+        raise failure[0]
 
-        def first_then_fail() -> Iterator[bytes]:
-            yield whole[0]
-            raise failure[0]
-
-        return first_then_fail()
-
-    monkeypatch.setattr(reply, "to_sse_chunks", frames)
+    monkeypatch.setattr(reply, "relay", first_then_fail)
     yield failure
 
 
-async def test_a_client_gone_during_a_replayed_stream_is_a_499_not_a_bug(
+async def test_a_client_gone_during_a_relayed_stream_is_a_499_not_a_bug(
     edge: Edge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A hit's stream (reply.replay) or a followed flight's (reply.follow)
+    # A relayed stream (reply.relay) or a followed flight's (reply.follow)
     # writing to a client that left raises ConnectionResetError (aiohttp's
     # "Cannot write to closing transport"): a 499, client_disconnected,
     # nothing logged, though the stream's head went out.
-    await _cached_stream(edge)
     real = web.StreamResponse.write
     writes: list[web.StreamResponse] = []
 
     async def write(self: web.StreamResponse, data: bytes) -> None:
-        if self.headers.get("x-ponto-cache") == "hit":
-            writes.append(self)
-            if len(writes) == 2:
-                # The client's connection fails between two frames (a reset
-                # seen by the previous send): the transport is closing.
-                transport = self._req.transport if self._req is not None else None
-                assert transport is not None
-                transport.abort()
         await real(self, data)
+        if "x-ponto-cache" not in self.headers:  # the origin simulator's own
+            return
+        writes.append(self)
+        if len(writes) == 1:
+            # The head and the first chunk went out; then the client's
+            # connection fails (a reset seen by that send): the transport
+            # is closing before the stream's next write.
+            transport = self._req.transport if self._req is not None else None
+            assert transport is not None
+            transport.abort()
 
     monkeypatch.setattr(web.StreamResponse, "write", write)
     with caplog.at_level(logging.INFO):
         with contextlib.suppress(ConnectionError):
             await edge.raw(STREAM)
-        await until(lambda: edge.counted() == 2)
+        await until(lambda: edge.counted() == 1)
+    assert len(writes) == 1
     bugs = [r for r in caplog.records if "after its answer began" in r.getMessage()]
     assert bugs == [], "a client that left is logged as a proxy bug, with a traceback"
+    assert edge.sample("ponto_client_disconnects_total") == 1
+    code = {"endpoint": "chat.completions", "code": "499"}
+    assert edge.sample("ponto_requests_total", code) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_client_gone_before_a_hit_is_written_is_a_499_not_a_bug(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    # A hit (reply.replay), streamed or not, is one whole answer handed to the
+    # connection at once: a client whose connection failed just before gets
+    # nothing, and the request is a 499, client_disconnected, nothing logged.
+    body = STREAM if stream else chat("stream me, then replay me")
+    await _cached_stream(edge)
+
+    def gone(real: Any) -> Any:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            edge.abort_connections()  # the client's connection fails as its answer is built
+            return real(*args, **kwargs)
+
+        return build
+
+    monkeypatch.setattr(reply, "to_sse_chunks", gone(to_sse_chunks))
+    monkeypatch.setattr(reply, "to_completion", gone(to_completion))
+    with caplog.at_level(logging.INFO):
+        with contextlib.suppress(ConnectionError):
+            assert await edge.raw(body) == b""
+        await until(lambda: edge.counted() == 2)
+    bugs = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert bugs == [], "a client that left is logged as a proxy bug"
     assert edge.sample("ponto_client_disconnects_total") == 1
     code = {"endpoint": "chat.completions", "code": "499"}
     assert edge.sample("ponto_requests_total", code) == 1
@@ -151,13 +192,12 @@ async def until(check: Any) -> None:
 
 
 async def test_a_stream_a_bug_stops_part_way_does_not_end_as_if_whole(
-    edge: Edge, broken_replay: list[BaseException]
+    edge: Edge, broken_relay: list[BaseException]
 ) -> None:
     # A bug after a stream's head, before its end: the connection is cut, so
     # the client's read fails rather than finding a well-framed, complete body
     # (aiohttp's finish_response would write the chunked end) with no [DONE].
-    await _cached_stream(edge)
-    broken_replay.append(RuntimeError("a bug part-way through the stream"))
+    broken_relay.append(RuntimeError("a bug part-way through the stream"))
     answer = await edge.post(STREAM)
     assert answer.status == 200
     try:
@@ -217,13 +257,12 @@ async def test_a_bug_in_the_boundarys_own_bookkeeping_after_a_whole_answer_is_lo
 
 
 async def test_an_http10_stream_a_bug_stops_part_way_is_not_ended_as_if_whole(
-    edge: Edge, broken_replay: list[BaseException]
+    edge: Edge, broken_relay: list[BaseException]
 ) -> None:
     # Over HTTP/1.0 a stream ends with its connection (no chunked coding): an
     # orderly close would hand the client a whole-looking answer without
     # [DONE]. The connection is reset instead.
-    await _cached_stream(edge)
-    broken_replay.append(RuntimeError("a bug part-way through the stream"))
+    broken_relay.append(RuntimeError("a bug part-way through the stream"))
     reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
     try:
         writer.write(_request(STREAM, b"1.0"))
