@@ -59,7 +59,7 @@ from controlplane.model import (
     StreamPolicy,
     Tenant,
     unserved_aliases,
-    unserved_routing,
+    unserved_settings,
 )
 
 KINDS = ("regions", "origins", "tenants")
@@ -520,7 +520,7 @@ class Plan:
     # that only the control plane has): the write must fail if they change.
     relies_on: tuple[str, ...] = ()
     # What the result allows but the operator should know (model.unserved_aliases
-    # and model.unserved_routing of the document's tenants, against the origins
+    # and model.unserved_settings of the document's tenants, against the origins
     # the result has).
     warnings: tuple[str, ...] = ()
 
@@ -557,7 +557,8 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     control plane has (or that --prune deletes), a tenant --prune would delete that still has
     active keys, a JWT issuer two tenants would share. An alias whose target,
     or a per-model routing policy whose model, no origin of the result serves
-    is no error (origins may come later): it is one of the plan's warnings.
+    is no error (origins may come later): it is one of the plan's warnings, as
+    is a per-model hedge delay for such a model.
     """
     errors: list[str] = []
     changes: list[Change] = []
@@ -629,6 +630,10 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     warnings = tuple(
         w
         for t in topology.tenants
-        for w in (*unserved_aliases(t, origins.values()), *unserved_routing(t, origins.values()))
+        for w in (
+            *unserved_aliases(t, origins.values()),
+            *unserved_settings(t, origins.values(), "routing"),
+            *unserved_settings(t, origins.values(), "hedging"),
+        )
     )
     return Plan(tuple(changes), tuple(sorted(relies)), warnings)

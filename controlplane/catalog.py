@@ -63,7 +63,7 @@ from controlplane.model import (
     encode,
     unserved_aliases,
     unserved_purge,
-    unserved_routing,
+    unserved_settings,
 )
 from controlplane.store import (
     MAX_TXN_OPS,
@@ -334,14 +334,25 @@ class Catalog:
         )
 
     async def unserved_models(
-        self, tenant: Tenant, *, aliases: bool = True, routing: bool = True
+        self, tenant: Tenant, *, aliases: bool = True, routing: bool = True, hedging: bool = True
     ) -> tuple[str, ...]:
-        """model.unserved_aliases (with aliases) and model.unserved_routing
-        (with routing; with aliases alone, its policies the aliases make dead)
-        of tenant against the origins stored now."""
+        """model.unserved_aliases (with aliases) and model.unserved_settings
+        of the per-model routing (with routing) and hedging (with hedging;
+        with aliases alone, the settings the aliases make dead) of tenant
+        against the origins stored now."""
         origins = (await self.snapshot()).origins
-        return (unserved_aliases(tenant, origins) if aliases else ()) + (
-            unserved_routing(tenant, origins, unserved=routing) if aliases or routing else ()
+        return (
+            (unserved_aliases(tenant, origins) if aliases else ())
+            + (
+                unserved_settings(tenant, origins, "routing", unserved=routing)
+                if aliases or routing
+                else ()
+            )
+            + (
+                unserved_settings(tenant, origins, "hedging", unserved=hedging)
+                if aliases or hedging
+                else ()
+            )
         )
 
     async def get_tenant(self, name: str) -> Tenant:

@@ -7,8 +7,8 @@ exists, unreachable, not allowed). Every error is one message on stderr,
 never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
 its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
-(an alias to a model no origin serves, a routing policy for such a model, a
-drain that leaves a model no origin, an undrained origin its drained region
+(an alias to a model no origin serves, a routing policy or hedge delay for
+such a model, a drain that leaves a model no origin, an undrained origin its drained region
 keeps from traffic, a purge of a model no origin serves) are `warning: ...`
 lines on stderr; the exit code stays 0.
 
@@ -424,7 +424,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MODEL=N|auto",
-        help="hedge delay for one model, overriding --hedge-ms (repeatable; 'default' removes it)",
+        help="hedge delay for one model, overriding --hedge-ms (repeatable; 'default' removes "
+        "it); warns of a model no origin serves",
     )
     # Which of the parsed values are settings (see _tenant_flags_given).
     ts.set_defaults(

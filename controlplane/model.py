@@ -507,33 +507,45 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
     )
 
 
-def unserved_routing(
-    tenant: Tenant, origins: Iterable[Origin], *, unserved: bool = True
+# A tenant's per-model settings, by what they are called in its warnings:
+# (the setting, what requests are by it, what to set instead of an alias's).
+PerModelSetting = Literal["routing", "hedging"]
+_PER_MODEL: dict[PerModelSetting, tuple[str, str, str]] = {
+    "routing": ("routing policy", "routed", "policy"),
+    "hedging": ("hedge delay", "hedged", "delay"),
+}
+
+
+def unserved_settings(
+    tenant: Tenant, origins: Iterable[Origin], setting: PerModelSetting, *, unserved: bool = True
 ) -> tuple[str, ...]:
-    """A warning for each model of tenant's per-model routing (`--model-routing`)
-    whose policy routes nothing (without `unserved`, only those that are
-    aliases: what a change of the aliases alone can cause); pure.
+    """A warning for each model of tenant's per-model `setting` (routing:
+    `--model-routing`; hedging: `--model-hedge-ms`) that applies to nothing
+    (without `unserved`, only those that are aliases: what a change of the
+    aliases alone can cause); pure.
 
     A model no origin lists is accepted (it may be added later), but a
     misspelt one would do nothing unnoticed. As for aliases, a model only
-    drained or unhealthy origins list counts as served. Proxies pick the
-    policy by the model a request names after the tenant's aliases, so the
-    policy of one of its aliases never applies, served or not: the warning
+    drained or unhealthy origins list counts as served. Proxies pick both
+    settings by the model a request names after the tenant's aliases, so the
+    setting of one of its aliases never applies, served or not: the warning
     names the model to set instead.
     """
+    what, by, value = _PER_MODEL[setting]
+    pairs = tenant.routing.models if setting == "routing" else tenant.streams.hedge_models
     served = {model for o in origins for model in o.models}
     aliases = dict(tenant.prompt.aliases)
     warnings = []
-    for model, _ in tenant.routing.models:
+    for model, _ in pairs:
         if model in aliases:
             warnings.append(
                 f"model {model!r} is an alias of tenant {tenant.name!r}, to "
-                f"{aliases[model]!r}: its routing policy never applies, as requests are routed "
-                f"by the model an alias names (set the policy of {aliases[model]!r})"
+                f"{aliases[model]!r}: its {what} never applies, as requests are {by} "
+                f"by the model an alias names (set the {value} of {aliases[model]!r})"
             )
         elif unserved and model not in served:
             warnings.append(
-                f"no origin serves model {model!r}; its routing policy (tenant "
+                f"no origin serves model {model!r}; its {what} (tenant "
                 f"{tenant.name!r}) applies once one does"
             )
     return tuple(warnings)

@@ -275,20 +275,32 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         # Of what was written, say what no origin serves (an update of the
         # limits alone does not repeat the aliases' warnings).
         aliases, routing = request.HasField("prompt"), request.HasField("routing")
-        if aliases or routing:
-            await self._warn_unserved(saved, context, aliases=aliases, routing=routing)
+        hedging = request.HasField("streams")
+        if aliases or routing or hedging:
+            await self._warn_unserved(
+                saved, context, aliases=aliases, routing=routing, hedging=hedging
+            )
         return tenant_pb(saved)
 
     async def _warn_unserved(
-        self, tenant: Tenant, context: Ctx, *, aliases: bool = True, routing: bool = True
+        self,
+        tenant: Tenant,
+        context: Ctx,
+        *,
+        aliases: bool = True,
+        routing: bool = True,
+        hedging: bool = True,
     ) -> None:
-        """Warn, with the reply, of the models tenant's aliases (with aliases)
-        and per-model routing (with routing) name that no origin serves
-        (model.unserved_aliases, model.unserved_routing)."""
+        """Warn, with the reply, of the models tenant's aliases (with aliases),
+        per-model routing (with routing) and per-model hedging (with hedging)
+        name that no origin serves (model.unserved_aliases,
+        model.unserved_settings)."""
         await self._warn(
             context,
-            self._catalog.unserved_models(tenant, aliases=aliases, routing=routing),
-            f"tenant {tenant.name} saved; its routing models and aliases were not checked",
+            self._catalog.unserved_models(
+                tenant, aliases=aliases, routing=routing, hedging=hedging
+            ),
+            f"tenant {tenant.name} saved; its per-model settings and aliases were not checked",
         )
 
     @staticmethod

@@ -10,8 +10,9 @@ allowed but its caller should know, as trailing metadata `ponto-warning`
 (one value each): PutTenant, UpdateTenant (when it sets the prompt) and
 Apply (for the document's tenants) warn of each alias whose target no
 origin lists, which proxies answer 404 until one does; PutTenant,
-UpdateTenant (when it sets the routing) and Apply of each per-model routing
-policy whose model no origin lists, or that names an alias (never applied);
+UpdateTenant (when it sets the routing, or the streams) and Apply of each
+per-model routing policy (or hedge delay) whose model no origin lists, or
+that names an alias (never applied);
 DrainRegion and DrainOrigin (drained=true) of the models the drain leaves
 no undrained origin, which proxies answer 503 until one is undrained;
 DrainOrigin (drained=false) of an origin whose region is drained, which

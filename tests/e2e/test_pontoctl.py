@@ -276,6 +276,15 @@ def test_stream_policy_and_origin_continuation_round_trip(
         "no-continue,hedge=auto,hedge[llama-3-8b]=250,idle=20s"
         in ctl(fleet, capsys, "get", "tenants")[0]
     )
+    # A model no origin serves (a typo, say): saved, with a warning on stderr.
+    out, err = ctl(fleet, capsys, "tenant", "set", "acme", "--model-hedge-ms", "llama-3=800")
+    assert out.startswith("tenant acme saved")
+    assert err == (
+        "warning: no origin serves model 'llama-3'; its hedge delay (tenant 'acme') "
+        "applies once one does\n"
+    )
+    _, err = ctl(fleet, capsys, "tenant", "set", "acme", "--model-hedge-ms", "llama-3=default")
+    assert err == ""
     ctl(fleet, capsys, "tenant", "set", "acme", "--hedge-ms", "0", "--continuation", "on")
     acme = yaml.safe_load(ctl(fleet, capsys, "get", "tenants", "-o", "yaml")[0])["tenants"][0]
     assert "hedge_ms" not in acme["streams"] and "continuation" not in acme["streams"]
