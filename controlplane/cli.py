@@ -689,25 +689,33 @@ def _milliseconds(text: str, flag: str) -> int:
     return int(text)
 
 
-# Marks an alias whose target no origin lists (model.unserved_aliases), and says why below.
+# Marks a model a tenant names that no origin lists: an alias's target
+# (model.unserved_aliases), a per-model routing policy's or hedge delay's
+# (model.unserved_settings); the note says why below the table.
 UNSERVED = "(unserved)"
 UNSERVED_NOTE = (
-    f"{UNSERVED}: no origin serves that model now; requests for the alias get 404 until one does"
+    f"{UNSERVED}: no origin serves that model now; requests for an alias to it get 404, "
+    "and a routing policy or hedge delay for it applies to nothing, until one does"
 )
+
+
+def _tenant_models(t: pb.Tenant) -> list[str]:
+    """The models tenant t names: its aliases' targets, its per-model routing
+    policies' and hedge delays' models."""
+    return [*t.prompt.aliases.values(), *t.routing.models, *t.streams.hedge_models]
 
 
 def _rows_tenants(
     resp: apb.ListTenantsResponse, served: Collection[str] | None = None
 ) -> tuple[list[str], list[list[str]]]:
-    """The tenants table; with served (the models origins list), aliases to
-    any other model are marked UNSERVED."""
+    """The tenants table; with served (the models origins list), each other
+    model a tenant names (_tenant_models) is marked UNSERVED."""
+
+    def mark(model: str) -> str:
+        return model + (UNSERVED if served is not None and model not in served else "")
 
     def aliases(m: pb.PromptPolicy) -> str:
-        marked = [
-            f"{k}->{v}" + (UNSERVED if served is not None and v not in served else "")
-            for k, v in sorted(m.aliases.items())
-        ]
-        return ",".join(marked) or "-"
+        return ",".join(f"{k}->{mark(v)}" for k, v in sorted(m.aliases.items())) or "-"
 
     def limits(m: pb.Limits) -> str:
         parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
@@ -715,7 +723,7 @@ def _rows_tenants(
 
     def routing(m: pb.RoutingPolicy) -> str:
         parts = [m.mode or "default"]
-        parts += [f"{model}={mode}" for model, mode in sorted(m.models.items())]
+        parts += [f"{mark(model)}={mode}" for model, mode in sorted(m.models.items())]
         if m.user_sessions:
             parts.append("user")
         if m.load_bound:
@@ -726,7 +734,7 @@ def _rows_tenants(
         parts = ["continue" if m.continuation != "off" else "no-continue"]
         if m.hedge_auto or m.hedge_ms:
             parts.append("hedge=" + ("auto" if m.hedge_auto else f"{m.hedge_ms}ms"))
-        parts += [f"hedge[{model}]={v}" for model, v in sorted(m.hedge_models.items())]
+        parts += [f"hedge[{mark(model)}]={v}" for model, v in sorted(m.hedge_models.items())]
         if m.stream_idle_timeout_s:
             parts.append(f"idle={m.stream_idle_timeout_s:g}s")
         return ",".join(parts)
@@ -1049,8 +1057,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             tenants = stub.ListTenants(req)
             served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)
             shown = render(tenants, args.output, lambda r: _rows_tenants(r, served))
-            targets = (v for t in tenants.tenants for v in t.prompt.aliases.values())
-            return shown + ("\n" + UNSERVED_NOTE if any(v not in served for v in targets) else "")
+            named = (m for t in tenants.tenants for m in _tenant_models(t))
+            return shown + ("\n" + UNSERVED_NOTE if any(m not in served for m in named) else "")
         if args.kind == "keys":
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
             return render(keys, args.output, _rows_keys)

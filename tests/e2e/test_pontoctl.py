@@ -222,6 +222,8 @@ def test_tenant_routing_policy_round_trips_and_bad_modes_are_refused(
         "warning: no origin serves model 'llama-3'; its routing policy (tenant 'acme') "
         "applies once one does\n"
     )
+    table, _ = ctl(fleet, capsys, "get", "tenants")
+    assert "llama-3(unserved)=weighted" in table and "(unserved): no origin serves" in table
     _, err = ctl(fleet, capsys, "tenant", "set", "acme", "--model-routing", "llama-3=default")
     assert err == ""
     table, _ = ctl(fleet, capsys, "get", "tenants")
@@ -676,7 +678,10 @@ def test_an_alias_no_origin_serves_is_saved_with_a_warning_until_one_does(
     assert out.startswith("tenant acme saved") and err == warning
     table, _ = ctl(fleet, capsys, "get", "tenants")
     assert "gpt-4o->llama-3-8b,next->llama-4(unserved)" in table
-    assert table.rstrip().endswith("requests for the alias get 404 until one does")
+    assert table.rstrip().endswith(
+        "requests for an alias to it get 404, and a routing policy or hedge delay for it "
+        "applies to nothing, until one does"
+    )
     # The same alias in a file: the dry run says so as well.
     with_next = TOPOLOGY.replace("{gpt-4o: llama-3-8b}", "{gpt-4o: llama-3-8b, next: llama-4}")
     out, err = ctl(fleet, capsys, "apply", "-f", write(tmp_path, with_next), "--dry-run")

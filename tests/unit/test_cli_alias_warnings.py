@@ -1,6 +1,7 @@
 """pontoctl and warnings: the ones replies carry are gathered (and printed by
-main, tests/e2e/test_pontoctl.py), and `get tenants` marks aliases no origin
-serves. Against fake stubs."""
+main, tests/e2e/test_pontoctl.py), and `get tenants` marks the models no
+origin serves that tenants name (aliases' targets, per-model routing and hedge
+delays). Against fake stubs."""
 
 from __future__ import annotations
 
@@ -71,4 +72,19 @@ def test_get_tenants_marks_aliases_no_origin_serves() -> None:
     assert "big->sim-huge(unserved),small->sim-small  " in lines[1]  # then the JWT column
     assert lines[-1] == UNSERVED_NOTE
     served, _ = pontoctl(Stub(tenants, ["sim-small", "sim-huge"], []), "get", "tenants")
+    assert "(unserved)" not in served and UNSERVED_NOTE not in served
+
+
+def test_get_tenants_marks_routed_and_hedged_models_no_origin_serves() -> None:
+    acme = pb.Tenant(
+        name="acme",
+        routing=pb.RoutingPolicy(models={"lama": "weighted", "sim-small": "affinity"}),
+        streams=pb.StreamPolicy(hedge_models={"lama": "800", "sim-small": "auto"}),
+    )
+    out, _ = pontoctl(Stub([acme], ["sim-small"], []), "get", "tenants")
+    row = out.splitlines()[1]
+    assert "default,lama(unserved)=weighted,sim-small=affinity " in row
+    assert "continue,hedge[lama(unserved)]=800,hedge[sim-small]=auto " in row
+    assert out.splitlines()[-1] == UNSERVED_NOTE
+    served, _ = pontoctl(Stub([acme], ["sim-small", "lama"], []), "get", "tenants")
     assert "(unserved)" not in served and UNSERVED_NOTE not in served
