@@ -553,16 +553,18 @@ def unserved_settings(
 
 def routed_models(regions: Iterable[Region], origins: Iterable[Origin]) -> frozenset[str]:
     """The models proxies route requests for: those an origin lists that is not
-    drained, in a region that is not drained (an origin of an unknown region
-    too, as the route table cannot hold one). Pure.
+    drained, in a region that exists and is not drained. Pure.
 
+    An origin of a region that does not exist (deleted between a write's
+    check and the compile) routes nothing, drained or not: compile_table
+    leaves it out of the table, so proxies do not even know its models.
     Health does not count: proxies send a model none of whose origins is
     healthy to its unhealthy ones (dataplane.routes, panic routing), so only
     drains leave a model they know answered 503 no_healthy_origin.
     """
-    drained = {r.name for r in regions if r.drained}
+    serving = {r.name for r in regions if not r.drained}
     return frozenset(
-        model for o in origins if not (o.drained or o.region in drained) for model in o.models
+        model for o in origins if not o.drained and o.region in serving for model in o.models
     )
 
 

@@ -21,6 +21,7 @@ from controlplane.model import (
     Region,
     Tenant,
     drain_warnings,
+    routed_models,
     stranded_by_drain,
     unserved_purge,
 )
@@ -72,6 +73,18 @@ def test_no_warning_when_others_serve_or_nothing_changed() -> None:
     o_us = (origin("o-us", "us", "llama", "mistral", drained=True), ORIGINS[1])
     assert stranded_by_drain("origin", "o-us", (drained(US), EU), o_us) == ()
     # Health does not count: proxies fall back to unhealthy origins (panic routing).
+
+
+def test_an_origin_of_a_region_that_does_not_exist_routes_nothing() -> None:
+    # The table leaves it out (compile_table), so proxies do not know its models.
+    ghost = origin("o-ghost", "gone", "mistral", "phi")
+    assert routed_models((US, EU), (*ORIGINS, ghost)) == {"llama", "mistral"}
+    # So it does not keep a drain from stranding mistral...
+    [warning] = stranded_by_drain("region", "us", (drained(US), EU), (*ORIGINS, ghost))
+    assert warning.startswith("no undrained origin serves model 'mistral' now (region 'us'")
+    # ...and its own drain strands nothing: it routed nothing before.
+    drained_ghost = origin("o-ghost", "gone", "mistral", "phi", drained=True)
+    assert stranded_by_drain("origin", "o-ghost", (US, EU), (*ORIGINS, drained_ghost)) == ()
 
 
 def test_many_models_are_one_warning_naming_the_first() -> None:
