@@ -8,9 +8,10 @@ never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
 its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
 (an alias to a model no origin serves, a routing policy or hedge delay for
-such a model, a drain that leaves a model no origin, an undrained origin its drained region
-keeps from traffic, a purge of a model no origin serves) are `warning: ...`
-lines on stderr; the exit code stays 0.
+such a model, a drain that leaves a model no origin, an undrained origin its
+drained region keeps from traffic, an undrained region whose origins are all
+drained, a purge of a model no origin serves) are `warning: ...` lines on
+stderr; the exit code stays 0.
 
 Values are checked here with the model's own `validated()` before a call, and
 again by the control plane, which checks every client's writes the same way.
@@ -552,7 +553,7 @@ def _parser() -> argparse.ArgumentParser:
         "drain": "A drained region or origin gets no new requests (streams under way finish); "
         "warns of models left with no origin, which then get 503.",
         "undrain": "An undrained region or origin gets new requests again; warns when an "
-        "origin's region is drained, as it then still gets none.",
+        "origin's region is drained, or a region's origins all are, as it then still gets none.",
     }
     for verb in ("drain", "undrain"):
         d = sub.add_parser(verb, help=f"{verb} a region or an origin", description=drain_help[verb])

@@ -573,6 +573,14 @@ DrainKind = Literal["region", "origin"]
 MAX_NAMED_MODELS = 10
 
 
+def _some(names: Sequence[str]) -> str:
+    """names, the first MAX_NAMED_MODELS of them and a count of the rest."""
+    shown = ", ".join(names[:MAX_NAMED_MODELS])
+    if len(names) > MAX_NAMED_MODELS:
+        shown += f" and {len(names) - MAX_NAMED_MODELS} more"
+    return shown
+
+
 def stranded_by_drain(
     kind: DrainKind, name: str, regions: Sequence[Region], origins: Sequence[Origin]
 ) -> tuple[str, ...]:
@@ -593,9 +601,7 @@ def stranded_by_drain(
     if not lost:
         return ()
     named = sorted(lost)
-    shown = ", ".join(repr(m) for m in named[:MAX_NAMED_MODELS])
-    if len(named) > MAX_NAMED_MODELS:
-        shown += f" and {len(named) - MAX_NAMED_MODELS} more"
+    shown = _some([repr(m) for m in named])
     models, them = (f"models {shown}", "them") if len(named) > 1 else (f"model {shown}", "it")
     return (
         f"no undrained origin serves {models} now ({kind} {name!r} was the last): proxies "
@@ -626,6 +632,28 @@ def unrouted_by_region(
     )
 
 
+def unrouted_by_origins(
+    name: str, regions: Sequence[Region], origins: Sequence[Origin]
+) -> tuple[str, ...]:
+    """A warning when region `name`, not drained in this state, has origins
+    and all of them are drained; () otherwise (a region without origins or
+    an unknown one too). Pure.
+
+    Such an undrain is allowed (its origins may be undrained next), but the
+    region serves nothing until one of them is: proxies leave drained origins
+    out (routed_models).
+    """
+    if not any(r.name == name and not r.drained for r in regions):
+        return ()
+    own = sorted(o.name for o in origins if o.region == name)
+    if not own or any(not o.drained for o in origins if o.region == name):
+        return ()
+    return (
+        f"region {name} is undrained, but all its origins are drained ({_some(own)}): it gets "
+        f"no traffic until one is undrained (`pontoctl undrain origin {own[0]}`)",
+    )
+
+
 def drain_warnings(
     kind: DrainKind,
     name: str,
@@ -636,13 +664,14 @@ def drain_warnings(
     """What a drain (`drained`) or undrain of region or origin `name` (kind),
     done in this state, warns of: the models a drain leaves no undrained
     origin (stranded_by_drain); an undrained origin its drained region still
-    keeps from traffic (unrouted_by_region). Pure; the Admin API's drains and
-    the status page's buttons both answer with it."""
+    keeps from traffic (unrouted_by_region); an undrained region whose
+    origins are all drained (unrouted_by_origins). Pure; the Admin API's
+    drains and the status page's buttons both answer with it."""
     if drained:
         return stranded_by_drain(kind, name, regions, origins)
     if kind == "origin":
         return unrouted_by_region(name, regions, origins)
-    return ()
+    return unrouted_by_origins(name, regions, origins)
 
 
 def unserved_purge(

@@ -518,8 +518,9 @@ class StatusWeb:
             request.remote,
         )
         # What `pontoctl drain` would print as warnings (a model left with no
-        # undrained origin, an origin its drained region keeps idle; none for
-        # a click on a stale page that changed nothing).
+        # undrained origin, an origin its drained region keeps idle, a region
+        # all of whose origins are drained; none for a click on a stale page
+        # that changed nothing).
         warnings = await drain_warned(self._catalog, one, value.name, drained, changed)
         answer = {
             "name": value.name,

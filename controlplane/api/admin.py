@@ -92,7 +92,7 @@ async def drain_warned(
     elif kind == "origin":
         unchecked = f"origin {name} undrained; whether its region is drained was not checked"
     else:
-        unchecked = f"region {name} undrained; its warnings were not checked"
+        unchecked = f"region {name} undrained; whether its origins are all drained was not checked"
     return await checked(catalog.drain_warnings(kind, name, drained), unchecked)
 
 

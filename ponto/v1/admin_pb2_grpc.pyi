@@ -15,8 +15,9 @@ per-model routing policy (or hedge delay) whose model no origin lists, or
 that names an alias (never applied);
 DrainRegion and DrainOrigin (drained=true) of the models the drain leaves
 no undrained origin, which proxies answer 503 until one is undrained;
-DrainOrigin (drained=false) of an origin whose region is drained, which
-still gets no traffic; PurgeCache of a model no origin lists (sent all the
+DrainOrigin (drained=false) of an origin whose region is drained, and
+DrainRegion (drained=false) of a region whose origins are all drained,
+which still get no traffic; PurgeCache of a model no origin lists (sent all the
 same: old entries may be cached).
 """
 

@@ -732,6 +732,16 @@ def test_a_drain_warns_of_models_left_without_an_origin_and_repeats_are_said(
             "warning: origin vllm-use1 is undrained, but its region us-east is drained: it "
             "gets no traffic until `pontoctl undrain region us-east`\n"
         )
+        # So does a region undrained while all its origins are drained.
+        assert ctl(fleet, capsys, "drain", "origin", "vllm-use1")[1] == ""
+        out, err = ctl(fleet, capsys, "undrain", "region", "us-east")
+        assert out == "region us-east undrained\n"
+        assert err == (
+            "warning: region us-east is undrained, but all its origins are drained "
+            "(vllm-use1): it gets no traffic until one is undrained (`pontoctl undrain origin "
+            "vllm-use1`)\n"
+        )
+        assert ctl(fleet, capsys, "undrain", "origin", "vllm-use1")[1] == ""
         _, err = ctl(fleet, capsys, "drain", "region", "mars", code=1)
         assert err == "error: region 'mars' not found [NOT_FOUND]\n"
     finally:

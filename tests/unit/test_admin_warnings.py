@@ -1,13 +1,15 @@
 """Writes the Admin API allows but warns of (trailing metadata `ponto-warning`,
 as for aliases in test_alias_warnings.py): a drain that leaves a model no
-origin to route to; an undrain of an origin whose region is drained; a cache
-purge of a model no origin serves. The calls go to a real gRPC server on
+origin to route to; an undrain of an origin whose region is drained, or of a
+region whose origins are all drained; a cache purge of a model no origin
+serves. The calls go to a real gRPC server on
 loopback over an in-memory store.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -108,13 +110,40 @@ def test_an_origin_undrained_in_a_drained_region_is_warned_of() -> None:
     assert drain_warnings("origin", "o-us", False, (US, EU), ORIGINS) == ()
     o_us = (origin("o-us", "us", "llama", "mistral", drained=True), ORIGINS[1])
     assert drain_warnings("origin", "o-us", False, (drained(US), EU), o_us) == ()
-    # Undraining a region, or an origin that is not there, warns of nothing.
+    # Undraining a region with an undrained origin, or an origin that is not
+    # there, warns of nothing.
     assert drain_warnings("region", "us", False, (US, EU), ORIGINS) == ()
     assert drain_warnings("origin", "ghost", False, (drained(US), EU), ORIGINS) == ()
     # A drain warns of what it strands, as stranded_by_drain says.
     assert drain_warnings("region", "us", True, (drained(US), EU), ORIGINS) == stranded_by_drain(
         "region", "us", (drained(US), EU), ORIGINS
     )
+
+
+IDLE_REGION = (
+    "region us is undrained, but all its origins are drained (o-us, o-us2): it gets no "
+    "traffic until one is undrained (`pontoctl undrain origin o-us`)"
+)
+
+
+def test_a_region_undrained_with_all_its_origins_drained_is_warned_of() -> None:
+    both = (
+        origin("o-us2", "us", "llama", drained=True),
+        origin("o-us", "us", "llama", drained=True),
+        ORIGINS[1],
+    )
+    assert drain_warnings("region", "us", False, (US, EU), both) == (IDLE_REGION,)
+    # One of them undrained, the region drained, no origins at all, or no such
+    # region: nothing to say.
+    one = (replace(both[0], drained=False), *both[1:])
+    assert drain_warnings("region", "us", False, (US, EU), one) == ()
+    assert drain_warnings("region", "us", False, (drained(US), EU), both) == ()
+    assert drain_warnings("region", "us", False, (US, EU), ORIGINS[1:]) == ()
+    assert drain_warnings("region", "mars", False, (US, EU), both) == ()
+    # Past MAX_NAMED_MODELS origins, the rest are counted.
+    many = [origin(f"o{i:02d}", "us", "llama", drained=True) for i in range(MAX_NAMED_MODELS + 2)]
+    [warning] = drain_warnings("region", "us", False, (US,), many)
+    assert f"o{MAX_NAMED_MODELS - 1:02d} and 2 more): " in warning
 
 
 NOSUCH = "no origin serves model 'nosuch'; purge sent anyway"
@@ -208,6 +237,24 @@ async def test_undraining_an_origin_its_region_keeps_drained_is_done_and_warned_
         assert await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=False))) == []
         await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))
         assert await warned(stub.DrainOrigin(undrain)) == []
+
+
+async def test_undraining_a_region_whose_origins_are_all_drained_is_done_and_warned_of() -> None:
+    async with admin(MemoryStore()) as stub:
+        await seed(stub)
+        await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))
+        await stub.DrainRegion(apb.DrainRequest(name="us", drained=True))
+        undrain = apb.DrainRequest(name="us", drained=False)
+        warning = (
+            "region us is undrained, but all its origins are drained (o-us): it gets no "
+            "traffic until one is undrained (`pontoctl undrain origin o-us`)"
+        )
+        assert await warned(stub.DrainRegion(undrain)) == [warning]
+        regions = (await stub.ListRegions(apb.ListRequest())).regions
+        assert {r.name: r.drained for r in regions} == {"us": False, "eu": False}
+        await stub.DrainRegion(apb.DrainRequest(name="us", drained=True))
+        await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=False))
+        assert await warned(stub.DrainRegion(undrain)) == []
 
 
 async def test_pontoctl_prints_the_undrain_warning_on_stderr_and_exits_0(

@@ -408,6 +408,25 @@ async def test_a_drain_answers_with_the_warnings_the_admin_api_sends(
     assert line.exc_info is None
 
 
+async def test_a_region_undrained_with_all_its_origins_drained_is_warned_of(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    await client.post("/api/origins/o-us/drain", headers=AUTH)
+    await client.post("/api/regions/us-east/drain", headers=AUTH)
+    warning = (
+        "region us-east is undrained, but all its origins are drained (o-us): it gets no "
+        "traffic until one is undrained (`pontoctl undrain origin o-us`)"
+    )
+    resp = await client.post("/api/regions/us-east/undrain", headers=AUTH)
+    assert await resp.json() == {
+        "name": "us-east",
+        "drained": False,
+        "changed": True,
+        "warnings": [warning],
+    }
+
+
 async def test_page_writes_are_counted_as_admin_calls(plane: Plane) -> None:
     metrics = ControlMetrics(replica="r1")
     web = web_of(plane, metrics=metrics)
