@@ -1076,16 +1076,22 @@ def run(args: argparse.Namespace, stub: Any) -> str:
 def _drain(stub: Any, kind: str, name: str, *, drained: bool) -> str:
     """Drain or undrain region or origin name (kind); one already so is left
     alone and said to be. The control plane warns of the models a drain
-    leaves no origin to serve (their requests then get 503)."""
+    leaves no origin to serve (their requests then get 503), and of what
+    still keeps an undrained one from traffic, changed by this undrain or not."""
     listing = stub.ListRegions if kind == "region" else stub.ListOrigins
     items = listing(apb.ListRequest())
     current = next((x for x in getattr(items, f"{kind}s") if x.name == name), None)
+    request = apb.DrainRequest(name=name, drained=drained)
+    call = stub.DrainRegion if kind == "region" else stub.DrainOrigin
     if current is not None and current.drained == drained:
-        # Unknown names go on to the call, whose NOT_FOUND says so.
+        # Unknown names go on to the call, whose NOT_FOUND says so. An undrain
+        # that changes nothing is still sent (the control plane writes
+        # nothing): its warnings say why what is not drained may get no traffic.
+        if not drained:
+            call(request)
         state = "already drained" if drained else "not drained"
         return f"{kind} {name} is {state}: nothing changed"
-    request = apb.DrainRequest(name=name, drained=drained)
-    (stub.DrainRegion if kind == "region" else stub.DrainOrigin)(request)
+    call(request)
     return f"{kind} {name} {'drained' if drained else 'undrained'}"
 
 

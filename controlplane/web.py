@@ -519,8 +519,8 @@ class StatusWeb:
         )
         # What `pontoctl drain` would print as warnings (a model left with no
         # undrained origin, an origin its drained region keeps idle, a region
-        # all of whose origins are drained; none for a click on a stale page
-        # that changed nothing).
+        # all of whose origins are drained; none for a drain button on a stale
+        # page, which changed nothing).
         warnings = await drain_warned(self._catalog, one, value.name, drained, changed)
         answer = {
             "name": value.name,

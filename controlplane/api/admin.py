@@ -82,10 +82,13 @@ async def drain_warned(
     catalog: Catalog, kind: DrainKind, name: str, drained: bool, changed: bool
 ) -> Sequence[str]:
     """The warnings of a drain (drained) or undrain of region or origin name
-    (kind; model.drain_warnings, `checked`): none when it changed nothing,
-    since what it leaves is then not its doing. For the Admin API and the
-    status page alike."""
-    if not changed:
+    (kind; model.drain_warnings, `checked`). A drain that changed nothing has
+    none, since what it leaves is then not its doing; an undrain's are given
+    whether it changed anything or not, since they say what still keeps the
+    region or origin from traffic (an operator undraining an idle origin
+    again wants to know why it is idle). For the Admin API and the status
+    page alike."""
+    if drained and not changed:
         return ()
     if drained:
         unchecked = f"{kind} {name} drained; the models it leaves unserved were not checked"

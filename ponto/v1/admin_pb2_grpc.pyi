@@ -17,7 +17,8 @@ DrainRegion and DrainOrigin (drained=true) of the models the drain leaves
 no undrained origin, which proxies answer 503 until one is undrained;
 DrainOrigin (drained=false) of an origin whose region is drained, and
 DrainRegion (drained=false) of a region whose origins are all drained,
-which still get no traffic; PurgeCache of a model no origin lists (sent all the
+which still get no traffic (an undrain warns even when it changed nothing;
+a drain that changed nothing never does); PurgeCache of a model no origin lists (sent all the
 same: old entries may be cached).
 """
 

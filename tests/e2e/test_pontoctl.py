@@ -732,6 +732,9 @@ def test_a_drain_warns_of_models_left_without_an_origin_and_repeats_are_said(
             "warning: origin vllm-use1 is undrained, but its region us-east is drained: it "
             "gets no traffic until `pontoctl undrain region us-east`\n"
         )
+        # Undrained again: nothing changed, and why it gets nothing is said again.
+        out, err2 = ctl(fleet, capsys, "undrain", "origin", "vllm-use1")
+        assert (out, err2) == ("origin vllm-use1 is not drained: nothing changed\n", err)
         # So does a region undrained while all its origins are drained.
         assert ctl(fleet, capsys, "drain", "origin", "vllm-use1")[1] == ""
         out, err = ctl(fleet, capsys, "undrain", "region", "us-east")

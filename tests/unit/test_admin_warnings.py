@@ -1,8 +1,8 @@
 """Writes the Admin API allows but warns of (trailing metadata `ponto-warning`,
 as for aliases in test_alias_warnings.py): a drain that leaves a model no
 origin to route to; an undrain of an origin whose region is drained, or of a
-region whose origins are all drained; a cache purge of a model no origin
-serves. The calls go to a real gRPC server on
+region whose origins are all drained (changed or not); a cache purge of a
+model no origin serves. The calls go to a real gRPC server on
 loopback over an in-memory store.
 """
 
@@ -203,9 +203,12 @@ async def test_drains_are_done_and_warned_of_models_left_without_an_origin() -> 
         assert await warned(stub.DrainOrigin(undrain)) == []
         [warning] = await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True)))
         assert "models 'llama', 'mistral'" in warning and "(region 'us' was the last)" in warning
-        # The same drain again changes nothing, so it warns of nothing.
+        # The same drain again changes nothing, so it warns of nothing; an
+        # undrain that changes nothing still says what keeps o-eu idle.
         assert await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True))) == []
-        assert await warned(stub.DrainOrigin(apb.DrainRequest(name="o-eu", drained=False))) == []
+        assert await warned(stub.DrainOrigin(apb.DrainRequest(name="o-eu", drained=False))) == [
+            UNROUTED.replace("o-us", "o-eu").replace(" us", " eu")
+        ]
 
 
 async def test_a_drain_stands_when_its_models_cannot_be_checked(
@@ -233,6 +236,9 @@ async def test_undraining_an_origin_its_region_keeps_drained_is_done_and_warned_
         assert await warned(stub.DrainOrigin(undrain)) == [UNROUTED]
         origins = (await stub.ListOrigins(apb.ListRequest())).origins
         assert {o.name: o.drained for o in origins} == {"o-us": False, "o-eu": False}
+        # Undrained again, it changes nothing but is warned of the same: it is
+        # still idle, and the operator trying again wants to know why.
+        assert await warned(stub.DrainOrigin(undrain)) == [UNROUTED]
         # Once its region is undrained, neither that undrain nor the origin's warns.
         assert await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=False))) == []
         await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=True))
@@ -252,7 +258,7 @@ async def test_undraining_a_region_whose_origins_are_all_drained_is_done_and_war
         assert await warned(stub.DrainRegion(undrain)) == [warning]
         regions = (await stub.ListRegions(apb.ListRequest())).regions
         assert {r.name: r.drained for r in regions} == {"us": False, "eu": False}
-        await stub.DrainRegion(apb.DrainRequest(name="us", drained=True))
+        assert await warned(stub.DrainRegion(undrain)) == [warning]  # unchanged: the same
         await stub.DrainOrigin(apb.DrainRequest(name="o-us", drained=False))
         assert await warned(stub.DrainRegion(undrain)) == []
 
@@ -270,6 +276,13 @@ async def test_pontoctl_prints_the_undrain_warning_on_stderr_and_exits_0(
         assert await asyncio.to_thread(pontoctl, argv) == 0
         out = capsys.readouterr()
         assert (out.out, out.err) == ("origin o-us undrained\n", f"warning: {UNROUTED}\n")
+        # Again: nothing changes, but why it gets no traffic is still said.
+        assert await asyncio.to_thread(pontoctl, argv) == 0
+        out = capsys.readouterr()
+        assert (out.out, out.err) == (
+            "origin o-us is not drained: nothing changed\n",
+            f"warning: {UNROUTED}\n",
+        )
 
 
 async def test_an_undrain_stands_when_its_region_cannot_be_checked(

@@ -1,6 +1,7 @@
 """`pontoctl drain|undrain region|origin NAME` against fake stubs: one already in
-that state is said to be and left alone; the control plane's warnings (a model
-left with no origin) are gathered for main to print."""
+that state is said to be and left alone (an undrain is still sent, for its
+warnings); the control plane's warnings (a model left with no origin, an
+origin its drained region keeps idle) are gathered for main to print."""
 
 from __future__ import annotations
 
@@ -57,17 +58,29 @@ def test_a_drain_that_strands_a_model_is_done_with_the_warning(kind: str, name: 
     assert method.requests == [apb.DrainRequest(name=name, drained=True)]
 
 
-@pytest.mark.parametrize(
-    ("verb", "drained", "said"),
-    [("drain", True, "is already drained"), ("undrain", False, "is not drained")],
-)
 @pytest.mark.parametrize(("kind", "name"), [("region", "us"), ("origin", "o1")])
-def test_one_already_in_that_state_is_said_to_be_and_left_alone(
-    verb: str, drained: bool, said: str, kind: str, name: str
-) -> None:
-    stub = Stub(drained=drained, warnings=[WARNING])
-    assert pontoctl(stub, verb, kind, name) == (f"{kind} {name} {said}: nothing changed", [])
+def test_a_drained_one_is_said_to_be_and_left_alone(kind: str, name: str) -> None:
+    stub = Stub(drained=True, warnings=[WARNING])
+    said = f"{kind} {name} is already drained: nothing changed"
+    assert pontoctl(stub, "drain", kind, name) == (said, [])
     assert stub.DrainRegion.requests == stub.DrainOrigin.requests == []
+
+
+UNROUTED = (
+    "origin o1 is undrained, but its region us is drained: it gets no traffic until "
+    "`pontoctl undrain region us`"
+)
+
+
+@pytest.mark.parametrize(("kind", "name"), [("region", "us"), ("origin", "o1")])
+def test_an_undrained_one_is_said_to_be_with_what_keeps_it_idle(kind: str, name: str) -> None:
+    # The undrain is sent all the same (the control plane writes nothing): its
+    # warnings say why it may still get no traffic.
+    stub = Stub(drained=False, warnings=[UNROUTED])
+    said = f"{kind} {name} is not drained: nothing changed"
+    assert pontoctl(stub, "undrain", kind, name) == (said, [UNROUTED])
+    method = stub.DrainRegion if kind == "region" else stub.DrainOrigin
+    assert method.requests == [apb.DrainRequest(name=name, drained=False)]
 
 
 def test_an_unknown_name_goes_to_the_control_plane_to_be_refused() -> None:
