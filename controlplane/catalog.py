@@ -194,13 +194,16 @@ class Catalog:
     async def set_region_drained(self, name: str, drained: bool) -> Region:
         return (await self.drain_region(name, drained))[0]
 
-    async def drain_region(self, name: str, drained: bool) -> tuple[Region, bool]:
+    async def drain_region(
+        self, name: str, drained: bool, *, dry_run: bool = False
+    ) -> tuple[Region, bool]:
         """Set region name's drain flag: the region, and whether the flag
-        changed (False: it was so already, and nothing was written)."""
+        changed (False: it was so already, and nothing was written). With
+        `dry_run`, nothing is written: the region as stored, and False."""
         return await self._update_if(
             REGIONS + check_name("region", name),
             decode_region,
-            lambda r: None if r.drained == drained else replace(r, drained=drained),
+            lambda r: None if dry_run or r.drained == drained else replace(r, drained=drained),
             f"region {name!r} not found",
         )
 
@@ -232,12 +235,14 @@ class Catalog:
     async def set_origin_drained(self, name: str, drained: bool) -> Origin:
         return (await self.drain_origin(name, drained))[0]
 
-    async def drain_origin(self, name: str, drained: bool) -> tuple[Origin, bool]:
+    async def drain_origin(
+        self, name: str, drained: bool, *, dry_run: bool = False
+    ) -> tuple[Origin, bool]:
         """As drain_region, for origin name."""
         return await self._update_if(
             ORIGINS + check_name("origin", name),
             decode_origin,
-            lambda o: None if o.drained == drained else replace(o, drained=drained),
+            lambda o: None if dry_run or o.drained == drained else replace(o, drained=drained),
             f"origin {name!r} not found",
         )
 

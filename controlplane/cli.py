@@ -1085,10 +1085,11 @@ def _drain(stub: Any, kind: str, name: str, *, drained: bool) -> str:
     call = stub.DrainRegion if kind == "region" else stub.DrainOrigin
     if current is not None and current.drained == drained:
         # Unknown names go on to the call, whose NOT_FOUND says so. An undrain
-        # that changes nothing is still sent (the control plane writes
-        # nothing): its warnings say why what is not drained may get no traffic.
+        # that changes nothing is asked as a dry run (no write, so it cannot
+        # undo a drain made since the listing, and no audit entry): its
+        # warnings say why what is not drained may get no traffic.
         if not drained:
-            call(request)
+            call(apb.DrainRequest(name=name, drained=False, dry_run=True))
         state = "already drained" if drained else "not drained"
         return f"{kind} {name} is {state}: nothing changed"
     call(request)

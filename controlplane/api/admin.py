@@ -201,7 +201,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.drain("region"), auditing.drain_action("Region"))
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
-        region, changed = await self._catalog.drain_region(request.name, request.drained)
+        region, changed = await self._catalog.drain_region(
+            request.name, request.drained, dry_run=request.dry_run
+        )
         warnings = await drain_warned(
             self._catalog, "region", region.name, request.drained, changed
         )
@@ -233,7 +235,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
-        origin, changed = await self._catalog.drain_origin(request.name, request.drained)
+        origin, changed = await self._catalog.drain_origin(
+            request.name, request.drained, dry_run=request.dry_run
+        )
         warnings = await drain_warned(
             self._catalog, "origin", origin.name, request.drained, changed
         )

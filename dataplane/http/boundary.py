@@ -339,8 +339,8 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
         response.headers.extend((k, v) for k, v in exc.headers.items() if k.lower() == "allow")
         return response, error.code or str(error.status)
     if isinstance(exc, ConnectionResetError):
-        # The client went away while its answer was being written (a replay, a
-        # followed flight): nobody to answer, nothing to log. Counted as
+        # The client went away while its answer was being written (a followed
+        # flight's stream): nobody to answer, nothing to log. Counted as
         # nginx's 499, "client closed request".
         request.app[METRICS].client_disconnects.inc()
         return web.Response(status=CLIENT_CLOSED), CLIENT_GONE

@@ -355,18 +355,25 @@ class DrainRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     drained: _builtins.bool
     """true drains, false undrains."""
+    dry_run: _builtins.bool
+    """Change nothing: the reply is the region or origin as stored, with the
+    warnings of a call that changed nothing (an undrain's: what still keeps
+    it from traffic). Not in the audit trail.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         drained: _builtins.bool = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "dry_run", b"dry_run", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

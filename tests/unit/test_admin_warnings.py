@@ -198,7 +198,7 @@ async def test_drains_are_done_and_warned_of_models_left_without_an_origin() -> 
         assert warning.startswith("no undrained origin serves models 'llama', 'mistral' now")
         origins = (await stub.ListOrigins(apb.ListRequest())).origins
         assert {o.name: o.drained for o in origins} == {"o-us": True, "o-eu": False}
-        # Undrains never warn.
+        # An undrain warns only of what keeps it from traffic: nothing here.
         undrain = apb.DrainRequest(name="o-us", drained=False)
         assert await warned(stub.DrainOrigin(undrain)) == []
         [warning] = await warned(stub.DrainRegion(apb.DrainRequest(name="us", drained=True)))

@@ -1,18 +1,24 @@
 """`pontoctl drain|undrain region|origin NAME` against fake stubs: one already in
-that state is said to be and left alone (an undrain is still sent, for its
-warnings); the control plane's warnings (a model left with no origin, an
+that state is said to be and left alone (an undrain is still asked for its
+warnings, as a dry run); the control plane's warnings (a model left with no origin, an
 origin its drained region keeps idle) are gathered for main to print."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import grpc
 import pytest
 
 from controlplane.cli import _parser, run
+from controlplane.store.memory import MemoryStore
 from ponto.grpcconn import CallDefaults
 from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_admin_warnings import seed
+from tests.unit.test_audit import Clock, admin_server
 from tests.unit.test_cli_alias_warnings import Method
 
 WARNING = (
@@ -74,16 +80,61 @@ UNROUTED = (
 
 @pytest.mark.parametrize(("kind", "name"), [("region", "us"), ("origin", "o1")])
 def test_an_undrained_one_is_said_to_be_with_what_keeps_it_idle(kind: str, name: str) -> None:
-    # The undrain is sent all the same (the control plane writes nothing): its
-    # warnings say why it may still get no traffic.
+    # The undrain is asked as a dry run (the control plane writes nothing, so
+    # a drain made since the listing stands): its warnings say why it may
+    # still get no traffic.
     stub = Stub(drained=False, warnings=[UNROUTED])
     said = f"{kind} {name} is not drained: nothing changed"
     assert pontoctl(stub, "undrain", kind, name) == (said, [UNROUTED])
     method = stub.DrainRegion if kind == "region" else stub.DrainOrigin
-    assert method.requests == [apb.DrainRequest(name=name, drained=False)]
+    assert method.requests == [apb.DrainRequest(name=name, drained=False, dry_run=True)]
 
 
 def test_an_unknown_name_goes_to_the_control_plane_to_be_refused() -> None:
     stub = Stub(drained=False, warnings=[])
     assert pontoctl(stub, "undrain", "region", "mars")[0] == "region mars undrained"
     assert stub.DrainRegion.requests == [apb.DrainRequest(name="mars", drained=False)]
+
+
+class Racing:
+    """A real Admin stub whose ListRegions answers, then another operator
+    drains region us (an incident) before pontoctl's next call."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    @property
+    def ListRegions(self) -> Any:
+        real, drain = self._stub.ListRegions, self._stub.DrainRegion
+
+        class Listing:
+            def with_call(self, request: Any, timeout: float) -> Any:
+                answer = real.with_call(request, timeout=timeout)
+                drain.with_call(apb.DrainRequest(name="us", drained=True), timeout=timeout)
+                return answer
+
+        return Listing()
+
+
+async def test_an_undrain_that_changes_nothing_leaves_a_drain_made_meanwhile() -> None:
+    # pontoctl lists us as undrained, then asks for its warnings: that must
+    # not undo another operator's drain made between the two calls, nor be
+    # in the audit trail as an undrain.
+    async with admin_server(MemoryStore(), Clock(), admin_token="") as stub:
+        await seed(stub)
+
+        def undrain() -> str:
+            with grpc.insecure_channel(stub.address) as channel:
+                calls = CallDefaults(Racing(admin_pb2_grpc.AdminStub(channel)), timeout=5)
+                return run(_parser().parse_args(["undrain", "region", "us"]), calls)
+
+        said = await asyncio.to_thread(undrain)
+        regions = {r.name: r.drained for r in (await stub.ListRegions(apb.ListRequest())).regions}
+        audit = (await stub.ListAudit(apb.ListAuditRequest(limit=10))).entries
+    assert said == "region us is not drained: nothing changed"
+    assert regions["us"] is True, "the no-op undrain undid the drain made meanwhile"
+    drains = [e.action for e in audit if e.target == "region/us" and "Drain" in e.action]
+    assert drains == ["DrainRegion"]  # the other operator's; the dry run is not recorded
