@@ -628,10 +628,21 @@ class Catalog:
         return [kv.key[len(PROXIES) :] for kv in listing.items]
 
     async def put_acks(
-        self, replica: str, acks: dict[str, tuple[int, str]], lease: int, *, version: int = 0
+        self,
+        replica: str,
+        acks: dict[str, tuple[int, str]],
+        lease: int,
+        *,
+        version: int = 0,
+        warnings: dict[str, list[str]] | None = None,
     ) -> None:
-        """Write a replica's ACK summary with the version it serves now."""
-        payload = {"replica_version": version, "acks": acks}
+        """Write a replica's ACK summary with the version it serves now, and
+        the warnings of the proxies whose last ACK had some (name -> warnings;
+        a key of their own in the summary, which a replica from before them
+        ignores)."""
+        payload: dict[str, object] = {"replica_version": version, "acks": acks}
+        if warnings:
+            payload["warnings"] = warnings
         await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
 
     async def put_traffic(self, replica: str, traffic: dict[str, Traffic], lease: int) -> None:
@@ -647,16 +658,22 @@ class Catalog:
         summaries of other replicas are a fallback while its own has not been
         written yet.
         """
-        by_replica: dict[str, tuple[int, dict[str, tuple[int, str]]]] = {}
+        by_replica: dict[str, tuple[int, dict[str, _Ack]]] = {}
         for kv in (await _guard(self.store.list(ACKS))).items:
             replica = kv.key[len(ACKS) :]
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 raw = orjson.loads(kv.value)
+                warned: dict[str, object] = {}
                 if isinstance(raw, dict) and isinstance(raw.get("acks"), dict):
                     version, entries = int(raw.get("replica_version", 0)), raw["acks"]
+                    if isinstance(raw.get("warnings"), dict):
+                        warned = raw["warnings"]
                 else:  # the summary of a replica from before replica_version
                     version, entries = 0, raw
-                acks = {str(n): (int(v), str(e)) for n, (v, e) in entries.items()}
+                acks = {
+                    str(n): (int(v), str(e), _strings(warned.get(n)))
+                    for n, (v, e) in entries.items()
+                }
                 by_replica[replica] = (version, acks)
         traffic: dict[str, dict[str, Traffic]] = {}
         for kv in (await _guard(self.store.list(TRAFFIC))).items:
@@ -677,17 +694,26 @@ class Catalog:
         return out
 
 
-def _with_acks(
-    p: ProxyRecord, by_replica: dict[str, tuple[int, dict[str, tuple[int, str]]]]
-) -> ProxyRecord:
+# A proxy's ACK as its replica's summary holds it: acked version, last NACK's
+# error, the warnings of its last ACK.
+_Ack = tuple[int, str, tuple[str, ...]]
+
+
+def _strings(raw: object) -> tuple[str, ...]:
+    return tuple(str(w) for w in raw) if isinstance(raw, list) else ()
+
+
+def _with_acks(p: ProxyRecord, by_replica: dict[str, tuple[int, dict[str, _Ack]]]) -> ProxyRecord:
     own = by_replica.get(p.control_plane_id)
     if own is not None and p.name in own[1]:
-        acked, error = own[1][p.name]
-        return replace(p, acked_version=acked, last_error=error, replica_version=own[0])
+        acked, error, warnings = own[1][p.name]
+        return replace(
+            p, acked_version=acked, last_error=error, warnings=warnings, replica_version=own[0]
+        )
     for _replica, (_version, acks) in sorted(by_replica.items()):
         if p.name in acks:
-            acked, error = acks[p.name]
-            p = replace(p, acked_version=acked, last_error=error)
+            acked, error, warnings = acks[p.name]
+            p = replace(p, acked_version=acked, last_error=error, warnings=warnings)
     return replace(p, replica_version=own[0]) if own is not None else p
 
 

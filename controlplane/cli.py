@@ -119,6 +119,9 @@ def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[s
         state = "current" if p.acked_version == current else "behind"
         if p.last_error:
             state = f"nack: {p.last_error[:60]}"
+        if p.warnings:  # of the table it serves (JSON and YAML output have them whole)
+            more = f" (+{len(p.warnings) - 1} more)" if len(p.warnings) > 1 else ""
+            state += f"; warning: {p.warnings[0][:80]}{more}"
         rows.append(
             [
                 p.info.name,

@@ -186,6 +186,9 @@ class ProxyRecord:
     connected_at: float
     acked_version: int = 0
     last_error: str = ""
+    # What its last ACK said it cannot use of the table it applied (a tenant
+    # whose JWT config it could not load), each a sentence for operators.
+    warnings: tuple[str, ...] = ()
     # The latest version of its replica (from that replica's ACK summary).
     replica_version: int = 0
     # Cumulative counters of its last report (requests answered, 5xx, 4xx) and

@@ -133,15 +133,19 @@ class ProxyRegistry:
         self._acks_dirty = True
         return record
 
-    async def acked(self, session_id: str, version: int, error: str) -> None:
-        """Record an ACK (error empty) or a NACK; written with the next flush."""
+    async def acked(
+        self, session_id: str, version: int, error: str, warnings: tuple[str, ...] = ()
+    ) -> None:
+        """Record an ACK (error empty; `warnings`: what the proxy cannot use of
+        the table it applied) or a NACK (the warnings of the table it still
+        serves stand); written with the next flush."""
         record = self.sessions.get(session_id)
         if record is None:
             return
         if error:
             record = replace(record, last_error=error)
         else:
-            record = replace(record, acked_version=version, last_error="")
+            record = replace(record, acked_version=version, last_error="", warnings=warnings)
         self.sessions[session_id] = record
         self._acks_dirty = True
 
@@ -192,6 +196,10 @@ class ProxyRegistry:
         """This replica's proxies: name -> (acked version, last error)."""
         return {r.name: (r.acked_version, r.last_error) for r in self.sessions.values()}
 
+    def ack_warnings(self) -> dict[str, list[str]]:
+        """This replica's proxies whose last ACK had warnings: name -> warnings."""
+        return {r.name: list(r.warnings) for r in self.sessions.values() if r.warnings}
+
     async def flush_acks(self, interval: float = 0.2) -> None:
         """Write what changed (see flush) every `interval` seconds, until cancelled."""
         while True:
@@ -210,6 +218,7 @@ class ProxyRegistry:
                     self.acks(),
                     await self._ensure_lease(),
                     version=self._current_version(),
+                    warnings=self.ack_warnings(),
                 )
             if self._traffic_dirty and now - self._traffic_written >= self._traffic_every:
                 self._traffic_dirty = False

@@ -24,11 +24,16 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -173,6 +178,32 @@ class Histogram(_Family[HistogramCell]):
                 cumulative += count
                 buckets.append((le, float(cumulative)))
             family.add_metric(list(values), buckets, cell.sum)
+        yield family
+
+
+class TenantsUnavailable(Collector):
+    """ponto_jwt_config_unavailable: one series, value 1, per tenant whose JWT
+    config could not be loaded; none when every config loaded."""
+
+    NAME = "ponto_jwt_config_unavailable"
+    DOC = (
+        "Tenants whose JWT config (JWKS file, HS256 secret) this proxy could not load "
+        "from the table it serves: their JWTs are answered 503 auth_unavailable"
+    )
+
+    def __init__(
+        self, problems: Callable[[], Mapping[str, str]], *, registry: CollectorRegistry
+    ) -> None:
+        self._problems = problems
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=["tenant"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=["tenant"])
+        for tenant in sorted(self._problems()):
+            family.add_metric([tenant], 1.0)
         yield family
 
 
@@ -505,6 +536,12 @@ class Metrics:
         """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""
         self.info.clear()
         self.info.labels(proxy, region, version).set(1)
+
+    def bind_auth(self, problems: Callable[[], Mapping[str, str]]) -> None:
+        """Export ponto_jwt_config_unavailable{tenant} = 1 for each tenant whose
+        JWT config the served table names but this proxy could not load
+        (`problems`: tenant -> why; read at scrape time)."""
+        TenantsUnavailable(problems, registry=self.registry)
 
     def bind_region(self, available: Callable[[], bool]) -> None:
         """Export ponto_cache_region_up from `available` (a proxy with --redis)."""

@@ -1,8 +1,10 @@
 """Per-table edge policy: who may call, which limits apply, how requests are shaped.
 
 Compiled once per route table (like Routes), so the hot path only does dict
-lookups. Compiling reads JWKS and secret files named by tenants; a table whose
-files are missing or broken is refused (NACKed) and the previous one serves.
+lookups. Compiling reads JWKS and secret files named by tenants; a tenant whose
+files are missing or broken keeps only its JWTs from working (they are answered
+503 auth_unavailable; see dataplane.auth.authenticator), the rest of the table
+is used, and the problem is in `EdgePolicy.authenticator.problems`.
 """
 
 from __future__ import annotations

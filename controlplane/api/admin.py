@@ -147,6 +147,7 @@ def proxy_pb(p: ProxyRecord) -> apb.ProxyStatus:
         session_id=p.session_id,
         acked_version=p.acked_version,
         last_error=p.last_error,
+        warnings=p.warnings,
         control_plane_id=p.control_plane_id,
         connected_at=p.connected_at,
         replica_version=p.replica_version,

@@ -36,6 +36,10 @@ MAX_REGIONS = 256
 # And at most this many tenants held back by limits (a proxy sends at most
 # dataplane.metrics.MAX_LIMITED_TENANTS).
 MAX_TENANTS = 256
+# And at most this many warnings with an ACK, each cut to MAX_WARNING
+# characters (a proxy sends one per tenant it cannot verify JWTs of).
+MAX_WARNINGS = 16
+MAX_WARNING = 512
 # Table pushes of one stream awaiting an answer, kept for push latency; a
 # proxy answers each push, so more than a few means it stopped answering.
 MAX_UNANSWERED = 16
@@ -250,4 +254,5 @@ class RoutingService:
             if since is not None:
                 latency = self._metrics.clock() - since
                 self._metrics.push_answered(acked=not error, latency=latency)
-            await self._registry.acked(session_id, req.version_info, error)
+            warnings = tuple(w[:MAX_WARNING] for w in req.warnings[:MAX_WARNINGS])
+            await self._registry.acked(session_id, req.version_info, error, warnings)

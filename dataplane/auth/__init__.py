@@ -1,8 +1,9 @@
 """Authentication at the proxy: who is calling (`Authenticator`).
 
 Self-contained like `dataplane.geo`: nothing here imports aiohttp or the rest
-of the proxy. The request path maps `AuthError` to a 401 in the OpenAI error
-shape. What the proxy presents to origins is `dataplane.upstream.credentials`.
+of the proxy. The request path maps `AuthError` to a 401 and `AuthUnavailable`
+to a 503 in the OpenAI error shape. What the proxy presents to origins is
+`dataplane.upstream.credentials`.
 """
 
 from dataplane.auth.authenticator import (
@@ -12,6 +13,7 @@ from dataplane.auth.authenticator import (
     AuthConfigError,
     Authenticator,
     AuthError,
+    AuthUnavailable,
     JwtConfig,
     KeyRecord,
     Principal,
@@ -23,6 +25,7 @@ __all__ = [
     "SUPPORTED_JWT_ALGORITHMS",
     "AuthConfigError",
     "AuthError",
+    "AuthUnavailable",
     "Authenticator",
     "JwtConfig",
     "KeyRecord",

@@ -2,9 +2,17 @@
 
 Compiled, not interpreted: `Authenticator.build` turns the route table's key
 records and JWT configs into lookup tables once per table (reading JWKS and
-secret files then, so a broken file refuses the table instead of failing
-requests), and `Authenticator.authenticate` is a handful of dictionary look-ups
-and one SHA-256 per request.
+secret files then, not per request), and `Authenticator.authenticate` is a
+handful of dictionary look-ups and one SHA-256 per request.
+
+A tenant's JWT config this proxy cannot load (a JWKS or secret file missing or
+broken, a secret variable not set, a bad key) costs that tenant's JWTs only:
+the rest of the table is used, the problem is kept in
+`Authenticator.problems` (the proxy logs it once per table and reports it to
+the control plane with its ACK), and a JWT of that tenant's issuer is answered
+with `AuthUnavailable` (503: the proxy, not the client, is at fault). Refusing
+the whole table instead would freeze every tenant's keys, drains and
+revocations on the previous table for one tenant's file.
 
 Modes:
 
@@ -77,6 +85,7 @@ __all__ = [
     "SUPPORTED_JWT_ALGORITHMS",
     "AuthConfigError",
     "AuthError",
+    "AuthUnavailable",
     "Authenticator",
     "JwtConfig",
     "KeyRecord",
@@ -225,9 +234,34 @@ class AuthError(Exception):
 
 
 class AuthConfigError(ValueError):
-    """Keys or JWT configs that cannot be used: the proxy refuses (NACKs) the
-    route table and keeps its previous one. The message names the tenant and
-    file or variable, never secret material."""
+    """Keys or JWT configs that cannot be used. The message names the tenant and
+    file or variable, never secret material.
+
+    Raised by `Authenticator.build` for what makes the whole table unusable
+    (a malformed key record, an issuer configured twice): the proxy refuses
+    (NACKs) the route table and keeps its previous one. One tenant's JWT config
+    that cannot be loaded is not raised: it lands in `Authenticator.problems`."""
+
+
+class AuthUnavailable(Exception):
+    """A JWT of an issuer whose tenant's JWT config this proxy could not load:
+    always 503 (the client is not at fault; retrying after the operator's fix
+    works). `message` is safe to show the client: it names neither the
+    tenant's files nor why they failed (that is in the proxy's log and in
+    what it reports to the control plane)."""
+
+    status: Final = 503
+    code: Final = "auth_unavailable"
+    message: Final = (
+        "This proxy cannot verify tokens from this issuer right now: its JWT "
+        "configuration failed to load here. Your token was not checked; retry later "
+        "(the operator has been told), or use an API key."
+    )
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(self.message)
+        # For the proxy's logs and metrics, never for the client.
+        self.tenant = tenant
 
 
 def _missing() -> AuthError:
@@ -280,8 +314,10 @@ class Authenticator:
         "_expiry",
         "_is_open",
         "_keys",
+        "_unavailable",
         "_verified",
         "_verifiers",
+        "problems",
     )
 
     def __init__(
@@ -292,13 +328,22 @@ class Authenticator:
         closed: bool,
         jwt_cache_size: int,
         expiry: dict[str, float] | None = None,
+        unavailable: dict[str, str] | None = None,
+        problems: dict[str, str] | None = None,
     ) -> None:
         """Internal: use `Authenticator.build`."""
         self._keys = keys
         # Key id -> Unix seconds from which it is refused; only keys that expire.
         self._expiry = expiry or {}
         self._verifiers = verifiers
-        self._is_open = not closed and not keys and not verifiers
+        # Issuer -> tenant, for the configs that could not be loaded.
+        self._unavailable = unavailable or {}
+        # Tenant -> why its JWT config could not be loaded (names files and
+        # variables, never secrets): for logs, metrics and the control plane.
+        self.problems: Mapping[str, str] = problems or {}
+        # A config that failed still closes the proxy: opening it because a
+        # tenant's file is missing would let everyone in as `default`.
+        self._is_open = not closed and not keys and not verifiers and not self.problems
         # A random digest no key can hash to; see "constant time" above.
         self._dummy: _KeyEntry = (secrets.token_bytes(32), None)
         self._cache: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
@@ -323,10 +368,12 @@ class Authenticator:
         last key refuses everyone instead of opening the proxy.
 
         `environ` defaults to ``os.environ``. Raises `AuthConfigError` for a
-        malformed or duplicate record, a duplicate issuer, an unsupported
-        algorithm (``none`` included), or a missing, unreadable or broken JWKS
-        or secret. Blocking file I/O: call it where the table is applied, not
-        per request.
+        malformed or duplicate key record or an issuer configured twice. A JWT
+        config that is invalid (an unsupported algorithm, ``none`` included) or
+        cannot be loaded (a missing, unreadable or broken JWKS or secret) is
+        not raised: it is kept in `problems`, by tenant, and its issuer's
+        tokens are answered `AuthUnavailable`. Blocking file I/O: call it where
+        the table is applied, not per request.
         """
         env = os.environ if environ is None else environ
         entries: dict[str, _KeyEntry] = {}
@@ -348,18 +395,35 @@ class Authenticator:
                 expiry[record.key_id] = record.expires_at
 
         verifiers: dict[str, _JwtVerifier] = {}
+        owners: dict[str, str] = {}  # issuer -> tenant
+        unavailable: dict[str, str] = {}
+        problems: dict[str, str] = {}
         for config in jwts:
-            verifier = _JwtVerifier.build(config, read_file, env)
-            if config.issuer in verifiers:
+            if config.issuer in owners:
                 raise AuthConfigError(
                     f"JWT issuer {config.issuer!r} is configured twice "
-                    f"(tenants {verifiers[config.issuer].config.tenant!r} and "
+                    f"(tenants {owners[config.issuer]!r} and "
                     f"{config.tenant!r}); the issuer selects the tenant, so it must be unique"
                 )
-            verifiers[config.issuer] = verifier
+            if config.issuer:  # an empty one is the config's own problem, below
+                owners[config.issuer] = config.tenant
+            try:
+                verifiers[config.issuer] = _JwtVerifier.build(config, read_file, env)
+            except AuthConfigError as exc:
+                problems[config.tenant] = str(exc)
+                if config.issuer:
+                    unavailable[config.issuer] = config.tenant
         if jwt_cache_size < 1:
             raise AuthConfigError("jwt_cache_size must be at least 1")
-        return cls(entries, verifiers, closed=closed, jwt_cache_size=jwt_cache_size, expiry=expiry)
+        return cls(
+            entries,
+            verifiers,
+            closed=closed,
+            jwt_cache_size=jwt_cache_size,
+            expiry=expiry,
+            unavailable=unavailable,
+            problems=problems,
+        )
 
     @property
     def open(self) -> bool:
@@ -367,7 +431,8 @@ class Authenticator:
         return self._is_open
 
     def authenticate(self, authorization_header: str | None, now: float) -> Principal:
-        """The caller named by an ``Authorization`` header value, or `AuthError`.
+        """The caller named by an ``Authorization`` header value, or `AuthError`
+        (401), or `AuthUnavailable` (503: a JWT of a tenant in `problems`).
 
         `now` is Unix time (``time.time()``), used for JWT ``exp``/``nbf`` and
         the JWT cache. The scheme ``Bearer`` is matched case-insensitively;
@@ -398,7 +463,7 @@ class Authenticator:
             if self._expiry:
                 self._check_expiry(principal, now)
             return principal
-        if self._verifiers:
+        if self._verifiers or self._unavailable:
             return self._jwt(token, now)
         raise _bad_key()
 
@@ -450,8 +515,13 @@ class Authenticator:
         except jwt.PyJWTError:
             raise _bad_token("not a well-formed JWT") from None
         issuer = unverified.get("iss")
-        verifier = self._verifiers.get(issuer) if isinstance(issuer, str) else None
+        if not isinstance(issuer, str):
+            raise _bad_token("issuer not accepted")
+        verifier = self._verifiers.get(issuer)
         if verifier is None:
+            tenant = self._unavailable.get(issuer)
+            if tenant is not None:
+                raise AuthUnavailable(tenant)
             raise _bad_token("issuer not accepted")
         return verifier.verify(token, header, now)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from dataplane import jsonio
-from dataplane.auth.authenticator import AuthError
+from dataplane.auth.authenticator import AuthError, AuthUnavailable
 from dataplane.ratelimit.limiter import retry_after_header
 
 
@@ -80,6 +80,13 @@ class Unauthorized(ApiError):
             401, exc.message, code=exc.code, headers={"www-authenticate": exc.www_authenticate}
         )
         self.owner = exc.principal
+
+
+def auth_unavailable(exc: AuthUnavailable) -> ApiError:
+    """503 for a JWT of a tenant whose JWT config this proxy could not load.
+    Marked logged: the cause is logged once, when the table is applied
+    (dataplane.sync.holder), not once per request."""
+    return ApiError(503, exc.message, type="server_error", code=exc.code, logged=True)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:

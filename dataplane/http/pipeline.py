@@ -28,7 +28,7 @@ from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
 from dataplane.assemble import assemble
-from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, Principal
+from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, AuthUnavailable, Principal
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
@@ -37,6 +37,7 @@ from dataplane.http.boundary import CLIENT_GONE, send_whole
 from dataplane.http.errors import (
     ApiError,
     Unauthorized,
+    auth_unavailable,
     bad_request,
     body_too_large,
     model_not_found,
@@ -550,11 +551,15 @@ async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
-    """The caller, or a 401 in OpenAI's words (Unauthorized)."""
+    """The caller, or a 401 in OpenAI's words (Unauthorized), or a 503
+    auth_unavailable for a JWT of a tenant whose JWT config the proxy could
+    not load."""
     try:
         return policy.authenticator.authenticate(authorization, time.time())
     except AuthError as exc:
         raise Unauthorized(exc) from None
+    except AuthUnavailable as exc:
+        raise auth_unavailable(exc) from None
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

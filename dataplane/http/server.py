@@ -163,6 +163,7 @@ class Proxy:
             traffic=lambda: traffic_of(m.requests, m.genai_duration, m.limited),
             report_interval=settings.report_interval,
         )
+        m.bind_auth(lambda: holder.policy.authenticator.problems if holder.policy else {})
         m.bind_cache(lambda: store.stats, local.reserved)
         m.bind_semantic(lambda: cache.semantic)
         m.bind_semantic_feed(lambda: self.semantic_feed)

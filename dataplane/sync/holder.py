@@ -101,6 +101,15 @@ class TableHolder:
             if policy.authenticator.open
             else "",
         )
+        for tenant, problem in sorted(policy.authenticator.problems.items()):
+            # Once per table with new content, not per request: its tokens are
+            # answered 503 auth_unavailable without another line.
+            log.error(
+                "%s; JWTs of tenant %r are answered 503 auth_unavailable until a table "
+                "it can load is applied (its API keys still work)",
+                problem,
+                tenant,
+            )
         if routes.panic:
             log.warning(
                 "no healthy origin for %s: routing to the unhealthy ones that are not drained",

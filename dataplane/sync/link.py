@@ -271,4 +271,17 @@ class ControlPlaneClient:
             session_id=session_id,
             version_info=update.table.version,
             response_nonce=update.nonce,
+            warnings=self.warnings(),
         )
+
+    def warnings(self) -> list[str]:
+        """What an ACK reports of the table being served: each tenant whose JWT
+        config this proxy could not load, with why and what it costs."""
+        policy = self._holder.policy
+        if policy is None:
+            return []
+        return [
+            f"{problem}; that tenant's JWTs are answered 503 auth_unavailable "
+            "(its API keys still work)"
+            for _, problem in sorted(policy.authenticator.problems.items())
+        ]

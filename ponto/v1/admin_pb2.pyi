@@ -290,6 +290,7 @@ class ProxyStatus(_message.Message):
     CONTROL_PLANE_ID_FIELD_NUMBER: _builtins.int
     CONNECTED_AT_FIELD_NUMBER: _builtins.int
     REPLICA_VERSION_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     acked_version: _builtins.int
     """Version of the last table the proxy ACKed (0: none yet)."""
@@ -306,6 +307,12 @@ class ProxyStatus(_message.Message):
     """
     @_builtins.property
     def info(self) -> _routing_pb2.ProxyInfo: ...
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the proxy's last ACK said it cannot use of the table it serves (a
+        tenant whose JWT config it could not load), each a sentence for operators.
+        """
+
     def __init__(
         self,
         *,
@@ -316,10 +323,11 @@ class ProxyStatus(_message.Message):
         control_plane_id: _builtins.str = ...,
         connected_at: _builtins.float = ...,
         replica_version: _builtins.int = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_version", b"acked_version", "connected_at", b"connected_at", "control_plane_id", b"control_plane_id", "info", b"info", "last_error", b"last_error", "replica_version", b"replica_version", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_version", b"acked_version", "connected_at", b"connected_at", "control_plane_id", b"control_plane_id", "info", b"info", "last_error", b"last_error", "replica_version", b"replica_version", "session_id", b"session_id", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

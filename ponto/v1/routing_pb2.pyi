@@ -916,6 +916,7 @@ class RouteRequest(_message.Message):
     SERVED_FIELD_NUMBER: _builtins.int
     LIMITED_FIELD_NUMBER: _builtins.int
     TAKES_UNCHANGED_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -960,6 +961,15 @@ class RouteRequest(_message.Message):
         shows who is held back. Tenants with neither are left out.
         """
 
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Set on an ACK: parts of the applied table this proxy cannot use, each a
+        sentence for operators (e.g. "JWT config of tenant 'acme': JWKS file
+        '/etc/jwks.json': cannot read: No such file or directory"). The table is
+        in use; only what a warning names is refused at the proxy (that tenant's
+        JWTs are answered 503 auth_unavailable).
+        """
+
     def __init__(
         self,
         *,
@@ -975,10 +985,11 @@ class RouteRequest(_message.Message):
         served: _abc.Iterable[Global___ServedTotal] | None = ...,
         limited: _abc.Iterable[Global___TenantLimited] | None = ...,
         takes_unchanged: _builtins.bool = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

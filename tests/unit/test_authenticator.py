@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from dataplane.auth import (
     AuthConfigError,
     Authenticator,
     AuthError,
+    AuthUnavailable,
     JwtConfig,
     KeyRecord,
     Principal,
@@ -721,7 +723,6 @@ def test_jwt_build_errors(rsa_key: rsa.RSAPrivateKey, ec_key: ec.EllipticCurvePr
         ([config()], {path: jwks(private)}, {}, "private key"),
         ([config()], {path: jwks(ec_jwk(ec_key, "e1"))}, {}, "no usable verification key"),
         ([config()], {path: jwks(rsa_jwk(rsa_key, "k1"), rsa_jwk(rsa_key, "k1"))}, {}, "twice"),
-        ([config(), config(tenant="globex")], good, {}, "configured twice"),
         ([config(algorithms=("none",))], good, {}, "'none'"),
         ([config(algorithms=("RS256", "None"))], good, {}, "'none'"),
         ([config(algorithms=("PS256",))], good, {}, "not supported"),
@@ -769,23 +770,106 @@ def test_jwt_build_errors(rsa_key: rsa.RSAPrivateKey, ec_key: ec.EllipticCurvePr
         ([config(jwks_file=None)], {}, {}, "no usable verification key"),
     ]
     for jwts, files, env, match in cases:
-        with pytest.raises(AuthConfigError, match=match):
-            build(jwts=jwts, files=files, env=env)
+        # The tenant's problem, not the table's: kept, by tenant, and the
+        # authenticator is built.
+        problems = build(jwts=jwts, files=files, env=env).problems
+        [(tenant, problem)] = problems.items()
+        assert tenant == jwts[0].tenant
+        assert problem.startswith(f"JWT config of tenant {tenant!r}: ")
+        assert re.search(match, problem), (match, problem)
+
+
+def test_an_issuer_configured_twice_refuses_the_table(rsa_key: rsa.RSAPrivateKey) -> None:
+    # Which tenant its tokens belong to is ambiguous: no tenant can be served.
+    good = {"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"))}
+    with pytest.raises(AuthConfigError, match="configured twice"):
+        build(jwts=[config(), config(tenant="globex")], files=good)
+    # Even when the first of them cannot be loaded.
+    with pytest.raises(AuthConfigError, match="configured twice"):
+        build(jwts=[config(), config(tenant="globex")])
 
 
 def test_build_errors_never_quote_secrets() -> None:
     secret = "s3cr3t-s3cr3t"  # too short: refused, and must not be quoted
     oct_key = {"kty": "oct", "kid": "s1", "k": b64url(secret.encode())}
-    with pytest.raises(AuthConfigError) as info:
-        build(jwts=[config(algorithms=("HS256",))], files={"/etc/ponto/acme.jwks": jwks(oct_key)})
-    assert secret not in str(info.value)
-    assert oct_key["k"] not in str(info.value)
-    with pytest.raises(AuthConfigError) as info:
-        build(
-            jwts=[config(algorithms=("HS256",), jwks_file=None, hs256_secret_env="S")],
-            env={"S": secret},
-        )
-    assert secret not in str(info.value)
+    auth = build(
+        jwts=[config(algorithms=("HS256",))], files={"/etc/ponto/acme.jwks": jwks(oct_key)}
+    )
+    [problem] = auth.problems.values()
+    assert secret not in problem
+    assert oct_key["k"] not in problem
+    auth = build(
+        jwts=[config(algorithms=("HS256",), jwks_file=None, hs256_secret_env="S")],
+        env={"S": secret},
+    )
+    [problem] = auth.problems.values()
+    assert secret not in problem
+
+
+# ---------------------------------------------------------------- JWT: a config that fails
+
+
+def unavailable(auth: Authenticator, header: str) -> AuthUnavailable:
+    with pytest.raises(AuthUnavailable) as info:
+        auth.authenticate(header, NOW)
+    assert info.value.status == 503
+    assert info.value.code == "auth_unavailable"
+    return info.value
+
+
+def test_a_tenant_whose_jwt_config_fails_costs_only_its_jwts(rsa_key: rsa.RSAPrivateKey) -> None:
+    # acme's JWKS file is missing on this proxy; globex's secret is there.
+    acme_key, globex_key = issue_key(), issue_key()
+    auth = build(
+        keys=[record(acme_key), record(globex_key, tenant="globex")],
+        jwts=[
+            config(),
+            config(
+                tenant="globex",
+                issuer="https://globex.example",
+                algorithms=("HS256",),
+                jwks_file=None,
+                hs256_secret_env="GLOBEX",
+            ),
+        ],
+        env={"GLOBEX": HS_SECRET},
+    )
+    assert auth.problems == {
+        "acme": "JWT config of tenant 'acme': JWKS file '/etc/ponto/acme.jwks': cannot read: "
+        "No such file or directory"
+    }
+    # acme's JWTs, signed well or not: the proxy cannot tell, and says so (503,
+    # not the client's fault), never naming the file or why.
+    refused = unavailable(auth, bearer(rs256(rsa_key)))
+    assert refused.tenant == "acme"
+    assert "cannot verify tokens from this issuer" in refused.message
+    assert "/etc" not in refused.message
+    forged = jwt.encode(claims(), HS_SECRET, algorithm="HS256")
+    assert unavailable(auth, bearer(forged)).tenant == "acme"
+    # acme's API keys, and everything of globex, work as before.
+    assert auth.authenticate(bearer(acme_key.key), NOW).tenant == "acme"
+    assert auth.authenticate(bearer(globex_key.key), NOW).tenant == "globex"
+    token = jwt.encode(claims(iss="https://globex.example"), HS_SECRET, algorithm="HS256")
+    assert auth.authenticate(bearer(token), NOW).tenant == "globex"
+    # Another issuer is still a 401.
+    other = jwt.encode(claims(iss="https://other.example"), HS_SECRET, algorithm="HS256")
+    assert fails(auth, bearer(other)).message == "Invalid token: issuer not accepted."
+
+
+def test_a_jwt_config_that_fails_alone_keeps_the_proxy_closed(rsa_key: rsa.RSAPrivateKey) -> None:
+    # No keys, and the only JWT config fails: opening the proxy would let
+    # every caller in as tenant default.
+    auth = build(jwts=[config()])
+    assert not auth.open
+    assert fails(auth, None).code == "missing_api_key"
+    assert fails(auth, bearer(issue_key().key)).code == "invalid_api_key"
+    assert unavailable(auth, bearer(rs256(rsa_key))).tenant == "acme"
+    # A config without an issuer cannot be selected by a token: its tokens
+    # are refused as any unknown issuer's, and the proxy stays closed too.
+    auth = build(jwts=[config(issuer="")], files={"/etc/ponto/acme.jwks": b"{}"})
+    assert "issuer is required" in auth.problems["acme"]
+    assert not auth.open
+    fails(auth, bearer(rs256(rsa_key)))
 
 
 def test_keys_for_other_algorithms_and_uses_are_skipped(
