@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import orjson
@@ -19,6 +20,7 @@ from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.errors import InvalidArgument, Unavailable
+from controlplane.fleetwarnings import fleet_warnings
 from controlplane.messages import (
     cache_of,
     jwt_of,
@@ -47,6 +49,7 @@ from ponto.v1 import routing_pb2 as pb
 log = logging.getLogger(__name__)
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+R = TypeVar("R")
 
 # Metadata past gRPC's default limit (8 KiB) would fail a call whose write has
 # succeeded, at the client: the warnings of one reply stay well under it.
@@ -97,6 +100,29 @@ async def drain_warned(
     else:
         unchecked = f"region {name} undrained; whether its origins are all drained was not checked"
     return await checked(catalog.drain_warnings(kind, name, drained), unchecked)
+
+
+async def _fleet_warnings(catalog: Catalog) -> Sequence[str]:
+    return fleet_warnings(await catalog.list_proxies())
+
+
+def fleet_warned(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Add to a write's warnings (after its own, in the same trailing
+    metadata) those of controlplane.fleetwarnings: proxies refusing the route
+    table, which the write will not reach either, and what proxies cannot use
+    of it. Read after the write succeeded, `checked`."""
+
+    @functools.wraps(fn)
+    async def call(self: AdminService, request: Any, context: Ctx) -> R:
+        response = await fn(self, request, context)
+        unchecked = "write saved; whether proxies refuse the route table was not checked"
+        found = await checked(_fleet_warnings(self._catalog), unchecked)
+        if found:
+            own = [str(v) for k, v in context.trailing_metadata() or () if k == WARNING_METADATA]
+            context.set_trailing_metadata(warnings_metadata([*own, *found]))
+        return response
+
+    return call
 
 
 def region_pb(r: Region) -> pb.Region:
@@ -182,6 +208,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.put_region)
+    @fleet_warned
     async def PutRegion(self, request: apb.PutRegionRequest, context: Ctx) -> pb.Region:
         if not request.HasField("region"):
             raise InvalidArgument("region is required")
@@ -190,6 +217,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.named("region"))
+    @fleet_warned
     async def DeleteRegion(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_region(request.name)
         return apb.DeleteResponse()
@@ -201,6 +229,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.drain("region"), auditing.drain_action("Region"))
+    @fleet_warned
     async def DrainRegion(self, request: apb.DrainRequest, context: Ctx) -> pb.Region:
         region, changed = await self._catalog.drain_region(
             request.name, request.drained, dry_run=request.dry_run
@@ -214,6 +243,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.put_origin)
+    @fleet_warned
     async def PutOrigin(self, request: apb.PutOriginRequest, context: Ctx) -> pb.Origin:
         if not request.HasField("origin"):
             raise InvalidArgument("origin is required")
@@ -222,6 +252,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.named("origin"))
+    @fleet_warned
     async def DeleteOrigin(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_origin(request.name)
         return apb.DeleteResponse()
@@ -235,6 +266,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.drain("origin"), auditing.drain_action("Origin"))
+    @fleet_warned
     async def DrainOrigin(self, request: apb.DrainRequest, context: Ctx) -> pb.Origin:
         origin, changed = await self._catalog.drain_origin(
             request.name, request.drained, dry_run=request.dry_run
@@ -248,6 +280,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.put_tenant)
+    @fleet_warned
     async def PutTenant(self, request: apb.PutTenantRequest, context: Ctx) -> pb.Tenant:
         if not request.HasField("tenant"):
             raise InvalidArgument("tenant is required")
@@ -258,6 +291,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.update_tenant)
+    @fleet_warned
     async def UpdateTenant(self, request: apb.UpdateTenantRequest, context: Ctx) -> pb.Tenant:
         if request.clear_jwt and request.HasField("jwt"):
             raise InvalidArgument("give jwt or clear_jwt, not both")
@@ -320,6 +354,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.named("tenant"))
+    @fleet_warned
     async def DeleteTenant(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_tenant(request.name)
         return apb.DeleteResponse()
@@ -332,6 +367,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.create_key)
+    @fleet_warned
     async def CreateKey(self, request: apb.CreateKeyRequest, context: Ctx) -> apb.CreateKeyResponse:
         record, secret = await self._catalog.create_key(
             request.tenant,
@@ -351,16 +387,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.revoke_key)
+    @fleet_warned
     async def RevokeKey(self, request: apb.KeyRequest, context: Ctx) -> apb.ApiKeyInfo:
         return key_pb(await self._catalog.revoke_key(request.id))
 
     @grpc_errors
     @audited(auditing.set_key_limits)
+    @fleet_warned
     async def SetKeyLimits(self, request: apb.SetKeyLimitsRequest, context: Ctx) -> apb.ApiKeyInfo:
         return key_pb(await self._catalog.set_key_limits(request.id, limits_of(request.limits)))
 
     @grpc_errors
     @audited(auditing.set_key_expiry)
+    @fleet_warned
     async def SetKeyExpiry(self, request: apb.SetKeyExpiryRequest, context: Ctx) -> apb.ApiKeyInfo:
         return key_pb(
             await self._catalog.set_key_expiry(request.id, request.expires_at, request.expires_in_s)
@@ -368,6 +407,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.purge_cache)
+    @fleet_warned
     async def PurgeCache(
         self, request: apb.PurgeCacheRequest, context: Ctx
     ) -> apb.PurgeCacheResponse:
@@ -411,6 +451,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     @audited(auditing.apply)
+    @fleet_warned
     async def Apply(self, request: apb.ApplyRequest, context: Ctx) -> apb.ApplyResponse:
         try:
             doc = orjson.loads(request.document or "{}")

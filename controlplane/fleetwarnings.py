@@ -1,0 +1,56 @@
+"""What an operator's write warns of about the proxies, whatever it changed.
+
+A write is saved and published at once, but a proxy that refuses (NACKs) the
+route table keeps serving its last good one: a drain, a new key or a revocation
+made then does not reach it, however the write's reply reads. And a proxy that
+applied the table may still be unable to use part of it (a tenant's JWT config
+it could not load: that tenant's JWTs are answered 503 there). Both come back
+with every write's reply until they are fixed (the Admin API, `pontoctl`), so
+the operator hears of them when acting, not only from `pontoctl get proxies`
+or an alert. Pure: the caller reads the proxies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from controlplane.model import ProxyRecord
+
+__all__ = ["MAX_NAMED_PROXIES", "fleet_warnings"]
+
+# A fleet may have hundreds of proxies refusing the same table: one warning per
+# reason, naming the first few.
+MAX_NAMED_PROXIES = 5
+
+
+def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
+    """One warning per NACK reason (the proxies whose last answer refused the
+    table, named), then one per ACK warning (what proxies reported they cannot
+    use of the table they serve); () when every proxy took the table whole."""
+    refused: dict[str, list[str]] = {}
+    reported: dict[str, list[str]] = {}
+    for p in sorted(proxies, key=lambda p: p.name):
+        if p.last_error:
+            refused.setdefault(p.last_error, []).append(p.name)
+        for warning in p.warnings:
+            reported.setdefault(warning, []).append(p.name)
+    out = []
+    for error, names in refused.items():
+        many = len(names) > 1
+        out.append(
+            f"{_named(names)} {'refuse' if many else 'refuses'} the route table "
+            f"(nack: {error}) and {'keep' if many else 'keeps'} serving "
+            f"{'their' if many else 'its'} last good one: this change does not reach "
+            f"{'them' if many else 'it'} until a table {'they' if many else 'it'} can use "
+            "is published (`pontoctl get proxies`)"
+        )
+    for warning, names in reported.items():
+        out.append(f"{_named(names)} {'report' if len(names) > 1 else 'reports'}: {warning}")
+    return tuple(out)
+
+
+def _named(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMED_PROXIES])
+    if len(names) > MAX_NAMED_PROXIES:
+        shown += f" and {len(names) - MAX_NAMED_PROXIES} more"
+    return f"proxies {shown}" if len(names) > 1 else f"proxy {shown}"

@@ -1,0 +1,178 @@
+"""What operators hear of proxies that refuse the route table or cannot use
+part of it: with every Admin API write (trailing metadata `ponto-warning`, as
+for drains in test_admin_warnings.py), and in `pontoctl get proxies`.
+
+Before, a drain made while every proxy NACKed the table printed "region ...
+drained" and nothing else, though it reached no proxy.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from controlplane.catalog import ACKS, Catalog
+from controlplane.cli import _rows_proxies
+from controlplane.fleetwarnings import MAX_NAMED_PROXIES, fleet_warnings
+from controlplane.model import ProxyRecord
+from controlplane.registry import ProxyRegistry
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_alias_warnings import ListFails, admin, warned
+
+NACK = "JWT config of tenant 'badjwt': JWKS file '/nonexistent': cannot read"
+AUTH = (
+    "JWT config of tenant 'badjwt': JWKS file '/nonexistent': cannot read: No such file or "
+    "directory; that tenant's JWTs are answered 503 auth_unavailable (its API keys still work)"
+)
+
+
+def proxy(name: str, error: str = "", warnings: tuple[str, ...] = ()) -> ProxyRecord:
+    return ProxyRecord(
+        name=name,
+        region="eu-west",
+        address="10.0.0.1:8080",
+        version="1.0",
+        session_id=f"s-{name}",
+        control_plane_id="cp-1",
+        connected_at=1.0,
+        acked_version=4,
+        last_error=error,
+        warnings=warnings,
+    )
+
+
+# ---------------------------------------------------------------- the rule
+
+
+def test_proxies_refusing_the_table_are_one_warning_per_reason() -> None:
+    proxies = [proxy("p2", NACK), proxy("p1", NACK), proxy("p3"), proxy("p4", "other")]
+    assert fleet_warnings(proxies) == (
+        f"proxies p1, p2 refuse the route table (nack: {NACK}) and keep serving their last "
+        "good one: this change does not reach them until a table they can use is published "
+        "(`pontoctl get proxies`)",
+        "proxy p4 refuses the route table (nack: other) and keeps serving its last good one: "
+        "this change does not reach it until a table it can use is published "
+        "(`pontoctl get proxies`)",
+    )
+
+
+def test_what_proxies_cannot_use_of_the_table_is_warned_of() -> None:
+    assert fleet_warnings([proxy("p1", warnings=(AUTH,)), proxy("p2", warnings=(AUTH,))]) == (
+        f"proxies p1, p2 report: {AUTH}",
+    )
+
+
+def test_no_warning_when_every_proxy_took_the_table_whole() -> None:
+    assert fleet_warnings([proxy("p1"), proxy("p2")]) == ()
+    assert fleet_warnings([]) == ()
+
+
+def test_many_proxies_are_named_by_the_first_few() -> None:
+    names = [f"p{i:02d}" for i in range(MAX_NAMED_PROXIES + 3)]
+    [warning] = fleet_warnings([proxy(n, "bad") for n in names])
+    assert warning.startswith(f"proxies {', '.join(names[:MAX_NAMED_PROXIES])} and 3 more refuse")
+
+
+# ---------------------------------------------------------------- recorded and listed
+
+
+async def test_ack_warnings_are_recorded_listed_and_cleared() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    registry = ProxyRegistry(catalog, "cp-1")
+    record = await registry.register("p1", "eu-west", "10.0.0.1:8080", "1.0")
+    await registry.acked(record.session_id, 7, "", (AUTH,))
+    await registry.flush(0.0)
+    [listed] = await catalog.list_proxies()
+    assert (listed.acked_version, listed.last_error, listed.warnings) == (7, "", (AUTH,))
+    # A NACK of the next table leaves those of the table still served.
+    await registry.acked(record.session_id, 7, "bad table")
+    await registry.flush(0.0)
+    [listed] = await catalog.list_proxies()
+    assert (listed.last_error, listed.warnings) == ("bad table", (AUTH,))
+    # An ACK without warnings clears them.
+    await registry.acked(record.session_id, 8, "")
+    await registry.flush(0.0)
+    [listed] = await catalog.list_proxies()
+    assert (listed.acked_version, listed.last_error, listed.warnings) == (8, "", ())
+    # A summary of a replica from before warnings still reads.
+    await store.put(ACKS + "cp-1", orjson.dumps({"replica_version": 9, "acks": {"p1": [9, ""]}}))
+    [listed] = await catalog.list_proxies()
+    assert (listed.acked_version, listed.warnings) == (9, ())
+
+
+def test_get_proxies_shows_the_warning() -> None:
+    resp = apb.ListProxiesResponse(
+        current_version=7,
+        proxies=[
+            apb.ProxyStatus(
+                info=pb.ProxyInfo(name="p1"), acked_version=7, warnings=[AUTH, "another"]
+            ),
+            apb.ProxyStatus(info=pb.ProxyInfo(name="p2"), acked_version=7),
+        ],
+    )
+    header, rows = _rows_proxies(resp)
+    state = {row[0]: row[header.index("STATE")] for row in rows}
+    assert state == {
+        "p1": f"current; warning: {AUTH[:80]} (+1 more)",
+        "p2": "current",
+    }
+
+
+# ---------------------------------------------------------------- the Admin API
+
+
+async def nacking(store: MemoryStore) -> None:
+    """Proxy p1 on cp-1 refused the latest table."""
+    catalog = Catalog(store)
+    await catalog.put_proxy(proxy("p1"), 0)
+    await catalog.put_acks("cp-1", {"p1": (4, NACK)}, 0, version=5)
+
+
+async def test_a_drain_while_proxies_refuse_the_table_warns_after_its_own() -> None:
+    store = MemoryStore()
+    await nacking(store)
+    async with admin(store) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu-west")))
+        await stub.PutOrigin(
+            apb.PutOriginRequest(
+                origin=apb.OriginSpec(
+                    name="o1", base_url="http://10.0.0.2/v1", region="eu-west", models=["m"]
+                )
+            )
+        )
+        drain = stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=True))
+        [own, fleet] = await warned(drain)
+        assert own.startswith("no undrained origin serves model 'm' now")
+        assert fleet.startswith(f"proxy p1 refuses the route table (nack: {NACK})")
+        assert "this change does not reach it" in fleet
+        # Any write: a key, a tenant, an apply.
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        key = stub.CreateKey(apb.CreateKeyRequest(tenant="acme"))
+        assert [w[:16] for w in await warned(key)] == ["proxy p1 refuses"]
+        apply = stub.Apply(apb.ApplyRequest(document="{}"))
+        assert [w[:16] for w in await warned(apply)] == ["proxy p1 refuses"]
+        # Reads do not warn.
+        assert await warned(stub.ListProxies(apb.ListRequest())) == []
+
+
+async def test_writes_do_not_warn_when_proxies_take_the_table() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await catalog.put_proxy(proxy("p1"), 0)
+    await catalog.put_acks("cp-1", {"p1": (5, "")}, 0, version=5)
+    async with admin(store) as stub:
+        put = stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu-west")))
+        assert await warned(put) == []
+
+
+async def test_a_write_stands_when_the_proxies_cannot_be_read() -> None:
+    store = ListFails()
+    await nacking(store)
+    async with admin(store) as stub:
+        store.failing = True
+        put = stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu-west")))
+        assert await warned(put) == []
+        store.failing = False
+        assert [r.name for r in (await stub.ListRegions(apb.ListRequest())).regions] == ["eu-west"]
