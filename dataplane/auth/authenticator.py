@@ -551,6 +551,7 @@ class _JwtVerifier:
         "by_kid",
         "config",
         "leeway",
+        "only",
         "options",
         "tenant_scope",
         "unnamed",
@@ -565,6 +566,14 @@ class _JwtVerifier:
         self.config = config
         self.by_kid = by_kid
         self.unnamed = unnamed
+        # Algorithm -> its key, for the algorithms the config has exactly one
+        # key for, named or not: that key is the only one a token without a
+        # ``kid`` can mean (the usual single-key JWKS, whose key has a kid that
+        # issuers often leave out of their tokens).
+        per_alg: dict[str, list[jwt.PyJWK]] = {a: list(k) for a, k in unnamed.items()}
+        for key in by_kid.values():
+            per_alg.setdefault(key.algorithm_name, []).append(key)
+        self.only = {alg: keys[0] for alg, keys in per_alg.items() if len(keys) == 1}
         self.audiences = list(config.audiences) or None
         self.options = _DECODE_OPTIONS if config.audiences else _DECODE_OPTIONS_ANY_AUD
         self.leeway = float(config.leeway_s)
@@ -678,9 +687,12 @@ class _JwtVerifier:
 
     def _select_key(self, header: dict[str, Any], alg: str) -> jwt.PyJWK:
         # One key per token, never "try them all": a kid names its key; a
-        # token without a (known) kid needs exactly one unnamed key for its
-        # alg. The key's own algorithm is then enforced by PyJWT (PyJWK binds
-        # it), which is what stops HS256-with-the-RSA-public-key confusion.
+        # token with an unknown kid may use the one unnamed key for its alg; a
+        # token without a kid the one unnamed key for its alg, else the one
+        # key of any name for it (RFC 7515 makes "kid" optional; with one key
+        # it is not needed to choose). The key's own algorithm is then
+        # enforced by PyJWT (PyJWK binds it), which is what stops
+        # HS256-with-the-RSA-public-key confusion.
         kid = header.get("kid")
         if kid is not None and not isinstance(kid, str):
             raise _bad_token("'kid' must be a string")
@@ -691,9 +703,17 @@ class _JwtVerifier:
         candidates = self.unnamed.get(alg, ())
         if len(candidates) == 1:
             return candidates[0]
-        if kid is None:
-            raise _bad_token("no 'kid', and no single key for its algorithm")
-        raise _bad_token("unknown 'kid'")
+        if kid is not None:
+            raise _bad_token("unknown 'kid'")
+        only = self.only.get(alg)
+        if only is not None:
+            return only
+        raise _bad_token(
+            f"no 'kid' in its header, and the issuer has several {alg} keys: "
+            "the token must name its key with 'kid'"
+            if candidates or any(k.algorithm_name == alg for k in self.by_kid.values())
+            else f"no 'kid' in its header, and the issuer has no {alg} key"
+        )
 
 
 def _hs256_secret(

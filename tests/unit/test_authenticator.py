@@ -440,6 +440,34 @@ def test_single_unnamed_key_serves_tokens_without_kid(rsa_key: rsa.RSAPrivateKey
     assert auth.authenticate(bearer(rs256(rsa_key, kid="new")), NOW).tenant == "acme"
 
 
+def test_the_single_key_of_its_algorithm_serves_tokens_without_kid(
+    rsa_key: rsa.RSAPrivateKey, rsa_key2: rsa.RSAPrivateKey, ec_key: ec.EllipticCurvePrivateKey
+) -> None:
+    # The usual one-key JWKS: its key has a kid, the issuer's tokens carry none.
+    auth = build(
+        jwts=[config(algorithms=("RS256", "ES256"))],
+        files={"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"))},
+    )
+    assert auth.authenticate(bearer(rs256(rsa_key, kid=None)), NOW).tenant == "acme"
+    # Still verified with that key: another key's signature is refused.
+    assert fails(auth, bearer(rs256(rsa_key2, kid=None))).code == "invalid_token"
+    # A kid that names no key is not taken for it (a rotation the proxy has not seen).
+    assert "unknown 'kid'" in fails(auth, bearer(rs256(rsa_key, kid="k9"))).message
+    # No key for the token's algorithm, or two: the message says what to do.
+    es = jwt.encode(claims(), ec_key, algorithm="ES256")
+    assert fails(auth, bearer(es)).message == (
+        "Invalid token: no 'kid' in its header, and the issuer has no ES256 key."
+    )
+    two = build(
+        jwts=[config()],
+        files={"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"), rsa_jwk(rsa_key2, "k2"))},
+    )
+    assert fails(two, bearer(rs256(rsa_key, kid=None))).message == (
+        "Invalid token: no 'kid' in its header, and the issuer has several RS256 keys: "
+        "the token must name its key with 'kid'."
+    )
+
+
 def test_issuer_selects_the_tenant(rsa_key: rsa.RSAPrivateKey) -> None:
     auth = build(
         jwts=[
