@@ -115,7 +115,7 @@ def fleet_warned(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]
     @functools.wraps(fn)
     async def call(self: AdminService, request: Any, context: Ctx) -> R:
         response = await fn(self, request, context)
-        unchecked = "write saved; whether proxies refuse the route table was not checked"
+        unchecked = "write saved; could not read whether proxies refuse the route table"
         found = await checked(_fleet_warnings(self._catalog), unchecked)
         if found:
             own = [str(v) for k, v in context.trailing_metadata() or () if k == WARNING_METADATA]

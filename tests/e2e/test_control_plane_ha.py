@@ -12,11 +12,12 @@ from pathlib import Path
 
 import grpc
 import httpx
+import jwt
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ponto.fleet import Fleet, RegionDef
-from ponto.grpcconn import ClientOptions, admin_channel, read_secret
+from ponto.grpcconn import WARNING_METADATA, ClientOptions, admin_channel, read_secret
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -109,35 +110,60 @@ def test_killing_a_replica_moves_its_proxies_without_client_errors(fleet: Fleet)
     fleet.wait_proxies_at(fleet.wait_table(lambda t: t.origins[0].drained))
 
 
-def test_a_table_a_proxy_cannot_use_is_nacked_and_the_old_one_serves(fleet: Fleet) -> None:
-    before = fleet.proxy_status("p1")["route_table_version"]
-    # The control plane accepts the path; the proxies cannot read the file.
-    jwt = pb.JwtIssuer(issuer="https://x.example", jwks_file="/nonexistent/jwks.json")
+def test_a_tenant_whose_jwt_config_proxies_cannot_load_costs_only_its_jwts(
+    fleet: Fleet,
+) -> None:
+    # The control plane accepts the path; the proxies cannot read the file. This
+    # made every proxy refuse (NACK) every table until the tenant was deleted.
+    jwt_issuer = pb.JwtIssuer(issuer="https://x.example", jwks_file="/nonexistent/jwks.json")
     fleet.admin().PutTenant(
-        apb.PutTenantRequest(tenant=pb.Tenant(name="broken", jwt=jwt)), timeout=5
+        apb.PutTenantRequest(tenant=pb.Tenant(name="broken", jwt=jwt_issuer)), timeout=5
     )
-    bad = fleet.wait_table(lambda t: any(x.name == "broken" for x in t.tenants))
+    key = fleet.admin().CreateKey(apb.CreateKeyRequest(tenant="broken"), timeout=5)
+    # The proxies apply the table: a key created after the tenant works.
+    fleet.wait_proxies_at(fleet.wait_table(lambda t: any(k.id == key.key.id for k in t.keys)))
     deadline = time.monotonic() + 10
-    errors: dict[str, str] = {}
-    while time.monotonic() < deadline and len(errors) < 2:
+    warnings: dict[str, list[str]] = {}
+    while time.monotonic() < deadline and len(warnings) < 2:
         listed = fleet.admin().ListProxies(apb.ListRequest(), timeout=5)
-        errors = {p.info.name: p.last_error for p in listed.proxies if p.last_error}
+        warnings = {p.info.name: list(p.warnings) for p in listed.proxies if p.warnings}
         time.sleep(0.1)
-    assert set(errors) == {"p1", "p2"}, errors
-    assert all("jwks" in e.lower() for e in errors.values()), errors
-    status = fleet.proxy_status("p1")
-    assert status["route_table_version"] == before != bad
-    r = httpx.post(
-        fleet.proxy_url("p1") + "/chat/completions",
-        json={"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]},
-        timeout=10,
+    assert set(warnings) == {"p1", "p2"}, warnings
+    assert all(not p.last_error for p in listed.proxies)
+    [warning] = warnings["p1"]
+    assert warning.startswith("JWT config of tenant 'broken': JWKS file '/nonexistent/jwks.json'")
+
+    def chat(credential: str) -> httpx.Response:
+        return httpx.post(
+            fleet.proxy_url("p1") + "/chat/completions",
+            json={"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {credential}"},
+            timeout=10,
+        )
+
+    assert chat(key.secret).status_code == 200
+    token = jwt.encode(
+        {"iss": "https://x.example", "sub": "u1", "exp": int(time.time()) + 60},
+        "a-secret-that-is-long-enough-for-hs256",
+        algorithm="HS256",
     )
-    assert r.status_code == 200
+    refused = chat(token)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "auth_unavailable"
     metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
-    assert "ponto_route_table_nacks_total 1.0" in metrics
-    # Fixing the state lets the next table through.
+    assert 'ponto_jwt_config_unavailable{tenant="broken"} 1.0' in metrics
+    assert "ponto_route_table_nacks_total 0.0" in metrics
+    # An operator's write hears of it.
+    _, call = fleet.admin().DrainOrigin.with_call(
+        apb.DrainRequest(name="o1", drained=False), timeout=5
+    )
+    said = [v for k, v in call.trailing_metadata() or () if k == WARNING_METADATA]
+    assert said == [f"proxies p1, p2 report: {warning}"], said
+    # Fixing the state clears it.
+    fleet.admin().RevokeKey(apb.KeyRequest(id=key.key.id), timeout=5)
     fleet.admin().DeleteTenant(apb.DeleteRequest(name="broken"), timeout=5)
     fleet.wait_proxies_at(fleet.wait_table(lambda t: not t.tenants))
+    assert chat(token).status_code == 401
 
 
 def _address(fleet: Fleet) -> str:
