@@ -2,7 +2,8 @@
 
 Layout (integers big-endian):
 
-    b"PX" | version u8 (1) | kind u8 | flags u8 (bit 0: streamed)
+    b"PX" | version u8 (1) | kind u8 | flags u8 (bit 0: streamed,
+                                                  bit 1: usage missing)
     created_at f64 | model: u32 length + UTF-8
     body:    u32 length + bytes                              (flags bit 0 clear)
     chunks:  u32 count, then per chunk u32 length + bytes     (flags bit 0 set)
@@ -12,7 +13,11 @@ Another proxy, possibly of another version, reads what this one wrote: a value
 that is not exactly this (another version, truncated, trailing bytes, an index
 out of range, garbage) raises `EntryDecodeError`, which callers treat as a
 miss. A new layout takes a new version number; readers of the old one then miss
-on it until the entry ages out.
+on it until the entry ages out. Bit 1 (`CachedResponse.usage_missing`, only
+with bit 0) came after version 1's first readers, which refuse it as an unknown
+flag: they miss on such entries, which they would have replayed without the
+usage a request may ask for. A stream written without the bit by such a reader
+is taken as complete, usage or not, until it ages out.
 
 Pure; safe from any thread.
 """
@@ -31,6 +36,7 @@ VERSION = 1
 _KINDS = (ResponseKind.CHAT, ResponseKind.TEXT, ResponseKind.EMBEDDINGS)
 _KIND_CODES = {kind: code for code, kind in enumerate(_KINDS)}
 _STREAMED = 0x01
+_USAGE_MISSING = 0x02
 
 _HEAD = struct.Struct(">2sBBBdI")  # magic, version, kind, flags, created_at, model length
 _U32 = struct.Struct(">I")
@@ -43,6 +49,8 @@ class EntryDecodeError(ValueError):
 def to_bytes(entry: CachedResponse) -> bytes:
     model = entry.model.encode()
     flags = _STREAMED if entry.chunks is not None else 0
+    if entry.usage_missing:
+        flags |= _USAGE_MISSING
     parts = [
         _HEAD.pack(MAGIC, VERSION, _KIND_CODES[entry.kind], flags, entry.created_at, len(model))
     ]
@@ -69,7 +77,11 @@ def from_bytes(data: bytes) -> CachedResponse:
         raise EntryDecodeError("not a Ponto cache entry")
     if version != VERSION:
         raise EntryDecodeError(f"entry version {version}, this proxy reads {VERSION}")
-    if kind_code >= len(_KINDS) or flags & ~_STREAMED:
+    if (
+        kind_code >= len(_KINDS)
+        or flags & ~(_STREAMED | _USAGE_MISSING)
+        or (flags & _USAGE_MISSING and not flags & _STREAMED)
+    ):
         raise EntryDecodeError(f"unknown kind {kind_code} or flags {flags:#x}")
     if not math.isfinite(created_at):
         raise EntryDecodeError("created_at is not a finite number")
@@ -89,7 +101,12 @@ def from_bytes(data: bytes) -> CachedResponse:
         usage_only = frozenset(indexes)
         reader.end()
         return CachedResponse(
-            kind=kind, created_at=created_at, model=model, chunks=chunks, usage_only=usage_only
+            kind=kind,
+            created_at=created_at,
+            model=model,
+            chunks=chunks,
+            usage_only=usage_only,
+            usage_missing=bool(flags & _USAGE_MISSING),
         )
     body = reader.take(reader.u32())
     reader.end()

@@ -66,12 +66,18 @@ class CachedResponse:
     # Indexes of chunks holding only usage (no choices), sent when the request
     # asked for stream_options.include_usage; skipped for requests that did not.
     usage_only: frozenset[int] = frozenset()
+    # A stream recorded for a request that did not ask for usage, and that
+    # carries none: it cannot answer a request that asks (`answers`), whose
+    # client would get no usage at all where the origin would have sent it.
+    usage_missing: bool = False
     # Approximate memory held, in bytes.
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
         if (self.body is None) == (self.chunks is None):
             raise ValueError("exactly one of body and chunks must be set")
+        if self.usage_missing and self.chunks is None:
+            raise ValueError("only a stored stream can be recorded without usage")
         if self.chunks is not None:
             size = ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in self.chunks)
         else:
@@ -82,6 +88,13 @@ class CachedResponse:
     @property
     def streamed(self) -> bool:
         return self.chunks is not None
+
+    def answers(self, *, include_usage: bool) -> bool:
+        """Whether this entry can answer a request in full: not one that asks
+        for usage (stream_options.include_usage) when it was recorded without.
+        A request asking for usage that the origin did not send when asked is
+        answered as the origin answered it."""
+        return not (include_usage and self.usage_missing)
 
 
 def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> str | None:
@@ -166,6 +179,10 @@ class StreamRecorder:
     does not call `finish` (or calls it and gets None, as no [DONE] was seen).
     An event named `error` is an error.
 
+    usage_asked: the relayed request asked for stream_options.include_usage.
+    A stream that neither asked for usage nor carried any is kept marked
+    `usage_missing` (see `CachedResponse.answers`).
+
     `finish` gives None when the stream is not a complete, natural answer: no
     [DONE], an error event or error object, a chunk that is not a JSON object with
     choices, a choice with no finish_reason, a finish_reason that is not natural
@@ -174,8 +191,16 @@ class StreamRecorder:
     says why.
     """
 
-    def __init__(self, *, store_truncated: bool = False, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        store_truncated: bool = False,
+        max_bytes: int | None = None,
+        usage_asked: bool = False,
+    ) -> None:
         self._store_truncated = store_truncated
+        self._usage_asked = usage_asked
+        self._usage_seen = False
         self._max_bytes = max_bytes
         self._parser: SseParser | None = None  # only when fed bytes
         self._chunks: list[bytes] = []
@@ -227,6 +252,7 @@ class StreamRecorder:
             model=self._model,
             chunks=tuple(self._chunks),
             usage_only=frozenset(self._usage_only),
+            usage_missing=not (self._usage_asked or self._usage_seen),
         )
 
     def _fail(self, reason: str) -> None:
@@ -285,8 +311,11 @@ class StreamRecorder:
         if b"\n" in payload:
             # Replays frame each payload as one data line.
             payload = jsonio.dumps(obj)
-        if not choices and obj.get("usage") is not None:
-            self._usage_only.add(len(self._chunks))
+        if obj.get("usage") is not None:
+            # Usage may come alone (OpenAI, vLLM) or on a chunk with choices.
+            self._usage_seen = True
+            if not choices:
+                self._usage_only.add(len(self._chunks))
         self._size += len(payload) + CHUNK_OVERHEAD
         if self._max_bytes is not None and self._size > self._max_bytes:
             self._fail(f"larger than {self._max_bytes} bytes")
@@ -334,11 +363,64 @@ def split_text(text: str, target: int = REPLAY_PIECE_CHARS) -> list[str]:
     return pieces
 
 
+_USAGE_KEY = b'"usage"'
+_LAST_USAGE_NULL = b',"usage":null}'
+_NULL_VALUE = re.compile(rb"\s*:\s*null\s*")
+_COMMA_AFTER = re.compile(rb",\s*")
+_COMMA_BEFORE = re.compile(rb",\s*$")
+
+
+def _without_usage_null(payload: bytes) -> bytes:
+    """`payload` (a stored chunk: one JSON object) without its top-level
+    `"usage": null` member, byte for byte otherwise; unchanged when it has
+    none, or when `"usage"` appears in it more than once (a usage key nested
+    in a choice too: rare, and left whole rather than parsed further).
+
+    Exact: the parsed object has the member at the top, and the payload holds
+    `"usage"` once, so that is its key, unless the key is spelt with escapes
+    (`"\\u0075sage"`): then the cut is checked to leave the object without it.
+    Costs a substring search per chunk, and a parse for the chunks that have
+    the key elsewhere than last (OpenAI's, followed by `obfuscation`)."""
+    at = payload.find(_USAGE_KEY)
+    if at < 0 or payload.find(_USAGE_KEY, at + 1) >= 0:
+        return payload
+    if payload.endswith(_LAST_USAGE_NULL):
+        # Last before the closing brace, after a comma (vLLM's place for it):
+        # the top's member, whatever came before.
+        return payload[: -len(_LAST_USAGE_NULL)] + b"}"
+    obj = jsonio.loads(payload)
+    if not isinstance(obj, dict) or "usage" not in obj or obj["usage"] is not None:
+        return payload
+    value = _NULL_VALUE.match(payload, at + len(_USAGE_KEY))
+    if value is None:  # the one "usage" is not the top's key (spelt with escapes)
+        return payload
+    start, end = at, value.end()
+    if (comma := _COMMA_AFTER.match(payload, end)) is not None:
+        end = comma.end()
+    elif (before := _COMMA_BEFORE.search(payload, 0, start)) is not None:
+        start = before.start()
+    cut = payload[:start] + payload[end:]
+    if b"\\u" in payload and not _is_cut_of_usage(cut, obj):
+        return payload  # the one "usage" was not the top's: its key is spelt with escapes
+    return cut
+
+
+def _is_cut_of_usage(cut: bytes, obj: dict[str, Any]) -> bool:
+    """Whether `cut` is `obj` without its top-level usage member."""
+    try:
+        rest = jsonio.loads(cut)
+    except jsonio.JSONDecodeError:  # the "usage" cut ended a longer key (`"a \\"usage"`)
+        return False
+    return bool(rest == {k: v for k, v in obj.items() if k != "usage"})
+
+
 def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
     """The SSE frames that answer a streaming request from `entry`, ending with
     `data: [DONE]`. include_usage is the request's stream_options.include_usage:
     usage-only chunks are sent only when asked for, because clients that did not
-    ask often read `choices[0]` of every chunk.
+    ask often read `choices[0]` of every chunk, and so is the `"usage": null`
+    that a stream recorded with usage has on its other chunks (OpenAI sends no
+    usage member to a client that did not ask; see `_without_usage_null`).
 
     A stored stream replays its own chunks. A stored body becomes, per choice, a
     role chunk, the content in several pieces (in one piece with its logprobs
@@ -346,11 +428,13 @@ def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
     chunk; then the usage chunk. Raises ValueError for embeddings, which have no
     streamed form."""
     if entry.chunks is not None:
-        replay = [
-            _frame(c)
-            for i, c in enumerate(entry.chunks)
-            if include_usage or i not in entry.usage_only
-        ]
+        chunks: Iterable[bytes] = entry.chunks
+        if not include_usage:
+            chunks = [c for i, c in enumerate(entry.chunks) if i not in entry.usage_only]
+            # One search over the whole answer: most have no usage key at all.
+            if _USAGE_KEY in b"".join(chunks):
+                chunks = [_without_usage_null(c) if _USAGE_KEY in c else c for c in chunks]
+        replay = [_frame(c) for c in chunks]
         replay.append(DONE_FRAME)
         return replay
     assert entry.body is not None

@@ -12,6 +12,12 @@
                 (non-streaming only)?   -> wait for its entry, `hit`
              -> lead: origin call, recorded; stored only if it ended properly
 
+An entry that cannot answer the request in full is no hit: a stream recorded
+for a request that did not ask for usage, and without any, for a request that
+asks (stream_options.include_usage; the key leaves stream_options out). The
+request is then a miss with reason `no-usage`, and its answer, recorded with
+usage, replaces the entry.
+
 Every hit says its tier (`CachePlan.tier`): `local` when the entry was in this
 proxy's memory (or came from this proxy's own flight), `region` when it came
 from the region's Redis (dataplane.cache.regionstore), directly or by waiting
@@ -65,6 +71,12 @@ if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
 log = logging.getLogger(__name__)
 
 NO_DIRECTIVES = RequestCacheControl()
+
+# The reasons of a miss (x-ponto-cache-reason, the `kind` of a miss in
+# ponto_cache_requests_total): a would-be semantic hit checked against the
+# origin; an entry without the usage the request asks for.
+VERIFY = "verify"
+NO_USAGE = "no-usage"
 
 
 class SemanticLayer(Protocol):
@@ -127,8 +139,9 @@ class CachePlan:
 
     outcome: Outcome  # the x-ponto-cache header
     # Why a bypass: the policy's reason (dataplane.cache.policy.Reason), a
-    # short stable token sent as x-ponto-cache-reason; "verify" for a miss that
-    # checks a would-be semantic hit against the origin.
+    # short stable token sent as x-ponto-cache-reason; for a miss, VERIFY
+    # (a would-be semantic hit checked against the origin) or NO_USAGE (an
+    # entry without the usage the request asks for).
     reason: str = ""
     # How a hit was found: exact, semantic or coalesced (a follower).
     kind: str = ""
@@ -299,11 +312,17 @@ class EdgeCache:
         region_lock: RegionLock | None = None
         neighbour: tuple[SemanticHit, CachedResponse] | None = None
         waited = 0.0
+        # Why this request misses, when an entry was there but could not answer.
+        miss = ""
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
             if isinstance(hit, Found) and cc.accepts_age(self._clock() - hit.entry.created_at):
-                return self._hit(hit, "exact", include_usage)
-            if text and self.semantic is not None:
+                if hit.entry.answers(include_usage=include_usage):
+                    return self._hit(hit, "exact", include_usage)
+                # The request's own entry, refreshed by this miss: no neighbour
+                # is sought in its place.
+                miss = NO_USAGE
+            if text and self.semantic is not None and not miss:
                 found = await self.semantic.lookup(
                     tenant,
                     model,
@@ -319,9 +338,11 @@ class EdgeCache:
                     elif near is None or not cc.accepts_age(self._clock() - near.entry.created_at):
                         self.semantic.remove(found.key)  # its answer is gone
                     elif found.action is Action.HIT:
-                        plan = self._hit(near, "semantic", include_usage)
-                        plan.similarity = found.similarity
-                        return plan
+                        if near.entry.answers(include_usage=include_usage):
+                            plan = self._hit(near, "semantic", include_usage)
+                            plan.similarity = found.similarity
+                            return plan
+                        miss = NO_USAGE  # the pointer stays: its entry is sound
                     elif found.action in (Action.VERIFY, Action.OBSERVE):
                         neighbour = (found, near.entry)
             # Joining is synchronous: of identical requests that reach it while
@@ -358,7 +379,7 @@ class EdgeCache:
                 except BaseException as exc:  # the client went away while waiting
                     leader.finish(None, exc)
                     raise
-        plan = self._fill(req, key, leader, context, text, include_usage, neighbour)
+        plan = self._fill(req, key, leader, context, text, include_usage, neighbour, miss)
         plan.region_lock = region_lock
         plan.waited_s = waited
         return plan
@@ -384,18 +405,22 @@ class EdgeCache:
         text: str,
         include_usage: bool,
         neighbour: tuple[SemanticHit, CachedResponse] | None,
+        reason: str = "",
     ) -> CachePlan:
-        verify = neighbour is not None and neighbour[0].action is Action.VERIFY
-        self._count("miss", "verify" if verify else "exact")
+        if neighbour is not None and neighbour[0].action is Action.VERIFY:
+            reason = VERIFY
+        self._count("miss", reason or "exact")
         policy = req.tenant.cache
         recorder = None
         if req.stream:
             recorder = StreamRecorder(
-                store_truncated=policy.store_truncated, max_bytes=policy.max_entry_bytes
+                store_truncated=policy.store_truncated,
+                max_bytes=policy.max_entry_bytes,
+                usage_asked=include_usage,
             )
         return CachePlan(
             "miss",
-            reason="verify" if verify else "",
+            reason=reason,
             include_usage=include_usage,
             key=key,
             leader=leader,

@@ -85,7 +85,7 @@ class AccessRecord:
     route: str | None  # why that origin (x-ponto-route)
     hedged: bool
     cache: str | None  # hit, miss, bypass; None when no cache step ran
-    cache_reason: str | None  # why a bypass
+    cache_reason: str | None  # why a bypass, or a miss: verify, no-usage
     cache_kind: str | None  # how a hit was found: exact, semantic, coalesced
     cache_tier: str | None  # where a hit came from: local, region
     status: int

@@ -159,17 +159,17 @@ class Exchange:
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
-        its id, the cache outcome (with the reason of a bypass, or `verify` for
-        a would-be semantic hit checked against the origin; the tier of a hit)
-        and the route."""
+        its id, the cache outcome (with the reason of a bypass or of a miss;
+        the tier of a hit) and the route."""
         headers = [("x-request-id", self.request_id), *self.cache_headers(cache_outcome)]
         if self.route:
             headers.append((ROUTE_HEADER, self.route))
         return headers
 
     def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
-        """`x-ponto-cache`, and the reason of a bypass or a verification, or the
-        tier of a hit."""
+        """`x-ponto-cache`, and the reason of a bypass or of a miss (a
+        verification, an entry without the usage asked for), or the tier of
+        a hit."""
         plan = self.cache
         if outcome != "hit" and plan is not None and plan.reason:
             return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, plan.reason)]

@@ -116,6 +116,16 @@ async def test_a_bypass_says_why_in_headers_and_line_streamed_or_not(
     assert "x-ponto-cache-reason" not in miss.headers
 
 
+async def test_a_miss_for_want_of_usage_says_why_in_its_line(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    await (await logged.post(chat("usage later", stream=True))).read()
+    asks = chat("usage later", stream=True, stream_options={"include_usage": True})
+    await (await logged.post(asks)).read()
+    reasons = [(line["cache"], line["cache_reason"]) for line in lines(logged, capfd)]
+    assert reasons == [("miss", None), ("miss", "no-usage")]
+
+
 async def test_an_error_after_the_cache_step_says_the_bypass_too(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

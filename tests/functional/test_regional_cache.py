@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dataplane.http.state import METRICS
+from dataplane.http.state import METRICS, PIPELINE
 from ponto.devenv import Redis, start_redis
 from ponto.originsim.app import SimConfig
 from tests.functional.test_pipeline import Stack, chat, start_stack
@@ -205,3 +205,20 @@ async def test_redis_killed_under_load_fails_no_request(
     # Misses went on after the kill: Redis failed under them, and was skipped.
     assert sum(total(s, "ponto_cache_region_errors") for s in pair) >= 1
     assert sum(sample(s, "ponto_cache_hits_total", tier="region") for s in pair) >= 1
+
+
+async def test_a_shared_stream_without_usage_is_no_hit_for_a_client_that_asks(
+    pair: tuple[Stack, Stack],
+) -> None:
+    a, b = pair
+    await (await a.post(chat("stream it", stream=True))).read()
+    region = a.app[PIPELINE].cache.region
+    assert region is not None
+    await region.flush()  # a's write to Redis runs after its answer
+    asks = await b.post(chat("stream it", stream=True, stream_options={"include_usage": True}))
+    assert (asks.headers["x-ponto-cache"], asks.headers["x-ponto-cache-reason"]) == (
+        "miss",
+        "no-usage",
+    )
+    assert b'"usage":{' in await asks.read()
+    assert b.origin_requests() == 1

@@ -25,7 +25,12 @@ def entries(draw: st.DrawFn) -> CachedResponse:
         frozenset(draw(st.sets(st.integers(0, len(chunks) - 1)))) if chunks else frozenset()
     )
     return CachedResponse(
-        kind=kind, created_at=created_at, model=model, chunks=chunks, usage_only=usage_only
+        kind=kind,
+        created_at=created_at,
+        model=model,
+        chunks=chunks,
+        usage_only=usage_only,
+        usage_missing=draw(st.booleans()),
     )
 
 
@@ -64,6 +69,20 @@ def test_another_version_is_an_error() -> None:
     data[2] = VERSION + 1
     with pytest.raises(EntryDecodeError, match="version"):
         from_bytes(bytes(data))
+
+
+def test_a_stream_recorded_without_usage_keeps_the_mark_across_the_region() -> None:
+    entry = CachedResponse(
+        kind=ResponseKind.CHAT, created_at=1.0, model="m", chunks=(b"{}",), usage_missing=True
+    )
+    assert from_bytes(to_bytes(entry)).usage_missing
+    # The mark says nothing of a stored body: such bytes are not an entry.
+    body = bytearray(
+        to_bytes(CachedResponse(kind=ResponseKind.CHAT, created_at=1.0, model="m", body=b"{}"))
+    )
+    body[4] |= 0x02
+    with pytest.raises(EntryDecodeError, match="flags"):
+        from_bytes(bytes(body))
 
 
 def test_a_huge_count_fails_fast() -> None:

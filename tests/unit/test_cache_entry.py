@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import orjson
@@ -491,3 +492,115 @@ def test_a_usage_chunk_without_choices_is_usage_only() -> None:
     assert len(to_sse_chunks(entry, include_usage=False)) == len(events)
     body = ChatCompletion.model_validate_json(to_completion(entry))
     assert body.usage is not None and body.usage.total_tokens == 13
+
+
+# ---------------------------------------------------------------------------
+# Usage: asked for (stream_options.include_usage) or not
+
+
+def asked_stream(pieces: list[str]) -> list[dict[str, Any]]:
+    """A stream as OpenAI sends it to a client that asked for usage: `usage`
+    null on every chunk but the last, then OpenAI's `obfuscation` member."""
+    events = chat_stream(pieces)
+    return [
+        {**e, "obfuscation": "xYz"} if e["choices"] else e
+        for e in ({**e, "usage": e.get("usage")} for e in events)
+    ]
+
+
+def test_a_stream_without_usage_for_a_request_that_did_not_ask_cannot_answer_one_that_does() -> (
+    None
+):
+    entry = recorded(sse(chat_stream(["a", "b"], usage=False)))
+    assert entry.usage_missing
+    assert entry.answers(include_usage=False) and not entry.answers(include_usage=True)
+
+
+def test_a_stream_that_asked_for_usage_answers_requests_that_ask_whatever_the_origin_sent() -> None:
+    # The origin did not send usage though asked: a replay is as good as it.
+    entry = recorded(sse(chat_stream(["a"], usage=False)), usage_asked=True)
+    assert entry.answers(include_usage=True)
+    # Usage on a chunk that has choices too (no usage-only chunk) is usage.
+    events = chat_stream(["a"], usage=False)
+    events[-1]["usage"] = USAGE
+    entry = recorded(sse(events))
+    assert entry.usage_only == frozenset() and entry.answers(include_usage=True)
+    body = from_completion(orjson.dumps(chat_body()), now=NOW)
+    assert body is not None and body.answers(include_usage=True)
+    with pytest.raises(ValueError, match="stream"):
+        CachedResponse(ResponseKind.CHAT, NOW, "m", body=b"{}", usage_missing=True)
+
+
+def test_a_stream_recorded_with_usage_replays_without_it_to_a_request_that_did_not_ask() -> None:
+    events = asked_stream(["Paris", " is", " the capital."])
+    raw = sse(events)
+    entry = recorded(raw, usage_asked=True)
+    assert b"".join(to_sse_chunks(entry, include_usage=True)) == raw
+    replay = payloads_of(to_sse_chunks(entry, include_usage=False))
+    # No usage member at all, as OpenAI's own answer to such a request; the
+    # rest of each chunk byte for byte (its members in their order).
+    without = [{k: v for k, v in e.items() if k != "usage"} for e in events[:-1]]
+    assert replay == [orjson.dumps(e) for e in without]
+    assert all(c.usage is None for c in chunks_validate(to_sse_chunks(entry, include_usage=False)))
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (b'{"a":1,"usage":null}', b'{"a":1}'),
+        (b'{"usage":null,"a":1}', b'{"a":1}'),
+        (b'{"usage":null}', b"{}"),
+        (b'{"a": 1, "usage": null, "b": 2}', b'{"a": 1, "b": 2}'),
+        (b'{"a": 1 , "usage" : null }', b'{"a": 1 }'),
+        # Not top-level, not null, inside a string, or nested beside a top-level one.
+        (b'{"c":[{"usage":null}]}', None),
+        (b'{"usage":{"total_tokens":3}}', None),
+        (b'{"t":"say \\"usage\\":null","a":1}', None),
+        (b'{"t":"\\"usage\\":null","usage":null}', b'{"t":"\\"usage\\":null"}'),
+        (b'{"c":{"usage":null},"usage":null}', None),
+        (b'{"c":{"usage":null},"\\u0075sage":null}', None),
+    ],
+)
+def test_only_a_top_level_usage_null_is_cut_from_a_replayed_chunk(
+    payload: bytes, expected: bytes | None
+) -> None:
+    entry = CachedResponse(ResponseKind.CHAT, NOW, "m", chunks=(payload,))
+    (replayed,) = payloads_of(to_sse_chunks(entry, include_usage=False))
+    assert replayed == (payload if expected is None else expected)
+    assert payloads_of(to_sse_chunks(entry, include_usage=True)) == [payload]
+
+
+# Keys that hold "usage" other than as the top-level member's.
+NEAR_KEYS = ["usage", 'u"sage', "usage\\", 'say "usage', 'x"usage"']
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**31), 2**31) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["a", *NEAR_KEYS]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    members=st.dictionaries(st.sampled_from(["id", "choices", *NEAR_KEYS[1:]]), json_values),
+    at=st.integers(0, 4),
+    spaced=st.booleans(),
+)
+def test_cutting_usage_null_changes_nothing_else(
+    members: dict[str, Any], at: int, spaced: bool
+) -> None:
+    items = list(members.items())
+    items.insert(min(at, len(items)), ("usage", None))
+    obj = dict(items)
+    payload = json.dumps(obj).encode() if spaced else orjson.dumps(obj)
+    entry = CachedResponse(ResponseKind.CHAT, NOW, "m", chunks=(payload,))
+    (replayed,) = payloads_of(to_sse_chunks(entry, include_usage=False))
+    nested = payload.count(b'"usage"') > 1
+    if not nested:
+        assert orjson.loads(replayed) == {k: v for k, v in obj.items() if k != "usage"}
+    else:  # left whole, or cut only at the top
+        assert replayed == payload or orjson.loads(replayed) == {
+            k: v for k, v in obj.items() if k != "usage"
+        }
