@@ -334,8 +334,15 @@ class Catalog:
                 )
             return updated
 
+        missing = f"tenant {name!r} not found"
+        if name == OPEN_TENANT:
+            # Requests without a key belong to it before it has a record.
+            missing += (
+                f": requests without a key use the built-in policy of tenant {name!r}"
+                f" until it is added (pontoctl tenant add {name}); change it after that"
+            )
         return await self._update(
-            TENANTS + check_name("tenant", name), decode_tenant, apply, f"tenant {name!r} not found"
+            TENANTS + check_name("tenant", name), decode_tenant, apply, missing
         )
 
     async def unserved_models(

@@ -292,6 +292,24 @@ async def test_update_tenant_applies_change_and_validates(catalog: Catalog) -> N
     assert (await catalog.get_tenant("acme")).cache.mode == "off"
 
 
+async def test_the_open_fleets_tenant_is_changed_once_added(catalog: Catalog) -> None:
+    """Requests without a key belong to tenant "default", which has the built-in
+    policy until a tenant of that name is added: the refusal says so."""
+
+    def semantic(t: Tenant) -> Tenant:
+        return replace(t, cache=CachePolicy(mode="semantic"))
+
+    with pytest.raises(NotFound, match="until it is added \\(pontoctl tenant add default\\)"):
+        await catalog.update_tenant("default", semantic)
+    with pytest.raises(NotFound) as other:
+        await catalog.update_tenant("acme", semantic)
+    assert str(other.value) == "tenant 'acme' not found"
+    await catalog.put_tenant(Tenant("default"), allow_update=False)
+    await catalog.update_tenant("default", semantic)
+    policy = build_policy(compile_table(await catalog.snapshot()))
+    assert policy.default.cache.mode.value == "semantic"
+
+
 @pytest.mark.parametrize(
     "change",
     [
