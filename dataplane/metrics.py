@@ -256,8 +256,8 @@ class Metrics:
         self.upstream_attempts = Counter(
             "ponto_upstream_attempts",
             "Attempts to call an origin, by origin and outcome: ok, connect_error, timeout, "
-            "http_5xx, http_429, http_3xx (a redirect: a wrong base URL), cut, cut_after_start, "
-            "deadline, credential_error, or hedge_cancelled "
+            "http_5xx, http_429, http_3xx (a redirect: a wrong base URL), credential_refused, "
+            "credential_error, cut, cut_after_start, deadline, or hedge_cancelled "
             "(sent, then cancelled because the other copy of a hedged request answered)",
             ["origin", "outcome"],
             registry=r,
