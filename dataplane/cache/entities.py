@@ -5,7 +5,7 @@ scores "cancel purchase 732201349959" against "cancel purchase 113542617735902" 
 0.96, "book a table for Anna" against "... for David" above most thresholds. So a
 semantic hit also requires `entities_match` of the two texts' signatures.
 
-A signature (`extract`) has two parts:
+A signature (`extract`) has three parts:
 
 - `strict`: canonical values that must be equal as sets on both sides. Numbers
   (thousands separators, spaces and dashes between digit groups dropped, so
@@ -20,6 +20,11 @@ A signature (`extract`) has two parts:
   among the words of the other: "Paris flights" and "flights to Paris" agree,
   "flights to Paris" and "flights to London" do not. Sentence-initial words are not
   names (they are capitalised anyway); a text written mostly in capitals has no names.
+- `sides`: which words a text puts on either side of to/from/into/than and which
+  pole of a listed antonym pair it names (`dataplane.cache.opposites`). Two texts
+  that exchange two words ("miles to kilometers" / "kilometers to miles", "from
+  boston to denver" / "from denver to boston") or name opposite poles (buy / sell)
+  do not agree, however close their embeddings: they ask opposite questions.
 
 Limits, on purpose: a regex cannot see a lower-case name ("flights to paris" vs
 "... london") or a spelled-out number other than the ones listed; those are left to
@@ -37,6 +42,8 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
+from dataplane.cache.opposites import opposed, sides
+
 __all__ = ["Entities", "entities_match", "extract"]
 
 
@@ -47,10 +54,16 @@ class Entities:
     strict: frozenset[str]
     names: frozenset[str]
     words: frozenset[str]
+    # Side tags (dataplane.cache.opposites): empty for a signature from a proxy
+    # that predates them, which then only the other checks guard.
+    sides: frozenset[str] = frozenset()
 
     def matches(self, other: Entities) -> bool:
         return (
-            self.strict == other.strict and self.names <= other.words and other.names <= self.words
+            self.strict == other.strict
+            and self.names <= other.words
+            and other.names <= self.words
+            and not opposed(self.sides, other.sides)
         )
 
 
@@ -174,20 +187,29 @@ def extract(text: str) -> Entities:
     lettered = 0
     sentence_start = True
     previous = ""
+    clauses: list[list[str]] = [[]]  # the words in order, split at sentence ends and commas
+    gap_from = 0
     for m in _TOKEN.finditer(text):
         tok = m.group("tok")
         if tok is None:
             # A period after an abbreviation ("Mr.") does not end the sentence.
             if not (m.group("end") == "." and previous.casefold() in _ABBREVIATIONS):
                 sentence_start = True
+                clauses.append([])
             continue
+        if "," in text[gap_from : m.start()]:
+            clauses.append([])
+        gap_from = m.end()
         starts = sentence_start
         sentence_start = False
         previous = tok
         if any(c.isdigit() for c in tok):
-            strict.add(_canonical_number_or_code(tok))
+            value = _canonical_number_or_code(tok)
+            strict.add(value)
+            clauses[-1].append(value)
             continue
         folded = _strip_possessive(tok.casefold())
+        clauses[-1].append(folded)
         words.add(folded)
         words.update(re.split(r"[-_/.:,']", folded))
         if folded in _NUMBER_WORDS:
@@ -203,6 +225,7 @@ def extract(text: str) -> Entities:
         strict=frozenset(strict),
         names=frozenset() if shouting else frozenset(names),
         words=frozenset(words),
+        sides=sides(clauses),
     )
 
 

@@ -18,7 +18,10 @@ Scoping, which is what makes a semantic hit safe:
   (`max_error` > 0) the tenant's `Learner` (dataplane.cache.bounded) judges the
   nearest neighbour instead, from its checked answers: hit, verify or observe.
 - Entities. A hit also needs the entity signatures of the two messages to agree
-  (`dataplane.cache.entities`): numbers, ids, amounts, dates, names, quoted strings.
+  (`dataplane.cache.entities`): numbers, ids, amounts, dates, names, quoted strings,
+  and no opposite reading (`dataplane.cache.opposites`: two words exchanged around
+  to/from/into/than, "miles to kilometers" / "kilometers to miles", or a listed
+  antonym, buy / sell).
   The top `candidates` neighbours above the threshold are tried in order, so a
   stored question with the same order id can still hit when a closer one with a
   different id is refused.
@@ -191,9 +194,9 @@ class SemanticStats:
 
 
 def entities_bytes(entities: Entities) -> int:
-    """Memory of an entity signature: the object, its three sets and their strings."""
+    """Memory of an entity signature: the object, its four sets and their strings."""
     total = sys.getsizeof(entities)
-    for values in (entities.strict, entities.names, entities.words):
+    for values in (entities.strict, entities.names, entities.words, entities.sides):
         total += sys.getsizeof(values) + sum(sys.getsizeof(v) for v in values)
     return total
 

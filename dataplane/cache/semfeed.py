@@ -12,7 +12,8 @@ One message per entry, fields (bytes):
     v   the normalised float32 embedding, raw little-endian, 4 x dim bytes
     k   exact-cache key          t   tenant        m   model
     c   context hash (the namespace, see dataplane.cache.semantic)
-    e   entity signature, JSON {"s": [strict], "n": [names], "w": [words]}
+    e   entity signature, JSON {"s": [strict], "n": [names], "w": [words],
+        "d": [side tags]} ("d" absent from a proxy that predates it: no tags)
     p   publisher: the proxy's name, "." and 8 random hex digits drawn once per
         feed (once per worker process)
     em  embedder model id
@@ -156,7 +157,12 @@ class Malformed(ValueError):
 def encode(ins: Inserted, *, proxy: str, embedder: str, purge_rev: int) -> dict[bytes, bytes]:
     """The stream fields of one inserted entry."""
     e = ins.entities
-    signature = {"s": sorted(e.strict), "n": sorted(e.names), "w": sorted(e.words)}
+    signature = {
+        "s": sorted(e.strict),
+        "n": sorted(e.names),
+        "w": sorted(e.words),
+        "d": sorted(e.sides),
+    }
     return {
         b"v": np.ascontiguousarray(ins.vector, dtype="<f4").tobytes(),
         b"k": ins.key.encode(),
@@ -201,7 +207,12 @@ def decode(fields: dict[bytes, bytes], dim: int) -> Message:
     if not isinstance(signature, dict):
         raise Malformed("entity signature is not a JSON object")
     entities = Entities(
-        _strings(signature, "s"), _strings(signature, "n"), _strings(signature, "w")
+        _strings(signature, "s"),
+        _strings(signature, "n"),
+        _strings(signature, "w"),
+        # A publisher of an older version sends no side tags: its entries are
+        # guarded by the other checks only until it is upgraded.
+        _strings(signature, "d") if "d" in signature else frozenset(),
     )
     rev = _text(fields, b"r")
     if not rev.isdigit():

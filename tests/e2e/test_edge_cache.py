@@ -339,6 +339,27 @@ def test_different_numbers_never_share_an_answer(fleet: Fleet) -> None:
     assert same.headers["x-ponto-cache"] == "hit"
 
 
+def test_the_opposite_question_is_never_a_semantic_hit(fleet: Fleet) -> None:
+    """The new-user trial's pairs, with the real model: MiniLM scores them 0.99 and
+    0.91, above the tenant's 0.85, and the cache served the first one's answer."""
+    _semantic_ready(fleet)
+    for first, opposite in (
+        ("Convert 5 miles to kilometers", "Convert 5 kilometers to miles"),
+        ("Should I sell my stocks now?", "Should I buy stocks now?"),
+    ):
+        assert post_indexed(fleet, body(first), "gamma").headers["x-ponto-cache"] == "miss"
+        before, entries = origin_requests(fleet), _semantic_entries(fleet)
+        assert post(fleet, body(opposite), "gamma").headers["x-ponto-cache"] == "miss"
+        assert origin_requests(fleet) == before + 1
+        deadline = time.monotonic() + 10
+        while _semantic_entries(fleet) <= entries:  # indexed before the next pair
+            assert time.monotonic() < deadline, "the answer was never indexed"
+            time.sleep(0.02)
+    # A paraphrase of the first still hits (0.97).
+    hit = post(fleet, body("how do I convert 5 miles to kilometers"), "gamma")
+    assert hit.headers["x-ponto-cache"] == "hit"
+
+
 def test_a_semantic_follow_up_after_a_different_earlier_turn_misses(fleet: Fleet) -> None:
     _semantic_ready(fleet)
 

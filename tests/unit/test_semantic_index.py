@@ -426,6 +426,26 @@ async def test_remote_entries_keep_the_entity_check(index: SemanticIndex) -> Non
     assert index.stats.entity_blocked == 1
 
 
+MILES = "Convert 5 miles to kilometers"
+KM = "Convert 5 kilometers to miles"  # the same words: 1.0 with hashing, 0.99 with MiniLM
+
+
+async def test_the_opposite_question_is_never_a_hit(index: SemanticIndex) -> None:
+    await index.insert("t1", "m", "", MILES, "key-miles")
+    assert await index.lookup("t1", "m", "", KM, 0.99) is None
+    assert index.stats.entity_blocked == 1
+    hit = await index.lookup("t1", "m", "", "convert 5 miles into kilometers", 0.5)
+    assert hit is not None
+    assert hit.key == "key-miles"
+
+
+async def test_remote_entries_keep_the_opposite_check(index: SemanticIndex) -> None:
+    vec = HashingEmbedder().embed([normalise_text(MILES)])[0]
+    assert index.insert_vector("t1", "m", "", "key-miles", vec, extract(MILES))
+    assert await index.lookup("t1", "m", "", KM, 0.99) is None
+    assert index.stats.entity_blocked == 1
+
+
 async def test_insert_vector_refuses_held_keys_and_bad_vectors(index: SemanticIndex) -> None:
     await index.insert("t1", "m", "", Q, "key-1")
     good = HashingEmbedder().embed([Q_FAR])[0]

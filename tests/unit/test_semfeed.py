@@ -56,6 +56,23 @@ def test_a_message_decodes_to_what_was_inserted() -> None:
     assert (msg.proxy, msg.embedder, msg.purge_rev) == ("proxy-1", "emb-1", 42)
 
 
+def test_side_tags_travel_with_the_entry() -> None:
+    text = "Convert 5 miles to kilometers"
+    vector = HashingEmbedder(dim=DIM).embed([text])[0]
+    ins = Inserted("t", "m", "", "k", vector, extract(text))
+    msg = decode(encode(ins, proxy="p", embedder="e", purge_rev=0), DIM)
+    assert msg.entities.sides == ins.entities.sides == {"d0:mile", "d1:kilometer"}
+    assert not msg.entities.matches(extract("Convert 5 kilometers to miles"))
+
+
+def test_a_message_from_before_side_tags_decodes_without_them() -> None:
+    fields = encode(inserted(), proxy="p", embedder="e", purge_rev=0)
+    fields[b"e"] = b'{"s": ["num:1"], "n": [], "w": ["cancel"]}'
+    entities = decode(fields, DIM).entities
+    assert entities.strict == {"num:1"}
+    assert entities.sides == frozenset()
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -65,6 +82,7 @@ def test_a_message_decodes_to_what_was_inserted() -> None:
         ({b"e": b"[1, 2]"}, "not a JSON object"),
         ({b"e": b'{"s": [1], "n": [], "w": []}'}, "list of strings"),
         ({b"e": b'{"s": [], "n": []}'}, "list of strings"),
+        ({b"e": b'{"s": [], "n": [], "w": [], "d": "d0:x"}'}, "list of strings"),
         ({b"k": b"\xff\xfe"}, "UTF-8"),
         ({b"r": b"-1"}, "purge revision"),
     ],

@@ -1,0 +1,179 @@
+"""Opposite readings: two questions with the same words that ask opposite things.
+
+Embeddings hardly see word order or polarity: MiniLM scores "convert 5 miles to
+kilometers" against "convert 5 kilometers to miles" at 0.99 and "should I sell my
+stocks now" against "should I buy stocks now" at 0.91, and the entity check sees
+the same numbers and names on both sides. `sides` reads a small signature of a
+text's directed words (tags), and `opposed` refuses two texts that read opposite
+ways:
+
+- *Direction* (`d0:` source, `d1:` target). "to", "into", "onto", "towards": the
+  nearest word before the marker is a source, the nearest word after it a target;
+  "from": the nearest word after it is a source. Opposed: two words exchanged, one
+  a source only in one text and a target only in the other, and the other way
+  round. "miles to kilometers" against "kilometers to miles"; "from boston to
+  denver" against "to boston from denver". "to denver from boston" agrees with
+  "from boston to denver".
+- *Comparison* (`c0:` first term, `c1:` second). "than": every word before it in
+  its clause is the first term, the nearest word after it the second. Opposed, as
+  for direction, when two words are exchanged: "is a cat bigger than a dog".
+- *Antonyms* (`a0:`, `a1:`): `ANTONYMS`, a short explicit list of opposite word
+  forms (buy/sell, enable/disable, increase/decrease, ...). Opposed: a pair with
+  only one pole in one text and only the other pole in the other.
+
+A word on both sides in one text takes no side, so "should I buy or sell" agrees
+with "should I sell or buy", and "is it cheaper to fly or to drive" with "... to
+drive or to fly".
+
+Why two exchanged words and nearest neighbours, not "the same words in another
+order": a paraphrase often moves a clause ("for a beginner, what is the best way to
+learn python"), and "to" is mostly an infinitive ("I want to switch out of whisper
+mode" / "switch to whisper mode"; "unsubscribe from the newsletter" / "unsubscribe
+to the newsletter" as users write it); a single word changing side is common in
+paraphrases, two words trading places is rare. Clauses end at sentence ends and
+commas. Function words (articles, pronouns, auxiliaries, question words,
+prepositions, "one", "something") take no side; a final "s" is dropped, so "mile"
+and "miles" are one word.
+
+Limits, on purpose: a direction changed on one side only ("transfer to China" /
+"transfer from China"), a comparison without "than" ("which is bigger, a cat or a
+dog"), a direction without a marker ("boston denver flights"), negation ("should I
+not sell"), times and dates (values of the entity check, not words here) and
+antonyms outside the list are left to the threshold. Antonyms are word forms, not
+meanings: "sold to me" and "I bought" are refused. Pure and cheap: one pass over
+the text's words, a few set operations per comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+__all__ = ["ANTONYMS", "opposed", "sides"]
+
+# Markers whose left clause is the source and nearest right word the target.
+_TOWARDS = frozenset({"to", "into", "onto", "towards", "toward"})
+_FROM = "from"
+_THAN = "than"
+_MARKERS = _TOWARDS | {_FROM, _THAN}
+
+# Words that never take a side: without them the nearest word after "to" in "to
+# the airport" is "the", and "how"/"i"/"it" would be sources in most questions.
+_FUNCTION_WORDS = frozenset(
+    str.split(
+        """
+    a an the this that these those some any each every no not
+    i me my mine we us our ours you your yours he him his she her hers it its they
+    them their theirs i'm i've i'll i'd it's that's what's there's
+    one ones another other others something anything everything nothing
+    someone anyone everyone somebody anybody
+    am is are was were be been being do does did done have has had having
+    can could should would will shall may might must
+    how what which who whom whose where when why
+    of in on at for with by about as per via
+    and or but if so then than also just please there here
+    """
+    )
+)
+
+# Opposite word forms, one pair per line: side 0 | side 1. Only unambiguous forms:
+# "locked" (a state) is left out of lock/unlock, since "I'm locked out" asks how to
+# unlock; "close" is left out of open/close ("close to me"), "min"/"max" of
+# minimum/maximum ("5 min").
+ANTONYMS = """
+buy buying bought | sell selling sold
+enable enabled enabling | disable disabled disabling
+increase increased increasing | decrease decreased decreasing
+activate activated activating | deactivate deactivated deactivating
+lock locking | unlock unlocking
+subscribe subscribed subscribing | unsubscribe unsubscribed unsubscribing
+install installed installing | uninstall uninstalled uninstalling
+connect connected connecting | disconnect disconnected disconnecting
+encrypt encrypted encrypting | decrypt decrypted decrypting
+upload uploaded uploading | download downloaded downloading
+import imported importing | export exported exporting
+upgrade upgraded upgrading | downgrade downgraded downgrading
+deposit deposited depositing | withdraw withdrew withdrawing withdrawal
+arrive arrival arriving | depart departure departing
+incoming inbound | outgoing outbound
+login | logout
+best | worst
+most | least
+maximum | minimum
+highest | lowest
+gain gaining | lose losing
+agree | disagree
+"""
+
+
+def _poles(pairs: str) -> dict[str, tuple[str, ...]]:
+    """Word form -> its antonym tags. A pair is named by its first forms
+    ("buy/sell"), not its position, so that signatures from a proxy with a longer
+    list (the region feed) still compare."""
+    poles: dict[str, tuple[str, ...]] = {}
+    for line in pairs.strip().splitlines():
+        left, right = (side.split() for side in line.split("|"))
+        name = f"{left[0]}/{right[0]}"
+        for side, forms in ((0, left), (1, right)):
+            for form in forms:
+                poles[form] = (*poles.get(form, ()), f"a{side}:{name}")
+    return poles
+
+
+_POLE = _poles(ANTONYMS)
+
+
+def _word(token: str) -> str:
+    # "miles" and "mile" are one word; "ss" endings ("across", "class") stay.
+    plural = len(token) > 3 and token.endswith("s") and not token.endswith("ss")
+    return token[:-1] if plural else token
+
+
+def sides(clauses: Iterable[Sequence[str]]) -> frozenset[str]:
+    """The side tags of a text given as clauses of casefolded tokens, in order.
+
+    Tokens that are not words (numbers in canonical form) may take sides too:
+    "from 3 to 5" and "from 5 to 3" are opposed.
+    """
+    tags: set[str] = set()
+    for clause in clauses:
+        before: list[str] = []  # content words so far in this clause
+        pending = ""  # the marker waiting for its nearest word on the right
+        for token in clause:
+            tags.update(_POLE.get(token, ()))
+            if token in _MARKERS:
+                if token == _THAN:
+                    tags.update(f"c0:{w}" for w in before)
+                elif token in _TOWARDS and before:
+                    tags.add(f"d0:{before[-1]}")
+                pending = token
+                continue
+            if token in _FUNCTION_WORDS:
+                continue
+            word = _word(token)
+            if pending:
+                kind = "c1" if pending == _THAN else "d0" if pending == _FROM else "d1"
+                tags.add(f"{kind}:{word}")
+                pending = ""
+            before.append(word)
+    return frozenset(tags)
+
+
+def _one_sided(tags: frozenset[str], kind: str) -> tuple[set[str], set[str]]:
+    """The words only on side 0 and only on side 1 of `kind` in one text."""
+    zero = {t[3:] for t in tags if t.startswith(f"{kind}0:")}
+    one = {t[3:] for t in tags if t.startswith(f"{kind}1:")}
+    return zero - one, one - zero
+
+
+def opposed(a: frozenset[str], b: frozenset[str]) -> bool:
+    """True when `a` and `b` read opposite ways (see the module doc). Symmetric."""
+    if not a or not b:
+        return False
+    for kind in ("d", "c"):  # direction, comparison: two words exchanged
+        a0, a1 = _one_sided(a, kind)
+        b0, b1 = _one_sided(b, kind)
+        if a0 & b1 and a1 & b0:
+            return True
+    p0, p1 = _one_sided(a, "a")  # antonyms: one pair, opposite poles
+    q0, q1 = _one_sided(b, "a")
+    return bool(p0 & q1 or p1 & q0)

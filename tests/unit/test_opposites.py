@@ -1,0 +1,122 @@
+"""Opposite readings: same words, opposite questions, never one answer; paraphrases
+that move words around still agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.cache.entities import entities_match, extract
+from dataplane.cache.opposites import opposed, sides
+
+
+def agree(a: str, b: str) -> bool:
+    both = entities_match(a, b)
+    assert both == entities_match(b, a), "the check must be symmetric"
+    return both
+
+
+# The new-user trial's pairs: each the second question served the first's answer,
+# at a similarity (MiniLM) no threshold can refuse.
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("Convert 5 miles to kilometers", "Convert 5 kilometers to miles"),  # 0.9923
+        ("How do I convert celsius to fahrenheit?", "How do I convert fahrenheit to celsius?"),
+        (
+            "translate good morning from english to spanish",
+            "translate good morning from spanish to english",
+        ),
+        ("Flights from boston to denver tomorrow", "Flights from denver to boston tomorrow"),
+        ("Should I sell my stocks now?", "Should I buy stocks now?"),  # 0.9086
+    ],
+)
+def test_the_trials_opposite_questions_do_not_match(a: str, b: str) -> None:
+    assert not agree(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("flights to denver from boston", "flights from denver to boston"),
+        ("flights from new york to los angeles", "flights from los angeles to new york"),
+        ("convert centimeters into inches", "convert inches to centimeters"),
+        ("convert 5 mile to kilometers", "convert 5 kilometers to miles"),
+        ("move it from 3 to 5", "move it from 5 to 3"),
+        ("is a cat bigger than a dog", "is a dog bigger than a cat"),
+        ("how do I enable 2FA", "how do I disable 2FA"),
+        ("increase volume to 4", "decrease volume to 4"),
+        ("how do I upload a file", "how do I download a file"),
+        ("what is the best laptop", "what is the worst laptop"),
+    ],
+)
+def test_exchanged_words_and_antonyms_do_not_match(a: str, b: str) -> None:
+    assert not agree(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # Same direction, said another way.
+        ("flights from boston to denver", "flights to denver from boston"),
+        ("convert 5 miles to kilometers", "convert 5 miles into kilometers"),
+        ("Convert 5 miles to kilometers", "how do I convert 5 miles to kilometers"),
+        # A moved clause; "to" as an infinitive.
+        (
+            "for a beginner, what is the best way to learn python",
+            "what is the best way to learn python for a beginner",
+        ),
+        ("i want to switch out of whisper mode", "switch to whisper mode"),
+        ("help to unsubscribe from the newsletter", "I need to cancel the newsletter"),
+        ("unsubscribe from ur newsletter", "unsubscribe to the newsletter"),
+        # Both sides named in both questions.
+        ("should I buy or sell", "should I sell or buy"),
+        ("is it cheaper to fly or to drive", "is it cheaper to drive or to fly"),
+        # No opposite at all.
+        ("how do I reset my password", "I forgot my password, how can I reset it"),
+        ("I'm locked out of my account", "how do I unlock my account"),
+        ("Paris flights", "cheap flights to Paris"),
+    ],
+)
+def test_paraphrases_still_match(a: str, b: str) -> None:
+    assert agree(a, b)
+
+
+def test_sides_of_a_direction() -> None:
+    # Nearest words around the markers; function words ("the", "my") are skipped
+    # and a final "s" dropped.
+    assert sides([["send", "the", "money", "from", "my", "savings", "to", "the", "checking"]]) == {
+        "d0:saving",
+        "d1:checking",
+    }
+    # "than": the whole clause before it is the first term.
+    assert sides([["is", "a", "cat", "bigger", "than", "a", "dog"]]) == {
+        "c0:cat",
+        "c0:bigger",
+        "c1:dog",
+    }
+
+
+def test_clauses_end_at_commas_and_sentence_ends() -> None:
+    assert extract("boston, to denver").sides == {"d1:denver"}
+    assert extract("boston. To denver").sides == {"d1:denver"}
+    assert extract("boston to denver").sides == {"d0:boston", "d1:denver"}
+
+
+def test_one_word_changing_side_is_not_opposed() -> None:
+    # A single word on another side is common in paraphrases; only an exchange
+    # of two words (or of an antonym's poles) refuses.
+    assert not opposed(frozenset({"d0:switch", "d1:whisper"}), frozenset({"d1:switch"}))
+    assert opposed(frozenset({"d0:a", "d1:b"}), frozenset({"d0:b", "d1:a"}))
+    assert not opposed(frozenset({"d0:a", "d1:a", "d1:b"}), frozenset({"d0:b", "d1:a"}))
+
+
+def test_antonym_tags_name_their_pair() -> None:
+    # Named, not numbered: a signature from a proxy with another list still compares.
+    assert extract("should I sell").sides == {"a1:buy/sell"}
+    assert extract("sold and bought").sides == {"a0:buy/sell", "a1:buy/sell"}
+
+
+def test_empty_signatures_are_never_opposed() -> None:
+    # An entry from a proxy that predates side tags has none: the other checks decide.
+    assert not opposed(frozenset(), extract("sell my stocks").sides)
+    assert not opposed(extract("sell my stocks").sides, frozenset())
