@@ -26,7 +26,7 @@ the cache would serve the answer of another question:
 
 Columns: `exact` is the share of queries whose normalised text came before (what
 an exact cache on normalised text would already serve); `plain` is embedding
-similarity alone; `+ent` adds the entity check (the shipped behaviour).
+similarity alone; `+ent` adds the entity check with its side tags (the shipped behaviour).
 
 Error-bounded mode (`--max-error`, default 0.01; 0 skips it): each stream is split
 in two halves (a MeanCache conversation stays in one), each replayed from a cold

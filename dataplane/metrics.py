@@ -574,7 +574,11 @@ class Metrics:
         for name, doc in (
             ("lookups", "Semantic lookups"),
             ("hits", "Semantic lookups that found a close enough earlier question"),
-            ("entity_blocked", "Close neighbours refused because numbers or names differed"),
+            (
+                "entity_blocked",
+                "Close neighbours refused because numbers or names differed"
+                " or the question read the opposite way",
+            ),
             ("busy", "Lookups skipped because the embedder was busy"),
             ("verifies", "Would-be hits sent to the origin to check them (error-bounded tenants)"),
             ("checks", "Origin answers compared with a close neighbour's cached answer"),
