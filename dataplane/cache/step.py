@@ -14,9 +14,10 @@
 
 An entry that cannot answer the request in full is no hit: a stream recorded
 for a request that did not ask for usage, and without any, for a request that
-asks (stream_options.include_usage; the key leaves stream_options out). The
-request is then a miss with reason `no-usage`, and its answer, recorded with
-usage, replaces the entry.
+asks (stream_options.include_usage; the key leaves stream_options out) or for
+a non-streaming one (a whole answer always has its usage). The request is then
+a miss with reason `no-usage`, and its answer, recorded with usage, replaces
+the entry.
 
 Every hit says its tier (`CachePlan.tier`): `local` when the entry was in this
 proxy's memory (or came from this proxy's own flight), `region` when it came
@@ -300,6 +301,9 @@ class EdgeCache:
             self._count("bypass", decision.reason)
             return CachePlan("bypass", reason=decision.reason.value)
         include_usage = _include_usage(req.body)
+        # A whole answer always has its usage, as an origin's does: a request
+        # for one asks for usage as a stream's include_usage does.
+        wants_usage = include_usage or not req.stream
         context = text = ""
         if decision.semantic and self.semantic is None:
             self._load_semantic()  # e.g. a saved table applied before the loop ran
@@ -317,7 +321,7 @@ class EdgeCache:
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
             if isinstance(hit, Found) and cc.accepts_age(self._clock() - hit.entry.created_at):
-                if hit.entry.answers(include_usage=include_usage):
+                if hit.entry.answers(include_usage=wants_usage):
                     return self._hit(hit, "exact", include_usage)
                 # The request's own entry, refreshed by this miss: no neighbour
                 # is sought in its place.
@@ -338,7 +342,7 @@ class EdgeCache:
                     elif near is None or not cc.accepts_age(self._clock() - near.entry.created_at):
                         self.semantic.remove(found.key)  # its answer is gone
                     elif found.action is Action.HIT:
-                        if near.entry.answers(include_usage=include_usage):
+                        if near.entry.answers(include_usage=wants_usage):
                             plan = self._hit(near, "semantic", include_usage)
                             plan.similarity = found.similarity
                             return plan
@@ -350,7 +354,7 @@ class EdgeCache:
             # One whose lookup above suspended (Redis, the semantic index) and
             # missed just before a flight ended may call again: a duplicate
             # origin call, never a wrong answer.
-            flight = self.coalescer.join(key + ("+usage" if include_usage else ""))
+            flight = self.coalescer.join(key + ("+usage" if wants_usage else ""))
             if isinstance(flight, Follower):
                 return CachePlan(
                     "hit",
@@ -370,9 +374,11 @@ class EdgeCache:
                         entry = await self.region.follow(
                             key, tenant, model, max_wait_s=self._region_wait
                         )
-                        if entry is not None:
+                        if entry is not None and entry.answers(include_usage=wants_usage):
                             leader.finish(entry)  # local followers take it too
                             return self._hit(Found(entry, "region"), "coalesced", include_usage)
+                        if entry is not None:
+                            miss = NO_USAGE
                         waited = loop.time() - began
                     elif isinstance(claim, RegionLock):
                         region_lock = claim

@@ -85,6 +85,25 @@ async def test_a_stream_cached_without_usage_is_refreshed_for_a_client_that_asks
     assert requests == 1
 
 
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+async def test_a_stream_cached_without_usage_is_no_hit_for_a_whole_answer(
+    stack: Stack, endpoint: str
+) -> None:
+    # A whole answer always has its usage (the origin's does): a stream
+    # recorded without any cannot give it; the whole answer replaces it.
+    plain = await post(stack, endpoint, request(endpoint, "count to three", stream=True))
+    assert all("usage" not in c for c in await chunks_of(plain))
+
+    whole = await post(stack, endpoint, request(endpoint, "count to three"))
+    assert whole.headers["x-ponto-cache"] == "miss"
+    assert whole.headers["x-ponto-cache-reason"] == "no-usage"
+    assert (await whole.json())["usage"]["completion_tokens"] == 6
+    again = await post(stack, endpoint, request(endpoint, "count to three"))
+    assert again.headers["x-ponto-cache"] == "hit"
+    assert (await again.json())["usage"]["completion_tokens"] == 6
+    assert stack.origin_requests() == 2
+
+
 async def test_an_entry_stored_whole_answers_a_stream_that_asks_for_usage(stack: Stack) -> None:
     whole = await stack.post(chat("say hello"))
     usage = (await whole.json())["usage"]

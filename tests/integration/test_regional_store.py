@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from dataplane.assemble import NO_RULES
+from dataplane.cache.entry import CachedResponse, ResponseKind
 from dataplane.cache.keys import CHAT
 from dataplane.cache.policy import TenantCachePolicy
 from dataplane.cache.regional import RegionLink
@@ -302,6 +303,29 @@ async def test_identical_misses_on_two_proxies_make_one_origin_call(region: Regi
     assert (await local_follower.follower.result()).body == ANSWER
     hits = sample(b._metrics, "ponto_cache_hits_total", tier="region")
     assert hits == 1
+
+
+async def test_a_stream_without_usage_from_another_proxy_is_no_whole_answer(
+    region: Region,
+) -> None:
+    # b's whole request waits for a's flight, which stores a stream recorded
+    # without usage: no answer for b, whose whole answer must have its usage;
+    # b calls the origin itself (a miss, no-usage).
+    a, b = edge(region.proxy("a")), edge(region.proxy("b"))
+    lead = await a.plan(request())
+    assert lead.region_lock is not None
+    waiting = asyncio.create_task(b.plan(request()))
+    await asyncio.sleep(0.05)
+    streamed = CachedResponse(
+        ResponseKind.CHAT, NOW, "m", chunks=(b'{"choices":[]}',), usage_missing=True
+    )
+    key = lead.key
+    await a.store.put(key, streamed, tenant="acme", model=BODY["model"], ttl_s=60)
+    lead.abandon()  # its lock goes after the entry: b finds the entry
+    plan = await waiting
+    assert (plan.outcome, plan.reason) == ("miss", "no-usage")
+    assert plan.leader is not None
+    plan.abandon()
 
 
 async def test_a_streaming_request_does_not_wait_for_another_proxy(region: Region) -> None:
