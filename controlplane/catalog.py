@@ -19,6 +19,7 @@ compare-and-swap on the key's revision and retry on conflict.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -646,10 +647,13 @@ class Catalog:
         """Write a replica's ACK summary with the version it serves now, and
         the warnings of the proxies whose last ACK had some (name -> warnings;
         a key of their own in the summary, which a replica from before them
-        ignores)."""
+        ignores). Each distinct warning is written once, however many proxies
+        report it (a table's problem is every proxy's), and at most
+        MAX_SUMMARY_WARNINGS of them: the summary stays far below etcd's
+        request size whatever the fleet's size."""
         payload: dict[str, object] = {"replica_version": version, "acks": acks}
         if warnings:
-            payload["warnings"] = warnings
+            payload["warnings"] = _shared_warnings(warnings)
         await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
 
     async def put_traffic(self, replica: str, traffic: dict[str, Traffic], lease: int) -> None:
@@ -657,14 +661,25 @@ class Catalog:
         so that the ACK summary is rewritten only when an ACK changes."""
         await _guard(self.store.put(TRAFFIC + replica, orjson.dumps(traffic), lease=lease))
 
-    async def list_proxies(self) -> list[ProxyRecord]:
-        """Registered proxies with the ACK state their own replica last wrote.
+    async def list_proxies(self, *, traffic: bool = True) -> list[ProxyRecord]:
+        """Registered proxies with the ACK state their own replica last wrote,
+        and (with `traffic`) their replicas' last traffic reports; the reads
+        run at once.
 
         A proxy's ACK is read from the summary of the replica it is registered
         with (a stale summary of a replica it left cannot override it); the
         summaries of other replicas are a fallback while its own has not been
         written yet.
         """
+        if traffic:
+            by_replica, records, reports = await asyncio.gather(
+                self._acks_by_replica(), self._proxy_records(), self._traffic_reports()
+            )
+            return [_with_traffic(_with_acks(p, by_replica), reports) for p in records]
+        by_replica, records = await asyncio.gather(self._acks_by_replica(), self._proxy_records())
+        return [_with_acks(p, by_replica) for p in records]
+
+    async def _acks_by_replica(self) -> dict[str, tuple[int, dict[str, _Ack]]]:
         by_replica: dict[str, tuple[int, dict[str, _Ack]]] = {}
         for kv in (await _guard(self.store.list(ACKS))).items:
             replica = kv.key[len(ACKS) :]
@@ -677,18 +692,20 @@ class Catalog:
                         warned = raw["warnings"]
                 else:  # the summary of a replica from before replica_version
                     version, entries = 0, raw
+                by_proxy = _warnings_by_proxy(warned)
                 acks = {
-                    str(n): (int(v), str(e), _strings(warned.get(n)))
+                    str(n): (int(v), str(e), by_proxy.get(str(n), ()))
                     for n, (v, e) in entries.items()
                 }
                 by_replica[replica] = (version, acks)
-        traffic: dict[str, dict[str, Traffic]] = {}
+        return by_replica
+
+    async def _traffic_reports(self) -> dict[str, dict[str, Traffic]]:
+        reports: dict[str, dict[str, Traffic]] = {}
         for kv in (await _guard(self.store.list(TRAFFIC))).items:
             with contextlib.suppress(ValueError):
-                traffic[kv.key[len(TRAFFIC) :]] = _traffic_of(orjson.loads(kv.value))
-        return [
-            _with_traffic(_with_acks(p, by_replica), traffic) for p in await self._proxy_records()
-        ]
+                reports[kv.key[len(TRAFFIC) :]] = _traffic_of(orjson.loads(kv.value))
+        return reports
 
     async def _proxy_records(self) -> list[ProxyRecord]:
         listing = await _guard(self.store.list(PROXIES))
@@ -706,8 +723,40 @@ class Catalog:
 _Ack = tuple[int, str, tuple[str, ...]]
 
 
-def _strings(raw: object) -> tuple[str, ...]:
-    return tuple(str(w) for w in raw) if isinstance(raw, list) else ()
+# Distinct proxy warnings an ACK summary keeps (each at most MAX_WARNING
+# characters, controlplane.api.routing): some 32 KB at most.
+MAX_SUMMARY_WARNINGS = 64
+
+
+def _shared_warnings(warnings: dict[str, list[str]]) -> dict[str, object]:
+    """{"texts": the distinct warnings, "by_proxy": name -> their indexes}."""
+    texts: dict[str, int] = {}
+    by_proxy: dict[str, list[int]] = {}
+    for name, listed in warnings.items():
+        for text in listed:
+            index = texts.get(text)
+            if index is None:
+                if len(texts) >= MAX_SUMMARY_WARNINGS:
+                    continue
+                index = texts[text] = len(texts)
+            by_proxy.setdefault(name, []).append(index)
+    return {"texts": list(texts), "by_proxy": by_proxy}
+
+
+def _warnings_by_proxy(raw: object) -> dict[str, tuple[str, ...]]:
+    """The proxies' warnings of a summary's `warnings` (_shared_warnings)."""
+    if not isinstance(raw, dict):
+        return {}
+    texts, by_proxy = raw.get("texts"), raw.get("by_proxy")
+    if not isinstance(texts, list) or not isinstance(by_proxy, dict):
+        return {}
+    out = {}
+    for name, indexes in by_proxy.items():
+        if isinstance(indexes, list):
+            out[str(name)] = tuple(
+                str(texts[i]) for i in indexes if isinstance(i, int) and 0 <= i < len(texts)
+            )
+    return out
 
 
 def _with_acks(p: ProxyRecord, by_replica: dict[str, tuple[int, dict[str, _Ack]]]) -> ProxyRecord:

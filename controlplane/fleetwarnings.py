@@ -38,11 +38,11 @@ def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
     for error, names in refused.items():
         many = len(names) > 1
         out.append(
-            f"{_named(names)} {'refuse' if many else 'refuses'} the route table "
-            f"(nack: {error}) and {'keep' if many else 'keeps'} serving "
-            f"{'their' if many else 'its'} last good one: this change does not reach "
-            f"{'them' if many else 'it'} until a table {'they' if many else 'it'} can use "
-            "is published (`pontoctl get proxies`)"
+            f"{_named(names)} refused the last route table {'they were' if many else 'it was'} "
+            f"sent (nack: {error}) and {'keep' if many else 'keeps'} serving "
+            f"{'their' if many else 'its'} last good one: a change reaches "
+            f"{'them' if many else 'it'} only once {'they accept' if many else 'it accepts'} "
+            "a table (`pontoctl get proxies`)"
         )
     for warning, names in reported.items():
         out.append(f"{_named(names)} {'report' if len(names) > 1 else 'reports'}: {warning}")

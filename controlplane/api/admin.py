@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -48,6 +49,11 @@ from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# How long a write's warnings may take to read after the write is saved: past
+# it the reply goes without them (pontoctl's deadline is 10 s, and etcd's
+# calls time out at 3 s each).
+WARNINGS_READ_S = 1.0
+
 Ctx = grpc.aio.ServicerContext[Any, Any]
 R = TypeVar("R")
 
@@ -72,12 +78,13 @@ def warnings_metadata(warnings: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 async def checked(warnings: Awaitable[Sequence[str]], unchecked: str) -> Sequence[str]:
     """The warnings a write's reply carries, read after the write; () if etcd
-    fails to answer the read they need (`unchecked` is logged, without a
-    traceback), rather than report a write that succeeded as failed."""
+    fails to answer the read they need, or takes more than WARNINGS_READ_S
+    (`unchecked` is logged, without a traceback), rather than report a write
+    that succeeded as failed, or past the caller's deadline."""
     try:
-        return await warnings
-    except Unavailable as exc:
-        log.warning("%s: %s", unchecked, exc)
+        return await asyncio.wait_for(warnings, WARNINGS_READ_S)
+    except (Unavailable, TimeoutError) as exc:
+        log.warning("%s: %s", unchecked, exc or f"no answer within {WARNINGS_READ_S:g} s")
         return ()
 
 
@@ -103,7 +110,7 @@ async def drain_warned(
 
 
 async def _fleet_warnings(catalog: Catalog) -> Sequence[str]:
-    return fleet_warnings(await catalog.list_proxies())
+    return fleet_warnings(await catalog.list_proxies(traffic=False))
 
 
 def fleet_warned(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:

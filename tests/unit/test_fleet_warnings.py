@@ -8,12 +8,17 @@ drained" and nothing else, though it reached no proxy.
 
 from __future__ import annotations
 
-import orjson
+import asyncio
+from typing import Any
 
-from controlplane.catalog import ACKS, Catalog
+import orjson
+import pytest
+
+from controlplane.api import admin as admin_api
+from controlplane.catalog import ACKS, MAX_SUMMARY_WARNINGS, PROXIES, Catalog
 from controlplane.cli import _rows_proxies
 from controlplane.fleetwarnings import MAX_NAMED_PROXIES, fleet_warnings
-from controlplane.model import ProxyRecord
+from controlplane.model import ProxyRecord, encode
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
@@ -48,11 +53,11 @@ def proxy(name: str, error: str = "", warnings: tuple[str, ...] = ()) -> ProxyRe
 def test_proxies_refusing_the_table_are_one_warning_per_reason() -> None:
     proxies = [proxy("p2", NACK), proxy("p1", NACK), proxy("p3"), proxy("p4", "other")]
     assert fleet_warnings(proxies) == (
-        f"proxies p1, p2 refuse the route table (nack: {NACK}) and keep serving their last "
-        "good one: this change does not reach them until a table they can use is published "
-        "(`pontoctl get proxies`)",
-        "proxy p4 refuses the route table (nack: other) and keeps serving its last good one: "
-        "this change does not reach it until a table it can use is published "
+        f"proxies p1, p2 refused the last route table they were sent (nack: {NACK}) and "
+        "keep serving their last good one: a change reaches them only once they accept a "
+        "table (`pontoctl get proxies`)",
+        "proxy p4 refused the last route table it was sent (nack: other) and keeps serving "
+        "its last good one: a change reaches it only once it accepts a table "
         "(`pontoctl get proxies`)",
     )
 
@@ -145,14 +150,14 @@ async def test_a_drain_while_proxies_refuse_the_table_warns_after_its_own() -> N
         drain = stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=True))
         [own, fleet] = await warned(drain)
         assert own.startswith("no undrained origin serves model 'm' now")
-        assert fleet.startswith(f"proxy p1 refuses the route table (nack: {NACK})")
-        assert "this change does not reach it" in fleet
+        assert fleet.startswith(f"proxy p1 refused the last route table it was sent (nack: {NACK})")
+        assert "a change reaches it only once it accepts a table" in fleet
         # Any write: a key, a tenant, an apply.
         await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
         key = stub.CreateKey(apb.CreateKeyRequest(tenant="acme"))
-        assert [w[:16] for w in await warned(key)] == ["proxy p1 refuses"]
+        assert [w[:16] for w in await warned(key)] == ["proxy p1 refused"]
         apply = stub.Apply(apb.ApplyRequest(document="{}"))
-        assert [w[:16] for w in await warned(apply)] == ["proxy p1 refuses"]
+        assert [w[:16] for w in await warned(apply)] == ["proxy p1 refused"]
         # Reads do not warn.
         assert await warned(stub.ListProxies(apb.ListRequest())) == []
 
@@ -176,3 +181,46 @@ async def test_a_write_stands_when_the_proxies_cannot_be_read() -> None:
         assert await warned(put) == []
         store.failing = False
         assert [r.name for r in (await stub.ListRegions(apb.ListRequest())).regions] == ["eu-west"]
+
+
+class HangingProxyReads(MemoryStore):
+    """etcd that answers writes but never the read of the proxies' state."""
+
+    hanging = False
+
+    async def list(self, prefix: str) -> Any:
+        if self.hanging and prefix in (ACKS, PROXIES):
+            await asyncio.Event().wait()
+        return await super().list(prefix)
+
+
+async def test_a_write_is_answered_when_the_proxies_read_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A saved write answered past its caller's deadline is a lost write for
+    # the caller (a created key's secret, which no one can read again).
+    monkeypatch.setattr(admin_api, "WARNINGS_READ_S", 0.05)
+    store = HangingProxyReads()
+    async with admin(store) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        store.hanging = True
+        created = stub.CreateKey(apb.CreateKeyRequest(tenant="acme"), timeout=10)
+        assert (await created).secret
+        assert await warned(created) == []
+
+
+async def test_a_warning_many_proxies_report_is_written_once() -> None:
+    # A table's problem is every proxy's: the replica's summary keeps each
+    # distinct warning once, and at most MAX_SUMMARY_WARNINGS of them.
+    store = MemoryStore()
+    catalog = Catalog(store)
+    many = {f"p{i}": [AUTH, f"only p{i}'s"] for i in range(100)}
+    await catalog.put_acks("cp-1", {name: (7, "") for name in many}, 0, warnings=many)
+    summary = orjson.loads((await store.get(ACKS + "cp-1")).value)  # type: ignore[union-attr]
+    texts = summary["warnings"]["texts"]
+    assert texts.count(AUTH) == 1 and len(texts) == MAX_SUMMARY_WARNINGS
+    for name in many:
+        await store.put(PROXIES + name, encode(proxy(name)))
+    listed = {p.name: p.warnings for p in await catalog.list_proxies()}
+    assert listed["p0"] == (AUTH, "only p0's")
+    assert listed["p99"] == (AUTH,)  # its own one is past the bound
