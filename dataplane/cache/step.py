@@ -581,7 +581,8 @@ class EdgeCache:
         )
 
     def count_coalesced(self) -> None:
-        """A follower of this proxy's own flight was answered whole."""
+        """A follower of this proxy's own flight was answered from it: whole,
+        cut with it, or left by its client (all `hit` in the access log)."""
         self._count("hit", "coalesced")
         self._metrics.cache_hits.labels("local").inc()
 

@@ -343,12 +343,19 @@ class Pipeline:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
                 return await sent(request, ex, reply.replay(ex, plan.entry, plan.similarity))
             if plan.follower is not None:
-                followed = await reply.follow(request, ex, plan.follower)
+                try:
+                    followed = await reply.follow(request, ex, plan.follower)
+                except BaseException:
+                    # Its client left (a 499) while it followed: a coalesced
+                    # hit all the same, as the access log says.
+                    self.cache.count_coalesced()
+                    raise
                 if followed is not None:
+                    # Answered from the flight, whole or not: counted as the
+                    # access log and the GenAI metrics have it, a hit.
+                    self.cache.count_coalesced()
                     response, whole = followed
-                    if whole:
-                        self.cache.count_coalesced()
-                    else:  # the flight's stream was cut, and so was this copy
+                    if not whole:  # the flight's stream was cut, and so was this copy
                         ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
                     return await sent(request, ex, response)

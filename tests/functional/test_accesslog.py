@@ -420,6 +420,15 @@ async def test_a_follower_of_a_cut_stream_is_logged_as_cut(
         assert got["hit"]["cache_kind"] == "coalesced"
         assert (got["hit"]["status"], got["hit"]["error"]) == (200, "stream_cut")
         assert got["miss"]["error"] == "stream_cut"
+        # The cache's counters say what the log says: a coalesced hit.
+        registry = s.app[METRICS].registry
+        assert (
+            registry.get_sample_value(
+                "ponto_cache_requests_total", {"result": "hit", "kind": "coalesced"}
+            )
+            == 1
+        )
+        assert registry.get_sample_value("ponto_cache_hits_total", {"tier": "local"}) == 1
     finally:
         await s.close()
 
