@@ -18,6 +18,13 @@ Outcomes, as the leader reports them with `finish(entry, error)`:
   entry to give (a non-streamed answer that is not cacheable, a stream too large
   to record), so that a follower with nothing yet makes its own call.
 
+Followers that are still there: a follower is the flight's from `join` until
+it leaves (`Follower.leave`, its `with` block's end), whatever it got.
+`Leader.followed` says whether any is there; `Leader.when_deserted` asks to be
+told when the last one leaves before the outcome. A leader whose own client
+has gone goes on for the followers there are, and stops once they have left
+(dataplane.http.pipeline.Pipeline.lead).
+
 Memory: a flight buffers its chunks so late joiners can start from the first.
 Past `max_buffer_bytes` it stops taking joiners (they start a new flight of
 their own), drops the chunks every follower already has, and fails any follower
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -73,9 +81,11 @@ class _Flight:
         "done",
         "entry",
         "error",
+        "followers",
         "joinable",
         "key",
         "lagged",
+        "on_deserted",
         "positions",
     )
 
@@ -94,6 +104,9 @@ class _Flight:
         # that may still iterate are here; they hold back trimming.
         self.positions: dict[int, int] = {}
         self.lagged: set[int] = set()
+        # Followers that joined and have not left yet (iterating or not).
+        self.followers = 0
+        self.on_deserted: Callable[[], None] | None = None
 
     def wake(self) -> None:
         # Waiters hold the old event; a fresh one is for the next change.
@@ -124,6 +137,7 @@ class Coalescer:
             self._flights_started += 1
             return Leader(self, flight)
         self._followers += 1
+        flight.followers += 1
         return Follower(flight, next(self._ids))
 
     @property
@@ -189,6 +203,24 @@ class Leader:
     def finished(self) -> bool:
         return self._flight.done
 
+    @property
+    def followed(self) -> bool:
+        """Whether a follower is there (joined, and has not left)."""
+        return self._flight.followers > 0
+
+    def when_deserted(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (once, synchronously, from the leaving follower's
+        `leave`) when the last follower leaves before the outcome; at once
+        when none is there now. Replaces an earlier callback."""
+        flight = self._flight
+        if flight.done:
+            return
+        if flight.followers == 0:
+            flight.on_deserted = None
+            callback()
+            return
+        flight.on_deserted = callback
+
     def chunk(self, data: bytes) -> None:
         """Publish bytes exactly as relayed to the leader's own client. Never blocks."""
         if self._flight.done:
@@ -204,6 +236,7 @@ class Leader:
         flight.done = True
         flight.entry = entry if error is None else None
         flight.error = error
+        flight.on_deserted = None
         self._coalescer._release(flight)
         flight.wake()
 
@@ -226,8 +259,8 @@ class Follower:
     Either iterate it (`async for chunk in follower`, streaming requests) and
     then, if nothing came (the leader did not stream), await `result()`; or only
     await `result()` (non-streaming requests). Use it as a context manager, or
-    call `close()`, so a follower whose client has gone stops holding chunks in
-    the buffer.
+    call `leave()`, so a follower whose client has gone stops holding chunks in
+    the buffer and stops counting as one the origin call goes on for.
     """
 
     def __init__(self, flight: _Flight, ident: int) -> None:
@@ -235,6 +268,7 @@ class Follower:
         self._id = ident
         self._next = 0
         self.delivered = 0
+        self._left = False
         flight.positions[ident] = 0
 
     def __aiter__(self) -> Follower:
@@ -277,8 +311,22 @@ class Follower:
         return flight.entry
 
     def close(self) -> None:
+        """Take no more chunks (this follower still waits for the outcome)."""
         self._flight.positions.pop(self._id, None)
         self._flight.lagged.discard(self._id)
+
+    def leave(self) -> None:
+        """Done with the flight (answered or not). Idempotent. The last
+        follower to leave before the outcome tells the leader (`when_deserted`)."""
+        self.close()
+        if self._left:
+            return
+        self._left = True
+        flight = self._flight
+        flight.followers -= 1
+        if flight.followers == 0 and not flight.done and flight.on_deserted is not None:
+            callback, flight.on_deserted = flight.on_deserted, None
+            callback()
 
     def __enter__(self) -> Follower:
         return self
@@ -289,7 +337,7 @@ class Follower:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.leave()
 
 
 def _describe(error: BaseException) -> str:

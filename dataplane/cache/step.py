@@ -173,7 +173,10 @@ class CachePlan:
     purge_mark: int | None = None
 
     def abandon(self, error: BaseException | None = None) -> None:
-        """Report a failure to the flight this request leads, unless it finished."""
+        """Report a failure to the flight this request leads, unless it finished;
+        leave the flight it follows."""
+        if self.follower is not None:
+            self.follower.leave()
         if self.leader is not None and not self.leader.finished:
             self.leader.finish(None, error or RuntimeError("the leading request ended early"))
         if self.region_lock is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -289,3 +290,56 @@ async def test_a_relayed_stream_is_recorded_and_published() -> None:
     leader.finish(entry)
     assert b"".join([c async for c in follower]) == raw
     assert await follower.result() is entry
+
+
+async def test_a_leader_knows_whether_followers_are_there() -> None:
+    co = Coalescer()
+    leader = co.join("k")
+    assert isinstance(leader, Leader)
+    seen = [leader.followed]
+    streaming, waiting = co.join("k"), co.join("k")
+    assert isinstance(streaming, Follower) and isinstance(waiting, Follower)
+    seen.append(leader.followed)
+    result = asyncio.create_task(waiting.result())  # no longer iterates, still there
+    await asyncio.sleep(0)
+    streaming.leave()
+    streaming.leave()  # once only
+    seen.append(leader.followed)
+    result.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await result
+    with waiting:  # its request's end
+        pass
+    seen.append(leader.followed)
+    assert seen == [False, True, True, False]
+
+
+def test_the_last_follower_leaving_tells_the_leader_once() -> None:
+    co = Coalescer()
+    leader = co.join("k")
+    first, second = co.join("k"), co.join("k")
+    assert isinstance(leader, Leader)
+    assert isinstance(first, Follower) and isinstance(second, Follower)
+    told: list[str] = []
+    leader.when_deserted(lambda: told.append("deserted"))
+    first.leave()
+    assert told == []
+    second.leave()
+    second.leave()
+    assert told == ["deserted"]
+    # Nobody there: told at once.
+    leader.when_deserted(lambda: told.append("at once"))
+    assert told == ["deserted", "at once"]
+
+
+def test_followers_leaving_after_the_outcome_tell_nobody() -> None:
+    co = Coalescer()
+    leader = co.join("k")
+    follower = co.join("k")
+    assert isinstance(leader, Leader) and isinstance(follower, Follower)
+    told: list[str] = []
+    leader.when_deserted(lambda: told.append("deserted"))
+    leader.finish(ENTRY)
+    follower.leave()
+    leader.when_deserted(lambda: told.append("after"))
+    assert told == []
