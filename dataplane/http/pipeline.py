@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,10 @@ class Exchange:
     # How an answer that started as a success ended badly: a stream cut, or
     # a client gone before its answer ended (CLIENT_GONE: recorded as a 499).
     stream_error: str = ""
+    # Its client left while its stream led a flight that has followers: the
+    # flight's task relays on and settles this request once the origin's
+    # stream ends (Pipeline.lead), not the request's handler.
+    detached: bool = False
     # The request's spans; None when tracing is off (dataplane.telemetry).
     trace: RequestTrace | None = None
     # With no trace: the traceparent its origin calls carry (a root request
@@ -227,6 +232,19 @@ class Pipeline:
         self.session_header = session_header
         self.stream_idle_timeout = stream_idle_timeout
         self.tracer = tracer
+        # Flights' tasks whose leading client left (Pipeline.lead): kept until
+        # they end, cancelled by `close`.
+        self._detached: set[asyncio.Task[web.StreamResponse]] = set()
+
+    async def close(self) -> None:
+        """Stop the flights still relaying for followers after their leading
+        client left (the app's clean-up, once its handlers, the followers
+        among them, have ended or been cancelled): the origins' connections
+        are closed, and each is settled."""
+        for task in self._detached:
+            task.cancel()
+        if self._detached:
+            await asyncio.wait(self._detached)
 
     # ------------------------------------------------------------ the path
 
@@ -365,6 +383,8 @@ class Pipeline:
                 ex.trace.answered(origin)
             # A cancelled hedge still cost its origin the prompt's prefill.
             ex.hedge_prompt = ex.estimate * origin.extra_calls
+            if origin.streamed and origin.status < 400 and plan.leader is not None:
+                return await self.lead(request, ex, origin, plan)
             try:
                 if origin.streamed and origin.status < 400:
                     return await self.relay(request, ex, origin, plan)
@@ -372,7 +392,8 @@ class Pipeline:
             finally:
                 origin.release()
         except BaseException as exc:
-            plan.abandon(exc)
+            if not ex.detached:  # else the flight's task reports the outcome
+                plan.abandon(exc)
             raise
 
     @staticmethod
@@ -472,8 +493,116 @@ class Pipeline:
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
         return response
 
-    async def relay(
+    async def lead(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
+    ) -> web.StreamResponse:
+        """A stream that leads a flight: relayed (`relay`) by a task of the
+        flight's own, which this request awaits, and which releases the
+        origin's answer and reports the flight's outcome.
+
+        The client leaving cancels this request, not that task, while the
+        flight has followers (docs/architecture.md, step 10): the origin's
+        stream goes on feeding them and the cache's recorder to its end, or
+        until the last follower leaves, the request's deadline passes
+        (`--deadline`, from its start) or the proxy stops (`close`); the
+        stream's idle timeout still applies. The request is recorded at once
+        as the 499 it is (its tokens: those counted until then), and settled
+        by the task at its end, with every token the origin spent. Without
+        followers the task is cancelled at once: an origin generating for
+        nobody stops.
+        """
+        assert plan.leader is not None
+        task: asyncio.Task[web.StreamResponse]
+
+        def stop() -> None:
+            task.cancel()
+
+        lead = reply.LeaderStream(plan.leader, stop)
+        task = asyncio.get_running_loop().create_task(self._led(request, ex, origin, plan, lead))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            cancelled = current is not None and current.cancelling() > 0
+            if task.done() and not task.cancelled():
+                # The relay ended (at the stream's end, or at its client's
+                # leaving, which a write saw first) before this cancellation
+                # came: answered as if the cancellation had come after.
+                if current is not None and cancelled:
+                    current.uncancel()
+                return task.result()
+            if not cancelled:
+                # Not this request but the task was stopped: its client had
+                # gone (a failed write), then its last follower.
+                raise ConnectionResetError("the client left during its stream") from None
+            if not task.done() and self._detach(ex, task, lead, origin.deadline):
+                raise
+            task.cancel()
+            # Its clean-up (the flight told, the origin's connection closed)
+            # before this request settles.
+            await asyncio.wait((task,))
+            raise
+
+    async def _led(
+        self,
+        request: web.Request,
+        ex: Exchange,
+        origin: OriginAnswer,
+        plan: CachePlan,
+        lead: reply.LeaderStream,
+    ) -> web.StreamResponse:
+        """The flight's task (`lead`)."""
+        try:
+            try:
+                return await self.relay(request, ex, origin, plan, lead)
+            finally:
+                origin.release()
+        except BaseException as exc:
+            plan.abandon(exc)
+            raise
+        finally:
+            if ex.detached:
+                self._settle(ex)
+
+    def _detach(
+        self,
+        ex: Exchange,
+        task: asyncio.Task[web.StreamResponse],
+        lead: reply.LeaderStream,
+        deadline: float,
+    ) -> bool:
+        """Leave the flight's task running without the request whose client
+        left, if the flight has followers (see `lead`)."""
+        if not lead.detach():
+            return False
+        ex.detached = True
+        ex.usage = spent(ex)  # its record's: the tokens until its client left
+        detached = self._detached
+        detached.add(task)
+        timer = None
+        if math.isfinite(deadline):
+            timer = asyncio.get_running_loop().call_at(deadline, task.cancel)
+
+        def ended(_: asyncio.Task[web.StreamResponse]) -> None:
+            if timer is not None:
+                timer.cancel()
+            detached.discard(task)
+            # No handler is left to surface a failure (shield marks it
+            # retrieved): a bug is logged here, once.
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None and not isinstance(exc, ConnectionError):
+                log.error("a flight relayed for followers failed; %s", ex.request_id, exc_info=exc)
+
+        task.add_done_callback(ended)
+        return True
+
+    async def relay(
+        self,
+        request: web.Request,
+        ex: Exchange,
+        origin: OriginAnswer,
+        plan: CachePlan,
+        lead: reply.LeaderStream | None = None,
     ) -> web.StreamResponse:
         """A stream: relayed as it comes, counted and recorded on the way."""
         assert ex.cache_request is not None and ex.tenant is not None
@@ -501,6 +630,7 @@ class Pipeline:
                 idle_timeout=rules.idle_timeout_s or self.stream_idle_timeout,
                 resume=resume,
                 transcript=transcript,
+                lead=lead,
             )
         finally:
             if resume is not None:
@@ -518,7 +648,8 @@ class Pipeline:
         elif end.complete:
             m.attempt(name, "ok").inc()
         if end.client_gone:
-            m.client_disconnects.inc()
+            if not ex.detached:  # counted when its request was cancelled
+                m.client_disconnects.inc()
             ex.stream_error = CLIENT_GONE
         elif not end.complete:
             ex.stream_error = "stream_cut"
@@ -527,14 +658,13 @@ class Pipeline:
 
     def settle(self, ex: Exchange) -> None:
         """Give back what admission took, with the tokens actually spent, and
-        account them. Runs however the answer ended (cancellation included)."""
-        usage = ex.usage
-        if usage is None and ex.counter is not None:
-            usage = ex.usage = ex.counter.result(ex.estimate)
-            if not usage.exact:  # a summed usage already holds the continuations
-                usage.prompt_tokens += ex.continuation_prompt
-        if usage is not None:
-            usage.prompt_tokens += ex.hedge_prompt
+        account them. Runs however the answer ended (cancellation included),
+        but for a detached leader (`lead`), which its flight's task settles."""
+        if not ex.detached:
+            self._settle(ex)
+
+    def _settle(self, ex: Exchange) -> None:
+        usage = ex.usage = spent(ex)
         if ex.admission is not None:
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
         if usage is not None:
@@ -542,6 +672,22 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- the steps' parts
+
+
+def spent(ex: Exchange) -> Usage | None:
+    """The tokens `ex` cost so far (None: unknown): a relayed stream's count
+    (with its continuations' prompts when the proxy counted), else its
+    answer's usage; and the prompts of its hedges. A new Usage each call."""
+    usage = ex.usage
+    extra = ex.hedge_prompt
+    if ex.counter is not None:  # ex.usage holds an earlier call's result at most
+        usage = ex.counter.result(ex.estimate)
+        if not usage.exact:  # a summed usage already holds the continuations
+            extra += ex.continuation_prompt
+    if usage is None:
+        return None
+    return Usage(usage.prompt_tokens + extra, usage.completion_tokens, usage.exact)
+
 
 AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)
 

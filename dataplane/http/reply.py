@@ -14,6 +14,7 @@ request id the client can quote. A success names them (`x-ponto-origin`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from aiohttp import HttpVersion11, web
 from multidict import CIMultiDict
 
 from dataplane.assemble import client_indexes
-from dataplane.cache.coalesce import FlightFailed, Follower
+from dataplane.cache.coalesce import FlightFailed, Follower, Leader
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
 from dataplane.http.errors import (
     origin_error_body,
@@ -33,6 +34,7 @@ from dataplane.streaming.relay import (
     EventSink,
     RelayEnd,
     Resume,
+    Writable,
     next_sequence_number,
     relay,
 )
@@ -99,12 +101,26 @@ async def relay_origin(
     idle_timeout: float | None = None,
     resume: Resume | None = None,
     transcript: Transcript | None = None,
+    lead: LeaderStream | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
+    """Relay the origin's stream to the client, counted, recorded and (with
+    `lead`, the stream of a flight's leader) published to the flight."""
     out = web.StreamResponse(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
     out.headers["cache-control"] = "no-cache"
-    await _prepare_stream(out, request, ex)
+    sink: Writable = out
+    if lead is None:
+        await _prepare_stream(out, request, ex)
+    else:
+        sink = lead
+        try:
+            if not lead.gone:
+                await _prepare_stream(out, request, ex)
+                lead.out = out
+        except ConnectionResetError:
+            if not lead.detach():
+                raise
     ex.chunk_sent()  # the origin's first chunk is in hand: relay writes it at once
     readers: list[EventSink] = [counter]
     if plan.recorder is not None:
@@ -114,14 +130,72 @@ async def relay_origin(
     end = await relay(
         origin.first,
         origin.content,
-        out,
+        sink,
         readers=readers,
         chunks=plan.leader,
         error_event=_broken_stream_ending(ex),
         idle_timeout=idle_timeout,
         resume=resume,
     )
+    if lead is not None and lead.gone:
+        end.client_gone = True
     return out, end
+
+
+class LeaderStream:
+    """The client stream of a flight's leader, as its relay writes it. Used by
+    that relay only (one task, the flight's: dataplane.http.pipeline.Pipeline.lead).
+
+    Once the client has gone (a write found it gone, or `detach`: its handler
+    was cancelled) nothing more is written to it. While the flight has
+    followers, writes are then dropped, so that the relay goes on: the
+    origin's stream keeps feeding the followers and the cache's recorder to
+    its end. With no follower left, a write raises ConnectionResetError,
+    which ends the relay as a client gone ends any; `stop` (the relay's
+    task's cancel) is called when the last follower leaves meanwhile, so an
+    origin generating for nobody stops at once, not at its next chunk.
+    """
+
+    __slots__ = ("_leader", "gone", "out", "stop")
+
+    def __init__(self, leader: Leader, stop: Callable[[], None]) -> None:
+        self._leader = leader
+        self.stop = stop
+        self.out: web.StreamResponse | None = None  # set once prepared
+        self.gone = False
+
+    def detach(self) -> bool:
+        """The client has gone: write nothing more to it. Whether the relay
+        goes on (the flight has followers)."""
+        self.gone = True
+        if not self._leader.followed:
+            return False
+        self._leader.when_deserted(self.stop)
+        return True
+
+    async def write(self, data: bytes) -> None:
+        if self.gone:
+            self._for_followers()
+        elif self.out is not None:
+            try:
+                await self.out.write(data)
+            except ConnectionResetError:
+                if not self.detach():
+                    raise
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self.gone:
+            self._for_followers()
+        elif self.out is not None:
+            try:
+                await self.out.write_eof(data)
+            except ConnectionResetError:
+                if not self.detach():
+                    raise
+
+    def _for_followers(self) -> None:
+        if not self._leader.followed:
+            raise ConnectionResetError("the client left, and no follower is left")
 
 
 def replay(ex: Exchange, entry: CachedResponse, similarity: float | None) -> web.Response:

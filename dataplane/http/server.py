@@ -227,6 +227,8 @@ class Proxy:
         try:
             yield
         finally:
+            # Before the upstream pool closes: they hold origins' connections.
+            await app[PIPELINE].close()
             for task in tasks:
                 task.cancel()
             for task in tasks:

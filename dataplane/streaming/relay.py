@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 import aiohttp
-from aiohttp import web
 
 from dataplane import jsonio
 from dataplane.streaming.splice import is_error_event
@@ -39,6 +38,7 @@ __all__ = [
     "Readable",
     "RelayEnd",
     "Resume",
+    "Writable",
     "next_sequence_number",
     "relay",
 ]
@@ -50,6 +50,16 @@ class EventSink(Protocol):
 
 class ChunkSink(Protocol):
     def chunk(self, data: bytes) -> None: ...
+
+
+class Writable(Protocol):
+    """The client's stream as the relay writes it (aiohttp's StreamResponse,
+    prepared; or a flight leader's, dataplane.http.reply.LeaderStream). A
+    client gone raises ConnectionResetError."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self, data: bytes = b"") -> None: ...
 
 
 class Readable(Protocol):
@@ -93,7 +103,9 @@ class RelayEnd:
     cut: str = ""
     # Why each continued stream stopped, in order.
     continued: list[str] = field(default_factory=list)
-    # The client went away before the end.
+    # The client went away before the end. With `complete` too: a flight
+    # leader's client, gone while followers were there; the origin's stream
+    # was relayed to its end for them (dataplane.http.reply.LeaderStream).
     client_gone: bool = False
     # What the parser held when the stream ended (see SseParser.close).
     open_event: Event | None = None
@@ -102,7 +114,7 @@ class RelayEnd:
 async def relay(
     first: bytes,
     content: Readable,
-    out: web.StreamResponse,
+    out: Writable,
     *,
     readers: Sequence[EventSink] = (),
     chunks: ChunkSink | None = None,
@@ -139,7 +151,7 @@ async def relay(
 async def _relay_bytes(
     first: bytes,
     content: Readable,
-    out: web.StreamResponse,
+    out: Writable,
     readers: Sequence[EventSink],
     chunks: ChunkSink | None,
     error_event: bytes | Ending,
@@ -203,7 +215,7 @@ async def _relay_bytes(
 async def _relay_events(
     first: bytes,
     content: Readable,
-    out: web.StreamResponse,
+    out: Writable,
     readers: Sequence[EventSink],
     chunks: ChunkSink | None,
     error_event: bytes | Ending,

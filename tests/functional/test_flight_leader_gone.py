@@ -1,0 +1,270 @@
+"""A flight whose leading client leaves (dataplane.http.pipeline.Pipeline.lead):
+the origin's stream goes on for the followers there are, is kept in the cache
+and settled once, and stops as soon as nobody is left to read it, at the
+request's deadline, or when the proxy stops.
+
+The real proxy app on EdgeRunner (production's listener, handler cancellation
+on) before a hand-written origin whose every event the test lets out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dataplane.http.state import HOLDER, PIPELINE
+from ponto.quota_types import tenant_scope
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_pipeline import KEY, MODEL, table
+from tests.functional.test_whole_answers import Edge, Start, edges, until
+
+WORDS = ["one", "two", "three", "four", "five", "six"]
+BODY = {
+    "model": MODEL,
+    "temperature": 0,  # deterministic: cacheable, so identical requests fly together
+    "stream": True,
+    "messages": [{"role": "user", "content": "count to six"}],
+}
+
+
+def event(word: str, finish: str | None = None) -> bytes:
+    delta = {"content": word + " "} if word else {}
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+# A natural answer (kept by the cache): its words, the stop, the end.
+FRAMES = [*map(event, WORDS), event("", "stop"), b"data: [DONE]\n\n"]
+
+
+class Origin:
+    """Streams FRAMES, each once the test lets it out
+    (`let`); says whether it streamed to the end or its caller left."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.allowed = asyncio.Semaphore(0)
+        self.finished = False
+        self.gone = False
+
+    def let(self, events: int) -> None:
+        for _ in range(events):
+            self.allowed.release()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.calls += 1
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        try:
+            for frame in FRAMES:
+                await self.allowed.acquire()
+                await out.write(frame)
+        except (asyncio.CancelledError, ConnectionError):
+            self.gone = True  # the proxy closed the connection: generation aborted
+            raise
+        self.finished = True
+        return out
+
+
+class Client:
+    """A streaming client of the edge, on a connection of its own."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.url = f"http://127.0.0.1:{edge.port}/v1/chat/completions"
+        self.session = aiohttp.ClientSession()
+        self.response: aiohttp.ClientResponse | None = None
+
+    async def send(self) -> aiohttp.ClientResponse:
+        self.response = await self.session.post(
+            self.url, json=BODY, headers={"authorization": f"Bearer {KEY.key}"}
+        )
+        return self.response
+
+    async def events(self, count: int) -> list[bytes]:
+        """The next `count` events' data."""
+        assert self.response is not None
+        got: list[bytes] = []
+        async with asyncio.timeout(10):
+            while len(got) < count:
+                line = await self.response.content.readline()
+                assert line, f"the stream ended after {got}"
+                if line.startswith(b"data: "):
+                    got.append(line.removeprefix(b"data: ").strip())
+        return got
+
+    async def rest(self) -> bytes:
+        assert self.response is not None
+        async with asyncio.timeout(10):
+            return await self.response.read()
+
+    async def leave(self) -> None:
+        """Close the connection mid-stream, as a client that gives up does."""
+        if self.response is not None:
+            self.response.close()
+        await self.session.close()
+
+
+@pytest.fixture
+async def start(tmp_path: Path) -> AsyncIterator[Start]:
+    """The edge before an origin, tenant acme limited to 10 concurrent
+    requests (so that its slots in use are counted)."""
+    async with edges(tmp_path) as go:
+
+        async def limited(origin: Origin, *flags: str) -> Edge:
+            edge = await go(origin, *flags)
+            [[target]] = edge.app[HOLDER].routes.groups[MODEL]  # type: ignore[union-attr]
+            slots = table([(target.name, target.base_url)], version=2, limited=False)
+            slots.tenants[0].limits.CopyFrom(pb.Limits(concurrency=10))
+            slots.etag = content_etag(slots)
+            edge.app[HOLDER].apply(slots, "control-plane")
+            assert edge.app[PIPELINE].limiter.share(tenant_scope("acme")).concurrency == 10
+            return edge
+
+        yield limited
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[list[Client]]:
+    made: list[Client] = []
+    yield made
+    for c in made:
+        await c.leave()
+
+
+async def led_and_followed(start: Start, clients: list[Client], *flags: str) -> Any:
+    """An origin; client A leading its flight with 3 events read; client B
+    following it (the 3 events in hand); then A gone, and its request
+    counted as the 499 it is."""
+    origin = Origin()
+    edge = await start(origin, *flags)
+    leader, follower = Client(edge), Client(edge)
+    clients.extend((leader, follower))
+    origin.let(3)  # its answer's head waits for the first
+    await leader.send()
+    assert len(await leader.events(3)) == 3
+    answer = await follower.send()
+    assert answer.headers["x-ponto-cache"] == "hit"
+    assert answer.headers["x-ponto-coalesced"] == "1"
+    assert len(await follower.events(3)) == 3
+    await leader.leave()
+    gone = {"endpoint": "chat.completions", "code": "499"}
+    await until(lambda: edge.sample("ponto_requests_total", gone) == 1)
+    return origin, edge, follower
+
+
+def in_flight(edge: Edge) -> int:
+    return edge.app[PIPELINE].limiter.in_flight(tenant_scope("acme"))
+
+
+def coalesced_hits(edge: Edge) -> tuple[float | None, float | None]:
+    return (
+        edge.sample("ponto_cache_requests_total", {"result": "hit", "kind": "coalesced"}),
+        edge.sample("ponto_cache_hits_total", {"tier": "local"}),
+    )
+
+
+async def test_a_leader_whose_client_leaves_goes_on_for_its_follower(
+    start: Start, clients: list[Client]
+) -> None:
+    origin, edge, follower = await led_and_followed(start, clients)
+    # The leader holds its concurrency slot while the origin generates.
+    assert in_flight(edge) == 2
+    origin.let(len(FRAMES) - 3)  # the rest
+    rest = (await follower.rest()).decode()
+    # The whole answer: no error event, every word, the end.
+    assert "error" not in rest
+    assert [w for w in WORDS[3:] if w in rest] == WORDS[3:]
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert (origin.calls, origin.finished, origin.gone) == (1, True, False)
+    # Recorded to its end and kept: the same question is an exact hit.
+    again = Client(edge)
+    clients.append(again)
+    answer = await again.send()
+    assert answer.headers["x-ponto-cache"] == "hit"
+    assert "x-ponto-coalesced" not in answer.headers
+    assert b"data: [DONE]" in await again.rest()
+    assert origin.calls == 1
+    # The leader is the 499 it is, its client's leaving counted once; it was
+    # settled once, with every token the origin generated (six text events),
+    # and gave its concurrency slot back.
+    ok = {"endpoint": "chat.completions", "code": "200"}
+    assert edge.sample("ponto_requests_total", ok) == 2
+    assert edge.sample("ponto_client_disconnects_total", {}) == 1
+    completion = {"tenant": "acme", "key": KEY.key_id, "kind": "completion"}
+    await until(lambda: in_flight(edge) == 0)
+    assert edge.sample("ponto_tenant_tokens_total", completion) == len(WORDS)
+    assert coalesced_hits(edge) == (1, 2)  # the follower; the follower and the replay
+
+
+async def test_once_its_last_follower_leaves_too_the_origin_stops(
+    start: Start, clients: list[Client]
+) -> None:
+    origin, edge, follower = await led_and_followed(start, clients)
+    await follower.leave()
+    await until(lambda: origin.gone)
+    assert not origin.finished
+    await until(lambda: in_flight(edge) == 0)
+    # A follower that left is the hit it was logged as.
+    assert coalesced_hits(edge) == (1, 1)
+    # Nothing was kept: the next one asks the origin.
+    again = Client(edge)
+    clients.append(again)
+    origin.let(1)
+    assert (await again.send()).headers["x-ponto-cache"] == "miss"
+    assert origin.calls == 2
+
+
+async def test_a_leader_nobody_follows_stops_the_origin_when_its_client_leaves(
+    start: Start, clients: list[Client]
+) -> None:
+    origin = Origin()
+    edge = await start(origin)
+    leader = Client(edge)
+    clients.append(leader)
+    origin.let(3)
+    await leader.send()
+    await leader.events(3)
+    await leader.leave()
+    await until(lambda: origin.gone)
+    assert not origin.finished
+    await until(lambda: in_flight(edge) == 0)
+
+
+async def test_a_flight_relayed_for_followers_alone_ends_at_the_requests_deadline(
+    start: Start, clients: list[Client]
+) -> None:
+    # The origin sends nothing more; the request's deadline (from its start)
+    # ends the call, and the follower's stream with an error event.
+    origin, edge, follower = await led_and_followed(start, clients, "--deadline=0.5")
+    rest = (await follower.rest()).decode()
+    assert "upstream_stream_broken" in rest
+    assert rest.rstrip().endswith("data: [DONE]")
+    await until(lambda: origin.gone)
+    await until(lambda: in_flight(edge) == 0)
+
+
+async def test_the_proxy_stopping_stops_a_flight_relayed_for_followers_alone(
+    start: Start, clients: list[Client]
+) -> None:
+    origin, edge, follower = await led_and_followed(start, clients)
+    await edge.app[PIPELINE].close()  # the app's clean-up step
+    assert origin.calls == 1
+    await until(lambda: origin.gone)
+    rest = (await follower.rest()).decode()
+    assert "upstream_stream_broken" in rest
+    assert in_flight(edge) == 0
