@@ -160,14 +160,22 @@ def test_a_cached_stream_replays_as_several_chunks_the_openai_client_reads(
     assert state == "hit"
     assert again == text and m == n  # the stored chunking, chunk for chunk
     assert origin_requests(fleet) == before
-    # The stored stream also answers a non-streaming request, and the reverse.
+    # A stream stored without usage (its client did not ask) cannot answer a
+    # non-streaming request, whose answer has its usage: a miss, whose whole
+    # answer replaces the entry; an answer stored whole answers both.
     flat = oai.chat.completions.with_raw_response.create(
         model="sim-small",
         messages=messages,
         temperature=0,
     )
-    assert flat.headers["x-ponto-cache"] == "hit"
-    assert flat.parse().choices[0].message.content == text
+    assert (flat.headers["x-ponto-cache"], flat.headers["x-ponto-cache-reason"]) == (
+        "miss",
+        "no-usage",
+    )
+    parsed = flat.parse()
+    assert parsed.choices[0].message.content == text and parsed.usage is not None
+    before += 1
+    assert read()[::2] == (text, "hit")
     other: list[ChatCompletionMessageParam] = [{"role": "user", "content": "first as a whole"}]
     whole = oai.chat.completions.create(model="sim-small", messages=other, temperature=0)
     replay = list(
@@ -198,9 +206,11 @@ def test_twenty_identical_concurrent_requests_reach_the_origin_once(fleet: Fleet
 
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 20
-    assert origin_requests(fleet) == before + 1
+    # One flight for the streams, one for the whole answers (a stream
+    # recorded without usage could not answer them: theirs has usage).
+    assert origin_requests(fleet) == before + 2
     states = sorted(r.headers["x-ponto-cache"] for r in responses)
-    assert states.count("miss") == 1
+    assert states.count("miss") == 2
     texts = set()
     for r in responses:
         if r.headers["content-type"].startswith("text/event-stream"):
