@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -503,13 +502,13 @@ class Pipeline:
         The client leaving cancels this request, not that task, while the
         flight has followers (docs/architecture.md, step 10): the origin's
         stream goes on feeding them and the cache's recorder to its end, or
-        until the last follower leaves, the request's deadline passes
-        (`--deadline`, from its start) or the proxy stops (`close`); the
-        stream's idle timeout still applies. The request is recorded at once
-        as the 499 it is (its tokens: those counted until then), and settled
-        by the task at its end, with every token the origin spent. Without
-        followers the task is cancelled at once: an origin generating for
-        nobody stops.
+        until the last follower leaves or the proxy stops (`close`); the
+        stream's idle timeout still applies, as for any relay (`--deadline`
+        bounds the wait for an answer to start, not a stream under way). The
+        request is recorded at once as the 499 it is (its tokens: those
+        counted until then), and settled by the task at its end, with every
+        token the origin spent. Without followers the task is cancelled at
+        once: an origin generating for nobody stops.
         """
         assert plan.leader is not None
         task: asyncio.Task[web.StreamResponse]
@@ -535,7 +534,7 @@ class Pipeline:
                 # Not this request but the task was stopped: its client had
                 # gone (a failed write), then its last follower.
                 raise ConnectionResetError("the client left during its stream") from None
-            if not task.done() and self._detach(ex, task, lead, origin.deadline):
+            if not task.done() and self._detach(ex, task, lead):
                 raise
             task.cancel()
             # Its clean-up (the flight told, the origin's connection closed)
@@ -569,7 +568,6 @@ class Pipeline:
         ex: Exchange,
         task: asyncio.Task[web.StreamResponse],
         lead: reply.LeaderStream,
-        deadline: float,
     ) -> bool:
         """Leave the flight's task running without the request whose client
         left, if the flight has followers (see `lead`)."""
@@ -579,13 +577,8 @@ class Pipeline:
         ex.usage = spent(ex)  # its record's: the tokens until its client left
         detached = self._detached
         detached.add(task)
-        timer = None
-        if math.isfinite(deadline):
-            timer = asyncio.get_running_loop().call_at(deadline, task.cancel)
 
         def ended(_: asyncio.Task[web.StreamResponse]) -> None:
-            if timer is not None:
-                timer.cancel()
             detached.discard(task)
             # No handler is left to surface a failure (shield marks it
             # retrieved): a bug is logged here, once.

@@ -156,13 +156,16 @@ class LeaderStream:
     origin generating for nobody stops at once, not at its next chunk.
     """
 
-    __slots__ = ("_leader", "gone", "out", "stop")
+    __slots__ = ("_leader", "ended", "gone", "out", "stop")
 
     def __init__(self, leader: Leader, stop: Callable[[], None]) -> None:
         self._leader = leader
         self.stop = stop
         self.out: web.StreamResponse | None = None  # set once prepared
         self.gone = False
+        # The relay wrote the stream's end: what follows (the cache storing
+        # the answer) is not stopped by the last follower leaving.
+        self.ended = False
 
     def detach(self) -> bool:
         """The client has gone: write nothing more to it. Whether the relay
@@ -170,8 +173,12 @@ class LeaderStream:
         self.gone = True
         if not self._leader.followed:
             return False
-        self._leader.when_deserted(self.stop)
+        self._leader.when_deserted(self._deserted)
         return True
+
+    def _deserted(self) -> None:
+        if not self.ended:
+            self.stop()
 
     async def write(self, data: bytes) -> None:
         if self.gone:
@@ -192,6 +199,7 @@ class LeaderStream:
             except ConnectionResetError:
                 if not self.detach():
                     raise
+        self.ended = True
 
     def _for_followers(self) -> None:
         if not self._leader.followed:

@@ -184,7 +184,7 @@ class OriginAnswer:
     from a hedge (the second copy of the request). `extra_calls` counts the
     other calls of this request that were sent and then cancelled because
     this one answered first (0 or 1): the origin spent that call's prompt
-    tokens, and the caller may account them. `deadline` is the request's.
+    tokens, and the caller may account them.
     """
 
     target: Target
@@ -198,10 +198,6 @@ class OriginAnswer:
     calls: int = 1
     hedged: bool = False
     extra_calls: int = 0
-    # The request's deadline (loop time), which bounded the calls before this
-    # one committed; a stream relayed for a flight's followers alone ends by
-    # then too (dataplane.http.pipeline.Pipeline.lead).
-    deadline: float = float("inf")
 
     @property
     def streamed(self) -> bool:
@@ -371,7 +367,6 @@ class Forwarder:
         level = logging.INFO if failures and tries.busy == len(failures) else logging.WARNING
         if answer is not None:
             answer.calls = tries.made
-            answer.deadline = tries.deadline
             if failures:
                 log.log(
                     level,

@@ -1,7 +1,7 @@
 """A flight whose leading client leaves (dataplane.http.pipeline.Pipeline.lead):
 the origin's stream goes on for the followers there are, is kept in the cache
-and settled once, and stops as soon as nobody is left to read it, at the
-request's deadline, or when the proxy stops.
+and settled once, and stops as soon as nobody is left to read it, or when the
+proxy stops (the stream's idle timeout applies as to any relay's).
 
 The real proxy app on EdgeRunner (production's listener, handler cancellation
 on) before a hand-written origin whose every event the test lets out.
@@ -245,16 +245,30 @@ async def test_a_leader_nobody_follows_stops_the_origin_when_its_client_leaves(
     await until(lambda: in_flight(edge) == 0)
 
 
-async def test_a_flight_relayed_for_followers_alone_ends_at_the_requests_deadline(
+async def test_a_flight_relayed_for_followers_alone_ends_at_the_idle_timeout(
     start: Start, clients: list[Client]
 ) -> None:
-    # The origin sends nothing more; the request's deadline (from its start)
-    # ends the call, and the follower's stream with an error event.
-    origin, edge, follower = await led_and_followed(start, clients, "--deadline=0.5")
+    # The origin sends nothing more: the stream's idle timeout ends the call,
+    # and the follower's stream with an error event, as any relay's.
+    origin, edge, follower = await led_and_followed(start, clients, "--stream-idle-timeout=0.5")
     rest = (await follower.rest()).decode()
     assert "upstream_stream_broken" in rest
     assert rest.rstrip().endswith("data: [DONE]")
     await until(lambda: origin.gone)
+    await until(lambda: in_flight(edge) == 0)
+
+
+async def test_a_flight_past_the_request_deadline_goes_on_for_its_followers(
+    start: Start, clients: list[Client]
+) -> None:
+    # --deadline bounds the wait for an answer to start, not a stream under
+    # way: a leader leaving after it does not cut its followers (review 14).
+    origin, edge, follower = await led_and_followed(start, clients, "--deadline=0.1")
+    await asyncio.sleep(0.3)  # past the deadline, the stream healthy
+    origin.let(len(FRAMES) - 3)
+    rest = (await follower.rest()).decode()
+    assert "error" not in rest and WORDS[-1] in rest
+    assert rest.rstrip().endswith("data: [DONE]")
     await until(lambda: in_flight(edge) == 0)
 
 

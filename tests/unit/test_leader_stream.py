@@ -79,3 +79,15 @@ async def test_the_last_follower_leaving_after_the_client_stops_the_relay() -> N
     assert (lead.gone, stops) == (True, [])
     follower.leave()
     assert stops == ["stop"]
+
+
+async def test_the_last_follower_leaving_after_the_stream_ended_stops_nothing() -> None:
+    # The whole answer is relayed; its storing (which may wait for the
+    # region's Redis) must not be cancelled by the last follower leaving then.
+    leader, [follower] = flight(1)
+    client, stops = Client(takes=0), list[str]()
+    lead = stream_of(leader, client, stops)
+    end = await relay(CHUNKS[0], Content(CHUNKS[1:]), lead, chunks=leader)
+    assert (end.complete, lead.gone, lead.ended) == (True, True, True)
+    follower.leave()
+    assert stops == []
