@@ -52,6 +52,9 @@ CONNECT_TIMEOUT_S = 0.25
 # writes take at most half (dataplane.cache.regionstore.MAX_WRITES).
 MAX_CONNECTIONS = 128
 WARM_CONNECTIONS = 16
+# The deadline of the check at start (`start`): one second, as for the pings
+# that open the warm connections.
+START_PING_S = 1.0
 # Without traffic nothing would notice Redis going or coming back, and
 # ponto_cache_region_up would say what the last request saw: the link pings
 # when it has been idle this long, and probes as soon as the breaker allows.
@@ -150,7 +153,10 @@ class RegionLink:
         if self._watch_tick is not None:
             self._watch = asyncio.get_running_loop().create_task(self._watching(self._watch_tick))
         self._warned = True  # one line below says it all
-        if await self.call("ping", lambda r: r.ping()) is None:
+        # The first call opens the first connection (a TLS handshake, say),
+        # and nothing waits on it: a request's 50 ms deadline would call a
+        # Redis that is merely slow to accept, or a busy start, unreachable.
+        if await self.call("ping", lambda r: r.ping(), deadline_s=START_PING_S) is None:
             log.warning(
                 "regional cache %s unreachable at start (%s): local cache only until it answers",
                 _safe(self.url),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from dataplane.cache.regionstore import ENTRY_PREFIX
 from dataplane.http.state import METRICS, PIPELINE
 from ponto.devenv import Redis, start_redis
 from ponto.originsim.app import SimConfig
@@ -39,19 +40,28 @@ async def pair(tmp_path: Path, own_redis: Redis) -> AsyncIterator[tuple[Stack, S
     await b.close()
 
 
+async def stored(url: str, count: int) -> None:
+    """Wait until the region's Redis holds `count` entries: a proxy writes its
+    answer there in the background, after the client has it."""
+    with redis.Redis.from_url(url) as raw:
+        async with asyncio.timeout(10):
+            while len(raw.keys(ENTRY_PREFIX + "*")) < count:
+                await asyncio.sleep(0.01)
+
+
 async def answer(stack: Stack, text: str, **fields: object) -> tuple[int, dict[str, str], bytes]:
     resp = await stack.post(chat(text, **fields))
     return resp.status, dict(resp.headers), await resp.read()
 
 
 async def test_a_repeat_on_another_proxy_is_a_region_hit_then_a_local_one(
-    pair: tuple[Stack, Stack],
+    pair: tuple[Stack, Stack], own_redis: Redis
 ) -> None:
     a, b = pair
     status, first, body = await answer(a, "what is the capital of portugal")
     assert status == 200 and first["x-ponto-cache"] == "miss"
     assert "x-ponto-cache-tier" not in first
-    await asyncio.sleep(0.1)  # a's write to Redis runs after its answer
+    await stored(own_redis.url, 1)
     status, second, again = await answer(b, "what is the capital of portugal")
     assert (second["x-ponto-cache"], second["x-ponto-cache-tier"]) == ("hit", "region")
     assert again == body
@@ -65,12 +75,14 @@ async def test_a_repeat_on_another_proxy_is_a_region_hit_then_a_local_one(
     assert sample(b, "ponto_cache_region_up") == 1
 
 
-async def test_a_stream_is_shared_and_replayed_as_a_stream(pair: tuple[Stack, Stack]) -> None:
+async def test_a_stream_is_shared_and_replayed_as_a_stream(
+    pair: tuple[Stack, Stack], own_redis: Redis
+) -> None:
     a, b = pair
     request = chat("stream it", stream=True)
     first = await a.post(request)
     events = await first.read()
-    await asyncio.sleep(0.1)
+    await stored(own_redis.url, 1)
     replay = await b.post(request)
     assert replay.headers["x-ponto-cache-tier"] == "region"
     assert replay.headers["content-type"].startswith("text/event-stream")
@@ -103,8 +115,10 @@ async def test_redis_killed_then_back_without_a_restart(
                 if sample(a, "ponto_cache_region_up") == 1:
                     break
                 await asyncio.sleep(0.1)
+        with redis.Redis.from_url(own_redis.url) as raw:
+            before = len(raw.keys(ENTRY_PREFIX + "*"))
         await answer(a, "after the restart")
-        await asyncio.sleep(0.1)
+        await stored(own_redis.url, before + 1)
         # b's pooled connections died with the old server: redis-py's one
         # reconnect makes its first call after the restart a hit, not an error.
         _, headers, _ = await answer(b, "after the restart")
@@ -118,7 +132,7 @@ async def test_garbage_under_a_key_is_a_miss_not_an_error(
 ) -> None:
     a, b = pair
     await answer(a, "poisoned")
-    await asyncio.sleep(0.1)
+    await stored(own_redis.url, 1)
     with redis.Redis.from_url(own_redis.url) as raw:
         [key] = raw.keys("ponto:x:*")
         raw.set(key, b"PX\x09not an entry")
