@@ -250,7 +250,8 @@ def parse(doc: Any) -> Topology:
             try:
                 value = value.validated()
             except InvalidArgument as exc:
-                errors.append(f"{path}: {exc}")
+                # At the field the model's check names, when it names one.
+                errors.append(f"{path}{'.' if exc.field else ''}{exc.field}: {exc}")
                 continue
             if (kind, value.name) in paths:
                 errors.append(f"{path}: {kind} {value.name!r} is listed twice")

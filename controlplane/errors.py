@@ -15,7 +15,18 @@ class ControlPlaneError(Exception):
 
 
 class InvalidArgument(ControlPlaneError):
+    """A value is refused. `field` is where, in the apply document's names relative
+    to the object checked ("limits.rpm"), when the check knows; "" otherwise."""
+
     status = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str = "", *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+    def within(self, part: str) -> None:
+        """Put this error's field under part, the block that holds it (re-raise it then)."""
+        self.field = f"{part}.{self.field}" if self.field else part
 
 
 class NotFound(ControlPlaneError):

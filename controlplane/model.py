@@ -107,17 +107,24 @@ class Region:
         ):
             if not math.isfinite(value) or not -bound <= value <= bound:
                 raise InvalidArgument(
-                    f"{label} {value} of region {self.name!r} is out of range [-{bound}, {bound}]"
+                    f"{label} {value} of region {self.name!r} is out of range [-{bound}, {bound}]",
+                    field=label[:3],
                 )
         for other, ms in self.rtt_ms:
-            check_name("region", other)
+            try:
+                check_name("region", other)
+            except InvalidArgument as exc:
+                exc.within(f"rtt_ms.{other}")
+                raise
             if not math.isfinite(ms) or not 0 <= ms <= 10_000:
                 raise InvalidArgument(
-                    f"RTT {ms} ms from {self.name!r} to {other!r} is not in 0..10000"
+                    f"RTT {ms} ms from {self.name!r} to {other!r} is not in 0..10000",
+                    field=f"rtt_ms.{other}",
                 )
         if not math.isfinite(self.spill_threshold) or not 0 <= self.spill_threshold <= 1:
             raise InvalidArgument(
-                f"spill threshold {self.spill_threshold} of region {self.name!r} is not in 0..1"
+                f"spill threshold {self.spill_threshold} of region {self.name!r} is not in 0..1",
+                field="spill_threshold",
             )
         return replace(self, rtt_ms=tuple(sorted(dict(self.rtt_ms).items())))
 
@@ -140,23 +147,37 @@ class Origin:
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
-        check_name("region", self.region)
-        url = check_url(self.base_url)
+        try:
+            check_name("region", self.region)
+        except InvalidArgument as exc:
+            exc.within("region")
+            raise
+        try:
+            url = check_url(self.base_url)
+        except InvalidArgument as exc:
+            exc.within("url")
+            raise
         if not self.models:
-            raise InvalidArgument(f"origin {self.name!r} must serve at least one model")
+            raise InvalidArgument(
+                f"origin {self.name!r} must serve at least one model", field="models"
+            )
         for model in self.models:
             if not MODEL_RE.match(model):
-                raise InvalidArgument(f"model name {model!r} of origin {self.name!r} is invalid")
+                raise InvalidArgument(
+                    f"model name {model!r} of origin {self.name!r} is invalid", field="models"
+                )
         if len(set(self.models)) != len(self.models):
-            raise InvalidArgument(f"origin {self.name!r} lists a model twice")
+            raise InvalidArgument(f"origin {self.name!r} lists a model twice", field="models")
         weight = self.weight or DEFAULT_WEIGHT
         if not 1 <= weight <= MAX_WEIGHT:
             raise InvalidArgument(
-                f"weight {weight} of origin {self.name!r} is not in 1..{MAX_WEIGHT}"
+                f"weight {weight} of origin {self.name!r} is not in 1..{MAX_WEIGHT}",
+                field="weight",
             )
         if not 0 <= self.capacity <= MAX_CAPACITY:
             raise InvalidArgument(
-                f"capacity {self.capacity} of origin {self.name!r} is not in 0..{MAX_CAPACITY}"
+                f"capacity {self.capacity} of origin {self.name!r} is not in 0..{MAX_CAPACITY}",
+                field="capacity",
             )
         if self.credential_env and self.credential_file:
             raise InvalidArgument(
@@ -165,12 +186,14 @@ class Origin:
         if self.credential_env and not ENV_RE.match(self.credential_env):
             raise InvalidArgument(
                 f"credential_env {self.credential_env!r} of origin {self.name!r} is not an "
-                "environment variable name"
+                "environment variable name",
+                field="credential_env",
             )
         if self.credential_file and not self.credential_file.startswith("/"):
             raise InvalidArgument(
                 f"credential_file {self.credential_file!r} of origin {self.name!r} must be "
-                "an absolute path"
+                "an absolute path",
+                field="credential_file",
             )
         return replace(self, base_url=url, weight=weight, models=tuple(sorted(self.models)))
 
@@ -277,14 +300,15 @@ class Limits:
     def validated(self, owner: str) -> Limits:
         if not 0 <= self.concurrency <= MAX_CONCURRENCY:
             raise InvalidArgument(
-                f"concurrency {self.concurrency} of {owner} is not in 0..{MAX_CONCURRENCY}"
+                f"concurrency {self.concurrency} of {owner} is not in 0..{MAX_CONCURRENCY}",
+                field="concurrency",
             )
         for label, value in (
             ("rpm", self.rpm),
             ("tpm", self.tpm),
         ):
             if not 0 <= value <= MAX_RATE:
-                raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12")
+                raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12", field=label)
         return self
 
 
@@ -300,28 +324,43 @@ class PromptPolicy:
 
     def validated(self, owner: str) -> PromptPolicy:
         if len(self.system_prompt) > MAX_SYSTEM_PROMPT:
-            raise InvalidArgument(f"system prompt of {owner} is longer than {MAX_SYSTEM_PROMPT}")
+            raise InvalidArgument(
+                f"system prompt of {owner} is longer than {MAX_SYSTEM_PROMPT}",
+                field="system_prompt",
+            )
         for name, text in self.defaults:
             if not PARAM_RE.match(name) or name in NOT_DEFAULTABLE:
-                raise InvalidArgument(f"{owner}: {name!r} cannot have a default")
+                raise InvalidArgument(
+                    f"{owner}: {name!r} cannot have a default", field=f"defaults.{name}"
+                )
             try:
                 value = orjson.loads(text)
             except orjson.JSONDecodeError as exc:
                 raise InvalidArgument(
-                    f"{owner}: default of {name!r} is not valid JSON: {text!r}"
+                    f"{owner}: default of {name!r} is not valid JSON: {text!r}",
+                    field=f"defaults.{name}",
                 ) from exc
             # The proxy checks requests before it adds defaults: a bad default
             # would reach every origin.
             if (why := check_default(name, value)) is not None:
-                raise InvalidArgument(f"{owner}: default of {name!r}: {why}")
+                raise InvalidArgument(
+                    f"{owner}: default of {name!r}: {why}", field=f"defaults.{name}"
+                )
         if not 0 <= self.max_tokens_ceiling <= MAX_TOKENS_CEILING:
-            raise InvalidArgument(f"max_tokens ceiling of {owner} is not in 0..10^7")
+            raise InvalidArgument(
+                f"max_tokens ceiling of {owner} is not in 0..10^7", field="max_tokens"
+            )
         for public, target in self.aliases:
             for model in (public, target):
                 if not MODEL_RE.match(model):
-                    raise InvalidArgument(f"{owner}: model name {model!r} in aliases is invalid")
+                    raise InvalidArgument(
+                        f"{owner}: model name {model!r} in aliases is invalid",
+                        field=f"aliases.{public}",
+                    )
             if public == target:
-                raise InvalidArgument(f"{owner}: alias {public!r} maps to itself")
+                raise InvalidArgument(
+                    f"{owner}: alias {public!r} maps to itself", field=f"aliases.{public}"
+                )
         return replace(
             self,
             defaults=tuple(sorted(dict(self.defaults).items())),
@@ -343,18 +382,24 @@ class CachePolicy:
         mode = self.mode or "exact"
         if mode not in CACHE_MODES:
             raise InvalidArgument(
-                f"cache mode {self.mode!r} of {owner} is not one of {', '.join(CACHE_MODES)}"
+                f"cache mode {self.mode!r} of {owner} is not one of {', '.join(CACHE_MODES)}",
+                field="mode",
             )
         t = self.semantic_threshold
         if not math.isfinite(t) or not (t == 0 or 0.5 <= t <= 1):
-            raise InvalidArgument(f"semantic threshold {t} of {owner} is not in 0.5..1")
+            raise InvalidArgument(
+                f"semantic threshold {t} of {owner} is not in 0.5..1", field="semantic_threshold"
+            )
         e = self.semantic_max_error
         if not math.isfinite(e) or not 0 <= e < MAX_SEMANTIC_ERROR:
             raise InvalidArgument(
-                f"semantic max error {e} of {owner} is not in [0, {MAX_SEMANTIC_ERROR})"
+                f"semantic max error {e} of {owner} is not in [0, {MAX_SEMANTIC_ERROR})",
+                field="semantic_max_error",
             )
         if not 0 <= self.ttl_s <= MAX_TTL_S:
-            raise InvalidArgument(f"cache TTL {self.ttl_s} s of {owner} is not in 0..{MAX_TTL_S}")
+            raise InvalidArgument(
+                f"cache TTL {self.ttl_s} s of {owner} is not in 0..{MAX_TTL_S}", field="ttl_s"
+            )
         return replace(self, mode=mode)
 
 
@@ -368,19 +413,24 @@ class RoutingPolicy:
     load_bound: float = 0.0  # 0: the proxy's default (1.25)
 
     def validated(self, owner: str) -> RoutingPolicy:
-        for mode in (self.mode, *(m for _, m in self.models)):
+        for where, mode in (("mode", self.mode), *((f"models.{k}", m) for k, m in self.models)):
             if mode and mode not in ROUTING_MODES:
                 raise InvalidArgument(
-                    f"routing mode {mode!r} of {owner} is not one of {', '.join(ROUTING_MODES)}"
+                    f"routing mode {mode!r} of {owner} is not one of {', '.join(ROUTING_MODES)}",
+                    field=where,
                 )
         if any(not model or not mode for model, mode in self.models):
-            raise InvalidArgument(f"a per-model routing mode of {owner} names no model or mode")
+            raise InvalidArgument(
+                f"a per-model routing mode of {owner} names no model or mode", field="models"
+            )
         for model, _ in self.models:
             if not MODEL_RE.match(model):
-                raise InvalidArgument(f"{owner}: model name {model!r} in routing is invalid")
+                raise InvalidArgument(
+                    f"{owner}: model name {model!r} in routing is invalid", field=f"models.{model}"
+                )
         b = self.load_bound
         if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
-            raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100")
+            raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100", field="load_bound")
         return replace(self, models=tuple(sorted(dict(self.models).items())))
 
 
@@ -397,25 +447,38 @@ class StreamPolicy:
 
     def validated(self, owner: str) -> StreamPolicy:
         if self.continuation not in ("", "on", "off"):
-            raise InvalidArgument(f"continuation {self.continuation!r} of {owner} is not on or off")
+            raise InvalidArgument(
+                f"continuation {self.continuation!r} of {owner} is not on or off",
+                field="continuation",
+            )
         if not 0 <= self.max_continuations <= MAX_CONTINUATIONS:
             raise InvalidArgument(
                 f"max continuations {self.max_continuations} of {owner} is not in "
-                f"0..{MAX_CONTINUATIONS}"
+                f"0..{MAX_CONTINUATIONS}",
+                field="max_continuations",
             )
         t = self.stream_idle_timeout_s
         if not math.isfinite(t) or not 0 <= t <= MAX_IDLE_TIMEOUT_S:
             raise InvalidArgument(
-                f"stream idle timeout {t} s of {owner} is not in 0..{MAX_IDLE_TIMEOUT_S}"
+                f"stream idle timeout {t} s of {owner} is not in 0..{MAX_IDLE_TIMEOUT_S}",
+                field="stream_idle_timeout_s",
             )
-        for ms in (str(self.hedge_ms), *(v for _, v in self.hedge_models)):
+        delays = (
+            ("hedge_ms", str(self.hedge_ms)),
+            *((f"hedge_models.{m}", v) for m, v in self.hedge_models),
+        )
+        for where, ms in delays:
             if ms != "auto" and not (ms.isascii() and ms.isdigit() and int(ms) <= MAX_HEDGE_MS):
                 raise InvalidArgument(
-                    f"hedge delay {ms!r} of {owner} is not auto or 0..{MAX_HEDGE_MS} ms"
+                    f"hedge delay {ms!r} of {owner} is not auto or 0..{MAX_HEDGE_MS} ms",
+                    field=where,
                 )
         for model, _ in self.hedge_models:
             if not MODEL_RE.match(model):
-                raise InvalidArgument(f"{owner}: model name {model!r} in hedge_models is invalid")
+                raise InvalidArgument(
+                    f"{owner}: model name {model!r} in hedge_models is invalid",
+                    field=f"hedge_models.{model}",
+                )
         return replace(self, hedge_models=tuple(sorted(dict(self.hedge_models).items())))
 
 
@@ -481,14 +544,31 @@ class Tenant:
     def validated(self) -> Tenant:
         check_name("tenant", self.name)
         owner = f"tenant {self.name!r}"
+        part = "limits"
+        try:
+            limits = self.limits.validated(owner)
+            part = "prompt"
+            prompt = self.prompt.validated(owner)
+            part = "cache"
+            cache = self.cache.validated(owner)
+            part = "jwt"
+            jwt = self.jwt.validated(owner) if self.jwt else None
+            part = "routing"
+            routing = self.routing.validated(owner)
+            part = "streams"
+            streams = self.streams.validated(owner)
+        except InvalidArgument as exc:
+            # The block's name in the apply document, so its error names the field.
+            exc.within(part)
+            raise
         return replace(
             self,
-            limits=self.limits.validated(owner),
-            prompt=self.prompt.validated(owner),
-            cache=self.cache.validated(owner),
-            jwt=self.jwt.validated(owner) if self.jwt else None,
-            routing=self.routing.validated(owner),
-            streams=self.streams.validated(owner),
+            limits=limits,
+            prompt=prompt,
+            cache=cache,
+            jwt=jwt,
+            routing=routing,
+            streams=streams,
         )
 
 

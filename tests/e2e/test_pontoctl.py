@@ -399,7 +399,7 @@ def test_apply_is_all_or_nothing_and_dry_run_runs_the_same_checks(
     _, real = ctl(fleet, capsys, "apply", "-f", path, code=2)
     assert dry == real
     assert "the topology has 1 error, nothing was changed" in real
-    assert "regions[1]: latitude 200.0 of region 'new-bad' is out of range" in real
+    assert "regions[1].lat: latitude 200.0 of region 'new-bad' is out of range" in real
     assert "Traceback" not in real
     assert export(fleet) == before
     # With the latitude fixed, the reference to a region nobody has is the error.

@@ -97,17 +97,42 @@ def test_every_error_is_reported_with_its_path() -> None:
     }
     errors = errors_of(doc)
     assert errors == [
-        "regions[1]: latitude 200.0 of region 'north' is out of range [-90, 90]",
+        "regions[1].lat: latitude 200.0 of region 'north' is out of range [-90, 90]",
         "regions[2]: unknown field(s) colour; allowed: name, lat, lon, rtt_ms, spill_threshold, "
         "drained",
         "regions[2].lat: expected a number, got a boolean",
-        "origins[0]: base URL 'ftp://h/v1' is invalid: expected http(s)://host[:port]/path",
+        "origins[0].url: base URL 'ftp://h/v1' is invalid: expected http(s)://host[:port]/path",
         "tenants[0].limits.rpm: expected an integer, got '60'",
         "tenants[1].streams.hedge_ms: expected milliseconds or auto, got 'soon'",
     ]
     # Values are checked once their types are right; the model's message then.
     more = errors_of({"tenants": [{"name": "t", "cache": {"ttl_s": -1}}]})
-    assert more == ["tenants[0]: cache TTL -1 s of tenant 't' is not in 0..2592000"]
+    assert more == ["tenants[0].cache.ttl_s: cache TTL -1 s of tenant 't' is not in 0..2592000"]
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"tenants": [{"name": "t", "limits": {"rpm": -1}}]},
+         "tenants[0].limits.rpm: rpm -1 of tenant 't' is not in 0..10^12"),
+        ({"tenants": [{"name": "t", "limits": {"concurrency": -1}}]},
+         "tenants[0].limits.concurrency: concurrency -1 of tenant 't' is not in 0..4294967295"),
+        ({"tenants": [{"name": "t", "routing": {"models": {"m": "random"}}}]},
+         "tenants[0].routing.models.m: routing mode 'random'"),
+        ({"tenants": [{"name": "t", "streams": {"hedge_models": {"m": 99999999}}}]},
+         "tenants[0].streams.hedge_models.m: hedge delay '99999999'"),
+        ({"tenants": [{"name": "t", "prompt": {"aliases": {"a": "a"}}}]},
+         "tenants[0].prompt.aliases.a: tenant 't': alias 'a' maps to itself"),
+        ({"regions": [{"name": "r", "lat": 0, "lon": 0, "rtt_ms": {"B": 1}}]},
+         "regions[0].rtt_ms.B: region name 'B' is invalid"),
+        ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
+                       "weight": 10**9}]},
+         "origins[0].weight: weight 1000000000 of origin 'o' is not in"),
+    ],
+)  # fmt: skip
+def test_a_value_the_model_refuses_is_reported_at_its_field(doc: Any, message: str) -> None:
+    (error,) = errors_of(doc)
+    assert error.startswith(message)
 
 
 @pytest.mark.parametrize(
