@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from controlplane import audit
+from controlplane.api import auditing
 from controlplane.api.admin import AdminService, audit_entry_pb
 from controlplane.api.auditing import actor_of
 from controlplane.api.guard import TokenGuard
@@ -548,3 +549,15 @@ async def test_every_mutating_call_is_recorded_and_no_read(
     # An empty DrainRequest has drained=false: an undrain, recorded as one.
     assert recorded == [w.replace("Drain", "Undrain", 1) for w in writes]
     assert {"PutRegion", "DrainOrigin", "SetKeyLimits", "PurgeCache", "Apply"} <= set(writes)
+
+
+def test_detail_numbers_are_json_numbers_at_every_width() -> None:
+    """rpm and tpm are 64-bit, which the proto3 JSON mapping writes as strings;
+    the audit writes them as numbers, as concurrency (32-bit) and every other."""
+    limits = pb.Limits(rpm=120, tpm=50000, concurrency=5)
+    _, detail = auditing.set_key_limits(apb.SetKeyLimitsRequest(id="k", limits=limits), None)
+    assert detail == {"limits": '{"concurrency": 5, "rpm": 120, "tpm": 50000}'}
+    _, put = auditing.put_tenant(
+        apb.PutTenantRequest(tenant=pb.Tenant(name="a", limits=limits)), None
+    )
+    assert orjson.loads(put["limits"]) == {"concurrency": 5, "rpm": 120, "tpm": 50000}
