@@ -40,7 +40,7 @@ the same limit); unchanged objects do not count.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -506,12 +506,30 @@ Value = Region | Origin | Tenant
 
 
 @dataclass(frozen=True, slots=True)
+class FieldChange:
+    """One value an update changes: path in the document's names ("limits.rpm";
+    "limits" for a block added or removed whole), before and after as compact
+    JSON cut to MAX_SHOWN characters, "" for none (after "": removed, so the
+    default applies)."""
+
+    path: str
+    before: str = ""
+    after: str = ""
+
+
+# The most characters of a value a plan shows (a system prompt can be long, and
+# a plan of MAX_TXN_OPS objects must fit one gRPC answer).
+MAX_SHOWN = 200
+
+
+@dataclass(frozen=True, slots=True)
 class Change:
     kind: str  # region, origin, tenant
     name: str
     action: str  # created, updated, deleted, unchanged
     fields: tuple[str, ...] = ()  # for updated: the document fields that differ
     value: Value | None = None  # what to store; None for deleted and unchanged
+    changes: tuple[FieldChange, ...] = ()  # for updated: each value that differs
 
 
 @dataclass(frozen=True, slots=True)
@@ -546,8 +564,43 @@ def _compare(kind: str, old: Value, new: Value) -> Change:
     names = _FIELDS[kind]
     differ = tuple(n for n in names if old_doc.get(n) != new_doc.get(n))
     if differ:
-        return Change(kind, new.name, "updated", differ, new)
+        values = tuple(c for n in differ for c in _diff(n, old_doc.get(n), new_doc.get(n)))
+        return Change(kind, new.name, "updated", differ, new, values)
     return Change(kind, new.name, "unchanged")
+
+
+def _diff(path: str, old: Any, new: Any) -> list[FieldChange]:
+    """The values that differ between old and new (document values; None: absent),
+    descending into mappings both have, so one changed limit is one entry and a
+    block dropped whole is one entry too."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [*new, *(k for k in old if k not in new)]
+        return [c for k in keys for c in _diff(f"{path}.{k}", old.get(k), new.get(k))]
+    if old == new:
+        return []
+    # The document writes a flag only when it is not its default, so a flag
+    # that comes or goes is flipped: say so, not "removed".
+    if isinstance(old, bool) and new is None:
+        new = not old
+    elif isinstance(new, bool) and old is None:
+        old = not new
+    return [FieldChange(path, _shown_value(old), _shown_value(new))]
+
+
+def _shown_value(value: Any) -> str:
+    if value is None:
+        return ""
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 1] + "…"
+
+
+def change_text(changes: Iterable[tuple[str, str, str]]) -> str:
+    """(path, before, after) of FieldChanges as one line: `limits.rpm 600 -> 900;
+    limits.tpm 100000 -> removed; cache.ttl_s unset -> 600`. Shared by pontoctl's
+    report and the audit trail, so both say the same."""
+    return "; ".join(
+        f"{path} {before or 'unset'} -> {after or 'removed'}" for path, before, after in changes
+    )
 
 
 def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
@@ -556,7 +609,10 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     Raises ApplyError listing every reference the result would break: an
     origin's region or a region's RTT peer that neither the document nor the
     control plane has (or that --prune deletes), a tenant --prune would delete that still has
-    active keys, a JWT issuer two tenants would share. An alias whose target,
+    active keys, a JWT issuer two tenants would share. A tenant --prune deletes
+    keeps its revoked keys (so does DeleteTenant): they are what keeps a fleet
+    that ever had a key closed (compile: auth_required), and `pontoctl get keys`
+    marks their tenant deleted. An alias whose target,
     or a per-model routing policy whose model, no origin of the result serves
     is no error (origins may come later): it is one of the plan's warnings, as
     is a per-model hedge delay for such a model.

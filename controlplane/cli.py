@@ -48,6 +48,7 @@ import yaml
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from controlplane.apply import change_text
 from controlplane.errors import InvalidArgument
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
@@ -858,12 +859,18 @@ def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = Fal
     lines = []
     for c in resp.changes:
         counts[c.action] += 1
-        lines.append(
-            f"{c.kind} {c.name} {c.action}" + (f" ({', '.join(c.fields)})" if c.fields else "")
-        )
+        lines.append(f"{c.kind} {c.name} {c.action}" + _change_detail(c))
     summary = ", ".join(f"{n} {action}" for action, n in counts.items())
     suffix = " (dry run: nothing changed)" if resp.dry_run else ""
     return "\n".join([*lines, summary + suffix])
+
+
+def _change_detail(c: apb.Change) -> str:
+    """What an update changes, value by value (`: limits.rpm 600 -> removed`); the
+    fields alone from a control plane that does not say (an older version)."""
+    if c.changes:
+        return ": " + change_text((f.path, f.before, f.after) for f in c.changes)
+    return f" ({', '.join(c.fields)})" if c.fields else ""
 
 
 def _export(stub: Any) -> dict[str, Any]:

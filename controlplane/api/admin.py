@@ -469,7 +469,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             context.set_trailing_metadata(warnings_metadata(plan.warnings))
         return apb.ApplyResponse(
             changes=[
-                apb.Change(kind=c.kind, name=c.name, action=c.action, fields=list(c.fields))
+                apb.Change(
+                    kind=c.kind,
+                    name=c.name,
+                    action=c.action,
+                    fields=list(c.fields),
+                    changes=[
+                        apb.FieldChange(path=f.path, before=f.before, after=f.after)
+                        for f in c.changes
+                    ],
+                )
                 for c in plan.changes
             ],
             dry_run=request.dry_run,

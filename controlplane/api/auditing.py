@@ -23,7 +23,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from controlplane.audit import AuditLog
+from controlplane.apply import change_text
+from controlplane.audit import MAX_DETAIL_KEYS, AuditLog
 from controlplane.errors import ControlPlaneError
 from controlplane.model import redact_userinfo
 from ponto import roles
@@ -253,6 +254,10 @@ def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:
 
 
 def apply(req: apb.ApplyRequest, resp: apb.ApplyResponse | None) -> Description:
+    """prune; the objects created, updated and deleted (each a list of kind/name);
+    then, for each updated object, `kind/name`: what it changed, as pontoctl's
+    report says it (`limits {...} -> removed`). The trail keeps MAX_DETAIL_KEYS
+    keys of an entry: past them, `more` counts the objects left out."""
     if req.dry_run:
         return None
     detail = {"prune": _flag(req.prune)}
@@ -261,4 +266,13 @@ def apply(req: apb.ApplyRequest, resp: apb.ApplyResponse | None) -> Description:
         for action in ("created", "updated", "deleted"):
             detail[action] = ", ".join(f"{c.kind}/{c.name}" for c in changed if c.action == action)
         detail = {k: v for k, v in detail.items() if v}
+        told = [c for c in changed if c.changes]
+        room = MAX_DETAIL_KEYS - len(detail)
+        if len(told) > room:
+            room -= 1
+            detail["more"] = f"{len(told) - room} more objects' changes not shown"
+        for c in told[:room]:
+            detail[f"{c.kind}/{c.name}"] = change_text(
+                (f.path, f.before, f.after) for f in c.changes
+            )
     return "topology", detail

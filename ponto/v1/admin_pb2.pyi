@@ -857,6 +857,7 @@ class Change(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     ACTION_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"region", "origin" or "tenant"."""
     name: _builtins.str
@@ -866,6 +867,12 @@ class Change(_message.Message):
     def fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """For "updated": the fields that differ, in the document's names."""
 
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldChange]:
+        """For "updated": what each of them changes, value by value (a block added
+        or removed whole is one FieldChange), so a plan shows what it drops.
+        """
+
     def __init__(
         self,
         *,
@@ -873,14 +880,46 @@ class Change(_message.Message):
         name: _builtins.str = ...,
         action: _builtins.str = ...,
         fields: _abc.Iterable[_builtins.str] | None = ...,
+        changes: _abc.Iterable[Global___FieldChange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "fields", b"fields", "kind", b"kind", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "changes", b"changes", "fields", b"fields", "kind", b"kind", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Change: _TypeAlias = Change  # noqa: Y015
+
+@_typing.final
+class FieldChange(_message.Message):
+    """One value an update changes. path: in the document's names ("limits.rpm",
+    "limits" for the whole block). before and after: compact JSON, each cut to
+    200 characters (ending "…"); "" when there is none: before "" is a value
+    set, after "" a value removed (the default applies then).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    before: _builtins.str
+    after: _builtins.str
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        before: _builtins.str = ...,
+        after: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FieldChange: _TypeAlias = FieldChange  # noqa: Y015
 
 @_typing.final
 class ApplyResponse(_message.Message):

@@ -76,11 +76,19 @@ def test_apply_is_idempotent_shows_changes_and_honours_dry_run(
     assert "0 created, 0 updated, 0 deleted, 5 unchanged" in again
     changed = TOPOLOGY.replace("capacity: 64", "capacity: 32").replace("rpm: 600", "rpm: 900")
     third, _ = ctl(fleet, capsys, "apply", "-f", write(tmp_path, changed))
-    assert "origin vllm-use1 updated (capacity)" in third
-    assert "tenant acme updated (limits)" in third
+    assert "origin vllm-use1 updated: capacity 64 -> 32" in third
+    assert "tenant acme updated: limits.rpm 600 -> 900" in third
     tenants = json.loads(ctl(fleet, capsys, "get", "tenants", "-o", "json")[0])["tenants"]
     acme = tenants[0]
     assert acme["limits"]["rpm"] == 900
+    # A file without the limits block drops them all: the plan says so, dry run or not.
+    unlimited = write(
+        tmp_path, changed.replace("    limits: {rpm: 900, tpm: 100000, concurrency: 20}\n", "")
+    )
+    dropped = 'tenant acme updated: limits {"rpm":900,"tpm":100000,"concurrency":20} -> removed\n'
+    assert dropped in ctl(fleet, capsys, "apply", "-f", unlimited, "--dry-run")[0]
+    assert dropped in ctl(fleet, capsys, "apply", "-f", unlimited)[0]
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, changed))
     assert acme["cache"]["mode"] == "semantic"
     assert acme["prompt"]["aliases"] == {"gpt-4o": "llama-3-8b"}
 
@@ -97,7 +105,7 @@ def test_apply_leaves_operator_drains_alone_unless_the_file_says(
     assert {r.name: r.drained for r in regions}["eu-west"] is True
     explicit = TOPOLOGY.replace("rtt_ms: {us-east: 75}}", "rtt_ms: {us-east: 75}, drained: false}")
     out, _ = ctl(fleet, capsys, "apply", "-f", write(tmp_path, explicit))
-    assert "region eu-west updated (drained)" in out
+    assert "region eu-west updated: drained true -> false" in out
 
 
 def test_apply_prune_deletes_what_the_file_does_not_list(
@@ -410,7 +418,7 @@ def test_apply_is_all_or_nothing_and_dry_run_runs_the_same_checks(
     good = bad.replace("200", "2").replace("atlantis", "new-good")
     out, _ = ctl(fleet, capsys, "apply", "-f", write(tmp_path, good))
     assert "region new-good created" in out and "region new-bad created" in out
-    assert "origin vllm-euw1 updated (region)" in out
+    assert 'origin vllm-euw1 updated: region "eu-west" -> "new-good"' in out
     assert "2 created, 1 updated, 0 deleted, 4 unchanged" in out
 
 

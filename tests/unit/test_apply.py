@@ -3,6 +3,7 @@ Catalog.apply's all-or-nothing write over MemoryStore."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -10,9 +11,12 @@ import pytest
 import yaml
 
 from controlplane.apply import (
+    MAX_SHOWN,
     ApplyError,
     Change,
     Current,
+    FieldChange,
+    change_text,
     document,
     parse,
     plan,
@@ -22,6 +26,7 @@ from controlplane.errors import InvalidArgument
 from controlplane.model import (
     ApiKeyRecord,
     JwtIssuer,
+    Limits,
     Origin,
     OriginHealth,
     Region,
@@ -237,6 +242,34 @@ def test_plan_reports_each_change_and_nothing_for_the_same_state() -> None:
         ("vllm-use1", ("capacity",)),
         ("acme", ("limits",)),
     ]
+
+
+def test_an_update_says_each_value_old_to_new_and_a_dropped_block_removed() -> None:
+    before = parse({"tenants": [{"name": "globex", "limits": {"rpm": 120, "tpm": 50000}}]})
+    # `pontoctl limit set` stored a concurrency the file never had.
+    limited = replace(before.tenants[0], limits=Limits(rpm=120, tpm=50000, concurrency=5))
+    have = Current(tenants={"globex": limited})
+    dropped = plan(parse({"tenants": [{"name": "globex"}]}), have, prune=False)
+    (change,) = dropped.writes()
+    assert change.changes == (FieldChange("limits", '{"rpm":120,"tpm":50000,"concurrency":5}', ""),)
+    assert change_text((f.path, f.before, f.after) for f in change.changes) == (
+        'limits {"rpm":120,"tpm":50000,"concurrency":5} -> removed'
+    )
+    doc = {
+        "tenants": [
+            {"name": "globex", "limits": {"rpm": 600, "concurrency": 5}, "cache": {"ttl_s": 60}}
+        ]
+    }
+    (edited,) = plan(parse(doc), have, prune=False).writes()
+    assert change_text((f.path, f.before, f.after) for f in edited.changes) == (
+        "limits.rpm 120 -> 600; limits.tpm 50000 -> removed; cache.ttl_s unset -> 60"
+    )
+    assert edited.fields == ("limits", "cache")
+    # A long value is cut: a plan of many objects stays one bounded answer.
+    prompt = {"tenants": [{"name": "globex", "prompt": {"system_prompt": "x" * 5000}}]}
+    (long,) = plan(parse(prompt), have, prune=False).writes()
+    shown = {f.path: f for f in long.changes}["prompt"]
+    assert len(shown.after) == MAX_SHOWN and shown.after.endswith("…")
 
 
 def test_plan_checks_references_and_prune_across_the_whole_result() -> None:

@@ -555,9 +555,40 @@ def test_detail_numbers_are_json_numbers_at_every_width() -> None:
     """rpm and tpm are 64-bit, which the proto3 JSON mapping writes as strings;
     the audit writes them as numbers, as concurrency (32-bit) and every other."""
     limits = pb.Limits(rpm=120, tpm=50000, concurrency=5)
-    _, detail = auditing.set_key_limits(apb.SetKeyLimitsRequest(id="k", limits=limits), None)
-    assert detail == {"limits": '{"concurrency": 5, "rpm": 120, "tpm": 50000}'}
-    _, put = auditing.put_tenant(
+    keyed = auditing.set_key_limits(apb.SetKeyLimitsRequest(id="k", limits=limits), None)
+    assert keyed is not None and keyed[1] == {
+        "limits": '{"concurrency": 5, "rpm": 120, "tpm": 50000}'
+    }
+    tenant = auditing.put_tenant(
         apb.PutTenantRequest(tenant=pb.Tenant(name="a", limits=limits)), None
     )
+    assert tenant is not None
+    put = tenant[1]
     assert orjson.loads(put["limits"]) == {"concurrency": 5, "rpm": 120, "tpm": 50000}
+
+
+async def test_apply_records_what_each_updated_object_changes_within_the_bound(
+    store: MemoryStore, clock: Clock
+) -> None:
+    def doc(tenants: list[dict[str, Any]]) -> str:
+        return orjson.dumps({"tenants": tenants}).decode()
+
+    clock.step = 0.001
+    many = [{"name": f"t{i:02d}", "limits": {"rpm": 10}} for i in range(20)]
+    async with admin_server(store, clock) as stub:
+        limited = {"name": "globex", "limits": {"rpm": 120, "tpm": 50000}}
+        await stub.Apply(apb.ApplyRequest(document=doc([limited])))
+        await stub.Apply(apb.ApplyRequest(document=doc([{"name": "globex"}])))
+        await stub.Apply(apb.ApplyRequest(document=doc(many)))
+        await stub.Apply(apb.ApplyRequest(document=doc([{"name": t["name"]} for t in many])))
+        grown, _, dropped, _ = (await stub.ListAudit(apb.ListAuditRequest())).entries[:4]
+    assert dict(dropped.detail) == {
+        "prune": "false",
+        "updated": "tenant/globex",
+        "tenant/globex": 'limits {"rpm":120,"tpm":50000} -> removed',
+    }
+    # 20 updated objects: the summary, a count of those left out, then the rest.
+    assert len(grown.detail) == audit.MAX_DETAIL_KEYS
+    shown = [k for k in grown.detail if k.startswith("tenant/")]
+    assert grown.detail["more"] == f"{20 - len(shown)} more objects' changes not shown"
+    assert grown.detail["tenant/t00"] == 'limits {"rpm":10} -> removed'
