@@ -787,12 +787,17 @@ def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list
     ]
 
 
-def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
+def _rows_keys(
+    resp: apb.ListKeysResponse, tenants: Collection[str] | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The keys' table. A key whose tenant is not in tenants (the control plane's,
+    when given) shows it as `NAME(deleted)`: a deleted tenant keeps its revoked
+    keys, which keep a fleet that ever had a key closed (auth_required)."""
     now = time.time()
     return ["ID", "TENANT", "DESCRIPTION", "LIMITS", "CREATED", "EXPIRES", "STATE"], [
         [
             k.id,
-            k.tenant,
+            k.tenant if tenants is None or k.tenant in tenants else f"{k.tenant}(deleted)",
             k.description or "-",
             _limits_text(k.limits, none="-"),
             # RFC 3339, no spaces: one field per column for awk and cut.
@@ -802,6 +807,14 @@ def _rows_keys(resp: apb.ListKeysResponse) -> tuple[list[str], list[list[str]]]:
         ]
         for k in resp.keys
     ]
+
+
+def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
+    """keys as output asks; a table marks the keys of deleted tenants."""
+    if output != "table":
+        return render(keys, output, _rows_keys)
+    tenants = frozenset(t.name for t in stub.ListTenants(apb.ListRequest()).tenants)
+    return render(keys, output, lambda r: _rows_keys(r, tenants))
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
@@ -992,7 +1005,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 now = time.time()
                 live = [k for k in keys.keys if _key_state(k, now) == "active"]
                 keys = apb.ListKeysResponse(keys=live)
-            return render(keys, args.output, _rows_keys)
+            return _render_keys(stub, keys, args.output)
         if args.action == "expire":
             k = stub.SetKeyExpiry(
                 apb.SetKeyExpiryRequest(id=args.id, expires_in_s=args.expires_in or 0.0)
@@ -1072,7 +1085,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return shown + ("\n" + UNSERVED_NOTE if any(m not in served for m in named) else "")
         if args.kind == "keys":
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
-            return render(keys, args.output, _rows_keys)
+            return _render_keys(stub, keys, args.output)
         if args.kind == "proxies":
             return render(stub.ListProxies(req), args.output, _rows_proxies)
         if args.kind == "controlplanes":

@@ -32,6 +32,9 @@ class Stub:
         self.requests.append(req)
         return apb.ListKeysResponse(keys=self.keys)
 
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(tenants=[pb.Tenant(name="acme")])
+
     def SetKeyExpiry(self, req: apb.SetKeyExpiryRequest) -> apb.ApiKeyInfo:
         self.requests.append(req)
         at = 1_900_000_000.0 + req.expires_in_s if req.expires_in_s else 0.0
@@ -79,6 +82,20 @@ def test_key_list_has_one_field_per_column_and_says_expired() -> None:
     assert all(len(line) == len(header) for line in lines)
     assert [line[-1] for line in lines] == ["active", "expired", "revoked"]
     assert lines[1][header.index("EXPIRES")] == "1970-01-01T00:00:01Z"
+
+
+def test_a_revoked_key_of_a_deleted_tenant_says_its_tenant_is_deleted() -> None:
+    stub = Stub()
+    stub.keys = (
+        apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme"),
+        apb.ApiKeyInfo(id="bbbbbbbbbb", tenant="initech", revoked=True),
+    )
+    for argv in (("get", "keys"), ("key", "list")):
+        rows = [line.split() for line in pontoctl(stub, *argv).splitlines()[1:]]
+        assert [row[:2] for row in rows] == [
+            ["aaaaaaaaaa", "acme"],
+            ["bbbbbbbbbb", "initech(deleted)"],
+        ]
 
 
 def test_active_keys_are_neither_revoked_nor_expired() -> None:
