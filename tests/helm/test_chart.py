@@ -348,9 +348,10 @@ def test_hpa_only_when_enabled(default: list[Doc], three: list[Doc]) -> None:
             "name": name,
         }
         target = hpa["spec"]["metrics"][0]["resource"]
+        # 65 % of the CPU the default two workers (limit "2") can use.
         assert target == {
             "name": "cpu",
-            "target": {"type": "Utilization", "averageUtilization": 65},
+            "target": {"type": "AverageValue", "averageValue": "1300m"},
         }
         # The HPA owns the replica count; the Deployment must not fight it.
         assert "replicas" not in one(three, "Deployment", name)["spec"]

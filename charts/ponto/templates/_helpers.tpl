@@ -252,21 +252,76 @@ Result ($.pontoMaterial):
 {{- end -}}
 
 {{/*
+A CPU quantity in millicores: "2" and 2 -> 2000, "1500m" -> 1500, 2.5 and "2.5" -> 2500;
+none ("" or absent) -> 0.
+*/}}
+{{- define "ponto.cpu.millis" -}}
+{{- $cpu := . | default "" | toString -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- trimSuffix "m" $cpu | atoi -}}
+{{- else if $cpu -}}
+{{- mulf ($cpu | float64) 1000 | floor | int -}}
+{{- else -}}
+0
+{{- end -}}
+{{- end -}}
+
+{{/*
+A region's proxy resources: its own requests and limits merged key by key over
+proxy.resources (requests and limits each on their own), so that a region giving only
+`requests: {cpu: "1"}` keeps the default limits. A key the region sets to null is
+dropped (e.g. `limits: {cpu: null}`: no CPU limit in that region). Returns YAML.
+Call with (list proxy.resources region.resources).
+*/}}
+{{- define "ponto.proxy.resources" -}}
+{{- $base := index . 0 | default dict -}}
+{{- $own := index . 1 | default dict -}}
+{{- $out := dict -}}
+{{- range $part := list "requests" "limits" -}}
+{{- $q := deepCopy (get $base $part | default dict) -}}
+{{- range $k, $v := (get $own $part | default dict) -}}
+{{- if kindIs "invalid" $v -}}
+{{- $_ := unset $q $k -}}
+{{- else -}}
+{{- $_ := set $q $k $v -}}
+{{- end -}}
+{{- end -}}
+{{- if $q -}}
+{{- $_ := set $out $part $q -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/*
 ponto-proxy --workers: the given count, else the whole cores of the CPU limit ("2" and
 2 -> 2, "1500m" and 1.5 -> 1, at least 1), else 1. One worker per core the container
-may use: more would only share the same quota. Call with (list workers resources).
+may use: more would only share the same quota, so a count above the CPU limit fails
+the render. Call with (list workers resources where), where naming the values
+("proxy" or "region NAME") in the message.
 */}}
 {{- define "ponto.proxy.workers" -}}
 {{- $workers := index . 0 | default 0 | int -}}
-{{- $cpu := dig "limits" "cpu" "" ((index . 1) | default dict) | toString -}}
-{{- if not $workers -}}
-{{- if hasSuffix "m" $cpu -}}
-{{- $workers = div (trimSuffix "m" $cpu | atoi) 1000 -}}
-{{- else if $cpu -}}
-{{- $workers = $cpu | float64 | floor | int -}}
+{{- $cpu := dig "limits" "cpu" "" ((index . 1) | default dict) -}}
+{{- $millis := include "ponto.cpu.millis" $cpu | int -}}
+{{- if and $workers $millis (gt (mul $workers 1000) $millis) -}}
+{{- fail (printf "%s: workers %d is above the CPU limit %v (resources.limits.cpu): each worker is an event loop that needs a whole core; lower workers, raise the limit, or set it to null for none" (index . 2) $workers $cpu) -}}
 {{- end -}}
+{{- if not $workers -}}
+{{- $workers = div $millis 1000 -}}
 {{- end -}}
 {{- max 1 $workers -}}
+{{- end -}}
+
+{{/*
+The CPU one proxy pod can use, in millicores: a core per worker, capped by the CPU
+limit when there is one. The HPA's target is a share of it. Call with (list workers
+resources), workers as "ponto.proxy.workers" returns it.
+*/}}
+{{- define "ponto.proxy.cpuCapacity" -}}
+{{- $cores := mul (index . 0 | int) 1000 -}}
+{{- $limit := include "ponto.cpu.millis" (dig "limits" "cpu" "" ((index . 1) | default dict)) | int -}}
+{{- ternary (min $cores $limit) $cores (gt $limit 0) -}}
 {{- end -}}
 
 {{/* An alert's labels: its severity and alerts.alertLabels. Call with (list alerts "key"). */}}
