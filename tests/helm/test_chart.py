@@ -1053,3 +1053,35 @@ def test_notes_say_when_there_are_no_origins_and_where_the_status_page_is(helm: 
     assert "port-forward svc/ponto-control 8090:8080" in bare
     with_origins = render(str(helm), [CI_VALUES], upgrade=False).notes
     assert "No origins yet" not in with_origins
+
+
+def test_notes_give_a_pontoctl_command_that_presents_an_admin_certificate(
+    helm: Path, tmp_path: Path
+) -> None:
+    from tests.chartrun.__main__ import render  # noqa: PLC0415
+
+    quick = "exec deploy/ponto-control -- pontoctl"
+    # The chart's own control-plane certificate counts as admin (ponto-control-plane).
+    generated = render(str(helm), [], upgrade=False).notes
+    assert quick in generated
+    assert "--tls-cert /etc/ponto/tls/tls.crt" in generated
+    # A given server certificate (cert-manager's, say) states no admin role: the
+    # NOTES send pontoctl to the admin Secret instead of the control plane's.
+    given = {
+        "tls": {
+            "existingSecrets": {"controlPlane": "cp-tls", "proxy": "proxy-tls", "admin": "adm-tls"}
+        }
+    }
+    notes = render(str(helm), [Path(values_file(tmp_path, given))], upgrade=False).notes
+    assert quick not in notes
+    assert "/etc/ponto/tls/tls.crt" not in notes
+    assert "Secret\n   adm-tls (tls.existingSecrets.admin)" in notes
+    assert "get secret adm-tls -o jsonpath" in notes
+    # Without TLS the admin token alone is the credential, given Secrets or not.
+    plain = render(
+        str(helm),
+        [Path(values_file(tmp_path, {**given, "tls": {**given["tls"], "enabled": False}}))],
+        upgrade=False,
+    ).notes
+    assert quick in plain
+    assert "--tls-cert" not in plain
