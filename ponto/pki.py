@@ -9,10 +9,12 @@ certificates come from the operator's PKI (the Helm chart generates its own or
 takes existing secrets).
 
     python -m ponto.pki DIR     # writes DIR/{ca,server,proxy,admin}.{crt,key} and tokens
+    python -m ponto.pki --force DIR   # replaces them (a fleet using them breaks)
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 import os
@@ -198,6 +200,16 @@ def add_client(bundle: Bundle, name: str, *, role: str, common_name: str = "") -
     return bundle
 
 
+def bundle_files() -> tuple[str, ...]:
+    """Names of the files make_bundle writes into its directory."""
+    certified = ("ca", "server", *ROLES)
+    return (
+        *(f"{name}.{ext}" for name in certified for ext in ("crt", "key")),
+        "bootstrap.token",
+        "admin.token",
+    )
+
+
 def _make_bundle(directory: Path, server_names: tuple[str, ...]) -> Bundle:
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
@@ -216,12 +228,39 @@ def _make_bundle(directory: Path, server_names: tuple[str, ...]) -> Bundle:
     return bundle
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ponto.pki",
+        description="Write a throwaway CA, certificates for the control plane, proxies "
+        "and operators, and the bootstrap and admin tokens, for a local secured fleet.",
+    )
+    parser.add_argument("directory", type=Path, help="where to write them (made if missing)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace files already there (a fleet using the old CA or tokens "
+        "stops connecting at its next restart)",
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m ponto.pki DIR", file=sys.stderr)  # noqa: T201
+    """Entry point: 0 once written; 2 on bad arguments or files already there.
+
+    Without --force nothing is written when any of the files exists: replacing
+    the CA or a token silently would break every process still using them.
+    """
+    args = _parser().parse_args(argv)
+    directory: Path = args.directory
+    existing = [name for name in bundle_files() if (directory / name).exists()]
+    if existing and not args.force:
+        print(  # noqa: T201
+            f"ponto.pki: {directory} already holds {', '.join(existing)}; "
+            "pass --force to replace them",
+            file=sys.stderr,
+        )
         return 2
-    bundle = make_bundle(Path(args[0]))
+    bundle = make_bundle(directory)
     print(f"wrote a throwaway CA, certificates and tokens to {bundle.directory}")  # noqa: T201
     return 0
 
