@@ -38,6 +38,7 @@ if _QUIET_GRPC:
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -233,12 +234,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _addresses(text: str) -> tuple[str, ...]:
+    """`--control-plane`'s comma-separated list, as ponto-proxy reads its own."""
+    addresses = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not addresses:
+        raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
+    return addresses
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pontoctl", description="Operate a Ponto fleet")
     p.add_argument(
         "--control-plane",
+        type=_addresses,
         default=os.environ.get(ENV_ADDRESS, "127.0.0.1:7070"),
-        help=f"control plane HOST:PORT (env {ENV_ADDRESS})",
+        help=f"control plane HOST:PORT, or several replicas' HOST:PORT,... tried in order "
+        f"until one answers (env {ENV_ADDRESS})",
     )
     conn.add_arguments(p)
     sub = p.add_subparsers(dest="command", required=True)
@@ -1126,7 +1137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         options = conn.ClientOptions.from_args(args)
-        channel = conn.admin_channel(args.control_plane, options)  # reads the TLS files
+        address, channel = connect(args.control_plane, options)  # reads the TLS files
     except conn.CredentialError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -1153,8 +1164,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: a value is out of range: {exc}", file=sys.stderr)
             return 2
         except grpc.RpcError as exc:
-            return _refused(exc, args.control_plane, options)
+            return _refused(exc, address, options)
     return 0
+
+
+# How long a replica of several may take to connect (TLS included) before the
+# next is tried; one that refuses the connection is passed over at once.
+CONNECT_TIMEOUT = 3.0
+
+
+def connect(
+    addresses: Sequence[str], options: conn.ClientOptions, timeout: float = CONNECT_TIMEOUT
+) -> tuple[str, grpc.Channel]:
+    """The first of addresses whose channel connects within timeout, and that
+    channel; the last address is returned unprobed, so that its failure is the
+    call's own and gets `unreachable`'s advice. Each one passed over is a
+    `warning:` line on stderr.
+
+    The choice is made before any call, and every call of the command then goes
+    to that replica: a write is never sent twice (any replica serves the Admin
+    API, all over the same etcd).
+    """
+    for address in addresses[:-1]:
+        channel = conn.admin_channel(address, options)
+        if _connects(channel, timeout):
+            return address, channel
+        channel.close()
+        print(
+            f"warning: control plane at {address} did not connect within {timeout:g} s; "
+            "trying the next",
+            file=sys.stderr,
+        )
+    return addresses[-1], conn.admin_channel(addresses[-1], options)
+
+
+def _connects(channel: grpc.Channel, timeout: float) -> bool:
+    """Whether channel becomes READY within timeout (False as soon as it fails)."""
+    settled = threading.Event()
+    ready = False
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        nonlocal ready
+        if state is grpc.ChannelConnectivity.READY:
+            ready = True
+            settled.set()
+        elif state in (
+            grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+            grpc.ChannelConnectivity.SHUTDOWN,
+        ):
+            settled.set()
+
+    channel.subscribe(watch, try_to_connect=True)
+    try:
+        settled.wait(timeout)
+    finally:
+        channel.unsubscribe(watch)
+    return ready
 
 
 def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> int:

@@ -1,0 +1,133 @@
+"""`pontoctl --control-plane A,B`: the first replica that connects serves the command."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controlplane.cli import main
+from ponto.devenv import free_port
+from ponto.pki import Bundle, make_bundle
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
+
+
+class Replica(admin_pb2_grpc.AdminServicer):
+    """Answers `get controlplanes` with its own id; counts the calls it got."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.calls = 0
+
+    def ListControlPlanes(
+        self, request: apb.ListRequest, context: grpc.ServicerContext
+    ) -> apb.ListControlPlanesResponse:
+        self.calls += 1
+        return apb.ListControlPlanesResponse(
+            replicas=[apb.ControlPlaneInfo(id=self.replica_id, address="x")],
+            leader=self.replica_id,
+        )
+
+
+def serve(
+    replica: Replica, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    admin_pb2_grpc.add_AdminServicer_to_server(replica, server)
+    address = f"127.0.0.1:{free_port()}"
+    if credentials is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, credentials)
+    server.start()
+    return server, address
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[tuple[Replica, str]]]:
+    started = []
+    for name in ("cp-a", "cp-b"):
+        replica = Replica(name)
+        server, address = serve(replica)
+        started.append((server, replica, address))
+    yield [(replica, address) for _, replica, address in started]
+    for server, _, _ in started:
+        server.stop(None)
+
+
+def get(capsys: pytest.CaptureFixture[str], addresses: str, *flags: str) -> tuple[int, str, str]:
+    code = main(["--control-plane", addresses, *flags, "get", "controlplanes", "-o", "json"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_first_replica_that_answers_serves_every_call(
+    capsys: pytest.CaptureFixture[str], replicas: list[tuple[Replica, str]]
+) -> None:
+    (a, at_a), (b, at_b) = replicas
+    code, out, err = get(capsys, f"{at_a}, {at_b}")
+    assert (code, err) == (0, "")
+    assert '"cp-a"' in out and (a.calls, b.calls) == (1, 0)
+
+
+def test_a_replica_that_refuses_connections_is_passed_over(
+    capsys: pytest.CaptureFixture[str], replicas: list[tuple[Replica, str]]
+) -> None:
+    (a, _), (b, at_b) = replicas
+    down = f"127.0.0.1:{free_port()}"
+    code, out, err = get(capsys, f"{down},{at_b}")
+    assert code == 0 and '"cp-b"' in out and (a.calls, b.calls) == (0, 1)
+    assert err.splitlines() == [
+        f"warning: control plane at {down} did not connect within 3 s; trying the next"
+    ]
+
+
+def test_when_none_answers_the_last_ones_failure_is_the_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    first, last = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    code, out, err = get(capsys, f"{first},{last}")
+    assert code == 1 and out == ""
+    *warnings, error = err.splitlines()
+    assert len(warnings) == 1 and first in warnings[0]
+    assert error.startswith(f"error: control plane at {last} is unreachable")
+
+
+def test_a_replica_whose_tls_handshake_fails_is_passed_over(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bundle: Bundle = make_bundle(tmp_path / "pki")
+    plain, secured = Replica("plain"), Replica("secured")
+    credentials = grpc.ssl_server_credentials(
+        [
+            (
+                Path(bundle.path("server.key")).read_bytes(),
+                Path(bundle.path("server.crt")).read_bytes(),
+            )
+        ]
+    )
+    plain_server, at_plain = serve(plain)
+    secured_server, at_secured = serve(secured, credentials)
+    try:
+        code, out, err = get(capsys, f"{at_plain},{at_secured}", "--tls-ca", bundle.ca)
+    finally:
+        plain_server.stop(None)
+        secured_server.stop(None)
+    assert code == 0 and '"secured"' in out and plain.calls == 0
+    assert at_plain in err
+
+
+@pytest.mark.parametrize("addresses", [",", " , "])
+def test_a_list_naming_no_address_is_refused(
+    capsys: pytest.CaptureFixture[str], addresses: str
+) -> None:
+    code, out, err = get(capsys, addresses)
+    assert code == 2 and out == ""
+    assert (
+        err.startswith("error: pontoctl: argument --control-plane:") and "names no HOST:PORT" in err
+    )
+    assert len(err.splitlines()) == 1
