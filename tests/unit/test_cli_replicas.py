@@ -13,17 +13,17 @@ from controlplane.cli import main
 from ponto.devenv import free_port
 from ponto.pki import Bundle, make_bundle
 from ponto.v1 import admin_pb2 as apb
-from ponto.v1 import admin_pb2_grpc
 
 
-class Replica(admin_pb2_grpc.AdminServicer):
-    """Answers `get controlplanes` with its own id; counts the calls it got."""
+class Replica:
+    """An Admin service that answers `get controlplanes` with its own id (and
+    nothing else); counts the calls it got."""
 
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
         self.calls = 0
 
-    def ListControlPlanes(
+    def list_control_planes(
         self, request: apb.ListRequest, context: grpc.ServicerContext
     ) -> apb.ListControlPlanesResponse:
         self.calls += 1
@@ -32,12 +32,24 @@ class Replica(admin_pb2_grpc.AdminServicer):
             leader=self.replica_id,
         )
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "ponto.v1.Admin",
+            {
+                "ListControlPlanes": grpc.unary_unary_rpc_method_handler(
+                    self.list_control_planes,
+                    request_deserializer=apb.ListRequest.FromString,
+                    response_serializer=apb.ListControlPlanesResponse.SerializeToString,
+                )
+            },
+        )
+
 
 def serve(
     replica: Replica, credentials: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    admin_pb2_grpc.add_AdminServicer_to_server(replica, server)
+    server.add_generic_rpc_handlers((replica.handler(),))
     address = f"127.0.0.1:{free_port()}"
     if credentials is None:
         server.add_insecure_port(address)
