@@ -107,6 +107,7 @@ class ControlPlane:
                     bootstrap_token=security.bootstrap_token,
                     admin_token=security.admin_token,
                     require_roles=bool(security.tls_client_ca),
+                    on_refused=self.metrics.routing_refused,
                 ),
             ],
             options=[

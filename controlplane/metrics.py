@@ -151,6 +151,13 @@ class ControlMetrics:
             ["method", "code"],
             registry=r,
         )
+        self.routing_refusals = Counter(
+            "ponto_control_routing_refusals",
+            "Routing API calls (proxies) refused for their bootstrap token or certificate "
+            "role, by method and gRPC status code",
+            ["method", "code"],
+            registry=r,
+        )
         _Reading(
             "ponto_control_table_version",
             "Version of the latest route table this replica publishes (0 before the first)",
@@ -241,6 +248,9 @@ class ControlMetrics:
 
     def admin_call(self, method: str, code: str) -> None:
         self.admin_calls.labels(method, code).inc()
+
+    def routing_refused(self, method: str, code: str) -> None:
+        self.routing_refusals.labels(method, code).inc()
 
     # ------------------------------------------------------------ scrape
 

@@ -26,6 +26,13 @@ The names are ponto.roles'. A certificate that states no role, or two different
 ones, is refused on the Routing and Admin services with PERMISSION_DENIED and a
 message that says how to reissue it. Health and reflection stay open to any
 certificate the CA signed.
+
+Each refusal is logged with the caller's address and, for Register, the proxy
+name it gave; a caller refused again and again (a proxy retrying with a wrong
+token) gets one line per REFUSAL_LOG_EVERY_S, which says how many were not
+logged. Refusals on the Routing service are counted through `on_refused`
+(`ponto_control_routing_refusals_total`); the Admin service's are counted with
+its calls (controlplane.api.metered).
 """
 
 from __future__ import annotations
@@ -33,12 +40,16 @@ from __future__ import annotations
 import hmac
 import inspect
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
 
 from ponto import roles
+from ponto.logs import Throttled
+from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,67 @@ ROUTING_PREFIX = "/ponto.v1.Routing/"
 ADMIN_PREFIX = "/ponto.v1.Admin/"
 
 Refusal = tuple[grpc.StatusCode, str]
+
+# A proxy retries Register every few seconds while refused: a line a minute
+# per caller shows it without flooding the log.
+REFUSAL_LOG_EVERY_S = 60.0
+# Callers whose repeats are tracked; the least recently refused is forgotten
+# first (it is then logged again at its next refusal).
+MAX_TRACKED_CALLERS = 1024
+
+
+def peer_host(peer: str) -> str:
+    """The address part of grpc's `context.peer()` ("ipv4:10.0.0.5:41234" ->
+    "10.0.0.5", "ipv6:[::1]:41234" -> "[::1]"); other forms are returned whole.
+
+    A proxy that reconnects comes from a new port: its refusals are one caller's.
+    """
+    kind, sep, rest = peer.partition(":")
+    if not sep or kind not in ("ipv4", "ipv6"):
+        return peer
+    host, colon, _port = rest.rpartition(":")
+    return host if colon else rest
+
+
+def proxy_name(request: Any) -> str:
+    """The proxy name a Register request gave ("" for any other request)."""
+    return request.proxy.name if isinstance(request, pb.RegisterRequest) else ""
+
+
+def caller(peer: str, name: str) -> str:
+    """Who made a call, for a log line: its peer address, and the proxy name
+    it gave if any."""
+    where = peer or "an unknown peer"
+    return f"{where} (proxy {name!r})" if name else where
+
+
+class RefusalLog:
+    """Logs refused calls at WARNING, one line per REFUSAL_LOG_EVERY_S for each
+    caller (address, proxy name), method and status. Not thread-safe: the
+    server's event loop is its only caller."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lines: OrderedDict[tuple[str, ...], Throttled] = OrderedDict()
+
+    def refused(self, method: str, refusal: Refusal, peer: str, request: Any) -> None:
+        code, message = refusal
+        name = proxy_name(request)
+        key = (peer_host(peer), name, method, code.name)
+        line = self._lines.pop(key, None) or Throttled(
+            log, every_s=REFUSAL_LOG_EVERY_S, clock=self._clock
+        )
+        self._lines[key] = line
+        while len(self._lines) > MAX_TRACKED_CALLERS:
+            self._lines.popitem(last=False)
+        line.log(
+            logging.WARNING,
+            "refused %s from %s: %s (%s)",
+            method,
+            caller(peer, name),
+            code.name,
+            message,
+        )
 
 
 def peer_role(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
@@ -98,11 +170,33 @@ class TokenGuard(grpc.aio.ServerInterceptor):
     certificate of the service's role."""
 
     def __init__(
-        self, *, bootstrap_token: str, admin_token: str, require_roles: bool = False
+        self,
+        *,
+        bootstrap_token: str,
+        admin_token: str,
+        require_roles: bool = False,
+        on_refused: Callable[[str, str], None] = lambda method, code: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`on_refused(method, code)` is called for each refused Routing call,
+        with the method's name without its service ("Register") and the
+        status code's name."""
         self._bootstrap = bootstrap_token
         self._admin = admin_token
         self._require_roles = require_roles
+        self._on_refused = on_refused
+        self._log = RefusalLog(clock)
+
+    def _refuse(
+        self,
+        method: str,
+        refusal: Refusal,
+        request: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        self._log.refused(method, refusal, context.peer() or "", request)
+        if method.startswith(ROUTING_PREFIX):
+            self._on_refused(method.removeprefix(ROUTING_PREFIX), refusal[0].name)
 
     def check(self, method: str, token: str) -> Refusal | None:
         """None when the call's token lets it proceed, else the status to refuse it with."""
@@ -166,10 +260,10 @@ class TokenGuard(grpc.aio.ServerInterceptor):
             return None
         refusal = self.check(method, _bearer(handler_call_details.invocation_metadata))
         if refusal is not None:
-            return _denied(handler, method, refusal)
+            return _denied(handler, method, refusal, self._refuse)
         if self._require_roles and _needed_role(method) is not None:
             # The peer's certificate is known to the call's context only.
-            return _role_checked(handler, method, self.check_role)
+            return _role_checked(handler, method, self.check_role, self._refuse)
         return handler
 
 
@@ -194,17 +288,18 @@ def handler_behaviour(handler: grpc.RpcMethodHandler[Any, Any]) -> Callable[...,
     return behaviour
 
 
-def _refuse(method: str, refusal: Refusal) -> None:
-    code, message = refusal
-    log.warning("refused %s: %s (%s)", method, code.name, message)
+# How a refusal is reported (TokenGuard._refuse): method, refusal, the request
+# (a request iterator when the client streams), the call's context.
+Report = Callable[[str, Refusal, Any, grpc.aio.ServicerContext[Any, Any]], None]
 
 
 def _denied(
-    handler: grpc.RpcMethodHandler[Any, Any], method: str, refusal: Refusal
+    handler: grpc.RpcMethodHandler[Any, Any], method: str, refusal: Refusal, report: Report
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    _refuse(method, refusal)
-
+    # Reported from the call, whose context knows the peer and whose request
+    # (Register's) names the proxy.
     async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        report(method, refusal, request, context)
         await context.abort(*refusal)
 
     return handler_factory(handler)(  # type: ignore[no-any-return]
@@ -218,14 +313,15 @@ def _role_checked(
     handler: grpc.RpcMethodHandler[Any, Any],
     method: str,
     check_role: Callable[[str, str | None], Refusal | None],
+    report: Report,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """`handler`, run only once the caller's certificate has the method's role."""
     behaviour = handler_behaviour(handler)
 
-    async def admit(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    async def admit(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         refusal = check_role(method, peer_role(context.auth_context()))
         if refusal is not None:
-            _refuse(method, refusal)
+            report(method, refusal, request, context)
             await context.abort(*refusal)
 
     wrapped: Callable[..., Any]
@@ -234,7 +330,7 @@ def _role_checked(
         async def stream(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            await admit(context)
+            await admit(request, context)
             async for reply in behaviour(request, context):
                 yield reply
 
@@ -242,7 +338,7 @@ def _role_checked(
     else:
 
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await admit(context)
+            await admit(request, context)
             return await behaviour(request, context)
 
         wrapped = call

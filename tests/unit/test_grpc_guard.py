@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import stat
 from collections.abc import AsyncIterator, Callable
@@ -21,10 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import ponto.pki
 from controlplane.api.admin import AdminService
-from controlplane.api.guard import TokenGuard, peer_role
+from controlplane.api.guard import MAX_TRACKED_CALLERS, RefusalLog, TokenGuard, peer_host, peer_role
 from controlplane.audit import AuditLog
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
+from controlplane.metrics import ControlMetrics
 from controlplane.model import Tenant
 from controlplane.store.memory import MemoryStore
 from ponto.grpcconn import (
@@ -194,12 +196,18 @@ async def control_server(
     admin_token: str = ADMIN,
     credentials: grpc.ServerCredentials | None = None,
     require_roles: bool = False,
+    on_refused: Callable[[str, str], None] = lambda method, code: None,
+    clock: Callable[[], float] = lambda: 0.0,
 ) -> AsyncIterator[tuple[str, Catalog]]:
     """The Admin and Health services behind TokenGuard, wired as controlplane.app does,
     and a fake Routing service (see FakeRouting)."""
     catalog = Catalog(MemoryStore())
     guard = TokenGuard(
-        bootstrap_token=bootstrap_token, admin_token=admin_token, require_roles=require_roles
+        bootstrap_token=bootstrap_token,
+        admin_token=admin_token,
+        require_roles=require_roles,
+        on_refused=on_refused,
+        clock=clock,
     )
     server = grpc.aio.server(interceptors=[guard])
     service = AdminService(
@@ -660,3 +668,145 @@ async def test_a_certificate_serves_only_its_role(bundle: Bundle) -> None:
             await asyncio.to_thread(list_tenants, admin_pb2_grpc.AdminStub(channel))
         assert refused.value.code() == denied
         assert "states no role" in str(refused.value.details())
+
+
+# ---------------------------------------------------------------- refusals: logged and counted
+
+
+class Clock:
+    """Monotonic seconds that move only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def refusal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "controlplane.api.guard" and r.getMessage().startswith("refused ")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("peer", "host"),
+    [
+        ("ipv4:10.0.0.5:41234", "10.0.0.5"),
+        ("ipv6:[::1]:41234", "[::1]"),
+        ("ipv6:%5B::1%5D:41234", "%5B::1%5D"),
+        ("unix:/run/ponto.sock", "unix:/run/ponto.sock"),
+        ("", ""),
+    ],
+)
+def test_peer_host_drops_the_port(peer: str, host: str) -> None:
+    assert peer_host(peer) == host
+
+
+def register(name: str) -> pb.RegisterRequest:
+    return pb.RegisterRequest(proxy=pb.ProxyInfo(name=name, region="us-east"))
+
+
+UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, "proxies must present the bootstrap token")
+
+
+def test_a_caller_refused_on_every_retry_is_logged_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    refusals = RefusalLog(clock)
+    method = "/ponto.v1.Routing/Register"
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        for port in range(3):  # a proxy retrying, reconnected from a new port each time
+            refusals.refused(
+                method, UNAUTHENTICATED, f"ipv4:10.0.0.5:{4000 + port}", register("p1")
+            )
+            clock.now += 5
+        # Another proxy on the same machine, and one elsewhere, are lines of their own.
+        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.5:5000", register("p2"))
+        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.6:4000", register("p1"))
+        clock.now += 60
+        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.5:4009", register("p1"))
+    assert refusal_lines(caplog) == [
+        f"refused {method} from ipv4:10.0.0.5:4000 (proxy 'p1'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token)",
+        f"refused {method} from ipv4:10.0.0.5:5000 (proxy 'p2'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token)",
+        f"refused {method} from ipv4:10.0.0.6:4000 (proxy 'p1'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token)",
+        f"refused {method} from ipv4:10.0.0.5:4009 (proxy 'p1'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token) (2 more not logged)",
+    ]
+
+
+def test_the_callers_tracked_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    refusals = RefusalLog(Clock())
+    method = "/ponto.v1.Routing/RouteStream"
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        for i in range(MAX_TRACKED_CALLERS + 1):
+            refusals.refused(method, UNAUTHENTICATED, f"ipv4:10.1.{i // 256}.{i % 256}:1", iter(()))
+        # The first caller was forgotten: it is logged again, the latest is not.
+        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.1.0.0:2", iter(()))
+        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.1.4.0:2", iter(()))
+    lines = refusal_lines(caplog)
+    assert len(lines) == MAX_TRACKED_CALLERS + 2
+    assert lines[-1] == (
+        f"refused {method} from ipv4:10.1.0.0:2: UNAUTHENTICATED "
+        "(proxies must present the bootstrap token)"
+    )
+
+
+async def test_refused_registrations_name_the_caller_and_are_counted(
+    bundle: Bundle, caplog: pytest.LogCaptureFixture
+) -> None:
+    bootstrap = read_secret(bundle.bootstrap_token_file, "bootstrap token")
+    admin_token = read_secret(bundle.admin_token_file, "admin token")
+    security = ServerSecurity(
+        tls_cert=bundle.path("server.crt"),
+        tls_key=bundle.path("server.key"),
+        tls_client_ca=bundle.ca,
+    )
+    metrics = ControlMetrics()
+    clock = Clock()
+
+    def options(name: str, token: str) -> ClientOptions:
+        return ClientOptions(
+            bundle.ca, bundle.path(f"{name}.crt"), bundle.path(f"{name}.key"), token=token
+        )
+
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        async with control_server(
+            bootstrap_token=bootstrap,
+            admin_token=admin_token,
+            credentials=security.server_credentials(),
+            require_roles=True,
+            on_refused=metrics.routing_refused,
+            clock=clock,
+        ) as (address, _):
+            # A wrong bootstrap token, twice (a retry); a certificate of the wrong role.
+            for _ in range(2):
+                await asyncio.to_thread(outcomes, address, options("proxy", "wrong"))
+            await asyncio.to_thread(outcomes, address, options("admin", bootstrap))
+            clock.now += 60
+            await asyncio.to_thread(outcomes, address, options("proxy", "wrong"))
+
+    def count(method: str, code: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "ponto_control_routing_refusals_total", {"method": method, "code": code}
+        )
+
+    assert count("Register", "UNAUTHENTICATED") == 3
+    assert count("RouteStream", "UNAUTHENTICATED") == 3
+    assert count("Register", "PERMISSION_DENIED") == 1
+    assert count("RouteStream", "PERMISSION_DENIED") == 1
+    # Admin refusals are counted with the Admin calls, not here.
+    assert count("ListTenants", "PERMISSION_DENIED") is None
+    registers = [line for line in refusal_lines(caplog) if "Routing/Register" in line]
+    assert len(registers) == 3, registers
+    wrong_token, wrong_role, again = registers
+    assert wrong_token.startswith("refused /ponto.v1.Routing/Register from ipv4:127.0.0.1:")
+    assert "(proxy 'p1'): UNAUTHENTICATED" in wrong_token
+    assert "(proxy 'p1'): PERMISSION_DENIED (a certificate of role admin" in wrong_role
+    assert again.endswith("(1 more not logged)")
