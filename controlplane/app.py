@@ -251,7 +251,12 @@ class ControlPlane:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.server.stop(grace)
+        # Stopping the server ends no stream by itself (each waits out the
+        # grace): the streams are ended here meanwhile, and their handlers
+        # awaited, which the server's stop does not do.
+        server_stopped = asyncio.create_task(self.server.stop(grace))
+        await self.routing.close(grace)
+        await server_stopped
         if self.health_server is not None:
             await self.health_server.stop(0)
         if self.web_runner is not None:

@@ -68,6 +68,31 @@ class RoutingService:
         self._write_timeout = write_timeout
         self.streams = 0
         self.slow_closed = 0
+        # Set by close(): streams end, and new ones end at once.
+        self._closing = asyncio.Event()
+        # The tasks running route_stream, until each has unregistered its proxy.
+        self._handlers: set[asyncio.Task[Any]] = set()
+
+    async def close(self, grace: float) -> None:
+        """End every route stream (UNAVAILABLE, so proxies move to another
+        replica) and return once their handlers have finished, unregistering
+        their proxies; a handler still running after `grace` s is cancelled
+        and awaited. Called once the replica is stopping; streams opened
+        afterwards end at once.
+
+        The replica must not return from its shutdown before then: gRPC leaves
+        a stream's handler running after the server stopped, and the handler
+        task asyncio.run cancels last is logged by gRPC as an ERROR with
+        CancelledError tracebacks.
+        """
+        self._closing.set()
+        if not self._handlers:
+            return
+        _, late = await asyncio.wait(set(self._handlers), timeout=grace)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -109,6 +134,17 @@ class RoutingService:
         requests: AsyncIterator[pb.RouteRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
+        await self._route_stream(requests, context)
+
+    async def _route_stream(
+        self,
+        requests: AsyncIterator[pb.RouteRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
         try:
             first = await anext(requests)
         except StopAsyncIteration:
@@ -136,6 +172,7 @@ class RoutingService:
         hub = self._loads
         sent_loads = 0
         loads: asyncio.Future[tuple[int, bytes]] | None = None
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
             while not reader.done():
                 if tables is None:
@@ -148,12 +185,18 @@ class RoutingService:
                     )
                 if loads is None and hub is not None:
                     loads = asyncio.ensure_future(hub.next_after(sent_loads))
-                waiting: set[asyncio.Future[Any]] = {tables, reader}
+                waiting: set[asyncio.Future[Any]] = {tables, reader, closing}
                 if quotas is not None:
                     waiting.add(quotas)
                 if loads is not None:
                     waiting.add(loads)
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if closing in done:
+                    context.set_code(grpc.StatusCode.UNAVAILABLE)
+                    context.set_details(
+                        f"control plane {self._registry.replica_id} is shutting down"
+                    )
+                    break
                 if reader in done or session_id not in self._registry.sessions:
                     break  # the proxy left, or registered again on a new stream
                 payloads = []
@@ -186,7 +229,7 @@ class RoutingService:
         finally:
             self.streams -= 1
             reader.cancel()
-            for waiter in (tables, quotas, loads):
+            for waiter in (tables, quotas, loads, closing):
                 if waiter is not None:
                     waiter.cancel()
             if self._quotas is not None:
