@@ -1191,7 +1191,7 @@ def connect(
             return address, channel
         channel.close()
         print(
-            f"warning: control plane at {address} did not connect within {timeout:g} s; "
+            f"warning: no connection to the control plane at {address} within {timeout:g} s; "
             "trying the next",
             file=sys.stderr,
         )

@@ -94,7 +94,7 @@ def test_a_replica_that_refuses_connections_is_passed_over(
     code, out, err = get(capsys, f"{down},{at_b}")
     assert code == 0 and '"cp-b"' in out and (a.calls, b.calls) == (0, 1)
     assert err.splitlines() == [
-        f"warning: control plane at {down} did not connect within 3 s; trying the next"
+        f"warning: no connection to the control plane at {down} within 3 s; trying the next"
     ]
 
 
