@@ -1187,31 +1187,35 @@ def connect(
     """
     for address in addresses[:-1]:
         channel = conn.admin_channel(address, options)
-        if _connects(channel, timeout):
+        state = _connects(channel, timeout)
+        if state is grpc.ChannelConnectivity.READY:
             return address, channel
+        # Else a refused connection, a name that does not resolve, or a TLS
+        # handshake that failed (a certificate the CA did not sign: a
+        # misconfiguration, or someone in between), in gRPC's words.
+        why = f"no connection within {timeout:g} s" if state is None else _failure(channel)
         channel.close()
         print(
-            f"warning: no connection to the control plane at {address} within {timeout:g} s; "
-            "trying the next",
+            f"warning: cannot use the control plane at {address}: {why}; trying the next",
             file=sys.stderr,
         )
     return addresses[-1], conn.admin_channel(addresses[-1], options)
 
 
-def _connects(channel: grpc.Channel, timeout: float) -> bool:
-    """Whether channel becomes READY within timeout (False as soon as it fails)."""
+def _connects(channel: grpc.Channel, timeout: float) -> grpc.ChannelConnectivity | None:
+    """READY, or the failure state, as soon as channel settles; None when it
+    did neither within timeout."""
     settled = threading.Event()
-    ready = False
+    state: grpc.ChannelConnectivity | None = None
 
-    def watch(state: grpc.ChannelConnectivity) -> None:
-        nonlocal ready
-        if state is grpc.ChannelConnectivity.READY:
-            ready = True
-            settled.set()
-        elif state in (
+    def watch(now: grpc.ChannelConnectivity) -> None:
+        nonlocal state
+        if now in (
+            grpc.ChannelConnectivity.READY,
             grpc.ChannelConnectivity.TRANSIENT_FAILURE,
             grpc.ChannelConnectivity.SHUTDOWN,
         ):
+            state = now
             settled.set()
 
     channel.subscribe(watch, try_to_connect=True)
@@ -1219,7 +1223,23 @@ def _connects(channel: grpc.Channel, timeout: float) -> bool:
         settled.wait(timeout)
     finally:
         channel.unsubscribe(watch)
-    return ready
+    return state
+
+
+def _failure(channel: grpc.Channel) -> str:
+    """Why channel failed to connect, as gRPC tells a call on it. The call is
+    the standard health check, which carries no token: nothing of the
+    operator's leaves for an address that could not be trusted."""
+    check: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+        "/grpc.health.v1.Health/Check"
+    )
+    try:
+        check(b"", timeout=1.0)
+    except grpc.RpcError as exc:
+        code = getattr(exc, "code", lambda: None)()
+        details = getattr(exc, "details", lambda: "")()
+        return " ".join(str(part) for part in (getattr(code, "name", code), details) if part)
+    return "it connected only after failing once"
 
 
 def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> int:

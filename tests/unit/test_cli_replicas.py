@@ -93,9 +93,9 @@ def test_a_replica_that_refuses_connections_is_passed_over(
     down = f"127.0.0.1:{free_port()}"
     code, out, err = get(capsys, f"{down},{at_b}")
     assert code == 0 and '"cp-b"' in out and (a.calls, b.calls) == (0, 1)
-    assert err.splitlines() == [
-        f"warning: no connection to the control plane at {down} within 3 s; trying the next"
-    ]
+    [warning] = err.splitlines()
+    assert warning.startswith(f"warning: cannot use the control plane at {down}: UNAVAILABLE")
+    assert "Connection refused" in warning and warning.endswith("; trying the next")
 
 
 def test_when_none_answers_the_last_ones_failure_is_the_error(
@@ -143,3 +143,35 @@ def test_a_list_naming_no_address_is_refused(
         err.startswith("error: pontoctl: argument --control-plane:") and "names no HOST:PORT" in err
     )
     assert len(err.splitlines()) == 1
+
+
+def test_a_replica_whose_certificate_the_ca_did_not_sign_is_skipped_with_why(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The first address presents a certificate from another CA (a
+    misconfigured replica, or someone in between): pontoctl moves on to the
+    next replica, and its warning says the certificate failed (review 15: it
+    said "no connection within 3 s")."""
+    ours: Bundle = make_bundle(tmp_path / "ours")
+    theirs: Bundle = make_bundle(tmp_path / "theirs")
+
+    def creds(bundle: Bundle) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [
+                (
+                    Path(bundle.path("server.key")).read_bytes(),
+                    Path(bundle.path("server.crt")).read_bytes(),
+                )
+            ]
+        )
+
+    impostor, real = Replica("impostor"), Replica("real")
+    impostor_server, at_impostor = serve(impostor, creds(theirs))
+    real_server, at_real = serve(real, creds(ours))
+    try:
+        code, out, err = get(capsys, f"{at_impostor},{at_real}", "--tls-ca", ours.ca)
+    finally:
+        impostor_server.stop(None)
+        real_server.stop(None)
+    assert code == 0 and '"real"' in out and impostor.calls == 0
+    assert "within 3 s" not in err and any(w in err.lower() for w in ("tls", "certificate")), err
