@@ -115,9 +115,13 @@ def _cert(
     ca: bool = False,
     server_names: tuple[str, ...] = (),
     role: str | None = None,
+    valid: tuple[datetime.datetime, datetime.datetime] | None = None,
 ) -> x509.Certificate:
-    """A certificate; `role` makes it a client's ("": one that states no role)."""
+    """A certificate; `role` makes it a client's ("": one that states no role).
+    `valid`: (not before, not after), by default from five minutes ago for
+    VALIDITY."""
     now = datetime.datetime.now(datetime.UTC)
+    not_before, not_after = valid or (now - datetime.timedelta(minutes=5), now + VALIDITY)
     issuer_name, issuer_key = issuer or (_name(subject), key)
     builder = (
         x509.CertificateBuilder()
@@ -125,8 +129,8 @@ def _cert(
         .issuer_name(issuer_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + VALIDITY)
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if ca:
@@ -179,13 +183,45 @@ def _save(
     (directory / f"{name}.key").chmod(0o600)
 
 
-def add_client(bundle: Bundle, name: str, *, role: str, common_name: str = "") -> Bundle:
+def add_client(
+    bundle: Bundle,
+    name: str,
+    *,
+    role: str,
+    common_name: str = "",
+    valid: tuple[datetime.datetime, datetime.datetime] | None = None,
+) -> Bundle:
     """Issue a client certificate from the bundle's CA as `name`.{crt,key}.
 
     `role` is one of ponto.roles.ROLES, stated as a URI name; "" states none (as
     certificates made before roles did, unless their common name is
-    `ponto-<role>`). `common_name` defaults to `ponto-<name>`.
+    `ponto-<role>`). `common_name` defaults to `ponto-<name>`. `valid`: (not
+    before, not after), for tests of expired or not yet valid certificates.
     """
+    return _issue(bundle, name, common_name or f"ponto-{name}", role=role, valid=valid)
+
+
+def add_server(
+    bundle: Bundle,
+    name: str,
+    server_names: tuple[str, ...] = ("localhost", "127.0.0.1", "::1"),
+    *,
+    valid: tuple[datetime.datetime, datetime.datetime] | None = None,
+) -> Bundle:
+    """Issue a control-plane certificate from the bundle's CA as `name`.{crt,key}
+    (as `server` is), e.g. one already expired (`valid`)."""
+    return _issue(bundle, name, "ponto-control", server_names=server_names, valid=valid)
+
+
+def _issue(
+    bundle: Bundle,
+    name: str,
+    common_name: str,
+    *,
+    role: str | None = None,
+    server_names: tuple[str, ...] = (),
+    valid: tuple[datetime.datetime, datetime.datetime] | None = None,
+) -> Bundle:
     directory = bundle.directory
     ca = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
     ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
@@ -193,7 +229,14 @@ def add_client(bundle: Bundle, name: str, *, role: str, common_name: str = "") -
     old_umask = os.umask(0o077)
     try:
         key = _key()
-        cert = _cert(common_name or f"ponto-{name}", key, (ca.subject, ca_key), role=role)
+        cert = _cert(
+            common_name,
+            key,
+            (ca.subject, ca_key),
+            role=role,
+            server_names=server_names,
+            valid=valid,
+        )
         _save(directory, name, cert, key)
     finally:
         os.umask(old_umask)
