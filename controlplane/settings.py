@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import socket
 from dataclasses import dataclass, field
@@ -218,7 +219,9 @@ def parse(argv: list[str]) -> Settings:
             if a.admin_token_file
             else "",
         )
-        security.server_credentials()  # fail at start, not on the first call
+        # Fail at start, in one line, not on binding or the first call.
+        security.check_files(datetime.datetime.now(datetime.UTC))
+        security.server_credentials()
     except CredentialError as exc:
         p.error(str(exc))
     return Settings(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import socket
 from dataclasses import dataclass, field, replace
@@ -400,9 +401,14 @@ def parse(argv: list[str]) -> Settings:
             read_secret(a.bootstrap_token_file, "bootstrap token")
             if a.bootstrap_token_file
             else "",
+            f"the file {a.bootstrap_token_file} (--bootstrap-token-file)"
+            if a.bootstrap_token_file
+            else "",
         )
         if credentials.secure:
-            credentials.channel_credentials()  # fail now on unreadable files
+            # Fail now, in one line: gRPC would retry a mismatched key forever.
+            credentials.check_files(datetime.datetime.now(datetime.UTC))
+            credentials.channel_credentials()
     except CredentialError as exc:
         p.error(str(exc))
     if a.cache_max_mb < 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from ponto import tlsfiles
 
 ENV_TLS_CA = "PONTO_TLS_CA"
 ENV_TLS_CERT = "PONTO_TLS_CERT"
@@ -81,6 +84,25 @@ class ClientOptions:
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def check_files(self, now: datetime.datetime) -> None:
+        """Read the TLS files and check them as gRPC cannot say clearly: the CA
+        holds certificates, the key is the certificate's, and the certificate
+        is valid at `now`. CredentialError naming the file; nothing without TLS."""
+        if not self.secure:
+            return
+        try:
+            tlsfiles.certificates(read_bytes(self.tls_ca, "TLS CA"), self.tls_ca, "TLS CA")
+            if self.tls_cert:
+                cert = tlsfiles.check_pair(
+                    read_bytes(self.tls_cert, "TLS certificate"),
+                    self.tls_cert,
+                    read_bytes(self.tls_key, "TLS key"),
+                    self.tls_key,
+                )
+                tlsfiles.check_validity(cert, self.tls_cert, "client certificate", now)
+        except tlsfiles.TlsFileError as exc:
+            raise CredentialError(str(exc)) from None
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
@@ -231,6 +253,26 @@ class ServerSecurity:
             raise CredentialError("--tls-client-ca needs --tls-cert and --tls-key")
         if self.bootstrap_token and self.bootstrap_token == self.admin_token:
             raise CredentialError("the admin token must differ from the bootstrap token")
+
+    def check_files(self, now: datetime.datetime) -> None:
+        """As ClientOptions.check_files, for the server's certificate, key and
+        client CA; a server given a key not its certificate's would otherwise
+        fail to bind, which reads as a port in use."""
+        if not self.tls_cert:
+            return
+        try:
+            cert = tlsfiles.check_pair(
+                read_bytes(self.tls_cert, "TLS certificate"),
+                self.tls_cert,
+                read_bytes(self.tls_key, "TLS key"),
+                self.tls_key,
+            )
+            tlsfiles.check_validity(cert, self.tls_cert, "TLS certificate", now)
+            if self.tls_client_ca:
+                pem = read_bytes(self.tls_client_ca, "TLS client CA")
+                tlsfiles.certificates(pem, self.tls_client_ca, "TLS client CA")
+        except tlsfiles.TlsFileError as exc:
+            raise CredentialError(str(exc)) from None
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls_cert:
