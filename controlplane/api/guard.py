@@ -222,9 +222,16 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         if method.startswith(ROUTING_PREFIX) and self._bootstrap:
             if _same(token, self._bootstrap):
                 return None
+            if not token:
+                return (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "proxies must present the bootstrap token (authorization: Bearer ...)",
+                )
+            # As for the admin token: a proxy whose file holds a wrong token
+            # is sent to that file, not told to give one.
             return (
                 grpc.StatusCode.UNAUTHENTICATED,
-                "proxies must present the bootstrap token (authorization: Bearer ...)",
+                "the bootstrap token given is not this control plane's bootstrap token",
             )
         return None
 

@@ -192,6 +192,10 @@ def test_calls_without_the_right_credential_are_refused(fleet: Fleet) -> None:
                 metadata=(("authorization", "Bearer not-the-token"),),
             )
         assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # ... and is told apart from none, without being echoed.
+        assert "not this control plane's bootstrap token" in str(wrong.value.details())
+        assert "must present" in str(no_token.value.details())
+        assert "not-the-token" not in str(wrong.value.details())
         # The proxy credential cannot call the Admin API.
         admin = admin_pb2_grpc.AdminStub(ch)
         with pytest.raises(grpc.RpcError) as denied:
