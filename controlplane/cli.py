@@ -6,7 +6,9 @@ control plane refused as INVALID_ARGUMENT), found before anything is written;
 exists, unreachable, not allowed). Every error is one message on stderr,
 never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
-its cause points to (`unreachable`). Warnings the control plane sends with a successful reply
+its cause points to (ponto.linkadvice); a client certificate out of its dates
+or a key not its certificate's is refused before any call (exit code 2).
+Warnings the control plane sends with a successful reply
 (an alias to a model no origin serves, a routing policy or hedge delay for
 such a model, a drain that leaves a model no origin, an undrained origin its
 drained region keeps from traffic, an undrained region whose origins are all
@@ -36,6 +38,7 @@ if _QUIET_GRPC:
     del os.environ["GRPC_VERBOSITY"]
 
 import argparse
+import datetime
 import json
 import sys
 import threading
@@ -64,6 +67,7 @@ from controlplane.model import (
     Tenant,
 )
 from ponto import grpcconn as conn
+from ponto import linkadvice
 from ponto.apikeys import key_expired
 from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
@@ -1137,6 +1141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         options = conn.ClientOptions.from_args(args)
+        # A key not the certificate's, or a certificate out of its dates, said
+        # as such: the control plane's refusal would blame the CA.
+        options.check_files(datetime.datetime.now(datetime.UTC))
         address, channel = connect(args.control_plane, options)  # reads the TLS files
     except conn.CredentialError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -1250,7 +1257,7 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
         print(f"error: {detail}", file=sys.stderr)
         return 2
     if code == grpc.StatusCode.UNAVAILABLE and "state store" not in detail:
-        detail = unreachable(detail, address, options)
+        detail = linkadvice.unreachable(detail, address, options)
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         if "not this control plane's" in detail:
             detail += f"; check the admin token in {options.token_source or 'use'}"
@@ -1263,71 +1270,6 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
     name = code.name if code is not None else "UNKNOWN"
     print(f"error: {detail} [{name}]", file=sys.stderr)
     return 1
-
-
-def unreachable(detail: str, address: str, options: conn.ClientOptions) -> str:
-    """The message of a call that never reached the control plane (UNAVAILABLE
-    with gRPC's `detail`): what gRPC said, and the TLS setting to look at when
-    its words show which one failed. Pure.
-
-    The words matched are gRPC core's (BoringSSL's reasons inside them); a
-    wording they miss still gets gRPC's detail and the general advice.
-    """
-    said = detail.lower()
-    where = f"control plane at {address}"
-    if not options.secure:
-        return (
-            f"{where} is unreachable ({detail}); if it requires TLS, give --tls-ca, --tls-cert "
-            "and --tls-key (or PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
-        )
-    if "wrong_version_number" in said:  # the answer to our ClientHello was no TLS
-        return (
-            f"{where} does not answer TLS ({detail}); if it runs without TLS, leave out "
-            "--tls-ca, --tls-cert and --tls-key (and PONTO_TLS_CA, PONTO_TLS_CERT, PONTO_TLS_KEY)"
-        )
-    if "hostname verification" in said:
-        return (
-            f"TLS handshake with the {where} failed: its certificate does not list the "
-            f"name or address used to reach it ({detail}); give --control-plane one it lists"
-        )
-    if "handshake failed" in said and "certificate" in said:  # e.g. CERTIFICATE_VERIFY_FAILED
-        return (
-            f"TLS handshake with the {where} failed: its certificate is not trusted by the "
-            f"CA in {options.tls_ca} ({detail}); give the CA that signed the control plane's "
-            "certificate with --tls-ca (or PONTO_TLS_CA)"
-        )
-    if "handshake failed" in said:
-        return f"TLS handshake with the {where} failed ({detail})"
-    if "security handshaker" in said:
-        # The client's own TLS files are unusable: gRPC says the same of a CA,
-        # a certificate or a key it cannot read, or a key not the certificate's.
-        check = (
-            f"that the CA {options.tls_ca}, the client certificate {options.tls_cert} and "
-            f"key {options.tls_key} are PEM files and that the key is the certificate's"
-            if options.tls_cert
-            else f"that the CA {options.tls_ca} is a PEM file"
-        )
-        return (
-            f"{where} is unreachable: the TLS files given cannot be used ({detail}); check {check}"
-        )
-    message = f"{where} is unreachable ({detail})"
-    if "socket closed" not in said:
-        # Nothing was reached (connection refused, a name that does not
-        # resolve, no route): no TLS setting would help.
-        return message
-    if not options.tls_cert:
-        # Under mutual TLS the control plane ends the handshake of a client
-        # without a certificate, which gRPC reports as "Socket closed".
-        return (
-            f"{message}; no client certificate was given and a control plane with mutual "
-            "TLS requires one: give --tls-cert and --tls-key (or PONTO_TLS_CERT and "
-            "PONTO_TLS_KEY)"
-        )
-    return (
-        f"{message}; a control plane with mutual TLS closes the connection when it does "
-        f"not trust the client certificate: check that {options.tls_cert} is signed by "
-        "its client CA (ponto-control --tls-client-ca)"
-    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ QuotaState (dataplane.sync.quota); origin loads to whoever passed `on_loads`
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -20,7 +21,8 @@ from prometheus_client.registry import Collector
 
 from dataplane.routes import TableError
 from dataplane.sync.holder import TableHolder
-from ponto.grpcconn import ClientOptions, aio_channel
+from ponto import linkadvice
+from ponto.grpcconn import ClientOptions, CredentialError, aio_channel
 from ponto.v1 import routing_pb2 as pb
 from ponto.v1 import routing_pb2_grpc
 
@@ -107,6 +109,7 @@ class ControlPlaneClient:
         report_interval: float = 1.0,
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
+        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         if not addresses:
             raise ValueError("no control plane address")
@@ -123,6 +126,10 @@ class ControlPlaneClient:
         self._demand = demand
         self._traffic = traffic
         self._report_interval = report_interval
+        self._clock = clock
+        # The last failure logged of each address: a retry that fails the
+        # same way is logged at debug, so the cause stays readable in the log.
+        self._said: dict[str, str] = {}
         self.connected = False
         self.quota_generation = 0
         self.loads_generation = 0
@@ -154,9 +161,9 @@ class ControlPlaneClient:
             try:
                 got_table = await self._session(address)
             except grpc.aio.AioRpcError as exc:
-                log.warning("control plane %s: %s %s", address, exc.code().name, exc.details())
-            except OSError as exc:
-                log.warning("control plane %s: %s", address, exc)
+                self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
+            except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
+                self._say(address, f"control plane at {address}: {exc}")
             finally:
                 self.connected = False
                 if self._on_lost is not None:
@@ -166,6 +173,28 @@ class ControlPlaneClient:
             # Full jitter keeps a fleet from reconnecting in lockstep.
             await asyncio.sleep(random.uniform(self._backoff_min, backoff))  # noqa: S311
             backoff = min(backoff * 2, self._backoff_max)
+
+    def _problem(self, address: str, code: str, detail: str) -> str:
+        """The log line of a failed session: gRPC's words and what to fix; for
+        a connection the control plane closed, first this proxy's own
+        certificate, which may have expired since the proxy started."""
+        if code == "UNAVAILABLE" and self._credentials.tls_cert:
+            try:
+                self._credentials.check_files(self._clock())
+            except CredentialError as exc:
+                return (
+                    f"control plane at {address} is unreachable: {exc}; give a valid one "
+                    "with --tls-cert and --tls-key [UNAVAILABLE]"
+                )
+        return linkadvice.proxy_refused(code, detail, address, self._credentials)
+
+    def _say(self, address: str, problem: str) -> None:
+        """Log `problem` as a warning unless it is what `address` last failed with."""
+        if self._said.get(address) == problem:
+            log.debug("%s (again)", problem)
+            return
+        self._said[address] = problem
+        log.warning("%s; retrying", problem)
 
     async def _session(self, address: str) -> bool:
         options = [
@@ -196,6 +225,7 @@ class ControlPlaneClient:
 
             call = stub.RouteStream(requests(), metadata=metadata)
             self.connects += 1
+            self._said.pop(address, None)  # a later failure is news again
             log.info("connected to control plane %s (%s)", address, reg.control_plane_id)
             reporter = asyncio.create_task(self._report(reg.session_id, outbox))
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import yaml
 from controlplane.cli import main as pontoctl
 from ponto.devenv import free_port
 from ponto.fleet import Fleet
-from ponto.pki import make_bundle
+from ponto.pki import add_client, make_bundle
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -587,6 +588,9 @@ def run_pontoctl(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess
     )
 
 
+DAY = datetime.timedelta(days=1)
+
+
 def test_tls_failures_are_one_line_naming_what_to_fix(tmp_path: Path) -> None:
     """The operator's trial: PONTO_TLS_CA without a client certificate got a bare
     "Socket closed", and a wrong CA a line of gRPC core's log before the error."""
@@ -617,15 +621,25 @@ def test_tls_failures_are_one_line_naming_what_to_fix(tmp_path: Path) -> None:
                 [],
                 f"check that {other.path('admin.crt')} is signed by its client CA",
             ),
-            (  # gRPC core logs this one at ERROR, three lines twice
+            (  # found before any call (gRPC core would log it at ERROR, three lines twice)
                 {**b.admin_env(), "PONTO_TLS_KEY": b.path("proxy.key")},
                 [],
-                "and that the key is the certificate's",
+                f"the key in {b.path('proxy.key')} is not the key of certificate "
+                f"{b.path('admin.crt')}",
+            ),
+            (  # its own certificate expired: not blamed on the control plane's CA
+                {**b.admin_env(), "PONTO_TLS_CERT": b.path("old-admin.crt"),
+                 "PONTO_TLS_KEY": b.path("old-admin.key")},
+                [],
+                f"the client certificate {b.path('old-admin.crt')} expired on ",
             ),
         ]  # fmt: skip
+        now = datetime.datetime.now(datetime.UTC)
+        add_client(b, "old-admin", role="admin", valid=(now - 2 * DAY, now - DAY))
         for env, flags, hint in cases:
             done = run_pontoctl(env, "--control-plane", address, *flags, "get", "regions")
-            assert done.returncode == 1, done
+            # What pontoctl finds wrong with its own files is exit code 2.
+            assert done.returncode == (2 if "the key in" in hint or "expired" in hint else 1), done
             assert done.stderr.startswith("error: ") and hint in done.stderr, done.stderr
             assert len(done.stderr.splitlines()) == 1, done.stderr
             assert done.stdout == ""

@@ -96,6 +96,12 @@ WRONG_NAME = _FAILED + (
     "UNAUTHENTICATED: Hostname Verification Check failed."
 )
 BAD_KEY = _FAILED + "UNKNOWN: ipv4:127.0.0.1:7000: Failed to create security handshaker."
+_VERIFY = _FAILED + (
+    "UNKNOWN: ipv4:127.0.0.1:7000: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: "
+    "error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: "
+)
+SERVER_EXPIRED = _VERIFY + "certificate has expired: OK"
+SERVER_NOT_YET_VALID = _VERIFY + "certificate is not yet valid: OK"
 REFUSED = _FAILED + (
     "UNKNOWN: ipv4:127.0.0.1:7000: Failed to connect to remote host: Connection refused"
 )
@@ -119,6 +125,9 @@ MUTUAL = ClientOptions("ca.crt", "admin.crt", "admin.key")
         (NOT_TLS, CA_ONLY, "does not answer TLS", "trusted"),
         (WRONG_NAME, MUTUAL, "its certificate does not list the name or address", "trusted"),
         (BAD_KEY, MUTUAL, "and that the key is the certificate's", "trusted"),
+        # The control plane's certificate out of its dates: no CA would help.
+        (SERVER_EXPIRED, MUTUAL, "failed: its certificate has expired", "--tls-ca"),
+        (SERVER_NOT_YET_VALID, CA_ONLY, "failed: its certificate is not yet valid", "--tls-ca"),
         (BAD_KEY, CA_ONLY, "check that the CA ca.crt is a PEM file", "certificate"),
         # Nothing listens: no TLS advice, which would send the operator the wrong way.
         (REFUSED, CA_ONLY, "is unreachable (", "certificate"),
