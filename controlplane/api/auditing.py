@@ -253,6 +253,14 @@ def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:
     return f"cache/{req.tenant or '*'}", {"model": req.model or "*"}
 
 
+# What the per-object changes of an Apply entry may take, and each of them:
+# with the entry's other fields at their bounds (controlplane.audit), the
+# entry stays within MAX_ENTRY_BYTES, so the trail keeps every key written and
+# `more` counts exactly what it left out.
+APPLY_CHANGES_BYTES = 1200
+APPLY_CHANGE_CHARS = 120
+
+
 def apply(req: apb.ApplyRequest, resp: apb.ApplyResponse | None) -> Description:
     """prune; the objects created, updated and deleted (each a list of kind/name);
     then, for each updated object, `kind/name`: what it changed, as pontoctl's
@@ -269,10 +277,18 @@ def apply(req: apb.ApplyRequest, resp: apb.ApplyResponse | None) -> Description:
         told = [c for c in changed if c.changes]
         room = MAX_DETAIL_KEYS - len(detail)
         if len(told) > room:
-            room -= 1
-            detail["more"] = f"{len(told) - room} more objects' changes not shown"
+            room -= 1  # for `more`
+        budget, shown = APPLY_CHANGES_BYTES, {}
         for c in told[:room]:
-            detail[f"{c.kind}/{c.name}"] = change_text(
-                (f.path, f.before, f.after) for f in c.changes
-            )
+            key = f"{c.kind}/{c.name}"
+            text = change_text((f.path, f.before, f.after) for f in c.changes)
+            if len(text) > APPLY_CHANGE_CHARS:
+                text = text[: APPLY_CHANGE_CHARS - 3] + "..."
+            size = len(json.dumps([key, text], ensure_ascii=False).encode())
+            if size > budget:
+                break
+            shown[key], budget = text, budget - size
+        if len(shown) < len(told):
+            detail["more"] = f"{len(told) - len(shown)} more objects' changes not shown"
+        detail.update(shown)
     return "topology", detail

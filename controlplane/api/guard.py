@@ -84,16 +84,25 @@ def proxy_name(request: Any) -> str:
     return request.proxy.name if isinstance(request, pb.RegisterRequest) else ""
 
 
+# A proxy name in a log line: a Register request is read before its token is
+# checked, so its name is anyone's, up to the server's message size.
+MAX_LOGGED_NAME = 64
+
+
 def caller(peer: str, name: str) -> str:
     """Who made a call, for a log line: its peer address, and the proxy name
-    it gave if any."""
+    it gave if any (its first MAX_LOGGED_NAME characters)."""
     where = peer or "an unknown peer"
+    if len(name) > MAX_LOGGED_NAME:
+        name = name[:MAX_LOGGED_NAME] + "..."
     return f"{where} (proxy {name!r})" if name else where
 
 
 class RefusalLog:
     """Logs refused calls at WARNING, one line per REFUSAL_LOG_EVERY_S for each
-    caller (address, proxy name), method and status. Not thread-safe: the
+    caller's address, method and status (the line names the proxy the call
+    gave, cut to MAX_LOGGED_NAME: a name is the caller's choice, so a throttle
+    by name would let one address log a line per call). Not thread-safe: the
     server's event loop is its only caller."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -103,7 +112,7 @@ class RefusalLog:
     def refused(self, method: str, refusal: Refusal, peer: str, request: Any) -> None:
         code, message = refusal
         name = proxy_name(request)
-        key = (peer_host(peer), name, method, code.name)
+        key = (peer_host(peer), method, code.name)
         line = self._lines.pop(key, None) or Throttled(
             log, every_s=REFUSAL_LOG_EVERY_S, clock=self._clock
         )

@@ -592,3 +592,36 @@ async def test_apply_records_what_each_updated_object_changes_within_the_bound(
     shown = [k for k in grown.detail if k.startswith("tenant/")]
     assert grown.detail["more"] == f"{20 - len(shown)} more objects' changes not shown"
     assert grown.detail["tenant/t00"] == 'limits {"rpm":10} -> removed'
+
+
+def test_an_apply_entry_s_more_counts_exactly_what_the_trail_left_out() -> None:
+    """Long changes of many objects: the entry still fits MAX_ENTRY_BYTES
+    without the trail dropping keys, so `more` is exact (review 15: it was
+    counted before the trail halved the keys, and said 7 where 15 were left out)."""
+    long = '"' + "a" * 150 + '"'
+    changes = [
+        apb.Change(
+            kind="tenant",
+            name=f"t{i:02d}",
+            action="updated",
+            fields=["prompt"],
+            changes=[apb.FieldChange(path="prompt.system_prompt", before=long, after=long[::-1])],
+        )
+        for i in range(20)
+    ]
+    description = auditing.apply(apb.ApplyRequest(), apb.ApplyResponse(changes=changes))
+    assert description is not None
+    entry = audit.AuditEntry(
+        time=1.0,
+        actor="a" * 300,
+        action="Apply",
+        target="topology",
+        source="s" * 300,
+        replica="r" * 300,
+        detail=description[1],
+    )
+    kept = orjson.loads(audit._bounded(entry))["detail"]
+    shown = [k for k in kept if k.startswith("tenant/")]
+    assert "more" in kept, kept
+    said = int(kept["more"].split()[0])
+    assert said == 20 - len(shown), f"{kept['more']!r}, but {len(shown)} of 20 shown"

@@ -724,21 +724,37 @@ def test_a_caller_refused_on_every_retry_is_logged_once_a_minute(
                 method, UNAUTHENTICATED, f"ipv4:10.0.0.5:{4000 + port}", register("p1")
             )
             clock.now += 5
-        # Another proxy on the same machine, and one elsewhere, are lines of their own.
+        # Another proxy on the same machine is throttled with it (a name is
+        # the caller's choice); one elsewhere is a line of its own.
         refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.5:5000", register("p2"))
         refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.6:4000", register("p1"))
         clock.now += 60
-        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.5:4009", register("p1"))
+        refusals.refused(method, UNAUTHENTICATED, "ipv4:10.0.0.5:4009", register("p2"))
     assert refusal_lines(caplog) == [
         f"refused {method} from ipv4:10.0.0.5:4000 (proxy 'p1'): UNAUTHENTICATED "
         "(proxies must present the bootstrap token)",
-        f"refused {method} from ipv4:10.0.0.5:5000 (proxy 'p2'): UNAUTHENTICATED "
-        "(proxies must present the bootstrap token)",
         f"refused {method} from ipv4:10.0.0.6:4000 (proxy 'p1'): UNAUTHENTICATED "
         "(proxies must present the bootstrap token)",
-        f"refused {method} from ipv4:10.0.0.5:4009 (proxy 'p1'): UNAUTHENTICATED "
-        "(proxies must present the bootstrap token) (2 more not logged)",
+        f"refused {method} from ipv4:10.0.0.5:4009 (proxy 'p2'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token) (3 more not logged)",
     ]
+
+
+def test_a_name_the_caller_chooses_neither_grows_the_log_nor_escapes_the_throttle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Register is read before its token is checked: its name is anyone's, up
+    # to the server's 4 MiB message size (review 15).
+    refusals = RefusalLog(Clock())
+    method = "/ponto.v1.Routing/Register"
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        for i in range(200):  # a new name and port each time, within a second
+            refusals.refused(
+                method, UNAUTHENTICATED, f"ipv4:10.9.9.9:{i}", register(f"{i}" * 2**16)
+            )
+    [line] = refusal_lines(caplog)
+    assert len(line) < 300
+    assert sum(len(part) for key in refusals._lines for part in key) < 1024
 
 
 def test_the_callers_tracked_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
