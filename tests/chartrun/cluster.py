@@ -13,9 +13,8 @@ What it does as Kubernetes would:
   resolved; a failed liveness probe restarts the container.
 - **Services**: an address each; names resolve through /etc/hosts in every pod
   (``svc``, ``svc.ns``, ``svc.ns.svc``, ``svc.ns.svc.<domain>``); ports forwarded
-  to ready endpoints only (headless Services: no address of their own, their
-  names resolve to every ready pod's address, and every pod has its own name;
-  ready or not with ``publishNotReadyAddresses``).
+  to ready endpoints only (headless Services: every pod's own name, ready or not
+  with ``publishNotReadyAddresses``).
 - **Workloads**: Deployments (replicas, or the HPA's minReplicas; rolling updates
   with maxSurge/maxUnavailable; a pod leaves its endpoints before its preStop hook
   and SIGTERM, killed after terminationGracePeriodSeconds), StatefulSets (stable
@@ -361,19 +360,6 @@ class Cluster:
                 continue
             base = f"{pod.hostname}.{pod.subdomain}.{ns}.svc"
             lines.append(f"{pod.ip} {base} {base}.{self.domain}")
-        # A headless Service's own name resolves to the pods behind it, one line each.
-        for (kind, name), svc in sorted(self.objects.items()):
-            spec = svc.get("spec", {})
-            if kind != "Service" or spec.get("clusterIP") != "None":
-                continue
-            names = [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.{self.domain}"]
-            for pod in self.pods.values():
-                if pod.deleted or pod.terminating:
-                    continue
-                if not matches(spec.get("selector", {}), pod.labels):
-                    continue
-                if pod.ready or spec.get("publishNotReadyAddresses"):
-                    lines.append(f"{pod.ip} {' '.join(names)}")
         for host, ip in self.external_hosts.items():
             lines.append(f"{ip} {host}")
         text = "\n".join(lines) + "\n"

@@ -28,7 +28,6 @@ from controlplane import apply as topology_apply
 from controlplane import cli as pontoctl
 from controlplane import settings as control_settings
 from controlplane.api.guard import peer_role
-from controlplane.store.etcd import grpc_target
 from dataplane import settings as proxy_settings
 from ponto.pki import make_bundle
 
@@ -447,7 +446,7 @@ def test_control_plane_replicas_pdb_and_anti_affinity(three: list[Doc]) -> None:
     f = flags(c)
     assert f["--listen"] == "0.0.0.0:7000"
     assert f["--id"] == "$(POD_NAME)"
-    assert f["--etcd"] == "ponto-etcd-client.ponto.svc:2379"
+    assert f["--etcd"] == "ponto-etcd.ponto.svc:2379"
     pods = deployment["spec"]["template"]["metadata"]["labels"]
     pdb = one(three, "PodDisruptionBudget", "ponto-control")
     assert pdb["spec"]["maxUnavailable"] == 1
@@ -525,16 +524,7 @@ def test_etcd_statefulset_with_three_members_and_volumes(three: list[Doc]) -> No
     assert peers["spec"]["clusterIP"] == "None"
     assert peers["spec"]["publishNotReadyAddresses"] is True
     pods = sts["spec"]["template"]["metadata"]["labels"]
-    # The control plane dials a name that resolves to every member (headless), not
-    # one virtual IP; the members are published before they are ready.
-    control = flags(container(one(three, "Deployment", "ponto-control")))
-    assert control["--etcd"] == "ponto-etcd-client.ponto.svc:2379"
-    clients = one(three, "Service", "ponto-etcd-client")
-    assert clients["spec"]["clusterIP"] == "None"
-    assert clients["spec"]["publishNotReadyAddresses"] is True
-    assert matches(clients["spec"]["selector"], pods)
-    assert [(p["port"], p["targetPort"]) for p in clients["spec"]["ports"]] == [(2379, "client")]
-    assert "ponto-etcd" not in objects(three, "Service")
+    assert matches(one(three, "Service", "ponto-etcd")["spec"]["selector"], pods)
     assert matches(
         one(three, "PodDisruptionBudget", "ponto-etcd")["spec"]["selector"]["matchLabels"], pods
     )
@@ -1038,9 +1028,7 @@ def test_binaries_accept_the_rendered_flags(three: list[Doc], tmp_path: Path) ->
         _materialise(three, tmp_path, one(three, "Deployment", "ponto-control"))
     )
     assert control.replica_id == "pod-0"
-    assert control.etcd == ("ponto-etcd-client.ponto.svc:2379",)
-    # One name: gRPC resolves it to every member and balances over them.
-    assert grpc_target(control.etcd) == "dns:///ponto-etcd-client.ponto.svc:2379"
+    assert control.etcd == ("ponto-etcd.ponto.svc:2379",)
     assert control.lease_ttl == 10
     assert control.leader_ttl == 5
 

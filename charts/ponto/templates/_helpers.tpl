@@ -76,8 +76,7 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- if $tls.secretName -}}
 {{- fail "etcd.external.tls is for an etcd outside the release (etcd.enabled=false); the bundled etcd is plaintext behind its NetworkPolicy" -}}
 {{- end -}}
-{{- /* A headless Service: the name resolves to every member (etcd.yaml). */ -}}
-{{- printf "%s.%s.svc:2379" (include "ponto.part" (list . "etcd-client")) .Release.Namespace -}}
+{{- printf "%s.%s.svc:2379" (include "ponto.part" (list . "etcd")) .Release.Namespace -}}
 {{- else -}}
 {{- $ext := .Values.etcd.external -}}
 {{- if not $ext.endpoints -}}
