@@ -965,7 +965,7 @@ def test_topology_job_is_a_hook_with_the_admin_credential(three: list[Doc]) -> N
     args = pontoctl._parser().parse_args(c["args"])
     assert args.command == "apply"
     assert args.file == "/etc/ponto/topology/topology.yaml"
-    assert args.control_plane == "ponto-control.ponto.svc:7000"
+    assert args.control_plane == ("ponto-control.ponto.svc:7000",)
     assert args.admin_token_file == "/etc/ponto/tokens/admin-token"
     assert (args.tls_ca, args.tls_cert) == ("/etc/ponto/tls/ca.crt", "/etc/ponto/tls/tls.crt")
     assert args.prune is False

@@ -110,6 +110,36 @@ def test_a_region_s_resources_merge_over_the_proxy_s_key_by_key(helm: Path, tmp_
     assert resources(docs, "none") == {"requests": default_requests, "limits": default_limits}
 
 
+@pytest.mark.parametrize(
+    ("own", "said"),
+    [
+        # A request above the default limit (cpu "2"; memory 1Gi).
+        ({"requests": {"cpu": "4"}}, "resources.requests.cpu 4 is above resources.limits.cpu 2"),
+        # A limit under the default request (memory 256Mi).
+        (
+            {"limits": {"memory": "128Mi"}},
+            "resources.requests.memory 256Mi is above resources.limits.memory 128Mi",
+        ),
+    ],
+)
+def test_a_merged_request_above_its_limit_is_refused(
+    helm: Path, tmp_path: Path, own: Doc, said: str
+) -> None:
+    # The API server would refuse the Deployment at install or upgrade (review
+    # 15): the render says which values to set instead.
+    regions = [{"name": "big", "lat": 1, "lon": 2, "resources": own}]
+    message = refused(helm, "-f", values_file(tmp_path, {"proxy": {"regions": regions}}))
+    assert f"region big: {said}" in message
+
+
+def test_a_region_that_raises_both_request_and_limit_renders(helm: Path, tmp_path: Path) -> None:
+    own = {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
+    regions = [{"name": "big", "lat": 1, "lon": 2, "resources": own}]
+    docs = render(helm, "-f", values_file(tmp_path, {"proxy": {"regions": regions}}))
+    assert resources(docs, "big") == own
+    assert workers(docs, "big") == "4"
+
+
 def cpu_target(docs: list[Doc], region: str = "us-east") -> Doc:
     hpa = one(docs, "HorizontalPodAutoscaler", f"ponto-proxy-{region}")
     (metric,) = hpa["spec"]["metrics"]

@@ -267,15 +267,34 @@ none ("" or absent) -> 0.
 {{- end -}}
 
 {{/*
+A resource quantity as a number, for comparing a request with its limit: "2",
+"1500m", 2.5, "256Mi", "1Gi", "500M", "1e3". Binary (Ki..Ei) and decimal (k..E) suffixes.
+*/}}
+{{- define "ponto.quantity" -}}
+{{- $q := . | toString -}}
+{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "m" 1e-3 -}}
+{{- $value := "" -}}
+{{- range $unit := list "Ki" "Mi" "Gi" "Ti" "Pi" "Ei" "k" "M" "G" "T" "P" "E" "m" -}}
+{{- if and (not $value) (hasSuffix $unit $q) -}}
+{{- $value = mulf (trimSuffix $unit $q | float64) (get $units $unit) | toString -}}
+{{- end -}}
+{{- end -}}
+{{- $value | default ($q | float64 | toString) -}}
+{{- end -}}
+
+{{/*
 A region's proxy resources: its own requests and limits merged key by key over
 proxy.resources (requests and limits each on their own), so that a region giving only
 `requests: {cpu: "1"}` keeps the default limits. A key the region sets to null is
-dropped (e.g. `limits: {cpu: null}`: no CPU limit in that region). Returns YAML.
-Call with (list proxy.resources region.resources).
+dropped (e.g. `limits: {cpu: null}`: no CPU limit in that region). A request above
+its limit after the merge fails the render, naming the values to set (the API server
+would refuse the Deployment). Returns YAML. Call with (list proxy.resources
+region.resources where), where naming the region in the message.
 */}}
 {{- define "ponto.proxy.resources" -}}
 {{- $base := index . 0 | default dict -}}
 {{- $own := index . 1 | default dict -}}
+{{- $where := index . 2 -}}
 {{- $out := dict -}}
 {{- range $part := list "requests" "limits" -}}
 {{- $q := deepCopy (get $base $part | default dict) -}}
@@ -288,6 +307,16 @@ Call with (list proxy.resources region.resources).
 {{- end -}}
 {{- if $q -}}
 {{- $_ := set $out $part $q -}}
+{{- end -}}
+{{- end -}}
+{{- $limits := get $out "limits" | default dict -}}
+{{- range $k, $request := (get $out "requests" | default dict) -}}
+{{- $limit := "" -}}
+{{- if hasKey $limits $k -}}
+{{- $limit = index $limits $k | default "" -}}
+{{- end -}}
+{{- if and $request $limit (gt (include "ponto.quantity" $request | float64) (include "ponto.quantity" $limit | float64)) -}}
+{{- fail (printf "%s: resources.requests.%s %v is above resources.limits.%s %v (a region's resources merge key by key over proxy.resources): set the region's limits.%s (or requests.%s), or null for none" $where $k $request $k $limit $k $k) -}}
 {{- end -}}
 {{- end -}}
 {{- toYaml $out -}}
