@@ -38,6 +38,7 @@ if _QUIET_GRPC:
     del os.environ["GRPC_VERBOSITY"]
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -1200,7 +1201,11 @@ def connect(
         # Else a refused connection, a name that does not resolve, or a TLS
         # handshake that failed (a certificate the CA did not sign: a
         # misconfiguration, or someone in between), in gRPC's words.
-        why = f"no connection within {timeout:g} s" if state is None else _failure(channel)
+        why = (
+            f"no connection within {timeout:g} s"
+            if state is None
+            else _failure(conn.admin_channel(address, dataclasses.replace(options, token="")))
+        )
         channel.close()
         print(
             f"warning: cannot use the control plane at {address}: {why}; trying the next",
@@ -1234,9 +1239,10 @@ def _connects(channel: grpc.Channel, timeout: float) -> grpc.ChannelConnectivity
 
 
 def _failure(channel: grpc.Channel) -> str:
-    """Why channel failed to connect, as gRPC tells a call on it. The call is
-    the standard health check, which carries no token: nothing of the
-    operator's leaves for an address that could not be trusted."""
+    """Why channel (one without the admin token: the caller's) failed to
+    connect, as gRPC tells a call on it: the standard health check, so that
+    nothing of the operator's leaves for an address that could not be
+    trusted. Closes channel."""
     check: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
         "/grpc.health.v1.Health/Check"
     )
@@ -1246,6 +1252,8 @@ def _failure(channel: grpc.Channel) -> str:
         code = getattr(exc, "code", lambda: None)()
         details = getattr(exc, "details", lambda: "")()
         return " ".join(str(part) for part in (getattr(code, "name", code), details) if part)
+    finally:
+        channel.close()
     return "it connected only after failing once"
 
 

@@ -97,9 +97,11 @@ def unreachable(detail: str, address: str, options: ClientOptions, flags: Flags 
             f"{where} is unreachable: the TLS files given cannot be used ({detail}); check {check}"
         )
     message = f"{where} is unreachable ({detail})"
-    if "socket closed" not in said:
+    if "socket closed" not in said or "stream removed" in said:
         # Nothing was reached (connection refused, a name that does not
-        # resolve, no route): no TLS setting would help.
+        # resolve, no route), or a session under way was cut (gRPC's "Stream
+        # removed": the control plane stopped or its node was lost): no TLS
+        # setting would help.
         return message
     if not options.tls_cert:
         # Under mutual TLS the control plane ends the handshake of a client

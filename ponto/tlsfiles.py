@@ -56,11 +56,20 @@ def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -
     return leaf
 
 
+# A certificate whose start is this close ahead is not refused: certificates
+# issued moments ago on a machine whose clock runs ahead (Helm's, which cannot
+# backdate them) would turn seconds of skew into a crash loop, where the
+# process would otherwise start and its peers' handshakes work once the time
+# comes (ponto.pki backdates its own by as much).
+NOT_YET_VALID_LEEWAY = datetime.timedelta(minutes=5)
+
+
 def check_validity(cert: x509.Certificate, path: str, what: str, now: datetime.datetime) -> None:
-    """TlsFileError when `cert` has expired or is not yet valid at `now` (aware)."""
+    """TlsFileError when `cert` has expired, or is not valid for more than
+    NOT_YET_VALID_LEEWAY still, at `now` (aware)."""
     if now > cert.not_valid_after_utc:
         raise TlsFileError(f"the {what} {path} expired on {_date(cert.not_valid_after_utc)}")
-    if now < cert.not_valid_before_utc:
+    if now + NOT_YET_VALID_LEEWAY < cert.not_valid_before_utc:
         raise TlsFileError(
             f"the {what} {path} is not valid before {_date(cert.not_valid_before_utc)} "
             "(if it was just issued, check this machine's clock)"

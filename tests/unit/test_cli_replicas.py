@@ -9,7 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from controlplane import cli
 from controlplane.cli import main
+from ponto import grpcconn as conn
 from ponto.devenv import free_port
 from ponto.pki import Bundle, make_bundle
 from ponto.v1 import admin_pb2 as apb
@@ -175,3 +177,35 @@ def test_a_replica_whose_certificate_the_ca_did_not_sign_is_skipped_with_why(
         real_server.stop(None)
     assert code == 0 and '"real"' in out and impostor.calls == 0
     assert "within 3 s" not in err and any(w in err.lower() for w in ("tls", "certificate")), err
+
+
+def test_the_probe_of_a_replica_passed_over_carries_no_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The health check that learns why a replica failed goes without the admin
+    # token (review 16: the admin channel's interceptor added it).
+    seen: list[tuple[tuple[str, str | bytes], ...]] = []
+
+    def check(request: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append(tuple(context.invocation_metadata()))
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.method_handlers_generic_handler(
+        "grpc.health.v1.Health", {"Check": grpc.unary_unary_rpc_method_handler(check)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    # The replica failed once, then answers the probe.
+    monkeypatch.setattr(cli, "_connects", lambda *_: grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+    try:
+        options = conn.ClientOptions(token="admin-secret-value")
+        chosen, channel = cli.connect([address, "127.0.0.1:1"], options)
+        channel.close()
+    finally:
+        server.stop(None)
+    assert chosen == "127.0.0.1:1"
+    [metadata] = seen
+    assert all(key != "authorization" for key, _ in metadata), metadata

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import logging
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -402,3 +403,30 @@ def test_the_same_failure_again_is_logged_at_debug_and_a_new_one_as_a_warning(
         (logging.WARNING, "a; retrying"),
         (logging.WARNING, "a; retrying"),
     ]
+
+
+def test_a_certificate_valid_in_a_few_seconds_is_not_refused(tmp_path: Path) -> None:
+    # Helm issues the chart's certificates from its own clock, not backdated:
+    # a node a few seconds behind must not exit 2 in a crash loop (review 16).
+    bundle = make_bundle(tmp_path)
+    soon = (NOW + datetime.timedelta(seconds=5), NOW + datetime.timedelta(days=365))
+    add_server(bundle, "skewed", valid=soon)
+    security = ServerSecurity(
+        tls_cert=bundle.path("skewed.crt"),
+        tls_key=bundle.path("skewed.key"),
+        tls_client_ca=bundle.ca,
+    )
+    security.check_files(datetime.datetime.now(datetime.UTC))
+
+
+def test_a_session_cut_under_way_is_not_blamed_on_the_client_certificate() -> None:
+    # What a proxy's RouteStream says when its control plane dies mid-session
+    # (grpcio 1.85): no certificate advice during an incident (review 16).
+    options = ClientOptions(tls_ca="/ca.crt", tls_cert="/proxy.crt", tls_key="/proxy.key")
+    line = linkadvice.proxy_refused(
+        "UNAVAILABLE", "Stream removed (Socket closed)", "cp:50051", options
+    )
+    assert (
+        line
+        == "control plane at cp:50051 is unreachable (Stream removed (Socket closed)) [UNAVAILABLE]"
+    )
