@@ -132,10 +132,13 @@ def test_pontoctl_with_a_key_not_its_certificates_exits_2_before_any_call(
 
 
 def test_files_that_fit_pass_the_checks(b: Bundle) -> None:
-    ServerSecurity(b.path("server.crt"), b.path("server.key"), b.ca).check_files(NOW)
-    ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key")).check_files(NOW)
-    ClientOptions(b.ca).check_files(NOW)
-    ClientOptions().check_files(NOW)  # plaintext: nothing to read
+    # Now, not NOW: the module's bundle is made when its first test runs,
+    # minutes after the module was imported in a long run.
+    now = datetime.datetime.now(datetime.UTC)
+    ServerSecurity(b.path("server.crt"), b.path("server.key"), b.ca).check_files(now)
+    ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key")).check_files(now)
+    ClientOptions(b.ca).check_files(now)
+    ClientOptions().check_files(now)  # plaintext: nothing to read
 
 
 # ---------------------------------------------------------------- M2: validity dates
@@ -409,7 +412,8 @@ def test_a_certificate_valid_in_a_few_seconds_is_not_refused(tmp_path: Path) -> 
     # Helm issues the chart's certificates from its own clock, not backdated:
     # a node a few seconds behind must not exit 2 in a crash loop (review 16).
     bundle = make_bundle(tmp_path)
-    soon = (NOW + datetime.timedelta(seconds=5), NOW + datetime.timedelta(days=365))
+    now = datetime.datetime.now(datetime.UTC)
+    soon = (now + datetime.timedelta(seconds=5), now + datetime.timedelta(days=365))
     add_server(bundle, "skewed", valid=soon)
     security = ServerSecurity(
         tls_cert=bundle.path("skewed.crt"),
