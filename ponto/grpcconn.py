@@ -94,13 +94,7 @@ class ClientOptions:
         try:
             tlsfiles.certificates(read_bytes(self.tls_ca, "TLS CA"), self.tls_ca, "TLS CA")
             if self.tls_cert:
-                cert = tlsfiles.check_pair(
-                    read_bytes(self.tls_cert, "TLS certificate"),
-                    self.tls_cert,
-                    read_bytes(self.tls_key, "TLS key"),
-                    self.tls_key,
-                )
-                tlsfiles.check_validity(cert, self.tls_cert, "client certificate", now)
+                _check_own(self.tls_cert, self.tls_key, "client certificate", now)
         except tlsfiles.TlsFileError as exc:
             raise CredentialError(str(exc)) from None
 
@@ -261,13 +255,7 @@ class ServerSecurity:
         if not self.tls_cert:
             return
         try:
-            cert = tlsfiles.check_pair(
-                read_bytes(self.tls_cert, "TLS certificate"),
-                self.tls_cert,
-                read_bytes(self.tls_key, "TLS key"),
-                self.tls_key,
-            )
-            tlsfiles.check_validity(cert, self.tls_cert, "TLS certificate", now)
+            _check_own(self.tls_cert, self.tls_key, "TLS certificate", now)
             if self.tls_client_ca:
                 pem = read_bytes(self.tls_client_ca, "TLS client CA")
                 tlsfiles.certificates(pem, self.tls_client_ca, "TLS client CA")
@@ -285,3 +273,15 @@ class ServerSecurity:
                 require_client_auth=True,
             )
         return grpc.ssl_server_credentials([pair])
+
+
+def _check_own(cert_path: str, key_path: str, what: str, now: datetime.datetime) -> None:
+    """TlsFileError unless the key at key_path is the certificate's at
+    cert_path and that certificate (`what`, in the message) is valid at `now`."""
+    cert = tlsfiles.check_pair(
+        read_bytes(cert_path, "TLS certificate"),
+        cert_path,
+        read_bytes(key_path, "TLS key"),
+        key_path,
+    )
+    tlsfiles.check_validity(cert, cert_path, what, now)

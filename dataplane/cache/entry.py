@@ -430,10 +430,11 @@ def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
     if entry.chunks is not None:
         chunks: Iterable[bytes] = entry.chunks
         if not include_usage:
-            chunks = [c for i, c in enumerate(entry.chunks) if i not in entry.usage_only]
-            # One search over the whole answer: most have no usage key at all.
-            if _USAGE_KEY in b"".join(chunks):
-                chunks = [_without_usage_null(c) if _USAGE_KEY in c else c for c in chunks]
+            chunks = [
+                _without_usage_null(c) if _USAGE_KEY in c else c
+                for i, c in enumerate(entry.chunks)
+                if i not in entry.usage_only
+            ]
         replay = [_frame(c) for c in chunks]
         replay.append(DONE_FRAME)
         return replay
