@@ -7,53 +7,90 @@ to create security handshaker", retried forever), and an expired certificate of
 our own shows up as the peer closing the connection. These checks say what is
 wrong with which file, in one line, before any of that.
 
-Pure: the callers read the files and the clock (ponto.grpcconn).
+They use OpenSSL through the standard `ssl` module, which asyncio has loaded
+already, and read the validity dates from the certificate's DER themselves:
+`cryptography` would cost every proxy worker some 9 MB of memory (the proxy
+imports it only for a tenant's JWT issuer, dataplane.auth.authenticator).
+
+The callers read the files and the clock (ponto.grpcconn); `check_pair` has
+OpenSSL read the certificate and key again by path, as the `ssl` module takes
+no private key from memory.
 """
 
 from __future__ import annotations
 
+import binascii
 import datetime
+import re
+import ssl
+from base64 import b64decode
+from dataclasses import dataclass
 
-from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
+# A PEM block: its label and its base64 body (RFC 7468).
+_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
 
 
 class TlsFileError(ValueError):
     """A TLS file that cannot be used; the message names the file and why."""
 
 
-def certificates(pem: bytes, path: str, what: str) -> list[x509.Certificate]:
+@dataclass(frozen=True, slots=True)
+class Certificate:
+    """A parsed certificate: its DER and its validity, aware UTC datetimes."""
+
+    der: bytes
+    not_valid_before: datetime.datetime
+    not_valid_after: datetime.datetime
+
+
+def certificates(pem: bytes, path: str, what: str) -> list[Certificate]:
     """The certificates of a PEM file (a leaf and its chain, or CAs), in file
     order; TlsFileError when it holds none or one that does not parse."""
-    try:
-        found = x509.load_pem_x509_certificates(pem)
-    except ValueError:
-        found = []
+    found: list[Certificate] = []
+    for label, body in _PEM_BLOCK.findall(pem):
+        if label != b"CERTIFICATE":
+            continue
+        try:
+            der = b64decode(re.sub(rb"\s+", b"", body), validate=True)
+            # OpenSSL's parse, the one gRPC's will make of the same bytes.
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=der)
+            found.append(Certificate(der, *_validity(der)))
+        except (binascii.Error, ssl.SSLError, ValueError):
+            found = []
+            break
     if not found:
         raise TlsFileError(f"cannot read {what} {path}: it holds no PEM certificate")
     return found
 
 
-def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -> x509.Certificate:
+def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -> Certificate:
     """The leaf certificate of `cert_pem`, checked to be the certificate of the
-    private key in `key_pem`; TlsFileError naming the file at fault."""
+    private key in `key_pem`; TlsFileError naming the file at fault. OpenSSL
+    reads both files again at their paths for the match (see the module)."""
     leaf = certificates(cert_pem, cert_path, "TLS certificate")[0]
+    labels = [label for label, _ in _PEM_BLOCK.findall(key_pem) if label.endswith(b"PRIVATE KEY")]
+    if not labels:
+        raise TlsFileError(f"cannot read TLS key {key_path}: it holds no PEM private key")
+    if labels[0] == b"ENCRYPTED PRIVATE KEY" or b"Proc-Type: 4,ENCRYPTED" in key_pem:
+        raise TlsFileError(f"cannot read TLS key {key_path}: it is encrypted; give it unencrypted")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        key = serialization.load_pem_private_key(key_pem, password=None)
-    except TypeError:  # cryptography's word for an encrypted key given no password
-        raise TlsFileError(
-            f"cannot read TLS key {key_path}: it is encrypted; give it unencrypted"
-        ) from None
-    except (ValueError, UnsupportedAlgorithm):
+        # A password callback, so OpenSSL never asks a terminal for one.
+        context.load_cert_chain(cert_path, key_path, password=_no_password)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise TlsFileError(
+                f"cannot read TLS key {key_path}: the key in {key_path} is not the key of "
+                f"certificate {cert_path}"
+            ) from None
         raise TlsFileError(f"cannot read TLS key {key_path}: it holds no PEM private key") from None
-    raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    if key.public_key().public_bytes(*raw) != leaf.public_key().public_bytes(*raw):
-        raise TlsFileError(
-            f"cannot read TLS key {key_path}: the key in {key_path} is not the key of "
-            f"certificate {cert_path}"
-        )
+    except OSError as exc:  # the file went away since the caller read it
+        raise TlsFileError(f"cannot read TLS key {key_path}: {exc.strerror}") from None
     return leaf
+
+
+def _no_password() -> bytes:
+    return b""
 
 
 # A certificate whose start is this close ahead is not refused: certificates
@@ -64,17 +101,80 @@ def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -
 NOT_YET_VALID_LEEWAY = datetime.timedelta(minutes=5)
 
 
-def check_validity(cert: x509.Certificate, path: str, what: str, now: datetime.datetime) -> None:
+def check_validity(cert: Certificate, path: str, what: str, now: datetime.datetime) -> None:
     """TlsFileError when `cert` has expired, or is not valid for more than
     NOT_YET_VALID_LEEWAY still, at `now` (aware)."""
-    if now > cert.not_valid_after_utc:
-        raise TlsFileError(f"the {what} {path} expired on {_date(cert.not_valid_after_utc)}")
-    if now + NOT_YET_VALID_LEEWAY < cert.not_valid_before_utc:
+    if now > cert.not_valid_after:
+        raise TlsFileError(f"the {what} {path} expired on {_date(cert.not_valid_after)}")
+    if now + NOT_YET_VALID_LEEWAY < cert.not_valid_before:
         raise TlsFileError(
-            f"the {what} {path} is not valid before {_date(cert.not_valid_before_utc)} "
+            f"the {what} {path} is not valid before {_date(cert.not_valid_before)} "
             "(if it was just issued, check this machine's clock)"
         )
 
 
 def _date(when: datetime.datetime) -> str:
     return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+# DER tags (X.509 uses only one-byte tags).
+_SEQUENCE = 0x30
+_UTC_TIME = 0x17
+_GENERALIZED_TIME = 0x18
+_VERSION = 0xA0  # [0] EXPLICIT, before the serial number when present
+
+
+def _validity(der: bytes) -> tuple[datetime.datetime, datetime.datetime]:
+    """notBefore and notAfter of an X.509 certificate's DER (RFC 5280 4.1):
+    Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL,
+    serialNumber, signature, issuer, validity SEQUENCE { notBefore, notAfter },
+    ... } ... }. ValueError when the bytes are not that shape."""
+    at, end = 0, len(der)
+    for what in ("Certificate", "tbsCertificate"):
+        tag, at, end = _tlv(der, at, end)
+        if tag != _SEQUENCE:
+            raise ValueError(f"no {what}")
+    tag, _, next_at = _tlv(der, at, end)
+    if tag == _VERSION:
+        at = next_at
+    for _field in ("serialNumber", "signature", "issuer"):
+        _, _, at = _tlv(der, at, end)
+    tag, at, validity_end = _tlv(der, at, end)
+    if tag != _SEQUENCE:
+        raise ValueError("no validity")
+    before_tag, before_at, at = _tlv(der, at, validity_end)
+    after_tag, after_at, after_end = _tlv(der, at, validity_end)
+    return (
+        _time(before_tag, der[before_at:at]),
+        _time(after_tag, der[after_at:after_end]),
+    )
+
+
+def _tlv(der: bytes, at: int, end: int) -> tuple[int, int, int]:
+    """(tag, where its content starts, where it ends) of the element at `at`."""
+    if at + 2 > end:
+        raise ValueError("truncated")
+    tag, length = der[at], der[at + 1]
+    at += 2
+    if length & 0x80:
+        count = length & 0x7F
+        if not 1 <= count <= 4 or at + count > end:
+            raise ValueError("bad length")
+        length = int.from_bytes(der[at : at + count], "big")
+        at += count
+    if at + length > end:
+        raise ValueError("truncated")
+    return tag, at, at + length
+
+
+def _time(tag: int, value: bytes) -> datetime.datetime:
+    """A UTCTime (YYMMDDHHMMSSZ; years 50-99 are 19xx) or GeneralizedTime
+    (YYYYMMDDHHMMSSZ), the two forms RFC 5280 allows."""
+    text = value.decode("ascii")
+    if tag == _UTC_TIME and len(text) == 13:
+        year = int(text[:2])
+        text = ("19" if year >= 50 else "20") + text
+    elif tag != _GENERALIZED_TIME or len(text) != 15:
+        raise ValueError("not an RFC 5280 time")
+    parsed = datetime.datetime.strptime(text, "%Y%m%d%H%M%SZ")
+    return parsed.replace(tzinfo=datetime.UTC)

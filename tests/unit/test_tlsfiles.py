@@ -1,0 +1,239 @@
+"""ponto.tlsfiles against cryptography's reading of the same files: the dates
+it reads from the DER itself, the certificates it finds in a PEM file, the
+key checks; and the memory it saves (a proxy with TLS on loads no
+`cryptography`)."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
+
+from ponto import tlsfiles
+from ponto.pki import make_bundle
+
+UTC = datetime.UTC
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def certificate(
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
+    not_before: datetime.datetime,
+    not_after: datetime.datetime,
+) -> x509.Certificate:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tlsfiles-test")])
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .sign(key, hashes.SHA256())
+    )
+
+
+def pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+EC_KEY = ec.generate_private_key(ec.SECP256R1())
+RSA_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+@pytest.mark.parametrize(
+    ("not_before", "not_after"),
+    [
+        # UTCTime on both sides, a 19xx year among them (RFC 5280: 50-99 are 19xx).
+        (datetime.datetime(1999, 12, 31, 23, 59, 59, tzinfo=UTC),
+         datetime.datetime(2026, 12, 2, 5, 0, 1, tzinfo=UTC)),
+        # The last UTCTime year, then GeneralizedTime from 2050 on.
+        (datetime.datetime(2049, 12, 31, 0, 0, tzinfo=UTC),
+         datetime.datetime(2050, 1, 1, 0, 0, tzinfo=UTC)),
+        (datetime.datetime(1970, 1, 1, tzinfo=UTC),
+         datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("key", [EC_KEY, RSA_KEY], ids=["ec", "rsa"])
+def test_the_dates_read_from_the_der_are_cryptographys(
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
+    not_before: datetime.datetime,
+    not_after: datetime.datetime,
+) -> None:
+    cert = certificate(key, not_before, not_after)
+    (found,) = tlsfiles.certificates(pem(cert), "c.crt", "TLS certificate")
+    assert found.der == cert.public_bytes(serialization.Encoding.DER)
+    assert found.not_valid_before == cert.not_valid_before_utc == not_before
+    assert found.not_valid_after == cert.not_valid_after_utc == not_after
+
+
+def test_a_chain_is_read_in_file_order_among_other_blocks() -> None:
+    now = datetime.datetime(2026, 12, 2, tzinfo=UTC)
+    leaf = certificate(EC_KEY, now, now + datetime.timedelta(days=1))
+    ca = certificate(RSA_KEY, now, now + datetime.timedelta(days=2))
+    key = EC_KEY.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    found = tlsfiles.certificates(key + pem(leaf) + b"\n" + pem(ca), "chain.pem", "TLS CA")
+    assert [c.not_valid_after for c in found] == [
+        now + datetime.timedelta(days=1),
+        now + datetime.timedelta(days=2),
+    ]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"hello\n",
+        b"",
+        # a key alone
+        EC_KEY.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+        # a block that is no certificate, then one that is: the file is refused whole
+        b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n"
+        + pem(certificate(EC_KEY, datetime.datetime(2026, 1, 1, tzinfo=UTC),
+                          datetime.datetime(2027, 1, 1, tzinfo=UTC))),
+        # not base64
+        b"-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n",
+    ],
+    ids=["text", "empty", "key-only", "garbage-block", "not-base64"],
+)  # fmt: skip
+def test_a_file_without_readable_certificates_is_named(content: bytes) -> None:
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.certificates(content, "/etc/ponto/ca.crt", "TLS CA")
+    assert str(caught.value) == "cannot read TLS CA /etc/ponto/ca.crt: it holds no PEM certificate"
+
+
+def write_pair(
+    tmp_path: Path,
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
+    key_bytes: bytes | None = None,
+) -> tuple[bytes, str, bytes, str]:
+    now = datetime.datetime.now(UTC)
+    cert_pem = pem(certificate(key, now, now + datetime.timedelta(days=1)))
+    if key_bytes is None:
+        key_bytes = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    (tmp_path / "tls.crt").write_bytes(cert_pem)
+    (tmp_path / "tls.key").write_bytes(key_bytes)
+    return cert_pem, str(tmp_path / "tls.crt"), key_bytes, str(tmp_path / "tls.key")
+
+
+@pytest.mark.parametrize("key", [EC_KEY, RSA_KEY], ids=["ec", "rsa"])
+def test_a_key_and_its_certificate_pass(
+    tmp_path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+) -> None:
+    cert_pem, cert_path, key_pem, key_path = write_pair(tmp_path, key)
+    leaf = tlsfiles.check_pair(cert_pem, cert_path, key_pem, key_path)
+    assert leaf.der == x509.load_pem_x509_certificate(cert_pem).public_bytes(
+        serialization.Encoding.DER
+    )
+
+
+def test_a_key_of_another_certificate_is_named(tmp_path: Path) -> None:
+    other = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    args = write_pair(tmp_path, EC_KEY, other)
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.check_pair(*args)
+    assert str(caught.value) == (
+        f"cannot read TLS key {args[3]}: the key in {args[3]} is not the key of "
+        f"certificate {args[1]}"
+    )
+
+
+@pytest.mark.parametrize(
+    "format_",
+    [serialization.PrivateFormat.PKCS8, serialization.PrivateFormat.TraditionalOpenSSL],
+    ids=["pkcs8", "traditional"],
+)
+def test_an_encrypted_key_is_named_without_asking_for_a_password(
+    tmp_path: Path, format_: serialization.PrivateFormat
+) -> None:
+    encrypted = EC_KEY.private_bytes(
+        serialization.Encoding.PEM, format_, serialization.BestAvailableEncryption(b"secret")
+    )
+    args = write_pair(tmp_path, EC_KEY, encrypted)
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.check_pair(*args)
+    assert str(caught.value) == (
+        f"cannot read TLS key {args[3]}: it is encrypted; give it unencrypted"
+    )
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"hello\n", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"],
+    ids=["text", "garbage-key"],
+)
+def test_a_key_file_without_a_readable_key_is_named(tmp_path: Path, content: bytes) -> None:
+    args = write_pair(tmp_path, EC_KEY, content)
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.check_pair(*args)
+    assert str(caught.value) == f"cannot read TLS key {args[3]}: it holds no PEM private key"
+
+
+def test_dates_are_checked_with_leeway_before_and_none_after() -> None:
+    start = datetime.datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    end = datetime.datetime(2027, 12, 2, 12, 0, tzinfo=UTC)
+    cert = tlsfiles.Certificate(b"", start, end)
+    leeway = tlsfiles.NOT_YET_VALID_LEEWAY
+    tlsfiles.check_validity(cert, "c.crt", "TLS certificate", start - leeway)
+    tlsfiles.check_validity(cert, "c.crt", "TLS certificate", end)
+    with pytest.raises(tlsfiles.TlsFileError, match="is not valid before 2026-12-02 12:00:00 UTC"):
+        tlsfiles.check_validity(
+            cert, "c.crt", "TLS certificate", start - leeway - datetime.timedelta(seconds=1)
+        )
+    with pytest.raises(tlsfiles.TlsFileError, match="expired on 2027-12-02 12:00:00 UTC"):
+        tlsfiles.check_validity(
+            cert, "c.crt", "TLS certificate", end + datetime.timedelta(seconds=1)
+        )
+
+
+def test_a_proxy_with_tls_on_does_not_load_cryptography(tmp_path: Path) -> None:
+    """cryptography costs a worker some 9 MB of RSS; a proxy loads it only for
+    a tenant's JWT issuer. Checking its TLS files at start must not load it."""
+    bundle = make_bundle(tmp_path / "pki")
+    script = textwrap.dedent(
+        f"""
+        import datetime, sys
+        import dataplane.__main__
+        from ponto.grpcconn import ClientOptions
+        ClientOptions(
+            tls_ca={bundle.path("ca.crt")!r},
+            tls_cert={bundle.path("proxy.crt")!r},
+            tls_key={bundle.path("proxy.key")!r},
+        ).check_files(datetime.datetime.now(datetime.UTC))
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("cryptography", "jwt")))
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
