@@ -12,7 +12,12 @@ Outcomes, as the leader reports them with `finish(entry, error)`:
 - `error` set (origin failure, cut stream, leader cancelled): iteration and
   `result()` raise `FlightFailed`; `delivered` says how many bytes that follower
   had already been given. With nothing delivered the caller makes its own origin
-  call; otherwise it ends its stream as a relay cut ends one.
+  call; otherwise it ends its stream as a relay cut ends one. When the leader
+  was cancelled (`Follower.leader_left`: its client left before the answer
+  started), the followers with nothing hand off rather than each calling: the
+  first to `join` again leads a new flight and the others follow it
+  (dataplane.cache.step.EdgeCache.own_call), so one client giving up does not
+  turn a burst of identical requests into as many origin calls.
 - no error: iteration ends normally (the follower has every chunk);
   `result()` returns `entry`, or raises `FlightFailed` when the leader had no
   entry to give (a non-streamed answer that is not cacheable, a stream too large
@@ -309,6 +314,15 @@ class Follower:
             reason = _describe(flight.error) if flight.error else "the answer was not kept"
             raise FlightFailed(reason, delivered=self.delivered)
         return flight.entry
+
+    @property
+    def leader_left(self) -> bool:
+        """Whether the flight failed because its leading request was cancelled
+        (its client left, or the proxy is stopping) rather than because its
+        origin call failed: its followers then hand off (the first to `join`
+        again leads a new flight, the rest follow that one)."""
+        flight = self._flight
+        return flight.done and isinstance(flight.error, asyncio.CancelledError)
 
     def close(self) -> None:
         """Take no more chunks (this follower still waits for the outcome)."""

@@ -357,16 +357,9 @@ class EdgeCache:
             # One whose lookup above suspended (Redis, the semantic index) and
             # missed just before a flight ended may call again: a duplicate
             # origin call, never a wrong answer.
-            flight = self.coalescer.join(key + ("+usage" if wants_usage else ""))
+            flight = self._join(key, include_usage, req.stream)
             if isinstance(flight, Follower):
-                return CachePlan(
-                    "hit",
-                    kind="coalesced",
-                    include_usage=include_usage,
-                    follower=flight,
-                    key=key,
-                    tier="local",
-                )
+                return _following(flight, key, include_usage)
             leader = flight
             if self.region is not None:
                 try:
@@ -402,8 +395,27 @@ class EdgeCache:
 
     def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         """A follower whose flight failed before it got a byte calls an origin
-        itself; its answer is still stored (no semantic indexing, no flight)."""
-        return self._fill(req, plan.key, None, "", "", plan.include_usage, None)
+        itself; its answer is still stored (no semantic indexing).
+
+        When the flight's leader was cancelled (`Follower.leader_left`), the
+        follower joins the key's flight again: the first to do so leads a new
+        one (it calls the origin, and this returns a miss with a leader), the
+        others follow it (this returns a coalesced hit to follow again). After
+        an origin failure each calls on its own, without a flight."""
+        follower = plan.follower
+        leader: Leader | None = None
+        if follower is not None and follower.leader_left:
+            flight = self._join(plan.key, plan.include_usage, req.stream)
+            if isinstance(flight, Follower):
+                return _following(flight, plan.key, plan.include_usage)
+            leader = flight
+        return self._fill(req, plan.key, leader, "", "", plan.include_usage, None)
+
+    def _join(self, key: str, include_usage: bool, stream: bool) -> Leader | Follower:
+        """The key's flight; requests that want usage (see `plan`) fly apart
+        from those that do not."""
+        wants_usage = include_usage or not stream
+        return self.coalescer.join(key + ("+usage" if wants_usage else ""))
 
     def _fill(
         self,
@@ -597,6 +609,18 @@ class EdgeCache:
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _following(follower: Follower, key: str, include_usage: bool) -> CachePlan:
+    """The plan of a request that follows another's flight (a coalesced hit)."""
+    return CachePlan(
+        "hit",
+        kind="coalesced",
+        include_usage=include_usage,
+        follower=follower,
+        key=key,
+        tier="local",
+    )
 
 
 __all__ = ["CachePlan", "CacheRequest", "EdgeCache", "SemanticLayer"]

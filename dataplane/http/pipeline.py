@@ -359,7 +359,9 @@ class Pipeline:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
                 return await sent(request, ex, reply.replay(ex, plan.entry, plan.similarity))
-            if plan.follower is not None:
+            # A follower whose leader's client left may follow a new flight
+            # (EdgeCache.own_call): as often as leaders leave, one at a time.
+            while plan.follower is not None:
                 try:
                     followed = await reply.follow(request, ex, plan.follower)
                 except BaseException:

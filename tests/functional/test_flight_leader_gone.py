@@ -52,14 +52,17 @@ FRAMES = [*map(event, WORDS), event("", "stop"), b"data: [DONE]\n\n"]
 
 
 class Origin:
-    """Streams FRAMES, each once the test lets it out
-    (`let`); says whether it streamed to the end or its caller left."""
+    """Streams FRAMES, each once the test lets it out (`let`); says how many
+    calls it had, and whether it streamed to the end or its caller left."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, late_head: bool = False) -> None:
         self.calls = 0
         self.allowed = asyncio.Semaphore(0)
         self.finished = False
         self.gone = False
+        # The head waits for a `let` too, as a model's whole answer (or a
+        # stream behind a slow queue) does.
+        self.late_head = late_head
 
     def let(self, events: int) -> None:
         for _ in range(events):
@@ -68,9 +71,11 @@ class Origin:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.calls += 1
-        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await out.prepare(request)
         try:
+            if self.late_head:
+                await self.allowed.acquire()
+            out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await out.prepare(request)
             for frame in FRAMES:
                 await self.allowed.acquire()
                 await out.write(frame)
@@ -282,3 +287,138 @@ async def test_the_proxy_stopping_stops_a_flight_relayed_for_followers_alone(
     rest = (await follower.rest()).decode()
     assert "upstream_stream_broken" in rest
     assert in_flight(edge) == 0
+
+
+def followers(edge: Edge) -> int:
+    return edge.app[PIPELINE].cache.coalescer.stats.followers
+
+
+async def test_followers_of_a_leader_gone_before_the_answer_started_make_one_call(
+    start: Start, clients: list[Client]
+) -> None:
+    """A leader whose client leaves while the origin has not answered yet
+    fails its flight; its followers hand off: the first leads a new flight,
+    the others follow it (not a call each)."""
+    origin = Origin(late_head=True)
+    edge = await start(origin)
+    leader, first, second = Client(edge), Client(edge), Client(edge)
+    clients.extend((leader, first, second))
+    sent = asyncio.create_task(leader.send())
+    await until(lambda: origin.calls == 1)
+    following = [asyncio.create_task(c.send()) for c in (first, second)]
+    await until(lambda: followers(edge) == 2)
+    sent.cancel()
+    await leader.leave()
+    await until(lambda: origin.gone)
+    # One of the two leads the new flight; the other follows it.
+    await until(lambda: origin.calls == 2)
+    await until(lambda: followers(edge) == 3)
+    origin.let(1 + len(FRAMES))  # the new call's head, then every event
+    answers = await asyncio.gather(*following)
+    assert sorted(a.headers["x-ponto-cache"] for a in answers) == ["hit", "miss"]
+    for c in (first, second):
+        rest = (await c.rest()).decode()
+        assert "error" not in rest and WORDS[-1] in rest
+        assert rest.rstrip().endswith("data: [DONE]")
+    assert origin.calls == 2
+    assert origin.finished
+    await until(lambda: in_flight(edge) == 0)
+
+
+WHOLE = {**BODY, "stream": False}
+COMPLETION = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 1,
+    "model": MODEL,
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "one two three"},
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+}
+
+
+class WholeOrigin:
+    """Answers a whole completion once the test lets it out; counts its calls
+    and the ones whose caller left."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gone = 0
+        self.allowed = asyncio.Semaphore(0)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.calls += 1
+        try:
+            await self.allowed.acquire()
+        except asyncio.CancelledError:
+            self.gone += 1
+            raise
+        return web.json_response(COMPLETION)
+
+
+async def test_followers_of_a_whole_answer_leader_gone_make_one_call(
+    start: Start, clients: list[Client]
+) -> None:
+    origin = WholeOrigin()
+    edge = await start(origin)
+    sessions = [aiohttp.ClientSession() for _ in range(4)]
+    url = f"http://127.0.0.1:{edge.port}/v1/chat/completions"
+    auth = {"authorization": f"Bearer {KEY.key}"}
+    try:
+        leader = asyncio.create_task(sessions[0].post(url, json=WHOLE, headers=auth))
+        await until(lambda: origin.calls == 1)
+        posts = [asyncio.create_task(s.post(url, json=WHOLE, headers=auth)) for s in sessions[1:]]
+        await until(lambda: followers(edge) == 3)
+        leader.cancel()
+        await sessions[0].close()
+        await until(lambda: origin.gone == 1)
+        await until(lambda: origin.calls == 2 and followers(edge) == 5)
+        origin.allowed.release()
+        answers = await asyncio.gather(*posts)
+        assert sorted(a.headers["x-ponto-cache"] for a in answers) == ["hit", "hit", "miss"]
+        for a in answers:
+            assert a.status == 200
+            assert (await a.json())["choices"][0]["message"]["content"] == "one two three"
+        assert origin.calls == 2
+    finally:
+        for s in sessions:
+            await s.close()
+    await until(lambda: in_flight(edge) == 0)
+
+
+async def test_followers_of_a_leader_that_failed_still_call_on_their_own(
+    start: Start, clients: list[Client]
+) -> None:
+    """Only a leader's leaving hands off: after an origin's failure each
+    follower calls on its own, as before."""
+
+    class Failing(WholeOrigin):
+        async def handle(self, request: web.Request) -> web.StreamResponse:
+            await request.read()
+            self.calls += 1
+            if self.calls == 1:
+                await self.allowed.acquire()
+                raise ConnectionResetError  # aiohttp drops the connection: no answer
+            return web.json_response(COMPLETION)
+
+    origin = Failing()
+    edge = await start(origin, "--max-attempts=1")
+    url = f"http://127.0.0.1:{edge.port}/v1/chat/completions"
+    auth = {"authorization": f"Bearer {KEY.key}"}
+    async with aiohttp.ClientSession() as session:
+        leader = asyncio.create_task(session.post(url, json=WHOLE, headers=auth))
+        await until(lambda: origin.calls == 1)
+        posts = [asyncio.create_task(session.post(url, json=WHOLE, headers=auth)) for _ in range(2)]
+        await until(lambda: followers(edge) == 2)
+        origin.allowed.release()
+        failed = await leader
+        assert failed.status >= 500
+        answers = await asyncio.gather(*posts)
+        assert [a.status for a in answers] == [200, 200]
+    assert origin.calls == 3

@@ -343,3 +343,20 @@ def test_followers_leaving_after_the_outcome_tell_nobody() -> None:
     follower.leave()
     leader.when_deserted(lambda: told.append("after"))
     assert told == []
+
+
+@pytest.mark.parametrize(
+    ("error", "left"),
+    [(asyncio.CancelledError(), True), (RuntimeError("origin 502"), False), (None, False)],
+    ids=["cancelled", "failed", "answered"],
+)
+def test_followers_know_whether_their_leader_left(error: BaseException | None, left: bool) -> None:
+    co = Coalescer()
+    leader = co.join("k")
+    follower = co.join("k")
+    assert isinstance(leader, Leader) and isinstance(follower, Follower)
+    assert not follower.leader_left  # nothing is known before the outcome
+    leader.finish(ENTRY if error is None else None, error)
+    assert follower.leader_left is left
+    # The key is free again: the first to join once more leads a new flight.
+    assert isinstance(co.join("k"), Leader)
