@@ -30,6 +30,16 @@ from dataclasses import dataclass
 _PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
 
 
+# "X509 CERTIFICATE" is the old name, which OpenSSL (gRPC's BoringSSL too) and
+# cryptography read as a certificate.
+_CERTIFICATE_LABELS = frozenset((b"CERTIFICATE", b"X509 CERTIFICATE"))
+
+# OpenSSL's reasons for a readable key that is not the certificate's: another
+# key of its type, or (NO_CERTIFICATE_ASSIGNED) a key of another type, which
+# OpenSSL files apart from the certificate rather than comparing it.
+_NOT_THE_KEY = frozenset(("KEY_VALUES_MISMATCH", "KEY_TYPE_MISMATCH", "NO_CERTIFICATE_ASSIGNED"))
+
+
 class TlsFileError(ValueError):
     """A TLS file that cannot be used; the message names the file and why."""
 
@@ -48,7 +58,7 @@ def certificates(pem: bytes, path: str, what: str) -> list[Certificate]:
     order; TlsFileError when it holds none or one that does not parse."""
     found: list[Certificate] = []
     for label, body in _PEM_BLOCK.findall(pem):
-        if label != b"CERTIFICATE":
+        if label not in _CERTIFICATE_LABELS:
             continue
         try:
             der = b64decode(re.sub(rb"\s+", b"", body), validate=True)
@@ -74,11 +84,15 @@ def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -
     if labels[0] == b"ENCRYPTED PRIVATE KEY" or b"Proc-Type: 4,ENCRYPTED" in key_pem:
         raise TlsFileError(f"cannot read TLS key {key_path}: it is encrypted; give it unencrypted")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # Security level 0: gRPC's TLS (BoringSSL) has no levels and takes, say,
+    # an RSA-1024 key that OpenSSL's default level refuses (EE_KEY_TOO_SMALL,
+    # CA_KEY_TOO_SMALL). This context only reads the files, never connects.
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")
     try:
         # A password callback, so OpenSSL never asks a terminal for one.
         context.load_cert_chain(cert_path, key_path, password=_no_password)
     except ssl.SSLError as exc:
-        if exc.reason == "KEY_VALUES_MISMATCH":
+        if exc.reason in _NOT_THE_KEY:
             raise TlsFileError(
                 f"cannot read TLS key {key_path}: the key in {key_path} is not the key of "
                 f"certificate {cert_path}"

@@ -163,6 +163,55 @@ def test_a_key_of_another_certificate_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("cert_key", "key"), [(RSA_KEY, EC_KEY), (EC_KEY, RSA_KEY)], ids=["rsa-cert", "ec-cert"]
+)
+def test_a_key_of_another_type_is_named_as_not_the_certificates(
+    tmp_path: Path,
+    cert_key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
+) -> None:
+    """OpenSSL files a key by its type: one of another type than the
+    certificate's is no mismatch to it but a slot without a certificate
+    (NO_CERTIFICATE_ASSIGNED). The key is readable: it is the wrong one."""
+    other = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    args = write_pair(tmp_path, cert_key, other)
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.check_pair(*args)
+    assert str(caught.value) == (
+        f"cannot read TLS key {args[3]}: the key in {args[3]} is not the key of "
+        f"certificate {args[1]}"
+    )
+
+
+def test_a_small_rsa_key_that_grpc_takes_passes(tmp_path: Path) -> None:
+    """gRPC's TLS (BoringSSL) has no security levels: an RSA-1024 pair works
+    with it, and cryptography passed it. OpenSSL's default level refuses it
+    (EE_KEY_TOO_SMALL), which must not stop the process at start, least of
+    all blaming the key file."""
+    small = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    cert_pem, cert_path, key_pem, key_path = write_pair(tmp_path, small)
+    leaf = tlsfiles.check_pair(cert_pem, cert_path, key_pem, key_path)
+    assert leaf.der == x509.load_pem_x509_certificate(cert_pem).public_bytes(
+        serialization.Encoding.DER
+    )
+
+
+def test_the_old_x509_certificate_label_is_read() -> None:
+    """'X509 CERTIFICATE' is OpenSSL's (and cryptography's) old name for a
+    certificate block; gRPC reads it."""
+    now = datetime.datetime(2026, 12, 2, tzinfo=UTC)
+    old = pem(certificate(EC_KEY, now, now + datetime.timedelta(days=1))).replace(
+        b"CERTIFICATE-----", b"X509 CERTIFICATE-----"
+    )
+    [found] = tlsfiles.certificates(old, "old.pem", "TLS CA")
+    assert found.not_valid_after == now + datetime.timedelta(days=1)
+
+
+@pytest.mark.parametrize(
     "format_",
     [serialization.PrivateFormat.PKCS8, serialization.PrivateFormat.TraditionalOpenSSL],
     ids=["pkcs8", "traditional"],
