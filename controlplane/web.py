@@ -2,8 +2,10 @@
 
 - ``GET /`` the page (controlplane/static/, no external resources), ``GET
   /api/status`` the JSON it polls: regions with their origins and request
-  rates, proxies with the table version they ACKed, replicas, and tenants
-  whose requests rate limits refused or held for a slot lately.
+  rates, proxies with the table version they ACKed and their problems (a
+  refused table, what they cannot use of theirs; `fleet_warnings`, what
+  every Admin write warns of), replicas, and tenants whose requests rate
+  limits refused or held for a slot lately.
 - ``POST /api/regions/{name}/drain`` and ``/undrain`` (and the same under
   ``/api/origins/``) write through the Catalog, as the Admin API's
   DrainRegion and DrainOrigin do, so the builder publishes a new table, and
@@ -64,6 +66,7 @@ from controlplane.errors import (
     NotFound,
     Unavailable,
 )
+from controlplane.fleetwarnings import fleet_warnings
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
 from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
 from controlplane.registry import TRAFFIC_EVERY
@@ -364,6 +367,8 @@ class StatusWeb:
                 for r in table.regions
             ],
             "proxies": [_proxy_row(p, latest_version, now) for p in proxies],
+            # What every Admin write warns of while it lasts (fleetwarnings).
+            "fleet_warnings": list(fleet_warnings(proxies)),
             "tenants": [
                 _tenant_row(name, tenant, tenant_limits.get(name))
                 for name, tenant in sorted(rates.tenants.items())
@@ -728,6 +733,9 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
         "current_version": current,
         "latest": bool(current) and p.acked_version >= current,
         "last_error": p.last_error,
+        # What it reported it cannot use of the table it serves (a tenant's JWT
+        # config, say), beside a refusal of the last one (last_error).
+        "warnings": list(p.warnings),
         "age_s": max(0.0, now - heard),
         "stale": now - heard > STALE_AFTER,
         "requests": p.requests,

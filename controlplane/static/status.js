@@ -174,8 +174,26 @@ function renderProxies(proxies) {
     el("td", p.stale ? { class: "stale", title: "no traffic since: a quiet proxy reports nothing" } : {},
       age(p.age_s)),
     el("td", {}, p.address),
-    el("td", {}, p.version)));
+    el("td", {}, p.version),
+    el("td", { class: "problems" }, problems(p))));
   document.querySelector("#proxies tbody").replaceChildren(...rows);
+}
+
+// Why a proxy is behind, or what it cannot use of the table it serves; one
+// line each.
+function problems(p) {
+  const lines = [];
+  if (p.last_error) lines.push(`refused the last table: ${p.last_error}`);
+  for (const w of Array.isArray(p.warnings) ? p.warnings : []) lines.push(w);
+  return lines.join("\n");
+}
+
+// The warnings every Admin write (pontoctl) carries while they last: shown
+// above the page, so an operator sees them without writing anything.
+function renderFleetWarnings(warnings) {
+  const list = document.getElementById("fleet-warnings");
+  list.replaceChildren(...warnings.map((w) => el("li", {}, `warning: ${w}`)));
+  list.hidden = !warnings.length;
 }
 
 function tenantLimits(t) {
@@ -213,6 +231,7 @@ function render(status) {
   renderMarkers(status.regions);
   renderRegions(status.regions);
   renderProxies(status.proxies);
+  renderFleetWarnings(status.fleet_warnings || []);
   renderLimits(status.tenants || []);
   document.body.dataset.loaded = "true";
 }

@@ -475,3 +475,36 @@ def test_with_writes_off_the_page_says_why_and_its_buttons_are_disabled(
         {**FAKE_STATUS, "writes": "off", "writes_off": why},
     )
     assert found == [why, [True, True]]  # the region's and its origin's
+
+
+def test_a_proxys_problems_show_on_its_row_and_under_the_header(page: webdriver.Chrome) -> None:
+    shown = cast(list[dict[str, object]], FAKE_STATUS["proxies"])[0]
+    jwt = "tenant acme: JWT config unusable: jwks file missing"
+    status = {
+        **FAKE_STATUS,
+        "proxies": [{**shown, "last_error": HOSTILE, "warnings": [jwt, HOSTILE]}],
+        "fleet_warnings": [f"proxy p1 reports: {jwt}", HOSTILE],
+    }
+    found = page.execute_script(
+        "render(arguments[0]);"
+        "const list = document.getElementById('fleet-warnings');"
+        "return [document.querySelector('#proxies tbody td.problems').textContent,"
+        " Array.from(list.querySelectorAll('li'), (li) => li.textContent), list.hidden,"
+        " document.querySelectorAll('main img, body > ul img').length];",
+        status,
+    )
+    assert found == [
+        f"refused the last table: {HOSTILE}\n{jwt}\n{HOSTILE}",
+        [f"warning: proxy p1 reports: {jwt}", f"warning: {HOSTILE}"],
+        False,
+        0,
+    ]
+    # Once the fleet took its table whole: no list, an empty cell.
+    cleared = page.execute_script(
+        "render(arguments[0]);"
+        "return [document.querySelector('#proxies tbody td.problems').textContent,"
+        " document.getElementById('fleet-warnings').hidden];",
+        {**FAKE_STATUS, "fleet_warnings": []},
+    )
+    assert cleared == ["", True]
+    assert page.execute_script("return window.pwned === undefined")

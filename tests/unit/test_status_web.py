@@ -194,6 +194,43 @@ async def test_status_shows_regions_origins_and_proxies(
     assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
 
 
+async def test_a_proxys_problems_show_with_it_and_as_the_fleets_warnings(
+    plane: Plane,
+) -> None:
+    """A refused table and what a proxy cannot use of its own: on its row,
+    and summed up as the warnings every Admin write carries."""
+    jwt = "tenant acme: JWT config unusable: jwks file /etc/ponto/acme.json is missing"
+    await plane.catalog.put_acks(
+        "r1",
+        {"p-eu": (7, ""), "p-us": (6, "tenant acme: jwks file missing")},
+        plane.lease,
+        version=7,
+        warnings={"p-eu": [jwt]},
+    )
+    async with TestClient(TestServer(web_of(plane).app())) as c:
+        status = await (await c.get("/api/status")).json()
+    proxies = {p["name"]: p for p in status["proxies"]}
+    assert (proxies["p-eu"]["last_error"], proxies["p-eu"]["warnings"]) == ("", [jwt])
+    assert (proxies["p-us"]["last_error"], proxies["p-us"]["warnings"]) == (
+        "tenant acme: jwks file missing",
+        [],
+    )
+    assert status["fleet_warnings"] == [
+        "proxy p-us refused the last route table it was sent (nack: tenant acme: jwks file "
+        "missing) and keeps serving its last good one: a change reaches it only once it "
+        "accepts a table (`pontoctl get proxies`)",
+        f"proxy p-eu reports: {jwt}",
+    ]
+
+
+async def test_a_fleet_that_took_its_table_whole_has_no_warnings(
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    status = await (await client.get("/api/status")).json()
+    assert status["fleet_warnings"] == []
+    assert all(p["warnings"] == [] for p in status["proxies"])
+
+
 async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> None:
     web = web_of(plane)
 
