@@ -314,11 +314,8 @@ class EdgeCache:
             text = last_user_text(req.body["messages"]) or ""
             if text:
                 context = self._context(req)
-        leader: Leader | None = None
         tenant = req.tenant.name
-        region_lock: RegionLock | None = None
         neighbour: tuple[SemanticHit, CachedResponse] | None = None
-        waited = 0.0
         # Why this request misses, when an entry was there but could not answer.
         miss = ""
         if decision.lookup:
@@ -359,28 +356,49 @@ class EdgeCache:
             # origin call, never a wrong answer.
             flight = self._join(key, include_usage, req.stream)
             if isinstance(flight, Follower):
-                return _following(flight, key, include_usage)
-            leader = flight
-            if self.region is not None:
-                try:
-                    claim = await self.region.claim(key, tenant, model)
-                    if claim is False and not req.stream:
-                        loop = asyncio.get_running_loop()
-                        began = loop.time()
-                        entry = await self.region.follow(
-                            key, tenant, model, max_wait_s=self._region_wait
-                        )
-                        if entry is not None and entry.answers(include_usage=wants_usage):
-                            leader.finish(entry)  # local followers take it too
-                            return self._hit(Found(entry, "region"), "coalesced", include_usage)
-                        if entry is not None:
-                            miss = NO_USAGE
-                        waited = loop.time() - began
-                    elif isinstance(claim, RegionLock):
-                        region_lock = claim
-                except BaseException as exc:  # the client went away while waiting
-                    leader.finish(None, exc)
-                    raise
+                return _following(flight, key, include_usage, context, text, neighbour)
+            return await self._lead(req, key, flight, include_usage, context, text, neighbour, miss)
+        return self._fill(req, key, None, context, text, include_usage, neighbour, miss)
+
+    async def _lead(
+        self,
+        req: CacheRequest,
+        key: str,
+        leader: Leader,
+        include_usage: bool,
+        context: str,
+        text: str,
+        neighbour: tuple[SemanticHit, CachedResponse] | None,
+        miss: str,
+    ) -> CachePlan:
+        """The plan of the request that leads the key's flight on this proxy.
+        With a region, it first claims the region's flight: a non-streaming
+        request whose key another proxy is calling for waits for that answer
+        (a coalesced hit, which its local followers take too)."""
+        region_lock: RegionLock | None = None
+        waited = 0.0
+        if self.region is not None:
+            tenant, model = req.tenant.name, req.body["model"]
+            try:
+                claim = await self.region.claim(key, tenant, model)
+                if claim is False and not req.stream:
+                    loop = asyncio.get_running_loop()
+                    began = loop.time()
+                    entry = await self.region.follow(
+                        key, tenant, model, max_wait_s=self._region_wait
+                    )
+                    # A whole answer is asked for, which always has its usage.
+                    if entry is not None and entry.answers(include_usage=True):
+                        leader.finish(entry)  # local followers take it too
+                        return self._hit(Found(entry, "region"), "coalesced", include_usage)
+                    if entry is not None:
+                        miss = NO_USAGE
+                    waited = loop.time() - began
+                elif isinstance(claim, RegionLock):
+                    region_lock = claim
+            except BaseException as exc:  # the client went away while waiting
+                leader.finish(None, exc)
+                raise
         plan = self._fill(req, key, leader, context, text, include_usage, neighbour, miss)
         plan.region_lock = region_lock
         plan.waited_s = waited
@@ -393,23 +411,25 @@ class EdgeCache:
             "hit", kind=kind, include_usage=include_usage, entry=found.entry, tier=found.tier
         )
 
-    def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
+    async def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         """A follower whose flight failed before it got a byte calls an origin
-        itself; its answer is still stored (no semantic indexing).
+        itself; its answer is stored and indexed as the leader's would have been.
 
         When the flight's leader was cancelled (`Follower.leader_left`), the
-        follower joins the key's flight again: the first to do so leads a new
-        one (it calls the origin, and this returns a miss with a leader), the
-        others follow it (this returns a coalesced hit to follow again). After
-        an origin failure each calls on its own, without a flight."""
+        follower joins the key's flight again, before any await: the first to
+        do so leads a new one (as `plan`'s leader: the region's flight claimed
+        first, then a miss with a leader), the others follow it (a coalesced
+        hit to follow again). After an origin failure each calls on its own,
+        without a flight."""
+        key, include_usage = plan.key, plan.include_usage
+        context, text, neighbour = plan.context, plan.text, plan.neighbour
         follower = plan.follower
-        leader: Leader | None = None
         if follower is not None and follower.leader_left:
-            flight = self._join(plan.key, plan.include_usage, req.stream)
+            flight = self._join(key, include_usage, req.stream)
             if isinstance(flight, Follower):
-                return _following(flight, plan.key, plan.include_usage)
-            leader = flight
-        return self._fill(req, plan.key, leader, "", "", plan.include_usage, None)
+                return _following(flight, key, include_usage, context, text, neighbour)
+            return await self._lead(req, key, flight, include_usage, context, text, neighbour, "")
+        return self._fill(req, key, None, context, text, include_usage, neighbour)
 
     def _join(self, key: str, include_usage: bool, stream: bool) -> Leader | Follower:
         """The key's flight; requests that want usage (see `plan`) fly apart
@@ -611,8 +631,16 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def _following(follower: Follower, key: str, include_usage: bool) -> CachePlan:
-    """The plan of a request that follows another's flight (a coalesced hit)."""
+def _following(
+    follower: Follower,
+    key: str,
+    include_usage: bool,
+    context: str,
+    text: str,
+    neighbour: tuple[SemanticHit, CachedResponse] | None,
+) -> CachePlan:
+    """The plan of a request that follows another's flight (a coalesced hit).
+    It keeps what its own call would need (`EdgeCache.own_call`)."""
     return CachePlan(
         "hit",
         kind="coalesced",
@@ -620,6 +648,9 @@ def _following(follower: Follower, key: str, include_usage: bool) -> CachePlan:
         follower=follower,
         key=key,
         tier="local",
+        context=context,
+        text=text,
+        neighbour=neighbour,
     )
 
 

@@ -378,7 +378,7 @@ class Pipeline:
                         ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
                     return await sent(request, ex, response)
-                plan = ex.cache = self.cache.own_call(creq, plan)
+                plan = ex.cache = await self.cache.own_call(creq, plan)
             origin = await self.forward(ex, self.hedge_for(ex))
             if ex.trace is not None:
                 ex.trace.answered(origin)

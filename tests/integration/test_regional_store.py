@@ -19,7 +19,7 @@ from dataplane.cache.policy import TenantCachePolicy
 from dataplane.cache.regional import RegionLink
 from dataplane.cache.regionside import RedisSide
 from dataplane.cache.regionstore import RegionalStore, RegionLock
-from dataplane.cache.step import CacheRequest, EdgeCache
+from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.cache.store import CacheStore, ExactStore, Found
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
@@ -305,17 +305,26 @@ async def test_identical_misses_on_two_proxies_make_one_origin_call(region: Regi
     assert hits == 1
 
 
+async def b_waits_for_a(
+    region: Region,
+) -> tuple[EdgeCache, EdgeCache, CachePlan, asyncio.Task[CachePlan]]:
+    """Proxies a and b; a leads the region's flight (its lock held), and a
+    whole request to b waits for a's origin call (a task)."""
+    a, b = edge(region.proxy("a")), edge(region.proxy("b"))
+    lead = await a.plan(request())
+    assert lead.region_lock is not None
+    waiting = asyncio.create_task(b.plan(request()))
+    await asyncio.sleep(0.05)
+    return a, b, lead, waiting
+
+
 async def test_a_stream_without_usage_from_another_proxy_is_no_whole_answer(
     region: Region,
 ) -> None:
     # b's whole request waits for a's flight, which stores a stream recorded
     # without usage: no answer for b, whose whole answer must have its usage;
     # b calls the origin itself (a miss, no-usage).
-    a, b = edge(region.proxy("a")), edge(region.proxy("b"))
-    lead = await a.plan(request())
-    assert lead.region_lock is not None
-    waiting = asyncio.create_task(b.plan(request()))
-    await asyncio.sleep(0.05)
+    a, _, lead, waiting = await b_waits_for_a(region)
     streamed = CachedResponse(
         ResponseKind.CHAT, NOW, "m", chunks=(b'{"choices":[]}',), usage_missing=True
     )
@@ -356,3 +365,24 @@ async def test_route_table_purges_set_the_epoch(region: Region) -> None:
     cache.on_policy(EdgePolicy(authenticator, {}, {}, purges=((4, "acme", "m"),)))
     assert store.region_key("k", "acme", "m").startswith("4:")
     assert store.region_key("k", "acme", "other").startswith("0:")
+
+
+async def test_a_follower_whose_leader_left_waits_for_another_proxys_flight(
+    region: Region,
+) -> None:
+    # b's local leader waits for a's origin call; its client leaves. b's local
+    # follower, handing off, leads b's flight as its leader did: it waits for
+    # a's call too, rather than making a second one.
+    a, b, lead, waiting = await b_waits_for_a(region)
+    local = await b.plan(request())
+    assert local.follower is not None
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    handed = asyncio.create_task(b.own_call(request(), local))
+    await asyncio.sleep(0.05)
+    assert not handed.done()
+    await a.settle_body(request(), lead, 200, ANSWER, json.loads(ANSWER))
+    plan = await handed
+    assert (plan.outcome, plan.kind, plan.tier) == ("hit", "coalesced", "region")
+    assert plan.entry is not None and plan.entry.body == ANSWER

@@ -10,8 +10,10 @@ from typing import Any, cast
 
 from dataplane.assemble import NO_RULES
 from dataplane.cache.coalesce import Follower, Leader
+from dataplane.cache.embed import HashingEmbedder
 from dataplane.cache.keys import CHAT
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
+from dataplane.cache.semantic import SemanticIndex
 from dataplane.cache.step import CacheRequest, EdgeCache
 from dataplane.cache.store import ExactStore
 from dataplane.metrics import Metrics
@@ -106,3 +108,38 @@ async def test_an_answer_that_arrives_after_a_purge_is_served_but_not_kept() -> 
     assert after.outcome == "miss"
     await edge.settle_body(request("tenant-a"), after, 200, ANSWER, json.loads(ANSWER))
     assert (await edge.plan(request("tenant-a"))).outcome == "hit"  # kept from then on
+
+
+async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> None:
+    """Its flight's leader gone (its client left), the follower that hands
+    off leads a new flight whose answer is stored and indexed semantically,
+    as the first leader's would have been; the next follower follows it."""
+    index = SemanticIndex(HashingEmbedder())
+    edge = EdgeCache(
+        ExactStore(max_bytes=1 << 20, clock=lambda: NOW),
+        Metrics(),
+        semantic=index,
+        clock=lambda: NOW,
+    )
+    policy = TenantCachePolicy(mode=CacheMode.SEMANTIC, semantic_threshold=0.8)
+    rules = TenantRules("acme", NO_RULES, policy)
+    req = CacheRequest(CHAT, dict(BODY), rules, stream=False)
+    try:
+        first = await edge.plan(req)
+        followers = [await edge.plan(req) for _ in range(2)]
+        assert first.leader is not None and all(f.follower for f in followers)
+        first.abandon(asyncio.CancelledError())  # its client left before the answer
+        handed = [await edge.own_call(req, f) for f in followers]
+        assert handed[0].outcome == "miss" and handed[0].leader is not None
+        assert handed[1].outcome == "hit" and handed[1].follower is not None
+        await edge.settle_body(req, handed[0], 200, ANSWER, json.loads(ANSWER))
+        assert handed[1].follower is not None
+        assert (await handed[1].follower.result()).body == ANSWER
+        await edge.background_done()
+        near = dict(
+            BODY, messages=[{"role": "user", "content": "what is the capital of portugal please"}]
+        )
+        hit = await edge.plan(CacheRequest(CHAT, near, rules, stream=False))
+        assert (hit.outcome, hit.kind) == ("hit", "semantic")
+    finally:
+        index.close()
