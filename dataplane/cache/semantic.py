@@ -103,6 +103,7 @@ from dataplane.cache.bounded import (
 )
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
+from dataplane.cache.semsizes import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
 from dataplane.cache.vectors import ID_ENTRY_BYTES, TieredIndex, Vector, VectorIndex
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,9 @@ __all__ = [
 # (docs/semantic-cache.md has the table, bench/cache_eval.py reproduces it).
 DEFAULT_THRESHOLD = 0.90
 
-# Entries an index holds at most unless told otherwise (and its bytes bound it).
-DEFAULT_MAX_ENTRIES = 100_000
-
-# Memory of an entry's own objects beyond its strings and entity sets: the _Entry
-# (slots), its slots in three maps (global LRU, namespace LRU, by key); and of a
-# namespace beyond its context string: the _Space, its map, the namespace tuple and
-# its slot in the namespace map. Measured with tracemalloc (CPython 3.11).
-ENTRY_BYTES = 400
+# DEFAULT_MAX_ENTRIES and ENTRY_BYTES (dataplane.cache.semsizes); and of a
+# namespace beyond its context string: the _Space, its map, the namespace tuple
+# and its slot in the namespace map. Measured with tracemalloc (CPython 3.11).
 NAMESPACE_BYTES = 700
 # An entry's Evidence once checked (at most, see dataplane.cache.bounded), and an
 # error-bounded tenant's Learner (its curve's bins and counters).

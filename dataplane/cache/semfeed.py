@@ -78,16 +78,22 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import numpy as np
 from redis.asyncio import Redis
 
 from dataplane import jsonio
 from dataplane.cache.entities import Entities
 from dataplane.cache.regionstore import covers
-from dataplane.cache.semantic import Inserted, SemanticIndex
 from ponto.logs import Throttled
+
+if TYPE_CHECKING:
+    # numpy and the index come with the semantic index, built once a tenant
+    # turns semantic caching on: a proxy with a regional cache builds its feed
+    # at start, and does not pay their memory before (dataplane.cache.semsizes).
+    import numpy as np
+
+    from dataplane.cache.semantic import Inserted, SemanticIndex
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +162,8 @@ class Malformed(ValueError):
 
 def encode(ins: Inserted, *, proxy: str, embedder: str, purge_rev: int) -> dict[bytes, bytes]:
     """The stream fields of one inserted entry."""
+    import numpy as np  # noqa: PLC0415 - loaded with the index that inserted it
+
     e = ins.entities
     signature = {
         "s": sorted(e.strict),
@@ -196,6 +204,8 @@ def _strings(signature: dict[str, Any], name: str) -> frozenset[str]:
 def decode(fields: dict[bytes, bytes], dim: int) -> Message:
     """A message's fields checked and decoded; Malformed if unusable. The vector's
     unit length is checked by `SemanticIndex.insert_vector`."""
+    import numpy as np  # noqa: PLC0415 - loaded with the index it goes to
+
     raw = fields.get(b"v")
     if not isinstance(raw, bytes) or len(raw) != 4 * dim:
         raise Malformed(f"vector is not {dim} float32 values")

@@ -408,9 +408,13 @@ def build_semantic_feed(
     closes it with the app. `purges` gives the route table's cache purges.
     The stream keeps about as many entries as this worker's index can hold.
     """
-    from dataplane.cache.embed import MINILM_DIM, MINILM_ID  # noqa: PLC0415
-    from dataplane.cache.semantic import DEFAULT_MAX_ENTRIES, ENTRY_BYTES  # noqa: PLC0415
     from dataplane.cache.semfeed import SemanticFeed, build_tail_client  # noqa: PLC0415
+    from dataplane.cache.semsizes import (  # noqa: PLC0415
+        DEFAULT_MAX_ENTRIES,
+        ENTRY_BYTES,
+        MINILM_DIM,
+        MINILM_ID,
+    )
 
     most = int(settings.cache_max_bytes * SEMANTIC_SHARE) // (4 * MINILM_DIM + ENTRY_BYTES)
     return SemanticFeed(

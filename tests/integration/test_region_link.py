@@ -180,6 +180,33 @@ def test_a_proxy_without_redis_does_not_import_redis_py() -> None:
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
 
 
+def test_a_proxy_with_a_regional_cache_loads_no_numpy_before_semantic_caching(
+    tmp_path: Path,
+) -> None:
+    """Its semantic feed is built and started with the app, but numpy (some
+    12 MB per worker) comes only with the semantic index, once a tenant turns
+    semantic caching on (the chart deploys Redis by default)."""
+    script = (
+        "import asyncio, sys\n"
+        "from aiohttp.test_utils import TestServer\n"
+        "from dataplane.http.server import build_app\n"
+        "from dataplane.settings import parse\n"
+        "async def main():\n"
+        "    app = build_app(parse(['--region=r', '--control-plane=127.0.0.1:9',\n"
+        f"        '--state-dir={tmp_path}', '--redis=redis://127.0.0.1:1/0']))\n"
+        "    server = TestServer(app)\n"
+        "    await server.start_server()\n"
+        "    await asyncio.sleep(0.2)\n"
+        "    await server.close()\n"
+        "asyncio.run(main())\n"
+        "print('numpy' in sys.modules)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert run.stdout.strip() == "False", run.stderr
+
+
 def test_the_redis_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse(["--region=r"]).redis_url == ""
     assert parse(["--region=r"]).redis_deadline_s == 0.05
