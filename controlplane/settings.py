@@ -223,7 +223,9 @@ def parse(argv: list[str]) -> Settings:
         security.check_files(datetime.datetime.now(datetime.UTC))
         security.server_credentials()
     except CredentialError as exc:
-        p.error(str(exc))
+        # One line: the arguments parsed, the files they name are at fault
+        # (argparse's error() would put the whole usage before it).
+        p.exit(2, f"{p.prog}: error: {exc}\n")
     return Settings(
         etcd=etcd,
         listen=a.listen,

@@ -410,7 +410,9 @@ def parse(argv: list[str]) -> Settings:
             credentials.check_files(datetime.datetime.now(datetime.UTC))
             credentials.channel_credentials()
     except CredentialError as exc:
-        p.error(str(exc))
+        # One line: the arguments parsed, the files they name are at fault
+        # (argparse's error() would put the whole usage before it).
+        p.exit(2, f"{p.prog}: error: {exc}\n")
     if a.cache_max_mb < 0:
         p.error("--cache-max-mb must be 0 (no cache) or more")
     if a.cache_ttl <= 0:

@@ -40,6 +40,15 @@ _CERTIFICATE_LABELS = frozenset((b"CERTIFICATE", b"X509 CERTIFICATE"))
 _NOT_THE_KEY = frozenset(("KEY_VALUES_MISMATCH", "KEY_TYPE_MISMATCH", "NO_CERTIFICATE_ASSIGNED"))
 
 
+# Keys OpenSSL reads but gRPC's TLS handshake cannot sign with (BoringSSL
+# under gRPC offers no EdDSA signature algorithm): every handshake of a
+# process given one would fail, its peer told only that the handshake did.
+_NO_TLS_KEYS = {
+    bytes.fromhex("2b6570"): "Ed25519",  # 1.3.101.112
+    bytes.fromhex("2b6571"): "Ed448",  # 1.3.101.113
+}
+
+
 class TlsFileError(ValueError):
     """A TLS file that cannot be used; the message names the file and why."""
 
@@ -51,6 +60,8 @@ class Certificate:
     der: bytes
     not_valid_before: datetime.datetime
     not_valid_after: datetime.datetime
+    # The OID of its public key's algorithm (subjectPublicKeyInfo), DER content.
+    key_algorithm: bytes = b""
 
 
 def certificates(pem: bytes, path: str, what: str) -> list[Certificate]:
@@ -64,7 +75,7 @@ def certificates(pem: bytes, path: str, what: str) -> list[Certificate]:
             der = b64decode(re.sub(rb"\s+", b"", body), validate=True)
             # OpenSSL's parse, the one gRPC's will make of the same bytes.
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=der)
-            found.append(Certificate(der, *_validity(der)))
+            found.append(Certificate(der, *_fields(der)))
         except (binascii.Error, ssl.SSLError, ValueError):
             found = []
             break
@@ -78,6 +89,13 @@ def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -
     private key in `key_pem`; TlsFileError naming the file at fault. OpenSSL
     reads both files again at their paths for the match (see the module)."""
     leaf = certificates(cert_pem, cert_path, "TLS certificate")[0]
+    unusable = _NO_TLS_KEYS.get(leaf.key_algorithm)
+    if unusable:
+        raise TlsFileError(
+            f"the TLS certificate {cert_path} is for an {unusable} key, which gRPC's TLS "
+            "cannot use (no common signature algorithm): issue it for an ECDSA (P-256, "
+            "P-384) or RSA key"
+        )
     labels = [label for label, _ in _PEM_BLOCK.findall(key_pem) if label.endswith(b"PRIVATE KEY")]
     if not labels:
         raise TlsFileError(f"cannot read TLS key {key_path}: it holds no PEM private key")
@@ -94,8 +112,7 @@ def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -
     except ssl.SSLError as exc:
         if exc.reason in _NOT_THE_KEY:
             raise TlsFileError(
-                f"cannot read TLS key {key_path}: the key in {key_path} is not the key of "
-                f"certificate {cert_path}"
+                f"the TLS key {key_path} is not the key of certificate {cert_path}"
             ) from None
         raise TlsFileError(f"cannot read TLS key {key_path}: it holds no PEM private key") from None
     except OSError as exc:  # the file went away since the caller read it
@@ -136,12 +153,15 @@ _SEQUENCE = 0x30
 _UTC_TIME = 0x17
 _GENERALIZED_TIME = 0x18
 _VERSION = 0xA0  # [0] EXPLICIT, before the serial number when present
+_OID = 0x06
 
 
-def _validity(der: bytes) -> tuple[datetime.datetime, datetime.datetime]:
-    """notBefore and notAfter of an X.509 certificate's DER (RFC 5280 4.1):
-    Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL,
-    serialNumber, signature, issuer, validity SEQUENCE { notBefore, notAfter },
+def _fields(der: bytes) -> tuple[datetime.datetime, datetime.datetime, bytes]:
+    """notBefore, notAfter and the public key's algorithm OID of an X.509
+    certificate's DER (RFC 5280 4.1): Certificate ::= SEQUENCE {
+    tbsCertificate SEQUENCE { [0] version OPTIONAL, serialNumber, signature,
+    issuer, validity SEQUENCE { notBefore, notAfter }, subject,
+    subjectPublicKeyInfo SEQUENCE { algorithm SEQUENCE { OID, ... }, ... },
     ... } ... }. ValueError when the bytes are not that shape."""
     at, end = 0, len(der)
     for what in ("Certificate", "tbsCertificate"):
@@ -156,11 +176,20 @@ def _validity(der: bytes) -> tuple[datetime.datetime, datetime.datetime]:
     tag, at, validity_end = _tlv(der, at, end)
     if tag != _SEQUENCE:
         raise ValueError("no validity")
-    before_tag, before_at, at = _tlv(der, at, validity_end)
-    after_tag, after_at, after_end = _tlv(der, at, validity_end)
+    before_tag, before_at, before_end = _tlv(der, at, validity_end)
+    after_tag, after_at, after_end = _tlv(der, before_end, validity_end)
+    _, _, at = _tlv(der, validity_end, end)  # subject
+    oid = b""
+    for want in (_SEQUENCE, _SEQUENCE, _OID):  # subjectPublicKeyInfo, algorithm, its OID
+        tag, at, inner_end = _tlv(der, at, end)
+        if tag != want:
+            raise ValueError("no subjectPublicKeyInfo")
+        end = inner_end
+        oid = der[at:inner_end]
     return (
-        _time(before_tag, der[before_at:at]),
+        _time(before_tag, der[before_at:before_end]),
         _time(after_tag, der[after_at:after_end]),
+        oid,
     )
 
 

@@ -624,7 +624,7 @@ def test_tls_failures_are_one_line_naming_what_to_fix(tmp_path: Path) -> None:
             (  # found before any call (gRPC core would log it at ERROR, three lines twice)
                 {**b.admin_env(), "PONTO_TLS_KEY": b.path("proxy.key")},
                 [],
-                f"the key in {b.path('proxy.key')} is not the key of certificate "
+                f"the TLS key {b.path('proxy.key')} is not the key of certificate "
                 f"{b.path('admin.crt')}",
             ),
             (  # its own certificate expired: not blamed on the control plane's CA
@@ -639,7 +639,8 @@ def test_tls_failures_are_one_line_naming_what_to_fix(tmp_path: Path) -> None:
         for env, flags, hint in cases:
             done = run_pontoctl(env, "--control-plane", address, *flags, "get", "regions")
             # What pontoctl finds wrong with its own files is exit code 2.
-            assert done.returncode == (2 if "the key in" in hint or "expired" in hint else 1), done
+            own_file = "is not the key of" in hint or "expired" in hint
+            assert done.returncode == (2 if own_file else 1), done
             assert done.stderr.startswith("error: ") and hint in done.stderr, done.stderr
             assert len(done.stderr.splitlines()) == 1, done.stderr
             assert done.stdout == ""

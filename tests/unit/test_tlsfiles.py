@@ -9,12 +9,13 @@ import datetime
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.x509.oid import NameOID
 
 from ponto import tlsfiles
@@ -24,11 +25,19 @@ UTC = datetime.UTC
 ROOT = Path(__file__).resolve().parents[2]
 
 
+Key = (
+    ec.EllipticCurvePrivateKey
+    | rsa.RSAPrivateKey
+    | ed25519.Ed25519PrivateKey
+    | ed448.Ed448PrivateKey
+)
+
+
 def certificate(
-    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
-    not_before: datetime.datetime,
-    not_after: datetime.datetime,
+    key: Key, not_before: datetime.datetime, not_after: datetime.datetime
 ) -> x509.Certificate:
+    """Self-signed: EdDSA keys sign without a separate hash."""
+    eddsa = isinstance(key, ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tlsfiles-test")])
     return (
         x509.CertificateBuilder()
@@ -38,7 +47,7 @@ def certificate(
         .serial_number(x509.random_serial_number())
         .not_valid_before(not_before)
         .not_valid_after(not_after)
-        .sign(key, hashes.SHA256())
+        .sign(key, None if eddsa else hashes.SHA256())
     )
 
 
@@ -156,10 +165,7 @@ def test_a_key_of_another_certificate_is_named(tmp_path: Path) -> None:
     args = write_pair(tmp_path, EC_KEY, other)
     with pytest.raises(tlsfiles.TlsFileError) as caught:
         tlsfiles.check_pair(*args)
-    assert str(caught.value) == (
-        f"cannot read TLS key {args[3]}: the key in {args[3]} is not the key of "
-        f"certificate {args[1]}"
-    )
+    assert str(caught.value) == (f"the TLS key {args[3]} is not the key of certificate {args[1]}")
 
 
 @pytest.mark.parametrize(
@@ -181,10 +187,7 @@ def test_a_key_of_another_type_is_named_as_not_the_certificates(
     args = write_pair(tmp_path, cert_key, other)
     with pytest.raises(tlsfiles.TlsFileError) as caught:
         tlsfiles.check_pair(*args)
-    assert str(caught.value) == (
-        f"cannot read TLS key {args[3]}: the key in {args[3]} is not the key of "
-        f"certificate {args[1]}"
-    )
+    assert str(caught.value) == (f"the TLS key {args[3]} is not the key of certificate {args[1]}")
 
 
 def test_a_small_rsa_key_that_grpc_takes_passes(tmp_path: Path) -> None:
@@ -286,3 +289,32 @@ def test_a_proxy_with_tls_on_does_not_load_cryptography(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [(ed25519.Ed25519PrivateKey.generate, "Ed25519"), (ed448.Ed448PrivateKey.generate, "Ed448")],
+)
+def test_an_eddsa_certificate_gRPC_cannot_use_is_refused(
+    tmp_path: Path, make: Callable[[], ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey], name: str
+) -> None:
+    """OpenSSL reads the pair, but every handshake of a process given it would
+    fail (trial 7: NO_COMMON_SIGNATURE_ALGORITHMS, blamed on the peer)."""
+    key = make()
+    now = datetime.datetime.now(UTC)
+    cert = certificate(key, now, now + datetime.timedelta(days=1))
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    (tmp_path / "ed.crt").write_bytes(pem(cert))
+    (tmp_path / "ed.key").write_bytes(key_pem)
+    cert_path = str(tmp_path / "ed.crt")
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.check_pair(pem(cert), cert_path, key_pem, str(tmp_path / "ed.key"))
+    assert str(caught.value) == (
+        f"the TLS certificate {cert_path} is for an {name} key, which gRPC's TLS cannot use "
+        "(no common signature algorithm): issue it for an ECDSA (P-256, P-384) or RSA key"
+    )
+    # As a CA it is only read: what it signed is for gRPC to check.
+    (found,) = tlsfiles.certificates(pem(cert), cert_path, "TLS CA")
+    assert found.key_algorithm == bytes.fromhex("2b6570" if name == "Ed25519" else "2b6571")
