@@ -257,8 +257,9 @@ class Metrics:
             "ponto_upstream_attempts",
             "Attempts to call an origin, by origin and outcome: ok, connect_error, timeout, "
             "http_5xx, http_429, http_3xx (a redirect: a wrong base URL), credential_refused, "
-            "credential_error, cut, cut_after_start, deadline, or hedge_cancelled "
-            "(sent, then cancelled because the other copy of a hedged request answered)",
+            "credential_error, cut, cut_after_start, deadline, hedge_cancelled "
+            "(sent, then cancelled because the other copy of a hedged request answered), "
+            "or cancelled (sent, then the client left or the proxy stopped before an answer)",
             ["origin", "outcome"],
             registry=r,
         )

@@ -63,7 +63,7 @@ from dataplane.routes import Routes, Target
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
 
 if TYPE_CHECKING:
@@ -424,6 +424,7 @@ class Pipeline:
             )
         body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
         headers = forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
+        sent = Sent()
         try:
             answer = await forwarder.forward(
                 ex.endpoint.upstream_path,
@@ -434,9 +435,16 @@ class Pipeline:
                 stream=ex.stream,
                 trace=ex.trace,
                 spent_s=ex.cache.waited_s if ex.cache is not None else 0.0,
+                sent=sent,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts
+            raise
+        except asyncio.CancelledError:
+            # Its client left (a 499) after calls were sent: they are in its record.
+            ex.attempts = sent.calls
+            if sent.target is not None:
+                ex.origin, ex.region = sent.target.name, sent.target.region
             raise
         ex.origin, ex.region = answer.target.name, answer.target.region
         ex.attempts = answer.calls

@@ -228,6 +228,16 @@ class _Tries:
     busy: int = 0
 
 
+@dataclass(slots=True)
+class Sent:
+    """What `Forwarder.forward` had sent when it was cancelled (its client
+    left, or the proxy stopped) before an origin answered: the calls made and
+    the origin of the last, for the request's record."""
+
+    calls: int = 0
+    target: Target | None = None
+
+
 class Forwarder:
     """Sends a request to origins in order. One per app; safe for concurrent use
     on its event loop."""
@@ -316,6 +326,7 @@ class Forwarder:
         stream: bool = False,
         trace: RequestTrace | None = None,
         spent_s: float = 0.0,
+        sent: Sent | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -336,7 +347,8 @@ class Forwarder:
         candidate. The hedge counts as an attempt (`max_attempts`) but takes
         no retry-budget token; the deadline covers both. At most one hedge per
         request, and only of the first attempt. Cancelling `forward` cancels
-        every attempt it started.
+        every attempt it started; each one under way is counted as outcome
+        "cancelled", and `sent` says what had been sent.
 
         With `trace`, each attempt is a span of it, and its headers carry that
         span's trace context. `spent_s` is time the request already spent out of
@@ -348,17 +360,24 @@ class Forwarder:
         self.budget.deposit()
         ordered = self.outliers.order(candidates)[: settings.max_attempts]
         answer = None
-        if hedge is not None:
-            # Only requests that may hedge feed the hedge budget: 10 % of them.
-            self.hedges.deposit()
-            if len(ordered) > 1:
-                delay = self.commit_times.p95(ordered[0].name, stream) if hedge == AUTO else hedge
-                if delay is not None:
-                    answer = await self._race(
-                        ordered, float(delay), path, body, headers, stream, tries, trace
+        try:
+            if hedge is not None:
+                # Only requests that may hedge feed the hedge budget: 10 % of them.
+                self.hedges.deposit()
+                if len(ordered) > 1:
+                    delay = (
+                        self.commit_times.p95(ordered[0].name, stream) if hedge == AUTO else hedge
                     )
-        if answer is None and not tries.past_deadline:
-            answer = await self._failover(ordered, path, body, headers, stream, tries, trace)
+                    if delay is not None:
+                        answer = await self._race(
+                            ordered, float(delay), path, body, headers, stream, tries, trace
+                        )
+            if answer is None and not tries.past_deadline:
+                answer = await self._failover(ordered, path, body, headers, stream, tries, trace)
+        except asyncio.CancelledError:
+            if sent is not None and tries.made:
+                sent.calls, sent.target = tries.made, ordered[tries.made - 1]
+            raise
         failures = tries.failures
         # The causes are the operator's, in one line per request with its id;
         # the client gets a fixed message (dataplane.http.errors). Busy origins
@@ -439,6 +458,10 @@ class Forwarder:
             except TimeoutError:
                 self._past_deadline(target, failures)
                 break
+            except asyncio.CancelledError:
+                # Sent all the same: the origin saw it (its prefill was spent).
+                self._metrics.attempt(target.name, "cancelled").inc()
+                raise
         return None
 
     async def _race(
@@ -521,6 +544,10 @@ class Forwarder:
                     break
                 if unexpected is not None:
                     raise unexpected[1]
+        except asyncio.CancelledError:
+            for target in running.values():
+                metrics.attempt(target.name, "cancelled").inc()
+            raise
         finally:
             extra = await self._end_others(targets, first, winner, answer, stream, sent_at, trace)
         if answer is None:

@@ -25,7 +25,7 @@ from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer, UpstreamSettings
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, UpstreamSettings
 from dataplane.upstream.hedge import CommitTimes
 from dataplane.upstream.outlier import RetryBudget
 from dataplane.upstream.wire import OriginResponse
@@ -411,6 +411,21 @@ async def test_cancelling_forward_cancels_both_attempts(rigs: RigMaker) -> None:
     await cancelled(rig.origin("o1"))
     await cancelled(rig.origin("o2"))
     assert rig.attempts("o1", "hedge_cancelled") == rig.attempts("o2", "hedge_cancelled") == 0
+    # Both were sent (the origins saw them): counted as the request's cancelled calls.
+    assert rig.attempts("o1", "cancelled") == rig.attempts("o2", "cancelled") == 1
+
+
+async def test_cancelling_forward_says_what_was_sent(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(delay=SLOW), Behaviour(delay=SLOW))
+    sent = Sent()
+    task = asyncio.create_task(rig.forward(hedge=SHORT, sent=sent))
+    async with asyncio.timeout(5):
+        while rig.origin("o2").started == 0:
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sent.calls == 2 and sent.target is not None and sent.target.name == "o2"
 
 
 async def test_one_candidate_means_no_hedge(rigs: RigMaker) -> None:
