@@ -188,20 +188,26 @@ def parse(argv: list[str]) -> Settings:
         "--connect-timeout",
         type=float,
         default=2.0,
-        help="seconds to connect to an origin before trying the next",
+        help="seconds to connect to an origin before trying the next (default: %(default)s)",
     )
     p.add_argument(
         "--read-timeout",
         type=float,
         default=300.0,
-        help="seconds to wait for an origin's response headers, and between chunks",
+        help="seconds to wait for an origin's response headers, and between chunks "
+        "(default: %(default)s)",
     )
-    p.add_argument("--max-attempts", type=int, default=3, help="origins tried per request")
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="origins tried per request (default: %(default)s)",
+    )
     p.add_argument(
         "--deadline",
         type=float,
         default=600.0,
-        help="seconds a request may spend before its response starts",
+        help="seconds a request may spend before its response starts (default: %(default)s)",
     )
     p.add_argument(
         "--stream-idle-timeout",
