@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
-# gRPC core logs each failed TLS handshake on stderr at INFO (`I1202 ...
-# ssl_transport_security.cc ... Handshake failed`), once per connection
-# attempt, outside this process's log format; the Routing API logs refused
-# callers itself. Read once, when grpc is first imported: set before. A user
-# who sets GRPC_VERBOSITY (to debug) keeps it.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+from ponto.grpclog import quiet_import
+
+# gRPC core logs each failed TLS handshake at INFO, once per connection
+# attempt; the Routing API logs refused callers itself.
+quiet_import("ERROR")
 
 import uvloop
 

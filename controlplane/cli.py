@@ -21,26 +21,16 @@ again by the control plane, which checks every client's writes the same way.
 
 from __future__ import annotations
 
-import os
+from ponto.grpclog import quiet_import
 
-# gRPC core writes its own lines on stderr (`I1202 ... ssl_transport_security.cc
-# ... Handshake failed`; a key that is not its certificate's, at ERROR) before
-# pontoctl's one-line error says what failed. It reads GRPC_VERBOSITY once, when
-# grpc is first imported: so grpc is imported first, under NONE unless the user
-# chose a level (to debug), and the variable is removed again so that processes
-# started by an importer of this module (the tests' control planes) keep theirs.
-_QUIET_GRPC = "GRPC_VERBOSITY" not in os.environ
-if _QUIET_GRPC:
-    os.environ["GRPC_VERBOSITY"] = "NONE"
-import grpc
-
-if _QUIET_GRPC:
-    del os.environ["GRPC_VERBOSITY"]
+# None of gRPC core's lines, at any level, before pontoctl's one-line error.
+quiet_import("NONE")
 
 import argparse
 import dataclasses
 import datetime
 import json
+import os
 import sys
 import threading
 import time
@@ -48,6 +38,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import grpc
 import orjson
 import yaml
 from google.protobuf.json_format import MessageToDict

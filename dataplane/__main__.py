@@ -9,12 +9,6 @@ import os
 # numpy can be imported.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# gRPC core logs each failed TLS handshake on stderr at INFO (`I1202 ...
-# ssl_transport_security.cc ... Handshake failed`), once per attempt while the
-# link retries, outside this process's log format; the link says why once per
-# cause (dataplane.sync.link). Read when grpc is first imported: set before. A
-# user who sets GRPC_VERBOSITY (to debug) keeps it.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import asyncio
 import gc
@@ -22,6 +16,12 @@ import logging
 import signal
 import sys
 from typing import TYPE_CHECKING
+
+from ponto.grpclog import quiet_import
+
+# gRPC core logs each failed TLS handshake at INFO, once per connection
+# attempt; the link says why once per cause.
+quiet_import("ERROR")
 
 import uvloop
 from aiohttp import web
