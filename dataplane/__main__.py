@@ -26,7 +26,7 @@ quiet_import("ERROR")
 import uvloop
 from aiohttp import web
 
-from dataplane import workers
+from dataplane import supervisor, workers
 from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
 from dataplane.http.server import build_app, build_metrics_app, software_version
 from dataplane.http.state import CLIENT, DRAINING
@@ -85,7 +85,7 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
             site = await workers.start_sites(runner, settings)
     except OSError as exc:
         await runner.cleanup()
-        raise workers.ListenError.of(settings.listen_host, settings.listen_port, exc) from exc
+        raise supervisor.ListenError.of(settings.listen_host, settings.listen_port, exc) from exc
     server = site._server
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -95,7 +95,7 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     app[CLIENT].set_address(address)
     try:
         metrics_runner = await serve_metrics(app, settings)
-    except workers.ListenError:
+    except supervisor.ListenError:
         await runner.cleanup()
         raise
     if settings.ready_file:
@@ -125,7 +125,7 @@ async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunn
     metrics_app = build_metrics_app(app)
     slot = settings.worker
     if slot is not None:
-        views = workers.group_views(slot, settings.workers, workers.metrics_socket_path)
+        views = workers.group_views(slot, settings.workers, supervisor.metrics_socket_path)
         metrics_app.middlewares.append(views)
     runner = web.AppRunner(metrics_app, access_log=None)
     await runner.setup()
@@ -138,15 +138,15 @@ async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunn
         else:
             site = await workers.start_sites(
                 runner, settings, address=settings.metrics_listen,
-                sockets=workers.metrics_socket_path,
+                sockets=supervisor.metrics_socket_path,
             )  # fmt: skip
     except OSError as exc:
         await runner.cleanup()
-        raise workers.ListenError.of(host, port, exc) from exc
+        raise supervisor.ListenError.of(host, port, exc) from exc
     server = site._server
     assert server is not None
     bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    log.info("metrics on http://%s/metrics", workers.hostport(host, bound))
+    log.info("metrics on http://%s/metrics", supervisor.hostport(host, bound))
     return runner
 
 
@@ -196,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(settings.log_level, tag=f"w{slot.index}" if slot else "")
     try:
         if settings.workers > 1 and slot is None:
-            return workers.supervise(settings, args)
+            # Checked: the supervisor needs none of what this process loaded.
+            supervisor.become_supervisor(supervisor.Group.of(settings), args)
         uvloop.run(serve(settings, tracing))
-    except workers.ListenError as exc:
+    except supervisor.ListenError as exc:
         sys.stderr.write(f"ponto-proxy: error: {exc}\n")
         return 1
     return 0

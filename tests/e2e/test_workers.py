@@ -228,3 +228,21 @@ def test_workers_stop_when_the_supervisor_is_killed(fleet: Fleet) -> None:
     # A killed supervisor cannot remove the group's run directory.
     assert run_dir.is_dir()
     shutil.rmtree(run_dir)
+
+
+def test_the_supervisor_holds_none_of_the_proxys_libraries(fleet: Fleet) -> None:
+    """It checked the flags as a proxy (aiohttp, gRPC...), then replaced itself
+    (same pid) with a supervisor of the standard library alone: their memory
+    is not held once per pod for a process that serves nothing."""
+    group = fleet.proxies["p"]
+    until("two workers", lambda: both_workers(group))
+    pid = group.proc.pid
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[1:3] == [b"-m", b"dataplane.supervisor"]
+    mapped = Path(f"/proc/{pid}/maps").read_text()
+    for library in ("cygrpc", "_http_parser", "uvloop", "_multidict"):
+        assert library not in mapped, library
+    # Its workers do hold them: the check above is not vacuous.
+    worker = both_workers(group)
+    assert worker is not None
+    assert "cygrpc" in Path(f"/proc/{worker[0]}/maps").read_text()

@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataplane import workers
+from dataplane import supervisor, workers
 from dataplane.http.boundary import errors_and_metrics
 from dataplane.http.endpoints import metrics
 from dataplane.http.errors import ApiError
@@ -33,6 +33,7 @@ from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
 from dataplane.streaming.usage import Usage
+from dataplane.supervisor import Group
 
 BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east", "--name", "p"]
 
@@ -80,12 +81,12 @@ def test_a_workers_command_line_parses_to_its_settings(tmp_path: Path) -> None:
     argv = [*BASE, "--listen", "127.0.0.1:0", "--workers", "2", "--state-dir", str(tmp_path),
             "--ready-file", str(tmp_path / "group.addr")]  # fmt: skip
     group = parse(argv)
-    line = workers.worker_argv(argv, group, 1, 40123, tmp_path / "run", 9)
+    line = supervisor.worker_argv(argv, Group.of(group), 1, 40123, tmp_path / "run", 9)
     assert line[1:3] == ["-m", "dataplane"]
     w1 = parse(line[3:])
     assert (w1.name, w1.workers, w1.listen_port) == ("p-w1", 2, 40123)
     assert w1.state_dir == tmp_path / "w1"
-    assert w1.ready_file == workers.ready_path(tmp_path / "run", 1)
+    assert w1.ready_file == supervisor.ready_path(tmp_path / "run", 1)
     assert w1.worker == WorkerSlot(1, tmp_path / "run", 9)
     assert w1.advertise == "127.0.0.1:40123"
 
@@ -94,11 +95,13 @@ def test_a_workers_command_line_carries_the_groups_metrics_port(tmp_path: Path) 
     argv = [*BASE, "--listen", "127.0.0.1:0", "--workers", "2", "--metrics-listen", "[::1]:0"]
     group = parse(argv)
     assert group.metrics_listen == ("::1", 0)
-    line = workers.worker_argv(argv, group, 1, 40123, tmp_path / "run", 9, metrics_port=40124)
+    line = supervisor.worker_argv(
+        argv, Group.of(group), 1, 40123, tmp_path / "run", 9, metrics_port=40124
+    )
     w1 = parse(line[3:])
     assert w1.metrics_listen == ("::1", 40124)
     assert w1.metrics_key_labels
-    assert workers.metrics_socket_path(tmp_path, 1) != workers.socket_path(tmp_path, 1)
+    assert supervisor.metrics_socket_path(tmp_path, 1) != supervisor.socket_path(tmp_path, 1)
 
 
 def test_metrics_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,20 +125,20 @@ def test_metrics_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_restarts_back_off_then_give_up() -> None:
-    policy = workers.RestartPolicy(first_delay=0.5, max_delay=3.0, max_failures=5)
+    policy = supervisor.RestartPolicy(first_delay=0.5, max_delay=3.0, max_failures=5)
     # The 5th death in a row is the last: no restart after it.
     assert [policy.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, None]
 
 
 def test_exits_are_described_by_code_or_signal() -> None:
-    assert workers.describe_exit(1) == "exited with 1"
-    assert workers.describe_exit(-9) == "was killed by SIGKILL"
+    assert supervisor.describe_exit(1) == "exited with 1"
+    assert supervisor.describe_exit(-9) == "was killed by SIGKILL"
 
 
 def test_the_port_is_held_once_and_shared() -> None:
-    holder = workers.reserve_port("127.0.0.1", 0)
+    holder = supervisor.reserve_port("127.0.0.1", 0)
     port = holder.getsockname()[1]
-    listeners = [workers.reuseport_socket("127.0.0.1", port) for _ in range(2)]
+    listeners = [supervisor.reuseport_socket("127.0.0.1", port) for _ in range(2)]
     try:
         for s in listeners:
             s.listen()
@@ -143,8 +146,8 @@ def test_the_port_is_held_once_and_shared() -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass
         # A second group on the same port is refused, as a second proxy is.
-        with pytest.raises(workers.ListenError) as exc:
-            workers.reserve_port("127.0.0.1", port)
+        with pytest.raises(supervisor.ListenError) as exc:
+            supervisor.reserve_port("127.0.0.1", port)
         assert str(exc.value) == f"cannot listen on 127.0.0.1:{port}: Address already in use"
         assert isinstance(exc.value.__cause__, OSError)
         assert exc.value.__cause__.errno == errno.EADDRINUSE
@@ -155,8 +158,8 @@ def test_the_port_is_held_once_and_shared() -> None:
 
 def test_a_host_name_that_does_not_resolve_is_said_in_words() -> None:
     # getaddrinfo's errors have negative errnos ("Unknown error -2" to os.strerror).
-    with pytest.raises(workers.ListenError) as exc:
-        workers.reserve_port("nosuch.invalid", 0)
+    with pytest.raises(supervisor.ListenError) as exc:
+        supervisor.reserve_port("nosuch.invalid", 0)
     assert str(exc.value).startswith("cannot listen on nosuch.invalid:0: ")
     assert "Unknown error" not in str(exc.value), str(exc.value)
 
@@ -197,9 +200,9 @@ def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
     def argv(
         _argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int, _m: object
     ) -> list[str]:
-        return [sys.executable, "-c", code, str(workers.ready_path(run_dir, index))]
+        return [sys.executable, "-c", code, str(supervisor.ready_path(run_dir, index))]
 
-    monkeypatch.setattr(workers, "worker_argv", argv)
+    monkeypatch.setattr(supervisor, "worker_argv", argv)
 
 
 async def test_the_supervisor_announces_the_group_and_stops_it(
@@ -210,15 +213,15 @@ async def test_the_supervisor_announces_the_group_and_stops_it(
     settings = parse(
         [*BASE, "--workers", "3", "--listen", "127.0.0.1:0", "--ready-file", str(ready)]
     )
-    supervisor = workers.Supervisor(settings, [])
-    run = asyncio.create_task(supervisor.run())
+    group = supervisor.Supervisor(Group.of(settings), [])
+    run = asyncio.create_task(group.run())
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert not run.done() and time.monotonic() < deadline
         await asyncio.sleep(0.02)
     host, _, port = ready.read_text().rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
-    supervisor.stopping.set()  # what SIGTERM does
+    group.stopping.set()  # what SIGTERM does
     # Every worker got SIGTERM and exited 0.
     assert await asyncio.wait_for(run, 30) == 0
 
@@ -228,8 +231,10 @@ async def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
 ) -> None:
     fake_workers(monkeypatch, DIES)
     settings = parse([*BASE, "--workers", "2", "--listen", "127.0.0.1:0"])
-    policy = workers.RestartPolicy(first_delay=0.01, max_failures=2)
-    assert await asyncio.wait_for(workers.Supervisor(settings, [], policy).run(), 30) == 1
+    policy = supervisor.RestartPolicy(first_delay=0.01, max_failures=2)
+    assert (
+        await asyncio.wait_for(supervisor.Supervisor(Group.of(settings), [], policy).run(), 30) == 1
+    )
     assert "restarting it in 0.0 s" in caplog.text
     assert "exited with 3 (2 failures in a row); giving up" in caplog.text
 
@@ -374,7 +379,7 @@ async def group(
             runner = web.AppRunner(worker_app(w, run_dir, count))
             await runner.setup()
             runners.append(runner)
-            await web.UnixSite(runner, str(workers.socket_path(run_dir, index))).start()
+            await web.UnixSite(runner, str(supervisor.socket_path(run_dir, index))).start()
             tcp = web.TCPSite(runner, "127.0.0.1", 0)
             await tcp.start()
             assert tcp._server is not None
@@ -395,7 +400,7 @@ async def get(w: Worker, path: str) -> tuple[int, dict[str, str], bytes]:
 
 
 async def get_private(run_dir: Path, index: int, path: str) -> bytes:
-    connector = aiohttp.UnixConnector(path=str(workers.socket_path(run_dir, index)))
+    connector = aiohttp.UnixConnector(path=str(supervisor.socket_path(run_dir, index)))
     async with (
         aiohttp.ClientSession(connector=connector) as s,
         s.get(f"http://worker{path}") as r,
@@ -478,3 +483,28 @@ async def test_every_other_route_passes_through(tmp_path: Path) -> None:
             assert "x-ponto-worker" not in r.headers
     finally:
         await runner.cleanup()
+
+
+def test_the_supervisor_imports_the_standard_library_alone() -> None:
+    """What `ponto-proxy --workers N` becomes once its flags are checked
+    (tests/e2e/test_workers.py looks at a running one)."""
+    script = (
+        "import sys, dataplane.supervisor\n"
+        "print(sorted(m for m in ('aiohttp', 'grpc', 'uvloop', 'multidict', 'yarl', 'numpy',"
+        " 'google.protobuf', 'dataplane.settings') if m in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert run.stdout.strip() == "[]"
+
+
+def test_a_group_spec_survives_its_trip_through_the_command_line(tmp_path: Path) -> None:
+    settings = parse(
+        [*BASE, "--workers", "3", "--listen", "[::1]:0", "--metrics-listen", "127.0.0.1:9",
+         "--ready-file", str(tmp_path / "ready"), "--drain-seconds", "2.5"]
+    )  # fmt: skip
+    group = Group.of(settings)
+    assert Group.from_json(group.to_json()) == group
+    assert (group.workers, group.listen_host, group.metrics_listen) == (3, "::1", ("127.0.0.1", 9))
+    assert (group.ready_file, group.drain_seconds) == (str(tmp_path / "ready"), 2.5)
