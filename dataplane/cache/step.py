@@ -540,10 +540,17 @@ class EdgeCache:
         """Index the question of an answer just stored. Not after a purge that
         came since, and taken out again when the store evicted the answer
         while it was being embedded (an entry pointing at nothing would hold
-        index memory until a lookup found it)."""
+        index memory until a lookup found it). One insert per key at a time."""
         if plan.purge_mark != self._purged_to:
             return
         key = plan.key
+        if key in self._indexing:
+            # Another answer of the key is being indexed (followers calling on
+            # their own, flights apart by usage): that insert serves this one
+            # too, and is told the key is stored again. Two at once would each
+            # pop the mark and the second would take the entry out.
+            self._indexing[key] = True
+            return
         self._indexing[key] = True
         try:
             await semantic.insert(tenant, model, plan.context, plan.text, key)

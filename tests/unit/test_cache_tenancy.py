@@ -143,3 +143,36 @@ async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> 
         assert (hit.outcome, hit.kind) == ("hit", "semantic")
     finally:
         index.close()
+
+
+async def test_followers_calling_on_their_own_leave_their_answer_indexed() -> None:
+    """After an origin failure each follower calls on its own and stores the
+    same key: indexing it twice at once must not take the entry out again
+    (the second `_index` found no mark, the first having popped it, and
+    removed the key as if the store had evicted it)."""
+    index = SemanticIndex(HashingEmbedder())
+    edge = EdgeCache(
+        ExactStore(max_bytes=1 << 20, clock=lambda: NOW),
+        Metrics(),
+        semantic=index,
+        clock=lambda: NOW,
+    )
+    policy = TenantCachePolicy(mode=CacheMode.SEMANTIC, semantic_threshold=0.8)
+    rules = TenantRules("acme", NO_RULES, policy)
+    req = CacheRequest(CHAT, dict(BODY), rules, stream=False)
+    try:
+        first = await edge.plan(req)
+        followers = [await edge.plan(req) for _ in range(2)]
+        first.abandon(RuntimeError("the origin failed"))
+        own = [await edge.own_call(req, f) for f in followers]
+        assert all(p.outcome == "miss" and p.leader is None for p in own)
+        for p in own:  # both answers arrive before either is indexed
+            await edge.settle_body(req, p, 200, ANSWER, json.loads(ANSWER))
+        await edge.background_done()
+        near = dict(
+            BODY, messages=[{"role": "user", "content": "what is the capital of portugal please"}]
+        )
+        hit = await edge.plan(CacheRequest(CHAT, near, rules, stream=False))
+        assert (hit.outcome, hit.kind) == ("hit", "semantic")
+    finally:
+        index.close()
