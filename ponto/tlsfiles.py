@@ -40,12 +40,18 @@ _CERTIFICATE_LABELS = frozenset((b"CERTIFICATE", b"X509 CERTIFICATE"))
 _NOT_THE_KEY = frozenset(("KEY_VALUES_MISMATCH", "KEY_TYPE_MISMATCH", "NO_CERTIFICATE_ASSIGNED"))
 
 
-# Keys OpenSSL reads but gRPC's TLS handshake cannot sign with (BoringSSL
-# under gRPC offers no EdDSA signature algorithm): every handshake of a
-# process given one would fail, its peer told only that the handshake did.
+# Keys OpenSSL reads but gRPC's TLS (BoringSSL) cannot use, by their SPKI
+# algorithm OID: it offers no EdDSA signature algorithm (every handshake of a
+# process given one would fail, its peer told only that the handshake did),
+# and it does not parse RSASSA-PSS public keys at all (the server fails to
+# bind, which reads as an address in use: "Invalid cert chain file" only on
+# gRPC's stderr). An RSA key whose certificate is signed with PSS is an
+# ordinary rsaEncryption key here, and works.
 _NO_TLS_KEYS = {
-    bytes.fromhex("2b6570"): "Ed25519",  # 1.3.101.112
-    bytes.fromhex("2b6571"): "Ed448",  # 1.3.101.113
+    bytes.fromhex("2b6570"): ("Ed25519", "no common signature algorithm"),  # 1.3.101.112
+    bytes.fromhex("2b6571"): ("Ed448", "no common signature algorithm"),  # 1.3.101.113
+    # 1.2.840.113549.1.1.10, id-RSASSA-PSS
+    bytes.fromhex("2a864886f70d01010a"): ("RSA-PSS", "it cannot read an RSA-PSS key"),
 }
 
 
@@ -91,10 +97,10 @@ def check_pair(cert_pem: bytes, cert_path: str, key_pem: bytes, key_path: str) -
     leaf = certificates(cert_pem, cert_path, "TLS certificate")[0]
     unusable = _NO_TLS_KEYS.get(leaf.key_algorithm)
     if unusable:
+        kind, why = unusable
         raise TlsFileError(
-            f"the TLS certificate {cert_path} is for an {unusable} key, which gRPC's TLS "
-            "cannot use (no common signature algorithm): issue it for an ECDSA (P-256, "
-            "P-384) or RSA key"
+            f"the TLS certificate {cert_path} is for an {kind} key, which gRPC's TLS "
+            f"cannot use ({why}): issue it for an ECDSA (P-256, P-384) or RSA key"
         )
     labels = [label for label, _ in _PEM_BLOCK.findall(key_pem) if label.endswith(b"PRIVATE KEY")]
     if not labels:

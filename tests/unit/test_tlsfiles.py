@@ -6,6 +6,7 @@ key checks; and the memory it saves (a proxy with TLS on loads no
 from __future__ import annotations
 
 import datetime
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -318,3 +319,25 @@ def test_an_eddsa_certificate_gRPC_cannot_use_is_refused(
     # As a CA it is only read: what it signed is for gRPC to check.
     (found,) = tlsfiles.certificates(pem(cert), cert_path, "TLS CA")
     assert found.key_algorithm == bytes.fromhex("2b6570" if name == "Ed25519" else "2b6571")
+
+
+def test_an_rsa_pss_certificate_gRPC_cannot_read_is_refused(tmp_path: Path) -> None:
+    """BoringSSL does not parse id-RSASSA-PSS public keys: a server given one
+    fails to bind ('Invalid cert chain file' on gRPC's stderr, 'Failed to bind
+    to address' raised), as if its address were taken. cryptography cannot
+    make such a key: OpenSSL's command line does."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command")
+    cert_path, key_path = str(tmp_path / "pss.crt"), str(tmp_path / "pss.key")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa-pss", "-pkeyopt", "rsa_keygen_bits:2048",
+         "-nodes", "-keyout", key_path, "-out", cert_path, "-subj", "/CN=pss", "-days", "2"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    cert_pem, key_pem = Path(cert_path).read_bytes(), Path(key_path).read_bytes()
+    with pytest.raises(tlsfiles.TlsFileError) as caught:
+        tlsfiles.check_pair(cert_pem, cert_path, key_pem, key_path)
+    assert str(caught.value) == (
+        f"the TLS certificate {cert_path} is for an RSA-PSS key, which gRPC's TLS cannot use "
+        "(it cannot read an RSA-PSS key): issue it for an ECDSA (P-256, P-384) or RSA key"
+    )
