@@ -16,6 +16,7 @@ the relay ends (`close`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from dataplane.metrics import Metrics
 from dataplane.routes import Target
 from dataplane.streaming.relay import Next
 from dataplane.streaming.splice import Splicer, Transcript, continuation_body, read_state
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 
 if TYPE_CHECKING:
     from dataplane.http.pipeline import Exchange
@@ -108,6 +109,7 @@ class Continuations:
             self._give_up(cut, "no other origin accepts continuations")
             return None
         headers = self._forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
+        sent = Sent()
         try:
             answer = await self._forwarder.forward(
                 ex.endpoint.upstream_path,
@@ -116,7 +118,13 @@ class Continuations:
                 candidates,
                 stream=True,
                 trace=ex.trace,
+                sent=sent,
             )
+        except asyncio.CancelledError:
+            # Its client left while the continuation was being sent: the call
+            # is among the request's attempts all the same (the origin saw it).
+            self.calls += sent.calls
+            raise
         except ApiError as exc:
             self.calls += exc.attempts
             self._give_up(cut, exc.message, outcome="failed")

@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from dataplane.http.server import build_app
-from dataplane.http.state import HOLDER, METRICS, QUOTA
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, QUOTA
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.settings import parse as parse_proxy
 from ponto.routetable import content_etag
@@ -367,3 +367,42 @@ async def test_a_continuation_that_sends_garbage_ends_with_the_error_event(
     chunks, _ = await p.stream()
     assert text_of(chunks[:-1]) == "Hello"
     assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+
+
+async def test_a_client_that_leaves_during_a_continuation_call_has_it_on_its_line(
+    proxy: Callable[..., Awaitable[Proxy]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The continuation's call was sent (the origin counts it, and the proxy
+    counts it `cancelled`): the request's 499 line counts it among its
+    attempts, as it counts a first call cut short (Forwarder.forward's Sent)."""
+    a = await first_origin("cut")
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(30)  # no headers before the client leaves
+        return web.Response()
+
+    b = Origin(slow)
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(hedge_ms=0), extra=["--access-log=on"])
+    capfd.readouterr()
+    resp = await p.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert resp.status == 200
+    for _ in range(500):
+        if b.bodies:
+            break
+        await asyncio.sleep(0.01)
+    assert b.bodies, "the continuation was not sent"
+    resp.close()
+    registry = p.app[METRICS].registry
+    labels = {"endpoint": "chat.completions", "code": "499"}
+    for _ in range(500):
+        if registry.get_sample_value("ponto_requests_total", labels):
+            break
+        await asyncio.sleep(0.01)
+    p.app[ACCESS_LOG].flush()
+    [line] = [json.loads(x) for x in capfd.readouterr().out.splitlines() if x.startswith("{")]
+    assert (line["status"], line["attempts"]) == (499, 2)
+    cancelled = {"origin": "o1", "outcome": "cancelled"}
+    assert registry.get_sample_value("ponto_upstream_attempts_total", cancelled) == 1
