@@ -259,7 +259,8 @@ class Metrics:
             "http_5xx, http_429, http_3xx (a redirect: a wrong base URL), credential_refused, "
             "credential_error, cut, cut_after_start, deadline, hedge_cancelled "
             "(sent, then cancelled because the other copy of a hedged request answered), "
-            "or cancelled (sent, then the client left or the proxy stopped before an answer)",
+            "or cancelled (the client left or the proxy stopped during the call, before the "
+            "answer was relayed)",
             ["origin", "outcome"],
             registry=r,
         )

@@ -459,7 +459,7 @@ class Forwarder:
                 self._past_deadline(target, failures)
                 break
             except asyncio.CancelledError:
-                # Sent all the same: the origin saw it (its prefill was spent).
+                # Usually sent already: the origin saw it (its prefill was spent).
                 self._metrics.attempt(target.name, "cancelled").inc()
                 raise
         return None
@@ -607,11 +607,15 @@ class Forwarder:
                 await asyncio.wait(cancelled)
         except BaseException:
             # Cancelled again while waiting (the client went away): the attempts
-            # still end on their own; one that commits anyway is released.
+            # still end on their own; one that commits anyway is released. The
+            # request is the client's 499: the winner and the copies it was
+            # ending are its cancelled calls.
             if answer is not None:
                 answer.release()
             for task in cancelled:
                 task.add_done_callback(_release_late)
+            for task in (*cancelled, *([winner] if winner is not None else [])):
+                self._metrics.attempt(targets[task].name, "cancelled").inc()
             raise
         extra = 0
         for task in others:

@@ -527,3 +527,45 @@ async def test_a_loser_that_committed_as_well_is_released(rigs: RigMaker) -> Non
     assert rig.attempts("b", "hedge_cancelled") == 1
     answer.release()
     assert loads.outstanding("a") == 0
+
+
+async def test_a_client_leaving_while_the_losing_copy_ends_counts_both_calls_cancelled(
+    rigs: RigMaker,
+) -> None:
+    """Review 18: cancelled while the race waited for its loser to end, the
+    request counted neither call (no `ok` for the winner, no `hedge_cancelled`)."""
+    rig = await rigs(Behaviour(), Behaviour())
+    first, hedge = rig.targets
+    released = []
+
+    class Answer:
+        def release(self) -> None:
+            released.append(True)
+
+    async def won() -> Answer:
+        return Answer()
+
+    async def slow_to_end() -> Answer:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)  # its connection still closing when the client leaves
+            raise
+        raise AssertionError("never ends by itself")
+
+    winner = asyncio.create_task(won())
+    loser = asyncio.create_task(slow_to_end())
+    await asyncio.sleep(0)
+    end_others: Any = rig.forwarder._end_others  # given stand-ins for the attempts
+    end = asyncio.create_task(
+        end_others({loser: first, winner: hedge}, loser, winner, await winner, False, 0.0, None)
+    )
+    await asyncio.sleep(0.05)  # waiting for the loser to end
+    end.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await end
+    assert released == [True]
+    assert rig.attempts(first.name, "cancelled") == rig.attempts(hedge.name, "cancelled") == 1
+    assert rig.attempts(first.name, "hedge_cancelled") == 0
+    with pytest.raises(asyncio.CancelledError):
+        await loser
