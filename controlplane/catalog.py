@@ -378,14 +378,29 @@ class Catalog:
         return sorted((await self.snapshot()).tenants, key=lambda t: t.name)
 
     async def delete_tenant(self, name: str) -> None:
-        check_name("tenant", name)
-        active = [k.id for k in (await self.snapshot()).keys if k.tenant == name and not k.revoked]
-        if active:
-            raise FailedPrecondition(
-                f"tenant {name!r} still has active keys: {', '.join(active)}; revoke them first"
-            )
-        if not await _guard(self.store.delete(TENANTS + name)):
-            raise NotFound(f"tenant {name!r} not found")
+        """Delete a tenant that has no active key. The deletion is conditional
+        on the tenant's record as read before its keys were checked: a key
+        created after that moved it (create_key), and the keys are looked at
+        again."""
+        key = TENANTS + check_name("tenant", name)
+        for _ in range(CAS_ATTEMPTS):
+            current = await _guard(self.store.get(key))
+            if current is None:
+                raise NotFound(f"tenant {name!r} not found")
+            keys = (await self.snapshot()).keys
+            active = [k.id for k in keys if k.tenant == name and not k.revoked]
+            if active:
+                raise FailedPrecondition(
+                    f"tenant {name!r} still has active keys: {', '.join(active)}; revoke them first"
+                )
+            try:
+                await _guard(
+                    self.store.commit([Write(key, None, if_mod_revision=current.mod_revision)])
+                )
+            except Conflict:
+                continue
+            return
+        raise Unavailable(f"tenant {name!r} kept changing; try again")
 
     async def _check_issuer_unique(self, tenant: Tenant) -> None:
         if tenant.jwt is None:
@@ -483,28 +498,42 @@ class Catalog:
         From `expires_at` (Unix seconds, in the future) or `expires_in` seconds
         from now (this replica's clock) on, proxies refuse the key; with
         neither it does not expire."""
-        await self.get_tenant(tenant)
         limits = limits or Limits()
         if len(description) > 256:
             raise InvalidArgument("key description is longer than 256 characters")
         limits = limits.validated("the key")
         now = self._clock()
         expires_at = self._expiry(expires_at, expires_in, "the key", now)
-        issued = issue_key()
-        record = ApiKeyRecord(
-            id=issued.key_id,
-            hash=issued.key_hash,
-            tenant=tenant,
-            description=description,
-            limits=limits,
-            created_at=now,
-            expires_at=expires_at,
-        )
-        try:
-            await _guard(self.store.put(KEYS + record.id, encode(record), if_absent=True))
-        except Conflict as exc:  # 50 random bits colliding: astronomically rare
-            raise Unavailable("key id collision; try again") from exc
-        return record, issued.key
+        owner = TENANTS + check_name("tenant", tenant)
+        for _ in range(CAS_ATTEMPTS):
+            current = await _guard(self.store.get(owner))
+            if current is None:
+                raise NotFound(f"tenant {tenant!r} not found")
+            issued = issue_key()
+            record = ApiKeyRecord(
+                id=issued.key_id,
+                hash=issued.key_hash,
+                tenant=tenant,
+                description=description,
+                limits=limits,
+                created_at=now,
+                expires_at=expires_at,
+            )
+            writes = [
+                Write(KEYS + record.id, encode(record), if_mod_revision=0),
+                # The tenant's record again, unchanged, as read: its revision
+                # moves, so that a deletion decided before this key existed
+                # (delete_tenant, apply --prune: a tenant with active keys is
+                # kept) fails its conditional write and looks again; and a
+                # tenant deleted meanwhile gets no orphan key.
+                Write(owner, current.value, if_mod_revision=current.mod_revision),
+            ]
+            try:
+                await _guard(self.store.commit(writes))
+            except Conflict:
+                continue  # the tenant changed (or, astronomically rarely, the id collided)
+            return record, issued.key
+        raise Unavailable(f"tenant {tenant!r} kept changing; try again")
 
     async def list_keys(
         self, tenant: str = "", *, include_revoked: bool = False

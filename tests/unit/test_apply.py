@@ -32,6 +32,7 @@ from controlplane.model import (
     Region,
     Tenant,
 )
+from controlplane.store import Listing
 from controlplane.store.memory import MemoryStore
 
 FULL = """
@@ -364,6 +365,32 @@ async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_
     assert await store.get(HEALTH + "hosted") is None
     keys: list[ApiKeyRecord] = await catalog.list_keys(include_revoked=True)
     assert [k.id for k in keys] == [record.id]
+
+
+async def test_prune_refuses_a_tenant_whose_key_was_created_while_it_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key created between Apply's read and its write: the write fails on the
+    tenant's moved record, Apply reads again and refuses, as it would have
+    with the key there from the start."""
+    store = MemoryStore()
+    catalog = Catalog(store, clock=lambda: 1000.0)
+    await catalog.apply(full(), prune=False, dry_run=False)
+    smaller = full()
+    smaller["tenants"] = smaller["tenants"][:1]  # --prune deletes tenant "plain"
+    read = store.list
+    created: list[str] = []
+
+    async def read_then_a_key_came(prefix: str) -> Listing:
+        listing = await read(prefix)
+        if not created:
+            created.append((await catalog.create_key("plain"))[0].id)
+        return listing
+
+    monkeypatch.setattr(store, "list", read_then_a_key_came)
+    with pytest.raises(InvalidArgument, match=r"tenant 'plain' .* still has active keys"):
+        await catalog.apply(smaller, prune=True, dry_run=False)
+    assert [t.name for t in await catalog.list_tenants()] == ["acme", "plain"]
 
 
 async def test_catalog_apply_counts_the_regions_it_relies_on_against_one_transaction() -> None:

@@ -33,7 +33,7 @@ from controlplane.model import (
     Tenant,
     encode,
 )
-from controlplane.store import Fence
+from controlplane.store import Fence, KeyValue
 from controlplane.store.memory import MemoryStore
 from dataplane.policy import build_policy
 from ponto.apikeys import hash_key, key_expired, parse_key_id, secret_of
@@ -423,6 +423,46 @@ async def test_delete_tenant_ignores_keys_of_other_tenants(catalog: Catalog) -> 
     await catalog.delete_tenant("acme")
     with pytest.raises(NotFound):
         await catalog.delete_tenant("acme")
+
+
+async def test_a_key_created_while_its_tenant_is_deleted_stops_the_deletion(
+    catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key arrives after delete_tenant looked at the keys, before it
+    deleted: the deletion is refused as if the key had been there."""
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    look = catalog.snapshot
+    created: list[str] = []
+
+    async def looked_then_a_key_came() -> State:
+        state = await look()
+        if not created:
+            created.append((await catalog.create_key("acme"))[0].id)
+        return state
+
+    monkeypatch.setattr(catalog, "snapshot", looked_then_a_key_came)
+    with pytest.raises(FailedPrecondition, match=created[0] if created else "active keys"):
+        await catalog.delete_tenant("acme")
+    assert (await catalog.get_tenant("acme")).name == "acme"
+    assert [k.id for k in await catalog.list_keys("acme")] == created
+
+
+async def test_a_key_for_a_tenant_deleted_meanwhile_is_not_kept(
+    store: MemoryStore, catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    read = store.get
+
+    async def read_then_deleted(key: str) -> KeyValue | None:
+        found = await read(key)
+        if key == TENANTS + "acme" and found is not None:
+            await store.delete(key)  # another operator's DeleteTenant won the race
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_deleted)
+    with pytest.raises(NotFound, match="tenant 'acme' not found"):
+        await catalog.create_key("acme")
+    assert (await store.list(KEYS)).items == ()
 
 
 # ---------------------------------------------------------------- keys
