@@ -146,15 +146,18 @@ class _Scope:
         self.limits = ScopeLimits()
         self.set_limits(limits, now)
 
-    def set_limits(self, limits: ScopeLimits, now: float) -> None:
+    def set_limits(self, limits: ScopeLimits, now: float, *, fill_new: bool = False) -> None:
+        """Take `limits`. With `fill_new` (a limit the table just gave, not
+        this proxy's boot), a dimension that had no limit starts full, as a
+        scope new to the fleet does: one global bucket just made would."""
         self.limits = limits
         self.concurrency = limits.concurrency
         # Header pairs that only change with the limits, built once.
         self.req_limit = (_LIMIT_REQ, str(limits.rpm))
         self.tok_limit = (_LIMIT_TOK, str(limits.tpm))
         self.max_tokens = limits.tpm or _NO_MAX
-        self.req = self._bucket(self.req, limits.rpm, now)
-        self.tok = self._bucket(self.tok, limits.tpm, now)
+        self.req = self._bucket(self.req, limits.rpm, now, fill_new)
+        self.tok = self._bucket(self.tok, limits.tpm, now, fill_new)
         if self.fraction > 0:
             self.fill = False
 
@@ -165,12 +168,15 @@ class _Scope:
         self.ever_slots = self.ever_slots or share.concurrency > 0
         self.set_limits(self.limits, now)
 
-    def _bucket(self, bucket: TokenBucket | None, limit: int, now: float) -> TokenBucket | None:
+    def _bucket(
+        self, bucket: TokenBucket | None, limit: int, now: float, fill_new: bool = False
+    ) -> TokenBucket | None:
         if not limit:
             return None
         capacity = self.fraction * limit
         if bucket is None:
-            return TokenBucket(capacity, capacity / 60.0, now, level=capacity if self.fill else 0.0)
+            full = self.fill or fill_new
+            return TokenBucket(capacity, capacity / 60.0, now, level=capacity if full else 0.0)
         bucket.resize(capacity, capacity / 60.0, now)
         if self.fill:
             bucket.level = capacity
@@ -305,7 +311,8 @@ class RateLimiter:
             if st is None:
                 st = _Scope(lim, shares.get(name, NO_SHARE), now, fill=fresh)
             elif st.limits != lim:
-                st.set_limits(lim, now)
+                # A limit just given to a dimension it did not have starts full.
+                st.set_limits(lim, now, fill_new=fresh)
             scopes[name] = st
         for name in old.keys() - scopes.keys():
             shares.pop(name, None)

@@ -290,6 +290,23 @@ def test_scopes_at_boot_start_empty_and_scopes_new_to_the_fleet_start_full() -> 
     assert header_map(rl, ["t/b"], 12.0)["x-ratelimit-remaining-tokens"] == "6000"
 
 
+def test_a_limit_given_to_a_dimension_of_a_known_scope_starts_full() -> None:
+    """Trial 8: a tenant limited by requests, then given a token limit, had its
+    token bucket start empty (a minute of 429s), where the docs say a scope
+    just given a limit starts full, as one global bucket just made would."""
+    rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.5)})
+    rl.configure({T: ScopeLimits(rpm=600, tpm=1200)}, 60.0)
+    shown = header_map(rl, [T], 60.0)
+    assert shown["x-ratelimit-remaining-tokens"] == "1200"  # 600 of 0.5
+    # The dimension it had keeps its level: no refill for a changed limit.
+    assert shown["x-ratelimit-remaining-requests"] == "600"
+    # At this proxy's boot nothing starts full, a new dimension neither.
+    booting = RateLimiter()
+    booting.configure({T: ScopeLimits(rpm=600, tpm=1200)}, 0.0)
+    booting.apply_shares({T: Share(0.5)}, 0.0)
+    assert header_map(booting, [T], 0.0)["x-ratelimit-remaining-tokens"] == "0"
+
+
 def test_a_growing_share_adds_no_tokens_and_a_shrinking_one_clamps() -> None:
     rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.1)})
     assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == "600"  # 60 of 0.1
