@@ -42,6 +42,28 @@ _IDLE_RATE = 1e-3
 _NO_MAX = 1 << 62
 
 
+def _wait(bucket: TokenBucket, amount: float, limit: int, now: float, unknown: float) -> float:
+    """How long a request refused by `bucket` (this proxy's share of a
+    per-minute `limit`) is told to wait: the share's own refill time; but for
+    a request larger than the share, or a share in debt from one (the rule of
+    `TokenBucket.admits`), no longer than the whole limit's refill would take
+    to give `amount` and the debt from empty. Such a share refills slowly (2 %
+    of 3000 TPM is a token a second: minutes for a large request) while the
+    leader moves share to where the demand is within a rebalance or two; told
+    minutes, a client sleeps them, or gives up (the openai SDK does past
+    120 s). A client told too little comes back to a new estimate, and its
+    refusals are the demand that moves the share. `unknown` when nothing
+    refills."""
+    local = bucket.wait_s(amount, now)
+    if local == INF:
+        return unknown
+    debt = -bucket.level if bucket.level < 0 else 0.0
+    if amount <= bucket.capacity and not debt:
+        return local
+    fleet = (min(amount, limit) + debt) / (limit / 60.0)
+    return local if local < fleet else fleet
+
+
 def retry_after_header(seconds: float) -> str:
     """A `Retry-After` value: `seconds` in whole seconds, rounded up, at least 1
     (a rate limit's refusal, an origin's busy wait: dataplane.http.errors)."""
@@ -514,16 +536,12 @@ class RateLimiter:
                     refused, wait, refused_by = "concurrency", unknown, st
             req = st.req
             if req is not None and not req.admits(1.0, now):
-                w = req.wait_s(1.0, now)
-                if w == INF:
-                    w = unknown
+                w = _wait(req, 1.0, st.limits.rpm, now, unknown)
                 if refused is None or w > wait:
                     refused, wait, refused_by = "requests", w, st
             tok = st.tok
             if tok is not None and not tok.admits(est_tokens, now):
-                w = tok.wait_s(est_tokens, now)
-                if w == INF:
-                    w = unknown
+                w = _wait(tok, est_tokens, st.limits.tpm, now, unknown)
                 if refused is None or w > wait:
                     refused, wait, refused_by = "tokens", w, st
         if refused is not None:

@@ -159,7 +159,27 @@ def test_a_request_above_the_local_share_but_within_the_global_limit_passes_when
     assert rl.admit([T], 2000, 60.0).ok
     refused = rl.admit([T], 2000, 60.0)
     assert not refused.ok
-    assert refused.retry_after_s == pytest.approx(200.0)  # debt of 1400 + 600, at 10/s
+    # The share would take 200 s (debt of 1400 + 600, at 10/s); the whole
+    # limit gives the 2000 and the debt in 34 s (at 100/s), once the leader
+    # has moved the share here.
+    assert refused.retry_after_s == pytest.approx(34.0)
+
+
+def test_a_small_shares_wait_is_the_whole_limits_not_minutes() -> None:
+    """Trial 8: a proxy with the floor share (2 %) of 3000 TPM told a client
+    to wait 409 s (the openai SDK gives up past 120 s); it was admitted 20 s later."""
+    rl = limiter({T: ScopeLimits(tpm=3000)}, {T: Share(0.02)})  # 60 here, 1 a second
+    assert rl.admit([T], 408, 60.0).ok  # full: in, leaving a debt of 348
+    refused = rl.admit([T], 408, 60.0)
+    assert not refused.ok and refused.limit == "tokens"
+    assert refused.retry_after_s == pytest.approx((408 + 348) / 50.0)  # not 408 s
+    # Not full yet, at 30 of 60: the share alone would say 30 s.
+    filling = limiter({T: ScopeLimits(tpm=3000)}, {T: Share(0.02)})
+    assert filling.admit([T], 408, 30.0).retry_after_s == pytest.approx(408 / 50.0)
+    # A proxy holding the whole limit waits its own refill, as before.
+    whole = limiter({T: ScopeLimits(tpm=3000)}, {T: Share(1.0)})
+    assert whole.admit([T], 2900, 60.0).ok
+    assert whole.admit([T], 408, 60.0).retry_after_s == pytest.approx((408 - 100) / 50.0)
 
 
 def test_a_request_above_the_global_token_limit_is_too_large_and_not_demand() -> None:
