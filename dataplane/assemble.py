@@ -107,7 +107,7 @@ def _instruct(body: dict[str, Any], rules: PromptRules) -> None:
         raise bad_request("'instructions' must be a string", param="instructions")
     if rules.enforce_system_prompt:
         body["instructions"] = rules.system_prompt
-        items = body["input"]
+        items = body.get("input")  # absent with a stored prompt or a conversation
         if isinstance(items, list):
             body["input"] = [
                 i for i in items if not (isinstance(i, dict) and i.get("role") in SYSTEM_ROLES)

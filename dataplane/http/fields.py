@@ -870,6 +870,16 @@ def _top_logprobs_need_logprobs(body: dict[str, Any], stream: bool) -> None:
         raise invalid_value("top_logprobs", "only allowed when 'logprobs' is true")
 
 
+def _input_unless_the_origin_holds_it(body: dict[str, Any], stream: bool) -> None:
+    """Responses: `input` may be left out when the origin holds what to answer
+    (OpenAI's API: a stored `prompt`, a `conversation`, a previous response
+    to go on from); vLLM refuses such a request itself."""
+    if body.get("input") is None and all(
+        body.get(name) is None for name in ("prompt", "conversation", "previous_response_id")
+    ):
+        raise missing("input")
+
+
 def _best_of_at_least_n(body: dict[str, Any], stream: bool) -> None:
     best_of, n = body.get("best_of"), body.get("n")
     if best_of is not None and n is not None and best_of < n:
@@ -997,7 +1007,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         },
     ),
     "responses": Rules(
-        ("model", "input"),
+        ("model",),
         {
             **COMMON,
             "input": either(
@@ -1034,7 +1044,11 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
                 {"id": string(), "version": string(), "variables": any_object}, required=("id",)
             ),
         },
-        (_stream_options_need_stream, _tool_choice_names_a_tool(flat=True)),
+        (
+            _stream_options_need_stream,
+            _tool_choice_names_a_tool(flat=True),
+            _input_unless_the_origin_holds_it,
+        ),
     ),
 }
 

@@ -89,7 +89,8 @@ ENDPOINTS = {
         Endpoint("embeddings", "/embeddings", "input"),
         # OpenAI's Responses API, proxied like chat. Never cached (see
         # dataplane.cache.policy) and never continued (dataplane.http.resume).
-        Endpoint("responses", "/responses", "input"),
+        # Its `input` may be left out for a stored prompt or a conversation.
+        Endpoint("responses", "/responses", "model"),
     )
 }
 

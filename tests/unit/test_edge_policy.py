@@ -106,6 +106,15 @@ def test_defaults_fill_only_what_the_client_left_out() -> None:
     assert (complete["temperature"], complete["seed"], complete["top_p"]) == (1.0, 1, 0.5)
 
 
+def test_an_enforced_system_prompt_goes_into_a_responses_request_without_input() -> None:
+    """A stored prompt or a conversation needs no `input` (trial 8): the
+    tenant's instructions still go in, and nothing reads an input that is not there."""
+    body: dict[str, Any] = {"model": "m", "prompt": {"id": "pmpt_123"}, "instructions": "Be long."}
+    rules = PromptRules(system_prompt="Be brief.", enforce_system_prompt=True)
+    assert assemble("responses", body, rules) is True
+    assert body == {"model": "m", "prompt": {"id": "pmpt_123"}, "instructions": "Be brief."}
+
+
 def test_a_default_goes_only_where_the_endpoint_takes_the_field() -> None:
     rules = PromptRules(defaults={"stop": ["\n"], "top_k": 40, "encoding_format": "float"})
     chat_body = chat(USER)

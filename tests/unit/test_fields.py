@@ -138,6 +138,10 @@ GOOD = [
         include=["reasoning.encrypted_content"], top_logprobs=3, conversation="conv_1",
     )),
     ("responses", response(tools=[{"type": "file_search"}], tool_choice={"type": "file_search"})),
+    # No input where the origin holds what to answer (trial 8: OpenAI takes these).
+    ("responses", {"model": "m", "prompt": {"id": "pmpt_123", "variables": {"city": "Lisbon"}}}),
+    ("responses", {"model": "m", "conversation": "conv_1"}),
+    ("responses", {"model": "m", "previous_response_id": "resp_abc"}),
 ]  # fmt: skip
 
 
@@ -161,6 +165,7 @@ BAD = [
     (P, {"model": "m"}, "prompt", M),
     (E, {"model": "m"}, "input", M),
     (R, {"model": "m"}, "input", M),
+    (R, {"model": "m", "input": None, "prompt": None}, "input", M),
     # messages: the client's own indexes
     (C, chat(messages=[]), "messages", "empty_array"),
     (C, chat(messages={"role": "user"}), "messages", T),
