@@ -256,23 +256,30 @@ class Catalog:
         allow_update: bool,
     ) -> R:
         """Create value, or replace it when allow_update; an update keeps the
-        drain flag, because draining is its own operation."""
+        drain flag, because draining is its own operation. A replacement
+        whose record moved meanwhile reads it again (create_key rewrites its
+        tenant's record unchanged: nothing to refuse the replacement for)."""
         key = prefix + value.name
-        current = await _guard(self.store.get(key))
-        if current is not None:
-            if not allow_update:
-                raise AlreadyExists(f"{kind} {value.name!r} already exists")
-            if isinstance(value, Region | Origin):
-                value = replace(value, drained=decode(current.value).drained)
-        try:
-            await _guard(
-                self.store.put(
-                    key, encode(value), if_mod_revision=current.mod_revision if current else 0
+        for _ in range(CAS_ATTEMPTS):
+            current = await _guard(self.store.get(key))
+            written = value
+            if current is not None:
+                if not allow_update:
+                    raise AlreadyExists(f"{kind} {value.name!r} already exists")
+                if isinstance(value, Region | Origin):
+                    written = replace(value, drained=decode(current.value).drained)
+            try:
+                await _guard(
+                    self.store.put(
+                        key, encode(written), if_mod_revision=current.mod_revision if current else 0
+                    )
                 )
-            )
-        except Conflict as exc:
-            raise AlreadyExists(f"{kind} {value.name!r} was changed concurrently") from exc
-        return value
+            except Conflict as exc:
+                if not allow_update:
+                    raise AlreadyExists(f"{kind} {value.name!r} was changed concurrently") from exc
+                continue
+            return written
+        raise Unavailable(f"{kind} {value.name!r} kept changing; try again")
 
     async def _update(
         self,

@@ -827,3 +827,27 @@ def test_compiled_table_round_trips_through_the_wire() -> None:
     table = compile_table(state(tenants=(FULL.validated(),), keys=(KEY_A,)))
     again = pb.RouteTable.FromString(table.SerializeToString())
     assert again == table
+
+
+async def test_a_tenant_replaced_while_a_key_is_created_is_replaced(
+    store: MemoryStore, catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """create_key rewrites its tenant's record (unchanged): a PutTenant
+    --update read before that is not refused as 'changed concurrently', since
+    nothing of the tenant changed; it reads again and writes."""
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    read = store.get
+    created: list[str] = []
+
+    async def read_then_a_key_came(key: str) -> KeyValue | None:
+        found = await read(key)
+        if key == TENANTS + "acme" and not created:
+            monkeypatch.setattr(store, "get", read)
+            created.append((await catalog.create_key("acme"))[0].id)
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_a_key_came)
+    wanted = Tenant("acme", limits=Limits(rpm=900))
+    assert await catalog.put_tenant(wanted, allow_update=True) == wanted
+    assert (await catalog.get_tenant("acme")).limits.rpm == 900
+    assert [k.id for k in await catalog.list_keys("acme")] == created
