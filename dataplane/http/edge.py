@@ -565,7 +565,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         aiohttp then only fails the request's body and waits `timeout` again
         for this task, which a handler that reads no more of its body (a
         relayed stream) outlives: a stop took twice the timeout, past the
-        worker supervisor's grace (dataplane.workers.SHUTDOWN_GRACE_S), whose
+        worker supervisor's grace (dataplane.supervisor.SHUTDOWN_GRACE_S), whose
         kill lost the request's access-log line.
         """
         self._force_close = True
