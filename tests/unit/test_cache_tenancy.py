@@ -110,10 +110,8 @@ async def test_an_answer_that_arrives_after_a_purge_is_served_but_not_kept() -> 
     assert (await edge.plan(request("tenant-a"))).outcome == "hit"  # kept from then on
 
 
-async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> None:
-    """Its flight's leader gone (its client left), the follower that hands
-    off leads a new flight whose answer is stored and indexed semantically,
-    as the first leader's would have been; the next follower follows it."""
+def semantic_edge() -> tuple[EdgeCache, SemanticIndex, CacheRequest]:
+    """A cache step with a semantic index, and a request of a semantic tenant."""
     index = SemanticIndex(HashingEmbedder())
     edge = EdgeCache(
         ExactStore(max_bytes=1 << 20, clock=lambda: NOW),
@@ -123,7 +121,23 @@ async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> 
     )
     policy = TenantCachePolicy(mode=CacheMode.SEMANTIC, semantic_threshold=0.8)
     rules = TenantRules("acme", NO_RULES, policy)
-    req = CacheRequest(CHAT, dict(BODY), rules, stream=False)
+    return edge, index, CacheRequest(CHAT, dict(BODY), rules, stream=False)
+
+
+async def semantic_hit(edge: EdgeCache, req: CacheRequest) -> bool:
+    """Whether a close paraphrase of `req`'s question is a semantic hit."""
+    near = dict(
+        BODY, messages=[{"role": "user", "content": "what is the capital of portugal please"}]
+    )
+    hit = await edge.plan(CacheRequest(CHAT, near, req.tenant, stream=False))
+    return (hit.outcome, hit.kind) == ("hit", "semantic")
+
+
+async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> None:
+    """Its flight's leader gone (its client left), the follower that hands
+    off leads a new flight whose answer is stored and indexed semantically,
+    as the first leader's would have been; the next follower follows it."""
+    edge, index, req = semantic_edge()
     try:
         first = await edge.plan(req)
         followers = [await edge.plan(req) for _ in range(2)]
@@ -136,11 +150,7 @@ async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> 
         assert handed[1].follower is not None
         assert (await handed[1].follower.result()).body == ANSWER
         await edge.background_done()
-        near = dict(
-            BODY, messages=[{"role": "user", "content": "what is the capital of portugal please"}]
-        )
-        hit = await edge.plan(CacheRequest(CHAT, near, rules, stream=False))
-        assert (hit.outcome, hit.kind) == ("hit", "semantic")
+        assert await semantic_hit(edge, req)
     finally:
         index.close()
 
@@ -150,16 +160,7 @@ async def test_followers_calling_on_their_own_leave_their_answer_indexed() -> No
     same key: indexing it twice at once must not take the entry out again
     (the second `_index` found no mark, the first having popped it, and
     removed the key as if the store had evicted it)."""
-    index = SemanticIndex(HashingEmbedder())
-    edge = EdgeCache(
-        ExactStore(max_bytes=1 << 20, clock=lambda: NOW),
-        Metrics(),
-        semantic=index,
-        clock=lambda: NOW,
-    )
-    policy = TenantCachePolicy(mode=CacheMode.SEMANTIC, semantic_threshold=0.8)
-    rules = TenantRules("acme", NO_RULES, policy)
-    req = CacheRequest(CHAT, dict(BODY), rules, stream=False)
+    edge, index, req = semantic_edge()
     try:
         first = await edge.plan(req)
         followers = [await edge.plan(req) for _ in range(2)]
@@ -169,10 +170,6 @@ async def test_followers_calling_on_their_own_leave_their_answer_indexed() -> No
         for p in own:  # both answers arrive before either is indexed
             await edge.settle_body(req, p, 200, ANSWER, json.loads(ANSWER))
         await edge.background_done()
-        near = dict(
-            BODY, messages=[{"role": "user", "content": "what is the capital of portugal please"}]
-        )
-        hit = await edge.plan(CacheRequest(CHAT, near, rules, stream=False))
-        assert (hit.outcome, hit.kind) == ("hit", "semantic")
+        assert await semantic_hit(edge, req)
     finally:
         index.close()
