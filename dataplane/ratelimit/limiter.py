@@ -127,7 +127,8 @@ class _Scope:
         "concurrency",
         "created",
         "ever_slots",
-        "fill",
+        "fill_req",
+        "fill_tok",
         "fraction",
         "in_flight",
         "limits",
@@ -146,10 +147,10 @@ class _Scope:
     )
 
     def __init__(self, limits: ScopeLimits, share: Share, now: float, *, fill: bool) -> None:
-        # Whether buckets start full with the first share (a scope new to the
-        # fleet) or empty (this proxy is (re)starting and cannot know what was
-        # used of the minute before it came).
-        self.fill = fill
+        # Whether each bucket starts full with the first share (a scope new to
+        # the fleet) or empty (this proxy is (re)starting and cannot know what
+        # was used of the minute before it came).
+        self.fill_req = self.fill_tok = fill
         self.fraction = share.fraction
         self.slots = share.concurrency
         self.spare = share.spare
@@ -170,18 +171,22 @@ class _Scope:
 
     def set_limits(self, limits: ScopeLimits, now: float, *, fill_new: bool = False) -> None:
         """Take `limits`. With `fill_new` (a limit the table just gave, not
-        this proxy's boot), a dimension that had no limit starts full, as a
-        scope new to the fleet does: one global bucket just made would."""
+        this proxy's boot), a dimension that had no limit starts full with the
+        share it has, or its first one, as a scope new to the fleet does: one
+        global bucket just made would."""
+        if fill_new:
+            self.fill_req = self.fill_req or (self.req is None and limits.rpm > 0)
+            self.fill_tok = self.fill_tok or (self.tok is None and limits.tpm > 0)
         self.limits = limits
         self.concurrency = limits.concurrency
         # Header pairs that only change with the limits, built once.
         self.req_limit = (_LIMIT_REQ, str(limits.rpm))
         self.tok_limit = (_LIMIT_TOK, str(limits.tpm))
         self.max_tokens = limits.tpm or _NO_MAX
-        self.req = self._bucket(self.req, limits.rpm, now, fill_new)
-        self.tok = self._bucket(self.tok, limits.tpm, now, fill_new)
+        self.req = self._bucket(self.req, limits.rpm, now, self.fill_req)
+        self.tok = self._bucket(self.tok, limits.tpm, now, self.fill_tok)
         if self.fraction > 0:
-            self.fill = False
+            self.fill_req = self.fill_tok = False
 
     def set_share(self, share: Share, now: float) -> None:
         self.fraction = share.fraction
@@ -191,16 +196,15 @@ class _Scope:
         self.set_limits(self.limits, now)
 
     def _bucket(
-        self, bucket: TokenBucket | None, limit: int, now: float, fill_new: bool = False
+        self, bucket: TokenBucket | None, limit: int, now: float, fill: bool
     ) -> TokenBucket | None:
         if not limit:
             return None
         capacity = self.fraction * limit
         if bucket is None:
-            full = self.fill or fill_new
-            return TokenBucket(capacity, capacity / 60.0, now, level=capacity if full else 0.0)
+            return TokenBucket(capacity, capacity / 60.0, now, level=capacity if fill else 0.0)
         bucket.resize(capacity, capacity / 60.0, now)
-        if self.fill:
+        if fill:
             bucket.level = capacity
         return bucket
 

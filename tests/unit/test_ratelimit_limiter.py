@@ -320,6 +320,15 @@ def test_a_limit_given_to_a_dimension_of_a_known_scope_starts_full() -> None:
     assert shown["x-ratelimit-remaining-tokens"] == "1200"  # 600 of 0.5
     # The dimension it had keeps its level: no refill for a changed limit.
     assert shown["x-ratelimit-remaining-requests"] == "600"
+    # A proxy without its share yet (just booted): the new dimension fills
+    # with the first share, the one it had at boot does not (review 19).
+    early = RateLimiter()
+    early.configure({T: ScopeLimits(rpm=600)}, 0.0)
+    early.configure({T: ScopeLimits(rpm=600, tpm=1200)}, 1.0)
+    early.apply_shares({T: Share(0.5)}, 2.0)
+    shown = header_map(early, [T], 2.0)
+    assert shown["x-ratelimit-remaining-tokens"] == "1200"
+    assert shown["x-ratelimit-remaining-requests"] == "0"
     # At this proxy's boot nothing starts full, a new dimension neither.
     booting = RateLimiter()
     booting.configure({T: ScopeLimits(rpm=600, tpm=1200)}, 0.0)
