@@ -111,21 +111,22 @@ def test_when_none_answers_the_last_ones_failure_is_the_error(
     assert error.startswith(f"error: control plane at {last} is unreachable")
 
 
+def server_credentials(bundle: Bundle) -> grpc.ServerCredentials:
+    """A control plane's TLS (no client certificate asked) with `bundle`'s server pair."""
+    pair = (
+        Path(bundle.path("server.key")).read_bytes(),
+        Path(bundle.path("server.crt")).read_bytes(),
+    )
+    return grpc.ssl_server_credentials([pair])
+
+
 def test_a_replica_whose_tls_handshake_fails_is_passed_over(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     bundle: Bundle = make_bundle(tmp_path / "pki")
     plain, secured = Replica("plain"), Replica("secured")
-    credentials = grpc.ssl_server_credentials(
-        [
-            (
-                Path(bundle.path("server.key")).read_bytes(),
-                Path(bundle.path("server.crt")).read_bytes(),
-            )
-        ]
-    )
     plain_server, at_plain = serve(plain)
-    secured_server, at_secured = serve(secured, credentials)
+    secured_server, at_secured = serve(secured, server_credentials(bundle))
     try:
         code, out, err = get(capsys, f"{at_plain},{at_secured}", "--tls-ca", bundle.ca)
     finally:
@@ -157,19 +158,9 @@ def test_a_replica_whose_certificate_the_ca_did_not_sign_is_skipped_with_why(
     ours: Bundle = make_bundle(tmp_path / "ours")
     theirs: Bundle = make_bundle(tmp_path / "theirs")
 
-    def creds(bundle: Bundle) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [
-                (
-                    Path(bundle.path("server.key")).read_bytes(),
-                    Path(bundle.path("server.crt")).read_bytes(),
-                )
-            ]
-        )
-
     impostor, real = Replica("impostor"), Replica("real")
-    impostor_server, at_impostor = serve(impostor, creds(theirs))
-    real_server, at_real = serve(real, creds(ours))
+    impostor_server, at_impostor = serve(impostor, server_credentials(theirs))
+    real_server, at_real = serve(real, server_credentials(ours))
     try:
         code, out, err = get(capsys, f"{at_impostor},{at_real}", "--tls-ca", ours.ca)
     finally:

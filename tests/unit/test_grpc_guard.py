@@ -543,12 +543,21 @@ def test_private_keys_are_never_readable_by_others(
         assert seen[name] & 0o077 == 0, f"{name} was written with mode {seen[name]:o}"
 
 
-async def test_bundle_serves_mutual_tls(bundle: Bundle) -> None:
-    admin_token = read_secret(bundle.admin_token_file, "admin token")
-    security = ServerSecurity(
+def mutual_tls(bundle: Bundle, bootstrap_token: str = "", admin_token: str = "") -> ServerSecurity:
+    """The control plane's security with `bundle`'s server pair and client CA."""
+    return ServerSecurity(
         tls_cert=bundle.path("server.crt"),
         tls_key=bundle.path("server.key"),
         tls_client_ca=bundle.ca,
+        bootstrap_token=bootstrap_token,
+        admin_token=admin_token,
+    )
+
+
+async def test_bundle_serves_mutual_tls(bundle: Bundle) -> None:
+    admin_token = read_secret(bundle.admin_token_file, "admin token")
+    security = mutual_tls(
+        bundle,
         bootstrap_token=read_secret(bundle.bootstrap_token_file, "bootstrap token"),
         admin_token=admin_token,
     )
@@ -606,13 +615,7 @@ async def test_a_certificate_serves_only_its_role(bundle: Bundle) -> None:
     add_client(bundle, "old", role="", common_name="ops-laptop")
     bootstrap = read_secret(bundle.bootstrap_token_file, "bootstrap token")
     admin_token = read_secret(bundle.admin_token_file, "admin token")
-    security = ServerSecurity(
-        tls_cert=bundle.path("server.crt"),
-        tls_key=bundle.path("server.key"),
-        tls_client_ca=bundle.ca,
-        bootstrap_token=bootstrap,
-        admin_token=admin_token,
-    )
+    security = mutual_tls(bundle, bootstrap_token=bootstrap, admin_token=admin_token)
 
     def options(name: str, token: str) -> ClientOptions:
         return ClientOptions(
@@ -779,11 +782,7 @@ async def test_refused_registrations_name_the_caller_and_are_counted(
 ) -> None:
     bootstrap = read_secret(bundle.bootstrap_token_file, "bootstrap token")
     admin_token = read_secret(bundle.admin_token_file, "admin token")
-    security = ServerSecurity(
-        tls_cert=bundle.path("server.crt"),
-        tls_key=bundle.path("server.key"),
-        tls_client_ca=bundle.ca,
-    )
+    security = mutual_tls(bundle)
     metrics = ControlMetrics()
     clock = Clock()
 

@@ -58,6 +58,13 @@ def b(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
     return bundle
 
 
+def proxy_args(b: Bundle, cert: str, key: str) -> list[str]:
+    return [
+        "--control-plane", "127.0.0.1:1", "--region", "east", "--tls-ca", b.ca,
+        "--tls-cert", b.path(cert), "--tls-key", b.path(key),
+    ]  # fmt: skip
+
+
 def control_args(b: Bundle, cert: str, key: str, client_ca: str = "") -> list[str]:
     return [
         "--tls-cert", b.path(cert), "--tls-key", b.path(key),
@@ -110,11 +117,7 @@ def test_control_plane_tls_files_that_are_not_pem_are_named(
 def test_proxy_with_a_key_not_its_certificates_is_refused_at_start(
     b: Bundle, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        "--control-plane", "127.0.0.1:1", "--region", "east", "--tls-ca", b.ca,
-        "--tls-cert", b.path("proxy.crt"), "--tls-key", b.path("admin.key"),
-    ]  # fmt: skip
-    line = refused_at_start(capsys, proxy_parse, argv)
+    line = refused_at_start(capsys, proxy_parse, proxy_args(b, "proxy.crt", "admin.key"))
     assert line.startswith("ponto-proxy: error: the TLS key ")
     assert f"is not the key of certificate {b.path('proxy.crt')}" in line
 
@@ -192,11 +195,7 @@ def test_control_plane_refuses_its_own_certificate_out_of_its_dates(
 def test_proxy_refuses_its_own_certificate_out_of_its_dates(
     b: Bundle, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        "--control-plane", "127.0.0.1:1", "--region", "east", "--tls-ca", b.ca,
-        "--tls-cert", b.path("old-proxy.crt"), "--tls-key", b.path("old-proxy.key"),
-    ]  # fmt: skip
-    line = refused_at_start(capsys, proxy_parse, argv)
+    line = refused_at_start(capsys, proxy_parse, proxy_args(b, "old-proxy.crt", "old-proxy.key"))
     assert line == (
         f"ponto-proxy: error: the client certificate {b.path('old-proxy.crt')} expired on "
         f"{_date(EXPIRED[1])}"
