@@ -61,7 +61,6 @@ from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
-from dataplane.upstream.wire import origin_connector
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
@@ -198,12 +197,7 @@ class Proxy:
             self.access_log.start()
         if self.region_link is not None:
             await self.region_link.start()
-        # Per origin at most 1024 connections: past that, bursts wait for a free
-        # keep-alive connection instead of opening (and tearing down) new ones.
-        connector = origin_connector(
-            limit=0, limit_per_host=1024, ttl_dns_cache=60, keepalive_timeout=30
-        )
-        forwarder = Forwarder(connector, self.metrics, settings.upstream, loads=self.loads)
+        forwarder = Forwarder(self.metrics, settings.upstream, loads=self.loads)
         # Built here, not in __init__: it needs the upstream pool.
         app[PIPELINE] = Pipeline(
             self.holder,
@@ -236,7 +230,7 @@ class Proxy:
                     await task
             if self.semantic_feed is not None:
                 await self.semantic_feed.close()
-            await connector.close()
+            await forwarder.close()
             if isinstance(self.store, RegionalStore):
                 await self.store.close()
             if self.region_link is not None:

@@ -244,10 +244,10 @@ class Forwarder:
 
     def __init__(
         self,
-        connector: aiohttp.BaseConnector,
         metrics: Metrics,
         settings: UpstreamSettings,
         *,
+        wire: OriginWire | None = None,
         outliers: OutlierDetector | None = None,
         budget: RetryBudget | None = None,
         loads: LoadBoard | None = None,
@@ -267,12 +267,14 @@ class Forwarder:
         self._forward = FORWARD_REQUEST_HEADERS + tuple(
             h for h in configured if h not in NEVER_FORWARDED and h not in FORWARD_REQUEST_HEADERS
         )
-        self._wire = OriginWire(
-            connector,
-            connect_timeout=settings.connect_timeout,
-            read_timeout=settings.read_timeout,
+        self._wire = wire or OriginWire(
+            connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout
         )
         self._deadlines: Deadlines | None = None  # made on the loop of the first call
+
+    async def close(self) -> None:
+        """Close the idle connections to origins (calls under way end theirs)."""
+        await self._wire.close()
 
     def candidate_limit(self) -> int:
         """Candidates worth ordering: the attempts, plus room for ejected origins."""

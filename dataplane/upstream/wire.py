@@ -1,64 +1,76 @@
-"""One origin call on aiohttp's lower layers: its connection pool and its response parser.
+"""One origin call on raw asyncio: aiohttp's C response parser over the wire's own pool.
 
-`aiohttp.ClientSession.post` builds, per request, a `ClientRequest` (URL
-checks, auto headers, cookie jar, payload registry, a writer task for the
-body) and a `ClientResponse` (timers, trace hooks, cookies): a third of the
-proxy's CPU per request went there, for a call whose shape never changes (a
-POST of bytes already in memory to an origin of the route table). `OriginWire`
-keeps what matters and nothing else:
+A call's shape never changes (a POST of bytes already in memory to an origin
+of the route table), and aiohttp's client layers cost more than they give for
+it: `ClientSession.post` built a request and a response object per call (a
+third of the proxy's CPU per request went there), and even its connector and
+client protocol, which the wire used until it replaced them, cost some 25 us
+per call against 10 for what the call needs (bench/wire_micro.py). So the
+wire keeps aiohttp's pieces that carry no per-call weight and does the rest:
 
-- the connector (`aiohttp.TCPConnector`: keep-alive pool, per-host limit, DNS
-  cache, TLS) hands out connections, keyed by a `ClientRequest` built once per
-  origin URL and reused for every call to it;
-- the request head is aiohttp's own serialisation (`_serialize_headers`, which
-  refuses CR and LF in names and values), written with the body in one
+- **opening** a connection is aiohttp's connector's (`TCPConnector`, its
+  `_create_connection`): DNS with a cache, happy eyeballs over the addresses,
+  TLS verified against the system's trust store (`SSL_CERT_FILE` and
+  `SSL_CERT_DIR` name another), and aiohttp's errors for each failure. The
+  connector pools nothing: its connections are handed to the wire at once;
+- **the pool** is the wire's (`_Pool`, one per host, port and scheme): idle
+  connections, the most recently used reused first, at most `limit_per_host`
+  open (a call past it waits for one, untimed: a busy origin is not a failing
+  one), an idle one closed after `keepalive_timeout`;
+- **the request head** is aiohttp's own serialisation (`_serialize_headers`,
+  which refuses CR and LF in names and values), written with the body in one
   `writelines`;
-- the connection's protocol (`aiohttp.client_proto.ResponseHandler`) parses
-  the answer with aiohttp's C parser (llhttp), decompresses it, reads a body
-  that ends with the connection to its end, and enforces the read timeout, as
-  under a ClientSession. Unlike one, it follows no redirect: an origin's 3xx is
+- **the answer** is parsed by aiohttp's C parser (llhttp) in `OriginConnection`,
+  a bare `asyncio.Protocol`: gzip and deflate bodies come decompressed, a body
+  without a length ends with the connection, interim (1xx) answers are
+  skipped, and `read_timeout` seconds without a byte of the answer fail the
+  call (or its body's read). A redirect is not followed: an origin's 3xx is
   its answer (the Forwarder refuses it as a misconfigured base URL).
 
-Errors are aiohttp's: `aiohttp.ClientError` subclasses for connection and
-protocol failures, `TimeoutError` subclasses for the connect and read
-timeouts; and ValueError for a URL that is not http(s) or a header with CR,
-LF or NUL, which the route table's checks (dataplane.routes, the control
-plane) and aiohttp's request parser keep from getting here. The connect
-timeout bounds the socket's connect, not a wait for a free connection of an
-origin at the connector's per-host limit, as under the ClientSession before.
-A call cancelled or failed before it returns closes its connection (an origin
+Errors are aiohttp's, as under a ClientSession: `aiohttp.ClientError`
+subclasses for connection and protocol failures (`ClientPayloadError` for an
+unparsable answer or a body cut short), `TimeoutError` subclasses for the
+connect and read timeouts; and ValueError for a URL that is not http(s) or a
+header with CR, LF or NUL, which the route table's checks (dataplane.routes,
+the control plane) and aiohttp's request parser keep from getting here. A
+call cancelled or failed before it returns closes its connection (an origin
 generating for nobody stops).
 
 The body is written whole, not streamed under flow control: it is already in
-memory, bounded by the proxy's --max-body-bytes. A connection whose request
-has not all left the proxy when the answer is done (an origin that answered
-early, a 413 say) is closed, not pooled: the next request would wait behind
-the rest of this one's body.
+memory, bounded by the proxy's --max-body-bytes. A connection goes back to the
+pool only when its answer ended, the origin keeps it open, and its request
+has all left the proxy (an origin may answer early, a 413 say: the next
+request would wait behind the rest of this one's body). Bytes an origin sends
+when no call asked for them close the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
+from collections import deque
 from collections.abc import Mapping
-from typing import Any, Final, cast
+from typing import Final, cast
 
 import aiohttp
 from aiohttp import hdrs
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.client_exceptions import SocketTimeoutError
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.client_reqrep import ClientRequest
-from aiohttp.connector import Connection
-from aiohttp.helpers import DEFAULT_CHUNK_SIZE, BaseTimerContext
+from aiohttp.client_reqrep import ClientRequest, ConnectionKey
+from aiohttp.helpers import EMPTY_BODY_STATUS_CODES
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_parser import HttpResponseParser, RawResponseMessage
 from aiohttp.http_writer import _serialize_headers
-from aiohttp.streams import StreamReader
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dataplane.timer import LazyTimer
 
-__all__ = ["OriginProtocol", "OriginResponse", "OriginWire", "media_type", "origin_connector"]
+__all__ = ["DEFAULT_HEADERS", "OriginConnection", "OriginResponse", "OriginWire", "media_type"]
 
 # What a ClientSession adds to every request unless the caller set it: the
 # origins saw these before this module existed, and gzip answers stay cheap to
@@ -70,128 +82,248 @@ DEFAULT_HEADERS: Final = (
 )
 # Origin URLs remembered (each with its ClientRequest); a table names a few.
 MAX_ENDPOINTS: Final = 4096
+# An answer's body buffered before reading from the origin pauses (twice this).
 READ_BUFSIZE: Final = 2**16
 MAX_LINE: Final = 8190
 MAX_HEADERS: Final = 128
+# Per origin at most this many connections: past that, bursts wait for a free
+# keep-alive connection instead of opening (and tearing down) new ones.
+LIMIT_PER_HOST: Final = 1024
+KEEPALIVE_TIMEOUT: Final = 30.0
+DNS_CACHE_TTL: Final = 60
+
+Head = tuple[RawResponseMessage, StreamReader]
 
 
-class OriginProtocol(ResponseHandler):
-    """aiohttp's client protocol, with its read timeout on a LazyTimer.
+class OriginConnection(BaseProtocol):
+    """One connection to an origin, answering one call at a time.
 
-    aiohttp restarts its timer on every read and cancels it at the answer's
-    end: two timers started and two cancelled per call (dataplane.timer says
-    what that costs). The timeout itself is aiohttp's: `read_timeout` seconds
-    without a byte of the answer fail the read with its SocketTimeoutError.
+    `expect` readies it for a call's answer and returns the future of its
+    final head (message and body); `start_timeout` starts the read timeout
+    once the request is on its way. The body's StreamReader is the call's;
+    the connection is free for the next call once the body has ended
+    (`reusable` says whether it may have one).
     """
+
+    __slots__ = (
+        "_deadline",
+        "_head",
+        "_payload",
+        "_read_timeout",
+        "idle_since",
+        "pool",
+        "reusable",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
-        self.read_deadline = LazyTimer(loop)
-        # The parameters of the parser to keep for the next call; None: make a new one.
-        self._parser_params: tuple[object, ...] | None = None
-        self._previous: StreamReader | None = None  # the last call's answer body
-        self._answered = False  # this call's answer has arrived whole
+        self._deadline = LazyTimer(loop)
+        self._head: asyncio.Future[Head] | None = None  # the call's, until its final head
+        self._payload: StreamReader | None = None  # the call's body, until its end
+        self._read_timeout: float | None = None
+        self.reusable = True  # no answer said Connection: close, nothing failed
+        self.idle_since = 0.0
+        self.pool: _Pool | None = None
 
-    def set_response_params(
-        self,
-        *,
-        timer: BaseTimerContext | None = None,
-        skip_payload: bool = False,
-        read_until_eof: bool = False,
-        auto_decompress: bool = True,
-        read_timeout: float | None = None,
-        read_bufsize: int = DEFAULT_CHUNK_SIZE,
-        timeout_ceil_threshold: float = 5,
-        max_line_size: int = 8190,
-        max_field_size: int = 8190,
-        max_headers: int = 128,
-    ) -> None:
-        """aiohttp's, but a kept-alive connection keeps its response parser when
-        the parser's parameters have not changed: aiohttp makes a new C parser
-        per call (some 5 us), and llhttp parses a connection's answers one after
-        another as it does pipelined ones.
-
-        A new one is made, as aiohttp would, after the parser was paused (a
-        flood of chunks can leave it paused past its answer's end) and after
-        bytes arrived that no call asked for. One case differs: such bytes in
-        the same read as the end of an answer stay in the parser as the start
-        of the next answer, so the next call on that connection fails to parse
-        (and is tried on the next origin, which generates it again), where a
-        new parser would have dropped them. Only an origin that breaks HTTP/1.1
-        sends them."""
-        self._previous, self._answered = self._payload, False
-        params = (skip_payload, read_until_eof, auto_decompress, read_bufsize,
-                  max_line_size, max_field_size, max_headers)  # fmt: skip
-        if timer is not None or self._parser is None or params != self._parser_params:
-            self._parser_params = params if timer is None else None
-            super().set_response_params(
-                timer=timer,
-                skip_payload=skip_payload,
-                read_until_eof=read_until_eof,
-                auto_decompress=auto_decompress,
-                read_timeout=read_timeout,
-                read_bufsize=read_bufsize,
-                timeout_ceil_threshold=timeout_ceil_threshold,
-                max_line_size=max_line_size,
-                max_field_size=max_field_size,
-                max_headers=max_headers,
+    def expect(self, read_timeout: float | None) -> asyncio.Future[Head]:
+        """An answer is due from now: the future of its final head."""
+        if self._parser is None:
+            # One per connection: llhttp parses a connection's answers one after
+            # another, as it parses pipelined ones.
+            self._parser = HttpResponseParser(
+                self,
+                self._loop,
+                READ_BUFSIZE,
+                payload_exception=aiohttp.ClientPayloadError,
+                read_until_eof=True,  # a body without a length ends with the connection
+                max_line_size=MAX_LINE,
+                max_field_size=MAX_LINE,
+                max_headers=MAX_HEADERS,
             )
-            return
-        self._skip_payload = skip_payload
-        self._read_bufsize = read_bufsize
         self._read_timeout = read_timeout
-        self._timeout_ceil_threshold = timeout_ceil_threshold
-        self._drain_tail()
+        head = self._head = self._loop.create_future()
+        return head
+
+    def start_timeout(self) -> None:
+        """The read timeout runs from now (the request handed to the socket)."""
+        if self._read_timeout:
+            self._deadline.arm(self._read_timeout, self._timed_out)
+
+    @property
+    def idle(self) -> bool:
+        """Free for another call: its answer ended, nothing failed or said close,
+        and its request has all left (the transport holds no unsent byte)."""
+        transport = self.transport
+        return (
+            self.reusable
+            and self._head is None
+            and self._payload is None
+            and transport is not None
+            and not transport.is_closing()
+            and not transport.get_write_buffer_size()
+        )
+
+    def rest(self) -> None:
+        """Back to its pool, idle, if it is free for another call; else closed."""
+        pool = self.pool
+        if pool is not None and self.idle:
+            self.idle_since = self._loop.time()
+            pool.idle[self] = None
+            pool.wake()
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection (after what is queued to send); never reused."""
+        self.reusable = False
+        pool = self.pool
+        if pool is not None:
+            pool.idle.pop(self, None)
+        transport = self.transport
+        if transport is not None:
+            transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if data and self._answered:
-            self._parser_params = None  # bytes after a whole answer: not a parser to keep
-        super().data_received(data)
-        payload = self._payload
-        if payload is not None and payload is not self._previous and payload.is_eof():
-            self._answered = True
+        parser = self._parser
+        if parser is None or (data and self._head is None and self._payload is None):
+            # Bytes no call asked for (an origin answering twice, or before being
+            # asked): whatever follows on this connection cannot be trusted.
+            self.close()
+            return
+        if data and self._read_timeout and not self._reading_paused:
+            self._deadline.arm(self._read_timeout, self._timed_out)
+        try:
+            messages, _, _ = parser.feed_data(data)
+        except Exception as exc:  # the parser's refusal of what the origin sent
+            reason = exc.message if isinstance(exc, HttpProcessingError) else repr(exc)
+            self._fail(aiohttp.ClientPayloadError(f"unparsable answer: {reason}"))
+            return
+        for message, body in messages:
+            payload = body
+            if message.should_close:
+                self.reusable = False
+            head = self._head
+            code = message.code
+            if head is None:  # a second final answer to one request
+                self.close()
+                return
+            if code in EMPTY_BODY_STATUS_CODES:
+                if 100 <= code < 200:
+                    if code != 101:
+                        continue  # interim: the final head is still awaited, and timed
+                    self.reusable = False  # switched protocols: no more HTTP here
+                payload = EMPTY_PAYLOAD
+            self._head = None
+            if payload.is_eof():
+                self._deadline.disarm()
+            else:
+                self._payload = payload
+                payload.on_eof(self._answered)
+            if not head.done():  # else the call was cancelled, and closes this
+                head.set_result((message, payload))
+
+    def _answered(self) -> None:
+        self._payload = None
+        self._deadline.disarm()
+
+    def _timed_out(self) -> None:
+        self._fail(SocketTimeoutError("Timeout on reading data from socket"))
+
+    def _fail(self, exc: BaseException) -> None:
+        """The call's answer fails with `exc` (its head's wait or its body's
+        read), and the connection closes."""
+        self._deadline.disarm()
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        payload, self._payload = self._payload, None
+        if payload is not None:
+            payload.set_exception(exc)
+        self.close()
 
     def pause_reading(self) -> None:
-        self._parser_params = None  # llhttp may stay paused past the answer's end
         super().pause_reading()
+        self._deadline.disarm()  # the read timeout measures the origin, not this wait
 
-    def _reschedule_timeout(self) -> None:
-        timeout = self._read_timeout
-        if timeout:
-            self.read_deadline.arm(timeout, self._on_read_timeout)
-        else:
-            self.read_deadline.disarm()
-
-    def _drop_timeout(self) -> None:
-        self.read_deadline.disarm()
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        # A body's reader asks for this on every read below its low-water mark;
+        # aiohttp then feeds the parser an empty chunk, needed only after a pause.
+        if not self._reading_paused:
+            return
+        super().resume_reading(resume_parser)
+        if self._read_timeout and (self._head is not None or self._payload is not None):
+            self._deadline.arm(self._read_timeout, self._timed_out)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.read_deadline.close()
+        self._deadline.close()
+        self.reusable = False
+        pool = self.pool
+        if pool is not None:
+            pool.lost(self)
+        payload = self._payload
+        if payload is not None and self._parser is not None:
+            try:
+                self._parser.feed_eof()  # a body read to the connection's end ends here
+            except Exception as cut:
+                reason = f"Response payload is not completed: {cut!r}"
+                if exc is not None:
+                    reason += f". {exc!r}"
+                self._payload = None
+                payload.set_exception(aiohttp.ClientPayloadError(reason))
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            if isinstance(exc, OSError):
+                head.set_exception(aiohttp.ClientOSError(*exc.args))
+            else:
+                head.set_exception(aiohttp.ServerDisconnectedError())
         super().connection_lost(exc)
 
 
-def origin_connector(**kwargs: Any) -> aiohttp.TCPConnector:
-    """`aiohttp.TCPConnector(**kwargs)` whose connections speak OriginProtocol.
-    Call it on the event loop that will use it."""
-    connector = aiohttp.TCPConnector(**kwargs)
-    # aiohttp's connectors make their protocols with this factory, and take no argument for it.
-    factory = functools.partial(OriginProtocol, loop=asyncio.get_running_loop())
-    connector._factory = cast("functools.partial[ResponseHandler]", factory)
-    return connector
+class _Pool:
+    """The connections to one origin (host, port and scheme): the idle ones
+    (insertion order: the most recently freed last, reused first) and a count
+    of all that are open or opening, with the calls waiting for one at the cap."""
+
+    __slots__ = ("idle", "open", "waiters")
+
+    def __init__(self) -> None:
+        self.idle: dict[OriginConnection, None] = {}
+        self.open = 0
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    def lost(self, conn: OriginConnection) -> None:
+        """`conn` is closed: its place is free."""
+        self.idle.pop(conn, None)
+        self.open -= 1
+        conn.pool = None
+        self.wake()
+
+    def wake(self) -> None:
+        """Let the first call still waiting look again."""
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
 
 class _Endpoint:
-    """An origin URL as the wire calls it: the connector's key and the request
-    line and Host header, built once."""
+    """An origin URL as the wire calls it: what opens its connections (a
+    ClientRequest, the connector's key), its pool, and the request line and
+    Host header, built once."""
 
-    __slots__ = ("authorization", "host", "key", "line")
+    __slots__ = ("authorization", "host", "key", "line", "pool")
 
-    def __init__(self, url: URL, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, url: URL, loop: asyncio.AbstractEventLoop, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         if url.scheme not in ("http", "https") or not url.raw_host:
             raise ValueError(f"not an origin URL: {url}")
-        # Only the connector reads it: the key of its pool, and what it needs
-        # to open (and for https, verify) a new connection.
-        self.key = ClientRequest("POST", url, loop=loop)
+        # Only the connector reads it: what it needs to open (and for https,
+        # verify) a new connection.
+        self.key = ClientRequest("POST", url, loop=loop, ssl=ssl_context or True)
+        self.pool = _Pool()  # the wire gives it the one of its host, port and scheme
         self.line = f"POST {url.raw_path_qs} HTTP/1.1"
         default_port = url.is_default_port()
         self.host = url.raw_host if default_port else f"{url.raw_host}:{url.port}"
@@ -228,12 +360,12 @@ class OriginResponse:
         status: int,
         headers: CIMultiDictProxy[str],
         content: StreamReader,
-        conn: Connection,
+        conn: OriginConnection,
     ) -> None:
         self.status = status
         self.headers = headers
         self.content = content
-        self._conn: Connection | None = conn
+        self._conn: OriginConnection | None = conn
 
     @property
     def content_type(self) -> str:
@@ -257,11 +389,10 @@ class OriginResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        transport = conn.transport
-        if transport is not None and transport.get_write_buffer_size():
-            conn.close()  # the request is still going out: not reusable
+        if self.content.is_eof():
+            conn.rest()
         else:
-            conn.release()  # pooled only when the body ended and keep-alive holds
+            conn.close()
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -269,35 +400,59 @@ class OriginResponse:
             conn.close()
 
 
+def _opener(ttl_dns_cache: int) -> aiohttp.TCPConnector:
+    """aiohttp's connector, for opening OriginConnections only. On the running loop."""
+    connector = aiohttp.TCPConnector(ttl_dns_cache=ttl_dns_cache)
+    # aiohttp's connectors make their protocols with this factory, and take no argument for it.
+    factory = functools.partial(OriginConnection, loop=asyncio.get_running_loop())
+    connector._factory = cast("functools.partial[ResponseHandler]", factory)
+    return connector
+
+
 class OriginWire:
-    """POSTs to origins over `connector`'s pool. One per app; safe for
-    concurrent use on its event loop."""
+    """POSTs to origins over its own keep-alive pools. One per app; safe for
+    concurrent use on its event loop; `close` at the end."""
 
     def __init__(
         self,
-        connector: aiohttp.BaseConnector,
         *,
         connect_timeout: float | None,
         read_timeout: float | None,
+        limit_per_host: int = LIMIT_PER_HOST,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+        ttl_dns_cache: int = DNS_CACHE_TTL,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self._connector = connector
+        """`ssl_context` verifies https origins (None: aiohttp's default, the
+        system's trust store)."""
+        self._ssl_context = ssl_context
         self._timeout = aiohttp.ClientTimeout(
             # The socket's connect only: a call that waits for a free connection
-            # of a busy origin (at the connector's per-host limit) waits in its
-            # turn, under the request's deadline; timing it out would count a
-            # saturated origin as failing and eject it.
+            # of a busy origin (at limit_per_host) waits in its turn, under the
+            # request's deadline; timing it out would count a saturated origin
+            # as failing and eject it.
             total=None,
             sock_connect=connect_timeout,
         )
         self._read_timeout = read_timeout
+        self._limit = limit_per_host
+        self._keepalive = keepalive_timeout
+        self._ttl_dns_cache = ttl_dns_cache
         self._endpoints: dict[URL, _Endpoint] = {}
+        self._pools: dict[ConnectionKey, _Pool] = {}
+        self._connector: aiohttp.TCPConnector | None = None  # made on the loop of the first call
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def _endpoint(self, url: URL) -> _Endpoint:
         found = self._endpoints.get(url)
         if found is None:
             if len(self._endpoints) >= MAX_ENDPOINTS:
-                self._endpoints.clear()  # tables changed many times: start over
-            found = self._endpoints[url] = _Endpoint(url, asyncio.get_running_loop())
+                # Tables changed many times: start over, keeping the pools in use.
+                self._endpoints.clear()
+                self._pools = {k: p for k, p in self._pools.items() if p.open or p.waiters}
+            found = _Endpoint(url, asyncio.get_running_loop(), self._ssl_context)
+            found.pool = self._pools.setdefault(found.key.connection_key, found.pool)
+            self._endpoints[url] = found
         return found
 
     async def post(self, url: URL, body: bytes, headers: CIMultiDict[str]) -> OriginResponse:
@@ -306,20 +461,12 @@ class OriginWire:
         one dict serves a request's attempts on several origins); return once
         the answer's head has arrived."""
         endpoint = self._endpoint(url)
-        conn = await self._connector.connect(endpoint.key, [], self._timeout)
+        conn = await self._take(endpoint)
         try:
-            protocol = conn.protocol
             transport = conn.transport
-            if protocol is None or transport is None:
+            if transport is None:
                 raise aiohttp.ServerDisconnectedError()
-            protocol.set_response_params(
-                read_until_eof=True,  # a body without a length ends with the connection
-                read_timeout=self._read_timeout,
-                read_bufsize=READ_BUFSIZE,
-                max_line_size=MAX_LINE,
-                max_field_size=MAX_LINE,
-                max_headers=MAX_HEADERS,
-            )
+            head = conn.expect(self._read_timeout)
             if endpoint.authorization is not None and hdrs.AUTHORIZATION not in headers:
                 # This origin's own: not left in a dict the next attempt reuses.
                 headers = headers.copy()
@@ -332,25 +479,89 @@ class OriginWire:
             # The read timeout runs from here: the request handed to the socket
             # (a large body may still be leaving; aiohttp's session started it
             # once the body was written).
-            protocol.start_timeout()
-            return await _head(protocol, conn)
+            conn.start_timeout()
+            message, payload = await head
+            return OriginResponse(message.code, message.headers, payload, conn)
         except BaseException:
             conn.close()
             raise
 
-
-async def _head(protocol: ResponseHandler, conn: Connection) -> OriginResponse:
-    """The first final answer's head (1xx interim answers skipped)."""
-    while True:
+    async def _take(self, endpoint: _Endpoint) -> OriginConnection:
+        """An idle connection of the endpoint's pool, or a new one once the
+        pool is under its cap (waiting in turn for either)."""
+        pool = endpoint.pool
+        while True:
+            idle = pool.idle
+            while idle:
+                conn, _ = idle.popitem()
+                if conn.idle:
+                    return conn
+                conn.close()
+            if pool.open < self._limit:
+                break
+            waiter = asyncio.get_running_loop().create_future()
+            pool.waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    pool.wake()  # woken, then cancelled: the turn passes on
+                else:
+                    waiter.cancel()
+                raise
+        pool.open += 1
         try:
-            message, payload = await protocol.read()
-        except HttpProcessingError as exc:
-            raise aiohttp.ClientPayloadError(f"unparsable answer: {exc.message}") from exc
-        code = message.code
-        if not 100 <= code < 200 or code == 101:
-            return OriginResponse(code, message.headers, payload, conn)
-        # The protocol stopped the read timeout at this interim head (its body
-        # is empty); the final head is still awaited, so time it again, unless
-        # it is already queued (a timer armed then would outlive the answer).
-        if not len(protocol) and protocol.exception() is None:
-            protocol.start_timeout()
+            conn = cast(OriginConnection, await self._open(endpoint))
+        except BaseException:
+            pool.open -= 1
+            pool.wake()
+            raise
+        if conn.transport is None:  # lost before it could be counted
+            pool.open -= 1
+            pool.wake()
+            raise aiohttp.ServerDisconnectedError()
+        conn.pool = pool
+        self._sweep_later()
+        return conn
+
+    async def _open(self, endpoint: _Endpoint) -> ResponseHandler:
+        connector = self._connector
+        if connector is None:
+            connector = self._connector = _opener(self._ttl_dns_cache)
+        return await connector._create_connection(endpoint.key, [], self._timeout)
+
+    def _sweep_later(self) -> None:
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(self._keepalive / 2, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for keepalive_timeout; look again in half
+        of it while any connection is open."""
+        self._sweeper = None
+        if not self._pools:
+            return
+        now = asyncio.get_running_loop().time()
+        stale = now - self._keepalive
+        busy = False
+        for pool in self._pools.values():
+            for conn in list(pool.idle):  # oldest first
+                if conn.idle_since > stale:
+                    break
+                conn.close()
+            busy = busy or pool.open > 0
+        if busy:
+            self._sweep_later()
+
+    async def close(self) -> None:
+        """Close every idle connection and the opener; calls still under way
+        keep theirs until they end it."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for pool in self._pools.values():
+            for conn in list(pool.idle):
+                conn.close()
+        connector, self._connector = self._connector, None
+        if connector is not None:
+            await connector.close()

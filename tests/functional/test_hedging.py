@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -116,7 +115,7 @@ RigMaker = Callable[..., Awaitable[Rig]]
 async def rigs() -> AsyncIterator[RigMaker]:
     """Build rigs of N test origins; everything is closed at the end."""
     servers: list[TestServer] = []
-    connectors: list[aiohttp.TCPConnector] = []
+    forwarders: list[Forwarder] = []
 
     async def make(*behaviours: Behaviour, **kw: Any) -> Rig:
         origins = [Origin(f"o{i}", b) for i, b in enumerate(behaviours, start=1)]
@@ -128,16 +127,15 @@ async def rigs() -> AsyncIterator[RigMaker]:
             await server.start_server()
             servers.append(server)
             targets.append(Target(origin.name, "r1", str(server.make_url("/v1")), 100))
-        connector = aiohttp.TCPConnector()
-        connectors.append(connector)
         metrics = Metrics()
         settings = kw.pop("settings", UpstreamSettings())
-        forwarder = Forwarder(connector, metrics, settings, loads=LoadBoard(), **kw)
+        forwarder = Forwarder(metrics, settings, loads=LoadBoard(), **kw)
+        forwarders.append(forwarder)
         return Rig(forwarder, metrics, origins, targets)
 
     yield make
-    for connector in connectors:
-        await connector.close()
+    for forwarder in forwarders:
+        await forwarder.close()
     for server in servers:
         await server.close()
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web, web_protocol
-from aiohttp.client_proto import ResponseHandler
+from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine, LineTooLong
+from aiohttp.http_parser import HttpResponseParser
 from aiohttp.test_utils import make_mocked_request
 
 from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
@@ -258,7 +259,7 @@ def test_no_request_state_lives_in_context_variables() -> None:
 
 def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that_exist() -> None:
     # EdgeProtocol._fits and _put_whole (tests/functional/test_edge_answers.py checks
-    # what it writes) and OriginProtocol read or override these.
+    # what it writes) read or override these.
     response = web.Response(body=b"x")
     for name in ("_body", "_headers", "_payload_writer", "_eof_sent", "_compression",
                  "_chunked", "_cookies", "_keep_alive", "_body_length"):  # fmt: skip
@@ -268,8 +269,15 @@ def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that
         assert hasattr(request, name), name
     for name in ("_writelines", "_on_headers_sent", "_on_chunk_sent", "on_body_write", "drain"):
         assert hasattr(request._payload_writer, name), name
-    for name in ("_reschedule_timeout", "_drop_timeout", "_on_read_timeout", "_read_timeout"):
-        assert hasattr(ResponseHandler, name) or name in vars(ResponseHandler(loop=None)), name  # type: ignore[arg-type]
+    # OriginWire opens connections with the connector's own method and factory,
+    # and its OriginConnection reads the base protocol's flow-control state.
+    connector = aiohttp.TCPConnector
+    assert callable(connector._create_connection)
+    assert "_factory" in inspect.getsource(connector.__init__)
+    for name in ("_reading_paused", "_parser", "pause_reading", "resume_reading"):
+        assert name in BaseProtocol.__slots__ or hasattr(BaseProtocol, name), name
+    for name in ("feed_data", "feed_eof", "pause_reading"):
+        assert hasattr(HttpResponseParser, name), name
 
 
 # ---------------------------------------------------------------- flags

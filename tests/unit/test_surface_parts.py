@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 import pytest
 from multidict import CIMultiDict
 
@@ -243,47 +242,40 @@ def test_a_client_id_is_kept_only_when_short_and_printable(value: str | None, ke
 # ---------------------------------------------------------------- forwarded headers
 
 
-async def forwarder(*configured: str) -> tuple[Forwarder, aiohttp.TCPConnector]:
-    connector = aiohttp.TCPConnector()
-    return Forwarder(connector, Metrics(), UpstreamSettings(forward_headers=configured)), connector
+def forwarder(*configured: str) -> Forwarder:
+    return Forwarder(Metrics(), UpstreamSettings(forward_headers=configured))
 
 
-async def test_forwarded_headers_are_capped_and_never_hop_by_hop() -> None:
-    fw, connector = await forwarder("Connection", "TE", "Keep-Alive", "X-Hint", "X-Big")
-    try:
-        incoming = CIMultiDict(
-            {
-                "user-agent": "é" * 600,  # two bytes each
-                "accept": "application/json",
-                "connection": "keep-alive, x-hint",
-                "te": "trailers",
-                "keep-alive": "timeout=5",
-                "x-hint": "blue",
-                "x-big": "b" * (MAX_FORWARDED_VALUE + 1),
-                "content-type": "text/plain",
-                "authorization": "Bearer sk-client",
-            }
-        )
-        sent = fw.request_headers(incoming, "rid")
-        assert set(sent) == {"content-type", "x-request-id", "accept", "user-agent", "x-hint"}
-        assert sent["content-type"] == "application/json"
-        assert sent["user-agent"] == "é" * (MAX_FORWARDED_VALUE // 2)
-        assert sent["x-request-id"] == "rid"
-    finally:
-        await connector.close()
+def test_forwarded_headers_are_capped_and_never_hop_by_hop() -> None:
+    fw = forwarder("Connection", "TE", "Keep-Alive", "X-Hint", "X-Big")
+    incoming = CIMultiDict(
+        {
+            "user-agent": "é" * 600,  # two bytes each
+            "accept": "application/json",
+            "connection": "keep-alive, x-hint",
+            "te": "trailers",
+            "keep-alive": "timeout=5",
+            "x-hint": "blue",
+            "x-big": "b" * (MAX_FORWARDED_VALUE + 1),
+            "content-type": "text/plain",
+            "authorization": "Bearer sk-client",
+        }
+    )
+    sent = fw.request_headers(incoming, "rid")
+    assert set(sent) == {"content-type", "x-request-id", "accept", "user-agent", "x-hint"}
+    assert sent["content-type"] == "application/json"
+    assert sent["user-agent"] == "é" * (MAX_FORWARDED_VALUE // 2)
+    assert sent["x-request-id"] == "rid"
 
 
-async def test_the_forwarded_set_is_capped_in_all() -> None:
+def test_the_forwarded_set_is_capped_in_all() -> None:
     names = [f"x-h{i}" for i in range(20)]
-    fw, connector = await forwarder(*names)
-    try:
-        incoming = CIMultiDict({name: "v" * 400 for name in names})
-        sent = fw.request_headers(incoming, "rid")
-        forwarded = [n for n in names if n in sent]
-        assert 0 < len(forwarded) < len(names)
-        assert sum(len(n) + len(sent[n]) for n in forwarded) <= MAX_FORWARDED_TOTAL
-    finally:
-        await connector.close()
+    fw = forwarder(*names)
+    incoming = CIMultiDict({name: "v" * 400 for name in names})
+    sent = fw.request_headers(incoming, "rid")
+    forwarded = [n for n in names if n in sent]
+    assert 0 < len(forwarded) < len(names)
+    assert sum(len(n) + len(sent[n]) for n in forwarded) <= MAX_FORWARDED_TOTAL
 
 
 def test_a_client_id_keeps_exactly_the_visible_ascii_characters() -> None:

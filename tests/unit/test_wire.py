@@ -14,27 +14,23 @@ import asyncio
 import contextlib
 import gzip
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import hdrs, web
-from aiohttp.client_proto import ResponseHandler
 from aiohttp.http import SERVER_SOFTWARE
-from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dataplane.upstream import wire as wire_module
-from dataplane.upstream.wire import (
-    DEFAULT_HEADERS,
-    OriginProtocol,
-    OriginWire,
-    _Endpoint,
-    origin_connector,
-)
+from dataplane.upstream.wire import DEFAULT_HEADERS, OriginConnection, OriginWire, _Endpoint
+from ponto.pki import make_bundle
 
 SHORT = 0.05  # the read timeout against an origin that never answers
 BOUND = 5.0  # what a wait that must end may take before the test fails
@@ -144,28 +140,25 @@ async def origin() -> AsyncIterator[RawOrigin]:
     await raw.stop()
 
 
-@pytest.fixture(params=["aiohttp", "origin"])
-async def connector(request: pytest.FixtureRequest) -> AsyncIterator[aiohttp.TCPConnector]:
-    """Every test runs on aiohttp's own connector and on the proxy's
-    (origin_connector: OriginProtocol's lazy read timer)."""
-    conn = aiohttp.TCPConnector() if request.param == "aiohttp" else origin_connector()
-    yield conn
-    await conn.close()
+@pytest.fixture
+async def wires() -> AsyncIterator[Callable[..., OriginWire]]:
+    """Makes wires (connect and read timeouts BOUND unless given), closed at the end."""
+    made: list[OriginWire] = []
 
+    def make(**kw: Any) -> OriginWire:
+        kw.setdefault("connect_timeout", BOUND)
+        kw.setdefault("read_timeout", BOUND)
+        made.append(OriginWire(**kw))
+        return made[-1]
 
-def read_timer_running(protocol: ResponseHandler) -> bool:
-    if isinstance(protocol, OriginProtocol):
-        return protocol.read_deadline.armed
-    return protocol._read_timeout_handle is not None
-
-
-def make_wire(connector: aiohttp.BaseConnector, *, read_timeout: float = BOUND) -> OriginWire:
-    return OriginWire(connector, connect_timeout=BOUND, read_timeout=read_timeout)
+    yield make
+    for each in made:
+        await each.close()
 
 
 @pytest.fixture
-def wire(connector: aiohttp.TCPConnector) -> OriginWire:
-    return make_wire(connector)
+def wire(wires: Callable[..., OriginWire]) -> OriginWire:
+    return wires()
 
 
 def no_headers() -> CIMultiDict[str]:
@@ -300,93 +293,108 @@ async def test_sequential_calls_reuse_one_connection(wire: OriginWire, origin: R
 
 
 async def test_a_kept_alive_connection_keeps_its_response_parser_across_calls(
-    origin: RawOrigin,
+    wire: OriginWire, origin: RawOrigin
 ) -> None:
-    connector = origin_connector()
-    try:
-        wire = make_wire(connector)
-        parsers = []
-        for body in (b'{"a":1}', b'{"bb":22}', b"{}"):
-            origin.answer = answering(
-                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            resp = await wire.post(origin.url(), b"{}", no_headers())
-            protocol = resp._conn.protocol if resp._conn is not None else None
-            assert protocol is not None
-            parsers.append(protocol._parser)
-            assert await resp.read() == body
-        assert origin.connections == 1
-        assert parsers[0] is parsers[1] is parsers[2]
-        # Other parameters (here a read that may not end at EOF) get a new parser.
-        conn = await connector.connect(
-            wire._endpoint(URL(origin.url())).key, [], aiohttp.ClientTimeout()
+    parsers = []
+    for body in (b'{"a":1}', b'{"bb":22}', b"{}"):
+        origin.answer = answering(
+            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        assert conn.protocol is not None
-        conn.protocol.set_response_params(read_until_eof=False)
-        assert conn.protocol._parser is not parsers[0]
-        conn.close()
-    finally:
-        await connector.close()
+        resp = await wire.post(origin.url(), b"{}", no_headers())
+        assert resp._conn is not None
+        parsers.append(resp._conn._parser)
+        assert await resp.read() == body
+    assert origin.connections == 1
+    assert parsers[0] is not None
+    assert parsers[0] is parsers[1] is parsers[2]
 
 
-def fed_protocol() -> OriginProtocol:
-    """An OriginProtocol on a transport that takes writes, set for a call."""
+class Transport(asyncio.Transport):
+    """Takes writes; notes whether it was closed."""
 
-    class Transport(asyncio.Transport):
-        def is_closing(self) -> bool:
-            return False
+    closed = False
 
-        def write(self, data: bytes | bytearray | memoryview) -> None:
-            pass
+    def is_closing(self) -> bool:
+        return self.closed
 
-        def pause_reading(self) -> None:
-            pass
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
 
-        def resume_reading(self) -> None:
-            pass
+    def get_write_buffer_size(self) -> int:
+        return 0
 
-        def close(self) -> None:
-            pass
+    def pause_reading(self) -> None:
+        pass
 
-    protocol = OriginProtocol(asyncio.get_running_loop())
-    protocol.connection_made(Transport())
-    protocol.set_response_params(read_until_eof=True)
-    return protocol
+    def resume_reading(self) -> None:
+        pass
 
-
-async def test_bytes_no_call_asked_for_get_the_next_call_a_new_parser() -> None:
-    protocol = fed_protocol()
-    first = protocol._parser
-    protocol.data_received(OK)
-    protocol.set_response_params(read_until_eof=True)
-    assert protocol._parser is first  # a clean end: kept
-    protocol.data_received(OK)
-    protocol.data_received(b"HTTP/1.1 2")  # after the whole answer, in a read of its own
-    protocol.set_response_params(read_until_eof=True)
-    assert protocol._parser is not first  # dropped with those bytes, as aiohttp would
-    protocol.connection_lost(None)
+    def close(self) -> None:
+        self.closed = True
 
 
-async def test_a_parser_that_was_paused_is_not_kept() -> None:
-    protocol = fed_protocol()
-    first = protocol._parser
-    protocol.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
-    protocol.pause_reading()  # in the body (as a flood of chunks pauses it)
-    protocol.resume_reading()
-    protocol.data_received(b"cd")
-    protocol.set_response_params(read_until_eof=True)
-    assert protocol._parser is not first
-    protocol.connection_lost(None)
+def fed_connection() -> tuple[OriginConnection, Transport]:
+    """An OriginConnection on a Transport, not in any pool."""
+    conn = OriginConnection(asyncio.get_running_loop())
+    transport = Transport()
+    conn.connection_made(transport)
+    return conn, transport
+
+
+async def test_bytes_no_call_asked_for_close_the_connection() -> None:
+    conn, transport = fed_connection()
+    head = conn.expect(BOUND)
+    conn.data_received(OK)
+    message, payload = await head
+    assert (message.code, await payload.read()) == (200, b"{}")
+    assert conn.idle
+    conn.data_received(b"HTTP/1.1 2")  # after the whole answer, in a read of its own
+    assert (transport.closed, conn.idle, conn.reusable) == (True, False, False)
+    conn.connection_lost(None)
+
+
+async def test_a_second_answer_to_one_request_closes_the_connection() -> None:
+    conn, transport = fed_connection()
+    head = conn.expect(BOUND)
+    conn.data_received(OK + OK)
+    message, _ = await head
+    assert message.code == 200
+    assert transport.closed and not conn.reusable
+    conn.connection_lost(None)
+
+
+async def test_a_body_paused_for_its_reader_resumes_and_its_connection_serves_the_next() -> None:
+    conn, _ = fed_connection()
+    head = conn.expect(BOUND)
+    big = wire_module.READ_BUFSIZE * 3  # past the reader's high-water mark: reading pauses
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (big + 2))
+    _, payload = await head
+    conn.data_received(b"x" * big)
+    assert conn._reading_paused
+    conn.data_received(b"yz")  # the transport delivered it before the pause took hold
+    assert await payload.read() == b"x" * big + b"yz"
+    assert (conn._reading_paused, conn.idle) == (False, True)
+    head = conn.expect(BOUND)
+    conn.data_received(OK)
+    message, payload = await head
+    assert (message.code, await payload.read()) == (200, b"{}")
+    conn.connection_lost(None)
 
 
 async def test_bytes_in_the_same_read_as_an_answers_end_fail_the_next_answer() -> None:
-    # The one case that differs from a parser per call (see set_response_params).
-    protocol = fed_protocol()
-    protocol.data_received(OK + b"HTTP/1.1 2")
-    protocol.set_response_params(read_until_eof=True)
-    protocol.data_received(OK)
-    assert isinstance(protocol.exception(), aiohttp.ClientResponseError | HttpProcessingError)
-    protocol.connection_lost(None)
+    # llhttp takes them as the start of the next answer: the next call fails to
+    # parse (and is tried on the next origin), where a parser per call would
+    # have dropped them. Only an origin that breaks HTTP/1.1 sends them.
+    conn, transport = fed_connection()
+    head = conn.expect(BOUND)
+    conn.data_received(OK + b"HTTP/1.1 2")
+    await head
+    head = conn.expect(BOUND)
+    conn.data_received(OK)
+    with pytest.raises(aiohttp.ClientPayloadError, match="unparsable answer"):
+        await head
+    assert transport.closed
+    conn.connection_lost(None)
 
 
 async def test_release_after_the_body_pools_the_connection(
@@ -496,13 +504,142 @@ async def test_an_origin_that_says_connection_close_is_not_pooled(
     assert origin.connections == 2
 
 
+async def test_urls_of_one_origin_share_its_pool(wire: OriginWire, origin: RawOrigin) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions?x=1"):
+        resp = await wire.post(origin.url(path), b"{}", no_headers())
+        assert await resp.read() == b"{}"
+    assert origin.connections == 1
+    assert len(wire._pools) == 1
+
+
+async def test_connections_to_an_origin_are_capped_and_calls_past_the_cap_wait_in_turn(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires(limit_per_host=2)
+    held = [await wire.post(origin.url(), b"{}", no_headers()) for _ in range(2)]
+    waiting = [asyncio.create_task(wire.post(origin.url(), b"{}", no_headers())) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiting[0].cancel()  # a call that gives up while waiting passes its turn on
+    for resp in held:
+        assert await resp.read() == b"{}"
+    async with asyncio.timeout(BOUND):
+        answers = await asyncio.gather(*waiting[1:])
+    assert [await resp.read() for resp in answers] == [b"{}", b"{}"]
+    assert waiting[0].cancelled()
+    assert origin.connections == 2
+
+
+async def test_a_call_woken_then_cancelled_passes_its_turn_on(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires(limit_per_host=1)
+    held = await wire.post(origin.url(), b"{}", no_headers())
+    woken = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    after = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    await asyncio.sleep(0)
+    assert await held.read() == b"{}"  # wakes `woken`, which is cancelled before it runs
+    woken.cancel()
+    async with asyncio.timeout(BOUND):
+        resp = await after
+    assert await resp.read() == b"{}"
+    assert woken.cancelled()
+    assert origin.connections == 1
+
+
+async def test_a_connection_the_origin_closed_while_idle_is_not_reused(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = answering(OK, keep_open=False)  # no Connection: close, then closed
+    assert await exchange(wire, origin) == b"{}"
+    [pool] = wire._pools.values()
+    async with asyncio.timeout(BOUND):
+        while pool.open:  # the proxy saw the close
+            await asyncio.sleep(0.01)
+    assert not pool.idle
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires(keepalive_timeout=SHORT)
+    assert await exchange(wire, origin) == b"{}"
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    [pool] = wire._pools.values()
+    async with asyncio.timeout(BOUND):
+        while pool.open:
+            await asyncio.sleep(0.01)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_closing_the_wire_closes_its_idle_connections(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires()
+    assert await exchange(wire, origin) == b"{}"
+    await wire.close()
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+
+
+@pytest.fixture
+async def tls_origin(tmp_path: Path) -> AsyncIterator[tuple[URL, ssl.SSLContext]]:
+    """An https origin on 127.0.0.1 whose certificate a private CA issued, and
+    a client context that trusts that CA."""
+    bundle = make_bundle(tmp_path)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(bundle.path("server.crt"), bundle.path("server.key"))
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response({"tls": request.secure})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_side)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield (
+        URL(f"https://127.0.0.1:{port}/v1/chat/completions"),
+        ssl.create_default_context(cafile=bundle.ca),
+    )
+    await runner.cleanup()
+
+
+async def test_an_https_origin_is_called_over_verified_tls(
+    wires: Callable[..., OriginWire], tls_origin: tuple[URL, ssl.SSLContext]
+) -> None:
+    url, trusting = tls_origin
+    wire = wires(ssl_context=trusting)
+    for _ in range(2):
+        resp = await wire.post(url, b"{}", no_headers())
+        assert await resp.read() == b'{"tls": true}'
+    [pool] = wire._pools.values()
+    assert pool.open == 1  # kept alive
+
+
+async def test_an_https_origin_with_an_untrusted_certificate_is_refused(
+    wire: OriginWire, tls_origin: tuple[URL, ssl.SSLContext]
+) -> None:
+    url, _ = tls_origin
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        await wire.post(url, b"{}", no_headers())
+    [pool] = wire._pools.values()
+    assert pool.open == 0
+
+
 # ---------------------------------------------------------------- failures
 
 
 async def test_an_origin_that_never_answers_times_out_and_its_connection_closes(
-    connector: aiohttp.TCPConnector, origin: RawOrigin
+    wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
-    wire = make_wire(connector, read_timeout=SHORT)
+    wire = wires(read_timeout=SHORT)
     origin.answer = never_answering
     with pytest.raises(aiohttp.ServerTimeoutError) as caught:
         async with asyncio.timeout(BOUND):  # a TimeoutError, but not aiohttp's
@@ -516,25 +653,21 @@ async def test_an_origin_that_never_answers_times_out_and_its_connection_closes(
 
 
 async def test_a_call_waiting_for_a_free_connection_is_not_timed_out_by_connect(
-    origin: RawOrigin,
+    wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
     # One connection per origin: the second call waits for the first's, longer
     # than the connect timeout, and is served once it is free (a busy origin is
     # not a failing one).
-    connector = aiohttp.TCPConnector(limit_per_host=1)
-    wire = OriginWire(connector, connect_timeout=SHORT, read_timeout=BOUND)
-    try:
-        first = await wire.post(origin.url(), b"{}", no_headers())
-        second = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
-        await asyncio.sleep(4 * SHORT)  # the waiting call outlives the connect timeout
-        assert not second.done()
-        assert await first.read() == b"{}"  # its connection goes back to the pool
-        async with asyncio.timeout(BOUND):
-            resp = await second
-        assert await resp.read() == b"{}"
-        assert origin.connections == 1
-    finally:
-        await connector.close()
+    wire = wires(connect_timeout=SHORT, limit_per_host=1)
+    first = await wire.post(origin.url(), b"{}", no_headers())
+    second = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    await asyncio.sleep(4 * SHORT)  # the waiting call outlives the connect timeout
+    assert not second.done()
+    assert await first.read() == b"{}"  # its connection goes back to the pool
+    async with asyncio.timeout(BOUND):
+        resp = await second
+    assert await resp.read() == b"{}"
+    assert origin.connections == 1
 
 
 async def test_a_refused_connection_is_a_client_error(wire: OriginWire) -> None:
@@ -618,9 +751,9 @@ async def test_a_body_cut_short_fails_its_read_and_closes_the_connection(
 
 
 async def test_a_body_that_stalls_times_out_and_its_connection_closes(
-    connector: aiohttp.TCPConnector, origin: RawOrigin
+    wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
-    wire = make_wire(connector, read_timeout=SHORT)
+    wire = wires(read_timeout=SHORT)
     origin.answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
     resp = await wire.post(origin.url(), b"{}", no_headers())
     with pytest.raises(aiohttp.ServerTimeoutError):
@@ -631,7 +764,7 @@ async def test_a_body_that_stalls_times_out_and_its_connection_closes(
 
 
 async def test_a_body_that_keeps_coming_outlasts_several_read_timeouts(
-    connector: aiohttp.TCPConnector, origin: RawOrigin
+    wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
     # The read timeout bounds the silence between bytes, not the whole answer:
     # a timer armed for the first bytes must not fail the later ones.
@@ -645,7 +778,7 @@ async def test_a_body_that_keeps_coming_outlasts_several_read_timeouts(
             await writer.drain()
         return True
 
-    wire = make_wire(connector, read_timeout=timeout)
+    wire = wires(read_timeout=timeout)
     origin.answer = trickling
     resp = await wire.post(origin.url(), b"{}", no_headers())
     async with asyncio.timeout(BOUND):
@@ -675,11 +808,11 @@ async def test_interim_answers_are_skipped(
 
 
 async def test_the_read_timeout_still_runs_after_an_interim_answer(
-    connector: aiohttp.TCPConnector, origin: RawOrigin
+    wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
     # The parser stops the read timeout when a head arrives (its payload is
     # empty); after a 100 the final head is still awaited and must be bounded.
-    wire = make_wire(connector, read_timeout=SHORT)
+    wire = wires(read_timeout=SHORT)
     origin.answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n")
     with pytest.raises(aiohttp.ServerTimeoutError):
         async with asyncio.timeout(BOUND):
@@ -689,17 +822,16 @@ async def test_the_read_timeout_still_runs_after_an_interim_answer(
 
 
 async def test_interim_and_final_answers_in_one_packet_leave_no_timer_behind(
-    connector: aiohttp.TCPConnector, origin: RawOrigin
+    wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
     # The pooled connection must not carry a read timeout armed for an
     # answer that had already arrived: the next call on it would fail.
-    wire = make_wire(connector, read_timeout=SHORT)
+    wire = wires(read_timeout=SHORT)
     origin.answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)
     resp = await wire.post(origin.url(), b"{}", no_headers())
     try:
-        protocol = resp._conn.protocol if resp._conn is not None else None
-        assert protocol is not None
-        assert not read_timer_running(protocol)  # the body has ended: nothing to time
+        assert resp._conn is not None
+        assert not resp._conn._deadline.armed  # the body has ended: nothing to time
         assert await resp.read() == b"{}"
     finally:
         resp.close()  # a no-op once read
