@@ -272,6 +272,15 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._uncount()
         super().connection_lost(exc)
 
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        # A request body's reader asks for this on every read below its
+        # low-water mark, and aiohttp then feeds the parser an empty chunk (a
+        # pass through data_received) to go on with what a pause left unparsed:
+        # there is none unless reading was paused. A full queue of pipelined
+        # requests pauses otherwise (_buffer_paused), and start() resumes it.
+        if self._reading_paused:
+            super().resume_reading(resume_parser)
+
     async def _drain_helper(self) -> None:
         """aiohttp's wait for a paused transport to drain, cut once the client
         has taken no byte for the limits' `send_timeout` (see the module

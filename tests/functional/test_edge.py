@@ -453,11 +453,17 @@ async def test_a_big_body_leaves_its_kept_alive_connection_serving(start_edge: S
     """A body read over many reads is no part of the next request's head (the
     head's byte count once ran on across it, and aiohttp's empty re-parse call
     then refused a head that did not exist, closing the connection silently)."""
-    edge = await start_edge("--max-body-bytes=1000000")
+    edge = await start_edge("--max-body-bytes=4000000")
     reader, writer = await edge.connect()
-    text = "x" * 200_000
-    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]}).encode()
-    for body in (BODY, big, BODY, big, BODY):
+
+    def sized(n: int) -> bytes:
+        return json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "x" * n}]}
+        ).encode()
+
+    # 3 MB is far past the body reader's buffer: reading pauses and resumes.
+    big, huge = sized(200_000), sized(3_000_000)
+    for body in (BODY, big, BODY, huge, BODY):
         writer.write(head(length=len(body)) + body)
         await writer.drain()
         answer = await read_answer(reader)
