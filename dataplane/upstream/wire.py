@@ -251,7 +251,17 @@ class OriginConnection(BaseProtocol):
         if not self._reading_paused:
             return
         super().resume_reading(resume_parser)
-        if self._read_timeout and (self._head is not None or self._payload is not None):
+        self._time_the_origin()
+
+    def _time_the_origin(self) -> None:
+        """The read timeout runs again, unless no answer is due or reading is
+        paused (feeding the parser what it held, a resume may pause again for
+        a reader still behind: then the wait is the reader's, not the origin's)."""
+        if (
+            self._read_timeout
+            and not self._reading_paused
+            and (self._head is not None or self._payload is not None)
+        ):
             self._deadline.arm(self._read_timeout, self._timed_out)
 
     def connection_lost(self, exc: BaseException | None) -> None:

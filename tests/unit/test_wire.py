@@ -381,6 +381,29 @@ async def test_a_body_paused_for_its_reader_resumes_and_its_connection_serves_th
     conn.connection_lost(None)
 
 
+def chunked_answer(chunks: int, size: int) -> bytes:
+    """A 200 whose body is `chunks` chunks of `size` bytes."""
+    chunk = b"%x\r\n" % size + b"x" * size + b"\r\n"
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * chunks + b"0\r\n\r\n"
+
+
+async def test_no_read_timeout_runs_while_a_resumed_body_pauses_again_for_its_reader() -> None:
+    # One read holds more chunks than the reader's high-water mark: the parser
+    # keeps the rest, and feeds it when the reader catches up, which pauses
+    # reading again. The reader is the slow one then: no timeout may run.
+    conn, _ = fed_connection()
+    head = conn.expect(BOUND)
+    conn.start_timeout()
+    size = 2**14
+    conn.data_received(chunked_answer(wire_module.READ_BUFSIZE * 5 // size, size))
+    _, payload = await head
+    assert conn._reading_paused and not conn._deadline.armed
+    payload.read_nowait(wire_module.READ_BUFSIZE * 3 // 2)  # below the low-water mark: resumes
+    assert conn._reading_paused  # the parser's rest filled the buffer again
+    assert not conn._deadline.armed
+    conn.connection_lost(None)
+
+
 async def test_bytes_in_the_same_read_as_an_answers_end_fail_the_next_answer() -> None:
     # llhttp takes them as the start of the next answer: the next call fails to
     # parse (and is tried on the next origin), where a parser per call would
