@@ -108,6 +108,7 @@ class OriginConnection(BaseProtocol):
     __slots__ = (
         "_deadline",
         "_head",
+        "_parser_paused",
         "_payload",
         "_read_timeout",
         "idle_since",
@@ -121,15 +122,21 @@ class OriginConnection(BaseProtocol):
         self._head: asyncio.Future[Head] | None = None  # the call's, until its final head
         self._payload: StreamReader | None = None  # the call's body, until its end
         self._read_timeout: float | None = None
+        self._parser_paused = False  # a new parser for the next answer (see expect)
         self.reusable = True  # no answer said Connection: close, nothing failed
         self.idle_since = 0.0
         self.pool: _Pool | None = None
 
     def expect(self, read_timeout: float | None) -> asyncio.Future[Head]:
         """An answer is due from now: the future of its final head."""
-        if self._parser is None:
+        if self._parser is None or self._parser_paused:
             # One per connection: llhttp parses a connection's answers one after
-            # another, as it parses pipelined ones.
+            # another, as it parses pipelined ones. But not past a pause: one
+            # taken at a chunk's end (a reader far behind on many small chunks)
+            # is consumed only by a later body byte, and at an answer's last
+            # chunk it would stop the next answer at its first (aiohttp makes
+            # a parser per answer).
+            self._parser_paused = False
             self._parser = HttpResponseParser(
                 self,
                 self._loop,
@@ -242,6 +249,7 @@ class OriginConnection(BaseProtocol):
         self.close()
 
     def pause_reading(self) -> None:
+        self._parser_paused = True
         super().pause_reading()
         self._deadline.disarm()  # the read timeout measures the origin, not this wait
 

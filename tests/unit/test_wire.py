@@ -404,6 +404,27 @@ async def test_no_read_timeout_runs_while_a_resumed_body_pauses_again_for_its_re
     conn.connection_lost(None)
 
 
+async def test_a_connection_whose_parser_paused_at_an_answers_end_serves_the_next() -> None:
+    # More unread chunks than a body's reader takes pause the parser from the
+    # chunk's end, not from a body byte: at the answer's last chunk, nothing
+    # consumes that pause before the answer ends, and the next answer would
+    # stop at its first body byte (a call waiting for nothing until its read
+    # timeout, or for ever without one).
+    conn, _ = fed_connection()
+    head = conn.expect(None)
+    conn.data_received(chunked_answer(wire_module.READ_BUFSIZE // 16 + 1, 1))
+    _, payload = await head
+    assert payload.is_eof()
+    payload.read_nowait()
+    assert conn.idle
+    head = conn.expect(None)
+    conn.data_received(OK)
+    message, payload = await head
+    assert (message.code, payload.is_eof()) == (200, True)
+    assert payload.read_nowait() == b"{}"
+    conn.connection_lost(None)
+
+
 async def test_bytes_in_the_same_read_as_an_answers_end_fail_the_next_answer() -> None:
     # llhttp takes them as the start of the next answer: the next call fails to
     # parse (and is tried on the next origin), where a parser per call would
