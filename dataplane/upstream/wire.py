@@ -173,7 +173,7 @@ class OriginConnection(BaseProtocol):
     def rest(self) -> None:
         """Back to its pool, idle, if it is free for another call; else closed."""
         pool = self.pool
-        if pool is not None and self.idle:
+        if pool is not None and not pool.closed and self.idle:
             self.idle_since = self._loop.time()
             pool.idle[self] = None
             pool.wake()
@@ -300,11 +300,13 @@ class OriginConnection(BaseProtocol):
 class _Pool:
     """The connections to one origin (host, port and scheme): the idle ones
     (insertion order: the most recently freed last, reused first) and a count
-    of all that are open or opening, with the calls waiting for one at the cap."""
+    of all that are open or opening, with the calls waiting for one at the cap.
+    Once `closed` (its wire closed), a connection its call ends is closed."""
 
-    __slots__ = ("idle", "open", "waiters")
+    __slots__ = ("closed", "idle", "open", "waiters")
 
     def __init__(self) -> None:
+        self.closed = False
         self.idle: dict[OriginConnection, None] = {}
         self.open = 0
         self.waiters: deque[asyncio.Future[None]] = deque()
@@ -460,6 +462,7 @@ class OriginWire:
         self._pools: dict[ConnectionKey, _Pool] = {}
         self._connector: aiohttp.TCPConnector | None = None  # made on the loop of the first call
         self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
 
     def _endpoint(self, url: URL) -> _Endpoint:
         found = self._endpoints.get(url)
@@ -509,6 +512,8 @@ class OriginWire:
         pool is under its cap (waiting in turn for either)."""
         pool = endpoint.pool
         while True:
+            if self._closed:
+                raise aiohttp.ClientConnectionError("the origin wire is closed")
             idle = pool.idle
             while idle:
                 conn, _ = idle.popitem()
@@ -573,13 +578,20 @@ class OriginWire:
 
     async def close(self) -> None:
         """Close every idle connection and the opener; calls still under way
-        keep theirs until they end it."""
+        keep theirs until they end it, which closes it, and calls waiting
+        for a connection, or made from now on, fail (ClientConnectionError)."""
+        self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
         for pool in self._pools.values():
+            pool.closed = True
             for conn in list(pool.idle):
                 conn.close()
+            for waiter in pool.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            pool.waiters.clear()
         connector, self._connector = self._connector, None
         if connector is not None:
             await connector.close()

@@ -630,6 +630,37 @@ async def test_closing_the_wire_closes_its_idle_connections(
         await origin.client_gone.wait()
 
 
+async def test_a_call_under_way_when_the_wire_closes_closes_its_connection_at_its_end(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    # Pooled, it would stay open with nothing left to close it (the sweeper
+    # stopped with the wire); and a call after close opens nothing.
+    wire = wires()
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    await wire.close()
+    assert await resp.read() == b"{}"
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+    with pytest.raises(aiohttp.ClientConnectionError, match="closed"):
+        await wire.post(origin.url(), b"{}", no_headers())
+    assert origin.connections == 1
+
+
+async def test_a_call_waiting_for_a_connection_when_the_wire_closes_fails(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires(limit_per_host=1)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    waiting = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    while not wire._endpoint(origin.url()).pool.waiters:
+        await asyncio.sleep(0)
+    await wire.close()
+    with pytest.raises(aiohttp.ClientConnectionError, match="closed"):
+        async with asyncio.timeout(BOUND):
+            await waiting
+    resp.close()
+
+
 @pytest.fixture
 async def tls_origin(tmp_path: Path) -> AsyncIterator[tuple[URL, ssl.SSLContext]]:
     """An https origin on 127.0.0.1 whose certificate a private CA issued, and
