@@ -15,8 +15,9 @@ wire keeps aiohttp's pieces that carry no per-call weight and does the rest:
   connector pools nothing: its connections are handed to the wire at once;
 - **the pool** is the wire's (`_Pool`, one per host, port and scheme): idle
   connections, the most recently used reused first, at most `limit_per_host`
-  open (a call past it waits for one, untimed: a busy origin is not a failing
-  one), an idle one closed after `keepalive_timeout`;
+  open (a call past it waits, untimed: a busy origin is not a failing one; the
+  calls waiting are served first come, first served, each handed the next
+  connection freed), an idle one closed after `keepalive_timeout`;
 - **the request head** is aiohttp's own serialisation (`_serialize_headers`,
   which refuses CR and LF in names and values), written with the body in one
   `writelines`;
@@ -41,12 +42,16 @@ memory, bounded by the proxy's --max-body-bytes. A connection goes back to the
 pool only when its answer ended, the origin keeps it open, and its request
 has all left the proxy (an origin may answer early, a 413 say: the next
 request would wait behind the rest of this one's body). Bytes an origin sends
-when no call asked for them close the connection.
+when no call asked for them close the connection, unless they came in the
+same read as the end of an answer: llhttp then takes them as the start of the
+next answer, which fails to parse (and the call is tried on the next origin).
+Only an origin that breaks HTTP/1.1 sends them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ssl
 from collections import deque
@@ -171,14 +176,14 @@ class OriginConnection(BaseProtocol):
         )
 
     def rest(self) -> None:
-        """Back to its pool, idle, if it is free for another call; else closed."""
+        """To the first call waiting for a connection of its pool, or back to
+        the pool, idle, if it is free for another call; else closed."""
         pool = self.pool
-        if pool is not None and not pool.closed and self.idle:
+        if pool is None or pool.closed or not self.idle:
+            self.close()
+        elif not pool.hand(self):
             self.idle_since = self._loop.time()
             pool.idle[self] = None
-            pool.wake()
-        else:
-            self.close()
 
     def close(self) -> None:
         """Close the connection (after what is queued to send); never reused."""
@@ -309,23 +314,27 @@ class _Pool:
         self.closed = False
         self.idle: dict[OriginConnection, None] = {}
         self.open = 0
-        self.waiters: deque[asyncio.Future[None]] = deque()
+        # First come, first served: a call waiting is handed a connection as
+        # one is freed (or a free place, None, to open one), so a call arriving
+        # meanwhile cannot take it first. Only calls still waiting are here.
+        self.waiters: deque[asyncio.Future[OriginConnection | None]] = deque()
 
     def lost(self, conn: OriginConnection) -> None:
         """`conn` is closed: its place is free."""
         self.idle.pop(conn, None)
         self.open -= 1
         conn.pool = None
-        self.wake()
+        self.hand(None)
 
-    def wake(self) -> None:
-        """Let the first call still waiting look again."""
+    def hand(self, conn: OriginConnection | None) -> bool:
+        """Hand `conn` (None: a free place) to the first call waiting; False if none waits."""
         waiters = self.waiters
         while waiters:
             waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+            if not waiter.done():  # else cancelled, and about to leave
+                waiter.set_result(conn)
+                return True
+        return False
 
 
 class _Endpoint:
@@ -508,12 +517,12 @@ class OriginWire:
             raise
 
     async def _take(self, endpoint: _Endpoint) -> OriginConnection:
-        """An idle connection of the endpoint's pool, or a new one once the
-        pool is under its cap (waiting in turn for either)."""
+        """An idle connection of the endpoint's pool, or a new one while the
+        pool is under its cap; past it, the first one freed, in turn."""
         pool = endpoint.pool
-        while True:
-            if self._closed:
-                raise aiohttp.ClientConnectionError("the origin wire is closed")
+        if self._closed:
+            raise aiohttp.ClientConnectionError("the origin wire is closed")
+        if not pool.waiters:  # else they go first
             idle = pool.idle
             while idle:
                 conn, _ = idle.popitem()
@@ -521,33 +530,77 @@ class OriginWire:
                     return conn
                 conn.close()
             if pool.open < self._limit:
-                break
+                return await self._open(pool, endpoint)
+        first = False  # a call that waited already and must wait again keeps its turn
+        while True:
+            waiter: asyncio.Future[OriginConnection | None]
             waiter = asyncio.get_running_loop().create_future()
-            pool.waiters.append(waiter)
+            if first:
+                pool.waiters.appendleft(waiter)
+            else:
+                pool.waiters.append(waiter)
             try:
-                await waiter
+                handed = await waiter
             except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    pool.wake()  # woken, then cancelled: the turn passes on
+                if waiter.done() and not waiter.cancelled():  # handed over, then cancelled
+                    self._pass_on(pool, waiter.result())
                 else:
-                    waiter.cancel()
+                    with contextlib.suppress(ValueError):
+                        pool.waiters.remove(waiter)
+                    self._serve(pool)  # what it kept others from is theirs now
                 raise
+            first = True
+            if pool.closed:  # the wire closed meanwhile
+                if handed is not None:
+                    handed.close()
+                raise aiohttp.ClientConnectionError("the origin wire is closed")
+            if handed is None:
+                if pool.open < self._limit:
+                    return await self._open(pool, endpoint)
+            elif handed.idle:
+                return handed
+            else:
+                handed.close()  # lost since: its place comes free with it
+
+    @staticmethod
+    def _pass_on(pool: _Pool, handed: OriginConnection | None) -> None:
+        if handed is not None:
+            handed.rest()
+        else:
+            pool.hand(None)
+
+    def _serve(self, pool: _Pool) -> None:
+        """Hand what is free (idle connections, places under the cap) to the
+        calls waiting: new calls queue behind any call waiting, so once one
+        leaves, the ones behind it may be owed what is free."""
+        idle = pool.idle
+        while pool.waiters and idle:
+            conn, _ = idle.popitem()
+            if not conn.idle:
+                conn.close()
+            elif not pool.hand(conn):
+                idle[conn] = None
+        if pool.waiters and pool.open < self._limit:
+            pool.hand(None)
+
+    async def _open(self, pool: _Pool, endpoint: _Endpoint) -> OriginConnection:
+        """A new connection of `pool` (counted in it while it opens)."""
         pool.open += 1
         try:
-            conn = cast(OriginConnection, await self._open(endpoint))
+            conn = cast(OriginConnection, await self._connect(endpoint))
         except BaseException:
             pool.open -= 1
-            pool.wake()
+            pool.hand(None)
             raise
         if conn.transport is None:  # lost before it could be counted
             pool.open -= 1
-            pool.wake()
+            pool.hand(None)
             raise aiohttp.ServerDisconnectedError()
         conn.pool = pool
         self._sweep_later()
         return conn
 
-    async def _open(self, endpoint: _Endpoint) -> ResponseHandler:
+    async def _connect(self, endpoint: _Endpoint) -> ResponseHandler:
         connector = self._connector
         if connector is None:
             connector = self._connector = _opener(self._ttl_dns_cache)
@@ -588,10 +641,8 @@ class OriginWire:
             pool.closed = True
             for conn in list(pool.idle):
                 conn.close()
-            for waiter in pool.waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-            pool.waiters.clear()
+            while pool.waiters:  # each fails, seeing the wire closed
+                pool.hand(None)
         connector, self._connector = self._connector, None
         if connector is not None:
             await connector.close()

@@ -573,6 +573,24 @@ async def test_connections_to_an_origin_are_capped_and_calls_past_the_cap_wait_i
     assert origin.connections == 2
 
 
+async def test_a_connection_freed_goes_to_the_call_that_waited_not_to_one_arriving(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires(limit_per_host=1)
+    held = await wire.post(origin.url(), b"{}", no_headers())
+    waited = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    await asyncio.sleep(0)
+    assert await held.read() == b"{}"  # frees the connection while `waited` waits
+    with pytest.raises(TimeoutError):  # a call arriving now, before `waited` runs, waits
+        async with asyncio.timeout(SHORT):
+            await wire.post(origin.url(), b"{}", no_headers())
+    async with asyncio.timeout(BOUND):
+        resp = await waited
+    assert await resp.read() == b"{}"
+    assert await exchange(wire, origin) == b"{}"  # the one that gave up left no trace
+    assert origin.connections == 1
+
+
 async def test_a_call_woken_then_cancelled_passes_its_turn_on(
     wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
