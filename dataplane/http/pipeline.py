@@ -651,6 +651,8 @@ class Pipeline:
             log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)
         elif end.complete:
             m.attempt(name, "ok").inc()
+            if resume is None or not resume.count:
+                origin.ended()  # its body's end may still be on its way
         if end.client_gone:
             if not ex.detached:  # counted when its request was cancelled
                 m.client_disconnects.inc()

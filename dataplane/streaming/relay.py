@@ -5,6 +5,14 @@ The relay writes the origin's bytes unchanged. When anyone reads the stream
 events once and each reader gets them; a flight's leader gets the raw chunks
 for its followers. A relay whose stream nobody reads parses nothing.
 
+The client's stream ends with the answer's last event (chat's and
+completions' `data: [DONE]`, a Responses stream's response.completed, .failed
+or .incomplete), without waiting for the end of the origin's body, which may
+come a moment later (uvicorn writes a chunked body's last chunk on its own):
+a client that closes as soon as it has the last event (the openai SDK does)
+has had the whole answer. The caller then lets the origin's connection wait
+for that end (`OriginAnswer.ended`).
+
 Contract: once the client has a byte the response is committed; a failure of
 the origin (a cut, a stall past the idle timeout, an in-band error event) is
 continued on another origin when the caller gives a `resume` hook that finds
@@ -96,7 +104,8 @@ class Resume(Protocol):
 class RelayEnd:
     """How a relay ended."""
 
-    # The origin ended its stream and the client got all of it.
+    # The client got the whole answer: up to its last event (the origin's
+    # body may not have ended yet), or the origin's whole stream.
     complete: bool = False
     # Why the origin's stream stopped early, if it did ("" otherwise); with
     # continuations, the last cut that was not continued.
@@ -186,6 +195,12 @@ async def _relay_bytes(
                 # reaches the origin through the unread upstream socket.
                 await out.write(data)
                 written = data
+                if _may_end(data) and ends_answer(data):
+                    # The client has the whole answer, and may close at once
+                    # (the openai SDK does at [DONE]): its stream ends now, not
+                    # at the origin's last chunk, which may come just after.
+                    end.complete = True
+                    break
             try:
                 chunk = await _read(content, idle)
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -261,6 +276,9 @@ async def _relay_events(
                 if chunks is not None:
                     chunks.chunk(framed)
                 await out.write(framed)
+            if done and not cut:  # the client has the whole answer: see _relay_bytes
+                end.complete = True
+                break
             if not cut:
                 try:
                     chunk = await _read(content, idle)
@@ -333,6 +351,11 @@ def ends_answer(data: bytes) -> bool:
         return True
     last = tail[tail.rfind(b"\n\n") + 1 :]
     return b"event:" in last and _RESPONSES_END.search(last) is not None
+
+
+def _may_end(data: bytes) -> bool:
+    """A cheap look for what `ends_answer` looks for, made on every chunk."""
+    return data.endswith((b"]\n\n", b"]\r\n\r\n", b"]\r\r")) or b"event:" in data
 
 
 def _boundary(data: bytes) -> int:

@@ -198,6 +198,7 @@ class OriginAnswer:
     calls: int = 1
     hedged: bool = False
     extra_calls: int = 0
+    _ended: bool = False
 
     @property
     def streamed(self) -> bool:
@@ -207,8 +208,14 @@ class OriginAnswer:
     def content(self) -> aiohttp.StreamReader:
         return self._resp.content
 
+    def ended(self) -> None:
+        """The client has the whole answer (a stream's last event), though the
+        origin's body may not have ended: `release` lets the connection wait
+        a moment for that end instead of closing it."""
+        self._ended = True
+
     def release(self) -> None:
-        self._resp.release()
+        self._resp.release(ended=self._ended)
         loads, self._loads = self._loads, None
         if loads is not None:
             loads.finished(self.target.name)

@@ -95,6 +95,9 @@ MAX_HEADERS: Final = 128
 # keep-alive connection instead of opening (and tearing down) new ones.
 LIMIT_PER_HOST: Final = 1024
 KEEPALIVE_TIMEOUT: Final = 30.0
+# How long a connection whose answer the caller has whole waits for the end of
+# its body (OriginResponse.release): an origin writes it at once.
+LINGER: Final = 1.0
 DNS_CACHE_TTL: Final = 60
 
 Head = tuple[RawResponseMessage, StreamReader]
@@ -113,6 +116,7 @@ class OriginConnection(BaseProtocol):
     __slots__ = (
         "_deadline",
         "_head",
+        "_lingering",
         "_parser_paused",
         "_payload",
         "_read_timeout",
@@ -127,6 +131,8 @@ class OriginConnection(BaseProtocol):
         self._head: asyncio.Future[Head] | None = None  # the call's, until its final head
         self._payload: StreamReader | None = None  # the call's body, until its end
         self._read_timeout: float | None = None
+        # The body's size when its caller left it to end (linger); None: not left.
+        self._lingering: int | None = None
         self._parser_paused = False  # a new parser for the next answer (see expect)
         self.reusable = True  # no answer said Connection: close, nothing failed
         self.idle_since = 0.0
@@ -185,6 +191,18 @@ class OriginConnection(BaseProtocol):
             self.idle_since = self._loop.time()
             pool.idle[self] = None
 
+    def linger(self, grace: float) -> None:
+        """Its caller is done with an answer whose body has not ended (a
+        stream's last event came before a chunked body's last chunk): back to
+        the pool (`rest`) if that end comes within `grace` seconds with no more
+        of the body, else closed (an origin still generating for nobody stops)."""
+        payload = self._payload
+        if payload is None:
+            self.rest()
+            return
+        self._lingering = payload.total_bytes
+        self._deadline.arm(grace, self.close)
+
     def close(self) -> None:
         """Close the connection (after what is queued to send); never reused."""
         self.reusable = False
@@ -202,13 +220,19 @@ class OriginConnection(BaseProtocol):
             # asked): whatever follows on this connection cannot be trusted.
             self.close()
             return
-        if data and self._read_timeout and not self._reading_paused:
+        lingering = self._lingering
+        if data and self._read_timeout and not self._reading_paused and lingering is None:
             self._deadline.arm(self._read_timeout, self._timed_out)
         try:
             messages, _, _ = parser.feed_data(data)
         except Exception as exc:  # the parser's refusal of what the origin sent
             reason = exc.message if isinstance(exc, HttpProcessingError) else repr(exc)
             self._fail(aiohttp.ClientPayloadError(f"unparsable answer: {reason}"))
+            return
+        if lingering is not None:
+            payload = self._payload
+            if payload is not None and payload.total_bytes != lingering:
+                self.close()  # more of a body no one reads: not its end
             return
         for message, body in messages:
             payload = body
@@ -235,8 +259,14 @@ class OriginConnection(BaseProtocol):
                 head.set_result((message, payload))
 
     def _answered(self) -> None:
-        self._payload = None
+        payload, self._payload = self._payload, None
         self._deadline.disarm()
+        lingering, self._lingering = self._lingering, None
+        if lingering is not None:  # its caller left it to end: see linger
+            if payload is not None and payload.total_bytes == lingering:
+                self.rest()
+            else:
+                self.close()
 
     def _timed_out(self) -> None:
         self._fail(SocketTimeoutError("Timeout on reading data from socket"))
@@ -414,12 +444,17 @@ class OriginResponse:
         self.release()
         return body
 
-    def release(self) -> None:
+    def release(self, *, ended: bool = False) -> None:
+        """`ended`: the caller has the whole answer though the body has not
+        ended (a stream's last event came before a chunked body's last
+        chunk); the connection then waits LINGER seconds for that end."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
         if self.content.is_eof():
             conn.rest()
+        elif ended:
+            conn.linger(LINGER)
         else:
             conn.close()
 

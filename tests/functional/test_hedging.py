@@ -495,7 +495,7 @@ async def test_auto_waits_for_enough_samples_then_hedges_after_the_p95(rigs: Rig
 class FakeResponse:
     released = False
 
-    def release(self) -> None:
+    def release(self, *, ended: bool = False) -> None:
         self.released = True
 
 

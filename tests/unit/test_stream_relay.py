@@ -100,6 +100,65 @@ async def test_the_event_relay_reframes_each_event_as_data_lines() -> None:
     assert [e.done for e in reader.events] == [False, False, True]
 
 
+class Endless(Content):
+    """An origin's body that never ends after its chunks: past them, a read
+    fails the test (the relay must not wait for the body's end)."""
+
+    async def readany(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        raise AssertionError("read past the answer's last event")
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize(
+    "last",
+    [
+        b"data: [DONE]\n\n",
+        b"data: [DONE]\r\n\r\n",
+        b'event: response.completed\ndata: {"type":"response.completed"}\n\n',
+        b'event: response.failed\ndata: {"type":"response.failed"}\n\n',
+    ],
+)
+async def test_the_clients_stream_ends_at_the_answers_last_event_not_the_bodys_end(
+    continuable: bool, last: bytes
+) -> None:
+    # A uvicorn origin writes a chunked body's last chunk after [DONE], on its
+    # own; a client that closes at [DONE] (the openai SDK) had the whole answer.
+    out, reader = Out(), Reader()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Endless(last),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    assert (end.complete, end.cut, out.ended) == (True, "", True)
+    assert b"".join(out.written).replace(b"\r", b"").endswith(last.replace(b"\r", b""))
+    assert len(reader.events) == 2
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_an_event_that_only_looks_like_the_last_is_relayed_on(continuable: bool) -> None:
+    chunks = (
+        b'data: ["[DONE]"]\n\n',
+        b"event: response.created\ndata: {}\n\n",
+        b"data: [DONE]\n\n",
+    )
+    out = Out()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Endless(*chunks),
+        cast(web.StreamResponse, out),
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    assert end.complete
+    assert b"".join(out.written).endswith(b"data: [DONE]\n\n")
+    assert len(b"".join(out.written).split(b"\n\n")) == 5  # four events, all relayed
+
+
 class Dropping(Content):
     """An origin's body whose connection drops after its chunks."""
 

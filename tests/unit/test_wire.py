@@ -1001,6 +1001,99 @@ async def test_a_chunked_answer_streams_through_readany(
     assert origin.connections == 1  # the whole stream was read: pooled
 
 
+def ending_later(gate: asyncio.Event, tail: bytes = b"0\r\n\r\n") -> Answer:
+    """A chunked stream whose last event comes at once and whose `tail` (its
+    last chunk, unless given) only once `gate` is set, as uvicorn writes it."""
+
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nE\r\ndata: [DONE]\n\n\r\n"
+        )
+        await writer.drain()
+        await gate.wait()
+        writer.write(tail)
+        await writer.drain()
+        return True
+
+    return answer
+
+
+async def closed_by_the_proxy(wire: OriginWire) -> None:
+    [pool] = wire._pools.values()
+    async with asyncio.timeout(BOUND):
+        while pool.open:
+            await asyncio.sleep(0.01)
+
+
+async def stream_then_release_ended(wire: OriginWire, origin: RawOrigin) -> None:
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.content.readany() == b"data: [DONE]\n\n"
+    resp.release(ended=True)  # the client has the whole answer; the body has not ended
+
+
+async def test_a_connection_released_before_its_bodys_end_is_kept_when_the_end_comes(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate)
+    await stream_then_release_ended(wire, origin)
+    [pool] = wire._pools.values()
+    assert (pool.open, len(pool.idle)) == (1, 0)  # waiting for the end
+    gate.set()
+    async with asyncio.timeout(BOUND):
+        while not pool.idle:
+            await asyncio.sleep(0.01)
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 1
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b"9\r\ndata: 2\n\n\r\n0\r\n\r\n", b"9\r\ndata: 2\n\n\r\n"],
+    ids=["with-its-end", "without"],
+)
+async def test_more_body_after_the_callers_release_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin, tail: bytes
+) -> None:
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate, tail=tail)
+    await stream_then_release_ended(wire, origin)
+    gate.set()
+    await closed_by_the_proxy(wire)
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_a_bodys_end_that_does_not_come_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire_module, "LINGER", SHORT)
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate)
+    await stream_then_release_ended(wire, origin)
+    await closed_by_the_proxy(wire)
+    gate.set()
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 2
+
+
+async def test_a_release_without_ended_closes_an_unfinished_body_at_once(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    # A client gone mid-stream: the origin must stop generating for nobody.
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    await resp.content.readany()
+    resp.release()
+    await closed_by_the_proxy(wire)
+    gate.set()
+
+
 # ---------------------------------------------------------------- endpoints
 
 

@@ -1,0 +1,61 @@
+"""A stream's answer ends with its last event, not with the origin's body.
+
+uvicorn (vLLM's server) writes a chunked body's last chunk on its own, after
+`data: [DONE]`, and the openai SDK closes its connection as soon as it reads
+`[DONE]`: the client has had the whole answer, whichever reaches the proxy
+first. The real proxy app on EdgeRunner (production's listener, handler
+cancellation on) before a hand-written origin that holds its body's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from tests.functional.test_flight_leader_gone import FRAMES, Client, Origin, clients, start
+from tests.functional.test_whole_answers import Start, until
+
+__all__ = ["clients", "start"]  # fixtures
+
+
+class LateEnd(Origin):
+    """Streams every frame at once, then holds its body's last chunk until `end`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.end = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.let(len(FRAMES))
+        out = await super().handle(request)
+        await self.end.wait()
+        return out  # aiohttp writes the last chunk once this returns
+
+
+async def test_a_client_that_closes_at_done_before_the_bodys_end_had_the_whole_answer(
+    start: Start, clients: list[Client]
+) -> None:
+    origin = LateEnd()
+    edge = await start(origin)
+    client = Client(edge)
+    clients.append(client)
+    await client.send()
+    got = await client.events(len(FRAMES))
+    assert got[-1] == b"[DONE]"
+    await client.leave()  # as the openai SDK does at [DONE]
+    ok = {"endpoint": "chat.completions", "code": "200"}
+    await until(lambda: edge.sample("ponto_requests_total", ok) == 1)
+    assert not edge.sample("ponto_client_disconnects_total", {})
+    assert edge.sample("ponto_upstream_attempts_total", {"origin": "o1", "outcome": "ok"}) == 1
+    # Kept whole: the same question is answered from the cache.
+    again = Client(edge)
+    clients.append(again)
+    answer = await again.send()
+    assert answer.headers["x-ponto-cache"] == "hit"
+    assert (await again.rest()).rstrip().endswith(b"data: [DONE]")
+    assert origin.calls == 1
+    # The origin's connection waited for its body's end and was not cut.
+    origin.end.set()
+    await until(lambda: origin.finished)
+    assert not origin.gone
