@@ -714,7 +714,9 @@ class Forwarder:
             try:
                 authorization = target.credential.authorization()
             except CredentialError as exc:
-                raise _Retryable("credential_error", exc.client_message) from exc
+                # For the log (the client's message is fixed): the variable or
+                # path at fault, never a value.
+                raise _Retryable("credential_error", str(exc)) from exc
             if authorization is not None:
                 headers = headers.copy()
                 headers["authorization"] = authorization

@@ -11,6 +11,7 @@ before); nothing asserts how fast anything was.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -24,6 +25,7 @@ from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
+from dataplane.upstream.credentials import OriginCredentials
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, UpstreamSettings
 from dataplane.upstream.hedge import CommitTimes
 from dataplane.upstream.outlier import RetryBudget
@@ -293,6 +295,27 @@ async def test_a_redirecting_origin_is_refused_and_the_next_one_answers(
         await alone.forward()
     assert refused.value.status == 502
     assert alone.outstanding() == [0]
+
+
+async def test_an_origin_without_its_credential_is_logged_with_what_is_missing(
+    rigs: RigMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The operator's line names the variable (never a value); the client's
+    # message names neither.
+    rig = await rigs(Behaviour(), Behaviour())
+    first = dataclasses.replace(
+        rig.targets[0],
+        credential=OriginCredentials("o1", credential_env="O1_KEY", environ={}),
+    )
+    answer = await rig.forward(targets=[first, rig.targets[1]])
+    answer.release()
+    assert answer.target.name == "o2"
+    assert rig.attempts("o1", "credential_error") == 1
+    assert "O1_KEY" in caplog.text
+
+    with pytest.raises(ApiError) as refused:
+        await rig.forward(targets=[first])
+    assert "O1_KEY" not in refused.value.message
 
 
 async def test_a_failing_first_attempt_leaves_the_hedge_running(rigs: RigMaker) -> None:
