@@ -88,6 +88,24 @@ def judge(track: _Track, ok: bool, detail: str, settings: ProbeSettings) -> None
             track.healthy = False
 
 
+def health_line(health: OriginHealth, fall: int) -> str:
+    """The log line of an origin's health as first written or flipped. A new
+    origin starts healthy: a first probe that failed has not made it unhealthy."""
+    name = health.origin
+    if not health.healthy:
+        return (
+            f"origin {name} is unhealthy ({health.detail})"
+            if health.detail
+            else (f"origin {name} is unhealthy")
+        )
+    if health.detail:
+        return (
+            f"origin {name} is healthy until {fall} probes in a row fail"
+            f" (the last: {health.detail})"
+        )
+    return f"origin {name} is healthy"
+
+
 def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) -> bool:
     if old is None or old.healthy != new.healthy:
         return True
@@ -185,9 +203,4 @@ class Prober:
                 return
             track.written = new
             if flipped:
-                log.info(
-                    "origin %s is %s%s",
-                    origin.name,
-                    "healthy" if new.healthy else "unhealthy",
-                    f" ({new.detail})" if new.detail else "",
-                )
+                log.info("%s", health_line(new, self._settings.fall))

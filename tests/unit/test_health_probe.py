@@ -17,6 +17,7 @@ from controlplane.health import (
     Prober,
     ProbeSettings,
     _Track,
+    health_line,
     judge,
     parse_load,
     root_of,
@@ -464,3 +465,17 @@ async def test_prober_starts_from_stored_health(
     h = await stored(catalog, "o1")
     assert h is not None
     assert h.healthy
+
+
+def test_the_health_line_never_reads_healthy_because_a_probe_failed() -> None:
+    def line(healthy: bool, detail: str) -> str:
+        return health_line(OriginHealth("o1", healthy, 0, detail, 0.0), fall=2)
+
+    assert line(True, "") == "origin o1 is healthy"
+    assert line(False, "probe answered 503") == "origin o1 is unhealthy (probe answered 503)"
+    assert line(False, "") == "origin o1 is unhealthy"
+    # A new origin's first probe failed: healthy still, but not "healthy (probe failed)".
+    assert line(True, "probe failed: ClientConnectorCertificateError") == (
+        "origin o1 is healthy until 2 probes in a row fail"
+        " (the last: probe failed: ClientConnectorCertificateError)"
+    )
