@@ -93,11 +93,8 @@ def health_line(health: OriginHealth, fall: int) -> str:
     origin starts healthy: a first probe that failed has not made it unhealthy."""
     name = health.origin
     if not health.healthy:
-        return (
-            f"origin {name} is unhealthy ({health.detail})"
-            if health.detail
-            else (f"origin {name} is unhealthy")
-        )
+        why = f" ({health.detail})" if health.detail else ""
+        return f"origin {name} is unhealthy{why}"
     if health.detail:
         return (
             f"origin {name} is healthy until {fall} probes in a row fail"
