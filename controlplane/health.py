@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -27,6 +28,7 @@ from controlplane.load import parse_vllm
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth
 from controlplane.store import Conflict, Fence
+from ponto.originca import origin_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,13 @@ class ProbeSettings:
     # go unwritten while nothing changes (proxies tell stale figures by age).
     load_interval: float = 0.5
     load_refresh: float = 2.0
+    # A CA bundle trusted for https origins besides the system's (ponto.originca).
+    origin_ca: str = ""
+
+    def connector(self, **kwargs: Any) -> aiohttp.TCPConnector:
+        """A connector to origins, trusting origin_ca too. On the running loop."""
+        context = origin_ssl_context(self.origin_ca)
+        return aiohttp.TCPConnector(ssl=context if context is not None else True, **kwargs)
 
 
 @dataclass
@@ -135,7 +144,8 @@ class Prober:
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self._settings.timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = self._settings.connector()
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while True:
                 started = asyncio.get_running_loop().time()
                 try:

@@ -103,7 +103,7 @@ class LoadScraper:
         )
         # No connection limit: a round opens one request per origin at once,
         # and aiohttp's default of 100 would queue the rest into timeouts.
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = self._settings.connector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             loop = asyncio.get_running_loop()
             while True:

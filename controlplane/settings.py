@@ -13,6 +13,7 @@ from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
+from ponto.originca import TlsFileError, origin_ssl_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,13 @@ def parse(argv: list[str]) -> Settings:
         default="/health",
         help="health path, resolved against each origin's scheme://host:port "
         "(e.g. /health for vLLM, /v1/models)",
+    )
+    p.add_argument(
+        "--origin-ca",
+        default="",
+        metavar="FILE",
+        help="CA bundle (PEM) trusted for https origins' probes and load scrapes, besides "
+        "the system's trust store (give ponto-proxy the same)",
     )
     p.add_argument(
         "--metrics-path",
@@ -226,6 +234,10 @@ def parse(argv: list[str]) -> Settings:
         # One line: the arguments parsed, the files they name are at fault
         # (argparse's error() would put the whole usage before it).
         p.exit(2, f"{p.prog}: error: {exc}\n")
+    try:
+        origin_ssl_context(a.origin_ca)
+    except TlsFileError as exc:
+        p.exit(2, f"{p.prog}: error: {exc} (--origin-ca)\n")
     return Settings(
         etcd=etcd,
         listen=a.listen,
@@ -245,6 +257,7 @@ def parse(argv: list[str]) -> Settings:
             fall=a.fall,
             load_interval=a.load_interval_ms / 1000,
             load_refresh=a.load_refresh_ms / 1000,
+            origin_ca=a.origin_ca,
         ),
         security=security,
         health_listen=a.health_listen,

@@ -16,6 +16,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
+from ponto.originca import TlsFileError, origin_ssl_context
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
@@ -189,6 +190,13 @@ def parse(argv: list[str]) -> Settings:
         type=float,
         default=2.0,
         help="seconds to connect to an origin before trying the next (default: %(default)s)",
+    )
+    p.add_argument(
+        "--origin-ca",
+        default="",
+        metavar="FILE",
+        help="CA bundle (PEM) trusted for https origins, besides the system's trust store "
+        "(give ponto-control the same)",
     )
     p.add_argument(
         "--read-timeout",
@@ -419,6 +427,10 @@ def parse(argv: list[str]) -> Settings:
         # One line: the arguments parsed, the files they name are at fault
         # (argparse's error() would put the whole usage before it).
         p.exit(2, f"{p.prog}: error: {exc}\n")
+    try:
+        origin_ssl_context(a.origin_ca)
+    except TlsFileError as exc:
+        p.exit(2, f"{p.prog}: error: {exc} (--origin-ca)\n")
     if a.cache_max_mb < 0:
         p.error("--cache-max-mb must be 0 (no cache) or more")
     if a.cache_ttl <= 0:
@@ -465,6 +477,7 @@ def parse(argv: list[str]) -> Settings:
             max_attempts=a.max_attempts,
             deadline=a.deadline,
             forward_headers=forward,
+            origin_ca=a.origin_ca,
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,

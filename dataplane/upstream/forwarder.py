@@ -152,6 +152,8 @@ class UpstreamSettings:
     deadline: float = 600.0
     # Client headers sent on to origins besides FORWARD_REQUEST_HEADERS.
     forward_headers: tuple[str, ...] = ()
+    # A CA bundle trusted for https origins besides the system's (ponto.originca).
+    origin_ca: str = ""
 
 
 class _Retryable(Exception):

@@ -435,6 +435,51 @@ def test_geoip_without_a_volume_is_refused(helm: Path) -> None:
     assert "geoip.volume" in refused(helm, "--set", "geoip.enabled=true")
 
 
+def test_an_origin_ca_is_mounted_and_trusted_by_proxies_and_control_plane(
+    helm: Path, default: list[Doc], tmp_path: Path
+) -> None:
+    pem = make_bundle(tmp_path).ca
+    bundle = Path(pem).read_text()
+    docs = render(helm, "-f", values_file(tmp_path, {"originCA": {"bundle": bundle}}))
+    configmap = one(docs, "ConfigMap", "ponto-origin-ca")
+    assert configmap["data"]["ca.crt"].strip() == bundle.strip()
+    workloads = [
+        one(docs, "Deployment", "ponto-proxy-us-east"),
+        one(docs, "Deployment", "ponto-control"),
+    ]
+    for workload in workloads:
+        c = container(workload)
+        assert flags(c)["--origin-ca"] == "/etc/ponto/origin-ca/ca.crt"
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "origin-ca")
+        assert (mount["mountPath"], mount["readOnly"]) == ("/etc/ponto/origin-ca", True)
+        assert volume(workload, "origin-ca")["configMap"]["name"] == "ponto-origin-ca"
+    # An existing ConfigMap instead: mounted, none rendered.
+    theirs = render(helm, "--set", "originCA.configMap=mesh-ca")
+    assert "ponto-origin-ca" not in objects(theirs, "ConfigMap")
+    assert (
+        volume(one(theirs, "Deployment", "ponto-control"), "origin-ca")["configMap"]["name"]
+        == "mesh-ca"
+    )
+    # Neither: nothing of it.
+    for workload in (
+        one(default, "Deployment", "ponto-proxy-us-east"),
+        one(default, "Deployment", "ponto-control"),
+    ):
+        assert "--origin-ca" not in flags(container(workload))
+        assert all(v["name"] != "origin-ca" for v in pod_spec(workload)["volumes"])
+
+
+def test_an_origin_ca_given_twice_or_not_pem_is_refused(helm: Path) -> None:
+    both = (
+        "--set",
+        "originCA.configMap=x",
+        "--set-string",
+        "originCA.bundle=-----BEGIN CERTIFICATE-----",
+    )
+    assert "bundle or configMap, not both" in refused(helm, *both)
+    assert "originCA" in refused(helm, "--set", "originCA.bundle=hello")
+
+
 # ---------------------------------------------------------------- control plane
 
 

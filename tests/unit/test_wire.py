@@ -30,7 +30,8 @@ from yarl import URL
 
 from dataplane.upstream import wire as wire_module
 from dataplane.upstream.wire import DEFAULT_HEADERS, OriginConnection, OriginWire, _Endpoint
-from ponto.pki import make_bundle
+from ponto.originca import origin_ssl_context
+from tests.tlsorigin import serving_tls
 
 SHORT = 0.05  # the read timeout against an origin that never answers
 BOUND = 5.0  # what a wait that must end may take before the test fails
@@ -681,27 +682,18 @@ async def test_a_call_waiting_for_a_connection_when_the_wire_closes_fails(
 
 @pytest.fixture
 async def tls_origin(tmp_path: Path) -> AsyncIterator[tuple[URL, ssl.SSLContext]]:
-    """An https origin on 127.0.0.1 whose certificate a private CA issued, and
-    a client context that trusts that CA."""
-    bundle = make_bundle(tmp_path)
-    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_side.load_cert_chain(bundle.path("server.crt"), bundle.path("server.key"))
+    """An https origin whose certificate a private CA issued, and a client
+    context that trusts that CA (as --origin-ca makes it)."""
 
     async def handle(request: web.Request) -> web.Response:
         return web.json_response({"tls": request.secure})
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_side)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield (
-        URL(f"https://127.0.0.1:{port}/v1/chat/completions"),
-        ssl.create_default_context(cafile=bundle.ca),
-    )
-    await runner.cleanup()
+    async with serving_tls(app, tmp_path) as (root, bundle):
+        trusting = origin_ssl_context(bundle.ca)
+        assert trusting is not None
+        yield root.with_path("/v1/chat/completions"), trusting
 
 
 async def test_an_https_origin_is_called_over_verified_tls(

@@ -400,3 +400,16 @@ $(PONTO_REDIS_URL)
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The ConfigMap holding the origin CA bundle (key ca.crt), "" when none is set.
+*/}}
+{{- define "ponto.originCA.configMap" -}}
+{{- if and .Values.originCA.bundle .Values.originCA.configMap -}}
+{{- fail "originCA: set bundle or configMap, not both" -}}
+{{- else if .Values.originCA.bundle -}}
+{{ include "ponto.fullname" . }}-origin-ca
+{{- else -}}
+{{ .Values.originCA.configMap }}
+{{- end -}}
+{{- end -}}
