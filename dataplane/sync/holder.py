@@ -110,11 +110,16 @@ class TableHolder:
                 problem,
                 tenant,
             )
-        if routes.panic:
+        # When it changes, not with every table: tables come for any change
+        # anywhere in the fleet, and a model stays in panic until an origin heals.
+        was = current.panic if current is not None else frozenset()
+        if routes.panic - was:
             log.warning(
                 "no healthy origin for %s: routing to the unhealthy ones that are not drained",
                 ", ".join(sorted(routes.panic)),
             )
+        if was - routes.panic:
+            log.info("healthy origins again for %s", ", ".join(sorted(was - routes.panic)))
         if source == "control-plane":
             self._save(table)
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections import Counter
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataplane.routes import Routes, TableError, Target, build_routes, great_circle_km, validate
+from dataplane.sync.holder import TableHolder
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -325,6 +327,31 @@ def test_model_with_no_healthy_origin_panics_to_its_unhealthy_ones() -> None:
     assert names(routes.candidates("qwen")) == ["o-qwen-us", "o-qwen-eu"]
     assert routes.panic == frozenset({"qwen"})
     assert names(routes.candidates("llama-3")) == ["o-us"]
+
+
+def test_panic_is_logged_when_it_begins_and_ends_not_with_every_table(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    holder = TableHolder("us-east", None)
+    sick = [origin("o-us", "us-east"), origin("o-qwen", "eu-west", ("qwen",), healthy=False)]
+    tables = [
+        make_table(origins=[origin("o-us", "us-east"), origin("o-qwen", "eu-west", ("qwen",))]),
+        make_table(origins=sick, version=8),
+        make_table(origins=[*sick, origin("o-new", "us-east", ("mistral",))], version=9),
+        make_table(origins=[*sick[:1], origin("o-qwen", "eu-west", ("qwen",))], version=10),
+    ]
+    lines = []
+    for table in tables:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dataplane.sync.holder"):
+            holder.apply(table, "control-plane")
+        lines.append([r.getMessage() for r in caplog.records if "qwen" in r.getMessage()])
+    assert lines[0] == []
+    assert lines[1] == [
+        "no healthy origin for qwen: routing to the unhealthy ones that are not drained"
+    ]
+    assert lines[2] == []  # another change: still in panic, not said again
+    assert lines[3] == ["healthy origins again for qwen"]
 
 
 def test_one_healthy_origin_anywhere_means_no_panic() -> None:
