@@ -37,6 +37,7 @@ from dataplane.http.errors import (
     upstream_timeout,
     upstream_unavailable,
 )
+from dataplane.linebudget import LineBudget
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
@@ -257,6 +258,7 @@ class Forwarder:
         settings: UpstreamSettings,
         *,
         wire: OriginWire | None = None,
+        lines: LineBudget | None = None,
         outliers: OutlierDetector | None = None,
         budget: RetryBudget | None = None,
         loads: LoadBoard | None = None,
@@ -280,6 +282,7 @@ class Forwarder:
             connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout
         )
         self._deadlines: Deadlines | None = None  # made on the loop of the first call
+        self._lines = lines or LineBudget()
 
     async def close(self) -> None:
         """Close the idle connections to origins (calls under way end theirs)."""
@@ -390,16 +393,11 @@ class Forwarder:
                 sent.calls, sent.target = tries.made, ordered[tries.made - 1]
             raise
         failures = tries.failures
-        # The causes are the operator's, in one line per request with its id;
-        # the client gets a fixed message (dataplane.http.errors). Busy origins
-        # alone (429s, the steady state of a hosted API near its quota) are
-        # told at INFO.
-        level = logging.INFO if failures and tries.busy == len(failures) else logging.WARNING
         if answer is not None:
             answer.calls = tries.made
             if failures:
-                log.log(
-                    level,
+                self._tell(
+                    tries,
                     "%s: %d attempt(s) failed before origin %s answered: %s",
                     headers["x-request-id"],
                     len(failures),
@@ -408,8 +406,8 @@ class Forwarder:
                 )
             return answer
         timed_out = bool(failures) and failures[-1].endswith("deadline exceeded")
-        log.log(
-            level,
+        self._tell(
+            tries,
             "no origin could serve %s after %d attempt(s): %s",
             headers["x-request-id"],
             len(failures),
@@ -423,6 +421,20 @@ class Forwarder:
             error = upstream_unavailable()
         error.attempts = tries.made
         raise error
+
+    def _tell(self, tries: _Tries, line: str, *args: object) -> None:
+        """A request's failed attempts, in one line with its id; the client gets
+        a fixed message (dataplane.http.errors). Busy origins alone (429s, the
+        steady state of a hosted API near its quota) are told at INFO. At most
+        LineBudget's rate: an origin failing at full load (a rotated key not
+        updated) would write a line per request; the metrics count them all."""
+        skipped = self._lines.take()
+        if skipped is None:
+            return
+        busy = tries.failures and tries.busy == len(tries.failures)
+        if skipped:
+            line += f" ({skipped} more such lines not logged)"
+        log.log(logging.INFO if busy else logging.WARNING, line, *args)
 
     async def _failover(
         self,

@@ -22,13 +22,14 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from dataplane.http.errors import ApiError
+from dataplane.linebudget import LineBudget
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
 from dataplane.upstream.credentials import OriginCredentials
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, UpstreamSettings
 from dataplane.upstream.hedge import CommitTimes
-from dataplane.upstream.outlier import RetryBudget
+from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 from dataplane.upstream.wire import OriginResponse
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
@@ -316,6 +317,26 @@ async def test_an_origin_without_its_credential_is_logged_with_what_is_missing(
     with pytest.raises(ApiError) as refused:
         await rig.forward(targets=[first])
     assert "O1_KEY" not in refused.value.message
+
+
+async def test_failed_attempts_are_logged_at_most_at_the_line_budgets_rate(
+    rigs: RigMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An origin refusing every request at full load: a line per request would
+    # flood the log; the metrics still count every failure.
+    now = [0.0]
+    budget = LineBudget(per_second=1, burst=2, clock=lambda: now[0])
+    never = OutlierDetector(consecutive=100)  # o1 stays in the rotation
+    rig = await rigs(Behaviour(status=500), Behaviour(), lines=budget, outliers=never)
+    for _ in range(5):
+        (await rig.forward()).release()
+    assert rig.attempts("o1", "http_5xx") == 5
+    assert len([r for r in caplog.records if "before origin o2 answered" in r.getMessage()]) == 2
+    now[0] = 1.0
+    caplog.clear()
+    (await rig.forward()).release()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.endswith("(3 more such lines not logged)")
 
 
 async def test_a_failing_first_attempt_leaves_the_hedge_running(rigs: RigMaker) -> None:
