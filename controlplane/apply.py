@@ -60,6 +60,7 @@ from controlplane.model import (
     Tenant,
     unserved_aliases,
     unserved_settings,
+    url_warnings,
 )
 
 KINDS = ("regions", "origins", "tenants")
@@ -684,7 +685,7 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
         raise ApplyError(errors)
     origins = {n: o for n, o in current.origins.items() if n not in deleted["origin"]}
     origins.update((o.name, o) for o in topology.origins)
-    warnings = tuple(
+    warnings = tuple(w for o in topology.origins for w in url_warnings(o)) + tuple(
         w
         for t in topology.tenants
         for w in (

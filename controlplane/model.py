@@ -85,7 +85,35 @@ def check_url(url: str) -> str:
         raise InvalidArgument(f"base URL {url!r} has an invalid port") from exc
     if parts.query or parts.fragment:
         raise InvalidArgument(f"base URL {url!r} must not have a query or fragment")
+    path = parts.path.rstrip("/").lower()
+    for endpoint in ENDPOINT_PATHS:
+        if path.endswith(endpoint):
+            raise InvalidArgument(
+                f"base URL {url!r} names an endpoint ({endpoint}): give the base URL an "
+                "OpenAI SDK is given, which the proxy extends with each endpoint's path "
+                f"(here {url[: len(url.rstrip('/')) - len(endpoint)]!r})"
+            )
     return url.rstrip("/")
+
+
+# The paths the proxy adds to an origin's base URL (dataplane.http.endpoints):
+# a base URL that already ends with one would call .../chat/completions/chat/completions.
+ENDPOINT_PATHS = ("/chat/completions", "/completions", "/embeddings", "/responses", "/models")
+
+
+def url_warnings(origin: Origin) -> tuple[str, ...]:
+    """What is probably wrong with an origin's (checked) base URL, though it may
+    be right: one not ending with /v1, where OpenAI-compatible servers (vLLM,
+    SGLang, TGI, llama.cpp, hosted APIs) serve; the origin's 404s would look
+    like the client's fault."""
+    path = urlsplit(origin.base_url).path.rstrip("/")
+    if path.lower().endswith("/v1"):
+        return ()
+    return (
+        f"origin {origin.name!r}: base URL {origin.base_url!r} does not end with /v1; "
+        f"requests go to {origin.base_url.rstrip('/') + '/chat/completions'!r} and the like, "
+        "where OpenAI-compatible servers serve /v1/chat/completions",
+    )
 
 
 @dataclass(frozen=True, slots=True)

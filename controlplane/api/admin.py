@@ -41,6 +41,7 @@ from controlplane.model import (
     ProxyRecord,
     Region,
     Tenant,
+    url_warnings,
 )
 from ponto.grpcconn import WARNING_METADATA
 from ponto.v1 import admin_pb2 as apb
@@ -255,7 +256,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not request.HasField("origin"):
             raise InvalidArgument("origin is required")
         origin = origin_of(request.origin)
-        return origin_pb(await self._catalog.put_origin(origin, allow_update=request.allow_update))
+        saved = await self._catalog.put_origin(origin, allow_update=request.allow_update)
+        warnings = url_warnings(saved)
+        if warnings:
+            context.set_trailing_metadata(warnings_metadata(warnings))
+        return origin_pb(saved)
 
     @grpc_errors
     @audited(auditing.named("origin"))

@@ -129,6 +129,31 @@ def prompt(**aliases: str) -> pb.PromptPolicy:
     return pb.PromptPolicy(aliases=aliases)
 
 
+@pytest.mark.parametrize(
+    ("url", "warns"),
+    [
+        ("http://vllm.example:8000", True),
+        ("http://vllm.example:8000/openai", True),
+        ("http://vllm.example:8000/v1", False),
+        ("https://gateway.example/openai/V1", False),
+    ],
+)
+async def test_an_origin_url_not_ending_with_v1_is_saved_and_warned_of(
+    url: str, warns: bool
+) -> None:
+    async with admin(MemoryStore()) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="us")))
+        spec = apb.OriginSpec(name="o1", base_url=url, region="us", models=["m"])
+        warnings = await warned(stub.PutOrigin(apb.PutOriginRequest(origin=spec)))
+        assert [o.name for o in (await stub.ListOrigins(apb.ListRequest())).origins] == ["o1"]
+    if warns:
+        [warning] = warnings
+        assert warning.startswith(f"origin 'o1': base URL {url!r} does not end with /v1")
+        assert f"{url + '/chat/completions'!r}" in warning
+    else:
+        assert warnings == []
+
+
 async def test_tenant_writes_are_accepted_and_warned_of_unserved_targets() -> None:
     store = MemoryStore()
     async with admin(store) as stub:

@@ -245,6 +245,18 @@ def test_plan_reports_each_change_and_nothing_for_the_same_state() -> None:
     ]
 
 
+def test_an_origin_url_not_ending_with_v1_is_a_warning_of_the_plan() -> None:
+    assert [w for w in plan(parse(full()), Current(), prune=False).warnings if "/v1" in w] == []
+    doc = full()
+    doc["origins"][1]["url"] = "https://api.example"
+    warnings = plan(parse(doc), Current(), prune=False).warnings
+    assert [w for w in warnings if "/v1" in w] == [
+        "origin 'hosted': base URL 'https://api.example' does not end with /v1; requests go "
+        "to 'https://api.example/chat/completions' and the like, where OpenAI-compatible "
+        "servers serve /v1/chat/completions"
+    ]
+
+
 def test_an_update_says_each_value_old_to_new_and_a_dropped_block_removed() -> None:
     before = parse({"tenants": [{"name": "globex", "limits": {"rpm": 120, "tpm": 50000}}]})
     # `pontoctl limit set` stored a concurrency the file never had.

@@ -211,13 +211,39 @@ async def test_origin_in_unknown_region(catalog: Catalog, store: MemoryStore) ->
         "http://origin.example/v1?key=1",
         "http://origin.example/v1#frag",
         "http://origin.example:99999/v1",
+        "http://origin.example/v1/chat/completions",
+        "http://origin.example/v1/Completions/",
+        "https://origin.example/openai/v1/embeddings",
+        "http://origin.example/v1/responses",
     ],
-    ids=["ftp", "no-host", "empty-host", "no-scheme", "query", "fragment", "bad-port"],
+    ids=[
+        "ftp",
+        "no-host",
+        "empty-host",
+        "no-scheme",
+        "query",
+        "fragment",
+        "bad-port",
+        "chat-endpoint",
+        "completions-endpoint",
+        "embeddings-endpoint",
+        "responses-endpoint",
+    ],
 )
 async def test_origin_bad_url(with_region: Catalog, store: MemoryStore, url: str) -> None:
     with pytest.raises(InvalidArgument):
         await with_region.put_origin(origin(url=url), allow_update=False)
     assert (await store.list(ORIGINS)).items == ()
+
+
+async def test_an_origin_url_naming_an_endpoint_says_which_base_url_to_give(
+    with_region: Catalog,
+) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        url = "http://vllm.example:8000/v1/chat/completions"
+        await with_region.put_origin(origin(url=url), allow_update=False)
+    assert "names an endpoint (/chat/completions)" in str(refused.value)
+    assert "'http://vllm.example:8000/v1'" in str(refused.value)
 
 
 async def test_origin_url_trailing_slash_stripped(with_region: Catalog) -> None:
