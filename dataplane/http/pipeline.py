@@ -29,6 +29,7 @@ from multidict import CIMultiDictProxy
 from dataplane import jsonio
 from dataplane.assemble import assemble
 from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, AuthUnavailable, Principal
+from dataplane.cache.entry import from_completion
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
@@ -492,13 +493,22 @@ class Pipeline:
         its first chunk."""
         body = origin.body if origin.body is not None else origin.first
         assert ex.cache_request is not None
-        response = await sent(request, ex, reply.origin_body(ex, origin, plan.outcome, body))
         obj: Any = None
-        if origin.status < 400 and (plan.key or b'"usage"' in body):
-            try:
-                obj = jsonio.loads(body)
-            except jsonio.JSONDecodeError:
-                obj = None
+        parsed = False
+        answer: web.Response | None = None
+        if ex.stream and origin.status == 200 and origin.body is not None:
+            # Asked for a stream, answered whole (an origin that ignores
+            # `stream`): the client gets the stream it asked for.
+            obj, parsed = _json_or_none(body), True
+            entry = from_completion(body, now=0.0, store_truncated=True, parsed=obj)
+            if entry is not None:
+                answer = reply.origin_stream(ex, origin, plan.outcome, entry)
+        if answer is None:
+            answer = reply.origin_body(ex, origin, plan.outcome, body)
+        response = await sent(request, ex, answer)
+        if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
+            if not parsed:
+                obj = _json_or_none(body)
             ex.usage = usage_of(obj)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
         return response
@@ -696,6 +706,13 @@ def spent(ex: Exchange) -> Usage | None:
 
 
 AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return jsonio.loads(body)
+    except jsonio.JSONDecodeError:
+        return None
 
 
 async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT:

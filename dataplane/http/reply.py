@@ -91,6 +91,19 @@ def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -
     )
 
 
+def origin_stream(
+    ex: Exchange, origin: OriginAnswer, outcome: str, entry: CachedResponse
+) -> web.Response:
+    """A stream the client asked for, from an origin that answered it whole (it
+    ignored `stream`, as some servers do): its answer as the SSE frames of a
+    cache replay (`_whole_stream`), where the client's SDK would read no event
+    from the JSON."""
+    headers = _origin_headers(ex, origin, outcome)
+    for name in ("content-type", "content-encoding"):  # the JSON's, not the frames'
+        headers.popall(name, None)
+    return _whole_stream(ex, entry, list(headers.items()))
+
+
 async def relay_origin(
     request: web.Request,
     ex: Exchange,

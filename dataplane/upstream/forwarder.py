@@ -786,6 +786,15 @@ class Forwarder:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
+            if not streamed and resp.status < 300 and not _json_type(resp.content_type):
+                # An nginx welcome page, a login form, a gateway's HTML: a wrong
+                # port or base URL, never an answer to a JSON API.
+                raise _Retryable(
+                    "bad_answer",
+                    f"answered {resp.status} as {resp.content_type or 'no content type'}, "
+                    "not JSON: a wrong base URL or port?",
+                    resp.status,
+                )
             if resp.status < 400:
                 # Refusals come back at once and would make "slow" look fast.
                 self.commit_times.observe(target.name, stream, loop.time() - sent_at)
@@ -828,6 +837,11 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
     committed anyway, and retrieve its failure so it is not logged as lost."""
     if not task.cancelled() and task.exception() is None:
         task.result().release()
+
+
+def _json_type(media_type: str) -> bool:
+    """A JSON media type: application/json, or a +json one (RFC 6839)."""
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:

@@ -45,6 +45,7 @@ class Behaviour:
     stream: bool = False
     first_delay: float = 0.0  # a stream's: after the headers, before its first chunk
     location: str = ""  # with a 3xx status: where it redirects
+    html: bool = False  # a 200 of HTML (a web server's page), not JSON
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Origin:
             await asyncio.sleep(b.delay)
             if b.location:
                 return web.Response(status=b.status, headers={"location": b.location})
+            if b.html:
+                return web.Response(text="<html>Welcome to nginx!</html>", content_type="text/html")
             if b.status != 200:
                 return web.json_response({"error": {"message": "no"}}, status=b.status)
             if not b.stream:
@@ -337,6 +340,23 @@ async def test_failed_attempts_are_logged_at_most_at_the_line_budgets_rate(
     (await rig.forward()).release()
     [line] = [r.getMessage() for r in caplog.records]
     assert line.endswith("(3 more such lines not logged)")
+
+
+async def test_a_200_that_is_not_json_is_a_failed_attempt_and_the_next_origin_answers(
+    rigs: RigMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A wrong port or base URL lands on a web server's page: never the client's answer.
+    rig = await rigs(Behaviour(html=True), Behaviour())
+    answer = await rig.forward()
+    answer.release()
+    assert (answer.target.name, answer.status, answer.body) == ("o2", 200, b'{"origin": "o2"}')
+    assert rig.attempts("o1", "bad_answer") == 1
+    assert "o1: answered 200 as text/html, not JSON" in caplog.text
+
+    alone = await rigs(Behaviour(html=True))
+    with pytest.raises(ApiError) as refused:
+        await alone.forward()
+    assert refused.value.status == 502
 
 
 async def test_a_failing_first_attempt_leaves_the_hedge_running(rigs: RigMaker) -> None:

@@ -10,10 +10,12 @@ cancellation on) before a hand-written origin that holds its body's end.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
 from tests.functional.test_flight_leader_gone import FRAMES, Client, Origin, clients, start
+from tests.functional.test_pipeline import COMPLETION
 from tests.functional.test_whole_answers import Start, until
 
 __all__ = ["clients", "start"]  # fixtures
@@ -59,3 +61,29 @@ async def test_a_client_that_closes_at_done_before_the_bodys_end_had_the_whole_a
     origin.end.set()
     await until(lambda: origin.finished)
     assert not origin.gone
+
+
+class Whole:
+    """An origin that ignores `stream` and answers every request whole, in JSON."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response(COMPLETION)
+
+
+async def test_a_stream_answered_whole_by_its_origin_reaches_the_client_as_a_stream(
+    start: Start, clients: list[Client]
+) -> None:
+    edge = await start(Whole())
+    client = Client(edge)
+    clients.append(client)
+    answer = await client.send()
+    assert answer.status == 200
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    events = (await client.rest()).decode().split("\n\n")
+    data = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    assert "".join(d["choices"][0]["delta"].get("content", "") for d in data) == "hi"
+    assert data[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2] == "data: [DONE]"
+    ok = {"endpoint": "chat.completions", "code": "200"}
+    await until(lambda: edge.sample("ponto_requests_total", ok) == 1)
