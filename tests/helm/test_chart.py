@@ -469,6 +469,33 @@ def test_an_origin_ca_is_mounted_and_trusted_by_proxies_and_control_plane(
         assert all(v["name"] != "origin-ca" for v in pod_spec(workload)["volumes"])
 
 
+def test_a_new_origin_ca_bundle_rolls_the_pods_that_read_it(helm: Path, tmp_path: Path) -> None:
+    # Both read the bundle once, at start: a rotated CA (a new bundle in the
+    # same ConfigMap) must restart them, or they keep refusing the origins
+    # the new CA signed until something else restarts them.
+    fixed = [
+        "--set",
+        "auth.existingSecret=tokens",
+        "--set",
+        "tls.existingSecrets.controlPlane=cp,tls.existingSecrets.proxy=px,"
+        "tls.existingSecrets.admin=adm",
+    ]
+
+    def sums(bundle: str) -> list[str]:
+        docs = render(helm, *fixed, "-f", values_file(tmp_path, {"originCA": {"bundle": bundle}}))
+        return [
+            one(docs, "Deployment", name)["spec"]["template"]["metadata"]["annotations"][
+                "checksum/secrets"
+            ]
+            for name in ("ponto-proxy-us-east", "ponto-control")
+        ]
+
+    old = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+    new = "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n"
+    assert sums(old) == sums(old)  # the render is stable: only the bundle differs
+    assert all(a != b for a, b in zip(sums(old), sums(new), strict=True))
+
+
 def test_an_origin_ca_given_twice_or_not_pem_is_refused(helm: Path) -> None:
     both = (
         "--set",

@@ -219,7 +219,9 @@ Result ($.pontoMaterial):
 {{- include "ponto.material" $root -}}
 {{- $m := $root.pontoMaterial -}}
 {{- $tls := get (get $m "tls" | default dict) (index . 1) -}}
-{{- list (get $m "tokens") $tls $root.Values.auth.existingSecret $root.Values.tls | toJson | sha256sum -}}
+{{- /* The origin CA too: both read it once, at start (a configMap's content is
+its owner's to roll, as an existing Secret's is). */ -}}
+{{- list (get $m "tokens") $tls $root.Values.auth.existingSecret $root.Values.tls $root.Values.originCA | toJson | sha256sum -}}
 {{- end -}}
 
 {{/* Checks the schema cannot express; fails the render with the reason. */}}
