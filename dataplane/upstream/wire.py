@@ -200,6 +200,10 @@ class OriginConnection(BaseProtocol):
         if payload is None:
             self.rest()
             return
+        pool = self.pool
+        if pool is None or pool.closed:
+            self.close()  # a closed wire pools nothing: no reason to wait
+            return
         self._lingering = payload.total_bytes
         self._deadline.arm(grace, self.close)
 

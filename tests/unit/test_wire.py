@@ -1073,6 +1073,22 @@ async def test_a_bodys_end_that_does_not_come_closes_the_connection(
     assert origin.connections == 2
 
 
+async def test_a_release_ended_after_the_wire_closed_closes_the_connection_at_once(
+    wire: OriginWire, origin: RawOrigin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A closed wire pools nothing: waiting for the body's end would only keep
+    # the connection (and the origin's generation) open past the wire's close.
+    monkeypatch.setattr(wire_module, "LINGER", 3600.0)
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.content.readany() == b"data: [DONE]\n\n"
+    await wire.close()
+    resp.release(ended=True)
+    await closed_by_the_proxy(wire)
+    gate.set()
+
+
 async def test_a_release_without_ended_closes_an_unfinished_body_at_once(
     wire: OriginWire, origin: RawOrigin
 ) -> None:
