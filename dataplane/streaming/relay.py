@@ -212,16 +212,15 @@ async def _relay_bytes(
                 await out.write(_ending(error_event, last))
                 break
             if not chunk:
-                end.complete = True
                 if pending:  # a last event without its blank line: as it came
                     if chunks is not None:
                         chunks.chunk(pending)
                     await out.write(pending)
+                end.complete = True
                 break
         await out.write_eof()
     except ConnectionResetError:
-        end.complete = False
-        end.client_gone = True
+        _client_left(end)
     if parser is not None:
         end.open_event = parser.close()
     return end
@@ -304,9 +303,17 @@ async def _relay_events(
             chunk, content, rewrite = following.first, following.content, following.rewrite
         await out.write_eof()
     except ConnectionResetError:
-        end.complete = False
-        end.client_gone = True
+        _client_left(end)
     return end
+
+
+def _client_left(end: RelayEnd) -> None:
+    """The client's connection failed a write. After the answer was whole
+    (`complete`: only the stream's end was left to write), the client had it
+    all, and may well have closed at its last event (the openai SDK does,
+    at [DONE]): not a client gone."""
+    if not end.complete:
+        end.client_gone = True
 
 
 # The events that end a Responses stream, which has no `data: [DONE]`.

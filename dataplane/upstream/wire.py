@@ -205,6 +205,7 @@ class OriginConnection(BaseProtocol):
             self.close()  # a closed wire pools nothing: no reason to wait
             return
         self._lingering = payload.total_bytes
+        pool.lingering.add(self)
         self._deadline.arm(grace, self.close)
 
     def close(self) -> None:
@@ -213,6 +214,7 @@ class OriginConnection(BaseProtocol):
         pool = self.pool
         if pool is not None:
             pool.idle.pop(self, None)
+            pool.lingering.discard(self)
         transport = self.transport
         if transport is not None:
             transport.close()
@@ -235,8 +237,8 @@ class OriginConnection(BaseProtocol):
             return
         if lingering is not None:
             payload = self._payload
-            if payload is not None and payload.total_bytes != lingering:
-                self.close()  # more of a body no one reads: not its end
+            if messages or (payload is not None and payload.total_bytes != lingering):
+                self.close()  # more of a body no one reads (or another answer): not its end
             return
         for message, body in messages:
             payload = body
@@ -267,6 +269,8 @@ class OriginConnection(BaseProtocol):
         self._deadline.disarm()
         lingering, self._lingering = self._lingering, None
         if lingering is not None:  # its caller left it to end: see linger
+            if self.pool is not None:
+                self.pool.lingering.discard(self)
             if payload is not None and payload.total_bytes == lingering:
                 self.rest()
             else:
@@ -342,11 +346,13 @@ class _Pool:
     of all that are open or opening, with the calls waiting for one at the cap.
     Once `closed` (its wire closed), a connection its call ends is closed."""
 
-    __slots__ = ("closed", "idle", "open", "waiters")
+    __slots__ = ("closed", "idle", "lingering", "open", "waiters")
 
     def __init__(self) -> None:
         self.closed = False
         self.idle: dict[OriginConnection, None] = {}
+        # Released before their body's end, waiting for it (OriginConnection.linger).
+        self.lingering: set[OriginConnection] = set()
         self.open = 0
         # First come, first served: a call waiting is handed a connection as
         # one is freed (or a free place, None, to open one), so a call arriving
@@ -356,6 +362,7 @@ class _Pool:
     def lost(self, conn: OriginConnection) -> None:
         """`conn` is closed: its place is free."""
         self.idle.pop(conn, None)
+        self.lingering.discard(conn)
         self.open -= 1
         conn.pool = None
         self.hand(None)
@@ -669,7 +676,7 @@ class OriginWire:
             self._sweep_later()
 
     async def close(self) -> None:
-        """Close every idle connection and the opener; calls still under way
+        """Close every idle or lingering connection and the opener; calls still under way
         keep theirs until they end it, which closes it, and calls waiting
         for a connection, or made from now on, fail (ClientConnectionError)."""
         self._closed = True
@@ -678,7 +685,7 @@ class OriginWire:
             self._sweeper = None
         for pool in self._pools.values():
             pool.closed = True
-            for conn in list(pool.idle):
+            for conn in [*pool.idle, *pool.lingering]:
                 conn.close()
             while pool.waiters:  # each fails, seeing the wire closed
                 pool.hand(None)

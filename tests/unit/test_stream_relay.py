@@ -139,6 +139,46 @@ async def test_the_clients_stream_ends_at_the_answers_last_event_not_the_bodys_e
     assert len(reader.events) == 2
 
 
+class ClosedAtTheEnd(Out):
+    """A client that closed once it had the last event: the stream's end fails."""
+
+    async def write_eof(self) -> None:
+        raise ConnectionResetError("Cannot write to closing transport")
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_client_gone_after_the_last_event_had_the_whole_answer(continuable: bool) -> None:
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Endless(b"data: [DONE]\n\n"),
+        cast(web.StreamResponse, ClosedAtTheEnd()),
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    assert (end.complete, end.client_gone) == (True, False)
+
+
+class ClosedMidway(Out):
+    """A client gone after the first write."""
+
+    async def write(self, data: bytes) -> None:
+        if self.written:
+            raise ConnectionResetError("Cannot write to closing transport")
+        self.written.append(data)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_client_gone_before_the_last_event_is_gone(continuable: bool) -> None:
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Endless(b'data: {"b":2}\n\n'),
+        cast(web.StreamResponse, ClosedMidway()),
+        idle_timeout=60.0,
+        resume=no_resume if continuable else None,
+    )
+    assert (end.complete, end.client_gone) == (False, True)
+
+
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
 async def test_an_event_that_only_looks_like_the_last_is_relayed_on(continuable: bool) -> None:
     chunks = (

@@ -1089,6 +1089,28 @@ async def test_a_release_ended_after_the_wire_closed_closes_the_connection_at_on
     gate.set()
 
 
+async def test_another_answer_with_the_bodys_end_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate, tail=b"0\r\n\r\n" + OK)
+    await stream_then_release_ended(wire, origin)
+    gate.set()
+    await closed_by_the_proxy(wire)
+
+
+async def test_closing_the_wire_closes_a_connection_waiting_for_its_bodys_end(
+    wire: OriginWire, origin: RawOrigin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire_module, "LINGER", 3600.0)
+    gate = asyncio.Event()
+    origin.answer = ending_later(gate)
+    await stream_then_release_ended(wire, origin)
+    await wire.close()
+    await closed_by_the_proxy(wire)
+    gate.set()
+
+
 async def test_a_release_without_ended_closes_an_unfinished_body_at_once(
     wire: OriginWire, origin: RawOrigin
 ) -> None:
