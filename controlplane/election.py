@@ -47,8 +47,15 @@ class Leadership:
                 self.is_leader = False
                 self.fence = None
                 leader_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
+                try:
                     await leader_task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:
+                    # A failure of the leader's loops ends the term: said once,
+                    # with its cause, or the replica would lead and step down
+                    # in a loop with nothing in its log.
+                    log.exception("%s: the leader's loops failed", self.replica_id)
                 with contextlib.suppress(StoreUnavailable):
                     await self._store.revoke_lease(lease)
             log.warning("%s lost leadership", self.replica_id)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,12 +47,22 @@ class ProbeSettings:
     # go unwritten while nothing changes (proxies tell stale figures by age).
     load_interval: float = 0.5
     load_refresh: float = 2.0
-    # A CA bundle trusted for https origins besides the system's (ponto.originca).
+    # A CA bundle trusted for https origins besides the system's
+    # (ponto.originca), and the context made of it when the flags were read:
+    # read once, not at every leadership term (a file gone meanwhile would end
+    # each term as it began).
     origin_ca: str = ""
+    origin_ssl: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def trusting(cls, origin_ca: str, **kwargs: Any) -> ProbeSettings:
+        """Settings whose probes trust the CA bundle at `origin_ca` (read now;
+        TlsFileError if it cannot be used)."""
+        return cls(origin_ca=origin_ca, origin_ssl=origin_ssl_context(origin_ca), **kwargs)
 
     def connector(self, **kwargs: Any) -> aiohttp.TCPConnector:
-        """A connector to origins, trusting origin_ca too. On the running loop."""
-        context = origin_ssl_context(self.origin_ca)
+        """A connector to origins, trusting origin_ssl too. On the running loop."""
+        context = self.origin_ssl
         return aiohttp.TCPConnector(ssl=context if context is not None else True, **kwargs)
 
 

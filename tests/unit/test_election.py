@@ -331,6 +331,23 @@ async def test_lead_returning_ends_the_term() -> None:
         await stop(task)
 
 
+async def test_a_failing_leader_loop_ends_the_term_and_is_logged_with_its_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def lead() -> None:
+        raise OSError("cannot read origin CA /etc/ponto/origin-ca/ca.crt")
+
+    replica = Leadership(MemoryStore(), "a", ttl=1)
+    task = asyncio.create_task(replica.run(lead))
+    try:
+        await wait_until(lambda: replica.terms >= 2, 5)
+    finally:
+        await stop(task)
+    failed = [r for r in caplog.records if "the leader's loops failed" in r.getMessage()]
+    assert failed and failed[0].getMessage() == "a: the leader's loops failed"
+    assert failed[0].exc_info is not None and "origin CA" in str(failed[0].exc_info[1])
+
+
 async def test_nobody_leads_while_the_store_is_down() -> None:
     store = MemoryStore()
     store.available = False
