@@ -107,7 +107,12 @@ def url_warnings(origin: Origin) -> tuple[str, ...]:
     SGLang, TGI, llama.cpp, hosted APIs) serve; the origin's 404s would look
     like the client's fault."""
     path = urlsplit(origin.base_url).path.rstrip("/")
-    if path.lower().endswith("/v1"):
+    if path.endswith("/v1/v1"):  # /v1 written twice: the paths would hold it twice
+        return (
+            f"origin {origin.name!r}: base URL {origin.base_url!r} ends with /v1/v1; "
+            f"requests go to {origin.base_url.rstrip('/') + '/chat/completions'!r} and the like",
+        )
+    if path.endswith("/v1"):  # as written: servers match paths case-sensitively
         return ()
     return (
         f"origin {origin.name!r}: base URL {origin.base_url!r} does not end with /v1; "

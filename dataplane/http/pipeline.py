@@ -488,18 +488,19 @@ class Pipeline:
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
     ) -> web.Response:
         """A non-streamed answer: sent as is (an error one allowlisted, see
-        reply.origin_body), at once; then its JSON parsed once, for both the
-        token count and the cache. An error sent as a stream is answered from
-        its first chunk."""
+        reply.origin_body), at once; then its JSON (a 200's parsed by the
+        forwarder, any other's here, once) gives the token count and the
+        cache's entry. An error sent as a stream is answered from its first
+        chunk."""
         body = origin.body if origin.body is not None else origin.first
         assert ex.cache_request is not None
-        obj: Any = None
-        parsed = False
+        # A 200's whole body comes parsed (the forwarder refuses one that is no JSON).
+        parsed = origin.status == 200 and origin.body is not None
+        obj: Any = origin.parsed if parsed else None
         answer: web.Response | None = None
-        if ex.stream and origin.status == 200 and origin.body is not None:
+        if ex.stream and parsed:
             # Asked for a stream, answered whole (an origin that ignores
             # `stream`): the client gets the stream it asked for.
-            obj, parsed = _json_or_none(body), True
             entry = from_completion(body, now=0.0, store_truncated=True, parsed=obj)
             if entry is not None:
                 answer = reply.origin_stream(ex, origin, plan.outcome, entry)

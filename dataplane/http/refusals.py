@@ -74,7 +74,9 @@ class RefusalLog:
             status,
             code or "-",
             message[:200],
-            f" ({skipped} more refusals not logged)" if skipped else "",
+            f" ({skipped} more {'refusal' if skipped == 1 else 'refusals'} not logged)"
+            if skipped
+            else "",
         )
         return True
 

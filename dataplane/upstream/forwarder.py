@@ -26,11 +26,12 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from multidict import CIMultiDict
 
+from dataplane import jsonio
 from dataplane.http.errors import (
     CREDENTIAL_REFUSED,
     upstream_busy,
@@ -202,6 +203,8 @@ class OriginAnswer:
     hedged: bool = False
     extra_calls: int = 0
     _ended: bool = False
+    # A 200's whole body, parsed (None for any other answer).
+    parsed: Any = None
 
     @property
     def streamed(self) -> bool:
@@ -433,7 +436,7 @@ class Forwarder:
             return
         busy = tries.failures and tries.busy == len(tries.failures)
         if skipped:
-            line += f" ({skipped} more such lines not logged)"
+            line += f" ({skipped} more such {'line' if skipped == 1 else 'lines'} not logged)"
         log.log(logging.INFO if busy else logging.WARNING, line, *args)
 
     async def _failover(
@@ -786,20 +789,35 @@ class Forwarder:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
-            if not streamed and resp.status < 300 and not _json_type(resp.content_type):
-                # An nginx welcome page, a login form, a gateway's HTML: a wrong
-                # port or base URL, never an answer to a JSON API.
-                raise _Retryable(
-                    "bad_answer",
-                    f"answered {resp.status} as {resp.content_type or 'no content type'}, "
-                    "not JSON: a wrong base URL or port?",
-                    resp.status,
-                )
+            parsed: Any = None
+            if resp.status == 200 and body_read is not None:
+                # Parsed here, once (the pipeline counts its tokens and keeps it
+                # from this): a 200 that is no JSON (an nginx welcome page, a
+                # gateway's login form, a body cut short with its length) is a
+                # wrong port or base URL or a broken origin, never an answer.
+                try:
+                    parsed = jsonio.loads(body_read)
+                except jsonio.JSONDecodeError:
+                    raise _Retryable(
+                        "bad_answer",
+                        f"answered 200 with a body that is not JSON "
+                        f"({resp.content_type or 'no content type'}, {len(body_read)} bytes): "
+                        "a wrong base URL or port?",
+                        resp.status,
+                    ) from None
             if resp.status < 400:
                 # Refusals come back at once and would make "slow" look fast.
                 self.commit_times.observe(target.name, stream, loop.time() - sent_at)
             return OriginAnswer(
-                target, attempt, resp.status, _copy(resp), body_read, first, resp, loads
+                target,
+                attempt,
+                resp.status,
+                _copy(resp),
+                body_read,
+                first,
+                resp,
+                loads,
+                parsed=parsed,
             )
         except BaseException:
             resp.release()
@@ -837,11 +855,6 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
     committed anyway, and retrieve its failure so it is not logged as lost."""
     if not task.cancelled() and task.exception() is None:
         task.result().release()
-
-
-def _json_type(media_type: str) -> bool:
-    """A JSON media type: application/json, or a +json one (RFC 6839)."""
-    return media_type == "application/json" or media_type.endswith("+json")
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:

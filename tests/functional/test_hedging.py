@@ -45,7 +45,7 @@ class Behaviour:
     stream: bool = False
     first_delay: float = 0.0  # a stream's: after the headers, before its first chunk
     location: str = ""  # with a 3xx status: where it redirects
-    html: bool = False  # a 200 of HTML (a web server's page), not JSON
+    raw: tuple[str, bytes] | None = None  # a 200 of this content type and body
 
 
 @dataclass
@@ -66,8 +66,8 @@ class Origin:
             await asyncio.sleep(b.delay)
             if b.location:
                 return web.Response(status=b.status, headers={"location": b.location})
-            if b.html:
-                return web.Response(text="<html>Welcome to nginx!</html>", content_type="text/html")
+            if b.raw is not None:
+                return web.Response(body=b.raw[1], headers={"content-type": b.raw[0]})
             if b.status != 200:
                 return web.json_response({"error": {"message": "no"}}, status=b.status)
             if not b.stream:
@@ -342,21 +342,38 @@ async def test_failed_attempts_are_logged_at_most_at_the_line_budgets_rate(
     assert line.endswith("(3 more such lines not logged)")
 
 
+NGINX = ("text/html", b"<html>Welcome to nginx!</html>")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [NGINX, ("application/json", b'{"id": "x", "choices": ['), ("", b"")],
+    ids=["html", "json-cut-short", "empty"],
+)
 async def test_a_200_that_is_not_json_is_a_failed_attempt_and_the_next_origin_answers(
-    rigs: RigMaker, caplog: pytest.LogCaptureFixture
+    rigs: RigMaker, caplog: pytest.LogCaptureFixture, raw: tuple[str, bytes]
 ) -> None:
     # A wrong port or base URL lands on a web server's page: never the client's answer.
-    rig = await rigs(Behaviour(html=True), Behaviour())
+    rig = await rigs(Behaviour(raw=raw), Behaviour())
     answer = await rig.forward()
     answer.release()
     assert (answer.target.name, answer.status, answer.body) == ("o2", 200, b'{"origin": "o2"}')
+    assert answer.parsed == {"origin": "o2"}  # parsed once, for the pipeline
     assert rig.attempts("o1", "bad_answer") == 1
-    assert "o1: answered 200 as text/html, not JSON" in caplog.text
+    assert "o1: answered 200 with a body that is not JSON" in caplog.text
 
-    alone = await rigs(Behaviour(html=True))
+    alone = await rigs(Behaviour(raw=NGINX))
     with pytest.raises(ApiError) as refused:
         await alone.forward()
     assert refused.value.status == 502
+
+
+async def test_json_under_another_content_type_is_still_an_answer(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(raw=("text/plain; charset=utf-8", b'{"ok": true}')))
+    answer = await rig.forward()
+    answer.release()
+    assert (answer.status, answer.parsed) == (200, {"ok": True})
+    assert rig.attempts("o1", "bad_answer") == 0
 
 
 async def test_a_failing_first_attempt_leaves_the_hedge_running(rigs: RigMaker) -> None:

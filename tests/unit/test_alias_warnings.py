@@ -135,7 +135,9 @@ def prompt(**aliases: str) -> pb.PromptPolicy:
         ("http://vllm.example:8000", True),
         ("http://vllm.example:8000/openai", True),
         ("http://vllm.example:8000/v1", False),
-        ("https://gateway.example/openai/V1", False),
+        ("https://gateway.example/openai/v1", False),
+        ("https://gateway.example/openai/V1", True),  # servers match paths case-sensitively
+        ("http://vllm.example:8000/v1/v1", True),
     ],
 )
 async def test_an_origin_url_not_ending_with_v1_is_saved_and_warned_of(
@@ -148,7 +150,7 @@ async def test_an_origin_url_not_ending_with_v1_is_saved_and_warned_of(
         assert [o.name for o in (await stub.ListOrigins(apb.ListRequest())).origins] == ["o1"]
     if warns:
         [warning] = warnings
-        assert warning.startswith(f"origin 'o1': base URL {url!r} does not end with /v1")
+        assert warning.startswith(f"origin 'o1': base URL {url!r} ")
         assert f"{url + '/chat/completions'!r}" in warning
     else:
         assert warnings == []
