@@ -99,7 +99,11 @@ def origin_stream(
     cache replay (`_whole_stream`), where the client's SDK would read no event
     from the JSON."""
     headers = _origin_headers(ex, origin, outcome)
-    for name in ("content-type", "content-encoding"):  # the JSON's, not the frames'
+    # The JSON's, not the frames' (which _whole_stream sets, its limit headers
+    # too: kept here, they would be sent twice).
+    for name in ("content-type", "content-encoding", "cache-control"):
+        headers.popall(name, None)
+    for name, _ in ex.limit_headers:
         headers.popall(name, None)
     return _whole_stream(ex, entry, list(headers.items()))
 
