@@ -798,9 +798,13 @@ class Forwarder:
                 try:
                     parsed = jsonio.loads(body_read)
                 except jsonio.JSONDecodeError:
+                    parsed = None
+                # Every endpoint answers an object: `null`, an array or a
+                # string is no answer either (the SDK fails on it).
+                if not isinstance(parsed, dict):
                     raise _Retryable(
                         "bad_answer",
-                        f"answered 200 with a body that is not JSON "
+                        f"answered 200 with a body that is not a JSON object "
                         f"({resp.content_type or 'no content type'}, {len(body_read)} bytes): "
                         "a wrong base URL or port?",
                         resp.status,

@@ -347,8 +347,14 @@ NGINX = ("text/html", b"<html>Welcome to nginx!</html>")
 
 @pytest.mark.parametrize(
     "raw",
-    [NGINX, ("application/json", b'{"id": "x", "choices": ['), ("", b"")],
-    ids=["html", "json-cut-short", "empty"],
+    [
+        NGINX,
+        ("application/json", b'{"id": "x", "choices": ['),
+        ("", b""),
+        ("application/json", b"null"),
+        ("application/json", b'["<html>"]'),
+    ],
+    ids=["html", "json-cut-short", "empty", "null", "array"],
 )
 async def test_a_200_that_is_not_json_is_a_failed_attempt_and_the_next_origin_answers(
     rigs: RigMaker, caplog: pytest.LogCaptureFixture, raw: tuple[str, bytes]
@@ -360,7 +366,7 @@ async def test_a_200_that_is_not_json_is_a_failed_attempt_and_the_next_origin_an
     assert (answer.target.name, answer.status, answer.body) == ("o2", 200, b'{"origin": "o2"}')
     assert answer.parsed == {"origin": "o2"}  # parsed once, for the pipeline
     assert rig.attempts("o1", "bad_answer") == 1
-    assert "o1: answered 200 with a body that is not JSON" in caplog.text
+    assert "o1: answered 200 with a body that is not a JSON object" in caplog.text
 
     alone = await rigs(Behaviour(raw=NGINX))
     with pytest.raises(ApiError) as refused:
