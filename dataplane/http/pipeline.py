@@ -64,7 +64,7 @@ from dataplane.routes import Routes, Target
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
+from dataplane.upstream.forwarder import NOT_PARSED, Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
 
 if TYPE_CHECKING:
@@ -488,14 +488,15 @@ class Pipeline:
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
     ) -> web.Response:
         """A non-streamed answer: sent as is (an error one allowlisted, see
-        reply.origin_body), at once; then its JSON (a 200's parsed by the
-        forwarder, any other's here, once) gives the token count and the
+        reply.origin_body), at once; then its JSON (parsed once: by the
+        forwarder, or here after sending) gives the token count and the
         cache's entry. An error sent as a stream is answered from its first
         chunk."""
         body = origin.body if origin.body is not None else origin.first
         assert ex.cache_request is not None
-        # A 200's whole body comes parsed (the forwarder refuses one that is no JSON).
-        parsed = origin.status == 200 and origin.body is not None
+        # A 2xx whole body comes parsed, unless large (the forwarder refuses
+        # one that is no JSON object); any other is parsed here, after sending.
+        parsed = origin.parsed is not NOT_PARSED
         obj: Any = origin.parsed if parsed else None
         answer: web.Response | None = None
         if ex.stream and parsed:

@@ -214,8 +214,11 @@ class LeaderStream:
             try:
                 await self.out.write_eof(data)
             except ConnectionResetError:
-                if not self.detach():
-                    raise
+                # Only the stream's end was left to write: the relay tells
+                # whether the client had the whole answer (relay._client_left);
+                # the followers' streams end with the flight, not here.
+                self.ended = True
+                raise
         self.ended = True
 
     def _for_followers(self) -> None:

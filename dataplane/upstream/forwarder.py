@@ -26,7 +26,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 from multidict import CIMultiDict
@@ -158,6 +158,10 @@ class UpstreamSettings:
     origin_ca: str = ""
 
 
+# OriginAnswer.parsed of an answer not parsed by the forwarder.
+NOT_PARSED: Final[Any] = object()
+
+
 class _Retryable(Exception):
     """A failed call another origin may take: its outcome (the metrics' label)
     and, when the origin answered, its status."""
@@ -203,8 +207,9 @@ class OriginAnswer:
     hedged: bool = False
     extra_calls: int = 0
     _ended: bool = False
-    # A 200's whole body, parsed (None for any other answer).
-    parsed: Any = None
+    # A 2xx whole body, parsed by the forwarder; NOT_PARSED when it was not
+    # (another status, a stream, or too large to parse before sending).
+    parsed: Any = NOT_PARSED
 
     @property
     def streamed(self) -> bool:
@@ -789,26 +794,9 @@ class Forwarder:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
-            parsed: Any = None
-            if resp.status == 200 and body_read is not None:
-                # Parsed here, once (the pipeline counts its tokens and keeps it
-                # from this): a 200 that is no JSON (an nginx welcome page, a
-                # gateway's login form, a body cut short with its length) is a
-                # wrong port or base URL or a broken origin, never an answer.
-                try:
-                    parsed = jsonio.loads(body_read)
-                except jsonio.JSONDecodeError:
-                    parsed = None
-                # Every endpoint answers an object: `null`, an array or a
-                # string is no answer either (the SDK fails on it).
-                if not isinstance(parsed, dict):
-                    raise _Retryable(
-                        "bad_answer",
-                        f"answered 200 with a body that is not a JSON object "
-                        f"({resp.content_type or 'no content type'}, {len(body_read)} bytes): "
-                        "a wrong base URL or port?",
-                        resp.status,
-                    ) from None
+            parsed: Any = NOT_PARSED
+            if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
+                parsed = _answer_object(body_read, resp.status, resp.content_type)
             if resp.status < 400:
                 # Refusals come back at once and would make "slow" look fast.
                 self.commit_times.observe(target.name, stream, loop.time() - sent_at)
@@ -859,6 +847,40 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
     committed anyway, and retrieve its failure so it is not logged as lost."""
     if not task.cancelled() and task.exception() is None:
         task.result().release()
+
+
+# A whole body is parsed before the client gets it (to fail over when it is no
+# answer) up to this size; a larger one (an embeddings batch of megabytes,
+# some 40 ms to parse per 8 MB) only has its shape checked, and is parsed
+# after it was sent, as before.
+PARSE_BEFORE_SENDING_MAX: Final = 1 << 20
+
+
+def _answer_object(body: bytes, status: int, content_type: str) -> Any:
+    """A 2xx whole body parsed (NOT_PARSED when too large to parse before
+    sending); _Retryable "bad_answer" when it is no JSON object, which every
+    endpoint answers: an nginx welcome page, a gateway's login form, another
+    service's JSON, a body cut short with its length (a wrong base URL or
+    port, or a broken origin)."""
+    if len(body) > PARSE_BEFORE_SENDING_MAX:
+        ends = body.strip()
+        if ends[:1] == b"{" and ends[-1:] == b"}":
+            return NOT_PARSED
+        parsed: Any = None
+    else:
+        try:
+            parsed = jsonio.loads(body)
+        except jsonio.JSONDecodeError:
+            parsed = None
+    if not isinstance(parsed, dict):
+        raise _Retryable(
+            "bad_answer",
+            f"answered {status} with a body that is not a JSON object "
+            f"({content_type or 'no content type'}, {len(body)} bytes): "
+            "a wrong base URL or port?",
+            status,
+        )
+    return parsed
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:

@@ -130,17 +130,19 @@ async def test_a_client_gone_during_a_relayed_stream_is_a_499_not_a_bug(
     writes: list[web.StreamResponse] = []
 
     async def write(self: web.StreamResponse, data: bytes) -> None:
+        if "x-ponto-cache" in self.headers:  # not the origin simulator's own
+            writes.append(self)
+            if len(writes) == 1:
+                # The head went out; then the client's connection fails (a
+                # reset): the transport is closing when the stream's first
+                # chunk is written. (Failing after it instead, the write of
+                # the stream's end alone would fail whenever the origin's
+                # chunks came in one read: a client that had the whole answer,
+                # which is not a 499.)
+                transport = self._req.transport if self._req is not None else None
+                assert transport is not None
+                transport.abort()
         await real(self, data)
-        if "x-ponto-cache" not in self.headers:  # the origin simulator's own
-            return
-        writes.append(self)
-        if len(writes) == 1:
-            # The head and the first chunk went out; then the client's
-            # connection fails (a reset seen by that send): the transport
-            # is closing before the stream's next write.
-            transport = self._req.transport if self._req is not None else None
-            assert transport is not None
-            transport.abort()
 
     monkeypatch.setattr(web.StreamResponse, "write", write)
     with caplog.at_level(logging.INFO):

@@ -26,8 +26,9 @@ from dataplane.linebudget import LineBudget
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
+from dataplane.upstream import forwarder as forwarder_module
 from dataplane.upstream.credentials import OriginCredentials
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, UpstreamSettings
+from dataplane.upstream.forwarder import NOT_PARSED, Forwarder, OriginAnswer, Sent, UpstreamSettings
 from dataplane.upstream.hedge import CommitTimes
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 from dataplane.upstream.wire import OriginResponse
@@ -67,7 +68,10 @@ class Origin:
             if b.location:
                 return web.Response(status=b.status, headers={"location": b.location})
             if b.raw is not None:
-                return web.Response(body=b.raw[1], headers={"content-type": b.raw[0]})
+                content_type, body = b.raw
+                return web.Response(
+                    status=b.status, body=body, headers={"content-type": content_type}
+                )
             if b.status != 200:
                 return web.json_response({"error": {"message": "no"}}, status=b.status)
             if not b.stream:
@@ -372,6 +376,29 @@ async def test_a_200_that_is_not_json_is_a_failed_attempt_and_the_next_origin_an
     with pytest.raises(ApiError) as refused:
         await alone.forward()
     assert refused.value.status == 502
+
+
+async def test_a_large_answer_is_checked_by_its_shape_and_parsed_after_sending(
+    rigs: RigMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forwarder_module, "PARSE_BEFORE_SENDING_MAX", 16)
+    big = b'{"data": [' + b"0.1," * 10 + b"0.1]}"
+    page = ("text/html", b"<html>" + b" " * 20 + b"</html>")  # past the limit: by its shape
+    rig = await rigs(Behaviour(raw=page), Behaviour())
+    rig.origins[1].behaviour.raw = ("application/json", big)
+    answer = await rig.forward()
+    answer.release()
+    assert (answer.target.name, answer.body) == ("o2", big)
+    assert answer.parsed is NOT_PARSED  # the pipeline parses it once it is sent
+    assert rig.attempts("o1", "bad_answer") == 1
+
+
+async def test_any_2xx_but_204_must_be_a_json_object(rigs: RigMaker) -> None:
+    rig = await rigs(Behaviour(status=201, raw=NGINX), Behaviour())
+    answer = await rig.forward()
+    answer.release()
+    assert answer.target.name == "o2"
+    assert rig.attempts("o1", "bad_answer") == 1
 
 
 async def test_json_under_another_content_type_is_still_an_answer(rigs: RigMaker) -> None:

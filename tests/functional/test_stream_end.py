@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 from aiohttp import web
 
 from tests.functional.test_flight_leader_gone import FRAMES, Client, Origin, clients, start
-from tests.functional.test_pipeline import COMPLETION
+from tests.functional.test_pipeline import COMPLETION, LIMITED_KEY, chat, stack_on
 from tests.functional.test_whole_answers import Start, until
 
 __all__ = ["clients", "start"]  # fixtures
@@ -87,3 +88,20 @@ async def test_a_stream_answered_whole_by_its_origin_reaches_the_client_as_a_str
     assert events[-2] == "data: [DONE]"
     ok = {"endpoint": "chat.completions", "code": "200"}
     await until(lambda: edge.sample("ponto_requests_total", ok) == 1)
+
+
+async def test_a_stream_answered_whole_carries_its_limit_headers_once(tmp_path: Path) -> None:
+    async def whole(request: web.Request) -> web.StreamResponse:
+        await request.read()  # ignores `stream`
+        return web.json_response(COMPLETION, headers={"cache-control": "no-store"})
+
+    s = await stack_on(tmp_path, whole)
+    try:
+        resp = await s.post(chat("whole", stream=True), key=LIMITED_KEY.key)
+        assert resp.status == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        await resp.read()
+        assert resp.headers.getall("x-ratelimit-limit-requests") == ["2"]
+        assert resp.headers.getall("cache-control") == ["no-cache"]
+    finally:
+        await s.close()

@@ -62,6 +62,17 @@ async def test_a_client_gone_with_a_follower_there_leaves_the_relay_going() -> N
     assert stops == []
 
 
+async def test_a_client_gone_at_the_streams_end_had_the_whole_answer() -> None:
+    # It closed once it had [DONE] (the openai SDK does), before the end could be written.
+    for followers in (0, 1):
+        leader, _ = flight(followers)
+        client, stops = Client(takes=len(CHUNKS)), list[str]()
+        lead = stream_of(leader, client, stops)
+        end = await relay(CHUNKS[0], Content(CHUNKS[1:]), lead, chunks=leader)
+        assert (end.complete, end.client_gone, lead.gone) == (True, False, False)
+        assert client.written == CHUNKS
+
+
 async def test_a_client_gone_with_nobody_following_ends_the_relay() -> None:
     leader, _ = flight(0)
     client, stops = Client(takes=2), list[str]()
