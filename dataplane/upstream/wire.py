@@ -2,11 +2,12 @@
 
 A call's shape never changes (a POST of bytes already in memory to an origin
 of the route table), and aiohttp's client layers cost more than they give for
-it: `ClientSession.post` built a request and a response object per call (a
-third of the proxy's CPU per request went there), and even its connector and
-client protocol, which the wire used until it replaced them, cost some 25 us
-per call against 10 for what the call needs (bench/wire_micro.py). So the
-wire keeps aiohttp's pieces that carry no per-call weight and does the rest:
+it: `ClientSession.post` builds a request and a response object per call, some
+six times the CPU of a bare raw client (bench.wire_micro), and even its
+connector and client protocol, which the wire used until it replaced them,
+cost some 11 us a call more than the wire's own pool and protocol (a fifth of
+the wire's cost). So the wire keeps aiohttp's pieces that carry no per-call
+weight and does the rest:
 
 - **opening** a connection is aiohttp's connector's (`TCPConnector`, its
   `_create_connection`): DNS with a cache, happy eyeballs over the addresses,
@@ -41,7 +42,9 @@ The body is written whole, not streamed under flow control: it is already in
 memory, bounded by the proxy's --max-body-bytes. A connection goes back to the
 pool only when its answer ended, the origin keeps it open, and its request
 has all left the proxy (an origin may answer early, a 413 say: the next
-request would wait behind the rest of this one's body). Bytes an origin sends
+request would wait behind the rest of this one's body); a stream released
+once its client had the answer's last event, before the body's end came, waits
+LINGER for it (`OriginResponse.release(ended=True)`). Bytes an origin sends
 when no call asked for them close the connection, unless they came in the
 same read as the end of an answer: llhttp then takes them as the start of the
 next answer, which fails to parse (and the call is tried on the next origin).
