@@ -260,8 +260,8 @@ class Metrics:
             "credential_error, bad_answer (a 2xx that is not a JSON object), cut, cut_after_start, "
             "deadline, hedge_cancelled "
             "(sent, then cancelled because the other copy of a hedged request answered), "
-            "or cancelled (the client left or the proxy stopped during the call, before the "
-            "answer was relayed)",
+            "or cancelled (the client left or the proxy stopped during the call: before the "
+            "answer was relayed, or during a stream)",
             ["origin", "outcome"],
             registry=r,
         )

@@ -648,6 +648,12 @@ class Pipeline:
                 transcript=transcript,
                 lead=lead,
             )
+        except asyncio.CancelledError:
+            # The client left (or the proxy stopped) during the stream: the
+            # origin's call ends here, counted as any call cut short so.
+            current = resume.origin if resume is not None else origin.target.name
+            self.metrics.attempt(current, "cancelled").inc()
+            raise
         finally:
             if resume is not None:
                 resume.close()
@@ -665,6 +671,8 @@ class Pipeline:
             m.attempt(name, "ok").inc()
             if resume is None or not resume.count:
                 origin.ended()  # its body's end may still be on its way
+        elif end.client_gone:
+            m.attempt(name, "cancelled").inc()  # a write found the client gone
         if end.client_gone:
             if not ex.detached:  # counted when its request was cancelled
                 m.client_disconnects.inc()
