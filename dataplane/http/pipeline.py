@@ -29,7 +29,7 @@ from multidict import CIMultiDictProxy
 from dataplane import jsonio
 from dataplane.assemble import assemble
 from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, AuthUnavailable, Principal
-from dataplane.cache.entry import from_completion
+from dataplane.cache.entry import CachedResponse, from_completion
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
@@ -61,6 +61,7 @@ from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import Routes, Target
+from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
@@ -502,9 +503,13 @@ class Pipeline:
         if ex.stream and parsed:
             # Asked for a stream, answered whole (an origin that ignores
             # `stream`): the client gets the stream it asked for.
-            entry = from_completion(body, now=0.0, store_truncated=True, parsed=obj)
-            if entry is not None:
-                answer = reply.origin_stream(ex, origin, plan.outcome, entry)
+            frames: bytes | CachedResponse | None
+            if ex.endpoint.name == "responses":
+                frames = response_events(obj)
+            else:
+                frames = from_completion(body, now=0.0, store_truncated=True, parsed=obj)
+            if frames is not None:
+                answer = reply.origin_stream(ex, origin, plan.outcome, frames)
         if answer is None:
             answer = reply.origin_body(ex, origin, plan.outcome, body)
         response = await sent(request, ex, answer)

@@ -92,12 +92,12 @@ def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -
 
 
 def origin_stream(
-    ex: Exchange, origin: OriginAnswer, outcome: str, entry: CachedResponse
+    ex: Exchange, origin: OriginAnswer, outcome: str, frames: bytes | CachedResponse
 ) -> web.Response:
     """A stream the client asked for, from an origin that answered it whole (it
-    ignored `stream`, as some servers do): its answer as the SSE frames of a
-    cache replay (`_whole_stream`), where the client's SDK would read no event
-    from the JSON."""
+    ignored `stream`, as some servers do): its answer as SSE `frames` (a chat
+    or completions answer as the frames of a cache replay, `_whole_stream`),
+    where the client's SDK would read no event from the JSON."""
     headers = _origin_headers(ex, origin, outcome)
     # The JSON's, not the frames' (which _whole_stream sets, its limit headers
     # too: kept here, they would be sent twice).
@@ -105,7 +105,7 @@ def origin_stream(
         headers.popall(name, None)
     for name, _ in ex.limit_headers:
         headers.popall(name, None)
-    return _whole_stream(ex, entry, list(headers.items()))
+    return _whole_stream(ex, frames, list(headers.items()))
 
 
 async def relay_origin(
@@ -292,7 +292,7 @@ def _json(ex: Exchange, body: bytes, headers: list[tuple[str, str]]) -> web.Resp
 
 
 def _whole_stream(
-    ex: Exchange, entry: CachedResponse, headers: list[tuple[str, str]]
+    ex: Exchange, entry: bytes | CachedResponse, headers: list[tuple[str, str]]
 ) -> web.Response:
     """A stream answered from a stored answer: its SSE frames, every one already
     in hand, as one whole answer (a Content-Length, no chunked coding), which
@@ -300,9 +300,12 @@ def _whole_stream(
     client reads the same events, in the same frames, as from a relay; sent
     frame by frame, each frame cost a write and a system call, and the first
     byte waited for aiohttp's stream preparation."""
-    include_usage = ex.cache is not None and ex.cache.include_usage
-    frames = to_sse_chunks(entry, include_usage=include_usage)
-    response = web.Response(body=b"".join(frames), content_type="text/event-stream")
+    if isinstance(entry, bytes):  # frames already made
+        body = entry
+    else:
+        include_usage = ex.cache is not None and ex.cache.include_usage
+        body = b"".join(to_sse_chunks(entry, include_usage=include_usage))
+    response = web.Response(body=body, content_type="text/event-stream")
     response.headers["cache-control"] = "no-cache"
     response.headers.extend(headers)
     response.headers.extend(ex.limit_headers)

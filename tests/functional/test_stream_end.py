@@ -13,10 +13,22 @@ import asyncio
 import json
 from pathlib import Path
 
+import openai
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
+from dataplane.http.state import HOLDER
 from tests.functional.test_flight_leader_gone import FRAMES, Client, Origin, clients, start
-from tests.functional.test_pipeline import COMPLETION, LIMITED_KEY, chat, stack_on
+from tests.functional.test_pipeline import (
+    COMPLETION,
+    KEY,
+    LIMITED_KEY,
+    MODEL,
+    chat,
+    stack_on,
+    start_stack,
+    table,
+)
 from tests.functional.test_whole_answers import Start, until
 
 __all__ = ["clients", "start"]  # fixtures
@@ -122,3 +134,58 @@ async def test_a_client_that_leaves_mid_stream_counts_its_origins_call_cancelled
     cancelled = {"origin": "o1", "outcome": "cancelled"}
     await until(lambda: edge.sample("ponto_upstream_attempts_total", cancelled) == 1)
     assert not edge.sample("ponto_upstream_attempts_total", {"origin": "o1", "outcome": "ok"})
+
+
+async def test_a_responses_stream_answered_whole_reaches_the_sdk_as_events(
+    tmp_path: Path,
+) -> None:
+    whole = answer_of_responses()
+
+    async def ignores_stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response(whole)
+
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/responses", ignores_stream)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    s = await start_stack(tmp_path, [])
+    s.others.append(origin)
+    s.app[HOLDER].apply(
+        table([("custom", str(origin.make_url("/v1")))], version=3), "control-plane"
+    )
+    client = openai.AsyncOpenAI(base_url=str(s.client.make_url("/v1")), api_key=KEY.key)
+    try:
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+        kinds, text = [], ""
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        assert text == "Hello there"
+        assert (kinds[0], kinds[-1]) == ("response.created", "response.completed")
+    finally:
+        await client.close()
+        await s.close()
+
+
+def answer_of_responses() -> dict[str, object]:
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": "completed",
+        "model": MODEL,
+        "output": [
+            {
+                "id": "msg_1",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Hello there", "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
