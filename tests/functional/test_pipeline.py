@@ -399,10 +399,12 @@ async def test_past_its_limit_a_key_gets_429_with_retry_after(stack: Stack) -> N
 OriginHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-async def stack_on(tmp_path: Path, handler: OriginHandler) -> Stack:
-    """A proxy whose one origin is `handler` at /v1/chat/completions."""
+async def stack_on(
+    tmp_path: Path, handler: OriginHandler, path: str = "/v1/chat/completions"
+) -> Stack:
+    """A proxy whose one origin is `handler` at `path`."""
     origin_app = web.Application()
-    origin_app.router.add_post("/v1/chat/completions", handler)
+    origin_app.router.add_post(path, handler)
     origin = TestServer(origin_app)
     await origin.start_server()
     s = await start_stack(tmp_path, [])

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import openai
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from dataplane.http.state import HOLDER
 from tests.functional.test_flight_leader_gone import FRAMES, Client, Origin, clients, start
 from tests.functional.test_pipeline import (
     COMPLETION,
@@ -26,10 +24,9 @@ from tests.functional.test_pipeline import (
     MODEL,
     chat,
     stack_on,
-    start_stack,
-    table,
 )
 from tests.functional.test_whole_answers import Start, until
+from tests.unit.test_responses_events import answer as whole_response
 
 __all__ = ["clients", "start"]  # fixtures
 
@@ -139,21 +136,11 @@ async def test_a_client_that_leaves_mid_stream_counts_its_origins_call_cancelled
 async def test_a_responses_stream_answered_whole_reaches_the_sdk_as_events(
     tmp_path: Path,
 ) -> None:
-    whole = answer_of_responses()
-
     async def ignores_stream(request: web.Request) -> web.StreamResponse:
         await request.read()
-        return web.json_response(whole)
+        return web.json_response(whole_response(model=MODEL))
 
-    origin_app = web.Application()
-    origin_app.router.add_post("/v1/responses", ignores_stream)
-    origin = TestServer(origin_app)
-    await origin.start_server()
-    s = await start_stack(tmp_path, [])
-    s.others.append(origin)
-    s.app[HOLDER].apply(
-        table([("custom", str(origin.make_url("/v1")))], version=3), "control-plane"
-    )
+    s = await stack_on(tmp_path, ignores_stream, "/v1/responses")
     client = openai.AsyncOpenAI(base_url=str(s.client.make_url("/v1")), api_key=KEY.key)
     try:
         stream = await client.responses.create(model=MODEL, input="hi", stream=True)
@@ -167,25 +154,3 @@ async def test_a_responses_stream_answered_whole_reaches_the_sdk_as_events(
     finally:
         await client.close()
         await s.close()
-
-
-def answer_of_responses() -> dict[str, object]:
-    return {
-        "id": "resp_1",
-        "object": "response",
-        "created_at": 1,
-        "status": "completed",
-        "model": MODEL,
-        "output": [
-            {
-                "id": "msg_1",
-                "type": "message",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": "Hello there", "annotations": []}],
-            }
-        ],
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
-    }
