@@ -111,16 +111,13 @@ def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> s
     return None if seen else "no choices"
 
 
-_UNPARSED: Any = object()
-
-
 def from_completion(
     body: bytes,
     *,
     now: float,
     store_truncated: bool = False,
     max_bytes: int | None = None,
-    parsed: Any = _UNPARSED,
+    parsed: Any = jsonio.NOT_PARSED,
 ) -> CachedResponse | None:
     """Wrap a non-streamed 200 body, or None when it must not be kept: not a JSON
     object, an error object, an unknown shape, no choices, a choice that did not
@@ -129,12 +126,7 @@ def from_completion(
     already parsed by the caller (None if it is not JSON), so it is parsed once."""
     if max_bytes is not None and len(body) + ENTRY_OVERHEAD > max_bytes:
         return None
-    obj = parsed
-    if obj is _UNPARSED:
-        try:
-            obj = jsonio.loads(body)
-        except jsonio.JSONDecodeError:
-            return None
+    obj = jsonio.loads_or_none(body) if parsed is jsonio.NOT_PARSED else parsed
     if not isinstance(obj, dict) or obj.get("error") is not None:
         return None
     kind = _body_kind(obj)

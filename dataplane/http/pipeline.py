@@ -65,7 +65,7 @@ from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
-from dataplane.upstream.forwarder import NOT_PARSED, Forwarder, OriginAnswer, Sent
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
 
 if TYPE_CHECKING:
@@ -497,7 +497,7 @@ class Pipeline:
         assert ex.cache_request is not None
         # A 2xx whole body comes parsed, unless large (the forwarder refuses
         # one that is no JSON object); any other is parsed here, after sending.
-        parsed = origin.parsed is not NOT_PARSED
+        parsed = origin.parsed is not jsonio.NOT_PARSED
         obj: Any = origin.parsed if parsed else None
         answer: web.Response | None = None
         if ex.stream and parsed:
@@ -515,7 +515,7 @@ class Pipeline:
         response = await sent(request, ex, answer)
         if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
             if not parsed:
-                obj = _json_or_none(body)
+                obj = jsonio.loads_or_none(body)
             ex.usage = usage_of(obj)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
         return response
@@ -721,13 +721,6 @@ def spent(ex: Exchange) -> Usage | None:
 
 
 AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)
-
-
-def _json_or_none(body: bytes) -> Any:
-    try:
-        return jsonio.loads(body)
-    except jsonio.JSONDecodeError:
-        return None
 
 
 async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT:

@@ -96,11 +96,7 @@ class UsageCounter:
     def event(self, ev: Event) -> None:
         data = ev.data
         if b'"usage"' in data and b'"usage":null' not in data and b'"usage": null' not in data:
-            try:
-                obj = jsonio.loads(data)
-            except jsonio.JSONDecodeError:
-                obj = None
-            found = usage_of(obj)
+            found = usage_of(jsonio.loads_or_none(data))
             if found is not None:
                 self.usage = found
         if _has_text(data):

@@ -158,10 +158,6 @@ class UpstreamSettings:
     origin_ca: str = ""
 
 
-# OriginAnswer.parsed of an answer not parsed by the forwarder.
-NOT_PARSED: Final[Any] = object()
-
-
 class _Retryable(Exception):
     """A failed call another origin may take: its outcome (the metrics' label)
     and, when the origin answered, its status."""
@@ -209,7 +205,7 @@ class OriginAnswer:
     _ended: bool = False
     # A 2xx whole body, parsed by the forwarder; NOT_PARSED when it was not
     # (another status, a stream, or too large to parse before sending).
-    parsed: Any = NOT_PARSED
+    parsed: Any = jsonio.NOT_PARSED
 
     @property
     def streamed(self) -> bool:
@@ -794,7 +790,7 @@ class Forwarder:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
-            parsed: Any = NOT_PARSED
+            parsed: Any = jsonio.NOT_PARSED
             if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
                 parsed = _answer_object(body_read, resp.status, resp.content_type)
             if resp.status < 400:
@@ -865,13 +861,10 @@ def _answer_object(body: bytes, status: int, content_type: str) -> Any:
     if len(body) > PARSE_BEFORE_SENDING_MAX:
         ends = body.strip()
         if ends[:1] == b"{" and ends[-1:] == b"}":
-            return NOT_PARSED
+            return jsonio.NOT_PARSED
         parsed: Any = None
     else:
-        try:
-            parsed = jsonio.loads(body)
-        except jsonio.JSONDecodeError:
-            parsed = None
+        parsed = jsonio.loads_or_none(body)
     if not isinstance(parsed, dict):
         raise _Retryable(
             "bad_answer",

@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from dataplane import jsonio
 from dataplane.http.errors import ApiError
 from dataplane.linebudget import LineBudget
 from dataplane.metrics import Metrics
@@ -28,7 +29,7 @@ from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
 from dataplane.upstream import forwarder as forwarder_module
 from dataplane.upstream.credentials import OriginCredentials
-from dataplane.upstream.forwarder import NOT_PARSED, Forwarder, OriginAnswer, Sent, UpstreamSettings
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, UpstreamSettings
 from dataplane.upstream.hedge import CommitTimes
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 from dataplane.upstream.wire import OriginResponse
@@ -389,7 +390,7 @@ async def test_a_large_answer_is_checked_by_its_shape_and_parsed_after_sending(
     answer = await rig.forward()
     answer.release()
     assert (answer.target.name, answer.body) == ("o2", big)
-    assert answer.parsed is NOT_PARSED  # the pipeline parses it once it is sent
+    assert answer.parsed is jsonio.NOT_PARSED  # the pipeline parses it once it is sent
     assert rig.attempts("o1", "bad_answer") == 1
 
 
