@@ -29,7 +29,6 @@ from controlplane.load import parse_vllm
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth
 from controlplane.store import Conflict, Fence
-from ponto.originca import origin_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +52,6 @@ class ProbeSettings:
     # each term as it began).
     origin_ca: str = ""
     origin_ssl: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
-
-    @classmethod
-    def trusting(cls, origin_ca: str, **kwargs: Any) -> ProbeSettings:
-        """Settings whose probes trust the CA bundle at `origin_ca` (read now;
-        TlsFileError if it cannot be used)."""
-        return cls(origin_ca=origin_ca, origin_ssl=origin_ssl_context(origin_ca), **kwargs)
 
     def connector(self, **kwargs: Any) -> aiohttp.TCPConnector:
         """A connector to origins, trusting origin_ssl too. On the running loop."""

@@ -13,7 +13,7 @@ from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
-from ponto.originca import TlsFileError
+from ponto.originca import origin_ca_flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,20 +234,7 @@ def parse(argv: list[str]) -> Settings:
         # One line: the arguments parsed, the files they name are at fault
         # (argparse's error() would put the whole usage before it).
         p.exit(2, f"{p.prog}: error: {exc}\n")
-    probe_timing = {
-        "interval": a.probe_interval_ms / 1000,
-        "timeout": a.probe_timeout_ms / 1000,
-        "path": a.probe_path,
-        "metrics_path": a.metrics_path,
-        "rise": a.rise,
-        "fall": a.fall,
-        "load_interval": a.load_interval_ms / 1000,
-        "load_refresh": a.load_refresh_ms / 1000,
-    }
-    try:
-        probe = ProbeSettings.trusting(a.origin_ca, **probe_timing)
-    except TlsFileError as exc:
-        p.exit(2, f"{p.prog}: error: {exc} (--origin-ca)\n")
+    origin_ssl = origin_ca_flag(p, a.origin_ca)
     return Settings(
         etcd=etcd,
         listen=a.listen,
@@ -258,7 +245,18 @@ def parse(argv: list[str]) -> Settings:
         ready_file=a.ready_file,
         log_level=a.log_level,
         leader_ttl=a.leader_ttl,
-        probe=probe,
+        probe=ProbeSettings(
+            interval=a.probe_interval_ms / 1000,
+            timeout=a.probe_timeout_ms / 1000,
+            path=a.probe_path,
+            metrics_path=a.metrics_path,
+            rise=a.rise,
+            fall=a.fall,
+            load_interval=a.load_interval_ms / 1000,
+            load_refresh=a.load_refresh_ms / 1000,
+            origin_ca=a.origin_ca,
+            origin_ssl=origin_ssl,
+        ),
         security=security,
         health_listen=a.health_listen,
         quota_interval=a.quota_interval_ms / 1000,

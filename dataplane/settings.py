@@ -16,7 +16,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
-from ponto.originca import TlsFileError, origin_ssl_context
+from ponto.originca import origin_ca_flag
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
@@ -427,10 +427,7 @@ def parse(argv: list[str]) -> Settings:
         # One line: the arguments parsed, the files they name are at fault
         # (argparse's error() would put the whole usage before it).
         p.exit(2, f"{p.prog}: error: {exc}\n")
-    try:
-        origin_ssl_context(a.origin_ca)
-    except TlsFileError as exc:
-        p.exit(2, f"{p.prog}: error: {exc} (--origin-ca)\n")
+    origin_ssl = origin_ca_flag(p, a.origin_ca)
     if a.cache_max_mb < 0:
         p.error("--cache-max-mb must be 0 (no cache) or more")
     if a.cache_ttl <= 0:
@@ -478,6 +475,7 @@ def parse(argv: list[str]) -> Settings:
             deadline=a.deadline,
             forward_headers=forward,
             origin_ca=a.origin_ca,
+            origin_ssl=origin_ssl,
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,

@@ -10,12 +10,13 @@ OpenSSL's `SSL_CERT_FILE` and `SSL_CERT_DIR` may replace as a whole.
 
 from __future__ import annotations
 
+import argparse
 import ssl
 from pathlib import Path
 
 from ponto.tlsfiles import TlsFileError, certificates
 
-__all__ = ["TlsFileError", "origin_ssl_context"]
+__all__ = ["TlsFileError", "origin_ca_flag", "origin_ssl_context"]
 
 
 def origin_ssl_context(path: str) -> ssl.SSLContext | None:
@@ -33,3 +34,13 @@ def origin_ssl_context(path: str) -> ssl.SSLContext | None:
     context = ssl.create_default_context()
     context.load_verify_locations(cafile=path)
     return context
+
+
+def origin_ca_flag(parser: argparse.ArgumentParser, path: str) -> ssl.SSLContext | None:
+    """`origin_ssl_context` of the --origin-ca flag, read once, when the flags
+    are; a file that cannot be used ends the process in one line (argparse's
+    error() would put the whole usage before it)."""
+    try:
+        return origin_ssl_context(path)
+    except TlsFileError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc} (--origin-ca)\n")

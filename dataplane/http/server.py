@@ -61,8 +61,6 @@ from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
-from dataplane.upstream.wire import OriginWire
-from ponto.originca import origin_ssl_context
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
@@ -199,13 +197,7 @@ class Proxy:
             self.access_log.start()
         if self.region_link is not None:
             await self.region_link.start()
-        upstream = settings.upstream
-        wire = OriginWire(
-            connect_timeout=upstream.connect_timeout,
-            read_timeout=upstream.read_timeout,
-            ssl_context=origin_ssl_context(upstream.origin_ca),
-        )
-        forwarder = Forwarder(self.metrics, upstream, wire=wire, loads=self.loads)
+        forwarder = Forwarder(self.metrics, settings.upstream, loads=self.loads)
         # Built here, not in __init__: it needs the upstream pool.
         app[PIPELINE] = Pipeline(
             self.holder,

@@ -23,6 +23,7 @@ import email.utils
 import logging
 import math
 import re
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,8 +155,10 @@ class UpstreamSettings:
     deadline: float = 600.0
     # Client headers sent on to origins besides FORWARD_REQUEST_HEADERS.
     forward_headers: tuple[str, ...] = ()
-    # A CA bundle trusted for https origins besides the system's (ponto.originca).
+    # A CA bundle trusted for https origins besides the system's
+    # (ponto.originca), and the context made of it when the flags were read.
     origin_ca: str = ""
+    origin_ssl: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
 
 
 class _Retryable(Exception):
@@ -283,7 +286,9 @@ class Forwarder:
             h for h in configured if h not in NEVER_FORWARDED and h not in FORWARD_REQUEST_HEADERS
         )
         self._wire = wire or OriginWire(
-            connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            ssl_context=settings.origin_ssl,
         )
         self._deadlines: Deadlines | None = None  # made on the loop of the first call
         self._lines = lines or LineBudget()

@@ -52,8 +52,11 @@ def test_both_processes_refuse_a_bad_origin_ca_at_start_in_one_line(
 
 def test_both_processes_take_a_good_origin_ca(tmp_path: Path) -> None:
     ca = make_bundle(tmp_path).ca
-    assert parse_proxy(["--region", "r", "--origin-ca", ca]).upstream.origin_ca == ca
-    assert parse_control(["--origin-ca", ca]).probe.origin_ca == ca
+    upstream = parse_proxy(["--region", "r", "--origin-ca", ca]).upstream
+    probe = parse_control(["--origin-ca", ca]).probe
+    assert upstream.origin_ca == probe.origin_ca == ca
+    # Read once, with the flags: what calls and probes use from then on.
+    assert upstream.origin_ssl is not None and probe.origin_ssl is not None
 
 
 async def test_the_control_planes_probes_trust_the_origin_ca(tmp_path: Path) -> None:
@@ -63,7 +66,7 @@ async def test_the_control_planes_probes_trust_the_origin_ca(tmp_path: Path) -> 
     app = web.Application()
     app.router.add_get("/health", health)
     async with serving_tls(app, tmp_path) as (root, bundle):
-        trusting = ProbeSettings.trusting(bundle.ca)
+        trusting = ProbeSettings(origin_ca=bundle.ca, origin_ssl=origin_ssl_context(bundle.ca))
         Path(bundle.ca).unlink()  # read once, when the flags were: not at each term
         for settings, ok in ((trusting, True), (ProbeSettings(), False)):
             async with aiohttp.ClientSession(connector=settings.connector()) as session:
