@@ -167,8 +167,7 @@ class OriginConnection(BaseProtocol):
 
     def start_timeout(self) -> None:
         """The read timeout runs from now (the request handed to the socket)."""
-        if self._read_timeout:
-            self._deadline.arm(self._read_timeout, self._timed_out)
+        self._time_the_origin()
 
     @property
     def idle(self) -> bool:
@@ -230,8 +229,8 @@ class OriginConnection(BaseProtocol):
             self.close()
             return
         lingering = self._lingering
-        if data and self._read_timeout and not self._reading_paused and lingering is None:
-            self._deadline.arm(self._read_timeout, self._timed_out)
+        if data and lingering is None:  # a byte of the answer: the timeout starts over
+            self._time_the_origin()
         try:
             messages, _, _ = parser.feed_data(data)
         except Exception as exc:  # the parser's refusal of what the origin sent
