@@ -248,6 +248,10 @@ async def test_a_leader_nobody_follows_stops_the_origin_when_its_client_leaves(
     await until(lambda: origin.gone)
     assert not origin.finished
     await until(lambda: in_flight(edge) == 0)
+    # Its origin's call, cut mid-stream, is counted as cancelled, not ok.
+    cancelled = {"origin": "o1", "outcome": "cancelled"}
+    await until(lambda: edge.sample("ponto_upstream_attempts_total", cancelled) == 1)
+    assert not edge.sample("ponto_upstream_attempts_total", {"origin": "o1", "outcome": "ok"})
 
 
 async def test_a_flight_relayed_for_followers_alone_ends_at_the_idle_timeout(

@@ -116,23 +116,6 @@ async def test_a_stream_answered_whole_carries_its_limit_headers_once(tmp_path: 
         await s.close()
 
 
-async def test_a_client_that_leaves_mid_stream_counts_its_origins_call_cancelled(
-    start: Start, clients: list[Client]
-) -> None:
-    origin = Origin()
-    edge = await start(origin)
-    client = Client(edge)
-    clients.append(client)
-    origin.let(3)
-    await client.send()
-    await client.events(3)
-    await client.leave()
-    await until(lambda: origin.gone)
-    cancelled = {"origin": "o1", "outcome": "cancelled"}
-    await until(lambda: edge.sample("ponto_upstream_attempts_total", cancelled) == 1)
-    assert not edge.sample("ponto_upstream_attempts_total", {"origin": "o1", "outcome": "ok"})
-
-
 async def test_a_responses_stream_answered_whole_reaches_the_sdk_as_events(
     tmp_path: Path,
 ) -> None:
