@@ -4,7 +4,8 @@ aiohttp's parser is kept; its protocol (`web_protocol.RequestHandler`) is
 subclassed at these points:
 
 - `start`: aiohttp's request loop, with each request's handler awaited in the
-  connection's task rather than in a task of its own (`EdgeProtocol.start`).
+  connection's task rather than in a task of its own (`EdgeProtocol.start`),
+  and around it aiohttp's `_handle_request` as `EdgeProtocol._handle`.
 - `data_received`: a request's head must arrive within `header_timeout` of its
   first byte (of the connection's opening, for the first request) and its body
   within `body_timeout` of the head. A late head closes the connection (there
@@ -47,6 +48,7 @@ import re
 import resource
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Final, cast
 
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web, web_protocol
@@ -63,6 +65,7 @@ from aiohttp.http_exceptions import (
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.http_writer import StreamWriter, _serialize_headers
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+from aiohttp.web_exceptions import HTTPException
 
 from dataplane import jsonio
 from dataplane.http.body import BodyTimeout
@@ -209,8 +212,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
 
     Relies on these aiohttp internals (tests/unit/test_edge_limits.py checks
     they exist, tests/functional/test_edge.py what they do): those of the
-    request loop copied into `start` (aiohttp 3.14.5's, the pinned version);
-    `_messages`
+    request loop copied into `start` and `_handle` (aiohttp 3.14.5's, the
+    pinned version); `_messages`
     (parsed requests not yet handled, with their payloads) and `_ErrInfo`,
     `_request_count`, `_request_in_progress`, `_waiter`, `_manager`, `_close`,
     `_force_close`, and `data_received` feeding the parser synchronously; and,
@@ -225,6 +228,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_counted",
         "_deadline",
         "_head_bytes",
+        "_hooks",
         "_ids",
         "_limits",
         "_payload",
@@ -239,6 +243,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._caps = manager.caps
         self._ids = manager.ids
         self._unparsed = manager.unparsed
+        self._hooks = manager.prepare_hooks
         self._address = ""
         self._head_bytes = 0  # of the head being received
         self._counted = False
@@ -379,6 +384,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
         resp = None
         assert self._request_factory is not None
         assert self._request_handler is not None
+        # This task serves every request of the connection (aiohttp's looks its
+        # task up per request, a getpid system call each on Python 3.11).
+        task = asyncio.current_task(loop)
 
         while not self._force_close:
             if not self._messages:
@@ -413,12 +421,11 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 payload,
                 self,
                 writer,
-                self._task_handler or asyncio.current_task(loop),  # type: ignore[arg-type]
+                self._task_handler or task,  # type: ignore[arg-type]
             )
             try:
-                task = asyncio.current_task(loop)
                 try:
-                    resp, reset = await self._handle_request(request, start, request_handler)
+                    resp, reset = await self._handle(request, start, request_handler)
                 except ConnectionError:
                     self.log_debug("Ignored premature client disconnection")
                     break
@@ -489,6 +496,39 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._task_handler = None
             if self.transport is not None:
                 self.transport.close()
+
+    async def _handle(
+        self,
+        request: web.BaseRequest,
+        start_time: float | None,
+        request_handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+    ) -> tuple[web.StreamResponse, bool]:
+        """In place of aiohttp 3.14's `_handle_request`: its steps, with one
+        `finish_response` call after the handler's answer or error rather than
+        one in each branch, and without its warning for a returned HTTPException
+        (deprecated; no handler of the proxy does it)."""
+        self._request_in_progress = True
+        try:
+            try:
+                try:
+                    self._current_request = request
+                    resp = await request_handler(request)
+                finally:
+                    self._current_request = None
+            except HTTPException as exc:
+                resp = exc
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError as exc:
+                self.log_debug("Request handler timed out.", exc_info=exc)
+                resp = self.handle_error(request, 504)
+            except Exception as exc:
+                resp = self.handle_error(request, 500, exc)
+            return await self.finish_response(request, resp, start_time)
+        finally:
+            self._request_in_progress = False
+            if self._handler_waiter is not None:
+                self._handler_waiter.set_result(None)
 
     # ------------------------------------------------------------ deadlines
 
@@ -662,7 +702,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
             or hdrs.CONTENT_LENGTH in headers
             # app.on_response_prepare hooks see (and may change) the prepared
             # head, which aiohttp's order of steps gives them.
-            or _prepare_hooks(request)
+            or (self._hooks and _prepare_hooks(request))
         )
 
     def _put_whole(self, request: web.BaseRequest, resp: web.Response) -> bool:
@@ -800,8 +840,22 @@ def _prepare_hooks(request: web.BaseRequest) -> bool:
     return match_info is not None and any(app.on_response_prepare for app in match_info.apps)
 
 
+def _has_prepare_hooks(app: web.Application) -> bool:
+    """Whether `app` or any application under it has on_response_prepare
+    hooks. Final once `app` is frozen (its hooks and sub-applications are)."""
+    if app.on_response_prepare:
+        return True
+    return any(
+        _has_prepare_hooks(resource._app)
+        for resource in app.router.resources()
+        if isinstance(resource, web.PrefixedSubAppResource)  # MatchedSubAppResource too
+    )
+
+
 def _head_size(message: RawRequestMessage) -> int:
-    return len(message.path) + sum(len(k) + len(v) + 4 for k, v in message.raw_headers)
+    # Every request's: counted in C, with no Python step per header.
+    raw = message.raw_headers
+    return len(message.path) + sum(map(len, chain.from_iterable(raw))) + 4 * len(raw)
 
 
 class HeadTooLarge(BadHttpMessage):
@@ -891,6 +945,8 @@ class EdgeServer(web.Server):
         caps: ConnectionCaps,
         handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]] | None = None,
         unparsed: Callable[[web.BaseRequest, str, int, str], None] | None = None,
+        *,
+        prepare_hooks: bool = True,
     ) -> None:
         # aiohttp keeps the protocol's arguments in `_kwargs` only.
         super().__init__(
@@ -904,6 +960,9 @@ class EdgeServer(web.Server):
         self.ids = RequestIds()
         # Counts and logs a message the parser refused (dataplane.http.state.UNPARSED).
         self.unparsed = unparsed
+        # False: no application served here has on_response_prepare hooks, so
+        # no answer's request needs looking at for them.
+        self.prepare_hooks = prepare_hooks
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._loop, **self._kwargs)
@@ -939,4 +998,7 @@ class EdgeRunner(web.AppRunner):
         self.caps = ConnectionCaps(total, per_client)
         # The app is frozen by now: its fixed routes are dispatched without the router.
         fixed = FixedRoutes(self.app, base.request_handler)
-        return EdgeServer(base, limits, self.caps, fixed, self.app.get(UNPARSED))
+        return EdgeServer(
+            base, limits, self.caps, fixed, self.app.get(UNPARSED),
+            prepare_hooks=_has_prepare_hooks(self.app),
+        )  # fmt: skip

@@ -23,6 +23,7 @@ from dataplane.http.edge import (
     ConnectionCaps,
     EdgeProtocol,
     HeadTooLarge,
+    _has_prepare_hooks,
     default_max_connections,
     parser_error,
 )
@@ -219,9 +220,10 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
         "_parser", "_buffer_paused", "_msg_queue_resume_size", "_keepalive_timeout",
         "_keepalive_handle", "_next_keepalive_close_time", "_lingering_time", "_keepalive",
         "_request_factory", "_request_handler", "_task_handler", "_logging_enabled",
+        "_current_request", "_handler_waiter",
     }  # fmt: skip
     assert loop_state <= slots
-    for method in ("_handle_request", "_make_error_handler", "_resume_reading_if_drained"):
+    for method in ("_make_error_handler", "_resume_reading_if_drained"):
         assert callable(getattr(web_protocol.RequestHandler, method)), method
     assert web_protocol.ERROR.method == "UNKNOWN"
     assert isinstance(web_protocol._PAYLOAD_ACCESS_ERROR, Exception)
@@ -229,6 +231,9 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
     # be compared with the copy before it is used.
     source = inspect.getsource(web_protocol.RequestHandler.start)
     assert hashlib.sha256(source.encode()).hexdigest() == START_SHA256, aiohttp.__version__
+    # So is the request's handling around its handler (EdgeProtocol._handle).
+    source = inspect.getsource(web_protocol.RequestHandler._handle_request)
+    assert hashlib.sha256(source.encode()).hexdigest() == HANDLE_SHA256, aiohttp.__version__
     # So is its shutdown, which EdgeProtocol.shutdown copies but for the cancel.
     source = inspect.getsource(web_protocol.RequestHandler.shutdown)
     assert hashlib.sha256(source.encode()).hexdigest() == SHUTDOWN_SHA256, aiohttp.__version__
@@ -236,6 +241,8 @@ def test_the_protocol_relies_on_aiohttp_internals_that_exist() -> None:
 
 # sha256 of aiohttp 3.14.5's RequestHandler.start, which EdgeProtocol.start copies.
 START_SHA256 = "2e565fd40c8e04fb3afb481d5ba52691a61d28396573b4b8a4cf3b168782288e"
+# ... of its RequestHandler._handle_request (EdgeProtocol._handle).
+HANDLE_SHA256 = "a88a34ee65a2714c6b392d23963ba9a80e7d50d4889905cd949a94d479102d8f"
 # ... and of its RequestHandler.shutdown (EdgeProtocol.shutdown).
 SHUTDOWN_SHA256 = "5eb4bd473db61e84c485dfec4b411c0fd40f0694920de2a955b5f46fde2438fa"
 
@@ -308,3 +315,25 @@ def test_edge_flags_are_parsed_and_checked() -> None:
         with pytest.raises(SystemExit) as exit_:
             parse(["--region=r", *bad])
         assert exit_.value.code == 2
+
+
+async def _hook(request: web.Request, response: web.StreamResponse) -> None:
+    pass
+
+
+def test_prepare_hooks_are_found_in_the_app_and_every_application_under_it() -> None:
+    # EdgeProtocol writes whole answers itself only when no application has
+    # on_response_prepare hooks: a hook anywhere must be found.
+    def tree(where: str) -> web.Application:
+        root, sub, deeper, domain = (web.Application() for _ in range(4))
+        hooked = {"root": root, "sub": sub, "deeper": deeper, "domain": domain}.get(where)
+        if hooked is not None:  # before it is added: a sub-application is frozen then
+            hooked.on_response_prepare.append(_hook)
+        sub.add_subapp("/deeper", deeper)
+        root.add_subapp("/sub", sub)
+        root.add_domain("example.com", domain)
+        return root
+
+    assert not _has_prepare_hooks(tree("nowhere"))
+    for where in ("root", "sub", "deeper", "domain"):
+        assert _has_prepare_hooks(tree(where)), where
