@@ -65,9 +65,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     """
     started = time.perf_counter()
     app = request.app
+    draining = app[DRAINING]
     request_id = request[REQUEST_ID] = app[REQUEST_IDS].of(request.headers.get("x-request-id"))
     endpoint = request.match_info.route.name or "other"
-    if app[DRAINING].active:
+    if draining.active:
         # Any answer, streams included (they are prepared inside the handler),
         # says `Connection: close`: the client opens its next request elsewhere.
         request._message = request._message._replace(should_close=True)
@@ -75,7 +76,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     error = ""
     try:
         response = await handler(request)
-        status = returned_status(request.get(EXCHANGE), response)
+        ex = request.get(EXCHANGE)
+        status = returned_status(ex, response)
     except asyncio.CancelledError:
         # The client left (production runs with handler_cancellation) or the
         # server stopped the handler as it shut down: nobody gets an answer,
@@ -95,8 +97,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
             response, error = _error_response(request, exc)
             failed = True
         status = response.status
-    ex = request.get(EXCHANGE)
-    if app[DRAINING].active:
+    if draining.active:
         # Draining began while this request ran: close after its answer too
         # (a stream already sent its head; its connection still ends with it),
         # or a kept-alive client would hold the drain to its deadline.

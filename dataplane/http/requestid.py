@@ -50,4 +50,6 @@ class RequestIds:
 
     def of(self, client_id: str | None) -> str:
         """The id of a request that came with `client_id` (the header's value)."""
+        if client_id is None:  # most requests: no call to check it
+            return f"{self._prefix}{next(self._count):016x}"
         return accepted_client_id(client_id) or self.next()

@@ -98,6 +98,8 @@ class Proxy:
     def __init__(self, settings: Settings, tracer: RequestTracer | None = None) -> None:
         self.settings = settings
         self.tracer = tracer
+        # Built by `lifetime` (it needs the upstream pool); also app[PIPELINE].
+        self.pipeline: Pipeline | None = None
         self.metrics = m = Metrics(key_labels=settings.metrics_key_labels)
         self.holder = holder = TableHolder(settings.region, settings.state_dir, settings.cache)
         self.limiter = RateLimiter()
@@ -199,7 +201,7 @@ class Proxy:
             await self.region_link.start()
         forwarder = Forwarder(self.metrics, settings.upstream, loads=self.loads)
         # Built here, not in __init__: it needs the upstream pool.
-        app[PIPELINE] = Pipeline(
+        app[PIPELINE] = self.pipeline = Pipeline(
             self.holder,
             self.limiter,
             self.cache,
@@ -295,7 +297,7 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
     for endpoint in ENDPOINTS.values():
         r.add_post(
             "/v1/" + endpoint.upstream_path.lstrip("/"),
-            proxied(endpoint),
+            proxied(endpoint, proxy),
             name=endpoint.name,
             expect_handler=expect_continue,
         )
@@ -323,11 +325,13 @@ def build_metrics_app(app: web.Application) -> web.Application:
     return metrics_app
 
 
-def proxied(endpoint: Endpoint) -> Handler:
-    """The route handler of one proxied endpoint: the pipeline, on a new Exchange."""
+def proxied(endpoint: Endpoint, proxy: Proxy) -> Handler:
+    """The route handler of one proxied endpoint: `proxy`'s pipeline, on a new
+    Exchange. The app serves only once its start step built the pipeline."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        pipeline = request.app[PIPELINE]
+        pipeline = proxy.pipeline
+        assert pipeline is not None
         if pipeline.holder.routes is None:
             # A proxy (or a worker of a group) that just started: its first
             # table is a round trip to the control plane away. A request that
