@@ -237,6 +237,10 @@ class Metrics:
 
     def __init__(self, *, key_labels: bool = True) -> None:
         self.key_labels = key_labels
+        # Series every request touches, by their label values: one dict lookup
+        # instead of building the labels (each as many as its family's series).
+        self._requests_of: dict[tuple[str, ...], CounterCell] = {}
+        self._tokens_of: dict[tuple[str, str, str], tuple[HistogramCell, HistogramCell]] = {}
         by_key = ["key"] if key_labels else []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -503,7 +507,13 @@ class Metrics:
         return counts
 
     def account_request(self, tenant: str, key: str, status: int) -> None:
-        self.tenant_requests.labels(*self._who(tenant, key), str(status)).inc()
+        code = str(status)
+        found = (tenant, key, code) if self.key_labels else (tenant, code)
+        cell = self._requests_of.get(found)
+        if cell is None:
+            labels = (tenant, key or "-", code) if self.key_labels else found
+            cell = self._requests_of[found] = self.tenant_requests.labels(*labels)
+        cell.value += 1.0
 
     def account_tokens(self, tenant: str, key: str, usage: Usage) -> None:
         who = self._who(tenant, key)
@@ -531,9 +541,15 @@ class Metrics:
         if first_chunk_s is not None:
             self.genai_first_chunk.labels(operation, model, region, cache).observe(first_chunk_s)
         if usage is not None:
-            tokens = self.genai_tokens
-            tokens.labels(operation, model, "input", region).observe(usage.prompt_tokens)
-            tokens.labels(operation, model, "output", region).observe(usage.completion_tokens)
+            cells = self._tokens_of.get((operation, model, region))
+            if cells is None:
+                tokens = self.genai_tokens
+                cells = self._tokens_of[(operation, model, region)] = (
+                    tokens.labels(operation, model, "input", region),
+                    tokens.labels(operation, model, "output", region),
+                )
+            cells[0].observe(usage.prompt_tokens)
+            cells[1].observe(usage.completion_tokens)
 
     def set_info(self, proxy: str, region: str, version: str) -> None:
         """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""

@@ -140,7 +140,8 @@ class Bound:
         tb: TracebackType | None,
     ) -> None:
         self._owner.forget(self)
-        _exit_timeout(self._task, self._expired, self._cancelling, exc_type, exc)
+        if self._expired:  # rarely: no call otherwise
+            _exit_timeout(self._task, True, self._cancelling, exc_type, exc)
 
 
 class Deadlines:
@@ -153,10 +154,10 @@ class Deadlines:
     timer of its own. Used from the loop's thread only.
     """
 
-    __slots__ = ("_last", "_loop", "_queue", "_timer")
+    __slots__ = ("_last", "_queue", "_timer", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop  # read by its owner on every call: an attribute, not a property
         self._queue: dict[Bound, None] = {}  # in order of `when`
         self._last = float("-inf")  # the latest `when` in the queue
         self._timer = LazyTimer(loop)
@@ -164,15 +165,11 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._queue)
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
     def bound(self, task: asyncio.Task[object], when: float) -> Bound:
         """`task` cancelled at loop time `when` unless the Bound has exited."""
         bound = Bound(self, task, when)
         if when < self._last:
-            bound._timer = self._loop.call_at(when, bound.expire)
+            bound._timer = self.loop.call_at(when, bound.expire)
             return bound
         if not self._queue:
             self._timer.arm_at(when, self._sweep)
@@ -192,7 +189,7 @@ class Deadlines:
         """Expire the deadlines past (the first ones), then wait for the next."""
         # Not a grain early, as LazyTimer may call: a call is cancelled at its
         # deadline, never before (the traced path tells a timeout by the clock).
-        now = self._loop.time()
+        now = self.loop.time()
         queue = self._queue
         while queue:
             bound = next(iter(queue))

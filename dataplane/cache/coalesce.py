@@ -104,7 +104,8 @@ class _Flight:
         self.done = False
         self.entry: CachedResponse | None = None
         self.error: BaseException | None = None
-        self.changed = asyncio.Event()
+        # Made by the first follower that waits: most flights have none.
+        self.changed: asyncio.Event | None = None
         # Follower id -> index of the next chunk it will take. Only followers
         # that may still iterate are here; they hold back trimming.
         self.positions: dict[int, int] = {}
@@ -114,9 +115,17 @@ class _Flight:
         self.on_deserted: Callable[[], None] | None = None
 
     def wake(self) -> None:
-        # Waiters hold the old event; a fresh one is for the next change.
-        self.changed.set()
-        self.changed = asyncio.Event()
+        # Waiters hold the old event; the next to wait makes a fresh one.
+        changed, self.changed = self.changed, None
+        if changed is not None:
+            changed.set()
+
+    async def wait(self) -> None:
+        """Return at the flight's next change (a chunk, or its outcome)."""
+        changed = self.changed
+        if changed is None:
+            changed = self.changed = asyncio.Event()
+        await changed.wait()
 
 
 class Coalescer:
@@ -301,7 +310,7 @@ class Follower:
                 if flight.error is not None:
                     raise FlightFailed(_describe(flight.error), delivered=self.delivered)
                 raise StopAsyncIteration
-            await flight.changed.wait()
+            await flight.wait()
 
     async def result(self) -> CachedResponse:
         """The leader's entry once it has finished; raises FlightFailed when there
@@ -309,7 +318,7 @@ class Follower:
         flight = self._flight
         self.close()
         while not flight.done:
-            await flight.changed.wait()
+            await flight.wait()
         if flight.entry is None:
             reason = _describe(flight.error) if flight.error else "the answer was not kept"
             raise FlightFailed(reason, delivered=self.delivered)

@@ -134,9 +134,10 @@ def from_completion(
         return None
     if kind is not ResponseKind.EMBEDDINGS:
         choices = obj["choices"]
-        if not all(isinstance(c, dict) for c in choices):
-            return None
-        reasons = (c.get("finish_reason") for c in choices)
+        for choice in choices:
+            if not isinstance(choice, dict):
+                return None
+        reasons = [c.get("finish_reason") for c in choices]
         if finish_refusal(reasons, store_truncated=store_truncated) is not None:
             return None
     model = obj.get("model")

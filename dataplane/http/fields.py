@@ -176,11 +176,11 @@ def count_outside_strings(
     Strings are cut out (one C pass) only when the bound is too high, so an
     ordinary body costs one count per character."""
     if anywhere is None:
-        anywhere = sum(raw.count(c) for c in chars)
+        anywhere = sum(map(raw.count, chars))
     if anywhere <= at_most:
         return anywhere
     bare = _JSON_STRING.sub(b"", raw)
-    return sum(bare.count(c) for c in chars)
+    return sum(map(bare.count, chars))
 
 
 def check_containers(raw: bytes, brackets: int | None = None) -> None:

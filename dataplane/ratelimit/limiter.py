@@ -600,27 +600,29 @@ class RateLimiter:
                 left = b.refill(now) / f if f > 0 else 0.0
                 if left < tok_left:
                     tok_left, tok, tok_st = left, b, st
+        # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket
+        # (refilled to `now` above) is full; with no share yet (rate 0) the
+        # share comes with the next rebalance.
         out: list[tuple[str, str]] = []
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
+            shown = "0" if req_left <= 0 else str(limit if req_left >= limit else int(req_left))
+            rate = req.rate
+            reset = self._unknown_retry_s if rate <= 0 else (req.capacity - req.level) / rate
             out.append(req_st.req_limit)
-            out.append((_REMAINING_REQ, _remaining(req_left, limit)))
-            out.append((_RESET_REQ, self._reset(req)))
+            out.append((_REMAINING_REQ, shown))
+            out.append((_RESET_REQ, format_duration(reset)))
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
+            shown = "0" if tok_left <= 0 else str(limit if tok_left >= limit else int(tok_left))
+            rate = tok.rate
+            reset = self._unknown_retry_s if rate <= 0 else (tok.capacity - tok.level) / rate
             out.append(tok_st.tok_limit)
-            out.append((_REMAINING_TOK, _remaining(tok_left, limit)))
-            out.append((_RESET_TOK, self._reset(tok)))
+            out.append((_REMAINING_TOK, shown))
+            out.append((_RESET_TOK, format_duration(reset)))
         if refusal is not None and not refusal.ok and refusal.refused_by is not None:
             return _refused_headers(out, refusal, refusal.refused_by)
         return out
-
-    def _reset(self, bucket: TokenBucket) -> str:
-        # The bucket was refilled to `now` just before.
-        rate = bucket.rate
-        if rate <= 0:  # no share yet: it comes with the next rebalance
-            return format_duration(self._unknown_retry_s)
-        return format_duration((bucket.capacity - bucket.level) / rate)
 
 
 def _refused_headers(
@@ -637,9 +639,3 @@ def _refused_headers(
     names = (limit[0], remaining, reset)
     kept = [(name, value) for name, value in out if name not in names]
     return [*kept, limit, (remaining, "0"), (reset, refusal.retry_in())]
-
-
-def _remaining(left: float, limit: int) -> str:
-    if left <= 0:
-        return "0"
-    return str(limit if left >= limit else int(left))

@@ -291,6 +291,9 @@ class Forwarder:
             ssl_context=settings.origin_ssl,
         )
         self._deadlines: Deadlines | None = None  # made on the loop of the first call
+        # The loop of the calls under way, set by each `forward`: on Python
+        # 3.11 asyncio.get_running_loop() makes a getpid system call.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._lines = lines or LineBudget()
 
     async def close(self) -> None:
@@ -377,7 +380,7 @@ class Forwarder:
         span's trace context. `spent_s` is time the request already spent out of
         its deadline (waiting for another proxy's identical call).
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
         tries = _Tries(loop.time() + settings.deadline - spent_s)
         self.budget.deposit()
@@ -456,7 +459,8 @@ class Forwarder:
         trace: RequestTrace | None,
     ) -> OriginAnswer | None:
         """Attempts one at a time from candidate `tries.made`; None when none committed."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # a forward() runs
         deadlines = self._deadlines
         if deadlines is None or deadlines.loop is not loop:
             deadlines = self._deadlines = Deadlines(loop)
@@ -744,7 +748,8 @@ class Forwarder:
                 headers = headers.copy()
                 headers["authorization"] = authorization
         loads = self.loads
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # a forward() runs
         sent_at = loop.time()
         loads.started(target.name)
         try:
@@ -781,7 +786,8 @@ class Forwarder:
                     f"refused the proxy's credential ({resp.status})",
                     resp.status,
                 )
-            streamed = resp.content_type == "text/event-stream"
+            content_type = resp.content_type
+            streamed = content_type == "text/event-stream"
             body_read: bytes | None = None
             first = b""
             try:
@@ -797,7 +803,7 @@ class Forwarder:
                 raise _Retryable("cut", "stream ended before its first chunk")
             parsed: Any = jsonio.NOT_PARSED
             if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
-                parsed = _answer_object(body_read, resp.status, resp.content_type)
+                parsed = _answer_object(body_read, resp.status, content_type)
             if resp.status < 400:
                 # Refusals come back at once and would make "slow" look fast.
                 self.commit_times.observe(target.name, stream, loop.time() - sent_at)
