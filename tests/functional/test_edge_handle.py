@@ -1,0 +1,88 @@
+"""EdgeProtocol._handle, aiohttp's `_handle_request` copied: what a handler's
+answer or error becomes on an application without the proxy's error boundary
+(dataplane.http.boundary), and a stop that waits for a request under way."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dataplane.http.edge import EdgeLimits, EdgeRunner
+
+
+async def not_found(request: web.Request) -> web.Response:
+    raise web.HTTPNotFound()
+
+
+async def redirect(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/elsewhere")
+
+
+async def times_out(request: web.Request) -> web.Response:
+    raise TimeoutError
+
+
+async def a_bug(request: web.Request) -> web.Response:
+    raise ValueError("a bug")
+
+
+async def slow(request: web.Request) -> web.Response:
+    await asyncio.sleep(0.2)
+    return web.Response(text="slow")
+
+
+ANSWERS = [
+    ("GET", "/not-found", 404, None),
+    ("GET", "/redirect", 302, None),
+    ("GET", "/nowhere", 404, None),  # the router's own
+    ("POST", "/not-found", 405, None),
+    ("GET", "/times-out", 504, "close"),
+    ("GET", "/a-bug", 500, "close"),
+]
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[EdgeRunner, str]]:
+    app = web.Application()
+    for path, handler in [
+        ("/not-found", not_found), ("/redirect", redirect), ("/times-out", times_out),
+        ("/a-bug", a_bug), ("/slow", slow),
+    ]:  # fmt: skip
+        app.router.add_get(path, handler)
+    runner = EdgeRunner(app, EdgeLimits(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield runner, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_handlers_errors_are_answered_as_aiohttp_answers_them(
+    served: tuple[EdgeRunner, str],
+) -> None:
+    _, base = served
+    async with aiohttp.ClientSession() as session:
+        for method, path, status, connection in ANSWERS:
+            async with session.request(method, base + path, allow_redirects=False) as resp:
+                await resp.read()
+                assert (resp.status, resp.headers.get("Connection")) == (status, connection), path
+
+
+async def test_a_stop_waits_for_the_request_under_way(served: tuple[EdgeRunner, str]) -> None:
+    runner, base = served
+    async with aiohttp.ClientSession() as session:
+        answer = asyncio.create_task(session.get(base + "/slow"))
+        while not runner.server or not any(  # the request is in its handler
+            c._request_in_progress for c in runner.server.connections
+        ):
+            await asyncio.sleep(0.01)
+        await runner.cleanup()  # shutdown sets _handler_waiter; _handle resolves it
+        resp = await answer
+        assert (resp.status, await resp.text()) == (200, "slow")
