@@ -142,6 +142,23 @@ def chat_body(model: str) -> bytes:
     ).encode()  # fmt: skip
 
 
+def conversation_body(model: str, kb: int) -> bytes:
+    """A non-streaming chat request for `model` of about `kb` KB: a system
+    prompt, then user and assistant turns of ordinary prose (an agent's
+    conversation, whose every turn the proxy reads: to check it, estimate its
+    tokens, place it and key it), and last a user turn with "{i}" (each
+    request's own, so no cache answers a repeat)."""
+    turn = " ".join(["The build failed again after the last change to the parser."] * 6)
+    messages = [{"role": "system", "content": "You are a careful coding assistant. " * 8}]
+    while len(json.dumps(messages)) < kb * 1024:
+        messages.append({"role": "user", "content": turn})
+        messages.append({"role": "assistant", "content": turn.replace("failed", "passed")})
+    messages.append({"role": "user", "content": "And now? {i}"})
+    return json.dumps(
+        {"model": model, "max_tokens": 8, "temperature": 0, "messages": messages}
+    ).encode()
+
+
 BODY = chat_body(MODEL)
 # The "cpu" and workers phases' requests: Ponto routes them to the canned origin.
 CANNED_BODY = chat_body(canned.CANNED_MODEL)

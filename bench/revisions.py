@@ -2,7 +2,8 @@
 costs less CPU per request, to about 1 %.
 
     .venv/bin/python -m bench.revisions --base REV [--head REV] [--rounds 8]
-        [--seconds 4] [--ponto-features auth-limits-cache|none] [--stream] [--out PATH]
+        [--seconds 4] [--ponto-features auth-limits-cache|none] [--stream]
+        [--conversation-kb N] [--out PATH]
 
 Why not bench.compare. bench.compare measures its targets one after another,
 and on a shared VM the machine's speed drifts by 15 % and more between rounds
@@ -15,6 +16,9 @@ A proxy's CPU per request is its CPU time over the round / its answers.
 With --stream the requests ask for streamed answers of 16 tokens, which the
 origin simulator sends (nginx cannot): it shares CPU 1 with the load and
 may saturate first, which leaves the proxies below saturation, both alike.
+With --conversation-kb N each request is an agent's conversation of about N
+KB (bench.compare.conversation_body) instead of one short message: the costs
+that grow with a request's size.
 
 Both orders. Even with identical code, the proxy started first measured up
 to 3 % apart from the other, so the pair runs twice, once with each revision
@@ -48,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import compare, wrk
+from bench import canned, compare, wrk
 from bench.procs import cpus_available
 from ponto.fleet import Fleet, RegionDef
 
@@ -127,6 +131,8 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
                 proxies[which] = compare.start_proxy_alone(fleet, which, ["--workers", "1"])
         nginx = compare.start_canned(fleet, Path(tmp) / "canned")
         body = compare.CANNED_BODY
+        if args.conversation_kb:
+            body = compare.conversation_body(canned.CANNED_MODEL, args.conversation_kb)
         try:
             if args.stream:  # the simulator streams; nginx answers JSON only
                 compare.start_simulator(fleet)
@@ -206,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "base": args.base,
         "ponto_features": args.ponto_features,
         "stream": args.stream,
+        "conversation_kb": args.conversation_kb,
         "rounds": args.rounds,
         "seconds": args.seconds,
         "orders": [asdict(o) for o in orders],
@@ -227,8 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true",
                         help="streamed answers of 16 tokens from the origin simulator (on CPU 1 "
                              "with the load) instead of nginx's JSON")  # fmt: skip
+    parser.add_argument("--conversation-kb", type=int, default=0, metavar="N",
+                        help="requests of an agent's conversation of about N KB (not with "
+                             "--stream)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     args = parser.parse_args(argv)
+    if args.stream and args.conversation_kb:
+        parser.error("--conversation-kb and --stream do not go together")
     # A SIGTERM unwinds like Ctrl-C: the fleet, the worktrees and the temp dir go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run(args)

@@ -196,6 +196,8 @@ def check_containers(raw: bytes, brackets: int | None = None) -> None:
 def too_many_values(raw: bytes) -> bool:
     """Whether the body holds more than MAX_KEYED_VALUES JSON values (by its
     commas and containers outside strings): too many to cache-key."""
+    if len(raw) <= MAX_KEYED_VALUES:
+        return False  # each one counted is a byte: not worth counting (3 passes)
     return count_outside_strings(raw, (b",", b"[", b"{"), MAX_KEYED_VALUES) > MAX_KEYED_VALUES
 
 

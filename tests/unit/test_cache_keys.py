@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import unicodedata
 from typing import Any
 
 import orjson
@@ -166,6 +167,25 @@ def test_key_ignores_whitespace_in_message_text(
         a = chat(messages=[{"role": role, "content": [{"type": "text", "text": plain}]}])
         b = chat(messages=[{"role": role, "content": [{"type": "text", "text": spaced}]}])
         assert key(a) == key(b)
+
+
+# Every character str.split() splits on (Unicode whitespace).
+EVERY_WHITESPACE = "".join(c for c in map(chr, range(0x110000)) if c.isspace())
+
+
+@settings(max_examples=500)
+@given(
+    text=st.text(
+        # With letters, a fullwidth one NFKC changes, and two controls that
+        # are not whitespace (a zero-width space, NUL).
+        alphabet=st.sampled_from(EVERY_WHITESPACE + "ab.\u00e9\uff21\u200b\x00"),
+        max_size=12,
+    )
+)
+def test_normalised_text_is_nfkc_with_whitespace_runs_made_one_space(text: str) -> None:
+    # The definition, whatever shortcut the function takes for text that is
+    # normal already.
+    assert normalise_text(text) == " ".join(unicodedata.normalize("NFKC", text).split())
 
 
 @given(
