@@ -649,7 +649,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         sent, self._sent = self._sent, None
         answered: tuple[web.StreamResponse, bool]
-        if resp is sent:
+        # A handler that returns None (a bug) sent nothing: aiohttp answers it 500.
+        if resp is sent and sent is not None:
             answered = resp, not await _drained(request._payload_writer)
         elif self._fits(request, resp):
             put = self._put_whole(request, cast(web.Response, resp))

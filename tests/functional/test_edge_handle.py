@@ -30,9 +30,16 @@ async def a_bug(request: web.Request) -> web.Response:
     raise ValueError("a bug")
 
 
-async def slow(request: web.Request) -> web.Response:
-    await asyncio.sleep(0.2)
-    return web.Response(text="slow")
+async def returns_nothing(request: web.Request) -> web.Response:
+    return None  # type: ignore[return-value]  # a handler's bug
+
+
+RELEASE = web.AppKey("release", asyncio.Event)
+
+
+async def held(request: web.Request) -> web.Response:
+    await request.app[RELEASE].wait()
+    return web.Response(text="held")
 
 
 ANSWERS = [
@@ -42,15 +49,17 @@ ANSWERS = [
     ("POST", "/not-found", 405, None),
     ("GET", "/times-out", 504, "close"),
     ("GET", "/a-bug", 500, "close"),
+    ("GET", "/returns-nothing", 500, None),  # aiohttp's answer to it, not a dropped connection
 ]
 
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[EdgeRunner, str]]:
     app = web.Application()
+    app[RELEASE] = asyncio.Event()
     for path, handler in [
         ("/not-found", not_found), ("/redirect", redirect), ("/times-out", times_out),
-        ("/a-bug", a_bug), ("/slow", slow),
+        ("/a-bug", a_bug), ("/returns-nothing", returns_nothing), ("/held", held),
     ]:  # fmt: skip
         app.router.add_get(path, handler)
     runner = EdgeRunner(app, EdgeLimits(), access_log=None)
@@ -78,11 +87,17 @@ async def test_a_handlers_errors_are_answered_as_aiohttp_answers_them(
 async def test_a_stop_waits_for_the_request_under_way(served: tuple[EdgeRunner, str]) -> None:
     runner, base = served
     async with aiohttp.ClientSession() as session:
-        answer = asyncio.create_task(session.get(base + "/slow"))
+        answer = asyncio.create_task(session.get(base + "/held"))
         while not runner.server or not any(  # the request is in its handler
             c._request_in_progress for c in runner.server.connections
         ):
             await asyncio.sleep(0.01)
-        await runner.cleanup()  # shutdown sets _handler_waiter; _handle resolves it
+        # shutdown sets _handler_waiter; _handle resolves it once the handler ends.
+        stopping = asyncio.create_task(runner.cleanup())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not stopping.done()  # waiting for the handler
+        runner.app[RELEASE].set()
+        await stopping
         resp = await answer
-        assert (resp.status, await resp.text()) == (200, "slow")
+        assert (resp.status, await resp.text()) == (200, "held")
