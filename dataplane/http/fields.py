@@ -692,10 +692,23 @@ _ROLES: dict[str, Check] = {
 }
 
 
+# Roles whose turn {"role", "content"} with a string content is always valid
+# (their rules require nothing else and take any string): most of a
+# conversation's turns, accepted without running the rules.
+_PLAIN_TURNS: Final = frozenset({"system", "developer", "user", "assistant"})
+
+
 def _message(value: Any) -> None:
     if not isinstance(value, dict):
         raise _wrong_type("an object", value)
     role = value.get("role")
+    if (
+        type(role) is str
+        and role in _PLAIN_TURNS
+        and len(value) == 2
+        and type(value.get("content")) is str
+    ):
+        return
     rule = _ROLES.get(role) if isinstance(role, str) else None
     if rule is None:
         if role is None:

@@ -62,9 +62,13 @@ def _chat_tokens(body: Mapping[str, Any]) -> int:
             tokens += PER_MESSAGE
             if not isinstance(message, dict):
                 continue
-            c, flat = _content_chars(message.get("content"))
-            chars += c
-            tokens += flat
+            content = message.get("content")
+            if type(content) is str:  # most turns: no call for them
+                chars += len(content)
+            else:
+                c, flat = _content_chars(content)
+                chars += c
+                tokens += flat
             name = message.get("name")
             if isinstance(name, str):
                 chars += len(name)

@@ -94,10 +94,12 @@ async def test_a_stop_waits_for_the_request_under_way(served: tuple[EdgeRunner, 
             await asyncio.sleep(0.01)
         # shutdown sets _handler_waiter; _handle resolves it once the handler ends.
         stopping = asyncio.create_task(runner.cleanup())
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not stopping.done()  # waiting for the handler
-        runner.app[RELEASE].set()
-        await stopping
+        try:
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not stopping.done()  # waiting for the handler
+        finally:
+            runner.app[RELEASE].set()  # else a failure here waits for the shutdown timeout
+            await stopping
         resp = await answer
         assert (resp.status, await resp.text()) == (200, "held")

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from dataplane.http.errors import ApiError
 from dataplane.http.fields import (
+    _PLAIN_TURNS,
+    _ROLES,
     _WALK_MAX,
     ENDPOINT_RULES,
     MAX_DEPTH,
@@ -657,3 +659,34 @@ def test_too_many_values_to_key() -> None:
     assert too_many_values(b'{"x":[' + b",".join([b"1"] * (MAX_KEYED_VALUES + 1)) + b"]}")
     assert not too_many_values(b'{"x":[' + b",".join([b"1"] * 1000) + b"]}")
     assert not too_many_values(json.dumps({"prompt": "a, " * MAX_KEYED_VALUES}).encode())
+
+
+def test_the_turns_accepted_without_their_rules_are_ones_their_rules_accept() -> None:
+    # _message accepts {"role", "content": str} of these roles without running
+    # their rules: a rule that came to refuse any such turn (a length limit, a
+    # field required) must take the role out of _PLAIN_TURNS.
+    for role in _PLAIN_TURNS:
+        for content in ("", "x", "a long turn " * 10_000, " \n\t "):
+            _ROLES[role]({"role": role, "content": content})  # raises if refused
+    # The others need more than a content.
+    for role in set(_ROLES) - _PLAIN_TURNS:
+        with pytest.raises(ApiError):
+            check_fields("chat.completions", {"model": "m", "messages": [
+                {"role": role, "content": "x"}]}, stream=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        {"role": "user", "content": None},
+        {"role": "user", "content": 3},
+        {"role": "user", "name": "x"},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "x"},
+        {"role": "nobody", "content": "x"},
+        {"role": ["user"], "content": "x"},
+    ],
+)
+def test_turns_not_plain_are_still_checked(turn: dict[str, object]) -> None:
+    with pytest.raises(ApiError):
+        check_fields("chat.completions", {"model": "m", "messages": [turn]}, stream=False)
