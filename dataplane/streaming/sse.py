@@ -68,6 +68,16 @@ class SseParser:
         """The events that `chunk` completes, in order."""
         if not chunk:
             return []
+        if (
+            chunk.endswith(b"\n\n")
+            and chunk.startswith(b"data: ")
+            and not (self._line or self._data or self._name or self._cr)
+            and chunk.count(b"\n") == 2
+            and b"\r" not in chunk
+        ):
+            # Most chunks of a stream: one whole event of one data line, with
+            # nothing pending. What the lines below make of it, in one step.
+            return [Event(chunk[6:-2])]
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":

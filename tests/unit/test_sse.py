@@ -79,3 +79,28 @@ def test_events_are_equal_by_data_and_name() -> None:
     assert Event(b"x") != Event(b"y")
     assert len({Event(b"x"), Event(b"x"), Event(b"x", b"ping")}) == 2
     assert repr(Event(b"x", b"e")) == "Event(data=b'x', name=b'e')"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "events"),
+    [
+        ([b"data: x\n\n", b"data: y\n\n"], [Event(b"x"), Event(b"y")]),
+        # What an earlier chunk left pending joins the whole event that follows.
+        ([b"event: named\n", b"data: y\n\n"], [Event(b"y", b"named")]),
+        ([b"data: a\n", b"data: b\n\n"], [Event(b"a\nb")]),
+        ([b"data: a", b"data: b\n\n"], [Event(b"adata: b")]),
+        ([b"data: x\r", b"data: y\n\n"], [Event(b"x\ny")]),  # a CR ended a line, not the event
+        # Not one whole event of one data line.
+        ([b"data: a\ndata: b\n\n"], [Event(b"a\nb")]),
+        ([b"data: a\r\n\n"], [Event(b"a")]),
+        ([b"data: a\n\ndata: b\n\n"], [Event(b"a"), Event(b"b")]),
+    ],
+)
+def test_a_chunk_of_one_whole_event_after_any_state(
+    chunks: list[bytes], events: list[Event]
+) -> None:
+    parser = SseParser()
+    got: list[Event] = []
+    for chunk in chunks:
+        got += parser.feed(chunk)
+    assert got == events
