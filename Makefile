@@ -189,6 +189,9 @@ bench: $(STAMP) $(WRK) $(NGINX) $(REDIS)
 		--out docs/benchmarks/overhead-defaults.json
 	$(PY) -m bench.record raw-floor "The floor of a Python proxy: raw protocols over aiohttp's parsers" \
 		bench.raw_floor
+	$(PY) -m bench.record raw-floor-conversation \
+		"The floor of a Python proxy, with 16 KB agent conversations" \
+		bench.raw_floor --conversation-kb 16
 	$(PY) -m bench.record wire-micro "The origin wire alone: CPU per origin call" bench.wire_micro
 	$(PY) -m bench.record memory "Peak memory against the exact cache's bound" bench.memory
 	$(PY) -m bench.record entry-rss "What an exact-cache entry costs in RSS, against its count" \

@@ -1,6 +1,6 @@
 """How little a Python proxy can cost: raw asyncio protocols over aiohttp's parsers.
 
-    .venv/bin/python -m bench.raw_floor [--rounds 3] [--seconds 5]
+    .venv/bin/python -m bench.raw_floor [--rounds 3] [--seconds 5] [--conversation-kb N]
 
 Issue 17 measures Ponto against the bare aiohttp pass-through
 (bench/passthrough.py). That is the floor of a proxy built on aiohttp's web
@@ -26,8 +26,8 @@ that could a proxy without them save?":
 What the figures mean: the raw floor's CPU is what parsing both sides and
 four system calls cost in Python; the pass-through's above it is aiohttp's
 high-level layers; Ponto's above the raw floor is its own work plus the
-aiohttp layers it still uses (its edge runs on aiohttp's RequestHandler and
-its origin calls on aiohttp's connector and client protocol).
+aiohttp layers it still uses (its edge runs on aiohttp's RequestHandler; its
+origin calls run on its own protocol over aiohttp's response parser).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpRequestParser, HttpResponseParser, RawRequestMessage
 from aiohttp.streams import StreamReader
 
-from bench import compare, wrk
+from bench import canned, compare, wrk
 from bench.procs import affinity, cpus_available, pin_tree
 from ponto.devenv import Managed, python_entry, spawn
 from ponto.fleet import Fleet
@@ -245,9 +245,16 @@ class Row:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-def measure(rounds: int, seconds: int) -> dict[str, Any]:
+def measure(rounds: int, seconds: int, conversation_kb: int = 0) -> dict[str, Any]:
     """Start the three servers and the canned origin, time them in interleaved
-    rounds, stop them; returns the report."""
+    rounds, stop them; returns the report. With `conversation_kb`, each request
+    is an agent's conversation of about that many KB
+    (bench.compare.conversation_body) instead of one short message."""
+    body = (
+        compare.conversation_body(canned.CANNED_MODEL, conversation_kb)
+        if conversation_kb
+        else compare.CANNED_BODY
+    )
     pinned = cpus_available()
     per: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ponto-raw-floor-") as tmp, Fleet(Path(tmp)) as fleet:
@@ -277,7 +284,7 @@ def measure(rounds: int, seconds: int) -> dict[str, Any]:
             for _ in range(rounds):
                 for row in rows:
                     spec = wrk.WrkSpec(
-                        url=row.url, body=compare.CANNED_BODY, headers=row.headers,
+                        url=row.url, body=body, headers=row.headers,
                         connections=CONNECTIONS, duration=seconds, warmup=1, timeout=5,
                         cpus=frozenset({compare.LOAD_CPU}) if pinned else None,
                         watch_pids=(row.pid,),
@@ -297,6 +304,7 @@ def measure(rounds: int, seconds: int) -> dict[str, Any]:
         "name": "raw-floor",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "ponto_features": features,
+        "conversation_kb": conversation_kb,
         "rounds": rounds,
         "seconds": seconds,
         "cpu_us_per_request": {k: [round(x, 1) for x in v] for k, v in per.items()},
@@ -311,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=5)
+    p.add_argument("--conversation-kb", type=int, default=0, metavar="N",
+                   help="requests of an agent's conversation of about N KB")  # fmt: skip
     p.add_argument("--serve", type=_hostport, help=argparse.SUPPRESS)  # the runner's child
     p.add_argument("--origin", type=_hostport, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
@@ -319,8 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(_serve(a.serve, a.origin, a.ready_file))
         return 0
-    report = measure(a.rounds, a.seconds)
+    report = measure(a.rounds, a.seconds, a.conversation_kb)
     print(f"{report['date']}; Ponto: {report['ponto_features']}")
+    if a.conversation_kb:
+        print(f"requests: an agent's conversation of about {a.conversation_kb} KB")
     print(f"wrk closed loop, {CONNECTIONS} connections, {a.seconds} s a round, canned nginx origin")
     print(f"{'server CPU per request (us)':30s} {'rounds':>24s} {'median':>8s}")
     labels = {"raw": "raw floor", "passthrough": "aiohttp pass-through", "ponto": "Ponto"}
