@@ -4,6 +4,8 @@ line ending the spec allows."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane.streaming.sse import Event, SseParser
 
@@ -104,3 +106,42 @@ def test_a_chunk_of_one_whole_event_after_any_state(
     for chunk in chunks:
         got += parser.feed(chunk)
     assert got == events
+
+
+# Pieces of streams: whole one-line events (what feed takes in one step),
+# lines and line endings of every kind, comments, names, fields without a space.
+_PIECES = st.one_of(
+    st.sampled_from(
+        [
+            b"data: ",
+            b"data:",
+            b"event: e\n",
+            b": ping\n",
+            b"id: 1\n",
+            b"[DONE]",
+            b"x",
+            b"\n",
+            b"\r",
+            b"\r\n",
+            b"\n\n",
+            b"data: [DONE]\n\n",
+            b"data: \n\n",
+            b"data: x\r\n\n",
+        ]
+    ),
+    st.binary(max_size=4).map(lambda b: b"data: " + b + b"\n\n"),
+    st.binary(max_size=3),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.lists(_PIECES, max_size=3), max_size=8))
+def test_any_split_parses_as_byte_by_byte(chunked: list[list[bytes]]) -> None:
+    # Chunks of whole pieces often are one whole event, after any state; a
+    # chunk of one byte never is: every split must give what the line loop gives.
+    parser = SseParser()
+    events: list[Event] = []
+    for pieces in chunked:
+        events += parser.feed(b"".join(pieces))
+    stream = b"".join(b"".join(pieces) for pieces in chunked)
+    assert (events, parser.close()) == parse(stream, list(range(1, len(stream))))
