@@ -144,15 +144,22 @@ def chat_body(model: str) -> bytes:
 
 def conversation_body(model: str, kb: int) -> bytes:
     """A non-streaming chat request for `model` of about `kb` KB: a system
-    prompt, then user and assistant turns of ordinary prose (an agent's
-    conversation, whose every turn the proxy reads: to check it, estimate its
-    tokens, place it and key it), and last a user turn with "{i}" (each
-    request's own, so no cache answers a repeat)."""
-    turn = " ".join(["The build failed again after the last change to the parser."] * 6)
-    messages = [{"role": "system", "content": "You are a careful coding assistant. " * 8}]
+    prompt, then user turns of prose and assistant turns of prose with code
+    (lines, indents: text whose whitespace the cache key must fold), an
+    agent's conversation, whose every turn the proxy reads: to check it,
+    estimate its tokens, place it and key it. Last a user turn with "{i}"
+    (each request's own, so no cache answers a repeat)."""
+    question = " ".join(["The build failed again after the last change to the parser."] * 4)
+    answer = (
+        "The parser now keeps the line ending. Change it so:\n\n```python\n"
+        "def feed(self, chunk: bytes) -> list[Event]:\n"
+        "    if not chunk:\n        return []\n    return self._lines(chunk)\n```\n\n"
+        "Then run the tests again."
+    )
+    messages = [{"role": "system", "content": "You are a careful coding assistant."}]
     while len(json.dumps(messages)) < kb * 1024:
-        messages.append({"role": "user", "content": turn})
-        messages.append({"role": "assistant", "content": turn.replace("failed", "passed")})
+        messages.append({"role": "user", "content": question})
+        messages.append({"role": "assistant", "content": answer})
     messages.append({"role": "user", "content": "And now? {i}"})
     return json.dumps(
         {"model": model, "max_tokens": 8, "temperature": 0, "messages": messages}
