@@ -237,8 +237,9 @@ class Metrics:
 
     def __init__(self, *, key_labels: bool = True) -> None:
         self.key_labels = key_labels
-        # Series every request touches, by their label values: one dict lookup
-        # instead of building the labels (each as many as its family's series).
+        # Cells every request touches, by their label values: one dict lookup
+        # instead of the family's labels(). Each holds no more entries than
+        # its family holds series.
         self._requests_of: dict[tuple[str, ...], CounterCell] = {}
         self._tokens_of: dict[tuple[str, str, str], tuple[HistogramCell, HistogramCell]] = {}
         by_key = ["key"] if key_labels else []
