@@ -279,9 +279,13 @@ class StreamRecorder:
         choices = obj.get("choices")
         if choices is None and obj.get("usage") is not None:
             choices = []  # a usage chunk from an origin that leaves out empty choices
-        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        if not isinstance(choices, list):
             self._fail("a chunk without a list of choices")
             return
+        for c in choices:  # a loop, not all() over a generator: this runs per chunk
+            if not isinstance(c, dict):
+                self._fail("a chunk without a list of choices")
+                return
         if self._kind is None:
             self._kind = _chunk_kind(obj)
             if self._kind is None:

@@ -202,6 +202,14 @@ def test_byte_by_byte() -> None:
         (b"data: {not json}\n\n" + DONE_FRAME, "a chunk that is not JSON"),
         (b"data: [1]\n\n" + DONE_FRAME, "a chunk that is not a JSON object"),
         (b'data: {"object":"x"}\n\n' + DONE_FRAME, "a chunk without a list of choices"),
+        # A choice that is not an object, in a first chunk and in a later one.
+        (b'data: {"choices":[1]}\n\n' + DONE_FRAME, "a chunk without a list of choices"),
+        (
+            sse(chat_stream(["a"])[:1], done=False)
+            + b'data: {"object":"chat.completion.chunk","choices":[{"index":0},"x"]}\n\n'
+            + DONE_FRAME,
+            "a chunk without a list of choices",
+        ),
         (DONE_FRAME, "no chunks"),
         (b"", "no [DONE]"),
         (sse(chat_stream(["a"]), done=False) + b"data: {", "the stream ended inside an event"),
