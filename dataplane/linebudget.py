@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from dataplane.ratelimit.bucket import TokenBucket
+
 __all__ = ["BURST", "PER_SECOND", "LineBudget"]
 
 PER_SECOND: Final = 20.0
@@ -22,9 +24,10 @@ BURST: Final = 50.0
 
 class LineBudget:
     """`take()` before each line: None when it is not to be written (it is
-    counted), else how many were left out since the last one written."""
+    counted), else how many were left out since the last one written.
+    `burst` is at least one line."""
 
-    __slots__ = ("_allowance", "_burst", "_clock", "_last", "_rate", "skipped")
+    __slots__ = ("_bucket", "_burst", "_clock", "_rate", "skipped")
 
     def __init__(
         self,
@@ -33,26 +36,25 @@ class LineBudget:
         burst: float = BURST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if burst < 1.0:
+            raise ValueError(f"burst must be at least one line, not {burst}")
         self._rate = per_second
         self._burst = burst
         self._clock = clock
-        self._allowance = burst
-        self._last = clock()
+        self._bucket = TokenBucket(burst, per_second, clock())
         self.skipped = 0  # lines not written since the last one written
 
     def reset(self) -> None:
         """Back to a full burst, as at start."""
-        self._allowance = self._burst
-        self._last = self._clock()
+        self._bucket = TokenBucket(self._burst, self._rate, self._clock())
         self.skipped = 0
 
     def take(self) -> int | None:
         now = self._clock()
-        self._allowance = min(self._burst, self._allowance + (now - self._last) * self._rate)
-        self._last = now
-        if self._allowance < 1.0:
+        bucket = self._bucket
+        if not bucket.admits(1.0, now):
             self.skipped += 1
             return None
-        self._allowance -= 1.0
+        bucket.take(1.0, now)
         skipped, self.skipped = self.skipped, 0
         return skipped
