@@ -262,7 +262,8 @@ class Metrics:
             "ponto_upstream_attempts",
             "Attempts to call an origin, by origin and outcome: ok, connect_error, timeout, "
             "http_5xx, http_429, http_3xx (a redirect: a wrong base URL), credential_refused, "
-            "credential_error, bad_answer (a 2xx that is not a JSON object), cut, cut_after_start, "
+            "credential_error, bad_answer (a 2xx that is not a JSON object), too_large (a whole "
+            "answer past --max-answer-bytes), cut, cut_after_start, "
             "deadline, hedge_cancelled "
             "(sent, then cancelled because the other copy of a hedged request answered), "
             "or cancelled (the client left or the proxy stopped during the call: before the "

@@ -15,6 +15,7 @@ from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
+from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -133,6 +134,15 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
+    )
+    p.add_argument(
+        "--max-answer-bytes",
+        type=int,
+        default=DEFAULT_MAX_ANSWER_BYTES,
+        metavar="BYTES",
+        help="the most of an origin's answer held at once: a longer whole answer is "
+        "refused with a 502 (no other origin is tried), a stream's event longer than "
+        "this cuts the stream (default %(default)s, 64 MiB)",
     )
     p.add_argument(
         "--header-timeout",
@@ -375,6 +385,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--max-body-bytes must be at least 1024")
     if a.max_attempts < 1:
         p.error("--max-attempts must be at least 1")
+    if a.max_answer_bytes < 65536:
+        p.error("--max-answer-bytes must be at least 65536")
     for flag, value in (
         ("--header-timeout", a.header_timeout),
         ("--body-timeout", a.body_timeout),
@@ -476,6 +488,7 @@ def parse(argv: list[str]) -> Settings:
             forward_headers=forward,
             origin_ca=a.origin_ca,
             origin_ssl=origin_ssl,
+            max_answer_bytes=a.max_answer_bytes,
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,

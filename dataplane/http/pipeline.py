@@ -652,6 +652,7 @@ class Pipeline:
                 resume=resume,
                 transcript=transcript,
                 lead=lead,
+                max_event_bytes=self.forwarder.max_answer_bytes,
             )
         except asyncio.CancelledError:
             # The client left (or the proxy stopped) during the stream: the

@@ -37,6 +37,7 @@ from dataplane import jsonio
 from dataplane.streaming.splice import is_error_event
 from dataplane.streaming.sse import Event, SseParser
 from dataplane.timer import IdleTimeout
+from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 
 __all__ = [
     "ChunkSink",
@@ -130,10 +131,12 @@ async def relay(
     error_event: bytes | Ending = b"",
     idle_timeout: float | None = None,
     resume: Resume | None = None,
+    max_event_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
-    A cut (read error, timeout, no chunk for `idle_timeout` seconds) writes
+    A cut (read error, timeout, no chunk for `idle_timeout` seconds, an
+    event longer than `max_event_bytes`, which would all be held) writes
     `error_event` (or what it makes of the last event relayed) and returns
     with `cut` set, unless `resume` gives a stream to go on with. A
     cancellation (the client vanished with the server's handler cancellation
@@ -149,9 +152,11 @@ async def relay(
     try:
         if resume is not None:
             return await _relay_events(
-                first, content, out, readers, chunks, error_event, idle, resume
+                first, content, out, readers, chunks, error_event, idle, resume, max_event_bytes
             )
-        return await _relay_bytes(first, content, out, readers, chunks, error_event, idle)
+        return await _relay_bytes(
+            first, content, out, readers, chunks, error_event, idle, max_event_bytes
+        )
     finally:
         if idle is not None:
             idle.close()
@@ -165,6 +170,7 @@ async def _relay_bytes(
     chunks: ChunkSink | None,
     error_event: bytes | Ending,
     idle: IdleTimeout | None,
+    max_event_bytes: int,
 ) -> RelayEnd:
     end = RelayEnd()
     # An ending made from the last event needs the events too.
@@ -172,8 +178,12 @@ async def _relay_bytes(
     last: Event | None = None  # the last whole event: the client gets each at once
     chunk = first
     # Bytes after the last event boundary are held until the event is whole,
-    # so a cut never leaves the client half an event before the error event.
-    pending = b""
+    # so a cut never leaves the client half an event before the error event:
+    # as the pieces they came in (joined once, when the event ends), and the
+    # last 3 of them (a boundary the next chunk completes starts there).
+    held: list[bytes] = []
+    held_size = 0
+    tail = b""
     # The whole events last written: whether they end the answer is asked only
     # when the connection fails, not for every chunk.
     written = b""
@@ -184,23 +194,43 @@ async def _relay_bytes(
                     for reader in readers:
                         reader.event(ev)
                     last = ev
-            whole = pending + chunk if pending else chunk
-            at = _boundary(whole)
-            pending = whole[at:]
-            if at:
-                data = whole[:at] if pending else whole
-                if chunks is not None:
-                    chunks.chunk(data)
-                # write() waits for the client's socket to drain: backpressure
-                # reaches the origin through the unread upstream socket.
-                await out.write(data)
-                written = data
-                if _may_end(data) and ends_answer(data):
-                    # The client has the whole answer, and may close at once
-                    # (the openai SDK does at [DONE]): its stream ends now, not
-                    # at the origin's last chunk, which may come just after.
-                    end.complete = True
-                    break
+            if not held_size:
+                whole = chunk
+            elif _boundary(tail + chunk):
+                held.append(chunk)
+                whole = b"".join(held)
+                held = []
+                held_size = 0
+            else:  # the event goes on
+                whole = b""
+                held.append(chunk)
+                held_size += len(chunk)
+                tail = (tail + chunk[-3:])[-3:]
+            if whole:
+                at = _boundary(whole)
+                if at < len(whole):
+                    rest = whole[at:]
+                    held = [rest]
+                    held_size = len(rest)
+                    tail = rest[-3:]
+                if at:
+                    data = whole[:at] if held_size else whole
+                    if chunks is not None:
+                        chunks.chunk(data)
+                    # write() waits for the client's socket to drain: backpressure
+                    # reaches the origin through the unread upstream socket.
+                    await out.write(data)
+                    written = data
+                    if _may_end(data) and ends_answer(data):
+                        # The client has the whole answer, and may close at once
+                        # (the openai SDK does at [DONE]): its stream ends now, not
+                        # at the origin's last chunk, which may come just after.
+                        end.complete = True
+                        break
+            if held_size > max_event_bytes:
+                end.cut = _too_long(max_event_bytes)
+                await out.write(_ending(error_event, last))
+                break
             try:
                 chunk = await _read(content, idle)
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -212,10 +242,11 @@ async def _relay_bytes(
                 await out.write(_ending(error_event, last))
                 break
             if not chunk:
-                if pending:  # a last event without its blank line: as it came
+                if held_size:  # a last event without its blank line: as it came
+                    data = b"".join(held)
                     if chunks is not None:
-                        chunks.chunk(pending)
-                    await out.write(pending)
+                        chunks.chunk(data)
+                    await out.write(data)
                 end.complete = True
                 break
         await out.write_eof()
@@ -235,6 +266,7 @@ async def _relay_events(
     error_event: bytes | Ending,
     idle: IdleTimeout | None,
     resume: Resume,
+    max_event_bytes: int,
 ) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser()
@@ -278,6 +310,8 @@ async def _relay_events(
             if done and not cut:  # the client has the whole answer: see _relay_bytes
                 end.complete = True
                 break
+            if not cut and parser.held > max_event_bytes:
+                cut = _too_long(max_event_bytes)
             if not cut:
                 try:
                     chunk = await _read(content, idle)
@@ -377,6 +411,10 @@ def _boundary(data: bytes) -> int:
         if cr >= 0:
             end = max(end, cr + 2)
     return end
+
+
+def _too_long(limit: int) -> str:
+    return f"an event of more than {limit} bytes (--max-answer-bytes)"
 
 
 async def _read(content: Readable, idle: IdleTimeout | None) -> bytes:

@@ -14,8 +14,11 @@ with ':' are comments (keep-alives); `event` names the event; other fields
 (`id`, `retry`) are ignored. An event is dispatched when it has data or a
 name, so an `event: error` without data still counts.
 
-Chunks may split anywhere, even inside a line ending. Pure and synchronous;
-one parser per stream.
+Chunks may split anywhere, even inside a line ending. A line that comes in
+many chunks is kept as its pieces until it ends, so a long one costs its
+length, not its length times its chunks. The parser holds at most the event
+it is inside (`held`): its callers bound that. Pure and synchronous; one
+parser per stream.
 """
 
 from __future__ import annotations
@@ -56,13 +59,21 @@ class Event:
 
 
 class SseParser:
-    __slots__ = ("_cr", "_data", "_line", "_name")
+    __slots__ = ("_cr", "_data", "_data_size", "_line", "_name")
 
     def __init__(self) -> None:
-        self._line = b""  # the start of a line whose ending has not arrived
+        # The start of a line whose ending has not arrived, in the pieces it came in.
+        self._line: list[bytes] = []
         self._cr = False  # the last chunk ended with CR: a leading LF is its pair
         self._data: list[bytes] = []
+        self._data_size = 0  # the bytes of _data
         self._name = b""
+
+    @property
+    def held(self) -> int:
+        """The bytes of the event the parser is inside (its lines so far and
+        the start of the next), about what it holds."""
+        return self._data_size + len(self._name) + sum(map(len, self._line))
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events that `chunk` completes, in order."""
@@ -85,25 +96,34 @@ class SseParser:
         if b"\r" in chunk:
             self._cr = chunk[-1:] == b"\r"
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in chunk:  # the line goes on (if the chunk was more than an LF)
+            if chunk:
+                self._line.append(chunk)
+            return []
         lines = chunk.split(b"\n")
         if self._line:
-            lines[0] = self._line + lines[0]
-        self._line = lines.pop()
+            self._line.append(lines[0])
+            lines[0] = b"".join(self._line)
+        last = lines.pop()
+        self._line = [last] if last else []
         events: list[Event] = []
         for line in lines:
             if not line:
                 if self._data or self._name:
                     events.append(Event(b"\n".join(self._data), self._name))
                     self._data = []
+                    self._data_size = 0
                     self._name = b""
             elif line.startswith(b"data: "):  # nearly every line
                 self._data.append(line[6:])
+                self._data_size += len(line) - 6
             elif line[0] != 0x3A:  # ':' starts a comment
                 name, _, value = line.partition(b":")
                 if value[:1] == b" ":
                     value = value[1:]
                 if name == b"data":
                     self._data.append(value)
+                    self._data_size += len(value)
                 elif name == b"event":
                     self._name = value
         return events
@@ -116,11 +136,13 @@ class SseParser:
         decide how lenient to be with it.
         """
         if self._line:
-            line, self._line = self._line, b""
+            line = b"".join(self._line)
+            self._line = []
             self.feed(line + b"\n")
         if not (self._data or self._name):
             return None
         open_event = Event(b"\n".join(self._data), self._name)
         self._data = []
+        self._data_size = 0
         self._name = b""
         return open_event

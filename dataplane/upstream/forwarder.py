@@ -37,6 +37,7 @@ from dataplane.http.errors import (
     CREDENTIAL_REFUSED,
     upstream_busy,
     upstream_timeout,
+    upstream_too_large,
     upstream_unavailable,
 )
 from dataplane.linebudget import LineBudget
@@ -47,7 +48,12 @@ from dataplane.timer import Deadlines
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
-from dataplane.upstream.wire import OriginResponse, OriginWire
+from dataplane.upstream.wire import (
+    DEFAULT_MAX_ANSWER_BYTES,
+    AnswerTooLarge,
+    OriginResponse,
+    OriginWire,
+)
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace
@@ -159,11 +165,17 @@ class UpstreamSettings:
     # (ponto.originca), and the context made of it when the flags were read.
     origin_ca: str = ""
     origin_ssl: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
+    # See DEFAULT_MAX_ANSWER_BYTES.
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+
+
+# The outcome of a whole answer longer than max_answer_bytes.
+TOO_LARGE: Final = "too_large"
 
 
 class _Retryable(Exception):
-    """A failed call another origin may take: its outcome (the metrics' label)
-    and, when the origin answered, its status."""
+    """A failed call another origin may take (but for TOO_LARGE): its outcome
+    (the metrics' label) and, when the origin answered, its status."""
 
     def __init__(
         self, outcome: str, detail: str, status: int | None = None, retry_after: str = ""
@@ -243,6 +255,9 @@ class _Tries:
     # tried again (busy_wait_s), None while none answered 429; and how many did.
     busy_retry_s: float | None = None
     busy: int = 0
+    # An origin's whole answer was longer than max_answer_bytes: no other
+    # origin is tried (the same request would make as long an answer).
+    too_large: bool = False
 
 
 @dataclass(slots=True)
@@ -299,6 +314,12 @@ class Forwarder:
     async def close(self) -> None:
         """Close the idle connections to origins (calls under way end theirs)."""
         await self._wire.close()
+
+    @property
+    def max_answer_bytes(self) -> int:
+        """The most of one origin answer held at once: a whole answer (longer is
+        refused), or one event of a stream (its relay's bound)."""
+        return self._settings.max_answer_bytes
 
     def candidate_limit(self) -> int:
         """Candidates worth ordering: the attempts, plus room for ejected origins."""
@@ -398,7 +419,7 @@ class Forwarder:
                         answer = await self._race(
                             ordered, float(delay), path, body, headers, stream, tries, trace
                         )
-            if answer is None and not tries.past_deadline:
+            if answer is None and not (tries.past_deadline or tries.too_large):
                 answer = await self._failover(ordered, path, body, headers, stream, tries, trace)
         except asyncio.CancelledError:
             if sent is not None and tries.made:
@@ -425,7 +446,9 @@ class Forwarder:
             len(failures),
             "; ".join(failures) or "no candidate",
         )
-        if timed_out:
+        if tries.too_large:
+            error = upstream_too_large(settings.max_answer_bytes)
+        elif timed_out:
             error = upstream_timeout()
         elif tries.busy_retry_s is not None:
             error = upstream_busy(tries.busy_retry_s)
@@ -491,6 +514,8 @@ class Forwarder:
                 return answer
             except _Retryable as exc:
                 self._failed(target, exc, tries)
+                if tries.too_large:
+                    break
             except TimeoutError:
                 self._past_deadline(target, failures)
                 break
@@ -684,6 +709,9 @@ class Forwarder:
     def _failed(self, target: Target, exc: _Retryable, tries: _Tries) -> None:
         self._metrics.attempt(target.name, exc.outcome).inc()
         tries.failures.append(f"{target.name}: {exc}")
+        if exc.outcome == TOO_LARGE:
+            tries.too_large = True
+            return  # the origin did answer: not a failure of its health
         if exc.status == BUSY:
             wait = busy_wait_s(exc.retry_after, time.time())
             self.outliers.busy(target.name, wait)
@@ -796,9 +824,16 @@ class Forwarder:
                     # still be replaced by the next one: wait for the first chunk.
                     first = await resp.content.readany()
                 else:
-                    body_read = await resp.read()
+                    body_read = await resp.read(self._settings.max_answer_bytes)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
+            except AnswerTooLarge as exc:
+                raise _Retryable(
+                    TOO_LARGE,
+                    f"answered {resp.status} with a body of more than {exc.limit} bytes "
+                    f"({exc.size} or more; --max-answer-bytes)",
+                    resp.status,
+                ) from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
             parsed: Any = jsonio.NOT_PARSED

@@ -78,7 +78,15 @@ from yarl import URL
 
 from dataplane.timer import LazyTimer
 
-__all__ = ["DEFAULT_HEADERS", "OriginConnection", "OriginResponse", "OriginWire", "media_type"]
+__all__ = [
+    "DEFAULT_HEADERS",
+    "DEFAULT_MAX_ANSWER_BYTES",
+    "AnswerTooLarge",
+    "OriginConnection",
+    "OriginResponse",
+    "OriginWire",
+    "media_type",
+]
 
 # What a ClientSession adds to every request unless the caller set it: the
 # origins saw these before this module existed, and gzip answers stay cheap to
@@ -94,6 +102,12 @@ MAX_ENDPOINTS: Final = 4096
 READ_BUFSIZE: Final = 2**16
 MAX_LINE: Final = 8190
 MAX_HEADERS: Final = 128
+# The most of one origin answer the proxy holds at once (--max-answer-bytes): a
+# whole (non-streamed) answer, or one event of a stream. A legitimate answer
+# stays far under it (2,048 embeddings of 3,072 floats come to some 80 MB as
+# JSON numbers, 34 MB as base64, which the openai SDK asks for); what passes it
+# is a broken origin, and holding it would take the memory of every request.
+DEFAULT_MAX_ANSWER_BYTES: Final = 64 << 20
 # Per origin at most this many connections: past that, bursts wait for a free
 # keep-alive connection instead of opening (and tearing down) new ones.
 LIMIT_PER_HOST: Final = 1024
@@ -444,13 +458,22 @@ class OriginResponse:
         """The media type, lower case, without parameters ("" when absent)."""
         return media_type(self.headers)
 
-    async def read(self) -> bytes:
-        """The whole body; then the connection is released."""
+    async def read(self, limit: int = DEFAULT_MAX_ANSWER_BYTES) -> bytes:
+        """The whole body; then the connection is released. AnswerTooLarge
+        (the connection closed) when it is longer than `limit` bytes: as soon
+        as its Content-Length says so (when not compressed), else once that
+        much has come (decompressed, so a small gzip bomb is caught too)."""
         content = self.content
         try:
-            # Usually the whole body came with the head: taken as it is, without
-            # read()'s loop of readany() calls.
-            body = content.read_nowait() if content.is_eof() else await content.read()
+            if content.is_eof():
+                # Usually the whole body came with the head: taken as it is,
+                # without a loop of readany() calls. Bounded by the StreamReader's
+                # pause at twice READ_BUFSIZE plus one read of the socket.
+                body = content.read_nowait()
+                if len(body) > limit:
+                    raise AnswerTooLarge(len(body), limit)
+            else:
+                body = await _read_up_to(content, limit, self.headers)
         except BaseException:
             self.close()
             raise
@@ -475,6 +498,34 @@ class OriginResponse:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+
+class AnswerTooLarge(Exception):
+    """An origin's whole answer is longer than the caller holds: `size` is
+    what was known of it when the read stopped (its Content-Length, or the
+    bytes read so far), `limit` the caller's bound."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"a body of more than {limit} bytes ({size} or more)")
+        self.size = size
+        self.limit = limit
+
+
+async def _read_up_to(content: StreamReader, limit: int, headers: Mapping[str, str]) -> bytes:
+    if hdrs.CONTENT_ENCODING not in headers:
+        declared = headers.get(hdrs.CONTENT_LENGTH, "")
+        if declared.isdigit() and int(declared) > limit:
+            raise AnswerTooLarge(int(declared), limit)
+    # StreamReader.read()'s loop, counted: what is held never passes `limit`
+    # by more than one chunk.
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _opener(ttl_dns_cache: int) -> aiohttp.TCPConnector:

@@ -145,3 +145,16 @@ def test_any_split_parses_as_byte_by_byte(chunked: list[list[bytes]]) -> None:
         events += parser.feed(b"".join(pieces))
     stream = b"".join(b"".join(pieces) for pieces in chunked)
     assert (events, parser.close()) == parse(stream, list(range(1, len(stream))))
+
+
+def test_what_the_parser_holds_is_the_event_it_is_inside() -> None:
+    parser = SseParser()
+    for piece in (b"data: ", b"x" * 1000, b"y" * 1000):  # a line in pieces
+        assert parser.feed(piece) == []
+    assert parser.held == 2006
+    assert parser.feed(b"\ndata: zz\nevent: n") == []  # two data lines, a name under way
+    assert parser.held == 2000 + 2 + len(b"event: n")
+    assert parser.feed(b"\n\ndata: a") == [Event(b"x" * 1000 + b"y" * 1000 + b"\nzz", b"n")]
+    assert parser.held == len(b"data: a")
+    assert parser.close() == Event(b"a")
+    assert parser.held == 0

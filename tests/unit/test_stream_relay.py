@@ -9,6 +9,8 @@ from typing import cast
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane.streaming.relay import (
     Next,
@@ -18,7 +20,7 @@ from dataplane.streaming.relay import (
     next_sequence_number,
     relay,
 )
-from dataplane.streaming.sse import Event
+from dataplane.streaming.sse import Event, SseParser
 
 
 class Content:
@@ -321,3 +323,126 @@ def test_the_sequence_number_after_the_last_event(last: Event | None, number: in
 )
 def test_the_last_event_of_a_stream_is_told(data: bytes, last: bool) -> None:
     assert ends_answer(data) is last
+
+
+# ---------------------------------------------------------- an event's size bound
+
+BOUND = 10_000  # max_event_bytes in the tests below
+
+
+class Counted(Content):
+    """An origin's body that counts the chunks read, and fails the test when
+    read past them (a cut relay must not wait for the body's end)."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        super().__init__(*chunks)
+        self.read = 0
+
+    async def readany(self) -> bytes:
+        if not self._chunks:
+            raise AssertionError("read past the body")
+        self.read += 1
+        return self._chunks.pop(0)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_an_event_longer_than_the_bound_cuts_the_stream_where_it_passes(
+    continuable: bool,
+) -> None:
+    head = b'data: {"a":1}\n\n'
+    pieces = [b"data: "] + [b"x" * 1000] * 30 + [b"\n\ndata: [DONE]\n\n"]
+    content = Counted(*pieces)
+    out, reader = Out(), Reader()
+    end = await relay(
+        head,
+        content,
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        error_event=ERROR_EVENT,
+        resume=no_resume if continuable else None,
+        max_event_bytes=BOUND,
+    )
+    assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
+    assert not end.complete
+    # The whole events before it, then the error event: none of the long one.
+    assert b"".join(out.written) == head + ERROR_EVENT
+    assert reader.events == [Event(b'{"a":1}')]
+    assert content.read <= BOUND // 1000 + 2  # stopped at the bound, not at the event's end
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_an_event_within_the_bound_is_relayed_whole_however_it_comes(
+    continuable: bool,
+) -> None:
+    long = b"data: " + b"x" * (BOUND - 100) + b"\n\n"
+    pieces = [long[i : i + 7] for i in range(0, len(long), 7)] + [b"data: [DONE]\n\n"]
+    out, reader = Out(), Reader()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Content(*pieces),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        resume=no_resume if continuable else None,
+        max_event_bytes=BOUND,
+    )
+    assert (end.complete, end.cut) == (True, "")
+    assert reader.events == [Event(b'{"a":1}'), Event(long[6:-2]), Event(b"[DONE]")]
+    written = b"".join(out.written)
+    assert written == b'data: {"a":1}\n\n' + long + b"data: [DONE]\n\n"
+
+
+_SEPARATORS = st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r", b"\n", b"\r\n", b"\r"])
+_TEXT = st.binary(max_size=6).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b""))
+
+
+def _boundaries(data: bytes) -> list[int]:
+    """Where each blank line that the byte relay cuts at ends (overlapping ones too)."""
+    ends = []
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        at = data.find(sep)
+        while at >= 0:
+            ends.append(at + len(sep))
+            at = data.find(sep, at + 1)
+    return ends
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(_TEXT, _SEPARATORS), min_size=1, max_size=12),
+    st.lists(st.integers(min_value=1, max_value=9), max_size=40),
+)
+async def test_the_byte_relay_writes_each_event_as_soon_as_it_is_whole(
+    lines: list[tuple[bytes, bytes]], sizes: list[int]
+) -> None:
+    """Split anywhere, a stream is written unchanged, and after each chunk
+    read the client has every byte up to the last blank line read so far
+    (held bytes are joined once, not on every chunk)."""
+    stream = b"".join(b"data: " + text + sep for text, sep in lines)
+    chunks, at = [], 0
+    for size in sizes:
+        if at < len(stream):
+            chunks.append(stream[at : at + size])
+            at += size
+    if at < len(stream):
+        chunks.append(stream[at:])
+
+    out, reader = Out(), Reader()
+
+    class Tracked(Content):
+        async def readany(self) -> bytes:
+            # Before each read: every event whole in what was read is written.
+            consumed = len(b"".join(chunks[: len(chunks) - len(self._chunks)]))
+            assert len(b"".join(out.written)) == max(_boundaries(stream[:consumed]), default=0)
+            return await super().readany()
+
+    end = await relay(
+        chunks[0],
+        Tracked(*chunks[1:]),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        max_event_bytes=BOUND,
+    )
+    assert end.complete
+    assert b"".join(out.written) == stream
+    whole = SseParser()
+    assert reader.events == whole.feed(stream)

@@ -963,6 +963,107 @@ async def test_a_gzip_answer_comes_back_decompressed(wire: OriginWire, origin: R
     assert b"\r\naccept-encoding: gzip, deflate\r\n" in origin.requests[0].lower()
 
 
+# ------------------------------------------------------- the answer's size bound
+
+
+LIMIT = 100_000  # a read's bound in the tests below
+
+
+def chunked(*chunks: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+
+
+CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("size", [LIMIT - 1, LIMIT])
+async def test_a_body_up_to_the_bound_is_read_whole(
+    wire: OriginWire, origin: RawOrigin, size: int
+) -> None:
+    # In two chunks, the second after a pause: read through readany, not whole at once.
+    origin.answer = answering(CHUNKED_HEAD + chunked(b"a" * 10)[:-5], chunked(b"b" * (size - 10)))
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.read(LIMIT) == b"a" * 10 + b"b" * (size - 10)
+    origin.answer = answering(OK)
+    assert await exchange(wire, origin) == b"{}"  # the connection was pooled
+    assert origin.connections == 1
+
+
+async def test_a_body_that_grows_past_the_bound_fails_its_read_and_closes_the_connection(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        # Past the bound, and never ended: the read must stop at the bound.
+        writer.write(CHUNKED_HEAD)
+        for _ in range(LIMIT // 4096 + 1):
+            writer.write(b"1000\r\n" + b"x" * 4096 + b"\r\n")
+            await writer.drain()
+        return True
+
+    origin.answer = answer
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    with pytest.raises(wire_module.AnswerTooLarge) as caught:
+        await resp.read(LIMIT)
+    assert (caught.value.limit, caught.value.size > LIMIT) == (LIMIT, True)
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+
+
+async def test_a_declared_length_past_the_bound_fails_before_the_body_is_read(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    origin.answer = answering(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {10 * LIMIT}\r\n\r\n".encode()
+        + b"{"  # the rest never comes: the read must not wait for it
+    )
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    with pytest.raises(wire_module.AnswerTooLarge) as caught:
+        async with asyncio.timeout(BOUND):
+            await resp.read(LIMIT)
+    assert caught.value.size == 10 * LIMIT
+    async with asyncio.timeout(BOUND):
+        await origin.client_gone.wait()
+
+
+async def test_a_body_that_came_whole_with_its_head_is_bounded_too(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    # No Content-Length to refuse early, and the whole body in the first read.
+    body = b"x" * (LIMIT + 1)
+    origin.answer = answering(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n" + body,
+        keep_open=False,
+    )
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    async with asyncio.timeout(BOUND):
+        while not resp.content.is_eof():
+            await asyncio.sleep(0.01)  # until the origin's close has ended the body
+    with pytest.raises(wire_module.AnswerTooLarge):
+        await resp.read(LIMIT)
+
+
+async def test_a_gzip_answer_is_bounded_by_its_size_decompressed(
+    wire: OriginWire, origin: RawOrigin
+) -> None:
+    plain = b"0" * (4 * LIMIT)
+    packed = gzip.compress(plain)
+    assert len(packed) < LIMIT // 10
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+        + f"Content-Length: {len(packed)}\r\n\r\n".encode()
+    )
+    origin.answer = answering(head + packed)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    with pytest.raises(wire_module.AnswerTooLarge):
+        await resp.read(LIMIT)
+    origin.answer = answering(head + packed)
+    resp = await wire.post(origin.url(), b"{}", no_headers())
+    assert await resp.read(4 * LIMIT) == plain
+
+
 async def test_a_chunked_answer_streams_through_readany(
     wire: OriginWire, origin: RawOrigin
 ) -> None:
