@@ -169,15 +169,23 @@ def conversation_body(model: str, kb: int) -> bytes:
 BODY = chat_body(MODEL)
 # The "cpu" and workers phases' requests: Ponto routes them to the canned origin.
 CANNED_BODY = chat_body(canned.CANNED_MODEL)
-STREAM_BODY = json.dumps(
-    {
-        "model": MODEL,
-        "max_tokens": 16,
-        "temperature": 0,
-        "stream": True,
-        "messages": [{"role": "user", "content": "count to sixteen {i}"}],
-    }
-).encode()
+
+
+def stream_body(tokens: int) -> bytes:
+    """A streamed chat request for an answer of `tokens` tokens (the origin
+    simulator makes max_tokens of them), each request unique ({i})."""
+    return json.dumps(
+        {
+            "model": MODEL,
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": "count to sixteen {i}"}],
+        }
+    ).encode()
+
+
+STREAM_BODY = stream_body(16)
 # The exact-cache phase repeats this one question: after the first, every answer is a hit.
 HIT_BODY = BODY.replace(b"{i}", b"asked again and again")
 # Ponto's exact cache is bounded so that its peak RSS is that of a production

@@ -2,8 +2,8 @@
 costs less CPU per request, to about 1 %.
 
     .venv/bin/python -m bench.revisions --base REV [--head REV] [--rounds 8]
-        [--seconds 4] [--ponto-features auth-limits-cache|none] [--stream]
-        [--conversation-kb N] [--out PATH]
+        [--seconds 4] [--ponto-features auth-limits-cache|none]
+        [--stream [--stream-tokens 16]] [--conversation-kb N] [--out PATH]
 
 Why not bench.compare. bench.compare measures its targets one after another,
 and on a shared VM the machine's speed drifts by 15 % and more between rounds
@@ -13,9 +13,11 @@ CPU 0, each loaded by its own wrk (8 connections, on CPU 1) against the canned
 origin (bench/canned.py: nginx, so the origin never saturates), so whatever
 the machine does hits both alike: rounds of the same pair agree to about 1 %.
 A proxy's CPU per request is its CPU time over the round / its answers.
-With --stream the requests ask for streamed answers of 16 tokens, which the
-origin simulator sends (nginx cannot): it shares CPU 1 with the load and
-may saturate first, which leaves the proxies below saturation, both alike.
+With --stream the requests ask for streamed answers of 16 tokens (or
+--stream-tokens: a chat answer is some hundreds, and what each event costs
+then outweighs what each request does), which the origin simulator sends
+(nginx cannot): it shares CPU 1 with the load and may saturate first, which
+leaves the proxies below saturation, both alike.
 With --conversation-kb N each request is an agent's conversation of about N
 KB (bench.compare.conversation_body) instead of one short message: the costs
 that grow with a request's size.
@@ -137,7 +139,7 @@ def run_order(trees: dict[str, Path], first: str, args: argparse.Namespace, work
             if args.stream:  # the simulator streams; nginx answers JSON only
                 compare.start_simulator(fleet)
                 fleet.wait_proxies_at(fleet.table_version(origins=2))
-                body = compare.STREAM_BODY
+                body = compare.stream_body(args.stream_tokens)
             headers, _ = compare.configure_ponto_features(fleet, args.ponto_features)
             for which in proxies:
                 compare.wait_ready(fleet, which)
@@ -212,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "base": args.base,
         "ponto_features": args.ponto_features,
         "stream": args.stream,
+        "stream_tokens": args.stream_tokens if args.stream else None,
         "conversation_kb": args.conversation_kb,
         "rounds": args.rounds,
         "seconds": args.seconds,
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true",
                         help="streamed answers of 16 tokens from the origin simulator (on CPU 1 "
                              "with the load) instead of nginx's JSON")  # fmt: skip
+    parser.add_argument("--stream-tokens", type=int, default=16, metavar="N",
+                        help="with --stream: tokens of each answer (default 16)")  # fmt: skip
     parser.add_argument("--conversation-kb", type=int, default=0, metavar="N",
                         help="requests of an agent's conversation of about N KB (not with "
                              "--stream)")  # fmt: skip
@@ -241,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stream and args.conversation_kb:
         parser.error("--conversation-kb and --stream do not go together")
+    if args.stream_tokens != 16 and not args.stream:
+        parser.error("--stream-tokens goes with --stream")
+    if args.stream_tokens < 1:
+        parser.error("--stream-tokens must be at least 1")
     # A SIGTERM unwinds like Ctrl-C: the fleet, the worktrees and the temp dir go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run(args)

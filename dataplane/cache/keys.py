@@ -10,8 +10,10 @@ What goes into a key (see `canonical_request`):
 - every body parameter except the few known not to change the content of the
   answer (`NON_AFFECTING`). Unknown parameters are kept: an origin extension we
   have never heard of (vLLM's `top_k`, `guided_json`, ...) must split the key;
-- chat messages with the text of their content normalised (NFKC, whitespace
-  collapsed and trimmed); roles, names, tool calls (arguments byte for byte),
+- chat messages with the text of their content normalised (`normalise_text`:
+  NFKC; a text of one line with its whitespace collapsed and trimmed, a text of
+  several lines with its line structure and indentation kept, for they can
+  change its meaning: code, a table, a poem); roles, names, tool calls (arguments byte for byte),
   tool results and non-text parts are kept exactly. Completion prompts and
   embedding inputs are kept exactly too: a raw prompt's trailing whitespace
   changes its tokens, and an embedding is of the exact text.
@@ -37,7 +39,7 @@ from dataplane import jsonio
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in a shared store, one day) can never answer under the new ones.
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: a text of several lines keeps its lines (normalise_text)
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -83,29 +85,63 @@ class UncacheableRequest(ValueError):
 
 
 def normalise_text(s: str) -> str:
-    """NFKC, every run of whitespace made one space, trimmed."""
+    """NFKC; then a text of one line has every run of whitespace made one space
+    and is trimmed, and a text of several lines (a line break is LF, CR or
+    CRLF) has its line breaks made LF, the whitespace at each line's end
+    removed and the blank lines at its start and end dropped, and is
+    otherwise kept as it is. A text of one line but for blank lines around it
+    is a text of one line.
+
+    Whitespace within a line of prose never changes what it asks. Across
+    lines it can: folded into one line, two Python programs that differ in
+    one line's indentation (inside a loop, or after it) would be one text,
+    and one's answer would be served for the other. A line's trailing
+    whitespace and blank lines around the text change nothing in any of them.
+    """
     # Most text is normal already: its only whitespace is single spaces
-    # between words. These checks prove it in C, cheapest first, at about a
-    # third of what splitting it into words and joining them costs (a long
-    # agent conversation's key spent most of its time there). ASCII text's
-    # whitespace is the space and _ASCII_SPACES; in any text, whitespace but
-    # the space is a control or a separator, which str.isprintable refuses.
-    if s.isascii():
-        if not (s.startswith(" ") or s.endswith(" ") or "  " in s) and not any(
-            map(s.__contains__, _ASCII_SPACES)
-        ):
-            return s
-    else:
+    # between words. These checks prove it in C, cheapest first, at a fraction
+    # of what splitting it into words and joining them costs (a long agent
+    # conversation's key spent most of its time there). Whitespace but the
+    # space (line breaks included) is a control or a separator, which
+    # str.isprintable refuses.
+    if not s.isascii():
         s = unicodedata.normalize("NFKC", s)
-        if not (s.startswith(" ") or s.endswith(" ") or "  " in s) and s.isprintable():
+    if s.isprintable():
+        if not (s.startswith(" ") or s.endswith(" ") or "  " in s):
             return s
+    elif "\n" in s or "\r" in s:
+        return _normalise_lines(s)
     # str.split() with no argument splits on runs of Unicode whitespace and
     # drops empty ends, which is exactly collapse-and-trim.
     return " ".join(s.split())
 
 
-# The ASCII characters str.split() splits on, but the space.
-_ASCII_SPACES: Final = ("\t", "\n", "\x0b", "\x0c", "\r", "\x1c", "\x1d", "\x1e", "\x1f")
+def _normalise_lines(s: str) -> str:
+    if "\r" in s:
+        s = s.replace("\r\n", "\n").replace("\r", "\n")
+    # Most code and markdown: no line ends with whitespace. Proved in C, one
+    # character at a time where it can be (a search for one is a memchr, for
+    # two, " \n", about ten times slower); a tab anywhere, or a rare control,
+    # takes the split below, which is right for any text.
+    if (
+        s.isascii()
+        and not (s[:1].isspace() or s[-1:].isspace())
+        and "\t" not in s
+        and not any(map(s.__contains__, _ASCII_RARE_SPACES))
+        and " \n" not in s
+    ):
+        return s
+    lines = list(map(str.rstrip, s.rstrip().split("\n")))
+    start = 0
+    while start < len(lines) and not lines[start]:
+        start += 1
+    if start >= len(lines) - 1:  # one line, or none, once the blank ones go
+        return " ".join(s.split())
+    return "\n".join(lines[start:])
+
+
+# The ASCII whitespace but the space, the tab and the line breaks.
+_ASCII_RARE_SPACES: Final = ("\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f")
 
 
 def canonical_request(

@@ -181,6 +181,26 @@ async def test_a_miss_goes_to_the_origin_and_a_repeat_is_answered_from_the_cache
     assert stack.origin_requests() == 1
 
 
+async def test_code_that_differs_in_indentation_is_not_answered_from_the_cache(
+    stack: Stack,
+) -> None:
+    # Two programs: b() inside the loop, or after it. Only line ends and the
+    # blank lines around a text may differ for a hit.
+    inside = "What does this print?\n\nfor x in range(3):\n    a()\n    b()"
+    after = "What does this print?\n\nfor x in range(3):\n    a()\nb()"
+    for text, cache in (
+        (inside, "miss"),
+        (after, "miss"),
+        (inside.replace("\n", "  \r\n") + "\n", "hit"),
+        (after, "hit"),
+    ):
+        resp = await stack.post(chat(text))
+        assert resp.status == 200
+        assert resp.headers["x-ponto-cache"] == cache, text
+        await resp.read()
+    assert stack.origin_requests() == 2
+
+
 async def test_a_stream_is_relayed_recorded_and_replayed(stack: Stack) -> None:
     request = chat("stream me", stream=True, stream_options={"include_usage": True})
     first = await stack.post(request)

@@ -51,7 +51,8 @@ word = st.text(
     max_size=8,
 ).filter(lambda w: normalise_text(w) == w)
 words = st.lists(word, min_size=1, max_size=8)
-whitespace = st.text(alphabet=" \t\n\r\u00a0\u2003\u3000\x0b\x0c", min_size=1, max_size=4)
+# Whitespace within a line (no LF or CR: a line break makes a text of several lines).
+whitespace = st.text(alphabet=" \t\u00a0\u2003\u3000\x0b\x0c", min_size=1, max_size=4)
 
 # Two values of every listed output-affecting parameter that must give
 # different keys (their canonical JSON differs).
@@ -173,7 +174,20 @@ def test_key_ignores_whitespace_in_message_text(
 EVERY_WHITESPACE = "".join(c for c in map(chr, range(0x110000)) if c.isspace())
 
 
-@settings(max_examples=500)
+def reference_normalise(text: str) -> str:
+    """normalise_text's definition, as its docstring states it."""
+    text = unicodedata.normalize("NFKC", text)
+    if "\n" not in text and "\r" not in text:
+        return " ".join(text.split())
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return " ".join(lines[0].split()) if len(lines) == 1 else "\n".join(lines)
+
+
+@settings(max_examples=1000)
 @given(
     text=st.text(
         # With letters, a fullwidth one NFKC changes, and two controls that
@@ -182,21 +196,51 @@ EVERY_WHITESPACE = "".join(c for c in map(chr, range(0x110000)) if c.isspace())
         max_size=12,
     )
 )
-def test_normalised_text_is_nfkc_with_whitespace_runs_made_one_space(text: str) -> None:
-    # The definition, whatever shortcut the function takes for text that is
-    # normal already.
-    assert normalise_text(text) == " ".join(unicodedata.normalize("NFKC", text).split())
+def test_normalised_text_is_its_definition(text: str) -> None:
+    # Whatever shortcut the function takes for text that is normal already.
+    assert normalise_text(text) == reference_normalise(text)
 
 
+@settings(max_examples=300)
 @given(
-    text=st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCXYZ0123456789!?", min_size=1, max_size=30)
+    lines=st.lists(
+        st.text(alphabet=st.sampled_from(" \t\x0c{}():=xy1.\u00e9"), max_size=10), max_size=6
+    ),
+    breaks=st.lists(st.sampled_from(["\n", "\r\n", "\r"]), min_size=5, max_size=5),
 )
-def test_key_ignores_compatibility_forms(text: str) -> None:
-    fullwidth = "".join(chr(ord(c) + 0xFEE0) for c in text)  # fullwidth forms
-    assert normalise_text(fullwidth) == text
-    a = chat(messages=[{"role": "user", "content": text}])
-    b = chat(messages=[{"role": "user", "content": fullwidth}])
-    assert key(a) == key(b)
+def test_normalised_code_is_its_definition(lines: list[str], breaks: list[str]) -> None:
+    text = "".join(line + brk for line, brk in zip(lines, breaks, strict=False)) + "z"
+    assert normalise_text(text) == reference_normalise(text)
+
+
+def test_indentation_and_line_structure_split_the_key() -> None:
+    # Two programs: b() inside the loop or after it. Folded into one line
+    # each would read "for x in y: a() b()", and one's answer would serve both.
+    inside = "What does this print?\nfor x in y:\n    a()\n    b()"
+    after = "What does this print?\nfor x in y:\n    a()\nb()"
+    two_spaces = "What does this print?\nfor x in y:\n  a()\n  b()"
+    keys = {
+        key(chat(messages=[{"role": "user", "content": t}])) for t in (inside, after, two_spaces)
+    }
+    assert len(keys) == 3
+    assert normalise_text("a\nb") != normalise_text("a b")
+
+
+def test_line_endings_trailing_whitespace_and_blank_lines_around_do_not_split_the_key() -> None:
+    plain = "def f():\n    return 1\n\nprint(f())"
+    variants = [
+        plain.replace("\n", "\r\n"),
+        plain.replace("\n", "\r"),
+        "\n\n" + plain.replace("\n", "  \n") + "\n\t\n",
+        plain + "\n",
+    ]
+    for variant in variants:
+        assert normalise_text(variant) == plain
+        a = chat(messages=[{"role": "user", "content": plain}])
+        b = chat(messages=[{"role": "user", "content": variant}])
+        assert key(a) == key(b)
+    # A question with a line break at its end is the question.
+    assert normalise_text("  what is two plus two?\n") == "what is two plus two?"
 
 
 def test_nfkc_examples() -> None:
@@ -396,7 +440,7 @@ def test_canonical_form_is_sorted_and_compact() -> None:
     )
     assert raw == (
         b'{"body":{"a":[1.5,{"c":null,"d":0}],"b":1},"endpoint":"chat.completions",'
-        b'"model":"m","tenant":"t","v":1}'
+        b'"model":"m","tenant":"t","v":2}'
     )
 
 
@@ -456,7 +500,8 @@ def test_context_hash_covers_non_text_parts_of_the_last_user_message() -> None:
 
     assert context_hash(with_image("a", "what?")) == context_hash(with_image("a", "what is it?"))
     assert context_hash(with_image("a", "what?")) != context_hash(with_image("b", "what?"))
-    assert last_user_text(with_image("a", "  what \n is it? ")) == "what is it?"
+    assert last_user_text(with_image("a", "  what \t is it? \n")) == "what is it?"
+    assert last_user_text(with_image("a", "what\n  is it? ")) == "what\n  is it?"
 
 
 def test_last_user_text() -> None:
