@@ -252,9 +252,20 @@ def _text_of_part(part: Any) -> str | None:
 def _canon_messages(messages: Any) -> Any:
     if not isinstance(messages, list):
         return _canon(messages)
-    # dict first: JSON's objects are dicts, told in C (a Mapping alone goes
-    # through the ABC machinery, in Python, for every message).
-    return [_canon_message(m) if isinstance(m, (dict, Mapping)) else _canon(m) for m in messages]
+    out: list[Any] = []
+    for m in messages:
+        if type(m) is dict and len(m) == 2:
+            # Most turns: {"role", "content"} with text. _canon_message's
+            # first step, without a call per turn.
+            content = m.get("content")
+            role = m.get("role")
+            if type(content) is str and type(role) is str and role not in _EXACT_CONTENT_ROLES:
+                out.append({"content": normalise_text(content), "role": role})
+                continue
+        # dict first: JSON's objects are dicts, told in C (a Mapping alone goes
+        # through the ABC machinery, in Python, for every message).
+        out.append(_canon_message(m) if isinstance(m, (dict, Mapping)) else _canon(m))
+    return out
 
 
 def _canon_message(message: Mapping[str, Any], *, drop_text: bool = False) -> dict[str, Any]:

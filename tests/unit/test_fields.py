@@ -22,6 +22,7 @@ from dataplane.http.fields import (
     _WALK_MAX,
     ENDPOINT_RULES,
     MAX_DEPTH,
+    brackets_of,
     check_depth,
     check_fields,
 )
@@ -493,6 +494,21 @@ def test_the_byte_scan_of_a_large_body_agrees_with_the_walk(value: Any, wrap: in
         value = [value]
     body = {"pad": [[]] * (_WALK_MAX + 1), "v": value}
     raw = orjson.dumps(body)
+    if _depth(body) > MAX_DEPTH:
+        with pytest.raises(ApiError):
+            check_depth(raw, body)
+    else:
+        check_depth(raw, body)
+
+
+@given(value=_JSON, wrap=st.integers(MAX_DEPTH - 3, MAX_DEPTH + 2))
+def test_the_walk_of_a_small_body_finds_its_depth(value: Any, wrap: int) -> None:
+    """Bodies of more than MAX_DEPTH brackets, up to _WALK_MAX, are walked."""
+    for _ in range(wrap):
+        value = [{"a": value, "b": "x"}] if wrap % 2 else [value, 1]
+    body = {"v": value, "pad": "[" * MAX_DEPTH}  # brackets in a string: no depth
+    raw = orjson.dumps(body)
+    assert MAX_DEPTH < brackets_of(raw) <= _WALK_MAX
     if _depth(body) > MAX_DEPTH:
         with pytest.raises(ApiError):
             check_depth(raw, body)
