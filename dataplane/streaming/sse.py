@@ -59,11 +59,14 @@ class Event:
 
 
 class SseParser:
-    __slots__ = ("_cr", "_data", "_data_size", "_line", "_name")
+    __slots__ = ("_cr", "_data", "_data_size", "_line", "_line_size", "_name")
 
     def __init__(self) -> None:
         # The start of a line whose ending has not arrived, in the pieces it came in.
         self._line: list[bytes] = []
+        # Their bytes, counted as they come: `held` is asked after every chunk,
+        # and summing the pieces then would cost a line in N chunks N**2 / 2.
+        self._line_size = 0
         self._cr = False  # the last chunk ended with CR: a leading LF is its pair
         self._data: list[bytes] = []
         self._data_size = 0  # the bytes of _data
@@ -73,7 +76,7 @@ class SseParser:
     def held(self) -> int:
         """The bytes of the event the parser is inside (its lines so far and
         the start of the next), about what it holds."""
-        return self._data_size + len(self._name) + sum(map(len, self._line))
+        return self._data_size + len(self._name) + self._line_size
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events that `chunk` completes, in order."""
@@ -99,6 +102,7 @@ class SseParser:
         if b"\n" not in chunk:  # the line goes on (if the chunk was more than an LF)
             if chunk:
                 self._line.append(chunk)
+                self._line_size += len(chunk)
             return []
         lines = chunk.split(b"\n")
         if self._line:
@@ -106,6 +110,7 @@ class SseParser:
             lines[0] = b"".join(self._line)
         last = lines.pop()
         self._line = [last] if last else []
+        self._line_size = len(last)
         events: list[Event] = []
         for line in lines:
             if not line:
@@ -138,6 +143,7 @@ class SseParser:
         if self._line:
             line = b"".join(self._line)
             self._line = []
+            self._line_size = 0
             self.feed(line + b"\n")
         if not (self._data or self._name):
             return None
