@@ -69,13 +69,18 @@ class SseParser:
         self._line_size = 0
         self._cr = False  # the last chunk ended with CR: a leading LF is its pair
         self._data: list[bytes] = []
-        self._data_size = 0  # the bytes of _data
+        # The bytes of the lines of _data as they came (but a CRLF counted as
+        # one), not only of their values: an event of empty data lines holds a
+        # list slot for each, and must count as long as it is.
+        self._data_size = 0
         self._name = b""
 
     @property
     def held(self) -> int:
-        """The bytes of the event the parser is inside (its lines so far and
-        the start of the next), about what it holds."""
+        """The bytes of the event the parser is inside: its data lines as they
+        came (field name and line ending too), its name, and the start of the
+        next line. Every line kept counts, so what the parser holds stays
+        within a few times this, however short its lines."""
         return self._data_size + len(self._name) + self._line_size
 
     def feed(self, chunk: bytes) -> list[Event]:
@@ -121,14 +126,14 @@ class SseParser:
                     self._name = b""
             elif line.startswith(b"data: "):  # nearly every line
                 self._data.append(line[6:])
-                self._data_size += len(line) - 6
+                self._data_size += len(line) + 1
             elif line[0] != 0x3A:  # ':' starts a comment
                 name, _, value = line.partition(b":")
                 if value[:1] == b" ":
                     value = value[1:]
                 if name == b"data":
                     self._data.append(value)
-                    self._data_size += len(value)
+                    self._data_size += len(line) + 1
                 elif name == b"event":
                     self._name = value
         return events

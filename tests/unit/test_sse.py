@@ -153,7 +153,7 @@ def test_what_the_parser_holds_is_the_event_it_is_inside() -> None:
         assert parser.feed(piece) == []
     assert parser.held == 2006
     assert parser.feed(b"\ndata: zz\nevent: n") == []  # two data lines, a name under way
-    assert parser.held == 2000 + 2 + len(b"event: n")
+    assert parser.held == 2007 + len(b"data: zz\n") + len(b"event: n")
     assert parser.feed(b"\n\ndata: a") == [Event(b"x" * 1000 + b"y" * 1000 + b"\nzz", b"n")]
     assert parser.held == len(b"data: a")
     assert parser.close() == Event(b"a")
@@ -181,4 +181,17 @@ def test_what_the_parser_holds_is_counted_not_summed_over_the_line_pieces() -> N
         assert parser.held == 6 + 16 * n
     assert Piece.measured <= 5 * pieces
     assert parser.feed(b"\n\n") == [Event(b"x" * 16 * pieces)]
+    assert parser.held == 0
+
+
+@pytest.mark.parametrize("line", [b"data:\n", b"data: \r\n", b"data:xy\r", b"data\n"])
+def test_every_data_line_held_counts_as_it_came_an_empty_one_too(line: bytes) -> None:
+    """An event of short data lines holds a list slot and an object for each:
+    counted by their values alone, one of empty lines would be held for ever
+    at a `held` of 0 (and one of two-byte values at a twentieth of its memory)."""
+    parser = SseParser()
+    assert parser.feed(line * 1000) == []
+    assert parser.held == len(line.replace(b"\r\n", b"\n")) * 1000
+    (event,) = parser.feed(line[len(line.rstrip(b"\r\n")) :])  # a blank line
+    assert event.data.count(b"\n") == 999
     assert parser.held == 0

@@ -371,6 +371,28 @@ async def test_an_event_longer_than_the_bound_cuts_the_stream_where_it_passes(
 
 
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_an_event_of_empty_data_lines_past_the_bound_cuts_the_stream(
+    continuable: bool,
+) -> None:
+    # Each line holds a list slot in the parser, though its value is empty.
+    pieces = [b"data:\n" * 1000] * 5 + [b"\ndata: [DONE]\n\n"]
+    content = Counted(*pieces)
+    out = Out()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        content,
+        cast(web.StreamResponse, out),
+        readers=[Reader()],
+        error_event=ERROR_EVENT,
+        resume=no_resume if continuable else None,
+        max_event_bytes=BOUND,
+    )
+    assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
+    assert b"".join(out.written) == b'data: {"a":1}\n\n' + ERROR_EVENT
+    assert content.read == 2  # 12,000 bytes of lines held: past the bound
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
 async def test_an_event_within_the_bound_is_relayed_whole_however_it_comes(
     continuable: bool,
 ) -> None:
