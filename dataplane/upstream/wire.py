@@ -103,10 +103,12 @@ READ_BUFSIZE: Final = 2**16
 MAX_LINE: Final = 8190
 MAX_HEADERS: Final = 128
 # The most of one origin answer the proxy holds at once (--max-answer-bytes): a
-# whole (non-streamed) answer, or one event of a stream. A legitimate answer
-# stays far under it (2,048 embeddings of 3,072 floats come to some 80 MB as
-# JSON numbers, 34 MB as base64, which the openai SDK asks for); what passes it
-# is a broken origin, and holding it would take the memory of every request.
+# whole (non-streamed) answer, or one event of a stream. A chat or completions
+# answer stays far under it, and so does the largest embeddings batch (2,048 of
+# 3,072 floats) as the base64 the openai SDK asks for, 34 MB; not the same batch
+# as JSON numbers (94-135 MB as OpenAI or vLLM write them), which needs a larger
+# bound. What passes it is otherwise a broken origin, and holding that would
+# take the memory of every request.
 DEFAULT_MAX_ANSWER_BYTES: Final = 64 << 20
 # Per origin at most this many connections: past that, bursts wait for a free
 # keep-alive connection instead of opening (and tearing down) new ones.
