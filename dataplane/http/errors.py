@@ -155,12 +155,14 @@ def upstream_busy(retry_after_s: float) -> ApiError:
 
 def upstream_too_large(limit: int) -> ApiError:
     """502: the origin's whole answer was longer than the proxy holds
-    (--max-answer-bytes, `limit`); no other origin was tried, since the same
-    request would make as long an answer."""
+    (--max-answer-bytes, `limit`); no other origin was tried after it (a hedge
+    already sent may have failed otherwise), since the same request would
+    make as long an answer."""
     return ApiError(
         502,
         f"The model's answer was larger than this proxy accepts ({limit} bytes): "
-        "ask for less in one request (fewer inputs or choices), or stream it.",
+        "ask for less in one request (fewer inputs or choices), stream it, or for "
+        "embeddings ask for encoding_format base64.",
         type="upstream_error",
         code="upstream_answer_too_large",
         logged=True,
