@@ -810,6 +810,13 @@ class EdgeProtocol(web_protocol.RequestHandler):
             )
             if self._unparsed is not None:
                 self._unparsed(request, request_id, error.status, error.code or "")
+        elif status == 504 and exc is None:
+            # A handler's TimeoutError, which _handle answers 504: an app
+            # without the proxy's error boundary (the control plane's pages).
+            self.logger.error("Request from %s timed out in its handler", request.remote)
+            error = ApiError(
+                504, "the request timed out in the proxy", type="server_error", code="timeout"
+            )
         else:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
             error = ApiError(

@@ -84,6 +84,21 @@ async def test_a_handlers_errors_are_answered_as_aiohttp_answers_them(
                 assert (resp.status, resp.headers.get("Connection")) == (status, connection), path
 
 
+async def test_a_handlers_timeout_is_told_as_one(
+    served: tuple[EdgeRunner, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, base = served
+    async with aiohttp.ClientSession() as session, session.get(base + "/times-out") as resp:
+        body = await resp.json()
+    assert resp.status == 504
+    assert (body["error"]["code"], body["error"]["message"]) == (
+        "timeout",
+        "the request timed out in the proxy",
+    )
+    told = [r for r in caplog.records if "timed out in its handler" in r.getMessage()]
+    assert len(told) == 1 and told[0].exc_info is None
+
+
 async def test_a_stop_waits_for_the_request_under_way(served: tuple[EdgeRunner, str]) -> None:
     runner, base = served
     async with aiohttp.ClientSession() as session:
