@@ -226,19 +226,34 @@ def context_hash(messages: Sequence[Any]) -> str:
 
 
 def last_user_text(messages: Sequence[Any]) -> str | None:
-    """The normalised text of the last user message (text parts joined by a space),
-    or None when there is no user message or it holds no text."""
+    """The text of the last user message (text parts joined by a space) as the
+    semantic layer reads it: NFKC, every run of whitespace made one space,
+    line breaks included, and trimmed; None when there is no user message or
+    it holds no text.
+
+    One line, unlike a text of several lines in the key (`normalise_text`):
+    the semantic layer's entity checks (dataplane.cache.entities) take a line
+    break for a sentence's end, where a capital marks no name, and read no
+    quote across one. With its lines kept, a list or a letter that differs in
+    a name at a line's start (a list of cities, one a line, that ends in
+    Munich or in Hamburg), or in a quote of two lines, had no entity to tell
+    them apart and was a semantic hit for the other.
+    """
     idx = _last_user_index(messages)
     if idx is None:
         return None
     content = messages[idx].get("content")
     if isinstance(content, str):
-        text = normalise_text(content)
+        text = _one_line(content)
     elif isinstance(content, list):
-        text = normalise_text(" ".join(t for t in map(_text_of_part, content) if t is not None))
+        text = _one_line(" ".join(t for t in map(_text_of_part, content) if t is not None))
     else:
         return None
     return text or None
+
+
+def _one_line(s: str) -> str:
+    return " ".join(unicodedata.normalize("NFKC", s).split())
 
 
 def _text_of_part(part: Any) -> str | None:
