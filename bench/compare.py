@@ -145,7 +145,7 @@ def chat_body(model: str) -> bytes:
 def conversation_body(model: str, kb: int) -> bytes:
     """A non-streaming chat request for `model` of about `kb` KB: a system
     prompt, then user turns of prose and assistant turns of prose with code
-    (lines, indents: text whose whitespace the cache key must fold), an
+    (lines, indents: text whose lines the cache key reads and keeps), an
     agent's conversation, whose every turn the proxy reads: to check it,
     estimate its tokens, place it and key it. Last a user turn with "{i}"
     (each request's own, so no cache answers a repeat)."""
