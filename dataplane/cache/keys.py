@@ -209,20 +209,40 @@ def context_hash(messages: Sequence[Any]) -> str:
     Covers every message before the last user message, that message's fields other
     than the text of its content (its name, its image or audio parts), and every
     message after it (tool calls and results of an agent turn), all normalised as
-    in the key. Two requests may share a semantic hit only when this hash is equal,
-    so a hit never crosses conversations whose earlier turns differ. Without a user
-    message the whole list is hashed. Raises UncacheableRequest like the key.
+    in the key; and the indentation of that text's lines, when it has several
+    and one is indented (`_indents`). Two requests may share a semantic hit only
+    when this hash is equal, so a hit never crosses conversations whose earlier
+    turns differ, nor code whose indentation differs (its embedding, its names
+    and its quotes cannot tell a call inside a loop from one after it). Without
+    a user message the whole list is hashed. Raises UncacheableRequest like the key.
     """
     idx = _last_user_index(messages)
     canon: list[Any] = []
+    indents: list[str] | None = None
     for i, m in enumerate(messages):
         if i == idx:
             assert isinstance(m, Mapping)
             canon.append(_canon_message(m, drop_text=True))
+            indents = _indents(_text_of(m.get("content")))
         else:
             canon.append(_canon_message(m) if isinstance(m, Mapping) else _canon(m))
-    doc = {"last_user": idx is not None, "messages": canon, "v": KEY_VERSION}
+    doc: dict[str, Any] = {"last_user": idx is not None, "messages": canon, "v": KEY_VERSION}
+    if indents is not None:
+        doc["indents"] = indents
     return hashlib.sha256(jsonio.dumps(doc)).hexdigest()
+
+
+def _indents(text: str | None) -> list[str] | None:
+    """The leading whitespace of each line of `text`, normalised as in the
+    key, but blank lines; None for a text of one line, or of lines none of
+    which is indented (prose, a flat list), which a paraphrase may reflow."""
+    if text is None:
+        return None
+    text = normalise_text(text)
+    if "\n" not in text:
+        return None
+    indents = [line[: len(line) - len(line.lstrip())] for line in text.split("\n") if line]
+    return indents if any(indents) else None
 
 
 def last_user_text(messages: Sequence[Any]) -> str | None:
@@ -237,23 +257,40 @@ def last_user_text(messages: Sequence[Any]) -> str | None:
     quote across one. With its lines kept, a list or a letter that differs in
     a name at a line's start (a list of cities, one a line, that ends in
     Munich or in Hamburg), or in a quote of two lines, had no entity to tell
-    them apart and was a semantic hit for the other.
+    them apart and was a semantic hit for the other. What the lines' layout
+    tells apart (code's indentation) is in `context_hash`.
     """
     idx = _last_user_index(messages)
     if idx is None:
         return None
-    content = messages[idx].get("content")
-    if isinstance(content, str):
-        text = _one_line(content)
-    elif isinstance(content, list):
-        text = _one_line(" ".join(t for t in map(_text_of_part, content) if t is not None))
-    else:
+    text = _text_of(messages[idx].get("content"))
+    if text is None:
         return None
-    return text or None
+    return _one_line(text) or None
 
 
 def _one_line(s: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", s).split())
+
+
+def without_text(content: Any) -> Any:
+    """A message's content with its text taken out and the rest kept: "" for
+    a string, the parts but the text ones for a list of parts."""
+    if isinstance(content, str):
+        return ""
+    if isinstance(content, list):
+        return [part for part in content if _text_of_part(part) is None]
+    return content
+
+
+def _text_of(content: Any) -> str | None:
+    """A message's text: its content string, or its text parts joined by a
+    space; None when it has no text of either form."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(t for t in map(_text_of_part, content) if t is not None)
+    return None
 
 
 def _text_of_part(part: Any) -> str | None:

@@ -57,6 +57,7 @@ from dataplane.cache.keys import (
     cache_key,
     context_hash,
     last_user_text,
+    without_text,
 )
 from dataplane.cache.policy import CacheMode, Decision, Reason, RequestCacheControl, decide
 from dataplane.cache.regionstore import RegionalStore, RegionLock
@@ -593,17 +594,21 @@ class EdgeCache:
             await asyncio.gather(*self._background, return_exceptions=True)
 
     def _context(self, req: CacheRequest) -> str:
-        """Everything but the last user message, exactly: the semantic namespace.
+        """Everything but the text of the last user message, exactly: the
+        semantic namespace.
 
-        The exact key of the request with that message blanked covers the
-        tenant, the model, every parameter, forwarded headers and every other
-        message, so only the last user message is ever matched by meaning.
+        The exact key of the request with that text blanked covers the
+        tenant, the model, every parameter, forwarded headers, every other
+        message and the rest of that one (its images, its audio), so only the
+        last user message's text is ever matched by meaning; `context_hash`
+        adds the indentation of its lines (code).
         """
-        messages = list(req.body["messages"])
+        original = req.body["messages"]
+        messages = list(original)
         for i in range(len(messages) - 1, -1, -1):
             m = messages[i]
             if isinstance(m, dict) and m.get("role") == "user":
-                messages[i] = {**m, "content": ""}
+                messages[i] = {**m, "content": without_text(m.get("content"))}
                 break
         blanked = CacheRequest(
             req.endpoint,
@@ -612,7 +617,7 @@ class EdgeCache:
             False,
             headers=req.headers,
         )
-        return context_hash(messages) + ":" + self._key(blanked)
+        return context_hash(original) + ":" + self._key(blanked)
 
     def _key(self, req: CacheRequest) -> str:
         headers = None

@@ -564,6 +564,76 @@ async def test_a_text_of_several_lines_keeps_its_entities_for_the_semantic_layer
         index.close()
 
 
+PROGRAMS = (
+    "What does this print?\nfor x in range(3):\n    a()\n    b()",
+    "What does this print?\nfor x in range(3):\n    a()\nb()",
+)
+
+
+async def test_code_whose_indentation_differs_is_no_semantic_hit() -> None:
+    # Folded into one line for the semantic layer, the two read the same: a
+    # similarity of 1.0, the same names and quotes. Their indentation, in the
+    # context hash, keeps them apart.
+    edge, index, req = semantic_edge()
+    try:
+        first = CacheRequest(
+            CHAT, dict(BODY, messages=[user(PROGRAMS[0])]), req.tenant, stream=False
+        )
+        plan = await edge.plan(first)
+        await edge.settle_body(first, plan, 200, ANSWER, json.loads(ANSWER))
+        await edge.background_done()
+        second = CacheRequest(
+            CHAT, dict(BODY, messages=[user(PROGRAMS[1])]), req.tenant, stream=False
+        )
+        missed = await edge.plan(second)
+        assert missed.outcome == "miss"
+        missed.abandon()
+        # The same layout, asked another way, is still a neighbour.
+        reworded = PROGRAMS[0].replace("What does this print?", "What does this print out?")
+        near = CacheRequest(CHAT, dict(BODY, messages=[user(reworded)]), req.tenant, stream=False)
+        assert (await edge.plan(near)).kind == "semantic"
+    finally:
+        index.close()
+
+
+def looking_at(url: str, text: str) -> list[dict[str, Any]]:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return [{"role": "user", "content": [{"type": "text", "text": text}, image]}]
+
+
+async def test_a_question_about_another_image_is_no_semantic_hit() -> None:
+    # The namespace held the last user message blanked whole, so its image
+    # went with its text: one image's answer was a semantic hit for another's.
+    edge, index, req = semantic_edge()
+    try:
+        cat = looking_at("https://example.com/cat.png", "What is in this image?")
+        first = CacheRequest(CHAT, dict(BODY, messages=cat), req.tenant, stream=False)
+        plan = await edge.plan(first)
+        await edge.settle_body(first, plan, 200, ANSWER, json.loads(ANSWER))
+        await edge.background_done()
+        dog = looking_at("https://example.com/dog.png", "What's in this image?")
+        other = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=dog), req.tenant, False))
+        assert other.outcome == "miss"
+        other.abandon()
+        same = looking_at("https://example.com/cat.png", "What's in this image?")
+        near = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=same), req.tenant, False))
+        assert near.kind == "semantic"
+    finally:
+        index.close()
+
+
+def test_the_context_hash_holds_the_indentation_of_code_alone() -> None:
+    def ctx(text: str) -> str:
+        return context_hash([SYSTEM, user(text)])
+
+    assert ctx(PROGRAMS[0]) != ctx(PROGRAMS[1])
+    # Line endings and whitespace at the lines' ends change nothing.
+    assert ctx(PROGRAMS[0]) == ctx(PROGRAMS[0].replace("\n", "  \r\n") + "\n")
+    # Text whose lines are not indented (prose, a flat list) keeps one context,
+    # however its lines fall, as does a text of one line.
+    assert ctx("Paris\nLyon\nRome") == ctx("Paris Lyon\nRome") == ctx("which city?")
+
+
 def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
