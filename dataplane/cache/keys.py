@@ -38,8 +38,11 @@ from typing import Any, Final
 from dataplane import jsonio
 
 # Bumped whenever the canonical form changes, so entries written under the old
-# rules (in a shared store, one day) can never answer under the new ones.
-KEY_VERSION = 2  # 2: a text of several lines keeps its lines (normalise_text)
+# rules (in the region's Redis, shared with proxies of other versions) can never
+# answer under the new ones.
+# 2: a text of several lines keeps its lines (normalise_text); the semantic
+# namespace keeps the last user message's images, and code's indentation.
+KEY_VERSION = 2
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
