@@ -544,22 +544,27 @@ async def test_a_text_of_several_lines_keeps_its_entities_for_the_semantic_layer
     asked: str, other: str
 ) -> None:
     # The two embed close enough for a hit (0.90 and 0.96 here, 0.95 and 0.99
-    # with MiniLM): only their entities, read from last_user_text, tell them apart.
+    # with MiniLM): only their entities, read from last_user_text, tell them
+    # apart. A neighbour with the same entities is still a hit.
+    await semantic_pair([user(asked)], [user(other)], [user(asked + " please")])
+
+
+async def semantic_pair(
+    stored: list[dict[str, Any]], other: list[dict[str, Any]], near: list[dict[str, Any]]
+) -> None:
+    """With an answer kept for the messages `stored`, `other` is a miss and
+    `near` a semantic hit (the cache step of a semantic tenant, no HTTP)."""
     edge, index, req = semantic_edge()
     try:
-        first = CacheRequest(CHAT, dict(BODY, messages=[user(asked)]), req.tenant, stream=False)
+        first = CacheRequest(CHAT, dict(BODY, messages=stored), req.tenant, stream=False)
         plan = await edge.plan(first)
         await edge.settle_body(first, plan, 200, ANSWER, json.loads(ANSWER))
         await edge.background_done()
-        second = CacheRequest(CHAT, dict(BODY, messages=[user(other)]), req.tenant, stream=False)
-        missed = await edge.plan(second)
+        missed = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=other), req.tenant, False))
         assert missed.outcome == "miss"
         missed.abandon()
-        # A neighbour with the same entities is still a hit.
-        near = CacheRequest(
-            CHAT, dict(BODY, messages=[user(asked + " please")]), req.tenant, stream=False
-        )
-        assert (await edge.plan(near)).kind == "semantic"
+        found = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=near), req.tenant, False))
+        assert found.kind == "semantic"
     finally:
         index.close()
 
@@ -573,27 +578,10 @@ PROGRAMS = (
 async def test_code_whose_indentation_differs_is_no_semantic_hit() -> None:
     # Folded into one line for the semantic layer, the two read the same: a
     # similarity of 1.0, the same names and quotes. Their indentation, in the
-    # context hash, keeps them apart.
-    edge, index, req = semantic_edge()
-    try:
-        first = CacheRequest(
-            CHAT, dict(BODY, messages=[user(PROGRAMS[0])]), req.tenant, stream=False
-        )
-        plan = await edge.plan(first)
-        await edge.settle_body(first, plan, 200, ANSWER, json.loads(ANSWER))
-        await edge.background_done()
-        second = CacheRequest(
-            CHAT, dict(BODY, messages=[user(PROGRAMS[1])]), req.tenant, stream=False
-        )
-        missed = await edge.plan(second)
-        assert missed.outcome == "miss"
-        missed.abandon()
-        # The same layout, asked another way, is still a neighbour.
-        reworded = PROGRAMS[0].replace("What does this print?", "What does this print out?")
-        near = CacheRequest(CHAT, dict(BODY, messages=[user(reworded)]), req.tenant, stream=False)
-        assert (await edge.plan(near)).kind == "semantic"
-    finally:
-        index.close()
+    # context hash, keeps them apart; the same layout asked another way is
+    # still a neighbour.
+    reworded = PROGRAMS[0].replace("What does this print?", "What does this print out?")
+    await semantic_pair([user(PROGRAMS[0])], [user(PROGRAMS[1])], [user(reworded)])
 
 
 def looking_at(url: str, text: str) -> list[dict[str, Any]]:
@@ -604,22 +592,11 @@ def looking_at(url: str, text: str) -> list[dict[str, Any]]:
 async def test_a_question_about_another_image_is_no_semantic_hit() -> None:
     # The namespace held the last user message blanked whole, so its image
     # went with its text: one image's answer was a semantic hit for another's.
-    edge, index, req = semantic_edge()
-    try:
-        cat = looking_at("https://example.com/cat.png", "What is in this image?")
-        first = CacheRequest(CHAT, dict(BODY, messages=cat), req.tenant, stream=False)
-        plan = await edge.plan(first)
-        await edge.settle_body(first, plan, 200, ANSWER, json.loads(ANSWER))
-        await edge.background_done()
-        dog = looking_at("https://example.com/dog.png", "What's in this image?")
-        other = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=dog), req.tenant, False))
-        assert other.outcome == "miss"
-        other.abandon()
-        same = looking_at("https://example.com/cat.png", "What's in this image?")
-        near = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=same), req.tenant, False))
-        assert near.kind == "semantic"
-    finally:
-        index.close()
+    await semantic_pair(
+        looking_at("https://example.com/cat.png", "What is in this image?"),
+        looking_at("https://example.com/dog.png", "What's in this image?"),
+        looking_at("https://example.com/cat.png", "What's in this image?"),
+    )
 
 
 def test_the_context_hash_holds_the_indentation_of_code_alone() -> None:
