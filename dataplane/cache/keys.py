@@ -220,15 +220,18 @@ def context_hash(messages: Sequence[Any]) -> str:
     a user message the whole list is hashed. Raises UncacheableRequest like the key.
     """
     idx = _last_user_index(messages)
-    canon: list[Any] = []
     indents: list[str] | None = None
-    for i, m in enumerate(messages):
-        if i == idx:
-            assert isinstance(m, Mapping)
-            canon.append(_canon_message(m, drop_text=True))
-            indents = _indents(_text_of(m.get("content")))
-        else:
-            canon.append(_canon_message(m) if isinstance(m, Mapping) else _canon(m))
+    if idx is None:
+        canon = _canon_messages(list(messages))
+    else:
+        last = messages[idx]
+        assert isinstance(last, Mapping)
+        indents = _indents(_text_of(last.get("content")))
+        canon = [
+            *_canon_messages(list(messages[:idx])),
+            _canon_message(last, drop_text=True),
+            *_canon_messages(list(messages[idx + 1 :])),
+        ]
     doc: dict[str, Any] = {"last_user": idx is not None, "messages": canon, "v": KEY_VERSION}
     if indents is not None:
         doc["indents"] = indents
@@ -310,8 +313,9 @@ def _canon_messages(messages: Any) -> Any:
     out: list[Any] = []
     for m in messages:
         if type(m) is dict and len(m) == 2:
-            # Most turns: {"role", "content"} with text. _canon_message's
-            # first step, without a call per turn.
+            # Most turns: {"role", "content"} with text. What _canon_message
+            # makes of them, keys in their sorted order, without a call per turn
+            # (some 10 us of a 16 KB conversation's key).
             content = m.get("content")
             role = m.get("role")
             if type(content) is str and type(role) is str and role not in _EXACT_CONTENT_ROLES:
@@ -326,11 +330,6 @@ def _canon_messages(messages: Any) -> Any:
 def _canon_message(message: Mapping[str, Any], *, drop_text: bool = False) -> dict[str, Any]:
     role = message.get("role")
     exact = role in _EXACT_CONTENT_ROLES
-    content = message.get("content")
-    if type(content) is str and type(role) is str and len(message) == 2 and not exact:
-        # Most turns: {"role", "content"} with text. What the loop below
-        # makes of them, keys in their sorted order, in one step.
-        return {"content": "" if drop_text else normalise_text(content), "role": role}
     out: dict[str, Any] = {}
     for name in sorted(message):
         value = message[name]
