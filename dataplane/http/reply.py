@@ -42,7 +42,7 @@ from dataplane.streaming.splice import Transcript
 from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter
 from dataplane.upstream.forwarder import OriginAnswer
-from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, media_type
+from dataplane.upstream.wire import media_type
 
 if TYPE_CHECKING:
     from dataplane.cache.step import CachePlan
@@ -119,7 +119,7 @@ async def relay_origin(
     resume: Resume | None = None,
     transcript: Transcript | None = None,
     lead: LeaderStream | None = None,
-    max_event_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    max_event_bytes: int,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
     `lead`, the stream of a flight's leader) published to the flight."""
