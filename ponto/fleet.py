@@ -96,6 +96,9 @@ class Fleet:
     status_url: str = ""  # the control plane's status page, when it serves one
     _channel: grpc.Channel | None = None
     _channel_to: str = ""
+    # The etag of each table version wait_table returned: another replica
+    # numbers the same content by the revision it read it at, which may be lower.
+    _etags: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -281,6 +284,7 @@ class Fleet:
         while True:
             table = self.admin().GetRouteTable(apb.ListRequest(), timeout=10).table
             if table.version and ready(table):
+                self._etags[table.version] = table.etag
                 return int(table.version)
             if time.monotonic() > deadline:
                 raise DevEnvError(f"route table never became ready; last:\n{table}")
@@ -299,20 +303,43 @@ class Fleet:
             return status
 
     def wait_proxies_at(self, version: int, timeout: float = 15.0) -> None:
-        """Wait until every proxy serves a table of at least this version."""
+        """Wait until every proxy serves a table of at least this version, or
+        the same content (etag) as the version wait_table returned: a proxy
+        on another replica may be given that content under a lower number."""
         deadline = time.monotonic() + timeout
+        etag = self._etags.get(version, "")
         pending = set(self.proxies)
         while pending:
             for name in list(pending):
                 with contextlib.suppress(OSError):
-                    served = self.proxy_status(name).get("route_table_version", 0)
-                    if isinstance(served, int) and served >= version:
+                    status = self.proxy_status(name)
+                    served = status.get("route_table_version", 0)
+                    newer = isinstance(served, int) and served >= version
+                    if newer or (etag and status.get("route_table_etag") == etag):
                         pending.discard(name)
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise DevEnvError(f"proxies {sorted(pending)} not at version {version}")
+                raise DevEnvError(
+                    f"proxies {sorted(pending)} not at version {version} (etag {etag[:12]}…); "
+                    f"they serve: {self._served(pending)}"
+                )
             time.sleep(0.05)
+
+    def _served(self, names: set[str]) -> str:
+        """What each of `names` serves, for a failed wait's message."""
+        said = []
+        for name in sorted(names):
+            try:
+                status = self.proxy_status(name)
+                said.append(
+                    f"{name}: version {status.get('route_table_version')} etag "
+                    f"{str(status.get('route_table_etag'))[:12]}… "
+                    f"(connected: {status.get('control_plane_connected')})"
+                )
+            except OSError as exc:
+                said.append(f"{name}: {exc}")
+        return "; ".join(said)
 
     def proxy_url(self, name: str) -> str:
         return f"http://{self.proxies[name].address}/v1"

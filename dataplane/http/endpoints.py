@@ -53,7 +53,12 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     """Liveness: the process answers (`/healthz`, and `/health`, which tools
-    such as guidellm check). Readiness (a table to serve) is /readyz."""
+    such as guidellm check). Readiness (a table to serve) is /readyz.
+
+    The table is named by its version and its etag. Each control-plane
+    replica numbers a table by the store revision it read it at, so two
+    replicas may give the same content different versions: the etag (a hash
+    of the content) is what to compare with the control plane's table."""
     holder = request.app[HOLDER]
     routes = holder.routes
     client = request.app[CLIENT]
@@ -61,6 +66,7 @@ async def healthz(request: web.Request) -> web.Response:
         {
             "status": "ok",
             "route_table_version": routes.version if routes else 0,
+            "route_table_etag": routes.etag if routes else "",
             "route_table_source": holder.source,
             "control_plane_connected": client.connected,
             "quota_generation": client.quota_generation,

@@ -115,6 +115,14 @@ async def test_health_is_liveness_in_json(stack: Stack) -> None:
     body = await health.json()
     assert body["status"] == "ok"
     assert body.keys() == (await healthz.json()).keys()
+    # The table by number and by content: replicas number one content apart.
+    routes = stack.app[HOLDER].routes
+    assert routes is not None
+    assert (body["route_table_version"], body["route_table_etag"]) == (
+        routes.version,
+        routes.etag,
+    )
+    assert len(body["route_table_etag"]) == 64
 
 
 async def with_alias(s: Stack, alias: str) -> None:
