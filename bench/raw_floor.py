@@ -1,6 +1,7 @@
 """How little a Python proxy can cost: raw asyncio protocols over aiohttp's parsers.
 
     .venv/bin/python -m bench.raw_floor [--rounds 3] [--seconds 5] [--conversation-kb N]
+                                        [--ponto-features none]
 
 Issue 17 measures Ponto against the bare aiohttp pass-through
 (bench/passthrough.py). That is the floor of a proxy built on aiohttp's web
@@ -245,11 +246,14 @@ class Row:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-def measure(rounds: int, seconds: int, conversation_kb: int = 0) -> dict[str, Any]:
+def measure(
+    rounds: int, seconds: int, conversation_kb: int = 0, features: str = "auth-limits-cache"
+) -> dict[str, Any]:
     """Start the three servers and the canned origin, time them in interleaved
     rounds, stop them; returns the report. With `conversation_kb`, each request
     is an agent's conversation of about that many KB
-    (bench.compare.conversation_body) instead of one short message."""
+    (bench.compare.conversation_body) instead of one short message.
+    `features`: what Ponto runs per request (bench.compare.configure_ponto_features)."""
     body = (
         compare.conversation_body(canned.CANNED_MODEL, conversation_kb)
         if conversation_kb
@@ -266,7 +270,7 @@ def measure(rounds: int, seconds: int, conversation_kb: int = 0) -> dict[str, An
         passthrough: Managed | None = None
         try:
             passthrough = compare.start_passthrough(fleet, nginx.address, "passthrough-canned")
-            headers, features = compare.configure_ponto_features(fleet, "auth-limits-cache")
+            headers, said = compare.configure_ponto_features(fleet, features)
             ready = fleet.workdir / "raw-floor.addr"
             argv = [*python_entry("bench.raw_floor"), "--serve", "127.0.0.1:0",
                     "--origin", nginx.address, "--ready-file", str(ready)]  # fmt: skip
@@ -303,7 +307,7 @@ def measure(rounds: int, seconds: int, conversation_kb: int = 0) -> dict[str, An
     return {
         "name": "raw-floor",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "ponto_features": features,
+        "ponto_features": said,
         "conversation_kb": conversation_kb,
         "rounds": rounds,
         "seconds": seconds,
@@ -321,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=int, default=5)
     p.add_argument("--conversation-kb", type=int, default=0, metavar="N",
                    help="requests of an agent's conversation of about N KB")  # fmt: skip
+    p.add_argument("--ponto-features", choices=("auth-limits-cache", "none"),
+                   default="auth-limits-cache",
+                   help="what Ponto runs per request (none: its defaults)")  # fmt: skip
     p.add_argument("--serve", type=_hostport, help=argparse.SUPPRESS)  # the runner's child
     p.add_argument("--origin", type=_hostport, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
@@ -329,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(_serve(a.serve, a.origin, a.ready_file))
         return 0
-    report = measure(a.rounds, a.seconds, a.conversation_kb)
+    report = measure(a.rounds, a.seconds, a.conversation_kb, a.ponto_features)
     print(f"{report['date']}; Ponto: {report['ponto_features']}")
     if a.conversation_kb:
         print(f"requests: an agent's conversation of about {a.conversation_kb} KB")
