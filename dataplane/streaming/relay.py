@@ -191,6 +191,10 @@ async def _relay_bytes(
         while True:
             if parser is not None:
                 for ev in parser.feed(chunk):
+                    if ev.size > max_event_bytes:
+                        # Never relayed: the bound cuts the stream at or
+                        # before it (below), whose bytes are at least its size.
+                        break
                     for reader in readers:
                         reader.event(ev)
                     last = ev
@@ -215,6 +219,18 @@ async def _relay_bytes(
                     tail = rest[-3:]
                 if at:
                     data = whole[:at] if held_size else whole
+                    # An event that came whole with the bytes that ended it is
+                    # bounded as one that came in pieces is (checked as it
+                    # grew, below): only a chunk longer than the bound can hold one.
+                    long = _long_event(data, max_event_bytes) if len(data) > max_event_bytes else -1
+                    if long >= 0:
+                        if long:
+                            if chunks is not None:
+                                chunks.chunk(data[:long])
+                            await out.write(data[:long])
+                        end.cut = _too_long(max_event_bytes)
+                        await out.write(_ending(error_event, last))
+                        break
                     if chunks is not None:
                         chunks.chunk(data)
                     # write() waits for the client's socket to drain: backpressure
@@ -280,6 +296,9 @@ async def _relay_events(
             frames: list[bytes] = []
             for parsed in parser.feed(chunk):
                 ev = parsed
+                if ev.size > max_event_bytes:  # see _relay_bytes
+                    cut = _too_long(max_event_bytes)
+                    break
                 data: bytes | None = ev.data
                 if not ev.done:
                     if rewrite is not None:
@@ -411,6 +430,22 @@ def _boundary(data: bytes) -> int:
         if cr >= 0:
             end = max(end, cr + 2)
     return end
+
+
+def _long_event(data: bytes, limit: int) -> int:
+    """Where the first event of `data` (whole events, as _boundary ends them)
+    longer than `limit` bytes starts, blank line included; -1 if none is."""
+    start = 0
+    while start < len(data):
+        end = len(data)
+        for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+            at = data.find(sep, start)
+            if at >= 0 and at + len(sep) < end:
+                end = at + len(sep)
+        if end - start > limit:
+            return start
+        start = end
+    return -1
 
 
 def _too_long(limit: int) -> str:

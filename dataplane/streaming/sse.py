@@ -31,18 +31,23 @@ DONE = b"[DONE]"
 class Event:
     """One dispatched event: its data lines joined with LF, and its name;
     `done` is True for the `data: [DONE]` sentinel that OpenAI-style streams
-    end with. Immutable by convention; equal when data and name are.
+    end with; `size`, the bytes of its lines as they came (field names,
+    comments and line endings too, a CRLF counted as one; not its blank
+    line), which bounds what holding it cost (`SseParser.held`), or, for an
+    event made by hand, its data and name. Immutable by convention; equal
+    when data and name are.
 
     A plain slotted class, not a frozen dataclass: every chunk of every
     stream makes one, and each of its readers asks whether it is the
     sentinel (a frozen dataclass's init and a property cost more than the
     rest of some readers)."""
 
-    __slots__ = ("data", "done", "name")
+    __slots__ = ("data", "done", "name", "size")
 
-    def __init__(self, data: bytes, name: bytes = b"") -> None:
+    def __init__(self, data: bytes, name: bytes = b"", size: int = -1) -> None:
         self.data = data
         self.name = name
+        self.size = size if size >= 0 else len(data) + len(name)
         # The sentinel, possibly with surrounding whitespace.
         self.done = DONE in data and data.strip() == DONE
 
@@ -59,7 +64,7 @@ class Event:
 
 
 class SseParser:
-    __slots__ = ("_cr", "_data", "_data_size", "_line", "_line_size", "_name")
+    __slots__ = ("_cr", "_data", "_line", "_line_size", "_name", "_size")
 
     def __init__(self) -> None:
         # The start of a line whose ending has not arrived, in the pieces it came in.
@@ -69,19 +74,23 @@ class SseParser:
         self._line_size = 0
         self._cr = False  # the last chunk ended with CR: a leading LF is its pair
         self._data: list[bytes] = []
-        # The bytes of the lines of _data as they came (but a CRLF counted as
-        # one), not only of their values: an event of empty data lines holds a
-        # list slot for each, and must count as long as it is.
-        self._data_size = 0
+        # The bytes of the event's whole lines as they came (but a CRLF
+        # counted as one), all of them, not only its data's values: an event
+        # of empty data lines holds a list slot for each, and must count as
+        # long as it is; and an event's size must not depend on how its bytes
+        # were split (a comment line under way counts in `held`, so it counts
+        # once whole too).
+        self._size = 0
         self._name = b""
 
     @property
     def held(self) -> int:
-        """The bytes of the event the parser is inside: its data lines as they
-        came (field name and line ending too), its name, and the start of the
-        next line. Every line kept counts, so what the parser holds stays
-        within a few times this, however short its lines."""
-        return self._data_size + len(self._name) + self._line_size
+        """The bytes of the event the parser is inside: its lines as they came
+        (see Event.size), and the start of the next line. Every line kept
+        counts, so what the parser holds stays within a few times this,
+        however short its lines; and it never goes down until the event ends,
+        whose `size` is at least every `held` on the way."""
+        return self._size + self._line_size
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events that `chunk` completes, in order."""
@@ -96,7 +105,7 @@ class SseParser:
         ):
             # Most chunks of a stream: one whole event of one data line, with
             # nothing pending. What the lines below make of it, in one step.
-            return [Event(chunk[6:-2])]
+            return [Event(chunk[6:-2], b"", len(chunk) - 1)]
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":
@@ -120,20 +129,20 @@ class SseParser:
         for line in lines:
             if not line:
                 if self._data or self._name:
-                    events.append(Event(b"\n".join(self._data), self._name))
+                    events.append(Event(b"\n".join(self._data), self._name, self._size))
                     self._data = []
-                    self._data_size = 0
                     self._name = b""
-            elif line.startswith(b"data: "):  # nearly every line
+                self._size = 0
+                continue
+            self._size += len(line) + 1
+            if line.startswith(b"data: "):  # nearly every line
                 self._data.append(line[6:])
-                self._data_size += len(line) + 1
             elif line[0] != 0x3A:  # ':' starts a comment
                 name, _, value = line.partition(b":")
                 if value[:1] == b" ":
                     value = value[1:]
                 if name == b"data":
                     self._data.append(value)
-                    self._data_size += len(line) + 1
                 elif name == b"event":
                     self._name = value
         return events
@@ -150,10 +159,10 @@ class SseParser:
             self._line = []
             self._line_size = 0
             self.feed(line + b"\n")
+        size, self._size = self._size, 0
         if not (self._data or self._name):
             return None
-        open_event = Event(b"\n".join(self._data), self._name)
+        open_event = Event(b"\n".join(self._data), self._name, size)
         self._data = []
-        self._data_size = 0
         self._name = b""
         return open_event

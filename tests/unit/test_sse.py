@@ -195,3 +195,41 @@ def test_every_data_line_held_counts_as_it_came_an_empty_one_too(line: bytes) ->
     (event,) = parser.feed(line[len(line.rstrip(b"\r\n")) :])  # a blank line
     assert event.data.count(b"\n") == 999
     assert parser.held == 0
+
+
+_LINES = st.sampled_from(
+    [b"data: x", b"data:yy", b"data", b": comment", b"event: e", b"id: 1", b"data: " + b"z" * 40]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(_LINES, min_size=1, max_size=6), min_size=1, max_size=5),
+    st.sampled_from([b"\n", b"\r\n", b"\r"]),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+)
+def test_an_events_size_is_its_lines_as_they_came_however_they_are_split(
+    events: list[list[bytes]], ending: bytes, cuts: list[int]
+) -> None:
+    """The relays bound an event by its size and, while it comes, by `held`:
+    both must be the same however the bytes are split, or one stream would
+    be cut or not by how the network cut it. `held` never passes the size of
+    the event it grows into."""
+    stream = b"".join(ending.join(lines) + ending * 2 for lines in events)
+    dispatched = [lines for lines in events if any(not x.startswith(b":") for x in lines)]
+    # A line's ending counts as one byte, whichever it is; the blank line not.
+    sizes = [sum(len(line) + 1 for line in lines) for lines in dispatched]
+    named = [lines for lines in dispatched if any(x.startswith((b"data", b"event")) for x in lines)]
+    whole, _ = parse(stream, sorted({c for c in cuts if c < len(stream)}))
+    assert len(whole) == len(named)
+    expected = [size for lines, size in zip(dispatched, sizes, strict=True) if lines in named]
+    assert [e.size for e in whole] == expected
+    parser = SseParser()
+    for lines in events:
+        group = ending.join(lines) + ending * 2
+        most, got = 0, []
+        for i in range(len(group)):
+            got += parser.feed(group[i : i + 1])
+            if not got:
+                most = max(most, parser.held)
+        assert all(most <= event.size for event in got)

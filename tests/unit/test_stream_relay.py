@@ -473,3 +473,71 @@ async def test_the_byte_relay_writes_each_event_as_soon_as_it_is_whole(
     assert b"".join(out.written) == stream
     whole = SseParser()
     assert reader.events == whole.feed(stream)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize("first", [0, 100, 6000, BOUND - 10], ids=lambda n: f"first-{n}")
+async def test_an_event_longer_than_the_bound_is_cut_however_its_bytes_come(
+    continuable: bool, first: int
+) -> None:
+    """Whole with the bytes that end it, or first in part: the same stream
+    is cut the same way (a trial saw a 120 KB event past a 100 KB bound
+    relayed when it came in two reads, and cut when in more)."""
+    head = b'data: {"a":1}\n\n'
+    long = b"data: " + b"x" * (BOUND + 2000) + b"\n\n"
+    rest = long + b"data: [DONE]\n\n"
+    chunks = [rest[:first], rest[first:]] if first else [rest]
+    out, reader = Out(), Reader()
+    end = await relay(
+        head,
+        Content(*chunks),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        error_event=ERROR_EVENT,
+        resume=no_resume if continuable else None,
+        max_event_bytes=BOUND,
+    )
+    assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
+    assert b"".join(out.written) == head + ERROR_EVENT
+    assert reader.events == [Event(b'{"a":1}')]
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_chunk_longer_than_the_bound_of_events_within_it_is_relayed(
+    continuable: bool,
+) -> None:
+    each = b"data: " + b"y" * (BOUND // 2) + b"\n\n"
+    out, reader = Out(), Reader()
+    end = await relay(
+        each * 5,
+        Content(b": keep-alive\n\n" + each * 3 + b"data: [DONE]\n\n"),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        resume=no_resume if continuable else None,
+        max_event_bytes=BOUND,
+    )
+    assert (end.complete, end.cut) == (True, "")
+    assert len(reader.events) == 9
+    framed = b"".join(out.written)
+    assert framed.count(each) == 8 and framed.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_long_event_after_whole_ones_in_one_chunk_cuts_the_stream_after_them(
+    continuable: bool,
+) -> None:
+    short = b'data: {"b":2}\n\n'
+    long = b"data: " + b"x" * (BOUND + 1) + b"\n\n"
+    out, reader = Out(), Reader()
+    end = await relay(
+        short * 3 + long + short + b"data: [DONE]\n\n",
+        Content(),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        error_event=ERROR_EVENT,
+        resume=no_resume if continuable else None,
+        max_event_bytes=BOUND,
+    )
+    assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
+    assert b"".join(out.written) == short * 3 + ERROR_EVENT
+    assert reader.events == [Event(b'{"b":2}')] * 3
