@@ -345,16 +345,13 @@ class Counted(Content):
         return self._chunks.pop(0)
 
 
-@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
-async def test_an_event_longer_than_the_bound_cuts_the_stream_where_it_passes(
-    continuable: bool,
-) -> None:
-    head = b'data: {"a":1}\n\n'
-    pieces = [b"data: "] + [b"x" * 1000] * 30 + [b"\n\ndata: [DONE]\n\n"]
-    content = Counted(*pieces)
+async def bounded(
+    first: bytes, content: Content, *, continuable: bool
+) -> tuple[Out, Reader, RelayEnd]:
+    """Relay under max_event_bytes=BOUND, with a reader and ERROR_EVENT."""
     out, reader = Out(), Reader()
     end = await relay(
-        head,
+        first,
         content,
         cast(web.StreamResponse, out),
         readers=[reader],
@@ -362,6 +359,17 @@ async def test_an_event_longer_than_the_bound_cuts_the_stream_where_it_passes(
         resume=no_resume if continuable else None,
         max_event_bytes=BOUND,
     )
+    return out, reader, end
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_an_event_longer_than_the_bound_cuts_the_stream_where_it_passes(
+    continuable: bool,
+) -> None:
+    head = b'data: {"a":1}\n\n'
+    pieces = [b"data: "] + [b"x" * 1000] * 30 + [b"\n\ndata: [DONE]\n\n"]
+    content = Counted(*pieces)
+    out, reader, end = await bounded(head, content, continuable=continuable)
     assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
     assert not end.complete
     # The whole events before it, then the error event: none of the long one.
@@ -487,16 +495,7 @@ async def test_an_event_longer_than_the_bound_is_cut_however_its_bytes_come(
     long = b"data: " + b"x" * (BOUND + 2000) + b"\n\n"
     rest = long + b"data: [DONE]\n\n"
     chunks = [rest[:first], rest[first:]] if first else [rest]
-    out, reader = Out(), Reader()
-    end = await relay(
-        head,
-        Content(*chunks),
-        cast(web.StreamResponse, out),
-        readers=[reader],
-        error_event=ERROR_EVENT,
-        resume=no_resume if continuable else None,
-        max_event_bytes=BOUND,
-    )
+    out, reader, end = await bounded(head, Content(*chunks), continuable=continuable)
     assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
     assert b"".join(out.written) == head + ERROR_EVENT
     assert reader.events == [Event(b'{"a":1}')]
@@ -507,15 +506,8 @@ async def test_a_chunk_longer_than_the_bound_of_events_within_it_is_relayed(
     continuable: bool,
 ) -> None:
     each = b"data: " + b"y" * (BOUND // 2) + b"\n\n"
-    out, reader = Out(), Reader()
-    end = await relay(
-        each * 5,
-        Content(b": keep-alive\n\n" + each * 3 + b"data: [DONE]\n\n"),
-        cast(web.StreamResponse, out),
-        readers=[reader],
-        resume=no_resume if continuable else None,
-        max_event_bytes=BOUND,
-    )
+    more = Content(b": keep-alive\n\n" + each * 3 + b"data: [DONE]\n\n")
+    out, reader, end = await bounded(each * 5, more, continuable=continuable)
     assert (end.complete, end.cut) == (True, "")
     assert len(reader.events) == 9
     framed = b"".join(out.written)
@@ -528,16 +520,8 @@ async def test_a_long_event_after_whole_ones_in_one_chunk_cuts_the_stream_after_
 ) -> None:
     short = b'data: {"b":2}\n\n'
     long = b"data: " + b"x" * (BOUND + 1) + b"\n\n"
-    out, reader = Out(), Reader()
-    end = await relay(
-        short * 3 + long + short + b"data: [DONE]\n\n",
-        Content(),
-        cast(web.StreamResponse, out),
-        readers=[reader],
-        error_event=ERROR_EVENT,
-        resume=no_resume if continuable else None,
-        max_event_bytes=BOUND,
-    )
+    first = short * 3 + long + short + b"data: [DONE]\n\n"
+    out, reader, end = await bounded(first, Content(), continuable=continuable)
     assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
     assert b"".join(out.written) == short * 3 + ERROR_EVENT
     assert reader.events == [Event(b'{"b":2}')] * 3
