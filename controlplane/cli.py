@@ -61,6 +61,7 @@ from controlplane.model import (
 from ponto import grpcconn as conn
 from ponto import linkadvice
 from ponto.apikeys import key_expired
+from ponto.cliargs import finite_float
 from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -258,8 +259,8 @@ def _parser() -> argparse.ArgumentParser:
         "name",
         help="the region's name: lowercase letters, digits and '-' (not at either end), at most 63",
     )
-    ra.add_argument("--lat", type=float, required=True, help="latitude, -90..90")
-    ra.add_argument("--lon", type=float, required=True, help="longitude, -180..180")
+    ra.add_argument("--lat", type=finite_float, required=True, help="latitude, -90..90")
+    ra.add_argument("--lon", type=finite_float, required=True, help="longitude, -180..180")
     ra.add_argument(
         "--rtt",
         default="",
@@ -268,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ra.add_argument(
         "--spill-threshold",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="load fraction (0..1) above which new requests spill to the next region (default 0.8)",
     )
@@ -335,12 +336,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ts.add_argument(
         "--semantic-threshold",
-        type=float,
+        type=finite_float,
         help="least similarity of a semantic hit; with --semantic-max-error, the cold-start prior",
     )
     ts.add_argument(
         "--semantic-max-error",
-        type=float,
+        type=finite_float,
         metavar="SHARE",
         help="error-bounded semantic hits: the largest share of semantic hits that may be "
         "wrong (0.01 = 1 %%), thresholds learned per entry from checked answers; 0: off",
@@ -402,7 +403,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ts.add_argument(
         "--load-bound",
-        type=float,
+        type=finite_float,
         metavar="FACTOR",
         help="a replica past FACTOR (1..100) times its share of the region's load (and "
         "its capacity) loses new sessions to the next one; 0 = the default, 1.25",
@@ -421,7 +422,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ts.add_argument(
         "--stream-idle-timeout",
-        type=float,
+        type=finite_float,
         metavar="SECONDS",
         help="a stream with no chunk for this long counts as cut (0: the proxy's default)",
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
+from ponto.cliargs import finite_float
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -163,7 +164,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--audit-retention-days",
-        type=float,
+        type=finite_float,
         default=audit.RETENTION_DAYS,
         help="the leader removes audit entries older than this",
     )

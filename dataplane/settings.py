@@ -16,6 +16,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
+from ponto.cliargs import finite_float
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -146,7 +147,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--header-timeout",
-        type=float,
+        type=finite_float,
         default=10.0,
         metavar="SECONDS",
         help="a request's head (request line and headers) must arrive within this "
@@ -155,7 +156,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=finite_float,
         default=30.0,
         metavar="SECONDS",
         help="a request's body must arrive within this long of its head; else 408 "
@@ -163,7 +164,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--keepalive-timeout",
-        type=float,
+        type=finite_float,
         default=15.0,
         metavar="SECONDS",
         help="a connection with no request under way is closed after this long "
@@ -171,7 +172,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--send-timeout",
-        type=float,
+        type=finite_float,
         default=30.0,
         metavar="SECONDS",
         help="a client that takes no byte of its answer for this long (it stopped "
@@ -197,7 +198,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--connect-timeout",
-        type=float,
+        type=finite_float,
         default=2.0,
         help="seconds to connect to an origin before trying the next (default: %(default)s)",
     )
@@ -210,7 +211,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--read-timeout",
-        type=float,
+        type=finite_float,
         default=300.0,
         help="seconds to wait for an origin's response headers, and between chunks "
         "(default: %(default)s)",
@@ -223,13 +224,13 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--deadline",
-        type=float,
+        type=finite_float,
         default=600.0,
         help="seconds a request may spend before its response starts (default: %(default)s)",
     )
     p.add_argument(
         "--stream-idle-timeout",
-        type=float,
+        type=finite_float,
         default=60.0,
         metavar="SECONDS",
         help="a stream with no chunk for this long counts as cut and is continued on "
@@ -290,7 +291,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--redis-deadline-ms",
-        type=float,
+        type=finite_float,
         default=50.0,
         metavar="MS",
         help="deadline of each call to --redis; a call past it is a miss and the proxy "
@@ -298,20 +299,20 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--cache-ttl",
-        type=float,
+        type=finite_float,
         default=3600.0,
         help="seconds a cached answer may serve, for tenants that set no TTL",
     )
     p.add_argument(
         "--semantic-threshold",
-        type=float,
+        type=finite_float,
         default=DEFAULT_SEMANTIC_THRESHOLD,
         help="cosine similarity a semantic hit needs, for tenants that set none "
         "(chosen from bench/cache_eval.py; see docs/semantic-cache.md)",
     )
     p.add_argument(
         "--drain-seconds",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="after SIGTERM, keep serving this long with `Connection: close` on every "
         "answer before closing connections, so that clients drop kept-alive connections "
@@ -356,7 +357,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--access-log-sample",
-        type=float,
+        type=finite_float,
         default=1.0,
         metavar="RATE",
         help="with --access-log on, write this share of answers (0 < RATE <= 1), "

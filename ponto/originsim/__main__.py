@@ -21,6 +21,7 @@ import uvloop
 from aiohttp import web
 from aiohttp.log import access_logger
 
+from ponto.cliargs import finite_float
 from ponto.logs import formatter
 from ponto.originsim.app import SimConfig, build_app
 
@@ -61,11 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--region", default=defaults.region, help="region label")
     parser.add_argument("--name", default=defaults.name, help="origin name")
     parser.add_argument(
-        "--ttft-ms", type=float, default=defaults.ttft_ms, help="time to first token in ms"
+        "--ttft-ms", type=finite_float, default=defaults.ttft_ms, help="time to first token in ms"
     )
     parser.add_argument(
         "--tokens-per-s",
-        type=float,
+        type=finite_float,
         default=defaults.tokens_per_s,
         help="pace of later tokens; 0 sends them back to back",
     )
@@ -85,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--fail-rate",
-        type=float,
+        type=finite_float,
         default=defaults.fail_rate,
         help="probability 0..1 that an inference request fails",
     )
@@ -122,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     vllm.add_argument(
         "--prefill-tokens-per-s",
-        type=float,
+        type=finite_float,
         default=defaults.prefill_tokens_per_s,
         metavar="N",
         help="prefill rate of uncached prompt tokens on the replica's one prefill engine, "
@@ -130,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     vllm.add_argument(
         "--decode-slowdown",
-        type=float,
+        type=finite_float,
         default=defaults.decode_slowdown,
         metavar="F",
         help="decode pace is tokens-per-s / (1 + F * (running - 1)); 0 = no slowdown",
@@ -140,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     faults.add_argument(
         "--stall-rate",
-        type=float,
+        type=finite_float,
         default=defaults.stall_rate,
         metavar="P",
         help="probability 0..1 that a request, once generating (counted as running), "
@@ -148,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     faults.add_argument(
         "--stall-ms",
-        type=float,
+        type=finite_float,
         default=defaults.stall_ms,
         metavar="N",
         help="length of a stall in ms (default %(default)s)",
@@ -172,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=finite_float,
         default=5.0,
         metavar="SECONDS",
         help="how long in-flight requests may finish after SIGTERM (default %(default)s)",

@@ -1,0 +1,24 @@
+"""Argument types shared by the command lines (ponto-proxy, ponto-control-plane,
+pontoctl, the origin simulator)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["finite_float"]
+
+
+def finite_float(text: str) -> float:
+    """A number, as argparse's `type=float` reads it, but never NaN or an
+    infinity: a NaN passes every `value <= 0` check made of it (every
+    comparison with it is false) and turns up later as a deadline that fails
+    every request; an infinite timeout or size is a mistake to say at start.
+    Each flag's own range is still checked by its parser."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value

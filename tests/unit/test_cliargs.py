@@ -1,0 +1,75 @@
+"""Every number a command line takes is finite: a NaN passed every range check
+made of it (all its comparisons are false) and failed requests later."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import pytest
+
+from controlplane import settings as control_settings
+from dataplane import settings as proxy_settings
+from ponto.cliargs import finite_float
+
+
+@pytest.mark.parametrize(("text", "value"), [("1.5", 1.5), ("-2", -2.0), ("1e3", 1000.0)])
+def test_a_finite_number_is_read_as_float_reads_it(text: str, value: float) -> None:
+    assert finite_float(text) == value
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400"])
+def test_nan_and_the_infinities_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number"):
+        finite_float(text)
+
+
+def test_what_is_no_number_is_refused() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid number: 'x'"):
+        finite_float("x")
+
+
+def _number_flags(parse: Callable[[list[str]], object]) -> list[str]:
+    """The flags of the parser `parse` builds that take a number with a
+    fraction; fails if one takes Python's plain float."""
+    built: list[argparse.ArgumentParser] = []
+
+    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        built.append(self)
+        raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(argparse.ArgumentParser, "parse_args", capture)
+        with pytest.raises(SystemExit):
+            parse([])
+    [parser] = built
+    assert not [a.option_strings for a in parser._actions if a.type is float]
+    return [a.option_strings[0] for a in parser._actions if a.type is finite_float]
+
+
+PROXY_FLAGS = _number_flags(proxy_settings.parse)
+CONTROL_FLAGS = _number_flags(control_settings.parse)
+
+
+def test_the_proxys_timeouts_and_rates_are_among_them() -> None:
+    assert {"--header-timeout", "--deadline", "--cache-ttl", "--drain-seconds"} <= set(PROXY_FLAGS)
+    assert len(PROXY_FLAGS) == 13
+
+
+@pytest.mark.parametrize("flag", PROXY_FLAGS)
+@pytest.mark.parametrize("text", ["nan", "inf"])
+def test_every_number_flag_of_the_proxy_refuses_nan_and_inf_at_start(
+    flag: str, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        proxy_settings.parse(["--region=r", f"{flag}={text}"])
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said == f"ponto-proxy: error: argument {flag}: must be a finite number, not '{text}'"
+
+
+@pytest.mark.parametrize("flag", CONTROL_FLAGS)
+def test_every_number_flag_of_the_control_plane_refuses_nan(flag: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        control_settings.parse([f"{flag}=nan"])
+    assert exit_.value.code == 2
