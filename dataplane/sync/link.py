@@ -164,6 +164,10 @@ class ControlPlaneClient:
                 self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
             except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
                 self._say(address, f"control plane at {address}: {exc}")
+            except Exception:
+                # A bug, told with its traceback; the link must outlive it, or
+                # the proxy would serve its last table for ever, saying nothing.
+                log.exception("control-plane link to %s failed; retrying", address)
             finally:
                 self.connected = False
                 if self._on_lost is not None:
@@ -287,15 +291,24 @@ class ControlPlaneClient:
     def _handle(self, session_id: str, update: pb.RouteUpdate) -> pb.RouteRequest:
         try:
             self._holder.apply(update.table, "control-plane")
-        except TableError as exc:
+        except Exception as exc:
+            # A TableError is the table's fault; anything else is this
+            # proxy's (a bug), told with its traceback. Either way the table
+            # is refused and the link lives on: escaping here, it would end
+            # the link's task, and the proxy would hear of no table again.
             self.nacks += 1
-            log.error("refused route table version %d: %s", update.table.version, exc)
+            if isinstance(exc, TableError):
+                log.error("refused route table version %d: %s", update.table.version, exc)
+            else:
+                log.exception(
+                    "refused route table version %d: applying it failed", update.table.version
+                )
             current = self._holder.routes
             return pb.RouteRequest(
                 session_id=session_id,
                 version_info=current.version if current else 0,
                 response_nonce=update.nonce,
-                error_detail=str(exc),
+                error_detail=str(exc) or type(exc).__name__,
             )
         return pb.RouteRequest(
             session_id=session_id,

@@ -1,0 +1,70 @@
+"""A table the proxy fails to apply for a reason of its own (a bug: anything
+but a TableError) is refused with a NACK, told once with its traceback, and
+the link lives on. Before, the exception ended the link's task: the proxy
+heard of no table again, answered 503 no_route_table for ever, and said
+nothing until it stopped (trial 13, with --cache-ttl nan, now refused at
+start)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dataplane import policy
+from dataplane.sync import holder as holder_module
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+
+
+def table(version: int, *tenants: str) -> pb.RouteTable:
+    """Tenant acme, and `tenants`."""
+    t = pb.RouteTable(
+        version=version,
+        regions=[pb.Region(name="eu-west", latitude=53.0, longitude=-6.0)],
+        origins=[
+            pb.Origin(
+                name="o-eu",
+                base_url="http://o-eu.example/v1",
+                region="eu-west",
+                models=["llama"],
+                weight=100,
+                healthy=True,
+            )
+        ],
+        tenants=[pb.Tenant(name=name) for name in ("acme", *tenants)],
+    )
+    t.etag = content_etag(t)
+    return t
+
+
+def test_a_table_that_fails_to_apply_is_nacked_and_the_next_one_applies(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def build(t: pb.RouteTable, *args: object, **kwargs: object) -> policy.EdgePolicy:
+        if t.version == 8:  # a bug of the proxy's, shown by this table alone
+            raise RuntimeError("a bug")
+        return policy.build_policy(t, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(holder_module, "build_policy", build)
+    holder = TableHolder("eu-west", None)
+    info = pb.ProxyInfo(name="p1", region="eu-west", address="127.0.0.1:1")
+    link = ControlPlaneClient(holder, ["127.0.0.1:1"], info)
+    with caplog.at_level(logging.ERROR, logger="dataplane.sync.link"):
+        ack = link._handle("s-1", pb.RouteUpdate(table=table(7), nonce="n7"))
+        # New content (so that it is built), then the same again, newer.
+        nack = link._handle("s-1", pb.RouteUpdate(table=table(8, "beta"), nonce="n8"))
+        later = link._handle("s-1", pb.RouteUpdate(table=table(9, "beta"), nonce="n9"))
+    assert (ack.version_info, ack.error_detail) == (7, "")
+    # Refused, and said: the version still served, and why.
+    assert (nack.version_info, nack.response_nonce, nack.error_detail) == (7, "n8", "a bug")
+    assert link.nacks == 1
+    [told] = [r for r in caplog.records if "version 8" in r.getMessage()]
+    assert told.getMessage() == "refused route table version 8: applying it failed"
+    assert told.exc_info is not None  # a bug: its traceback goes with it
+    # The link goes on: the next table is applied.
+    assert (later.version_info, later.error_detail) == (9, "")
+    assert holder.routes is not None and holder.routes.version == 9
+    assert holder.policy is not None and set(holder.policy.tenants) == {"acme", "beta"}
