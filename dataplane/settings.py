@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import os
+import re
 import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +23,33 @@ from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 from ponto.originca import origin_ca_flag
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+# A proxy name the control plane accepts (controlplane.model.NAME_RE, which
+# the data plane does not import; a test keeps the two equal).
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+MAX_NAME = 63
+
+
+def default_name(hostname: str) -> str:
+    """The proxy name a host's name gives: lower case, each run of what a
+    name may not hold made one '-' (a host `ip-10-0-0-1.EC2.internal` is
+    `ip-10-0-0-1-ec2-internal`), at most MAX_NAME characters; "proxy" if
+    nothing is left. A hostname with dots or capitals was sent as it was,
+    and the control plane refused it for ever."""
+    name = re.sub(r"[^a-z0-9]+", "-", hostname.lower())[:MAX_NAME].strip("-")
+    return name or "proxy"
+
+
+def worker_name(name: str, index: int, workers: int) -> str:
+    """Worker `index`'s name, `NAME-wI`, within MAX_NAME characters: a name
+    too long for its suffix keeps its start and ends with 6 hex digits of its
+    hash, so names that differ only past the cut (generated pod names) stay
+    apart."""
+    suffix = f"-w{index}"
+    room = MAX_NAME - len(f"-w{workers - 1}")
+    if len(name) > room:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:6]
+        name = f"{name[: room - 7].rstrip('-')}-{digest}"
+    return name + suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +131,7 @@ def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:
     """
     return replace(
         settings,
-        name=f"{settings.name}-w{slot.index}",
+        name=worker_name(settings.name, slot.index, settings.workers),
         state_dir=settings.state_dir / f"w{slot.index}" if settings.state_dir else None,
         cache_max_bytes=settings.cache_max_bytes // settings.workers,
         worker=slot,
@@ -125,7 +154,12 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument("--listen", default="127.0.0.1:8080", help="HTTP listen HOST:PORT")
     p.add_argument("--region", required=True, help="region this proxy runs in")
-    p.add_argument("--name", default=socket.gethostname(), help="unique proxy name")
+    p.add_argument(
+        "--name",
+        default=default_name(socket.gethostname()),
+        help="unique proxy name: 1 to 63 lower-case letters, digits and '-' (default: "
+        "the host's name, made one; with --workers N, each worker's is NAME-wI)",
+    )
     p.add_argument("--advertise", default="", help="address clients use (default: --listen)")
     p.add_argument(
         "--state-dir",
@@ -460,6 +494,11 @@ def parse(argv: list[str]) -> Settings:
         p.error("--access-log-sample must be in (0, 1]")
     if a.report_interval_ms < 50:
         p.error("--report-interval-ms must be at least 50")
+    if not NAME_RE.match(a.name):
+        p.error(
+            f"--name {a.name!r} is not a proxy name: 1 to 63 lower-case letters, digits "
+            "and '-', starting and ending with a letter or digit"
+        )
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
     if not addresses:
         p.error("--control-plane needs at least one address")

@@ -1,0 +1,84 @@
+"""A proxy's name is one the control plane accepts, for a group's workers too.
+
+Before (trial 13): the default name was the host's as it is, so a host named
+with dots or capitals registered with a name the control plane refused, for
+ever; and with --workers N, a name of 61 to 63 characters became an invalid
+`NAME-wI` (the chart names proxies after their pods, whose names may be 63
+characters long), and those workers answered 503 for ever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controlplane.model import NAME_RE as CONTROL_NAME_RE
+from dataplane.settings import (
+    MAX_NAME,
+    NAME_RE,
+    WorkerSlot,
+    as_worker,
+    default_name,
+    parse,
+    worker_name,
+)
+
+BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east"]
+
+
+def test_the_data_plane_checks_names_by_the_control_planes_rule() -> None:
+    assert NAME_RE.pattern == CONTROL_NAME_RE.pattern
+
+
+@pytest.mark.parametrize(
+    ("hostname", "name"),
+    [
+        ("web-1", "web-1"),
+        ("ip-10-0-0-1.EC2.internal", "ip-10-0-0-1-ec2-internal"),
+        ("_Build__Box_", "build-box"),
+        ("___", "proxy"),
+        ("", "proxy"),
+        ("a" * 70 + ".example", "a" * 63),
+        ("a" * 62 + ".b", "a" * 62),
+    ],
+)
+def test_a_hosts_name_gives_a_proxy_name(hostname: str, name: str) -> None:
+    assert default_name(hostname) == name
+    assert NAME_RE.match(name)
+
+
+@pytest.mark.parametrize("workers", [2, 10, 11, 100])
+@pytest.mark.parametrize("length", [1, 50, 58, 60, 61, 63])
+def test_every_workers_name_is_a_name_and_names_stay_apart(workers: int, length: int) -> None:
+    one, other = "p" * (length - 1) + "1", "p" * (length - 1) + "2"
+    names = {worker_name(n, i, workers) for n in (one, other) for i in range(workers)}
+    assert len(names) == 2 * workers
+    assert all(NAME_RE.match(n) and len(n) <= MAX_NAME for n in names)
+
+
+def test_a_short_name_is_kept_as_it_is() -> None:
+    assert [worker_name("p", i, 2) for i in range(2)] == ["p-w0", "p-w1"]
+
+
+def test_a_name_too_long_for_its_suffix_keeps_its_start() -> None:
+    pod = "ponto-proxies-" + "x" * 33 + "-7d9f8b6c5-abcde"
+    assert len(pod) == MAX_NAME
+    name = worker_name(pod, 1, 2)
+    assert len(name) == MAX_NAME
+    assert name.startswith(pod[:50]) and name.endswith("-w1")
+
+
+def test_a_group_of_a_63_character_name_gives_workers_the_control_plane_accepts() -> None:
+    group = parse([*BASE, "--name", "n" * 63, "--workers", "2"])
+    worker = as_worker(group, WorkerSlot(1, Path("run"), 3))
+    assert CONTROL_NAME_RE.match(worker.name)
+
+
+@pytest.mark.parametrize("name", ["", "A", "a/b", "a_b", "-a", "a-", "a" * 64])
+def test_a_name_the_control_plane_would_refuse_is_refused_at_start(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse([*BASE, f"--name={name}"])
+    assert exit_.value.code == 2
+    assert f"--name {name!r} is not a proxy name" in capsys.readouterr().err
