@@ -494,6 +494,12 @@ def parse(argv: list[str]) -> Settings:
         p.error("--access-log-sample must be in (0, 1]")
     if a.report_interval_ms < 50:
         p.error("--report-interval-ms must be at least 50")
+    if a.ready_file is not None:
+        # Written once the proxy listens: a directory it cannot write to
+        # failed then (a traceback, or for a group nothing at all).
+        folder = a.ready_file.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            p.error(f"--ready-file {a.ready_file}: {folder} is not a directory this user can write")
     if not NAME_RE.match(a.name):
         p.error(
             f"--name {a.name!r} is not a proxy name: 1 to 63 lower-case letters, digits "

@@ -1,4 +1,7 @@
-"""A proxy's name is one the control plane accepts, for a group's workers too.
+"""What ponto-proxy is told at start that could only fail later is refused
+then: a name the control plane would refuse, a ready file it cannot write.
+
+A proxy's name is one the control plane accepts, for a group's workers too.
 
 Before (trial 13): the default name was the host's as it is, so a host named
 with dots or capitals registered with a name the control plane refused, for
@@ -82,3 +85,17 @@ def test_a_name_the_control_plane_would_refuse_is_refused_at_start(
         parse([*BASE, f"--name={name}"])
     assert exit_.value.code == 2
     assert f"--name {name!r} is not a proxy name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["missing/addr", "file/addr"])
+def test_a_ready_file_that_cannot_be_written_is_refused_at_start(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    ready = tmp_path / where
+    with pytest.raises(SystemExit) as exit_:
+        parse([*BASE, "--ready-file", str(ready)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--ready-file {ready}: {ready.parent} is not a directory this user can write" in err
+    assert parse([*BASE, "--ready-file", str(tmp_path / "addr")]).ready_file == tmp_path / "addr"
