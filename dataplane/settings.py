@@ -494,9 +494,10 @@ def parse(argv: list[str]) -> Settings:
         p.error("--access-log-sample must be in (0, 1]")
     if a.report_interval_ms < 50:
         p.error("--report-interval-ms must be at least 50")
-    if a.ready_file is not None:
+    if a.ready_file is not None and a.worker_index is None:
         # Written once the proxy listens: a directory it cannot write to
-        # failed then (a traceback, or for a group nothing at all).
+        # failed then (a traceback, or for a group nothing at all). A
+        # worker's is in its supervisor's run directory, made for it.
         folder = a.ready_file.parent
         if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
             p.error(f"--ready-file {a.ready_file}: {folder} is not a directory this user can write")

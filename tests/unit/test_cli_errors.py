@@ -49,7 +49,7 @@ def test_each_status_is_one_line_with_its_exit_code(
         (["origin", "add", "o", "--url", "http://h/v1", "--region", "r", "--models", "m",
           "--credential-env", "1BAD"], "is not an environment variable name"),
         (["limit", "set", "--key", "k", "--rpm", "-1"], "--rpm: -1 is not in 0..10"),
-        (["tenant", "set", "t", "--load-bound", "nope"], "invalid float value"),
+        (["tenant", "set", "t", "--load-bound", "nope"], "--load-bound: invalid number: 'nope'"),
         (["get", "nothing"], "invalid choice: 'nothing'"),
         (["apply", "-f", "/nonexistent/topology.yaml"], "cannot read /nonexistent"),
         (["get", "audit", "--since", "5x"], "'5x' is not a positive duration such as 90s"),

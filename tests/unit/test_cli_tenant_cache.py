@@ -52,11 +52,19 @@ def test_semantic_max_error_is_sent_and_keeps_the_rest_of_the_cache_policy() -> 
     assert stub.current.cache.semantic_max_error == 0
 
 
-@pytest.mark.parametrize("bad", ["0.5", "-0.01", "nan"])
+@pytest.mark.parametrize("bad", ["0.5", "-0.01"])
 def test_a_bound_out_of_range_is_refused_before_the_update(bad: str) -> None:
     stub = Stub(pb.Tenant(name="acme"))
     with pytest.raises(InvalidArgument, match="semantic max error"):
         tenant_set(stub, "--semantic-max-error", bad)
+    assert stub.updates == []
+
+
+def test_a_bound_of_nan_is_refused_as_it_is_read(capsys: pytest.CaptureFixture[str]) -> None:
+    stub = Stub(pb.Tenant(name="acme"))
+    with pytest.raises(SystemExit):
+        tenant_set(stub, "--semantic-max-error", "nan")
+    assert "must be a finite number, not 'nan'" in capsys.readouterr().err
     assert stub.updates == []
 
 
