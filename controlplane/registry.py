@@ -5,6 +5,11 @@ ends, and if the replica itself dies its lease expires and every key it wrote
 goes with it. The proxies then reconnect to another replica and re-register.
 If the lease is lost (etcd was away longer than the TTL) a new one is granted
 and every live registration is written again.
+
+A registration whose proxy opens no route stream within STREAM_GRACE seconds
+is removed: a proxy that died between Register and RouteStream would otherwise
+stay listed, and counted in every proxy's fleet size (so in its share of each
+global limit), until the replica itself goes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ log = logging.getLogger(__name__)
 # How often a replica writes its proxies' traffic reports (/ponto/traffic/ID),
 # if any changed: the status page's rates have this granularity.
 TRAFFIC_EVERY = 5.0
+# How long a registration may wait for its route stream. A proxy opens it
+# right after Register returns; this leaves room for a slow network or a
+# paused process, far less than the minutes a replica lives.
+STREAM_GRACE = 15.0
 
 
 class ProxyRegistry:
@@ -40,6 +49,7 @@ class ProxyRegistry:
         lease_ttl: int = 10,
         current_version: Callable[[], int] = lambda: 0,
         traffic_every: float = TRAFFIC_EVERY,
+        stream_grace: float = STREAM_GRACE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._catalog = catalog
@@ -66,6 +76,11 @@ class ProxyRegistry:
         self._traffic_written = float("-inf")
         self._clock = clock
         self._fleet: tuple[float, int] = (0.0, 0)
+        # Sessions registered whose proxy has not opened its route stream yet
+        # -> the `now` of the first flush that saw them (None before one
+        # did): flush's clock is the only one the deadline is read on.
+        self._unstreamed: dict[str, float | None] = {}
+        self._stream_grace = stream_grace
 
     async def _ensure_lease(self) -> int:
         async with self._lease_lock:
@@ -125,13 +140,24 @@ class ProxyRegistry:
         old = self._by_name.get(name)
         if old is not None:
             self.sessions.pop(old, None)
+            self._unstreamed.pop(old, None)
         # The old session's counters are not this one's (rates are per session).
         if self._traffic.pop(name, None) is not None:
             self._traffic_dirty = True
         self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
+        self._unstreamed[record.session_id] = None
         self._acks_dirty = True
         return record
+
+    def streaming(self, session_id: str) -> bool:
+        """Mark the session's route stream open, so its registration stays
+        for as long as the stream does; False if the session is unknown (never
+        registered here, superseded, or removed for opening its stream late)."""
+        if session_id not in self.sessions:
+            return False
+        self._unstreamed.pop(session_id, None)
+        return True
 
     async def acked(
         self, session_id: str, version: int, error: str, warnings: tuple[str, ...] = ()
@@ -209,7 +235,10 @@ class ProxyRegistry:
     async def flush(self, now: float) -> None:
         """Write the ACK summary if an ACK changed, and the traffic reports if
         a counter changed and the last write is traffic_every old at `now`
-        (monotonic seconds); what is not written stays due for the next call."""
+        (monotonic seconds); what is not written stays due for the next call.
+        Registrations still without a route stream stream_grace s after the
+        first flush that saw them are removed first."""
+        await self._drop_unstreamed(now)
         try:
             if self._acks_dirty:
                 self._acks_dirty = False
@@ -231,7 +260,27 @@ class ProxyRegistry:
             self._traffic_dirty = True
             log.debug("ACK summary or traffic not written: %s", exc)
 
+    async def _drop_unstreamed(self, now: float) -> None:
+        late = []
+        for session_id, seen in self._unstreamed.items():
+            if seen is None:
+                self._unstreamed[session_id] = now
+            elif now - seen >= self._stream_grace:
+                late.append(session_id)
+        for session_id in late:
+            record = self.sessions.get(session_id)
+            if record is not None:
+                log.warning(
+                    "proxy %s registered (session %s) but opened no route stream in %gs; "
+                    "its registration is removed",
+                    record.name,
+                    session_id,
+                    self._stream_grace,
+                )
+            await self.unregister(session_id)
+
     async def unregister(self, session_id: str) -> None:
+        self._unstreamed.pop(session_id, None)
         record = self.sessions.pop(session_id, None)
         if record is None:
             return

@@ -150,7 +150,7 @@ class RoutingService:
         except StopAsyncIteration:
             return
         session_id = first.session_id
-        if session_id not in self._registry.sessions:
+        if not self._registry.streaming(session_id):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "unknown session: call Register first"
             )

@@ -141,6 +141,7 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     clock = [500.0]
     registry = ProxyRegistry(catalog, "r1", traffic_every=5.0, clock=lambda: clock[0])
     record = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    assert registry.streaming(record.session_id)  # its route stream is open
     await registry.acked(record.session_id, 3, "")
     registry.reported(record.session_id, 40, 2, 5)
     registry.reported("no-such-session", 1, 1, 1)

@@ -1,0 +1,105 @@
+"""A registration lives as long as its route stream: one whose proxy never
+opens the stream (it died between Register and RouteStream) is removed after
+the registry's stream grace, so it is not counted in the fleet's size (every
+proxy's share of a global limit) until its replica goes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from controlplane.api.routing import RoutingService
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.registry import ProxyRegistry
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_control_metrics import Stream
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class RefusingStream(Stream):
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Refused(code, details)
+
+
+async def fleet(catalog: Catalog) -> list[str]:
+    return sorted(await catalog.proxy_names())
+
+
+async def test_a_registration_without_a_route_stream_goes_after_the_grace() -> None:
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    live = await registry.register("p-live", "eu", "127.0.0.1:1", "1")
+    dead = await registry.register("p-dead", "eu", "127.0.0.1:2", "1")
+    assert registry.streaming(live.session_id)
+    await registry.flush(100.0)  # the first flush to see p-dead starts its grace
+    await registry.flush(109.9)
+    assert await fleet(catalog) == ["p-dead", "p-live"]
+    await registry.flush(110.0)
+    assert await fleet(catalog) == ["p-live"]
+    assert set(registry.sessions) == {live.session_id}
+    # Its stream, opened after all, is refused: the proxy registers again.
+    assert not registry.streaming(dead.session_id)
+    # The live one's registration outlasts any grace.
+    await registry.flush(10_000.0)
+    assert await fleet(catalog) == ["p-live"]
+
+
+async def test_a_registration_made_again_is_timed_on_its_own() -> None:
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    first = await registry.register("p1", "eu", "127.0.0.1:1", "1")
+    await registry.flush(100.0)
+    # The proxy restarted and registered again before its first stream.
+    second = await registry.register("p1", "eu", "127.0.0.1:1", "1")
+    assert not registry.streaming(first.session_id)
+    await registry.flush(105.0)
+    assert registry.streaming(second.session_id)
+    await registry.flush(200.0)
+    assert await fleet(catalog) == ["p1"]
+    assert set(registry.sessions) == {second.session_id}
+
+
+async def test_the_route_stream_of_a_removed_registration_is_refused() -> None:
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    routing = RoutingService(registry, Publisher("cp"))
+    late = await registry.register("p-late", "eu", "127.0.0.1:1", "1")
+    await registry.flush(0.0)
+    await registry.flush(10.0)
+    stream = RefusingStream()
+    await stream.requests.put(pb.RouteRequest(session_id=late.session_id))
+    with pytest.raises(Refused) as refused:
+        await asyncio.wait_for(routing.route_stream(stream.incoming(), stream), 10)  # type: ignore[arg-type]
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "call Register first" in str(refused.value)
+    assert await fleet(catalog) == []
+
+
+async def test_a_stream_opened_in_time_keeps_its_registration_until_it_ends() -> None:
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    routing = RoutingService(registry, Publisher("cp"))
+    record = await registry.register("p1", "eu", "127.0.0.1:1", "1")
+    await registry.flush(0.0)
+    stream = Stream()
+    task = asyncio.create_task(routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
+    await stream.requests.put(pb.RouteRequest(session_id=record.session_id))
+    for _ in range(100):
+        if routing.streams:
+            break
+        await asyncio.sleep(0.01)
+    assert routing.streams == 1
+    await registry.flush(60.0)
+    assert await fleet(catalog) == ["p1"]
+    await stream.requests.put(None)  # the proxy closes its stream
+    await asyncio.wait_for(task, 10)
+    assert await fleet(catalog) == []
