@@ -68,15 +68,21 @@ async def test_a_registration_made_again_is_timed_on_its_own() -> None:
     assert set(registry.sessions) == {second.session_id}
 
 
-async def test_the_route_stream_of_a_removed_registration_is_refused() -> None:
+async def one_proxy() -> tuple[Catalog, ProxyRegistry, RoutingService, str]:
+    """A replica's registry and Routing service, with proxy p1 registered
+    (its session id) and seen by a flush at 0 s."""
     catalog = Catalog(MemoryStore())
     registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
-    routing = RoutingService(registry, Publisher("cp"))
-    late = await registry.register("p-late", "eu", "127.0.0.1:1", "1")
+    record = await registry.register("p1", "eu", "127.0.0.1:1", "1")
     await registry.flush(0.0)
+    return catalog, registry, RoutingService(registry, Publisher("cp")), record.session_id
+
+
+async def test_the_route_stream_of_a_removed_registration_is_refused() -> None:
+    catalog, registry, routing, late = await one_proxy()
     await registry.flush(10.0)
     stream = RefusingStream()
-    await stream.requests.put(pb.RouteRequest(session_id=late.session_id))
+    await stream.requests.put(pb.RouteRequest(session_id=late))
     with pytest.raises(Refused) as refused:
         await asyncio.wait_for(routing.route_stream(stream.incoming(), stream), 10)  # type: ignore[arg-type]
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -85,14 +91,10 @@ async def test_the_route_stream_of_a_removed_registration_is_refused() -> None:
 
 
 async def test_a_stream_opened_in_time_keeps_its_registration_until_it_ends() -> None:
-    catalog = Catalog(MemoryStore())
-    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
-    routing = RoutingService(registry, Publisher("cp"))
-    record = await registry.register("p1", "eu", "127.0.0.1:1", "1")
-    await registry.flush(0.0)
+    catalog, registry, routing, session_id = await one_proxy()
     stream = Stream()
     task = asyncio.create_task(routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
-    await stream.requests.put(pb.RouteRequest(session_id=record.session_id))
+    await stream.requests.put(pb.RouteRequest(session_id=session_id))
     for _ in range(100):
         if routing.streams:
             break
