@@ -13,7 +13,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import asyncio
 import gc
 import logging
-import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -66,6 +65,13 @@ async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
 
 
 async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> None:
+    # Handlers first: a stop asked for while the proxy starts (a worker's
+    # signals are held until here) is a clean stop once it listens.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in supervisor.STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    supervisor.take_stop_signals()
     app = build_app(settings, tracer)
     slot = settings.worker
     if slot is not None:
@@ -100,10 +106,6 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
         raise
     if settings.ready_file:
         write_atomic(settings.ready_file, address.encode())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if slot is not None:
         workers.watch_lifeline(slot.lifeline_fd, stop.set)
     await stop.wait()

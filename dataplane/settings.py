@@ -313,7 +313,9 @@ def parse(argv: list[str]) -> Settings:
         "--cache-max-mb",
         type=int,
         default=256,
-        help="memory bound of the response cache (least recently used entries go first)",
+        help="memory bound of the response cache in MB, for the whole group: with "
+        "--workers N each worker holds 1/N (least recently used entries go first). "
+        "Default: 256",
     )
     p.add_argument(
         "--redis",

@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -39,6 +39,32 @@ if TYPE_CHECKING:
     from dataplane.settings import Settings
 
 log = logging.getLogger("dataplane.workers")
+
+# The signals that stop a proxy or a group. They are held (blocked) from
+# before the supervisor's exec, and in every worker from its fork, until the
+# process has its handlers in place: one that came earlier (a Ctrl-C or a
+# rollout in the group's first second) waits for them, instead of killing the
+# process mid-import with a traceback (SIGINT) or an unclean exit (SIGTERM).
+# The mask is inherited through fork and exec.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Hold STOP_SIGNALS in this thread for the block (for processes started
+    in it), then take them again as before."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def take_stop_signals() -> None:
+    """Let STOP_SIGNALS in, once their handlers are installed: one that came
+    while they were held is handled now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
 
 # After SIGTERM a worker drains for --drain-seconds, then aiohttp gives in-flight
 # requests up to 60 s, and its clean-up (the control-plane link, the saved
@@ -87,10 +113,13 @@ def become_supervisor(group: Group, argv: Sequence[str]) -> NoReturn:
     `group`, whose workers run the proxy with `argv`."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(  # noqa: S606 - this interpreter, a fixed module, the checked argv
-        sys.executable,
-        [sys.executable, "-m", "dataplane.supervisor", group.to_json(), *argv],
-    )
+    # Held until the supervisor's run() has its handlers (the mask survives exec).
+    with stop_signals_held():
+        os.execv(  # noqa: S606 - this interpreter, a fixed module, the checked argv
+            sys.executable,
+            [sys.executable, "-m", "dataplane.supervisor", group.to_json(), *argv],
+        )
+    raise AssertionError("unreachable: execv returns only by raising")
 
 
 def socket_path(run_dir: Path, index: int) -> Path:
@@ -251,13 +280,15 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.stopping = asyncio.Event()
         self.unclean = False
+        self._starting = asyncio.Lock()
 
     async def run(self) -> int:
         """0 when stopped by a signal and every worker exited cleanly, else 1."""
         s = self.group
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.stopping.set)
+        take_stop_signals()
         holder = reserve_port(s.listen_host, s.listen_port)
         # Held like the main port, so a worker restarted on port 0 gets the same one.
         try:
@@ -286,7 +317,7 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await announce
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
             holder.close()
             if metrics_holder is not None:
@@ -318,7 +349,12 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
-            proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(lifeline,))
+            # The worker takes them once it can stop cleanly (dataplane.__main__).
+            # One start at a time: the mask is this thread's, and two starts
+            # interleaved at their awaits would restore each other's.
+            async with self._starting:
+                with stop_signals_held():
+                    proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(lifeline,))
             started = loop.time()
             exited = asyncio.create_task(proc.wait())
             stop = asyncio.create_task(self.stopping.wait())

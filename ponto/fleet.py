@@ -184,9 +184,11 @@ class Fleet:
         control_planes: list[str] | None = None,
         workers: int = 1,
         extra: list[str] | None = None,
+        wait: bool = True,
     ) -> Managed:
         """Start a proxy; one process unless `workers` > 1 (dataplane/workers.py),
-        whatever the machine's cores, so that runs do not depend on the machine."""
+        whatever the machine's cores, so that runs do not depend on the machine.
+        Returned once it listens, or at once without `wait` (its address unknown)."""
         addresses = control_planes or [m.address for m in self.controls.values()]
         ready = self._ready(name)
         argv = [*python_entry("dataplane"), "--control-plane", ",".join(addresses),
@@ -195,7 +197,7 @@ class Fleet:
                 "--state-dir", str(self.workdir / f"{name}-state"),
                 "--ready-file", str(ready),
                 *(self.security.proxy_args() if self.security else []), *(extra or [])]  # fmt: skip
-        self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready)
+        self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready if wait else None)
         return m
 
     def start_cache(self, region: str) -> Redis:

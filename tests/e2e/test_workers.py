@@ -217,6 +217,33 @@ def test_sigterm_stops_the_group_cleanly(fleet: Fleet) -> None:
     assert "all 2 workers have exited" in group.log_tail()
 
 
+@pytest.mark.parametrize(
+    ("how", "name"), [(signal.SIGTERM, "early-term"), (signal.SIGINT, "early-int")]
+)
+def test_a_group_stopped_while_it_starts_exits_cleanly(
+    fleet: Fleet, how: signal.Signals, name: str
+) -> None:
+    """A rollout's SIGTERM, or a Ctrl-C (SIGINT to the supervisor and every
+    worker, as a terminal sends it), while the workers are still importing:
+    the group stops with 0, with no traceback, and leaves no proxy behind."""
+    group = fleet.start_proxy(name, "us-east", workers=2, wait=False)
+    pids = until("two workers started", lambda: both_workers(group), timeout=30)
+    # Still starting: the group has not said it listens (its imports alone take ~1 s).
+    assert not (fleet.workdir / f"{name}.addr").exists()
+    targets = [group.proc.pid, *pids.values()] if how == signal.SIGINT else [group.proc.pid]
+    for pid in targets:
+        os.kill(pid, how)
+    assert group.proc.wait(60) == 0, group.log_tail(50)
+    assert not any(alive(pid) for pid in pids.values())
+    log = group.log_tail(400)
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "while stopping" not in log, log
+    until(
+        f"{name}'s workers gone from the control plane",
+        lambda: not {f"{name}-w0", f"{name}-w1"} & registered(fleet),
+    )
+
+
 def test_workers_stop_when_the_supervisor_is_killed(fleet: Fleet) -> None:
     group = fleet.start_proxy("r", "us-east", workers=2)
     pids = until("two workers", lambda: both_workers(group))

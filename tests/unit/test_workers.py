@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -221,6 +222,10 @@ async def test_the_supervisor_announces_the_group_and_stops_it(
         await asyncio.sleep(0.02)
     host, _, port = ready.read_text().rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
+    # The stop signals, held while each worker started, are taken again once
+    # all three have (their starts interleave, and must not restore each
+    # other's hold).
+    assert not supervisor.STOP_SIGNALS & signal.pthread_sigmask(signal.SIG_BLOCK, [])
     group.stopping.set()  # what SIGTERM does
     # Every worker got SIGTERM and exited 0.
     assert await asyncio.wait_for(run, 30) == 0
