@@ -176,38 +176,61 @@ def upstream_timeout() -> ApiError:
     )
 
 
-def stream_broken_event() -> bytes:
+def stream_broken_event(too_long: int = 0) -> bytes:
     """The SSE bytes that end a chat or completions stream an origin broke: an
     event whose data is an `error` object, then `data: [DONE]`. The openai SDK
-    raises an APIError for an event whose data has an `error` object."""
+    raises an APIError for an event whose data has an `error` object.
+
+    With `too_long`, the stream was cut by the proxy's bound on one event
+    (--max-answer-bytes, `too_long` bytes), not broken off: the error says
+    so, since retrying the same request would be cut again."""
+    if too_long:
+        return (
+            b"data: "
+            + jsonio.dumps({"error": _event_too_large(too_long)})
+            + b"\n\ndata: [DONE]\n\n"
+        )
     return _STREAM_BROKEN
 
 
-def responses_broken_event(sequence_number: int | None) -> bytes:
-    """The SSE bytes that end a Responses stream an origin broke. It has no
-    `[DONE]`: it ends in OpenAI's `error` event (`event: error`, data of type
-    "error" with its code and message), which also holds the `error` object
-    the SDK raises for, as in chat streams.
+def responses_broken_event(sequence_number: int | None, too_long: int = 0) -> bytes:
+    """The SSE bytes that end a Responses stream an origin broke (or, with
+    `too_long`, that the bound on one event cut, as for stream_broken_event).
+    It has no `[DONE]`: it ends in OpenAI's `error` event (`event: error`,
+    data of type "error" with its code and message), which also holds the
+    `error` object the SDK raises for, as in chat streams.
 
     Every event of a Responses stream carries a `sequence_number`, one more
     than the event before it: this one `sequence_number`
     (dataplane.streaming.relay.next_sequence_number), left out when None (an
     origin whose events carry none)."""
     numbered = {} if sequence_number is None else {"sequence_number": sequence_number}
+    error = _event_too_large(too_long) if too_long else _BROKEN
     return (
         b"event: error\ndata: "
         + jsonio.dumps(
             {
                 "type": "error",
-                "code": _BROKEN["code"],
-                "message": _BROKEN["message"],
+                "code": error["code"],
+                "message": error["message"],
                 "param": None,
                 **numbered,
-                "error": _BROKEN,
+                "error": error,
             }
         )
         + b"\n\n"
     )
+
+
+def _event_too_large(limit: int) -> dict[str, str | None]:
+    return {
+        "message": f"The model's answer held one event larger than this proxy accepts "
+        f"({limit} bytes), so the stream was cut there; the same request would be cut "
+        "again: ask for a shorter answer (fewer choices, or smaller tool arguments).",
+        "type": "upstream_error",
+        "param": None,
+        "code": "upstream_event_too_large",
+    }
 
 
 _BROKEN = {

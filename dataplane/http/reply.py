@@ -274,16 +274,21 @@ async def follow(
         return out, False
 
 
-def _broken_stream_ending(ex: Exchange) -> bytes | Ending:
-    """What ends the client's stream when its origin breaks it: a Responses
-    stream's error event takes the number after the last event relayed."""
+def _broken_stream_ending(ex: Exchange) -> Ending:
+    """What ends the client's stream when its origin breaks it, or the bound on
+    one event cuts it: a Responses stream's error event takes the number after
+    the last event relayed."""
     if ex.endpoint.name == "responses":
         return _responses_ending
-    return stream_broken_event()
+    return _chat_ending
 
 
-def _responses_ending(last: Event | None) -> bytes:
-    return responses_broken_event(next_sequence_number(last))
+def _chat_ending(last: Event | None, too_long: int) -> bytes:
+    return stream_broken_event(too_long)
+
+
+def _responses_ending(last: Event | None, too_long: int) -> bytes:
+    return responses_broken_event(next_sequence_number(last), too_long)
 
 
 def _json(ex: Exchange, body: bytes, headers: list[tuple[str, str]]) -> web.Response:

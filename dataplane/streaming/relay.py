@@ -88,9 +88,12 @@ class Next:
 
 
 class Ending(Protocol):
-    def __call__(self, last: Event | None) -> bytes:
+    def __call__(self, last: Event | None, too_long: int) -> bytes:
         """The bytes that end a stream cut after the client got `last`, the
-        last whole event relayed to it (None: not one)."""
+        last whole event relayed to it (None: not one). `too_long`: the bound
+        (--max-answer-bytes) an event of the stream passed, when that cut it,
+        which the same request would pass again; 0 when the origin broke the
+        stream off."""
         ...
 
 
@@ -229,7 +232,7 @@ async def _relay_bytes(
                                 chunks.chunk(data[:long])
                             await out.write(data[:long])
                         end.cut = _too_long(max_event_bytes)
-                        await out.write(_ending(error_event, last))
+                        await out.write(_ending(error_event, last, max_event_bytes))
                         break
                     if chunks is not None:
                         chunks.chunk(data)
@@ -245,7 +248,7 @@ async def _relay_bytes(
                         break
             if held_size > max_event_bytes:
                 end.cut = _too_long(max_event_bytes)
-                await out.write(_ending(error_event, last))
+                await out.write(_ending(error_event, last, max_event_bytes))
                 break
             try:
                 chunk = await _read(content, idle)
@@ -293,11 +296,12 @@ async def _relay_events(
     try:
         while True:
             cut = ""
+            too_long = 0  # the bound, when an event passing it made the cut
             frames: list[bytes] = []
             for parsed in parser.feed(chunk):
                 ev = parsed
                 if ev.size > max_event_bytes:  # see _relay_bytes
-                    cut = _too_long(max_event_bytes)
+                    cut, too_long = _too_long(max_event_bytes), max_event_bytes
                     break
                 data: bytes | None = ev.data
                 if not ev.done:
@@ -330,7 +334,7 @@ async def _relay_events(
                 end.complete = True
                 break
             if not cut and parser.held > max_event_bytes:
-                cut = _too_long(max_event_bytes)
+                cut, too_long = _too_long(max_event_bytes), max_event_bytes
             if not cut:
                 try:
                     chunk = await _read(content, idle)
@@ -349,7 +353,7 @@ async def _relay_events(
             following = await resume(cut)
             if following is None:
                 end.cut = cut
-                await out.write(_ending(error_event, last))
+                await out.write(_ending(error_event, last, too_long))
                 break
             end.continued.append(cut)
             parser = SseParser()
@@ -398,8 +402,8 @@ def next_sequence_number(last: Event | None) -> int | None:
     return None
 
 
-def _ending(error_event: bytes | Ending, last: Event | None) -> bytes:
-    return error_event if isinstance(error_event, bytes) else error_event(last)
+def _ending(error_event: bytes | Ending, last: Event | None, too_long: int = 0) -> bytes:
+    return error_event if isinstance(error_event, bytes) else error_event(last, too_long)
 
 
 def ends_answer(data: bytes) -> bool:

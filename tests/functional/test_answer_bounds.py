@@ -1,7 +1,7 @@
 """How much of an origin's answer the proxy holds (--max-answer-bytes): a
 whole answer past the bound is refused with a 502 in the OpenAI shape, the
 call's connection closed and no other origin tried; a stream's event past it
-cuts the stream, as a broken origin's cut does. Within the bound, answers and
+cuts the stream, with an error event that says so. Within the bound, answers and
 long events pass whole. The real proxy app before hand-written origins that
 answer as much as they are told to, the official openai client for the 502.
 """
@@ -183,8 +183,11 @@ async def test_a_streams_event_past_the_bound_cuts_the_stream(rig: Rig) -> None:
     resp = await rig.stack.post(chat("endless event", stream=True))
     assert resp.status == 200
     events = await read_sse(resp)
-    # None of the event: the error event, then the stream's end.
-    assert json.loads(events[0])["error"]["code"] == "upstream_stream_broken"
+    # None of the event: the error event, then the stream's end. It says the
+    # bound cut the stream, not that the origin broke it: a retry would be cut too.
+    error = json.loads(events[0])["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_event_too_large")
+    assert f"({BOUND} bytes)" in error["message"] and "retry" not in error["message"]
     assert events[1:] == ["[DONE]"]
     # Continued on the other origin, as any cut is (continuation is on by
     # default), which made as long an event: cut too, and no origin is left.

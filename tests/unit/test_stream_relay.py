@@ -269,7 +269,8 @@ async def test_a_cut_stream_ends_with_what_its_ending_makes_of_the_last_event_re
     half event the cut leaves is not sent, and is not the last one."""
     made: list[Event | None] = []
 
-    def ending(last: Event | None) -> bytes:
+    def ending(last: Event | None, too_long: int) -> bytes:
+        assert too_long == 0  # broken off, not cut by the bound
         made.append(last)
         return b"event: error\ndata: {}\n\n"
 
@@ -345,17 +346,26 @@ class Counted(Content):
         return self._chunks.pop(0)
 
 
+BROKEN_EVENT = b"data: broken\n\n"
+
+
+def bound_or_broken(last: Event | None, too_long: int) -> bytes:
+    assert too_long in (0, BOUND)
+    return ERROR_EVENT if too_long else BROKEN_EVENT
+
+
 async def bounded(
     first: bytes, content: Content, *, continuable: bool
 ) -> tuple[Out, Reader, RelayEnd]:
-    """Relay under max_event_bytes=BOUND, with a reader and ERROR_EVENT."""
+    """Relay under max_event_bytes=BOUND, with a reader; a stream the bound
+    cuts ends in ERROR_EVENT, one broken off in BROKEN_EVENT."""
     out, reader = Out(), Reader()
     end = await relay(
         first,
         content,
         cast(web.StreamResponse, out),
         readers=[reader],
-        error_event=ERROR_EVENT,
+        error_event=bound_or_broken,
         resume=no_resume if continuable else None,
         max_event_bytes=BOUND,
     )
@@ -385,16 +395,7 @@ async def test_an_event_of_empty_data_lines_past_the_bound_cuts_the_stream(
     # Each line holds a list slot in the parser, though its value is empty.
     pieces = [b"data:\n" * 1000] * 5 + [b"\ndata: [DONE]\n\n"]
     content = Counted(*pieces)
-    out = Out()
-    end = await relay(
-        b'data: {"a":1}\n\n',
-        content,
-        cast(web.StreamResponse, out),
-        readers=[Reader()],
-        error_event=ERROR_EVENT,
-        resume=no_resume if continuable else None,
-        max_event_bytes=BOUND,
-    )
+    out, _, end = await bounded(b'data: {"a":1}\n\n', content, continuable=continuable)
     assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
     assert b"".join(out.written) == b'data: {"a":1}\n\n' + ERROR_EVENT
     assert content.read == 2  # 12,000 bytes of lines held: past the bound

@@ -215,6 +215,17 @@ def test_a_broken_responses_stream_ends_in_one_numbered_error_event(number: int 
     assert data.get("sequence_number", None) == number
 
 
+def test_a_stream_cut_by_the_bound_on_one_event_says_so() -> None:
+    chat_error, done = SseParser().feed(stream_broken_event(too_long=65536))
+    [responses_error] = SseParser().feed(responses_broken_event(7, too_long=65536))
+    assert done.done
+    responses = json.loads(responses_error.data)
+    assert (responses["code"], responses["sequence_number"]) == ("upstream_event_too_large", 7)
+    for error in (json.loads(chat_error.data)["error"], responses["error"]):
+        assert (error["type"], error["code"]) == ("upstream_error", "upstream_event_too_large")
+        assert "(65536 bytes)" in error["message"] and "cut again" in error["message"]
+
+
 # ---------------------------------------------------------------- request ids
 
 
