@@ -29,7 +29,7 @@ from dataplane import supervisor, workers
 from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
 from dataplane.http.server import build_app, build_metrics_app, software_version
 from dataplane.http.state import CLIENT, DRAINING
-from dataplane.settings import Settings, parse
+from dataplane.settings import Settings, available_cores, parse
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
@@ -196,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     slot = settings.worker
     setup_logging(settings.log_level, tag=f"w{slot.index}" if slot else "")
+    cores = available_cores()
+    if slot is None and settings.workers > cores:
+        log.warning(
+            "--workers %d is more than the cores this process may use (%d): the "
+            "workers will take turns on them, each request waiting for its worker's turn",
+            settings.workers,
+            cores,
+        )
     try:
         if settings.workers > 1 and slot is None:
             # Checked: the supervisor needs none of what this process loaded.

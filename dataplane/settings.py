@@ -114,6 +114,20 @@ class Settings:
     redis_deadline_s: float = 0.05
 
 
+def _unwritable(folder: Path) -> str:
+    """Why this user cannot keep files in `folder` ("" if it can): it is a
+    directory it can write, or the nearest existing one above it is (the
+    proxy makes the rest, as write_atomic does)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not a directory this user can write"
+    return ""
+
+
 def available_cores() -> int:
     """Cores this process may run on. A container's CPU quota is not seen here,
     which is why the Helm chart passes --workers from the CPU limit."""
@@ -503,6 +517,10 @@ def parse(argv: list[str]) -> Settings:
         folder = a.ready_file.parent
         if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
             p.error(f"--ready-file {a.ready_file}: {folder} is not a directory this user can write")
+    if a.state_dir is not None and (problem := _unwritable(a.state_dir)):
+        # Found at the first save otherwise: an error logged on every table,
+        # and a restart without the control plane that serves no table.
+        p.error(f"--state-dir {a.state_dir}: {problem}")
     if not NAME_RE.match(a.name):
         p.error(
             f"--name {a.name!r} is not a proxy name: 1 to 63 lower-case letters, digits "

@@ -1,5 +1,6 @@
 """What ponto-proxy is told at start that could only fail later is refused
-then: a name the control plane would refuse, a ready file it cannot write.
+then: a name the control plane would refuse, a ready file or a state
+directory it cannot write.
 
 A proxy's name is one the control plane accepts, for a group's workers too.
 
@@ -99,3 +100,18 @@ def test_a_ready_file_that_cannot_be_written_is_refused_at_start(
     err = capsys.readouterr().err
     assert f"--ready-file {ready}: {ready.parent} is not a directory this user can write" in err
     assert parse([*BASE, "--ready-file", str(tmp_path / "addr")]).ready_file == tmp_path / "addr"
+
+
+def test_a_state_dir_that_cannot_be_made_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path / "file", tmp_path / "file" / "state"):
+        with pytest.raises(SystemExit) as exit_:
+            parse([*BASE, "--state-dir", str(bad)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--state-dir {bad}: {tmp_path / 'file'} is not a directory" in err
+    # One that is a directory, or can be made under one, is taken.
+    for good in (tmp_path, tmp_path / "new" / "state"):
+        assert parse([*BASE, "--state-dir", str(good)]).state_dir == good

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import shutil
 import signal
 import socket
@@ -163,6 +164,21 @@ def test_a_host_name_that_does_not_resolve_is_said_in_words() -> None:
         supervisor.reserve_port("nosuch.invalid", 0)
     assert str(exc.value).startswith("cannot listen on nosuch.invalid:0: ")
     assert "Unknown error" not in str(exc.value), str(exc.value)
+
+
+def test_more_workers_than_cores_is_warned_of() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "dataplane", *BASE, "--workers", "2",
+             "--listen", f"127.0.0.1:{port}", "--log-level", "WARNING"],
+            capture_output=True, text=True, timeout=60, check=False,
+            preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+        )  # fmt: skip
+    assert out.returncode == 1, out.stderr  # the port, taken: it stopped there
+    assert "--workers 2 is more than the cores this process may use (1)" in out.stderr
 
 
 @pytest.mark.parametrize("count", ["1", "2"])
