@@ -154,8 +154,10 @@ def extract(text: str) -> Entities:
     for m in _HANDLE.finditer(text):
         strict.add(f"handle:{m.group(1).casefold()}")
     for m in _QUOTED.finditer(text):
-        inner = " ".join((m.group(1) or m.group(2) or m.group(3) or "").split())
-        if inner:
+        # As it is, spaces too: a quote may be data ("a   b" is not "a b"),
+        # as the exact key keeps it (dataplane.cache.keys._fold_line).
+        inner = m.group(1) or m.group(2) or m.group(3) or ""
+        if inner.strip():
             strict.add(f"quote:{inner}")
 
     def tech(m: re.Match[str]) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -88,12 +89,12 @@ class UncacheableRequest(ValueError):
 
 
 def normalise_text(s: str) -> str:
-    """NFKC; then a text of one line has every run of whitespace made one space
-    and is trimmed, and a text of several lines (a line break is LF, CR or
-    CRLF) has its line breaks made LF, the whitespace at each line's end
-    removed and the blank lines at its start and end dropped, and is
-    otherwise kept as it is. A text of one line but for blank lines around it
-    is a text of one line.
+    """NFKC; then a text of one line has every run of whitespace outside quotes
+    made one space and is trimmed (see _fold_line), and a text of several
+    lines (a line break is LF, CR or CRLF) has its line breaks made LF, the
+    whitespace at each line's end removed and the blank lines at its start
+    and end dropped, and is otherwise kept as it is. A text of one line but
+    for blank lines around it is a text of one line.
 
     Whitespace within a line of prose never changes what it asks. Across
     lines it can: folded into one line, two Python programs that differ in
@@ -114,9 +115,32 @@ def normalise_text(s: str) -> str:
             return s
     elif "\n" in s or "\r" in s:
         return _normalise_lines(s)
-    # str.split() with no argument splits on runs of Unicode whitespace and
-    # drops empty ends, which is exactly collapse-and-trim.
-    return " ".join(s.split())
+    return _fold_line(s)
+
+
+# A quoted span of one line: "…" or `…`, or '…' whose quotes are not inside a
+# word (the apostrophes of "don't … it's" quote nothing).
+_QUOTED: Final = re.compile(r'"[^"\n]*"|`[^`\n]*`|(?<!\w)\'[^\'\n]*\'(?!\w)')
+_WHITESPACE: Final = re.compile(r"\s+")
+
+
+def _fold_line(s: str) -> str:
+    """A line with each run of whitespace made one space, but within quoted
+    spans, and trimmed. What a quote holds may be data whose spaces count:
+    `len("a   b")` and `len("a b")` ask different things, where "what  is it"
+    and "what is it" do not."""
+    if '"' not in s and "`" not in s and "'" not in s:
+        # str.split() with no argument splits on runs of Unicode whitespace
+        # (as \s does) and drops empty ends: exactly collapse-and-trim.
+        return " ".join(s.split())
+    parts = []
+    at = 0
+    for quoted in _QUOTED.finditer(s):
+        parts.append(_WHITESPACE.sub(" ", s[at : quoted.start()]))
+        parts.append(quoted.group())
+        at = quoted.end()
+    parts.append(_WHITESPACE.sub(" ", s[at:]))
+    return "".join(parts).strip()
 
 
 def _normalise_lines(s: str) -> str:
@@ -139,7 +163,7 @@ def _normalise_lines(s: str) -> str:
     while start < len(lines) and not lines[start]:
         start += 1
     if start >= len(lines) - 1:  # one line, or none, once the blank ones go
-        return " ".join(s.split())
+        return _fold_line(s.strip())
     return "\n".join(lines[start:])
 
 

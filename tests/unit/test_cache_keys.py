@@ -46,10 +46,12 @@ json_values = st.recursive(
     ),
     max_leaves=12,
 )
-# Words that NFKC leaves alone and that hold no whitespace, so that only the
-# separators between them vary.
+# Words that NFKC leaves alone and that hold no whitespace or quote, so that
+# only the separators between them vary.
 word = st.text(
-    alphabet=st.characters(codec="utf-8", categories=["Lu", "Ll", "Nd", "Po", "Sm"]),
+    alphabet=st.characters(
+        codec="utf-8", categories=["Lu", "Ll", "Nd", "Po", "Sm"], exclude_characters="\"'`"
+    ),
     min_size=1,
     max_size=8,
 ).filter(lambda w: normalise_text(w) == w)
@@ -181,13 +183,40 @@ def reference_normalise(text: str) -> str:
     """normalise_text's definition, as its docstring states it."""
     text = unicodedata.normalize("NFKC", text)
     if "\n" not in text and "\r" not in text:
-        return " ".join(text.split())
+        return reference_fold(text)
     lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
     while lines and not lines[0]:
         lines.pop(0)
     while lines and not lines[-1]:
         lines.pop()
-    return " ".join(lines[0].split()) if len(lines) == 1 else "\n".join(lines)
+    return reference_fold(lines[0]) if len(lines) == 1 else "\n".join(lines)
+
+
+def reference_fold(line: str) -> str:
+    """A line's runs of whitespace made one space but within quoted spans ("…",
+    `…`, and '…' whose quotes are not inside a word), then trimmed: scanned
+    one character at a time."""
+
+    def in_word(i: int) -> bool:
+        return 0 <= i < len(line) and (line[i].isalnum() or line[i] == "_")
+
+    out: list[str] = []
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if c in '"`' or (c == "'" and not in_word(i - 1)):
+            end = line.find(c, i + 1)
+            if end != -1 and not (c == "'" and in_word(end + 1)):
+                out.append(line[i : end + 1])
+                i = end + 1
+                continue
+        if c.isspace():
+            if not (out and out[-1] == " "):
+                out.append(" ")
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out).strip()
 
 
 @settings(max_examples=1000)
@@ -195,7 +224,7 @@ def reference_normalise(text: str) -> str:
     text=st.text(
         # With letters, a fullwidth one NFKC changes, and two controls that
         # are not whitespace (a zero-width space, NUL).
-        alphabet=st.sampled_from(EVERY_WHITESPACE + "ab.\u00e9\uff21\u200b\x00"),
+        alphabet=st.sampled_from(EVERY_WHITESPACE + "ab.\u00e9\uff21\u200b\x00\"'`_"),
         max_size=12,
     )
 )
@@ -244,6 +273,25 @@ def test_line_endings_trailing_whitespace_and_blank_lines_around_do_not_split_th
         assert key(a) == key(b)
     # A question with a line break at its end is the question.
     assert normalise_text("  what is two plus two?\n") == "what is two plus two?"
+
+
+def test_whitespace_within_quotes_splits_the_key() -> None:
+    # What a quote holds may be data: these ask different things.
+    for a, b in (
+        ('What does len("a   b") return?', 'What does len("a b") return?'),
+        ("Is `x  = 1` valid?", "Is `x = 1` valid?"),
+        ("Split 'a  b' on spaces", "Split 'a b' on spaces"),
+    ):
+        assert normalise_text(a) != normalise_text(b)
+        assert key(chat(messages=[{"role": "user", "content": a}])) != key(
+            chat(messages=[{"role": "user", "content": b}])
+        )
+    # Outside quotes, and across apostrophes, whitespace is still folded.
+    assert (
+        normalise_text('  What  does len("a   b")   return? ') == 'What does len("a   b") return?'
+    )
+    assert normalise_text("I don't   know,  it's  late") == "I don't know, it's late"
+    assert normalise_text('an "unclosed   quote') == 'an "unclosed quote'
 
 
 def test_nfkc_examples() -> None:

@@ -118,6 +118,12 @@ def test_apostrophes_are_not_quotes() -> None:
     assert not any(s.startswith("quote:") for s in sig.strict)
 
 
+def test_a_quote_keeps_its_spaces() -> None:
+    # A quote may be data: len("a   b") and len("a b") are different questions.
+    assert "quote:a   b" in extract('what does len("a   b") return').strict
+    assert extract('len("a   b")').strict != extract('len("a b")').strict
+
+
 def test_signatures_are_hashable_values() -> None:
     assert extract("order 12 for Anna") == extract("order 12 for Anna")
     assert len({extract("a 1"), extract("a 1")}) == 1
