@@ -42,12 +42,12 @@ from __future__ import annotations
 import enum
 import json
 import math
-import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dataplane import jsonio
+from dataplane.cache.textform import nfkc
 
 __all__ = [
     "BAND_FLOOR",
@@ -404,7 +404,7 @@ def _call(call: Any) -> tuple[str, str]:
 
 
 def _normalise(text: str) -> str:
-    folded = unicodedata.normalize("NFKC", text).casefold()
+    folded = nfkc(text).casefold()
     return " ".join(folded.split()).rstrip("?.! ")
 
 

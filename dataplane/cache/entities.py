@@ -39,10 +39,10 @@ thread-safe.
 from __future__ import annotations
 
 import re
-import unicodedata
 from dataclasses import dataclass
 
 from dataplane.cache.opposites import opposed, sides
+from dataplane.cache.textform import nfkc
 
 __all__ = ["Entities", "entities_match", "extract"]
 
@@ -136,7 +136,7 @@ def _strip_possessive(word: str) -> str:
 
 def extract(text: str) -> Entities:
     """The entity signature of `text`. Pure; never raises for any str."""
-    text = unicodedata.normalize("NFKC", text).translate(_QUOTES)
+    text = nfkc(text).translate(_QUOTES)
     strict: set[str] = set()
 
     def take(pattern: re.Pattern[str], kind: str, fold: bool) -> None:

@@ -32,11 +32,11 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
+from dataplane.cache.textform import nfkc
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in the region's Redis, shared with proxies of other versions) can never
@@ -89,9 +89,10 @@ class UncacheableRequest(ValueError):
 
 
 def normalise_text(s: str) -> str:
-    """NFKC; then a text of one line has every run of whitespace outside quotes
-    made one space and is trimmed (see _fold_line), and a text of several
-    lines (a line break is LF, CR or CRLF) has its line breaks made LF, the
+    """NFKC but for superscripts and subscripts (dataplane.cache.textform);
+    then a text of one line has every run of whitespace outside quotes made
+    one space and is trimmed (see _fold_line), and a text of several lines
+    (a line break is LF, CR or CRLF) has its line breaks made LF, the
     whitespace at each line's end removed and the blank lines at its start
     and end dropped, and is otherwise kept as it is. A text of one line but
     for blank lines around it is a text of one line.
@@ -109,7 +110,7 @@ def normalise_text(s: str) -> str:
     # space (line breaks included) is a control or a separator, which
     # str.isprintable refuses.
     if not s.isascii():
-        s = unicodedata.normalize("NFKC", s)
+        s = nfkc(s)
     if s.isprintable():
         if not (s.startswith(" ") or s.endswith(" ") or "  " in s):
             return s
@@ -300,7 +301,7 @@ def last_user_text(messages: Sequence[Any]) -> str | None:
 
 
 def _one_line(s: str) -> str:
-    return " ".join(unicodedata.normalize("NFKC", s).split())
+    return " ".join(nfkc(s).split())
 
 
 def without_text(content: Any) -> Any:

@@ -82,7 +82,6 @@ import enum
 import logging
 import random
 import sys
-import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -104,6 +103,7 @@ from dataplane.cache.bounded import (
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semsizes import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
+from dataplane.cache.textform import nfkc
 from dataplane.cache.vectors import ID_ENTRY_BYTES, TieredIndex, Vector, VectorIndex
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def normalise_text(text: str) -> str:
     `?`, `.` and `!` stripped. Nothing else: dropping inner punctuation would make
     "C++", "C" and "C#" one language.
     """
-    folded = unicodedata.normalize("NFKC", text).translate(_QUOTES).casefold()
+    folded = nfkc(text).translate(_QUOTES).casefold()
     return " ".join(folded.split()).rstrip("?.! ")
 
 

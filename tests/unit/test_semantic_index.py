@@ -305,6 +305,8 @@ async def test_custom_index_factory_is_used() -> None:
         ("C++ vs C#?", "c++ vs c#"),
         ("...", ""),
         ("what is 3.5", "what is 3.5"),
+        # A superscript is no digit: x² is not x2.
+        ("What is x² at 3?", "what is x² at 3"),
     ],
 )
 def test_normalise_text(raw: str, expected: str) -> None:

@@ -1,0 +1,39 @@
+"""NFKC as the caches compare text: compatibility forms folded (fullwidth
+letters, ligatures, non-breaking spaces), but superscripts and subscripts kept.
+
+NFKC makes "x²" "x2" and "10⁻³" "10-3": folded, "What is x² at x = 3?" and
+"What is x2 at x = 3?" would be one question to the exact key and the
+semantic layer, and one's answer would be served for the other. Every other
+compatibility mapping keeps what a text asks.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Final
+
+# Every character whose decomposition is <super> or <sub> (Unicode 14.0,
+# Python 3.11's; tests/unit/test_cache_keys.py checks it against unicodedata).
+SCRIPTS: Final = re.compile(
+    "[\u00aa\u00b2-\u00b3\u00b9-\u00ba\u02b0-\u02b8\u02e0-\u02e4\u10fc\u1d2c-\u1d2e"
+    "\u1d30-\u1d3a\u1d3c-\u1d4d\u1d4f-\u1d6a\u1d78\u1d9b-\u1dbf\u2070-\u2071\u2074-\u208e"
+    "\u2090-\u209c\u2120\u2122\u2c7c-\u2c7d\u2d6f\u3192-\u319f\ua69c-\ua69d\ua770"
+    "\ua7f2-\ua7f4\ua7f8-\ua7f9\uab5c-\uab5f\uab69\U00010781-\U00010785"
+    "\U00010787-\U000107b0\U000107b2-\U000107ba\U0001f16a-\U0001f16c]"
+)
+
+
+def nfkc(text: str) -> str:
+    """NFKC, but for superscripts and subscripts, which stay as they are (the
+    text between them is normalised on its own)."""
+    if SCRIPTS.search(text) is None:
+        return unicodedata.normalize("NFKC", text)
+    parts = []
+    at = 0
+    for script in SCRIPTS.finditer(text):
+        parts.append(unicodedata.normalize("NFKC", text[at : script.start()]))
+        parts.append(script.group())
+        at = script.end()
+    parts.append(unicodedata.normalize("NFKC", text[at:]))
+    return "".join(parts)
