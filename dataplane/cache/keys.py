@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
-from dataplane.cache.textform import nfkc
+from dataplane.cache.textform import between, nfkc
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in the region's Redis, shared with proxies of other versions) can never
@@ -134,14 +134,11 @@ def _fold_line(s: str) -> str:
         # str.split() with no argument splits on runs of Unicode whitespace
         # (as \s does) and drops empty ends: exactly collapse-and-trim.
         return " ".join(s.split())
-    parts = []
-    at = 0
-    for quoted in _QUOTED.finditer(s):
-        parts.append(_WHITESPACE.sub(" ", s[at : quoted.start()]))
-        parts.append(quoted.group())
-        at = quoted.end()
-    parts.append(_WHITESPACE.sub(" ", s[at:]))
-    return "".join(parts).strip()
+    return between(_QUOTED, s, _one_space).strip()
+
+
+def _one_space(s: str) -> str:
+    return _WHITESPACE.sub(" ", s)
 
 
 def _normalise_lines(s: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Final
 
 # Every character whose decomposition is <super> or <sub> (Unicode 14.0,
@@ -29,11 +30,21 @@ def nfkc(text: str) -> str:
     text between them is normalised on its own)."""
     if SCRIPTS.search(text) is None:
         return unicodedata.normalize("NFKC", text)
+    return between(SCRIPTS, text, _nfkc)
+
+
+def _nfkc(text: str) -> str:
+    return unicodedata.normalize("NFKC", text)
+
+
+def between(kept: re.Pattern[str], text: str, change: Callable[[str], str]) -> str:
+    """`text` with what lies between the matches of `kept` (and before and
+    after them) made `change` of it, and the matches as they are."""
     parts = []
     at = 0
-    for script in SCRIPTS.finditer(text):
-        parts.append(unicodedata.normalize("NFKC", text[at : script.start()]))
-        parts.append(script.group())
-        at = script.end()
-    parts.append(unicodedata.normalize("NFKC", text[at:]))
+    for match in kept.finditer(text):
+        parts.append(change(text[at : match.start()]))
+        parts.append(match.group())
+        at = match.end()
+    parts.append(change(text[at:]))
     return "".join(parts)
