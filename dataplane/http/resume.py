@@ -77,11 +77,16 @@ class Continuations:
         # prompt plus the text sent before each (for accounting without usage).
         self.extra_prompt = 0
 
-    async def __call__(self, cut: str) -> Next | None:
+    async def __call__(self, cut: str, too_long: int = 0) -> Next | None:
         ex, m = self._ex, self._metrics
         name = self._current.target.name
         m.stream_cut(name)
         self._current.release()  # the origin's request ends here; its slot frees
+        if too_long:
+            # As for a whole answer past the bound (errors.upstream_too_large):
+            # another origin asked the same would make as long an event.
+            self._give_up(cut, "another origin would make as long an event")
+            return None
         if self._transcript.overflow:
             self._give_up(cut, "the answer was too long to keep for a continuation")
             return None

@@ -98,9 +98,9 @@ class Ending(Protocol):
 
 
 class Resume(Protocol):
-    async def __call__(self, cut: str) -> Next | None:
+    async def __call__(self, cut: str, too_long: int) -> Next | None:
         """The stream to continue with after `cut`, or None to end with the
-        error event."""
+        error event; `too_long` as for Ending."""
         ...
 
 
@@ -350,7 +350,7 @@ async def _relay_events(
             if done:  # a connection that drops after the last event ended a whole answer
                 end.complete = True
                 break
-            following = await resume(cut)
+            following = await resume(cut, too_long)
             if following is None:
                 end.cut = cut
                 await out.write(_ending(error_event, last, too_long))

@@ -53,7 +53,7 @@ class Reader:
         self.events.append(ev)
 
 
-async def no_resume(cut: str) -> Next | None:
+async def no_resume(cut: str, too_long: int) -> Next | None:
     return None
 
 
