@@ -176,8 +176,11 @@ async def _relay_bytes(
     max_event_bytes: int,
 ) -> RelayEnd:
     end = RelayEnd()
-    # An ending made from the last event needs the events too.
-    parser = SseParser() if readers or not isinstance(error_event, bytes) else None
+    # Its readers' events, the last one for an ending made from it, and the
+    # bound: the parser measures each block (Event.size) whatever the split,
+    # as the events relay does, and gives no event from the first block past
+    # the bound on, which is never written.
+    parser = SseParser(max_event_bytes)
     last: Event | None = None  # the last whole event: the client gets each at once
     chunk = first
     # Bytes after the last event boundary are held until the event is whole,
@@ -192,15 +195,10 @@ async def _relay_bytes(
     written = b""
     try:
         while True:
-            if parser is not None:
-                for ev in parser.feed(chunk):
-                    if ev.size > max_event_bytes:
-                        # Never relayed: the bound cuts the stream at or
-                        # before it (below), whose bytes are at least its size.
-                        break
-                    for reader in readers:
-                        reader.event(ev)
-                    last = ev
+            for ev in parser.feed(chunk):
+                for reader in readers:
+                    reader.event(ev)
+                last = ev
             if not held_size:
                 whole = chunk
             elif _boundary(tail + chunk):
@@ -222,11 +220,10 @@ async def _relay_bytes(
                     tail = rest[-3:]
                 if at:
                     data = whole[:at] if held_size else whole
-                    # An event that came whole with the bytes that ended it is
-                    # bounded as one that came in pieces is (checked as it
-                    # grew, below): only a chunk longer than the bound can hold one.
-                    long = _long_event(data, max_event_bytes) if len(data) > max_event_bytes else -1
-                    if long >= 0:
+                    if parser.over:
+                        # A block these bytes end is past the bound: the
+                        # whole events before it go, none of it.
+                        long = _long_block(data, max_event_bytes)
                         if long:
                             if chunks is not None:
                                 chunks.chunk(data[:long])
@@ -246,7 +243,7 @@ async def _relay_bytes(
                         # at the origin's last chunk, which may come just after.
                         end.complete = True
                         break
-            if held_size > max_event_bytes:
+            if parser.over or parser.held > max_event_bytes:
                 end.cut = _too_long(max_event_bytes)
                 await out.write(_ending(error_event, last, max_event_bytes))
                 break
@@ -271,8 +268,7 @@ async def _relay_bytes(
         await out.write_eof()
     except ConnectionResetError:
         _client_left(end)
-    if parser is not None:
-        end.open_event = parser.close()
+    end.open_event = parser.close()
     return end
 
 
@@ -288,7 +284,7 @@ async def _relay_events(
     max_event_bytes: int,
 ) -> RelayEnd:
     end = RelayEnd()
-    parser = SseParser()
+    parser = SseParser(max_event_bytes)
     last: Event | None = None  # the last event written to the client
     rewrite: Callable[[bytes], bytes | None] | None = None
     done = False  # the client has the stream's last event: nothing after it matters
@@ -300,9 +296,6 @@ async def _relay_events(
             frames: list[bytes] = []
             for parsed in parser.feed(chunk):
                 ev = parsed
-                if ev.size > max_event_bytes:  # see _relay_bytes
-                    cut, too_long = _too_long(max_event_bytes), max_event_bytes
-                    break
                 data: bytes | None = ev.data
                 if not ev.done:
                     if rewrite is not None:
@@ -333,7 +326,9 @@ async def _relay_events(
             if done and not cut:  # the client has the whole answer: see _relay_bytes
                 end.complete = True
                 break
-            if not cut and parser.held > max_event_bytes:
+            # A block past the bound (its events before it were written), or
+            # the one under way: never relayed, in part or whole.
+            if not cut and (parser.over or parser.held > max_event_bytes):
                 cut, too_long = _too_long(max_event_bytes), max_event_bytes
             if not cut:
                 try:
@@ -356,7 +351,7 @@ async def _relay_events(
                 await out.write(_ending(error_event, last, too_long))
                 break
             end.continued.append(cut)
-            parser = SseParser()
+            parser = SseParser(max_event_bytes)
             chunk, content, rewrite = following.first, following.content, following.rewrite
         await out.write_eof()
     except ConnectionResetError:
@@ -423,33 +418,44 @@ def _may_end(data: bytes) -> bool:
 
 
 def _boundary(data: bytes) -> int:
-    """The end of the last whole event in data (0: none): after a blank line."""
+    """The end of the last whole event in data (0: none): after a blank line,
+    two line endings in a row, each LF, CR or CRLF. Every such pair holds
+    LF LF, LF CR or CR CR (a CRLF then an LF holds the first, a CRLF then a
+    CR the second); a CR that ends it takes the LF after it, if one came."""
     at = data.rfind(b"\n\n")
     end = at + 2 if at >= 0 else 0
     if b"\r" in data:
-        crlf = data.rfind(b"\r\n\r\n")
-        if crlf >= 0:
-            end = max(end, crlf + 4)
-        cr = data.rfind(b"\r\r")
-        if cr >= 0:
-            end = max(end, cr + 2)
+        for pair in (b"\n\r", b"\r\r"):
+            at = data.rfind(pair)
+            if at >= 0:
+                after = at + 2
+                if data[after : after + 1] == b"\n":
+                    after += 1
+                end = max(end, after)
     return end
 
 
-def _long_event(data: bytes, limit: int) -> int:
-    """Where the first event of `data` (whole events, as _boundary ends them)
-    longer than `limit` bytes starts, blank line included; -1 if none is."""
+# A blank line: two line endings in a row (CRLF, CR or LF each; a CRLF is
+# one, never a CR then an LF).
+_BLANK = re.compile(rb"(?>\r\n|\r|\n)(?>\r\n|\r|\n)")
+
+
+def _long_block(data: bytes, limit: int) -> int:
+    """Where the first block of `data` (which starts at a block's start)
+    whose size, as SseParser measures it (Event.size), passes `limit`
+    starts; len(data) if none does (it ends past `data`). One pass, made
+    once a stream is cut."""
     start = 0
-    while start < len(data):
-        end = len(data)
-        for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-            at = data.find(sep, start)
-            if at >= 0 and at + len(sep) < end:
-                end = at + len(sep)
-        if end - start > limit:
-            return start
-        start = end
-    return -1
+    for blank in _BLANK.finditer(data):
+        # Its lines with their endings, the blank line's own not; the blank
+        # lines before it (an empty block) count for nothing.
+        end = blank.start() + (2 if data[blank.start() : blank.start() + 2] == b"\r\n" else 1)
+        if end - start > limit:  # its bytes are at least its size
+            block = data[start:end].lstrip(b"\r\n")
+            if len(block) - block.count(b"\r\n") > limit:
+                return start
+        start = blank.end()
+    return len(data)
 
 
 def _too_long(limit: int) -> str:

@@ -64,9 +64,15 @@ class Event:
 
 
 class SseParser:
-    __slots__ = ("_cr", "_data", "_line", "_line_size", "_name", "_size")
+    """With a `limit`, the first block (an event, or lines with neither data
+    nor a name) whose size passes it sets `over`: feed() returns the events
+    before it, and nothing from then on."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_cr", "_data", "_limit", "_line", "_line_size", "_name", "_size", "over")
+
+    def __init__(self, limit: int = 0) -> None:
+        self._limit = limit
+        self.over = False
         # The start of a line whose ending has not arrived, in the pieces it came in.
         self._line: list[bytes] = []
         # Their bytes, counted as they come: `held` is asked after every chunk,
@@ -93,8 +99,8 @@ class SseParser:
         return self._size + self._line_size
 
     def feed(self, chunk: bytes) -> list[Event]:
-        """The events that `chunk` completes, in order."""
-        if not chunk:
+        """The events that `chunk` completes, in order (see `over`)."""
+        if not chunk or self.over:
             return []
         if (
             chunk.endswith(b"\n\n")
@@ -102,6 +108,7 @@ class SseParser:
             and not (self._line or self._data or self._name or self._cr)
             and chunk.count(b"\n") == 2
             and b"\r" not in chunk
+            and not (self._limit and len(chunk) - 1 > self._limit)
         ):
             # Most chunks of a stream: one whole event of one data line, with
             # nothing pending. What the lines below make of it, in one step.
@@ -126,8 +133,12 @@ class SseParser:
         self._line = [last] if last else []
         self._line_size = len(last)
         events: list[Event] = []
+        limit = self._limit
         for line in lines:
             if not line:
+                if limit and self._size > limit:
+                    self.over = True
+                    return events
                 if self._data or self._name:
                     events.append(Event(b"\n".join(self._data), self._name, self._size))
                     self._data = []

@@ -4,6 +4,7 @@ that re-frames events (continuation on)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import cast
 
 import aiohttp
@@ -422,7 +423,9 @@ async def test_an_event_within_the_bound_is_relayed_whole_however_it_comes(
     assert written == b'data: {"a":1}\n\n' + long + b"data: [DONE]\n\n"
 
 
-_SEPARATORS = st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r", b"\n", b"\r\n", b"\r"])
+_SEPARATORS = st.sampled_from(
+    [b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n", b"\r\r\n", b"\n\r", b"\n", b"\r\n", b"\r"]
+)
 # No "[DONE]": the relay ends the client's stream at the answer's last event.
 _TEXT = (
     st.binary(max_size=6)
@@ -432,13 +435,18 @@ _TEXT = (
 
 
 def _boundaries(data: bytes) -> list[int]:
-    """Where each blank line that the byte relay cuts at ends (overlapping ones too)."""
+    """Where each blank line ends: an empty line after a line ending, each
+    ending LF, CR or CRLF (one, not a CR then an LF), scanned byte by byte."""
     ends = []
-    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        at = data.find(sep)
-        while at >= 0:
-            ends.append(at + len(sep))
-            at = data.find(sep, at + 1)
+    i = line_start = 0
+    while i < len(data):
+        if data[i] in b"\r\n":
+            end = i + 2 if data[i : i + 2] == b"\r\n" else i + 1
+            if i == line_start and i > 0:
+                ends.append(end)
+            i = line_start = end
+        else:
+            i += 1
     return ends
 
 
@@ -468,7 +476,13 @@ async def test_the_byte_relay_writes_each_event_as_soon_as_it_is_whole(
         async def readany(self) -> bytes:
             # Before each read: every event whole in what was read is written.
             consumed = len(b"".join(chunks[: len(chunks) - len(self._chunks)]))
-            assert len(b"".join(out.written)) == max(_boundaries(stream[:consumed]), default=0)
+            expected = max(_boundaries(stream[:consumed]), default=0)
+            written = len(b"".join(out.written))
+            # A blank line that a CR ended when it came, whose LF came in a
+            # later read (a CRLF): that LF goes with the next event.
+            assert written == expected or (
+                written == expected - 1 and stream[expected - 2 : expected] == b"\r\n"
+            )
             return await super().readany()
 
     end = await relay(
@@ -526,3 +540,100 @@ async def test_a_long_event_after_whole_ones_in_one_chunk_cuts_the_stream_after_
     assert end.cut == f"an event of more than {BOUND} bytes (--max-answer-bytes)"
     assert b"".join(out.written) == short * 3 + ERROR_EVENT
     assert reader.events == [Event(b'{"b":2}')] * 3
+
+
+# ------------------------------------------- the bound, whatever the stream and its split
+#
+# Streams made block by block, so that each block's size as the parser
+# measures it (its lines with one byte for each line's ending, Event.size) and
+# where its bytes start are known by construction: both relays must cut at
+# the first block past the bound, dispatched event or not (a comment-only
+# block held as long), write the whole blocks before it and none of it, feed
+# their readers exactly the events the client was written, and do the same
+# for every split of the bytes.
+
+LINE_KINDS = (b"data: ", b": ", b"event: ", b"id: ")
+ENDINGS = (b"\n", b"\r\n", b"\r")
+SMALL_BOUND = 200
+
+
+@st.composite
+def block(draw: st.DrawFn) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A block's (line, ending) pairs and the ending of its blank line; a
+    line ended by CR is never followed by an ending that starts with LF,
+    which would make the two one CRLF."""
+    lines: list[tuple[bytes, bytes]] = []
+    previous = b""
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(LINE_KINDS))
+        value = b"x" * draw(st.sampled_from([0, 1, 5, 60, 95, 96, 97, 150, 199, 200, 201, 260]))
+        ending = draw(st.sampled_from(ENDINGS))
+        if previous == b"\r" and ending == b"\n":
+            ending = b"\r\n"
+        lines.append((kind + value, ending))
+        previous = ending
+    blank = draw(st.sampled_from(ENDINGS))
+    if previous == b"\r" and blank == b"\n":
+        blank = b"\r\n"
+    return lines, blank
+
+
+def block_bytes(b: tuple[list[tuple[bytes, bytes]], bytes]) -> bytes:
+    lines, blank = b
+    return b"".join(line + ending for line, ending in lines) + blank
+
+
+def block_size(b: tuple[list[tuple[bytes, bytes]], bytes]) -> int:
+    return sum(len(line) + 1 for line, _ in b[0])
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+def parsed(data: bytes) -> list[Event]:
+    return SseParser().feed(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    blocks=st.lists(block(), min_size=1, max_size=6),
+    splits=st.lists(st.lists(st.integers(0, 10_000), max_size=6), min_size=1, max_size=3),
+)
+async def test_both_relays_cut_at_the_first_block_past_the_bound_whatever_the_split(
+    blocks: list[tuple[list[tuple[bytes, bytes]], bytes]], splits: list[list[int]]
+) -> None:
+    done = b"data: [DONE]\n\n"
+    stream = b"".join(map(block_bytes, blocks)) + done
+    long = next((i for i, b in enumerate(blocks) if block_size(b) > SMALL_BOUND), None)
+    before = b"".join(map(block_bytes, blocks[:long]))  # all of them if none is long
+    for cuts in splits:
+        chunks = split(stream, cuts)
+        # The byte relay: the origin's bytes as they came.
+        out, reader = Out(), Reader()
+        end = await relay(
+            chunks[0], Content(*chunks[1:]), cast(web.StreamResponse, out),
+            readers=[reader], error_event=ERROR_EVENT, max_event_bytes=SMALL_BOUND,
+        )  # fmt: skip
+        written = b"".join(out.written)
+        if long is None:
+            assert written == stream and end.complete and not end.cut
+        else:
+            assert written.endswith(ERROR_EVENT) and end.cut.startswith("an event of more than")
+            # The blocks before the long one, all but the LF of a CRLF that
+            # ends one when a read split it (a CR already ends the line).
+            client = written.removesuffix(ERROR_EVENT)
+            assert before.startswith(client) and before[len(client) :] in (b"", b"\n"), chunks
+        assert reader.events == parsed(written.removesuffix(ERROR_EVENT))
+        # The events relay: the same events, re-framed, and the same cut.
+        out, reader = Out(), Reader()
+        end = await relay(
+            chunks[0], Content(*chunks[1:]), cast(web.StreamResponse, out),
+            readers=[reader], error_event=ERROR_EVENT, resume=no_resume,
+            max_event_bytes=SMALL_BOUND,
+        )  # fmt: skip
+        written = b"".join(out.written)
+        assert reader.events == parsed(before + (done if long is None else b""))
+        assert written.endswith(ERROR_EVENT) == (long is not None)
+        assert parsed(written.removesuffix(ERROR_EVENT)) == reader.events
