@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import socket
+import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -30,26 +31,31 @@ MAX_NAME = 63
 
 
 def default_name(hostname: str) -> str:
-    """The proxy name a host's name gives: lower case, each run of what a
-    name may not hold made one '-' (a host `ip-10-0-0-1.EC2.internal` is
-    `ip-10-0-0-1-ec2-internal`), at most MAX_NAME characters; "proxy" if
-    nothing is left. A hostname with dots or capitals was sent as it was,
-    and the control plane refused it for ever."""
-    name = re.sub(r"[^a-z0-9]+", "-", hostname.lower())[:MAX_NAME].strip("-")
-    return name or "proxy"
+    """The proxy name a host's name gives: its accents dropped, lower case,
+    each run of what a name may not hold made one '-' (a host
+    `ip-10-0-0-1.EC2.internal` is `ip-10-0-0-1-ec2-internal`), within
+    MAX_NAME characters (see _within); "proxy" if nothing is left. A
+    hostname with dots or capitals was sent as it was, and the control plane
+    refused it for ever."""
+    ascii_ = unicodedata.normalize("NFKD", hostname).encode("ascii", "ignore").decode()
+    name = re.sub(r"[^a-z0-9]+", "-", ascii_.lower()).strip("-")
+    return _within(name, MAX_NAME) if name else "proxy"
 
 
 def worker_name(name: str, index: int, workers: int) -> str:
-    """Worker `index`'s name, `NAME-wI`, within MAX_NAME characters: a name
-    too long for its suffix keeps its start and ends with 6 hex digits of its
-    hash, so names that differ only past the cut (generated pod names) stay
-    apart."""
-    suffix = f"-w{index}"
-    room = MAX_NAME - len(f"-w{workers - 1}")
-    if len(name) > room:
-        digest = hashlib.sha256(name.encode()).hexdigest()[:6]
-        name = f"{name[: room - 7].rstrip('-')}-{digest}"
-    return name + suffix
+    """Worker `index`'s name, `NAME-wI`, within MAX_NAME characters (see
+    _within)."""
+    return _within(name, MAX_NAME - len(f"-w{workers - 1}")) + f"-w{index}"
+
+
+def _within(name: str, room: int) -> str:
+    """`name` if it fits in `room` characters; else its start and 6 hex
+    digits of its hash, so that names that differ only past the cut
+    (generated pod names) stay apart."""
+    if len(name) <= room:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:6]
+    return f"{name[: room - 7].rstrip('-')}-{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,12 +517,13 @@ def parse(argv: list[str]) -> Settings:
     if a.report_interval_ms < 50:
         p.error("--report-interval-ms must be at least 50")
     if a.ready_file is not None and a.worker_index is None:
-        # Written once the proxy listens: a directory it cannot write to
-        # failed then (a traceback, or for a group nothing at all). A
-        # worker's is in its supervisor's run directory, made for it.
-        folder = a.ready_file.parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-            p.error(f"--ready-file {a.ready_file}: {folder} is not a directory this user can write")
+        # Written once the proxy listens (its directory made if need be): one
+        # it could not write failed then (a traceback, or for a group nothing
+        # at all). A worker's is in its supervisor's run directory, made for it.
+        if a.ready_file.is_dir():
+            p.error(f"--ready-file {a.ready_file}: is a directory; give a file's path")
+        if problem := _unwritable(a.ready_file.parent):
+            p.error(f"--ready-file {a.ready_file}: {problem}")
     if a.state_dir is not None and (problem := _unwritable(a.state_dir)):
         # Found at the first save otherwise: an error logged on every table,
         # and a restart without the control plane that serves no table.

@@ -46,6 +46,8 @@ class TableHolder:
         self.policy: EdgePolicy | None = None
         # Called after a table with new content is installed.
         self.on_apply: list[Callable[[Routes, EdgePolicy], None]] = []
+        # What the hooks failed to take of the table served (see _run_hooks).
+        self.apply_failures: tuple[str, ...] = ()
         self.source = "none"
         # Set once a first table is installed (asyncio.Event binds no loop
         # until it is awaited, so building the holder stays side-effect free).
@@ -81,6 +83,8 @@ class TableHolder:
             if table.version > current.version:
                 self.routes = build_routes(table, self.region)
             self.source = source
+            if self.apply_failures and self.routes is not None and self.policy is not None:
+                self._run_hooks(self.routes, self.policy)  # another try for what failed
             return False
         routes = build_routes(table, self.region)
         policy = build_policy(table, self.cache_defaults)
@@ -88,8 +92,7 @@ class TableHolder:
         self.policy = policy
         self.source = source
         self._installed.set()
-        for hook in self.on_apply:
-            hook(routes, policy)
+        self._run_hooks(routes, policy)
         self.applied_at = time.time()
         log.info(
             "applied route table version %d from %s: %d models, %d tenants%s",
@@ -123,6 +126,24 @@ class TableHolder:
         if source == "control-plane":
             self._save(table)
         return True
+
+    def _run_hooks(self, routes: Routes, policy: EdgePolicy) -> None:
+        """Hand the installed table to every on_apply hook. One that fails (a
+        bug of the proxy's) is told with its traceback and kept in
+        apply_failures, which the table's ACK reports, and the others still
+        run: the table is served already, and refusing it now would leave
+        the proxy serving what it says it refused. The hooks run again when
+        the same content comes again."""
+        failures = []
+        for hook in self.on_apply:
+            try:
+                hook(routes, policy)
+            except Exception as exc:
+                log.exception(
+                    "route table version %d: a part of the proxy could not take it", routes.version
+                )
+                failures.append(f"{type(exc).__name__}: {exc}")
+        self.apply_failures = tuple(failures)
 
     async def wait_first(self, within: float) -> bool:
         """Wait up to `within` seconds for a first table; True once one is installed."""

@@ -319,7 +319,8 @@ class ControlPlaneClient:
 
     def warnings(self) -> list[str]:
         """What an ACK reports of the table being served: each tenant whose JWT
-        config this proxy could not load, with why and what it costs."""
+        config this proxy could not load, with why and what it costs; and
+        each part of the proxy that could not take the table (a bug)."""
         policy = self._holder.policy
         if policy is None:
             return []
@@ -327,4 +328,8 @@ class ControlPlaneClient:
             f"{problem}; that tenant's JWTs are answered 503 auth_unavailable "
             "(its API keys still work)"
             for _, problem in sorted(policy.authenticator.problems.items())
+        ] + [
+            f"a part of this proxy could not take the table ({failure}); it keeps its "
+            "previous settings (a bug: see the proxy's log)"
+            for failure in self._holder.apply_failures
         ]

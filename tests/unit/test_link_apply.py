@@ -47,3 +47,40 @@ def test_a_table_that_fails_to_apply_is_nacked_and_the_next_one_applies(
     assert (later.version_info, later.error_detail) == (9, "")
     assert holder.routes is not None and holder.routes.version == 9
     assert holder.routes.etag == table(9, weight=5).etag
+
+
+def test_a_hook_that_fails_leaves_the_table_served_and_acked_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review 30: a failing on_apply hook (the quota's, the cache's) used to
+    NACK a table the proxy already served, skip the hooks after it, and
+    leave them stale when the same content came again (ACKed, no hooks)."""
+    holder = TableHolder("eu-west", None)
+    seen: list[int] = []
+
+    def flaky(routes: object, _policy: object) -> None:
+        version = routes.version  # type: ignore[attr-defined]
+        if version == 8:
+            raise RuntimeError("quota hook bug")
+
+    holder.on_apply.append(flaky)
+    holder.on_apply.append(lambda routes, _policy: seen.append(routes.version))
+    info = pb.ProxyInfo(name="p1", region="eu-west", address="127.0.0.1:1")
+    link = ControlPlaneClient(holder, ["127.0.0.1:1"], info)
+    with caplog.at_level(logging.ERROR, logger="dataplane.sync.holder"):
+        link._handle("s-1", pb.RouteUpdate(table=table(7), nonce="n7"))
+        eight = link._handle("s-1", pb.RouteUpdate(table=table(8, weight=5), nonce="n8"))
+    # Served, and said so: an ACK of 8 with a warning, the later hook run.
+    assert (eight.version_info, eight.error_detail) == (8, "")
+    assert holder.routes is not None and holder.routes.version == 8
+    assert [w for w in eight.warnings if "quota hook bug" in w] == [
+        "a part of this proxy could not take the table (RuntimeError: quota hook bug); "
+        "it keeps its previous settings (a bug: see the proxy's log)"
+    ]
+    assert seen == [7, 8]
+    [told] = [r for r in caplog.records if "could not take it" in r.getMessage()]
+    assert told.exc_info is not None
+    # The same content again, newer: the hooks run again, and succeed.
+    nine = link._handle("s-1", pb.RouteUpdate(table=table(9, weight=5), nonce="n9"))
+    assert (nine.version_info, nine.error_detail, list(nine.warnings)) == (9, "", [])
+    assert seen == [7, 8, 9] and holder.apply_failures == ()

@@ -42,13 +42,21 @@ def test_the_data_plane_checks_names_by_the_control_planes_rule() -> None:
         ("_Build__Box_", "build-box"),
         ("___", "proxy"),
         ("", "proxy"),
-        ("a" * 70 + ".example", "a" * 63),
-        ("a" * 62 + ".b", "a" * 62),
+        ("\u00dcn\u00efc\u00f6d\u00e9-H\u00f6st", "unicode-host"),
+        ("\u4e3b\u673a", "proxy"),
+        ("a" * 63, "a" * 63),
     ],
 )
 def test_a_hosts_name_gives_a_proxy_name(hostname: str, name: str) -> None:
     assert default_name(hostname) == name
     assert NAME_RE.match(name)
+
+
+def test_a_host_name_too_long_keeps_its_start_and_a_hash() -> None:
+    one, other = default_name("a" * 70 + ".one"), default_name("a" * 70 + ".two")
+    for name in (one, other):
+        assert len(name) == 63 and name.startswith("a" * 56 + "-") and NAME_RE.match(name)
+    assert one != other  # hosts that differ past the cut stay apart
 
 
 @pytest.mark.parametrize("workers", [2, 10, 11, 100])
@@ -88,18 +96,23 @@ def test_a_name_the_control_plane_would_refuse_is_refused_at_start(
     assert f"--name {name!r} is not a proxy name" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("where", ["missing/addr", "file/addr"])
+@pytest.mark.parametrize(
+    ("where", "problem"),
+    [("file/addr", "{tmp}/file is not a directory"), ("dir", "is a directory; give a file's path")],
+)
 def test_a_ready_file_that_cannot_be_written_is_refused_at_start(
-    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    where: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
     ready = tmp_path / where
     with pytest.raises(SystemExit) as exit_:
         parse([*BASE, "--ready-file", str(ready)])
     assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert f"--ready-file {ready}: {ready.parent} is not a directory this user can write" in err
-    assert parse([*BASE, "--ready-file", str(tmp_path / "addr")]).ready_file == tmp_path / "addr"
+    assert f"--ready-file {ready}: {problem.format(tmp=tmp_path)}" in capsys.readouterr().err
+    # A file in a directory there, or one the proxy can make (as it does).
+    for good in (tmp_path / "addr", tmp_path / "new" / "sub" / "addr"):
+        assert parse([*BASE, "--ready-file", str(good)]).ready_file == good
 
 
 def test_a_state_dir_that_cannot_be_made_is_refused_at_start(
