@@ -135,7 +135,6 @@ class ProxyRegistry:
             control_plane_id=self.replica_id,
             connected_at=time.time(),
         )
-        await self._catalog.put_proxy(record, lease)
         # A re-registration of the same name supersedes an older session here.
         old = self._by_name.get(name)
         if old is not None:
@@ -146,8 +145,13 @@ class ProxyRegistry:
             self._traffic_dirty = True
         self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
+        # Timed before the write: a call cancelled (the proxy gone) or failed
+        # during it may still have written the key, under the replica's lease,
+        # which would keep it for as long as the replica lives. The sweep
+        # removes it with the rest of the registration (unregister).
         self._unstreamed[record.session_id] = None
         self._acks_dirty = True
+        await self._catalog.put_proxy(record, lease)
         return record
 
     def streaming(self, session_id: str) -> bool:

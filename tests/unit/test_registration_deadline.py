@@ -6,6 +6,7 @@ proxy's share of a global limit) until its replica goes."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -105,3 +106,39 @@ async def test_a_stream_opened_in_time_keeps_its_registration_until_it_ends() ->
     await stream.requests.put(None)  # the proxy closes its stream
     await asyncio.wait_for(task, 10)
     assert await fleet(catalog) == []
+
+
+class SlowStore(MemoryStore):
+    """A store whose writes wait for `release`, as etcd's may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def put(self, key: str, value: bytes, **kwargs: Any) -> int:
+        revision = await super().put(key, value, **kwargs)
+        await self.release.wait()  # written, the answer not back yet
+        return revision
+
+
+async def test_a_register_call_cut_during_its_write_goes_after_the_grace() -> None:
+    """Trial 14: a Register cancelled while its record was being written left
+    the key under the replica's lease for as long as the replica lived,
+    counted in every proxy's fleet size, since the session was recorded for
+    the sweep only after the write."""
+    store = SlowStore()
+    catalog = Catalog(store)
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    await registry.lease()
+    call = asyncio.create_task(registry.register("p-cut", "eu", "127.0.0.1:1", "1"))
+    while not await fleet(catalog):
+        await asyncio.sleep(0)
+    call.cancel()  # the proxy went away: gRPC cancels the handler
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    store.release.set()
+    assert await fleet(catalog) == ["p-cut"]
+    await registry.flush(0.0)
+    await registry.flush(10.0)
+    assert await fleet(catalog) == []
+    assert registry.sessions == {}
