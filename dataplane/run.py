@@ -1,4 +1,5 @@
-"""`ponto-proxy`: run one edge proxy."""
+"""`ponto-proxy`'s process: its flags, then one proxy served until a stop signal, or
+the supervisor of a group (`dataplane.__main__` is its entry point)."""
 
 from __future__ import annotations
 
@@ -213,7 +214,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ponto-proxy: error: {exc}\n")
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

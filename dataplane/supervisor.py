@@ -349,7 +349,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
-            # The worker takes them once it can stop cleanly (dataplane.__main__).
+            # The worker takes them once it can stop cleanly (dataplane.run).
             # One start at a time: the mask is this thread's, and two starts
             # interleaved at their awaits would restore each other's.
             async with self._starting:

@@ -217,19 +217,28 @@ def test_sigterm_stops_the_group_cleanly(fleet: Fleet) -> None:
     assert "all 2 workers have exited" in group.log_tail()
 
 
-@pytest.mark.parametrize(
-    ("how", "name"), [(signal.SIGTERM, "early-term"), (signal.SIGINT, "early-int")]
-)
+@pytest.mark.parametrize("at_once", [True, False], ids=["before-exec", "workers-starting"])
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
 def test_a_group_stopped_while_it_starts_exits_cleanly(
-    fleet: Fleet, how: signal.Signals, name: str
+    fleet: Fleet, how: signal.Signals, at_once: bool
 ) -> None:
     """A rollout's SIGTERM, or a Ctrl-C (SIGINT to the supervisor and every
-    worker, as a terminal sends it), while the workers are still importing:
-    the group stops with 0, with no traceback, and leaves no proxy behind."""
+    worker, as a terminal sends it), while `ponto-proxy` still imports and
+    checks its flags (before its exec of the supervisor), or while the
+    workers do: the group stops with 0, with no traceback, and leaves no
+    proxy behind."""
+    name = f"early-{how.name[3:].lower()}-{'a' if at_once else 'w'}"
     group = fleet.start_proxy(name, "us-east", workers=2, wait=False)
-    pids = until("two workers started", lambda: both_workers(group), timeout=30)
-    # Still starting: the group has not said it listens (its imports alone take ~1 s).
-    assert not (fleet.workdir / f"{name}.addr").exists()
+    pids: dict[int, int] = {}
+    if at_once:
+        time.sleep(0.1)
+        # Not the supervisor yet: the proxy's own imports take ~0.5 s.
+        argv = Path(f"/proc/{group.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"dataplane.supervisor" not in argv
+    else:
+        pids = until("two workers started", lambda: both_workers(group), timeout=30)
+        # Still starting: the group has not said it listens (its imports take ~1 s).
+        assert not (fleet.workdir / f"{name}.addr").exists()
     targets = [group.proc.pid, *pids.values()] if how == signal.SIGINT else [group.proc.pid]
     for pid in targets:
         os.kill(pid, how)

@@ -580,7 +580,7 @@ def test_off_the_proxy_loads_no_opentelemetry_code() -> None:
     fresh interpreter with no OTEL_* variable."""
     code = """
 import asyncio, sys, tempfile
-import dataplane.__main__
+import dataplane.run
 from dataplane.http.server import build_app
 from dataplane.settings import parse
 from aiohttp.test_utils import TestServer

@@ -459,7 +459,7 @@ except grpc.FutureTimeoutError:
 """
 
 
-@pytest.mark.parametrize("module", ["dataplane.__main__", "controlplane.__main__"])
+@pytest.mark.parametrize("module", ["dataplane.run", "controlplane.__main__"])
 def test_grpc_cores_own_handshake_lines_stay_off_stderr(b: Bundle, module: str) -> None:
     """ponto-proxy retrying a control plane it cannot trust says why once per
     cause (its log format); gRPC core would add a line of its own per attempt,

@@ -261,7 +261,7 @@ def test_a_proxy_with_tls_on_does_not_load_cryptography(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import datetime, sys
-        import dataplane.__main__
+        import dataplane.run
         from ponto.grpcconn import ClientOptions
         ClientOptions(
             tls_ca={bundle.path("ca.crt")!r},
