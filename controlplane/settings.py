@@ -12,7 +12,7 @@ from pathlib import Path
 from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
-from ponto.cliargs import finite_float
+from ponto.cliargs import finite_float, path
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -174,7 +174,7 @@ def parse(argv: list[str]) -> Settings:
         default=audit.MAX_ENTRIES,
         help="the leader removes the oldest audit entries beyond this many",
     )
-    p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
+    p.add_argument("--ready-file", type=path, help="write the bound HOST:PORT here when serving")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     if a.debounce_quiet_ms < 0 or a.debounce_max_ms < a.debounce_quiet_ms:

@@ -19,7 +19,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
-from ponto.cliargs import finite_float
+from ponto.cliargs import finite_float, path
 from ponto.grpcconn import ClientOptions, CredentialError, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -183,7 +183,7 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument("--advertise", default="", help="address clients use (default: --listen)")
     p.add_argument(
         "--state-dir",
-        type=Path,
+        type=path,
         help="directory for the last good route table (served at start if the "
         "control plane is unreachable)",
     )
@@ -305,7 +305,7 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--geoip-db",
-        type=Path,
+        type=path,
         help="GeoIP2/GeoLite2 City or DB-IP City Lite .mmdb; clients are routed "
         "from their located region (default: every client is local)",
     )
@@ -384,11 +384,11 @@ def parse(argv: list[str]) -> Settings:
     )
     # Set by the supervisor on the command lines of its workers (dataplane/workers.py).
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", type=path, help=argparse.SUPPRESS)
     p.add_argument("--lifeline-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument(
         "--ready-file",
-        type=Path,
+        type=path,
         help="write the bound HOST:PORT here when serving (with workers: once all listen)",
     )
     p.add_argument(

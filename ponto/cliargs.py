@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
-__all__ = ["finite_float"]
+__all__ = ["finite_float", "path"]
 
 
 def finite_float(text: str) -> float:
@@ -22,3 +23,12 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
     return value
+
+
+def path(text: str) -> Path:
+    """A path, as argparse's `type=Path` reads it, but never empty: Path("")
+    is the current directory, where an unset variable in a script
+    (`--state-dir "$STATE_DIR"`) would have files written unasked."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)

@@ -119,9 +119,16 @@ def normalise_text(s: str) -> str:
     return _fold_line(s)
 
 
-# A quoted span of one line: "…" or `…`, or '…' whose quotes are not inside a
-# word (the apostrophes of "don't … it's" quote nothing).
-_QUOTED: Final = re.compile(r'"[^"\n]*"|`[^`\n]*`|(?<!\w)\'[^\'\n]*\'(?!\w)')
+# A quoted span of one line: "…", `…`, “…”, „…“, «…», 「…」 or 『…』; or one
+# in single quotes, straight or curly (U+2018, U+2019), that are not inside a
+# word (the apostrophes of "don't … it's" quote nothing). Keyboards and word
+# processors make "…" into “…”.
+_QUOTED: Final = re.compile(
+    r'"[^"\n]*"|`[^`\n]*`|“[^”\n]*”|„[^“\n]*“|«[^»\n]*»|「[^」\n]*」|『[^』\n]*』'
+    r"|(?<!\w)'[^'\n]*'(?!\w)|(?<!\w)\u2018[^\u2019\n]*\u2019(?!\w)"
+)
+# A character that may open one.
+_OPENING: Final = re.compile("[\"`“„«「『'\u2018]")
 _WHITESPACE: Final = re.compile(r"\s+")
 
 
@@ -130,7 +137,7 @@ def _fold_line(s: str) -> str:
     spans, and trimmed. What a quote holds may be data whose spaces count:
     `len("a   b")` and `len("a b")` ask different things, where "what  is it"
     and "what is it" do not."""
-    if '"' not in s and "`" not in s and "'" not in s:
+    if _OPENING.search(s) is None:
         # str.split() with no argument splits on runs of Unicode whitespace
         # (as \s does) and drops empty ends: exactly collapse-and-trim.
         return " ".join(s.split())

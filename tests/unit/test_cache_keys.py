@@ -52,7 +52,9 @@ json_values = st.recursive(
 # only the separators between them vary.
 word = st.text(
     alphabet=st.characters(
-        codec="utf-8", categories=["Lu", "Ll", "Nd", "Po", "Sm"], exclude_characters="\"'`"
+        codec="utf-8",
+        categories=["Lu", "Ll", "Nd", "Po", "Sm"],
+        exclude_characters="\"'`“”„«»「」『』\u2018\u2019",
     ),
     min_size=1,
     max_size=8,
@@ -207,10 +209,24 @@ def reference_normalise(text: str) -> str:
     return reference_fold(lines[0]) if len(lines) == 1 else "\n".join(lines)
 
 
+# Each quote that opens a span, and the one that closes it.
+PAIRS = {
+    '"': '"',
+    "`": "`",
+    "“": "”",
+    "„": "“",
+    "«": "»",
+    "「": "」",
+    "『": "』",
+    "'": "'",
+    "\u2018": "\u2019",
+}
+
+
 def reference_fold(line: str) -> str:
-    """A line's runs of whitespace made one space but within quoted spans ("…",
-    `…`, and '…' whose quotes are not inside a word), then trimmed: scanned
-    one character at a time."""
+    """A line's runs of whitespace made one space but within quoted spans
+    (PAIRS; the single quotes only when they are not inside a word), then
+    trimmed: scanned one character at a time."""
 
     def in_word(i: int) -> bool:
         return 0 <= i < len(line) and (line[i].isalnum() or line[i] == "_")
@@ -219,9 +235,9 @@ def reference_fold(line: str) -> str:
     i = 0
     while i < len(line):
         c = line[i]
-        if c in '"`' or (c == "'" and not in_word(i - 1)):
-            end = line.find(c, i + 1)
-            if end != -1 and not (c == "'" and in_word(end + 1)):
+        if c in PAIRS and not (c in "'\u2018" and in_word(i - 1)):
+            end = line.find(PAIRS[c], i + 1)
+            if end != -1 and not (c in "'\u2018" and in_word(end + 1)):
                 out.append(line[i : end + 1])
                 i = end + 1
                 continue
@@ -239,7 +255,9 @@ def reference_fold(line: str) -> str:
     text=st.text(
         # With letters, a fullwidth one NFKC changes, and two controls that
         # are not whitespace (a zero-width space, NUL).
-        alphabet=st.sampled_from(EVERY_WHITESPACE + "ab.\u00e9\uff21\u200b\x00\"'`_\u00b2\u2083"),
+        alphabet=st.sampled_from(
+            EVERY_WHITESPACE + "ab.\u00e9\uff21\u200b\x00\"'`_\u00b2\u2083“”\u2018\u2019«»„"
+        ),
         max_size=12,
     )
 )
@@ -296,6 +314,12 @@ def test_whitespace_within_quotes_splits_the_key() -> None:
         ('What does len("a   b") return?', 'What does len("a b") return?'),
         ("Is `x  = 1` valid?", "Is `x = 1` valid?"),
         ("Split 'a  b' on spaces", "Split 'a b' on spaces"),
+        # As a phone or a word processor types quotes.
+        ("Is “a   b” equal to “a b”?", "Is “a b” equal to “a b”?"),
+        ("Split \u2018a  b\u2019 on spaces", "Split \u2018a b\u2019 on spaces"),
+        ("Zitat: „a   b“", "Zitat: „a b“"),
+        ("«a   b» ?", "«a b» ?"),
+        ("「a   b」とは", "「a b」とは"),
     ):
         assert normalise_text(a) != normalise_text(b)
         assert key(chat(messages=[{"role": "user", "content": a}])) != key(

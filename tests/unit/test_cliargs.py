@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from controlplane import settings as control_settings
 from dataplane import settings as proxy_settings
-from ponto.cliargs import finite_float
+from ponto.cliargs import finite_float, path
 
 
 @pytest.mark.parametrize(("text", "value"), [("1.5", 1.5), ("-2", -2.0), ("1e3", 1000.0)])
@@ -29,9 +30,8 @@ def test_what_is_no_number_is_refused() -> None:
         finite_float("x")
 
 
-def _number_flags(parse: Callable[[list[str]], object]) -> list[str]:
-    """The flags of the parser `parse` builds that take a number with a
-    fraction; fails if one takes Python's plain float."""
+def _parser(parse: Callable[[list[str]], object]) -> argparse.ArgumentParser:
+    """The argument parser that `parse` builds."""
     built: list[argparse.ArgumentParser] = []
 
     def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
@@ -43,8 +43,27 @@ def _number_flags(parse: Callable[[list[str]], object]) -> list[str]:
         with pytest.raises(SystemExit):
             parse([])
     [parser] = built
+    return parser
+
+
+def _number_flags(parse: Callable[[list[str]], object]) -> list[str]:
+    """The flags of the parser `parse` builds that take a number with a
+    fraction; fails if one takes Python's plain float."""
+    parser = _parser(parse)
     assert not [a.option_strings for a in parser._actions if a.type is float]
     return [a.option_strings[0] for a in parser._actions if a.type is finite_float]
+
+
+@pytest.mark.parametrize("parse", [proxy_settings.parse, control_settings.parse])
+def test_no_path_flag_takes_an_empty_path(parse: Callable[[list[str]], object]) -> None:
+    """Path("") is the current directory: `--state-dir "$UNSET"` wrote the
+    proxy's files there (trial 14)."""
+    actions = _parser(parse)._actions
+    assert not [a.option_strings for a in actions if a.type is Path]
+    assert [a for a in actions if a.type is path]
+    with pytest.raises(argparse.ArgumentTypeError, match="must not be empty"):
+        path("")
+    assert path("state") == Path("state")
 
 
 PROXY_FLAGS = _number_flags(proxy_settings.parse)
