@@ -253,6 +253,22 @@ def test_a_group_stopped_while_it_starts_exits_cleanly(
     )
 
 
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_single_proxy_stopped_while_it_imports_exits_cleanly(
+    fleet: Fleet, how: signal.Signals
+) -> None:
+    """`--workers 1` holds the signals from its first line too: stopped in
+    its imports, it starts, stops at once, and exits 0 with no traceback."""
+    name = f"early-one-{how.name[3:].lower()}"
+    proxy = fleet.start_proxy(name, "us-east", wait=False)
+    time.sleep(0.1)
+    os.kill(proxy.proc.pid, how)
+    assert proxy.proc.wait(60) == 0, proxy.log_tail(50)
+    log = proxy.log_tail(400)
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    until(f"{name} gone from the control plane", lambda: name not in registered(fleet))
+
+
 def test_workers_stop_when_the_supervisor_is_killed(fleet: Fleet) -> None:
     group = fleet.start_proxy("r", "us-east", workers=2)
     pids = until("two workers", lambda: both_workers(group))
