@@ -76,10 +76,11 @@ class ProxyRegistry:
         self._traffic_written = float("-inf")
         self._clock = clock
         self._fleet: tuple[float, int] = (0.0, 0)
-        # Sessions registered whose proxy has not opened its route stream yet
-        # -> the `now` of the first flush that saw them (None before one
-        # did): flush's clock is the only one the deadline is read on.
-        self._unstreamed: dict[str, float | None] = {}
+        # Sessions registered, or being registered, whose proxy has not opened
+        # its route stream yet -> their proxy's name and the `now` of the first
+        # flush that saw them (None before one did): flush's clock is the only
+        # one the deadline is read on.
+        self._unstreamed: dict[str, tuple[str, float | None]] = {}
         self._stream_grace = stream_grace
 
     async def _ensure_lease(self) -> int:
@@ -135,7 +136,14 @@ class ProxyRegistry:
             control_plane_id=self.replica_id,
             connected_at=time.time(),
         )
-        # A re-registration of the same name supersedes an older session here.
+        # Timed before the write: a call cancelled (the proxy gone) or failed
+        # during it may still have written the key, under the replica's lease,
+        # which would keep it for as long as the replica lives; the sweep
+        # removes the key if it is still this session's. The session becomes
+        # this replica's (superseding an older one of the name, rewritten on
+        # a new lease) only once the write is done.
+        self._unstreamed[record.session_id] = (name, None)
+        await self._catalog.put_proxy(record, lease)
         old = self._by_name.get(name)
         if old is not None:
             self.sessions.pop(old, None)
@@ -145,13 +153,7 @@ class ProxyRegistry:
             self._traffic_dirty = True
         self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
-        # Timed before the write: a call cancelled (the proxy gone) or failed
-        # during it may still have written the key, under the replica's lease,
-        # which would keep it for as long as the replica lives. The sweep
-        # removes it with the rest of the registration (unregister).
-        self._unstreamed[record.session_id] = None
         self._acks_dirty = True
-        await self._catalog.put_proxy(record, lease)
         return record
 
     def streaming(self, session_id: str) -> bool:
@@ -266,22 +268,32 @@ class ProxyRegistry:
 
     async def _drop_unstreamed(self, now: float) -> None:
         late = []
-        for session_id, seen in self._unstreamed.items():
+        for session_id, (name, seen) in self._unstreamed.items():
             if seen is None:
-                self._unstreamed[session_id] = now
+                self._unstreamed[session_id] = (name, now)
             elif now - seen >= self._stream_grace:
                 late.append(session_id)
         for session_id in late:
-            record = self.sessions.get(session_id)
-            if record is not None:
-                log.warning(
-                    "proxy %s registered (session %s) but opened no route stream in %gs; "
-                    "its registration is removed",
-                    record.name,
-                    session_id,
-                    self._stream_grace,
-                )
-            await self.unregister(session_id)
+            # Each removal awaits the store: a stream opened meanwhile keeps its own.
+            pending = self._unstreamed.pop(session_id, None)
+            if pending is None:
+                continue
+            name = pending[0]
+            log.warning(
+                "proxy %s registered (session %s) but opened no route stream in %gs; "
+                "its registration is removed",
+                name,
+                session_id,
+                self._stream_grace,
+            )
+            if session_id in self.sessions:
+                await self.unregister(session_id)
+                continue
+            # Its Register never finished: the key, if the write landed.
+            try:
+                await self._catalog.remove_proxy(name, session_id)
+            except Unavailable as exc:
+                log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
 
     async def unregister(self, session_id: str) -> None:
         self._unstreamed.pop(session_id, None)

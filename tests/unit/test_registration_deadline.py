@@ -14,7 +14,9 @@ import pytest
 from controlplane.api.routing import RoutingService
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
+from controlplane.errors import Unavailable
 from controlplane.registry import ProxyRegistry
+from controlplane.store import KeyValue, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_control_metrics import Stream
@@ -142,3 +144,83 @@ async def test_a_register_call_cut_during_its_write_goes_after_the_grace() -> No
     await registry.flush(10.0)
     assert await fleet(catalog) == []
     assert registry.sessions == {}
+
+
+class FlakyStore(MemoryStore):
+    """A store whose writes fail while `down`, and whose reads wait for
+    `reads` while it is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.reads = asyncio.Event()
+        self.reads.set()
+
+    async def put(self, key: str, value: bytes, **kwargs: Any) -> int:
+        if self.down:
+            raise StoreUnavailable("etcd is away")
+        return await super().put(key, value, **kwargs)
+
+    async def get(self, key: str) -> KeyValue | None:
+        await self.reads.wait()
+        return await super().get(key)
+
+
+async def test_a_register_that_failed_supersedes_nothing() -> None:
+    """Review 31: a failed Register dropped the streaming session of its name,
+    whose key then outlived its stream."""
+    store = FlakyStore()
+    catalog = Catalog(store)
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    first = await registry.register("p1", "eu", "127.0.0.1:1", "1")
+    assert registry.streaming(first.session_id)
+    store.down = True
+    with pytest.raises(Unavailable):
+        await registry.register("p1", "eu", "127.0.0.1:1", "1")
+    store.down = False
+    assert set(registry.sessions) == {first.session_id}
+    await registry.unregister(first.session_id)  # its stream ends
+    await registry.flush(0.0)
+    await registry.flush(10.0)
+    assert await fleet(catalog) == []
+
+
+async def test_a_failed_register_neither_rewrites_nor_removes_another_replicas_record() -> None:
+    """Review 31: the record of a Register that failed here was rewritten on a
+    new lease over the one another replica then made, and the sweep removed it."""
+    store = FlakyStore()
+    catalog = Catalog(store)
+    here = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp2", stream_grace=10.0)
+    await here.lease()
+    store.down = True
+    with pytest.raises(Unavailable):
+        await here.register("p1", "eu", "127.0.0.1:1", "1")
+    store.down = False
+    moved = await there.register("p1", "eu", "127.0.0.1:1", "1")
+    assert there.streaming(moved.session_id)
+    await here._rewrite()  # the lease lost and granted again
+    await here.flush(0.0)
+    await here.flush(10.0)
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.name, proxy.session_id) == ("p1", moved.session_id)
+
+
+async def test_a_stream_opened_while_the_sweep_runs_keeps_its_registration() -> None:
+    """Review 31: the sweep listed the late sessions, then removed each in
+    turn, awaiting the store: one whose stream opened meanwhile went too."""
+    store = FlakyStore()
+    catalog = Catalog(store)
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    a = await registry.register("p-a", "eu", "127.0.0.1:1", "1")
+    b = await registry.register("p-b", "eu", "127.0.0.1:2", "1")
+    await registry.flush(0.0)
+    store.reads.clear()  # the first removal waits on the store
+    sweep = asyncio.create_task(registry.flush(10.0))
+    while a.session_id in registry._unstreamed:  # until the sweep is at p-a
+        await asyncio.sleep(0)
+    assert registry.streaming(b.session_id)  # p-b's stream opens now
+    store.reads.set()
+    await sweep
+    assert set(registry.sessions) == {b.session_id}
+    assert await fleet(catalog) == ["p-b"]
