@@ -1,15 +1,15 @@
 """`ponto-proxy` and `python -m dataplane`: run one edge proxy (dataplane.run).
 
-This module imports only what holding the stop signals needs, and holds them
-before the proxy's own imports (aiohttp, gRPC, uvloop: about half a second):
-a SIGTERM or a Ctrl-C that comes meanwhile waits for the proxy's handlers,
-which stop it cleanly, instead of killing it mid-import with a traceback
-(dataplane.supervisor.STOP_SIGNALS).
+This module imports only what holding the stop signals needs (`signal`), and
+holds them before the proxy's own imports (aiohttp, gRPC, uvloop: about half a
+second): a SIGTERM or a Ctrl-C that comes meanwhile waits for the proxy's
+handlers, which stop it cleanly, instead of killing it mid-import with a
+traceback (dataplane.stopsignals).
 """
 
 from __future__ import annotations
 
-from dataplane.supervisor import stop_signals_held
+from dataplane.stopsignals import stop_signals_held
 
 
 def main(argv: list[str] | None = None) -> int:

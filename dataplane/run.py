@@ -31,6 +31,7 @@ from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
 from dataplane.http.server import build_app, build_metrics_app, software_version
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, available_cores, parse
+from dataplane.stopsignals import STOP_SIGNALS, take_stop_signals
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
@@ -70,9 +71,9 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     # signals are held until here) is a clean stop once it listens.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in supervisor.STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    supervisor.take_stop_signals()
+    take_stop_signals()
     app = build_app(settings, tracer)
     slot = settings.worker
     if slot is not None:

@@ -27,11 +27,12 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from dataplane.stopsignals import STOP_SIGNALS, stop_signals_held, take_stop_signals
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -39,32 +40,6 @@ if TYPE_CHECKING:
     from dataplane.settings import Settings
 
 log = logging.getLogger("dataplane.workers")
-
-# The signals that stop a proxy or a group. They are held (blocked) from
-# before the supervisor's exec, and in every worker from its fork, until the
-# process has its handlers in place: one that came earlier (a Ctrl-C or a
-# rollout in the group's first second) waits for them, instead of killing the
-# process mid-import with a traceback (SIGINT) or an unclean exit (SIGTERM).
-# The mask is inherited through fork and exec.
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
-
-
-@contextlib.contextmanager
-def stop_signals_held() -> Iterator[None]:
-    """Hold STOP_SIGNALS in this thread for the block (for processes started
-    in it), then take them again as before."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-def take_stop_signals() -> None:
-    """Let STOP_SIGNALS in, once their handlers are installed: one that came
-    while they were held is handled now."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
 
 # After SIGTERM a worker drains for --drain-seconds, then aiohttp gives in-flight
 # requests up to 60 s, and its clean-up (the control-plane link, the saved

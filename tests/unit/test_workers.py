@@ -34,6 +34,7 @@ from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
+from dataplane.stopsignals import STOP_SIGNALS
 from dataplane.streaming.usage import Usage
 from dataplane.supervisor import Group
 
@@ -241,7 +242,7 @@ async def test_the_supervisor_announces_the_group_and_stops_it(
     # The stop signals, held while each worker started, are taken again once
     # all three have (their starts interleave, and must not restore each
     # other's hold).
-    assert not supervisor.STOP_SIGNALS & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert not STOP_SIGNALS & signal.pthread_sigmask(signal.SIG_BLOCK, [])
     group.stopping.set()  # what SIGTERM does
     # Every worker got SIGTERM and exited 0.
     assert await asyncio.wait_for(run, 30) == 0
