@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataplane import jsonio
-from dataplane.cache.textform import nfkc
+from dataplane.cache.textform import fold_line, nfkc
 
 __all__ = [
     "BAND_FLOOR",
@@ -405,7 +405,7 @@ def _call(call: Any) -> tuple[str, str]:
 
 def _normalise(text: str) -> str:
     folded = nfkc(text).casefold()
-    return " ".join(folded.split()).rstrip("?.! ")
+    return fold_line(folded).rstrip("?.! ")
 
 
 def by_meaning(a: Answer, b: Answer) -> bool:

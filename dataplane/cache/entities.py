@@ -74,12 +74,16 @@ def entities_match(a: Entities | str, b: Entities | str) -> bool:
     return ea.matches(eb)
 
 
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u201e": '"'})
 
 _URL = re.compile(r"\b(?:https?://|www\.)[^\s<>\"']+", re.IGNORECASE)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 _HANDLE = re.compile(r"(?<![\w@])@(\w{2,})")
-_QUOTED = re.compile(r"\"([^\"\n]{1,200})\"|(?<!\w)'([^'\n]{1,200})'(?!\w)|`([^`\n]{1,200})`")
+# Typographic quotes are made straight first (_QUOTES), but for these pairs.
+_QUOTED = re.compile(
+    r"\"([^\"\n]{1,200})\"|(?<!\w)'([^'\n]{1,200})'(?!\w)|`([^`\n]{1,200})`"
+    r"|«([^«»\n]{1,200})»|「([^「」\n]{1,200})」|『([^『』\n]{1,200})』"
+)
 _CURRENCY = re.compile(r"[$€£¥₹₽₩¢]")
 _TECH = re.compile(r"(?<![\w+#])([A-Za-z][A-Za-z0-9]*)(\+\+|#)(?![\w+#])")
 # "7pm", "7 pm", "7:00 p.m." are one time of day: 19:00.
@@ -156,7 +160,7 @@ def extract(text: str) -> Entities:
     for m in _QUOTED.finditer(text):
         # As it is, spaces too: a quote may be data ("a   b" is not "a b"),
         # as the exact key keeps it (dataplane.cache.keys._fold_line).
-        inner = m.group(1) or m.group(2) or m.group(3) or ""
+        inner = next((g for g in m.groups() if g), "")
         if inner.strip():
             strict.add(f"quote:{inner}")
 

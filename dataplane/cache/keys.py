@@ -31,19 +31,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
-from dataplane.cache.textform import between, nfkc
+from dataplane.cache.textform import fold_line, nfkc
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in the region's Redis, shared with proxies of other versions) can never
 # answer under the new ones.
 # 2: a text of several lines keeps its lines (normalise_text); the semantic
 # namespace keeps the last user message's images, and code's indentation.
-KEY_VERSION = 2
+# 3: whitespace within quotes, and superscripts and subscripts, are kept.
+KEY_VERSION = 3
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -91,7 +91,7 @@ class UncacheableRequest(ValueError):
 def normalise_text(s: str) -> str:
     """NFKC but for superscripts and subscripts (dataplane.cache.textform);
     then a text of one line has every run of whitespace outside quotes made
-    one space and is trimmed (see _fold_line), and a text of several lines
+    one space and is trimmed (see textform.fold_line), and a text of several lines
     (a line break is LF, CR or CRLF) has its line breaks made LF, the
     whitespace at each line's end removed and the blank lines at its start
     and end dropped, and is otherwise kept as it is. A text of one line but
@@ -116,36 +116,7 @@ def normalise_text(s: str) -> str:
             return s
     elif "\n" in s or "\r" in s:
         return _normalise_lines(s)
-    return _fold_line(s)
-
-
-# A quoted span of one line: "…", `…`, “…”, „…“, «…», 「…」 or 『…』; or one
-# in single quotes, straight or curly (U+2018, U+2019), that are not inside a
-# word (the apostrophes of "don't … it's" quote nothing). Keyboards and word
-# processors make "…" into “…”.
-_QUOTED: Final = re.compile(
-    r'"[^"\n]*"|`[^`\n]*`|“[^”\n]*”|„[^“\n]*“|«[^»\n]*»|「[^」\n]*」|『[^』\n]*』'
-    r"|(?<!\w)'[^'\n]*'(?!\w)|(?<!\w)\u2018[^\u2019\n]*\u2019(?!\w)"
-)
-# A character that may open one.
-_OPENING: Final = re.compile("[\"`“„«「『'\u2018]")
-_WHITESPACE: Final = re.compile(r"\s+")
-
-
-def _fold_line(s: str) -> str:
-    """A line with each run of whitespace made one space, but within quoted
-    spans, and trimmed. What a quote holds may be data whose spaces count:
-    `len("a   b")` and `len("a b")` ask different things, where "what  is it"
-    and "what is it" do not."""
-    if _OPENING.search(s) is None:
-        # str.split() with no argument splits on runs of Unicode whitespace
-        # (as \s does) and drops empty ends: exactly collapse-and-trim.
-        return " ".join(s.split())
-    return between(_QUOTED, s, _one_space).strip()
-
-
-def _one_space(s: str) -> str:
-    return _WHITESPACE.sub(" ", s)
+    return fold_line(s)
 
 
 def _normalise_lines(s: str) -> str:
@@ -168,7 +139,7 @@ def _normalise_lines(s: str) -> str:
     while start < len(lines) and not lines[start]:
         start += 1
     if start >= len(lines) - 1:  # one line, or none, once the blank ones go
-        return _fold_line(s.strip())
+        return fold_line(s.strip())
     return "\n".join(lines[start:])
 
 
@@ -305,7 +276,7 @@ def last_user_text(messages: Sequence[Any]) -> str | None:
 
 
 def _one_line(s: str) -> str:
-    return " ".join(nfkc(s).split())
+    return fold_line(nfkc(s))
 
 
 def without_text(content: Any) -> Any:

@@ -103,7 +103,7 @@ from dataplane.cache.bounded import (
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semsizes import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
-from dataplane.cache.textform import nfkc
+from dataplane.cache.textform import fold_line, nfkc
 from dataplane.cache.vectors import ID_ENTRY_BYTES, TieredIndex, Vector, VectorIndex
 
 log = logging.getLogger(__name__)
@@ -139,18 +139,19 @@ ANSWER_CHARS = 2048
 # so it waits behind at most one: under load, learning gives way to lookups.
 CHECK_QUEUE = 2
 
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u201e": '"'})
 
 
 def normalise_text(text: str) -> str:
     """The form of a message that is embedded and compared.
 
-    NFKC, casefold, whitespace collapsed, curly quotes made straight, trailing
+    NFKC (textform.nfkc), casefold, curly quotes made straight, whitespace
+    collapsed but within quotes (textform.fold_line), trailing
     `?`, `.` and `!` stripped. Nothing else: dropping inner punctuation would make
     "C++", "C" and "C#" one language.
     """
     folded = nfkc(text).translate(_QUOTES).casefold()
-    return " ".join(folded.split()).rstrip("?.! ")
+    return fold_line(folded).rstrip("?.! ")
 
 
 @dataclass(frozen=True, slots=True)

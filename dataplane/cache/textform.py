@@ -1,5 +1,8 @@
-"""NFKC as the caches compare text: compatibility forms folded (fullwidth
-letters, ligatures, non-breaking spaces), but superscripts and subscripts kept.
+"""Text as the caches compare it: NFKC with superscripts and subscripts kept
+(`nfkc`), and a line's whitespace folded outside quotes (`fold_line`).
+
+NFKC folds compatibility forms (fullwidth letters, ligatures, non-breaking
+spaces), but superscripts and subscripts are kept.
 
 NFKC makes "x²" "x2" and "10⁻³" "10-3": folded, "What is x² at x = 3?" and
 "What is x2 at x = 3?" would be one question to the exact key and the
@@ -48,3 +51,35 @@ def between(kept: re.Pattern[str], text: str, change: Callable[[str], str]) -> s
         at = match.end()
     parts.append(change(text[at:]))
     return "".join(parts)
+
+
+# A quoted span of one line: "…", `…`, “…”, „…“, «…», 「…」 or 『…』; or one in
+# single quotes, straight or curly (U+2018, U+2019), that are not inside a
+# word (the apostrophes of "don't … it's" quote nothing). Keyboards and word
+# processors make "…" into “…”. No span holds its own opening quote, so an
+# opening quote never closed is scanned past once, not once per quote before
+# it: linear in the text (a text of 40,000 “ took 14 s otherwise).
+QUOTED: Final = re.compile(
+    r'"[^"\n]*"|`[^`\n]*`|“[^“”\n]*”|„[^„“\n]*“|«[^«»\n]*»|「[^「」\n]*」|『[^『』\n]*』'
+    r"|(?<!\w)'[^'\n]*'(?!\w)|(?<!\w)\u2018[^\u2018\u2019\n]*\u2019(?!\w)"
+)
+# A character that may open one.
+_OPENING: Final = re.compile("[\"`“„«「『'\u2018]")
+_WHITESPACE: Final = re.compile(r"\s+")
+
+
+def fold_line(text: str) -> str:
+    """`text` as one line: each run of whitespace (line breaks too) made one
+    space, but within quoted spans (QUOTED, each within a line), and
+    trimmed. What a quote holds may be data whose spaces count:
+    `len("a   b")` and `len("a b")` ask different things, where "what  is
+    it" and "what is it" do not."""
+    if _OPENING.search(text) is None:
+        # str.split() with no argument splits on runs of Unicode whitespace
+        # (as \s does) and drops empty ends: exactly collapse-and-trim.
+        return " ".join(text.split())
+    return between(QUOTED, text, _one_space).strip()
+
+
+def _one_space(text: str) -> str:
+    return _WHITESPACE.sub(" ", text)

@@ -18,6 +18,7 @@ import pytest
 from dataplane.cache.embed import HashingEmbedder, Vectors
 from dataplane.cache.entities import extract
 from dataplane.cache.entry import CachedResponse, ResponseKind
+from dataplane.cache.keys import last_user_text
 from dataplane.cache.semantic import (
     Inserted,
     SemanticHit,
@@ -89,6 +90,30 @@ async def test_entities_block_a_near_twin(index: SemanticIndex) -> None:
     hit = await index.lookup("t1", "m", "", "please cancel my purchase number 732201349959", 0.5)
     assert hit is not None
     assert hit.key == "key-a"
+
+
+@pytest.mark.parametrize(
+    ("asked", "stored"),
+    [
+        ('What does len("a b") return?', 'What does len("a   b") return?'),
+        ("What does len(\u201ea b\u201c) return?", "What does len(\u201ea   b\u201c) return?"),
+        ("What does len(«a b») return?", "What does len(«a   b») return?"),
+    ],
+)
+async def test_spaces_within_quotes_are_no_semantic_hit(
+    index: SemanticIndex, asked: str, stored: str
+) -> None:
+    """As the exact key keeps them (review 31): the message as the semantic
+    layer reads it (last_user_text), its normal form and its quote entities
+    keep them too."""
+    messages = [{"role": "user", "content": stored}]
+    text = last_user_text(messages)
+    assert text == stored
+    await index.insert("t1", "m", "", text, "key-spaced")
+    asked_text = last_user_text([{"role": "user", "content": asked}])
+    assert asked_text is not None
+    assert await index.lookup("t1", "m", "", asked_text, 0.5) is None
+    assert await index.lookup("t1", "m", "", text, 0.5) is not None
 
 
 async def test_a_farther_neighbour_with_matching_entities_still_hits(
