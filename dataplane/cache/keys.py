@@ -253,8 +253,9 @@ def _indents(text: str | None) -> list[str] | None:
 
 def last_user_text(messages: Sequence[Any]) -> str | None:
     """The text of the last user message (text parts joined by a space) as the
-    semantic layer reads it: NFKC, every run of whitespace made one space,
-    line breaks included, and trimmed; None when there is no user message or
+    semantic layer reads it: NFKC (textform.nfkc), every run of whitespace
+    made one space, line breaks included, but within a quote on one line
+    (textform.fold_line), and trimmed; None when there is no user message or
     it holds no text.
 
     One line, unlike a text of several lines in the key (`normalise_text`):
