@@ -364,7 +364,8 @@ def test_no_quoted_span_holds_its_own_opening_quote(opening: str) -> None:
     for every opening quote before it: linear in the text (review 31: 40,000
     “ and two spaces took 14 s on the event loop)."""
     closing = PAIRS[opening]
-    assert QUOTED.search(f"x {opening}a {opening}b{closing} y").group() == f"{opening}b{closing}"
+    span = QUOTED.search(f"x {opening}a {opening}b{closing} y")
+    assert span is not None and span.group() == f"{opening}b{closing}"
     text = f"{opening} " * 2000 + "  x"
     assert normalise_text(text) == reference_normalise(text)
 
