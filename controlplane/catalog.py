@@ -854,7 +854,7 @@ def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> Pro
     )
 
 
-KEY_ID_RE = re.compile(r"^[a-z0-9]{1,32}$")
+KEY_ID_RE = re.compile(r"^[a-z0-9]{1,32}\Z")
 
 
 def _key_id(key_id: str) -> str:

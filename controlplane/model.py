@@ -19,10 +19,10 @@ import orjson
 from controlplane.errors import InvalidArgument
 from dataplane.http.fields import check_default
 
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$")
-ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
+MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}\Z")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
+PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 CACHE_MODES = ("off", "exact", "semantic")
 ROUTING_MODES = ("affinity", "least-loaded", "weighted")
 MAX_CONTINUATIONS = 10

@@ -26,7 +26,7 @@ from ponto.originca import origin_ca_flag
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 # A proxy name the control plane accepts (controlplane.model.NAME_RE, which
 # the data plane does not import; a test keeps the two equal).
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
 MAX_NAME = 63
 
 
