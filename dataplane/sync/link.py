@@ -164,10 +164,17 @@ class ControlPlaneClient:
                 self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
             except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
                 self._say(address, f"control plane at {address}: {exc}")
-            except Exception:
-                # A bug, told with its traceback; the link must outlive it, or
-                # the proxy would serve its last table for ever, saying nothing.
-                log.exception("control-plane link to %s failed; retrying", address)
+            except Exception as exc:
+                # A bug, told with its traceback (once per cause, as other
+                # failures are: it would recur on every session); the link must
+                # outlive it, or the proxy would serve its last table for
+                # ever, saying nothing.
+                problem = f"control-plane link to {address} failed: {exc!r}"
+                if self._said.get(address) == problem:
+                    log.debug("%s (again)", problem)
+                else:
+                    self._said[address] = problem
+                    log.exception("control-plane link to %s failed; retrying", address)
             finally:
                 self.connected = False
                 if self._on_lost is not None:

@@ -7,6 +7,7 @@ start)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -84,3 +85,33 @@ def test_a_hook_that_fails_leaves_the_table_served_and_acked_with_a_warning(
     nine = link._handle("s-1", pb.RouteUpdate(table=table(9, weight=5), nonce="n9"))
     assert (nine.version_info, nine.error_detail, list(nine.warnings)) == (9, "", [])
     assert seen == [7, 8, 9] and holder.apply_failures == ()
+
+
+async def test_a_session_that_fails_with_a_bug_is_retried_and_told_once_per_cause(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link outlives a bug in a session (retried as a lost connection),
+    and tells each cause once with its traceback, not on every retry."""
+    holder = TableHolder("eu-west", None)
+    info = pb.ProxyInfo(name="p1", region="eu-west", address="127.0.0.1:1")
+    link = ControlPlaneClient(holder, ["127.0.0.1:1"], info, backoff_min=0.0, backoff_max=0.0)
+    causes = ["a bug", "a bug", "a bug", "another bug", "another bug"]
+    done = asyncio.Event()
+
+    async def session(address: str) -> bool:
+        if not causes:
+            done.set()
+            await asyncio.Event().wait()  # until cancelled
+        raise RuntimeError(causes.pop(0))
+
+    monkeypatch.setattr(link, "_session", session)
+    with caplog.at_level(logging.DEBUG, logger="dataplane.sync.link"):
+        task = asyncio.create_task(link.run())
+        await asyncio.wait_for(done.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    told = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(told) == 2 and all(r.exc_info is not None for r in told)
+    assert [str(r.exc_info[1]) for r in told if r.exc_info] == ["a bug", "another bug"]
+    assert sum("(again)" in r.getMessage() for r in caplog.records) == 3
