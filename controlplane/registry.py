@@ -289,11 +289,7 @@ class ProxyRegistry:
             if session_id in self.sessions:
                 await self.unregister(session_id)
                 continue
-            # Its Register never finished: the key, if the write landed.
-            try:
-                await self._catalog.remove_proxy(name, session_id)
-            except Unavailable as exc:
-                log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
+            await self._remove_key(name, session_id)  # its Register never finished
 
     async def unregister(self, session_id: str) -> None:
         self._unstreamed.pop(session_id, None)
@@ -304,12 +300,14 @@ class ProxyRegistry:
             del self._by_name[record.name]
             self._traffic.pop(record.name, None)
         self._acks_dirty = True
+        await self._remove_key(record.name, session_id)
+
+    async def _remove_key(self, name: str, session_id: str) -> None:
+        """Remove proxy `name`'s key if it is still `session_id`'s."""
         try:
-            await self._catalog.remove_proxy(record.name, session_id)
+            await self._catalog.remove_proxy(name, session_id)
         except Unavailable as exc:
-            log.warning(
-                "could not remove %s (its key expires with the lease): %s", record.name, exc
-            )
+            log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
 
     async def keepalive(self) -> None:
         """Refresh the lease until cancelled; re-grant and rewrite records if it was lost."""

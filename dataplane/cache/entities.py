@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass
 
 from dataplane.cache.opposites import opposed, sides
-from dataplane.cache.textform import nfkc
+from dataplane.cache.textform import STRAIGHT_QUOTES, nfkc
 
 __all__ = ["Entities", "entities_match", "extract"]
 
@@ -74,12 +74,10 @@ def entities_match(a: Entities | str, b: Entities | str) -> bool:
     return ea.matches(eb)
 
 
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u201e": '"'})
-
 _URL = re.compile(r"\b(?:https?://|www\.)[^\s<>\"']+", re.IGNORECASE)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 _HANDLE = re.compile(r"(?<![\w@])@(\w{2,})")
-# Typographic quotes are made straight first (_QUOTES), but for these pairs.
+# Typographic quotes are made straight first (STRAIGHT_QUOTES), but for these pairs.
 _QUOTED = re.compile(
     r"\"([^\"\n]{1,200})\"|(?<!\w)'([^'\n]{1,200})'(?!\w)|`([^`\n]{1,200})`"
     r"|«([^«»\n]{1,200})»|「([^「」\n]{1,200})」|『([^『』\n]{1,200})』"
@@ -140,7 +138,7 @@ def _strip_possessive(word: str) -> str:
 
 def extract(text: str) -> Entities:
     """The entity signature of `text`. Pure; never raises for any str."""
-    text = nfkc(text).translate(_QUOTES)
+    text = nfkc(text).translate(STRAIGHT_QUOTES)
     strict: set[str] = set()
 
     def take(pattern: re.Pattern[str], kind: str, fold: bool) -> None:
@@ -159,7 +157,7 @@ def extract(text: str) -> Entities:
         strict.add(f"handle:{m.group(1).casefold()}")
     for m in _QUOTED.finditer(text):
         # As it is, spaces too: a quote may be data ("a   b" is not "a b"),
-        # as the exact key keeps it (dataplane.cache.keys._fold_line).
+        # as the exact key keeps it (textform.fold_line).
         inner = next((g for g in m.groups() if g), "")
         if inner.strip():
             strict.add(f"quote:{inner}")

@@ -103,7 +103,7 @@ from dataplane.cache.bounded import (
 from dataplane.cache.embed import Embedder
 from dataplane.cache.entities import Entities, extract
 from dataplane.cache.semsizes import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
-from dataplane.cache.textform import fold_line, nfkc
+from dataplane.cache.textform import STRAIGHT_QUOTES, fold_line, nfkc
 from dataplane.cache.vectors import ID_ENTRY_BYTES, TieredIndex, Vector, VectorIndex
 
 log = logging.getLogger(__name__)
@@ -139,8 +139,6 @@ ANSWER_CHARS = 2048
 # so it waits behind at most one: under load, learning gives way to lookups.
 CHECK_QUEUE = 2
 
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u201e": '"'})
-
 
 def normalise_text(text: str) -> str:
     """The form of a message that is embedded and compared.
@@ -150,7 +148,7 @@ def normalise_text(text: str) -> str:
     `?`, `.` and `!` stripped. Nothing else: dropping inner punctuation would make
     "C++", "C" and "C#" one language.
     """
-    folded = nfkc(text).translate(_QUOTES).casefold()
+    folded = nfkc(text).translate(STRAIGHT_QUOTES).casefold()
     return fold_line(folded).rstrip("?.! ")
 
 

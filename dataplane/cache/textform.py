@@ -32,7 +32,7 @@ def nfkc(text: str) -> str:
     """NFKC, but for superscripts and subscripts, which stay as they are (the
     text between them is normalised on its own)."""
     if SCRIPTS.search(text) is None:
-        return unicodedata.normalize("NFKC", text)
+        return _nfkc(text)
     return between(SCRIPTS, text, _nfkc)
 
 
@@ -51,6 +51,13 @@ def between(kept: re.Pattern[str], text: str, change: Callable[[str], str]) -> s
         at = match.end()
     parts.append(change(text[at:]))
     return "".join(parts)
+
+
+# Typographic quotes as straight ones, for the semantic layer's text and its
+# entities (the exact key keeps each kind: QUOTED knows them all).
+STRAIGHT_QUOTES: Final = str.maketrans(
+    {"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u201e": '"'}
+)
 
 
 # A quoted span of one line: "…", `…`, “…”, „…“, «…», 「…」 or 『…』; or one in

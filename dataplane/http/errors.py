@@ -184,13 +184,7 @@ def stream_broken_event(too_long: int = 0) -> bytes:
     With `too_long`, the stream was cut by the proxy's bound on one event
     (--max-answer-bytes, `too_long` bytes), not broken off: the error says
     so, since retrying the same request would be cut again."""
-    if too_long:
-        return (
-            b"data: "
-            + jsonio.dumps({"error": _event_too_large(too_long)})
-            + b"\n\ndata: [DONE]\n\n"
-        )
-    return _STREAM_BROKEN
+    return _chat_error_event(_event_too_large(too_long)) if too_long else _STREAM_BROKEN
 
 
 def responses_broken_event(sequence_number: int | None, too_long: int = 0) -> bytes:
@@ -239,7 +233,13 @@ _BROKEN = {
     "param": None,
     "code": "upstream_stream_broken",
 }
-_STREAM_BROKEN = b"data: " + jsonio.dumps({"error": _BROKEN}) + b"\n\ndata: [DONE]\n\n"
+
+
+def _chat_error_event(error: dict[str, str | None]) -> bytes:
+    return b"data: " + jsonio.dumps({"error": error}) + b"\n\ndata: [DONE]\n\n"
+
+
+_STREAM_BROKEN = _chat_error_event(_BROKEN)
 
 
 def origin_error_body(

@@ -169,11 +169,7 @@ class ControlPlaneClient:
                 # failures are: it would recur on every session); the link must
                 # outlive it, or the proxy would serve its last table for
                 # ever, saying nothing.
-                problem = f"control-plane link to {address} failed: {exc!r}"
-                if self._said.get(address) == problem:
-                    log.debug("%s (again)", problem)
-                else:
-                    self._said[address] = problem
+                if self._news(address, f"control-plane link to {address} failed: {exc!r}"):
                     log.exception("control-plane link to %s failed; retrying", address)
             finally:
                 self.connected = False
@@ -201,11 +197,17 @@ class ControlPlaneClient:
 
     def _say(self, address: str, problem: str) -> None:
         """Log `problem` as a warning unless it is what `address` last failed with."""
+        if self._news(address, problem):
+            log.warning("%s; retrying", problem)
+
+    def _news(self, address: str, problem: str) -> bool:
+        """Whether `problem` is not what `address` last failed with (then it
+        is, from now on); one that is, is logged at DEBUG only."""
         if self._said.get(address) == problem:
             log.debug("%s (again)", problem)
-            return
+            return False
         self._said[address] = problem
-        log.warning("%s; retrying", problem)
+        return True
 
     async def _session(self, address: str) -> bool:
         options = [
