@@ -31,7 +31,7 @@ from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
 from dataplane.http.server import build_app, build_metrics_app, software_version
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, available_cores, parse
-from dataplane.stopsignals import STOP_SIGNALS, take_stop_signals
+from dataplane.stopsignals import LEAVE_SIGNAL, RELOAD_SIGNAL, STOP_SIGNALS, take_signals
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
@@ -40,6 +40,12 @@ if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger("dataplane")
+
+# A worker leaving the group to a new one (a reload) keeps its connections this
+# long at least, each closed after its next answer: a kept-alive client then
+# opens its next connection to a worker that listens, rather than racing the
+# close of an idle one (with --drain-seconds 0, the default).
+LEAVE_DRAIN_S = 5.0
 
 
 async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
@@ -70,12 +76,10 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     # Handlers first: a stop asked for while the proxy starts (a worker's
     # signals are held until here) is a clean stop once it listens.
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    take_stop_signals()
-    app = build_app(settings, tracer)
+    leaving = asyncio.Event()
     slot = settings.worker
+    _handle_signals(stop, leaving, slot is not None)
+    app = build_app(settings, tracer)
     if slot is not None:
         app.middlewares.append(workers.group_views(slot, settings.workers))
     # handler_cancellation: a client that disconnects cancels its handler, and
@@ -111,7 +115,19 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     if slot is not None:
         workers.watch_lifeline(slot.lifeline_fd, stop.set)
     await stop.wait()
-    if settings.drain_seconds > 0:
+    if leaving.is_set():
+        # A replacement listens on the port: new connections go to it and the
+        # siblings, so no load balancer has to see this worker leave. Its
+        # connections are answered with `Connection: close` meanwhile.
+        app[DRAINING].active = True
+        app[CLIENT].stop()  # the successor registers under the same name
+        await site.stop()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()  # its port too; a scrape takes milliseconds
+            metrics_runner = None
+        log.info("leaving the group to a new worker; finishing the requests in flight")
+        await _drain(site, max(settings.drain_seconds, LEAVE_DRAIN_S))
+    elif settings.drain_seconds > 0:
         app[DRAINING].active = True
         log.info("draining for %.1f s", settings.drain_seconds)
         await _drain(site, settings.drain_seconds)
@@ -119,6 +135,38 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     await runner.cleanup()
     if metrics_runner is not None:
         await metrics_runner.cleanup()
+
+
+def _handle_signals(stop: asyncio.Event, leaving: asyncio.Event, worker: bool) -> None:
+    """Install the handlers of the held signals (dataplane.stopsignals), then
+    take them: a stop asked for while the proxy starts is a clean stop once
+    it listens. A worker sets `leaving` (then `stop`) at LEAVE_SIGNAL."""
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+
+    def leave() -> None:
+        leaving.set()
+        stop.set()
+
+    if worker:
+        loop.add_signal_handler(LEAVE_SIGNAL, leave)
+        loop.add_signal_handler(
+            RELOAD_SIGNAL,
+            log.info,
+            "SIGHUP ignored: it is the supervisor's, which restarts the workers in turn",
+        )
+    else:
+        for sig in (RELOAD_SIGNAL, LEAVE_SIGNAL):
+            loop.add_signal_handler(
+                sig,
+                log.warning,
+                "%s ignored: a single proxy reads its files (certificates, the GeoIP "
+                "database) at start; restart it to read them again, or run a group "
+                "(--workers 2 or more), which restarts its workers in turn on SIGHUP",
+                sig.name,
+            )
+    take_signals()
 
 
 async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunner | None:

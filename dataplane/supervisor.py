@@ -28,11 +28,18 @@ import socket
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from dataplane.stopsignals import STOP_SIGNALS, stop_signals_held, take_stop_signals
+from dataplane.stopsignals import (
+    HELD_SIGNALS,
+    LEAVE_SIGNAL,
+    RELOAD_SIGNAL,
+    STOP_SIGNALS,
+    signals_held,
+    take_signals,
+)
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -45,6 +52,9 @@ log = logging.getLogger("dataplane.workers")
 # requests up to 60 s, and its clean-up (the control-plane link, the saved
 # state, the logs) follows; a worker still running 15 s after that is killed.
 SHUTDOWN_GRACE_S = 75.0
+# A worker's start takes about a second (its imports); one that does not listen
+# within this, on a reload, is stopped and the old one kept.
+REPLACE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +99,7 @@ def become_supervisor(group: Group, argv: Sequence[str]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     # Held until the supervisor's run() has its handlers (the mask survives exec).
-    with stop_signals_held():
+    with signals_held():
         os.execv(  # noqa: S606 - this interpreter, a fixed module, the checked argv
             sys.executable,
             [sys.executable, "-m", "dataplane.supervisor", group.to_json(), *argv],
@@ -244,7 +254,8 @@ class Supervisor:
     """Runs the workers of one `ponto-proxy --workers N` until told to stop.
 
     Lives in the parent process on a plain asyncio loop that serves no traffic;
-    run() is called once.
+    run() is called once. SIGTERM and SIGINT stop the group; SIGHUP restarts
+    its workers one at a time (reload()).
     """
 
     def __init__(
@@ -256,6 +267,9 @@ class Supervisor:
         self.stopping = asyncio.Event()
         self.unclean = False
         self._starting = asyncio.Lock()
+        self._reload_wanted = asyncio.Event()
+        self._slots: list[_Slot] = []
+        self._leaving: set[asyncio.Task[None]] = set()
 
     async def run(self) -> int:
         """0 when stopped by a signal and every worker exited cleanly, else 1."""
@@ -263,7 +277,11 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.stopping.set)
-        take_stop_signals()
+        loop.add_signal_handler(RELOAD_SIGNAL, self._reload_wanted.set)
+        loop.add_signal_handler(
+            LEAVE_SIGNAL, log.warning, "SIGUSR2 ignored: it is how the supervisor retires a worker"
+        )
+        take_signals()
         holder = reserve_port(s.listen_host, s.listen_port)
         # Held like the main port, so a worker restarted on port 0 gets the same one.
         try:
@@ -276,23 +294,33 @@ class Supervisor:
         try:
             port = holder.getsockname()[1]
             metrics_port = metrics_holder.getsockname()[1] if metrics_holder else None
-            keepers = [
-                asyncio.create_task(
-                    self._keep(i, port, run_dir, lifeline, metrics_port), name=f"worker-{i}"
+            self._slots = [
+                _Slot(
+                    i,
+                    worker_argv(self.argv, s, i, port, run_dir, lifeline, metrics_port),
+                    ready_path(run_dir, i),
+                    lifeline,
                 )
                 for i in range(s.workers)
             ]
+            keepers = [
+                asyncio.create_task(self._keep(slot), name=f"worker-{slot.index}")
+                for slot in self._slots
+            ]
             announce = asyncio.create_task(self._announce(port, run_dir))
+            reloads = asyncio.create_task(self._reloads())
             stop = asyncio.create_task(self.stopping.wait())
             await asyncio.wait([stop, *keepers], return_when=asyncio.FIRST_COMPLETED)
             gave_up = not stop.done()
             self.stopping.set()
             await asyncio.gather(*keepers)
-            announce.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await announce
+            for task in (announce, reloads):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await asyncio.gather(*self._leaving)
         finally:
-            for sig in STOP_SIGNALS:
+            for sig in HELD_SIGNALS:
                 loop.remove_signal_handler(sig)
             holder.close()
             if metrics_holder is not None:
@@ -315,25 +343,73 @@ class Supervisor:
         if s.ready_file:
             write_atomic(Path(s.ready_file), address.encode())
 
-    async def _keep(
-        self, index: int, port: int, run_dir: Path, lifeline: int, metrics_port: int | None
-    ) -> None:
-        """Run worker `index` until stopping, restarting it when it dies; returns
-        early only when the restart policy gives up."""
-        argv = worker_argv(self.argv, self.group, index, port, run_dir, lifeline, metrics_port)
+    async def _reloads(self) -> None:
+        """A reload per SIGHUP; one that comes during a reload makes one more
+        after it (a file may have changed again since its workers started)."""
+        while True:
+            await self._reload_wanted.wait()
+            self._reload_wanted.clear()
+            await self.reload()
+
+    async def reload(self) -> bool:
+        """Restart the workers one at a time, each new one listening before the
+        old one leaves: the group reads its files again (certificates, the
+        GeoIP database, the code) and refuses no connection meanwhile. A worker
+        that cannot start ends the reload, and the workers not yet replaced keep
+        running as they were. Whether every worker was replaced."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        log.info("SIGHUP: restarting the %d workers one at a time", len(self._slots))
+        for slot in self._slots:
+            if self.stopping.is_set():
+                return False
+            done = loop.create_future()
+            slot.replace.put_nowait(done)
+            if not await done:
+                log.error(
+                    "reload stopped at worker %d: the workers not yet replaced keep "
+                    "running as they were",
+                    slot.index,
+                )
+                return False
+        log.info("reload done: %d workers in %.1f s", len(self._slots), loop.time() - began)
+        return True
+
+    async def _spawn(self, slot: _Slot) -> asyncio.subprocess.Process | None:
+        """Start worker `slot`'s process; None if the group is stopping."""
+        # The worker takes them once it can stop cleanly (dataplane.run).
+        # One start at a time: the mask is this thread's, and two starts
+        # interleaved at their awaits would restore each other's.
+        async with self._starting:
+            if self.stopping.is_set():
+                return None
+            with signals_held():
+                return await asyncio.create_subprocess_exec(*slot.argv, pass_fds=(slot.lifeline,))
+
+    async def _keep(self, slot: _Slot) -> None:
+        """Run worker `slot` until stopping, restarting it when it dies and
+        replacing it when a reload asks; returns early only when the restart
+        policy gives up."""
+        index = slot.index
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
-            # The worker takes them once it can stop cleanly (dataplane.run).
-            # One start at a time: the mask is this thread's, and two starts
-            # interleaved at their awaits would restore each other's.
-            async with self._starting:
-                with stop_signals_held():
-                    proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(lifeline,))
+            proc = await self._spawn(slot)
+            if proc is None:
+                return
             started = loop.time()
             exited = asyncio.create_task(proc.wait())
             stop = asyncio.create_task(self.stopping.wait())
-            await asyncio.wait([exited, stop], return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                replace = asyncio.create_task(slot.replace.get())
+                await asyncio.wait([exited, stop, replace], return_when=asyncio.FIRST_COMPLETED)
+                if not replace.done():
+                    replace.cancel()
+                    break
+                took = await self._replace(slot, proc, exited, replace.result())
+                if took is not None:
+                    proc, exited = took
+                    started = loop.time()
             stop.cancel()
             if not exited.done():
                 await self._stop(index, proc, exited)
@@ -357,29 +433,118 @@ class Supervisor:
                 describe_exit(code),
                 delay,
             )
+            # A reload asked for meanwhile: the next start reads the files anew.
+            while not slot.replace.empty():
+                slot.replace.get_nowait().set_result(True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), delay)
             if self.stopping.is_set():
                 return
 
+    async def _replace(
+        self,
+        slot: _Slot,
+        old: asyncio.subprocess.Process,
+        old_exited: asyncio.Task[int],
+        done: asyncio.Future[bool],
+    ) -> tuple[asyncio.subprocess.Process, asyncio.Task[int]] | None:
+        """Start worker `slot` anew beside `old`; once the new one listens, tell
+        the old one to leave (it finishes its requests in the background). The
+        new process and its exit, or None if it did not take over (`done` says
+        which)."""
+        index = slot.index
+        if old_exited.done():  # died just now: the keeper restarts it
+            done.set_result(True)
+            return None
+        # The old one's; the new one writes it once it listens (start_sites).
+        slot.ready.unlink(missing_ok=True)
+        new = await self._spawn(slot)
+        if new is None:
+            done.set_result(False)
+            return None
+        new_exited = asyncio.create_task(new.wait())
+        listening = asyncio.create_task(_until_exists(slot.ready))
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait(
+            [listening, new_exited, stop],
+            timeout=REPLACE_TIMEOUT_S,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        for task in (listening, stop):
+            task.cancel()
+        if listening.done() and not listening.cancelled() and not new_exited.done():
+            log.info("worker %d: pid %d took over from pid %d", index, new.pid, old.pid)
+            leaving = asyncio.create_task(self._stop(index, old, old_exited, LEAVE_SIGNAL))
+            self._leaving.add(leaving)
+            leaving.add_done_callback(self._leaving.discard)
+            done.set_result(True)
+            return new, new_exited
+        if new_exited.done():
+            log.error(
+                "worker %d's new process %s before it listened; pid %d goes on serving",
+                index,
+                describe_exit(new_exited.result()),
+                old.pid,
+            )
+        elif not self.stopping.is_set():
+            log.error(
+                "worker %d's new process did not listen within %.0f s; stopping it, "
+                "pid %d goes on serving",
+                index,
+                REPLACE_TIMEOUT_S,
+                old.pid,
+            )
+        if not new_exited.done():
+            await self._stop(index, new, new_exited)
+        slot.ready.touch()  # the old one listens still
+        done.set_result(False)
+        return None
+
     async def _stop(
-        self, index: int, proc: asyncio.subprocess.Process, exited: asyncio.Task[int]
+        self,
+        index: int,
+        proc: asyncio.subprocess.Process,
+        exited: asyncio.Task[int],
+        how: signal.Signals = signal.SIGTERM,
     ) -> None:
-        """SIGTERM (the worker drains), then SIGKILL if it outlives the grace."""
+        """SIGTERM (the worker drains) or LEAVE_SIGNAL (it leaves the port to a
+        new one), then SIGKILL if it outlives the grace."""
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(how)
         try:
             code = await asyncio.wait_for(
                 asyncio.shield(exited), self.group.drain_seconds + SHUTDOWN_GRACE_S
             )
         except TimeoutError:
-            log.error("worker %d did not stop in time; killing it", index)
+            log.error("worker %d (pid %d) did not stop in time; killing it", index, proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             code = await exited
         if code != 0:
-            log.warning("worker %d %s while stopping", index, describe_exit(code))
+            log.warning(
+                "worker %d (pid %d) %s while stopping", index, proc.pid, describe_exit(code)
+            )
             self.unclean = True
+
+
+@dataclass(eq=False)
+class _Slot:
+    """Worker `index` of the group: its command line and ready file, and the
+    reloads asking its keeper to replace it (each answered True once the new
+    process listens, or when none runs to replace)."""
+
+    index: int
+    argv: list[str]
+    ready: Path
+    lifeline: int
+    replace: asyncio.Queue[asyncio.Future[bool]] = field(default_factory=asyncio.Queue)
+
+
+async def _until_exists(path: Path) -> None:
+    # Polled, as _announce polls: the ready file is how a worker says it
+    # listens. A stat of a file in the group's own run directory does not block.
+    while not path.exists():  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.02)
 
 
 def supervise(group: Group, argv: Sequence[str]) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -248,17 +249,26 @@ async def start_sites(
 ) -> web.BaseSite:
     """Start a worker's private socket, then its listener on the shared port
     (`address`, default --listen; the metrics app passes its own and
-    `metrics_socket_path`).
+    `metrics_socket_path`), then give the private socket its name.
 
-    In that order: a worker that takes connections always answers its siblings.
-    Returns the shared-port site.
+    The socket is bound under a name of this process's and renamed to the one
+    siblings ask once both listen: a name that exists always answers, and a
+    worker started beside the one it replaces (a reload) takes the name over
+    in one step, the old one answering until then. Returns the shared-port site.
     """
     slot = settings.worker
     assert slot is not None
-    await web.UnixSite(runner, str(sockets(slot.run_dir, slot.index))).start()
+    name = sockets(slot.run_dir, slot.index)
+    staging = name.with_name(f"{name.name}.{os.getpid()}")
+    await web.UnixSite(runner, str(staging)).start()
     host, port = address or (settings.listen_host, settings.listen_port)
-    site = web.SockSite(runner, reuseport_socket(host, port), backlog=LISTEN_BACKLOG)
-    await site.start()
+    try:
+        site = web.SockSite(runner, reuseport_socket(host, port), backlog=LISTEN_BACKLOG)
+        await site.start()
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    os.replace(staging, name)
     return site
 
 

@@ -197,8 +197,17 @@ class RoutingService:
                         f"control plane {self._registry.replica_id} is shutting down"
                     )
                     break
-                if reader in done or session_id not in self._registry.sessions:
-                    break  # the proxy left, or registered again on a new stream
+                if reader in done:
+                    break  # the proxy left
+                if session_id not in self._registry.sessions:
+                    # Registered again since, on another stream: the proxy's
+                    # own (this one lost), where ABORTED reaches nobody; or
+                    # another process of its name (a group's worker and its
+                    # successor in a reload), which waits before taking the
+                    # name back rather than taking turns with it.
+                    context.set_code(grpc.StatusCode.ABORTED)
+                    context.set_details(f"proxy {name} registered again on another stream")
+                    break
                 payloads = []
                 pushed_table = tables in done
                 if pushed_table:

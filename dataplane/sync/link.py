@@ -13,7 +13,7 @@ import asyncio
 import datetime
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +46,10 @@ class Traffic:
 # Endpoints that are not traffic: kubelet probes (readyz answers 503 while
 # the proxy is unready or draining) and Prometheus scrapes.
 NOT_TRAFFIC = frozenset({"healthz", "health", "readyz", "metrics"})
+# After another process took this proxy's name at the control plane: long
+# enough for a group's worker to leave to its successor, short enough for a
+# proxy whose registration a stray retry of its own took to come back.
+SUPERSEDED_WAIT_S = 30.0
 
 
 def traffic_of(
@@ -109,7 +113,9 @@ class ControlPlaneClient:
         report_interval: float = 1.0,
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
+        superseded_wait: float = SUPERSEDED_WAIT_S,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if not addresses:
             raise ValueError("no control plane address")
@@ -118,6 +124,9 @@ class ControlPlaneClient:
         self._info = info
         self._backoff_min = backoff_min
         self._backoff_max = backoff_max
+        self._superseded_wait = superseded_wait
+        self._sleep = sleep
+        self._task: asyncio.Task[None] | None = None
         self._credentials = credentials or ClientOptions()
         self._on_quota = on_quota
         # Called when a session with a control plane ends.
@@ -150,7 +159,14 @@ class ControlPlaneClient:
             self._info.address = address
             self.address_known.set()
 
+    def stop(self) -> None:
+        """End the link (run() ends cancelled): a worker leaving its group to a
+        successor of its name, which has the registration now, or will."""
+        if self._task is not None:
+            self._task.cancel()
+
     async def run(self) -> None:
+        self._task = asyncio.current_task()
         await self.address_known.wait()
         backoff = self._backoff_min
         attempt = random.randrange(len(self._addresses))  # noqa: S311 - spreading load
@@ -158,10 +174,23 @@ class ControlPlaneClient:
             address = self._addresses[attempt % len(self._addresses)]
             attempt += 1
             got_table = False
+            wait = 0.0
             try:
                 got_table = await self._session(address)
             except grpc.aio.AioRpcError as exc:
-                self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    # Another process registered this proxy's name (see
+                    # controlplane.api.routing): taking it back at once would
+                    # have the two take turns.
+                    wait = self._superseded_wait
+                    self._say(
+                        address,
+                        f"another process registered as proxy {self._info.name} (two "
+                        "proxies of one --name, or a group's worker and its successor); "
+                        f"registering again in {wait:g} s",
+                    )
+                else:
+                    self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
             except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
                 self._say(address, f"control plane at {address}: {exc}")
             except Exception as exc:
@@ -178,7 +207,7 @@ class ControlPlaneClient:
             if got_table:
                 backoff = self._backoff_min
             # Full jitter keeps a fleet from reconnecting in lockstep.
-            await asyncio.sleep(random.uniform(self._backoff_min, backoff))  # noqa: S311
+            await self._sleep(wait or random.uniform(self._backoff_min, backoff))  # noqa: S311
             backoff = min(backoff * 2, self._backoff_max)
 
     def _problem(self, address: str, code: str, detail: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -298,3 +299,74 @@ def test_the_supervisor_holds_none_of_the_proxys_libraries(fleet: Fleet) -> None
     worker = both_workers(group)
     assert worker is not None
     assert "cygrpc" in Path(f"/proc/{worker[0]}/maps").read_text()
+
+
+def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> None:
+    """A reload (certificates, the GeoIP database or the code changed on disk):
+    each worker is started anew beside the old one, which leaves once its
+    successor listens. A client sending all along gets every answer; a
+    request in flight on a worker that leaves is answered; the control plane
+    sees the same two proxies."""
+    group = fleet.start_proxy(
+        "h", "us-east", workers=2, extra=["--forward-headers", "x-sim-delay-ms"]
+    )
+    until("h's workers registered", lambda: {"h-w0", "h-w1"} <= registered(fleet))
+    before = until("two workers", lambda: both_workers(group))
+    url = f"http://{group.address}/v1/chat/completions"
+    results: list[object] = []
+    in_flight: list[object] = []
+    done = threading.Event()
+
+    def slow() -> None:
+        r = httpx.post(url, json=CHAT, headers={"x-sim-delay-ms": "4000"}, timeout=30)
+        in_flight.append(r.status_code)
+
+    def steady() -> None:
+        # One pooled client, as the openai SDK keeps one: its kept-alive
+        # connection to a leaving worker closes after an answer, and its next
+        # request opens one to a worker that listens.
+        with httpx.Client(timeout=10) as client:
+            while not done.is_set():
+                try:
+                    results.append(client.post(url, json=CHAT).status_code)
+                except httpx.HTTPError as exc:
+                    results.append(repr(exc))
+
+    threads = [threading.Thread(target=slow), threading.Thread(target=steady)]
+    for t in threads:
+        t.start()
+    try:
+        until("requests flowing", lambda: len(results) >= 5)
+        os.kill(group.proc.pid, signal.SIGHUP)
+
+        def replaced() -> dict[int, int] | None:
+            now = workers_of(group)
+            fresh = len(now) == 2 and not set(now.values()) & set(before.values())
+            return now if fresh else None
+
+        until("both workers replaced", replaced, timeout=60)
+        until("the old workers gone", lambda: not any(alive(p) for p in before.values()), 60)
+        count = len(results)
+        until("requests flowing after the reload", lambda: len(results) >= count + 5)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(60)
+    assert in_flight == [200]
+    refused = [r for r in results if r != 200]
+    assert not refused, refused[:5]
+    assert registered(fleet) >= {"h-w0", "h-w1"}
+    log = group.log_tail(400)
+    assert "reload done: 2 workers" in log, log
+    assert "Traceback" not in log, log
+    assert group.stop(signal.SIGTERM, timeout=30) == 0
+
+
+def test_sighup_to_a_single_proxy_is_said_and_changes_nothing(fleet: Fleet) -> None:
+    proxy = fleet.start_proxy("hup-one", "us-east")
+    proxy.proc.send_signal(signal.SIGHUP)
+    until("the SIGHUP logged", lambda: "SIGHUP ignored" in proxy.log_tail())
+    r = httpx.post(f"http://{proxy.address}/v1/chat/completions", json=CHAT, timeout=10)
+    assert r.status_code == 200
+    assert proxy.alive()
+    assert proxy.stop(signal.SIGTERM, timeout=30) == 0

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
@@ -130,3 +131,77 @@ async def test_without_on_loads_pushes_are_only_counted_by_generation() -> None:
     # The subscription says this proxy takes `unchanged` quota messages
     # (controlplane.quotasync sends them only to proxies that do).
     assert routing.first is not None and routing.first.takes_unchanged
+
+
+class TakenRouting(ScriptedRouting):
+    """Each RouteStream ends ABORTED, as a control plane ends the stream of a
+    proxy whose name another process registered since."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.registers = 0
+
+    async def register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RegisterResponse:
+        self.registers += 1
+        return await super().register(request, context)
+
+    async def route_stream(
+        self, requests: AsyncIterator[pb.RouteRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.RouteUpdate]:
+        self.first = await anext(requests)
+        if self.first.session_id:  # always: the yield makes this a generator
+            await context.abort(
+                grpc.StatusCode.ABORTED, "proxy p1 registered again on another stream"
+            )
+        yield pb.RouteUpdate()
+
+
+async def test_a_link_whose_name_was_taken_waits_before_taking_it_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rather than register again at once (a group's worker and its successor,
+    or two proxies of one --name, would take turns), it waits `superseded_wait`
+    and says why; other ends of a stream are retried after the short backoff."""
+    server = grpc.aio.server()
+    routing = TakenRouting()
+    server.add_generic_rpc_handlers((routing.handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    waits: list[float] = []
+    gate = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await gate.wait()
+
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        superseded_wait=30.0,
+        sleep=sleep,
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while not waits:
+                await asyncio.sleep(0.01)
+        assert waits == [30.0]
+        assert routing.registers == 1
+        assert "another process registered as proxy p1" in caplog.text
+        assert "registering again in 30 s" in caplog.text
+        gate.set()  # the wait is over: it registers again
+        async with asyncio.timeout(WAIT):
+            while routing.registers < 2:
+                await asyncio.sleep(0.01)
+        # stop() ends the link (a worker leaving to its successor).
+        link.stop()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)

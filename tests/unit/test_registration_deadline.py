@@ -19,7 +19,7 @@ from controlplane.registry import ProxyRegistry
 from controlplane.store import KeyValue, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
-from tests.unit.test_control_metrics import Stream
+from tests.unit.test_control_metrics import Stream, table
 
 
 class Refused(Exception):
@@ -108,6 +108,52 @@ async def test_a_stream_opened_in_time_keeps_its_registration_until_it_ends() ->
     await stream.requests.put(None)  # the proxy closes its stream
     await asyncio.wait_for(task, 10)
     assert await fleet(catalog) == []
+
+
+class EndingStream(Stream):
+    """A stream whose ending status the servicer sets is kept."""
+
+    code: grpc.StatusCode | None = None
+    details = ""
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+async def test_a_stream_whose_name_registered_again_ends_aborted() -> None:
+    """A group's reload starts a worker's successor beside it, under its name:
+    the old stream ends ABORTED, which tells the proxy on it that another
+    process has the name (the link then waits before taking it back), where a
+    stream the proxy closed itself ends OK."""
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    publisher = Publisher("cp")
+    routing = RoutingService(registry, publisher)
+    first = await registry.register("p1-w0", "eu", "127.0.0.1:1", "1")
+    stream = EndingStream()
+    task = asyncio.create_task(routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
+    await stream.requests.put(pb.RouteRequest(session_id=first.session_id))
+    publisher.publish(table(1))
+    await stream.next_table()
+    second = await registry.register("p1-w0", "eu", "127.0.0.1:1", "1")
+    publisher.publish(table(2))  # anything that wakes the stream
+    await asyncio.wait_for(task, 10)
+    assert stream.code == grpc.StatusCode.ABORTED
+    assert stream.details == "proxy p1-w0 registered again on another stream"
+    # The successor's registration stays.
+    assert await fleet(catalog) == ["p1-w0"]
+    assert set(registry.sessions) == {second.session_id}
+
+    own = EndingStream()
+    task = asyncio.create_task(routing.route_stream(own.incoming(), own))  # type: ignore[arg-type]
+    await own.requests.put(pb.RouteRequest(session_id=second.session_id))
+    await own.next_table()
+    await own.requests.put(None)  # the proxy closes its stream
+    await asyncio.wait_for(task, 10)
+    assert own.code is None
 
 
 class SlowStore(MemoryStore):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import shutil
 import signal
@@ -34,7 +35,7 @@ from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
-from dataplane.stopsignals import STOP_SIGNALS
+from dataplane.stopsignals import HELD_SIGNALS
 from dataplane.streaming.usage import Usage
 from dataplane.supervisor import Group
 
@@ -212,24 +213,46 @@ Path(sys.argv[1]).write_text("listening")
 signal.sigwait({signal.SIGTERM})
 """
 DIES = "raise SystemExit(3)"
+# One that notes its start and the signal that ends it (as LOG/w{index}-{pid}.start
+# and .end), and dies at once while LOG/fail-next exists.
+NOTES = """
+import os, signal, sys
+from pathlib import Path
+ends = {signal.SIGTERM, signal.SIGUSR2}
+signal.pthread_sigmask(signal.SIG_BLOCK, ends)
+ready, index, notes = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+me = notes / f"w{index}-{os.getpid()}"
+me.with_suffix(".start").touch()
+if (notes / "fail-next").exists():
+    raise SystemExit(3)
+ready.write_text("listening")
+me.with_suffix(".end").write_text(signal.Signals(signal.sigwait(ends)).name)
+"""
 
 
-def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str, notes: Path | None = None) -> None:
     def argv(
         _argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int, _m: object
     ) -> list[str]:
-        return [sys.executable, "-c", code, str(supervisor.ready_path(run_dir, index))]
+        ready = str(supervisor.ready_path(run_dir, index))
+        return [sys.executable, "-c", code, ready, str(index), str(notes)]
 
     monkeypatch.setattr(supervisor, "worker_argv", argv)
 
 
-async def test_the_supervisor_announces_the_group_and_stops_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake_workers(monkeypatch, WAITS)
+async def started_group(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    code: str,
+    workers: int,
+    notes: Path | None = None,
+) -> tuple[supervisor.Supervisor, asyncio.Task[int], Path]:
+    """A supervisor of `workers` fake workers running `code`, once the group
+    listens; its run() and the group's ready file."""
+    fake_workers(monkeypatch, code, notes)
     ready = tmp_path / "group.addr"
     settings = parse(
-        [*BASE, "--workers", "3", "--listen", "127.0.0.1:0", "--ready-file", str(ready)]
+        [*BASE, "--workers", str(workers), "--listen", "127.0.0.1:0", "--ready-file", str(ready)]
     )
     group = supervisor.Supervisor(Group.of(settings), [])
     run = asyncio.create_task(group.run())
@@ -237,12 +260,19 @@ async def test_the_supervisor_announces_the_group_and_stops_it(
     while not ready.exists():
         assert not run.done() and time.monotonic() < deadline
         await asyncio.sleep(0.02)
+    return group, run, ready
+
+
+async def test_the_supervisor_announces_the_group_and_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group, run, ready = await started_group(monkeypatch, tmp_path, WAITS, 3)
     host, _, port = ready.read_text().rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0
-    # The stop signals, held while each worker started, are taken again once
+    # The signals, held while each worker started, are taken again once
     # all three have (their starts interleave, and must not restore each
     # other's hold).
-    assert not STOP_SIGNALS & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert not HELD_SIGNALS & signal.pthread_sigmask(signal.SIG_BLOCK, [])
     group.stopping.set()  # what SIGTERM does
     # Every worker got SIGTERM and exited 0.
     assert await asyncio.wait_for(run, 30) == 0
@@ -259,6 +289,79 @@ async def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
     )
     assert "restarting it in 0.0 s" in caplog.text
     assert "exited with 3 (2 failures in a row); giving up" in caplog.text
+
+
+def noted(notes: Path, suffix: str) -> dict[str, str]:
+    """Worker notes by "w{index}-{pid}": the starts, or the signals that ended them."""
+    return {p.stem: p.read_text() for p in notes.glob(f"*{suffix}")}
+
+
+async def notes_group(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> tuple[supervisor.Supervisor, asyncio.Task[int], Path]:
+    """A group of two NOTES workers, once it listens; with their notes' directory."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    group, run, _ = await started_group(monkeypatch, tmp_path, NOTES, 2, notes)
+    return group, run, notes
+
+
+async def test_a_reload_replaces_each_worker_once_its_successor_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "dataplane.workers")
+    group, run, notes = await notes_group(monkeypatch, tmp_path)
+    first = set(noted(notes, ".start"))
+    assert {name.split("-")[0] for name in first} == {"w0", "w1"}
+    assert await asyncio.wait_for(group.reload(), 30)
+    # Each first worker was told to leave (not to drain, as a stop does), and
+    # only after its successor had started.
+    deadline = time.monotonic() + 30
+    while set(noted(notes, ".end")) != first:
+        assert time.monotonic() < deadline, noted(notes, ".end")
+        await asyncio.sleep(0.02)
+    assert set(noted(notes, ".end").values()) == {"SIGUSR2"}
+    second = set(noted(notes, ".start")) - first
+    assert {name.split("-")[0] for name in second} == {"w0", "w1"}
+    assert "reload done: 2 workers" in caplog.text
+    # The successors are the group now: a stop ends them, and cleanly.
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    assert {noted(notes, ".end")[name] for name in second} == {"SIGTERM"}
+
+
+async def test_a_successor_that_cannot_start_leaves_the_group_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload after a bad edit (a certificate that does not load, say) stops
+    at the first worker whose successor dies: every worker goes on serving."""
+    group, run, notes = await notes_group(monkeypatch, tmp_path)
+    first = set(noted(notes, ".start"))
+    (notes / "fail-next").touch()
+    assert not await asyncio.wait_for(group.reload(), 30)
+    assert len(noted(notes, ".start")) == 3, "worker 1 was not tried"
+    assert noted(notes, ".end") == {}, "no first worker was stopped"
+    assert "worker 0's new process exited with 3 before it listened" in caplog.text
+    assert "reload stopped at worker 0" in caplog.text
+    # Worker 0's ready file is back: the group still counts it as listening.
+    assert all(slot.ready.exists() for slot in group._slots)
+    (notes / "fail-next").unlink()
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    assert set(noted(notes, ".end")) == first
+
+
+async def test_a_group_stopped_before_it_started_its_workers_starts_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    fake_workers(monkeypatch, NOTES, notes)
+    settings = parse([*BASE, "--workers", "3", "--listen", "127.0.0.1:0"])
+    group = supervisor.Supervisor(Group.of(settings), [])
+    group.stopping.set()  # a SIGTERM that waited for the handlers
+    assert await asyncio.wait_for(group.run(), 30) == 0
+    assert noted(notes, ".start") == {}
 
 
 # ---------------------------------------------------------------- the merge
