@@ -27,7 +27,7 @@ import uvloop
 from aiohttp import web
 
 from dataplane import supervisor, workers
-from dataplane.http.edge import LISTEN_BACKLOG, EdgeRunner
+from dataplane.http.edge import LISTEN_BACKLOG, EdgeProtocol, EdgeRunner
 from dataplane.http.server import build_app, build_metrics_app, software_version
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, available_cores, parse
@@ -40,12 +40,6 @@ if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTracer
 
 log = logging.getLogger("dataplane")
-
-# A worker leaving the group to a new one (a reload) keeps its connections this
-# long at least, each closed after its next answer: a kept-alive client then
-# opens its next connection to a worker that listens, rather than racing the
-# close of an idle one (with --drain-seconds 0, the default).
-LEAVE_DRAIN_S = 5.0
 
 
 async def serve(settings: Settings, tracing: TraceConfig | None = None) -> None:
@@ -76,9 +70,11 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     # Handlers first: a stop asked for while the proxy starts (a worker's
     # signals are held until here) is a clean stop once it listens.
     stop = asyncio.Event()
-    leaving = asyncio.Event()
+    # A worker leaving to its successor (LEAVE_SIGNAL), and a stop signal that
+    # came after that: the group stopping, which cuts the leave short.
+    leaving, hurry = asyncio.Event(), asyncio.Event()
     slot = settings.worker
-    _handle_signals(stop, leaving, slot is not None)
+    _handle_signals(stop, leaving, hurry, slot is not None)
     app = build_app(settings, tracer)
     if slot is not None:
         app.middlewares.append(workers.group_views(slot, settings.workers))
@@ -110,15 +106,16 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     except supervisor.ListenError:
         await runner.cleanup()
         raise
+    if slot is not None:
+        workers.publish_sockets(settings)
     if settings.ready_file:
         write_atomic(settings.ready_file, address.encode())
     if slot is not None:
         workers.watch_lifeline(slot.lifeline_fd, stop.set)
     await stop.wait()
     if leaving.is_set():
-        # A replacement listens on the port: new connections go to it and the
-        # siblings, so no load balancer has to see this worker leave. Its
-        # connections are answered with `Connection: close` meanwhile.
+        # A successor listens on the port: new connections go to it and the
+        # siblings, so no load balancer has to see this worker leave.
         app[DRAINING].active = True
         app[CLIENT].stop()  # the successor registers under the same name
         await site.stop()
@@ -126,7 +123,14 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
             await metrics_runner.cleanup()  # its port too; a scrape takes milliseconds
             metrics_runner = None
         log.info("leaving the group to a new worker; finishing the requests in flight")
-        await _drain(site, max(settings.drain_seconds, LEAVE_DRAIN_S))
+        running = await _drain(
+            site,
+            supervisor.LEAVE_TIMEOUT_S,
+            idle_after=max(settings.drain_seconds, supervisor.LEAVE_DRAIN_S),
+            hurry=(hurry, settings.drain_seconds),
+        )
+        if running:
+            log.warning("stopping %d requests still running", running)
     elif settings.drain_seconds > 0:
         app[DRAINING].active = True
         log.info("draining for %.1f s", settings.drain_seconds)
@@ -137,13 +141,22 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
         await metrics_runner.cleanup()
 
 
-def _handle_signals(stop: asyncio.Event, leaving: asyncio.Event, worker: bool) -> None:
+def _handle_signals(
+    stop: asyncio.Event, leaving: asyncio.Event, hurry: asyncio.Event, worker: bool
+) -> None:
     """Install the handlers of the held signals (dataplane.stopsignals), then
     take them: a stop asked for while the proxy starts is a clean stop once
-    it listens. A worker sets `leaving` (then `stop`) at LEAVE_SIGNAL."""
+    it listens. A worker sets `leaving` (then `stop`) at LEAVE_SIGNAL, and
+    `hurry` at a stop signal after it."""
     loop = asyncio.get_running_loop()
+
+    def stop_now() -> None:
+        if leaving.is_set():
+            hurry.set()
+        stop.set()
+
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_now)
 
     def leave() -> None:
         leaving.set()
@@ -223,15 +236,37 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
-async def _drain(site: web.BaseSite, seconds: float) -> None:
-    """Wait until every connection has closed (answers say `Connection: close`) or
-    `seconds` have passed; connections idle all along are closed at the end."""
+async def _drain(
+    site: web.BaseSite,
+    seconds: float,
+    *,
+    idle_after: float | None = None,
+    hurry: tuple[asyncio.Event, float] | None = None,
+) -> int:
+    """Wait until every connection has closed (answers say `Connection: close`)
+    or `seconds` have passed; connections idle all along are closed at the end,
+    or from `idle_after` seconds in, as each is idle (a kept-alive client that
+    sends nothing more would hold the wait to its end). With `hurry` (an event, a budget), the wait
+    ends at most that budget after the event is set. The requests still
+    running at the end."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
+    began = loop.time()
+    deadline = began + seconds
     server = site._runner.server
     # aiohttp's Server has no event for its last connection closing: poll.
-    while loop.time() < deadline and server is not None and server.connections:  # noqa: ASYNC110
+    while server is not None and server.connections:
+        now = loop.time()
+        if hurry is not None and hurry[0].is_set():
+            deadline = min(deadline, now + hurry[1])
+            hurry = None
+        if now >= deadline:
+            return sum(1 for c in server.connections if isinstance(c, EdgeProtocol) and c.busy)
+        if idle_after is not None and now - began >= idle_after:
+            for conn in list(server.connections):
+                if isinstance(conn, EdgeProtocol) and not conn.busy:
+                    conn.hang_up()
         await asyncio.sleep(0.05)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -55,6 +56,14 @@ SHUTDOWN_GRACE_S = 75.0
 # A worker's start takes about a second (its imports); one that does not listen
 # within this, on a reload, is stopped and the old one kept.
 REPLACE_TIMEOUT_S = 60.0
+# A worker leaving the group to its successor (a reload) keeps its connections
+# LEAVE_DRAIN_S at least (or --drain-seconds), each closed after its next
+# answer, so that a kept-alive client opens its next one to a worker that
+# listens; then it closes those left idle, and finishes the requests it holds
+# (long streams: a reload should cut none) for up to LEAVE_TIMEOUT_S. A SIGTERM
+# meanwhile (the group stopping) cuts that to --drain-seconds.
+LEAVE_DRAIN_S = 5.0
+LEAVE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +126,11 @@ def metrics_socket_path(run_dir: Path, index: int) -> Path:
     return run_dir / f"w{index}.metrics.sock"
 
 
-def ready_path(run_dir: Path, index: int) -> Path:
-    """The ready file worker `index` writes once it listens on the shared port."""
-    return run_dir / f"w{index}.addr"
+def ready_path(run_dir: Path, index: int, start: int = 0) -> Path:
+    """The ready file worker `index` writes once it listens on the shared port:
+    one per process the slot starts (`start` counts them), so that a
+    successor's cannot be taken for its predecessor's."""
+    return run_dir / f"w{index}-{start}.addr"
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -215,9 +226,11 @@ def worker_argv(
     run_dir: Path,
     lifeline: int,
     metrics_port: int | None = None,
+    start: int = 0,
 ) -> list[str]:
-    """The command line of worker `index`: the group's own flags, then the ones
-    that make it a worker (argparse keeps the last of a repeated flag)."""
+    """The command line of worker `index`'s `start`-th process: the group's own
+    flags, then the ones that make it a worker (argparse keeps the last of a
+    repeated flag)."""
     metrics = []
     if group.metrics_listen is not None and metrics_port is not None:
         metrics = ["--metrics-listen", hostport(group.metrics_listen[0], metrics_port)]
@@ -231,7 +244,7 @@ def worker_argv(
         "--listen",
         hostport(group.listen_host, port),
         "--ready-file",
-        str(ready_path(run_dir, index)),
+        str(ready_path(run_dir, index, start)),
         "--worker-index",
         str(index),
         "--run-dir",
@@ -269,7 +282,9 @@ class Supervisor:
         self._starting = asyncio.Lock()
         self._reload_wanted = asyncio.Event()
         self._slots: list[_Slot] = []
-        self._leaving: set[asyncio.Task[None]] = set()
+        # Processes a reload retired (finishing their requests) or gave up on,
+        # each with the task that waits for its exit.
+        self._leaving: dict[asyncio.Task[None], asyncio.subprocess.Process] = {}
 
     async def run(self) -> int:
         """0 when stopped by a signal and every worker exited cleanly, else 1."""
@@ -297,8 +312,10 @@ class Supervisor:
             self._slots = [
                 _Slot(
                     i,
-                    worker_argv(self.argv, s, i, port, run_dir, lifeline, metrics_port),
-                    ready_path(run_dir, i),
+                    functools.partial(
+                        worker_argv, self.argv, s, i, port, run_dir, lifeline, metrics_port
+                    ),
+                    run_dir,
                     lifeline,
                 )
                 for i in range(s.workers)
@@ -307,12 +324,17 @@ class Supervisor:
                 asyncio.create_task(self._keep(slot), name=f"worker-{slot.index}")
                 for slot in self._slots
             ]
-            announce = asyncio.create_task(self._announce(port, run_dir))
+            announce = asyncio.create_task(self._announce(port))
             reloads = asyncio.create_task(self._reloads())
             stop = asyncio.create_task(self.stopping.wait())
             await asyncio.wait([stop, *keepers], return_when=asyncio.FIRST_COMPLETED)
             gave_up = not stop.done()
             self.stopping.set()
+            # Those still finishing their requests after a reload stop too,
+            # within a stop's budget rather than a reload's.
+            for proc in self._leaving.values():
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
             await asyncio.gather(*keepers)
             for task in (announce, reloads):
                 task.cancel()
@@ -331,13 +353,10 @@ class Supervisor:
         log.info("all %d workers have exited", s.workers)
         return 1 if gave_up or self.unclean else 0
 
-    async def _announce(self, port: int, run_dir: Path) -> None:
+    async def _announce(self, port: int) -> None:
         """Write --ready-file once every worker listens."""
         s = self.group
-        # Polled: the ready files are how a proxy says it listens (tests and the
-        # demo read them too), and this runs only until the group is up.
-        while not all(ready_path(run_dir, i).exists() for i in range(s.workers)):  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
+        await asyncio.gather(*(slot.up.wait() for slot in self._slots))
         address = f"{s.listen_host}:{port}"
         log.info("%d workers of proxy %s listening on http://%s", s.workers, s.name, address)
         if s.ready_file:
@@ -361,30 +380,39 @@ class Supervisor:
         began = loop.time()
         log.info("SIGHUP: restarting the %d workers one at a time", len(self._slots))
         for slot in self._slots:
-            if self.stopping.is_set():
-                return False
             done = loop.create_future()
             slot.replace.put_nowait(done)
             if not await done:
-                log.error(
-                    "reload stopped at worker %d: the workers not yet replaced keep "
-                    "running as they were",
-                    slot.index,
-                )
+                if not self.stopping.is_set():
+                    log.error(
+                        "reload stopped at worker %d: the workers not yet replaced keep "
+                        "running as they were",
+                        slot.index,
+                    )
                 return False
         log.info("reload done: %d workers in %.1f s", len(self._slots), loop.time() - began)
         return True
 
-    async def _spawn(self, slot: _Slot) -> asyncio.subprocess.Process | None:
-        """Start worker `slot`'s process; None if the group is stopping."""
+    async def _start(self, slot: _Slot) -> _Process | None:
+        """Start a process for worker `slot`; None if the group is stopping."""
         # The worker takes them once it can stop cleanly (dataplane.run).
         # One start at a time: the mask is this thread's, and two starts
         # interleaved at their awaits would restore each other's.
         async with self._starting:
             if self.stopping.is_set():
                 return None
+            slot.starts += 1
+            ready = ready_path(slot.run_dir, slot.index, slot.starts)
             with signals_held():
-                return await asyncio.create_subprocess_exec(*slot.argv, pass_fds=(slot.lifeline,))
+                proc = await asyncio.create_subprocess_exec(
+                    *slot.argv(start=slot.starts), pass_fds=(slot.lifeline,)
+                )
+        return _Process(
+            proc,
+            asyncio.create_task(proc.wait()),
+            asyncio.create_task(_listens(ready, slot.up)),
+            asyncio.get_running_loop().time(),
+        )
 
     async def _keep(self, slot: _Slot) -> None:
         """Run worker `slot` until stopping, restarting it when it dies and
@@ -394,28 +422,27 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
-            proc = await self._spawn(slot)
-            if proc is None:
+            current = await self._start(slot)
+            if current is None:
                 return
-            started = loop.time()
-            exited = asyncio.create_task(proc.wait())
             stop = asyncio.create_task(self.stopping.wait())
             while True:
                 replace = asyncio.create_task(slot.replace.get())
-                await asyncio.wait([exited, stop, replace], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [current.exited, stop, replace], return_when=asyncio.FIRST_COMPLETED
+                )
                 if not replace.done():
                     replace.cancel()
                     break
-                took = await self._replace(slot, proc, exited, replace.result())
-                if took is not None:
-                    proc, exited = took
-                    started = loop.time()
+                current = await self._replace(slot, current, replace.result())
             stop.cancel()
-            if not exited.done():
-                await self._stop(index, proc, exited)
+            current.listening.cancel()
+            if not current.exited.done():
+                await self._stop(index, current.proc, current.exited)
                 return
-            code = exited.result()
-            failures = 1 if loop.time() - started >= self.policy.stable_after else failures + 1
+            code = current.exited.result()
+            lasted = loop.time() - current.started
+            failures = 1 if lasted >= self.policy.stable_after else failures + 1
             delay = self.policy.delay(failures)
             if delay is None:
                 log.error(
@@ -429,7 +456,7 @@ class Supervisor:
             log.warning(
                 "worker %d (pid %d) %s; restarting it in %.1f s",
                 index,
-                proc.pid,
+                current.proc.pid,
                 describe_exit(code),
                 delay,
             )
@@ -441,64 +468,77 @@ class Supervisor:
             if self.stopping.is_set():
                 return
 
-    async def _replace(
-        self,
-        slot: _Slot,
-        old: asyncio.subprocess.Process,
-        old_exited: asyncio.Task[int],
-        done: asyncio.Future[bool],
-    ) -> tuple[asyncio.subprocess.Process, asyncio.Task[int]] | None:
+    async def _replace(self, slot: _Slot, old: _Process, done: asyncio.Future[bool]) -> _Process:
         """Start worker `slot` anew beside `old`; once the new one listens, tell
         the old one to leave (it finishes its requests in the background). The
-        new process and its exit, or None if it did not take over (`done` says
-        which)."""
+        process that is worker `slot` now; `done` says whether it is a new one
+        (or none was running: the keeper's restart reads the files anew)."""
         index = slot.index
-        if old_exited.done():  # died just now: the keeper restarts it
-            done.set_result(True)
-            return None
-        # The old one's; the new one writes it once it listens (start_sites).
-        slot.ready.unlink(missing_ok=True)
-        new = await self._spawn(slot)
+        # One still starting is replaced once it listens: only then is the
+        # port served by its successor when it goes.
+        if not await self._listens(old, old.exited):
+            done.set_result(old.exited.done() and not self.stopping.is_set())
+            return old
+        new = await self._start(slot)
         if new is None:
             done.set_result(False)
-            return None
-        new_exited = asyncio.create_task(new.wait())
-        listening = asyncio.create_task(_until_exists(slot.ready))
-        stop = asyncio.create_task(self.stopping.wait())
-        await asyncio.wait(
-            [listening, new_exited, stop],
-            timeout=REPLACE_TIMEOUT_S,
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        for task in (listening, stop):
-            task.cancel()
-        if listening.done() and not listening.cancelled() and not new_exited.done():
-            log.info("worker %d: pid %d took over from pid %d", index, new.pid, old.pid)
-            leaving = asyncio.create_task(self._stop(index, old, old_exited, LEAVE_SIGNAL))
-            self._leaving.add(leaving)
-            leaving.add_done_callback(self._leaving.discard)
+            return old
+        if await self._listens(new, new.exited):
+            if old.exited.done():
+                log.warning(
+                    "worker %d (pid %d) %s during the reload; pid %d takes its place",
+                    index,
+                    old.proc.pid,
+                    describe_exit(old.exited.result()),
+                    new.proc.pid,
+                )
+            else:
+                log.info(
+                    "worker %d: pid %d took over from pid %d", index, new.proc.pid, old.proc.pid
+                )
+                self._retire(index, old, LEAVE_SIGNAL)
             done.set_result(True)
-            return new, new_exited
-        if new_exited.done():
+            return new
+        still = "" if old.exited.done() else f"; pid {old.proc.pid} goes on serving"
+        if new.exited.done():
             log.error(
-                "worker %d's new process %s before it listened; pid %d goes on serving",
+                "worker %d's new process %s before it listened%s",
                 index,
-                describe_exit(new_exited.result()),
-                old.pid,
+                describe_exit(new.exited.result()),
+                still,
             )
         elif not self.stopping.is_set():
             log.error(
-                "worker %d's new process did not listen within %.0f s; stopping it, "
-                "pid %d goes on serving",
+                "worker %d's new process did not listen within %.0f s; stopping it%s",
                 index,
                 REPLACE_TIMEOUT_S,
-                old.pid,
+                still,
             )
-        if not new_exited.done():
-            await self._stop(index, new, new_exited)
-        slot.ready.touch()  # the old one listens still
+        if not new.exited.done():
+            new.listening.cancel()
+            self._retire(index, new, signal.SIGTERM)
         done.set_result(False)
-        return None
+        return old
+
+    async def _listens(self, process: _Process, exited: asyncio.Task[int]) -> bool:
+        """Whether `process` listens, waiting up to REPLACE_TIMEOUT_S for it to
+        say so; False at once if it exits or the group stops meanwhile."""
+        if not process.listening.done():
+            stop = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait(
+                [process.listening, exited, stop],
+                timeout=REPLACE_TIMEOUT_S,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            stop.cancel()
+        listening = process.listening.done() and not process.listening.cancelled()
+        return listening and not exited.done() and not self.stopping.is_set()
+
+    def _retire(self, index: int, process: _Process, how: signal.Signals) -> None:
+        """Stop `process` in the background (run() waits for it at the end)."""
+        task = asyncio.create_task(self._stop(index, process.proc, process.exited, how))
+        self._leaving[task] = process.proc
+        task.add_done_callback(self._leaving.pop)
 
     async def _stop(
         self,
@@ -508,13 +548,13 @@ class Supervisor:
         how: signal.Signals = signal.SIGTERM,
     ) -> None:
         """SIGTERM (the worker drains) or LEAVE_SIGNAL (it leaves the port to a
-        new one), then SIGKILL if it outlives the grace."""
+        new one, and may finish its requests for longer), then SIGKILL if it
+        outlives the grace."""
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(how)
+        budget = LEAVE_TIMEOUT_S if how == LEAVE_SIGNAL else self.group.drain_seconds
         try:
-            code = await asyncio.wait_for(
-                asyncio.shield(exited), self.group.drain_seconds + SHUTDOWN_GRACE_S
-            )
+            code = await asyncio.wait_for(asyncio.shield(exited), budget + SHUTDOWN_GRACE_S)
         except TimeoutError:
             log.error("worker %d (pid %d) did not stop in time; killing it", index, proc.pid)
             with contextlib.suppress(ProcessLookupError):
@@ -529,22 +569,39 @@ class Supervisor:
 
 @dataclass(eq=False)
 class _Slot:
-    """Worker `index` of the group: its command line and ready file, and the
-    reloads asking its keeper to replace it (each answered True once the new
-    process listens, or when none runs to replace)."""
+    """Worker `index` of the group: the command line of its `start`-th process,
+    how many it started, whether one has listened, and the reloads asking its
+    keeper to replace it (each answered True once the new process listens, or
+    when none runs to replace)."""
 
     index: int
-    argv: list[str]
-    ready: Path
+    argv: Callable[..., list[str]]
+    run_dir: Path
     lifeline: int
+    starts: int = 0
+    up: asyncio.Event = field(default_factory=asyncio.Event)
     replace: asyncio.Queue[asyncio.Future[bool]] = field(default_factory=asyncio.Queue)
 
 
-async def _until_exists(path: Path) -> None:
-    # Polled, as _announce polls: the ready file is how a worker says it
-    # listens. A stat of a file in the group's own run directory does not block.
-    while not path.exists():  # noqa: ASYNC110, ASYNC240
+@dataclass(frozen=True, slots=True)
+class _Process:
+    """One process of a worker: its exit, the wait for its ready file, and
+    when it started (the loop's clock)."""
+
+    proc: asyncio.subprocess.Process
+    exited: asyncio.Task[int]
+    listening: asyncio.Task[None]
+    started: float
+
+
+async def _listens(ready: Path, up: asyncio.Event) -> None:
+    """Return once the process writing `ready` listens (and set `up`)."""
+    # Polled: the ready file is how a proxy says it listens (tests and the demo
+    # read them too). A stat in the group's own run directory does not block.
+    while not ready.exists():  # noqa: ASYNC110, ASYNC240
         await asyncio.sleep(0.02)
+    ready.unlink()  # noqa: ASYNC240 - as above
+    up.set()
 
 
 def supervise(group: Group, argv: Sequence[str]) -> int:

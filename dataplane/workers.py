@@ -53,6 +53,7 @@ from dataplane.http.edge import LISTEN_BACKLOG
 from dataplane.http.errors import ApiError
 from dataplane.settings import Settings, WorkerSlot
 from dataplane.supervisor import (
+    metrics_socket_path,
     reuseport_socket,
     socket_path,
 )
@@ -249,17 +250,17 @@ async def start_sites(
 ) -> web.BaseSite:
     """Start a worker's private socket, then its listener on the shared port
     (`address`, default --listen; the metrics app passes its own and
-    `metrics_socket_path`), then give the private socket its name.
+    `metrics_socket_path`). Returns the shared-port site.
 
-    The socket is bound under a name of this process's and renamed to the one
-    siblings ask once both listen: a name that exists always answers, and a
-    worker started beside the one it replaces (a reload) takes the name over
-    in one step, the old one answering until then. Returns the shared-port site.
+    The private socket is bound under a name of this process's, which
+    publish_sockets gives it once the worker listens on every port: a name
+    that exists always answers, and a worker started beside the one it
+    replaces (a reload) takes the name over in one step, the old one
+    answering until then (also if the new one dies before it).
     """
     slot = settings.worker
     assert slot is not None
-    name = sockets(slot.run_dir, slot.index)
-    staging = name.with_name(f"{name.name}.{os.getpid()}")
+    staging = _staging(sockets(slot.run_dir, slot.index))
     await web.UnixSite(runner, str(staging)).start()
     host, port = address or (settings.listen_host, settings.listen_port)
     try:
@@ -268,8 +269,21 @@ async def start_sites(
     except BaseException:
         staging.unlink(missing_ok=True)
         raise
-    os.replace(staging, name)
     return site
+
+
+def publish_sockets(settings: Settings) -> None:
+    """Give the private sockets start_sites bound their names (see there)."""
+    slot = settings.worker
+    assert slot is not None
+    for sockets in (socket_path, metrics_socket_path):
+        name = sockets(slot.run_dir, slot.index)
+        with contextlib.suppress(FileNotFoundError):  # no metrics app of its own
+            os.replace(_staging(name), name)
+
+
+def _staging(name: Path) -> Path:
+    return name.with_name(f"{name.name}.{os.getpid()}")
 
 
 def watch_lifeline(fd: int, on_orphaned: Callable[[], None]) -> None:

@@ -341,6 +341,18 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._uncount()
         self.force_close()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request of this connection is being handled, waits its
+        turn (pipelined), or is coming in (its head or body begun)."""
+        return self._request_in_progress or bool(self._messages) or self._deadline.armed
+
+    def hang_up(self) -> None:
+        """Close this connection, which is not busy, as evict() does: a worker
+        leaving its group closes those its clients keep idle."""
+        self._uncount()
+        self.force_close()
+
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False

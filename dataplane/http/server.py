@@ -193,7 +193,9 @@ class Proxy:
         self.metrics.set_info(settings.name, settings.region, release)
         self.quota.load_saved()
         if self.holder.load_saved():
-            log.warning("serving the saved route table until the control plane answers")
+            # INFO: every start with a state directory does this (a group's
+            # reload, once per worker); the link warns if no control plane answers.
+            log.info("serving the saved route table until the control plane answers")
         self.locator.locator = open_locator(settings.geoip_db)
         if self.access_log is not None:
             self.access_log.start()

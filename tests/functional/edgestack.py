@@ -9,12 +9,22 @@ from pathlib import Path
 
 from aiohttp import web
 
-from dataplane.http.edge import EdgeRunner
+from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, QUOTA
 from dataplane.settings import parse as parse_proxy
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import table
+
+
+async def listen(app: web.Application) -> tuple[EdgeRunner, web.TCPSite, int]:
+    """`app` on EdgeRunner, with the default limits, on a free loopback port:
+    its runner (the caller cleans it up), its site and the port."""
+    runner = EdgeRunner(app, EdgeLimits(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
 @dataclass

@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dataplane.http.edge import EdgeLimits, EdgeRunner
+from dataplane.http.edge import EdgeRunner
+from tests.functional.edgestack import listen
 
 
 async def not_found(request: web.Request) -> web.Response:
@@ -62,11 +63,7 @@ async def served() -> AsyncIterator[tuple[EdgeRunner, str]]:
         ("/a-bug", a_bug), ("/returns-nothing", returns_nothing), ("/held", held),
     ]:  # fmt: skip
         app.router.add_get(path, handler)
-    runner = EdgeRunner(app, EdgeLimits(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, _, port = await listen(app)
     try:
         yield runner, f"http://127.0.0.1:{port}"
     finally:

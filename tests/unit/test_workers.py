@@ -209,33 +209,51 @@ WAITS = """
 import signal, sys
 from pathlib import Path
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-Path(sys.argv[1]).write_text("listening")
+Path(sys.argv[-1]).write_text("listening")
 signal.sigwait({signal.SIGTERM})
 """
 DIES = "raise SystemExit(3)"
-# One that notes its start and the signal that ends it (as LOG/w{index}-{pid}.start
-# and .end), and dies at once while LOG/fail-next exists.
+# One that notes its start, that it listens, and the signal that ends it (as
+# NOTES/w{index}-{pid}.start, .listens and .end). While NOTES/fail-next exists it
+# dies at once; while NOTES/slow exists it takes 0.5 s to listen; while
+# NOTES/die-at-successor exists, worker 0's first process dies (5) once its
+# successor started.
 NOTES = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 ends = {signal.SIGTERM, signal.SIGUSR2}
 signal.pthread_sigmask(signal.SIG_BLOCK, ends)
-ready, index, notes = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+index, notes, ready = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 me = notes / f"w{index}-{os.getpid()}"
 me.with_suffix(".start").touch()
+first = len(list(notes.glob(f"w{index}-*.start"))) == 1
 if (notes / "fail-next").exists():
     raise SystemExit(3)
+if (notes / "slow").exists():
+    time.sleep(0.5)
 ready.write_text("listening")
-me.with_suffix(".end").write_text(signal.Signals(signal.sigwait(ends)).name)
+me.with_suffix(".listens").touch()
+while (got := signal.sigtimedwait(ends, 0.01)) is None:
+    dies = index == "0" and first and (notes / "die-at-successor").exists()
+    if dies and len(list(notes.glob("w0-*.start"))) > 1:
+        raise SystemExit(5)
+me.with_suffix(".end").write_text(signal.Signals(got.si_signo).name)
 """
 
 
 def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str, notes: Path | None = None) -> None:
     def argv(
-        _argv: object, _s: object, index: int, _p: int, run_dir: Path, _l: int, _m: object
+        _argv: object,
+        _s: object,
+        index: int,
+        _p: int,
+        run_dir: Path,
+        _l: int,
+        _m: object,
+        start: int = 0,
     ) -> list[str]:
-        ready = str(supervisor.ready_path(run_dir, index))
-        return [sys.executable, "-c", code, ready, str(index), str(notes)]
+        ready = str(supervisor.ready_path(run_dir, index, start))
+        return [sys.executable, "-c", code, str(index), str(notes), ready]
 
     monkeypatch.setattr(supervisor, "worker_argv", argv)
 
@@ -343,12 +361,72 @@ async def test_a_successor_that_cannot_start_leaves_the_group_as_it_was(
     assert noted(notes, ".end") == {}, "no first worker was stopped"
     assert "worker 0's new process exited with 3 before it listened" in caplog.text
     assert "reload stopped at worker 0" in caplog.text
-    # Worker 0's ready file is back: the group still counts it as listening.
-    assert all(slot.ready.exists() for slot in group._slots)
     (notes / "fail-next").unlink()
     group.stopping.set()
     assert await asyncio.wait_for(run, 30) == 0
     assert set(noted(notes, ".end")) == first
+
+
+async def test_a_reload_while_the_group_starts_replaces_each_worker_once_it_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 32: a successor's ready file could be taken for its
+    predecessor's, which was then told to leave before anything else listened."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "slow").touch()
+    fake_workers(monkeypatch, NOTES, notes)
+    settings = parse([*BASE, "--workers", "2", "--listen", "127.0.0.1:0"])
+    group = supervisor.Supervisor(Group.of(settings), [])
+    run = asyncio.create_task(group.run())
+    while not group._slots:
+        await asyncio.sleep(0)
+    assert await asyncio.wait_for(group.reload(), 30)  # a SIGHUP as the group starts
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    starts, listens, ends = (
+        {p.stem: p.stat().st_mtime_ns for p in notes.glob(f"*.{what}")}
+        for what in ("start", "listens", "end")
+    )
+    assert len(starts) == 4 and set(listens) == set(ends) == set(starts)
+    for index in ("w0", "w1"):
+        first, second = sorted((n for n in starts if n.startswith(index)), key=lambda n: starts[n])
+        # The successor started after its predecessor listened, and listened
+        # before its predecessor was told to leave.
+        assert listens[first] <= starts[second] <= listens[second] <= ends[first]
+        assert noted(notes, ".end")[first] == "SIGUSR2"
+        assert noted(notes, ".end")[second] == "SIGTERM"
+
+
+async def test_a_worker_that_dies_during_its_reload_is_a_death_not_a_failed_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 32: it was logged as killed "while stopping" (nothing had
+    stopped it), and made the group's clean stop exit 1."""
+    group, run, notes = await notes_group(monkeypatch, tmp_path)
+    (notes / "die-at-successor").touch()
+    (notes / "slow").touch()  # it dies while its successor starts
+    assert await asyncio.wait_for(group.reload(), 30)
+    assert "during the reload; pid" in caplog.text and "takes its place" in caplog.text
+    assert "while stopping" not in caplog.text
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+
+
+async def test_a_stop_during_a_reload_stops_old_and_new_at_once_and_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    group, run, notes = await notes_group(monkeypatch, tmp_path)
+    (notes / "slow").touch()  # the successor is still starting when the stop comes
+    reload = asyncio.create_task(group.reload())
+    while len(noted(notes, ".start")) < 3:
+        await asyncio.sleep(0.01)
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    assert not await reload
+    assert "reload stopped" not in caplog.text  # a stop is not a failed reload
+    assert set(noted(notes, ".end").values()) == {"SIGTERM"}
+    assert len(noted(notes, ".end")) == 3
 
 
 async def test_a_group_stopped_before_it_started_its_workers_starts_none(
