@@ -645,6 +645,10 @@ class Catalog:
     async def put_proxy(self, record: ProxyRecord, lease: int) -> None:
         await _guard(self.store.put(PROXIES + record.name, encode(record), lease=lease))
 
+    async def get_proxy(self, name: str) -> ProxyRecord | None:
+        kv = await _guard(self.store.get(PROXIES + name))
+        return None if kv is None else decode_proxy(kv.value)
+
     async def remove_proxy(self, name: str, session_id: str) -> None:
         """Remove the registration only if it is still this session's."""
         kv = await _guard(self.store.get(PROXIES + name))

@@ -43,3 +43,9 @@ class FailedPrecondition(ControlPlaneError):
 
 class Unavailable(ControlPlaneError):
     status = grpc.StatusCode.UNAVAILABLE
+
+
+class Superseded(ControlPlaneError):
+    """A proxy's name is registered by a process started after this one's."""
+
+    status = grpc.StatusCode.ABORTED

@@ -240,6 +240,9 @@ class ProxyRecord:
     session_id: str
     control_plane_id: str
     connected_at: float
+    # When the proxy's process started (Unix time; 0: it did not say): of two
+    # processes of one name, the later one keeps the registration.
+    started_at: float = 0.0
     acked_version: int = 0
     last_error: str = ""
     # What its last ACK said it cannot use of the table it applied (a tenant

@@ -25,7 +25,7 @@ from dataclasses import replace
 import orjson
 
 from controlplane.catalog import REPLICAS, Catalog, Limited, Served, Traffic
-from controlplane.errors import Unavailable
+from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord
 from controlplane.store import LeaseExpired, StoreUnavailable
 
@@ -125,8 +125,17 @@ class ProxyRegistry:
             self._fleet = (now, size)
         return max(1, size)
 
-    async def register(self, name: str, region: str, address: str, version: str) -> ProxyRecord:
+    async def register(
+        self, name: str, region: str, address: str, version: str, *, started_at: float = 0.0
+    ) -> ProxyRecord:
+        """Register proxy `name`, replacing the registration of its name unless
+        that one's process started later (Superseded): a group's worker that a
+        reload replaced, or a proxy back from a partition after its restart
+        elsewhere, must not take the name from its successor."""
         lease = await self._ensure_lease()
+        current = await self._catalog.get_proxy(name)
+        if current is not None and current.started_at > started_at:
+            raise Superseded(f"proxy {name} is registered by a process started after this one")
         record = ProxyRecord(
             name=name,
             region=region,
@@ -135,6 +144,7 @@ class ProxyRegistry:
             session_id=uuid.uuid4().hex,
             control_plane_id=self.replica_id,
             connected_at=time.time(),
+            started_at=started_at,
         )
         # Timed before the write: a call cancelled (the proxy gone) or failed
         # during it may still have written the key, under the replica's lease,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,8 @@ from ponto.v1 import routing_pb2 as pb
 log = logging.getLogger(__name__)
 SERVICE = "ponto.v1.Routing"
 MAX_FIELD = 256
+# How far ahead of this replica's clock a proxy's may be.
+MAX_CLOCK_SKEW_S = 300.0
 # A proxy reports at most this many scopes a time; the rest is ignored.
 MAX_SCOPES = 10_000
 # And at most this many served regions (a fleet has a few), so a faulty proxy
@@ -121,7 +124,12 @@ class RoutingService:
             raise InvalidArgument(f"proxy region {info.region!r} is invalid")
         if len(info.address) > MAX_FIELD or len(info.version) > MAX_FIELD:
             raise InvalidArgument("proxy address or version is too long")
-        record = await self._registry.register(info.name, info.region, info.address, info.version)
+        # A start in the future would hold the name against every later process.
+        if not 0.0 <= info.started_at <= time.time() + MAX_CLOCK_SKEW_S:
+            raise InvalidArgument(f"proxy start time {info.started_at!r} is not a past time")
+        record = await self._registry.register(
+            info.name, info.region, info.address, info.version, started_at=info.started_at
+        )
         log.info("proxy %s (%s) registered, session %s", info.name, info.region, record.session_id)
         return pb.RegisterResponse(
             session_id=record.session_id,

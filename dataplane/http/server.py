@@ -151,6 +151,9 @@ class Proxy:
             name=settings.name,
             region=settings.region,
             address=settings.advertise,
+            # This process's start, near enough: of two processes of one name
+            # (a worker and its successor in a reload), the later one keeps it.
+            started_at=time.time(),
         )
         self.client = client = ControlPlaneClient(
             holder,

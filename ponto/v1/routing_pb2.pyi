@@ -35,9 +35,11 @@ class ProxyInfo(_message.Message):
     REGION_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique within the fleet; a second proxy registering the same name replaces
-    the first one's registration.
+    the first one's registration, unless the first one's process started later
+    (started_at): then the second is refused ABORTED.
     """
     region: _builtins.str
     """Region the proxy runs in; must be a region known to the control plane."""
@@ -45,6 +47,13 @@ class ProxyInfo(_message.Message):
     """Address clients use to reach the proxy (host:port), for operators."""
     version: _builtins.str
     """Software version of the proxy."""
+    started_at: _builtins.float
+    """When the proxy's process started (Unix seconds; 0: not said, as proxies
+    before it did not). Of two processes of one name, the one started later
+    keeps the registration: an older one (a group's worker its successor
+    replaced in a reload, a proxy back from a network partition after its
+    restart elsewhere) is refused, and waits before it asks again.
+    """
     def __init__(
         self,
         *,
@@ -52,10 +61,11 @@ class ProxyInfo(_message.Message):
         region: _builtins.str = ...,
         address: _builtins.str = ...,
         version: _builtins.str = ...,
+        started_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "region", b"region", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "region", b"region", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

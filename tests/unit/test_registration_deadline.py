@@ -6,6 +6,8 @@ proxy's share of a global limit) until its replica goes."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import Any
 
 import grpc
@@ -14,7 +16,7 @@ import pytest
 from controlplane.api.routing import RoutingService
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
-from controlplane.errors import Unavailable
+from controlplane.errors import Superseded, Unavailable
 from controlplane.registry import ProxyRegistry
 from controlplane.store import KeyValue, StoreUnavailable
 from controlplane.store.memory import MemoryStore
@@ -270,3 +272,37 @@ async def test_a_stream_opened_while_the_sweep_runs_keeps_its_registration() -> 
     await sweep
     assert set(registry.sessions) == {b.session_id}
     assert await fleet(catalog) == ["p-b"]
+
+
+async def test_an_older_process_cannot_take_the_name_of_a_later_one() -> None:
+    """Review 32: a group's worker that registered again just after its
+    successor (its stream ended for another reason meanwhile) took the name
+    back, and its leave then removed the registration for 30 s."""
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    successor = await registry.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    with pytest.raises(Superseded, match="registered by a process started after this one"):
+        await registry.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    assert set(registry.sessions) == {successor.session_id}
+    current = await catalog.get_proxy("g-w0")
+    assert current is not None and current.session_id == successor.session_id
+    # The same process again (a reconnect) may, and so may a later one.
+    again = await registry.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    later = await registry.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=300.0)
+    assert again.session_id not in registry.sessions
+    # Once the later one is gone, the name is free again, for anyone.
+    await registry.unregister(later.session_id)
+    await registry.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
+
+
+@pytest.mark.parametrize("started_at", [math.nan, math.inf, -1.0, "future"])
+async def test_a_start_time_that_is_no_past_time_is_refused(started_at: float | str) -> None:
+    """A start in the future would hold the name against every later process."""
+    registry = ProxyRegistry(Catalog(MemoryStore()), "cp", stream_grace=10.0)
+    routing = RoutingService(registry, Publisher("cp"))
+    when = time.time() + 3600 if started_at == "future" else float(started_at)
+    info = pb.ProxyInfo(name="p1", region="eu", address="127.0.0.1:1", started_at=when)
+    with pytest.raises(Refused, match="is not a past time") as refused:
+        await routing.register(pb.RegisterRequest(proxy=info), RefusingStream())
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert registry.sessions == {}
