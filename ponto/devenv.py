@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,11 +57,40 @@ def find_etcd() -> Path:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (callers accept the small race)."""
+    """A port that was free a moment ago (callers accept the small race).
+
+    Picked below the kernel's ephemeral range, so no outgoing connection takes
+    it as its local port while what listens there is down (CI once failed to
+    restart etcd on its port: a connection had it; a connection to a port in
+    that range with nothing listening can even connect to itself).
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_OWN_PORTS_LOW, low)  # noqa: S311 (not a secret)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        found: int = s.getsockname()[1]
+        return found
+
+
+# Ports below this are left to services people run on their machines.
+_OWN_PORTS_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > _OWN_PORTS_LOW + 1000 else 32768
 
 
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
