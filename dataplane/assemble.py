@@ -100,6 +100,28 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
     return changed
 
 
+def ruled_fields(endpoint: str, rules: PromptRules) -> tuple[str, ...]:
+    """The top-level fields `rules` read on `endpoint`'s requests."""
+    names: tuple[str, ...] = ("model",) if rules.aliases else ()
+    if rules.system_prompt:
+        names += ("instructions", "input") if endpoint == "responses" else ("messages",)
+    if rules.max_tokens_ceiling and endpoint != "embeddings":
+        names += RESPONSES_TOKEN_FIELDS if endpoint == "responses" else TOKEN_FIELDS
+    return names
+
+
+def names_twice(raw: bytes, names: tuple[str, ...]) -> bool:
+    """Whether the JSON text `raw` may name one of `names` twice as an object
+    key: then the body the rules checked (the parser keeps a key's last value)
+    is what the origin must get, not `raw`, which an origin that reads a key's
+    first value would read otherwise (`"max_tokens": 100000` before a
+    `"max_tokens": 5` within the ceiling). A quoted name twice anywhere is
+    enough (a tool's schema may have a property of that name): writing the
+    body anew costs a few microseconds; a 400 would refuse a valid request.
+    A quote inside a JSON string is escaped, so a key is always found."""
+    return any(raw.count(b'"%s"' % name.encode()) > 1 for name in names)
+
+
 def _instruct(body: dict[str, Any], rules: PromptRules) -> None:
     """The tenant's system prompt into a Responses request's `instructions`."""
     theirs = body.get("instructions")

@@ -80,6 +80,8 @@ MAX_DEPTH = 128
 # orjson reads integers in [-2**63, 2**64) as int and anything wider as float.
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
+# An integral float this large may stand for an integer orjson could not read exactly.
+_FLOAT_EXACT_BELOW = 2.0**63
 
 
 class UncacheableRequest(ValueError):
@@ -373,7 +375,13 @@ def _canon(value: Any, depth: int = 0) -> Any:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise UncacheableRequest(f"{value} has no JSON form")
-        if value.is_integer() and _INT_MIN <= value <= _INT_MAX:
+        if value.is_integer():
+            if abs(value) >= _FLOAT_EXACT_BELOW:
+                # orjson reads an integer wider than 64 bits as the nearest
+                # float (-2**63 - 1 as -2**63): 2**64 and 2**64 + 1 would
+                # share a key, though an origin that reads them exactly sees
+                # two requests.
+                raise UncacheableRequest(f"{value:g} may be an integer wider than 64 bits")
             return int(value)  # also folds -0.0 into 0
         return value
     if depth >= MAX_DEPTH and isinstance(value, (Mapping, list, tuple)):

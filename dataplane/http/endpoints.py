@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dataplane import jsonio
 from dataplane.http.errors import ApiError, Unauthorized, model_not_found
 from dataplane.http.pipeline import authenticate
-from dataplane.http.state import CLIENT, HOLDER, METRICS, PRINCIPAL, QUOTA
+from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PRINCIPAL, QUOTA
 
 
 def _callable_models(request: web.Request) -> list[str]:
@@ -76,7 +76,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: a route table to serve, and its rate-limit shares if it has limits."""
+    """Ready: not draining, a route table to serve, and its rate-limit shares if
+    it has limits. A draining proxy answers 503 so that a load balancer stops
+    sending it connections while it finishes the requests it holds."""
+    if request.app[DRAINING].active:
+        raise ApiError(503, "this proxy is stopping", type="server_error", code="draining")
     if request.app[HOLDER].routes is None:
         raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")
     if not request.app[QUOTA].ready:

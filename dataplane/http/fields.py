@@ -269,14 +269,19 @@ def _missing(name: str) -> Invalid:
     return Invalid(missing, f".{name}")
 
 
-def _out_of_range(kind: str, value: float, low: float, high: float) -> Invalid:
-    below = value < low
+def _out_of_range(
+    kind: str, value: float, low: float, high: float, *, beyond_64_bits: bool = False
+) -> Invalid:
+    """beyond_64_bits: `value` is orjson's float for an integer wider than 64
+    bits, which is neither exact (it may equal a bound) nor how it was written."""
+    below = value < 0 if beyond_64_bits else value < low
     word, sign, bound = ("below minimum", ">=", low) if below else ("above maximum", "<=", high)
     code = f"{kind}_{'below_min' if below else 'above_max'}_value"
+    got = "an integer wider than 64 bits" if beyond_64_bits else _num(value)
     return Invalid(
         lambda param: bad_request(
             f"Invalid '{param}': {kind} {word} value. "
-            f"Expected a value {sign} {_num(bound)}, but got {_num(value)} instead.",
+            f"Expected a value {sign} {_num(bound)}, but got {got} instead.",
             param=param,
             code=code,
         )
@@ -340,7 +345,7 @@ def integer(low: int, high: int) -> Check:
     def check(value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and abs(value) >= _BEYOND_64_BITS and value.is_integer():
-                raise _out_of_range("integer", value, low, high)
+                raise _out_of_range("integer", value, low, high, beyond_64_bits=True)
             raise _wrong_type("an integer", value)
         if not low <= value <= high:
             raise _out_of_range("integer", value, low, high)

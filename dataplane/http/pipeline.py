@@ -27,7 +27,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
-from dataplane.assemble import assemble
+from dataplane.assemble import assemble, names_twice, ruled_fields
 from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, AuthUnavailable, Principal
 from dataplane.cache.entry import CachedResponse, from_completion
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
@@ -310,7 +310,10 @@ class Pipeline:
         asked = ex.body["model"]
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
-        ex.rewritten = assemble(ex.endpoint.name, ex.body, ex.tenant.prompt)
+        rules = ex.tenant.prompt
+        ex.rewritten = assemble(ex.endpoint.name, ex.body, rules) or (
+            not rules.empty and names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
+        )
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:
             raise model_not_found(asked)

@@ -139,4 +139,6 @@ class QuotaState:
             log.error("ignoring saved quota shares %s: %s", path, exc)
             return
         self._take(quota, live=False)
-        log.info("using saved quota shares (generation %d) until the leader's", quota.generation)
+        log.info(
+            "using saved quota shares (generation %d) until the leader's arrive", quota.generation
+        )

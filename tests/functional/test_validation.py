@@ -28,7 +28,8 @@ from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import COMPLETION, MODEL, Stack, error_of, start_stack
 
-PLAIN, PROMPTED, ENFORCED = issue_key(), issue_key(), issue_key()
+PLAIN, PROMPTED, ENFORCED, CAPPED = issue_key(), issue_key(), issue_key(), issue_key()
+CEILING = 10
 SYSTEM_PROMPT = "Answer in French."
 
 ANSWERS: dict[str, dict[str, Any]] = {
@@ -66,9 +67,10 @@ class Proxy:
 
 
 def route_table(url: str) -> pb.RouteTable:
-    """One recording origin; three tenants with caching off (every valid request
+    """One recording origin; four tenants with caching off (every valid request
     reaches the origin): one without prompt rules, one whose system prompt is
-    prepended, one whose system prompt replaces the client's."""
+    prepended, one whose system prompt replaces the client's, one with a
+    max_tokens ceiling."""
     off = pb.CachePolicy(mode="off")
     t = pb.RouteTable(
         version=3,
@@ -88,10 +90,16 @@ def route_table(url: str) -> pb.RouteTable:
                 cache=off,
                 prompt=pb.PromptPolicy(system_prompt=SYSTEM_PROMPT, enforce_system_prompt=True),
             ),
+            pb.Tenant(name="capped", cache=off, prompt=pb.PromptPolicy(max_tokens_ceiling=CEILING)),
         ],
         keys=[
             pb.ApiKey(id=k.key_id, hash=k.key_hash, tenant=tenant)
-            for k, tenant in ((PLAIN, "plain"), (PROMPTED, "prompted"), (ENFORCED, "enforced"))
+            for k, tenant in (
+                (PLAIN, "plain"),
+                (PROMPTED, "prompted"),
+                (ENFORCED, "enforced"),
+                (CAPPED, "capped"),
+            )
         ],
         auth_required=True,
     )
@@ -192,6 +200,25 @@ async def test_an_origins_error_names_the_clients_message_index(
     err = error_of(await resp.json())
     assert err["param"] == f"messages[{client_index}].content"
     assert err["message"] == f"'messages[{client_index}].content' is too long"
+
+
+async def test_a_field_named_twice_reaches_the_origin_as_the_ceiling_checked_it(
+    proxy: Proxy,
+) -> None:
+    # The parser keeps the last value (5, within the ceiling); an origin that
+    # reads the first would have generated 100000 tokens had the raw body gone.
+    raw = (b'{"model": "%s", "max_tokens": 100000, "messages": [{"role": "user", '
+           b'"content": "hi"}], "max_tokens": 5}' % MODEL.encode())  # fmt: skip
+    resp = await proxy.post("/v1/chat/completions", raw, key=CAPPED.key)
+    assert resp.status == 200, await resp.text()
+    sent = proxy.seen[-1][1]
+    assert sent.count(b'"max_tokens"') == 1
+    assert json.loads(sent)["max_tokens"] == 5
+    # Named once, the body goes as the client wrote it.
+    once = raw.replace(b'"max_tokens": 100000, ', b"")
+    resp = await proxy.post("/v1/chat/completions", once, key=CAPPED.key)
+    assert resp.status == 200, await resp.text()
+    assert proxy.seen[-1] == ("/v1/chat/completions", once)
 
 
 async def test_a_valid_request_is_checked_before_the_system_prompt_is_added(proxy: Proxy) -> None:

@@ -370,6 +370,22 @@ def test_long_token_prompts_pass_and_a_wrong_token_is_named() -> None:
     assert refusal(E, embedding(input=[[1], 2])).param == "input[1]"
 
 
+def test_integers_wider_than_64_bits_are_out_of_range_on_their_own_side() -> None:
+    # orjson reads them as the nearest float: -2**63 - 1 as -2**63, the seed's
+    # own minimum, which a comparison would call in range or above it.
+    for text, code in (
+        (b"-9223372036854775809", "integer_below_min_value"),
+        (b"-100000000000000000000000", "integer_below_min_value"),
+        (b"18446744073709551616", "integer_above_max_value"),
+        (b"100000000000000000000000", "integer_above_max_value"),
+    ):
+        body = orjson.loads(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                            b'"seed": ' + text + b"}")  # fmt: skip
+        err = refusal(C, body)
+        assert (err.param, err.code) == ("seed", code), err.message
+        assert err.message.endswith("but got an integer wider than 64 bits instead."), err.message
+
+
 def test_messages_are_in_openai_words() -> None:
     assert refusal(C, chat(temperature="hot")).message == (
         "Invalid type for 'temperature': expected a decimal, but got a string instead."

@@ -23,7 +23,7 @@ from controlplane.readiness import LIVENESS, READINESS, STORE, Condition, status
 from controlplane.settings import parse
 from controlplane.store.memory import MemoryStore
 from dataplane.http.server import build_app
-from dataplane.http.state import HOLDER
+from dataplane.http.state import DRAINING, HOLDER
 from dataplane.settings import parse as parse_proxy
 from ponto.devenv import free_port
 from ponto.routetable import content_etag
@@ -156,6 +156,12 @@ async def test_proxy_is_not_ready_until_it_holds_a_route_table() -> None:
         app[HOLDER].apply(table, "control-plane")
         resp = await client.get("/readyz")
         assert resp.status == 200, await resp.text()
+        # Draining: no longer ready, so a load balancer sends it nothing new.
+        app[DRAINING].active = True
+        resp = await client.get("/readyz")
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "draining"
+        assert (await client.get("/healthz")).status == 200
     finally:
         await client.close()
 

@@ -9,7 +9,7 @@ import pytest
 from multidict import CIMultiDict
 
 from dataplane import jsonio
-from dataplane.assemble import PromptRules, assemble
+from dataplane.assemble import PromptRules, assemble, names_twice, ruled_fields
 from dataplane.http.errors import (
     UPSTREAM_REFUSED,
     ApiError,
@@ -333,3 +333,20 @@ def test_a_busy_origin_waits_its_retry_after_or_a_second_at_most_a_minute(
     value: str, seconds: float
 ) -> None:
     assert busy_wait_s(value, NOW) == seconds
+
+
+def test_the_fields_rules_read_are_found_named_twice() -> None:
+    rules = PromptRules(max_tokens_ceiling=10, aliases={"a": "m"})
+    assert ruled_fields("chat.completions", rules) == (
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+    )
+    assert ruled_fields("responses", rules) == ("model", "max_output_tokens")
+    assert ruled_fields("embeddings", PromptRules(max_tokens_ceiling=10)) == ()
+    assert ruled_fields("chat.completions", PromptRules()) == ()
+    twice = b'{"max_tokens": 1, "model": "m", "max_tokens" : 2}'
+    assert names_twice(twice, ("model", "max_tokens"))
+    assert not names_twice(twice, ("model",))
+    # Inside a string a quote is escaped: the text names no key.
+    assert not names_twice(b'{"max_tokens": 1, "x": "say \\"max_tokens\\""}', ("max_tokens",))
