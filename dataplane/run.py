@@ -136,6 +136,9 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
         log.info("draining for %.1f s", settings.drain_seconds)
         await _drain(site, settings.drain_seconds)
     log.info("shutting down")
+    # Answers from now on say `Connection: close` too, and a request cut at
+    # the end is the proxy's doing ("cancelled"), drain or not.
+    app[DRAINING].active = True
     await runner.cleanup()
     if metrics_runner is not None:
         await metrics_runner.cleanup()

@@ -230,6 +230,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_head_bytes",
         "_hooks",
         "_ids",
+        "_last",
         "_limits",
         "_payload",
         "_sent",
@@ -256,6 +257,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._sent: web.Response | None = None
         # The connection was cut because the client took no byte for send_timeout.
         self.send_stalled = False
+        # The server stops: this connection serves the request begun on it, if
+        # any, and no other (see stop_taking).
+        self._last = False
 
     # ------------------------------------------------------------ connections
 
@@ -345,7 +349,27 @@ class EdgeProtocol(web_protocol.RequestHandler):
     def busy(self) -> bool:
         """Whether a request of this connection is being handled, waits its
         turn (pipelined), or is coming in (its head or body begun)."""
-        return self._request_in_progress or bool(self._messages) or self._deadline.armed
+        return (
+            self._request_in_progress
+            or bool(self._messages)
+            or self._payload is not None
+            or self._head_bytes > 0
+        )
+
+    def stop_taking(self) -> None:
+        """The server stops (in place of aiohttp's close() of every connection
+        as it shuts down): a connection with a request begun finishes it,
+        still reading its head and body, and closes after its answer; one
+        with none is closed now.
+
+        aiohttp's close() reads nothing more, so a body half received waited
+        out the body timeout (30 s, then a 408 though the client had sent
+        it), and a connection whose task had not started yet (accepted just
+        before) went on waiting for a request it no longer read, until the
+        header timeout closed it without an answer."""
+        self._last = True
+        if not self.busy:
+            self.force_close()
 
     def hang_up(self) -> None:
         """Close this connection, which is not busy, as evict() does: a worker
@@ -402,6 +426,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
 
         while not self._force_close:
             if not self._messages:
+                if self._last and not self.busy:
+                    break  # the server stops, and no request has begun here
                 try:
                     # wait for next request
                     self._waiter = loop.create_future()
@@ -494,7 +520,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 if self.transport is None and resp is not None:
                     self.log_debug("Ignored premature client disconnection.")
 
-            if self._keepalive and not self._close and not self._force_close:
+            if self._keepalive and not (self._close or self._force_close or self._last):
                 # start keep-alive timer
                 close_time = loop.time() + keepalive_timeout
                 self._next_keepalive_close_time = close_time
@@ -618,37 +644,36 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self.close()
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:  # noqa: ASYNC109 - aiohttp's signature
-        """aiohttp 3.14's `RequestHandler.shutdown`, with one change: a request
-        still running after `timeout` is cancelled then (its handler runs in
-        this connection's task, see `start`), so that its boundary records it
-        as cancelled and the stop takes `timeout`.
+        """aiohttp 3.14's `RequestHandler.shutdown`, with two changes.
 
-        aiohttp then only fails the request's body and waits `timeout` again
-        for this task, which a handler that reads no more of its body (a
-        relayed stream) outlives: a stop took twice the timeout, past the
-        worker supervisor's grace (dataplane.supervisor.SHUTDOWN_GRACE_S), whose
-        kill lost the request's access-log line.
+        The request begun on the connection is finished as any other, its
+        head and body still read (stop_taking), where aiohttp stops reading
+        at once and waits only for a handler already running.
+
+        A request still running after `timeout` is cancelled then (its
+        handler runs in this connection's task, see `start`), so that its
+        boundary records it as cancelled and the stop takes `timeout`.
+        aiohttp only fails the request's body and waits `timeout` again for
+        this task, which a handler that reads no more of its body (a relayed
+        stream) outlives: a stop took twice the timeout, past the worker
+        supervisor's grace (dataplane.supervisor.SHUTDOWN_GRACE_S), whose kill
+        lost the request's access-log line.
         """
-        self._force_close = True
+        self.stop_taking()
         if self._keepalive_handle is not None:
             self._keepalive_handle.cancel()
-        if self._request_in_progress:
-            # Wait for graceful handler completion.
-            self._handler_waiter = self._loop.create_future()
-            try:
-                async with ceil_timeout(timeout):
-                    await self._handler_waiter
-            except (asyncio.CancelledError, TimeoutError):
-                self._handler_waiter = None
-                if (task := asyncio.current_task()) and task.cancelling():
-                    raise
         task = self._task_handler
-        if task is None or task.done():
-            return
-        if self._request_in_progress:  # past the timeout: stop it now
-            if self._current_request is not None:
-                self._current_request._cancel(asyncio.CancelledError())
-            task.cancel()
+        if task is not None and not task.done():
+            await self._wait_for(task, timeout)
+            if not task.done():  # past the timeout: stop it now
+                if self._current_request is not None:
+                    self._current_request._cancel(asyncio.CancelledError())
+                task.cancel()
+                await self._wait_for(task, timeout)
+        self.force_close()
+
+    @staticmethod
+    async def _wait_for(task: asyncio.Task[None], timeout: float | None) -> None:  # noqa: ASYNC109
         try:
             async with ceil_timeout(timeout):
                 await asyncio.shield(task)
@@ -661,6 +686,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         sent, self._sent = self._sent, None
         answered: tuple[web.StreamResponse, bool]
+        if self._last and not resp.prepared:
+            resp.force_close()  # the server stops: this answer is the last
         # A handler that returns None (a bug) sent nothing: aiohttp answers it 500.
         if resp is sent and sent is not None:
             answered = resp, not await _drained(request._payload_writer)
@@ -681,6 +708,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
         waits for the drain once the handler returns. False when `resp` is
         not one `_fits` covers (`finish_response` writes it then, as usual)
         or the client is gone."""
+        if self._last:
+            resp.force_close()  # the server stops: this answer is the last
         if not (self._fits(request, resp) and self._put_whole(request, resp)):
             return False
         self._sent = resp
@@ -986,6 +1015,15 @@ class EdgeServer(web.Server):
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._loop, **self._kwargs)
+
+    def pre_shutdown(self) -> None:
+        """The listeners are closed: each connection finishes the request
+        begun on it and takes no other (EdgeProtocol.stop_taking)."""
+        for conn in list(self._connections):
+            if isinstance(conn, EdgeProtocol):
+                conn.stop_taking()
+            else:  # pragma: no cover - this server makes EdgeProtocols only
+                conn.close()
 
 
 class EdgeRunner(web.AppRunner):

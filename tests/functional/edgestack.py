@@ -17,10 +17,12 @@ from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import table
 
 
-async def listen(app: web.Application) -> tuple[EdgeRunner, web.TCPSite, int]:
-    """`app` on EdgeRunner, with the default limits, on a free loopback port:
-    its runner (the caller cleans it up), its site and the port."""
-    runner = EdgeRunner(app, EdgeLimits(), access_log=None)
+async def listen(
+    app: web.Application, limits: EdgeLimits | None = None
+) -> tuple[EdgeRunner, web.TCPSite, int]:
+    """`app` on EdgeRunner, with `limits` (default: the defaults), on a free
+    loopback port: its runner (the caller cleans it up), its site and the port."""
+    runner = EdgeRunner(app, limits or EdgeLimits(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
