@@ -118,8 +118,19 @@ def names_twice(raw: bytes, names: tuple[str, ...]) -> bool:
     `"max_tokens": 5` within the ceiling). A quoted name twice anywhere is
     enough (a tool's schema may have a property of that name): writing the
     body anew costs a few microseconds; a 400 would refuse a valid request.
-    A quote inside a JSON string is escaped, so a key is always found."""
+    A quote inside a JSON string is escaped, so a key is always found, unless
+    the name itself is escaped (`"max\\u005ftokens"` is `max_tokens` to the
+    parser): a body that escapes a letter, digit or underscore (which no
+    encoder does of its own accord) may name anything twice."""
+    if b"\\u" in raw and _ESCAPED_NAME_CHAR.search(raw):
+        return True
     return any(raw.count(b'"%s"' % name.encode()) > 1 for name in names)
+
+
+# \u0030-\u0039, \u0040-\u007f: the characters of a field's name among them
+# (JSON encoders escape quotes, control and non-ASCII characters, and some
+# <, > and &, all outside it).
+_ESCAPED_NAME_CHAR = re.compile(rb"\\u00(?:3[0-9]|[4-7][0-9a-fA-F])")
 
 
 def _instruct(body: dict[str, Any], rules: PromptRules) -> None:

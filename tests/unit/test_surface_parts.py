@@ -350,3 +350,10 @@ def test_the_fields_rules_read_are_found_named_twice() -> None:
     assert not names_twice(twice, ("model",))
     # Inside a string a quote is escaped: the text names no key.
     assert not names_twice(b'{"max_tokens": 1, "x": "say \\"max_tokens\\""}', ("max_tokens",))
+    # A name with a character escaped is the same name to the parser.
+    escaped = b'{"max\\u005ftokens": 100000, "max_tokens": 5}'
+    assert names_twice(escaped, ("max_tokens",))
+    assert names_twice(escaped.replace(b"005f", b"005F"), ("max_tokens",))
+    assert names_twice(b'{"\\u006dax_tokens": 1, "max_tokens": 5}', ("max_tokens",))
+    # Non-ASCII text and HTML-safe escapes are no name's characters.
+    assert not names_twice(b'{"max_tokens": 1, "x": "caf\\u00e9 \\u003cb\\u003e"}', ("max_tokens",))
