@@ -272,12 +272,14 @@ def _missing(name: str) -> Invalid:
 def _out_of_range(
     kind: str, value: float, low: float, high: float, *, beyond_64_bits: bool = False
 ) -> Invalid:
-    """beyond_64_bits: `value` is orjson's float for an integer wider than 64
-    bits, which is neither exact (it may equal a bound) nor how it was written."""
+    """beyond_64_bits: `value` is a whole float past the 64-bit integers
+    (orjson's float for an integer wider than that, or a decimal such as
+    1e19), neither exact (it may equal a bound) nor how it was written: it is
+    named as a number outside the 64-bit range."""
     below = value < 0 if beyond_64_bits else value < low
     word, sign, bound = ("below minimum", ">=", low) if below else ("above maximum", "<=", high)
     code = f"{kind}_{'below_min' if below else 'above_max'}_value"
-    got = "an integer wider than 64 bits" if beyond_64_bits else _num(value)
+    got = "a number outside the 64-bit range" if beyond_64_bits else _num(value)
     return Invalid(
         lambda param: bad_request(
             f"Invalid '{param}': {kind} {word} value. "
