@@ -38,6 +38,7 @@ from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    Superseded,
     Unavailable,
 )
 from controlplane.model import (
@@ -644,6 +645,52 @@ class Catalog:
 
     async def put_proxy(self, record: ProxyRecord, lease: int) -> None:
         await _guard(self.store.put(PROXIES + record.name, encode(record), lease=lease))
+
+    async def register_proxy(self, record: ProxyRecord, lease: int) -> None:
+        """Write `record` over its name's registration unless that one is of a
+        process started after `record`'s (Superseded). A start time of 0 is
+        unknown (a proxy that does not say it) and supersedes or is
+        superseded by nothing. Checked and written at one revision, so that of
+        two registrations of a name at once (on two replicas) the older
+        process's cannot overwrite the one its check missed."""
+
+        def takes(current: ProxyRecord | None) -> bool:
+            if current is not None and current.started_at > record.started_at > 0:
+                raise Superseded(
+                    f"proxy {record.name} is registered by a process started after this one"
+                )
+            return True
+
+        await self._put_proxy_if(record, lease, takes)
+
+    async def restore_proxy(self, record: ProxyRecord, lease: int) -> bool:
+        """Write `record` again (its key went with a lost lease) unless its
+        name registered anew meanwhile, here or on another replica: False
+        then, and the newer registration stays."""
+        return await self._put_proxy_if(
+            record,
+            lease,
+            lambda current: current is None or current.session_id == record.session_id,
+        )
+
+    async def _put_proxy_if(
+        self, record: ProxyRecord, lease: int, takes: Callable[[ProxyRecord | None], bool]
+    ) -> bool:
+        key = PROXIES + record.name
+        for _ in range(CAS_ATTEMPTS):
+            kv = await _guard(self.store.get(key))
+            current = None if kv is None else decode_proxy(kv.value)
+            if not takes(current):
+                return False
+            revision = 0 if kv is None else kv.mod_revision
+            try:
+                await _guard(
+                    self.store.put(key, encode(record), lease=lease, if_mod_revision=revision)
+                )
+            except Conflict:
+                continue
+            return True
+        raise Unavailable(f"proxy {record.name} kept registering again; try again")
 
     async def get_proxy(self, name: str) -> ProxyRecord | None:
         kv = await _guard(self.store.get(PROXIES + name))

@@ -133,9 +133,6 @@ class ProxyRegistry:
         reload replaced, or a proxy back from a partition after its restart
         elsewhere, must not take the name from its successor."""
         lease = await self._ensure_lease()
-        current = await self._catalog.get_proxy(name)
-        if current is not None and current.started_at > started_at:
-            raise Superseded(f"proxy {name} is registered by a process started after this one")
         record = ProxyRecord(
             name=name,
             region=region,
@@ -153,7 +150,11 @@ class ProxyRegistry:
         # this replica's (superseding an older one of the name, rewritten on
         # a new lease) only once the write is done.
         self._unstreamed[record.session_id] = (name, None)
-        await self._catalog.put_proxy(record, lease)
+        try:
+            await self._catalog.register_proxy(record, lease)
+        except Superseded:
+            self._unstreamed.pop(record.session_id, None)  # nothing was written
+            raise
         old = self._by_name.get(name)
         if old is not None:
             self.sessions.pop(old, None)
@@ -302,15 +303,21 @@ class ProxyRegistry:
             await self._remove_key(name, session_id)  # its Register never finished
 
     async def unregister(self, session_id: str) -> None:
+        record = self._forget(session_id)
+        if record is not None:
+            await self._remove_key(record.name, session_id)
+
+    def _forget(self, session_id: str) -> ProxyRecord | None:
+        """Drop the session here (not its key); its record, if it had one."""
         self._unstreamed.pop(session_id, None)
         record = self.sessions.pop(session_id, None)
         if record is None:
-            return
+            return None
         if self._by_name.get(record.name) == session_id:
             del self._by_name[record.name]
             self._traffic.pop(record.name, None)
         self._acks_dirty = True
-        await self._remove_key(record.name, session_id)
+        return record
 
     async def _remove_key(self, name: str, session_id: str) -> None:
         """Remove proxy `name`'s key if it is still `session_id`'s."""
@@ -345,7 +352,12 @@ class ProxyRegistry:
             lease = await self._ensure_lease()
             await self._put_announcement(lease)
             for record in list(self.sessions.values()):
-                await self._catalog.put_proxy(record, lease)
+                if not await self._catalog.restore_proxy(record, lease):
+                    # Its name registered anew (elsewhere) while the lease
+                    # was lost: that session is the proxy's now, and this
+                    # one's stream ends ABORTED.
+                    log.info("proxy %s registered again elsewhere meanwhile", record.name)
+                    self._forget(record.session_id)
             self._acks_dirty = True
             self._traffic_dirty = True
         except (Unavailable, LeaseExpired, StoreUnavailable) as exc:

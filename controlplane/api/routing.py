@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,7 +30,7 @@ from ponto.v1 import routing_pb2 as pb
 log = logging.getLogger(__name__)
 SERVICE = "ponto.v1.Routing"
 MAX_FIELD = 256
-# How far ahead of this replica's clock a proxy's may be.
+# How far after the clock it is judged by (check_start) a proxy's start may be.
 MAX_CLOCK_SKEW_S = 300.0
 # A proxy reports at most this many scopes a time; the rest is ignored.
 MAX_SCOPES = 10_000
@@ -50,6 +51,19 @@ MAX_UNANSWERED = 16
 
 def _identity(payload: bytes) -> bytes:
     return payload
+
+
+def check_start(info: pb.ProxyInfo, now: float) -> None:
+    """Refuse (InvalidArgument) a start time that is no past time: after the
+    proxy's own clock as it sent the request, or, if it does not say it
+    (sent_at 0), after `now`, by more than MAX_CLOCK_SKEW_S. A start in the
+    future would hold the name against every later process of it; a proxy
+    whose clock runs ahead of the control plane's is judged by its own."""
+    started, sent = info.started_at, info.sent_at
+    if not (math.isfinite(sent) and sent >= 0.0):
+        raise InvalidArgument(f"proxy send time {sent!r} is not a time")
+    if not 0.0 <= started <= (sent or now) + MAX_CLOCK_SKEW_S:
+        raise InvalidArgument(f"proxy start time {started!r} is not a past time")
 
 
 class RoutingService:
@@ -124,9 +138,7 @@ class RoutingService:
             raise InvalidArgument(f"proxy region {info.region!r} is invalid")
         if len(info.address) > MAX_FIELD or len(info.version) > MAX_FIELD:
             raise InvalidArgument("proxy address or version is too long")
-        # A start in the future would hold the name against every later process.
-        if not 0.0 <= info.started_at <= time.time() + MAX_CLOCK_SKEW_S:
-            raise InvalidArgument(f"proxy start time {info.started_at!r} is not a past time")
+        check_start(info, time.time())
         record = await self._registry.register(
             info.name, info.region, info.address, info.version, started_at=info.started_at
         )

@@ -13,6 +13,7 @@ import asyncio
 import datetime
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -248,6 +249,9 @@ class ControlPlaneClient:
         metadata = self._credentials.metadata
         async with aio_channel(address, self._credentials, options) as channel:
             stub = routing_pb2_grpc.RoutingStub(channel)
+            # started_at is judged against this clock (a clock ahead of the
+            # control plane's is no start in the future).
+            self._info.sent_at = time.time()
             reg = await stub.Register(
                 pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
             )

@@ -36,6 +36,7 @@ class ProxyInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique within the fleet; a second proxy registering the same name replaces
     the first one's registration, unless the first one's process started later
@@ -54,6 +55,13 @@ class ProxyInfo(_message.Message):
     replaced in a reload, a proxy back from a network partition after its
     restart elsewhere) is refused, and waits before it asks again.
     """
+    sent_at: _builtins.float
+    """The proxy's clock when it sent this request (Unix seconds; 0: not said).
+    started_at is judged against it, not against the control plane's clock,
+    so that a proxy whose clock runs ahead can register: a start more than
+    five minutes after it is refused INVALID_ARGUMENT (it would hold the name
+    against every later process). Without it, the control plane's clock.
+    """
     def __init__(
         self,
         *,
@@ -62,10 +70,11 @@ class ProxyInfo(_message.Message):
         address: _builtins.str = ...,
         version: _builtins.str = ...,
         started_at: _builtins.float = ...,
+        sent_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "region", b"region", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "region", b"region", "sent_at", b"sent_at", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -140,11 +141,13 @@ class TakenRouting(ScriptedRouting):
     def __init__(self) -> None:
         super().__init__([])
         self.registers = 0
+        self.sent_at: list[float] = []
 
     async def register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RegisterResponse:
         self.registers += 1
+        self.sent_at.append(request.proxy.sent_at)
         return await super().register(request, context)
 
     async def route_stream(
@@ -183,6 +186,7 @@ async def test_a_link_whose_name_was_taken_waits_before_taking_it_back(
         superseded_wait=30.0,
         sleep=sleep,
     )
+    before = time.time()
     task = asyncio.create_task(link.run())
     try:
         async with asyncio.timeout(WAIT):
@@ -196,6 +200,9 @@ async def test_a_link_whose_name_was_taken_waits_before_taking_it_back(
         async with asyncio.timeout(WAIT):
             while routing.registers < 2:
                 await asyncio.sleep(0.01)
+        # Each Register says the proxy's clock as it is sent (check_start).
+        first, second = routing.sent_at[:2]
+        assert before <= first <= second <= time.time()
         # stop() ends the link (a worker leaving to its successor).
         link.stop()
         with pytest.raises(asyncio.CancelledError):

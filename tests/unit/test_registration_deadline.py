@@ -295,14 +295,124 @@ async def test_an_older_process_cannot_take_the_name_of_a_later_one() -> None:
     await registry.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
 
 
-@pytest.mark.parametrize("started_at", [math.nan, math.inf, -1.0, "future"])
-async def test_a_start_time_that_is_no_past_time_is_refused(started_at: float | str) -> None:
-    """A start in the future would hold the name against every later process."""
+HOUR = 3600.0
+
+
+@pytest.mark.parametrize(
+    ("started_at", "sent_at", "refusal"),
+    [
+        (math.nan, 0.0, "start time nan is not a past time"),
+        (math.inf, 0.0, "start time inf is not a past time"),
+        (-1.0, 0.0, "start time -1.0 is not a past time"),
+        (HOUR, 0.0, "is not a past time"),  # after the control plane's clock
+        (HOUR, HOUR - 400.0, "is not a past time"),  # after the proxy's own
+        (-HOUR, math.nan, "send time nan is not a time"),
+        (-HOUR, -1.0, "send time -1.0 is not a time"),
+    ],
+)
+async def test_a_start_time_that_is_no_past_time_is_refused(
+    started_at: float, sent_at: float, refusal: str
+) -> None:
+    """A start in the future would hold the name against every later process.
+    Times in HOUR are from now (so -HOUR is an hour ago)."""
     registry = ProxyRegistry(Catalog(MemoryStore()), "cp", stream_grace=10.0)
     routing = RoutingService(registry, Publisher("cp"))
-    when = time.time() + 3600 if started_at == "future" else float(started_at)
-    info = pb.ProxyInfo(name="p1", region="eu", address="127.0.0.1:1", started_at=when)
-    with pytest.raises(Refused, match="is not a past time") as refused:
+    now = time.time()
+    info = pb.ProxyInfo(
+        name="p1",
+        region="eu",
+        address="127.0.0.1:1",
+        started_at=now + started_at if abs(started_at) == HOUR else started_at,
+        sent_at=now + sent_at if sent_at > 0 else sent_at,
+    )
+    with pytest.raises(Refused, match=refusal) as refused:
         await routing.register(pb.RegisterRequest(proxy=info), RefusingStream())
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert registry.sessions == {}
+
+
+async def test_a_proxy_whose_clock_runs_ahead_registers() -> None:
+    """Review 33: a proxy's clock over five minutes ahead of the control
+    plane's made every start of it "no past time". Its start is judged by its
+    own clock as it sent the request."""
+    registry = ProxyRegistry(Catalog(MemoryStore()), "cp", stream_grace=10.0)
+    routing = RoutingService(registry, Publisher("cp"))
+    ahead = time.time() + HOUR
+    info = pb.ProxyInfo(
+        name="p1", region="eu", address="127.0.0.1:1", started_at=ahead - 60.0, sent_at=ahead
+    )
+    reply = await routing.register(pb.RegisterRequest(proxy=info), RefusingStream())
+    assert registry.sessions[reply.session_id].started_at == ahead - 60.0
+
+
+async def test_a_process_that_does_not_say_its_start_supersedes_and_is_superseded_by_none() -> None:
+    """Review 33: a start time of 0 (a proxy that does not say it) counted as
+    the oldest, so such a proxy could not take its name from one that says
+    it. 0 is unknown: registered as before started_at existed, last one wins."""
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    await registry.register("p1", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    unknown = await registry.register("p1", "eu", "127.0.0.1:1", "1")
+    current = await catalog.get_proxy("p1")
+    assert current is not None and current.session_id == unknown.session_id
+    later = await registry.register("p1", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    current = await catalog.get_proxy("p1")
+    assert current is not None and current.session_id == later.session_id
+
+
+class HeldPutStore(MemoryStore):
+    """A store whose next put waits for `release` once `hold` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = False
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def put(self, key: str, value: bytes, **kwargs: Any) -> int:
+        if self.hold:
+            self.hold = False
+            self.held.set()
+            await self.release.wait()
+        return await super().put(key, value, **kwargs)
+
+
+async def test_of_two_registrations_at_once_the_older_process_does_not_overwrite() -> None:
+    """Review 33: the start-time check read the name's registration, then
+    wrote: an older process's Register on one replica that read before a
+    later process's on another wrote its own over it."""
+    store = HeldPutStore()
+    catalog = Catalog(store)
+    here = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp2", stream_grace=10.0)
+    await here.lease()
+    await there.lease()
+    store.hold = True
+    older = asyncio.create_task(here.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0))
+    await store.held.wait()  # it has read: no registration yet
+    newer = await there.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    store.release.set()
+    with pytest.raises(Superseded):
+        await older
+    current = await catalog.get_proxy("g-w0")
+    assert current is not None and current.session_id == newer.session_id
+    assert here.sessions == {}
+
+
+async def test_a_lost_lease_puts_back_only_what_registered_nowhere_else_meanwhile() -> None:
+    """Review 33: after its lease was lost a replica wrote every session it
+    held again, over a registration its proxy (or a successor of its name)
+    had made on another replica meanwhile."""
+    catalog = Catalog(MemoryStore())
+    here = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp2", stream_grace=10.0)
+    moved = await here.register("p-moved", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    stayed = await here.register("p-stayed", "eu", "127.0.0.1:2", "1", started_at=100.0)
+    assert here.streaming(moved.session_id) and here.streaming(stayed.session_id)
+    await catalog.store.revoke_lease(await here.lease())  # the lease is lost...
+    here._lease = 0
+    elsewhere = await there.register("p-moved", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    await here._rewrite()  # ...and granted again
+    records = {p.name: p.session_id for p in await catalog.list_proxies()}
+    assert records == {"p-moved": elsewhere.session_id, "p-stayed": stayed.session_id}
+    assert set(here.sessions) == {stayed.session_id}
