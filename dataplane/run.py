@@ -116,7 +116,7 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     if leaving.is_set():
         # A successor listens on the port: new connections go to it and the
         # siblings, so no load balancer has to see this worker leave.
-        app[DRAINING].active = True
+        app[DRAINING].active = app[DRAINING].leaving = True
         app[CLIENT].stop()  # the successor registers under the same name
         await site.stop()
         if metrics_runner is not None:
@@ -130,7 +130,13 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
             hurry=(hurry, settings.drain_seconds),
         )
         if running:
-            log.warning("stopping %d requests still running", running)
+            # The runner's shutdown below waits up to its 60 s more, then
+            # cancels what still runs (logged each as `cancelled`).
+            log.warning(
+                "%d requests still running at the leave's end: cancelling those still "
+                "running in 60 s",
+                running,
+            )
     elif settings.drain_seconds > 0:
         app[DRAINING].active = True
         log.info("draining for %.1f s", settings.drain_seconds)

@@ -283,8 +283,11 @@ class Supervisor:
         self._reload_wanted = asyncio.Event()
         self._slots: list[_Slot] = []
         # Processes a reload retired (finishing their requests) or gave up on,
-        # each with the task that waits for its exit.
-        self._leaving: dict[asyncio.Task[None], asyncio.subprocess.Process] = {}
+        # each with the task that waits for its exit and the event that cuts
+        # that wait to a stop's (hurry).
+        self._leaving: dict[
+            asyncio.Task[None], tuple[asyncio.subprocess.Process, asyncio.Event]
+        ] = {}
 
     async def run(self) -> int:
         """0 when stopped by a signal and every worker exited cleanly, else 1."""
@@ -332,9 +335,7 @@ class Supervisor:
             self.stopping.set()
             # Those still finishing their requests after a reload stop too,
             # within a stop's budget rather than a reload's.
-            for proc in self._leaving.values():
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
+            self._hurry()
             await asyncio.gather(*keepers)
             for task in (announce, reloads):
                 task.cancel()
@@ -379,6 +380,13 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         began = loop.time()
         log.info("SIGHUP: restarting the %d workers one at a time", len(self._slots))
+        # So that the group holds at most twice its processes (and memory).
+        if hurried := self._hurry():
+            log.info(
+                "%d workers an earlier reload retired still finish requests: "
+                "they stop within --drain-seconds",
+                hurried,
+            )
         for slot in self._slots:
             done = loop.create_future()
             slot.replace.put_nowait(done)
@@ -536,9 +544,25 @@ class Supervisor:
 
     def _retire(self, index: int, process: _Process, how: signal.Signals) -> None:
         """Stop `process` in the background (run() waits for it at the end)."""
-        task = asyncio.create_task(self._stop(index, process.proc, process.exited, how))
-        self._leaving[task] = process.proc
+        hurry = asyncio.Event()
+        task = asyncio.create_task(self._stop(index, process.proc, process.exited, how, hurry))
+        self._leaving[task] = (process.proc, hurry)
         task.add_done_callback(self._leaving.pop)
+        if self.stopping.is_set():  # past run()'s own _hurry
+            self._hurry()
+
+    def _hurry(self) -> int:
+        """SIGTERM to each retired process still running: one leaving then
+        stops within --drain-seconds. How many were told."""
+        told = 0
+        for proc, hurry in self._leaving.values():
+            if hurry.is_set():
+                continue
+            hurry.set()
+            told += 1
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        return told
 
     async def _stop(
         self,
@@ -546,15 +570,31 @@ class Supervisor:
         proc: asyncio.subprocess.Process,
         exited: asyncio.Task[int],
         how: signal.Signals = signal.SIGTERM,
+        hurry: asyncio.Event | None = None,
     ) -> None:
         """SIGTERM (the worker drains) or LEAVE_SIGNAL (it leaves the port to a
         new one, and may finish its requests for longer), then SIGKILL if it
-        outlives the grace."""
+        outlives the grace. A leaving worker has a stop's budget from the
+        moment `hurry` is set (_hurry sends it SIGTERM then)."""
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(how)
-        budget = LEAVE_TIMEOUT_S if how == LEAVE_SIGNAL else self.group.drain_seconds
+        stop_budget = self.group.drain_seconds + SHUTDOWN_GRACE_S
         try:
-            code = await asyncio.wait_for(asyncio.shield(exited), budget + SHUTDOWN_GRACE_S)
+            if how != LEAVE_SIGNAL or hurry is None or hurry.is_set():
+                code = await asyncio.wait_for(asyncio.shield(exited), stop_budget)
+            else:
+                stops = asyncio.ensure_future(hurry.wait())
+                try:
+                    await asyncio.wait(
+                        (exited, stops),
+                        timeout=LEAVE_TIMEOUT_S + SHUTDOWN_GRACE_S,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    stops.cancel()
+                if not (exited.done() or hurry.is_set()):
+                    raise TimeoutError
+                code = await asyncio.wait_for(asyncio.shield(exited), stop_budget)
         except TimeoutError:
             log.error("worker %d (pid %d) did not stop in time; killing it", index, proc.pid)
             with contextlib.suppress(ProcessLookupError):

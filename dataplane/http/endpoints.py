@@ -78,8 +78,11 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Ready: not draining, a route table to serve, and its rate-limit shares if
     it has limits. A draining proxy answers 503 so that a load balancer stops
-    sending it connections while it finishes the requests it holds."""
-    if request.app[DRAINING].active:
+    sending it connections while it finishes the requests it holds. A worker
+    leaving its group in a reload answers for the group, which stays ready
+    (a probe on a connection kept alive to it would see 503 otherwise)."""
+    draining = request.app[DRAINING]
+    if draining.active and not draining.leaving:
         raise ApiError(503, "this proxy is stopping", type="server_error", code="draining")
     if request.app[HOLDER].routes is None:
         raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")

@@ -30,10 +30,13 @@ class Draining:
     thread touching it.
     """
 
-    __slots__ = ("active",)
+    __slots__ = ("active", "leaving")
 
     def __init__(self) -> None:
         self.active = False
+        # A worker leaving its group to a successor (a reload): the group,
+        # whose port the successor listens on, stays ready.
+        self.leaving = False
 
 
 HOLDER = web.AppKey("holder", TableHolder)

@@ -156,8 +156,14 @@ async def test_proxy_is_not_ready_until_it_holds_a_route_table() -> None:
         app[HOLDER].apply(table, "control-plane")
         resp = await client.get("/readyz")
         assert resp.status == 200, await resp.text()
+        # A worker leaving its group to a successor in a reload: the group
+        # is as ready as it was (its successor listens on the port).
+        app[DRAINING].active = app[DRAINING].leaving = True
+        resp = await client.get("/readyz")
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["connection"] == "close"  # the next probe goes to another
         # Draining: no longer ready, so a load balancer sends it nothing new.
-        app[DRAINING].active = True
+        app[DRAINING].leaving = False
         resp = await client.get("/readyz")
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "draining"

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import pytest
@@ -35,7 +36,7 @@ from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
 from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
-from dataplane.stopsignals import HELD_SIGNALS
+from dataplane.stopsignals import HELD_SIGNALS, LEAVE_SIGNAL
 from dataplane.streaming.usage import Usage
 from dataplane.supervisor import Group
 
@@ -427,6 +428,61 @@ async def test_a_stop_during_a_reload_stops_old_and_new_at_once_and_quietly(
     assert "reload stopped" not in caplog.text  # a stop is not a failed reload
     assert set(noted(notes, ".end").values()) == {"SIGTERM"}
     assert len(noted(notes, ".end")) == 3
+
+
+class StuckProcess:
+    """A worker process that outlives every signal but SIGKILL."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.killed = asyncio.Event()
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def kill(self) -> None:
+        self.killed.set()
+
+    async def exit_code(self) -> int:
+        await self.killed.wait()
+        return -signal.SIGKILL
+
+
+@pytest.mark.parametrize("then", ["stop", "reload"])
+async def test_a_leaving_worker_has_a_stops_budget_once_the_group_stops_or_reloads(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, then: str
+) -> None:
+    """Review 33: a worker a reload retired kept its leave's budget (600 s
+    and the grace) when the group stopped, though SIGTERM cut its wait to
+    --drain-seconds: a stuck one held the group's stop for over 11 minutes.
+    And each SIGHUP retired more workers while earlier ones still finished
+    their streams, past the documented twice the group's processes."""
+    caplog.set_level(logging.INFO, "dataplane.workers")
+    monkeypatch.setattr(supervisor, "SHUTDOWN_GRACE_S", 0.05)
+    group = supervisor.Supervisor(Group.of(parse([*BASE, "--listen", "127.0.0.1:0"])), [])
+    proc = StuckProcess()
+    exited = asyncio.create_task(proc.exit_code())
+    listening = asyncio.create_task(asyncio.sleep(0))
+    group._retire(
+        0,
+        supervisor._Process(cast(asyncio.subprocess.Process, proc), exited, listening, 0.0),
+        LEAVE_SIGNAL,
+    )
+    await asyncio.sleep(0.2)
+    assert not proc.killed.is_set()  # leaving: it may finish its requests for long
+    if then == "stop":
+        group.stopping.set()
+        group._hurry()  # as run() does then
+    else:
+        assert await group.reload()  # a group of no workers: the hurry alone
+        assert "1 workers an earlier reload retired still finish requests" in caplog.text
+    # --drain-seconds is 0: the grace alone is left.
+    await asyncio.wait_for(asyncio.gather(*group._leaving), 10)
+    assert proc.signals == [LEAVE_SIGNAL, signal.SIGTERM] and proc.killed.is_set()
+    assert "did not stop in time; killing it" in caplog.text
+    await listening
 
 
 async def test_a_group_stopped_before_it_started_its_workers_starts_none(
