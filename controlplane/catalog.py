@@ -643,9 +643,6 @@ class Catalog:
 
     # ------------------------------------------------------------ proxies
 
-    async def put_proxy(self, record: ProxyRecord, lease: int) -> None:
-        await _guard(self.store.put(PROXIES + record.name, encode(record), lease=lease))
-
     async def register_proxy(self, record: ProxyRecord, lease: int) -> None:
         """Write `record` over its name's registration unless that one is of a
         process started after `record`'s (Superseded). A start time of 0 is

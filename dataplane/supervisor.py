@@ -545,6 +545,8 @@ class Supervisor:
     def _retire(self, index: int, process: _Process, how: signal.Signals) -> None:
         """Stop `process` in the background (run() waits for it at the end)."""
         hurry = asyncio.Event()
+        if how != LEAVE_SIGNAL:
+            hurry.set()  # it has a stop's budget already
         task = asyncio.create_task(self._stop(index, process.proc, process.exited, how, hurry))
         self._leaving[task] = (process.proc, hurry)
         task.add_done_callback(self._leaving.pop)
@@ -552,8 +554,8 @@ class Supervisor:
             self._hurry()
 
     def _hurry(self) -> int:
-        """SIGTERM to each retired process still running: one leaving then
-        stops within --drain-seconds. How many were told."""
+        """SIGTERM to each process a reload retired that still runs: it stops
+        within --drain-seconds then. How many were told."""
         told = 0
         for proc, hurry in self._leaving.values():
             if hurry.is_set():
@@ -580,7 +582,7 @@ class Supervisor:
             proc.send_signal(how)
         stop_budget = self.group.drain_seconds + SHUTDOWN_GRACE_S
         try:
-            if how != LEAVE_SIGNAL or hurry is None or hurry.is_set():
+            if hurry is None or hurry.is_set():
                 code = await asyncio.wait_for(asyncio.shield(exited), stop_budget)
             else:
                 stops = asyncio.ensure_future(hurry.wait())

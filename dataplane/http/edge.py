@@ -426,8 +426,6 @@ class EdgeProtocol(web_protocol.RequestHandler):
 
         while not self._force_close:
             if not self._messages:
-                if self._last and not self.busy:
-                    break  # the server stops, and no request has begun here
                 try:
                     # wait for next request
                     self._waiter = loop.create_future()

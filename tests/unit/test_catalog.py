@@ -374,7 +374,7 @@ async def test_store_unavailable_maps_to_unavailable(
         with_region.list_origins,
         lambda: with_region.delete_origin("o1"),
         lambda: with_region.set_origin_drained("o1", True),
-        lambda: with_region.put_proxy(proxy(), 0),
+        lambda: with_region.register_proxy(proxy(), 0),
         lambda: with_region.remove_proxy("p1", "s1"),
         with_region.list_proxies,
     ]
@@ -396,8 +396,8 @@ async def test_validation_comes_before_store_access(catalog: Catalog, store: Mem
 
 async def test_proxies_put_and_list(catalog: Catalog, store: MemoryStore) -> None:
     lease = await store.grant_lease(30)
-    await catalog.put_proxy(proxy("p2", "s2"), lease)
-    await catalog.put_proxy(proxy("p1", "s1"), lease)
+    await catalog.register_proxy(proxy("p2", "s2"), lease)
+    await catalog.register_proxy(proxy("p1", "s1"), lease)
     assert [p.name for p in await catalog.list_proxies()] == ["p1", "p2"]
     kv = await store.get(PROXIES + "p1")
     assert kv is not None and kv.lease == lease
@@ -406,14 +406,14 @@ async def test_proxies_put_and_list(catalog: Catalog, store: MemoryStore) -> Non
 
 
 async def test_remove_proxy_of_matching_session(catalog: Catalog) -> None:
-    await catalog.put_proxy(proxy("p1", "s1"), 0)
+    await catalog.register_proxy(proxy("p1", "s1"), 0)
     await catalog.remove_proxy("p1", "s1")
     assert await catalog.list_proxies() == []
 
 
 async def test_remove_proxy_of_other_session_keeps_it(catalog: Catalog) -> None:
-    await catalog.put_proxy(proxy("p1", "s1"), 0)
-    await catalog.put_proxy(proxy("p1", "s2"), 0)  # re-registered elsewhere
+    await catalog.register_proxy(proxy("p1", "s1"), 0)
+    await catalog.register_proxy(proxy("p1", "s2"), 0)  # re-registered elsewhere
     await catalog.remove_proxy("p1", "s1")
     assert [(p.name, p.session_id) for p in await catalog.list_proxies()] == [("p1", "s2")]
 
@@ -424,7 +424,7 @@ async def test_remove_missing_proxy_is_quiet(catalog: Catalog) -> None:
 
 
 async def test_list_proxies_skips_undecodable(catalog: Catalog, store: MemoryStore) -> None:
-    await catalog.put_proxy(proxy(), 0)
+    await catalog.register_proxy(proxy(), 0)
     await store.put(PROXIES + "junk", b"{")
     assert [p.name for p in await catalog.list_proxies()] == ["p1"]
 
@@ -432,7 +432,7 @@ async def test_list_proxies_skips_undecodable(catalog: Catalog, store: MemorySto
 async def test_acks_come_from_the_proxys_own_replica(catalog: Catalog, store: MemoryStore) -> None:
     # Replicas number the same content by the revision each read it at: p1 on
     # cp-1 at cp-1's 40 is current though cp-2 serves version 41.
-    await catalog.put_proxy(proxy("p1", "s1"), 0)
+    await catalog.register_proxy(proxy("p1", "s1"), 0)
     await catalog.put_acks("cp-1", {"p1": (40, "")}, 0, version=40)
     # A summary another replica left behind (p1 was connected there before).
     await catalog.put_acks("cp-2", {"p1": (12, "old")}, 0, version=41)
@@ -443,7 +443,7 @@ async def test_acks_come_from_the_proxys_own_replica(catalog: Catalog, store: Me
 async def test_acks_fall_back_to_any_summary_and_old_shapes(
     catalog: Catalog, store: MemoryStore
 ) -> None:
-    await catalog.put_proxy(proxy("p1", "s1"), 0)  # on cp-1, which wrote nothing yet
+    await catalog.register_proxy(proxy("p1", "s1"), 0)  # on cp-1, which wrote nothing yet
     await store.put(ACKS + "cp-9", orjson.dumps({"p1": [7, ""]}))  # before replica_version
     (p1,) = await catalog.list_proxies()
     assert (p1.acked_version, p1.replica_version) == (7, 0)

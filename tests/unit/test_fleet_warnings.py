@@ -131,7 +131,7 @@ def test_get_proxies_shows_the_warning() -> None:
 async def nacking(store: MemoryStore) -> None:
     """Proxy p1 on cp-1 refused the latest table."""
     catalog = Catalog(store)
-    await catalog.put_proxy(proxy("p1"), 0)
+    await catalog.register_proxy(proxy("p1"), 0)
     await catalog.put_acks("cp-1", {"p1": (4, NACK)}, 0, version=5)
 
 
@@ -165,7 +165,7 @@ async def test_a_drain_while_proxies_refuse_the_table_warns_after_its_own() -> N
 async def test_writes_do_not_warn_when_proxies_take_the_table() -> None:
     store = MemoryStore()
     catalog = Catalog(store)
-    await catalog.put_proxy(proxy("p1"), 0)
+    await catalog.register_proxy(proxy("p1"), 0)
     await catalog.put_acks("cp-1", {"p1": (5, "")}, 0, version=5)
     async with admin(store) as stub:
         put = stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu-west")))

@@ -458,7 +458,7 @@ class Fleet:
         if not self.lease:
             self.lease = await self.store.grant_lease(30)
         for name in names:
-            await self.catalog.put_proxy(proxy(name), self.lease)
+            await self.catalog.register_proxy(proxy(name), self.lease)
 
     def rebalancer(self) -> Rebalancer:
         return Rebalancer(

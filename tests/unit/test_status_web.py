@@ -124,7 +124,7 @@ async def seeded() -> Plane:
     lease = await store.grant_lease(10)
     for name, region in (("p-eu", "eu-west"), ("p-us", "us-east")):
         record = ProxyRecord(name, region, f"{name}:8080", "1.0", f"s-{name}", "r1", 900.0)
-        await catalog.put_proxy(record, lease)
+        await catalog.register_proxy(record, lease)
     await catalog.put_acks("r1", {"p-eu": (7, ""), "p-us": (6, "")}, lease, version=7)
     return Plane(catalog, publisher, Clock(), Recorder(), lease)
 
@@ -289,7 +289,7 @@ async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
     await report(1_000.0, {"p-eu": p_eu(1_000.0, 100)})
     # Registered but not heard from yet: it counted nothing, the rate is p-eu's.
     record = ProxyRecord("p-eu2", "eu-west", "p-eu2:8080", "1.0", "s-p-eu2", "r1", 1_004.0)
-    await plane.catalog.put_proxy(record, plane.lease)
+    await plane.catalog.register_proxy(record, plane.lease)
     eu = await report(1_005.0, {"p-eu": p_eu(1_005.0, 150)})
     assert region_rates(eu) == (10.0, 0.0, 0.0, 10.0, 0.0)
     assert eu["proxies"] == 2
@@ -861,12 +861,12 @@ async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
 async def test_each_proxy_is_compared_with_its_own_replicas_table(plane: Plane) -> None:
     lease = plane.lease
     record = ProxyRecord("p-r2", "eu-west", "p-r2:8080", "1.0", "s-p-r2", "r2", 900.0)
-    await plane.catalog.put_proxy(record, lease)
+    await plane.catalog.register_proxy(record, lease)
     # r2's revisions are its own: it serves 30 and its proxy ACKed it.
     await plane.catalog.put_acks("r2", {"p-r2": (30, "")}, lease, version=30)
     # r3 serves 40, its proxy is at 39.
     record = ProxyRecord("p-r3", "eu-west", "p-r3:8080", "1.0", "s-p-r3", "r3", 900.0)
-    await plane.catalog.put_proxy(record, lease)
+    await plane.catalog.register_proxy(record, lease)
     await plane.catalog.put_acks("r3", {"p-r3": (39, "")}, lease, version=40)
     proxies = {p["name"]: p for p in (await web_of(plane).status(1_000.0))["proxies"]}
     assert proxies["p-r2"]["latest"] and proxies["p-r2"]["current_version"] == 30
@@ -879,7 +879,7 @@ async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
 
     async def report(session: str, at: float, requests: int) -> list[Any]:
         record = ProxyRecord("p-eu", "eu-west", "p-eu:8080", "1.0", session, "r1", 900.0)
-        await plane.catalog.put_proxy(record, plane.lease)
+        await plane.catalog.register_proxy(record, plane.lease)
         traffic: dict[str, Traffic] = {"p-eu": (requests, 0, 0, at, {}, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
         return [
