@@ -192,6 +192,7 @@ class ControlPlane:
             asyncio.create_task(self.builder.run(), name="table-builder"),
             asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
             asyncio.create_task(self.registry.flush_acks(), name="ack-flush"),
+            asyncio.create_task(self.registry.watch(), name="proxy-registrations"),
             asyncio.create_task(self.leadership.run(self._lead), name="election"),
             asyncio.create_task(self.quotas.publish_demand(), name="quota-demand"),
             asyncio.create_task(self.quotas.watch(), name="quota-shares"),

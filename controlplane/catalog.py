@@ -643,13 +643,14 @@ class Catalog:
 
     # ------------------------------------------------------------ proxies
 
-    async def register_proxy(self, record: ProxyRecord, lease: int) -> None:
+    async def register_proxy(self, record: ProxyRecord, lease: int) -> int:
         """Write `record` over its name's registration unless that one is of a
-        process started after `record`'s (Superseded). A start time of 0 is
-        unknown (a proxy that does not say it) and supersedes or is
-        superseded by nothing. Checked and written at one revision, so that of
-        two registrations of a name at once (on two replicas) the older
-        process's cannot overwrite the one its check missed."""
+        process started after `record`'s (Superseded); the store revision
+        written at. A start time of 0 is unknown (a proxy that does not say
+        it) and supersedes or is superseded by nothing. Checked and written
+        at one revision, so that of two registrations of a name at once (on
+        two replicas) the older process's cannot overwrite the one its check
+        missed."""
 
         def takes(current: ProxyRecord | None) -> bool:
             if current is not None and current.started_at > record.started_at > 0:
@@ -658,12 +659,12 @@ class Catalog:
                 )
             return True
 
-        await self._put_proxy_if(record, lease, takes)
+        return await self._put_proxy_if(record, lease, takes)
 
-    async def restore_proxy(self, record: ProxyRecord, lease: int) -> bool:
+    async def restore_proxy(self, record: ProxyRecord, lease: int) -> int:
         """Write `record` again (its key went with a lost lease) unless its
-        name registered anew meanwhile, here or on another replica: False
-        then, and the newer registration stays."""
+        name registered anew meanwhile, here or on another replica; the store
+        revision written at, or 0 (the newer registration stays)."""
         return await self._put_proxy_if(
             record,
             lease,
@@ -672,21 +673,22 @@ class Catalog:
 
     async def _put_proxy_if(
         self, record: ProxyRecord, lease: int, takes: Callable[[ProxyRecord | None], bool]
-    ) -> bool:
+    ) -> int:
+        """The revision `record` was written at; 0 if `takes` refused the
+        registration it would replace."""
         key = PROXIES + record.name
         for _ in range(CAS_ATTEMPTS):
             kv = await _guard(self.store.get(key))
             current = None if kv is None else decode_proxy(kv.value)
             if not takes(current):
-                return False
+                return 0
             revision = 0 if kv is None else kv.mod_revision
             try:
-                await _guard(
+                return await _guard(
                     self.store.put(key, encode(record), lease=lease, if_mod_revision=revision)
                 )
             except Conflict:
                 continue
-            return True
         raise Unavailable(f"proxy {record.name} kept registering again; try again")
 
     async def get_proxy(self, name: str) -> ProxyRecord | None:
@@ -713,6 +715,19 @@ class Catalog:
                     replicas.append(value)
         leader = await _guard(self.store.get(LEADER_KEY))
         return replicas, leader.value.decode() if leader else ""
+
+    async def proxy_sessions(self) -> dict[str, tuple[str, int]]:
+        """Registered proxies: name -> (session id, the revision its
+        registration was written at); records that do not decode are left out."""
+        listing = await _guard(self.store.list(PROXIES))
+        sessions = {}
+        for kv in listing.items:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                sessions[kv.key[len(PROXIES) :]] = (
+                    decode_proxy(kv.value).session_id,
+                    kv.mod_revision,
+                )
+        return sessions
 
     async def proxy_names(self) -> list[str]:
         """Names of registered proxies (no decoding)."""

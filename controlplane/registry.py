@@ -6,6 +6,12 @@ goes with it. The proxies then reconnect to another replica and re-register.
 If the lease is lost (etcd was away longer than the TTL) a new one is granted
 and every live registration is written again.
 
+A name registered again, on this replica or another (a group's worker and its
+successor during a reload, or a proxy back from a partition), belongs to the
+later registration: the earlier session is dropped here as soon as the
+replica holding it sees the write (`watch`), and its route stream ends at once
+(`ended`), rather than when its process leaves.
+
 A registration whose proxy opens no route stream within STREAM_GRACE seconds
 is removed: a proxy that died between Register and RouteStream would otherwise
 stay listed, and counted in every proxy's fleet size (so in its share of each
@@ -24,7 +30,7 @@ from dataclasses import replace
 
 import orjson
 
-from controlplane.catalog import REPLICAS, Catalog, Limited, Served, Traffic
+from controlplane.catalog import PROXIES, REPLICAS, Catalog, Limited, Served, Traffic
 from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord
 from controlplane.store import LeaseExpired, StoreUnavailable
@@ -61,6 +67,12 @@ class ProxyRegistry:
         self._lease_lock = asyncio.Lock()
         self.sessions: dict[str, ProxyRecord] = {}
         self._by_name: dict[str, str] = {}  # proxy name -> its current session id
+        # Session id -> the store revision its registration was last written
+        # at: a registration of its name read at a later revision, of
+        # another session, superseded it.
+        self._written: dict[str, int] = {}
+        # Session id -> set when the session is dropped here (see ended).
+        self._ended: dict[str, asyncio.Event] = {}
         self._announcement: bytes | None = None
         # ACKs are kept here and written as one key per replica (ACKS + id) at
         # most every ack_flush seconds: a push to N proxies costs one etcd
@@ -151,21 +163,66 @@ class ProxyRegistry:
         # a new lease) only once the write is done.
         self._unstreamed[record.session_id] = (name, None)
         try:
-            await self._catalog.register_proxy(record, lease)
+            written = await self._catalog.register_proxy(record, lease)
         except Superseded:
             self._unstreamed.pop(record.session_id, None)  # nothing was written
             raise
         old = self._by_name.get(name)
         if old is not None:
-            self.sessions.pop(old, None)
-            self._unstreamed.pop(old, None)
+            self._forget(old)
         # The old session's counters are not this one's (rates are per session).
         if self._traffic.pop(name, None) is not None:
             self._traffic_dirty = True
         self._by_name[name] = record.session_id
         self.sessions[record.session_id] = record
+        self._written[record.session_id] = written
+        self._ended[record.session_id] = asyncio.Event()
         self._acks_dirty = True
         return record
+
+    def ended(self, session_id: str) -> asyncio.Event:
+        """Set once the session is no longer this replica's: its name
+        registered again (here or elsewhere), its registration was removed,
+        or it never was one. A route stream waits on it to end at once."""
+        event = self._ended.get(session_id)
+        if event is None:
+            event = asyncio.Event()
+            event.set()
+        return event
+
+    async def watch(self) -> None:
+        """Drop the sessions whose name registered again on another replica,
+        on every change of the registrations, until cancelled. The store's
+        watch survives its restarts and compactions."""
+        async for _ in self._catalog.store.watch(PROXIES, 0):
+            await self.drop_superseded()
+
+    async def drop_superseded(self) -> None:
+        """Read the registrations and drop this replica's sessions whose name
+        holds another session written after theirs; keeps everything if the
+        store is unavailable (the next change reads again)."""
+        if not self.sessions:
+            return
+        try:
+            current = await self._catalog.proxy_sessions()
+        except Unavailable as exc:
+            log.debug("registrations not read: %s", exc)
+            return
+        for session_id, record in list(self.sessions.items()):
+            holder = current.get(record.name)
+            # A key absent was removed or went with a lost lease (keepalive
+            # writes it again); one at an earlier revision is a read from
+            # before this session's write.
+            if holder is None or holder[0] == session_id:
+                continue
+            if holder[1] > self._written.get(session_id, 0):
+                log.info(
+                    "proxy %s registered again elsewhere (session %s); its session %s here ends",
+                    record.name,
+                    holder[0],
+                    session_id,
+                )
+                self._forget(session_id)
 
     def streaming(self, session_id: str) -> bool:
         """Mark the session's route stream open, so its registration stays
@@ -308,14 +365,20 @@ class ProxyRegistry:
             await self._remove_key(record.name, session_id)
 
     def _forget(self, session_id: str) -> ProxyRecord | None:
-        """Drop the session here (not its key); its record, if it had one."""
+        """Drop the session here (not its key) and end its stream; its
+        record, if it had one."""
         self._unstreamed.pop(session_id, None)
+        self._written.pop(session_id, None)
+        ended = self._ended.pop(session_id, None)
+        if ended is not None:
+            ended.set()
         record = self.sessions.pop(session_id, None)
         if record is None:
             return None
         if self._by_name.get(record.name) == session_id:
             del self._by_name[record.name]
-            self._traffic.pop(record.name, None)
+            if self._traffic.pop(record.name, None) is not None:
+                self._traffic_dirty = True
         self._acks_dirty = True
         return record
 
@@ -352,7 +415,10 @@ class ProxyRegistry:
             lease = await self._ensure_lease()
             await self._put_announcement(lease)
             for record in list(self.sessions.values()):
-                if not await self._catalog.restore_proxy(record, lease):
+                written = await self._catalog.restore_proxy(record, lease)
+                if written:
+                    self._written[record.session_id] = written
+                else:
                     # Its name registered anew (elsewhere) while the lease
                     # was lost: that session is the proxy's now, and this
                     # one's stream ends ABORTED.

@@ -193,6 +193,7 @@ class RoutingService:
         sent_loads = 0
         loads: asyncio.Future[tuple[int, bytes]] | None = None
         closing = asyncio.ensure_future(self._closing.wait())
+        ended = asyncio.ensure_future(self._registry.ended(session_id).wait())
         try:
             while not reader.done():
                 if tables is None:
@@ -205,7 +206,7 @@ class RoutingService:
                     )
                 if loads is None and hub is not None:
                     loads = asyncio.ensure_future(hub.next_after(sent_loads))
-                waiting: set[asyncio.Future[Any]] = {tables, reader, closing}
+                waiting: set[asyncio.Future[Any]] = {tables, reader, closing, ended}
                 if quotas is not None:
                     waiting.add(quotas)
                 if loads is not None:
@@ -258,7 +259,7 @@ class RoutingService:
         finally:
             self.streams -= 1
             reader.cancel()
-            for waiter in (tables, quotas, loads, closing):
+            for waiter in (tables, quotas, loads, closing, ended):
                 if waiter is not None:
                     waiter.cancel()
             if self._quotas is not None:

@@ -18,7 +18,7 @@ from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Superseded, Unavailable
 from controlplane.registry import ProxyRegistry
-from controlplane.store import KeyValue, StoreUnavailable
+from controlplane.store import KeyValue, Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_control_metrics import Stream, table
@@ -141,7 +141,7 @@ async def test_a_stream_whose_name_registered_again_ends_aborted() -> None:
     publisher.publish(table(1))
     await stream.next_table()
     second = await registry.register("p1-w0", "eu", "127.0.0.1:1", "1")
-    publisher.publish(table(2))  # anything that wakes the stream
+    # Nothing else is pushed: the registration alone ends the old stream.
     await asyncio.wait_for(task, 10)
     assert stream.code == grpc.StatusCode.ABORTED
     assert stream.details == "proxy p1-w0 registered again on another stream"
@@ -156,6 +156,92 @@ async def test_a_stream_whose_name_registered_again_ends_aborted() -> None:
     await own.requests.put(None)  # the proxy closes its stream
     await asyncio.wait_for(task, 10)
     assert own.code is None
+
+
+async def open_stream(
+    routing: RoutingService, session_id: str
+) -> tuple[EndingStream, asyncio.Task[None]]:
+    stream = EndingStream()
+    task = asyncio.create_task(routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
+    await stream.requests.put(pb.RouteRequest(session_id=session_id))
+    await stream.next_table()
+    return stream, task
+
+
+async def test_a_name_registered_again_on_another_replica_ends_the_stream_here() -> None:
+    """Review 33's note: a worker's stream on a replica other than the one its
+    successor registered on stayed open (and in that replica's ACK summary)
+    until the worker left. The replica's watch of the registrations ends it
+    ABORTED, and its end removes nothing."""
+    catalog = Catalog(MemoryStore())
+    here = ProxyRegistry(catalog, "cp-a", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp-b", stream_grace=10.0)
+    publisher = Publisher("cp-a")
+    publisher.publish(table(1))
+    routing = RoutingService(here, publisher)
+    watching = asyncio.create_task(here.watch())
+    try:
+        old = await here.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
+        other = await here.register("g-w1", "eu", "127.0.0.1:2", "1", started_at=100.0)
+        stream, task = await open_stream(routing, old.session_id)
+        kept, kept_task = await open_stream(routing, other.session_id)
+        new = await there.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+        await asyncio.wait_for(task, 10)
+        assert stream.code == grpc.StatusCode.ABORTED
+        assert stream.details == "proxy g-w0 registered again on another stream"
+        assert set(here.sessions) == {other.session_id}
+        assert here.acks() == {"g-w1": (0, "")}
+        current = await catalog.get_proxy("g-w0")
+        assert current is not None and current.session_id == new.session_id
+        # Another name's stream, here, goes on.
+        assert not kept_task.done()
+        await kept.requests.put(None)
+        await asyncio.wait_for(kept_task, 10)
+        assert kept.code is None
+    finally:
+        watching.cancel()
+
+
+class HeldListStore(MemoryStore):
+    """A store whose listings are read at once and answered once `release`
+    is set, as a slow etcd's may be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.release.set()
+        self.listed = asyncio.Event()
+
+    async def list(self, prefix: str) -> Listing:
+        listing = await super().list(prefix)
+        self.listed.set()
+        await self.release.wait()
+        return listing
+
+
+async def test_a_listing_from_before_a_registration_supersedes_nothing() -> None:
+    """The watch's read of the registrations may predate a registration made
+    here meanwhile: the other replica's record it shows is older than this
+    session's and leaves it be, where one written after it ends it."""
+    store = HeldListStore()
+    catalog = Catalog(store)
+    here = ProxyRegistry(catalog, "cp-a", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp-b", stream_grace=10.0)
+    await here.register("p1", "eu", "127.0.0.1:1", "1")
+    elsewhere = await there.register("p1", "eu", "127.0.0.1:1", "1")
+    store.release.clear()
+    store.listed.clear()
+    read = asyncio.create_task(here.drop_superseded())
+    await store.listed.wait()  # the listing names cp-b's session
+    back = await here.register("p1", "eu", "127.0.0.1:1", "1")  # the proxy came back here
+    store.release.set()
+    await read
+    assert set(here.sessions) == {back.session_id}
+    assert here.ended(back.session_id).is_set() is False
+    # cp-b's session is older than the key's write now: it goes at its next read.
+    await there.drop_superseded()
+    assert there.sessions == {}
+    assert there.ended(elsewhere.session_id).is_set()
 
 
 class SlowStore(MemoryStore):
