@@ -44,6 +44,10 @@ TRAFFIC_EVERY = 5.0
 # right after Register returns; this leaves room for a slow network or a
 # paused process, far less than the minutes a replica lives.
 STREAM_GRACE = 15.0
+# At most one read of the registrations (to find this replica's sessions
+# superseded elsewhere) per this many seconds: a superseded stream ends this
+# much later at worst.
+SUPERSEDED_READ_EVERY = 0.5
 
 
 class ProxyRegistry:
@@ -190,12 +194,35 @@ class ProxyRegistry:
             event.set()
         return event
 
-    async def watch(self) -> None:
-        """Drop the sessions whose name registered again on another replica,
-        on every change of the registrations, until cancelled. The store's
-        watch survives its restarts and compactions."""
-        async for _ in self._catalog.store.watch(PROXIES, 0):
-            await self.drop_superseded()
+    async def watch(self, every: float = SUPERSEDED_READ_EVERY) -> None:
+        """Drop the sessions whose name registered again on another replica
+        after changes of the registrations, until cancelled: one read for
+        the changes of `every` seconds (a fleet's rolling reload is thousands
+        of changes, each replica's read of all registrations per change would
+        be millions of decodes). The store's watch survives its restarts and
+        compactions."""
+        changed = asyncio.Event()
+
+        async def follow() -> None:
+            async for _ in self._catalog.store.watch(PROXIES, 0):
+                changed.set()
+
+        follower = asyncio.create_task(follow(), name="proxy-registrations-watch")
+        try:
+            while True:
+                waiter = asyncio.ensure_future(changed.wait())
+                await asyncio.wait({waiter, follower}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if follower.done():
+                    follower.result()  # the watch's error, if any, is the task's
+                    return
+                changed.clear()
+                await self.drop_superseded()
+                await asyncio.sleep(every)
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
 
     async def drop_superseded(self) -> None:
         """Read the registrations and drop this replica's sessions whose name

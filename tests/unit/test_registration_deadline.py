@@ -202,6 +202,41 @@ async def test_a_name_registered_again_on_another_replica_ends_the_stream_here()
         watching.cancel()
 
 
+class CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lists = 0
+
+    async def list(self, prefix: str) -> Listing:
+        self.lists += 1
+        return await super().list(prefix)
+
+
+async def test_changes_of_the_registrations_are_read_once_a_while() -> None:
+    """A fleet's rolling reload is a change of the registrations per proxy:
+    a replica reads them all once for the changes of `every` seconds, not
+    once per change."""
+    store = CountingStore()
+    catalog = Catalog(store)
+    here = ProxyRegistry(catalog, "cp-a", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp-b", stream_grace=10.0)
+    mine = await here.register("g-w0", "eu", "127.0.0.1:1", "1")
+    watching = asyncio.create_task(here.watch(every=3600.0))
+    try:
+        while store.lists == 0:  # a change once the watch follows them
+            await there.register("p1", "eu", "127.0.0.1:2", "1")
+            await asyncio.sleep(0.01)
+        for i in range(2, 50):
+            await there.register(f"p{i}", "eu", "127.0.0.1:2", "1")
+        await there.register("g-w0", "eu", "127.0.0.1:1", "1")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert store.lists == 1
+        assert mine.session_id in here.sessions  # until the next read
+    finally:
+        watching.cancel()
+
+
 class HeldListStore(MemoryStore):
     """A store whose listings are read at once and answered once `release`
     is set, as a slow etcd's may be."""
