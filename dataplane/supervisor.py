@@ -383,8 +383,9 @@ class Supervisor:
         # So that the group holds at most twice its processes (and memory).
         if hurried := self._hurry():
             log.info(
-                "%d workers an earlier reload retired still finish requests: "
-                "they stop within --drain-seconds",
+                "%d workers an earlier reload retired still finish requests: they stop "
+                "as a stopping proxy does, in --drain-seconds and up to 60 s more for "
+                "requests still running",
                 hurried,
             )
         for slot in self._slots:

@@ -17,7 +17,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
 from dataplane.http.edge import EdgeProtocol
-from dataplane.http.errors import ApiError, Unauthorized, body_too_large
+from dataplane.http.errors import ApiError, Unauthorized, body_too_large, proxy_stopping
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
     ACCESS_LOG,
@@ -27,6 +27,7 @@ from dataplane.http.state import (
     PRINCIPAL,
     REQUEST_ID,
     REQUEST_IDS,
+    stopping,
 )
 from dataplane.metrics import GENAI_OPERATIONS
 
@@ -85,6 +86,11 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         error = cancel_reason(request)
         if error == CLIENT_GONE:
             app[METRICS].client_disconnects.inc()
+        ex = request.get(EXCHANGE)
+        if (ex is None or ex.answer is None) and stopping(request):
+            # The stopping server's grace ran out before this answer began:
+            # the client is told so (a 503 it may retry elsewhere), not cut.
+            _stopped_answer(request, request_id)
         _record_or_log(
             app, request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started
         )
@@ -114,6 +120,18 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
                 response.headers.setdefault(name, value)
     _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
     return response
+
+
+def _stopped_answer(request: web.Request, request_id: str) -> None:
+    """Hand a 503 `proxy_stopping` to the transport, without a wait (the
+    handler is being cancelled); the connection closes after it."""
+    protocol = request.protocol
+    if not isinstance(protocol, EdgeProtocol):  # aiohttp's own server (tests): no such path
+        return
+    response = proxy_stopping().response()
+    response.headers["x-request-id"] = request_id
+    response.force_close()
+    protocol.send_whole(request, response)
 
 
 def _record_or_log(

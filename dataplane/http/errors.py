@@ -117,6 +117,12 @@ UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
 UPSTREAM_REFUSED = "The model's servers refused the request."
 UPSTREAM_BUSY = "The model's servers are busy; retry shortly."
+# A request still running when a stopping proxy's grace ran out (its
+# --drain-seconds and the server's 60 s): a retry goes to another proxy.
+PROXY_STOPPING = (
+    "This proxy stopped before the answer was complete (it is being restarted or "
+    "scaled down); retry the request."
+)
 # Origin statuses whose OpenAI-style message is about the client's request
 # (its content, size or model) and useful to it. Others may describe the
 # operator's account with the origin (401, 403: its credential; a 429, which
@@ -187,6 +193,18 @@ def stream_broken_event(too_long: int = 0) -> bytes:
     return _chat_error_event(_event_too_large(too_long)) if too_long else _STREAM_BROKEN
 
 
+def stream_stopped_event() -> bytes:
+    """The SSE bytes that end a chat or completions stream the stopping
+    proxy cancelled (code `proxy_stopping`), as stream_broken_event's."""
+    return _STREAM_STOPPED
+
+
+def responses_stopped_event(sequence_number: int | None) -> bytes:
+    """A Responses stream's `error` event for the same, numbered as
+    responses_broken_event's."""
+    return _responses_error_event(sequence_number, _STOPPING)
+
+
 def responses_broken_event(sequence_number: int | None, too_long: int = 0) -> bytes:
     """The SSE bytes that end a Responses stream an origin broke (or, with
     `too_long`, that the bound on one event cut, as for stream_broken_event).
@@ -198,8 +216,13 @@ def responses_broken_event(sequence_number: int | None, too_long: int = 0) -> by
     than the event before it: this one `sequence_number`
     (dataplane.streaming.relay.next_sequence_number), left out when None (an
     origin whose events carry none)."""
+    return _responses_error_event(
+        sequence_number, _event_too_large(too_long) if too_long else _BROKEN
+    )
+
+
+def _responses_error_event(sequence_number: int | None, error: dict[str, str | None]) -> bytes:
     numbered = {} if sequence_number is None else {"sequence_number": sequence_number}
-    error = _event_too_large(too_long) if too_long else _BROKEN
     return (
         b"event: error\ndata: "
         + jsonio.dumps(
@@ -233,6 +256,18 @@ _BROKEN = {
     "param": None,
     "code": "upstream_stream_broken",
 }
+_STOPPING = {
+    "message": PROXY_STOPPING,
+    "type": "server_error",
+    "param": None,
+    "code": "proxy_stopping",
+}
+
+
+def proxy_stopping() -> ApiError:
+    """503 for a request whose answer had not begun when the stopping
+    proxy cancelled it (see _STOPPING)."""
+    return ApiError(503, PROXY_STOPPING, type="server_error", code="proxy_stopping")
 
 
 def _chat_error_event(error: dict[str, str | None]) -> bytes:
@@ -240,6 +275,7 @@ def _chat_error_event(error: dict[str, str | None]) -> bytes:
 
 
 _STREAM_BROKEN = _chat_error_event(_BROKEN)
+_STREAM_STOPPED = _chat_error_event(_STOPPING)
 
 
 def origin_error_body(

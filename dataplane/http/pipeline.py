@@ -53,7 +53,7 @@ from dataplane.http.fields import (
     too_many_values,
 )
 from dataplane.http.resume import CONTINUABLE, Continuations
-from dataplane.http.state import REQUEST_ID
+from dataplane.http.state import REQUEST_ID, stopping
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
@@ -565,7 +565,10 @@ class Pipeline:
                 # Not this request but the task was stopped: its client had
                 # gone (a failed write), then its last follower.
                 raise ConnectionResetError("the client left during its stream") from None
-            if not task.done() and self._detach(ex, task, lead):
+            # A stopping server cancels every request, followers too: the
+            # relay is not left running for them, and its client, still
+            # there, is sent the stream's ending (reply.relay_origin).
+            if not task.done() and not stopping(request) and self._detach(ex, task, lead):
                 raise
             task.cancel()
             # Its clean-up (the flight told, the origin's connection closed)

@@ -14,6 +14,8 @@ request id the client can quote. A success names them (`x-ponto-origin`,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -27,13 +29,18 @@ from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
 from dataplane.http.errors import (
     origin_error_body,
     responses_broken_event,
+    responses_stopped_event,
     stream_broken_event,
+    stream_stopped_event,
 )
+from dataplane.http.state import stopping
 from dataplane.streaming.relay import (
+    STOPPED_WRITE_S,
     Ending,
     EventSink,
     RelayEnd,
     Resume,
+    Stopped,
     Writable,
     next_sequence_number,
     relay,
@@ -155,6 +162,7 @@ async def relay_origin(
         idle_timeout=idle_timeout,
         resume=resume,
         max_event_bytes=max_event_bytes,
+        stopped=_stopped_ending(request, ex),
     )
     if lead is not None and lead.gone:
         end.client_gone = True
@@ -262,6 +270,14 @@ async def follow(
                 return _whole_stream(ex, await follower.result(), headers), True
             await out.write_eof()
             return out, True
+    except asyncio.CancelledError:
+        # The chunks are whole events (the leader's relay hands on no other).
+        if out is not None and stopping(request):
+            with contextlib.suppress(ConnectionResetError, TimeoutError, asyncio.CancelledError):
+                async with asyncio.timeout(STOPPED_WRITE_S):
+                    await out.write(stream_stopped_event())
+                    await out.write_eof()
+        raise
     except FlightFailed as exc:
         if out is None and exc.delivered == 0:
             return None
@@ -281,6 +297,20 @@ def _broken_stream_ending(ex: Exchange) -> Ending:
     if ex.endpoint.name == "responses":
         return _responses_ending
     return _chat_ending
+
+
+def _stopped_ending(request: web.Request, ex: Exchange) -> Stopped:
+    """What ends the client's stream when the stopping server cancels its
+    relay (see `stopping`): an error event, numbered in a Responses stream."""
+
+    def ending(last: Event | None) -> bytes | None:
+        if not stopping(request):
+            return None
+        if ex.endpoint.name == "responses":
+            return responses_stopped_event(next_sequence_number(last))
+        return stream_stopped_event()
+
+    return ending
 
 
 def _chat_ending(last: Event | None, too_long: int) -> bytes:

@@ -166,6 +166,7 @@ class Proxy:
             demand=quota.demand,
             traffic=lambda: traffic_of(m.requests, m.genai_duration, m.limited),
             report_interval=settings.report_interval,
+            in_group=settings.worker is not None,
         )
         m.bind_auth(lambda: holder.policy.authenticator.problems if holder.policy else {})
         m.bind_cache(lambda: store.stats, local.reserved)

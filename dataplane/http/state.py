@@ -44,6 +44,15 @@ CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
 METRICS = web.AppKey("metrics", Metrics)
 QUOTA = web.AppKey("quota", QuotaState)
 DRAINING = web.AppKey("draining", Draining)
+
+
+def stopping(request: web.Request) -> bool:
+    """Whether a cancellation of `request`'s handler is the server's, which
+    stops (its connection still open), not its client's leaving."""
+    transport = request.transport
+    return request.app[DRAINING].active and transport is not None and not transport.is_closing()
+
+
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
 # Set only with --access-log on.

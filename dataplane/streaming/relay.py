@@ -26,6 +26,8 @@ which closes their connections (vLLM then aborts the generation).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ __all__ = [
     "Readable",
     "RelayEnd",
     "Resume",
+    "Stopped",
     "Writable",
     "next_sequence_number",
     "relay",
@@ -97,6 +100,19 @@ class Ending(Protocol):
         ...
 
 
+class Stopped(Protocol):
+    def __call__(self, last: Event | None) -> bytes | None:
+        """At a cancellation of the relay, after the client got `last` (None:
+        not one): the bytes that end its stream if the server is stopping,
+        None if the client left (nothing to write)."""
+        ...
+
+
+# How long a stream cancelled by a stopping server may take to be sent its
+# ending: a client that does not take a few hundred bytes in that time gets none.
+STOPPED_WRITE_S: Final = 1.0
+
+
 class Resume(Protocol):
     async def __call__(self, cut: str, too_long: int) -> Next | None:
         """The stream to continue with after `cut`, or None to end with the
@@ -135,6 +151,7 @@ async def relay(
     idle_timeout: float | None = None,
     resume: Resume | None = None,
     max_event_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    stopped: Stopped | None = None,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
@@ -143,7 +160,11 @@ async def relay(
     `error_event` (or what it makes of the last event relayed) and returns
     with `cut` set, unless `resume` gives a stream to go on with. A
     cancellation (the client vanished with the server's handler cancellation
-    on) propagates; the caller learns of it in its `finally`.
+    on, or the stopping server cancelled the handler) propagates; the caller
+    learns of it in its `finally`. Before it does, what `stopped` makes of
+    the last event relayed, if anything, ends the client's stream within
+    STOPPED_WRITE_S: a server that stops ends a stream with an error event,
+    not a cut; a client that left gets nothing.
 
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
@@ -155,10 +176,19 @@ async def relay(
     try:
         if resume is not None:
             return await _relay_events(
-                first, content, out, readers, chunks, error_event, idle, resume, max_event_bytes
+                first,
+                content,
+                out,
+                readers,
+                chunks,
+                error_event,
+                idle,
+                resume,
+                max_event_bytes,
+                stopped,
             )
         return await _relay_bytes(
-            first, content, out, readers, chunks, error_event, idle, max_event_bytes
+            first, content, out, readers, chunks, error_event, idle, max_event_bytes, stopped
         )
     finally:
         if idle is not None:
@@ -174,6 +204,7 @@ async def _relay_bytes(
     error_event: bytes | Ending,
     idle: IdleTimeout | None,
     max_event_bytes: int,
+    stopped: Stopped | None,
 ) -> RelayEnd:
     end = RelayEnd()
     # Its readers' events, the last one for an ending made from it, and the
@@ -268,6 +299,11 @@ async def _relay_bytes(
         await out.write_eof()
     except ConnectionResetError:
         _client_left(end)
+    except asyncio.CancelledError:
+        # Every whole event parsed was written (held bytes are not): the
+        # ending follows `last`.
+        await _end_stopped(out, stopped, last, end)
+        raise
     end.open_event = parser.close()
     return end
 
@@ -282,6 +318,7 @@ async def _relay_events(
     idle: IdleTimeout | None,
     resume: Resume,
     max_event_bytes: int,
+    stopped: Stopped | None,
 ) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser(max_event_bytes)
@@ -356,7 +393,29 @@ async def _relay_events(
         await out.write_eof()
     except ConnectionResetError:
         _client_left(end)
+    except asyncio.CancelledError:
+        await _end_stopped(out, stopped, last, end)
+        raise
     return end
+
+
+async def _end_stopped(
+    out: Writable, stopped: Stopped | None, last: Event | None, end: RelayEnd
+) -> None:
+    """Write what `stopped` makes of `last`, and the stream's end, if it
+    makes anything and the answer had not ended; a client gone, or too slow
+    to take it within STOPPED_WRITE_S, gets nothing more."""
+    if stopped is None or end.complete:
+        return
+    ending = stopped(last)
+    if ending is None:
+        return
+    # The task is being cancelled already: a second cancellation (the
+    # server's last word) ends this write as the timeout does.
+    with contextlib.suppress(ConnectionResetError, TimeoutError, asyncio.CancelledError):
+        async with asyncio.timeout(STOPPED_WRITE_S):
+            await out.write(ending)
+            await out.write_eof()
 
 
 def _client_left(end: RelayEnd) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -115,6 +116,7 @@ class ControlPlaneClient:
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
         superseded_wait: float = SUPERSEDED_WAIT_S,
+        in_group: bool = False,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -126,6 +128,8 @@ class ControlPlaneClient:
         self._backoff_min = backoff_min
         self._backoff_max = backoff_max
         self._superseded_wait = superseded_wait
+        # A worker of a --workers group (see _taken).
+        self._in_group = in_group
         self._sleep = sleep
         self._task: asyncio.Task[None] | None = None
         self._credentials = credentials or ClientOptions()
@@ -184,12 +188,7 @@ class ControlPlaneClient:
                     # controlplane.api.routing): taking it back at once would
                     # have the two take turns.
                     wait = self._superseded_wait
-                    self._say(
-                        address,
-                        f"another process registered as proxy {self._info.name} (two "
-                        "proxies of one --name, or a group's worker and its successor); "
-                        f"registering again in {wait:g} s",
-                    )
+                    self._taken(address, wait)
                 else:
                     self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
             except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
@@ -224,6 +223,24 @@ class ControlPlaneClient:
                     "with --tls-cert and --tls-key [UNAVAILABLE]"
                 )
         return linkadvice.proxy_refused(code, detail, address, self._credentials)
+
+    def _taken(self, address: str, wait: float) -> None:
+        """Say that another process registered this proxy's name. In a group
+        that is, as a rule, this worker's successor in a reload, which
+        retires this process in a moment: said at INFO, not as a problem on
+        every reload. A proxy alone has no successor: another proxy was given
+        its --name (a warning). The pid tells the two processes' lines apart."""
+        said = (
+            f"another process registered as proxy {self._info.name} "
+            f"(this process is pid {os.getpid()}); it serves on with its last table "
+            f"and asks again in {wait:g} s"
+        )
+        if not self._news(address, said):
+            return
+        if self._in_group:
+            log.info("%s (a worker's successor in a reload registers so)", said)
+        else:
+            log.warning("%s (was another proxy given the same --name?)", said)
 
     def _say(self, address: str, problem: str) -> None:
         """Log `problem` as a warning unless it is what `address` last failed with."""

@@ -36,11 +36,14 @@ class Served:
     port: int
 
 
-async def serve_on_edge(tmp_path: Path, origin_url: str, *flags: str) -> Served:
+async def serve_on_edge(
+    tmp_path: Path, origin_url: str, *flags: str, shutdown_timeout: float = 60.0
+) -> Served:
     """The proxy's app with `flags` on EdgeRunner, on a free loopback port,
     with a table of one origin "o1" at `origin_url` (its /v1 base) applied
     and the whole rate-limit share (no control plane: 127.0.0.1:9 never
-    answers). The caller cleans up the runner."""
+    answers); its cleanup waits `shutdown_timeout` for running requests
+    (aiohttp's default, as the proxy's). The caller cleans up the runner."""
     settings = parse_proxy(
         [
             "--region=r1",
@@ -51,7 +54,13 @@ async def serve_on_edge(tmp_path: Path, origin_url: str, *flags: str) -> Served:
         ]
     )
     app = build_app(settings)
-    runner = EdgeRunner(app, settings.edge, handler_cancellation=True, access_log=None)
+    runner = EdgeRunner(
+        app,
+        settings.edge,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+    )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -4,6 +4,7 @@ that re-frames events (continuation on)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import cast
 
@@ -637,3 +638,79 @@ async def test_both_relays_cut_at_the_first_block_past_the_bound_whatever_the_sp
         assert reader.events == parsed(before + (done if long is None else b""))
         assert written.endswith(ERROR_EVENT) == (long is not None)
         assert parsed(written.removesuffix(ERROR_EVENT)) == reader.events
+
+
+class Waiting(Content):
+    """An origin's body whose chunks come, then nothing: a read waits until
+    the relay is cancelled."""
+
+    async def readany(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize("stopping", [True, False], ids=["server-stops", "client-left"])
+async def test_a_cancelled_relay_ends_with_what_stopped_makes_of_the_last_event(
+    continuable: bool, stopping: bool
+) -> None:
+    """A stopping server's cancellation ends the client's stream with the
+    ending `stopped` makes of the last whole event relayed (not the half
+    event held); a client that left (`stopped` gives None) is written nothing."""
+    out = Out()
+    seen: list[Event | None] = []
+
+    def stopped(last: Event | None) -> bytes | None:
+        seen.append(last)
+        return b"data: stopped\n\ndata: [DONE]\n\n" if stopping else None
+
+    task = asyncio.create_task(
+        relay(
+            b'data: {"n":1}\n\n',
+            Waiting(b'data: {"n":2}\n\ndata: {"n"'),
+            cast(web.StreamResponse, out),
+            resume=no_resume if continuable else None,
+            stopped=stopped,
+        )
+    )
+    while len(out.written) < 2:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [e.data if e else None for e in seen] == [b'{"n":2}']
+    relayed = b"".join(out.written)
+    assert relayed.startswith(b'data: {"n":1}\n\ndata: {"n":2}\n\n')
+    assert b'{"n"' not in relayed.split(b"\n\n")[2]  # the half event held stays held
+    if stopping:
+        assert relayed.endswith(b"data: stopped\n\ndata: [DONE]\n\n")
+        assert out.ended
+    else:
+        assert relayed == b'data: {"n":1}\n\ndata: {"n":2}\n\n'
+        assert not out.ended
+
+
+async def test_a_relay_cancelled_after_the_answer_ended_writes_nothing_more() -> None:
+    class Hanging(Out):
+        async def write_eof(self) -> None:
+            await asyncio.Event().wait()  # the client takes the end slowly
+
+    out = Hanging()
+    task = asyncio.create_task(
+        relay(
+            b"data: [DONE]\n\n",
+            Waiting(),
+            cast(web.StreamResponse, out),
+            stopped=lambda last: b"data: stopped\n\n",
+        )
+    )
+    while not out.written:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert out.written == [b"data: [DONE]\n\n"]

@@ -1,0 +1,163 @@
+"""What a client gets of a request the stopping proxy cancels: the proxy's
+app on its production listener (EdgeRunner, handler cancellation on) before
+an origin that never ends its answer, stopped as dataplane.run stops it
+(Draining active, then runner.cleanup()) with a short shutdown timeout.
+
+Trial 16: a stream still running at the end of a stop's grace was cut in its
+body (curl: "transfer closed with outstanding read data"; the openai SDK: a
+connection error, as for a network fault). It ends with an error event of
+code `proxy_stopping` and `data: [DONE]`, as a stream its origin breaks
+does; an answer not begun yet is a 503 `proxy_stopping`. A client that left
+is sent nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from dataplane.http.edge import EdgeRunner
+from dataplane.http.state import DRAINING
+from tests.functional.edgestack import serve_on_edge
+from tests.functional.test_pipeline import KEY, MODEL
+
+WAIT = 10.0
+GRACE = 0.5  # the server's shutdown timeout here (production: 60 s)
+
+CHUNK = {
+    "id": "c",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": MODEL,
+    "choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}],
+}
+
+
+@dataclass
+class Stopping:
+    app: web.Application
+    runner: EdgeRunner
+    url: str
+    origin_calls: list[bool]  # one per origin call: whether it streamed
+    first_sent: asyncio.Event  # the origin sent its first chunk, or took the call
+
+    async def stop(self) -> None:
+        """As dataplane.run: Draining active, then the runner's cleanup."""
+        self.app[DRAINING].active = True
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path) -> AsyncIterator[Stopping]:
+    calls: list[bool] = []
+    first = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        calls.append(bool(body.get("stream")))
+        if not body.get("stream"):
+            first.set()
+            await asyncio.sleep(3600)  # an answer that never comes
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"data: " + json.dumps(CHUNK).encode() + b"\n\n")
+        first.set()
+        await asyncio.sleep(3600)  # a generation that never ends
+        return out
+
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", endless)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    served = await serve_on_edge(tmp_path, str(origin.make_url("/v1")), shutdown_timeout=GRACE)
+    app, runner = served.app, served.runner
+    port = served.port
+    try:
+        yield Stopping(app, runner, f"http://127.0.0.1:{port}/v1/chat/completions", calls, first)
+    finally:
+        await runner.cleanup()
+        await origin.close()
+
+
+def chat(text: str, **fields: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
+
+
+HEADERS = {"authorization": f"Bearer {KEY.key}"}
+
+
+@pytest.mark.parametrize("temperature", [0, 1], ids=["a-flights-leader", "uncached"])
+async def test_a_stream_cancelled_by_the_stop_ends_with_an_error_event(
+    proxy: Stopping, temperature: int
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url, json=chat("go on", stream=True, temperature=temperature), headers=HEADERS
+        ) as resp,
+    ):
+        assert resp.status == 200
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT)
+        assert json.loads(first[len(b"data: ") :])["choices"][0]["delta"]["content"] == "par"
+        stop = asyncio.create_task(proxy.stop())
+        rest = await asyncio.wait_for(resp.content.read(), WAIT)  # to the stream's end
+        await asyncio.wait_for(stop, WAIT)
+    events = [e for e in rest.decode().split("\n\n") if e]
+    assert len(events) == 2, rest
+    error = json.loads(events[0][len("data: ") :])["error"]
+    assert error["code"] == "proxy_stopping"
+    assert error["type"] == "server_error"
+    assert "retry the request" in error["message"]
+    assert events[1] == "data: [DONE]"
+    assert resp.headers.get("connection", "").lower() != "keep-alive"
+
+
+async def test_an_answer_not_begun_when_the_stop_cancels_it_is_a_503(proxy: Stopping) -> None:
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.create_task(
+            session.post(proxy.url, json=chat("whole", temperature=1), headers=HEADERS)
+        )
+        await asyncio.wait_for(proxy.first_sent.wait(), WAIT)
+        stop = asyncio.create_task(proxy.stop())
+        resp = await asyncio.wait_for(call, WAIT)
+        body = await resp.json()
+        await asyncio.wait_for(stop, WAIT)
+    assert resp.status == 503
+    assert body["error"]["code"] == "proxy_stopping"
+    assert resp.headers["connection"].lower() == "close"
+    assert resp.headers["x-request-id"]
+    assert proxy.origin_calls == [False]  # not retried on another origin
+
+
+async def test_a_client_that_left_is_sent_nothing(
+    proxy: Stopping, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client whose connection closed during the drain: its handler's
+    cancellation is its leaving, and the stop writes nothing to it (a write
+    to its closed transport would fail and be logged)."""
+    port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    raw = json.dumps(chat("gone", stream=True, temperature=1)).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    await writer.drain()
+    await asyncio.wait_for(reader.readuntil(b"par"), WAIT)
+    proxy.app[DRAINING].active = True
+    writer.close()  # the client leaves
+    await asyncio.sleep(0.1)
+    await asyncio.wait_for(proxy.runner.cleanup(), WAIT)
+    # (The control plane here, 127.0.0.1:9, never answers: its link's warning.)
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in problems if not r.name.startswith("dataplane.sync")] == []
