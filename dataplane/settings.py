@@ -372,15 +372,17 @@ def parse(argv: list[str]) -> Settings:
         default=0.0,
         help="after SIGTERM, keep serving this long with `Connection: close` on every "
         "answer before closing connections, so that clients drop kept-alive connections "
-        "between requests instead of racing the close (the Helm chart sets it)",
+        "between requests instead of racing the close; requests still running then get "
+        "up to 60 s more (default: 0; the Helm chart sets 5)",
     )
     p.add_argument(
         "--workers",
         type=int,
         default=None,
         help="processes serving --listen together (SO_REUSEPORT), each its own proxy "
-        "NAME-wI to the control plane, under one supervisor; 1 runs a single process "
-        "(default: the cores this process may use)",
+        "NAME-wI to the control plane, under one supervisor, which restarts them one at "
+        "a time on SIGHUP (to read certificates, the GeoIP database and code again); 1 "
+        "runs a single process (default: the cores this process may use)",
     )
     # Set by the supervisor on the command lines of its workers (dataplane/workers.py).
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
