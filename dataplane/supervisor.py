@@ -488,7 +488,16 @@ class Supervisor:
         if not await self._listens(old, old.exited):
             done.set_result(old.exited.done() and not self.stopping.is_set())
             return old
-        new = await self._start(slot)
+        try:
+            new = await self._start(slot)
+        except OSError as exc:
+            # No process (EAGAIN or ENOMEM under a container's limits, the
+            # interpreter gone with an upgraded virtualenv): the reload ends,
+            # the group goes on as it was (review 35: the keeper died, and
+            # with it the group).
+            log.error("worker %d's new process could not start: %s; the reload ends", index, exc)
+            done.set_result(False)
+            return old
         if new is None:
             done.set_result(False)
             return old
@@ -523,8 +532,10 @@ class Supervisor:
                 REPLACE_TIMEOUT_S,
                 still,
             )
+        # Its ready file will never come: the poll stops here (it polled for
+        # the supervisor's lifetime after a successor that exited).
+        new.listening.cancel()
         if not new.exited.done():
-            new.listening.cancel()
             self._retire(index, new, signal.SIGTERM)
         done.set_result(False)
         return old

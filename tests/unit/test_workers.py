@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -363,6 +363,43 @@ async def test_a_successor_that_cannot_start_leaves_the_group_as_it_was(
     assert "worker 0's new process exited with 3 before it listened" in caplog.text
     assert "reload stopped at worker 0" in caplog.text
     (notes / "fail-next").unlink()
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    assert set(noted(notes, ".end")) == first
+
+
+async def test_a_successor_that_cannot_be_spawned_leaves_the_group_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 35: a spawn that failed (EAGAIN under a pids limit, the
+    interpreter gone) killed the slot's keeper, which stopped the group, and
+    run() raised; and a successor that exited left its ready-file poll
+    running for the supervisor's lifetime."""
+    group, run, notes = await notes_group(monkeypatch, tmp_path)
+    first = set(noted(notes, ".start"))
+    (notes / "fail-next").touch()
+    assert not await asyncio.wait_for(group.reload(), 30)  # a successor that exits
+    (notes / "fail-next").unlink()
+
+    def polls() -> int:
+        return sum(
+            1
+            for t in asyncio.all_tasks()
+            if not t.done() and getattr(t.get_coro(), "__name__", "") == "_listens"
+        )
+
+    assert polls() == 0
+    real = asyncio.create_subprocess_exec
+
+    async def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_process)
+    assert not await asyncio.wait_for(group.reload(), 30)
+    assert "worker 0's new process could not start" in caplog.text
+    assert not run.done() and not group.stopping.is_set()
+    assert noted(notes, ".end") == {}, "no worker was stopped"
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", real)
     group.stopping.set()
     assert await asyncio.wait_for(run, 30) == 0
     assert set(noted(notes, ".end")) == first
