@@ -15,7 +15,6 @@ request id the client can quote. A success names them (`x-ponto-origin`,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -35,7 +34,6 @@ from dataplane.http.errors import (
 )
 from dataplane.http.state import stopping
 from dataplane.streaming.relay import (
-    STOPPED_WRITE_S,
     Ending,
     EventSink,
     RelayEnd,
@@ -44,6 +42,7 @@ from dataplane.streaming.relay import (
     Writable,
     next_sequence_number,
     relay,
+    write_stopped,
 )
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.sse import Event
@@ -273,10 +272,7 @@ async def follow(
     except asyncio.CancelledError:
         # The chunks are whole events (the leader's relay hands on no other).
         if out is not None and stopping(request):
-            with contextlib.suppress(ConnectionResetError, TimeoutError, asyncio.CancelledError):
-                async with asyncio.timeout(STOPPED_WRITE_S):
-                    await out.write(stream_stopped_event())
-                    await out.write_eof()
+            await write_stopped(out, stream_stopped_event())
         raise
     except FlightFailed as exc:
         if out is None and exc.delivered == 0:

@@ -53,6 +53,7 @@ __all__ = [
     "Writable",
     "next_sequence_number",
     "relay",
+    "write_stopped",
 ]
 
 
@@ -408,10 +409,15 @@ async def _end_stopped(
     if stopped is None or end.complete:
         return
     ending = stopped(last)
-    if ending is None:
-        return
-    # The task is being cancelled already: a second cancellation (the
-    # server's last word) ends this write as the timeout does.
+    if ending is not None:
+        await write_stopped(out, ending)
+
+
+async def write_stopped(out: Writable, ending: bytes) -> None:
+    """Write `ending` and the stream's end to the client of a stream the
+    stopping server cancelled, within STOPPED_WRITE_S; a client gone or too
+    slow gets nothing more. The task is being cancelled already: a second
+    cancellation (the server's last word) ends the write as the timeout does."""
     with contextlib.suppress(ConnectionResetError, TimeoutError, asyncio.CancelledError):
         async with asyncio.timeout(STOPPED_WRITE_S):
             await out.write(ending)
