@@ -3,9 +3,9 @@
 - SIGTERM and SIGINT stop a proxy or a group (STOP_SIGNALS).
 - SIGHUP (RELOAD_SIGNAL) makes a group's supervisor restart its workers one
   at a time, each new one listening before the old one leaves, so that they
-  read their files again (certificates, the GeoIP database, the code) without a
-  refused connection (dataplane.supervisor). A single proxy and a worker log it
-  and go on.
+  read their files again (certificates, the GeoIP database, the code) while
+  the port keeps listening (dataplane.supervisor). A single proxy and a worker
+  log it and go on.
 - SIGUSR2 (LEAVE_SIGNAL) is how the supervisor retires a worker whose
   replacement listens: it stops listening, finishes the requests it holds and
   exits, without the drain a proxy leaving its load balancer needs.

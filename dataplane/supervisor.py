@@ -374,7 +374,9 @@ class Supervisor:
     async def reload(self) -> bool:
         """Restart the workers one at a time, each new one listening before the
         old one leaves: the group reads its files again (certificates, the
-        GeoIP database, the code) and refuses no connection meanwhile. A worker
+        GeoIP database, the code) and keeps listening meanwhile (connections
+        still in a leaving worker's accept queue are reset, unless the kernel
+        migrates them: net.ipv4.tcp_migrate_req). A worker
         that cannot start ends the reload, and the workers not yet replaced keep
         running as they were. Whether every worker was replaced."""
         loop = asyncio.get_running_loop()

@@ -32,7 +32,7 @@ from dataplane.http.errors import (
     stream_broken_event,
     stream_stopped_event,
 )
-from dataplane.http.state import stopping
+from dataplane.http.state import DRAINING, stopping
 from dataplane.streaming.relay import (
     Ending,
     EventSink,
@@ -362,8 +362,11 @@ async def _start_stream(
 async def _prepare_stream(out: web.StreamResponse, request: web.Request, ex: Exchange) -> None:
     """Send a stream's head; `ex.answer` is the stream from then on. HTTP/1.0
     has no chunked coding: the stream's end is the connection's, whatever
-    keep-alive the client asked for."""
-    if request.version < HttpVersion11:
+    keep-alive the client asked for. A stream begun once the proxy stops or
+    leaves its group says in its head that its connection closes after it, as
+    every other answer then does (the boundary and the edge decide those only
+    for answers not yet begun)."""
+    if request.version < HttpVersion11 or request.app[DRAINING].active:
         out.force_close()
     ex.answer = out
     await out.prepare(request)

@@ -49,6 +49,8 @@ class Stopping:
     url: str
     origin_calls: list[bool]  # one per origin call: whether it streamed
     first_sent: asyncio.Event  # the origin sent its first chunk, or took the call
+    taken: asyncio.Event  # the origin has the call
+    head: asyncio.Event  # set to let the origin send its head
 
     async def stop(self) -> None:
         """As dataplane.run: Draining active, then the runner's cleanup."""
@@ -60,10 +62,15 @@ class Stopping:
 async def proxy(tmp_path: Path) -> AsyncIterator[Stopping]:
     calls: list[bool] = []
     first = asyncio.Event()
+    taken = asyncio.Event()
+    head = asyncio.Event()
+    head.set()
 
     async def endless(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         calls.append(bool(body.get("stream")))
+        taken.set()
+        await head.wait()
         if not body.get("stream"):
             first.set()
             await asyncio.sleep(3600)  # an answer that never comes
@@ -82,7 +89,8 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Stopping]:
     app, runner = served.app, served.runner
     port = served.port
     try:
-        yield Stopping(app, runner, f"http://127.0.0.1:{port}/v1/chat/completions", calls, first)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        yield Stopping(app, runner, url, calls, first, taken, head)
     finally:
         await runner.cleanup()
         await origin.close()
@@ -119,6 +127,30 @@ async def test_a_stream_cancelled_by_the_stop_ends_with_an_error_event(
     assert "retry the request" in error["message"]
     assert events[1] == "data: [DONE]"
     assert resp.headers.get("connection", "").lower() != "keep-alive"
+
+
+async def test_a_stream_begun_while_stopping_says_its_connection_closes(proxy: Stopping) -> None:
+    """Review 35: a stream asked for before the stop began, whose head went
+    out after, said nothing of the connection's end (it still closed after
+    the stream), so a client's pool could pick the connection for its next
+    request."""
+    proxy.head.clear()
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.create_task(
+            session.post(proxy.url, json=chat("late", stream=True, temperature=1), headers=HEADERS)
+        )
+        await asyncio.wait_for(proxy.taken.wait(), WAIT)
+        proxy.app[DRAINING].active = True
+        proxy.head.set()
+        resp = await asyncio.wait_for(call, WAIT)
+        assert resp.status == 200
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT)
+        assert resp.headers["connection"].lower() == "close"
+        stop = asyncio.create_task(proxy.runner.cleanup())
+        rest = await asyncio.wait_for(resp.content.read(), WAIT)
+        resp.release()
+        await asyncio.wait_for(stop, WAIT)
+    assert rest.endswith(b"data: [DONE]\n\n")
 
 
 async def test_an_answer_not_begun_when_the_stop_cancels_it_is_a_503(proxy: Stopping) -> None:
