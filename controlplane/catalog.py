@@ -663,13 +663,24 @@ class Catalog:
 
     async def restore_proxy(self, record: ProxyRecord, lease: int) -> int:
         """Write `record` again (its key went with a lost lease) unless its
-        name registered anew meanwhile, here or on another replica; the store
-        revision written at, or 0 (the newer registration stays)."""
-        return await self._put_proxy_if(
-            record,
-            lease,
-            lambda current: current is None or current.session_id == record.session_id,
-        )
+        name registered anew meanwhile, here or on another replica, by a
+        process not started before `record`'s; the store revision written at,
+        or 0 (the newer registration stays).
+
+        After an etcd outage that lost every replica's lease, the replicas
+        write back what they held in no set order: a worker's successor put
+        back after the worker (whose stream another replica had not ended
+        yet) takes its name back, as at its registration, and the worker's
+        replica drops the worker's session when its watch sees the write."""
+
+        def takes(current: ProxyRecord | None) -> bool:
+            return (
+                current is None
+                or current.session_id == record.session_id
+                or 0 < current.started_at < record.started_at
+            )
+
+        return await self._put_proxy_if(record, lease, takes)
 
     async def _put_proxy_if(
         self, record: ProxyRecord, lease: int, takes: Callable[[ProxyRecord | None], bool]

@@ -48,6 +48,10 @@ STREAM_GRACE = 15.0
 # superseded elsewhere) per this many seconds: a superseded stream ends this
 # much later at worst.
 SUPERSEDED_READ_EVERY = 0.5
+# And one read at least this often with no change seen: a change the watch
+# missed (one made while its stream was being re-created after etcd restarted)
+# would otherwise leave a superseded stream open until the next change.
+SUPERSEDED_RESCAN_EVERY = 30.0
 
 
 class ProxyRegistry:
@@ -194,13 +198,18 @@ class ProxyRegistry:
             event.set()
         return event
 
-    async def watch(self, every: float = SUPERSEDED_READ_EVERY) -> None:
+    async def watch(
+        self, every: float = SUPERSEDED_READ_EVERY, rescan: float = SUPERSEDED_RESCAN_EVERY
+    ) -> None:
         """Drop the sessions whose name registered again on another replica
         after changes of the registrations, until cancelled: one read for
         the changes of `every` seconds (a fleet's rolling reload is thousands
         of changes, each replica's read of all registrations per change would
         be millions of decodes). The store's watch survives its restarts and
-        compactions."""
+        compactions, but may miss a change made while it re-creates its
+        stream: with no change seen, the registrations are read every
+        `rescan` seconds anyway. A read that fails is made again `every`
+        seconds later."""
         changed = asyncio.Event()
 
         async def follow() -> None:
@@ -211,30 +220,33 @@ class ProxyRegistry:
         try:
             while True:
                 waiter = asyncio.ensure_future(changed.wait())
-                await asyncio.wait({waiter, follower}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiter, follower}, timeout=rescan, return_when=asyncio.FIRST_COMPLETED
+                )
                 waiter.cancel()
                 if follower.done():
                     follower.result()  # the watch's error, if any, is the task's
                     return
                 changed.clear()
-                await self.drop_superseded()
+                if not await self.drop_superseded():
+                    changed.set()  # the change is still unread
                 await asyncio.sleep(every)
         finally:
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
 
-    async def drop_superseded(self) -> None:
+    async def drop_superseded(self) -> bool:
         """Read the registrations and drop this replica's sessions whose name
-        holds another session written after theirs; keeps everything if the
-        store is unavailable (the next change reads again)."""
+        holds another session written after theirs. False, keeping
+        everything, if the store is unavailable."""
         if not self.sessions:
-            return
+            return True
         try:
             current = await self._catalog.proxy_sessions()
         except Unavailable as exc:
             log.debug("registrations not read: %s", exc)
-            return
+            return False
         for session_id, record in list(self.sessions.items()):
             holder = current.get(record.name)
             # A key absent was removed or went with a lost lease (keepalive
@@ -250,6 +262,7 @@ class ProxyRegistry:
                     session_id,
                 )
                 self._forget(session_id)
+        return True
 
     def streaming(self, session_id: str) -> bool:
         """Mark the session's route stream open, so its registration stays

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -233,6 +234,70 @@ async def test_changes_of_the_registrations_are_read_once_a_while() -> None:
             await asyncio.sleep(0)
         assert store.lists == 1
         assert mine.session_id in here.sessions  # until the next read
+    finally:
+        watching.cancel()
+
+
+class MissedStore(MemoryStore):
+    """A store whose watch of the registrations sees no change (as one
+    re-created after etcd restarted misses the changes made meanwhile), and
+    whose first `failing` listings fail; it reports `changes` changes at once,
+    then none."""
+
+    def __init__(self, failing: int = 0, changes: int = 0) -> None:
+        super().__init__()
+        self.failing = failing
+        self.changes = changes
+        self.lists = 0
+
+    async def list(self, prefix: str) -> Listing:
+        self.lists += 1
+        if self.failing:
+            self.failing -= 1
+            raise StoreUnavailable("etcd is away")
+        return await super().list(prefix)
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
+        for _ in range(self.changes):
+            yield self._revision
+        await asyncio.Event().wait()
+
+
+async def test_a_change_the_watch_missed_is_read_all_the_same() -> None:
+    """Review 35: a session superseded by a change the watch missed stayed
+    until the next change of the registrations, which may never come. The
+    registrations are read every `rescan` seconds with no change seen."""
+    catalog = Catalog(MissedStore())
+    here = ProxyRegistry(catalog, "cp-a", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp-b", stream_grace=10.0)
+    old = await here.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    kept = await here.register("g-w1", "eu", "127.0.0.1:2", "1", started_at=100.0)
+    watching = asyncio.create_task(here.watch(every=0.0, rescan=0.01))
+    try:
+        await there.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+        await asyncio.wait_for(here.ended(old.session_id).wait(), 10)
+        assert set(here.sessions) == {kept.session_id}
+    finally:
+        watching.cancel()
+
+
+async def test_a_read_of_the_registrations_that_failed_is_made_again() -> None:
+    """Review 35: a read after a change that failed (etcd away) was made again
+    only at the next change. It is made again `every` seconds later, until
+    one succeeds."""
+    store = MissedStore(changes=1)
+    catalog = Catalog(store)
+    here = ProxyRegistry(catalog, "cp-a", stream_grace=10.0)
+    there = ProxyRegistry(catalog, "cp-b", stream_grace=10.0)
+    old = await here.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    await there.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    store.failing = 3
+    # One change seen, and no rescan in the test's time: only the retries read.
+    watching = asyncio.create_task(here.watch(every=0.0, rescan=3600.0))
+    try:
+        await asyncio.wait_for(here.ended(old.session_id).wait(), 10)
+        assert store.lists == 4  # three failed, one read
+        assert here.sessions == {}
     finally:
         watching.cancel()
 
@@ -520,20 +585,55 @@ async def test_of_two_registrations_at_once_the_older_process_does_not_overwrite
     assert here.sessions == {}
 
 
+def two_replicas() -> tuple[Catalog, ProxyRegistry, ProxyRegistry]:
+    catalog = Catalog(MemoryStore())
+    return (
+        catalog,
+        ProxyRegistry(catalog, "cp", stream_grace=10.0),
+        ProxyRegistry(catalog, "cp2", stream_grace=10.0),
+    )
+
+
+async def lose_lease(catalog: Catalog, registry: ProxyRegistry) -> None:
+    """As etcd away longer than the lease's TTL: the lease and its keys are gone."""
+    await catalog.store.revoke_lease(await registry.lease())
+    registry._lease = 0
+
+
 async def test_a_lost_lease_puts_back_only_what_registered_nowhere_else_meanwhile() -> None:
     """Review 33: after its lease was lost a replica wrote every session it
     held again, over a registration its proxy (or a successor of its name)
     had made on another replica meanwhile."""
-    catalog = Catalog(MemoryStore())
-    here = ProxyRegistry(catalog, "cp", stream_grace=10.0)
-    there = ProxyRegistry(catalog, "cp2", stream_grace=10.0)
+    catalog, here, there = two_replicas()
     moved = await here.register("p-moved", "eu", "127.0.0.1:1", "1", started_at=100.0)
     stayed = await here.register("p-stayed", "eu", "127.0.0.1:2", "1", started_at=100.0)
     assert here.streaming(moved.session_id) and here.streaming(stayed.session_id)
-    await catalog.store.revoke_lease(await here.lease())  # the lease is lost...
-    here._lease = 0
+    await lose_lease(catalog, here)  # the lease is lost...
     elsewhere = await there.register("p-moved", "eu", "127.0.0.1:1", "1", started_at=100.0)
     await here._rewrite()  # ...and granted again
     records = {p.name: p.session_id for p in await catalog.list_proxies()}
     assert records == {"p-moved": elsewhere.session_id, "p-stayed": stayed.session_id}
     assert set(here.sessions) == {stayed.session_id}
+
+
+@pytest.mark.parametrize("worker_first", [True, False], ids=["worker-first", "successor-first"])
+async def test_after_an_outage_the_later_process_keeps_its_name(worker_first: bool) -> None:
+    """Review 35: after an etcd outage that lost both replicas' leases, the
+    replica that wrote its sessions back first kept the name, though its
+    session was the worker's a reload had replaced on the other replica:
+    the successor's was dropped and its stream ended. The later process
+    keeps the name whatever the order, and the worker's session goes."""
+    catalog, here, there = two_replicas()
+    worker = await there.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    successor = await here.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    assert there.streaming(worker.session_id) and here.streaming(successor.session_id)
+    for registry in (here, there):  # etcd was away longer than the leases' TTL
+        await lose_lease(catalog, registry)
+    for registry in (there, here) if worker_first else (here, there):
+        await registry._rewrite()
+    current = await catalog.get_proxy("g-w0")
+    assert current is not None and current.session_id == successor.session_id
+    assert set(here.sessions) == {successor.session_id}
+    assert await there.drop_superseded()  # its watch saw the write
+    assert there.sessions == {}
+    assert there.ended(worker.session_id).is_set()
