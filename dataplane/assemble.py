@@ -101,8 +101,10 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
 
 
 def ruled_fields(endpoint: str, rules: PromptRules) -> tuple[str, ...]:
-    """The top-level fields `rules` read on `endpoint`'s requests."""
-    names: tuple[str, ...] = ("model",) if rules.aliases else ()
+    """The top-level fields the proxy reads on `endpoint`'s requests whose
+    value an origin must see as checked: `rules`', and `model`, on which
+    every request is routed, limited, hedged, counted and cached."""
+    names: tuple[str, ...] = ("model",)
     if rules.system_prompt:
         names += ("instructions", "input") if endpoint == "responses" else ("messages",)
     if rules.max_tokens_ceiling and endpoint != "embeddings":

@@ -311,8 +311,8 @@ class Pipeline:
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         rules = ex.tenant.prompt
-        ex.rewritten = assemble(ex.endpoint.name, ex.body, rules) or (
-            not rules.empty and names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
+        ex.rewritten = assemble(ex.endpoint.name, ex.body, rules) or names_twice(
+            ex.raw, ruled_fields(ex.endpoint.name, rules)
         )
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:

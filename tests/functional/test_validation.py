@@ -223,6 +223,21 @@ async def test_a_field_named_twice_reaches_the_origin_as_the_ceiling_checked_it(
     assert proxy.seen[-1] == ("/v1/chat/completions", once)
 
 
+async def test_a_model_named_twice_reaches_the_origin_as_routed(proxy: Proxy) -> None:
+    """Review 35: for a tenant with no prompt rules, a body naming `model`
+    twice went byte for byte: the proxy routed, limited and cached it on the
+    last value, and an origin that reads the first could serve another model
+    (a dearer one on the same replica) under that account. It goes written
+    anew, with the model the proxy routed on."""
+    raw = (b'{"model": "dearer-model", "messages": [{"role": "user", '
+           b'"content": "hi"}], "model": "%s"}' % MODEL.encode())  # fmt: skip
+    resp = await proxy.post("/v1/chat/completions", raw, key=PLAIN.key)
+    assert resp.status == 200, await resp.text()
+    sent = proxy.seen[-1][1]
+    assert sent.count(b'"model"') == 1
+    assert json.loads(sent)["model"] == MODEL
+
+
 async def test_a_valid_request_is_checked_before_the_system_prompt_is_added(proxy: Proxy) -> None:
     resp = await proxy.post("/v1/chat/completions", one_message("Bonjour"), PROMPTED.key)
     assert resp.status == 200, await resp.text()

@@ -343,8 +343,8 @@ def test_the_fields_rules_read_are_found_named_twice() -> None:
         "max_completion_tokens",
     )
     assert ruled_fields("responses", rules) == ("model", "max_output_tokens")
-    assert ruled_fields("embeddings", PromptRules(max_tokens_ceiling=10)) == ()
-    assert ruled_fields("chat.completions", PromptRules()) == ()
+    assert ruled_fields("embeddings", PromptRules(max_tokens_ceiling=10)) == ("model",)
+    assert ruled_fields("chat.completions", PromptRules()) == ("model",)
     twice = b'{"max_tokens": 1, "model": "m", "max_tokens" : 2}'
     assert names_twice(twice, ("model", "max_tokens"))
     assert not names_twice(twice, ("model",))
