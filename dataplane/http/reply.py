@@ -280,8 +280,12 @@ async def follow(
         if out is None:  # pragma: no cover - delivered implies started
             raise
         # Flights are of cacheable endpoints only, which Responses is not
-        # (dataplane.cache.policy): a chat or completions stream.
-        await out.write(stream_broken_event())
+        # (dataplane.cache.policy): a chat or completions stream. Its leader
+        # cancelled by the stopping server (before this request's own
+        # cancellation came), the client is told the proxy stops, not that
+        # the origin broke the stream.
+        stopped = follower.leader_left and stopping(request)
+        await out.write(stream_stopped_event() if stopped else stream_broken_event())
         await out.write_eof()
         return out, False
 

@@ -25,10 +25,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.http.edge import EdgeRunner
-from dataplane.http.state import DRAINING
+from dataplane.http.pipeline import ENDPOINTS, Exchange
+from dataplane.http.reply import follow
+from dataplane.http.state import DRAINING, Draining
+from dataplane.policy import build_policy
+from dataplane.routes import build_routes
 from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_pipeline import KEY, MODEL
+from tests.unit.test_placement import two_region_table
 
 WAIT = 10.0
 GRACE = 0.5  # the server's shutdown timeout here (production: 60 s)
@@ -193,3 +199,73 @@ async def test_a_client_that_left_is_sent_nothing(
     # (The control plane here, 127.0.0.1:9, never answers: its link's warning.)
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in problems if not r.name.startswith("dataplane.sync")] == []
+
+
+async def test_a_flights_leader_and_follower_cancelled_by_the_stop_are_told_so(
+    proxy: Stopping,
+) -> None:
+    """Two clients of one flight (one origin call), both still reading when
+    the stop cancels them: each stream ends with `proxy_stopping`."""
+    body = chat("followed", stream=True, temperature=0)
+    async with (
+        aiohttp.ClientSession() as a,
+        aiohttp.ClientSession() as b,
+        a.post(proxy.url, json=body, headers=HEADERS) as leader,
+        b.post(proxy.url, json=body, headers=HEADERS) as follower,
+    ):
+        for resp in (leader, follower):
+            assert resp.status == 200
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT)
+        assert follower.headers.get("x-ponto-coalesced") == "1"
+        stop = asyncio.create_task(proxy.stop())
+        rests = [await asyncio.wait_for(r.content.read(), WAIT) for r in (leader, follower)]
+        await asyncio.wait_for(stop, WAIT)
+    assert proxy.origin_calls == [True]
+    for rest in rests:
+        events = [e for e in rest.decode().split("\n\n") if e]
+        assert json.loads(events[0][len("data: ") :])["error"]["code"] == "proxy_stopping", rest
+        assert events[-1] == "data: [DONE]"
+
+
+async def test_a_follower_whose_leader_the_stop_cancelled_first_is_told_so() -> None:
+    """reply.follow on its own, the flight's leader cancelled while this
+    follower's handler still runs (the stop's cancellations come in no set
+    order): its flight failed, and it ended `upstream_stream_broken`, as if
+    the origin had broken the stream. The proxy stopping, it is told so."""
+    table = two_region_table(hot=False, home_healthy=True)
+    coalescer = Coalescer()
+    leader = coalescer.join("k")
+    assert isinstance(leader, Leader)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        ex = Exchange(
+            ENDPOINTS["chat.completions"],
+            request.headers,
+            None,
+            "id",
+            build_routes(table, "near"),
+            build_policy(table),
+        )
+        ex.stream = True
+        follower = coalescer.join("k")
+        assert isinstance(follower, Follower)
+        answered = await follow(request, ex, follower)
+        assert answered is not None
+        return answered[0]
+
+    app = web.Application()
+    app[DRAINING] = Draining()
+    app.router.add_post("/", handler)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        call = asyncio.create_task(session.post(server.make_url("/")))
+        while not coalescer.stats.followers:
+            await asyncio.sleep(0.01)
+        leader.chunk(b"data: " + json.dumps(CHUNK).encode() + b"\n\n")
+        resp = await asyncio.wait_for(call, WAIT)
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT)
+        app[DRAINING].active = True
+        leader.finish(None, asyncio.CancelledError())  # the stop cancelled the leader
+        rest = await asyncio.wait_for(resp.content.read(), WAIT)
+    events = [e for e in rest.decode().split("\n\n") if e]
+    assert json.loads(events[0][len("data: ") :])["error"]["code"] == "proxy_stopping", rest
+    assert events[-1] == "data: [DONE]"
