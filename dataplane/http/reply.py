@@ -42,6 +42,7 @@ from dataplane.streaming.relay import (
     Writable,
     next_sequence_number,
     relay,
+    whole_events_end_answer,
     write_stopped,
 )
 from dataplane.streaming.splice import Transcript
@@ -257,6 +258,10 @@ async def follow(
     """
     headers = [*ex.response_headers("hit"), ("x-ponto-coalesced", "1")]
     out: web.StreamResponse | None = None
+    # The client has the answer's last event (its [DONE]): nothing more is
+    # written to it but the stream's end, whatever comes of the flight.
+    whole = False
+    ending = False  # the stream's end is being written
     try:
         with follower:
             if not ex.stream:
@@ -265,20 +270,25 @@ async def follow(
                 if out is None:
                     out = await _start_stream(request, ex, headers)
                 await out.write(chunk)
+                whole = whole_events_end_answer(chunk)
             if out is None:  # the leader answered without streaming
                 return _whole_stream(ex, await follower.result(), headers), True
+            whole = ending = True
             await out.write_eof()
             return out, True
     except asyncio.CancelledError:
         # The chunks are whole events (the leader's relay hands on no other).
-        if out is not None and stopping(request):
-            await write_stopped(out, stream_stopped_event())
+        if out is not None and not ending and stopping(request):
+            await write_stopped(out, b"" if whole else stream_stopped_event())
         raise
     except FlightFailed as exc:
         if out is None and exc.delivered == 0:
             return None
         if out is None:  # pragma: no cover - delivered implies started
             raise
+        if whole:  # the flight failed after its answer (storing it, say)
+            await out.write_eof()
+            return out, True
         # Flights are of cacheable endpoints only, which Responses is not
         # (dataplane.cache.policy): a chat or completions stream. Its leader
         # cancelled by the stopping server (before this request's own

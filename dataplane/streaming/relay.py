@@ -269,7 +269,7 @@ async def _relay_bytes(
                     # reaches the origin through the unread upstream socket.
                     await out.write(data)
                     written = data
-                    if _may_end(data) and ends_answer(data):
+                    if whole_events_end_answer(data):
                         # The client has the whole answer, and may close at once
                         # (the openai SDK does at [DONE]): its stream ends now, not
                         # at the origin's last chunk, which may come just after.
@@ -405,8 +405,10 @@ async def _end_stopped(
 ) -> None:
     """Write what `stopped` makes of `last`, and the stream's end, if it
     makes anything and the answer had not ended; a client gone, or too slow
-    to take it within STOPPED_WRITE_S, gets nothing more."""
-    if stopped is None or end.complete:
+    to take it within STOPPED_WRITE_S, gets nothing more. A stream already
+    cut has its ending (written before the wait the cancellation came in):
+    a second would follow its `[DONE]`, or the chunked body's last chunk."""
+    if stopped is None or end.complete or end.cut:
         return
     ending = stopped(last)
     if ending is not None:
@@ -414,13 +416,16 @@ async def _end_stopped(
 
 
 async def write_stopped(out: Writable, ending: bytes) -> None:
-    """Write `ending` and the stream's end to the client of a stream the
-    stopping server cancelled, within STOPPED_WRITE_S; a client gone or too
-    slow gets nothing more. The task is being cancelled already: a second
-    cancellation (the server's last word) ends the write as the timeout does."""
+    """Write `ending` (if any) and the stream's end to the client of a stream
+    the stopping server cancelled, within STOPPED_WRITE_S; a client gone or
+    too slow gets nothing more. The task is being cancelled already: a second
+    cancellation (the server's last word) ends the write as the timeout does.
+    Not for a stream whose end was being written (a second would follow its
+    last chunk)."""
     with contextlib.suppress(ConnectionResetError, TimeoutError, asyncio.CancelledError):
         async with asyncio.timeout(STOPPED_WRITE_S):
-            await out.write(ending)
+            if ending:
+                await out.write(ending)
             await out.write_eof()
 
 
@@ -477,9 +482,12 @@ def ends_answer(data: bytes) -> bool:
     return b"event:" in last and _RESPONSES_END.search(last) is not None
 
 
-def _may_end(data: bytes) -> bool:
-    """A cheap look for what `ends_answer` looks for, made on every chunk."""
-    return data.endswith((b"]\n\n", b"]\r\n\r\n", b"]\r\r")) or b"event:" in data
+def whole_events_end_answer(data: bytes) -> bool:
+    """`ends_answer` for whole events (ending in a blank line), made on every
+    chunk: a cheap look first for what it looks for, so that most chunks are
+    not copied by its strip."""
+    may_end = data.endswith((b"]\n\n", b"]\r\n\r\n", b"]\r\r")) or b"event:" in data
+    return may_end and ends_answer(data)
 
 
 def _boundary(data: bytes) -> int:

@@ -435,20 +435,23 @@ async def stack_on(
     return s
 
 
+# A stream's first chunk, as an origin sends it.
+FIRST_CHUNK = {
+    "id": "c",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": MODEL,
+    "choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}],
+}
+
+
 async def test_a_stream_cut_after_its_first_chunk_ends_with_an_error_event(
     tmp_path: Path,
 ) -> None:
     async def cut(request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await out.prepare(request)
-        chunk = {
-            "id": "c",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": MODEL,
-            "choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}],
-        }
-        await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await out.write(b"data: " + json.dumps(FIRST_CHUNK).encode() + b"\n\n")
         assert request.transport is not None
         request.transport.close()  # the origin dies mid-answer
         return out

@@ -19,33 +19,26 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestServer, make_mocked_request
 
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.http.edge import EdgeRunner
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.reply import follow
-from dataplane.http.state import DRAINING, Draining
+from dataplane.http.state import DRAINING, Draining, stopping
 from dataplane.policy import build_policy
 from dataplane.routes import build_routes
 from tests.functional.edgestack import serve_on_edge
-from tests.functional.test_pipeline import KEY, MODEL
+from tests.functional.test_pipeline import FIRST_CHUNK, KEY, chat
 from tests.unit.test_placement import two_region_table
 
 WAIT = 10.0
 GRACE = 0.5  # the server's shutdown timeout here (production: 60 s)
-
-CHUNK = {
-    "id": "c",
-    "object": "chat.completion.chunk",
-    "created": 1,
-    "model": MODEL,
-    "choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}],
-}
 
 
 @dataclass
@@ -82,7 +75,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Stopping]:
             await asyncio.sleep(3600)  # an answer that never comes
         out = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await out.prepare(request)
-        await out.write(b"data: " + json.dumps(CHUNK).encode() + b"\n\n")
+        await out.write(b"data: " + json.dumps(FIRST_CHUNK).encode() + b"\n\n")
         first.set()
         await asyncio.sleep(3600)  # a generation that never ends
         return out
@@ -100,10 +93,6 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Stopping]:
     finally:
         await runner.cleanup()
         await origin.close()
-
-
-def chat(text: str, **fields: object) -> dict[str, object]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
 
 
 HEADERS = {"authorization": f"Bearer {KEY.key}"}
@@ -180,8 +169,9 @@ async def test_a_client_that_left_is_sent_nothing(
     proxy: Stopping, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A client whose connection closed during the drain: its handler's
-    cancellation is its leaving, and the stop writes nothing to it (a write
-    to its closed transport would fail and be logged)."""
+    cancellation is its leaving, and the stop neither writes to it nor logs
+    anything of it. (Whether a write is tried is not seen on the wire, its
+    transport being closed: `stopping` is tested on its own.)"""
     port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     raw = json.dumps(chat("gone", stream=True, temperature=1)).encode()
@@ -194,7 +184,10 @@ async def test_a_client_that_left_is_sent_nothing(
     await asyncio.wait_for(reader.readuntil(b"par"), WAIT)
     proxy.app[DRAINING].active = True
     writer.close()  # the client leaves
-    await asyncio.sleep(0.1)
+    server = proxy.runner.server
+    assert server is not None
+    while server.connections:  # until the server saw it go
+        await asyncio.sleep(0.01)
     await asyncio.wait_for(proxy.runner.cleanup(), WAIT)
     # (The control plane here, 127.0.0.1:9, never answers: its link's warning.)
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -227,15 +220,27 @@ async def test_a_flights_leader_and_follower_cancelled_by_the_stop_are_told_so(
         assert events[-1] == "data: [DONE]"
 
 
-async def test_a_follower_whose_leader_the_stop_cancelled_first_is_told_so() -> None:
-    """reply.follow on its own, the flight's leader cancelled while this
-    follower's handler still runs (the stop's cancellations come in no set
-    order): its flight failed, and it ended `upstream_stream_broken`, as if
-    the origin had broken the stream. The proxy stopping, it is told so."""
+@dataclass
+class Flight:
+    """A flight's follower answered by reply.follow on its own (aiohttp's
+    test server), its leader driven by the test."""
+
+    app: web.Application
+    leader: Leader
+    response: aiohttp.ClientResponse
+    following: asyncio.Task[tuple[web.StreamResponse, bool] | None]
+
+    def stop(self) -> None:
+        self.app[DRAINING].active = True
+
+
+@pytest.fixture
+async def flight() -> AsyncIterator[Flight]:
     table = two_region_table(hot=False, home_healthy=True)
     coalescer = Coalescer()
     leader = coalescer.join("k")
     assert isinstance(leader, Leader)
+    tasks: list[asyncio.Task[tuple[web.StreamResponse, bool] | None]] = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
         ex = Exchange(
@@ -249,7 +254,9 @@ async def test_a_follower_whose_leader_the_stop_cancelled_first_is_told_so() -> 
         ex.stream = True
         follower = coalescer.join("k")
         assert isinstance(follower, Follower)
-        answered = await follow(request, ex, follower)
+        # A task of its own, which the test may cancel as the stop would.
+        tasks.append(asyncio.create_task(follow(request, ex, follower)))
+        answered = await tasks[0]
         assert answered is not None
         return answered[0]
 
@@ -260,12 +267,55 @@ async def test_a_follower_whose_leader_the_stop_cancelled_first_is_told_so() -> 
         call = asyncio.create_task(session.post(server.make_url("/")))
         while not coalescer.stats.followers:
             await asyncio.sleep(0.01)
-        leader.chunk(b"data: " + json.dumps(CHUNK).encode() + b"\n\n")
+        leader.chunk(b"data: " + json.dumps(FIRST_CHUNK).encode() + b"\n\n")
         resp = await asyncio.wait_for(call, WAIT)
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT)
-        app[DRAINING].active = True
-        leader.finish(None, asyncio.CancelledError())  # the stop cancelled the leader
-        rest = await asyncio.wait_for(resp.content.read(), WAIT)
+        yield Flight(app, leader, resp, tasks[0])
+        resp.release()
+
+
+async def test_a_follower_whose_leader_the_stop_cancelled_first_is_told_so(
+    flight: Flight,
+) -> None:
+    """The flight's leader cancelled while this follower's handler still runs
+    (the stop's cancellations come in no set order): its flight failed, and it
+    ended `upstream_stream_broken`, as if the origin had broken the stream.
+    The proxy stopping, it is told so."""
+    flight.stop()
+    flight.leader.finish(None, asyncio.CancelledError())  # the stop cancelled the leader
+    rest = await asyncio.wait_for(flight.response.content.read(), WAIT)
     events = [e for e in rest.decode().split("\n\n") if e]
     assert json.loads(events[0][len("data: ") :])["error"]["code"] == "proxy_stopping", rest
     assert events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("how", ["leader-cancelled", "follower-cancelled"])
+async def test_a_follower_that_has_the_whole_answer_is_sent_nothing_more(
+    flight: Flight, how: str
+) -> None:
+    """Review 36: a follower that had written `[DONE]`, waiting for the
+    flight's outcome (its leader storing the answer), was sent an error
+    event and a second `[DONE]` when the stop cancelled it or its leader."""
+    flight.leader.chunk(b"data: [DONE]\n\n")
+    await asyncio.wait_for(flight.response.content.readuntil(b"data: [DONE]\n\n"), WAIT)
+    flight.stop()
+    if how == "leader-cancelled":
+        flight.leader.finish(None, asyncio.CancelledError())
+    else:
+        flight.following.cancel()
+    assert await asyncio.wait_for(flight.response.content.read(), WAIT) == b""
+
+
+def test_stopping_is_the_servers_cancellation_of_a_client_still_there() -> None:
+    """`stopping` decides whether a cancelled stream is written its
+    `proxy_stopping` ending: only while draining, to a transport still open."""
+    app = web.Application()
+    app[DRAINING] = Draining()
+    transport = mock.Mock()
+    transport.is_closing.return_value = False
+    request = make_mocked_request("POST", "/", app=app, transport=transport)
+    assert not stopping(request)  # not draining: a cancellation is the client's
+    app[DRAINING].active = True
+    assert stopping(request)
+    transport.is_closing.return_value = True  # the client left
+    assert not stopping(request)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -699,18 +700,54 @@ async def test_a_relay_cancelled_after_the_answer_ended_writes_nothing_more() ->
             await asyncio.Event().wait()  # the client takes the end slowly
 
     out = Hanging()
+    await cancel_when(out, lambda: bool(out.written), b"data: [DONE]\n\n", Waiting())
+    assert out.written == [b"data: [DONE]\n\n"]
+
+
+async def cancel_when(
+    out: Out, ready: Callable[[], bool], first: bytes, content: Content, **kwargs: Any
+) -> None:
+    """Relay `first` then `content` to `out`, and cancel the relay, as the
+    stopping server does, once `ready()` and one more step of the loop."""
     task = asyncio.create_task(
         relay(
-            b"data: [DONE]\n\n",
-            Waiting(),
+            first,
+            content,
             cast(web.StreamResponse, out),
-            stopped=lambda last: b"data: stopped\n\n",
+            stopped=lambda last: b"data: stopped\n\ndata: [DONE]\n\n",
+            **kwargs,
         )
     )
-    while not out.written:
+    while not ready():
         await asyncio.sleep(0)
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert out.written == [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_relay_cancelled_while_its_broken_ending_drains_ends_once(
+    continuable: bool,
+) -> None:
+    """Review 36: a stream the origin broke was written its error event and
+    `[DONE]`; the stop's cancellation, coming while a slow client took them,
+    wrote a second error event and `[DONE]` (and, in a wait for the stream's
+    end, bytes after its last chunk)."""
+
+    class Slow(Out):
+        async def write(self, data: bytes) -> None:
+            await super().write(data)
+            if data.startswith(ERROR_EVENT):
+                await asyncio.Event().wait()  # the client takes the ending slowly
+
+    out = Slow()
+    await cancel_when(
+        out,
+        lambda: any(w.startswith(ERROR_EVENT) for w in out.written),
+        b'data: {"n":1}\n\n',
+        Dropping(),
+        error_event=ERROR_EVENT,
+        resume=no_resume if continuable else None,
+    )
+    assert b"stopped" not in b"".join(out.written)
