@@ -433,7 +433,19 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
-            current = await self._start(slot)
+            try:
+                current = await self._start(slot)
+            except OSError as exc:
+                # No process (EAGAIN under a container's pids limit, the
+                # interpreter gone with an upgraded virtualenv): a failure as
+                # a death is, retried on the same policy (review 36: the
+                # keeper died, and with it the group, with a traceback).
+                failures += 1
+                if not await self._restart_after(
+                    slot, failures, f"worker {index}'s process could not start ({exc})"
+                ):
+                    return
+                continue
             if current is None:
                 return
             stop = asyncio.create_task(self.stopping.wait())
@@ -454,30 +466,27 @@ class Supervisor:
             code = current.exited.result()
             lasted = loop.time() - current.started
             failures = 1 if lasted >= self.policy.stable_after else failures + 1
-            delay = self.policy.delay(failures)
-            if delay is None:
-                log.error(
-                    "worker %d %s (%d failures in a row); giving up, stopping the others",
-                    index,
-                    describe_exit(code),
-                    failures,
-                )
-                self.unclean = True
+            what = f"worker {index} (pid {current.proc.pid}) {describe_exit(code)}"
+            if not await self._restart_after(slot, failures, what):
                 return
-            log.warning(
-                "worker %d (pid %d) %s; restarting it in %.1f s",
-                index,
-                current.proc.pid,
-                describe_exit(code),
-                delay,
-            )
-            # A reload asked for meanwhile: the next start reads the files anew.
-            while not slot.replace.empty():
-                slot.replace.get_nowait().set_result(True)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), delay)
-            if self.stopping.is_set():
-                return
+
+    async def _restart_after(self, slot: _Slot, failures: int, what: str) -> bool:
+        """Log `what` befell worker `slot`, the `failures`-th failure in a
+        row, and wait the restart policy's delay: whether to start it again
+        (False once the policy gives up, which stops the group unclean, or
+        when the group stops meanwhile)."""
+        delay = self.policy.delay(failures)
+        if delay is None:
+            log.error("%s (%d failures in a row); giving up, stopping the others", what, failures)
+            self.unclean = True
+            return False
+        log.warning("%s; restarting it in %.1f s", what, delay)
+        # A reload asked for meanwhile: the next start reads the files anew.
+        while not slot.replace.empty():
+            slot.replace.get_nowait().set_result(True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), delay)
+        return not self.stopping.is_set()
 
     async def _replace(self, slot: _Slot, old: _Process, done: asyncio.Future[bool]) -> _Process:
         """Start worker `slot` anew beside `old`; once the new one listens, tell

@@ -405,6 +405,39 @@ async def test_a_successor_that_cannot_be_spawned_leaves_the_group_as_it_was(
     assert set(noted(notes, ".end")) == first
 
 
+async def test_a_worker_that_cannot_be_spawned_again_is_retried_on_the_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 36: a worker that died and whose restart could not be spawned
+    (EAGAIN under a pids limit) killed its keeper, which stopped the group,
+    and run() raised. The spawn is retried on the restart policy."""
+    group, run, notes = await notes_group(monkeypatch, tmp_path)
+    group.policy = supervisor.RestartPolicy(first_delay=0.01)
+    first = set(noted(notes, ".start"))
+    real = asyncio.create_subprocess_exec
+    refused = 0
+
+    async def once_no_process(*args: Any, **kwargs: Any) -> Any:
+        nonlocal refused
+        if not refused:
+            refused += 1
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", once_no_process)
+    (w0,) = (name for name in first if name.startswith("w0-"))
+    os.kill(int(w0.split("-")[1]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not any(n.startswith("w0-") for n in set(noted(notes, ".start")) - first):
+        assert not run.done() and time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert refused == 1
+    assert "worker 0's process could not start ([Errno 11]" in caplog.text
+    assert "restarting it in 0.0 s" in caplog.text
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+
+
 async def test_a_reload_while_the_group_starts_replaces_each_worker_once_it_listens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
