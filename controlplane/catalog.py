@@ -727,18 +727,12 @@ class Catalog:
         leader = await _guard(self.store.get(LEADER_KEY))
         return replicas, leader.value.decode() if leader else ""
 
-    async def proxy_sessions(self) -> dict[str, tuple[str, int]]:
-        """Registered proxies: name -> (session id, the revision its
-        registration was written at); records that do not decode are left out."""
+    async def proxy_keys(self) -> dict[str, KeyValue]:
+        """Registered proxies' keys by name, not decoded (a fleet's thousands
+        of registrations are read often, and only a few of them decoded:
+        `session_of`)."""
         listing = await _guard(self.store.list(PROXIES))
-        sessions = {}
-        for kv in listing.items:
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                sessions[kv.key[len(PROXIES) :]] = (
-                    decode_proxy(kv.value).session_id,
-                    kv.mod_revision,
-                )
-        return sessions
+        return {kv.key[len(PROXIES) :]: kv for kv in listing.items}
 
     async def proxy_names(self) -> list[str]:
         """Names of registered proxies (no decoding)."""

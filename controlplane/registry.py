@@ -32,8 +32,8 @@ import orjson
 
 from controlplane.catalog import PROXIES, REPLICAS, Catalog, Limited, Served, Traffic
 from controlplane.errors import Superseded, Unavailable
-from controlplane.model import ProxyRecord
-from controlplane.store import LeaseExpired, StoreUnavailable
+from controlplane.model import ProxyRecord, decode_proxy
+from controlplane.store import KeyValue, LeaseExpired, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,14 @@ SUPERSEDED_READ_EVERY = 0.5
 # missed (one made while its stream was being re-created after etcd restarted)
 # would otherwise leave a superseded stream open until the next change.
 SUPERSEDED_RESCAN_EVERY = 30.0
+
+
+def session_of(kv: KeyValue) -> str | None:
+    """The session a registration's key holds; None if it does not decode."""
+    try:
+        return decode_proxy(kv.value).session_id
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 class ProxyRegistry:
@@ -243,22 +251,25 @@ class ProxyRegistry:
         if not self.sessions:
             return True
         try:
-            current = await self._catalog.proxy_sessions()
+            keys = await self._catalog.proxy_keys()
         except Unavailable as exc:
             log.debug("registrations not read: %s", exc)
             return False
         for session_id, record in list(self.sessions.items()):
-            holder = current.get(record.name)
+            kv = keys.get(record.name)
             # A key absent was removed or went with a lost lease (keepalive
-            # writes it again); one at an earlier revision is a read from
-            # before this session's write.
-            if holder is None or holder[0] == session_id:
+            # writes it again); one at this session's revision or earlier is
+            # its own write or a read from before it. Only a later one is
+            # decoded: this replica's own rewrite of the session (a lost
+            # lease's) may be read before its revision is noted.
+            if kv is None or kv.mod_revision <= self._written.get(session_id, 0):
                 continue
-            if holder[1] > self._written.get(session_id, 0):
+            holder = session_of(kv)
+            if holder is not None and holder != session_id:
                 log.info(
                     "proxy %s registered again elsewhere (session %s); its session %s here ends",
                     record.name,
-                    holder[0],
+                    holder,
                     session_id,
                 )
                 self._forget(session_id)
