@@ -467,6 +467,12 @@ class ProxyRegistry:
             await self._put_announcement(lease)
             for record in list(self.sessions.values()):
                 written = await self._catalog.restore_proxy(record, lease)
+                if record.session_id not in self.sessions:
+                    # Its stream ended (or a registration superseded it)
+                    # during the write, whose key its removal did not find.
+                    if written:
+                        await self._remove_key(record.name, record.session_id)
+                    continue
                 if written:
                     self._written[record.session_id] = written
                 else:

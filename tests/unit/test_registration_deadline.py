@@ -669,3 +669,24 @@ async def test_a_read_of_the_registrations_decodes_only_this_replicas_superseded
     assert decoded == ["p-0"]
     assert set(here.sessions) == {kept.session_id}
     assert here.ended(mine.session_id).is_set()
+
+
+async def test_a_stream_that_ends_while_its_registration_is_put_back_leaves_none() -> None:
+    """Review 36: a session whose stream ended while the lost lease's rewrite
+    put its registration back (its removal found no key yet) was written
+    again, and stayed listed, counted in every proxy's share of a global
+    limit, for as long as the replica lived."""
+    store = HeldPutStore()
+    catalog = Catalog(store)
+    here = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    gone = await here.register("p1", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    assert here.streaming(gone.session_id)
+    await lose_lease(catalog, here)
+    store.hold = True
+    rewrite = asyncio.create_task(here._rewrite())
+    await store.held.wait()  # it read no key: its put comes next
+    await here.unregister(gone.session_id)  # the proxy's stream ends
+    store.release.set()
+    await rewrite
+    assert await catalog.proxy_keys() == {}
+    assert here._written == {}
