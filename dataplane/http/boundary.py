@@ -87,13 +87,15 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if error == CLIENT_GONE:
             app[METRICS].client_disconnects.inc()
         ex = request.get(EXCHANGE)
+        status = CLIENT_CLOSED
         if (ex is None or ex.answer is None) and stopping(request):
             # The stopping server's grace ran out before this answer began:
-            # the client is told so (a 503 it may retry elsewhere), not cut.
-            _stopped_answer(request, request_id)
-        _record_or_log(
-            app, request, request_id, endpoint, request.get(EXCHANGE), CLIENT_CLOSED, error, started
-        )
+            # the client is told so (a 503 it may retry elsewhere), not cut,
+            # and it is counted and logged as what the client got.
+            told = _stopped_answer(request, request_id, ex)
+            if told is not None:
+                status, error = told.status, told.code or error
+        _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
         raise
     except Exception as exc:
         ex = request.get(EXCHANGE)
@@ -111,27 +113,35 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     if not response.prepared:  # a stream sent its headers itself
         response.headers.setdefault("x-request-id", request_id)
     if failed and ex is not None:
-        # An error answer to a proxied request: the caller's limits, and what
-        # the cache step decided if it ran.
-        for name, value in ex.limit_headers:
-            response.headers.setdefault(name, value)
-        if ex.cache is not None:
-            for name, value in ex.cache_headers(ex.cache.outcome):
-                response.headers.setdefault(name, value)
+        _error_headers(response, ex)
     _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
     return response
 
 
-def _stopped_answer(request: web.Request, request_id: str) -> None:
+def _error_headers(response: web.StreamResponse, ex: Exchange) -> None:
+    """What an error answer to a proxied request carries besides its id: the
+    caller's limits, and what the cache step decided if it ran."""
+    for name, value in ex.limit_headers:
+        response.headers.setdefault(name, value)
+    if ex.cache is not None:
+        for name, value in ex.cache_headers(ex.cache.outcome):
+            response.headers.setdefault(name, value)
+
+
+def _stopped_answer(request: web.Request, request_id: str, ex: Exchange | None) -> ApiError | None:
     """Hand a 503 `proxy_stopping` to the transport, without a wait (the
-    handler is being cancelled); the connection closes after it."""
+    handler is being cancelled); the connection closes after it. The error
+    handed over; None if it was not."""
     protocol = request.protocol
     if not isinstance(protocol, EdgeProtocol):  # aiohttp's own server (tests): no such path
-        return
-    response = proxy_stopping().response()
+        return None
+    stopped = proxy_stopping()
+    response = stopped.response()
     response.headers["x-request-id"] = request_id
+    if ex is not None:
+        _error_headers(response, ex)
     response.force_close()
-    protocol.send_whole(request, response)
+    return stopped if protocol.send_whole(request, response) else None
 
 
 def _record_or_log(

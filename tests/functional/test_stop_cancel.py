@@ -30,7 +30,7 @@ from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.http.edge import EdgeRunner
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.reply import follow
-from dataplane.http.state import DRAINING, Draining, stopping
+from dataplane.http.state import DRAINING, METRICS, Draining, stopping
 from dataplane.policy import build_policy
 from dataplane.routes import build_routes
 from tests.functional.edgestack import serve_on_edge
@@ -148,10 +148,20 @@ async def test_a_stream_begun_while_stopping_says_its_connection_closes(proxy: S
     assert rest.endswith(b"data: [DONE]\n\n")
 
 
-async def test_an_answer_not_begun_when_the_stop_cancels_it_is_a_503(proxy: Stopping) -> None:
+@pytest.mark.parametrize("expect100", [False, True], ids=["plain", "expect-100-continue"])
+async def test_an_answer_not_begun_when_the_stop_cancels_it_is_a_503(
+    proxy: Stopping, expect100: bool
+) -> None:
+    """(Review 36 asked whether a client that was sent `100 Continue` gets
+    it: aiohttp counts that interim answer as no output, so it does.)"""
     async with aiohttp.ClientSession() as session:
         call = asyncio.create_task(
-            session.post(proxy.url, json=chat("whole", temperature=1), headers=HEADERS)
+            session.post(
+                proxy.url,
+                json=chat("whole", temperature=1),
+                headers=HEADERS,
+                expect100=expect100,
+            )
         )
         await asyncio.wait_for(proxy.first_sent.wait(), WAIT)
         stop = asyncio.create_task(proxy.stop())
@@ -162,7 +172,18 @@ async def test_an_answer_not_begun_when_the_stop_cancels_it_is_a_503(proxy: Stop
     assert body["error"]["code"] == "proxy_stopping"
     assert resp.headers["connection"].lower() == "close"
     assert resp.headers["x-request-id"]
+    # Review 36: as every error answer, what the cache step decided.
+    assert resp.headers["x-ponto-cache"] == "bypass"
     assert proxy.origin_calls == [False]  # not retried on another origin
+    # Review 36: counted as the 503 the client got, not as a 499.
+    registry = proxy.app[METRICS].registry
+    counts = {
+        code: registry.get_sample_value(
+            "ponto_requests_total", {"endpoint": "chat.completions", "code": code}
+        )
+        for code in ("499", "503")
+    }
+    assert counts == {"499": None, "503": 1.0}
 
 
 async def test_a_client_that_left_is_sent_nothing(
