@@ -55,6 +55,7 @@ from typing import Any
 import grpc
 
 from ponto.fleet import Fleet
+from ponto.grpcconn import KEEPALIVE_OPTIONS
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 from ponto.v1 import routing_pb2_grpc
@@ -95,8 +96,7 @@ def _channel(target: str, tls: TlsFiles | None) -> grpc.aio.Channel:
     connection, as a real proxy process has; otherwise gRPC would share one
     connection among all channels with equal arguments."""
     options = [
-        ("grpc.keepalive_time_ms", 10_000),  # as dataplane/sync/link.py
-        ("grpc.keepalive_timeout_ms", 5_000),
+        *KEEPALIVE_OPTIONS,  # as dataplane/sync/link.py
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.use_local_subchannel_pool", 1),
     ]

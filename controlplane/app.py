@@ -31,6 +31,7 @@ from controlplane.settings import Settings
 from controlplane.store import StateStore
 from controlplane.store.instrumented import InstrumentedStore
 from controlplane.web import StatusWeb
+from ponto.grpcconn import KEEPALIVE_OPTIONS
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
 
@@ -111,8 +112,7 @@ class ControlPlane:
                 ),
             ],
             options=[
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
+                *KEEPALIVE_OPTIONS,
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ],

@@ -29,6 +29,18 @@ import grpc
 
 from ponto import tlsfiles
 
+# The route stream's liveness, on both ends (the proxy's link, the control
+# plane's server): an HTTP/2 ping every 10 s, a peer that has not answered one
+# in 5 s is gone. gRPC times a keepalive ping out by grpc.http2.ping_timeout_ms
+# (60 s unless set), not by keepalive_timeout_ms: without it, a replica that
+# hung (SIGSTOP, a stalled VM, a half-open connection) held its proxies for
+# 60-70 s, serving a table that a drain made meanwhile did not reach (trial 17).
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+)
+
 ENV_TLS_CA = "PONTO_TLS_CA"
 ENV_TLS_CERT = "PONTO_TLS_CERT"
 ENV_TLS_KEY = "PONTO_TLS_KEY"

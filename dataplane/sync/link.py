@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from dataplane.routes import TableError
 from dataplane.sync.holder import TableHolder
 from ponto import linkadvice
-from ponto.grpcconn import ClientOptions, CredentialError, aio_channel
+from ponto.grpcconn import KEEPALIVE_OPTIONS, ClientOptions, CredentialError, aio_channel
 from ponto.v1 import routing_pb2 as pb
 from ponto.v1 import routing_pb2_grpc
 
@@ -258,8 +258,7 @@ class ControlPlaneClient:
 
     async def _session(self, address: str) -> bool:
         options = [
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
+            *KEEPALIVE_OPTIONS,
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
         got_table = False

@@ -6,6 +6,8 @@ Proxies know all three replica addresses; clients load them throughout.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +110,26 @@ def test_killing_a_replica_moves_its_proxies_without_client_errors(fleet: Fleet)
     # A change made now still reaches every proxy.
     fleet.admin().DrainOrigin(apb.DrainRequest(name="o1", drained=True), timeout=5)
     fleet.wait_proxies_at(fleet.wait_table(lambda t: t.origins[0].drained))
+
+
+def test_a_hung_replicas_proxies_move_and_get_what_changed_meanwhile(fleet: Fleet) -> None:
+    """Trial 17: a replica that hung (SIGSTOP here; a stalled VM or a
+    half-open connection alike) held its proxies for 60-70 s, serving a table
+    that a drain made meanwhile did not reach: gRPC timed the keepalive ping
+    out by its own 60 s ping timeout. They leave it once a ping goes
+    unanswered for 5 s (a ping every 10 s), and the drain reaches them."""
+    proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    victim = proxies[0].control_plane_id
+    hung = fleet.controls.pop(victim)  # fleet.admin() asks the live ones
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        fleet.admin().DrainOrigin(apb.DrainRequest(name="o1", drained=True), timeout=5)
+        drained = fleet.wait_table(lambda t: t.origins[0].drained)
+        # 15 s to see the replica hung, 70 s before; a little more to register.
+        fleet.wait_proxies_at(drained, timeout=30)
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+        fleet.controls[victim] = hung
 
 
 def test_a_tenant_whose_jwt_config_proxies_cannot_load_costs_only_its_jwts(
