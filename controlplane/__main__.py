@@ -20,8 +20,7 @@ from ponto.logs import setup_logging
 def main(argv: list[str] | None = None) -> int:
     settings = parse(sys.argv[1:] if argv is None else argv)
     setup_logging(settings.log_level)
-    uvloop.run(serve(settings))
-    return 0
+    return uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -36,6 +37,27 @@ from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
 
 log = logging.getLogger(__name__)
+
+
+# gRPC servers bind with SO_REUSEPORT unless told not to: a second replica
+# started on a taken port would share it, each answering some of the calls
+# (trial 17: 8 of 10 admin calls went to the newcomer).
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
+class ListenError(Exception):
+    """An address the replica cannot listen on; the message names it and says why."""
+
+
+def _bind(listen: str, add_port: Callable[[str], int]) -> int:
+    """The port `add_port` bound `listen` to, or ListenError."""
+    try:
+        port = add_port(listen)
+    except RuntimeError:  # gRPC's "Failed to bind to address": its log says why
+        port = 0
+    if not port:
+        raise ListenError(f"cannot listen on {listen}: the address is in use or not this host's")
+    return port
 
 
 class ControlPlane:
@@ -113,6 +135,7 @@ class ControlPlane:
             ],
             options=[
                 *KEEPALIVE_OPTIONS,
+                NO_REUSEPORT,
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ],
@@ -172,22 +195,27 @@ class ControlPlane:
             self.server,
         )
         credentials = self.settings.security.server_credentials()
-        if credentials is None:
-            self.port = self.server.add_insecure_port(self.settings.listen)
-        else:
-            self.port = self.server.add_secure_port(self.settings.listen, credentials)
-        if not self.port:
-            raise OSError(f"cannot listen on {self.settings.listen}")
+        self.port = _bind(
+            self.settings.listen,
+            lambda listen: (
+                self.server.add_insecure_port(listen)
+                if credentials is None
+                else self.server.add_secure_port(listen, credentials)
+            ),
+        )
         await self.server.start()
         if self.settings.health_listen:
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=[NO_REUSEPORT])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(self.settings.health_listen)
-            if not self.health_port:
-                raise OSError(f"cannot listen on {self.settings.health_listen}")
+            self.health_port = _bind(
+                self.settings.health_listen, self.health_server.add_insecure_port
+            )
             await self.health_server.start()
         if self.settings.http_listen:
-            await self._serve_http(self.settings.http_listen)
+            try:
+                await self._serve_http(self.settings.http_listen)
+            except OSError as exc:
+                raise ListenError(f"cannot listen on {self.settings.http_listen}: {exc}") from None
         self._tasks = [
             asyncio.create_task(self.builder.run(), name="table-builder"),
             asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
@@ -292,9 +320,16 @@ async def over_etcd(settings: Settings) -> ControlPlane:
     return ControlPlane(settings, store, metrics=metrics)
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
+    """Run a replica until SIGTERM or SIGINT; the process's exit status (1:
+    an address it cannot listen on, said in one line)."""
     plane = await over_etcd(settings)
-    await plane.start()
+    try:
+        await plane.start()
+    except ListenError as exc:
+        log.error("%s", exc)
+        await plane.stop(grace=0)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -302,3 +337,4 @@ async def serve(settings: Settings) -> None:
     await stop.wait()
     log.info("shutting down")
     await plane.stop()
+    return 0
