@@ -98,6 +98,12 @@ PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
 ACKS = ROOT + "acks/"
 TRAFFIC = ROOT + "traffic/"
+# name -> the last process refused that name while a later one held it, from
+# another address (two proxies given one --name): {"address", "refused_at"}.
+CONFLICTS = ROOT + "conflicts/"
+# How long after its last refusal such a process is named beside the holder:
+# it asks again every 30 s while it runs (dataplane.sync.link).
+CONFLICT_SHOWN_S = 75.0
 CAS_ATTEMPTS = 8
 # The latest key expiry taken (year 9999): later is a mistake, not a time.
 MAX_EXPIRY = 253402300799.0
@@ -655,7 +661,8 @@ class Catalog:
         def takes(current: ProxyRecord | None) -> bool:
             if current is not None and current.started_at > record.started_at > 0:
                 raise Superseded(
-                    f"proxy {record.name} is registered by a process started after this one"
+                    f"proxy {record.name} is registered by a process started after this one",
+                    holder_address=current.address,
                 )
             return True
 
@@ -701,6 +708,13 @@ class Catalog:
             except Conflict:
                 continue
         raise Unavailable(f"proxy {record.name} kept registering again; try again")
+
+    async def note_conflict(self, record: ProxyRecord, lease: int) -> None:
+        """Note that `record`'s process was refused its name, which a later
+        process at another address holds: listed beside that one's
+        registration (ProxyRecord.conflicts) for CONFLICT_SHOWN_S."""
+        note = {"address": record.address, "refused_at": time.time()}
+        await _guard(self.store.put(CONFLICTS + record.name, orjson.dumps(note), lease=lease))
 
     async def get_proxy(self, name: str) -> ProxyRecord | None:
         kv = await _guard(self.store.get(PROXIES + name))
@@ -776,12 +790,32 @@ class Catalog:
         written yet.
         """
         if traffic:
-            by_replica, records, reports = await asyncio.gather(
-                self._acks_by_replica(), self._proxy_records(), self._traffic_reports()
+            by_replica, records, conflicts, reports = await asyncio.gather(
+                self._acks_by_replica(),
+                self._proxy_records(),
+                self._conflicts(),
+                self._traffic_reports(),
             )
-            return [_with_traffic(_with_acks(p, by_replica), reports) for p in records]
-        by_replica, records = await asyncio.gather(self._acks_by_replica(), self._proxy_records())
-        return [_with_acks(p, by_replica) for p in records]
+            return [
+                _with_traffic(_with_conflicts(_with_acks(p, by_replica), conflicts), reports)
+                for p in records
+            ]
+        by_replica, records, conflicts = await asyncio.gather(
+            self._acks_by_replica(), self._proxy_records(), self._conflicts()
+        )
+        return [_with_conflicts(_with_acks(p, by_replica), conflicts) for p in records]
+
+    async def _conflicts(self) -> dict[str, str]:
+        """name -> the address of a process refused it in the last
+        CONFLICT_SHOWN_S (note_conflict)."""
+        shown_since = time.time() - CONFLICT_SHOWN_S
+        out = {}
+        for kv in (await _guard(self.store.list(CONFLICTS))).items:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                note = orjson.loads(kv.value)
+                if float(note["refused_at"]) >= shown_since:
+                    out[kv.key[len(CONFLICTS) :]] = str(note["address"])
+        return out
 
     async def _acks_by_replica(self) -> dict[str, tuple[int, dict[str, _Ack]]]:
         by_replica: dict[str, tuple[int, dict[str, _Ack]]] = {}
@@ -875,6 +909,11 @@ def _with_acks(p: ProxyRecord, by_replica: dict[str, tuple[int, dict[str, _Ack]]
             acked, error, warnings = acks[p.name]
             p = replace(p, acked_version=acked, last_error=error, warnings=warnings)
     return replace(p, replica_version=own[0]) if own is not None else p
+
+
+def _with_conflicts(p: ProxyRecord, conflicts: dict[str, str]) -> ProxyRecord:
+    other = conflicts.get(p.name)
+    return p if other is None or other == p.address else replace(p, conflict=other)
 
 
 # A proxy's last report as its replica keeps it: requests, 5xx, 4xx, heard

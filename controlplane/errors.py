@@ -46,6 +46,11 @@ class Unavailable(ControlPlaneError):
 
 
 class Superseded(ControlPlaneError):
-    """A proxy's name is registered by a process started after this one's."""
+    """A proxy's name is registered by a process started after this one's
+    (at `holder_address`)."""
 
     status = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, *, holder_address: str = "") -> None:
+        super().__init__(message)
+        self.holder_address = holder_address

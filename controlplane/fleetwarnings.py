@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from controlplane.model import ProxyRecord
 
-__all__ = ["MAX_NAMED_PROXIES", "fleet_warnings"]
+__all__ = ["MAX_NAMED_PROXIES", "conflict_warning", "fleet_warnings", "proxy_warnings"]
 
 # A fleet may have hundreds of proxies refusing the same table: one warning per
 # reason, naming the first few.
@@ -26,14 +26,18 @@ MAX_NAMED_PROXIES = 5
 def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
     """One warning per NACK reason (the proxies whose last answer refused the
     table, named), then one per ACK warning (what proxies reported they cannot
-    use of the table they serve); () when every proxy took the table whole."""
+    use of the table they serve), then one per name two processes register
+    (ProxyRecord.conflict); () when every proxy took the table whole."""
     refused: dict[str, list[str]] = {}
     reported: dict[str, list[str]] = {}
+    conflicts = []
     for p in sorted(proxies, key=lambda p: p.name):
         if p.last_error:
             refused.setdefault(p.last_error, []).append(p.name)
         for warning in p.warnings:
             reported.setdefault(warning, []).append(p.name)
+        if p.conflict:
+            conflicts.append(f"proxy {p.name}: {conflict_warning(p)}")
     out = []
     for error, names in refused.items():
         many = len(names) > 1
@@ -46,7 +50,23 @@ def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
         )
     for warning, names in reported.items():
         out.append(f"{_named(names)} {'report' if len(names) > 1 else 'reports'}: {warning}")
-    return tuple(out)
+    return (*out, *conflicts)
+
+
+def conflict_warning(p: ProxyRecord) -> str:
+    """What an operator must know of a name two processes register (trial 17:
+    the older one served a table a drain did not reach, and nothing said so)."""
+    return (
+        f"another process, at {p.conflict}, also runs as {p.name} and is refused "
+        f"(this one, at {p.address}, started later): it serves its last route "
+        "table, which no change reaches; give each proxy its own --name, or stop it"
+    )
+
+
+def proxy_warnings(p: ProxyRecord) -> tuple[str, ...]:
+    """A proxy's own warnings as listed with it: what its last ACK reported,
+    and a conflict of its name."""
+    return (conflict_warning(p), *p.warnings) if p.conflict else p.warnings
 
 
 def _named(names: list[str]) -> str:

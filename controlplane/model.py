@@ -250,6 +250,10 @@ class ProxyRecord:
     warnings: tuple[str, ...] = ()
     # The latest version of its replica (from that replica's ACK summary).
     replica_version: int = 0
+    # The address of another process refused this name lately, started
+    # before this one: two proxies given one --name, the other serving its
+    # last table unseen ("": none).
+    conflict: str = ""
     # Cumulative counters of its last report (requests answered, 5xx, 4xx) and
     # when its replica last heard from it (Unix time; 0: not yet).
     requests: int = 0

@@ -180,8 +180,21 @@ class ProxyRegistry:
         self._unstreamed[record.session_id] = (name, None)
         try:
             written = await self._catalog.register_proxy(record, lease)
-        except Superseded:
+        except Superseded as exc:
             self._unstreamed.pop(record.session_id, None)  # nothing was written
+            if exc.holder_address and exc.holder_address != address:
+                # Not a worker a reload replaced (its successor has its
+                # address): two proxies given one --name. Named beside the
+                # holder, or the older one would serve its last table unseen.
+                log.warning(
+                    "proxy %s at %s refused: a process started later holds the name, at %s "
+                    "(two proxies given one --name?)",
+                    name,
+                    address,
+                    exc.holder_address,
+                )
+                with contextlib.suppress(Unavailable):
+                    await self._catalog.note_conflict(record, lease)
             raise
         old = self._by_name.get(name)
         if old is not None:

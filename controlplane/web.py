@@ -66,7 +66,7 @@ from controlplane.errors import (
     NotFound,
     Unavailable,
 )
-from controlplane.fleetwarnings import fleet_warnings
+from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
 from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
 from controlplane.registry import TRAFFIC_EVERY
@@ -735,7 +735,7 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
         "last_error": p.last_error,
         # What it reported it cannot use of the table it serves (a tenant's JWT
         # config, say), beside a refusal of the last one (last_error).
-        "warnings": list(p.warnings),
+        "warnings": list(proxy_warnings(p)),
         "age_s": max(0.0, now - heard),
         "stale": now - heard > STALE_AFTER,
         "requests": p.requests,

@@ -21,7 +21,7 @@ from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.errors import InvalidArgument, Unavailable
-from controlplane.fleetwarnings import fleet_warnings
+from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
 from controlplane.messages import (
     cache_of,
     jwt_of,
@@ -181,7 +181,7 @@ def proxy_pb(p: ProxyRecord) -> apb.ProxyStatus:
         session_id=p.session_id,
         acked_version=p.acked_version,
         last_error=p.last_error,
-        warnings=p.warnings,
+        warnings=proxy_warnings(p),
         control_plane_id=p.control_plane_id,
         connected_at=p.connected_at,
         replica_version=p.replica_version,

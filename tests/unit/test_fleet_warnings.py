@@ -9,14 +9,23 @@ drained" and nothing else, though it reached no proxy.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import orjson
 import pytest
 
 from controlplane.api import admin as admin_api
-from controlplane.catalog import ACKS, MAX_SUMMARY_WARNINGS, PROXIES, Catalog
+from controlplane.catalog import (
+    ACKS,
+    CONFLICT_SHOWN_S,
+    CONFLICTS,
+    MAX_SUMMARY_WARNINGS,
+    PROXIES,
+    Catalog,
+)
 from controlplane.cli import _rows_proxies
+from controlplane.errors import Superseded
 from controlplane.fleetwarnings import MAX_NAMED_PROXIES, fleet_warnings
 from controlplane.model import ProxyRecord, encode
 from controlplane.registry import ProxyRegistry
@@ -105,6 +114,64 @@ async def test_ack_warnings_are_recorded_listed_and_cleared() -> None:
     await store.put(ACKS + "cp-1", orjson.dumps({"replica_version": 9, "acks": {"p1": [9, ""]}}))
     [listed] = await catalog.list_proxies()
     assert (listed.acked_version, listed.warnings) == (9, ())
+
+
+async def test_two_processes_given_one_name_are_named_beside_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Trial 17: a proxy started with the --name of one still running took
+    the name; the older one, refused, served its last table (a drain did not
+    reach it), and neither `pontoctl get proxies`, the status page nor a
+    write's reply said so."""
+    catalog = Catalog(MemoryStore())
+    here, there = ProxyRegistry(catalog, "cp-1"), ProxyRegistry(catalog, "cp-2")
+    await there.register("proxy-b", "eu-west", "127.0.0.1:8403", "1.0", started_at=200.0)
+    with pytest.raises(Superseded):
+        await here.register("proxy-b", "eu-west", "127.0.0.1:8402", "1.0", started_at=100.0)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "proxy proxy-b at 127.0.0.1:8402 refused: a process started later holds the name, "
+        "at 127.0.0.1:8403 (two proxies given one --name?)"
+    ]
+    [listed] = await catalog.list_proxies()
+    assert (listed.address, listed.conflict) == ("127.0.0.1:8403", "127.0.0.1:8402")
+    said = (
+        "another process, at 127.0.0.1:8402, also runs as proxy-b and is refused (this one, "
+        "at 127.0.0.1:8403, started later): it serves its last route table, which no change "
+        "reaches; give each proxy its own --name, or stop it"
+    )
+    assert fleet_warnings([listed]) == (f"proxy proxy-b: {said}",)
+    assert list(admin_api.proxy_pb(listed).warnings) == [said]
+    # A write's reply says it too.
+    assert await admin_api._fleet_warnings(catalog) == (f"proxy proxy-b: {said}",)
+
+
+async def test_a_worker_a_reload_replaced_is_no_conflict() -> None:
+    """Its successor has its address: refused, it is leaving, not lost."""
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp-1")
+    await registry.register("g-w0", "eu-west", "127.0.0.1:8401", "1.0", started_at=200.0)
+    with pytest.raises(Superseded):
+        await registry.register("g-w0", "eu-west", "127.0.0.1:8401", "1.0", started_at=100.0)
+    [listed] = await catalog.list_proxies()
+    assert listed.conflict == ""
+    assert fleet_warnings([listed]) == ()
+
+
+async def test_a_conflict_is_named_while_the_refused_process_asks_again() -> None:
+    """The refused process asks again every 30 s while it runs: a note 75 s
+    old is of one that stopped."""
+    store = MemoryStore()
+    catalog = Catalog(store)
+    registry = ProxyRegistry(catalog, "cp-1")
+    await registry.register("proxy-b", "eu-west", "127.0.0.1:8403", "1.0", started_at=200.0)
+    note = {"address": "127.0.0.1:8402", "refused_at": time.time() - CONFLICT_SHOWN_S + 5}
+    await store.put(CONFLICTS + "proxy-b", orjson.dumps(note))
+    [listed] = await catalog.list_proxies(traffic=False)
+    assert listed.conflict == "127.0.0.1:8402"
+    note["refused_at"] = time.time() - CONFLICT_SHOWN_S - 1
+    await store.put(CONFLICTS + "proxy-b", orjson.dumps(note))
+    [listed] = await catalog.list_proxies(traffic=False)
+    assert listed.conflict == ""
 
 
 def test_get_proxies_shows_the_warning() -> None:
