@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, SortOrder, prefix_range_end
+from etcd3aio._protobuf import WatchCreateRequest, WatchRequest
 
 from controlplane.store.base import (
     MAX_TXN_OPS,
@@ -327,7 +328,7 @@ class EtcdStore:
             return await aw
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             self._failed()
-            raise StoreUnavailable(f"etcd {what} failed: {exc}") from exc
+            raise StoreUnavailable(f"etcd {what} failed: {_why(exc)}") from exc
 
     @property
     def _kv(self) -> Any:
@@ -485,41 +486,55 @@ class EtcdStore:
             await self._call("lease revoke", self._lease.revoke(lease_id, timeout=self._timeout))
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
+        """Its own stream, re-created after a failure (etcd restarted, or
+        away) from the last revision seen: a call written to, not fed by a
+        request generator as etcd3aio's watch is, whose re-creations left
+        gRPC's task consuming the generator pending, logged at ERROR by
+        asyncio as each was collected (trial 17). A failure is logged once,
+        at WARNING, until the watch is created again (INFO); the tries
+        between are at DEBUG."""
+        failing = False
         while True:
-            assert self._client.watch is not None
-            stream = self._client.watch.watch(
-                prefix,
-                range_end=prefix_range_end(prefix),
-                # 0 asks etcd for changes from now on, not for all of history.
-                start_revision=start_revision + 1 if start_revision else 0,
-            )
-            created = False
+            # The client of now: a failure may have looked etcd's names up again.
+            watching = self._client.watch
+            assert watching is not None, "EtcdStore.connect() not called"
+            call = watching._stub.Watch(metadata=watching._metadata or None)
             try:
-                async for resp in stream:
-                    if resp.created:
-                        # etcd3aio re-creates a watch whose stream failed
-                        # (etcd restarted, say) without raising: a second
-                        # creation on one stream is such a restart.
-                        if created:
-                            self._watch_failed()
-                        created = True
+                create = WatchCreateRequest(
+                    key=prefix.encode(),
+                    range_end=prefix_range_end(prefix),
+                    # 0 asks etcd for changes from now on, not for all of history.
+                    start_revision=start_revision + 1 if start_revision else 0,
+                )
+                await call.write(WatchRequest(create_request=create))
+                while True:
+                    resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        raise _WatchEnded("the stream ended")
+                    if resp.created and failing:
+                        failing = False
+                        log.info("etcd watch on %s resumed", prefix)
                     if resp.compact_revision:
                         # History is gone: tell the consumer to re-list now.
                         start_revision = resp.compact_revision
                         log.warning("etcd watch on %s compacted at %d", prefix, start_revision)
                         yield resp.compact_revision
                         break
+                    if resp.canceled:
+                        raise _WatchEnded(f"etcd cancelled it: {resp.cancel_reason}")
                     if resp.events:
                         start_revision = resp.header.revision
                         yield resp.header.revision
-            except (EtcdError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-                log.warning("etcd watch on %s failed (%s); retrying", prefix, exc)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, _WatchEnded) as exc:
                 self._watch_failed()
                 self._failed()
+                (log.debug if failing else log.warning)(
+                    "etcd watch on %s failed (%s); retrying every 0.5 s", prefix, _why(exc)
+                )
+                failing = True
                 await asyncio.sleep(0.5)
             finally:
-                with contextlib.suppress(Exception):
-                    await stream.aclose()  # type: ignore[attr-defined]
+                call.cancel()
 
     async def close(self) -> None:
         if self._reresolving is not None:
@@ -529,3 +544,17 @@ class EtcdStore:
         if self._connected:
             await self._client.close()
             self._connected = False
+
+
+class _WatchEnded(Exception):
+    """etcd ended a watch's stream, or cancelled the watch."""
+
+
+def _why(exc: BaseException) -> str:
+    """An etcd call's failure in one line: gRPC's own str() is a multi-line
+    dump with its debug string."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name} ({exc.details()})"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
