@@ -43,6 +43,7 @@ import orjson
 import yaml
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2
 
 from controlplane.apply import change_text
 from controlplane.errors import InvalidArgument
@@ -58,6 +59,7 @@ from controlplane.model import (
     Limits,
     Tenant,
 )
+from controlplane.readiness import STORE
 from ponto import grpcconn as conn
 from ponto import linkadvice
 from ponto.apikeys import key_expired
@@ -1189,21 +1191,42 @@ def connect(
         channel = conn.admin_channel(address, options)
         state = _connects(channel, timeout)
         if state is grpc.ChannelConnectivity.READY:
-            return address, channel
-        # Else a refused connection, a name that does not resolve, or a TLS
-        # handshake that failed (a certificate the CA did not sign: a
-        # misconfiguration, or someone in between), in gRPC's words.
-        why = (
-            f"no connection within {timeout:g} s"
-            if state is None
-            else _failure(conn.admin_channel(address, dataclasses.replace(options, token="")))
-        )
+            if _reaches_store(channel):
+                return address, channel
+            # Trial 17: a replica cut off from etcd answered every call with
+            # "state store unavailable", the others not tried.
+            why = "it cannot reach its state store (etcd)"
+        else:
+            # A refused connection, a name that does not resolve, or a TLS
+            # handshake that failed (a certificate the CA did not sign: a
+            # misconfiguration, or someone in between), in gRPC's words.
+            why = (
+                f"no connection within {timeout:g} s"
+                if state is None
+                else _failure(conn.admin_channel(address, dataclasses.replace(options, token="")))
+            )
         channel.close()
         print(
             f"warning: cannot use the control plane at {address}: {why}; trying the next",
             file=sys.stderr,
         )
     return addresses[-1], conn.admin_channel(addresses[-1], options)
+
+
+def _reaches_store(channel: grpc.Channel) -> bool:
+    """Whether the replica on channel says it reads its state store (its
+    gRPC health `ponto.store`, see controlplane.readiness); True when it does
+    not say (no answer in a second, or no such check): its calls will."""
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    try:
+        said = check(health_pb2.HealthCheckRequest(service=STORE), timeout=1.0)
+    except grpc.RpcError:
+        return True
+    return bool(said.status != health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def _connects(channel: grpc.Channel, timeout: float) -> grpc.ChannelConnectivity | None:
@@ -1263,7 +1286,7 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
             detail += f"; check the admin token in {options.token_source or 'use'}"
         else:
             detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
-    elif code == grpc.StatusCode.PERMISSION_DENIED:
+    elif code == grpc.StatusCode.PERMISSION_DENIED and "Admin API" not in detail:
         detail += "; this credential may not use the Admin API"
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         detail = f"control plane at {address} did not answer within {TIMEOUT:g} s"

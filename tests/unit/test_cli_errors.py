@@ -41,6 +41,15 @@ def test_each_status_is_one_line_with_its_exit_code(
     assert err.startswith("error: ") and hint in err and len(err.splitlines()) == 1
 
 
+def test_a_refusal_that_says_why_is_not_said_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    """Trial 17: "... cannot call the Admin API; use the admin token; this
+    credential may not use the Admin API"."""
+    why = "a proxy credential cannot call the Admin API; use the admin token"
+    denied = Refusal(grpc.StatusCode.PERMISSION_DENIED, why)
+    assert _refused(denied, "cp:7000", ClientOptions()) == 1
+    assert capsys.readouterr().err == f"error: {why} [PERMISSION_DENIED]\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

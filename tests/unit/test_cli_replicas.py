@@ -8,9 +8,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from controlplane import cli
 from controlplane.cli import main
+from controlplane.readiness import STORE
 from ponto import grpcconn as conn
 from ponto.devenv import free_port
 from ponto.pki import Bundle, make_bundle
@@ -200,3 +202,29 @@ def test_the_probe_of_a_replica_passed_over_carries_no_token(
     assert chosen == "127.0.0.1:1"
     [metadata] = seen
     assert all(key != "authorization" for key, _ in metadata), metadata
+
+
+def test_a_replica_cut_off_from_etcd_is_passed_over(
+    capsys: pytest.CaptureFixture[str], replicas: list[tuple[Replica, str]]
+) -> None:
+    """Trial 17: the first replica connected, and answered every call with
+    "state store unavailable", though the next one could serve the command."""
+    _, (b, at_b) = replicas
+    cut_off = Replica("cp-cut")
+    server, at_cut = serve(cut_off)
+    said = health.HealthServicer()
+    said.set(STORE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(said, server)
+    try:
+        code, out, err = get(capsys, f"{at_cut},{at_b}")
+        assert code == 0 and '"cp-b"' in out and (cut_off.calls, b.calls) == (0, 1)
+        assert err.splitlines() == [
+            f"warning: cannot use the control plane at {at_cut}: it cannot reach its state "
+            "store (etcd); trying the next"
+        ]
+        # Serving again, it serves the command.
+        said.set(STORE, health_pb2.HealthCheckResponse.SERVING)
+        code, out, err = get(capsys, f"{at_cut},{at_b}")
+        assert (code, err) == (0, "") and '"cp-cut"' in out
+    finally:
+        server.stop(None)
