@@ -72,7 +72,14 @@ class TableBuilder:
                 backoff = 0.1
             except Unavailable as exc:
                 self.store_ok = False
-                log.warning("cannot rebuild route table, serving the last one: %s", exc)
+                if self._publisher.latest is None:
+                    log.warning(
+                        "cannot build the route table yet (proxies get none from this "
+                        "replica until it can): %s",
+                        exc,
+                    )
+                else:
+                    log.warning("cannot rebuild route table, serving the last one: %s", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._retry_max)
                 self._dirty.set()

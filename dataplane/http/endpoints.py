@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
-from dataplane.http.errors import ApiError, Unauthorized, model_not_found
+from dataplane.http.errors import ApiError, Unauthorized, model_not_found, no_route_table
 from dataplane.http.pipeline import authenticate
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PRINCIPAL, QUOTA
 
@@ -38,7 +38,12 @@ def _model(name: str) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """The models the caller may name, in OpenAI's list shape."""
+    """The models the caller may name, in OpenAI's list shape. Without a
+    route table yet, after the wait for a first one, the 503 `no_route_table` a
+    chat call gets (trial 17: an empty list, which a client reads as "this
+    gateway serves no model")."""
+    if not await request.app[HOLDER].wait_first():
+        raise no_route_table()
     data = [_model(m) for m in _callable_models(request)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps_str)
 

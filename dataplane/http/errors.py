@@ -264,6 +264,18 @@ _STOPPING = {
 }
 
 
+def no_route_table() -> ApiError:
+    """503 for a request the proxy cannot place: it has no route table yet
+    (a first one is a round trip to the control plane away)."""
+    return ApiError(
+        503,
+        "the proxy has no route table yet; retry shortly",
+        type="server_error",
+        code="no_route_table",
+        headers={"retry-after": "1"},
+    )
+
+
 def proxy_stopping() -> ApiError:
     """503 for a request whose answer had not begun when the stopping
     proxy cancelled it (see _STOPPING)."""

@@ -42,6 +42,7 @@ from dataplane.http.errors import (
     bad_request,
     body_too_large,
     model_not_found,
+    no_route_table,
 )
 from dataplane.http.fields import (
     brackets_of,
@@ -275,13 +276,7 @@ class Pipeline:
         holder = self.holder
         routes, policy = holder.routes, holder.policy
         if routes is None or policy is None:
-            raise ApiError(
-                503,
-                "the proxy has no route table yet; retry shortly",
-                type="server_error",
-                code="no_route_table",
-                headers={"retry-after": "1"},
-            )
+            raise no_route_table()
         return Exchange(
             endpoint, request.headers, request.remote, request[REQUEST_ID], routes, policy
         )

@@ -73,10 +73,6 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# How long a request waits for the proxy's first route table (see proxied):
-# a first table normally arrives within a second of the proxy starting.
-FIRST_TABLE_WAIT_S = 3.0
-
 # How often expired cache entries are dropped, so memory follows the TTLs.
 SWEEP_INTERVAL_S = 30.0
 
@@ -342,7 +338,7 @@ def proxied(endpoint: Endpoint, proxy: Proxy) -> Handler:
             # A proxy (or a worker of a group) that just started: its first
             # table is a round trip to the control plane away. A request that
             # beats it waits for it rather than failing; begin() refuses after.
-            await pipeline.holder.wait_first(FIRST_TABLE_WAIT_S)
+            await pipeline.holder.wait_first()
         tracer = pipeline.tracer
         unsampled = None
         if tracer is not None:

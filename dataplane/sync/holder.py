@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 TABLE_FILE = "route_table.pb"
 
 
+# How long a request waits for the proxy's first route table before its 503
+# no_route_table: a first table normally arrives within a second of the proxy
+# (or a group's worker) starting.
+FIRST_TABLE_WAIT_S = 3.0
+
+
 class TableHolder:
     """The current Routes; replaced atomically (one reference swap) on apply.
 
@@ -145,11 +151,14 @@ class TableHolder:
                 failures.append(f"{type(exc).__name__}: {exc}")
         self.apply_failures = tuple(failures)
 
-    async def wait_first(self, within: float) -> bool:
-        """Wait up to `within` seconds for a first table; True once one is installed."""
+    async def wait_first(self, within: float | None = None) -> bool:
+        """Wait up to `within` seconds (FIRST_TABLE_WAIT_S) for a first table;
+        True once one is installed."""
         if self.routes is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._installed.wait(), within)
+                await asyncio.wait_for(
+                    self._installed.wait(), FIRST_TABLE_WAIT_S if within is None else within
+                )
         return self.routes is not None
 
     def _save(self, table: pb.RouteTable) -> None:

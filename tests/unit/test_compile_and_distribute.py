@@ -326,6 +326,25 @@ async def test_builder_debounces_bursts() -> None:
         assert pub.latest.version == (await store.list("/ponto/state/")).revision
 
 
+async def test_a_builder_that_never_built_does_not_say_it_serves_the_last_table(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Trial 17: a replica that never reached etcd logged "serving the last
+    one", though it had none to serve."""
+    store, _, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05, retry_max=0.1)
+    store.available = False
+    async with running(builder):
+        await wait_until(lambda: "cannot build" in caplog.text, 1.0, "the failure logged")
+        assert pub.latest is None
+        store.available = True
+        await asyncio.wait_for(pub.next_after(None), 2.0)
+    said = [r.getMessage() for r in caplog.records if r.name == "controlplane.builder"]
+    assert said[0].startswith(
+        "cannot build the route table yet (proxies get none from this replica until it can): "
+    )
+    assert not any("serving the last one" in m for m in said)
+
+
 async def test_builder_keeps_last_snapshot_when_store_unavailable() -> None:
     store, catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05, retry_max=0.1)
     async with running(builder):

@@ -132,6 +132,44 @@ async def test_store_outage_after_the_first_table_keeps_readiness(
 # ---------------------------------------------------------------- the proxy
 
 
+async def test_the_model_list_without_a_route_table_is_a_503_as_a_call_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trial 17: `GET /v1/models` answered 200 with no model (a client reads
+    "this gateway serves none") where a chat call got 503 no_route_table.
+    Both wait for a first table, then refuse alike."""
+    monkeypatch.setattr("dataplane.sync.holder.FIRST_TABLE_WAIT_S", 0.05)
+    settings = parse_proxy(["--region", "us-east", "--control-plane", f"127.0.0.1:{free_port()}"])
+    app = build_app(settings)
+    async with TestClient(TestServer(app)) as client:
+        for path, body in (("/v1/models", None), ("/v1/chat/completions", {"model": "m"})):
+            resp = await (client.get(path) if body is None else client.post(path, json=body))
+            assert resp.status == 503, path
+            assert resp.headers["retry-after"] == "1"
+            assert (await resp.json())["error"]["code"] == "no_route_table"
+        # One that comes while it waits gets the table's models.
+        monkeypatch.setattr("dataplane.sync.holder.FIRST_TABLE_WAIT_S", 10.0)
+        listing = asyncio.create_task(client.get("/v1/models"))
+        await asyncio.sleep(0.05)
+        app[HOLDER].apply(one_model_table(), "control-plane")
+        resp = await listing
+        assert resp.status == 200
+        assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
+
+
+def one_model_table() -> pb.RouteTable:
+    table = pb.RouteTable(
+        version=7,
+        regions=[pb.Region(name="us-east", latitude=39.0, longitude=-77.0)],
+        origins=[
+            pb.Origin(name="o", base_url="http://o.example/v1", region="us-east",
+                      models=["m"], weight=100, healthy=True)
+        ],
+    )  # fmt: skip
+    table.etag = content_etag(table)
+    return table
+
+
 async def test_proxy_is_not_ready_until_it_holds_a_route_table() -> None:
     # Nothing listens on the control plane address: no table arrives.
     control = f"127.0.0.1:{free_port()}"
@@ -144,16 +182,7 @@ async def test_proxy_is_not_ready_until_it_holds_a_route_table() -> None:
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "no_route_table"
         assert (await client.get("/healthz")).status == 200  # alive all the same
-        table = pb.RouteTable(
-            version=7,
-            regions=[pb.Region(name="us-east", latitude=39.0, longitude=-77.0)],
-            origins=[
-                pb.Origin(name="o", base_url="http://o.example/v1", region="us-east",
-                          models=["m"], weight=100, healthy=True)
-            ],
-        )  # fmt: skip
-        table.etag = content_etag(table)
-        app[HOLDER].apply(table, "control-plane")
+        app[HOLDER].apply(one_model_table(), "control-plane")
         resp = await client.get("/readyz")
         assert resp.status == 200, await resp.text()
         # A worker leaving its group to a successor in a reload: the group
