@@ -238,6 +238,9 @@ def _addresses(text: str) -> tuple[str, ...]:
     addresses = tuple(a.strip() for a in text.split(",") if a.strip())
     if not addresses:
         raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
+    for address in addresses:
+        if why := conn.port_missing(address):
+            raise argparse.ArgumentTypeError(why)
     return addresses
 
 

@@ -20,7 +20,7 @@ from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 from ponto.cliargs import finite_float, path
-from ponto.grpcconn import ClientOptions, CredentialError, read_secret
+from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
 from ponto.originca import origin_ca_flag
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
@@ -538,6 +538,9 @@ def parse(argv: list[str]) -> Settings:
     addresses = tuple(x.strip() for x in a.control_plane.split(",") if x.strip())
     if not addresses:
         p.error("--control-plane needs at least one address")
+    for address in addresses:
+        if why := port_missing(address):
+            p.error(f"--control-plane: {why}")
     workers = available_cores() if a.workers is None else a.workers
     if workers < 1:
         p.error("--workers must be at least 1")

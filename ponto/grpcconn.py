@@ -20,6 +20,7 @@ import argparse
 import collections
 import datetime
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"file holding the admin token (env {ENV_ADMIN_TOKEN_FILE}, or the token "
         f"itself in {ENV_ADMIN_TOKEN})",
     )
+
+
+# gRPC's name schemes: a target written with one is gRPC's to read.
+_TARGET_SCHEME = re.compile(r"^(?:dns|unix|unix-abstract|ipv4|ipv6|vsock|xds):")
+
+
+def port_missing(address: str) -> str:
+    """Why `address` (a --control-plane entry) names no port, "" when it
+    does: gRPC takes HOST alone as HOST:443, where no control plane listens
+    by default (trial 17: `--control-plane 127.0.0.1` tried port 443). A
+    gRPC target with a scheme (dns:///, unix:, ipv4:) is taken as it is."""
+    if _TARGET_SCHEME.match(address):
+        return ""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host or (":" in host and not host.endswith("]")):
+        return f"{address!r} is not HOST:PORT (an IPv6 address as [ADDR]:PORT)"
+    return ""
 
 
 def target_of(address: str) -> str:

@@ -7,7 +7,7 @@ import pytest
 
 from controlplane.cli import _refused, main
 from ponto.devenv import free_port
-from ponto.grpcconn import ClientOptions
+from ponto.grpcconn import ClientOptions, port_missing
 
 
 class Refusal(grpc.RpcError):
@@ -77,6 +77,18 @@ def test_bad_values_are_refused_before_any_call(
     assert main(["--control-plane", f"127.0.0.1:{free_port()}", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "cp.example", "::1", "[::1]", "h:port"])
+def test_a_control_plane_without_its_port_is_refused(
+    capsys: pytest.CaptureFixture[str], address: str
+) -> None:
+    """Trial 17: `--control-plane 127.0.0.1` called port 443 (gRPC's default),
+    where no control plane listens, and blamed the connection."""
+    assert main(["--control-plane", f"127.0.0.1:7070,{address}", "get", "regions"]) == 2
+    err = capsys.readouterr().err
+    assert f"{address!r} is not HOST:PORT" in err and len(err.splitlines()) == 1
+    assert not port_missing("dns:///cp.example:7070") and not port_missing("[::1]:7070")
 
 
 def test_a_missing_tls_file_is_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,3 +93,11 @@ def test_drain_seconds_is_a_flag_with_a_clear_refusal(capsys: pytest.CaptureFixt
         parse([*base, "--drain-seconds", "-1"])
     assert exc.value.code == 2
     assert "--drain-seconds must be 0 (no draining) or more" in capsys.readouterr().err
+
+
+def test_a_control_plane_without_its_port_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Trial 17: `--control-plane 127.0.0.1` asked port 443."""
+    with pytest.raises(SystemExit) as exc:
+        parse(["--control-plane", "127.0.0.1", "--region", "us-east"])
+    assert exc.value.code == 2
+    assert "--control-plane: '127.0.0.1' is not HOST:PORT" in capsys.readouterr().err
