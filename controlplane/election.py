@@ -31,11 +31,15 @@ class Leadership:
         # The leader key's revision while this replica leads: leader-only
         # writes carry it, so they fail once another replica has taken over.
         self.fence: Fence | None = None
+        # The revision of the leader key of a term that ended while the store
+        # was away (its lease not revoked): removed as soon as the store is back.
+        self._stale = 0
 
     async def run(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Campaign forever; run `lead()` while leader, cancel it when leadership ends."""
         while True:
             lease, revision = await self._campaign()
+            self._stale = revision
             self.fence = Fence(LEADER_KEY, revision)
             self.is_leader = True
             self.terms += 1
@@ -64,6 +68,16 @@ class Leadership:
         while True:
             try:
                 current = await self._store.get(LEADER_KEY)
+                if current is not None and current.mod_revision == self._stale:
+                    # This replica's own key, of the term that ended when the
+                    # store went away: its lease was not revoked, and etcd
+                    # gives every lease its whole TTL again when it comes back,
+                    # so nobody would lead for that long (trial 17: 17 s).
+                    with contextlib.suppress(Conflict):
+                        await self._store.delete(LEADER_KEY, if_mod_revision=self._stale)
+                    await self._store.revoke_lease(current.lease)
+                    current = None
+                self._stale = 0
                 if current is None:
                     lease = await self._store.grant_lease(self._ttl)
                     try:

@@ -292,6 +292,33 @@ async def test_store_outage_ends_leadership_and_it_is_regained() -> None:
         await stop(task)
 
 
+async def test_a_leader_key_etcd_kept_after_its_outage_is_removed_at_once() -> None:
+    """Trial 17: after an outage of etcd the leader key of the term it ended
+    stayed for a whole TTL more (etcd gives every lease its TTL again when it
+    comes back), so no replica led for 17 s, and `pontoctl get controlplanes`
+    named as leader the replica that had stepped down. Its replica removes
+    it as soon as the store is back. (The store's clock stands still here:
+    its leases live until revoked, as a TTL renewed by etcd's restart.)"""
+    store = MemoryStore(clock=lambda: 0.0)
+    journal = Journal()
+    a = Leadership(store, "a", ttl=TTL)
+    b = Leadership(store, "b", ttl=TTL)
+    tasks = [asyncio.create_task(a.run(journal.lead_for("a")))]
+    try:
+        await wait_until(lambda: a.is_leader, TTL + MARGIN)
+        tasks.append(asyncio.create_task(b.run(journal.lead_for("b"))))
+        store.available = False
+        await wait_until(lambda: not a.is_leader, TTL + MARGIN)
+        store.available = True
+        await wait_until(lambda: a.is_leader or b.is_leader, TTL + MARGIN)
+        leader = await store.get(LEADER_KEY)
+        assert leader is not None
+        assert leader.value == (b"a" if a.is_leader else b"b")
+        assert a.terms + b.terms == 2
+    finally:
+        await stop(*tasks)
+
+
 async def test_lost_lease_ends_the_term_and_a_new_one_starts() -> None:
     store = MemoryStore()
     journal = Journal()
