@@ -124,7 +124,9 @@ def names_twice(raw: bytes, names: tuple[str, ...]) -> bool:
     the name itself is escaped (`"max\\u005ftokens"` is `max_tokens` to the
     parser): a body that escapes a letter, digit or underscore (which no
     encoder does of its own accord) may name anything twice."""
-    if b"\\u" in raw and _ESCAPED_NAME_CHAR.search(raw):
+    # A backslash first: a search for one byte is memchr's (0.2 us a 16 KB
+    # body), where one for `\u` took 14 us.
+    if b"\\" in raw and _ESCAPED_NAME_CHAR.search(raw):
         return True
     return any(raw.count(b'"%s"' % name.encode()) > 1 for name in names)
 
