@@ -56,7 +56,9 @@ def unreachable(detail: str, address: str, options: ClientOptions, flags: Flags 
     if "wrong_version_number" in said:  # the answer to our ClientHello was no TLS
         leave_out = flags.tls("ca", "cert", "key").replace("(or ", "(and ")
         return (
-            f"{where} does not answer TLS ({detail}); if it runs without TLS, leave out {leave_out}"
+            f"{where} does not answer TLS ({detail}); if it runs without TLS, leave out "
+            f"{leave_out}, else check that {address} is its gRPC address (its --listen, not "
+            "its status page's or etcd's)"
         )
     if "hostname verification" in said:
         return (
@@ -113,7 +115,9 @@ def unreachable(detail: str, address: str, options: ClientOptions, flags: Flags 
     return (
         f"{message}; a control plane with mutual TLS closes the connection when it does "
         f"not trust the client certificate: check that {options.tls_cert} is signed by "
-        "its client CA (ponto-control --tls-client-ca) and has not expired"
+        "its client CA (ponto-control --tls-client-ca) and has not expired, and that "
+        f"{address} is its gRPC address (its --listen: a server that is no control plane, "
+        "such as etcd, closes it too)"
     )
 
 

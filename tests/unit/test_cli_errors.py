@@ -144,6 +144,12 @@ MUTUAL = ClientOptions("ca.crt", "admin.crt", "admin.key")
         (UNTRUSTED, CA_ONLY, "give the CA that signed the control plane's certificate with "
                              "--tls-ca", "client certificate"),
         (NOT_TLS, CA_ONLY, "does not answer TLS", "trusted"),
+        # Trial 17: pointed at the status page's port or at etcd's, the advice
+        # spoke only of TLS settings.
+        (NOT_TLS, CA_ONLY, "check that 127.0.0.1:7000 is its gRPC address (its --listen, "
+                           "not its status page's or etcd's)", "trusted"),
+        (SOCKET_CLOSED, MUTUAL, "that 127.0.0.1:7000 is its gRPC address (its --listen: a "
+                                "server that is no control plane, such as etcd", "no client"),
         (WRONG_NAME, MUTUAL, "its certificate does not list the name or address", "trusted"),
         (BAD_KEY, MUTUAL, "and that the key is the certificate's", "trusted"),
         # The control plane's certificate out of its dates: no CA would help.
