@@ -109,7 +109,7 @@ def test_readiness_needs_a_table_from_etcd_and_survives_etcd(workdir: Path) -> N
     etcd = None
     try:
         # It tried the store, and failed, and is still not ready.
-        wait_for_log(control, "cannot rebuild route table")
+        wait_for_log(control, "cannot build the route table yet")
         assert not_etcd.connections > 0
         assert health.status(READINESS) == {NOT_SERVING}
         assert health.status(ROUTING_SERVICE) == {NOT_SERVING}
