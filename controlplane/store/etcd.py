@@ -511,9 +511,18 @@ class EtcdStore:
                     resp = await call.read()
                     if resp is grpc.aio.EOF:
                         raise _WatchEnded("the stream ended")
-                    if resp.created and failing:
-                        failing = False
-                        log.info("etcd watch on %s resumed", prefix)
+                    if resp.created:
+                        log.debug("etcd watch on %s created at %d", prefix, resp.header.revision)
+                        if failing:
+                            failing = False
+                            log.info("etcd watch on %s resumed", prefix)
+                        if not start_revision:
+                            # Watched "from now": a stream re-created after a
+                            # failure resumes from here, and gets what was
+                            # written meanwhile (review 37: a drain made while
+                            # the watch was down never reached the table). One
+                            # from a revision has its replay still to come.
+                            start_revision = resp.header.revision
                     if resp.compact_revision:
                         # History is gone: tell the consumer to re-list now.
                         start_revision = resp.compact_revision
@@ -525,6 +534,16 @@ class EtcdStore:
                     if resp.events:
                         start_revision = resp.header.revision
                         yield resp.header.revision
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # Not this task's cancellation: gRPC's of the call, whose
+                # channel closed under it (the names of etcd looked up again,
+                # see _reresolve). Review 37: it ended every watch for good.
+                self._watch_failed()
+                failing = True
+                log.warning("etcd watch on %s: its channel was replaced; watching anew", prefix)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, _WatchEnded) as exc:
                 self._watch_failed()
                 self._failed()

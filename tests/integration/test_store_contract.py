@@ -492,7 +492,9 @@ async def test_etcd_watch_survives_restart(
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors == []
         said = [
-            (r.levelname, r.getMessage()) for r in caplog.records if "watch on" in r.getMessage()
+            (r.levelname, r.getMessage())
+            for r in caplog.records
+            if "watch on" in r.getMessage() and " created at " not in r.getMessage()
         ]
         assert said[0][0] == "WARNING"
         assert said[0][1].startswith(f"etcd watch on {P}w/ failed (UNAVAILABLE")
@@ -505,6 +507,69 @@ async def test_etcd_watch_survives_restart(
             await writer.close()
         await watching.close()
         etcd.stop()
+
+
+async def wait_created(caplog: pytest.LogCaptureFixture, prefix: str, times: int = 1) -> None:
+    """Until the store's watch of `prefix` was created `times` times (its DEBUG line)."""
+    said = f"etcd watch on {prefix} created at "
+
+    async def created() -> bool:
+        return sum(r.getMessage().startswith(said) for r in caplog.records) >= times
+
+    await eventually(created, LONG, f"the watch on {prefix} created {times} times")
+
+
+async def test_a_watch_from_now_that_restarts_gets_what_was_written_meanwhile(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 37: a watch "from now" (revision 0) that had seen no change
+    yet was re-created after a failure from now again: a drain written while
+    it was down never reached the builder's table. It resumes from where it
+    was created."""
+    caplog.set_level(logging.DEBUG, "controlplane.store.etcd")
+    etcd = start_etcd(tmp_path, name="gap")
+    watching = EtcdStore([etcd.endpoint], timeout=2.0)
+    await watching.connect()
+    writer: EtcdStore | None = None
+    watcher = Watcher(watching, P + "g/", 0)
+    try:
+        await wait_created(caplog, P + "g/")
+        etcd.stop()
+        etcd = start_etcd(tmp_path, name="gap", data_dir=etcd.data_dir,
+                          client_port=etcd.client_port, peer_port=etcd.peer_port)  # fmt: skip
+        writer = EtcdStore([etcd.endpoint], timeout=2.0)
+        await writer.connect()
+        written = await writer.put(P + "g/drain", b"1")  # before the watch is back
+        assert await watcher.next(10.0) >= written
+    finally:
+        await watcher.close()
+        if writer is not None:
+            await writer.close()
+        await watching.close()
+        etcd.stop()
+
+
+async def test_a_watch_goes_on_when_its_channel_is_replaced(
+    etcd_store: EtcdStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 37: when the store looked etcd's names up again and closed its
+    old channel, gRPC cancelled the watches' calls, and the CancelledError
+    ended every watch for good (the builder's among them). They watch on, on
+    the new channel, from where they were."""
+    caplog.set_level(logging.DEBUG, "controlplane.store.etcd")
+    watcher = Watcher(etcd_store, P + "c/", 0)
+    try:
+        await wait_created(caplog, P + "c/")
+        # As EtcdStore._reresolve does with the new addresses.
+        new = etcd_store._new_client(etcd_store._target)
+        await new.connect()
+        old, etcd_store._client = etcd_store._client, new
+        await old.close()
+        written = await etcd_store.put(P + "c/after", b"1")
+        assert await watcher.next(10.0) >= written
+        await wait_created(caplog, P + "c/", times=2)
+    finally:
+        await watcher.close()
 
 
 # ---------------------------------------------------------------- commit
