@@ -54,10 +54,10 @@ SUPERSEDED_READ_EVERY = 0.5
 SUPERSEDED_RESCAN_EVERY = 30.0
 
 
-def session_of(kv: KeyValue) -> str | None:
-    """The session a registration's key holds; None if it does not decode."""
+def record_of(kv: KeyValue) -> ProxyRecord | None:
+    """The registration a key holds; None if it does not decode."""
     try:
-        return decode_proxy(kv.value).session_id
+        return decode_proxy(kv.value)
     except (ValueError, TypeError, KeyError):
         return None
 
@@ -277,15 +277,21 @@ class ProxyRegistry:
             # lease's) may be read before its revision is noted.
             if kv is None or kv.mod_revision <= self._written.get(session_id, 0):
                 continue
-            holder = session_of(kv)
-            if holder is not None and holder != session_id:
-                log.info(
-                    "proxy %s registered again elsewhere (session %s); its session %s here ends",
-                    record.name,
-                    holder,
-                    session_id,
-                )
-                self._forget(session_id)
+            holder = record_of(kv)
+            if holder is None or holder.session_id == session_id:
+                continue
+            if 0 < holder.started_at < record.started_at:
+                # An earlier process's, written back after an outage of etcd
+                # before this replica wrote its own (review 37): this one's
+                # rewrite takes the name back (Catalog.restore_proxy).
+                continue
+            log.info(
+                "proxy %s registered again elsewhere (session %s); its session %s here ends",
+                record.name,
+                holder.session_id,
+                session_id,
+            )
+            self._forget(session_id)
         return True
 
     def streaming(self, session_id: str) -> bool:

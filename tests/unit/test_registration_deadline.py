@@ -618,8 +618,14 @@ async def test_a_lost_lease_puts_back_only_what_registered_nowhere_else_meanwhil
     assert set(here.sessions) == {stayed.session_id}
 
 
-@pytest.mark.parametrize("worker_first", [True, False], ids=["worker-first", "successor-first"])
-async def test_after_an_outage_the_later_process_keeps_its_name(worker_first: bool) -> None:
+@pytest.mark.parametrize(
+    ("worker_first", "read_between"),
+    [(True, False), (False, False), (True, True)],
+    ids=["worker-first", "successor-first", "worker-first-then-a-read"],
+)
+async def test_after_an_outage_the_later_process_keeps_its_name(
+    worker_first: bool, read_between: bool
+) -> None:
     """Review 35: after an etcd outage that lost both replicas' leases, the
     replica that wrote its sessions back first kept the name, though its
     session was the worker's a reload had replaced on the other replica:
@@ -632,6 +638,11 @@ async def test_after_an_outage_the_later_process_keeps_its_name(worker_first: bo
     for registry in (here, there):  # etcd was away longer than the leases' TTL
         await lose_lease(catalog, registry)
     for registry in (there, here) if worker_first else (here, there):
+        if read_between and registry is here:
+            # Review 37: the successor's replica reads the registrations (its
+            # watch, within 0.5 s) before its own rewrite (its keepalive).
+            assert await here.drop_superseded()
+            assert set(here.sessions) == {successor.session_id}
         await registry._rewrite()
     current = await catalog.get_proxy("g-w0")
     assert current is not None and current.session_id == successor.session_id
