@@ -238,6 +238,19 @@ async def test_a_model_named_twice_reaches_the_origin_as_routed(proxy: Proxy) ->
     assert json.loads(sent)["model"] == MODEL
 
 
+async def test_a_model_named_inside_the_body_is_no_duplicate(proxy: Proxy) -> None:
+    """Review 37: a tool whose schema has a property named `model` made the
+    body be written anew (issue 17: no body re-serialised that did not
+    change). It goes byte for byte."""
+    raw = (b'{"model": "%s", "messages": [{"role": "user", "content": "which model?"}], '
+           b'"tools": [{"type": "function", "function": {"name": "car", "parameters": '
+           b'{"type": "object", "properties": {"model": {"type": "string"}}}}}]}'
+           % MODEL.encode())  # fmt: skip
+    resp = await proxy.post("/v1/chat/completions", raw, key=PLAIN.key)
+    assert resp.status == 200, await resp.text()
+    assert proxy.seen[-1] == ("/v1/chat/completions", raw)
+
+
 async def test_a_valid_request_is_checked_before_the_system_prompt_is_added(proxy: Proxy) -> None:
     resp = await proxy.post("/v1/chat/completions", one_message("Bonjour"), PROMPTED.key)
     assert resp.status == 200, await resp.text()

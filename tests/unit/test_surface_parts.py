@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 from multidict import CIMultiDict
 
@@ -355,5 +356,15 @@ def test_the_fields_rules_read_are_found_named_twice() -> None:
     assert names_twice(escaped, ("max_tokens",))
     assert names_twice(escaped.replace(b"005f", b"005F"), ("max_tokens",))
     assert names_twice(b'{"\\u006dax_tokens": 1, "max_tokens": 5}', ("max_tokens",))
+    # Review 37: a name twice that is no key of the object's own is no duplicate.
+    tool = {"type": "function", "function": {"name": "car", "parameters": {
+        "type": "object", "properties": {"model": {"type": "string"}}}}}  # fmt: skip
+    for body in (
+        {"model": "m", "messages": [{"role": "user", "content": "model"}]},
+        {"model": "m", "messages": [], "stop": ["model"]},
+        {"model": "m", "messages": [], "tools": [tool]},
+    ):
+        assert not names_twice(orjson.dumps(body), ("model",)), body
+    assert names_twice(b'{"model": "a", "tools": [{"model": 1}], "model": "b"}', ("model",))
     # Non-ASCII text and HTML-safe escapes are no name's characters.
     assert not names_twice(b'{"max_tokens": 1, "x": "caf\\u00e9 \\u003cb\\u003e"}', ("max_tokens",))
