@@ -225,6 +225,7 @@ async def _relay_bytes(
     # The whole events last written: whether they end the answer is asked only
     # when the connection fails, not for every chunk.
     written = b""
+    eof = False  # the stream's end is being written: nothing more may be
     try:
         while True:
             for ev in parser.feed(chunk):
@@ -297,13 +298,14 @@ async def _relay_bytes(
                     await out.write(data)
                 end.complete = True
                 break
+        eof = True
         await out.write_eof()
     except ConnectionResetError:
         _client_left(end)
     except asyncio.CancelledError:
         # Every whole event parsed was written (held bytes are not): the
         # ending follows `last`.
-        await _end_stopped(out, stopped, last, end)
+        await _end_stopped(out, stopped, last, end, eof)
         raise
     end.open_event = parser.close()
     return end
@@ -327,6 +329,7 @@ async def _relay_events(
     rewrite: Callable[[bytes], bytes | None] | None = None
     done = False  # the client has the stream's last event: nothing after it matters
     chunk = first
+    eof = False  # the stream's end is being written: nothing more may be
     try:
         while True:
             cut = ""
@@ -391,28 +394,30 @@ async def _relay_events(
             end.continued.append(cut)
             parser = SseParser(max_event_bytes)
             chunk, content, rewrite = following.first, following.content, following.rewrite
+        eof = True
         await out.write_eof()
     except ConnectionResetError:
         _client_left(end)
     except asyncio.CancelledError:
-        await _end_stopped(out, stopped, last, end)
+        await _end_stopped(out, stopped, last, end, eof)
         raise
     return end
 
 
 async def _end_stopped(
-    out: Writable, stopped: Stopped | None, last: Event | None, end: RelayEnd
+    out: Writable, stopped: Stopped | None, last: Event | None, end: RelayEnd, eof: bool
 ) -> None:
     """Write what `stopped` makes of `last`, and the stream's end, if it
     makes anything and the answer had not ended; a client gone, or too slow
     to take it within STOPPED_WRITE_S, gets nothing more. A stream already
     cut has its ending (written before the wait the cancellation came in):
-    a second would follow its `[DONE]`, or the chunked body's last chunk."""
-    if stopped is None or end.complete or end.cut:
+    it gets only the stream's end (review 37: a chunked body without its
+    last chunk), and one whose end was being written (`eof`) nothing."""
+    if stopped is None or end.complete or eof:
         return
     ending = stopped(last)
     if ending is not None:
-        await write_stopped(out, ending)
+        await write_stopped(out, b"" if end.cut else ending)
 
 
 async def write_stopped(out: Writable, ending: bytes) -> None:

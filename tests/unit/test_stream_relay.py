@@ -727,27 +727,44 @@ async def cancel_when(
 
 
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize("slow_in", ["ending", "end"])
 async def test_a_relay_cancelled_while_its_broken_ending_drains_ends_once(
-    continuable: bool,
+    continuable: bool, slow_in: str
 ) -> None:
     """Review 36: a stream the origin broke was written its error event and
     `[DONE]`; the stop's cancellation, coming while a slow client took them,
     wrote a second error event and `[DONE]` (and, in a wait for the stream's
-    end, bytes after its last chunk)."""
+    end, bytes after its last chunk). Review 37: and with no second ending,
+    no end either (a chunked body without its last chunk) when the wait was
+    the ending's; one end when it was the end's."""
 
     class Slow(Out):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ends = 0
+
         async def write(self, data: bytes) -> None:
             await super().write(data)
-            if data.startswith(ERROR_EVENT):
+            if slow_in == "ending" and data.startswith(ERROR_EVENT):
                 await asyncio.Event().wait()  # the client takes the ending slowly
+
+        async def write_eof(self) -> None:
+            self.ends += 1
+            await super().write_eof()
+            if slow_in == "end" and self.ends == 1:
+                await asyncio.Event().wait()  # ... or the stream's end
 
     out = Slow()
     await cancel_when(
         out,
-        lambda: any(w.startswith(ERROR_EVENT) for w in out.written),
+        lambda: (
+            any(w.startswith(ERROR_EVENT) for w in out.written)
+            and (slow_in == "ending" or out.ends > 0)
+        ),
         b'data: {"n":1}\n\n',
         Dropping(),
         error_event=ERROR_EVENT,
         resume=no_resume if continuable else None,
     )
     assert b"stopped" not in b"".join(out.written)
+    assert out.ends == 1
