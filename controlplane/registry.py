@@ -193,7 +193,9 @@ class ProxyRegistry:
                     address,
                     exc.holder_address,
                 )
-                with contextlib.suppress(Unavailable):
+                # Best effort: the refusal is the answer (review 37: a lease
+                # lost meanwhile made it an INTERNAL error with a traceback).
+                with contextlib.suppress(Unavailable, LeaseExpired, StoreUnavailable):
                     await self._catalog.note_conflict(record, lease)
             raise
         old = self._by_name.get(name)

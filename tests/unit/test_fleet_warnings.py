@@ -145,6 +145,18 @@ async def test_two_processes_given_one_name_are_named_beside_it(
     assert await admin_api._fleet_warnings(catalog) == (f"proxy proxy-b: {said}",)
 
 
+async def test_a_refusal_stands_when_its_note_cannot_be_written() -> None:
+    """Review 37: the note written under a lease lost meanwhile made the
+    refusal an INTERNAL error, with a traceback in the log."""
+    store = MemoryStore()
+    catalog = Catalog(store)
+    here, there = ProxyRegistry(catalog, "cp-1"), ProxyRegistry(catalog, "cp-2")
+    await there.register("proxy-b", "eu-west", "127.0.0.1:8403", "1.0", started_at=200.0)
+    await store.revoke_lease(await here.lease())  # lost, and not yet seen as lost
+    with pytest.raises(Superseded):
+        await here.register("proxy-b", "eu-west", "127.0.0.1:8402", "1.0", started_at=100.0)
+
+
 async def test_a_worker_a_reload_replaced_is_no_conflict() -> None:
     """Its successor has its address: refused, it is leaving, not lost."""
     catalog = Catalog(MemoryStore())
