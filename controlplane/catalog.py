@@ -663,6 +663,7 @@ class Catalog:
                 raise Superseded(
                     f"proxy {record.name} is registered by a process started after this one",
                     holder_address=current.address,
+                    holder_host=current.host,
                 )
             return True
 
@@ -709,11 +710,12 @@ class Catalog:
                 continue
         raise Unavailable(f"proxy {record.name} kept registering again; try again")
 
-    async def note_conflict(self, record: ProxyRecord, lease: int) -> None:
-        """Note that `record`'s process was refused its name, which a later
-        process at another address holds: listed beside that one's
-        registration (ProxyRecord.conflicts) for CONFLICT_SHOWN_S."""
-        note = {"address": record.address, "refused_at": time.time()}
+    async def note_conflict(self, record: ProxyRecord, where: str, lease: int) -> None:
+        """Note that `record`'s process, `where` (its address, and its host
+        if the holder has that address too), was refused its name, which a
+        later process holds: listed beside that one's registration
+        (ProxyRecord.conflict) for CONFLICT_SHOWN_S."""
+        note = {"address": where, "refused_at": time.time()}
         await _guard(self.store.put(CONFLICTS + record.name, orjson.dumps(note), lease=lease))
 
     async def get_proxy(self, name: str) -> ProxyRecord | None:

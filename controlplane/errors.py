@@ -47,10 +47,11 @@ class Unavailable(ControlPlaneError):
 
 class Superseded(ControlPlaneError):
     """A proxy's name is registered by a process started after this one's
-    (at `holder_address`)."""
+    (at `holder_address`, registered from `holder_host`)."""
 
     status = grpc.StatusCode.ABORTED
 
-    def __init__(self, message: str, *, holder_address: str = "") -> None:
+    def __init__(self, message: str, *, holder_address: str = "", holder_host: str = "") -> None:
         super().__init__(message)
         self.holder_address = holder_address
+        self.holder_host = holder_host

@@ -243,6 +243,10 @@ class ProxyRecord:
     # When the proxy's process started (Unix time; 0: it did not say): of two
     # processes of one name, the later one keeps the registration.
     started_at: float = 0.0
+    # The host its registration came from (the gRPC peer's address, without
+    # its port; "": unknown), which tells two proxies given one --name and
+    # one --advertise apart from a group's workers.
+    host: str = ""
     acked_version: int = 0
     last_error: str = ""
     # What its last ACK said it cannot use of the table it applied (a tenant

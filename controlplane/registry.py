@@ -54,6 +54,20 @@ SUPERSEDED_READ_EVERY = 0.5
 SUPERSEDED_RESCAN_EVERY = 30.0
 
 
+def conflict_of(refused: ProxyRecord, holder_address: str, holder_host: str) -> str:
+    """Where `refused` runs, if it is not where the holder of its name does
+    (its address, or its host when the address is the holder's too: two
+    hosts advertising 0.0.0.0:8080, say); "" when it is the same place, as a
+    group's worker and its successor are, or the holder is unknown."""
+    if not holder_address:
+        return ""
+    if refused.address != holder_address:
+        return refused.address
+    if refused.host and holder_host and refused.host != holder_host:
+        return f"{refused.address} on host {refused.host}"
+    return ""
+
+
 def record_of(kv: KeyValue) -> ProxyRecord | None:
     """The registration a key holds; None if it does not decode."""
     try:
@@ -154,7 +168,14 @@ class ProxyRegistry:
         return max(1, size)
 
     async def register(
-        self, name: str, region: str, address: str, version: str, *, started_at: float = 0.0
+        self,
+        name: str,
+        region: str,
+        address: str,
+        version: str,
+        *,
+        started_at: float = 0.0,
+        host: str = "",
     ) -> ProxyRecord:
         """Register proxy `name`, replacing the registration of its name unless
         that one's process started later (Superseded): a group's worker that a
@@ -170,6 +191,7 @@ class ProxyRegistry:
             control_plane_id=self.replica_id,
             connected_at=time.time(),
             started_at=started_at,
+            host=host,
         )
         # Timed before the write: a call cancelled (the proxy gone) or failed
         # during it may still have written the key, under the replica's lease,
@@ -182,21 +204,23 @@ class ProxyRegistry:
             written = await self._catalog.register_proxy(record, lease)
         except Superseded as exc:
             self._unstreamed.pop(record.session_id, None)  # nothing was written
-            if exc.holder_address and exc.holder_address != address:
+            where = conflict_of(record, exc.holder_address, exc.holder_host)
+            if where:
                 # Not a worker a reload replaced (its successor has its
-                # address): two proxies given one --name. Named beside the
-                # holder, or the older one would serve its last table unseen.
+                # address and host): two proxies given one --name. Named
+                # beside the holder, or the older one would serve its last
+                # table unseen.
                 log.warning(
                     "proxy %s at %s refused: a process started later holds the name, at %s "
                     "(two proxies given one --name?)",
                     name,
-                    address,
+                    where,
                     exc.holder_address,
                 )
                 # Best effort: the refusal is the answer (review 37: a lease
                 # lost meanwhile made it an INTERNAL error with a traceback).
                 with contextlib.suppress(Unavailable, LeaseExpired, StoreUnavailable):
-                    await self._catalog.note_conflict(record, lease)
+                    await self._catalog.note_conflict(record, where, lease)
             raise
         old = self._by_name.get(name)
         if old is not None:

@@ -140,7 +140,12 @@ class RoutingService:
             raise InvalidArgument("proxy address or version is too long")
         check_start(info, time.time())
         record = await self._registry.register(
-            info.name, info.region, info.address, info.version, started_at=info.started_at
+            info.name,
+            info.region,
+            info.address,
+            info.version,
+            started_at=info.started_at,
+            host=peer_host(context.peer()),
         )
         log.info("proxy %s (%s) registered, session %s", info.name, info.region, record.session_id)
         return pb.RegisterResponse(
@@ -329,3 +334,13 @@ class RoutingService:
                 self._metrics.push_answered(acked=not error, latency=latency)
             warnings = tuple(w[:MAX_WARNING] for w in req.warnings[:MAX_WARNINGS])
             await self._registry.acked(session_id, req.version_info, error, warnings)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer ("ipv4:10.0.0.6:51234", "ipv6:[::1]:51234");
+    "" for any other (a Unix socket, or none)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.rpartition(":")[0]
+    return host.strip("[]")

@@ -356,6 +356,9 @@ class Stream:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise AssertionError(f"aborted: {code} {details}")
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"
+
     async def next_table(self) -> pb.RouteUpdate:
         while True:
             update = await asyncio.wait_for(self.pushed.get(), 10)

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from controlplane.api import admin as admin_api
+from controlplane.api.routing import peer_host
 from controlplane.catalog import (
     ACKS,
     CONFLICT_SHOWN_S,
@@ -143,6 +144,50 @@ async def test_two_processes_given_one_name_are_named_beside_it(
     assert list(admin_api.proxy_pb(listed).warnings) == [said]
     # A write's reply says it too.
     assert await admin_api._fleet_warnings(catalog) == (f"proxy proxy-b: {said}",)
+
+
+async def test_two_hosts_advertising_one_address_under_one_name_are_named() -> None:
+    """Review 37: two hosts that both advertise their --listen default
+    register the same address, and the conflict went unnoticed, as a
+    reload's would. The host a registration came from tells them apart."""
+    catalog = Catalog(MemoryStore())
+    here, there = ProxyRegistry(catalog, "cp-1"), ProxyRegistry(catalog, "cp-2")
+    await there.register(
+        "proxy-b", "eu-west", "0.0.0.0:8080", "1.0", started_at=200.0, host="10.0.0.5"
+    )
+    with pytest.raises(Superseded):
+        await here.register(
+            "proxy-b", "eu-west", "0.0.0.0:8080", "1.0", started_at=100.0, host="10.0.0.6"
+        )
+    [listed] = await catalog.list_proxies()
+    assert listed.conflict == "0.0.0.0:8080 on host 10.0.0.6"
+    assert (
+        "another process, at 0.0.0.0:8080 on host 10.0.0.6, also runs as proxy-b"
+        in (fleet_warnings([listed])[0])
+    )
+    # A group's retired worker, on the same host: no conflict.
+    await there.register(
+        "proxy-c", "eu-west", "0.0.0.0:8080", "1.0", started_at=200.0, host="10.0.0.5"
+    )
+    with pytest.raises(Superseded):
+        await here.register(
+            "proxy-c", "eu-west", "0.0.0.0:8080", "1.0", started_at=100.0, host="10.0.0.5"
+        )
+    assert {p.name: p.conflict for p in await catalog.list_proxies()}["proxy-c"] == ""
+
+
+@pytest.mark.parametrize(
+    ("peer", "host"),
+    [
+        ("ipv4:10.0.0.6:51234", "10.0.0.6"),
+        ("ipv6:[::1]:51234", "::1"),
+        ("ipv6:[fe80::1%eth0]:80", "fe80::1%eth0"),
+        ("unix:/run/ponto.sock", ""),
+        ("", ""),
+    ],
+)
+def test_the_host_of_a_peer(peer: str, host: str) -> None:
+    assert peer_host(peer) == host
 
 
 async def test_a_refusal_stands_when_its_note_cannot_be_written() -> None:
