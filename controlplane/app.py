@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -50,7 +52,22 @@ class ListenError(Exception):
 
 
 def _bind(listen: str, add_port: Callable[[str], int]) -> int:
-    """The port `add_port` bound `listen` to, or ListenError."""
+    """The port `add_port` bound `listen` to, or ListenError. The address is
+    tried first with a socket of this process's own, which says why it cannot
+    be bound (gRPC says only that it failed, on a line of its own)."""
+    host, _, port_text = listen.rpartition(":")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, int(port_text), type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
+        )[0]  # fmt: skip
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except (OSError, ValueError) as exc:
+        errno = getattr(exc, "errno", None)
+        why = os.strerror(errno) if errno and errno > 0 else str(exc)
+        raise ListenError(f"cannot listen on {listen}: {why}") from None
     try:
         port = add_port(listen)
     except RuntimeError:  # gRPC's "Failed to bind to address": its log says why

@@ -59,6 +59,23 @@ async def test_serve_says_so_in_one_line_and_exits_1(
         r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "controlplane.app"
     ]
     assert [r.getMessage() for r in errors] == [
-        f"cannot listen on 127.0.0.1:{port}: the address is in use or not this host's"
+        f"cannot listen on 127.0.0.1:{port}: Address already in use"
     ]
     assert errors[0].exc_info is None
+
+
+@pytest.mark.parametrize(
+    ("listen", "why"),
+    [
+        ("192.0.2.1:0", "Cannot assign requested address"),  # not this host's
+        ("nosuch.invalid:7000", "Name or service not known"),
+    ],
+)
+async def test_an_address_it_cannot_listen_on_says_why(listen: str, why: str) -> None:
+    """Review 37: every refusal said "in use or not this host's", beside a
+    line of gRPC's own; the address is tried first, and the system's reason
+    given."""
+    plane = ControlPlane(parse(["--id", "cp-1", "--listen", listen]), MemoryStore())
+    with pytest.raises(Exception, match=f"^cannot listen on {listen}: .*{why}"):
+        await plane.start()
+    await plane.stop(grace=0)
