@@ -219,7 +219,10 @@ async def test_a_flights_leader_and_follower_cancelled_by_the_stop_are_told_so(
     proxy: Stopping,
 ) -> None:
     """Two clients of one flight (one origin call), both still reading when
-    the stop cancels them: each stream ends with `proxy_stopping`."""
+    the stop cancels them: each stream ends with `proxy_stopping`. Here the
+    stop cancels the follower's own handler first (reply.follow's
+    cancellation path); the other order, its leader first, comes in no set
+    order from a real stop and is tested on reply.follow below."""
     body = chat("followed", stream=True, temperature=0)
     async with (
         aiohttp.ClientSession() as a,
