@@ -49,7 +49,11 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else 404."""
+    """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else
+    404; without a route table, as `list_models` (trial 18: a 404, which the
+    openai SDK never retries, for every model)."""
+    if not await request.app[HOLDER].wait_first():
+        raise no_route_table()
     name = request.match_info["model"]
     if name not in _callable_models(request):
         raise model_not_found(name)

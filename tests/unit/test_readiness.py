@@ -142,7 +142,11 @@ async def test_the_model_list_without_a_route_table_is_a_503_as_a_call_is(
     settings = parse_proxy(["--region", "us-east", "--control-plane", f"127.0.0.1:{free_port()}"])
     app = build_app(settings)
     async with TestClient(TestServer(app)) as client:
-        for path, body in (("/v1/models", None), ("/v1/chat/completions", {"model": "m"})):
+        for path, body in (
+            ("/v1/models", None),
+            ("/v1/models/m", None),  # trial 18: a 404 model_not_found
+            ("/v1/chat/completions", {"model": "m"}),
+        ):
             resp = await (client.get(path) if body is None else client.post(path, json=body))
             assert resp.status == 503, path
             assert resp.headers["retry-after"] == "1"
