@@ -56,10 +56,12 @@ def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
 def conflict_warning(p: ProxyRecord) -> str:
     """What an operator must know of a name two processes register (trial 17:
     the older one served a table a drain did not reach, and nothing said so)."""
+    # The gist first: `pontoctl get proxies` shows a warning's first 80
+    # characters (trial 18).
     return (
-        f"another process, at {p.conflict}, also runs as {p.name} and is refused "
-        f"(this one, at {p.address}, started later): it serves its last route "
-        "table, which no change reaches; give each proxy its own --name, or stop it"
+        f"two processes run as {p.name}: the other, at {p.conflict}, serves its last "
+        f"route table, which no change reaches (this one, at {p.address}, started "
+        "later and holds the name); give each proxy its own --name, or stop the other"
     )
 
 

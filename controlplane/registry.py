@@ -204,26 +204,14 @@ class ProxyRegistry:
             written = await self._catalog.register_proxy(record, lease)
         except Superseded as exc:
             self._unstreamed.pop(record.session_id, None)  # nothing was written
-            where = conflict_of(record, exc.holder_address, exc.holder_host)
-            if where:
-                # Not a worker a reload replaced (its successor has its
-                # address and host): two proxies given one --name. Named
-                # beside the holder, or the older one would serve its last
-                # table unseen.
-                log.warning(
-                    "proxy %s at %s refused: a process started later holds the name, at %s "
-                    "(two proxies given one --name?)",
-                    name,
-                    where,
-                    exc.holder_address,
-                )
-                # Best effort: the refusal is the answer (review 37: a lease
-                # lost meanwhile made it an INTERNAL error with a traceback).
-                with contextlib.suppress(Unavailable, LeaseExpired, StoreUnavailable):
-                    await self._catalog.note_conflict(record, where, lease)
+            await self._note_conflict(record, exc.holder_address, exc.holder_host, "refused")
             raise
         old = self._by_name.get(name)
         if old is not None:
+            if self.streaming_now(old):
+                await self._note_conflict(
+                    self.sessions[old], address, host, "superseded while it streams"
+                )
             self._forget(old)
         # The old session's counters are not this one's (rates are per session).
         if self._traffic.pop(name, None) is not None:
@@ -317,8 +305,41 @@ class ProxyRegistry:
                 holder.session_id,
                 session_id,
             )
+            if self.streaming_now(session_id):
+                await self._note_conflict(
+                    record, holder.address, holder.host, "superseded while it streams"
+                )
             self._forget(session_id)
         return True
+
+    def streaming_now(self, session_id: str) -> bool:
+        """Whether the session is this replica's and its route stream open."""
+        return session_id in self.sessions and session_id not in self._unstreamed
+
+    async def _note_conflict(
+        self, older: ProxyRecord, holder_address: str, holder_host: str, what: str
+    ) -> None:
+        """`older`'s process lost its name (`what`: refused it, or superseded
+        while its stream was open) to a later one at `holder_address`, from
+        `holder_host`: unless both run in one place, as a group's worker and
+        its successor do, two proxies were given one --name. Logged, and
+        noted beside the holder (Catalog.note_conflict), or the older one
+        would serve its last table unseen. Best effort: the registration's
+        answer stands (review 37: a lease lost meanwhile made a refusal an
+        INTERNAL error with a traceback)."""
+        where = conflict_of(older, holder_address, holder_host)
+        if not where:
+            return
+        log.warning(
+            "proxy %s at %s %s: a process started later holds the name, at %s "
+            "(two proxies given one --name?)",
+            older.name,
+            where,
+            what,
+            holder_address,
+        )
+        with contextlib.suppress(Unavailable, LeaseExpired, StoreUnavailable):
+            await self._catalog.note_conflict(older, where, await self._ensure_lease())
 
     def streaming(self, session_id: str) -> bool:
         """Mark the session's route stream open, so its registration stays

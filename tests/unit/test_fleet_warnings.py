@@ -136,9 +136,9 @@ async def test_two_processes_given_one_name_are_named_beside_it(
     [listed] = await catalog.list_proxies()
     assert (listed.address, listed.conflict) == ("127.0.0.1:8403", "127.0.0.1:8402")
     said = (
-        "another process, at 127.0.0.1:8402, also runs as proxy-b and is refused (this one, "
-        "at 127.0.0.1:8403, started later): it serves its last route table, which no change "
-        "reaches; give each proxy its own --name, or stop it"
+        "two processes run as proxy-b: the other, at 127.0.0.1:8402, serves its last route "
+        "table, which no change reaches (this one, at 127.0.0.1:8403, started later and "
+        "holds the name); give each proxy its own --name, or stop the other"
     )
     assert fleet_warnings([listed]) == (f"proxy proxy-b: {said}",)
     assert list(admin_api.proxy_pb(listed).warnings) == [said]
@@ -161,10 +161,7 @@ async def test_two_hosts_advertising_one_address_under_one_name_are_named() -> N
         )
     [listed] = await catalog.list_proxies()
     assert listed.conflict == "0.0.0.0:8080 on host 10.0.0.6"
-    assert (
-        "another process, at 0.0.0.0:8080 on host 10.0.0.6, also runs as proxy-b"
-        in (fleet_warnings([listed])[0])
-    )
+    assert "the other, at 0.0.0.0:8080 on host 10.0.0.6, serves" in fleet_warnings([listed])[0]
     # A group's retired worker, on the same host: no conflict.
     await there.register(
         "proxy-c", "eu-west", "0.0.0.0:8080", "1.0", started_at=200.0, host="10.0.0.5"
@@ -200,6 +197,29 @@ async def test_a_refusal_stands_when_its_note_cannot_be_written() -> None:
     await store.revoke_lease(await here.lease())  # lost, and not yet seen as lost
     with pytest.raises(Superseded):
         await here.register("proxy-b", "eu-west", "127.0.0.1:8402", "1.0", started_at=100.0)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["same-replica", "other-replica"])
+async def test_a_live_stream_superseded_from_elsewhere_is_named_at_once(elsewhere: bool) -> None:
+    """Trial 18: the conflict was named only once the older process asked
+    again, 30 s after its stream ended, and a drain made meanwhile said
+    nothing. A stream still open when a registration from another place
+    takes its name is named at once; one that had ended is a proxy that
+    moved, not a conflict."""
+    catalog = Catalog(MemoryStore())
+    here, there = ProxyRegistry(catalog, "cp-1"), ProxyRegistry(catalog, "cp-2")
+    old = await here.register("proxy-a", "eu-west", "127.0.0.1:18001", "1.0", started_at=100.0)
+    gone = await here.register("proxy-m", "eu-west", "127.0.0.1:18001", "1.0", started_at=100.0)
+    assert here.streaming(old.session_id) and here.streaming(gone.session_id)
+    await here.unregister(gone.session_id)  # its stream ended: it moved
+    newcomer = there if elsewhere else here
+    for name in ("proxy-a", "proxy-m"):
+        await newcomer.register(name, "eu-west", "127.0.0.1:18003", "1.0", started_at=200.0)
+    if elsewhere:
+        assert await here.drop_superseded()  # its watch saw the write
+    assert here.ended(old.session_id).is_set()
+    conflicts = {p.name: p.conflict for p in await catalog.list_proxies()}
+    assert conflicts == {"proxy-a": "127.0.0.1:18001", "proxy-m": ""}
 
 
 async def test_a_worker_a_reload_replaced_is_no_conflict() -> None:
