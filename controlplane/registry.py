@@ -123,6 +123,8 @@ class ProxyRegistry:
         # flush that saw them (None before one did): flush's clock is the only
         # one the deadline is read on.
         self._unstreamed: dict[str, tuple[str, float | None]] = {}
+        # The lease's keepalive or rewrite failed, and has not worked since.
+        self._store_failing = False
         self._stream_grace = stream_grace
 
     async def _ensure_lease(self) -> int:
@@ -516,6 +518,9 @@ class ProxyRegistry:
                 continue
             try:
                 await self._catalog.store.refresh_lease(self._lease)
+                if self._store_failing:
+                    self._store_failing = False
+                    log.info("lease keepalive works again")
             except LeaseExpired:
                 log.warning(
                     "replica lease %x expired; re-registering %d proxies",
@@ -525,7 +530,7 @@ class ProxyRegistry:
                 self._lease = 0
                 await self._rewrite()
             except StoreUnavailable as exc:
-                log.warning("lease keepalive failed: %s", exc)
+                self._say_store_failing("lease keepalive failed: %s", exc)
 
     async def _rewrite(self) -> None:
         try:
@@ -549,9 +554,19 @@ class ProxyRegistry:
                     self._forget(record.session_id)
             self._acks_dirty = True
             self._traffic_dirty = True
+            if self._store_failing:
+                self._store_failing = False
+                log.info("lease granted again; %d proxies registered again", len(self.sessions))
         except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
-            log.warning("re-registration failed, will retry: %s", exc)
+            self._say_store_failing("re-registration failed, will retry: %s", exc)
             self._lease = 0
+
+    def _say_store_failing(self, message: str, exc: Exception) -> None:
+        """The lease's failures, at WARNING the first time, then at DEBUG
+        until it works again (trial 18: one every 3.3 s for as long as etcd
+        was away)."""
+        (log.debug if self._store_failing else log.warning)(message, exc)
+        self._store_failing = True
 
     async def close(self) -> None:
         if self._lease:

@@ -468,6 +468,25 @@ class Run:
         headers = {"authorization": f"Bearer {self.api_key}"}
         seen = []
         async with httpx.AsyncClient(timeout=20, headers=headers) as http:
+            # Each worker of the second pod has Redis up (ponto_cache_region_up):
+            # a Redis that became ready late (its probes timing out on a
+            # loaded machine) leaves a worker's breaker waiting up to 5 s
+            # before it tries again (CI of 7fa773a: one worker of two up).
+            metrics_url = (
+                f"http://{second.ip}:{self.cluster.named_ports(second)['metrics']}/metrics"
+            )
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                ups = [
+                    line
+                    for line in (await http.get(metrics_url)).text.splitlines()
+                    if line.startswith("ponto_cache_region_up")
+                ]
+                if ups and all(line.endswith(" 1.0") for line in ups):
+                    break
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ClusterError(f"{second.name}'s workers never all had Redis up: {ups}")
+                await asyncio.sleep(0.5)
             for attempt in range(1, 9):
                 # No max_tokens: the simulated origins would stop at it, and an answer
                 # cut by max_tokens is not cached.

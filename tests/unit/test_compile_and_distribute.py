@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -343,6 +344,25 @@ async def test_a_builder_that_never_built_does_not_say_it_serves_the_last_table(
         "cannot build the route table yet (proxies get none from this replica until it can): "
     )
     assert not any("serving the last one" in m for m in said)
+
+
+async def test_a_store_away_is_said_once_and_its_return_too(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Trial 18: a replica whose etcd was away logged a warning at every
+    retry (64 in 3.5 minutes)."""
+    caplog.set_level(logging.DEBUG, "controlplane.builder")
+    store, _, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05, retry_max=0.05)
+    store.available = False
+    async with running(builder):
+        await wait_until(lambda: len(caplog.records) >= 5, 5.0, "a few tries")
+        store.available = True
+        await asyncio.wait_for(pub.next_after(None), 2.0)
+    said = [
+        (r.levelname, r.getMessage()) for r in caplog.records if r.name == "controlplane.builder"
+    ]
+    assert [level for level, _ in said if level == "WARNING"] == ["WARNING"]
+    assert ("INFO", "route table built again: the state store answers") in said
 
 
 async def test_builder_keeps_last_snapshot_when_store_unavailable() -> None:

@@ -6,6 +6,7 @@ proxy's share of a global limit) until its replica goes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -701,3 +702,30 @@ async def test_a_stream_that_ends_while_its_registration_is_put_back_leaves_none
     await rewrite
     assert await catalog.proxy_keys() == {}
     assert here._written == {}
+
+
+async def test_a_lease_that_cannot_be_kept_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Trial 18: a replica logged "lease keepalive failed" every 3.3 s for
+    as long as etcd was away. Once at WARNING, then at DEBUG until it works
+    again, which is said at INFO."""
+    caplog.set_level(logging.DEBUG, "controlplane.registry")
+    store = MemoryStore(clock=lambda: 0.0)  # the lease outlives the outage
+    registry = ProxyRegistry(Catalog(store), "cp", lease_ttl=1)
+    await registry.lease()
+    keeping = asyncio.create_task(registry.keepalive())
+
+    def tries() -> int:
+        return sum("lease keepalive failed" in r.getMessage() for r in caplog.records)
+
+    try:
+        async with asyncio.timeout(10):
+            store.available = False
+            while tries() < 3:
+                await asyncio.sleep(0.05)
+            store.available = True
+            while "lease keepalive works again" not in caplog.text:
+                await asyncio.sleep(0.05)
+    finally:
+        keeping.cancel()
+    levels = [r.levelname for r in caplog.records if "lease keepalive" in r.getMessage()]
+    assert levels[0] == "WARNING" and set(levels[1:-1]) == {"DEBUG"} and levels[-1] == "INFO"
