@@ -240,6 +240,8 @@ def _addresses(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
     for address in addresses:
         if why := conn.port_missing(address):
+            if text == os.environ.get(ENV_ADDRESS):  # the default, from the environment
+                why += f" (from {ENV_ADDRESS})"
             raise argparse.ArgumentTypeError(why)
     return addresses
 

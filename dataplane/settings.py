@@ -427,7 +427,7 @@ def parse(argv: list[str]) -> Settings:
     try:
         host, port = split_hostport(a.listen)
     except argparse.ArgumentTypeError as exc:
-        p.error(str(exc))
+        p.error(f"--listen: {exc}")
     metrics_listen = None
     if a.metrics_listen:
         try:

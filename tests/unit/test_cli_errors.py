@@ -91,6 +91,18 @@ def test_a_control_plane_without_its_port_is_refused(
     assert not port_missing("dns:///cp.example:7070") and not port_missing("[::1]:7070")
 
 
+def test_an_address_from_the_environment_is_said_to_be(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trial 18: PONTO_CONTROL_PLANE=127.0.0.1 was refused as
+    "argument --control-plane", a flag nobody gave."""
+    monkeypatch.setenv("PONTO_CONTROL_PLANE", "127.0.0.1")
+    assert main(["get", "regions"]) == 2
+    err = capsys.readouterr().err
+    assert "'127.0.0.1' is not HOST:PORT (an IPv6 address as [ADDR]:PORT) (from " in err
+    assert "PONTO_CONTROL_PLANE)" in err
+
+
 def test_a_missing_tls_file_is_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--control-plane", f"127.0.0.1:{free_port()}", "--tls-ca", "/nonexistent/ca.pem"]
     assert main([*argv, "get", "regions"]) == 2

@@ -101,3 +101,12 @@ def test_a_control_plane_without_its_port_is_refused(capsys: pytest.CaptureFixtu
         parse(["--control-plane", "127.0.0.1", "--region", "us-east"])
     assert exc.value.code == 2
     assert "--control-plane: '127.0.0.1' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_listen_address_without_its_port_names_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Trial 18: "error: expected HOST:PORT, got '127.0.0.1'", no flag named."""
+    with pytest.raises(SystemExit):
+        parse(["--control-plane", "127.0.0.1:7000", "--region", "us-east", "--listen", "x"])
+    assert "--listen: expected HOST:PORT, got 'x'" in capsys.readouterr().err
