@@ -269,8 +269,10 @@ async def follow(
             async for chunk in follower:
                 if out is None:
                     out = await _start_stream(request, ex, headers)
-                await out.write(chunk)
+                # Before the write: a stop that lands while the client takes
+                # the [DONE] adds no ending after it (review 38).
                 whole = whole_events_end_answer(chunk)
+                await out.write(chunk)
             if out is None:  # the leader answered without streaming
                 return _whole_stream(ex, await follower.result(), headers), True
             whole = ending = True
@@ -286,18 +288,29 @@ async def follow(
             return None
         if out is None:  # pragma: no cover - delivered implies started
             raise
-        if whole:  # the flight failed after its answer (storing it, say)
+        # After its answer (the flight failed storing it, say) the stream
+        # only ends. Else flights are of cacheable endpoints only, which
+        # Responses is not (dataplane.cache.policy): a chat or completions
+        # stream, with an error event; its leader cancelled by the stopping
+        # server (before this request's own cancellation came), the client is
+        # told the proxy stops, not that the origin broke the stream.
+        tail = b""
+        if not whole:
+            stopped = follower.leader_left and stopping(request)
+            tail = stream_stopped_event() if stopped else stream_broken_event()
+        ending = False
+        try:
+            if tail:
+                await out.write(tail)
+            ending = True
             await out.write_eof()
-            return out, True
-        # Flights are of cacheable endpoints only, which Responses is not
-        # (dataplane.cache.policy): a chat or completions stream. Its leader
-        # cancelled by the stopping server (before this request's own
-        # cancellation came), the client is told the proxy stops, not that
-        # the origin broke the stream.
-        stopped = follower.leader_left and stopping(request)
-        await out.write(stream_stopped_event() if stopped else stream_broken_event())
-        await out.write_eof()
-        return out, False
+        except asyncio.CancelledError:
+            # The stop, while the client took the tail: the stream's end
+            # still follows it (review 38: a chunked body left unended).
+            if not ending and stopping(request):
+                await write_stopped(out, b"")
+            raise
+        return out, not tail
 
 
 def _broken_stream_ending(ex: Exchange) -> Ending:

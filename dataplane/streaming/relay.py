@@ -226,6 +226,7 @@ async def _relay_bytes(
     # when the connection fails, not for every chunk.
     written = b""
     eof = False  # the stream's end is being written: nothing more may be
+    answered = False  # the client is being written the answer's last event
     try:
         while True:
             for ev in parser.feed(chunk):
@@ -268,9 +269,12 @@ async def _relay_bytes(
                         chunks.chunk(data)
                     # write() waits for the client's socket to drain: backpressure
                     # reaches the origin through the unread upstream socket.
+                    # Known before the write: a stop that lands while the
+                    # client takes the last event adds no ending after it.
+                    answered = whole_events_end_answer(data)
                     await out.write(data)
                     written = data
-                    if whole_events_end_answer(data):
+                    if answered:
                         # The client has the whole answer, and may close at once
                         # (the openai SDK does at [DONE]): its stream ends now, not
                         # at the origin's last chunk, which may come just after.
@@ -305,7 +309,7 @@ async def _relay_bytes(
     except asyncio.CancelledError:
         # Every whole event parsed was written (held bytes are not): the
         # ending follows `last`.
-        await _end_stopped(out, stopped, last, end, eof)
+        await _end_stopped(out, stopped, last, end, eof, answered)
         raise
     end.open_event = parser.close()
     return end
@@ -399,25 +403,31 @@ async def _relay_events(
     except ConnectionResetError:
         _client_left(end)
     except asyncio.CancelledError:
-        await _end_stopped(out, stopped, last, end, eof)
+        await _end_stopped(out, stopped, last, end, eof, done)
         raise
     return end
 
 
 async def _end_stopped(
-    out: Writable, stopped: Stopped | None, last: Event | None, end: RelayEnd, eof: bool
+    out: Writable,
+    stopped: Stopped | None,
+    last: Event | None,
+    end: RelayEnd,
+    eof: bool,
+    answered: bool,
 ) -> None:
     """Write what `stopped` makes of `last`, and the stream's end, if it
     makes anything and the answer had not ended; a client gone, or too slow
     to take it within STOPPED_WRITE_S, gets nothing more. A stream already
-    cut has its ending (written before the wait the cancellation came in):
-    it gets only the stream's end (review 37: a chunked body without its
-    last chunk), and one whose end was being written (`eof`) nothing."""
+    cut has its ending (written before the wait the cancellation came in),
+    and one `answered` its last event: each gets only the stream's end
+    (review 37: a chunked body without its last chunk; review 38: an error
+    after [DONE]), and one whose end was being written (`eof`) nothing."""
     if stopped is None or end.complete or eof:
         return
     ending = stopped(last)
     if ending is not None:
-        await write_stopped(out, b"" if end.cut else ending)
+        await write_stopped(out, b"" if end.cut or answered else ending)
 
 
 async def write_stopped(out: Writable, ending: bytes) -> None:

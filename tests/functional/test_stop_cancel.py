@@ -343,3 +343,27 @@ def test_stopping_is_the_servers_cancellation_of_a_client_still_there() -> None:
     assert stopping(request)
     transport.is_closing.return_value = True  # the client left
     assert not stopping(request)
+
+
+async def test_a_followers_error_event_the_stop_cuts_still_ends_the_stream(
+    flight: Flight, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 38: the stop's cancellation, landing while the client took a
+    follower's error event (its flight failed), left the chunked body
+    without its last chunk (curl rc=18, aiohttp's ClientPayloadError)."""
+    real = web.StreamResponse.write
+    taking = asyncio.Event()
+
+    async def slowly(self: web.StreamResponse, data: bytes) -> None:
+        await real(self, data)
+        if b"upstream_stream_broken" in data:
+            taking.set()
+            await asyncio.Event().wait()  # the client takes the ending slowly
+
+    monkeypatch.setattr(web.StreamResponse, "write", slowly)
+    flight.leader.finish(None, RuntimeError("the origin broke the stream"))
+    await asyncio.wait_for(taking.wait(), WAIT)
+    flight.stop()
+    flight.following.cancel()
+    rest = await asyncio.wait_for(flight.response.content.read(), WAIT)
+    assert b"upstream_stream_broken" in rest and rest.endswith(b"data: [DONE]\n\n")

@@ -726,6 +726,18 @@ async def cancel_when(
         await task
 
 
+class EndsCounted(Out):
+    """An Out that counts the stream's ends written (one is right)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends = 0
+
+    async def write_eof(self) -> None:
+        self.ends += 1
+        await super().write_eof()
+
+
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
 @pytest.mark.parametrize("slow_in", ["ending", "end"])
 async def test_a_relay_cancelled_while_its_broken_ending_drains_ends_once(
@@ -738,18 +750,13 @@ async def test_a_relay_cancelled_while_its_broken_ending_drains_ends_once(
     no end either (a chunked body without its last chunk) when the wait was
     the ending's; one end when it was the end's."""
 
-    class Slow(Out):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ends = 0
-
+    class Slow(EndsCounted):
         async def write(self, data: bytes) -> None:
             await super().write(data)
             if slow_in == "ending" and data.startswith(ERROR_EVENT):
                 await asyncio.Event().wait()  # the client takes the ending slowly
 
         async def write_eof(self) -> None:
-            self.ends += 1
             await super().write_eof()
             if slow_in == "end" and self.ends == 1:
                 await asyncio.Event().wait()  # ... or the stream's end
@@ -764,6 +771,31 @@ async def test_a_relay_cancelled_while_its_broken_ending_drains_ends_once(
         b'data: {"n":1}\n\n',
         Dropping(),
         error_event=ERROR_EVENT,
+        resume=no_resume if continuable else None,
+    )
+    assert b"stopped" not in b"".join(out.written)
+    assert out.ends == 1
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_relay_cancelled_while_the_client_takes_its_last_event_only_ends(
+    continuable: bool,
+) -> None:
+    """Review 38: a stop that landed while the client took the chunk holding
+    `[DONE]` wrote the stop's error event and a second `[DONE]` after it."""
+
+    class Slow(EndsCounted):
+        async def write(self, data: bytes) -> None:
+            await super().write(data)
+            if b"[DONE]" in data:
+                await asyncio.Event().wait()  # the client takes it slowly
+
+    out = Slow()
+    await cancel_when(
+        out,
+        lambda: any(b"[DONE]" in w for w in out.written),
+        b'data: {"n":1}\n\n',
+        Content(b"data: [DONE]\n\n"),
         resume=no_resume if continuable else None,
     )
     assert b"stopped" not in b"".join(out.written)
