@@ -298,8 +298,14 @@ class ProxyRegistry:
                 continue
             if 0 < holder.started_at < record.started_at:
                 # An earlier process's, written back after an outage of etcd
-                # before this replica wrote its own (review 37): this one's
-                # rewrite takes the name back (Catalog.restore_proxy).
+                # before this replica wrote its own (review 37): this one
+                # takes the name back now (review 38: with its lease alive,
+                # as after etcd restored from a snapshot, no rewrite of its
+                # own would come).
+                with contextlib.suppress(Unavailable, LeaseExpired, StoreUnavailable):
+                    written = await self._catalog.restore_proxy(record, await self._ensure_lease())
+                    if written and session_id in self.sessions:
+                        self._written[session_id] = written
                 continue
             log.info(
                 "proxy %s registered again elsewhere (session %s); its session %s here ends",

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -17,10 +18,10 @@ import pytest
 
 from controlplane import registry as registry_module
 from controlplane.api.routing import RoutingService
-from controlplane.catalog import Catalog
+from controlplane.catalog import PROXIES, Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Superseded, Unavailable
-from controlplane.model import ProxyRecord, decode_proxy
+from controlplane.model import ProxyRecord, decode_proxy, encode
 from controlplane.registry import ProxyRegistry
 from controlplane.store import KeyValue, Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
@@ -601,6 +602,26 @@ async def lose_lease(catalog: Catalog, registry: ProxyRegistry) -> None:
     """As etcd away longer than the lease's TTL: the lease and its keys are gone."""
     await catalog.store.revoke_lease(await registry.lease())
     registry._lease = 0
+
+
+async def test_a_key_of_an_earlier_process_is_taken_back_at_once() -> None:
+    """Review 38: a session left alone for a key of an earlier process (its
+    own rewrite to take the name back) kept it only after a lease loss: with
+    the lease alive (etcd restored from a snapshot), the name stayed with the
+    dead worker. The read that sees the key takes the name back."""
+    catalog, here, there = two_replicas()
+    successor = await here.register("g-w0", "eu", "127.0.0.1:1", "1", started_at=200.0)
+    assert here.streaming(successor.session_id)
+    # The worker's registration, as a restored snapshot holds it.
+    worker = await there.register("g-x", "eu", "127.0.0.1:1", "1", started_at=100.0)
+    old = replace(worker, name="g-w0")
+    await catalog.store.put(PROXIES + "g-w0", encode(old), lease=await there.lease())
+    assert await here.drop_superseded()
+    current = await catalog.get_proxy("g-w0")
+    assert current is not None and current.session_id == successor.session_id
+    assert set(here.sessions) == {successor.session_id}
+    assert await here.drop_superseded()  # its own write: nothing more happens
+    assert set(here.sessions) == {successor.session_id}
 
 
 async def test_a_lost_lease_puts_back_only_what_registered_nowhere_else_meanwhile() -> None:
