@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -56,6 +57,9 @@ def _bind(listen: str, add_port: Callable[[str], int]) -> int:
     tried first with a socket of this process's own, which says why it cannot
     be bound (gRPC says only that it failed, on a line of its own)."""
     host, _, port_text = listen.rpartition(":")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        # gRPC took port 70000 as 4464 (review 38).
+        raise ListenError(f"cannot listen on {listen}: expected HOST:PORT, a port 0-65535")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host.strip("[]") or None, int(port_text), type=socket.SOCK_STREAM,
@@ -64,10 +68,13 @@ def _bind(listen: str, add_port: Callable[[str], int]) -> int:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
-    except (OSError, ValueError) as exc:
-        errno = getattr(exc, "errno", None)
-        why = os.strerror(errno) if errno and errno > 0 else str(exc)
-        raise ListenError(f"cannot listen on {listen}: {why}") from None
+    except OSError as exc:
+        # A family the kernel lacks (IPv6 disabled): gRPC falls back from a
+        # wildcard to IPv4 on its own, so that is for its bind to judge.
+        if exc.errno != errno.EAFNOSUPPORT:
+            code = exc.errno
+            why = os.strerror(code) if code and code > 0 else str(exc)
+            raise ListenError(f"cannot listen on {listen}: {why}") from None
     try:
         port = add_port(listen)
     except RuntimeError:  # gRPC's "Failed to bind to address": its log says why

@@ -56,16 +56,30 @@ SUPERSEDED_RESCAN_EVERY = 30.0
 
 def conflict_of(refused: ProxyRecord, holder_address: str, holder_host: str) -> str:
     """Where `refused` runs, if it is not where the holder of its name does
-    (its address, or its host when the address is the holder's too: two
-    hosts advertising 0.0.0.0:8080, say); "" when it is the same place, as a
-    group's worker and its successor are, or the holder is unknown."""
+    (its address, or its host when the address is the holder's too and names
+    no one host: two hosts advertising 0.0.0.0:8080, say); "" when it is the
+    same place, as a group's worker and its successor are, or the holder is
+    unknown. A host's own address is not second-guessed by the peer's: behind
+    a NAT with several addresses, one group's workers arrive from several."""
     if not holder_address:
         return ""
     if refused.address != holder_address:
         return refused.address
-    if refused.host and holder_host and refused.host != holder_host:
+    if (
+        _names_no_host(refused.address)
+        and refused.host
+        and holder_host
+        and refused.host != holder_host
+    ):
         return f"{refused.address} on host {refused.host}"
     return ""
+
+
+def _names_no_host(address: str) -> bool:
+    """Whether an advertised HOST:PORT is one every host may advertise: a
+    wildcard or loopback address (the defaults of --listen and --advertise)."""
+    host = address.rpartition(":")[0].strip("[]").lower()
+    return host in ("", "0.0.0.0", "::", "::1", "localhost") or host.startswith("127.")
 
 
 def record_of(kv: KeyValue) -> ProxyRecord | None:

@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # gRPC's name schemes: a target written with one is gRPC's to read.
-_TARGET_SCHEME = re.compile(r"^(?:dns|unix|unix-abstract|ipv4|ipv6|vsock|xds):")
+_TARGET_SCHEME = re.compile(r"^(?:[a-z][a-z0-9+.-]*:///|(?:unix|unix-abstract|ipv4|ipv6|vsock):)")
 
 
 def port_missing(address: str) -> str:

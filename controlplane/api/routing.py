@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -342,5 +343,6 @@ def peer_host(peer: str) -> str:
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return ""
-    host = rest.rpartition(":")[0]
+    # gRPC escapes an IPv6 address's brackets: "ipv6:%5B::1%5D:51234".
+    host = urllib.parse.unquote(rest).rpartition(":")[0]
     return host.strip("[]")

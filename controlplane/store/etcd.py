@@ -495,11 +495,14 @@ class EtcdStore:
         between are at DEBUG."""
         failing = False
         while True:
+            if not self._connected:
+                return  # the store was closed (review 38: it failed on, every 0.5 s)
             # The client of now: a failure may have looked etcd's names up again.
             watching = self._client.watch
             assert watching is not None, "EtcdStore.connect() not called"
-            call = watching._stub.Watch(metadata=watching._metadata or None)
+            call: Any = None
             try:
+                call = watching._stub.Watch(metadata=watching._metadata or None)
                 create = WatchCreateRequest(
                     key=prefix.encode(),
                     range_end=prefix_range_end(prefix),
@@ -553,7 +556,8 @@ class EtcdStore:
                 failing = True
                 await asyncio.sleep(0.5)
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
 
     async def close(self) -> None:
         if self._reresolving is not None:

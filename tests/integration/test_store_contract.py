@@ -572,6 +572,26 @@ async def test_a_watch_goes_on_when_its_channel_is_replaced(
         await watcher.close()
 
 
+async def test_a_watch_ends_when_its_store_is_closed(
+    etcd_store: EtcdStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 38: closed under a watch, the store's watch took the close for
+    a replaced channel, then failed on every 0.5 s (an AssertionError, logged
+    with a traceback by the builder's watch). It ends."""
+    caplog.set_level(logging.DEBUG, "controlplane.store.etcd")
+    revisions: list[int] = []
+
+    async def follow() -> None:
+        async for revision in etcd_store.watch(P + "z/", 0):
+            revisions.append(revision)
+
+    task = asyncio.create_task(follow())
+    await wait_created(caplog, P + "z/")
+    await etcd_store.close()
+    await asyncio.wait_for(task, LONG)  # ended, without an error
+    assert revisions == []
+
+
 # ---------------------------------------------------------------- commit
 
 

@@ -89,6 +89,8 @@ def test_a_control_plane_without_its_port_is_refused(
     err = capsys.readouterr().err
     assert f"{address!r} is not HOST:PORT" in err and len(err.splitlines()) == 1
     assert not port_missing("dns:///cp.example:7070") and not port_missing("[::1]:7070")
+    assert not port_missing("passthrough:///ponto:7070")  # review 38
+    assert not port_missing("ponto-control.ponto.svc:7000")
 
 
 def test_an_address_from_the_environment_is_said_to_be(

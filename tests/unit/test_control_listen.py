@@ -68,7 +68,10 @@ async def test_serve_says_so_in_one_line_and_exits_1(
     ("listen", "why"),
     [
         ("192.0.2.1:0", "Cannot assign requested address"),  # not this host's
-        ("nosuch.invalid:7000", "Name or service not known"),
+        # Without DNS, "Temporary failure in name resolution" (review 38).
+        ("nosuch.invalid:7000", "(Name or service not known|Temporary failure)"),
+        ("127.0.0.1:70000", "expected HOST:PORT, a port 0-65535"),
+        ("127.0.0.1:x", "expected HOST:PORT, a port 0-65535"),
     ],
 )
 async def test_an_address_it_cannot_listen_on_says_why(listen: str, why: str) -> None:

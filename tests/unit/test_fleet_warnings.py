@@ -171,6 +171,16 @@ async def test_two_hosts_advertising_one_address_under_one_name_are_named() -> N
             "proxy-c", "eu-west", "0.0.0.0:8080", "1.0", started_at=100.0, host="10.0.0.5"
         )
     assert {p.name: p.conflict for p in await catalog.list_proxies()}["proxy-c"] == ""
+    # Review 38: a host's own address, from two peers (a NAT with several
+    # addresses): one group's workers, not a conflict.
+    await there.register(
+        "proxy-d", "eu-west", "10.0.0.5:8080", "1.0", started_at=200.0, host="192.0.2.1"
+    )
+    with pytest.raises(Superseded):
+        await here.register(
+            "proxy-d", "eu-west", "10.0.0.5:8080", "1.0", started_at=100.0, host="192.0.2.2"
+        )
+    assert {p.name: p.conflict for p in await catalog.list_proxies()}["proxy-d"] == ""
 
 
 @pytest.mark.parametrize(
@@ -178,6 +188,7 @@ async def test_two_hosts_advertising_one_address_under_one_name_are_named() -> N
     [
         ("ipv4:10.0.0.6:51234", "10.0.0.6"),
         ("ipv6:[::1]:51234", "::1"),
+        ("ipv6:%5B::1%5D:53184", "::1"),  # as grpcio 1.85 writes it (review 38)
         ("ipv6:[fe80::1%eth0]:80", "fe80::1%eth0"),
         ("unix:/run/ponto.sock", ""),
         ("", ""),
