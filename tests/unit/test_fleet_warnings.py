@@ -146,41 +146,34 @@ async def test_two_processes_given_one_name_are_named_beside_it(
     assert await admin_api._fleet_warnings(catalog) == (f"proxy proxy-b: {said}",)
 
 
-async def test_two_hosts_advertising_one_address_under_one_name_are_named() -> None:
-    """Review 37: two hosts that both advertise their --listen default
-    register the same address, and the conflict went unnoticed, as a
-    reload's would. The host a registration came from tells them apart."""
+@pytest.mark.parametrize(
+    ("address", "hosts", "conflict"),
+    [
+        # Review 37: two hosts that both advertise their --listen default
+        # register the same address, and the conflict went unnoticed, as a
+        # reload's would. The host a registration came from tells them apart.
+        ("0.0.0.0:8080", ("10.0.0.5", "10.0.0.6"), "0.0.0.0:8080 on host 10.0.0.6"),
+        # A group's retired worker, on the same host: no conflict.
+        ("0.0.0.0:8080", ("10.0.0.5", "10.0.0.5"), ""),
+        # Review 38: a host's own address, from two peers (a NAT with several
+        # addresses): one group's workers, not a conflict.
+        ("10.0.0.5:8080", ("192.0.2.1", "192.0.2.2"), ""),
+    ],
+    ids=["two-hosts", "one-host", "behind-a-nat"],
+)
+async def test_one_address_from_two_hosts(
+    address: str, hosts: tuple[str, str], conflict: str
+) -> None:
     catalog = Catalog(MemoryStore())
     here, there = ProxyRegistry(catalog, "cp-1"), ProxyRegistry(catalog, "cp-2")
-    await there.register(
-        "proxy-b", "eu-west", "0.0.0.0:8080", "1.0", started_at=200.0, host="10.0.0.5"
-    )
+    later, earlier = hosts
+    await there.register("proxy-b", "eu-west", address, "1.0", started_at=200.0, host=later)
     with pytest.raises(Superseded):
-        await here.register(
-            "proxy-b", "eu-west", "0.0.0.0:8080", "1.0", started_at=100.0, host="10.0.0.6"
-        )
+        await here.register("proxy-b", "eu-west", address, "1.0", started_at=100.0, host=earlier)
     [listed] = await catalog.list_proxies()
-    assert listed.conflict == "0.0.0.0:8080 on host 10.0.0.6"
-    assert "the other, at 0.0.0.0:8080 on host 10.0.0.6, serves" in fleet_warnings([listed])[0]
-    # A group's retired worker, on the same host: no conflict.
-    await there.register(
-        "proxy-c", "eu-west", "0.0.0.0:8080", "1.0", started_at=200.0, host="10.0.0.5"
-    )
-    with pytest.raises(Superseded):
-        await here.register(
-            "proxy-c", "eu-west", "0.0.0.0:8080", "1.0", started_at=100.0, host="10.0.0.5"
-        )
-    assert {p.name: p.conflict for p in await catalog.list_proxies()}["proxy-c"] == ""
-    # Review 38: a host's own address, from two peers (a NAT with several
-    # addresses): one group's workers, not a conflict.
-    await there.register(
-        "proxy-d", "eu-west", "10.0.0.5:8080", "1.0", started_at=200.0, host="192.0.2.1"
-    )
-    with pytest.raises(Superseded):
-        await here.register(
-            "proxy-d", "eu-west", "10.0.0.5:8080", "1.0", started_at=100.0, host="192.0.2.2"
-        )
-    assert {p.name: p.conflict for p in await catalog.list_proxies()}["proxy-d"] == ""
+    assert listed.conflict == conflict
+    if conflict:
+        assert f"the other, at {conflict}, serves" in fleet_warnings([listed])[0]
 
 
 @pytest.mark.parametrize(
