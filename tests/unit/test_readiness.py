@@ -153,9 +153,18 @@ async def test_the_model_list_without_a_route_table_is_a_503_as_a_call_is(
             assert (await resp.json())["error"]["code"] == "no_route_table"
         # One that comes while it waits gets the table's models.
         monkeypatch.setattr("dataplane.sync.holder.FIRST_TABLE_WAIT_S", 10.0)
+        holder = app[HOLDER]
+        waiting = asyncio.Event()
+        wait_first = holder.wait_first
+
+        async def noted(within: float | None = None) -> bool:
+            waiting.set()
+            return await wait_first(within)
+
+        monkeypatch.setattr(holder, "wait_first", noted)
         listing = asyncio.create_task(client.get("/v1/models"))
-        await asyncio.sleep(0.05)
-        app[HOLDER].apply(one_model_table(), "control-plane")
+        await asyncio.wait_for(waiting.wait(), 10)  # the request waits for a table
+        holder.apply(one_model_table(), "control-plane")
         resp = await listing
         assert resp.status == 200
         assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
