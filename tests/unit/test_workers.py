@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import os
 import shutil
 import signal
@@ -368,6 +369,25 @@ async def test_a_successor_that_cannot_start_leaves_the_group_as_it_was(
     assert set(noted(notes, ".end")) == first
 
 
+class SpawnRefusals:
+    """asyncio.create_subprocess_exec refusing its next `left` spawns with
+    EAGAIN (a pids limit), as the supervisor's spawn sees it; then spawning."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, left: float) -> None:
+        self.left = left
+        self.refused = 0
+        real = asyncio.create_subprocess_exec
+
+        async def spawn(*args: Any, **kwargs: Any) -> Any:
+            if self.left > 0:
+                self.left -= 1
+                self.refused += 1
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+
+
 async def test_a_successor_that_cannot_be_spawned_leaves_the_group_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -389,17 +409,12 @@ async def test_a_successor_that_cannot_be_spawned_leaves_the_group_as_it_was(
         )
 
     assert polls() == 0
-    real = asyncio.create_subprocess_exec
-
-    async def no_process(*args: Any, **kwargs: Any) -> Any:
-        raise BlockingIOError(11, "Resource temporarily unavailable")
-
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_process)
+    refusals = SpawnRefusals(monkeypatch, left=math.inf)
     assert not await asyncio.wait_for(group.reload(), 30)
     assert "worker 0's new process could not start" in caplog.text
     assert not run.done() and not group.stopping.is_set()
     assert noted(notes, ".end") == {}, "no worker was stopped"
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", real)
+    refusals.left = 0
     group.stopping.set()
     assert await asyncio.wait_for(run, 30) == 0
     assert set(noted(notes, ".end")) == first
@@ -414,24 +429,14 @@ async def test_a_worker_that_cannot_be_spawned_again_is_retried_on_the_policy(
     group, run, notes = await notes_group(monkeypatch, tmp_path)
     group.policy = supervisor.RestartPolicy(first_delay=0.01)
     first = set(noted(notes, ".start"))
-    real = asyncio.create_subprocess_exec
-    refused = 0
-
-    async def once_no_process(*args: Any, **kwargs: Any) -> Any:
-        nonlocal refused
-        if not refused:
-            refused += 1
-            raise BlockingIOError(11, "Resource temporarily unavailable")
-        return await real(*args, **kwargs)
-
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", once_no_process)
+    refusals = SpawnRefusals(monkeypatch, left=1)
     (w0,) = (name for name in first if name.startswith("w0-"))
     os.kill(int(w0.split("-")[1]), signal.SIGKILL)
     deadline = time.monotonic() + 30
     while not any(n.startswith("w0-") for n in set(noted(notes, ".start")) - first):
         assert not run.done() and time.monotonic() < deadline
         await asyncio.sleep(0.02)
-    assert refused == 1
+    assert refusals.refused == 1
     assert "worker 0's process could not start ([Errno 11]" in caplog.text
     assert "restarting it in 0.0 s" in caplog.text
     group.stopping.set()
