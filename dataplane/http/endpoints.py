@@ -13,10 +13,16 @@ from dataplane.http.pipeline import authenticate
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PRINCIPAL, QUOTA
 
 
-def _callable_models(request: web.Request) -> list[str]:
+async def _callable_models(request: web.Request) -> list[str]:
     """The models the caller may name: what origins serve, plus its tenant's
-    aliases of those. Authenticates the caller (401) when the table has a policy."""
+    aliases of those. Authenticates the caller (401) when the table has a policy.
+    Without a route table yet, after the wait for a first one, the 503
+    `no_route_table` a chat call gets (trials 17 and 18: an empty list, which a
+    client reads as "this gateway serves no model", and a 404 for any model,
+    which the openai SDK never retries)."""
     holder = request.app[HOLDER]
+    if not await holder.wait_first():
+        raise no_route_table()
     routes, policy = holder.routes, holder.policy
     models: list[str] = list(routes.models) if routes else []
     if policy is not None:
@@ -38,24 +44,15 @@ def _model(name: str) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """The models the caller may name, in OpenAI's list shape. Without a
-    route table yet, after the wait for a first one, the 503 `no_route_table` a
-    chat call gets (trial 17: an empty list, which a client reads as "this
-    gateway serves no model")."""
-    if not await request.app[HOLDER].wait_first():
-        raise no_route_table()
-    data = [_model(m) for m in _callable_models(request)]
+    """The models the caller may name, in OpenAI's list shape."""
+    data = [_model(m) for m in await _callable_models(request)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps_str)
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else
-    404; without a route table, as `list_models` (trial 18: a 404, which the
-    openai SDK never retries, for every model)."""
-    if not await request.app[HOLDER].wait_first():
-        raise no_route_table()
+    """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else 404."""
     name = request.match_info["model"]
-    if name not in _callable_models(request):
+    if name not in await _callable_models(request):
         raise model_not_found(name)
     return web.json_response(_model(name), dumps=_dumps_str)
 
