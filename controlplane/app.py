@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import errno
 import logging
-import os
 import signal
 import socket
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from controlplane.settings import Settings
 from controlplane.store import StateStore
 from controlplane.store.instrumented import InstrumentedStore
 from controlplane.web import StatusWeb
+from ponto.cliargs import cannot_listen
 from ponto.grpcconn import KEEPALIVE_OPTIONS
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
@@ -72,9 +72,7 @@ def _bind(listen: str, add_port: Callable[[str], int]) -> int:
         # A family the kernel lacks (IPv6 disabled): gRPC falls back from a
         # wildcard to IPv4 on its own, so that is for its bind to judge.
         if exc.errno != errno.EAFNOSUPPORT:
-            code = exc.errno
-            why = os.strerror(code) if code and code > 0 else str(exc)
-            raise ListenError(f"cannot listen on {listen}: {why}") from None
+            raise ListenError(cannot_listen(listen, exc)) from None
     try:
         port = add_port(listen)
     except RuntimeError:  # gRPC's "Failed to bind to address": its log says why

@@ -98,8 +98,8 @@ PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
 ACKS = ROOT + "acks/"
 TRAFFIC = ROOT + "traffic/"
-# name -> the last process refused that name while a later one held it, from
-# another address (two proxies given one --name): {"address", "refused_at"}.
+# name -> the last process that lost that name to a later one elsewhere (another
+# address, or host: two proxies given one --name): {"address", "refused_at"}.
 CONFLICTS = ROOT + "conflicts/"
 # How long after its last refusal such a process is named beside the holder:
 # it asks again every 30 s while it runs (dataplane.sync.link).
@@ -746,7 +746,7 @@ class Catalog:
     async def proxy_keys(self) -> dict[str, KeyValue]:
         """Registered proxies' keys by name, not decoded (a fleet's thousands
         of registrations are read often, and only a few of them decoded:
-        `session_of`)."""
+        controlplane.registry.record_of)."""
         listing = await _guard(self.store.list(PROXIES))
         return {kv.key[len(PROXIES) :]: kv for kv in listing.items}
 

@@ -41,6 +41,7 @@ from dataplane.stopsignals import (
     signals_held,
     take_signals,
 )
+from ponto.cliargs import cannot_listen
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -147,11 +148,7 @@ class ListenError(Exception):
 
     @classmethod
     def of(cls, host: str, port: int, exc: OSError) -> ListenError:
-        # The event loop's own message repeats the address: the errno's text
-        # alone. A name that does not resolve (socket.gaierror) has a negative
-        # errno of getaddrinfo's, which os.strerror does not know.
-        why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
-        return cls(f"cannot listen on {hostport(host, port)}: {why}")
+        return cls(cannot_listen(hostport(host, port), exc))
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
-__all__ = ["finite_float", "path"]
+__all__ = ["cannot_listen", "finite_float", "path"]
 
 
 def finite_float(text: str) -> float:
@@ -32,3 +33,12 @@ def path(text: str) -> Path:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
     return Path(text)
+
+
+def cannot_listen(address: str, exc: OSError) -> str:
+    """Why `address` cannot be listened on, in one line: the errno's text
+    alone (the event loop's own message repeats the address). A name that
+    does not resolve (socket.gaierror) has a negative errno of getaddrinfo's,
+    which os.strerror does not know."""
+    why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
+    return f"cannot listen on {address}: {why}"
