@@ -36,7 +36,7 @@ import aiohttp
 import uvloop
 from aiohttp import web
 
-from bench.passthrough import _hostport
+from ponto.cliargs import listen_address
 
 SESSION: Final = web.AppKey("session", aiohttp.ClientSession)
 ORIGIN: Final = web.AppKey("origin", str)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="bench.cutlink", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0), metavar="HOST:PORT")
+    p.add_argument("--listen", type=listen_address, default=("127.0.0.1", 0), metavar="HOST:PORT")
     p.add_argument("--origin", required=True, help="origin base URL, e.g. http://127.0.0.1:9000")
     p.add_argument("--header", default=DEFAULT_HEADER, help="request header naming the cut")
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")

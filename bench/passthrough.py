@@ -38,6 +38,8 @@ import aiohttp
 import uvloop
 from aiohttp import web
 
+from ponto.cliargs import listen_address
+
 SESSION: Final = web.AppKey("session", aiohttp.ClientSession)
 ORIGIN: Final = web.AppKey("origin", str)
 SSE: Final = "text/event-stream"
@@ -129,18 +131,11 @@ async def serve(host: str, port: int, origin: str, ready_file: Path | None) -> N
         await runner.cleanup()
 
 
-def _hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="bench.passthrough", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0), metavar="HOST:PORT")
+    p.add_argument("--listen", type=listen_address, default=("127.0.0.1", 0), metavar="HOST:PORT")
     p.add_argument("--origin", required=True, help="origin base URL, e.g. http://127.0.0.1:9000")
     p.add_argument("--ready-file", type=Path, help="write the bound HOST:PORT here when serving")
     a = p.parse_args(argv)

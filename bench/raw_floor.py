@@ -54,6 +54,7 @@ from aiohttp.streams import StreamReader
 
 from bench import canned, compare, wrk
 from bench.procs import affinity, cpus_available, pin_tree
+from ponto.cliargs import listen_address
 from ponto.devenv import Managed, python_entry, spawn
 from ponto.fleet import Fleet
 
@@ -219,11 +220,6 @@ class RawFloor:
             await self._server.wait_closed()
 
 
-def _hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host, int(port)
-
-
 async def _serve(listen: tuple[str, int], origin: tuple[str, int], ready: Path | None) -> None:
     floor = RawFloor(origin)
     await floor.start(*listen)
@@ -328,8 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ponto-features", choices=("auth-limits-cache", "none"),
                    default="auth-limits-cache",
                    help="what Ponto runs per request (none: its defaults)")  # fmt: skip
-    p.add_argument("--serve", type=_hostport, help=argparse.SUPPRESS)  # the runner's child
-    p.add_argument("--origin", type=_hostport, help=argparse.SUPPRESS)
+    p.add_argument("--serve", type=listen_address, help=argparse.SUPPRESS)  # the runner's child
+    p.add_argument("--origin", type=listen_address, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve is not None:

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, cast
 
+from ponto.cliargs import listen_address
+
 HIGH_WATER: Final = 1 << 20
 LOW_WATER: Final = 1 << 18
 
@@ -327,13 +329,6 @@ class Relay:
 # ----------------------------------------------------------------------------- CLI
 
 
-def _hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
-
-
 def parse_link(value: str, *, setup_rtts: float = 1.0, listen_host: str = "127.0.0.1") -> LinkSpec:
     """Parse NAME=HOST:PORT@RTT_MS into a LinkSpec listening on a free port."""
     name, eq, rest = value.partition("=")
@@ -342,7 +337,7 @@ def parse_link(value: str, *, setup_rtts: float = 1.0, listen_host: str = "127.0
         raise argparse.ArgumentTypeError(f"expected NAME=HOST:PORT@RTT_MS, got {value!r}")
     try:
         rtt_ms = float(rtt)
-        return LinkSpec(name, _hostport(target), rtt_ms / 1000, setup_rtts, (listen_host, 0))
+        return LinkSpec(name, listen_address(target), rtt_ms / 1000, setup_rtts, (listen_host, 0))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from exc
 

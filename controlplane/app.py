@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import errno
@@ -34,7 +35,7 @@ from controlplane.settings import Settings
 from controlplane.store import StateStore
 from controlplane.store.instrumented import InstrumentedStore
 from controlplane.web import StatusWeb
-from ponto.cliargs import cannot_listen
+from ponto.cliargs import cannot_listen, hostport, listen_address
 from ponto.grpcconn import KEEPALIVE_OPTIONS
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
@@ -52,19 +53,25 @@ class ListenError(Exception):
     """An address the replica cannot listen on; the message names it and says why."""
 
 
+def _address(listen: str) -> tuple[str, int]:
+    """`listen` read as every command line reads it (Settings made in code are
+    not parsed), or ListenError."""
+    try:
+        return listen_address(listen)
+    except argparse.ArgumentTypeError as exc:
+        raise ListenError(f"cannot listen on {listen}: {exc}") from None
+
+
 def _bind(listen: str, add_port: Callable[[str], int]) -> int:
     """The port `add_port` bound `listen` to, or ListenError. The address is
     tried first with a socket of this process's own, which says why it cannot
     be bound (gRPC says only that it failed, on a line of its own)."""
-    host, _, port_text = listen.rpartition(":")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        # gRPC took port 70000 as 4464 (review 38).
-        raise ListenError(f"cannot listen on {listen}: expected HOST:PORT, a port 0-65535")
+    host, port = _address(listen)
+    listen = hostport(host, port)  # gRPC refuses ":7070"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
-            host.strip("[]") or None, int(port_text), type=socket.SOCK_STREAM,
-            flags=socket.AI_PASSIVE,
-        )[0]  # fmt: skip
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
@@ -234,10 +241,7 @@ class ControlPlane:
             )
             await self.health_server.start()
         if self.settings.http_listen:
-            try:
-                await self._serve_http(self.settings.http_listen)
-            except OSError as exc:
-                raise ListenError(f"cannot listen on {self.settings.http_listen}: {exc}") from None
+            await self._serve_http(self.settings.http_listen)
         self._tasks = [
             asyncio.create_task(self.builder.run(), name="table-builder"),
             asyncio.create_task(self.registry.keepalive(), name="lease-keepalive"),
@@ -272,16 +276,18 @@ class ControlPlane:
             write_atomic(self.settings.ready_file, f"{host}:{self.port}".encode())
 
     async def _serve_http(self, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
+        host, port = _address(listen)
         self.web_runner = self.web.runner()
         await self.web_runner.setup()
-        site = web.TCPSite(self.web_runner, host.strip("[]"), int(port))
-        await site.start()
+        site = web.TCPSite(self.web_runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ListenError(cannot_listen(listen, exc)) from None
         self.http_port = self.web_runner.addresses[0][1]
         log.info(
-            "status page on http://%s:%d/ (changes %s)",
-            host,
-            self.http_port,
+            "status page on http://%s/ (changes %s)",
+            hostport(host, self.http_port),
             {
                 "token": "need the admin token",
                 "open": "are not authenticated",

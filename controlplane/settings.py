@@ -12,7 +12,7 @@ from pathlib import Path
 from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
-from ponto.cliargs import finite_float, path
+from ponto.cliargs import finite_float, hostport, listen_address, path
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -58,7 +58,12 @@ def parse(argv: list[str]) -> Settings:
         "--etcd-cert", default="", help="client certificate for etcd (PEM), if etcd asks for one"
     )
     p.add_argument("--etcd-key", default="", help="private key of --etcd-cert (PEM)")
-    p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC listen HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--listen",
+        type=listen_address,
+        default="127.0.0.1:7070",
+        help="gRPC listen HOST:PORT (port 0: any)",
+    )
     p.add_argument(
         "--id",
         dest="replica_id",
@@ -130,13 +135,13 @@ def parse(argv: list[str]) -> Settings:
     )
     p.add_argument(
         "--health-listen",
-        default="",
+        type=listen_address,
         help="also serve gRPC health checking alone, in plaintext, on HOST:PORT "
         "(for kubelet grpc probes, which cannot present a client certificate)",
     )
     p.add_argument(
         "--http-listen",
-        default="",
+        type=listen_address,
         help="serve the status page (/), its API and Prometheus /metrics on HOST:PORT, in "
         "plain HTTP (default: no HTTP port); see --http-writes for changes from the page",
     )
@@ -189,10 +194,6 @@ def parse(argv: list[str]) -> Settings:
         p.error("--load-interval-ms must be at least 50")
     if a.load_refresh_ms < a.load_interval_ms:
         p.error("--load-refresh-ms must be at least --load-interval-ms")
-    if a.http_listen:
-        host, _, port = a.http_listen.rpartition(":")
-        if not host.strip("[]") or not port.isdigit():
-            p.error(f"--http-listen {a.http_listen!r} is not HOST:PORT")
     http_writes = a.http_writes == "on" if a.http_writes else not a.tls_client_ca
     if http_writes and a.tls_client_ca and not a.admin_token_file:
         p.error("--http-writes on under mutual TLS needs --admin-token-file")
@@ -238,7 +239,7 @@ def parse(argv: list[str]) -> Settings:
     origin_ssl = origin_ca_flag(p, a.origin_ca)
     return Settings(
         etcd=etcd,
-        listen=a.listen,
+        listen=hostport(*a.listen),
         replica_id=a.replica_id,
         debounce_quiet=a.debounce_quiet_ms / 1000,
         debounce_max=a.debounce_max_ms / 1000,
@@ -259,12 +260,12 @@ def parse(argv: list[str]) -> Settings:
             origin_ssl=origin_ssl,
         ),
         security=security,
-        health_listen=a.health_listen,
+        health_listen=hostport(*a.health_listen) if a.health_listen else "",
         quota_interval=a.quota_interval_ms / 1000,
         etcd_tls=etcd_tls,
         audit_retention_days=a.audit_retention_days,
         audit_max_entries=a.audit_max_entries,
-        http_listen=a.http_listen,
+        http_listen=hostport(*a.http_listen) if a.http_listen else "",
         http_writes=http_writes,
     )
 

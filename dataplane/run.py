@@ -33,6 +33,7 @@ from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, available_cores, parse
 from dataplane.stopsignals import LEAVE_SIGNAL, RELOAD_SIGNAL, STOP_SIGNALS, take_signals
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
+from ponto.cliargs import hostport
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -220,7 +221,7 @@ async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunn
     server = site._server
     assert server is not None
     bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    log.info("metrics on http://%s/metrics", supervisor.hostport(host, bound))
+    log.info("metrics on http://%s/metrics", hostport(host, bound))
     return runner
 
 

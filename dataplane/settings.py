@@ -19,7 +19,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
-from ponto.cliargs import finite_float, path
+from ponto.cliargs import finite_float, listen_address, path
 from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
 from ponto.originca import origin_ca_flag
 
@@ -156,13 +156,6 @@ def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:
         cache_max_bytes=settings.cache_max_bytes // settings.workers,
         worker=slot,
     )
-
-
-def split_hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def parse(argv: list[str]) -> Settings:
@@ -425,13 +418,13 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     try:
-        host, port = split_hostport(a.listen)
+        host, port = listen_address(a.listen)
     except argparse.ArgumentTypeError as exc:
         p.error(f"--listen: {exc}")
     metrics_listen = None
     if a.metrics_listen:
         try:
-            metrics_listen = split_hostport(a.metrics_listen)
+            metrics_listen = listen_address(a.metrics_listen)
         except argparse.ArgumentTypeError as exc:
             p.error(f"--metrics-listen: {exc}")
         if metrics_listen == (host, port) and port != 0:

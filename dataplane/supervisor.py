@@ -41,7 +41,7 @@ from dataplane.stopsignals import (
     signals_held,
     take_signals,
 )
-from ponto.cliargs import cannot_listen
+from ponto.cliargs import cannot_listen, hostport
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -187,10 +187,6 @@ def _bound(host: str, port: int, *, reuse_port: bool) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["cannot_listen", "finite_float", "path"]
+__all__ = ["cannot_listen", "finite_float", "hostport", "listen_address", "path"]
 
 
 def finite_float(text: str) -> float:
@@ -33,6 +33,34 @@ def path(text: str) -> Path:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
     return Path(text)
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """HOST:PORT to listen on, read alike by every command line (the proxy's
+    --listen and --metrics-listen, the control plane's three, the origin
+    simulator's, the benchmarks'). PORT is 0 to 65535, 0 for any free one, in
+    ASCII digits (int() takes "٨٠" and "+80", which no other tool would); an
+    IPv6 HOST goes in brackets, since "::1:80" could be either; an empty HOST is
+    every IPv4 interface, 0.0.0.0.
+
+    The control plane had parsed its own: a port past 65535 reached gRPC,
+    which bound 70000 as 4464 (review 38), and aiohttp, which did the same for
+    --http-listen; ":7070" was refused by gRPC as "in use or not this host's"."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with an IPv6 HOST in brackets, [ADDR]:PORT, got {text!r}"
+        )
+    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 0-65535, got {text!r}")
+    return host or "0.0.0.0", int(port)
+
+
+def hostport(host: str, port: int) -> str:
+    """`host` and `port` as HOST:PORT, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def cannot_listen(address: str, exc: OSError) -> str:

@@ -31,6 +31,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tgr
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from ponto.cliargs import hostport, listen_address
 from ponto.writefile import write_atomic
 
 PROTOCOLS = ("http/protobuf", "grpc")
@@ -151,22 +152,25 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ponto.otlpsink", description=__doc__.split("\n")[0])
-    p.add_argument("--listen", default="127.0.0.1:4318", help="HOST:PORT (port 0: any free one)")
+    p.add_argument(
+        "--listen",
+        type=listen_address,
+        default="127.0.0.1:4318",
+        help="HOST:PORT (port 0: any free one)",
+    )
     p.add_argument("--protocol", choices=PROTOCOLS, default="http/protobuf")
     p.add_argument("--out", type=Path, help="JSON lines file (default: standard output)")
     p.add_argument("--ready-file", type=Path, help="written with HOST:PORT once listening")
     args = p.parse_args(argv)
-    host, _, port_text = args.listen.rpartition(":")
-    if not host or not port_text.isdigit():
-        p.error("--listen must be HOST:PORT")
+    host, port = args.listen
     out = args.out.open("a", encoding="utf-8") if args.out else sys.stdout
 
     def ready(port: int) -> None:
         if args.ready_file is not None:
-            write_atomic(args.ready_file, f"{host}:{port}".encode())
+            write_atomic(args.ready_file, hostport(host, port).encode())
 
     try:
-        asyncio.run(serve(args.protocol, host, int(port_text), Sink(out), ready))
+        asyncio.run(serve(args.protocol, host, port, Sink(out), ready))
     finally:
         if out is not sys.stdout:
             out.close()

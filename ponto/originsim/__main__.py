@@ -21,22 +21,9 @@ import uvloop
 from aiohttp import web
 from aiohttp.log import access_logger
 
-from ponto.cliargs import finite_float
+from ponto.cliargs import cannot_listen, finite_float, hostport, listen_address
 from ponto.logs import formatter
 from ponto.originsim.app import SimConfig, build_app
-
-
-def _listen_address(value: str) -> tuple[str, int]:
-    host, sep, port_text = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port = int(port_text)
-    except ValueError:
-        port = -1
-    if not sep or not host or not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with PORT in 0-65535, got {value!r}")
-    return host, port
 
 
 def _model_list(value: str) -> tuple[str, ...]:
@@ -54,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--listen",
-        type=_listen_address,
+        type=listen_address,
         default=("127.0.0.1", 9000),
         metavar="HOST:PORT",
         help="address to bind; port 0 picks a free port (default 127.0.0.1:9000)",
@@ -182,11 +169,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _host_port(sockname: tuple[object, ...]) -> str:
-    host, port = str(sockname[0]), int(str(sockname[1]))
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _write_atomically(path: Path, text: str) -> None:
     # Readers poll for the file; rename makes it appear complete or not at all.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -216,9 +198,12 @@ async def _serve(
         try:
             await web.TCPSite(runner, host, port).start()
         except OSError as exc:
-            sys.stderr.write(f"origin-sim {config.name}: cannot listen on {host}:{port}: {exc}\n")
+            sys.stderr.write(
+                f"origin-sim {config.name}: {cannot_listen(hostport(host, port), exc)}\n"
+            )
             return 1
-        bound = _host_port(runner.addresses[0])
+        sockname = runner.addresses[0]
+        bound = hostport(str(sockname[0]), int(sockname[1]))
         sys.stdout.write(f"origin-sim {config.name} listening on http://{bound}\n")
         sys.stdout.flush()
         if ready_file is not None:

@@ -109,4 +109,4 @@ def test_a_listen_address_without_its_port_names_the_flag(
     """Trial 18: "error: expected HOST:PORT, got '127.0.0.1'", no flag named."""
     with pytest.raises(SystemExit):
         parse(["--control-plane", "127.0.0.1:7000", "--region", "us-east", "--listen", "x"])
-    assert "--listen: expected HOST:PORT, got 'x'" in capsys.readouterr().err
+    assert "--listen: expected HOST:PORT with a port 0-65535, got 'x'" in capsys.readouterr().err

@@ -619,7 +619,9 @@ def test_http_listen_is_off_by_default_and_checked() -> None:
     assert parse([]).http_listen == ""
     assert parse(["--http-listen", "0.0.0.0:8080"]).http_listen == "0.0.0.0:8080"
     assert parse(["--http-listen", "[::1]:0"]).http_listen == "[::1]:0"
-    for bad in ("8080", "host:", ":8080", "host:http"):
+    # An empty host is every interface, as for every other listen flag.
+    assert parse(["--http-listen", ":8080"]).http_listen == "0.0.0.0:8080"
+    for bad in ("8080", "host:", "host:http", "host:70000"):
         with pytest.raises(SystemExit):
             parse(["--http-listen", bad])
 
