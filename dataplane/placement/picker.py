@@ -115,11 +115,13 @@ class Picker:
     ) -> tuple[list[Target], str]:
         """Candidates in order (groups kept in their order, each ordered by
         the policy) and the reason for the first; stops after the group that
-        reaches `limit` (0: no limit)."""
+        reaches `limit` (0: no limit), but never before the second group: its
+        first may take the last attempt when the first group alone fills the
+        limit (`dataplane.upstream.forwarder.attempt_order`)."""
         out: list[Target] = []
         reason = ""
-        for group in groups:
-            if limit and len(out) >= limit:
+        for i, group in enumerate(groups):
+            if limit and len(out) >= limit and i != 1:
                 break
             ordered, why = self._group(group, mode, key, load_bound)
             if not out:

@@ -405,7 +405,7 @@ class Forwarder:
         settings = self._settings
         tries = _Tries(loop.time() + settings.deadline - spent_s)
         self.budget.deposit()
-        ordered = self.outliers.order(candidates)[: settings.max_attempts]
+        ordered = attempt_order(self.outliers.order(candidates), settings.max_attempts)
         answer = None
         try:
             if hedge is not None:
@@ -860,6 +860,27 @@ class Forwarder:
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+
+
+def attempt_order(ordered: Sequence[Target], attempts: int) -> Sequence[Target]:
+    """The origins `attempts` tries go to, from `ordered`: its first
+    `attempts`, unless they all share the first's region while another region
+    follows; then that region's first takes the last attempt. A region whose
+    every replica fails at once (a bad rollout, its network) otherwise used
+    every attempt up and answered 502 while another region was healthy (trial
+    19: three replicas, three attempts). Envoy's `previous_priorities` retry
+    predicate spreads its retries across priorities the same way."""
+    chosen = ordered[:attempts]
+    if attempts < 2 or len(ordered) <= attempts:
+        return chosen
+    region = chosen[0].region
+    for target in chosen:
+        if target.region != region:
+            return chosen
+    for target in ordered[attempts:]:
+        if target.region != region:
+            return [*chosen[:-1], target]
+    return chosen
 
 
 def retry_after_seconds(value: str, now: float) -> float:

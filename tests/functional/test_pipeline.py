@@ -288,6 +288,37 @@ async def test_no_origin_answering_is_a_502_in_the_openai_shape(tmp_path: Path) 
         await s.close()
 
 
+async def test_a_region_failing_as_a_whole_fails_over_to_the_next(tmp_path: Path) -> None:
+    """Trial 19: with three replicas at home answering 500 at once, the three
+    attempts all went to them and the client got a 502, while the next region
+    was healthy; the last attempt now goes there."""
+    configs = [SimConfig(name=f"home{i}", mode="fail", fail_status=500) for i in range(3)]
+    s = await start_stack(tmp_path, [*configs, SimConfig(name="away", answer_tokens=3, seed=4)])
+    try:
+        t = pb.RouteTable(version=3, tenants=[pb.Tenant(name="acme")], auth_required=True)
+        t.regions.add(name="r1", latitude=0.0, longitude=0.0)
+        t.regions.add(name="r2", latitude=10.0, longitude=10.0)
+        for origin in s.origins:
+            name = origin.app[SIM_STATE].config.name
+            t.origins.add(
+                name=name, base_url=str(origin.make_url("/v1")), models=[MODEL], weight=100,
+                region="r2" if name == "away" else "r1", healthy=True,
+            )  # fmt: skip
+        t.keys.add(id=KEY.key_id, hash=KEY.key_hash, tenant="acme")
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        resp = await s.post(chat("the whole region is down"))
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-ponto-origin"] == "away"
+        assert resp.headers["x-ponto-attempts"] == "3"
+        assert resp.headers["x-ponto-route"] == "failover"
+        await resp.read()
+        tried = [o.app[SIM_STATE].stats.requests for o in s.origins]
+        assert sum(tried[:3]) == 2 and tried[3] == 1
+    finally:
+        await s.close()
+
+
 # ---------------------------------------------------------------- refusals
 
 

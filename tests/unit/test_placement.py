@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -23,6 +24,7 @@ from dataplane.placement.picker import (
 )
 from dataplane.policy import build_policy
 from dataplane.routes import Target, build_routes, origin_seed
+from dataplane.upstream.forwarder import attempt_order
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -231,8 +233,15 @@ def test_groups_keep_their_order_and_the_limit_stops_after_a_group() -> None:
     order, _ = Picker(LoadBoard()).order([GROUP, other], AFFINITY, key)
     assert {t.name for t in order[:8]} == {t.name for t in GROUP}
     assert [t.name for t in order[8:]] == [t.name for t in ranked(other, 7)]
-    limited, _ = Picker(LoadBoard()).order([GROUP, other], AFFINITY, key, limit=3)
-    assert len(limited) == 8
+    third = (target("farthest"),)
+    picker = Picker(LoadBoard())
+    # The first group alone fills the limit: the second is still ordered, so
+    # that the last attempt may go to another region (attempt_order).
+    limited, _ = picker.order([GROUP, other, third], AFFINITY, key, limit=3)
+    assert [t.name for t in limited] == [t.name for t in order]
+    small = (target("o0"),)
+    limited, _ = picker.order([small, other, third], AFFINITY, key, limit=3)
+    assert [t.name for t in limited] == ["o0", *(t.name for t in ranked(other, 7))]
 
 
 def test_rules_default_by_endpoint_and_model_overrides() -> None:
@@ -348,3 +357,21 @@ async def test_scraped_figures_expire_on_their_own(monkeypatch: pytest.MonkeyPat
     assert board.load("a") == 4
     await asyncio.sleep(0.05)  # the loop's timer, not a clock the board reads
     assert board.load("a") == 0
+
+
+def test_the_last_attempt_goes_to_another_region_when_the_first_has_them_all() -> None:
+    """Trial 19: three replicas failing at once used the three attempts up,
+    and the client got a 502 while another region was healthy."""
+    home = [Target(f"h{i}", "us", f"http://h{i}/v1", 100) for i in range(4)]
+    away = [Target(f"a{i}", "eu", f"http://a{i}/v1", 100) for i in range(2)]
+
+    def names(targets: Sequence[Target]) -> list[str]:
+        return [t.name for t in targets]
+
+    assert names(attempt_order([*home, *away], 3)) == ["h0", "h1", "a0"]
+    assert names(attempt_order([*home[:1], *away], 3)) == ["h0", "a0", "a1"]  # already spread
+    assert names(attempt_order([*home[:3], *away], 3)) == ["h0", "h1", "a0"]
+    assert names(attempt_order(home, 3)) == ["h0", "h1", "h2"]  # no other region
+    assert names(attempt_order([*home, *away], 1)) == ["h0"]  # one attempt: the first
+    assert names(attempt_order([*home, *away], 2)) == ["h0", "a0"]
+    assert names(attempt_order(home[:2], 3)) == ["h0", "h1"]
