@@ -116,7 +116,20 @@ def health_line(health: OriginHealth, fall: int) -> str:
     return f"origin {name} is healthy"
 
 
+# A change of load alone is written at most this often per origin (by the
+# probes' own `checked_at`). The table's loads serve spilling between regions,
+# which a few seconds' lag does not hurt (placement inside a region reads the
+# live loads, /ponto/load, every half second), while each write rebuilds and
+# pushes the table: an origin of capacity 4 moves by a tenth of it with every
+# request, and trial 19 saw two tables a second under three clients.
+LOAD_WRITE_INTERVAL_S = 5.0
+
+
 def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) -> bool:
+    """Whether `new` is to be written over `old`, the last written: a first
+    result, a flip of health, a new reason while unhealthy, or (with a stated
+    capacity) a move of load by a tenth of it, at most every
+    LOAD_WRITE_INTERVAL_S."""
     if old is None or old.healthy != new.healthy:
         return True
     if not new.healthy:
@@ -124,7 +137,10 @@ def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) ->
     if capacity:
         # A change of a tenth of capacity, not a crossing of a rounding edge:
         # jitter around an edge would otherwise push a table every probe.
-        return abs(new.inflight - old.inflight) >= capacity / 10
+        return (
+            abs(new.inflight - old.inflight) >= capacity / 10
+            and new.checked_at - old.checked_at >= LOAD_WRITE_INTERVAL_S
+        )
     return False
 
 

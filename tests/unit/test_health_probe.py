@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from controlplane.catalog import Catalog
 from controlplane.health import (
+    LOAD_WRITE_INTERVAL_S,
     Prober,
     ProbeSettings,
     _Track,
@@ -197,8 +198,17 @@ def test_asymmetric_rise_and_fall() -> None:
 # ---------------------------------------------------------------- worth_writing
 
 
-def health(healthy: bool = True, inflight: float = 0.0, detail: str = "") -> OriginHealth:
-    return OriginHealth(origin="o1", healthy=healthy, inflight=inflight, detail=detail)
+def health(
+    healthy: bool = True, inflight: float = 0.0, detail: str = "", *, at: float = 0.0
+) -> OriginHealth:
+    """A probe's result at `at` (seconds); the tests of load changes compare
+    results LOAD_WRITE_INTERVAL_S apart unless they say otherwise."""
+    return OriginHealth(
+        origin="o1", healthy=healthy, inflight=inflight, detail=detail, checked_at=at
+    )
+
+
+LATER = LOAD_WRITE_INTERVAL_S
 
 
 def test_first_result_is_always_written() -> None:
@@ -230,14 +240,27 @@ def test_load_change_while_unhealthy_is_not_written() -> None:
 
 
 def test_load_change_of_a_tenth_of_capacity_is_written() -> None:
-    assert worth_writing(health(True, 0), health(True, 1), 10)
-    assert worth_writing(health(True, 2), health(True, 5), 10)
-    assert worth_writing(health(True, 90), health(True, 0), 100)
+    assert worth_writing(health(True, 0), health(True, 1, at=LATER), 10)
+    assert worth_writing(health(True, 2), health(True, 5, at=LATER), 10)
+    assert worth_writing(health(True, 90), health(True, 0, at=LATER), 100)
 
 
 def test_small_load_change_is_not_written() -> None:
-    assert not worth_writing(health(True, 0), health(True, 0.4), 10)
-    assert not worth_writing(health(True, 30), health(True, 31), 100)
+    assert not worth_writing(health(True, 0), health(True, 0.4, at=LATER), 10)
+    assert not worth_writing(health(True, 30), health(True, 31, at=LATER), 100)
+
+
+def test_load_alone_is_written_at_most_every_interval() -> None:
+    """Trial 19: origins of capacity 4 (a request is more than a tenth of it)
+    rewrote their health, and so rebuilt the route table, on nearly every
+    probe under three clients. A flip of health is still written at once."""
+    last = health(True, 0, at=100.0)
+    assert not worth_writing(last, health(True, 3, at=100.5), 4)
+    assert not worth_writing(last, health(True, 4, at=100.0 + LATER - 0.1), 4)
+    assert worth_writing(last, health(True, 1, at=100.0 + LATER), 4)
+    assert worth_writing(last, health(False, 3, "probe answered 503", at=100.5), 4)
+    down = health(False, 0, "probe answered 503", at=100.0)
+    assert worth_writing(down, health(True, 3, at=100.5), 4)
 
 
 def test_load_change_without_capacity_is_not_written() -> None:
@@ -251,10 +274,10 @@ def test_tiny_load_jitter_is_not_written() -> None:
     between 4 and 6 requests out of 100 (2% of capacity) on every probe, and
     so recompile and re-push the route table every interval.
     """
-    assert not worth_writing(health(True, 4), health(True, 6), 100)
-    assert not worth_writing(health(True, 6), health(True, 4), 100)
-    assert not worth_writing(health(True, 6), health(True, 14), 100)  # 8%: same bucket too
-    assert worth_writing(health(True, 6), health(True, 16), 100)
+    assert not worth_writing(health(True, 4), health(True, 6, at=LATER), 100)
+    assert not worth_writing(health(True, 6), health(True, 4, at=LATER), 100)
+    assert not worth_writing(health(True, 6), health(True, 14, at=LATER), 100)  # 8%: same bucket
+    assert worth_writing(health(True, 6), health(True, 16, at=LATER), 100)
 
 
 # ---------------------------------------------------------------- Prober, real servers
