@@ -48,7 +48,9 @@ import orjson
 
 from controlplane.errors import InvalidArgument
 from controlplane.model import (
+    DEFAULT_WEIGHT,
     JWT_DEFAULT_MAX_LIFETIME_S,
+    MAX_WEIGHT,
     CachePolicy,
     JwtIssuer,
     Limits,
@@ -278,12 +280,20 @@ def _region(o: _Obj) -> Region:
 
 
 def _origin(o: _Obj) -> Origin:
+    weight = o.get("weight", int, 0)
+    if weight == 0 and type(o.raw.get("weight")) is int:
+        # The model reads 0 as "not given" (admin.proto's default, 100): a
+        # written 0 was saved as 100. Drain an origin to send it nothing new.
+        o.errors.append(
+            f"{o.path}.weight: 0 is not in 1..{MAX_WEIGHT} (leave it out for the default, "
+            f"{DEFAULT_WEIGHT}; drain an origin to send it no new requests)"
+        )
     return Origin(
         name=o.get("name", str, ""),
         base_url=o.get("url", str, ""),
         region=o.get("region", str, ""),
         models=o.strings("models"),
-        weight=o.get("weight", int, 0),
+        weight=weight,
         drained=o.get("drained", bool, False),
         capacity=o.get("capacity", int, 0),
         credential_env=o.get("credential_env", str, ""),

@@ -29,8 +29,11 @@ quiet_import("NONE")
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
+import math
 import os
+import re
 import sys
 import threading
 import time
@@ -45,10 +48,11 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from controlplane.apply import change_text
+from controlplane.apply import ApplyError, change_text
 from controlplane.errors import InvalidArgument
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
+    DEFAULT_WEIGHT,
     MAX_CAPACITY,
     MAX_CONCURRENCY,
     MAX_CONTINUATIONS,
@@ -58,6 +62,8 @@ from controlplane.model import (
     MAX_WEIGHT,
     Limits,
     Tenant,
+    check_note,
+    is_hidden,
 )
 from controlplane.readiness import STORE
 from ponto import grpcconn as conn
@@ -80,12 +86,14 @@ TIMEOUT = 10.0
 
 
 def _rows_regions(resp: apb.ListRegionsResponse) -> tuple[list[str], list[list[str]]]:
-    return ["NAME", "LAT", "LON", "DRAINED", "RTT"], [
+    return ["NAME", "LAT", "LON", "DRAINED", "SPILL", "RTT"], [
         [
             r.name,
             f"{r.latitude:g}",
             f"{r.longitude:g}",
             "yes" if r.drained else "no",
+            # 0 is the proxies' default (0.8), said as such: as TTL in `get tenants`.
+            f"{r.spill_threshold:g}" if r.spill_threshold else "default",
             ",".join(f"{k}={v:g}" for k, v in sorted(r.rtt_ms.items())) or "-",
         ]
         for r in resp.regions
@@ -152,12 +160,20 @@ def render(
 
 
 def _table(header: list[str], body: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=False)]
+    """header and body as aligned columns, one line a row: each cell's hidden
+    characters (model.is_hidden: a newline, an ANSI escape, a bidi override in
+    a stored key description or a health detail) are shown escaped."""
+    rows = [[_shown(cell) for cell in row] for row in [header, *body]]
+    widths = [max(len(c) for c in col) for col in zip(*rows, strict=False)]
     lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()
-        for row in [header, *body]
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows
     ]
     return "\n".join(lines)
+
+
+def _shown(text: str) -> str:
+    """text with each hidden character as its Python escape (\\n, \\x1b, \\u202e)."""
+    return "".join(ascii(c)[1:-1] if is_hidden(c) else c for c in text)
 
 
 def parse_rtt(text: str) -> dict[str, float]:
@@ -173,16 +189,16 @@ def parse_rtt(text: str) -> dict[str, float]:
     return out
 
 
-def _count(high: int) -> Callable[[str], int]:
-    """An argparse type: a whole number in 0..high (the range the model accepts)."""
+def _count(high: int, low: int = 0) -> Callable[[str], int]:
+    """An argparse type: a whole number in low..high (the range the model accepts)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if not 0 <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in 0..{high}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
         return value
 
     return parse
@@ -226,8 +242,23 @@ def _limits_args(p: argparse.ArgumentParser, *, kept: bool = False) -> None:
     )
 
 
+# What argparse takes for a negative number, not an option, as a flag's value:
+# its own ^-\d+$|^-\d*\.\d+$, and also exponents and -inf / -nan, so that
+# `--load-bound -inf` reaches the flag's type (finite_float) and its message
+# rather than "expected one argument". No pontoctl option looks like these.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with its refusals on one line, like every other pontoctl error."""
+    """argparse with its refusals on one line, like every other pontoctl error;
+    subparsers are of this class too (argparse makes them of the parser's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse's private attribute, read as each argument is classified; were
+        # it renamed, `--load-bound -inf` would be refused as before, and
+        # tests/unit/test_cli_errors.py would say so.
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
@@ -297,7 +328,13 @@ def _parser() -> argparse.ArgumentParser:
     oa.add_argument("--region", required=True, help="the region it is in (add that first)")
     oa.add_argument("--models", required=True, help="comma-separated model names")
     oa.add_argument(
-        "--weight", type=_count(MAX_WEIGHT), default=0, help="traffic share among equals (1..1000)"
+        "--weight",
+        # 0 is no weight: proxies refuse an origin of weight 0 (drain one to
+        # send it no new requests); not given, the control plane's default.
+        type=_count(MAX_WEIGHT, low=1),
+        default=None,
+        help=f"traffic share among equals (1..{MAX_WEIGHT}, default {DEFAULT_WEIGHT}; "
+        "to send an origin no new requests, drain it)",
     )
     oa.add_argument(
         "--capacity",
@@ -717,44 +754,89 @@ UNSERVED_NOTE = (
     f"{UNSERVED}: no origin serves that model now; requests for an alias to it get 404, "
     "and a routing policy or hedge delay for it applies to nothing, until one does"
 )
+# Marks a per-model routing policy or hedge delay set for one of the tenant's
+# own aliases, served or not: requests for the alias work, but proxies pick
+# both settings by the model the alias names, so it never applies (as
+# model.unserved_settings warns when it is set); the note names that model.
+ALIAS = "(alias)"
+ALIAS_NOTE = (
+    f"{ALIAS}: a routing policy or hedge delay for an alias never applies (requests are "
+    "routed and hedged by the model the alias names); set it for that model instead: "
+)
 
 
-def _tenant_models(t: pb.Tenant) -> list[str]:
-    """The models tenant t names: its aliases' targets, its per-model routing
-    policies' and hedge delays' models."""
-    return [*t.prompt.aliases.values(), *t.routing.models, *t.streams.hedge_models]
+def _served_mark(model: str, served: Collection[str] | None) -> str:
+    """UNSERVED when served (the models origins list) is known and lacks model."""
+    return UNSERVED if served is not None and model not in served else ""
+
+
+def _setting_mark(t: pb.Tenant, model: str, served: Collection[str] | None) -> str:
+    """The mark of model in tenant t's per-model routing or hedge delays: ALIAS
+    for one of t's aliases, else _served_mark."""
+    return ALIAS if model in t.prompt.aliases else _served_mark(model, served)
+
+
+def _alias_settings(t: pb.Tenant) -> list[str]:
+    """`TENANT: ALIAS -> MODEL` for each of tenant t's per-model settings that
+    is for one of its aliases (sorted, once each)."""
+    named = {*t.routing.models, *t.streams.hedge_models} & set(t.prompt.aliases)
+    return [f"{t.name}: {a} -> {t.prompt.aliases[a]}" for a in sorted(named)]
+
+
+def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list[str]:
+    """The notes below `get tenants`' table, for the marks its rows hold."""
+    unserved = any(
+        _served_mark(m, served) for t in tenants for m in t.prompt.aliases.values()
+    ) or any(
+        _setting_mark(t, m, served) == UNSERVED
+        for t in tenants
+        for m in (*t.routing.models, *t.streams.hedge_models)
+    )
+    aliased = [line for t in tenants for line in _alias_settings(t)]
+    return ([UNSERVED_NOTE] if unserved else []) + (
+        [ALIAS_NOTE + "; ".join(aliased)] if aliased else []
+    )
+
+
+def _routing_text(m: pb.RoutingPolicy, mark: Callable[[str], str] = lambda _: "") -> str:
+    """A routing policy on one line: mode, per-model modes (each model with
+    mark(model) after it), `user` for user sessions, the load bound."""
+    parts = [m.mode or "default"]
+    parts += [f"{model}{mark(model)}={mode}" for model, mode in sorted(m.models.items())]
+    if m.user_sessions:
+        parts.append("user")
+    if m.load_bound:
+        parts.append(f"bound={m.load_bound:g}")
+    return ",".join(parts)
 
 
 def _rows_tenants(
     resp: apb.ListTenantsResponse, served: Collection[str] | None = None
 ) -> tuple[list[str], list[list[str]]]:
-    """The tenants table; with served (the models origins list), each other
-    model a tenant names (_tenant_models) is marked UNSERVED."""
-
-    def mark(model: str) -> str:
-        return model + (UNSERVED if served is not None and model not in served else "")
+    """The tenants table; with served (the models origins list), each model a
+    tenant names that no origin lists is marked UNSERVED: its aliases' targets,
+    its per-model routing policies' and hedge delays' models. A per-model
+    setting for one of the tenant's aliases is marked ALIAS instead, served or not."""
 
     def aliases(m: pb.PromptPolicy) -> str:
-        return ",".join(f"{k}->{mark(v)}" for k, v in sorted(m.aliases.items())) or "-"
+        return (
+            ",".join(f"{k}->{v}{_served_mark(v, served)}" for k, v in sorted(m.aliases.items()))
+            or "-"
+        )
 
     def limits(m: pb.Limits) -> str:
         parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
         return ",".join(p for p in parts if not p.endswith("=0")) or "-"
 
-    def routing(m: pb.RoutingPolicy) -> str:
-        parts = [m.mode or "default"]
-        parts += [f"{mark(model)}={mode}" for model, mode in sorted(m.models.items())]
-        if m.user_sessions:
-            parts.append("user")
-        if m.load_bound:
-            parts.append(f"bound={m.load_bound:g}")
-        return ",".join(parts)
-
-    def streams(m: pb.StreamPolicy) -> str:
+    def streams(t: pb.Tenant) -> str:
+        m = t.streams
         parts = ["continue" if m.continuation != "off" else "no-continue"]
         if m.hedge_auto or m.hedge_ms:
             parts.append("hedge=" + ("auto" if m.hedge_auto else f"{m.hedge_ms}ms"))
-        parts += [f"hedge[{mark(model)}]={v}" for model, v in sorted(m.hedge_models.items())]
+        parts += [
+            f"hedge[{model}{_setting_mark(t, model, served)}]={v}"
+            for model, v in sorted(m.hedge_models.items())
+        ]
         if m.stream_idle_timeout_s:
             parts.append(f"idle={m.stream_idle_timeout_s:g}s")
         return ",".join(parts)
@@ -768,8 +850,8 @@ def _rows_tenants(
             + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else "")
             + (f",max-err={t.cache.semantic_max_error:g}" if t.cache.semantic_max_error else ""),
             f"{t.cache.ttl_s}s" if t.cache.ttl_s else "default",
-            routing(t.routing),
-            streams(t.streams),
+            _routing_text(t.routing, functools.partial(_setting_mark, t, served=served)),
+            streams(t),
             (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
             or "-",
             aliases(t.prompt),
@@ -874,9 +956,16 @@ def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = Fal
     """Send the topology in path to the control plane's Apply; return the report.
 
     The control plane checks the whole file (the same checks with or without
-    dry_run) and writes all of it in one transaction, or nothing.
+    dry_run) and writes all of it in one transaction, or nothing. A NaN or an
+    infinity anywhere in it is refused here first (ApplyError, with every
+    path), as JSON cannot carry one.
     """
     doc = _load(path)
+    if errors := _non_finite(doc):
+        # JSON has no NaN or infinity: orjson would write null, which the
+        # control plane reads as the field left out (a value removed, or
+        # "required"), and dry runs would say so.
+        raise ApplyError(errors)
     try:
         # Non-string keys become strings, which the control plane then checks as names.
         text = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS).decode()
@@ -891,6 +980,22 @@ def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = Fal
     summary = ", ".join(f"{n} {action}" for action, n in counts.items())
     suffix = " (dry run: nothing changed)" if resp.dry_run else ""
     return "\n".join([*lines, summary + suffix])
+
+
+def _non_finite(value: Any, path: str = "") -> list[str]:
+    """An error naming each NaN or infinity in the document value (as YAML
+    reads `.nan`, `.inf`, `-.inf`), with its path as the control plane names
+    fields (`tenants[0].routing.load_bound`); pure."""
+    if isinstance(value, float) and not math.isfinite(value):
+        shown = ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
+        return [f"{path or 'the document'}: must be a finite number, not {shown}"]
+    if isinstance(value, dict):
+        return [
+            e for k, v in value.items() for e in _non_finite(v, f"{path}.{k}" if path else str(k))
+        ]
+    if isinstance(value, list):
+        return [e for i, v in enumerate(value) for e in _non_finite(v, f"{path}[{i}]")]
+    return []
 
 
 def _change_detail(c: apb.Change) -> str:
@@ -957,7 +1062,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             base_url=args.url,
             region=args.region,
             models=models,
-            weight=args.weight,
+            weight=args.weight or 0,  # 0: not given, the default (admin.proto)
             capacity=args.capacity,
             credential_env=args.credential_env,
             credential_file=args.credential_file,
@@ -986,11 +1091,12 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return f"tenant {args.name} unchanged: it already has these settings"
         _merged(current, update).validated()
         t = stub.UpdateTenant(update)
-        return (
-            f"tenant {t.name} saved (cache {t.cache.mode}; routing {t.routing.mode or 'default'})"
-        )
+        # The whole routing policy, as `get tenants` shows it: a change of one
+        # model's mode, the load bound or user sessions is seen in it too.
+        return f"tenant {t.name} saved (cache {t.cache.mode}; routing {_routing_text(t.routing)})"
     if args.command == "key":
         if args.action == "create":
+            check_note("key description", args.description)
             resp = stub.CreateKey(
                 apb.CreateKeyRequest(
                     tenant=args.tenant,
@@ -1096,8 +1202,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             tenants = stub.ListTenants(req)
             served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)
             shown = render(tenants, args.output, lambda r: _rows_tenants(r, served))
-            named = (m for t in tenants.tenants for m in _tenant_models(t))
-            return shown + ("\n" + UNSERVED_NOTE if any(m not in served for m in named) else "")
+            return "\n".join([shown, *_tenant_notes(tenants.tenants, served)])
         if args.kind == "keys":
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
             return _render_keys(stub, keys, args.output)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -55,6 +56,35 @@ def check_name(kind: str, name: str) -> str:
             "starting and ending with a letter or digit"
         )
     return name
+
+
+# What a one-line note (a key's description) may not hold, as a terminal
+# would not show it as itself: controls (a newline splits a table's row, an
+# ANSI escape recolours the operator's terminal), format characters (bidi
+# overrides reorder what is shown) and line or paragraph separators. The
+# zero-width (non-)joiners are format characters of ordinary text (emoji
+# sequences, Indic scripts), so they are allowed.
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+_JOINERS = frozenset("\u200c\u200d")
+
+
+def is_hidden(char: str) -> bool:
+    """Whether char (one character) is one a terminal would not show as itself
+    (HIDDEN_CATEGORIES); pure."""
+    return char not in _JOINERS and unicodedata.category(char) in HIDDEN_CATEGORIES
+
+
+def check_note(what: str, text: str) -> str:
+    """text, when it is one line of characters shown as themselves (no
+    is_hidden one); else InvalidArgument naming what and the first such
+    character, escaped. Pure."""
+    for at, char in enumerate(text, 1):
+        if is_hidden(char):
+            raise InvalidArgument(
+                f"{what} holds the control character {char!a} (character {at}): "
+                "give one line of printable text"
+            )
+    return text
 
 
 # The user:password@ part of a URL's authority.

@@ -41,6 +41,7 @@ from controlplane.model import (
     ProxyRecord,
     Region,
     Tenant,
+    check_note,
     url_warnings,
 )
 from ponto.grpcconn import WARNING_METADATA
@@ -381,6 +382,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.create_key)
     @fleet_warned
     async def CreateKey(self, request: apb.CreateKeyRequest, context: Ctx) -> apb.CreateKeyResponse:
+        # Shown in `pontoctl key list`'s rows: one line of text, never escapes
+        # for the terminal of whoever lists the keys.
+        check_note("key description", request.description)
         record, secret = await self._catalog.create_key(
             request.tenant,
             description=request.description,

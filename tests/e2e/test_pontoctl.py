@@ -358,7 +358,7 @@ def export(fleet: Fleet) -> dict[str, object]:
         (["origin", "add", "o", "--url", "ftp://h/v1", "--region", "us-east", "--models", "m"],
          "base URL 'ftp://h/v1' is invalid"),
         (["origin", "add", "o", "--url", "http://h/v1", "--region", "us-east", "--models", "m",
-          "--weight", "5000"], "--weight: 5000 is not in 0..1000"),
+          "--weight", "5000"], "--weight: 5000 is not in 1..1000"),
         (["origin", "add", "o", "--url", "http://h/v1", "--region", "us-east", "--models", "m",
           "--capacity", "-1"], "--capacity: -1 is not in 0..1000000"),
         (["origin", "add", "o", "--url", "http://h/v1", "--region", "us-east", "--models", ","],

@@ -157,6 +157,9 @@ def test_a_value_the_model_refuses_is_reported_at_its_field(doc: Any, message: s
                        "capacity": -1}]}, "capacity -1 of origin 'o' is not in 0..1000000"),
         ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
                        "weight": 5000}]}, "weight 5000 of origin 'o' is not in 1..1000"),
+        # Trial 19: a written 0 was saved as the default, 100.
+        ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
+                       "weight": 0}]}, "origins[0].weight: 0 is not in 1..1000 (leave it out"),
         ({"regions": [{"name": "a", "lat": 1, "lon": 181}]}, "longitude 181.0"),
         ({"tenants": [{"name": "t", "limits": {"concurrency": 2**33}}]}, "concurrency 8589934592"),
         ({"tenants": [{"name": "t", "routing": {"models": {"": "affinity"}}}]},

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.cli import UNSERVED_NOTE, _parser, run
+from controlplane.cli import ALIAS_NOTE, UNSERVED_NOTE, _parser, run
 from ponto.grpcconn import WARNING_METADATA, CallDefaults
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -88,3 +88,27 @@ def test_get_tenants_marks_routed_and_hedged_models_no_origin_serves() -> None:
     assert out.splitlines()[-1] == UNSERVED_NOTE
     served, _ = pontoctl(Stub([acme], ["sim-small", "lama"], []), "get", "tenants")
     assert "(unserved)" not in served and UNSERVED_NOTE not in served
+
+
+def test_get_tenants_marks_a_setting_for_an_alias_as_one_that_never_applies() -> None:
+    """Trial: a policy for alias `fast` was shown `fast(unserved)=weighted`, its
+    note saying requests for an alias to it get 404; they work (the alias
+    names a served model), but the policy never applies: the model is to set."""
+    acme = pb.Tenant(
+        name="acme",
+        prompt=prompt(fast="sim-small"),
+        routing=pb.RoutingPolicy(models={"fast": "weighted"}),
+        streams=pb.StreamPolicy(hedge_models={"fast": "800"}),
+    )
+    out, _ = pontoctl(Stub([acme], ["sim-small"], []), "get", "tenants")
+    lines = out.splitlines()
+    assert "default,fast(alias)=weighted " in lines[1]
+    assert "continue,hedge[fast(alias)]=800 " in lines[1]
+    assert "(unserved)" not in out and UNSERVED_NOTE not in out
+    assert lines[-1] == ALIAS_NOTE + "acme: fast -> sim-small"
+    assert "set it for that model instead" in ALIAS_NOTE and "404" not in ALIAS_NOTE
+    # With an alias to a model no origin lists as well: both notes, each for its own.
+    acme.prompt.aliases["big"] = "sim-huge"
+    out, _ = pontoctl(Stub([acme], ["sim-small"], []), "get", "tenants")
+    assert "big->sim-huge(unserved),fast->sim-small " in out
+    assert out.splitlines()[-2:] == [UNSERVED_NOTE, ALIAS_NOTE + "acme: fast -> sim-small"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -68,6 +70,17 @@ def test_a_refusal_that_says_why_is_not_said_twice(capsys: pytest.CaptureFixture
         (["get", "audit", "--action", "setkeyexpiry"], "is no audited call; one of: Apply,"),
         (["tenant", "set", "acme"], "give a setting to change"),
         (["cache", "purge", "--all", "--model", "m"], "--all purges everything"),
+        # Trial: help said 1..1000, the error 0..1000, and 0 was saved as 100.
+        (["origin", "add", "o", "--url", "http://h/v1", "--region", "r", "--models", "m",
+          "--weight", "0"], "--weight: 0 is not in 1..1000"),
+        # Trial: a leading '-' was read as an option ("expected one argument").
+        (["tenant", "set", "t", "--load-bound", "-inf"],
+         "--load-bound: must be a finite number, not '-inf'"),
+        (["tenant", "set", "t", "--load-bound", "-nan"],
+         "--load-bound: must be a finite number, not '-nan'"),
+        (["region", "add", "x", "--lat", "-1e3", "--lon", "0"], "latitude -1000.0 of region"),
+        (["key", "create", "--tenant", "acme", "--description", "a\x1b[31mred"],
+         "key description holds the control character '\\x1b' (character 2)"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_before_any_call(
@@ -219,3 +232,29 @@ def test_an_unreadable_ca_is_not_blamed_on_a_certificate_never_given(
     err = capsys.readouterr().err
     assert "client certificate  and key " not in err, err
     assert "--tls-ca" in err or "CA" in err, err
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_non_finite_numbers_in_an_apply_file_are_refused_with_their_paths(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, dry_run: list[str]
+) -> None:
+    """Trial: JSON has no NaN: `load_bound: .nan` was sent as null, read as
+    left out, and reported as `routing.load_bound 1.5 -> removed` (exit 0);
+    `lat: .nan` as "regions[0].lat: required"."""
+    path = tmp_path / "topology.yaml"
+    path.write_text(
+        "regions:\n"
+        "  - {name: r, lat: .nan, lon: 0, rtt_ms: {s: .inf}, spill_threshold: -.inf}\n"
+        "tenants:\n"
+        "  - {name: default, routing: {load_bound: .NaN}}\n"
+    )
+    # Nothing listens there: a call would end in UNAVAILABLE and exit code 1.
+    argv = ["--control-plane", f"127.0.0.1:{free_port()}", "apply", "-f", str(path)]
+    assert main([*argv, *dry_run]) == 2
+    assert capsys.readouterr().err == (
+        "error: the topology has 4 errors, nothing was changed:\n"
+        "  regions[0].lat: must be a finite number, not .nan\n"
+        "  regions[0].rtt_ms.s: must be a finite number, not .inf\n"
+        "  regions[0].spill_threshold: must be a finite number, not -.inf\n"
+        "  tenants[0].routing.load_bound: must be a finite number, not .nan\n"
+    )

@@ -1,15 +1,21 @@
 """`pontoctl key`: expiry durations go to the control plane as durations, and
-a control plane that drops the expiry is called out."""
+a control plane that drops the expiry is called out; descriptions are one line
+of text shown as it is."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import grpc
 import pytest
 
 from controlplane.cli import UsageError, _parser, _rows_keys, run
+from controlplane.errors import InvalidArgument
+from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_alias_warnings import admin
 
 
 class Stub:
@@ -114,3 +120,47 @@ def test_active_keys_are_neither_revoked_nor_expired() -> None:
 def test_purge_all_with_a_scope_is_refused() -> None:
     with pytest.raises(UsageError, match="--all purges everything"):
         pontoctl(Stub(), "cache", "purge", "--all", "--tenant", "acme")
+
+
+# Trial: `key create --description $'line1\nline2\t\x1b[31mred\x1b[0m'` was
+# saved, and `key list` printed it raw: the row split over two lines, the
+# escape recoloured the terminal.
+RAW = "line1\nline2\t\x1b[31mred\x1b[0m\u202e"
+
+
+@pytest.mark.parametrize("hidden", ["\n", "\t", "\x1b", "\x7f", "\u202e", "\u2066", "\u2028"])
+def test_a_key_description_with_a_hidden_character_is_refused_before_the_call(
+    hidden: str,
+) -> None:
+    stub = Stub()
+    said = f"key description holds the control character {hidden!a} (character 4)"
+    with pytest.raises(InvalidArgument, match=re.escape(said)):
+        pontoctl(stub, "key", "create", "--tenant", "acme", "--description", f"ops{hidden}x")
+    assert stub.requests == []
+    # Text of any script, emoji sequences with their joiner, is not hidden.
+    shown = ["clé de l'équipe ✓", "家族 👨\u200d👩\u200d👧", "نص"]
+    for description in shown:
+        pontoctl(stub, "key", "create", "--tenant", "acme", "--description", description)
+    assert [r.description for r in stub.requests] == shown
+
+
+async def test_the_admin_api_refuses_a_key_description_with_a_hidden_character() -> None:
+    async with admin(MemoryStore()) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", description=RAW))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == (
+            "key description holds the control character '\\n' (character 6): "
+            "give one line of printable text"
+        )
+        assert (await stub.ListKeys(apb.ListKeysRequest())).keys == []
+
+
+def test_key_list_escapes_what_a_stored_description_hides() -> None:
+    # Stored before descriptions were checked: one row, no escape reaches the terminal.
+    stub = Stub()
+    stub.keys = (apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme", description=RAW),)
+    out = pontoctl(stub, "key", "list")
+    assert len(out.splitlines()) == 2 and "\x1b" not in out and "\u202e" not in out
+    assert "line1\\nline2\\t\\x1b[31mred\\x1b[0m\\u202e" in out.splitlines()[1]

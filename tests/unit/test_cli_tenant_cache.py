@@ -27,8 +27,9 @@ class Stub:
         self.updates.append(req)
         merged = pb.Tenant()
         merged.CopyFrom(self.current)
-        if req.HasField("cache"):
-            merged.cache.CopyFrom(req.cache)
+        for part in ("cache", "routing"):
+            if req.HasField(part):
+                getattr(merged, part).CopyFrom(getattr(req, part))
         self.current = merged
         return merged
 
@@ -97,3 +98,17 @@ def test_a_setting_the_tenant_has_is_unchanged_but_an_unknown_tenant_is_asked() 
     elsewhere = Stub(pb.Tenant(name="other"))
     tenant_set(elsewhere, "--continuation", "on")
     assert [u.name for u in elsewhere.updates] == ["acme"]
+
+
+def test_tenant_set_says_the_routing_policy_it_leaves() -> None:
+    """Trial: `--model-routing`, `--load-bound` and `--user-sessions` printed
+    `(cache exact; routing default)` whatever they changed."""
+    stub = Stub(pb.Tenant(name="acme", cache=pb.CachePolicy(mode="exact")))
+    out = tenant_set(stub, "--model-routing", "embed=least-loaded")
+    assert out == "tenant acme saved (cache exact; routing default,embed=least-loaded)"
+    out = tenant_set(stub, "--load-bound", "1.5", "--user-sessions", "on")
+    assert (
+        out == "tenant acme saved (cache exact; routing default,embed=least-loaded,user,bound=1.5)"
+    )
+    out = tenant_set(stub, "--routing", "weighted", "--model-routing", "embed=default")
+    assert out == "tenant acme saved (cache exact; routing weighted,user,bound=1.5)"
