@@ -512,8 +512,12 @@ class Authenticator:
         try:
             header = jwt.get_unverified_header(token)
             unverified = jwt.decode(token, options={"verify_signature": False})
-        except jwt.PyJWTError:
+        except jwt.DecodeError:
             raise _bad_token("not a well-formed JWT") from None
+        except jwt.PyJWTError:
+            # What PyJWT refuses in a header that parsed: a `kid` that is not
+            # a string, a `crit` it does not support, `b64` (RFC 7797).
+            raise _bad_token("its header's 'kid', 'crit' or 'b64' is not accepted") from None
         issuer = unverified.get("iss")
         if not isinstance(issuer, str):
             raise _bad_token("issuer not accepted")
@@ -630,6 +634,7 @@ class _JwtVerifier:
     def verify(self, token: str, header: dict[str, Any], now: float) -> tuple[Principal, float]:
         """Verify `token` with this config only; (principal, valid until)."""
         import jwt  # noqa: PLC0415 - see the import note at the top
+        from jwt.exceptions import InvalidJTIError, InvalidSubjectError  # noqa: PLC0415 - same
 
         alg = header.get("alg")
         if not isinstance(alg, str) or alg not in self.config.algorithms:
@@ -652,6 +657,12 @@ class _JwtVerifier:
             raise _bad_token("algorithm does not match the key") from None
         except jwt.MissingRequiredClaimError as e:
             raise _bad_token(f"the {e.claim!r} claim is required") from None
+        # PyJWT checks the shape of `sub` and `jti` when present (RFC 7519:
+        # strings), whichever claim names the caller; the signature is good.
+        except InvalidSubjectError:
+            raise _bad_token(self._claim_rule("sub")) from None
+        except InvalidJTIError:
+            raise _bad_token("the 'jti' claim must be a string") from None
         except jwt.PyJWTError:
             raise _bad_token("signature or format is invalid") from None
 
@@ -677,13 +688,18 @@ class _JwtVerifier:
                 raise _bad_token("not valid yet ('nbf')")
         subject = claims.get(self.config.key_id_claim)
         if not isinstance(subject, str) or not 0 < len(subject) <= _MAX_SUBJECT_LENGTH:
-            raise _bad_token(
-                f"the {self.config.key_id_claim!r} claim must be a string of 1 to "
-                f"{_MAX_SUBJECT_LENGTH} characters"
-            )
+            raise _bad_token(self._claim_rule(self.config.key_id_claim))
         key_id = f"jwt:{self.config.tenant}:{subject}"
         principal = Principal(self.config.tenant, key_id, (self.tenant_scope, f"k/{key_id}"))
         return principal, valid_until
+
+    def _claim_rule(self, claim: str) -> str:
+        """What a token's `claim` must be: the caller's id claim a string of 1
+        to _MAX_SUBJECT_LENGTH characters, any other (``sub`` when the id is
+        another claim) a string."""
+        if claim == self.config.key_id_claim:
+            return f"the {claim!r} claim must be a string of 1 to {_MAX_SUBJECT_LENGTH} characters"
+        return f"the {claim!r} claim must be a string"
 
     def _select_key(self, header: dict[str, Any], alg: str) -> jwt.PyJWK:
         # One key per token, never "try them all": a kid names its key; a

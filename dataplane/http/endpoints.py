@@ -9,8 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
 from dataplane.http.errors import ApiError, Unauthorized, model_not_found, no_route_table
-from dataplane.http.pipeline import authenticate
-from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PRINCIPAL, QUOTA
+from dataplane.http.pipeline import authenticate, sole_authorization
+from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PRINCIPAL, QUOTA
 
 
 async def _callable_models(request: web.Request) -> list[str]:
@@ -27,7 +27,7 @@ async def _callable_models(request: web.Request) -> list[str]:
     models: list[str] = list(routes.models) if routes else []
     if policy is not None:
         try:
-            principal = authenticate(policy, request.headers.get("authorization"))
+            principal = authenticate(policy, sole_authorization(request.headers))
         except Unauthorized as exc:
             if exc.owner is not None:  # an expired key: counted for its owner
                 request[PRINCIPAL] = exc.owner
@@ -39,6 +39,15 @@ async def _callable_models(request: web.Request) -> list[str]:
     return models
 
 
+def _standing_limits(request: web.Request) -> list[tuple[str, str]]:
+    """The caller's `x-ratelimit-*` headers, as every answer to a limited
+    caller carries them; a model list takes nothing from its limits."""
+    principal = request.get(PRINCIPAL)
+    if principal is None:  # no policy: nobody is limited
+        return []
+    return request.app[PIPELINE].standing_limits(principal)
+
+
 def _model(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "ponto"}
 
@@ -46,15 +55,21 @@ def _model(name: str) -> dict[str, Any]:
 async def list_models(request: web.Request) -> web.Response:
     """The models the caller may name, in OpenAI's list shape."""
     data = [_model(m) for m in await _callable_models(request)]
-    return web.json_response({"object": "list", "data": data}, dumps=_dumps_str)
+    return web.json_response(
+        {"object": "list", "data": data}, dumps=_dumps_str, headers=_standing_limits(request)
+    )
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     """One model the caller may name (OpenAI's `GET /v1/models/{model}`), else 404."""
     name = request.match_info["model"]
-    if name not in await _callable_models(request):
-        raise model_not_found(name)
-    return web.json_response(_model(name), dumps=_dumps_str)
+    models = await _callable_models(request)
+    limits = _standing_limits(request)
+    if name not in models:
+        error = model_not_found(name)
+        error.headers.update(limits)
+        raise error
+    return web.json_response(_model(name), dumps=_dumps_str, headers=limits)
 
 
 async def healthz(request: web.Request) -> web.Response:

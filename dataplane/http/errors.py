@@ -89,6 +89,18 @@ def auth_unavailable(exc: AuthUnavailable) -> ApiError:
     return ApiError(503, exc.message, type="server_error", code=exc.code, logged=True)
 
 
+def several_authorizations(count: int) -> ApiError:
+    """400 for a request with `count` (2 or more) Authorization headers. Refused
+    rather than read: a load balancer or WAF in front of the proxy may read
+    another of them than the proxy would, and bill or allow another caller."""
+    return ApiError(
+        400,
+        f"Send one Authorization header: this request has {count}, and proxies on "
+        "the way may each read a different one.",
+        code="multiple_authorization_headers",
+    )
+
+
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
@@ -43,6 +43,7 @@ from dataplane.http.errors import (
     body_too_large,
     model_not_found,
     no_route_table,
+    several_authorizations,
 )
 from dataplane.http.fields import (
     brackets_of,
@@ -259,8 +260,15 @@ class Pipeline:
         else:
             with trace.step("ponto.auth"):
                 self.authenticate(ex)
-        await self.parse(request, ex)
-        self.assemble(ex)
+        try:
+            await self.parse(request, ex)
+            self.assemble(ex)
+        except ApiError:
+            # Refused before admission (a bad body, an unknown model): the
+            # caller's limits go with it as they stand, as OpenAI's refusals
+            # carry them; nothing was taken from them.
+            ex.limit_headers = self.standing_limits(ex.principal)
+            raise
         if trace is None:
             await self.admit(ex)
         else:
@@ -283,13 +291,19 @@ class Pipeline:
 
     def authenticate(self, ex: Exchange) -> None:
         try:
-            ex.principal = authenticate(ex.policy, ex.headers.get("authorization"))
+            ex.principal = authenticate(ex.policy, sole_authorization(ex.headers))
         except Unauthorized as exc:
             if exc.owner is not None:  # an expired key: its refusals are its owner's
                 ex.principal = exc.owner
                 ex.authenticated = True
             raise
         ex.authenticated = True
+
+    def standing_limits(self, principal: Principal) -> list[tuple[str, str]]:
+        """The `x-ratelimit-*` headers of `principal`'s limits as they stand, for
+        an answer that was not admitted (a refusal of its request, the model
+        list): it takes nothing from them."""
+        return self.limiter.headers(principal.scopes, time.monotonic())
 
     async def parse(self, request: web.Request, ex: Exchange) -> None:
         """Read the body (bounded), parse it once and check what every endpoint needs."""
@@ -736,6 +750,18 @@ async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT
     return response
 
 
+def sole_authorization(headers: CIMultiDictProxy[str]) -> str | None:
+    """The request's Authorization header, None without one, or a 400 for two
+    or more (errors.several_authorizations): which of them counts would be
+    each reader's guess. The only credential header the proxy reads: others
+    (Azure's `api-key`, Anthropic's `x-api-key`) are not read, and go to no
+    origin unless --forward-headers names them."""
+    values = headers.getall(hdrs.AUTHORIZATION, ())
+    if len(values) > 1:
+        raise several_authorizations(len(values))
+    return values[0] if values else None
+
+
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
     """The caller, or a 401 in OpenAI's words (Unauthorized), or a 503
     auth_unavailable for a JWT of a tenant whose JWT config the proxy could
@@ -872,10 +898,15 @@ def refusal(admission: Admission) -> ApiError:
     message says when to try again as the reset header does (`retry_in`);
     `Retry-After` is that wait in whole seconds, rounded up."""
     if admission.too_large:
+        # Only the prompt's estimate is charged at admission (the completion
+        # is settled after the answer), so max_tokens is not part of it and
+        # lowering it cannot help.
         return ApiError(
             400,
-            "this request needs more tokens than the per-minute limit allows; "
-            "shorten it or lower max_tokens",
+            f"Request too large for the tokens-per-minute limit: its prompt is estimated at "
+            f"{admission.est_tokens} tokens, and the limit is {admission.tpm}, so no wait "
+            "can admit it. Shorten the prompt, or ask for a higher limit (max_tokens does "
+            "not count here).",
             code="tokens_over_limit",
         )
     what = {"requests": "requests", "tokens": "tokens", "concurrency": "concurrent requests"}[

@@ -5,8 +5,9 @@ holds a share of them, given by the control-plane leader: a fraction f of the
 requests and tokens per minute, and a whole number of concurrency slots. Its
 buckets hold f x limit and refill f x limit per minute; the leader keeps the
 fractions of a scope summing to at most 1 across proxies, so the fleet admits
-no more than one bucket would. docs/rate-limits.md has the scheme, the
-accuracy bound and what happens when the control plane is away.
+no more than one bucket would, but for the debt a request larger than a
+proxy's share may leave (docs/rate-limits.md, "Accuracy"). That page has the
+scheme, the bound and what happens when the control plane is away.
 
 Contract: one event loop owns a RateLimiter. `admit`, `Admission.release`
 and `headers` are the hot path: no I/O, no logging, no clock (every call gets
@@ -217,7 +218,9 @@ class Admission:
     exactly when the request ends (success, error or client gone), and may
     call it more than once. If not `ok`, `limit` says which limit refused it
     and `retry_after_s` when to try again; `too_large` marks a request whose
-    estimate exceeds a scope's whole token limit, which no wait can admit.
+    estimate exceeds a scope's whole token limit, which no wait can admit:
+    `est_tokens` is then that estimate and `tpm` the smallest limit it
+    exceeds, for the refusal's message (nothing is charged).
     `refused_by` is the scope whose limit refused (for the headers).
     """
 
@@ -230,6 +233,7 @@ class Admission:
         "refused_by",
         "retry_after_s",
         "too_large",
+        "tpm",
     )
 
     def __init__(
@@ -241,8 +245,10 @@ class Admission:
         retry_after_s: float = 0.0,
         too_large: bool = False,
         refused_by: _Scope | None = None,
+        tpm: int = 0,
     ) -> None:
         self.ok = ok
+        self.tpm = tpm
         self.refused_by = refused_by
         self.limit = limit
         self.retry_after_s = retry_after_s
@@ -502,12 +508,12 @@ class RateLimiter:
         """
         get = self._scopes.get
         found: list[_Scope] | None = None
-        too_large = False
+        over = 0  # the smallest token limit the estimate exceeds; 0: none
         for name in scopes:
             st = get(name)
             if st is not None:
-                if est_tokens > st.max_tokens:
-                    too_large = True
+                if est_tokens > st.max_tokens and (not over or st.max_tokens < over):
+                    over = st.max_tokens
                 if found is None:
                     found = [st]
                 else:
@@ -515,10 +521,10 @@ class RateLimiter:
         if found is None:
             return UNLIMITED
 
-        if too_large:
+        if over:
             # No wait can admit an estimate above a scope's whole token limit;
             # it is refused before it counts as demand.
-            return Admission(False, (), 0, "tokens", 60.0, too_large=True)
+            return Admission(False, (), est_tokens, "tokens", 60.0, too_large=True, tpm=over)
 
         refused: Limit | None = None
         refused_by: _Scope | None = None

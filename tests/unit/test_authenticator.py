@@ -670,6 +670,46 @@ def test_subject_claim(rsa_key: rsa.RSAPrivateKey) -> None:
     assert principal.key_id == "jwt:acme:a@acme.example"
 
 
+@pytest.mark.parametrize("sub", [12, ["user-1"], {"id": 1}, True])
+def test_a_subject_that_is_not_a_string_is_told_so_not_a_bad_signature(
+    rsa_auth: Authenticator, rsa_key: rsa.RSAPrivateKey, sub: object
+) -> None:
+    # A good signature: PyJWT refuses the claim's type (InvalidSubjectError),
+    # which must not read as a signature or format problem.
+    error = fails(rsa_auth, bearer(rs256(rsa_key, sub=sub)))
+    assert error.code == "invalid_token"
+    assert error.message == (
+        "Invalid token: the 'sub' claim must be a string of 1 to 256 characters."
+    )
+
+
+def test_claims_of_the_wrong_type_each_get_their_own_reason(rsa_key: rsa.RSAPrivateKey) -> None:
+    files = {"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"))}
+    auth = build(jwts=[config()], files=files)
+    by_email = build(jwts=[config(key_id_claim="email")], files=files)
+    cases: list[tuple[Authenticator, str, Any, str]] = [
+        (auth, "jti", 5, "the 'jti' claim must be a string"),
+        (auth, "exp", "soon", "'exp' must be a number"),
+        (auth, "nbf", "now", "'nbf' must be a number"),
+        (auth, "iat", [1], "'iat' must be a number"),
+        # `sub` does not name the caller here, but a present one is still a string.
+        (by_email, "sub", 12, "the 'sub' claim must be a string"),
+    ]
+    for verifier, claim, value, reason in cases:
+        token = rs256(rsa_key, email="a@acme.example", **{claim: value})
+        assert fails(verifier, bearer(token)).message == f"Invalid token: {reason}.", claim
+
+
+@pytest.mark.parametrize("extra", [{"crit": ["exp"]}, {"crit": "b64"}, {"crit": []}])
+def test_a_header_pyjwt_refuses_is_named_not_called_malformed(
+    rsa_auth: Authenticator, rsa_key: rsa.RSAPrivateKey, extra: dict[str, Any]
+) -> None:
+    token = jwt.encode(claims(), rsa_key, algorithm="RS256", headers={"kid": "k1", **extra})
+    assert fails(rsa_auth, bearer(token)).message == (
+        "Invalid token: its header's 'kid', 'crit' or 'b64' is not accepted."
+    )
+
+
 @pytest.mark.parametrize(
     "token", ["a.b.c", "..", "e30.e30.", "e30.e\x0030.e30", "e30.e30.e30=", "x" * 9000 + ".a.b"]
 )

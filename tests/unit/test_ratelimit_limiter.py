@@ -189,6 +189,28 @@ def test_a_request_above_the_global_token_limit_is_too_large_and_not_demand() ->
     assert rl.demand(61.0) == {}
 
 
+def test_a_request_too_large_is_told_its_prompt_estimate_and_the_limit_not_max_tokens() -> None:
+    # Admission charges the prompt's estimate only (max_tokens is not reserved),
+    # so the refusal names what counted and never advises lowering max_tokens.
+    rl = limiter(
+        {T: ScopeLimits(tpm=1000), K: ScopeLimits(tpm=600)}, {T: Share(1.0), K: Share(1.0)}
+    )
+    refused = rl.admit([T, K], 760, 60.0)
+    assert refused.too_large and (refused.est_tokens, refused.tpm) == (760, 600)
+    error = refusal(refused)
+    assert (error.status, error.code, error.type) == (
+        400,
+        "tokens_over_limit",
+        "invalid_request_error",
+    )
+    assert error.message == (
+        "Request too large for the tokens-per-minute limit: its prompt is estimated at "
+        "760 tokens, and the limit is 600, so no wait can admit it. Shorten the prompt, "
+        "or ask for a higher limit (max_tokens does not count here)."
+    )
+    assert "lower max_tokens" not in error.message
+
+
 # ---------------------------------------------------------------- headers
 
 
