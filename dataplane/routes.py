@@ -80,6 +80,10 @@ class Routes:
     # Models routed to unhealthy origins because none of theirs is healthy
     # (build_routes' panic routing).
     panic: frozenset[str] = frozenset()
+    # (region, model) for every model an origin of the region lists, drained,
+    # unhealthy or not: a request served elsewhere for want of one is not a
+    # failover, but where the model lives.
+    served: frozenset[tuple[str, str]] = frozenset()
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
     _homes: dict[tuple[float, float], str] = field(default_factory=dict, compare=False)
@@ -250,6 +254,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         known=frozenset(regions),
         hot=frozenset(r.name for r in table.regions if hot(r.name)),
         panic=panic,
+        served=frozenset((o.region, m) for o in table.origins for m in o.models),
     )
 
 

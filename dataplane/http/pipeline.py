@@ -493,8 +493,14 @@ class Pipeline:
         )
         if candidates and candidates[0].region != home and home in routes.known:
             # The client's own region is past its spill threshold, or has no
-            # usable origin for the model.
-            ex.route = "spill" if home in routes.hot else "failover"
+            # usable origin for the model, or none lists it at all: a model
+            # served in one region only is not failing over from the others.
+            if home in routes.hot:
+                ex.route = "spill"
+            elif (home, ex.model) in routes.served:
+                ex.route = "failover"
+            else:
+                ex.route = "remote"
         return candidates
 
     async def respond(

@@ -7,6 +7,7 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -294,7 +295,13 @@ def test_own_requests_count_even_when_a_scrape_lags() -> None:
 # ---------------------------------------------------------------- the pipeline's place step
 
 
-def two_region_table(*, hot: bool = False, home_healthy: bool = True) -> pb.RouteTable:
+def two_region_table(
+    *,
+    hot: bool = False,
+    home_healthy: bool = True,
+    home_drained: bool = False,
+    home_models: tuple[str, ...] = ("m",),
+) -> pb.RouteTable:
     table = pb.RouteTable(version=1)
     table.regions.add(name="near", latitude=0, longitude=0, load=0.9 if hot else 0.0)
     table.regions[0].spill_threshold = 0.8
@@ -305,26 +312,31 @@ def two_region_table(*, hot: bool = False, home_healthy: bool = True) -> pb.Rout
                 name=f"{region}{i}",
                 base_url=f"http://{region}{i}.example/v1",
                 region=region,
-                models=["m"],
+                models=home_models if region == "near" else ["m"],
                 weight=100,
                 healthy=healthy,
+                drained=home_drained and region == "near",
             )
     table.etag = content_etag(table)
     return table
 
 
 @pytest.mark.parametrize(
-    ("hot", "home_healthy", "reason", "region"),
+    ("home", "reason", "region"),
     [
-        (False, True, "affinity", "near"),
-        (True, True, "spill", "far"),
-        (False, False, "failover", "far"),
+        ({}, "affinity", "near"),
+        ({"hot": True}, "spill", "far"),
+        ({"home_healthy": False}, "failover", "far"),
+        ({"home_drained": True}, "failover", "far"),
+        # Trial 19: a model served in one region only was a "failover" from
+        # every other, for good, which made the count useless to alert on.
+        ({"home_models": ("other",)}, "remote", "far"),
     ],
 )
-def test_place_says_spill_or_failover_when_the_home_region_is_passed_over(
-    hot: bool, home_healthy: bool, reason: str, region: str
+def test_place_says_spill_failover_or_remote_when_the_home_region_is_passed_over(
+    home: dict[str, Any], reason: str, region: str
 ) -> None:
-    table = two_region_table(hot=hot, home_healthy=home_healthy)
+    table = two_region_table(**home)
     routes, policy = build_routes(table, "near"), build_policy(table)
     headers = CIMultiDictProxy(CIMultiDict({"x-session-id": "s1"}))
     ex = Exchange(ENDPOINTS["chat.completions"], headers, None, "id", routes, policy)
