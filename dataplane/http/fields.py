@@ -899,6 +899,14 @@ def _stream_options_need_stream(body: dict[str, Any], stream: bool) -> None:
         raise invalid_value("stream_options", "only allowed when 'stream' is true")
 
 
+def _no_stream(body: dict[str, Any], stream: bool) -> None:
+    """Embeddings: one whole answer, which OpenAI's API has no stream of (its
+    `stream` is no field there); a streamed one reached the origin and failed
+    in the proxy as a 500 (trial 21). `"stream": false` asks for what it gets."""
+    if stream:
+        raise invalid_value("stream", "embeddings cannot be streamed; leave 'stream' out")
+
+
 def _top_logprobs_need_logprobs(body: dict[str, Any], stream: bool) -> None:
     if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise invalid_value("top_logprobs", "only allowed when 'logprobs' is true")
@@ -1039,6 +1047,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "dimensions": integer(1, MAX_INT),
             "user": KEY_STRING,
         },
+        (_no_stream,),
     ),
     "responses": Rules(
         ("model",),

@@ -515,6 +515,13 @@ async def test_invalid_requests_get_a_400_naming_the_param_and_reach_no_origin(
             {"input": "a", "encoding_format": "hex"},
             "encoding_format",
         ),
+        # Trial 21: a 500 with a traceback, after the origin's call.
+        (
+            "/v1/embeddings",
+            {"input": "a", "stream": False},
+            {"input": "a", "stream": True},
+            "stream",
+        ),
     ],
 )
 async def test_completions_and_embeddings_are_checked_too(
