@@ -25,8 +25,9 @@ from the region's Redis (dataplane.cache.regionstore), directly or by waiting
 for another proxy's flight. A streaming request never waits for another
 proxy's flight: that would hold its first token until the whole answer is
 stored, which costs a streaming client more than an origin call of its own; it
-still takes the region's lock when it is free, so non-streaming requests
-elsewhere can wait for it.
+still takes the region's lock when it is free and it asks for usage, so
+non-streaming requests elsewhere can wait for it (an answer without usage
+would be of no use to them).
 
 `EdgeCache.plan` returns a `CachePlan`; the pipeline answers accordingly
 (`dataplane.http.reply`) and hands the outcome back (`settle_body`,
@@ -375,10 +376,14 @@ class EdgeCache:
         """The plan of the request that leads the key's flight on this proxy.
         With a region, it first claims the region's flight: a non-streaming
         request whose key another proxy is calling for waits for that answer
-        (a coalesced hit, which its local followers take too)."""
+        (a coalesced hit, which its local followers take too). A stream that
+        does not ask for usage claims nothing: its answer has none, so it
+        would serve no request that waits (only whole answers wait, and those
+        always carry their usage); a whole answer waited it out and then
+        called the origin after all (trial 21)."""
         region_lock: RegionLock | None = None
         waited = 0.0
-        if self.region is not None:
+        if self.region is not None and (include_usage or not req.stream):
             tenant, model = req.tenant.name, req.body["model"]
             try:
                 claim = await self.region.claim(key, tenant, model)

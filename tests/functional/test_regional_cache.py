@@ -236,3 +236,29 @@ async def test_a_shared_stream_without_usage_is_no_hit_for_a_client_that_asks(
     )
     assert b'"usage":{' in await asks.read()
     assert b.origin_requests() == 1
+
+
+async def test_a_whole_answer_does_not_wait_for_another_proxys_stream_without_usage(
+    tmp_path: Path, own_redis: Redis
+) -> None:
+    """Trial 21: a non-streaming request waited out another proxy's stream
+    that did not ask for usage, found its entry of no use (a whole answer has
+    its usage) and called the origin after all: twice the latency. Such a
+    stream no longer takes the region's flight: it serves no one who waits."""
+    (tmp_path / "a").mkdir()
+    slow = SimConfig(name="origin-a", answer_tokens=40, tokens_per_s=40, seed=1)
+    a = await start_stack(tmp_path / "a", [slow], [f"--redis={own_redis.url}"])
+    b = await proxy(tmp_path, "b", own_redis.url)
+    try:
+        streaming = await a.post(chat("a long answer", stream=True))
+        assert streaming.status == 200  # its flight is claimed, its origin answering
+        whole = await b.post(chat("a long answer"))
+        assert whole.status == 200
+        assert whole.headers["x-ponto-cache"] == "miss"
+        assert "x-ponto-cache-reason" not in whole.headers  # "no-usage": it had waited
+        assert b"[DONE]" not in await streaming.content.readany()  # still streaming
+        await streaming.read()
+        assert (a.origin_requests(), b.origin_requests()) == (1, 1)
+    finally:
+        await a.close()
+        await b.close()
