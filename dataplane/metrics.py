@@ -384,6 +384,17 @@ class Metrics:
             ["result", "kind"],
             registry=r,
         )
+        self.cache_unkept = Counter(
+            "ponto_cache_unkept",
+            "200 answers of cacheable requests that were not kept: too_large (over "
+            "--cache-max-entry-kb), truncated (finish_reason length, unless the tenant "
+            "stores truncated answers), continued (a stream spliced from several origin "
+            "calls), incomplete (cut, no [DONE], an error or a shape the cache does not know)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("too_large", "truncated", "continued", "incomplete"):
+            self.cache_unkept.labels(reason)  # 0 from the start, for rate()
         self.cache_hits = Counter(
             "ponto_cache_hits",
             "Cache hits by tier: local (this proxy's memory) or region (the region's Redis, "

@@ -34,6 +34,9 @@ from ponto.v1 import routing_pb2 as pb
 DEFAULT_TENANT = OPEN_TENANT
 # Chosen from the evaluation in bench/cache_eval.py (docs/semantic-cache.md).
 DEFAULT_SEMANTIC_THRESHOLD = 0.9
+# The largest answer kept (--cache-max-entry-kb): a stream is recorded up to
+# this, so it also bounds what each stream in flight holds for the cache.
+DEFAULT_MAX_ENTRY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +45,7 @@ class CacheDefaults:
 
     ttl_s: float = 3600.0
     semantic_threshold: float = DEFAULT_SEMANTIC_THRESHOLD
-    max_entry_bytes: int = 1 << 20
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
 
 
 DEFAULT_MAX_CONTINUATIONS = 2

@@ -16,7 +16,7 @@ from dataplane.cache.regionurl import RegionURLError, check_url
 from dataplane.geo import TrustedProxies
 from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
-from dataplane.policy import DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
+from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 from ponto.cliargs import finite_float, listen_address, path
@@ -24,6 +24,7 @@ from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_se
 from ponto.originca import origin_ca_flag
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+MAX_ENTRY_KB = 1 << 20  # --cache-max-entry-kb: 1 GB, past any cache bound given
 # A proxy name the control plane accepts (controlplane.model.NAME_RE, which
 # the data plane does not import; a test keeps the two equal).
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
@@ -331,6 +332,16 @@ def parse(argv: list[str]) -> Settings:
         "Default: 256",
     )
     p.add_argument(
+        "--cache-max-entry-kb",
+        type=int,
+        default=DEFAULT_MAX_ENTRY_BYTES >> 10,
+        metavar="KB",
+        help="the largest answer the cache keeps, in KB (a stream counts its chunks, about "
+        "five times its text: the default keeps a stream of some 4,000 tokens); a larger "
+        'one is relayed but not kept (ponto_cache_unkept_total{reason="too_large"}), and '
+        "a stream is recorded only up to this size. Default: %(default)s",
+    )
+    p.add_argument(
         "--redis",
         default="",
         metavar="URL",
@@ -494,6 +505,8 @@ def parse(argv: list[str]) -> Settings:
     origin_ssl = origin_ca_flag(p, a.origin_ca)
     if a.cache_max_mb < 0:
         p.error("--cache-max-mb must be 0 (no cache) or more")
+    if not 1 <= a.cache_max_entry_kb <= MAX_ENTRY_KB:
+        p.error(f"--cache-max-entry-kb must be 1 to {MAX_ENTRY_KB} (1 GB)")
     if a.cache_ttl <= 0:
         p.error("--cache-ttl must be positive")
     if not a.redis_deadline_ms > 0:
@@ -570,7 +583,11 @@ def parse(argv: list[str]) -> Settings:
         report_interval=a.report_interval_ms / 1000,
         cache_max_bytes=a.cache_max_mb << 20,
         drain_seconds=a.drain_seconds,
-        cache=CacheDefaults(ttl_s=a.cache_ttl, semantic_threshold=a.semantic_threshold),
+        cache=CacheDefaults(
+            ttl_s=a.cache_ttl,
+            semantic_threshold=a.semantic_threshold,
+            max_entry_bytes=a.cache_max_entry_kb << 10,
+        ),
         session_header=session_header,
         stream_idle_timeout=a.stream_idle_timeout,
         edge=EdgeLimits(

@@ -97,6 +97,36 @@ class CachedResponse:
         return not (include_usage and self.usage_missing)
 
 
+# Why the 200 answer of a cacheable request was not kept
+# (`ponto_cache_unkept_total{reason}`; `unkept_reason`).
+TOO_LARGE = "too_large"  # over the entry bound (--cache-max-entry-kb)
+TRUNCATED = "truncated"  # finish_reason "length" (kept with store_truncated)
+CONTINUED = "continued"  # a stream spliced from several origin calls
+INCOMPLETE = "incomplete"  # cut, no [DONE], an error, a shape not known
+
+
+def unkept_reason(refusal: str | None, *, too_large: bool = False) -> str:
+    """The metric's reason for an answer not kept, from `refusal` (a
+    recorder's `reason`, or `finish_refusal`'s) and whether it was too large."""
+    if too_large:
+        return TOO_LARGE
+    if refusal == "finish_reason 'length'":
+        return TRUNCATED
+    return INCOMPLETE
+
+
+def body_unkept_reason(body: bytes, obj: Any, *, max_bytes: int, store_truncated: bool) -> str:
+    """`unkept_reason` of a whole 200 answer that `from_completion` did not
+    keep (`obj`: the body parsed, None when it is not JSON). Pure."""
+    if len(body) + ENTRY_OVERHEAD > max_bytes:
+        return TOO_LARGE
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if isinstance(choices, list):
+        reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)]
+        return unkept_reason(finish_refusal(reasons, store_truncated=store_truncated))
+    return INCOMPLETE
+
+
 def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> str | None:
     """Why a set of finish reasons must not be kept, or None when it may be."""
     seen = False
@@ -204,6 +234,8 @@ class StreamRecorder:
         self._model = ""
         self._done = False
         self.reason: str | None = None
+        # Recording stopped at max_bytes (`ponto_cache_unkept_total`'s too_large).
+        self.too_large = False
 
     def feed(self, data: bytes) -> None:
         """Parse and record raw bytes (for a caller without a parser of its own)."""
@@ -316,6 +348,7 @@ class StreamRecorder:
         self._size += len(payload) + CHUNK_OVERHEAD
         if self._max_bytes is not None and self._size > self._max_bytes:
             self._fail(f"larger than {self._max_bytes} bytes")
+            self.too_large = True
             return
         self._chunks.append(payload)
 

@@ -52,7 +52,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dataplane.cache.bounded import Action, answer_of
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
-from dataplane.cache.entry import CachedResponse, StreamRecorder, from_completion, to_completion
+from dataplane.cache.entry import (
+    CONTINUED,
+    CachedResponse,
+    StreamRecorder,
+    body_unkept_reason,
+    from_completion,
+    to_completion,
+    unkept_reason,
+)
 from dataplane.cache.keys import (
     UncacheableRequest,
     cache_key,
@@ -493,6 +501,15 @@ class EdgeCache:
                 max_bytes=policy.max_entry_bytes,
                 parsed=obj,
             )
+            if entry is None:
+                self._metrics.cache_unkept.labels(
+                    body_unkept_reason(
+                        body,
+                        obj,
+                        max_bytes=policy.max_entry_bytes,
+                        store_truncated=policy.store_truncated,
+                    )
+                ).inc()
         await self._keep(req, plan, entry)
         if plan.leader is not None:
             plan.leader.finish(entry)
@@ -507,8 +524,17 @@ class EdgeCache:
         # A continued stream is complete but carries the splice's metadata:
         # served, not stored.
         stored = end.complete and not end.continued
-        if status == 200 and stored and plan.recorder is not None and plan.key:
-            entry = plan.recorder.finish(now=self._clock(), open_event=end.open_event)
+        recorder = plan.recorder
+        if status == 200 and recorder is not None and plan.key:
+            if stored:
+                entry = recorder.finish(now=self._clock(), open_event=end.open_event)
+            if entry is None:
+                why = (
+                    CONTINUED
+                    if end.continued
+                    else unkept_reason(recorder.reason, too_large=recorder.too_large)
+                )
+                self._metrics.cache_unkept.labels(why).inc()
         await self._keep(req, plan, entry)
         if plan.leader is not None:
             if end.complete:

@@ -1,0 +1,88 @@
+"""An answer the cache does not keep says why in ponto_cache_unkept_total, and
+the largest one it keeps is the proxy's --cache-max-entry-kb (trial 21: a
+stream over 1 MiB, some 4,700 tokens, was a miss every time, with no sign)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dataplane.http.state import METRICS
+from dataplane.settings import MAX_ENTRY_KB, parse
+from ponto.originsim.app import SimConfig
+from tests.functional.test_pipeline import Stack, chat, start_stack
+
+ANSWER = SimConfig(name="o1", answer_tokens=60, seed=1)
+
+
+def unkept(stack: Stack, reason: str) -> float:
+    registry = stack.app[METRICS].registry
+    return registry.get_sample_value("ponto_cache_unkept_total", {"reason": reason}) or 0.0
+
+
+async def twice(stack: Stack, **fields: object) -> tuple[str, str]:
+    """The x-ponto-cache of two identical requests."""
+    seen = []
+    for _ in range(2):
+        resp = await stack.post(chat("tell me a long story", **fields))
+        assert resp.status == 200
+        await resp.read()
+        seen.append(resp.headers["x-ponto-cache"])
+    return seen[0], seen[1]
+
+
+async def test_an_answer_over_the_entry_bound_is_relayed_not_kept_and_counted(
+    tmp_path: Path,
+) -> None:
+    s = await start_stack(tmp_path, [ANSWER], ["--cache-max-entry-kb=2"])
+    try:
+        assert unkept(s, "too_large") == 0  # the series exists before any
+        assert await twice(s, stream=True) == ("miss", "miss")
+        assert unkept(s, "too_large") == 2
+        # The same answer whole is a fifth of its stream's chunks: it fits.
+        assert await twice(s) == ("miss", "hit")
+        assert unkept(s, "too_large") == 2
+        assert s.origin_requests() == 3
+    finally:
+        await s.close()
+
+
+async def test_a_larger_bound_keeps_the_same_stream(tmp_path: Path) -> None:
+    s = await start_stack(tmp_path, [ANSWER], ["--cache-max-entry-kb=64"])
+    try:
+        assert await twice(s, stream=True) == ("miss", "hit")
+        assert s.origin_requests() == 1
+        assert unkept(s, "too_large") == 0
+    finally:
+        await s.close()
+
+
+async def test_a_truncated_answer_is_counted_as_such(tmp_path: Path) -> None:
+    s = await start_stack(tmp_path, [ANSWER])
+    try:
+        assert await twice(s, max_tokens=5) == ("miss", "miss")
+        assert await twice(s, max_tokens=5, stream=True) == ("miss", "miss")
+        assert unkept(s, "truncated") == 4
+        assert unkept(s, "too_large") == 0
+    finally:
+        await s.close()
+
+
+async def test_a_whole_answer_over_the_bound_is_counted_too(tmp_path: Path) -> None:
+    long = SimConfig(name="o1", answer_tokens=400, seed=1)
+    s = await start_stack(tmp_path, [long], ["--cache-max-entry-kb=1"])
+    try:
+        assert await twice(s) == ("miss", "miss")
+        assert unkept(s, "too_large") == 2
+    finally:
+        await s.close()
+
+
+def test_the_bound_is_checked_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["--region=r"]).cache.max_entry_bytes == 1 << 20
+    assert parse(["--region=r", "--cache-max-entry-kb=4096"]).cache.max_entry_bytes == 4 << 20
+    for bad in ("0", "-1", str(MAX_ENTRY_KB + 1)):
+        with pytest.raises(SystemExit):
+            parse(["--region=r", f"--cache-max-entry-kb={bad}"])
+        assert "--cache-max-entry-kb must be 1 to" in capsys.readouterr().err
