@@ -122,6 +122,9 @@ class Exchange:
     tenant: TenantRules | None = None
     model: str = ""
     rewritten: bool = False  # assembly changed the body: `raw` no longer matches it
+    # A stream's idle timeout (the tenant's, else the proxy's): the longest
+    # gap between chunks, the first included; None for no stream, or none set.
+    idle_timeout_s: float | None = None
     # The message lists as the client sent them, kept when the tenant's system
     # prompt may shift their indexes (an origin's error then names the client's).
     sent: dict[str, Any] | None = None
@@ -327,6 +330,8 @@ class Pipeline:
         if not isinstance(model, str) or model not in ex.routes.groups:
             raise model_not_found(asked)
         ex.model = model
+        if ex.stream:
+            ex.idle_timeout_s = ex.tenant.streams.idle_timeout_s or self.stream_idle_timeout
 
     async def admit(self, ex: Exchange) -> None:
         """Take the request's place under its scopes' limits, or refuse it (429/400)."""
@@ -451,6 +456,7 @@ class Pipeline:
                 trace=ex.trace,
                 spent_s=ex.cache.waited_s if ex.cache is not None else 0.0,
                 sent=sent,
+                first_chunk_within=ex.idle_timeout_s,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts
@@ -669,7 +675,7 @@ class Pipeline:
                 origin,
                 plan,
                 counter,
-                idle_timeout=rules.idle_timeout_s or self.stream_idle_timeout,
+                idle_timeout=ex.idle_timeout_s,
                 resume=resume,
                 transcript=transcript,
                 lead=lead,

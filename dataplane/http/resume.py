@@ -124,6 +124,7 @@ class Continuations:
                 stream=True,
                 trace=ex.trace,
                 sent=sent,
+                first_chunk_within=ex.idle_timeout_s,
             )
         except asyncio.CancelledError:
             # Its client left while the continuation was being sent: the call

@@ -258,6 +258,9 @@ class _Tries:
     # An origin's whole answer was longer than max_answer_bytes: no other
     # origin is tried (the same request would make as long an answer).
     too_large: bool = False
+    # A stream's first chunk is due within this many seconds of the call (its
+    # idle timeout), else the next origin is tried; None: the read timeout.
+    first_within: float | None = None
 
 
 @dataclass(slots=True)
@@ -374,6 +377,7 @@ class Forwarder:
         trace: RequestTrace | None = None,
         spent_s: float = 0.0,
         sent: Sent | None = None,
+        first_chunk_within: float | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -400,10 +404,17 @@ class Forwarder:
         With `trace`, each attempt is a span of it, and its headers carry that
         span's trace context. `spent_s` is time the request already spent out of
         its deadline (waiting for another proxy's identical call).
+
+        `first_chunk_within` (seconds; a stream's idle timeout): a streaming
+        attempt whose head or first chunk has not come within it fails and the
+        next candidate is tried, as for any attempt that failed before the
+        client had a byte; without it, the read timeout alone bounds the wait.
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
         tries = _Tries(loop.time() + settings.deadline - spent_s)
+        if stream and first_chunk_within is not None:
+            tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
         ordered = attempt_order(self.outliers.order(candidates), settings.max_attempts)
         answer = None
@@ -505,10 +516,12 @@ class Forwarder:
                 # trickles a body never trips the read timeout.
                 with deadlines.bound(task, tries.deadline):
                     if trace is None:
-                        answer = await self._call(target, path, body, headers, attempt, stream)
+                        answer = await self._call(
+                            target, path, body, headers, attempt, stream, tries.first_within
+                        )
                     else:
                         answer = await self._attempt(
-                            target, path, body, headers, attempt, stream, trace, tries.deadline
+                            target, path, body, headers, attempt, stream, tries, trace
                         )
                 self._won(answer)
                 return answer
@@ -547,7 +560,7 @@ class Forwarder:
         metrics = self._metrics
         first_target, hedge_target = ordered[0], ordered[1]
         sent_at = loop.time()
-        first = self._start(first_target, path, body, headers, 1, stream, trace, tries.deadline)
+        first = self._start(first_target, path, body, headers, 1, stream, tries, trace)
         tries.made = 1
         hedge: asyncio.Task[OriginAnswer] | None = None
         targets = {first: first_target}  # every attempt of the race
@@ -575,9 +588,7 @@ class Forwarder:
                         metrics.hedges.labels("refused").inc()
                         continue
                     metrics.hedges.labels("started").inc()
-                    hedge = self._start(
-                        hedge_target, path, body, headers, 2, stream, trace, tries.deadline
-                    )
+                    hedge = self._start(hedge_target, path, body, headers, 2, stream, tries, trace)
                     running[hedge] = targets[hedge] = hedge_target
                     tries.made = 2
                     continue
@@ -628,13 +639,15 @@ class Forwarder:
         headers: CIMultiDict[str],
         attempt: int,
         stream: bool,
+        tries: _Tries,
         trace: RequestTrace | None,
-        deadline: float,
     ) -> asyncio.Task[OriginAnswer]:
         if trace is None:  # no extra coroutine frame per call when tracing is off
-            return asyncio.create_task(self._call(target, path, body, headers, attempt, stream))
+            return asyncio.create_task(
+                self._call(target, path, body, headers, attempt, stream, tries.first_within)
+            )
         return asyncio.create_task(
-            self._attempt(target, path, body, headers, attempt, stream, trace, deadline)
+            self._attempt(target, path, body, headers, attempt, stream, tries, trace)
         )
 
     async def _end_others(
@@ -736,17 +749,19 @@ class Forwarder:
         headers: CIMultiDict[str],
         attempt: int,
         stream: bool,
+        tries: _Tries,
         trace: RequestTrace,
-        deadline: float,
     ) -> OriginAnswer:
         """One call inside its own span of `trace`, whose context it sends.
-        `deadline` (loop time) is the request's: a cancellation from then on
-        is its timeout."""
+        `tries.deadline` (loop time) is the request's: a cancellation from then
+        on is its timeout."""
         span = trace.attempt(target, attempt)
         try:
-            answer = await self._call(target, path, body, span.inject(headers), attempt, stream)
+            answer = await self._call(
+                target, path, body, span.inject(headers), attempt, stream, tries.first_within
+            )
         except asyncio.CancelledError as exc:
-            if not span.outcome and asyncio.get_running_loop().time() >= deadline:
+            if not span.outcome and asyncio.get_running_loop().time() >= tries.deadline:
                 span.outcome = "timeout"
             span.failed(exc)
             raise
@@ -764,6 +779,7 @@ class Forwarder:
         headers: CIMultiDict[str],
         attempt: int,
         stream: bool,
+        first_within: float | None = None,
     ) -> OriginAnswer:
         if target.credential is not None:
             try:
@@ -781,10 +797,10 @@ class Forwarder:
         sent_at = loop.time()
         loads.started(target.name)
         try:
-            resp = await self._wire.post(target.url(path), body, headers)
+            resp = await self._wire.post(target.url(path), body, headers, first_within)
         except TimeoutError as exc:
             loads.finished(target.name)
-            raise _Retryable("timeout", "timed out before the response started") from exc
+            raise _Retryable("timeout", _no_answer(first_within)) from exc
         except aiohttp.ClientError as exc:
             loads.finished(target.name)
             raise _Retryable("connect_error", f"{type(exc).__name__}: {exc}") from exc
@@ -823,9 +839,16 @@ class Forwarder:
                     # Until the client has seen a byte, a failing origin can
                     # still be replaced by the next one: wait for the first chunk.
                     first = await resp.content.readany()
+                    if first_within is not None:
+                        # The rest of the stream: its relay times its idle gaps.
+                        resp.time_reads(self._settings.read_timeout)
                 else:
                     body_read = await resp.read(self._settings.max_answer_bytes)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except TimeoutError as exc:
+                if not streamed or first_within is None:
+                    raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
+                raise _Retryable("timeout", _no_answer(first_within)) from exc
+            except aiohttp.ClientError as exc:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             except AnswerTooLarge as exc:
                 raise _Retryable(
@@ -860,6 +883,13 @@ class Forwarder:
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+
+
+def _no_answer(first_within: float | None) -> str:
+    """Why an attempt timed out before its answer began, for the log."""
+    if first_within is None:
+        return "timed out before the response started"
+    return f"sent no first chunk within {first_within:g} s (the stream idle timeout)"
 
 
 def attempt_order(ordered: Sequence[Target], attempts: int) -> Sequence[Target]:

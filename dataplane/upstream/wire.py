@@ -185,6 +185,14 @@ class OriginConnection(BaseProtocol):
         """The read timeout runs from now (the request handed to the socket)."""
         self._time_the_origin()
 
+    def time_reads(self, read_timeout: float | None) -> None:
+        """The call's read timeout is `read_timeout` (None: none), from now."""
+        self._read_timeout = read_timeout
+        if read_timeout:
+            self._time_the_origin()
+        else:
+            self._deadline.disarm()
+
     @property
     def idle(self) -> bool:
         """Free for another call: its answer ended, nothing failed or said close,
@@ -460,6 +468,13 @@ class OriginResponse:
         """The media type, lower case, without parameters ("" when absent)."""
         return media_type(self.headers)
 
+    def time_reads(self, read_timeout: float | None) -> None:
+        """From now, `read_timeout` seconds without a byte of the body fail
+        its read (None: no limit): a stream's first chunk may be timed
+        shorter than the rest."""
+        if self._conn is not None:
+            self._conn.time_reads(read_timeout)
+
     async def read(self, limit: int = DEFAULT_MAX_ANSWER_BYTES) -> bytes:
         """The whole body; then the connection is released. AnswerTooLarge
         (the connection closed) when it is longer than `limit` bytes: as soon
@@ -586,18 +601,25 @@ class OriginWire:
             self._endpoints[url] = found
         return found
 
-    async def post(self, url: URL, body: bytes, headers: CIMultiDict[str]) -> OriginResponse:
+    async def post(
+        self,
+        url: URL,
+        body: bytes,
+        headers: CIMultiDict[str],
+        read_timeout: float | None = None,
+    ) -> OriginResponse:
         """Send `body` to `url` with `headers`, to which Host, Content-Length
         and the DEFAULT_HEADERS it lacks are added (set again on every call, so
         one dict serves a request's attempts on several origins); return once
-        the answer's head has arrived."""
+        the answer's head has arrived. `read_timeout` replaces the wire's for
+        this call, until `OriginResponse.time_reads` changes it."""
         endpoint = self._endpoint(url)
         conn = await self._take(endpoint)
         try:
             transport = conn.transport
             if transport is None:
                 raise aiohttp.ServerDisconnectedError()
-            head = conn.expect(self._read_timeout)
+            head = conn.expect(self._read_timeout if read_timeout is None else read_timeout)
             if endpoint.authorization is not None and hdrs.AUTHORIZATION not in headers:
                 # This origin's own: not left in a dict the next attempt reuses.
                 headers = headers.copy()

@@ -406,3 +406,32 @@ async def test_a_client_that_leaves_during_a_continuation_call_has_it_on_its_lin
     assert (line["status"], line["attempts"]) == (499, 2)
     cancelled = {"origin": "o1", "outcome": "cancelled"}
     assert registry.get_sample_value("ponto_upstream_attempts_total", cancelled) == 1
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head-then-nothing", "nothing"])
+async def test_an_origin_silent_before_its_first_chunk_is_left_after_the_idle_timeout(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture, head: bool
+) -> None:
+    """Trial 21: an origin that sent its head and then nothing held the client
+    for its whole stall (up to --read-timeout, 300 s), the idle timeout
+    applying only once a first chunk had come. Before that first chunk the
+    client has nothing, so the next origin is simply asked."""
+
+    async def silent(request: web.Request) -> web.StreamResponse:
+        if head:
+            out = await sse(request)
+            await asyncio.sleep(30)
+            return out
+        await asyncio.sleep(30)
+        raise AssertionError("the proxy waited")
+
+    a, b = Origin(silent), await second_origin()
+    p = await proxy([(a, True), (b, True)], idle="0.2")
+    with caplog.at_level(logging.WARNING):
+        chunks, raw = await p.stream()
+    assert text_of(chunks) == " world"  # the second origin's whole answer
+    assert {c["id"] for c in chunks} == {"second"}
+    assert "continued" not in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "sent no first chunk within 0.2 s (the stream idle timeout)" in said, said
