@@ -748,7 +748,10 @@ def _stream_flags(body: dict[str, object]) -> tuple[bool, bool]:
         raise _ApiError(
             400, "'stream_options' must be an object.", param="stream_options", code="invalid_type"
         )
-    include_usage = options.get("include_usage", False)
+    # null is "not set", as OpenAI's API and vLLM read it (and the proxy passes it).
+    include_usage = options.get("include_usage")
+    if include_usage is None:
+        include_usage = False
     if not isinstance(include_usage, bool):
         raise _ApiError(
             400,

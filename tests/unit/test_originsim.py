@@ -172,6 +172,16 @@ async def test_completions_shape(client: SimClient) -> None:
     assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
 
 
+async def test_a_null_include_usage_is_not_set(client: SimClient) -> None:
+    """As OpenAI's API and vLLM read it; the proxy passes it on (trial 21:
+    the simulator answered 400 "must be a boolean")."""
+    body = chat_body(max_tokens=2, stream=True, stream_options={"include_usage": None})
+    resp = await client.post(CHAT, data=orjson.dumps(body))
+    assert resp.status == 200
+    chunks = [orjson.loads(p) for p in sse_payloads(await resp.read())[:-1]]
+    assert not any(c.get("usage") for c in chunks)
+
+
 async def test_stream_chunks_usage_and_done(client: SimClient) -> None:
     body = chat_body(max_tokens=5, stream=True, stream_options={"include_usage": True})
     resp = await client.post(CHAT, data=orjson.dumps(body))
