@@ -338,7 +338,7 @@ class Metrics:
         self.routes = Counter(
             "ponto_route_decisions",
             "Why each answered request's origin was chosen: affinity, prefix, load, "
-            "weighted, spill, failover or hedge",
+            "weighted, spill, failover, remote or hedge",
             ["reason"],
             registry=r,
         )

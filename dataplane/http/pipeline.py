@@ -498,15 +498,16 @@ class Pipeline:
             groups, mode, key, load_bound=rules.load_bound, limit=limit
         )
         if candidates and candidates[0].region != home and home in routes.known:
-            # The client's own region is past its spill threshold, or has no
-            # usable origin for the model, or none lists it at all: a model
-            # served in one region only is not failing over from the others.
-            if home in routes.hot:
-                ex.route = "spill"
-            elif (home, ex.model) in routes.served:
-                ex.route = "failover"
-            else:
+            # No origin of the client's own region lists the model (a model
+            # served in one region only is not failing over, nor spilling,
+            # from the others), or the region is past its spill threshold, or
+            # has no usable origin for the model.
+            if (home, ex.model) not in routes.served:
                 ex.route = "remote"
+            elif home in routes.hot:
+                ex.route = "spill"
+            else:
+                ex.route = "failover"
         return candidates
 
     async def respond(

@@ -82,19 +82,27 @@ def ranked(group: Sequence[Target], key: int) -> list[Target]:
     score is -weight / ln(u) for its spread u in (0, 1), which makes an origin
     rank first with probability weight / total (weighted rendezvous hashing).
     """
-    w0 = group[0].weight
-    scores: list[int] | list[float]
-    for t in group:
-        if t.weight != w0:
-            scores = [
-                -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
-            ]
-            break
-    else:
-        multiplier, mask = _MULTIPLIER, _M64  # locals: this runs per origin per request
-        scores = [((key ^ t.seed) * multiplier) & mask for t in group]
+    scores = _scores(group, key)
     order = sorted(range(len(group)), key=scores.__getitem__, reverse=True)
     return [group[i] for i in order]
+
+
+def top(group: Sequence[Target], key: int) -> Target:
+    """`ranked(group, key)[0]`, in one pass."""
+    scores = _scores(group, key)
+    return group[max(range(len(group)), key=scores.__getitem__)]
+
+
+def _scores(group: Sequence[Target], key: int) -> list[int] | list[float]:
+    """Each origin's rendezvous score for the key (see `ranked`)."""
+    w0 = group[0].weight
+    for t in group:
+        if t.weight != w0:
+            return [
+                -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
+            ]
+    multiplier, mask = _MULTIPLIER, _M64  # locals: this runs per origin per request
+    return [((key ^ t.seed) * multiplier) & mask for t in group]
 
 
 class Picker:
@@ -115,13 +123,17 @@ class Picker:
     ) -> tuple[list[Target], str]:
         """Candidates in order (groups kept in their order, each ordered by
         the policy) and the reason for the first; stops after the group that
-        reaches `limit` (0: no limit), but never before the second group: its
-        first may take the last attempt when the first group alone fills the
-        limit (`dataplane.upstream.forwarder.attempt_order`)."""
+        reaches `limit` (0: no limit). When the first group alone fills the
+        limit, the second group's first by the policy (its load bound aside)
+        follows it: it may take the last attempt
+        (`dataplane.upstream.forwarder.attempt_order`), and only it is sought,
+        in one pass over its group."""
         out: list[Target] = []
         reason = ""
         for i, group in enumerate(groups):
-            if limit and len(out) >= limit and i != 1:
+            if limit and len(out) >= limit:
+                if i == 1:
+                    out.append(self._first(group, mode, key))
                 break
             ordered, why = self._group(group, mode, key, load_bound)
             if not out:
@@ -154,6 +166,18 @@ class Picker:
                 return [target, *order[:i], *order[i + 1 :]], "load"
         # Every replica is past its bound: the least loaded takes it.
         return self._least_loaded(group), "load"
+
+    def _first(self, group: tuple[Target, ...], mode: str, key: Key | None) -> Target:
+        """The group's first by the policy, its load bound aside; one pass."""
+        if len(group) == 1:
+            return group[0]
+        if mode == WEIGHTED:
+            rand = self._rand
+            return max(group, key=lambda t: rand() ** (1.0 / t.weight))
+        if mode != AFFINITY or key is None:
+            load, rand = self.loads.load, self._rand
+            return min(group, key=lambda t: ((load(t.name) + 1.0) / t.weight, rand()))
+        return top(group, key.value)
 
     def _least_loaded(self, group: tuple[Target, ...]) -> list[Target]:
         if len(group) == 1:

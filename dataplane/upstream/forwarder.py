@@ -25,7 +25,7 @@ import math
 import re
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -416,7 +416,13 @@ class Forwarder:
         if stream and first_chunk_within is not None:
             tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
-        ordered = attempt_order(self.outliers.order(candidates), settings.max_attempts)
+        outliers = self.outliers
+        ordered = attempt_order(
+            outliers.order(candidates),
+            settings.max_attempts,
+            outliers.passed_over,
+            hedged=hedge is not None,
+        )
         answer = None
         try:
             if hedge is not None:
@@ -892,23 +898,34 @@ def _no_answer(first_within: float | None) -> str:
     return f"sent no first chunk within {first_within:g} s (the stream idle timeout)"
 
 
-def attempt_order(ordered: Sequence[Target], attempts: int) -> Sequence[Target]:
+def attempt_order(
+    ordered: Sequence[Target],
+    attempts: int,
+    passed_over: Callable[[str], bool] = lambda _: False,
+    *,
+    hedged: bool = False,
+) -> Sequence[Target]:
     """The origins `attempts` tries go to, from `ordered`: its first
     `attempts`, unless they all share the first's region while another region
-    follows; then that region's first takes the last attempt. A region whose
-    every replica fails at once (a bad rollout, its network) otherwise used
-    every attempt up and answered 502 while another region was healthy (trial
-    19: three replicas, three attempts). Envoy's `previous_priorities` retry
-    predicate spreads its retries across priorities the same way."""
+    follows; then that region's first that is not `passed_over` (ejected or
+    busy: OutlierDetector) takes the last attempt. A region whose every
+    replica fails at once (a bad rollout, its network) otherwise used every
+    attempt up and answered 502 while another region was healthy (trial 19:
+    three replicas, three attempts). Envoy's `previous_priorities` retry
+    predicate spreads its retries across priorities the same way.
+
+    Never the second of the attempts when the request may be `hedged`: the
+    hedge goes to the second, and a hedge is to beat a slow first byte, which
+    a call to a farther region rarely does (review 39)."""
     chosen = ordered[:attempts]
-    if attempts < 2 or len(ordered) <= attempts:
+    if attempts < (3 if hedged else 2) or len(ordered) <= attempts:
         return chosen
     region = chosen[0].region
     for target in chosen:
         if target.region != region:
             return chosen
     for target in ordered[attempts:]:
-        if target.region != region:
+        if target.region != region and not passed_over(target.name):
             return [*chosen[:-1], target]
     return chosen
 

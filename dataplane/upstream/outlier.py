@@ -78,6 +78,14 @@ class OutlierDetector:
         now = self._clock()
         return sum(1 for state in self._states.values() if state.until > now)
 
+    def passed_over(self, origin: str) -> bool:
+        """Whether `order` moves the origin last now: ejected, or busy (a 429)."""
+        state = self._states.get(origin)
+        if state is None:
+            return False
+        now = self._clock()
+        return state.until > now or state.busy_until > now
+
     def ejected(self, origin: str) -> bool:
         state = self._states.get(origin)
         return state is not None and state.until > self._clock()

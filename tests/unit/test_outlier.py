@@ -344,3 +344,15 @@ def test_a_busy_wait_is_capped() -> None:
     detector.busy("a", 3600.0)
     clock.advance(30.0)
     assert names(detector.order([target("a"), target("b")])) == ["a", "b"]
+
+
+def test_passed_over_is_what_order_moves_last() -> None:
+    clock = FakeClock()
+    detector = OutlierDetector(consecutive=1, base=1.0, clock=clock)
+    detector.failure("a")
+    detector.busy("b", 2.0)
+    ordered = detector.order([target(n) for n in ("a", "b", "c")])
+    assert names(ordered) == ["c", "a", "b"]
+    assert [detector.passed_over(n) for n in ("a", "b", "c")] == [True, True, False]
+    clock.advance(2.0 + EPS)
+    assert not any(detector.passed_over(n) for n in ("a", "b", "c"))

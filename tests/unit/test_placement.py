@@ -22,6 +22,7 @@ from dataplane.placement.picker import (
     Picker,
     RoutingRules,
     ranked,
+    top,
 )
 from dataplane.policy import build_policy
 from dataplane.routes import Target, build_routes, origin_seed
@@ -236,13 +237,32 @@ def test_groups_keep_their_order_and_the_limit_stops_after_a_group() -> None:
     assert [t.name for t in order[8:]] == [t.name for t in ranked(other, 7)]
     third = (target("farthest"),)
     picker = Picker(LoadBoard())
-    # The first group alone fills the limit: the second is still ordered, so
-    # that the last attempt may go to another region (attempt_order).
+    # The first group alone fills the limit: the second's first follows it,
+    # so that the last attempt may go to another region (attempt_order).
     limited, _ = picker.order([GROUP, other, third], AFFINITY, key, limit=3)
-    assert [t.name for t in limited] == [t.name for t in order]
+    assert [t.name for t in limited] == [t.name for t in order[:9]]
     small = (target("o0"),)
     limited, _ = picker.order([small, other, third], AFFINITY, key, limit=3)
     assert [t.name for t in limited] == ["o0", *(t.name for t in ranked(other, 7))]
+
+
+@pytest.mark.parametrize("mode", [AFFINITY, LEAST_LOADED, WEIGHTED])
+def test_the_second_groups_first_is_the_one_its_whole_order_puts_first(mode: str) -> None:
+    """Past the limit only the next region's first is sought, in one pass
+    (review 39: ordering the whole group cost 2 us a request); it is the one
+    the group's full order would put first."""
+    other = tuple(target(f"far{i}", weight=50 + 10 * i) for i in range(6))
+    board = LoadBoard()
+    for i, t in enumerate(other):
+        for _ in range(i % 3):
+            board.started(t.name)
+    for seed in range(20):
+        key = Key(seed, "affinity", "header") if mode == AFFINITY else None
+        whole, _ = Picker(board, random.Random(seed).random).order([GROUP, other], mode, key)
+        first, _ = Picker(board, random.Random(seed).random).order(
+            [GROUP, other], mode, key, limit=3
+        )
+        assert first[8] == whole[8] == (top(other, seed) if key else whole[8])
 
 
 def test_rules_default_by_endpoint_and_model_overrides() -> None:
@@ -331,6 +351,7 @@ def two_region_table(
         # Trial 19: a model served in one region only was a "failover" from
         # every other, for good, which made the count useless to alert on.
         ({"home_models": ("other",)}, "remote", "far"),
+        ({"home_models": ("other",), "hot": True}, "remote", "far"),  # not a spill either
     ],
 )
 def test_place_says_spill_failover_or_remote_when_the_home_region_is_passed_over(
@@ -387,3 +408,20 @@ def test_the_last_attempt_goes_to_another_region_when_the_first_has_them_all() -
     assert names(attempt_order([*home, *away], 1)) == ["h0"]  # one attempt: the first
     assert names(attempt_order([*home, *away], 2)) == ["h0", "a0"]
     assert names(attempt_order(home[:2], 3)) == ["h0", "h1"]
+
+
+def test_no_origin_passed_over_takes_the_last_attempt_nor_the_hedges() -> None:
+    """Review 39: an ejected origin of the next region replaced a healthy one
+    at home; with two attempts, the hedge (the second) went to another region."""
+    home = [Target(f"h{i}", "us", f"http://h{i}/v1", 100) for i in range(4)]
+    away = [Target(f"a{i}", "eu", f"http://a{i}/v1", 100) for i in range(2)]
+
+    def names(targets: Sequence[Target]) -> list[str]:
+        return [t.name for t in targets]
+
+    ejected = {"a0"}.__contains__
+    assert names(attempt_order([*home, *away], 3, ejected)) == ["h0", "h1", "a1"]
+    everyone = {"a0", "a1"}.__contains__
+    assert names(attempt_order([*home, *away], 3, everyone)) == ["h0", "h1", "h2"]
+    assert names(attempt_order([*home, *away], 2, hedged=True)) == ["h0", "h1"]
+    assert names(attempt_order([*home, *away], 3, hedged=True)) == ["h0", "h1", "a0"]
