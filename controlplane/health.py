@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 import time
 from collections.abc import Callable
@@ -66,6 +67,9 @@ class _Track:
     failures: int = 0
     written: OriginHealth | None = None
     detail: str = ""
+    # When this process last wrote the origin's health (loop time): a record
+    # read from the store, written by another leader, carries its wall clock.
+    written_at: float = -math.inf
 
 
 def parse_load(text: str) -> float | None:
@@ -116,8 +120,9 @@ def health_line(health: OriginHealth, fall: int) -> str:
     return f"origin {name} is healthy"
 
 
-# A change of load alone is written at most this often per origin (by the
-# probes' own `checked_at`). The table's loads serve spilling between regions,
+# A change of load alone is written at most this often per origin (by this
+# leader's monotonic clock: the records' `checked_at` are wall clocks, maybe
+# another leader's). The table's loads serve spilling between regions,
 # which a few seconds' lag does not hurt (placement inside a region reads the
 # live loads, /ponto/load, every half second), while each write rebuilds and
 # pushes the table: an origin of capacity 4 moves by a tenth of it with every
@@ -125,8 +130,11 @@ def health_line(health: OriginHealth, fall: int) -> str:
 LOAD_WRITE_INTERVAL_S = 5.0
 
 
-def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) -> bool:
-    """Whether `new` is to be written over `old`, the last written: a first
+def worth_writing(
+    old: OriginHealth | None, new: OriginHealth, capacity: int, since: float = math.inf
+) -> bool:
+    """Whether `new` is to be written over `old`, the last written (`since`
+    seconds ago by this process; infinite when another wrote it): a first
     result, a flip of health, a new reason while unhealthy, or (with a stated
     capacity) a move of load by a tenth of it, at most every
     LOAD_WRITE_INTERVAL_S."""
@@ -137,10 +145,7 @@ def worth_writing(old: OriginHealth | None, new: OriginHealth, capacity: int) ->
     if capacity:
         # A change of a tenth of capacity, not a crossing of a rounding edge:
         # jitter around an edge would otherwise push a table every probe.
-        return (
-            abs(new.inflight - old.inflight) >= capacity / 10
-            and new.checked_at - old.checked_at >= LOAD_WRITE_INTERVAL_S
-        )
+        return abs(new.inflight - old.inflight) >= capacity / 10 and since >= LOAD_WRITE_INTERVAL_S
     return False
 
 
@@ -218,7 +223,9 @@ class Prober:
             detail=track.detail,
             checked_at=time.time(),
         )
-        if self._may_write() and worth_writing(track.written, new, origin.capacity):
+        now = asyncio.get_running_loop().time()
+        since = now - track.written_at
+        if self._may_write() and worth_writing(track.written, new, origin.capacity, since):
             flipped = track.written is None or track.written.healthy != new.healthy
             try:
                 await self._catalog.put_health(new, fence=self._fence())
@@ -228,6 +235,6 @@ class Prober:
             except Conflict:
                 log.warning("not recording health of %s: no longer the leader", origin.name)
                 return
-            track.written = new
+            track.written, track.written_at = new, now
             if flipped:
                 log.info("%s", health_line(new, self._settings.fall))

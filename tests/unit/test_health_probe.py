@@ -198,14 +198,8 @@ def test_asymmetric_rise_and_fall() -> None:
 # ---------------------------------------------------------------- worth_writing
 
 
-def health(
-    healthy: bool = True, inflight: float = 0.0, detail: str = "", *, at: float = 0.0
-) -> OriginHealth:
-    """A probe's result at `at` (seconds); the tests of load changes compare
-    results LOAD_WRITE_INTERVAL_S apart unless they say otherwise."""
-    return OriginHealth(
-        origin="o1", healthy=healthy, inflight=inflight, detail=detail, checked_at=at
-    )
+def health(healthy: bool = True, inflight: float = 0.0, detail: str = "") -> OriginHealth:
+    return OriginHealth(origin="o1", healthy=healthy, inflight=inflight, detail=detail)
 
 
 LATER = LOAD_WRITE_INTERVAL_S
@@ -240,27 +234,29 @@ def test_load_change_while_unhealthy_is_not_written() -> None:
 
 
 def test_load_change_of_a_tenth_of_capacity_is_written() -> None:
-    assert worth_writing(health(True, 0), health(True, 1, at=LATER), 10)
-    assert worth_writing(health(True, 2), health(True, 5, at=LATER), 10)
-    assert worth_writing(health(True, 90), health(True, 0, at=LATER), 100)
+    assert worth_writing(health(True, 0), health(True, 1), 10, LATER)
+    assert worth_writing(health(True, 2), health(True, 5), 10, LATER)
+    assert worth_writing(health(True, 90), health(True, 0), 100, LATER)
 
 
 def test_small_load_change_is_not_written() -> None:
-    assert not worth_writing(health(True, 0), health(True, 0.4, at=LATER), 10)
-    assert not worth_writing(health(True, 30), health(True, 31, at=LATER), 100)
+    assert not worth_writing(health(True, 0), health(True, 0.4), 10, LATER)
+    assert not worth_writing(health(True, 30), health(True, 31), 100, LATER)
 
 
 def test_load_alone_is_written_at_most_every_interval() -> None:
     """Trial 19: origins of capacity 4 (a request is more than a tenth of it)
     rewrote their health, and so rebuilt the route table, on nearly every
-    probe under three clients. A flip of health is still written at once."""
-    last = health(True, 0, at=100.0)
-    assert not worth_writing(last, health(True, 3, at=100.5), 4)
-    assert not worth_writing(last, health(True, 4, at=100.0 + LATER - 0.1), 4)
-    assert worth_writing(last, health(True, 1, at=100.0 + LATER), 4)
-    assert worth_writing(last, health(False, 3, "probe answered 503", at=100.5), 4)
-    down = health(False, 0, "probe answered 503", at=100.0)
-    assert worth_writing(down, health(True, 3, at=100.5), 4)
+    probe under three clients. A flip of health is still written at once, and
+    a record another leader wrote (no time of this process's) may be."""
+    last = health(True, 0)
+    assert not worth_writing(last, health(True, 3), 4, 0.5)
+    assert not worth_writing(last, health(True, 4), 4, LATER - 0.1)
+    assert worth_writing(last, health(True, 1), 4, LATER)
+    assert worth_writing(last, health(True, 1), 4)  # written by another leader
+    assert worth_writing(last, health(False, 3, "probe answered 503"), 4, 0.5)
+    down = health(False, 0, "probe answered 503")
+    assert worth_writing(down, health(True, 3), 4, 0.5)
 
 
 def test_load_change_without_capacity_is_not_written() -> None:
@@ -274,10 +270,10 @@ def test_tiny_load_jitter_is_not_written() -> None:
     between 4 and 6 requests out of 100 (2% of capacity) on every probe, and
     so recompile and re-push the route table every interval.
     """
-    assert not worth_writing(health(True, 4), health(True, 6, at=LATER), 100)
-    assert not worth_writing(health(True, 6), health(True, 4, at=LATER), 100)
-    assert not worth_writing(health(True, 6), health(True, 14, at=LATER), 100)  # 8%: same bucket
-    assert worth_writing(health(True, 6), health(True, 16, at=LATER), 100)
+    assert not worth_writing(health(True, 4), health(True, 6), 100, LATER)
+    assert not worth_writing(health(True, 6), health(True, 4), 100, LATER)
+    assert not worth_writing(health(True, 6), health(True, 14), 100, LATER)  # 8%: same bucket
+    assert worth_writing(health(True, 6), health(True, 16), 100, LATER)
 
 
 # ---------------------------------------------------------------- Prober, real servers
@@ -379,6 +375,24 @@ async def test_prober_follows_health_and_load(
     assert up.detail == ""
     assert up.inflight == 13.0
     assert prober.rounds == 3
+
+
+async def test_prober_writes_a_move_of_load_alone_at_most_every_interval(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    origin, server = fake_origin
+    base_url = str(server.make_url("/v1"))
+    catalog = await make_catalog(Origin("o1", base_url, "eu-west", ("llama-3",), capacity=10))
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    await probe(prober, session)
+    origin.metrics = VLLM_METRICS.replace("} 3.0", "} 7.0")  # 9 -> 13 requests
+    await probe(prober, session)
+    first = await stored(catalog, "o1")
+    assert first is not None and first.inflight == 9.0  # written a moment ago
+    origin.status = 503  # a flip is written at once, with the load it has
+    await probe(prober, session)
+    down = await stored(catalog, "o1")
+    assert down is not None and not down.healthy
 
 
 async def test_prober_hysteresis_with_default_rise_fall(
