@@ -60,18 +60,20 @@ def check_name(kind: str, name: str) -> str:
 
 # What a one-line note (a key's description) may not hold, as a terminal
 # would not show it as itself: controls (a newline splits a table's row, an
-# ANSI escape recolours the operator's terminal), format characters (bidi
-# overrides reorder what is shown) and line or paragraph separators. The
-# zero-width (non-)joiners are format characters of ordinary text (emoji
-# sequences, Indic scripts), so they are allowed.
-HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
-_JOINERS = frozenset("\u200c\u200d")
+# ANSI escape recolours the operator's terminal), line and paragraph
+# separators, and the bidi embeddings, overrides and isolates, which reorder
+# what follows them. Other format characters are ordinary text: the joiners
+# of emoji sequences and Indic scripts, the direction marks of mixed
+# right-to-left text (LRM, RLM, ALM), the tags of subdivision flags, a soft
+# hyphen (review 39).
+HIDDEN_CATEGORIES = frozenset({"Cc", "Zl", "Zp"})
+_REORDERING = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 def is_hidden(char: str) -> bool:
     """Whether char (one character) is one a terminal would not show as itself
-    (HIDDEN_CATEGORIES); pure."""
-    return char not in _JOINERS and unicodedata.category(char) in HIDDEN_CATEGORIES
+    (HIDDEN_CATEGORIES, or a bidi embedding, override or isolate); pure."""
+    return char in _REORDERING or unicodedata.category(char) in HIDDEN_CATEGORIES
 
 
 def check_note(what: str, text: str) -> str:
@@ -81,7 +83,7 @@ def check_note(what: str, text: str) -> str:
     for at, char in enumerate(text, 1):
         if is_hidden(char):
             raise InvalidArgument(
-                f"{what} holds the control character {char!a} (character {at}): "
+                f"{what} holds the hidden character {char!a} (character {at}): "
                 "give one line of printable text"
             )
     return text

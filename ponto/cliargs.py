@@ -47,9 +47,10 @@ def listen_address(text: str) -> tuple[str, int]:
     which bound 70000 as 4464 (review 38), and aiohttp, which did the same for
     --http-listen; ":7070" was refused by gRPC as "in use or not this host's"."""
     host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
-    elif ":" in host:
+    if (bracketed and not host) or "[" in host or "]" in host or (":" in host and not bracketed):
         raise argparse.ArgumentTypeError(
             f"expected HOST:PORT with an IPv6 HOST in brackets, [ADDR]:PORT, got {text!r}"
         )

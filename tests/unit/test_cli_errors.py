@@ -80,7 +80,7 @@ def test_a_refusal_that_says_why_is_not_said_twice(capsys: pytest.CaptureFixture
          "--load-bound: must be a finite number, not '-nan'"),
         (["region", "add", "x", "--lat", "-1e3", "--lon", "0"], "latitude -1000.0 of region"),
         (["key", "create", "--tenant", "acme", "--description", "a\x1b[31mred"],
-         "key description holds the control character '\\x1b' (character 2)"),
+         "key description holds the hidden character '\\x1b' (character 2)"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_before_any_call(

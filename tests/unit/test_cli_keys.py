@@ -133,12 +133,21 @@ def test_a_key_description_with_a_hidden_character_is_refused_before_the_call(
     hidden: str,
 ) -> None:
     stub = Stub()
-    said = f"key description holds the control character {hidden!a} (character 4)"
+    said = f"key description holds the hidden character {hidden!a} (character 4)"
     with pytest.raises(InvalidArgument, match=re.escape(said)):
         pontoctl(stub, "key", "create", "--tenant", "acme", "--description", f"ops{hidden}x")
     assert stub.requests == []
-    # Text of any script, emoji sequences with their joiner, is not hidden.
-    shown = ["clé de l'équipe ✓", "家族 👨\u200d👩\u200d👧", "نص"]
+    # Text of any script, emoji sequences with their joiner, is not hidden;
+    # nor the marks of mixed-direction text, a flag's tags, a soft hyphen
+    # (review 39: all format characters were refused).
+    shown = [
+        "clé de l'équipe ✓",
+        "家族 👨\u200d👩\u200d👧",
+        "نص",
+        "עברית\u200e (v2)",
+        "\U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f team",
+        "re\u00adcovery",
+    ]
     for description in shown:
         pontoctl(stub, "key", "create", "--tenant", "acme", "--description", description)
     assert [r.description for r in stub.requests] == shown
@@ -151,7 +160,7 @@ async def test_the_admin_api_refuses_a_key_description_with_a_hidden_character()
             await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", description=RAW))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details() == (
-            "key description holds the control character '\\n' (character 6): "
+            "key description holds the hidden character '\\n' (character 6): "
             "give one line of printable text"
         )
         assert (await stub.ListKeys(apb.ListKeysRequest())).keys == []

@@ -113,7 +113,8 @@ def test_a_listen_address_is_host_and_port(text: str, address: tuple[str, int]) 
 @pytest.mark.parametrize(
     "text",
     ["127.0.0.1", "127.0.0.1:", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:+80",
-     "127.0.0.1: 80", "127.0.0.1:\u00b2", "127.0.0.1:\u0668\u0660", "::1:80", "", ":"],
+     "127.0.0.1: 80", "127.0.0.1:\u00b2", "127.0.0.1:\u0668\u0660", "::1:80", "", ":",
+     "[]:80", "[[::1]]:80", "[127.0.0.1:80", "a]:80"],
 )  # fmt: skip
 def test_what_is_no_listen_address_is_refused(text: str) -> None:
     """ "\u00b2" and "\u0668\u0660" pass str.isdigit(); int() failed on the one
