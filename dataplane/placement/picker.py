@@ -87,12 +87,6 @@ def ranked(group: Sequence[Target], key: int) -> list[Target]:
     return [group[i] for i in order]
 
 
-def top(group: Sequence[Target], key: int) -> Target:
-    """`ranked(group, key)[0]`, in one pass."""
-    scores = _scores(group, key)
-    return group[max(range(len(group)), key=scores.__getitem__)]
-
-
 def _scores(group: Sequence[Target], key: int) -> list[int] | list[float]:
     """Each origin's rendezvous score for the key (see `ranked`)."""
     w0 = group[0].weight
@@ -124,16 +118,17 @@ class Picker:
         """Candidates in order (groups kept in their order, each ordered by
         the policy) and the reason for the first; stops after the group that
         reaches `limit` (0: no limit). When the first group alone fills the
-        limit, the second group's first by the policy (its load bound aside)
-        follows it: it may take the last attempt
-        (`dataplane.upstream.forwarder.attempt_order`), and only it is sought,
-        in one pass over its group."""
+        limit, one origin of the second group follows it, drawn by weight:
+        it may take the last attempt when the first region fails as a whole
+        (`dataplane.upstream.forwarder.attempt_order`), a last resort spread
+        over that region rather than placed by key or load, which would cost
+        every request the ordering of a group it seldom uses."""
         out: list[Target] = []
         reason = ""
         for i, group in enumerate(groups):
             if limit and len(out) >= limit:
                 if i == 1:
-                    out.append(self._first(group, mode, key))
+                    out.append(self._drawn(group))
                 break
             ordered, why = self._group(group, mode, key, load_bound)
             if not out:
@@ -167,17 +162,17 @@ class Picker:
         # Every replica is past its bound: the least loaded takes it.
         return self._least_loaded(group), "load"
 
-    def _first(self, group: tuple[Target, ...], mode: str, key: Key | None) -> Target:
-        """The group's first by the policy, its load bound aside; one pass."""
+    def _drawn(self, group: tuple[Target, ...]) -> Target:
+        """One origin of the group, each with probability weight / total: one
+        draw and one pass."""
         if len(group) == 1:
             return group[0]
-        if mode == WEIGHTED:
-            rand = self._rand
-            return max(group, key=lambda t: rand() ** (1.0 / t.weight))
-        if mode != AFFINITY or key is None:
-            load, rand = self.loads.load, self._rand
-            return min(group, key=lambda t: ((load(t.name) + 1.0) / t.weight, rand()))
-        return top(group, key.value)
+        point = self._rand() * sum(t.weight for t in group)
+        for target in group:
+            point -= target.weight
+            if point < 0:
+                return target
+        return group[-1]
 
     def _least_loaded(self, group: tuple[Target, ...]) -> list[Target]:
         if len(group) == 1:

@@ -22,7 +22,6 @@ from dataplane.placement.picker import (
     Picker,
     RoutingRules,
     ranked,
-    top,
 )
 from dataplane.policy import build_policy
 from dataplane.routes import Target, build_routes, origin_seed
@@ -236,33 +235,27 @@ def test_groups_keep_their_order_and_the_limit_stops_after_a_group() -> None:
     assert {t.name for t in order[:8]} == {t.name for t in GROUP}
     assert [t.name for t in order[8:]] == [t.name for t in ranked(other, 7)]
     third = (target("farthest"),)
-    picker = Picker(LoadBoard())
-    # The first group alone fills the limit: the second's first follows it,
-    # so that the last attempt may go to another region (attempt_order).
+    # The first group alone fills the limit: one origin of the second follows
+    # it, so that the last attempt may go to another region (attempt_order).
+    picker = Picker(LoadBoard(), rand=lambda: 0.5)
     limited, _ = picker.order([GROUP, other, third], AFFINITY, key, limit=3)
-    assert [t.name for t in limited] == [t.name for t in order[:9]]
+    assert [t.name for t in limited] == [*(t.name for t in order[:8]), "far1"]
     small = (target("o0"),)
     limited, _ = picker.order([small, other, third], AFFINITY, key, limit=3)
     assert [t.name for t in limited] == ["o0", *(t.name for t in ranked(other, 7))]
 
 
-@pytest.mark.parametrize("mode", [AFFINITY, LEAST_LOADED, WEIGHTED])
-def test_the_second_groups_first_is_the_one_its_whole_order_puts_first(mode: str) -> None:
-    """Past the limit only the next region's first is sought, in one pass
-    (review 39: ordering the whole group cost 2 us a request); it is the one
-    the group's full order would put first."""
-    other = tuple(target(f"far{i}", weight=50 + 10 * i) for i in range(6))
-    board = LoadBoard()
-    for i, t in enumerate(other):
-        for _ in range(i % 3):
-            board.started(t.name)
-    for seed in range(20):
-        key = Key(seed, "affinity", "header") if mode == AFFINITY else None
-        whole, _ = Picker(board, random.Random(seed).random).order([GROUP, other], mode, key)
-        first, _ = Picker(board, random.Random(seed).random).order(
-            [GROUP, other], mode, key, limit=3
-        )
-        assert first[8] == whole[8] == (top(other, seed) if key else whole[8])
+def test_the_next_regions_origin_past_the_limit_is_drawn_by_weight() -> None:
+    """Drawn, not ordered: review 39 measured ordering a group every request
+    seldom uses at 2 us a request; a draw spreads the last attempts of a
+    region failing as a whole over the next region."""
+    other = (target("light", weight=100), target("heavy", weight=300))
+    picker = Picker(LoadBoard(), rand=random.Random(1).random)
+    drawn = Counter(
+        picker.order([GROUP, other], AFFINITY, Key(i, "affinity", "header"), limit=3)[0][8].name
+        for i in range(4000)
+    )
+    assert 0.70 < drawn["heavy"] / 4000 < 0.80
 
 
 def test_rules_default_by_endpoint_and_model_overrides() -> None:
