@@ -28,7 +28,9 @@ class WindowMeter(Generic[Sample, Result]):
     status page samples every few seconds, viewed or not; etcd was away):
     either way the history is dropped and the rate is unknown until the next
     sample, never negative nor an average over the gap. A key's first sample
-    is where its rates start: unknown until the next. Callers key
+    is where its rates start: unknown until the next, unless the caller knows
+    when its counters were all 0 (`start`: a proxy's process start) within
+    the window before it. Callers key
     by one connection of a proxy (name and session), so a restarted proxy
     starts afresh even once its new counters pass the old ones. Used from one
     event loop.
@@ -40,10 +42,17 @@ class WindowMeter(Generic[Sample, Result]):
         self._window = window
         self._samples: dict[str, deque[tuple[float, Sample]]] = {}
 
-    def observe(self, key: str, at: float, counts: Sample) -> Result | None:
+    def observe(
+        self, key: str, at: float, counts: Sample, start: float | None = None
+    ) -> Result | None:
         """Add a sample (ignored if not newer than the last) and return the
-        rates per second over the window, or None while they are unknown."""
+        rates per second over the window, or None while they are unknown.
+        `start`: when the key's counters were all 0, which a first sample
+        within the window after it is measured from (trial 22: a proxy's
+        first report held a whole burst, which its rates never showed)."""
         samples = self._samples.setdefault(key, deque())
+        if not samples and start is not None and 0 < at - start <= self._window:
+            samples.append((start, self._zero(counts)))
         if samples:
             last_at, last = samples[-1]
             if self._went_down(last, counts) or at - last_at > self._window:
@@ -63,6 +72,10 @@ class WindowMeter(Generic[Sample, Result]):
         return self._per_second(samples, samples[-1][0] - samples[0][0])
 
     def _went_down(self, last: Sample, counts: Sample) -> bool:
+        raise NotImplementedError
+
+    def _zero(self, counts: Sample) -> Sample:
+        """Counters of `counts`' shape, all 0."""
         raise NotImplementedError
 
     def _per_second(self, samples: deque[tuple[float, Sample]], seconds: float) -> Result:
@@ -86,6 +99,9 @@ class RateMeter(WindowMeter[Counts, Rates]):
     def _went_down(self, last: Counts, counts: Counts) -> bool:
         return _fell(last, counts)
 
+    def _zero(self, counts: Counts) -> Counts:
+        return (0,) * len(counts)
+
     def _per_second(self, samples: deque[tuple[float, Counts]], seconds: float) -> Rates:
         first, last = samples[0][1], samples[-1][1]
         return tuple((b - a) / seconds for a, b in zip(first, last, strict=True))
@@ -104,6 +120,9 @@ class NamedRateMeter(WindowMeter[Mapping[str, Counts], dict[str, Rates]]):
 
     def _went_down(self, last: Mapping[str, Counts], counts: Mapping[str, Counts]) -> bool:
         return False  # per name, in _per_second
+
+    def _zero(self, counts: Mapping[str, Counts]) -> Mapping[str, Counts]:
+        return {}  # a name missing before counts from 0
 
     def _per_second(
         self, samples: deque[tuple[float, Mapping[str, Counts]]], seconds: float

@@ -458,7 +458,9 @@ class StatusWeb:
             # as the burst may come in a single write.
             meter.observe(key, now - 2 * TRAFFIC_EVERY, counts)
             return quiet
-        return meter.observe(key, p.heard_at, counts)
+        # Its counters were 0 when its process started: a first report soon
+        # after (a burst in a proxy's first seconds) has rates at once.
+        return meter.observe(key, p.heard_at, counts, start=p.started_at or None)
 
     async def _drain(self, request: web.Request, *, kind: str, drained: bool) -> web.Response:
         """A drain or undrain, counted as the Admin API call that does the

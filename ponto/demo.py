@@ -666,6 +666,10 @@ def main(argv: list[str] | None = None) -> int:
         devenv.children.stop()
         if remove:
             shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            # Kept to be read: say where (trial 22 had to guess, and each
+            # failed check left another directory behind).
+            print(f"logs kept in {workdir}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

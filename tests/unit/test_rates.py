@@ -91,3 +91,15 @@ def test_a_name_gone_or_counted_again_from_zero_leaves_the_others_alone() -> Non
     assert meter.observe("p", 2.0, {"a": (8,)}) == {"a": (1.5,)}
     # a forgotten and counted again from 0 (its 3 before kept), b counted from 0.
     assert meter.observe("p", 4.0, {"a": (2,), "b": (3,)}) == {"a": (1.25,), "b": (0.75,)}
+
+
+def test_a_first_sample_soon_after_its_start_is_measured_from_zero() -> None:
+    """Trial 22: a proxy's first report held the whole burst `make demo-check`
+    sent, and its rates stayed unknown: the first sample was only a start."""
+    meter = RateMeter(window=10.0)
+    assert meter.observe("p", 104.0, (8, 2, 0), start=100.0) == (2.0, 0.5, 0.0)
+    # A start before the window, or not before the sample, is no help.
+    assert meter.observe("q", 150.0, (8, 2, 0), start=100.0) is None
+    assert meter.observe("r", 100.0, (8, 2, 0), start=100.0) is None
+    named = NamedRateMeter(window=10.0)
+    assert named.observe("p", 102.0, {"eu": (4, 0)}, start=100.0) == {"eu": (2.0, 0.0)}

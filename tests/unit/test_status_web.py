@@ -305,6 +305,30 @@ async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
     assert region_rates(eu) == (14.0, 0.0, 0.0, 14.0, 0.0)
 
 
+async def test_a_proxy_started_within_the_window_has_rates_from_its_first_report(
+    plane: Plane,
+) -> None:
+    """Trial 22: `make demo-check` sent its burst in the proxies' first
+    seconds, their first reports held all of it, and the page showed no
+    rate: a first report was only where the rates started. A proxy's
+    counters were 0 when its process started, which it says at Register."""
+    web = web_of(plane)
+
+    async def report(at: float, traffic: dict[str, Traffic]) -> dict[str, Any]:
+        plane.clock.now = at
+        await plane.catalog.put_traffic("r1", traffic, plane.lease)
+        regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
+        eu: dict[str, Any] = regions["eu-west"]
+        return eu
+
+    record = ProxyRecord(
+        "p-eu", "eu-west", "p-eu:8080", "1.0", "s-p-eu", "r1", 1_001.0, started_at=1_000.0
+    )
+    await plane.catalog.register_proxy(record, plane.lease)
+    eu = await report(1_004.0, {"p-eu": (40, 0, 4, 1_004.0, {"eu-west": (40, 0)}, {})})
+    assert region_rates(eu) == (10.0, 0.0, 1.0, 10.0, 0.0)
+
+
 async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Plane) -> None:
     """All calls arrive at p-us; origins of three regions serve them, one of
     which (ap-southeast) has no proxy."""
