@@ -109,6 +109,9 @@ class ProxyRegistry:
         self._ttl = lease_ttl
         self._lease = 0
         self._lease_lock = asyncio.Lock()
+        # Set when a write found the lease gone: the keepalive looks at once
+        # rather than at its next beat.
+        self._lease_suspect = asyncio.Event()
         self.sessions: dict[str, ProxyRecord] = {}
         self._by_name: dict[str, str] = {}  # proxy name -> its current session id
         # Session id -> the store revision its registration was last written
@@ -222,6 +225,16 @@ class ProxyRegistry:
             self._unstreamed.pop(record.session_id, None)  # nothing was written
             await self._note_conflict(record, exc.holder_address, exc.holder_host, "refused")
             raise
+        except LeaseExpired:
+            # The replica stalled past its lease (a stopped process, a paused
+            # VM): its keepalive re-grants it and rewrites its proxies; this
+            # one tries again meanwhile. It was an INTERNAL with a traceback,
+            # and a warning 15 s later of a stream never opened (trial 22).
+            self._unstreamed.pop(record.session_id, None)  # nothing was written
+            self._lease_suspect.set()
+            raise Unavailable(
+                "this control plane's lease expired (it stalled); it is renewing it, try again"
+            ) from None
         old = self._by_name.get(name)
         if old is not None:
             if self.streaming_now(old):
@@ -531,7 +544,9 @@ class ProxyRegistry:
     async def keepalive(self) -> None:
         """Refresh the lease until cancelled; re-grant and rewrite records if it was lost."""
         while True:
-            await asyncio.sleep(max(self._ttl / 3, 0.2))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_suspect.wait(), max(self._ttl / 3, 0.2))
+            self._lease_suspect.clear()
             if not self._lease:
                 if self.sessions or self._announcement is not None:
                     await self._rewrite()

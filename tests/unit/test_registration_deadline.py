@@ -750,3 +750,29 @@ async def test_a_lease_that_cannot_be_kept_is_said_once(caplog: pytest.LogCaptur
         keeping.cancel()
     levels = [r.levelname for r in caplog.records if "lease keepalive" in r.getMessage()]
     assert levels[0] == "WARNING" and set(levels[1:-1]) == {"DEBUG"} and levels[-1] == "INFO"
+
+
+async def test_a_register_under_a_lease_that_expired_is_unavailable_and_renews_it() -> None:
+    """Trial 22: after a replica stalled past its lease (SIGSTOP for 30 s),
+    proxies' Register calls got INTERNAL, with a traceback logged, and 15 s
+    later a warning of streams never opened. It is UNAVAILABLE (the proxy
+    tries again), nothing of it is left, and the keepalive renews the lease
+    at once rather than at its next beat."""
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0, lease_ttl=60)
+    held = await registry.register("p-held", "eu", "127.0.0.1:1", "1")
+    stale = await registry.lease()
+    await catalog.store.revoke_lease(stale)  # the stall: the lease lapsed
+    with pytest.raises(Unavailable, match="lease expired"):
+        await registry.register("p-new", "eu", "127.0.0.1:2", "1")
+    assert set(registry._unstreamed) == {held.session_id}  # p-new left nothing
+    keeping = asyncio.create_task(registry.keepalive())  # its beat: 20 s
+    try:
+        async with asyncio.timeout(5):
+            while registry._lease in (0, stale):
+                await asyncio.sleep(0.01)
+    finally:
+        keeping.cancel()
+    assert [p.name for p in await catalog.list_proxies()] == ["p-held"]  # rewritten
+    again = await registry.register("p-new", "eu", "127.0.0.1:2", "1")
+    assert again.name == "p-new"
