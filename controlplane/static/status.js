@@ -8,12 +8,26 @@
 "use strict";
 
 const POLL_MS = 2000;
+// A read or a change not answered by then fails, said as a refused one is: a
+// stalled control plane (a stopped process, a paused VM) had left the page
+// showing its last status as current, polling no more (trial 22).
+const STATUS_WITHIN_MS = 5000;
+const CHANGE_WITHIN_MS = 10000;
 const TOKEN_KEY = "ponto-admin-token";
 const SVG = "http://www.w3.org/2000/svg";
 let writes = "open";
 let pending = null; // the action waiting for the token form
 let timer = null;
 let unreachable = false; // the last poll failed and said so
+
+async function fetchWithin(url, options, ms) {
+  try {
+    return await fetch(url, { ...options, signal: AbortSignal.timeout(ms) });
+  } catch (error) {
+    if (error.name === "TimeoutError") throw new Error(`no answer in ${ms / 1000} s`);
+    throw error;
+  }
+}
 
 function el(tag, attrs, ...children) {
   const node = tag.startsWith("svg:")
@@ -239,7 +253,7 @@ function render(status) {
 async function poll() {
   clearTimeout(timer);
   try {
-    const response = await fetch("/api/status", { cache: "no-store" });
+    const response = await fetchWithin("/api/status", { cache: "no-store" }, STATUS_WITHIN_MS);
     if (!response.ok) throw new Error(`status ${response.status}`);
     render(await response.json());
     if (unreachable) say("", "ok");
@@ -268,8 +282,9 @@ async function act(kind, name, verb) {
   const headers = { "X-Ponto-Request": "1" };
   if (token) headers.Authorization = `Bearer ${token}`;
   try {
-    const response = await fetch(
-      `/api/${kind}/${encodeURIComponent(name)}/${verb}`, { method: "POST", headers });
+    const response = await fetchWithin(
+      `/api/${kind}/${encodeURIComponent(name)}/${verb}`, { method: "POST", headers },
+      CHANGE_WITHIN_MS);
     const body = await response.json().catch(() => ({}));
     if (!response.ok) {
       if (response.status === 401 || response.status === 403) sessionStorage.removeItem(TOKEN_KEY);
@@ -284,7 +299,9 @@ async function act(kind, name, verb) {
     say([body.changed === false ? `${name} is already ${done}: nothing changed` : `${name} ${done}`,
       ...warnings.map((w) => `warning: ${w}`)].join("\n"), warnings.length ? "warn" : "ok");
   } catch (error) {
-    say(`${verb} ${name} failed: ${error.message}`, "error");
+    // Sent but not answered: it may have been done all the same.
+    const maybe = error.message.startsWith("no answer") ? " (it may be done all the same)" : "";
+    say(`${verb} ${name} failed: ${error.message}${maybe}`, "error");
   }
   poll();
 }

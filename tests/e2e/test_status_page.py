@@ -449,6 +449,34 @@ def test_an_unknown_region_rate_is_a_dash_with_the_reason(page: webdriver.Chrome
     assert all(title.startswith("not known yet") for title in shown[2] + shown[3])
 
 
+# fetch as a control plane that stalled (a stopped process, a paused VM) has
+# it: nothing comes, until the page gives up on it.
+HUNG_FETCH = (
+    "window.fetch = (url, options) => new Promise((_, reject) =>"
+    " options.signal.addEventListener('abort', () => reject(options.signal.reason)));"
+)
+
+
+def test_a_control_plane_that_does_not_answer_is_said_so(page: webdriver.Chrome) -> None:
+    """Trial 22: with the control plane stopped (SIGSTOP) the page kept its
+    last status as current, said nothing and polled no more; a drain clicked
+    meanwhile said nothing either."""
+    message = page.find_element(By.ID, "message")
+    page.execute_script(HUNG_FETCH + "poll();")
+    wait(page, lambda _: message.text == "Cannot read the status: no answer in 5 s")
+    # A token, whatever it is: the call is sent, and never answered.
+    page.execute_script(
+        "sessionStorage.setItem(TOKEN_KEY, 'any'); act('regions', 'us-east', 'drain');"
+    )
+    wait(
+        page,
+        lambda _: (
+            message.text == "drain us-east failed: no answer in 10 s (it may be done all the same)"
+        ),
+    )
+    page.refresh()  # fetch as it was: the next test's page answers again
+
+
 def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> None:
     shown = cast(list[dict[str, object]], FAKE_STATUS["proxies"])[0]
     status = {**FAKE_STATUS, "proxies": [{**shown, "name": "quiet", "age_s": 120, "stale": True}]}
