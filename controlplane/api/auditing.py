@@ -250,7 +250,10 @@ def _asked_expiry(at: float, in_s: float) -> dict[str, str]:
 
 
 def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:
-    return f"cache/{req.tenant or '*'}", {"model": req.model or "*"}
+    """Target `cache/TENANT/MODEL` (`*`: all): a purge of one model and one
+    of everything differ in `get audit`'s table, not only in its yaml."""
+    tenant, model = req.tenant or "*", req.model or "*"
+    return f"cache/{tenant}/{model}", {"model": model}
 
 
 # What the per-object changes of an Apply entry may take, and each of them:
