@@ -321,12 +321,25 @@ async def test_a_proxy_started_within_the_window_has_rates_from_its_first_report
         eu: dict[str, Any] = regions["eu-west"]
         return eu
 
+    # Registered (at 1,000 by its replica's clock) 1.5 s after its start (by
+    # its own): its counters were about 0 then, whatever the clocks' skew.
     record = ProxyRecord(
-        "p-eu", "eu-west", "p-eu:8080", "1.0", "s-p-eu", "r1", 1_001.0, started_at=1_000.0
+        "p-eu", "eu-west", "p-eu:8080", "1.0", "s-p-eu", "r1", 1_000.0, started_at=998.5
     )
     await plane.catalog.register_proxy(record, plane.lease)
     eu = await report(1_004.0, {"p-eu": (40, 0, 4, 1_004.0, {"eu-west": (40, 0)}, {})})
     assert region_rates(eu) == (10.0, 0.0, 1.0, 10.0, 0.0)
+    # A process that had run a while when it registered (connecting again,
+    # to this replica) counted before: unknown until its next report.
+    record = ProxyRecord(
+        "p-eu2", "eu-west", "p-eu2:8080", "1.0", "s-p-eu2", "r1", 1_000.0, started_at=400.0
+    )
+    await plane.catalog.register_proxy(record, plane.lease)
+    traffic: dict[str, Traffic] = {
+        "p-eu": (80, 0, 8, 1_008.0, {"eu-west": (80, 0)}, {}),
+        "p-eu2": (900, 0, 0, 1_008.0, {"eu-west": (900, 0)}, {}),
+    }
+    assert region_rates(await report(1_008.0, traffic))[0] is None
 
 
 async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Plane) -> None:
