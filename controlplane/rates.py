@@ -29,7 +29,7 @@ class WindowMeter(Generic[Sample, Result]):
     either way the history is dropped and the rate is unknown until the next
     sample, never negative nor an average over the gap. A key's first sample
     is where its rates start: unknown until the next, unless the caller knows
-    when its counters were all 0 (`start`: a proxy's process start) within
+    when its counters were all 0 (`start`: a new proxy's registration) within
     the window before it. Callers key
     by one connection of a proxy (name and session), so a restarted proxy
     starts afresh even once its new counters pass the old ones. Used from one
