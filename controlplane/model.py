@@ -275,6 +275,10 @@ class ProxyRecord:
     # When the proxy's process started (Unix time; 0: it did not say): of two
     # processes of one name, the later one keeps the registration.
     started_at: float = 0.0
+    # When its counters were 0 (its start), by its replica's clock: the
+    # registration less the process's age then, by the proxy's own clock,
+    # so neither clock's skew counts (0: not known).
+    counting_from: float = 0.0
     # The host its registration came from (the gRPC peer's address, without
     # its port; "": unknown), which tells two proxies given one --name and
     # one --advertise apart from a group's workers.

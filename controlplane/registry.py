@@ -195,12 +195,15 @@ class ProxyRegistry:
         *,
         started_at: float = 0.0,
         host: str = "",
+        age_s: float | None = None,
     ) -> ProxyRecord:
         """Register proxy `name`, replacing the registration of its name unless
         that one's process started later (Superseded): a group's worker that a
         reload replaced, or a proxy back from a partition after its restart
-        elsewhere, must not take the name from its successor."""
+        elsewhere, must not take the name from its successor. `age_s`: how
+        long its process had run when it asked (its counters' age)."""
         lease = await self._ensure_lease()
+        connected_at = time.time()
         record = ProxyRecord(
             name=name,
             region=region,
@@ -208,8 +211,9 @@ class ProxyRegistry:
             version=version,
             session_id=uuid.uuid4().hex,
             control_plane_id=self.replica_id,
-            connected_at=time.time(),
+            connected_at=connected_at,
             started_at=started_at,
+            counting_from=connected_at - age_s if age_s is not None else 0.0,
             host=host,
         )
         # Timed before the write: a call cancelled (the proxy gone) or failed

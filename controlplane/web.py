@@ -82,9 +82,6 @@ STATIC = Path(__file__).with_name("static")
 # replica writes reports every TRAFFIC_EVERY seconds when they change, so this
 # is also the rates' window: a few reports.
 STALE_AFTER = 3 * TRAFFIC_EVERY
-# A proxy that registered this soon after its process started (by its own
-# clock) had counted next to nothing when it did (_counting_from).
-JUST_STARTED_S = 10.0
 # How often the replica samples the proxies' reports for the rates, viewed or
 # not (StatusWeb.sample_forever): twice per TRAFFIC_EVERY, so every report a
 # replica writes is read before the next replaces it.
@@ -746,12 +743,9 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
 
 
 def _counting_from(p: ProxyRecord) -> float | None:
-    """When, by its replica's clock, proxy `p`'s counters were about 0: its
-    registration, when its process had started just before (trial 22: a
-    burst in a proxy's first seconds, all in its first report, showed no
-    rate); None otherwise (a process connecting again counted before). Its
-    own start time is not used as such: it is the proxy's clock, and a clock
-    a little ahead would make the rates of its first report many times over."""
-    if p.started_at and 0.0 <= p.connected_at - p.started_at <= JUST_STARTED_S:
-        return p.connected_at
-    return None
+    """When, by its replica's clock, proxy `p`'s counters were 0: its start,
+    as its registration said it (trial 22: a burst in a proxy's first
+    seconds, all in its first report, showed no rate); None when not known.
+    Not its own start time: that is the proxy's clock, and one a little
+    ahead would make the rates of its first report many times over."""
+    return p.counting_from or None

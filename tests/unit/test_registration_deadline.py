@@ -531,8 +531,13 @@ async def test_a_proxy_whose_clock_runs_ahead_registers() -> None:
     info = pb.ProxyInfo(
         name="p1", region="eu", address="127.0.0.1:1", started_at=ahead - 60.0, sent_at=ahead
     )
+    before = time.time()
     reply = await routing.register(pb.RegisterRequest(proxy=info), RefusingStream())
-    assert registry.sessions[reply.session_id].started_at == ahead - 60.0
+    record = registry.sessions[reply.session_id]
+    assert record.started_at == ahead - 60.0
+    # Its counters' start by this replica's clock: 60 s before it registered,
+    # the hour ahead aside (review 40: the status page's first rates).
+    assert before - 60.0 <= record.counting_from <= record.connected_at - 60.0
 
 
 async def test_a_process_that_does_not_say_its_start_supersedes_and_is_superseded_by_none() -> None:

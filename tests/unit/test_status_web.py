@@ -321,18 +321,19 @@ async def test_a_proxy_started_within_the_window_has_rates_from_its_first_report
         eu: dict[str, Any] = regions["eu-west"]
         return eu
 
-    # Registered (at 1,000 by its replica's clock) 1.5 s after its start (by
-    # its own): its counters were about 0 then, whatever the clocks' skew.
+    # Registered at 1,001.5 by its replica's clock, 1.5 s after its start
+    # by its own: its counters were 0 at 1,000 by the replica's.
     record = ProxyRecord(
-        "p-eu", "eu-west", "p-eu:8080", "1.0", "s-p-eu", "r1", 1_000.0, started_at=998.5
+        "p-eu", "eu-west", "p-eu:8080", "1.0", "s-p-eu", "r1", 1_001.5, counting_from=1_000.0
     )
     await plane.catalog.register_proxy(record, plane.lease)
     eu = await report(1_004.0, {"p-eu": (40, 0, 4, 1_004.0, {"eu-west": (40, 0)}, {})})
     assert region_rates(eu) == (10.0, 0.0, 1.0, 10.0, 0.0)
     # A process that had run a while when it registered (connecting again,
-    # to this replica) counted before: unknown until its next report.
+    # to this replica): counted since before the window, unknown until its
+    # next report.
     record = ProxyRecord(
-        "p-eu2", "eu-west", "p-eu2:8080", "1.0", "s-p-eu2", "r1", 1_000.0, started_at=400.0
+        "p-eu2", "eu-west", "p-eu2:8080", "1.0", "s-p-eu2", "r1", 1_000.0, counting_from=400.0
     )
     await plane.catalog.register_proxy(record, plane.lease)
     traffic: dict[str, Traffic] = {
