@@ -495,7 +495,12 @@ class Pipeline:
             )
         groups = routes.groups_for(ex.model, home)
         candidates, ex.route = self.picker.order(
-            groups, mode, key, load_bound=rules.load_bound, limit=limit
+            groups,
+            mode,
+            key,
+            load_bound=rules.load_bound,
+            limit=limit,
+            passed_over=self.forwarder.outliers.passed_over,
         )
         if candidates and candidates[0].region != home and home in routes.known:
             # No origin of the client's own region lists the model (a model

@@ -114,12 +114,15 @@ class Picker:
         *,
         load_bound: float = DEFAULT_LOAD_BOUND,
         limit: int = 0,
+        passed_over: Callable[[str], bool] | None = None,
     ) -> tuple[list[Target], str]:
         """Candidates in order (groups kept in their order, each ordered by
         the policy) and the reason for the first; stops after the group that
         reaches `limit` (0: no limit). When the first group alone fills the
-        limit, one origin of the second group follows it, drawn by weight:
-        it may take the last attempt when the first region fails as a whole
+        limit, one origin of the second group follows it, drawn by weight
+        among those not `passed_over` (ejected or busy: the forwarder's
+        outlier detection) if any: it may take the last attempt when the
+        first region fails as a whole
         (`dataplane.upstream.forwarder.attempt_order`), a last resort spread
         over that region rather than placed by key or load, which would cost
         every request the ordering of a group it seldom uses."""
@@ -128,7 +131,7 @@ class Picker:
         for i, group in enumerate(groups):
             if limit and len(out) >= limit:
                 if i == 1:
-                    out.append(self._drawn(group))
+                    out.append(self._drawn(group, passed_over))
                 break
             ordered, why = self._group(group, mode, key, load_bound)
             if not out:
@@ -162,9 +165,13 @@ class Picker:
         # Every replica is past its bound: the least loaded takes it.
         return self._least_loaded(group), "load"
 
-    def _drawn(self, group: tuple[Target, ...]) -> Target:
+    def _drawn(
+        self, group: tuple[Target, ...], passed_over: Callable[[str], bool] | None
+    ) -> Target:
         """One origin of the group, each with probability weight / total: one
-        draw and one pass."""
+        draw and one pass; among those not `passed_over`, if any."""
+        if passed_over is not None:
+            group = tuple(t for t in group if not passed_over(t.name)) or group
         if len(group) == 1:
             return group[0]
         point = self._rand() * sum(t.weight for t in group)
