@@ -259,7 +259,9 @@ async function poll() {
     if (unreachable) say("", "ok");
     unreachable = false;
   } catch (error) {
-    say(`Cannot read the status: ${error.message}`, "error");
+    // A body that stalls after its head times out as the head would.
+    const why = error.name === "TimeoutError" ? `no answer in ${STATUS_WITHIN_MS / 1000} s` : error.message;
+    say(`Cannot read the status: ${why}`, "error");
     unreachable = true;
   } finally {
     timer = setTimeout(poll, POLL_MS);

@@ -528,7 +528,8 @@ class EdgeCache:
         if status == 200 and recorder is not None and plan.key:
             if stored:
                 entry = recorder.finish(now=self._clock(), open_event=end.open_event)
-            if entry is None:
+            # A client that left is no answer the cache failed to keep.
+            if entry is None and not end.client_gone:
                 why = (
                     CONTINUED
                     if end.continued

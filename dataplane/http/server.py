@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
@@ -97,7 +98,13 @@ class Proxy:
         # Built by `lifetime` (it needs the upstream pool); also app[PIPELINE].
         self.pipeline: Pipeline | None = None
         self.metrics = m = Metrics(key_labels=settings.metrics_key_labels)
-        self.holder = holder = TableHolder(settings.region, settings.state_dir, settings.cache)
+        # No answer is recorded past what this worker's store could keep
+        # (--cache-max-entry-kb over its share of --cache-max-mb): the store
+        # would refuse it after the recording, unseen (review 40).
+        defaults = settings.cache
+        if 0 < settings.cache_max_bytes < defaults.max_entry_bytes:
+            defaults = replace(defaults, max_entry_bytes=settings.cache_max_bytes)
+        self.holder = holder = TableHolder(settings.region, settings.state_dir, defaults)
         self.limiter = RateLimiter()
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
         self.draining = Draining()

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.http.state import METRICS
+from dataplane.cache.step import CacheRequest
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from dataplane.settings import MAX_ENTRY_KB, parse
+from dataplane.streaming.relay import RelayEnd
 from ponto.originsim.app import SimConfig
 from tests.functional.test_pipeline import Stack, chat, start_stack
 
@@ -86,3 +88,32 @@ def test_the_bound_is_checked_at_start(capsys: pytest.CaptureFixture[str]) -> No
         with pytest.raises(SystemExit):
             parse(["--region=r", f"--cache-max-entry-kb={bad}"])
         assert "--cache-max-entry-kb must be 1 to" in capsys.readouterr().err
+
+
+async def test_the_bound_is_never_past_what_the_workers_store_keeps(tmp_path: Path) -> None:
+    """Review 40: with the entry bound over the store's own, an answer was
+    recorded, then refused by the store unseen."""
+    s = await start_stack(tmp_path, [ANSWER], ["--cache-max-mb=1", "--cache-max-entry-kb=4096"])
+    try:
+        assert s.app[HOLDER].cache_defaults.max_entry_bytes == 1 << 20
+    finally:
+        await s.close()
+
+
+async def test_a_stream_its_client_left_is_not_counted_as_unkept(tmp_path: Path) -> None:
+    """Review 40: a client's stop button is no answer the cache failed to keep;
+    a stream that ended without its [DONE] is (the control)."""
+    s = await start_stack(tmp_path, [ANSWER])
+    try:
+        cache = s.app[PIPELINE].cache
+        policy = s.app[HOLDER].policy
+        assert policy is not None
+        tenant = policy.tenant("acme")
+        for text, end in (("left", RelayEnd(client_gone=True)), ("cut", RelayEnd())):
+            req = CacheRequest("chat.completions", chat(text, stream=True), tenant, stream=True)
+            plan = await cache.plan(req)
+            assert plan.recorder is not None and plan.key
+            await cache.settle_stream(req, plan, 200, end)
+        assert (unkept(s, "incomplete"), unkept(s, "too_large")) == (1, 0)
+    finally:
+        await s.close()
