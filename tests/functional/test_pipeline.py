@@ -402,6 +402,31 @@ async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(
+    ("tail", "path"),
+    [
+        (b', "max_tokens": 1e400}', "max_tokens"),
+        (b', "temperature": -1E999}', "temperature"),
+        (b', "metadata": {"a": [1, 2e308]}}', "metadata.a[1]"),
+    ],
+)
+async def test_a_number_past_a_64_bit_float_names_its_field(
+    stack: Stack, tail: bytes, path: str
+) -> None:
+    """The JSON parser refused `"max_tokens": 1e400` as invalid JSON at a
+    character, with no param (noticed in notes 14 to 17)."""
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "1e400"}]%s' % (
+        MODEL.encode(),
+        tail,
+    )
+    resp = await stack.post_raw(raw)
+    assert resp.status == 400
+    err = error_of(await resp.json())
+    assert (err["code"], err["param"]) == ("number_out_of_range", path)
+    assert err["message"] == f"'{path}' is a number too large for a 64-bit float"
+    assert stack.origin_requests() == 0
+
+
+@pytest.mark.parametrize(
     ("field", "written", "code"),
     [
         ("max_tokens", b"100000000000000000000", "integer_above_max_value"),
