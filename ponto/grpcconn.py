@@ -53,8 +53,30 @@ class CredentialError(Exception):
     """A credential file is missing, unreadable or inconsistent."""
 
 
+# A token goes in gRPC metadata (`authorization: Bearer TOKEN`), which takes
+# printable ASCII alone, within the peer's metadata limit (8 KB by default).
+MAX_TOKEN_CHARS = 4096
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be sent as a bearer token, or None; never echoes it."""
+    if len(token) > MAX_TOKEN_CHARS:
+        return f"is {len(token)} characters long, over {MAX_TOKEN_CHARS}"
+    for at, char in enumerate(token, 1):
+        if not "!" <= char <= "~":
+            return (
+                f"holds a character a token cannot (character {at}: only printable "
+                "ASCII without spaces travels in gRPC metadata)"
+            )
+    return None
+
+
 def read_secret(path: str, what: str) -> str:
-    """The first line of a secret file, stripped; never echoes the content."""
+    """The first line of a secret file, stripped, when it can be sent as a
+    token (`token_problem`); never echoes the content. A token of other
+    characters was taken at start and failed every call after: a traceback
+    a second from a proxy, `Invalid metadata [INTERNAL]` from pontoctl, an
+    Admin API no one could use (trial 23)."""
     try:
         text = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -63,7 +85,11 @@ def read_secret(path: str, what: str) -> str:
         raise CredentialError(f"{what} file {path} is not UTF-8 text") from None
     if not text:
         raise CredentialError(f"{what} file {path} is empty")
-    return text.splitlines()[0].strip()
+    token = text.splitlines()[0].strip()
+    problem = token_problem(token)
+    if problem is not None:
+        raise CredentialError(f"{what} file {path} {problem}")
+    return token
 
 
 def read_bytes(path: str, what: str) -> bytes:
@@ -130,6 +156,9 @@ class ClientOptions:
         elif os.environ.get(ENV_ADMIN_TOKEN):
             token = os.environ[ENV_ADMIN_TOKEN].strip()
             source = ENV_ADMIN_TOKEN
+            problem = token_problem(token)
+            if problem is not None:
+                raise CredentialError(f"{ENV_ADMIN_TOKEN} {problem}")
         return cls(args.tls_ca, args.tls_cert, args.tls_key, token, source)
 
 

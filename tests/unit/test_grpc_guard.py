@@ -418,6 +418,30 @@ def test_read_secret_errors_name_the_file_not_the_content(tmp_path: Path) -> Non
     assert str(tmp_path) in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("tökén", "character 2"),
+        ("ab\tcd", "character 3"),
+        ("ab\x01cd", "character 3"),
+        ("two words", "character 4"),
+        ("x" * 5000, "5000 characters long, over 4096"),
+    ],
+)
+def test_a_token_that_cannot_travel_in_grpc_metadata_is_refused_at_start(
+    tmp_path: Path, content: str, why: str
+) -> None:
+    """Trial 23: taken at start, it failed every call after (a proxy's
+    traceback a second, pontoctl's `Invalid metadata [INTERNAL]`)."""
+    path = tmp_path / "token"
+    path.write_text(content + "\n")
+    with pytest.raises(CredentialError) as caught:
+        read_secret(str(path), "bootstrap token")
+    said = str(caught.value)
+    assert said.startswith(f"bootstrap token file {path} ") and why in said
+    assert content not in said
+
+
 def test_read_secret_of_a_binary_file_is_a_credential_error(tmp_path: Path) -> None:
     # Say --admin-token-file was pointed at a DER key by mistake: the settings
     # turn CredentialError into a usage message; anything else is a traceback.
