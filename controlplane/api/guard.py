@@ -100,10 +100,13 @@ def caller(peer: str, name: str) -> str:
 
 class RefusalLog:
     """Logs refused calls at WARNING, one line per REFUSAL_LOG_EVERY_S for each
-    caller's address, method and status (the line names the proxy the call
-    gave, cut to MAX_LOGGED_NAME: a name is the caller's choice, so a throttle
-    by name would let one address log a line per call). Not thread-safe: the
-    server's event loop is its only caller."""
+    caller's address, method, status and reason (the line names the proxy the
+    call gave, cut to MAX_LOGGED_NAME: a name is the caller's choice, so a
+    throttle by name would let one address log a line per call; a reason is
+    the guard's, one of a few). A wrong token after a missing one, or a
+    certificate of no role after one of the wrong role, had waited behind the
+    first line's minute (trial 23). Not thread-safe: the server's event loop
+    is its only caller."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -112,7 +115,7 @@ class RefusalLog:
     def refused(self, method: str, refusal: Refusal, peer: str, request: Any) -> None:
         code, message = refusal
         name = proxy_name(request)
-        key = (peer_host(peer), method, code.name)
+        key = (peer_host(peer), method, code.name, message)
         line = self._lines.pop(key, None) or Throttled(
             log, every_s=REFUSAL_LOG_EVERY_S, clock=self._clock
         )

@@ -767,6 +767,24 @@ def test_a_caller_refused_on_every_retry_is_logged_once_a_minute(
     ]
 
 
+def test_a_refusal_for_another_reason_is_not_held_behind_the_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Trial 23: a wrong token after a missing one, from one address within
+    the minute, was never logged: the throttle took no account of why."""
+    refusals = RefusalLog(Clock())
+    method = "/ponto.v1.Admin/ListRegions"
+    missing = (grpc.StatusCode.UNAUTHENTICATED, "admin calls must present the admin token")
+    wrong = (grpc.StatusCode.UNAUTHENTICATED, "the admin token presented is not this one")
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        for refusal in (missing, wrong, missing, wrong):
+            refusals.refused(method, refusal, "ipv4:10.0.0.5:4000", iter(()))
+    assert [line.rsplit("(", 1)[1] for line in refusal_lines(caplog)] == [
+        "admin calls must present the admin token)",
+        "the admin token presented is not this one)",
+    ]
+
+
 def test_a_name_the_caller_chooses_neither_grows_the_log_nor_escapes_the_throttle(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
