@@ -89,13 +89,22 @@ def check_note(what: str, text: str) -> str:
     return text
 
 
-# The user:password@ part of a URL's authority.
+# The user:password@ part of a URL's authority; its query; its fragment.
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+_QUERY_ON = re.compile(r"([?#]).*$", re.DOTALL)
 
 
 def redact_userinfo(url: str) -> str:
     """url with any user:password@ shown as ***@, for logs, messages and the audit trail."""
     return _USERINFO.sub(r"\1***@", url)
+
+
+def redact_url(url: str) -> str:
+    """url with its user:password@, its query and its fragment shown as ***
+    (`?token=...` is as much a secret as a password, and a base URL has
+    neither: one with them is refused, but was kept whole in the audit
+    trail and the refusal's message; trial 23)."""
+    return _QUERY_ON.sub(r"\1***", redact_userinfo(url))
 
 
 def check_url(url: str) -> str:
@@ -110,19 +119,22 @@ def check_url(url: str) -> str:
         )
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidArgument(f"base URL {url!r} is invalid: expected http(s)://host[:port]/path")
+        raise InvalidArgument(
+            f"base URL {redact_url(url)!r} is invalid: expected http(s)://host[:port]/path"
+        )
     try:
         _ = parts.port
     except ValueError as exc:
-        raise InvalidArgument(f"base URL {url!r} has an invalid port") from exc
+        raise InvalidArgument(f"base URL {redact_url(url)!r} has an invalid port") from exc
     if parts.query or parts.fragment:
-        raise InvalidArgument(f"base URL {url!r} must not have a query or fragment")
+        raise InvalidArgument(f"base URL {redact_url(url)!r} must not have a query or fragment")
     path = parts.path.rstrip("/").lower()
     for endpoint in ENDPOINT_PATHS:
         if path.endswith(endpoint):
             raise InvalidArgument(
-                f"base URL {url!r} names an endpoint ({endpoint}): give the base URL an "
-                "OpenAI SDK is given, which the proxy extends with each endpoint's path "
+                f"base URL {redact_url(url)!r} names an endpoint ({endpoint}): give the "
+                "base URL an OpenAI SDK is given, which the proxy extends with each "
+                "endpoint's path "
                 f"(here {url[: len(url.rstrip('/')) - len(endpoint)]!r})"
             )
     return url.rstrip("/")

@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 from controlplane.apply import change_text
 from controlplane.audit import MAX_DETAIL_KEYS, AuditLog
 from controlplane.errors import ControlPlaneError
-from controlplane.model import redact_userinfo
+from controlplane.model import redact_url
 from ponto import roles
 from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
@@ -174,7 +174,7 @@ def put_origin(req: apb.PutOriginRequest, _: object) -> Description:
     detail = fields(req.origin)
     # Refused when it carries userinfo, but refusals are recorded too.
     if "base_url" in detail:
-        detail["base_url"] = redact_userinfo(detail["base_url"])
+        detail["base_url"] = redact_url(detail["base_url"])
     return f"origin/{req.origin.name}", {**detail, "allow_update": _flag(req.allow_update)}
 
 

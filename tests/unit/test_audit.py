@@ -480,6 +480,26 @@ async def test_without_an_admin_token_the_actor_is_anonymous(
     }
 
 
+async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorded(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """Trial 23: `?token=...` was kept whole in the audit trail and echoed by
+    the refusal, where user:password@ was masked."""
+    async with admin_server(store, clock) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
+        for url in ("http://llm.example/v1?token=pw-SECRET3", "http://llm.example/v1#pw-SECRET3"):
+            spec = apb.OriginSpec(name="o", base_url=url, region="eu", models=["m"])
+            refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
+            assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+            assert "SECRET3" not in (await refused.details())
+        entries = (await stub.ListAudit(apb.ListAuditRequest(action="PutOrigin"))).entries
+    assert {e.detail["base_url"] for e in entries} == {
+        "http://llm.example/v1?***",
+        "http://llm.example/v1#***",
+    }
+    assert all("SECRET3" not in str(e) for e in entries)
+
+
 def test_table_rows_show_iso_utc_times_and_refusals() -> None:
     resp = apb.ListAuditResponse(
         entries=[
