@@ -12,6 +12,7 @@ from pathlib import Path
 from controlplane import audit
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
+from ponto import tlsfiles
 from ponto.cliargs import finite_float, hostport, listen_address, path
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
 from ponto.originca import origin_ca_flag
@@ -230,8 +231,10 @@ def parse(argv: list[str]) -> Settings:
             else "",
         )
         # Fail at start, in one line, not on binding or the first call.
-        security.check_files(datetime.datetime.now(datetime.UTC))
+        now = datetime.datetime.now(datetime.UTC)
+        security.check_files(now)
         security.server_credentials()
+        _check_etcd_files(a.etcd_ca, a.etcd_cert, a.etcd_key, now)
     except CredentialError as exc:
         # One line: the arguments parsed, the files they name are at fault
         # (argparse's error() would put the whole usage before it).
@@ -268,6 +271,27 @@ def parse(argv: list[str]) -> Settings:
         http_listen=hostport(*a.http_listen) if a.http_listen else "",
         http_writes=http_writes,
     )
+
+
+def _check_etcd_files(ca: str, cert: str, key: str, now: datetime.datetime) -> None:
+    """CredentialError naming the file unless the etcd CA holds certificates,
+    the client key is its certificate's and that certificate is valid at
+    `now`, as for the replica's own TLS files: the replica otherwise started,
+    said it served, and retried etcd for good with gRPC's handshake errors
+    (trial 23)."""
+    try:
+        if ca:
+            tlsfiles.certificates(read_bytes(ca, "etcd CA certificate"), ca, "etcd CA")
+        if cert and key:
+            pair = tlsfiles.check_pair(
+                read_bytes(cert, "etcd client certificate"),
+                cert,
+                read_bytes(key, "etcd client key"),
+                key,
+            )
+            tlsfiles.check_validity(pair, cert, "etcd client certificate", now)
+    except tlsfiles.TlsFileError as exc:
+        raise CredentialError(str(exc)) from None
 
 
 def _etcd_tls(endpoints: tuple[str, ...], ca: str, cert: str, key: str) -> EtcdTls | None:

@@ -184,9 +184,11 @@ def _handle_signals(
             loop.add_signal_handler(
                 sig,
                 log.warning,
-                "%s ignored: a single proxy reads its files (certificates, the GeoIP "
-                "database) at start; restart it to read them again, or run a group "
-                "(--workers 2 or more), which restarts its workers in turn on SIGHUP",
+                "%s ignored: a single proxy reads its files (the GeoIP database, the "
+                "bootstrap token) at start, its TLS certificate and key at each "
+                "connection to a control plane; restart it to read them all again, or "
+                "run a group (--workers 2 or more), which restarts its workers in turn "
+                "on SIGHUP",
                 sig.name,
             )
     take_signals()

@@ -257,6 +257,12 @@ class ControlPlaneClient:
         return True
 
     async def _session(self, address: str) -> bool:
+        # The TLS files are read again for each connection, so a certificate
+        # rotated in place is taken at the next one; checked first as at
+        # start (CredentialError, said once per cause by run()): a rotation
+        # left half done had surfaced as gRPC's handshake errors, tens of
+        # lines a second (trial 23).
+        self._credentials.check_files(self._clock())
         options = [
             *KEEPALIVE_OPTIONS,
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),

@@ -23,6 +23,7 @@ from controlplane.store.etcd import (
     split_endpoint,
     tls_server_name,
 )
+from ponto.pki import make_bundle
 
 
 def test_ipv4_literals_keep_the_clients_own_target() -> None:
@@ -123,12 +124,14 @@ def test_https_without_a_ca_is_refused() -> None:
 
 @pytest.fixture
 def pem(tmp_path: Path) -> dict[str, str]:
-    files = {}
-    for name in ("ca", "cert", "key"):
-        path = tmp_path / f"{name}.pem"
-        path.write_bytes(f"-----{name}-----\n".encode())
-        files[name] = str(path)
-    return files
+    """A CA and a client certificate and key it signed: the files are checked
+    at start (trial 23), so no placeholder passes."""
+    bundle = make_bundle(tmp_path / "pki")
+    return {"ca": bundle.ca, "cert": bundle.path("admin.crt"), "key": bundle.path("admin.key")}
+
+
+def read(path: str) -> bytes:
+    return Path(path).read_bytes()
 
 
 def test_flags_give_tls_with_a_client_certificate(pem: dict[str, str]) -> None:
@@ -137,9 +140,9 @@ def test_flags_give_tls_with_a_client_certificate(pem: dict[str, str]) -> None:
          "--etcd-cert", pem["cert"], "--etcd-key", pem["key"]]
     )  # fmt: skip
     assert s.etcd == ("https://etcd-0.etcd:2379", "https://etcd-1.etcd:2379")
-    assert s.etcd_tls == EtcdTls(b"-----ca-----\n", b"-----cert-----\n", b"-----key-----\n")
+    assert s.etcd_tls == EtcdTls(read(pem["ca"]), read(pem["cert"]), read(pem["key"]))
     bare = parse(["--etcd", "etcd:2379", "--etcd-ca", pem["ca"]])
-    assert bare.etcd_tls == EtcdTls(b"-----ca-----\n")
+    assert bare.etcd_tls == EtcdTls(read(pem["ca"]))
     assert parse(["--etcd", "http://etcd:2379"]).etcd_tls is None
 
 
@@ -147,7 +150,7 @@ def test_flags_take_bracketed_ipv6_literals(pem: dict[str, str]) -> None:
     endpoints = ("http://[::1]:2379", "[fd00::2]:2379", "10.0.0.3:2379")
     assert parse(["--etcd", ",".join(endpoints)]).etcd == endpoints
     over_tls = parse(["--etcd", "https://[fd00::1]:2379", "--etcd-ca", pem["ca"]])
-    assert over_tls.etcd_tls == EtcdTls(b"-----ca-----\n")
+    assert over_tls.etcd_tls == EtcdTls(read(pem["ca"]))
 
 
 @pytest.mark.parametrize(

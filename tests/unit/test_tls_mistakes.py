@@ -378,6 +378,36 @@ async def test_a_proxy_without_a_client_certificate_is_told_once_while_it_retrie
     assert said[0].getMessage().endswith("; retrying")
 
 
+async def test_a_certificate_rotated_into_a_mismatch_is_said_before_any_handshake(
+    b: Bundle, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 23: a proxy reads its TLS files at each connection; a pair that
+    no longer fits (rotated in place, half done) went to gRPC, which logged
+    tens of handshake lines a second and said nothing of the files."""
+    cert, key = tmp_path / "proxy.crt", tmp_path / "proxy.key"
+    cert.write_bytes(Path(b.path("proxy.crt")).read_bytes())
+    key.write_bytes(Path(b.path("admin.key")).read_bytes())  # the rotation's first half
+    caplog.set_level(logging.DEBUG, logger="dataplane.sync.link")
+    client = link("127.0.0.1:9", ClientOptions(b.ca, str(cert), str(key)))
+    task = asyncio.create_task(client.run())
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "dataplane.sync.link"]
+
+    try:
+        async with asyncio.timeout(10):
+            while len(said()) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert said()[0].startswith(
+        f"control plane at 127.0.0.1:9: the TLS key {key} is not the key of certificate {cert}"
+    )
+    assert client.connects == 0
+
+
 async def test_a_proxy_whose_certificate_expired_since_it_started_says_so(b: Bundle) -> None:
     options = ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key"))
     later = NOW + 365 * DAY
@@ -480,3 +510,34 @@ def test_grpc_cores_own_handshake_lines_stay_off_stderr(b: Bundle, module: str) 
 
     assert "Handshake failed" not in stderr()
     assert "Handshake failed" in stderr(GRPC_VERBOSITY="INFO")
+
+
+# ---------------------------------------------------------------- the control plane's etcd files
+
+
+@pytest.mark.parametrize(
+    ("ca", "cert", "key", "says"),
+    [
+        ("admin.key", "", "", "cannot read etcd CA {ca}: it holds no PEM certificate"),
+        ("ca.crt", "admin.crt", "proxy.key", "the TLS key {key} is not the key of certificate"),
+        ("ca.crt", "old-admin.crt", "old-admin.key", "the etcd client certificate {cert} expired"),
+        ("ca.crt", "not-pem.crt", "admin.key", "cannot read TLS certificate {cert}: it holds no"),
+    ],
+)
+def test_control_plane_refuses_etcd_tls_files_that_cannot_work_at_start(
+    b: Bundle, capsys: pytest.CaptureFixture[str], ca: str, cert: str, key: str, says: str
+) -> None:
+    """Trial 23: it started, said it served, and retried etcd for good with
+    gRPC's handshake errors ("Could not load any root certificate")."""
+    argv = ["--etcd", "https://127.0.0.1:2379", "--etcd-ca", b.path(ca)]
+    if cert:
+        argv += ["--etcd-cert", b.path(cert), "--etcd-key", b.path(key)]
+    line = refused_at_start(capsys, control_parse, argv)
+    paths = {"ca": b.path(ca), "cert": b.path(cert or "x"), "key": b.path(key or "x")}
+    assert says.format(**paths) in line, line
+
+
+def test_etcd_tls_files_that_fit_pass(b: Bundle) -> None:
+    argv = ["--etcd", "https://127.0.0.1:2379", "--etcd-ca", b.ca]
+    argv += ["--etcd-cert", b.path("admin.crt"), "--etcd-key", b.path("admin.key")]
+    assert control_parse(argv).etcd_tls is not None
