@@ -271,6 +271,15 @@ class ControlPlane:
             "need the bootstrap token" if security.bootstrap_token else "are not authenticated",
             "needs the admin token" if security.admin_token else "is not authenticated",
         )
+        if not security.tls_cert and (security.bootstrap_token or security.admin_token):
+            # As the status page's writes are off under mutual TLS for the same
+            # reason: a token in plaintext is anyone's who can watch the wire.
+            log.warning(
+                "tokens cross the network in the clear on %s:%d (no --tls-cert): anyone "
+                "who can watch it can take them; give the control plane a certificate",
+                host,
+                self.port,
+            )
         await self.registry.announce(f"{host}:{self.port}")
         if self.settings.ready_file:
             write_atomic(self.settings.ready_file, f"{host}:{self.port}".encode())

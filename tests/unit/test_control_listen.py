@@ -8,12 +8,14 @@ import asyncio
 import logging
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from controlplane.app import ControlPlane, ListenError, serve
 from controlplane.settings import parse
 from controlplane.store.memory import MemoryStore
+from ponto.pki import make_bundle
 
 
 @pytest.mark.parametrize("flag", ["--listen", "--health-listen", "--http-listen"])
@@ -132,3 +134,23 @@ async def test_an_address_without_its_host_is_every_interface() -> None:
             writer.close()
     finally:
         await plane.stop(grace=0)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_tokens_without_tls_are_warned_of_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, tls: bool
+) -> None:
+    """Trial 23: a control plane given tokens and no certificate said only
+    "(plaintext; ...)" at INFO, while the tokens crossed the wire in the clear."""
+    token = tmp_path / "bootstrap.token"
+    token.write_text("a-token-of-its-own\n")
+    argv = ["--id", "cp-1", "--listen", "127.0.0.1:0", "--bootstrap-token-file", str(token)]
+    if tls:
+        bundle = make_bundle(tmp_path / "pki")
+        argv += ["--tls-cert", bundle.path("server.crt"), "--tls-key", bundle.path("server.key")]
+    plane = ControlPlane(parse(argv), MemoryStore())
+    caplog.set_level(logging.WARNING, "controlplane.app")
+    await plane.start()
+    await plane.stop(grace=0)
+    warned = [r.getMessage() for r in caplog.records if "in the clear" in r.getMessage()]
+    assert len(warned) == (0 if tls else 1)
