@@ -26,6 +26,7 @@ from controlplane.metrics import ControlMetrics
 from controlplane.model import NAME_RE, check_name
 from controlplane.quotasync import QuotaHub
 from controlplane.registry import ProxyRegistry
+from ponto import tlsfiles
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,22 @@ def check_start(info: pb.ProxyInfo, now: float) -> None:
         raise InvalidArgument(f"proxy send time {sent!r} is not a time")
     if not 0.0 <= started <= (sent or now) + MAX_CLOCK_SKEW_S:
         raise InvalidArgument(f"proxy start time {started!r} is not a past time")
+
+
+def peer_certificate_expiry(context: Any) -> float | None:
+    """When the peer's client certificate (mutual TLS) stops being valid, as
+    Unix time; None without one, or one that does not parse."""
+    auth_context = getattr(context, "auth_context", None)
+    if auth_context is None:
+        return None
+    pems = auth_context().get("x509_pem_cert") or ()
+    if not pems:
+        return None
+    try:
+        [leaf, *_] = tlsfiles.certificates(pems[0], "the peer's", "client certificate")
+    except (tlsfiles.TlsFileError, ValueError):
+        return None
+    return leaf.not_valid_after.timestamp()
 
 
 class RoutingService:
@@ -202,6 +219,15 @@ class RoutingService:
         loads: asyncio.Future[tuple[int, bytes]] | None = None
         closing = asyncio.ensure_future(self._closing.wait())
         ended = asyncio.ensure_future(self._registry.ended(session_id).wait())
+        # A connection outlives the certificate it was made with: the stream
+        # ends as that certificate does (trial 23: a proxy whose certificate
+        # had expired kept its stream, and new tables, until a restart).
+        expires_at = peer_certificate_expiry(context)
+        expired = (
+            asyncio.ensure_future(asyncio.sleep(max(0.0, expires_at - time.time())))
+            if expires_at is not None
+            else None
+        )
         try:
             while not reader.done():
                 if tables is None:
@@ -215,6 +241,8 @@ class RoutingService:
                 if loads is None and hub is not None:
                     loads = asyncio.ensure_future(hub.next_after(sent_loads))
                 waiting: set[asyncio.Future[Any]] = {tables, reader, closing, ended}
+                if expired is not None:
+                    waiting.add(expired)
                 if quotas is not None:
                     waiting.add(quotas)
                 if loads is not None:
@@ -228,6 +256,15 @@ class RoutingService:
                     break
                 if reader in done:
                     break  # the proxy left
+                if expired is not None and expired in done:
+                    assert expires_at is not None
+                    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires_at))
+                    log.warning("proxy %s: its client certificate expired at %s", name, when)
+                    context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+                    context.set_details(
+                        f"the proxy's client certificate expired at {when}: give it a valid one"
+                    )
+                    break
                 if session_id not in self._registry.sessions:
                     # Registered again since, on another stream: the proxy's
                     # own (this one lost), where ABORTED reaches nobody; or
@@ -267,7 +304,7 @@ class RoutingService:
         finally:
             self.streams -= 1
             reader.cancel()
-            for waiter in (tables, quotas, loads, closing, ended):
+            for waiter in (tables, quotas, loads, closing, ended, expired):
                 if waiter is not None:
                     waiter.cancel()
             if self._quotas is not None:

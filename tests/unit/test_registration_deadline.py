@@ -6,11 +6,13 @@ proxy's share of a global limit) until its replica goes."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,6 +27,7 @@ from controlplane.model import ProxyRecord, decode_proxy, encode
 from controlplane.registry import ProxyRegistry
 from controlplane.store import KeyValue, Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
+from ponto.pki import add_client, make_bundle
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_control_metrics import Stream, table
 
@@ -781,3 +784,35 @@ async def test_a_register_under_a_lease_that_expired_is_unavailable_and_renews_i
     assert [p.name for p in await catalog.list_proxies()] == ["p-held"]  # rewritten
     again = await registry.register("p-new", "eu", "127.0.0.1:2", "1")
     assert again.name == "p-new"
+
+
+async def test_a_route_stream_ends_when_its_proxys_certificate_expires(tmp_path: Path) -> None:
+    """Trial 23: a connection outlived the certificate it was made with: a
+    proxy whose certificate had expired kept its stream, and new tables,
+    until the control plane restarted. A stream without one runs on."""
+    bundle = make_bundle(tmp_path / "pki")
+    now = datetime.datetime.now(datetime.UTC)
+    valid = (now - datetime.timedelta(days=1), now + datetime.timedelta(seconds=2))
+    add_client(bundle, "short", role="proxy", valid=valid)
+    pem = Path(bundle.path("short.crt")).read_bytes()
+
+    class CertifiedStream(EndingStream):
+        def auth_context(self) -> dict[str, list[bytes]]:
+            return {"x509_pem_cert": [pem]}
+
+    registry = ProxyRegistry(Catalog(MemoryStore()), "cp", stream_grace=10.0)
+    publisher = Publisher("cp")
+    publisher.publish(table(1))
+    routing = RoutingService(registry, publisher)
+    short = await registry.register("p-short", "eu", "127.0.0.1:1", "1")
+    plain = await registry.register("p-plain", "eu", "127.0.0.1:2", "1")
+    stream = CertifiedStream()
+    task = asyncio.create_task(routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
+    await stream.requests.put(pb.RouteRequest(session_id=short.session_id))
+    other, other_task = await open_stream(routing, plain.session_id)
+    await asyncio.wait_for(task, 10)
+    assert stream.code == grpc.StatusCode.UNAUTHENTICATED
+    assert stream.details.startswith("the proxy's client certificate expired at ")
+    assert not other_task.done()
+    await other.requests.put(None)
+    await asyncio.wait_for(other_task, 10)
