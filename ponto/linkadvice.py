@@ -129,7 +129,9 @@ def proxy_refused(code: str, detail: str, address: str, options: ClientOptions) 
         return f"{unreachable(detail, address, options, PROXY)} [UNAVAILABLE]"
     advice = ""
     if code == "UNAUTHENTICATED":
-        if "not this control plane's" in detail:
+        if "client certificate expired" in detail:  # a stream ended as its certificate did
+            advice = " (--tls-cert and --tls-key)"
+        elif "not this control plane's" in detail:
             advice = f"; check the bootstrap token in {options.token_source or 'use'}"
         else:
             advice = "; give the bootstrap token with --bootstrap-token-file"

@@ -328,6 +328,14 @@ def test_the_proxy_is_sent_to_its_token_file(b: Bundle) -> None:
     assert missing.endswith("; give the bootstrap token with --bootstrap-token-file "
                             "[UNAUTHENTICATED]")  # fmt: skip
     assert options.token not in wrong
+    # A stream ended as its certificate expired: no word of the token.
+    expired = linkadvice.proxy_refused(
+        "UNAUTHENTICATED",
+        "the proxy's client certificate expired at 2026-12-04T09:16:16Z: give it a valid one",
+        "cp:7000",
+        options,
+    )
+    assert expired.endswith("give it a valid one (--tls-cert and --tls-key) [UNAUTHENTICATED]")
 
 
 # ---------------------------------------------------------------- M3: the proxy's link
