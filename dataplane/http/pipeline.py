@@ -17,9 +17,7 @@ credential costs the proxy no more than its headers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -855,7 +853,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         if str(exc).startswith("depth limit exceeded"):  # orjson stops at 1024 levels
             raise too_deep() from None
         if str(exc).startswith("number is infinity"):
-            path = _infinite_number_at(raw)
+            path = jsonio.past_float_at(raw)
             if path is not None:
                 raise bad_request(
                     f"'{path}' is a number too large for a 64-bit float",
@@ -867,31 +865,6 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request("request body must be a JSON object", code="invalid_json")
     check_depth(raw, body, brackets)
     return body
-
-
-def _infinite_number_at(raw: bytes) -> str | None:
-    """The path (`max_tokens`, `messages[0].x`) of the first number of `raw`
-    that no 64-bit float holds (`1e400`), which orjson refuses as invalid
-    JSON, naming no field; Python's json reads it as an infinity. None when
-    `raw` is otherwise no JSON object (or nested past what Python's parser
-    takes). Only on that refusal: its cost is the client's (bounded by
-    --max-body-bytes and the containers' bound checked before)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict):
-        return None
-    todo: list[tuple[str, Any]] = [(k, v) for k, v in reversed(body.items())]
-    while todo:  # depth first, in the body's order, without recursion
-        path, value = todo.pop()
-        if isinstance(value, float) and math.isinf(value):
-            return path
-        if isinstance(value, dict):
-            todo.extend((f"{path}.{k}", v) for k, v in reversed(value.items()))
-        elif isinstance(value, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-    return None
 
 
 def _not_json(raw: bytes, exc: jsonio.JSONDecodeError) -> str:
