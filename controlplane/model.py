@@ -111,10 +111,9 @@ def check_url(url: str) -> str:
     """The base URL without a trailing slash. Refused with userinfo: the URL goes into
     every route table, the status page and the audit trail, while a credential has
     its own fields (credential_env, credential_file) that keep it out of etcd."""
-    shown = redact_userinfo(url)
-    if shown != url:
+    if redact_userinfo(url) != url:
         raise InvalidArgument(
-            f"base URL {shown!r} must not carry credentials (user:password@): name the "
+            f"base URL {redact_url(url)!r} must not carry credentials (user:password@): name the "
             "origin's credential with credential_env or credential_file"
         )
     parts = urlsplit(url)

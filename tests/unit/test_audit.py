@@ -487,7 +487,11 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
     the refusal, where user:password@ was masked."""
     async with admin_server(store, clock) as stub:
         await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
-        for url in ("http://llm.example/v1?token=pw-SECRET3", "http://llm.example/v1#pw-SECRET3"):
+        for url in (
+            "http://llm.example/v1?token=pw-SECRET3",
+            "http://llm.example/v1#pw-SECRET3",
+            "http://u:p@llm.example/v1?token=pw-SECRET3",  # review 41: userinfo and a query
+        ):
             spec = apb.OriginSpec(name="o", base_url=url, region="eu", models=["m"])
             refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
             assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
@@ -496,6 +500,7 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
     assert {e.detail["base_url"] for e in entries} == {
         "http://llm.example/v1?***",
         "http://llm.example/v1#***",
+        "http://***@llm.example/v1?***",
     }
     assert all("SECRET3" not in str(e) for e in entries)
 
