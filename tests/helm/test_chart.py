@@ -660,7 +660,9 @@ def test_external_etcd_at_ipv6_literals_reaches_the_control_plane(
     assert flags(container(control))["--etcd"] == endpoints
     # The rendered flags, read by the real parser: it accepts them.
     (tmp_path / "etc" / "ponto" / "etcd-tls").mkdir(parents=True)
-    (tmp_path / "etc" / "ponto" / "etcd-tls" / "ca.crt").write_bytes(b"-----ca-----\n")
+    # A CA: the control plane checks its etcd files at start (trial 23).
+    ca = Path(make_bundle(tmp_path / "pki").ca).read_bytes()
+    (tmp_path / "etc" / "ponto" / "etcd-tls" / "ca.crt").write_bytes(ca)
     settings = control_settings.parse(_materialise(docs, tmp_path, control))
     assert settings.etcd == tuple(endpoints.split(","))
 
