@@ -287,7 +287,11 @@ async function act(kind, name, verb) {
     const response = await fetchWithin(
       `/api/${kind}/${encodeURIComponent(name)}/${verb}`, { method: "POST", headers },
       CHANGE_WITHIN_MS);
-    const body = await response.json().catch(() => ({}));
+    const body = await response.json().catch((error) => {
+      // A body that stalls after its head is no answer, not an empty one.
+      if (error.name === "TimeoutError") throw new Error(`no answer in ${CHANGE_WITHIN_MS / 1000} s`);
+      return {};
+    });
     if (!response.ok) {
       if (response.status === 401 || response.status === 403) sessionStorage.removeItem(TOKEN_KEY);
       const message = body.error && body.error.message ? body.error.message : response.statusText;

@@ -189,6 +189,12 @@ class ControlPlaneClient:
                     # have the two take turns.
                     wait = self._superseded_wait
                     self._taken(address, wait)
+                elif self._renewed(exc):
+                    log.info(
+                        "control plane at %s ended the stream as the certificate it was made "
+                        "with expired; connecting again with the renewed one",
+                        address,
+                    )
                 else:
                     self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
             except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
@@ -206,9 +212,29 @@ class ControlPlaneClient:
                     self._on_lost()
             if got_table:
                 backoff = self._backoff_min
-            # Full jitter keeps a fleet from reconnecting in lockstep.
-            await self._sleep(wait or random.uniform(self._backoff_min, backoff))  # noqa: S311
+                # A fleet whose streams end together (its replica stopping,
+                # the certificate its proxies share expiring) comes back over
+                # a spread, not in one instant (review 41).
+                spread = random.uniform(0.0, 5 * self._backoff_min)  # noqa: S311
+            else:
+                # Full jitter keeps a fleet from reconnecting in lockstep.
+                spread = random.uniform(self._backoff_min, backoff)  # noqa: S311
+            await self._sleep(wait or spread)
             backoff = min(backoff * 2, self._backoff_max)
+
+    def _renewed(self, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether the control plane ended the stream as the certificate it was
+        made with expired, and the files now hold a valid one (renewed in
+        place, as cert-manager does): a routine step, not a failure."""
+        if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return False
+        if "client certificate expired" not in (exc.details() or ""):
+            return False
+        try:
+            self._credentials.check_files(self._clock())
+        except CredentialError:
+            return False
+        return True
 
     def _problem(self, address: str, code: str, detail: str) -> str:
         """The log line of a failed session: gRPC's words and what to fix; for

@@ -416,6 +416,24 @@ async def test_a_certificate_rotated_into_a_mismatch_is_said_before_any_handshak
     assert client.connects == 0
 
 
+def test_a_stream_ended_at_an_expiry_with_a_renewed_certificate_on_disk_is_routine(
+    b: Bundle,
+) -> None:
+    """Review 41: a certificate renewed in place ends the stream at the old
+    one's expiry all the same; with a valid one on disk that is no failure."""
+
+    def ended(details: str) -> grpc.aio.AioRpcError:
+        empty = grpc.aio.Metadata()
+        return grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, empty, empty, details)
+
+    expiry = ended("the proxy's client certificate expired at 2026-12-04T09:16:16Z: give it ...")
+    renewed = link("cp:7000", ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key")))
+    assert renewed._renewed(expiry)
+    assert not renewed._renewed(ended("proxies must present the bootstrap token"))
+    stale = link("cp:7000", ClientOptions(b.ca, b.path("old-proxy.crt"), b.path("old-proxy.key")))
+    assert not stale._renewed(expiry)
+
+
 async def test_a_proxy_whose_certificate_expired_since_it_started_says_so(b: Bundle) -> None:
     options = ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key"))
     later = NOW + 365 * DAY
