@@ -201,9 +201,11 @@ class ProxyRegistry:
         that one's process started later (Superseded): a group's worker that a
         reload replaced, or a proxy back from a partition after its restart
         elsewhere, must not take the name from its successor. `age_s`: how
-        long its process had run when it asked (its counters' age)."""
-        lease = await self._ensure_lease()
+        long its process had run when it asked (its counters' age), from
+        when it asked, before any wait here (a lease granted after an etcd
+        outage takes seconds, which would shorten the counters' time)."""
         connected_at = time.time()
+        lease = await self._ensure_lease()
         record = ProxyRecord(
             name=name,
             region=region,

@@ -164,8 +164,11 @@ class RoutingService:
             info.version,
             started_at=info.started_at,
             host=peer_host(context.peer()),
-            # Both by the proxy's clock: its age, whatever its skew.
-            age_s=info.sent_at - info.started_at if info.sent_at and info.started_at else None,
+            # Both by the proxy's clock: its age, whatever its skew (a clock
+            # stepped back between the two makes none).
+            age_s=info.sent_at - info.started_at
+            if info.sent_at and info.started_at and info.sent_at >= info.started_at
+            else None,
         )
         log.info("proxy %s (%s) registered, session %s", info.name, info.region, record.session_id)
         return pb.RegisterResponse(

@@ -528,8 +528,10 @@ class EdgeCache:
         if status == 200 and recorder is not None and plan.key:
             if stored:
                 entry = recorder.finish(now=self._clock(), open_event=end.open_event)
-            # A client that left is no answer the cache failed to keep.
-            if entry is None and not end.client_gone:
+            # A client that left is no answer the cache failed to keep; a
+            # flight's leader whose client left had its stream finished for
+            # its followers (complete), which is one.
+            if entry is None and (end.complete or not end.client_gone):
                 why = (
                     CONTINUED
                     if end.continued

@@ -109,11 +109,17 @@ async def test_a_stream_its_client_left_is_not_counted_as_unkept(tmp_path: Path)
         policy = s.app[HOLDER].policy
         assert policy is not None
         tenant = policy.tenant("acme")
-        for text, end in (("left", RelayEnd(client_gone=True)), ("cut", RelayEnd())):
+        ends = (
+            ("left", RelayEnd(client_gone=True)),
+            ("cut", RelayEnd()),
+            # A leader whose client left, its stream finished for followers.
+            ("led", RelayEnd(client_gone=True, complete=True)),
+        )
+        for text, end in ends:
             req = CacheRequest("chat.completions", chat(text, stream=True), tenant, stream=True)
             plan = await cache.plan(req)
             assert plan.recorder is not None and plan.key
             await cache.settle_stream(req, plan, 200, end)
-        assert (unkept(s, "incomplete"), unkept(s, "too_large")) == (1, 0)
+        assert (unkept(s, "incomplete"), unkept(s, "too_large")) == (2, 0)
     finally:
         await s.close()

@@ -543,6 +543,20 @@ async def test_a_proxy_whose_clock_runs_ahead_registers() -> None:
     assert before - 60.0 <= record.counting_from <= record.connected_at - 60.0
 
 
+async def test_a_start_after_the_send_by_the_proxys_clock_gives_no_counting_start() -> None:
+    """Review 41: a proxy clock stepped back between its start and its
+    Register made a negative age, a counters' start in the future, and the
+    status page's first rates many times over."""
+    registry = ProxyRegistry(Catalog(MemoryStore()), "cp", stream_grace=10.0)
+    routing = RoutingService(registry, Publisher("cp"))
+    now = time.time()
+    info = pb.ProxyInfo(
+        name="p1", region="eu", address="127.0.0.1:1", started_at=now + 2.0, sent_at=now
+    )
+    reply = await routing.register(pb.RegisterRequest(proxy=info), RefusingStream())
+    assert registry.sessions[reply.session_id].counting_from == 0.0
+
+
 async def test_a_process_that_does_not_say_its_start_supersedes_and_is_superseded_by_none() -> None:
     """Review 33: a start time of 0 (a proxy that does not say it) counted as
     the oldest, so such a proxy could not take its name from one that says
