@@ -552,7 +552,17 @@ class StatusWeb:
                     "localhost (DNS rebinding cannot point those elsewhere)",
                 )
             return "anonymous"
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        sent = request.headers.getall("Authorization", [])
+        if len(sent) > 1:
+            # Which one counts would be each reader's guess (a proxy in front
+            # may read another), as at the edge (trial 23).
+            raise Refused(
+                400,
+                "invalid_request_error",
+                "multiple_authorization_headers",
+                f"send one Authorization header: this request has {len(sent)}",
+            )
+        scheme, _, given = (sent[0] if sent else "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise Refused(
                 401,

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict
 
 from controlplane.app import ControlPlane
 from controlplane.catalog import REGIONS, STATE_PREFIX, Catalog, Limited, Served, Traffic
@@ -566,6 +567,21 @@ async def test_drain_without_the_right_token_changes_nothing(
     assert_error(await resp.json(), code)
     assert not (await plane.catalog.get_region("eu-west")).drained
     assert plane.audit.calls == []
+
+
+async def test_a_drain_with_two_authorization_headers_is_refused(
+    plane: Plane,
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    """Trial 23: the first of two counted, where a proxy in front of the page
+    may read the other; refused, as the proxies refuse such a request."""
+    headers = CIMultiDict(WRITE)
+    headers.add("Authorization", f"Bearer {TOKEN}")
+    headers.add("Authorization", "Bearer another")
+    resp = await client.post("/api/regions/eu-west/drain", headers=headers)
+    assert resp.status == 400
+    assert_error(await resp.json(), "multiple_authorization_headers")
+    assert not (await plane.catalog.get_region("eu-west")).drained
 
 
 @pytest.mark.parametrize(
