@@ -82,21 +82,19 @@ def ranked(group: Sequence[Target], key: int) -> list[Target]:
     score is -weight / ln(u) for its spread u in (0, 1), which makes an origin
     rank first with probability weight / total (weighted rendezvous hashing).
     """
-    scores = _scores(group, key)
-    order = sorted(range(len(group)), key=scores.__getitem__, reverse=True)
-    return [group[i] for i in order]
-
-
-def _scores(group: Sequence[Target], key: int) -> list[int] | list[float]:
-    """Each origin's rendezvous score for the key (see `ranked`)."""
     w0 = group[0].weight
+    scores: list[int] | list[float]
     for t in group:
         if t.weight != w0:
-            return [
+            scores = [
                 -t.weight / math.log(((spread(key, t.seed) >> 11) + 0.5) / (1 << 53)) for t in group
             ]
-    multiplier, mask = _MULTIPLIER, _M64  # locals: this runs per origin per request
-    return [((key ^ t.seed) * multiplier) & mask for t in group]
+            break
+    else:
+        multiplier, mask = _MULTIPLIER, _M64  # locals: this runs per origin per request
+        scores = [((key ^ t.seed) * multiplier) & mask for t in group]
+    order = sorted(range(len(group)), key=scores.__getitem__, reverse=True)
+    return [group[i] for i in order]
 
 
 class Picker:
