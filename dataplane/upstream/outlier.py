@@ -30,6 +30,12 @@ class _State:
     busy_until: float = 0.0
 
 
+def _passed_over(state: _State | None, now: float) -> bool:
+    """Whether an origin in `state` goes after the others at `now`: ejected,
+    or busy (a 429 asked for time)."""
+    return state is not None and (state.until > now or state.busy_until > now)
+
+
 class OutlierDetector:
     def __init__(
         self,
@@ -80,11 +86,7 @@ class OutlierDetector:
 
     def passed_over(self, origin: str) -> bool:
         """Whether `order` moves the origin last now: ejected, or busy (a 429)."""
-        state = self._states.get(origin)
-        if state is None:
-            return False
-        now = self._clock()
-        return state.until > now or state.busy_until > now
+        return _passed_over(self._states.get(origin), self._clock())
 
     def ejected(self, origin: str) -> bool:
         state = self._states.get(origin)
@@ -97,10 +99,9 @@ class OutlierDetector:
         now = self._clock()
         live: list[Target] = []
         out: list[Target] = []
+        states = self._states
         for target in candidates:
-            state = self._states.get(target.name)
-            last = state is not None and (state.until > now or state.busy_until > now)
-            (out if last else live).append(target)
+            (out if _passed_over(states.get(target.name), now) else live).append(target)
         return live + out
 
 
