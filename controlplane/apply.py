@@ -366,7 +366,7 @@ def _tenant(o: _Obj) -> Tenant:
 def _default(prompt: _Obj, name: str, value: Any) -> str:
     """A default's JSON text; values JSON (and orjson) cannot hold are recorded as errors."""
     try:
-        if _non_finite(value):
+        if non_finite(value):
             raise TypeError("NaN and infinity are not JSON")
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     except TypeError as exc:  # beyond 64-bit integers, nesting beyond 254 levels
@@ -374,14 +374,22 @@ def _default(prompt: _Obj, name: str, value: Any) -> str:
         return "null"
 
 
-def _non_finite(value: Any, depth: int = 0) -> bool:
+def non_finite(value: Any, path: str = "", depth: int = 0) -> list[tuple[str, float]]:
+    """Each NaN or infinity in a document's `value` (as YAML reads `.nan`,
+    `.inf`, `-.inf`), with its path as the control plane names fields
+    (`tenants[0].routing.load_bound`; "" for `value` itself); pure. Not
+    past 255 levels, which orjson refuses anyway."""
     if isinstance(value, float):
-        return not math.isfinite(value)
-    if depth > 255:  # orjson refuses this depth anyway
-        return False
+        return [] if math.isfinite(value) else [(path, value)]
+    if depth > 255:
+        return []
     if isinstance(value, dict):
-        value = list(value.values())
-    return isinstance(value, list) and any(_non_finite(v, depth + 1) for v in value)
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return []
+    return [found for where, v in items for found in non_finite(v, where, depth + 1)]
 
 
 _FIELDS = {"region": REGION_FIELDS, "origin": ORIGIN_FIELDS, "tenant": TENANT_FIELDS}

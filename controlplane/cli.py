@@ -48,7 +48,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from controlplane.apply import ApplyError, change_text
+from controlplane.apply import ApplyError, change_text, non_finite
 from controlplane.errors import InvalidArgument
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
@@ -961,11 +961,16 @@ def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = Fal
     path), as JSON cannot carry one.
     """
     doc = _load(path)
-    if errors := _non_finite(doc):
+    if found := non_finite(doc):
         # JSON has no NaN or infinity: orjson would write null, which the
         # control plane reads as the field left out (a value removed, or
         # "required"), and dry runs would say so.
-        raise ApplyError(errors)
+        raise ApplyError(
+            [
+                f"{path or 'the document'}: must be a finite number, not {_yaml(v)}"
+                for path, v in found
+            ]
+        )
     try:
         # Non-string keys become strings, which the control plane then checks as names.
         text = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS).decode()
@@ -982,20 +987,9 @@ def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = Fal
     return "\n".join([*lines, summary + suffix])
 
 
-def _non_finite(value: Any, path: str = "") -> list[str]:
-    """An error naming each NaN or infinity in the document value (as YAML
-    reads `.nan`, `.inf`, `-.inf`), with its path as the control plane names
-    fields (`tenants[0].routing.load_bound`); pure."""
-    if isinstance(value, float) and not math.isfinite(value):
-        shown = ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
-        return [f"{path or 'the document'}: must be a finite number, not {shown}"]
-    if isinstance(value, dict):
-        return [
-            e for k, v in value.items() for e in _non_finite(v, f"{path}.{k}" if path else str(k))
-        ]
-    if isinstance(value, list):
-        return [e for i, v in enumerate(value) for e in _non_finite(v, f"{path}[{i}]")]
-    return []
+def _yaml(value: float) -> str:
+    """A NaN or an infinity as YAML writes it."""
+    return ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
 
 
 def _change_detail(c: apb.Change) -> str:
