@@ -22,7 +22,7 @@ import enum
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from dataplane import jsonio
 from dataplane.streaming.sse import Event, SseParser
@@ -110,7 +110,7 @@ def unkept_reason(refusal: str | None, *, too_large: bool = False) -> str:
     recorder's `reason`, or `finish_refusal`'s) and whether it was too large."""
     if too_large:
         return TOO_LARGE
-    if refusal == "finish_reason 'length'":
+    if refusal == _CUT_BY_LENGTH:
         return TRUNCATED
     return INCOMPLETE
 
@@ -715,3 +715,7 @@ def _extend_call(call: dict[str, Any], part: dict[str, Any]) -> None:
     arguments = part.get("arguments")
     if isinstance(arguments, str):
         call["arguments"] += arguments
+
+
+# finish_refusal's reason for an answer cut by its max_tokens.
+_CUT_BY_LENGTH: Final = finish_refusal(["length"], store_truncated=False)

@@ -314,9 +314,7 @@ class EdgeCache:
             self._count("bypass", decision.reason)
             return CachePlan("bypass", reason=decision.reason.value)
         include_usage = _include_usage(req.body)
-        # A whole answer always has its usage, as an origin's does: a request
-        # for one asks for usage as a stream's include_usage does.
-        wants_usage = include_usage or not req.stream
+        wants_usage = _wants_usage(include_usage, req.stream)
         context = text = ""
         if decision.semantic and self.semantic is None:
             self._load_semantic()  # e.g. a saved table applied before the loop ran
@@ -391,7 +389,7 @@ class EdgeCache:
         called the origin after all (trial 21)."""
         region_lock: RegionLock | None = None
         waited = 0.0
-        if self.region is not None and (include_usage or not req.stream):
+        if self.region is not None and _wants_usage(include_usage, req.stream):
             tenant, model = req.tenant.name, req.body["model"]
             try:
                 claim = await self.region.claim(key, tenant, model)
@@ -448,8 +446,7 @@ class EdgeCache:
     def _join(self, key: str, include_usage: bool, stream: bool) -> Leader | Follower:
         """The key's flight; requests that want usage (see `plan`) fly apart
         from those that do not."""
-        wants_usage = include_usage or not stream
-        return self.coalescer.join(key + ("+usage" if wants_usage else ""))
+        return self.coalescer.join(key + ("+usage" if _wants_usage(include_usage, stream) else ""))
 
     def _fill(
         self,
@@ -701,3 +698,10 @@ def _following(
 
 
 __all__ = ["CachePlan", "CacheRequest", "EdgeCache", "SemanticLayer"]
+
+
+def _wants_usage(include_usage: bool, stream: bool) -> bool:
+    """Whether a request's answer must carry its usage: a whole answer always
+    has it, as an origin's does, so a request for one asks for usage as a
+    stream's include_usage does."""
+    return include_usage or not stream
