@@ -341,13 +341,20 @@ async def probe(prober: Prober, session: aiohttp.ClientSession) -> None:
     await asyncio.wait_for(prober.probe_all(session), 10)
 
 
+async def one_origin(fake_origin: tuple[FakeOrigin, TestServer]) -> tuple[Catalog, Prober]:
+    """A catalog of the fake origin alone (o1, capacity 10) and a prober of it
+    that flips health on one probe."""
+    _, server = fake_origin
+    base_url = str(server.make_url("/v1"))
+    catalog = await make_catalog(Origin("o1", base_url, "eu-west", ("llama-3",), capacity=10))
+    return catalog, Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+
+
 async def test_prober_follows_health_and_load(
     fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
 ) -> None:
-    origin, server = fake_origin
-    base_url = str(server.make_url("/v1"))
-    catalog = await make_catalog(Origin("o1", base_url, "eu-west", ("llama-3",), capacity=10))
-    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    origin, _ = fake_origin
+    catalog, prober = await one_origin(fake_origin)
 
     await probe(prober, session)
     first = await stored(catalog, "o1")
@@ -380,10 +387,8 @@ async def test_prober_follows_health_and_load(
 async def test_prober_writes_a_move_of_load_alone_at_most_every_interval(
     fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
 ) -> None:
-    origin, server = fake_origin
-    base_url = str(server.make_url("/v1"))
-    catalog = await make_catalog(Origin("o1", base_url, "eu-west", ("llama-3",), capacity=10))
-    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    origin, _ = fake_origin
+    catalog, prober = await one_origin(fake_origin)
     await probe(prober, session)
     origin.metrics = VLLM_METRICS.replace("} 3.0", "} 7.0")  # 9 -> 13 requests
     await probe(prober, session)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,12 +269,9 @@ def region_rates(region: dict[str, Any]) -> tuple[float | None, ...]:
     return tuple(region[f"{name}_per_s"] for name in names)
 
 
-async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
-    plane: Plane,
-) -> None:
-    """p-eu2 joins eu-west beside p-eu, having answered requests before this
-    replica first read its reports: the region's rates are unknown (a dash),
-    not p-eu's alone passed off as the region's, until its next report."""
+def eu_west_after(plane: Plane) -> Callable[[float, dict[str, Traffic]], Awaitable[dict[str, Any]]]:
+    """report(at, traffic): eu-west's row of the status page once replica r1
+    wrote `traffic` at `at`."""
     web = web_of(plane)
 
     async def report(at: float, traffic: dict[str, Traffic]) -> dict[str, Any]:
@@ -283,6 +280,17 @@ async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
         regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
         eu: dict[str, Any] = regions["eu-west"]
         return eu
+
+    return report
+
+
+async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
+    plane: Plane,
+) -> None:
+    """p-eu2 joins eu-west beside p-eu, having answered requests before this
+    replica first read its reports: the region's rates are unknown (a dash),
+    not p-eu's alone passed off as the region's, until its next report."""
+    report = eu_west_after(plane)
 
     def p_eu(at: float, n: int) -> Traffic:
         return (n, 0, 0, at, {"eu-west": (n, 0)}, {})
@@ -313,14 +321,7 @@ async def test_a_proxy_started_within_the_window_has_rates_from_its_first_report
     seconds, their first reports held all of it, and the page showed no
     rate: a first report was only where the rates started. A proxy's
     counters were 0 when its process started, which it says at Register."""
-    web = web_of(plane)
-
-    async def report(at: float, traffic: dict[str, Traffic]) -> dict[str, Any]:
-        plane.clock.now = at
-        await plane.catalog.put_traffic("r1", traffic, plane.lease)
-        regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
-        eu: dict[str, Any] = regions["eu-west"]
-        return eu
+    report = eu_west_after(plane)
 
     # Registered at 1,001.5 by its replica's clock, 1.5 s after its start
     # by its own: its counters were 0 at 1,000 by the replica's.
