@@ -276,9 +276,9 @@ def parse(argv: list[str]) -> Settings:
 def _check_etcd_files(ca: str, cert: str, key: str, now: datetime.datetime) -> None:
     """CredentialError naming the file unless the etcd CA holds certificates,
     the client key is its certificate's and that certificate is valid at
-    `now`, as for the replica's own TLS files: the replica otherwise started,
-    said it served, and retried etcd for good with gRPC's handshake errors
-    (trial 23)."""
+    `now` for a TLS client, as for the replica's own TLS files: the replica
+    otherwise started, said it served, and retried etcd for good with gRPC's
+    handshake errors (trial 23)."""
     try:
         if ca:
             tlsfiles.certificates(read_bytes(ca, "etcd CA certificate"), ca, "etcd CA")
@@ -290,6 +290,7 @@ def _check_etcd_files(ca: str, cert: str, key: str, now: datetime.datetime) -> N
                 key,
             )
             tlsfiles.check_validity(pair, cert, "etcd client certificate", now)
+            tlsfiles.check_purpose(pair, cert, "etcd client certificate", tlsfiles.CLIENT_AUTH)
     except tlsfiles.TlsFileError as exc:
         raise CredentialError(str(exc)) from None
 

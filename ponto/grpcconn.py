@@ -128,13 +128,16 @@ class ClientOptions:
     def check_files(self, now: datetime.datetime) -> None:
         """Read the TLS files and check them as gRPC cannot say clearly: the CA
         holds certificates, the key is the certificate's, and the certificate
-        is valid at `now`. CredentialError naming the file; nothing without TLS."""
+        is valid at `now` and for a TLS client. CredentialError naming the
+        file; nothing without TLS."""
         if not self.secure:
             return
         try:
             tlsfiles.certificates(read_bytes(self.tls_ca, "TLS CA"), self.tls_ca, "TLS CA")
             if self.tls_cert:
-                _check_own(self.tls_cert, self.tls_key, "client certificate", now)
+                _check_own(
+                    self.tls_cert, self.tls_key, "client certificate", now, tlsfiles.CLIENT_AUTH
+                )
         except tlsfiles.TlsFileError as exc:
             raise CredentialError(str(exc)) from None
 
@@ -315,7 +318,7 @@ class ServerSecurity:
         if not self.tls_cert:
             return
         try:
-            _check_own(self.tls_cert, self.tls_key, "TLS certificate", now)
+            _check_own(self.tls_cert, self.tls_key, "TLS certificate", now, tlsfiles.SERVER_AUTH)
             if self.tls_client_ca:
                 pem = read_bytes(self.tls_client_ca, "TLS client CA")
                 tlsfiles.certificates(pem, self.tls_client_ca, "TLS client CA")
@@ -335,9 +338,12 @@ class ServerSecurity:
         return grpc.ssl_server_credentials([pair])
 
 
-def _check_own(cert_path: str, key_path: str, what: str, now: datetime.datetime) -> None:
+def _check_own(
+    cert_path: str, key_path: str, what: str, now: datetime.datetime, usage: bytes
+) -> None:
     """TlsFileError unless the key at key_path is the certificate's at
-    cert_path and that certificate (`what`, in the message) is valid at `now`."""
+    cert_path and that certificate (`what`, in the message) is valid at `now`
+    for `usage` (tlsfiles.check_purpose)."""
     cert = tlsfiles.check_pair(
         read_bytes(cert_path, "TLS certificate"),
         cert_path,
@@ -345,3 +351,4 @@ def _check_own(cert_path: str, key_path: str, what: str, now: datetime.datetime)
         key_path,
     )
     tlsfiles.check_validity(cert, cert_path, what, now)
+    tlsfiles.check_purpose(cert, cert_path, what, usage)

@@ -8,7 +8,8 @@ our own shows up as the peer closing the connection. These checks say what is
 wrong with which file, in one line, before any of that.
 
 They use OpenSSL through the standard `ssl` module, which asyncio has loaded
-already, and read the validity dates from the certificate's DER themselves:
+already, and read the validity dates, the key's algorithm and the extended key
+usages from the certificate's DER themselves:
 `cryptography` would cost every proxy worker some 9 MB of memory (the proxy
 imports it only for a tenant's JWT issuer, dataplane.auth.authenticator).
 
@@ -68,6 +69,9 @@ class Certificate:
     not_valid_after: datetime.datetime
     # The OID of its public key's algorithm (subjectPublicKeyInfo), DER content.
     key_algorithm: bytes = b""
+    # Its extended key usages (OIDs, DER content); None without the extension,
+    # which allows every purpose (RFC 5280 4.2.1.12).
+    usages: frozenset[bytes] | None = None
 
 
 def certificates(pem: bytes, path: str, what: str) -> list[Certificate]:
@@ -150,6 +154,32 @@ def check_validity(cert: Certificate, path: str, what: str, now: datetime.dateti
         )
 
 
+# Extended key usages (RFC 5280 4.2.1.12), DER content of their OIDs.
+SERVER_AUTH = bytes.fromhex("2b06010505070301")  # 1.3.6.1.5.5.7.3.1
+CLIENT_AUTH = bytes.fromhex("2b06010505070302")  # 1.3.6.1.5.5.7.3.2
+_ANY_USAGE = bytes.fromhex("551d2500")  # 2.5.29.37.0, anyExtendedKeyUsage
+_PURPOSES = {SERVER_AUTH: ("server", "serverAuth"), CLIENT_AUTH: ("client", "clientAuth")}
+
+
+def check_purpose(cert: Certificate, path: str, what: str, usage: bytes) -> None:
+    """TlsFileError when `cert` states extended key usages and `usage`
+    (SERVER_AUTH, CLIENT_AUTH) is not among them. gRPC's TLS takes such a
+    certificate and fails every handshake: a control plane serving a client's
+    certificate, its clients told "unsupported certificate purpose"; a client
+    presenting a server's, the server closing the socket unexplained. A
+    certificate that states anyExtendedKeyUsage passes, as some verifiers take
+    it: this check refuses only what cannot work."""
+    if cert.usages is None or usage in cert.usages or _ANY_USAGE in cert.usages:
+        return
+    role, name = _PURPOSES[usage]
+    others = [other for u, (_, other) in _PURPOSES.items() if u in cert.usages]
+    stated = f"is {others[0]}, not {name}" if others else "states neither serverAuth nor clientAuth"
+    raise TlsFileError(
+        f"the {what} {path} is not for a TLS {role}: its extended key usage {stated}; "
+        f"issue it with {name}"
+    )
+
+
 def _date(when: datetime.datetime) -> str:
     return when.strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -162,13 +192,16 @@ _VERSION = 0xA0  # [0] EXPLICIT, before the serial number when present
 _OID = 0x06
 
 
-def _fields(der: bytes) -> tuple[datetime.datetime, datetime.datetime, bytes]:
-    """notBefore, notAfter and the public key's algorithm OID of an X.509
-    certificate's DER (RFC 5280 4.1): Certificate ::= SEQUENCE {
-    tbsCertificate SEQUENCE { [0] version OPTIONAL, serialNumber, signature,
-    issuer, validity SEQUENCE { notBefore, notAfter }, subject,
+def _fields(
+    der: bytes,
+) -> tuple[datetime.datetime, datetime.datetime, bytes, frozenset[bytes] | None]:
+    """notBefore, notAfter, the public key's algorithm OID and the extended key
+    usages of an X.509 certificate's DER (RFC 5280 4.1): Certificate ::=
+    SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL, serialNumber,
+    signature, issuer, validity SEQUENCE { notBefore, notAfter }, subject,
     subjectPublicKeyInfo SEQUENCE { algorithm SEQUENCE { OID, ... }, ... },
-    ... } ... }. ValueError when the bytes are not that shape."""
+    [1] issuerUniqueID OPTIONAL, [2] subjectUniqueID OPTIONAL,
+    [3] extensions OPTIONAL } ... }. ValueError when the bytes are not that shape."""
     at, end = 0, len(der)
     for what in ("Certificate", "tbsCertificate"):
         tag, at, end = _tlv(der, at, end)
@@ -185,18 +218,71 @@ def _fields(der: bytes) -> tuple[datetime.datetime, datetime.datetime, bytes]:
     before_tag, before_at, before_end = _tlv(der, at, validity_end)
     after_tag, after_at, after_end = _tlv(der, before_end, validity_end)
     _, _, at = _tlv(der, validity_end, end)  # subject
-    oid = b""
-    for want in (_SEQUENCE, _SEQUENCE, _OID):  # subjectPublicKeyInfo, algorithm, its OID
-        tag, at, inner_end = _tlv(der, at, end)
-        if tag != want:
-            raise ValueError("no subjectPublicKeyInfo")
-        end = inner_end
-        oid = der[at:inner_end]
+    tag, spki_at, spki_end = _tlv(der, at, end)
+    if tag != _SEQUENCE:
+        raise ValueError("no subjectPublicKeyInfo")
+    tag, algorithm_at, algorithm_end = _tlv(der, spki_at, spki_end)
+    if tag != _SEQUENCE:
+        raise ValueError("no subjectPublicKeyInfo algorithm")
+    tag, oid_at, oid_end = _tlv(der, algorithm_at, algorithm_end)
+    if tag != _OID:
+        raise ValueError("no subjectPublicKeyInfo algorithm OID")
+    try:
+        usages = _usages(der, spki_end, end)
+    except ValueError:  # extensions OpenSSL took and this reading cannot follow
+        usages = None  # leaves the purpose to the handshake, as before this check
     return (
         _time(before_tag, der[before_at:before_end]),
         _time(after_tag, der[after_at:after_end]),
-        oid,
+        der[oid_at:oid_end],
+        usages,
     )
+
+
+_EXTENSIONS = 0xA3  # [3] EXPLICIT
+_BOOLEAN = 0x01
+_OCTET_STRING = 0x04
+_EXTENDED_KEY_USAGE = bytes.fromhex("551d25")  # 2.5.29.37
+
+
+def _usages(der: bytes, at: int, end: int) -> frozenset[bytes] | None:
+    """The extended key usages in the tbsCertificate's fields after its
+    subjectPublicKeyInfo (at..end): the OIDs of the extension's SEQUENCE, or
+    None without the extension."""
+    while at < end:
+        tag, content_at, content_end = _tlv(der, at, end)
+        at = content_end
+        if tag != _EXTENSIONS:
+            continue  # an issuer or subject unique ID
+        tag, at, end = _tlv(der, content_at, content_end)
+        if tag != _SEQUENCE:
+            raise ValueError("no extensions")
+        while at < end:
+            tag, extension_at, extension_end = _tlv(der, at, end)
+            at = extension_end
+            if tag != _SEQUENCE:
+                raise ValueError("no extension")
+            tag, oid_at, oid_end = _tlv(der, extension_at, extension_end)
+            if tag != _OID:
+                raise ValueError("no extension OID")
+            if der[oid_at:oid_end] != _EXTENDED_KEY_USAGE:
+                continue
+            tag, value_at, value_end = _tlv(der, oid_end, extension_end)
+            if tag == _BOOLEAN:  # critical
+                tag, value_at, value_end = _tlv(der, value_end, extension_end)
+            if tag != _OCTET_STRING:
+                raise ValueError("no extension value")
+            tag, at, end = _tlv(der, value_at, value_end)
+            if tag != _SEQUENCE:
+                raise ValueError("no extended key usages")
+            usages = set()
+            while at < end:
+                tag, oid_at, at = _tlv(der, at, end)
+                if tag != _OID:
+                    raise ValueError("an extended key usage is no OID")
+                usages.add(der[oid_at:at])
+            return frozenset(usages)
+    return None
 
 
 def _tlv(der: bytes, at: int, end: int) -> tuple[int, int, int]:

@@ -1,6 +1,7 @@
 """A new operator's mutual-TLS mistakes, each said in one line naming what to fix:
 a key not its certificate's, a CA file that is no PEM, a certificate out of its
-dates (ponto-control, ponto-proxy and pontoctl refuse at start, exit code 2), a
+dates or for the other end of the connection (ponto-control, ponto-proxy and
+pontoctl refuse at start, exit code 2), a
 server certificate out of its dates (pontoctl and the proxy say so rather than
 blame the CA), and the proxy's link failures with the advice pontoctl gives,
 logged once per cause."""
@@ -567,3 +568,57 @@ def test_etcd_tls_files_that_fit_pass(b: Bundle) -> None:
     argv = ["--etcd", "https://127.0.0.1:2379", "--etcd-ca", b.ca]
     argv += ["--etcd-cert", b.path("admin.crt"), "--etcd-key", b.path("admin.key")]
     assert control_parse(argv).etcd_tls is not None
+
+
+# ---------------------------------------------------------------- a certificate for the other end
+
+
+def test_control_plane_serving_a_client_certificate_is_refused_at_start(
+    b: Bundle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It started, and every client's handshake failed ("unsupported
+    certificate purpose", in gRPC's log of each client)."""
+    line = refused_at_start(capsys, control_parse, control_args(b, "admin.crt", "admin.key"))
+    assert line == (
+        f"ponto-control: error: the TLS certificate {b.path('admin.crt')} is not for a TLS "
+        "server: its extended key usage is clientAuth, not serverAuth; issue it with serverAuth"
+    )
+
+
+def test_proxy_presenting_a_server_certificate_is_refused_at_start(
+    b: Bundle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It started, and the control plane closed each of its connections
+    during the handshake, which the proxy saw as "Socket closed"."""
+    line = refused_at_start(capsys, proxy_parse, proxy_args(b, "server.crt", "server.key"))
+    assert line == (
+        f"ponto-proxy: error: the client certificate {b.path('server.crt')} is not for a TLS "
+        "client: its extended key usage is serverAuth, not clientAuth; issue it with clientAuth"
+    )
+
+
+def test_pontoctl_presenting_a_server_certificate_exits_2_before_any_call(
+    b: Bundle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--control-plane", f"127.0.0.1:{free_port()}", "--tls-ca", b.ca,
+        "--tls-cert", b.path("server.crt"), "--tls-key", b.path("server.key"), "get", "regions",
+    ]  # fmt: skip
+    assert pontoctl(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: the client certificate {b.path('server.crt')} is not for a TLS client: its "
+        "extended key usage is serverAuth, not clientAuth; issue it with clientAuth\n"
+    )
+
+
+def test_control_plane_with_a_server_certificate_for_etcd_is_refused_at_start(
+    b: Bundle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--etcd", "https://127.0.0.1:2379", "--etcd-ca", b.ca]
+    argv += ["--etcd-cert", b.path("server.crt"), "--etcd-key", b.path("server.key")]
+    line = refused_at_start(capsys, control_parse, argv)
+    assert line == (
+        f"ponto-control: error: the etcd client certificate {b.path('server.crt')} is not for "
+        "a TLS client: its extended key usage is serverAuth, not clientAuth; issue it with "
+        "clientAuth"
+    )

@@ -17,7 +17,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ponto import tlsfiles
 from ponto.pki import make_bundle
@@ -35,12 +35,16 @@ Key = (
 
 
 def certificate(
-    key: Key, not_before: datetime.datetime, not_after: datetime.datetime
+    key: Key,
+    not_before: datetime.datetime,
+    not_after: datetime.datetime,
+    *extensions: tuple[x509.ExtensionType, bool],
 ) -> x509.Certificate:
-    """Self-signed: EdDSA keys sign without a separate hash."""
+    """Self-signed, with `extensions` (each with whether it is critical):
+    EdDSA keys sign without a separate hash."""
     eddsa = isinstance(key, ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tlsfiles-test")])
-    return (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(name)
         .issuer_name(name)
@@ -48,8 +52,10 @@ def certificate(
         .serial_number(x509.random_serial_number())
         .not_valid_before(not_before)
         .not_valid_after(not_after)
-        .sign(key, None if eddsa else hashes.SHA256())
     )
+    for extension, critical in extensions:
+        builder = builder.add_extension(extension, critical=critical)
+    return builder.sign(key, None if eddsa else hashes.SHA256())
 
 
 def pem(cert: x509.Certificate) -> bytes:
@@ -332,3 +338,93 @@ def test_an_rsa_pss_certificate_gRPC_cannot_read_is_refused(tmp_path: Path) -> N
         f"the TLS certificate {cert_path} is for an RSA-PSS key, which gRPC's TLS cannot use "
         "(it cannot read an RSA-PSS key): issue it for an ECDSA (P-256, P-384) or RSA key"
     )
+
+
+def with_extensions(*extensions: tuple[x509.ExtensionType, bool]) -> x509.Certificate:
+    now = datetime.datetime.now(UTC)
+    return certificate(EC_KEY, now, now + datetime.timedelta(days=1), *extensions)
+
+
+SAN = x509.SubjectAlternativeName([x509.DNSName("localhost")])
+BASIC = x509.BasicConstraints(ca=False, path_length=None)
+
+
+def eku(*usages: x509.ObjectIdentifier) -> x509.ExtendedKeyUsage:
+    return x509.ExtendedKeyUsage(list(usages))
+
+
+@pytest.mark.parametrize(
+    "extensions",
+    [
+        (),
+        ((BASIC, True), (SAN, False)),
+        ((eku(ExtendedKeyUsageOID.SERVER_AUTH), False),),
+        ((BASIC, True), (eku(ExtendedKeyUsageOID.CLIENT_AUTH), True), (SAN, False)),
+        ((eku(ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH), False),),
+        ((eku(ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE), False),),
+        ((eku(ExtendedKeyUsageOID.CODE_SIGNING, ExtendedKeyUsageOID.OCSP_SIGNING), False),),
+    ],
+    ids=["none", "others", "server", "critical-client", "both", "any", "neither"],
+)
+def test_the_extended_key_usages_read_from_the_der_are_cryptographys(
+    extensions: tuple[tuple[x509.ExtensionType, bool], ...],
+) -> None:
+    cert = with_extensions(*extensions)
+    [read] = tlsfiles.certificates(pem(cert), "c.crt", "TLS certificate")
+    try:
+        theirs = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        assert read.usages is None
+    else:
+        assert read.usages == frozenset(_oid_der(oid) for oid in theirs)
+
+
+def _oid_der(oid: x509.ObjectIdentifier) -> bytes:
+    """The DER content of an OID, as tlsfiles keeps it."""
+    first, second, *rest = (int(arc) for arc in oid.dotted_string.split("."))
+    out = bytearray([40 * first + second])
+    for arc in rest:
+        chunk, left = [arc & 0x7F], arc >> 7
+        while left:
+            chunk.append(0x80 | (left & 0x7F))
+            left >>= 7
+        out += bytes(reversed(chunk))
+    return bytes(out)
+
+
+SERVER_ONLY = "its extended key usage is serverAuth, not clientAuth; issue it with clientAuth"
+CLIENT_ONLY = "its extended key usage is clientAuth, not serverAuth; issue it with serverAuth"
+NEITHER = "its extended key usage states neither serverAuth nor clientAuth; issue it with {}"
+
+
+@pytest.mark.parametrize(
+    ("usages", "as_server", "as_client"),
+    [
+        (None, "", ""),
+        ((ExtendedKeyUsageOID.SERVER_AUTH,), "", SERVER_ONLY),
+        ((ExtendedKeyUsageOID.CLIENT_AUTH,), CLIENT_ONLY, ""),
+        ((ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH), "", ""),
+        ((ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE,), "", ""),
+        (
+            (ExtendedKeyUsageOID.CODE_SIGNING,),
+            NEITHER.format("serverAuth"),
+            NEITHER.format("clientAuth"),
+        ),
+    ],
+)
+def test_a_certificate_is_refused_only_for_a_purpose_its_usages_exclude(
+    usages: tuple[x509.ObjectIdentifier, ...] | None, as_server: str, as_client: str
+) -> None:
+    """gRPC takes such a certificate and fails every handshake with it."""
+    cert = with_extensions(*(() if usages is None else ((eku(*usages), False),)))
+    [read] = tlsfiles.certificates(pem(cert), "c.crt", "TLS certificate")
+    for usage, says, role in (
+        (tlsfiles.SERVER_AUTH, as_server, "server"),
+        (tlsfiles.CLIENT_AUTH, as_client, "client"),
+    ):
+        if not says:
+            tlsfiles.check_purpose(read, "c.crt", "TLS certificate", usage)
+            continue
+        with pytest.raises(tlsfiles.TlsFileError) as refused:
+            tlsfiles.check_purpose(read, "c.crt", "TLS certificate", usage)
+        assert str(refused.value) == f"the TLS certificate c.crt is not for a TLS {role}: {says}"
