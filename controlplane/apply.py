@@ -250,11 +250,15 @@ def parse(doc: Any) -> Topology:
             value = read(obj)
             if len(errors) > before:
                 continue
+            # A tenant's blocks are checked apart, so each reports its error.
+            problems = value.problems() if isinstance(value, Tenant) else []
             try:
-                value = value.validated()
+                value = value if problems else value.validated()
             except InvalidArgument as exc:
+                problems = [exc]
+            if problems:
                 # At the field the model's check names, when it names one.
-                errors.append(f"{path}{'.' if exc.field else ''}{exc.field}: {exc}")
+                errors += [f"{path}{'.' if p.field else ''}{p.field}: {p}" for p in problems]
                 continue
             if (kind, value.name) in paths:
                 errors.append(f"{path}: {kind} {value.name!r} is listed twice")

@@ -521,7 +521,9 @@ class RoutingPolicy:
                 )
         b = self.load_bound
         if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
-            raise InvalidArgument(f"load bound {b} of {owner} is not in 1..100", field="load_bound")
+            raise InvalidArgument(
+                f"load bound {b:g} of {owner} is not in 1..100", field="load_bound"
+            )
         return replace(self, models=tuple(sorted(dict(self.models).items())))
 
 
@@ -633,34 +635,45 @@ class Tenant:
     streams: StreamPolicy = StreamPolicy()
 
     def validated(self) -> Tenant:
+        """This tenant with each block validated; the first block's
+        InvalidArgument otherwise (`problems` has one per block)."""
         check_name("tenant", self.name)
-        owner = f"tenant {self.name!r}"
-        part = "limits"
+        blocks, problems = self._blocks()
+        if problems:
+            raise problems[0]
+        return replace(self, **blocks)
+
+    def problems(self) -> list[InvalidArgument]:
+        """Every block's first error, or the name's alone: `pontoctl apply`
+        reports them all in one pass, where a document with a bad limit and
+        a bad cache TTL took two runs to learn of both."""
         try:
-            limits = self.limits.validated(owner)
-            part = "prompt"
-            prompt = self.prompt.validated(owner)
-            part = "cache"
-            cache = self.cache.validated(owner)
-            part = "jwt"
-            jwt = self.jwt.validated(owner) if self.jwt else None
-            part = "routing"
-            routing = self.routing.validated(owner)
-            part = "streams"
-            streams = self.streams.validated(owner)
+            check_name("tenant", self.name)
         except InvalidArgument as exc:
-            # The block's name in the apply document, so its error names the field.
-            exc.within(part)
-            raise
-        return replace(
-            self,
-            limits=limits,
-            prompt=prompt,
-            cache=cache,
-            jwt=jwt,
-            routing=routing,
-            streams=streams,
-        )
+            return [exc]
+        return self._blocks()[1]
+
+    def _blocks(self) -> tuple[dict[str, Any], list[InvalidArgument]]:
+        owner = f"tenant {self.name!r}"
+        blocks: dict[str, Any] = {"jwt": None}
+        problems: list[InvalidArgument] = []
+        for part, block in (
+            ("limits", self.limits),
+            ("prompt", self.prompt),
+            ("cache", self.cache),
+            ("jwt", self.jwt),
+            ("routing", self.routing),
+            ("streams", self.streams),
+        ):
+            if block is None:
+                continue
+            try:
+                blocks[part] = block.validated(owner)
+            except InvalidArgument as exc:
+                # The block's name in the apply document, so its error names the field.
+                exc.within(part)
+                problems.append(exc)
+        return blocks, problems
 
 
 def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ...]:

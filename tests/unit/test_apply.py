@@ -116,6 +116,34 @@ def test_every_error_is_reported_with_its_path() -> None:
     assert more == ["tenants[0].cache.ttl_s: cache TTL -1 s of tenant 't' is not in 0..2592000"]
 
 
+def test_each_block_of_a_tenant_reports_its_own_value_error_in_one_pass() -> None:
+    """A bad limit hid a bad cache TTL until the limit was fixed and the
+    document applied again."""
+    doc = {
+        "tenants": [
+            {
+                "name": "t",
+                "limits": {"rpm": -1},
+                "cache": {"ttl_s": -1},
+                "routing": {"load_bound": 101},
+                "streams": {"hedge_ms": 99999999},
+            },
+            {"name": "u", "limits": {"rpm": 10}, "cache": {"ttl_s": 60}},
+        ],
+    }
+    assert errors_of(doc) == [
+        "tenants[0].limits.rpm: rpm -1 of tenant 't' is not in 0..10^12",
+        "tenants[0].cache.ttl_s: cache TTL -1 s of tenant 't' is not in 0..2592000",
+        "tenants[0].routing.load_bound: load bound 101 of tenant 't' is not in 1..100",
+        "tenants[0].streams.hedge_ms: hedge delay '99999999' of tenant 't' is not auto or "
+        "0..600000 ms",
+    ]
+    # A bad name is the tenant's one error: its blocks' messages would name it.
+    assert errors_of({"tenants": [{"name": "T!", "limits": {"rpm": -1}}]}) == [
+        errors_of({"tenants": [{"name": "T!"}]})[0]
+    ]
+
+
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
