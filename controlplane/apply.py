@@ -95,6 +95,7 @@ JWT_FIELDS = (
     "audiences",
     "algorithms",
     "jwks_file",
+    "jwks_url",
     "hs256_secret_file",
     "hs256_secret_env",
     "leeway_s",
@@ -323,6 +324,7 @@ def _tenant(o: _Obj) -> Tenant:
             audiences=j.strings("audiences"),
             algorithms=j.strings("algorithms", ("RS256",)),
             jwks_file=j.get("jwks_file", str, ""),
+            jwks_url=j.get("jwks_url", str, ""),
             hs256_secret_file=j.get("hs256_secret_file", str, ""),
             hs256_secret_env=j.get("hs256_secret_env", str, ""),
             leeway_s=j.get("leeway_s", _NUMBER, 30.0),
@@ -490,6 +492,7 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
             "algorithms": list(j.algorithms),
             **_set(
                 jwks_file=j.jwks_file,
+                jwks_url=j.jwks_url,
                 hs256_secret_file=j.hs256_secret_file,
                 hs256_secret_env=j.hs256_secret_env,
             ),

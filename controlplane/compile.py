@@ -130,6 +130,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
                 audiences=list(t.jwt.audiences),
                 algorithms=list(t.jwt.algorithms),
                 jwks_file=t.jwt.jwks_file,
+                jwks_url=t.jwt.jwks_url,
                 hs256_secret_file=t.jwt.hs256_secret_file,
                 hs256_secret_env=t.jwt.hs256_secret_env,
                 leeway_s=t.jwt.leeway_s,

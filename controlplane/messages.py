@@ -105,6 +105,7 @@ def jwt_of(m: pb.JwtIssuer) -> JwtIssuer:
         audiences=tuple(m.audiences),
         algorithms=tuple(m.algorithms),
         jwks_file=m.jwks_file,
+        jwks_url=m.jwks_url,
         hs256_secret_file=m.hs256_secret_file,
         hs256_secret_env=m.hs256_secret_env,
         leeway_s=m.leeway_s if m.leeway_s else 30.0,

@@ -7,6 +7,7 @@ control plane can add fields without breaking an older replica.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import unicodedata
@@ -105,6 +106,63 @@ def redact_url(url: str) -> str:
     neither: one with them is refused, but was kept whole in the audit
     trail and the refusal's message; trial 23)."""
     return _QUERY_ON.sub(r"\1***", redact_userinfo(url))
+
+
+# Hosts a JWKS may be fetched from over plain http: the proxy's own machine
+# (an identity provider's sidecar, a test). Anywhere else http would let the
+# network between them swap the keys, and with them sign any token.
+_LOOPBACK_NAMES = frozenset(("localhost", "localhost.localdomain"))
+MAX_JWKS_URL_CHARS = 2048
+
+
+def check_jwks_url(url: str, owner: str) -> None:
+    """InvalidArgument unless url can be a JWKS URL: https (http to a loopback
+    host), a host, no user:password@, query or fragment (the URL is shown in
+    the audit trail, logs and metrics, and no identity provider's has them)."""
+    shown = redact_url(url)[:200]
+    if len(url) > MAX_JWKS_URL_CHARS:
+        raise InvalidArgument(
+            f"{owner}: JWKS URL is {len(url)} characters long, over {MAX_JWKS_URL_CHARS}",
+            field="jwks_url",
+        )
+    parts = urlsplit(url)
+    try:
+        _ = parts.port
+    except ValueError:
+        raise InvalidArgument(
+            f"{owner}: JWKS URL {shown!r} has an invalid port", field="jwks_url"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgument(
+            f"{owner}: JWKS URL {shown!r} is invalid: expected https://host[:port]/path",
+            field="jwks_url",
+        )
+    if any(not "!" <= char <= "~" for char in url):
+        raise InvalidArgument(
+            f"{owner}: JWKS URL {shown!r} holds a space or a character that is not printable "
+            "ASCII (percent-encode it)",
+            field="jwks_url",
+        )
+    if redact_url(url) != url:
+        raise InvalidArgument(
+            f"{owner}: JWKS URL {shown!r} must not carry user:password@, a query or a fragment",
+            field="jwks_url",
+        )
+    if parts.scheme == "http" and not _loopback(parts.hostname):
+        raise InvalidArgument(
+            f"{owner}: JWKS URL {shown!r} must be https: over http anyone on the path "
+            "could replace the keys and sign tokens (http is taken for a loopback host only)",
+            field="jwks_url",
+        )
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_url(url: str) -> str:
@@ -585,6 +643,8 @@ class JwtIssuer:
     hs256_secret_env: str = ""
     leeway_s: float = 30.0
     max_lifetime_s: float = JWT_DEFAULT_MAX_LIFETIME_S
+    # The issuer's published key set, which each proxy fetches (check_jwks_url).
+    jwks_url: str = ""
 
     def validated(self, owner: str) -> JwtIssuer:
         if not self.issuer:
@@ -606,8 +666,12 @@ class JwtIssuer:
             raise InvalidArgument(f"{owner}: an audience is empty")
         if self.hs256_secret_env and not ENV_RE.match(self.hs256_secret_env):
             raise InvalidArgument(f"{owner}: {self.hs256_secret_env!r} is not a variable name")
-        if set(algorithms) - {"HS256"} and not self.jwks_file:
-            raise InvalidArgument(f"{owner}: RS256 and ES256 need a jwks_file")
+        if self.jwks_file and self.jwks_url:
+            raise InvalidArgument(f"{owner}: give jwks_file or jwks_url, not both")
+        if set(algorithms) - {"HS256"} and not (self.jwks_file or self.jwks_url):
+            raise InvalidArgument(f"{owner}: RS256 and ES256 need a jwks_url or a jwks_file")
+        if self.jwks_url:
+            check_jwks_url(self.jwks_url, owner)
         for path in (self.jwks_file, self.hs256_secret_file):
             if path and not path.startswith("/"):
                 raise InvalidArgument(f"{owner}: {path!r} must be an absolute path")

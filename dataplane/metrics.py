@@ -24,8 +24,8 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import (
@@ -38,6 +38,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from dataplane.streaming.usage import Usage
+
+if TYPE_CHECKING:
+    from dataplane.auth.remote import RemoteKeys
 
 CellT = TypeVar("CellT", "CounterCell", "HistogramCell")
 
@@ -205,6 +208,61 @@ class TenantsUnavailable(Collector):
         for tenant in sorted(self._problems()):
             family.add_metric([tenant], 1.0)
         yield family
+
+
+class JwksSets(Collector):
+    """The JWKS URLs this proxy fetches (dataplane.auth.remote), per `url`:
+    ponto_jwks_fetches_total and ponto_jwks_fetch_errors_total, and, once a
+    fetch has brought a set, ponto_jwks_keys (its signing keys) and
+    ponto_jwks_age_seconds (since the last good fetch: it grows while the
+    fetches fail and the last good set is used)."""
+
+    def __init__(
+        self,
+        sets: Callable[[], Iterable[RemoteKeys]],
+        clock: Callable[[], float],
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._sets = sets
+        self._clock = clock
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def _families(
+        self,
+    ) -> tuple[CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            CounterMetricFamily(
+                "ponto_jwks_fetches", "Fetches of a JWKS URL, good or not", labels=["url"]
+            ),
+            CounterMetricFamily(
+                "ponto_jwks_fetch_errors",
+                "Fetches of a JWKS URL that brought no usable key set",
+                labels=["url"],
+            ),
+            GaugeMetricFamily(
+                "ponto_jwks_keys", "Signing keys in the JWKS URL's set in use", labels=["url"]
+            ),
+            GaugeMetricFamily(
+                "ponto_jwks_age_seconds",
+                "Seconds since the JWKS URL's set in use was fetched",
+                labels=["url"],
+            ),
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        fetches, errors, keys, age = families = self._families()
+        now = self._clock()
+        for remote in sorted(self._sets(), key=lambda r: r.url):
+            fetches.add_metric([remote.url], remote.fetches_total)
+            errors.add_metric([remote.url], remote.errors_total)
+            if remote.keys is not None:
+                keys.add_metric([remote.url], len(remote.keys))
+                age.add_metric([remote.url], max(0.0, now - remote.fetched_at))
+        yield from families
 
 
 class ReadCounter(Collector):
@@ -574,6 +632,11 @@ class Metrics:
         JWT config the served table names but this proxy could not load
         (`problems`: tenant -> why; read at scrape time)."""
         TenantsUnavailable(problems, registry=self.registry)
+
+    def bind_jwks(self, sets: Iterable[RemoteKeys]) -> None:
+        """Export the JWKS URLs' fetches and sets (JwksSets) from `sets`, the
+        proxy's KeySets (iterated at scrape time)."""
+        JwksSets(lambda: sets, time.time, registry=self.registry)
 
     def bind_region(self, available: Callable[[], bool]) -> None:
         """Export ponto_cache_region_up from `available` (a proxy with --redis)."""

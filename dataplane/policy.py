@@ -23,6 +23,7 @@ from dataplane.auth.authenticator import (
     JwtConfig,
     KeyRecord,
 )
+from dataplane.auth.remote import KeySets
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
@@ -153,8 +154,13 @@ def _prompt(m: pb.PromptPolicy, tenant: str) -> PromptRules:
     )
 
 
-def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) -> EdgePolicy:
-    """Compile a table's tenants, keys and purges; raise TableError if unusable."""
+def build_policy(
+    table: pb.RouteTable,
+    defaults: CacheDefaults | None = None,
+    key_sets: KeySets | None = None,
+) -> EdgePolicy:
+    """Compile a table's tenants, keys and purges; raise TableError if unusable.
+    JWKS URLs take their keys from `key_sets` (see Authenticator.build)."""
     defaults = defaults or CacheDefaults()
     tenants: dict[str, TenantRules] = {}
     limits: dict[str, ScopeLimits] = {}
@@ -185,6 +191,7 @@ def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) ->
                     audiences=tuple(j.audiences),
                     algorithms=tuple(j.algorithms),
                     jwks_file=j.jwks_file or None,
+                    jwks_url=j.jwks_url or None,
                     hs256_secret_file=j.hs256_secret_file or None,
                     hs256_secret_env=j.hs256_secret_env or None,
                     leeway_s=j.leeway_s if math.isfinite(j.leeway_s) else 0.0,
@@ -201,7 +208,9 @@ def build_policy(table: pb.RouteTable, defaults: CacheDefaults | None = None) ->
         if not lim.unlimited:
             limits[key_scope(k.id)] = lim
     try:
-        authenticator = Authenticator.build(keys, jwts, closed=table.auth_required)
+        authenticator = Authenticator.build(
+            keys, jwts, closed=table.auth_required, key_sets=key_sets
+        )
     except AuthConfigError as exc:
         raise TableError(str(exc)) from exc
     default = tenants.get(DEFAULT_TENANT) or TenantRules(

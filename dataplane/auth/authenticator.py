@@ -63,7 +63,7 @@ import os
 import re
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -79,6 +79,8 @@ if TYPE_CHECKING:
     import jwt
     from jwt.types import Options
 
+    from dataplane.auth.remote import KeySets, RemoteKeys
+
 __all__ = [
     "DEFAULT_TENANT",
     "OPEN_PRINCIPAL",
@@ -89,7 +91,10 @@ __all__ = [
     "Authenticator",
     "JwtConfig",
     "KeyRecord",
+    "KeysPending",
     "Principal",
+    "read_jwks",
+    "read_remote_jwks",
 ]
 
 DEFAULT_TENANT: Final = OPEN_TENANT
@@ -153,7 +158,8 @@ class JwtConfig:
     """How one tenant's JWTs are verified. Read once, at `Authenticator.build`.
 
     Keys come from `jwks_file` (a JSON Web Key Set; public keys, or ``oct``
-    keys for HS256) and/or one HS256 secret from `hs256_secret_file` or
+    keys for HS256) or `jwks_url` (a set the proxy fetches and keeps fresh,
+    `Authenticator.build`'s `key_sets`) and/or one HS256 secret from `hs256_secret_file` or
     `hs256_secret_env` (not both; surrounding whitespace is stripped; at least
     32 bytes). Secrets are named here, never stored here.
 
@@ -181,6 +187,8 @@ class JwtConfig:
     leeway_s: float = 0.0
     key_id_claim: str = "sub"
     max_lifetime_s: float = DEFAULT_JWT_MAX_LIFETIME_S
+    # The issuer's key set, fetched by the proxy (dataplane.auth.remote).
+    jwks_url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +272,18 @@ class AuthUnavailable(Exception):
         self.tenant = tenant
 
 
+class KeysPending(Exception):
+    """A JWT whose issuer's keys are being fetched from its JWKS URL: the
+    first fetch, or one its `kid` (unknown to the set) asked for. The caller
+    awaits `wait()` (bounded: dataplane.auth.remote.WAIT_S) and authenticates
+    once more; a token still pending then is answered as AuthUnavailable."""
+
+    def __init__(self, wait: Callable[[], Awaitable[None]], tenant: str) -> None:
+        super().__init__(f"keys of tenant {tenant!r} are being fetched")
+        self.wait = wait
+        self.tenant = tenant
+
+
 def _missing() -> AuthError:
     return AuthError(
         "missing_api_key",
@@ -313,11 +333,15 @@ class Authenticator:
         "_dummy",
         "_expiry",
         "_is_open",
+        "_key_sets",
         "_keys",
+        "_load_problems",
+        "_remote",
+        "_seen_changes",
         "_unavailable",
         "_verified",
         "_verifiers",
-        "problems",
+        "jwks_urls",
     )
 
     def __init__(
@@ -330,6 +354,7 @@ class Authenticator:
         expiry: dict[str, float] | None = None,
         unavailable: dict[str, str] | None = None,
         problems: dict[str, str] | None = None,
+        key_sets: KeySets | None = None,
     ) -> None:
         """Internal: use `Authenticator.build`."""
         self._keys = keys
@@ -339,11 +364,18 @@ class Authenticator:
         # Issuer -> tenant, for the configs that could not be loaded.
         self._unavailable = unavailable or {}
         # Tenant -> why its JWT config could not be loaded (names files and
-        # variables, never secrets): for logs, metrics and the control plane.
-        self.problems: Mapping[str, str] = problems or {}
+        # variables, never secrets), when the table was applied.
+        self._load_problems: Mapping[str, str] = problems or {}
+        # Tenant -> the key set of its JWKS URL; the URLs, to fetch.
+        self._remote = {
+            v.config.tenant: v.remote for v in verifiers.values() if v.remote is not None
+        }
+        self.jwks_urls = frozenset(remote.url for remote in self._remote.values())
+        self._key_sets = key_sets
+        self._seen_changes = key_sets.changes if key_sets is not None else 0
         # A config that failed still closes the proxy: opening it because a
         # tenant's file is missing would let everyone in as `default`.
-        self._is_open = not closed and not keys and not verifiers and not self.problems
+        self._is_open = not closed and not keys and not verifiers and not self._load_problems
         # A random digest no key can hash to; see "constant time" above.
         self._dummy: _KeyEntry = (secrets.token_bytes(32), None)
         self._cache: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
@@ -360,8 +392,11 @@ class Authenticator:
         environ: Mapping[str, str] | None = None,
         closed: bool = False,
         jwt_cache_size: int = _DEFAULT_JWT_CACHE_SIZE,
+        key_sets: KeySets | None = None,
     ) -> Authenticator:
         """Compile key records and JWT configs; read JWKS and secret files now.
+        A config's JWKS URL takes its keys from `key_sets` (the caller has it
+        fetch `jwks_urls`): they are read per token, as fetches change them.
 
         With nothing configured the result is open, unless `closed`: pass it
         when the fleet has had keys and all were revoked, so that revoking the
@@ -408,7 +443,7 @@ class Authenticator:
             if config.issuer:  # an empty one is the config's own problem, below
                 owners[config.issuer] = config.tenant
             try:
-                verifiers[config.issuer] = _JwtVerifier.build(config, read_file, env)
+                verifiers[config.issuer] = _JwtVerifier.build(config, read_file, env, key_sets)
             except AuthConfigError as exc:
                 problems[config.tenant] = str(exc)
                 if config.issuer:
@@ -423,7 +458,29 @@ class Authenticator:
             expiry=expiry,
             unavailable=unavailable,
             problems=problems,
+            key_sets=key_sets,
         )
+
+    @property
+    def problems(self) -> Mapping[str, str]:
+        """Tenant -> why this proxy cannot verify its JWTs (names files,
+        variables and URLs, never secrets), for logs, metrics and the control
+        plane: a config that could not be loaded with the table, and a JWKS
+        URL none of whose fetches has brought a usable set."""
+        if not self._remote:
+            return self._load_problems
+        problems = dict(self._load_problems)
+        for tenant, remote in self._remote.items():
+            if remote.keys is None and remote.error:
+                problems[tenant] = (
+                    f"JWT config of tenant {tenant!r}: JWKS URL {remote.url!r}: {remote.error}"
+                )
+        return problems
+
+    @property
+    def load_problems(self) -> Mapping[str, str]:
+        """The `problems` found when the table was applied (no fetch's)."""
+        return self._load_problems
 
     @property
     def open(self) -> bool:
@@ -487,6 +544,12 @@ class Authenticator:
     def _jwt(self, token: str, now: float) -> Principal:
         if len(token) > _MAX_JWT_LENGTH:
             raise _bad_token("too long")
+        key_sets = self._key_sets
+        if key_sets is not None and key_sets.changes != self._seen_changes:
+            # A fetched set changed, and may have lost the key of a token
+            # verified before: each is verified again.
+            self._cache.clear()
+            self._seen_changes = key_sets.changes
         # Cached by hash: bounded memory per entry and no tokens held in memory.
         token_hash = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
         cached = self._cache.get(token_hash)
@@ -548,15 +611,20 @@ def _is_number(value: object) -> bool:
 
 class _JwtVerifier:
     """One tenant's compiled JWT config: its keys by ``kid`` and, for tokens
-    without a ``kid``, by algorithm."""
+    without a ``kid``, by algorithm. With a JWKS URL (`remote`), its keys are
+    the config's own (an HS256 secret) and the URL's current set, taken again
+    whenever that set changes."""
 
     __slots__ = (
         "audiences",
         "by_kid",
         "config",
+        "generation",
         "leeway",
         "only",
         "options",
+        "own",
+        "remote",
         "tenant_scope",
         "unnamed",
     )
@@ -566,8 +634,19 @@ class _JwtVerifier:
         config: JwtConfig,
         by_kid: dict[str, jwt.PyJWK],
         unnamed: dict[str, list[jwt.PyJWK]],
+        remote: RemoteKeys | None = None,
     ) -> None:
         self.config = config
+        self.remote = remote
+        self.own = (by_kid, unnamed)
+        self.generation = 0  # of the remote set taken into by_kid and unnamed
+        self._take(by_kid, unnamed)
+        self.audiences = list(config.audiences) or None
+        self.options = _DECODE_OPTIONS if config.audiences else _DECODE_OPTIONS_ANY_AUD
+        self.leeway = float(config.leeway_s)
+        self.tenant_scope = f"t/{config.tenant}"
+
+    def _take(self, by_kid: dict[str, jwt.PyJWK], unnamed: dict[str, list[jwt.PyJWK]]) -> None:
         self.by_kid = by_kid
         self.unnamed = unnamed
         # Algorithm -> its key, for the algorithms the config has exactly one
@@ -578,10 +657,22 @@ class _JwtVerifier:
         for key in by_kid.values():
             per_alg.setdefault(key.algorithm_name, []).append(key)
         self.only = {alg: keys[0] for alg, keys in per_alg.items() if len(keys) == 1}
-        self.audiences = list(config.audiences) or None
-        self.options = _DECODE_OPTIONS if config.audiences else _DECODE_OPTIONS_ANY_AUD
-        self.leeway = float(config.leeway_s)
-        self.tenant_scope = f"t/{config.tenant}"
+
+    def _take_remote(self, remote: RemoteKeys) -> None:
+        """Take the remote set's keys, when it has changed since they were
+        last taken; AuthUnavailable without a set (its fetches failed), and
+        KeysPending while its first fetch runs."""
+        if remote.generation != self.generation:
+            by_kid, unnamed = dict(self.own[0]), {a: list(k) for a, k in self.own[1].items()}
+            # The set was checked whole when fetched (read_remote_jwks): no kid twice.
+            _index(remote.keys or (), self.config.algorithms, remote.url, by_kid, unnamed)
+            self._take(by_kid, unnamed)
+            self.generation = remote.generation
+        if remote.keys is None:
+            wait = remote.first()
+            if wait is not None:
+                raise KeysPending(wait, self.config.tenant)
+            raise AuthUnavailable(self.config.tenant)
 
     @classmethod
     def build(
@@ -589,6 +680,7 @@ class _JwtVerifier:
         config: JwtConfig,
         read_file: Callable[[str], bytes],
         environ: Mapping[str, str],
+        key_sets: KeySets | None = None,
     ) -> _JwtVerifier:
         where = f"JWT config of tenant {config.tenant!r}"
         if not config.tenant or ":" in config.tenant:
@@ -614,6 +706,13 @@ class _JwtVerifier:
         if not math.isfinite(config.max_lifetime_s) or config.max_lifetime_s <= 0:
             raise AuthConfigError(f"{where}: max_lifetime_s must be a finite number > 0")
 
+        if config.jwks_file and config.jwks_url:
+            raise AuthConfigError(f"{where}: give jwks_file or jwks_url, not both")
+        remote = None
+        if config.jwks_url:
+            if key_sets is None:
+                raise AuthConfigError(f"{where}: JWKS URL {config.jwks_url!r}: not fetched here")
+            remote = key_sets.keys(config.jwks_url)
         by_kid: dict[str, jwt.PyJWK] = {}
         unnamed: dict[str, list[jwt.PyJWK]] = {}
         secret = _hs256_secret(config, where, read_file, environ)
@@ -623,10 +722,17 @@ class _JwtVerifier:
             key = _pyjwk({"kty": "oct", "k": _b64url(secret)}, "HS256", f"{where}: HS256 secret")
             unnamed.setdefault("HS256", []).append(key)
         if config.jwks_file is not None:
-            _load_jwks(config, where, read_file, by_kid, unnamed)
+            jwks = f"{where}: JWKS file {config.jwks_file!r}"
+            try:
+                raw = read_file(config.jwks_file)
+            except OSError as e:
+                raise AuthConfigError(f"{jwks}: cannot read: {e.strerror}") from None
+            _index(read_jwks(raw, jwks), config.algorithms, jwks, by_kid, unnamed)
+        if remote is not None:
+            return cls(config, by_kid, unnamed, remote)
         if not by_kid and not unnamed:
             raise AuthConfigError(
-                f"{where}: no usable verification key (set jwks_file or an HS256 secret, "
+                f"{where}: no usable verification key (set jwks_url, jwks_file or an HS256 secret, "
                 "with keys for the listed algorithms)"
             )
         return cls(config, by_kid, unnamed)
@@ -639,7 +745,18 @@ class _JwtVerifier:
         alg = header.get("alg")
         if not isinstance(alg, str) or alg not in self.config.algorithms:
             raise _bad_token("algorithm not accepted")
-        key = self._select_key(header, alg)
+        remote = self.remote
+        if remote is not None:
+            self._take_remote(remote)
+        try:
+            key = self._select_key(header, alg)
+        except AuthError:
+            # A key published since the set was fetched (the issuer rotated):
+            # fetch it again, at most once per cooldown, and try once more.
+            wait = remote.refetch(now) if remote is not None else None
+            if wait is not None:
+                raise KeysPending(wait, self.config.tenant) from None
+            raise
         try:
             claims = jwt.decode(
                 token,
@@ -761,19 +878,14 @@ def _hs256_secret(
     return secret
 
 
-def _load_jwks(
-    config: JwtConfig,
-    where: str,
-    read_file: Callable[[str], bytes],
-    by_kid: dict[str, jwt.PyJWK],
-    unnamed: dict[str, list[jwt.PyJWK]],
-) -> None:
-    assert config.jwks_file is not None
-    where = f"{where}: JWKS file {config.jwks_file!r}"
-    try:
-        raw = read_file(config.jwks_file)
-    except OSError as e:
-        raise AuthConfigError(f"{where}: cannot read: {e.strerror}") from None
+def read_jwks(raw: bytes, where: str) -> list[tuple[int, str | None, jwt.PyJWK]]:
+    """The signing keys of a JSON Web Key Set document, each with its index in
+    the set and its kid; AuthConfigError (a ValueError) saying why the document
+    cannot be used, naming `where` (the file or URL), never key material.
+
+    Skipped: keys for another `use` than signing and keys of an algorithm
+    Ponto does not verify (a PS256 key for some other consumer of the same
+    set). Refused: a key with private material, or one that cannot be used."""
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -782,6 +894,7 @@ def _load_jwks(
     keys = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(keys, list):
         raise AuthConfigError(f'{where}: expected an object with a "keys" list')
+    found: list[tuple[int, str | None, jwt.PyJWK]] = []
     for index, jwk_data in enumerate(keys):
         if not isinstance(jwk_data, dict):
             raise AuthConfigError(f"{where}: key #{index} is not an object")
@@ -795,14 +908,38 @@ def _load_jwks(
             raise AuthConfigError(f"{label}: holds private key material; publish public keys only")
         declared = jwk_data.get("alg")
         if declared is not None and declared not in SUPPORTED_JWT_ALGORITHMS:
-            continue  # e.g. a PS256 key for some other consumer of the same set
-        key = _pyjwk(jwk_data, None, label)
-        if key.algorithm_name not in config.algorithms:
+            continue
+        found.append((index, kid, _pyjwk(jwk_data, None, label)))
+    return found
+
+
+def read_remote_jwks(raw: bytes, url: str) -> list[tuple[int, str | None, jwt.PyJWK]]:
+    """read_jwks for a set fetched from `url`, checked whole (no kid twice),
+    since which of its keys a tenant uses is decided per token."""
+    where = "unusable key set"
+    keys = read_jwks(raw, where)
+    _index(keys, SUPPORTED_JWT_ALGORITHMS, where, {}, {})
+    return keys
+
+
+def _index(
+    keys: Iterable[tuple[int, str | None, jwt.PyJWK]],
+    algorithms: Collection[str],
+    where: str,
+    by_kid: dict[str, jwt.PyJWK],
+    unnamed: dict[str, list[jwt.PyJWK]],
+) -> None:
+    """File `keys` of `algorithms` under their kid (or their algorithm, without
+    one) into by_kid and unnamed; AuthConfigError for a kid used twice."""
+    for index, kid, key in keys:
+        if key.algorithm_name not in algorithms:
             continue
         if kid is None:
             unnamed.setdefault(key.algorithm_name, []).append(key)
         elif kid in by_kid:
-            raise AuthConfigError(f"{label}: kid is used twice")
+            raise AuthConfigError(
+                f"{where}: key #{index} (kid={kid!r}, kty={key.key_type!r}): kid is used twice"
+            )
         else:
             by_kid[kid] = key
 

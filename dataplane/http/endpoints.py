@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
 from dataplane.http.errors import ApiError, Unauthorized, model_not_found, no_route_table
-from dataplane.http.pipeline import authenticate, sole_authorization
+from dataplane.http.pipeline import authenticate_waiting, sole_authorization
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PRINCIPAL, QUOTA
 
 
@@ -27,7 +27,7 @@ async def _callable_models(request: web.Request) -> list[str]:
     models: list[str] = list(routes.models) if routes else []
     if policy is not None:
         try:
-            principal = authenticate(policy, sole_authorization(request.headers))
+            principal = await authenticate_waiting(policy, sole_authorization(request.headers))
         except Unauthorized as exc:
             if exc.owner is not None:  # an expired key: counted for its owner
                 request[PRINCIPAL] = exc.owner
@@ -97,8 +97,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: not draining, a route table to serve, and its rate-limit shares if
-    it has limits. A draining proxy answers 503 so that a load balancer stops
+    """Ready: not draining, a route table to serve, the first fetch of each JWKS
+    URL it names ended (well or not: an identity provider that is down delays
+    readiness by one fetch's timeout at most), and its rate-limit shares if it
+    has limits. A draining proxy answers 503 so that a load balancer stops
     sending it connections while it finishes the requests it holds. A worker
     leaving its group in a reload answers for the group, which stays ready
     (a probe on a connection kept alive to it would see 503 otherwise)."""
@@ -107,6 +109,13 @@ async def readyz(request: web.Request) -> web.Response:
         raise ApiError(503, "this proxy is stopping", type="server_error", code="draining")
     if request.app[HOLDER].routes is None:
         raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")
+    if not request.app[HOLDER].key_sets_ready:
+        raise ApiError(
+            503,
+            "waiting for the first fetch of a tenant's JWKS URL",
+            type="server_error",
+            code="no_jwks_yet",
+        )
     if not request.app[QUOTA].ready:
         raise ApiError(
             503,

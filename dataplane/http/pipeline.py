@@ -28,7 +28,13 @@ from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
 from dataplane.assemble import assemble, names_twice, ruled_fields
-from dataplane.auth.authenticator import OPEN_PRINCIPAL, AuthError, AuthUnavailable, Principal
+from dataplane.auth.authenticator import (
+    OPEN_PRINCIPAL,
+    AuthError,
+    AuthUnavailable,
+    KeysPending,
+    Principal,
+)
 from dataplane.cache.entry import CachedResponse, from_completion
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
@@ -258,11 +264,14 @@ class Pipeline:
     async def handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         """Answer one proxied request; raises ApiError for every refusal."""
         trace = ex.trace
-        if trace is None:
-            self.authenticate(ex)
-        else:
-            with trace.step("ponto.auth"):
+        try:
+            if trace is None:
                 self.authenticate(ex)
+            else:
+                with trace.step("ponto.auth"):
+                    self.authenticate(ex)
+        except KeysPending as pending:
+            await self.authenticate_after(ex, pending)
         try:
             await self.parse(request, ex)
             self.assemble(ex)
@@ -301,6 +310,16 @@ class Pipeline:
                 ex.authenticated = True
             raise
         ex.authenticated = True
+
+    async def authenticate_after(self, ex: Exchange, pending: KeysPending) -> None:
+        """authenticate, once the fetch of a JWKS that `pending` waits for has
+        ended (or its wait has); a 503 auth_unavailable if the keys are still
+        being fetched then."""
+        await pending.wait()
+        try:
+            self.authenticate(ex)
+        except KeysPending as again:
+            raise auth_unavailable(AuthUnavailable(again.tenant)) from None
 
     def standing_limits(self, principal: Principal) -> list[tuple[str, str]]:
         """The `x-ratelimit-*` headers of `principal`'s limits as they stand, for
@@ -783,13 +802,27 @@ def sole_authorization(headers: CIMultiDictProxy[str]) -> str | None:
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
     """The caller, or a 401 in OpenAI's words (Unauthorized), or a 503
     auth_unavailable for a JWT of a tenant whose JWT config the proxy could
-    not load."""
+    not load; KeysPending for a JWT whose keys are being fetched
+    (`authenticate_waiting` waits for them)."""
     try:
         return policy.authenticator.authenticate(authorization, time.time())
     except AuthError as exc:
         raise Unauthorized(exc) from None
     except AuthUnavailable as exc:
         raise auth_unavailable(exc) from None
+
+
+async def authenticate_waiting(policy: EdgePolicy, authorization: str | None) -> Principal:
+    """authenticate, waiting (bounded) for keys being fetched, as a proxied
+    request does (Pipeline.authenticate_after)."""
+    try:
+        return authenticate(policy, authorization)
+    except KeysPending as pending:
+        await pending.wait()
+    try:
+        return authenticate(policy, authorization)
+    except KeysPending as again:
+        raise auth_unavailable(AuthUnavailable(again.tenant)) from None
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from dataplane.auth.authenticator import read_remote_jwks
+from dataplane.auth.remote import KeySets
 from dataplane.cache.regionstore import RegionalStore
 from dataplane.cache.step import EdgeCache, SemanticLayer
 from dataplane.cache.store import ExactStore
@@ -62,6 +64,7 @@ from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
+from dataplane.upstream.jwks import HttpFetch
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
@@ -104,7 +107,15 @@ class Proxy:
         defaults = settings.cache
         if 0 < settings.cache_max_bytes < defaults.max_entry_bytes:
             defaults = replace(defaults, max_entry_bytes=settings.cache_max_bytes)
-        self.holder = holder = TableHolder(settings.region, settings.state_dir, defaults)
+        # The JWKS URLs of tenants' issuers, fetched while a table names them.
+        jwks_fetch = HttpFetch(settings.upstream.origin_ssl, "ponto-proxy")
+        self.key_sets = key_sets = KeySets(jwks_fetch, read_remote_jwks, on_close=jwks_fetch.close)
+        self.holder = holder = TableHolder(
+            settings.region, settings.state_dir, defaults, key_sets=key_sets
+        )
+        holder.on_apply.append(
+            lambda routes, policy: key_sets.track(policy.authenticator.jwks_urls)
+        )
         self.limiter = RateLimiter()
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
         self.draining = Draining()
@@ -172,6 +183,7 @@ class Proxy:
             in_group=settings.worker is not None,
         )
         m.bind_auth(lambda: holder.policy.authenticator.problems if holder.policy else {})
+        m.bind_jwks(key_sets)
         m.bind_cache(lambda: store.stats, local.reserved)
         m.bind_semantic(lambda: cache.semantic)
         m.bind_semantic_feed(lambda: self.semantic_feed)
@@ -242,6 +254,7 @@ class Proxy:
             if self.semantic_feed is not None:
                 await self.semantic_feed.close()
             await forwarder.close()
+            await self.key_sets.close()
             if isinstance(self.store, RegionalStore):
                 await self.store.close()
             if self.region_link is not None:

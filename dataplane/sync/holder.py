@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dataplane.auth.remote import KeySets
 from dataplane.policy import CacheDefaults, EdgePolicy, build_policy
 from dataplane.routes import Routes, TableError, build_routes
 from ponto.v1 import routing_pb2 as pb
@@ -42,8 +43,11 @@ class TableHolder:
         region: str,
         state_dir: Path | None,
         cache_defaults: CacheDefaults | None = None,
+        key_sets: KeySets | None = None,
     ) -> None:
         self.region = region
+        # The key sets of JWKS URLs the tables name (dataplane.auth.remote).
+        self.key_sets = key_sets
         self.state_dir = state_dir
         self.cache_defaults = cache_defaults or CacheDefaults()
         self.routes: Routes | None = None
@@ -69,6 +73,11 @@ class TableHolder:
             )
         )
 
+    @property
+    def key_sets_ready(self) -> bool:
+        """The first fetch of each JWKS URL the table names has ended."""
+        return self.key_sets is None or self.key_sets.ready
+
     def apply(self, table: pb.RouteTable, source: str) -> bool:
         """Validate and install table; return False if it was already current."""
         current = self.routes
@@ -93,7 +102,7 @@ class TableHolder:
                 self._run_hooks(self.routes, self.policy)  # another try for what failed
             return False
         routes = build_routes(table, self.region)
-        policy = build_policy(table, self.cache_defaults)
+        policy = build_policy(table, self.cache_defaults, self.key_sets)
         self.routes = routes
         self.policy = policy
         self.source = source
@@ -110,9 +119,10 @@ class TableHolder:
             if policy.authenticator.open
             else "",
         )
-        for tenant, problem in sorted(policy.authenticator.problems.items()):
+        for tenant, problem in sorted(policy.authenticator.load_problems.items()):
             # Once per table with new content, not per request: its tokens are
-            # answered 503 auth_unavailable without another line.
+            # answered 503 auth_unavailable without another line. (A JWKS
+            # URL's fetches log their own failures, dataplane.auth.remote.)
             log.error(
                 "%s; JWTs of tenant %r are answered 503 auth_unavailable until a table "
                 "it can load is applied (its API keys still work)",

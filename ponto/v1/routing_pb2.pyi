@@ -339,7 +339,8 @@ Global___ApiKey: _TypeAlias = ApiKey  # noqa: Y015
 @_typing.final
 class JwtIssuer(_message.Message):
     """JWTs a tenant's users may present instead of an API key. Key material is
-    read from files or environment variables on the proxy, never from etcd.
+    read from files or environment variables on the proxy, or fetched by the
+    proxy from the issuer's JWKS URL, never from etcd.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -352,6 +353,7 @@ class JwtIssuer(_message.Message):
     HS256_SECRET_ENV_FIELD_NUMBER: _builtins.int
     LEEWAY_S_FIELD_NUMBER: _builtins.int
     MAX_LIFETIME_S_FIELD_NUMBER: _builtins.int
+    JWKS_URL_FIELD_NUMBER: _builtins.int
     issuer: _builtins.str
     """Matched against the token's `iss`; unique across tenants."""
     jwks_file: _builtins.str
@@ -363,6 +365,11 @@ class JwtIssuer(_message.Message):
     max_lifetime_s: _builtins.float
     """Longest validity accepted, in seconds: a token is refused when `exp - iat`,
     or `exp - now`, is longer (plus leeway). 0: the proxy's default, 24 h.
+    """
+    jwks_url: _builtins.str
+    """The issuer's JWKS URL (RS256, ES256; an OpenID provider's `jwks_uri`):
+    https, or http to a loopback host. Each proxy fetches it and refreshes it
+    in the background; not with jwks_file.
     """
     @_builtins.property
     def audiences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -383,10 +390,11 @@ class JwtIssuer(_message.Message):
         hs256_secret_env: _builtins.str = ...,
         leeway_s: _builtins.float = ...,
         max_lifetime_s: _builtins.float = ...,
+        jwks_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithms", b"algorithms", "audiences", b"audiences", "hs256_secret_env", b"hs256_secret_env", "hs256_secret_file", b"hs256_secret_file", "issuer", b"issuer", "jwks_file", b"jwks_file", "leeway_s", b"leeway_s", "max_lifetime_s", b"max_lifetime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithms", b"algorithms", "audiences", b"audiences", "hs256_secret_env", b"hs256_secret_env", "hs256_secret_file", b"hs256_secret_file", "issuer", b"issuer", "jwks_file", b"jwks_file", "jwks_url", b"jwks_url", "leeway_s", b"leeway_s", "max_lifetime_s", b"max_lifetime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

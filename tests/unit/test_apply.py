@@ -224,6 +224,23 @@ def test_document_reads_back_to_the_same_values() -> None:
     assert again.tenants == t.tenants
 
 
+def test_a_jwks_url_reads_back_and_is_refused_at_its_field() -> None:
+    jwt = {"issuer": "https://id.acme.example", "jwks_url": "https://id.acme.example/jwks"}
+    t = parse({"tenants": [{"name": "acme", "jwt": jwt}]})
+    [tenant] = t.tenants
+    assert tenant.jwt is not None and tenant.jwt.jwks_url == "https://id.acme.example/jwks"
+    [written] = document((), (), t.tenants)["tenants"]
+    assert written["jwt"]["jwks_url"] == "https://id.acme.example/jwks"
+    assert "jwks_file" not in written["jwt"]
+    assert parse(document((), (), t.tenants)).tenants == t.tenants
+    plain = {"tenants": [{"name": "acme", "jwt": {**jwt, "jwks_url": "http://idp.example/j"}}]}
+    assert errors_of(plain) == [
+        "tenants[0].jwt.jwks_url: tenant 'acme': JWKS URL 'http://idp.example/j' must be "
+        "https: over http anyone on the path could replace the keys and sign tokens (http "
+        "is taken for a loopback host only)"
+    ]
+
+
 def test_document_uses_the_file_names_and_plain_numbers() -> None:
     doc = document(
         [Region("r", 1.5, 2.0)],

@@ -202,6 +202,15 @@ INVALID: list[tuple[str, Tenant]] = [
         ),
     ),
     ("jwt-leeway", Tenant("acme", jwt=jwt_rs256(leeway_s=601.0))),
+    (
+        "jwt-file-and-url",
+        Tenant("acme", jwt=jwt_rs256(jwks_url="https://idp.example/jwks.json")),
+    ),
+    ("jwt-url-http", Tenant("acme", jwt=jwt_rs256(jwks_file="", jwks_url="http://idp/jwks"))),
+    ("jwt-url-query", Tenant("acme", jwt=jwt_rs256(jwks_file="", jwks_url="https://i/j?k=1"))),
+    ("jwt-url-userinfo", Tenant("acme", jwt=jwt_rs256(jwks_file="", jwks_url="https://u:p@i/j"))),
+    ("jwt-url-scheme", Tenant("acme", jwt=jwt_rs256(jwks_file="", jwks_url="ftp://idp/jwks"))),
+    ("jwt-url-space", Tenant("acme", jwt=jwt_rs256(jwks_file="", jwks_url="https://i/a b"))),
     ("jwt-lifetime-short", Tenant("acme", jwt=jwt_rs256(max_lifetime_s=10.0))),
     ("jwt-lifetime-long", Tenant("acme", jwt=jwt_rs256(max_lifetime_s=4e7))),
     ("alias-self", Tenant("acme", prompt=PromptPolicy(aliases=(("llama-3", "llama-3"),)))),
@@ -281,6 +290,25 @@ async def test_hs256_with_env_secret_accepted_and_algorithms_normalised(catalog:
 
 
 # ---------------------------------------------------------------- update_tenant
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://idp.example/.well-known/jwks.json",
+        "http://127.0.0.1:8080/jwks",
+        "http://localhost/jwks",
+        "http://[::1]:9000/jwks",
+    ],
+)
+async def test_a_jwks_url_is_stored_and_carried_to_the_proxies(catalog: Catalog, url: str) -> None:
+    """https, or http to the proxy's own machine (a sidecar identity provider)."""
+    jwt = JwtIssuer("https://idp.example", jwks_url=url)
+    stored = await catalog.put_tenant(Tenant("acme", jwt=jwt), allow_update=False)
+    assert stored.jwt is not None and stored.jwt.jwks_url == url
+    assert (await catalog.get_tenant("acme")).jwt == stored.jwt
+    [carried] = compile_table(state(tenants=(stored,))).tenants
+    assert (carried.jwt.jwks_url, carried.jwt.jwks_file) == (url, "")
 
 
 async def test_update_tenant_applies_change_and_validates(catalog: Catalog) -> None:

@@ -1,0 +1,305 @@
+"""Key sets fetched from issuers' JWKS URLs (a tenant's `jwt.jwks_url`), kept
+fresh in the background.
+
+Identity providers publish their signing keys at a URL (OpenID Connect's
+`jwks_uri`) and rotate them on their own schedule: a new key is published some
+time before tokens are signed with it, an old one removed after. A file on the
+proxy (`jwks_file`) cannot follow that without an operator; a URL can.
+
+One `KeySets` per proxy worker holds a `RemoteKeys` for each URL the served
+table names, and runs one task per URL that fetches it:
+
+- at once when a table first names it (the proxy is not ready, /readyz, until
+  every URL's first fetch has ended, well or not);
+- again after the answer's `Cache-Control: max-age`, kept within
+  MIN_REFRESH_S..MAX_REFRESH_S (REFRESH_S without one);
+- after a failure, again in RETRY_S, doubling up to MAX_RETRY_S. The last good
+  set stays in use: an identity provider that is down for a while costs
+  nothing but fresh keys;
+- sooner when a token names a `kid` the set lacks (`refetch`), at most once in
+  REFETCH_COOLDOWN_S, so a key published moments ago works on its first token
+  and a stream of made-up `kid`s costs one fetch every REFETCH_COOLDOWN_S.
+  The request waits for that fetch, at most WAIT_S (`KeysPending`).
+
+A set whose document is not a usable JWKS counts as a failed fetch (the last
+good one stays). Each change of the keys is logged once with their `kid`s;
+the first failure of a run of them is logged once, and the recovery.
+
+Nothing here speaks HTTP: the fetch is given (dataplane.upstream.jwks is the
+proxy's, on aiohttp), and so are the clocks and the sleep, for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jwt
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 300.0
+MIN_REFRESH_S = 60.0
+MAX_REFRESH_S = 3600.0
+RETRY_S = 5.0
+MAX_RETRY_S = 300.0
+REFETCH_COOLDOWN_S = 30.0
+# How long a request waits for a fetch its token started (or the first one).
+WAIT_S = 3.0
+
+_MAX_AGE = re.compile(r"(?:^|[,\s])max-age\s*=\s*\"?(\d+)", re.IGNORECASE)
+_NO_CACHE = re.compile(r"(?:^|[,\s])(?:no-cache|no-store)(?:$|[,\s;=])", re.IGNORECASE)
+
+
+class JwksFetchError(Exception):
+    """A fetch that brought no key set; the message says why in a few words,
+    naming no secret (the URL is shown apart from it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A fetch's answer: its body and its `Cache-Control` header ("" if none)."""
+
+    body: bytes
+    cache_control: str = ""
+
+
+# A fetch: the URL's answer (status 200), or JwksFetchError.
+Fetch = Callable[[str], Awaitable[Fetched]]
+# A sleep that ends early when the event is set.
+Sleep = Callable[[float, asyncio.Event], Awaitable[None]]
+# A key set's document read into its keys (index in the set, kid, key), or
+# ValueError saying why not: dataplane.auth.authenticator.read_jwks.
+Reader = Callable[[bytes, str], "list[tuple[int, str | None, jwt.PyJWK]]"]
+
+
+def refresh_after(cache_control: str) -> float:
+    """Seconds until a good set is fetched again: the answer's max-age within
+    MIN_REFRESH_S..MAX_REFRESH_S, MIN_REFRESH_S for no-cache or no-store,
+    REFRESH_S when it says nothing."""
+    if _NO_CACHE.search(cache_control):
+        return MIN_REFRESH_S
+    found = _MAX_AGE.search(cache_control)
+    if found is None:
+        return REFRESH_S
+    return min(max(float(found.group(1)), MIN_REFRESH_S), MAX_REFRESH_S)
+
+
+def retry_after(failures: int) -> float:
+    """Seconds until the next try after `failures` (>= 1) failed in a row."""
+    return float(min(RETRY_S * 2 ** min(failures - 1, 16), MAX_RETRY_S))
+
+
+async def sleep_or_wake(delay: float, wake: asyncio.Event) -> None:
+    """Sleep `delay` seconds, or less if `wake` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(wake.wait(), delay)
+
+
+class RemoteKeys:
+    """One URL's keys: the last good set, how its fetches went, and what a
+    token that needs a fetch waits on. Read by the verifiers on the event
+    loop; written by its KeySets task on the same loop."""
+
+    __slots__ = (
+        "_attempt_done",
+        "_wake",
+        "body",
+        "error",
+        "errors_total",
+        "failures",
+        "fetched_at",
+        "fetches_total",
+        "generation",
+        "keys",
+        "last_try",
+        "tried",
+        "url",
+    )
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        # The last good set's keys; None until a fetch brings one.
+        self.keys: tuple[tuple[int, str | None, jwt.PyJWK], ...] | None = None
+        self.body = b""  # the document `keys` were read from
+        # Grows with each change of `keys`, so readers can tell theirs is old.
+        self.generation = 0
+        self.error = ""  # why the last fetch failed; "" after a good one
+        self.failures = 0  # failed in a row
+        self.tried = False  # a first fetch has ended, well or not
+        self.fetched_at = 0.0  # Unix time of the last good fetch
+        self.last_try = -REFETCH_COOLDOWN_S  # Unix time the last fetch started
+        self.fetches_total = 0
+        self.errors_total = 0
+        self._wake = asyncio.Event()
+        self._attempt_done = asyncio.Event()
+
+    def refetch(self, now: float) -> Callable[[], Awaitable[None]] | None:
+        """A wait for a fetch now, for a token whose `kid` this set lacks; None
+        when the last one started less than REFETCH_COOLDOWN_S before `now`
+        (Unix time), and the token is refused as it stands."""
+        if now - self.last_try < REFETCH_COOLDOWN_S:
+            return None
+        self.last_try = now
+        self._attempt_done.clear()
+        self._wake.set()
+        return self.wait
+
+    def first(self) -> Callable[[], Awaitable[None]] | None:
+        """A wait for the first fetch, while it runs; None once it has ended."""
+        return None if self.tried else self.wait
+
+    async def wait(self) -> None:
+        """Until the fetch under way ends, at most WAIT_S."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._attempt_done.wait(), WAIT_S)
+
+
+class KeySets:
+    """The RemoteKeys of every JWKS URL the served table names, and their
+    fetch tasks. Built without side effects; `track` starts and stops tasks
+    (on the event loop, as a table is applied); `close` ends them all."""
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        read: Reader,
+        *,
+        sleep: Sleep = sleep_or_wake,
+        clock: Callable[[], float] = time.time,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._fetch = fetch
+        self._read = read
+        self._sleep = sleep
+        self._clock = clock
+        self._on_close = on_close
+        self._sets: dict[str, RemoteKeys] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Grows with every change of any set's keys: an Authenticator drops
+        # the tokens it verified when it moves, as a key may have been removed.
+        self.changes = 0
+
+    def keys(self, url: str) -> RemoteKeys:
+        """The RemoteKeys of `url`, made (not fetched) the first time."""
+        found = self._sets.get(url)
+        if found is None:
+            found = self._sets[url] = RemoteKeys(url)
+        return found
+
+    def track(self, urls: Collection[str]) -> None:
+        """Fetch `urls` from now on (the served table's) and forget the rest."""
+        for url in list(self._sets):
+            if url not in urls:
+                del self._sets[url]
+                task = self._tasks.pop(url, None)
+                if task is not None:
+                    task.cancel()
+        for url in urls:
+            if url not in self._tasks:
+                keys = self.keys(url)
+                self._tasks[url] = asyncio.get_running_loop().create_task(
+                    self._run(keys), name=f"jwks {url}"
+                )
+
+    @property
+    def ready(self) -> bool:
+        """Every tracked URL's first fetch has ended (well or not)."""
+        return all(self._sets[url].tried for url in self._tasks)
+
+    def __iter__(self) -> Iterator[RemoteKeys]:
+        """The tracked URLs' sets."""
+        return iter([self._sets[url] for url in self._tasks])
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        if self._on_close is not None:
+            await self._on_close()
+
+    async def _run(self, keys: RemoteKeys) -> None:
+        while True:
+            keys.last_try = self._clock()
+            keys._attempt_done.clear()
+            delay = await self.fetch_once(keys)
+            keys._wake.clear()
+            await self._sleep(delay, keys._wake)
+
+    async def fetch_once(self, keys: RemoteKeys) -> float:
+        """Fetch `keys.url` once and take its set if it is good; the seconds
+        until the next fetch. Logs a change of keys, the first failure of a
+        run and the recovery."""
+        try:
+            fetched = await self._fetch(keys.url)
+            read = tuple(self._read(fetched.body, keys.url))
+        except (JwksFetchError, ValueError) as exc:
+            delay = self._failed(keys, str(exc))
+        except Exception as exc:  # a bug of the fetch's: told, and tried again
+            log.exception("JWKS URL %s: the fetch failed", keys.url)
+            delay = self._failed(keys, type(exc).__name__)
+        else:
+            delay = self._took(keys, fetched, read)
+        keys.tried = True
+        keys.fetches_total += 1
+        keys._attempt_done.set()
+        return delay
+
+    def _took(
+        self, keys: RemoteKeys, fetched: Fetched, read: tuple[tuple[int, str | None, Any], ...]
+    ) -> float:
+        if keys.failures:
+            log.info("JWKS URL %s: fetched again after %d failures", keys.url, keys.failures)
+        keys.error, keys.failures = "", 0
+        keys.fetched_at = self._clock()
+        if keys.keys is None or _identities(keys.keys) != _identities(read):
+            log.info(
+                "JWKS URL %s: %s (%s)%s",
+                keys.url,
+                _count(read),
+                _kids(read),
+                "" if keys.keys is None else f"; were {len(keys.keys)} ({_kids(keys.keys)})",
+            )
+        if keys.keys is None or keys.body != fetched.body:
+            keys.keys, keys.body = read, fetched.body
+            keys.generation += 1
+            self.changes += 1
+        return refresh_after(fetched.cache_control)
+
+    def _failed(self, keys: RemoteKeys, why: str) -> float:
+        keys.error = why
+        keys.failures += 1
+        keys.errors_total += 1
+        if keys.failures == 1:
+            log.warning(
+                "JWKS URL %s: %s; %s",
+                keys.url,
+                why,
+                "no keys from it yet: its issuer's tokens are answered 503 auth_unavailable"
+                if keys.keys is None
+                else f"keeping the {_count(keys.keys)} fetched before",
+            )
+        return retry_after(keys.failures)
+
+
+def _identities(keys: Iterable[tuple[int, str | None, Any]]) -> list[tuple[str | None, str]]:
+    return [(kid, key.algorithm_name) for _, kid, key in keys]
+
+
+def _count(keys: tuple[Any, ...]) -> str:
+    return f"{len(keys)} key" + ("" if len(keys) == 1 else "s")
+
+
+def _kids(keys: Iterable[tuple[int, str | None, Any]]) -> str:
+    names = [kid if kid is not None else "no kid" for _, kid, _ in keys]
+    return ", ".join(names) if names else "none"

@@ -1,0 +1,142 @@
+"""A tenant's JWKS URL with real processes: etcd, a control plane, an origin,
+a proxy and an identity provider (an HTTP server on loopback that publishes
+the key set). The operator names the URL with `pontoctl apply`; the official
+openai client presents a token of the published key, and one of a key never
+published; the proxy logs the set it takes and exports its metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import openai
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from jwt.algorithms import RSAAlgorithm
+
+from controlplane.cli import main as pontoctl
+from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import admin_pb2 as apb
+
+pytestmark = pytest.mark.e2e
+
+ISSUER = "https://id.acme.example"
+KEY_A = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+KEY_B = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def public_jwk(key: rsa.RSAPrivateKey, kid: str) -> dict[str, Any]:
+    return {**json.loads(RSAAlgorithm.to_jwk(key.public_key())), "kid": kid, "use": "sig"}
+
+
+class Provider:
+    """Serves GET /jwks.json: {"keys": keys}, counting the fetches."""
+
+    def __init__(self) -> None:
+        self.keys = [public_jwk(KEY_A, "a")]
+        self.fetches = 0
+        provider = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                provider.fetches += 1
+                body = json.dumps({"keys": provider.keys}).encode()
+                self.send_response(200 if self.path == "/jwks.json" else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/jwks.json"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[Provider]:
+    p = Provider()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with Fleet(tmp_path_factory.mktemp("jwks")) as f:
+        f.start_etcd()
+        f.start_control()
+        f.add_region(RegionDef("us-east", 38.9, -77.4))
+        f.start_origin("o1", "us-east")
+        spec = apb.OriginSpec(
+            name="o1", base_url=f.origin_url("o1"), region="us-east", models=["sim-small"]
+        )
+        f.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
+        f.start_proxy("p1", "us-east")
+        f.wait_proxies_at(f.table_version(origins=1))
+        yield f
+
+
+def token(key: rsa.RSAPrivateKey, kid: str) -> str:
+    now = int(time.time())
+    claims = {"iss": ISSUER, "aud": "ponto", "sub": "user-1", "iat": now, "exp": now + 300}
+    return jwt.encode(claims, key, algorithm="RS256", headers={"kid": kid})
+
+
+def ask(fleet: Fleet, bearer: str) -> str:
+    client = openai.OpenAI(base_url=fleet.proxy_url("p1"), api_key=bearer, max_retries=0)
+    answer = client.chat.completions.create(
+        model="sim-small", messages=[{"role": "user", "content": "hello"}]
+    )
+    return answer.choices[0].message.content or ""
+
+
+def test_a_tenant_applied_with_a_jwks_url_is_served_with_the_published_key(
+    fleet: Fleet, provider: Provider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "acme.yaml"
+    doc.write_text(
+        "tenants:\n"
+        "  - name: acme\n"
+        f"    jwt: {{issuer: '{ISSUER}', audiences: [ponto], jwks_url: '{provider.url}'}}\n"
+    )
+    address = next(iter(fleet.controls.values())).address
+    assert pontoctl(["--control-plane", address, "apply", "-f", str(doc)]) == 0
+    capsys.readouterr()
+    fleet.wait_proxies_at(
+        fleet.wait_table(lambda t: any(x.jwt.jwks_url == provider.url for x in t.tenants))
+    )
+    assert pontoctl(["--control-plane", address, "get", "tenants", "-o", "yaml"]) == 0
+    assert f"jwks_url: {provider.url}" in capsys.readouterr().out
+
+    served_before = httpx.get(f"http://{fleet.origins['o1'].address}/sim/stats").json()
+    assert ask(fleet, token(KEY_A, "a"))
+    # A key the provider never published: refused at the proxy. (Its unknown
+    # kid has the set fetched again at most once in 30 s: the proxy asked
+    # for it moments ago, so no fetch. A rotation's fetch is
+    # tests/functional/test_jwks_url.py's, on an injected clock.)
+    fetched = provider.fetches
+    with pytest.raises(openai.AuthenticationError, match="unknown 'kid'"):
+        ask(fleet, token(KEY_B, "b"))
+    assert provider.fetches == fetched
+    served_after = httpx.get(f"http://{fleet.origins['o1'].address}/sim/stats").json()
+    assert served_after["requests"] == served_before["requests"] + 1
+
+    log = fleet.members()["p1"].log_path.read_text()
+    assert f"JWKS URL {provider.url}: 1 key (a)" in log
+    metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    assert f'ponto_jwks_keys{{url="{provider.url}"}} 1.0' in metrics
+    assert f'ponto_jwks_fetch_errors_total{{url="{provider.url}"}} 0.0' in metrics

@@ -1,0 +1,432 @@
+"""A tenant's JWKS URL (dataplane.auth.remote): the key sets a proxy fetches
+and keeps fresh, and the authenticator that verifies tokens with them.
+
+The fetch, the clock and the sleep between fetches are given: every schedule
+here is read from what the sleep was asked for, and no test waits for time
+to pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from dataplane.auth import remote
+from dataplane.auth.authenticator import (
+    Authenticator,
+    AuthError,
+    AuthUnavailable,
+    JwtConfig,
+    KeysPending,
+    read_remote_jwks,
+)
+from dataplane.auth.remote import Fetched, JwksFetchError, KeySets
+
+URL = "https://id.acme.example/.well-known/jwks.json"
+ISSUER = "https://id.acme.example"
+NOW = 1_800_000_000.0
+RSA_A = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+RSA_B = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+EC_C = ec.generate_private_key(ec.SECP256R1())
+
+
+def public_jwk(key: Any, kid: str | None, **more: Any) -> dict[str, Any]:
+    algorithm = jwt.algorithms.RSAAlgorithm if isinstance(key, rsa.RSAPrivateKey) else None
+    if algorithm is None:
+        data = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(key.public_key()))
+    else:
+        data = json.loads(algorithm.to_jwk(key.public_key()))
+    if kid is not None:
+        data["kid"] = kid
+    return {**data, **more}
+
+
+def jwks(*keys: dict[str, Any]) -> bytes:
+    return json.dumps({"keys": list(keys)}).encode()
+
+
+def token(key: Any, kid: str | None, sub: str = "user-1", alg: str = "RS256") -> str:
+    headers = {"kid": kid} if kid is not None else {}
+    claims = {"iss": ISSUER, "sub": sub, "aud": "ponto", "exp": NOW + 600, "iat": NOW}
+    return jwt.encode(claims, key, algorithm=alg, headers=headers)
+
+
+class Origin:
+    """The identity provider: answers each fetch with what `answers` holds
+    next (the last one again when one is left), counting them."""
+
+    def __init__(self, *answers: Fetched | Exception) -> None:
+        self.answers = list(answers)
+        self.fetches = 0
+        self.gate: asyncio.Event | None = None  # set: the fetch waits on it
+
+    async def __call__(self, url: str) -> Fetched:
+        assert url == URL
+        self.fetches += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class Sleeps:
+    """The sleep between fetches: records each delay and returns when the
+    test lets it (`release`) or the set is woken."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+        self._go = asyncio.Event()
+
+    async def __call__(self, delay: float, wake: asyncio.Event) -> None:
+        self.delays.append(delay)
+        go = asyncio.ensure_future(self._go.wait())
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({go, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            go.cancel()
+            woken.cancel()
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def sleeps() -> Sleeps:
+    return Sleeps()
+
+
+async def settle() -> None:
+    """Let the fetch tasks run until each waits again."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def key_sets(origin: Origin, sleeps: Sleeps, clock: Clock) -> KeySets:
+    return KeySets(origin, read_remote_jwks, sleep=sleeps, clock=clock)
+
+
+def authenticator(sets: KeySets, **config: Any) -> Authenticator:
+    jwt_config = JwtConfig(
+        tenant="acme",
+        issuer=ISSUER,
+        audiences=("ponto",),
+        algorithms=config.pop("algorithms", ("RS256", "ES256")),
+        jwks_url=URL,
+        leeway_s=30,
+        **config,
+    )
+    return Authenticator.build([], [jwt_config], key_sets=sets)
+
+
+async def authenticate(auth: Authenticator, bearer: str, now: float = NOW) -> str:
+    """As the proxy's pipeline does: once, and once more after a pending fetch."""
+    try:
+        return auth.authenticate(f"Bearer {bearer}", now).key_id
+    except KeysPending as pending:
+        await pending.wait()
+    return auth.authenticate(f"Bearer {bearer}", now).key_id
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+@pytest.mark.parametrize(
+    ("cache_control", "seconds"),
+    [
+        ("", remote.REFRESH_S),
+        ("public, max-age=900", 900.0),
+        ('max-age="900"', 900.0),
+        ("max-age=5", remote.MIN_REFRESH_S),
+        ("max-age=86400, must-revalidate", remote.MAX_REFRESH_S),
+        ("no-cache", remote.MIN_REFRESH_S),
+        ("private, no-store", remote.MIN_REFRESH_S),
+        ("s-maxage=900", remote.REFRESH_S),
+    ],
+)
+def test_a_good_set_is_fetched_again_after_its_max_age_within_bounds(
+    cache_control: str, seconds: float
+) -> None:
+    assert remote.refresh_after(cache_control) == seconds
+
+
+def test_failures_are_retried_sooner_doubling_to_a_bound() -> None:
+    delays = [remote.retry_after(n) for n in range(1, 10)]
+    assert delays[:4] == [5.0, 10.0, 20.0, 40.0]
+    assert delays[-1] == remote.MAX_RETRY_S
+    assert delays == sorted(delays)
+    assert remote.retry_after(10_000) == remote.MAX_RETRY_S  # no overflow
+
+
+# ---------------------------------------------------------------- fetching
+
+
+async def test_a_set_is_fetched_when_a_table_names_it_and_again_after_max_age(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a")), "max-age=600"))
+    sets = key_sets(origin, sleeps, clock)
+    untracked = sets.ready  # nothing to fetch
+    sets.track({URL})
+    assert (untracked, sets.ready) == (True, False)
+    await settle()
+    keys = sets.keys(URL)
+    assert sets.ready and keys.tried and keys.error == ""
+    assert [kid for _, kid, _ in keys.keys or ()] == ["a"]
+    assert (keys.fetched_at, keys.generation, sets.changes) == (NOW, 1, 1)
+    assert sleeps.delays == [600.0]
+    sleeps.release()
+    await settle()
+    assert origin.fetches == 2
+    # The same document again: the keys in use are not replaced.
+    assert (keys.generation, sets.changes) == (1, 1)
+    await sets.close()
+
+
+async def test_a_failed_fetch_keeps_the_last_good_set_logs_once_and_the_recovery(
+    sleeps: Sleeps, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = Fetched(jwks(public_jwk(RSA_A, "a")))
+    down = JwksFetchError("answered HTTP 503")
+    origin = Origin(good, down, down, down, good)
+    sets = key_sets(origin, sleeps, clock)
+    caplog.set_level(logging.INFO, logger="dataplane.auth.remote")
+    sets.track({URL})
+    await settle()
+    keys = sets.keys(URL)
+    for _ in range(3):
+        sleeps.release()
+        await settle()
+    assert keys.keys is not None and keys.error == "answered HTTP 503"
+    assert (keys.failures, keys.errors_total, keys.fetches_total) == (3, 3, 4)
+    assert sleeps.delays == [remote.REFRESH_S, 5.0, 10.0, 20.0]
+    sleeps.release()
+    await settle()
+    assert (keys.error, keys.failures, keys.errors_total) == ("", 0, 3)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"JWKS URL {URL}: 1 key (a)",
+        f"JWKS URL {URL}: answered HTTP 503; keeping the 1 key fetched before",
+        f"JWKS URL {URL}: fetched again after 3 failures",
+    ]
+    await sets.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"<html>", "unusable key set: not JSON"),
+        (b'{"kid": "a"}', 'unusable key set: expected an object with a "keys" list'),
+        (
+            jwks({**public_jwk(RSA_A, "a"), "d": "AAAA"}),
+            "unusable key set: key #0 (kid='a', kty='RSA'): holds private key material",
+        ),
+        (
+            jwks(public_jwk(RSA_A, "a"), public_jwk(EC_C, "a")),
+            "unusable key set: key #1 (kid='a', kty='EC'): kid is used twice",
+        ),
+        (jwks({"kty": "RSA", "kid": "a", "n": "x"}), "unusable key set: key #0 (kid='a', kty="),
+    ],
+)
+async def test_a_document_that_is_no_usable_set_is_a_failed_fetch(
+    sleeps: Sleeps, clock: Clock, body: bytes, says: str
+) -> None:
+    sets = key_sets(Origin(Fetched(body)), sleeps, clock)
+    sets.track({URL})
+    await settle()
+    keys = sets.keys(URL)
+    assert keys.tried and keys.keys is None
+    assert keys.error.startswith(says), keys.error
+    assert sleeps.delays == [remote.RETRY_S]
+    await sets.close()
+
+
+async def test_keys_of_other_uses_and_algorithms_are_skipped(sleeps: Sleeps, clock: Clock) -> None:
+    body = jwks(
+        public_jwk(RSA_A, "enc", use="enc"),
+        public_jwk(RSA_A, "ps", alg="PS256"),
+        public_jwk(RSA_B, "b"),
+    )
+    sets = key_sets(Origin(Fetched(body)), sleeps, clock)
+    sets.track({URL})
+    await settle()
+    assert [(i, kid) for i, kid, _ in sets.keys(URL).keys or ()] == [(2, "b")]
+    await sets.close()
+
+
+async def test_a_url_no_table_names_is_forgotten_and_its_task_ended(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))))
+    sets = key_sets(origin, sleeps, clock)
+    sets.track({URL})
+    await settle()
+    assert [k.url for k in sets] == [URL]
+    sets.track(set())
+    await settle()
+    assert list(sets) == [] and sets.ready
+    sleeps.release()
+    await settle()
+    assert origin.fetches == 1
+    await sets.close()
+
+
+# ---------------------------------------------------------------- verifying
+
+
+async def test_a_token_is_verified_with_the_fetched_key(sleeps: Sleeps, clock: Clock) -> None:
+    sets = key_sets(Origin(Fetched(jwks(public_jwk(RSA_A, "a")))), sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    assert await authenticate(auth, token(RSA_A, "a")) == "jwt:acme:user-1"
+    # A token without a kid: the set's one RS256 key.
+    assert await authenticate(auth, token(RSA_A, None, "user-2")) == "jwt:acme:user-2"
+    with pytest.raises(AuthError, match="signature"):
+        await authenticate(auth, token(RSA_B, "a"))
+    assert auth.problems == {}
+    await sets.close()
+
+
+async def test_a_token_that_comes_during_the_first_fetch_waits_for_it(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))))
+    origin.gate = asyncio.Event()
+    sets = key_sets(origin, sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    with pytest.raises(KeysPending) as pending:
+        auth.authenticate(f"Bearer {token(RSA_A, 'a')}", NOW)
+    waiting = asyncio.ensure_future(pending.value.wait())
+    await settle()
+    assert not waiting.done()
+    origin.gate.set()
+    await waiting
+    assert auth.authenticate(f"Bearer {token(RSA_A, 'a')}", NOW).tenant == "acme"
+    await sets.close()
+
+
+async def test_without_a_set_its_issuers_tokens_are_unavailable_and_a_problem(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    sets = key_sets(Origin(JwksFetchError("no answer within 10 s")), sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    with pytest.raises(AuthUnavailable) as unavailable:
+        await authenticate(auth, token(RSA_A, "a"))
+    assert unavailable.value.tenant == "acme"
+    assert auth.problems == {
+        "acme": f"JWT config of tenant 'acme': JWKS URL '{URL}': no answer within 10 s"
+    }
+    # The table loaded; the fetch is what failed, and says so itself.
+    assert auth.load_problems == {}
+    await sets.close()
+
+
+async def test_a_new_kid_is_fetched_at_once_then_not_again_within_the_cooldown(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """The issuer rotated: its first token signed with the new key works."""
+    before = Fetched(jwks(public_jwk(RSA_A, "a")))
+    after = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
+    origin = Origin(before, after)
+    sets = key_sets(origin, sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    clock.now += remote.REFETCH_COOLDOWN_S
+    assert await authenticate(auth, token(RSA_B, "b"), clock.now) == "jwt:acme:user-1"
+    assert origin.fetches == 2
+    # A made-up kid now: refused without another fetch...
+    with pytest.raises(AuthError, match="unknown 'kid'"):
+        await authenticate(auth, token(RSA_B, "made-up"), clock.now + 1)
+    assert origin.fetches == 2
+    # ...and fetched for once the cooldown has passed.
+    clock.now += remote.REFETCH_COOLDOWN_S
+    with pytest.raises(AuthError, match="unknown 'kid'"):
+        await authenticate(auth, token(RSA_B, "made-up"), clock.now)
+    assert origin.fetches == 3
+    await sets.close()
+
+
+async def test_a_key_removed_from_the_set_stops_verifying_tokens_verified_before(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    both = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
+    only_b = Fetched(jwks(public_jwk(RSA_B, "b")))
+    sets = key_sets(Origin(both, only_b), sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    leaked = token(RSA_A, "a")
+    assert await authenticate(auth, leaked) == "jwt:acme:user-1"  # now cached
+    sleeps.release()  # the refresh brings the set without "a"
+    await settle()
+    clock.now += remote.REFETCH_COOLDOWN_S
+    with pytest.raises(AuthError, match="unknown 'kid'"):
+        await authenticate(auth, leaked, clock.now)
+    await sets.close()
+
+
+async def test_the_set_is_shared_by_the_tables_that_name_it(sleeps: Sleeps, clock: Clock) -> None:
+    """A new table (any change in the fleet) does not fetch the URL again."""
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))))
+    sets = key_sets(origin, sleeps, clock)
+    first = authenticator(sets)
+    sets.track(first.jwks_urls)
+    await settle()
+    second = authenticator(sets)
+    sets.track(second.jwks_urls)
+    await settle()
+    assert await authenticate(second, token(RSA_A, "a")) == "jwt:acme:user-1"
+    assert origin.fetches == 1
+    await sets.close()
+
+
+def test_only_the_tenants_algorithms_are_used_from_the_set() -> None:
+    """An ES256 key in the set of a tenant that takes RS256 only verifies nothing."""
+    sets = KeySets(Origin(Fetched(b"")), read_remote_jwks)
+    keys = sets.keys(URL)
+    keys.keys = tuple(read_remote_jwks(jwks(public_jwk(EC_C, "c")), URL))
+    keys.generation, keys.tried = 1, True
+    auth = authenticator(sets, algorithms=("RS256",))
+    with pytest.raises(AuthError, match="algorithm not accepted"):
+        auth.authenticate(f"Bearer {token(EC_C, 'c', alg='ES256')}", NOW)
+    with pytest.raises(KeysPending):  # unknown to its RS256 keys: fetched for
+        auth.authenticate(f"Bearer {token(RSA_A, 'c')}", NOW)
+
+
+def test_without_key_sets_a_jwks_url_is_the_tenants_problem() -> None:
+    config = JwtConfig(tenant="acme", issuer=ISSUER, audiences=(), algorithms=("RS256",))
+    auth = Authenticator.build([], [JwtConfig(**{**_fields(config), "jwks_url": URL})])
+    assert auth.problems == {
+        "acme": f"JWT config of tenant 'acme': JWKS URL '{URL}': not fetched here"
+    }
+
+
+def _fields(config: JwtConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in JwtConfig.__dataclass_fields__}
