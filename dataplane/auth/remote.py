@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -109,7 +110,9 @@ class RemoteKeys:
     loop; written by its KeySets task on the same loop."""
 
     __slots__ = (
-        "_attempt_done",
+        "_ended",
+        "_next_end",
+        "_started",
         "_wake",
         "body",
         "error",
@@ -138,28 +141,42 @@ class RemoteKeys:
         self.last_try = -REFETCH_COOLDOWN_S  # Unix time the last fetch started
         self.fetches_total = 0
         self.errors_total = 0
+        # Fetches started and ended; a wait is for the end of a given one.
+        self._started = self._ended = 0
+        self._next_end = asyncio.Event()  # set when the fetch under way ends
         self._wake = asyncio.Event()
-        self._attempt_done = asyncio.Event()
 
     def refetch(self, now: float) -> Callable[[], Awaitable[None]] | None:
-        """A wait for a fetch now, for a token whose `kid` this set lacks; None
-        when the last one started less than REFETCH_COOLDOWN_S before `now`
-        (Unix time), and the token is refused as it stands."""
+        """A wait for a fetch that starts now, for a token whose `kid` this set
+        lacks; None when the last one started less than REFETCH_COOLDOWN_S
+        before `now` (Unix time), and the token is refused as it stands. A
+        fetch under way may have read the set before the key was published:
+        the wait is for the next one, which starts when it ends."""
         if now - self.last_try < REFETCH_COOLDOWN_S:
             return None
         self.last_try = now
-        self._attempt_done.clear()
         self._wake.set()
-        return self.wait
+        return functools.partial(self._until_ended, self._started + 1)
 
     def first(self) -> Callable[[], Awaitable[None]] | None:
         """A wait for the first fetch, while it runs; None once it has ended."""
-        return None if self.tried else self.wait
+        return None if self.tried else functools.partial(self._until_ended, 1)
 
-    async def wait(self) -> None:
-        """Until the fetch under way ends, at most WAIT_S."""
+    async def _until_ended(self, fetch: int) -> None:
+        """Until the `fetch`th fetch has ended, at most WAIT_S."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._attempt_done.wait(), WAIT_S)
+            async with asyncio.timeout(WAIT_S):
+                while self._ended < fetch:
+                    await self._next_end.wait()
+
+    def _start(self, now: float) -> None:
+        self.last_try = now
+        self._started += 1
+
+    def _end(self) -> None:
+        self._ended += 1
+        ended, self._next_end = self._next_end, asyncio.Event()
+        ended.set()
 
 
 class KeySets:
@@ -230,29 +247,32 @@ class KeySets:
 
     async def _run(self, keys: RemoteKeys) -> None:
         while True:
-            keys.last_try = self._clock()
-            keys._attempt_done.clear()
-            delay = await self.fetch_once(keys)
+            # Cleared before the fetch: a refetch asked for while it runs
+            # wakes the sleep after it at once.
             keys._wake.clear()
+            delay = await self.fetch_once(keys)
             await self._sleep(delay, keys._wake)
 
     async def fetch_once(self, keys: RemoteKeys) -> float:
         """Fetch `keys.url` once and take its set if it is good; the seconds
         until the next fetch. Logs a change of keys, the first failure of a
         run and the recovery."""
+        keys._start(self._clock())
         try:
-            fetched = await self._fetch(keys.url)
-            read = tuple(self._read(fetched.body, keys.url))
-        except (JwksFetchError, ValueError) as exc:
-            delay = self._failed(keys, str(exc))
-        except Exception as exc:  # a bug of the fetch's: told, and tried again
-            log.exception("JWKS URL %s: the fetch failed", keys.url)
-            delay = self._failed(keys, type(exc).__name__)
-        else:
-            delay = self._took(keys, fetched, read)
-        keys.tried = True
-        keys.fetches_total += 1
-        keys._attempt_done.set()
+            try:
+                fetched = await self._fetch(keys.url)
+                read = tuple(self._read(fetched.body, keys.url))
+            except (JwksFetchError, ValueError) as exc:
+                delay = self._failed(keys, str(exc))
+            except Exception as exc:  # a bug of the fetch's: told, and tried again
+                log.exception("JWKS URL %s: the fetch failed", keys.url)
+                delay = self._failed(keys, type(exc).__name__)
+            else:
+                delay = self._took(keys, fetched, read)
+            keys.tried = True
+            keys.fetches_total += 1
+        finally:
+            keys._end()  # even cancelled (its URL dropped), none waits in vain
         return delay
 
     def _took(

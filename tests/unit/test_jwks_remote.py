@@ -373,6 +373,31 @@ async def test_a_new_kid_is_fetched_at_once_then_not_again_within_the_cooldown(
     await sets.close()
 
 
+async def test_a_new_kid_during_a_refresh_waits_for_the_fetch_after_it(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """The refresh under way may have read the set before the key was
+    published: the token's wait is for the next fetch, which starts at once."""
+    before = Fetched(jwks(public_jwk(RSA_A, "a")))
+    after = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
+    origin = Origin(before, before, after)
+    sets = key_sets(origin, sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    origin.gate = asyncio.Event()
+    sleeps.release()  # the refresh starts, and is held at the provider
+    await settle()
+    assert origin.fetches == 2
+    clock.now += remote.REFETCH_COOLDOWN_S
+    served = asyncio.ensure_future(authenticate(auth, token(RSA_B, "b"), clock.now))
+    await settle()
+    origin.gate.set()  # the refresh brings the set without b; the next one with it
+    assert await served == "jwt:acme:user-1"
+    assert origin.fetches == 3
+    await sets.close()
+
+
 async def test_a_key_removed_from_the_set_stops_verifying_tokens_verified_before(
     sleeps: Sleeps, clock: Clock
 ) -> None:
