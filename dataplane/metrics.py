@@ -63,6 +63,10 @@ GENAI_OPERATIONS = {
     "embeddings": "embeddings",
     "responses": "chat",
 }
+EMBEDDINGS = GENAI_OPERATIONS["embeddings"]
+# gen_ai.provider.name, which the conventions require on every GenAI metric:
+# the API every origin speaks, OpenAI's.
+GENAI_PROVIDER = "openai"
 # Tenants whose rate-limit refusals and slot waits a proxy reports (the ones
 # limited last): enough for a status page, bounded for the etcd value each
 # replica writes for all its proxies (controlplane.registry).
@@ -299,7 +303,7 @@ class Metrics:
         # instead of the family's labels(). Each holds no more entries than
         # its family holds series.
         self._requests_of: dict[tuple[str, ...], CounterCell] = {}
-        self._tokens_of: dict[tuple[str, str, str], tuple[HistogramCell, HistogramCell]] = {}
+        self._tokens_of: dict[tuple[str, str, str], tuple[HistogramCell, HistogramCell | None]] = {}
         by_key = ["key"] if key_labels else []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -510,8 +514,8 @@ class Metrics:
             "gen_ai_client_operation_duration_seconds",
             "GenAI operation duration (OpenTelemetry gen_ai.client.operation.duration), "
             "from request received to answer complete; error_type is empty when it succeeded",
-            ["gen_ai_operation_name", "gen_ai_request_model", "error_type", "ponto_region",
-             "ponto_cache"],
+            ["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
+             "error_type", "ponto_region", "ponto_cache"],
             buckets=GENAI_DURATION_BUCKETS,
             registry=r,
         )  # fmt: skip
@@ -519,8 +523,8 @@ class Metrics:
             "gen_ai_client_token_usage",
             "Tokens per operation answered by an origin (OpenTelemetry "
             "gen_ai.client.token.usage), by gen_ai_token_type input or output",
-            ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type",
-             "ponto_region"],
+            ["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
+             "gen_ai_token_type", "ponto_region"],
             buckets=GENAI_TOKEN_BUCKETS,
             registry=r,
         )  # fmt: skip
@@ -528,7 +532,13 @@ class Metrics:
             "gen_ai_client_operation_time_to_first_chunk_seconds",
             "Time from request received to the first chunk of a stream sent to the client "
             "(OpenTelemetry gen_ai.client.operation.time_to_first_chunk)",
-            ["gen_ai_operation_name", "gen_ai_request_model", "ponto_region", "ponto_cache"],
+            [
+                "gen_ai_operation_name",
+                "gen_ai_provider_name",
+                "gen_ai_request_model",
+                "ponto_region",
+                "ponto_cache",
+            ],
             buckets=GENAI_FIRST_CHUNK_BUCKETS,
             registry=r,
         )
@@ -607,20 +617,29 @@ class Metrics:
         """Record one settled request in the GenAI metrics: its duration, the time
         to its first streamed chunk (streams only), and the input and output
         tokens an origin reported or the proxy counted (`usage`; None for answers
-        no origin produced, such as cache hits and refusals)."""
-        self.genai_duration.labels(operation, model, error_type, region, cache).observe(duration_s)
+        no origin produced, such as cache hits and refusals). Embeddings have
+        input tokens only (the conventions' gen_ai.client.token.usage)."""
+        provider = GENAI_PROVIDER
+        self.genai_duration.labels(operation, provider, model, error_type, region, cache).observe(
+            duration_s
+        )
         if first_chunk_s is not None:
-            self.genai_first_chunk.labels(operation, model, region, cache).observe(first_chunk_s)
+            self.genai_first_chunk.labels(operation, provider, model, region, cache).observe(
+                first_chunk_s
+            )
         if usage is not None:
             cells = self._tokens_of.get((operation, model, region))
             if cells is None:
                 tokens = self.genai_tokens
                 cells = self._tokens_of[(operation, model, region)] = (
-                    tokens.labels(operation, model, "input", region),
-                    tokens.labels(operation, model, "output", region),
+                    tokens.labels(operation, provider, model, "input", region),
+                    None
+                    if operation == EMBEDDINGS
+                    else tokens.labels(operation, provider, model, "output", region),
                 )
             cells[0].observe(usage.prompt_tokens)
-            cells[1].observe(usage.completion_tokens)
+            if cells[1] is not None:
+                cells[1].observe(usage.completion_tokens)
 
     def set_info(self, proxy: str, region: str, version: str) -> None:
         """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""

@@ -679,7 +679,8 @@ class Pipeline:
     ) -> web.StreamResponse:
         """A stream: relayed as it comes, counted and recorded on the way."""
         assert ex.cache_request is not None and ex.tenant is not None
-        counter = ex.counter = UsageCounter()
+        trace = ex.trace
+        counter = ex.counter = UsageCounter([] if trace is not None and trace.recording else None)
         rules = ex.tenant.streams
         resume = transcript = None
         if rules.continuation and ex.endpoint.name in CONTINUABLE:

@@ -13,6 +13,7 @@ Responses stream always ends with a `response.completed` event whose
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from dataplane import jsonio
@@ -69,6 +70,10 @@ _TEXT_MARKERS = (
 )
 
 
+# A choice's finish_reason (OpenAI's values are short lowercase words).
+FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([a-z_]{1,64})"')
+
+
 def _has_text(event: bytes) -> bool:
     for marker in _TEXT_MARKERS:
         at = event.find(marker)
@@ -84,14 +89,16 @@ class UsageCounter:
     """Counts a relayed stream from its parsed events (one `SseParser` per relay).
 
     Cheap: only an event that mentions a non-null "usage" is parsed as JSON;
-    the others are searched for a text delta.
+    the others are searched for a text delta. Given a `finishes` list (a
+    traced request's), each choice's finish_reason is added to it.
     """
 
-    __slots__ = ("content_events", "usage")
+    __slots__ = ("content_events", "finishes", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, finishes: list[bytes] | None = None) -> None:
         self.content_events = 0
         self.usage: Usage | None = None
+        self.finishes = finishes
 
     def event(self, ev: Event) -> None:
         data = ev.data
@@ -101,6 +108,9 @@ class UsageCounter:
                 self.usage = found
         if _has_text(data):
             self.content_events += 1
+        finishes = self.finishes
+        if finishes is not None and b'"finish_reason"' in data:
+            finishes += FINISH_REASON.findall(data)
 
     def result(self, prompt_estimate: int) -> Usage:
         """The origin's own count if it sent one, else the estimate and the events."""

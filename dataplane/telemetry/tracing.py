@@ -50,8 +50,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from yarl import URL
 
 from dataplane import jsonio
-from dataplane.metrics import GENAI_OPERATIONS
-from dataplane.streaming.usage import usage_of
+from dataplane.metrics import EMBEDDINGS, GENAI_OPERATIONS, GENAI_PROVIDER
+from dataplane.streaming.usage import FINISH_REASON, usage_of
 from dataplane.telemetry.config import TraceConfig, drops_roots
 
 if TYPE_CHECKING:
@@ -65,8 +65,7 @@ __all__ = ["AttemptSpan", "RequestTrace", "RequestTracer", "Tracing", "resource"
 DEFAULT_SERVICE_NAME = "ponto-proxy"
 SCOPE = "ponto.dataplane"
 
-# The API every origin speaks (OpenAI's), as gen_ai.provider.name names it.
-PROVIDER = "openai"
+PROVIDER = GENAI_PROVIDER
 # Request fields recorded when present, and their attribute, once the request
 # has been validated (never a refused body's). The first of max_tokens,
 # max_completion_tokens and max_output_tokens present is the limit.
@@ -77,12 +76,15 @@ _REQUEST_FIELDS = (
     ("n", "gen_ai.request.choice.count"),
     ("stream", "gen_ai.request.stream"),
 )
+_DOUBLES = frozenset(("gen_ai.request.temperature", "gen_ai.request.top_p"))
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 # OTLP carries integers as int64: a JSON integer past it is clamped.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The first "model" member of a JSON answer or stream chunk. A "model" inside a
 # string value has escaped quotes and cannot match.
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+# Likewise its first "id" member: an answer's (or chunk's) own id comes first.
+_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -291,9 +293,15 @@ class RequestTrace:
         its answer names (recorded only on a sampled request)."""
         if not self.recording:
             return
-        found = _MODEL.search(origin.body if origin.body is not None else origin.first)
+        answer = origin.body if origin.body is not None else origin.first
+        found = _MODEL.search(answer)
         model = found.group(1).decode(errors="replace") if found else ""
-        self.origin = OriginSeen(origin.target.name, origin.target.region, model)
+        found = _ID.search(answer) if self.op != EMBEDDINGS else None
+        answer_id = found.group(1).decode(errors="replace") if found else ""
+        finishes = () if origin.body is None else tuple(FINISH_REASON.findall(origin.body))
+        self.origin = OriginSeen(
+            origin.target.name, origin.target.region, model, answer_id, finishes
+        )
 
     def finish(self, ex: Exchange | None, status: int, error: str | None) -> None:
         """End the request span with what the request became. `error` is the
@@ -319,8 +327,18 @@ class RequestTrace:
             elif seen is not None:
                 region = seen.region
                 attrs["ponto.origin"] = seen.name
-            if seen is not None and seen.model:
-                attrs["gen_ai.response.model"] = seen.model
+            if seen is not None:
+                if seen.model:
+                    attrs["gen_ai.response.model"] = seen.model
+                if seen.answer_id:
+                    attrs["gen_ai.response.id"] = seen.answer_id
+                finishes = seen.finishes
+                if ex is not None and ex.counter is not None and ex.counter.finishes:
+                    finishes = tuple(ex.counter.finishes)  # a stream's, as relayed
+                if finishes:
+                    attrs["gen_ai.response.finish_reasons"] = [
+                        reason.decode() for reason in finishes
+                    ]
             attrs["ponto.region"] = region
             if ex is not None:
                 attrs["ponto.attempts"] = ex.attempts
@@ -358,7 +376,8 @@ class RequestTrace:
                 if usage is not None:
                     attrs["gen_ai.usage.input_tokens"] = usage[0]
                     attrs["gen_ai.usage.cache_read.input_tokens"] = usage[0]
-                    attrs["gen_ai.usage.output_tokens"] = usage[1]
+                    if self.op != EMBEDDINGS:
+                        attrs["gen_ai.usage.output_tokens"] = usage[1]
                 elif ex.estimate:
                     # A stream recorded without usage (the client did not ask
                     # for it): the prompt's size as admission estimated it.
@@ -371,7 +390,8 @@ class RequestTrace:
                 return
         if ex.usage is not None:
             attrs["gen_ai.usage.input_tokens"] = ex.usage.prompt_tokens
-            attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
+            if self.op != EMBEDDINGS:  # an embedding has no output tokens
+                attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
 
 
 def _request_fields(body: dict[str, Any], attrs: dict[str, Any]) -> None:
@@ -380,7 +400,9 @@ def _request_fields(body: dict[str, Any], attrs: dict[str, Any]) -> None:
     for name, attr in _REQUEST_FIELDS:
         value = _attribute_number(body.get(name))
         if value is not None:
-            attrs[attr] = value
+            # Doubles in the conventions, whatever the JSON wrote (0 or 0.0):
+            # a backend that types attributes would see two types otherwise.
+            attrs[attr] = float(value) if attr in _DOUBLES else value
     for name in _MAX_TOKENS_FIELDS:
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -405,6 +427,10 @@ class OriginSeen:
     name: str
     region: str
     model: str  # as the origin's answer names it; "" when it names none
+    answer_id: str = ""  # the answer's own id; "" when it has none
+    # Each choice's finish_reason in a whole answer (a stream's are counted
+    # as it is relayed: UsageCounter.finishes).
+    finishes: tuple[bytes, ...] = ()
 
 
 @lru_cache(maxsize=1024)

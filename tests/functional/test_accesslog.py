@@ -314,7 +314,8 @@ async def test_a_client_that_leaves_gets_a_499_line_and_its_metrics(
         registry = s.app[METRICS].registry
         assert registry.get_sample_value(
             "gen_ai_client_operation_duration_seconds_count",
-            {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
+            {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+             "gen_ai_request_model": "sim-small",
              "error_type": "client_disconnected", "ponto_region": "r1",
              "ponto_cache": "miss"},
         ) == 1  # fmt: skip
@@ -348,7 +349,8 @@ async def test_a_stream_the_proxy_stops_at_shutdown_is_cancelled_not_a_client_th
         registry = s.app[METRICS].registry
         assert registry.get_sample_value(
             "gen_ai_client_operation_duration_seconds_count",
-            {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
+            {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+             "gen_ai_request_model": "sim-small",
              "error_type": "cancelled", "ponto_region": "r1", "ponto_cache": "miss"},
         ) == 1  # fmt: skip
         # No client left: none is counted as one.
@@ -380,7 +382,8 @@ async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
         return [s.labels for s in family.samples if s.name == name + suffix]
 
     duration = series("gen_ai_client_operation_duration_seconds", "_count")
-    common = {"gen_ai_operation_name": "chat", "ponto_region": "r1"}
+    common = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+              "ponto_region": "r1"}  # fmt: skip
     assert {**common, "gen_ai_request_model": "sim-small", "error_type": "",
             "ponto_cache": "miss"} in duration  # fmt: skip
     assert {**common, "gen_ai_request_model": "sim-small", "error_type": "",
@@ -399,8 +402,9 @@ async def test_metrics_are_typed_and_the_genai_histograms_are_labelled(
     ]
     assert logged.app[METRICS].registry.get_sample_value(
         "gen_ai_client_token_usage_sum",
-        {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-small",
-         "gen_ai_token_type": "output", "ponto_region": "r1"},
+        {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+         "gen_ai_request_model": "sim-small", "gen_ai_token_type": "output",
+         "ponto_region": "r1"},
     ) == 6  # fmt: skip  # the hit spent no origin tokens: one answer's 6
 
 

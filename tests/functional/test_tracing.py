@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 
 from dataplane.http.errors import ApiError
-from dataplane.http.state import ACCESS_LOG, PIPELINE
+from dataplane.http.state import ACCESS_LOG, METRICS, PIPELINE
 from dataplane.telemetry.tracing import Tracing, resource
 from dataplane.upstream.forwarder import UpstreamSettings
 from ponto.originsim.app import SIM_STATE, SimConfig
@@ -34,6 +34,7 @@ from ponto.v1 import routing_pb2 as pb
 from tests.functional import test_continuation, test_hedging
 from tests.functional.test_hedging import SHORT, SLOW, Behaviour, RigMaker
 from tests.functional.test_pipeline import (
+    KEY,
     MODEL,
     Stack,
     chat,
@@ -151,8 +152,12 @@ async def test_a_miss_is_a_chat_span_with_its_steps_and_one_origin_call(
     assert a["gen_ai.request.model"] == MODEL
     assert a["gen_ai.response.model"] == body["model"]
     assert a["gen_ai.request.max_tokens"] == 20
-    assert a["gen_ai.request.temperature"] == 0
+    # Doubles, as the conventions type them, though the JSON wrote 0.
+    assert type(a["gen_ai.request.temperature"]) is float and a["gen_ai.request.temperature"] == 0
     assert a["gen_ai.request.top_p"] == 0.5
+    assert a["gen_ai.response.id"] == body["id"]
+    reasons = tuple(c["finish_reason"] for c in body["choices"])
+    assert a["gen_ai.response.finish_reasons"] == reasons and len(reasons) == 1
     assert a["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"] == 6
     assert "gen_ai.usage.cache_read.input_tokens" not in a
@@ -337,11 +342,42 @@ async def test_a_stream_span_lasts_to_the_end_and_counts_its_tokens(
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.response.model"] == json.loads(events[0])["model"]
+    assert a["gen_ai.response.id"] == json.loads(events[0])["id"]
+    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]]
+    assert a["gen_ai.response.finish_reasons"] == tuple(f for f in finishes if f)
+    assert len(a["gen_ai.response.finish_reasons"]) == 1
     assert a["ponto.cache"] == "miss"
     [attempt] = tree.attempts
     # The request span covers the whole stream, the attempt only its start.
     assert tree.root.end_time is not None and attempt.end_time is not None
     assert tree.root.end_time >= attempt.end_time
+
+
+async def test_an_embedding_has_input_tokens_only(
+    stack: Stack, exporter: InMemorySpanExporter
+) -> None:
+    """The conventions count no output tokens for embeddings: none on the
+    span, and no output series in gen_ai_client_token_usage."""
+    resp = await stack.client.post(
+        "/v1/embeddings",
+        json={"model": MODEL, "input": "embed me"},
+        headers={"authorization": f"Bearer {KEY.key}"},
+    )
+    assert resp.status == 200
+    body = await resp.json()
+    a = last_tree(exporter).attrs
+    assert a["gen_ai.operation.name"] == "embeddings"
+    assert a["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"]
+    assert "gen_ai.usage.output_tokens" not in a
+    assert "gen_ai.response.id" not in a and "gen_ai.response.finish_reasons" not in a
+    registry = stack.app[METRICS].registry
+    labels = {"gen_ai_operation_name": "embeddings", "gen_ai_provider_name": "openai",
+              "gen_ai_request_model": MODEL, "ponto_region": "r1"}  # fmt: skip
+    sample = registry.get_sample_value
+    assert sample("gen_ai_client_token_usage_count", {**labels, "gen_ai_token_type": "input"})
+    assert (
+        sample("gen_ai_client_token_usage_count", {**labels, "gen_ai_token_type": "output"}) is None
+    )
 
 
 async def test_a_refusal_is_a_client_error_with_no_origin_call(
