@@ -426,16 +426,18 @@ class Metrics:
         )
         self.tenant_requests = Counter(
             "ponto_tenant_requests",
-            "Requests by tenant, API key id ('-' in open mode; unless --metrics-key-labels "
-            "off) and status code",
+            "Requests by tenant, "
+            + ("API key id ('-' in open mode) " if by_key else "")
+            + "and status code",
             ["tenant", *by_key, "code"],
             registry=r,
         )
         self.tenant_tokens = Counter(
             "ponto_tenant_tokens",
-            "Tokens by tenant, API key id (unless --metrics-key-labels off) and kind "
-            "(prompt, completion), from the origins' usage or, for streams without it, "
-            "counted by the proxy",
+            "Tokens by tenant, "
+            + ("API key id " if by_key else "")
+            + "and kind (prompt, completion), from the origins' usage or, for streams "
+            "without it, counted by the proxy",
             ["tenant", *by_key, "kind"],
             registry=r,
         )
