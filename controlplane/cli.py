@@ -949,7 +949,19 @@ def _load(path: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise UsageError(f"{path} is not valid YAML: {exc}") from exc
+        raise UsageError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from exc
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, at its line and column (PyYAML's own text
+    takes five, quotes the document and calls it "<unicode string>")."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if not isinstance(problem, str):
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + problem + (f" ({context})" if isinstance(context, str) else "")
 
 
 def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = False) -> str:

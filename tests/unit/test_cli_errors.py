@@ -258,3 +258,29 @@ def test_non_finite_numbers_in_an_apply_file_are_refused_with_their_paths(
         "  regions[0].spill_threshold: must be a finite number, not -.inf\n"
         "  tenants[0].routing.load_bound: must be a finite number, not .nan\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "regions: [\n  - name: x\n",
+            "line 2, column 3: expected the node content, but found '-' "
+            "(while parsing a flow node)",
+        ),
+        ("a: b: c\n", "line 1, column 5: mapping values are not allowed here"),
+        (
+            'tenants:\n  - name: "acme\n',
+            "line 3, column 1: found unexpected end of stream (while scanning a quoted scalar)",
+        ),
+    ],
+)
+def test_a_file_that_is_not_yaml_is_one_line_at_its_line_and_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, says: str
+) -> None:
+    """Trial 25: five lines of PyYAML's, naming "<unicode string>" for the file."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    argv = ["--control-plane", f"127.0.0.1:{free_port()}", "apply", "-f", str(path)]
+    assert main([*argv, "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: {path} is not valid YAML: {says}\n"
