@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDict
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import (
     INVALID_SPAN,
@@ -97,8 +97,9 @@ def start(config: TraceConfig, *, proxy: str, region: str, version: str) -> Trac
         exporter: SpanExporter
         if name == "console":
             # Standard error: standard output is the access log's
-            # (dataplane.http.accesslog), one JSON object per line.
-            exporter = ConsoleSpanExporter(out=sys.stderr)
+            # (dataplane.http.accesslog), one JSON object per line. One line
+            # per span too: the SDK's default indents each over some 40.
+            exporter = ConsoleSpanExporter(out=sys.stderr, formatter=_one_line)
         elif config.protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
                 OTLPSpanExporter as GrpcExporter,
@@ -420,6 +421,10 @@ def _attribute_number(value: object) -> bool | int | float | None:
     if isinstance(value, float) and math.isfinite(value):
         return value
     return None
+
+
+def _one_line(span: ReadableSpan) -> str:
+    return str(span.to_json(indent=None)) + "\n"
 
 
 @dataclass(frozen=True, slots=True)
