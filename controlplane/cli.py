@@ -146,15 +146,18 @@ def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[s
 
 
 def render(
-    message: Message, output: str, rows: Callable[[Any], tuple[list[str], list[list[str]]] | str]
+    message: Message,
+    output: str,
+    rows: Callable[[Any], tuple[list[str], list[list[str]]] | str],
+    shown: Callable[[dict[str, Any]], dict[str, Any]] = lambda d: d,
 ) -> str:
-    """message as JSON or YAML (proto field names), or as the text rows() makes of it."""
-    if output == "json":
-        return json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2)
-    if output == "yaml":
-        return yaml.safe_dump(
-            MessageToDict(message, preserving_proto_field_name=True), sort_keys=False
-        ).rstrip()
+    """message as JSON or YAML (proto field names, then `shown`), or as the
+    text rows() makes of it."""
+    if output in ("json", "yaml"):
+        data = shown(MessageToDict(message, preserving_proto_field_name=True))
+        if output == "json":
+            return json.dumps(data, indent=2)
+        return yaml.safe_dump(data, sort_keys=False).rstrip()
     made = rows(message)
     return made if isinstance(made, str) else _table(*made)
 
@@ -597,7 +600,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     audit = get.add_argument_group("audit", "filters of `get audit` (the newest entries first)")
     audit.add_argument(
-        "--limit", type=_count(1000), default=None, help="most entries shown (default 100)"
+        "--limit", type=_count(1000, low=1), default=None, help="most entries shown (default 100)"
     )
     audit.add_argument(
         "--since", type=_duration, default=None, metavar="DURATION", help="e.g. 90s, 30m, 2h, 7d"
@@ -874,6 +877,20 @@ def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]
         ]
         for e in resp.entries
     ]
+
+
+def _audit_times(data: dict[str, Any]) -> dict[str, Any]:
+    """Each entry's time as RFC 3339 UTC to the millisecond, as the access log
+    writes its own (`2026-12-04T11:02:08.421Z`), not Unix seconds."""
+    for entry in data.get("entries", ()):
+        when = entry.get("time")
+        if isinstance(when, int | float):
+            entry["time"] = (
+                datetime.datetime.fromtimestamp(when, datetime.UTC)
+                .isoformat(timespec="milliseconds")
+                .replace("+00:00", "Z")
+            )
+    return data
 
 
 def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list[list[str]]]:
@@ -1194,7 +1211,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 actor=args.actor,
                 since=time.time() - args.since if args.since else 0.0,
             )
-            return render(stub.ListAudit(audit), args.output, _rows_audit)
+            return render(stub.ListAudit(audit), args.output, _rows_audit, _audit_times)
         if any(f is not None for f in filters):
             raise UsageError("--limit, --since, --action and --actor are filters of `get audit`")
         if args.kind in ("regions", "origins", "tenants") and args.output != "table":

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
-from controlplane.cli import _refused, main
+from controlplane.cli import _audit_times, _refused, main, render
 from ponto.devenv import free_port
 from ponto.grpcconn import ClientOptions, port_missing
+from ponto.v1 import admin_pb2 as apb
 
 
 class Refusal(grpc.RpcError):
@@ -65,7 +68,8 @@ def test_a_refusal_that_says_why_is_not_said_twice(capsys: pytest.CaptureFixture
         (["apply", "-f", "/nonexistent/topology.yaml"], "cannot read /nonexistent"),
         (["get", "audit", "--since", "5x"], "'5x' is not a positive duration such as 90s"),
         (["get", "audit", "--since", "9" * 400 + "d"], "is longer than 36500d"),
-        (["get", "audit", "--limit", "1001"], "--limit: 1001 is not in 0..1000"),
+        (["get", "audit", "--limit", "1001"], "--limit: 1001 is not in 1..1000"),
+        (["get", "audit", "--limit", "0"], "--limit: 0 is not in 1..1000"),
         (["get", "regions", "--since", "1h"], "are filters of `get audit`"),
         (["get", "audit", "--action", "setkeyexpiry"], "is no audited call; one of: Apply,"),
         (["tenant", "set", "acme"], "give a setting to change"),
@@ -284,3 +288,15 @@ def test_a_file_that_is_not_yaml_is_one_line_at_its_line_and_column(
     argv = ["--control-plane", f"127.0.0.1:{free_port()}", "apply", "-f", str(path)]
     assert main([*argv, "--dry-run"]) == 2
     assert capsys.readouterr().err == f"error: {path} is not valid YAML: {says}\n"
+
+
+def test_audit_times_are_rfc_3339_to_the_millisecond_in_json_and_yaml() -> None:
+    """Trial 25: Unix seconds as a float (1796382128.4211156), which every
+    consumer had to convert, where the table shows RFC 3339."""
+    entries = apb.ListAuditResponse(
+        entries=[apb.AuditEntry(time=1796382128.4211156, action="DrainRegion")]
+    )
+    for output in ("json", "yaml"):
+        shown = render(entries, output, lambda _: "", _audit_times)
+        data = json.loads(shown) if output == "json" else yaml.safe_load(shown)
+        assert data["entries"][0]["time"] == "2026-12-04T11:02:08.421Z"
