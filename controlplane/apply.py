@@ -620,6 +620,21 @@ def _shown_value(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 1] + "…"
 
 
+def tenant_changes(old: Tenant, new: Tenant) -> str:
+    """What an update changed of a tenant, as change_text writes it ("" for
+    nothing): what the audit trail says of UpdateTenant, as of an Apply."""
+    return change_text((f.path, f.before, f.after) for f in _compare("tenant", old, new).changes)
+
+
+def limit_changes(old: Limits, new: Limits) -> str:
+    """What new limits changed of old ones (a key's), as change_text writes it."""
+    return change_text(
+        (f"limits.{name}", str(getattr(old, name) or ""), str(getattr(new, name) or ""))
+        for name in LIMIT_FIELDS
+        if getattr(old, name) != getattr(new, name)
+    )
+
+
 def change_text(changes: Iterable[tuple[str, str, str]]) -> str:
     """(path, before, after) of FieldChanges as one line: `limits.rpm 600 -> 900;
     limits.tpm 100000 -> removed; cache.ttl_s unset -> 600`. Shared by pontoctl's

@@ -571,11 +571,20 @@ class Catalog:
             f"key {key_id!r} not found",
         )
 
-    async def set_key_limits(self, key_id: str, limits: Limits) -> ApiKeyRecord:
+    async def set_key_limits(
+        self,
+        key_id: str,
+        limits: Limits,
+        *,
+        seen: Callable[[ApiKeyRecord], None] | None = None,
+    ) -> ApiKeyRecord:
         """Give a key new limits. A revoked key is refused (FailedPrecondition):
-        it serves nothing, and the success would read as if it did."""
+        it serves nothing, and the success would read as if it did. `seen` is
+        given the record as it was before (the last read, if a write raced)."""
         limits = limits.validated(f"key {key_id!r}")
-        return await self._change_live_key(key_id, "its limits cannot change", limits=limits)
+        return await self._change_live_key(
+            key_id, "its limits cannot change", seen=seen, limits=limits
+        )
 
     async def set_key_expiry(
         self, key_id: str, expires_at: float = 0.0, expires_in: float = 0.0
@@ -587,11 +596,21 @@ class Catalog:
         expires_at = self._expiry(expires_at, expires_in, f"key {key_id!r}", self._clock())
         return await self._change_live_key(key_id, "it cannot expire", expires_at=expires_at)
 
-    async def _change_live_key(self, key_id: str, refused: str, **fields: Any) -> ApiKeyRecord:
+    async def _change_live_key(
+        self,
+        key_id: str,
+        refused: str,
+        *,
+        seen: Callable[[ApiKeyRecord], None] | None = None,
+        **fields: Any,
+    ) -> ApiKeyRecord:
         """Key `key_id` with `fields` replaced; a revoked key is refused
-        (FailedPrecondition, "... is revoked; `refused`"), an unknown one NotFound."""
+        (FailedPrecondition, "... is revoked; `refused`"), an unknown one NotFound.
+        `seen` is given each record read before it is changed."""
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord:
+            if seen is not None:
+                seen(k)
             if k.revoked:
                 raise FailedPrecondition(f"key {key_id!r} is revoked; {refused}")
             return replace(k, **fields)

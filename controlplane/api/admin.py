@@ -16,6 +16,7 @@ import orjson
 from controlplane.api import auditing
 from controlplane.api.auditing import audited
 from controlplane.api.errors import grpc_errors
+from controlplane.apply import limit_changes, tenant_changes
 from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
@@ -309,7 +310,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if request.clear_jwt and request.HasField("jwt"):
             raise InvalidArgument("give jwt or clear_jwt, not both")
 
+        before: list[Tenant] = []
+
         def change(t: Tenant) -> Tenant:
+            before[:] = [t]
             if request.HasField("limits"):
                 t = replace(t, limits=limits_of(request.limits))
             if request.HasField("cache"):
@@ -327,6 +331,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             return t
 
         saved = await self._catalog.update_tenant(request.name, change)
+        # The trail says what the values were, as it does of an Apply's.
+        auditing.note(changes=tenant_changes(before[0], saved) or "nothing")
         # Of what was written, say what no origin serves (an update of the
         # limits alone does not repeat the aliases' warnings).
         aliases, routing = request.HasField("prompt"), request.HasField("routing")
@@ -411,7 +417,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @audited(auditing.set_key_limits)
     @fleet_warned
     async def SetKeyLimits(self, request: apb.SetKeyLimitsRequest, context: Ctx) -> apb.ApiKeyInfo:
-        return key_pb(await self._catalog.set_key_limits(request.id, limits_of(request.limits)))
+        before: list[ApiKeyRecord] = []
+        saved = await self._catalog.set_key_limits(
+            request.id, limits_of(request.limits), seen=before.append
+        )
+        auditing.note(changes=limit_changes(before[-1].limits, saved.limits) or "nothing")
+        return key_pb(saved)
 
     @grpc_errors
     @audited(auditing.set_key_expiry)

@@ -13,6 +13,7 @@ unauthenticated client must not be able to write to etcd.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -35,6 +36,21 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 # (target, detail) of a call, or None: not audited (a dry run).
 Description = tuple[str, dict[str, str]] | None
+
+
+# What the call under way found out for its entry beyond its request (`note`).
+_NOTES: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "audit_notes", default=None
+)
+
+
+def note(**detail: str) -> None:
+    """Add `detail` to the audit entry of the call under way (an audited
+    servicer method's, on its task): what only the call learns, such as the
+    values it replaced. Nothing outside an audited call."""
+    notes = _NOTES.get()
+    if notes is not None:
+        notes.update(detail)
 
 
 class Audited(Protocol):
@@ -88,15 +104,19 @@ def audited(
             self: Audited, request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> Resp:
             result, message, response = "ok", "", None
+            notes: dict[str, str] = {}
+            noting = _NOTES.set(notes)
             try:
                 response = await fn(self, request, context)
             except BaseException as exc:
                 result, message = outcome_of(exc)
                 raise
             finally:
+                _NOTES.reset(noting)
                 described = describe(request, response)
                 if described is not None:
                     target, detail = described
+                    detail = {**detail, **notes}
                     await self.audit.record(
                         actor=actor_of(context.auth_context(), token_required=self.token_required),
                         action=action(request) if action else fn.__name__,

@@ -394,6 +394,34 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
     assert by_action["Apply", "topology"].detail == {"prune": "false", "created": "tenant/beta"}
 
 
+async def test_a_tenant_update_and_new_key_limits_record_the_values_they_replaced(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """Trial 25: only the values sent were recorded, so the trail could not
+    say what a `tenant set` or `limit set` replaced; an Apply's entry could."""
+    clock.step = 0.001
+    async with admin_server(store, clock) as stub:
+        tenant = pb.Tenant(name="acme", limits=pb.Limits(rpm=600, tpm=100_000))
+        await stub.PutTenant(apb.PutTenantRequest(tenant=tenant))
+        await stub.UpdateTenant(
+            apb.UpdateTenantRequest(name="acme", limits=pb.Limits(rpm=900, concurrency=5))
+        )
+        await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", cache=pb.CachePolicy()))
+        created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", limits=pb.Limits(rpm=5)))
+        await stub.SetKeyLimits(
+            apb.SetKeyLimitsRequest(id=created.key.id, limits=pb.Limits(rpm=9, tpm=50))
+        )
+        updates = (await stub.ListAudit(apb.ListAuditRequest(action="UpdateTenant"))).entries
+        limits = (await stub.ListAudit(apb.ListAuditRequest(action="SetKeyLimits"))).entries
+    assert [e.detail["changes"] for e in reversed(updates)] == [
+        "limits.rpm 600 -> 900; limits.concurrency unset -> 5; limits.tpm 100000 -> removed",
+        "nothing",
+    ]
+    assert updates[-1].detail["limits"] == '{"concurrency": 5, "rpm": 900}'
+    [changed] = limits
+    assert changed.detail["changes"] == "limits.rpm 5 -> 9; limits.tpm unset -> 50"
+
+
 async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:
     async with admin_server(store, clock) as stub:
         for name in ("a", "b"):
