@@ -168,6 +168,9 @@ class CachePlan:
     text: str = ""
     # Where a hit's entry came from: local or region ("" for no hit).
     tier: str = ""
+    # A hit's entry's age in whole seconds, by this proxy's clock (its Age
+    # header, RFC 9111 5.1).
+    age_s: int = 0
     # The region-wide flight lock this request holds, released once its answer
     # is stored (or it failed).
     region_lock: RegionLock | None = None
@@ -420,7 +423,12 @@ class EdgeCache:
         self._count("hit", kind)
         self._metrics.cache_hits.labels(found.tier).inc()
         return CachePlan(
-            "hit", kind=kind, include_usage=include_usage, entry=found.entry, tier=found.tier
+            "hit",
+            kind=kind,
+            include_usage=include_usage,
+            entry=found.entry,
+            tier=found.tier,
+            age_s=max(0, int(self._clock() - found.entry.created_at)),
         )
 
     async def own_call(self, req: CacheRequest, plan: CachePlan) -> CachePlan:

@@ -192,7 +192,12 @@ class Exchange:
         if outcome != "hit" and plan is not None and plan.reason:
             return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, plan.reason)]
         if outcome == "hit" and plan is not None and plan.tier:
-            return [(CACHE_HEADER, outcome), (CACHE_TIER_HEADER, plan.tier)]
+            # Age: how long ago the answer was made, as any HTTP cache says.
+            return [
+                (CACHE_HEADER, outcome),
+                (CACHE_TIER_HEADER, plan.tier),
+                ("age", str(plan.age_s)),
+            ]
         return [(CACHE_HEADER, outcome)]
 
     def chunk_sent(self) -> None:

@@ -176,6 +176,8 @@ async def test_a_miss_goes_to_the_origin_and_a_repeat_is_answered_from_the_cache
     assert again.status == 200
     assert again.headers["x-ponto-cache"] == "hit"
     assert again.headers["x-ponto-cache-tier"] == "local"  # no --redis: memory only
+    assert again.headers["age"] == "0"  # whole seconds since it was made
+    assert "age" not in first.headers
     assert again.headers["x-request-id"] == "mine-1"
     assert "x-ponto-origin" not in again.headers
     assert await again.json() == body

@@ -73,6 +73,21 @@ async def test_another_tenants_answer_is_not_served() -> None:
     b.abandon()
 
 
+async def test_a_hit_says_its_entrys_age_in_whole_seconds() -> None:
+    """Its Age header (RFC 9111 5.1), by the cache's clock: a client asking
+    `max-age` can see how old what it got is (trial 24)."""
+    now = [NOW]
+    edge = EdgeCache(
+        ExactStore(max_bytes=1 << 20, clock=lambda: now[0]), Metrics(), clock=lambda: now[0]
+    )
+    miss = await edge.plan(request("acme"))
+    await edge.settle_body(request("acme"), miss, 200, ANSWER, json.loads(ANSWER))
+    assert (await edge.plan(request("acme"))).age_s == 0
+    now[0] += 42.9
+    hit = await edge.plan(request("acme"))
+    assert (hit.outcome, hit.age_s) == ("hit", 42)
+
+
 async def test_a_bypass_plan_carries_the_policys_reason() -> None:
     edge = cache()
     sampled = request("acme")
