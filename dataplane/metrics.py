@@ -195,7 +195,8 @@ class TenantsUnavailable(Collector):
     NAME = "ponto_jwt_config_unavailable"
     DOC = (
         "Tenants whose JWT config (JWKS file, HS256 secret) this proxy could not load "
-        "from the table it serves: their JWTs are answered 503 auth_unavailable"
+        "from the table it serves, or whose JWKS URL no fetch has brought a usable set "
+        "from: their JWTs are answered 503 auth_unavailable"
     )
 
     def __init__(

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TENANT",
+    "MAX_REMOTE_KEYS",
     "OPEN_PRINCIPAL",
     "SUPPORTED_JWT_ALGORITHMS",
     "AuthConfigError",
@@ -93,6 +94,8 @@ __all__ = [
     "KeyRecord",
     "KeysPending",
     "Principal",
+    "ReadSet",
+    "SetKey",
     "read_jwks",
     "read_remote_jwks",
 ]
@@ -659,20 +662,14 @@ class _JwtVerifier:
         self.only = {alg: keys[0] for alg, keys in per_alg.items() if len(keys) == 1}
 
     def _take_remote(self, remote: RemoteKeys) -> None:
-        """Take the remote set's keys, when it has changed since they were
-        last taken; AuthUnavailable without a set (its fetches failed), and
-        KeysPending while its first fetch runs."""
+        """Take the remote set's keys beside the config's own, when it has
+        changed since they were last taken."""
         if remote.generation != self.generation:
             by_kid, unnamed = dict(self.own[0]), {a: list(k) for a, k in self.own[1].items()}
             # The set was checked whole when fetched (read_remote_jwks): no kid twice.
             _index(remote.keys or (), self.config.algorithms, remote.url, by_kid, unnamed)
             self._take(by_kid, unnamed)
             self.generation = remote.generation
-        if remote.keys is None:
-            wait = remote.first()
-            if wait is not None:
-                raise KeysPending(wait, self.config.tenant)
-            raise AuthUnavailable(self.config.tenant)
 
     @classmethod
     def build(
@@ -727,7 +724,7 @@ class _JwtVerifier:
                 raw = read_file(config.jwks_file)
             except OSError as e:
                 raise AuthConfigError(f"{jwks}: cannot read: {e.strerror}") from None
-            _index(read_jwks(raw, jwks), config.algorithms, jwks, by_kid, unnamed)
+            _index(read_jwks(raw, jwks).keys, config.algorithms, jwks, by_kid, unnamed)
         if remote is not None:
             return cls(config, by_kid, unnamed, remote)
         if not by_kid and not unnamed:
@@ -751,11 +748,17 @@ class _JwtVerifier:
         try:
             key = self._select_key(header, alg)
         except AuthError:
-            # A key published since the set was fetched (the issuer rotated):
-            # fetch it again, at most once per cooldown, and try once more.
-            wait = remote.refetch(now) if remote is not None else None
+            if remote is None:
+                raise
+            # A key published since the set was fetched (the issuer rotated),
+            # or no set yet: a fetch to wait for (remote.refetch), then one
+            # more try; without one, no set is a 503, a set without the key
+            # the token's 401.
+            wait = remote.refetch(now)
             if wait is not None:
                 raise KeysPending(wait, self.config.tenant) from None
+            if remote.keys is None:
+                raise AuthUnavailable(self.config.tenant) from None
             raise
         try:
             claims = jwt.decode(
@@ -878,14 +881,44 @@ def _hs256_secret(
     return secret
 
 
-def read_jwks(raw: bytes, where: str) -> list[tuple[int, str | None, jwt.PyJWK]]:
-    """The signing keys of a JSON Web Key Set document, each with its index in
-    the set and its kid; AuthConfigError (a ValueError) saying why the document
-    cannot be used, naming `where` (the file or URL), never key material.
+@dataclass(frozen=True, slots=True)
+class SetKey:
+    """One signing key of a JSON Web Key Set: its index in the set, its kid,
+    the key, and its JWK's members as canonical JSON (`thumb`), which tell two
+    keys apart whatever the document's order or spacing."""
+
+    index: int
+    kid: str | None
+    key: jwt.PyJWK
+    thumb: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSet:
+    """A key set read: its signing keys, and (for a fetched one) why each key
+    left out was (`"key #2 (kid='pq', kty='AKP'): not a usable key"`)."""
+
+    keys: tuple[SetKey, ...]
+    skipped: tuple[str, ...] = ()
+
+
+# A fetched set of more keys than this is refused: identity providers publish
+# a handful, and each key is parsed on the event loop.
+MAX_REMOTE_KEYS = 100
+
+
+def read_jwks(raw: bytes, where: str, *, fetched: bool = False) -> ReadSet:
+    """The signing keys of a JSON Web Key Set document; AuthConfigError (a
+    ValueError) saying why the document cannot be used, naming `where` (the
+    file or URL), never key material.
 
     Skipped: keys for another `use` than signing and keys of an algorithm
     Ponto does not verify (a PS256 key for some other consumer of the same
-    set). Refused: a key with private material, or one that cannot be used."""
+    set). Refused: a key with private material. A file's key that cannot be
+    used refuses the file (its operator can fix it); a `fetched` set's is
+    skipped and said in `skipped`, as a provider may publish key types Ponto
+    cannot use beside those it can, and so are its `oct` keys: a secret
+    published at a URL anyone can read is no secret."""
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -894,13 +927,23 @@ def read_jwks(raw: bytes, where: str) -> list[tuple[int, str | None, jwt.PyJWK]]
     keys = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(keys, list):
         raise AuthConfigError(f'{where}: expected an object with a "keys" list')
-    found: list[tuple[int, str | None, jwt.PyJWK]] = []
+    if fetched and len(keys) > MAX_REMOTE_KEYS:
+        raise AuthConfigError(f"{where}: {len(keys)} keys, over {MAX_REMOTE_KEYS}")
+    found: list[SetKey] = []
+    skipped: list[str] = []
     for index, jwk_data in enumerate(keys):
         if not isinstance(jwk_data, dict):
+            if fetched:
+                skipped.append(f"key #{index}: not an object")
+                continue
             raise AuthConfigError(f"{where}: key #{index} is not an object")
         kid = jwk_data.get("kid")
-        label = f"{where}: key #{index} (kid={kid!r}, kty={jwk_data.get('kty')!r})"
+        shown = f"key #{index} (kid={kid!r}, kty={jwk_data.get('kty')!r})"
+        label = f"{where}: {shown}"
         if kid is not None and not isinstance(kid, str):
+            if fetched:
+                skipped.append(f"{shown}: 'kid' is not a string")
+                continue
             raise AuthConfigError(f"{label}: 'kid' must be a string")
         if jwk_data.get("use", "sig") != "sig":
             continue  # an encryption key published alongside; not ours to use
@@ -909,21 +952,38 @@ def read_jwks(raw: bytes, where: str) -> list[tuple[int, str | None, jwt.PyJWK]]
         declared = jwk_data.get("alg")
         if declared is not None and declared not in SUPPORTED_JWT_ALGORITHMS:
             continue
-        found.append((index, kid, _pyjwk(jwk_data, None, label)))
-    return found
+        if fetched and jwk_data.get("kty") == "oct":
+            skipped.append(f"{shown}: a shared secret, which a URL cannot keep")
+            continue
+        try:
+            key = _pyjwk(jwk_data, None, label)
+        except AuthConfigError as exc:
+            if not fetched:
+                raise
+            skipped.append(f"{shown}: {str(exc).removeprefix(label + ': ')}")
+            continue
+        thumb = json.dumps(jwk_data, sort_keys=True, separators=(",", ":"))
+        found.append(SetKey(index, kid, key, thumb))
+    return ReadSet(tuple(found), tuple(skipped))
 
 
-def read_remote_jwks(raw: bytes, url: str) -> list[tuple[int, str | None, jwt.PyJWK]]:
-    """read_jwks for a set fetched from `url`, checked whole (no kid twice),
+def read_remote_jwks(raw: bytes, url: str) -> ReadSet:
+    """read_jwks of a set fetched from `url`, checked whole (no kid twice),
     since which of its keys a tenant uses is decided per token."""
     where = "unusable key set"
-    keys = read_jwks(raw, where)
-    _index(keys, SUPPORTED_JWT_ALGORITHMS, where, {}, {})
-    return keys
+    read = read_jwks(raw, where, fetched=True)
+    if not read.keys:
+        # Kept as a failed fetch: the last good set stays in use.
+        raise AuthConfigError(
+            f"{where}: no signing key Ponto can use"
+            + (f" (skipped {len(read.skipped)}: {'; '.join(read.skipped)})" if read.skipped else "")
+        )
+    _index(read.keys, SUPPORTED_JWT_ALGORITHMS, where, {}, {})
+    return read
 
 
 def _index(
-    keys: Iterable[tuple[int, str | None, jwt.PyJWK]],
+    keys: Iterable[SetKey],
     algorithms: Collection[str],
     where: str,
     by_kid: dict[str, jwt.PyJWK],
@@ -931,17 +991,18 @@ def _index(
 ) -> None:
     """File `keys` of `algorithms` under their kid (or their algorithm, without
     one) into by_kid and unnamed; AuthConfigError for a kid used twice."""
-    for index, kid, key in keys:
-        if key.algorithm_name not in algorithms:
+    for k in keys:
+        if k.key.algorithm_name not in algorithms:
             continue
-        if kid is None:
-            unnamed.setdefault(key.algorithm_name, []).append(key)
-        elif kid in by_kid:
+        if k.kid is None:
+            unnamed.setdefault(k.key.algorithm_name, []).append(k.key)
+        elif k.kid in by_kid:
             raise AuthConfigError(
-                f"{where}: key #{index} (kid={kid!r}, kty={key.key_type!r}): kid is used twice"
+                f"{where}: key #{k.index} (kid={k.kid!r}, kty={k.key.key_type!r}): "
+                "kid is used twice"
             )
         else:
-            by_kid[kid] = key
+            by_kid[k.kid] = k.key
 
 
 def _pyjwk(data: dict[str, Any], algorithm: str | None, label: str) -> jwt.PyJWK:

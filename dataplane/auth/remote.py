@@ -9,21 +9,31 @@ proxy (`jwks_file`) cannot follow that without an operator; a URL can.
 One `KeySets` per proxy worker holds a `RemoteKeys` for each URL the served
 table names, and runs one task per URL that fetches it:
 
-- at once when a table first names it (the proxy is not ready, /readyz, until
-  every URL's first fetch has ended, well or not);
+- at once when a table first names it. The proxy is not ready (/readyz) until
+  the first fetch of each URL of the first table it applies has ended, well or
+  not; a URL a later table adds costs its issuer's first tokens a wait, not
+  the proxy's readiness;
 - again after the answer's `Cache-Control: max-age`, kept within
   MIN_REFRESH_S..MAX_REFRESH_S (REFRESH_S without one);
-- after a failure, again in RETRY_S, doubling up to MAX_RETRY_S. The last good
-  set stays in use: an identity provider that is down for a while costs
-  nothing but fresh keys;
-- sooner when a token names a `kid` the set lacks (`refetch`), at most once in
-  REFETCH_COOLDOWN_S, so a key published moments ago works on its first token
-  and a stream of made-up `kid`s costs one fetch every REFETCH_COOLDOWN_S.
-  The request waits for that fetch, at most WAIT_S (`KeysPending`).
+- after a failure, again in RETRY_S, doubling up to MAX_RETRY_S while a set
+  fetched before is in use (an identity provider that is down for a while
+  costs nothing but fresh keys), up to MAX_RETRY_WITHOUT_SET_S while there is
+  none;
+- sooner when a token needs it (`RemoteKeys.refetch`): a `kid` the set lacks,
+  or no set at all. At most one such fetch starts in REFETCH_COOLDOWN_S, so a
+  stream of made-up `kid`s costs one fetch per cooldown; every token that
+  comes while it runs waits for it, at most WAIT_S (`KeysPending`), so a key
+  published moments ago works on its first tokens.
 
-A set whose document is not a usable JWKS counts as a failed fetch (the last
-good one stays). Each change of the keys is logged once with their `kid`s;
-the first failure of a run of them is logged once, and the recovery.
+A fetched set's keys Ponto cannot use (an unknown type, too short) and its
+shared secrets (`oct`: a URL anyone can read keeps no secret) are left out,
+and said; a document that is no JWKS, holds private key material, names a
+`kid` twice, holds more than MAX_REMOTE_KEYS keys or no usable one counts as
+a failed fetch (the last good set stays). Each change of the keys is logged
+once with their `kid`s; the first failure of a run of them is logged once,
+and the recovery. A key removed from the set drops the tokens verified
+before (`KeySets.changes`); a set that changed only in its writing (member
+order, spacing) is the same set.
 
 Nothing here speaks HTTP: the fetch is given (dataplane.upstream.jwks is the
 proxy's, on aiohttp), and so are the clocks and the sleep, for tests.
@@ -42,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import jwt
+    from dataplane.auth.authenticator import ReadSet, SetKey
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,9 @@ MIN_REFRESH_S = 60.0
 MAX_REFRESH_S = 3600.0
 RETRY_S = 5.0
 MAX_RETRY_S = 300.0
+# While no fetch has brought a set, tokens of its issuer get 503: the retries
+# stay closer together.
+MAX_RETRY_WITHOUT_SET_S = 30.0
 REFETCH_COOLDOWN_S = 30.0
 # How long a request waits for a fetch its token started (or the first one).
 WAIT_S = 3.0
@@ -76,9 +89,9 @@ class Fetched:
 Fetch = Callable[[str], Awaitable[Fetched]]
 # A sleep that ends early when the event is set.
 Sleep = Callable[[float, asyncio.Event], Awaitable[None]]
-# A key set's document read into its keys (index in the set, kid, key), or
-# ValueError saying why not: dataplane.auth.authenticator.read_jwks.
-Reader = Callable[[bytes, str], "list[tuple[int, str | None, jwt.PyJWK]]"]
+# A key set's document read into its keys, or ValueError saying why not:
+# dataplane.auth.authenticator.read_remote_jwks.
+Reader = Callable[[bytes, str], "ReadSet"]
 
 
 def refresh_after(cache_control: str) -> float:
@@ -93,9 +106,12 @@ def refresh_after(cache_control: str) -> float:
     return min(max(float(found.group(1)), MIN_REFRESH_S), MAX_REFRESH_S)
 
 
-def retry_after(failures: int) -> float:
-    """Seconds until the next try after `failures` (>= 1) failed in a row."""
-    return float(min(RETRY_S * 2 ** min(failures - 1, 16), MAX_RETRY_S))
+def retry_after(failures: int, *, have_set: bool = True) -> float:
+    """Seconds until the next try after `failures` (>= 1) failed in a row:
+    up to MAX_RETRY_S while a set fetched before is in use, up to
+    MAX_RETRY_WITHOUT_SET_S while there is none."""
+    bound = MAX_RETRY_S if have_set else MAX_RETRY_WITHOUT_SET_S
+    return float(min(RETRY_S * 2 ** min(failures - 1, 16), bound))
 
 
 async def sleep_or_wake(delay: float, wake: asyncio.Event) -> None:
@@ -110,11 +126,12 @@ class RemoteKeys:
     loop; written by its KeySets task on the same loop."""
 
     __slots__ = (
+        "_asked",
         "_ended",
         "_next_end",
         "_started",
         "_wake",
-        "body",
+        "dropped",
         "error",
         "errors_total",
         "failures",
@@ -130,8 +147,8 @@ class RemoteKeys:
     def __init__(self, url: str) -> None:
         self.url = url
         # The last good set's keys; None until a fetch brings one.
-        self.keys: tuple[tuple[int, str | None, jwt.PyJWK], ...] | None = None
-        self.body = b""  # the document `keys` were read from
+        self.keys: tuple[SetKey, ...] | None = None
+        self.dropped = False  # no table names it any more: no fetch will come
         # Grows with each change of `keys`, so readers can tell theirs is old.
         self.generation = 0
         self.error = ""  # why the last fetch failed; "" after a good one
@@ -141,33 +158,49 @@ class RemoteKeys:
         self.last_try = -REFETCH_COOLDOWN_S  # Unix time the last fetch started
         self.fetches_total = 0
         self.errors_total = 0
-        # Fetches started and ended; a wait is for the end of a given one.
-        self._started = self._ended = 0
+        # Fetches started and ended, and the one a token asked for; a wait
+        # is for the end of a given one.
+        self._started = self._ended = self._asked = 0
         self._next_end = asyncio.Event()  # set when the fetch under way ends
         self._wake = asyncio.Event()
 
     def refetch(self, now: float) -> Callable[[], Awaitable[None]] | None:
-        """A wait for a fetch that starts now, for a token whose `kid` this set
-        lacks; None when the last one started less than REFETCH_COOLDOWN_S
-        before `now` (Unix time), and the token is refused as it stands. A
-        fetch under way may have read the set before the key was published:
-        the wait is for the next one, which starts when it ends."""
+        """A wait for a fetch that may bring a key this set lacks (a token's
+        `kid` it does not have, or no set at all), or None: the token is
+        answered as it stands.
+
+        - A fetch an earlier token asked for, not ended yet: that one (so a
+          burst of tokens after a rotation all wait for the one fetch).
+        - Else, within REFETCH_COOLDOWN_S of the last fetch's start (`now`,
+          Unix time): the fetch under way, if any (the first, or a
+          refresh), else None. A stream of made-up kids costs one fetch
+          per cooldown.
+        - Else a new fetch, which starts now or, if one is under way (it may
+          have read the set before the key was published), when it ends."""
+        if self.dropped:
+            return None
+        if self._asked > self._ended:
+            return functools.partial(self._until_ended, self._asked)
         if now - self.last_try < REFETCH_COOLDOWN_S:
+            if self._started > self._ended:
+                return functools.partial(self._until_ended, self._started)
             return None
         self.last_try = now
+        self._asked = self._started + 1
         self._wake.set()
-        return functools.partial(self._until_ended, self._started + 1)
-
-    def first(self) -> Callable[[], Awaitable[None]] | None:
-        """A wait for the first fetch, while it runs; None once it has ended."""
-        return None if self.tried else functools.partial(self._until_ended, 1)
+        return functools.partial(self._until_ended, self._asked)
 
     async def _until_ended(self, fetch: int) -> None:
-        """Until the `fetch`th fetch has ended, at most WAIT_S."""
+        """Until the `fetch`th fetch has ended, or the set is dropped, at most WAIT_S."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(WAIT_S):
-                while self._ended < fetch:
+                while self._ended < fetch and not self.dropped:
                     await self._next_end.wait()
+
+    def drop(self) -> None:
+        """No table names it any more: no fetch will come, none waits for one."""
+        self.dropped = True
+        self._next_end.set()
 
     def _start(self, now: float) -> None:
         self.last_try = now
@@ -200,8 +233,12 @@ class KeySets:
         self._on_close = on_close
         self._sets: dict[str, RemoteKeys] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        # Grows with every change of any set's keys: an Authenticator drops
-        # the tokens it verified when it moves, as a key may have been removed.
+        # The URLs of the first table tracked, whose first fetches readiness
+        # waits for; None before it. Then `_warm`: ready for good.
+        self._initial: frozenset[str] | None = None
+        self._warm = False
+        # Grows whenever a set loses a key: an Authenticator then drops the
+        # tokens it verified, as one may have been verified with that key.
         self.changes = 0
 
     def keys(self, url: str) -> RemoteKeys:
@@ -213,9 +250,11 @@ class KeySets:
 
     def track(self, urls: Collection[str]) -> None:
         """Fetch `urls` from now on (the served table's) and forget the rest."""
+        if self._initial is None:
+            self._initial = frozenset(urls)
         for url in list(self._sets):
             if url not in urls:
-                del self._sets[url]
+                self._sets.pop(url).drop()
                 task = self._tasks.pop(url, None)
                 if task is not None:
                     task.cancel()
@@ -228,8 +267,13 @@ class KeySets:
 
     @property
     def ready(self) -> bool:
-        """Every tracked URL's first fetch has ended (well or not)."""
-        return all(self._sets[url].tried for url in self._tasks)
+        """The first fetch of each URL the first table named has ended (well
+        or not), or did once: a URL a later table adds costs its issuer's
+        first tokens a wait (WAIT_S at most), not every tenant's traffic the
+        proxy's readiness."""
+        if not self._warm and self._initial is not None:
+            self._warm = all(self._sets[u].tried for u in self._initial if u in self._tasks)
+        return self._warm
 
     def __iter__(self) -> Iterator[RemoteKeys]:
         """The tracked URLs' sets."""
@@ -261,7 +305,7 @@ class KeySets:
         try:
             try:
                 fetched = await self._fetch(keys.url)
-                read = tuple(self._read(fetched.body, keys.url))
+                read = self._read(fetched.body, keys.url)
             except (JwksFetchError, ValueError) as exc:
                 delay = self._failed(keys, str(exc))
             except Exception as exc:  # a bug of the fetch's: told, and tried again
@@ -275,25 +319,26 @@ class KeySets:
             keys._end()  # even cancelled (its URL dropped), none waits in vain
         return delay
 
-    def _took(
-        self, keys: RemoteKeys, fetched: Fetched, read: tuple[tuple[int, str | None, Any], ...]
-    ) -> float:
+    def _took(self, keys: RemoteKeys, fetched: Fetched, read: ReadSet) -> float:
         if keys.failures:
             log.info("JWKS URL %s: fetched again after %d failures", keys.url, keys.failures)
         keys.error, keys.failures = "", 0
         keys.fetched_at = self._clock()
-        if keys.keys is None or _identities(keys.keys) != _identities(read):
+        old = keys.keys
+        new = read.keys
+        if old is None or [k.thumb for k in old] != [k.thumb for k in new]:
             log.info(
-                "JWKS URL %s: %s (%s)%s",
+                "JWKS URL %s: %s (%s)%s%s",
                 keys.url,
-                _count(read),
-                _kids(read),
-                "" if keys.keys is None else f"; were {len(keys.keys)} ({_kids(keys.keys)})",
+                _count(new),
+                _kids(new),
+                "" if old is None else f"; were {_count(old)} ({_kids(old)})",
+                f"; skipped {len(read.skipped)}: {'; '.join(read.skipped)}" if read.skipped else "",
             )
-        if keys.keys is None or keys.body != fetched.body:
-            keys.keys, keys.body = read, fetched.body
+            keys.keys = new
             keys.generation += 1
-            self.changes += 1
+            if old is not None and {k.thumb for k in old} - {k.thumb for k in new}:
+                self.changes += 1
         return refresh_after(fetched.cache_control)
 
     def _failed(self, keys: RemoteKeys, why: str) -> float:
@@ -309,17 +354,13 @@ class KeySets:
                 if keys.keys is None
                 else f"keeping the {_count(keys.keys)} fetched before",
             )
-        return retry_after(keys.failures)
-
-
-def _identities(keys: Iterable[tuple[int, str | None, Any]]) -> list[tuple[str | None, str]]:
-    return [(kid, key.algorithm_name) for _, kid, key in keys]
+        return retry_after(keys.failures, have_set=keys.keys is not None)
 
 
 def _count(keys: tuple[Any, ...]) -> str:
     return f"{len(keys)} key" + ("" if len(keys) == 1 else "s")
 
 
-def _kids(keys: Iterable[tuple[int, str | None, Any]]) -> str:
-    names = [kid if kid is not None else "no kid" for _, kid, _ in keys]
+def _kids(keys: Iterable[SetKey]) -> str:
+    names = [k.kid if k.kid is not None else "no kid" for k in keys]
     return ", ".join(names) if names else "none"

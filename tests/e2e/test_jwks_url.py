@@ -125,9 +125,10 @@ def test_a_tenant_applied_with_a_jwks_url_is_served_with_the_published_key(
     served_before = httpx.get(f"http://{fleet.origins['o1'].address}/sim/stats").json()
     assert ask(fleet, token(KEY_A, "a"))
     # A key the provider never published: refused at the proxy. (Its unknown
-    # kid has the set fetched again at most once in 30 s: the proxy asked
-    # for it moments ago, so no fetch. A rotation's fetch is
-    # tests/functional/test_jwks_url.py's, on an injected clock.)
+    # kid has the set fetched again at most once in 30 s, and the proxy
+    # fetched it moments ago, when the table came: no fetch. A rotation's
+    # fetch is tested in tests/unit/test_jwks_remote.py on an injected
+    # clock, and in tests/functional/test_jwks_url.py.)
     fetched = provider.fetches
     with pytest.raises(openai.AuthenticationError, match="unknown 'kid'"):
         ask(fleet, token(KEY_B, "b"))

@@ -23,14 +23,18 @@ from typing import Any
 import jwt
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from dataplane.auth.remote import JwksFetchError, RemoteKeys
+from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER
+from dataplane.settings import parse as parse_proxy
+from dataplane.sync.holder import TABLE_FILE
 from dataplane.upstream.jwks import MAX_JWKS_BYTES, HttpFetch
 from ponto.originca import origin_ssl_context
 from ponto.originsim.app import SimConfig
+from ponto.originsim.app import build_app as sim_app
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import Stack, chat, error_of, start_stack, table
@@ -207,22 +211,56 @@ async def test_without_a_set_the_issuers_tokens_are_a_503_and_reach_no_origin(
     }
 
 
-async def test_the_proxy_is_ready_once_the_first_fetch_has_ended_and_tokens_wait_for_it(
+async def test_a_url_a_later_table_names_costs_its_tokens_a_wait_not_readiness(
     world: World,
 ) -> None:
+    """Review 42: every proxy went unready at once, API-key traffic and all."""
     world.provider.gate = asyncio.Event()
     world.apply(3)
     await until(lambda: world.provider.fetches == 1)
-    ready = await world.stack.client.get("/readyz")
-    assert ready.status == 503
-    assert error_of(await ready.json())["code"] == "no_jwks_yet"
+    assert (await world.stack.client.get("/readyz")).status == 200
     waiting = asyncio.ensure_future(world.stack.post(chat("x"), key=token(KEY_A, "a")))
     await asyncio.sleep(0.05)
     assert not waiting.done()
     world.provider.gate.set()
     answer = await waiting
     assert answer.status == 200
-    assert (await world.stack.client.get("/readyz")).status == 200
+
+
+async def test_a_proxy_started_on_a_saved_table_is_ready_once_its_first_fetch_ended(
+    tmp_path: Path,
+) -> None:
+    provider = Provider(keys=[public_jwk(KEY_A, "a")], gate=asyncio.Event())
+    idp = TestServer(provider.app())
+    origin = TestServer(sim_app(SimConfig(name="o1", answer_tokens=4, seed=1)))
+    for server in (idp, origin):
+        await server.start_server()
+    saved = jwt_table(str(origin.make_url("/v1")), str(idp.make_url("/jwks.json")), 3)
+    (tmp_path / TABLE_FILE).write_bytes(saved.SerializeToString())
+    settings = parse_proxy(
+        ["--region=r1", "--name=saved", "--control-plane=127.0.0.1:9", f"--state-dir={tmp_path}"]
+    )
+    proxy = TestServer(build_app(settings))
+    await proxy.start_server()
+    client = TestClient(proxy)
+    try:
+        await until(lambda: provider.fetches == 1)
+        unready = await client.get("/readyz")
+        assert unready.status == 503
+        assert error_of(await unready.json())["code"] == "no_jwks_yet"
+        provider.gate.set()  # type: ignore[union-attr]
+        await until(lambda: proxy.app[HOLDER].key_sets_ready)
+        assert (await client.get("/readyz")).status == 200
+        answer = await client.post(
+            "/v1/chat/completions",
+            json=chat("x"),
+            headers={"authorization": f"Bearer {token(KEY_A, 'a')}"},
+        )
+        assert answer.status == 200, await answer.text()
+    finally:
+        await client.close()
+        await origin.close()
+        await idp.close()
 
 
 # ---------------------------------------------------------------- the fetch

@@ -9,6 +9,7 @@ to pass.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from typing import Any
@@ -34,6 +35,7 @@ NOW = 1_800_000_000.0
 RSA_A = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 RSA_B = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 EC_C = ec.generate_private_key(ec.SECP256R1())
+LOCAL_SECRET = "a-local-hs256-secret-long-enough-0123456789"
 
 
 def public_jwk(key: Any, kid: str | None, **more: Any) -> dict[str, Any]:
@@ -129,6 +131,7 @@ def key_sets(origin: Origin, sleeps: Sleeps, clock: Clock) -> KeySets:
 
 
 def authenticator(sets: KeySets, **config: Any) -> Authenticator:
+    environ = config.pop("environ", {})
     jwt_config = JwtConfig(
         tenant="acme",
         issuer=ISSUER,
@@ -138,7 +141,7 @@ def authenticator(sets: KeySets, **config: Any) -> Authenticator:
         leeway_s=30,
         **config,
     )
-    return Authenticator.build([], [jwt_config], key_sets=sets)
+    return Authenticator.build([], [jwt_config], key_sets=sets, environ=environ)
 
 
 async def authenticate(auth: Authenticator, bearer: str, now: float = NOW) -> str:
@@ -188,20 +191,62 @@ async def test_a_set_is_fetched_when_a_table_names_it_and_again_after_max_age(
 ) -> None:
     origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a")), "max-age=600"))
     sets = key_sets(origin, sleeps, clock)
-    untracked = sets.ready  # nothing to fetch
+    untracked = sets.ready  # no table yet
     sets.track({URL})
-    assert (untracked, sets.ready) == (True, False)
+    assert (untracked, sets.ready) == (False, False)
     await settle()
     keys = sets.keys(URL)
     assert sets.ready and keys.tried and keys.error == ""
-    assert [kid for _, kid, _ in keys.keys or ()] == ["a"]
-    assert (keys.fetched_at, keys.generation, sets.changes) == (NOW, 1, 1)
+    assert [k.kid for k in keys.keys or ()] == ["a"]
+    assert (keys.fetched_at, keys.generation, sets.changes) == (NOW, 1, 0)
     assert sleeps.delays == [600.0]
     sleeps.release()
     await settle()
     assert origin.fetches == 2
-    # The same document again: the keys in use are not replaced.
-    assert (keys.generation, sets.changes) == (1, 1)
+    # The same keys again: the keys in use are not replaced.
+    assert (keys.generation, sets.changes) == (1, 0)
+    await sets.close()
+
+
+async def test_a_set_that_changes_only_in_its_writing_is_the_same_set(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """Member order, spacing and members outside the keys change nothing; a
+    key added is a new generation, and only a key removed drops the tokens
+    verified before (`changes`)."""
+    a, b = public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")
+    reordered = json.dumps({"extra": 1, "keys": [dict(reversed(list(a.items())))]}, indent=2)
+    origin = Origin(
+        Fetched(jwks(a)),
+        Fetched(reordered.encode()),
+        Fetched(jwks(a, b)),
+        Fetched(jwks(b)),
+    )
+    sets = key_sets(origin, sleeps, clock)
+    sets.track({URL})
+    await settle()
+    keys = sets.keys(URL)
+    seen = [(keys.generation, sets.changes)]
+    for _ in range(3):
+        sleeps.release()
+        await settle()
+        seen.append((keys.generation, sets.changes))
+    assert seen == [(1, 0), (1, 0), (2, 0), (3, 1)]
+    await sets.close()
+
+
+async def test_readiness_waits_for_the_first_tables_urls_only(sleeps: Sleeps, clock: Clock) -> None:
+    """Review 42: a table that named a new URL made every proxy unready at
+    once, for up to a fetch's timeout, API-key traffic and all."""
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))))
+    origin.gate = asyncio.Event()
+    sets = KeySets(origin, read_remote_jwks, sleep=sleeps, clock=clock)
+    sets.track(set())  # the first table names none
+    assert sets.ready
+    sets.track({URL})  # a later one does
+    await settle()
+    assert sets.ready and origin.fetches == 1
+    origin.gate.set()
     await sets.close()
 
 
@@ -246,7 +291,12 @@ async def test_a_failed_fetch_keeps_the_last_good_set_logs_once_and_the_recovery
             jwks(public_jwk(RSA_A, "a"), public_jwk(EC_C, "a")),
             "unusable key set: key #1 (kid='a', kty='EC'): kid is used twice",
         ),
-        (jwks({"kty": "RSA", "kid": "a", "n": "x"}), "unusable key set: key #0 (kid='a', kty="),
+        (
+            jwks({"kty": "RSA", "kid": "a", "n": "x"}),
+            "unusable key set: no signing key Ponto can use (skipped 1: key #0 (kid='a', "
+            "kty='RSA'): not a usable key",
+        ),
+        (jwks(*[public_jwk(EC_C, f"k{i}") for i in range(101)]), "unusable key set: 101 keys"),
     ],
 )
 async def test_a_document_that_is_no_usable_set_is_a_failed_fetch(
@@ -262,16 +312,58 @@ async def test_a_document_that_is_no_usable_set_is_a_failed_fetch(
     await sets.close()
 
 
-async def test_keys_of_other_uses_and_algorithms_are_skipped(sleeps: Sleeps, clock: Clock) -> None:
+async def test_keys_it_cannot_use_are_skipped_and_said_the_others_used(
+    sleeps: Sleeps, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A provider may publish keys of a type or size Ponto cannot use beside
+    its good ones: the good ones serve (a set refused whole would stop the
+    proxy following rotations for good). A shared secret (`oct`) at a URL
+    anyone can read is no secret, and is never used."""
+    small = rsa.generate_private_key(public_exponent=65537, key_size=1024)
     body = jwks(
         public_jwk(RSA_A, "enc", use="enc"),
         public_jwk(RSA_A, "ps", alg="PS256"),
+        {"kty": "AKP", "kid": "pq", "alg": "ES256", "pub": "AAAA"},
+        public_jwk(small, "small"),
+        {"kty": "oct", "kid": "h", "k": "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA"},
         public_jwk(RSA_B, "b"),
     )
+    caplog.set_level(logging.INFO, logger="dataplane.auth.remote")
     sets = key_sets(Origin(Fetched(body)), sleeps, clock)
     sets.track({URL})
     await settle()
-    assert [(i, kid) for i, kid, _ in sets.keys(URL).keys or ()] == [(2, "b")]
+    assert [(k.index, k.kid) for k in sets.keys(URL).keys or ()] == [(5, "b")]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"JWKS URL {URL}: 1 key (b); skipped 3: key #2 (kid='pq', kty='AKP'): ")
+    assert "key #3 (kid='small', kty='RSA'): key is too short for its algorithm" in line
+    assert line.endswith("key #4 (kid='h', kty='oct'): a shared secret, which a URL cannot keep")
+    await sets.close()
+
+
+async def test_an_hs256_token_signed_with_a_published_secret_is_refused(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """Review 42: the secret of an `oct` key in the fetched set verified
+    tokens, and anyone can read the set."""
+    secret = b"secret-secret-secret-secret-secret"
+    oct_key = {"kty": "oct", "kid": "h", "k": base64.urlsafe_b64encode(secret).decode()}
+    sets = key_sets(Origin(Fetched(jwks(public_jwk(RSA_A, "a"), oct_key))), sleeps, clock)
+    auth = authenticator(
+        sets,
+        algorithms=("HS256", "RS256"),
+        hs256_secret_env="ACME_SECRET",
+        environ={"ACME_SECRET": LOCAL_SECRET},
+    )
+    sets.track(auth.jwks_urls)
+    await settle()
+    forged = token(secret, "h", alg="HS256")
+    with pytest.raises(AuthError):
+        await authenticate(auth, forged)
+    # The tenant's own secret, on the proxy, and the published RSA key verify.
+    assert await authenticate(auth, token(LOCAL_SECRET.encode(), None, alg="HS256")) == (
+        "jwt:acme:user-1"
+    )
+    assert await authenticate(auth, token(RSA_A, "a")) == "jwt:acme:user-1"
     await sets.close()
 
 
@@ -283,12 +375,35 @@ async def test_a_url_no_table_names_is_forgotten_and_its_task_ended(
     sets.track({URL})
     await settle()
     assert [k.url for k in sets] == [URL]
+    [task] = [t for t in asyncio.all_tasks() if t.get_name() == f"jwks {URL}"]
+    dropped = sets.keys(URL)
     sets.track(set())
     await settle()
-    assert list(sets) == [] and sets.ready
+    assert list(sets) == [] and sets.ready and task.done()
     sleeps.release()
     await settle()
     assert origin.fetches == 1
+    # A request still on the old table asks the dropped set for a fetch: none
+    # comes, and it is told so at once rather than waiting (review 42).
+    assert dropped.dropped and dropped.refetch(NOW + 3600) is None
+    await sets.close()
+
+
+async def test_a_wait_on_a_set_dropped_meanwhile_ends_at_once(sleeps: Sleeps, clock: Clock) -> None:
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))))
+    origin.gate = asyncio.Event()
+    sets = key_sets(origin, sleeps, clock)
+    sets.track({URL})
+    await settle()
+    keys = sets.keys(URL)
+    wait = keys.refetch(NOW)  # the first fetch, under way
+    assert wait is not None
+    waiting = asyncio.ensure_future(wait())
+    await settle()
+    assert not waiting.done()
+    sets.track(set())
+    await settle()
+    assert waiting.done()
     await sets.close()
 
 
@@ -398,6 +513,75 @@ async def test_a_new_kid_during_a_refresh_waits_for_the_fetch_after_it(
     await sets.close()
 
 
+async def test_a_burst_of_tokens_with_a_new_kid_all_wait_for_one_fetch(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """Review 42: only the first token of a burst after a rotation waited for
+    the fetch; the others, inside the cooldown, got 401."""
+    before = Fetched(jwks(public_jwk(RSA_A, "a")))
+    after = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
+    origin = Origin(before, after)
+    sets = key_sets(origin, sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    origin.gate = asyncio.Event()  # the fetch the first token asks for takes a while
+    clock.now += remote.REFETCH_COOLDOWN_S
+    burst = [
+        asyncio.ensure_future(authenticate(auth, token(RSA_B, "b", f"user-{i}"), clock.now))
+        for i in range(20)
+    ]
+    await settle()
+    origin.gate.set()
+    assert sorted(await asyncio.gather(*burst)) == sorted(f"jwt:acme:user-{i}" for i in range(20))
+    assert origin.fetches == 2
+    await sets.close()
+
+
+async def test_without_a_set_a_token_fetches_again_after_the_cooldown_and_is_served(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """Review 42: with the provider back, tokens got 503 until the backoff's
+    next try (up to 5 minutes); now a token asks for a fetch, once a cooldown
+    has passed since the last, and retries come at most 30 s apart."""
+    down = JwksFetchError("answered HTTP 503")
+    origin = Origin(down, down, down, down, Fetched(jwks(public_jwk(RSA_A, "a"))))
+    sets = key_sets(origin, sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    for _ in range(3):
+        sleeps.release()
+        await settle()
+    assert sleeps.delays == [5.0, 10.0, 20.0, remote.MAX_RETRY_WITHOUT_SET_S]
+    with pytest.raises(AuthUnavailable):  # within the cooldown of the last try
+        await authenticate(auth, token(RSA_A, "a"), clock.now)
+    clock.now += remote.REFETCH_COOLDOWN_S
+    assert await authenticate(auth, token(RSA_A, "a"), clock.now) == "jwt:acme:user-1"
+    assert origin.fetches == 5
+    await sets.close()
+
+
+async def test_without_a_set_the_tenants_own_hs256_secret_still_verifies(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    sets = key_sets(Origin(JwksFetchError("no answer within 10 s")), sleeps, clock)
+    auth = authenticator(
+        sets,
+        algorithms=("HS256", "RS256"),
+        hs256_secret_env="ACME_SECRET",
+        environ={"ACME_SECRET": LOCAL_SECRET},
+    )
+    sets.track(auth.jwks_urls)
+    await settle()
+    assert await authenticate(auth, token(LOCAL_SECRET.encode(), None, alg="HS256")) == (
+        "jwt:acme:user-1"
+    )
+    with pytest.raises(AuthUnavailable):
+        await authenticate(auth, token(RSA_A, "a"))
+    await sets.close()
+
+
 async def test_a_key_removed_from_the_set_stops_verifying_tokens_verified_before(
     sleeps: Sleeps, clock: Clock
 ) -> None:
@@ -436,7 +620,7 @@ def test_only_the_tenants_algorithms_are_used_from_the_set() -> None:
     """An ES256 key in the set of a tenant that takes RS256 only verifies nothing."""
     sets = KeySets(Origin(Fetched(b"")), read_remote_jwks)
     keys = sets.keys(URL)
-    keys.keys = tuple(read_remote_jwks(jwks(public_jwk(EC_C, "c")), URL))
+    keys.keys = read_remote_jwks(jwks(public_jwk(EC_C, "c")), URL).keys
     keys.generation, keys.tried = 1, True
     auth = authenticator(sets, algorithms=("RS256",))
     with pytest.raises(AuthError, match="algorithm not accepted"):
