@@ -144,6 +144,21 @@ def authenticator(sets: KeySets, **config: Any) -> Authenticator:
     return Authenticator.build([], [jwt_config], key_sets=sets, environ=environ)
 
 
+async def with_local_secret(sets: KeySets) -> Authenticator:
+    """Tenant acme's authenticator, taking HS256 with its own secret (an
+    environment variable on the proxy) and RS256 from the URL, once the set
+    was fetched (or failed)."""
+    auth = authenticator(
+        sets,
+        algorithms=("HS256", "RS256"),
+        hs256_secret_env="ACME_SECRET",
+        environ={"ACME_SECRET": LOCAL_SECRET},
+    )
+    sets.track(auth.jwks_urls)
+    await settle()
+    return auth
+
+
 async def authenticate(auth: Authenticator, bearer: str, now: float = NOW) -> str:
     """As the proxy's pipeline does: once, and once more after a pending fetch."""
     try:
@@ -348,14 +363,7 @@ async def test_an_hs256_token_signed_with_a_published_secret_is_refused(
     secret = b"secret-secret-secret-secret-secret"
     oct_key = {"kty": "oct", "kid": "h", "k": base64.urlsafe_b64encode(secret).decode()}
     sets = key_sets(Origin(Fetched(jwks(public_jwk(RSA_A, "a"), oct_key))), sleeps, clock)
-    auth = authenticator(
-        sets,
-        algorithms=("HS256", "RS256"),
-        hs256_secret_env="ACME_SECRET",
-        environ={"ACME_SECRET": LOCAL_SECRET},
-    )
-    sets.track(auth.jwks_urls)
-    await settle()
+    auth = await with_local_secret(sets)
     forged = token(secret, "h", alg="HS256")
     with pytest.raises(AuthError):
         await authenticate(auth, forged)
@@ -566,14 +574,7 @@ async def test_without_a_set_the_tenants_own_hs256_secret_still_verifies(
     sleeps: Sleeps, clock: Clock
 ) -> None:
     sets = key_sets(Origin(JwksFetchError("no answer within 10 s")), sleeps, clock)
-    auth = authenticator(
-        sets,
-        algorithms=("HS256", "RS256"),
-        hs256_secret_env="ACME_SECRET",
-        environ={"ACME_SECRET": LOCAL_SECRET},
-    )
-    sets.track(auth.jwks_urls)
-    await settle()
+    auth = await with_local_secret(sets)
     assert await authenticate(auth, token(LOCAL_SECRET.encode(), None, alg="HS256")) == (
         "jwt:acme:user-1"
     )
