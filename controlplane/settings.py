@@ -290,7 +290,9 @@ def _check_etcd_files(ca: str, cert: str, key: str, now: datetime.datetime) -> N
                 key,
             )
             tlsfiles.check_validity(pair, cert, "etcd client certificate", now)
-            tlsfiles.check_purpose(pair, cert, "etcd client certificate", tlsfiles.CLIENT_AUTH)
+            tlsfiles.check_purpose(
+                pair, cert, "etcd client certificate", tlsfiles.CLIENT_AUTH, any_usage=True
+            )
     except tlsfiles.TlsFileError as exc:
         raise CredentialError(str(exc)) from None
 

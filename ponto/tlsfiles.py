@@ -161,19 +161,29 @@ _ANY_USAGE = bytes.fromhex("551d2500")  # 2.5.29.37.0, anyExtendedKeyUsage
 _PURPOSES = {SERVER_AUTH: ("server", "serverAuth"), CLIENT_AUTH: ("client", "clientAuth")}
 
 
-def check_purpose(cert: Certificate, path: str, what: str, usage: bytes) -> None:
+def check_purpose(
+    cert: Certificate, path: str, what: str, usage: bytes, *, any_usage: bool = False
+) -> None:
     """TlsFileError when `cert` states extended key usages and `usage`
     (SERVER_AUTH, CLIENT_AUTH) is not among them. gRPC's TLS takes such a
     certificate and fails every handshake: a control plane serving a client's
     certificate, its clients told "unsupported certificate purpose"; a client
-    presenting a server's, the server closing the socket unexplained. A
-    certificate that states anyExtendedKeyUsage passes, as some verifiers take
-    it: this check refuses only what cannot work."""
-    if cert.usages is None or usage in cert.usages or _ANY_USAGE in cert.usages:
+    presenting a server's, the server closing the socket unexplained. gRPC's
+    TLS (BoringSSL) does not take anyExtendedKeyUsage for either (review 43:
+    "unsupported certificate purpose"); Go's does, and etcd's peers are
+    Go's: `any_usage` lets it pass there."""
+    if cert.usages is None or usage in cert.usages:
+        return
+    if any_usage and _ANY_USAGE in cert.usages:
         return
     role, name = _PURPOSES[usage]
     others = [other for u, (_, other) in _PURPOSES.items() if u in cert.usages]
-    stated = f"is {others[0]}, not {name}" if others else "states neither serverAuth nor clientAuth"
+    if others:
+        stated = f"is {others[0]}, not {name}"
+    elif _ANY_USAGE in cert.usages:
+        stated = "is anyExtendedKeyUsage, which gRPC's TLS does not take"
+    else:
+        stated = "states neither serverAuth nor clientAuth"
     raise TlsFileError(
         f"the {what} {path} is not for a TLS {role}: its extended key usage {stated}; "
         f"issue it with {name}"

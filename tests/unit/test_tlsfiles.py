@@ -395,6 +395,10 @@ def _oid_der(oid: x509.ObjectIdentifier) -> bytes:
 SERVER_ONLY = "its extended key usage is serverAuth, not clientAuth; issue it with clientAuth"
 CLIENT_ONLY = "its extended key usage is clientAuth, not serverAuth; issue it with serverAuth"
 NEITHER = "its extended key usage states neither serverAuth nor clientAuth; issue it with {}"
+ANY = (
+    "its extended key usage is anyExtendedKeyUsage, which gRPC's TLS does not take; "
+    "issue it with {}"
+)
 
 
 @pytest.mark.parametrize(
@@ -404,7 +408,11 @@ NEITHER = "its extended key usage states neither serverAuth nor clientAuth; issu
         ((ExtendedKeyUsageOID.SERVER_AUTH,), "", SERVER_ONLY),
         ((ExtendedKeyUsageOID.CLIENT_AUTH,), CLIENT_ONLY, ""),
         ((ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH), "", ""),
-        ((ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE,), "", ""),
+        (
+            (ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE,),
+            ANY.format("serverAuth"),
+            ANY.format("clientAuth"),
+        ),
         (
             (ExtendedKeyUsageOID.CODE_SIGNING,),
             NEITHER.format("serverAuth"),
@@ -428,3 +436,8 @@ def test_a_certificate_is_refused_only_for_a_purpose_its_usages_exclude(
         with pytest.raises(tlsfiles.TlsFileError) as refused:
             tlsfiles.check_purpose(read, "c.crt", "TLS certificate", usage)
         assert str(refused.value) == f"the TLS certificate c.crt is not for a TLS {role}: {says}"
+    if usages == (ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE,):
+        # Go's TLS takes it, and etcd is Go's: its client certificate passes.
+        tlsfiles.check_purpose(
+            read, "c.crt", "TLS certificate", tlsfiles.CLIENT_AUTH, any_usage=True
+        )
