@@ -973,12 +973,22 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     """A YAML error in one line, at its line and column (PyYAML's own text
     takes five, quotes the document and calls it "<unicode string>")."""
     problem = getattr(exc, "problem", None)
-    mark = getattr(exc, "problem_mark", None)
     if not isinstance(problem, str):
         return " ".join(str(exc).split())
+    where = _yaml_mark(getattr(exc, "problem_mark", None))
     context = getattr(exc, "context", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + problem + (f" ({context})" if isinstance(context, str) else "")
+    if isinstance(context, str):
+        # Where the context began is often the mistake (a key without its
+        # colon, a quote never closed), the problem's mark only where it showed.
+        began = _yaml_mark(getattr(exc, "context_mark", None))
+        if began and began != where:
+            context += f" at {began}"
+        problem += f" ({context})"
+    return f"{where}: {problem}" if where else problem
+
+
+def _yaml_mark(mark: Any) -> str:
+    return "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 def apply_file(stub: Any, path: str, *, dry_run: bool = False, prune: bool = False) -> str:

@@ -275,7 +275,13 @@ def test_non_finite_numbers_in_an_apply_file_are_refused_with_their_paths(
         ("a: b: c\n", "line 1, column 5: mapping values are not allowed here"),
         (
             'tenants:\n  - name: "acme\n',
-            "line 3, column 1: found unexpected end of stream (while scanning a quoted scalar)",
+            "line 3, column 1: found unexpected end of stream (while scanning a quoted "
+            "scalar at line 2, column 11)",
+        ),
+        (
+            "tenants:\n  - name: acme\n    limits\n      rpm: 5\n",
+            "line 4, column 10: could not find expected ':' (while scanning a simple key at "
+            "line 3, column 5)",
         ),
     ],
 )
