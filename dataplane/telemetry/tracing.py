@@ -51,7 +51,7 @@ from yarl import URL
 
 from dataplane import jsonio
 from dataplane.metrics import EMBEDDINGS, GENAI_OPERATIONS, GENAI_PROVIDER
-from dataplane.streaming.usage import FINISH_REASON, usage_of
+from dataplane.streaming.usage import usage_of
 from dataplane.telemetry.config import TraceConfig, drops_roots
 
 if TYPE_CHECKING:
@@ -297,9 +297,16 @@ class RequestTrace:
         answer = origin.body if origin.body is not None else origin.first
         found = _MODEL.search(answer)
         model = found.group(1).decode(errors="replace") if found else ""
-        found = _ID.search(answer) if self.op != EMBEDDINGS else None
-        answer_id = found.group(1).decode(errors="replace") if found else ""
-        finishes = () if origin.body is None else tuple(FINISH_REASON.findall(origin.body))
+        answer_id = ""
+        finishes: tuple[bytes, ...] = ()
+        if origin.status < 400 and self.op != EMBEDDINGS:
+            if origin.body is not None:
+                # A whole answer: its own members, parsed (a traced request's
+                # cost only), not the first "id" of the text (a tool call's).
+                answer_id, finishes = _answer_id_and_finishes(origin.body)
+            else:  # a stream's first chunk, whose own id leads it
+                found = _ID.search(answer)
+                answer_id = found.group(1).decode(errors="replace") if found else ""
         self.origin = OriginSeen(
             origin.target.name, origin.target.region, model, answer_id, finishes
         )
@@ -421,6 +428,22 @@ def _attribute_number(value: object) -> bool | int | float | None:
     if isinstance(value, float) and math.isfinite(value):
         return value
     return None
+
+
+def _answer_id_and_finishes(body: bytes) -> tuple[str, tuple[bytes, ...]]:
+    """A whole answer's own `id` ("" without one) and each choice's
+    finish_reason, from its parsed top level."""
+    parsed = jsonio.loads_or_none(body)
+    if not isinstance(parsed, dict):
+        return "", ()
+    answer_id = parsed.get("id")
+    choices = parsed.get("choices")
+    finishes = tuple(
+        reason.encode()
+        for choice in (choices if isinstance(choices, list) else ())
+        if isinstance(choice, dict) and isinstance(reason := choice.get("finish_reason"), str)
+    )
+    return (answer_id if isinstance(answer_id, str) else ""), finishes
 
 
 def _one_line(span: ReadableSpan) -> str:

@@ -21,10 +21,11 @@ from controlplane.api.auditing import actor_of
 from controlplane.api.guard import TokenGuard
 from controlplane.app import ControlPlane
 from controlplane.audit import PREFIX, AuditLog
-from controlplane.catalog import Catalog
+from controlplane.catalog import TENANTS, Catalog
 from controlplane.cli import _rows_audit
 from controlplane.cli import main as pontoctl
 from controlplane.distribute import Publisher
+from controlplane.model import Limits, PromptPolicy, Tenant, encode
 from controlplane.settings import parse
 from controlplane.store import StateStore
 from controlplane.store.memory import MemoryStore
@@ -420,6 +421,22 @@ async def test_a_tenant_update_and_new_key_limits_record_the_values_they_replace
     assert updates[-1].detail["limits"] == '{"concurrency": 5, "rpm": 900}'
     [changed] = limits
     assert changed.detail["changes"] == "limits.rpm 5 -> 9; limits.tpm unset -> 50"
+
+
+async def test_an_updates_changes_leave_out_what_validation_alone_rewrites(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """A record stored as an older version wrote it (aliases unsorted): the
+    comparison is of normal forms (apply's, as for an Apply), so the entry
+    names only what the call changed (review 43 asked)."""
+    stored = Tenant(
+        "acme", prompt=PromptPolicy(aliases=(("zeta", "m"), ("alpha", "m"))), limits=Limits(rpm=5)
+    )
+    await store.put(TENANTS + "acme", encode(stored))
+    async with admin_server(store, clock) as stub:
+        await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", limits=pb.Limits(rpm=6)))
+        [entry] = (await stub.ListAudit(apb.ListAuditRequest(action="UpdateTenant"))).entries
+    assert entry.detail["changes"] == "limits.rpm 5 -> 6"
 
 
 async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:

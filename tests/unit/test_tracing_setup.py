@@ -10,7 +10,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from dataplane.telemetry.config import TraceConfig
-from dataplane.telemetry.tracing import Tracing, resource, start
+from dataplane.telemetry.tracing import Tracing, _answer_id_and_finishes, resource, start
 
 
 def exporters(tracing: Tracing) -> list[type]:
@@ -78,3 +78,25 @@ def test_the_console_exporter_writes_to_standard_error(
     span = json.loads(line)
     assert span["name"] == "POST /v1/chat/completions"
     assert span["attributes"]["ponto.request_id"] == "id-1"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # An origin that writes its choices first, with a tool call's id: the
+        # answer's own id is its top-level one (review 43).
+        (
+            b'{"choices":[{"index":0,"message":{"tool_calls":[{"id":"call_1"}]},'
+            b'"finish_reason":"tool_calls"},{"index":1,"finish_reason":"length"}],'
+            b'"id":"chatcmpl-9"}',
+            ("chatcmpl-9", (b"tool_calls", b"length")),
+        ),
+        (b'{"choices":[{"finish_reason":null}],"object":"list"}', ("", ())),
+        (b"[1, 2]", ("", ())),
+        (b"not json", ("", ())),
+    ],
+)
+def test_a_whole_answers_id_and_finish_reasons_are_its_own(
+    body: bytes, expected: tuple[str, tuple[bytes, ...]]
+) -> None:
+    assert _answer_id_and_finishes(body) == expected
