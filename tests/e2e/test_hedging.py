@@ -115,6 +115,7 @@ def test_a_hedge_wins_over_a_stalled_replica_which_is_cancelled(fleet: Fleet, st
 def test_the_hedge_budget_holds_under_an_outage(fleet: Fleet) -> None:
     time.sleep(1.2)  # let the budget's burst refill after the earlier tests
     before = proxy_counter(fleet, 'ponto_hedges_total{outcome="started"}')
+    refused_before = proxy_counter(fleet, 'ponto_hedges_total{outcome="refused"}')
     sessions = sessions_preferring("slow", 60)
     started = time.monotonic()
     with ThreadPoolExecutor(60) as pool:
@@ -124,7 +125,11 @@ def test_the_hedge_budget_holds_under_an_outage(fleet: Fleet) -> None:
     started_hedges = proxy_counter(fleet, 'ponto_hedges_total{outcome="started"}') - before
     # Burst of 10, 10 % of requests, 1 a second: far fewer than one per request.
     assert hedged <= started_hedges <= 10 + 0.1 * len(sessions) + elapsed + 1
-    # Some were refused by the budget (others went to the fast replica at once:
-    # the stalled one was past its load bound).
-    assert proxy_counter(fleet, 'ponto_hedges_total{outcome="refused"}') >= 1
-    assert all(r.status_code == 200 for r in answers)  # the rest waited out the stall
+    # Each answer the stalled replica gave waited out its stall: its hedge was
+    # refused by the budget. (How many go there at all depends on how fast
+    # its load reports make it past its load bound, and so on the machine's
+    # load: a CI run beside a demo saw none, and no refusal.)
+    refused = proxy_counter(fleet, 'ponto_hedges_total{outcome="refused"}') - refused_before
+    waited = sum(1 for r in answers if r.headers.get("x-sim-origin") == "slow")
+    assert refused >= waited
+    assert all(r.status_code == 200 for r in answers)
