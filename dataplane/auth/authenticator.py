@@ -264,9 +264,10 @@ class AuthUnavailable(Exception):
     status: Final = 503
     code: Final = "auth_unavailable"
     message: Final = (
-        "This proxy cannot verify tokens from this issuer right now: its JWT "
-        "configuration failed to load here. Your token was not checked; retry later "
-        "(the operator has been told), or use an API key."
+        "This proxy cannot verify tokens from this issuer right now: it has not got "
+        "the issuer's keys (its JWT configuration did not load here, or its key set "
+        "could not be fetched yet). Your token was not checked; retry later (the "
+        "operator has been told), or use an API key."
     )
 
     def __init__(self, tenant: str) -> None:
@@ -754,6 +755,10 @@ class _JwtVerifier:
             # or no set yet: a fetch to wait for (remote.refetch), then one
             # more try; without one, no set is a 503, a set without the key
             # the token's 401.
+            kid = header.get("kid")
+            if kid in remote.skipped_kids:
+                # Published, but not a key Ponto can use (its log says why).
+                raise _bad_token("its 'kid' names a key this proxy cannot use") from None
             wait = remote.refetch(now)
             if wait is not None:
                 raise KeysPending(wait, self.config.tenant) from None
@@ -900,6 +905,7 @@ class ReadSet:
 
     keys: tuple[SetKey, ...]
     skipped: tuple[str, ...] = ()
+    skipped_kids: tuple[str, ...] = ()
 
 
 # A fetched set of more keys than this is refused: identity providers publish
@@ -931,6 +937,7 @@ def read_jwks(raw: bytes, where: str, *, fetched: bool = False) -> ReadSet:
         raise AuthConfigError(f"{where}: {len(keys)} keys, over {MAX_REMOTE_KEYS}")
     found: list[SetKey] = []
     skipped: list[str] = []
+    skipped_kids: list[str] = []
     for index, jwk_data in enumerate(keys):
         if not isinstance(jwk_data, dict):
             if fetched:
@@ -954,6 +961,8 @@ def read_jwks(raw: bytes, where: str, *, fetched: bool = False) -> ReadSet:
             continue
         if fetched and jwk_data.get("kty") == "oct":
             skipped.append(f"{shown}: a shared secret, which a URL cannot keep")
+            if kid is not None:
+                skipped_kids.append(kid)
             continue
         try:
             key = _pyjwk(jwk_data, None, label)
@@ -961,10 +970,12 @@ def read_jwks(raw: bytes, where: str, *, fetched: bool = False) -> ReadSet:
             if not fetched:
                 raise
             skipped.append(f"{shown}: {str(exc).removeprefix(label + ': ')}")
+            if kid is not None:
+                skipped_kids.append(kid)
             continue
         thumb = json.dumps(jwk_data, sort_keys=True, separators=(",", ":"))
         found.append(SetKey(index, kid, key, thumb))
-    return ReadSet(tuple(found), tuple(skipped))
+    return ReadSet(tuple(found), tuple(skipped), tuple(skipped_kids))
 
 
 def read_remote_jwks(raw: bytes, url: str) -> ReadSet:

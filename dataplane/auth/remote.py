@@ -44,12 +44,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ponto.writefile import LatestWriter
 
 if TYPE_CHECKING:
     from dataplane.auth.authenticator import ReadSet, SetKey
@@ -139,7 +143,9 @@ class RemoteKeys:
         "fetches_total",
         "generation",
         "keys",
+        "last_asked",
         "last_try",
+        "skipped_kids",
         "tried",
         "url",
     )
@@ -148,6 +154,8 @@ class RemoteKeys:
         self.url = url
         # The last good set's keys; None until a fetch brings one.
         self.keys: tuple[SetKey, ...] | None = None
+        # The kids of the keys the set in use has that Ponto cannot use.
+        self.skipped_kids: frozenset[str] = frozenset()
         self.dropped = False  # no table names it any more: no fetch will come
         # Grows with each change of `keys`, so readers can tell theirs is old.
         self.generation = 0
@@ -156,6 +164,9 @@ class RemoteKeys:
         self.tried = False  # a first fetch has ended, well or not
         self.fetched_at = 0.0  # Unix time of the last good fetch
         self.last_try = -REFETCH_COOLDOWN_S  # Unix time the last fetch started
+        # Unix time a token last asked for a fetch (the cooldown's start: a
+        # routine refresh moments before a rotation does not hold it back).
+        self.last_asked = -REFETCH_COOLDOWN_S
         self.fetches_total = 0
         self.errors_total = 0
         # Fetches started and ended, and the one a token asked for; a wait
@@ -171,21 +182,21 @@ class RemoteKeys:
 
         - A fetch an earlier token asked for, not ended yet: that one (so a
           burst of tokens after a rotation all wait for the one fetch).
-        - Else, within REFETCH_COOLDOWN_S of the last fetch's start (`now`,
-          Unix time): the fetch under way, if any (the first, or a
+        - Else, within REFETCH_COOLDOWN_S of the last fetch a token asked for
+          (`now`, Unix time): the fetch under way, if any (the first, or a
           refresh), else None. A stream of made-up kids costs one fetch
-          per cooldown.
+          per cooldown; the routine refreshes do not count.
         - Else a new fetch, which starts now or, if one is under way (it may
           have read the set before the key was published), when it ends."""
         if self.dropped:
             return None
         if self._asked > self._ended:
             return functools.partial(self._until_ended, self._asked)
-        if now - self.last_try < REFETCH_COOLDOWN_S:
+        if now - self.last_asked < REFETCH_COOLDOWN_S:
             if self._started > self._ended:
                 return functools.partial(self._until_ended, self._started)
             return None
-        self.last_try = now
+        self.last_asked = now
         self._asked = self._started + 1
         self._wake.set()
         return functools.partial(self._until_ended, self._asked)
@@ -225,8 +236,12 @@ class KeySets:
         sleep: Sleep = sleep_or_wake,
         clock: Callable[[], float] = time.time,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self._fetch = fetch
+        # Where each set in use is kept for a restart (`--state-dir`).
+        self._state_dir = state_dir
+        self._writers: dict[str, LatestWriter] = {}
         self._read = read
         self._sleep = sleep
         self._clock = clock
@@ -272,7 +287,11 @@ class KeySets:
         first tokens a wait (WAIT_S at most), not every tenant's traffic the
         proxy's readiness."""
         if not self._warm and self._initial is not None:
-            self._warm = all(self._sets[u].tried for u in self._initial if u in self._tasks)
+            self._warm = all(
+                self._sets[u].tried or self._sets[u].keys is not None
+                for u in self._initial
+                if u in self._tasks
+            )
         return self._warm
 
     def __iter__(self) -> Iterator[RemoteKeys]:
@@ -286,10 +305,21 @@ class KeySets:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+        for writer in self._writers.values():
+            await writer.flush()
         if self._on_close is not None:
             await self._on_close()
 
+    def saved_path(self, url: str) -> Path | None:
+        """Where the set of `url` in use is kept for a restart (None without
+        a state directory): a name of its URL's hash, as URLs hold slashes."""
+        if self._state_dir is None:
+            return None
+        return self._state_dir / "jwks" / (hashlib.sha256(url.encode()).hexdigest()[:32] + ".json")
+
     async def _run(self, keys: RemoteKeys) -> None:
+        if keys.keys is None:
+            await self._load_saved(keys)
         while True:
             # Cleared before the fetch: a refetch asked for while it runs
             # wakes the sleep after it at once.
@@ -319,6 +349,48 @@ class KeySets:
             keys._end()  # even cancelled (its URL dropped), none waits in vain
         return delay
 
+    async def _load_saved(self, keys: RemoteKeys) -> None:
+        """Take the set an earlier run kept, to serve until a fetch answers: a
+        proxy restarted while its identity provider is down keeps verifying
+        tokens (trial 26: every JWT of the tenant was a 503, the proxy ready)."""
+        path = self.saved_path(keys.url)
+        if path is None:
+            return
+        try:
+            body, mtime = await asyncio.to_thread(_read_with_mtime, path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("JWKS URL %s: cannot read its saved set %s: %s", keys.url, path, exc)
+            return
+        try:
+            read = self._read(body, keys.url)
+        except ValueError as exc:
+            log.warning("JWKS URL %s: ignoring its saved set %s: %s", keys.url, path, exc)
+            return
+        if keys.keys is not None:  # a fetch came first
+            return
+        keys.keys, keys.skipped_kids = read.keys, frozenset(read.skipped_kids)
+        keys.fetched_at = mtime
+        keys.generation += 1
+        log.info(
+            "JWKS URL %s: %s (%s) as an earlier run fetched it, until the URL answers",
+            keys.url,
+            _count(read.keys),
+            _kids(read.keys),
+        )
+
+    def _save(self, url: str, body: bytes) -> None:
+        path = self.saved_path(url)
+        if path is None:
+            return
+        writer = self._writers.get(url)
+        if writer is None:
+            writer = self._writers[url] = LatestWriter(
+                path, lambda exc: log.error("cannot save the key set of %s: %s", url, exc)
+            )
+        writer.save(body)
+
     def _took(self, keys: RemoteKeys, fetched: Fetched, read: ReadSet) -> float:
         if keys.failures:
             log.info("JWKS URL %s: fetched again after %d failures", keys.url, keys.failures)
@@ -326,7 +398,12 @@ class KeySets:
         keys.fetched_at = self._clock()
         old = keys.keys
         new = read.keys
-        if old is None or [k.thumb for k in old] != [k.thumb for k in new]:
+        skipped = frozenset(read.skipped_kids)
+        if (
+            old is None
+            or [k.thumb for k in old] != [k.thumb for k in new]
+            or skipped != keys.skipped_kids
+        ):
             log.info(
                 "JWKS URL %s: %s (%s)%s%s",
                 keys.url,
@@ -335,17 +412,20 @@ class KeySets:
                 "" if old is None else f"; were {_count(old)} ({_kids(old)})",
                 f"; skipped {len(read.skipped)}: {'; '.join(read.skipped)}" if read.skipped else "",
             )
-            keys.keys = new
+            keys.keys, keys.skipped_kids = new, skipped
             keys.generation += 1
             if old is not None and {k.thumb for k in old} - {k.thumb for k in new}:
                 self.changes += 1
+            self._save(keys.url, fetched.body)
         return refresh_after(fetched.cache_control)
 
     def _failed(self, keys: RemoteKeys, why: str) -> float:
+        # The first failure of a run, and each that fails for another reason.
+        told = keys.failures == 0 or why != keys.error
         keys.error = why
         keys.failures += 1
         keys.errors_total += 1
-        if keys.failures == 1:
+        if told:
             log.warning(
                 "JWKS URL %s: %s; %s",
                 keys.url,
@@ -355,6 +435,10 @@ class KeySets:
                 else f"keeping the {_count(keys.keys)} fetched before",
             )
         return retry_after(keys.failures, have_set=keys.keys is not None)
+
+
+def _read_with_mtime(path: Path) -> tuple[bytes, float]:
+    return path.read_bytes(), path.stat().st_mtime
 
 
 def _count(keys: tuple[Any, ...]) -> str:

@@ -86,7 +86,16 @@ def auth_unavailable(exc: AuthUnavailable) -> ApiError:
     """503 for a JWT of a tenant whose JWT config this proxy could not load.
     Marked logged: the cause is logged once, when the table is applied
     (dataplane.sync.holder), not once per request."""
-    return ApiError(503, exc.message, type="server_error", code=exc.code, logged=True)
+    return ApiError(
+        503,
+        exc.message,
+        type="server_error",
+        code=exc.code,
+        logged=True,
+        # As the message says, the client may retry: keys being fetched come
+        # within seconds (a config to fix, later).
+        headers={"retry-after": "5"},
+    )
 
 
 def several_authorizations(count: int) -> ApiError:

@@ -109,7 +109,9 @@ class Proxy:
             defaults = replace(defaults, max_entry_bytes=settings.cache_max_bytes)
         # The JWKS URLs of tenants' issuers, fetched while a table names them.
         jwks_fetch = HttpFetch(settings.upstream.origin_ssl, "ponto-proxy")
-        self.key_sets = key_sets = KeySets(jwks_fetch, read_remote_jwks, on_close=jwks_fetch.close)
+        self.key_sets = key_sets = KeySets(
+            jwks_fetch, read_remote_jwks, on_close=jwks_fetch.close, state_dir=settings.state_dir
+        )
         self.holder = holder = TableHolder(
             settings.region, settings.state_dir, defaults, key_sets=key_sets
         )

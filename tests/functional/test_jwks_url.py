@@ -200,6 +200,7 @@ async def test_without_a_set_the_issuers_tokens_are_a_503_and_reach_no_origin(
     answer = await world.stack.post(chat("x"), key=token(KEY_A, "a"))
     assert answer.status == 503
     assert error_of(await answer.json())["code"] == "auth_unavailable"
+    assert answer.headers["retry-after"] == "5"  # as its message says: retry later
     assert world.stack.origin_requests() == 0
     metrics = (await (await world.stack.client.get("/metrics")).read()).decode()
     assert 'ponto_jwt_config_unavailable{tenant="acme"} 1.0' in metrics

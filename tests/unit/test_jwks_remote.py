@@ -12,6 +12,8 @@ import asyncio
 import base64
 import json
 import logging
+import warnings
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -118,6 +120,15 @@ def clock() -> Clock:
 @pytest.fixture
 def sleeps() -> Sleeps:
     return Sleeps()
+
+
+async def until(condition: Any) -> None:
+    """Until `condition()` holds: for a step in a thread (a saved set's read)."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in 5 s")
 
 
 async def settle() -> None:
@@ -415,6 +426,108 @@ async def test_a_wait_on_a_set_dropped_meanwhile_ends_at_once(sleeps: Sleeps, cl
     await sets.close()
 
 
+async def test_the_set_in_use_is_kept_for_a_restart_while_the_provider_is_down(
+    sleeps: Sleeps, clock: Clock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 26: a proxy restarted during the provider's outage had no set:
+    every token of the tenant was a 503, and the proxy said it was ready."""
+    first = KeySets(
+        Origin(Fetched(jwks(public_jwk(RSA_A, "a")))),
+        read_remote_jwks,
+        sleep=sleeps,
+        clock=clock,
+        state_dir=tmp_path,
+    )
+    first.track({URL})
+    await settle()
+    await first.close()  # flushes the saved set
+    saved = first.saved_path(URL)
+    assert saved is not None and saved.parent == tmp_path / "jwks" and saved.exists()
+
+    caplog.set_level(logging.INFO, logger="dataplane.auth.remote")
+    again = KeySets(
+        Origin(JwksFetchError("no answer within 10 s")),
+        read_remote_jwks,
+        sleep=Sleeps(),
+        clock=clock,
+        state_dir=tmp_path,
+    )
+    auth = authenticator(again)
+    again.track(auth.jwks_urls)
+    keys = again.keys(URL)
+    await until(lambda: keys.tried)
+    assert again.ready and keys.error == "no answer within 10 s"
+    assert keys.fetched_at == saved.stat().st_mtime  # its age is the saved set's
+    assert await authenticate(auth, token(RSA_A, "a")) == "jwt:acme:user-1"
+    assert auth.problems == {}
+    assert f"JWKS URL {URL}: 1 key (a) as an earlier run fetched it, until the URL answers" in [
+        r.getMessage() for r in caplog.records
+    ]
+    await again.close()
+
+
+async def test_a_saved_set_that_is_no_set_is_ignored_and_said(
+    sleeps: Sleeps, clock: Clock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sets = KeySets(
+        Origin(JwksFetchError("answered HTTP 503")),
+        read_remote_jwks,
+        sleep=sleeps,
+        clock=clock,
+        state_dir=tmp_path,
+    )
+    saved = sets.saved_path(URL)
+    assert saved is not None
+    saved.parent.mkdir()
+    saved.write_bytes(b"<html>")
+    sets.track({URL})
+    await until(lambda: sets.keys(URL).tried)
+    assert sets.keys(URL).keys is None
+    assert any("ignoring its saved set" in r.getMessage() for r in caplog.records)
+    await sets.close()
+
+
+async def test_each_new_cause_of_a_run_of_failures_is_logged_once(
+    sleeps: Sleeps, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 26: only the run's first cause was logged; the next one was in
+    a counter alone."""
+    junk, big = JwksFetchError("not JSON"), JwksFetchError("answered more than 1024 KB")
+    origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))), junk, junk, big, big)
+    caplog.set_level(logging.WARNING, logger="dataplane.auth.remote")
+    sets = key_sets(origin, sleeps, clock)
+    sets.track({URL})
+    await settle()
+    for _ in range(4):
+        sleeps.release()
+        await settle()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"JWKS URL {URL}: not JSON; keeping the 1 key fetched before",
+        f"JWKS URL {URL}: answered more than 1024 KB; keeping the 1 key fetched before",
+    ]
+    await sets.close()
+
+
+async def test_a_token_whose_kid_names_a_skipped_key_is_told_so(
+    sleeps: Sleeps, clock: Clock
+) -> None:
+    """Trial 26: a key published but not usable (RSA-1024) read as "unknown
+    'kid'", and whoever ran the provider looked for a missing key."""
+    small = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    sets = key_sets(
+        Origin(Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(small, "small")))), sleeps, clock
+    )
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    with warnings.catch_warnings():  # PyJWT warns of the short key it signs with
+        warnings.simplefilter("ignore")
+        signed = token(small, "small")
+    with pytest.raises(AuthError, match="its 'kid' names a key this proxy cannot use"):
+        await authenticate(auth, signed)
+    await sets.close()
+
+
 # ---------------------------------------------------------------- verifying
 
 
@@ -553,7 +666,7 @@ async def test_without_a_set_a_token_fetches_again_after_the_cooldown_and_is_ser
     next try (up to 5 minutes); now a token asks for a fetch, once a cooldown
     has passed since the last, and retries come at most 30 s apart."""
     down = JwksFetchError("answered HTTP 503")
-    origin = Origin(down, down, down, down, Fetched(jwks(public_jwk(RSA_A, "a"))))
+    origin = Origin(down, down, down, down, down, Fetched(jwks(public_jwk(RSA_A, "a"))))
     sets = key_sets(origin, sleeps, clock)
     auth = authenticator(sets)
     sets.track(auth.jwks_urls)
@@ -562,11 +675,15 @@ async def test_without_a_set_a_token_fetches_again_after_the_cooldown_and_is_ser
         sleeps.release()
         await settle()
     assert sleeps.delays == [5.0, 10.0, 20.0, remote.MAX_RETRY_WITHOUT_SET_S]
-    with pytest.raises(AuthUnavailable):  # within the cooldown of the last try
-        await authenticate(auth, token(RSA_A, "a"), clock.now)
+    # The routine retries do not hold a token back: it asks for a fetch (5th,
+    # still down), and the next tokens within the cooldown ask for none.
+    for _ in range(2):
+        with pytest.raises(AuthUnavailable):
+            await authenticate(auth, token(RSA_A, "a"), clock.now)
+    assert origin.fetches == 5
     clock.now += remote.REFETCH_COOLDOWN_S
     assert await authenticate(auth, token(RSA_A, "a"), clock.now) == "jwt:acme:user-1"
-    assert origin.fetches == 5
+    assert origin.fetches == 6
     await sets.close()
 
 
