@@ -228,7 +228,7 @@ async def test_a_url_a_later_table_names_costs_its_tokens_a_wait_not_readiness(
     assert answer.status == 200
 
 
-async def test_a_proxy_started_on_a_saved_table_is_ready_once_its_first_fetch_ended(
+async def test_a_proxy_on_a_saved_table_is_ready_after_a_fetch_or_with_the_kept_set(
     tmp_path: Path,
 ) -> None:
     provider = Provider(keys=[public_jwk(KEY_A, "a")], gate=asyncio.Event())
@@ -260,8 +260,25 @@ async def test_a_proxy_started_on_a_saved_table_is_ready_once_its_first_fetch_en
         assert answer.status == 200, await answer.text()
     finally:
         await client.close()
-        await origin.close()
         await idp.close()
+
+    # Restarted while the provider is down: the set the first run kept serves,
+    # and the proxy is ready at once (trial 26: every token was a 503).
+    again = TestServer(build_app(settings))
+    await again.start_server()
+    client = TestClient(again)
+    try:
+        await until(lambda: again.app[HOLDER].key_sets_ready)
+        assert (await client.get("/readyz")).status == 200
+        answer = await client.post(
+            "/v1/chat/completions",
+            json=chat("y"),
+            headers={"authorization": f"Bearer {token(KEY_A, 'a')}"},
+        )
+        assert answer.status == 200, await answer.text()
+    finally:
+        await client.close()
+        await origin.close()
 
 
 # ---------------------------------------------------------------- the fetch
