@@ -9,10 +9,12 @@ proxy (`jwks_file`) cannot follow that without an operator; a URL can.
 One `KeySets` per proxy worker holds a `RemoteKeys` for each URL the served
 table names, and runs one task per URL that fetches it:
 
-- at once when a table first names it. The proxy is not ready (/readyz) until
-  the first fetch of each URL of the first table it applies has ended, well or
-  not; a URL a later table adds costs its issuer's first tokens a wait, not
-  the proxy's readiness;
+- at once when a table first names it. With a state directory, the set an
+  earlier run kept there serves until then (an identity provider down while
+  proxies restart costs nothing). The proxy is not ready (/readyz) until each
+  URL of the first table it applies has a kept set or its first fetch has
+  ended, well or not; a URL a later table adds costs its issuer's first
+  tokens a wait, not the proxy's readiness;
 - again after the answer's `Cache-Control: max-age`, kept within
   MIN_REFRESH_S..MAX_REFRESH_S (REFRESH_S without one);
 - after a failure, again in RETRY_S, doubling up to MAX_RETRY_S while a set
@@ -20,18 +22,19 @@ table names, and runs one task per URL that fetches it:
   costs nothing but fresh keys), up to MAX_RETRY_WITHOUT_SET_S while there is
   none;
 - sooner when a token needs it (`RemoteKeys.refetch`): a `kid` the set lacks,
-  or no set at all. At most one such fetch starts in REFETCH_COOLDOWN_S, so a
-  stream of made-up `kid`s costs one fetch per cooldown; every token that
-  comes while it runs waits for it, at most WAIT_S (`KeysPending`), so a key
-  published moments ago works on its first tokens.
+  or no set at all. At most one fetch tokens ask for starts in
+  REFETCH_COOLDOWN_S (the routine ones do not count), so a stream of made-up
+  `kid`s costs one fetch per cooldown; every token that comes while it runs
+  waits for it, at most WAIT_S (`KeysPending`), so a key published moments
+  ago works on its first tokens.
 
 A fetched set's keys Ponto cannot use (an unknown type, too short) and its
 shared secrets (`oct`: a URL anyone can read keeps no secret) are left out,
 and said; a document that is no JWKS, holds private key material, names a
 `kid` twice, holds more than MAX_REMOTE_KEYS keys or no usable one counts as
 a failed fetch (the last good set stays). Each change of the keys is logged
-once with their `kid`s; the first failure of a run of them is logged once,
-and the recovery. A key removed from the set drops the tokens verified
+once with their `kid`s and what was left out; each cause of a run of
+failures once, and the recovery. A key removed from the set drops the tokens verified
 before (`KeySets.changes`); a set that changed only in its writing (member
 order, spacing) is the same set.
 
@@ -282,10 +285,10 @@ class KeySets:
 
     @property
     def ready(self) -> bool:
-        """The first fetch of each URL the first table named has ended (well
-        or not), or did once: a URL a later table adds costs its issuer's
-        first tokens a wait (WAIT_S at most), not every tenant's traffic the
-        proxy's readiness."""
+        """Each URL the first table named has a set kept from an earlier run
+        or its first fetch has ended (well or not), or did once: a URL a later
+        table adds costs its issuer's first tokens a wait (WAIT_S at most),
+        not every tenant's traffic the proxy's readiness."""
         if not self._warm and self._initial is not None:
             self._warm = all(
                 self._sets[u].tried or self._sets[u].keys is not None
