@@ -439,7 +439,8 @@ async def test_the_set_in_use_is_kept_for_a_restart_while_the_provider_is_down(
         state_dir=tmp_path,
     )
     first.track({URL})
-    await settle()
+    # Its first fetch comes after a look for a kept set, in a thread.
+    await until(lambda: first.keys(URL).tried)
     await first.close()  # flushes the saved set
     saved = first.saved_path(URL)
     assert saved is not None and saved.parent == tmp_path / "jwks" and saved.exists()
