@@ -755,15 +755,14 @@ class _JwtVerifier:
             # or no set yet: a fetch to wait for (remote.refetch), then one
             # more try; without one, no set is a 503, a set without the key
             # the token's 401.
-            kid = header.get("kid")
-            if kid in remote.skipped_kids:
-                # Published, but not a key Ponto can use (its log says why).
-                raise _bad_token("its 'kid' names a key this proxy cannot use") from None
             wait = remote.refetch(now)
             if wait is not None:
                 raise KeysPending(wait, self.config.tenant) from None
             if remote.keys is None:
                 raise AuthUnavailable(self.config.tenant) from None
+            if header.get("kid") in remote.skipped_kids:
+                # Published, but not a key Ponto can use (its log says why).
+                raise _bad_token("its 'kid' names a key this proxy cannot use") from None
             raise
         try:
             claims = jwt.decode(
@@ -930,6 +929,8 @@ def read_jwks(raw: bytes, where: str, *, fetched: bool = False) -> ReadSet:
     except (ValueError, UnicodeDecodeError) as e:
         # JSONDecodeError's message gives a position, never content.
         raise AuthConfigError(f"{where}: not JSON ({e})") from None
+    except RecursionError:
+        raise AuthConfigError(f"{where}: not JSON (nested too deeply)") from None
     keys = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(keys, list):
         raise AuthConfigError(f'{where}: expected an object with a "keys" list')
@@ -957,8 +958,10 @@ def read_jwks(raw: bytes, where: str, *, fetched: bool = False) -> ReadSet:
         if jwk_data.get("kty") != "oct" and "d" in jwk_data:
             raise AuthConfigError(f"{label}: holds private key material; publish public keys only")
         declared = jwk_data.get("alg")
-        if declared is not None and declared not in SUPPORTED_JWT_ALGORITHMS:
-            continue
+        if declared is not None and (
+            not isinstance(declared, str) or declared not in SUPPORTED_JWT_ALGORITHMS
+        ):
+            continue  # not an algorithm Ponto verifies (review 44: a list raised)
         if fetched and jwk_data.get("kty") == "oct":
             skipped.append(f"{shown}: a shared secret, which a URL cannot keep")
             if kid is not None:

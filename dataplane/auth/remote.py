@@ -72,6 +72,12 @@ MAX_RETRY_S = 300.0
 # stay closer together.
 MAX_RETRY_WITHOUT_SET_S = 30.0
 REFETCH_COOLDOWN_S = 30.0
+# A set kept by an earlier run is not taken when its last good fetch is older:
+# a key the provider removed meanwhile (a compromised one) must not verify
+# again at a restart while the provider is unreachable.
+MAX_SAVED_AGE_S = 86_400.0
+# A kept file larger than a fetch may bring is not read.
+_MAX_SAVED_BYTES = 1 << 20
 # How long a request waits for a fetch its token started (or the first one).
 WAIT_S = 3.0
 
@@ -276,6 +282,7 @@ class KeySets:
                 task = self._tasks.pop(url, None)
                 if task is not None:
                     task.cancel()
+                self._forget_saved(url)
         for url in urls:
             if url not in self._tasks:
                 keys = self.keys(url)
@@ -366,9 +373,20 @@ class KeySets:
         except OSError as exc:
             log.warning("JWKS URL %s: cannot read its saved set %s: %s", keys.url, path, exc)
             return
+        age = self._clock() - mtime
+        if age > MAX_SAVED_AGE_S:
+            log.info(
+                "JWKS URL %s: not taking its saved set %s, fetched %.0f h ago",
+                keys.url,
+                path,
+                age / 3600,
+            )
+            return
         try:
+            if len(body) > _MAX_SAVED_BYTES:
+                raise ValueError(f"over {_MAX_SAVED_BYTES >> 10} KB")
             read = self._read(body, keys.url)
-        except ValueError as exc:
+        except Exception as exc:  # any damage: the fetch below is the source of truth
             log.warning("JWKS URL %s: ignoring its saved set %s: %s", keys.url, path, exc)
             return
         if keys.keys is not None:  # a fetch came first
@@ -382,6 +400,13 @@ class KeySets:
             _count(read.keys),
             _kids(read.keys),
         )
+
+    def _forget_saved(self, url: str) -> None:
+        """Remove the kept set of a URL no table names (off the loop)."""
+        self._writers.pop(url, None)
+        path = self.saved_path(url)
+        if path is not None:
+            asyncio.get_running_loop().run_in_executor(None, _unlink, path)
 
     def _save(self, url: str, body: bytes) -> None:
         path = self.saved_path(url)
@@ -419,7 +444,9 @@ class KeySets:
             keys.generation += 1
             if old is not None and {k.thumb for k in old} - {k.thumb for k in new}:
                 self.changes += 1
-            self._save(keys.url, fetched.body)
+        # Saved at every good fetch, changed or not: its file's time is the
+        # set's age at a restart (ponto_jwks_age_seconds, MAX_SAVED_AGE_S).
+        self._save(keys.url, fetched.body)
         return refresh_after(fetched.cache_control)
 
     def _failed(self, keys: RemoteKeys, why: str) -> float:
@@ -438,6 +465,11 @@ class KeySets:
                 else f"keeping the {_count(keys.keys)} fetched before",
             )
         return retry_after(keys.failures, have_set=keys.keys is not None)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def _read_with_mtime(path: Path) -> tuple[bytes, float]:

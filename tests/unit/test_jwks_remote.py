@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -444,6 +445,7 @@ async def test_the_set_in_use_is_kept_for_a_restart_while_the_provider_is_down(
     await first.close()  # flushes the saved set
     saved = first.saved_path(URL)
     assert saved is not None and saved.parent == tmp_path / "jwks" and saved.exists()
+    os.utime(saved, (NOW - 60, NOW - 60))  # fetched a minute before, by the test's clock
 
     caplog.set_level(logging.INFO, logger="dataplane.auth.remote")
     again = KeySets(
@@ -481,10 +483,69 @@ async def test_a_saved_set_that_is_no_set_is_ignored_and_said(
     assert saved is not None
     saved.parent.mkdir()
     saved.write_bytes(b"<html>")
+    os.utime(saved, (NOW, NOW))
     sets.track({URL})
     await until(lambda: sets.keys(URL).tried)
     assert sets.keys(URL).keys is None
     assert any("ignoring its saved set" in r.getMessage() for r in caplog.records)
+    await sets.close()
+
+
+async def test_a_kept_set_too_old_is_not_taken_and_a_dropped_urls_is_removed(
+    sleeps: Sleeps, clock: Clock, tmp_path: Path
+) -> None:
+    """Review 44: a set kept weeks ago would verify a key the provider removed
+    since (a compromised one) at a restart while the provider is unreachable;
+    a URL no table names kept its file for good."""
+    kept = KeySets(Origin(JwksFetchError("down")), read_remote_jwks, state_dir=tmp_path)
+    saved = kept.saved_path(URL)
+    assert saved is not None
+    saved.parent.mkdir()
+    saved.write_bytes(jwks(public_jwk(RSA_A, "a")))
+    day_and_more = NOW - remote.MAX_SAVED_AGE_S - 60
+    os.utime(saved, (day_and_more, day_and_more))
+    sets = KeySets(
+        Origin(JwksFetchError("down")), read_remote_jwks, sleep=sleeps, clock=clock,
+        state_dir=tmp_path,
+    )  # fmt: skip
+    sets.track({URL})
+    await until(lambda: sets.keys(URL).tried)
+    assert sets.keys(URL).keys is None
+    sets.track(set())
+    await until(lambda: not saved.exists())
+    await sets.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000,  # nested past the parser's recursion
+        jwks({"kty": "RSA", "kid": "x", "alg": []}),  # an alg that is no string
+    ],
+    ids=["deep", "alg-list"],
+)
+async def test_a_kept_or_fetched_set_of_odd_shape_is_handled_not_a_crash(
+    sleeps: Sleeps, clock: Clock, tmp_path: Path, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 44: such a kept file ended the URL's task before its first
+    fetch (TypeError, RecursionError): never fetched, never ready."""
+    sets = KeySets(
+        Origin(Fetched(body), Fetched(jwks(public_jwk(RSA_A, "a")))),
+        read_remote_jwks, sleep=sleeps, clock=clock, state_dir=tmp_path,
+    )  # fmt: skip
+    saved = sets.saved_path(URL)
+    assert saved is not None
+    saved.parent.mkdir()
+    saved.write_bytes(body)
+    os.utime(saved, (NOW, NOW))
+    sets.track({URL})
+    keys = sets.keys(URL)
+    await until(lambda: keys.tried)
+    assert keys.keys is None and keys.error.startswith("unusable key set: ")
+    assert sets.ready
+    sleeps.release()
+    await until(lambda: keys.keys is not None)
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback logged
     await sets.close()
 
 
