@@ -93,7 +93,21 @@ def test_the_tenants_jwts_are_a_503_and_everything_else_works() -> None:
     assert authenticate(policy, f"Bearer {ACME_KEY.key}").tenant == "acme"
 
 
-@pytest.mark.parametrize("content", [None, b"not json", b'{"keys": "nope"}', b'{"keys": []}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,
+        b"not json",
+        b'{"keys": "nope"}',
+        b'{"keys": []}',
+        # Review 44: an alg that is no string raised TypeError out of the
+        # table's compilation (the whole table refused), and deep nesting
+        # RecursionError.
+        b'{"keys": [{"kty": "RSA", "kid": "x", "alg": []}]}',
+        b"[" * 100_000,
+    ],
+    ids=["missing", "not-json", "keys-not-list", "no-keys", "alg-list", "deep"],
+)
 def test_any_broken_jwks_file_is_the_tenants_problem(tmp_path: Path, content: bytes | None) -> None:
     path = tmp_path / "jwks.json"
     if content is not None:
