@@ -214,29 +214,19 @@ def _fields(
     [3] extensions OPTIONAL } ... }. ValueError when the bytes are not that shape."""
     at, end = 0, len(der)
     for what in ("Certificate", "tbsCertificate"):
-        tag, at, end = _tlv(der, at, end)
-        if tag != _SEQUENCE:
-            raise ValueError(f"no {what}")
+        at, end = _expect(der, at, end, _SEQUENCE, what)
     tag, _, next_at = _tlv(der, at, end)
     if tag == _VERSION:
         at = next_at
     for _field in ("serialNumber", "signature", "issuer"):
         _, _, at = _tlv(der, at, end)
-    tag, at, validity_end = _tlv(der, at, end)
-    if tag != _SEQUENCE:
-        raise ValueError("no validity")
+    at, validity_end = _expect(der, at, end, _SEQUENCE, "validity")
     before_tag, before_at, before_end = _tlv(der, at, validity_end)
     after_tag, after_at, after_end = _tlv(der, before_end, validity_end)
     _, _, at = _tlv(der, validity_end, end)  # subject
-    tag, spki_at, spki_end = _tlv(der, at, end)
-    if tag != _SEQUENCE:
-        raise ValueError("no subjectPublicKeyInfo")
-    tag, algorithm_at, algorithm_end = _tlv(der, spki_at, spki_end)
-    if tag != _SEQUENCE:
-        raise ValueError("no subjectPublicKeyInfo algorithm")
-    tag, oid_at, oid_end = _tlv(der, algorithm_at, algorithm_end)
-    if tag != _OID:
-        raise ValueError("no subjectPublicKeyInfo algorithm OID")
+    spki_at, spki_end = _expect(der, at, end, _SEQUENCE, "subjectPublicKeyInfo")
+    at, algorithm_end = _expect(der, spki_at, spki_end, _SEQUENCE, "key algorithm")
+    oid_at, oid_end = _expect(der, at, algorithm_end, _OID, "key algorithm OID")
     try:
         usages = _usages(der, spki_end, end)
     except ValueError:  # extensions OpenSSL took and this reading cannot follow
@@ -257,42 +247,43 @@ _EXTENDED_KEY_USAGE = bytes.fromhex("551d25")  # 2.5.29.37
 
 def _usages(der: bytes, at: int, end: int) -> frozenset[bytes] | None:
     """The extended key usages in the tbsCertificate's fields after its
-    subjectPublicKeyInfo (at..end): the OIDs of the extension's SEQUENCE, or
-    None without the extension."""
+    subjectPublicKeyInfo (at..end), or None without the extension: past the
+    unique IDs, [3] EXPLICIT Extensions ::= SEQUENCE OF Extension { OID,
+    critical BOOLEAN DEFAULT FALSE, OCTET STRING holding, for extKeyUsage,
+    a SEQUENCE OF OID }."""
     while at < end:
-        tag, content_at, content_end = _tlv(der, at, end)
-        at = content_end
-        if tag != _EXTENSIONS:
-            continue  # an issuer or subject unique ID
-        tag, at, end = _tlv(der, content_at, content_end)
-        if tag != _SEQUENCE:
-            raise ValueError("no extensions")
+        tag, content_at, at = _tlv(der, at, end)
+        if tag == _EXTENSIONS:  # else an issuer or subject unique ID
+            at, end = _expect(der, content_at, at, _SEQUENCE, "extensions")
+            break
+    else:
+        return None
+    while at < end:
+        extension_at, at = _expect(der, at, end, _SEQUENCE, "extension")
+        oid_at, oid_end = _expect(der, extension_at, at, _OID, "extension OID")
+        if der[oid_at:oid_end] != _EXTENDED_KEY_USAGE:
+            continue
+        tag, value_at, value_end = _tlv(der, oid_end, at)
+        if tag == _BOOLEAN:  # critical
+            tag, value_at, value_end = _tlv(der, value_end, at)
+        if tag != _OCTET_STRING:
+            raise ValueError("no extension value")
+        at, end = _expect(der, value_at, value_end, _SEQUENCE, "extended key usages")
+        usages = set()
         while at < end:
-            tag, extension_at, extension_end = _tlv(der, at, end)
-            at = extension_end
-            if tag != _SEQUENCE:
-                raise ValueError("no extension")
-            tag, oid_at, oid_end = _tlv(der, extension_at, extension_end)
-            if tag != _OID:
-                raise ValueError("no extension OID")
-            if der[oid_at:oid_end] != _EXTENDED_KEY_USAGE:
-                continue
-            tag, value_at, value_end = _tlv(der, oid_end, extension_end)
-            if tag == _BOOLEAN:  # critical
-                tag, value_at, value_end = _tlv(der, value_end, extension_end)
-            if tag != _OCTET_STRING:
-                raise ValueError("no extension value")
-            tag, at, end = _tlv(der, value_at, value_end)
-            if tag != _SEQUENCE:
-                raise ValueError("no extended key usages")
-            usages = set()
-            while at < end:
-                tag, oid_at, at = _tlv(der, at, end)
-                if tag != _OID:
-                    raise ValueError("an extended key usage is no OID")
-                usages.add(der[oid_at:at])
-            return frozenset(usages)
+            oid_at, at = _expect(der, at, end, _OID, "extended key usage OID")
+            usages.add(der[oid_at:at])
+        return frozenset(usages)
     return None
+
+
+def _expect(der: bytes, at: int, end: int, tag: int, what: str) -> tuple[int, int]:
+    """(where its content starts, where it ends) of the element at `at`,
+    which must have `tag`; ValueError naming `what` otherwise."""
+    found, content_at, content_end = _tlv(der, at, end)
+    if found != tag:
+        raise ValueError(f"no {what}")
+    return content_at, content_end
 
 
 def _tlv(der: bytes, at: int, end: int) -> tuple[int, int, int]:
