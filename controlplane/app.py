@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import ipaddress
 import logging
 import signal
 import socket
@@ -29,6 +28,7 @@ from controlplane.election import Leadership
 from controlplane.health import Prober
 from controlplane.loadsync import LoadHub, LoadScraper
 from controlplane.metrics import ControlMetrics
+from controlplane.model import is_loopback
 from controlplane.quotasync import QuotaHub, Rebalancer
 from controlplane.readiness import ReplicaHealth
 from controlplane.registry import ProxyRegistry
@@ -275,7 +275,7 @@ class ControlPlane:
         if (
             not security.tls_cert
             and (security.bootstrap_token or security.admin_token)
-            and not _loopback(host)
+            and not is_loopback(host)
         ):
             # As the status page's writes are off under mutual TLS for the same
             # reason: a token in plaintext is anyone's who can watch the wire.
@@ -334,15 +334,6 @@ class ControlPlane:
             await self.web_runner.cleanup()
         await self.registry.close()
         await self.store.close()
-
-
-def _loopback(host: str) -> bool:
-    """Whether `host` (a listen address) is this machine's alone: what is
-    sent to it crosses no network."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _writes_off(settings: Settings) -> str:

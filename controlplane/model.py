@@ -108,11 +108,16 @@ def redact_url(url: str) -> str:
     return _QUERY_ON.sub(r"\1***", redact_userinfo(url))
 
 
-# Hosts a JWKS may be fetched from over plain http: the proxy's own machine
-# (an identity provider's sidecar, a test). Anywhere else http would let the
-# network between them swap the keys, and with them sign any token.
-_LOOPBACK_NAMES = frozenset(("localhost", "localhost.localdomain"))
 MAX_JWKS_URL_CHARS = 2048
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, bracketed or not, or a name) is this
+    machine's alone: what is sent to it crosses no network."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def check_jwks_url(url: str, owner: str) -> None:
@@ -148,21 +153,15 @@ def check_jwks_url(url: str, owner: str) -> None:
             f"{owner}: JWKS URL {shown!r} must not carry user:password@, a query or a fragment",
             field="jwks_url",
         )
-    if parts.scheme == "http" and not _loopback(parts.hostname):
+    # Over plain http only to the proxy's own machine (an identity provider's
+    # sidecar, a test): anywhere else the network between them could swap the
+    # keys, and with them sign any token.
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
         raise InvalidArgument(
             f"{owner}: JWKS URL {shown!r} must be https: over http anyone on the path "
             "could replace the keys and sign tokens (http is taken for a loopback host only)",
             field="jwks_url",
         )
-
-
-def _loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_url(url: str) -> str:
