@@ -155,7 +155,6 @@ class RemoteKeys:
         "last_asked",
         "last_try",
         "skipped_kids",
-        "tried",
         "url",
     )
 
@@ -170,7 +169,6 @@ class RemoteKeys:
         self.generation = 0
         self.error = ""  # why the last fetch failed; "" after a good one
         self.failures = 0  # failed in a row
-        self.tried = False  # a first fetch has ended, well or not
         self.fetched_at = 0.0  # Unix time of the last good fetch
         self.last_try = -REFETCH_COOLDOWN_S  # Unix time the last fetch started
         # Unix time a token last asked for a fetch (the cooldown's start: a
@@ -183,6 +181,11 @@ class RemoteKeys:
         self._started = self._ended = self._asked = 0
         self._next_end = asyncio.Event()  # set when the fetch under way ends
         self._wake = asyncio.Event()
+
+    @property
+    def tried(self) -> bool:
+        """A first fetch has ended, well or not."""
+        return self.fetches_total > 0
 
     def refetch(self, now: float) -> Callable[[], Awaitable[None]] | None:
         """A wait for a fetch that may bring a key this set lacks (a token's
@@ -353,7 +356,6 @@ class KeySets:
                 delay = self._failed(keys, type(exc).__name__)
             else:
                 delay = self._took(keys, fetched, read)
-            keys.tried = True
             keys.fetches_total += 1
         finally:
             keys._end()  # even cancelled (its URL dropped), none waits in vain

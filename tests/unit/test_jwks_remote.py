@@ -801,7 +801,7 @@ def test_only_the_tenants_algorithms_are_used_from_the_set() -> None:
     sets = KeySets(Origin(Fetched(b"")), read_remote_jwks)
     keys = sets.keys(URL)
     keys.keys = read_remote_jwks(jwks(public_jwk(EC_C, "c")), URL).keys
-    keys.generation, keys.tried = 1, True
+    keys.generation, keys.fetches_total = 1, 1
     auth = authenticator(sets, algorithms=("RS256",))
     with pytest.raises(AuthError, match="algorithm not accepted"):
         auth.authenticate(f"Bearer {token(EC_C, 'c', alg='ES256')}", NOW)
