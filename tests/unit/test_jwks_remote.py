@@ -142,6 +142,16 @@ def key_sets(origin: Origin, sleeps: Sleeps, clock: Clock) -> KeySets:
     return KeySets(origin, read_remote_jwks, sleep=sleeps, clock=clock)
 
 
+async def tracked(origin: Origin, sleeps: Sleeps, clock: Clock) -> tuple[KeySets, Authenticator]:
+    """Key sets of `origin` and tenant acme's authenticator, once the set was
+    fetched (or failed)."""
+    sets = key_sets(origin, sleeps, clock)
+    auth = authenticator(sets)
+    sets.track(auth.jwks_urls)
+    await settle()
+    return sets, auth
+
+
 def authenticator(sets: KeySets, **config: Any) -> Authenticator:
     environ = config.pop("environ", {})
     jwt_config = JwtConfig(
@@ -594,10 +604,7 @@ async def test_a_token_whose_kid_names_a_skipped_key_is_told_so(
 
 
 async def test_a_token_is_verified_with_the_fetched_key(sleeps: Sleeps, clock: Clock) -> None:
-    sets = key_sets(Origin(Fetched(jwks(public_jwk(RSA_A, "a")))), sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(Origin(Fetched(jwks(public_jwk(RSA_A, "a")))), sleeps, clock)
     assert await authenticate(auth, token(RSA_A, "a")) == "jwt:acme:user-1"
     # A token without a kid: the set's one RS256 key.
     assert await authenticate(auth, token(RSA_A, None, "user-2")) == "jwt:acme:user-2"
@@ -612,10 +619,7 @@ async def test_a_token_that_comes_during_the_first_fetch_waits_for_it(
 ) -> None:
     origin = Origin(Fetched(jwks(public_jwk(RSA_A, "a"))))
     origin.gate = asyncio.Event()
-    sets = key_sets(origin, sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(origin, sleeps, clock)
     with pytest.raises(KeysPending) as pending:
         auth.authenticate(f"Bearer {token(RSA_A, 'a')}", NOW)
     waiting = asyncio.ensure_future(pending.value.wait())
@@ -630,10 +634,7 @@ async def test_a_token_that_comes_during_the_first_fetch_waits_for_it(
 async def test_without_a_set_its_issuers_tokens_are_unavailable_and_a_problem(
     sleeps: Sleeps, clock: Clock
 ) -> None:
-    sets = key_sets(Origin(JwksFetchError("no answer within 10 s")), sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(Origin(JwksFetchError("no answer within 10 s")), sleeps, clock)
     with pytest.raises(AuthUnavailable) as unavailable:
         await authenticate(auth, token(RSA_A, "a"))
     assert unavailable.value.tenant == "acme"
@@ -652,10 +653,7 @@ async def test_a_new_kid_is_fetched_at_once_then_not_again_within_the_cooldown(
     before = Fetched(jwks(public_jwk(RSA_A, "a")))
     after = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
     origin = Origin(before, after)
-    sets = key_sets(origin, sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(origin, sleeps, clock)
     clock.now += remote.REFETCH_COOLDOWN_S
     assert await authenticate(auth, token(RSA_B, "b"), clock.now) == "jwt:acme:user-1"
     assert origin.fetches == 2
@@ -679,10 +677,7 @@ async def test_a_new_kid_during_a_refresh_waits_for_the_fetch_after_it(
     before = Fetched(jwks(public_jwk(RSA_A, "a")))
     after = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
     origin = Origin(before, before, after)
-    sets = key_sets(origin, sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(origin, sleeps, clock)
     origin.gate = asyncio.Event()
     sleeps.release()  # the refresh starts, and is held at the provider
     await settle()
@@ -704,10 +699,7 @@ async def test_a_burst_of_tokens_with_a_new_kid_all_wait_for_one_fetch(
     before = Fetched(jwks(public_jwk(RSA_A, "a")))
     after = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
     origin = Origin(before, after)
-    sets = key_sets(origin, sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(origin, sleeps, clock)
     origin.gate = asyncio.Event()  # the fetch the first token asks for takes a while
     clock.now += remote.REFETCH_COOLDOWN_S
     burst = [
@@ -729,10 +721,7 @@ async def test_without_a_set_a_token_fetches_again_after_the_cooldown_and_is_ser
     has passed since the last, and retries come at most 30 s apart."""
     down = JwksFetchError("answered HTTP 503")
     origin = Origin(down, down, down, down, down, Fetched(jwks(public_jwk(RSA_A, "a"))))
-    sets = key_sets(origin, sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(origin, sleeps, clock)
     for _ in range(3):
         sleeps.release()
         await settle()
@@ -767,10 +756,7 @@ async def test_a_key_removed_from_the_set_stops_verifying_tokens_verified_before
 ) -> None:
     both = Fetched(jwks(public_jwk(RSA_A, "a"), public_jwk(RSA_B, "b")))
     only_b = Fetched(jwks(public_jwk(RSA_B, "b")))
-    sets = key_sets(Origin(both, only_b), sleeps, clock)
-    auth = authenticator(sets)
-    sets.track(auth.jwks_urls)
-    await settle()
+    sets, auth = await tracked(Origin(both, only_b), sleeps, clock)
     leaked = token(RSA_A, "a")
     assert await authenticate(auth, leaked) == "jwt:acme:user-1"  # now cached
     sleeps.release()  # the refresh brings the set without "a"
