@@ -228,6 +228,15 @@ async def test_a_url_a_later_table_names_costs_its_tokens_a_wait_not_readiness(
     assert answer.status == 200
 
 
+async def ask_with_key_a(client: TestClient[web.Request, web.Application], text: str) -> Any:
+    """A chat request with a token of the provider's key "a"."""
+    return await client.post(
+        "/v1/chat/completions",
+        json=chat(text),
+        headers={"authorization": f"Bearer {token(KEY_A, 'a')}"},
+    )
+
+
 async def test_a_proxy_on_a_saved_table_is_ready_after_a_fetch_or_with_the_kept_set(
     tmp_path: Path,
 ) -> None:
@@ -252,11 +261,7 @@ async def test_a_proxy_on_a_saved_table_is_ready_after_a_fetch_or_with_the_kept_
         provider.gate.set()  # type: ignore[union-attr]
         await until(lambda: proxy.app[HOLDER].key_sets_ready)
         assert (await client.get("/readyz")).status == 200
-        answer = await client.post(
-            "/v1/chat/completions",
-            json=chat("x"),
-            headers={"authorization": f"Bearer {token(KEY_A, 'a')}"},
-        )
+        answer = await ask_with_key_a(client, "x")
         assert answer.status == 200, await answer.text()
     finally:
         await client.close()
@@ -270,11 +275,7 @@ async def test_a_proxy_on_a_saved_table_is_ready_after_a_fetch_or_with_the_kept_
     try:
         await until(lambda: again.app[HOLDER].key_sets_ready)
         assert (await client.get("/readyz")).status == 200
-        answer = await client.post(
-            "/v1/chat/completions",
-            json=chat("y"),
-            headers={"authorization": f"Bearer {token(KEY_A, 'a')}"},
-        )
+        answer = await ask_with_key_a(client, "y")
         assert answer.status == 200, await answer.text()
     finally:
         await client.close()
