@@ -784,7 +784,7 @@ class Catalog:
         warnings: dict[str, list[str]] | None = None,
     ) -> None:
         """Write a replica's ACK summary with the version it serves now, and
-        the warnings of the proxies whose last ACK had some (name -> warnings;
+        the warnings of the proxies that last reported some (name -> warnings;
         a key of their own in the summary, which a replica from before them
         ignores). Each distinct warning is written once, however many proxies
         report it (a table's problem is every proxy's), and at most
@@ -878,7 +878,7 @@ class Catalog:
 
 
 # A proxy's ACK as its replica's summary holds it: acked version, last NACK's
-# error, the warnings of its last ACK.
+# error, the warnings it last reported (with an ACK or a report).
 _Ack = tuple[int, str, tuple[str, ...]]
 
 

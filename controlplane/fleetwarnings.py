@@ -25,8 +25,8 @@ MAX_NAMED_PROXIES = 5
 
 def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
     """One warning per NACK reason (the proxies whose last answer refused the
-    table, named), then one per ACK warning (what proxies reported they cannot
-    use of the table they serve), then one per name two processes register
+    table, named), then one per proxy warning (what proxies last reported they
+    cannot use of the table they serve), then one per name two processes register
     (ProxyRecord.conflict); () when every proxy took the table whole."""
     refused: dict[str, list[str]] = {}
     reported: dict[str, list[str]] = {}
@@ -66,7 +66,7 @@ def conflict_warning(p: ProxyRecord) -> str:
 
 
 def proxy_warnings(p: ProxyRecord) -> tuple[str, ...]:
-    """A proxy's own warnings as listed with it: what its last ACK reported,
+    """A proxy's own warnings as listed with it: what it last reported (ACK or report),
     and a conflict of its name."""
     return (conflict_warning(p), *p.warnings) if p.conflict else p.warnings
 

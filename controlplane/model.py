@@ -353,8 +353,9 @@ class ProxyRecord:
     host: str = ""
     acked_version: int = 0
     last_error: str = ""
-    # What its last ACK said it cannot use of the table it applied (a tenant
-    # whose JWT config it could not load), each a sentence for operators.
+    # What it last said, with an ACK or a report, it cannot use of the table
+    # it serves (a tenant whose JWT config it could not load), each a sentence
+    # for operators.
     warnings: tuple[str, ...] = ()
     # The latest version of its replica (from that replica's ACK summary).
     replica_version: int = 0

@@ -407,6 +407,16 @@ class ProxyRegistry:
         self.sessions[session_id] = record
         self._acks_dirty = True
 
+    def warned(self, session_id: str, warnings: tuple[str, ...]) -> None:
+        """Record what a proxy reported it cannot use of the table it serves,
+        between two ACKs (RouteRequest.warnings_current); written with the
+        next flush, as an ACK's are."""
+        record = self.sessions.get(session_id)
+        if record is None or record.warnings == warnings:
+            return
+        self.sessions[session_id] = replace(record, warnings=warnings)
+        self._acks_dirty = True
+
     def reported(
         self,
         session_id: str,
@@ -455,7 +465,7 @@ class ProxyRegistry:
         return {r.name: (r.acked_version, r.last_error) for r in self.sessions.values()}
 
     def ack_warnings(self) -> dict[str, list[str]]:
-        """This replica's proxies whose last ACK had warnings: name -> warnings."""
+        """This replica's proxies that last reported warnings: name -> warnings."""
         return {r.name: list(r.warnings) for r in self.sessions.values() if r.warnings}
 
     async def flush_acks(self, interval: float = 0.2) -> None:

@@ -42,7 +42,7 @@ MAX_REGIONS = 256
 # And at most this many tenants held back by limits (a proxy sends at most
 # dataplane.metrics.MAX_LIMITED_TENANTS).
 MAX_TENANTS = 256
-# And at most this many warnings with an ACK, each cut to MAX_WARNING
+# And at most this many warnings with an ACK or report, each cut to MAX_WARNING
 # characters (a proxy sends one per tenant it cannot verify JWTs of).
 MAX_WARNINGS = 16
 MAX_WARNING = 512
@@ -365,6 +365,8 @@ class RoutingService:
                         if 0 < len(t.tenant) <= MAX_FIELD
                     },
                 )
+                if req.warnings_current:
+                    self._registry.warned(session_id, _warnings(req))
                 continue
             if not req.response_nonce:
                 continue
@@ -375,8 +377,12 @@ class RoutingService:
             if since is not None:
                 latency = self._metrics.clock() - since
                 self._metrics.push_answered(acked=not error, latency=latency)
-            warnings = tuple(w[:MAX_WARNING] for w in req.warnings[:MAX_WARNINGS])
-            await self._registry.acked(session_id, req.version_info, error, warnings)
+            await self._registry.acked(session_id, req.version_info, error, _warnings(req))
+
+
+def _warnings(req: pb.RouteRequest) -> tuple[str, ...]:
+    """An ACK's or report's warnings, bounded in number and length."""
+    return tuple(w[:MAX_WARNING] for w in req.warnings[:MAX_WARNINGS])
 
 
 def peer_host(peer: str) -> str:

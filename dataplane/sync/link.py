@@ -144,6 +144,9 @@ class ControlPlaneClient:
         # The last failure logged of each address: a retry that fails the
         # same way is logged at debug, so the cause stays readable in the log.
         self._said: dict[str, str] = {}
+        # The warnings told on this stream (by its last ACK or report): a
+        # report carries them again only when they changed (see report()).
+        self._told: tuple[str, ...] = ()
         self.connected = False
         self.quota_generation = 0
         self.loads_generation = 0
@@ -304,6 +307,8 @@ class ControlPlaneClient:
                 pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
             )
             outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
+            # A new session's registration holds no warnings yet.
+            self._told = ()
             current = self._holder.routes
             outbox.put_nowait(
                 pb.RouteRequest(
@@ -354,17 +359,24 @@ class ControlPlaneClient:
             self._on_loads(loads)
 
     async def _report(self, session_id: str, outbox: asyncio.Queue[pb.RouteRequest]) -> None:
-        """Send this proxy's rate-limit demand and its traffic counters about
-        once an interval."""
-        if self._demand is None and self._traffic is None:
-            return
+        """Send this proxy's rate-limit demand, its traffic counters and its
+        warnings when they changed, about once an interval."""
         while True:
             await asyncio.sleep(self._report_interval)
             outbox.put_nowait(self.report(session_id))
 
     def report(self, session_id: str) -> pb.RouteRequest:
-        """One report message: demand since the last one, cumulative traffic."""
+        """One report message: demand since the last one, cumulative traffic,
+        and the warnings (RouteRequest.warnings_current) if they are not
+        those last told on this stream: a JWKS URL's set lost or found
+        between two tables (trial 26: `pontoctl get proxies` said what the
+        last ACK had until the next table came)."""
         message = pb.RouteRequest(session_id=session_id, is_report=True)
+        warnings = self.warnings()
+        if warnings != self._told:
+            message.warnings.extend(warnings)
+            message.warnings_current = True
+            self._told = warnings
         if self._demand is not None:
             message.demand.extend(self._demand())
         if self._traffic is not None:
@@ -400,26 +412,27 @@ class ControlPlaneClient:
                 response_nonce=update.nonce,
                 error_detail=str(exc) or type(exc).__name__,
             )
+        self._told = self.warnings()
         return pb.RouteRequest(
             session_id=session_id,
             version_info=update.table.version,
             response_nonce=update.nonce,
-            warnings=self.warnings(),
+            warnings=self._told,
         )
 
-    def warnings(self) -> list[str]:
+    def warnings(self) -> tuple[str, ...]:
         """What an ACK reports of the table being served: each tenant whose JWT
         config this proxy could not load, with why and what it costs; and
         each part of the proxy that could not take the table (a bug)."""
         policy = self._holder.policy
         if policy is None:
-            return []
-        return [
+            return ()
+        return tuple(
             f"{problem}; that tenant's JWTs are answered 503 auth_unavailable "
             "(its API keys still work)"
             for _, problem in sorted(policy.authenticator.problems.items())
-        ] + [
+        ) + tuple(
             f"a part of this proxy could not take the table ({failure}); it keeps its "
             "previous settings (a bug: see the proxy's log)"
             for failure in self._holder.apply_failures
-        ]
+        )

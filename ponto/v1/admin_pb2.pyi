@@ -309,8 +309,9 @@ class ProxyStatus(_message.Message):
     def info(self) -> _routing_pb2.ProxyInfo: ...
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """What the proxy's last ACK said it cannot use of the table it serves (a
-        tenant whose JWT config it could not load), each a sentence for operators.
+        """What the proxy last said, with an ACK or a report, it cannot use of the
+        table it serves (a tenant whose JWT config it could not load, or whose
+        JWKS URL brought no set yet), each a sentence for operators.
         """
 
     def __init__(

@@ -944,6 +944,7 @@ class RouteRequest(_message.Message):
     LIMITED_FIELD_NUMBER: _builtins.int
     TAKES_UNCHANGED_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
+    WARNINGS_CURRENT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -967,6 +968,14 @@ class RouteRequest(_message.Message):
     spare_ttl_s. A proxy from before them would read an `unchanged` message as
     empty shares (and admit nothing under a limit until the next ones), so
     one without this flag is sent shares only when they change, as before.
+    """
+    warnings_current: _builtins.bool
+    """Set on a report by a proxy whose warnings changed since it last told
+    them on this stream (with an ACK or a report): `warnings` is then the
+    whole list now, empty when none is left, and replaces what its last ACK
+    said. A JWKS URL's fetch that fails or recovers between two tables
+    reaches `pontoctl get proxies` so, within a report interval. A control
+    plane from before it ignores warnings on reports.
     """
     @_builtins.property
     def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeDemand]:
@@ -1013,10 +1022,11 @@ class RouteRequest(_message.Message):
         limited: _abc.Iterable[Global___TenantLimited] | None = ...,
         takes_unchanged: _builtins.bool = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
+        warnings_current: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -43,13 +43,14 @@ class Provider:
     def __init__(self) -> None:
         self.keys = [public_jwk(KEY_A, "a")]
         self.fetches = 0
+        self.status = 200  # what GET /jwks.json answers
         provider = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 provider.fetches += 1
                 body = json.dumps({"keys": provider.keys}).encode()
-                self.send_response(200 if self.path == "/jwks.json" else 404)
+                self.send_response(provider.status if self.path == "/jwks.json" else 404)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
@@ -104,21 +105,26 @@ def ask(fleet: Fleet, bearer: str) -> str:
     return answer.choices[0].message.content or ""
 
 
-def test_a_tenant_applied_with_a_jwks_url_is_served_with_the_published_key(
-    fleet: Fleet, provider: Provider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    doc = tmp_path / "acme.yaml"
+def apply_tenant(fleet: Fleet, tmp_path: Path, name: str, issuer: str, url: str) -> str:
+    """`pontoctl apply` a tenant whose JWT issuer's keys are at `url`, and wait
+    until the proxy serves it; the control plane's address."""
+    doc = tmp_path / f"{name}.yaml"
     doc.write_text(
         "tenants:\n"
-        "  - name: acme\n"
-        f"    jwt: {{issuer: '{ISSUER}', audiences: [ponto], jwks_url: '{provider.url}'}}\n"
+        f"  - name: {name}\n"
+        f"    jwt: {{issuer: '{issuer}', audiences: [ponto], jwks_url: '{url}'}}\n"
     )
     address = next(iter(fleet.controls.values())).address
     assert pontoctl(["--control-plane", address, "apply", "-f", str(doc)]) == 0
+    fleet.wait_proxies_at(fleet.wait_table(lambda t: any(x.jwt.jwks_url == url for x in t.tenants)))
+    return address
+
+
+def test_a_tenant_applied_with_a_jwks_url_is_served_with_the_published_key(
+    fleet: Fleet, provider: Provider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    address = apply_tenant(fleet, tmp_path, "acme", ISSUER, provider.url)
     capsys.readouterr()
-    fleet.wait_proxies_at(
-        fleet.wait_table(lambda t: any(x.jwt.jwks_url == provider.url for x in t.tenants))
-    )
     assert pontoctl(["--control-plane", address, "get", "tenants", "-o", "yaml"]) == 0
     assert f"jwks_url: {provider.url}" in capsys.readouterr().out
 
@@ -144,3 +150,47 @@ def test_a_tenant_applied_with_a_jwks_url_is_served_with_the_published_key(
     metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
     assert f'ponto_jwks_keys{{url="{provider.url}"}} 1.0' in metrics
     assert f'ponto_jwks_fetch_errors_total{{url="{provider.url}"}} 0.0' in metrics
+
+
+def proxy_warnings(fleet: Fleet) -> list[str]:
+    [p1] = fleet.admin().ListProxies(apb.ListRequest(), timeout=10).proxies
+    return list(p1.warnings)
+
+
+def until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_a_url_that_has_no_set_and_then_one_is_told_without_a_new_table(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Trial 26: the proxies' warnings were what their last ACK said, so a
+    provider down when the table came stayed a warning in `pontoctl get
+    proxies` (and every write's reply) after it recovered, until the next
+    table. A proxy reports a change of its warnings with its next report."""
+    down = Provider()
+    down.status = 503
+    try:
+        apply_tenant(fleet, tmp_path, "beta", f"{ISSUER}/beta", down.url)
+        version = fleet.wait_table(lambda t: True)
+        until("the proxy's warning", lambda: any(down.url in w for w in proxy_warnings(fleet)))
+        [warning] = [w for w in proxy_warnings(fleet) if down.url in w]
+        assert warning.startswith(f"JWT config of tenant 'beta': JWKS URL '{down.url}': ")
+        assert "answered HTTP 503" in warning
+
+        # The provider recovers; the proxy's next fetch (its retry, or the one
+        # a token of the tenant asks for) brings the set, and the warning goes
+        # with no table in between.
+        down.status = 200
+        now = int(time.time())
+        claims = {"iss": f"{ISSUER}/beta", "aud": "ponto", "sub": "u", "iat": now, "exp": now + 300}
+        beta = jwt.encode(claims, KEY_A, algorithm="RS256", headers={"kid": "a"})
+        assert ask(fleet, beta)
+        until("the warning to go", lambda: not proxy_warnings(fleet))
+        assert fleet.wait_table(lambda t: True) == version
+    finally:
+        down.close()

@@ -117,6 +117,26 @@ async def test_ack_warnings_are_recorded_listed_and_cleared() -> None:
     assert (listed.acked_version, listed.warnings) == (9, ())
 
 
+async def test_warnings_reported_between_acks_replace_the_acks() -> None:
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp-1")
+    record = await registry.register("p1", "eu-west", "10.0.0.1:8080", "1.0")
+    await registry.acked(record.session_id, 7, "")
+    await registry.flush(0.0)
+    registry.warned(record.session_id, (AUTH,))
+    await registry.flush(0.0)
+    [listed] = await catalog.list_proxies()
+    assert (listed.acked_version, listed.last_error, listed.warnings) == (7, "", (AUTH,))
+    assert fleet_warnings([listed]) == (f"proxy p1 reports: {AUTH}",)
+    registry.warned(record.session_id, ())
+    await registry.flush(0.0)
+    [listed] = await catalog.list_proxies()
+    assert (listed.acked_version, listed.warnings) == (7, ())
+    # A session this replica does not hold (gone since) is ignored.
+    registry.warned("gone", (AUTH,))
+    assert registry.ack_warnings() == {}
+
+
 async def test_two_processes_given_one_name_are_named_beside_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

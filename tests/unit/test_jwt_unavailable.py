@@ -142,18 +142,57 @@ def test_the_table_is_applied_acked_with_the_problem_and_logged_once(
     assert logged.exc_info is None
 
 
-def test_a_table_whose_configs_all_load_acks_without_warnings(tmp_path: Path) -> None:
+def loading_table(tmp_path: Path) -> pb.RouteTable:
+    """table(3) with a JWKS file that loads (badjwt's issuer takes HS256)."""
     jwks = tmp_path / "jwks.json"
     jwks.write_text(json.dumps({"keys": [{"kty": "oct", "k": "c2VjcmV0" * 6}]}))
-    table_ok = table(3, jwks_file=str(jwks))
-    table_ok.tenants[1].jwt.algorithms[:] = ["HS256"]
-    table_ok.etag = content_etag(table_ok)
-    holder = TableHolder("eu-west", None)
+    t = table(3, jwks_file=str(jwks))
+    t.tenants[1].jwt.algorithms[:] = ["HS256"]
+    t.etag = content_etag(t)
+    return t
+
+
+def link_of(holder: TableHolder) -> ControlPlaneClient:
     info = pb.ProxyInfo(name="p1", region="eu-west", address="127.0.0.1:1")
-    ack = ControlPlaneClient(holder, ["127.0.0.1:1"], info)._handle(
-        "s-1", pb.RouteUpdate(table=table_ok, nonce="n3")
+    return ControlPlaneClient(holder, ["127.0.0.1:1"], info)
+
+
+def test_a_table_whose_configs_all_load_acks_without_warnings(tmp_path: Path) -> None:
+    ack = link_of(TableHolder("eu-west", None))._handle(
+        "s-1", pb.RouteUpdate(table=loading_table(tmp_path), nonce="n3")
     )
     assert (ack.version_info, ack.error_detail, list(ack.warnings)) == (3, "", [])
+
+
+def test_reports_carry_the_warnings_only_when_they_changed(tmp_path: Path) -> None:
+    """Trial 26: what a proxy cannot use of its table may change between two
+    tables (a JWKS URL's set fetched late, a part of the proxy that takes the
+    table again); the next report tells the whole list, an empty one when
+    none is left, and later reports leave it out until it changes again."""
+    holder = TableHolder("eu-west", None)
+    link = link_of(holder)
+
+    def told(report: pb.RouteRequest) -> list[str] | None:
+        return list(report.warnings) if report.warnings_current else None
+
+    assert told(link.report("s-1")) is None  # no table, nothing to tell
+    ack = link._handle("s-1", pb.RouteUpdate(table=loading_table(tmp_path), nonce="n3"))
+    assert list(ack.warnings) == []
+    assert told(link.report("s-1")) is None
+    holder.apply_failures = ("QuotaState.on_table: boom",)
+    expected = [
+        "a part of this proxy could not take the table (QuotaState.on_table: boom); it "
+        "keeps its previous settings (a bug: see the proxy's log)"
+    ]
+    assert told(link.report("s-1")) == expected
+    assert told(link.report("s-1")) is None
+    holder.apply_failures = ()
+    assert told(link.report("s-1")) == []
+    assert told(link.report("s-1")) is None
+    # What an ACK told, a report does not repeat.
+    ack = link._handle("s-1", pb.RouteUpdate(table=table(4), nonce="n4"))
+    assert len(ack.warnings) == 1
+    assert told(link.report("s-1")) is None
 
 
 def test_the_metric_names_the_tenant() -> None:
