@@ -54,12 +54,14 @@ from controlplane.model import (
     CachePolicy,
     JwtIssuer,
     Limits,
+    ModelAccess,
     Origin,
     PromptPolicy,
     Region,
     RoutingPolicy,
     StreamPolicy,
     Tenant,
+    access_warnings,
     unserved_aliases,
     unserved_settings,
     url_warnings,
@@ -79,7 +81,7 @@ ORIGIN_FIELDS = (
     "continuation",
     "drained",
 )
-TENANT_FIELDS = ("name", "limits", "cache", "prompt", "jwt", "routing", "streams")
+TENANT_FIELDS = ("name", "limits", "cache", "prompt", "jwt", "routing", "streams", "models")
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
 CACHE_FIELDS = (
     "mode",
@@ -366,6 +368,7 @@ def _tenant(o: _Obj) -> Tenant:
                 (k, str(v)) for k, v in streams.mapping("hedge_models", (int, str)).items()
             ),
         ),
+        models=ModelAccess(o.strings("models")),
     )
 
 
@@ -500,6 +503,8 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
             "max_lifetime_s": j.max_lifetime_s,
         }
     out.update((k, v) for k, v in parts.items() if v)
+    if t.models.names:
+        out["models"] = list(t.models.names)
     return out
 
 
@@ -635,6 +640,14 @@ def limit_changes(old: Limits, new: Limits) -> str:
     )
 
 
+def model_changes(old: Sequence[str], new: Sequence[str]) -> str:
+    """What a key's new model list changed of its old one, as change_text
+    writes it ("" for nothing; an empty list reads `removed`)."""
+    if tuple(old) == tuple(new):
+        return ""
+    return change_text([("models", ",".join(old), ",".join(new))])
+
+
 def change_text(changes: Iterable[tuple[str, str, str]]) -> str:
     """(path, before, after) of FieldChanges as one line: `limits.rpm 600 -> 900;
     limits.tpm 100000 -> removed; cache.ttl_s unset -> 600`. Shared by pontoctl's
@@ -730,6 +743,7 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
         for t in topology.tenants
         for w in (
             *unserved_aliases(t, origins.values()),
+            *access_warnings(t, origins.values()),
             *unserved_settings(t, origins.values(), "routing"),
             *unserved_settings(t, origins.values(), "hedging"),
         )

@@ -26,7 +26,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -53,6 +53,8 @@ from controlplane.model import (
     Region,
     State,
     Tenant,
+    access_warnings,
+    check_model_names,
     check_name,
     decode_health,
     decode_key,
@@ -361,15 +363,23 @@ class Catalog:
         )
 
     async def unserved_models(
-        self, tenant: Tenant, *, aliases: bool = True, routing: bool = True, hedging: bool = True
+        self,
+        tenant: Tenant,
+        *,
+        aliases: bool = True,
+        routing: bool = True,
+        hedging: bool = True,
+        models: bool = True,
     ) -> tuple[str, ...]:
         """model.unserved_aliases (with aliases) and model.unserved_settings
         of the per-model routing (with routing) and hedging (with hedging;
-        with aliases alone, the settings the aliases make dead) of tenant
-        against the origins stored now."""
+        with aliases alone, the settings the aliases make dead), and
+        model.access_warnings (with aliases or models) of tenant against the
+        origins stored now."""
         origins = (await self.snapshot()).origins
         return (
             (unserved_aliases(tenant, origins) if aliases else ())
+            + (access_warnings(tenant, origins) if aliases or models else ())
             + (
                 unserved_settings(tenant, origins, "routing", unserved=routing)
                 if aliases or routing
@@ -506,16 +516,19 @@ class Catalog:
         limits: Limits | None = None,
         expires_at: float = 0.0,
         expires_in: float = 0.0,
+        models: Iterable[str] = (),
     ) -> tuple[ApiKeyRecord, str]:
         """Store a new key's hash and return (record, key). The key is not kept.
 
         From `expires_at` (Unix seconds, in the future) or `expires_in` seconds
         from now (this replica's clock) on, proxies refuse the key; with
-        neither it does not expire."""
+        neither it does not expire. With `models`, its callers may name those
+        only (within its tenant's)."""
         limits = limits or Limits()
         if len(description) > 256:
             raise InvalidArgument("key description is longer than 256 characters")
         limits = limits.validated("the key")
+        names = check_model_names(models, "models of the key")
         now = self._clock()
         expires_at = self._expiry(expires_at, expires_in, "the key", now)
         owner = TENANTS + check_name("tenant", tenant)
@@ -532,6 +545,7 @@ class Catalog:
                 limits=limits,
                 created_at=now,
                 expires_at=expires_at,
+                models=names,
             )
             writes = [
                 Write(KEYS + record.id, encode(record), if_mod_revision=0),
@@ -585,6 +599,27 @@ class Catalog:
         return await self._change_live_key(
             key_id, "its limits cannot change", seen=seen, limits=limits
         )
+
+    async def set_key_models(
+        self,
+        key_id: str,
+        models: Iterable[str],
+        *,
+        seen: Callable[[ApiKeyRecord], None] | None = None,
+    ) -> ApiKeyRecord:
+        """Replace the models a key's callers may name (none: its tenant's).
+        A revoked key is refused, as by set_key_limits; `seen` as there."""
+        names = check_model_names(models, f"models of key {key_id!r}")
+        return await self._change_live_key(
+            key_id, "its models cannot change", seen=seen, models=names
+        )
+
+    async def key_model_warnings(self, key: ApiKeyRecord) -> tuple[str, ...]:
+        """model.access_warnings of key against its tenant and the origins
+        stored now."""
+        state = await self.snapshot()
+        tenant = next((t for t in state.tenants if t.name == key.tenant), None)
+        return access_warnings(tenant, state.origins, key) if tenant is not None else ()
 
     async def set_key_expiry(
         self, key_id: str, expires_at: float = 0.0, expires_in: float = 0.0

@@ -62,6 +62,7 @@ from controlplane.model import (
     MAX_WEIGHT,
     Limits,
     Tenant,
+    check_model_names,
     check_note,
     is_hidden,
 )
@@ -487,6 +488,20 @@ def _parser() -> argparse.ArgumentParser:
         help="hedge delay for one model, overriding --hedge-ms (repeatable; 'default' removes "
         "it); warns of a model no origin serves",
     )
+    access = ts.add_mutually_exclusive_group()
+    access.add_argument(
+        "--models",
+        type=_model_list,
+        metavar="MODEL[,MODEL...]",
+        help="the only models the tenant's callers may name (an alias by its own name); "
+        "others are answered 404 model_not_found and left out of /v1/models",
+    )
+    access.add_argument(
+        "--any-model",
+        action="store_true",
+        default=None,
+        help="let the tenant's callers name every model again",
+    )
     # Which of the parsed values are settings (see _tenant_flags_given).
     ts.set_defaults(
         tenant_settings=tuple(a.dest for a in ts._actions if a.dest not in ("help", "name"))
@@ -508,6 +523,14 @@ def _parser() -> argparse.ArgumentParser:
         help="proxies refuse the key after this long (90s, 30m, 2h, 90d); default: never",
     )
     _limits_args(kc)
+    kc.add_argument(
+        "--models",
+        type=_model_list,
+        default=[],
+        metavar="MODEL[,MODEL...]",
+        help="the only models the key's callers may name, within its tenant's; "
+        "default: its tenant's",
+    )
     kl = key.add_parser("list", help="list keys (never their secrets)")
     kl.add_argument("--tenant", default="", help="only this tenant's keys")
     shown = kl.add_mutually_exclusive_group()
@@ -532,6 +555,21 @@ def _parser() -> argparse.ArgumentParser:
         "--in", dest="expires_in", type=_duration, metavar="DURATION", help="from now: 7d, 12h"
     )
     when.add_argument("--never", action="store_true", help="remove the key's expiry")
+    km = key.add_parser(
+        "models", help="set the models a key's callers may name, within its tenant's"
+    )
+    km.add_argument("id", help="the key's id (key list)")
+    names = km.add_mutually_exclusive_group(required=True)
+    names.add_argument(
+        "models",
+        nargs="?",
+        type=_model_list,
+        metavar="MODEL[,MODEL...]",
+        help="the only models the key's callers may name",
+    )
+    names.add_argument(
+        "--any", action="store_true", help="the key's callers may name its tenant's models"
+    )
 
     limit = sub.add_parser("limit", help="set rate limits").add_subparsers(
         dest="action", required=True
@@ -623,6 +661,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_list(text: str) -> list[str]:
+    """MODEL[,MODEL...]: each name checked as the control plane does."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected MODEL[,MODEL...], got {text!r}")
+    try:
+        return list(check_model_names(names, "models"))
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
     out = {}
     for item in items:
@@ -643,6 +692,11 @@ def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb
     )
     Limits(rpm=rpm, tpm=tpm, concurrency=concurrency).validated(owner)
     return pb.Limits(rpm=rpm, tpm=tpm, concurrency=concurrency)
+
+
+def _models_text(names: Sequence[str], none: str = "any") -> str:
+    """A model list in one table cell: the names, or `none` for no list."""
+    return ",".join(names) or none
 
 
 def _limits_text(limits: pb.Limits, none: str = "no limits") -> str:
@@ -740,6 +794,10 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
             streams.hedge_models[model] = str(_milliseconds(delay, "--model-hedge-ms"))
     if streams != current.streams:
         req.streams.CopyFrom(streams)
+    if args.models is not None or args.any_model:
+        models = pb.ModelAccess(names=[] if args.any_model else args.models)
+        if models.names != current.models.names:
+            req.models.CopyFrom(models)
     return req
 
 
@@ -845,7 +903,7 @@ def _rows_tenants(
         return ",".join(parts)
 
     header = ["NAME", "LIMITS", "CACHE", "TTL", "ROUTING", "STREAMS", "SYSTEM-PROMPT", "ALIASES"]
-    return [*header, "JWT"], [
+    return [*header, "MODELS", "JWT"], [
         [
             t.name,
             limits(t.limits),
@@ -858,6 +916,7 @@ def _rows_tenants(
             (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
             or "-",
             aliases(t.prompt),
+            _models_text(t.models.names),
             t.jwt.issuer if t.HasField("jwt") else "-",
         ]
         for t in resp.tenants
@@ -908,12 +967,14 @@ def _rows_keys(
     when given) shows it as `NAME(deleted)`: a deleted tenant keeps its revoked
     keys, which keep a fleet that ever had a key closed (auth_required)."""
     now = time.time()
-    return ["ID", "TENANT", "DESCRIPTION", "LIMITS", "CREATED", "EXPIRES", "STATE"], [
+    header = ["ID", "TENANT", "DESCRIPTION", "LIMITS", "MODELS", "CREATED", "EXPIRES", "STATE"]
+    return header, [
         [
             k.id,
             k.tenant if tenants is None or k.tenant in tenants else f"{k.tenant}(deleted)",
             k.description or "-",
             _limits_text(k.limits, none="-"),
+            _models_text(k.models, none="tenant's"),
             # RFC 3339, no spaces: one field per column for awk and cut.
             utc(k.created_at),
             utc(k.expires_at) if k.expires_at else "-",
@@ -949,7 +1010,7 @@ def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:
     merged = pb.Tenant()
     merged.CopyFrom(current)
     merged.name = update.name
-    for part in ("limits", "cache", "prompt", "routing", "streams"):
+    for part in ("limits", "cache", "prompt", "routing", "streams", "models"):
         if update.HasField(part):
             getattr(merged, part).CopyFrom(getattr(update, part))
     return tenant_of(merged)
@@ -1126,7 +1187,12 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         t = stub.UpdateTenant(update)
         # The whole routing policy, as `get tenants` shows it: a change of one
         # model's mode, the load bound or user sessions is seen in it too.
-        return f"tenant {t.name} saved (cache {t.cache.mode}; routing {_routing_text(t.routing)})"
+        # And its models, when it has a list or this set one.
+        listed = update.HasField("models") or bool(t.models.names)
+        return (
+            f"tenant {t.name} saved (cache {t.cache.mode}; routing {_routing_text(t.routing)}"
+            + (f"; models {_models_text(t.models.names)})" if listed else ")")
+        )
     if args.command == "key":
         if args.action == "create":
             check_note("key description", args.description)
@@ -1137,6 +1203,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     limits=_limits_over(pb.Limits(), args, "the key"),
                     # The control plane's clock decides, not this machine's.
                     expires_in_s=args.expires_in or 0.0,
+                    models=args.models,
                 )
             )
             expiry = f", expiring {utc(resp.key.expires_at)}" if resp.key.expires_at else ""
@@ -1160,6 +1227,10 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 live = [k for k in keys.keys if _key_state(k, now) == "active"]
                 keys = apb.ListKeysResponse(keys=live)
             return _render_keys(stub, keys, args.output)
+        if args.action == "models":
+            k = stub.SetKeyModels(apb.SetKeyModelsRequest(id=args.id, models=args.models or []))
+            shown = ", ".join(k.models) if k.models else f"those of tenant {k.tenant}"
+            return f"key {k.id} of tenant {k.tenant} may name models: {shown}"
         if args.action == "expire":
             k = stub.SetKeyExpiry(
                 apb.SetKeyExpiryRequest(id=args.id, expires_in_s=args.expires_in or 0.0)

@@ -73,6 +73,7 @@ def compile_table(state: State) -> pb.RouteTable:
             tenant=k.tenant,
             limits=limits_pb(k.limits),
             expires_at=k.expires_at,
+            models=k.models,
         )
         for k in sorted(state.keys, key=lambda k: k.id)
         if not k.revoked and k.tenant in tenants
@@ -122,6 +123,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
             hedge_auto=t.streams.hedge_auto,
             hedge_models=dict(t.streams.hedge_models),
         ),
+        models=pb.ModelAccess(names=t.models.names),
     )
     if t.jwt is not None:
         out.jwt.CopyFrom(

@@ -13,6 +13,7 @@ from controlplane.model import (
     CachePolicy,
     JwtIssuer,
     Limits,
+    ModelAccess,
     Origin,
     PromptPolicy,
     Region,
@@ -93,6 +94,10 @@ def streams_of(m: pb.StreamPolicy) -> StreamPolicy:
     )
 
 
+def models_of(m: pb.ModelAccess) -> ModelAccess:
+    return ModelAccess(tuple(m.names))
+
+
 def _on_off(value: str, name: str) -> bool:
     if value not in ("", "on", "off"):
         raise InvalidArgument(f"{name} must be on or off, not {value!r}")
@@ -122,4 +127,5 @@ def tenant_of(m: pb.Tenant) -> Tenant:
         jwt=jwt_of(m.jwt) if m.HasField("jwt") else None,
         routing=routing_of(m.routing),
         streams=streams_of(m.streams),
+        models=models_of(m.models),
     )

@@ -45,6 +45,8 @@ MAX_CONCURRENCY = 2**32 - 1  # a uint32 in the route table
 MAX_RATE = 10**12  # rpm and tpm
 MAX_TOKENS_CEILING = 10**7
 MAX_SYSTEM_PROMPT = 64 * 1024
+# Models one tenant or key may be limited to (ModelAccess).
+MAX_ACCESS_MODELS = 1000
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000
 MAX_CAPACITY = 1_000_000
@@ -633,6 +635,32 @@ class StreamPolicy:
         return replace(self, hedge_models=tuple(sorted(dict(self.hedge_models).items())))
 
 
+def check_model_names(names: Iterable[str], owner: str) -> tuple[str, ...]:
+    """names sorted, each once, after checking each is a model name and
+    there are at most MAX_ACCESS_MODELS; InvalidArgument otherwise."""
+    unique = sorted(set(names))
+    for name in unique:
+        if not MODEL_RE.match(name):
+            raise InvalidArgument(f"{owner}: model name {name!r} is invalid")
+    if len(unique) > MAX_ACCESS_MODELS:
+        raise InvalidArgument(f"{owner}: {len(unique)} models, more than {MAX_ACCESS_MODELS}")
+    return tuple(unique)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelAccess:
+    """The models a tenant's callers may name (routing.proto's ModelAccess):
+    names as clients send them, an alias by its own; () is every model."""
+
+    names: tuple[str, ...] = ()
+
+    def validated(self, owner: str) -> ModelAccess:
+        return ModelAccess(check_model_names(self.names, f"models of {owner}"))
+
+    def allows(self, model: str) -> bool:
+        return not self.names or model in self.names
+
+
 @dataclass(frozen=True, slots=True)
 class JwtIssuer:
     issuer: str
@@ -697,6 +725,7 @@ class Tenant:
     jwt: JwtIssuer | None = None
     routing: RoutingPolicy = RoutingPolicy()
     streams: StreamPolicy = StreamPolicy()
+    models: ModelAccess = ModelAccess()
 
     def validated(self) -> Tenant:
         """This tenant with each block validated; the first block's
@@ -728,6 +757,7 @@ class Tenant:
             ("jwt", self.jwt),
             ("routing", self.routing),
             ("streams", self.streams),
+            ("models", self.models),
         ):
             if block is None:
                 continue
@@ -756,6 +786,44 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
         for alias, target in tenant.prompt.aliases
         if target not in served
     )
+
+
+def access_warnings(
+    tenant: Tenant, origins: Iterable[Origin], key: ApiKeyRecord | None = None
+) -> tuple[str, ...]:
+    """A warning for each model tenant's callers (with key: that key's) may
+    name that nothing answers, and, of a tenant, for each of its aliases it
+    may not name; pure.
+
+    Such a list is accepted (its origins may register later), but a misspelt
+    name would leave a model refused unnoticed. A name answers when an
+    origin lists it or it is one of the tenant's aliases; a key's names
+    must also be among its tenant's, when the tenant has a list.
+    """
+    served = {model for o in origins for model in o.models}
+    aliases = dict(tenant.prompt.aliases)
+    names, whose = (key.models, f"key {key.id!r}") if key else (tenant.models.names, "")
+    whose = whose or f"tenant {tenant.name!r}"
+    warnings = []
+    for name in names:
+        if key is not None and not tenant.models.allows(name):
+            warnings.append(
+                f"{whose} may name model {name!r}, which its tenant {tenant.name!r} may not: "
+                "requests for it get 404"
+            )
+        elif name not in served and name not in aliases:
+            warnings.append(
+                f"no origin serves model {name!r}, which {whose} may name, and it is no alias "
+                f"of tenant {tenant.name!r}: requests for it get 404 until one does"
+            )
+    if key is None:
+        warnings.extend(
+            f"alias {alias!r} of tenant {tenant.name!r} is not among the models it may name: "
+            "requests for it get 404"
+            for alias, _ in tenant.prompt.aliases
+            if not tenant.models.allows(alias)
+        )
+    return tuple(warnings)
 
 
 # A tenant's per-model settings, by what they are called in its warnings:
@@ -971,6 +1039,8 @@ class ApiKeyRecord:
     revoked_at: float = 0.0
     # Unix seconds from which proxies refuse the key; 0: never (ponto.apikeys.key_expired).
     expires_at: float = 0.0
+    # The models its callers may name, within its tenant's (sorted); (): the tenant's.
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1025,12 +1095,14 @@ def decode_tenant(raw: bytes) -> Tenant:
         jwt=jwt,
         routing=RoutingPolicy(**routing),
         streams=StreamPolicy(**streams),
+        models=ModelAccess(tuple(str(m) for m in (fields.get("models") or {}).get("names", ()))),
     )
 
 
 def decode_key(raw: bytes) -> ApiKeyRecord:
     fields = _fields(ApiKeyRecord, raw)
     fields["limits"] = _limits(fields.get("limits"))
+    fields["models"] = tuple(str(m) for m in fields.get("models", ()))
     return ApiKeyRecord(**fields)
 
 

@@ -22,6 +22,7 @@ from dataplane.auth.authenticator import (
     Authenticator,
     JwtConfig,
     KeyRecord,
+    Principal,
 )
 from dataplane.auth.remote import KeySets
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
@@ -81,6 +82,8 @@ class TenantRules:
     cache: TenantCachePolicy
     routing: RoutingRules = field(default_factory=RoutingRules)
     streams: StreamRules = field(default_factory=StreamRules)
+    # The models its callers may name, as they send them; None: every model.
+    models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +96,22 @@ class EdgePolicy:
     default: TenantRules = field(
         default_factory=lambda: TenantRules(DEFAULT_TENANT, NO_RULES, TenantCachePolicy())
     )
+    # Key id -> the models its callers may name (within its tenant's), for
+    # the keys that have a list.
+    key_models: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def tenant(self, name: str) -> TenantRules:
         rules = self.tenants.get(name)
         return rules if rules is not None else self.default
+
+    def may_name(self, principal: Principal, tenant: TenantRules, model: str) -> bool:
+        """Whether principal, of tenant, may name model (as the request
+        names it, before the tenant's aliases): within the tenant's models
+        and its key's, where they have a list."""
+        if tenant.models is not None and model not in tenant.models:
+            return False
+        own = self.key_models.get(principal.key_id)
+        return own is None or model in own
 
 
 def _cache(m: pb.CachePolicy, defaults: CacheDefaults) -> TenantCachePolicy:
@@ -178,6 +193,7 @@ def build_policy(
             cache,
             _routing(t.routing, t.name),
             _streams(t.streams, t.name),
+            frozenset(t.models.names) or None,
         )
         lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
         if not lim.unlimited:
@@ -200,10 +216,13 @@ def build_policy(
                 )
             )
     keys = []
+    key_models = {}
     for k in table.keys:
         if k.tenant not in tenants:
             raise TableError(f"key {k.id!r} belongs to unknown tenant {k.tenant!r}")
         keys.append(KeyRecord(k.id, k.hash, k.tenant, k.expires_at))
+        if k.models:
+            key_models[k.id] = frozenset(k.models)
         lim = ScopeLimits(k.limits.rpm, k.limits.tpm, k.limits.concurrency)
         if not lim.unlimited:
             limits[key_scope(k.id)] = lim
@@ -219,4 +238,4 @@ def build_policy(
         _cache(pb.CachePolicy(), defaults),
     )
     purges = tuple((p.revision, p.tenant, p.model) for p in table.purges)
-    return EdgePolicy(authenticator, tenants, limits, purges, default)
+    return EdgePolicy(authenticator, tenants, limits, purges, default, key_models)

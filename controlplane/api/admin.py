@@ -16,7 +16,7 @@ import orjson
 from controlplane.api import auditing
 from controlplane.api.auditing import audited
 from controlplane.api.errors import grpc_errors
-from controlplane.apply import limit_changes, tenant_changes
+from controlplane.apply import limit_changes, model_changes, tenant_changes
 from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
@@ -27,6 +27,7 @@ from controlplane.messages import (
     cache_of,
     jwt_of,
     limits_of,
+    models_of,
     origin_of,
     prompt_of,
     region_of,
@@ -174,6 +175,7 @@ def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
         revoked=k.revoked,
         revoked_at=k.revoked_at,
         expires_at=k.expires_at,
+        models=k.models,
     )
 
 
@@ -324,6 +326,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 t = replace(t, routing=routing_of(request.routing))
             if request.HasField("streams"):
                 t = replace(t, streams=streams_of(request.streams))
+            if request.HasField("models"):
+                t = replace(t, models=models_of(request.models))
             if request.HasField("jwt"):
                 t = replace(t, jwt=jwt_of(request.jwt))
             if request.clear_jwt:
@@ -336,10 +340,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         # Of what was written, say what no origin serves (an update of the
         # limits alone does not repeat the aliases' warnings).
         aliases, routing = request.HasField("prompt"), request.HasField("routing")
-        hedging = request.HasField("streams")
-        if aliases or routing or hedging:
+        hedging, models = request.HasField("streams"), request.HasField("models")
+        if aliases or routing or hedging or models:
             await self._warn_unserved(
-                saved, context, aliases=aliases, routing=routing, hedging=hedging
+                saved, context, aliases=aliases, routing=routing, hedging=hedging, models=models
             )
         return tenant_pb(saved)
 
@@ -351,15 +355,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         aliases: bool = True,
         routing: bool = True,
         hedging: bool = True,
+        models: bool = True,
     ) -> None:
         """Warn, with the reply, of the models tenant's aliases (with aliases),
-        per-model routing (with routing) and per-model hedging (with hedging)
-        name that no origin serves (model.unserved_aliases,
-        model.unserved_settings)."""
+        per-model routing (with routing), per-model hedging (with hedging)
+        and model list (with models or aliases) name that nothing serves
+        (model.unserved_aliases, model.unserved_settings,
+        model.access_warnings)."""
         await self._warn(
             context,
             self._catalog.unserved_models(
-                tenant, aliases=aliases, routing=routing, hedging=hedging
+                tenant, aliases=aliases, routing=routing, hedging=hedging, models=models
             ),
             f"tenant {tenant.name} saved; its per-model settings and aliases were not checked",
         )
@@ -397,7 +403,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             limits=limits_of(request.limits),
             expires_at=request.expires_at,
             expires_in=request.expires_in_s,
+            models=request.models,
         )
+        if record.models:
+            await self._warn_key_models(record, context)
         return apb.CreateKeyResponse(key=key_pb(record), secret=secret)
 
     @grpc_errors
@@ -423,6 +432,25 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         auditing.note(changes=limit_changes(before[-1].limits, saved.limits) or "nothing")
         return key_pb(saved)
+
+    @grpc_errors
+    @audited(auditing.set_key_models)
+    @fleet_warned
+    async def SetKeyModels(self, request: apb.SetKeyModelsRequest, context: Ctx) -> apb.ApiKeyInfo:
+        before: list[ApiKeyRecord] = []
+        saved = await self._catalog.set_key_models(request.id, request.models, seen=before.append)
+        auditing.note(changes=model_changes(before[-1].models, saved.models) or "nothing")
+        await self._warn_key_models(saved, context)
+        return key_pb(saved)
+
+    async def _warn_key_models(self, key: ApiKeyRecord, context: Ctx) -> None:
+        """Warn, with the reply, of the models key may name that nothing
+        serves or its tenant may not name (model.access_warnings)."""
+        await self._warn(
+            context,
+            self._catalog.key_model_warnings(key),
+            f"key {key.id} saved; its models were not checked",
+        )
 
     @grpc_errors
     @audited(auditing.set_key_expiry)

@@ -251,6 +251,10 @@ def set_key_limits(req: apb.SetKeyLimitsRequest, _: object) -> Description:
     return f"key/{req.id}", fields(req, leave=("id",))
 
 
+def set_key_models(req: apb.SetKeyModelsRequest, _: object) -> Description:
+    return f"key/{req.id}", {"models": ",".join(req.models) or "the tenant's"}
+
+
 def set_key_expiry(req: apb.SetKeyExpiryRequest, resp: apb.ApiKeyInfo | None) -> Description:
     if resp is not None:
         return f"key/{req.id}", {"expires_at": utc(resp.expires_at) if resp.expires_at else "never"}

@@ -15,11 +15,12 @@ from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PR
 
 async def _callable_models(request: web.Request) -> list[str]:
     """The models the caller may name: what origins serve, plus its tenant's
-    aliases of those. Authenticates the caller (401) when the table has a policy.
-    Without a route table yet, after the wait for a first one, the 503
-    `no_route_table` a chat call gets (trials 17 and 18: an empty list, which a
-    client reads as "this gateway serves no model", and a 404 for any model,
-    which the openai SDK never retries)."""
+    aliases of those, within its tenant's and its key's model lists.
+    Authenticates the caller (401) when the table has a policy. Without a
+    route table yet, after the wait for a first one, the 503 `no_route_table`
+    a chat call gets (trials 17 and 18: an empty list, which a client reads
+    as "this gateway serves no model", and a 404 for any model, which the
+    openai SDK never retries)."""
     holder = request.app[HOLDER]
     if not await holder.wait_first():
         raise no_route_table()
@@ -34,8 +35,10 @@ async def _callable_models(request: web.Request) -> list[str]:
             raise
         request[PRINCIPAL] = principal
         served = set(models)
-        aliases = policy.tenant(principal.tenant).prompt.aliases
+        tenant = policy.tenant(principal.tenant)
+        aliases = tenant.prompt.aliases
         models += sorted(a for a, target in aliases.items() if target in served and a not in served)
+        models = [m for m in models if policy.may_name(principal, tenant, m)]
     return models
 
 

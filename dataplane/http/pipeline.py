@@ -340,10 +340,13 @@ class Pipeline:
         ex.stream = validate(ex.endpoint, ex.body)
 
     def assemble(self, ex: Exchange) -> None:
-        """Apply the tenant's prompt rules (aliases, system prompt, defaults) and
-        check that the model is served."""
+        """Check that the caller may name the model, apply the tenant's prompt
+        rules (aliases, system prompt, defaults) and check that the model is
+        served."""
         ex.tenant = ex.policy.tenant(ex.principal.tenant)
         asked = ex.body["model"]
+        if not ex.policy.may_name(ex.principal, ex.tenant, asked):
+            raise model_not_found(asked)
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         rules = ex.tenant.prompt

@@ -447,6 +447,7 @@ class UpdateTenantRequest(_message.Message):
     CLEAR_JWT_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
     STREAMS_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     clear_jwt: _builtins.bool
     """Remove the tenant's JWT issuer."""
@@ -462,6 +463,12 @@ class UpdateTenantRequest(_message.Message):
     def routing(self) -> _routing_pb2.RoutingPolicy: ...
     @_builtins.property
     def streams(self) -> _routing_pb2.StreamPolicy: ...
+    @_builtins.property
+    def models(self) -> _routing_pb2.ModelAccess:
+        """Set: replaces the models the tenant's callers may name (without names:
+        every model).
+        """
+
     def __init__(
         self,
         *,
@@ -473,10 +480,11 @@ class UpdateTenantRequest(_message.Message):
         clear_jwt: _builtins.bool = ...,
         routing: _routing_pb2.RoutingPolicy | None = ...,
         streams: _routing_pb2.StreamPolicy | None = ...,
+        models: _routing_pb2.ModelAccess | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -516,6 +524,7 @@ class ApiKeyInfo(_message.Message):
     REVOKED_FIELD_NUMBER: _builtins.int
     REVOKED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant: _builtins.str
     description: _builtins.str
@@ -527,6 +536,12 @@ class ApiKeyInfo(_message.Message):
     """Unix seconds from which proxies refuse the key; 0: never."""
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The models the key's callers may name, within its tenant's; empty: the
+        tenant's.
+        """
+
     def __init__(
         self,
         *,
@@ -538,10 +553,11 @@ class ApiKeyInfo(_message.Message):
         revoked: _builtins.bool = ...,
         revoked_at: _builtins.float = ...,
         expires_at: _builtins.float = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "revoked", b"revoked", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "models", b"models", "revoked", b"revoked", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -556,6 +572,7 @@ class CreateKeyRequest(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     description: _builtins.str
     expires_at: _builtins.float
@@ -566,6 +583,12 @@ class CreateKeyRequest(_message.Message):
     """
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The models the key's callers may name, within its tenant's; empty: the
+        tenant's.
+        """
+
     def __init__(
         self,
         *,
@@ -574,10 +597,11 @@ class CreateKeyRequest(_message.Message):
         limits: _routing_pb2.Limits | None = ...,
         expires_at: _builtins.float = ...,
         expires_in_s: _builtins.float = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "expires_in_s", b"expires_in_s", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "expires_at", b"expires_at", "expires_in_s", b"expires_in_s", "limits", b"limits", "models", b"models", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -691,6 +715,31 @@ class SetKeyLimitsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetKeyLimitsRequest: _TypeAlias = SetKeyLimitsRequest  # noqa: Y015
+
+@_typing.final
+class SetKeyModelsRequest(_message.Message):
+    """Replaces the models a key's callers may name (empty: its tenant's)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetKeyModelsRequest: _TypeAlias = SetKeyModelsRequest  # noqa: Y015
 
 @_typing.final
 class SetKeyExpiryRequest(_message.Message):

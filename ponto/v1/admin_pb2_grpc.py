@@ -120,6 +120,11 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeyExpiryRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
                 _registered_method=True)
+        self.SetKeyModels = channel.unary_unary(
+                '/ponto.v1.Admin/SetKeyModels',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeyModelsRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+                _registered_method=True)
         self.PurgeCache = channel.unary_unary(
                 '/ponto.v1.Admin/PurgeCache',
                 request_serializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheRequest.SerializeToString,
@@ -262,6 +267,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKeyModels(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PurgeCache(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -393,6 +404,11 @@ def add_AdminServicer_to_server(servicer, server):
             'SetKeyExpiry': grpc.unary_unary_rpc_method_handler(
                     servicer.SetKeyExpiry,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeyExpiryRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
+            ),
+            'SetKeyModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKeyModels,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeyModelsRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
             ),
             'PurgeCache': grpc.unary_unary_rpc_method_handler(
@@ -889,6 +905,33 @@ class Admin:
             target,
             '/ponto.v1.Admin/SetKeyExpiry',
             ponto_dot_v1_dot_admin__pb2.SetKeyExpiryRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKeyModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/SetKeyModels',
+            ponto_dot_v1_dot_admin__pb2.SetKeyModelsRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
             options,
             channel_credentials,

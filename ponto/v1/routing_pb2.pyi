@@ -310,6 +310,7 @@ class ApiKey(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public id, the middle part of the key (sk-ponto-<id>-<secret>)."""
     hash: _builtins.str
@@ -319,6 +320,12 @@ class ApiKey(_message.Message):
     """Unix seconds from which the key is refused (401 expired_api_key); 0: never."""
     @_builtins.property
     def limits(self) -> Global___Limits: ...
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The models this key's callers may name, within its tenant's (ModelAccess);
+        empty: the tenant's.
+        """
+
     def __init__(
         self,
         *,
@@ -327,10 +334,11 @@ class ApiKey(_message.Message):
         tenant: _builtins.str = ...,
         limits: Global___Limits | None = ...,
         expires_at: _builtins.float = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "hash", b"hash", "id", b"id", "limits", b"limits", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "hash", b"hash", "id", b"id", "limits", b"limits", "models", b"models", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -668,6 +676,35 @@ class StreamPolicy(_message.Message):
 Global___StreamPolicy: _TypeAlias = StreamPolicy  # noqa: Y015
 
 @_typing.final
+class ModelAccess(_message.Message):
+    """The models a tenant's callers may name. A request for any other is answered
+    404 model_not_found, as for a model no origin serves, and `GET /v1/models`
+    lists only these.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names as clients send them: an alias by its own name (its target is not
+        thereby allowed), an origin's model by its name. Empty: every model.
+        """
+
+    def __init__(
+        self,
+        *,
+        names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelAccess: _TypeAlias = ModelAccess  # noqa: Y015
+
+@_typing.final
 class Tenant(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -678,6 +715,7 @@ class Tenant(_message.Message):
     JWT_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
     STREAMS_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     @_builtins.property
     def limits(self) -> Global___Limits: ...
@@ -693,6 +731,10 @@ class Tenant(_message.Message):
     def routing(self) -> Global___RoutingPolicy: ...
     @_builtins.property
     def streams(self) -> Global___StreamPolicy: ...
+    @_builtins.property
+    def models(self) -> Global___ModelAccess:
+        """Unset or without names: every model."""
+
     def __init__(
         self,
         *,
@@ -703,10 +745,11 @@ class Tenant(_message.Message):
         jwt: Global___JwtIssuer | None = ...,
         routing: Global___RoutingPolicy | None = ...,
         streams: Global___StreamPolicy | None = ...,
+        models: Global___ModelAccess | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,7 +19,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 
 from controlplane.cli import main as pontoctl
 from ponto.apikeys import secret_of
@@ -332,6 +332,57 @@ def test_an_alias_no_origin_serves_is_warned_of_and_gets_404_until_one_does(
         fleet.origins.pop("o2").stop()
         assert pontoctl([*admin, "tenant", "set", "acme", "--alias", "later="]) == 0
         capsys.readouterr()
+
+
+def test_a_tenants_and_a_keys_model_lists_are_what_their_callers_may_name(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path, tenant_key: str
+) -> None:
+    """`pontoctl apply` gives tenant gamma a list holding an alias (of
+    sim-large) and sim-small, `key create --models` a key narrower still; the
+    official openai client is refused what is off them as OpenAI refuses a
+    model it does not have, and lists only what it may name."""
+    doc = tmp_path / "gamma.yaml"
+    doc.write_text(
+        "tenants:\n"
+        "  - name: gamma\n"
+        "    prompt: {aliases: {big: sim-large}}\n"
+        "    models: [big, sim-small]\n"
+    )
+    ctl(fleet, capsys, "apply", "-f", str(doc))
+    wide = ctl(fleet, capsys, "key", "create", "--tenant", "gamma").strip().splitlines()[-1]
+    narrow = ctl(fleet, capsys, "key", "create", "--tenant", "gamma", "--models", "sim-small")
+    narrow = narrow.strip().splitlines()[-1]
+    [row] = [line for line in ctl(fleet, capsys, "get", "tenants").splitlines() if "gamma" in line]
+    assert "big,sim-small" in row.split()
+    ids = {key.split("-")[2] for key in (wide, narrow)}
+    converge(fleet, lambda t: ids <= {k.id for k in t.keys})
+
+    def ask(key: str, model: str) -> str:
+        client = OpenAI(base_url=fleet.proxy_url("p1"), api_key=key, max_retries=0)
+        answer = client.chat.completions.create(model=model, messages=MSG)  # type: ignore[arg-type]
+        return answer.choices[0].message.content or ""
+
+    before = sim(fleet)["requests"]
+    for key, model in ((wide, "sim-large"), (narrow, "big"), (narrow, "sim-large")):
+        with pytest.raises(NotFoundError) as refused:
+            ask(key, model)
+        assert refused.value.code == "model_not_found"
+        assert f"The model '{model}' does not exist or you do not have access to it." in str(
+            refused.value
+        )
+    assert sim(fleet)["requests"] == before
+    assert ask(wide, "big") and sim(fleet)["last_request"]["body"]["model"] == "sim-large"
+    assert ask(narrow, "sim-small")
+    listed = {
+        key: sorted(m.id for m in OpenAI(base_url=fleet.proxy_url("p1"), api_key=key).models.list())
+        for key in (wide, narrow)
+    }
+    assert listed == {wide: ["big", "sim-small"], narrow: ["sim-small"]}
+    # The key's list goes; it may name its tenant's again.
+    narrow_id = narrow.split("-")[2]
+    assert "those of tenant gamma" in ctl(fleet, capsys, "key", "models", narrow_id, "--any")
+    converge(fleet, lambda t: not any(k.models for k in t.keys if k.id == narrow_id))
+    assert ask(narrow, "big")
 
 
 def test_requests_and_tokens_are_accounted_per_tenant_and_key(

@@ -1,0 +1,150 @@
+"""The models a tenant's and a key's callers may name, in the proxy's pipeline.
+
+A tenant's list holds names as clients send them: an alias on it works while
+its target, named directly, is refused; a key's list narrows its tenant's. A
+model off the list is answered as one no origin serves (OpenAI's 404
+`model_not_found`, which does not tell a model that exists from one that does
+not), reaches no origin, takes nothing from the caller's limits and is logged
+once without a traceback; `GET /v1/models` lists only what the caller may
+name. In-process: the proxy's app before an origin simulator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dataplane.http.refusals import refusals
+from dataplane.http.state import HOLDER
+from ponto.apikeys import issue_key
+from ponto.originsim.app import SIM_STATE, SimConfig
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_pipeline import KEY, MODEL, Stack, chat, error_of, start_stack
+
+LARGE = "sim-large"  # served, but off acme's list
+FAST = "fast"  # acme's alias of LARGE, on its list
+NARROW = issue_key()  # an acme key that may name MODEL only
+OTHER = issue_key()  # tenant beta's key: beta has no list
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=3, seed=1)])
+    served = s.origins[0].make_url("/v1")
+    t = pb.RouteTable(
+        version=3,
+        regions=[pb.Region(name="r1", latitude=0.0, longitude=0.0)],
+        origins=[
+            pb.Origin(
+                name="o1",
+                base_url=str(served),
+                region="r1",
+                models=[MODEL, LARGE],
+                weight=100,
+                healthy=True,
+            )
+        ],
+        tenants=[
+            pb.Tenant(
+                name="acme",
+                prompt=pb.PromptPolicy(aliases={FAST: LARGE}),
+                models=pb.ModelAccess(names=[FAST, MODEL]),
+                limits=pb.Limits(rpm=2),
+            ),
+            pb.Tenant(name="beta"),
+        ],
+        keys=[
+            pb.ApiKey(id=KEY.key_id, hash=KEY.key_hash, tenant="acme"),
+            pb.ApiKey(id=NARROW.key_id, hash=NARROW.key_hash, tenant="acme", models=[MODEL]),
+            pb.ApiKey(id=OTHER.key_id, hash=OTHER.key_hash, tenant="beta"),
+        ],
+        auth_required=True,
+    )
+    t.etag = content_etag(t)
+    s.app[HOLDER].apply(t, "control-plane")
+    yield s
+    await s.close()
+
+
+@pytest.fixture(autouse=True)
+def _refusals_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ponto.refusals")
+    refusals.reset()
+
+
+def sent_model(stack: Stack) -> Any:
+    last = stack.origins[0].app[SIM_STATE].stats.last_request
+    assert last is not None
+    return last["body"]["model"]  # type: ignore[index]
+
+
+async def refused(stack: Stack, model: str, key: str) -> dict[str, Any]:
+    """The 404 for `model` asked with `key`, which reached no origin."""
+    before = stack.origin_requests()
+    resp = await stack.post(chat("hi", model=model), key=key)
+    assert resp.status == 404
+    assert stack.origin_requests() == before
+    return error_of(await resp.json())
+
+
+async def test_a_model_off_the_tenants_list_is_a_404_as_for_a_model_nobody_serves(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    off_list = await refused(stack, LARGE, KEY.key)
+    unknown = await refused(stack, "no-such-model", KEY.key)
+    assert off_list == {
+        "message": f"The model '{LARGE}' does not exist or you do not have access to it.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    assert unknown["message"] == off_list["message"].replace(LARGE, "no-such-model")
+    # Logged once each, without a traceback.
+    lines = [r for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(lines) == 2
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in lines)
+    assert all("model_not_found" in r.getMessage() for r in lines)
+    # Nothing was taken from acme's 2 requests a minute.
+    for model in (MODEL, FAST):
+        resp = await stack.post(chat(f"after {model}", model=model), key=KEY.key)
+        assert resp.status == 200, await resp.text()
+
+
+async def test_an_alias_on_the_list_reaches_its_target_and_a_tenant_without_a_list_names_any(
+    stack: Stack,
+) -> None:
+    resp = await stack.post(chat("hi", model=FAST), key=KEY.key)
+    assert resp.status == 200
+    assert sent_model(stack) == LARGE
+    resp = await stack.post(chat("hi", model=LARGE), key=OTHER.key)
+    assert resp.status == 200
+    assert sent_model(stack) == LARGE
+
+
+async def test_a_keys_list_narrows_its_tenants(stack: Stack) -> None:
+    assert (await refused(stack, FAST, NARROW.key))["code"] == "model_not_found"
+    resp = await stack.post(chat("hi"), key=NARROW.key)
+    assert resp.status == 200
+    assert sent_model(stack) == MODEL
+
+
+@pytest.mark.parametrize(
+    ("key", "listed"),
+    [(KEY, [MODEL, FAST]), (NARROW, [MODEL]), (OTHER, [MODEL, LARGE])],
+    ids=["tenant-list", "key-list", "no-list"],
+)
+async def test_the_model_list_holds_what_the_caller_may_name(
+    stack: Stack, key: Any, listed: list[str]
+) -> None:
+    headers = {"authorization": f"Bearer {key.key}"}
+    resp = await stack.client.get("/v1/models", headers=headers)
+    assert resp.status == 200
+    assert sorted(m["id"] for m in (await resp.json())["data"]) == sorted(listed)
+    for model in (MODEL, LARGE, FAST):
+        one = await stack.client.get(f"/v1/models/{model}", headers=headers)
+        assert one.status == (200 if model in listed else 404)

@@ -1,0 +1,275 @@
+"""The models a tenant's and a key's callers may name, in the control plane:
+the model values and their storage, apply documents, the Admin API (a real
+gRPC server on loopback over an in-memory store: warnings, the route table,
+the audit trail) and pontoctl's flags and tables. The proxy's side is in
+tests/functional/test_model_access.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from controlplane.apply import Current, document, parse, plan
+from controlplane.catalog import Catalog
+from controlplane.cli import _parser, _rows_keys, _rows_tenants, run
+from controlplane.compile import compile_table
+from controlplane.errors import InvalidArgument
+from controlplane.model import (
+    MAX_ACCESS_MODELS,
+    ApiKeyRecord,
+    ModelAccess,
+    Origin,
+    PromptPolicy,
+    Tenant,
+    access_warnings,
+    decode_key,
+    decode_tenant,
+    encode,
+)
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_alias_warnings import admin, warned
+
+ORIGINS = [Origin("o1", "http://h/v1", "us", ("llama-8b", "llama-70b"))]
+
+
+def acme(*names: str, **aliases: str) -> Tenant:
+    return Tenant(
+        "acme",
+        prompt=PromptPolicy(aliases=tuple(sorted(aliases.items()))),
+        models=ModelAccess(names),
+    )
+
+
+# ---------------------------------------------------------------- values
+
+
+def test_a_list_is_kept_sorted_once_each_and_checked() -> None:
+    assert acme("b", "a", "b").validated().models == ModelAccess(("a", "b"))
+    with pytest.raises(InvalidArgument, match="models of tenant 'acme': model name ' x' is"):
+        acme(" x").validated()
+    with pytest.raises(InvalidArgument) as too_many:
+        acme(*(f"m{i}" for i in range(MAX_ACCESS_MODELS + 1))).validated()
+    assert too_many.value.field == "models"
+    assert ModelAccess().allows("anything") and not ModelAccess(("a",)).allows("b")
+
+
+def test_lists_are_stored_and_records_from_before_them_read_as_none() -> None:
+    tenant = acme("llama-8b").validated()
+    assert decode_tenant(encode(tenant)) == tenant
+    key = ApiKeyRecord("abcdefghij", "0" * 64, "acme", models=("llama-8b",))
+    assert decode_key(encode(key)) == key
+    older = orjson.dumps({"name": "acme", "limits": {}})
+    assert decode_tenant(older).models == ModelAccess()
+    assert decode_key(orjson.dumps({"id": "k", "hash": "h", "tenant": "acme"})).models == ()
+
+
+def test_names_nothing_answers_and_aliases_off_the_list_are_warned_of() -> None:
+    tenant = acme("fast", "llama-8b", "lama-70b", fast="llama-70b", big="llama-70b")
+    assert access_warnings(tenant, ORIGINS) == (
+        "no origin serves model 'lama-70b', which tenant 'acme' may name, and it is no alias "
+        "of tenant 'acme': requests for it get 404 until one does",
+        "alias 'big' of tenant 'acme' is not among the models it may name: requests for it get 404",
+    )
+    assert access_warnings(acme(big="nothing"), ORIGINS) == ()  # no list: nothing to say
+    key = ApiKeyRecord("abcdefghij", "", "acme", models=("fast", "llama-70b", "nope"))
+    assert access_warnings(tenant, ORIGINS, key) == (
+        "key 'abcdefghij' may name model 'llama-70b', which its tenant 'acme' may not: "
+        "requests for it get 404",
+        "key 'abcdefghij' may name model 'nope', which its tenant 'acme' may not: "
+        "requests for it get 404",
+    )
+    assert [w.split(",")[0] for w in access_warnings(acme(), ORIGINS, key)] == [
+        "no origin serves model 'fast'",
+        "no origin serves model 'nope'",
+    ]
+
+
+# ---------------------------------------------------------------- apply
+
+
+def test_apply_reads_writes_and_compares_a_tenants_models() -> None:
+    doc = {"tenants": [{"name": "acme", "models": ["llama-8b", "fast"]}]}
+    [tenant] = parse(doc).tenants
+    assert tenant.models == ModelAccess(("fast", "llama-8b"))
+    saved = tenant.validated()
+    assert document(tenants=[saved])["tenants"] == [
+        {"name": "acme", "cache": {"mode": "exact"}, "models": ["fast", "llama-8b"]}
+    ]
+    # The same list in another order changes nothing; a shorter one is an update.
+    have = Current(tenants={"acme": saved})
+    [same] = plan(parse(doc), have, prune=False).changes
+    assert same.action == "unchanged"
+    fewer = {"tenants": [{"name": "acme", "models": ["fast"]}]}
+    [change] = plan(parse(fewer), have, prune=False).changes
+    assert (change.action, change.fields) == ("updated", ("models",))
+    # A document whose list names nothing that answers is warned of.
+    warnings = plan(parse(doc), have, prune=False).warnings
+    assert any("'fast', which tenant 'acme' may name" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    ("models", "error"),
+    [
+        ("llama-8b", "tenants[0].models: expected a list"),
+        ([1], "tenants[0].models[0]: expected a string"),
+    ],
+)
+def test_apply_names_the_field_of_a_list_of_the_wrong_shape(models: Any, error: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        parse({"tenants": [{"name": "acme", "models": models}]})
+    assert error in str(refused.value)
+
+
+# ---------------------------------------------------------------- the Admin API
+
+
+async def test_the_admin_api_saves_lists_warns_and_compiles_them() -> None:
+    store = MemoryStore()
+    async with admin(store) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="us")))
+        spec = apb.OriginSpec(name="o1", base_url="http://h/v1", region="us", models=["llama-8b"])
+        await stub.PutOrigin(apb.PutOriginRequest(origin=spec))
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        update = apb.UpdateTenantRequest(
+            name="acme", models=pb.ModelAccess(names=["llama-8b", "llama-70b"])
+        )
+        [warning] = await warned(stub.UpdateTenant(update))
+        assert warning.startswith("no origin serves model 'llama-70b', which tenant 'acme'")
+        created = await stub.CreateKey(
+            apb.CreateKeyRequest(tenant="acme", models=["llama-8b", "other"])
+        )
+        assert list(created.key.models) == ["llama-8b", "other"]
+        key_id = created.key.id
+        narrowed = stub.SetKeyModels(apb.SetKeyModelsRequest(id=key_id, models=["llama-70b"]))
+        [warning] = await warned(narrowed)  # on its tenant's list, but served by none
+        assert warning.startswith(f"no origin serves model 'llama-70b', which key '{key_id}'")
+        table = compile_table(await Catalog(store).snapshot())
+        [tenant] = table.tenants
+        assert list(tenant.models.names) == ["llama-70b", "llama-8b"]
+        [key] = table.keys
+        assert list(key.models) == ["llama-70b"]
+        # An update without the field keeps the list; an empty one clears it.
+        await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", limits=pb.Limits(rpm=5)))
+        [kept] = (await stub.ListTenants(apb.ListRequest())).tenants
+        assert list(kept.models.names) == ["llama-70b", "llama-8b"]
+        cleared = apb.UpdateTenantRequest(name="acme", models=pb.ModelAccess())
+        assert list((await stub.UpdateTenant(cleared)).models.names) == []
+        await stub.SetKeyModels(apb.SetKeyModelsRequest(id=key_id))
+        [listed] = (await stub.ListKeys(apb.ListKeysRequest())).keys
+        assert list(listed.models) == []
+        audit = (await stub.ListAudit(apb.ListAuditRequest(action="SetKeyModels"))).entries
+        assert [e.detail["changes"] for e in audit] == [
+            "models llama-70b -> removed",
+            "models llama-8b,other -> llama-70b",
+        ]
+        assert [e.detail["models"] for e in audit] == ["the tenant's", "llama-70b"]
+
+
+async def test_a_bad_name_or_a_revoked_key_is_refused() -> None:
+    async with admin(MemoryStore()) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        with pytest.raises(Exception, match="model name 'a b' is invalid"):
+            await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", models=["a b"]))
+        with pytest.raises(Exception, match="models of tenant 'acme': model name '' is"):
+            await stub.UpdateTenant(
+                apb.UpdateTenantRequest(name="acme", models=pb.ModelAccess(names=[""]))
+            )
+        created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme"))
+        await stub.RevokeKey(apb.KeyRequest(id=created.key.id))
+        with pytest.raises(Exception, match="is revoked; its models cannot change"):
+            await stub.SetKeyModels(apb.SetKeyModelsRequest(id=created.key.id, models=["m"]))
+
+
+# ---------------------------------------------------------------- pontoctl
+
+
+class Stub:
+    """The Admin calls of `tenant set` and `key`; keeps what was sent."""
+
+    def __init__(self) -> None:
+        self.current = pb.Tenant(name="acme", models=pb.ModelAccess(names=["a"]))
+        self.sent: list[Any] = []
+
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(tenants=[self.current])
+
+    def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
+        self.sent.append(req)
+        if req.HasField("models"):
+            self.current.models.CopyFrom(req.models)
+        return self.current
+
+    def CreateKey(self, req: apb.CreateKeyRequest) -> apb.CreateKeyResponse:
+        self.sent.append(req)
+        key = apb.ApiKeyInfo(id="abcdefghij", tenant=req.tenant, models=req.models)
+        return apb.CreateKeyResponse(key=key, secret="sk-ponto-abcdefghij-SECRET")
+
+    def SetKeyModels(self, req: apb.SetKeyModelsRequest) -> apb.ApiKeyInfo:
+        self.sent.append(req)
+        return apb.ApiKeyInfo(id=req.id, tenant="acme", models=req.models)
+
+
+def pontoctl(stub: Stub, *argv: str) -> str:
+    return run(_parser().parse_args(list(argv)), stub)
+
+
+def test_tenant_set_replaces_or_clears_the_list() -> None:
+    stub = Stub()
+    out = pontoctl(stub, "tenant", "set", "acme", "--models", "llama-8b, fast")
+    assert out == "tenant acme saved (cache ; routing default; models fast,llama-8b)"
+    assert list(stub.sent[-1].models.names) == ["fast", "llama-8b"]
+    assert pontoctl(stub, "tenant", "set", "acme", "--any-model").endswith("; models any)")
+    assert stub.sent[-1].HasField("models") and not stub.sent[-1].models.names
+    # The same list again sends nothing.
+    assert "unchanged" in pontoctl(stub, "tenant", "set", "acme", "--any-model")
+    assert len(stub.sent) == 2
+
+
+def test_keys_are_given_lists_at_creation_and_after() -> None:
+    stub = Stub()
+    created = pontoctl(stub, "key", "create", "--tenant", "acme", "--models", "b,a")
+    assert list(stub.sent[-1].models) == ["a", "b"]
+    assert created.splitlines()[-1] == "sk-ponto-abcdefghij-SECRET"
+    out = pontoctl(stub, "key", "models", "abcdefghij", "a")
+    assert out == "key abcdefghij of tenant acme may name models: a"
+    out = pontoctl(stub, "key", "models", "abcdefghij", "--any")
+    assert out == "key abcdefghij of tenant acme may name models: those of tenant acme"
+    assert list(stub.sent[-1].models) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("tenant", "set", "acme", "--models", "a,,b"),
+        ("tenant", "set", "acme", "--models", "a b"),
+        ("tenant", "set", "acme", "--models", "a", "--any-model"),
+        ("key", "models", "abcdefghij"),
+        ("key", "models", "abcdefghij", "a", "--any"),
+    ],
+)
+def test_a_list_that_is_not_one_is_refused_before_any_call(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(list(argv))
+    assert exited.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_tables_show_the_lists() -> None:
+    tenants = apb.ListTenantsResponse(
+        tenants=[pb.Tenant(name="acme", models=pb.ModelAccess(names=["a", "b"])), pb.Tenant()]
+    )
+    header, rows = _rows_tenants(tenants)
+    column = header.index("MODELS")
+    assert [row[column] for row in rows] == ["a,b", "any"]
+    keys = apb.ListKeysResponse(
+        keys=[apb.ApiKeyInfo(id="k1", tenant="acme", models=["a"]), apb.ApiKeyInfo(id="k2")]
+    )
+    header, rows = _rows_keys(keys)
+    column = header.index("MODELS")
+    assert [row[column] for row in rows] == ["a", "tenant's"]
