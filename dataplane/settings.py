@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dataplane.cache.regionurl import RegionURLError, check_url
 from dataplane.geo import TrustedProxies
+from dataplane.http.cors import CorsPolicy
 from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
@@ -86,6 +87,9 @@ class Settings:
     log_level: str
     geoip_db: Path | None = None
     trusted_proxies: tuple[str, ...] = ()
+    # The web origins whose pages may call the proxy (dataplane/http/cors.py);
+    # None: no CORS at all.
+    cors: CorsPolicy | None = None
     credentials: ClientOptions = field(default_factory=ClientOptions)
     report_interval: float = 1.0
     cache_max_bytes: int = 256 << 20
@@ -309,6 +313,13 @@ def parse(argv: list[str]) -> Settings:
         help="CIDRs of load balancers whose X-Forwarded-For/Forwarded is believed, "
         "comma-separated; headers from other peers are ignored",
     )
+    p.add_argument(
+        "--cors-origins",
+        default="",
+        metavar="ORIGIN[,ORIGIN...]|*",
+        help="web origins (https://app.example) whose pages may call the API from a "
+        "browser, or * for any; default: none (no CORS headers, OPTIONS is a 405)",
+    )
     p.add_argument("--tls-ca", default="", help="CA that signed the control plane's certificate")
     p.add_argument("--tls-cert", default="", help="this proxy's client certificate (mutual TLS)")
     p.add_argument("--tls-key", default="", help="this proxy's client key")
@@ -480,6 +491,10 @@ def parse(argv: list[str]) -> Settings:
         TrustedProxies(trusted)
     except ValueError as exc:
         p.error(str(exc))
+    try:
+        cors = CorsPolicy.parse(a.cors_origins)
+    except ValueError as exc:
+        p.error(str(exc))
     if a.geoip_db is not None and not a.geoip_db.is_file():
         p.error(f"--geoip-db {a.geoip_db} is not a readable file")
     try:
@@ -579,6 +594,7 @@ def parse(argv: list[str]) -> Settings:
         log_level=a.log_level,
         geoip_db=a.geoip_db,
         trusted_proxies=trusted,
+        cors=cors,
         credentials=credentials,
         report_interval=a.report_interval_ms / 1000,
         cache_max_bytes=a.cache_max_mb << 20,

@@ -8,10 +8,8 @@ published; the proxy logs the set it takes and exports its metrics.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from jwt.algorithms import RSAAlgorithm
 from controlplane.cli import main as pontoctl
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
+from tests.e2e.loopback import LoopbackServer, QuietHandler
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +45,7 @@ class Provider:
         self.status = 200  # what GET /jwks.json answers
         provider = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 provider.fetches += 1
                 body = json.dumps({"keys": provider.keys}).encode()
@@ -56,16 +55,11 @@ class Provider:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/jwks.json"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.served = LoopbackServer(Handler)
+        self.url = f"http://127.0.0.1:{self.served.port}/jwks.json"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.served.close()
 
 
 @pytest.fixture(scope="module")

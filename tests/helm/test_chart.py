@@ -1159,3 +1159,18 @@ def test_notes_give_a_pontoctl_command_that_presents_an_admin_certificate(
     ).notes
     assert quick in plain
     assert "--tls-cert" not in plain
+
+
+def test_cors_origins_become_the_proxies_flag(helm: Path, default: list[Doc]) -> None:
+    assert "--cors-origins" not in flags(
+        container(one(default, "Deployment", "ponto-proxy-us-east"))
+    )
+    docs = render(
+        helm,
+        "--set-json",
+        'proxy.corsOrigins=["https://app.example","http://localhost:3000"]',
+    )
+    use = container(one(docs, "Deployment", "ponto-proxy-us-east"))
+    assert flags(use)["--cors-origins"] == "https://app.example,http://localhost:3000"
+    message = refused(helm, "--set-json", 'proxy.corsOrigins=["https://app.example/path"]')
+    assert "corsOrigins" in message
