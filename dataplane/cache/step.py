@@ -74,6 +74,7 @@ from dataplane.cache.store import UNANSWERED, ExactStore, Found
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.streaming.relay import RelayEnd
+from dataplane.streaming.usage import asks_usage
 
 if TYPE_CHECKING:  # numpy and the model load only when semantic caching is on
     from dataplane.cache.bounded import Answer
@@ -316,7 +317,7 @@ class EdgeCache:
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
             return CachePlan("bypass", reason=decision.reason.value)
-        include_usage = _include_usage(req.body)
+        include_usage = asks_usage(req.body)
         wants_usage = _wants_usage(include_usage, req.stream)
         context = text = ""
         if decision.semantic and self.semantic is None:
@@ -675,11 +676,6 @@ class EdgeCache:
     def _count(self, result: str, kind: str) -> None:
         m = self._metrics
         m.cache_requests.labels(result, str(kind)).inc()
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def _following(

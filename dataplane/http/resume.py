@@ -27,6 +27,7 @@ from dataplane.metrics import Metrics
 from dataplane.routes import Target
 from dataplane.streaming.relay import Next
 from dataplane.streaming.splice import Splicer, Transcript, continuation_body, read_state
+from dataplane.streaming.usage import asks_usage
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ class Continuations:
         body = continuation_body(ex.endpoint.name, ex.body, state)
         if body is None:
             if _budget_spent(ex.body, state.tokens):
-                return Next(_length_end(state, ex.endpoint.name), _Ended(), _unchanged)
+                end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
+                return Next(end, _Ended(), _unchanged)
             self._give_up(
                 cut,
                 "a tool call, reasoning, several choices, structured output or an echo "
@@ -189,18 +191,31 @@ def _budget_spent(body: dict[str, Any], tokens: int) -> bool:
     return False
 
 
-def _length_end(state: Any, endpoint: str) -> bytes:
-    """The final chunk of a stream whose token budget ran out as it was cut."""
+def _length_end(state: Any, ex: Exchange, prompt: int, continued: int) -> bytes:
+    """The final chunks of a stream whose token budget ran out as it was cut,
+    which no origin ends: the finish reason, and the usage chunk if the
+    client asked for one (trial 28: none came, and the SDK's `usage` stayed
+    None). No origin counted that usage: its prompt is the proxy's estimate
+    of every call's (as the proxy's own accounting has it), its completion
+    the tokens sent, and it says so (`"ponto": {"usage": "estimated"}`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-    if endpoint == "completions":
+    if ex.endpoint.name == "completions":
         choice["text"] = ""
     else:
         choice["delta"] = {}
-    chunk = {
-        "id": state.id,
-        "object": state.object,
-        "created": state.created,
-        "model": state.model,
-        "choices": [choice],
+    head = {"id": state.id, "object": state.object, "created": state.created, "model": state.model}
+    ponto = {"continued": continued} if continued else {}
+    chunk: dict[str, Any] = {**head, "choices": [choice]}
+    if ponto:
+        chunk["ponto"] = ponto
+    if not asks_usage(ex.body):
+        return b"data: " + jsonio.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+    chunk["usage"] = None  # as every chunk before the usage chunk has it
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": state.tokens,
+        "total_tokens": prompt + state.tokens,
     }
-    return b"data: " + jsonio.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+    last = {**head, "choices": [], "usage": usage, "ponto": {**ponto, "usage": "estimated"}}
+    events = b"".join(b"data: " + jsonio.dumps(c) + b"\n\n" for c in (chunk, last))
+    return events + b"data: [DONE]\n\n"

@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from dataplane import jsonio
 from dataplane.streaming.sse import Event
+
+
+def asks_usage(body: dict[str, Any]) -> bool:
+    """Whether a request asks for a stream's usage chunk
+    (`stream_options.include_usage: true`)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 @dataclass(slots=True)

@@ -335,6 +335,37 @@ async def test_without_a_usage_chunk_the_continuation_prompt_is_still_charged(
     assert metrics.tenant_tokens.labels("default", "-", "completion").value == 4
 
 
+@pytest.mark.parametrize("usage", [True, False], ids=["include-usage", "no-usage"])
+async def test_a_budget_spent_at_the_cut_ends_the_stream_with_its_usage_if_asked(
+    proxy: Callable[..., Awaitable[Proxy]], usage: bool
+) -> None:
+    """Trial 28: when the tokens sent were the whole max_tokens, the proxy
+    ends the stream itself (no origin is asked), and a client that asked for
+    include_usage got no usage chunk: the SDK's `usage` stayed None."""
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, True)])
+    options = {"include_usage": True} if usage else None
+    chunks, _ = await p.stream(max_tokens=2, stream_options=options)
+    assert b.bodies == []
+    assert text_of(chunks) == "Hello"
+    finishes = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finishes] == ["length"]
+    assert {c["id"] for c in chunks} == {"first"}
+    if not usage:
+        assert all("usage" not in c for c in chunks)
+        return
+    assert finishes[0]["usage"] is None
+    estimate = estimate_prompt_tokens("chat.completions", a.bodies[0])
+    last = chunks[-1]
+    assert last["choices"] == []
+    assert last["usage"] == {
+        "prompt_tokens": estimate,
+        "completion_tokens": 2,
+        "total_tokens": estimate + 2,
+    }
+    assert last["ponto"] == {"usage": "estimated"}
+
+
 async def test_a_connection_dropped_after_done_is_a_whole_answer(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:
