@@ -595,6 +595,10 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 self._messages.pop()
                 self._refuse_head()
                 return
+            elif (unsupported := _unsupported(message)) is not None:
+                self._messages.pop()
+                self._refuse_head(unsupported)
+                return
             self._deadline.disarm()
             if self._counted:
                 self._caps.busy(self, self._address)
@@ -609,13 +613,14 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._head_bytes = 0
         self._deadline.arm(self._limits.header_timeout, self._head_late)
 
-    def _refuse_head(self) -> None:
-        """Answer a head past MAX_HEAD as aiohttp answers one its parser refuses
-        (an error message in the queue), and read no more of the connection."""
+    def _refuse_head(self, exc: BadHttpMessage | None = None) -> None:
+        """Answer a head past MAX_HEAD (or one `exc` refuses) as aiohttp answers
+        one its parser refuses (an error message in the queue), and read no
+        more of the connection."""
         self._deadline.disarm()
-        exc = HeadTooLarge(f"request head over {MAX_HEAD} bytes")
+        exc = exc or HeadTooLarge(f"request head over {MAX_HEAD} bytes")
         self._messages.append(
-            (web_protocol._ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD)
+            (web_protocol._ErrInfo(status=exc.code, exc=exc, message=exc.message), EMPTY_PAYLOAD)
         )
         self._request_count += 1
         if self._waiter is not None and not self._waiter.done():
@@ -908,6 +913,35 @@ def _head_size(message: RawRequestMessage) -> int:
 class HeadTooLarge(BadHttpMessage):
     """A request head past MAX_HEAD bytes (aiohttp bounds only its lines)."""
 
+    code = 431
+
+
+class VersionNotSupported(BadHttpMessage):
+    """A request of an HTTP version other than 1.0 and 1.1 (trial 28: llhttp
+    takes `HTTP/2.0` and `HTTP/0.9` request lines, and the answer's status
+    line repeated them)."""
+
+    code = 505
+
+
+class CodingNotSupported(BadHttpMessage):
+    """A body whose Transfer-Encoding names a coding besides `chunked` (trial
+    28: `gzip, chunked` was read as chunked alone, its gzip ignored), which
+    RFC 9112 6.1 answers 501."""
+
+    code = 501
+
+
+def _unsupported(message: RawRequestMessage) -> BadHttpMessage | None:
+    """What refuses a parsed head that the parser took: its version, or a
+    transfer coding besides `chunked`; None for the usual request."""
+    if message.version not in (HttpVersion11, HttpVersion10):
+        return VersionNotSupported("HTTP version not supported")
+    # One header at most: the parser refuses a second.
+    if message.chunked and message.headers[hdrs.TRANSFER_ENCODING].strip().lower() != "chunked":
+        return CodingNotSupported("transfer coding not supported")
+    return None
+
 
 def parser_error(exc: HttpProcessingError) -> ApiError:
     """The client's answer to a message aiohttp's parser refused: a fixed message
@@ -921,6 +955,17 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
             f"request head too large: at most {MAX_HEADERS} headers and {MAX_HEAD} "
             f"bytes, and at most {MAX_FIELD} bytes in the request line and in each header",
             code="request_header_fields_too_large",
+        )
+    if isinstance(exc, VersionNotSupported):
+        return ApiError(
+            505, "HTTP version not supported: send HTTP/1.1", code="http_version_not_supported"
+        )
+    if isinstance(exc, CodingNotSupported):
+        return ApiError(
+            501,
+            "Transfer-Encoding not supported: send 'chunked' alone (a content coding goes in "
+            "Content-Encoding)",
+            code="unsupported_transfer_encoding",
         )
     if isinstance(exc, BadHttpMethod):
         return ApiError(400, "malformed HTTP request: invalid method", code="invalid_http_request")

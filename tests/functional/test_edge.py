@@ -241,6 +241,16 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
         (head(CHAT, length=None)[:-2] + b"Content-Length: -5\r\n\r\n", 400, "invalid_http_request"),
         (b"P\x00ST / HTTP/1.1\r\n\r\n", 400, "invalid_http_request"),
         (b"POST / HTTP/9.9\r\nHost: p\r\n\r\n", 400, "invalid_http_request"),
+        # Trial 28: taken by the parser, served, and the version repeated.
+        (head(CHAT).replace(b"HTTP/1.1", b"HTTP/2.0") + BODY, 505, "http_version_not_supported"),
+        (b"GET /v1/models HTTP/0.9\r\nHost: p\r\n\r\n", 505, "http_version_not_supported"),
+        # Trial 28: read as chunked alone, the gzip ignored.
+        (
+            head(CHAT, b"Transfer-Encoding: gzip, chunked", length=None)
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY),
+            501,
+            "unsupported_transfer_encoding",
+        ),
     ],
     ids=[
         "long-header",
@@ -253,6 +263,9 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
         "negative-length",
         "bad-method",
         "bad-version",
+        "http-2.0",
+        "http-0.9",
+        "gzip-chunked",
     ],
 )
 async def test_a_message_the_parser_refuses_gets_a_json_error_logged_once(
