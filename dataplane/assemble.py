@@ -77,7 +77,10 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
         _instruct(body, rules)
         changed = True
     for name, value in rules.defaults.items():
-        if name not in body and default_applies(endpoint, name):
+        # A field set to null is left out as far as the proxy is concerned
+        # (the cache key holds it so too); the SDKs send null for None
+        # (trial 28: `"temperature": null` kept it, and skipped the default).
+        if body.get(name) is None and default_applies(endpoint, name):
             # A copy: a list or object default must not be shared by requests.
             body[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
             changed = True

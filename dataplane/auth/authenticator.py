@@ -497,14 +497,17 @@ class Authenticator:
 
         `now` is Unix time (``time.time()``), used for JWT ``exp``/``nbf`` and
         the JWT cache. The scheme ``Bearer`` is matched case-insensitively;
-        otherwise the header must be exactly ``<scheme> <token>`` (one space,
-        no other whitespace). Never awaits and does no I/O.
+        otherwise the header must be ``<scheme> <token>``, with one space or
+        more between them (RFC 9110 11.4: `1*SP`) and no other whitespace.
+        Never awaits and does no I/O.
         """
         if self._is_open:
             return OPEN_PRINCIPAL
         if not authorization_header:
             raise _missing()
         scheme, sep, token = authorization_header.partition(" ")
+        if token[:1] == " ":
+            token = token.lstrip(" ")
         if not sep or len(scheme) != 6 or scheme.lower() != "bearer" or not token or " " in token:
             raise _malformed_header()
         known = self._verified.get(token)

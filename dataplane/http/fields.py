@@ -922,6 +922,23 @@ def _input_unless_the_origin_holds_it(body: dict[str, Any], stream: bool) -> Non
         raise missing("input")
 
 
+def _continuing_a_final_assistant_message(body: dict[str, Any], stream: bool) -> None:
+    """vLLM's `continue_final_message` goes on from the last message, which
+    must be the assistant's, and not with `add_generation_prompt` (vLLM
+    refuses both); the proxy reads it to continue a cut stream (trial 28:
+    "yes", or a final user message, reached the origin for its 400)."""
+    if body.get("continue_final_message") is not True:
+        return
+    if body.get("add_generation_prompt") is True:
+        raise invalid_value(
+            "continue_final_message", "cannot be true with 'add_generation_prompt' true"
+        )
+    if body["messages"][-1].get("role") != "assistant":
+        raise invalid_value(
+            "continue_final_message", "needs the last message to be the assistant's"
+        )
+
+
 def _best_of_at_least_n(body: dict[str, Any], stream: bool) -> None:
     best_of, n = body.get("best_of"), body.get("n")
     if best_of is not None and n is not None and best_of < n:
@@ -1018,11 +1035,15 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "reasoning_effort": REASONING_EFFORT,
             "verbosity": VERBOSITY,
             "web_search_options": any_object,
+            # vLLM's, which the proxy reads (dataplane.streaming.splice).
+            "continue_final_message": boolean,
+            "add_generation_prompt": boolean,
         },
         (
             _stream_options_need_stream,
             _top_logprobs_need_logprobs,
             _tool_choice_names_a_tool(flat=False),
+            _continuing_a_final_assistant_message,
         ),
     ),
     "completions": Rules(

@@ -303,6 +303,9 @@ def test_scheme_is_case_insensitive() -> None:
     auth = build(keys=[record(issued)])
     for scheme in ("bearer", "BEARER", "BeArEr"):
         assert auth.authenticate(f"{scheme} {issued.key}", NOW).key_id == issued.key_id
+    # RFC 9110 11.4: one space or more after the scheme (trial 28: two were a 401).
+    for spaces in ("  ", "   "):
+        assert auth.authenticate(f"Bearer{spaces}{issued.key}", NOW).key_id == issued.key_id
 
 
 @pytest.mark.parametrize(
@@ -312,7 +315,7 @@ def test_scheme_is_case_insensitive() -> None:
         "Token {key}",
         "Bearer",
         "Bearer ",
-        "Bearer  {key}",
+        "Bearer   ",
         "Bearer {key} extra",
         "Bearer\t{key}",
         "Bearer {key}\n",

@@ -62,6 +62,14 @@ def refusal(endpoint: str, body: dict[str, Any]) -> ApiError:
 
 GOOD = [
     ("chat.completions", chat()),
+    (
+        "chat.completions",
+        chat(
+            messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}],
+            continue_final_message=True,
+            add_generation_prompt=False,
+        ),
+    ),
     ("chat.completions", chat(
         messages=[
             {"role": "system", "content": "Be brief.", "name": "sys"},
@@ -238,6 +246,20 @@ BAD = [
     (C, chat(logprobs=True, top_logprobs=21), "top_logprobs", "integer_above_max_value"),
     (C, chat(top_logprobs=2), "top_logprobs", V),
     (C, chat(logprobs=False, top_logprobs=2), "top_logprobs", V),
+    # vLLM's prefill continuation (trial 28: these reached the origin)
+    (C, chat(continue_final_message="yes"), "continue_final_message", T),
+    (C, chat(continue_final_message=True), "continue_final_message", V),
+    (
+        C,
+        chat(
+            messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}],
+            continue_final_message=True,
+            add_generation_prompt=True,
+        ),
+        "continue_final_message",
+        V,
+    ),
+    (C, chat(add_generation_prompt=1), "add_generation_prompt", T),
     # tools
     (C, chat(tools={"type": "function"}), "tools", T),
     (C, chat(tools=[{"type": "function"}]), "tools[0].function", M),
