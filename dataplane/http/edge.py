@@ -595,7 +595,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 self._messages.pop()
                 self._refuse_head()
                 return
-            elif (unsupported := _unsupported(message)) is not None:
+            elif (message.version is not HttpVersion11 or message.chunked) and (
+                unsupported := _unsupported(message)
+            ) is not None:  # the usual request checks no further than this line
                 self._messages.pop()
                 self._refuse_head(unsupported)
                 return

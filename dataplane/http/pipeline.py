@@ -345,7 +345,10 @@ class Pipeline:
         served."""
         ex.tenant = ex.policy.tenant(ex.principal.tenant)
         asked = ex.body["model"]
-        if not ex.policy.may_name(ex.principal, ex.tenant, asked):
+        policy = ex.policy
+        if (ex.tenant.models is not None or policy.key_models) and not policy.may_name(
+            ex.principal, ex.tenant, asked
+        ):
             raise model_not_found(asked)
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
