@@ -24,6 +24,7 @@ Pure: no I/O, no clock.
                   load_bound: 1.25}
         streams: {continuation: true, max_continuations: 2, stream_idle_timeout_s: 30,
                   hedge_ms: auto, hedge_models: {llama-3-8b: 500}}
+        models: [gpt-4o, embed-small]   # the only models its callers may name
 
 Unknown fields are refused with their path, so a typo never passes silently.
 An object's `drained` left out keeps the control plane's drain state (that is
@@ -51,6 +52,7 @@ from controlplane.model import (
     DEFAULT_WEIGHT,
     JWT_DEFAULT_MAX_LIFETIME_S,
     MAX_WEIGHT,
+    ApiKeyRecord,
     CachePolicy,
     JwtIssuer,
     Limits,
@@ -368,8 +370,17 @@ def _tenant(o: _Obj) -> Tenant:
                 (k, str(v)) for k, v in streams.mapping("hedge_models", (int, str)).items()
             ),
         ),
-        models=ModelAccess(o.strings("models")),
+        models=_access(o),
     )
+
+
+def _access(o: _Obj) -> ModelAccess:
+    """A tenant's `models`. An empty list is refused: it reads as "none", and
+    would give every model (review 45: a template that renders no names)."""
+    names = o.strings("models")
+    if o.raw.get("models") == []:
+        o.errors.append(f"{o.path}.models: an empty list; leave `models` out for every model")
+    return ModelAccess(names)
 
 
 def _default(prompt: _Obj, name: str, value: Any) -> str:
@@ -531,6 +542,8 @@ class Current:
     tenants: Mapping[str, Tenant] = field(default_factory=dict)
     # tenant -> ids of its keys that are not revoked
     active_keys: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # tenant -> those of its keys that have a model list
+    listed_keys: Mapping[str, Sequence[ApiKeyRecord]] = field(default_factory=dict)
 
 
 Value = Region | Origin | Tenant
@@ -669,7 +682,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     marks their tenant deleted. An alias whose target,
     or a per-model routing policy whose model, no origin of the result serves
     is no error (origins may come later): it is one of the plan's warnings, as
-    is a per-model hedge delay for such a model.
+    are a per-model hedge delay for such a model, and of a tenant's model
+    list (model.access_warnings) a name nothing serves, an alias it leaves
+    out and the names of its keys' lists it leaves out.
     """
     errors: list[str] = []
     changes: list[Change] = []
@@ -743,7 +758,7 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
         for t in topology.tenants
         for w in (
             *unserved_aliases(t, origins.values()),
-            *access_warnings(t, origins.values()),
+            *access_warnings(t, origins.values(), keys=current.listed_keys.get(t.name, ())),
             *unserved_settings(t, origins.values(), "routing"),
             *unserved_settings(t, origins.values(), "hedging"),
         )

@@ -376,10 +376,12 @@ class Catalog:
         with aliases alone, the settings the aliases make dead), and
         model.access_warnings (with aliases or models) of tenant against the
         origins stored now."""
-        origins = (await self.snapshot()).origins
+        state = await self.snapshot()
+        origins = state.origins
+        listed = [k for k in state.keys if k.tenant == tenant.name and k.models and not k.revoked]
         return (
             (unserved_aliases(tenant, origins) if aliases else ())
-            + (access_warnings(tenant, origins) if aliases or models else ())
+            + (access_warnings(tenant, origins, keys=listed) if aliases or models else ())
             + (
                 unserved_settings(tenant, origins, "routing", unserved=routing)
                 if aliases or routing
@@ -483,6 +485,7 @@ class Catalog:
         origins: dict[str, Origin] = {}
         tenants: dict[str, Tenant] = {}
         active: dict[str, list[str]] = {}
+        listed: dict[str, list[ApiKeyRecord]] = {}
         for kv in items:
             # An undecodable value is treated as absent, as snapshot() does;
             # the document may then replace it.
@@ -497,9 +500,11 @@ class Catalog:
                     key = decode_key(kv.value)
                     if not key.revoked:
                         active.setdefault(key.tenant, []).append(key.id)
+                        if key.models:
+                            listed.setdefault(key.tenant, []).append(key)
             except (ValueError, TypeError, KeyError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
-        return topology.Current(regions, origins, tenants, active)
+        return topology.Current(regions, origins, tenants, active, listed)
 
     async def export(self) -> dict[str, list[dict[str, object]]]:
         """The whole topology as an apply document; keys and health are not part of it."""

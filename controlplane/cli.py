@@ -695,8 +695,15 @@ def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb
 
 
 def _models_text(names: Sequence[str], none: str = "any") -> str:
-    """A model list in one table cell: the names, or `none` for no list."""
+    """A model list in one table cell: the names (the first few of a long
+    one, and how many more), or `none` for no list."""
+    if len(names) > MAX_CELL_MODELS:
+        return ",".join(names[:MAX_CELL_MODELS]) + f",…(+{len(names) - MAX_CELL_MODELS})"
     return ",".join(names) or none
+
+
+# Models a table cell names of a list (`-o yaml` shows them all).
+MAX_CELL_MODELS = 5
 
 
 def _limits_text(limits: pb.Limits, none: str = "no limits") -> str:
@@ -1189,10 +1196,17 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         # model's mode, the load bound or user sessions is seen in it too.
         # And its models, when it has a list or this set one.
         listed = update.HasField("models") or bool(t.models.names)
-        return (
+        saved = (
             f"tenant {t.name} saved (cache {t.cache.mode}; routing {_routing_text(t.routing)}"
             + (f"; models {_models_text(t.models.names)})" if listed else ")")
         )
+        if update.models.names and not t.models.names:
+            # A control plane older than model lists drops the field (review 45).
+            saved += (
+                " WITHOUT A MODEL LIST: the control plane does not support one; upgrade it "
+                "and set it again"
+            )
+        return saved
     if args.command == "key":
         if args.action == "create":
             check_note("key description", args.description)
@@ -1213,9 +1227,16 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     " WITHOUT AN EXPIRY: the control plane does not support one (upgrade it, "
                     f"then `pontoctl key expire {resp.key.id} --in ...`)"
                 )
+            naming = f", naming only {', '.join(resp.key.models)}" if resp.key.models else ""
+            if args.models and not resp.key.models:
+                # So does one older than model lists (review 45).
+                naming = (
+                    " WITHOUT A MODEL LIST: the control plane does not support one (upgrade "
+                    f"it, then `pontoctl key models {resp.key.id} ...`)"
+                )
             # The key alone on the last line, so scripts can take `tail -n1`.
             return (
-                f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}; "
+                f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}{naming}; "
                 "it is shown only now, store it safely:\n" + str(resp.secret)
             )
         if args.action == "list":
@@ -1228,6 +1249,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 keys = apb.ListKeysResponse(keys=live)
             return _render_keys(stub, keys, args.output)
         if args.action == "models":
+            # A control plane older than model lists has no such call: UNIMPLEMENTED.
             k = stub.SetKeyModels(apb.SetKeyModelsRequest(id=args.id, models=args.models or []))
             shown = ", ".join(k.models) if k.models else f"those of tenant {k.tenant}"
             return f"key {k.id} of tenant {k.tenant} may name models: {shown}"

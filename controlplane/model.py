@@ -789,11 +789,15 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
 
 
 def access_warnings(
-    tenant: Tenant, origins: Iterable[Origin], key: ApiKeyRecord | None = None
+    tenant: Tenant,
+    origins: Iterable[Origin],
+    key: ApiKeyRecord | None = None,
+    keys: Iterable[ApiKeyRecord] = (),
 ) -> tuple[str, ...]:
     """A warning for each model tenant's callers (with key: that key's) may
-    name that nothing answers, and, of a tenant, for each of its aliases it
-    may not name; pure.
+    name that nothing answers; of a tenant, for each of its aliases it may
+    not name, and for each of its `keys` whose list names models it may not
+    (a tenant's list narrowed under its keys' own, review 45); pure.
 
     Such a list is accepted (its origins may register later), but a misspelt
     name would leave a model refused unnoticed. A name answers when an
@@ -802,8 +806,10 @@ def access_warnings(
     """
     served = {model for o in origins for model in o.models}
     aliases = dict(tenant.prompt.aliases)
-    names, whose = (key.models, f"key {key.id!r}") if key else (tenant.models.names, "")
-    whose = whose or f"tenant {tenant.name!r}"
+    if key is not None:
+        names, whose = key.models, f"key {key.id!r}"
+    else:
+        names, whose = tenant.models.names, f"tenant {tenant.name!r}"
     warnings = []
     for name in names:
         if key is not None and not tenant.models.allows(name):
@@ -823,6 +829,15 @@ def access_warnings(
             for alias, _ in tenant.prompt.aliases
             if not tenant.models.allows(alias)
         )
+    for k in keys:
+        lost = [name for name in k.models if not tenant.models.allows(name)]
+        if lost:
+            none = "; the key may name no model at all" if len(lost) == len(k.models) else ""
+            warnings.append(
+                f"key {k.id!r} of tenant {tenant.name!r} lists {_some(lost)}, which the tenant "
+                f"may not name: requests for {'them' if len(lost) > 1 else 'it'} get 404{none} "
+                f"(`pontoctl key models {k.id} ...`)"
+            )
     return tuple(warnings)
 
 

@@ -352,6 +352,8 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
             message = exc.message
             if isinstance(exc, Unauthorized) and exc.owner is not None:  # an expired key
                 message += f" [key {exc.owner.key_id} of tenant {exc.owner.tenant}]"
+            if exc.note:
+                message += f" [{exc.note}]"
             _refused(request, exc.status, exc.code, message)
         return exc.response(), exc.code or str(exc.status)
     if isinstance(exc, web.HTTPException):

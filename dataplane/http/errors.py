@@ -49,6 +49,9 @@ class ApiError(Exception):
         self.logged = logged
         # Origin calls made before it was raised (dataplane.upstream.forwarder).
         self.attempts = 0
+        # For the log line only, after the message: what the client is not
+        # told (which model list refused its model).
+        self.note = ""
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         body = {

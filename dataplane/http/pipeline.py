@@ -349,7 +349,15 @@ class Pipeline:
         if (ex.tenant.models is not None or policy.key_models) and not policy.may_name(
             ex.principal, ex.tenant, asked
         ):
-            raise model_not_found(asked)
+            error = model_not_found(asked)
+            listed = ex.tenant.models
+            off = listed is not None and asked not in listed
+            error.note = (
+                f"not on the model list of tenant {ex.tenant.name}"
+                if off
+                else f"not on the model list of key {ex.principal.key_id}"
+            )
+            raise error
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         rules = ex.tenant.prompt

@@ -12,10 +12,12 @@ name. In-process: the proxy's app before an origin simulator.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import jwt
 import pytest
 
 from dataplane.http.refusals import refusals
@@ -30,10 +32,18 @@ LARGE = "sim-large"  # served, but off acme's list
 FAST = "fast"  # acme's alias of LARGE, on its list
 NARROW = issue_key()  # an acme key that may name MODEL only
 OTHER = issue_key()  # tenant beta's key: beta has no list
+ISSUER = "https://id.gamma.example"  # tenant gamma's JWTs: gamma may name MODEL
+SECRET = "a-secret-of-gamma-long-enough-for-hs256-0123456789"
+
+
+def gamma_token() -> str:
+    claims = {"iss": ISSUER, "sub": "user-1", "exp": int(time.time()) + 300}
+    return jwt.encode(claims, SECRET, algorithm="HS256")
 
 
 @pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+async def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Stack]:
+    monkeypatch.setenv("GAMMA_SECRET", SECRET)
     s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=3, seed=1)])
     served = s.origins[0].make_url("/v1")
     t = pb.RouteTable(
@@ -57,6 +67,13 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
                 limits=pb.Limits(rpm=2),
             ),
             pb.Tenant(name="beta"),
+            pb.Tenant(
+                name="gamma",
+                jwt=pb.JwtIssuer(
+                    issuer=ISSUER, algorithms=["HS256"], hs256_secret_env="GAMMA_SECRET"
+                ),
+                models=pb.ModelAccess(names=[MODEL]),
+            ),
         ],
         keys=[
             pb.ApiKey(id=KEY.key_id, hash=KEY.key_hash, tenant="acme"),
@@ -96,7 +113,7 @@ async def test_a_model_off_the_tenants_list_is_a_404_as_for_a_model_nobody_serve
     stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
     off_list = await refused(stack, LARGE, KEY.key)
-    unknown = await refused(stack, "no-such-model", KEY.key)
+    unknown = await refused(stack, "no-such-model", OTHER.key)  # beta has no list
     assert off_list == {
         "message": f"The model '{LARGE}' does not exist or you do not have access to it.",
         "type": "invalid_request_error",
@@ -104,11 +121,13 @@ async def test_a_model_off_the_tenants_list_is_a_404_as_for_a_model_nobody_serve
         "code": "model_not_found",
     }
     assert unknown["message"] == off_list["message"].replace(LARGE, "no-such-model")
-    # Logged once each, without a traceback.
+    # Logged once each, without a traceback; the log says which list refused.
     lines = [r for r in caplog.records if r.name == "ponto.refusals"]
     assert len(lines) == 2
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in lines)
     assert all("model_not_found" in r.getMessage() for r in lines)
+    assert "[not on the model list of tenant acme]" in lines[0].getMessage()
+    assert "model list" not in lines[1].getMessage()
     # Nothing was taken from acme's 2 requests a minute.
     for model in (MODEL, FAST):
         resp = await stack.post(chat(f"after {model}", model=model), key=KEY.key)
@@ -126,8 +145,12 @@ async def test_an_alias_on_the_list_reaches_its_target_and_a_tenant_without_a_li
     assert sent_model(stack) == LARGE
 
 
-async def test_a_keys_list_narrows_its_tenants(stack: Stack) -> None:
+async def test_a_keys_list_narrows_its_tenants(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
     assert (await refused(stack, FAST, NARROW.key))["code"] == "model_not_found"
+    [line] = [r.getMessage() for r in caplog.records if r.name == "ponto.refusals"]
+    assert f"[not on the model list of key {NARROW.key_id}]" in line
     resp = await stack.post(chat("hi"), key=NARROW.key)
     assert resp.status == 200
     assert sent_model(stack) == MODEL
@@ -148,3 +171,41 @@ async def test_the_model_list_holds_what_the_caller_may_name(
     for model in (MODEL, LARGE, FAST):
         one = await stack.client.get(f"/v1/models/{model}", headers=headers)
         assert one.status == (200 if model in listed else 404)
+
+
+async def test_a_jwt_caller_has_its_tenants_list(stack: Stack) -> None:
+    assert (await refused(stack, LARGE, gamma_token()))["code"] == "model_not_found"
+    resp = await stack.post(chat("hi"), key=gamma_token())
+    assert resp.status == 200
+    listed = await stack.client.get(
+        "/v1/models", headers={"authorization": f"Bearer {gamma_token()}"}
+    )
+    assert [m["id"] for m in (await listed.json())["data"]] == [MODEL]
+
+
+async def test_an_open_fleets_callers_have_tenant_defaults_list(stack: Stack) -> None:
+    """No key or issuer: every caller is tenant `default`, and its list holds."""
+    t = pb.RouteTable(
+        version=4,
+        regions=[pb.Region(name="r1", latitude=0.0, longitude=0.0)],
+        origins=[
+            pb.Origin(
+                name="o1",
+                base_url=str(stack.origins[0].make_url("/v1")),
+                region="r1",
+                models=[MODEL, LARGE],
+                weight=100,
+                healthy=True,
+            )
+        ],
+        tenants=[pb.Tenant(name="default", models=pb.ModelAccess(names=[LARGE]))],
+    )
+    t.etag = content_etag(t)
+    stack.app[HOLDER].apply(t, "control-plane")
+    before = stack.origin_requests()
+    resp = await stack.client.post("/v1/chat/completions", json=chat("hi"))
+    assert resp.status == 404 and stack.origin_requests() == before
+    resp = await stack.client.post("/v1/chat/completions", json=chat("hi", model=LARGE))
+    assert resp.status == 200
+    listed = await stack.client.get("/v1/models")
+    assert [m["id"] for m in (await listed.json())["data"]] == [LARGE]

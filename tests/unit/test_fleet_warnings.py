@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from controlplane.api import admin as admin_api
-from controlplane.api.routing import peer_host
+from controlplane.api.routing import RoutingService, peer_host
 from controlplane.catalog import (
     ACKS,
     CONFLICT_SHOWN_S,
@@ -26,6 +26,7 @@ from controlplane.catalog import (
     Catalog,
 )
 from controlplane.cli import _rows_proxies
+from controlplane.distribute import Publisher
 from controlplane.errors import Superseded
 from controlplane.fleetwarnings import MAX_NAMED_PROXIES, fleet_warnings
 from controlplane.model import ProxyRecord, encode
@@ -135,6 +136,35 @@ async def test_warnings_reported_between_acks_replace_the_acks() -> None:
     # A session this replica does not hold (gone since) is ignored.
     registry.warned("gone", (AUTH,))
     assert registry.ack_warnings() == {}
+
+
+async def test_the_route_stream_takes_a_reports_warnings_only_when_it_says_they_are_current() -> (
+    None
+):
+    """A report without RouteRequest.warnings_current (every report of a
+    proxy whose warnings did not change, and every report of an older one)
+    keeps what the last ACK said; one with it replaces that, even with none."""
+    catalog = Catalog(MemoryStore())
+    registry = ProxyRegistry(catalog, "cp-1")
+    record = await registry.register("p1", "eu-west", "10.0.0.1:8080", "1.0")
+    service = RoutingService(registry, Publisher("cp-1"))
+    sid = record.session_id
+
+    async def stream(*messages: pb.RouteRequest) -> tuple[str, ...]:
+        async def requests() -> Any:
+            for message in messages:
+                yield message
+
+        await service._read_acks(sid, "p1", requests(), {})
+        [listed] = registry.sessions.values()
+        return listed.warnings
+
+    ack = pb.RouteRequest(session_id=sid, version_info=7, response_nonce="n7", warnings=[AUTH])
+    assert await stream(ack, pb.RouteRequest(session_id=sid, is_report=True)) == (AUTH,)
+    cleared = pb.RouteRequest(session_id=sid, is_report=True, warnings_current=True)
+    assert await stream(cleared) == ()
+    again = pb.RouteRequest(session_id=sid, is_report=True, warnings_current=True, warnings=[AUTH])
+    assert await stream(again, pb.RouteRequest(session_id=sid, is_report=True)) == (AUTH,)
 
 
 async def test_two_processes_given_one_name_are_named_beside_it(

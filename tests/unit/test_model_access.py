@@ -116,6 +116,8 @@ def test_apply_reads_writes_and_compares_a_tenants_models() -> None:
     [
         ("llama-8b", "tenants[0].models: expected a list"),
         ([1], "tenants[0].models[0]: expected a string"),
+        # Review 45: it reads as "none", and would give every model.
+        ([], "tenants[0].models: an empty list; leave `models` out for every model"),
     ],
 )
 def test_apply_names_the_field_of_a_list_of_the_wrong_shape(models: Any, error: str) -> None:
@@ -167,6 +169,42 @@ async def test_the_admin_api_saves_lists_warns_and_compiles_them() -> None:
             "models llama-8b,other -> llama-70b",
         ]
         assert [e.detail["models"] for e in audit] == ["the tenant's", "llama-70b"]
+
+
+def test_a_tenants_list_narrowed_under_its_keys_lists_is_warned_of() -> None:
+    """Review 45: a key whose names its tenant's new list leaves out got 404
+    for them, and nothing said so."""
+    keys = [
+        ApiKeyRecord("k1", "", "acme", models=("a",)),
+        ApiKeyRecord("k2", "", "acme", models=("a", "b")),
+    ]
+    assert access_warnings(
+        acme("b"), [Origin("o", "http://h/v1", "us", ("a", "b"))], keys=keys
+    ) == (
+        "key 'k1' of tenant 'acme' lists a, which the tenant may not name: requests for it "
+        "get 404; the key may name no model at all (`pontoctl key models k1 ...`)",
+        "key 'k2' of tenant 'acme' lists a, which the tenant may not name: requests for it "
+        "get 404 (`pontoctl key models k2 ...`)",
+    )
+    doc = {"tenants": [{"name": "acme", "models": ["b"]}]}
+    have = Current(tenants={"acme": acme("a", "b")}, listed_keys={"acme": keys})
+    assert len([w for w in plan(parse(doc), have, prune=False).warnings if "key 'k" in w]) == 2
+
+
+async def test_the_admin_api_warns_of_the_keys_a_tenants_new_list_cuts_off() -> None:
+    async with admin(MemoryStore()) as stub:
+        names = pb.ModelAccess(names=["a", "b"])
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme", models=names)))
+        created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", models=["a"]))
+        revoked = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", models=["a"]))
+        await stub.RevokeKey(apb.KeyRequest(id=revoked.key.id))
+        update = apb.UpdateTenantRequest(name="acme", models=pb.ModelAccess(names=["b"]))
+        cut = [w for w in await warned(stub.UpdateTenant(update)) if w.startswith("key ")]
+    assert cut == [
+        f"key '{created.key.id}' of tenant 'acme' lists a, which the tenant may not name: "
+        f"requests for it get 404; the key may name no model at all (`pontoctl key models "
+        f"{created.key.id} ...`)"
+    ]
 
 
 async def test_a_bad_name_or_a_revoked_key_is_refused() -> None:
@@ -233,12 +271,42 @@ def test_keys_are_given_lists_at_creation_and_after() -> None:
     stub = Stub()
     created = pontoctl(stub, "key", "create", "--tenant", "acme", "--models", "b,a")
     assert list(stub.sent[-1].models) == ["a", "b"]
+    assert created.splitlines()[0].startswith(
+        "key abcdefghij created for tenant acme, naming only a, b; "
+    )
     assert created.splitlines()[-1] == "sk-ponto-abcdefghij-SECRET"
     out = pontoctl(stub, "key", "models", "abcdefghij", "a")
     assert out == "key abcdefghij of tenant acme may name models: a"
     out = pontoctl(stub, "key", "models", "abcdefghij", "--any")
     assert out == "key abcdefghij of tenant acme may name models: those of tenant acme"
     assert list(stub.sent[-1].models) == []
+
+
+class OldStub(Stub):
+    """A control plane from before model lists: it drops the fields."""
+
+    def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
+        self.sent.append(req)
+        return pb.Tenant(name="acme")
+
+    def CreateKey(self, req: apb.CreateKeyRequest) -> apb.CreateKeyResponse:
+        self.sent.append(req)
+        key = apb.ApiKeyInfo(id="abcdefghij", tenant=req.tenant)
+        return apb.CreateKeyResponse(key=key, secret="sk-ponto-abcdefghij-SECRET")
+
+
+def test_a_control_plane_that_drops_the_lists_is_called_out() -> None:
+    """Review 45: `key create --models` against an older control plane said
+    nothing, and the key could name every model."""
+    created = pontoctl(OldStub(), "key", "create", "--tenant", "acme", "--models", "a")
+    assert "WITHOUT A MODEL LIST" in created.splitlines()[0]
+    assert "pontoctl key models abcdefghij" in created
+    assert created.splitlines()[-1] == "sk-ponto-abcdefghij-SECRET"
+    plain = pontoctl(OldStub(), "key", "create", "--tenant", "acme")
+    assert "MODEL LIST" not in plain and "naming" not in plain
+    tenant = OldStub()
+    tenant.current = pb.Tenant(name="acme")
+    assert "WITHOUT A MODEL LIST" in pontoctl(tenant, "tenant", "set", "acme", "--models", "a")
 
 
 @pytest.mark.parametrize(
@@ -264,9 +332,10 @@ def test_the_tables_show_the_lists() -> None:
     tenants = apb.ListTenantsResponse(
         tenants=[pb.Tenant(name="acme", models=pb.ModelAccess(names=["a", "b"])), pb.Tenant()]
     )
+    tenants.tenants.add(name="big", models=pb.ModelAccess(names=[f"m{i}" for i in range(8)]))
     header, rows = _rows_tenants(tenants)
     column = header.index("MODELS")
-    assert [row[column] for row in rows] == ["a,b", "any"]
+    assert [row[column] for row in rows] == ["a,b", "any", "m0,m1,m2,m3,m4,…(+3)"]
     keys = apb.ListKeysResponse(
         keys=[apb.ApiKeyInfo(id="k1", tenant="acme", models=["a"]), apb.ApiKeyInfo(id="k2")]
     )
