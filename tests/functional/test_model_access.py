@@ -41,25 +41,39 @@ def gamma_token() -> str:
     return jwt.encode(claims, SECRET, algorithm="HS256")
 
 
+def apply(
+    stack: Stack, version: int, tenants: list[pb.Tenant], keys: list[pb.ApiKey] | None = None
+) -> None:
+    """A table of one origin serving MODEL and LARGE, with these tenants and
+    keys (none: an open fleet), applied to the proxy."""
+    origin = pb.Origin(
+        name="o1",
+        base_url=str(stack.origins[0].make_url("/v1")),
+        region="r1",
+        models=[MODEL, LARGE],
+        weight=100,
+        healthy=True,
+    )
+    t = pb.RouteTable(
+        version=version,
+        regions=[pb.Region(name="r1", latitude=0.0, longitude=0.0)],
+        origins=[origin],
+        tenants=tenants,
+        keys=keys or [],
+        auth_required=bool(keys),
+    )
+    t.etag = content_etag(t)
+    stack.app[HOLDER].apply(t, "control-plane")
+
+
 @pytest.fixture
 async def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Stack]:
     monkeypatch.setenv("GAMMA_SECRET", SECRET)
     s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=3, seed=1)])
-    served = s.origins[0].make_url("/v1")
-    t = pb.RouteTable(
-        version=3,
-        regions=[pb.Region(name="r1", latitude=0.0, longitude=0.0)],
-        origins=[
-            pb.Origin(
-                name="o1",
-                base_url=str(served),
-                region="r1",
-                models=[MODEL, LARGE],
-                weight=100,
-                healthy=True,
-            )
-        ],
-        tenants=[
+    apply(
+        s,
+        3,
+        [
             pb.Tenant(
                 name="acme",
                 prompt=pb.PromptPolicy(aliases={FAST: LARGE}),
@@ -75,15 +89,12 @@ async def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
                 models=pb.ModelAccess(names=[MODEL]),
             ),
         ],
-        keys=[
+        [
             pb.ApiKey(id=KEY.key_id, hash=KEY.key_hash, tenant="acme"),
             pb.ApiKey(id=NARROW.key_id, hash=NARROW.key_hash, tenant="acme", models=[MODEL]),
             pb.ApiKey(id=OTHER.key_id, hash=OTHER.key_hash, tenant="beta"),
         ],
-        auth_required=True,
     )
-    t.etag = content_etag(t)
-    s.app[HOLDER].apply(t, "control-plane")
     yield s
     await s.close()
 
@@ -185,23 +196,7 @@ async def test_a_jwt_caller_has_its_tenants_list(stack: Stack) -> None:
 
 async def test_an_open_fleets_callers_have_tenant_defaults_list(stack: Stack) -> None:
     """No key or issuer: every caller is tenant `default`, and its list holds."""
-    t = pb.RouteTable(
-        version=4,
-        regions=[pb.Region(name="r1", latitude=0.0, longitude=0.0)],
-        origins=[
-            pb.Origin(
-                name="o1",
-                base_url=str(stack.origins[0].make_url("/v1")),
-                region="r1",
-                models=[MODEL, LARGE],
-                weight=100,
-                healthy=True,
-            )
-        ],
-        tenants=[pb.Tenant(name="default", models=pb.ModelAccess(names=[LARGE]))],
-    )
-    t.etag = content_etag(t)
-    stack.app[HOLDER].apply(t, "control-plane")
+    apply(stack, 4, [pb.Tenant(name="default", models=pb.ModelAccess(names=[LARGE]))])
     before = stack.origin_requests()
     resp = await stack.client.post("/v1/chat/completions", json=chat("hi"))
     assert resp.status == 404 and stack.origin_requests() == before
