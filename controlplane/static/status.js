@@ -91,6 +91,9 @@ function say(text, tone) {
   box.hidden = !text;
 }
 
+// What a region's card says of each state (regionState).
+const STATE_TEXT = { ok: "serving", degraded: "degraded", down: "down", drained: "drained" };
+
 function regionState(region) {
   if (region.drained) return "drained";
   const serving = region.origins.filter((o) => !o.drained);
@@ -149,13 +152,16 @@ function renderRegions(regions) {
     const origins = r.origins.map((o) => el("tr", { "data-origin": o.name },
       el("td", {}, o.name),
       el("td", {}, el("span", { class: `state ${o.drained ? "drained" : o.healthy ? "" : "unhealthy"}` },
-        o.drained ? "drained" : o.healthy ? "healthy" : "unhealthy")),
+        o.drained ? "drained" : o.healthy ? "healthy" : "unhealthy"),
+        // Why, where the operator looks (trial 27: a tooltip of the load cell only).
+        !o.healthy && o.detail ? el("span", { class: "why" }, o.detail) : null),
       el("td", { title: o.detail }, originLoad(o)),
       el("td", {}, actionButton("origins", o.name, o.drained))));
-    const state = r.drained ? "drained" : "serving";
+    // The map marker's state, in words (trial 27: "serving" with every origin down).
+    const state = regionState(r);
     return el("article", { class: `region${r.drained ? " drained" : ""}`, "data-region": r.name },
       el("h3", {}, el("span", { class: "name" }, r.name),
-        el("span", { class: `state ${r.drained ? "drained" : ""}` }, state),
+        el("span", { class: `state ${state}`, "data-state": state }, STATE_TEXT[state]),
         actionButton("regions", r.name, r.drained)),
       el("p", { class: "served", title: "requests this region served, wherever clients arrived "
         + "(its origins; cache answers and refusals count where the proxy is)" },

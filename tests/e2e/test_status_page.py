@@ -423,6 +423,40 @@ def test_limits_show_small_rates_finely_and_say_when_nobody_is_held_back(
     assert shown[2:] == [False, True]
 
 
+def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
+    page: webdriver.Chrome,
+) -> None:
+    """Trial 27: a region whose origins were all down had a red marker and a
+    card that said "serving"; why an origin was unhealthy was only a tooltip
+    of its load."""
+    region = cast(list[dict[str, object]], FAKE_STATUS["regions"])[0]
+    origin = cast(list[dict[str, object]], region["origins"])[0]
+    well = {**origin, "name": "o-ok", "healthy": True, "detail": ""}
+    down = {**origin, "name": "o-down", "detail": "probe timed out after 1.0s"}
+    shown = {}
+    for name, origins, drained in (
+        ("ok", [well], False),
+        ("degraded", [well, down], False),
+        ("down", [down], False),
+        ("drained", [down], True),
+    ):
+        shown[name] = page.execute_script(
+            "render(arguments[0]);"
+            "const badge = document.querySelector('article.region h3 .state');"
+            "return [badge.textContent, badge.dataset.state,"
+            " document.querySelector('#markers .marker').getAttribute('class'),"
+            " Array.from(document.querySelectorAll('article.region td .why'),"
+            "  (s) => s.textContent)];",
+            {**FAKE_STATUS, "regions": [{**region, "origins": origins, "drained": drained}]},
+        )
+    assert shown == {
+        "ok": ["serving", "ok", "marker ok", []],
+        "degraded": ["degraded", "degraded", "marker degraded", ["probe timed out after 1.0s"]],
+        "down": ["down", "down", "marker down", ["probe timed out after 1.0s"]],
+        "drained": ["drained", "drained", "marker drained", ["probe timed out after 1.0s"]],
+    }
+
+
 def test_an_unknown_region_rate_is_a_dash_with_the_reason(page: webdriver.Chrome) -> None:
     region = cast(list[dict[str, object]], FAKE_STATUS["regions"])[0]
     rates = {
