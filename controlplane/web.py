@@ -55,7 +55,7 @@ from aiohttp import web
 from yarl import URL
 
 from controlplane.api.admin import drain_warned
-from controlplane.api.auditing import outcome_of
+from controlplane.api.auditing import drain_changes, outcome_of
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import (
@@ -497,8 +497,10 @@ class StatusWeb:
             self._catalog.drain_region if kind == "regions" else self._catalog.drain_origin
         )
         result, message = "ok", ""
+        detail = {"drained": "true" if drained else "false"}
         try:
             value, changed = await change(name, drained)
+            detail["changes"] = drain_changes(drained, changed)
         except BaseException as exc:
             result, message = outcome_of(exc)
             raise
@@ -510,7 +512,7 @@ class StatusWeb:
                     actor=actor,
                     action=action,
                     target=target,
-                    detail={"drained": "true" if drained else "false"},
+                    detail=detail,
                     source=f"http:{request.remote}",
                     result=result,
                     message=message,

@@ -246,6 +246,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         region, changed = await self._catalog.drain_region(
             request.name, request.drained, dry_run=request.dry_run
         )
+        auditing.note(changes=auditing.drain_changes(request.drained, changed))
         warnings = await drain_warned(
             self._catalog, "region", region.name, request.drained, changed
         )
@@ -287,6 +288,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         origin, changed = await self._catalog.drain_origin(
             request.name, request.drained, dry_run=request.dry_run
         )
+        auditing.note(changes=auditing.drain_changes(request.drained, changed))
         warnings = await drain_warned(
             self._catalog, "origin", origin.name, request.drained, changed
         )

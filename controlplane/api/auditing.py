@@ -227,6 +227,14 @@ def drain(kind: str) -> Callable[[apb.DrainRequest, object], Description]:
     return describe
 
 
+def drain_changes(drained: bool, changed: bool) -> str:
+    """What a drain (drained) or undrain did, as an entry's `changes` says it
+    (trial 27: a drain clicked twice on a stale page read as two drains)."""
+    if not changed:
+        return "nothing"
+    return f"drained {_flag(not drained)} -> {_flag(drained)}"
+
+
 def drain_action(kind: str) -> Callable[[apb.DrainRequest], str]:
     """The action of a DrainRegion/DrainOrigin call: Drain<Kind> or Undrain<Kind>."""
     return lambda req: f"{'Drain' if req.drained else 'Undrain'}{kind}"

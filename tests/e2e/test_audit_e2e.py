@@ -99,7 +99,7 @@ def test_admin_actions_are_recorded_with_actor_source_and_result(fleet: Fleet) -
     assert all(e["source"].startswith("ipv4:127.0.0.1:") for e in entries)
     # Each replica records the calls it served.
     assert [e["replica"] for e in entries[:3]] == ["control-1", "control-2", "control-1"]
-    assert entries[1]["detail"] == {"drained": "true"}
+    assert entries[1]["detail"] == {"drained": "true", "changes": "drained false -> true"}
     # RFC 3339, as the access log's times (trial 25: Unix seconds as a float).
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["time"]) for e in entries)
     assert entries[4]["message"]

@@ -353,6 +353,9 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
         await stub.PutRegion(apb.PutRegionRequest(region=region))
         await stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=True))
         await stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=False))
+        # Trial 27: an undrain of what is not drained is recorded as the
+        # nothing it did, not as a second undrain.
+        await stub.DrainRegion(apb.DrainRequest(name="eu-west", drained=False))
         await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
         refused = stub.UpdateTenant(
             apb.UpdateTenantRequest(name="acme", cache=pb.CachePolicy(mode="bogus"))
@@ -374,6 +377,7 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
         ("PutRegion", "region/eu-west", "ok"),
         ("DrainRegion", "region/eu-west", "ok"),
         ("UndrainRegion", "region/eu-west", "ok"),
+        ("UndrainRegion", "region/eu-west", "ok"),
         ("PutTenant", "tenant/acme", "ok"),
         ("UpdateTenant", "tenant/acme", "INVALID_ARGUMENT"),
         ("CreateKey", f"key/{created.key.id}", "ok"),
@@ -387,7 +391,14 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
         text = str(e)
         assert created.secret not in text and ADMIN not in text
     by_action = {(e.action, e.target): e for e in entries}
-    assert by_action["DrainRegion", "region/eu-west"].detail == {"drained": "true"}
+    assert by_action["DrainRegion", "region/eu-west"].detail == {
+        "drained": "true",
+        "changes": "drained false -> true",
+    }
+    assert [e.detail["changes"] for e in entries if e.action == "UndrainRegion"] == [
+        "drained true -> false",
+        "nothing",
+    ]
     assert by_action["PutRegion", "region/eu-west"].detail["latitude"] == "53.3"
     refusal = by_action["UpdateTenant", "tenant/acme"]
     assert refusal.detail == {"cache": '{"mode": "bogus"}'} and "bogus" in refusal.message

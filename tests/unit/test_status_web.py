@@ -405,7 +405,7 @@ async def test_drain_with_the_token_writes_the_catalog_and_the_audit(
             "actor": "admin-token",
             "action": "DrainRegion",
             "target": "region/eu-west",
-            "detail": {"drained": "true"},
+            "detail": {"drained": "true", "changes": "drained false -> true"},
             "source": "http:127.0.0.1",
             "result": "ok",
         }
@@ -460,6 +460,8 @@ async def test_a_drain_answers_with_the_warnings_the_admin_api_sends(
     }
     again = await plane.catalog.store.get(REGIONS + "us-east")
     assert again is not None and again.mod_revision == stored.mod_revision
+    # The trail says so (trial 27: it read as a second drain).
+    assert plane.audit.calls[-1]["detail"] == {"drained": "true", "changes": "nothing"}
     # An origin undrained while its region is drained still gets nothing: said
     # whether the undrain changed anything (o-us was never drained) or not.
     unrouted = [
