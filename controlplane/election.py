@@ -68,13 +68,19 @@ class Leadership:
         while True:
             try:
                 current = await self._store.get(LEADER_KEY)
-                if current is not None and current.mod_revision == self._stale:
+                if current is not None and (
+                    current.mod_revision == self._stale or self._predecessors(current.value)
+                ):
                     # This replica's own key, of the term that ended when the
                     # store went away: its lease was not revoked, and etcd
                     # gives every lease its whole TTL again when it comes back,
-                    # so nobody would lead for that long (trial 17: 17 s).
+                    # so nobody would lead for that long (trial 17: 17 s). Or
+                    # the key of the process this one replaces under the same
+                    # id, which died leading: until its lease ended, nobody led
+                    # and `get controlplanes` named this process the leader
+                    # (trial 27).
                     with contextlib.suppress(Conflict):
-                        await self._store.delete(LEADER_KEY, if_mod_revision=self._stale)
+                        await self._store.delete(LEADER_KEY, if_mod_revision=current.mod_revision)
                     await self._store.revoke_lease(current.lease)
                     current = None
                 self._stale = 0
@@ -90,6 +96,14 @@ class Leadership:
             except (StoreUnavailable, LeaseExpired) as exc:
                 log.debug("campaign: %s", exc)
             await asyncio.sleep(min(1.0, self._ttl / 5))
+
+    def _predecessors(self, holder: bytes) -> bool:
+        """Whether a leader key naming `holder` is a previous process's of this
+        replica id: it names this id, and this process has never led. A
+        replica id is one process's at a time (two processes given one id
+        would take the lead from each other; the fence keeps the writes of
+        the one that lost it from landing)."""
+        return self.terms == 0 and holder == self.replica_id.encode()
 
     async def _hold(self, lease: int, leader_task: asyncio.Task[None]) -> None:
         loop = asyncio.get_running_loop()

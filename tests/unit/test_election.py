@@ -495,3 +495,22 @@ def test_explicit_spill_threshold_is_kept() -> None:
     region = compiled_region(compile_table(state), "eu-west")
     assert region.spill_threshold == pytest.approx(0.5)
     assert region.load == pytest.approx(0.6)
+
+
+async def test_a_replica_restarted_under_its_id_takes_its_predecessors_lead_at_once() -> None:
+    """Trial 27: the leader killed and restarted under its id waited out its
+    predecessor's lease (the store's clock stands still here: forever) before
+    leading, and meanwhile `get controlplanes` named it the leader."""
+    store = MemoryStore(clock=lambda: 0.0)
+    lease = await store.grant_lease(TTL)
+    await store.put(LEADER_KEY, b"a", lease=lease, if_absent=True)
+    journal = Journal()
+    restarted = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(restarted.run(journal.lead_for("a")))
+    try:
+        await wait_until(lambda: restarted.is_leader, MARGIN)
+        current = await store.get(LEADER_KEY)
+        assert current is not None and current.lease != lease
+        assert restarted.terms == 1
+    finally:
+        await stop(task)
