@@ -15,7 +15,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -318,15 +318,23 @@ class ControlPlaneClient:
                 )
             )
 
-            async def requests() -> AsyncIterator[pb.RouteRequest]:
-                while True:
-                    yield await outbox.get()
+            call = stub.RouteStream(metadata=metadata)
 
-            call = stub.RouteStream(requests(), metadata=metadata)
+            async def send() -> None:
+                # The messages, in order, written by this session's own task:
+                # a request iterator was consumed by gRPC in a task of its own,
+                # which a call that ended left pending, its generator closed
+                # under it (trial 27: two asyncio ERRORs in the proxy's log).
+                while True:
+                    await call.write(await outbox.get())
+
             self.connects += 1
             self._said.pop(address, None)  # a later failure is news again
             log.info("connected to control plane %s (%s)", address, reg.control_plane_id)
-            reporter = asyncio.create_task(self._report(reg.session_id, outbox))
+            tasks = (
+                asyncio.create_task(send()),
+                asyncio.create_task(self._report(reg.session_id, outbox)),
+            )
             try:
                 async for update in call:
                     self.connected = True
@@ -338,7 +346,10 @@ class ControlPlaneClient:
                         got_table = True
                         outbox.put_nowait(self._handle(reg.session_id, update))
             finally:
-                reporter.cancel()
+                for task in tasks:
+                    task.cancel()
+                # Their ends taken here (a write to the ended call fails).
+                await asyncio.gather(*tasks, return_exceptions=True)
         return got_table
 
     def _apply_quota(self, quota: pb.QuotaShares) -> None:

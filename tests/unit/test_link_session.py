@@ -1,0 +1,83 @@
+"""A session with a control plane that ends its route stream leaves nothing
+behind: trial 27 saw two asyncio ERRORs in a proxy's log ("Task was destroyed
+but it is pending", "aclose(): asynchronous generator is already running")
+when its hung replica's stream ended. The proxy's messages went through a
+request iterator that gRPC consumed in a task of its own, which an ended call
+left pending. A real gRPC server on loopback ends each stream at once."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from ponto.v1 import routing_pb2 as pb
+
+
+class Ending:
+    """The Routing service of a replica that ends every route stream with
+    UNAVAILABLE a moment after the proxy opened it; it counts what it read."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "ponto.v1.Routing",
+            {
+                "Register": grpc.unary_unary_rpc_method_handler(
+                    self.register,
+                    request_deserializer=pb.RegisterRequest.FromString,
+                    response_serializer=pb.RegisterResponse.SerializeToString,
+                ),
+                "RouteStream": grpc.stream_stream_rpc_method_handler(
+                    self.route_stream,
+                    request_deserializer=pb.RouteRequest.FromString,
+                    response_serializer=pb.RouteUpdate.SerializeToString,
+                ),
+            },
+        )
+
+    async def register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.RegisterResponse:
+        return pb.RegisterResponse(session_id="s-1", control_plane_id="cp-1")
+
+    async def route_stream(
+        self,
+        requests: AsyncIterator[pb.RouteRequest],
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> None:
+        await requests.__anext__()  # the subscription
+        self.read += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "replica going away")
+
+
+async def test_a_stream_the_replica_ends_leaves_no_task_or_generator_behind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    service = Ending()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([service.handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    info = pb.ProxyInfo(name="p1", region="eu-west", address="127.0.0.1:1")
+    link = ControlPlaneClient(TableHolder("eu-west", None), [f"127.0.0.1:{port}"], info)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(5):
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await link._session(f"127.0.0.1:{port}")
+                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+                gc.collect()  # what a pending task's destruction waits for
+                await asyncio.sleep(0)
+    finally:
+        await server.stop(None)
+    assert service.read == 5  # each session's subscription was sent
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
