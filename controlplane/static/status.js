@@ -92,13 +92,17 @@ function say(text, tone) {
 }
 
 // What a region's card says of each state (regionState).
-const STATE_TEXT = { ok: "serving", degraded: "degraded", down: "down", drained: "drained" };
+const STATE_TEXT = {
+  ok: "serving", degraded: "degraded", down: "down", idle: "no origin", drained: "drained",
+};
 
 function regionState(region) {
   if (region.drained) return "drained";
   const serving = region.origins.filter((o) => !o.drained);
   const healthy = serving.filter((o) => o.healthy);
-  if (serving.length && !healthy.length) return "down";
+  // Every origin drained, or none yet: nothing to serve (review 46).
+  if (!serving.length) return "idle";
+  if (!healthy.length) return "down";
   return healthy.length < serving.length ? "degraded" : "ok";
 }
 
@@ -256,12 +260,34 @@ function render(status) {
   document.body.dataset.loaded = "true";
 }
 
+// A click is a press and a release on one element: a status rendered between
+// the two would replace the button pressed, and the click would be lost
+// (trial 27). While a button is held, the newest status waits; it is
+// rendered once the release's click has run.
+let held = null;
+
+document.addEventListener("pointerdown", (event) => {
+  if (event.target instanceof Element && event.target.closest("button")) held = held || {};
+});
+document.addEventListener("pointerup", () => {
+  setTimeout(() => {
+    const waiting = held && held.status;
+    held = null;
+    if (waiting) render(waiting);
+  }, 0);
+});
+
+function show(status) {
+  if (held) held.status = status;
+  else render(status);
+}
+
 async function poll() {
   clearTimeout(timer);
   try {
     const response = await fetchWithin("/api/status", { cache: "no-store" }, STATUS_WITHIN_MS);
     if (!response.ok) throw new Error(`status ${response.status}`);
-    render(await response.json());
+    show(await response.json());
     if (unreachable) say("", "ok");
     unreachable = false;
   } catch (error) {

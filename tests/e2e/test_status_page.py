@@ -13,6 +13,7 @@ import httpx
 import pytest
 from selenium import webdriver
 from selenium.common.exceptions import WebDriverException
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
@@ -312,6 +313,24 @@ def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(
     assert table_version(system, "proxy-us-east") == before
 
 
+def test_a_button_held_while_the_status_comes_is_still_clicked(page: webdriver.Chrome) -> None:
+    """Trial 27: the page rebuilds its cards with every status (every 2 s), and
+    a button pressed just before a rebuild and released after it was another
+    element by then: the click was lost."""
+    page.execute_script("clearTimeout(timer)")  # the test's renders only
+    button = card(page, "ap-southeast").find_element(By.CSS_SELECTOR, "h3 button")
+    ActionChains(page).click_and_hold(button).perform()
+    page.execute_async_script(
+        "const done = arguments[0];"
+        "fetch('/api/status').then((r) => r.json()).then((s) => { show(s); done(); });"
+    )
+    ActionChains(page).release().perform()
+    # The click ran (no token yet: it asks for one), and the status waiting
+    # was rendered after it.
+    wait(page, lambda d: d.find_element(By.ID, "token-input").is_displayed(), "the click was lost")
+    assert page.execute_script("return held") is None
+
+
 HOSTILE = '<img src=x onerror="window.pwned=1">'
 FAKE_STATUS = {
     "replica": HOSTILE,
@@ -438,6 +457,7 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
         ("ok", [well], False),
         ("degraded", [well, down], False),
         ("down", [down], False),
+        ("idle", [{**well, "drained": True}], False),
         ("drained", [down], True),
     ):
         shown[name] = page.execute_script(
@@ -453,6 +473,8 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
         "ok": ["serving", "ok", "marker ok", []],
         "degraded": ["degraded", "degraded", "marker degraded", ["probe timed out after 1.0s"]],
         "down": ["down", "down", "marker down", ["probe timed out after 1.0s"]],
+        # Review 46: every origin drained, the region not: nothing serves.
+        "idle": ["no origin", "idle", "marker idle", []],
         "drained": ["drained", "drained", "marker drained", ["probe timed out after 1.0s"]],
     }
 
