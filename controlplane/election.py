@@ -100,9 +100,10 @@ class Leadership:
     def _predecessors(self, holder: bytes) -> bool:
         """Whether a leader key naming `holder` is a previous process's of this
         replica id: it names this id, and this process has never led. A
-        replica id is one process's at a time (two processes given one id
-        would take the lead from each other; the fence keeps the writes of
-        the one that lost it from landing)."""
+        replica id is one process's at a time: a second live process given
+        the id of the leader takes the lead from it once, as it starts; the
+        first steps down within a third of the TTL, and the fence keeps its
+        writes from landing meanwhile."""
         return self.terms == 0 and holder == self.replica_id.encode()
 
     async def _hold(self, lease: int, leader_task: asyncio.Task[None]) -> None:

@@ -34,7 +34,11 @@ from aiohttp import hdrs, web
 
 from dataplane.http.errors import ApiError
 
-__all__ = ["CorsPolicy", "preflight_handler"]
+__all__ = ["API_PREFIX", "CorsPolicy", "preflight_handler"]
+
+# The paths whose answers pages may read: the OpenAI API's (not /metrics,
+# /healthz or /readyz, which no page needs).
+API_PREFIX = "/v1/"
 
 # How long a browser may keep a preflight's answer (Chromium keeps at most 2 h).
 MAX_AGE_S = 600
@@ -80,10 +84,13 @@ class CorsPolicy:
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """An `on_response_prepare` hook: mark the answer to a listed origin's
-        page as readable, headers and all."""
+        page as readable, headers and all; only the API's (review 46: with
+        `*`, any page could read `/metrics` on the public port)."""
         origin = request.headers.get(hdrs.ORIGIN)
-        if origin is None or hdrs.ACCESS_CONTROL_ALLOW_ORIGIN in response.headers:
-            return  # not a page's call, or a preflight's answer, made whole
+        if origin is None or request.method == hdrs.METH_OPTIONS:
+            return  # not a page's call, or a preflight, answered whole
+        if not request.path.startswith(API_PREFIX):
+            return
         allow = self.allowed(origin)
         if allow is None:
             return
@@ -106,6 +113,8 @@ def origin_of(url: str) -> str:
         return ""
     if parts.path or parts.query or parts.fragment or parts.username or parts.password:
         return ""
+    if port == {"http": 80, "https": 443}[parts.scheme] or not parts.hostname.isascii():
+        return ""  # a browser sends neither: the default port left out, a host as punycode
     host = parts.hostname
     if ":" in host:
         host = f"[{host}]"

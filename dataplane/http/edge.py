@@ -233,6 +233,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_last",
         "_limits",
         "_payload",
+        "_refusing",
         "_sent",
         "_unparsed",
         "send_stalled",
@@ -252,6 +253,10 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._deadline = LazyTimer(self._loop)
         # The body being received; None once it is complete (or before any).
         self._payload: StreamReader | None = None
+        # A head was refused (_refuse_head): nothing more is read; the
+        # requests queued before it are answered, then its error, which
+        # closes the connection.
+        self._refusing = False
         # The answer its handler handed to the transport (send_whole), whose
         # drain finish_response waits for.
         self._sent: web.Response | None = None
@@ -569,6 +574,8 @@ class EdgeProtocol(web_protocol.RequestHandler):
     # ------------------------------------------------------------ deadlines
 
     def data_received(self, data: bytes) -> None:
+        if self._refusing:
+            return
         if self._force_close or self._close or self._upgraded:
             super().data_received(data)
             return
@@ -586,20 +593,15 @@ class EdgeProtocol(web_protocol.RequestHandler):
             # The head is done: what comes next is its body, or the next head
             # (aiohttp also calls with no data, to parse requests it buffered).
             self._head_bytes = 0
-            message, payload = self._messages[-1]
-            if isinstance(message, web_protocol._ErrInfo):
-                if self._payload is not None and not self._payload.is_eof():
-                    self._refuse_body(message)
-                    return
-            elif _head_size(message) > MAX_HEAD:  # it came whole, in one read
-                self._messages.pop()
-                self._refuse_head()
+            if self._refused_one(self._request_count - count):
                 return
-            elif (message.version is not HttpVersion11 or message.chunked) and (
-                unsupported := _unsupported(message)
-            ) is not None:  # the usual request checks no further than this line
-                self._messages.pop()
-                self._refuse_head(unsupported)
+            message, payload = self._messages[-1]
+            if (
+                isinstance(message, web_protocol._ErrInfo)
+                and self._payload is not None
+                and not self._payload.is_eof()
+            ):
+                self._refuse_body(message)
                 return
             self._deadline.disarm()
             if self._counted:
@@ -610,6 +612,29 @@ class EdgeProtocol(web_protocol.RequestHandler):
         elif self._payload is not None and self._payload.is_eof():
             self._payload = None
             self._deadline.disarm()
+
+    def _refused_one(self, new: int) -> bool:
+        """Refuse the first of the `new` heads just parsed that the edge does
+        not take: one past MAX_HEAD (it came whole, in one read), of another
+        HTTP version, or with a transfer coding besides chunked. It and the
+        requests pipelined after it leave the queue for its error (review
+        46: only the last head of a read was looked at). True if one was."""
+        messages = self._messages
+        for index in range(len(messages) - new, len(messages)):
+            message = messages[index][0]
+            if isinstance(message, web_protocol._ErrInfo):
+                return False  # the parser's own refusal, its last message
+            refusal: BadHttpMessage | None = None
+            if _head_size(message) > MAX_HEAD:
+                refusal = HeadTooLarge(f"request head over {MAX_HEAD} bytes")
+            elif message.version is not HttpVersion11 or message.chunked:
+                refusal = _unsupported(message)  # the usual request checks no further
+            if refusal is not None:
+                while len(messages) > index:
+                    messages.pop()
+                self._refuse_head(refusal)
+                return True
+        return False
 
     def _head_begins(self) -> None:
         self._head_bytes = 0
@@ -627,8 +652,11 @@ class EdgeProtocol(web_protocol.RequestHandler):
         self._request_count += 1
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-        # Not close(): that cancels the waiter, and with it the answer.
-        self._close = True
+        # Not close(): that cancels the waiter, and with it the answer; nor
+        # _close, with which the request loop would stop before the answer
+        # when requests were queued before it (review 46). Its answer closes
+        # the connection (handle_error).
+        self._refusing = True
 
     def _refuse_body(self, error: web_protocol._ErrInfo) -> None:
         """The parser refused the rest of a body it had begun to pass on (bad
@@ -921,17 +949,15 @@ class HeadTooLarge(BadHttpMessage):
 class VersionNotSupported(BadHttpMessage):
     """A request of an HTTP version other than 1.0 and 1.1 (trial 28: llhttp
     takes `HTTP/2.0` and `HTTP/0.9` request lines, and the answer's status
-    line repeated them)."""
-
-    code = 505
+    line repeated them). A 400, not RFC 9110's 505: the client's fault is
+    no server error, which error-rate alerts would count (so bench/fuzz.py
+    holds)."""
 
 
 class CodingNotSupported(BadHttpMessage):
     """A body whose Transfer-Encoding names a coding besides `chunked` (trial
-    28: `gzip, chunked` was read as chunked alone, its gzip ignored), which
-    RFC 9112 6.1 answers 501."""
-
-    code = 501
+    28: `gzip, chunked` was read as chunked alone, its gzip ignored). A 400,
+    not RFC 9112's 501, as for the version."""
 
 
 def _unsupported(message: RawRequestMessage) -> BadHttpMessage | None:
@@ -960,11 +986,11 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
         )
     if isinstance(exc, VersionNotSupported):
         return ApiError(
-            505, "HTTP version not supported: send HTTP/1.1", code="http_version_not_supported"
+            400, "HTTP version not supported: send HTTP/1.1", code="http_version_not_supported"
         )
     if isinstance(exc, CodingNotSupported):
         return ApiError(
-            501,
+            400,
             "Transfer-Encoding not supported: send 'chunked' alone (a content coding goes in "
             "Content-Encoding)",
             code="unsupported_transfer_encoding",

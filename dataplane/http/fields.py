@@ -922,20 +922,14 @@ def _input_unless_the_origin_holds_it(body: dict[str, Any], stream: bool) -> Non
         raise missing("input")
 
 
-def _continuing_a_final_assistant_message(body: dict[str, Any], stream: bool) -> None:
-    """vLLM's `continue_final_message` goes on from the last message, which
-    must be the assistant's, and not with `add_generation_prompt` (vLLM
-    refuses both); the proxy reads it to continue a cut stream (trial 28:
-    "yes", or a final user message, reached the origin for its 400)."""
-    if body.get("continue_final_message") is not True:
-        return
-    if body.get("add_generation_prompt") is True:
+def _continue_without_a_generation_prompt(body: dict[str, Any], stream: bool) -> None:
+    """vLLM's `continue_final_message` (which the proxy reads to continue a cut
+    stream) goes on from the last message, whatever its role, and vLLM
+    refuses it with `add_generation_prompt` true (trial 28: both reached the
+    origin for its 400)."""
+    if body.get("continue_final_message") is True and body.get("add_generation_prompt") is True:
         raise invalid_value(
             "continue_final_message", "cannot be true with 'add_generation_prompt' true"
-        )
-    if body["messages"][-1].get("role") != "assistant":
-        raise invalid_value(
-            "continue_final_message", "needs the last message to be the assistant's"
         )
 
 
@@ -1043,7 +1037,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             _stream_options_need_stream,
             _top_logprobs_need_logprobs,
             _tool_choice_names_a_tool(flat=False),
-            _continuing_a_final_assistant_message,
+            _continue_without_a_generation_prompt,
         ),
     ),
     "completions": Rules(

@@ -102,7 +102,7 @@ class Continuations:
             return None
         body = continuation_body(ex.endpoint.name, ex.body, state)
         if body is None:
-            if _budget_spent(ex.body, state.tokens):
+            if budget_spent(ex.body, state.tokens):
                 end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
                 return Next(end, _Ended(), _unchanged)
             self._give_up(
@@ -183,7 +183,13 @@ def _unchanged(data: bytes) -> bytes:
     return data
 
 
-def _budget_spent(body: dict[str, Any], tokens: int) -> bool:
+def budget_spent(body: dict[str, Any], tokens: int) -> bool:
+    """Whether `tokens` sent are the whole budget of a request of one choice
+    (`max_tokens` counts per choice, and several choices' tokens are summed:
+    review 46; several choices are never continued anyway)."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        return False
     for name in ("max_completion_tokens", "max_tokens"):
         limit = body.get(name)
         if isinstance(limit, int) and not isinstance(limit, bool):

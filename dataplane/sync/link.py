@@ -321,7 +321,7 @@ class ControlPlaneClient:
             call = stub.RouteStream(metadata=metadata)
 
             async def send() -> None:
-                # The messages, in order, written by this session's own task:
+                # The messages, in order, written by a task of this session's:
                 # a request iterator was consumed by gRPC in a task of its own,
                 # which a call that ended left pending, its generator closed
                 # under it (trial 27: two asyncio ERRORs in the proxy's log).
@@ -348,7 +348,8 @@ class ControlPlaneClient:
             finally:
                 for task in tasks:
                     task.cancel()
-                # Their ends taken here (a write to the ended call fails).
+                # Their ends taken here: a write to the ended call fails, as
+                # the call did (said by run()).
                 await asyncio.gather(*tasks, return_exceptions=True)
         return got_table
 
@@ -371,10 +372,21 @@ class ControlPlaneClient:
 
     async def _report(self, session_id: str, outbox: asyncio.Queue[pb.RouteRequest]) -> None:
         """Send this proxy's rate-limit demand, its traffic counters and its
-        warnings when they changed, about once an interval."""
+        warnings when they changed, about once an interval. A report that
+        fails to be made (a bug) is told once a session, with its traceback,
+        and the next one is tried: had it ended this task, no report would
+        have gone for the rest of the session, and nothing said so (review 46)."""
+        told = False
         while True:
             await asyncio.sleep(self._report_interval)
-            outbox.put_nowait(self.report(session_id))
+            try:
+                message = self.report(session_id)
+            except Exception:
+                if not told:
+                    log.exception("could not make a report to the control plane")
+                told = True
+                continue
+            outbox.put_nowait(message)
 
     def report(self, session_id: str) -> pb.RouteRequest:
         """One report message: demand since the last one, cumulative traffic,

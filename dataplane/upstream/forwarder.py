@@ -69,7 +69,8 @@ log = logging.getLogger(__name__)
 # Anthropic's `anthropic-ratelimit-*` (all dropped by prefix,
 # DROP_RESPONSE_PREFIXES). An origin's `alt-svc` and
 # `strict-transport-security` would bind the proxy's host to the origin's
-# protocols and TLS policy.
+# protocols and TLS policy, and its `access-control-*` (TGI allows any origin)
+# would stand for the proxy's --cors-origins (review 46).
 DROP_RESPONSE_HEADERS = frozenset(
     {
         "connection",
@@ -92,7 +93,7 @@ DROP_RESPONSE_HEADERS = frozenset(
         "strict-transport-security",
     }
 )
-DROP_RESPONSE_PREFIXES = ("x-ratelimit", "ratelimit", "anthropic-ratelimit")
+DROP_RESPONSE_PREFIXES = ("x-ratelimit", "ratelimit", "anthropic-ratelimit", "access-control-")
 # The only request headers sent on to an origin. The client's Authorization is
 # never among them: client keys stay at the edge. Content-Type is not the
 # client's: the proxy sends the JSON it parsed. A client's W3C trace context

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from dataplane.http.cors import CorsPolicy, origin_of
@@ -69,6 +70,10 @@ def test_the_flag_takes_origins_or_a_wildcard() -> None:
         "*,https://app.example",
         "https://user@app.example",
         "https://app.example:99999",
+        # Review 46: a browser never sends these, so they would never match.
+        "https://app.example:443",
+        "http://app.example:80",
+        "https://bücher.example",
     ],
 )
 def test_what_is_not_an_origin_is_refused_at_start(
@@ -195,3 +200,58 @@ async def test_the_production_listener_marks_its_answers_too(tmp_path: Path) -> 
     finally:
         await served.runner.cleanup()
         await origin.close()
+
+
+async def test_an_origins_own_cors_headers_never_reach_the_client(tmp_path: Path) -> None:
+    """Review 46: TGI allows any origin on every answer; its header passed
+    through and stood for the proxy's list, with or without the flag."""
+
+    async def answer(request: web.Request) -> web.Response:
+        body = {
+            "id": "c1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "sim-small",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hi"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+        cors = {"access-control-allow-origin": "*", "access-control-allow-credentials": "true"}
+        return web.json_response(body, headers=cors)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    origin = TestServer(app)
+    await origin.start_server()
+    for flags in ([], [f"--cors-origins={APP}"]):
+        served = await serve_on_edge(
+            tmp_path / str(len(flags)), str(origin.make_url("/v1")), *flags
+        )
+        try:
+            async with aiohttp.ClientSession() as session:
+                url = f"http://127.0.0.1:{served.port}/v1/chat/completions"
+                for page in ("https://evil.example", APP):
+                    headers = {"origin": page, "authorization": f"Bearer {KEY.key}"}
+                    async with session.post(url, json=chat(page), headers=headers) as resp:
+                        assert resp.status == 200
+                        marked = {k.lower(): v for k, v in resp.headers.items()}
+                        allowed = flags and page == APP
+                        assert marked.get("access-control-allow-origin") == (
+                            APP if allowed else None
+                        )
+                        assert "access-control-allow-credentials" not in marked
+        finally:
+            await served.runner.cleanup()
+    await origin.close()
+
+
+async def test_only_the_apis_answers_are_marked(stack: Stack) -> None:
+    """Review 46: with `*` any page could read /metrics on the public port."""
+    for path in ("/metrics", "/healthz", "/readyz", "/nowhere"):
+        resp = await stack.client.get(path, headers={"origin": APP})
+        assert "access-control-allow-origin" not in resp.headers, path

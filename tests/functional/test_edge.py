@@ -242,13 +242,13 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
         (b"P\x00ST / HTTP/1.1\r\n\r\n", 400, "invalid_http_request"),
         (b"POST / HTTP/9.9\r\nHost: p\r\n\r\n", 400, "invalid_http_request"),
         # Trial 28: taken by the parser, served, and the version repeated.
-        (head(CHAT).replace(b"HTTP/1.1", b"HTTP/2.0") + BODY, 505, "http_version_not_supported"),
-        (b"GET /v1/models HTTP/0.9\r\nHost: p\r\n\r\n", 505, "http_version_not_supported"),
+        (head(CHAT).replace(b"HTTP/1.1", b"HTTP/2.0") + BODY, 400, "http_version_not_supported"),
+        (b"GET /v1/models HTTP/0.9\r\nHost: p\r\n\r\n", 400, "http_version_not_supported"),
         # Trial 28: read as chunked alone, the gzip ignored.
         (
             head(CHAT, b"Transfer-Encoding: gzip, chunked", length=None)
             + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY),
-            501,
+            400,
             "unsupported_transfer_encoding",
         ),
     ],
@@ -527,6 +527,40 @@ async def test_a_head_too_large_behind_a_request_in_the_same_read_gets_a_431(
     assert answer.error()["code"] == "request_header_fields_too_large"
     writer.close()
     assert edge.origin_requests() == 1
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: p\r\n\r\n"
+GZIP_CHUNKED = head(CHAT, b"Transfer-Encoding: gzip, chunked", length=None) + (
+    b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+)
+BIG_HEAD = head(CHAT, *(b"X-Big-%d: " % i + b"a" * 7000 for i in range(5))) + BODY
+
+
+@pytest.mark.parametrize(
+    ("sent", "statuses"),
+    [
+        # Review 46: only the last head of a read was checked; the first
+        # went through (its gzip ignored, its size past the bound).
+        (GZIP_CHUNKED + HEALTHZ, [400]),
+        (BIG_HEAD + HEALTHZ, [431]),
+        # And an error queued behind a request was never answered.
+        (HEALTHZ + HEALTHZ.replace(b"HTTP/1.1", b"HTTP/2.0"), [200, 400]),
+        (HEALTHZ + GZIP_CHUNKED + HEALTHZ, [200, 400]),
+    ],
+    ids=["refused-first", "big-first", "refused-second", "refused-between"],
+)
+async def test_each_pipelined_head_is_checked_and_its_refusal_answered(
+    start_edge: Start, sent: bytes, statuses: list[int]
+) -> None:
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(sent)
+    answers = [await read_answer(reader) for _ in statuses]
+    assert [a.status for a in answers] == statuses
+    assert answers[-1].headers["connection"] == "close"
+    assert await closed(reader)
+    writer.close()
+    assert edge.origin_requests() == 0
 
 
 # ---------------------------------------------------------------- content codings

@@ -1172,5 +1172,11 @@ def test_cors_origins_become_the_proxies_flag(helm: Path, default: list[Doc]) ->
     )
     use = container(one(docs, "Deployment", "ponto-proxy-us-east"))
     assert flags(use)["--cors-origins"] == "https://app.example,http://localhost:3000"
-    message = refused(helm, "--set-json", 'proxy.corsOrigins=["https://app.example/path"]')
-    assert "corsOrigins" in message
+    for bad in (
+        '["https://app.example/path"]',
+        '["*","https://a.example"]',
+        '["https://a.example:443"]',
+    ):
+        assert "corsOrigins" in refused(helm, "--set-json", f"proxy.corsOrigins={bad}")
+    star = render(helm, "--set-json", 'proxy.corsOrigins=["*"]')
+    assert flags(container(one(star, "Deployment", "ponto-proxy-us-east")))["--cors-origins"] == "*"

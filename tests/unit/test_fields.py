@@ -70,6 +70,8 @@ GOOD = [
             add_generation_prompt=False,
         ),
     ),
+    # As vLLM: the last message goes on, whatever its role (review 46).
+    ("chat.completions", chat(continue_final_message=True)),
     ("chat.completions", chat(
         messages=[
             {"role": "system", "content": "Be brief.", "name": "sys"},
@@ -248,7 +250,6 @@ BAD = [
     (C, chat(logprobs=False, top_logprobs=2), "top_logprobs", V),
     # vLLM's prefill continuation (trial 28: these reached the origin)
     (C, chat(continue_final_message="yes"), "continue_final_message", T),
-    (C, chat(continue_final_message=True), "continue_final_message", V),
     (
         C,
         chat(

@@ -8,6 +8,7 @@ left pending. A real gRPC server on loopback ends each stream at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -81,3 +82,39 @@ async def test_a_stream_the_replica_ends_leaves_no_task_or_generator_behind(
         await server.stop(None)
     assert service.read == 5  # each session's subscription was sent
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+async def test_a_report_that_fails_is_told_once_and_the_next_ones_go(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 46: a report that raised ended the reporting task, silently,
+    and no report went for the rest of the session."""
+    info = pb.ProxyInfo(name="p1", region="eu-west", address="127.0.0.1:1")
+    # Reports as often as the loop turns: no time passes in the test.
+    link = ControlPlaneClient(
+        TableHolder("eu-west", None), ["127.0.0.1:1"], info, report_interval=0.0
+    )
+    made = 0
+    real = link.report
+
+    def report(session_id: str) -> pb.RouteRequest:
+        nonlocal made
+        made += 1
+        if made in (2, 3):
+            raise RuntimeError("a bug in a report")
+        return real(session_id)
+
+    monkeypatch.setattr(link, "report", report)
+    outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
+    with caplog.at_level(logging.ERROR, logger="dataplane.sync.link"):
+        task = asyncio.create_task(link._report("s-1", outbox))
+        while made < 6 and not task.done():  # done: the task ended on the failure
+            await asyncio.sleep(0)
+        assert not task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert outbox.qsize() == made - 2  # all but the two that failed
+    [told] = caplog.records
+    assert told.getMessage() == "could not make a report to the control plane"
+    assert told.exc_info is not None

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from dataplane.http.resume import budget_spent
 from dataplane.streaming.splice import (
     Splicer,
     Transcript,
@@ -232,3 +233,22 @@ def test_a_transcript_past_its_bound_keeps_nothing() -> None:
     for _ in range(5):
         t.event(Event(big))
     assert t.overflow and t.events == []
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens", "spent"),
+    [
+        ({"max_tokens": 6}, 6, True),
+        ({"max_tokens": 6}, 5, False),
+        ({"max_completion_tokens": 4, "max_tokens": 9}, 4, True),
+        ({}, 100, False),
+        ({"max_tokens": 6, "n": 1}, 6, True),
+        # Review 46: max_tokens counts per choice; the tokens sent are summed
+        # over the choices (three each of two).
+        ({"max_tokens": 6, "n": 2}, 6, False),
+    ],
+)
+def test_a_budget_is_spent_by_the_tokens_of_one_choice(
+    body: dict[str, Any], tokens: int, spent: bool
+) -> None:
+    assert budget_spent(body, tokens) is spent
