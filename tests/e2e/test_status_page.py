@@ -110,6 +110,11 @@ def drained(system: StatusFleet, region: str) -> bool:
     return any(r.name == region and r.drained for r in regions)
 
 
+def drains_recorded(system: StatusFleet) -> int:
+    request = apb.ListAuditRequest(action="DrainRegion", limit=1000)
+    return len(system.fleet.admin().ListAudit(request, timeout=10).entries)
+
+
 def table_version(system: StatusFleet, proxy: str) -> int:
     version = system.fleet.proxy_status(proxy)["route_table_version"]
     assert isinstance(version, int)
@@ -298,7 +303,7 @@ def test_a_drain_clicked_with_the_token_reaches_the_proxies(
 def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(
     page: webdriver.Chrome, system: StatusFleet
 ) -> None:
-    before = table_version(system, "proxy-us-east")
+    before = drains_recorded(system)
     click_region_button(page, "ap-southeast", "drain")
     wait(page, lambda d: d.find_element(By.ID, "token-input").is_displayed(), "no token form")
     page.find_element(By.ID, "token-submit").click()  # no token typed
@@ -310,7 +315,9 @@ def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(
     wait(page, lambda d: "refused (403)" in message.text, "a wrong token was not refused")
     assert region_state(page, "ap-southeast") == "serving"
     assert not drained(system, "ap-southeast")
-    assert table_version(system, "proxy-us-east") == before
+    # Nothing was written: the trail records every drain that reached the
+    # catalog. (The table's version moves with origins' load and health.)
+    assert drains_recorded(system) == before
 
 
 def test_a_button_held_while_the_status_comes_is_still_clicked(page: webdriver.Chrome) -> None:
