@@ -375,12 +375,13 @@ def _tenant(o: _Obj) -> Tenant:
 
 
 def _access(o: _Obj) -> ModelAccess:
-    """A tenant's `models`. An empty list is refused: it reads as "none", and
-    would give every model (review 45: a template that renders no names)."""
-    names = o.strings("models")
-    if o.raw.get("models") == []:
-        o.errors.append(f"{o.path}.models: an empty list; leave `models` out for every model")
-    return ModelAccess(names)
+    """A tenant's `models`. An empty list, or none (`models:` with no value),
+    is refused: it reads as "none", and would give every model (review 45
+    and trial 29: a template that renders no names)."""
+    if "models" in o.raw and o.raw["models"] in (None, []):
+        o.errors.append(f"{o.path}.models: no names; leave `models` out for every model")
+        return ModelAccess()
+    return ModelAccess(o.strings("models"))
 
 
 def _default(prompt: _Obj, name: str, value: Any) -> str:
@@ -655,10 +656,13 @@ def limit_changes(old: Limits, new: Limits) -> str:
 
 def model_changes(old: Sequence[str], new: Sequence[str]) -> str:
     """What a key's new model list changed of its old one, as change_text
-    writes it ("" for nothing; an empty list reads `removed`)."""
+    writes it and as a tenant's list reads in an update's changes (compact
+    JSON; "" for nothing; an empty list reads `removed`)."""
     if tuple(old) == tuple(new):
         return ""
-    return change_text([("models", ",".join(old), ",".join(new))])
+    return change_text(
+        [("models", _shown_value(list(old) or None), _shown_value(list(new) or None))]
+    )
 
 
 def change_text(changes: Iterable[tuple[str, str, str]]) -> str:

@@ -380,8 +380,8 @@ class Catalog:
         origins = state.origins
         listed = [k for k in state.keys if k.tenant == tenant.name and k.models and not k.revoked]
         return (
-            (unserved_aliases(tenant, origins) if aliases else ())
-            + (access_warnings(tenant, origins, keys=listed) if aliases or models else ())
+            (access_warnings(tenant, origins, keys=listed) if aliases or models else ())
+            + (unserved_aliases(tenant, origins) if aliases else ())
             + (
                 unserved_settings(tenant, origins, "routing", unserved=routing)
                 if aliases or routing

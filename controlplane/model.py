@@ -810,35 +810,39 @@ def access_warnings(
         names, whose = key.models, f"key {key.id!r}"
     else:
         names, whose = tenant.models.names, f"tenant {tenant.name!r}"
-    warnings = []
-    for name in names:
-        if key is not None and not tenant.models.allows(name):
-            warnings.append(
-                f"{whose} may name model {name!r}, which its tenant {tenant.name!r} may not: "
-                "requests for it get 404"
-            )
-        elif name not in served and name not in aliases:
-            warnings.append(
-                f"no origin serves model {name!r}, which {whose} may name, and it is no alias "
-                f"of tenant {tenant.name!r}: requests for it get 404 until one does"
+    # What refuses requests now first, then what nothing serves yet: a reply's
+    # warnings are cut past a size, and a long list's unserved names would hide
+    # the others (trial 29).
+    refused: list[str] = []
+    for k in keys:
+        lost = [name for name in k.models if not tenant.models.allows(name)]
+        if lost:
+            none = "; the key may name no model at all" if len(lost) == len(k.models) else ""
+            refused.append(
+                f"key {k.id!r} of tenant {tenant.name!r} lists {_some(lost)}, which the tenant "
+                f"may not name: requests for {'them' if len(lost) > 1 else 'it'} get 404{none} "
+                f"(`pontoctl key models {k.id} ...`)"
             )
     if key is None:
-        warnings.extend(
+        refused.extend(
             f"alias {alias!r} of tenant {tenant.name!r} is not among the models it may name: "
             "requests for it get 404"
             for alias, _ in tenant.prompt.aliases
             if not tenant.models.allows(alias)
         )
-    for k in keys:
-        lost = [name for name in k.models if not tenant.models.allows(name)]
-        if lost:
-            none = "; the key may name no model at all" if len(lost) == len(k.models) else ""
-            warnings.append(
-                f"key {k.id!r} of tenant {tenant.name!r} lists {_some(lost)}, which the tenant "
-                f"may not name: requests for {'them' if len(lost) > 1 else 'it'} get 404{none} "
-                f"(`pontoctl key models {k.id} ...`)"
+    unserved: list[str] = []
+    for name in names:
+        if key is not None and not tenant.models.allows(name):
+            refused.append(
+                f"{whose} may name model {name!r}, which its tenant {tenant.name!r} may not: "
+                "requests for it get 404"
             )
-    return tuple(warnings)
+        elif name not in served and name not in aliases:
+            unserved.append(
+                f"no origin serves model {name!r}, which {whose} may name, and it is no alias "
+                f"of tenant {tenant.name!r}: requests for it get 404 until one does"
+            )
+    return (*refused, *unserved)
 
 
 # A tenant's per-model settings, by what they are called in its warnings:

@@ -260,7 +260,8 @@ def set_key_limits(req: apb.SetKeyLimitsRequest, _: object) -> Description:
 
 
 def set_key_models(req: apb.SetKeyModelsRequest, _: object) -> Description:
-    return f"key/{req.id}", {"models": ",".join(req.models) or "the tenant's"}
+    # As CreateKey's entry has them (fields): a JSON list, [] for the tenant's.
+    return f"key/{req.id}", fields(req, leave=("id",)) or {"models": "[]"}
 
 
 def set_key_expiry(req: apb.SetKeyExpiryRequest, resp: apb.ApiKeyInfo | None) -> Description:

@@ -60,19 +60,16 @@ class CorsPolicy:
         """`--cors-origins`: `*`, or origins (`https://app.example`,
         `http://localhost:3000`) separated by commas; None for "". Raises
         ValueError naming what is not an origin."""
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        if not items:
+        if not text.strip():
             return None
+        items = [item.strip() for item in text.split(",")]
         if "*" in items:
             if len(items) > 1:
                 raise ValueError("--cors-origins: give '*' alone, or origins")
             return cls(any_origin=True)
         for item in items:
-            if origin_of(item) != item:
-                raise ValueError(
-                    f"--cors-origins: {item!r} is not an origin: give scheme://host[:port], "
-                    "lower-case, without a path (e.g. https://app.example)"
-                )
+            if not item or origin_of(item) != item:
+                raise ValueError(f"--cors-origins: {item!r} is not an origin: {_why_not(item)}")
         return cls(frozenset(items))
 
     def allowed(self, origin: str) -> str | None:
@@ -113,12 +110,32 @@ def origin_of(url: str) -> str:
         return ""
     if parts.path or parts.query or parts.fragment or parts.username or parts.password:
         return ""
-    if port == {"http": 80, "https": 443}[parts.scheme] or not parts.hostname.isascii():
+    if port == {"http": 80, "https": 443}[parts.scheme] or not _HOST.fullmatch(parts.hostname):
         return ""  # a browser sends neither: the default port left out, a host as punycode
     host = parts.hostname
     if ":" in host:
         host = f"[{host}]"
     return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+# A host as a browser sends it: a lower-case name (punycode), an IPv4 or an
+# IPv6 address (without its brackets here).
+_HOST = re.compile(r"[a-z0-9.-]+|[0-9a-f:.]+")
+
+
+def _why_not(item: str) -> str:
+    """What to fix in `item`, which origin_of refused (trial 29: a wildcard,
+    an empty item or a default port were told "give scheme://host[:port]")."""
+    if not item:
+        return "an empty item between commas"
+    if "*" in item:
+        return "no wildcards: list each origin, or give '*' alone for any"
+    if item.endswith(("://", "/")) or "/" in item.partition("://")[2]:
+        return "an origin has no path, not even '/' (e.g. https://app.example)"
+    for scheme, port in (("https://", ":443"), ("http://", ":80")):
+        if item.startswith(scheme) and item.endswith(port):
+            return f"leave the default port {port} out, as browsers do"
+    return "give scheme://host[:port], lower-case, as a browser sends it (e.g. https://app.example)"
 
 
 def preflight_handler(

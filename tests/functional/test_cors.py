@@ -74,6 +74,9 @@ def test_the_flag_takes_origins_or_a_wildcard() -> None:
         "https://app.example:443",
         "http://app.example:80",
         "https://bücher.example",
+        # Trial 29: a wildcard host, and an empty item, were taken.
+        "http://*.example",
+        "https://a.example,,https://b.example",
     ],
 )
 def test_what_is_not_an_origin_is_refused_at_start(

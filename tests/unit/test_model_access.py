@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from controlplane.api.admin import WARNINGS_BYTES, warnings_metadata
 from controlplane.apply import Current, document, parse, plan
 from controlplane.catalog import Catalog
 from controlplane.cli import _parser, _rows_keys, _rows_tenants, run
@@ -69,10 +70,11 @@ def test_lists_are_stored_and_records_from_before_them_read_as_none() -> None:
 
 def test_names_nothing_answers_and_aliases_off_the_list_are_warned_of() -> None:
     tenant = acme("fast", "llama-8b", "lama-70b", fast="llama-70b", big="llama-70b")
+    # What refuses requests first, what nothing serves after (trial 29).
     assert access_warnings(tenant, ORIGINS) == (
+        "alias 'big' of tenant 'acme' is not among the models it may name: requests for it get 404",
         "no origin serves model 'lama-70b', which tenant 'acme' may name, and it is no alias "
         "of tenant 'acme': requests for it get 404 until one does",
-        "alias 'big' of tenant 'acme' is not among the models it may name: requests for it get 404",
     )
     assert access_warnings(acme(big="nothing"), ORIGINS) == ()  # no list: nothing to say
     key = ApiKeyRecord("abcdefghij", "", "acme", models=("fast", "llama-70b", "nope"))
@@ -117,7 +119,8 @@ def test_apply_reads_writes_and_compares_a_tenants_models() -> None:
         ("llama-8b", "tenants[0].models: expected a list"),
         ([1], "tenants[0].models[0]: expected a string"),
         # Review 45: it reads as "none", and would give every model.
-        ([], "tenants[0].models: an empty list; leave `models` out for every model"),
+        ([], "tenants[0].models: no names; leave `models` out for every model"),
+        (None, "tenants[0].models: no names; leave `models` out for every model"),
     ],
 )
 def test_apply_names_the_field_of_a_list_of_the_wrong_shape(models: Any, error: str) -> None:
@@ -165,10 +168,10 @@ async def test_the_admin_api_saves_lists_warns_and_compiles_them() -> None:
         assert list(listed.models) == []
         audit = (await stub.ListAudit(apb.ListAuditRequest(action="SetKeyModels"))).entries
         assert [e.detail["changes"] for e in audit] == [
-            "models llama-70b -> removed",
-            "models llama-8b,other -> llama-70b",
+            'models ["llama-70b"] -> removed',
+            'models ["llama-8b","other"] -> ["llama-70b"]',
         ]
-        assert [e.detail["models"] for e in audit] == ["the tenant's", "llama-70b"]
+        assert [e.detail["models"] for e in audit] == ["[]", '["llama-70b"]']
 
 
 def test_a_tenants_list_narrowed_under_its_keys_lists_is_warned_of() -> None:
@@ -205,6 +208,25 @@ async def test_the_admin_api_warns_of_the_keys_a_tenants_new_list_cuts_off() -> 
         f"requests for it get 404; the key may name no model at all (`pontoctl key models "
         f"{created.key.id} ...`)"
     ]
+
+
+async def test_a_long_lists_unserved_names_hide_neither_a_cut_key_nor_the_fleets_warnings() -> None:
+    """Trial 29: 35 names nothing served filled the reply's warnings, and the
+    keys the list cut off, then the proxies' own warnings (cut a second time),
+    were only counted."""
+    async with admin(MemoryStore()) as stub:
+        names = pb.ModelAccess(names=["a", "b"])
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme", models=names)))
+        created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", models=["a"]))
+        typos = [f"typo-model-{i:02d}" for i in range(35)]
+        update = apb.UpdateTenantRequest(name="acme", models=pb.ModelAccess(names=typos))
+        warnings = await warned(stub.UpdateTenant(update))
+    assert warnings[0].startswith(f"key '{created.key.id}' of tenant 'acme' lists a, ")
+    assert warnings[-1].endswith("more warnings like these")
+    assert sum(map(len, warnings)) <= WARNINGS_BYTES + 100
+    fleet = ["proxies p1, p2 report: JWT config of tenant 'idp': ..."]
+    sent = [value for _, value in warnings_metadata(warnings * 3, then=fleet)]
+    assert sent[-1] == fleet[0] and sent[-2].endswith("more warnings like these")
 
 
 async def test_a_bad_name_or_a_revoked_key_is_refused() -> None:
