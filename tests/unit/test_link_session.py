@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -19,43 +20,23 @@ import pytest
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_link_loads import ScriptedRouting
 
 
-class Ending:
-    """The Routing service of a replica that ends every route stream with
-    UNAVAILABLE a moment after the proxy opened it; it counts what it read."""
+class Ending(ScriptedRouting):
+    """A replica that ends every route stream with UNAVAILABLE once it has
+    read the proxy's subscription; it counts the subscriptions."""
 
     def __init__(self) -> None:
+        super().__init__([])
         self.read = 0
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            "ponto.v1.Routing",
-            {
-                "Register": grpc.unary_unary_rpc_method_handler(
-                    self.register,
-                    request_deserializer=pb.RegisterRequest.FromString,
-                    response_serializer=pb.RegisterResponse.SerializeToString,
-                ),
-                "RouteStream": grpc.stream_stream_rpc_method_handler(
-                    self.route_stream,
-                    request_deserializer=pb.RouteRequest.FromString,
-                    response_serializer=pb.RouteUpdate.SerializeToString,
-                ),
-            },
-        )
-
-    async def register(
-        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> pb.RegisterResponse:
-        return pb.RegisterResponse(session_id="s-1", control_plane_id="cp-1")
-
-    async def route_stream(
+    async def route_stream(  # type: ignore[override]
         self,
         requests: AsyncIterator[pb.RouteRequest],
-        context: grpc.aio.ServicerContext[object, object],
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        await requests.__anext__()  # the subscription
+        await anext(requests)  # the subscription
         self.read += 1
         await context.abort(grpc.StatusCode.UNAVAILABLE, "replica going away")
 
