@@ -104,14 +104,15 @@ class EdgePolicy:
         rules = self.tenants.get(name)
         return rules if rules is not None else self.default
 
-    def may_name(self, principal: Principal, tenant: TenantRules, model: str) -> bool:
-        """Whether principal, of tenant, may name model (as the request
-        names it, before the tenant's aliases): within the tenant's models
-        and its key's, where they have a list."""
+    def refusing_list(self, principal: Principal, tenant: TenantRules, model: str) -> str:
+        """Whose model list refuses principal, of tenant, the model it names
+        (as the request names it, before the tenant's aliases): "tenant NAME"
+        or "key ID"; "" when it may name it (within the tenant's list and its
+        key's, where they have one)."""
         if tenant.models is not None and model not in tenant.models:
-            return False
+            return f"tenant {tenant.name}"
         own = self.key_models.get(principal.key_id)
-        return own is None or model in own
+        return f"key {principal.key_id}" if own is not None and model not in own else ""
 
 
 def _cache(m: pb.CachePolicy, defaults: CacheDefaults) -> TenantCachePolicy:

@@ -38,7 +38,7 @@ async def _callable_models(request: web.Request) -> list[str]:
         tenant = policy.tenant(principal.tenant)
         aliases = tenant.prompt.aliases
         models += sorted(a for a, target in aliases.items() if target in served and a not in served)
-        models = [m for m in models if policy.may_name(principal, tenant, m)]
+        models = [m for m in models if not policy.refusing_list(principal, tenant, m)]
     return models
 
 

@@ -346,17 +346,11 @@ class Pipeline:
         ex.tenant = ex.policy.tenant(ex.principal.tenant)
         asked = ex.body["model"]
         policy = ex.policy
-        if (ex.tenant.models is not None or policy.key_models) and not policy.may_name(
-            ex.principal, ex.tenant, asked
+        if (ex.tenant.models is not None or policy.key_models) and (
+            whose := policy.refusing_list(ex.principal, ex.tenant, asked)
         ):
             error = model_not_found(asked)
-            listed = ex.tenant.models
-            off = listed is not None and asked not in listed
-            error.note = (
-                f"not on the model list of tenant {ex.tenant.name}"
-                if off
-                else f"not on the model list of key {ex.principal.key_id}"
-            )
+            error.note = f"not on the model list of {whose}"  # the log's, not the client's
             raise error
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
