@@ -593,9 +593,17 @@ class EdgeProtocol(web_protocol.RequestHandler):
             # The head is done: what comes next is its body, or the next head
             # (aiohttp also calls with no data, to parse requests it buffered).
             self._head_bytes = 0
-            if self._refused_one(self._request_count - count):
-                return
             message, payload = self._messages[-1]
+            new = self._request_count - count
+            # One head, the usual read: checked here, a call only to refuse it.
+            if (
+                new > 1
+                or isinstance(message, web_protocol._ErrInfo)
+                or message.version is not HttpVersion11
+                or message.chunked
+                or _head_size(message) > MAX_HEAD
+            ) and self._refused_one(new):
+                return
             if (
                 isinstance(message, web_protocol._ErrInfo)
                 and self._payload is not None
