@@ -595,14 +595,12 @@ class EdgeProtocol(web_protocol.RequestHandler):
             self._head_bytes = 0
             message, payload = self._messages[-1]
             new = self._request_count - count
-            # One head, the usual read: checked here, a call only to refuse it.
-            if (
-                new > 1
-                or isinstance(message, web_protocol._ErrInfo)
-                or message.version is not HttpVersion11
-                or message.chunked
-                or _head_size(message) > MAX_HEAD
-            ) and self._refused_one(new):
+            if new > 1:  # pipelined heads in one read: each is checked
+                if self._refused_one(new):
+                    return
+            elif not isinstance(message, web_protocol._ErrInfo) and (refusal := _refusal(message)):
+                self._messages.pop()
+                self._refuse_head(refusal)
                 return
             if (
                 isinstance(message, web_protocol._ErrInfo)
@@ -632,11 +630,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
             message = messages[index][0]
             if isinstance(message, web_protocol._ErrInfo):
                 return False  # the parser's own refusal, its last message
-            refusal: BadHttpMessage | None = None
-            if _head_size(message) > MAX_HEAD:
-                refusal = HeadTooLarge(f"request head over {MAX_HEAD} bytes")
-            elif message.version is not HttpVersion11 or message.chunked:
-                refusal = _unsupported(message)  # the usual request checks no further
+            refusal = _refusal(message)
             if refusal is not None:
                 while len(messages) > index:
                     messages.pop()
@@ -653,7 +647,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         one its parser refuses (an error message in the queue), and read no
         more of the connection."""
         self._deadline.disarm()
-        exc = exc or HeadTooLarge(f"request head over {MAX_HEAD} bytes")
+        exc = exc or HeadTooLarge(_TOO_LARGE)
         self._messages.append(
             (web_protocol._ErrInfo(status=exc.code, exc=exc, message=exc.message), EMPTY_PAYLOAD)
         )
@@ -968,9 +962,18 @@ class CodingNotSupported(BadHttpMessage):
     not RFC 9112's 501, as for the version."""
 
 
-def _unsupported(message: RawRequestMessage) -> BadHttpMessage | None:
-    """What refuses a parsed head that the parser took: its version, or a
-    transfer coding besides `chunked`; None for the usual request."""
+_TOO_LARGE = f"request head over {MAX_HEAD} bytes"
+
+
+def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
+    """What refuses a head the parser took: its size past MAX_HEAD (it came
+    whole, in one read), its version, or a transfer coding besides
+    `chunked`; None for the usual request, after two comparisons and the
+    size."""
+    if _head_size(message) > MAX_HEAD:
+        return HeadTooLarge(_TOO_LARGE)
+    if message.version is HttpVersion11 and not message.chunked:
+        return None
     if message.version not in (HttpVersion11, HttpVersion10):
         return VersionNotSupported("HTTP version not supported")
     # One header at most: the parser refuses a second.
