@@ -110,7 +110,7 @@ def origin_of(url: str) -> str:
         return ""
     if parts.path or parts.query or parts.fragment or parts.username or parts.password:
         return ""
-    if port == {"http": 80, "https": 443}[parts.scheme] or not _HOST.fullmatch(parts.hostname):
+    if port == _DEFAULT_PORTS[parts.scheme] or not _HOST.fullmatch(parts.hostname):
         return ""  # a browser sends neither: the default port left out, a host as punycode
     host = parts.hostname
     if ":" in host:
@@ -118,6 +118,8 @@ def origin_of(url: str) -> str:
     return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
+# Ports a browser leaves out of an origin.
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 # A host as a browser sends it: a lower-case name (punycode), an IPv4 or an
 # IPv6 address (without its brackets here).
 _HOST = re.compile(r"[a-z0-9.-]+|[0-9a-f:.]+")
@@ -132,9 +134,9 @@ def _why_not(item: str) -> str:
         return "no wildcards: list each origin, or give '*' alone for any"
     if item.endswith(("://", "/")) or "/" in item.partition("://")[2]:
         return "an origin has no path, not even '/' (e.g. https://app.example)"
-    for scheme, port in (("https://", ":443"), ("http://", ":80")):
-        if item.startswith(scheme) and item.endswith(port):
-            return f"leave the default port {port} out, as browsers do"
+    for scheme, port in _DEFAULT_PORTS.items():
+        if item.startswith(f"{scheme}://") and item.endswith(f":{port}"):
+            return f"leave the default port :{port} out, as browsers do"
     return "give scheme://host[:port], lower-case, as a browser sends it (e.g. https://app.example)"
 
 

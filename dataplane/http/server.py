@@ -38,7 +38,7 @@ from dataplane.http.boundary import (
     record_unparsed,
     returned_status,
 )
-from dataplane.http.cors import preflight_handler
+from dataplane.http.cors import API_PREFIX, preflight_handler
 from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Endpoint, Exchange, Pipeline
 from dataplane.http.requestid import RequestIds
@@ -329,14 +329,14 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
     r.add_get("/v1/models", endpoints.list_models, name="models")
     r.add_get("/v1/models/{model:.+}", endpoints.retrieve_model, name="models.retrieve")
     if settings.cors is not None:
-        # Browsers' preflights of the API's paths, and its answers marked
-        # readable by the pages of the origins listed (dataplane/http/cors.py).
+        # Browsers' preflights of the API's paths (each for the methods its
+        # routes take), and its answers marked readable by the pages of the
+        # origins listed (dataplane/http/cors.py).
         app.on_response_prepare.append(settings.cors.on_prepare)
-        for endpoint in ENDPOINTS.values():
-            path = "/v1/" + endpoint.upstream_path.lstrip("/")
-            r.add_route("OPTIONS", path, preflight_handler(settings.cors, "POST"))
-        for path in ("/v1/models", "/v1/models/{model:.+}"):
-            r.add_route("OPTIONS", path, preflight_handler(settings.cors, "GET"))
+        for resource in list(r.resources()):
+            if isinstance(resource, web.Resource) and resource.canonical.startswith(API_PREFIX):
+                methods = ", ".join(sorted({route.method for route in resource} - {"HEAD"}))
+                resource.add_route("OPTIONS", preflight_handler(settings.cors, methods))
     r.add_get("/healthz", endpoints.healthz, name="healthz")
     r.add_get("/health", endpoints.healthz, name="health")
     r.add_get("/readyz", endpoints.readyz, name="readyz")
