@@ -770,6 +770,12 @@ class Tenant:
         return blocks, problems
 
 
+def served_models(origins: Iterable[Origin]) -> set[str]:
+    """The models the origins list, drained or unhealthy ones' too: proxies
+    know them (and answer 503 while none can take one, not 404)."""
+    return {model for o in origins for model in o.models}
+
+
 def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ...]:
     """A warning for each of tenant's aliases whose target no origin lists; pure.
 
@@ -779,7 +785,7 @@ def unserved_aliases(tenant: Tenant, origins: Iterable[Origin]) -> tuple[str, ..
     drained or unhealthy origins list counts as served: the proxies know the
     model and answer 503 while no origin can take it.
     """
-    served = {model for o in origins for model in o.models}
+    served = served_models(origins)
     return tuple(
         f"no origin serves model {target!r} now; requests for alias {alias!r} of tenant "
         f"{tenant.name!r} will get 404 until one does"
@@ -804,7 +810,7 @@ def access_warnings(
     origin lists it or it is one of the tenant's aliases; a key's names
     must also be among its tenant's, when the tenant has a list.
     """
-    served = {model for o in origins for model in o.models}
+    served = served_models(origins)
     aliases = dict(tenant.prompt.aliases)
     if key is not None:
         names, whose = key.models, f"key {key.id!r}"
@@ -871,7 +877,7 @@ def unserved_settings(
     """
     what, by, value = _PER_MODEL[setting]
     pairs = tenant.routing.models if setting == "routing" else tenant.streams.hedge_models
-    served = {model for o in origins for model in o.models}
+    served = served_models(origins)
     aliases = dict(tenant.prompt.aliases)
     warnings = []
     for model, _ in pairs:

@@ -214,14 +214,15 @@ def _length_end(state: Any, ex: Exchange, prompt: int, continued: int) -> bytes:
     chunk: dict[str, Any] = {**head, "choices": [choice]}
     if ponto:
         chunk["ponto"] = ponto
-    if not asks_usage(ex.body):
-        return b"data: " + jsonio.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
-    chunk["usage"] = None  # as every chunk before the usage chunk has it
-    usage = {
-        "prompt_tokens": prompt,
-        "completion_tokens": state.tokens,
-        "total_tokens": prompt + state.tokens,
-    }
-    last = {**head, "choices": [], "usage": usage, "ponto": {**ponto, "usage": "estimated"}}
-    events = b"".join(b"data: " + jsonio.dumps(c) + b"\n\n" for c in (chunk, last))
-    return events + b"data: [DONE]\n\n"
+    chunks = [chunk]
+    if asks_usage(ex.body):
+        chunk["usage"] = None  # as every chunk before the usage chunk has it
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": state.tokens,
+            "total_tokens": prompt + state.tokens,
+        }
+        chunks.append(
+            {**head, "choices": [], "usage": usage, "ponto": {**ponto, "usage": "estimated"}}
+        )
+    return b"".join(b"data: " + jsonio.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
