@@ -80,11 +80,8 @@ def fleet(
         f.start_control()
         f.add_region(RegionDef("us-east", 38.9, -77.4))
         f.start_origin("o1", "us-east")
-        spec = apb.OriginSpec(
-            name="o1", base_url=f.origin_url("o1"), region="us-east", models=["sim-small"]
-        )
+        f.add_origin("o1", "us-east", f.origin_url("o1"), ("sim-small",))
         admin = f.admin()
-        admin.PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
         admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="web")), timeout=10)
         key = admin.CreateKey(apb.CreateKeyRequest(tenant="web"), timeout=10).secret
         f.start_proxy("p1", "us-east", extra=[f"--cors-origins={pages[0].origin}"])

@@ -76,10 +76,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         f.start_control()
         f.add_region(RegionDef("us-east", 38.9, -77.4))
         f.start_origin("o1", "us-east")
-        spec = apb.OriginSpec(
-            name="o1", base_url=f.origin_url("o1"), region="us-east", models=["sim-small"]
-        )
-        f.admin().PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=10)
+        f.add_origin("o1", "us-east", f.origin_url("o1"), ("sim-small",))
         f.start_proxy("p1", "us-east")
         f.wait_proxies_at(f.table_version(origins=1))
         yield f
