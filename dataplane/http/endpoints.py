@@ -42,6 +42,15 @@ async def _callable_models(request: web.Request) -> list[str]:
     return models
 
 
+def _refusing_list(request: web.Request, name: str) -> str:
+    """Whose model list refuses the caller `name`, as for a chat call; "" when
+    none does (nobody serves it, or there is no policy)."""
+    principal, policy = request.get(PRINCIPAL), request.app[HOLDER].policy
+    if principal is None or policy is None:
+        return ""
+    return policy.refusing_list(principal, policy.tenant(principal.tenant), name)
+
+
 def _standing_limits(request: web.Request) -> list[tuple[str, str]]:
     """The caller's `x-ratelimit-*` headers, as every answer to a limited
     caller carries them; a model list takes nothing from its limits."""
@@ -69,7 +78,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     models = await _callable_models(request)
     limits = _standing_limits(request)
     if name not in models:
-        error = model_not_found(name)
+        error = model_not_found(name, refused_by=_refusing_list(request, name))
         error.headers.update(limits)
         raise error
     return web.json_response(_model(name), dumps=_dumps_str, headers=limits)

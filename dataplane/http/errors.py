@@ -124,15 +124,20 @@ def body_too_large(limit: int) -> ApiError:
     )
 
 
-def model_not_found(name: str) -> ApiError:
+def model_not_found(name: str, refused_by: str = "") -> ApiError:
     """404 for a model the caller may not name, in OpenAI's words; the name as
-    the client sent it, cut to 256 characters."""
-    return ApiError(
+    the client sent it, cut to 256 characters. `refused_by` is whose model
+    list refused it ("tenant NAME", "key ID"), for the log only: the client
+    is not told that the model exists."""
+    error = ApiError(
         404,
         f"The model '{name[:256]}' does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
     )
+    if refused_by:
+        error.note = f"not on the model list of {refused_by}"
+    return error
 
 
 # Fixed messages: what clients see of an origin failure, whatever the cause.

@@ -349,9 +349,7 @@ class Pipeline:
         if (ex.tenant.models is not None or policy.key_models) and (
             whose := policy.refusing_list(ex.principal, ex.tenant, asked)
         ):
-            error = model_not_found(asked)
-            error.note = f"not on the model list of {whose}"  # the log's, not the client's
-            raise error
+            raise model_not_found(asked, refused_by=whose)
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         rules = ex.tenant.prompt

@@ -184,6 +184,23 @@ async def test_the_model_list_holds_what_the_caller_may_name(
         assert one.status == (200 if model in listed else 404)
 
 
+async def test_a_model_lookup_refused_by_a_list_is_logged_with_the_list(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`GET /v1/models/{model}` names the list that refused, as a chat call
+    does (trial 29); a model nobody serves names none."""
+    for model, key in ((LARGE, KEY), (FAST, NARROW), ("no-such-model", OTHER)):
+        resp = await stack.client.get(
+            f"/v1/models/{model}", headers={"authorization": f"Bearer {key.key}"}
+        )
+        assert resp.status == 404
+    lines = [r.getMessage() for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(lines) == 3
+    assert "[not on the model list of tenant acme]" in lines[0]
+    assert f"[not on the model list of key {NARROW.key_id}]" in lines[1]
+    assert "model list" not in lines[2] and "model_not_found" in lines[2]
+
+
 async def test_a_jwt_caller_has_its_tenants_list(stack: Stack) -> None:
     assert (await refused(stack, LARGE, gamma_token()))["code"] == "model_not_found"
     resp = await stack.post(chat("hi"), key=gamma_token())
