@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -694,12 +694,18 @@ def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb
     return pb.Limits(rpm=rpm, tpm=tpm, concurrency=concurrency)
 
 
-def _models_text(names: Sequence[str], none: str = "any") -> str:
-    """A model list in one table cell: the names (the first few of a long
-    one, and how many more), or `none` for no list."""
-    if len(names) > MAX_CELL_MODELS:
-        return ",".join(names[:MAX_CELL_MODELS]) + f",…(+{len(names) - MAX_CELL_MODELS})"
-    return ",".join(names) or none
+def _models_text(
+    names: Sequence[str], none: str = "any", mark: Callable[[str], str] = lambda _: ""
+) -> str:
+    """A model list in one table cell: the names, each with mark(name) after
+    it (the first few of a long one, then how many more and how many of
+    those are marked), or `none` for no list."""
+    shown = ",".join(f"{n}{mark(n)}" for n in names[:MAX_CELL_MODELS])
+    hidden = names[MAX_CELL_MODELS:]
+    if hidden:
+        marked = sum(1 for n in hidden if mark(n))
+        shown += f",…(+{len(hidden)}" + (f", {marked} unserved)" if marked else ")")
+    return shown or none
 
 
 # Models a table cell names of a list (`-o yaml` shows them all).
@@ -819,8 +825,8 @@ def _milliseconds(text: str, flag: str) -> int:
 # (model.unserved_settings); the note says why below the table.
 UNSERVED = "(unserved)"
 UNSERVED_NOTE = (
-    f"{UNSERVED}: no origin serves that model now; requests for an alias to it get 404, "
-    "and a routing policy or hedge delay for it applies to nothing, until one does"
+    f"{UNSERVED}: no origin serves that model now; requests for it or an alias to it get "
+    "404, and a routing policy or hedge delay for it applies to nothing, until one does"
 )
 # Marks a per-model routing policy or hedge delay set for one of the tenant's
 # own aliases, served or not: requests for the alias work, but proxies pick
@@ -844,6 +850,13 @@ def _setting_mark(t: pb.Tenant, model: str, served: Collection[str] | None) -> s
     return ALIAS if model in t.prompt.aliases else _served_mark(model, served)
 
 
+def _listed_mark(t: pb.Tenant | None, model: str, served: Collection[str] | None) -> str:
+    """The mark of model on a model list of tenant t's (its own or a key's):
+    none for one of t's aliases (an alias is listed by its own name; the
+    ALIASES column marks its target), else _served_mark."""
+    return "" if t is not None and model in t.prompt.aliases else _served_mark(model, served)
+
+
 def _alias_settings(t: pb.Tenant) -> list[str]:
     """`TENANT: ALIAS -> MODEL` for each of tenant t's per-model settings that
     is for one of its aliases (sorted, once each)."""
@@ -853,12 +866,14 @@ def _alias_settings(t: pb.Tenant) -> list[str]:
 
 def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list[str]:
     """The notes below `get tenants`' table, for the marks its rows hold."""
-    unserved = any(
-        _served_mark(m, served) for t in tenants for m in t.prompt.aliases.values()
-    ) or any(
-        _setting_mark(t, m, served) == UNSERVED
-        for t in tenants
-        for m in (*t.routing.models, *t.streams.hedge_models)
+    unserved = (
+        any(_served_mark(m, served) for t in tenants for m in t.prompt.aliases.values())
+        or any(
+            _setting_mark(t, m, served) == UNSERVED
+            for t in tenants
+            for m in (*t.routing.models, *t.streams.hedge_models)
+        )
+        or any(_listed_mark(t, m, served) for t in tenants for m in t.models.names)
     )
     aliased = [line for t in tenants for line in _alias_settings(t)]
     return ([UNSERVED_NOTE] if unserved else []) + (
@@ -883,8 +898,9 @@ def _rows_tenants(
 ) -> tuple[list[str], list[list[str]]]:
     """The tenants table; with served (the models origins list), each model a
     tenant names that no origin lists is marked UNSERVED: its aliases' targets,
-    its per-model routing policies' and hedge delays' models. A per-model
-    setting for one of the tenant's aliases is marked ALIAS instead, served or not."""
+    its per-model routing policies' and hedge delays' models, the names on its
+    model list that are not its aliases. A per-model setting for one of the
+    tenant's aliases is marked ALIAS instead, served or not."""
 
     def aliases(m: pb.PromptPolicy) -> str:
         return (
@@ -923,7 +939,7 @@ def _rows_tenants(
             (t.prompt.system_prompt[:30] + ("…" if len(t.prompt.system_prompt) > 30 else ""))
             or "-",
             aliases(t.prompt),
-            _models_text(t.models.names),
+            _models_text(t.models.names, mark=functools.partial(_listed_mark, t, served=served)),
             t.jwt.issuer if t.HasField("jwt") else "-",
         ]
         for t in resp.tenants
@@ -968,11 +984,15 @@ def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list
 
 
 def _rows_keys(
-    resp: apb.ListKeysResponse, tenants: Collection[str] | None = None
+    resp: apb.ListKeysResponse,
+    tenants: Mapping[str, pb.Tenant] | None = None,
+    served: Collection[str] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """The keys' table. A key whose tenant is not in tenants (the control plane's,
-    when given) shows it as `NAME(deleted)`: a deleted tenant keeps its revoked
-    keys, which keep a fleet that ever had a key closed (auth_required)."""
+    by name, when given) shows it as `NAME(deleted)`: a deleted tenant keeps its
+    revoked keys, which keep a fleet that ever had a key closed (auth_required).
+    With served (the models origins list), a name on a key's model list that
+    no origin lists, and that is not its tenant's alias, is marked UNSERVED."""
     now = time.time()
     header = ["ID", "TENANT", "DESCRIPTION", "LIMITS", "MODELS", "CREATED", "EXPIRES", "STATE"]
     return header, [
@@ -981,7 +1001,13 @@ def _rows_keys(
             k.tenant if tenants is None or k.tenant in tenants else f"{k.tenant}(deleted)",
             k.description or "-",
             _limits_text(k.limits, none="-"),
-            _models_text(k.models, none="tenant's"),
+            _models_text(
+                k.models,
+                none="tenant's",
+                mark=functools.partial(
+                    _listed_mark, None if tenants is None else tenants.get(k.tenant), served=served
+                ),
+            ),
             # RFC 3339, no spaces: one field per column for awk and cut.
             utc(k.created_at),
             utc(k.expires_at) if k.expires_at else "-",
@@ -992,11 +1018,17 @@ def _rows_keys(
 
 
 def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
-    """keys as output asks; a table marks the keys of deleted tenants."""
+    """keys as output asks; a table marks the keys of deleted tenants and the
+    unserved models on keys' lists (with the note that says why)."""
     if output != "table":
         return render(keys, output, _rows_keys)
-    tenants = frozenset(t.name for t in stub.ListTenants(apb.ListRequest()).tenants)
-    return render(keys, output, lambda r: _rows_keys(r, tenants))
+    tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
+    served = frozenset(m for o in stub.ListOrigins(apb.ListRequest()).origins for m in o.models)
+    shown = render(keys, output, lambda r: _rows_keys(r, tenants, served))
+    unserved = any(
+        _listed_mark(tenants.get(k.tenant), m, served) for k in keys.keys for m in k.models
+    )
+    return "\n".join([shown, UNSERVED_NOTE] if unserved else [shown])
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:

@@ -41,6 +41,9 @@ class Stub:
     def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
         return apb.ListTenantsResponse(tenants=[pb.Tenant(name="acme")])
 
+    def ListOrigins(self, req: apb.ListRequest) -> apb.ListOriginsResponse:
+        return apb.ListOriginsResponse(origins=[pb.Origin(name="o1", models=["sim-small"])])
+
     def SetKeyExpiry(self, req: apb.SetKeyExpiryRequest) -> apb.ApiKeyInfo:
         self.requests.append(req)
         at = 1_900_000_000.0 + req.expires_in_s if req.expires_in_s else 0.0

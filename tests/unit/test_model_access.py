@@ -14,7 +14,7 @@ import pytest
 from controlplane.api.admin import WARNINGS_BYTES, warnings_metadata
 from controlplane.apply import Current, document, parse, plan
 from controlplane.catalog import Catalog
-from controlplane.cli import _parser, _rows_keys, _rows_tenants, run
+from controlplane.cli import UNSERVED_NOTE, _parser, _rows_keys, _rows_tenants, run
 from controlplane.compile import compile_table
 from controlplane.errors import InvalidArgument
 from controlplane.model import (
@@ -253,9 +253,17 @@ class Stub:
     def __init__(self) -> None:
         self.current = pb.Tenant(name="acme", models=pb.ModelAccess(names=["a"]))
         self.sent: list[Any] = []
+        self.served: list[str] = []  # the models its one origin lists
+        self.keys: list[apb.ApiKeyInfo] = []
 
     def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
         return apb.ListTenantsResponse(tenants=[self.current])
+
+    def ListOrigins(self, req: apb.ListRequest) -> apb.ListOriginsResponse:
+        return apb.ListOriginsResponse(origins=[pb.Origin(name="o1", models=self.served)])
+
+    def ListKeys(self, req: apb.ListKeysRequest) -> apb.ListKeysResponse:
+        return apb.ListKeysResponse(keys=self.keys)
 
     def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
         self.sent.append(req)
@@ -364,3 +372,50 @@ def test_the_tables_show_the_lists() -> None:
     header, rows = _rows_keys(keys)
     column = header.index("MODELS")
     assert [row[column] for row in rows] == ["a", "tenant's"]
+
+
+def test_the_tables_mark_listed_names_no_origin_serves() -> None:
+    """Trial 29: a typo on a list (`gpt4o`) was shown as any other name; it is
+    marked as ALIASES marks an alias's unserved target, with the note that
+    says why. An alias on a list is listed by its own name: not marked."""
+    acme = pb.Tenant(
+        name="acme",
+        prompt=pb.PromptPolicy(aliases={"fast": "sim-small"}),
+        models=pb.ModelAccess(names=["sim-small", "gpt4o", "fast"]),
+    )
+    big = pb.Tenant(name="big", models=pb.ModelAccess(names=[f"m{i}" for i in range(8)]))
+    served = frozenset({"sim-small", "m0", "m1", "m2", "m3", "m4", "m6"})
+    header, rows = _rows_tenants(apb.ListTenantsResponse(tenants=[acme, big]), served)
+    column = header.index("MODELS")
+    assert [row[column] for row in rows] == [
+        "sim-small,gpt4o(unserved),fast",
+        "m0,m1,m2,m3,m4,…(+3, 2 unserved)",
+    ]
+    keys = apb.ListKeysResponse(
+        keys=[
+            apb.ApiKeyInfo(id="k1", tenant="acme", models=["fast", "gpt4o"]),
+            apb.ApiKeyInfo(id="k2", tenant="gone", models=["fast"]),
+        ]
+    )
+    header, rows = _rows_keys(keys, {"acme": acme}, served)
+    column = header.index("MODELS")
+    assert [row[column] for row in rows] == ["fast,gpt4o(unserved)", "fast(unserved)"]
+    # Without what origins serve, nothing is marked.
+    _, rows = _rows_keys(keys, {"acme": acme})
+    assert [row[column] for row in rows] == ["fast,gpt4o", "fast"]
+
+
+def test_get_tenants_and_key_list_say_what_an_unserved_name_means() -> None:
+    stub = Stub()
+    stub.current = pb.Tenant(name="acme", models=pb.ModelAccess(names=["sim-small", "gpt4o"]))
+    stub.served = ["sim-small"]
+    out = pontoctl(stub, "get", "tenants")
+    assert "gpt4o(unserved)" in out and out.splitlines()[-1] == UNSERVED_NOTE
+    assert "requests for it or an alias to it get 404" in UNSERVED_NOTE
+    stub.keys = [apb.ApiKeyInfo(id="abcdefghij", tenant="acme", models=["gpt4o"])]
+    out = pontoctl(stub, "key", "list")
+    assert "gpt4o(unserved)" in out and out.splitlines()[-1] == UNSERVED_NOTE
+    stub.served = ["sim-small", "gpt4o"]
+    for argv in (("get", "tenants"), ("key", "list")):
+        out = pontoctl(stub, *argv)
+        assert "(unserved)" not in out and UNSERVED_NOTE not in out
