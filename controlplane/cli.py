@@ -27,9 +27,11 @@ from ponto.grpclog import quiet_import
 quiet_import("NONE")
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -266,6 +268,33 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, and a hint for a model list given as several arguments
+        (`--models a b`, `key models ID a b`): argparse would only call the
+        second name an unrecognized argument (trial 29)."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        given = list(sys.argv[1:] if args is None else args)
+        if extras and _follows_models(given, extras[0], getattr(parsed, "models", None)):
+            listed = ",".join([*parsed.models, *extras])
+            self.error(
+                f"unrecognized arguments: {' '.join(extras)}; a model list is one argument, "
+                f"its names separated by commas with no spaces: {listed}"
+            )
+        return parsed, extras
+
+
+def _follows_models(given: list[str], extra: str, models: list[str] | None) -> bool:
+    """Whether argument `extra` comes right after the model list `models` in
+    `given`: a name that was meant to be on it."""
+    for before, after in itertools.pairwise(given):
+        if after == extra and models and not extra.startswith("-"):
+            with contextlib.suppress(argparse.ArgumentTypeError):
+                if set(_model_list(before)) == set(models):
+                    return True
+    return False
 
 
 def _addresses(text: str) -> tuple[str, ...]:

@@ -419,3 +419,32 @@ def test_get_tenants_and_key_list_say_what_an_unserved_name_means() -> None:
     for argv in (("get", "tenants"), ("key", "list")):
         out = pontoctl(stub, *argv)
         assert "(unserved)" not in out and UNSERVED_NOTE not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "listed"),
+    [
+        (("key", "models", "abcdefghij", "a", "b"), "a,b"),
+        (("tenant", "set", "acme", "--models", "a", "b", "--cache", "off"), "a,b"),
+        (("key", "create", "--tenant", "acme", "--models", "b,a", "c"), "a,b,c"),
+    ],
+)
+def test_a_list_given_as_several_arguments_is_refused_with_the_comma_form(
+    argv: tuple[str, ...], listed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 29: argparse only called the second name an unrecognized argument."""
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(list(argv))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"names separated by commas with no spaces: {listed} " in err
+    assert err.count("\n") == 1
+
+
+def test_a_stray_argument_elsewhere_gets_no_model_list_hint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["tenant", "set", "acme", "--models", "a", "--cache", "off", "x"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: x" in err and "commas" not in err
