@@ -80,6 +80,9 @@ class Routes:
     # Models routed to unhealthy origins because none of theirs is healthy
     # (build_routes' panic routing).
     panic: frozenset[str] = frozenset()
+    # The origins the table marks unhealthy, but those panic routing uses:
+    # their stalled streams end sooner (dataplane.upstream.stalls).
+    unhealthy: frozenset[str] = frozenset()
     # (region, model) for every model an origin of the region lists, drained,
     # unhealthy or not: a request served elsewhere for want of one is not a
     # failover, but where the model lives.
@@ -254,6 +257,9 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         known=frozenset(regions),
         hot=frozenset(r.name for r in table.regions if hot(r.name)),
         panic=panic,
+        unhealthy=frozenset(
+            o.name for o in table.origins if not o.healthy and panic.isdisjoint(o.models)
+        ),
         served=frozenset((o.region, m) for o in table.origins for m in o.models),
     )
 

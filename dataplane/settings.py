@@ -19,6 +19,7 @@ from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
+from dataplane.upstream.stalls import DEFAULT_UNHEALTHY_IDLE_S
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 from ponto.cliargs import finite_float, listen_address, path
 from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
@@ -100,6 +101,9 @@ class Settings:
     # Seconds without a chunk after which a stream counts as cut (tenants may
     # set their own).
     stream_idle_timeout: float = 60.0
+    # The same for a stream whose origin the table marks unhealthy (None: the
+    # same as others'; dataplane/upstream/stalls.py).
+    unhealthy_stream_idle_timeout: float | None = DEFAULT_UNHEALTHY_IDLE_S
     # Read deadlines and connection caps of the HTTP listener (dataplane/http/edge.py).
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
@@ -287,6 +291,15 @@ def parse(argv: list[str]) -> Settings:
         metavar="SECONDS",
         help="a stream with no chunk for this long counts as cut and is continued on "
         "another origin (default %(default)s; a tenant's own setting wins)",
+    )
+    p.add_argument(
+        "--unhealthy-stream-idle-timeout",
+        type=finite_float,
+        default=DEFAULT_UNHEALTHY_IDLE_S,
+        metavar="SECONDS",
+        help="the same for a stream whose origin the route table marks unhealthy: a hung "
+        "origin's streams are continued this soon after their last chunk, not after the "
+        "stream idle timeout (default %(default)s; 0: off)",
     )
     p.add_argument(
         "--session-header",
@@ -483,6 +496,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
     if not a.stream_idle_timeout > 0:
         p.error("--stream-idle-timeout must be positive")
+    if a.unhealthy_stream_idle_timeout < 0:
+        p.error("--unhealthy-stream-idle-timeout must be 0 (off) or more")
     session_header = a.session_header.strip().lower()
     if not session_header or not all(c.isalnum() or c in "-_" for c in session_header):
         p.error("--session-header must be a header name (letters, digits, '-', '_')")
@@ -606,6 +621,7 @@ def parse(argv: list[str]) -> Settings:
         ),
         session_header=session_header,
         stream_idle_timeout=a.stream_idle_timeout,
+        unhealthy_stream_idle_timeout=a.unhealthy_stream_idle_timeout or None,
         edge=EdgeLimits(
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,

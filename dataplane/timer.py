@@ -210,10 +210,20 @@ class IdleTimeout:
 
     Every block moves the deadline of one LazyTimer on, so the timer is
     started once and fires about once per `delay` of a long wait. `close()`
-    (when the waits are done) cancels it.
+    (when the waits are done) cancels it. `cap()` shortens the waits for a
+    while (a stream whose origin the route table marks unhealthy).
     """
 
-    __slots__ = ("_cancelling", "_delay", "_due", "_expired", "_loop", "_task", "_timer")
+    __slots__ = (
+        "_base",
+        "_cancelling",
+        "_delay",
+        "_due",
+        "_expired",
+        "_loop",
+        "_task",
+        "_timer",
+    )
 
     def __init__(
         self,
@@ -227,7 +237,8 @@ class IdleTimeout:
             raise RuntimeError("IdleTimeout is made inside the task it bounds")
         self._task = task
         self._loop = loop or task.get_loop()
-        self._delay = delay
+        self._base = delay  # as made
+        self._delay = delay  # as bounded now: the base, or a cap under it
         self._timer = LazyTimer(self._loop)
         self._due = 0.0  # loop time the running block's deadline passes
         self._cancelling = 0
@@ -251,7 +262,25 @@ class IdleTimeout:
 
     @property
     def delay(self) -> float:
+        """The bound of a wait now: the delay it was made with, or a cap under it."""
         return self._delay
+
+    @property
+    def capped(self) -> bool:
+        """A cap shortens the waits now."""
+        return self._delay < self._base
+
+    def cap(self, delay: float | None) -> None:
+        """Bound each wait to `delay` seconds where that is shorter than the
+        delay it was made with (None: lift the cap). The wait under way, if
+        any, is bounded from its start: one that has run that long already
+        is cut at once (at the loop's next turn)."""
+        before = self._delay
+        self._delay = self._base if delay is None else min(self._base, delay)
+        if self._timer.armed and self._delay != before:
+            # A later deadline leaves the timer due first, which waits again (_late).
+            self._due += self._delay - before
+            self._timer.arm_at(self._due, self._late)
 
     def close(self) -> None:
         self._timer.close()

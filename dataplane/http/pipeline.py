@@ -75,6 +75,7 @@ from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
+from dataplane.upstream.stalls import Stalls
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace, RequestTracer
@@ -237,6 +238,7 @@ class Pipeline:
         max_body_bytes: int,
         session_header: str = SESSION_HEADER,
         stream_idle_timeout: float | None = None,
+        stalls: Stalls | None = None,
         tracer: RequestTracer | None = None,
     ) -> None:
         self.holder = holder
@@ -249,6 +251,8 @@ class Pipeline:
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
         self.stream_idle_timeout = stream_idle_timeout
+        # Streams stalled on an origin the table marks unhealthy end sooner.
+        self.stalls = stalls or Stalls(None)
         self.tracer = tracer
         # Flights' tasks whose leading client left (Pipeline.lead): kept until
         # they end, cancelled by `close`.
@@ -705,6 +709,7 @@ class Pipeline:
                 ex.candidates,
                 rules.max_continuations,
             )
+        watch = self.stalls.watch(origin.target.name)
         try:
             out, end = await reply.relay_origin(
                 request,
@@ -717,6 +722,7 @@ class Pipeline:
                 transcript=transcript,
                 lead=lead,
                 max_event_bytes=self.forwarder.max_answer_bytes,
+                watch=watch,
             )
         except asyncio.CancelledError:
             # The client left (or the proxy stopped) during the stream: the
@@ -725,6 +731,8 @@ class Pipeline:
             self.metrics.attempt(current, "cancelled").inc()
             raise
         finally:
+            if watch is not None:
+                watch.close()
             if resume is not None:
                 resume.close()
                 ex.continuation_prompt = resume.extra_prompt

@@ -39,6 +39,7 @@ from dataplane.streaming.relay import (
     RelayEnd,
     Resume,
     Stopped,
+    Watch,
     Writable,
     next_sequence_number,
     relay,
@@ -127,6 +128,7 @@ async def relay_origin(
     transcript: Transcript | None = None,
     lead: LeaderStream | None = None,
     max_event_bytes: int,
+    watch: Watch | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
     `lead`, the stream of a flight's leader) published to the flight."""
@@ -163,6 +165,7 @@ async def relay_origin(
         resume=resume,
         max_event_bytes=max_event_bytes,
         stopped=_stopped_ending(request, ex),
+        watch=watch,
     )
     if lead is not None and lead.gone:
         end.client_gone = True

@@ -154,7 +154,7 @@ class Continuations:
             "stream cut on %s after %d tokens (%s); continued on %s (%d); %s",
             name, state.tokens, cut, answer.target.name, self.count, ex.request_id,
         )  # fmt: skip
-        return Next(answer.first, answer.content, splicer.rewrite)
+        return Next(answer.first, answer.content, splicer.rewrite, answer.target.name)
 
     @property
     def origin(self) -> str:

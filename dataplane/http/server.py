@@ -66,6 +66,7 @@ from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
 from dataplane.upstream.jwks import HttpFetch
+from dataplane.upstream.stalls import Stalls
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
@@ -157,6 +158,8 @@ class Proxy:
         )
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
+        self.stalls = stalls = Stalls(settings.unhealthy_stream_idle_timeout)
+        holder.on_apply.append(stalls.on_apply)
         self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
         self.access_log = None
         if settings.access_log:
@@ -236,6 +239,7 @@ class Proxy:
             max_body_bytes=settings.max_body_bytes,
             session_header=settings.session_header,
             stream_idle_timeout=settings.stream_idle_timeout,
+            stalls=self.stalls,
             tracer=self.tracer,
         )
         tasks = [

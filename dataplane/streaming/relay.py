@@ -50,6 +50,7 @@ __all__ = [
     "RelayEnd",
     "Resume",
     "Stopped",
+    "Watch",
     "Writable",
     "next_sequence_number",
     "relay",
@@ -89,6 +90,8 @@ class Next:
     first: bytes
     content: Readable
     rewrite: Callable[[bytes], bytes | None]
+    # The origin it comes from ("": the proxy's own ending).
+    origin: str = ""
 
 
 class Ending(Protocol):
@@ -112,6 +115,14 @@ class Stopped(Protocol):
 # How long a stream cancelled by a stopping server may take to be sent its
 # ending: a client that does not take a few hundred bytes in that time gets none.
 STOPPED_WRITE_S: Final = 1.0
+
+
+class Watch(Protocol):
+    """Who bounds a stream's waits by its origin's health (dataplane.upstream.stalls)."""
+
+    def attach(self, idle: IdleTimeout) -> None: ...
+
+    def move(self, origin: str) -> None: ...
 
 
 class Resume(Protocol):
@@ -153,6 +164,7 @@ async def relay(
     resume: Resume | None = None,
     max_event_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
     stopped: Stopped | None = None,
+    watch: Watch | None = None,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
@@ -167,6 +179,10 @@ async def relay(
     STOPPED_WRITE_S: a server that stops ends a stream with an error event,
     not a cut; a client that left gets nothing.
 
+    `watch` is given the idle bound (when there is one) and told of each
+    origin continued on, so that a stream stalled on an origin the table
+    marks unhealthy is cut sooner.
+
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
     event before the continuation's), and an origin's in-band error event
@@ -174,6 +190,10 @@ async def relay(
     """
     # One timer for the whole stream, not one per chunk (dataplane.timer).
     idle = IdleTimeout(idle_timeout) if idle_timeout is not None else None
+    if idle is None:
+        watch = None
+    elif watch is not None:
+        watch.attach(idle)
     try:
         if resume is not None:
             return await _relay_events(
@@ -187,6 +207,7 @@ async def relay(
                 resume,
                 max_event_bytes,
                 stopped,
+                watch,
             )
         return await _relay_bytes(
             first, content, out, readers, chunks, error_event, idle, max_event_bytes, stopped
@@ -326,6 +347,7 @@ async def _relay_events(
     resume: Resume,
     max_event_bytes: int,
     stopped: Stopped | None,
+    watch: Watch | None,
 ) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser(max_event_bytes)
@@ -396,6 +418,8 @@ async def _relay_events(
                 await out.write(_ending(error_event, last, too_long))
                 break
             end.continued.append(cut)
+            if watch is not None:
+                watch.move(following.origin)
             parser = SseParser(max_event_bytes)
             chunk, content, rewrite = following.first, following.content, following.rewrite
         eof = True
@@ -559,6 +583,8 @@ async def _read(content: Readable, idle: IdleTimeout | None) -> bytes:
 
 def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
     if isinstance(exc, TimeoutError) and idle is not None:
+        if idle.capped:
+            return f"no chunk for {idle.delay:g} s from an origin the route table marks unhealthy"
         return f"no chunk for {idle.delay:g} s"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 

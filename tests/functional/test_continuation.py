@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from dataplane.http.server import build_app
-from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, QUOTA
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.settings import parse as parse_proxy
 from ponto.routetable import content_etag
@@ -134,8 +134,23 @@ def table(origins: list[tuple[str, str, bool]], streams: pb.StreamPolicy) -> pb.
 
 
 class Proxy:
-    def __init__(self, client: TestClient[web.Request, web.Application]) -> None:
+    def __init__(
+        self, client: TestClient[web.Request, web.Application], table: pb.RouteTable
+    ) -> None:
         self.client = client
+        self.table = table  # the one applied
+
+    def mark_unhealthy(self, name: str) -> None:
+        """Apply the table again with origin `name` unhealthy, as the leader's probes mark it."""
+        t = pb.RouteTable()
+        t.CopyFrom(self.table)
+        t.version += 1
+        for o in t.origins:
+            if o.name == name:
+                o.healthy, o.health_detail = False, "probe timed out"
+        t.etag = content_etag(t)
+        self.app[HOLDER].apply(t, "control-plane")
+        self.table = t
 
     @property
     def app(self) -> web.Application:
@@ -185,9 +200,10 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
         await client.start_server()
         clients.append(client)
         app = client.app
-        app[HOLDER].apply(table(rows, streams or pb.StreamPolicy()), "control-plane")
+        applied = table(rows, streams or pb.StreamPolicy())
+        app[HOLDER].apply(applied, "control-plane")
         app[QUOTA].on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
-        return Proxy(client)
+        return Proxy(client, applied)
 
     yield make
     for client in clients:
@@ -466,3 +482,115 @@ async def test_an_origin_silent_before_its_first_chunk_is_left_after_the_idle_ti
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "sent no first chunk within 0.2 s (the stream idle timeout)" in said, said
+
+
+# ------------------------------------------- streams stalled on an unhealthy origin
+
+
+def hanging_origin(started: asyncio.Event, *, trickle: int = 0) -> Origin:
+    """Sends "Hello", then hangs (as a wedged GPU); with `trickle`, sends that
+    many more chunks 30 ms apart instead and ends the answer itself."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "", role=True) + event("first", "Hel"))
+        await out.write(event("first", "lo"))
+        started.set()
+        if not trickle:
+            await asyncio.sleep(30)
+        for _ in range(trickle):
+            await asyncio.sleep(0.03)
+            await out.write(event("first", "."))
+        await out.write(event("first", finish="stop") + b"data: [DONE]\n\n")
+        return out
+
+    return Origin(handler)
+
+
+async def stream_while(p: Proxy, started: asyncio.Event, unhealthy: str) -> tuple[Any, str]:
+    """A stream, with `unhealthy` marked so once its origin has sent a chunk;
+    within 10 s (the idle timeout the tests set is 60 s)."""
+    async with asyncio.timeout(10):
+        streaming = asyncio.ensure_future(p.stream())
+        await started.wait()
+        p.mark_unhealthy(unhealthy)
+        return await streaming
+
+
+async def test_a_stream_stalled_on_an_origin_marked_unhealthy_goes_on_without_the_idle_wait(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 27: a hung origin's streams waited out --stream-idle-timeout (60
+    s), though the leader marked it unhealthy within seconds. Once the table
+    marks it so, a stream waiting on it is continued as soon as its wait
+    passes --unhealthy-stream-idle-timeout."""
+    started = asyncio.Event()
+    a, b = hanging_origin(started), await second_origin()
+    p = await proxy(
+        [(a, True), (b, True)], idle="60", extra=["--unhealthy-stream-idle-timeout=0.05"]
+    )
+    with caplog.at_level(logging.INFO):
+        chunks, raw = await stream_while(p, started, "o0")
+    assert "error" not in raw
+    assert text_of(chunks) == "Hello world"
+    assert chunks[-2]["ponto"] == {"continued": 1}
+    said = [r.getMessage() for r in caplog.records if "continued on o1" in r.getMessage()]
+    assert len(said) == 1
+    assert "no chunk for 0.05 s from an origin the route table marks unhealthy" in said[0]
+    assert p.app[PIPELINE].stalls.streams("o0") == 0  # forgotten once ended
+
+
+async def test_without_continuation_it_ends_with_the_error_event_as_soon(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    started = asyncio.Event()
+    a, b = hanging_origin(started), await second_origin()
+    p = await proxy(
+        [(a, True), (b, True)],
+        pb.StreamPolicy(continuation="off"),
+        idle="60",
+        extra=["--unhealthy-stream-idle-timeout=0.05"],
+    )
+    with caplog.at_level(logging.WARNING):
+        chunks, _ = await stream_while(p, started, "o0")
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    assert not b.bodies
+    cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]
+    assert len(cuts) == 1 and "marks unhealthy" in cuts[0], cuts
+
+
+async def test_a_stream_still_flowing_from_an_unhealthy_origin_is_left_alone(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Probes can be wrong: chunks 30 ms apart under a cap of 0.2 s go on to the end."""
+    started = asyncio.Event()
+    a, b = hanging_origin(started, trickle=8), await second_origin()
+    p = await proxy(
+        [(a, True), (b, True)], idle="60", extra=["--unhealthy-stream-idle-timeout=0.2"]
+    )
+    chunks, raw = await stream_while(p, started, "o0")
+    assert text_of(chunks) == "Hello" + "." * 8
+    assert "continued" not in raw and not b.bodies
+
+
+@pytest.mark.parametrize("why", ["panic", "off"])
+async def test_the_idle_timeout_holds_where_the_health_signal_is_not_used(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture, why: str
+) -> None:
+    """With every origin of the model unhealthy (panic routing: the probes
+    are more likely wrong than every origin), or the cap off (0), a stall is
+    cut by the stream idle timeout only."""
+    started = asyncio.Event()
+    a, b = hanging_origin(started), await second_origin()
+    cap = "0" if why == "off" else "0.05"
+    p = await proxy(
+        [(a, True), (b, True)], idle="0.5", extra=[f"--unhealthy-stream-idle-timeout={cap}"]
+    )
+    if why == "panic":
+        p.mark_unhealthy("o1")  # left out of the request's candidates: nowhere to go on
+    with caplog.at_level(logging.INFO):
+        await stream_while(p, started, "o0")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("origin o0 cut")]
+    said += [r.getMessage() for r in caplog.records if "continued on o1" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "no chunk for 0.5 s" in said[0] and "unhealthy" not in said[0]

@@ -351,6 +351,58 @@ def test_a_timer_that_fires_between_waits_finds_nothing(loop: FakeLoop) -> None:
     assert task.cancels == 0
 
 
+def test_a_cap_cuts_a_wait_running_longer_than_it_at_once(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop, delay=60.0)
+    with pytest.raises(TimeoutError), idle:  # deadline 160.0
+        loop.now = 107.0
+        idle.cap(5.0)  # the wait started at 100.0: 5 s are past
+        assert idle.capped and idle.delay == 5.0
+        due = min(t.when() for t in loop.pending())
+        assert due == 105.0  # in the past: the loop runs it at its next turn
+        loop.fire(next(t for t in loop.pending() if t.when() == due))
+        assert task.cancels == 1
+        raise asyncio.CancelledError
+    assert task.cancelling() == 0
+
+
+def test_a_cap_bounds_the_running_wait_from_its_start_and_the_next_ones(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop, delay=60.0)
+    with idle:  # deadline 160.0
+        loop.now = 102.0
+        idle.cap(5.0)  # now due at 105.0
+        loop.now = 104.0
+    with pytest.raises(TimeoutError), idle:  # due at 109.0, not 164.0
+        first = min(loop.pending(), key=lambda t: t.when())
+        loop.fire(first)  # the timer for 105.0 waits again
+        assert task.cancels == 0
+        (again,) = loop.pending()
+        assert again.when() == 109.0
+        loop.fire(again)
+        assert task.cancels == 1
+        raise asyncio.CancelledError
+    idle.close()
+
+
+def test_a_cap_over_the_delay_changes_nothing_and_lifting_it_restores_the_delay(
+    loop: FakeLoop,
+) -> None:
+    idle, task = idle_on(loop, delay=10.0)
+    idle.cap(30.0)
+    assert not idle.capped and idle.delay == 10.0
+    with idle:  # deadline 110.0
+        idle.cap(2.0)  # due at 102.0
+        loop.now = 101.0
+        idle.cap(None)  # due at 110.0 again: the timer for 102.0 waits again
+        loop.fire(min(loop.pending(), key=lambda t: t.when()))
+        assert task.cancels == 0
+        assert [t.when() for t in loop.pending()] == [110.0]
+    assert not idle.capped and idle.delay == 10.0
+    idle.cap(2.0)  # between waits: the next one is bounded by it
+    with idle:
+        assert [t.when() for t in loop.pending()] == [loop.now + 2.0]
+    idle.close()
+
+
 async def test_on_a_real_loop_a_stalled_wait_ends_in_timeout_error() -> None:
     idle = IdleTimeout(0.01)
     current = asyncio.current_task()

@@ -1,0 +1,128 @@
+"""dataplane.upstream.stalls: the streams of an origin the table marks
+unhealthy have their waits capped, and only those, while it is so; the relay
+tells the watch of each origin a stream goes on from."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from aiohttp import web
+
+from dataplane.routes import Routes, build_routes
+from dataplane.streaming.relay import Next, relay
+from dataplane.timer import IdleTimeout
+from dataplane.upstream.stalls import Stalls, StreamWatch
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_stream_relay import Content, Out
+
+
+class Idle:
+    """An IdleTimeout's cap, as the watch sets it."""
+
+    def __init__(self) -> None:
+        self.caps: list[float | None] = []
+
+    def cap(self, delay: float | None) -> None:
+        self.caps.append(delay)
+
+
+def routes(*unhealthy: str) -> Routes:
+    return cast(Routes, type("R", (), {"unhealthy": frozenset(unhealthy)})())
+
+
+def attached(stalls: Stalls, origin: str) -> tuple[StreamWatch, Idle]:
+    watch = stalls.watch(origin)
+    assert watch is not None
+    idle = Idle()
+    watch.attach(cast(IdleTimeout, idle))
+    return watch, idle
+
+
+def test_the_streams_of_an_origin_marked_unhealthy_are_capped_until_it_heals() -> None:
+    stalls = Stalls(5.0)
+    (w0, on_o0), (w1, on_o1) = attached(stalls, "o0"), attached(stalls, "o1")
+    assert on_o0.caps == on_o1.caps == [None]  # healthy when attached
+    stalls.on_apply(routes("o0"), None)
+    assert on_o0.caps == [None, 5.0] and on_o1.caps == [None]
+    stalls.on_apply(routes("o0"), None)  # still so: nothing again
+    assert on_o0.caps == [None, 5.0]
+    stalls.on_apply(routes(), None)
+    assert on_o0.caps == [None, 5.0, None]
+    # One attached while its origin is unhealthy is capped at once.
+    stalls.on_apply(routes("o1"), None)
+    _, late = attached(stalls, "o1")
+    assert late.caps == [5.0]
+    assert stalls.streams("o1") == 2
+    w0.close()
+    w1.close()
+    assert stalls.streams("o0") == 0 and stalls.streams("o1") == 1
+
+
+def test_a_stream_continued_elsewhere_follows_its_new_origins_health() -> None:
+    stalls = Stalls(5.0)
+    stalls.on_apply(routes("o0"), None)
+    watch, idle = attached(stalls, "o0")
+    watch.move("o1")  # continued on a healthy origin: the cap goes
+    assert idle.caps == [5.0, None]
+    assert (stalls.streams("o0"), stalls.streams("o1")) == (0, 1)
+    stalls.on_apply(routes("o0", "o1"), None)
+    assert idle.caps == [5.0, None, 5.0]
+    watch.move("")  # the proxy's own ending: no origin
+    assert idle.caps[-1] is None and stalls.streams("o1") == 0
+
+
+def test_off_there_is_nothing_to_watch() -> None:
+    assert Stalls(None).watch("o0") is None
+
+
+def origin(name: str, model: str, *, healthy: bool) -> pb.Origin:
+    return pb.Origin(
+        name=name, base_url="http://x", region="r", models=[model], weight=1, healthy=healthy
+    )
+
+
+def test_the_table_names_unhealthy_origins_but_those_panic_routing_uses() -> None:
+    table = pb.RouteTable(
+        version=1,
+        regions=[pb.Region(name="r")],
+        origins=[
+            origin("a1", "a", healthy=True),
+            origin("a2", "a", healthy=False),  # a has a healthy origin: a2 is capped
+            origin("b1", "b", healthy=False),  # b has none: panic, not capped
+        ],
+    )
+    table.etag = content_etag(table)
+    built = build_routes(table, "r")
+    assert built.panic == {"b"}
+    assert built.unhealthy == {"a2"}
+
+
+class Moves:
+    def __init__(self) -> None:
+        self.origins: list[str] = []
+        self.idle: IdleTimeout | None = None
+
+    def attach(self, idle: IdleTimeout) -> None:
+        self.idle = idle
+
+    def move(self, origin: str) -> None:
+        self.origins.append(origin)
+
+
+async def test_the_relay_attaches_its_idle_bound_and_tells_each_origin_it_goes_on_from() -> None:
+    async def resume(cut: str, too_long: int) -> Next:
+        return Next(b"data: [DONE]\n\n", Content(), lambda data: data, origin="o1")
+
+    moves = Moves()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Content(b'data: {"error": {"message": "x"}}\n\n'),
+        cast(web.StreamResponse, Out()),
+        idle_timeout=60.0,
+        resume=resume,
+        watch=moves,
+    )
+    assert end.complete and end.continued == ["the origin sent an error event"]
+    assert moves.idle is not None and moves.idle.delay == 60.0
+    assert moves.origins == ["o1"]
