@@ -10,7 +10,9 @@ vLLM does). With continuation off, the client gets today's error event.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -196,3 +198,47 @@ def test_continuation_off_gives_the_error_event(fleet: Fleet) -> None:
         revive(fleet, origin)
     finally:
         admin.DeleteTenant(apb.DeleteRequest(name="default"), timeout=10)
+
+
+def test_a_stream_on_a_hung_replica_goes_on_once_the_leader_marks_it_unhealthy(
+    fleet: Fleet,
+) -> None:
+    """Trial 27: a replica that hung (SIGSTOP: its connections stay open and
+    silent, as a wedged GPU's) held its streams for the whole stream idle
+    timeout, though the leader's probes marked it unhealthy at once. A proxy
+    whose idle timeout is 60 s continues the stream on another replica once
+    the table marks the hung one unhealthy; the client's read timeout (20 s)
+    fails the test if it waits the 60 s."""
+    proxy = fleet.start_proxy(
+        "q",
+        REGION.name,
+        extra=["--stream-idle-timeout", "60", "--unhealthy-stream-idle-timeout", "1"],
+    )
+    try:
+        fleet.wait_proxies_at(fleet.table_version(origins=len(REPLICAS)))
+        q = OpenAI(base_url=fleet.proxy_url("q"), api_key="unused", max_retries=0, timeout=20.0)
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "a story from a replica that hangs"}
+        ]
+        expected = q.chat.completions.create(model=MODEL, messages=messages)
+        raw = q.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, stream=True
+        )
+        hung = fleet.origins[raw.headers["x-ponto-origin"]]
+        text, extra = "", []
+        try:
+            for seen, chunk in enumerate(raw.parse(), start=1):
+                if seen == 5:
+                    os.kill(hung.pid, signal.SIGSTOP)
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                if chunk.model_extra and "ponto" in chunk.model_extra:
+                    extra.append(chunk.model_extra["ponto"])
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        assert text == expected.choices[0].message.content
+        assert {"continued": 1} in extra
+        assert "from an origin the route table marks unhealthy" in proxy.log_tail(200)
+        fleet.wait_table(lambda t: all(o.healthy for o in t.origins), timeout=15)
+    finally:
+        fleet.proxies.pop("q").stop()
