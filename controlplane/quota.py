@@ -34,6 +34,11 @@ from ponto.quota_types import Demand, Share
 # New fractions of a scope sum to at most 1 - SAFETY, so that float rounding in
 # sums of many shares can never make them exceed 1.
 SAFETY = 1e-9
+# The fleet's token debt that moves its share to the proxies that owe it, as
+# a fraction of the token limit: smaller debts (a request's answer settled
+# past an empty bucket, the steady state of a saturated tenant) are repaid
+# where they are, without moving shares every round.
+DEBT_SHARE = 0.1
 # Slack below this is rounding noise, not share to hand out.
 _NOISE = 1e-12
 
@@ -210,6 +215,14 @@ def _fractions(
             if tpm:
                 w = max(w, d.tokens_per_s * 60.0 / tpm)
             weights[i] = w
+    if tpm:
+        debts = [d.debt_tokens if d is not None else 0.0 for d in ds]
+        owed = math.fsum(debts)
+        if owed >= DEBT_SHARE * tpm:
+            # Answers longer than their estimates left the fleet owing: one
+            # bucket would admit nothing until it had repaid, so the share
+            # beyond the floors goes to the proxies that owe, by what they owe.
+            weights = [debt / owed for debt in debts]
     total = math.fsum(weights)
     # What the fleet does not demand is split evenly: an idle proxy keeps some
     # room for a burst, and with no demand at all the split is even.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -155,7 +156,13 @@ class QuotaHub:
 
     def report(self, proxy: str, demand: Iterable[pb.ScopeDemand]) -> None:
         self._demand[proxy] = {
-            d.scope: [d.requests_per_s, d.tokens_per_s, float(d.concurrency), float(d.in_flight)]
+            d.scope: [
+                d.requests_per_s,
+                d.tokens_per_s,
+                float(d.concurrency),
+                float(d.in_flight),
+                max(0.0, d.debt_tokens) if math.isfinite(d.debt_tokens) else 0.0,
+            ]
             for d in demand
             if d.scope
         }
@@ -324,7 +331,11 @@ class Rebalancer:
                 for proxy, by_scope in body.get("proxies", {}).items():
                     demand[proxy] = {
                         scope: Demand(
-                            float(v[0]), float(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else 0
+                            float(v[0]),
+                            float(v[1]),
+                            int(v[2]),
+                            int(v[3]) if len(v) > 3 else 0,
+                            float(v[4]) if len(v) > 4 else 0.0,  # from before debts
                         )
                         for scope, v in by_scope.items()
                     }

@@ -47,12 +47,15 @@ class Demand:
     that the proxy's share could not serve, which is what the leader needs to
     see. `concurrency_peak` counts the requests that would have been in flight
     had none been refused; `in_flight` is the count at the time of the report.
+    `debt_tokens`: what the proxy's token bucket owes at the time of the
+    report (answers charged past their estimates), 0 when it owes nothing.
     """
 
     requests_per_s: float = 0.0
     tokens_per_s: float = 0.0
     concurrency_peak: int = 0
     in_flight: int = 0
+    debt_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

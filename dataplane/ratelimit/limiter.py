@@ -474,7 +474,19 @@ class RateLimiter:
         fresh = 1.0 - keep
         out: dict[str, Demand] = {}
         for name, st in self._scopes.items():
-            if not (st.attempts or st.attempt_tokens or st.rps or st.tps or st.peak or st.waiting):
+            tok = st.tok
+            # What its token bucket owes, reported until repaid (to the
+            # leader, a reason to move share here: compute_shares).
+            debt = max(0.0, -tok.refill(now)) if tok is not None and tok.level < 0 else 0.0
+            if not (
+                st.attempts
+                or st.attempt_tokens
+                or st.rps
+                or st.tps
+                or st.peak
+                or st.waiting
+                or debt
+            ):
                 continue  # st.turned_away implies st.attempts
             rps = fresh * st.attempts / dt + keep * st.rps
             tps = fresh * max(0, st.attempt_tokens) / dt + keep * st.tps
@@ -489,8 +501,8 @@ class RateLimiter:
             st.attempt_tokens = 0
             st.peak = st.in_flight
             st.turned_away = 0
-            if st.rps or st.tps or peak:
-                out[name] = Demand(st.rps, st.tps, peak, st.in_flight)
+            if st.rps or st.tps or peak or debt:
+                out[name] = Demand(st.rps, st.tps, peak, st.in_flight, debt)
         return out
 
     # ------------------------------------------------------------ hot path

@@ -111,6 +111,7 @@ class QuotaState:
                 tokens_per_s=d.tokens_per_s,
                 concurrency=d.concurrency_peak,
                 in_flight=d.in_flight,
+                debt_tokens=d.debt_tokens,
             )
             for scope, d in self._limiter.demand(self._clock()).items()
         ]

@@ -854,6 +854,7 @@ class ScopeDemand(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    DEBT_TOKENS_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     requests_per_s: _builtins.float
     tokens_per_s: _builtins.float
@@ -861,6 +862,12 @@ class ScopeDemand(_message.Message):
     """Peak concurrent requests wanted in the last interval."""
     in_flight: _builtins.int
     """Requests holding a slot now: the leader never hands these slots away."""
+    debt_tokens: _builtins.float
+    """Tokens this proxy's token bucket owes now (answers longer than their
+    estimates, charged after them): while any proxy owes, the leader moves
+    the fleet's share to the proxies that owe, so the fleet repays it before
+    admitting anything else, as one bucket would. 0 from older proxies.
+    """
     def __init__(
         self,
         *,
@@ -869,10 +876,11 @@ class ScopeDemand(_message.Message):
         tokens_per_s: _builtins.float = ...,
         concurrency: _builtins.int = ...,
         in_flight: _builtins.int = ...,
+        debt_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "in_flight", b"in_flight", "requests_per_s", b"requests_per_s", "scope", b"scope", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "debt_tokens", b"debt_tokens", "in_flight", b"in_flight", "requests_per_s", b"requests_per_s", "scope", b"scope", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -153,3 +153,57 @@ def test_tokens_per_minute_hold_for_streams(fleet: Fleet) -> None:
     assert outcomes[-1] == 429, outcomes
     assert 1 <= outcomes.count(200) <= 8, outcomes
     assert remaining[0] > remaining[-1]
+
+
+def test_a_proxy_owing_tokens_stops_the_others_admitting_until_repaid(fleet: Fleet) -> None:
+    """Trial 30: answers far longer than their prompts, admitted together at
+    one proxy, left it owing minutes of a 600 TPM limit, while the other
+    proxies, once its burst's demand had faded from the leader's view (a
+    5 s average), admitted from their shares again (a full minute's 600
+    tokens in the next 30 s). One bucket would admit nothing until repaid:
+    the leader gives the share beyond the floors to the proxy that owes for
+    as long as it owes, so the others admit at their floors only (2 % each)."""
+    key = make_key(fleet, "overspender", pb.Limits(tpm=600))
+    headers = {"authorization": f"Bearer {key}"}
+    long = {
+        "model": "sim-small",
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": "a long story"}],
+    }
+    answered: list[int] = []
+
+    def burst() -> None:
+        with httpx.Client(timeout=20, headers=headers) as client:
+            r = client.post(fleet.proxy_url("p1") + "/chat/completions", json=long)
+            if r.status_code == 200:
+                answered.append(r.json()["usage"]["total_tokens"])
+
+    sim = f"http://{fleet.origins['o1'].address}/sim/config"
+    # 1.5 s an answer: the six are admitted (on their prompts) before any is charged.
+    httpx.post(sim, json={"tokens_per_s": 200}, timeout=5).raise_for_status()
+    try:
+        threads = [threading.Thread(target=burst) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    finally:
+        httpx.post(sim, json={"tokens_per_s": 0}, timeout=5).raise_for_status()
+    # p1 held a third of the limit (200 tokens): it owes some 1,600, which
+    # the whole limit repays in about 160 s.
+    assert len(answered) >= 4 and sum(answered) >= 1200, answered
+    # Then 20 s of small requests at the other two, 5 a second each, as the
+    # trial's other clients sent them.
+    short = {**long, "max_tokens": 1}
+    spent = 0
+    with httpx.Client(timeout=10, headers=headers) as client:
+        for _ in range(100):
+            for proxy in ("p2", "p3"):
+                r = client.post(fleet.proxy_url(proxy) + "/chat/completions", json=short)
+                assert r.status_code in (200, 429), r.text
+                if r.status_code == 200:
+                    spent += r.json()["usage"]["total_tokens"]
+            time.sleep(0.2)
+    # Before: once p1's burst had faded from its reported demand (a 5 s
+    # average), p2 and p3 admitted at their shares again, 150 tokens and more.
+    assert spent <= 60, spent

@@ -93,6 +93,39 @@ def test_tokens_count_when_they_bind_harder_than_requests() -> None:
     assert f[0] == pytest.approx(0.02 + 0.96 * 0.9 / 3.6, abs=1e-6)
 
 
+def test_a_fleet_that_owes_tokens_gives_its_share_to_the_proxies_that_owe() -> None:
+    """Trial 30: long answers admitted at one proxy left it owing 6 minutes
+    of a 600 TPM limit, while the others kept admitting at their shares. One
+    bucket would admit nothing until repaid: the share beyond the floors
+    goes to the proxies that owe, by what they owe."""
+    limits = {S: ScopeLimits(tpm=600)}
+    busy = Demand(requests_per_s=0.5, tokens_per_s=10.0)  # the whole limit, each
+    demand = {
+        "p0": {S: Demand(debt_tokens=3000.0)},
+        "p1": {S: Demand(requests_per_s=0.5, tokens_per_s=10.0, debt_tokens=1000.0)},
+        "p2": {S: busy},
+    }
+    f = fractions(settle(limits, P3, demand))
+    floor = 0.02
+    assert f[2] == pytest.approx(floor, abs=1e-6)
+    assert f[0] == pytest.approx(floor + 0.94 * 0.75, abs=1e-6)
+    assert f[1] == pytest.approx(floor + 0.94 * 0.25, abs=1e-6)
+    # Repaid: demand moves the share again.
+    demand = {p: {S: busy} for p in P3}
+    assert fractions(settle(limits, P3, demand, settle(limits, P3, demand))) == pytest.approx(
+        [1 / 3] * 3, abs=1e-6
+    )
+
+
+def test_a_small_debt_is_repaid_where_it_is() -> None:
+    """Under 10 % of the limit (a saturated tenant's answers settled past
+    empty buckets): no share moves for it."""
+    limits = {S: ScopeLimits(tpm=6000)}
+    busy = Demand(requests_per_s=1.0, tokens_per_s=100.0)
+    demand = {"p0": {S: Demand(1.0, 100.0, debt_tokens=599.0)}, "p1": {S: busy}}
+    assert fractions(settle(limits, ["p0", "p1"], demand)) == pytest.approx([0.5, 0.5], abs=1e-6)
+
+
 def test_a_tiny_floor_per_proxy_in_a_large_fleet() -> None:
     proxies = [f"p{i:02d}" for i in range(50)]
     shares = compute_shares({S: ScopeLimits(rpm=600)}, proxies, {"p00": {S: rps(100.0)}}, {})
@@ -597,6 +630,31 @@ def test_tokens_settled_after_the_call_are_limited_globally(
     )
     out = simulate(sc)
     assert 0.9 <= out.token_ratio <= 1.05, out
+
+
+def long_answers_then_steady(t: int) -> Sequence[float]:
+    """A burst at proxy 0 in the first 2 s (after the warm-up), then a steady
+    trickle at the other two."""
+    return (7.0, 0.0, 0.0) if t < 62 else (0.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_burst_of_long_answers_is_repaid_by_the_fleet_as_one_bucket_would(seed: int) -> None:
+    """Trial 30: answers several times their estimates, admitted at one
+    proxy, put it in debt; the other proxies kept admitting at their shares
+    meanwhile, and over 5 minutes the fleet admitted 1.2x the tokens of one
+    bucket. The share moves to the proxy that owes until it has repaid."""
+    sc = Scenario(
+        ScopeLimits(tpm=600),
+        long_answers_then_steady,
+        est_tokens=28,
+        actual=(100, 300),
+        hold_s=(3.0, 6.0),
+        run_s=300,
+        seed=seed,
+    )
+    out = simulate(sc)
+    assert 0.75 <= out.token_ratio <= 1.05, out
 
 
 @pytest.mark.parametrize("acked", [False, True], ids=["last-pushed", "acked"])

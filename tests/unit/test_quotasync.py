@@ -73,7 +73,12 @@ def constant_lease(lease: int) -> Callable[[], Awaitable[int]]:
 
 
 def demand(
-    scope: str, rps: float = 0.0, tps: float = 0.0, conc: int = 0, in_flight: int = 0
+    scope: str,
+    rps: float = 0.0,
+    tps: float = 0.0,
+    conc: int = 0,
+    in_flight: int = 0,
+    debt: float = 0.0,
 ) -> pb.ScopeDemand:
     return pb.ScopeDemand(
         scope=scope,
@@ -81,6 +86,7 @@ def demand(
         tokens_per_s=tps,
         concurrency=conc,
         in_flight=in_flight,
+        debt_tokens=debt,
     )
 
 
@@ -149,16 +155,16 @@ async def test_publish_demand_writes_reports_under_the_replica_lease() -> None:
         kv = await store.get(key)
         return None if kv is None else orjson.loads(kv.value)
 
-    hub.report("p1", [demand("t/acme", 2.0, 150.0, 3, 1), demand("")])  # no scope: dropped
-    hub.report("p2", [demand("k/aaaaaaaaaa", rps=0.5)])
+    hub.report("p1", [demand("t/acme", 2.0, 150.0, 3, 1, 40.0), demand("")])  # no scope: dropped
+    hub.report("p2", [demand("k/aaaaaaaaaa", rps=0.5, debt=math.nan)])  # not a number: none
     async with running(hub.publish_demand()):
         await eventually(lambda: _has(store, key), "demand written")
         kv = await store.get(key)
         assert kv is not None and kv.lease == lease
         assert await body() == {
             "proxies": {
-                "p1": {"t/acme": [2.0, 150.0, 3.0, 1.0]},
-                "p2": {"k/aaaaaaaaaa": [0.5, 0.0, 0.0, 0.0]},
+                "p1": {"t/acme": [2.0, 150.0, 3.0, 1.0, 40.0]},
+                "p2": {"k/aaaaaaaaaa": [0.5, 0.0, 0.0, 0.0, 0.0]},
             }
         }
 
@@ -169,8 +175,8 @@ async def test_publish_demand_writes_reports_under_the_replica_lease() -> None:
                 body,
                 {
                     "proxies": {
-                        "p1": {"t/acme": [9.0, 0.0, 0.0, 0.0]},
-                        "p2": {"k/aaaaaaaaaa": [0.5, 0.0, 0.0, 0.0]},
+                        "p1": {"t/acme": [9.0, 0.0, 0.0, 0.0, 0.0]},
+                        "p2": {"k/aaaaaaaaaa": [0.5, 0.0, 0.0, 0.0, 0.0]},
                     }
                 },
             ),
@@ -178,7 +184,7 @@ async def test_publish_demand_writes_reports_under_the_replica_lease() -> None:
         )
         hub.forget("p2")
         await eventually(
-            lambda: _equals(body, {"proxies": {"p1": {"t/acme": [9.0, 0.0, 0.0, 0.0]}}}),
+            lambda: _equals(body, {"proxies": {"p1": {"t/acme": [9.0, 0.0, 0.0, 0.0, 0.0]}}}),
             "forgotten proxy removed",
         )
 

@@ -400,6 +400,19 @@ def test_demand_tokens_include_the_settled_difference() -> None:
     assert d.tokens_per_s == pytest.approx(400 * (1 - math.exp(-1.0 / TAU)))
 
 
+def test_demand_reports_what_the_token_bucket_owes_until_it_is_repaid() -> None:
+    """Even with no request since (its clients told to wait): the leader moves
+    share to it while it owes (controlplane.quota)."""
+    rl = limiter({T: ScopeLimits(tpm=600)}, {T: Share(0.5)})  # 300 a minute here: 5 a second
+    rl.demand(60.0)  # full by now
+    rl.admit([T], 100, 60.0).release(1300, 60.0)  # 300 - 100 - 1200: owes 1000
+    assert rl.demand(60.0)[T].debt_tokens == pytest.approx(1000.0)
+    later = rl.demand(160.0)[T]  # 500 repaid, and no demand left in the EWMA to speak of
+    assert later.debt_tokens == pytest.approx(500.0)
+    assert later.tokens_per_s < 1.0
+    assert rl.demand(400.0) == {}  # repaid, idle: left out
+
+
 # ---------------------------------------------------------------- estimates
 
 
