@@ -88,13 +88,16 @@ async def healthz(request: web.Request) -> web.Response:
     """Liveness: the process answers (`/healthz`, and `/health`, which tools
     such as guidellm check). Readiness (a table to serve) is /readyz.
 
+    The rate-limit shares held are named by their generation and where they
+    came from (`quota_source`: none, disk or control-plane), as the table is.
+
     The table is named by its version and its etag. Each control-plane
     replica numbers a table by the store revision it read it at, so two
     replicas may give the same content different versions: the etag (a hash
     of the content) is what to compare with the control plane's table."""
     holder = request.app[HOLDER]
     routes = holder.routes
-    client = request.app[CLIENT]
+    client, quota = request.app[CLIENT], request.app[QUOTA]
     return web.json_response(
         {
             "status": "ok",
@@ -102,7 +105,9 @@ async def healthz(request: web.Request) -> web.Response:
             "route_table_etag": routes.etag if routes else "",
             "route_table_source": holder.source,
             "control_plane_connected": client.connected,
-            "quota_generation": client.quota_generation,
+            # The rate-limit shares held: a saved copy's until the leader's come.
+            "quota_generation": quota.generation,
+            "quota_source": quota.source,
         },
         dumps=_dumps_str,
     )

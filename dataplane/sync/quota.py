@@ -46,6 +46,10 @@ class QuotaState:
         self.default_fraction = 0.0
         # True once shares came from the leader or from the saved copy.
         self.heard = False
+        # Where the shares held came from ("none", "disk", "control-plane"),
+        # and their generation (/healthz).
+        self.source = "none"
+        self.generation = 0
         self._saved = (
             None
             if state_dir is None
@@ -72,10 +76,11 @@ class QuotaState:
         lapse once no leader confirms them (controlplane.quotasync)."""
         ttl = quota.spare_ttl_s
         self._limiter.confirm_spare(self._clock() + ttl if ttl > 0 else math.inf)
-        if quota.unchanged:
-            return
-        self._take(quota, live=True)
-        self._save(quota)
+        if not quota.unchanged:
+            self._take(quota, live=True)
+            self._save(quota)
+        # Unchanged: those held stand at this generation.
+        self.source, self.generation = "control-plane", quota.generation
 
     def on_link_lost(self) -> None:
         """The control plane is away: keep the shares, but no leader moves
@@ -140,6 +145,7 @@ class QuotaState:
             log.error("ignoring saved quota shares %s: %s", path, exc)
             return
         self._take(quota, live=False)
+        self.source, self.generation = "disk", quota.generation
         log.info(
             "using saved quota shares (generation %d) until the leader's arrive", quota.generation
         )

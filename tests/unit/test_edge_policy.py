@@ -678,8 +678,11 @@ def test_shares_are_saved_and_used_after_a_restart(tmp_path: Path) -> None:
     state.on_quota(shares_msg(0.5, generation=42, t__acme=(0.3, 3)))
     assert (tmp_path / QUOTA_FILE).exists()
 
+    assert (state.source, state.generation) == ("control-plane", 42)
     restarted, limiter, _ = quota_state(tmp_path)
     assert restarted.heard
+    # /healthz says so (trial 30: generation 0 while the saved shares were enforced).
+    assert (restarted.source, restarted.generation) == ("disk", 42)
     restarted.on_limits(LIMITS)
     assert restarted.ready
     assert limiter.share("t/acme") == Share(0.3, 3)
@@ -713,3 +716,13 @@ def test_demand_reports_scope_demand_messages() -> None:
     assert acme.concurrency == 3
     assert acme.in_flight == 2
     assert report["k/aaaaaaaaaa"].tokens_per_s > 0
+
+
+def test_an_unchanged_push_confirms_the_shares_at_its_generation() -> None:
+    state, limiter, _ = quota_state()
+    assert (state.source, state.generation) == ("none", 0)
+    state.on_limits(LIMITS)
+    state.on_quota(shares_msg(0.5, generation=8, t__acme=(0.3, 3)))
+    state.on_quota(pb.QuotaShares(generation=9, unchanged=True))
+    assert (state.source, state.generation) == ("control-plane", 9)
+    assert limiter.share("t/acme") == Share(0.3, 3)
