@@ -160,3 +160,22 @@ async def test_a_caller_without_limits_gets_no_limit_headers_on_refusals(stack: 
     assert models.status == 200
     for answer in (resp, models):
         assert not [h for h in answer.headers if h.lower().startswith("x-ratelimit-")]
+
+
+async def test_a_known_callers_refusals_are_logged_with_its_key_and_tenant(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 30: a 429's log line named neither (only the access log, when
+    on, did), so an operator could not tell whose requests were refused."""
+    refusals.reset()
+    caplog.set_level(logging.INFO, logger=REFUSALS)
+    for i in range(3):  # LIMITED_KEY: 2 requests a minute
+        await stack.post(chat(f"limited {i}"), key=LIMITED_KEY.key)
+    await stack.post(chat("x", temperature="hot"), key=KEY.key)
+    await stack.post(chat("x"), key="sk-ponto-unknownid-secret")
+    lines = [r.getMessage() for r in caplog.records if r.name == REFUSALS]
+    assert len(lines) == 3, lines
+    assert "429 rate_limit_exceeded" in lines[0]
+    assert f"[key {LIMITED_KEY.key_id} of tenant acme]" in lines[0]
+    assert f"[key {KEY.key_id} of tenant acme]" in lines[1] and "400 invalid_type" in lines[1]
+    assert "401" in lines[2] and "[key " not in lines[2]  # nobody's: the key is unknown
