@@ -738,8 +738,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
     for name in sorted(deleted["tenant"]):
         if current.active_keys.get(name):
             errors.append(
-                f"tenant {name!r} (not in the document, --prune deletes it) still has active "
-                f"keys: {', '.join(current.active_keys[name])}; revoke them first"
+                f"tenant {name!r} (not in the document, --prune deletes it) still has keys "
+                f"that are not revoked: {', '.join(current.active_keys[name])}; revoke them "
+                "first (an expired key too: `key expire --never` would revive it)"
             )
     issuers: dict[str, str] = {}
     final = {t.name: t for t in current.tenants.values() if t.name not in deleted["tenant"]}

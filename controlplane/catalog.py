@@ -414,10 +414,17 @@ class Catalog:
             if current is None:
                 raise NotFound(f"tenant {name!r} not found")
             keys = (await self.snapshot()).keys
-            active = [k.id for k in keys if k.tenant == name and not k.revoked]
+            now = self._clock()
+            active = [
+                k.id + (" (expired)" if k.expires_at and k.expires_at <= now else "")
+                for k in keys
+                if k.tenant == name and not k.revoked
+            ]
             if active:
+                # An expired key counts: a new expiry brings it back (trial 30).
                 raise FailedPrecondition(
-                    f"tenant {name!r} still has active keys: {', '.join(active)}; revoke them first"
+                    f"tenant {name!r} still has keys that are not revoked: {', '.join(active)}; "
+                    "revoke them first (an expired key too: `key expire --never` would revive it)"
                 )
             try:
                 await _guard(

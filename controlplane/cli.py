@@ -535,7 +535,7 @@ def _parser() -> argparse.ArgumentParser:
     ts.set_defaults(
         tenant_settings=tuple(a.dest for a in ts._actions if a.dest not in ("help", "name"))
     )
-    tenant.add_parser("delete", help="delete a tenant without active keys").add_argument(
+    tenant.add_parser("delete", help="delete a tenant whose keys are all revoked").add_argument(
         "name", help="the tenant's name"
     )
 

@@ -354,7 +354,9 @@ def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
         "regions[0].rtt_ms.gone: region 'gone' is deleted by --prune; list it under regions",
     )
     keyed = Current(tenants={"old": Tenant("old")}, active_keys={"old": ["k1"]})
-    with pytest.raises(ApplyError, match=r"tenant 'old' .* still has active keys: k1"):
+    with pytest.raises(
+        ApplyError, match=r"tenant 'old' .* still has keys that are not revoked: k1"
+    ):
         plan(parse({}), keyed, prune=True)
     jwt = JwtIssuer("https://id", algorithms=("HS256",), hs256_secret_env="S")
     other = Current(tenants={"a": Tenant("a", jwt=jwt)})
@@ -448,7 +450,9 @@ async def test_prune_refuses_a_tenant_whose_key_was_created_while_it_planned(
         return listing
 
     monkeypatch.setattr(store, "list", read_then_a_key_came)
-    with pytest.raises(InvalidArgument, match=r"tenant 'plain' .* still has active keys"):
+    with pytest.raises(
+        InvalidArgument, match=r"tenant 'plain' .* still has keys that are not revoked"
+    ):
         await catalog.apply(smaller, prune=True, dry_run=False)
     assert [t.name for t in await catalog.list_tenants()] == ["acme", "plain"]
 

@@ -444,6 +444,24 @@ async def test_delete_tenant_refused_while_keys_are_active(catalog: Catalog) -> 
         await catalog.get_tenant("acme")
 
 
+async def test_an_expired_key_still_holds_its_tenant_and_is_called_expired(
+    catalog: Catalog, clock: Clock
+) -> None:
+    """Trial 30: the refusal called an expired key active. It counts (a new
+    expiry revives it), and the message says which keys are expired."""
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    live, _ = await catalog.create_key("acme")
+    old, _ = await catalog.create_key("acme", expires_in=5)
+    clock.now += 60
+    with pytest.raises(FailedPrecondition) as refused:
+        await catalog.delete_tenant("acme")
+    said = str(refused.value)
+    assert f"not revoked: {live.id}, {old.id} (expired);" in said or (
+        f"not revoked: {old.id} (expired), {live.id};" in said
+    ), said
+    assert "active" not in said
+
+
 async def test_delete_tenant_ignores_keys_of_other_tenants(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
     await catalog.put_tenant(Tenant("globex"), allow_update=False)
@@ -469,7 +487,7 @@ async def test_a_key_created_while_its_tenant_is_deleted_stops_the_deletion(
         return state
 
     monkeypatch.setattr(catalog, "snapshot", looked_then_a_key_came)
-    with pytest.raises(FailedPrecondition, match=created[0] if created else "active keys"):
+    with pytest.raises(FailedPrecondition, match=created[0] if created else "not revoked"):
         await catalog.delete_tenant("acme")
     assert (await catalog.get_tenant("acme")).name == "acme"
     assert [k.id for k in await catalog.list_keys("acme")] == created
