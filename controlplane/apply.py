@@ -253,17 +253,22 @@ def parse(doc: Any) -> Topology:
             before = len(errors)
             obj = _Obj(raw, path, _FIELDS[kind], errors, _REQUIRED[kind])
             value = read(obj)
-            if len(errors) > before:
+            typed = errors[before:]  # values of the wrong type, read as their defaults
+            if typed and not isinstance(value, Tenant):
                 continue
-            # A tenant's blocks are checked apart, so each reports its error.
+            # A tenant's blocks are checked apart, so each reports its error,
+            # with its type errors too (trial 30: `rpm: -1` beside `tpm: 1.5`
+            # was told only once the type was fixed).
             problems = value.problems() if isinstance(value, Tenant) else []
             try:
-                value = value if problems else value.validated()
+                value = value if problems or typed else value.validated()
             except InvalidArgument as exc:
                 problems = [exc]
-            if problems:
-                # At the field the model's check names, when it names one.
-                errors += [f"{path}{'.' if p.field else ''}{p.field}: {p}" for p in problems]
+            # At the field the model's check names, when it names one; not
+            # again for a field whose type was wrong (its default was checked).
+            found = [f"{path}{'.' if p.field else ''}{p.field}: {p}" for p in problems]
+            errors += [e for e in found if not any(t.startswith(e.split(": ")[0]) for t in typed)]
+            if problems or typed:
                 continue
             if (kind, value.name) in paths:
                 errors.append(f"{path}: {kind} {value.name!r} is listed twice")

@@ -109,11 +109,19 @@ def test_every_error_is_reported_with_its_path() -> None:
         "regions[2].lat: expected a number, got a boolean",
         "origins[0].url: base URL 'ftp://h/v1' is invalid: expected http(s)://host[:port]/path",
         "tenants[0].limits.rpm: expected an integer, got '60'",
+        # A tenant's values are checked beside its type errors (trial 30: a
+        # bad rpm was told only once a bad tpm's type was fixed), each in the
+        # model's words; a field of the wrong type is not checked again.
+        "tenants[0].cache.ttl_s: cache TTL -1 s of tenant 't' is not in 0..2592000",
         "tenants[1].streams.hedge_ms: expected milliseconds or auto, got 'soon'",
+        "tenants[1].routing.mode: routing mode 'random' of tenant 'u' is not one of affinity, "
+        "least-loaded, weighted",
     ]
-    # Values are checked once their types are right; the model's message then.
-    more = errors_of({"tenants": [{"name": "t", "cache": {"ttl_s": -1}}]})
-    assert more == ["tenants[0].cache.ttl_s: cache TTL -1 s of tenant 't' is not in 0..2592000"]
+    same_block = errors_of({"tenants": [{"name": "t", "limits": {"rpm": -1, "tpm": 1.5}}]})
+    assert same_block == [
+        "tenants[0].limits.tpm: expected an integer, got 1.5",
+        "tenants[0].limits.rpm: rpm -1 of tenant 't' is not in 0..10^12",
+    ]
 
 
 def test_each_block_of_a_tenant_reports_its_own_value_error_in_one_pass() -> None:
