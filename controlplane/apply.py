@@ -83,7 +83,17 @@ ORIGIN_FIELDS = (
     "continuation",
     "drained",
 )
-TENANT_FIELDS = ("name", "limits", "cache", "prompt", "jwt", "routing", "streams", "models")
+TENANT_FIELDS = (
+    "name",
+    "limits",
+    "cache",
+    "prompt",
+    "jwt",
+    "routing",
+    "streams",
+    "models",
+    "suspended",
+)
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
 CACHE_FIELDS = (
     "mode",
@@ -376,6 +386,7 @@ def _tenant(o: _Obj) -> Tenant:
             ),
         ),
         models=_access(o),
+        suspended=o.get("suspended", bool, False),
     )
 
 
@@ -522,6 +533,8 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
     out.update((k, v) for k, v in parts.items() if v)
     if t.models.names:
         out["models"] = list(t.models.names)
+    if t.suspended:
+        out["suspended"] = True
     return out
 
 

@@ -531,6 +531,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="let the tenant's callers name every model again",
     )
+    ts.add_argument(
+        "--suspended",
+        choices=["on", "off"],
+        help="on: refuse every request of the tenant's callers (403 tenant_suspended), keeping "
+        "its keys and settings; off: serve them again",
+    )
     # Which of the parsed values are settings (see _tenant_flags_given).
     ts.set_defaults(
         tenant_settings=tuple(a.dest for a in ts._actions if a.dest not in ("help", "name"))
@@ -840,6 +846,8 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
         models = pb.ModelAccess(names=[] if args.any_model else args.models)
         if models.names != current.models.names:
             req.models.CopyFrom(models)
+    if args.suspended is not None and (args.suspended == "on") != current.suspended:
+        req.suspended = args.suspended == "on"
     return req
 
 
@@ -955,7 +963,7 @@ def _rows_tenants(
         return ",".join(parts)
 
     header = ["NAME", "LIMITS", "CACHE", "TTL", "ROUTING", "STREAMS", "SYSTEM-PROMPT", "ALIASES"]
-    return [*header, "MODELS", "JWT"], [
+    return [*header, "MODELS", "JWT", "STATE"], [
         [
             t.name,
             limits(t.limits),
@@ -970,6 +978,7 @@ def _rows_tenants(
             aliases(t.prompt),
             _models_text(t.models.names, mark=functools.partial(_listed_mark, t, served=served)),
             t.jwt.issuer if t.HasField("jwt") else "-",
+            "suspended" if t.suspended else "serving",
         ]
         for t in resp.tenants
     ]
@@ -1081,6 +1090,8 @@ def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:
     for part in ("limits", "cache", "prompt", "routing", "streams", "models"):
         if update.HasField(part):
             getattr(merged, part).CopyFrom(getattr(update, part))
+    if update.HasField("suspended"):
+        merged.suspended = update.suspended
     return tenant_of(merged)
 
 
@@ -1265,6 +1276,14 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             # A control plane older than model lists drops the field (review 45).
             saved += (
                 " WITHOUT A MODEL LIST: the control plane does not support one; upgrade it "
+                "and set it again"
+            )
+        if t.suspended:
+            saved += " SUSPENDED: its callers are refused (403 tenant_suspended)"
+        elif update.HasField("suspended") and update.suspended:
+            # An older control plane drops the field, as it drops model lists.
+            saved += (
+                " NOT SUSPENDED: the control plane does not support suspension; upgrade it "
                 "and set it again"
             )
         return saved

@@ -124,6 +124,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
             hedge_models=dict(t.streams.hedge_models),
         ),
         models=pb.ModelAccess(names=t.models.names),
+        suspended=t.suspended,
     )
     if t.jwt is not None:
         out.jwt.CopyFrom(

@@ -128,4 +128,5 @@ def tenant_of(m: pb.Tenant) -> Tenant:
         routing=routing_of(m.routing),
         streams=streams_of(m.streams),
         models=models_of(m.models),
+        suspended=m.suspended,
     )

@@ -726,6 +726,8 @@ class Tenant:
     routing: RoutingPolicy = RoutingPolicy()
     streams: StreamPolicy = StreamPolicy()
     models: ModelAccess = ModelAccess()
+    # Its callers are refused (403 tenant_suspended); keys and settings kept.
+    suspended: bool = False
 
     def validated(self) -> Tenant:
         """This tenant with each block validated; the first block's
@@ -1121,6 +1123,7 @@ def decode_tenant(raw: bytes) -> Tenant:
         routing=RoutingPolicy(**routing),
         streams=StreamPolicy(**streams),
         models=ModelAccess(tuple(str(m) for m in (fields.get("models") or {}).get("names", ()))),
+        suspended=fields.get("suspended") is True,  # absent in records from before suspension
     )
 
 

@@ -99,6 +99,8 @@ class EdgePolicy:
     # Key id -> the models its callers may name (within its tenant's), for
     # the keys that have a list.
     key_models: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # The tenants whose callers are refused (403 tenant_suspended).
+    suspended: frozenset[str] = frozenset()
 
     def tenant(self, name: str) -> TenantRules:
         rules = self.tenants.get(name)
@@ -239,4 +241,5 @@ def build_policy(
         _cache(pb.CachePolicy(), defaults),
     )
     purges = tuple((p.revision, p.tenant, p.model) for p in table.purges)
-    return EdgePolicy(authenticator, tenants, limits, purges, default, key_models)
+    suspended = frozenset(t.name for t in table.tenants if t.suspended)
+    return EdgePolicy(authenticator, tenants, limits, purges, default, key_models, suspended)

@@ -358,6 +358,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 t = replace(t, streams=streams_of(request.streams))
             if request.HasField("models"):
                 t = replace(t, models=models_of(request.models))
+            if request.HasField("suspended"):
+                t = replace(t, suspended=request.suspended)
             if request.HasField("jwt"):
                 t = replace(t, jwt=jwt_of(request.jwt))
             if request.clear_jwt:

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
 from dataplane.http.errors import ApiError, Unauthorized, model_not_found, no_route_table
-from dataplane.http.pipeline import authenticate_waiting, sole_authorization
+from dataplane.http.pipeline import authenticate_waiting, refuse_suspended, sole_authorization
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PRINCIPAL, QUOTA
 
 
@@ -34,6 +34,7 @@ async def _callable_models(request: web.Request) -> list[str]:
                 request[PRINCIPAL] = exc.owner
             raise
         request[PRINCIPAL] = principal
+        refuse_suspended(policy, principal)
         served = set(models)
         tenant = policy.tenant(principal.tenant)
         aliases = tenant.prompt.aliases

@@ -124,6 +124,18 @@ def body_too_large(limit: int) -> ApiError:
     )
 
 
+def tenant_suspended() -> ApiError:
+    """403 for a caller whose tenant the operator suspended: its credential
+    is good, its account is not (OpenAI answers a deactivated account with
+    its own code; the SDKs raise PermissionDeniedError and do not retry)."""
+    return ApiError(
+        403,
+        "This account is suspended: its requests are refused. Contact the operator of this "
+        "gateway.",
+        code="tenant_suspended",
+    )
+
+
 def model_not_found(name: str, refused_by: str = "") -> ApiError:
     """404 for a model the caller may not name, in OpenAI's words; the name as
     the client sent it, cut to 256 characters. `refused_by` is whose model

@@ -50,6 +50,7 @@ from dataplane.http.errors import (
     model_not_found,
     no_route_table,
     several_authorizations,
+    tenant_suspended,
 )
 from dataplane.http.fields import (
     brackets_of,
@@ -319,6 +320,8 @@ class Pipeline:
                 ex.authenticated = True
             raise
         ex.authenticated = True
+        if ex.policy.suspended:
+            refuse_suspended(ex.policy, ex.principal)
 
     async def authenticate_after(self, ex: Exchange, pending: KeysPending) -> None:
         """authenticate, once the fetch of a JWKS that `pending` waits for has
@@ -817,6 +820,14 @@ def sole_authorization(headers: CIMultiDictProxy[str]) -> str | None:
     if len(values) > 1:
         raise several_authorizations(len(values))
     return values[0] if values else None
+
+
+def refuse_suspended(policy: EdgePolicy, principal: Principal) -> None:
+    """403 tenant_suspended for a caller of a tenant the table suspends,
+    before anything else reads its request (nothing taken from its limits,
+    nothing reaches an origin)."""
+    if principal.tenant in policy.suspended:
+        raise tenant_suspended()
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:

@@ -448,9 +448,12 @@ class UpdateTenantRequest(_message.Message):
     ROUTING_FIELD_NUMBER: _builtins.int
     STREAMS_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    SUSPENDED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     clear_jwt: _builtins.bool
     """Remove the tenant's JWT issuer."""
+    suspended: _builtins.bool
+    """Set: suspends the tenant (true) or lifts its suspension (false)."""
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     @_builtins.property
@@ -481,12 +484,15 @@ class UpdateTenantRequest(_message.Message):
         routing: _routing_pb2.RoutingPolicy | None = ...,
         streams: _routing_pb2.StreamPolicy | None = ...,
         models: _routing_pb2.ModelAccess | None = ...,
+        suspended: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__suspended: _TypeAlias = _typing.Literal["suspended"]  # noqa: Y015
+    _WhichOneofArgType__suspended: _TypeAlias = _typing.Literal["_suspended", b"_suspended"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__suspended) -> _WhichOneofReturnType__suspended | None: ...
 
 Global___UpdateTenantRequest: _TypeAlias = UpdateTenantRequest  # noqa: Y015
 

@@ -19,7 +19,8 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
-from openai import NotFoundError, OpenAI
+from openai import NotFoundError, OpenAI, PermissionDeniedError
+from openai.types.chat import ChatCompletionMessageParam
 
 from controlplane.cli import main as pontoctl
 from ponto.apikeys import secret_of
@@ -384,6 +385,41 @@ def test_a_tenants_and_a_keys_model_lists_are_what_their_callers_may_name(
     assert "those of tenant gamma" in ctl(fleet, capsys, "key", "models", narrow_id, "--any")
     converge(fleet, lambda t: not any(k.models for k in t.keys if k.id == narrow_id))
     assert ask(narrow, "big")
+
+
+def test_a_suspended_tenants_callers_are_refused_until_it_is_lifted(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 30: a tenant could only be stopped by revoking every key and
+    deleting it. `tenant set --suspended on` refuses its callers (the openai
+    client raises PermissionDeniedError, which it does not retry), reaches
+    no origin, keeps its keys, and is audited; `off` serves them again."""
+    ctl(fleet, capsys, "tenant", "add", "delta")
+    key = ctl(fleet, capsys, "key", "create", "--tenant", "delta").strip().splitlines()[-1]
+    converge(fleet, lambda t: any(k.id == key.split("-")[2] for k in t.keys))
+    client = OpenAI(base_url=fleet.proxy_url("p1"), api_key=key, max_retries=0)
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    assert client.chat.completions.create(model="sim-small", messages=hi).choices
+
+    said = ctl(fleet, capsys, "tenant", "set", "delta", "--suspended", "on")
+    assert "SUSPENDED: its callers are refused (403 tenant_suspended)" in said
+    converge(fleet, lambda t: any(x.suspended for x in t.tenants if x.name == "delta"))
+    [row] = [line for line in ctl(fleet, capsys, "get", "tenants").splitlines() if "delta" in line]
+    assert row.split()[-1] == "suspended"
+    before = sim(fleet)["requests"]
+    with pytest.raises(PermissionDeniedError) as refused:
+        client.chat.completions.create(model="sim-small", messages=hi)
+    assert refused.value.code == "tenant_suspended"
+    with pytest.raises(PermissionDeniedError):
+        client.models.list()
+    assert sim(fleet)["requests"] == before
+    audit = ctl(fleet, capsys, "get", "audit", "--action", "UpdateTenant", "-o", "json")
+    assert "suspended false -> true" in audit
+
+    ctl(fleet, capsys, "tenant", "set", "delta", "--suspended", "off")
+    converge(fleet, lambda t: not any(x.suspended for x in t.tenants if x.name == "delta"))
+    assert client.chat.completions.create(model="sim-small", messages=hi).choices
+    client.close()
 
 
 def test_requests_and_tokens_are_accounted_per_tenant_and_key(

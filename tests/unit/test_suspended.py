@@ -1,0 +1,121 @@
+"""A suspended tenant (trial 30: a tenant could only be stopped by revoking
+every key and deleting it): stored, compiled, applied, audited and shown by
+the control plane; pontoctl's `tenant set --suspended on|off`. The proxy's
+side: tests/functional/test_suspended.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from controlplane.apply import document, parse, tenant_changes
+from controlplane.catalog import Catalog
+from controlplane.cli import _parser, _rows_tenants, run
+from controlplane.compile import compile_table, tenant_pb
+from controlplane.messages import tenant_of
+from controlplane.model import Tenant, decode_tenant, encode
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_alias_warnings import admin
+from tests.unit.test_apply import errors_of
+
+
+def test_the_flag_is_stored_and_read_back_and_old_records_are_not_suspended() -> None:
+    suspended = Tenant("acme", suspended=True)
+    assert decode_tenant(encode(suspended)) == suspended
+    old = orjson.loads(encode(Tenant("acme")))
+    del old["suspended"]  # a record written before suspension
+    assert decode_tenant(orjson.dumps(old)).suspended is False
+    assert tenant_of(tenant_pb(suspended)) == suspended
+
+
+def test_a_file_suspends_a_tenant_and_its_export_says_so() -> None:
+    [t] = parse({"tenants": [{"name": "acme", "suspended": True}]}).tenants
+    assert t.suspended
+    assert document(tenants=[t])["tenants"] == [
+        {"name": "acme", "cache": {"mode": "exact"}, "suspended": True}
+    ]
+    assert "suspended" not in document(tenants=[Tenant("acme")])["tenants"][0]
+    assert errors_of({"tenants": [{"name": "acme", "suspended": "yes"}]}) == [
+        "tenants[0].suspended: expected true or false, got 'yes'"
+    ]
+    assert tenant_changes(Tenant("acme"), t) == "suspended false -> true"
+
+
+async def test_the_admin_api_suspends_lifts_audits_and_compiles() -> None:
+    store = MemoryStore()
+    async with admin(store) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        on = await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", suspended=True))
+        assert on.suspended
+        [tenant] = compile_table(await Catalog(store).snapshot()).tenants
+        assert tenant.suspended
+        # An update without the field keeps it.
+        await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", limits=pb.Limits(rpm=5)))
+        [kept] = (await stub.ListTenants(apb.ListRequest())).tenants
+        assert kept.suspended
+        off = await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", suspended=False))
+        assert not off.suspended
+        audit = (await stub.ListAudit(apb.ListAuditRequest(action="UpdateTenant"))).entries
+        changes = [e.detail["changes"] for e in audit]
+        assert "suspended false -> true" in changes and "suspended true -> false" in changes
+
+
+class Stub:
+    """The Admin calls of `tenant set`; keeps what was sent. `drops`: a
+    control plane from before suspension, which drops the field."""
+
+    def __init__(self, *, drops: bool = False) -> None:
+        self.current = pb.Tenant(name="acme")
+        self.sent: list[apb.UpdateTenantRequest] = []
+        self.drops = drops
+
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(tenants=[self.current])
+
+    def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
+        self.sent.append(req)
+        if req.HasField("suspended") and not self.drops:
+            self.current.suspended = req.suspended
+        return self.current
+
+
+def pontoctl(stub: Any, *argv: str) -> str:
+    return run(_parser().parse_args(list(argv)), stub)
+
+
+def sent_flag(stub: Stub) -> bool | None:
+    """The last request's `suspended`, None when it did not set it."""
+    last = stub.sent[-1]
+    return last.suspended if last.HasField("suspended") else None
+
+
+def test_tenant_set_suspends_and_lifts_and_says_so() -> None:
+    stub = Stub()
+    said = pontoctl(stub, "tenant", "set", "acme", "--suspended", "on")
+    assert said.endswith("SUSPENDED: its callers are refused (403 tenant_suspended)")
+    assert sent_flag(stub) is True
+    assert "unchanged" in pontoctl(stub, "tenant", "set", "acme", "--suspended", "on")
+    assert len(stub.sent) == 1
+    said = pontoctl(stub, "tenant", "set", "acme", "--suspended", "off")
+    assert "SUSPENDED" not in said and not stub.current.suspended
+    assert sent_flag(stub) is False
+    # Another setting leaves the flag alone.
+    pontoctl(stub, "tenant", "set", "acme", "--cache", "off")
+    assert sent_flag(stub) is None
+
+
+def test_a_control_plane_that_drops_the_flag_is_called_out() -> None:
+    said = pontoctl(Stub(drops=True), "tenant", "set", "acme", "--suspended", "on")
+    assert "NOT SUSPENDED: the control plane does not support suspension" in said
+
+
+@pytest.mark.parametrize(("suspended", "state"), [(True, "suspended"), (False, "serving")])
+def test_get_tenants_shows_the_state_last(suspended: bool, state: str) -> None:
+    header, [row] = _rows_tenants(
+        apb.ListTenantsResponse(tenants=[pb.Tenant(name="acme", suspended=suspended)])
+    )
+    assert header[-1] == "STATE" and row[-1] == state
