@@ -37,6 +37,11 @@ Vectors = npt.NDArray[np.float32]
 # all-MiniLM-L6-v2 was trained on sequences of up to 256 word pieces (its
 # sentence_bert_config.json); longer input is truncated, as sentence-transformers does.
 MAX_TOKENS = 256
+# Texts longer than this are not matched semantically, whatever their word
+# pieces: 32 characters a piece is far past any language's (English averages
+# four), and it bounds the tokenizer's time on the embedding thread, which
+# holds the GIL (fits).
+MAX_FIT_CHARS = MAX_TOKENS * 32
 
 
 class Embedder(Protocol):
@@ -143,9 +148,16 @@ class MiniLmOnnxEmbedder:
 
     def fits(self, text: str) -> bool:
         # Every word piece covers at least one character, so short texts fit
-        # without tokenising; longer ones are checked for an overflow.
-        if len(text) <= MAX_TOKENS - 2:
+        # without tokenising. The tokenizer holds the GIL for the whole text
+        # (a microsecond a character: a 7 MB prompt froze the proxy's loop
+        # for 7 s, trial 31), so it only sees texts that may fit: at most
+        # MAX_FIT_CHARS, with fewer words than the window has pieces (each
+        # word is a piece at least; split stops counting at the window).
+        room = MAX_TOKENS - 2
+        if len(text) <= room:
             return True
+        if len(text) > MAX_FIT_CHARS or len(text.split(maxsplit=room)) > room:
+            return False
         return not self._tokenizer.encode(text).overflowing
 
     def embed(self, texts: Sequence[str]) -> Vectors:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
-from dataplane.cache.embed import Embedder, HashingEmbedder, MiniLmOnnxEmbedder
+from dataplane.cache.embed import MAX_FIT_CHARS, Embedder, HashingEmbedder, MiniLmOnnxEmbedder
 
 _minilm: MiniLmOnnxEmbedder | None = None
 
@@ -99,6 +100,34 @@ def test_minilm_semantics_and_window() -> None:
     assert e.dim == 384
     assert not e.fits("word " * 300)  # past the 256 word-piece window
     assert e.fits("word " * 100)
+
+
+class CountingTokenizer:
+    """The embedder's tokenizer, counting the characters it is given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.chars = inner, 0
+
+    def encode(self, text: str) -> Any:
+        self.chars += len(text)
+        return self.inner.encode(text)
+
+
+def test_a_text_that_cannot_fit_is_never_tokenised() -> None:
+    """Trial 31: fits() tokenised a 7 MB prompt whole to learn that it did not
+    fit, holding the GIL for 7 s: the proxy's loop, and every tenant's
+    requests, froze. Texts past MAX_FIT_CHARS, or with more words than the
+    window has pieces, are refused unread."""
+    e = minilm()
+    counting = CountingTokenizer(e._tokenizer)
+    e._tokenizer = cast(Any, counting)
+    assert not e.fits("Tell me about fish. " * 350_000)  # 7 MB
+    assert not e.fits("fish " * 300)  # 300 words: 300 pieces at least
+    assert not e.fits("x" * (MAX_FIT_CHARS + 1))  # one long "word": one piece, but too long
+    assert counting.chars == 0
+    assert e.fits("word " * 100)  # under the window: still read
+    assert not e.fits("antidisestablishmentarianism " * 200)  # 200 words, more pieces
+    assert counting.chars == len("word " * 100) + len("antidisestablishmentarianism " * 200)
 
 
 def test_hashing_embedder_rejects_bad_parameters() -> None:
