@@ -11,8 +11,9 @@ What goes into a key (see `canonical_request`):
   answer (`NON_AFFECTING`). Unknown parameters are kept: an origin extension we
   have never heard of (vLLM's `top_k`, `guided_json`, ...) must split the key;
 - chat messages with the text of their content normalised (`normalise_text`:
-  NFKC; a text of one line with its whitespace collapsed and trimmed, a text of
-  several lines with its line structure and indentation kept, for they can
+  NFKC; a text of one line with its whitespace collapsed and trimmed but for
+  its tabs (TSV data), a text of several lines with its line structure and
+  indentation kept, for they can
   change its meaning: code, a table, a poem); roles, names, tool calls (arguments byte for byte),
   tool results and non-text parts are kept exactly. Completion prompts and
   embedding inputs are kept exactly too: a raw prompt's trailing whitespace
@@ -35,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
-from dataplane.cache.textform import fold_line, nfkc
+from dataplane.cache.textform import fold_line, nfkc, strip_line_end
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in the region's Redis, shared with proxies of other versions) can never
@@ -43,7 +44,8 @@ from dataplane.cache.textform import fold_line, nfkc
 # 2: a text of several lines keeps its lines (normalise_text); the semantic
 # namespace keeps the last user message's images, and code's indentation.
 # 3: whitespace within quotes, and superscripts and subscripts, are kept.
-KEY_VERSION = 3
+# 4: tabs are kept, at a line's end too (TSV data).
+KEY_VERSION = 4
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -93,10 +95,11 @@ class UncacheableRequest(ValueError):
 def normalise_text(s: str) -> str:
     """NFKC but for superscripts and subscripts (dataplane.cache.textform);
     then a text of one line has every run of whitespace outside quotes made
-    one space and is trimmed (see textform.fold_line), and a text of several lines
-    (a line break is LF, CR or CRLF) has its line breaks made LF, the
-    whitespace at each line's end removed and the blank lines at its start
-    and end dropped, and is otherwise kept as it is. A text of one line but
+    one space and is trimmed, its tabs kept (see textform.fold_line), and a
+    text of several lines (a line break is LF, CR or CRLF) has its line
+    breaks made LF, the whitespace at each line's end removed but for tabs,
+    and the blank lines at its start and end dropped, and is otherwise kept
+    as it is. A text of one line but
     for blank lines around it is a text of one line.
 
     Whitespace within a line of prose never changes what it asks. Across
@@ -118,7 +121,7 @@ def normalise_text(s: str) -> str:
             return s
     elif "\n" in s or "\r" in s:
         return _normalise_lines(s)
-    return fold_line(s)
+    return fold_line(s, keep_tabs=True)
 
 
 def _normalise_lines(s: str) -> str:
@@ -136,12 +139,15 @@ def _normalise_lines(s: str) -> str:
         and " \n" not in s
     ):
         return s
-    lines = list(map(str.rstrip, s.rstrip().split("\n")))
+    strip = strip_line_end if "\t" in s else str.rstrip  # a tab at a line's end is data
+    lines = list(map(strip, s.split("\n")))
+    while lines and not lines[-1]:
+        lines.pop()
     start = 0
     while start < len(lines) and not lines[start]:
         start += 1
     if start >= len(lines) - 1:  # one line, or none, once the blank ones go
-        return fold_line(s.strip())
+        return fold_line(lines[start] if lines else "", keep_tabs=True)
     return "\n".join(lines[start:])
 
 

@@ -73,14 +73,25 @@ QUOTED: Final = re.compile(
 # A character that may open one.
 _OPENING: Final = re.compile("[\"`“„«「『'\u2018]")
 _WHITESPACE: Final = re.compile(r"\s+")
+_WHITESPACE_BUT_TABS: Final = re.compile(r"[^\S\t]+")
+_TRIM_BUT_TABS: Final = re.compile(r"^[^\S\t]+|[^\S\t]+$")
+_END_BUT_TABS: Final = re.compile(r"[^\S\t]+$")
 
 
-def fold_line(text: str) -> str:
+def fold_line(text: str, *, keep_tabs: bool = False) -> str:
     """`text` as one line: each run of whitespace (line breaks too) made one
     space, but within quoted spans (QUOTED, each within a line), and
     trimmed. What a quote holds may be data whose spaces count:
     `len("a   b")` and `len("a b")` ask different things, where "what  is
-    it" and "what is it" do not."""
+    it" and "what is it" do not.
+
+    With `keep_tabs` (the exact key's), tabs are data too: each one of a TSV
+    row separates a field, and one at the end is an empty field (trial 31:
+    "red\tgreen blue" was answered as "red green\tblue", and a row without
+    its empty last field as the row with it). They are kept where they
+    are; the whitespace around them folds as elsewhere."""
+    if keep_tabs and "\t" in text:
+        return _TRIM_BUT_TABS.sub("", between(QUOTED, text, _one_space_but_tabs))
     if _OPENING.search(text) is None:
         # str.split() with no argument splits on runs of Unicode whitespace
         # (as \s does) and drops empty ends: exactly collapse-and-trim.
@@ -90,3 +101,15 @@ def fold_line(text: str) -> str:
 
 def _one_space(text: str) -> str:
     return _WHITESPACE.sub(" ", text)
+
+
+def _one_space_but_tabs(text: str) -> str:
+    return _WHITESPACE_BUT_TABS.sub(" ", text)
+
+
+def strip_line_end(line: str) -> str:
+    """`line` without the whitespace at its end, but for tabs (fold_line)."""
+    stripped = line.rstrip()
+    if len(stripped) == len(line) or "\t" not in line[len(stripped) :]:
+        return stripped
+    return _END_BUT_TABS.sub("", line)

@@ -6,6 +6,7 @@ import copy
 import itertools
 import json
 import random
+import re
 import unicodedata
 from typing import Any
 
@@ -63,8 +64,9 @@ word = st.text(
     max_size=8,
 ).filter(lambda w: normalise_text(w) == w)
 words = st.lists(word, min_size=1, max_size=8)
-# Whitespace within a line (no LF or CR: a line break makes a text of several lines).
-whitespace = st.text(alphabet=" \t\u00a0\u2003\u3000\x0b\x0c", min_size=1, max_size=4)
+# Whitespace within a line (no LF or CR: a line break makes a text of several
+# lines), but the tab, which is data (test_tabs_are_data_and_split_the_key).
+whitespace = st.text(alphabet=" \u00a0\u2003\u3000\x0b\x0c", min_size=1, max_size=4)
 
 # Two values of every listed output-affecting parameter that must give
 # different keys (their canonical JSON differs).
@@ -204,7 +206,10 @@ def reference_normalise(text: str) -> str:
     text = reference_nfkc(text)
     if "\n" not in text and "\r" not in text:
         return reference_fold(text)
-    lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    lines = [
+        re.sub(r"[^\S\t]+$", "", line) if "\t" in text else line.rstrip()
+        for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    ]
     while lines and not lines[0]:
         lines.pop(0)
     while lines and not lines[-1]:
@@ -229,7 +234,8 @@ PAIRS = {
 def reference_fold(line: str) -> str:
     """A line's runs of whitespace made one space but within quoted spans
     (PAIRS; the single quotes only when they are not inside a word), then
-    trimmed: scanned one character at a time."""
+    trimmed: scanned one character at a time. Tabs are kept, each where it
+    is: the whitespace between them folds, and is trimmed, as elsewhere."""
 
     def in_word(i: int) -> bool:
         return 0 <= i < len(line) and (line[i].isalnum() or line[i] == "_")
@@ -247,13 +253,13 @@ def reference_fold(line: str) -> str:
                 out.append(line[i : end + 1])
                 i = end + 1
                 continue
-        if c.isspace():
+        if c.isspace() and c != "\t":
             if not (out and out[-1] == " "):
                 out.append(" ")
         else:
             out.append(c)
         i += 1
-    return "".join(out).strip()
+    return re.sub(r"^[^\S\t]+|[^\S\t]+$", "", "".join(out))
 
 
 @settings(max_examples=1000)
@@ -302,7 +308,7 @@ def test_line_endings_trailing_whitespace_and_blank_lines_around_do_not_split_th
     variants = [
         plain.replace("\n", "\r\n"),
         plain.replace("\n", "\r"),
-        "\n\n" + plain.replace("\n", "  \n") + "\n\t\n",
+        "\n\n" + plain.replace("\n", "  \n") + "\n \n",
         plain + "\n",
     ]
     for variant in variants:
@@ -312,6 +318,22 @@ def test_line_endings_trailing_whitespace_and_blank_lines_around_do_not_split_th
         assert key(a) == key(b)
     # A question with a line break at its end is the question.
     assert normalise_text("  what is two plus two?\n") == "what is two plus two?"
+
+
+def test_tabs_are_data_and_split_the_key() -> None:
+    """Trial 31: tabs were folded as any whitespace, so a TSV row was one
+    question with another: "red\tgreen blue" (2 fields) was answered as
+    "red green\tblue", "red\tgreen\tblue" (3) as either, and a row
+    without its empty last field as the row with it."""
+    ask = "Split on tabs and count the fields: "
+    rows = ["red\tgreen blue", "red green\tblue", "red\tgreen\tblue", "red green blue"]
+    assert len({key(chat(messages=[{"role": "user", "content": ask + r}])) for r in rows}) == 4
+    tsv = "Count the empty fields in this TSV:\nname\tage\tcity\nbob\t42\t"
+    assert normalise_text(tsv) == tsv
+    assert normalise_text(tsv) != normalise_text(tsv[:-1])
+    # The spaces around them fold and trim as elsewhere.
+    assert normalise_text("  a  \tb \t ") == "a \tb \t"
+    assert normalise_text("row:\ta\t  \nnext") == "row:\ta\t\nnext"
 
 
 def test_whitespace_within_quotes_splits_the_key() -> None:
@@ -375,7 +397,7 @@ def test_no_quoted_span_holds_its_own_opening_quote(opening: str) -> None:
 
 def test_nfkc_examples() -> None:
     assert normalise_text("\ufb01le\u00a0 \u2116\uff11") == "file No1"
-    assert normalise_text("  \n\t ") == ""
+    assert normalise_text("  \n\x0c ") == ""
 
 
 @pytest.mark.parametrize(
@@ -584,7 +606,7 @@ def test_canonical_form_is_sorted_and_compact() -> None:
     )
     assert raw == (
         b'{"body":{"a":[1.5,{"c":null,"d":0}],"b":1},"endpoint":"chat.completions",'
-        b'"model":"m","tenant":"t","v":3}'
+        b'"model":"m","tenant":"t","v":4}'
     )
 
 
