@@ -53,6 +53,48 @@ def test_exchanged_words_and_antonyms_do_not_match(a: str, b: str) -> None:
     assert not agree(a, b)
 
 
+# Trial 31's pairs: each served the other's answer at the default threshold
+# (0.90; MiniLM's scores after each).
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            "Is it safe to take ibuprofen with alcohol?",
+            "Is it unsafe to take ibuprofen with alcohol?",
+        ),
+        (
+            "Is it safe to take ibuprofen with alcohol?",
+            "Is it safe to take ibuprofen without alcohol?",
+        ),
+        ("should I take the medicine before meals", "should I take the medicine after meals"),
+        ("how do I turn on dark mode", "how do I turn off dark mode"),
+        ("can I use my card abroad", "can I not use my card abroad"),  # 0.9344
+        ("does my card work abroad", "doesn't my card work abroad"),
+        ("I can log in", "I can't log in"),
+        ("how many seconds are in a million years", "how many seconds are in a billion years"),
+    ],
+)
+def test_trial_31s_opposite_questions_do_not_match(a: str, b: str) -> None:
+    assert not agree(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # Negated both, in other words.
+        ("why won't my laptop turn on", "why doesn't my laptop turn on"),
+        ("I cannot log in to my account", "I can't log in to my account"),
+        # Negated in other words: left to the threshold (support questions say
+        # the same thing either way).
+        ("I can't log in to my account", "help me log in to my account"),
+        # A scale said the same way.
+        ("how many seconds are in a million years", "seconds in a million years?"),
+    ],
+)
+def test_negated_or_scaled_alike_still_match(a: str, b: str) -> None:
+    assert agree(a, b)
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [
