@@ -44,7 +44,8 @@ from dataplane.cache.textform import fold_line, nfkc, strip_line_end
 # 2: a text of several lines keeps its lines (normalise_text); the semantic
 # namespace keeps the last user message's images, and code's indentation.
 # 3: whitespace within quotes, and superscripts and subscripts, are kept.
-# 4: tabs are kept, at a line's end too (TSV data).
+# 4: tabs are kept, at a line's end too (TSV data); `logprobs: false`, `n: 1`
+# and `echo: false` are the same as leaving them out.
 KEY_VERSION = 4
 
 CHAT = "chat.completions"
@@ -173,7 +174,7 @@ def canonical_request(
     params: dict[str, Any] = {}
     for name in sorted(body):
         value = body[name]
-        if name in NON_AFFECTING or value is None:
+        if name in NON_AFFECTING or value is None or _is_default(name, value):
             continue
         if name == "messages" and endpoint == CHAT:
             params[name] = _canon_messages(value)
@@ -191,6 +192,21 @@ def canonical_request(
         lowered = {k.lower(): v for k, v in headers.items()}
         doc["headers"] = {k: lowered[k] for k in sorted(lowered)}
     return jsonio.dumps({k: doc[k] for k in sorted(doc)})
+
+
+# Parameters whose value, when it is this one, is what leaving them out means
+# to OpenAI and to vLLM alike (neither takes these from a model's generation
+# config): one entry for both (trial 31: `"logprobs": false`, which some
+# frameworks send, missed the entry of a request without it). Compared with
+# their JSON types: `"logprobs": 0` and `"n": true` are other values.
+_DEFAULTS: Final = {"logprobs": False, "n": 1, "echo": False}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    if name not in _DEFAULTS:
+        return False
+    default = _DEFAULTS[name]
+    return type(value) is type(default) and value == default
 
 
 def cache_key(

@@ -84,7 +84,7 @@ PARAM_VALUES: dict[str, tuple[Any, Any]] = {
     "tool_choice": ("auto", "none"),
     "parallel_tool_calls": (True, False),
     "response_format": ({"type": "text"}, {"type": "json_object"}),
-    "n": (1, 2),
+    "n": (2, 3),  # 1 is the default: the same as leaving it out
     "logprobs": (True, False),
     "top_logprobs": (1, 5),
     "presence_penalty": (0, 0.5),
@@ -450,7 +450,14 @@ def test_keys_are_equal_exactly_when_the_parameters_are(
     a: dict[str, Any], b: dict[str, Any]
 ) -> None:
     def significant(p: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in p.items() if k not in NON_AFFECTING and v is not None}
+        # `n: 1` (the integer) is what leaving n out means.
+        return {
+            k: v
+            for k, v in p.items()
+            if k not in NON_AFFECTING
+            and v is not None
+            and not (k == "n" and type(v) is int and v == 1)
+        }
 
     assert (key(chat(**a)) == key(chat(**b))) == json_eq(significant(a), significant(b))
 
@@ -598,6 +605,19 @@ def test_the_key_does_not_mutate_the_body() -> None:
     key(body)
     assert body == before
     assert repr(body) == repr(before)
+
+
+def test_a_parameter_at_its_default_is_the_same_as_leaving_it_out() -> None:
+    """Trial 31: `"logprobs": false` (which frameworks send) missed the entry of
+    a request without it. Only values that mean what absence means to OpenAI
+    and vLLM alike, compared with their JSON types."""
+    plain = key(chat())
+    assert key(chat(logprobs=False)) == key(chat(n=1)) == key(chat(logprobs=False, n=1)) == plain
+    for other in ({"logprobs": True}, {"logprobs": 0}, {"n": 2}, {"n": True}, {"n": 1.0}):
+        assert key(chat(**other)) != plain, other
+    prompt = {"model": "m", "prompt": "Once upon", "max_tokens": 5}
+    assert key({**prompt, "echo": False}, endpoint=COMPLETIONS) == key(prompt, endpoint=COMPLETIONS)
+    assert key({**prompt, "echo": True}, endpoint=COMPLETIONS) != key(prompt, endpoint=COMPLETIONS)
 
 
 def test_canonical_form_is_sorted_and_compact() -> None:
