@@ -414,7 +414,8 @@ def _parser() -> argparse.ArgumentParser:
     ts.add_argument(
         "--semantic-threshold",
         type=finite_float,
-        help="least similarity of a semantic hit; with --semantic-max-error, the cold-start prior",
+        help="least similarity of a semantic hit, 0.5 to 1; with --semantic-max-error, the "
+        "cold-start prior; 0: the proxies' --semantic-threshold (0.90 by default)",
     )
     ts.add_argument(
         "--semantic-max-error",

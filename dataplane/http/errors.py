@@ -154,6 +154,9 @@ def model_not_found(name: str, refused_by: str = "") -> ApiError:
 
 # Fixed messages: what clients see of an origin failure, whatever the cause.
 UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly."
+# When every origin tried answered, with a server error (trial 31: "could not
+# be reached" read as a network fault while the origins answered 500).
+UPSTREAM_FAILED = "The model's servers answered with an error; retry shortly."
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
 UPSTREAM_REFUSED = "The model's servers refused the request."
@@ -178,10 +181,16 @@ CREDENTIAL_REFUSED = frozenset({401, 403, 407})
 MAX_ORIGIN_MESSAGE = 1024
 
 
-def upstream_unavailable() -> ApiError:
-    """502: no origin committed to an answer (connect errors, 5xx, cuts)."""
+def upstream_unavailable(*, answered: bool = False) -> ApiError:
+    """502: no origin committed to an answer (connect errors, 5xx, cuts);
+    `answered`: every origin tried answered with a server error, which the
+    message says (the code is the same)."""
     return ApiError(
-        502, UPSTREAM_UNAVAILABLE, type="upstream_error", code="upstream_unavailable", logged=True
+        502,
+        UPSTREAM_FAILED if answered else UPSTREAM_UNAVAILABLE,
+        type="upstream_error",
+        code="upstream_unavailable",
+        logged=True,
     )
 
 

@@ -259,6 +259,8 @@ class _Tries:
     # An origin's whole answer was longer than max_answer_bytes: no other
     # origin is tried (the same request would make as long an answer).
     too_large: bool = False
+    # Attempts that an origin answered with a 5xx.
+    errored: int = 0
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
     first_within: float | None = None
@@ -471,7 +473,7 @@ class Forwarder:
         elif tries.busy_retry_s is not None:
             error = upstream_busy(tries.busy_retry_s)
         else:
-            error = upstream_unavailable()
+            error = upstream_unavailable(answered=tries.errored == len(failures) > 0)
         error.attempts = tries.made
         raise error
 
@@ -732,6 +734,8 @@ class Forwarder:
         if exc.outcome == TOO_LARGE:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
+        if exc.outcome == "http_5xx":
+            tries.errored += 1
         if exc.status == BUSY:
             wait = busy_wait_s(exc.retry_after, time.time())
             self.outliers.busy(target.name, wait)

@@ -21,12 +21,14 @@ from aiohttp.test_utils import TestServer
 
 from dataplane.http.errors import (
     UPSTREAM_BUSY,
+    UPSTREAM_FAILED,
     UPSTREAM_REFUSED,
     UPSTREAM_STREAM_BROKEN,
     UPSTREAM_UNAVAILABLE,
 )
 from dataplane.http.state import HOLDER, METRICS
 from dataplane.upstream.forwarder import MAX_FORWARDED_VALUE
+from ponto.devenv import free_port
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.routetable import content_etag
 from tests.functional.test_pipeline import (
@@ -457,6 +459,34 @@ async def test_a_busy_origin_and_a_failing_one_are_a_429_not_a_502(tmp_path: Pat
         await s.close()
 
 
+@pytest.mark.parametrize(
+    ("failing", "message"),
+    [
+        (["gone"], UPSTREAM_UNAVAILABLE),
+        (["gone", "down"], UPSTREAM_UNAVAILABLE),
+        (["down"], UPSTREAM_FAILED),
+    ],
+    ids=["unreachable", "unreachable-and-500", "500"],
+)
+async def test_a_502_says_whether_the_origins_answered(
+    tmp_path: Path, failing: list[str], message: str
+) -> None:
+    """ "Could not be reached" only when some origin could not be; when every
+    one tried answered with a 5xx, that they answered with an error."""
+    s = await start_stack(tmp_path, [SimConfig(name="down", mode="fail", fail_status=500)])
+    try:
+        urls = {
+            "gone": f"http://127.0.0.1:{free_port()}/v1",
+            "down": str(s.origins[0].make_url("/v1")),
+        }
+        serve(s, [(name, urls[name]) for name in failing])
+        resp = await s.post(chat("anyone?"))
+        assert resp.status == 502
+        assert error_of(await resp.json())["message"] == message
+    finally:
+        await s.close()
+
+
 async def test_a_502_names_no_origin_and_its_cause_is_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -468,7 +498,8 @@ async def test_a_502_names_no_origin_and_its_cause_is_logged_once(
         text = await resp.text()
         err = error_of(json.loads(text))
         assert err == {
-            "message": UPSTREAM_UNAVAILABLE,
+            # Trial 31: "could not be reached" while the origin answered 500.
+            "message": UPSTREAM_FAILED,
             "type": "upstream_error",
             "param": None,
             "code": "upstream_unavailable",
