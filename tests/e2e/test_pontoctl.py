@@ -703,7 +703,7 @@ def test_an_alias_no_origin_serves_is_saved_with_a_warning_until_one_does(
     table, _ = ctl(fleet, capsys, "get", "tenants")
     assert "gpt-4o->llama-3-8b,next->llama-4(unserved)" in table
     assert table.rstrip().endswith(
-        "requests for an alias to it get 404, and a routing policy or hedge delay for it "
+        "requests for it or an alias to it get 404, and a routing policy or hedge delay for it "
         "applies to nothing, until one does"
     )
     # The same alias in a file: the dry run says so as well.
