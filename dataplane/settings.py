@@ -293,6 +293,15 @@ def parse(argv: list[str]) -> Settings:
         "another origin (default %(default)s; a tenant's own setting wins)",
     )
     p.add_argument(
+        "--first-chunk-timeout",
+        type=finite_float,
+        default=None,
+        metavar="SECONDS",
+        help="a stream whose first chunk has not come this long after its call is asked of "
+        "the next origin (default: the stream idle timeout); set it above the longest time "
+        "to first token, and the idle timeout to what a stall may take",
+    )
+    p.add_argument(
         "--unhealthy-stream-idle-timeout",
         type=finite_float,
         default=DEFAULT_UNHEALTHY_IDLE_S,
@@ -496,6 +505,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
     if not a.stream_idle_timeout > 0:
         p.error("--stream-idle-timeout must be positive")
+    if a.first_chunk_timeout is not None and not a.first_chunk_timeout > 0:
+        p.error("--first-chunk-timeout must be positive")
     if a.unhealthy_stream_idle_timeout < 0:
         p.error("--unhealthy-stream-idle-timeout must be 0 (off) or more")
     session_header = a.session_header.strip().lower()
@@ -604,6 +615,7 @@ def parse(argv: list[str]) -> Settings:
             origin_ca=a.origin_ca,
             origin_ssl=origin_ssl,
             max_answer_bytes=a.max_answer_bytes,
+            first_chunk_timeout=a.first_chunk_timeout,
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,

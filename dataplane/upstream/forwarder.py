@@ -168,6 +168,9 @@ class UpstreamSettings:
     origin_ssl: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
     # See DEFAULT_MAX_ANSWER_BYTES.
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    # Longest wait for a stream's first chunk (--first-chunk-timeout); None:
+    # the stream's idle timeout, as the caller passes it.
+    first_chunk_timeout: float | None = None
 
 
 # The outcome of a whole answer longer than max_answer_bytes.
@@ -412,10 +415,14 @@ class Forwarder:
         attempt whose head or first chunk has not come within it fails and the
         next candidate is tried, as for any attempt that failed before the
         client had a byte; without it, the read timeout alone bounds the wait.
+        The proxy's --first-chunk-timeout, when set, replaces it: a long
+        prefill need not lengthen every stream's wait between chunks.
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
         tries = _Tries(loop.time() + settings.deadline - spent_s)
+        if stream and settings.first_chunk_timeout is not None:
+            first_chunk_within = settings.first_chunk_timeout
         if stream and first_chunk_within is not None:
             tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
@@ -747,6 +754,17 @@ class Forwarder:
             self._metrics.ejections.labels(target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
 
+    def _no_answer(self, first_within: float | None) -> str:
+        """Why an attempt timed out before its answer began, for the log."""
+        if first_within is None:
+            return "timed out before the response started"
+        bound = (
+            "--first-chunk-timeout"
+            if self._settings.first_chunk_timeout is not None
+            else "the stream idle timeout"
+        )
+        return f"sent no first chunk within {first_within:g} s ({bound})"
+
     def _past_deadline(self, target: Target, failures: list[str]) -> None:
         self._metrics.attempt(target.name, "deadline").inc()
         failures.append(f"{target.name}: request deadline exceeded")
@@ -811,7 +829,7 @@ class Forwarder:
             resp = await self._wire.post(target.url(path), body, headers, first_within)
         except TimeoutError as exc:
             loads.finished(target.name)
-            raise _Retryable("timeout", _no_answer(first_within)) from exc
+            raise _Retryable("timeout", self._no_answer(first_within)) from exc
         except aiohttp.ClientError as exc:
             loads.finished(target.name)
             raise _Retryable("connect_error", f"{type(exc).__name__}: {exc}") from exc
@@ -858,7 +876,7 @@ class Forwarder:
             except TimeoutError as exc:
                 if not streamed or first_within is None:
                     raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
-                raise _Retryable("timeout", _no_answer(first_within)) from exc
+                raise _Retryable("timeout", self._no_answer(first_within)) from exc
             except aiohttp.ClientError as exc:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             except AnswerTooLarge as exc:
@@ -894,13 +912,6 @@ class Forwarder:
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
-
-
-def _no_answer(first_within: float | None) -> str:
-    """Why an attempt timed out before its answer began, for the log."""
-    if first_within is None:
-        return "timed out before the response started"
-    return f"sent no first chunk within {first_within:g} s (the stream idle timeout)"
 
 
 def attempt_order(

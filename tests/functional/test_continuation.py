@@ -594,3 +594,45 @@ async def test_the_idle_timeout_holds_where_the_health_signal_is_not_used(
     said += [r.getMessage() for r in caplog.records if "continued on o1" in r.getMessage()]
     assert len(said) == 1, said
     assert "no chunk for 0.5 s" in said[0] and "unhealthy" not in said[0]
+
+
+def slow_first_origin(delay: float) -> Origin:
+    """Its first chunk after `delay` s (a long prefill), then a whole answer."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await asyncio.sleep(delay)
+        await out.write(
+            event("first", "", role=True)
+            + event("first", "Hello")
+            + event("first", finish="stop")
+            + b"data: [DONE]\n\n"
+        )
+        return out
+
+    return Origin(handler)
+
+
+async def test_the_first_chunk_may_take_longer_than_the_stream_idle_timeout(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """--first-chunk-timeout bounds the wait for a stream's first chunk apart
+    from the wait between chunks: a long prefill (0.5 s here) no longer needs
+    an idle timeout as long, which also bounds every stall."""
+    a, b = slow_first_origin(0.5), await second_origin()
+    p = await proxy([(a, True), (b, True)], idle="0.2", extra=["--first-chunk-timeout", "2"])
+    chunks, _ = await p.stream()
+    assert text_of(chunks) == "Hello"
+    assert (len(a.bodies), len(b.bodies)) == (1, 0)
+
+
+async def test_a_first_chunk_past_its_own_bound_is_asked_of_the_next_origin(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = slow_first_origin(5.0), await second_origin()
+    p = await proxy([(a, True), (b, True)], idle="30", extra=["--first-chunk-timeout", "0.2"])
+    with caplog.at_level(logging.WARNING):
+        chunks, _ = await p.stream()
+    assert text_of(chunks) == " world"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "sent no first chunk within 0.2 s (--first-chunk-timeout)" in said, said

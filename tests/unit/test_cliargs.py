@@ -73,7 +73,7 @@ CONTROL_FLAGS = _number_flags(control_settings.parse)
 
 def test_the_proxys_timeouts_and_rates_are_among_them() -> None:
     assert {"--header-timeout", "--deadline", "--cache-ttl", "--drain-seconds"} <= set(PROXY_FLAGS)
-    assert len(PROXY_FLAGS) == 14
+    assert len(PROXY_FLAGS) == 15
 
 
 @pytest.mark.parametrize("flag", PROXY_FLAGS)
