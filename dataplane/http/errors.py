@@ -157,6 +157,9 @@ UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly.
 # When every origin tried answered, with a server error (trial 31: "could not
 # be reached" read as a network fault while the origins answered 500).
 UPSTREAM_FAILED = "The model's servers answered with an error; retry shortly."
+# When every origin tried was reached but sent nothing in time (a stream's
+# first chunk past its bound, a whole answer past --read-timeout; trial 32).
+UPSTREAM_SLOW = "The model's servers did not start answering in time; retry shortly."
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
 UPSTREAM_REFUSED = "The model's servers refused the request."
@@ -181,13 +184,13 @@ CREDENTIAL_REFUSED = frozenset({401, 403, 407})
 MAX_ORIGIN_MESSAGE = 1024
 
 
-def upstream_unavailable(*, answered: bool = False) -> ApiError:
-    """502: no origin committed to an answer (connect errors, 5xx, cuts);
-    `answered`: every origin tried answered with a server error, which the
-    message says (the code is the same)."""
+def upstream_unavailable(message: str = UPSTREAM_UNAVAILABLE) -> ApiError:
+    """502: no origin committed to an answer (connect errors, 5xx, timeouts,
+    cuts). The message says what every origin tried did, when they all did
+    the same (UPSTREAM_FAILED, UPSTREAM_SLOW); the code is the same."""
     return ApiError(
         502,
-        UPSTREAM_FAILED if answered else UPSTREAM_UNAVAILABLE,
+        message,
         type="upstream_error",
         code="upstream_unavailable",
         logged=True,

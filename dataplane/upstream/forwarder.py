@@ -35,6 +35,9 @@ from multidict import CIMultiDict
 from dataplane import jsonio
 from dataplane.http.errors import (
     CREDENTIAL_REFUSED,
+    UPSTREAM_FAILED,
+    UPSTREAM_SLOW,
+    UPSTREAM_UNAVAILABLE,
     upstream_busy,
     upstream_timeout,
     upstream_too_large,
@@ -262,8 +265,10 @@ class _Tries:
     # An origin's whole answer was longer than max_answer_bytes: no other
     # origin is tried (the same request would make as long an answer).
     too_large: bool = False
-    # Attempts that an origin answered with a 5xx.
+    # Attempts that an origin answered with a 5xx, and that timed out before
+    # the answer began.
     errored: int = 0
+    timed_out: int = 0
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
     first_within: float | None = None
@@ -480,7 +485,7 @@ class Forwarder:
         elif tries.busy_retry_s is not None:
             error = upstream_busy(tries.busy_retry_s)
         else:
-            error = upstream_unavailable(answered=tries.errored == len(failures) > 0)
+            error = upstream_unavailable(_what_failed(tries))
         error.attempts = tries.made
         raise error
 
@@ -743,6 +748,8 @@ class Forwarder:
             return  # the origin did answer: not a failure of its health
         if exc.outcome == "http_5xx":
             tries.errored += 1
+        elif exc.outcome == "timeout":
+            tries.timed_out += 1
         if exc.status == BUSY:
             wait = busy_wait_s(exc.retry_after, time.time())
             self.outliers.busy(target.name, wait)
@@ -912,6 +919,16 @@ class Forwarder:
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+
+
+def _what_failed(tries: _Tries) -> str:
+    """The 502's message: what every origin tried did, when they all did the same."""
+    count = len(tries.failures)
+    if count and tries.errored == count:
+        return UPSTREAM_FAILED
+    if count and tries.timed_out == count:
+        return UPSTREAM_SLOW
+    return UPSTREAM_UNAVAILABLE
 
 
 def attempt_order(

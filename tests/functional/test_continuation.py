@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from dataplane.http.errors import UPSTREAM_SLOW
 from dataplane.http.server import build_app
 from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
@@ -482,6 +483,23 @@ async def test_an_origin_silent_before_its_first_chunk_is_left_after_the_idle_ti
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "sent no first chunk within 0.2 s (the stream idle timeout)" in said, said
+
+
+async def test_a_stream_no_origin_started_in_time_says_so(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Trial 32: a stream whose every origin sent no first chunk in time was
+    told the origins "could not be reached"; they were, and did not answer."""
+    p = await proxy(
+        [(slow_first_origin(5.0), True)], idle="30", extra=["--first-chunk-timeout", "0.2"]
+    )
+    resp = await p.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert resp.status == 502
+    error = (await resp.json())["error"]
+    assert error["message"] == UPSTREAM_SLOW and error["code"] == "upstream_unavailable"
 
 
 # ------------------------------------------- streams stalled on an unhealthy origin
