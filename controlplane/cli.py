@@ -740,7 +740,7 @@ def _models_text(
     hidden = names[MAX_CELL_MODELS:]
     if hidden:
         marked = sum(1 for n in hidden if mark(n))
-        shown += f",…(+{len(hidden)}" + (f", {marked} unserved)" if marked else ")")
+        shown += f",…(+{len(hidden)}" + (f", {marked} marked)" if marked else ")")
     return shown or none
 
 
@@ -866,6 +866,13 @@ UNSERVED_NOTE = (
     f"{UNSERVED}: no origin serves that model now; requests for it or an alias to it get "
     "404, and a routing policy or hedge delay for it applies to nothing, until one does"
 )
+# Marks a model on a key's list that its tenant's list lacks (trial 32: the
+# write warned, the table did not).
+OFF_TENANT = "(not tenant's)"
+OFF_TENANT_NOTE = (
+    f"{OFF_TENANT}: the key's tenant may not name that model (its model list lacks it); "
+    "requests for it get 404 until the tenant's list has it"
+)
 # Marks a per-model routing policy or hedge delay set for one of the tenant's
 # own aliases, served or not: requests for the alias work, but proxies pick
 # both settings by the model the alias names, so it never applies (as
@@ -893,6 +900,14 @@ def _listed_mark(t: pb.Tenant | None, model: str, served: Collection[str] | None
     none for one of t's aliases (an alias is listed by its own name; the
     ALIASES column marks its target), else _served_mark."""
     return "" if t is not None and model in t.prompt.aliases else _served_mark(model, served)
+
+
+def _key_mark(t: pb.Tenant | None, model: str, served: Collection[str] | None) -> str:
+    """The mark of model on a key's list: OFF_TENANT when its tenant t has a
+    list without it (the key's callers get 404 for it), else _listed_mark."""
+    if t is not None and t.models.names and model not in t.models.names:
+        return OFF_TENANT
+    return _listed_mark(t, model, served)
 
 
 def _alias_settings(t: pb.Tenant) -> list[str]:
@@ -1044,7 +1059,7 @@ def _rows_keys(
                 k.models,
                 none="tenant's",
                 mark=functools.partial(
-                    _listed_mark, None if tenants is None else tenants.get(k.tenant), served=served
+                    _key_mark, None if tenants is None else tenants.get(k.tenant), served=served
                 ),
             ),
             # RFC 3339, no spaces: one field per column for awk and cut.
@@ -1064,10 +1079,9 @@ def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
     served = frozenset(m for o in stub.ListOrigins(apb.ListRequest()).origins for m in o.models)
     shown = render(keys, output, lambda r: _rows_keys(r, tenants, served))
-    unserved = any(
-        _listed_mark(tenants.get(k.tenant), m, served) for k in keys.keys for m in k.models
-    )
-    return "\n".join([shown, UNSERVED_NOTE] if unserved else [shown])
+    marks = {_key_mark(tenants.get(k.tenant), m, served) for k in keys.keys for m in k.models}
+    notes = ((UNSERVED, UNSERVED_NOTE), (OFF_TENANT, OFF_TENANT_NOTE))
+    return "\n".join([shown, *(note for mark, note in notes if mark in marks)])
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:

@@ -389,7 +389,7 @@ def test_the_tables_mark_listed_names_no_origin_serves() -> None:
     column = header.index("MODELS")
     assert [row[column] for row in rows] == [
         "sim-small,gpt4o(unserved),fast",
-        "m0,m1,m2,m3,m4,…(+3, 2 unserved)",
+        "m0,m1,m2,m3,m4,…(+3, 2 marked)",
     ]
     keys = apb.ListKeysResponse(
         keys=[
@@ -448,3 +448,16 @@ def test_a_stray_argument_elsewhere_gets_no_model_list_hint(
         _parser().parse_args(["tenant", "set", "acme", "--models", "a", "--cache", "off", "x"])
     err = capsys.readouterr().err
     assert "unrecognized arguments: x" in err and "commas" not in err
+
+
+def test_key_list_marks_a_key_model_its_tenants_list_lacks() -> None:
+    """Trial 32: the write warned that the key may name a model its tenant may
+    not (every request for it a 404), but `key list` showed it plain."""
+    stub = Stub()
+    stub.current = pb.Tenant(name="acme", models=pb.ModelAccess(names=["sim-small"]))
+    stub.served = ["sim-small", "sim-large"]
+    stub.keys = [apb.ApiKeyInfo(id="abcdefghij", tenant="acme", models=["sim-large", "sim-small"])]
+    out = pontoctl(stub, "key", "list")
+    assert "sim-large(not tenant's),sim-small " in out
+    assert out.splitlines()[-1].startswith("(not tenant's): the key's tenant may not name")
+    assert UNSERVED_NOTE not in out
