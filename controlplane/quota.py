@@ -39,6 +39,8 @@ SAFETY = 1e-9
 # past an empty bucket, the steady state of a saturated tenant) are repaid
 # where they are, without moving shares every round.
 DEBT_SHARE = 0.1
+# Share.fleet_debt_s is rounded up to whole steps of this many seconds.
+DEBT_STEP_S = 5.0
 # Slack below this is rounding noise, not share to hand out.
 _NOISE = 1e-12
 
@@ -117,7 +119,14 @@ def compute_shares(
                 assert prev is not None
                 row[scope] = prev
             continue
-        fractions = _fractions(rpm, tpm, ds, ps, floor, hysteresis, fairness_band, overcommit)
+        owed = math.fsum(d.debt_tokens for d in ds if d is not None) if tpm else 0.0
+        owes = owed >= DEBT_SHARE * tpm > 0
+        # Whole DEBT_STEP_S: a debt repaid second by second changes the shares
+        # (and their pushes) every few rounds, not every round.
+        debt_s = math.ceil(owed * 60.0 / tpm / DEBT_STEP_S) * DEBT_STEP_S if owes else 0.0
+        fractions = _fractions(
+            rpm, tpm, ds, ps, floor, hysteresis, fairness_band, overcommit, owes=owes
+        )
         if conc:
             slots, targets = _slots(conc, proxies, ds, ps, fairness_band)
             free_here = _idle_slots(conc, ds, ps)
@@ -128,10 +137,15 @@ def compute_shares(
         else:
             slots, spares = [0] * n, [False] * n
         for row, prev, f, c, w in zip(rows, ps, fractions, slots, spares, strict=True):
-            if prev is not None and (prev.fraction, prev.concurrency, prev.spare) == (f, c, w):
+            if prev is not None and (
+                prev.fraction,
+                prev.concurrency,
+                prev.spare,
+                prev.fleet_debt_s,
+            ) == (f, c, w, debt_s):
                 row[scope] = prev
             else:
-                row[scope] = Share(f, c, w)
+                row[scope] = Share(f, c, w, debt_s)
     return out
 
 
@@ -205,6 +219,8 @@ def _fractions(
     hysteresis: float,
     fairness_band: float,
     overcommit: float,
+    *,
+    owes: bool = False,
 ) -> list[float]:
     n = len(ds)
     # Demand as a fraction of the limit; the binding dimension counts.
@@ -215,14 +231,13 @@ def _fractions(
             if tpm:
                 w = max(w, d.tokens_per_s * 60.0 / tpm)
             weights[i] = w
-    if tpm:
+    if owes:
+        # Answers longer than their estimates left the fleet owing: one
+        # bucket would admit nothing until it had repaid, so the share
+        # beyond the floors goes to the proxies that owe, by what they owe.
         debts = [d.debt_tokens if d is not None else 0.0 for d in ds]
         owed = math.fsum(debts)
-        if owed >= DEBT_SHARE * tpm:
-            # Answers longer than their estimates left the fleet owing: one
-            # bucket would admit nothing until it had repaid, so the share
-            # beyond the floors goes to the proxies that owe, by what they owe.
-            weights = [debt / owed for debt in debts]
+        weights = [debt / owed for debt in debts]
     total = math.fsum(weights)
     # What the fleet does not demand is split evenly: an idle proxy keeps some
     # room for a burst, and with no demand at all the split is even.

@@ -100,16 +100,20 @@ def encode_shares(
         "default_fraction": default_fraction,
         "spare_ttl_s": spare_ttl,
         "proxies": {
-            # [fraction, slots], and a 1 when the proxy may wait for slots
-            # (Share.spare; a replica that predates it reads the first two).
-            proxy: {
-                scope: [s.fraction, s.concurrency, 1] if s.spare else [s.fraction, s.concurrency]
-                for scope, s in sorted(by_scope.items())
-            }
+            # [fraction, slots], a 1 when the proxy may wait for slots
+            # (Share.spare), then the fleet's debt in seconds when it owes
+            # (Share.fleet_debt_s); a replica that predates them reads the first.
+            proxy: {scope: _share_row(s) for scope, s in sorted(by_scope.items())}
             for proxy, by_scope in sorted(shares.items())
         },
     }
     return orjson.dumps(body)
+
+
+def _share_row(s: Share) -> list[float | int]:
+    if s.fleet_debt_s:
+        return [s.fraction, s.concurrency, int(s.spare), s.fleet_debt_s]
+    return [s.fraction, s.concurrency, 1] if s.spare else [s.fraction, s.concurrency]
 
 
 def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
@@ -118,7 +122,12 @@ def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
     data = orjson.loads(raw)
     shares: Shares = {
         proxy: {
-            scope: Share(float(v[0]), int(v[1]), len(v) > 2 and bool(v[2]))
+            scope: Share(
+                float(v[0]),
+                int(v[1]),
+                len(v) > 2 and bool(v[2]),
+                float(v[3]) if len(v) > 3 else 0.0,
+            )
             for scope, v in by_scope.items()
         }
         for proxy, by_scope in data.get("proxies", {}).items()
@@ -243,6 +252,7 @@ class QuotaHub:
                     fraction=s.fraction,
                     concurrency=s.concurrency,
                     fleet_spare=s.spare,
+                    fleet_debt_s=s.fleet_debt_s,
                 )
                 for scope, s in (mine or {}).items()
             ],

@@ -72,14 +72,20 @@ class Share:
     (controlplane.quota.compute_shares). A proxy whose own slots are all busy
     then waits for its next share instead of refusing: the leader moves slots
     to where the refusals are (see RateLimiter.may_wait).
+
+    `fleet_debt_s`: the fleet owes the scope's tokens (answers settled past
+    their estimates), which the whole limit repays in this many seconds; the
+    leader has moved the share to the proxies that owe, so a token refusal
+    anywhere tells its client to wait at least this long. 0: it owes little.
     """
 
     fraction: float
     concurrency: int = 0
     spare: bool = False
+    fleet_debt_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 1.0 or self.concurrency < 0:
+        if not 0.0 <= self.fraction <= 1.0 or self.concurrency < 0 or not self.fleet_debt_s >= 0:
             raise ValueError(f"invalid share: {self}")
 
 

@@ -96,7 +96,12 @@ class QuotaState:
         self.heard = True
         self.default_fraction = min(1.0, max(0.0, quota.default_fraction))
         self._explicit = {
-            s.scope: Share(min(1.0, max(0.0, s.fraction)), s.concurrency, live and s.fleet_spare)
+            s.scope: Share(
+                min(1.0, max(0.0, s.fraction)),
+                s.concurrency,
+                live and s.fleet_spare,
+                s.fleet_debt_s if s.fleet_debt_s > 0 and math.isfinite(s.fleet_debt_s) else 0.0,
+            )
             for s in quota.shares
         }
         self._apply()

@@ -902,6 +902,7 @@ class QuotaShare(_message.Message):
     FRACTION_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     FLEET_SPARE_FIELD_NUMBER: _builtins.int
+    FLEET_DEBT_S_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     fraction: _builtins.float
     """Fraction (0..1) of the scope's rpm and tpm this proxy may admit."""
@@ -913,6 +914,12 @@ class QuotaShare(_message.Message):
     this proxy more slots than it holds yet: a proxy whose slots are all busy
     waits for its next share (the slots are moved to it) instead of refusing.
     """
+    fleet_debt_s: _builtins.float
+    """Seconds the fleet needs, at the whole token limit's rate, to repay what
+    its proxies owe of this scope's tokens (0: it owes less than a tenth of
+    the limit): a token refusal tells its client to wait at least this long,
+    the share having gone to the proxies that owe.
+    """
     def __init__(
         self,
         *,
@@ -920,10 +927,11 @@ class QuotaShare(_message.Message):
         fraction: _builtins.float = ...,
         concurrency: _builtins.int = ...,
         fleet_spare: _builtins.bool = ...,
+        fleet_debt_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "fleet_spare", b"fleet_spare", "fraction", b"fraction", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "fleet_debt_s", b"fleet_debt_s", "fleet_spare", b"fleet_spare", "fraction", b"fraction", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

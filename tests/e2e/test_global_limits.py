@@ -196,6 +196,7 @@ def test_a_proxy_owing_tokens_stops_the_others_admitting_until_repaid(fleet: Fle
     # trial's other clients sent them.
     short = {**long, "max_tokens": 1}
     spent = 0
+    waits: list[int] = []
     with httpx.Client(timeout=10, headers=headers) as client:
         for _ in range(100):
             for proxy in ("p2", "p3"):
@@ -203,7 +204,12 @@ def test_a_proxy_owing_tokens_stops_the_others_admitting_until_repaid(fleet: Fle
                 assert r.status_code in (200, 429), r.text
                 if r.status_code == 200:
                     spent += r.json()["usage"]["total_tokens"]
+                else:
+                    waits.append(int(r.headers["retry-after"]))
             time.sleep(0.2)
+    # Their refusals say how long the fleet takes to repay (trial 32: 1.3 s,
+    # refused again and again): some 160 s at first, counting down.
+    assert waits and waits[-1] >= 60, waits[-5:]
     # Before: once p1's burst had faded from its reported demand (a 5 s
     # average), p2 and p3 admitted at their shares again, 150 tokens and more.
     assert spent <= 60, spent

@@ -105,9 +105,13 @@ def test_a_fleet_that_owes_tokens_gives_its_share_to_the_proxies_that_owe() -> N
         "p1": {S: Demand(requests_per_s=0.5, tokens_per_s=10.0, debt_tokens=1000.0)},
         "p2": {S: busy},
     }
-    f = fractions(settle(limits, P3, demand))
+    shares = settle(limits, P3, demand)
+    f = fractions(shares)
     floor = 0.02
     assert f[2] == pytest.approx(floor, abs=1e-6)
+    # Every proxy is told how long the whole limit takes to repay the 4,000
+    # owed (400 s), so a refusal where the share is not says as much (trial 32).
+    assert {shares[p][S].fleet_debt_s for p in P3} == {400.0}
     assert f[0] == pytest.approx(floor + 0.94 * 0.75, abs=1e-6)
     assert f[1] == pytest.approx(floor + 0.94 * 0.25, abs=1e-6)
     # Repaid: demand moves the share again.
@@ -123,7 +127,9 @@ def test_a_small_debt_is_repaid_where_it_is() -> None:
     limits = {S: ScopeLimits(tpm=6000)}
     busy = Demand(requests_per_s=1.0, tokens_per_s=100.0)
     demand = {"p0": {S: Demand(1.0, 100.0, debt_tokens=599.0)}, "p1": {S: busy}}
-    assert fractions(settle(limits, ["p0", "p1"], demand)) == pytest.approx([0.5, 0.5], abs=1e-6)
+    shares = settle(limits, ["p0", "p1"], demand)
+    assert fractions(shares) == pytest.approx([0.5, 0.5], abs=1e-6)
+    assert {s[S].fleet_debt_s for s in shares.values()} == {0.0}
 
 
 def test_a_tiny_floor_per_proxy_in_a_large_fleet() -> None:

@@ -142,6 +142,22 @@ def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
     assert {s.scope: s.fleet_spare for s in quota.shares} == {"t/acme": True, "t/full": False}
 
 
+def test_the_fleets_debt_travels_to_the_store_and_to_the_proxy() -> None:
+    shares = {
+        "p1": {"t/acme": Share(0.9, 0, fleet_debt_s=365.0), "t/both": Share(0.1, 1, True, 5.0)},
+        "p2": {"t/acme": Share(0.02, 0, fleet_debt_s=365.0)},
+    }
+    raw = encode_shares(shares, 0.5)
+    assert decode_shares(raw) == (shares, 0.5, 0.0)
+    # A replica that predates the debt reads the fraction, slots and flag.
+    body = orjson.loads(raw)
+    assert body["proxies"]["p1"]["t/acme"][:3] == [0.9, 0, 0]
+    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=1.0)
+    hub._shares = shares
+    quota = quota_of(hub.update_for("p2"))
+    assert [(s.scope, s.fleet_debt_s) for s in quota.shares] == [("t/acme", 365.0)]
+
+
 # ---------------------------------------------------------------- demand in
 
 

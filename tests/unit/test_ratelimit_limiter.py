@@ -413,6 +413,19 @@ def test_demand_reports_what_the_token_bucket_owes_until_it_is_repaid() -> None:
     assert rl.demand(400.0) == {}  # repaid, idle: left out
 
 
+def test_a_token_refusal_while_the_fleet_repays_says_so() -> None:
+    """Trial 32: a proxy at its floor while another repaid the fleet's debt
+    told its clients 1.3 s, and refused them again for half a minute: its
+    bucket's refill was not where the share was."""
+    rl = limiter({T: ScopeLimits(tpm=600)}, {T: Share(0.02, fleet_debt_s=365.0)})
+    refused = rl.admit([T], 10, 1.0)  # 12 tokens a minute here: 0.2 in its bucket
+    assert not refused.ok and refused.limit == "tokens"
+    assert refused.retry_after_s == 365.0
+    rl.apply_shares({T: Share(0.02)}, 1.0)  # repaid
+    again = rl.admit([T], 10, 1.0)
+    assert not again.ok and again.retry_after_s < 60.0
+
+
 # ---------------------------------------------------------------- estimates
 
 
