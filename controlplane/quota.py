@@ -119,13 +119,22 @@ def compute_shares(
                 assert prev is not None
                 row[scope] = prev
             continue
-        owed = math.fsum(d.debt_tokens for d in ds if d is not None) if tpm else 0.0
+        debts = [d.debt_tokens if d is not None else 0.0 for d in ds] if tpm else []
+        owed = math.fsum(debts)
         owes = owed >= DEBT_SHARE * tpm > 0
         # Whole DEBT_STEP_S: a debt repaid second by second changes the shares
         # (and their pushes) every few rounds, not every round.
         debt_s = math.ceil(owed * 60.0 / tpm / DEBT_STEP_S) * DEBT_STEP_S if owes else 0.0
         fractions = _fractions(
-            rpm, tpm, ds, ps, floor, hysteresis, fairness_band, overcommit, owes=owes
+            rpm,
+            tpm,
+            ds,
+            ps,
+            floor,
+            hysteresis,
+            fairness_band,
+            overcommit,
+            owed=[debt / owed for debt in debts] if owes else None,
         )
         if conc:
             slots, targets = _slots(conc, proxies, ds, ps, fairness_band)
@@ -220,7 +229,7 @@ def _fractions(
     fairness_band: float,
     overcommit: float,
     *,
-    owes: bool = False,
+    owed: list[float] | None = None,
 ) -> list[float]:
     n = len(ds)
     # Demand as a fraction of the limit; the binding dimension counts.
@@ -231,13 +240,12 @@ def _fractions(
             if tpm:
                 w = max(w, d.tokens_per_s * 60.0 / tpm)
             weights[i] = w
-    if owes:
-        # Answers longer than their estimates left the fleet owing: one
-        # bucket would admit nothing until it had repaid, so the share
-        # beyond the floors goes to the proxies that owe, by what they owe.
-        debts = [d.debt_tokens if d is not None else 0.0 for d in ds]
-        owed = math.fsum(debts)
-        weights = [debt / owed for debt in debts]
+    if owed is not None:
+        # Answers longer than their estimates left the fleet owing (`owed`:
+        # each proxy's part of the debt): one bucket would admit nothing until
+        # it had repaid, so the share beyond the floors goes to the proxies
+        # that owe, by what they owe.
+        weights = owed
     total = math.fsum(weights)
     # What the fleet does not demand is split evenly: an idle proxy keeps some
     # room for a burst, and with no demand at all the split is even.

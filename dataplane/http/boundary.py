@@ -240,7 +240,7 @@ def _record(
         error = ex.stream_error
     if not error and status >= 400:
         error = str(status)  # an origin's own error answer
-    principal = ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
+    principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
     m.requests.labels(endpoint, str(status)).inc()
@@ -272,6 +272,13 @@ def _record(
             finished,
             unparsed=unparsed,
         )
+
+
+def _caller(request: web.BaseRequest, ex: Exchange | None) -> Principal | None:
+    """Whose request it is, once its credential is checked (None before):
+    the exchange's caller for a proxied request, the one the endpoint noted
+    (PRINCIPAL) for the proxy's own."""
+    return ex.principal if ex is not None and ex.authenticated else request.get(PRINCIPAL)
 
 
 def _access_line(
@@ -350,13 +357,10 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
     if isinstance(exc, ApiError):
         if not exc.logged:
             message = exc.message
-            ex = request.get(EXCHANGE)
             # Whose request it was, once known (trial 30: a 429's line named
             # neither; the access log, when on, did). An expired key is its owner's.
             caller = exc.owner if isinstance(exc, Unauthorized) else None
-            if caller is None:
-                caller = ex.principal if ex is not None and ex.authenticated else None
-                caller = caller or request.get(PRINCIPAL)
+            caller = caller or _caller(request, request.get(EXCHANGE))
             if caller is not None and caller.key_id:
                 message += f" [key {caller.key_id} of tenant {caller.tenant}]"
             if exc.note:
