@@ -49,6 +49,10 @@ class ApiError(Exception):
         self.logged = logged
         # Origin calls made before it was raised (dataplane.upstream.forwarder).
         self.attempts = 0
+        # False when no origin can have spent work on the request (none was
+        # called, or each refused it unread): its prompt's tokens are given
+        # back (Pipeline.forward).
+        self.spent = True
         # For the log line only, after the message: what the client is not
         # told (which model list refused its model).
         self.note = ""

@@ -472,6 +472,7 @@ class Pipeline:
         home = self.locator.home(ex.routes, ex.remote, ex.headers)
         candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit())
         if not candidates:
+            ex.usage = Usage(0, 0)  # no origin was called: the estimate back
             raise ApiError(
                 503,
                 f"no healthy origin serves model '{ex.model}' now (drained or unhealthy)",
@@ -497,6 +498,8 @@ class Pipeline:
             )
         except ApiError as exc:
             ex.attempts = exc.attempts
+            if not exc.spent:
+                ex.usage = Usage(0, 0)
             raise
         except asyncio.CancelledError:
             # Its client left (a 499) after calls were sent: they are in its record.
@@ -584,6 +587,12 @@ class Pipeline:
             if not parsed:
                 obj = jsonio.loads_or_none(body)
             ex.usage = usage_of(obj)
+        elif origin.status < 500:
+            # The origin refused the request (a prompt past its context, its
+            # own limit): it did no work, so the prompt's estimate is given
+            # back, as for a cache hit. A 5xx keeps it: the origin may have
+            # spent the prefill before failing.
+            ex.usage = Usage(0, 0)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
         return response
 

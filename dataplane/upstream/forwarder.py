@@ -182,15 +182,25 @@ TOO_LARGE: Final = "too_large"
 
 class _Retryable(Exception):
     """A failed call another origin may take (but for TOO_LARGE): its outcome
-    (the metrics' label) and, when the origin answered, its status."""
+    (the metrics' label) and, when the origin answered, its status. `worked`
+    is False when the origin surely spent nothing on the request: it was never
+    sent (no connection, no credential) or was refused before any inference
+    (a 429, a redirect, the proxy's credential refused)."""
 
     def __init__(
-        self, outcome: str, detail: str, status: int | None = None, retry_after: str = ""
+        self,
+        outcome: str,
+        detail: str,
+        status: int | None = None,
+        retry_after: str = "",
+        *,
+        worked: bool = True,
     ) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.status = status
         self.retry_after = retry_after  # a busy origin's Retry-After, as sent
+        self.worked = worked
 
 
 @dataclass(slots=True, eq=False)
@@ -272,6 +282,9 @@ class _Tries:
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
     first_within: float | None = None
+    # Some failed attempt may have cost its origin work (_Retryable.worked, or
+    # past the deadline): a 502 then keeps the prompt's tokens charged.
+    worked: bool = False
 
 
 @dataclass(slots=True)
@@ -487,6 +500,7 @@ class Forwarder:
         else:
             error = upstream_unavailable(_what_failed(tries))
         error.attempts = tries.made
+        error.spent = tries.worked
         raise error
 
     def _tell(self, tries: _Tries, line: str, *args: object) -> None:
@@ -551,7 +565,7 @@ class Forwarder:
                 if tries.too_large:
                     break
             except TimeoutError:
-                self._past_deadline(target, failures)
+                self._past_deadline(target, tries)
                 break
             except asyncio.CancelledError:
                 # Usually sent already: the origin saw it (its prefill was spent).
@@ -600,7 +614,7 @@ class Forwarder:
                 )
                 if not done and not wake_for_hedge:
                     for target in running.values():
-                        self._past_deadline(target, tries.failures)
+                        self._past_deadline(target, tries)
                     tries.past_deadline = True
                     return None
                 if not done:
@@ -743,6 +757,7 @@ class Forwarder:
     def _failed(self, target: Target, exc: _Retryable, tries: _Tries) -> None:
         self._metrics.attempt(target.name, exc.outcome).inc()
         tries.failures.append(f"{target.name}: {exc}")
+        tries.worked |= exc.worked
         if exc.outcome == TOO_LARGE:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
@@ -772,9 +787,10 @@ class Forwarder:
         )
         return f"sent no first chunk within {first_within:g} s ({bound})"
 
-    def _past_deadline(self, target: Target, failures: list[str]) -> None:
+    def _past_deadline(self, target: Target, tries: _Tries) -> None:
         self._metrics.attempt(target.name, "deadline").inc()
-        failures.append(f"{target.name}: request deadline exceeded")
+        tries.failures.append(f"{target.name}: request deadline exceeded")
+        tries.worked = True
         self.outliers.failure(target.name)
 
     async def _attempt(
@@ -823,7 +839,7 @@ class Forwarder:
             except CredentialError as exc:
                 # For the log (the client's message is fixed): the variable or
                 # path at fault, never a value.
-                raise _Retryable("credential_error", str(exc)) from exc
+                raise _Retryable("credential_error", str(exc), worked=False) from exc
             if authorization is not None:
                 headers = headers.copy()
                 headers["authorization"] = authorization
@@ -839,7 +855,13 @@ class Forwarder:
             raise _Retryable("timeout", self._no_answer(first_within)) from exc
         except aiohttp.ClientError as exc:
             loads.finished(target.name)
-            raise _Retryable("connect_error", f"{type(exc).__name__}: {exc}") from exc
+            # Only a connection never made surely cost nothing: a disconnect
+            # may come after the origin began the prefill.
+            raise _Retryable(
+                "connect_error",
+                f"{type(exc).__name__}: {exc}",
+                worked=not isinstance(exc, aiohttp.ClientConnectorError),
+            ) from exc
         except BaseException:
             loads.finished(target.name)
             raise
@@ -852,6 +874,7 @@ class Forwarder:
                     "answered 429 (too busy, or the account with it is over its quota)",
                     BUSY,
                     resp.headers.get("retry-after", ""),
+                    worked=False,
                 )
             if resp.status in REDIRECTS:
                 where = resp.headers.get("location", "nowhere")[:200]
@@ -859,12 +882,14 @@ class Forwarder:
                     "http_3xx",
                     f"answered {resp.status}, a redirect to {where}: fix its base URL",
                     resp.status,
+                    worked=False,
                 )
             if resp.status in CREDENTIAL_REFUSED:
                 raise _Retryable(
                     "credential_refused",
                     f"refused the proxy's credential ({resp.status})",
                     resp.status,
+                    worked=False,
                 )
             content_type = resp.content_type
             streamed = content_type == "text/event-stream"

@@ -557,6 +557,53 @@ COMPLETION = {
     ],
     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
 }
+
+
+@pytest.mark.parametrize(
+    ("origin", "status", "given_back"),
+    [
+        ("400", 400, True),  # a prompt past the model's context
+        ("429", 429, True),  # busy: the proxy's own 429 (upstream_busy)
+        ("refused", 502, True),  # no connection: never sent
+        ("drained", 503, True),  # no origin to call
+        ("500", 502, False),  # may have failed after its prefill
+    ],
+)
+async def test_a_request_no_origin_worked_on_gives_its_estimate_back(
+    tmp_path: Path, origin: str, status: int, given_back: bool
+) -> None:
+    # The tokens admission took for the prompt come back, as for a cache hit,
+    # when no origin can have spent anything on the request: a client fixing
+    # its request is not also waiting out a minute of tokens it never spent.
+    async def answer(request: web.Request) -> web.StreamResponse:
+        error = {"message": "no", "type": "invalid_request_error", "code": None}
+        return web.json_response({"error": error}, status=int(origin))
+
+    s = await stack_on(tmp_path, answer)
+    try:
+        url = str(s.others[0].make_url("/v1"))
+        if origin == "refused":
+            url = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
+        t = table([("custom", url)], version=4)
+        t.keys[1].limits.CopyFrom(pb.Limits(tpm=1000))
+        t.origins[0].drained = origin == "drained"
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        prompt = "word " * 300  # estimated at hundreds of tokens
+        remaining = []
+        for _ in range(2):
+            resp = await s.post(chat(prompt), key=LIMITED_KEY.key)
+            assert resp.status == status, await resp.text()
+            await resp.read()
+            remaining.append(int(resp.headers["x-ratelimit-remaining-tokens"]))
+        if given_back:  # the second admission saw the whole minute's tokens
+            assert remaining[0] == remaining[1] > 0, remaining
+        else:
+            assert remaining[0] > remaining[1], remaining
+    finally:
+        await s.close()
+
+
 # What a hosted API sends with every answer about the operator's account.
 ACCOUNT_HEADERS = {
     "openai-organization": "operator-org",
