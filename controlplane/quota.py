@@ -41,6 +41,12 @@ SAFETY = 1e-9
 DEBT_SHARE = 0.1
 # Share.fleet_debt_s is rounded up to whole steps of this many seconds.
 DEBT_STEP_S = 5.0
+# What one proxy's reported debt counts for at most, in minutes of the token
+# limit; and the longest fleet_debt_s. A usage an origin got wrong (a count in
+# the billions) would otherwise tell every client to wait a day, and one past
+# a float's range would stop the leader's rounds (review 48).
+DEBT_MAX_MINUTES = 60.0
+DEBT_MAX_S = 3600.0
 # Slack below this is rounding noise, not share to hand out.
 _NOISE = 1e-12
 
@@ -119,12 +125,17 @@ def compute_shares(
                 assert prev is not None
                 row[scope] = prev
             continue
-        debts = [d.debt_tokens if d is not None else 0.0 for d in ds] if tpm else []
+        most = DEBT_MAX_MINUTES * tpm
+        debts = [min(d.debt_tokens, most) if d is not None else 0.0 for d in ds] if tpm else []
         owed = math.fsum(debts)
         owes = owed >= DEBT_SHARE * tpm > 0
         # Whole DEBT_STEP_S: a debt repaid second by second changes the shares
         # (and their pushes) every few rounds, not every round.
-        debt_s = math.ceil(owed * 60.0 / tpm / DEBT_STEP_S) * DEBT_STEP_S if owes else 0.0
+        debt_s = (
+            min(DEBT_MAX_S, math.ceil(owed * 60.0 / tpm / DEBT_STEP_S) * DEBT_STEP_S)
+            if owes
+            else 0.0
+        )
         fractions = _fractions(
             rpm,
             tpm,
@@ -189,6 +200,7 @@ def _still_idle(ds: list[Demand | None], ps: list[Share | None], even: float, li
             or p.fraction != even
             or abs(p.concurrency - per_proxy) >= 1 - 1e-9
             or p.spare != spare
+            or p.fleet_debt_s  # a debt since repaid: the shares must say so
         ):
             return False
         total += p.concurrency

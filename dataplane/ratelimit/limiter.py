@@ -458,7 +458,7 @@ class RateLimiter:
     def share(self, scope: str) -> Share:
         """The share this proxy applies to `scope` (NO_SHARE if none)."""
         st = self._scopes.get(scope)
-        return NO_SHARE if st is None else Share(st.fraction, st.slots, st.spare)
+        return NO_SHARE if st is None else Share(st.fraction, st.slots, st.spare, st.fleet_debt_s)
 
     def in_flight(self, scope: str) -> int:
         st = self._scopes.get(scope)

@@ -85,14 +85,19 @@ class QuotaState:
     def on_link_lost(self) -> None:
         """The control plane is away: keep the shares, but no leader moves
         slots now, so a proxy whose slots are busy refuses at once instead of
-        waiting for them (Share.spare). A reconnect brings the whole set again."""
-        if any(s.spare for s in self._explicit.values()):
-            self._explicit = {k: replace(s, spare=False) for k, s in self._explicit.items()}
+        waiting for them (Share.spare), and no leader says when the fleet's
+        debt is repaid, so refusals no longer wait for it (Share.fleet_debt_s:
+        it would outlast the debt as long as the leader is away). A reconnect
+        brings the whole set again."""
+        if any(s.spare or s.fleet_debt_s for s in self._explicit.values()):
+            self._explicit = {
+                k: replace(s, spare=False, fleet_debt_s=0.0) for k, s in self._explicit.items()
+            }
             self._apply()
 
     def _take(self, quota: pb.QuotaShares, *, live: bool) -> None:
         """Take `quota`; `live`: pushed by the leader now, so its `fleet_spare`
-        flags hold (a saved copy's are stale)."""
+        flags and `fleet_debt_s` hold (a saved copy's are stale)."""
         self.heard = True
         self.default_fraction = min(1.0, max(0.0, quota.default_fraction))
         self._explicit = {
@@ -100,7 +105,9 @@ class QuotaState:
                 min(1.0, max(0.0, s.fraction)),
                 s.concurrency,
                 live and s.fleet_spare,
-                s.fleet_debt_s if s.fleet_debt_s > 0 and math.isfinite(s.fleet_debt_s) else 0.0,
+                s.fleet_debt_s
+                if live and s.fleet_debt_s > 0 and math.isfinite(s.fleet_debt_s)
+                else 0.0,
             )
             for s in quota.shares
         }

@@ -576,6 +576,27 @@ async def test_spare_flags_hold_only_while_a_leader_can_move_slots(tmp_path: Pat
     assert limiter2.share("t/acme") == Share(0.5, 1)
 
 
+async def test_the_fleets_debt_is_told_only_while_a_leader_says_it(tmp_path: Path) -> None:
+    """Review 48: with the leader away (or before its first push after a
+    restart) refusals kept the last fleet_debt_s, however long ago the debt
+    was repaid: 400 s where the proxy's own bucket refilled in seconds."""
+    limits = {"t/acme": ScopeLimits(tpm=600)}
+    owing = pb.QuotaShares(
+        generation=3,
+        shares=[pb.QuotaShare(scope="t/acme", fraction=0.9, fleet_debt_s=400.0)],
+    )
+    live, limiter, _ = quota_state(tmp_path)
+    live.on_limits(limits)
+    live.on_quota(owing)
+    assert limiter.share("t/acme") == Share(0.9, 0, fleet_debt_s=400.0)
+    await live.flush()
+    live.on_link_lost()
+    assert limiter.share("t/acme") == Share(0.9, 0)
+    restarted, limiter2, _ = quota_state(tmp_path)
+    restarted.on_limits(limits)
+    assert limiter2.share("t/acme") == Share(0.9, 0)
+
+
 def test_spare_flags_lapse_unless_a_leader_confirms_them() -> None:
     """The proxy stays connected to a replica but the leader is gone: no new
     shares come, and after spare_ttl_s a request whose slot is busy is

@@ -121,6 +121,31 @@ def test_a_fleet_that_owes_tokens_gives_its_share_to_the_proxies_that_owe() -> N
     )
 
 
+def test_a_debt_repaid_while_demand_stops_is_no_longer_told() -> None:
+    """Review 48: debts owed about equally leave the fractions even, so once
+    demand stopped the shares looked idle and kept their fleet_debt_s: the
+    first refusal afterwards said to wait for a debt long repaid."""
+    limits = {S: ScopeLimits(tpm=1000)}
+    proxies = ["p0", "p1"]
+    idle = settle(limits, proxies, {})
+    owing = {"p0": {S: Demand(debt_tokens=52.0)}, "p1": {S: Demand(debt_tokens=48.0)}}
+    shares = compute_shares(limits, proxies, owing, idle)
+    assert {s[S].fleet_debt_s for s in shares.values()} == {10.0}
+    shares = settle(limits, proxies, {}, shares, rounds=2)
+    assert {s[S].fleet_debt_s for s in shares.values()} == {0.0}
+
+
+@pytest.mark.parametrize("debt", [1e6, 1e300, 1e307])
+def test_a_debt_past_reason_is_bounded(debt: float) -> None:
+    """Review 48: a usage an origin got wrong told every client to wait days
+    (1e6 tokens on 1000 TPM), or stopped the leader's rounds (OverflowError)."""
+    limits = {S: ScopeLimits(tpm=1000)}
+    demand = {"p0": {S: Demand(debt_tokens=debt)}, "p1": {S: Demand(debt_tokens=10.0)}}
+    shares = settle(limits, ["p0", "p1"], demand)
+    assert {s[S].fleet_debt_s for s in shares.values()} == {3600.0}
+    assert sum(fractions(shares)) <= 1
+
+
 def test_a_small_debt_is_repaid_where_it_is() -> None:
     """Under 10 % of the limit (a saturated tenant's answers settled past
     empty buckets): no share moves for it."""
