@@ -164,6 +164,9 @@ UPSTREAM_FAILED = "The model's servers answered with an error; retry shortly."
 # When every origin tried was reached but sent nothing in time (a stream's
 # first chunk past its bound, a whole answer past --read-timeout; trial 32).
 UPSTREAM_SLOW = "The model's servers did not start answering in time; retry shortly."
+# When every origin tried was reached, and they failed in different ways (one
+# answered 500, another sent nothing in time).
+UPSTREAM_UNANSWERED = "The model's servers were reached but did not answer; retry shortly."
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
 UPSTREAM_REFUSED = "The model's servers refused the request."

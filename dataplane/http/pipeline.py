@@ -495,6 +495,7 @@ class Pipeline:
                 spent_s=ex.cache.waited_s if ex.cache is not None else 0.0,
                 sent=sent,
                 first_chunk_within=ex.idle_timeout_s,
+                tenants_own=ex.tenant is not None and bool(ex.tenant.streams.idle_timeout_s),
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

@@ -37,6 +37,7 @@ from dataplane.http.errors import (
     CREDENTIAL_REFUSED,
     UPSTREAM_FAILED,
     UPSTREAM_SLOW,
+    UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
     upstream_busy,
     upstream_timeout,
@@ -275,10 +276,14 @@ class _Tries:
     # An origin's whole answer was longer than max_answer_bytes: no other
     # origin is tried (the same request would make as long an answer).
     too_large: bool = False
-    # Attempts that an origin answered with a 5xx, and that timed out before
-    # the answer began.
+    # Attempts that failed (each origin's failure, not "retry budget
+    # exhausted"): those an origin answered with a 5xx, those that timed out
+    # once sent before the answer began, those never sent (no connection, no
+    # credential): which the 502 says (_what_failed).
+    failed: int = 0
     errored: int = 0
     timed_out: int = 0
+    unreached: int = 0
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
     first_within: float | None = None
@@ -402,6 +407,7 @@ class Forwarder:
         spent_s: float = 0.0,
         sent: Sent | None = None,
         first_chunk_within: float | None = None,
+        tenants_own: bool = False,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -434,13 +440,18 @@ class Forwarder:
         next candidate is tried, as for any attempt that failed before the
         client had a byte; without it, the read timeout alone bounds the wait.
         The proxy's --first-chunk-timeout, when set, replaces it: a long
-        prefill need not lengthen every stream's wait between chunks.
+        prefill need not lengthen every stream's wait between chunks; but not
+        when it is shorter than a tenant's own idle timeout (`tenants_own`),
+        which wins, as it does over --stream-idle-timeout (review 48).
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
         tries = _Tries(loop.time() + settings.deadline - spent_s)
         if stream and settings.first_chunk_timeout is not None:
-            first_chunk_within = settings.first_chunk_timeout
+            if tenants_own and first_chunk_within is not None:
+                first_chunk_within = max(first_chunk_within, settings.first_chunk_timeout)
+            else:
+                first_chunk_within = settings.first_chunk_timeout
         if stream and first_chunk_within is not None:
             tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
@@ -758,6 +769,7 @@ class Forwarder:
         self._metrics.attempt(target.name, exc.outcome).inc()
         tries.failures.append(f"{target.name}: {exc}")
         tries.worked |= exc.worked
+        tries.failed += 1
         if exc.outcome == TOO_LARGE:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
@@ -765,6 +777,8 @@ class Forwarder:
             tries.errored += 1
         elif exc.outcome == "timeout":
             tries.timed_out += 1
+        elif not exc.worked and exc.outcome in ("connect_error", "credential_error"):
+            tries.unreached += 1
         if exc.status == BUSY:
             wait = busy_wait_s(exc.retry_after, time.time())
             self.outliers.busy(target.name, wait)
@@ -791,6 +805,7 @@ class Forwarder:
         self._metrics.attempt(target.name, "deadline").inc()
         tries.failures.append(f"{target.name}: request deadline exceeded")
         tries.worked = True
+        tries.failed += 1
         self.outliers.failure(target.name)
 
     async def _attempt(
@@ -850,6 +865,11 @@ class Forwarder:
         loads.started(target.name)
         try:
             resp = await self._wire.post(target.url(path), body, headers, first_within)
+        except aiohttp.ConnectionTimeoutError as exc:
+            # Before TimeoutError, which it is too: no connection in time is
+            # an origin not reached, not one slow to answer (review 48).
+            loads.finished(target.name)
+            raise _Retryable("connect_error", f"connection timed out: {exc}", worked=False) from exc
         except TimeoutError as exc:
             loads.finished(target.name)
             raise _Retryable("timeout", self._no_answer(first_within)) from exc
@@ -947,13 +967,18 @@ _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
 
 
 def _what_failed(tries: _Tries) -> str:
-    """The 502's message: what every origin tried did, when they all did the same."""
-    count = len(tries.failures)
-    if count and tries.errored == count:
+    """The 502's message: "could not be reached" when some origin could not
+    be (or none was tried); else what every origin tried did, when they all
+    did the same; else that they failed (review 48: a 500 and a timeout, or a
+    500 and an empty retry budget, said "could not be reached")."""
+    count = tries.failed
+    if tries.unreached or not count:
+        return UPSTREAM_UNAVAILABLE
+    if tries.errored == count:
         return UPSTREAM_FAILED
-    if count and tries.timed_out == count:
+    if tries.timed_out == count:
         return UPSTREAM_SLOW
-    return UPSTREAM_UNAVAILABLE
+    return UPSTREAM_UNANSWERED
 
 
 def attempt_order(

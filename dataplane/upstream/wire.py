@@ -711,9 +711,15 @@ class OriginWire:
         pool.open += 1
         try:
             conn = cast(OriginConnection, await self._connect(endpoint))
-        except BaseException:
+        except BaseException as exc:
             pool.open -= 1
             pool.hand(None)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError):
+                # The connector's bare one, as a ClientSession would raise it:
+                # the caller tells an origin not reached from one slow to answer.
+                raise aiohttp.ConnectionTimeoutError(
+                    f"no connection to {endpoint.host} within {self._timeout.sock_connect} s"
+                ) from exc
             raise
         if conn.transport is None:  # lost before it could be counted
             pool.open -= 1

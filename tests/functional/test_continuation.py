@@ -644,6 +644,22 @@ async def test_the_first_chunk_may_take_longer_than_the_stream_idle_timeout(
     assert (len(a.bodies), len(b.bodies)) == (1, 0)
 
 
+async def test_a_tenants_own_idle_timeout_wins_over_a_shorter_first_chunk_timeout(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review 48: a tenant that allows its model's prefill a long idle
+    timeout keeps it for the first chunk, as it does over the proxy's
+    --stream-idle-timeout; --first-chunk-timeout cut it short."""
+    a, b = slow_first_origin(0.5), await second_origin()
+    streams = pb.StreamPolicy(stream_idle_timeout_s=2.0)
+    p = await proxy(
+        [(a, True), (b, True)], streams, idle="0.2", extra=["--first-chunk-timeout", "0.2"]
+    )
+    chunks, _ = await p.stream()
+    assert text_of(chunks) == "Hello"
+    assert (len(a.bodies), len(b.bodies)) == (1, 0)
+
+
 async def test_a_first_chunk_past_its_own_bound_is_asked_of_the_next_origin(
     proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -485,6 +486,41 @@ async def test_a_502_says_whether_the_origins_answered(
         assert error_of(await resp.json())["message"] == message
     finally:
         await s.close()
+
+
+async def test_an_origin_that_takes_no_connection_was_not_reached(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 48: a connect timeout counted as an origin slow to answer (the
+    502 said "did not start answering in time", the log "timed out before the
+    response started"), and kept the prompt's tokens charged."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)  # never accepted: once its queue is full, SYNs go unanswered
+    queued = [socket.create_connection(full.getsockname(), timeout=1)]
+    for _ in range(3):
+        extra = socket.socket()
+        extra.setblocking(False)
+        extra.connect_ex(full.getsockname())
+        queued.append(extra)
+    s = await start_stack(tmp_path, [], ["--connect-timeout", "0.3"])
+    try:
+        port = full.getsockname()[1]
+        serve(s, [("blackhole", f"http://127.0.0.1:{port}/v1")])
+        with caplog.at_level(logging.INFO):
+            resp = await s.post(chat("anyone?"))
+        assert resp.status == 502
+        assert error_of(await resp.json())["message"] == UPSTREAM_UNAVAILABLE
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "blackhole: connection timed out" in said, said
+        attempts = s.app[METRICS].registry.get_sample_value(
+            "ponto_upstream_attempts_total", {"origin": "blackhole", "outcome": "connect_error"}
+        )
+        assert attempts == 1
+    finally:
+        await s.close()
+        for sock in (*queued, full):
+            sock.close()
 
 
 async def test_a_502_names_no_origin_and_its_cause_is_logged_once(

@@ -12,7 +12,11 @@ from multidict import CIMultiDict
 from dataplane import jsonio
 from dataplane.assemble import PromptRules, assemble, names_twice, ruled_fields
 from dataplane.http.errors import (
+    UPSTREAM_FAILED,
     UPSTREAM_REFUSED,
+    UPSTREAM_SLOW,
+    UPSTREAM_UNANSWERED,
+    UPSTREAM_UNAVAILABLE,
     ApiError,
     origin_error_body,
     responses_broken_event,
@@ -28,6 +32,8 @@ from dataplane.upstream.forwarder import (
     MAX_FORWARDED_VALUE,
     Forwarder,
     UpstreamSettings,
+    _Tries,
+    _what_failed,
     busy_wait_s,
     retry_after_seconds,
 )
@@ -368,3 +374,27 @@ def test_the_fields_rules_read_are_found_named_twice() -> None:
     assert names_twice(b'{"model": "a", "tools": [{"model": 1}], "model": "b"}', ("model",))
     # Non-ASCII text and HTML-safe escapes are no name's characters.
     assert not names_twice(b'{"max_tokens": 1, "x": "caf\\u00e9 \\u003cb\\u003e"}', ("max_tokens",))
+
+
+# ---------------------------------------------------------------- the 502's message
+
+
+@pytest.mark.parametrize(
+    ("failed", "errored", "timed_out", "unreached", "message"),
+    [
+        (0, 0, 0, 0, UPSTREAM_UNAVAILABLE),  # no candidate tried
+        (2, 0, 0, 2, UPSTREAM_UNAVAILABLE),
+        (2, 1, 0, 1, UPSTREAM_UNAVAILABLE),  # some origin could not be reached
+        (2, 2, 0, 0, UPSTREAM_FAILED),
+        (1, 1, 0, 0, UPSTREAM_FAILED),  # then "retry budget exhausted": not an origin's
+        (2, 0, 2, 0, UPSTREAM_SLOW),
+        (2, 1, 1, 0, UPSTREAM_UNANSWERED),  # review 48: said "could not be reached"
+        (1, 0, 0, 0, UPSTREAM_UNANSWERED),  # a cut, a redirect, a refused credential
+    ],
+)
+def test_a_502_says_what_the_origins_tried_did(
+    failed: int, errored: int, timed_out: int, unreached: int, message: str
+) -> None:
+    tries = _Tries(0.0, failed=failed, errored=errored, timed_out=timed_out, unreached=unreached)
+    tries.failures = ["o: …"] * failed + ["retry budget exhausted"]
+    assert _what_failed(tries) == message
