@@ -30,8 +30,13 @@ def compile_table(state: State) -> pb.RouteTable:
         health = state.health.get(origin.name)
         healthy = health.healthy if health else True
         load = health.inflight if health else 0.0
-        if healthy and origin.capacity:
-            inflight[origin.region] = inflight.get(origin.region, 0.0) + load
+        if healthy and not origin.drained and origin.capacity:
+            # A replica counts for its own capacity at most: one with a queue
+            # (trial 33: 16 requests on a replica of 4) leaves its neighbours'
+            # slots free, and spilling the whole region abroad for it would
+            # cost every session its KV cache. Placement inside the region
+            # moves work off it (docs/routing.md, bounded loads).
+            inflight[origin.region] = inflight.get(origin.region, 0.0) + min(load, origin.capacity)
             capacity[origin.region] = capacity.get(origin.region, 0) + origin.capacity
         table.origins.append(
             pb.Origin(

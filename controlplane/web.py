@@ -628,19 +628,24 @@ def _connection(p: ProxyRecord) -> str:
 
 
 def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
+    # The live scrape's requests when there is one: the table's figure is
+    # written at most every few seconds, and one row showed both (trial 33).
+    inflight = load.running + load.waiting if load else o.inflight
     return {
         "name": o.name,
         "healthy": o.healthy,
         "detail": o.health_detail,
         "drained": o.drained,
-        "inflight": o.inflight,
+        "inflight": inflight,
         "capacity": o.capacity,
-        "load": o.inflight / o.capacity if o.capacity else None,
+        "load": inflight / o.capacity if o.capacity else None,
         "models": list(o.models),
         # From the vLLM gauges, when the origin exposes them; None otherwise.
         "running": load.running if load else None,
         "waiting": load.waiting if load else None,
         "kv_cache_usage": load.kv_cache_usage if load and load.kv_cache_usage >= 0 else None,
+        # Prefix-cache hits over lookups since the scrape before (tokens).
+        "prefix_hit_rate": load.prefix_hit_rate if load and load.prefix_hit_rate >= 0 else None,
     }
 
 
@@ -665,7 +670,13 @@ def _region_row(
         "latitude": r.latitude,
         "longitude": r.longitude,
         "drained": r.drained,
-        "load": sum(row["inflight"] for row in serving) / capacity if capacity else None,
+        # As the route table reckons it for spilling: each replica up to its
+        # capacity (controlplane.compile).
+        "load": (
+            sum(min(row["inflight"], row["capacity"]) for row in serving) / capacity
+            if capacity
+            else None
+        ),
         "origins": rows,
         "proxies": proxies,
         "requests_per_s": rates[0] if rates else None,

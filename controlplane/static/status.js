@@ -148,6 +148,9 @@ function originLoad(o) {
   if (o.kv_cache_usage !== null && o.kv_cache_usage !== undefined) {
     parts.push(`KV ${percent(o.kv_cache_usage)}`);
   }
+  if (o.prefix_hit_rate !== null && o.prefix_hit_rate !== undefined) {
+    parts.push(`prefix hits ${percent(o.prefix_hit_rate)}`);
+  }
   return parts.join(" · ");
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -451,6 +452,35 @@ def test_region_load_sums_over_origins() -> None:
     table = compile_table(state)
     assert compiled_region(table, "eu-west").load == pytest.approx(12 / 40)
     assert compiled_region(table, "us-east").load == pytest.approx(0.2)
+
+
+def test_a_replica_counts_for_its_capacity_at_most() -> None:
+    """Trial 33: one replica of four with a queue (16 in flight, capacity 4)
+    made the region's load 1.0 while three replicas were idle, and every
+    session spilled abroad, losing its KV cache."""
+    state = State(
+        3,
+        (EU,),
+        tuple(origin(n, capacity=4) for n in "abcd"),
+        {"d": OriginHealth("d", healthy=True, inflight=16)},
+    )
+    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(0.25)
+    # Every replica past its capacity: the region is full.
+    full = {n: OriginHealth(n, healthy=True, inflight=16) for n in "abcd"}
+    state = State(3, (EU,), tuple(origin(n, capacity=4) for n in "abcd"), full)
+    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(1.0)
+
+
+def test_a_drained_replica_is_not_the_regions_capacity() -> None:
+    drained = replace(origin("a"), drained=True)
+    state = State(
+        3,
+        (EU,),
+        (drained, origin("b")),
+        {"a": OriginHealth("a", True, 1), "b": OriginHealth("b", True, 9)},
+    )
+    # b's 9 of its 10: a's requests are ending, and it takes no new ones.
+    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(0.9)
 
 
 def test_unhealthy_origins_are_excluded_from_load() -> None:

@@ -658,16 +658,26 @@ async def test_origins_show_the_leaders_latest_vllm_figures(plane: Plane) -> Non
     scraped = pb.OriginLoads(
         generation=1,
         loads=[
-            pb.OriginLoad(origin="o-eu", running=3, waiting=2, kv_cache_usage=0.5),
-            pb.OriginLoad(origin="o-us", running=1, waiting=0, kv_cache_usage=-1),
+            pb.OriginLoad(
+                origin="o-eu", running=3, waiting=2, kv_cache_usage=0.5, prefix_hit_rate=0.75
+            ),
+            pb.OriginLoad(
+                origin="o-us", running=1, waiting=0, kv_cache_usage=-1, prefix_hit_rate=-1
+            ),
         ],
     )
     web = web_of(plane, loads=lambda: scraped)
     regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
     (eu,) = regions["eu-west"]["origins"]
     assert (eu["running"], eu["waiting"], eu["kv_cache_usage"]) == (3, 2, 0.5)
+    assert eu["prefix_hit_rate"] == 0.75
+    # Its requests are the scrape's, not the table's older figure (trial 33:
+    # one row said 2 in flight and 4 running, 12 waiting).
+    assert eu["inflight"] == 5
+    assert regions["eu-west"]["load"] == pytest.approx(0.5)  # 5 of its 10
     (us,) = regions["us-east"]["origins"]
     assert (us["running"], us["kv_cache_usage"]) == (1, None)  # -1: the gauge is missing
+    assert us["prefix_hit_rate"] is None
     regions = {r["name"]: r for r in (await web_of(plane).status(0.0))["regions"]}
     assert regions["eu-west"]["origins"][0]["running"] is None  # nothing scraped yet
 
