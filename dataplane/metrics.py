@@ -442,6 +442,21 @@ class Metrics:
             ["tenant", *by_key, "kind"],
             registry=r,
         )
+        self.origin_prompt_tokens = Counter(
+            "ponto_origin_prompt_tokens",
+            "Prompt tokens by origin, of answers whose usage says how many of them the "
+            "origin's prefix (KV) cache held (prompt_tokens_details.cached_tokens)",
+            ["origin"],
+            registry=r,
+        )
+        self.origin_cached_prompt_tokens = Counter(
+            "ponto_origin_cached_prompt_tokens",
+            "Prompt tokens by origin that its prefix (KV) cache held, as its usage says: "
+            "over ponto_origin_prompt_tokens_total, the prefix-cache hit ratio the "
+            "routing gets from it",
+            ["origin"],
+            registry=r,
+        )
         self.cache_requests = Counter(
             "ponto_cache_requests",
             "Cache outcomes: result hit|miss|bypass; kind exact|semantic|coalesced, or the "
@@ -605,6 +620,14 @@ class Metrics:
             self.tenant_tokens.labels(*who, "prompt").inc(usage.prompt_tokens)
         if usage.completion_tokens:
             self.tenant_tokens.labels(*who, "completion").inc(usage.completion_tokens)
+
+    def account_prefix_cache(self, origin: str, usage: Usage) -> None:
+        """Count an answer's prompt tokens at `origin`, and those its prefix
+        cache held (`usage.cached_tokens`, which the caller has checked)."""
+        assert usage.cached_tokens is not None
+        self.origin_prompt_tokens.labels(origin).inc(usage.prompt_tokens)
+        if usage.cached_tokens:
+            self.origin_cached_prompt_tokens.labels(origin).inc(usage.cached_tokens)
 
     def operation(
         self,

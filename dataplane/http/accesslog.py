@@ -95,6 +95,7 @@ class AccessRecord:
     duration_ms: float
     input_tokens: int | None
     output_tokens: int | None
+    cached_tokens: int | None  # of input_tokens, those the origin's prefix cache held
 
     def line(self) -> bytes:
         return jsonio.dumps(self) + b"\n"
@@ -140,7 +141,7 @@ def record(
         return AccessRecord(
             rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
             key_id, None, region, None, 0, None, False, None, None, None, None, status,
-            error or None, False, None, round((finished - started) * ms, 3), None, None,
+            error or None, False, None, round((finished - started) * ms, 3), None, None, None,
         )  # fmt: skip
     plan = ex.cache
     usage = ex.usage
@@ -171,6 +172,7 @@ def record(
         duration_ms=round((finished - started) * ms, 3),
         input_tokens=usage.prompt_tokens if usage is not None else None,
         output_tokens=usage.completion_tokens if usage is not None else None,
+        cached_tokens=usage.cached_tokens if usage is not None else None,
     )
 
 

@@ -786,6 +786,8 @@ class Pipeline:
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
         if usage is not None:
             self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
+            if usage.cached_tokens is not None and ex.origin:
+                self.metrics.account_prefix_cache(ex.origin, usage)
 
 
 # ---------------------------------------------------------------- the steps' parts
@@ -803,7 +805,9 @@ def spent(ex: Exchange) -> Usage | None:
             extra += ex.continuation_prompt
     if usage is None:
         return None
-    return Usage(usage.prompt_tokens + extra, usage.completion_tokens, usage.exact)
+    return Usage(
+        usage.prompt_tokens + extra, usage.completion_tokens, usage.exact, usage.cached_tokens
+    )
 
 
 AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)

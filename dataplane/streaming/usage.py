@@ -33,6 +33,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     exact: bool = False  # from the origin's usage, not counted by the proxy
+    # Of the prompt tokens, those the origin's prefix (KV) cache held, when
+    # its usage says (`prompt_tokens_details.cached_tokens`, the Responses
+    # API's `input_tokens_details`); None when it does not.
+    cached_tokens: int | None = None
 
     @property
     def total(self) -> int:
@@ -44,11 +48,16 @@ def _from_usage(obj: object) -> Usage | None:
         return None
     if "prompt_tokens" in obj:
         prompt, completion = obj.get("prompt_tokens"), obj.get("completion_tokens", 0)
+        details = obj.get("prompt_tokens_details")
     else:  # the Responses API's names
         prompt, completion = obj.get("input_tokens"), obj.get("output_tokens", 0)
+        details = obj.get("input_tokens_details")
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion, exact=True)
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= prompt:
+        cached = None
+    return Usage(prompt, completion, exact=True, cached_tokens=cached)
 
 
 def usage_of(obj: object) -> Usage | None:

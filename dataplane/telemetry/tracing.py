@@ -398,6 +398,10 @@ class RequestTrace:
                 return
         if ex.usage is not None:
             attrs["gen_ai.usage.input_tokens"] = ex.usage.prompt_tokens
+            if ex.usage.cached_tokens is not None:
+                # Of them, those the origin's prefix cache held (the
+                # conventions' provider-managed cache; trial 33).
+                attrs["gen_ai.usage.cache_read.input_tokens"] = ex.usage.cached_tokens
             if self.op != EMBEDDINGS:  # an embedding has no output tokens
                 attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
 

@@ -48,6 +48,51 @@ def lines(stack: Stack, capfd: pytest.CaptureFixture[str]) -> list[dict[str, Any
     return [json.loads(line) for line in capfd.readouterr().out.splitlines()]
 
 
+async def test_an_origins_prefix_cache_reads_are_logged_and_counted_by_origin(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 33: the origin's usage said how much of each prompt its KV cache
+    held, and the proxy dropped it: no line, span or series said which
+    replica's cache the routing used."""
+    sim = SimConfig(name="o1", answer_tokens=6, seed=1, kv_cache_tokens=4096)
+    s = await start_stack(tmp_path, [sim], ["--access-log=on"])
+    try:
+        system = {"role": "system", "content": "You answer about ships. " * 40}
+        bodies = []
+        for question in ("Which is fastest?", "Which is oldest?"):
+            body = chat(question, temperature=0.7)  # not cacheable: both reach the origin
+            body["messages"].insert(0, system)
+            resp = await s.post(body)
+            assert resp.status == 200
+            bodies.append(await resp.json())
+        first, second = lines(s, capfd)
+        reported = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
+        assert reported[0] == 0 < reported[1] < bodies[1]["usage"]["prompt_tokens"]
+        assert (first["cached_tokens"], second["cached_tokens"]) == tuple(reported)
+        registry = s.app[METRICS].registry
+        prompt = registry.get_sample_value("ponto_origin_prompt_tokens_total", {"origin": "o1"})
+        cached = registry.get_sample_value(
+            "ponto_origin_cached_prompt_tokens_total", {"origin": "o1"}
+        )
+        assert prompt == sum(b["usage"]["prompt_tokens"] for b in bodies)
+        assert cached == reported[1]
+    finally:
+        await s.close()
+
+
+async def test_an_answer_without_prefix_cache_figures_counts_none(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # An origin whose usage says nothing of its cache (vLLM unless asked) is
+    # left out of the ratio rather than counted as all misses.
+    resp = await logged.post(chat("no details", temperature=0.7))
+    assert "prompt_tokens_details" not in (await resp.json())["usage"]
+    (line,) = lines(logged, capfd)
+    assert line["cached_tokens"] is None and line["input_tokens"] > 0
+    registry = logged.app[METRICS].registry
+    assert registry.get_sample_value("ponto_origin_prompt_tokens_total", {"origin": "o1"}) is None
+
+
 async def test_a_miss_then_a_hit_each_get_one_line(
     logged: Stack, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -353,6 +353,29 @@ async def test_a_stream_span_lasts_to_the_end_and_counts_its_tokens(
     assert tree.root.end_time >= attempt.end_time
 
 
+async def test_an_origins_prefix_cache_reads_are_the_spans_cache_read_tokens(
+    tmp_path: Path, exporter: InMemorySpanExporter
+) -> None:
+    """The conventions' gen_ai.usage.cache_read.input_tokens: of the input
+    tokens, those a provider-managed cache served (here the origin's prefix
+    cache, as its usage says; trial 33)."""
+    sim = SimConfig(name="o1", answer_tokens=6, seed=1, kv_cache_tokens=4096)
+    s = await traced_stack(tmp_path, exporter, [sim])
+    try:
+        system = {"role": "system", "content": "You answer about ships. " * 40}
+        for question in ("Which is fastest?", "Which is oldest?"):
+            body = chat(question, temperature=0.7)
+            body["messages"].insert(0, system)
+            resp = await s.post(body)
+            usage = (await resp.json())["usage"]
+        a = last_tree(exporter).attrs
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert a["gen_ai.usage.cache_read.input_tokens"] == cached > 0
+        assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > cached
+    finally:
+        await s.close()
+
+
 async def test_an_embedding_has_input_tokens_only(
     stack: Stack, exporter: InMemorySpanExporter
 ) -> None:

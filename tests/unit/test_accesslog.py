@@ -42,7 +42,7 @@ FIELDS = {
     "ts", "request_id", "method", "path", "endpoint", "client", "tenant", "key_id", "model",
     "region", "origin", "attempts", "route", "hedged", "cache", "cache_reason", "cache_kind",
     "cache_tier", "status", "error", "stream", "ttft_ms", "duration_ms", "input_tokens",
-    "output_tokens",
+    "output_tokens", "cached_tokens",
 }  # fmt: skip
 
 
@@ -105,7 +105,7 @@ def test_a_streamed_origin_answer_has_every_field() -> None:
         cache=CachePlan("miss"),
         stream=True,
         first_chunk_at=10.125,
-        usage=Usage(7, 3),
+        usage=Usage(7, 3, cached_tokens=4),
     )
     line = build(ex)
     assert set(line) == FIELDS
@@ -116,7 +116,7 @@ def test_a_streamed_origin_answer_has_every_field() -> None:
     assert (line["cache"], line["cache_reason"], line["cache_kind"]) == ("miss", None, None)
     assert line["cache_tier"] is None
     assert (line["ttft_ms"], line["duration_ms"]) == (125.0, 500.0)
-    assert (line["input_tokens"], line["output_tokens"]) == (7, 3)
+    assert (line["input_tokens"], line["output_tokens"], line["cached_tokens"]) == (7, 3, 4)
     assert line["error"] is None
 
 

@@ -40,6 +40,8 @@ MUST_READ = {
         "gen_ai_client_token_usage_sum",
         "ponto_route_decisions_total",
         "ponto_upstream_attempts_total",
+        "ponto_origin_prompt_tokens_total",
+        "ponto_origin_cached_prompt_tokens_total",
     },
     "ponto-cache": {
         "ponto_cache_requests_total",

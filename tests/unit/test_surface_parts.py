@@ -398,3 +398,26 @@ def test_a_502_says_what_the_origins_tried_did(
     tries = _Tries(0.0, failed=failed, errored=errored, timed_out=timed_out, unreached=unreached)
     tries.failures = ["o: …"] * failed + ["retry budget exhausted"]
     assert _what_failed(tries) == message
+
+
+@pytest.mark.parametrize(
+    ("usage", "cached"),
+    [
+        ({"prompt_tokens": 9, "completion_tokens": 1}, None),
+        ({"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": None}, None),
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}, 8),
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}, 0),
+        ({"input_tokens": 9, "output_tokens": 1, "input_tokens_details": {"cached_tokens": 4}}, 4),
+        # Not a count of these prompt tokens: left out, not trusted.
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 10}}, None),
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": -1}}, None),
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": True}}, None),
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": "8"}}, None),
+    ],
+)
+def test_a_usage_says_how_many_prompt_tokens_the_origins_cache_held(
+    usage: dict[str, object], cached: int | None
+) -> None:
+    found = usage_of({"usage": usage})
+    assert found is not None and found.prompt_tokens == 9
+    assert found.cached_tokens == cached
