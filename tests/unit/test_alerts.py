@@ -27,6 +27,7 @@ ALERTS = {
     "PontoOriginDown",
     "PontoRegionDrainedTooLong",
     "PontoHighErrorRatio",
+    "PontoRegionSpilling",
     "PontoCacheHitRatioCollapse",
     "PontoControlPlaneNoLeader",
     "PontoEtcdErrors",
