@@ -296,8 +296,9 @@ class Catalog:
         decode: Callable[[bytes], T],
         change: Callable[[T], T],
         missing: str,
+        absent: Callable[[], T] | None = None,
     ) -> T:
-        return (await self._update_if(key, decode, change, missing))[0]
+        return (await self._update_if(key, decode, change, missing, absent))[0]
 
     async def _update_if(
         self,
@@ -305,22 +306,26 @@ class Catalog:
         decode: Callable[[bytes], T],
         change: Callable[[T], T | None],
         missing: str,
+        absent: Callable[[], T] | None = None,
     ) -> tuple[T, bool]:
         """Write change(the stored value) if the value was not changed
         meanwhile (else read again); a change of None writes nothing. The
-        value now, and whether it was written."""
+        value now, and whether it was written. A key not stored is NotFound
+        (`missing`), or with `absent` the change of its value, written only
+        if the key is still not stored."""
         for _ in range(CAS_ATTEMPTS):
             current = await _guard(self.store.get(key))
-            if current is None:
+            if current is not None:
+                stored, revision = decode(current.value), current.mod_revision
+            elif absent is not None:
+                stored, revision = absent(), 0
+            else:
                 raise NotFound(missing)
-            stored = decode(current.value)
             updated = change(stored)
             if updated is None:
                 return stored, False
             try:
-                await _guard(
-                    self.store.put(key, encode(updated), if_mod_revision=current.mod_revision)
-                )
+                await _guard(self.store.put(key, encode(updated), if_mod_revision=revision))
             except Conflict:
                 continue
             return updated, True
@@ -351,15 +356,16 @@ class Catalog:
                 )
             return updated
 
-        missing = f"tenant {name!r} not found"
-        if name == OPEN_TENANT:
-            # Requests without a key belong to it before it has a record.
-            missing += (
-                f": requests without a key use the built-in policy of tenant {name!r}"
-                f" until it is added (pontoctl tenant add {name}); change it after that"
-            )
+        # The open fleet's tenant has the built-in policy before it has a
+        # record: a change starts from that (trial 33: `tenant set default`
+        # answered NOT_FOUND until `tenant add default`).
+        absent = (lambda: Tenant(OPEN_TENANT)) if name == OPEN_TENANT else None
         return await self._update(
-            TENANTS + check_name("tenant", name), decode_tenant, apply, missing
+            TENANTS + check_name("tenant", name),
+            decode_tenant,
+            apply,
+            f"tenant {name!r} not found",
+            absent,
         )
 
     async def unserved_models(

@@ -320,22 +320,27 @@ async def test_update_tenant_applies_change_and_validates(catalog: Catalog) -> N
     assert (await catalog.get_tenant("acme")).cache.mode == "off"
 
 
-async def test_the_open_fleets_tenant_is_changed_once_added(catalog: Catalog) -> None:
+async def test_the_open_fleets_tenant_is_changed_from_its_built_in_policy(
+    catalog: Catalog,
+) -> None:
     """Requests without a key belong to tenant "default", which has the built-in
-    policy until a tenant of that name is added: the refusal says so."""
+    policy until a tenant of that name is added; a change of it before then
+    starts from that policy and adds the record (trial 33: NOT_FOUND until
+    `tenant add default`). Any other tenant must exist."""
 
     def semantic(t: Tenant) -> Tenant:
         return replace(t, cache=CachePolicy(mode="semantic"))
 
-    with pytest.raises(NotFound, match="until it is added \\(pontoctl tenant add default\\)"):
-        await catalog.update_tenant("default", semantic)
+    built_in = build_policy(compile_table(await catalog.snapshot())).default
+    saved = await catalog.update_tenant("default", semantic)
+    assert saved == replace(Tenant("default"), cache=CachePolicy(mode="semantic")).validated()
+    assert await catalog.get_tenant("default") == saved
+    policy = build_policy(compile_table(await catalog.snapshot()))
+    assert policy.default.cache.mode.value == "semantic"
+    assert replace(policy.default, cache=built_in.cache) == built_in  # all else built in
     with pytest.raises(NotFound) as other:
         await catalog.update_tenant("acme", semantic)
     assert str(other.value) == "tenant 'acme' not found"
-    await catalog.put_tenant(Tenant("default"), allow_update=False)
-    await catalog.update_tenant("default", semantic)
-    policy = build_policy(compile_table(await catalog.snapshot()))
-    assert policy.default.cache.mode.value == "semantic"
 
 
 @pytest.mark.parametrize(
