@@ -142,11 +142,13 @@ e2e: $(STAMP) $(CHROMIUM) $(REDIS)
 
 # The whole system on a laptop: etcd, the control plane, three simulated origins
 # in three regions and two proxies. Stays up until Ctrl-C.
+# DEMO_ARGS="--port-base 23000" puts its proxies, control plane and status page
+# on 23000 to 23004 (ponto-demo --help).
 demo: $(STAMP) $(REDIS)
-	$(BIN)/ponto-demo
+	$(BIN)/ponto-demo $(DEMO_ARGS)
 
 demo-check: $(STAMP) $(REDIS)
-	$(BIN)/ponto-demo --check
+	$(BIN)/ponto-demo --check $(DEMO_ARGS)
 
 # Debian's wrk drives bench.compare's closed loop (maximum rate, server CPU per
 # request); bench.compare stops with the command to run if it is still missing.

@@ -47,7 +47,7 @@ from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -57,7 +57,29 @@ def _port_free(port: int) -> bool:
 
 
 def _preferred(port: int) -> int:
-    return port if _port_free(port) else 0
+    return port if port_free(port) else 0
+
+
+FixedPorts = tuple[tuple[int, int, int], int, int]
+
+
+def fixed_ports(base: int | None) -> FixedPorts | str:
+    """The proxies', the control plane's and the status page's ports: from
+    `base` on (--port-base: all five must be free), else the usual ones
+    where free (0 where taken: any free port). A str says why `base` cannot
+    be used."""
+    if base is None:
+        return (
+            (_preferred(8080), _preferred(8081), _preferred(8082)),
+            _preferred(7070),
+            (_preferred(7080)),
+        )
+    if not 1024 <= base <= 65535 - 4:
+        return f"--port-base must be from 1024 to 65531, not {base}"
+    taken = [port for port in range(base, base + 5) if not port_free(port)]
+    if taken:
+        return f"--port-base {base}: port {', '.join(map(str, taken))} taken (5 from it are used)"
+    return (base, base + 1, base + 2), base + 3, base + 4
 
 
 GEO_BODY = '{"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}'
@@ -616,7 +638,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ponto-demo", description=__doc__)
     p.add_argument("--check", action="store_true", help="run the checks, report, exit")
     p.add_argument("--workdir", type=Path, help="where logs and state go (default: a temp dir)")
+    p.add_argument(
+        "--port-base",
+        type=int,
+        metavar="PORT",
+        help="the proxies listen on PORT, PORT+1 and PORT+2, the control plane on PORT+3 "
+        "(gRPC) and its status page on PORT+4 (default: 8080 to 8082, 7070 and 7080, each "
+        "or a free port if taken); etcd, the origins and Redis take free ports from 20000",
+    )
     args = p.parse_args(argv)
+    fixed = fixed_ports(args.port_base)
+    if isinstance(fixed, str):
+        p.error(fixed)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ponto-demo-"))
     # Until run_supervised owns the signals, SIGTERM stops the demo as Ctrl-C
     # does: through the clean-up below, leaving no process behind.
@@ -636,8 +669,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{proxies} proxies…",
             flush=True,
         )
+        proxy_ports, control_port, status_port = fixed
         if args.check:
-            fleet = start_demo_fleet(workdir, regional_cache=regional)
+            # Free ports of any number, unless --port-base says which.
+            chosen = args.port_base is not None
+            fleet = start_demo_fleet(
+                workdir,
+                proxy_ports=proxy_ports if chosen else (0, 0, 0),
+                control_port=control_port if chosen else 0,
+                status_port=status_port if chosen else 0,
+                regional_cache=regional,
+            )
             report = run_checks(fleet)
             passed = sum(ok for _, ok, _ in report.results)
             print(f"{passed} passed, {len(report.results) - passed} failed", flush=True)
@@ -645,9 +687,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if report.ok else 1
         fleet = start_demo_fleet(
             workdir,
-            proxy_ports=(_preferred(8080), _preferred(8081), _preferred(8082)),
-            control_port=_preferred(7070),
-            status_port=_preferred(7080),
+            proxy_ports=proxy_ports,
+            control_port=control_port,
+            status_port=status_port,
             regional_cache=regional,
         )
         print(banner(fleet, logs_removed=args.workdir is None), flush=True)

@@ -34,6 +34,7 @@ import pytest
 from ponto.demo import redis_available, supervise
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
+from tests.unit.test_demo_ports import free_block
 
 pytestmark = pytest.mark.e2e
 
@@ -71,11 +72,19 @@ class Demo:
                 return found
 
 
+@dataclass(frozen=True)
+class Started:
+    demo: Demo
+    port_base: int
+
+
 @pytest.fixture
-def demo(tmp_path: Path) -> Iterator[Demo]:
-    """`ponto-demo` with its temp dirs under tmp_path, in a process group of its own."""
+def started(tmp_path: Path) -> Iterator[Started]:
+    """`ponto-demo --port-base` a free block, with its temp dirs under
+    tmp_path, in a process group of its own."""
+    base = free_block()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ponto.demo"],
+        [sys.executable, "-m", "ponto.demo", "--port-base", str(base)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -84,7 +93,7 @@ def demo(tmp_path: Path) -> Iterator[Demo]:
     )
     demo = Demo(proc)
     try:
-        yield demo
+        yield Started(demo, base)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -202,10 +211,16 @@ def run_line(line: str) -> str:
 
 
 def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays_up(
-    demo: Demo, tmp_path: Path
+    started: Started, tmp_path: Path
 ) -> None:
+    demo = started.demo
     members, workdir = read_banner(demo)
     assert workdir.parent == tmp_path
+    # Where --port-base put them (trial 33: the demo's ports could not be moved).
+    base = started.port_base
+    assert members["proxy-us-east"][0] == f"127.0.0.1:{base}"
+    assert members["proxy-eu-west"][0] == f"127.0.0.1:{base + 1}"
+    assert members["control-1"][0] == f"127.0.0.1:{base + 3}"
     # The lines printed for users in three places, run as a user pastes them.
     lines = geo_lines(demo)
     assert list(lines) == ["Tokyo", "Frankfurt", "Virginia"], demo.seen
@@ -275,8 +290,9 @@ def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays
 
 
 def test_sigterm_during_start_up_leaves_no_process_and_no_temp_dir(
-    demo: Demo, tmp_path: Path
+    started: Started, tmp_path: Path
 ) -> None:
+    demo = started.demo
     demo.expect(r"^Starting")
     deadline = time.monotonic() + 30
     while len(group(demo.proc.pid)) < 3:  # the demo, etcd and the control plane so far

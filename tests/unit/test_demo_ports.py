@@ -1,0 +1,48 @@
+"""ponto-demo --port-base: where the demo's proxies, control plane and status
+page listen (trial 33: the demo took fixed ports with no way to move them)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ponto.demo import fixed_ports, main, port_free
+from ponto.devenv import free_port
+
+
+def free_block(size: int = 5) -> int:
+    """The first of `size` consecutive ports free a moment ago."""
+    for _ in range(100):
+        base = free_port()
+        if base + size <= 65535 and all(port_free(p) for p in range(base, base + size)):
+            return base
+    raise AssertionError("no block of free ports")
+
+
+def test_a_port_base_gives_five_ports_in_a_row() -> None:
+    base = free_block()
+    assert fixed_ports(base) == ((base, base + 1, base + 2), base + 3, base + 4)
+
+
+def test_a_taken_port_of_the_block_is_named() -> None:
+    base = free_block()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", base + 3))
+        held.listen()
+        said = fixed_ports(base)
+    assert said == f"--port-base {base}: port {base + 3} taken (5 from it are used)"
+
+
+@pytest.mark.parametrize("base", [80, 65532, -1])
+def test_a_port_base_out_of_range_is_refused(base: int) -> None:
+    assert fixed_ports(base) == f"--port-base must be from 1024 to 65531, not {base}"
+
+
+def test_the_demo_refuses_a_bad_port_base_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["--port-base", "80"])
+    assert stopped.value.code == 2
+    assert "--port-base must be from 1024 to 65531, not 80" in capsys.readouterr().err
