@@ -133,6 +133,7 @@ class Exchange:
     # A stream's idle timeout (the tenant's, else the proxy's): the longest
     # gap between chunks, the first included; None for no stream, or none set.
     idle_timeout_s: float | None = None
+    idle_timeout_own: bool = False  # idle_timeout_s is the tenant's own setting
     # The message lists as the client sent them, kept when the tenant's system
     # prompt may shift their indexes (an origin's error then names the client's).
     sent: dict[str, Any] | None = None
@@ -153,6 +154,7 @@ class Exchange:
     # (counted in a summed usage when the stream has one) and hedges (never).
     continuation_prompt: int = 0
     hedge_prompt: int = 0
+    continued: int = 0  # continuations of a cut stream
     # What the access log and the GenAI metrics report (dataplane.http.accesslog)
     origin: str = ""  # the origin that answered, and its region
     region: str = ""
@@ -368,7 +370,9 @@ class Pipeline:
             raise model_not_found(asked)
         ex.model = model
         if ex.stream:
-            ex.idle_timeout_s = ex.tenant.streams.idle_timeout_s or self.stream_idle_timeout
+            own = ex.tenant.streams.idle_timeout_s
+            ex.idle_timeout_s = own or self.stream_idle_timeout
+            ex.idle_timeout_own = bool(own)
 
     async def admit(self, ex: Exchange) -> None:
         """Take the request's place under its scopes' limits, or refuse it (429/400)."""
@@ -495,7 +499,7 @@ class Pipeline:
                 spent_s=ex.cache.waited_s if ex.cache is not None else 0.0,
                 sent=sent,
                 first_chunk_within=ex.idle_timeout_s,
-                tenants_own=ex.tenant is not None and bool(ex.tenant.streams.idle_timeout_s),
+                tenants_own=ex.idle_timeout_own,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts
@@ -588,11 +592,12 @@ class Pipeline:
             if not parsed:
                 obj = jsonio.loads_or_none(body)
             ex.usage = usage_of(obj)
-        elif origin.status < 500:
+        elif origin.status < 500 and not origin.others_worked:
             # The origin refused the request (a prompt past its context, its
             # own limit): it did no work, so the prompt's estimate is given
             # back, as for a cache hit. A 5xx keeps it: the origin may have
-            # spent the prefill before failing.
+            # spent the prefill before failing; so does a 4xx after another
+            # origin failed once it had the request (review 49).
             ex.usage = Usage(0, 0)
         await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
         return response
@@ -750,6 +755,7 @@ class Pipeline:
                 resume.close()
                 ex.continuation_prompt = resume.extra_prompt
                 ex.attempts += resume.calls
+                ex.continued = resume.count
                 if resume.count:
                     ex.origin, ex.region = resume.origin, resume.region
         m = self.metrics
@@ -781,13 +787,17 @@ class Pipeline:
             self._settle(ex)
 
     def _settle(self, ex: Exchange) -> None:
+        # The answering call's own usage, before hedges' and continuations'
+        # prompts are added: what its origin's prefix cache held is of it alone.
+        own = ex.usage if ex.counter is None else ex.counter.usage
         usage = ex.usage = spent(ex)
         if ex.admission is not None:
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
         if usage is not None:
             self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
-            if usage.cached_tokens is not None and ex.origin:
-                self.metrics.account_prefix_cache(ex.origin, usage)
+        if own is not None and own.cached_tokens is not None and ex.origin and not ex.continued:
+            # A continued stream's usage sums calls to several origins.
+            self.metrics.account_prefix_cache(ex.origin, own)
 
 
 # ---------------------------------------------------------------- the steps' parts

@@ -127,6 +127,7 @@ class Continuations:
                 trace=ex.trace,
                 sent=sent,
                 first_chunk_within=ex.idle_timeout_s,
+                tenants_own=ex.idle_timeout_own,
             )
         except asyncio.CancelledError:
             # Its client left while the continuation was being sent: the call

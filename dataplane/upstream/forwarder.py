@@ -221,7 +221,10 @@ class OriginAnswer:
     from a hedge (the second copy of the request). `extra_calls` counts the
     other calls of this request that were sent and then cancelled because
     this one answered first (0 or 1): the origin spent that call's prompt
-    tokens, and the caller may account them.
+    tokens, and the caller may account them. `others_worked`: an attempt
+    before it (or a hedge beside it) failed after its origin may have done
+    work (_Retryable.worked), so an error answer does not give back the
+    prompt's tokens (review 49).
     """
 
     target: Target
@@ -235,6 +238,7 @@ class OriginAnswer:
     calls: int = 1
     hedged: bool = False
     extra_calls: int = 0
+    others_worked: bool = False
     _ended: bool = False
     # A 2xx whole body, parsed by the forwarder; NOT_PARSED when it was not
     # (another status, a stream, or too large to parse before sending).
@@ -259,6 +263,10 @@ class OriginAnswer:
         loads, self._loads = self._loads, None
         if loads is not None:
             loads.finished(self.target.name)
+
+
+# What bounds a stream's wait for its first chunk by default, for the log.
+_IDLE_BOUND = "the stream idle timeout"
 
 
 @dataclass(slots=True)
@@ -287,6 +295,7 @@ class _Tries:
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
     first_within: float | None = None
+    first_bound: str = _IDLE_BOUND  # what first_within is, for the log
     # Some failed attempt may have cost its origin work (_Retryable.worked, or
     # past the deadline): a 502 then keeps the prompt's tokens charged.
     worked: bool = False
@@ -452,6 +461,10 @@ class Forwarder:
                 first_chunk_within = max(first_chunk_within, settings.first_chunk_timeout)
             else:
                 first_chunk_within = settings.first_chunk_timeout
+            if first_chunk_within == settings.first_chunk_timeout:
+                tries.first_bound = "--first-chunk-timeout"
+        if tenants_own and tries.first_bound == _IDLE_BOUND:
+            tries.first_bound = "the tenant's stream idle timeout"
         if stream and first_chunk_within is not None:
             tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
@@ -484,6 +497,7 @@ class Forwarder:
         failures = tries.failures
         if answer is not None:
             answer.calls = tries.made
+            answer.others_worked = tries.worked
             if failures:
                 self._tell(
                     tries,
@@ -563,7 +577,7 @@ class Forwarder:
                 with deadlines.bound(task, tries.deadline):
                     if trace is None:
                         answer = await self._call(
-                            target, path, body, headers, attempt, stream, tries.first_within
+                            target, path, body, headers, attempt, stream, tries
                         )
                     else:
                         answer = await self._attempt(
@@ -690,7 +704,7 @@ class Forwarder:
     ) -> asyncio.Task[OriginAnswer]:
         if trace is None:  # no extra coroutine frame per call when tracing is off
             return asyncio.create_task(
-                self._call(target, path, body, headers, attempt, stream, tries.first_within)
+                self._call(target, path, body, headers, attempt, stream, tries)
             )
         return asyncio.create_task(
             self._attempt(target, path, body, headers, attempt, stream, tries, trace)
@@ -790,15 +804,11 @@ class Forwarder:
             self._metrics.ejections.labels(target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
 
-    def _no_answer(self, first_within: float | None) -> str:
+    @staticmethod
+    def _no_answer(first_within: float | None, bound: str) -> str:
         """Why an attempt timed out before its answer began, for the log."""
         if first_within is None:
             return "timed out before the response started"
-        bound = (
-            "--first-chunk-timeout"
-            if self._settings.first_chunk_timeout is not None
-            else "the stream idle timeout"
-        )
         return f"sent no first chunk within {first_within:g} s ({bound})"
 
     def _past_deadline(self, target: Target, tries: _Tries) -> None:
@@ -825,7 +835,7 @@ class Forwarder:
         span = trace.attempt(target, attempt)
         try:
             answer = await self._call(
-                target, path, body, span.inject(headers), attempt, stream, tries.first_within
+                target, path, body, span.inject(headers), attempt, stream, tries
             )
         except asyncio.CancelledError as exc:
             if not span.outcome and asyncio.get_running_loop().time() >= tries.deadline:
@@ -846,7 +856,7 @@ class Forwarder:
         headers: CIMultiDict[str],
         attempt: int,
         stream: bool,
-        first_within: float | None = None,
+        tries: _Tries | None = None,
     ) -> OriginAnswer:
         if target.credential is not None:
             try:
@@ -858,6 +868,8 @@ class Forwarder:
             if authorization is not None:
                 headers = headers.copy()
                 headers["authorization"] = authorization
+        first_within = tries.first_within if tries is not None else None
+        bound = tries.first_bound if tries is not None else _IDLE_BOUND
         loads = self.loads
         loop = self._loop
         assert loop is not None  # a forward() runs
@@ -872,7 +884,7 @@ class Forwarder:
             raise _Retryable("connect_error", f"connection timed out: {exc}", worked=False) from exc
         except TimeoutError as exc:
             loads.finished(target.name)
-            raise _Retryable("timeout", self._no_answer(first_within)) from exc
+            raise _Retryable("timeout", self._no_answer(first_within, bound)) from exc
         except aiohttp.ClientError as exc:
             loads.finished(target.name)
             # Only a connection never made surely cost nothing: a disconnect
@@ -928,7 +940,7 @@ class Forwarder:
             except TimeoutError as exc:
                 if not streamed or first_within is None:
                     raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
-                raise _Retryable("timeout", self._no_answer(first_within)) from exc
+                raise _Retryable("timeout", self._no_answer(first_within, bound)) from exc
             except aiohttp.ClientError as exc:
                 raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
             except AnswerTooLarge as exc:

@@ -660,6 +660,24 @@ async def test_a_tenants_own_idle_timeout_wins_over_a_shorter_first_chunk_timeou
     assert (len(a.bodies), len(b.bodies)) == (1, 0)
 
 
+async def test_a_continuation_keeps_the_tenants_own_idle_timeout_for_its_first_chunk(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review 49: the continuation's call (the longest prompt, so the longest
+    prefill) had the shorter --first-chunk-timeout, not the tenant's own."""
+    a, b, c = await first_origin("cut"), slow_first_origin(0.5), await second_origin()
+    streams = pb.StreamPolicy(stream_idle_timeout_s=2.0)
+    p = await proxy(
+        [(a, True), (b, True), (c, True)],
+        streams,
+        idle="0.2",
+        extra=["--first-chunk-timeout", "0.2"],
+    )
+    _, raw = await p.stream()
+    assert "error" not in raw
+    assert (len(a.bodies), len(b.bodies), len(c.bodies)) == (1, 1, 0)
+
+
 async def test_a_first_chunk_past_its_own_bound_is_asked_of_the_next_origin(
     proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
 ) -> None:

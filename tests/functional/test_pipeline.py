@@ -28,6 +28,7 @@ from dataplane.http.requestid import RequestIds
 from dataplane.http.server import build_app
 from dataplane.http.state import HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.settings import parse as parse_proxy
+from dataplane.streaming.usage import Usage
 from ponto.apikeys import issue_key
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
@@ -604,6 +605,60 @@ async def test_a_request_no_origin_worked_on_gives_its_estimate_back(
         await s.close()
 
 
+async def test_a_refusal_after_an_origin_failed_with_the_request_keeps_its_estimate(
+    tmp_path: Path,
+) -> None:
+    """Review 49: the home origin took the request and answered 500 (its
+    prefill may be spent), the next answered 400: the 400 gave the whole
+    estimate back, so a prompt too long for one replica's context burnt the
+    other's prefill for nothing, request after request."""
+
+    calls: list[str] = []
+
+    async def failing(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        calls.append("home")
+        return web.json_response({"error": {"message": "engine died"}}, status=500)
+
+    async def refusing(request: web.Request) -> web.StreamResponse:
+        calls.append("far")
+        error = {"message": "too long", "type": "invalid_request_error", "code": None}
+        return web.json_response({"error": error}, status=400)
+
+    s = await stack_on(tmp_path, failing)
+    far_app = web.Application()
+    far_app.router.add_post("/v1/chat/completions", refusing)
+    far = TestServer(far_app)
+    await far.start_server()
+    s.others.append(far)
+    try:
+        t = table([("home", str(s.others[0].make_url("/v1")))], version=4)
+        t.regions.append(pb.Region(name="r2", latitude=40.0, longitude=100.0))
+        t.origins.append(
+            pb.Origin(
+                name="far",
+                base_url=str(far.make_url("/v1")),
+                region="r2",
+                models=[MODEL],
+                weight=100,
+                healthy=True,
+            )
+        )
+        t.keys[1].limits.CopyFrom(pb.Limits(tpm=1000))
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        remaining = []
+        for _ in range(2):
+            resp = await s.post(chat("word " * 300), key=LIMITED_KEY.key)
+            assert resp.status == 400, await resp.text()
+            await resp.read()
+            remaining.append(int(resp.headers["x-ratelimit-remaining-tokens"]))
+        assert calls == ["home", "far"] * 2
+        assert remaining[0] > remaining[1], remaining
+    finally:
+        await s.close()
+
+
 # What a hosted API sends with every answer about the operator's account.
 ACCOUNT_HEADERS = {
     "openai-organization": "operator-org",
@@ -812,6 +867,27 @@ async def test_the_steps_run_on_an_exchange_without_a_server(stack: Stack) -> No
         pipeline.assemble(unknown)
     assert refused.value.status == 404
     assert stack.origin_requests() == 0
+
+
+@pytest.mark.parametrize("continued", [0, 1])
+async def test_an_origins_prefix_cache_is_counted_of_its_own_call(
+    stack: Stack, continued: int
+) -> None:
+    """Review 49: a hedge's prompt, added to what the request spent, was
+    counted as the winner's own prompt, halving its hit ratio; a continued
+    stream's usage sums calls to several origins and is not counted."""
+    pipeline = stack.app[PIPELINE]
+    ex = exchange(stack, chat("hedged"), KEY.key)
+    pipeline.authenticate(ex)
+    ex.origin, ex.continued = "o1", continued
+    ex.usage = Usage(1000, 10, exact=True, cached_tokens=900)
+    ex.hedge_prompt = 1000  # a cancelled hedge's prefill, spent at another origin
+    pipeline.settle(ex)
+    assert ex.usage is not None and ex.usage.prompt_tokens == 2000  # both charged
+    registry = stack.app[METRICS].registry
+    prompt = registry.get_sample_value("ponto_origin_prompt_tokens_total", {"origin": "o1"})
+    cached = registry.get_sample_value("ponto_origin_cached_prompt_tokens_total", {"origin": "o1"})
+    assert (prompt, cached) == ((None, None) if continued else (1000, 900))
 
 
 def test_request_ids_are_32_hex_digits_and_do_not_repeat() -> None:

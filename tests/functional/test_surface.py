@@ -493,7 +493,7 @@ async def test_an_origin_that_takes_no_connection_was_not_reached(
 ) -> None:
     """Review 48: a connect timeout counted as an origin slow to answer (the
     502 said "did not start answering in time", the log "timed out before the
-    response started"), and kept the prompt's tokens charged."""
+    response started")."""
     full = socket.socket()
     full.bind(("127.0.0.1", 0))
     full.listen(0)  # never accepted: once its queue is full, SYNs go unanswered
