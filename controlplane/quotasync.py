@@ -259,6 +259,18 @@ class QuotaHub:
         )
         return pb.RouteUpdate(quota=quota).SerializeToString()
 
+    def _held(self, proxy: str) -> bool:
+        """Whether this proxy's shares are held back: the leader has not
+        rebalanced it yet (a proxy that just joined or came back), or it did
+        in the round that admitted it, which grants a newcomer nothing (its
+        share waits a round for the others' cuts; compute_shares). Pushed,
+        such shares would replace the ones the proxy holds (saved before a
+        restart, or kept through a lost stream) with none, and it would refuse
+        every request of a limited scope for a round or two (trial 34: 49 of
+        49 refused after a restart, while /readyz said 200)."""
+        mine = self._shares.get(proxy)
+        return mine is None or any(s.fraction <= 0 for s in mine.values())
+
     async def next_for(
         self, proxy: str, seen: int, sent: bytes = b"", *, confirm: bool = False
     ) -> tuple[int, bytes, bytes]:
@@ -269,11 +281,15 @@ class QuotaHub:
         (b"" before the first). Shares that differ from them are pushed whole;
         with `confirm` (the proxy subscribed with takes_unchanged), the same
         shares with a spare flag are confirmed by an `unchanged` message;
-        other generations are skipped.
+        other generations are skipped, as are those while its shares are
+        held back (`_held`).
         """
         while True:
             while self.generation in (0, seen):
                 await self._changed.wait()
+            if self._held(proxy):
+                seen = self.generation
+                continue
             # Stamped with generation 0: the same shares serialise to the same
             # bytes (the encoding is deterministic), so nothing needs parsing
             # to tell a change.

@@ -61,8 +61,18 @@ class QuotaState:
 
     @property
     def ready(self) -> bool:
-        """Whether every limited scope has a share (explicit, or the default)."""
-        return all(scope in self._explicit or self.default_fraction > 0 for scope in self._limits)
+        """Whether every limited scope has a share to admit by (explicit, or
+        the default): an explicit one of nothing (a leader that predates
+        holding a newcomer's first round back) admits no request."""
+        explicit, default = self._explicit, self.default_fraction
+        for scope in self._limits:
+            share = explicit.get(scope)
+            if share is None:
+                if default <= 0:
+                    return False
+            elif share.fraction <= 0 and share.concurrency <= 0:
+                return False
+        return True
 
     def on_limits(self, limits: Mapping[str, ScopeLimits]) -> None:
         self._limits = limits

@@ -213,3 +213,47 @@ def test_a_proxy_owing_tokens_stops_the_others_admitting_until_repaid(fleet: Fle
     # Before: once p1's burst had faded from its reported demand (a 5 s
     # average), p2 and p3 admitted at their shares again, 150 tokens and more.
     assert spent <= 60, spent
+
+
+def test_a_restarted_proxy_admits_by_its_saved_shares_at_once(fleet: Fleet) -> None:
+    """Trial 34: a proxy restarted (or cut off and back) after the leader
+    had dropped it was pushed no shares, then a share of nothing for the
+    round that admitted it back (its share waits for the others' cuts), each
+    replacing the shares it held: it refused requests for a round or two (19
+    of 384 here, 49 of 49 in the trial) while its /readyz said 200. The
+    leader now holds a proxy's shares back until they admit, and the proxy
+    goes on with the shares it saved meanwhile."""
+    key = make_key(fleet, "steady", pb.Limits(rpm=9000))
+    fleet.proxies["p3"].stop()
+    deadline = time.monotonic() + 15
+    while any(p.info.name == "p3" for p in listed_proxies(fleet)):
+        assert time.monotonic() < deadline, "p3 never left the fleet"
+        time.sleep(0.1)
+    time.sleep(2.0)  # rounds of the leader's without p3 (every 0.5 s here)
+    fleet.restart("p3")  # back once it listens, with its saved table and shares
+    time.sleep(0.05)  # its buckets start empty: a moment of refill first
+    # Four clients well under p3's share (a third of 150 a second), as the
+    # trial's were: every refusal is the restart's.
+    url = fleet.proxy_url("p3") + "/chat/completions"
+    codes: dict[int, int] = {}
+    ends = time.monotonic() + 3.0  # the leader's rounds that admit p3 back
+
+    def client() -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        body = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(timeout=10, headers=headers) as c:
+            while time.monotonic() < ends:
+                code = c.post(url, json=body).status_code
+                codes[code] = codes.get(code, 0) + 1
+                time.sleep(0.1)
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(15)
+    assert set(codes) == {200}, codes
+
+
+def listed_proxies(fleet: Fleet) -> list[apb.ProxyStatus]:
+    return list(fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies)

@@ -674,6 +674,18 @@ def test_a_zero_default_leaves_unlisted_scopes_without_a_share() -> None:
     assert not state.ready
 
 
+def test_an_explicit_share_of_nothing_is_not_ready() -> None:
+    """A leader that predates holding a newcomer's first round back pushes
+    it a share of nothing: /readyz must not send it traffic it would refuse
+    (trial 34: readyz 200, every request 429)."""
+    state, _, _ = quota_state()
+    state.on_limits(LIMITS)
+    state.on_quota(shares_msg(0.0, t__acme=(0.0, 0), k__aaaaaaaaaa=(0.2, 0), t__slow=(0.2, 1)))
+    assert not state.ready
+    state.on_quota(shares_msg(0.0, t__acme=(0.2, 2), k__aaaaaaaaaa=(0.2, 0), t__slow=(0.2, 1)))
+    assert state.ready
+
+
 def test_out_of_range_fractions_are_clamped() -> None:
     state, limiter, _ = quota_state()
     state.on_limits(LIMITS)

@@ -401,6 +401,32 @@ async def test_every_rewrite_confirms_the_spare_flags_to_their_proxies() -> None
                 await waiting
 
 
+async def test_a_proxy_hears_nothing_until_the_leader_grants_it_a_share() -> None:
+    """Trial 34: a proxy that restarted, or reconnected after its stream was
+    lost, was pushed no shares (not rebalanced yet) and then a share of
+    nothing (the round that admits a newcomer grants it nothing until the
+    others' cuts land), each replacing the shares it held: it refused every
+    request for seconds. Its shares are held back until they admit."""
+    store = MemoryStore()
+    hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
+    async with running(hub.watch()):
+        waiting = asyncio.ensure_future(hub.next_for("p3", 0))
+        two = {"p1": {"t/acme": Share(0.5, 0)}, "p2": {"t/acme": Share(0.5, 0)}}
+        await put_shares(store, two, 0.5)
+        await settle()
+        assert not waiting.done()  # not rebalanced yet
+        admitted = {p: {"t/acme": Share(0.3, 0)} for p in ("p1", "p2")}
+        admitted["p3"] = {"t/acme": Share(0.0, 0)}
+        await put_shares(store, admitted, 0.3)
+        await settle()
+        assert not waiting.done()  # a share of nothing, this round
+        granted = {**admitted, "p3": {"t/acme": Share(0.3, 0)}}
+        revision = await put_shares(store, granted, 0.3)
+        generation, payload, _ = await asyncio.wait_for(waiting, WAIT)
+        assert generation == revision
+        assert share_map(quota_of(payload)) == {"t/acme": (0.3, 0)}
+
+
 async def test_only_rebalanced_proxies_get_the_default_fraction() -> None:
     store = MemoryStore()
     hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
