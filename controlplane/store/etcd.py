@@ -18,6 +18,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ T = TypeVar("T")
 
 # With several host names, a failing call looks them up again at most this often.
 RERESOLVE_INTERVAL = 5.0
+# A store's watches each find etcd's revision gone back: said once in this long.
+REGRESSION_TOLD_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +243,7 @@ class EtcdStore:
         self._connected = False
         self._reresolved_at = 0.0
         self._reresolving: asyncio.Task[None] | None = None
+        self._regression_told = -REGRESSION_TOLD_S
 
     @property
     def target(self) -> str:
@@ -519,6 +523,15 @@ class EtcdStore:
                         if failing:
                             failing = False
                             log.info("etcd watch on %s resumed", prefix)
+                        if start_revision > resp.header.revision:
+                            # etcd is behind what this watch saw: restored from
+                            # a backup, or its data lost. From start_revision it
+                            # would yield nothing until etcd got back there, and
+                            # the table would freeze (trial 34): read again now.
+                            self._regressed(start_revision, resp.header.revision)
+                            start_revision = resp.header.revision
+                            yield resp.header.revision
+                            break
                         if not start_revision:
                             # Watched "from now": a stream re-created after a
                             # failure resumes from here, and gets what was
@@ -558,6 +571,21 @@ class EtcdStore:
             finally:
                 if call is not None:
                     call.cancel()
+
+    def _regressed(self, seen: int, now: int) -> None:
+        """Say, once for all of a store's watches, that etcd's revision went back."""
+        clock = time.monotonic()
+        if clock - self._regression_told < REGRESSION_TOLD_S:
+            return
+        self._regression_told = clock
+        log.error(
+            "etcd's revision went back from %d to %d: it was restored from a backup, or "
+            "its data was lost. Everything is read again from it; proxies refuse tables "
+            "older than the ones they serve, so restart (or SIGHUP) every proxy "
+            "(docs/architecture.md, Versions)",
+            seen,
+            now,
+        )
 
     async def close(self) -> None:
         if self._reresolving is not None:
