@@ -35,7 +35,7 @@ from controlplane.store import (
 )
 from controlplane.store.etcd import EtcdStore
 from controlplane.store.memory import MemoryStore
-from ponto.devenv import free_port, start_etcd
+from ponto.devenv import Etcd, free_port, start_etcd
 from tests.conftest import EtcdEndpoint
 
 pytestmark = pytest.mark.integration
@@ -442,6 +442,18 @@ async def test_etcd_unreachable_raises_store_unavailable() -> None:
         await store.close()
 
 
+def same_member(tmp_path: Path, name: str, etcd: Etcd) -> Etcd:
+    """`etcd` (stopped) started again: its data dir (whatever it holds now)
+    and its ports."""
+    return start_etcd(
+        tmp_path,
+        name=name,
+        data_dir=etcd.data_dir,
+        client_port=etcd.client_port,
+        peer_port=etcd.peer_port,
+    )
+
+
 async def test_etcd_watch_survives_restart(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -466,13 +478,7 @@ async def test_etcd_watch_survives_restart(
         assert await watcher.next(LONG) >= first
 
         etcd.stop()
-        etcd = start_etcd(
-            tmp_path,
-            name="restart",
-            data_dir=etcd.data_dir,
-            client_port=etcd.client_port,
-            peer_port=etcd.peer_port,
-        )
+        etcd = same_member(tmp_path, "restart", etcd)
         writer = EtcdStore([etcd.endpoint], timeout=2.0)
         await writer.connect()
         deadline = time.monotonic() + 10.0
@@ -533,13 +539,7 @@ async def test_an_etcd_whose_revision_went_back_is_read_again_and_said(
         await wait_created(caplog, P + "x/")
         etcd.stop()
         shutil.rmtree(etcd.data_dir)
-        etcd = start_etcd(
-            tmp_path,
-            name="lost",
-            data_dir=etcd.data_dir,
-            client_port=etcd.client_port,
-            peer_port=etcd.peer_port,
-        )
+        etcd = same_member(tmp_path, "lost", etcd)
         for watcher in watchers:
             now = await watcher.next(15.0)
             assert now < seen, (now, seen)
@@ -588,8 +588,7 @@ async def test_a_watch_from_now_that_restarts_gets_what_was_written_meanwhile(
     try:
         await wait_created(caplog, P + "g/")
         etcd.stop()
-        etcd = start_etcd(tmp_path, name="gap", data_dir=etcd.data_dir,
-                          client_port=etcd.client_port, peer_port=etcd.peer_port)  # fmt: skip
+        etcd = same_member(tmp_path, "gap", etcd)
         writer = EtcdStore([etcd.endpoint], timeout=2.0)
         await writer.connect()
         written = await writer.put(P + "g/drain", b"1")  # before the watch is back
