@@ -556,45 +556,42 @@ async def test_saving_runs_off_the_event_loop_and_keeps_the_newest(tmp_path: Pat
     assert saved.generation == 5
 
 
-async def test_spare_flags_hold_only_while_a_leader_can_move_slots(tmp_path: Path) -> None:
-    limits = {"t/acme": ScopeLimits(concurrency=4)}
-    spare = pb.QuotaShares(
-        generation=3,
-        shares=[pb.QuotaShare(scope="t/acme", fraction=0.5, concurrency=1, fleet_spare=True)],
-    )
+@pytest.mark.parametrize(
+    ("limits", "pushed", "held", "kept"),
+    [
+        # A spare flag: no leader moves slots now.
+        (
+            ScopeLimits(concurrency=4),
+            pb.QuotaShare(scope="t/acme", fraction=0.5, concurrency=1, fleet_spare=True),
+            Share(0.5, 1, spare=True),
+            Share(0.5, 1),
+        ),
+        # The fleet's debt (review 48: refusals kept a 400 s wait with the
+        # leader away, however long ago the debt was repaid).
+        (
+            ScopeLimits(tpm=600),
+            pb.QuotaShare(scope="t/acme", fraction=0.9, fleet_debt_s=400.0),
+            Share(0.9, 0, fleet_debt_s=400.0),
+            Share(0.9, 0),
+        ),
+    ],
+    ids=["spare", "debt"],
+)
+async def test_what_only_a_leader_can_say_lapses_without_one(
+    tmp_path: Path, limits: ScopeLimits, pushed: pb.QuotaShare, held: Share, kept: Share
+) -> None:
     live, limiter, _ = quota_state(tmp_path)
-    live.on_limits(limits)
-    live.on_quota(spare)
-    assert limiter.share("t/acme") == Share(0.5, 1, spare=True)
+    live.on_limits({"t/acme": limits})
+    live.on_quota(pb.QuotaShares(generation=3, shares=[pushed]))
+    assert limiter.share("t/acme") == held
     await live.flush()
-    # The control plane went away: the slot stays, the flag does not.
+    # The control plane went away: the share stays, what it said of the fleet does not.
     live.on_link_lost()
-    assert limiter.share("t/acme") == Share(0.5, 1)
+    assert limiter.share("t/acme") == kept
     # A restart from the saved copy has no leader yet either.
     restarted, limiter2, _ = quota_state(tmp_path)
-    restarted.on_limits(limits)
-    assert limiter2.share("t/acme") == Share(0.5, 1)
-
-
-async def test_the_fleets_debt_is_told_only_while_a_leader_says_it(tmp_path: Path) -> None:
-    """Review 48: with the leader away (or before its first push after a
-    restart) refusals kept the last fleet_debt_s, however long ago the debt
-    was repaid: 400 s where the proxy's own bucket refilled in seconds."""
-    limits = {"t/acme": ScopeLimits(tpm=600)}
-    owing = pb.QuotaShares(
-        generation=3,
-        shares=[pb.QuotaShare(scope="t/acme", fraction=0.9, fleet_debt_s=400.0)],
-    )
-    live, limiter, _ = quota_state(tmp_path)
-    live.on_limits(limits)
-    live.on_quota(owing)
-    assert limiter.share("t/acme") == Share(0.9, 0, fleet_debt_s=400.0)
-    await live.flush()
-    live.on_link_lost()
-    assert limiter.share("t/acme") == Share(0.9, 0)
-    restarted, limiter2, _ = quota_state(tmp_path)
-    restarted.on_limits(limits)
-    assert limiter2.share("t/acme") == Share(0.9, 0)
+    restarted.on_limits({"t/acme": limits})
+    assert limiter2.share("t/acme") == kept
 
 
 def test_spare_flags_lapse_unless_a_leader_confirms_them() -> None:
