@@ -37,7 +37,7 @@ from controlplane.store import StateStore
 from controlplane.store.instrumented import InstrumentedStore
 from controlplane.web import StatusWeb
 from ponto.cliargs import cannot_listen, hostport, listen_address
-from ponto.grpcconn import KEEPALIVE_OPTIONS
+from ponto.grpcconn import KEEPALIVE_OPTIONS, MIN_PING_INTERVAL_MS
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
 
@@ -166,7 +166,7 @@ class ControlPlane:
             options=[
                 *KEEPALIVE_OPTIONS,
                 NO_REUSEPORT,
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ],
         )

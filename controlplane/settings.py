@@ -87,7 +87,9 @@ def parse(argv: list[str]) -> Settings:
         "--lease-ttl",
         type=int,
         default=10,
-        help="seconds before a dead replica's proxy registrations vanish",
+        help="seconds before a dead replica's proxy registrations vanish; keep it above 7 "
+        "(a hung replica's proxies leave it within 7 s, and until they do, their "
+        "registrations should stand)",
     )
     p.add_argument(
         "--leader-ttl", type=int, default=5, help="seconds before a dead leader is replaced"

@@ -31,16 +31,26 @@ import grpc
 from ponto import tlsfiles
 
 # The route stream's liveness, on both ends (the proxy's link, the control
-# plane's server): an HTTP/2 ping every 10 s, a peer that has not answered one
-# in 5 s is gone. gRPC times a keepalive ping out by grpc.http2.ping_timeout_ms
+# plane's server): an HTTP/2 ping every 4 s, a peer that has not answered one
+# in 3 s is gone. gRPC times a keepalive ping out by grpc.http2.ping_timeout_ms
 # (60 s unless set), not by keepalive_timeout_ms: without it, a replica that
 # hung (SIGSTOP, a stalled VM, a half-open connection) held its proxies for
 # 60-70 s, serving a table that a drain made meanwhile did not reach (trial 17).
+# A hung replica's proxies must leave it (at most 7 s) before its lease, and
+# their registrations with it, lapse (--lease-ttl, 10 s by default): at 10 s
+# and 5 s they were missing from the fleet for up to 5 s, their shares of the
+# limits given to the others while they served on (trial 34).
+KEEPALIVE_TIME_MS = 4_000
+KEEPALIVE_TIMEOUT_MS = 3_000
 KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
+# What a server lets a client ping at, at most: below KEEPALIVE_TIME_MS, so
+# that a ping a little early is no strike (gRPC closes a connection that
+# pings too often with GOAWAY too_many_pings).
+MIN_PING_INTERVAL_MS = 2_000
 
 ENV_TLS_CA = "PONTO_TLS_CA"
 ENV_TLS_CERT = "PONTO_TLS_CERT"

@@ -117,7 +117,7 @@ def test_a_hung_replicas_proxies_move_and_get_what_changed_meanwhile(fleet: Flee
     half-open connection alike) held its proxies for 60-70 s, serving a table
     that a drain made meanwhile did not reach: gRPC timed the keepalive ping
     out by its own 60 s ping timeout. They leave it once a ping goes
-    unanswered for 5 s (a ping every 10 s), and the drain reaches them."""
+    unanswered for 3 s (a ping every 4 s), and the drain reaches them."""
     proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
     victim = proxies[0].control_plane_id
     hung = fleet.controls.pop(victim)  # fleet.admin() asks the live ones
@@ -125,7 +125,7 @@ def test_a_hung_replicas_proxies_move_and_get_what_changed_meanwhile(fleet: Flee
     try:
         fleet.admin().DrainOrigin(apb.DrainRequest(name="o1", drained=True), timeout=5)
         drained = fleet.wait_table(lambda t: t.origins[0].drained)
-        # 15 s to see the replica hung, 70 s before; a little more to register.
+        # 7 s to see the replica hung, 70 s before; a little more to register.
         fleet.wait_proxies_at(drained, timeout=30)
     finally:
         os.kill(hung.pid, signal.SIGCONT)
