@@ -140,9 +140,21 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
             )
     elif settings.drain_seconds > 0:
         app[DRAINING].active = True
-        log.info("draining for %.1f s", settings.drain_seconds)
+        open_now, busy = under_way(site)
+        log.info(
+            "draining for up to %.1f s: %d connections open, %d requests under way",
+            settings.drain_seconds,
+            open_now,
+            busy,
+        )
         await _drain(site, settings.drain_seconds)
-    log.info("shutting down")
+    # What the operator waits for next (trial 34: "shutting down" alone, with
+    # streams still running for a minute).
+    busy = under_way(site)[1]
+    if busy:
+        log.info("shutting down: %d requests under way (they end, or are cancelled in 60 s)", busy)
+    else:
+        log.info("shutting down: no request under way")
     # Answers from now on say `Connection: close` too, and a request cut at
     # the end is the proxy's doing ("cancelled"), drain or not.
     app[DRAINING].active = True
@@ -246,6 +258,16 @@ def tune_gc() -> None:
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
+def under_way(site: web.BaseSite) -> tuple[int, int]:
+    """The site's connections open, and those with a request under way."""
+    server = site._runner.server
+    if server is None:
+        return 0, 0
+    connections = server.connections
+    busy = sum(1 for c in connections if isinstance(c, EdgeProtocol) and c.busy)
+    return len(connections), busy
 
 
 async def _drain(

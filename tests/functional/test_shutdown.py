@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from dataplane.http.edge import EdgeLimits, EdgeRunner
+from dataplane.run import under_way
 from tests.functional.edgestack import listen
 
 WAIT = 10.0
@@ -127,3 +128,25 @@ async def test_connections_with_no_request_begun_are_closed_at_once(
     assert await asyncio.wait_for(kept.read(), WAIT) == b""
     fresh_w.close()
     kept_w.close()
+
+
+async def test_a_stop_counts_the_connections_open_and_the_requests_under_way() -> None:
+    """What the drain's and the shutdown's log lines say (trial 34: only
+    "shutting down", while streams ran on for a minute)."""
+    app = web.Application()
+    app.router.add_post("/echo", echo)
+    limits = EdgeLimits(header_timeout=LONG, body_timeout=LONG, keepalive_timeout=LONG)
+    runner, site, port = await listen(app, limits)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        assert under_way(site) == (0, 0)
+        _, idle = await began(port, b"")
+        _, busy = await began(
+            port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhe"
+        )
+        writers += [idle, busy]
+        assert under_way(site) == (2, 1)
+    finally:
+        for writer in writers:
+            writer.close()
+        await runner.cleanup()
