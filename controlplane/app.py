@@ -157,8 +157,8 @@ class ControlPlane:
             interceptors=[
                 AdminCalls(self.metrics),  # first: it counts what the guard refuses
                 TokenGuard(
-                    bootstrap_token=security.bootstrap_token,
-                    admin_token=security.admin_token,
+                    bootstrap_token=security.bootstrap_tokens,
+                    admin_token=security.admin_tokens,
                     require_roles=bool(security.tls_client_ca),
                     on_refused=self.metrics.routing_refused,
                 ),
@@ -185,7 +185,7 @@ class ControlPlane:
             self.catalog,
             self.publisher,
             settings.replica_id,
-            admin_token=security.admin_token,
+            admin_token=security.admin_tokens,
             writes_off=_writes_off(settings),
             audit=self.audit,
             metrics=self.metrics,

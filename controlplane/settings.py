@@ -14,7 +14,7 @@ from controlplane.health import ProbeSettings
 from controlplane.store.etcd import EtcdTls, split_endpoint
 from ponto import tlsfiles
 from ponto.cliargs import finite_float, hostport, listen_address, path
-from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secret
+from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secrets
 from ponto.originca import origin_ca_flag
 
 
@@ -221,16 +221,22 @@ def parse(argv: list[str]) -> Settings:
     if a.quota_interval_ms < 50:
         p.error("--quota-interval-ms must be at least 50")
     try:
+        # A file may hold several tokens, one a line, all accepted: a token
+        # is rotated without a flag day (read_secrets).
+        bootstraps = (
+            read_secrets(a.bootstrap_token_file, "bootstrap token")
+            if a.bootstrap_token_file
+            else ()
+        )
+        admins = read_secrets(a.admin_token_file, "admin token") if a.admin_token_file else ()
         security = ServerSecurity(
             tls_cert=a.tls_cert,
             tls_key=a.tls_key,
             tls_client_ca=a.tls_client_ca,
-            bootstrap_token=read_secret(a.bootstrap_token_file, "bootstrap token")
-            if a.bootstrap_token_file
-            else "",
-            admin_token=read_secret(a.admin_token_file, "admin token")
-            if a.admin_token_file
-            else "",
+            bootstrap_token=bootstraps[0] if bootstraps else "",
+            other_bootstrap_tokens=bootstraps[1:],
+            admin_token=admins[0] if admins else "",
+            other_admin_tokens=admins[1:],
         )
         # Fail at start, in one line, not on binding or the first call.
         now = datetime.datetime.now(datetime.UTC)

@@ -181,7 +181,7 @@ class StatusWeb:
         publisher: Publisher,
         replica_id: str,
         *,
-        admin_token: str = "",
+        admin_token: str | Sequence[str] = "",
         writes_off: str = "",
         audit: Auditor | None = None,
         metrics: Exposition | None = None,
@@ -192,7 +192,13 @@ class StatusWeb:
         self._catalog = catalog
         self._publisher = publisher
         self._replica_id = replica_id
-        self._token = admin_token
+        # Every admin token accepted (a rotation's old and new); none: writes
+        # need no token.
+        self._tokens = (
+            ((admin_token,) if admin_token else ())
+            if isinstance(admin_token, str)
+            else tuple(t for t in admin_token if t)
+        )
         # Why writes are off (shown on the page), "" when they are on.
         self._writes_off = writes_off
         self._audit = audit
@@ -215,7 +221,7 @@ class StatusWeb:
         """How the page may change anything: "off", "token" or "open"."""
         if self._writes_off:
             return "off"
-        return "token" if self._token else "open"
+        return "token" if self._tokens else "open"
 
     def runner(self) -> web.AppRunner:
         """A runner of app() on the proxy's edge (dataplane.http.edge) with
@@ -544,7 +550,7 @@ class StatusWeb:
         if self._writes_off:
             raise Refused(403, "permission_error", "writes_off", self._writes_off)
         _check_same_origin(request)
-        if not self._token:
+        if not self._tokens:
             if not _rebind_proof(request.host):
                 raise Refused(
                     403,
@@ -572,7 +578,11 @@ class StatusWeb:
                 "missing_admin_token",
                 "this needs the admin token: Authorization: Bearer TOKEN",
             )
-        if not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+        given = given.strip()
+        matched = False
+        for token in self._tokens:  # each compared in constant time
+            matched |= hmac.compare_digest(given.encode(), token.encode())
+        if not matched:
             raise Refused(403, "permission_error", "invalid_admin_token", "wrong admin token")
         return "admin-token"
 

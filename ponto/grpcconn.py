@@ -103,6 +103,26 @@ def read_secret(path: str, what: str) -> str:
     return token
 
 
+def read_secrets(path: str, what: str) -> tuple[str, ...]:
+    """Every token of a secret file, one a line (blank lines skipped), each
+    checked as `read_secret` checks the first. A control plane accepts them
+    all, so that a token is rotated without a moment when proxies or
+    operators holding the old one or the new one are refused: the new one
+    added to the file, then given to the clients, then the old one taken out
+    (trial 34). A client sends the first (`read_secret`)."""
+    first = read_secret(path, what)  # what it says of an unreadable or empty file
+    tokens = [first]
+    for at, line in enumerate(Path(path).read_text(encoding="utf-8").strip().splitlines()[1:], 2):
+        token = line.strip()
+        if not token:
+            continue
+        problem = token_problem(token)
+        if problem is not None:
+            raise CredentialError(f"{what} file {path}, line {at}, {problem}")
+        tokens.append(token)
+    return tuple(tokens)
+
+
 def read_bytes(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -312,14 +332,27 @@ class ServerSecurity:
     tls_client_ca: str = ""
     bootstrap_token: str = field(default="", repr=False)
     admin_token: str = field(default="", repr=False)
+    # Also accepted, while a token is rotated: the token files' other lines.
+    other_bootstrap_tokens: tuple[str, ...] = field(default=(), repr=False)
+    other_admin_tokens: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise CredentialError("give both --tls-cert and --tls-key, or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise CredentialError("--tls-client-ca needs --tls-cert and --tls-key")
-        if self.bootstrap_token and self.bootstrap_token == self.admin_token:
+        if set(self.bootstrap_tokens) & set(self.admin_tokens):
             raise CredentialError("the admin token must differ from the bootstrap token")
+
+    @property
+    def bootstrap_tokens(self) -> tuple[str, ...]:
+        """Every bootstrap token accepted (none: proxies need none)."""
+        return (self.bootstrap_token, *self.other_bootstrap_tokens) if self.bootstrap_token else ()
+
+    @property
+    def admin_tokens(self) -> tuple[str, ...]:
+        """Every admin token accepted (none: the Admin API needs none)."""
+        return (self.admin_token, *self.other_admin_tokens) if self.admin_token else ()
 
     def check_files(self, now: datetime.datetime) -> None:
         """As ClientOptions.check_files, for the server's certificate, key and

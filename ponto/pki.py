@@ -132,6 +132,14 @@ def _cert(
         .not_valid_before(not_before)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        # Key identifiers: a verifier given the old CA and the new one while
+        # certificates are rotated finds each certificate's issuer by its key,
+        # not by a name two CAs may share (trial 34: BAD_SIGNATURE).
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
     )
     if ca:
         builder = builder.add_extension(
@@ -256,7 +264,8 @@ def bundle_files() -> tuple[str, ...]:
 def _make_bundle(directory: Path, server_names: tuple[str, ...]) -> Bundle:
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
-    ca = _cert("ponto-demo-ca", ca_key, None, ca=True)
+    # A name of its own: CAs made apart are told apart in a bundle of both.
+    ca = _cert(f"ponto-demo-ca {secrets.token_hex(4)}", ca_key, None, ca=True)
     _save(directory, "ca", ca, ca_key)
     server_key = _key()
     server = _cert("ponto-control", server_key, (ca.subject, ca_key), server_names=server_names)

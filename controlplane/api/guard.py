@@ -42,7 +42,7 @@ import inspect
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -168,6 +168,20 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+def _tokens(given: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(given, str):
+        return (given,) if given else ()
+    return tuple(t for t in given if t)
+
+
+def _among(token: str, accepted: tuple[str, ...]) -> bool:
+    """Whether `token` is one of `accepted`, each compared in constant time."""
+    found = False
+    for candidate in accepted:
+        found |= _same(token, candidate)
+    return found
+
+
 def _needed_role(method: str) -> str | None:
     if method.startswith(ROUTING_PREFIX):
         return roles.PROXY
@@ -184,8 +198,8 @@ class TokenGuard(grpc.aio.ServerInterceptor):
     def __init__(
         self,
         *,
-        bootstrap_token: str,
-        admin_token: str,
+        bootstrap_token: str | Sequence[str],
+        admin_token: str | Sequence[str],
         require_roles: bool = False,
         on_refused: Callable[[str, str], None] = lambda method, code: None,
         clock: Callable[[], float] = time.monotonic,
@@ -193,8 +207,9 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         """`on_refused(method, code)` is called for each refused Routing call,
         with the method's name without its service ("Register") and the
         status code's name."""
-        self._bootstrap = bootstrap_token
-        self._admin = admin_token
+        # Each a token, or every token accepted (a rotation's old and new).
+        self._bootstrap = _tokens(bootstrap_token)
+        self._admin = _tokens(admin_token)
         self._require_roles = require_roles
         self._on_refused = on_refused
         self._log = RefusalLog(clock)
@@ -213,9 +228,9 @@ class TokenGuard(grpc.aio.ServerInterceptor):
     def check(self, method: str, token: str) -> Refusal | None:
         """None when the call's token lets it proceed, else the status to refuse it with."""
         if method.startswith(ADMIN_PREFIX) and self._admin:
-            if _same(token, self._admin):
+            if _among(token, self._admin):
                 return None
-            if self._bootstrap and _same(token, self._bootstrap):
+            if _among(token, self._bootstrap):
                 return (
                     grpc.StatusCode.PERMISSION_DENIED,
                     "a proxy credential cannot call the Admin API; use the admin token",
@@ -232,7 +247,7 @@ class TokenGuard(grpc.aio.ServerInterceptor):
                 "the admin token given is not this control plane's admin token",
             )
         if method.startswith(ROUTING_PREFIX) and self._bootstrap:
-            if _same(token, self._bootstrap):
+            if _among(token, self._bootstrap):
                 return None
             if not token:
                 return (

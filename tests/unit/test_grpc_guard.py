@@ -35,6 +35,7 @@ from ponto.grpcconn import (
     ServerSecurity,
     admin_channel,
     read_secret,
+    read_secrets,
 )
 from ponto.pki import Bundle, add_client, make_bundle
 from ponto.v1 import admin_pb2 as apb
@@ -105,6 +106,46 @@ def test_nothing_is_required_when_no_token_is_configured(method: str) -> None:
     guard = TokenGuard(bootstrap_token="", admin_token="")
     assert guard.check(method, "") is None
     assert guard.check(method, "anything") is None
+
+
+def test_every_token_of_a_rotation_is_accepted_for_its_service_only() -> None:
+    """Trial 34: a token file held one token, so rotating one was a flag day
+    (proxies and operators holding the other refused until all moved)."""
+    old_boot, new_boot = BOOTSTRAP, "bootstrap-token-new-0123456789"
+    old_admin, new_admin = ADMIN, "admin-token-new-9876543210"
+    guard = TokenGuard(bootstrap_token=(new_boot, old_boot), admin_token=(new_admin, old_admin))
+    for token in (old_boot, new_boot):
+        assert guard.check(ROUTING_METHOD, token) is None
+        refused = guard.check(ADMIN_METHOD, token)
+        assert refused is not None and refused[0] is grpc.StatusCode.PERMISSION_DENIED
+    for token in (old_admin, new_admin):
+        assert guard.check(ADMIN_METHOD, token) is None
+        refused = guard.check(ROUTING_METHOD, token)
+        assert refused is not None and refused[0] is grpc.StatusCode.UNAUTHENTICATED
+    wrong = guard.check(ADMIN_METHOD, "admin-token-of-someone-else")
+    assert wrong is not None and wrong[0] is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_file_of_several_lines_gives_every_token(tmp_path: Path) -> None:
+    path = tmp_path / "bootstrap.token"
+    path.write_text("new-token-0123456789\n\n  old-token-0123456789  \n")
+    assert read_secrets(str(path), "bootstrap token") == (
+        "new-token-0123456789",
+        "old-token-0123456789",
+    )
+    assert read_secret(str(path), "bootstrap token") == "new-token-0123456789"  # what is sent
+    path.write_text("new-token-0123456789\nold token\twith a tab\n")
+    with pytest.raises(CredentialError, match="line 2"):
+        read_secrets(str(path), "bootstrap token")
+
+
+def test_no_token_may_be_both_a_bootstrap_and_an_admin_token() -> None:
+    with pytest.raises(CredentialError, match="must differ"):
+        ServerSecurity(
+            bootstrap_token=BOOTSTRAP,
+            admin_token=ADMIN,
+            other_admin_tokens=(BOOTSTRAP,),
+        )
 
 
 def test_each_token_is_required_only_when_configured() -> None:

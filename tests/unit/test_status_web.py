@@ -647,6 +647,14 @@ async def test_writes_off_refuses_every_write_and_the_page_says_why(plane: Plane
     assert plane.audit.calls == []
 
 
+async def test_every_admin_token_of_a_rotation_may_drain(plane: Plane) -> None:
+    web = web_of(plane, admin_token=("new-admin-token-0123", TOKEN))
+    async with TestClient(TestServer(web.app())) as c:
+        for token, status in (("new-admin-token-0123", 200), (TOKEN, 200), ("other", 403)):
+            headers = {**WRITE, "Authorization": f"Bearer {token}"}
+            assert (await c.post("/api/regions/us-east/drain", headers=headers)).status == status
+
+
 async def test_without_an_audit_log_a_drain_still_works(plane: Plane) -> None:
     web = StatusWeb(plane.catalog, plane.publisher, "r1", admin_token="")
     async with TestClient(TestServer(web.app())) as c:
