@@ -273,10 +273,16 @@ def _fractions(
     # of the freed share. So while no proxy is far below its target, such
     # cuts need the wider fairness band, which noise in demand stays inside.
     starving = any(t > p * (1.0 + fairness_band) for t, p in zip(targets, prev, strict=True))
+    # A proxy holding nothing (one that joined, or came back) waits for the
+    # others' cuts: they are made now, however small, so that it has its
+    # share the round after. Kept within hysteresis, they left it nothing
+    # round after round in a fleet using its whole limit (review 50); its
+    # shares are held back from it until it has one (QuotaHub._held).
+    joined = any(p <= 0 < t for t, p in zip(targets, prev, strict=True))
     want = []
     for t, p, w in zip(targets, prev, weights, strict=True):
         band = fairness_band if t < p <= w and not starving else hysteresis
-        want.append(p if p > 0 and abs(t - p) <= band * p else t)
+        want.append(p if p > 0 and abs(t - p) <= band * p and not joined else t)
     base = [min(p, w) for w, p in zip(want, prev, strict=True)]
     # Increases may use what `previous` leaves free, plus the overcommit
     # budget, but never take the new shares themselves above 1.

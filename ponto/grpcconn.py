@@ -83,8 +83,9 @@ def token_problem(token: str) -> str | None:
 
 
 def read_secret(path: str, what: str) -> str:
-    """The first line of a secret file, stripped, when it can be sent as a
-    token (`token_problem`); never echoes the content. A token of other
+    """The first line of a secret file that holds a token (not blank, not a
+    `#` comment), stripped, when it can be sent as a token (`token_problem`);
+    never echoes the content. A token of other
     characters was taken at start and failed every call after: a traceback
     a second from a proxy, `Invalid metadata [INTERNAL]` from pontoctl, an
     Admin API no one could use (trial 23)."""
@@ -94,9 +95,10 @@ def read_secret(path: str, what: str) -> str:
         raise CredentialError(f"cannot read {what} file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError:
         raise CredentialError(f"{what} file {path} is not UTF-8 text") from None
-    if not text:
+    lines = _token_lines(text)
+    if not lines:
         raise CredentialError(f"{what} file {path} is empty")
-    token = text.splitlines()[0].strip()
+    token = lines[0][1]
     problem = token_problem(token)
     if problem is not None:
         raise CredentialError(f"{what} file {path} {problem}")
@@ -112,15 +114,25 @@ def read_secrets(path: str, what: str) -> tuple[str, ...]:
     (trial 34). A client sends the first (`read_secret`)."""
     first = read_secret(path, what)  # what it says of an unreadable or empty file
     tokens = [first]
-    for at, line in enumerate(Path(path).read_text(encoding="utf-8").strip().splitlines()[1:], 2):
-        token = line.strip()
-        if not token:
-            continue
+    for at, token in _token_lines(Path(path).read_text(encoding="utf-8"))[1:]:
         problem = token_problem(token)
         if problem is not None:
             raise CredentialError(f"{what} file {path}, line {at}, {problem}")
         tokens.append(token)
     return tuple(tokens)
+
+
+def _token_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, token) of a secret file's lines that hold one: neither
+    blank nor a comment (`#`), which a file of several tokens may carry (a
+    note of when to take one out) and no one must be able to send as a
+    token (review 50)."""
+    found = []
+    for at, line in enumerate(text.splitlines(), 1):
+        token = line.strip()
+        if token and not token.startswith("#"):
+            found.append((at, token))
+    return found
 
 
 def read_bytes(path: str, what: str) -> bytes:

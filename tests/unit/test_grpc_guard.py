@@ -137,6 +137,10 @@ def test_a_token_file_of_several_lines_gives_every_token(tmp_path: Path) -> None
     path.write_text("new-token-0123456789\nold token\twith a tab\n")
     with pytest.raises(CredentialError, match="line 2"):
         read_secrets(str(path), "bootstrap token")
+    # A note beside a token is no token (review 50: it was accepted as one).
+    path.write_text("# new since May\nnew-token-0123456789\n# take out after May\nold-token-0\n")
+    assert read_secrets(str(path), "bootstrap token") == ("new-token-0123456789", "old-token-0")
+    assert read_secret(str(path), "bootstrap token") == "new-token-0123456789"
 
 
 def test_no_token_may_be_both_a_bootstrap_and_an_admin_token() -> None:

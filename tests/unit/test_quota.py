@@ -146,6 +146,23 @@ def test_a_debt_past_reason_is_bounded(debt: float) -> None:
     assert sum(fractions(shares)) <= 1
 
 
+@pytest.mark.parametrize("others", [2, 10])
+def test_a_proxy_that_joins_a_busy_fleet_has_a_share_the_round_after(others: int) -> None:
+    """Review 50: in a fleet demanding its whole limit, a newcomer's floor
+    moved the others' targets by less than the hysteresis, so they were not
+    cut, and it was granted nothing, round after round; its shares held back
+    until it had one (QuotaHub._held), it never took traffic to show demand."""
+    limits = {S: ScopeLimits(rpm=600, concurrency=10)}
+    old = [f"p{i}" for i in range(others)]
+    busy = {p: {S: Demand(requests_per_s=20.0)} for p in old}
+    shares = settle(limits, old, busy)
+    joined = compute_shares(limits, [*old, "new"], busy, shares)
+    assert joined["new"][S].fraction == 0.0  # it waits for the others' cuts
+    joined = compute_shares(limits, [*old, "new"], busy, joined)
+    assert joined["new"][S].fraction > 0.0
+    assert math.fsum(s[S].fraction for s in joined.values()) <= 1.0
+
+
 def test_a_small_debt_is_repaid_where_it_is() -> None:
     """Under 10 % of the limit (a saturated tenant's answers settled past
     empty buckets): no share moves for it."""
