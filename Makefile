@@ -145,8 +145,8 @@ e2e: $(STAMP) $(CHROMIUM) $(REDIS)
 
 # The whole system on a laptop: etcd, the control plane, three simulated origins
 # in three regions and two proxies. Stays up until Ctrl-C.
-# DEMO_ARGS="--port-base 23000" puts its proxies, control plane and status page
-# on 23000 to 23004 (ponto-demo --help).
+# DEMO_ARGS="--port-base 23000" puts its proxies, control plane, status page and
+# the banner's proxy of your own on 23000 to 23005 (ponto-demo --help).
 demo: $(STAMP) $(REDIS)
 	$(BIN)/ponto-demo $(DEMO_ARGS)
 

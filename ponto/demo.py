@@ -74,11 +74,11 @@ def fixed_ports(base: int | None) -> FixedPorts | str:
             _preferred(7070),
             (_preferred(7080)),
         )
-    if not 1024 <= base <= 65535 - 4:
-        return f"--port-base must be from 1024 to 65531, not {base}"
-    taken = [port for port in range(base, base + 5) if not port_free(port)]
+    if not 1024 <= base <= 65535 - 5:
+        return f"--port-base must be from 1024 to 65530, not {base}"
+    taken = [port for port in range(base, base + 6) if not port_free(port)]
     if taken:
-        return f"--port-base {base}: port {', '.join(map(str, taken))} taken (5 from it are used)"
+        return f"--port-base {base}: port {', '.join(map(str, taken))} taken (6 from it are used)"
     return (base, base + 1, base + 2), base + 3, base + 4
 
 
@@ -106,7 +106,9 @@ class GeoCall:
         headers = " ".join(f"-H '{k}: {v}'" for k, v in self.headers().items())
         return (
             f"curl -s -D - -o /dev/null {headers} -d '{GEO_BODY}' "
-            f"{self.proxy_url}/chat/completions | grep -i '^x-ponto-region'"
+            # The status line too when it is no 2xx: a refusal (a key made
+            # since closed the demo) printed nothing at all (trial 35).
+            f"{self.proxy_url}/chat/completions | grep -iE '^x-ponto-region|^HTTP/[0-9.]+ [^2]'"
         )
 
     def region(self) -> str:
@@ -147,7 +149,7 @@ def cache_curl(proxy_url: str, question: str = CACHE_QUESTION) -> str:
     )
     return (
         f"curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{body}' "
-        f"{proxy_url}/chat/completions | grep -i '^x-ponto-cache'"
+        f"{proxy_url}/chat/completions | grep -iE '^x-ponto-cache|^HTTP/[0-9.]+ [^2]'"
     )
 
 
@@ -187,8 +189,9 @@ def own_proxy_command(fleet: Fleet, port: int) -> list[str]:
     return own
 
 
-def own_proxy_hint(fleet: Fleet) -> list[str]:
-    port = _preferred(8099) or devenv.free_port()
+def own_proxy_hint(fleet: Fleet, port: int = 0) -> list[str]:
+    """`port`: the one --port-base gives it (0: 8099, or a free one where taken)."""
+    port = port or _preferred(8099) or devenv.free_port()
     return [
         "Add a proxy of your own, in another terminal (Ctrl-C stops it; it registers",
         "with the control plane and serves its region's table like the demo's own;",
@@ -211,7 +214,7 @@ def redis_available() -> bool:
     return True
 
 
-def banner(fleet: Fleet, *, logs_removed: bool) -> str:
+def banner(fleet: Fleet, *, logs_removed: bool, own_port: int = 0) -> str:
     control_name, control = next(iter(fleet.controls.items()))
     assert fleet.etcd is not None
     rows = [
@@ -275,10 +278,12 @@ def banner(fleet: Fleet, *, logs_removed: bool) -> str:
         "  .venv/bin/pontoctl drain region us-east",
         "  .venv/bin/pontoctl tenant add acme && .venv/bin/pontoctl key create --tenant acme",
         "  .venv/bin/pontoctl get audit      # who changed what, when, from where",
-        "  (once a key exists, requests need 'Authorization: Bearer <key>')",
+        "  (the first key closes the fleet for good, revoked or not: every request then",
+        "  needs 'Authorization: Bearer <key>' (curl -H, the openai client's api_key),",
+        "  the lines above included)",
         *failover_hint(fleet, first),
         "",
-        *own_proxy_hint(fleet),
+        *own_proxy_hint(fleet, own_port),
         "",
         f"Logs are in {fleet.workdir}"
         + (" (removed on exit; --workdir DIR keeps them)." if logs_removed else "."),
@@ -643,8 +648,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="PORT",
         help="the proxies listen on PORT, PORT+1 and PORT+2, the control plane on PORT+3 "
-        "(gRPC) and its status page on PORT+4 (default: 8080 to 8082, 7070 and 7080, each "
-        "or a free port if taken); etcd, the origins and Redis take free ports from 20000",
+        "(gRPC) and its status page on PORT+4, and the banner's proxy of your own on "
+        "PORT+5 (default: 8080 to 8082, 7070, 7080 and 8099, each or a free port if "
+        "taken); etcd, the origins and Redis take free ports from 20000",
     )
     args = p.parse_args(argv)
     fixed = fixed_ports(args.port_base)
@@ -692,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
             status_port=status_port,
             regional_cache=regional,
         )
-        print(banner(fleet, logs_removed=args.workdir is None), flush=True)
+        own_port = args.port_base + 5 if args.port_base is not None else 0
+        print(banner(fleet, logs_removed=args.workdir is None, own_port=own_port), flush=True)
         run_supervised(fleet)
         print("\nstopping…", flush=True)
         remove = args.workdir is None

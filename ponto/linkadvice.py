@@ -25,6 +25,10 @@ class Flags:
 
     env: bool = True
 
+    def address(self) -> str:
+        """Where the caller takes the control plane's address from."""
+        return "--control-plane (or PONTO_CONTROL_PLANE)" if self.env else "--control-plane"
+
     def tls(self, *which: str) -> str:
         """`--tls-ca, --tls-cert and --tls-key (or PONTO_TLS_CA, ...)` for `which`
         among "ca", "cert", "key"."""
@@ -48,6 +52,13 @@ def unreachable(detail: str, address: str, options: ClientOptions, flags: Flags 
     its words show which one failed."""
     said = detail.lower()
     where = f"control plane at {address}"
+    if "connection refused" in said:
+        # Nothing listens there, TLS or not: no TLS setting would help, and a
+        # newcomer without the address set got only TLS advice (trial 35).
+        return (
+            f"{where} is unreachable: nothing listens at {address} ({detail}); check the "
+            f"address ({flags.address()}) and that the control plane runs"
+        )
     if not options.secure:
         return (
             f"{where} is unreachable ({detail}); if it requires TLS, give "

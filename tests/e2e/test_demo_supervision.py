@@ -254,7 +254,9 @@ def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays
     else:
         assert [line for line in demo.seen if line.startswith("redis-server not found")]
     assert {"proxy-us-east", "origin-us-east", "control-1", "etcd"} <= members.keys()
-    run_own_proxy(own_proxy_line(demo))
+    own = own_proxy_line(demo)
+    assert f"--listen 127.0.0.1:{base + 5} " in own, own  # trial 35: it was 8099
+    run_own_proxy(own)
     origin, origin_pid = members["origin-us-east"]
     proxy = members["proxy-us-east"][0]
     assert chat(proxy).headers["x-ponto-origin"] == "origin-us-east"

@@ -188,8 +188,10 @@ MUTUAL = ClientOptions("ca.crt", "admin.crt", "admin.key")
         (SERVER_NOT_YET_VALID, CA_ONLY, "failed: its certificate is not yet valid", "--tls-ca"),
         (BAD_KEY, CA_ONLY, "check that the CA ca.crt is a PEM file", "certificate"),
         # Nothing listens: no TLS advice, which would send the operator the wrong way.
-        (REFUSED, CA_ONLY, "is unreachable (", "certificate"),
-        (REFUSED, ClientOptions(), "if it requires TLS, give --tls-ca", "certificate"),
+        (REFUSED, CA_ONLY, "nothing listens at 127.0.0.1:7000", "certificate"),
+        # Trial 35: told of TLS where nothing listened (its address not set).
+        (REFUSED, ClientOptions(), "check the address (--control-plane (or "
+                                   "PONTO_CONTROL_PLANE))", "TLS"),
     ],
 )  # fmt: skip
 def test_tls_failures_name_the_setting_to_look_at(

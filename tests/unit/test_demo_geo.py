@@ -42,4 +42,4 @@ def test_each_curl_line_is_one_call_as_its_user() -> None:
         assert f"X-Forwarded-For: {call.user.address}" in headers
         assert "cache-control: no-cache" in headers
         assert args[args.index("-d") + 1] == GEO_BODY
-        assert shlex.split(pipe) == ["grep", "-i", "^x-ponto-region"]
+        assert shlex.split(pipe) == ["grep", "-iE", "^x-ponto-region|^HTTP/[0-9.]+ [^2]"]
