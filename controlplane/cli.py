@@ -50,7 +50,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
-from controlplane.apply import ApplyError, change_text, non_finite
+from controlplane.apply import ApplyError, change_text, non_finite, tenant_changes
 from controlplane.errors import InvalidArgument
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
@@ -1301,6 +1301,12 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 " NOT SUSPENDED: the control plane does not support suspension; upgrade it "
                 "and set it again"
             )
+        # What changed, as the audit trail says it (trial 35: the line above
+        # did not say that --max-tokens took, or from what).
+        with contextlib.suppress(InvalidArgument):  # a record it cannot read: said above
+            changes = tenant_changes(tenant_of(current), tenant_of(t))
+            if changes:
+                saved += f"\n  changed: {changes}"
         return saved
     if args.command == "key":
         if args.action == "create":

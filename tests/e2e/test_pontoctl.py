@@ -173,6 +173,12 @@ def test_tenant_cache_settings_limits_and_purge(
         "--semantic-threshold", "0.95", "--semantic-max-error", "0.02", "--cache-ttl", "120",
     )  # fmt: skip
     ctl(fleet, capsys, "limit", "set", "--tenant", "acme", "--rpm", "60", "--concurrency", "2")
+    # What a change changed, as get audit says it (trial 35: a ceiling that took
+    # said nothing of it).
+    out, _ = ctl(fleet, capsys, "tenant", "set", "acme", "--max-tokens", "16")
+    assert out.splitlines()[1] == "  changed: prompt.max_tokens 512 -> 16", out
+    out, _ = ctl(fleet, capsys, "tenant", "set", "acme", "--max-tokens", "512")
+    assert out.splitlines()[1] == "  changed: prompt.max_tokens 16 -> 512", out
     out, _ = ctl(fleet, capsys, "get", "tenants", "-o", "yaml")
     acme = yaml.safe_load(out)["tenants"][0]
     assert acme["cache"] == {

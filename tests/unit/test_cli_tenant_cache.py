@@ -104,11 +104,19 @@ def test_tenant_set_says_the_routing_policy_it_leaves() -> None:
     """Trial: `--model-routing`, `--load-bound` and `--user-sessions` printed
     `(cache exact; routing default)` whatever they changed."""
     stub = Stub(pb.Tenant(name="acme", cache=pb.CachePolicy(mode="exact")))
-    out = tenant_set(stub, "--model-routing", "embed=least-loaded")
-    assert out == "tenant acme saved (cache exact; routing default,embed=least-loaded)"
-    out = tenant_set(stub, "--load-bound", "1.5", "--user-sessions", "on")
-    assert (
-        out == "tenant acme saved (cache exact; routing default,embed=least-loaded,user,bound=1.5)"
+    out = tenant_set(stub, "--model-routing", "embed=least-loaded").splitlines()
+    assert out == [
+        "tenant acme saved (cache exact; routing default,embed=least-loaded)",
+        # What changed, as the audit trail says it (trial 35).
+        '  changed: routing unset -> {"models":{"embed":"least-loaded"}}',
+    ]
+    out = tenant_set(stub, "--load-bound", "1.5", "--user-sessions", "on").splitlines()
+    assert out[0] == (
+        "tenant acme saved (cache exact; routing default,embed=least-loaded,user,bound=1.5)"
     )
-    out = tenant_set(stub, "--routing", "weighted", "--model-routing", "embed=default")
-    assert out == "tenant acme saved (cache exact; routing weighted,user,bound=1.5)"
+    assert out[1] == (
+        "  changed: routing.user_sessions false -> true; routing.load_bound unset -> 1.5"
+    )
+    last = tenant_set(stub, "--routing", "weighted", "--model-routing", "embed=default")
+    saved = last.splitlines()[0]
+    assert saved == "tenant acme saved (cache exact; routing weighted,user,bound=1.5)"
