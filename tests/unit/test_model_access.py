@@ -288,9 +288,13 @@ def pontoctl(stub: Stub, *argv: str) -> str:
 def test_tenant_set_replaces_or_clears_the_list() -> None:
     stub = Stub()
     out = pontoctl(stub, "tenant", "set", "acme", "--models", "llama-8b, fast")
-    assert out == "tenant acme saved (cache ; routing default; models fast,llama-8b)"
+    assert out.splitlines() == [
+        "tenant acme saved (cache ; routing default; models fast,llama-8b)",
+        '  changed: models ["a"] -> ["fast","llama-8b"]',
+    ]
     assert list(stub.sent[-1].models.names) == ["fast", "llama-8b"]
-    assert pontoctl(stub, "tenant", "set", "acme", "--any-model").endswith("; models any)")
+    out = pontoctl(stub, "tenant", "set", "acme", "--any-model")
+    assert out.splitlines()[0].endswith("; models any)")
     assert stub.sent[-1].HasField("models") and not stub.sent[-1].models.names
     # The same list again sends nothing.
     assert "unchanged" in pontoctl(stub, "tenant", "set", "acme", "--any-model")

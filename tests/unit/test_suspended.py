@@ -96,7 +96,11 @@ def sent_flag(stub: Stub) -> bool | None:
 def test_tenant_set_suspends_and_lifts_and_says_so() -> None:
     stub = Stub()
     said = pontoctl(stub, "tenant", "set", "acme", "--suspended", "on")
-    assert said.endswith("SUSPENDED: its callers are refused (403 tenant_suspended)")
+    assert said.splitlines() == [
+        "tenant acme saved (cache ; routing default) SUSPENDED: its callers are refused "
+        "(403 tenant_suspended)",
+        "  changed: suspended false -> true",
+    ]
     assert sent_flag(stub) is True
     assert "unchanged" in pontoctl(stub, "tenant", "set", "acme", "--suspended", "on")
     assert len(stub.sent) == 1
