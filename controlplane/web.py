@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import ipaddress
 import logging
 import time
@@ -73,6 +72,7 @@ from controlplane.registry import TRAFFIC_EVERY
 from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
+from ponto.grpcconn import accepted_tokens, token_among
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -194,11 +194,7 @@ class StatusWeb:
         self._replica_id = replica_id
         # Every admin token accepted (a rotation's old and new); none: writes
         # need no token.
-        self._tokens = (
-            ((admin_token,) if admin_token else ())
-            if isinstance(admin_token, str)
-            else tuple(t for t in admin_token if t)
-        )
+        self._tokens = accepted_tokens(admin_token)
         # Why writes are off (shown on the page), "" when they are on.
         self._writes_off = writes_off
         self._audit = audit
@@ -578,11 +574,7 @@ class StatusWeb:
                 "missing_admin_token",
                 "this needs the admin token: Authorization: Bearer TOKEN",
             )
-        given = given.strip()
-        matched = False
-        for token in self._tokens:  # each compared in constant time
-            matched |= hmac.compare_digest(given.encode(), token.encode())
-        if not matched:
+        if not token_among(given.strip(), self._tokens):
             raise Refused(403, "permission_error", "invalid_admin_token", "wrong admin token")
         return "admin-token"
 

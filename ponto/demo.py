@@ -65,15 +65,12 @@ FixedPorts = tuple[tuple[int, int, int], int, int]
 
 def fixed_ports(base: int | None) -> FixedPorts | str:
     """The proxies', the control plane's and the status page's ports: from
-    `base` on (--port-base: all five must be free), else the usual ones
-    where free (0 where taken: any free port). A str says why `base` cannot
-    be used."""
+    `base` on (--port-base: those five and the banner's own proxy's next to
+    them must be free), else the usual ones where free (0 where taken: any
+    free port). A str says why `base` cannot be used."""
     if base is None:
-        return (
-            (_preferred(8080), _preferred(8081), _preferred(8082)),
-            _preferred(7070),
-            (_preferred(7080)),
-        )
+        proxies = (_preferred(8080), _preferred(8081), _preferred(8082))
+        return proxies, _preferred(7070), _preferred(7080)
     if not 1024 <= base <= 65535 - 5:
         return f"--port-base must be from 1024 to 65530, not {base}"
     taken = [port for port in range(base, base + 6) if not port_free(port)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import hmac
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -89,20 +90,7 @@ def read_secret(path: str, what: str) -> str:
     characters was taken at start and failed every call after: a traceback
     a second from a proxy, `Invalid metadata [INTERNAL]` from pontoctl, an
     Admin API no one could use (trial 23)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise CredentialError(f"cannot read {what} file {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError:
-        raise CredentialError(f"{what} file {path} is not UTF-8 text") from None
-    lines = _token_lines(text)
-    if not lines:
-        raise CredentialError(f"{what} file {path} is empty")
-    token = lines[0][1]
-    problem = token_problem(token)
-    if problem is not None:
-        raise CredentialError(f"{what} file {path} {problem}")
-    return token
+    return _file_tokens(path, what, every=False)[0]
 
 
 def read_secrets(path: str, what: str) -> tuple[str, ...]:
@@ -112,12 +100,26 @@ def read_secrets(path: str, what: str) -> tuple[str, ...]:
     operators holding the old one or the new one are refused: the new one
     added to the file, then given to the clients, then the old one taken out
     (trial 34). A client sends the first (`read_secret`)."""
-    first = read_secret(path, what)  # what it says of an unreadable or empty file
-    tokens = [first]
-    for at, token in _token_lines(Path(path).read_text(encoding="utf-8"))[1:]:
+    return _file_tokens(path, what, every=True)
+
+
+def _file_tokens(path: str, what: str, *, every: bool) -> tuple[str, ...]:
+    """The file's tokens (`every`), or its first, each checked; the file read once."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CredentialError(f"cannot read {what} file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise CredentialError(f"{what} file {path} is not UTF-8 text") from None
+    lines = _token_lines(text)
+    if not lines:
+        raise CredentialError(f"{what} file {path} is empty")
+    tokens = []
+    for index, (at, token) in enumerate(lines if every else lines[:1]):
         problem = token_problem(token)
         if problem is not None:
-            raise CredentialError(f"{what} file {path}, line {at}, {problem}")
+            where = f"{path}, line {at}," if index else path  # the first, as always said
+            raise CredentialError(f"{what} file {where} {problem}")
         tokens.append(token)
     return tuple(tokens)
 
@@ -132,6 +134,23 @@ def _token_lines(text: str) -> list[tuple[int, str]]:
         token = line.strip()
         if token and not token.startswith("#"):
             found.append((at, token))
+    return found
+
+
+def accepted_tokens(given: str | Sequence[str]) -> tuple[str, ...]:
+    """A server's accepted tokens: one (a str, "" for none) or several (a
+    rotation's old and new), the empty ones left out."""
+    if isinstance(given, str):
+        return (given,) if given else ()
+    return tuple(t for t in given if t)
+
+
+def token_among(token: str, accepted: Sequence[str]) -> bool:
+    """Whether `token` is one of `accepted`, each compared in constant time
+    (the gRPC guard and the status page's writes)."""
+    found = False
+    for candidate in accepted:
+        found |= hmac.compare_digest(token.encode(), candidate.encode())
     return found
 
 

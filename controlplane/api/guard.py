@@ -37,7 +37,6 @@ its calls (controlplane.api.metered).
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 import time
@@ -48,6 +47,7 @@ from typing import Any
 import grpc
 
 from ponto import roles
+from ponto.grpcconn import accepted_tokens, token_among
 from ponto.logs import Throttled
 from ponto.v1 import routing_pb2 as pb
 
@@ -164,24 +164,6 @@ def _bearer(metadata: Any) -> str:
     return ""
 
 
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
-
-
-def _tokens(given: str | Sequence[str]) -> tuple[str, ...]:
-    if isinstance(given, str):
-        return (given,) if given else ()
-    return tuple(t for t in given if t)
-
-
-def _among(token: str, accepted: tuple[str, ...]) -> bool:
-    """Whether `token` is one of `accepted`, each compared in constant time."""
-    found = False
-    for candidate in accepted:
-        found |= _same(token, candidate)
-    return found
-
-
 def _needed_role(method: str) -> str | None:
     if method.startswith(ROUTING_PREFIX):
         return roles.PROXY
@@ -208,8 +190,8 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         with the method's name without its service ("Register") and the
         status code's name."""
         # Each a token, or every token accepted (a rotation's old and new).
-        self._bootstrap = _tokens(bootstrap_token)
-        self._admin = _tokens(admin_token)
+        self._bootstrap = accepted_tokens(bootstrap_token)
+        self._admin = accepted_tokens(admin_token)
         self._require_roles = require_roles
         self._on_refused = on_refused
         self._log = RefusalLog(clock)
@@ -228,9 +210,9 @@ class TokenGuard(grpc.aio.ServerInterceptor):
     def check(self, method: str, token: str) -> Refusal | None:
         """None when the call's token lets it proceed, else the status to refuse it with."""
         if method.startswith(ADMIN_PREFIX) and self._admin:
-            if _among(token, self._admin):
+            if token_among(token, self._admin):
                 return None
-            if _among(token, self._bootstrap):
+            if token_among(token, self._bootstrap):
                 return (
                     grpc.StatusCode.PERMISSION_DENIED,
                     "a proxy credential cannot call the Admin API; use the admin token",
@@ -247,7 +229,7 @@ class TokenGuard(grpc.aio.ServerInterceptor):
                 "the admin token given is not this control plane's admin token",
             )
         if method.startswith(ROUTING_PREFIX) and self._bootstrap:
-            if _among(token, self._bootstrap):
+            if token_among(token, self._bootstrap):
                 return None
             if not token:
                 return (
