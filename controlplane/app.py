@@ -35,6 +35,7 @@ from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
 from controlplane.store import StateStore
 from controlplane.store.instrumented import InstrumentedStore
+from controlplane.store.rebased import RebasedStore
 from controlplane.web import StatusWeb
 from ponto.cliargs import cannot_listen, hostport, listen_address
 from ponto.grpcconn import KEEPALIVE_OPTIONS, MIN_PING_INTERVAL_MS
@@ -104,7 +105,8 @@ class ControlPlane:
         self.metrics = (
             metrics if metrics is not None else ControlMetrics(replica=settings.replica_id)
         )
-        self.store = store = InstrumentedStore(store, self.metrics)
+        self.store = rebased = RebasedStore(InstrumentedStore(store, self.metrics))
+        store = rebased
         self.catalog = Catalog(store)
         self.audit = AuditLog(
             store,
@@ -130,7 +132,12 @@ class ControlPlane:
         )
         self.loads = LoadHub(store)
         self.routing = RoutingService(
-            self.registry, self.publisher, self.quotas, self.loads, metrics=self.metrics
+            self.registry,
+            self.publisher,
+            self.quotas,
+            self.loads,
+            metrics=self.metrics,
+            ahead=rebased.ensure_above,
         )
         self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
         self.rebalancer = Rebalancer(

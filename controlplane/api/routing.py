@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -26,6 +26,7 @@ from controlplane.metrics import ControlMetrics
 from controlplane.model import NAME_RE, check_name
 from controlplane.quotasync import QuotaHub
 from controlplane.registry import ProxyRegistry
+from controlplane.store import StoreError
 from ponto import tlsfiles
 from ponto.v1 import routing_pb2 as pb
 
@@ -94,8 +95,19 @@ class RoutingService:
         *,
         write_timeout: float = 30.0,
         metrics: ControlMetrics | None = None,
+        ahead: Callable[[int], Awaitable[bool]] | None = None,
     ) -> None:
+        """`ahead(n)` is told of a revision a proxy holds above this
+        replica's latest table: it makes what the store hands out from then
+        on higher (RebasedStore.ensure_above; etcd went back), and says
+        whether it had to."""
         self._registry = registry
+        self._ahead = ahead
+        # The highest revision told to `ahead`: told once, not by every proxy.
+        self._told_ahead = 0
+        # Tables up to this version were numbered before `ahead` raised the
+        # base, below what proxies hold: not pushed.
+        self._renumbered_upto = 0
         self._publisher = publisher
         self._metrics = metrics if metrics is not None else ControlMetrics()
         self._quotas = quotas
@@ -203,6 +215,7 @@ class RoutingService:
                 grpc.StatusCode.FAILED_PRECONDITION, "unknown session: call Register first"
             )
         name = self._registry.sessions[session_id].name
+        await self._held(name, max(first.version_info, first.highest_held))
         self.streams += 1
         subscribed = self._metrics.clock()
         # Nonce of each table push not answered yet -> when the proxy could
@@ -278,10 +291,15 @@ class RoutingService:
                     context.set_details(f"proxy {name} registered again on another stream")
                     break
                 payloads = []
-                pushed_table = tables in done
-                if pushed_table:
+                pushed_table = False
+                if tables in done:
                     sent = tables.result()
                     tables = None
+                    # Compiled before a raise of the base (_held): every proxy
+                    # would refuse it; the table read since follows.
+                    pushed_table = sent.table.version > self._renumbered_upto
+                if pushed_table:
+                    assert sent is not None
                     payloads.append(sent.payload)
                     unanswered[sent.nonce] = max(sent.published_at, subscribed)
                     while len(unanswered) > MAX_UNANSWERED:
@@ -373,11 +391,34 @@ class RoutingService:
             error = req.error_detail[:1024]
             if error:
                 log.warning("proxy NACKed push %s: %s", req.response_nonce, error)
+                await self._held(name, req.version_info)
             since = unanswered.pop(req.response_nonce, None)
             if since is not None:
                 latency = self._metrics.clock() - since
                 self._metrics.push_answered(acked=not error, latency=latency)
             await self._registry.acked(session_id, req.version_info, error, _warnings(req))
+
+    async def _held(self, name: str, revision: int) -> None:
+        """Proxy `name` holds `revision`: if it is above this replica's
+        latest table (and any told before), tell `ahead`, which reads etcd to
+        tell a lagging replica from an etcd gone back. A failure is logged;
+        the stream goes on."""
+        latest = self._publisher.latest
+        if (
+            self._ahead is None
+            or revision <= self._told_ahead
+            or (latest is not None and revision <= latest.table.version)
+        ):
+            return
+        self._told_ahead = revision
+        try:
+            if await self._ahead(revision):
+                self._renumbered_upto = max(self._renumbered_upto, revision)
+        except StoreError as exc:
+            self._told_ahead = 0  # the next proxy's report tries again
+            log.warning(
+                "proxy %s holds revision %d, not checked against etcd: %s", name, revision, exc
+            )
 
 
 def _warnings(req: pb.RouteRequest) -> tuple[str, ...]:

@@ -587,9 +587,8 @@ class EtcdStore:
         self._regression_told = clock
         log.error(
             "etcd's revision went back from %d to %d: it was restored from a backup, or "
-            "its data was lost. Everything is read again from it; proxies refuse tables "
-            "older than the ones they serve, so restart (or SIGHUP) every proxy "
-            "(docs/architecture.md, Versions)",
+            "its data was lost. Everything is read again from it (docs/architecture.md, "
+            "Versions)",
             seen,
             now,
         )

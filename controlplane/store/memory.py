@@ -11,6 +11,7 @@ import bisect
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 from controlplane.store.base import (
     MAX_TXN_OPS,
@@ -23,6 +24,14 @@ from controlplane.store.base import (
     Write,
     txn_size,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    data: dict[str, KeyValue]
+    keys: list[str]
+    revision: int
+    history: list[tuple[int, str]]
 
 
 class MemoryStore:
@@ -189,11 +198,30 @@ class MemoryStore:
         if lease_id in self._leases:
             self._drop_lease(lease_id)
 
+    def snapshot(self) -> MemorySnapshot:
+        """The keys and revision now, for restore() (a backup, as etcdctl's)."""
+        return MemorySnapshot(
+            dict(self._data), list(self._keys), self._revision, list(self._history)
+        )
+
+    def restore(self, snapshot: MemorySnapshot) -> None:
+        """Go back to `snapshot`, as etcd restored from a backup does: keys and
+        revision as they were then (leases are kept). Each watch yields the
+        revision, now lower than what it saw, as EtcdStore's do."""
+        self._data = dict(snapshot.data)
+        self._keys = list(snapshot.keys)
+        self._revision = snapshot.revision
+        self._history = list(snapshot.history)
+        self._notify()
+
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         # 0 means from now on, as in etcd.
         seen = start_revision or self._revision
         while True:
-            if any(r > seen and k.startswith(prefix) for r, k in reversed(self._history)):
+            # Restored (the revision went back): said once, then watched from there.
+            went_back = self._revision < seen
+            history = reversed(self._history)
+            if went_back or any(r > seen and k.startswith(prefix) for r, k in history):
                 seen = self._revision
                 yield seen
             else:

@@ -315,6 +315,11 @@ class ControlPlaneClient:
                     session_id=reg.session_id,
                     version_info=current.version if current else 0,
                     takes_unchanged=True,  # QuotaState.on_quota takes `unchanged` shares
+                    highest_held=max(
+                        current.version if current else 0,
+                        self.quota_generation,
+                        self.loads_generation,
+                    ),
                 )
             )
 

@@ -1010,6 +1010,7 @@ class RouteRequest(_message.Message):
     TAKES_UNCHANGED_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
     WARNINGS_CURRENT_FIELD_NUMBER: _builtins.int
+    HIGHEST_HELD_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -1041,6 +1042,13 @@ class RouteRequest(_message.Message):
     said. A JWKS URL's fetch that fails or recovers between two tables
     reaches `pontoctl get proxies` so, within a report interval. A control
     plane from before it ignores warnings on reports.
+    """
+    highest_held: _builtins.int
+    """Set on the first message: the highest table version, quota generation or
+    load generation the proxy holds (0: none). These are all store
+    revisions; a control plane whose etcd went back (restored from a backup,
+    or its data lost) numbers what it sends from above it, or the proxy would
+    refuse it as older than what it holds.
     """
     @_builtins.property
     def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeDemand]:
@@ -1088,10 +1096,11 @@ class RouteRequest(_message.Message):
         takes_unchanged: _builtins.bool = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         warnings_current: _builtins.bool = ...,
+        highest_held: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "highest_held", b"highest_held", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

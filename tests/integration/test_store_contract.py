@@ -35,6 +35,7 @@ from controlplane.store import (
 )
 from controlplane.store.etcd import EtcdStore
 from controlplane.store.memory import MemoryStore
+from controlplane.store.rebased import BASE_KEY, RebasedStore
 from ponto.devenv import Etcd, free_port, start_etcd
 from tests.conftest import EtcdEndpoint
 
@@ -66,26 +67,40 @@ def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
     return endpoint
 
 
-@pytest.fixture(params=["memory", "etcd"])
-def backend(request: pytest.FixtureRequest) -> EtcdEndpoint | None:
-    """None for the in-memory store; the wiped session etcd otherwise."""
-    if request.param == "etcd":
+@pytest.fixture(params=["memory", "etcd", "rebased-memory", "rebased-etcd"])
+def backend(request: pytest.FixtureRequest) -> tuple[EtcdEndpoint | None, bool]:
+    """(None for the in-memory store, else the wiped session etcd; whether
+    the store is seen through RebasedStore, as the control plane sees it)."""
+    kind = str(request.param)
+    rebased = kind.startswith("rebased-")
+    if kind.endswith("etcd"):
         endpoint: EtcdEndpoint = request.getfixturevalue("etcd_endpoint")
-        return endpoint
-    return None
+        return endpoint, rebased
+    return None, rebased
+
+
+# The base a rebased store starts from: its revisions and the store's differ.
+BASE = 1000
 
 
 @pytest.fixture
-async def store(backend: EtcdEndpoint | None) -> AsyncIterator[StateStore]:
-    if backend is None:
-        yield MemoryStore()
-        return
-    etcd = EtcdStore([backend.endpoint])
-    await etcd.connect()
+async def store(backend: tuple[EtcdEndpoint | None, bool]) -> AsyncIterator[StateStore]:
+    endpoint, rebased = backend
+    inner: StateStore
+    if endpoint is None:
+        inner = MemoryStore()
+    else:
+        etcd = EtcdStore([endpoint.endpoint])
+        await etcd.connect()
+        inner = etcd
     try:
-        yield etcd
+        if rebased:
+            await inner.put(BASE_KEY, str(BASE).encode())
+            yield RebasedStore(inner)
+        else:
+            yield inner
     finally:
-        await etcd.close()
+        await inner.close()
 
 
 @pytest.fixture
@@ -552,7 +567,9 @@ async def test_an_etcd_whose_revision_went_back_is_read_again_and_said(
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1, errors  # once for the store's watches
         assert errors[0].startswith(f"etcd's revision went back from {seen} to ")
-        assert "restart (or SIGHUP) every proxy" in errors[0]
+        assert errors[0].endswith(
+            "Everything is read again from it (docs/architecture.md, Versions)"
+        )
     finally:
         for watcher in watchers:
             await watcher.close()

@@ -1,0 +1,175 @@
+"""Proxies take the tables that follow an etcd gone back, without a restart.
+
+A real etcd (its own, so that wiping it leaves the session's alone), one
+control plane replica over it and a proxy's own link and table holder. etcd
+loses its data (a restore from an old backup is alike: the revision goes
+back); the operator applies the configuration again. Before RebasedStore,
+the proxy refused every table that followed as older than its own (NACK
+"stale table"), until restarted (trial 34, docs/architecture.md Versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from controlplane.app import ControlPlane
+from controlplane.model import Origin, Region
+from controlplane.settings import parse
+from controlplane.store.etcd import EtcdStore
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from ponto.devenv import Etcd, free_port, start_etcd
+from ponto.v1 import routing_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+WAIT = 20.0  # generous: a shared 2-core machine
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not check():
+        if loop.time() > deadline:
+            pytest.fail(f"not within {WAIT}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Fleet:
+    tmp_path: Path
+    etcd: Etcd
+    port: int
+    plane: ControlPlane | None = None
+    store: EtcdStore | None = None
+
+    async def start_plane(self) -> ControlPlane:
+        argv = ["--etcd", self.etcd.endpoint, "--listen", f"127.0.0.1:{self.port}"]
+        settings = parse([*argv, "--id", "cp-1", "--probe-interval-ms", "60000"])
+        self.store = EtcdStore(settings.etcd, timeout=2.0)
+        await self.store.connect()
+        self.plane = ControlPlane(settings, self.store)
+        await self.plane.start()
+        return self.plane
+
+    async def stop_plane(self) -> None:
+        if self.plane is not None:
+            await self.plane.stop(grace=0)
+            self.plane = None
+
+    def lose_etcd_data(self) -> None:
+        self.etcd.stop()
+        shutil.rmtree(self.etcd.data_dir)
+        self.etcd = start_etcd(
+            self.tmp_path,
+            name="restore",
+            data_dir=self.etcd.data_dir,
+            client_port=self.etcd.client_port,
+            peer_port=self.etcd.peer_port,
+        )
+
+
+async def configure(plane: ControlPlane, models: tuple[str, ...]) -> None:
+    """What an operator applies: one region, one origin serving `models`."""
+    await plane.catalog.put_region(Region("east", 40.7, -74.0), allow_update=True)
+    await plane.catalog.put_origin(
+        Origin("gpu-1", "http://127.0.0.1:9/v1", "east", models), allow_update=True
+    )
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+    fleet = Fleet(tmp_path, start_etcd(tmp_path, name="restore"), free_port())
+    try:
+        yield fleet
+    finally:
+        await fleet.stop_plane()
+        fleet.etcd.stop()
+        shutil.rmtree(fleet.etcd.data_dir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def proxy(
+    port: int, holder: TableHolder | None = None, loads_generation: int = 0
+) -> AsyncIterator[tuple[TableHolder, ControlPlaneClient]]:
+    """A proxy's link running; `holder` (the table it holds) and the load
+    generation it took, a proxy's that connects again."""
+    holder = holder or TableHolder("east", None)
+    link = ControlPlaneClient(
+        holder,
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        backoff_min=0.05,
+        backoff_max=0.2,
+    )
+    link.loads_generation = loads_generation
+    task = asyncio.create_task(link.run())
+    try:
+        yield holder, link
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def models_of(holder: TableHolder) -> set[str]:
+    return set() if holder.routes is None else set(holder.routes.models)
+
+
+async def held_high(plane: ControlPlane, holder: TableHolder) -> int:
+    """Push etcd's revision well up, then wait for the proxy to hold the table."""
+    for i in range(40):
+        await plane.store.put(f"/ponto/probe-filler/{i}", b"x")
+    await configure(plane, ("m-old", "m-filler"))
+    await until(lambda: models_of(holder) == {"m-old", "m-filler"}, "the proxy holds the table")
+    assert holder.routes is not None
+    return holder.routes.version
+
+
+async def fresh_config_reaches(
+    plane: ControlPlane, holder: TableHolder, link: ControlPlaneClient, before: int
+) -> None:
+    await configure(plane, ("m-new",))
+    await until(lambda: models_of(holder) == {"m-new"}, "the configuration applied again")
+    assert holder.routes is not None and holder.routes.version > before
+    assert link.nacks == 0
+
+
+async def test_a_replica_running_through_the_loss_numbers_on_from_where_it_was(
+    fleet: Fleet,
+) -> None:
+    plane = await fleet.start_plane()
+    async with proxy(fleet.port) as (holder, link):
+        before = await held_high(plane, holder)
+        fleet.lose_etcd_data()
+        # The replica's watches notice etcd went back and raise the base.
+        await until(lambda: plane.store.base > 0, "the base raised")
+        await fresh_config_reaches(plane, holder, link, before)
+
+
+async def test_a_replica_started_after_the_loss_learns_from_the_proxies(
+    fleet: Fleet,
+) -> None:
+    """It handed out nothing before: the proxy's first message says what it
+    holds (RouteRequest.highest_held), and the replica numbers above it:
+    above its table, and above the load pushes it took (the leader writes
+    loads every scrape, so their generations run far ahead of tables). The
+    table it compiled before, from the empty etcd, is numbered below what the
+    proxy holds: it is not pushed (the proxy would refuse it)."""
+    plane = await fleet.start_plane()
+    async with proxy(fleet.port) as (holder, _):
+        before = await held_high(plane, holder)
+    await fleet.stop_plane()
+    fleet.lose_etcd_data()
+    plane = await fleet.start_plane()
+    await until(lambda: plane.publisher.latest is not None, "a table of the empty etcd")
+    async with proxy(fleet.port, holder, loads_generation=before + 5000) as (_, link):
+        await fresh_config_reaches(plane, holder, link, before)
+        assert (await plane.store.list("/ponto/")).revision > before + 5000
