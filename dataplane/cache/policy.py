@@ -143,7 +143,8 @@ class Reason(enum.StrEnum):
     NO_CACHE = "no-cache"  # Cache-Control: no-cache (looked up no, stored yes: a miss)
     ENDPOINT = "endpoint"  # not a cached endpoint (the Responses API)
     NONDETERMINISTIC = "nondeterministic"  # sampled (temperature > 0, no seed)
-    TOO_LARGE = "too-large"  # too many JSON values to key at a bounded cost
+    # Too many JSON values, or too much text NFKC changes, to key at a bounded cost.
+    TOO_LARGE = "too-large"
     UNKEYABLE = "unkeyable"  # a value with no canonical form (NaN, a huge integer)
 
 

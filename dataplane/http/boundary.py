@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
@@ -27,6 +27,7 @@ from dataplane.http.state import (
     PRINCIPAL,
     REQUEST_ID,
     REQUEST_IDS,
+    SERVER_NAME,
     stopping,
 )
 from dataplane.metrics import GENAI_OPERATIONS
@@ -40,6 +41,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CLIENT_CLOSED = 499
 CLIENT_GONE = "client_disconnected"  # the error code of a 499 whose client left
+SEND_TIMEOUT = "send_timeout"  # of a 499 the edge cut: its client stopped reading
 
 
 @web.middleware
@@ -112,6 +114,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response.force_close()
     if not response.prepared:  # a stream sent its headers itself
         response.headers.setdefault("x-request-id", request_id)
+        response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
     if failed and ex is not None:
         _error_headers(response, ex)
     _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
@@ -195,18 +198,35 @@ async def send_whole(request: web.Request, response: web.Response) -> bool:
             return True
         except ConnectionError:
             pass
-    request.app[METRICS].client_disconnects.inc()
+    if not cut_for_stalling(request):
+        request.app[METRICS].client_disconnects.inc()
     return False
 
 
 def returned_status(ex: Exchange | None, response: web.StreamResponse) -> int:
     """The status a handler's returned answer is recorded with: its own, or 499
-    when its client left before it ended though the handler ran on (a whole
-    answer `send_whole` could not hand over, a stream whose write found the
-    client gone), as when the client's leaving cancels the handler first."""
-    if ex is not None and ex.stream_error == CLIENT_GONE:
+    when its client left, or was cut, before it ended though the handler ran
+    on (a whole answer `send_whole` could not hand over, a stream whose write
+    found the connection gone: `gone_reason`), as when the client's leaving
+    cancels the handler first."""
+    if ex is not None and ex.stream_error in (CLIENT_GONE, SEND_TIMEOUT):
         return CLIENT_CLOSED
     return response.status
+
+
+def cut_for_stalling(request: web.Request) -> bool:
+    """The edge closed the connection: its client took no byte of the
+    answer for the send timeout (EdgeProtocol)."""
+    protocol = request.protocol
+    return isinstance(protocol, EdgeProtocol) and protocol.send_stalled
+
+
+def gone_reason(request: web.Request) -> str:
+    """The error code of an answer whose write found the connection gone:
+    the edge cut it for stalling (trial 36: the write can fail before the
+    cut cancels the handler, and the cut was logged as the client's
+    leaving), or else its client left."""
+    return SEND_TIMEOUT if cut_for_stalling(request) else CLIENT_GONE
 
 
 def cancel_reason(request: web.Request) -> str:
@@ -214,9 +234,8 @@ def cancel_reason(request: web.Request) -> str:
     took no byte of the answer for the edge's send timeout (EdgeProtocol), the
     server stopped it (the app is draining or shutting down, see Draining), or
     else its client left."""
-    protocol = request.protocol
-    if isinstance(protocol, EdgeProtocol) and protocol.send_stalled:
-        return "send_timeout"
+    if cut_for_stalling(request):
+        return SEND_TIMEOUT
     return "cancelled" if request.app[DRAINING].active else CLIENT_GONE
 
 

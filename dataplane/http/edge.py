@@ -73,7 +73,7 @@ from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.errors import ApiError
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
-from dataplane.http.state import UNPARSED
+from dataplane.http.state import SERVER_NAME, UNPARSED
 from dataplane.timer import LazyTimer
 
 __all__ = [
@@ -901,7 +901,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 type="server_error",
                 code="internal_error",
             )
-        response = error.response({"x-request-id": request_id, "connection": "close"})
+        response = error.response(
+            {"x-request-id": request_id, "connection": "close", hdrs.SERVER: SERVER_NAME}
+        )
         response.force_close()
         return response
 

@@ -36,11 +36,12 @@ from dataplane.auth.authenticator import (
     Principal,
 )
 from dataplane.cache.entry import CachedResponse, from_completion
+from dataplane.cache.keys import NORMALISE_BUDGET, costly_to_normalise
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
-from dataplane.http.boundary import CLIENT_GONE, send_whole
+from dataplane.http.boundary import CLIENT_GONE, gone_reason, send_whole
 from dataplane.http.errors import (
     ApiError,
     Unauthorized,
@@ -62,7 +63,7 @@ from dataplane.http.fields import (
     too_many_values,
 )
 from dataplane.http.resume import CONTINUABLE, Continuations
-from dataplane.http.state import REQUEST_ID, stopping
+from dataplane.http.state import REQUEST_ID, SERVER_NAME, stopping
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
@@ -125,7 +126,9 @@ class Exchange:
     raw: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
-    keyable: bool = True  # few enough JSON values to cache-key (fields.MAX_KEYED_VALUES)
+    # Few enough JSON values (fields.MAX_KEYED_VALUES), and little enough text
+    # to normalise (cache.keys.NORMALISE_BUDGET), to cache-key.
+    keyable: bool = True
     # assemble
     tenant: TenantRules | None = None
     model: str = ""
@@ -345,8 +348,11 @@ class Pipeline:
         """Read the body (bounded), parse it once and check what every endpoint needs."""
         ex.raw = await read_body(request, self.max_body_bytes)
         ex.body = parse_json(ex.raw)
-        ex.keyable = not too_many_values(ex.raw)
         ex.stream = validate(ex.endpoint, ex.body)
+        # Chat text is at most one character a byte: a small body is never costly.
+        ex.keyable = not too_many_values(ex.raw) and not (
+            len(ex.raw) > NORMALISE_BUDGET and costly_to_normalise(ex.body)
+        )
 
     def assemble(self, ex: Exchange) -> None:
         """Check that the caller may name the model, apply the tenant's prompt
@@ -771,9 +777,10 @@ class Pipeline:
         elif end.client_gone:
             m.attempt(name, "cancelled").inc()  # a write found the client gone
         if end.client_gone:
-            if not ex.detached:  # counted when its request was cancelled
+            ex.stream_error = gone_reason(request)
+            # Counted when its request was cancelled; a cut is not a leaving.
+            if not ex.detached and ex.stream_error == CLIENT_GONE:
                 m.client_disconnects.inc()
-            ex.stream_error = CLIENT_GONE
         elif not end.complete:
             ex.stream_error = "stream_cut"
         await self.cache.settle_stream(ex.cache_request, plan, origin.status, end)
@@ -829,8 +836,9 @@ async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT
     (prepared already) is returned as it is."""
     if isinstance(response, web.Response) and not response.prepared:
         ex.answer = response
+        response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
         if not await send_whole(request, response):
-            ex.stream_error = CLIENT_GONE  # a 499 (boundary.returned_status)
+            ex.stream_error = gone_reason(request)  # a 499 (boundary.returned_status)
     return response
 
 

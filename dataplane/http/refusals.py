@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from dataplane.linebudget import BURST, PER_SECOND, LineBudget
 
-__all__ = ["RefusalLog", "refusals"]
+__all__ = ["RefusalLog", "printable", "refusals"]
 
 
 class RefusalLog:
@@ -60,8 +60,10 @@ class RefusalLog:
         """Record one refusal; True if a line was written.
 
         `what` names the request (``POST /v1/chat/completions``); `message` is
-        the reason as the client was told it, cut to 200 characters so a huge
-        bad value cannot make a huge line.
+        the reason as the client was told it. Both are the client's text in
+        part (a path, a quoted value): each is cut to 200 characters so a huge
+        bad value cannot make a huge line, and its control characters are
+        escaped so that it cannot end the line and forge others (trial 36).
         """
         skipped = self._budget.take()
         if skipped is None:
@@ -69,16 +71,25 @@ class RefusalLog:
         self._log.info(
             "refused %s %s from %s: %s %s: %s%s",
             request_id,
-            what,
+            printable(what[:200]),
             remote or "-",
             status,
             code or "-",
-            message[:200],
+            printable(message[:200]),
             f" ({skipped} more {'refusal' if skipped == 1 else 'refusals'} not logged)"
             if skipped
             else "",
         )
         return True
+
+
+def printable(text: str) -> str:
+    """`text` with each character str.isprintable refuses (controls such as
+    LF, CR, ESC and NUL; line and paragraph separators) written as its
+    Python escape (`\\n`, `\\x1b`, `\\u2028`), and every other as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 refusals = RefusalLog(logging.getLogger("ponto.refusals"))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, hdrs, web
 from multidict import CIMultiDict
 
 from dataplane.assemble import client_indexes
@@ -32,7 +32,7 @@ from dataplane.http.errors import (
     stream_broken_event,
     stream_stopped_event,
 )
-from dataplane.http.state import DRAINING, stopping
+from dataplane.http.state import DRAINING, SERVER_NAME, stopping
 from dataplane.streaming.relay import (
     Ending,
     EventSink,
@@ -136,6 +136,7 @@ async def relay_origin(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
     out.headers["cache-control"] = "no-cache"
+    out.headers[hdrs.SERVER] = SERVER_NAME
     sink: Writable = out
     if lead is None:
         await _prepare_stream(out, request, ex)
@@ -382,6 +383,7 @@ async def _start_stream(
     out = web.StreamResponse(status=200)
     out.content_type = "text/event-stream"
     out.headers["cache-control"] = "no-cache"
+    out.headers[hdrs.SERVER] = SERVER_NAME
     out.headers.extend(headers)
     out.headers.extend(ex.limit_headers)
     await _prepare_stream(out, request, ex)

@@ -39,6 +39,10 @@ class Draining:
         self.leaving = False
 
 
+# Every answer's Server header: the product, not the versions of Python and
+# aiohttp beneath it (trial 36), as Envoy's `envoy` and nginx's `nginx`.
+SERVER_NAME = "ponto"
+
 HOLDER = web.AppKey("holder", TableHolder)
 CLIENT = web.AppKey("control_plane_client", ControlPlaneClient)
 METRICS = web.AppKey("metrics", Metrics)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from dataplane import jsonio
 from dataplane.http.errors import (
@@ -1086,9 +1086,26 @@ def _answer_object(body: bytes, status: int, content_type: str) -> Any:
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:
+    """The origin's headers the client is sent: not those dropped above, nor
+    those its Connection header names, hop-by-hop by its say (RFC 9110
+    7.6.1; trial 36: `Connection: x-node` and `x-node: node-7.internal`
+    reached clients)."""
+    hop = _connection_options(resp.headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
         lower = name.lower()
-        if lower not in DROP_RESPONSE_HEADERS and not lower.startswith(DROP_RESPONSE_PREFIXES):
+        if (
+            lower not in DROP_RESPONSE_HEADERS
+            and not lower.startswith(DROP_RESPONSE_PREFIXES)
+            and lower not in hop
+        ):
             out.add(name, value)
     return out
+
+
+def _connection_options(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    """The header names a message's Connection headers list, lowercased."""
+    if "connection" not in headers:
+        return frozenset()
+    values = headers.getall("connection")
+    return frozenset(o.strip().lower() for v in values for o in v.split(",") if o.strip())

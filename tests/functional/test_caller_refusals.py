@@ -179,3 +179,28 @@ async def test_a_known_callers_refusals_are_logged_with_its_key_and_tenant(
     assert f"[key {LIMITED_KEY.key_id} of tenant acme]" in lines[0]
     assert f"[key {KEY.key_id} of tenant acme]" in lines[1] and "400 invalid_type" in lines[1]
     assert "401" in lines[2] and "[key " not in lines[2]  # nobody's: the key is unknown
+
+
+# ---------------------------------------------------------------- forged lines
+
+
+async def test_a_refusal_cannot_write_a_line_of_its_own_into_the_log(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 36: the path and a quoted value went into the refusal line as
+    they came, line breaks and terminal escapes included: a client wrote
+    lines that read as the proxy's own."""
+    forged = "2026-12-04T23:59:59.000Z WARNING ponto.auth: admin login ok"
+    path = "/v1/x%0A" + forged.replace(" ", "%20") + "%0D%1B%5B31mRED%00"
+    resp = await stack.client.get(path, headers=authorizations(KEY.key))
+    assert resp.status == 404
+    body = chat("hi")
+    body["messages"][0]["role"] = "user\n" + forged
+    resp = await stack.post(body)
+    assert resp.status == 400 and error_of(await resp.json())["param"] == "messages[0].role"
+    lines = [r.getMessage() for r in refusal_lines(caplog)]
+    assert len(lines) == 2
+    for line in lines:
+        assert not any(c in line for c in "\n\r\x1b\x00"), line
+        assert "\\n2026-12-04T23:59:59.000Z WARNING" in line
+    assert "\\r\\x1b[31mRED\\x00" in lines[0]

@@ -22,6 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from dataplane import jsonio
+from dataplane.cache import textform
+from dataplane.cache.keys import NORMALISE_BUDGET
 from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.requestid import RequestIds
@@ -412,6 +414,8 @@ async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
         (b', "temperature": -1E999}', "temperature"),
         (b', "metadata": {"a": [1, 2e308]}}', "metadata.a[1]"),
         (b', "seed": 1%s}' % (b"0" * 400), "seed"),  # an integer no float holds
+        # Past what Python's int() reads (4,300 digits; trial 36).
+        (b', "top_k": -%s}' % (b"9" * 4301), "top_k"),
     ],
 )
 async def test_a_number_past_a_64_bit_float_names_its_field(
@@ -678,7 +682,14 @@ ACCOUNT_HEADERS = {
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_origins_account_headers_stay_at_the_edge(tmp_path: Path, stream: bool) -> None:
     async def hosted(request: web.Request) -> web.StreamResponse:
-        headers = {**ACCOUNT_HEADERS, "openai-processing-ms": "42"}
+        headers = {
+            **ACCOUNT_HEADERS,
+            "openai-processing-ms": "42",
+            # Hop-by-hop by the origin's say (trial 36), and its own name.
+            "connection": "keep-alive, X-Node",
+            "x-node": "node-7.internal:8000",
+            "server": "uvicorn",
+        }
         if not stream:
             return web.json_response(COMPLETION, headers=headers)
         out = web.StreamResponse(headers={**headers, "content-type": "text/event-stream"})
@@ -696,6 +707,8 @@ async def test_an_origins_account_headers_stay_at_the_edge(tmp_path: Path, strea
         assert resp.headers["openai-processing-ms"] == "42"
         for name in ACCOUNT_HEADERS:
             assert name not in resp.headers, name
+        assert "x-node" not in resp.headers
+        assert resp.headers.getall("server") == ["ponto"]
         # The unlimited key's answer carries no rate-limit headers at all.
         assert not [h for h in resp.headers if h.lower().startswith("x-ratelimit-")]
         # A limited key sees its own limits, never the origin's.
@@ -913,6 +926,40 @@ async def test_a_body_of_too_many_values_to_key_is_answered_but_not_cached(stack
         "ponto_cache_requests_total", {"result": "bypass", "kind": "too-large"}
     )
     assert bypass == 2
+
+
+async def test_text_too_costly_to_normalise_is_answered_but_not_cached(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trial 36: NFKC makes U+FDFA 18 characters, at about a microsecond
+    each, on the event loop: 2.7 million of them (8 MB) held a proxy for
+    3.4 s. Past NORMALISE_BUDGET characters NFKC changes, the request is not
+    keyed; text NFKC keeps (as much of it, in any script) is keyed as before."""
+    normalised: list[int] = []
+    real = textform._nfkc
+
+    def counting(text: str) -> str:
+        normalised.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(textform, "_nfkc", counting)
+    over = NORMALISE_BUDGET // 2 + 1
+    # Two messages, each under the budget, over it together.
+    body = chat("\ufdfa" * over)
+    body["messages"].insert(0, {"role": "system", "content": "\u3300" * over})
+    for _ in range(2):
+        resp = await stack.post(body)
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-ponto-cache"] == "bypass"
+        assert resp.headers["x-ponto-cache-reason"] == "too-large"
+    assert normalised == [] and stack.origin_requests() == 2
+    # As long, but already in NFKC (ideographs), or changed but within the
+    # budget: keyed, and the repeat a hit.
+    for text in ("\u4e2d" * (NORMALISE_BUDGET + 1), "\ufdfa" * (NORMALISE_BUDGET // 2)):
+        for cache in ("miss", "hit"):
+            resp = await stack.post(chat(text))
+            assert resp.headers["x-ponto-cache"] == cache
+    assert stack.origin_requests() == 4
 
 
 async def test_a_body_of_too_many_arrays_is_a_400_before_its_parse(stack: Stack) -> None:

@@ -143,3 +143,32 @@ async def test_a_client_that_reads_a_big_whole_answer_slowly_but_steadily_is_not
     assert reads * 0.004 > 1
     assert received == size
     assert (count(edge, "200"), count(edge, "499")) == (1, 0)
+
+
+@pytest.mark.parametrize("cacheable", [False, True])
+async def test_a_stalled_client_cut_mid_stream_is_logged_as_a_send_timeout(
+    start: Start, capfd: pytest.CaptureFixture[str], cacheable: bool
+) -> None:
+    """Trial 36: a reader that stalled after its first bytes was cut by the
+    send timeout, and logged as a client that left (`client_disconnected`):
+    the relay's write found the connection gone before the cut cancelled
+    the handler. A cacheable stream is relayed by a flight's task of its own."""
+    origin = Streaming()
+    edge = await start(origin, "--send-timeout=0.5", "--access-log=on")
+    reader, writer = await edge.connect(rcvbuf=4096)
+    body = json.loads(STREAM)
+    body["temperature"] = 0 if cacheable else 1
+    try:
+        writer.write(request(json.dumps(body).encode()))
+        assert b" 200 " in await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(100)
+        async with asyncio.timeout(30):
+            await origin.ended.wait()
+            while not count(edge, "499"):
+                await asyncio.sleep(0.02)
+    finally:
+        writer.close()
+    assert not edge.sample("ponto_client_disconnects_total", {})
+    edge.app[ACCESS_LOG].flush()
+    logged: list[dict[str, Any]] = [json.loads(x) for x in capfd.readouterr().out.splitlines()]
+    assert [(x["status"], x["error"]) for x in logged] == [(499, "send_timeout")]
