@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
-from dataplane.cache.textform import fold_line, nfkc, strip_line_end
+from dataplane.cache.textform import fold_line, nfkc, nfkc_outside_quotes, strip_line_end
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in the region's Redis, shared with proxies of other versions) can never
@@ -47,7 +47,8 @@ from dataplane.cache.textform import fold_line, nfkc, strip_line_end
 # 3: whitespace within quotes, and superscripts and subscripts, are kept.
 # 4: tabs are kept, at a line's end too (TSV data); `logprobs: false`, `n: 1`
 # and `echo: false` are the same as leaving them out.
-KEY_VERSION = 4
+# 5: quoted text is kept as written, not NFKC (nfkc_outside_quotes).
+KEY_VERSION = 5
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -126,7 +127,8 @@ def costly_to_normalise(body: Mapping[str, Any]) -> bool:
 
 
 def normalise_text(s: str) -> str:
-    """NFKC but for superscripts and subscripts (dataplane.cache.textform);
+    """NFKC but for superscripts and subscripts and quoted text
+    (dataplane.cache.textform.nfkc_outside_quotes);
     then a text of one line has every run of whitespace outside quotes made
     one space and is trimmed, its tabs kept (see textform.fold_line), and a
     text of several lines (a line break is LF, CR or CRLF) has its line
@@ -148,7 +150,7 @@ def normalise_text(s: str) -> str:
     # space (line breaks included) is a control or a separator, which
     # str.isprintable refuses.
     if not s.isascii():
-        s = nfkc(s)
+        s = nfkc_outside_quotes(s)
     if s.isprintable():
         if not (s.startswith(" ") or s.endswith(" ") or "  " in s):
             return s

@@ -1,5 +1,6 @@
 """Text as the caches compare it: NFKC with superscripts and subscripts kept
-(`nfkc`), and a line's whitespace folded outside quotes (`fold_line`).
+(`nfkc`; `nfkc_outside_quotes` keeps quoted text as written too), and a
+line's whitespace folded outside quotes (`fold_line`).
 
 NFKC folds compatibility forms (fullwidth letters, ligatures, non-breaking
 spaces), but superscripts and subscripts are kept.
@@ -76,6 +77,15 @@ _WHITESPACE: Final = re.compile(r"\s+")
 _WHITESPACE_BUT_TABS: Final = re.compile(r"[^\S\t]+")
 _TRIM_BUT_TABS: Final = re.compile(r"^[^\S\t]+|[^\S\t]+$")
 _END_BUT_TABS: Final = re.compile(r"[^\S\t]+$")
+
+
+def nfkc_outside_quotes(text: str) -> str:
+    """`nfkc`, but for quoted spans (QUOTED), kept as written: what a quote
+    holds may be the very characters asked about (trial 37: `len("ﬁ")` is
+    1 and `len("fi")` 2, and one's answer was served for the other)."""
+    if _OPENING.search(text) is None:
+        return nfkc(text)
+    return between(QUOTED, text, nfkc)
 
 
 def fold_line(text: str, *, keep_tabs: bool = False) -> str:

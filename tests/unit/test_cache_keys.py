@@ -15,6 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from dataplane.cache.entities import entities_match
 from dataplane.cache.keys import (
     CHAT,
     COMPLETIONS,
@@ -203,7 +204,7 @@ SCRIPT = ("<super>", "<sub>")
 
 def reference_normalise(text: str) -> str:
     """normalise_text's definition, as its docstring states it."""
-    text = reference_nfkc(text)
+    text = reference_nfkc_outside_quotes(text)
     if "\n" not in text and "\r" not in text:
         return reference_fold(text)
     lines = [
@@ -231,28 +232,59 @@ PAIRS = {
 }
 
 
+def span_end(text: str, i: int) -> int:
+    """Where the quoted span opening at text[i] ends (its closing quote's
+    index), or -1: PAIRS, within a line, the single quotes only when they
+    are not inside a word."""
+
+    def in_word(j: int) -> bool:
+        return 0 <= j < len(text) and (text[j].isalnum() or text[j] == "_")
+
+    c = text[i]
+    if c not in PAIRS or (c in "'\u2018" and in_word(i - 1)):
+        return -1
+    end = text.find(PAIRS[c], i + 1)
+    if end == -1 or "\n" in text[i + 1 : end]:
+        return -1
+    # A span never holds its own opening quote (the same opens it again).
+    if c != PAIRS[c] and c in text[i + 1 : end]:
+        return -1
+    if c in "'\u2018" and in_word(end + 1):
+        return -1
+    return end
+
+
+def reference_nfkc_outside_quotes(text: str) -> str:
+    """reference_nfkc of everything but quoted spans, which stay as written."""
+    out: list[str] = []
+    plain = ""
+    i = 0
+    while i < len(text):
+        end = span_end(text, i)
+        if end == -1:
+            plain += text[i]
+            i += 1
+            continue
+        out += [reference_nfkc(plain), text[i : end + 1]]
+        plain = ""
+        i = end + 1
+    return "".join([*out, reference_nfkc(plain)])
+
+
 def reference_fold(line: str) -> str:
     """A line's runs of whitespace made one space but within quoted spans
-    (PAIRS; the single quotes only when they are not inside a word), then
-    trimmed: scanned one character at a time. Tabs are kept, each where it
-    is: the whitespace between them folds, and is trimmed, as elsewhere."""
-
-    def in_word(i: int) -> bool:
-        return 0 <= i < len(line) and (line[i].isalnum() or line[i] == "_")
-
+    (span_end), then trimmed: scanned one character at a time. Tabs are
+    kept, each where it is: the whitespace between them folds, and is
+    trimmed, as elsewhere."""
     out: list[str] = []
     i = 0
     while i < len(line):
         c = line[i]
-        if c in PAIRS and not (c in "'\u2018" and in_word(i - 1)):
-            end = line.find(PAIRS[c], i + 1)
-            # A span never holds its own opening quote (the same opens it again).
-            if c != PAIRS[c] and c in line[i + 1 : end]:
-                end = -1
-            if end != -1 and not (c in "'\u2018" and in_word(end + 1)):
-                out.append(line[i : end + 1])
-                i = end + 1
-                continue
+        end = span_end(line, i)
+        if end != -1:
+            out.append(line[i : end + 1])
+            i = end + 1
+            continue
         if c.isspace() and c != "\t":
             if not (out and out[-1] == " "):
                 out.append(" ")
@@ -373,6 +405,23 @@ def test_superscripts_and_subscripts_are_kept() -> None:
         )
     # The rest of the text is still NFKC: a fullwidth letter beside one.
     assert normalise_text("\uff21\u00b2\ufb01") == "A\u00b2fi"
+
+
+def test_quoted_text_is_kept_as_written() -> None:
+    """Trial 37: NFKC made `len("ﬁ")` (1) and `len("fi")` (2) one question,
+    and the half-width "ｶﾞ" (two code points) the full-width "ガ" (one)."""
+    for a, b in (
+        ('what does python print for len("\ufb01")', 'what does python print for len("fi")'),
+        ("len('\uff76\uff9e')", "len('\u30ac')"),
+        ("is `\u2460` a digit", "is `1` a digit"),
+    ):
+        assert normalise_text(a) == a
+        assert key(chat(messages=[{"role": "user", "content": a}])) != key(
+            chat(messages=[{"role": "user", "content": b}])
+        )
+        assert not entities_match(a, b)
+    # Outside quotes, NFKC as before; inside, whitespace is kept as before.
+    assert normalise_text('\uff21 "\uff21  \ufb01" \ufb01') == 'A "\uff21  \ufb01" fi'
 
 
 def test_the_scripts_pattern_is_every_superscript_and_subscript() -> None:
@@ -626,7 +675,7 @@ def test_canonical_form_is_sorted_and_compact() -> None:
     )
     assert raw == (
         b'{"body":{"a":[1.5,{"c":null,"d":0}],"b":1},"endpoint":"chat.completions",'
-        b'"model":"m","tenant":"t","v":4}'
+        b'"model":"m","tenant":"t","v":5}'
     )
 
 

@@ -78,6 +78,46 @@ def test_trial_31s_opposite_questions_do_not_match(a: str, b: str) -> None:
     assert not agree(a, b)
 
 
+# Trial 37's pairs, each served the first's answer at 0.90 (MiniLM's score
+# after each): a negation that brings its auxiliary, ordinal words, opposite
+# words beyond the first list and negating prefixes.
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("I want to cancel my order zr18", "I do not want to cancel my order zr18"),  # 0.98
+        ("I want to cancel my order", "I don't want to cancel my order"),
+        ("I want to delete my account", "I do not want to delete my account"),
+        ("my card works abroad", "my card doesn't work abroad"),
+        ("the medication interacts with alcohol", "the medication does not interact with alcohol"),
+        ("I received the refund", "I did not receive the refund"),
+        ("I need a refund", "I don't need a refund"),
+        ("she has a refund", "she doesn't have a refund"),
+        ("I do my homework", "I don't do my homework"),
+        (
+            "who was the first president of the united states",
+            "who was the second president of the united states",
+        ),
+        ("who was the third president", "who was the fourth president"),
+        ("who was the first president", "who was the last president"),
+        ("is it safe to eat raw chicken", "is it dangerous to eat raw chicken"),  # 0.98
+        ("sort the list ascending", "sort the list descending"),
+        ("explain quantum computing simply", "explain quantum computing in detail"),
+        ("is coffee good for you", "is coffee bad for you"),
+        ("what is the weather today", "what is the weather tomorrow"),
+        ("pros of remote work", "cons of remote work"),
+        ("advantages of nuclear power", "disadvantages of nuclear power"),
+        ("distance from paris to rome in km", "distance from paris to rome in miles"),
+        ("a vegetarian recipe for dinner", "a vegan recipe for dinner"),
+        ("a synonym of happy", "an antonym of happy"),
+        ("how do I increase my credit score", "how do I lower my credit score"),
+        ("I like this song", "I dislike this song"),
+        ("the printer is able to scan", "the printer is unable to scan"),
+    ],
+)
+def test_trial_37s_opposite_questions_do_not_match(a: str, b: str) -> None:
+    assert not agree(a, b)
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [
@@ -89,6 +129,11 @@ def test_trial_31s_opposite_questions_do_not_match(a: str, b: str) -> None:
         ("I can't log in to my account", "help me log in to my account"),
         # A scale said the same way.
         ("how many seconds are in a million years", "seconds in a million years?"),
+        # Negated both, one with its auxiliary; an ordinal said two ways.
+        ("I did not receive my refund", "I never received my refund"),
+        ("who won the 2nd world war", "who won the second world war"),
+        # A prefix word with no negated word beside it ("unit" is no "it").
+        ("what is a unit test", "explain what a unit test is"),
     ],
 )
 def test_negated_or_scaled_alike_still_match(a: str, b: str) -> None:

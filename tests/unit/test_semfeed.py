@@ -61,7 +61,16 @@ def test_side_tags_travel_with_the_entry() -> None:
     vector = HashingEmbedder(dim=DIM).embed([text])[0]
     ins = Inserted("t", "m", "", "k", vector, extract(text))
     msg = decode(encode(ins, proxy="p", embedder="e", purge_rev=0), DIM)
-    assert msg.entities.sides == ins.entities.sides == {"d0:mile", "d1:kilometer"}
+    assert (
+        msg.entities.sides
+        == ins.entities.sides
+        == {
+            "d0:mile",
+            "d1:kilometer",
+            "a0:km/mile",  # both poles named: no side
+            "a1:km/mile",
+        }
+    )
     assert not msg.entities.matches(extract("Convert 5 kilometers to miles"))
 
 
