@@ -961,8 +961,12 @@ def _rows_tenants(
             or "-"
         )
 
-    def limits(m: pb.Limits) -> str:
+    def limits(t: pb.Tenant) -> str:
+        m = t.limits
         parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
+        # The ceiling a request's max_tokens is lowered to (trial 35: set, it
+        # was shown nowhere but in `get tenant`'s audit).
+        parts.append(f"max_tokens<={t.prompt.max_tokens_ceiling}")
         return ",".join(p for p in parts if not p.endswith("=0")) or "-"
 
     def streams(t: pb.Tenant) -> str:
@@ -982,7 +986,7 @@ def _rows_tenants(
     return [*header, "MODELS", "JWT", "STATE"], [
         [
             t.name,
-            limits(t.limits),
+            limits(t),
             t.cache.mode
             + (f"@{t.cache.semantic_threshold:g}" if t.cache.semantic_threshold else "")
             + (f",max-err={t.cache.semantic_max_error:g}" if t.cache.semantic_max_error else ""),

@@ -87,6 +87,27 @@ def test_get_tenants_shows_the_bound_beside_the_threshold() -> None:
     assert rows[1][cache] == "semantic"
 
 
+def test_the_tenants_table_shows_the_max_tokens_ceiling() -> None:
+    """Trial 35: a ceiling set with `tenant set --max-tokens` showed nowhere."""
+    resp = apb.ListTenantsResponse(
+        tenants=[
+            pb.Tenant(
+                name="acme",
+                limits=pb.Limits(rpm=60),
+                prompt=pb.PromptPolicy(max_tokens_ceiling=512),
+            ),
+            pb.Tenant(name="capped", prompt=pb.PromptPolicy(max_tokens_ceiling=16)),
+            pb.Tenant(name="plain"),
+        ]
+    )
+    header, rows = _rows_tenants(resp)
+    assert [row[header.index("LIMITS")] for row in rows] == [
+        "rpm=60,max_tokens<=512",
+        "max_tokens<=16",
+        "-",
+    ]
+
+
 def test_a_setting_the_tenant_has_is_unchanged_but_an_unknown_tenant_is_asked() -> None:
     stub = Stub(pb.Tenant(name="acme", cache=pb.CachePolicy(mode="exact")))
     assert tenant_set(stub, "--cache", "exact") == (
