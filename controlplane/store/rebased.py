@@ -8,16 +8,25 @@ as older than what it holds, until restarted (trial 34).
 
 RebasedStore adds a base to every revision it hands out, kept in the store
 itself (BASE_KEY, hidden from listings) so that every replica adds the same.
-When etcd's revision goes back, it raises the base above the highest revision
+When etcd's revision goes back, it raises the base to the highest revision
 handed out, by itself or, reported by a proxy, by any replica before it
-(`ensure_above`): numbering goes on from there, and proxies take the next
-table. Revisions passed in (if_mod_revision, fences, a watch's start) are
-mapped back with the base they were handed out under, so a condition read
-before a raise still holds after it.
+(`ensure_above`), so that proxies take the next table. Revisions passed in
+(if_mod_revision, fences, a watch's start) are mapped back with the base they
+were handed out under: a condition read before a raise still holds after it.
+
+The new base is not the old numbering carried on (highest + 1 - etcd's
+revision) but at least the highest number itself: every key etcd kept is
+numbered again from it, and a key unchanged since the backup, read after the
+raise, must not get a number the old base handed out (it would be mapped back
+with that base, and its compare-and-swap fail for good). A restore costs the
+numbering about etcd's revision at the backup; MAX_BASE is far.
 
 The raise is written with compare-and-swap; a replica learns another's raise
 from the listing of a prefix holding BASE_KEY (the builder's, which the
-write wakes), and raises further if its own numbers were higher.
+write wakes), and raises further if its own numbers were higher. A raise
+clears what the stored base could have handed out by then, and MARGIN more,
+so that a replica that went on numbering under it while the raise was
+written takes the new base rather than raising again in turn.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ RAISE_TRIES = 5
 # A proxy's report is believed up to this far above etcd's revision (a number
 # from elsewhere must not push the base towards uint64's end): 2^53.
 MAX_BASE = 1 << 53
+# Revisions another replica may number under the old base between reading
+# etcd for a raise and learning of it (a few watch round trips).
+MARGIN = 1000
 
 
 class RebasedStore:
@@ -112,25 +124,24 @@ class RebasedStore:
             self._base = base
 
     async def ensure_above(self, revision: int) -> bool:
-        """Make every revision handed out from now on at least `revision`
-        (above it after a raise), raising the stored base if the store's
-        revision plus it is not (etcd went back); return whether the base
-        this replica uses changed. A report that would need a base above MAX_BASE is refused
-        (logged). StoreUnavailable passes on."""
+        """Make every revision handed out from now on above `revision` and
+        above every one this replica handed out, raising the stored base if
+        etcd's revision plus it is not (etcd went back); return whether the
+        base this replica uses changed. A report that would need a base above
+        MAX_BASE is refused (logged). StoreUnavailable passes on."""
         await self._ready()
         async with self._lock:
             before = self._base
             revision = max(revision, self.highest)
             for _ in range(RAISE_TRIES):
                 stored, kv, raw = await self._read_base()
-                # Equal is no regression seen; but a new base must put what
-                # follows above all handed out under the old (see _in).
-                if raw + stored >= revision and (
-                    stored == self._base or raw + stored > self.highest
-                ):
+                # Equal is no regression seen. Another replica's base is taken
+                # only if everything numbered under it is above all this one
+                # handed out (see _in).
+                if raw + stored >= revision and (stored == self._base or stored >= self.highest):
                     self._adopt(stored)
                     return self._base != before  # raised by another replica
-                base = revision - raw + 1
+                base = max(revision, stored + raw) + MARGIN
                 if base > MAX_BASE:
                     log.error(
                         "not numbering revisions from %d: %d was reported, but etcd is at %d",
@@ -150,8 +161,8 @@ class RebasedStore:
                 self._adopt(base)
                 log.warning(
                     "etcd's revision %d is behind %d, handed out before (etcd restored "
-                    "from a backup, or its data lost): revisions now count from %d up, so "
-                    "that proxies take the tables that follow",
+                    "from a backup, or its data lost): revisions are numbered from %d "
+                    "up now, so that proxies take the tables that follow",
                     raw,
                     revision,
                     base,
@@ -161,11 +172,11 @@ class RebasedStore:
 
     async def _learn(self, items: Sequence[KeyValue], raw: int) -> tuple[KeyValue, ...]:
         """A listing that covers BASE_KEY: take the base it holds (another
-        replica raised it), raising it further if that is still not above
-        what this replica handed out; the key is left out of what is returned."""
+        replica raised it), raising it further if it is not above all this
+        replica handed out; the key is left out of what is returned."""
         stored = _decode(next((kv for kv in items if kv.key == BASE_KEY), None))
         if stored != self._base:
-            if raw + stored > self.highest:
+            if stored >= self.highest:
                 self._adopt(stored)
             else:
                 await self.ensure_above(self.highest)
@@ -194,7 +205,10 @@ class RebasedStore:
         return Listing(self._out(listing.revision), items)
 
     async def count(self, start: str, end: str) -> int:
-        return await self.inner.count(start, end)
+        counted = await self.inner.count(start, end)
+        if start <= BASE_KEY < end and await self.inner.get(BASE_KEY) is not None:
+            counted -= 1  # hidden, as from listings
+        return counted
 
     async def delete_range(self, start: str, end: str) -> int:
         await self._ready()

@@ -18,7 +18,7 @@ import pytest
 from controlplane.catalog import STATE_PREFIX
 from controlplane.store import Conflict, Fence, Write
 from controlplane.store.memory import MemoryStore
-from controlplane.store.rebased import BASE_KEY, MAX_BASE, RebasedStore
+from controlplane.store.rebased import BASE_KEY, MARGIN, MAX_BASE, RebasedStore
 
 K = STATE_PREFIX + "regions/"
 
@@ -99,6 +99,7 @@ async def test_the_base_key_is_hidden_and_kept(watches: list[Watch]) -> None:
         await store.scan("/", "\xff"),
     ):
         assert BASE_KEY not in [kv.key for kv in listing.items]
+    assert await store.count(STATE_PREFIX, STATE_PREFIX + "\xff") == 0
     with pytest.raises(ValueError, match="cannot be deleted"):
         await store.delete_range(STATE_PREFIX, STATE_PREFIX + "\xff")
     assert await memory.get(BASE_KEY) is not None
@@ -144,6 +145,48 @@ async def test_conditions_read_before_a_raise_still_hold_after_it() -> None:
         await store.put(K + "0", b"w", if_mod_revision=1)
 
 
+async def test_conditions_read_after_a_raise_hold_on_keys_kept_from_the_backup() -> None:
+    """A key etcd kept is numbered again with the new base; its number must
+    not be one the old base handed out, which would be mapped back with that
+    base: its compare-and-swap would fail for good (review of 009c829: every
+    edit of a tenant, region or key made before the backup conflicted)."""
+    memory = MemoryStore()
+    store = RebasedStore(memory)
+    await fill(store, 3)
+    fence_at = await store.put("/ponto/leader", b"cp-1")
+    backup = memory.snapshot()
+    await fill(store, 20, K + "later/")
+    memory.restore(backup)
+    assert await store.ensure_above(store.highest)
+    for key in (K + "0", K + "1", K + "2"):
+        kv = await store.get(key)
+        assert kv is not None
+        assert await store.put(key, b"edited", if_mod_revision=kv.mod_revision) > kv.mod_revision
+    [kept] = [kv for kv in (await store.list("/ponto/leader")).items]
+    await store.commit([Write(K + "0", b"again")], [Fence(kept.key, kept.mod_revision)])
+    # The fence read before the raise holds too: the key is as it was then.
+    await store.commit([Write(K + "1", b"again")], [Fence("/ponto/leader", fence_at)])
+
+
+async def test_replicas_that_numbered_under_the_old_base_take_the_new_one() -> None:
+    """Both replicas hand out numbers under the stored base while one of them
+    raises it: the other takes the raise rather than raising again in turn
+    (each raising above the other's last numbers would go on for ever)."""
+    memory = MemoryStore()
+    one, two = RebasedStore(memory), RebasedStore(memory)
+    await fill(one, 3)
+    backup = memory.snapshot()
+    await fill(one, 10, K + "a/")
+    await two.list(STATE_PREFIX)
+    memory.restore(backup)
+    assert await one.ensure_above(one.highest)
+    raised = one.base
+    await fill(two, 50, K + "b/")  # `two` goes on under the old base meanwhile
+    await two.list(STATE_PREFIX)
+    assert two.base == raised == one.base
+    assert (await one.list(STATE_PREFIX)).revision == (await two.list(STATE_PREFIX)).revision
+
+
 async def test_a_replica_learns_another_ones_raise_from_the_state_listing() -> None:
     memory = MemoryStore()
     one, two = RebasedStore(memory), RebasedStore(memory)
@@ -164,7 +207,7 @@ async def test_a_replica_whose_numbers_were_higher_raises_further() -> None:
     await fill(one, 3)
     backup = memory.snapshot()
     first = await fill(one, 10, K + "a/")
-    second = await fill(two, 30, K + "b/")
+    second = await fill(two, MARGIN + 30, K + "b/")
     memory.restore(backup)
     one.highest = first  # `one` saw only its own writes
     await one.ensure_above(first)
