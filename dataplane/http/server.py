@@ -67,6 +67,7 @@ from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
 from dataplane.upstream.jwks import HttpFetch
 from dataplane.upstream.stalls import Stalls
+from dataplane.upstream.wire import USER_AGENT
 from ponto.v1 import routing_pb2 as pb
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Proxy:
         if 0 < settings.cache_max_bytes < defaults.max_entry_bytes:
             defaults = replace(defaults, max_entry_bytes=settings.cache_max_bytes)
         # The JWKS URLs of tenants' issuers, fetched while a table names them.
-        jwks_fetch = HttpFetch(settings.upstream.origin_ssl, "ponto-proxy")
+        jwks_fetch = HttpFetch(settings.upstream.origin_ssl, USER_AGENT)
         self.key_sets = key_sets = KeySets(
             jwks_fetch, read_remote_jwks, on_close=jwks_fetch.close, state_dir=settings.state_dir
         )
@@ -163,9 +164,8 @@ class Proxy:
         self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
         self.access_log = None
         if settings.access_log:
-            access = self.access_log = AccessLog(
-                settings.region, self.locator.trusted, Sampler(settings.access_log_sample)
-            )
+            sampler = Sampler(settings.access_log_sample, probes=settings.access_log_probes)
+            access = self.access_log = AccessLog(settings.region, self.locator.trusted, sampler)
             m.access_log_dropped.read = lambda: float(access.dropped)
         info = pb.ProxyInfo(
             name=settings.name,

@@ -68,7 +68,6 @@ from aiohttp.client_exceptions import SocketTimeoutError
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest, ConnectionKey
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES
-from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpResponseParser, RawResponseMessage
 from aiohttp.http_writer import _serialize_headers
@@ -81,6 +80,7 @@ from dataplane.timer import LazyTimer
 __all__ = [
     "DEFAULT_HEADERS",
     "DEFAULT_MAX_ANSWER_BYTES",
+    "USER_AGENT",
     "AnswerTooLarge",
     "OriginConnection",
     "OriginResponse",
@@ -88,13 +88,17 @@ __all__ = [
     "media_type",
 ]
 
+# What the proxy calls itself to origins and JWKS servers when its client
+# says nothing: no versions of Python and aiohttp (aiohttp's default told
+# them, and a hosted API, what an attacker would want to know).
+USER_AGENT: Final = "ponto-proxy"
 # What a ClientSession adds to every request unless the caller set it: the
 # origins saw these before this module existed, and gzip answers stay cheap to
 # accept (the parser decompresses them).
 DEFAULT_HEADERS: Final = (
     (hdrs.ACCEPT, "*/*"),
     (hdrs.ACCEPT_ENCODING, "gzip, deflate"),
-    (hdrs.USER_AGENT, SERVER_SOFTWARE),
+    (hdrs.USER_AGENT, USER_AGENT),
 )
 # Origin URLs remembered (each with its ClientRequest); a table names a few.
 MAX_ENDPOINTS: Final = 4096

@@ -23,13 +23,18 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import hdrs, web
-from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from dataplane.upstream import wire as wire_module
-from dataplane.upstream.wire import DEFAULT_HEADERS, OriginConnection, OriginWire, _Endpoint
+from dataplane.upstream.wire import (
+    DEFAULT_HEADERS,
+    USER_AGENT,
+    OriginConnection,
+    OriginWire,
+    _Endpoint,
+)
 from ponto.originca import origin_ssl_context
 from tests.tlsorigin import serving_tls
 
@@ -228,7 +233,8 @@ async def test_a_post_carries_the_body_the_callers_headers_and_the_added_ones(
     assert request.headers.getall(hdrs.CONTENT_LENGTH) == [str(len(body))]
     for name, value in DEFAULT_HEADERS:
         assert request.headers.getall(name) == [value]
-    assert request.headers[hdrs.USER_AGENT] == SERVER_SOFTWARE
+    # Not aiohttp's default, which told origins the versions of Python and aiohttp.
+    assert request.headers[hdrs.USER_AGENT] == USER_AGENT == "ponto-proxy"
 
 
 async def test_the_callers_own_user_agent_and_accept_encoding_are_kept_once(
