@@ -120,6 +120,7 @@ class Settings:
     # for this share of answers (every answer with an error whatever the share).
     access_log: bool = False
     access_log_sample: float = 1.0
+    access_log_probes: bool = False
     # The region's shared cache: redis://HOST:PORT/DB (rediss://, unix:// too);
     # "" for none (this proxy's memory only). Every proxy of a region names the
     # same one; see dataplane.cache.regionstore.
@@ -459,6 +460,13 @@ def parse(argv: list[str]) -> Settings:
         "chosen at random; every answer with an error (refusals, 5xx, cut streams, "
         "clients that left) is written whatever the share",
     )
+    p.add_argument(
+        "--access-log-probes",
+        choices=["on", "off"],
+        default="off",
+        help="with --access-log on, write lines for successful answers of /healthz, "
+        "/readyz and /metrics too (probes and scrapes; their failures are always written)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     try:
@@ -647,6 +655,7 @@ def parse(argv: list[str]) -> Settings:
         metrics_key_labels=key_labels,
         access_log=a.access_log == "on",
         access_log_sample=a.access_log_sample,
+        access_log_probes=a.access_log_probes == "on",
         redis_url=a.redis,
         redis_deadline_s=a.redis_deadline_ms / 1000,
     )

@@ -8,6 +8,11 @@ line, null where a field does not apply), next to the human log on standard
 error, which keeps its refusal lines (dataplane.http.refusals): the access log
 is a record of traffic, not a second error log.
 
+Probes (`--access-log-probes`, off by default): a successful answer of the
+proxy's own /healthz (/health), /readyz or /metrics gets no line; a kubelet's probes
+and a scraper's pulls, every few seconds at every proxy, are not traffic and
+would outnumber it on a quiet fleet (trial 33). Their failures are written.
+
 Sampling (`--access-log-sample RATE`, 0 < RATE <= 1): each answer is written
 with probability RATE, except that every answer with an error (a refusal, a
 5xx, a cut stream, a client that left) is written: those are the lines an
@@ -183,21 +188,35 @@ def _asked_model(body: dict[str, Any]) -> str | None:
     return model[:MAX_PATH] if isinstance(model, str) else None
 
 
+# The proxy's own endpoints (route names) whose successful answers are
+# probes and scrapes, left out unless --access-log-probes on.
+PROBES: Final = frozenset({"healthz", "health", "readyz", "metrics"})
+
+
 class Sampler:
     """Which answers get a line: see the module docstring. `rng` returns a
-    float in [0, 1) (random.random by default)."""
+    float in [0, 1) (random.random by default); `probes`: whether successful
+    answers of PROBES get one."""
 
-    __slots__ = ("_rng", "rate")
+    __slots__ = ("_rng", "probes", "rate")
 
-    def __init__(self, rate: float = 1.0, rng: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self, rate: float = 1.0, rng: Callable[[], float] = random.random, *, probes: bool = False
+    ) -> None:
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"the access log's sample rate must be in (0, 1], not {rate}")
         self.rate = rate
+        self.probes = probes
         self._rng = rng
 
-    def __call__(self, error: str) -> bool:
-        """Whether the answer with `error` (its error code, "" for none) gets a line."""
-        return self.rate >= 1.0 or bool(error) or self._rng() < self.rate
+    def __call__(self, error: str, endpoint: str = "") -> bool:
+        """Whether the answer with `error` (its error code, "" for none) of
+        `endpoint` (its route's name) gets a line."""
+        if error:
+            return True
+        if not self.probes and endpoint in PROBES:
+            return False
+        return self.rate >= 1.0 or self._rng() < self.rate
 
 
 class AccessLog:

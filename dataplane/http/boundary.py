@@ -277,7 +277,7 @@ def _record(
             ex.usage if ex.origin else None,
         )
     access = app.get(ACCESS_LOG)
-    if access is not None and access.sampled(error):
+    if access is not None and access.sampled(error, endpoint):
         _access_line(
             access,
             request,

@@ -291,7 +291,7 @@ async def test_sampling_writes_a_share_of_answers_and_every_error(
     )
     try:
         draws = iter([0.9, 0.1, 0.9])
-        s.app[ACCESS_LOG].sampled = Sampler(0.5, rng=lambda: next(draws))
+        s.app[ACCESS_LOG].sampled = Sampler(0.5, rng=lambda: next(draws), probes=True)
         for path in ("/healthz", "/health", "/readyz"):
             await (await s.client.get(path)).read()
         failed = await s.post(chat("nobody answers"))
@@ -302,6 +302,32 @@ async def test_sampling_writes_a_share_of_answers_and_every_error(
         got = [(line["path"], line["status"]) for line in lines(s, capfd)]
         # The draws decide the successes; every error is written, without a draw.
         assert got == [("/health", 200), ("/v1/chat/completions", 502), ("/nope", 404)]
+    finally:
+        await s.close()
+
+
+@pytest.mark.parametrize("probes", ["off", "on"])
+async def test_probes_and_scrapes_are_left_out_unless_asked_for(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], probes: str
+) -> None:
+    """Trial 33: a kubelet's probes and a scraper's pulls outnumbered a
+    quiet fleet's traffic in the access log (--access-log-probes)."""
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=4, seed=1)],
+        ["--access-log=on", f"--access-log-probes={probes}"],
+    )
+    try:
+        for path in ("/healthz", "/health", "/readyz", "/metrics"):
+            resp = await s.client.get(path)
+            assert resp.status == 200
+            await resp.read()
+        answered = await s.post(chat("hello"))
+        assert answered.status == 200
+        await answered.read()
+        got = [line["path"] for line in lines(s, capfd)]
+        probed = ["/healthz", "/health", "/readyz", "/metrics"] if probes == "on" else []
+        assert got == [*probed, "/v1/chat/completions"]
     finally:
         await s.close()
 

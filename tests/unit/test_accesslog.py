@@ -171,6 +171,20 @@ def test_sampling_keeps_the_rate_and_every_answer_with_an_error() -> None:
             Sampler(bad)
 
 
+def test_probes_and_scrapes_get_lines_only_when_they_fail_unless_asked_for() -> None:
+    """Trial 33: every kubelet probe and Prometheus scrape was a line."""
+    quiet, loud = Sampler(1.0, rng=Rng()), Sampler(1.0, rng=Rng(), probes=True)
+    for endpoint in ("healthz", "health", "readyz", "metrics"):
+        assert not quiet("", endpoint)
+        assert quiet("503", endpoint)  # not ready: a line
+        assert loud("", endpoint)
+    assert quiet("", "chat.completions") and quiet("", "models")
+    # A probe's success is not drawn for: the draws stay the traffic's.
+    sample = Sampler(0.5, rng=Rng(0.1))
+    assert not sample("", "readyz")
+    assert sample("", "chat.completions")
+
+
 def test_batches_are_whole_lines_within_the_limit() -> None:
     lines = [b"a" * 30 + b"\n", b"b" * 30 + b"\n", b"c" * 100 + b"\n", b"d\n"]
     out = batches(lines, 64)
