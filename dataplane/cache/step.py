@@ -48,12 +48,13 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 from dataplane.cache.bounded import Action, answer_of
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.cache.entry import (
     CONTINUED,
+    TOO_LARGE,
     CachedResponse,
     StreamRecorder,
     body_unkept_reason,
@@ -89,6 +90,10 @@ NO_DIRECTIVES = RequestCacheControl()
 # origin; an entry without the usage the request asks for.
 VERIFY = "verify"
 NO_USAGE = "no-usage"
+# An answer not kept, as x-ponto-cache-reason says it: the header's tokens are
+# hyphenated (dataplane.cache.policy.Reason), ponto_cache_unkept_total's
+# reasons are not, and too-large is taken (a request too large to key).
+UNKEPT_SAID: Final = {TOO_LARGE: "answer-too-large"}
 
 
 class SemanticLayer(Protocol):
@@ -185,6 +190,17 @@ class CachePlan:
     # The newest purge this proxy had run when the origin call was decided: an
     # answer that comes back after a newer one may predate it and is not kept.
     purge_mark: int | None = None
+    # Why the origin's 200 answer of a keyed request is not kept (dataplane.
+    # cache.entry: truncated, too_large, continued, incomplete), "" while it
+    # is or is not known: a whole answer's is known before its headers go out
+    # (x-ponto-cache-reason), a stream's at its end (the access log).
+    unkept: str = ""
+
+    @property
+    def said_reason(self) -> str:
+        """x-ponto-cache-reason and the access log's cache_reason: why a
+        bypass, or a miss, or why the miss's answer is not kept ("")."""
+        return self.reason or UNKEPT_SAID.get(self.unkept, self.unkept)
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished;
@@ -492,30 +508,35 @@ class EdgeCache:
             purge_mark=self._purged_to,
         )
 
-    async def settle_body(
+    def whole_entry(
         self, req: CacheRequest, plan: CachePlan, status: int, body: bytes, obj: Any
-    ) -> None:
-        """Keep a non-streamed answer (`obj` is `body` parsed, or None if it is
-        not JSON) when it is a complete 200, and tell the flight."""
-        entry = None
-        if status == 200 and plan.key:
-            policy = req.tenant.cache
-            entry = from_completion(
-                body,
-                now=self._clock(),
-                store_truncated=policy.store_truncated,
-                max_bytes=policy.max_entry_bytes,
-                parsed=obj,
+    ) -> CachedResponse | None:
+        """The entry a non-streamed answer makes (`obj` is `body` parsed, or
+        None if it is not JSON): one for a complete 200 of a keyed request,
+        None otherwise, with `plan.unkept` saying why a 200 is not kept (the
+        pipeline asks before the answer's headers are made, so that a client
+        whose repeats all miss is told why: trial 24)."""
+        if status != 200 or not plan.key:
+            return None
+        policy = req.tenant.cache
+        entry = from_completion(
+            body,
+            now=self._clock(),
+            store_truncated=policy.store_truncated,
+            max_bytes=policy.max_entry_bytes,
+            parsed=obj,
+        )
+        if entry is None:
+            plan.unkept = body_unkept_reason(
+                body, obj, max_bytes=policy.max_entry_bytes, store_truncated=policy.store_truncated
             )
-            if entry is None:
-                self._metrics.cache_unkept.labels(
-                    body_unkept_reason(
-                        body,
-                        obj,
-                        max_bytes=policy.max_entry_bytes,
-                        store_truncated=policy.store_truncated,
-                    )
-                ).inc()
+            self._metrics.cache_unkept.labels(plan.unkept).inc()
+        return entry
+
+    async def settle_body(
+        self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None
+    ) -> None:
+        """Keep a non-streamed answer's entry (`whole_entry`'s) and tell the flight."""
         await self._keep(req, plan, entry)
         if plan.leader is not None:
             plan.leader.finish(entry)
@@ -538,12 +559,12 @@ class EdgeCache:
             # flight's leader whose client left had its stream finished for
             # its followers (complete), which is one.
             if entry is None and (end.complete or not end.client_gone):
-                why = (
+                plan.unkept = (
                     CONTINUED
                     if end.continued
                     else unkept_reason(recorder.reason, too_large=recorder.too_large)
                 )
-                self._metrics.cache_unkept.labels(why).inc()
+                self._metrics.cache_unkept.labels(plan.unkept).inc()
         await self._keep(req, plan, entry)
         if plan.leader is not None:
             if end.complete:

@@ -90,7 +90,7 @@ class AccessRecord:
     route: str | None  # why that origin (x-ponto-route)
     hedged: bool
     cache: str | None  # hit, miss, bypass; None when no cache step ran
-    cache_reason: str | None  # why a bypass, or a miss: verify, no-usage
+    cache_reason: str | None  # why a bypass, or a miss: verify, no-usage, truncated...
     cache_kind: str | None  # how a hit was found: exact, semantic, coalesced
     cache_tier: str | None  # where a hit came from: local, region
     status: int
@@ -167,7 +167,7 @@ def record(
         route=ex.route or None,
         hedged=ex.hedged,
         cache=plan.outcome if plan is not None else None,
-        cache_reason=(plan.reason or None) if plan is not None else None,
+        cache_reason=(plan.said_reason or None) if plan is not None else None,
         cache_kind=(plan.kind or None) if plan is not None and plan.outcome == "hit" else None,
         cache_tier=(plan.tier or None) if plan is not None and plan.outcome == "hit" else None,
         status=status,

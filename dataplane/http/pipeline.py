@@ -193,11 +193,11 @@ class Exchange:
 
     def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
         """`x-ponto-cache`, and the reason of a bypass or of a miss (a
-        verification, an entry without the usage asked for), or the tier of
-        a hit."""
+        verification, an entry without the usage asked for, an answer not
+        kept), or the tier of a hit."""
         plan = self.cache
-        if outcome != "hit" and plan is not None and plan.reason:
-            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, plan.reason)]
+        if outcome != "hit" and plan is not None and (plan.reason or plan.unkept):
+            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, plan.said_reason)]
         if outcome == "hit" and plan is not None and plan.tier:
             # Age: how long ago the answer was made, as any HTTP cache says.
             return [
@@ -580,6 +580,9 @@ class Pipeline:
         # one that is no JSON object); any other is parsed here, after sending.
         parsed = origin.parsed is not jsonio.NOT_PARSED
         obj: Any = origin.parsed if parsed else None
+        # Known before the headers (x-ponto-cache-reason of an answer not
+        # kept), unless the body is too large to parse before sending.
+        entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
         answer: web.Response | None = None
         if ex.stream and parsed:
             # Asked for a stream, answered whole (an origin that ignores
@@ -605,7 +608,9 @@ class Pipeline:
             # spent the prefill before failing; so does a 4xx after another
             # origin failed once it had the request (review 49).
             ex.usage = Usage(0, 0)
-        await self.cache.settle_body(ex.cache_request, plan, origin.status, body, obj)
+        if not parsed:
+            entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
+        await self.cache.settle_body(ex.cache_request, plan, entry)
         return response
 
     async def lead(

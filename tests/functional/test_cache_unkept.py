@@ -4,12 +4,13 @@ stream over 1 MiB, some 4,700 tokens, was a miss every time, with no sign)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from dataplane.cache.step import CacheRequest
-from dataplane.http.state import HOLDER, METRICS, PIPELINE
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, PIPELINE
 from dataplane.settings import MAX_ENTRY_KB, parse
 from dataplane.streaming.relay import RelayEnd
 from ponto.originsim.app import SimConfig
@@ -25,13 +26,19 @@ def unkept(stack: Stack, reason: str) -> float:
 
 async def twice(stack: Stack, **fields: object) -> tuple[str, str]:
     """The x-ponto-cache of two identical requests."""
+    said = await twice_said(stack, **fields)
+    return said[0][0], said[1][0]
+
+
+async def twice_said(stack: Stack, **fields: object) -> list[tuple[str, str | None]]:
+    """The x-ponto-cache and x-ponto-cache-reason of two identical requests."""
     seen = []
     for _ in range(2):
         resp = await stack.post(chat("tell me a long story", **fields))
         assert resp.status == 200
         await resp.read()
-        seen.append(resp.headers["x-ponto-cache"])
-    return seen[0], seen[1]
+        seen.append((resp.headers["x-ponto-cache"], resp.headers.get("x-ponto-cache-reason")))
+    return seen
 
 
 async def test_an_answer_over_the_entry_bound_is_relayed_not_kept_and_counted(
@@ -60,13 +67,23 @@ async def test_a_larger_bound_keeps_the_same_stream(tmp_path: Path) -> None:
         await s.close()
 
 
-async def test_a_truncated_answer_is_counted_as_such(tmp_path: Path) -> None:
-    s = await start_stack(tmp_path, [ANSWER])
+async def test_a_truncated_answer_is_counted_as_such_and_a_whole_one_says_so(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 24: a repeat of a truncated answer missed every time, with no
+    reason header. A whole answer's headers follow its body, and say it; a
+    stream's went out first: its access-log line says it."""
+    s = await start_stack(tmp_path, [ANSWER], ["--access-log=on"])
     try:
-        assert await twice(s, max_tokens=5) == ("miss", "miss")
-        assert await twice(s, max_tokens=5, stream=True) == ("miss", "miss")
+        assert await twice_said(s, max_tokens=5) == [("miss", "truncated")] * 2
+        assert await twice_said(s, max_tokens=5, stream=True) == [("miss", None)] * 2
         assert unkept(s, "truncated") == 4
         assert unkept(s, "too_large") == 0
+        # A kept answer's miss says nothing.
+        assert await twice_said(s, max_tokens=500) == [("miss", None), ("hit", None)]
+        s.app[ACCESS_LOG].flush()
+        logged = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+        assert [line["cache_reason"] for line in logged] == [*["truncated"] * 4, None, None]
     finally:
         await s.close()
 
@@ -75,7 +92,7 @@ async def test_a_whole_answer_over_the_bound_is_counted_too(tmp_path: Path) -> N
     long = SimConfig(name="o1", answer_tokens=400, seed=1)
     s = await start_stack(tmp_path, [long], ["--cache-max-entry-kb=1"])
     try:
-        assert await twice(s) == ("miss", "miss")
+        assert await twice_said(s) == [("miss", "answer-too-large")] * 2
         assert unkept(s, "too_large") == 2
     finally:
         await s.close()

@@ -5,7 +5,6 @@ that do not decode, and cross-proxy coalescing through the cache step."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
@@ -24,6 +23,7 @@ from dataplane.cache.store import CacheStore, ExactStore, Found
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from ponto.devenv import Redis, free_port
+from tests.cachesteps import settle_whole
 from tests.unit.test_cache_store import FakeClock, StoreFactory, entry
 from tests.unit.test_cache_store import TestContract as _Contract
 from tests.unit.test_cache_tenancy import ANSWER, BODY, NOW
@@ -296,7 +296,7 @@ async def test_identical_misses_on_two_proxies_make_one_origin_call(region: Regi
     local_follower = await b.plan(request())
     assert local_follower.follower is not None
     assert not waiting.done()  # b waits for a's origin call instead of making its own
-    await a.settle_body(request(), lead, 200, ANSWER, json.loads(ANSWER))
+    await settle_whole(a, request(), lead, ANSWER)
     plan = await waiting
     assert (plan.outcome, plan.kind, plan.tier) == ("hit", "coalesced", "region")
     assert plan.entry is not None and plan.entry.body == ANSWER
@@ -382,7 +382,7 @@ async def test_a_follower_whose_leader_left_waits_for_another_proxys_flight(
     handed = asyncio.create_task(b.own_call(request(), local))
     await asyncio.sleep(0.05)
     assert not handed.done()
-    await a.settle_body(request(), lead, 200, ANSWER, json.loads(ANSWER))
+    await settle_whole(a, request(), lead, ANSWER)
     plan = await handed
     assert (plan.outcome, plan.kind, plan.tier) == ("hit", "coalesced", "region")
     assert plan.entry is not None and plan.entry.body == ANSWER

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import random
 import re
 import unicodedata
@@ -31,6 +30,7 @@ from dataplane.cache.keys import (
 )
 from dataplane.cache.step import CacheRequest
 from dataplane.cache.textform import QUOTED, SCRIPTS
+from tests.cachesteps import settle_whole
 from tests.unit.test_cache_tenancy import ANSWER, BODY, semantic_edge
 
 # ---------------------------------------------------------------------------
@@ -790,7 +790,7 @@ async def semantic_pair(
     try:
         first = CacheRequest(CHAT, dict(BODY, messages=stored), req.tenant, stream=False)
         plan = await edge.plan(first)
-        await edge.settle_body(first, plan, 200, ANSWER, json.loads(ANSWER))
+        await settle_whole(edge, first, plan, ANSWER)
         await edge.background_done()
         missed = await edge.plan(CacheRequest(CHAT, dict(BODY, messages=other), req.tenant, False))
         assert missed.outcome == "miss"

@@ -18,6 +18,7 @@ from dataplane.cache.step import CacheRequest, EdgeCache
 from dataplane.cache.store import ExactStore
 from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
+from tests.cachesteps import settle_whole
 
 NOW = 1_900_000_000.0
 BODY: dict[str, Any] = {
@@ -65,7 +66,7 @@ async def test_another_tenants_flight_is_not_followed() -> None:
 async def test_another_tenants_answer_is_not_served() -> None:
     edge = cache()
     a = await edge.plan(request("tenant-a"))
-    await edge.settle_body(request("tenant-a"), a, 200, ANSWER, json.loads(ANSWER))
+    await settle_whole(edge, request("tenant-a"), a, ANSWER)
     hit = await edge.plan(request("tenant-a"))
     assert hit.outcome == "hit" and hit.entry is not None
     b = await edge.plan(request("tenant-b"))
@@ -81,7 +82,7 @@ async def test_a_hit_says_its_entrys_age_in_whole_seconds() -> None:
         ExactStore(max_bytes=1 << 20, clock=lambda: now[0]), Metrics(), clock=lambda: now[0]
     )
     miss = await edge.plan(request("acme"))
-    await edge.settle_body(request("acme"), miss, 200, ANSWER, json.loads(ANSWER))
+    await settle_whole(edge, request("acme"), miss, ANSWER)
     assert (await edge.plan(request("acme"))).age_s == 0
     now[0] += 42.9
     hit = await edge.plan(request("acme"))
@@ -118,10 +119,10 @@ async def test_an_answer_that_arrives_after_a_purge_is_served_but_not_kept() -> 
     edge.on_policy(policy(3, 4))
     for _ in range(3):  # the purge runs (a task) before the answer comes back
         await asyncio.sleep(0)
-    await edge.settle_body(request("tenant-a"), a, 200, ANSWER, json.loads(ANSWER))
+    await settle_whole(edge, request("tenant-a"), a, ANSWER)
     after = await edge.plan(request("tenant-a"))
     assert after.outcome == "miss"
-    await edge.settle_body(request("tenant-a"), after, 200, ANSWER, json.loads(ANSWER))
+    await settle_whole(edge, request("tenant-a"), after, ANSWER)
     assert (await edge.plan(request("tenant-a"))).outcome == "hit"  # kept from then on
 
 
@@ -161,7 +162,7 @@ async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> 
         handed = [await edge.own_call(req, f) for f in followers]
         assert handed[0].outcome == "miss" and handed[0].leader is not None
         assert handed[1].outcome == "hit" and handed[1].follower is not None
-        await edge.settle_body(req, handed[0], 200, ANSWER, json.loads(ANSWER))
+        await settle_whole(edge, req, handed[0], ANSWER)
         assert handed[1].follower is not None
         assert (await handed[1].follower.result()).body == ANSWER
         await edge.background_done()
@@ -183,7 +184,7 @@ async def test_followers_calling_on_their_own_leave_their_answer_indexed() -> No
         own = [await edge.own_call(req, f) for f in followers]
         assert all(p.outcome == "miss" and p.leader is None for p in own)
         for p in own:  # both answers arrive before either is indexed
-            await edge.settle_body(req, p, 200, ANSWER, json.loads(ANSWER))
+            await settle_whole(edge, req, p, ANSWER)
         await edge.background_done()
         assert await semantic_hit(edge, req)
     finally:
