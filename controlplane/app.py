@@ -181,6 +181,7 @@ class ControlPlane:
             table=self._latest_table,
             acked_versions=lambda: [r.acked_version for r in self.registry.sessions.values()],
             is_leader=lambda: self.leadership.is_leader,
+            load_ages=self.scraper.ages,
         )
         # Health alone, in plaintext, for kubelet probes (--health-listen).
         self.health_server: grpc.aio.Server | None = None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 
@@ -87,15 +87,29 @@ class LoadScraper:
         self._previous: dict[str, Sample] = {}
         self._written: dict[str, Figures] | None = None
         self._written_at = 0.0
+        # When each origin's figures were last read, this term: an origin
+        # whose page stops answering (or stops saying its load) goes on being
+        # routed by the proxies' own counts alone, unseen but for `ages`.
+        self._read_at: dict[str, float] = {}
+        # The origins scraped in the latest round (healthy, undrained).
+        self._wanted: frozenset[str] = frozenset()
         self.rounds = 0
         self.writes = 0
+
+    def ages(self) -> Mapping[str, float]:
+        """Seconds since each origin the scraper reads now (healthy,
+        undrained) last gave its figures in this leader's term; origins it
+        has not read since the term began are left out (ponto_control_origin_
+        load_age_seconds, the PontoOriginLoadsStale alert)."""
+        now = self._clock()
+        return {o: now - at for o, at in self._read_at.items() if o in self._wanted}
 
     async def run(self) -> None:
         if not self._settings.metrics_path:
             log.info("origin loads are not scraped: no metrics path")
             return
         # A new term starts afresh: another leader may have written since.
-        self._previous, self._written = {}, None
+        self._previous, self._written, self._read_at = {}, None, {}
         # A scrape slower than the interval is too late to be of use, and
         # must not hold up the next round.
         timeout = aiohttp.ClientTimeout(
@@ -130,7 +144,7 @@ class LoadScraper:
         path = self._settings.metrics_path
         scraped_at = self._clock()
         pages = await asyncio.gather(*(fetch(root + path) for _, root in wanted))
-        names = {name for name, _ in wanted}
+        names = frozenset(name for name, _ in wanted)
         for gone in set(self._previous) - names:
             del self._previous[gone]
         loads: dict[str, Figures] = {}
@@ -142,6 +156,8 @@ class LoadScraper:
                 continue
             loads[name] = figures(sample, self._previous.get(name))
             self._previous[name] = sample
+            self._read_at[name] = scraped_at
+        self._wanted = names
         self.rounds += 1
         if loads == self._written and scraped_at - self._written_at < self._settings.load_refresh:
             return

@@ -18,7 +18,7 @@ The names and labels are a contract with the chart's dashboards and alerts;
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -103,6 +103,7 @@ class ControlMetrics:
         self._table: Callable[[], pb.RouteTable | None] = lambda: None
         self._acked: Callable[[], Iterable[int]] = tuple
         self._leader: Callable[[], bool] = lambda: False
+        self._load_ages: Callable[[], Mapping[str, float]] = dict
         info = ((replica, software_version()), 1.0)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -195,6 +196,14 @@ class ControlMetrics:
             r,
         )
         _Reading(
+            "ponto_control_origin_load_age_seconds",
+            "Leader only: seconds since the origin's metrics page last gave its load "
+            "figures, for the healthy, undrained origins read since this term began",
+            ("origin", "region"),
+            self._origin_load_ages,
+            r,
+        )
+        _Reading(
             "ponto_control_region_drained",
             "1 if the region is drained, as in the latest table",
             ("region",),
@@ -215,12 +224,15 @@ class ControlMetrics:
         table: Callable[[], pb.RouteTable | None],
         acked_versions: Callable[[], Iterable[int]],
         is_leader: Callable[[], bool],
+        load_ages: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         """Where scrape-time state is read: the latest published table, the
-        versions last ACKed by the proxies connected here, the election."""
+        versions last ACKed by the proxies connected here, the election, the
+        age of each origin's load figures (LoadScraper.ages)."""
         self._table = table
         self._acked = acked_versions
         self._leader = is_leader
+        self._load_ages = load_ages
 
     # ------------------------------------------------------------ events
 
@@ -273,6 +285,13 @@ class ControlMetrics:
         if table is None:
             return []
         return [((o.name, o.region), 1.0 if flag(o) else 0.0) for o in table.origins]
+
+    def _origin_load_ages(self) -> Series:
+        table = self._table()
+        if table is None or not self._leader():
+            return []  # a replica that no longer leads keeps its last figures
+        ages = self._load_ages()
+        return [((o.name, o.region), ages[o.name]) for o in table.origins if o.name in ages]
 
     def _regions(self) -> Series:
         table = self._table()

@@ -25,6 +25,8 @@ ALERTS = {
     "PontoProxyStaleTable",
     "PontoProxyNoControlPlane",
     "PontoOriginDown",
+    "PontoOriginLoadsStale",
+    "PontoProxyLoadsStale",
     "PontoRegionDrainedTooLong",
     "PontoHighErrorRatio",
     "PontoRegionSpilling",

@@ -53,6 +53,7 @@ CONTRACT = {
     "ponto_control_origin_healthy": ("gauge", {"origin", "region"}),
     "ponto_control_origin_drained": ("gauge", {"origin", "region"}),
     "ponto_control_region_drained": ("gauge", {"region"}),
+    "ponto_control_origin_load_age_seconds": ("gauge", {"origin", "region"}),
     "ponto_control_admin_calls": ("counter", {"method", "code"}),
     "ponto_control_routing_refusals": ("counter", {"method", "code"}),
     "ponto_control_info": ("gauge", {"replica", "version"}),

@@ -19,6 +19,7 @@ from controlplane.distribute import Publisher
 from controlplane.health import ProbeSettings
 from controlplane.load import UNKNOWN, Figures, encode_loads
 from controlplane.loadsync import LOAD_KEY, LoadHub, LoadScraper, targets
+from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth, Region, State
 from controlplane.settings import parse
 from controlplane.store import Conflict, Fence
@@ -38,7 +39,7 @@ def page(running: float, waiting: float = 0.0, kv: float = 0.5) -> str:
     )
 
 
-def table() -> pb.RouteTable:
+def table(unhealthy: tuple[str, ...] = ("c",)) -> pb.RouteTable:
     """Origins a..e: a and b scrapeable, c unhealthy, d drained, e in a drained region."""
     return compile_table(
         State(
@@ -51,7 +52,9 @@ def table() -> pb.RouteTable:
                 Origin("d", "http://d.test:8000/v1", "east", MODELS, drained=True),
                 Origin("e", "http://e.test:8000/v1", "west", MODELS),
             ),
-            health={"c": OriginHealth("c", healthy=False, detail="probe answered 503")},
+            health={
+                o: OriginHealth(o, healthy=False, detail="probe answered 503") for o in unhealthy
+            },
         )
     )
 
@@ -130,6 +133,41 @@ async def test_failed_scrapes_and_pages_without_gauges_are_left_out() -> None:
     await leader.scraper.round(leader.pages)
     body, _ = await leader.written()
     assert list(body["origins"]) == ["a"]
+
+
+async def test_each_origins_figures_age_from_its_last_good_page_and_only_while_read() -> None:
+    """An origin whose metrics page stops answering is routed by the proxies'
+    own counts alone; its age says so (ponto_control_origin_load_age_seconds,
+    the PontoOriginLoadsStale alert). Origins not read (unhealthy, drained)
+    and those not read yet this term have none."""
+    leader = Leader()
+    await leader.lead()
+    leader.pages.by_origin = {"a": page(1), "b": "process_open_fds 12\n"}
+    await leader.scraper.round(leader.pages)
+    assert leader.scraper.ages() == {"a": 0.0}
+    leader.clock.now += 90
+    leader.pages.by_origin = {"a": None, "b": page(2)}
+    await leader.scraper.round(leader.pages)
+    leader.clock.now += 5
+    assert leader.scraper.ages() == {"a": 95.0, "b": 5.0}
+    # "a" turns unhealthy: no longer read, so no age (PontoOriginDown's).
+    state = table(unhealthy=("a", "c"))
+    leader.publisher.publish(state)
+    await leader.scraper.round(leader.pages)
+    assert set(leader.scraper.ages()) == {"b"}
+    metrics = ControlMetrics()
+    leading = [True]
+    metrics.bind(
+        table=lambda: state,
+        acked_versions=tuple,
+        is_leader=lambda: leading[0],
+        load_ages=leader.scraper.ages,
+    )
+    labels = {"origin": "b", "region": "east"}
+    read = metrics.registry.get_sample_value
+    assert read("ponto_control_origin_load_age_seconds", labels) == 0.0
+    leading[0] = False  # a replica that lost the lead says nothing of loads
+    assert read("ponto_control_origin_load_age_seconds", labels) is None
 
 
 async def test_unchanged_figures_are_written_again_only_after_the_refresh_period() -> None:
