@@ -401,8 +401,8 @@ class Metrics:
         self.routes = Counter(
             "ponto_route_decisions",
             "Why each answered request's origin was chosen: affinity, prefix, load, "
-            "weighted, spill, failover, remote or hedge",
-            ["reason"],
+            "weighted, spill, failover, remote or hedge; by the origin that answered",
+            ["reason", "origin"],
             registry=r,
         )
         self.loads_age = Gauge(

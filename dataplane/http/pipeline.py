@@ -525,7 +525,7 @@ class Pipeline:
             ex.route = "hedge"  # the chosen origin was slower than the next one
         elif answer.target is not candidates[0]:
             ex.route = "failover"  # the chosen origin failed or is ejected
-        self.metrics.routes.labels(ex.route).inc()
+        self.metrics.routes.labels(ex.route, ex.origin).inc()
         return answer
 
     def place(self, ex: Exchange, home: str, limit: int) -> list[Target]:

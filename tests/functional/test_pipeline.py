@@ -321,6 +321,10 @@ async def test_a_region_failing_as_a_whole_fails_over_to_the_next(tmp_path: Path
         await resp.read()
         tried = [o.app[SIM_STATE].stats.requests for o in s.origins]
         assert sum(tried[:3]) == 2 and tried[3] == 1
+        # Counted by the origin that answered (trial 33: which replica took
+        # what, and why, was in no series).
+        decisions = s.app[METRICS].registry.get_sample_value
+        assert decisions("ponto_route_decisions_total", {"reason": "failover", "origin": "away"})
     finally:
         await s.close()
 
