@@ -94,7 +94,7 @@ TENANT_FIELDS = (
     "models",
     "suspended",
 )
-LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
+LIMIT_FIELDS = ("rpm", "tpm", "concurrency", "tokens_per_day", "tokens_per_month")
 CACHE_FIELDS = (
     "mode",
     "ttl_s",
@@ -491,7 +491,13 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
     s = t.streams
     out: dict[str, Any] = {"name": t.name}
     parts: dict[str, dict[str, Any]] = {
-        "limits": _set(rpm=t.limits.rpm, tpm=t.limits.tpm, concurrency=t.limits.concurrency),
+        "limits": _set(
+            rpm=t.limits.rpm,
+            tpm=t.limits.tpm,
+            concurrency=t.limits.concurrency,
+            tokens_per_day=t.limits.tokens_per_day,
+            tokens_per_month=t.limits.tokens_per_month,
+        ),
         "cache": {"mode": t.cache.mode or "exact", **cache},
         "prompt": _set(
             system_prompt=p.system_prompt,

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import orjson
 
 from controlplane import apply as topology
+from controlplane.budget import LEDGER_PREFIX, decode_ledger
 from controlplane.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -80,6 +81,7 @@ from controlplane.store import (
     txn_size,
 )
 from ponto.apikeys import issue_key, key_expired
+from ponto.quota_types import utc_day
 from ponto.routetable import OPEN_TENANT
 from ponto.times import utc
 
@@ -408,6 +410,28 @@ class Catalog:
 
     async def list_tenants(self) -> list[Tenant]:
         return sorted((await self.snapshot()).tenants, key=lambda t: t.name)
+
+    async def budgets_spent(self, prefix: str, now: float) -> dict[str, tuple[int, float, float]]:
+        """scope -> (today's UTC day, tokens spent today, this month) of the
+        budgeted scopes starting with `prefix` ("t/", "k/"), from the
+        leader's ledgers (controlplane.budget); a ledger not counted since
+        the day (month) turned spent nothing of it yet. One unreadable is
+        left out (the leader logs it)."""
+        today = utc_day(now)
+        listing = await _guard(self.store.list(LEDGER_PREFIX + prefix))
+        out = {}
+        for kv in listing.items:
+            try:
+                ledger = decode_ledger(kv.value)
+            except (ValueError, TypeError, KeyError, IndexError):
+                continue
+            day_tokens, month_tokens = ledger.used()
+            if ledger.day // 100 != today // 100:
+                day_tokens = month_tokens = 0.0
+            elif ledger.day != today:
+                day_tokens = 0.0
+            out[kv.key[len(LEDGER_PREFIX) :]] = (today, day_tokens, month_tokens)
+        return out
 
     async def delete_tenant(self, name: str) -> None:
         """Delete a tenant that has no active key. The deletion is conditional

@@ -229,8 +229,8 @@ def _duration(text: str) -> float:
 
 
 def _limits_args(p: argparse.ArgumentParser, *, kept: bool = False) -> None:
-    """--rpm, --tpm and --concurrency. `kept`: a limit not given keeps its
-    current value (`limit set`); else it is none (`key create`)."""
+    """--rpm, --tpm, --concurrency and the budgets. `kept`: a limit not given
+    keeps its current value (`limit set`); else it is none (`key create`)."""
     rate = _count(MAX_RATE)
     default = None if kept else 0
     unset = "; not given: kept as it is" if kept else ""
@@ -246,6 +246,24 @@ def _limits_args(p: argparse.ArgumentParser, *, kept: bool = False) -> None:
         default=default,
         help=f"concurrent requests (0: no limit{unset})",
     )
+    p.add_argument(
+        "--tokens-per-day",
+        type=rate,
+        default=default,
+        help=f"tokens in a UTC day, for the whole fleet (0: no budget{unset})",
+    )
+    p.add_argument(
+        "--tokens-per-month",
+        type=rate,
+        default=default,
+        help=f"tokens in a UTC calendar month, for the whole fleet (0: no budget{unset})",
+    )
+
+
+# A budgeted scope the leader has not counted yet.
+NOTHING_SPENT = apb.BudgetSpent()
+# The limits `limit set` and `key create` take, by flag dest.
+LIMIT_DESTS = ("rpm", "tpm", "concurrency", "tokens_per_day", "tokens_per_month")
 
 
 # What argparse takes for a negative number, not an option, as a flag's value:
@@ -721,13 +739,12 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb.Limits:
     """`current` with the limits given on the command line (`limit set`; for
     `key create`, whose limits all default to 0, over none), validated."""
-    rpm, tpm, concurrency = (
-        current.rpm if args.rpm is None else args.rpm,
-        current.tpm if args.tpm is None else args.tpm,
-        current.concurrency if args.concurrency is None else args.concurrency,
-    )
-    Limits(rpm=rpm, tpm=tpm, concurrency=concurrency).validated(owner)
-    return pb.Limits(rpm=rpm, tpm=tpm, concurrency=concurrency)
+    values = {
+        dest: getattr(current, dest) if getattr(args, dest) is None else getattr(args, dest)
+        for dest in LIMIT_DESTS
+    }
+    Limits(**values).validated(owner)
+    return pb.Limits(**values)
 
 
 def _models_text(
@@ -748,11 +765,23 @@ def _models_text(
 MAX_CELL_MODELS = 5
 
 
-def _limits_text(limits: pb.Limits, none: str = "no limits") -> str:
-    shown = [
-        f"{n}={getattr(limits, n)}" for n in ("rpm", "tpm", "concurrency") if getattr(limits, n)
-    ]
-    return " ".join(shown) or none
+def _limits_text(
+    limits: pb.Limits, none: str = "no limits", spent: apb.BudgetSpent | None = None
+) -> str:
+    shown = [f"{n}={getattr(limits, n)}" for n in LIMIT_DESTS if getattr(limits, n)]
+    return " ".join([*shown, *_spent_parts(limits, spent)]) or none
+
+
+def _spent_parts(limits: pb.Limits, spent: apb.BudgetSpent | None) -> list[str]:
+    """What a budgeted tenant or key spent today and this month (UTC), as the
+    leader last counted, beside its budgets: spent/day=N, spent/month=N
+    (none for `spent` None: not asked)."""
+    parts = []
+    if spent is not None and limits.tokens_per_day:
+        parts.append(f"spent/day={spent.day_tokens:.0f}")
+    if spent is not None and limits.tokens_per_month:
+        parts.append(f"spent/month={spent.month_tokens:.0f}")
+    return parts
 
 
 def _tenant_flags_given(args: argparse.Namespace) -> bool:
@@ -961,9 +990,21 @@ def _rows_tenants(
             or "-"
         )
 
+    spent = {b.scope: b for b in resp.spent}
+
     def limits(t: pb.Tenant) -> str:
         m = t.limits
-        parts = [f"{k}={v}" for k, v in (("rpm", m.rpm), ("tpm", m.tpm), ("conc", m.concurrency))]
+        parts = [
+            f"{k}={v}"
+            for k, v in (
+                ("rpm", m.rpm),
+                ("tpm", m.tpm),
+                ("conc", m.concurrency),
+                ("tokens/day", m.tokens_per_day),
+                ("tokens/month", m.tokens_per_month),
+            )
+        ]
+        parts += _spent_parts(m, spent.get(f"t/{t.name}", NOTHING_SPENT))
         # The ceiling a request's max_tokens is lowered to (trial 35: set, it
         # was shown nowhere but in `get tenant`'s audit).
         parts.append(f"max_tokens<={t.prompt.max_tokens_ceiling}")
@@ -1052,13 +1093,14 @@ def _rows_keys(
     With served (the models origins list), a name on a key's model list that
     no origin lists, and that is not its tenant's alias, is marked UNSERVED."""
     now = time.time()
+    spent = {b.scope: b for b in resp.spent}
     header = ["ID", "TENANT", "DESCRIPTION", "LIMITS", "MODELS", "CREATED", "EXPIRES", "STATE"]
     return header, [
         [
             k.id,
             k.tenant if tenants is None or k.tenant in tenants else f"{k.tenant}(deleted)",
             k.description or "-",
-            _limits_text(k.limits, none="-"),
+            _limits_text(k.limits, none="-", spent=spent.get(f"k/{k.id}", NOTHING_SPENT)),
             _models_text(
                 k.models,
                 none="tenant's",
@@ -1368,8 +1410,11 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         k = stub.RevokeKey(apb.KeyRequest(id=args.id))
         return f"key {k.id} of tenant {k.tenant} revoked"
     if args.command == "limit":
-        if args.rpm is None and args.tpm is None and args.concurrency is None:
-            raise UsageError("give --rpm, --tpm or --concurrency (0 removes that limit)")
+        if all(getattr(args, dest) is None for dest in LIMIT_DESTS):
+            raise UsageError(
+                "give --rpm, --tpm, --concurrency, --tokens-per-day or --tokens-per-month "
+                "(0 removes that limit)"
+            )
         if args.key:
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True)).keys
             current = next((k.limits for k in keys if k.id == args.key), pb.Limits())

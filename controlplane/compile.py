@@ -92,7 +92,13 @@ def compile_table(state: State) -> pb.RouteTable:
 
 
 def limits_pb(limits: Limits) -> pb.Limits:
-    return pb.Limits(rpm=limits.rpm, tpm=limits.tpm, concurrency=limits.concurrency)
+    return pb.Limits(
+        rpm=limits.rpm,
+        tpm=limits.tpm,
+        concurrency=limits.concurrency,
+        tokens_per_day=limits.tokens_per_day,
+        tokens_per_month=limits.tokens_per_month,
+    )
 
 
 def tenant_pb(t: Tenant) -> pb.Tenant:

@@ -50,7 +50,13 @@ def origin_of(spec: apb.OriginSpec) -> Origin:
 
 
 def limits_of(m: pb.Limits) -> Limits:
-    return Limits(rpm=m.rpm, tpm=m.tpm, concurrency=m.concurrency)
+    return Limits(
+        rpm=m.rpm,
+        tpm=m.tpm,
+        concurrency=m.concurrency,
+        tokens_per_day=m.tokens_per_day,
+        tokens_per_month=m.tokens_per_month,
+    )
 
 
 def prompt_of(m: pb.PromptPolicy) -> PromptPolicy:

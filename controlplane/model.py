@@ -447,6 +447,9 @@ class Limits:
     rpm: int = 0
     tpm: int = 0
     concurrency: int = 0
+    # Budgets: tokens in a UTC day, in a UTC calendar month (docs/rate-limits.md).
+    tokens_per_day: int = 0
+    tokens_per_month: int = 0
 
     def validated(self, owner: str) -> Limits:
         if not 0 <= self.concurrency <= MAX_CONCURRENCY:
@@ -457,6 +460,8 @@ class Limits:
         for label, value in (
             ("rpm", self.rpm),
             ("tpm", self.tpm),
+            ("tokens_per_day", self.tokens_per_day),
+            ("tokens_per_month", self.tokens_per_month),
         ):
             if not 0 <= value <= MAX_RATE:
                 raise InvalidArgument(f"{label} {value} of {owner} is not in 0..10^12", field=label)

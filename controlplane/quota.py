@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
-from ponto.quota_types import Demand, Share
+from ponto.quota_types import Demand, LimitsLike, Share
 
 # New fractions of a scope sum to at most 1 - SAFETY, so that float rounding in
 # sums of many shares can never make them exceed 1.
@@ -49,17 +48,6 @@ DEBT_MAX_MINUTES = 60.0
 DEBT_MAX_S = 3600.0
 # Slack below this is rounding noise, not share to hand out.
 _NOISE = 1e-12
-
-
-class LimitsLike(Protocol):
-    """A scope's global limits (ScopeLimits, or the control plane's own model)."""
-
-    @property
-    def rpm(self) -> int: ...
-    @property
-    def tpm(self) -> int: ...
-    @property
-    def concurrency(self) -> int: ...
 
 
 _NO_DEMAND: Mapping[str, Demand] = {}

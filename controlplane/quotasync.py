@@ -27,23 +27,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
 
+from controlplane.budget import FLOOR, LEDGER_PREFIX, Ledger, account, budgets, decode_ledger
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.quota import compute_shares
-from controlplane.store import Conflict, Fence, LeaseExpired, StateStore, StoreUnavailable
+from controlplane.store import Conflict, Fence, LeaseExpired, StateStore, StoreUnavailable, Write
 from ponto.quota_types import (
+    Budget,
     Demand,
     ScopeLimits,
     Share,
+    Spent,
     default_share,
     key_scope,
+    scope_limits,
     tenant_scope,
+    utc_day,
 )
 from ponto.v1 import routing_pb2 as pb
 
@@ -54,6 +60,8 @@ DEMAND_PREFIX = QUOTA_PREFIX + "demand/"
 SHARES_KEY = QUOTA_PREFIX + "shares"
 
 Shares = dict[str, dict[str, Share]]
+# proxy -> scope -> its Budget (budgeted scopes only).
+Budgets = dict[str, dict[str, Budget]]
 
 # While a share carries a spare flag, the leader writes the shares at least
 # every this many rounds, changed or not: its proxy's confirmation that a
@@ -81,22 +89,26 @@ def limits_of_table(table: pb.RouteTable) -> dict[str, ScopeLimits]:
     """Scopes with at least one limit, from a route table."""
     out: dict[str, ScopeLimits] = {}
     for t in table.tenants:
-        lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
+        lim = scope_limits(t.limits)
         if not lim.unlimited:
             out[tenant_scope(t.name)] = lim
     for k in table.keys:
-        lim = ScopeLimits(k.limits.rpm, k.limits.tpm, k.limits.concurrency)
+        lim = scope_limits(k.limits)
         if not lim.unlimited:
             out[key_scope(k.id)] = lim
     return out
 
 
 def encode_shares(
-    shares: Mapping[str, Mapping[str, Share]], default_fraction: float, spare_ttl: float = 0.0
+    shares: Mapping[str, Mapping[str, Share]],
+    default_fraction: float,
+    spare_ttl: float = 0.0,
+    budgeted: Mapping[str, Mapping[str, Budget]] | None = None,
 ) -> bytes:
     """The shares key's value; `spare_ttl`: how long proxies count the spare
-    flags (0: until the next shares, for a leader that does not rewrite them)."""
-    body = {
+    flags (0: until the next shares, for a leader that does not rewrite them);
+    `budgeted`: each proxy's Budget of each budgeted scope."""
+    body: dict[str, Any] = {
         "default_fraction": default_fraction,
         "spare_ttl_s": spare_ttl,
         "proxies": {
@@ -107,7 +119,70 @@ def encode_shares(
             for proxy, by_scope in sorted(shares.items())
         },
     }
+    if budgeted:
+        body["budgets"] = _budget_rows(budgeted)
     return orjson.dumps(body)
+
+
+def _budget_rows(budgeted: Mapping[str, Mapping[str, Budget]]) -> dict[str, Any]:
+    """What is left of each scope, once ([day, day left, month left, and the
+    day's and month's budgets counted under], -1 for no budget), and per
+    proxy its share and the counts of its own process the leader used
+    ([epoch, day, month, share]; epoch 0: none counted)."""
+    fleet: dict[str, list[float]] = {}
+    own: dict[str, dict[str, list[float]]] = {}
+    for proxy, by_scope in sorted(budgeted.items()):
+        for scope, b in sorted(by_scope.items()):
+            fleet.setdefault(
+                scope,
+                [b.day, _finite(b.day_left), _finite(b.month_left), b.day_limit, b.month_limit],
+            )
+            own.setdefault(proxy, {})[scope] = [b.epoch, b.spent_day, b.spent_month, b.share]
+    return {"fleet": fleet, "proxies": own}
+
+
+def _finite(left: float) -> float:
+    return -1.0 if math.isinf(left) else left
+
+
+def _left(value: Any) -> float:
+    number = float(value)
+    return math.inf if number < 0 else number
+
+
+def decode_budgets(data: Mapping[str, Any]) -> Budgets:
+    """Each proxy's Budgets from the shares key's "budgets" (none: {}). A
+    proxy without counts of its own gets the fleet's figures under "" (the
+    caller's default for any proxy)."""
+    raw = data.get("budgets") or {}
+    fleet = {
+        scope: (
+            int(v[0]),
+            _left(v[1]),
+            _left(v[2]),
+            int(v[3]) if len(v) > 3 else 0,
+            int(v[4]) if len(v) > 4 else 0,
+        )
+        for scope, v in raw.get("fleet", {}).items()
+    }
+    # A proxy the round did not count: a floor's share, until its own.
+    out: Budgets = {
+        "": {
+            s: Budget(0.0, d, dl, ml, 0.0, 0.0, FLOOR, dlim, mlim)
+            for s, (d, dl, ml, dlim, mlim) in fleet.items()
+        }
+    }
+    for proxy, by_scope in raw.get("proxies", {}).items():
+        mine = dict(out[""])
+        for scope, v in by_scope.items():
+            if scope in fleet:
+                d, dl, ml, dlim, mlim = fleet[scope]
+                share = min(1.0, max(0.0, float(v[3]))) if len(v) > 3 else 1.0
+                mine[scope] = Budget(
+                    float(v[0]), d, dl, ml, float(v[1]), float(v[2]), share, dlim, mlim
+                )
+        out[proxy] = mine
+    return out
 
 
 def _share_row(s: Share) -> list[float | int]:
@@ -120,6 +195,10 @@ def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
     """(shares, default fraction, spare ttl) of the shares key's value; a
     leader from before the ttl wrote none, and does not rewrite: 0."""
     data = orjson.loads(raw)
+    return _decode_shares(data)
+
+
+def _decode_shares(data: Any) -> tuple[Shares, float, float]:
     shares: Shares = {
         proxy: {
             scope: Share(
@@ -133,6 +212,22 @@ def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
         for proxy, by_scope in data.get("proxies", {}).items()
     }
     return shares, float(data.get("default_fraction", 0.0)), float(data.get("spare_ttl_s", 0.0))
+
+
+def _demand_row(d: pb.ScopeDemand) -> list[float]:
+    """One scope's report as the replica writes it for the leader: the rates,
+    peaks and debt, then a budgeted scope's counts ([epoch, day, day tokens,
+    month tokens]) when the proxy sent them."""
+    row = [
+        d.requests_per_s,
+        d.tokens_per_s,
+        float(d.concurrency),
+        float(d.in_flight),
+        max(0.0, d.debt_tokens) if math.isfinite(d.debt_tokens) else 0.0,
+    ]
+    if d.spent_epoch > 0 and d.spent_day:
+        row += [d.spent_epoch, float(d.spent_day), d.day_tokens, d.month_tokens]
+    return row
 
 
 class QuotaHub:
@@ -152,6 +247,7 @@ class QuotaHub:
         self._demand: dict[str, dict[str, list[float]]] = {}
         self._dirty = False
         self._shares: Shares = {}
+        self._budgets: Budgets = {}
         self._default = 0.0
         self._spare_ttl = 0.0
         # Proxies with a spare flag in their shares: every new generation
@@ -164,17 +260,7 @@ class QuotaHub:
     # ------------------------------------------------------------ demand in
 
     def report(self, proxy: str, demand: Iterable[pb.ScopeDemand]) -> None:
-        self._demand[proxy] = {
-            d.scope: [
-                d.requests_per_s,
-                d.tokens_per_s,
-                float(d.concurrency),
-                float(d.in_flight),
-                max(0.0, d.debt_tokens) if math.isfinite(d.debt_tokens) else 0.0,
-            ]
-            for d in demand
-            if d.scope
-        }
+        self._demand[proxy] = {d.scope: _demand_row(d) for d in demand if d.scope}
         self._dirty = True
 
     def forget(self, proxy: str) -> None:
@@ -217,7 +303,9 @@ class QuotaHub:
         if kv is None or kv.mod_revision == self.generation:
             return listing.revision
         try:
-            self._shares, self._default, self._spare_ttl = decode_shares(kv.value)
+            data = orjson.loads(kv.value)
+            self._shares, self._default, self._spare_ttl = _decode_shares(data)
+            self._budgets = decode_budgets(data)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             log.error("ignoring undecodable quota shares: %s", exc)
             return listing.revision
@@ -255,6 +343,23 @@ class QuotaHub:
                     fleet_debt_s=s.fleet_debt_s,
                 )
                 for scope, s in (mine or {}).items()
+            ],
+            budgets=[
+                pb.ScopeBudget(
+                    scope=scope,
+                    epoch=b.epoch,
+                    day=b.day,
+                    day_left=_finite(b.day_left),
+                    month_left=_finite(b.month_left),
+                    spent_day=b.spent_day,
+                    spent_month=b.spent_month,
+                    share=b.share,
+                    day_limit=b.day_limit,
+                    month_limit=b.month_limit,
+                )
+                for scope, b in sorted(
+                    (self._budgets.get(proxy) or self._budgets.get("") or {}).items()
+                )
             ],
         )
         return pb.RouteUpdate(quota=quota).SerializeToString()
@@ -301,6 +406,22 @@ class QuotaHub:
             seen = self.generation
 
 
+def _demand_of(v: list[Any]) -> Demand:
+    """A report row as QuotaHub writes it (`_demand_row`; older replicas wrote
+    fewer columns: no debts, no budgets' counts)."""
+    spent = None
+    if len(v) > 8:
+        spent = Spent(float(v[5]), int(v[6]), float(v[7]), float(v[8]))
+    return Demand(
+        float(v[0]),
+        float(v[1]),
+        int(v[2]),
+        int(v[3]) if len(v) > 3 else 0,
+        float(v[4]) if len(v) > 4 else 0.0,
+        spent,
+    )
+
+
 class Rebalancer:
     """Leader only: turns demand into shares, about once an interval."""
 
@@ -311,12 +432,17 @@ class Rebalancer:
         publisher: Publisher,
         fence: Callable[[], Fence | None],
         interval: float,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._catalog = catalog
         self._publisher = publisher
         self._fence = fence
         self._interval = interval
+        self._wall = wall  # for the budgets' UTC day
+        # Budgeted scopes' ledgers (controlplane.budget), as last read or written.
+        self._ledgers: dict[str, Ledger] = {}
+        self._ledgers_written: dict[str, bytes] = {}
         self._previous: Shares = {}
         self._default = 0.0
         self._written: bytes = b""
@@ -333,6 +459,7 @@ class Rebalancer:
                 self._written = kv.value
         except (StoreUnavailable, ValueError) as exc:
             log.info("starting quotas from scratch: %s", exc)
+        await self.read_ledgers()
         while True:
             try:
                 await self.round()
@@ -342,6 +469,66 @@ class Rebalancer:
                 log.warning("quota shares not written: no longer the leader")
                 return
             await asyncio.sleep(self._interval)
+
+    async def read_ledgers(self) -> None:
+        """The budgets' ledgers as a former leader left them. Unreadable, a
+        round's write (which it is the leader's to make) starts them again:
+        logged, since that forgets what the fleet spent."""
+        self._ledgers, self._ledgers_written = {}, {}
+        while True:
+            try:
+                listing = await self._store.list(LEDGER_PREFIX)
+                break
+            except StoreUnavailable as exc:
+                log.warning("budget ledgers not read, trying again: %s", exc)
+                await asyncio.sleep(self._interval)
+        for kv in listing.items:
+            scope = kv.key[len(LEDGER_PREFIX) :]
+            try:
+                self._ledgers[scope] = decode_ledger(kv.value)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                log.error("budget ledger %s unreadable, counted again from now: %s", kv.key, exc)
+                continue
+            self._ledgers_written[scope] = kv.value
+
+    async def _account(
+        self,
+        limits: Mapping[str, ScopeLimits],
+        demand: Mapping[str, Mapping[str, Demand]],
+        proxies: list[str],
+    ) -> Budgets:
+        """Fold this round's counts into each budgeted scope's ledger, write
+        those that changed, and return every proxy's Budgets."""
+        today = utc_day(self._wall())
+        out: Budgets = {p: {} for p in proxies}
+        writes: list[Write] = []
+        for scope, lim in limits.items():
+            if not lim.budgeted:
+                continue
+            reports = {
+                proxy: d.spent
+                for proxy, by_scope in demand.items()
+                if (d := by_scope.get(scope)) is not None and d.spent is not None
+            }
+            ledger = account(self._ledgers.get(scope), reports, today)
+            self._ledgers[scope] = ledger
+            encoded = ledger.encode()
+            if encoded != self._ledgers_written.get(scope):
+                writes.append(Write(LEDGER_PREFIX + scope, encoded))
+            wanted = {
+                proxy: d.tokens_per_s
+                for proxy, by_scope in demand.items()
+                if (d := by_scope.get(scope)) is not None
+            }
+            for proxy, budget in budgets(lim, ledger, reports, proxies, wanted).items():
+                out[proxy][scope] = budget
+        if writes:
+            fence = self._fence()
+            await self._store.commit(writes, [fence] if fence is not None else [])
+            for w in writes:
+                assert w.value is not None
+                self._ledgers_written[w.key[len(LEDGER_PREFIX) :]] = w.value
+        return out
 
     async def round(self) -> None:
         latest = self._publisher.latest
@@ -355,16 +542,7 @@ class Rebalancer:
             try:
                 body = orjson.loads(kv.value)
                 for proxy, by_scope in body.get("proxies", {}).items():
-                    demand[proxy] = {
-                        scope: Demand(
-                            float(v[0]),
-                            float(v[1]),
-                            int(v[2]),
-                            int(v[3]) if len(v) > 3 else 0,
-                            float(v[4]) if len(v) > 4 else 0.0,  # from before debts
-                        )
-                        for scope, v in by_scope.items()
-                    }
+                    demand[proxy] = {scope: _demand_of(v) for scope, v in by_scope.items()}
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 log.error("ignoring undecodable demand %s: %s", kv.key, exc)
         # What each proxy may be applying now: its last shares, and the default
@@ -380,11 +558,14 @@ class Rebalancer:
             }
             for proxy, by_scope in self._previous.items()
         }
-        shares = compute_shares(limits, proxies, demand, previous)
+        # compute_shares shares rates and slots; a scope with budgets only has none.
+        rated = {scope: lim for scope, lim in limits.items() if lim.rated}
+        shares = compute_shares(rated, proxies, demand, previous)
+        budgeted = await self._account(limits, demand, proxies)
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
-        payload = encode_shares(shares, default, spare_ttl_s(self._interval))
+        payload = encode_shares(shares, default, spare_ttl_s(self._interval), budgeted)
         self.rounds += 1
         self._unwritten += 1
         if payload == self._written and not (

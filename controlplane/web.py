@@ -740,6 +740,8 @@ def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) 
         "rpm": limits.rpm if limits else 0,
         "tpm": limits.tpm if limits else 0,
         "concurrency": limits.concurrency if limits else 0,
+        "tokens_per_day": limits.tokens_per_day if limits else 0,
+        "tokens_per_month": limits.tokens_per_month if limits else 0,
     }
 
 

@@ -370,7 +370,8 @@ class Metrics:
         self.limit_refusals = Counter(
             "ponto_ratelimit_refusals",
             "Requests refused by a rate limit, by the limit that refused: requests, tokens, "
-            "concurrency, or tokens_over_limit (an estimate above the whole per-minute limit)",
+            "concurrency, tokens_over_limit (an estimate above the whole per-minute limit), "
+            "tokens_per_day or tokens_per_month (budgets)",
             ["limit"],
             registry=r,
         )

@@ -29,7 +29,7 @@ from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
 from dataplane.upstream.hedge import AUTO, HedgeSetting
-from ponto.quota_types import ScopeLimits, key_scope, tenant_scope
+from ponto.quota_types import ScopeLimits, key_scope, scope_limits, tenant_scope
 from ponto.routetable import OPEN_TENANT
 from ponto.v1 import routing_pb2 as pb
 
@@ -198,7 +198,7 @@ def build_policy(
             _streams(t.streams, t.name),
             frozenset(t.models.names) or None,
         )
-        lim = ScopeLimits(t.limits.rpm, t.limits.tpm, t.limits.concurrency)
+        lim = scope_limits(t.limits)
         if not lim.unlimited:
             limits[tenant_scope(t.name)] = lim
         if t.HasField("jwt"):
@@ -226,7 +226,7 @@ def build_policy(
         keys.append(KeyRecord(k.id, k.hash, k.tenant, k.expires_at))
         if k.models:
             key_models[k.id] = frozenset(k.models)
-        lim = ScopeLimits(k.limits.rpm, k.limits.tpm, k.limits.concurrency)
+        lim = scope_limits(k.limits)
         if not lim.unlimited:
             limits[key_scope(k.id)] = lim
     try:

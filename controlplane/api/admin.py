@@ -7,6 +7,7 @@ import contextvars
 import functools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -418,8 +419,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     async def ListTenants(self, request: apb.ListRequest, context: Ctx) -> apb.ListTenantsResponse:
         return apb.ListTenantsResponse(
-            tenants=[tenant_pb(t) for t in await self._catalog.list_tenants()]
+            tenants=[tenant_pb(t) for t in await self._catalog.list_tenants()],
+            spent=await self._spent("t/"),
         )
+
+    async def _spent(self, prefix: str) -> list[apb.BudgetSpent]:
+        spent = await self._catalog.budgets_spent(prefix, time.time())
+        return [
+            apb.BudgetSpent(scope=scope, day=day, day_tokens=d, month_tokens=m)
+            for scope, (day, d, m) in sorted(spent.items())
+        ]
 
     @grpc_errors
     @audited(auditing.create_key)
@@ -445,7 +454,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         keys = await self._catalog.list_keys(
             request.tenant, include_revoked=request.include_revoked
         )
-        return apb.ListKeysResponse(keys=[key_pb(k) for k in keys])
+        return apb.ListKeysResponse(keys=[key_pb(k) for k in keys], spent=await self._spent("k/"))
 
     @grpc_errors
     @audited(auditing.revoke_key)

@@ -228,6 +228,8 @@ function tenantLimits(t) {
   if (t.rpm) parts.push(`${t.rpm} req/min`);
   if (t.tpm) parts.push(`${t.tpm} tokens/min`);
   if (t.concurrency) parts.push(`${t.concurrency} at once`);
+  if (t.tokens_per_day) parts.push(`${t.tokens_per_day} tokens/day`);
+  if (t.tokens_per_month) parts.push(`${t.tokens_per_month} tokens/month`);
   return parts.length ? parts.join(" · ") : "none (its keys' limits)";
 }
 

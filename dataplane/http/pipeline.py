@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
@@ -68,7 +68,7 @@ from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
-from dataplane.ratelimit.limiter import Admission, RateLimiter
+from dataplane.ratelimit.limiter import Admission, RateLimiter, format_duration
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import Routes, Target
 from dataplane.streaming.responses_events import response_events
@@ -1036,13 +1036,58 @@ def refusal(admission: Admission) -> ApiError:
             "not count here).",
             code="tokens_over_limit",
         )
-    what = {"requests": "requests", "tokens": "tokens", "concurrency": "concurrent requests"}[
-        admission.limit or "requests"
-    ]
+    if admission.limit in BUDGETS and admission.exhausted:
+        return _over_budget(admission)
+    what = {
+        "requests": "requests",
+        "tokens": "tokens",
+        "concurrency": "concurrent requests",
+        # This proxy's share of a budget the fleet has not spent: the leader
+        # moves it to where the requests are within a rebalance or two.
+        "tokens_per_day": "tokens per day (TPD)",
+        "tokens_per_month": "tokens per month",
+    }[admission.limit or "requests"]
     return ApiError(
         429,
         f"Rate limit reached for {what}. Please try again in {admission.retry_in()}.",
-        type="requests" if admission.limit != "tokens" else "tokens",
+        type="requests" if admission.limit in ("requests", "concurrency") else "tokens",
         code="rate_limit_exceeded",
         headers={"retry-after": admission.retry_after_header()},
     )
+
+
+# The budgets' refusals: (what the message names, type, code). Month: the
+# code OpenAI gives an account out of its quota, which its SDKs and clients
+# tell from a rate limit.
+BUDGETS: Final = {
+    "tokens_per_day": ("tokens per day (TPD)", "00:00 UTC", "tokens", "rate_limit_exceeded"),
+    "tokens_per_month": (
+        "tokens per month",
+        "the 1st of next month, 00:00 UTC,",
+        "insufficient_quota",
+        "insufficient_quota",
+    ),
+}
+
+
+def _over_budget(admission: Admission) -> ApiError:
+    """429 for a day's or month's budget spent: nothing comes back before the
+    period ends (00:00 UTC), so `Retry-After` says that, and `x-should-retry:
+    false` keeps the openai SDKs from retrying at once (they retry a 429
+    twice by default, each time refused again)."""
+    what, when, kind, code = BUDGETS[admission.limit or "tokens_per_day"]
+    return ApiError(
+        429,
+        f"Budget reached for {what}: it is spent, or too little is left for this "
+        f"request. It starts again at {when} in {_days(admission.retry_after_s)}.",
+        type=kind,
+        code=code,
+        headers={"retry-after": admission.retry_after_header(), "x-should-retry": "false"},
+    )
+
+
+def _days(seconds: float) -> str:
+    """A wait as format_duration writes it (which stops at a day), whole
+    days before it: "12d3h4m5s"."""
+    days, rest = divmod(max(0.0, seconds), 86400.0)
+    return f"{int(days)}d{format_duration(rest)}" if days else format_duration(rest)

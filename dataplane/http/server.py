@@ -121,7 +121,8 @@ class Proxy:
         holder.on_apply.append(
             lambda routes, policy: key_sets.track(policy.authenticator.jwks_urls)
         )
-        self.limiter = RateLimiter()
+        # Its budget counts are this process's (RateLimiter.epoch).
+        self.limiter = RateLimiter(epoch=time.time())
         self.quota = quota = QuotaState(self.limiter, settings.state_dir)
         self.draining = Draining()
         self.loads = LoadBoard()

@@ -24,11 +24,22 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from dataplane.ratelimit.bucket import INF, TokenBucket
-from ponto.quota_types import NO_SHARE, Demand, ScopeLimits, Share
+from ponto.quota_types import (
+    NO_SHARE,
+    Budget,
+    Demand,
+    Reckoning,
+    ScopeLimits,
+    Share,
+    Spent,
+    seconds_to_day_end,
+    seconds_to_month_end,
+    utc_day,
+)
 
 __all__ = ["Admission", "Limit", "RateLimiter", "ScopeLimits", "format_duration"]
 
-Limit = Literal["requests", "tokens", "concurrency"]
+Limit = Literal["requests", "tokens", "concurrency", "tokens_per_day", "tokens_per_month"]
 
 # Header names, built once.
 _LIMIT_REQ = "x-ratelimit-limit-requests"
@@ -125,8 +136,11 @@ class _Scope:
     __slots__ = (
         "attempt_tokens",
         "attempts",
+        "budget",
+        "budgeted",
         "concurrency",
         "created",
+        "day_used",
         "ever_slots",
         "fill_req",
         "fill_tok",
@@ -135,6 +149,7 @@ class _Scope:
         "in_flight",
         "limits",
         "max_tokens",
+        "month_used",
         "peak",
         "req",
         "req_limit",
@@ -169,6 +184,11 @@ class _Scope:
         self.tps = 0.0
         self.req: TokenBucket | None = None
         self.tok: TokenBucket | None = None
+        # A budgeted scope's: tokens this process charged it in the UTC day
+        # and month (RateLimiter.set_day), and the leader's last count.
+        self.day_used = 0.0
+        self.month_used = 0.0
+        self.budget: Budget | None = None
         self.limits = ScopeLimits()
         self.set_limits(limits, now)
 
@@ -181,6 +201,7 @@ class _Scope:
             self.fill_req = self.fill_req or (self.req is None and limits.rpm > 0)
             self.fill_tok = self.fill_tok or (self.tok is None and limits.tpm > 0)
         self.limits = limits
+        self.budgeted = limits.budgeted  # read on the hot path
         self.concurrency = limits.concurrency
         # Header pairs that only change with the limits, built once.
         self.req_limit = (_LIMIT_REQ, str(limits.rpm))
@@ -225,12 +246,16 @@ class Admission:
     `est_tokens` is then that estimate and `tpm` the smallest limit it
     exceeds, for the refusal's message (nothing is charged).
     `refused_by` is the scope whose limit refused (for the headers).
+    `exhausted`: a budget's refusal (tokens_per_day, tokens_per_month) for
+    the fleet's having too little left, which only the period's end brings
+    back; else this proxy's share of it, which the leader moves to demand.
     """
 
     __slots__ = (
         "_open",
         "_scopes",
         "est_tokens",
+        "exhausted",
         "limit",
         "ok",
         "refused_by",
@@ -249,8 +274,10 @@ class Admission:
         too_large: bool = False,
         refused_by: _Scope | None = None,
         tpm: int = 0,
+        exhausted: bool = False,
     ) -> None:
         self.ok = ok
+        self.exhausted = exhausted
         self.tpm = tpm
         self.refused_by = refused_by
         self.limit = limit
@@ -287,6 +314,8 @@ class Admission:
         for st in self._scopes:
             st.in_flight -= 1
             if delta:
+                st.day_used += delta
+                st.month_used += delta
                 st.attempt_tokens += delta
                 tok = st.tok
                 if tok is not None:
@@ -303,12 +332,25 @@ UNLIMITED = Admission(True)
 class RateLimiter:
     """Enforces this proxy's shares of global limits; see the module docstring."""
 
-    def __init__(self, *, unknown_retry_s: float = 1.0, demand_tau_s: float = 5.0) -> None:
+    def __init__(
+        self, *, unknown_retry_s: float = 1.0, demand_tau_s: float = 5.0, epoch: float = 0.0
+    ) -> None:
         """`unknown_retry_s`: the Retry-After when no refill can tell (no share
         yet, or all slots busy), about one rebalance. `demand_tau_s`: time
-        constant of the demand EWMA."""
+        constant of the demand EWMA. `epoch`: this process's start (Unix
+        seconds), which tells its budget counts from another's (Spent)."""
         self._scopes: dict[str, _Scope] = {}
         self._shares: dict[str, Share] = {}
+        self._budgets: dict[str, Budget] = {}
+        self.epoch = epoch
+        # The UTC day budgets count (set_day), and when it and its month end
+        # on the monotonic clock of `now`.
+        self._day = 0
+        self._day_ends = INF
+        self._month_ends = INF
+        # Wall time less monotonic time at the last set_day: the day that
+        # follows is known without a report (none comes without a stream).
+        self._wall_offset = 0.0
         self._unknown_retry_s = unknown_retry_s
         self._tau = demand_tau_s
         self._last_report: float | None = None
@@ -345,12 +387,14 @@ class RateLimiter:
             st = old.get(name)
             if st is None:
                 st = _Scope(lim, shares.get(name, NO_SHARE), now, fill=fresh)
+                st.budget = self._budgets.get(name)
             elif st.limits != lim:
                 # A limit just given to a dimension it did not have starts full.
                 st.set_limits(lim, now, fill_new=fresh)
             scopes[name] = st
         for name in old.keys() - scopes.keys():
             shares.pop(name, None)
+            self._budgets.pop(name, None)
         self._scopes = scopes
 
     def apply_shares(self, shares: Mapping[str, Share], now: float) -> None:
@@ -372,6 +416,28 @@ class RateLimiter:
                 or st.fleet_debt_s != share.fleet_debt_s
             ):
                 st.set_share(share, now)
+
+    def apply_budgets(self, budgets: Mapping[str, Budget]) -> None:
+        """Take the leader's counts of the budgeted scopes (all of them: a
+        scope left out has none now). Kept for a scope that appears later."""
+        self._budgets = dict(budgets)
+        for name, st in self._scopes.items():
+            st.budget = budgets.get(name)
+
+    def set_day(self, day: int, wall: float, now: float) -> None:
+        """The UTC day (YYYYMMDD) is `day` at wall time `wall`, monotonic
+        `now`: budget counts start again with a new day (month). Called by the
+        report task about once a second, and before the first request."""
+        if day != self._day:
+            month = day // 100 != self._day // 100
+            for st in self._scopes.values():
+                st.day_used = 0.0
+                if month:
+                    st.month_used = 0.0
+            self._day = day
+        self._day_ends = now + seconds_to_day_end(wall)
+        self._month_ends = now + seconds_to_month_end(wall)
+        self._wall_offset = wall - now
 
     def confirm_spare(self, until: float) -> None:
         """The leader has just confirmed the shares this proxy holds: their
@@ -482,6 +548,13 @@ class RateLimiter:
             # What its token bucket owes, reported until repaid (to the
             # leader, a reason to move share here: compute_shares).
             debt = max(0.0, -tok.refill(now)) if tok is not None and tok.level < 0 else 0.0
+            # A budgeted scope's counts go in every report while the month's
+            # is not 0: the leader keeps the last one of each process.
+            spent = (
+                Spent(self.epoch, self._day, st.day_used, st.month_used)
+                if st.month_used > 0 and st.limits.budgeted and self._day
+                else None
+            )
             if not (
                 st.attempts
                 or st.attempt_tokens
@@ -490,6 +563,7 @@ class RateLimiter:
                 or st.peak
                 or st.waiting
                 or debt
+                or spent
             ):
                 continue  # st.turned_away implies st.attempts
             rps = fresh * st.attempts / dt + keep * st.rps
@@ -505,8 +579,8 @@ class RateLimiter:
             st.attempt_tokens = 0
             st.peak = st.in_flight
             st.turned_away = 0
-            if st.rps or st.tps or peak or debt:
-                out[name] = Demand(st.rps, st.tps, peak, st.in_flight, debt)
+            if st.rps or st.tps or peak or debt or spent:
+                out[name] = Demand(st.rps, st.tps, peak, st.in_flight, debt, spent)
         return out
 
     # ------------------------------------------------------------ hot path
@@ -544,6 +618,7 @@ class RateLimiter:
 
         refused: Limit | None = None
         refused_by: _Scope | None = None
+        exhausted = False
         wait = 0.0
         unknown = self._unknown_retry_s
         for st in found:
@@ -574,8 +649,15 @@ class RateLimiter:
                 w = max(w, st.fleet_debt_s)
                 if refused is None or w > wait:
                     refused, wait, refused_by = "tokens", w, st
+            if st.budgeted:
+                short = self._over_budget(st, est_tokens, now)
+                if short is not None and (refused is None or short[1] > wait):
+                    refused, wait, refused_by = short[0], short[1], st
+                    exhausted = short[2]
         if refused is not None:
-            return Admission(False, (), 0, refused, wait, refused_by=refused_by)
+            return Admission(
+                False, (), 0, refused, wait, refused_by=refused_by, exhausted=exhausted
+            )
 
         for st in found:
             busy = st.in_flight + 1
@@ -587,7 +669,54 @@ class RateLimiter:
             tok = st.tok
             if tok is not None:
                 tok.level -= est_tokens
+            st.day_used += est_tokens
+            st.month_used += est_tokens
         return Admission(True, found, est_tokens)
+
+    def _over_budget(
+        self, st: _Scope, est_tokens: int, now: float
+    ) -> tuple[Limit, float, bool] | None:
+        """The budget a request of `est_tokens` does not fit, the wait, and
+        whether the fleet's budget is spent (its period's end: nothing
+        refills a budget before) or this proxy's share of it (a rebalance,
+        which moves share to the proxies asked); None when it fits."""
+        need = max(1, est_tokens)
+        if now >= self._day_ends:
+            # The UTC day turned with no report since (the control plane is
+            # away): the counts start again all the same.
+            wall = now + self._wall_offset
+            self.set_day(utc_day(wall), wall, now)
+        r = self._reckon(st)
+        if r.month_fleet < need:
+            return "tokens_per_month", max(0.0, self._month_ends - now), True
+        if r.day_fleet < need:
+            return "tokens_per_day", max(0.0, self._day_ends - now), True
+        if r.fresh:
+            return None  # one request past its share (Reckoning.fresh)
+        if r.month_mine < need:
+            return "tokens_per_month", self._unknown_retry_s, False
+        if r.day_mine < need:
+            return "tokens_per_day", self._unknown_retry_s, False
+        return None
+
+    def _reckon(self, st: _Scope) -> Reckoning:
+        """What is left of `st`'s budgets (Budget.reckon); before the leader's
+        first count, the whole budgets less what this process spent."""
+        lim = st.limits
+        budget = st.budget
+        if budget is None:
+            day = lim.tokens_per_day - st.day_used if lim.tokens_per_day else INF
+            month = lim.tokens_per_month - st.month_used if lim.tokens_per_month else INF
+            return Reckoning(day, month, day, month)
+        return budget.reckon(lim, self.epoch, self._day, st.day_used, st.month_used)
+
+    def budget_left(self, scope: str) -> Reckoning | None:
+        """What is left of `scope`'s budgets as this proxy reckons them (inf
+        where none), or None for a scope without budgets."""
+        st = self._scopes.get(scope)
+        if st is None or not st.limits.budgeted:
+            return None
+        return self._reckon(st)
 
     def headers(
         self, scopes: Sequence[str], now: float, refusal: Admission | None = None

@@ -9,6 +9,10 @@ nothing under a limit; /readyz says so, so a load balancer waits for it.
 The last shares are saved beside the route table, so a proxy restarted while
 the control plane is away keeps enforcing its part of the limits instead of
 refusing every limited request. docs/rate-limits.md has the whole scheme.
+
+Budgets (tokens per day and month) need no share: the leader's counts come
+with the shares (QuotaShares.budgets), and the proxy's own go with its
+demand, with the UTC day they are for (`wall`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dataplane.ratelimit.limiter import RateLimiter
-from ponto.quota_types import ScopeLimits, Share, default_share
+from ponto.quota_types import Budget, ScopeLimits, Share, default_share, utc_day
 from ponto.v1 import routing_pb2 as pb
 from ponto.writefile import LatestWriter
 
@@ -37,10 +41,13 @@ class QuotaState:
         limiter: RateLimiter,
         state_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._limiter = limiter
         self._state_dir = state_dir
         self._clock = clock
+        self._wall = wall
+        self._set_day()
         self._limits: Mapping[str, ScopeLimits] = {}
         self._explicit: dict[str, Share] = {}
         self.default_fraction = 0.0
@@ -65,7 +72,9 @@ class QuotaState:
         the default): an explicit one of nothing (a leader that predates
         holding a newcomer's first round back) admits no request."""
         explicit, default = self._explicit, self.default_fraction
-        for scope in self._limits:
+        for scope, lim in self._limits.items():
+            if not lim.rated:
+                continue  # budgets only: the leader's counts are no share
             share = explicit.get(scope)
             if share is None:
                 if default <= 0:
@@ -121,6 +130,24 @@ class QuotaState:
             )
             for s in quota.shares
         }
+        self._limiter.apply_budgets(
+            {
+                b.scope: Budget(
+                    b.epoch,
+                    b.day,
+                    _left(b.day_left),
+                    _left(b.month_left),
+                    b.spent_day,
+                    b.spent_month,
+                    # 0: a leader that predates shares of budgets.
+                    min(1.0, b.share) if b.share > 0 else 1.0,
+                    b.day_limit,
+                    b.month_limit,
+                )
+                for b in quota.budgets
+                if b.scope
+            }
+        )
         self._apply()
 
     def _apply(self) -> None:
@@ -130,9 +157,17 @@ class QuotaState:
         }
         self._limiter.apply_shares(shares, self._clock())
 
+    def _set_day(self) -> None:
+        wall = self._wall()
+        self._limiter.set_day(utc_day(wall), wall, self._clock())
+
     def demand(self) -> list[pb.ScopeDemand]:
-        return [
-            pb.ScopeDemand(
+        """This interval's report (the link's report task, about a second
+        apart); a new UTC day starts the budgets' counts again first."""
+        self._set_day()
+        out = []
+        for scope, d in self._limiter.demand(self._clock()).items():
+            row = pb.ScopeDemand(
                 scope=scope,
                 requests_per_s=d.requests_per_s,
                 tokens_per_s=d.tokens_per_s,
@@ -140,8 +175,13 @@ class QuotaState:
                 in_flight=d.in_flight,
                 debt_tokens=d.debt_tokens,
             )
-            for scope, d in self._limiter.demand(self._clock()).items()
-        ]
+            if d.spent is not None:
+                row.spent_epoch = d.spent.epoch
+                row.spent_day = d.spent.day
+                row.day_tokens = d.spent.day_tokens
+                row.month_tokens = d.spent.month_tokens
+            out.append(row)
+        return out
 
     # ------------------------------------------------------------ saved copy
 
@@ -171,3 +211,8 @@ class QuotaState:
         log.info(
             "using saved quota shares (generation %d) until the leader's arrive", quota.generation
         )
+
+
+def _left(value: float) -> float:
+    """A ScopeBudget's tokens left: -1 (no such budget) or not a number is inf."""
+    return value if value >= 0 else math.inf

@@ -501,20 +501,61 @@ class ListTenantsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TENANTS_FIELD_NUMBER: _builtins.int
+    SPENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tenants(self) -> _containers.RepeatedCompositeFieldContainer[_routing_pb2.Tenant]: ...
+    @_builtins.property
+    def spent(self) -> _containers.RepeatedCompositeFieldContainer[Global___BudgetSpent]:
+        """What the budgeted tenants spent (scope t/<name>)."""
+
     def __init__(
         self,
         *,
         tenants: _abc.Iterable[_routing_pb2.Tenant] | None = ...,
+        spent: _abc.Iterable[Global___BudgetSpent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenants", b"tenants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spent", b"spent", "tenants", b"tenants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListTenantsResponse: _TypeAlias = ListTenantsResponse  # noqa: Y015
+
+@_typing.final
+class BudgetSpent(_message.Message):
+    """What a budgeted tenant or key spent of its day and month budgets, as the
+    leader last counted (its ledger: docs/rate-limits.md, "Day and month
+    budgets"); 0 for a day (month) the ledger has no count of yet.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    DAY_FIELD_NUMBER: _builtins.int
+    DAY_TOKENS_FIELD_NUMBER: _builtins.int
+    MONTH_TOKENS_FIELD_NUMBER: _builtins.int
+    scope: _builtins.str
+    """t/<tenant> or k/<key id>."""
+    day: _builtins.int
+    """The UTC day (YYYYMMDD) the counts are for: today's."""
+    day_tokens: _builtins.float
+    month_tokens: _builtins.float
+    def __init__(
+        self,
+        *,
+        scope: _builtins.str = ...,
+        day: _builtins.int = ...,
+        day_tokens: _builtins.float = ...,
+        month_tokens: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_tokens", b"day_tokens", "month_tokens", b"month_tokens", "scope", b"scope"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BudgetSpent: _TypeAlias = BudgetSpent  # noqa: Y015
 
 @_typing.final
 class ApiKeyInfo(_message.Message):
@@ -665,16 +706,22 @@ class ListKeysResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEYS_FIELD_NUMBER: _builtins.int
+    SPENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApiKeyInfo]: ...
+    @_builtins.property
+    def spent(self) -> _containers.RepeatedCompositeFieldContainer[Global___BudgetSpent]:
+        """What the budgeted keys spent (scope k/<id>)."""
+
     def __init__(
         self,
         *,
         keys: _abc.Iterable[Global___ApiKeyInfo] | None = ...,
+        spent: _abc.Iterable[Global___BudgetSpent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "spent", b"spent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

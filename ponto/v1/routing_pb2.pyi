@@ -281,19 +281,28 @@ class Limits(_message.Message):
     RPM_FIELD_NUMBER: _builtins.int
     TPM_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_DAY_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_MONTH_FIELD_NUMBER: _builtins.int
     rpm: _builtins.int
     tpm: _builtins.int
     concurrency: _builtins.int
+    tokens_per_day: _builtins.int
+    """Budgets: tokens in a UTC day and in a UTC calendar month, counted by the
+    leader for the whole fleet (docs/rate-limits.md); 0: none.
+    """
+    tokens_per_month: _builtins.int
     def __init__(
         self,
         *,
         rpm: _builtins.int = ...,
         tpm: _builtins.int = ...,
         concurrency: _builtins.int = ...,
+        tokens_per_day: _builtins.int = ...,
+        tokens_per_month: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "rpm", b"rpm", "tpm", b"tpm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "rpm", b"rpm", "tokens_per_day", b"tokens_per_day", "tokens_per_month", b"tokens_per_month", "tpm", b"tpm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -861,6 +870,10 @@ class ScopeDemand(_message.Message):
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     DEBT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPENT_EPOCH_FIELD_NUMBER: _builtins.int
+    SPENT_DAY_FIELD_NUMBER: _builtins.int
+    DAY_TOKENS_FIELD_NUMBER: _builtins.int
+    MONTH_TOKENS_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     requests_per_s: _builtins.float
     tokens_per_s: _builtins.float
@@ -874,6 +887,16 @@ class ScopeDemand(_message.Message):
     the fleet's share to the proxies that owe, so the fleet repays it before
     admitting anything else, as one bucket would. 0 from older proxies.
     """
+    spent_epoch: _builtins.float
+    """A budgeted scope's counts (tokens charged: estimates, corrected by the
+    answers' counts) in this proxy process's UTC day `spent_day` (YYYYMMDD)
+    and its month, since the process started at `spent_epoch` (Unix
+    seconds). Sent in every report while the month's count is not 0, so the
+    leader's ledger never misses a process. 0 from older proxies.
+    """
+    spent_day: _builtins.int
+    day_tokens: _builtins.float
+    month_tokens: _builtins.float
     def __init__(
         self,
         *,
@@ -883,10 +906,14 @@ class ScopeDemand(_message.Message):
         concurrency: _builtins.int = ...,
         in_flight: _builtins.int = ...,
         debt_tokens: _builtins.float = ...,
+        spent_epoch: _builtins.float = ...,
+        spent_day: _builtins.int = ...,
+        day_tokens: _builtins.float = ...,
+        month_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "debt_tokens", b"debt_tokens", "in_flight", b"in_flight", "requests_per_s", b"requests_per_s", "scope", b"scope", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "day_tokens", b"day_tokens", "debt_tokens", b"debt_tokens", "in_flight", b"in_flight", "month_tokens", b"month_tokens", "requests_per_s", b"requests_per_s", "scope", b"scope", "spent_day", b"spent_day", "spent_epoch", b"spent_epoch", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -938,6 +965,68 @@ class QuotaShare(_message.Message):
 Global___QuotaShare: _TypeAlias = QuotaShare  # noqa: Y015
 
 @_typing.final
+class ScopeBudget(_message.Message):
+    """What the leader counted of a budgeted scope at its last round: the
+    fleet's tokens left of the UTC day `day` (YYYYMMDD) and of its month (-1:
+    no such budget), and of what it counted, what this proxy process (`epoch`,
+    its ScopeDemand.spent_epoch) had spent, which the proxy takes off what it
+    spent itself since. A proxy admits while the request's estimate fits what
+    is left less that, and its share of it (docs/rate-limits.md, "Day and
+    month budgets").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DAY_FIELD_NUMBER: _builtins.int
+    DAY_LEFT_FIELD_NUMBER: _builtins.int
+    MONTH_LEFT_FIELD_NUMBER: _builtins.int
+    SPENT_DAY_FIELD_NUMBER: _builtins.int
+    SPENT_MONTH_FIELD_NUMBER: _builtins.int
+    SHARE_FIELD_NUMBER: _builtins.int
+    DAY_LIMIT_FIELD_NUMBER: _builtins.int
+    MONTH_LIMIT_FIELD_NUMBER: _builtins.int
+    scope: _builtins.str
+    epoch: _builtins.float
+    day: _builtins.int
+    day_left: _builtins.float
+    month_left: _builtins.float
+    spent_day: _builtins.float
+    spent_month: _builtins.float
+    share: _builtins.float
+    """This proxy's share (0..1) of what is left, by the tokens each proxy was
+    asked for: it admits while the estimate fits its share less what it spent
+    since. 0 from an older leader: 1.
+    """
+    day_limit: _builtins.int
+    """The budgets this count was made under: one changed since moves what is
+    left by as much, before the next round's count (0: a leader before them).
+    """
+    month_limit: _builtins.int
+    def __init__(
+        self,
+        *,
+        scope: _builtins.str = ...,
+        epoch: _builtins.float = ...,
+        day: _builtins.int = ...,
+        day_left: _builtins.float = ...,
+        month_left: _builtins.float = ...,
+        spent_day: _builtins.float = ...,
+        spent_month: _builtins.float = ...,
+        share: _builtins.float = ...,
+        day_limit: _builtins.int = ...,
+        month_limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_left", b"day_left", "day_limit", b"day_limit", "epoch", b"epoch", "month_left", b"month_left", "month_limit", b"month_limit", "scope", b"scope", "share", b"share", "spent_day", b"spent_day", "spent_month", b"spent_month"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScopeBudget: _TypeAlias = ScopeBudget  # noqa: Y015
+
+@_typing.final
 class QuotaShares(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -946,6 +1035,7 @@ class QuotaShares(_message.Message):
     DEFAULT_FRACTION_FIELD_NUMBER: _builtins.int
     SPARE_TTL_S_FIELD_NUMBER: _builtins.int
     UNCHANGED_FIELD_NUMBER: _builtins.int
+    BUDGETS_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Increases with every rebalance (the etcd revision it was written at)."""
     default_fraction: _builtins.float
@@ -971,6 +1061,12 @@ class QuotaShares(_message.Message):
     """
     @_builtins.property
     def shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuotaShare]: ...
+    @_builtins.property
+    def budgets(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeBudget]:
+        """Every budgeted scope's count (older control planes: none, and proxies
+        count only their own spending against the budget).
+        """
+
     def __init__(
         self,
         *,
@@ -979,10 +1075,11 @@ class QuotaShares(_message.Message):
         default_fraction: _builtins.float = ...,
         spare_ttl_s: _builtins.float = ...,
         unchanged: _builtins.bool = ...,
+        budgets: _abc.Iterable[Global___ScopeBudget] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_fraction", b"default_fraction", "generation", b"generation", "shares", b"shares", "spare_ttl_s", b"spare_ttl_s", "unchanged", b"unchanged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budgets", b"budgets", "default_fraction", b"default_fraction", "generation", b"generation", "shares", b"shares", "spare_ttl_s", b"spare_ttl_s", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

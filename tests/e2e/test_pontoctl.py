@@ -196,7 +196,7 @@ def test_tenant_cache_settings_limits_and_purge(
     out, _ = ctl(fleet, capsys, "get", "tenants", "-o", "yaml")
     assert yaml.safe_load(out)["tenants"][0]["limits"] == {"tpm": 9000, "concurrency": 2}
     _, err = ctl(fleet, capsys, "limit", "set", "--tenant", "acme", code=2)
-    assert "give --rpm, --tpm or --concurrency" in err
+    assert "give --rpm, --tpm, --concurrency, --tokens-per-day or --tokens-per-month" in err
     # So does a key's.
     ctl(fleet, capsys, "key", "create", "--tenant", "acme", "--rpm", "5")
     key_id = json.loads(ctl(fleet, capsys, "key", "list", "-o", "json")[0])["keys"][0]["id"]

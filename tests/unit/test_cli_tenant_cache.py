@@ -108,6 +108,28 @@ def test_the_tenants_table_shows_the_max_tokens_ceiling() -> None:
     ]
 
 
+def test_limit_set_takes_the_budgets_and_the_table_shows_what_was_spent() -> None:
+    stub = Stub(pb.Tenant(name="acme", limits=pb.Limits(rpm=60)))
+    args = ["limit", "set", "--tenant", "acme", "--tokens-per-day", "2000000"]
+    out = run(_parser().parse_args(args), stub)
+    assert out == "limits of tenant acme set: rpm=60 tokens_per_day=2000000"
+    [update] = stub.updates
+    assert (update.limits.rpm, update.limits.tokens_per_day) == (60, 2000000)
+    # What the leader counted, beside the budgets; nothing counted yet is 0.
+    resp = apb.ListTenantsResponse(
+        tenants=[
+            pb.Tenant(name="acme", limits=pb.Limits(tokens_per_day=2000, tokens_per_month=9000)),
+            pb.Tenant(name="new", limits=pb.Limits(tokens_per_day=5)),
+        ],
+        spent=[apb.BudgetSpent(scope="t/acme", day=20261205, day_tokens=1234.4, month_tokens=4321)],
+    )
+    header, rows = _rows_tenants(resp)
+    assert [row[header.index("LIMITS")] for row in rows] == [
+        "tokens/day=2000,tokens/month=9000,spent/day=1234,spent/month=4321",
+        "tokens/day=5",  # nothing counted yet
+    ]
+
+
 def test_a_setting_the_tenant_has_is_unchanged_but_an_unknown_tenant_is_asked() -> None:
     stub = Stub(pb.Tenant(name="acme", cache=pb.CachePolicy(mode="exact")))
     assert tenant_set(stub, "--cache", "exact") == (

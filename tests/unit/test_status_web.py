@@ -914,6 +914,8 @@ async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
             "rpm": 600,
             "tpm": 0,
             "concurrency": 4,
+            "tokens_per_day": 0,
+            "tokens_per_month": 0,
         },
         {
             "name": "beta",
@@ -922,6 +924,8 @@ async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
             "rpm": 0,
             "tpm": 0,
             "concurrency": 0,
+            "tokens_per_day": 0,
+            "tokens_per_month": 0,
         },
     ]
     # p-us's counts of acme went down (forgotten, then limited again): its 10

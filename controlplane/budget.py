@@ -1,0 +1,196 @@
+"""Day and month token budgets: the leader's count of what the fleet spent.
+
+Pure; the leader's Rebalancer (controlplane.quotasync) calls `account` once a
+round for each budgeted scope, with the counts the proxies reported, and
+keeps the ledger in etcd (/ponto/quota/spent/<scope>), so that a new leader
+and a restarted proxy go on from it.
+
+What is counted. Each proxy process counts the tokens it charges a budgeted
+scope (estimates at admission, corrected by each answer's count) in its UTC
+day and month, from 0 when it starts, and reports both, with its start
+(`Spent.epoch`), in every demand report while the month's count is not 0. A
+report replaces the process's last one: counts are cumulative, so a report
+lost or read twice changes nothing. The ledger holds the last report of
+every process that charged the scope lately, keyed by proxy name and epoch;
+the fleet's use is their sum, plus what processes silent for two days had
+counted in the month (`month_gone`: they are folded in, to keep the ledger
+small). A process's counts since its last report before it stopped (at most
+a report interval) are not counted.
+
+What is left (`budgets`) goes to every proxy with the shares, with the
+proxy's share of it by the tokens the proxies were asked for; a proxy admits
+while its estimate fits its share of what was left less what it spent since
+(Budget.reckon). The shares of a round sum to at most 1, so the fleet passes
+a budget only by the answers' counts past their estimates and by shares
+moving between rounds (docs/rate-limits.md, "Day and month budgets").
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ponto.quota_types import Budget, ScopeLimits, Spent
+
+LEDGER_PREFIX = "/ponto/quota/spent/"
+# A process silent this many days (its last report's day before today) is
+# folded into month_gone.
+SILENT_DAYS = 2
+
+
+@dataclass
+class Ledger:
+    """One budgeted scope's count for the UTC day `day` (YYYYMMDD) and its month."""
+
+    day: int
+    month_gone: float = 0.0
+    # "<proxy>@<epoch>" -> that process's last report.
+    seen: dict[str, Spent] = field(default_factory=dict)
+
+    def used(self) -> tuple[float, float]:
+        """Tokens the fleet spent in the day and in the month."""
+        month = self.day // 100
+        day_tokens = math.fsum(s.day_tokens for s in self.seen.values() if s.day == self.day)
+        month_tokens = math.fsum(
+            s.month_tokens for s in self.seen.values() if s.day // 100 == month
+        )
+        return day_tokens, self.month_gone + month_tokens
+
+    def encode(self) -> bytes:
+        return orjson.dumps(
+            {
+                "day": self.day,
+                "month_gone": self.month_gone,
+                "seen": {
+                    k: [s.epoch, s.day, s.day_tokens, s.month_tokens]
+                    for k, s in sorted(self.seen.items())
+                },
+            }
+        )
+
+
+def decode_ledger(raw: bytes) -> Ledger:
+    """A ledger as `Ledger.encode` wrote it; ValueError (or TypeError,
+    KeyError, IndexError) when it is not one."""
+    data: Any = orjson.loads(raw)
+    seen = {
+        str(k): Spent(float(v[0]), int(v[1]), _count(v[2]), _count(v[3]))
+        for k, v in data.get("seen", {}).items()
+    }
+    return Ledger(int(data["day"]), _count(data.get("month_gone", 0.0)), seen)
+
+
+def _count(value: Any) -> float:
+    """A token count read back: finite and not below 0."""
+    number = float(value)
+    return number if math.isfinite(number) and number > 0 else 0.0
+
+
+def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> Ledger:
+    """The ledger after this round's `reports` (proxy name -> its process's
+    counts), on UTC day `today` (the leader's clock; a ledger already on a
+    later day, a former leader's whose clock ran ahead, keeps its day).
+
+    A new month starts from nothing; reports of another month than the
+    ledger's are left out (a proxy whose clock is behind, about midnight).
+    Processes silent SILENT_DAYS are folded into `month_gone`. `ledger` is
+    not changed: a new one is returned."""
+    before = ledger or Ledger(today)
+    day = max(before.day, today)
+    month = day // 100
+    if month != before.day // 100:
+        seen: dict[str, Spent] = {}
+        gone = 0.0
+    else:
+        seen = dict(before.seen)
+        gone = before.month_gone
+    for proxy, spent in reports.items():
+        if spent.day // 100 == month and _sane(spent):
+            seen[f"{proxy}@{spent.epoch!r}"] = spent
+    oldest = _day_before(day, SILENT_DAYS)
+    for key, spent in list(seen.items()):
+        if spent.day // 100 != month:
+            del seen[key]
+        elif spent.day <= oldest:
+            gone += spent.month_tokens
+            del seen[key]
+    return Ledger(day, gone, seen)
+
+
+def _sane(spent: Spent) -> bool:
+    return all(math.isfinite(x) and x >= 0 for x in (spent.day_tokens, spent.month_tokens))
+
+
+def _day_before(day: int, days: int) -> int:
+    """YYYYMMDD `days` before `day`."""
+    date = datetime.date(day // 10000, day // 100 % 100, day % 100)
+    earlier = date - datetime.timedelta(days=days)
+    return earlier.year * 10000 + earlier.month * 100 + earlier.day
+
+
+# Of what is left, each proxy's share: by the tokens it was asked for (refused
+# ones counted), over a floor each (at most FLOOR_TOTAL in all) so that a
+# client new at an idle proxy starts at once; as rate shares go
+# (controlplane.quota). New shares of a round sum to 1 - SAFETY at most.
+FLOOR = 0.02
+FLOOR_TOTAL = 0.1
+SAFETY = 1e-9
+
+
+def shares_of(proxies: list[str], tokens_per_s: Mapping[str, float]) -> dict[str, float]:
+    """Each proxy's share of a scope's budgets, by its token demand."""
+    n = len(proxies)
+    if not n:
+        return {}
+    wanted = {p: max(0.0, tokens_per_s.get(p, 0.0)) for p in proxies}
+    total = math.fsum(wanted.values())
+    if not total > 0 or not math.isfinite(total):
+        return {p: (1.0 - SAFETY) / n for p in proxies}
+    floor = min(FLOOR, FLOOR_TOTAL / n)
+    rest = 1.0 - n * floor
+    return {p: (floor + rest * wanted[p] / total) * (1.0 - SAFETY) for p in proxies}
+
+
+def budgets(
+    limits: ScopeLimits,
+    ledger: Ledger,
+    reports: Mapping[str, Spent],
+    proxies: list[str],
+    tokens_per_s: Mapping[str, float] | None = None,
+) -> dict[str, Budget]:
+    """Each proxy's Budget of one scope: what is left of the fleet's day and
+    month (inf where the scope has no such budget), its share of it by the
+    tokens each proxy was asked for (`tokens_per_s`, its demand report), and
+    what the ledger counted of the proxy's own process, by its report this
+    round (none: it spent nothing this month, or its report is late, and
+    takes off all it spent)."""
+    day_used, month_used = ledger.used()
+    day_left = max(0.0, limits.tokens_per_day - day_used) if limits.tokens_per_day else math.inf
+    month_left = (
+        max(0.0, limits.tokens_per_month - month_used) if limits.tokens_per_month else math.inf
+    )
+    shares = shares_of(proxies, tokens_per_s or {})
+    out: dict[str, Budget] = {}
+    for proxy in proxies:
+        spent = reports.get(proxy)
+        share = shares[proxy]
+        limits_at = (limits.tokens_per_day, limits.tokens_per_month)
+        if spent is None or spent.day // 100 != ledger.day // 100:
+            out[proxy] = Budget(0.0, ledger.day, day_left, month_left, 0.0, 0.0, share, *limits_at)
+            continue
+        out[proxy] = Budget(
+            spent.epoch,
+            ledger.day,
+            day_left,
+            month_left,
+            spent.day_tokens if spent.day == ledger.day else 0.0,
+            spent.month_tokens,
+            share,
+            *limits_at,
+        )
+    return out

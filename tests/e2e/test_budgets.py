@@ -1,0 +1,115 @@
+"""Day and month token budgets with real processes: etcd, a control plane,
+two proxies and an origin. The budget holds across the fleet (what both
+proxies admit together stays within it, plus what one report interval can
+spend), across a restart of the leader (its ledger is in etcd), and across
+a restart of a proxy (docs/rate-limits.md, "Day and month budgets")."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import routing_pb2 as pb
+from tests.e2e.test_global_limits import make_key
+from tests.e2e.test_pontoctl import ctl
+
+pytestmark = pytest.mark.e2e
+
+PROXIES = ("p1", "p2")
+BUDGET = 3000  # tokens a day
+ANSWER = 24  # completion tokens per answer (--answer-tokens)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with Fleet(tmp_path_factory.mktemp("budgets")) as f:
+        f.start_etcd()
+        f.start_control(extra=["--quota-interval-ms", "300"])
+        f.add_region(RegionDef("us-east", 38.9, -77.4))
+        f.start_origin("o1", "us-east", extra=["--answer-tokens", str(ANSWER)])
+        f.add_origin("o1", "us-east", f.origin_url("o1"))
+        version = f.table_version(origins=1)
+        for name in PROXIES:
+            f.start_proxy(name, "us-east", extra=["--report-interval-ms", "300"])
+        f.wait_proxies_at(version)
+        yield f
+
+
+QUESTION = [{"role": "user", "content": "say something"}]
+
+
+def ask(client: httpx.Client, url: str) -> tuple[int, int, bool]:
+    """(status, tokens the answer says it used (0 for a refusal), whether a
+    refusal says the budget is spent: only the period's end brings it back)."""
+    r = client.post(url, json={"model": "sim-small", "messages": QUESTION})
+    if r.status_code == 200:
+        return 200, r.json()["usage"]["total_tokens"], False
+    return r.status_code, 0, r.headers.get("x-should-retry") == "false"
+
+
+def spend_until_refused(fleet: Fleet, key: str, limit: int = 600) -> tuple[int, dict[int, int]]:
+    """Requests to both proxies in turn, a little apart (as clients come),
+    until both say the budget is spent; (tokens answered, count by status).
+    A refusal for a proxy's share of what is left is tried again: the leader
+    moves the share to where the requests are."""
+    used = 0
+    codes: dict[int, int] = {}
+    spent = set()
+    with httpx.Client(timeout=10, headers={"authorization": f"Bearer {key}"}) as client:
+        for i in range(limit):
+            proxy = PROXIES[i % 2]
+            code, tokens, gone = ask(client, fleet.proxy_url(proxy) + "/chat/completions")
+            codes[code] = codes.get(code, 0) + 1
+            used += tokens
+            if gone:
+                spent.add(proxy)
+                if spent == set(PROXIES):
+                    break
+            time.sleep(0.02 if code == 200 else 0.2)
+    return used, codes
+
+
+def test_a_day_budget_holds_across_the_fleet_and_restarts(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = make_key(fleet, "budgeted", pb.Limits(tokens_per_day=BUDGET))
+    used, codes = spend_until_refused(fleet, key)
+    assert set(codes) <= {200, 429}, codes
+    print(f"answered {codes.get(200, 0)} requests, {used} tokens of a {BUDGET} budget")
+    # Both proxies served it; together they stayed within the budget, but for
+    # what the fleet spends between a report and the push after the next
+    # round (0.3 s each here): a few answers.
+    assert used <= BUDGET + 6 * (ANSWER + 12), used
+    assert used >= BUDGET - 2 * (ANSWER + 12), used
+
+    # The leader restarts: its ledger is in etcd; still spent.
+    fleet.restart("control-1")
+    fleet.restart("p2")
+    version = fleet.table_version(origins=1)
+    fleet.wait_proxies_at(version)
+    time.sleep(1.5)  # a report and a round
+    client = openai.OpenAI(base_url=fleet.proxy_url("p2"), api_key=key, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model="sim-small", messages=QUESTION)  # type: ignore[arg-type]
+    assert caught.value.code == "rate_limit_exceeded"
+    assert "00:00 UTC" in str(caught.value)
+
+    # pontoctl shows what the leader counted beside the budget.
+    out, _ = ctl(fleet, capsys, "get", "tenants")
+    [row] = [line for line in out.splitlines() if line.startswith("budgeted ")]
+    counted = int(row.split("spent/day=")[1].split(",")[0].split()[0])
+    assert BUDGET <= counted <= used + 100, (row, used)
+
+    # Raising the budget lets it through again, at every proxy.
+    ctl(fleet, capsys, "limit", "set", "--tenant", "budgeted", "--tokens-per-day", str(BUDGET * 2))
+    fleet.wait_proxies_at(
+        fleet.wait_table(lambda t: any(x.limits.tokens_per_day == BUDGET * 2 for x in t.tenants))
+    )
+    with httpx.Client(timeout=10, headers={"authorization": f"Bearer {key}"}) as http:
+        for proxy in PROXIES:
+            assert ask(http, fleet.proxy_url(proxy) + "/chat/completions")[0] == 200

@@ -1,0 +1,341 @@
+"""Day and month token budgets: the leader's ledger (controlplane.budget), a
+proxy's reckoning of what is left (Budget.left, RateLimiter), and both
+through the leader's round and a replica's push (controlplane.quotasync).
+The same with real processes: tests/e2e/test_budgets.py."""
+
+from __future__ import annotations
+
+import calendar
+import math
+
+import orjson
+import pytest
+
+from controlplane.budget import LEDGER_PREFIX, account, budgets, decode_ledger, shares_of
+from controlplane.compile import compile_table
+from controlplane.model import ApiKeyRecord, Limits, State, Tenant
+from controlplane.quotasync import DEMAND_PREFIX, SHARES_KEY, QuotaHub, Rebalancer, decode_budgets
+from dataplane.ratelimit.limiter import RateLimiter
+from dataplane.sync.quota import QuotaState
+from ponto.quota_types import (
+    Budget,
+    Reckoning,
+    ScopeLimits,
+    Spent,
+    seconds_to_day_end,
+    seconds_to_month_end,
+    utc_day,
+)
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_quotasync import Fleet, constant_lease
+
+DAY = 20261205
+NOON = calendar.timegm((2026, 12, 5, 12, 0, 0, 0, 0, 0))
+SCOPE = "t/acme"
+BUDGET = ScopeLimits(tokens_per_day=1000, tokens_per_month=5000)
+
+
+def spent(epoch: float, day_tokens: float, month_tokens: float, day: int = DAY) -> Spent:
+    return Spent(epoch, day, day_tokens, month_tokens)
+
+
+# ---------------------------------------------------------------- periods
+
+
+def test_the_utc_day_and_the_ends_of_day_and_month() -> None:
+    assert utc_day(NOON) == DAY
+    assert utc_day(NOON + 12 * 3600) == 20261206  # midnight is the next day
+    assert seconds_to_day_end(NOON) == 12 * 3600
+    # December's end: the year turns.
+    assert seconds_to_month_end(NOON) == (26 * 24 + 12) * 3600
+    assert utc_day(NOON + seconds_to_month_end(NOON)) == 20270101
+
+
+# ---------------------------------------------------------------- the ledger
+
+
+def test_reports_are_cumulative_per_process_and_summed_over_the_fleet() -> None:
+    ledger = account(None, {"p1": spent(1.0, 100, 300), "p2": spent(2.0, 50, 50)}, DAY)
+    assert ledger.used() == (150, 350)
+    # A report replaces its process's last: read twice, or lost once, the same.
+    ledger = account(ledger, {"p1": spent(1.0, 120, 320)}, DAY)
+    ledger = account(ledger, {"p1": spent(1.0, 120, 320)}, DAY)
+    assert ledger.used() == (170, 370)
+
+
+def test_a_restarted_proxy_starts_from_nothing_and_its_former_counts_stay() -> None:
+    ledger = account(None, {"p1": spent(1.0, 100, 300)}, DAY)
+    ledger = account(ledger, {"p1": spent(9.0, 5, 5)}, DAY)  # the same name, a new process
+    assert ledger.used() == (105, 305)
+
+
+def test_a_new_day_counts_from_nothing_and_a_new_month_too() -> None:
+    ledger = account(None, {"p1": spent(1.0, 100, 300)}, DAY)
+    tomorrow = 20261206
+    # p1 has not turned its day yet: its counts are yesterday's, its month's stand.
+    ledger = account(ledger, {"p1": spent(1.0, 100, 300)}, tomorrow)
+    assert ledger.day == tomorrow and ledger.used() == (0, 300)
+    ledger = account(ledger, {"p1": spent(1.0, 7, 307, day=tomorrow)}, tomorrow)
+    assert ledger.used() == (7, 307)
+    january = account(ledger, {}, 20270101)
+    assert january.used() == (0, 0) and not january.seen
+    # A proxy whose clock is still in December is left out of January.
+    assert account(january, {"p1": spent(1.0, 9, 316, day=20261231)}, 20270101).used() == (0, 0)
+
+
+def test_a_ledger_ahead_of_this_leaders_clock_keeps_its_day() -> None:
+    ledger = account(None, {"p1": spent(1.0, 10, 10)}, DAY)
+    assert account(ledger, {}, DAY - 1).day == DAY
+
+
+def test_processes_silent_two_days_are_folded_into_the_month() -> None:
+    ledger = account(None, {"old": spent(1.0, 40, 400, day=20261201)}, 20261201)
+    ledger = account(ledger, {"new": spent(2.0, 10, 10, day=20261203)}, 20261203)
+    assert set(ledger.seen) == {"new@2.0"} and ledger.month_gone == 400
+    assert ledger.used() == (10, 410)
+
+
+def test_counts_that_are_no_numbers_are_left_out() -> None:
+    bad = account(None, {"p1": spent(1.0, math.nan, 5), "p2": spent(2.0, -3, 5)}, DAY)
+    assert not bad.seen
+
+
+def test_a_ledger_survives_its_encoding() -> None:
+    ledger = account(None, {"p1": spent(1.5, 100, 300), "p2": spent(2.25, 1, 2)}, DAY)
+    again = decode_ledger(ledger.encode())
+    assert again == ledger
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        decode_ledger(b'{"seen": {}}')
+
+
+def test_budgets_say_what_is_left_each_share_and_what_each_process_had_spent() -> None:
+    reports = {"p1": spent(1.0, 600, 4500)}
+    ledger = account(None, reports, DAY)
+    out = budgets(BUDGET, ledger, reports, ["p1", "p2"], {"p1": 30.0})
+    # p1 is asked for tokens, p2 not: p2 keeps a floor, so a client new there starts.
+    assert out["p1"] == Budget(1.0, DAY, 400, 500, 600, 4500, out["p1"].share, 1000, 5000)
+    assert out["p1"].share == pytest.approx(0.98)
+    # p2 reported nothing: it takes off all it spends.
+    assert out["p2"] == Budget(0.0, DAY, 400, 500, 0, 0, out["p2"].share, 1000, 5000)
+    assert out["p2"].share == pytest.approx(0.02)
+    assert out["p1"].share + out["p2"].share <= 1.0
+    # No month budget: inf; spent past the budget: nothing left, not less.
+    over = budgets(ScopeLimits(tokens_per_day=500), ledger, reports, ["p1"])["p1"]
+    assert (over.day_left, over.month_left) == (0.0, math.inf)
+
+
+def test_shares_follow_the_tokens_asked_for_over_a_floor() -> None:
+    assert shares_of(["a", "b"], {}) == {"a": pytest.approx(0.5), "b": pytest.approx(0.5)}
+    five = shares_of(list("abcde"), {"a": 10.0, "b": 10.0})
+    assert five["c"] == pytest.approx(0.02) and five["a"] == pytest.approx(0.47)
+    assert math.fsum(five.values()) <= 1.0
+    # Many proxies: the floors take a tenth in all.
+    many = shares_of([f"p{i}" for i in range(20)], {"p0": 1.0})
+    assert many["p1"] == pytest.approx(0.005) and many["p0"] == pytest.approx(0.905)
+
+
+# ---------------------------------------------------------------- a proxy's reckoning
+
+
+def test_a_process_takes_off_what_it_spent_since_the_count_others_all_they_spent() -> None:
+    b = Budget(1.0, DAY, day_left=400, month_left=500, spent_day=600, spent_month=4500)
+    assert b.reckon(BUDGET, 1.0, DAY, day_used=650, month_used=4550) == Reckoning(
+        350, 450, 350, 450
+    )
+    # A process the leader did not count (started since): all of its own.
+    other = b.reckon(BUDGET, 2.0, DAY, day_used=50, month_used=50)
+    assert (other.day_fleet, other.month_fleet) == (350, 450)
+    # A new day since the count: the whole day's budget less its own; same month.
+    turned = b.reckon(BUDGET, 1.0, DAY + 1, day_used=10, month_used=4560)
+    assert (turned.day_fleet, turned.month_fleet) == (990, 440)
+    # No month budget.
+    assert b.reckon(ScopeLimits(tokens_per_day=1000), 1.0, DAY, 650, 4550).month_fleet == math.inf
+    # Its share: half of what is left, less what it spent since.
+    half = Budget(1.0, DAY, 400, 500, 600, 4500, share=0.5)
+    assert half.reckon(BUDGET, 1.0, DAY, 650, 4550) == Reckoning(350, 450, 150, 200)
+
+
+def limiter_at_noon(limits: ScopeLimits = BUDGET) -> RateLimiter:
+    limiter = RateLimiter(epoch=1.0)
+    limiter.configure({SCOPE: limits}, 0.0)
+    limiter.set_day(DAY, NOON, 0.0)
+    return limiter
+
+
+def test_a_proxy_refuses_once_the_budget_is_spent_until_the_day_ends() -> None:
+    limiter = limiter_at_noon()
+    first = limiter.admit([SCOPE], 600, 1.0)
+    assert first.ok
+    first.release(900, 2.0)  # the answer's count: the estimate was low
+    refused = limiter.admit([SCOPE], 200, 3.0)  # 900 spent of 1000
+    assert not refused.ok and refused.limit == "tokens_per_day"
+    # Nothing refills a budget: the wait is until 00:00 UTC.
+    assert refused.retry_after_s == pytest.approx(12 * 3600 - 3.0)
+    assert limiter.admit([SCOPE], 100, 4.0).ok  # what is left still serves
+    limiter.set_day(DAY + 1, NOON + 12 * 3600, 12 * 3600)
+    assert limiter.admit([SCOPE], 200, 12 * 3600 + 1).ok  # a new day
+
+
+def test_the_leaders_count_covers_the_other_proxies() -> None:
+    limiter = limiter_at_noon()
+    assert limiter.admit([SCOPE], 100, 1.0).ok
+    # The leader counted this process's 100 and the fleet's 850 in all.
+    limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 150, 4150, spent_day=100, spent_month=100)})
+    assert limiter.budget_left(SCOPE) == Reckoning(150, 4150, 150, 4150, fresh=True)
+    assert limiter.admit([SCOPE], 100, 2.0).ok
+    refused = limiter.admit([SCOPE], 100, 3.0)
+    assert not refused.ok and refused.limit == "tokens_per_day" and refused.exhausted
+
+
+def test_a_budget_changed_since_the_count_moves_what_is_left_at_once() -> None:
+    """Raised after it was spent, a budget served again only after the next
+    round's count, and told its clients to come back at midnight meanwhile."""
+    spent = Budget(1.0, DAY, 0, 4000, 1000, 1000, 1.0, day_limit=1000, month_limit=5000)
+    raised = ScopeLimits(tokens_per_day=3000, tokens_per_month=5000)
+    assert spent.reckon(raised, 1.0, DAY, 1000, 1000).day_fleet == 2000
+    lowered = ScopeLimits(tokens_per_day=1000, tokens_per_month=2000)
+    assert spent.reckon(lowered, 1.0, DAY, 1000, 1000).month_fleet == 1000
+
+
+def test_past_its_share_a_proxy_refuses_for_a_moment_not_for_the_day() -> None:
+    limiter = limiter_at_noon()
+    # 400 left in the fleet, a tenth of it here (the others were asked more).
+    limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 400, 4000, share=0.1)})
+    assert limiter.admit([SCOPE], 30, 1.0).ok
+    refused = limiter.admit([SCOPE], 30, 2.0)
+    assert not refused.ok and refused.limit == "tokens_per_day" and not refused.exhausted
+    assert refused.retry_after_s == 1.0  # the leader's next shares follow the refusals
+
+
+def test_a_share_too_small_for_any_request_takes_one_per_count() -> None:
+    """13 tokens left, two proxies asked alike: half each holds no request of
+    10, and the fleet's 13 would never be spent (each proxy refusing for its
+    share, for ever). A proxy that spent nothing since the count takes one."""
+    limiter = limiter_at_noon()
+    limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 13, 4000, share=0.5)})
+    assert limiter.admit([SCOPE], 10, 1.0).ok
+    again = limiter.admit([SCOPE], 10, 2.0)
+    assert not again.ok and again.exhausted  # 3 left in the fleet, by its count
+
+
+def test_the_day_turns_on_the_hot_path_too_when_no_report_comes() -> None:
+    """The report task sets the day; without a stream to the control plane
+    it makes no report, and a proxy kept yesterday's counts all day."""
+    limiter = limiter_at_noon()
+    assert limiter.admit([SCOPE], 990, 1.0).ok
+    assert not limiter.admit([SCOPE], 20, 2.0).ok
+    assert limiter.admit([SCOPE], 20, 12 * 3600 + 1.0).ok  # past 00:00 UTC
+    report = limiter.demand(12 * 3600 + 2.0)[SCOPE]
+    assert report.spent is not None and report.spent.day == DAY + 1
+    assert report.spent.day_tokens == 20 and report.spent.month_tokens == 1010
+
+
+def test_a_month_spent_is_refused_until_the_month_ends() -> None:
+    limiter = limiter_at_noon()
+    limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 1000, 0)})
+    refused = limiter.admit([SCOPE], 1, 5.0)
+    assert not refused.ok and refused.limit == "tokens_per_month"
+    assert refused.retry_after_s == pytest.approx(seconds_to_month_end(NOON) - 5.0)
+
+
+def test_the_counts_go_in_every_report_while_the_month_has_any() -> None:
+    limiter = limiter_at_noon()
+    limiter.admit([SCOPE], 30, 1.0).release(40, 2.0)
+    for now in (3.0, 60.0, 600.0):  # long idle: still reported
+        report = limiter.demand(now)[SCOPE]
+        assert report.spent == Spent(1.0, DAY, 40, 40)
+    # A scope nothing was charged to is left out.
+    assert limiter_at_noon().demand(1.0) == {}
+
+
+def test_a_proxy_with_budgets_only_is_ready_without_shares_and_reports_its_day() -> None:
+    limiter = RateLimiter(epoch=7.0)
+    state = QuotaState(limiter, clock=lambda: 1.0, wall=lambda: NOON)
+    state.on_limits({SCOPE: BUDGET})
+    assert state.ready
+    assert limiter.admit([SCOPE], 25, 1.0).ok
+    [row] = state.demand()
+    assert (row.spent_epoch, row.spent_day, row.day_tokens, row.month_tokens) == (7.0, DAY, 25, 25)
+    # The leader's counts come with the shares; -1 is no such budget.
+    state.on_quota(
+        pb.QuotaShares(
+            generation=5,
+            budgets=[pb.ScopeBudget(scope=SCOPE, epoch=7.0, day=DAY, day_left=10, month_left=-1)],
+        )
+    )
+    assert limiter.budget_left(SCOPE) == Reckoning(-15, math.inf, -15, math.inf)
+
+
+# ---------------------------------------------------------------- the leader's round
+
+
+def budget_table(revision: int = 10) -> pb.RouteTable:
+    return compile_table(
+        State(
+            revision,
+            tenants=(Tenant("acme", limits=Limits(tokens_per_day=1000, tokens_per_month=5000)),),
+            keys=(ApiKeyRecord("k" * 10, "a" * 64, "acme"),),
+        )
+    )
+
+
+async def report(fleet: Fleet, proxy: str, day_tokens: float, epoch: float = 1.0) -> None:
+    """What a replica writes of `proxy`'s report (QuotaHub.publish_demand)."""
+    hub = QuotaHub(fleet.store, f"cp-{proxy}", constant_lease(fleet.lease), interval=0.001)
+    hub.report(
+        proxy,
+        [
+            pb.ScopeDemand(
+                scope=SCOPE,
+                spent_epoch=epoch,
+                spent_day=DAY,
+                day_tokens=day_tokens,
+                month_tokens=day_tokens,
+            )
+        ],
+    )
+    await fleet.store.put(
+        DEMAND_PREFIX + f"cp-{proxy}",
+        orjson.dumps({"proxies": hub._demand}),
+        lease=fleet.lease,
+    )
+
+
+async def leader_round(fleet: Fleet) -> None:
+    """A new leader's first round at NOON: the ledgers read, then counted."""
+    rebalancer = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
+    )
+    await rebalancer.read_ledgers()
+    await rebalancer.round()
+
+
+async def test_the_leader_counts_the_fleet_keeps_the_count_and_pushes_whats_left() -> None:
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1", "p2")
+    await report(fleet, "p1", 300)
+    await report(fleet, "p2", 450, epoch=2.0)
+    await leader_round(fleet)
+    kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
+    assert kv is not None and decode_ledger(kv.value).used() == (750, 750)
+    shares = await fleet.store.get(SHARES_KEY)
+    assert shares is not None
+    pushed = decode_budgets(orjson.loads(shares.value))
+    one, two = pushed["p1"][SCOPE], pushed["p2"][SCOPE]
+    assert one == Budget(1.0, DAY, 250, 4250, 300, 300, one.share, 1000, 5000)
+    assert two == Budget(2.0, DAY, 250, 4250, 450, 450, two.share, 1000, 5000)
+    assert one.share == pytest.approx(0.5) == two.share
+    # A replica's push to p1 carries them, -1 for none.
+    hub = QuotaHub(fleet.store, "cp-a", constant_lease(fleet.lease), interval=0.001)
+    await hub._load()
+    update = pb.RouteUpdate.FromString(hub.update_for("p1"))
+    [b] = update.quota.budgets
+    assert (b.scope, b.epoch, b.day_left, b.month_left, b.spent_day) == (SCOPE, 1.0, 250, 4250, 300)
+
+    # A new leader goes on from the ledger: p1 restarted, and reports anew.
+    await fleet.store.delete_range(DEMAND_PREFIX, DEMAND_PREFIX + "\xff")
+    await report(fleet, "p1", 20, epoch=3.0)
+    await leader_round(fleet)  # a new leader's first
+    kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
+    assert kv is not None and decode_ledger(kv.value).used() == (770, 770)
