@@ -34,7 +34,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         f.start_origin("o-eu", "eu-west")
         f.add_origin("o-eu", "eu-west", f.origin_url("o-eu"))
         version = f.table_version(origins=1)
-        f.start_proxy("p-eu", "eu-west", workers=2, extra=["--access-log", "on"])
+        # Probes' lines too: the group scrape below is one line, not two.
+        extra = ["--access-log", "on", "--access-log-probes", "on"]
+        f.start_proxy("p-eu", "eu-west", workers=2, extra=extra)
         f.wait_proxies_at(version)
         yield f
 
