@@ -93,15 +93,17 @@ def _count(value: Any) -> float:
 
 def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> Ledger:
     """The ledger after this round's `reports` (proxy name -> its process's
-    counts), on UTC day `today` (the leader's clock; a ledger already on a
-    later day, a former leader's whose clock ran ahead, keeps its day).
+    counts), on UTC day `today` (the leader's clock; a ledger already in a
+    later month, a former leader's whose clock ran ahead, keeps its day: going
+    back a month would drop its counts. Within the month the day follows the
+    clock, since each process's counts carry their own day).
 
     A new month starts from nothing; reports of another month than the
     ledger's are left out (a proxy whose clock is behind, about midnight).
     Processes silent SILENT_DAYS are folded into `month_gone`. `ledger` is
     not changed: a new one is returned."""
     before = ledger or Ledger(today)
-    day = max(before.day, today)
+    day = today if today // 100 >= before.day // 100 else before.day
     month = day // 100
     if month != before.day // 100:
         seen: dict[str, Spent] = {}

@@ -522,12 +522,23 @@ class Rebalancer:
             }
             for proxy, budget in budgets(lim, ledger, reports, proxies, wanted).items():
                 out[proxy][scope] = budget
+        # A scope no longer budgeted keeps its ledger for the month (the
+        # budget may come back), and loses it after.
+        for scope, ledger in list(self._ledgers.items()):
+            now_limits = limits.get(scope)
+            budgeted = now_limits is not None and now_limits.budgeted
+            if not budgeted and ledger.day // 100 != today // 100:
+                writes.append(Write(LEDGER_PREFIX + scope, None))
         if writes:
             fence = self._fence()
             await self._store.commit(writes, [fence] if fence is not None else [])
             for w in writes:
-                assert w.value is not None
-                self._ledgers_written[w.key[len(LEDGER_PREFIX) :]] = w.value
+                scope = w.key[len(LEDGER_PREFIX) :]
+                if w.value is None:
+                    del self._ledgers[scope]
+                    self._ledgers_written.pop(scope, None)
+                else:
+                    self._ledgers_written[scope] = w.value
         return out
 
     async def round(self) -> None:

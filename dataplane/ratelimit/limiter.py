@@ -314,8 +314,10 @@ class Admission:
         for st in self._scopes:
             st.in_flight -= 1
             if delta:
-                st.day_used += delta
-                st.month_used += delta
+                # Never below 0: an answer admitted before the day (month)
+                # turned and refunded after it gives back nothing of the new.
+                st.day_used = max(0.0, st.day_used + delta)
+                st.month_used = max(0.0, st.month_used + delta)
                 st.attempt_tokens += delta
                 tok = st.tok
                 if tok is not None:

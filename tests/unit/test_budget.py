@@ -83,9 +83,15 @@ def test_a_new_day_counts_from_nothing_and_a_new_month_too() -> None:
     assert account(january, {"p1": spent(1.0, 9, 316, day=20261231)}, 20270101).used() == (0, 0)
 
 
-def test_a_ledger_ahead_of_this_leaders_clock_keeps_its_day() -> None:
-    ledger = account(None, {"p1": spent(1.0, 10, 10)}, DAY)
-    assert account(ledger, {}, DAY - 1).day == DAY
+def test_a_ledger_follows_the_leaders_clock_but_never_back_a_month() -> None:
+    """A former leader whose clock ran a day ahead must not leave the day's
+    count on tomorrow (every report of today would count for nothing);
+    one a month ahead must not have its month dropped by a slow clock."""
+    ledger = account(None, {"p1": spent(1.0, 10, 10, day=DAY + 1)}, DAY + 1)
+    back = account(ledger, {"p1": spent(1.0, 5, 15)}, DAY)
+    assert back.day == DAY and back.used() == (5, 15)
+    january = account(None, {"p1": spent(1.0, 10, 10, day=20270101)}, 20270101)
+    assert account(january, {}, DAY).day == 20270101
 
 
 def test_processes_silent_two_days_are_folded_into_the_month() -> None:
@@ -218,6 +224,17 @@ def test_a_share_too_small_for_any_request_takes_one_per_count() -> None:
     assert not again.ok and again.exhausted  # 3 left in the fleet, by its count
 
 
+def test_an_answer_refunded_after_the_day_turned_takes_nothing_of_the_new_day() -> None:
+    limiter = limiter_at_noon()
+    admitted = limiter.admit([SCOPE], 100, 1.0)
+    limiter.set_day(DAY + 1, NOON + 12 * 3600, 12 * 3600)
+    admitted.release(0, 12 * 3600 + 1)  # a cache hit's refund: the estimate back
+    # Nothing spent today, not -100 (a negative count the leader refuses whole).
+    left = limiter.budget_left(SCOPE)
+    assert left is not None and left.day_fleet == 1000
+    assert limiter.demand(12 * 3600 + 2)[SCOPE].spent is None  # the month's is 0 too
+
+
 def test_the_day_turns_on_the_hot_path_too_when_no_report_comes() -> None:
     """The report task sets the day; without a stream to the control plane
     it makes no report, and a proxy kept yesterday's counts all day."""
@@ -339,3 +356,21 @@ async def test_the_leader_counts_the_fleet_keeps_the_count_and_pushes_whats_left
     await leader_round(fleet)  # a new leader's first
     kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
     assert kv is not None and decode_ledger(kv.value).used() == (770, 770)
+
+
+async def test_a_ledger_of_a_scope_no_longer_budgeted_goes_once_its_month_is_over() -> None:
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1")
+    await report(fleet, "p1", 300)
+    await leader_round(fleet)
+    fleet.publisher.publish(compile_table(State(11, tenants=(Tenant("acme"),))))
+    await leader_round(fleet)  # the same month: kept, should the budget come back
+    assert await fleet.store.get(LEDGER_PREFIX + SCOPE) is not None
+    january = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001,
+        lambda: NOON + 40 * 86400,
+    )  # fmt: skip
+    await january.read_ledgers()
+    await january.round()
+    assert await fleet.store.get(LEDGER_PREFIX + SCOPE) is None
