@@ -125,6 +125,9 @@ def _format_ms(ms: int) -> str:
     return text
 
 
+# The weight of each answer in a scope's expected completion (_Scope.completion).
+COMPLETION_WEIGHT = 0.2
+
 # How long after a scope appears on this proxy a refusal for want of any slot may
 # wait for the leader's next share instead (see RateLimiter.may_wait).
 JOIN_WINDOW_S = 5.0
@@ -138,6 +141,7 @@ class _Scope:
         "attempts",
         "budget",
         "budgeted",
+        "completion",
         "concurrency",
         "created",
         "day_used",
@@ -189,6 +193,9 @@ class _Scope:
         self.day_used = 0.0
         self.month_used = 0.0
         self.budget: Budget | None = None
+        # Tokens its answers came to past their estimates (the completion),
+        # an EWMA: what a budget is charged beforehand (RateLimiter.admit).
+        self.completion = 0.0
         self.limits = ScopeLimits()
         self.set_limits(limits, now)
 
@@ -253,6 +260,7 @@ class Admission:
 
     __slots__ = (
         "_open",
+        "_reserved",
         "_scopes",
         "est_tokens",
         "exhausted",
@@ -286,6 +294,10 @@ class Admission:
         self.est_tokens = est_tokens
         self._scopes = scopes
         self._open = bool(scopes)
+        # Per scope (as _scopes), what its budgets were charged past the
+        # estimate for the completion to come (RateLimiter.admit); None: no
+        # budgeted scope.
+        self._reserved: list[float] | None = None
 
     def retry_after_header(self) -> str:
         """`Retry-After` in whole seconds, at least 1."""
@@ -311,13 +323,20 @@ class Admission:
             return
         self._open = False
         delta = 0 if actual_tokens is None else actual_tokens - self.est_tokens
-        for st in self._scopes:
+        reserved = self._reserved
+        for i, st in enumerate(self._scopes):
             st.in_flight -= 1
-            if delta:
+            if reserved is not None and st.budgeted:
+                # The budgets were charged the estimate and the completion
+                # expected: settle them to the count (None: the estimate).
+                settle = delta - reserved[i]
                 # Never below 0: an answer admitted before the day (month)
                 # turned and refunded after it gives back nothing of the new.
-                st.day_used = max(0.0, st.day_used + delta)
-                st.month_used = max(0.0, st.month_used + delta)
+                st.day_used = max(0.0, st.day_used + settle)
+                st.month_used = max(0.0, st.month_used + settle)
+                if actual_tokens is not None:
+                    st.completion += COMPLETION_WEIGHT * (max(0, delta) - st.completion)
+            if delta:
                 st.attempt_tokens += delta
                 tok = st.tok
                 if tok is not None:
@@ -652,7 +671,7 @@ class RateLimiter:
                 if refused is None or w > wait:
                     refused, wait, refused_by = "tokens", w, st
             if st.budgeted:
-                short = self._over_budget(st, est_tokens, now)
+                short = self._over_budget(st, est_tokens + st.completion, now)
                 if short is not None and (refused is None or short[1] > wait):
                     refused, wait, refused_by = short[0], short[1], st
                     exhausted = short[2]
@@ -671,18 +690,33 @@ class RateLimiter:
             tok = st.tok
             if tok is not None:
                 tok.level -= est_tokens
-            st.day_used += est_tokens
-            st.month_used += est_tokens
-        return Admission(True, found, est_tokens)
+        admission = Admission(True, found, est_tokens)
+        reserved: list[float] | None = None
+        for i, st in enumerate(found):
+            if st.budgeted:
+                # A budget is not repaid as a bucket is: it is charged the
+                # completion expected too, so that answers admitted on their
+                # prompts' estimates do not pass it by their completions.
+                if reserved is None:
+                    reserved = [0.0] * len(found)
+                reserved[i] = st.completion
+                st.day_used += est_tokens + st.completion
+                st.month_used += est_tokens + st.completion
+            else:
+                st.day_used += est_tokens
+                st.month_used += est_tokens
+        admission._reserved = reserved
+        return admission
 
     def _over_budget(
-        self, st: _Scope, est_tokens: int, now: float
+        self, st: _Scope, est_tokens: float, now: float
     ) -> tuple[Limit, float, bool] | None:
-        """The budget a request of `est_tokens` does not fit, the wait, and
+        """The budget a request of `est_tokens` (its prompt's estimate and the
+        completion expected) does not fit, the wait, and
         whether the fleet's budget is spent (its period's end: nothing
         refills a budget before) or this proxy's share of it (a rebalance,
         which moves share to the proxies asked); None when it fits."""
-        need = max(1, est_tokens)
+        need = max(1.0, est_tokens)
         if now >= self._day_ends:
             # The UTC day turned with no report since (the control plane is
             # away): the counts start again all the same.
@@ -703,13 +737,18 @@ class RateLimiter:
 
     def _reckon(self, st: _Scope) -> Reckoning:
         """What is left of `st`'s budgets (Budget.reckon); before the leader's
-        first count, the whole budgets less what this process spent."""
+        first count, the whole budgets less what this process spent, and of
+        them the share its rates have (the default fraction: 1/N of the last
+        round's proxies), or all of them before any share."""
         lim = st.limits
         budget = st.budget
         if budget is None:
             day = lim.tokens_per_day - st.day_used if lim.tokens_per_day else INF
             month = lim.tokens_per_month - st.month_used if lim.tokens_per_month else INF
-            return Reckoning(day, month, day, month)
+            f = st.fraction if st.fraction > 0 else 1.0
+            mine_day = f * lim.tokens_per_day - st.day_used if lim.tokens_per_day else INF
+            mine_month = f * lim.tokens_per_month - st.month_used if lim.tokens_per_month else INF
+            return Reckoning(day, month, mine_day, mine_month, st.day_used <= 0)
         return budget.reckon(lim, self.epoch, self._day, st.day_used, st.month_used)
 
     def budget_left(self, scope: str) -> Reckoning | None:

@@ -80,7 +80,8 @@ def test_a_day_budget_holds_across_the_fleet_and_restarts(
     key = make_key(fleet, "budgeted", pb.Limits(tokens_per_day=BUDGET))
     used, codes = spend_until_refused(fleet, key)
     assert set(codes) <= {200, 429}, codes
-    print(f"answered {codes.get(200, 0)} requests, {used} tokens of a {BUDGET} budget")
+    with capsys.disabled():
+        print(f"answered {codes.get(200, 0)} requests, {used} tokens of a {BUDGET} budget")
     # Both proxies served it; together they stayed within the budget, but for
     # what the fleet spends between a report and the push after the next
     # round (0.3 s each here): a few answers.
@@ -93,9 +94,14 @@ def test_a_day_budget_holds_across_the_fleet_and_restarts(
     version = fleet.table_version(origins=1)
     fleet.wait_proxies_at(version)
     time.sleep(1.5)  # a report and a round
+    # The restarted proxy has not seen an answer of this scope yet, so it
+    # expects no completion: what is left may take one more prompt.
     client = openai.OpenAI(base_url=fleet.proxy_url("p2"), api_key=key, max_retries=0)
     with pytest.raises(openai.RateLimitError) as caught:
-        client.chat.completions.create(model="sim-small", messages=QUESTION)  # type: ignore[arg-type]
+        for _ in range(3):
+            answer = client.chat.completions.create(model="sim-small", messages=QUESTION)  # type: ignore[arg-type]
+            assert answer.usage is not None
+            used += answer.usage.total_tokens
     assert caught.value.code == "rate_limit_exceeded"
     assert "00:00 UTC" in str(caught.value)
 
@@ -103,7 +109,7 @@ def test_a_day_budget_holds_across_the_fleet_and_restarts(
     out, _ = ctl(fleet, capsys, "get", "tenants")
     [row] = [line for line in out.splitlines() if line.startswith("budgeted ")]
     counted = int(row.split("spent/day=")[1].split(",")[0].split()[0])
-    assert BUDGET <= counted <= used + 100, (row, used)
+    assert used - 100 <= counted <= used + 100, (row, used)  # a report or two behind
 
     # Raising the budget lets it through again, at every proxy.
     ctl(fleet, capsys, "limit", "set", "--tenant", "budgeted", "--tokens-per-day", str(BUDGET * 2))

@@ -177,9 +177,33 @@ def test_a_proxy_refuses_once_the_budget_is_spent_until_the_day_ends() -> None:
     assert not refused.ok and refused.limit == "tokens_per_day"
     # Nothing refills a budget: the wait is until 00:00 UTC.
     assert refused.retry_after_s == pytest.approx(12 * 3600 - 3.0)
-    assert limiter.admit([SCOPE], 100, 4.0).ok  # what is left still serves
+    # What is left still serves: 100, for the estimate and the completion
+    # expected (a fifth of the last answer's 300 past its estimate).
+    assert not limiter.admit([SCOPE], 41, 4.0).ok
+    assert limiter.admit([SCOPE], 40, 4.0).ok
     limiter.set_day(DAY + 1, NOON + 12 * 3600, 12 * 3600)
     assert limiter.admit([SCOPE], 200, 12 * 3600 + 1).ok  # a new day
+
+
+def test_a_budget_is_charged_the_completion_expected_and_settled_to_the_count() -> None:
+    """Admitted on their prompts' estimates, answers passed a budget by their
+    completions: under load (six clients, two proxies) 4,524 tokens of a
+    3,000 budget. The completion expected is charged at admission."""
+    limiter = limiter_at_noon()
+    for i in range(20):
+        admitted = limiter.admit([SCOPE], 10, float(i))
+        assert admitted.ok
+        admitted.release(40, float(i))  # 30 past each estimate
+    before = limiter.budget_left(SCOPE)
+    assert before is not None and before.day_fleet == 1000 - 20 * 40
+    admitted = limiter.admit([SCOPE], 10, 30.0)
+    during = limiter.budget_left(SCOPE)
+    assert during is not None
+    assert before.day_fleet - during.day_fleet == pytest.approx(10 + 30, abs=1.0)
+    # Settled to what it came to: 12, not the 40 charged.
+    admitted.release(12, 31.0)
+    after = limiter.budget_left(SCOPE)
+    assert after is not None and after.day_fleet == pytest.approx(before.day_fleet - 12)
 
 
 def test_the_leaders_count_covers_the_other_proxies() -> None:
