@@ -680,7 +680,8 @@ class RateLimiter:
                 False, (), 0, refused, wait, refused_by=refused_by, exhausted=exhausted
             )
 
-        for st in found:
+        reserved: list[float] | None = None
+        for i, st in enumerate(found):
             busy = st.in_flight + 1
             st.in_flight = busy
             st.peak = max(st.peak, busy)
@@ -690,21 +691,16 @@ class RateLimiter:
             tok = st.tok
             if tok is not None:
                 tok.level -= est_tokens
-        admission = Admission(True, found, est_tokens)
-        reserved: list[float] | None = None
-        for i, st in enumerate(found):
             if st.budgeted:
                 # A budget is not repaid as a bucket is: it is charged the
                 # completion expected too, so that answers admitted on their
                 # prompts' estimates do not pass it by their completions.
                 if reserved is None:
                     reserved = [0.0] * len(found)
-                reserved[i] = st.completion
-                st.day_used += est_tokens + st.completion
-                st.month_used += est_tokens + st.completion
-            else:
-                st.day_used += est_tokens
-                st.month_used += est_tokens
+                reserved[i] = expected = st.completion
+                st.day_used += est_tokens + expected
+                st.month_used += est_tokens + expected
+        admission = Admission(True, found, est_tokens)
         admission._reserved = reserved
         return admission
 
