@@ -13,9 +13,13 @@ report replaces the process's last one: counts are cumulative, so a report
 lost or read twice changes nothing. The ledger holds the last report of
 every process that charged the scope lately, keyed by proxy name and epoch;
 the fleet's use is their sum, plus what processes silent for two days had
-counted in the month (`month_gone`: they are folded in, to keep the ledger
-small). A process's counts since its last report before it stopped (at most
-a report interval) are not counted.
+counted in the month (`month_gone`: they are folded in, to keep the ledger's
+rows few; each folded process keeps its key and month count in `folded`, so
+that one heard from again, partitioned or with a clock days behind, is
+counted once). A process's counts since its last report before it stopped
+(at most a report interval) are not counted. (`Spent.epoch` is when a
+scope's count started in the process: its start, or when the scope came
+back to its table.)
 
 What is left (`budgets`) goes to every proxy with the shares, with the
 proxy's share of it by the tokens the proxies were asked for; a proxy admits
@@ -51,6 +55,9 @@ class Ledger:
     month_gone: float = 0.0
     # "<proxy>@<epoch>" -> that process's last report.
     seen: dict[str, Spent] = field(default_factory=dict)
+    # "<proxy>@<epoch>" -> the month tokens folded into month_gone of a
+    # process gone silent: the month's, dropped with it.
+    folded: dict[str, float] = field(default_factory=dict)
 
     def used(self) -> tuple[float, float]:
         """Tokens the fleet spent in the day and in the month."""
@@ -70,19 +77,40 @@ class Ledger:
                     k: [s.epoch, s.day, s.day_tokens, s.month_tokens]
                     for k, s in sorted(self.seen.items())
                 },
+                "folded": dict(sorted(self.folded.items())),
             }
         )
 
+    def latest(self, proxy: str) -> Spent | None:
+        """The last report counted of `proxy`'s newest process (its name's
+        key with the greatest epoch), if any is still counted by itself."""
+        prefix = proxy + "@"
+        found = [
+            s for k, s in self.seen.items() if k.startswith(prefix) and "@" not in k[len(prefix) :]
+        ]
+        return max(found, key=lambda s: s.epoch, default=None)
+
 
 def decode_ledger(raw: bytes) -> Ledger:
-    """A ledger as `Ledger.encode` wrote it; ValueError (or TypeError,
-    KeyError, IndexError) when it is not one."""
-    data: Any = orjson.loads(raw)
-    seen = {
-        str(k): Spent(float(v[0]), int(v[1]), _count(v[2]), _count(v[3]))
-        for k, v in data.get("seen", {}).items()
-    }
-    return Ledger(int(data["day"]), _count(data.get("month_gone", 0.0)), seen)
+    """A ledger as `Ledger.encode` wrote it (one from before `folded`: none);
+    ValueError when it is not one, days that are no dates included."""
+    try:
+        data: Any = orjson.loads(raw)
+        seen = {
+            str(k): Spent(float(v[0]), _date(v[1]), _count(v[2]), _count(v[3]))
+            for k, v in data.get("seen", {}).items()
+        }
+        folded = {str(k): _count(v) for k, v in (data.get("folded") or {}).items()}
+        return Ledger(_date(data["day"]), _count(data.get("month_gone", 0.0)), seen, folded)
+    except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise ValueError(f"not a budget ledger: {exc!r}") from exc
+
+
+def _date(value: Any) -> int:
+    """A YYYYMMDD read back; ValueError unless a date."""
+    day = int(value)
+    datetime.date(day // 10000, day // 100 % 100, day % 100)
+    return day
 
 
 def _count(value: Any) -> float:
@@ -100,32 +128,42 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
 
     A new month starts from nothing; reports of another month than the
     ledger's are left out (a proxy whose clock is behind, about midnight).
-    Processes silent SILENT_DAYS are folded into `month_gone`. `ledger` is
-    not changed: a new one is returned."""
+    Processes silent SILENT_DAYS are folded into `month_gone`; one folded
+    that reports again is taken out of it first. `ledger` is not changed: a
+    new one is returned."""
     before = ledger or Ledger(today)
     day = today if today // 100 >= before.day // 100 else before.day
     month = day // 100
     if month != before.day // 100:
         seen: dict[str, Spent] = {}
+        folded: dict[str, float] = {}
         gone = 0.0
     else:
         seen = dict(before.seen)
+        folded = dict(before.folded)
         gone = before.month_gone
     for proxy, spent in reports.items():
-        if spent.day // 100 == month and _sane(spent):
-            seen[f"{proxy}@{spent.epoch!r}"] = spent
+        if spent.day // 100 != month or not _sane(spent):
+            continue
+        key = f"{proxy}@{spent.epoch!r}"
+        if key in folded:
+            gone -= folded.pop(key)
+        seen[key] = spent
     oldest = _day_before(day, SILENT_DAYS)
     for key, spent in list(seen.items()):
         if spent.day // 100 != month:
             del seen[key]
         elif spent.day <= oldest:
             gone += spent.month_tokens
+            folded[key] = spent.month_tokens
             del seen[key]
-    return Ledger(day, gone, seen)
+    return Ledger(day, max(0.0, gone), seen, folded)
 
 
 def _sane(spent: Spent) -> bool:
-    return all(math.isfinite(x) and x >= 0 for x in (spent.day_tokens, spent.month_tokens))
+    return math.isfinite(spent.epoch) and all(
+        math.isfinite(x) and x >= 0 for x in (spent.day_tokens, spent.month_tokens)
+    )
 
 
 def _day_before(day: int, days: int) -> int:
@@ -168,9 +206,10 @@ def budgets(
     """Each proxy's Budget of one scope: what is left of the fleet's day and
     month (inf where the scope has no such budget), its share of it by the
     tokens each proxy was asked for (`tokens_per_s`, its demand report), and
-    what the ledger counted of the proxy's own process, by its report this
-    round (none: it spent nothing this month, or its report is late, and
-    takes off all it spent)."""
+    what the ledger counted of the proxy's own process: its report this
+    round, else the last the ledger holds of its newest process (a report
+    late, or lost with a replica), else none (it spent nothing this month,
+    and takes off all it spent)."""
     day_used, month_used = ledger.used()
     day_left = max(0.0, limits.tokens_per_day - day_used) if limits.tokens_per_day else math.inf
     month_left = (
@@ -180,6 +219,8 @@ def budgets(
     out: dict[str, Budget] = {}
     for proxy in proxies:
         spent = reports.get(proxy)
+        if spent is None or spent.day // 100 != ledger.day // 100:
+            spent = ledger.latest(proxy)
         share = shares[proxy]
         limits_at = (limits.tokens_per_day, limits.tokens_per_month)
         if spent is None or spent.day // 100 != ledger.day // 100:

@@ -38,7 +38,15 @@ from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.quota import compute_shares
-from controlplane.store import Conflict, Fence, LeaseExpired, StateStore, StoreUnavailable, Write
+from controlplane.store import (
+    MAX_TXN_OPS,
+    Conflict,
+    Fence,
+    LeaseExpired,
+    StateStore,
+    StoreUnavailable,
+    Write,
+)
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -153,8 +161,14 @@ def _left(value: Any) -> float:
 def decode_budgets(data: Mapping[str, Any]) -> Budgets:
     """Each proxy's Budgets from the shares key's "budgets" (none: {}). A
     proxy without counts of its own gets the fleet's figures under "" (the
-    caller's default for any proxy)."""
-    raw = data.get("budgets") or {}
+    caller's default for any proxy). ValueError when they are not those."""
+    try:
+        return _decode_budgets(data.get("budgets") or {})
+    except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise ValueError(f"not budgets: {exc!r}") from exc
+
+
+def _decode_budgets(raw: Any) -> Budgets:
     fleet = {
         scope: (
             int(v[0]),
@@ -217,17 +231,24 @@ def _decode_shares(data: Any) -> tuple[Shares, float, float]:
 def _demand_row(d: pb.ScopeDemand) -> list[float]:
     """One scope's report as the replica writes it for the leader: the rates,
     peaks and debt, then a budgeted scope's counts ([epoch, day, day tokens,
-    month tokens]) when the proxy sent them."""
+    month tokens]) when the proxy sent them. Figures that are no numbers, or
+    below 0, are 0 (JSON has no NaN: written, they would be null, and the
+    leader would drop the replica's whole report); counts that are not, none."""
     row = [
-        d.requests_per_s,
-        d.tokens_per_s,
+        _amount(d.requests_per_s),
+        _amount(d.tokens_per_s),
         float(d.concurrency),
         float(d.in_flight),
-        max(0.0, d.debt_tokens) if math.isfinite(d.debt_tokens) else 0.0,
+        _amount(d.debt_tokens),
     ]
-    if d.spent_epoch > 0 and d.spent_day:
-        row += [d.spent_epoch, float(d.spent_day), d.day_tokens, d.month_tokens]
+    counts = (d.spent_epoch, d.day_tokens, d.month_tokens)
+    if d.spent_epoch > 0 and d.spent_day and all(math.isfinite(x) for x in counts):
+        row += [d.spent_epoch, float(d.spent_day), _amount(d.day_tokens), _amount(d.month_tokens)]
     return row
+
+
+def _amount(x: float) -> float:
+    return x if math.isfinite(x) and x > 0 else 0.0
 
 
 class QuotaHub:
@@ -238,13 +259,23 @@ class QuotaHub:
     """
 
     def __init__(
-        self, store: StateStore, replica_id: str, lease: Callable[[], Any], interval: float
+        self,
+        store: StateStore,
+        replica_id: str,
+        lease: Callable[[], Any],
+        interval: float,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._replica_id = replica_id
         self._lease = lease  # async () -> lease id of the replica
         self._interval = interval
+        self._wall = wall
         self._demand: dict[str, dict[str, list[float]]] = {}
+        # When each proxy's report came (wall clock): of a proxy in two
+        # replicas' reports (it moved; the one it left is gone and its key
+        # not expired yet), the leader takes the later.
+        self._heard: dict[str, float] = {}
         self._dirty = False
         self._shares: Shares = {}
         self._budgets: Budgets = {}
@@ -261,9 +292,11 @@ class QuotaHub:
 
     def report(self, proxy: str, demand: Iterable[pb.ScopeDemand]) -> None:
         self._demand[proxy] = {d.scope: _demand_row(d) for d in demand if d.scope}
+        self._heard[proxy] = self._wall()
         self._dirty = True
 
     def forget(self, proxy: str) -> None:
+        self._heard.pop(proxy, None)
         if self._demand.pop(proxy, None) is not None:
             self._dirty = True
 
@@ -277,7 +310,8 @@ class QuotaHub:
             self._dirty = False
             try:
                 lease = await self._lease()
-                await self._store.put(key, orjson.dumps({"proxies": self._demand}), lease=lease)
+                body = {"proxies": self._demand, "heard": self._heard}
+                await self._store.put(key, orjson.dumps(body), lease=lease)
             except (StoreUnavailable, Unavailable, LeaseExpired) as exc:
                 self._dirty = True
                 log.debug("demand report not written: %s", exc)
@@ -306,7 +340,7 @@ class QuotaHub:
             data = orjson.loads(kv.value)
             self._shares, self._default, self._spare_ttl = _decode_shares(data)
             self._budgets = decode_budgets(data)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             log.error("ignoring undecodable quota shares: %s", exc)
             return listing.revision
         self._spare = {
@@ -468,6 +502,10 @@ class Rebalancer:
             except Conflict:
                 log.warning("quota shares not written: no longer the leader")
                 return
+            except Exception:
+                # A defect, not the store: the next round may not meet it, and
+                # a leader whose quota task died would go on leading without.
+                log.exception("quota rebalance failed")
             await asyncio.sleep(self._interval)
 
     async def read_ledgers(self) -> None:
@@ -529,10 +567,13 @@ class Rebalancer:
             budgeted = now_limits is not None and now_limits.budgeted
             if not budgeted and ledger.day // 100 != today // 100:
                 writes.append(Write(LEDGER_PREFIX + scope, None))
-        if writes:
-            fence = self._fence()
-            await self._store.commit(writes, [fence] if fence is not None else [])
-            for w in writes:
+        # In transactions etcd takes (--max-txn-ops), each fenced: ledgers are
+        # independent, so one written and the next not is a round's loss.
+        fence = self._fence()
+        for start in range(0, len(writes), MAX_TXN_OPS):
+            chunk = writes[start : start + MAX_TXN_OPS]
+            await self._store.commit(chunk, [fence] if fence is not None else [])
+            for w in chunk:
                 scope = w.key[len(LEDGER_PREFIX) :]
                 if w.value is None:
                     del self._ledgers[scope]
@@ -549,12 +590,18 @@ class Rebalancer:
         proxies = sorted(await self._catalog.proxy_names())
         listing = await self._store.list(DEMAND_PREFIX)
         demand: dict[str, dict[str, Demand]] = {}
+        heard: dict[str, float] = {}
         for kv in listing.items:
             try:
                 body = orjson.loads(kv.value)
-                for proxy, by_scope in body.get("proxies", {}).items():
+                when = body.get("heard") or {}
+                for proxy, by_scope in body["proxies"].items():
+                    at = float(when.get(proxy, 0.0))
+                    if proxy in heard and heard[proxy] > at:
+                        continue
                     demand[proxy] = {scope: _demand_of(v) for scope, v in by_scope.items()}
-            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                    heard[proxy] = at
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
                 log.error("ignoring undecodable demand %s: %s", kv.key, exc)
         # What each proxy may be applying now: its last shares, and the default
         # share for scopes that appeared since (proxies apply it at once).

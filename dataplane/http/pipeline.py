@@ -1028,9 +1028,10 @@ def refusal(admission: Admission) -> ApiError:
         # Only the prompt's estimate is charged at admission (the completion
         # is settled after the answer), so max_tokens is not part of it and
         # lowering it cannot help.
+        limit = _WHOLE_LIMITS[admission.limit or "tokens"]
         return ApiError(
             400,
-            f"Request too large for the tokens-per-minute limit: its prompt is estimated at "
+            f"Request too large for the {limit}: its prompt is estimated at "
             f"{admission.est_tokens} tokens, and the limit is {admission.tpm}, so no wait "
             "can admit it. Shorten the prompt, or ask for a higher limit (max_tokens does "
             "not count here).",
@@ -1047,6 +1048,17 @@ def refusal(admission: Admission) -> ApiError:
         "tokens_per_day": "tokens per day (TPD)",
         "tokens_per_month": "tokens per month",
     }[admission.limit or "requests"]
+    if admission.limit in BUDGETS:
+        # Not the budget's end (that is _over_budget): the leader moves share
+        # here within a round or two, so the message must not read as final.
+        return ApiError(
+            429,
+            f"Rate limit reached for this proxy's share of the {what} budget; the "
+            f"budget is not spent. Please try again in {admission.retry_in()}.",
+            type="tokens",
+            code="rate_limit_exceeded",
+            headers={"retry-after": admission.retry_after_header()},
+        )
     return ApiError(
         429,
         f"Rate limit reached for {what}. Please try again in {admission.retry_in()}.",
@@ -1055,6 +1067,13 @@ def refusal(admission: Admission) -> ApiError:
         headers={"retry-after": admission.retry_after_header()},
     )
 
+
+# The limits a prompt's estimate alone can pass, as a 400 names them.
+_WHOLE_LIMITS: Final = {
+    "tokens": "tokens-per-minute limit",
+    "tokens_per_day": "tokens-per-day budget",
+    "tokens_per_month": "tokens-per-month budget",
+}
 
 # The budgets' refusals: (what the message names, type, code). Month: the
 # code OpenAI gives an account out of its quota, which its SDKs and clients

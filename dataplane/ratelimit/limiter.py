@@ -145,6 +145,7 @@ class _Scope:
         "concurrency",
         "created",
         "day_used",
+        "epoch",
         "ever_slots",
         "fill_req",
         "fill_tok",
@@ -152,6 +153,7 @@ class _Scope:
         "fraction",
         "in_flight",
         "limits",
+        "max_limit",
         "max_tokens",
         "month_used",
         "peak",
@@ -189,7 +191,9 @@ class _Scope:
         self.req: TokenBucket | None = None
         self.tok: TokenBucket | None = None
         # A budgeted scope's: tokens this process charged it in the UTC day
-        # and month (RateLimiter.set_day), and the leader's last count.
+        # and month (RateLimiter.set_day), since `epoch` (Spent), and the
+        # leader's last count.
+        self.epoch = 0.0
         self.day_used = 0.0
         self.month_used = 0.0
         self.budget: Budget | None = None
@@ -213,7 +217,16 @@ class _Scope:
         # Header pairs that only change with the limits, built once.
         self.req_limit = (_LIMIT_REQ, str(limits.rpm))
         self.tok_limit = (_LIMIT_TOK, str(limits.tpm))
-        self.max_tokens = limits.tpm or _NO_MAX
+        # The smallest of the scope's token limits, and which: a prompt past
+        # it can never be admitted (a day's budget is never refilled past it).
+        whole: list[tuple[int, Limit]] = []
+        if limits.tpm:
+            whole.append((limits.tpm, "tokens"))
+        if limits.tokens_per_day:
+            whole.append((limits.tokens_per_day, "tokens_per_day"))
+        if limits.tokens_per_month:
+            whole.append((limits.tokens_per_month, "tokens_per_month"))
+        self.max_tokens, self.max_limit = min(whole) if whole else (_NO_MAX, "tokens")
         self.req = self._bucket(self.req, limits.rpm, now, self.fill_req)
         self.tok = self._bucket(self.tok, limits.tpm, now, self.fill_tok)
         if self.fraction > 0:
@@ -249,9 +262,10 @@ class Admission:
     exactly when the request ends (success, error or client gone), and may
     call it more than once. If not `ok`, `limit` says which limit refused it
     and `retry_after_s` when to try again; `too_large` marks a request whose
-    estimate exceeds a scope's whole token limit, which no wait can admit:
-    `est_tokens` is then that estimate and `tpm` the smallest limit it
-    exceeds, for the refusal's message (nothing is charged).
+    estimate exceeds a scope's whole token limit (per minute, or a whole
+    day's or month's budget), which no wait can admit: `est_tokens` is then
+    that estimate, `tpm` the smallest limit it exceeds and `limit` which, for
+    the refusal's message (nothing is charged).
     `refused_by` is the scope whose limit refused (for the headers).
     `exhausted`: a budget's refusal (tokens_per_day, tokens_per_month) for
     the fleet's having too little left, which only the period's end brings
@@ -359,7 +373,8 @@ class RateLimiter:
         """`unknown_retry_s`: the Retry-After when no refill can tell (no share
         yet, or all slots busy), about one rebalance. `demand_tau_s`: time
         constant of the demand EWMA. `epoch`: this process's start (Unix
-        seconds), which tells its budget counts from another's (Spent)."""
+        seconds), which tells its budget counts from another's (Spent; a
+        scope that comes back to the table later counts from then)."""
         self._scopes: dict[str, _Scope] = {}
         self._shares: dict[str, Share] = {}
         self._budgets: dict[str, Budget] = {}
@@ -409,6 +424,10 @@ class RateLimiter:
             if st is None:
                 st = _Scope(lim, shares.get(name, NO_SHARE), now, fill=fresh)
                 st.budget = self._budgets.get(name)
+                # A scope back in the table counts from nothing: a count of
+                # its own (a later epoch), or the leader would take it for
+                # this process's count going back, and forget what it spent.
+                st.epoch = max(self.epoch, self._wall_offset + now) if fresh else self.epoch
             elif st.limits != lim:
                 # A limit just given to a dimension it did not have starts full.
                 st.set_limits(lim, now, fill_new=fresh)
@@ -572,7 +591,7 @@ class RateLimiter:
             # A budgeted scope's counts go in every report while the month's
             # is not 0: the leader keeps the last one of each process.
             spent = (
-                Spent(self.epoch, self._day, st.day_used, st.month_used)
+                Spent(st.epoch, self._day, st.day_used, st.month_used)
                 if st.month_used > 0 and st.limits.budgeted and self._day
                 else None
             )
@@ -620,11 +639,12 @@ class RateLimiter:
         get = self._scopes.get
         found: list[_Scope] | None = None
         over = 0  # the smallest token limit the estimate exceeds; 0: none
+        over_limit: Limit = "tokens"
         for name in scopes:
             st = get(name)
             if st is not None:
                 if est_tokens > st.max_tokens and (not over or st.max_tokens < over):
-                    over = st.max_tokens
+                    over, over_limit = st.max_tokens, st.max_limit
                 if found is None:
                     found = [st]
                 else:
@@ -635,7 +655,8 @@ class RateLimiter:
         if over:
             # No wait can admit an estimate above a scope's whole token limit;
             # it is refused before it counts as demand.
-            return Admission(False, (), est_tokens, "tokens", 60.0, too_large=True, tpm=over)
+            wait = 60.0 if over_limit == "tokens" else self._unknown_retry_s
+            return Admission(False, (), est_tokens, over_limit, wait, too_large=True, tpm=over)
 
         refused: Limit | None = None
         refused_by: _Scope | None = None
@@ -745,7 +766,7 @@ class RateLimiter:
             mine_day = f * lim.tokens_per_day - st.day_used if lim.tokens_per_day else INF
             mine_month = f * lim.tokens_per_month - st.month_used if lim.tokens_per_month else INF
             return Reckoning(day, month, mine_day, mine_month, st.day_used <= 0)
-        return budget.reckon(lim, self.epoch, self._day, st.day_used, st.month_used)
+        return budget.reckon(lim, st.epoch, self._day, st.day_used, st.month_used)
 
     def budget_left(self, scope: str) -> Reckoning | None:
         """What is left of `scope`'s budgets as this proxy reckons them (inf

@@ -164,7 +164,7 @@ def test_the_fleets_debt_travels_to_the_store_and_to_the_proxy() -> None:
 async def test_publish_demand_writes_reports_under_the_replica_lease() -> None:
     store = MemoryStore()
     lease = await store.grant_lease(30)
-    hub = QuotaHub(store, "cp-a", constant_lease(lease), interval=0.001)
+    hub = QuotaHub(store, "cp-a", constant_lease(lease), interval=0.001, wall=lambda: 100.0)
     key = DEMAND_PREFIX + "cp-a"
 
     async def body() -> Any:
@@ -181,7 +181,8 @@ async def test_publish_demand_writes_reports_under_the_replica_lease() -> None:
             "proxies": {
                 "p1": {"t/acme": [2.0, 150.0, 3.0, 1.0, 40.0]},
                 "p2": {"k/aaaaaaaaaa": [0.5, 0.0, 0.0, 0.0, 0.0]},
-            }
+            },
+            "heard": {"p1": 100.0, "p2": 100.0},
         }
 
         # A new report replaces the proxy's previous one.
@@ -193,14 +194,18 @@ async def test_publish_demand_writes_reports_under_the_replica_lease() -> None:
                     "proxies": {
                         "p1": {"t/acme": [9.0, 0.0, 0.0, 0.0, 0.0]},
                         "p2": {"k/aaaaaaaaaa": [0.5, 0.0, 0.0, 0.0, 0.0]},
-                    }
+                    },
+                    "heard": {"p1": 100.0, "p2": 100.0},
                 },
             ),
             "report replaced",
         )
         hub.forget("p2")
         await eventually(
-            lambda: _equals(body, {"proxies": {"p1": {"t/acme": [9.0, 0.0, 0.0, 0.0, 0.0]}}}),
+            lambda: _equals(
+                body,
+                {"proxies": {"p1": {"t/acme": [9.0, 0.0, 0.0, 0.0, 0.0]}}, "heard": {"p1": 100.0}},
+            ),
             "forgotten proxy removed",
         )
 
