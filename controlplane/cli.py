@@ -765,21 +765,36 @@ def _models_text(
 MAX_CELL_MODELS = 5
 
 
-def _limits_text(
-    limits: pb.Limits, none: str = "no limits", spent: apb.BudgetSpent | None = None
-) -> str:
+def _limits_text(limits: pb.Limits) -> str:
+    """Limits as `limit set` confirms them: the flags' names."""
     shown = [f"{n}={getattr(limits, n)}" for n in LIMIT_DESTS if getattr(limits, n)]
-    return " ".join([*shown, *_spent_parts(limits, spent)]) or none
+    return " ".join(shown) or "no limits"
 
 
-def _spent_parts(limits: pb.Limits, spent: apb.BudgetSpent | None) -> list[str]:
+def _limits_cell(limits: pb.Limits, spent: apb.BudgetSpent) -> list[str]:
+    """A tenant's or key's limits in a table cell (`get tenants`, `key
+    list`, alike): short names, and what its budgets spent."""
+    parts = [
+        f"{k}={v}"
+        for k, v in (
+            ("rpm", limits.rpm),
+            ("tpm", limits.tpm),
+            ("conc", limits.concurrency),
+            ("tokens/day", limits.tokens_per_day),
+            ("tokens/month", limits.tokens_per_month),
+        )
+        if v
+    ]
+    return parts + [p for p in _spent_parts(limits, spent) if not p.endswith("=0")]
+
+
+def _spent_parts(limits: pb.Limits, spent: apb.BudgetSpent) -> list[str]:
     """What a budgeted tenant or key spent today and this month (UTC), as the
-    leader last counted, beside its budgets: spent/day=N, spent/month=N
-    (none for `spent` None: not asked)."""
+    leader last counted, beside its budgets: spent/day=N, spent/month=N."""
     parts = []
-    if spent is not None and limits.tokens_per_day:
+    if limits.tokens_per_day:
         parts.append(f"spent/day={spent.day_tokens:.0f}")
-    if spent is not None and limits.tokens_per_month:
+    if limits.tokens_per_month:
         parts.append(f"spent/month={spent.month_tokens:.0f}")
     return parts
 
@@ -993,22 +1008,12 @@ def _rows_tenants(
     spent = {b.scope: b for b in resp.spent}
 
     def limits(t: pb.Tenant) -> str:
-        m = t.limits
-        parts = [
-            f"{k}={v}"
-            for k, v in (
-                ("rpm", m.rpm),
-                ("tpm", m.tpm),
-                ("conc", m.concurrency),
-                ("tokens/day", m.tokens_per_day),
-                ("tokens/month", m.tokens_per_month),
-            )
-        ]
-        parts += _spent_parts(m, spent.get(f"t/{t.name}", NOTHING_SPENT))
+        parts = _limits_cell(t.limits, spent.get(f"t/{t.name}", NOTHING_SPENT))
         # The ceiling a request's max_tokens is lowered to (trial 35: set, it
         # was shown nowhere but in `get tenant`'s audit).
-        parts.append(f"max_tokens<={t.prompt.max_tokens_ceiling}")
-        return ",".join(p for p in parts if not p.endswith("=0")) or "-"
+        if t.prompt.max_tokens_ceiling:
+            parts.append(f"max_tokens<={t.prompt.max_tokens_ceiling}")
+        return ",".join(parts) or "-"
 
     def streams(t: pb.Tenant) -> str:
         m = t.streams
@@ -1100,7 +1105,7 @@ def _rows_keys(
             k.id,
             k.tenant if tenants is None or k.tenant in tenants else f"{k.tenant}(deleted)",
             k.description or "-",
-            _limits_text(k.limits, none="-", spent=spent.get(f"k/{k.id}", NOTHING_SPENT)),
+            ",".join(_limits_cell(k.limits, spent.get(f"k/{k.id}", NOTHING_SPENT))) or "-",
             _models_text(
                 k.models,
                 none="tenant's",

@@ -647,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the proxies listen on PORT, PORT+1 and PORT+2, the control plane on PORT+3 "
         "(gRPC) and its status page on PORT+4, and the banner's proxy of your own on "
         "PORT+5 (default: 8080 to 8082, 7070, 7080 and 8099, each or a free port if "
-        "taken); etcd, the origins and Redis take free ports from 20000",
+        "taken); etcd and Redis take free ports from 20000 up, the origins ports the "
+        "kernel picks",
     )
     args = p.parse_args(argv)
     fixed = fixed_ports(args.port_base)

@@ -93,6 +93,21 @@ def test_key_list_has_one_field_per_column_and_says_expired() -> None:
     assert lines[1][header.index("EXPIRES")] == "1970-01-01T00:00:01Z"
 
 
+def test_key_list_shows_limits_as_get_tenants_does_in_one_field() -> None:
+    """They read "tpm=100 concurrency=2 tokens_per_day=500 spent/day=99":
+    other names than `get tenants`' and spaces that split the column."""
+    limits = pb.Limits(tpm=100, concurrency=2, tokens_per_day=500, tokens_per_month=900)
+    resp = apb.ListKeysResponse(
+        keys=[apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme", limits=limits, created_at=1.7e9)],
+        spent=[apb.BudgetSpent(scope="k/aaaaaaaaaa", day=20261205, day_tokens=99.4)],
+    )
+    header, [row] = _rows_keys(resp)
+    assert (
+        row[header.index("LIMITS")] == "tpm=100,conc=2,tokens/day=500,tokens/month=900,spent/day=99"
+    )
+    assert len(" ".join(row).split()) == len(header)
+
+
 def test_a_revoked_key_of_a_deleted_tenant_says_its_tenant_is_deleted() -> None:
     stub = Stub()
     stub.keys = (
