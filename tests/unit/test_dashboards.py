@@ -193,6 +193,27 @@ def test_request_panels_count_proxied_requests_only() -> None:
     assert not stray, stray
 
 
+def test_error_and_refusal_panels_read_0_not_no_data_before_the_first() -> None:
+    """A 5xx or 429 series exists from its first answer on: until then the
+    panels read "No data" (trial 41), which looks like a broken scrape."""
+    blank = [
+        f"{name}: {where}"
+        for name, board in BOARDS.items()
+        for where, expr in queries(board).items()
+        if re.search(r'ponto_requests_total\{[^}]*code=~?"(5\.\.|429)"', expr)
+        and not re.search(r"\bor (vector\(0\)|0 \*)", expr)
+    ]
+    assert not blank, blank
+
+
+def test_proxies_are_counted_by_pod_not_by_worker() -> None:
+    # ponto_proxy_info is one series per worker process (--workers N).
+    for name, board in BOARDS.items():
+        for where, expr in queries(board).items():
+            if expr.startswith("count") and "ponto_proxy_info" in expr:
+                assert "count by (namespace, pod, version)" in expr, f"{name}: {where}"
+
+
 def test_no_expression_compares_versions_of_two_sources() -> None:
     # Versions are each control plane replica's own etcd revision: a proxy's
     # compares with its replica's only, which ponto_control_proxies reports.
