@@ -183,17 +183,72 @@ SAFETY = 1e-9
 
 
 def shares_of(proxies: list[str], tokens_per_s: Mapping[str, float]) -> dict[str, float]:
-    """Each proxy's share of a scope's budgets, by its token demand."""
+    """Each proxy's share of a scope's budgets, by its token demand; a proxy
+    asked for nothing has idle_share's, the very same float."""
     n = len(proxies)
     if not n:
         return {}
-    wanted = {p: max(0.0, tokens_per_s.get(p, 0.0)) for p in proxies}
+    wanted = _wanted(proxies, tokens_per_s)
     total = math.fsum(wanted.values())
+    idle = idle_share(n, total)
     if not total > 0 or not math.isfinite(total):
-        return {p: (1.0 - SAFETY) / n for p in proxies}
+        return dict.fromkeys(proxies, idle)
     floor = min(FLOOR, FLOOR_TOTAL / n)
     rest = 1.0 - n * floor
-    return {p: (floor + rest * wanted[p] / total) * (1.0 - SAFETY) for p in proxies}
+    return {
+        p: (floor + rest * wanted[p] / total) * (1.0 - SAFETY) if wanted[p] > 0 else idle
+        for p in proxies
+    }
+
+
+def _wanted(proxies: list[str], tokens_per_s: Mapping[str, float]) -> dict[str, float]:
+    wanted = {p: tokens_per_s.get(p, 0.0) for p in proxies}
+    return {p: w if w > 0 else 0.0 for p, w in wanted.items()}
+
+
+def idle_share(n: int, total_tokens_per_s: float) -> float:
+    """The share of a proxy asked for nothing, of `n` proxies asked for
+    `total_tokens_per_s` in all: its floor, or an even share when none was
+    asked (n 0: a floor)."""
+    if n <= 0:
+        return FLOOR * (1.0 - SAFETY)
+    if not total_tokens_per_s > 0 or not math.isfinite(total_tokens_per_s):
+        return (1.0 - SAFETY) / n
+    return min(FLOOR, FLOOR_TOTAL / n) * (1.0 - SAFETY)
+
+
+def idle_budget(
+    limits: ScopeLimits,
+    ledger: Ledger,
+    proxies: list[str],
+    tokens_per_s: Mapping[str, float] | None = None,
+) -> Budget:
+    """The Budget `budgets` gives a proxy that has no count in the ledger and
+    was asked for nothing: the shares key leaves such proxies out, and the
+    replicas give them this one (with the fleet's figures, once a scope)."""
+    day_left, month_left = _left_of(limits, ledger)
+    total = math.fsum(_wanted(proxies, tokens_per_s or {}).values())
+    return Budget(
+        0.0,
+        ledger.day,
+        day_left,
+        month_left,
+        0.0,
+        0.0,
+        idle_share(len(proxies), total),
+        limits.tokens_per_day,
+        limits.tokens_per_month,
+    )
+
+
+def _left_of(limits: ScopeLimits, ledger: Ledger) -> tuple[float, float]:
+    """What is left of the fleet's day and month (inf: no such budget)."""
+    day_used, month_used = ledger.used()
+    day_left = max(0.0, limits.tokens_per_day - day_used) if limits.tokens_per_day else math.inf
+    month_left = (
+        max(0.0, limits.tokens_per_month - month_used) if limits.tokens_per_month else math.inf
+    )
+    return day_left, month_left
 
 
 def budgets(
@@ -210,11 +265,7 @@ def budgets(
     round, else the last the ledger holds of its newest process (a report
     late, or lost with a replica), else none (it spent nothing this month,
     and takes off all it spent)."""
-    day_used, month_used = ledger.used()
-    day_left = max(0.0, limits.tokens_per_day - day_used) if limits.tokens_per_day else math.inf
-    month_left = (
-        max(0.0, limits.tokens_per_month - month_used) if limits.tokens_per_month else math.inf
-    )
+    day_left, month_left = _left_of(limits, ledger)
     shares = shares_of(proxies, tokens_per_s or {})
     out: dict[str, Budget] = {}
     for proxy in proxies:

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from controlplane.budget import (
+    FLOOR,
     LEDGER_PREFIX,
     Ledger,
     account,
@@ -636,3 +637,37 @@ async def test_a_round_that_fails_on_a_defect_is_logged_and_the_next_goes_on(
 
         await eventually(counted, "a later round counted")
     assert [r.getMessage() for r in caplog.records if r.exc_info] == ["quota rebalance failed"]
+
+
+async def test_idle_proxies_take_the_fleets_row_and_the_shares_key_stays_small() -> None:
+    """Every proxy's row of every budgeted scope was written: 1,000 scopes
+    and 20 proxies came to 1.3 MB, near etcd's 1.5 MiB request limit, past
+    which the leader could write no shares at all, rates' included."""
+    fleet = Fleet(many_budgeted(1000))
+    await fleet.lead()
+    proxies = [f"proxy-{i:02}" for i in range(20)]
+    await fleet.register(*proxies)
+    rows = {f"t/t{i:03}": [0, 5.0, 0, 0, 0, 1.0, DAY, 7.0, 7.0] for i in range(1000)}
+    await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps({"proxies": {"proxy-00": rows}}))
+    await leader_round(fleet)
+    kv = await fleet.store.get(SHARES_KEY)
+    assert kv is not None and len(kv.value) < 200_000
+    pushed = decode_budgets(orjson.loads(kv.value))
+    assert set(pushed) == {"", "proxy-00"}
+    # What a replica pushes an idle proxy: the fleet's row, an idle share.
+    hub = QuotaHub(fleet.store, "cp-a", constant_lease(0), interval=0.001)
+    await hub._load()
+    sent = pb.RouteUpdate.FromString(hub.update_for("proxy-07")).quota.budgets
+    assert len(sent) == 1000 and sent[0].share == pytest.approx(0.005)
+    for scope in ("t/t000", "t/t999"):
+        busy, idle = pushed["proxy-00"][scope], pushed[""][scope]
+        assert (busy.epoch, busy.spent_day) == (1.0, 7)
+        assert idle == Budget(0.0, DAY, 993, math.inf, 0, 0, idle.share, 1000, 0)
+        # The idle proxies' floors: a tenth in all, as shares_of gives them.
+        assert idle.share == pytest.approx(0.005)
+        assert busy.share + 19 * idle.share <= 1.0
+
+
+def test_budgets_from_a_leader_that_wrote_every_proxys_row() -> None:
+    older = {"budgets": {"fleet": {SCOPE: [DAY, 10, 20, 1000, 5000]}, "proxies": {}}}
+    assert decode_budgets(older)[""][SCOPE].share == FLOOR
