@@ -478,6 +478,15 @@ def _demand_of(v: list[Any]) -> Demand:
     )
 
 
+# A changed ledger is written at most every LEDGER_ROUNDS rounds (a new one at
+# once): each busy budgeted scope's counts change every round, and a write a
+# round each was as many etcd revisions a second. Little rides on the wait: a
+# new leader reads the ledgers, and the proxies' next reports (cumulative)
+# bring their counts up to date; only the last counts of a process that
+# stopped in those rounds, if the leader changes too, are lost.
+LEDGER_ROUNDS = 10
+
+
 class Rebalancer:
     """Leader only: turns demand into shares, about once an interval."""
 
@@ -499,6 +508,8 @@ class Rebalancer:
         # Budgeted scopes' ledgers (controlplane.budget), as last read or written.
         self._ledgers: dict[str, Ledger] = {}
         self._ledgers_written: dict[str, bytes] = {}
+        # Rounds since each ledger was written (LEDGER_ROUNDS).
+        self._ledger_rounds: dict[str, int] = {}
         # Each budgeted scope's Budget of an idle proxy, of the last round.
         self._idle: dict[str, Budget] = {}
         self._previous: Shares = {}
@@ -575,9 +586,12 @@ class Rebalancer:
             }
             ledger = account(self._ledgers.get(scope), reports, today)
             self._ledgers[scope] = ledger
-            encoded = ledger.encode()
-            if encoded != self._ledgers_written.get(scope):
-                writes.append(Write(LEDGER_PREFIX + scope, encoded))
+            rounds = self._ledger_rounds[scope] = self._ledger_rounds.get(scope, 0) + 1
+            written = self._ledgers_written.get(scope)
+            if written is None or rounds >= LEDGER_ROUNDS:
+                encoded = ledger.encode()
+                if encoded != written:
+                    writes.append(Write(LEDGER_PREFIX + scope, encoded))
             wanted = {
                 proxy: d.tokens_per_s
                 for proxy, by_scope in demand.items()
@@ -601,6 +615,7 @@ class Rebalancer:
             await self._store.commit(chunk, [fence] if fence is not None else [])
             for w in chunk:
                 scope = w.key[len(LEDGER_PREFIX) :]
+                self._ledger_rounds[scope] = 0
                 if w.value is None:
                     del self._ledgers[scope]
                     self._ledgers_written.pop(scope, None)

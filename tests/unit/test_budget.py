@@ -23,7 +23,14 @@ from controlplane.budget import (
 )
 from controlplane.compile import compile_table
 from controlplane.model import ApiKeyRecord, Limits, State, Tenant
-from controlplane.quotasync import DEMAND_PREFIX, SHARES_KEY, QuotaHub, Rebalancer, decode_budgets
+from controlplane.quotasync import (
+    DEMAND_PREFIX,
+    LEDGER_ROUNDS,
+    SHARES_KEY,
+    QuotaHub,
+    Rebalancer,
+    decode_budgets,
+)
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.sync.quota import QuotaState
@@ -502,9 +509,25 @@ async def test_the_leader_counts_the_fleet_keeps_the_count_and_pushes_whats_left
     # A new leader goes on from the ledger: p1 restarted, and reports anew.
     await fleet.store.delete_range(DEMAND_PREFIX, DEMAND_PREFIX + "\xff")
     await report(fleet, "p1", 20, epoch=3.0)
-    await leader_round(fleet)  # a new leader's first
-    kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
-    assert kv is not None and decode_ledger(kv.value).used() == (770, 770)
+    rebalancer = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
+    )
+    await rebalancer.read_ledgers()
+
+    async def stored() -> tuple[float, float]:
+        kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
+        assert kv is not None
+        return decode_ledger(kv.value).used()
+
+    # Counted at once; written every LEDGER_ROUNDS rounds (the counts of a
+    # busy scope change every round: a write each was an etcd revision each).
+    for _ in range(LEDGER_ROUNDS - 1):
+        await rebalancer.round()
+        assert await stored() == (750, 750)
+    pushed = decode_budgets(orjson.loads((await fleet.store.get(SHARES_KEY)).value))  # type: ignore[union-attr]
+    assert pushed["p1"][SCOPE].day_left == 1000 - 770
+    await rebalancer.round()
+    assert await stored() == (770, 770)
 
 
 async def test_a_ledger_of_a_scope_no_longer_budgeted_goes_once_its_month_is_over() -> None:
