@@ -478,13 +478,18 @@ def _demand_of(v: list[Any]) -> Demand:
     )
 
 
-# A changed ledger is written at most every LEDGER_ROUNDS rounds (a new one at
-# once): each busy budgeted scope's counts change every round, and a write a
-# round each was as many etcd revisions a second. Little rides on the wait: a
-# new leader reads the ledgers, and the proxies' next reports (cumulative)
-# bring their counts up to date; only the last counts of a process that
-# stopped in those rounds, if the leader changes too, are lost.
+# A changed ledger is written every LEDGER_ROUNDS rounds, or sooner once its
+# counts moved LEDGER_SLACK of a budget since the last write, and every round
+# while less than LEDGER_CLOSE of a budget is left (a new one at once): each
+# busy budgeted scope's counts change every round, and a write a round each
+# was as many etcd revisions a second. A new leader reads the ledgers, and the
+# proxies' next reports (cumulative) bring their counts up to date; what is
+# lost is the unwritten counts of processes that stopped meanwhile (a proxy
+# restarted with the leader): at most the slack, and none near the end of a
+# budget, where a count short would admit past it.
 LEDGER_ROUNDS = 10
+LEDGER_SLACK = 0.01
+LEDGER_CLOSE = 0.1
 
 
 class Rebalancer:
@@ -508,8 +513,10 @@ class Rebalancer:
         # Budgeted scopes' ledgers (controlplane.budget), as last read or written.
         self._ledgers: dict[str, Ledger] = {}
         self._ledgers_written: dict[str, bytes] = {}
-        # Rounds since each ledger was written (LEDGER_ROUNDS).
+        # Rounds since each ledger was written (LEDGER_ROUNDS), and its
+        # counts (day, month) then.
         self._ledger_rounds: dict[str, int] = {}
+        self._ledger_counts: dict[str, tuple[float, float]] = {}
         # Each budgeted scope's Budget of an idle proxy, of the last round.
         self._idle: dict[str, Budget] = {}
         self._previous: Shares = {}
@@ -548,6 +555,7 @@ class Rebalancer:
         round's write (which it is the leader's to make) starts them again:
         logged, since that forgets what the fleet spent."""
         self._ledgers, self._ledgers_written = {}, {}
+        self._ledger_rounds, self._ledger_counts = {}, {}
         while True:
             try:
                 listing = await self._store.list(LEDGER_PREFIX)
@@ -575,6 +583,7 @@ class Rebalancer:
         today = utc_day(self._wall())
         out: Budgets = {p: {} for p in proxies}
         self._idle = {}
+        counted: dict[str, tuple[float, float]] = {}
         writes: list[Write] = []
         for scope, lim in limits.items():
             if not lim.budgeted:
@@ -586,12 +595,11 @@ class Rebalancer:
             }
             ledger = account(self._ledgers.get(scope), reports, today)
             self._ledgers[scope] = ledger
-            rounds = self._ledger_rounds[scope] = self._ledger_rounds.get(scope, 0) + 1
-            written = self._ledgers_written.get(scope)
-            if written is None or rounds >= LEDGER_ROUNDS:
+            if self._ledger_due(scope, lim, ledger):
                 encoded = ledger.encode()
-                if encoded != written:
+                if encoded != self._ledgers_written.get(scope):
                     writes.append(Write(LEDGER_PREFIX + scope, encoded))
+                    counted[scope] = ledger.used()
             wanted = {
                 proxy: d.tokens_per_s
                 for proxy, by_scope in demand.items()
@@ -617,11 +625,28 @@ class Rebalancer:
                 scope = w.key[len(LEDGER_PREFIX) :]
                 self._ledger_rounds[scope] = 0
                 if w.value is None:
+                    self._ledger_counts.pop(scope, None)
                     del self._ledgers[scope]
                     self._ledgers_written.pop(scope, None)
                 else:
                     self._ledgers_written[scope] = w.value
+                    self._ledger_counts[scope] = counted[scope]
         return out
+
+    def _ledger_due(self, scope: str, limits: ScopeLimits, ledger: Ledger) -> bool:
+        """Whether to write `scope`'s ledger this round (LEDGER_ROUNDS)."""
+        rounds = self._ledger_rounds[scope] = self._ledger_rounds.get(scope, 0) + 1
+        then = self._ledger_counts.get(scope)
+        if then is None or rounds >= LEDGER_ROUNDS:
+            return True
+        used = ledger.used()
+        return any(
+            budget
+            and (now >= (1 - LEDGER_CLOSE) * budget or abs(now - before) >= LEDGER_SLACK * budget)
+            for now, before, budget in zip(
+                used, then, (limits.tokens_per_day, limits.tokens_per_month), strict=True
+            )
+        )
 
     async def round(self) -> None:
         latest = self._publisher.latest

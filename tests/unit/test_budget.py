@@ -519,15 +519,31 @@ async def test_the_leader_counts_the_fleet_keeps_the_count_and_pushes_whats_left
         assert kv is not None
         return decode_ledger(kv.value).used()
 
-    # Counted at once; written every LEDGER_ROUNDS rounds (the counts of a
-    # busy scope change every round: a write each was an etcd revision each).
+    await rebalancer.round()  # a new leader's first: written
+    assert await stored() == (770, 770)
+
+    # Then a ledger is written every LEDGER_ROUNDS rounds, or once its counts
+    # moved 1 % of a budget (10 of 1,000): the counts of a busy scope change
+    # every round, and a write each was an etcd revision each.
+    await report(fleet, "p1", 29, epoch=3.0)  # 9 more
     for _ in range(LEDGER_ROUNDS - 1):
         await rebalancer.round()
-        assert await stored() == (750, 750)
+        assert await stored() == (770, 770)
     pushed = decode_budgets(orjson.loads((await fleet.store.get(SHARES_KEY)).value))  # type: ignore[union-attr]
-    assert pushed["p1"][SCOPE].day_left == 1000 - 770
+    assert pushed["p1"][SCOPE].day_left == 1000 - 779  # counted at once all the same
     await rebalancer.round()
-    assert await stored() == (770, 770)
+    assert await stored() == (779, 779)
+    await report(fleet, "p1", 39, epoch=3.0)  # 10 more: at once
+    await rebalancer.round()
+    assert await stored() == (789, 789)
+    # Under a tenth of the budget left, every change at once: a count short
+    # there (a proxy restarted with the leader) admits past the budget.
+    await report(fleet, "p1", 150, epoch=3.0)
+    await rebalancer.round()
+    assert await stored() == (900, 900)
+    await report(fleet, "p1", 151, epoch=3.0)
+    await rebalancer.round()
+    assert await stored() == (901, 901)
 
 
 async def test_a_ledger_of_a_scope_no_longer_budgeted_goes_once_its_month_is_over() -> None:
