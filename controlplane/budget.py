@@ -91,6 +91,17 @@ class Ledger:
         return max(found, key=lambda s: s.epoch, default=None)
 
 
+def _newest(ledger: Ledger) -> dict[str, Spent]:
+    """Ledger.latest of every proxy in one pass (a scan a proxy was
+    proxies x rows a round)."""
+    out: dict[str, Spent] = {}
+    for key, s in ledger.seen.items():
+        proxy = key.rpartition("@")[0]
+        if proxy not in out or s.epoch > out[proxy].epoch:
+            out[proxy] = s
+    return out
+
+
 def decode_ledger(raw: bytes) -> Ledger:
     """A ledger as `Ledger.encode` wrote it (one from before `folded`: none);
     ValueError when it is not one, days that are no dates included."""
@@ -161,6 +172,12 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
 
 
 def _sane(spent: Spent) -> bool:
+    """Finite counts not below 0, of a day that is a date (a ledger with a
+    row that is not would be refused whole when a new leader reads it)."""
+    try:
+        _date(spent.day)
+    except ValueError:
+        return False
     return math.isfinite(spent.epoch) and all(
         math.isfinite(x) and x >= 0 for x in (spent.day_tokens, spent.month_tokens)
     )
@@ -267,11 +284,14 @@ def budgets(
     and takes off all it spent)."""
     day_left, month_left = _left_of(limits, ledger)
     shares = shares_of(proxies, tokens_per_s or {})
+    newest: dict[str, Spent] | None = None  # Ledger.latest of every proxy, built once
     out: dict[str, Budget] = {}
     for proxy in proxies:
         spent = reports.get(proxy)
         if spent is None or spent.day // 100 != ledger.day // 100:
-            spent = ledger.latest(proxy)
+            if newest is None:
+                newest = _newest(ledger)
+            spent = newest.get(proxy)
         share = shares[proxy]
         limits_at = (limits.tokens_per_day, limits.tokens_per_month)
         if spent is None or spent.day // 100 != ledger.day // 100:

@@ -135,6 +135,15 @@ def test_a_process_folded_and_heard_from_again_is_counted_once() -> None:
     assert decode_ledger(behind.encode()) == behind
 
 
+def test_a_report_of_a_day_that_is_no_date_is_left_out() -> None:
+    """Kept, it made the ledger unreadable to the next leader, which then
+    counted the month again from nothing."""
+    ledger = account(None, {"p1": spent(1.0, 10, 10)}, DAY)
+    ledger = account(ledger, {"p2": spent(2.0, 5, 5, day=20261200)}, DAY)
+    assert set(ledger.seen) == {"p1@1.0"}
+    assert decode_ledger(ledger.encode()) == ledger
+
+
 def test_counts_that_are_no_numbers_are_left_out() -> None:
     bad = account(None, {"p1": spent(1.0, math.nan, 5), "p2": spent(2.0, -3, 5)}, DAY)
     assert not bad.seen
