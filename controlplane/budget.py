@@ -81,25 +81,16 @@ class Ledger:
             }
         )
 
-    def latest(self, proxy: str) -> Spent | None:
-        """The last report counted of `proxy`'s newest process (its name's
-        key with the greatest epoch), if any is still counted by itself."""
-        prefix = proxy + "@"
-        found = [
-            s for k, s in self.seen.items() if k.startswith(prefix) and "@" not in k[len(prefix) :]
-        ]
-        return max(found, key=lambda s: s.epoch, default=None)
-
-
-def _newest(ledger: Ledger) -> dict[str, Spent]:
-    """Ledger.latest of every proxy in one pass (a scan a proxy was
-    proxies x rows a round)."""
-    out: dict[str, Spent] = {}
-    for key, s in ledger.seen.items():
-        proxy = key.rpartition("@")[0]
-        if proxy not in out or s.epoch > out[proxy].epoch:
-            out[proxy] = s
-    return out
+    def newest(self) -> dict[str, Spent]:
+        """Each proxy's last report counted of its newest process (its
+        name's key with the greatest epoch), of those still counted by
+        themselves; in one pass (a scan a proxy was proxies x rows a round)."""
+        out: dict[str, Spent] = {}
+        for key, s in self.seen.items():
+            proxy = key.rpartition("@")[0]
+            if proxy not in out or s.epoch > out[proxy].epoch:
+                out[proxy] = s
+        return out
 
 
 def decode_ledger(raw: bytes) -> Ledger:
@@ -219,8 +210,7 @@ def shares_of(proxies: list[str], tokens_per_s: Mapping[str, float]) -> dict[str
 
 
 def _wanted(proxies: list[str], tokens_per_s: Mapping[str, float]) -> dict[str, float]:
-    wanted = {p: tokens_per_s.get(p, 0.0) for p in proxies}
-    return {p: w if w > 0 else 0.0 for p, w in wanted.items()}
+    return {p: max(0.0, tokens_per_s.get(p, 0.0)) for p in proxies}
 
 
 def idle_share(n: int, total_tokens_per_s: float) -> float:
@@ -232,40 +222,6 @@ def idle_share(n: int, total_tokens_per_s: float) -> float:
     if not total_tokens_per_s > 0 or not math.isfinite(total_tokens_per_s):
         return (1.0 - SAFETY) / n
     return min(FLOOR, FLOOR_TOTAL / n) * (1.0 - SAFETY)
-
-
-def idle_budget(
-    limits: ScopeLimits,
-    ledger: Ledger,
-    proxies: list[str],
-    tokens_per_s: Mapping[str, float] | None = None,
-) -> Budget:
-    """The Budget `budgets` gives a proxy that has no count in the ledger and
-    was asked for nothing: the shares key leaves such proxies out, and the
-    replicas give them this one (with the fleet's figures, once a scope)."""
-    day_left, month_left = _left_of(limits, ledger)
-    total = math.fsum(_wanted(proxies, tokens_per_s or {}).values())
-    return Budget(
-        0.0,
-        ledger.day,
-        day_left,
-        month_left,
-        0.0,
-        0.0,
-        idle_share(len(proxies), total),
-        limits.tokens_per_day,
-        limits.tokens_per_month,
-    )
-
-
-def _left_of(limits: ScopeLimits, ledger: Ledger) -> tuple[float, float]:
-    """What is left of the fleet's day and month (inf: no such budget)."""
-    day_used, month_used = ledger.used()
-    day_left = max(0.0, limits.tokens_per_day - day_used) if limits.tokens_per_day else math.inf
-    month_left = (
-        max(0.0, limits.tokens_per_month - month_used) if limits.tokens_per_month else math.inf
-    )
-    return day_left, month_left
 
 
 def budgets(
@@ -281,20 +237,30 @@ def budgets(
     what the ledger counted of the proxy's own process: its report this
     round, else the last the ledger holds of its newest process (a report
     late, or lost with a replica), else none (it spent nothing this month,
-    and takes off all it spent)."""
-    day_left, month_left = _left_of(limits, ledger)
-    shares = shares_of(proxies, tokens_per_s or {})
-    newest: dict[str, Spent] | None = None  # Ledger.latest of every proxy, built once
-    out: dict[str, Budget] = {}
+    and takes off all it spent).
+
+    Under "" (no proxy's name), the Budget of a proxy with no count and
+    asked for nothing: the shares key leaves such proxies out, and the
+    replicas give them this one (as decode_budgets does)."""
+    day_used, month_used = ledger.used()
+    day_left = max(0.0, limits.tokens_per_day - day_used) if limits.tokens_per_day else math.inf
+    month_left = (
+        max(0.0, limits.tokens_per_month - month_used) if limits.tokens_per_month else math.inf
+    )
+    wanted = tokens_per_s or {}
+    shares = shares_of(proxies, wanted)
+    limits_at = (limits.tokens_per_day, limits.tokens_per_month)
+    idle = idle_share(len(proxies), math.fsum(_wanted(proxies, wanted).values()))
+    out = {"": Budget(0.0, ledger.day, day_left, month_left, 0.0, 0.0, idle, *limits_at)}
+    newest: dict[str, Spent] | None = None  # built once, for the first proxy not heard
     for proxy in proxies:
         spent = reports.get(proxy)
         if spent is None or spent.day // 100 != ledger.day // 100:
             if newest is None:
-                newest = _newest(ledger)
+                newest = ledger.newest()
             spent = newest.get(proxy)
         share = shares[proxy]
-        limits_at = (limits.tokens_per_day, limits.tokens_per_month)
-        if spent is None or spent.day // 100 != ledger.day // 100:
+        if spent is None:
             out[proxy] = Budget(0.0, ledger.day, day_left, month_left, 0.0, 0.0, share, *limits_at)
             continue
         out[proxy] = Budget(

@@ -40,7 +40,6 @@ from controlplane.budget import (
     account,
     budgets,
     decode_ledger,
-    idle_budget,
 )
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
@@ -125,7 +124,7 @@ def encode_shares(
     """The shares key's value; `spare_ttl`: how long proxies count the spare
     flags (0: until the next shares, for a leader that does not rewrite them);
     `budgeted`: each proxy's Budget of each budgeted scope, and `idle` each
-    scope's Budget of a proxy without counts or demand (budget.idle_budget),
+    scope's Budget of a proxy without counts or demand (budget.budgets' ""),
     which is not written out per proxy."""
     body: dict[str, Any] = {
         "default_fraction": default_fraction,
@@ -595,19 +594,21 @@ class Rebalancer:
             }
             ledger = account(self._ledgers.get(scope), reports, today)
             self._ledgers[scope] = ledger
-            if self._ledger_due(scope, lim, ledger):
+            used = ledger.used()
+            if self._ledger_due(scope, lim, used):
                 encoded = ledger.encode()
                 if encoded != self._ledgers_written.get(scope):
                     writes.append(Write(LEDGER_PREFIX + scope, encoded))
-                    counted[scope] = ledger.used()
+                    counted[scope] = used
             wanted = {
                 proxy: d.tokens_per_s
                 for proxy, by_scope in demand.items()
                 if (d := by_scope.get(scope)) is not None
             }
-            for proxy, budget in budgets(lim, ledger, reports, proxies, wanted).items():
+            by_proxy = budgets(lim, ledger, reports, proxies, wanted)
+            self._idle[scope] = by_proxy.pop("")
+            for proxy, budget in by_proxy.items():
                 out[proxy][scope] = budget
-            self._idle[scope] = idle_budget(lim, ledger, proxies, wanted)
         # A scope no longer budgeted keeps its ledger for the month (the
         # budget may come back), and loses it after.
         for scope, ledger in list(self._ledgers.items()):
@@ -633,13 +634,13 @@ class Rebalancer:
                     self._ledger_counts[scope] = counted[scope]
         return out
 
-    def _ledger_due(self, scope: str, limits: ScopeLimits, ledger: Ledger) -> bool:
-        """Whether to write `scope`'s ledger this round (LEDGER_ROUNDS)."""
+    def _ledger_due(self, scope: str, limits: ScopeLimits, used: tuple[float, float]) -> bool:
+        """Whether to write `scope`'s ledger, whose counts are `used`, this
+        round (LEDGER_ROUNDS)."""
         rounds = self._ledger_rounds[scope] = self._ledger_rounds.get(scope, 0) + 1
         then = self._ledger_counts.get(scope)
         if then is None or rounds >= LEDGER_ROUNDS:
             return True
-        used = ledger.used()
         return any(
             budget
             and (now >= (1 - LEDGER_CLOSE) * budget or abs(now - before) >= LEDGER_SLACK * budget)

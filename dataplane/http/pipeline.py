@@ -1051,14 +1051,7 @@ def refusal(admission: Admission) -> ApiError:
     if admission.limit in BUDGETS:
         # Not the budget's end (that is _over_budget): the leader moves share
         # here within a round or two, so the message must not read as final.
-        return ApiError(
-            429,
-            f"Rate limit reached for this proxy's share of the {what} budget; the "
-            f"budget is not spent. Please try again in {admission.retry_in()}.",
-            type="tokens",
-            code="rate_limit_exceeded",
-            headers={"retry-after": admission.retry_after_header()},
-        )
+        what = f"this proxy's share of the {what} budget; the budget is not spent"
     return ApiError(
         429,
         f"Rate limit reached for {what}. Please try again in {admission.retry_in()}.",

@@ -202,7 +202,7 @@ def test_a_proxy_not_heard_this_round_is_reckoned_by_its_last_count() -> None:
     half spent read as spent, and refused with insufficient_quota."""
     ledger = account(None, {"p1": spent(1.0, 600, 2500)}, DAY)
     ledger = account(ledger, {"p1": spent(3.0, 10, 10)}, DAY)  # restarted since
-    [b] = budgets(BUDGET, ledger, {}, ["p1"]).values()
+    b = budgets(BUDGET, ledger, {}, ["p1"])["p1"]
     assert (b.epoch, b.spent_day, b.spent_month) == (3.0, 10, 10)  # its newest process
     # The process still running: only what it spent since takes off.
     assert b.reckon(BUDGET, 3.0, DAY, day_used=10, month_used=10).month_fleet == 5000 - 2510
