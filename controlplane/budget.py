@@ -16,10 +16,14 @@ the fleet's use is their sum, plus what processes silent for two days had
 counted in the month (`month_gone`: they are folded in, to keep the ledger's
 rows few; each folded process keeps its key and month count in `folded`, so
 that one heard from again, partitioned or with a clock days behind, is
-counted once). A process's counts since its last report before it stopped
+counted once; for FOLDED_DAYS days, after which one heard from again is
+counted twice, more and not less, and `folded` holds a week of restarts, not
+a month's). A process's counts since its last report before it stopped
 (at most a report interval) are not counted. (`Spent.epoch` is when a
 scope's count started in the process: its start, or when the scope came
-back to its table.)
+back to its table.) Of a process's reports, one of an earlier day than the
+ledger holds, and no more in the month, is late (from a replica that
+stopped, its key not yet expired) and is left out.
 
 What is left (`budgets`) goes to every proxy with the shares, with the
 proxy's share of it by the tokens the proxies were asked for; a proxy admits
@@ -45,6 +49,9 @@ LEDGER_PREFIX = "/ponto/quota/spent/"
 # A process silent this many days (its last report's day before today) is
 # folded into month_gone.
 SILENT_DAYS = 2
+# A folded process's key is kept this many days after its last report was
+# folded (or folded again: a clock days behind refreshes it every round).
+FOLDED_DAYS = 7
 
 
 @dataclass
@@ -55,9 +62,10 @@ class Ledger:
     month_gone: float = 0.0
     # "<proxy>@<epoch>" -> that process's last report.
     seen: dict[str, Spent] = field(default_factory=dict)
-    # "<proxy>@<epoch>" -> the month tokens folded into month_gone of a
-    # process gone silent: the month's, dropped with it.
-    folded: dict[str, float] = field(default_factory=dict)
+    # "<proxy>@<epoch>" -> (the month tokens folded into month_gone of a
+    # process gone silent, the ledger's day when they were): dropped with the
+    # month, or FOLDED_DAYS after.
+    folded: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def used(self) -> tuple[float, float]:
         """Tokens the fleet spent in the day and in the month."""
@@ -77,7 +85,7 @@ class Ledger:
                     k: [s.epoch, s.day, s.day_tokens, s.month_tokens]
                     for k, s in sorted(self.seen.items())
                 },
-                "folded": dict(sorted(self.folded.items())),
+                "folded": {k: [count, day] for k, (count, day) in sorted(self.folded.items())},
             }
         )
 
@@ -94,16 +102,21 @@ class Ledger:
 
 
 def decode_ledger(raw: bytes) -> Ledger:
-    """A ledger as `Ledger.encode` wrote it (one from before `folded`: none);
-    ValueError when it is not one, days that are no dates included."""
+    """A ledger as `Ledger.encode` wrote it (one from before `folded`: none;
+    from before its days: folded on the ledger's day); ValueError when it is
+    not one, days that are no dates included."""
     try:
         data: Any = orjson.loads(raw)
+        day = _date(data["day"])
         seen = {
             str(k): Spent(float(v[0]), _date(v[1]), _count(v[2]), _count(v[3]))
             for k, v in data.get("seen", {}).items()
         }
-        folded = {str(k): _count(v) for k, v in (data.get("folded") or {}).items()}
-        return Ledger(_date(data["day"]), _count(data.get("month_gone", 0.0)), seen, folded)
+        folded = {
+            str(k): (_count(v[0]), _date(v[1])) if isinstance(v, list) else (_count(v), day)
+            for k, v in (data.get("folded") or {}).items()
+        }
+        return Ledger(day, _count(data.get("month_gone", 0.0)), seen, folded)
     except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
         raise ValueError(f"not a budget ledger: {exc!r}") from exc
 
@@ -131,14 +144,16 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
     A new month starts from nothing; reports of another month than the
     ledger's are left out (a proxy whose clock is behind, about midnight).
     Processes silent SILENT_DAYS are folded into `month_gone`; one folded
-    that reports again is taken out of it first. `ledger` is not changed: a
-    new one is returned."""
+    that reports again is taken out of it first, and folded keys go
+    FOLDED_DAYS after. A report of an earlier day than the ledger holds of
+    its process, and no more in the month, is late, and left out. `ledger`
+    is not changed: a new one is returned."""
     before = ledger or Ledger(today)
     day = today if today // 100 >= before.day // 100 else before.day
     month = day // 100
     if month != before.day // 100:
         seen: dict[str, Spent] = {}
-        folded: dict[str, float] = {}
+        folded: dict[str, tuple[float, int]] = {}
         gone = 0.0
     else:
         seen = dict(before.seen)
@@ -148,8 +163,11 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
         if spent.day // 100 != month or not _sane(spent):
             continue
         key = f"{proxy}@{spent.epoch!r}"
+        held = seen.get(key)
+        if held is not None and held.day > spent.day and held.month_tokens >= spent.month_tokens:
+            continue  # late (a clock stepped back would count on)
         if key in folded:
-            gone -= folded.pop(key)
+            gone -= folded.pop(key)[0]
         seen[key] = spent
     oldest = _day_before(day, SILENT_DAYS)
     for key, spent in list(seen.items()):
@@ -157,9 +175,26 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
             del seen[key]
         elif spent.day <= oldest:
             gone += spent.month_tokens
-            folded[key] = spent.month_tokens
+            folded[key] = (spent.month_tokens, day)
             del seen[key]
+    forgotten = _day_before(day, FOLDED_DAYS)
+    folded = {key: kept for key, kept in folded.items() if kept[1] > forgotten}
     return Ledger(day, max(0.0, gone), seen, folded)
+
+
+def _counted(ledger: Ledger, proxy: str, spent: Spent | None) -> Spent | None:
+    """`proxy`'s report `spent` as `ledger` counted it: its row, or the
+    report if it was folded into month_gone (a clock days behind); None if
+    the ledger left it out."""
+    if spent is None:
+        return None
+    key = f"{proxy}@{spent.epoch!r}"
+    held = ledger.seen.get(key)
+    if held is not None:
+        return held
+    if key in ledger.folded and spent.day // 100 == ledger.day // 100 and _sane(spent):
+        return spent
+    return None
 
 
 def _sane(spent: Spent) -> bool:
@@ -235,9 +270,10 @@ def budgets(
     month (inf where the scope has no such budget), its share of it by the
     tokens each proxy was asked for (`tokens_per_s`, its demand report), and
     what the ledger counted of the proxy's own process: its report this
-    round, else the last the ledger holds of its newest process (a report
-    late, or lost with a replica), else none (it spent nothing this month,
-    and takes off all it spent).
+    round as the ledger took it (one the ledger left out: as none), else
+    the last the ledger holds of its newest process (a report late, or lost
+    with a replica), else none (it spent nothing this month, and takes off
+    all it spent).
 
     Under "" (no proxy's name), the Budget of a proxy with no count and
     asked for nothing: the shares key leaves such proxies out, and the
@@ -254,8 +290,8 @@ def budgets(
     out = {"": Budget(0.0, ledger.day, day_left, month_left, 0.0, 0.0, idle, *limits_at)}
     newest: dict[str, Spent] | None = None  # built once, for the first proxy not heard
     for proxy in proxies:
-        spent = reports.get(proxy)
-        if spent is None or spent.day // 100 != ledger.day // 100:
+        spent = _counted(ledger, proxy, reports.get(proxy))
+        if spent is None:
             if newest is None:
                 newest = ledger.newest()
             spent = newest.get(proxy)

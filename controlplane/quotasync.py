@@ -25,6 +25,7 @@ plane are in docs/rate-limits.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -41,11 +42,12 @@ from controlplane.budget import (
     budgets,
     decode_ledger,
 )
-from controlplane.catalog import Catalog
+from controlplane.catalog import REPLICAS, Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.quota import compute_shares
 from controlplane.store import (
+    MAX_REQUEST_BYTES,
     MAX_TXN_OPS,
     Conflict,
     Fence,
@@ -53,6 +55,7 @@ from controlplane.store import (
     StateStore,
     StoreUnavailable,
     Write,
+    request_bytes,
 )
 from ponto.quota_types import (
     Budget,
@@ -73,6 +76,12 @@ log = logging.getLogger(__name__)
 QUOTA_PREFIX = "/ponto/quota/"
 DEMAND_PREFIX = QUOTA_PREFIX + "demand/"
 SHARES_KEY = QUOTA_PREFIX + "shares"
+
+# What a replica reads of the shares key, in its announcement (/ponto/replicas/):
+# 2, the fleet's row carries an idle proxy's share and idle proxies have no row
+# of their own (682bda1); a replica without it gave a proxy without a row a
+# floor, so while one runs the leader writes every proxy's row.
+QUOTA_FORMAT = 2
 
 Shares = dict[str, dict[str, Share]]
 # proxy -> scope -> its Budget (budgeted scopes only).
@@ -120,12 +129,15 @@ def encode_shares(
     spare_ttl: float = 0.0,
     budgeted: Mapping[str, Mapping[str, Budget]] | None = None,
     idle: Mapping[str, Budget] | None = None,
+    *,
+    every_row: bool = False,
 ) -> bytes:
     """The shares key's value; `spare_ttl`: how long proxies count the spare
     flags (0: until the next shares, for a leader that does not rewrite them);
     `budgeted`: each proxy's Budget of each budgeted scope, and `idle` each
     scope's Budget of a proxy without counts or demand (budget.budgets' ""),
-    which is not written out per proxy."""
+    which is not written out per proxy unless `every_row` (a replica older
+    than QUOTA_FORMAT 2 runs)."""
     body: dict[str, Any] = {
         "default_fraction": default_fraction,
         "spare_ttl_s": spare_ttl,
@@ -138,12 +150,12 @@ def encode_shares(
         },
     }
     if budgeted or idle:
-        body["budgets"] = _budget_rows(budgeted or {}, idle or {})
+        body["budgets"] = _budget_rows(budgeted or {}, idle or {}, every_row)
     return orjson.dumps(body)
 
 
 def _budget_rows(
-    budgeted: Mapping[str, Mapping[str, Budget]], idle: Mapping[str, Budget]
+    budgeted: Mapping[str, Mapping[str, Budget]], idle: Mapping[str, Budget], every_row: bool
 ) -> dict[str, Any]:
     """What is left of each scope, once ([day, day left, month left, the
     day's and month's budgets counted under, an idle proxy's share], -1 for
@@ -156,7 +168,7 @@ def _budget_rows(
     for proxy, by_scope in sorted(budgeted.items()):
         for scope, b in sorted(by_scope.items()):
             fleet.setdefault(scope, _fleet_row(b))
-            if b != idle.get(scope):
+            if every_row or b != idle.get(scope):
                 own.setdefault(proxy, {})[scope] = [b.epoch, b.spent_day, b.spent_month, b.share]
     return {"fleet": fleet, "proxies": own}
 
@@ -254,7 +266,8 @@ def _demand_row(d: pb.ScopeDemand) -> list[float]:
     peaks and debt, then a budgeted scope's counts ([epoch, day, day tokens,
     month tokens]) when the proxy sent them. Figures that are no numbers, or
     below 0, are 0 (JSON has no NaN: written, they would be null, and the
-    leader would drop the replica's whole report); counts that are not, none."""
+    leader would drop the replica's whole report); counts that are not, or
+    below 0, none (as 0 they would read as nothing spent)."""
     row = [
         _amount(d.requests_per_s),
         _amount(d.tokens_per_s),
@@ -263,7 +276,7 @@ def _demand_row(d: pb.ScopeDemand) -> list[float]:
         _amount(d.debt_tokens),
     ]
     counts = (d.spent_epoch, d.day_tokens, d.month_tokens)
-    if d.spent_epoch > 0 and d.spent_day and all(math.isfinite(x) for x in counts):
+    if d.spent_epoch > 0 and d.spent_day and all(math.isfinite(x) and x >= 0 for x in counts):
         row += [d.spent_epoch, float(d.spent_day), _amount(d.day_tokens), _amount(d.month_tokens)]
     return row
 
@@ -477,6 +490,31 @@ def _demand_of(v: list[Any]) -> Demand:
     )
 
 
+def _merged(
+    first: Mapping[str, Demand], second: Mapping[str, Demand], second_later: bool
+) -> dict[str, Demand]:
+    """One proxy in two replicas' reports (it moved, and the replica it left
+    is gone, its key not expired yet): the rates of the one heard later, and
+    of each scope the counts furthest on (epoch, day, month). The clocks of
+    two replicas may differ, and a replica older than `heard` has none; a
+    count of the earlier report over the later one's took back, for as long
+    as that key lived, what the fleet had spent."""
+    later, earlier = (second, first) if second_later else (first, second)
+    out = dict(later)
+    for scope, d in later.items():
+        other = earlier.get(scope)
+        if other is not None and other.spent is not None and _further(other.spent, d.spent):
+            out[scope] = dataclasses.replace(d, spent=other.spent)
+    return out
+
+
+def _further(a: Spent, b: Spent | None) -> bool:
+    """Whether counts `a` are further on than `b` (none: any are)."""
+    if b is None:
+        return True
+    return (a.epoch, a.day, a.month_tokens) > (b.epoch, b.day, b.month_tokens)
+
+
 # A changed ledger is written every LEDGER_ROUNDS rounds, or sooner once its
 # counts moved LEDGER_SLACK of a budget since the last write, and every round
 # while less than LEDGER_CLOSE of a budget is left (a new one at once): each
@@ -489,6 +527,26 @@ def _demand_of(v: list[Any]) -> Demand:
 LEDGER_ROUNDS = 10
 LEDGER_SLACK = 0.01
 LEDGER_CLOSE = 0.1
+# What a transaction of ledgers may weigh: room under --max-request-bytes for
+# the fence and etcd's framing.
+LEDGER_TXN_BYTES = MAX_REQUEST_BYTES * 2 // 3
+
+
+def _batches(writes: list[Write]) -> list[list[Write]]:
+    """`writes` in transactions of at most MAX_TXN_OPS writes and
+    LEDGER_TXN_BYTES, the larger ones last: one too large for etcd alone
+    (a scope with thousands of processes in two days) then keeps no other
+    from being written."""
+    out: list[list[Write]] = []
+    size = 0
+    for w in sorted(writes, key=lambda w: request_bytes([w])):
+        weight = request_bytes([w])
+        if not out or len(out[-1]) >= MAX_TXN_OPS or size + weight > LEDGER_TXN_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(w)
+        size += weight
+    return out
 
 
 class Rebalancer:
@@ -516,6 +574,8 @@ class Rebalancer:
         # counts (day, month) then.
         self._ledger_rounds: dict[str, int] = {}
         self._ledger_counts: dict[str, tuple[float, float]] = {}
+        # Whether the last write of ledgers failed (logged once while it lasts).
+        self._ledgers_failing = False
         # Each budgeted scope's Budget of an idle proxy, of the last round.
         self._idle: dict[str, Budget] = {}
         self._previous: Shares = {}
@@ -616,13 +676,37 @@ class Rebalancer:
             budgeted = now_limits is not None and now_limits.budgeted
             if not budgeted and ledger.day // 100 != today // 100:
                 writes.append(Write(LEDGER_PREFIX + scope, None))
-        # In transactions etcd takes (--max-txn-ops), each fenced: ledgers are
-        # independent, so one written and the next not is a round's loss.
+        await self._write_ledgers(writes, counted)
+        return out
+
+    async def _write_ledgers(
+        self, writes: list[Write], counted: Mapping[str, tuple[float, float]]
+    ) -> None:
+        """Write the ledgers in transactions etcd takes (--max-txn-ops,
+        --max-request-bytes), each fenced: ledgers are independent, so one
+        written and the next not is a round's loss. A transaction etcd
+        refuses is logged and ends the writes of the round, not the round:
+        the shares still go out (a round that failed here before wrote none,
+        rate shares included, every round while a ledger was too large).
+        Those unwritten are due again the next round."""
         fence = self._fence()
-        for start in range(0, len(writes), MAX_TXN_OPS):
-            chunk = writes[start : start + MAX_TXN_OPS]
-            await self._store.commit(chunk, [fence] if fence is not None else [])
-            for w in chunk:
+        checks = [fence] if fence is not None else []
+        for batch in _batches(writes):
+            try:
+                await self._store.commit(batch, checks)
+            except StoreUnavailable as exc:
+                # Once while it lasts: a ledger too large for etcd fails every round.
+                (log.debug if self._ledgers_failing else log.warning)(
+                    "budget ledgers not written (%d of them, %d bytes, the largest %s), "
+                    "tried again each round: %s",
+                    len(batch),
+                    request_bytes(batch),
+                    batch[-1].key,
+                    exc,
+                )
+                self._ledgers_failing = True
+                return
+            for w in batch:
                 scope = w.key[len(LEDGER_PREFIX) :]
                 self._ledger_rounds[scope] = 0
                 if w.value is None:
@@ -632,7 +716,9 @@ class Rebalancer:
                 else:
                     self._ledgers_written[scope] = w.value
                     self._ledger_counts[scope] = counted[scope]
-        return out
+        if self._ledgers_failing and writes:
+            self._ledgers_failing = False
+            log.info("budget ledgers written again")
 
     def _ledger_due(self, scope: str, limits: ScopeLimits, used: tuple[float, float]) -> bool:
         """Whether to write `scope`'s ledger, whose counts are `used`, this
@@ -649,6 +735,23 @@ class Rebalancer:
             )
         )
 
+    async def _replicas_read_idle(self) -> bool:
+        """Whether every live replica reads an idle proxy's share from the
+        fleet's row (QUOTA_FORMAT 2): one that does not gives a proxy without
+        a row of its own a floor, too little where few proxies share a scope
+        and none is asked, and too much where many do (their shares summed
+        past 1)."""
+        listing = await self._store.list(REPLICAS)
+        for kv in listing.items:
+            try:
+                announced = orjson.loads(kv.value)
+                format_ = int(announced.get("quota_format", 1))
+            except (ValueError, TypeError, AttributeError):
+                format_ = 1
+            if format_ < QUOTA_FORMAT:
+                return False
+        return True
+
     async def round(self) -> None:
         latest = self._publisher.latest
         if latest is None:
@@ -664,9 +767,12 @@ class Rebalancer:
                 when = body.get("heard") or {}
                 for proxy, by_scope in body["proxies"].items():
                     at = float(when.get(proxy, 0.0))
-                    if proxy in heard and heard[proxy] > at:
-                        continue
-                    demand[proxy] = {scope: _demand_of(v) for scope, v in by_scope.items()}
+                    rows = {scope: _demand_of(v) for scope, v in by_scope.items()}
+                    if proxy in demand:
+                        later = at >= heard[proxy]
+                        rows = _merged(demand[proxy], rows, later)
+                        at = max(at, heard[proxy])
+                    demand[proxy] = rows
                     heard[proxy] = at
             except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
                 log.error("ignoring undecodable demand %s: %s", kv.key, exc)
@@ -690,7 +796,14 @@ class Rebalancer:
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
-        payload = encode_shares(shares, default, spare_ttl_s(self._interval), budgeted, self._idle)
+        payload = encode_shares(
+            shares,
+            default,
+            spare_ttl_s(self._interval),
+            budgeted,
+            self._idle,
+            every_row=bool(budgeted) and not await self._replicas_read_idle(),
+        )
         self.rounds += 1
         self._unwritten += 1
         if payload == self._written and not (

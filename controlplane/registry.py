@@ -33,6 +33,7 @@ import orjson
 from controlplane.catalog import PROXIES, REPLICAS, Catalog, Limited, Served, Traffic
 from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord, decode_proxy
+from controlplane.quotasync import QUOTA_FORMAT
 from controlplane.store import KeyValue, LeaseExpired, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,13 @@ class ProxyRegistry:
     async def announce(self, address: str) -> None:
         """List this replica under /ponto/replicas/ for as long as it lives."""
         self._announcement = orjson.dumps(
-            {"id": self.replica_id, "address": address, "started_at": time.time()}
+            {
+                "id": self.replica_id,
+                "address": address,
+                "started_at": time.time(),
+                # What this replica reads of the leader's quota shares.
+                "quota_format": QUOTA_FORMAT,
+            }
         )
         try:
             await self._put_announcement(await self._ensure_lease())

@@ -1,6 +1,7 @@
 """State store: protocol, etcd implementation, in-memory implementation."""
 
 from controlplane.store.base import (
+    MAX_REQUEST_BYTES,
     MAX_TXN_OPS,
     Conflict,
     Fence,
@@ -11,10 +12,12 @@ from controlplane.store.base import (
     StoreError,
     StoreUnavailable,
     Write,
+    request_bytes,
     txn_size,
 )
 
 __all__ = [
+    "MAX_REQUEST_BYTES",
     "MAX_TXN_OPS",
     "Conflict",
     "Fence",
@@ -25,5 +28,6 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Write",
+    "request_bytes",
     "txn_size",
 ]

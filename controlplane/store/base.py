@@ -61,6 +61,16 @@ class Write:
 # etcd refuses a transaction of more operations, or of more conditions, than
 # its --max-txn-ops (128 by default).
 MAX_TXN_OPS = 128
+# etcd refuses a request larger than its --max-request-bytes (1.5 MiB by
+# default) as "request is too large", which reaches callers as
+# StoreUnavailable; MemoryStore refuses the same.
+MAX_REQUEST_BYTES = 1536 * 1024
+
+
+def request_bytes(writes: Sequence[Write]) -> int:
+    """About what a transaction of `writes` weighs against --max-request-bytes
+    (its keys and values; etcd's framing adds tens of bytes a write)."""
+    return sum(len(w.key) + len(w.value or b"") + 16 for w in writes)
 
 
 def txn_size(writes: Sequence[Write], checks: Sequence[Fence] = ()) -> int:

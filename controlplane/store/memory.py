@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from controlplane.store.base import (
+    MAX_REQUEST_BYTES,
     MAX_TXN_OPS,
     Conflict,
     Fence,
@@ -22,6 +23,7 @@ from controlplane.store.base import (
     Listing,
     StoreUnavailable,
     Write,
+    request_bytes,
     txn_size,
 )
 
@@ -131,6 +133,7 @@ class MemoryStore:
         fence: Fence | None = None,
     ) -> int:
         self._check()
+        _fits([Write(key, value)])
         self._condition(key, if_absent, if_mod_revision)
         if fence is not None:
             self._condition(fence.key, False, fence.mod_revision)
@@ -160,6 +163,7 @@ class MemoryStore:
             raise ValueError("a transaction names a key twice")
         if txn_size(writes, checks) > MAX_TXN_OPS:
             raise ValueError(f"a transaction has more than {MAX_TXN_OPS} writes or conditions")
+        _fits(writes)
         for w in writes:
             self._condition(w.key, False, w.if_mod_revision)
         for c in checks:
@@ -229,3 +233,9 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+
+def _fits(writes: Sequence[Write]) -> None:
+    """Refuse what etcd refuses at its default --max-request-bytes."""
+    if request_bytes(writes) > MAX_REQUEST_BYTES:
+        raise StoreUnavailable("request is too large")

@@ -153,6 +153,7 @@ class _Scope:
         "fraction",
         "in_flight",
         "limits",
+        "max_budget",
         "max_limit",
         "max_tokens",
         "month_used",
@@ -227,6 +228,10 @@ class _Scope:
         if limits.tokens_per_month:
             whole.append((limits.tokens_per_month, "tokens_per_month"))
         self.max_tokens, self.max_limit = min(whole) if whole else (_NO_MAX, "tokens")
+        # The smallest budget: what a request's charge at admission is
+        # capped at (RateLimiter._expected).
+        budgets = [b for b in (limits.tokens_per_day, limits.tokens_per_month) if b]
+        self.max_budget = float(min(budgets)) if budgets else INF
         self.req = self._bucket(self.req, limits.rpm, now, self.fill_req)
         self.tok = self._bucket(self.tok, limits.tpm, now, self.fill_tok)
         if self.fraction > 0:
@@ -252,6 +257,15 @@ class _Scope:
         if fill:
             bucket.level = capacity
         return bucket
+
+
+def _expected(st: _Scope, est_tokens: int) -> float:
+    """The completion a budgeted scope is charged beforehand for a prompt of
+    `est_tokens`: its expected completion, capped so that prompt and
+    completion fit the smallest budget whole. A prompt that fits it, but not
+    with the completion expected, was refused as spent, and so again every
+    period, or until the completions of the others got shorter."""
+    return min(st.completion, max(0.0, st.max_budget - est_tokens))
 
 
 class Admission:
@@ -379,6 +393,9 @@ class RateLimiter:
         self._shares: dict[str, Share] = {}
         self._budgets: dict[str, Budget] = {}
         self.epoch = epoch
+        # The latest epoch a scope was given: a scope back in the table takes
+        # a later one, though the wall clock stepped back.
+        self._last_epoch = epoch
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
         self._day = 0
@@ -427,7 +444,7 @@ class RateLimiter:
                 # A scope back in the table counts from nothing: a count of
                 # its own (a later epoch), or the leader would take it for
                 # this process's count going back, and forget what it spent.
-                st.epoch = max(self.epoch, self._wall_offset + now) if fresh else self.epoch
+                st.epoch = self._next_epoch(now) if fresh else self.epoch
             elif st.limits != lim:
                 # A limit just given to a dimension it did not have starts full.
                 st.set_limits(lim, now, fill_new=fresh)
@@ -436,6 +453,14 @@ class RateLimiter:
             shares.pop(name, None)
             self._budgets.pop(name, None)
         self._scopes = scopes
+
+    def _next_epoch(self, now: float) -> float:
+        """An epoch for a scope's count starting now: the wall time, or past
+        every epoch given before (a millisecond: the leader keys counts by
+        the epoch's repr), so that no count is taken for an earlier one's."""
+        epoch = max(self._wall_offset + now, self._last_epoch + 0.001)
+        self._last_epoch = epoch
+        return epoch
 
     def apply_shares(self, shares: Mapping[str, Share], now: float) -> None:
         """Merge shares from the leader: listed scopes change, others keep theirs.
@@ -692,7 +717,7 @@ class RateLimiter:
                 if refused is None or w > wait:
                     refused, wait, refused_by = "tokens", w, st
             if st.budgeted:
-                short = self._over_budget(st, est_tokens + st.completion, now)
+                short = self._over_budget(st, est_tokens + _expected(st, est_tokens), now)
                 if short is not None and (refused is None or short[1] > wait):
                     refused, wait, refused_by = short[0], short[1], st
                     exhausted = short[2]
@@ -718,7 +743,7 @@ class RateLimiter:
                 # prompts' estimates do not pass it by their completions.
                 if reserved is None:
                     reserved = [0.0] * len(found)
-                reserved[i] = expected = st.completion
+                reserved[i] = expected = _expected(st, est_tokens)
                 st.day_used += est_tokens + expected
                 st.month_used += est_tokens + expected
         admission = Admission(True, found, est_tokens)

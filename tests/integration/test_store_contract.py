@@ -24,6 +24,7 @@ import pytest
 
 from controlplane.audit import AuditLog
 from controlplane.store import (
+    MAX_REQUEST_BYTES,
     MAX_TXN_OPS,
     Conflict,
     Fence,
@@ -711,6 +712,21 @@ async def test_commit_holds_up_to_max_txn_ops_conditions(store: StateStore) -> N
     with pytest.raises(ValueError, match="writes or conditions"):
         await store.commit([Write(P + "c/more", b"m", if_mod_revision=0)], guards)
     assert await store.get(P + "c/more") is None
+
+
+async def test_a_request_past_etcds_request_limit_is_refused_by_both(store: StateStore) -> None:
+    """etcd refuses a request past --max-request-bytes (1.5 MiB by default):
+    MemoryStore refuses the same, so that tests see what a fleet would."""
+    near = b"x" * (MAX_REQUEST_BYTES - 4096)
+    await store.put(P + "big/near", near)
+    kv = await store.get(P + "big/near")
+    assert kv is not None and len(kv.value) == len(near)
+    with pytest.raises(StoreUnavailable, match="too large"):
+        await store.put(P + "big/over", near + b"x" * 8192)
+    half = b"y" * (MAX_REQUEST_BYTES // 2 + 1024)
+    with pytest.raises(StoreUnavailable, match="too large"):
+        await store.commit([Write(P + "big/a", half), Write(P + "big/b", half)])
+    assert await store.get(P + "big/over") is None and await store.get(P + "big/a") is None
 
 
 async def test_commit_is_one_change_to_watchers(store: StateStore) -> None:

@@ -6,6 +6,7 @@ The same with real processes: tests/e2e/test_budgets.py."""
 from __future__ import annotations
 
 import calendar
+import datetime
 import math
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from controlplane.budget import (
     FLOOR,
+    FOLDED_DAYS,
     LEDGER_PREFIX,
     Ledger,
     account,
@@ -21,16 +23,20 @@ from controlplane.budget import (
     decode_ledger,
     shares_of,
 )
+from controlplane.catalog import REPLICAS
 from controlplane.compile import compile_table
 from controlplane.model import ApiKeyRecord, Limits, State, Tenant
 from controlplane.quotasync import (
     DEMAND_PREFIX,
     LEDGER_ROUNDS,
+    QUOTA_FORMAT,
     SHARES_KEY,
     QuotaHub,
     Rebalancer,
     decode_budgets,
 )
+from controlplane.store import MAX_REQUEST_BYTES
+from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.sync.quota import QuotaState
@@ -131,8 +137,59 @@ def test_a_process_folded_and_heard_from_again_is_counted_once() -> None:
     behind = ledger
     for month_tokens in (450, 450, 460):
         behind = account(behind, {"p1": spent(1.0, 5, month_tokens, day=20261201)}, 20261203)
-    assert behind.used() == (0, 460) and behind.folded == {"p1@1.0": 460}
+    assert behind.used() == (0, 460) and behind.folded == {"p1@1.0": (460, 20261203)}
     assert decode_ledger(behind.encode()) == behind
+
+
+def test_a_folded_process_is_forgotten_a_week_on() -> None:
+    """`folded` kept every process folded in the month: with a restart a day
+    on 200 proxies, thousands of keys a ledger, and ledgers past what etcd
+    takes in one request. A key goes FOLDED_DAYS after its fold (one heard
+    from after is counted twice: more, not less); its count stays."""
+    ledger = account(None, {"p1": spent(1.0, 40, 400, day=20261201)}, 20261201)
+    ledger = account(ledger, {}, 20261203)
+    assert ledger.folded == {"p1@1.0": (400, 20261203)}
+    week = _after(20261203, FOLDED_DAYS - 1)
+    assert account(ledger, {}, week).folded == {"p1@1.0": (400, 20261203)}
+    gone = account(ledger, {}, _after(20261203, FOLDED_DAYS))
+    assert not gone.folded and gone.used() == (0, 400)
+    # A ledger written before the folds' days: folded on the ledger's day.
+    old = decode_ledger(b'{"day": 20261203, "month_gone": 400, "folded": {"p1@1.0": 400}}')
+    assert old.folded == {"p1@1.0": (400, 20261203)}
+
+
+def _after(day: int, days: int) -> int:
+    d = datetime.date(day // 10000, day // 100 % 100, day % 100) + datetime.timedelta(days=days)
+    return d.year * 10000 + d.month * 100 + d.day
+
+
+def test_a_late_report_of_an_earlier_day_is_left_out() -> None:
+    """A replica that stopped keeps its key, and its last reports, until its
+    lease ends: the count of yesterday replaced today's, and took back what
+    the fleet had spent."""
+    ledger = account(None, {"p1": spent(1.0, 60, 300, day=DAY + 1)}, DAY + 1)
+    late = account(ledger, {"p1": spent(1.0, 200, 250)}, DAY + 1)
+    assert late.used() == (60, 300)
+    # A clock stepped back a day, counting on: taken.
+    back = account(ledger, {"p1": spent(1.0, 10, 310)}, DAY + 1)
+    assert back.seen["p1@1.0"].month_tokens == 310
+
+
+def test_a_proxy_is_reckoned_by_its_report_as_the_ledger_took_it() -> None:
+    """A report the ledger left out (late, or no numbers) still went back to
+    its proxy as its count, and the proxy took off less than it spent."""
+    ledger = account(None, {"p1": spent(1.0, 60, 300, day=DAY + 1)}, DAY + 1)
+    late = {"p1": spent(1.0, 200, 250)}
+    b = budgets(BUDGET, account(ledger, late, DAY + 1), late, ["p1"])["p1"]
+    assert (b.epoch, b.day, b.spent_day, b.spent_month) == (1.0, DAY + 1, 60, 300)
+    nan = {"p1": spent(2.0, math.nan, 5, day=DAY + 1)}
+    b = budgets(BUDGET, account(ledger, nan, DAY + 1), nan, ["p1"])["p1"]
+    assert (b.epoch, b.spent_month) == (1.0, 300)  # its last counted process
+    # Folded as it reports (a clock days behind): counted in the month, its own.
+    behind = {"p2": spent(3.0, 5, 70, day=DAY - 2)}
+    folded = account(ledger, behind, DAY + 1)
+    b = budgets(BUDGET, folded, behind, ["p2"])["p2"]
+    assert folded.month_gone == 70 and (b.epoch, b.spent_month) == (3.0, 70)
 
 
 def test_a_report_of_a_day_that_is_no_date_is_left_out() -> None:
@@ -430,6 +487,41 @@ def test_a_scope_back_in_the_table_counts_under_an_epoch_of_its_own() -> None:
     assert left is not None and left.day_fleet == 1000 - 320
 
 
+def test_a_scope_back_after_the_clock_stepped_back_still_counts_under_a_later_epoch() -> None:
+    """A scope's epoch was the wall time it came back: after the clock stepped
+    back, earlier than the epoch it had before, and the leader took the older
+    count for this process's newest."""
+    limiter = limiter_at_noon()
+    epochs = []
+    for now, wall in ((4.0, NOON + 4), (8.0, NOON - 3600), (12.0, NOON - 3600)):
+        limiter.configure({}, now - 1)
+        limiter.set_day(DAY, wall, now)
+        limiter.configure({SCOPE: BUDGET}, now)
+        limiter.admit([SCOPE], 5, now).release(5, now)
+        report = limiter.demand(now + 0.5)[SCOPE].spent
+        assert report is not None
+        epochs.append(report.epoch)
+    assert 1.0 < epochs[0] < epochs[1] < epochs[2]
+
+
+def test_a_prompt_that_fits_a_budget_only_without_its_completion_is_admitted_when_whole() -> None:
+    """Charged the completion expected on top, a prompt of 500 with answers
+    of 600 came to more than a day's 1,000: refused as spent until 00:00 UTC,
+    and then again, every day, though the prompt fits. Its charge is capped
+    at the whole budget, so it is admitted while the budget is whole."""
+    limits = ScopeLimits(tokens_per_day=1000)
+    limiter = limiter_at_noon(limits)
+    for i in range(15):  # answers of 600 past their estimates, one a day
+        limiter.set_day(_after(DAY, i), NOON + i * 86400, i * 86400.0)
+        limiter.admit([SCOPE], 1, i * 86400.0).release(601, i * 86400.0 + 1)
+    now = 15 * 86400.0
+    limiter.set_day(_after(DAY, 15), NOON + now, now)
+    admitted = limiter.admit([SCOPE], 500, now + 1)
+    assert admitted.ok
+    refused = limiter.admit([SCOPE], 500, now + 2)
+    assert not refused.ok and refused.limit == "tokens_per_day" and not refused.too_large
+
+
 def test_a_proxy_with_budgets_only_is_ready_without_shares_and_reports_its_day() -> None:
     limiter = RateLimiter(epoch=7.0)
     state = QuotaState(limiter, clock=lambda: 1.0, wall=lambda: NOON)
@@ -719,3 +811,100 @@ async def test_idle_proxies_take_the_fleets_row_and_the_shares_key_stays_small()
 def test_budgets_from_a_leader_that_wrote_every_proxys_row() -> None:
     older = {"budgets": {"fleet": {SCOPE: [DAY, 10, 20, 1000, 5000]}, "proxies": {}}}
     assert decode_budgets(older)[""][SCOPE].share == FLOOR
+
+
+async def test_ledgers_past_etcds_request_limit_are_written_in_several_transactions() -> None:
+    """Ledgers were split by count only: 128 of them with 100 processes each
+    came to more than etcd's 1.5 MiB a request, and every round failed before
+    the shares were written (MemoryStore refuses what etcd refuses)."""
+    fleet = Fleet(many_budgeted(128))
+    await fleet.lead()
+    names = [f"{'edge-proxy-' * 9}{i:03}" for i in range(100)]
+    await fleet.register(*names)
+    rows = {f"t/t{i:03}": [0, 5.0, 0, 0, 0, 1.0, DAY, 7.0, 7.0] for i in range(128)}
+    body = {"proxies": dict.fromkeys(names, rows)}
+    await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps(body))
+    await leader_round(fleet)
+    listing = await fleet.store.list(LEDGER_PREFIX)
+    assert sum(len(kv.value) for kv in listing.items) > MAX_REQUEST_BYTES
+    assert len(listing.items) == 128
+    assert all(decode_ledger(kv.value).used() == (700, 700) for kv in listing.items)
+    assert await fleet.store.get(SHARES_KEY) is not None
+
+
+async def test_a_ledger_too_large_for_etcd_keeps_neither_the_others_nor_the_shares(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A scope counted on thousands of processes in two days has a ledger
+    larger than etcd takes: it was in the first transaction, and the round
+    ended there, every round, with no ledger or share written. It is logged
+    once, not every round."""
+    fleet = Fleet(many_budgeted(21))
+    await fleet.lead()
+    await fleet.register("p1")
+    small = {f"t/t{i:03}": [0, 5.0, 0, 0, 0, 1.0, DAY, 7.0, 7.0] for i in range(1, 21)}
+    await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps({"proxies": {"p1": small}}))
+    row = {"t/t000": [0, 5.0, 0, 0, 0, 1.0, DAY, 1.0, 1.0]}
+    for replica in range(4):
+        many = {f"{'proxy-' * 20}{replica}-{i:04}": row for i in range(3000)}
+        await fleet.store.put(DEMAND_PREFIX + f"cp-{replica}", orjson.dumps({"proxies": many}))
+    rebalancer = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
+    )
+    await rebalancer.read_ledgers()
+    for _ in range(3):
+        await rebalancer.round()
+    written = {kv.key for kv in (await fleet.store.list(LEDGER_PREFIX)).items}
+    assert written == {LEDGER_PREFIX + f"t/t{i:03}" for i in range(1, 21)}
+    kv = await fleet.store.get(SHARES_KEY)
+    assert kv is not None and "t/t000" in decode_budgets(orjson.loads(kv.value))["p1"]
+    assert [r.levelname for r in caplog.records if "not written" in r.getMessage()] == ["WARNING"]
+
+
+async def test_of_two_replicas_reports_the_furthest_counts_are_taken() -> None:
+    """A replica whose clock runs ahead (or that predates `heard`) had its
+    report taken as the later one, and its older count replaced the newer:
+    the ledger went back, for as long as its key lived."""
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1")
+    for replica, at, tokens, rate in (("cp-a", 200.0, 30.0, 9.0), ("cp-b", 100.0, 50.0, 1.0)):
+        row = [0, rate, 0, 0, 0, 1.0, DAY, tokens, tokens]
+        body = {"proxies": {"p1": {SCOPE: row}}, "heard": {"p1": at}}
+        await fleet.store.put(DEMAND_PREFIX + replica, orjson.dumps(body))
+    await leader_round(fleet)
+    kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
+    assert kv is not None and decode_ledger(kv.value).used() == (50, 50)
+
+
+async def test_while_a_replica_reads_no_idle_share_every_proxy_gets_its_row() -> None:
+    """A replica from before idle shares gave a proxy without a row a floor
+    (2 %): with no demand among three proxies, a fiftieth where a third was
+    due; with 50, shares summing to 1.88. While one runs, all rows go out."""
+    fleet = Fleet(many_budgeted(2))
+    await fleet.lead()
+    await fleet.register("p1", "p2", "p3")
+    await fleet.store.put(REPLICAS + "cp-new", orjson.dumps({"quota_format": QUOTA_FORMAT}))
+    await fleet.store.put(REPLICAS + "cp-old", orjson.dumps({"id": "cp-old"}))
+    await leader_round(fleet)
+    kv = await fleet.store.get(SHARES_KEY)
+    assert kv is not None
+    rows = orjson.loads(kv.value)["budgets"]["proxies"]
+    assert sorted(rows) == ["p1", "p2", "p3"]
+    assert all(row["t/t000"][3] == pytest.approx(1 / 3) for row in rows.values())
+    # Once every replica reads the idle share, idle proxies have no row.
+    await fleet.store.delete(REPLICAS + "cp-old")
+    await leader_round(fleet)
+    kv = await fleet.store.get(SHARES_KEY)
+    assert kv is not None and orjson.loads(kv.value)["budgets"]["proxies"] == {}
+
+
+def test_counts_below_zero_are_reported_as_none_not_as_nothing_spent() -> None:
+    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=0.001)
+    for proxy, month_tokens in (("p1", -40), ("p2", 40)):
+        row = pb.ScopeDemand(
+            scope=SCOPE, spent_epoch=1.0, spent_day=DAY, day_tokens=5, month_tokens=month_tokens
+        )
+        hub.report(proxy, [row])
+    assert len(hub._demand["p1"][SCOPE]) == 5
+    assert hub._demand["p2"][SCOPE][5:] == [1.0, DAY, 5, 40]
