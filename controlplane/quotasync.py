@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -80,8 +81,28 @@ SHARES_KEY = QUOTA_PREFIX + "shares"
 # What a replica reads of the shares key, in its announcement (/ponto/replicas/):
 # 2, the fleet's row carries an idle proxy's share and idle proxies have no row
 # of their own (682bda1); a replica without it gave a proxy without a row a
-# floor, so while one runs the leader writes every proxy's row.
-QUOTA_FORMAT = 2
+# floor, so while one runs the leader writes every proxy's row. 3, the key
+# compressed (COMPRESSED); while a replica that does not runs, it is JSON.
+QUOTA_FORMAT = 3
+# The shares key past this many bytes is compressed with zlib behind this
+# prefix (JSON starts with "{"). Every proxy has a row for every scope with
+# rates: 100 proxy processes (50 pods of 2 workers) and 1,000 rate-limited
+# keys came to 2.8 MB, past etcd's 1.5 MiB a request, and the leader wrote no
+# shares at all; compressed, 0.36 MB. Below it, plain JSON (etcdctl reads it).
+COMPRESS_OVER = 16 * 1024
+COMPRESSED = b"zlib:"
+
+
+def shares_json(raw: bytes) -> bytes:
+    """The shares key's value as JSON (decompressed if it was compressed);
+    ValueError when it cannot be."""
+    if not raw.startswith(COMPRESSED):
+        return raw
+    try:
+        return zlib.decompress(raw[len(COMPRESSED) :])
+    except zlib.error as exc:
+        raise ValueError(f"shares not decompressed: {exc}") from exc
+
 
 Shares = dict[str, dict[str, Share]]
 # proxy -> scope -> its Budget (budgeted scopes only).
@@ -137,7 +158,7 @@ def encode_shares(
     `budgeted`: each proxy's Budget of each budgeted scope, and `idle` each
     scope's Budget of a proxy without counts or demand (budget.budgets' ""),
     which is not written out per proxy unless `every_row` (a replica older
-    than QUOTA_FORMAT 2 runs)."""
+    than QUOTA_FORMAT 2 runs). JSON: the leader compresses it (COMPRESSED)."""
     body: dict[str, Any] = {
         "default_fraction": default_fraction,
         "spare_ttl_s": spare_ttl,
@@ -241,7 +262,7 @@ def _share_row(s: Share) -> list[float | int]:
 def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
     """(shares, default fraction, spare ttl) of the shares key's value; a
     leader from before the ttl wrote none, and does not rewrite: 0."""
-    data = orjson.loads(raw)
+    data = orjson.loads(shares_json(raw))
     return _decode_shares(data)
 
 
@@ -371,7 +392,7 @@ class QuotaHub:
         if kv is None or kv.mod_revision == self.generation:
             return listing.revision
         try:
-            data = orjson.loads(kv.value)
+            data = orjson.loads(shares_json(kv.value))
             self._shares, self._default, self._spare_ttl = _decode_shares(data)
             self._budgets = decode_budgets(data)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
@@ -580,7 +601,10 @@ class Rebalancer:
         self._idle: dict[str, Budget] = {}
         self._previous: Shares = {}
         self._default = 0.0
-        self._written: bytes = b""
+        # The shares key as written, and as JSON (the same, uncompressed).
+        self._written = self._written_json = b""
+        # Whether the shares were too large to write (logged once while so).
+        self._too_large = False
         # Rounds since the last write. Due at once: a new leader's first round
         # confirms the spare flags that proxies stopped counting meanwhile.
         self._unwritten = SPARE_REFRESH_ROUNDS
@@ -591,7 +615,7 @@ class Rebalancer:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
                 self._previous, self._default, _ = decode_shares(kv.value)
-                self._written = kv.value
+                self._written, self._written_json = kv.value, shares_json(kv.value)
         except (StoreUnavailable, ValueError) as exc:
             log.info("starting quotas from scratch: %s", exc)
         await self.read_ledgers()
@@ -735,22 +759,20 @@ class Rebalancer:
             )
         )
 
-    async def _replicas_read_idle(self) -> bool:
-        """Whether every live replica reads an idle proxy's share from the
-        fleet's row (QUOTA_FORMAT 2): one that does not gives a proxy without
-        a row of its own a floor, too little where few proxies share a scope
-        and none is asked, and too much where many do (their shares summed
-        past 1)."""
-        listing = await self._store.list(REPLICAS)
-        for kv in listing.items:
+    async def _replica_format(self) -> int:
+        """The lowest QUOTA_FORMAT of the live replicas (one that announces
+        none: 1), which the shares key is written for. Below 2 a replica
+        gives a proxy without a row of its own a floor: too little where few
+        proxies share a scope none is asked in, too much where many do (their
+        shares summed past 1); below 3 it cannot read the key compressed."""
+        lowest = QUOTA_FORMAT
+        for kv in (await self._store.list(REPLICAS)).items:
             try:
                 announced = orjson.loads(kv.value)
-                format_ = int(announced.get("quota_format", 1))
+                lowest = min(lowest, int(announced.get("quota_format", 1)))
             except (ValueError, TypeError, AttributeError):
-                format_ = 1
-            if format_ < QUOTA_FORMAT:
-                return False
-        return True
+                lowest = 1
+        return lowest
 
     async def round(self) -> None:
         latest = self._publisher.latest
@@ -796,23 +818,44 @@ class Rebalancer:
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
+        readers = await self._replica_format()
         payload = encode_shares(
             shares,
             default,
             spare_ttl_s(self._interval),
             budgeted,
             self._idle,
-            every_row=bool(budgeted) and not await self._replicas_read_idle(),
+            every_row=bool(budgeted) and readers < 2,
         )
+        compress = readers >= 3 and len(payload) > COMPRESS_OVER
         self.rounds += 1
         self._unwritten += 1
-        if payload == self._written and not (
-            self._unwritten >= SPARE_REFRESH_ROUNDS
-            and any(any_spare(by_scope.values()) for by_scope in shares.values())
+        if (
+            payload == self._written_json
+            and compress == self._written.startswith(COMPRESSED)
+            and not (
+                self._unwritten >= SPARE_REFRESH_ROUNDS
+                and any(any_spare(by_scope.values()) for by_scope in shares.values())
+            )
         ):
             return
-        await self._store.put(SHARES_KEY, payload, fence=self._fence())
+        stored = COMPRESSED + zlib.compress(payload, 6) if compress else payload
+        if len(stored) > MAX_REQUEST_BYTES:
+            # Not a store failure to retry: the next round's is as large.
+            (log.debug if self._too_large else log.error)(
+                "quota shares not written: %d bytes (%d as JSON), past etcd's "
+                "request limit of %d; proxies keep the shares they have",
+                len(stored),
+                len(payload),
+                MAX_REQUEST_BYTES,
+            )
+            self._too_large = True
+            return
+        await self._store.put(SHARES_KEY, stored, fence=self._fence())
+        if self._too_large:
+            self._too_large = False
+            log.info("quota shares written again (%d bytes)", len(stored))
         self._previous = shares
         self._default = default
-        self._written = payload
+        self._written, self._written_json = stored, payload
         self._unwritten = 0

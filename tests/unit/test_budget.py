@@ -27,6 +27,7 @@ from controlplane.catalog import REPLICAS
 from controlplane.compile import compile_table
 from controlplane.model import ApiKeyRecord, Limits, State, Tenant
 from controlplane.quotasync import (
+    COMPRESSED,
     DEMAND_PREFIX,
     LEDGER_ROUNDS,
     QUOTA_FORMAT,
@@ -34,6 +35,8 @@ from controlplane.quotasync import (
     QuotaHub,
     Rebalancer,
     decode_budgets,
+    decode_shares,
+    shares_json,
 )
 from controlplane.store import MAX_REQUEST_BYTES
 from controlplane.store.memory import MemoryStore
@@ -50,7 +53,13 @@ from ponto.quota_types import (
     utc_day,
 )
 from ponto.v1 import routing_pb2 as pb
-from tests.unit.test_quotasync import Fleet, constant_lease, eventually, running
+from tests.unit.test_quotasync import (
+    Fleet,
+    constant_lease,
+    eventually,
+    limited_table,
+    running,
+)
 
 DAY = 20261205
 NOON = calendar.timegm((2026, 12, 5, 12, 0, 0, 0, 0, 0))
@@ -791,8 +800,8 @@ async def test_idle_proxies_take_the_fleets_row_and_the_shares_key_stays_small()
     await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps({"proxies": {"proxy-00": rows}}))
     await leader_round(fleet)
     kv = await fleet.store.get(SHARES_KEY)
-    assert kv is not None and len(kv.value) < 200_000
-    pushed = decode_budgets(orjson.loads(kv.value))
+    assert kv is not None and len(shares_json(kv.value)) < 200_000
+    pushed = decode_budgets(orjson.loads(shares_json(kv.value)))
     assert set(pushed) == {"", "proxy-00"}
     # What a replica pushes an idle proxy: the fleet's row, an idle share.
     hub = QuotaHub(fleet.store, "cp-a", constant_lease(0), interval=0.001)
@@ -908,3 +917,64 @@ def test_counts_below_zero_are_reported_as_none_not_as_nothing_spent() -> None:
         hub.report(proxy, [row])
     assert len(hub._demand["p1"][SCOPE]) == 5
     assert hub._demand["p2"][SCOPE][5:] == [1.0, DAY, 5, 40]
+
+
+def many_keyed(n: int) -> pb.RouteTable:
+    keys = tuple(
+        ApiKeyRecord(f"k{i:09}", "a" * 64, "acme", limits=Limits(rpm=600, tpm=100_000))
+        for i in range(n)
+    )
+    return compile_table(State(12, tenants=(Tenant("acme"),), keys=keys))
+
+
+async def fleet_of_100_proxies_and_1000_keys() -> Fleet:
+    fleet = Fleet(many_keyed(1000))
+    await fleet.lead()
+    names = [f"ponto-proxy-us-east-7d9f8c6b5-{i:03x}-w{w}" for i in range(50) for w in range(2)]
+    await fleet.register(*names)
+    rows = {f"k/k{i:09}": [1.0, 50.0, 0, 0, 0] for i in range(0, 1000, 7)}
+    await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps({"proxies": {names[0]: rows}}))
+    return fleet
+
+
+async def test_the_shares_of_100_proxies_and_1000_limited_keys_are_written_compressed() -> None:
+    """Every proxy has a row for every scope with rates: 100 proxy processes
+    (50 pods of 2 workers) and 1,000 rate-limited keys came to 2.8 MB, past
+    etcd's 1.5 MiB a request, and the leader wrote no shares at all: proxies
+    kept old shares, and new ones had none (every limited request refused)."""
+    fleet = await fleet_of_100_proxies_and_1000_keys()
+    await fleet.store.put(REPLICAS + "cp-a", orjson.dumps({"quota_format": QUOTA_FORMAT}))
+    await leader_round(fleet)
+    kv = await fleet.store.get(SHARES_KEY)
+    assert kv is not None and kv.value.startswith(COMPRESSED)
+    assert len(shares_json(kv.value)) > MAX_REQUEST_BYTES > len(kv.value)
+    shares, _, _ = decode_shares(kv.value)
+    assert len(shares) == 100 and all(len(by_scope) == 1000 for by_scope in shares.values())
+    # A replica reads it, and pushes each proxy its own.
+    hub = QuotaHub(fleet.store, "cp-a", constant_lease(0), interval=0.001)
+    await hub._load()
+    quota = pb.RouteUpdate.FromString(hub.update_for(sorted(shares)[5])).quota
+    assert quota.generation == kv.mod_revision and len(quota.shares) == 1000
+
+
+async def test_while_a_replica_reads_no_compressed_shares_they_are_json_and_too_large_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fleet = await fleet_of_100_proxies_and_1000_keys()
+    await fleet.store.put(REPLICAS + "cp-old", orjson.dumps({"quota_format": 2}))
+    rebalancer = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
+    )
+    for _ in range(3):
+        await rebalancer.round()
+    assert await fleet.store.get(SHARES_KEY) is None
+    too_large = [r for r in caplog.records if "past etcd's request limit" in r.getMessage()]
+    assert [r.levelname for r in too_large] == ["ERROR"]
+    # Small enough, plain JSON for such a replica (and for etcdctl).
+    small = Fleet(limited_table())
+    await small.lead()
+    await small.register("p1")
+    await small.store.put(REPLICAS + "cp-old", orjson.dumps({"quota_format": 2}))
+    await leader_round(small)
+    kv = await small.store.get(SHARES_KEY)
+    assert kv is not None and kv.value.startswith(b"{")
