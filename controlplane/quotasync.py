@@ -81,27 +81,29 @@ SHARES_KEY = QUOTA_PREFIX + "shares"
 # What a replica reads of the shares key, in its announcement (/ponto/replicas/):
 # 2, the fleet's row carries an idle proxy's share and idle proxies have no row
 # of their own (682bda1); a replica without it gave a proxy without a row a
-# floor, so while one runs the leader writes every proxy's row. 3, the key
-# compressed (COMPRESSED); while a replica that does not runs, it is JSON.
+# floor, so while one runs the leader writes every proxy's row. 3, the shares
+# key and the demand reports compressed (COMPRESSED); while a replica that
+# does not runs (any may lead), they are JSON.
 QUOTA_FORMAT = 3
-# The shares key past this many bytes is compressed with zlib behind this
-# prefix (JSON starts with "{"). Every proxy has a row for every scope with
-# rates: 100 proxy processes (50 pods of 2 workers) and 1,000 rate-limited
-# keys came to 2.8 MB, past etcd's 1.5 MiB a request, and the leader wrote no
-# shares at all; compressed, 0.36 MB. Below it, plain JSON (etcdctl reads it).
+# The shares key and demand reports past this many bytes are compressed with
+# zlib behind this prefix (JSON starts with "{"). Every proxy has a row for
+# every scope with rates: 100 proxy processes (50 pods of 2 workers) and 1,000
+# rate-limited keys came to 2.8 MB, past etcd's 1.5 MiB a request, and the
+# leader wrote no shares at all; compressed, 0.36 MB. Below it, plain JSON
+# (etcdctl reads it).
 COMPRESS_OVER = 16 * 1024
 COMPRESSED = b"zlib:"
 
 
-def shares_json(raw: bytes) -> bytes:
-    """The shares key's value as JSON (decompressed if it was compressed);
-    ValueError when it cannot be."""
+def json_of(raw: bytes) -> bytes:
+    """The shares key's value, or a demand report's, as JSON (decompressed
+    if it was compressed); ValueError when it cannot be."""
     if not raw.startswith(COMPRESSED):
         return raw
     try:
         return zlib.decompress(raw[len(COMPRESSED) :])
     except zlib.error as exc:
-        raise ValueError(f"shares not decompressed: {exc}") from exc
+        raise ValueError(f"not decompressed: {exc}") from exc
 
 
 Shares = dict[str, dict[str, Share]]
@@ -253,6 +255,30 @@ def _decode_budgets(raw: Any) -> Budgets:
     return out
 
 
+async def lowest_format(store: StateStore) -> int:
+    """The lowest QUOTA_FORMAT of the live replicas (one that announces
+    none: 1), which the quota keys are written for. Below 2 a replica gives
+    a proxy without a row of its own a floor: too little where few proxies
+    share a scope none is asked in, too much where many do (their shares
+    summed past 1); below 3 it cannot read a key compressed."""
+    lowest = QUOTA_FORMAT
+    for kv in (await store.list(REPLICAS)).items:
+        try:
+            announced = orjson.loads(kv.value)
+            lowest = min(lowest, int(announced.get("quota_format", 1)))
+        except (ValueError, TypeError, AttributeError):
+            lowest = 1
+    return lowest
+
+
+def packed(body: bytes, readers: int) -> bytes:
+    """`body` (JSON) as a quota key holds it: compressed past COMPRESS_OVER
+    when every replica reads it so (`readers`, lowest_format)."""
+    if readers >= 3 and len(body) > COMPRESS_OVER:
+        return COMPRESSED + zlib.compress(body, 6)
+    return body
+
+
 def _share_row(s: Share) -> list[float | int]:
     if s.fleet_debt_s:
         return [s.fraction, s.concurrency, int(s.spare), s.fleet_debt_s]
@@ -262,7 +288,7 @@ def _share_row(s: Share) -> list[float | int]:
 def decode_shares(raw: bytes) -> tuple[Shares, float, float]:
     """(shares, default fraction, spare ttl) of the shares key's value; a
     leader from before the ttl wrote none, and does not rewrite: 0."""
-    data = orjson.loads(shares_json(raw))
+    data = orjson.loads(json_of(raw))
     return _decode_shares(data)
 
 
@@ -332,6 +358,8 @@ class QuotaHub:
         # not expired yet), the leader takes the later.
         self._heard: dict[str, float] = {}
         self._dirty = False
+        # Whether the last demand report was too large to write (logged once).
+        self._too_large = False
         self._shares: Shares = {}
         self._budgets: Budgets = {}
         self._default = 0.0
@@ -363,13 +391,21 @@ class QuotaHub:
             if not self._dirty:
                 continue
             self._dirty = False
+            body = orjson.dumps({"proxies": self._demand, "heard": self._heard})
             try:
                 lease = await self._lease()
-                body = {"proxies": self._demand, "heard": self._heard}
-                await self._store.put(key, orjson.dumps(body), lease=lease)
+                if len(body) > COMPRESS_OVER:
+                    body = packed(body, await lowest_format(self._store))
+                await self._store.put(key, body, lease=lease)
+                self._too_large = False
             except (StoreUnavailable, Unavailable, LeaseExpired) as exc:
                 self._dirty = True
-                log.debug("demand report not written: %s", exc)
+                if len(body) > MAX_REQUEST_BYTES and not self._too_large:
+                    # Every interval alike: the leader counts none of these proxies.
+                    log.error("demand report not written: %d bytes: %s", len(body), exc)
+                    self._too_large = True
+                else:
+                    log.debug("demand report not written: %s", exc)
 
     # ------------------------------------------------------------ shares out
 
@@ -392,7 +428,7 @@ class QuotaHub:
         if kv is None or kv.mod_revision == self.generation:
             return listing.revision
         try:
-            data = orjson.loads(shares_json(kv.value))
+            data = orjson.loads(json_of(kv.value))
             self._shares, self._default, self._spare_ttl = _decode_shares(data)
             self._budgets = decode_budgets(data)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
@@ -615,7 +651,7 @@ class Rebalancer:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
                 self._previous, self._default, _ = decode_shares(kv.value)
-                self._written, self._written_json = kv.value, shares_json(kv.value)
+                self._written, self._written_json = kv.value, json_of(kv.value)
         except (StoreUnavailable, ValueError) as exc:
             log.info("starting quotas from scratch: %s", exc)
         await self.read_ledgers()
@@ -759,21 +795,6 @@ class Rebalancer:
             )
         )
 
-    async def _replica_format(self) -> int:
-        """The lowest QUOTA_FORMAT of the live replicas (one that announces
-        none: 1), which the shares key is written for. Below 2 a replica
-        gives a proxy without a row of its own a floor: too little where few
-        proxies share a scope none is asked in, too much where many do (their
-        shares summed past 1); below 3 it cannot read the key compressed."""
-        lowest = QUOTA_FORMAT
-        for kv in (await self._store.list(REPLICAS)).items:
-            try:
-                announced = orjson.loads(kv.value)
-                lowest = min(lowest, int(announced.get("quota_format", 1)))
-            except (ValueError, TypeError, AttributeError):
-                lowest = 1
-        return lowest
-
     async def round(self) -> None:
         latest = self._publisher.latest
         if latest is None:
@@ -785,7 +806,7 @@ class Rebalancer:
         heard: dict[str, float] = {}
         for kv in listing.items:
             try:
-                body = orjson.loads(kv.value)
+                body = orjson.loads(json_of(kv.value))
                 when = body.get("heard") or {}
                 for proxy, by_scope in body["proxies"].items():
                     at = float(when.get(proxy, 0.0))
@@ -818,7 +839,7 @@ class Rebalancer:
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
-        readers = await self._replica_format()
+        readers = await lowest_format(self._store)
         payload = encode_shares(
             shares,
             default,
@@ -827,19 +848,18 @@ class Rebalancer:
             self._idle,
             every_row=bool(budgeted) and readers < 2,
         )
-        compress = readers >= 3 and len(payload) > COMPRESS_OVER
         self.rounds += 1
         self._unwritten += 1
         if (
             payload == self._written_json
-            and compress == self._written.startswith(COMPRESSED)
+            and (readers >= 3 or not self._written.startswith(COMPRESSED))
             and not (
                 self._unwritten >= SPARE_REFRESH_ROUNDS
                 and any(any_spare(by_scope.values()) for by_scope in shares.values())
             )
         ):
             return
-        stored = COMPRESSED + zlib.compress(payload, 6) if compress else payload
+        stored = packed(payload, readers)
         if len(stored) > MAX_REQUEST_BYTES:
             # Not a store failure to retry: the next round's is as large.
             (log.debug if self._too_large else log.error)(

@@ -5,6 +5,7 @@ The same with real processes: tests/e2e/test_budgets.py."""
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import datetime
 import math
@@ -36,7 +37,7 @@ from controlplane.quotasync import (
     Rebalancer,
     decode_budgets,
     decode_shares,
-    shares_json,
+    json_of,
 )
 from controlplane.store import MAX_REQUEST_BYTES
 from controlplane.store.memory import MemoryStore
@@ -800,8 +801,8 @@ async def test_idle_proxies_take_the_fleets_row_and_the_shares_key_stays_small()
     await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps({"proxies": {"proxy-00": rows}}))
     await leader_round(fleet)
     kv = await fleet.store.get(SHARES_KEY)
-    assert kv is not None and len(shares_json(kv.value)) < 200_000
-    pushed = decode_budgets(orjson.loads(shares_json(kv.value)))
+    assert kv is not None and len(json_of(kv.value)) < 200_000
+    pushed = decode_budgets(orjson.loads(json_of(kv.value)))
     assert set(pushed) == {"", "proxy-00"}
     # What a replica pushes an idle proxy: the fleet's row, an idle share.
     hub = QuotaHub(fleet.store, "cp-a", constant_lease(0), interval=0.001)
@@ -947,7 +948,7 @@ async def test_the_shares_of_100_proxies_and_1000_limited_keys_are_written_compr
     await leader_round(fleet)
     kv = await fleet.store.get(SHARES_KEY)
     assert kv is not None and kv.value.startswith(COMPRESSED)
-    assert len(shares_json(kv.value)) > MAX_REQUEST_BYTES > len(kv.value)
+    assert len(json_of(kv.value)) > MAX_REQUEST_BYTES > len(kv.value)
     shares, _, _ = decode_shares(kv.value)
     assert len(shares) == 100 and all(len(by_scope) == 1000 for by_scope in shares.values())
     # A replica reads it, and pushes each proxy its own.
@@ -978,3 +979,58 @@ async def test_while_a_replica_reads_no_compressed_shares_they_are_json_and_too_
     await leader_round(small)
     kv = await small.store.get(SHARES_KEY)
     assert kv is not None and kv.value.startswith(b"{")
+
+
+def busy_hub(store: MemoryStore, lease: int, proxies: int, scopes: int) -> QuotaHub:
+    """A replica whose `proxies` proxies report every one of `scopes` keys."""
+    hub = QuotaHub(store, "cp-a", constant_lease(lease), interval=0.001)
+    rows = [
+        pb.ScopeDemand(scope=f"k/k{i:09}", requests_per_s=1.0, tokens_per_s=50.0)
+        for i in range(scopes)
+    ]
+    for p in range(proxies):
+        hub.report(f"ponto-proxy-us-east-7d9f8c6b5-{p:03x}", rows)
+    return hub
+
+
+async def test_a_large_demand_report_is_written_compressed_and_counted() -> None:
+    """A replica's demand is one key of all its proxies' scopes: 100 proxies
+    each busy in 600 keys came to 2.3 MB, past etcd's 1.5 MiB, and was
+    never written (logged at DEBUG): the leader counted none of them."""
+    fleet = Fleet(many_keyed(600))
+    await fleet.lead()
+    await fleet.store.put(REPLICAS + "cp-a", orjson.dumps({"quota_format": QUOTA_FORMAT}))
+    hub = busy_hub(fleet.store, await fleet.store.grant_lease(30), 100, 600)
+    key = DEMAND_PREFIX + "cp-a"
+    async with running(hub.publish_demand()):
+        await eventually(lambda: _written(fleet.store, key), "demand written")
+    kv = await fleet.store.get(key)
+    assert kv is not None and kv.value.startswith(COMPRESSED)
+    assert len(json_of(kv.value)) > MAX_REQUEST_BYTES > len(kv.value)
+    await fleet.register("ponto-proxy-us-east-7d9f8c6b5-000", "idle")
+    await leader_round(fleet)
+    shares = (await fleet.shares())[0]
+    # Asked in every key, the proxy has the most of each share; the idle one a floor.
+    busy, idle = shares["ponto-proxy-us-east-7d9f8c6b5-000"], shares["idle"]
+    assert all(busy[s].fraction > 0.5 > idle[s].fraction for s in busy) and len(busy) == 600
+
+
+async def test_a_demand_report_too_large_for_etcd_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryStore()
+    await store.put(REPLICAS + "cp-old", orjson.dumps({"quota_format": 2}))
+    hub = busy_hub(store, await store.grant_lease(30), 100, 600)
+    async with running(hub.publish_demand()):
+        await eventually(lambda: _logged(caplog, "demand report not written"), "logged")
+        await asyncio.sleep(0.05)  # many intervals, each failing alike
+    assert [r.levelname for r in caplog.records if "not written" in r.getMessage()] == ["ERROR"]
+    assert await store.get(DEMAND_PREFIX + "cp-a") is None
+
+
+async def _written(store: MemoryStore, key: str) -> bool:
+    return await store.get(key) is not None
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return any(text in r.getMessage() for r in caplog.records)
