@@ -468,25 +468,26 @@ class Run:
         headers = {"authorization": f"Bearer {self.api_key}"}
         seen = []
         async with httpx.AsyncClient(timeout=20, headers=headers) as http:
-            # Each worker of the second pod has Redis up (ponto_cache_region_up):
+            # Each worker of both pods has Redis up (ponto_cache_region_up):
             # a Redis that became ready late (its probes timing out on a
             # loaded machine) leaves a worker's breaker waiting up to 5 s
-            # before it tries again (CI of 7fa773a: one worker of two up).
-            metrics_url = (
-                f"http://{second.ip}:{self.cluster.named_ports(second)['metrics']}/metrics"
-            )
+            # before it tries again (CI of 7fa773a: one worker of two up on
+            # the second pod; CI of 48e35e6: on the first, whose answers were
+            # then not stored in the region, and the second missed 8 of 8).
             deadline = asyncio.get_running_loop().time() + 30
-            while True:
-                ups = [
-                    line
-                    for line in (await http.get(metrics_url)).text.splitlines()
-                    if line.startswith("ponto_cache_region_up")
-                ]
-                if ups and all(line.endswith(" 1.0") for line in ups):
-                    break
-                if asyncio.get_running_loop().time() > deadline:
-                    raise ClusterError(f"{second.name}'s workers never all had Redis up: {ups}")
-                await asyncio.sleep(0.5)
+            for pod in (first, second):
+                metrics_url = f"http://{pod.ip}:{self.cluster.named_ports(pod)['metrics']}/metrics"
+                while True:
+                    ups = [
+                        line
+                        for line in (await http.get(metrics_url)).text.splitlines()
+                        if line.startswith("ponto_cache_region_up")
+                    ]
+                    if ups and all(line.endswith(" 1.0") for line in ups):
+                        break
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise ClusterError(f"{pod.name}'s workers never all had Redis up: {ups}")
+                    await asyncio.sleep(0.5)
             for attempt in range(1, 9):
                 # No max_tokens: the simulated origins would stop at it, and an answer
                 # cut by max_tokens is not cached.
@@ -510,12 +511,18 @@ class Run:
                         raise ClusterError("the region hit's answer differs from the origin's")
                     break
             else:
-                port = self.cluster.named_ports(second)["metrics"]
-                metrics = (await http.get(f"http://{second.ip}:{port}/metrics")).text
-                shown = [m for m in metrics.splitlines() if m.startswith("ponto_cache_region")]
+                shown = []
+                for pod in (first, second):
+                    port = self.cluster.named_ports(pod)["metrics"]
+                    metrics = (await http.get(f"http://{pod.ip}:{port}/metrics")).text
+                    shown += [
+                        f"{pod.name} {m}"
+                        for m in metrics.splitlines()
+                        if m.startswith("ponto_cache_region")
+                    ]
                 raise ClusterError(
-                    f"{second.name} never answered from the region: {seen}; its metrics: "
-                    + "; ".join(shown)
+                    f"{second.name} never answered from the region: {seen}; the pods' "
+                    "metrics: " + "; ".join(shown)
                 )
         store = f"{RELEASE}-redis-{region}.{NAMESPACE}.svc"
         client = aioredis.Redis(host=store, port=6379)
