@@ -577,16 +577,19 @@ def _further(a: Spent, b: Spent | None) -> bool:
 # while less than LEDGER_CLOSE of a budget is left (a new one at once): each
 # busy budgeted scope's counts change every round, and a write a round each
 # was as many etcd revisions a second. A new leader reads the ledgers, and the
-# proxies' next reports (cumulative) bring their counts up to date; what is
-# lost is the unwritten counts of processes that stopped meanwhile (a proxy
-# restarted with the leader): at most the slack, and none near the end of a
-# budget, where a count short would admit past it.
+# proxies' next reports (cumulative) bring their counts up to date; a term
+# that ends writes what it had not (Rebalancer._flush), and what a leader that
+# dies at once takes with it is the unwritten counts of processes that
+# stopped meanwhile (a proxy restarted with it): at most the slack, and none
+# near the end of a budget, where a count short would admit past it.
 LEDGER_ROUNDS = 10
 LEDGER_SLACK = 0.01
 LEDGER_CLOSE = 0.1
 # What a transaction of ledgers may weigh: room under --max-request-bytes for
 # the fence and etcd's framing.
 LEDGER_TXN_BYTES = MAX_REQUEST_BYTES * 2 // 3
+# How long a term's end waits to write the ledgers' last counts (Rebalancer._flush).
+FLUSH_S = 2.0
 
 
 def _batches(writes: list[Write]) -> list[list[Write]]:
@@ -647,6 +650,16 @@ class Rebalancer:
         self.rounds = 0
 
     async def run(self) -> None:
+        # The term's leadership: the election clears its fence before it
+        # cancels this task, and the last ledgers go under this one (_flush).
+        term = self._fence()
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            await self._flush(term)
+            raise
+
+    async def _run(self) -> None:
         try:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
@@ -739,8 +752,33 @@ class Rebalancer:
         await self._write_ledgers(writes, counted)
         return out
 
+    async def _flush(self, term: Fence | None) -> None:
+        """Write what the ledgers counted and did not write yet (LEDGER_ROUNDS)
+        as the term ends, fenced by its leadership: the leader is still the
+        leader then (its lease is revoked after), and one that lost it writes
+        nothing. Within FLUSH_S, so a shutdown does not wait on an etcd that is
+        away. Without it, what processes that stopped in those rounds had
+        counted went with the leader (a proxy restarted with it)."""
+        writes, counted = [], {}
+        for scope, ledger in self._ledgers.items():
+            encoded = ledger.encode()
+            if encoded != self._ledgers_written.get(scope):
+                writes.append(Write(LEDGER_PREFIX + scope, encoded))
+                counted[scope] = ledger.used()
+        if not writes or term is None:
+            return
+        try:
+            await asyncio.wait_for(self._write_ledgers(writes, counted, term), FLUSH_S)
+        except (TimeoutError, StoreUnavailable, Conflict) as exc:
+            log.info("budget ledgers not written as the term ended: %r", exc)
+            return
+        log.info("budget ledgers written as the term ended: %d", len(writes))
+
     async def _write_ledgers(
-        self, writes: list[Write], counted: Mapping[str, tuple[float, float]]
+        self,
+        writes: list[Write],
+        counted: Mapping[str, tuple[float, float]],
+        fence: Fence | None = None,
     ) -> None:
         """Write the ledgers in transactions etcd takes (--max-txn-ops,
         --max-request-bytes), each fenced: ledgers are independent, so one
@@ -749,7 +787,7 @@ class Rebalancer:
         the shares still go out (a round that failed here before wrote none,
         rate shares included, every round while a ledger was too large).
         Those unwritten are due again the next round."""
-        fence = self._fence()
+        fence = fence or self._fence()
         checks = [fence] if fence is not None else []
         for batch in _batches(writes):
             try:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import calendar
+import contextlib
 import datetime
 import math
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -1034,3 +1036,47 @@ async def _written(store: MemoryStore, key: str) -> bool:
 
 async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
     return any(text in r.getMessage() for r in caplog.records)
+
+
+async def _ledger_used(fleet: Fleet) -> tuple[float, float] | None:
+    kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
+    return None if kv is None else decode_ledger(kv.value).used()
+
+
+@pytest.mark.parametrize("still_leader", [True, False])
+async def test_a_leader_that_stops_writes_the_counts_it_had_not_written(
+    still_leader: bool,
+) -> None:
+    """A ledger moved less than 1 % is written ten rounds on: a leader stopped
+    meanwhile took those counts with it, and what processes that stopped
+    too had counted was lost. Written as the term ends, fenced by it: a
+    leader that lost its leadership writes nothing."""
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1")
+    await report(fleet, "p1", 300)
+    rebalancer = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.05, lambda: NOON
+    )
+    task = asyncio.create_task(rebalancer.run())
+
+    async def counted(tokens: float) -> bool:
+        ledger = rebalancer._ledgers.get(SCOPE)
+        return ledger is not None and ledger.used() == (tokens, tokens)
+
+    await eventually(lambda: counted(300), "300 counted")
+    await eventually(lambda: _is(_ledger_used(fleet), (300, 300)), "300 written")
+    await report(fleet, "p1", 305)  # half a percent of the day's 1,000: not due
+    await eventually(lambda: counted(305), "305 counted")
+    assert await _ledger_used(fleet) == (300, 300)
+    if not still_leader:
+        await fleet.lead()  # another term: the first's fence no longer holds
+    fleet.fence = None  # as the election does before it cancels the leader's loops
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert await _ledger_used(fleet) == ((305, 305) if still_leader else (300, 300))
+
+
+async def _is(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
