@@ -587,11 +587,16 @@ async def report(fleet: Fleet, proxy: str, day_tokens: float, epoch: float = 1.0
     )
 
 
+def noon_rebalancer(fleet: Fleet, interval: float = 0.001) -> Rebalancer:
+    """The fleet's leader, its rounds every `interval`, its clock at NOON."""
+    return Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, interval, lambda: NOON
+    )
+
+
 async def leader_round(fleet: Fleet) -> None:
     """A new leader's first round at NOON: the ledgers read, then counted."""
-    rebalancer = Rebalancer(
-        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
-    )
+    rebalancer = noon_rebalancer(fleet)
     await rebalancer.read_ledgers()
     await rebalancer.round()
 
@@ -622,9 +627,7 @@ async def test_the_leader_counts_the_fleet_keeps_the_count_and_pushes_whats_left
     # A new leader goes on from the ledger: p1 restarted, and reports anew.
     await fleet.store.delete_range(DEMAND_PREFIX, DEMAND_PREFIX + "\xff")
     await report(fleet, "p1", 20, epoch=3.0)
-    rebalancer = Rebalancer(
-        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
-    )
+    rebalancer = noon_rebalancer(fleet)
     await rebalancer.read_ledgers()
 
     async def stored() -> tuple[float, float]:
@@ -770,9 +773,7 @@ async def test_a_round_that_fails_on_a_defect_is_logged_and_the_next_goes_on(
     await fleet.lead()
     await fleet.register("p1")
     await report(fleet, "p1", 300)
-    rebalancer = Rebalancer(
-        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
-    )
+    rebalancer = noon_rebalancer(fleet)
     real, failed = rebalancer._account, list[bool]()
 
     async def once_broken(*args: Any) -> Any:
@@ -860,9 +861,7 @@ async def test_a_ledger_too_large_for_etcd_keeps_neither_the_others_nor_the_shar
     for replica in range(4):
         many = {f"{'proxy-' * 20}{replica}-{i:04}": row for i in range(3000)}
         await fleet.store.put(DEMAND_PREFIX + f"cp-{replica}", orjson.dumps({"proxies": many}))
-    rebalancer = Rebalancer(
-        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
-    )
+    rebalancer = noon_rebalancer(fleet)
     await rebalancer.read_ledgers()
     for _ in range(3):
         await rebalancer.round()
@@ -965,9 +964,7 @@ async def test_while_a_replica_reads_no_compressed_shares_they_are_json_and_too_
 ) -> None:
     fleet = await fleet_of_100_proxies_and_1000_keys()
     await fleet.store.put(REPLICAS + "cp-old", orjson.dumps({"quota_format": 2}))
-    rebalancer = Rebalancer(
-        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: NOON
-    )
+    rebalancer = noon_rebalancer(fleet)
     for _ in range(3):
         await rebalancer.round()
     assert await fleet.store.get(SHARES_KEY) is None
@@ -1055,9 +1052,7 @@ async def test_a_leader_that_stops_writes_the_counts_it_had_not_written(
     await fleet.lead()
     await fleet.register("p1")
     await report(fleet, "p1", 300)
-    rebalancer = Rebalancer(
-        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.05, lambda: NOON
-    )
+    rebalancer = noon_rebalancer(fleet, 0.05)
     task = asyncio.create_task(rebalancer.run())
 
     async def counted(tokens: float) -> bool:
