@@ -85,7 +85,10 @@ class Ledger:
                     k: [s.epoch, s.day, s.day_tokens, s.month_tokens]
                     for k, s in sorted(self.seen.items())
                 },
-                "folded": {k: [count, day] for k, (count, day) in sorted(self.folded.items())},
+                # As a builds before the fold days read it (a number each:
+                # a list made them refuse the whole ledger), and the days beside.
+                "folded": {k: count for k, (count, _) in sorted(self.folded.items())},
+                "folded_on": {k: day for k, (_, day) in sorted(self.folded.items())},
             }
         )
 
@@ -103,8 +106,8 @@ class Ledger:
 
 def decode_ledger(raw: bytes) -> Ledger:
     """A ledger as `Ledger.encode` wrote it (one from before `folded`: none;
-    from before its days: folded on the ledger's day); ValueError when it is
-    not one, days that are no dates included."""
+    from before `folded_on`: folded on the ledger's day); ValueError when it
+    is not one, days that are no dates included."""
     try:
         data: Any = orjson.loads(raw)
         day = _date(data["day"])
@@ -112,8 +115,9 @@ def decode_ledger(raw: bytes) -> Ledger:
             str(k): Spent(float(v[0]), _date(v[1]), _count(v[2]), _count(v[3]))
             for k, v in data.get("seen", {}).items()
         }
+        folded_on = data.get("folded_on") or {}
         folded = {
-            str(k): (_count(v[0]), _date(v[1])) if isinstance(v, list) else (_count(v), day)
+            str(k): (_count(v), _date(folded_on.get(k, day)))
             for k, v in (data.get("folded") or {}).items()
         }
         return Ledger(day, _count(data.get("month_gone", 0.0)), seen, folded)
@@ -180,6 +184,27 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
     forgotten = _day_before(day, FOLDED_DAYS)
     folded = {key: kept for key, kept in folded.items() if kept[1] > forgotten}
     return Ledger(day, max(0.0, gone), seen, folded)
+
+
+def fitted(ledger: Ledger, max_bytes: int) -> Ledger:
+    """`ledger`, encoded in at most `max_bytes` if dropping folded keys (the
+    oldest folds first) makes it so: their counts stay in month_gone, and a
+    process of theirs heard from again is counted twice (more, not less).
+    A ledger of that size has thousands of processes in a week; one etcd
+    refuses is not kept, and a new leader goes on from an older one. Its
+    rows are not dropped: they are what the fleet spent."""
+    if len(ledger.encode()) <= max_bytes or not ledger.folded:
+        return ledger
+    folds = sorted(ledger.folded.items(), key=lambda kv: (kv[1][1], kv[0]))
+    kept = len(folds)
+    while kept:
+        kept //= 2
+        smaller = Ledger(
+            ledger.day, ledger.month_gone, ledger.seen, dict(folds[len(folds) - kept :])
+        )
+        if len(smaller.encode()) <= max_bytes:
+            return smaller
+    return smaller
 
 
 def _counted(ledger: Ledger, proxy: str, spent: Spent | None) -> Spent | None:

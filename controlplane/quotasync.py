@@ -42,6 +42,7 @@ from controlplane.budget import (
     account,
     budgets,
     decode_ledger,
+    fitted,
 )
 from controlplane.catalog import REPLICAS, Catalog
 from controlplane.distribute import Publisher
@@ -552,12 +553,15 @@ def _merged(
 ) -> dict[str, Demand]:
     """One proxy in two replicas' reports (it moved, and the replica it left
     is gone, its key not expired yet): the rates of the one heard later, and
-    of each scope the counts furthest on (epoch, day, month). The clocks of
-    two replicas may differ, and a replica older than `heard` has none; a
-    count of the earlier report over the later one's took back, for as long
-    as that key lived, what the fleet had spent."""
+    of each scope the counts furthest on (epoch, day, month); a scope in one
+    report only, as it is. The clocks of two replicas may differ, and a
+    replica older than `heard` has none; a count of the earlier report over
+    the later one's took back, for as long as that key lived, what the fleet
+    had spent. (A newer epoch is further on: a process restarted is, though
+    it counted less. One started after the clock stepped back is not, and its
+    counts wait for the older report's key to end.)"""
     later, earlier = (second, first) if second_later else (first, second)
-    out = dict(later)
+    out = {**earlier, **later}
     for scope, d in later.items():
         other = earlier.get(scope)
         if other is not None and other.spent is not None and _further(other.spent, d.spent):
@@ -585,21 +589,20 @@ def _further(a: Spent, b: Spent | None) -> bool:
 LEDGER_ROUNDS = 10
 LEDGER_SLACK = 0.01
 LEDGER_CLOSE = 0.1
-# What a transaction of ledgers may weigh: room under --max-request-bytes for
-# the fence and etcd's framing.
+# What a transaction of ledgers, and so a ledger, may weigh: room under
+# --max-request-bytes for the fence and etcd's framing. A larger ledger loses
+# its oldest folded keys (budget.fitted), or is not kept.
 LEDGER_TXN_BYTES = MAX_REQUEST_BYTES * 2 // 3
 # How long a term's end waits to write the ledgers' last counts (Rebalancer._flush).
 FLUSH_S = 2.0
 
 
 def _batches(writes: list[Write]) -> list[list[Write]]:
-    """`writes` in transactions of at most MAX_TXN_OPS writes and
-    LEDGER_TXN_BYTES, the larger ones last: one too large for etcd alone
-    (a scope with thousands of processes in two days) then keeps no other
-    from being written."""
+    """`writes` (each at most LEDGER_TXN_BYTES) in transactions of at most
+    MAX_TXN_OPS writes and LEDGER_TXN_BYTES."""
     out: list[list[Write]] = []
     size = 0
-    for w in sorted(writes, key=lambda w: request_bytes([w])):
+    for w in writes:
         weight = request_bytes([w])
         if not out or len(out[-1]) >= MAX_TXN_OPS or size + weight > LEDGER_TXN_BYTES:
             out.append([])
@@ -636,6 +639,8 @@ class Rebalancer:
         self._ledger_counts: dict[str, tuple[float, float]] = {}
         # Whether the last write of ledgers failed (logged once while it lasts).
         self._ledgers_failing = False
+        # Scopes whose ledger is too large to keep (logged once each).
+        self._oversize: set[str] = set()
         # Each budgeted scope's Budget of an idle proxy, of the last round.
         self._idle: dict[str, Budget] = {}
         self._previous: Shares = {}
@@ -730,7 +735,12 @@ class Rebalancer:
             used = ledger.used()
             if self._ledger_due(scope, lim, used):
                 encoded = ledger.encode()
-                if encoded != self._ledgers_written.get(scope):
+                if len(encoded) > LEDGER_TXN_BYTES:
+                    ledger = self._ledgers[scope] = fitted(ledger, LEDGER_TXN_BYTES)
+                    encoded = ledger.encode()
+                if len(encoded) > LEDGER_TXN_BYTES:
+                    self._too_large_to_keep(scope, len(encoded))
+                elif encoded != self._ledgers_written.get(scope):
                     writes.append(Write(LEDGER_PREFIX + scope, encoded))
                     counted[scope] = used
             wanted = {
@@ -782,11 +792,12 @@ class Rebalancer:
     ) -> None:
         """Write the ledgers in transactions etcd takes (--max-txn-ops,
         --max-request-bytes), each fenced: ledgers are independent, so one
-        written and the next not is a round's loss. A transaction etcd
-        refuses is logged and ends the writes of the round, not the round:
-        the shares still go out (a round that failed here before wrote none,
-        rate shares included, every round while a ledger was too large).
-        Those unwritten are due again the next round."""
+        written and the next not is a round's loss. A transaction that fails
+        (etcd away) is logged once while it lasts and ends the writes of the
+        round, not the round: the shares still go out (a round that failed
+        here before wrote none, rate shares included, every round while the
+        ledgers passed etcd's request limit). Those unwritten are due again
+        the next round."""
         fence = fence or self._fence()
         checks = [fence] if fence is not None else []
         for batch in _batches(writes):
@@ -795,11 +806,9 @@ class Rebalancer:
             except StoreUnavailable as exc:
                 # Once while it lasts: a ledger too large for etcd fails every round.
                 (log.debug if self._ledgers_failing else log.warning)(
-                    "budget ledgers not written (%d of them, %d bytes, the largest %s), "
-                    "tried again each round: %s",
+                    "budget ledgers not written (%d of them, %d bytes), tried again each round: %s",
                     len(batch),
                     request_bytes(batch),
-                    batch[-1].key,
                     exc,
                 )
                 self._ledgers_failing = True
@@ -817,6 +826,20 @@ class Rebalancer:
         if self._ledgers_failing and writes:
             self._ledgers_failing = False
             log.info("budget ledgers written again")
+
+    def _too_large_to_keep(self, scope: str, size: int) -> None:
+        """A ledger not written, rows alone past what a transaction takes: not
+        sent (etcd would refuse it, each refusal counted as etcd failing),
+        said once a leader a scope."""
+        if scope not in self._oversize:
+            self._oversize.add(scope)
+            log.error(
+                "budget ledger of %s not kept in etcd: %d bytes of counts of processes "
+                "heard in two days, past %d; a new leader goes on from an older one",
+                scope,
+                size,
+                LEDGER_TXN_BYTES,
+            )
 
     def _ledger_due(self, scope: str, limits: ScopeLimits, used: tuple[float, float]) -> bool:
         """Whether to write `scope`'s ledger, whose counts are `used`, this
@@ -877,15 +900,18 @@ class Rebalancer:
         # Without limits there is nothing to share: keep the payload constant so
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
-        readers = await lowest_format(self._store)
-        payload = encode_shares(
-            shares,
-            default,
-            spare_ttl_s(self._interval),
-            budgeted,
-            self._idle,
-            every_row=bool(budgeted) and readers < 2,
-        )
+        ttl = spare_ttl_s(self._interval)
+        payload = encode_shares(shares, default, ttl, budgeted, self._idle)
+        # What the replicas read matters with budgets (rows), or for a large
+        # payload (compression): else no listing a round.
+        readers = QUOTA_FORMAT
+        if self._idle or len(payload) > COMPRESS_OVER:
+            readers = await lowest_format(self._store)
+        if self._idle and readers < 2:
+            every = encode_shares(shares, default, ttl, budgeted, self._idle, every_row=True)
+            # Too large, the shares would not go out at all: an older replica
+            # giving idle proxies a floor is the lesser harm.
+            payload = every if len(every) <= MAX_REQUEST_BYTES else payload
         self.rounds += 1
         self._unwritten += 1
         if (

@@ -24,9 +24,10 @@ from controlplane.budget import (
     account,
     budgets,
     decode_ledger,
+    fitted,
     shares_of,
 )
-from controlplane.catalog import REPLICAS
+from controlplane.catalog import REPLICAS, Catalog
 from controlplane.compile import compile_table
 from controlplane.model import ApiKeyRecord, Limits, State, Tenant
 from controlplane.quotasync import (
@@ -42,6 +43,7 @@ from controlplane.quotasync import (
     json_of,
 )
 from controlplane.store import MAX_REQUEST_BYTES
+from controlplane.store.base import Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit.limiter import RateLimiter
@@ -202,6 +204,18 @@ def test_a_proxy_is_reckoned_by_its_report_as_the_ledger_took_it() -> None:
     folded = account(ledger, behind, DAY + 1)
     b = budgets(BUDGET, folded, behind, ["p2"])["p2"]
     assert folded.month_gone == 70 and (b.epoch, b.spent_month) == (3.0, 70)
+
+
+def test_a_ledger_with_folded_days_reads_as_before_to_an_older_leader() -> None:
+    """The fold days went into `folded` as [count, day]: a leader from before
+    them (a failover mid-rollout, or a rollback) read a list where it took a
+    number, refused the whole ledger, and counted the month from nothing."""
+    ledger = account(None, {"p1": spent(1.0, 40, 400, day=20261201)}, 20261201)
+    ledger = account(ledger, {}, 20261203)
+    data = orjson.loads(ledger.encode())
+    assert data["folded"] == {"p1@1.0": 400}  # what older leaders read: float(v)
+    assert data["folded_on"] == {"p1@1.0": 20261203}
+    assert decode_ledger(ledger.encode()) == ledger
 
 
 def test_a_report_of_a_day_that_is_no_date_is_left_out() -> None:
@@ -850,8 +864,9 @@ async def test_a_ledger_too_large_for_etcd_keeps_neither_the_others_nor_the_shar
 ) -> None:
     """A scope counted on thousands of processes in two days has a ledger
     larger than etcd takes: it was in the first transaction, and the round
-    ended there, every round, with no ledger or share written. It is logged
-    once, not every round."""
+    ended there, every round, with no ledger or share written. It is not
+    sent (etcd refusing it every round read as etcd failing, in the metrics
+    and PontoEtcdErrors), and said once, not every round."""
     fleet = Fleet(many_budgeted(21))
     await fleet.lead()
     await fleet.register("p1")
@@ -869,7 +884,27 @@ async def test_a_ledger_too_large_for_etcd_keeps_neither_the_others_nor_the_shar
     assert written == {LEDGER_PREFIX + f"t/t{i:03}" for i in range(1, 21)}
     kv = await fleet.store.get(SHARES_KEY)
     assert kv is not None and "t/t000" in decode_budgets(orjson.loads(kv.value))["p1"]
-    assert [r.levelname for r in caplog.records if "not written" in r.getMessage()] == ["WARNING"]
+    assert [r.levelname for r in caplog.records if "not kept" in r.getMessage()] == ["ERROR"]
+    assert not [r for r in caplog.records if "not written" in r.getMessage()]  # nothing refused
+
+
+def test_a_ledger_too_large_loses_its_oldest_folded_keys_first() -> None:
+    """Folded keys are what a ledger can lose: their counts stay in the
+    month, and a process of theirs heard from again is counted twice (more,
+    not less)."""
+    old = {f"{'proxy-' * 20}{i:05}": spent(1.0, 1, 1, day=20261201) for i in range(3000)}
+    ledger = account(None, old, 20261201)
+    new = {f"{'proxy-' * 20}{i:05}": spent(2.0, 1, 1, day=20261203) for i in range(3000, 6000)}
+    ledger = account(ledger, new, 20261203)  # the first 3,000 folded on the 3rd
+    later = {f"{'proxy-' * 20}{i:05}": spent(3.0, 1, 1, day=20261205) for i in range(6000, 7000)}
+    ledger = account(ledger, later, 20261205)  # 3,000 more folded on the 5th
+    assert len(ledger.folded) == 6000 and len(ledger.encode()) > 1_000_000
+    small = fitted(ledger, 1_000_000)
+    assert len(small.encode()) <= 1_000_000 and small.used() == ledger.used() == (1000, 7000)
+    assert small.seen == ledger.seen and 0 < len(small.folded) < 6000
+    assert {day for _, day in small.folded.values()} == {20261205}  # the newest kept
+    # Rows alone past the bound: kept whole, folded keys none.
+    assert fitted(ledger, 100).seen == ledger.seen and not fitted(ledger, 100).folded
 
 
 async def test_of_two_replicas_reports_the_furthest_counts_are_taken() -> None:
@@ -886,6 +921,61 @@ async def test_of_two_replicas_reports_the_furthest_counts_are_taken() -> None:
     await leader_round(fleet)
     kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
     assert kv is not None and decode_ledger(kv.value).used() == (50, 50)
+
+
+async def test_a_scope_in_the_earlier_of_two_reports_only_is_counted() -> None:
+    """Only the later report's scopes were kept: a scope the proxy charged
+    in the other replica's report only went uncounted while both keys
+    lived."""
+    fleet = Fleet(many_budgeted(2))
+    await fleet.lead()
+    await fleet.register("p1")
+    for replica, at, scope in (("cp-a", 200.0, "t/t000"), ("cp-b", 100.0, "t/t001")):
+        row = [0, 5.0, 0, 0, 0, 1.0, DAY, 30.0, 30.0]
+        body = {"proxies": {"p1": {scope: row}}, "heard": {"p1": at}}
+        await fleet.store.put(DEMAND_PREFIX + replica, orjson.dumps(body))
+    await leader_round(fleet)
+    for scope in ("t/t000", "t/t001"):
+        kv = await fleet.store.get(LEDGER_PREFIX + scope)
+        assert kv is not None and decode_ledger(kv.value).used() == (30, 30)
+
+
+async def test_every_row_too_large_for_etcd_gives_way_to_the_idle_rows() -> None:
+    """While an older replica ran, every proxy's rows went out, and past
+    etcd's request limit no shares went out at all, rate shares included,
+    for the whole upgrade."""
+    fleet = Fleet(many_budgeted(1000))
+    await fleet.lead()
+    await fleet.register(*[f"proxy-{i:02}" for i in range(40)])
+    rows = {f"t/t{i:03}": [0, 5.0, 0, 0, 0, 1.0, DAY, 7.0, 7.0] for i in range(1000)}
+    await fleet.store.put(DEMAND_PREFIX + "cp-a", orjson.dumps({"proxies": {"proxy-00": rows}}))
+    await fleet.store.put(REPLICAS + "cp-old", orjson.dumps({"id": "cp-old"}))
+    await leader_round(fleet)
+    kv = await fleet.store.get(SHARES_KEY)
+    assert kv is not None and set(orjson.loads(kv.value)["budgets"]["proxies"]) == {"proxy-00"}
+
+
+class ListingStore(MemoryStore):
+    """Counts the listings of each prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: list[str] = []
+
+    async def list(self, prefix: str) -> Listing:
+        self.listed.append(prefix)
+        return await super().list(prefix)
+
+
+async def test_without_budgets_a_round_does_not_list_the_replicas() -> None:
+    fleet = Fleet(limited_table())
+    fleet.store = ListingStore()
+    fleet.catalog = Catalog(fleet.store)
+    await fleet.lead()
+    await fleet.register("p1", "p2")
+    await leader_round(fleet)
+    assert await fleet.store.get(SHARES_KEY) is not None
+    assert REPLICAS not in fleet.store.listed
 
 
 async def test_while_a_replica_reads_no_idle_share_every_proxy_gets_its_row() -> None:
