@@ -117,7 +117,10 @@ def decode_ledger(raw: bytes) -> Ledger:
         }
         folded_on = data.get("folded_on") or {}
         folded = {
-            str(k): (_count(v), _date(folded_on.get(k, day)))
+            # [count, day]: as one build (60b5571) wrote them.
+            str(k): (_count(v[0]), _date(v[1]))
+            if isinstance(v, list)
+            else (_count(v), _date(folded_on.get(k, day)))
             for k, v in (data.get("folded") or {}).items()
         }
         return Ledger(day, _count(data.get("month_gone", 0.0)), seen, folded)

@@ -553,15 +553,22 @@ def _merged(
 ) -> dict[str, Demand]:
     """One proxy in two replicas' reports (it moved, and the replica it left
     is gone, its key not expired yet): the rates of the one heard later, and
-    of each scope the counts furthest on (epoch, day, month); a scope in one
-    report only, as it is. The clocks of two replicas may differ, and a
+    of each scope the counts furthest on (epoch, day, month); of a scope in
+    the earlier report only, its counts. The clocks of two replicas may differ, and a
     replica older than `heard` has none; a count of the earlier report over
     the later one's took back, for as long as that key lived, what the fleet
     had spent. (A newer epoch is further on: a process restarted is, though
     it counted less. One started after the clock stepped back is not, and its
     counts wait for the older report's key to end.)"""
     later, earlier = (second, first) if second_later else (first, second)
-    out = {**earlier, **later}
+    # A scope in the earlier report only: its counts, not its rates (the
+    # proxy leaves out scopes it is no longer busy in).
+    out = {
+        scope: Demand(spent=d.spent)
+        for scope, d in earlier.items()
+        if scope not in later and d.spent is not None
+    }
+    out.update(later)
     for scope, d in later.items():
         other = earlier.get(scope)
         if other is not None and other.spent is not None and _further(other.spent, d.spent):
@@ -581,11 +588,10 @@ def _further(a: Spent, b: Spent | None) -> bool:
 # while less than LEDGER_CLOSE of a budget is left (a new one at once): each
 # busy budgeted scope's counts change every round, and a write a round each
 # was as many etcd revisions a second. A new leader reads the ledgers, and the
-# proxies' next reports (cumulative) bring their counts up to date; a term
-# that ends writes what it had not (Rebalancer._flush), and what a leader that
-# dies at once takes with it is the unwritten counts of processes that
-# stopped meanwhile (a proxy restarted with it): at most the slack, and none
-# near the end of a budget, where a count short would admit past it.
+# proxies' next reports (cumulative) bring their counts up to date; what is
+# lost is the unwritten counts of processes that stopped meanwhile (a proxy
+# restarted with the leader): at most the slack, and none near the end of a
+# budget, where a count short would admit past it.
 LEDGER_ROUNDS = 10
 LEDGER_SLACK = 0.01
 LEDGER_CLOSE = 0.1
@@ -593,8 +599,6 @@ LEDGER_CLOSE = 0.1
 # --max-request-bytes for the fence and etcd's framing. A larger ledger loses
 # its oldest folded keys (budget.fitted), or is not kept.
 LEDGER_TXN_BYTES = MAX_REQUEST_BYTES * 2 // 3
-# How long a term's end waits to write the ledgers' last counts (Rebalancer._flush).
-FLUSH_S = 2.0
 
 
 def _batches(writes: list[Write]) -> list[list[Write]]:
@@ -655,16 +659,6 @@ class Rebalancer:
         self.rounds = 0
 
     async def run(self) -> None:
-        # The term's leadership: the election clears its fence before it
-        # cancels this task, and the last ledgers go under this one (_flush).
-        term = self._fence()
-        try:
-            await self._run()
-        except asyncio.CancelledError:
-            await self._flush(term)
-            raise
-
-    async def _run(self) -> None:
         try:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
@@ -762,33 +756,8 @@ class Rebalancer:
         await self._write_ledgers(writes, counted)
         return out
 
-    async def _flush(self, term: Fence | None) -> None:
-        """Write what the ledgers counted and did not write yet (LEDGER_ROUNDS)
-        as the term ends, fenced by its leadership: the leader is still the
-        leader then (its lease is revoked after), and one that lost it writes
-        nothing. Within FLUSH_S, so a shutdown does not wait on an etcd that is
-        away. Without it, what processes that stopped in those rounds had
-        counted went with the leader (a proxy restarted with it)."""
-        writes, counted = [], {}
-        for scope, ledger in self._ledgers.items():
-            encoded = ledger.encode()
-            if encoded != self._ledgers_written.get(scope):
-                writes.append(Write(LEDGER_PREFIX + scope, encoded))
-                counted[scope] = ledger.used()
-        if not writes or term is None:
-            return
-        try:
-            await asyncio.wait_for(self._write_ledgers(writes, counted, term), FLUSH_S)
-        except (TimeoutError, StoreUnavailable, Conflict) as exc:
-            log.info("budget ledgers not written as the term ended: %r", exc)
-            return
-        log.info("budget ledgers written as the term ended: %d", len(writes))
-
     async def _write_ledgers(
-        self,
-        writes: list[Write],
-        counted: Mapping[str, tuple[float, float]],
-        fence: Fence | None = None,
+        self, writes: list[Write], counted: Mapping[str, tuple[float, float]]
     ) -> None:
         """Write the ledgers in transactions etcd takes (--max-txn-ops,
         --max-request-bytes), each fenced: ledgers are independent, so one
@@ -798,7 +767,7 @@ class Rebalancer:
         here before wrote none, rate shares included, every round while the
         ledgers passed etcd's request limit). Those unwritten are due again
         the next round."""
-        fence = fence or self._fence()
+        fence = self._fence()
         checks = [fence] if fence is not None else []
         for batch in _batches(writes):
             try:
