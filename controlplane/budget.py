@@ -104,6 +104,11 @@ class Ledger:
         return out
 
 
+def _process_key(proxy: str, spent: Spent) -> str:
+    """A process's key in a ledger: "<proxy>@<epoch>" (Ledger.newest splits it)."""
+    return f"{proxy}@{spent.epoch!r}"
+
+
 def decode_ledger(raw: bytes) -> Ledger:
     """A ledger as `Ledger.encode` wrote it (one from before `folded`: none;
     from before `folded_on`: folded on the ledger's day); ValueError when it
@@ -169,7 +174,7 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
     for proxy, spent in reports.items():
         if spent.day // 100 != month or not _sane(spent):
             continue
-        key = f"{proxy}@{spent.epoch!r}"
+        key = _process_key(proxy, spent)
         held = seen.get(key)
         if held is not None and held.day > spent.day and held.month_tokens >= spent.month_tokens:
             continue  # late (a clock stepped back would count on)
@@ -216,7 +221,7 @@ def _counted(ledger: Ledger, proxy: str, spent: Spent | None) -> Spent | None:
     the ledger left it out."""
     if spent is None:
         return None
-    key = f"{proxy}@{spent.epoch!r}"
+    key = _process_key(proxy, spent)
     held = ledger.seen.get(key)
     if held is not None:
         return held

@@ -611,6 +611,16 @@ def noon_rebalancer(fleet: Fleet, interval: float = 0.001) -> Rebalancer:
     )
 
 
+async def heard_from(
+    fleet: Fleet, replica: str, at: float, scope: str, *, tokens: float, rate: float = 5.0
+) -> None:
+    """`replica`'s report, as it writes it, of p1 heard at `at` charging
+    `scope` `tokens` today at `rate` tokens a second."""
+    row = [0, rate, 0, 0, 0, 1.0, DAY, tokens, tokens]
+    body = {"proxies": {"p1": {scope: row}}, "heard": {"p1": at}}
+    await fleet.store.put(DEMAND_PREFIX + replica, orjson.dumps(body))
+
+
 async def leader_round(fleet: Fleet) -> None:
     """A new leader's first round at NOON: the ledgers read, then counted."""
     rebalancer = noon_rebalancer(fleet)
@@ -728,10 +738,8 @@ async def test_of_two_replicas_reports_of_one_proxy_the_later_is_counted() -> No
     fleet = Fleet(budget_table())
     await fleet.lead()
     await fleet.register("p1")
-    for replica, at, tokens in (("cp-a", 200.0, 50.0), ("cp-b", 100.0, 30.0)):
-        row = [0, 5.0, 0, 0, 0, 1.0, DAY, tokens, tokens]
-        body = {"proxies": {"p1": {SCOPE: row}}, "heard": {"p1": at}}
-        await fleet.store.put(DEMAND_PREFIX + replica, orjson.dumps(body))
+    await heard_from(fleet, "cp-a", 200.0, SCOPE, tokens=50.0)
+    await heard_from(fleet, "cp-b", 100.0, SCOPE, tokens=30.0)
     await leader_round(fleet)
     kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
     assert kv is not None and decode_ledger(kv.value).used() == (50, 50)
@@ -917,10 +925,8 @@ async def test_of_two_replicas_reports_the_furthest_counts_are_taken() -> None:
     fleet = Fleet(budget_table())
     await fleet.lead()
     await fleet.register("p1")
-    for replica, at, tokens, rate in (("cp-a", 200.0, 30.0, 9.0), ("cp-b", 100.0, 50.0, 1.0)):
-        row = [0, rate, 0, 0, 0, 1.0, DAY, tokens, tokens]
-        body = {"proxies": {"p1": {SCOPE: row}}, "heard": {"p1": at}}
-        await fleet.store.put(DEMAND_PREFIX + replica, orjson.dumps(body))
+    await heard_from(fleet, "cp-a", 200.0, SCOPE, tokens=30.0, rate=9.0)
+    await heard_from(fleet, "cp-b", 100.0, SCOPE, tokens=50.0, rate=1.0)
     await leader_round(fleet)
     kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
     assert kv is not None and decode_ledger(kv.value).used() == (50, 50)
@@ -933,10 +939,8 @@ async def test_a_scope_in_the_earlier_of_two_reports_only_is_counted() -> None:
     fleet = Fleet(many_budgeted(2))
     await fleet.lead()
     await fleet.register("p1")
-    for replica, at, scope in (("cp-a", 200.0, "t/t000"), ("cp-b", 100.0, "t/t001")):
-        row = [0, 5.0, 0, 0, 0, 1.0, DAY, 30.0, 30.0]
-        body = {"proxies": {"p1": {scope: row}}, "heard": {"p1": at}}
-        await fleet.store.put(DEMAND_PREFIX + replica, orjson.dumps(body))
+    await heard_from(fleet, "cp-a", 200.0, "t/t000", tokens=30.0)
+    await heard_from(fleet, "cp-b", 100.0, "t/t001", tokens=30.0)
     await leader_round(fleet)
     for scope in ("t/t000", "t/t001"):
         kv = await fleet.store.get(LEDGER_PREFIX + scope)
