@@ -105,13 +105,14 @@ class SseParser:
         if (
             chunk.endswith(b"\n\n")
             and chunk.startswith(b"data: ")
-            and not (self._line or self._data or self._name or self._cr)
+            and not (self._line or self._data or self._name or self._cr or self._size)
             and chunk.count(b"\n") == 2
             and b"\r" not in chunk
             and not (self._limit and len(chunk) - 1 > self._limit)
         ):
             # Most chunks of a stream: one whole event of one data line, with
-            # nothing pending. What the lines below make of it, in one step.
+            # nothing pending (not even a line counted in the event's size, an
+            # `id:` split from its data). What the lines below make of it, in one step.
             return [Event(chunk[6:-2], b"", len(chunk) - 1)]
         if self._cr:
             self._cr = False

@@ -4,7 +4,7 @@ line ending the spec allows."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dataplane.streaming.sse import Event, SseParser
@@ -203,6 +203,9 @@ _LINES = st.sampled_from(
 
 
 @settings(max_examples=300, deadline=None)
+# Hypothesis found it: the fast path took "data: x" for a whole event after
+# "id: 1" had come alone, and the event's size lost the id line.
+@example(events=[[b"id: 1", b"data: x"]], ending=b"\n", cuts=[6])
 @given(
     st.lists(st.lists(_LINES, min_size=1, max_size=6), min_size=1, max_size=5),
     st.sampled_from([b"\n", b"\r\n", b"\r"]),
