@@ -318,10 +318,24 @@ class ControlPlane:
         )
 
     async def _lead(self) -> None:
-        """The loops only the leader runs."""
-        await asyncio.gather(
-            self.prober.run(), self.rebalancer.run(), self.scraper.run(), self.audit.run_trim()
-        )
+        """The loops only the leader runs, for one term. One that fails ends
+        the term: the others are cancelled and awaited, as they are when the
+        term ends otherwise, so the term is over only once each has ended (the
+        election revokes the lease after; the Rebalancer writes its last
+        counts meanwhile). Under asyncio.gather a loop that failed left the
+        others running on past the term, their writes unfenced, and a
+        cancelled one ended the gather while the others still ran. A single
+        loop's failure is raised as itself, for the election's log."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.prober.run(), name="health-probes")
+                group.create_task(self.rebalancer.run(), name="quota-rebalance")
+                group.create_task(self.scraper.run(), name="load-scrape")
+                group.create_task(self.audit.run_trim(), name="audit-trim")
+        except BaseExceptionGroup as failed:
+            if len(failed.exceptions) == 1:
+                raise failed.exceptions[0] from None
+            raise
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -198,21 +198,27 @@ def fitted(ledger: Ledger, max_bytes: int) -> Ledger:
     """`ledger`, encoded in at most `max_bytes` if dropping folded keys (the
     oldest folds first) makes it so: their counts stay in month_gone, and a
     process of theirs heard from again is counted twice (more, not less).
-    A ledger of that size has thousands of processes in a week; one etcd
-    refuses is not kept, and a new leader goes on from an older one. Its
-    rows are not dropped: they are what the fleet spent."""
+    It keeps as many of the newest folded keys as fit. A ledger of that size
+    has thousands of processes in a week; one still too large without any
+    is returned without any, and is not kept (a new leader goes on from an
+    older one). Its rows are not dropped: they are what the fleet spent."""
     if len(ledger.encode()) <= max_bytes or not ledger.folded:
         return ledger
     folds = sorted(ledger.folded.items(), key=lambda kv: (kv[1][1], kv[0]))
-    kept = len(folds)
-    while kept:
-        kept //= 2
-        smaller = Ledger(
-            ledger.day, ledger.month_gone, ledger.seen, dict(folds[len(folds) - kept :])
-        )
-        if len(smaller.encode()) <= max_bytes:
-            return smaller
-    return smaller
+
+    def keeping(kept: int) -> Ledger:
+        return Ledger(ledger.day, ledger.month_gone, ledger.seen, dict(folds[len(folds) - kept :]))
+
+    # The most folded keys (the newest) that fit: a binary search, as the
+    # encoding's size grows with each key kept.
+    fits, past = -1, len(folds)
+    while past - fits > 1:
+        mid = (fits + past) // 2
+        if len(keeping(mid).encode()) <= max_bytes:
+            fits = mid
+        else:
+            past = mid
+    return keeping(max(fits, 0))
 
 
 def _counted(ledger: Ledger, proxy: str, spent: Spent | None) -> Spent | None:

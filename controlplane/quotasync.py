@@ -397,16 +397,27 @@ class QuotaHub:
                 lease = await self._lease()
                 if len(body) > COMPRESS_OVER:
                     body = packed(body, await lowest_format(self._store))
+                if len(body) > MAX_REQUEST_BYTES:
+                    # Not sent: etcd would refuse it, each refusal counted as
+                    # etcd failing. Written again once the demand changes.
+                    if not self._too_large:
+                        log.error(
+                            "demand report not written: %d bytes, past etcd's request "
+                            "limit of %d; the leader counts none of this replica's "
+                            "%d proxies",
+                            len(body),
+                            MAX_REQUEST_BYTES,
+                            len(self._demand),
+                        )
+                        self._too_large = True
+                    continue
                 await self._store.put(key, body, lease=lease)
-                self._too_large = False
+                if self._too_large:
+                    self._too_large = False
+                    log.info("demand report written again (%d bytes)", len(body))
             except (StoreUnavailable, Unavailable, LeaseExpired) as exc:
                 self._dirty = True
-                if len(body) > MAX_REQUEST_BYTES and not self._too_large:
-                    # Every interval alike: the leader counts none of these proxies.
-                    log.error("demand report not written: %d bytes: %s", len(body), exc)
-                    self._too_large = True
-                else:
-                    log.debug("demand report not written: %s", exc)
+                log.debug("demand report not written: %s", exc)
 
     # ------------------------------------------------------------ shares out
 
@@ -588,13 +599,18 @@ def _further(a: Spent, b: Spent | None) -> bool:
 # while less than LEDGER_CLOSE of a budget is left (a new one at once): each
 # busy budgeted scope's counts change every round, and a write a round each
 # was as many etcd revisions a second. A new leader reads the ledgers, and the
-# proxies' next reports (cumulative) bring their counts up to date; what is
-# lost is the unwritten counts of processes that stopped meanwhile (a proxy
-# restarted with the leader): at most the slack, and none near the end of a
-# budget, where a count short would admit past it.
+# proxies' next reports (cumulative) bring their counts up to date. A term
+# that ends writes what it had not (Rebalancer._flush); what a leader that
+# dies at once takes with it is the unwritten counts of processes that
+# stopped meanwhile (a proxy restarted with it): at most the slack, and none
+# near the end of a budget, where a count short would admit past it.
 LEDGER_ROUNDS = 10
 LEDGER_SLACK = 0.01
 LEDGER_CLOSE = 0.1
+# How long a term's end waits to write the ledgers' last counts: a shutdown
+# does not wait on an etcd that is away, and the lease (revoked after) lives
+# longer than this (Leadership's TTL is at least a few seconds).
+FLUSH_S = 2.0
 # What a transaction of ledgers, and so a ledger, may weigh: room under
 # --max-request-bytes for the fence and etcd's framing. A larger ledger loses
 # its oldest folded keys (budget.fitted), or is not kept.
@@ -651,14 +667,38 @@ class Rebalancer:
         self._default = 0.0
         # The shares key as written, and as JSON (the same, uncompressed).
         self._written = self._written_json = b""
-        # Whether the shares were too large to write (logged once while so).
+        # Whether the shares were too large to write (logged once while so),
+        # and those last found so, with the replicas' format then.
         self._too_large = False
+        self._refused: tuple[bytes, int] | None = None
         # Rounds since the last write. Due at once: a new leader's first round
         # confirms the spare flags that proxies stopped counting meanwhile.
         self._unwritten = SPARE_REFRESH_ROUNDS
         self.rounds = 0
 
     async def run(self) -> None:
+        """Rebalance until cancelled (the term ends) or no longer the
+        leader. As it is cancelled, the ledgers' counts not written yet are
+        (_flush), fenced by the term's leadership: the election clears its
+        fence before it cancels the leader's loops, and revokes the lease
+        only once they have ended (ControlPlane._lead waits for each)."""
+        # Before any await: what a former term counted is not this term's to
+        # write (a newer leader may have written since), even if this term
+        # ends before it has read the ledgers.
+        self._reset_ledgers()
+        term = self._fence()
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            await self._flush(term)
+            raise
+
+    def _reset_ledgers(self) -> None:
+        self._ledgers, self._ledgers_written = {}, {}
+        self._ledger_rounds, self._ledger_counts = {}, {}
+        self._oversize = set()
+
+    async def _run(self) -> None:
         try:
             kv = await self._store.get(SHARES_KEY)
             if kv is not None:
@@ -685,8 +725,7 @@ class Rebalancer:
         """The budgets' ledgers as a former leader left them. Unreadable, a
         round's write (which it is the leader's to make) starts them again:
         logged, since that forgets what the fleet spent."""
-        self._ledgers, self._ledgers_written = {}, {}
-        self._ledger_rounds, self._ledger_counts = {}, {}
+        self._reset_ledgers()
         while True:
             try:
                 listing = await self._store.list(LEDGER_PREFIX)
@@ -728,15 +767,11 @@ class Rebalancer:
             self._ledgers[scope] = ledger
             used = ledger.used()
             if self._ledger_due(scope, lim, used):
-                encoded = ledger.encode()
-                if len(encoded) > LEDGER_TXN_BYTES:
-                    ledger = self._ledgers[scope] = fitted(ledger, LEDGER_TXN_BYTES)
-                    encoded = ledger.encode()
-                if len(encoded) > LEDGER_TXN_BYTES:
-                    self._too_large_to_keep(scope, len(encoded))
-                elif encoded != self._ledgers_written.get(scope):
+                encoded = self._encoded(scope)
+                if encoded is not None and encoded != self._ledgers_written.get(scope):
                     writes.append(Write(LEDGER_PREFIX + scope, encoded))
                     counted[scope] = used
+            ledger = self._ledgers[scope]
             wanted = {
                 proxy: d.tokens_per_s
                 for proxy, by_scope in demand.items()
@@ -753,35 +788,98 @@ class Rebalancer:
             budgeted = now_limits is not None and now_limits.budgeted
             if not budgeted and ledger.day // 100 != today // 100:
                 writes.append(Write(LEDGER_PREFIX + scope, None))
-        await self._write_ledgers(writes, counted)
+        failed = await self._write_ledgers(writes, counted)
+        if failed is not None:
+            # Once while it lasts. The round goes on: the shares still go out
+            # (a round that failed here before wrote none, rate shares
+            # included, every round while the ledgers passed etcd's request
+            # limit).
+            (log.debug if self._ledgers_failing else log.warning)(
+                "budget ledgers not written (%d bytes in all), tried again each round: %s",
+                request_bytes(writes),
+                failed,
+            )
+            self._ledgers_failing = True
+        elif self._ledgers_failing and writes:
+            self._ledgers_failing = False
+            log.info("budget ledgers written again")
         return out
 
+    def _encoded(self, scope: str) -> bytes | None:
+        """`scope`'s ledger as written: fitted to a transaction (the fitted
+        ledger kept in its place), or None if even that is too large (said
+        once; the ledger kept whole, since nothing of it is written)."""
+        ledger = self._ledgers[scope]
+        encoded = ledger.encode()
+        if len(encoded) <= LEDGER_TXN_BYTES:
+            return encoded
+        smaller = fitted(ledger, LEDGER_TXN_BYTES)
+        encoded = smaller.encode()
+        if len(encoded) > LEDGER_TXN_BYTES:
+            self._too_large_to_keep(scope, len(encoded))
+            return None
+        self._ledgers[scope] = smaller
+        return encoded
+
+    async def _flush(self, term: Fence | None) -> None:
+        """Write what this term counted and did not write yet (LEDGER_ROUNDS),
+        fenced by `term`: a leader that lost its leadership writes nothing.
+        Within FLUSH_S. Without it, what processes that stopped in those
+        rounds had counted went with the leader (a proxy restarted with it:
+        a rolling upgrade of both)."""
+        if term is None:
+            return
+        writes: list[Write] = []
+        counted: dict[str, tuple[float, float]] = {}
+        for scope in list(self._ledgers):
+            encoded = self._encoded(scope)
+            if encoded is not None and encoded != self._ledgers_written.get(scope):
+                writes.append(Write(LEDGER_PREFIX + scope, encoded))
+                counted[scope] = self._ledgers[scope].used()
+        if not writes:
+            return
+        failed: Exception | None
+        try:
+            async with asyncio.timeout(FLUSH_S):
+                failed = await self._write_ledgers(writes, counted, term)
+        except TimeoutError:
+            failed = StoreUnavailable(f"etcd did not answer within {FLUSH_S:g} s")
+        except Conflict:
+            failed = Conflict("no longer the leader")
+        if failed is None:
+            log.info("budget ledgers' last counts written as the term ended (%d)", len(writes))
+        else:
+            left = sum(
+                1
+                for w in writes
+                if self._ledgers_written.get(w.key[len(LEDGER_PREFIX) :]) != w.value
+            )
+            log.warning(
+                "budget ledgers' last counts not written as the term ended (%d of %d): %s",
+                left,
+                len(writes),
+                failed,
+            )
+
     async def _write_ledgers(
-        self, writes: list[Write], counted: Mapping[str, tuple[float, float]]
-    ) -> None:
+        self,
+        writes: list[Write],
+        counted: Mapping[str, tuple[float, float]],
+        fence: Fence | None = None,
+    ) -> StoreUnavailable | None:
         """Write the ledgers in transactions etcd takes (--max-txn-ops,
-        --max-request-bytes), each fenced: ledgers are independent, so one
-        written and the next not is a round's loss. A transaction that fails
-        (etcd away) is logged once while it lasts and ends the writes of the
-        round, not the round: the shares still go out (a round that failed
-        here before wrote none, rate shares included, every round while the
-        ledgers passed etcd's request limit). Those unwritten are due again
-        the next round."""
-        fence = self._fence()
+        --max-request-bytes), each fenced by `fence`, else the leadership's
+        now: ledgers are independent, so one written and the next not is a
+        round's loss. The error of a transaction that failed (etcd away),
+        which ends the writes; those unwritten are due again. Conflict if the
+        fence no longer holds."""
+        fence = fence or self._fence()
         checks = [fence] if fence is not None else []
         for batch in _batches(writes):
             try:
                 await self._store.commit(batch, checks)
             except StoreUnavailable as exc:
-                # Once while it lasts: a ledger too large for etcd fails every round.
-                (log.debug if self._ledgers_failing else log.warning)(
-                    "budget ledgers not written (%d of them, %d bytes), tried again each round: %s",
-                    len(batch),
-                    request_bytes(batch),
-                    exc,
-                )
-                self._ledgers_failing = True
-                return
+                return exc
             for w in batch:
                 scope = w.key[len(LEDGER_PREFIX) :]
                 self._ledger_rounds[scope] = 0
@@ -792,9 +890,7 @@ class Rebalancer:
                 else:
                     self._ledgers_written[scope] = w.value
                     self._ledger_counts[scope] = counted[scope]
-        if self._ledgers_failing and writes:
-            self._ledgers_failing = False
-            log.info("budget ledgers written again")
+        return None
 
     def _too_large_to_keep(self, scope: str, size: int) -> None:
         """A ledger not written, rows alone past what a transaction takes: not
@@ -892,6 +988,8 @@ class Rebalancer:
             )
         ):
             return
+        if self._refused == (payload, readers):
+            return  # as large as last round: not compressed again on the event loop
         stored = packed(payload, readers)
         if len(stored) > MAX_REQUEST_BYTES:
             # Not a store failure to retry: the next round's is as large.
@@ -903,8 +1001,10 @@ class Rebalancer:
                 MAX_REQUEST_BYTES,
             )
             self._too_large = True
+            self._refused = (payload, readers)
             return
         await self._store.put(SHARES_KEY, stored, fence=self._fence())
+        self._refused = None
         if self._too_large:
             self._too_large = False
             log.info("quota shares written again (%d bytes)", len(stored))

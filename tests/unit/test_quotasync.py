@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -18,6 +19,7 @@ from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.model import ApiKeyRecord, Limits, ProxyRecord, State, Tenant
 from controlplane.quotasync import (
+    COMPRESSED,
     DEMAND_PREFIX,
     SHARES_KEY,
     SPARE_REFRESH_ROUNDS,
@@ -451,14 +453,25 @@ async def test_only_rebalanced_proxies_get_the_default_fraction() -> None:
     assert newcomer.default_fraction == 0.0
 
 
-async def test_undecodable_shares_are_ignored(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "bad_value",
+    [
+        b'{"proxies": {"p1": {"t/acme": [0.5]}}}',
+        COMPRESSED + zlib.compress(b'{"proxies": {}}')[:-3],  # cut short
+        COMPRESSED + b"not zlib",
+    ],
+    ids=["short row", "compressed, cut short", "not compressed"],
+)
+async def test_undecodable_shares_are_ignored(
+    bad_value: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     store = MemoryStore()
     hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
     good = await put_shares(store, {"p1": {"t/acme": Share(0.5, 1)}}, 0.5)
     with caplog.at_level(logging.ERROR, logger="controlplane.quotasync"):
         async with running(hub.watch()):
             await eventually(lambda: _generation_is(hub, good), "good shares loaded")
-            bad = await store.put(SHARES_KEY, b'{"proxies": {"p1": {"t/acme": [0.5]}}}')
+            bad = await store.put(SHARES_KEY, bad_value)
             await eventually(lambda: _logged(caplog, "undecodable"), "bad shares logged")
             assert hub.generation == good != bad
     assert share_map(quota_of(hub.update_for("p1"))) == {"t/acme": (0.5, 1)}
@@ -583,11 +596,16 @@ async def test_reported_demand_moves_shares_to_the_busy_proxy() -> None:
     assert shares["p1"]["t/acme"].concurrency + shares["p2"]["t/acme"].concurrency <= 10
 
 
-async def test_round_ignores_undecodable_demand(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "bad_value", [b"not json", COMPRESSED + b"not zlib"], ids=["not json", "not compressed"]
+)
+async def test_round_ignores_undecodable_demand(
+    bad_value: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     fleet = Fleet(limited_table())
     await fleet.lead()
     await fleet.register("p1")
-    await fleet.store.put(DEMAND_PREFIX + "cp-b", b"not json")
+    await fleet.store.put(DEMAND_PREFIX + "cp-b", bad_value)
     await fleet.rebalancer().round()
     shares, default, _ = await fleet.shares()
     assert default == 1.0
