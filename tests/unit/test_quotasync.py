@@ -130,7 +130,16 @@ def test_shares_encode_decode_round_trip() -> None:
     assert decode_shares(b"{}") == ({}, 0.0, 0.0)
 
 
-def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
+async def hub_with(raw: bytes) -> QuotaHub:
+    """A replica that has read `raw` as the shares key."""
+    store = MemoryStore()
+    await store.put(SHARES_KEY, raw)
+    hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
+    await hub._load()
+    return hub
+
+
+async def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
     shares = {"p1": {"t/acme": Share(0.5, 1, spare=True), "t/full": Share(0.5, 2)}}
     raw = encode_shares(shares, 0.5)
     assert decode_shares(raw) == (shares, 0.5, 0.0)
@@ -138,13 +147,23 @@ def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
     assert decode_shares(b'{"proxies": {"p1": {"t/acme": [0.5, 1]}}}')[0] == {
         "p1": {"t/acme": Share(0.5, 1)}
     }
-    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=1.0)
-    hub._shares = shares
+    hub = await hub_with(raw)
     quota = quota_of(hub.update_for("p1"))
     assert {s.scope: s.fleet_spare for s in quota.shares} == {"t/acme": True, "t/full": False}
 
 
-def test_the_fleets_debt_travels_to_the_store_and_to_the_proxy() -> None:
+async def test_an_update_stamped_with_its_generation_reads_as_the_same_update() -> None:
+    """The stamp goes before the update built once (protobuf merges them)."""
+    hub = await hub_with(encode_shares({"p1": {"t/acme": Share(0.5, 1, True, 2.0)}}, 0.5, 5.0))
+    stamped = pb.RouteUpdate.FromString(hub.update_for("p1"))
+    plain = pb.RouteUpdate.FromString(hub.update_for("p1", 0))
+    assert plain.quota.generation == 0 and hub.generation > 0
+    plain.quota.generation = hub.generation
+    assert stamped == plain and len(stamped.quota.shares) == 1
+    assert pb.RouteUpdate.FromString(hub.update_for("p1", 7)).quota.generation == 7
+
+
+async def test_the_fleets_debt_travels_to_the_store_and_to_the_proxy() -> None:
     shares = {
         "p1": {"t/acme": Share(0.9, 0, fleet_debt_s=365.0), "t/both": Share(0.1, 1, True, 5.0)},
         "p2": {"t/acme": Share(0.02, 0, fleet_debt_s=365.0)},
@@ -154,8 +173,7 @@ def test_the_fleets_debt_travels_to_the_store_and_to_the_proxy() -> None:
     # A replica that predates the debt reads the fraction, slots and flag.
     body = orjson.loads(raw)
     assert body["proxies"]["p1"]["t/acme"][:3] == [0.9, 0, 0]
-    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=1.0)
-    hub._shares = shares
+    hub = await hub_with(raw)
     quota = quota_of(hub.update_for("p2"))
     assert [(s.scope, s.fleet_debt_s) for s in quota.shares] == [("t/acme", 365.0)]
 
@@ -457,10 +475,22 @@ async def test_only_rebalanced_proxies_get_the_default_fraction() -> None:
     "bad_value",
     [
         b'{"proxies": {"p1": {"t/acme": [0.5]}}}',
+        b'{"proxies": {"p1": {"t/acme": [0.5, null]}}}',
+        b'{"proxies": {"p1": {"t/acme": {"fraction": 0.5}}}}',
+        b'{"proxies": {"p1": [[0.5, 1]]}}',
+        b'{"proxies": [["p1"]]}',
         COMPRESSED + zlib.compress(b'{"proxies": {}}')[:-3],  # cut short
         COMPRESSED + b"not zlib",
     ],
-    ids=["short row", "compressed, cut short", "not compressed"],
+    ids=[
+        "short row",
+        "null in a row",
+        "row not a list",
+        "scopes not an object",
+        "proxies not an object",
+        "compressed, cut short",
+        "not compressed",
+    ],
 )
 async def test_undecodable_shares_are_ignored(
     bad_value: bytes, caplog: pytest.LogCaptureFixture
