@@ -43,6 +43,7 @@ import orjson
 from etcd3aio import prefix_range_end
 
 from controlplane.errors import Unavailable
+from controlplane.rounds import Defects
 from controlplane.store import StateStore, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -273,12 +274,16 @@ class AuditLog:
 
     async def run_trim(self) -> None:
         """Trim now and every trim_interval seconds, until cancelled (the leader runs it)."""
+        defects = Defects(log, "audit trims")
         while True:
             try:
                 removed = await self.trim()
             except StoreError as exc:
                 log.warning("audit trim failed, next try in %g s: %s", self._trim_interval, exc)
+            except Exception as exc:
+                defects.failed(exc)
             else:
+                defects.passed()
                 if removed:
                     log.info("audit trail trimmed: %d old entries removed", removed)
             await asyncio.sleep(self._trim_interval)

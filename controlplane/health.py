@@ -29,6 +29,7 @@ from controlplane.errors import Unavailable
 from controlplane.load import parse_vllm
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth
+from controlplane.rounds import Defects
 from controlplane.store import Conflict, Fence
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class Prober:
         self._metrics = metrics if metrics is not None else ControlMetrics()
         self._may_write = may_write
         self._fence = fence
+        self._defects = Defects(log, "health rounds")
         self._tracks: dict[str, _Track] = {}
         self.rounds = 0
 
@@ -177,6 +179,10 @@ class Prober:
                     await self.probe_all(session)
                 except Unavailable as exc:
                     log.warning("health round skipped: %s", exc)
+                except Exception as exc:
+                    self._defects.failed(exc)
+                else:
+                    self._defects.passed()
                 elapsed = asyncio.get_running_loop().time() - started
                 await asyncio.sleep(max(0.0, self._settings.interval - elapsed))
 

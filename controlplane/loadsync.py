@@ -38,6 +38,7 @@ import aiohttp
 from controlplane.distribute import Publisher
 from controlplane.health import ProbeSettings, root_of
 from controlplane.load import Figures, Sample, decode_loads, encode_loads, figures, parse_vllm
+from controlplane.rounds import Defects
 from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
 from ponto.v1 import routing_pb2 as pb
 
@@ -83,6 +84,7 @@ class LoadScraper:
         self._publisher = publisher
         self._settings = settings
         self._fence = fence
+        self._defects = Defects(log, "origin load rounds")
         self._clock = clock
         self._previous: dict[str, Sample] = {}
         self._written: dict[str, Figures] | None = None
@@ -129,6 +131,10 @@ class LoadScraper:
                 except Conflict:
                     log.warning("origin loads not written: no longer the leader")
                     return
+                except Exception as exc:
+                    self._defects.failed(exc)
+                else:
+                    self._defects.passed()
                 elapsed = loop.time() - started
                 await asyncio.sleep(max(0.0, self._settings.load_interval - elapsed))
 

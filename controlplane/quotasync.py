@@ -48,6 +48,7 @@ from controlplane.catalog import REPLICAS, Catalog
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.quota import compute_shares
+from controlplane.rounds import Defects
 from controlplane.store import (
     MAX_REQUEST_BYTES,
     MAX_TXN_OPS,
@@ -715,6 +716,7 @@ class Rebalancer:
         # confirms the spare flags that proxies stopped counting meanwhile.
         self._unwritten = SPARE_REFRESH_ROUNDS
         self.rounds = 0
+        self._defects = Defects(log, "quota rebalances")
 
     async def run(self) -> None:
         """Rebalance until cancelled (the term ends) or no longer the
@@ -755,10 +757,10 @@ class Rebalancer:
             except Conflict:
                 log.warning("quota shares not written: no longer the leader")
                 return
-            except Exception:
-                # A defect, not the store: the next round may not meet it, and
-                # a leader whose quota task died would go on leading without.
-                log.exception("quota rebalance failed")
+            except Exception as exc:
+                self._defects.failed(exc)
+            else:
+                self._defects.passed()
             await asyncio.sleep(self._interval)
 
     async def read_ledgers(self) -> None:
