@@ -320,12 +320,13 @@ class ControlPlane:
     async def _lead(self) -> None:
         """The loops only the leader runs, for one term. One that fails ends
         the term: the others are cancelled and awaited, as they are when the
-        term ends otherwise, so the term is over only once each has ended (the
+        term ends otherwise, so this returns only once each has ended (the
         election revokes the lease after; the Rebalancer writes its last
-        counts meanwhile). Under asyncio.gather a loop that failed left the
-        others running on past the term, their writes unfenced, and a
-        cancelled one ended the gather while the others still ran. A single
-        loop's failure is raised as itself, for the election's log."""
+        counts meanwhile, fenced: if the lease ended first, those writes
+        fail). Under asyncio.gather a loop that failed left the others
+        running on past the term, their writes unfenced, and a cancelled one
+        ended the gather while the others still ran. A single loop's failure
+        is raised as itself, for the election's log."""
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.prober.run(), name="health-probes")

@@ -209,6 +209,11 @@ def fitted(ledger: Ledger, max_bytes: int) -> Ledger:
     def keeping(kept: int) -> Ledger:
         return Ledger(ledger.day, ledger.month_gone, ledger.seen, dict(folds[len(folds) - kept :]))
 
+    # Rows alone too large (each round, while so): one encoding, not a search.
+    bare = keeping(0)
+    if len(bare.encode()) > max_bytes:
+        return bare
+
     # The most folded keys (the newest) that fit: a binary search, as the
     # encoding's size grows with each key kept.
     fits, past = -1, len(folds)

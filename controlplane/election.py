@@ -50,19 +50,45 @@ class Leadership:
             finally:
                 self.is_leader = False
                 self.fence = None
-                leader_task.cancel()
-                try:
-                    await leader_task
-                except asyncio.CancelledError:
-                    pass
-                except Exception:
-                    # A failure of the leader's loops ends the term: said once,
-                    # with its cause, or the replica would lead and step down
-                    # in a loop with nothing in its log.
-                    log.exception("%s: the leader's loops failed", self.replica_id)
+                stopped, failed = await self._ended(leader_task)
                 with contextlib.suppress(StoreUnavailable):
                     await self._store.revoke_lease(lease)
+                if stopped:
+                    # Cancelled while the term ended (a shutdown as the loops
+                    # wrote their last): the loops ended, the lease went, and
+                    # this replica does not campaign again.
+                    raise asyncio.CancelledError
             log.warning("%s lost leadership", self.replica_id)
+            if failed:
+                # Not at once: a replica whose loops fail at once (its origin
+                # CA unreadable) led and failed in a tight loop, and another,
+                # which may not fail, had no time to campaign.
+                await asyncio.sleep(self._ttl / 3)
+
+    async def _ended(self, leader_task: asyncio.Task[None]) -> tuple[bool, bool]:
+        """Cancel the term's loops and wait until they have ended, however long
+        their last writes take (each is bounded, and fenced by the term): the
+        lease is revoked only after. Whether this task was itself cancelled
+        meanwhile, which is put off until then rather than lost (under a
+        shutdown that came as a term ended on its own, the replica revoked its
+        lease and campaigned again, and the shutdown waited for ever); and
+        whether the loops failed."""
+        leader_task.cancel()
+        cancelled = False
+        while not leader_task.done():
+            try:
+                await asyncio.wait({leader_task})
+            except asyncio.CancelledError:
+                cancelled = True
+        if leader_task.cancelled():
+            return cancelled, False
+        failed = leader_task.exception()
+        if failed is not None:
+            # A failure of the leader's loops ends the term: said once, with its
+            # cause, or the replica would lead and step down in a loop with
+            # nothing in its log.
+            log.error("%s: the leader's loops failed", self.replica_id, exc_info=failed)
+        return cancelled, failed is not None
 
     async def _campaign(self) -> tuple[int, int]:
         while True:
@@ -113,7 +139,11 @@ class Leadership:
         step_down_after = self._ttl * 2 / 3
         renewed = loop.time()
         while not leader_task.done():
-            await asyncio.sleep(self._ttl / 3)
+            # Woken as the loops end too: a term whose loops failed ends now,
+            # not at the next renewal.
+            await asyncio.wait({leader_task}, timeout=self._ttl / 3)
+            if leader_task.done():
+                return
             budget = renewed + step_down_after - loop.time()
             if budget <= 0:
                 return

@@ -424,8 +424,8 @@ class QuotaHub:
                     if not self._too_large:
                         log.error(
                             "demand report not written: %d bytes, past etcd's request "
-                            "limit of %d; the leader counts none of this replica's "
-                            "%d proxies",
+                            "limit of %d; the leader goes on from this replica's last "
+                            "report (its %d proxies' rates and counts stand still)",
                             len(body),
                             MAX_REQUEST_BYTES,
                             len(self._demand),
@@ -648,9 +648,10 @@ def _further(a: Spent, b: Spent | None) -> bool:
 LEDGER_ROUNDS = 10
 LEDGER_SLACK = 0.01
 LEDGER_CLOSE = 0.1
-# How long a term's end waits to write the ledgers' last counts: a shutdown
-# does not wait on an etcd that is away, and the lease (revoked after) lives
-# longer than this (Leadership's TTL is at least a few seconds).
+# How long a term's end waits to write the ledgers' last counts, so that a
+# shutdown does not wait on an etcd that is away. The lease may end first (a
+# term ends when it cannot be renewed for 2/3 of the TTL, and --leader-ttl
+# may be 2 s): the write is fenced, and then fails, as any after the term.
 FLUSH_S = 2.0
 # What a transaction of ledgers, and so a ledger, may weigh: room under
 # --max-request-bytes for the fence and etcd's framing. A larger ledger loses
@@ -739,6 +740,7 @@ class Rebalancer:
         self._ledgers, self._ledgers_written = {}, {}
         self._ledger_rounds, self._ledger_counts = {}, {}
         self._oversize = set()
+        self._ledgers_failing = False
 
     async def _run(self) -> None:
         try:

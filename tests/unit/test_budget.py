@@ -45,7 +45,7 @@ from controlplane.quotasync import (
     json_of,
     packed,
 )
-from controlplane.store import MAX_REQUEST_BYTES
+from controlplane.store import MAX_REQUEST_BYTES, StoreUnavailable
 from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
@@ -1338,3 +1338,33 @@ async def test_a_terms_last_counts_wait_at_most_a_moment_for_etcd(
     assert len(said) == 1
     assert said[0].startswith("budget ledgers' last counts not written as the term ended (1 of 1)")
     assert ("0.05 s" in said[0]) == (etcd == "not answering")
+
+
+async def test_a_new_term_says_again_that_the_ledgers_are_not_written(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Said once while it lasts, a term: a term that ended while the writes
+    failed left the next one's first failure at DEBUG."""
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1")
+    await report(fleet, "p1", 300)
+
+    async def refused(*args: object, **kwargs: object) -> int:
+        raise StoreUnavailable("etcd is away")
+
+    monkeypatch.setattr(fleet.store, "commit", refused)
+    rebalancer = noon_rebalancer(fleet, interval=0.01)
+
+    async def said(times: int, rounds: int) -> bool:
+        warned = sum(
+            r.levelno == logging.WARNING and r.getMessage().startswith("budget ledgers not written")
+            for r in caplog.records
+        )
+        assert warned <= times
+        return warned == times and rebalancer.rounds >= rounds
+
+    async with running(rebalancer.run()):
+        await eventually(lambda: said(1, 3), "said in the first term, and three rounds")
+    async with running(rebalancer.run()):
+        await eventually(lambda: said(2, 6), "said again in the second, and three rounds")

@@ -544,3 +544,60 @@ async def test_a_replica_restarted_under_its_id_takes_its_predecessors_lead_at_o
         assert restarted.terms == 1
     finally:
         await stop(task)
+
+
+async def test_a_shutdown_as_a_term_ends_waits_for_the_loops_and_does_not_campaign_again() -> None:
+    """The term ends on its own (the lease gone) and its loops write their
+    last (cancellation takes a while); the replica is stopped meanwhile. The
+    cancellation reached the loops, which absorbed it, and was lost: the
+    replica revoked its lease, campaigned and led again, and the shutdown
+    waited for ever."""
+    store = MemoryStore()
+    events: list[str] = []
+    writing = asyncio.Event()
+
+    async def lead() -> None:
+        events.append("start")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            writing.set()
+            await asyncio.sleep(0.3)  # the last writes, bounded
+            events.append("ended")
+            raise
+
+    replica = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(lead))
+    await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+    kv = await store.get(LEADER_KEY)
+    assert kv is not None
+    await store.revoke_lease(kv.lease)  # the term ends at the next renewal
+    await asyncio.wait_for(writing.wait(), TTL + MARGIN)
+    task.cancel()  # SIGTERM, while the loops write their last
+    done, _ = await asyncio.wait({task}, timeout=MARGIN)
+    assert done == {task} and task.cancelled()
+    assert events == ["start", "ended"] and replica.terms == 1 and not replica.is_leader
+    assert await store.get(LEADER_KEY) is None
+
+
+async def test_a_term_whose_loops_failed_ends_then_and_another_replica_may_lead() -> None:
+    """With a TTL of 30 s the next renewal was 10 s on: the replica led that
+    long with no loops running (no probes, no shares). Ended at once, it
+    waits before it campaigns again, so a replica whose loops do not fail
+    takes the lead rather than one that fails at once winning each time."""
+    store = MemoryStore()
+    journal = Journal()
+
+    async def failing() -> None:
+        raise OSError("cannot read origin CA /etc/ponto/origin-ca/ca.crt")
+
+    a = Leadership(store, "a", ttl=30)
+    b = Leadership(store, "b", ttl=30)
+    tasks = [asyncio.create_task(a.run(failing))]
+    try:
+        await wait_until(lambda: a.terms == 1, MARGIN)
+        tasks.append(asyncio.create_task(b.run(journal.lead_for("b"))))
+        await wait_until(lambda: b.is_leader, 5)  # well inside the 10 s
+        assert a.terms == 1 and journal.started() == ["b"]
+    finally:
+        await stop(*tasks)
