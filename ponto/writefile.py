@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from logging import Logger
 from pathlib import Path
 
 
@@ -60,3 +61,13 @@ class LatestWriter:
             write_atomic(self.path, data)
         except OSError as exc:
             self._on_error(exc)
+
+
+def state_writer(state_dir: Path | None, name: str, what: str, log: Logger) -> LatestWriter | None:
+    """A LatestWriter of `state_dir`/`name` whose errors `log` says as
+    "cannot save `what` to `state_dir`"; None without a state dir."""
+    if state_dir is None:
+        return None
+    return LatestWriter(
+        state_dir / name, lambda exc: log.error("cannot save %s to %s: %s", what, state_dir, exc)
+    )

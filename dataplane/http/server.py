@@ -82,6 +82,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # How often expired cache entries are dropped, so memory follows the TTLs.
 SWEEP_INTERVAL_S = 30.0
+# How often the budgets' counts are saved for a restart (QuotaState.save_counts):
+# a process killed loses at most what it spent in this long.
+COUNTS_SAVE_S = 1.0
 
 # The share of --cache-max-mb the semantic index may hold; the exact store has the
 # rest and whatever the index does not use (docs/semantic-cache.md, "Memory").
@@ -246,6 +249,7 @@ class Proxy:
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),
             asyncio.create_task(self._sweep(), name="cache-sweeper"),
+            asyncio.create_task(self._save_counts(), name="budget-counts"),
         ]
         if self.semantic_feed is not None:
             self.semantic_feed.start()
@@ -270,9 +274,15 @@ class Proxy:
             self.cache.close()  # the semantic index's embedding thread
             self.locator.close()
             await self.holder.flush()
+            self.quota.save_counts()  # the last requests' too: the pipeline is closed
             await self.quota.flush()
             if self.access_log is not None:
                 self.access_log.close()
+
+    async def _save_counts(self) -> None:
+        while True:
+            await asyncio.sleep(COUNTS_SAVE_S)
+            self.quota.save_counts()
 
     async def _sweep(self) -> None:
         while True:

@@ -19,7 +19,7 @@ from dataplane.auth.remote import KeySets
 from dataplane.policy import CacheDefaults, EdgePolicy, build_policy
 from dataplane.routes import Routes, TableError, build_routes
 from ponto.v1 import routing_pb2 as pb
-from ponto.writefile import LatestWriter
+from ponto.writefile import state_writer
 
 log = logging.getLogger(__name__)
 TABLE_FILE = "route_table.pb"
@@ -64,14 +64,7 @@ class TableHolder:
         self._installed = asyncio.Event()
         self.applied_at = 0.0  # time.time() of the last apply
         self.received_at = 0.0  # time.time() the control plane last sent a table
-        self._saved = (
-            None
-            if state_dir is None
-            else LatestWriter(
-                state_dir / TABLE_FILE,
-                lambda exc: log.error("cannot save route table to %s: %s", state_dir, exc),
-            )
-        )
+        self._saved = state_writer(state_dir, TABLE_FILE, "route table", log)
 
     @property
     def key_sets_ready(self) -> bool:

@@ -8,7 +8,11 @@ nothing under a limit; /readyz says so, so a load balancer waits for it.
 
 The last shares are saved beside the route table, so a proxy restarted while
 the control plane is away keeps enforcing its part of the limits instead of
-refusing every limited request. docs/rate-limits.md has the whole scheme.
+refusing every limited request. So are the budgets' counts of this process
+(`save_counts`, about once a second and as it stops): a process after it goes
+on from them, as the same process to the leader, rather than spend again what
+this one spent since the leader's last count. docs/rate-limits.md has the
+whole scheme.
 
 Budgets (tokens per day and month) need no share: the leader's counts come
 with the shares (QuotaShares.budgets), and the proxy's own go with its
@@ -24,13 +28,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+import orjson
+
 from dataplane.ratelimit.limiter import RateLimiter
-from ponto.quota_types import Budget, ScopeLimits, Share, default_share, utc_day
+from ponto.quota_types import Budget, ScopeLimits, Share, Spent, default_share, utc_day
 from ponto.v1 import routing_pb2 as pb
-from ponto.writefile import LatestWriter
+from ponto.writefile import state_writer
 
 log = logging.getLogger(__name__)
 QUOTA_FILE = "quota_shares.pb"
+COUNTS_FILE = "budget_counts.json"
 
 
 class QuotaState:
@@ -57,14 +64,11 @@ class QuotaState:
         # and their generation (/healthz).
         self.source = "none"
         self.generation = 0
-        self._saved = (
-            None
-            if state_dir is None
-            else LatestWriter(
-                state_dir / QUOTA_FILE,
-                lambda exc: log.error("cannot save quota shares to %s: %s", state_dir, exc),
-            )
-        )
+        self._saved = state_writer(state_dir, QUOTA_FILE, "quota shares", log)
+        self._counts_saved = state_writer(state_dir, COUNTS_FILE, "budget counts", log)
+        self._counts_written = b""
+        # The counts a former process left, taken at the first limits.
+        self._resume: dict[str, Spent] = {}
 
     @property
     def ready(self) -> bool:
@@ -86,6 +90,15 @@ class QuotaState:
     def on_limits(self, limits: Mapping[str, ScopeLimits]) -> None:
         self._limits = limits
         self._limiter.configure(limits, self._clock())
+        if self._resume:
+            self._set_day()
+            taken = self._limiter.resume(self._resume)
+            self._resume = {}
+            if taken:
+                log.info(
+                    "going on from the budget counts the proxy's last process saved (%s)",
+                    ", ".join(sorted(taken)),
+                )
         self._apply()
 
     def on_quota(self, quota: pb.QuotaShares) -> None:
@@ -189,15 +202,38 @@ class QuotaState:
         if self._saved is not None:
             self._saved.save(quota.SerializeToString())
 
+    def save_counts(self) -> None:
+        """Save this process's budget counts if they changed since the last
+        save (off the event loop). Called about once a second, whether or not
+        a control plane answers, and as the proxy stops: a process killed
+        loses at most what it spent since."""
+        if self._counts_saved is None:
+            return
+        counts = self._limiter.counts()
+        body = orjson.dumps(
+            {
+                scope: [s.epoch, s.day, s.day_tokens, s.month_tokens]
+                for scope, s in sorted(counts.items())
+            }
+        )
+        if body != self._counts_written and (counts or self._counts_written):
+            self._counts_written = body
+            self._counts_saved.save(body)
+
     async def flush(self) -> None:
-        """Wait until the newest shares are saved (the fsync runs in a thread)."""
+        """Wait until the newest shares and counts are saved (the fsync runs
+        in a thread)."""
         if self._saved is not None:
             await self._saved.flush()
+        if self._counts_saved is not None:
+            await self._counts_saved.flush()
 
     def load_saved(self) -> None:
-        """Take the shares saved by an earlier run, if there is a valid copy."""
+        """Take the shares saved by an earlier run, if there is a valid copy,
+        and the budget counts it left (taken with the first limits)."""
         if self._state_dir is None:
             return
+        self._resume = _read_counts(self._state_dir / COUNTS_FILE)
         path = self._state_dir / QUOTA_FILE
         try:
             quota = pb.QuotaShares.FromString(path.read_bytes())
@@ -211,6 +247,23 @@ class QuotaState:
         log.info(
             "using saved quota shares (generation %d) until the leader's arrive", quota.generation
         )
+
+
+def _read_counts(path: Path) -> dict[str, Spent]:
+    """The budget counts saved at `path` (save_counts); none if there are
+    none or they are damaged (said once: the process counts from nothing,
+    as one did before they were saved)."""
+    try:
+        raw = orjson.loads(path.read_bytes())
+        return {
+            str(scope): Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3]))
+            for scope, v in raw.items()
+        }
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:  # any damage: count from nothing
+        log.error("ignoring saved budget counts %s: %s", path, exc)
+        return {}
 
 
 def _left(value: float) -> float:

@@ -119,3 +119,44 @@ def test_a_day_budget_holds_across_the_fleet_and_restarts(
     with httpx.Client(timeout=10, headers={"authorization": f"Bearer {key}"}) as http:
         for proxy in PROXIES:
             assert ask(http, fleet.proxy_url(proxy) + "/chat/completions")[0] == 200
+
+
+def spend(client: httpx.Client, url: str, limit: int = 200) -> int:
+    """Tokens answered at `url` until its first refusal."""
+    used = 0
+    for _ in range(limit):
+        status, tokens, _ = ask(client, url)
+        if status != 200:
+            return used
+        used += tokens
+    raise AssertionError(f"never refused: {used} tokens")
+
+
+@pytest.mark.parametrize("stopped", ["SIGTERM", "SIGKILL"])
+def test_a_proxy_restarted_while_the_control_plane_is_away_spends_nothing_twice(
+    stopped: str, fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 42: what a proxy process spent since the leader's last count went
+    with it, and the process after it spent it again; a day budget of 2,000
+    served 4,030 tokens over two restarts. The counts are saved beside the
+    shares, as the proxy stops and about once a second (SIGKILL: an OOM
+    kill), and the process after goes on from them."""
+    key = make_key(fleet, f"restarted-{stopped.lower()}", pb.Limits(tokens_per_day=1000))
+    fleet.controls["control-1"].stop()
+    try:
+        with httpx.Client(timeout=10, headers={"authorization": f"Bearer {key}"}) as http:
+            before = spend(http, fleet.proxy_url("p1") + "/chat/completions")
+            if stopped == "SIGKILL":
+                time.sleep(1.5)  # a save
+                fleet.proxies["p1"].kill()
+            fleet.restart("p1")  # SIGTERM, as an orchestrator does
+            after = spend(http, fleet.proxy_url("p1") + "/chat/completions")
+    finally:
+        fleet.restart("control-1")
+        fleet.wait_proxies_at(fleet.table_version(origins=1))
+    with capsys.disabled():
+        print(f"{stopped}: before the restart {before} tokens, after it {after}")
+    # Its share of the day (about half: two proxies) before; after, at most
+    # what the last answer's count passed its estimate by, not as much again.
+    assert 300 <= before <= 1000 + ANSWER, before
+    assert after <= ANSWER + 12, (before, after)

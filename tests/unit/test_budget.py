@@ -12,6 +12,7 @@ import datetime
 import logging
 import math
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -50,7 +51,7 @@ from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit.limiter import RateLimiter
-from dataplane.sync.quota import QuotaState
+from dataplane.sync.quota import COUNTS_FILE, QuotaState
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -571,6 +572,70 @@ def test_a_proxy_with_budgets_only_is_ready_without_shares_and_reports_its_day()
         )
     )
     assert limiter.budget_left(SCOPE) == Reckoning(-15, math.inf, -15, math.inf)
+
+
+def proxy_process(state_dir: Path, epoch: float) -> tuple[RateLimiter, QuotaState]:
+    """A proxy process started at `epoch` with `state_dir`, at NOON, the
+    leader away: what it saved before, then its table."""
+    limiter = RateLimiter(epoch=epoch)
+    state = QuotaState(limiter, state_dir, clock=lambda: 1.0, wall=lambda: NOON)
+    state.load_saved()
+    state.on_limits({SCOPE: BUDGET})
+    return limiter, state
+
+
+def spend_until_refused(limiter: RateLimiter) -> int:
+    spent = 0
+    while limiter.admit([SCOPE], 100, 1.0).ok and spent < 10_000:
+        spent += 100
+    return spent
+
+
+def test_a_proxy_restarted_while_the_leader_is_away_goes_on_from_its_counts(
+    tmp_path: Path,
+) -> None:
+    """Trial 42: what a process spent since the leader's last count went with
+    it, and the process after it spent it again: a day budget of 2,000
+    served 4,030 tokens over two restarts, and the ledger never heard of
+    half of them."""
+    first, state = proxy_process(tmp_path, epoch=7.0)
+    # The leader's last count, saved with the shares: nothing of this process yet.
+    budget = pb.ScopeBudget(
+        scope=SCOPE, epoch=7.0, day=DAY, day_left=1000, month_left=5000, share=1.0
+    )
+    state.on_quota(pb.QuotaShares(generation=5, budgets=[budget]))
+    assert spend_until_refused(first) == 1000
+    state.save_counts()  # as it stops; the leader heard none of it
+    second, state = proxy_process(tmp_path, epoch=9.0)
+    assert spend_until_refused(second) == 0
+    # To the leader, the same process: what it spent is counted once.
+    [row] = state.demand()
+    assert (row.spent_epoch, row.spent_day, row.day_tokens, row.month_tokens) == (
+        7.0,
+        DAY,
+        1000,
+        1000,
+    )
+
+
+def test_saved_counts_of_another_month_or_damaged_are_not_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Of yesterday: the month's count, not the day's.
+    (tmp_path / COUNTS_FILE).write_bytes(orjson.dumps({SCOPE: [7.0, DAY - 1, 600, 4500]}))
+    limiter, _ = proxy_process(tmp_path, epoch=9.0)
+    assert limiter.counts() == {SCOPE: Spent(7.0, DAY, 0, 4500)}
+    assert spend_until_refused(limiter) == 500  # the month's 5,000 less 4,500
+    # Of last month: nothing, and this process's own epoch.
+    (tmp_path / COUNTS_FILE).write_bytes(orjson.dumps({SCOPE: [7.0, 20261130, 600, 4500]}))
+    limiter, _ = proxy_process(tmp_path, epoch=9.0)
+    assert limiter.counts() == {} and spend_until_refused(limiter) == 1000
+    assert limiter.counts()[SCOPE].epoch == 9.0
+    (tmp_path / COUNTS_FILE).write_bytes(b"{not json")
+    limiter, _ = proxy_process(tmp_path, epoch=9.0)
+    assert spend_until_refused(limiter) == 1000
+    [error] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert error.getMessage().startswith("ignoring saved budget counts") and not error.exc_info
 
 
 # ---------------------------------------------------------------- the leader's round
