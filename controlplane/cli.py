@@ -765,6 +765,31 @@ def _models_text(
 MAX_CELL_MODELS = 5
 
 
+def _budget_notes(limits: pb.Limits, spent: apb.BudgetSpent | None) -> list[str]:
+    """What `limit set` says of budgets that take effect otherwise than one
+    may think: a month budget under the day's (the day's is never reached),
+    or a budget already spent as the leader last counted (refused at once,
+    until the period ends)."""
+    day, month = limits.tokens_per_day, limits.tokens_per_month
+    notes = []
+    if 0 < month < day:
+        notes.append(
+            f"tokens_per_month {month} is less than tokens_per_day {day}: the month's "
+            "budget is reached first, and the day's never"
+        )
+    if spent is not None:  # today's, as the control plane counts days
+        for budget, used, kind, period, ends in (
+            (day, spent.day_tokens, "day", "today", "00:00 UTC"),
+            (month, spent.month_tokens, "month", "this month", "the 1st of next month, 00:00 UTC"),
+        ):
+            if 0 < budget <= used:
+                notes.append(
+                    f"{used:.0f} tokens were spent {period}: the new {kind} budget of "
+                    f"{budget} is spent, and requests are refused until {ends}"
+                )
+    return notes
+
+
 def _limits_text(limits: pb.Limits) -> str:
     """Limits as `limit set` confirms them: the flags' names."""
     shown = [f"{n}={getattr(limits, n)}" for n in LIMIT_DESTS if getattr(limits, n)]
@@ -1421,16 +1446,24 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 "(0 removes that limit)"
             )
         if args.key:
-            keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True)).keys
-            current = next((k.limits for k in keys if k.id == args.key), pb.Limits())
+            listed = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+            current = next((k.limits for k in listed.keys if k.id == args.key), pb.Limits())
             limits = _limits_over(current, args, f"key {args.key!r}")
             stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=args.key, limits=limits))
-            return f"limits of key {args.key} set: {_limits_text(limits)}"
-        tenants = stub.ListTenants(apb.ListRequest()).tenants
-        current = next((t.limits for t in tenants if t.name == args.tenant), pb.Limits())
-        limits = _limits_over(current, args, f"tenant {args.tenant!r}")
-        stub.UpdateTenant(apb.UpdateTenantRequest(name=args.tenant, limits=limits))
-        return f"limits of tenant {args.tenant} set: {_limits_text(limits)}"
+            owner, scope, spent = f"key {args.key}", f"k/{args.key}", listed.spent
+        else:
+            tenants = stub.ListTenants(apb.ListRequest())
+            current = next(
+                (t.limits for t in tenants.tenants if t.name == args.tenant), pb.Limits()
+            )
+            limits = _limits_over(current, args, f"tenant {args.tenant!r}")
+            stub.UpdateTenant(apb.UpdateTenantRequest(name=args.tenant, limits=limits))
+            owner, scope, spent = f"tenant {args.tenant}", f"t/{args.tenant}", tenants.spent
+        said = f"limits of {owner} set: {_limits_text(limits)}"
+        if current != limits:
+            said += f" (were: {_limits_text(current)})"
+        notes = _budget_notes(limits, next((b for b in spent if b.scope == scope), None))
+        return "\n".join([said, *(f"note: {n}" for n in notes)])
     if args.command == "cache":
         if not (args.tenant or args.model or args.all):
             raise UsageError("give --tenant, --model, or --all to purge everything")

@@ -1090,12 +1090,25 @@ def _over_budget(admission: Admission) -> ApiError:
     what, when, kind, code = BUDGETS[admission.limit or "tokens_per_day"]
     return ApiError(
         429,
-        f"Budget reached for {what}: it is spent, or too little is left for this "
-        f"request. It starts again at {when} in {_days(admission.retry_after_s)}.",
+        f"Budget reached for {what}{_of_whom(admission.refused_scope)}: it is spent, or too "
+        f"little is left for this request. It starts again at {when} in "
+        f"{_days(admission.retry_after_s)}.",
         type=kind,
         code=code,
         headers={"retry-after": admission.retry_after_header(), "x-should-retry": "false"},
     )
+
+
+def _of_whom(scope: str) -> str:
+    """Whose budget a refusal names, as OpenAI names the organization whose
+    limit refused: a key and its tenant may each have one (trial 42: the
+    client could not tell which had run out)."""
+    kind, _, name = scope.partition("/")
+    if kind == "k":
+        return f" of API key {name}"
+    if kind == "t":
+        return f" of tenant {name}"
+    return ""
 
 
 def _days(seconds: float) -> str:

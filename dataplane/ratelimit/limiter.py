@@ -157,6 +157,7 @@ class _Scope:
         "max_limit",
         "max_tokens",
         "month_used",
+        "name",
         "peak",
         "req",
         "req_limit",
@@ -175,6 +176,7 @@ class _Scope:
         # the fleet) or empty (this proxy is (re)starting and cannot know what
         # was used of the minute before it came).
         self.fill_req = self.fill_tok = fill
+        self.name = ""  # its scope ("t/<tenant>", "k/<key id>"): RateLimiter.configure
         self.fraction = share.fraction
         self.slots = share.concurrency
         self.spare = share.spare
@@ -327,6 +329,12 @@ class Admission:
         # budgeted scope.
         self._reserved: list[float] | None = None
 
+    @property
+    def refused_scope(self) -> str:
+        """The scope whose limit refused ("t/<tenant>", "k/<key id>"), "" if
+        none did."""
+        return self.refused_by.name if self.refused_by is not None else ""
+
     def retry_after_header(self) -> str:
         """`Retry-After` in whole seconds, at least 1."""
         return retry_after_header(self.retry_after_s)
@@ -440,6 +448,7 @@ class RateLimiter:
             st = old.get(name)
             if st is None:
                 st = _Scope(lim, shares.get(name, NO_SHARE), now, fill=fresh)
+                st.name = name
                 st.budget = self._budgets.get(name)
                 # A scope back in the table counts from nothing: a count of
                 # its own (a later epoch), or the leader would take it for

@@ -191,7 +191,10 @@ def test_tenant_cache_settings_limits_and_purge(
     assert acme["limits"] == {"rpm": 60, "tpm": 100000, "concurrency": 2}
     # A limit not given keeps its value; 0 removes one; none given is refused.
     out, _ = ctl(fleet, capsys, "limit", "set", "--tenant", "acme", "--tpm", "9000")
-    assert out.strip() == "limits of tenant acme set: rpm=60 tpm=9000 concurrency=2"
+    assert out.strip() == (
+        "limits of tenant acme set: rpm=60 tpm=9000 concurrency=2 "
+        "(were: rpm=60 tpm=100000 concurrency=2)"
+    )
     ctl(fleet, capsys, "limit", "set", "--tenant", "acme", "--rpm", "0")
     out, _ = ctl(fleet, capsys, "get", "tenants", "-o", "yaml")
     assert yaml.safe_load(out)["tenants"][0]["limits"] == {"tpm": 9000, "concurrency": 2}
@@ -201,7 +204,7 @@ def test_tenant_cache_settings_limits_and_purge(
     ctl(fleet, capsys, "key", "create", "--tenant", "acme", "--rpm", "5")
     key_id = json.loads(ctl(fleet, capsys, "key", "list", "-o", "json")[0])["keys"][0]["id"]
     out, _ = ctl(fleet, capsys, "limit", "set", "--key", key_id, "--concurrency", "3")
-    assert out.strip() == f"limits of key {key_id} set: rpm=5 concurrency=3"
+    assert out.strip() == f"limits of key {key_id} set: rpm=5 concurrency=3 (were: rpm=5)"
     # Cache purges need a scope, or --all.
     _, err = ctl(fleet, capsys, "cache", "purge", code=2)
     assert "--all" in err

@@ -427,6 +427,35 @@ def test_a_share_refusal_says_the_budget_is_not_spent() -> None:
 
 
 @pytest.mark.parametrize(
+    ("spent_out", "message"),
+    [
+        (
+            "k/k123",
+            "Budget reached for tokens per month of API key k123: it is spent, or too little "
+            "is left for this request. It starts again at the 1st of next month, 00:00 UTC, in ",
+        ),
+        (
+            "t/acme",
+            "Budget reached for tokens per day (TPD) of tenant acme: it is spent, or too little "
+            "is left for this request. It starts again at 00:00 UTC in ",
+        ),
+    ],
+)
+def test_a_budget_refusal_says_whose_budget_is_spent(spent_out: str, message: str) -> None:
+    """Trial 42: a key and its tenant may each have a budget, and the refusal
+    did not say which had run out."""
+    limiter = RateLimiter(epoch=1.0)
+    roomy = ScopeLimits(tokens_per_day=10**9, tokens_per_month=10**9)
+    small = {"k/k123": ScopeLimits(tokens_per_month=100), "t/acme": ScopeLimits(tokens_per_day=100)}
+    limiter.configure({"t/acme": roomy, "k/k123": roomy, spent_out: small[spent_out]}, 0.0)
+    limiter.set_day(DAY, NOON, 0.0)
+    while (admitted := limiter.admit(["t/acme", "k/k123"], 30, 1.0)).ok:
+        admitted.release(30, 1.0)
+    assert admitted.exhausted and admitted.refused_scope == spent_out
+    assert refusal(admitted).message.startswith(message)
+
+
+@pytest.mark.parametrize(
     ("limits", "named"),
     [
         (ScopeLimits(tokens_per_day=1000), "tokens-per-day budget"),

@@ -19,9 +19,10 @@ class Stub:
     def __init__(self, current: pb.Tenant) -> None:
         self.current = current
         self.updates: list[apb.UpdateTenantRequest] = []
+        self.spent: list[apb.BudgetSpent] = []
 
     def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
-        return apb.ListTenantsResponse(tenants=[self.current])
+        return apb.ListTenantsResponse(tenants=[self.current], spent=self.spent)
 
     def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
         self.updates.append(req)
@@ -112,7 +113,7 @@ def test_limit_set_takes_the_budgets_and_the_table_shows_what_was_spent() -> Non
     stub = Stub(pb.Tenant(name="acme", limits=pb.Limits(rpm=60)))
     args = ["limit", "set", "--tenant", "acme", "--tokens-per-day", "2000000"]
     out = run(_parser().parse_args(args), stub)
-    assert out == "limits of tenant acme set: rpm=60 tokens_per_day=2000000"
+    assert out == "limits of tenant acme set: rpm=60 tokens_per_day=2000000 (were: rpm=60)"
     [update] = stub.updates
     assert (update.limits.rpm, update.limits.tokens_per_day) == (60, 2000000)
     # What the leader counted, beside the budgets; nothing counted yet is 0.
@@ -163,3 +164,33 @@ def test_tenant_set_says_the_routing_policy_it_leaves() -> None:
     last = tenant_set(stub, "--routing", "weighted", "--model-routing", "embed=default")
     saved = last.splitlines()[0]
     assert saved == "tenant acme saved (cache exact; routing weighted,user,bound=1.5)"
+
+
+def test_limit_set_says_what_it_changed_and_a_budget_that_works_otherwise_than_one_may_think() -> (
+    None
+):
+    """Trial 42: a month budget under the day's, or one under what was spent,
+    was taken without a word, and `limit set` did not say what it replaced."""
+    stub = Stub(pb.Tenant(name="acme", limits=pb.Limits(rpm=60, tokens_per_day=5000)))
+    stub.spent = [apb.BudgetSpent(scope="t/acme", day=20261205, day_tokens=2500, month_tokens=3007)]
+    args = ["limit", "set", "--tenant", "acme", "--tokens-per-day", "3000"]
+    out = run(_parser().parse_args([*args, "--tokens-per-month", "2000"]), stub)
+    assert out.splitlines() == [
+        "limits of tenant acme set: rpm=60 tokens_per_day=3000 tokens_per_month=2000 "
+        "(were: rpm=60 tokens_per_day=5000)",
+        "note: tokens_per_month 2000 is less than tokens_per_day 3000: the month's budget is "
+        "reached first, and the day's never",
+        "note: 3007 tokens were spent this month: the new month budget of 2000 is spent, and "
+        "requests are refused until the 1st of next month, 00:00 UTC",
+    ]
+    # The day's budget under what was spent today; nothing changed says no "were".
+    out = run(
+        _parser().parse_args(["limit", "set", "--tenant", "acme", "--tokens-per-day", "2500"]), stub
+    )
+    assert out.splitlines()[1:] == [
+        "note: 2500 tokens were spent today: the new day budget of 2500 is spent, and requests "
+        "are refused until 00:00 UTC"
+    ]
+    stub.current = pb.Tenant(name="acme", limits=pb.Limits(tokens_per_day=2500))
+    out = run(_parser().parse_args(["limit", "set", "--tenant", "acme", "--rpm", "0"]), stub)
+    assert out.splitlines()[0] == "limits of tenant acme set: tokens_per_day=2500"
