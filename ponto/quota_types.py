@@ -111,7 +111,8 @@ class Spent:
     """What one proxy process charged one budgeted scope, in tokens, in the UTC
     day `day` (YYYYMMDD) and in that day's month: estimates at admission,
     corrected by each answer's count. `epoch` tells the process (its start,
-    Unix seconds): counts start at 0 with each process and never go back
+    Unix seconds, or the process of the proxy before it, whose saved counts
+    it went on from): counts start at 0 with each process and never go back
     within one day (month) of it."""
 
     epoch: float

@@ -126,7 +126,7 @@ class Proxy:
         )
         # Its budget counts are this process's (RateLimiter.epoch).
         self.limiter = RateLimiter(epoch=time.time())
-        self.quota = quota = QuotaState(self.limiter, settings.state_dir)
+        self.quota = quota = QuotaState(self.limiter, settings.state_dir, proxy=settings.name)
         self.draining = Draining()
         self.loads = LoadBoard()
         self.local_store = local = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
@@ -276,6 +276,7 @@ class Proxy:
             await self.holder.flush()
             self.quota.save_counts()  # the last requests' too: the pipeline is closed
             await self.quota.flush()
+            self.quota.close()
             if self.access_log is not None:
                 self.access_log.close()
 

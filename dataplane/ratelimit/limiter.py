@@ -404,6 +404,8 @@ class RateLimiter:
         # The latest epoch a scope was given: a scope back in the table takes
         # a later one, though the wall clock stepped back.
         self._last_epoch = epoch
+        # The counts of the process before this one not taken yet (resume).
+        self._resumed: dict[str, Spent] = {}
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
         self._day = 0
@@ -454,6 +456,8 @@ class RateLimiter:
                 # its own (a later epoch), or the leader would take it for
                 # this process's count going back, and forget what it spent.
                 st.epoch = self._next_epoch(now) if fresh else self.epoch
+                if self._resumed:
+                    self._resume_scope(st)
             elif st.limits != lim:
                 # A limit just given to a dimension it did not have starts full.
                 st.set_limits(lim, now, fill_new=fresh)
@@ -510,35 +514,56 @@ class RateLimiter:
         }
 
     def resume(self, counts: Mapping[str, Spent]) -> list[str]:
-        """Go on from the counts this proxy's process before this one left:
-        each budgeted scope of this month takes its epoch,
-        so that the leader takes what this process counts for that one's, and
-        its counts, of this month (of today: the day's too). What it spent
-        since the leader's last count was otherwise lost when it stopped with
-        the leader away, and this process spent it again (trial 42: a budget
-        of 2,000 served 4,030 over two restarts). Call after the first
-        configure and set_day, before any request. Returns the scopes taken."""
+        """Go on from the counts this proxy's process before this one left
+        (QuotaState: of the same proxy, of today or yesterday): each budgeted
+        scope takes that process's epoch, so that the leader takes what this
+        one counts for that one's, and its counts of this month (of today:
+        the day's too), or the leader's count of them if it holds more (its
+        Budget, saved with the shares). What a process spent since the
+        leader's last count was otherwise lost when it stopped with the
+        leader away, and the process after it spent it again (trial 42: a
+        budget of 2,000 served 4,030 tokens over two restarts). A scope not
+        in the table yet takes them when it comes (the table saved with them
+        may be gone). Call after the first configure and set_day, before any
+        request; returns the scopes taken now."""
+        self._resumed = dict(counts)
         taken = []
-        for name, spent in counts.items():
+        for name in list(self._resumed):
             st = self._scopes.get(name)
-            if (
-                st is None
-                or not st.limits.budgeted
-                or spent.day // 100 != self._day // 100
-                or spent.day > self._day
-                or not all(
-                    math.isfinite(x) and x >= 0
-                    for x in (spent.epoch, spent.day_tokens, spent.month_tokens)
-                )
-            ):
-                continue
-            st.epoch = spent.epoch
-            st.month_used += spent.month_tokens
-            if spent.day == self._day:
-                st.day_used += spent.day_tokens
-            self._last_epoch = max(self._last_epoch, spent.epoch)
-            taken.append(name)
+            if st is not None and self._resume_scope(st):
+                taken.append(name)
         return taken
+
+    def _resume_scope(self, st: _Scope) -> bool:
+        """`st` goes on from its resumed counts, if it has some of this month
+        (once: they are dropped)."""
+        spent = self._resumed.pop(st.name, None)
+        if (
+            spent is None
+            or not st.limits.budgeted
+            or spent.day // 100 != self._day // 100
+            or spent.day > self._day
+            or not all(
+                math.isfinite(x) and x >= 0
+                for x in (spent.epoch, spent.day_tokens, spent.month_tokens)
+            )
+        ):
+            return False
+        day_tokens = spent.day_tokens if spent.day == self._day else 0.0
+        month_tokens = spent.month_tokens
+        counted = self._budgets.get(st.name)
+        if counted is not None and counted.epoch == spent.epoch:
+            # The leader heard more of that process than the file holds (it
+            # was killed between a report and the save): its count stands,
+            # or the next report would take the ledger back.
+            month_tokens = max(month_tokens, counted.spent_month)
+            if counted.day == self._day:
+                day_tokens = max(day_tokens, counted.spent_day)
+        st.epoch = spent.epoch
+        st.month_used += month_tokens
+        st.day_used += day_tokens
+        self._last_epoch = max(self._last_epoch, spent.epoch)
+        return True
 
     def set_day(self, day: int, wall: float, now: float) -> None:
         """The UTC day (YYYYMMDD) is `day` at wall time `wall`, monotonic

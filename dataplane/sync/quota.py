@@ -9,10 +9,13 @@ nothing under a limit; /readyz says so, so a load balancer waits for it.
 The last shares are saved beside the route table, so a proxy restarted while
 the control plane is away keeps enforcing its part of the limits instead of
 refusing every limited request. So are the budgets' counts of this process
-(`save_counts`, about once a second and as it stops): a process after it goes
-on from them, as the same process to the leader, rather than spend again what
-this one spent since the leader's last count. docs/rate-limits.md has the
-whole scheme.
+(`save_counts`: with each report, about once a second without one, and as it
+stops): the process of this proxy after it goes on from them, as the same
+process to the leader, rather than spend again what this one spent since the
+leader's last count. Only one process of a proxy at a time saves them (a lock
+on the file: a reload starts the new one beside the old), and the next takes
+them only while they are of today or yesterday (later, the leader may have
+folded that process away). docs/rate-limits.md has the whole scheme.
 
 Budgets (tokens per day and month) need no share: the leader's counts come
 with the shares (QuotaShares.budgets), and the proxy's own go with its
@@ -21,8 +24,10 @@ demand, with the UTC day they are for (`wall`).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -38,6 +43,7 @@ from ponto.writefile import state_writer
 log = logging.getLogger(__name__)
 QUOTA_FILE = "quota_shares.pb"
 COUNTS_FILE = "budget_counts.json"
+COUNTS_LOCK = "budget_counts.lock"
 
 
 class QuotaState:
@@ -49,8 +55,13 @@ class QuotaState:
         state_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        *,
+        proxy: str = "",
     ) -> None:
+        """`proxy`: this proxy's name, which its saved counts carry (a process
+        of another name does not take them: the leader counts by name)."""
         self._limiter = limiter
+        self._proxy = proxy
         self._state_dir = state_dir
         self._clock = clock
         self._wall = wall
@@ -67,6 +78,8 @@ class QuotaState:
         self._saved = state_writer(state_dir, QUOTA_FILE, "quota shares", log)
         self._counts_saved = state_writer(state_dir, COUNTS_FILE, "budget counts", log)
         self._counts_written = b""
+        # The counts file's lock while this process holds it (load_saved).
+        self._lock: int | None = None
         # The counts a former process left, taken at the first limits.
         self._resume: dict[str, Spent] = {}
 
@@ -178,6 +191,10 @@ class QuotaState:
         """This interval's report (the link's report task, about a second
         apart); a new UTC day starts the budgets' counts again first."""
         self._set_day()
+        # Saved as they go to the leader: a process killed after a report
+        # leaves counts no lower than the leader's, which the next goes on
+        # from (a lower one would take the ledger back).
+        self.save_counts()
         out = []
         for scope, d in self._limiter.demand(self._clock()).items():
             row = pb.ScopeDemand(
@@ -204,21 +221,78 @@ class QuotaState:
 
     def save_counts(self) -> None:
         """Save this process's budget counts if they changed since the last
-        save (off the event loop). Called about once a second, whether or not
-        a control plane answers, and as the proxy stops: a process killed
-        loses at most what it spent since."""
-        if self._counts_saved is None:
+        save (off the event loop), while it holds the lock on them (a reload's
+        old process holds it until it stops; then this one takes it)."""
+        if self._counts_saved is None or not self._hold_lock():
             return
         counts = self._limiter.counts()
         body = orjson.dumps(
             {
-                scope: [s.epoch, s.day, s.day_tokens, s.month_tokens]
-                for scope, s in sorted(counts.items())
+                "proxy": self._proxy,
+                "counts": {
+                    scope: [s.epoch, s.day, s.day_tokens, s.month_tokens]
+                    for scope, s in sorted(counts.items())
+                },
             }
         )
         if body != self._counts_written and (counts or self._counts_written):
             self._counts_written = body
             self._counts_saved.save(body)
+
+    def _hold_lock(self) -> bool:
+        """Whether this process holds the lock on the saved counts, taking it
+        if it is free."""
+        if self._lock is not None:
+            return True
+        if self._state_dir is None:
+            return False
+        try:
+            fd = os.open(self._state_dir / COUNTS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            log.error("cannot lock the budget counts in %s: %s", self._state_dir, exc)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._lock = fd
+        return True
+
+    def _saved_counts(self) -> dict[str, Spent]:
+        """The budget counts the process before this one saved, if it was
+        this proxy and they are of today or yesterday (UTC); none if they are
+        damaged (said once: this process counts from nothing, as one did
+        before they were saved)."""
+        assert self._state_dir is not None
+        path = self._state_dir / COUNTS_FILE
+        try:
+            raw = orjson.loads(path.read_bytes())
+            saved = {
+                str(scope): Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3]))
+                for scope, v in raw["counts"].items()
+            }
+            proxy = raw["proxy"]
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # any damage: count from nothing
+            log.error("ignoring saved budget counts %s: %s", path, exc)
+            return {}
+        if proxy != self._proxy:
+            log.info("budget counts in %s are proxy %s's, not taken", path, proxy)
+            return {}
+        wall = self._wall()
+        # Older, the leader may have folded that process (two silent days),
+        # and after a week forgotten it: counted again, it would count twice.
+        since = utc_day(wall - 86400)
+        return {scope: s for scope, s in saved.items() if s.day >= since}
+
+    def close(self) -> None:
+        """Let the process after this one take the counts (as it stops, once
+        they are saved; the lock goes with the process anyway)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     async def flush(self) -> None:
         """Wait until the newest shares and counts are saved (the fsync runs
@@ -233,7 +307,13 @@ class QuotaState:
         and the budget counts it left (taken with the first limits)."""
         if self._state_dir is None:
             return
-        self._resume = _read_counts(self._state_dir / COUNTS_FILE)
+        if self._hold_lock():
+            self._resume = self._saved_counts()
+        else:
+            log.info(
+                "another process of this proxy holds its budget counts (a reload): "
+                "this one counts its own from nothing"
+            )
         path = self._state_dir / QUOTA_FILE
         try:
             quota = pb.QuotaShares.FromString(path.read_bytes())
@@ -247,23 +327,6 @@ class QuotaState:
         log.info(
             "using saved quota shares (generation %d) until the leader's arrive", quota.generation
         )
-
-
-def _read_counts(path: Path) -> dict[str, Spent]:
-    """The budget counts saved at `path` (save_counts); none if there are
-    none or they are damaged (said once: the process counts from nothing,
-    as one did before they were saved)."""
-    try:
-        raw = orjson.loads(path.read_bytes())
-        return {
-            str(scope): Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3]))
-            for scope, v in raw.items()
-        }
-    except FileNotFoundError:
-        return {}
-    except Exception as exc:  # any damage: count from nothing
-        log.error("ignoring saved budget counts %s: %s", path, exc)
-        return {}
 
 
 def _left(value: float) -> float:

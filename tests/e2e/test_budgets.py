@@ -6,6 +6,7 @@ a restart of a proxy (docs/rate-limits.md, "Day and month budgets")."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -13,7 +14,9 @@ import httpx
 import openai
 import pytest
 
+from dataplane.sync.quota import COUNTS_FILE
 from ponto.fleet import Fleet, RegionDef
+from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 from tests.e2e.test_global_limits import make_key
 from tests.e2e.test_pontoctl import ctl
@@ -132,22 +135,43 @@ def spend(client: httpx.Client, url: str, limit: int = 200) -> int:
     raise AssertionError(f"never refused: {used} tokens")
 
 
+def counted(fleet: Fleet, tenant: str) -> float:
+    """What the leader counted today of `tenant`'s budget (its ledger)."""
+    listed = fleet.admin().ListTenants(apb.ListRequest(), timeout=5)
+    return next((b.day_tokens for b in listed.spent if b.scope == f"t/{tenant}"), 0.0)
+
+
+def saved_day_tokens(fleet: Fleet, proxy: str, tenant: str) -> float:
+    """The day's tokens of `tenant` in `proxy`'s saved budget counts
+    (QuotaState.save_counts)."""
+    try:
+        saved = json.loads((fleet.workdir / f"{proxy}-state" / COUNTS_FILE).read_bytes())
+        return float(saved["counts"][f"t/{tenant}"][2])
+    except (FileNotFoundError, ValueError, KeyError):
+        return 0.0
+
+
 @pytest.mark.parametrize("stopped", ["SIGTERM", "SIGKILL"])
 def test_a_proxy_restarted_while_the_control_plane_is_away_spends_nothing_twice(
     stopped: str, fleet: Fleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Trial 42: what a proxy process spent since the leader's last count went
     with it, and the process after it spent it again; a day budget of 2,000
-    served 4,030 tokens over two restarts. The counts are saved beside the
-    shares, as the proxy stops and about once a second (SIGKILL: an OOM
-    kill), and the process after goes on from them."""
-    key = make_key(fleet, f"restarted-{stopped.lower()}", pb.Limits(tokens_per_day=1000))
+    served 4,030 tokens over two restarts, and the ledger never heard of half.
+    The counts are saved beside the shares, as the proxy stops and about once
+    a second (SIGKILL: an OOM kill), and the process after goes on from them
+    as the same process, which the leader counts once it is back."""
+    tenant = f"restarted-{stopped.lower()}"
+    key = make_key(fleet, tenant, pb.Limits(tokens_per_day=1000))
     fleet.controls["control-1"].stop()
     try:
         with httpx.Client(timeout=10, headers={"authorization": f"Bearer {key}"}) as http:
             before = spend(http, fleet.proxy_url("p1") + "/chat/completions")
             if stopped == "SIGKILL":
-                time.sleep(1.5)  # a save
+                deadline = time.monotonic() + 10
+                while saved_day_tokens(fleet, "p1", tenant) < before:  # a save (once a second)
+                    assert time.monotonic() < deadline, "the counts were never saved"
+                    time.sleep(0.05)
                 fleet.proxies["p1"].kill()
             fleet.restart("p1")  # SIGTERM, as an orchestrator does
             after = spend(http, fleet.proxy_url("p1") + "/chat/completions")
@@ -160,3 +184,9 @@ def test_a_proxy_restarted_while_the_control_plane_is_away_spends_nothing_twice(
     # what the last answer's count passed its estimate by, not as much again.
     assert 300 <= before <= 1000 + ANSWER, before
     assert after <= ANSWER + 12, (before, after)
+    # The leader, back, counts what was spent: the process after the restart
+    # reports the one before's counts as its own.
+    deadline = time.monotonic() + 15
+    while (leader := counted(fleet, tenant)) != before + after:
+        assert time.monotonic() < deadline, (leader, before, after)
+        time.sleep(0.1)

@@ -51,7 +51,7 @@ from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit.limiter import RateLimiter
-from dataplane.sync.quota import COUNTS_FILE, QuotaState
+from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -603,13 +603,20 @@ def test_a_proxy_with_budgets_only_is_ready_without_shares_and_reports_its_day()
     assert limiter.budget_left(SCOPE) == Reckoning(-15, math.inf, -15, math.inf)
 
 
-def proxy_process(state_dir: Path, epoch: float) -> tuple[RateLimiter, QuotaState]:
-    """A proxy process started at `epoch` with `state_dir`, at NOON, the
-    leader away: what it saved before, then its table."""
+def proxy_process(
+    state_dir: Path,
+    epoch: float,
+    *,
+    name: str = "p1",
+    limits: dict[str, ScopeLimits] | None = None,
+    wall: float = NOON,
+) -> tuple[RateLimiter, QuotaState]:
+    """A proxy process `name` started at `epoch` with `state_dir`, its clock
+    at `wall`, the leader away: what it saved before, then its table."""
     limiter = RateLimiter(epoch=epoch)
-    state = QuotaState(limiter, state_dir, clock=lambda: 1.0, wall=lambda: NOON)
+    state = QuotaState(limiter, state_dir, clock=lambda: 1.0, wall=lambda: wall, proxy=name)
     state.load_saved()
-    state.on_limits({SCOPE: BUDGET})
+    state.on_limits({SCOPE: BUDGET} if limits is None else limits)
     return limiter, state
 
 
@@ -618,6 +625,16 @@ def spend_until_refused(limiter: RateLimiter) -> int:
     while limiter.admit([SCOPE], 100, 1.0).ok and spent < 10_000:
         spent += 100
     return spent
+
+
+def stop(state: QuotaState) -> None:
+    """As the proxy stops: its counts saved (in place: no loop runs), the lock let go."""
+    state.save_counts()
+    state.close()
+
+
+def saved_counts(state_dir: Path, proxy: str, counts: dict[str, list[float]]) -> None:
+    (state_dir / COUNTS_FILE).write_bytes(orjson.dumps({"proxy": proxy, "counts": counts}))
 
 
 def test_a_proxy_restarted_while_the_leader_is_away_goes_on_from_its_counts(
@@ -634,7 +651,7 @@ def test_a_proxy_restarted_while_the_leader_is_away_goes_on_from_its_counts(
     )
     state.on_quota(pb.QuotaShares(generation=5, budgets=[budget]))
     assert spend_until_refused(first) == 1000
-    state.save_counts()  # as it stops; the leader heard none of it
+    stop(state)  # the leader heard none of it
     second, state = proxy_process(tmp_path, epoch=9.0)
     assert spend_until_refused(second) == 0
     # To the leader, the same process: what it spent is counted once.
@@ -645,26 +662,92 @@ def test_a_proxy_restarted_while_the_leader_is_away_goes_on_from_its_counts(
         1000,
         1000,
     )
+    state.close()
 
 
-def test_saved_counts_of_another_month_or_damaged_are_not_taken(
+def test_a_resumed_count_is_never_below_the_leaders_count_of_that_process(
+    tmp_path: Path,
+) -> None:
+    """Killed between a report and the save, a process left less than the
+    leader had heard of it; the next went on from that, reported less under
+    the same epoch, and the ledger went back (helper-174)."""
+    first, state = proxy_process(tmp_path, epoch=7.0)
+    assert spend_until_refused(first) == 1000
+    state.close()  # killed: the last save, below, is older than the leader's count
+    saved_counts(tmp_path, "p1", {SCOPE: [7.0, DAY, 900, 900]})
+    budget = pb.ScopeBudget(
+        scope=SCOPE, epoch=7.0, day=DAY, day_left=0, month_left=4000, spent_day=1000,
+        spent_month=1000, share=1.0,
+    )  # fmt: skip
+    (tmp_path / QUOTA_FILE).write_bytes(
+        pb.QuotaShares(generation=6, budgets=[budget]).SerializeToString()
+    )
+    _, state = proxy_process(tmp_path, epoch=9.0)
+    [row] = state.demand()
+    assert (row.spent_epoch, row.day_tokens, row.month_tokens) == (7.0, 1000, 1000)
+    state.close()
+
+
+def test_during_a_reload_the_new_process_counts_its_own(tmp_path: Path) -> None:
+    """A reload starts the new process beside the old, which spends on until
+    it stops: had the new one gone on from the old one's counts, both would
+    report under one epoch, each less than the two spent (helper-174)."""
+    old, old_state = proxy_process(tmp_path, epoch=7.0)
+    old.admit([SCOPE], 300, 1.0)
+    old_state.save_counts()
+    new, new_state = proxy_process(tmp_path, epoch=9.0)
+    assert new.counts() == {}  # its own, from nothing
+    new.admit([SCOPE], 100, 1.0)
+    new_state.save_counts()  # not while the old one holds them
+    stop(old_state)
+    assert orjson.loads((tmp_path / COUNTS_FILE).read_bytes())["counts"] == {
+        SCOPE: [7.0, DAY, 300.0, 300.0]
+    }
+    new_state.save_counts()  # the old one gone: now the new one's
+    assert orjson.loads((tmp_path / COUNTS_FILE).read_bytes())["counts"] == {
+        SCOPE: [9.0, DAY, 100.0, 100.0]
+    }
+    new_state.close()
+
+
+def test_a_scope_the_first_table_lacks_takes_its_counts_when_it_comes(tmp_path: Path) -> None:
+    saved_counts(tmp_path, "p1", {SCOPE: [7.0, DAY, 600, 600]})
+    limiter, state = proxy_process(tmp_path, epoch=9.0, limits={})
+    state.on_limits({SCOPE: BUDGET})
+    assert limiter.counts() == {SCOPE: Spent(7.0, DAY, 600, 600)}
+    state.close()
+
+
+@pytest.mark.parametrize(
+    ("saved", "proxy", "taken"),
+    [
+        ([7.0, DAY - 1, 600, 4500], "p1", Spent(7.0, DAY, 0, 4500)),  # yesterday's: the month's
+        ([7.0, DAY - 2, 600, 4500], "p1", None),  # older: that process may be folded away
+        ([7.0, 20261130, 600, 4500], "p1", None),  # last month's
+        ([7.0, DAY, 600, 4500], "p2", None),  # another proxy's (renamed, the dir kept)
+        ([7.0, DAY + 1, 600, 4500], "p1", None),  # of a day to come (a clock stepped back)
+    ],
+)
+def test_saved_counts_are_taken_only_of_this_proxy_and_of_today_or_yesterday(
+    saved: list[float], proxy: str, taken: Spent | None, tmp_path: Path
+) -> None:
+    saved_counts(tmp_path, proxy, {SCOPE: saved})
+    limiter, state = proxy_process(tmp_path, epoch=9.0)
+    assert limiter.counts() == ({} if taken is None else {SCOPE: taken})
+    assert spend_until_refused(limiter) == (500 if taken else 1000)
+    assert limiter.counts()[SCOPE].epoch == (7.0 if taken else 9.0)
+    state.close()
+
+
+def test_damaged_saved_counts_are_said_once_and_not_taken(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Of yesterday: the month's count, not the day's.
-    (tmp_path / COUNTS_FILE).write_bytes(orjson.dumps({SCOPE: [7.0, DAY - 1, 600, 4500]}))
-    limiter, _ = proxy_process(tmp_path, epoch=9.0)
-    assert limiter.counts() == {SCOPE: Spent(7.0, DAY, 0, 4500)}
-    assert spend_until_refused(limiter) == 500  # the month's 5,000 less 4,500
-    # Of last month: nothing, and this process's own epoch.
-    (tmp_path / COUNTS_FILE).write_bytes(orjson.dumps({SCOPE: [7.0, 20261130, 600, 4500]}))
-    limiter, _ = proxy_process(tmp_path, epoch=9.0)
-    assert limiter.counts() == {} and spend_until_refused(limiter) == 1000
-    assert limiter.counts()[SCOPE].epoch == 9.0
     (tmp_path / COUNTS_FILE).write_bytes(b"{not json")
-    limiter, _ = proxy_process(tmp_path, epoch=9.0)
+    limiter, state = proxy_process(tmp_path, epoch=9.0)
     assert spend_until_refused(limiter) == 1000
     [error] = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert error.getMessage().startswith("ignoring saved budget counts") and not error.exc_info
+    state.close()
 
 
 # ---------------------------------------------------------------- the leader's round
