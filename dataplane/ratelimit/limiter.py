@@ -507,11 +507,15 @@ class RateLimiter:
         them), for a process of this proxy after it to go on from (`resume`)."""
         if not self._day:
             return {}
-        return {
-            name: Spent(st.epoch, self._day, st.day_used, st.month_used)
+        # Those resumed of a scope not in the table yet stay (saved again,
+        # they are not lost by a second restart before the scope comes).
+        out = dict(self._resumed)
+        out.update(
+            (name, Spent(st.epoch, self._day, st.day_used, st.month_used))
             for name, st in self._scopes.items()
             if st.limits.budgeted and st.month_used > 0
-        }
+        )
+        return out
 
     def resume(self, counts: Mapping[str, Spent]) -> list[str]:
         """Go on from the counts this proxy's process before this one left
@@ -552,10 +556,15 @@ class RateLimiter:
         day_tokens = spent.day_tokens if spent.day == self._day else 0.0
         month_tokens = spent.month_tokens
         counted = self._budgets.get(st.name)
-        if counted is not None and counted.epoch == spent.epoch:
+        if (
+            counted is not None
+            and counted.epoch == spent.epoch
+            and counted.day // 100 == self._day // 100
+        ):
             # The leader heard more of that process than the file holds (it
             # was killed between a report and the save): its count stands,
-            # or the next report would take the ledger back.
+            # or the next report would take the ledger back. Of this month
+            # only: last month's would be charged to this one.
             month_tokens = max(month_tokens, counted.spent_month)
             if counted.day == self._day:
                 day_tokens = max(day_tokens, counted.spent_day)

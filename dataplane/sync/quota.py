@@ -24,6 +24,7 @@ demand, with the UTC day they are for (`wall`).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import math
@@ -78,8 +79,10 @@ class QuotaState:
         self._saved = state_writer(state_dir, QUOTA_FILE, "quota shares", log)
         self._counts_saved = state_writer(state_dir, COUNTS_FILE, "budget counts", log)
         self._counts_written = b""
-        # The counts file's lock while this process holds it (load_saved).
+        # The counts file's lock while this process holds it (load_saved),
+        # and whether taking it failed otherwise than as held (said once).
         self._lock: int | None = None
+        self._lock_failed = False
         # The counts a former process left, taken at the first limits.
         self._resume: dict[str, Spent] = {}
 
@@ -246,15 +249,25 @@ class QuotaState:
             return True
         if self._state_dir is None:
             return False
+        fd = -1
         try:
+            # A first start's directory (a worker's DIR/wI) is made by its
+            # first save; the lock comes before that.
+            self._state_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self._state_dir / COUNTS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            log.error("cannot lock the budget counts in %s: %s", self._state_dir, exc)
-            return False
-        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) and not self._lock_failed:
+                # Not another process's lock: said once, not each second.
+                self._lock_failed = True
+                log.error(
+                    "budget counts not saved in %s (for the proxy's next process): "
+                    "cannot lock them: %s",
+                    self._state_dir,
+                    exc,
+                )
             return False
         self._lock = fd
         return True
@@ -309,7 +322,7 @@ class QuotaState:
             return
         if self._hold_lock():
             self._resume = self._saved_counts()
-        else:
+        elif not self._lock_failed:
             log.info(
                 "another process of this proxy holds its budget counts (a reload): "
                 "this one counts its own from nothing"

@@ -712,10 +712,57 @@ def test_during_a_reload_the_new_process_counts_its_own(tmp_path: Path) -> None:
 
 def test_a_scope_the_first_table_lacks_takes_its_counts_when_it_comes(tmp_path: Path) -> None:
     saved_counts(tmp_path, "p1", {SCOPE: [7.0, DAY, 600, 600]})
-    limiter, state = proxy_process(tmp_path, epoch=9.0, limits={})
-    state.on_limits({SCOPE: BUDGET})
-    assert limiter.counts() == {SCOPE: Spent(7.0, DAY, 600, 600)}
+    limiter, state = proxy_process(tmp_path, epoch=9.0, limits={"t/other": BUDGET})
+    # Saved meanwhile, they are kept: a second restart before the scope comes keeps them.
+    assert limiter.admit(["t/other"], 50, 1.0).ok
+    state.save_counts()
+    assert orjson.loads((tmp_path / COUNTS_FILE).read_bytes())["counts"] == {
+        SCOPE: [7.0, DAY, 600, 600],
+        "t/other": [9.0, DAY, 50, 50],
+    }
+    state.on_limits({SCOPE: BUDGET, "t/other": BUDGET})
+    assert limiter.counts() == {
+        SCOPE: Spent(7.0, DAY, 600, 600),
+        "t/other": Spent(9.0, DAY, 50, 50),
+    }
     state.close()
+
+
+def test_the_leaders_count_of_last_month_is_not_taken_into_this_one(tmp_path: Path) -> None:
+    """The process ran into the 1st with the leader away since the 30th: the
+    saved shares held November's count of it (4,000), and the process after
+    a restart on the 1st took it as December's."""
+    first = calendar.timegm((2026, 12, 1, 12, 0, 0, 0, 0, 0))
+    saved_counts(tmp_path, "p1", {SCOPE: [7.0, 20261201, 100, 100]})
+    budget = pb.ScopeBudget(
+        scope=SCOPE, epoch=7.0, day=20261130, day_left=100, month_left=1000, spent_day=900,
+        spent_month=4000, share=1.0,
+    )  # fmt: skip
+    (tmp_path / QUOTA_FILE).write_bytes(
+        pb.QuotaShares(generation=6, budgets=[budget]).SerializeToString()
+    )
+    limiter, state = proxy_process(tmp_path, epoch=9.0, wall=first)
+    assert limiter.counts() == {SCOPE: Spent(7.0, 20261201, 100, 100)}
+    state.close()
+
+
+def test_a_state_dir_not_made_yet_is_made_and_one_that_cannot_be_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's DIR/wI is made by its first save, and the lock came first:
+    no counts were saved, and each second said so."""
+    limiter, state = proxy_process(tmp_path / "w0", epoch=7.0)
+    limiter.admit([SCOPE], 100, 1.0)
+    stop(state)
+    assert (tmp_path / "w0" / COUNTS_FILE).exists()
+    (tmp_path / "file").write_bytes(b"")
+    limiter, state = proxy_process(tmp_path / "file", epoch=7.0)
+    limiter.admit([SCOPE], 100, 1.0)
+    for _ in range(3):
+        state.save_counts()
+    said = [r for r in caplog.records if "budget counts" in r.getMessage()]
+    assert [r.levelname for r in said] == ["ERROR"] and not said[0].exc_info
+    assert said[0].getMessage().startswith(f"budget counts not saved in {tmp_path / 'file'}")
 
 
 @pytest.mark.parametrize(
