@@ -148,6 +148,36 @@ def limits_of_table(table: pb.RouteTable) -> dict[str, ScopeLimits]:
     return out
 
 
+class EncodedRows:
+    """Each proxy's share rows as last encoded, reused while its shares are
+    the same objects (compute_shares returns a share that did not change as
+    the object it was given): at 100 proxies and 1,000 keys, encoding every
+    row took the leader about 50 ms a round, most of them unchanged."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[Mapping[str, Share], orjson.Fragment]] = {}
+
+    def of(self, shares: Mapping[str, Mapping[str, Share]]) -> dict[str, orjson.Fragment]:
+        """Every proxy's rows of `shares` (sorted), as JSON fragments; those
+        of proxies not in `shares` are forgotten."""
+        held, self._held = self._held, {}
+        out = {}
+        for proxy, by_scope in sorted(shares.items()):
+            was = held.get(proxy)
+            if was is None or not _same(was[0], by_scope):
+                rows = {scope: _share_row(s) for scope, s in sorted(by_scope.items())}
+                # A copy: a mapping changed in place after would read as the same.
+                was = (dict(by_scope), orjson.Fragment(orjson.dumps(rows)))
+            self._held[proxy] = was
+            out[proxy] = was[1]
+        return out
+
+
+def _same(a: Mapping[str, Share], b: Mapping[str, Share]) -> bool:
+    """Whether `a` and `b` hold the same Share objects under the same scopes."""
+    return len(a) == len(b) and all(b.get(scope) is s for scope, s in a.items())
+
+
 def encode_shares(
     shares: Mapping[str, Mapping[str, Share]],
     default_fraction: float,
@@ -156,23 +186,30 @@ def encode_shares(
     idle: Mapping[str, Budget] | None = None,
     *,
     every_row: bool = False,
+    encoded: EncodedRows | None = None,
 ) -> bytes:
     """The shares key's value; `spare_ttl`: how long proxies count the spare
     flags (0: until the next shares, for a leader that does not rewrite them);
     `budgeted`: each proxy's Budget of each budgeted scope, and `idle` each
     scope's Budget of a proxy without counts or demand (budget.budgets' ""),
     which is not written out per proxy unless `every_row` (a replica older
-    than QUOTA_FORMAT 2 runs). JSON: the leader compresses it (COMPRESSED)."""
+    than QUOTA_FORMAT 2 runs). `encoded`: the rows encoded before (the
+    leader's, round to round); the same bytes either way. JSON: the leader
+    compresses it (COMPRESSED)."""
     body: dict[str, Any] = {
         "default_fraction": default_fraction,
         "spare_ttl_s": spare_ttl,
-        "proxies": {
+        "proxies": (
             # [fraction, slots], a 1 when the proxy may wait for slots
             # (Share.spare), then the fleet's debt in seconds when it owes
             # (Share.fleet_debt_s); a replica that predates them reads the first.
-            proxy: {scope: _share_row(s) for scope, s in sorted(by_scope.items())}
-            for proxy, by_scope in sorted(shares.items())
-        },
+            {
+                proxy: {scope: _share_row(s) for scope, s in sorted(by_scope.items())}
+                for proxy, by_scope in sorted(shares.items())
+            }
+            if encoded is None
+            else encoded.of(shares)
+        ),
     }
     if budgeted or idle:
         body["budgets"] = _budget_rows(budgeted or {}, idle or {}, every_row)
@@ -718,6 +755,7 @@ class Rebalancer:
         self._unwritten = SPARE_REFRESH_ROUNDS
         self.rounds = 0
         self._defects = Defects(log, "quota rebalances")
+        self._rows = EncodedRows()
 
     async def run(self) -> None:
         """Rebalance until cancelled (the term ends) or no longer the
@@ -1010,14 +1048,16 @@ class Rebalancer:
         # proxies joining and leaving cause no pushes.
         default = (1.0 / len(proxies) if proxies else 1.0) if limits else 0.0
         ttl = spare_ttl_s(self._interval)
-        payload = encode_shares(shares, default, ttl, budgeted, self._idle)
+        payload = encode_shares(shares, default, ttl, budgeted, self._idle, encoded=self._rows)
         # What the replicas read matters with budgets (rows), or for a large
         # payload (compression): else no listing a round.
         readers = QUOTA_FORMAT
         if self._idle or len(payload) > COMPRESS_OVER:
             readers = await lowest_format(self._store)
         if self._idle and readers < 2:
-            every = encode_shares(shares, default, ttl, budgeted, self._idle, every_row=True)
+            every = encode_shares(
+                shares, default, ttl, budgeted, self._idle, every_row=True, encoded=self._rows
+            )
             # Too large, the shares would not go out at all: an older replica
             # giving idle proxies a floor is the lesser harm.
             payload = every if len(every) <= MAX_REQUEST_BYTES else payload

@@ -25,6 +25,7 @@ from controlplane.quotasync import (
     SPARE_REFRESH_ROUNDS,
     SPARE_TTL_MIN_S,
     SPARE_TTL_ROUNDS,
+    EncodedRows,
     QuotaHub,
     Rebalancer,
     decode_shares,
@@ -137,6 +138,26 @@ async def hub_with(raw: bytes) -> QuotaHub:
     hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
     await hub._load()
     return hub
+
+
+def test_rows_encoded_before_make_the_same_bytes_and_follow_every_change() -> None:
+    """The leader reuses a proxy's encoded rows while its shares are the same
+    objects: the key must read exactly as if all were encoded anew."""
+    encoded = EncodedRows()
+    a, b = Share(0.5, 1), Share(0.25, 2, True, 3.0)
+    rounds: list[dict[str, dict[str, Share]]] = [
+        {"p1": {"t/acme": a, "k/x": b}, "p2": {"t/acme": a}},
+        {"p1": {"t/acme": a, "k/x": b}, "p2": {"t/acme": a}},  # the same objects
+        {"p1": {"t/acme": Share(0.5, 1), "k/x": b}, "p2": {"t/acme": Share(0.4, 1)}},
+        {"p1": {"k/x": b}, "p3": {"t/acme": a}},  # a scope and a proxy gone, one new
+    ]
+    for shares in rounds:
+        assert encode_shares(shares, 0.5, 5.0, encoded=encoded) == encode_shares(shares, 0.5, 5.0)
+    # A mapping changed in place after it was encoded is not taken for the same.
+    changing = {"p1": {"t/acme": a}}
+    encode_shares(changing, 0.5, encoded=encoded)
+    changing["p1"]["t/acme"] = Share(0.1, 0)
+    assert encode_shares(changing, 0.5, encoded=encoded) == encode_shares(changing, 0.5)
 
 
 async def test_spare_slots_travel_to_the_store_and_to_the_proxy() -> None:
