@@ -47,6 +47,10 @@ class Leadership:
             leader_task = asyncio.create_task(lead(), name="leader-loops")
             try:
                 await self._hold(lease, leader_task)
+                # As it steps down: the loops' last writes and the lease's
+                # revocation come after, and with etcd away they take seconds
+                # (trial 43: said 3 s after the term had ended).
+                log.warning("%s lost leadership", self.replica_id)
             finally:
                 self.is_leader = False
                 self.fence = None
@@ -58,7 +62,6 @@ class Leadership:
                     # wrote their last): the loops ended, the lease went, and
                     # this replica does not campaign again.
                     raise asyncio.CancelledError
-            log.warning("%s lost leadership", self.replica_id)
             if failed:
                 # Not at once: a replica whose loops fail at once (its origin
                 # CA unreadable) led and failed in a tight loop, and another,

@@ -48,7 +48,12 @@ from ponto.v1 import routing_pb2 as pb
 
 
 def port_free(port: int) -> bool:
+    """Whether `port` can be listened on at 127.0.0.1, as the demo's servers
+    bind (SO_REUSEADDR: a port whose last connections are in TIME_WAIT is
+    free to them; without it, a demo started again right after one stopped
+    with clients connected was refused its --port-base for a minute)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

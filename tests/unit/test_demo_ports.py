@@ -34,6 +34,26 @@ def test_a_taken_port_of_the_block_is_named() -> None:
     assert said == f"--port-base {base}: port {base + 3} taken (6 from it are used)"
 
 
+def test_a_port_whose_connections_wait_out_time_wait_is_free() -> None:
+    """Trial 43: a demo started again right after one stopped with clients
+    connected was refused its --port-base ("port 24300 taken") with nothing
+    listening: the check bound without SO_REUSEADDR, which every server of
+    the demo sets, so the closed connections' TIME_WAIT counted as taken."""
+    base = free_block(1)
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", base))
+        listener.listen()
+        with socket.create_connection(("127.0.0.1", base)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its end waits in TIME_WAIT
+            client.recv(1)
+        assert not port_free(base)  # still listening: taken
+    assert port_free(base)
+    with socket.socket() as plain, pytest.raises(OSError):  # as the check bound before
+        plain.bind(("127.0.0.1", base))
+
+
 @pytest.mark.parametrize("base", [80, 65531, -1])
 def test_a_port_base_out_of_range_is_refused(base: int) -> None:
     assert fixed_ports(base) == f"--port-base must be from 1024 to 65530, not {base}"

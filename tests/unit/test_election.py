@@ -601,3 +601,31 @@ async def test_a_term_whose_loops_failed_ends_then_and_another_replica_may_lead(
         assert a.terms == 1 and journal.started() == ["b"]
     finally:
         await stop(*tasks)
+
+
+async def test_lost_leadership_is_said_as_the_replica_steps_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not once the loops' last writes and the lease's revocation are done:
+    with etcd away those take seconds (trial 43: said 3 s late)."""
+    store = MemoryStore()
+    said_by_then: list[bool] = []
+
+    async def lead() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            said_by_then.append("a lost leadership" in caplog.text)
+            raise
+
+    replica = Leadership(store, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(lead))
+    try:
+        await wait_until(lambda: replica.is_leader, TTL + MARGIN)
+        kv = await store.get(LEADER_KEY)
+        assert kv is not None
+        await store.revoke_lease(kv.lease)
+        await wait_until(lambda: bool(said_by_then), TTL + MARGIN)
+    finally:
+        await stop(task)
+    assert said_by_then[0]
