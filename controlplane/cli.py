@@ -1563,7 +1563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A key not the certificate's, or a certificate out of its dates, said
         # as such: the control plane's refusal would blame the CA.
         options.check_files(datetime.datetime.now(datetime.UTC))
-        address, channel = connect(args.control_plane, options)  # reads the TLS files
+        address, channel, cut_off = connect(args.control_plane, options)  # reads the TLS files
     except conn.CredentialError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -1590,7 +1590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: a value is out of range: {exc}", file=sys.stderr)
             return 2
         except grpc.RpcError as exc:
-            return _refused(exc, address, options)
+            return _refused(exc, address, options, cut_off)
     return 0
 
 
@@ -1601,9 +1601,10 @@ CONNECT_TIMEOUT = 3.0
 
 def connect(
     addresses: Sequence[str], options: conn.ClientOptions, timeout: float = CONNECT_TIMEOUT
-) -> tuple[str, grpc.Channel]:
-    """The first of addresses whose channel connects within timeout, and that
-    channel; the last address is returned unprobed, so that its failure is the
+) -> tuple[str, grpc.Channel, list[str]]:
+    """The first of addresses whose channel connects within timeout, that
+    channel, and those passed over because they cannot reach their state
+    store; the last address is returned unprobed, so that its failure is the
     call's own and gets `unreachable`'s advice. Each one passed over is a
     `warning:` line on stderr.
 
@@ -1611,15 +1612,17 @@ def connect(
     to that replica: a write is never sent twice (any replica serves the Admin
     API, all over the same etcd).
     """
+    cut_off: list[str] = []
     for address in addresses[:-1]:
         channel = conn.admin_channel(address, options)
         state = _connects(channel, timeout)
         if state is grpc.ChannelConnectivity.READY:
             if _reaches_store(channel):
-                return address, channel
+                return address, channel, cut_off
             # Trial 17: a replica cut off from etcd answered every call with
             # "state store unavailable", the others not tried.
             why = "it cannot reach its state store (etcd)"
+            cut_off.append(address)
         else:
             # A refused connection, a name that does not resolve, or a TLS
             # handshake that failed (a certificate the CA did not sign: a
@@ -1634,7 +1637,7 @@ def connect(
             f"warning: cannot use the control plane at {address}: {why}; trying the next",
             file=sys.stderr,
         )
-    return addresses[-1], conn.admin_channel(addresses[-1], options)
+    return addresses[-1], conn.admin_channel(addresses[-1], options), cut_off
 
 
 def _reaches_store(channel: grpc.Channel) -> bool:
@@ -1696,8 +1699,11 @@ def _failure(channel: grpc.Channel) -> str:
     return "it connected only after failing once"
 
 
-def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> int:
-    """Print the control plane's refusal on one line; return the exit code."""
+def _refused(
+    exc: grpc.RpcError, address: str, options: conn.ClientOptions, cut_off: Sequence[str] = ()
+) -> int:
+    """Print the control plane's refusal on one line; return the exit code.
+    `cut_off`: the replicas passed over as unable to reach their state store."""
     code: grpc.StatusCode | None = getattr(exc, "code", lambda: None)()
     detail: str = getattr(exc, "details", lambda: "")() or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -1705,6 +1711,13 @@ def _refused(exc: grpc.RpcError, address: str, options: conn.ClientOptions) -> i
         return 2
     if code == grpc.StatusCode.UNAVAILABLE and "state store" not in detail:
         detail = linkadvice.unreachable(detail, address, options)
+        if cut_off:
+            # Trial 43: the last replica's failure (it was stopped) was the
+            # error, though the cause of it all was etcd, which none reached.
+            detail += (
+                f"; and the replicas before it ({', '.join(cut_off)}) cannot reach their "
+                "state store: is etcd down?"
+            )
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         if "not this control plane's" in detail:
             detail += f"; check the admin token in {options.token_source or 'use'}"

@@ -195,7 +195,7 @@ def test_the_probe_of_a_replica_passed_over_carries_no_token(
     monkeypatch.setattr(cli, "_connects", lambda *_: grpc.ChannelConnectivity.TRANSIENT_FAILURE)
     try:
         options = conn.ClientOptions(token="admin-secret-value")
-        chosen, channel = cli.connect([address, "127.0.0.1:1"], options)
+        chosen, channel, _ = cli.connect([address, "127.0.0.1:1"], options)
         channel.close()
     finally:
         server.stop(None)
@@ -222,6 +222,17 @@ def test_a_replica_cut_off_from_etcd_is_passed_over(
             f"warning: cannot use the control plane at {at_cut}: it cannot reach its state "
             "store (etcd); trying the next"
         ]
+        # The last one stopped as well: the error says where the cause may be
+        # (trial 43: it named only the stopped replica's address).
+        stopped = f"127.0.0.1:{free_port()}"
+        code, out, err = get(capsys, f"{at_cut},{stopped}")
+        assert code == 1 and out == ""
+        last = err.splitlines()[-1]
+        assert last.startswith(f"error: control plane at {stopped} is unreachable")
+        assert last.endswith(
+            f"; and the replicas before it ({at_cut}) cannot reach their state store: "
+            "is etcd down? [UNAVAILABLE]"
+        )
         # Serving again, it serves the command.
         said.set(STORE, health_pb2.HealthCheckResponse.SERVING)
         code, out, err = get(capsys, f"{at_cut},{at_b}")
