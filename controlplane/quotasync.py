@@ -848,11 +848,9 @@ class Rebalancer:
             ledger = account(self._ledgers.get(scope), reports, today)
             self._ledgers[scope] = ledger
             used = ledger.used()
-            if self._ledger_due(scope, lim, used):
-                encoded = self._encoded(scope)
-                if encoded is not None and encoded != self._ledgers_written.get(scope):
-                    writes.append(Write(LEDGER_PREFIX + scope, encoded))
-                    counted[scope] = used
+            if self._ledger_due(scope, lim, used) and (encoded := self._to_write(scope)):
+                writes.append(Write(LEDGER_PREFIX + scope, encoded))
+                counted[scope] = used
             ledger = self._ledgers[scope]
             wanted = {
                 proxy: d.tokens_per_s
@@ -887,21 +885,21 @@ class Rebalancer:
             log.info("budget ledgers written again")
         return out
 
-    def _encoded(self, scope: str) -> bytes | None:
-        """`scope`'s ledger as written: fitted to a transaction (the fitted
-        ledger kept in its place), or None if even that is too large (said
-        once; the ledger kept whole, since nothing of it is written)."""
+    def _to_write(self, scope: str) -> bytes | None:
+        """`scope`'s ledger as it is to be written, fitted to a transaction
+        (the fitted ledger kept in its place); None if it is as last written,
+        or too large even fitted (said once; the ledger kept whole, since
+        nothing of it is written)."""
         ledger = self._ledgers[scope]
         encoded = ledger.encode()
-        if len(encoded) <= LEDGER_TXN_BYTES:
-            return encoded
-        smaller = fitted(ledger, LEDGER_TXN_BYTES)
-        encoded = smaller.encode()
         if len(encoded) > LEDGER_TXN_BYTES:
-            self._too_large_to_keep(scope, len(encoded))
-            return None
-        self._ledgers[scope] = smaller
-        return encoded
+            smaller = fitted(ledger, LEDGER_TXN_BYTES)
+            encoded = smaller.encode()
+            if len(encoded) > LEDGER_TXN_BYTES:
+                self._too_large_to_keep(scope, len(encoded))
+                return None
+            self._ledgers[scope] = smaller
+        return None if encoded == self._ledgers_written.get(scope) else encoded
 
     async def _flush(self, term: Fence | None) -> None:
         """Write what this term counted and did not write yet (LEDGER_ROUNDS),
@@ -914,8 +912,7 @@ class Rebalancer:
         writes: list[Write] = []
         counted: dict[str, tuple[float, float]] = {}
         for scope in list(self._ledgers):
-            encoded = self._encoded(scope)
-            if encoded is not None and encoded != self._ledgers_written.get(scope):
+            if encoded := self._to_write(scope):
                 writes.append(Write(LEDGER_PREFIX + scope, encoded))
                 counted[scope] = self._ledgers[scope].used()
         if not writes:

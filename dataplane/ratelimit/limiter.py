@@ -517,7 +517,7 @@ class RateLimiter:
         )
         return out
 
-    def resume(self, counts: Mapping[str, Spent]) -> list[str]:
+    def resume(self, counts: Mapping[str, Spent]) -> None:
         """Go on from the counts this proxy's process before this one left
         (QuotaState: of the same proxy, of today or yesterday): each budgeted
         scope takes that process's epoch, so that the leader takes what this
@@ -526,19 +526,17 @@ class RateLimiter:
         Budget, saved with the shares). What a process spent since the
         leader's last count was otherwise lost when it stopped with the
         leader away, and the process after it spent it again (trial 42: a
-        budget of 2,000 served 4,030 tokens over two restarts). A scope not
-        in the table yet takes them when it comes (the table saved with them
-        may be gone). Call after the first configure and set_day, before any
-        request; returns the scopes taken now."""
+        budget of 2,000 served 4,030 tokens over two restarts). Each scope
+        takes them as a table brings it (configure; the first table may lack
+        it), or at once if it is there. Call after set_day and before any
+        request, and before the first configure: QuotaState.load_saved."""
         self._resumed = dict(counts)
-        taken = []
         for name in list(self._resumed):
             st = self._scopes.get(name)
-            if st is not None and self._resume_scope(st):
-                taken.append(name)
-        return taken
+            if st is not None:
+                self._resume_scope(st)
 
-    def _resume_scope(self, st: _Scope) -> bool:
+    def _resume_scope(self, st: _Scope) -> None:
         """`st` goes on from its resumed counts, if it has some of this month
         (once: they are dropped)."""
         spent = self._resumed.pop(st.name, None)
@@ -552,7 +550,7 @@ class RateLimiter:
                 for x in (spent.epoch, spent.day_tokens, spent.month_tokens)
             )
         ):
-            return False
+            return
         day_tokens = spent.day_tokens if spent.day == self._day else 0.0
         month_tokens = spent.month_tokens
         counted = self._budgets.get(st.name)
@@ -572,7 +570,6 @@ class RateLimiter:
         st.month_used += month_tokens
         st.day_used += day_tokens
         self._last_epoch = max(self._last_epoch, spent.epoch)
-        return True
 
     def set_day(self, day: int, wall: float, now: float) -> None:
         """The UTC day (YYYYMMDD) is `day` at wall time `wall`, monotonic

@@ -83,8 +83,6 @@ class QuotaState:
         # and whether taking it failed otherwise than as held (said once).
         self._lock: int | None = None
         self._lock_failed = False
-        # The counts a former process left, taken at the first limits.
-        self._resume: dict[str, Spent] = {}
 
     @property
     def ready(self) -> bool:
@@ -106,15 +104,6 @@ class QuotaState:
     def on_limits(self, limits: Mapping[str, ScopeLimits]) -> None:
         self._limits = limits
         self._limiter.configure(limits, self._clock())
-        if self._resume:
-            self._set_day()
-            taken = self._limiter.resume(self._resume)
-            self._resume = {}
-            if taken:
-                log.info(
-                    "going on from the budget counts the proxy's last process saved (%s)",
-                    ", ".join(sorted(taken)),
-                )
         self._apply()
 
     def on_quota(self, quota: pb.QuotaShares) -> None:
@@ -321,7 +310,14 @@ class QuotaState:
         if self._state_dir is None:
             return
         if self._hold_lock():
-            self._resume = self._saved_counts()
+            saved = self._saved_counts()
+            if saved:
+                # Taken as the tables bring their scopes (RateLimiter.resume).
+                self._limiter.resume(saved)
+                log.info(
+                    "going on from the budget counts the proxy's last process saved (%s)",
+                    ", ".join(sorted(saved)),
+                )
         elif not self._lock_failed:
             log.info(
                 "another process of this proxy holds its budget counts (a reload): "
