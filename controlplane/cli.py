@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 import grpc
 import orjson
 import yaml
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
@@ -157,12 +158,45 @@ def render(
     """message as JSON or YAML (proto field names, then `shown`), or as the
     text rows() makes of it."""
     if output in ("json", "yaml"):
-        data = shown(MessageToDict(message, preserving_proto_field_name=True))
+        data = shown(as_numbers(message, MessageToDict(message, preserving_proto_field_name=True)))
         if output == "json":
             return json.dumps(data, indent=2)
         return yaml.safe_dump(data, sort_keys=False).rstrip()
     made = rows(message)
     return made if isinstance(made, str) else _table(*made)
+
+
+_WIDE_INTS = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
+    """data (MessageToDict of message, proto field names) with its 64-bit
+    integers as numbers. Protobuf's JSON mapping writes them as strings, for
+    JavaScript's doubles; limits and versions are far below 2**53, and a
+    script reading `key list -o json` compared "1000" with 1000 (trial 42)."""
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            continue  # none of the API's maps holds 64-bit integers or messages
+        if field.type in _WIDE_INTS:
+            data[field.name] = int(value)  # none is repeated (test_cli_json holds both)
+        elif field.message_type is not None:
+            held = getattr(message, field.name)
+            pairs = zip(held, value, strict=True) if isinstance(value, list) else [(held, value)]
+            for item, v in pairs:
+                if isinstance(v, dict):  # not a well-known type JSON writes as a string
+                    as_numbers(item, v)
+    return data
 
 
 def _table(header: list[str], body: list[list[str]]) -> str:
@@ -1147,11 +1181,26 @@ def _rows_keys(
     ]
 
 
+def _spent_within(
+    data: dict[str, Any], items: str, scope: Callable[[dict[str, Any]], str]
+) -> dict[str, Any]:
+    """data (a tenants' or keys' list as JSON) with each budgeted item's
+    `spent` (day, day_tokens, month_tokens) within it as well as in the
+    top-level list, which a reader of one tenant missed (trial 42)."""
+    spent = {row["scope"]: row for row in data.get("spent", [])}
+    for item in data.get(items, []):
+        row = spent.get(scope(item))
+        if row is not None:
+            item["spent"] = {k: v for k, v in row.items() if k != "scope"}
+    return data
+
+
 def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     """keys as output asks; a table marks the keys of deleted tenants and the
     unserved models on keys' lists (with the note that says why)."""
     if output != "table":
-        return render(keys, output, _rows_keys)
+        by_key = functools.partial(_spent_within, items="keys", scope=lambda k: f"k/{k['id']}")
+        return render(keys, output, _rows_keys, by_key)
     tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
     served = frozenset(m for o in stub.ListOrigins(apb.ListRequest()).origins for m in o.models)
     shown = render(keys, output, lambda r: _rows_keys(r, tenants, served))
@@ -1515,7 +1564,12 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if args.kind == "tenants":
             tenants = stub.ListTenants(req)
             served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)
-            shown = render(tenants, args.output, lambda r: _rows_tenants(r, served))
+            shown = render(
+                tenants,
+                args.output,
+                lambda r: _rows_tenants(r, served),
+                functools.partial(_spent_within, items="tenants", scope=lambda t: f"t/{t['name']}"),
+            )
             return "\n".join([shown, *_tenant_notes(tenants.tenants, served)])
         if args.kind == "keys":
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))

@@ -1,0 +1,88 @@
+"""`pontoctl ... -o json|yaml`: 64-bit integers are numbers, not protobuf's
+JSON strings, and each budgeted tenant or key carries what it spent (trial 42:
+a script compared "1000" with 1000, and a reader of one tenant missed the
+top-level `spent` list)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import yaml
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from controlplane.cli import _WIDE_INTS, _render_keys, _spent_within, render
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import routing_pb2 as pb
+
+
+def _tenants() -> apb.ListTenantsResponse:
+    return apb.ListTenantsResponse(
+        tenants=[
+            pb.Tenant(name="acme", limits=pb.Limits(rpm=120, tokens_per_day=2000)),
+            pb.Tenant(name="free"),
+        ],
+        spent=[apb.BudgetSpent(scope="t/acme", day=20261205, day_tokens=493, month_tokens=900)],
+    )
+
+
+def test_limits_are_numbers_and_each_tenant_has_its_spent() -> None:
+    by_tenant = functools.partial(_spent_within, items="tenants", scope=lambda t: f"t/{t['name']}")
+    for output, load in (("json", json.loads), ("yaml", yaml.safe_load)):
+        data = load(render(_tenants(), output, lambda _: "", by_tenant))
+        acme, free = data["tenants"]
+        assert acme["limits"] == {"rpm": 120, "tokens_per_day": 2000}
+        assert acme["spent"] == {"day": 20261205, "day_tokens": 493.0, "month_tokens": 900.0}
+        assert "spent" not in free
+        assert data["spent"][0]["scope"] == "t/acme"  # still where scripts read it before
+
+
+class _KeysStub:
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        raise AssertionError("JSON output needs no second call")
+
+
+def test_key_list_json_has_numbers_and_spent_per_key() -> None:
+    keys = apb.ListKeysResponse(
+        keys=[
+            apb.ApiKeyInfo(
+                id="4mapalz2c5", tenant="acme", limits=pb.Limits(tokens_per_month=10**12)
+            )
+        ],
+        spent=[apb.BudgetSpent(scope="k/4mapalz2c5", day=20261205, day_tokens=1, month_tokens=7)],
+    )
+    (key,) = json.loads(_render_keys(_KeysStub(), keys, "json"))["keys"]
+    assert key["limits"] == {"tokens_per_month": 10**12}
+    assert key["spent"]["month_tokens"] == 7
+
+
+def test_repeated_and_nested_wide_integers_are_numbers() -> None:
+    resp = apb.ListProxiesResponse(
+        proxies=[apb.ProxyStatus(acked_version=7, replica_version=9)], current_version=9
+    )
+    data = json.loads(render(resp, "json", lambda _: ""))
+    assert data["current_version"] == 9
+    assert data["proxies"][0]["acked_version"] == 7 and data["proxies"][0]["replica_version"] == 9
+
+
+def test_no_map_or_list_in_the_api_holds_wide_integers() -> None:
+    """as_numbers passes maps by and takes a 64-bit field as one number: true
+    while no map of the API holds a 64-bit integer or a message, and no
+    repeated field is a 64-bit integer."""
+    for module in (apb, pb):
+        for message in module.DESCRIPTOR.message_types_by_name.values():
+            for desc in _nested(message):
+                for field in desc.fields:
+                    if field.is_repeated:
+                        assert field.type not in _WIDE_INTS, field.full_name
+                    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+                        value = field.message_type.fields_by_name["value"]
+                        assert value.type not in _WIDE_INTS, field.full_name
+                        assert value.type != FieldDescriptor.TYPE_MESSAGE, field.full_name
+
+
+def _nested(desc: Descriptor) -> list[Descriptor]:
+    out = [desc]
+    for inner in desc.nested_types:
+        out += _nested(inner)
+    return out
