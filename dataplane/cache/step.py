@@ -54,6 +54,7 @@ from dataplane.cache.bounded import Action, answer_of
 from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.cache.entry import (
     CONTINUED,
+    INCOMPLETE,
     TOO_LARGE,
     CachedResponse,
     StreamRecorder,
@@ -548,9 +549,10 @@ class EdgeCache:
     ) -> None:
         """Keep a relayed 200 stream that ended properly as a complete, natural answer."""
         entry = None
-        # A continued stream is complete but carries the splice's metadata:
-        # served, not stored.
-        stored = end.complete and not end.continued
+        # A continued stream is complete but carries the splice's metadata,
+        # and one the proxy ended carries its own finish or usage: served,
+        # not stored.
+        stored = end.complete and not end.continued and not end.ended
         recorder = plan.recorder
         if status == 200 and recorder is not None and plan.key:
             if stored:
@@ -559,11 +561,12 @@ class EdgeCache:
             # flight's leader whose client left had its stream finished for
             # its followers (complete), which is one.
             if entry is None and (end.complete or not end.client_gone):
-                plan.unkept = (
-                    CONTINUED
-                    if end.continued
-                    else unkept_reason(recorder.reason, too_large=recorder.too_large)
-                )
+                if end.continued:
+                    plan.unkept = CONTINUED
+                elif end.ended:
+                    plan.unkept = INCOMPLETE
+                else:
+                    plan.unkept = unkept_reason(recorder.reason, too_large=recorder.too_large)
                 self._metrics.cache_unkept.labels(plan.unkept).inc()
         await self._keep(req, plan, entry)
         if plan.leader is not None:

@@ -774,7 +774,15 @@ class Pipeline:
         if end.cut and resume is None:  # the hook counts the cuts it sees
             m.continuations.labels("refused").inc()  # off, or not continuable
             m.stream_cut(name)
-            log.warning("origin %s cut a stream: %s; %s", name, end.cut, ex.request_id)
+            why = (
+                "the tenant turned continuation off"
+                if not rules.continuation
+                else f"{ex.endpoint.name} streams are never continued"
+            )
+            log.warning(
+                "origin %s cut a stream: %s; not continued: %s; %s",
+                name, end.cut, why, ex.request_id,
+            )  # fmt: skip
         elif end.complete:
             m.attempt(name, "ok").inc()
             if resume is None or not resume.count:

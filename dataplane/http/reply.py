@@ -48,7 +48,7 @@ from dataplane.streaming.relay import (
 )
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.sse import Event
-from dataplane.streaming.usage import UsageCounter
+from dataplane.streaming.usage import UsageCounter, asks_usage
 from dataplane.upstream.forwarder import OriginAnswer
 from dataplane.upstream.wire import media_type
 
@@ -367,8 +367,10 @@ def _whole_stream(
     if isinstance(entry, bytes):  # frames already made
         body = entry
     else:
-        include_usage = ex.cache is not None and ex.cache.include_usage
-        body = b"".join(to_sse_chunks(entry, include_usage=include_usage))
+        # The request's ask, not the cache step's: an origin that ignored
+        # `stream` on a bypassed request (or a tenant's cache off) left the
+        # usage chunk out (trial 45).
+        body = b"".join(to_sse_chunks(entry, include_usage=asks_usage(ex.body)))
     response = web.Response(body=body, content_type="text/event-stream")
     response.headers["cache-control"] = "no-cache"
     response.headers.extend(headers)

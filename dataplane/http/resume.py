@@ -26,7 +26,14 @@ from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.routes import Target
 from dataplane.streaming.relay import Next
-from dataplane.streaming.splice import Splicer, Transcript, continuation_body, read_state
+from dataplane.streaming.splice import (
+    Splicer,
+    StreamState,
+    Transcript,
+    continuation_body,
+    not_continued,
+    read_state,
+)
 from dataplane.streaming.usage import asks_usage
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 
@@ -96,7 +103,7 @@ class Continuations:
             self._give_up(cut, "its events could not be read")
             return None
         if state.done:
-            return Next(b"data: [DONE]\n\n", _Ended(), _unchanged)
+            return self._finished(cut, state)
         if self.count >= self._limit:
             self._give_up(cut, f"it was continued {self.count} times already")
             return None
@@ -105,11 +112,8 @@ class Continuations:
             if budget_spent(ex.body, state.tokens):
                 end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
                 return Next(end, _Ended(), _unchanged)
-            self._give_up(
-                cut,
-                "a tool call, reasoning, several choices, structured output or an echo "
-                "cannot be continued",
-            )
+            why = not_continued(ex.body, state) or "its request cannot be asked in parts"
+            self._give_up(cut, why)
             return None
         candidates = [t for t in self._candidates if t.continuation and t.name not in self._tried]
         if not candidates:
@@ -136,7 +140,9 @@ class Continuations:
             raise
         except ApiError as exc:
             self.calls += exc.attempts
-            self._give_up(cut, exc.message, outcome="failed")
+            # The code, not the message: that is the client's sentence
+            # ("…; retry shortly."), and the forwarder logged the calls' causes.
+            self._give_up(cut, f"the continuation call failed ({exc.code})", outcome="failed")
             return None
         self.calls += answer.calls
         self._opened.append(answer)
@@ -156,6 +162,29 @@ class Continuations:
             name, state.tokens, cut, answer.target.name, self.count, ex.request_id,
         )  # fmt: skip
         return Next(answer.first, answer.content, splicer.rewrite, answer.target.name)
+
+    def _finished(self, cut: str, state: StreamState) -> Next:
+        """The end of a stream cut after each choice's finish: `[DONE]`, and
+        before it the usage chunk if the client asked for one and the origin
+        had not sent it yet, estimated (as for `_length_end`; trial 45: the
+        SDK's `usage` stayed None). Only the `[DONE]` missing, the answer is
+        the origin's, whole (it may be kept); with a usage the proxy made up,
+        not."""
+        ex = self._ex
+        if state.usage is not None or not asks_usage(ex.body):
+            log.info(
+                "origin %s ended its stream after the answer, before [DONE] (%s); ended it; %s",
+                self._current.target.name, cut, ex.request_id,
+            )  # fmt: skip
+            return Next(b"data: [DONE]\n\n", _Ended(), _unchanged, whole=True)
+        log.info(
+            "origin %s ended its stream after the answer, before its usage (%s); "
+            "ended it with usage estimated; %s",
+            self._current.target.name, cut, ex.request_id,
+        )  # fmt: skip
+        prompt = ex.estimate + self.extra_prompt
+        end = _usage_chunk(state, prompt, self.count) + b"data: [DONE]\n\n"
+        return Next(end, _Ended(), _unchanged)
 
     @property
     def origin(self) -> str:
@@ -198,7 +227,7 @@ def budget_spent(body: dict[str, Any], tokens: int) -> bool:
     return False
 
 
-def _length_end(state: Any, ex: Exchange, prompt: int, continued: int) -> bytes:
+def _length_end(state: StreamState, ex: Exchange, prompt: int, continued: int) -> bytes:
     """The final chunks of a stream whose token budget ran out as it was cut,
     which no origin ends: the finish reason, and the usage chunk if the
     client asked for one (trial 28: none came, and the SDK's `usage` stayed
@@ -210,20 +239,34 @@ def _length_end(state: Any, ex: Exchange, prompt: int, continued: int) -> bytes:
         choice["text"] = ""
     else:
         choice["delta"] = {}
-    head = {"id": state.id, "object": state.object, "created": state.created, "model": state.model}
-    ponto = {"continued": continued} if continued else {}
-    chunk: dict[str, Any] = {**head, "choices": [choice]}
-    if ponto:
-        chunk["ponto"] = ponto
-    chunks = [chunk]
+    chunk: dict[str, Any] = {**_head(state), "choices": [choice]}
+    if continued:
+        chunk["ponto"] = {"continued": continued}
+    usage = b""
     if asks_usage(ex.body):
         chunk["usage"] = None  # as every chunk before the usage chunk has it
-        usage = {
-            "prompt_tokens": prompt,
-            "completion_tokens": state.tokens,
-            "total_tokens": prompt + state.tokens,
-        }
-        chunks.append(
-            {**head, "choices": [], "usage": usage, "ponto": {**ponto, "usage": "estimated"}}
-        )
-    return b"".join(b"data: " + jsonio.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+        usage = _usage_chunk(state, prompt, continued)
+    return b"data: " + jsonio.dumps(chunk) + b"\n\n" + usage + b"data: [DONE]\n\n"
+
+
+def _head(state: StreamState) -> dict[str, Any]:
+    return {"id": state.id, "object": state.object, "created": state.created, "model": state.model}
+
+
+def _usage_chunk(state: StreamState, prompt: int, continued: int) -> bytes:
+    """The usage chunk of a stream the proxy ends, which no origin counted:
+    its prompt the proxy's estimate of every call's, its completion the
+    tokens sent, and it says so (`"ponto": {"usage": "estimated"}`)."""
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": state.tokens,
+        "total_tokens": prompt + state.tokens,
+    }
+    ponto: dict[str, Any] = {"continued": continued} if continued else {}
+    chunk = {
+        **_head(state),
+        "choices": [],
+        "usage": usage,
+        "ponto": {**ponto, "usage": "estimated"},
+    }
+    return b"data: " + jsonio.dumps(chunk) + b"\n\n"

@@ -92,6 +92,9 @@ class Next:
     rewrite: Callable[[bytes], bytes | None]
     # The origin it comes from ("": the proxy's own ending).
     origin: str = ""
+    # The proxy's own ending adds nothing of its own to the answer: the
+    # origin had sent all of it but `[DONE]`.
+    whole: bool = False
 
 
 class Ending(Protocol):
@@ -144,6 +147,10 @@ class RelayEnd:
     cut: str = ""
     # Why each continued stream stopped, in order.
     continued: list[str] = field(default_factory=list)
+    # Why the origin's stream stopped where the proxy wrote the answer's end
+    # itself, with something of its own in it (a finish reason, or a usage
+    # chunk it estimated): "" otherwise. Not the origin's answer: not kept.
+    ended: str = ""
     # The client went away before the end. With `complete` too: a flight
     # leader's client, gone while followers were there; the origin's stream
     # was relayed to its end for them (dataplane.http.reply.LeaderStream).
@@ -417,7 +424,10 @@ async def _relay_events(
                 end.cut = cut
                 await out.write(_ending(error_event, last, too_long))
                 break
-            end.continued.append(cut)
+            if following.origin:
+                end.continued.append(cut)
+            elif not following.whole:
+                end.ended = cut
             if watch is not None:
                 watch.move(following.origin)
             parser = SseParser(max_event_bytes)

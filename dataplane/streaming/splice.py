@@ -39,6 +39,7 @@ __all__ = [
     "Transcript",
     "continuation_body",
     "is_error_event",
+    "not_continued",
     "read_state",
 ]
 
@@ -178,17 +179,29 @@ def unresumable(body: dict[str, Any]) -> bool:
     return isinstance(response_format, dict) and response_format.get("type") != "text"
 
 
+def not_continued(body: dict[str, Any], state: StreamState) -> str:
+    """Why a stream that said `state` cannot be continued whatever the
+    origins ("" if it can): the first that holds, for the log."""
+    if state.tool_calls:
+        return "a tool call was being streamed"
+    if state.reasoning:
+        return "reasoning was streamed"
+    if len(state.text) > 1 or body.get("n", 1) not in (1, None):
+        return "the request asked for several choices"
+    if body.get("echo"):
+        return "the request echoes its prompt"
+    if unresumable(body):
+        return "the request constrains its output"
+    return ""
+
+
 def continuation_body(
     endpoint: str, body: dict[str, Any], state: StreamState
 ) -> dict[str, Any] | None:
-    """The request for the rest of the answer, or None if it cannot be asked."""
-    if (
-        state.tool_calls
-        or state.reasoning
-        or len(state.text) > 1
-        or body.get("n", 1) not in (1, None)
-        or unresumable(body)
-    ):
+    """The request for the rest of the answer, or None if it cannot be asked
+    (`not_continued` says why, unless the request's own form is the reason:
+    a token limit or messages or prompt of a type no origin takes)."""
+    if not_continued(body, state):
         return None
     partial = state.text.get(0, "")
     out = copy.copy(body)

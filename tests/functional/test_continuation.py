@@ -290,6 +290,7 @@ async def test_a_stall_without_continuation_ends_with_the_error_event_after_the_
     assert not b.bodies
     cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]
     assert len(cuts) == 1 and "no chunk for 0.2 s" in cuts[0], cuts
+    assert "not continued: the tenant turned continuation off" in cuts[0]
     assert operations(p) == {("stream_cut", "r0"): 1.0}
 
 
@@ -688,3 +689,75 @@ async def test_a_first_chunk_past_its_own_bound_is_asked_of_the_next_origin(
     assert text_of(chunks) == " world"
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "sent no first chunk within 0.2 s (--first-chunk-timeout)" in said, said
+
+
+@pytest.mark.parametrize("how", ["usage-sent", "usage-missing", "usage-not-asked"])
+async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked(
+    proxy: Callable[..., Awaitable[Proxy]], how: str
+) -> None:
+    """Trial 45: an origin that dropped after the finish chunk, before its
+    usage chunk and [DONE], left the SDK's `usage` None, and was counted as a
+    continued stream (not kept, labelled so, although none was made). Now
+    the proxy ends it: with an estimated usage chunk when the client asked
+    for usage and none came (not kept: not the origin's answer), else with
+    [DONE] alone, and then the answer is the origin's, whole, and kept."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+
+    async def finish_then_drop(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(
+            event("first", "", role=True)
+            + event("first", "Hi")
+            + event("first", finish="stop")
+            + (event("first", usage=usage) if how == "usage-sent" else b"")
+        )
+        assert request.transport is not None
+        request.transport.close()  # no [DONE], no chunked terminator
+        return out
+
+    a, b = Origin(finish_then_drop), await second_origin()
+    p = await proxy([(a, True), (b, True)])
+    options = None if how == "usage-not-asked" else {"include_usage": True}
+    chunks, raw = await p.stream(temperature=0, stream_options=options)
+    assert raw.count("[DONE]") == 1 and "error" not in raw
+    assert text_of(chunks) == "Hi"
+    assert not b.bodies
+    assert all("continued" not in c.get("ponto", {}) for c in chunks)
+    unkept = p.app[METRICS].cache_unkept
+    if how == "usage-missing":
+        estimate = estimate_prompt_tokens("chat.completions", a.bodies[0])
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"] == {
+            "prompt_tokens": estimate, "completion_tokens": 1, "total_tokens": estimate + 1,
+        }  # fmt: skip
+        assert chunks[-1]["ponto"] == {"usage": "estimated"}
+        assert unkept.labels("incomplete").value == 1
+        assert unkept.labels("continued").value == 0
+        await p.stream(temperature=0, stream_options=options)
+        assert len(a.bodies) == 2  # not kept: asked of the origin again
+        return
+    assert all(c.get("usage") in (None, usage) for c in chunks)
+    assert (chunks[-1].get("usage") == usage) is (how == "usage-sent")
+    assert unkept.labels("incomplete").value == unkept.labels("continued").value == 0
+    again, _ = await p.stream(temperature=0, stream_options=options)
+    assert len(a.bodies) == 1  # kept whole: the cache answered
+    assert text_of(again) == "Hi"
+
+
+async def test_a_continuation_call_that_fails_is_logged_by_its_code(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 45: the log's reason was the client's sentence ("…; retry shortly.")."""
+    a = await first_origin("cut")
+    p = await proxy(
+        [(a, True), (slow_first_origin(5.0), True)],
+        idle="30",
+        extra=["--first-chunk-timeout", "0.2"],
+    )
+    with caplog.at_level(logging.WARNING):
+        chunks, _ = await p.stream()
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    cuts = [r.getMessage() for r in caplog.records if "cut a stream" in r.getMessage()]
+    assert len(cuts) == 1, cuts
+    assert "not continued: the continuation call failed (upstream_unavailable)" in cuts[0]
+    assert "retry shortly" not in cuts[0]

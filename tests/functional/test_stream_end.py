@@ -137,3 +137,44 @@ async def test_a_responses_stream_answered_whole_reaches_the_sdk_as_events(
     finally:
         await client.close()
         await s.close()
+
+
+async def test_a_stream_answered_whole_has_its_usage_chunk_when_the_cache_is_bypassed(
+    tmp_path: Path,
+) -> None:
+    """Trial 45: the usage chunk came only when the cache step kept the
+    answer; a request the cache bypasses (no temperature: not deterministic)
+    or no-store lost it, although the client asked for it."""
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        await request.read()  # ignores `stream`
+        return web.json_response(COMPLETION)
+
+    s = await stack_on(tmp_path, whole)
+    client = openai.AsyncOpenAI(base_url=str(s.client.make_url("/v1")), api_key=KEY.key)
+    try:
+        for extra in ({}, {"temperature": 0}, {"extra_headers": {"cache-control": "no-store"}}):
+            chunks = [
+                c
+                async for c in await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"whole {extra}"}],
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **extra,
+                )
+            ]
+            assert chunks[-1].usage is not None, extra
+            assert chunks[-1].usage.total_tokens == 4
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hi"
+        # Not asked: none, as before.
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "no usage"}], stream=True
+            )
+        ]
+        assert all(c.usage is None for c in chunks)
+    finally:
+        await client.close()
+        await s.close()

@@ -13,6 +13,7 @@ from dataplane.streaming.splice import (
     Transcript,
     continuation_body,
     is_error_event,
+    not_continued,
     read_state,
 )
 from dataplane.streaming.sse import Event
@@ -105,6 +106,25 @@ def test_what_cannot_be_continued(body: dict[str, Any]) -> None:
     state = read_state(transcript(chunk("a"), chunk("b")), CHAT)
     assert state is not None
     assert continuation_body(CHAT, body, state) is None
+
+
+def test_why_a_stream_is_not_continued_names_the_one_reason() -> None:
+    """Trial 45: the log listed every reason there could be."""
+    plain = read_state(transcript(chunk("a")), CHAT)
+    tool = json.loads(chunk())
+    tool["choices"][0]["delta"]["tool_calls"] = [{"index": 0, "function": {"arguments": "{"}}]
+    tools = read_state([json.dumps(tool).encode()], CHAT)
+    thought = json.loads(chunk())
+    thought["choices"][0]["delta"]["reasoning_content"] = "hmm"
+    thinking = read_state([json.dumps(thought).encode()], CHAT)
+    assert plain is not None and tools is not None and thinking is not None
+    assert not_continued({}, plain) == ""
+    assert not_continued({}, tools) == "a tool call was being streamed"
+    assert not_continued({}, thinking) == "reasoning was streamed"
+    assert not_continued({"n": 2}, plain) == "the request asked for several choices"
+    assert not_continued({"echo": True}, plain) == "the request echoes its prompt"
+    for constrained in ({"response_format": {"type": "json_object"}}, {"guided_regex": "a+"}):
+        assert not_continued(constrained, plain) == "the request constrains its output"
 
 
 def test_splicer_keeps_the_stream_identity_and_drops_the_second_role() -> None:
