@@ -458,10 +458,13 @@ class Catalog:
                 )
             try:
                 await _guard(
-                    self.store.commit([Write(key, None, if_mod_revision=current.mod_revision)])
+                    self.store.commit(
+                        [Write(key, None, if_mod_revision=current.mod_revision), self._purge(name)]
+                    )
                 )
             except Conflict:
                 continue
+            await self._trim_purges()
             return
         raise Unavailable(f"tenant {name!r} kept changing; try again")
 
@@ -502,6 +505,8 @@ class Catalog:
                 writes.append(Write(key, value, if_mod_revision=revisions.get(key, 0)))
                 if change.kind == "origin" and change.action == "deleted":
                     writes.append(Write(HEALTH + change.name, None))
+                if change.kind == "tenant" and change.action == "deleted":
+                    writes.append(self._purge(change.name))
             checks = [Fence(REGIONS + r, revisions[REGIONS + r]) for r in plan.relies_on]
             if txn_size(writes, checks) > MAX_TXN_OPS:
                 raise InvalidArgument(
@@ -513,6 +518,8 @@ class Catalog:
                 await _guard(self.store.commit(writes, checks))
             except Conflict:
                 continue
+            if any(c.kind == "tenant" and c.action == "deleted" for c in plan.writes()):
+                await self._trim_purges()
             return plan
         raise Unavailable("the state kept changing while applying; try again")
 
@@ -727,16 +734,25 @@ class Catalog:
                 await self.get_tenant(tenant)
         if model and not MODEL_RE.match(model):
             raise InvalidArgument(f"model name {model!r} is invalid")
+        write = self._purge(tenant, model)
+        revision = await _guard(self.store.commit([write]))
+        await self._trim_purges()
+        return Purge(revision, tenant, model)
+
+    def _purge(self, tenant: str, model: str = "") -> Write:
+        """The write that records a purge of tenant's (and model's) answers.
+        A deleted tenant's are purged with it (trial 46: a tenant created
+        again under the name, perhaps another customer's, was answered from
+        the first one's cache, on every tier)."""
         key = PURGES + f"{int(self._clock() * 1000):015d}-{uuid.uuid4().hex[:8]}"
-        revision = await _guard(
-            self.store.put(key, encode(Purge(0, tenant, model)), if_absent=True)
-        )
+        return Write(key, encode(Purge(0, tenant, model)), if_mod_revision=0)
+
+    async def _trim_purges(self) -> None:
         listing = await _guard(self.store.list(PURGES))
         # Oldest by store revision, not by the (wall-clock) key name: a replica
         # whose clock is behind must not trim the purge it just wrote.
         for old in sorted(listing.items, key=lambda kv: kv.mod_revision)[:-MAX_PURGES]:
             await _guard(self.store.delete(old.key))
-        return Purge(revision, tenant, model)
 
     async def unserved_purge(self, tenant: str, model: str) -> tuple[str, ...]:
         """model.unserved_purge against the origins and tenants stored now."""

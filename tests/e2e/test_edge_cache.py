@@ -287,6 +287,30 @@ def test_purge_and_cache_metrics(fleet: Fleet) -> None:
         assert line in metrics, line
 
 
+def test_a_tenant_made_again_under_a_deleted_ones_name_starts_with_no_answers(
+    fleet: Fleet,
+) -> None:
+    """Trial 46: the new tenant (perhaps another customer) was answered from
+    the deleted one's cache. The deletion purges it, as `cache purge` does."""
+    admin = fleet.admin()
+    admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="reused")), timeout=5)
+    made = admin.CreateKey(apb.CreateKeyRequest(tenant="reused"), timeout=5)
+    KEYS["reused"] = made.secret
+    fleet.wait_proxies_at(fleet.wait_table(lambda t: any(k.id == made.key.id for k in t.keys)))
+    q = body("the first customer's private question")
+    first = post(fleet, q, "reused")
+    assert post(fleet, q, "reused").headers["x-ponto-cache"] == "hit"
+    admin.RevokeKey(apb.KeyRequest(id=made.key.id), timeout=5)
+    admin.DeleteTenant(apb.DeleteRequest(name="reused"), timeout=5)
+    admin.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="reused")), timeout=5)
+    again = admin.CreateKey(apb.CreateKeyRequest(tenant="reused"), timeout=5)
+    KEYS["reused"] = again.secret
+    fleet.wait_proxies_at(fleet.wait_table(lambda t: any(k.id == again.key.id for k in t.keys)))
+    second = post(fleet, q, "reused")
+    assert second.headers["x-ponto-cache"] == "miss"
+    assert second.json()["id"] != first.json()["id"]
+
+
 def _semantic_ready(fleet: Fleet) -> None:
     """The embedding model loads in the background once a tenant turns semantic on."""
     metrics = f"http://{fleet.proxies['p1'].address}/metrics"

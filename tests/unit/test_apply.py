@@ -435,6 +435,11 @@ async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_
     assert await store.get(HEALTH + "hosted") is None
     keys: list[ApiKeyRecord] = await catalog.list_keys(include_revoked=True)
     assert [k.id for k in keys] == [record.id]
+    # Trial 46: its answers go with it, in the same transaction (a tenant
+    # created again under the name was answered from them).
+    (purge,) = (await catalog.snapshot()).purges
+    assert (purge.tenant, purge.model) == ("plain", "")
+    assert purge.revision == (await store.list("/ponto/state/")).revision
 
 
 async def test_prune_refuses_a_tenant_whose_key_was_created_while_it_planned(

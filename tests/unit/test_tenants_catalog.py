@@ -449,6 +449,38 @@ async def test_delete_tenant_refused_while_keys_are_active(catalog: Catalog) -> 
         await catalog.get_tenant("acme")
 
 
+async def test_a_deleted_tenants_answers_are_purged_with_it(
+    catalog: Catalog, store: MemoryStore
+) -> None:
+    """Trial 46: a tenant created again under a deleted one's name (perhaps
+    another customer) was answered from the first one's cache, on every tier
+    (the proxies', the region's Redis, the semantic feed). The deletion now
+    records a purge of the tenant, at the deletion's own revision, which the
+    proxies run as `cache purge --tenant` (tests/functional, purges)."""
+    await catalog.put_tenant(Tenant("gamma"), allow_update=False)
+    await catalog.put_tenant(Tenant("delta"), allow_update=False)
+    await catalog.delete_tenant("gamma")
+    (purge,) = (await catalog.snapshot()).purges
+    assert (purge.tenant, purge.model) == ("gamma", "")
+    assert purge.revision == (await store.list(PURGES)).revision
+    assert await store.get(TENANTS + "gamma") is None
+    # Refused deletions purge nothing.
+    await catalog.create_key("delta")
+    with pytest.raises(FailedPrecondition):
+        await catalog.delete_tenant("delta")
+    with pytest.raises(NotFound):
+        await catalog.delete_tenant("gamma")
+    assert len((await catalog.snapshot()).purges) == 1
+
+
+async def test_deletions_keep_only_the_newest_purges(catalog: Catalog, store: MemoryStore) -> None:
+    for i in range(MAX_PURGES + 2):
+        await catalog.put_tenant(Tenant(f"t{i}"), allow_update=False)
+        await catalog.delete_tenant(f"t{i}")
+    kept = (await catalog.snapshot()).purges
+    assert [p.tenant for p in kept] == [f"t{i}" for i in range(2, MAX_PURGES + 2)]
+
+
 async def test_an_expired_key_still_holds_its_tenant_and_is_called_expired(
     catalog: Catalog, clock: Clock
 ) -> None:
