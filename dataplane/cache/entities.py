@@ -7,7 +7,11 @@ semantic hit also requires `entities_match` of the two texts' signatures.
 
 A signature (`extract`) has three parts:
 
-- `strict`: canonical values that must be equal as sets on both sides. Numbers
+- `strict`: canonical values that must be equal as sets on both sides, and the
+  numbers and the operators between them (+ - * / ^ < > = ...) in the order the
+  text gives them, repeats counted ("10 divided by 2" is not "2 divided by 10",
+  "5 times 5" not "5 times 5 times 5", "10 - 3" not "10 + 3"). Numbers keep a
+  minus sign ("-40" is not "40"), and
   (thousands separators, spaces and dashes between digit groups dropped, so
   "1,000" == "1000" and "4111 1111 1111" == "4111-1111-1111"; decimals, times and
   slashes kept: "1.5" != "15", "10:30" != "1030"), ordinals ("3rd" == "3" ==
@@ -107,7 +111,7 @@ _DATE = re.compile(
     re.IGNORECASE,
 )
 
-_NUMBER_WORDS = {
+_NUMBER_WORDS: dict[str, int | str] = {
     "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
     "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14,
     "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19,
@@ -122,6 +126,11 @@ _NUMBER_WORDS = {
     "twentieth": 20, "thirtieth": 30, "fortieth": 40, "fiftieth": 50,
     "sixtieth": 60, "seventieth": 70, "eightieth": 80, "ninetieth": 90,
 }  # fmt: skip
+# Fractions and multiples are values too (trial 46: "half a cup" / "a quarter
+# of a cup", "double a recipe" / "triple" shared answers at 0.90 and 0.92).
+_NUMBER_WORDS.update({"half": "1/2", "halves": "1/2", "quarter": "1/4", "quarters": "1/4",
+                      "double": "x2", "twice": "x2", "triple": "x3", "thrice": "x3",
+                      "quadruple": "x4"})  # fmt: skip
 # "one" is left out on purpose: it is mostly a pronoun ("which one", "one of them").
 # Scales are values of their own: "a million years" is not "a billion years"
 # (trial 31: 0.91). "1 million" and "1000000" differ then, a miss, not a wrong answer.
@@ -136,6 +145,21 @@ _SPACED_DIGITS = re.compile(r"(?<=\d{3}) (?=\d{3})")
 # A token: letters/digits, joined by inner separators. Sentence ends are separate.
 _TOKEN = re.compile(r"(?P<tok>[^\W_]+(?:[-_/.:,'][^\W_]+)*)|(?P<end>[.!?;:\n]+)")
 _DIGIT_SEPARATORS = re.compile(r"[-_, ]")
+# An operator between two numbers ("10 + 3", "3>2", "2^10", "10 - 3"): a
+# value of the question as much as its numbers (trial 46: "what is 10 minus
+# 3" / "3 minus 10" and "10 - 3" / "3 - 5" shared answers). A dash is one
+# only with spaces on both sides: "555-1234" and "2024-01-05" are one number.
+_OPERATOR = re.compile(
+    # \u00d7 \u00f7 \u2264 \u2265: times, divided by, at most, at least;
+    # \u2212: the minus sign.
+    r"(?<=\d)(?:\s*(\*\*|<=|>=|!=|==|[+*/\u00d7\u00f7^<>=\u2264\u2265%])|\s+([-\u2212])\s+)"
+    r"(?=\s*[-\u2212]?\d)"
+)
+# One form of each operator: "6 \u00d7 7" is "6 * 7".
+_OPERATOR_FORMS = {"\u00d7": "*", "\u00f7": "/", "\u2264": "<=", "\u2265": ">="}
+# A minus sign (a hyphen, or U+2212) is part of the number it starts ("-40",
+# "x = -3"), not a separator: "-40 fahrenheit" is not "40 fahrenheit" (trial 46).
+_MINUS = frozenset("-\u2212")
 _ORDINAL = re.compile(r"^(\d+)(?:st|nd|rd|th)$", re.IGNORECASE)
 _CODE_SEPARATORS = re.compile(r"[-_]")
 
@@ -203,6 +227,12 @@ def extract(text: str) -> Entities:
     text = _DATE.sub(date, text)
     text = _SPACED_DIGITS.sub("", text)
 
+    # The numbers and operators in the order the text gives them: "10 divided
+    # by 2" is not "2 divided by 10", "5 times 5" not "5 times 5 times 5"
+    # (trial 46: the strict set saw the same values). Position -> value.
+    order = {m.start(): _OPERATOR_FORMS.get(m.group(1), m.group(1) or "-")
+             for m in _OPERATOR.finditer(text)}  # fmt: skip
+    strict.update(f"op:{op}" for op in order.values())
     words: set[str] = set()
     names: list[str] = []
     capitals = 0
@@ -227,8 +257,15 @@ def extract(text: str) -> Entities:
         previous = tok
         if any(c.isdigit() for c in tok):
             value = _canonical_number_or_code(tok)
+            at = m.start()
+            # Its sign, unless the dash joins it to a word ("COVID-19").
+            signed = at > 0 and text[at - 1] in _MINUS
+            if value.startswith("num:") and signed and (at < 2 or not text[at - 2].isalnum()):
+                value = "num:-" + value[4:]
             strict.add(value)
             clauses[-1].append(value)
+            if value.startswith("num:"):
+                order[at] = value[4:]
             continue
         folded = _strip_possessive(tok.casefold())
         clauses[-1].append(folded)
@@ -236,6 +273,7 @@ def extract(text: str) -> Entities:
         words.update(re.split(r"[-_/.:,']", folded))
         if folded in _NUMBER_WORDS:
             strict.add(f"num:{_NUMBER_WORDS[folded]}")
+            order[m.start()] = str(_NUMBER_WORDS[folded])
         elif folded in _SCALE_WORDS:
             strict.add(f"scale:{folded.removesuffix('s')}")
         lettered += 1
@@ -243,6 +281,8 @@ def extract(text: str) -> Entities:
             capitals += 1
         if not starts and _has_upper(tok) and folded not in _NOT_NAMES:
             names.append(folded)
+    if len(order) > 1:
+        strict.add("seq:" + " ".join(order[at] for at in sorted(order)))
     # Text mostly in capitals is shouting, not names.
     shouting = lettered >= 2 and capitals * 5 >= lettered * 3
     return Entities(

@@ -438,7 +438,9 @@ class SemanticFeed:
                 delay = min(2 * delay, self._backoff[1])
                 continue
             if failing:
-                log.info("semantic feed: reading %s again from id %s", self.stream, self.last_id)
+                log.info(
+                    "semantic feed: reading %s again from id %s", self.stream, self.last_id.decode()
+                )
                 delay, failing = self._backoff[0], False
             if batch:
                 try:

@@ -74,6 +74,45 @@ def test_different_entities_do_not_match(a: str, b: str) -> None:
     assert not entities_match(b, a)
 
 
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [  # trial 46: each served the other's answer (MiniLM 0.94 to 0.99)
+        ("what is 10 divided by 2", "what is 2 divided by 10"),
+        ("what is 10 minus 3", "what is 3 minus 10"),
+        ("what is 5 - 3", "what is 3 - 5"),
+        ("what is 2 to the power of 10", "what is 10 to the power of 2"),
+        ("what is 5 times 5", "what is 5 times 5 times 5"),
+        ("add 7 and 7", "add 7 and 7 and 7"),
+        ("convert -40 fahrenheit to celsius", "convert 40 fahrenheit to celsius"),
+        ("my balance is -200 dollars", "my balance is 200 dollars"),
+        ("solve x = -3", "solve x = 3"),
+        ("what is 3 > 2", "what is 3 < 2"),
+        ("what is 10 + 3", "what is 10 - 3"),
+        ("what is 10+3", "what is 103"),
+        ("what is two plus three", "what is three plus two"),
+    ],
+)
+def test_numbers_count_in_order_with_their_signs_and_operators(a: str, b: str) -> None:
+    assert not entities_match(a, b)
+    assert not entities_match(b, a)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("what is 10 divided by 2", "10 divided by 2, what is it?"),
+        ("what is 6 \u00d7 7", "what is 6 * 7"),
+        ("is 3 \u2264 4", "is 3 <= 4"),
+        ("what is 5 \u2212 3", "what is 5 - 3"),
+        ("call 555-1234", "call 5551234"),
+        ("COVID-19 rules", "covid-19 rules"),
+        ("table for two at 7pm", "a table for 2 at 7 pm"),
+    ],
+)
+def test_numbers_in_the_same_order_still_match(a: str, b: str) -> None:
+    assert entities_match(a, b)
+
+
 def test_sentence_initial_words_are_not_names() -> None:
     sig = extract("Please cancel my order. Thanks a lot! Could you hurry")
     assert sig.names == frozenset()

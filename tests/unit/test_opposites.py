@@ -120,6 +120,39 @@ def test_trial_37s_opposite_questions_do_not_match(a: str, b: str) -> None:
 
 @pytest.mark.parametrize(
     ("a", "b"),
+    [  # MiniLM's score, each served the other's answer before
+        ("write a short essay about the ocean", "write a long essay about the ocean"),  # 0.955
+        ("what if I take too much vitamin d", "what if I take too little vitamin d"),  # 0.954
+        ("boil an egg for a soft yolk", "boil an egg for a hard yolk"),  # 0.961
+        ("how do I push changes to a git remote", "how do I pull changes from a git remote"),
+        ("scroll up in tmux", "scroll down in tmux"),  # 0.971
+        ("what year did world war 2 start", "what year did world war 2 end"),  # 0.926
+        ("half a cup in ml", "a quarter of a cup in ml"),  # 0.902
+        ("double a recipe", "triple a recipe"),  # 0.920
+        ("how do I convert 5 km in miles", "how do I convert 5 miles in km"),  # 0.987
+        ("how many ounces in a pound", "how many pounds in an ounce"),  # 0.937
+        ("100 usd in eur", "100 eur in usd"),  # 0.959
+    ],
+)
+def test_trial_46s_opposite_questions_do_not_match(a: str, b: str) -> None:
+    assert not agree(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("how do I add a column in pandas", "in pandas, how do I add a column"),
+        ("how do I sort a list in python", "sorting a list in python"),
+        ("how many ounces in a pound", "how many ounces are there in a pound"),
+        ("start and end a screen session", "end and start a screen session"),
+    ],
+)
+def test_trial_46s_paraphrases_still_match(a: str, b: str) -> None:
+    assert agree(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
     [
         # Negated both, in other words.
         ("why won't my laptop turn on", "why doesn't my laptop turn on"),
@@ -180,6 +213,7 @@ def test_sides_of_a_direction() -> None:
         "c0:cat",
         "c0:bigger",
         "c1:dog",
+        "a0:big/small",  # and an antonym's pole
     }
 
 
