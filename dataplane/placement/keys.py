@@ -46,7 +46,10 @@ PREFIX_MIN_TOKENS: Final = 256
 HASH_CHARS: Final = 4096
 
 SESSION_HEADER: Final = "x-session-id"
-MAX_SESSION_KEY: Final = 256
+# A session key is hashed whole up to this (prompt_cache_key may be 1,024
+# characters; trial 44: cut at 256, long namespaced ids that shared their
+# first 256 characters were one session on one hot replica).
+MAX_SESSION_KEY: Final = HASH_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,19 +184,36 @@ def _head(parts: list[str], chars: int) -> str:
 
 
 def _content_text(content: object) -> str:
+    """A message's content as the text its key hashes: the text parts, and
+    for each image, audio clip or file a token naming it by a hash of its URL,
+    data or file id (trial 44: an image-only first turn had no text, and every
+    such conversation of a tenant was one session on one replica)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(
-            str(part.get("text", ""))
-            for part in content
-            if isinstance(part, dict) and part.get("type") in _TEXT_PARTS
-        )
+        return "\n".join(_part_text(part) for part in content if isinstance(part, dict))
     return ""
+
+
+def _part_text(part: dict[str, Any]) -> str:
+    kind = part.get("type")
+    if kind in _TEXT_PARTS:
+        return str(part.get("text", ""))
+    value = part.get(kind) if isinstance(kind, str) else None
+    if isinstance(value, dict):  # chat: image_url {url}, input_audio {data}, file {...}
+        value = next((value[f] for f in _MEDIA_FIELDS if isinstance(value.get(f), str)), None)
+    elif value is None:  # Responses: input_image {image_url | file_id}, input_file {...}
+        value = next((part[f] for f in _MEDIA_FIELDS if isinstance(part.get(f), str)), None)
+    if not isinstance(value, str) or not value:
+        return ""
+    # All of it: a data URL's first kilobytes are often the same format header.
+    return f"[{kind} {zlib.crc32(value.encode(errors='surrogatepass')):08x}]"
 
 
 # Chat's text parts, and the Responses API's.
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+# Where a media part names what it carries, in the order looked at.
+_MEDIA_FIELDS = ("url", "image_url", "data", "file_id", "file_data", "filename")
 
 
 def _prompt_text(prompt: object) -> str:

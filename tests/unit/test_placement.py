@@ -78,6 +78,52 @@ def test_same_session_value_same_key_and_different_values_differ() -> None:
     assert one.value != other.value
 
 
+def test_image_only_first_turns_are_sessions_of_their_own() -> None:
+    """Trial 44: the conversation key hashed text parts only, so every
+    image-only first turn of a tenant (and every "describe this" with another
+    image) was one session, on one replica."""
+
+    def image(url: str, text: str | None = None) -> dict[str, object]:
+        parts: list[dict[str, object]] = [{"type": "image_url", "image_url": {"url": url}}]
+        if text is not None:
+            parts.insert(0, {"type": "text", "text": text})
+        return {"model": "m", "messages": [{"role": "user", "content": parts}]}
+
+    urls = [f"https://example.com/img{i}.png" for i in range(6)]
+    assert len({key_of(image(u)).value for u in urls}) == 6
+    assert len({key_of(image(u, "describe this")).value for u in urls}) == 6
+    assert key_of(image(urls[0])) == key_of(image(urls[0]))  # a session still sticks
+    # A data URL is hashed whole: two images with the same header differ.
+    head = "data:image/jpeg;base64," + "A" * 5000
+    assert key_of(image(head + "B")).value != key_of(image(head + "C")).value
+    # Audio and files, and the Responses API's input_image.
+    audio = [{"type": "input_audio", "input_audio": {"data": d, "format": "wav"}} for d in "xy"]
+    keys = {key_of({"model": "m", "messages": [{"role": "user", "content": [a]}]}) for a in audio}
+    assert len(keys) == 2
+    responses = [
+        placement_key(
+            "responses",
+            {
+                "model": "m",
+                "input": [{"role": "user", "content": [{"type": "input_image", "image_url": u}]}],
+            },
+            {},
+            "acme",
+        )
+        for u in urls[:2]
+    ]
+    assert responses[0] is not None and responses[1] is not None
+    assert responses[0].value != responses[1].value
+
+
+def test_a_long_session_id_is_hashed_whole() -> None:
+    """Trial 44: ids were cut to 256 characters, so prompt_cache_keys (up to
+    1,024) sharing a long namespace were one session."""
+    ids = ["n" * 250 + f"-user-{i}" for i in range(8)]
+    assert len({key_of(chat(("user", "hi"), prompt_cache_key=i)).value for i in ids}) == 8
+    assert len({key_of(chat(("user", "hi")), {"x-session-id": i}).value for i in ids}) == 8
+
+
 def test_a_session_key_never_crosses_tenants() -> None:
     body = chat(("user", "a"), prompt_cache_key="shared-id")
     a = placement_key("chat.completions", body, {}, "acme")
