@@ -409,9 +409,12 @@ def _parser() -> argparse.ArgumentParser:
         "name",
         help="the origin's name: lowercase letters, digits and '-' (not at either end), at most 63",
     )
-    oa.add_argument("--url", required=True, help="OpenAI-compatible base URL, with /v1")
-    oa.add_argument("--region", required=True, help="the region it is in (add that first)")
-    oa.add_argument("--models", required=True, help="comma-separated model names")
+    # Needed to add an origin; with --update, each setting not given is kept
+    # (trial 44: --update reset every one not repeated, a capacity and a
+    # credential among them, and said nothing).
+    oa.add_argument("--url", help="OpenAI-compatible base URL, with /v1 (needed to add one)")
+    oa.add_argument("--region", help="the region it is in (add that first; needed to add one)")
+    oa.add_argument("--models", help="comma-separated model names (needed to add one)")
     oa.add_argument(
         "--weight",
         # 0 is no weight: proxies refuse an origin of weight 0 (drain one to
@@ -424,26 +427,35 @@ def _parser() -> argparse.ArgumentParser:
     oa.add_argument(
         "--capacity",
         type=_count(MAX_CAPACITY),
-        default=0,
-        help="concurrent requests the origin serves well (enables spill)",
+        default=None,
+        help="concurrent requests the origin serves well: the load bound of its placement "
+        "and the point past which its region spills (docs/routing.md); 0 or not given: "
+        "unknown",
     )
     oa.add_argument(
         "--credential-env",
-        default="",
-        help="environment variable on the proxies holding the origin's API key",
+        default=None,
+        help="environment variable on the proxies holding the origin's API key "
+        '(replaces a --credential-file; "" removes it)',
     )
     oa.add_argument(
-        "--credential-file", default="", help="file on the proxies holding the origin's API key"
+        "--credential-file",
+        default=None,
+        help="file on the proxies holding the origin's API key (replaces a --credential-env)",
     )
     oa.add_argument(
         "--continuation",
         choices=["on", "off"],
-        default="on",
+        default=None,
         help="the origin accepts continuation requests (vLLM's continue_final_message), so "
         "streams cut elsewhere may continue here; on by default (vLLM, SGLang), off for "
         "hosted APIs",
     )
-    oa.add_argument("--update", action="store_true", help="update the origin if it exists")
+    oa.add_argument(
+        "--update",
+        action="store_true",
+        help="update the origin if it exists, keeping each setting not given",
+    )
     origin.add_parser("delete", help="delete an origin").add_argument(
         "name", help="the origin's name"
     )
@@ -1352,6 +1364,65 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
     return "\n".join([head, table, tenants, "(-o json for the whole table)"])
 
 
+def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.OriginSpec:
+    """The origin `origin add` asks for: its flags, and for an origin that
+    exists (`current`, with --update) its settings for the flags not given."""
+    if current is None:
+        missing = [
+            flag
+            for flag, value in (
+                ("--url", args.url),
+                ("--region", args.region),
+                ("--models", args.models),
+            )
+            if value is None
+        ]
+        if missing:
+            more = "" if args.update else " (or --update, to change an origin)"
+            raise UsageError(f"adding origin {args.name} needs {', '.join(missing)}{more}")
+    models = (
+        [m.strip() for m in args.models.split(",") if m.strip()]
+        if args.models is not None
+        else list(current.models if current else ())
+    )
+    if args.credential_env is None and args.credential_file is None:
+        env, path = (current.credential_env, current.credential_file) if current else ("", "")
+    else:  # one replaces the other
+        env, path = args.credential_env or "", args.credential_file or ""
+    kept_continuation = "off" if current is not None and current.no_continuation else "on"
+    return apb.OriginSpec(
+        name=args.name,
+        base_url=args.url if args.url is not None else current.base_url if current else "",
+        region=args.region if args.region is not None else current.region if current else "",
+        models=models,
+        # 0: not given, the default (admin.proto)
+        weight=args.weight or (current.weight if current else 0),
+        capacity=args.capacity if args.capacity is not None else current.capacity if current else 0,
+        credential_env=env,
+        credential_file=path,
+        continuation=args.continuation or kept_continuation,
+    )
+
+
+def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
+    """What an update changed, as `tenant set` says it: `field old -> new`."""
+
+    def shown(o: pb.Origin) -> dict[str, str]:
+        return {
+            "url": o.base_url,
+            "region": o.region,
+            "models": ",".join(o.models),
+            "weight": str(o.weight),
+            "capacity": str(o.capacity or "unknown"),
+            "credential_env": o.credential_env or "-",
+            "credential_file": o.credential_file or "-",
+            "continuation": "off" if o.no_continuation else "on",
+        }
+
+    old, new = shown(before), shown(after)
+    return [f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k]]
+
+
 def run(args: argparse.Namespace, stub: Any) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
@@ -1369,21 +1440,18 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         stub.DeleteRegion(apb.DeleteRequest(name=args.name))
         return f"region {args.name} deleted"
     if args.command == "origin" and args.action == "add":
-        models = [m.strip() for m in args.models.split(",") if m.strip()]
-        ospec = apb.OriginSpec(
-            name=args.name,
-            base_url=args.url,
-            region=args.region,
-            models=models,
-            weight=args.weight or 0,  # 0: not given, the default (admin.proto)
-            capacity=args.capacity,
-            credential_env=args.credential_env,
-            credential_file=args.credential_file,
-            continuation=args.continuation,
-        )
+        current = None
+        if args.update:
+            listed = stub.ListOrigins(apb.ListRequest()).origins
+            current = next((o for o in listed if o.name == args.name), None)
+        ospec = _origin_spec(args, current)
         origin_of(ospec).validated()
         o = stub.PutOrigin(apb.PutOriginRequest(origin=ospec, allow_update=args.update))
-        return f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
+        saved = f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
+        if current is None:
+            return saved
+        changed = _origin_changes(current, o)
+        return f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged")
     if args.command == "origin" and args.action == "delete":
         stub.DeleteOrigin(apb.DeleteRequest(name=args.name))
         return f"origin {args.name} deleted"

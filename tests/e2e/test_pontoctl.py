@@ -337,6 +337,45 @@ def test_stream_policy_and_origin_continuation_round_trip(
     assert acme["streams"] == {"hedge_ms": 300, "stream_idle_timeout_s": 15.0}
 
 
+def test_origin_update_keeps_what_it_is_not_given_and_says_what_changed(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Trial 44: `origin add NAME ... --update --weight 150` reset the
+    capacity, the credential and continuation it did not repeat, and said
+    only "saved"."""
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
+    ctl(fleet, capsys, "origin", "add", "rep2", "--url", "http://10.0.0.9:8000/v1",
+        "--region", "us-east", "--models", "llama-3-8b", "--capacity", "2",
+        "--continuation", "off", "--credential-env", "REP2_KEY")  # fmt: skip
+    out, _ = ctl(fleet, capsys, "origin", "add", "rep2", "--weight", "150", "--update")
+    assert out.strip().endswith("changed: weight 100 -> 150"), out
+
+    def rep2() -> dict[str, object]:
+        origins = json.loads(ctl(fleet, capsys, "get", "origins", "-o", "json")[0])["origins"]
+        found: dict[str, object] = next(o for o in origins if o["name"] == "rep2")
+        return found
+
+    got = rep2()
+    assert (got["weight"], got["capacity"], got["credential_env"]) == (150, 2, "REP2_KEY")
+    assert got["continuation"] is False
+    assert got["url"] == "http://10.0.0.9:8000/v1" and got["models"] == ["llama-3-8b"]
+    # One credential replaces the other; each change is said.
+    out, _ = ctl(fleet, capsys, "origin", "add", "rep2", "--update",
+                 "--credential-file", "/run/rep2", "--capacity", "0")  # fmt: skip
+    assert "capacity 2 -> unknown" in out and "credential_env REP2_KEY -> -" in out, out
+    assert "credential_file - -> /run/rep2" in out
+    got = rep2()
+    assert got.get("credential_env", "") == "" and got["credential_file"] == "/run/rep2"
+    out, _ = ctl(fleet, capsys, "origin", "add", "rep2", "--update", "--weight", "150")
+    assert out.strip().endswith("unchanged"), out
+    # A new origin still needs its URL, region and models.
+    _, err = ctl(fleet, capsys, "origin", "add", "rep3", "--update", "--weight", "5", code=2)
+    assert "adding origin rep3 needs --url, --region, --models" in err
+    _, err = ctl(fleet, capsys, "origin", "add", "rep3", "--url", "http://h/v1", code=2)
+    assert "needs --region, --models (or --update, to change an origin)" in err
+    ctl(fleet, capsys, "origin", "delete", "rep2")
+
+
 def export(fleet: Fleet) -> dict[str, object]:
     doc: dict[str, object] = json.loads(fleet.admin().Export(apb.ListRequest(), timeout=5).document)
     return doc
