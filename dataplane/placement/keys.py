@@ -75,7 +75,7 @@ def placement_key(
     explicit = body.get("prompt_cache_key")
     if isinstance(explicit, str) and explicit:
         return _session(tenant, "k", explicit, "prompt_cache_key")
-    header = headers.get(session_header)
+    header = _field(headers, session_header)
     if header:
         return _session(tenant, "h", header, "header")
     if user_sessions:
@@ -91,6 +91,16 @@ def placement_key(
         return None
     # A bare prompt has no turns: its own block-aligned start is the prefix.
     return _prefix(tenant, text[: _aligned(min(len(text), HASH_CHARS))] or text)
+
+
+def _field(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value; several lines of it as one, joined with ", " as HTTP
+    combines them (RFC 9110, 5.3): the same session whether a proxy on the way
+    merged them or not (trial 44: the first line alone was taken)."""
+    getall = getattr(headers, "getall", None)  # a multidict's
+    if getall is None:
+        return headers.get(name)
+    return ", ".join(getall(name, ())) or None
 
 
 def _session(tenant: str, kind: str, value: str, source: str) -> Key:

@@ -116,6 +116,17 @@ def test_image_only_first_turns_are_sessions_of_their_own() -> None:
     assert responses[0].value != responses[1].value
 
 
+def test_a_session_header_sent_twice_is_the_header_merged() -> None:
+    """Trial 44: the first of two lines was taken, and a proxy on the way that
+    merged them into one ("a, b", as HTTP allows) placed the request elsewhere."""
+    body = chat(("user", "hi"))
+    twice = CIMultiDictProxy(CIMultiDict([("x-session-id", "sess-a"), ("X-Session-Id", "sess-b")]))
+    merged = CIMultiDictProxy(CIMultiDict([("x-session-id", "sess-a, sess-b")]))
+    assert key_of(body, twice) == key_of(body, merged)  # type: ignore[arg-type]
+    assert key_of(body, twice) != key_of(body, {"x-session-id": "sess-a"})  # type: ignore[arg-type]
+    assert key_of(body, CIMultiDictProxy(CIMultiDict())).source == "conversation"  # type: ignore[arg-type]
+
+
 def test_a_long_session_id_is_hashed_whole() -> None:
     """Trial 44: ids were cut to 256 characters, so prompt_cache_keys (up to
     1,024) sharing a long namespace were one session."""
