@@ -1423,6 +1423,10 @@ def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
     return [f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k]]
 
 
+# A tenant's stream idle timeout under this is noted as likely to cut streams.
+SHORT_IDLE_S = 1.0
+
+
 def run(args: argparse.Namespace, stub: Any) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
@@ -1493,6 +1497,16 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             saved += (
                 " NOT SUSPENDED: the control plane does not support suspension; upgrade it "
                 "and set it again"
+            )
+        idle = t.streams.stream_idle_timeout_s
+        if 0 < idle < SHORT_IDLE_S and args.stream_idle_timeout is not None:
+            # A note, not a refusal: stored tenants are validated as they are
+            # read, and one refused there would be dropped (trial 45: 0.001 s
+            # was saved, and every stream then failed with a 502).
+            saved += (
+                f"\n  note: a stream idle timeout of {idle:g} s ends every stream whose origin "
+                "is silent that long, before its first chunk too (a model's first token "
+                "often takes seconds): streams may fail with 502 or be cut"
             )
         # What changed, as the audit trail says it (trial 35: the line above
         # did not say that --max-tokens took, or from what).

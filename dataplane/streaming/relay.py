@@ -596,6 +596,13 @@ def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
         if idle.capped:
             return f"no chunk for {idle.delay:g} s from an origin the route table marks unhealthy"
         return f"no chunk for {idle.delay:g} s"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        # Its text is a tuple whose parser error reads "<...Error: 400, ...>":
+        # aiohttp's own code, not a status the origin sent (trial 45).
+        cause = next((a for a in exc.args[1:] if isinstance(a, BaseException)), None)
+        detail = getattr(cause, "message", "") or (str(cause) if cause else "")
+        said = f"the origin's body ended early ({exc.args[0] if exc.args else 'cut'}"
+        return said + (f": {detail})" if detail else ")")
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

@@ -337,6 +337,19 @@ def test_stream_policy_and_origin_continuation_round_trip(
     assert acme["streams"] == {"hedge_ms": 300, "stream_idle_timeout_s": 15.0}
 
 
+def test_a_stream_idle_timeout_under_a_second_is_saved_with_a_note(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Trial 45: 0.001 s was saved without a word, and every stream failed."""
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY))
+    out, _ = ctl(fleet, capsys, "tenant", "set", "acme", "--stream-idle-timeout", "0.001")
+    assert "note: a stream idle timeout of 0.001 s ends every stream" in out, out
+    out, _ = ctl(fleet, capsys, "tenant", "set", "acme", "--stream-idle-timeout", "20")
+    assert "note:" not in out, out
+    out, _ = ctl(fleet, capsys, "tenant", "set", "acme", "--stream-idle-timeout", "0")
+    assert "note:" not in out, out  # 0: the proxy's own
+
+
 def test_origin_update_keeps_what_it_is_not_given_and_says_what_changed(
     fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

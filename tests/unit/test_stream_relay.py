@@ -12,6 +12,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.http_exceptions import TransferEncodingError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from dataplane.streaming.relay import (
     Next,
     RelayEnd,
     Resume,
+    _why,
     ends_answer,
     next_sequence_number,
     relay,
@@ -800,3 +802,19 @@ async def test_a_relay_cancelled_while_the_client_takes_its_last_event_only_ends
     )
     assert b"stopped" not in b"".join(out.written)
     assert out.ends == 1
+
+
+def test_a_body_cut_short_is_said_without_aiohttps_parser_code() -> None:
+    """Trial 45: a cut read "ClientPayloadError: ('Response payload is not
+    completed', <TransferEncodingError: 400, message='Not enough data…'>)",
+    whose 400 is aiohttp's parser code, read as the origin's status."""
+    cut = aiohttp.ClientPayloadError(
+        "Response payload is not completed", TransferEncodingError("Not enough data.")
+    )
+    said = _why(cut, None)
+    assert (
+        said
+        == "the origin's body ended early (Response payload is not completed: Not enough data.)"
+    )
+    assert "400" not in said
+    assert _why(aiohttp.ClientPayloadError(), None) == "the origin's body ended early (cut)"
