@@ -952,6 +952,10 @@ class Forwarder:
                 ) from exc
             if streamed and not first:
                 raise _Retryable("cut", "stream ended before its first chunk")
+            if streamed and resp.status == 200 and _only_done(first):
+                # No event at all (trial 45: passed on as an empty answer, which
+                # the SDK reads as nothing): another origin may answer.
+                raise _Retryable("cut", "stream ended with [DONE] before any event", 200)
             parsed: Any = jsonio.NOT_PARSED
             if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
                 parsed = _answer_object(body_read, resp.status, content_type)
@@ -976,6 +980,16 @@ class Forwarder:
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+
+
+def _only_done(chunk: bytes) -> bool:
+    """Whether a stream's first chunk is its `data: [DONE]` and nothing else
+    (blank lines and comments aside): a stream without one event."""
+    if b"[DONE]" not in chunk:  # nearly every first chunk: one search
+        return False
+    lines = [line.strip() for line in chunk.splitlines()]
+    said = [line for line in lines if line and not line.startswith(b":")]
+    return said in ([b"data: [DONE]"], [b"data:[DONE]"])
 
 
 def _what_failed(tries: _Tries) -> str:

@@ -761,3 +761,31 @@ async def test_a_continuation_call_that_fails_is_logged_by_its_code(
     assert len(cuts) == 1, cuts
     assert "not continued: the continuation call failed (upstream_unavailable)" in cuts[0]
     assert "retry shortly" not in cuts[0]
+
+
+async def test_a_stream_of_no_event_is_asked_of_the_next_origin(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Trial 45: an origin that answered 200 with `data: [DONE]` alone was
+    passed on as an empty stream, which the SDK reads as no answer at all."""
+
+    async def empty(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(b": ping\n\ndata: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    a, b = Origin(empty), await second_origin()
+    p = await proxy([(a, True), (b, True)])
+    chunks, _ = await p.stream()
+    assert text_of(chunks) == " world" and len(a.bodies) == len(b.bodies) == 1
+    metrics = p.app[METRICS]
+    assert metrics.attempt("o0", "cut").value == 1
+    # The only origin answering so: a 502 that says what happened, not a 200.
+    only = await proxy([(Origin(empty), True)])
+    resp = await only.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert resp.status == 502
+    assert (await resp.json())["error"]["code"] == "upstream_unavailable"
