@@ -102,7 +102,7 @@ class Continuations:
         if state is None:
             self._give_up(cut, "its events could not be read")
             return None
-        if state.done:
+        if state.done and len(state.finished) >= _choices(ex.body):
             return self._finished(cut, state)
         if self.count >= self._limit:
             self._give_up(cut, f"it was continued {self.count} times already")
@@ -213,6 +213,14 @@ def _unchanged(data: bytes) -> bytes:
     return data
 
 
+def _choices(body: dict[str, Any]) -> int:
+    """The choices a request asks for: a stream cut after the finish of each
+    it has seen is whole only once it has seen them all (an origin may stream
+    choices one after the other; review of trial 45's fix)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def budget_spent(body: dict[str, Any], tokens: int) -> bool:
     """Whether `tokens` sent are the whole budget of a request of one choice
     (`max_tokens` counts per choice, and several choices' tokens are summed:
@@ -256,11 +264,11 @@ def _head(state: StreamState) -> dict[str, Any]:
 def _usage_chunk(state: StreamState, prompt: int, continued: int) -> bytes:
     """The usage chunk of a stream the proxy ends, which no origin counted:
     its prompt the proxy's estimate of every call's, its completion the
-    tokens sent, and it says so (`"ponto": {"usage": "estimated"}`)."""
+    events that carried anything generated, and it says so (`"ponto": {"usage": "estimated"}`)."""
     usage = {
         "prompt_tokens": prompt,
-        "completion_tokens": state.tokens,
-        "total_tokens": prompt + state.tokens,
+        "completion_tokens": state.generated,
+        "total_tokens": prompt + state.generated,
     }
     ponto: dict[str, Any] = {"continued": continued} if continued else {}
     chunk = {

@@ -597,12 +597,13 @@ def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
             return f"no chunk for {idle.delay:g} s from an origin the route table marks unhealthy"
         return f"no chunk for {idle.delay:g} s"
     if isinstance(exc, aiohttp.ClientPayloadError):
-        # Its text is a tuple whose parser error reads "<...Error: 400, ...>":
-        # aiohttp's own code, not a status the origin sent (trial 45).
-        cause = next((a for a in exc.args[1:] if isinstance(a, BaseException)), None)
-        detail = getattr(cause, "message", "") or (str(cause) if cause else "")
-        said = f"the origin's body ended early ({exc.args[0] if exc.args else 'cut'}"
-        return said + (f": {detail})" if detail else ")")
+        # Its text ends with the parser's error as "<...Error: 400, message=...>":
+        # aiohttp's own code, not a status the origin sent (trial 45). The
+        # parser's message alone, from the error that caused it.
+        text = str(exc.args[0]) if exc.args else ""
+        head = text.split(": <", 1)[0] or "cut"
+        detail = getattr(exc.__cause__, "message", "")
+        return f"the origin's body could not be read ({head}{f': {detail}' if detail else ''})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

@@ -100,6 +100,9 @@ class StreamState:
     reasoning: bool = False
     # Events that carried text: the tokens sent (vLLM sends one token per event).
     tokens: int = 0
+    # Events that carried anything generated: text, tool-call arguments or
+    # reasoning (a usage the proxy estimates counts them all).
+    generated: int = 0
     # The stream's own usage event, if it had one (then it was complete).
     usage: dict[str, Any] | None = None
 
@@ -145,11 +148,15 @@ def read_state(events: list[bytes], endpoint: str) -> StreamState | None:
             if choice.get("finish_reason") is not None:
                 state.finished.add(index)
             delta = choice.get("delta")
+            other = False  # generated, but not text
             if isinstance(delta, dict):
                 if delta.get("tool_calls"):
-                    state.tool_calls = True
+                    state.tool_calls = other = True
                 if delta.get("reasoning_content") or delta.get("reasoning"):
-                    state.reasoning = True
+                    state.reasoning = other = True
+                other = other or bool(delta.get("refusal"))
+            if piece or other:
+                state.generated += 1
     return state
 
 

@@ -60,6 +60,15 @@ def _from_usage(obj: object) -> Usage | None:
     return Usage(prompt, completion, exact=True, cached_tokens=cached)
 
 
+def _estimated(obj: object) -> bool:
+    """A usage chunk the proxy wrote itself (`"ponto": {"usage": "estimated"}`,
+    dataplane.http.resume): not the origin's count. The proxy's own count
+    stands instead, which sees every event it relayed (tool-call arguments
+    too, which the estimate did not: review of trial 45's fix)."""
+    ponto = obj.get("ponto") if isinstance(obj, dict) else None
+    return isinstance(ponto, dict) and ponto.get("usage") == "estimated"
+
+
 def usage_of(obj: object) -> Usage | None:
     """The usage of a complete answer already parsed, or None if it has none:
     `usage`, or `response.usage` (a Responses stream's `response.completed`)."""
@@ -120,7 +129,8 @@ class UsageCounter:
     def event(self, ev: Event) -> None:
         data = ev.data
         if b'"usage"' in data and b'"usage":null' not in data and b'"usage": null' not in data:
-            found = usage_of(jsonio.loads_or_none(data))
+            obj = jsonio.loads_or_none(data)
+            found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
             if found is not None:
                 self.usage = found
         if _has_text(data):

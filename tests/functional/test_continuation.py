@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from dataplane.http.errors import UPSTREAM_SLOW
+from dataplane.http.errors import UPSTREAM_SLOW, UPSTREAM_UNANSWERED
 from dataplane.http.server import build_app
 from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
@@ -788,4 +788,63 @@ async def test_a_stream_of_no_event_is_asked_of_the_next_origin(
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
     )
     assert resp.status == 502
-    assert (await resp.json())["error"]["code"] == "upstream_unavailable"
+    error = (await resp.json())["error"]
+    assert error["code"] == "upstream_unavailable"
+    assert error["message"] == UPSTREAM_UNANSWERED
+
+
+async def test_a_tool_call_stream_cut_after_its_finish_counts_its_arguments(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review of trial 45's fix: the estimated usage counted text only, and
+    was taken as the origin's own count: a tool call cut before its usage
+    chunk was billed 0 completion tokens."""
+
+    async def tool_then_drop(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        frames = b""
+        for piece in ('{"ci', 'ty": ', '"Paris"}'):
+            call = {"index": 0, "function": {"arguments": piece}}
+            chunk = {"id": "first", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                     "choices": [{"index": 0, "delta": {"tool_calls": [call]},
+                                  "finish_reason": None}]}  # fmt: skip
+            frames += b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        await out.write(frames + event("first", finish="tool_calls"))
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+    p = await proxy([(Origin(tool_then_drop), True), (await second_origin(), True)])
+    chunks, _ = await p.stream()
+    assert chunks[-1]["ponto"] == {"usage": "estimated"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    completion = p.app[METRICS].tenant_tokens.labels("default", "-", "completion").value
+    assert completion == 3
+
+
+async def test_a_stream_cut_after_one_of_its_choices_is_not_whole(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review of trial 45's fix: an origin that streams n=2 choices one after
+    the other, cut after the first's finish, was ended as whole and cached
+    with one choice."""
+
+    def choice(index: int, content: str | None, finish: str | None = None) -> bytes:
+        chunk = {"id": "first", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                 "choices": [{"index": index, "delta": {"content": content} if content else {},
+                              "finish_reason": finish}]}  # fmt: skip
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    async def first_choice_then_drop(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(choice(0, "Hi") + choice(0, None, "stop"))
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+    a = Origin(first_choice_then_drop)
+    p = await proxy([(a, True), (await second_origin(), True)])
+    chunks, _ = await p.stream(n=2, temperature=0, stream_options=None)
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    await p.stream(n=2, temperature=0, stream_options=None)
+    assert len(a.bodies) == 2  # not kept

@@ -12,7 +12,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.http_exceptions import TransferEncodingError
+from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -804,17 +804,28 @@ async def test_a_relay_cancelled_while_the_client_takes_its_last_event_only_ends
     assert out.ends == 1
 
 
-def test_a_body_cut_short_is_said_without_aiohttps_parser_code() -> None:
-    """Trial 45: a cut read "ClientPayloadError: ('Response payload is not
-    completed', <TransferEncodingError: 400, message='Not enough data…'>)",
-    whose 400 is aiohttp's parser code, read as the origin's status."""
-    cut = aiohttp.ClientPayloadError(
-        "Response payload is not completed", TransferEncodingError("Not enough data.")
-    )
-    said = _why(cut, None)
-    assert (
-        said
-        == "the origin's body ended early (Response payload is not completed: Not enough data.)"
-    )
-    assert "400" not in said
-    assert _why(aiohttp.ClientPayloadError(), None) == "the origin's body ended early (cut)"
+async def test_a_body_cut_short_is_said_without_aiohttps_parser_code() -> None:
+    """Trial 45: a cut read "ClientPayloadError: Response payload is not
+    completed: <TransferEncodingError: 400, message='Not enough data…'>",
+    whose 400 is aiohttp's parser code, read as the origin's status. A real
+    chunked body cut short, read by aiohttp's client."""
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"data: x\n\n")
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+    app = web.Application()
+    app.router.add_get("/", cut)
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.get("/")
+        with pytest.raises(aiohttp.ClientPayloadError) as raised:
+            while await resp.content.readany():
+                pass
+    said = _why(raised.value, None)
+    assert said.startswith("the origin's body could not be read (Response payload is not completed")
+    assert "Not enough data" in said and "400" not in said and "<" not in said
+    assert _why(aiohttp.ClientPayloadError(), None) == "the origin's body could not be read (cut)"
