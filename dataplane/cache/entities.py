@@ -7,11 +7,12 @@ semantic hit also requires `entities_match` of the two texts' signatures.
 
 A signature (`extract`) has three parts:
 
-- `strict`: canonical values that must be equal as sets on both sides, and the
-  numbers and the operators between them (+ - * / ^ < > = ...) in the order the
-  text gives them, repeats counted ("10 divided by 2" is not "2 divided by 10",
-  "5 times 5" not "5 times 5 times 5", "10 - 3" not "10 + 3"). Numbers keep a
-  minus sign ("-40" is not "40"), and
+- `strict`: canonical values that must be equal as sets on both sides, with
+  each number that comes more than once counted ("add 7 and 7" is not "... and 7
+  and 7"), and, where an operator stands between numbers (+ - * / ^ < > = as
+  symbols, or plus, minus, times, divided, power, percent, greater, less, ...),
+  the numbers and operators in order ("10 divided by 2" is not "2 divided by 10",
+  "10 - 3" not "10 + 3"). Numbers keep a minus sign ("-40" is not "40"), and
   (thousands separators, spaces and dashes between digit groups dropped, so
   "1,000" == "1000" and "4111 1111 1111" == "4111-1111-1111"; decimals, times and
   slashes kept: "1.5" != "15", "10:30" != "1030"), ordinals ("3rd" == "3" ==
@@ -111,7 +112,7 @@ _DATE = re.compile(
     re.IGNORECASE,
 )
 
-_NUMBER_WORDS: dict[str, int | str] = {
+_NUMBER_WORDS = {
     "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
     "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14,
     "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19,
@@ -126,11 +127,10 @@ _NUMBER_WORDS: dict[str, int | str] = {
     "twentieth": 20, "thirtieth": 30, "fortieth": 40, "fiftieth": 50,
     "sixtieth": 60, "seventieth": 70, "eightieth": 80, "ninetieth": 90,
 }  # fmt: skip
-# Fractions and multiples are values too (trial 46: "half a cup" / "a quarter
-# of a cup", "double a recipe" / "triple" shared answers at 0.90 and 0.92).
-_NUMBER_WORDS.update({"half": "1/2", "halves": "1/2", "quarter": "1/4", "quarters": "1/4",
-                      "double": "x2", "twice": "x2", "triple": "x3", "thrice": "x3",
-                      "quadruple": "x4"})  # fmt: skip
+# "twice" is "two times" (half, double, triple are antonym poles instead,
+# dataplane.cache.opposites: as values, "double check" and "half an hour"
+# missed every question without them).
+_NUMBER_WORDS.update({"twice": 2, "thrice": 3})
 # "one" is left out on purpose: it is mostly a pronoun ("which one", "one of them").
 # Scales are values of their own: "a million years" is not "a billion years"
 # (trial 31: 0.91). "1 million" and "1000000" differ then, a miss, not a wrong answer.
@@ -145,18 +145,21 @@ _SPACED_DIGITS = re.compile(r"(?<=\d{3}) (?=\d{3})")
 # A token: letters/digits, joined by inner separators. Sentence ends are separate.
 _TOKEN = re.compile(r"(?P<tok>[^\W_]+(?:[-_/.:,'][^\W_]+)*)|(?P<end>[.!?;:\n]+)")
 _DIGIT_SEPARATORS = re.compile(r"[-_, ]")
-# An operator between two numbers ("10 + 3", "3>2", "2^10", "10 - 3"): a
-# value of the question as much as its numbers (trial 46: "what is 10 minus
-# 3" / "3 minus 10" and "10 - 3" / "3 - 5" shared answers). A dash is one
-# only with spaces on both sides: "555-1234" and "2024-01-05" are one number.
-_OPERATOR = re.compile(
-    # \u00d7 \u00f7 \u2264 \u2265: times, divided by, at most, at least;
-    # \u2212: the minus sign.
-    r"(?<=\d)(?:\s*(\*\*|<=|>=|!=|==|[+*/\u00d7\u00f7^<>=\u2264\u2265%])|\s+([-\u2212])\s+)"
-    r"(?=\s*[-\u2212]?\d)"
-)
-# One form of each operator: "6 \u00d7 7" is "6 * 7".
-_OPERATOR_FORMS = {"\u00d7": "*", "\u00f7": "/", "\u2264": "<=", "\u2265": ">="}
+# Operators between two numbers, as symbols in the gap between their tokens
+# (inside a token, "1/2" or "555-1234" is one number) or as words: a value of
+# the question as much as its numbers (trial 46: "10 minus 3" / "3 minus 10",
+# "3 > 2" / "3 < 2" shared answers). A dash is one only when a space follows:
+# before a digit it is the number's sign.
+_GAP_OPERATOR = re.compile(r"\*\*|<=|>=|!=|==|[+*/\u00d7\u00f7^<>=\u2264\u2265%]|[-\u2212](?=\s)")
+_OPERATOR_WORDS = {
+    "plus": "+", "minus": "-", "times": "*", "multiplied": "*", "divided": "/",
+    "power": "^", "percent": "%", "mod": "mod", "modulo": "mod", "squared": "squared",
+    "cubed": "cubed", "root": "root", "square": "square", "greater": ">", "more": ">",
+    "bigger": ">", "larger": ">", "less": "<", "fewer": "<", "smaller": "<", "over": "over",
+    "under": "under",
+}  # fmt: skip
+# One form of each: "6 \u00d7 7" is "6 * 7", "3 \u2264 4" is "3 <= 4".
+_OPERATOR_FORMS = {"\u00d7": "*", "\u00f7": "/", "\u2264": "<=", "\u2265": ">=", "\u2212": "-"}
 # A minus sign (a hyphen, or U+2212) is part of the number it starts ("-40",
 # "x = -3"), not a separator: "-40 fahrenheit" is not "40 fahrenheit" (trial 46).
 _MINUS = frozenset("-\u2212")
@@ -227,12 +230,9 @@ def extract(text: str) -> Entities:
     text = _DATE.sub(date, text)
     text = _SPACED_DIGITS.sub("", text)
 
-    # The numbers and operators in the order the text gives them: "10 divided
-    # by 2" is not "2 divided by 10", "5 times 5" not "5 times 5 times 5"
-    # (trial 46: the strict set saw the same values). Position -> value.
-    order = {m.start(): _OPERATOR_FORMS.get(m.group(1), m.group(1) or "-")
-             for m in _OPERATOR.finditer(text)}  # fmt: skip
-    strict.update(f"op:{op}" for op in order.values())
+    # The numbers in the order the text gives them, and the operators between
+    # them (see `_Arithmetic`).
+    arithmetic = _Arithmetic()
     words: set[str] = set()
     names: list[str] = []
     capitals = 0
@@ -249,8 +249,10 @@ def extract(text: str) -> Entities:
                 sentence_start = True
                 clauses.append([])
             continue
-        if "," in text[gap_from : m.start()]:
+        gap = text[gap_from : m.start()]
+        if "," in gap:
             clauses.append([])
+        arithmetic.gap(gap)
         gap_from = m.end()
         starts = sentence_start
         sentence_start = False
@@ -265,7 +267,7 @@ def extract(text: str) -> Entities:
             strict.add(value)
             clauses[-1].append(value)
             if value.startswith("num:"):
-                order[at] = value[4:]
+                arithmetic.number(value[4:])
             continue
         folded = _strip_possessive(tok.casefold())
         clauses[-1].append(folded)
@@ -273,7 +275,9 @@ def extract(text: str) -> Entities:
         words.update(re.split(r"[-_/.:,']", folded))
         if folded in _NUMBER_WORDS:
             strict.add(f"num:{_NUMBER_WORDS[folded]}")
-            order[m.start()] = str(_NUMBER_WORDS[folded])
+            arithmetic.number(str(_NUMBER_WORDS[folded]))
+        elif folded in _OPERATOR_WORDS:
+            arithmetic.operator(_OPERATOR_WORDS[folded])
         elif folded in _SCALE_WORDS:
             strict.add(f"scale:{folded.removesuffix('s')}")
         lettered += 1
@@ -281,8 +285,7 @@ def extract(text: str) -> Entities:
             capitals += 1
         if not starts and _has_upper(tok) and folded not in _NOT_NAMES:
             names.append(folded)
-    if len(order) > 1:
-        strict.add("seq:" + " ".join(order[at] for at in sorted(order)))
+    strict.update(arithmetic.values())
     # Text mostly in capitals is shouting, not names.
     shouting = lettered >= 2 and capitals * 5 >= lettered * 3
     return Entities(
@@ -291,6 +294,48 @@ def extract(text: str) -> Entities:
         words=frozenset(words),
         sides=sides(clauses),
     )
+
+
+class _Arithmetic:
+    """What a text's numbers say together, read token by token. Each number
+    that comes more than once is counted (`count:V:N`: "add 7 and 7" is not
+    "add 7 and 7 and 7"); when an operator stands between two numbers, the
+    numbers and operators in order are one value (`seq:`: "10 divided by 2"
+    is not "2 divided by 10", "5 times 5" not "5 times 5 times 5"). Numbers
+    with nothing between them but words keep set equality, so "$20 but I
+    entered $100" and "$100 but got $20" still agree (review of trial 46)."""
+
+    __slots__ = ("_counts", "_pending", "_seq", "_used")
+
+    def __init__(self) -> None:
+        self._seq: list[str] = []  # numbers and the operators between them
+        self._pending: list[str] = []  # operators since the last number
+        self._counts: dict[str, int] = {}
+        self._used = False  # an operator stood between two numbers
+
+    def gap(self, text: str) -> None:
+        """The characters between two tokens."""
+        if self._seq and text.strip():
+            for m in _GAP_OPERATOR.finditer(text):
+                self.operator(_OPERATOR_FORMS.get(m.group(), m.group()))
+
+    def operator(self, op: str) -> None:
+        if self._seq:  # before the first number, not between two
+            self._pending.append(op)
+
+    def number(self, value: str) -> None:
+        self._counts[value] = self._counts.get(value, 0) + 1
+        if self._seq and self._pending:
+            self._used = True
+            self._seq += self._pending
+        self._seq.append(value)
+        self._pending = []
+
+    def values(self) -> list[str]:
+        out = [f"count:{v}:{n}" for v, n in self._counts.items() if n > 1]
+        if self._used:
+            out.append("seq:" + " ".join(self._seq))
+        return out
 
 
 def _canonical_number_or_code(tok: str) -> str:

@@ -7,14 +7,15 @@ the same numbers and names on both sides. `sides` reads a small signature of a
 text's directed words (tags), and `opposed` refuses two texts that read opposite
 ways:
 
-- *Direction* (`d0:` source, `d1:` target). "to", "into", "onto", "towards",
-  "in" (a conversion's: "5 km in miles", "ounces in a pound"): the
+- *Direction* (`d0:` source, `d1:` target). "to", "into", "onto", "towards": the
   nearest word before the marker is a source, the nearest word after it a target;
   "from": the nearest word after it is a source. Opposed: two words exchanged, one
   a source only in one text and a target only in the other, and the other way
   round. "miles to kilometers" against "kilometers to miles"; "from boston to
   denver" against "to boston from denver". "to denver from boston" agrees with
   "from boston to denver".
+- *In* (`i0:`, `i1:`): "in" of a conversion or a measure, as for direction:
+  "5 km in miles" / "5 miles in km", "ounces in a pound" / "pounds in an ounce".
 - *Comparison* (`c0:` first term, `c1:` second). "than": every word before it in
   its clause is the first term, the nearest word after it the second. Opposed, as
   for direction, when two words are exchanged: "is a cat bigger than a dog".
@@ -69,14 +70,16 @@ from collections.abc import Iterable, Sequence
 __all__ = ["ANTONYMS", "negation_opposed", "opposed", "prefix_opposed", "sides"]
 
 # Markers whose left clause is the source and nearest right word the target.
-# "in" of a conversion or a measure: "5 km in miles" / "5 miles in km", "ounces
-# in a pound" / "pounds in an ounce" (trial 46: 0.99 and 0.94 to MiniLM). Two
-# words exchanged around it are opposed, as around "to"; a moved "in python"
-# changes one word's side, which agrees.
-_TOWARDS = frozenset({"to", "into", "onto", "towards", "toward", "in"})
+_TOWARDS = frozenset({"to", "into", "onto", "towards", "toward"})
 _FROM = "from"
 _THAN = "than"
-_MARKERS = _TOWARDS | {_FROM, _THAN}
+# "in" of a conversion or a measure (`i0:` the word before, `i1:` after):
+# "5 km in miles" / "5 miles in km", "ounces in a pound" / "pounds in an
+# ounce" (trial 46: 0.99 and 0.94 to MiniLM). Tags of their own: with "to"'s,
+# "good morning in spanish to french" made "spanish" both a target and a
+# source, so no side, and its swap agreed (review of trial 46).
+_IN = "in"
+_MARKERS = _TOWARDS | {_FROM, _THAN, _IN}
 
 # Words that never take a side: without them the nearest word after "to" in "to
 # the airport" is "the", and "how"/"i"/"it" would be sources in most questions.
@@ -178,6 +181,10 @@ cheap cheaper cheapest | expensive
 high higher | low lower
 early earlier | late later
 win winning won | lose losing lost
+half halves | quarter quarters
+half halves halved | double doubled doubling
+double doubled doubling | triple tripled tripling
+greater | less smaller
 """
 
 
@@ -223,13 +230,15 @@ def sides(clauses: Iterable[Sequence[str]]) -> frozenset[str]:
                     tags.update(f"c0:{w}" for w in before)
                 elif token in _TOWARDS and before:
                     tags.add(f"d0:{before[-1]}")
+                elif token == _IN and before:
+                    tags.add(f"i0:{before[-1]}")
                 pending = token
                 continue
             if token in _FUNCTION_WORDS:
                 continue
             word = _word(token)
             if pending:
-                kind = "c1" if pending == _THAN else "d0" if pending == _FROM else "d1"
+                kind = {_THAN: "c1", _FROM: "d0", _IN: "i1"}.get(pending, "d1")
                 tags.add(f"{kind}:{word}")
                 pending = ""
             before.append(word)
@@ -317,7 +326,7 @@ def opposed(a: frozenset[str], b: frozenset[str]) -> bool:
     """True when `a` and `b` read opposite ways (see the module doc). Symmetric."""
     if not a or not b:
         return False
-    for kind in ("d", "c"):  # direction, comparison: two words exchanged
+    for kind in ("d", "c", "i"):  # direction, comparison, "in": two words exchanged
         a0, a1 = _one_sided(a, kind)
         b0, b1 = _one_sided(b, kind)
         if a0 & b1 and a1 & b0:

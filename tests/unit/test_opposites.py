@@ -132,6 +132,13 @@ def test_trial_37s_opposite_questions_do_not_match(a: str, b: str) -> None:
         ("how do I convert 5 km in miles", "how do I convert 5 miles in km"),  # 0.987
         ("how many ounces in a pound", "how many pounds in an ounce"),  # 0.937
         ("100 usd in eur", "100 eur in usd"),  # 0.959
+        # Review of trial 46: "in" beside "to" (0.999), and half / double.
+        (
+            "translate good morning in spanish to french",
+            "translate good morning in french to spanish",
+        ),
+        ("translate hello in english into german", "translate hello in german into english"),
+        ("half the recipe", "double the recipe"),
     ],
 )
 def test_trial_46s_opposite_questions_do_not_match(a: str, b: str) -> None:
@@ -145,6 +152,9 @@ def test_trial_46s_opposite_questions_do_not_match(a: str, b: str) -> None:
         ("how do I sort a list in python", "sorting a list in python"),
         ("how many ounces in a pound", "how many ounces are there in a pound"),
         ("start and end a screen session", "end and start a screen session"),
+        ("can you double check my transfer", "can you check my transfer"),
+        ("how do I double click", "how do I double-click"),
+        ("how do I log in", "I can't log in to my account"),
     ],
 )
 def test_trial_46s_paraphrases_still_match(a: str, b: str) -> None:
