@@ -142,6 +142,7 @@ class Catalog:
         tenants: list[Tenant] = []
         keys: list[ApiKeyRecord] = []
         purges: list[Purge] = []
+        created: dict[str, int] = {}
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
@@ -155,6 +156,7 @@ class Catalog:
                     # Validated again: a value edited by hand must not break
                     # compiling the table for everyone.
                     tenants.append(decode_tenant(kv.value).validated())
+                    created[tenants[-1].name] = kv.create_revision
                 elif kv.key.startswith(KEYS):
                     key = decode_key(kv.value)
                     key.limits.validated(f"key {key.id!r}")
@@ -172,6 +174,7 @@ class Catalog:
             tuple(tenants),
             tuple(keys),
             tuple(purges),
+            created,
         )
 
     async def put_health(self, health: OriginHealth, *, fence: Fence | None = None) -> None:

@@ -7,7 +7,7 @@ change what proxies see (a proxy registering, say) is not pushed.
 
 from __future__ import annotations
 
-from controlplane.model import Limits, State, Tenant
+from controlplane.model import Limits, Purge, State, Tenant
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -84,8 +84,20 @@ def compile_table(state: State) -> pb.RouteTable:
         if not k.revoked and k.tenant in tenants
     )
     table.auth_required = bool(state.keys) or any(t.jwt is not None for t in state.tenants)
+    # A tenant's birth is a purge of its name at its record's create revision:
+    # a tenant made again under a deleted one's name is answered from nothing
+    # the first one left (in a proxy's store, the region's Redis, the semantic
+    # feed), even once the deletion's own purge is trimmed from the newest
+    # MAX_PURGES (review of trial 46). A proxy runs each purge once and the
+    # regions' epochs only grow, so a birth purges once; at the upgrade that
+    # brought births, the tenants made since the last purge that covered them
+    # lost their cached answers once.
+    births = (
+        Purge(rev, t.name, "") for t in state.tenants if (rev := state.created.get(t.name, 0))
+    )
     table.purges.extend(
-        pb.CachePurge(revision=p.revision, tenant=p.tenant, model=p.model) for p in state.purges
+        pb.CachePurge(revision=p.revision, tenant=p.tenant, model=p.model)
+        for p in sorted((*state.purges, *births), key=lambda p: p.revision)
     )
     table.etag = content_etag(table)
     return table

@@ -400,6 +400,9 @@ class State:
     tenants: tuple[Tenant, ...] = ()
     keys: tuple[ApiKeyRecord, ...] = ()
     purges: tuple[Purge, ...] = ()
+    # Each tenant's record's create revision: the table carries it as a purge
+    # of the tenant (compile.py), never trimmed with the purges.
+    created: dict[str, int] = field(default_factory=dict)
 
 
 def encode(value: Any) -> bytes:

@@ -36,6 +36,9 @@ class KeyValue:
     value: bytes
     mod_revision: int
     lease: int = 0
+    # The revision the key was created at: the same across its updates, a
+    # new one once it was deleted and put again (0: not known).
+    create_revision: int = 0
 
 
 @dataclass(frozen=True, slots=True)

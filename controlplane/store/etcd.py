@@ -359,7 +359,7 @@ class EtcdStore:
         if not resp.kvs:
             return None
         kv = resp.kvs[0]
-        return KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
+        return KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease, kv.create_revision)
 
     async def list(self, prefix: str) -> Listing:
         resp = await self._call(
@@ -367,7 +367,8 @@ class EtcdStore:
             self._kv.get(prefix, range_end=prefix_range_end(prefix), timeout=self._timeout),
         )
         items = tuple(
-            KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs
+            KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease, kv.create_revision)
+            for kv in resp.kvs
         )
         return Listing(resp.header.revision, tuple(sorted(items, key=lambda i: i.key)))
 
@@ -382,7 +383,8 @@ class EtcdStore:
             ),
         )
         items = tuple(
-            KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs
+            KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease, kv.create_revision)
+            for kv in resp.kvs
         )
         return Listing(resp.header.revision, items)
 

@@ -142,7 +142,7 @@ class MemoryStore:
         self._revision += 1
         if key not in self._data:
             bisect.insort(self._keys, key)
-        self._data[key] = KeyValue(key, value, self._revision, lease)
+        self._data[key] = KeyValue(key, value, self._revision, lease, self._created(key))
         self._history.append((self._revision, key))
         self._notify()
         return self._revision
@@ -178,10 +178,15 @@ class MemoryStore:
                 continue
             if w.key not in self._data:
                 bisect.insort(self._keys, w.key)
-            self._data[w.key] = KeyValue(w.key, w.value, self._revision)
+            self._data[w.key] = KeyValue(w.key, w.value, self._revision, 0, self._created(w.key))
             self._history.append((self._revision, w.key))
         self._notify()
         return self._revision
+
+    def _created(self, key: str) -> int:
+        """The create revision of key written at the current revision."""
+        held = self._data.get(key)
+        return held.create_revision if held is not None else self._revision
 
     async def grant_lease(self, ttl: int) -> int:
         self._check()

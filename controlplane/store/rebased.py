@@ -86,7 +86,8 @@ class RebasedStore:
         return revision
 
     def _kv(self, kv: KeyValue) -> KeyValue:
-        return KeyValue(kv.key, kv.value, kv.mod_revision + self._base, kv.lease)
+        created = kv.create_revision + self._base if kv.create_revision else 0
+        return KeyValue(kv.key, kv.value, kv.mod_revision + self._base, kv.lease, created)
 
     def _in(self, revision: int) -> int:
         """The store's own revision of one handed out, with the base it was

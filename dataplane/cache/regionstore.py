@@ -35,10 +35,12 @@ that bound, not the proxies', caps what the region keeps). `purge()` also drops
 the old keys in the background, once per region (the proxy that wins
 `ponto:purging:...`), by a bounded SCAN. Epochs only grow: a proxy remembers
 every purge it has seen, even after the table drops old ones (it keeps the
-newest 64). A proxy started after a purge fell out of the table may compute an
+newest 64, and each tenant's birth: its record's create revision, as a purge
+of it). A proxy started after a purge fell out of the table may compute an
 older epoch for that scope; it then misses what the others keep, and could
 read entries older than that purge only if they are still within their TTL
-after 64 newer purges.
+after 64 newer purges, and never a deleted tenant's as those of a tenant made
+again under its name (whose birth is above them).
 
 Cross-proxy coalescing: see `claim` and `follow`; dataplane.cache.step uses them
 after the local Coalescer has made a request the leader of its flight.

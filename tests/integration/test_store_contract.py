@@ -187,6 +187,22 @@ async def test_mod_revision_increases_strictly_across_keys(store: StateStore) ->
     assert b.mod_revision == revs[1]
 
 
+async def test_create_revision_holds_across_updates_and_is_new_after_a_delete(
+    store: StateStore,
+) -> None:
+    """What the route table's tenant births are made of (a tenant deleted and
+    made again under its name is a new one to the caches)."""
+    first = await store.put(P + "k", b"1")
+    await store.put(P + "k", b"2")
+    await store.commit([Write(P + "k", b"3")])
+    kv = await store.get(P + "k")
+    assert kv is not None and kv.create_revision == first and kv.mod_revision > first
+    await store.delete(P + "k")
+    again = await store.commit([Write(P + "k", b"4", if_mod_revision=0)])
+    listed = (await store.list(P)).items
+    assert [(i.key, i.create_revision) for i in listed] == [(P + "k", again)]
+
+
 async def test_overwrite_replaces_value(store: StateStore) -> None:
     await store.put(P + "k", b"old")
     await store.put(P + "k", b"new")

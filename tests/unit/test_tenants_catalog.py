@@ -35,6 +35,7 @@ from controlplane.model import (
 )
 from controlplane.store import Fence, KeyValue
 from controlplane.store.memory import MemoryStore
+from dataplane.cache.regionstore import PurgeEpochs
 from dataplane.policy import build_policy
 from ponto.apikeys import hash_key, key_expired, parse_key_id, secret_of
 from ponto.v1 import routing_pb2 as pb
@@ -471,6 +472,34 @@ async def test_a_deleted_tenants_answers_are_purged_with_it(
     with pytest.raises(NotFound):
         await catalog.delete_tenant("gamma")
     assert len((await catalog.snapshot()).purges) == 1
+
+
+async def test_a_tenant_made_again_is_a_new_epoch_even_once_its_deletions_purge_is_trimmed(
+    catalog: Catalog,
+) -> None:
+    """Review of trial 46: the deletion's purge is trimmed after MAX_PURGES
+    more, and a proxy that starts then read the region's entries of the
+    deleted tenant (written at an epoch below it) as the new one's. The table
+    carries each tenant's birth (its record's create revision) as a purge of
+    it, which no trim removes: the new tenant's epoch is above every entry the
+    first one wrote."""
+    await catalog.put_tenant(Tenant("gamma"), allow_update=False)
+    first = compile_table(await catalog.snapshot())
+    old_epoch = PurgeEpochs()
+    old_epoch.update((p.revision, p.tenant, p.model) for p in first.purges)
+    written_at = old_epoch.epoch("gamma", "m")  # the first tenant's entries
+    await catalog.delete_tenant("gamma")
+    for i in range(MAX_PURGES):
+        await catalog.purge_cache(model=f"m{i}")
+    await catalog.put_tenant(Tenant("gamma"), allow_update=False)
+    table = compile_table(await catalog.snapshot())
+    assert not any(p.tenant == "gamma" and p.model == "" for p in (await catalog.snapshot()).purges)
+    fresh = PurgeEpochs()  # a proxy started now
+    fresh.update((p.revision, p.tenant, p.model) for p in table.purges)
+    assert fresh.epoch("gamma", "m") > written_at
+    assert [p.revision for p in table.purges] == sorted(p.revision for p in table.purges)
+    # Other tenants' epochs are their births', not this one's.
+    assert fresh.epoch("delta", "m") < fresh.epoch("gamma", "m")
 
 
 async def test_deletions_keep_only_the_newest_purges(catalog: Catalog, store: MemoryStore) -> None:
