@@ -499,8 +499,6 @@ class Catalog:
             revisions = {kv.key: kv.mod_revision for kv in listing.items}
             current = self._current(listing.items)
             plan = topology.plan(wanted, current, prune=prune)
-            if dry_run:
-                return plan
             writes = []
             for change in plan.writes():
                 key = _PREFIX[change.kind] + change.name
@@ -512,11 +510,17 @@ class Catalog:
                     writes.append(self._purge(change.name))
             checks = [Fence(REGIONS + r, revisions[REGIONS + r]) for r in plan.relies_on]
             if txn_size(writes, checks) > MAX_TXN_OPS:
+                # Checked in a dry run too: it is what the apply would meet.
+                extra = len(writes) - len(plan.writes())
                 raise InvalidArgument(
-                    f"the topology changes {len(plan.writes())} objects and relies on "
-                    f"{len(checks)} regions it does not list, more than one transaction "
-                    f"holds ({MAX_TXN_OPS} writes or conditions); apply it in parts"
-                )
+                    f"the topology changes {len(plan.writes())} objects"
+                    + (f" ({extra} more writes: deleted origins' health, deleted tenants' "
+                       "cache purges)" if extra else "")
+                    + f" and relies on {len(checks)} regions it does not list, more than one "
+                    f"transaction holds ({MAX_TXN_OPS} writes or conditions); apply it in parts"
+                )  # fmt: skip
+            if dry_run:
+                return plan
             try:
                 await _guard(self.store.commit(writes, checks))
             except Conflict:

@@ -1196,9 +1196,10 @@ def _rows_keys(
 def _spent_within(
     data: dict[str, Any], items: str, scope: Callable[[dict[str, Any]], str]
 ) -> dict[str, Any]:
-    """data (a tenants' or keys' list as JSON) with each budgeted item's
-    `spent` (day, day_tokens, month_tokens) within it as well as in the
-    top-level list, which a reader of one tenant missed (trial 42)."""
+    """data (a keys' list as JSON) with each budgeted item's `spent` (day,
+    day_tokens, month_tokens) within it as well as in the top-level list,
+    which a reader of one key missed (trial 42). `get tenants -o json` is the
+    apply file's form, which has no place for it."""
     spent = {row["scope"]: row for row in data.get("spent", [])}
     for item in data.get(items, []):
         row = spent.get(scope(item))
@@ -1378,8 +1379,14 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
             if value is None
         ]
         if missing:
-            more = "" if args.update else " (or --update, to change an origin)"
-            raise UsageError(f"adding origin {args.name} needs {', '.join(missing)}{more}")
+            if args.update:  # a misspelt name, most likely
+                raise UsageError(
+                    f"origin {args.name} not found; adding it needs {', '.join(missing)}"
+                )
+            raise UsageError(
+                f"adding origin {args.name} needs {', '.join(missing)} "
+                "(or --update, to change an origin)"
+            )
     models = (
         [m.strip() for m in args.models.split(",") if m.strip()]
         if args.models is not None
@@ -1646,12 +1653,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if args.kind == "tenants":
             tenants = stub.ListTenants(req)
             served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)
-            shown = render(
-                tenants,
-                args.output,
-                lambda r: _rows_tenants(r, served),
-                functools.partial(_spent_within, items="tenants", scope=lambda t: f"t/{t['name']}"),
-            )
+            # A table only: JSON and YAML are the apply file's (above).
+            shown = render(tenants, args.output, lambda r: _rows_tenants(r, served))
             return "\n".join([shown, *_tenant_notes(tenants.tenants, served)])
         if args.kind == "keys":
             keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))

@@ -223,7 +223,7 @@ def _part_text(part: dict[str, Any]) -> str:
 # Chat's text parts, and the Responses API's.
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 # Where a media part names what it carries, in the order looked at.
-_MEDIA_FIELDS = ("url", "image_url", "data", "file_id", "file_data", "filename")
+_MEDIA_FIELDS = ("url", "image_url", "data", "file_id", "file_data", "file_url", "filename")
 
 
 def _prompt_text(prompt: object) -> str:

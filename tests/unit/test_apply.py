@@ -395,6 +395,23 @@ async def test_catalog_apply_writes_everything_at_one_revision() -> None:
     assert (await store.list("/ponto/state/")).revision == listing.revision
 
 
+async def test_a_prune_past_one_transaction_is_refused_in_a_dry_run_too() -> None:
+    """Review of trial 46's fix: each deleted tenant also writes its cache
+    purge, so 64 deletions pass the 128 writes of a transaction. The dry run
+    said it would work, and the refusal counted only the objects."""
+    catalog = Catalog(MemoryStore())
+    for i in range(70):
+        await catalog.put_tenant(Tenant(f"t{i}"), allow_update=False)
+    for dry_run in (True, False):
+        with pytest.raises(InvalidArgument, match=r"changes 70 objects \(70 more writes:"):
+            await catalog.apply({"regions": []}, prune=True, dry_run=dry_run)
+    assert len((await catalog.snapshot()).tenants) == 70
+    # Half as many fit.
+    plan = await catalog.apply({"tenants": [{"name": f"t{i}"} for i in range(35)]},
+                               prune=True, dry_run=False)  # fmt: skip
+    assert sum(c.action == "deleted" for c in plan.changes) == 35
+
+
 async def test_catalog_apply_writes_nothing_when_any_part_is_invalid() -> None:
     store = MemoryStore()
     catalog = Catalog(store)
