@@ -1060,6 +1060,10 @@ def refusal(admission: Admission) -> ApiError:
         # Not the budget's end (that is _over_budget): the leader moves share
         # here within a round or two, so the message must not read as final.
         what = f"this proxy's share of the {what} budget; the budget is not spent"
+    else:
+        # Whose: a key and its tenant may each have limits (trial 47: a key of
+        # 30 RPM under a tenant of 60 was refused by either, said alike).
+        what += _of_whom(admission.refused_scope)
     return ApiError(
         429,
         f"Rate limit reached for {what}. Please try again in {admission.retry_in()}.",
@@ -1108,9 +1112,9 @@ def _over_budget(admission: Admission) -> ApiError:
 
 
 def _of_whom(scope: str) -> str:
-    """Whose budget a refusal names, as OpenAI names the organization whose
-    limit refused: a key and its tenant may each have one (trial 42: the
-    client could not tell which had run out)."""
+    """Whose limit or budget a refusal names, as OpenAI names the
+    organization whose limit refused: a key and its tenant may each have one
+    (trial 42: the client could not tell which had run out)."""
     kind, _, name = scope.partition("/")
     if kind == "k":
         return f" of API key {name}"

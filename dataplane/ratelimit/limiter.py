@@ -20,6 +20,7 @@ another's half-done state.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -51,28 +52,35 @@ _RESET_TOK = "x-ratelimit-reset-tokens"
 
 # Below this an EWMA counts as no demand, so idle scopes drop out of reports.
 _IDLE_RATE = 1e-3
+# A scope's demand is averaged over the time DEMAND_EVENTS attempts take at
+# the mean gap of its last ones, between `demand_tau_s` and DEMAND_HORIZON_S;
+# over the horizon while it has had fewer than DEMAND_BURST (RateLimiter.demand).
+DEMAND_EVENTS = 8
+DEMAND_BURST = 4
+DEMAND_HORIZON_S = 60.0
 _NO_MAX = 1 << 62
 
 
 def _wait(bucket: TokenBucket, amount: float, limit: int, now: float, unknown: float) -> float:
     """How long a request refused by `bucket` (this proxy's share of a
-    per-minute `limit`) is told to wait: the share's own refill time; but for
-    a request larger than the share, or a share in debt from one (the rule of
-    `TokenBucket.admits`), no longer than the whole limit's refill would take
-    to give `amount` and the debt from empty. Such a share refills slowly (2 %
-    of 3000 TPM is a token a second: minutes for a large request) while the
-    leader moves share to where the demand is within a rebalance or two; told
-    minutes, a client sleeps them, or gives up (the openai SDK does past
-    120 s). A client told too little comes back to a new estimate, and its
-    refusals are the demand that moves the share. `unknown` when nothing
-    refills."""
+    per-minute `limit`) is told to wait: the share's own refill time, but no
+    longer than the whole limit's refill would take to give `amount` and the
+    share's debt from empty, which is what one bucket would say. A small
+    share refills slowly (2 % of 3000 TPM is a token a second: minutes for a
+    large request; 2 % of 60 RPM a request in 50 s) while the leader moves
+    share to where the demand is within a rebalance or two; told minutes, a
+    client sleeps them, or gives up (the openai SDK does past 120 s), and one
+    told 39 s saw the fleet admit 45 requests meanwhile (trial 47). A client
+    told too little comes back to a new estimate, and its refusals are the
+    demand that moves the share. `unknown` when nothing refills."""
     local = bucket.wait_s(amount, now)
     if local == INF:
         return unknown
     debt = -bucket.level if bucket.level < 0 else 0.0
-    if amount <= bucket.capacity and not debt:
-        return local
     fleet = (min(amount, limit) + debt) / (limit / 60.0)
+    if amount <= bucket.capacity and not debt:
+        # Not sooner than two rebalances, in which a share with demand grows.
+        fleet = max(fleet, 2.0 * unknown)
     return local if local < fleet else fleet
 
 
@@ -164,6 +172,7 @@ class _Scope:
         "rps",
         "slots",
         "spare",
+        "times",
         "tok",
         "tok_limit",
         "tps",
@@ -191,6 +200,9 @@ class _Scope:
         self.turned_away = 0
         self.rps = 0.0
         self.tps = 0.0
+        # The times of its last DEMAND_EVENTS attempts: how sparse they are
+        # sets how long its demand is averaged over (RateLimiter.demand).
+        self.times: deque[float] = deque(maxlen=DEMAND_EVENTS)
         self.req: TokenBucket | None = None
         self.tok: TokenBucket | None = None
         # A budgeted scope's: tokens this process charged it in the UTC day
@@ -687,8 +699,6 @@ class RateLimiter:
         last = self._last_report
         self._last_report = now
         dt = now - last if last is not None and now > last else self._tau
-        keep = math.exp(-dt / self._tau)
-        fresh = 1.0 - keep
         out: dict[str, Demand] = {}
         for name, st in self._scopes.items():
             tok = st.tok
@@ -713,6 +723,23 @@ class RateLimiter:
                 or spent
             ):
                 continue  # st.turned_away implies st.attempts
+            # Averaged over `demand_tau_s` while the scope's attempts come
+            # often (a burst of them, or DEMAND_EVENTS within it), and over up
+            # to DEMAND_HORIZON_S as they come sparser: a proxy that sees one large request now and
+            # then read as minutes of the limit to a 5 s average, and pulled
+            # the fleet's share to it, clamping the others' buckets, so that a
+            # client a load balancer spread over the proxies got 1 in 9 of its
+            # requests through, far under its TPM (trial 47). The bucket is
+            # per minute: so is what a sparse scope asks of it.
+            times = st.times
+            n = len(times)
+            if n < DEMAND_BURST:
+                tau = DEMAND_HORIZON_S
+            else:  # DEMAND_EVENTS at the mean gap of its last attempts
+                gap = (times[-1] - times[0]) / (n - 1)
+                tau = min(DEMAND_HORIZON_S, max(self._tau, DEMAND_EVENTS * gap))
+            keep = math.exp(-dt / tau)
+            fresh = 1.0 - keep
             rps = fresh * st.attempts / dt + keep * st.rps
             tps = fresh * max(0, st.attempt_tokens) / dt + keep * st.tps
             st.rps = rps if rps >= _IDLE_RATE else 0.0
@@ -777,6 +804,7 @@ class RateLimiter:
             if not again:
                 st.attempts += 1
                 st.attempt_tokens += est_tokens
+                st.times.append(now)
             # A refused scope's wait is the longest of its limits', so that
             # the client does not come back before every limit would admit it.
             if st.concurrency and st.in_flight >= st.slots:
@@ -927,22 +955,37 @@ class RateLimiter:
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
             shown = "0" if req_left <= 0 else str(limit if req_left >= limit else int(req_left))
-            rate = req.rate
-            reset = self._unknown_retry_s if rate <= 0 else (req.capacity - req.level) / rate
+            reset = _reset(req, limit, self._unknown_retry_s)
             out.append(req_st.req_limit)
             out.append((_REMAINING_REQ, shown))
             out.append((_RESET_REQ, format_duration(reset)))
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
             shown = "0" if tok_left <= 0 else str(limit if tok_left >= limit else int(tok_left))
-            rate = tok.rate
-            reset = self._unknown_retry_s if rate <= 0 else (tok.capacity - tok.level) / rate
+            reset = _reset(tok, limit, self._unknown_retry_s)
             out.append(tok_st.tok_limit)
             out.append((_REMAINING_TOK, shown))
             out.append((_RESET_TOK, format_duration(reset)))
         if refusal is not None and not refusal.ok and refusal.refused_by is not None:
             return _refused_headers(out, refusal, refusal.refused_by)
         return out
+
+
+def _reset(bucket: TokenBucket, limit: int, unknown: float) -> float:
+    """Seconds until `bucket` (refilled to now) is full: at its own rate (a
+    minute at most from empty), but for a bucket in debt no longer than one
+    bucket of the whole limit would take from that debt, a minute and the
+    debt at the limit's rate: the fleet gives the share to where it is owed
+    ("Debt", docs/rate-limits.md), and a 2 % share in debt from one request
+    said 25m1s of a 2-RPM limit (trial 47). `unknown` with no share yet."""
+    rate = bucket.rate
+    if rate <= 0:
+        return unknown
+    local = (bucket.capacity - bucket.level) / rate
+    if bucket.level >= 0:
+        return local
+    fleet = 60.0 * (1.0 - bucket.level / limit)
+    return local if local < fleet else fleet
 
 
 def _refused_headers(

@@ -18,6 +18,7 @@ from dataplane.ratelimit import (
     estimate_text_tokens,
     format_duration,
 )
+from dataplane.ratelimit.limiter import DEMAND_EVENTS, DEMAND_HORIZON_S
 from ponto.quota_types import NO_SHARE
 
 T, K = "t/acme", "k/key1"
@@ -62,6 +63,18 @@ def test_a_share_is_a_fraction_of_the_global_bucket_and_starts_empty() -> None:
     assert not refused.ok and refused.limit == "requests"
     assert refused.retry_after_s == pytest.approx(2.0)
     assert refused.retry_after_header() == "2"
+
+
+def test_a_small_shares_refusal_waits_two_rebalances_not_its_refill() -> None:
+    """Trial 47: at a 2 % share of 60 RPM a request takes 50 s to refill
+    here; the client was told 39 s while the fleet admitted 45 more. A
+    refusal says no more than the whole limit's refill, and not less than
+    two rebalances, in which a share with demand grows."""
+    rl = limiter({T: ScopeLimits(rpm=60)}, {T: Share(0.02)})
+    assert rl.admit([T], 1, 100.0).ok  # its 1.2 requests, full
+    refused = rl.admit([T], 1, 100.0)
+    assert not refused.ok and refused.retry_after_s == pytest.approx(2.0)
+    assert header_map_refused(rl, [T], 100.0, refused)["x-ratelimit-reset-requests"] == "2s"
 
 
 def test_no_share_refuses_with_the_rebalance_retry() -> None:
@@ -254,7 +267,10 @@ def test_remaining_is_clamped_to_the_limit_and_to_zero() -> None:
     rl.admit([T], 400, 60.0).release(5000, 60.0)
     h = header_map(rl, [T], 60.0)
     assert h["x-ratelimit-remaining-tokens"] == "0"
-    assert h["x-ratelimit-reset-tokens"] == "10m0s"  # 5000 to refill at 500/min
+    # 5000 to refill at 500/min here (10 minutes); but the fleet gives share
+    # to where it is owed: one bucket of 1000/min owing 4500 is full in a
+    # minute and 4.5 more (trial 47: a 2 % share said 25m1s).
+    assert h["x-ratelimit-reset-tokens"] == "5m30s"
 
 
 @pytest.mark.parametrize(
@@ -373,13 +389,15 @@ def test_a_growing_share_adds_no_tokens_and_a_shrinking_one_clamps() -> None:
 def test_demand_counts_attempts_refused_included_and_decays() -> None:
     rl = limiter({T: ScopeLimits(rpm=60, concurrency=2)}, {T: Share(1.0, 2)})
     rl.demand(60.0)  # closes the warm-up interval, which saw nothing
-    held = [rl.admit([T], 100, 60.5) for _ in range(5)]
+    # DEMAND_EVENTS attempts within the second: the scope is busy, and its
+    # demand is averaged over TAU.
+    held = [rl.admit([T], 100, 60.5) for _ in range(DEMAND_EVENTS)]
     assert sum(a.ok for a in held) == 2
     d = rl.demand(61.0)[T]
     fresh = 1 - math.exp(-1.0 / TAU)  # weight of one 1 s interval
-    assert d.requests_per_s == pytest.approx(5 * fresh)
-    assert d.tokens_per_s == pytest.approx(500 * fresh)
-    assert d.concurrency_peak == 5  # 2 in flight + 3 turned away
+    assert d.requests_per_s == pytest.approx(DEMAND_EVENTS * fresh)
+    assert d.tokens_per_s == pytest.approx(DEMAND_EVENTS * 100 * fresh)
+    assert d.concurrency_peak == DEMAND_EVENTS  # 2 in flight + the others turned away
     assert d.in_flight == 2
     later = rl.demand(62.0)[T]
     assert later.requests_per_s == pytest.approx(d.requests_per_s * (1 - fresh))
@@ -388,8 +406,30 @@ def test_demand_counts_attempts_refused_included_and_decays() -> None:
         adm.release(None, 62.0)
     last = rl.demand(80.0)[T]  # the two were in flight during this interval
     assert (last.concurrency_peak, last.in_flight) == (2, 0)
-    assert last.requests_per_s < 0.1 * d.requests_per_s
-    assert rl.demand(200.0) == {}  # decayed below the idle threshold, nothing in flight
+    assert last.requests_per_s < 0.5 * d.requests_per_s
+    # As the attempts grow old, the average runs longer (up to
+    # DEMAND_HORIZON_S), and idle scopes drop out all the same.
+    assert rl.demand(1000.0) == {}
+
+
+def test_a_sparse_scopes_demand_is_its_minute() -> None:
+    """Trial 47: one 400-token request now and then read as 74 tokens a
+    second (4,400 a minute) to the 5 s average, past a 3000-TPM limit, and
+    pulled every other proxy's share to this one, clamping their buckets. A
+    scope with fewer than DEMAND_BURST attempts, or whose attempts are far
+    apart, is averaged over DEMAND_HORIZON_S: the request reads as about
+    itself a minute."""
+    rl = limiter({T: ScopeLimits(tpm=3000)}, {T: Share(0.2)})
+    rl.demand(60.0)
+    assert rl.admit([T], 400, 60.5).ok
+    d = rl.demand(61.0)[T]
+    assert d.tokens_per_s * 60 == pytest.approx(400 * 60 * (1 - math.exp(-1.0 / DEMAND_HORIZON_S)))
+    assert d.tokens_per_s * 60 < 400 < 0.2 * 3000  # within its own share
+    # Busy again (DEMAND_EVENTS in a second): the short average at once.
+    for _ in range(DEMAND_EVENTS):
+        rl.admit([T], 10, 61.5)
+    busy = rl.demand(62.0)[T]
+    assert busy.tokens_per_s > 10 * DEMAND_EVENTS * (1 - math.exp(-1.0 / TAU)) * 0.9
 
 
 def test_demand_tokens_include_the_settled_difference() -> None:
@@ -397,7 +437,8 @@ def test_demand_tokens_include_the_settled_difference() -> None:
     rl.demand(60.0)
     rl.admit([T], 100, 60.5).release(400, 60.5)
     d = rl.demand(61.0)[T]
-    assert d.tokens_per_s == pytest.approx(400 * (1 - math.exp(-1.0 / TAU)))
+    # One attempt: a sparse scope, averaged over the horizon.
+    assert d.tokens_per_s == pytest.approx(400 * (1 - math.exp(-1.0 / DEMAND_HORIZON_S)))
 
 
 def test_demand_reports_what_the_token_bucket_owes_until_it_is_repaid() -> None:
@@ -407,10 +448,10 @@ def test_demand_reports_what_the_token_bucket_owes_until_it_is_repaid() -> None:
     rl.demand(60.0)  # full by now
     rl.admit([T], 100, 60.0).release(1300, 60.0)  # 300 - 100 - 1200: owes 1000
     assert rl.demand(60.0)[T].debt_tokens == pytest.approx(1000.0)
-    later = rl.demand(160.0)[T]  # 500 repaid, and no demand left in the EWMA to speak of
+    later = rl.demand(160.0)[T]  # 500 repaid
     assert later.debt_tokens == pytest.approx(500.0)
-    assert later.tokens_per_s < 1.0
-    assert rl.demand(400.0) == {}  # repaid, idle: left out
+    assert rl.demand(400.0)[T].debt_tokens == 0.0  # repaid: its demand still decays
+    assert rl.demand(2000.0) == {}  # idle: left out
 
 
 def test_a_token_refusal_while_the_fleet_repays_says_so() -> None:
@@ -536,6 +577,17 @@ def header_map_refused(
     return dict(rl.headers(scopes, now, refused))
 
 
+def test_a_refusal_names_whose_limit_refused() -> None:
+    """Trial 47: a key of 30 RPM under a tenant of 60 was refused by either,
+    and the message said only "Rate limit reached for requests"."""
+    rl = limiter({T: ScopeLimits(rpm=60), K: ScopeLimits(tpm=100)}, {T: Share(1.0), K: Share(1.0)})
+    assert rl.admit([T, K], 80, 60.0).ok
+    by_key = rl.admit([T, K], 80, 60.0)
+    assert not by_key.ok and refusal(by_key).message.startswith(
+        f"Rate limit reached for tokens of API key {K[2:]}."
+    )
+
+
 @pytest.mark.parametrize(
     ("now", "said", "retry_after"),
     [
@@ -553,6 +605,8 @@ def test_a_refusal_says_when_to_try_again_as_its_reset_header_does(
     assert not refused.ok and refused.retry_after_s > 0
     error = refusal(refused)
     reset = header_map_refused(rl, [T], now, refused)["x-ratelimit-reset-requests"]
-    assert error.message == f"Rate limit reached for requests. Please try again in {said}."
+    assert error.message == (
+        f"Rate limit reached for requests of tenant acme. Please try again in {said}."
+    )
     assert reset == said
     assert error.headers["retry-after"] == retry_after
