@@ -20,7 +20,6 @@ another's half-done state.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -53,11 +52,14 @@ _RESET_TOK = "x-ratelimit-reset-tokens"
 # Below this an EWMA counts as no demand, so idle scopes drop out of reports.
 _IDLE_RATE = 1e-3
 # A scope's demand is averaged over the time DEMAND_EVENTS attempts take at
-# the mean gap of its last ones, between `demand_tau_s` and DEMAND_HORIZON_S;
-# over the horizon while it has had fewer than DEMAND_BURST (RateLimiter.demand).
-DEMAND_EVENTS = 8
-DEMAND_BURST = 4
+# its recent gap between attempts, within [`demand_tau_s`, DEMAND_HORIZON_S]
+# (RateLimiter.demand). The gap is an average that halves toward each new
+# gap (so a burst of 4 or 5 attempts reads as busy), each counted at most
+# DEMAND_GAP_MAX_S, which is also where it starts: a scope's first attempts
+# read as sparse.
+DEMAND_EVENTS = 3
 DEMAND_HORIZON_S = 60.0
+DEMAND_GAP_MAX_S = 2.0 * DEMAND_HORIZON_S / DEMAND_EVENTS
 _NO_MAX = 1 << 62
 
 
@@ -159,7 +161,9 @@ class _Scope:
         "fill_tok",
         "fleet_debt_s",
         "fraction",
+        "gap",
         "in_flight",
+        "last_at",
         "limits",
         "max_budget",
         "max_limit",
@@ -172,7 +176,6 @@ class _Scope:
         "rps",
         "slots",
         "spare",
-        "times",
         "tok",
         "tok_limit",
         "tps",
@@ -200,9 +203,10 @@ class _Scope:
         self.turned_away = 0
         self.rps = 0.0
         self.tps = 0.0
-        # The times of its last DEMAND_EVENTS attempts: how sparse they are
-        # sets how long its demand is averaged over (RateLimiter.demand).
-        self.times: deque[float] = deque(maxlen=DEMAND_EVENTS)
+        # Its last attempt, and the recent gap between attempts: how sparse
+        # they are sets how long its demand is averaged over (demand).
+        self.last_at = -INF
+        self.gap = DEMAND_GAP_MAX_S
         self.req: TokenBucket | None = None
         self.tok: TokenBucket | None = None
         # A budgeted scope's: tokens this process charged it in the UTC day
@@ -724,19 +728,22 @@ class RateLimiter:
             ):
                 continue  # st.turned_away implies st.attempts
             # Averaged over `demand_tau_s` while the scope's attempts come
-            # often (a burst of them, or DEMAND_EVENTS within it), and over up
-            # to DEMAND_HORIZON_S as they come sparser: a proxy that sees one large request now and
-            # then read as minutes of the limit to a 5 s average, and pulled
-            # the fleet's share to it, clamping the others' buckets, so that a
-            # client a load balancer spread over the proxies got 1 in 9 of its
-            # requests through, far under its TPM (trial 47). The bucket is
-            # per minute: so is what a sparse scope asks of it.
-            times = st.times
-            n = len(times)
-            if n < DEMAND_BURST:
-                tau = DEMAND_HORIZON_S
-            else:  # DEMAND_EVENTS at the mean gap of its last attempts
-                gap = (times[-1] - times[0]) / (n - 1)
+            # often, and over DEMAND_EVENTS of its recent gap, up to
+            # DEMAND_HORIZON_S, as they come sparser: one large request now
+            # and then read as minutes of the limit to a 5 s average, and
+            # pulled the fleet's share to its proxy, clamping the others'
+            # buckets, so that a client a load balancer spread over the
+            # proxies got 1 in 9 of its requests through, far under its TPM
+            # (trial 47). The bucket is per minute: so is what a sparse scope
+            # asks of it. Once no attempt has come for twice its gap, the
+            # scope's clients have left (or moved to another proxy): its
+            # demand fades at the short time constant, not over a minute
+            # (review of the fix: a sparse client moving between proxies
+            # lost a fifth of its admissions while it lingered).
+            gap = st.gap
+            if now - st.last_at > 2.0 * max(self._tau, gap):
+                tau = self._tau
+            else:
                 tau = min(DEMAND_HORIZON_S, max(self._tau, DEMAND_EVENTS * gap))
             keep = math.exp(-dt / tau)
             fresh = 1.0 - keep
@@ -804,7 +811,9 @@ class RateLimiter:
             if not again:
                 st.attempts += 1
                 st.attempt_tokens += est_tokens
-                st.times.append(now)
+                since = now - st.last_at
+                st.gap += 0.5 * ((since if since < DEMAND_GAP_MAX_S else DEMAND_GAP_MAX_S) - st.gap)
+                st.last_at = now
             # A refused scope's wait is the longest of its limits', so that
             # the client does not come back before every limit would admit it.
             if st.concurrency and st.in_flight >= st.slots:
