@@ -54,7 +54,7 @@ _IDLE_RATE = 1e-3
 # A scope's demand is averaged over the time DEMAND_EVENTS attempts take at
 # its recent gap between attempts, within [`demand_tau_s`, DEMAND_HORIZON_S]
 # (RateLimiter.demand). The gap is an average that halves toward each new
-# gap (so a burst of 4 or 5 attempts reads as busy), each counted at most
+# gap (so a burst of five or six attempts reads as busy), each counted at most
 # DEMAND_GAP_MAX_S, which is also where it starts: a scope's first attempts
 # read as sparse.
 DEMAND_EVENTS = 3
