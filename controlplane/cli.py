@@ -1193,18 +1193,16 @@ def _rows_keys(
     ]
 
 
-def _spent_within(
-    data: dict[str, Any], items: str, scope: Callable[[dict[str, Any]], str]
-) -> dict[str, Any]:
-    """data (a keys' list as JSON) with each budgeted item's `spent` (day,
+def _spent_per_key(data: dict[str, Any]) -> dict[str, Any]:
+    """data (a keys' list as JSON) with each budgeted key's `spent` (day,
     day_tokens, month_tokens) within it as well as in the top-level list,
     which a reader of one key missed (trial 42). `get tenants -o json` is the
     apply file's form, which has no place for it."""
     spent = {row["scope"]: row for row in data.get("spent", [])}
-    for item in data.get(items, []):
-        row = spent.get(scope(item))
+    for key in data.get("keys", []):
+        row = spent.get(f"k/{key['id']}")
         if row is not None:
-            item["spent"] = {k: v for k, v in row.items() if k != "scope"}
+            key["spent"] = {k: v for k, v in row.items() if k != "scope"}
     return data
 
 
@@ -1212,8 +1210,7 @@ def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     """keys as output asks; a table marks the keys of deleted tenants and the
     unserved models on keys' lists (with the note that says why)."""
     if output != "table":
-        by_key = functools.partial(_spent_within, items="keys", scope=lambda k: f"k/{k['id']}")
-        return render(keys, output, _rows_keys, by_key)
+        return render(keys, output, _rows_keys, _spent_per_key)
     tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
     served = frozenset(m for o in stub.ListOrigins(apb.ListRequest()).origins for m in o.models)
     shown = render(keys, output, lambda r: _rows_keys(r, tenants, served))
@@ -1387,27 +1384,26 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
                 f"adding origin {args.name} needs {', '.join(missing)} "
                 "(or --update, to change an origin)"
             )
+    kept = current if current is not None else pb.Origin()  # a new one keeps nothing
     models = (
         [m.strip() for m in args.models.split(",") if m.strip()]
         if args.models is not None
-        else list(current.models if current else ())
+        else list(kept.models)
     )
     if args.credential_env is None and args.credential_file is None:
-        env, path = (current.credential_env, current.credential_file) if current else ("", "")
+        env, path = kept.credential_env, kept.credential_file
     else:  # one replaces the other
         env, path = args.credential_env or "", args.credential_file or ""
-    kept_continuation = "off" if current is not None and current.no_continuation else "on"
     return apb.OriginSpec(
         name=args.name,
-        base_url=args.url if args.url is not None else current.base_url if current else "",
-        region=args.region if args.region is not None else current.region if current else "",
+        base_url=args.url if args.url is not None else kept.base_url,
+        region=args.region if args.region is not None else kept.region,
         models=models,
-        # 0: not given, the default (admin.proto)
-        weight=args.weight or (current.weight if current else 0),
-        capacity=args.capacity if args.capacity is not None else current.capacity if current else 0,
+        weight=args.weight or kept.weight,  # 0: not given, the default (admin.proto)
+        capacity=args.capacity if args.capacity is not None else kept.capacity,
         credential_env=env,
         credential_file=path,
-        continuation=args.continuation or kept_continuation,
+        continuation=args.continuation or ("off" if kept.no_continuation else "on"),
     )
 
 

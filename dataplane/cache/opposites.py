@@ -79,7 +79,11 @@ _THAN = "than"
 # "good morning in spanish to french" made "spanish" both a target and a
 # source, so no side, and its swap agreed (review of trial 46).
 _IN = "in"
-_MARKERS = _TOWARDS | {_FROM, _THAN, _IN}
+# The side a marker gives the nearest word before it ("than": the whole
+# clause, `sides`), and the nearest word after it.
+_BEFORE = dict.fromkeys(_TOWARDS, "d0") | {_IN: "i0"}
+_AFTER = dict.fromkeys(_TOWARDS, "d1") | {_FROM: "d0", _THAN: "c1", _IN: "i1"}
+_MARKERS = frozenset(_AFTER)
 
 # Words that never take a side: without them the nearest word after "to" in "to
 # the airport" is "the", and "how"/"i"/"it" would be sources in most questions.
@@ -228,18 +232,15 @@ def sides(clauses: Iterable[Sequence[str]]) -> frozenset[str]:
             if token in _MARKERS:
                 if token == _THAN:
                     tags.update(f"c0:{w}" for w in before)
-                elif token in _TOWARDS and before:
-                    tags.add(f"d0:{before[-1]}")
-                elif token == _IN and before:
-                    tags.add(f"i0:{before[-1]}")
+                elif before and token in _BEFORE:
+                    tags.add(f"{_BEFORE[token]}:{before[-1]}")
                 pending = token
                 continue
             if token in _FUNCTION_WORDS:
                 continue
             word = _word(token)
             if pending:
-                kind = {_THAN: "c1", _FROM: "d0", _IN: "i1"}.get(pending, "d1")
-                tags.add(f"{kind}:{word}")
+                tags.add(f"{_AFTER[pending]}:{word}")
                 pending = ""
             before.append(word)
     return frozenset(tags)

@@ -964,14 +964,14 @@ class RateLimiter:
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
             shown = "0" if req_left <= 0 else str(limit if req_left >= limit else int(req_left))
-            reset = _reset(req, limit, self._unknown_retry_s)
+            reset = _reset(req, limit, now, self._unknown_retry_s)
             out.append(req_st.req_limit)
             out.append((_REMAINING_REQ, shown))
             out.append((_RESET_REQ, format_duration(reset)))
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
             shown = "0" if tok_left <= 0 else str(limit if tok_left >= limit else int(tok_left))
-            reset = _reset(tok, limit, self._unknown_retry_s)
+            reset = _reset(tok, limit, now, self._unknown_retry_s)
             out.append(tok_st.tok_limit)
             out.append((_REMAINING_TOK, shown))
             out.append((_RESET_TOK, format_duration(reset)))
@@ -980,17 +980,16 @@ class RateLimiter:
         return out
 
 
-def _reset(bucket: TokenBucket, limit: int, unknown: float) -> float:
-    """Seconds until `bucket` (refilled to now) is full: at its own rate (a
-    minute at most from empty), but for a bucket in debt no longer than one
-    bucket of the whole limit would take from that debt, a minute and the
-    debt at the limit's rate: the fleet gives the share to where it is owed
-    ("Debt", docs/rate-limits.md), and a 2 % share in debt from one request
-    said 25m1s of a 2-RPM limit (trial 47). `unknown` with no share yet."""
-    rate = bucket.rate
-    if rate <= 0:
+def _reset(bucket: TokenBucket, limit: int, now: float, unknown: float) -> float:
+    """Seconds until `bucket` is full: at its own rate (a minute at most from
+    empty), but for a bucket in debt no longer than one bucket of the whole
+    limit would take from that debt, a minute and the debt at the limit's
+    rate: the fleet gives the share to where it is owed ("Debt",
+    docs/rate-limits.md), and a 2 % share in debt from one request said 25m1s
+    of a 2-RPM limit (trial 47). `unknown` with no share yet."""
+    if bucket.rate <= 0:
         return unknown
-    local = (bucket.capacity - bucket.level) / rate
+    local = bucket.reset_s(now)
     if bucket.level >= 0:
         return local
     fleet = 60.0 * (1.0 - bucket.level / limit)
