@@ -1347,7 +1347,8 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
     head = (
         f"route table version {t.version} (etag {t.etag[:12]}): {len(t.regions)} regions, "
         f"{len(t.origins)} origins, {len(t.tenants)} tenants, {_keys_text(t.keys)}, "
-        f"{len(t.purges)} purges; auth {'required' if t.auth_required else 'open'}"
+        f"{sum(not p.birth for p in t.purges)} purges; "
+        f"auth {'required' if t.auth_required else 'open'}"
     )
     rows = []
     for r in t.regions:

@@ -7,7 +7,7 @@ change what proxies see (a proxy registering, say) is not pushed.
 
 from __future__ import annotations
 
-from controlplane.model import Limits, Purge, State, Tenant
+from controlplane.model import Limits, State, Tenant
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -92,13 +92,15 @@ def compile_table(state: State) -> pb.RouteTable:
     # regions' epochs only grow, so a birth purges once; at the upgrade that
     # brought births, the tenants made since the last purge that covered them
     # lost their cached answers once.
-    births = (
-        Purge(rev, t.name, "") for t in state.tenants if (rev := state.created.get(t.name, 0))
+    purges = [
+        pb.CachePurge(revision=p.revision, tenant=p.tenant, model=p.model) for p in state.purges
+    ]
+    purges.extend(
+        pb.CachePurge(revision=rev, tenant=t.name, birth=True)
+        for t in state.tenants
+        if (rev := state.created.get(t.name, 0))
     )
-    table.purges.extend(
-        pb.CachePurge(revision=p.revision, tenant=p.tenant, model=p.model)
-        for p in sorted((*state.purges, *births), key=lambda p: p.revision)
-    )
+    table.purges.extend(sorted(purges, key=lambda p: p.revision))
     table.etag = content_etag(table)
     return table
 

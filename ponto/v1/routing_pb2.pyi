@@ -779,20 +779,26 @@ class CachePurge(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    BIRTH_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """etcd revision of the request; proxies run each purge once, in order."""
     tenant: _builtins.str
     model: _builtins.str
+    birth: _builtins.bool
+    """A tenant's birth (its record's etcd create revision), which purges
+    what a deleted tenant of its name left; not an operator's purge.
+    """
     def __init__(
         self,
         *,
         revision: _builtins.int = ...,
         tenant: _builtins.str = ...,
         model: _builtins.str = ...,
+        birth: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "revision", b"revision", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["birth", b"birth", "model", b"model", "revision", b"revision", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

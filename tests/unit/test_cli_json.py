@@ -10,7 +10,7 @@ import json
 import yaml
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from controlplane.cli import _WIDE_INTS, _render_keys, render
+from controlplane.cli import _WIDE_INTS, _render_keys, _table_summary, render
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -82,3 +82,20 @@ def _nested(desc: Descriptor) -> list[Descriptor]:
     for inner in desc.nested_types:
         out += _nested(inner)
     return out
+
+
+def test_the_table_summary_counts_purges_not_tenants_births() -> None:
+    """Note 28: `get table` counted each tenant's birth (a purge the control
+    plane adds) among its purges."""
+    table = pb.RouteTable(
+        version=9,
+        etag="e" * 64,
+        tenants=[pb.Tenant(name="acme"), pb.Tenant(name="free")],
+        purges=[
+            pb.CachePurge(revision=3, tenant="acme", birth=True),
+            pb.CachePurge(revision=4, tenant="free", birth=True),
+            pb.CachePurge(revision=7, tenant="acme", model="m"),
+        ],
+    )
+    summary = _table_summary(apb.GetRouteTableResponse(table=table))
+    assert "2 tenants" in summary and "1 purges;" in summary, summary

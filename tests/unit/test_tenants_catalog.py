@@ -500,6 +500,12 @@ async def test_a_tenant_made_again_is_a_new_epoch_even_once_its_deletions_purge_
     assert [p.revision for p in table.purges] == sorted(p.revision for p in table.purges)
     # Other tenants' epochs are their births', not this one's.
     assert fresh.epoch("delta", "m") < fresh.epoch("gamma", "m")
+    # A birth is marked as one (pontoctl get table counts operators' purges).
+    births = [p for p in table.purges if p.birth]
+    assert {p.tenant for p in births} == {t.name for t in table.tenants}
+    assert all(not p.model for p in births)
+    assert len(births) == len(table.tenants)
+    assert all(not p.birth for p in table.purges if p.model)  # the operator's purges
 
 
 async def test_deletions_keep_only_the_newest_purges(catalog: Catalog, store: MemoryStore) -> None:
