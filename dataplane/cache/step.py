@@ -56,6 +56,7 @@ from dataplane.cache.entry import (
     CONTINUED,
     INCOMPLETE,
     TOO_LARGE,
+    TRUNCATED,
     CachedResponse,
     StreamRecorder,
     body_unkept_reason,
@@ -563,6 +564,10 @@ class EdgeCache:
             if entry is None and (end.complete or not end.client_gone):
                 if end.continued:
                     plan.unkept = CONTINUED
+                elif end.truncated and not req.tenant.cache.store_truncated:
+                    # The proxy ended it at the budget (dataplane.http.resume):
+                    # an answer cut by its max_tokens, as the origin's would be.
+                    plan.unkept = TRUNCATED
                 elif end.ended:
                     plan.unkept = INCOMPLETE
                 else:

@@ -62,7 +62,7 @@ from dataplane.http.fields import (
     too_deep,
     too_many_values,
 )
-from dataplane.http.resume import CONTINUABLE, Continuations
+from dataplane.http.resume import CONTINUABLE, Continuations, Finished, counts_finishes
 from dataplane.http.state import REQUEST_ID, SERVER_NAME, stopping
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, placement_key
@@ -724,10 +724,16 @@ class Pipeline:
         """A stream: relayed as it comes, counted and recorded on the way."""
         assert ex.cache_request is not None and ex.tenant is not None
         trace = ex.trace
-        counter = ex.counter = UsageCounter([] if trace is not None and trace.recording else None)
         rules = ex.tenant.streams
-        resume = transcript = None
-        if rules.continuation and ex.endpoint.name in CONTINUABLE:
+        continuable = ex.endpoint.name in CONTINUABLE
+        finishes = (trace is not None and trace.recording) or (
+            continuable and counts_finishes(ex.body)
+        )
+        counter = ex.counter = UsageCounter([] if finishes else None)
+        resume = transcript = whole = None
+        if continuable and not rules.continuation:
+            whole = Finished(ex, counter, self.metrics, origin.target.name)
+        elif continuable:
             transcript = Transcript()
             resume = Continuations(
                 ex,
@@ -752,6 +758,7 @@ class Pipeline:
                 lead=lead,
                 max_event_bytes=self.forwarder.max_answer_bytes,
                 watch=watch,
+                whole=whole,
             )
         except asyncio.CancelledError:
             # The client left (or the proxy stopped) during the stream: the

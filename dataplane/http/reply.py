@@ -40,6 +40,7 @@ from dataplane.streaming.relay import (
     Resume,
     Stopped,
     Watch,
+    Whole,
     Writable,
     next_sequence_number,
     relay,
@@ -129,6 +130,7 @@ async def relay_origin(
     lead: LeaderStream | None = None,
     max_event_bytes: int,
     watch: Watch | None = None,
+    whole: Whole | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
     `lead`, the stream of a flight's leader) published to the flight."""
@@ -167,6 +169,7 @@ async def relay_origin(
         max_event_bytes=max_event_bytes,
         stopped=_stopped_ending(request, ex),
         watch=watch,
+        whole=whole,
     )
     if lead is not None and lead.gone:
         end.client_gone = True

@@ -12,6 +12,10 @@ continuations is reached, or no origin answers.
 
 Every origin answer it opens is released when the next one takes over or when
 the relay ends (`close`).
+
+A stream that is not continued (its tenant turned continuation off) has
+`Finished` instead, which ends a stream cut after the whole answer as
+`Continuations` does.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataplane import jsonio
 from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.routes import Target
-from dataplane.streaming.relay import Next
+from dataplane.streaming.relay import Next, OwnEnd
 from dataplane.streaming.splice import (
     Splicer,
     StreamState,
@@ -34,7 +38,8 @@ from dataplane.streaming.splice import (
     not_continued,
     read_state,
 )
-from dataplane.streaming.usage import asks_usage
+from dataplane.streaming.sse import Event
+from dataplane.streaming.usage import UsageCounter, asks_usage
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 
 if TYPE_CHECKING:
@@ -111,7 +116,7 @@ class Continuations:
         if body is None:
             if budget_spent(ex.body, state.tokens):
                 end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
-                return Next(end, _Ended(), _unchanged)
+                return Next(end, _Ended(), _unchanged, length=True)
             why = not_continued(ex.body, state) or "its request cannot be asked in parts"
             self._give_up(cut, why)
             return None
@@ -164,27 +169,13 @@ class Continuations:
         return Next(answer.first, answer.content, splicer.rewrite, answer.target.name)
 
     def _finished(self, cut: str, state: StreamState) -> Next:
-        """The end of a stream cut after each choice's finish: `[DONE]`, and
-        before it the usage chunk if the client asked for one and the origin
-        had not sent it yet, estimated (as for `_length_end`; trial 45: the
-        SDK's `usage` stayed None). Only the `[DONE]` missing, the answer is
-        the origin's, whole (it may be kept); with a usage the proxy made up,
-        not."""
+        """The end of a stream cut after each choice's finish (`finished_end`)."""
         ex = self._ex
-        if state.usage is not None or not asks_usage(ex.body):
-            log.info(
-                "origin %s ended its stream after the answer, before [DONE] (%s); ended it; %s",
-                self._current.target.name, cut, ex.request_id,
-            )  # fmt: skip
-            return Next(b"data: [DONE]\n\n", _Ended(), _unchanged, whole=True)
-        log.info(
-            "origin %s ended its stream after the answer, before its usage (%s); "
-            "ended it with usage estimated; %s",
-            self._current.target.name, cut, ex.request_id,
+        own = finished_end(
+            ex, self._current.target.name, cut, _head(state), state.usage is not None,
+            state.generated, ex.estimate + self.extra_prompt, self.count,
         )  # fmt: skip
-        prompt = ex.estimate + self.extra_prompt
-        end = _usage_chunk(state, prompt, self.count) + b"data: [DONE]\n\n"
-        return Next(end, _Ended(), _unchanged)
+        return Next(own.data, _Ended(), _unchanged, whole=own.whole)
 
     @property
     def origin(self) -> str:
@@ -207,6 +198,101 @@ class Continuations:
             "origin %s cut a stream: %s; not continued: %s; %s",
             self._current.target.name, cut, why, self._ex.request_id,
         )  # fmt: skip
+
+
+class Finished:
+    """The relay's `whole` hook (dataplane.streaming.relay.Whole) of a chat or
+    completions stream that is not continued (its tenant turned continuation
+    off): a cut after each choice's finish ends as `finished_end` says, as a
+    continued stream's does, not with the error event after a whole answer.
+
+    It reads the last two events relayed, not a transcript: one choice's
+    stream is whole when the last has its finish, or is the usage chunk
+    (no choices) after the one that has. Several choices' need the finish
+    of each, which the counter collects when it is given a list
+    (`UsageCounter.finishes`; `counts_finishes`)."""
+
+    __slots__ = ("_counter", "_ex", "_metrics", "_origin")
+
+    def __init__(self, ex: Exchange, counter: UsageCounter, metrics: Metrics, origin: str) -> None:
+        self._ex = ex
+        self._counter = counter
+        self._metrics = metrics
+        self._origin = origin
+
+    def __call__(self, cut: str, before: Event | None, last: Event | None) -> OwnEnd | None:
+        ex, counter = self._ex, self._counter
+        obj = _chunk_of(last)
+        if obj is None:
+            return None
+        choices = _choices(ex.body)
+        if choices > 1:
+            finished = counter.finishes is not None and len(counter.finishes) >= choices
+        else:
+            finished = _finishes(obj) or (obj.get("choices") == [] and _finishes(_chunk_of(before)))
+        if not finished:
+            return None
+        self._metrics.stream_cut(self._origin)
+        head = {name: obj[name] for name in _HEAD if name in obj}
+        return finished_end(
+            ex, self._origin, cut, head, counter.usage is not None,
+            counter.content_events, ex.estimate, 0,
+        )  # fmt: skip
+
+
+def counts_finishes(body: dict[str, Any]) -> bool:
+    """Whether a stream's counter must collect its finish reasons for
+    `Finished` (a request of several choices)."""
+    return _choices(body) > 1
+
+
+def finished_end(
+    ex: Exchange,
+    origin: str,
+    cut: str,
+    head: dict[str, Any],
+    usage_sent: bool,
+    generated: int,
+    prompt: int,
+    continued: int,
+) -> OwnEnd:
+    """The end of a stream cut after each choice's finish: `[DONE]`, and
+    before it the usage chunk if the client asked for one and the origin
+    had not sent it yet, estimated (as for `_length_end`; trial 45: the
+    SDK's `usage` stayed None). Only the `[DONE]` missing, the answer is
+    the origin's, whole (it may be kept); with a usage the proxy made up,
+    not."""
+    if usage_sent or not asks_usage(ex.body):
+        log.info(
+            "origin %s ended its stream after the answer, before [DONE] (%s); ended it; %s",
+            origin, cut, ex.request_id,
+        )  # fmt: skip
+        return OwnEnd(b"data: [DONE]\n\n", whole=True)
+    log.info(
+        "origin %s ended its stream after the answer, before its usage (%s); "
+        "ended it with usage estimated; %s",
+        origin, cut, ex.request_id,
+    )  # fmt: skip
+    return OwnEnd(_usage_chunk(head, generated, prompt, continued) + b"data: [DONE]\n\n", False)
+
+
+def _chunk_of(ev: Event | None) -> dict[str, Any] | None:
+    """An event's chunk, parsed (None: not a JSON object)."""
+    if ev is None or ev.done:
+        return None
+    obj = jsonio.loads_or_none(ev.data)
+    return obj if isinstance(obj, dict) else None
+
+
+def _finishes(obj: dict[str, Any] | None) -> bool:
+    """Whether a chunk of one choice's stream has that choice's finish."""
+    choices = obj.get("choices") if obj is not None else None
+    return isinstance(choices, list) and any(
+        isinstance(c, dict) and isinstance(c.get("finish_reason"), str) for c in choices
+    )
+
+
+_HEAD = ("id", "object", "created", "model")
 
 
 def _unchanged(data: bytes) -> bytes:
@@ -253,7 +339,7 @@ def _length_end(state: StreamState, ex: Exchange, prompt: int, continued: int) -
     usage = b""
     if asks_usage(ex.body):
         chunk["usage"] = None  # as every chunk before the usage chunk has it
-        usage = _usage_chunk(state, prompt, continued)
+        usage = _usage_chunk(_head(state), state.generated, prompt, continued)
     return b"data: " + jsonio.dumps(chunk) + b"\n\n" + usage + b"data: [DONE]\n\n"
 
 
@@ -261,18 +347,18 @@ def _head(state: StreamState) -> dict[str, Any]:
     return {"id": state.id, "object": state.object, "created": state.created, "model": state.model}
 
 
-def _usage_chunk(state: StreamState, prompt: int, continued: int) -> bytes:
+def _usage_chunk(head: dict[str, Any], generated: int, prompt: int, continued: int) -> bytes:
     """The usage chunk of a stream the proxy ends, which no origin counted:
     its prompt the proxy's estimate of every call's, its completion the
     events that carried anything generated, and it says so (`"ponto": {"usage": "estimated"}`)."""
     usage = {
         "prompt_tokens": prompt,
-        "completion_tokens": state.generated,
-        "total_tokens": prompt + state.generated,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
     }
     ponto: dict[str, Any] = {"continued": continued} if continued else {}
     chunk = {
-        **_head(state),
+        **head,
         "choices": [],
         "usage": usage,
         "ponto": {**ponto, "usage": "estimated"},

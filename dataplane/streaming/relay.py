@@ -46,11 +46,13 @@ __all__ = [
     "Ending",
     "EventSink",
     "Next",
+    "OwnEnd",
     "Readable",
     "RelayEnd",
     "Resume",
     "Stopped",
     "Watch",
+    "Whole",
     "Writable",
     "next_sequence_number",
     "relay",
@@ -95,6 +97,29 @@ class Next:
     # The proxy's own ending adds nothing of its own to the answer: the
     # origin had sent all of it but `[DONE]`.
     whole: bool = False
+    # The proxy's own ending is the token budget's (`finish_reason: "length"`):
+    # the budget was spent at the cut.
+    length: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OwnEnd:
+    """The end the proxy writes to a stream whose origin broke it off after
+    the whole answer, before its last chunks (the usage chunk, `[DONE]`)."""
+
+    data: bytes
+    # It adds nothing of its own to the answer (only `[DONE]` was missing):
+    # the answer is the origin's, whole, and may be kept.
+    whole: bool
+
+
+class Whole(Protocol):
+    def __call__(self, cut: str, before: Event | None, last: Event | None) -> OwnEnd | None:
+        """At `cut` of a stream relayed as it came (no `resume`), after the
+        client got `last` (and `before` it), the last whole events relayed:
+        the proxy's end of an answer the origin had sent whole, or None
+        (the stream was cut: the error event ends it)."""
+        ...
 
 
 class Ending(Protocol):
@@ -151,6 +176,8 @@ class RelayEnd:
     # itself, with something of its own in it (a finish reason, or a usage
     # chunk it estimated): "" otherwise. Not the origin's answer: not kept.
     ended: str = ""
+    # That ending was the token budget's (Next.length).
+    truncated: bool = False
     # The client went away before the end. With `complete` too: a flight
     # leader's client, gone while followers were there; the origin's stream
     # was relayed to its end for them (dataplane.http.reply.LeaderStream).
@@ -172,6 +199,7 @@ async def relay(
     max_event_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
     stopped: Stopped | None = None,
     watch: Watch | None = None,
+    whole: Whole | None = None,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
@@ -189,6 +217,11 @@ async def relay(
     `watch` is given the idle bound (when there is one) and told of each
     origin continued on, so that a stream stalled on an origin the table
     marks unhealthy is cut sooner.
+
+    Without `resume`, `whole` is asked at a cut by the origin (a read error,
+    the idle timeout) whether the answer was whole but its last chunks, and
+    what it gives ends the stream in their place (`ended` when it adds a
+    chunk of its own); with `resume`, the hook does that (dataplane.http.resume).
 
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
@@ -217,7 +250,7 @@ async def relay(
                 watch,
             )
         return await _relay_bytes(
-            first, content, out, readers, chunks, error_event, idle, max_event_bytes, stopped
+            first, content, out, readers, chunks, error_event, idle, max_event_bytes, stopped, whole
         )
     finally:
         if idle is not None:
@@ -234,6 +267,7 @@ async def _relay_bytes(
     idle: IdleTimeout | None,
     max_event_bytes: int,
     stopped: Stopped | None,
+    whole_hook: Whole | None,
 ) -> RelayEnd:
     end = RelayEnd()
     # Its readers' events, the last one for an ending made from it, and the
@@ -242,6 +276,7 @@ async def _relay_bytes(
     # the bound on, which is never written.
     parser = SseParser(max_event_bytes)
     last: Event | None = None  # the last whole event: the client gets each at once
+    before: Event | None = None  # the one before it (a usage chunk follows the finish)
     chunk = first
     # Bytes after the last event boundary are held until the event is whole,
     # so a cut never leaves the client half an event before the error event:
@@ -260,7 +295,7 @@ async def _relay_bytes(
             for ev in parser.feed(chunk):
                 for reader in readers:
                     reader.event(ev)
-                last = ev
+                before, last = last, ev
             if not held_size:
                 whole = chunk
             elif _boundary(tail + chunk):
@@ -319,8 +354,24 @@ async def _relay_bytes(
                 if ends_answer(written):
                     end.complete = True
                     break
-                end.cut = _why(exc, idle)
-                await out.write(_ending(error_event, last))
+                cut = _why(exc, idle)
+                own = whole_hook(cut, before, last) if whole_hook is not None else None
+                if own is None:
+                    end.cut = cut
+                    await out.write(_ending(error_event, last))
+                    break
+                # Its readers read it as the origin's last chunks (the
+                # recorder keeps a whole answer only once it has [DONE]).
+                for ev in SseParser(max_event_bytes).feed(own.data):
+                    for reader in readers:
+                        reader.event(ev)
+                if chunks is not None:
+                    chunks.chunk(own.data)
+                answered = True
+                await out.write(own.data)
+                end.complete = True
+                if not own.whole:
+                    end.ended = cut
                 break
             if not chunk:
                 if held_size:  # a last event without its blank line: as it came
@@ -428,6 +479,7 @@ async def _relay_events(
                 end.continued.append(cut)
             elif not following.whole:
                 end.ended = cut
+                end.truncated = following.length
             if watch is not None:
                 watch.move(following.origin)
             parser = SseParser(max_event_bytes)

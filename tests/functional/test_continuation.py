@@ -359,12 +359,16 @@ async def test_a_budget_spent_at_the_cut_ends_the_stream_with_its_usage_if_asked
 ) -> None:
     """Trial 28: when the tokens sent were the whole max_tokens, the proxy
     ends the stream itself (no origin is asked), and a client that asked for
-    include_usage got no usage chunk: the SDK's `usage` stayed None."""
+    include_usage got no usage chunk: the SDK's `usage` stayed None. The
+    answer, which the proxy ended, is not kept, as one cut by its max_tokens
+    (note 28: it was counted as "incomplete")."""
     a, b = await first_origin("cut"), await second_origin()
     p = await proxy([(a, True), (b, True)])
     options = {"include_usage": True} if usage else None
-    chunks, _ = await p.stream(max_tokens=2, stream_options=options)
+    chunks, _ = await p.stream(max_tokens=2, stream_options=options, temperature=0)
     assert b.bodies == []
+    unkept = p.app[METRICS].cache_unkept
+    assert (unkept.labels("truncated").value, unkept.labels("incomplete").value) == (1, 0)
     assert text_of(chunks) == "Hello"
     finishes = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [f["choices"][0]["finish_reason"] for f in finishes] == ["length"]
@@ -691,16 +695,19 @@ async def test_a_first_chunk_past_its_own_bound_is_asked_of_the_next_origin(
     assert "sent no first chunk within 0.2 s (--first-chunk-timeout)" in said, said
 
 
+@pytest.mark.parametrize("continuation", ["on", "off"])
 @pytest.mark.parametrize("how", ["usage-sent", "usage-missing", "usage-not-asked"])
 async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked(
-    proxy: Callable[..., Awaitable[Proxy]], how: str
+    proxy: Callable[..., Awaitable[Proxy]], how: str, continuation: str
 ) -> None:
     """Trial 45: an origin that dropped after the finish chunk, before its
     usage chunk and [DONE], left the SDK's `usage` None, and was counted as a
     continued stream (not kept, labelled so, although none was made). Now
     the proxy ends it: with an estimated usage chunk when the client asked
     for usage and none came (not kept: not the origin's answer), else with
-    [DONE] alone, and then the answer is the origin's, whole, and kept."""
+    [DONE] alone, and then the answer is the origin's, whole, and kept.
+    With continuation off too (note 28's left item: the error event came
+    after the whole answer)."""
     usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
 
     async def finish_then_drop(request: web.Request) -> web.StreamResponse:
@@ -716,7 +723,7 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
         return out
 
     a, b = Origin(finish_then_drop), await second_origin()
-    p = await proxy([(a, True), (b, True)])
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation=continuation))
     options = None if how == "usage-not-asked" else {"include_usage": True}
     chunks, raw = await p.stream(temperature=0, stream_options=options)
     assert raw.count("[DONE]") == 1 and "error" not in raw
@@ -733,6 +740,7 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
         assert chunks[-1]["ponto"] == {"usage": "estimated"}
         assert unkept.labels("incomplete").value == 1
         assert unkept.labels("continued").value == 0
+        assert p.app[METRICS].attempt("o0", "ok").value == 1
         await p.stream(temperature=0, stream_options=options)
         assert len(a.bodies) == 2  # not kept: asked of the origin again
         return
@@ -793,8 +801,9 @@ async def test_a_stream_of_no_event_is_asked_of_the_next_origin(
     assert error["message"] == UPSTREAM_UNANSWERED
 
 
+@pytest.mark.parametrize("continuation", ["on", "off"])
 async def test_a_tool_call_stream_cut_after_its_finish_counts_its_arguments(
-    proxy: Callable[..., Awaitable[Proxy]],
+    proxy: Callable[..., Awaitable[Proxy]], continuation: str
 ) -> None:
     """Review of trial 45's fix: the estimated usage counted text only, and
     was taken as the origin's own count: a tool call cut before its usage
@@ -814,7 +823,10 @@ async def test_a_tool_call_stream_cut_after_its_finish_counts_its_arguments(
         request.transport.close()
         return out
 
-    p = await proxy([(Origin(tool_then_drop), True), (await second_origin(), True)])
+    p = await proxy(
+        [(Origin(tool_then_drop), True), (await second_origin(), True)],
+        pb.StreamPolicy(continuation=continuation),
+    )
     chunks, _ = await p.stream()
     assert chunks[-1]["ponto"] == {"usage": "estimated"}
     assert chunks[-1]["usage"]["completion_tokens"] == 3
@@ -822,12 +834,13 @@ async def test_a_tool_call_stream_cut_after_its_finish_counts_its_arguments(
     assert completion == 3
 
 
+@pytest.mark.parametrize("continuation", ["on", "off"])
 async def test_a_stream_cut_after_one_of_its_choices_is_not_whole(
-    proxy: Callable[..., Awaitable[Proxy]],
+    proxy: Callable[..., Awaitable[Proxy]], continuation: str
 ) -> None:
     """Review of trial 45's fix: an origin that streams n=2 choices one after
     the other, cut after the first's finish, was ended as whole and cached
-    with one choice."""
+    with one choice. Cut after both, it is whole."""
 
     def choice(index: int, content: str | None, finish: str | None = None) -> bytes:
         chunk = {"id": "first", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
@@ -837,14 +850,27 @@ async def test_a_stream_cut_after_one_of_its_choices_is_not_whole(
 
     async def first_choice_then_drop(request: web.Request) -> web.StreamResponse:
         out = await sse(request)
-        await out.write(choice(0, "Hi") + choice(0, None, "stop"))
+        both = (await request.json()).get("user") == "both"
+        await out.write(
+            choice(0, "Hi")
+            + choice(0, None, "stop")
+            + (choice(1, "Yo") + choice(1, None, "stop") if both else b"")
+        )
         assert request.transport is not None
         request.transport.close()
         return out
 
     a = Origin(first_choice_then_drop)
-    p = await proxy([(a, True), (await second_origin(), True)])
+    p = await proxy(
+        [(a, True), (await second_origin(), True)], pb.StreamPolicy(continuation=continuation)
+    )
     chunks, _ = await p.stream(n=2, temperature=0, stream_options=None)
     assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
     await p.stream(n=2, temperature=0, stream_options=None)
     assert len(a.bodies) == 2  # not kept
+    # Both choices finished: whole, [DONE] added, and kept.
+    chunks, raw = await p.stream(n=2, temperature=0, stream_options=None, user="both")
+    assert "error" not in raw and raw.count("[DONE]") == 1
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    await p.stream(n=2, temperature=0, stream_options=None, user="both")
+    assert len(a.bodies) == 3  # kept: the cache answered
