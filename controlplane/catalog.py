@@ -230,14 +230,31 @@ class Catalog:
 
     # ------------------------------------------------------------ origins
 
-    async def put_origin(self, origin: Origin, *, allow_update: bool) -> Origin:
+    async def put_origin(
+        self, origin: Origin, *, allow_update: bool, expected: Origin | None = None
+    ) -> Origin:
+        """Create origin, or replace it when allow_update; with `expected`,
+        only an origin whose settings (all but the drain flag) are still
+        those: a change made after the caller read them is not undone
+        (FailedPrecondition; note 28: `origin add --update` read, then wrote)."""
         origin = origin.validated()
         if await _guard(self.store.get(REGIONS + origin.region)) is None:
             raise NotFound(
                 f"region {origin.region!r} of origin {origin.name!r} not found; "
                 "add the region first"
             )
-        return await self._put("origin", ORIGINS, origin, decode_origin, allow_update)
+        unchanged = None
+        if expected is not None:
+            was = replace(expected.validated(), drained=False)
+
+            def unchanged(now: Origin) -> None:
+                if replace(now, drained=False) != was:
+                    raise FailedPrecondition(
+                        f"origin {origin.name!r} was changed since it was read; "
+                        "nothing was saved: run the command again"
+                    )
+
+        return await self._put("origin", ORIGINS, origin, decode_origin, allow_update, unchanged)
 
     async def list_origins(self) -> list[Origin]:
         return list((await self.snapshot()).origins)
@@ -268,20 +285,28 @@ class Catalog:
         value: R,
         decode: Callable[[bytes], R],
         allow_update: bool,
+        unchanged: Callable[[R], None] | None = None,
     ) -> R:
         """Create value, or replace it when allow_update; an update keeps the
         drain flag, because draining is its own operation. A replacement
         whose record moved meanwhile reads it again (create_key rewrites its
-        tenant's record unchanged: nothing to refuse the replacement for)."""
+        tenant's record unchanged: nothing to refuse the replacement for).
+        `unchanged`, given the stored value, raises if it must not be
+        replaced; given, a value not stored is NotFound."""
         key = prefix + value.name
         for _ in range(CAS_ATTEMPTS):
             current = await _guard(self.store.get(key))
             written = value
+            if current is None and unchanged is not None:
+                raise NotFound(f"{kind} {value.name!r} was deleted since it was read")
             if current is not None:
                 if not allow_update:
                     raise AlreadyExists(f"{kind} {value.name!r} already exists")
+                stored = decode(current.value)
+                if unchanged is not None:
+                    unchanged(stored)
                 if isinstance(value, Region | Origin):
-                    written = replace(value, drained=decode(current.value).drained)
+                    written = replace(value, drained=stored.drained)
             try:
                 await _guard(
                     self.store.put(

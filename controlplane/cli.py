@@ -1385,26 +1385,39 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
                 f"adding origin {args.name} needs {', '.join(missing)} "
                 "(or --update, to change an origin)"
             )
-    kept = current if current is not None else pb.Origin()  # a new one keeps nothing
-    models = (
-        [m.strip() for m in args.models.split(",") if m.strip()]
-        if args.models is not None
-        else list(kept.models)
-    )
-    if args.credential_env is None and args.credential_file is None:
-        env, path = kept.credential_env, kept.credential_file
-    else:  # one replaces the other
-        env, path = args.credential_env or "", args.credential_file or ""
+    spec = _as_spec(current) if current is not None else apb.OriginSpec(name=args.name)
+    if args.url is not None:
+        spec.base_url = args.url
+    if args.region is not None:
+        spec.region = args.region
+    if args.models is not None:
+        spec.models[:] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.weight:  # 0: not given (a new origin: the default; admin.proto)
+        spec.weight = args.weight
+    if args.capacity is not None:
+        spec.capacity = args.capacity
+    if args.credential_env is not None or args.credential_file is not None:
+        # one replaces the other
+        spec.credential_env, spec.credential_file = (
+            args.credential_env or "",
+            args.credential_file or "",
+        )
+    spec.continuation = args.continuation or spec.continuation or "on"
+    return spec
+
+
+def _as_spec(o: pb.Origin) -> apb.OriginSpec:
+    """An origin's settings, as `origin add` gives them."""
     return apb.OriginSpec(
-        name=args.name,
-        base_url=args.url if args.url is not None else kept.base_url,
-        region=args.region if args.region is not None else kept.region,
-        models=models,
-        weight=args.weight or kept.weight,  # 0: not given, the default (admin.proto)
-        capacity=args.capacity if args.capacity is not None else kept.capacity,
-        credential_env=env,
-        credential_file=path,
-        continuation=args.continuation or ("off" if kept.no_continuation else "on"),
+        name=o.name,
+        base_url=o.base_url,
+        region=o.region,
+        models=list(o.models),
+        weight=o.weight,
+        capacity=o.capacity,
+        credential_env=o.credential_env,
+        credential_file=o.credential_file,
+        continuation="off" if o.no_continuation else "on",
     )
 
 
@@ -1454,7 +1467,11 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             current = next((o for o in listed if o.name == args.name), None)
         ospec = _origin_spec(args, current)
         origin_of(ospec).validated()
-        o = stub.PutOrigin(apb.PutOriginRequest(origin=ospec, allow_update=args.update))
+        # Saved only if no other change came since `current` was read.
+        expected = _as_spec(current) if current is not None else None
+        o = stub.PutOrigin(
+            apb.PutOriginRequest(origin=ospec, allow_update=args.update, expected=expected)
+        )
         saved = f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
         if current is None:
             return saved

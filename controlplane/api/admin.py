@@ -292,7 +292,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not request.HasField("origin"):
             raise InvalidArgument("origin is required")
         origin = origin_of(request.origin)
-        saved = await self._catalog.put_origin(origin, allow_update=request.allow_update)
+        expected = origin_of(request.expected) if request.HasField("expected") else None
+        saved = await self._catalog.put_origin(
+            origin, allow_update=request.allow_update, expected=expected
+        )
         warnings = url_warnings(saved)
         warn(context, warnings)
         return origin_pb(saved)

@@ -173,18 +173,28 @@ class PutOriginRequest(_message.Message):
 
     ORIGIN_FIELD_NUMBER: _builtins.int
     ALLOW_UPDATE_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
     allow_update: _builtins.bool
     @_builtins.property
     def origin(self) -> Global___OriginSpec: ...
+    @_builtins.property
+    def expected(self) -> Global___OriginSpec:
+        """Set (with allow_update): replace only an origin whose settings are still
+        these, as the caller read them (pontoctl origin add --update keeps the
+        settings it was not given); else FAILED_PRECONDITION, and nothing is
+        written: another change came between the read and this write.
+        """
+
     def __init__(
         self,
         *,
         origin: Global___OriginSpec | None = ...,
         allow_update: _builtins.bool = ...,
+        expected: Global___OriginSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["origin", b"origin"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "origin", b"origin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_update", b"allow_update", "origin", b"origin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_update", b"allow_update", "expected", b"expected", "origin", b"origin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

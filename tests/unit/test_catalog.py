@@ -312,6 +312,27 @@ async def test_origin_update_keeps_drained(with_region: Catalog, store: MemorySt
     assert stored.drained is True
 
 
+async def test_an_update_of_what_was_read_is_refused_once_another_changed_it(
+    with_region: Catalog,
+) -> None:
+    """Note 28: `origin add --update` read the origin, then wrote it whole: a
+    change saved between the two (another operator's) was undone. Given what
+    it read, the update is refused then, and nothing is written; a drain
+    meanwhile (its own operation, kept by every update) refuses nothing."""
+    read = await with_region.put_origin(origin(weight=5), allow_update=False)
+    await with_region.set_origin_drained("o1", True)
+    saved = await with_region.put_origin(origin(weight=6), allow_update=True, expected=read)
+    assert (saved.weight, saved.drained) == (6, True)
+    await with_region.put_origin(origin(weight=9), allow_update=True)  # another operator
+    with pytest.raises(FailedPrecondition, match="was changed since it was read"):
+        await with_region.put_origin(origin(weight=7), allow_update=True, expected=saved)
+    assert (await with_region.list_origins())[0].weight == 9
+    await with_region.delete_origin("o1")
+    with pytest.raises(NotFound, match="was deleted since it was read"):
+        await with_region.put_origin(origin(weight=7), allow_update=True, expected=saved)
+    assert await with_region.list_origins() == []
+
+
 async def test_drain_and_undrain_origin(with_region: Catalog) -> None:
     await with_region.put_origin(origin(), allow_update=False)
     assert (await with_region.set_origin_drained("o1", True)).drained is True

@@ -138,3 +138,58 @@ async def test_an_undrain_that_changes_nothing_leaves_a_drain_made_meanwhile() -
     assert regions["us"] is True, "the no-op undrain undid the drain made meanwhile"
     drains = [e.action for e in audit if e.target == "region/us" and "Drain" in e.action]
     assert drains == ["DrainRegion"]  # the other operator's; the dry run is not recorded
+
+
+class OriginRacing:
+    """A real Admin stub whose ListOrigins answers, then another operator
+    sets origin o-us's capacity before pontoctl's next call."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    @property
+    def ListOrigins(self) -> Any:
+        real, put = self._stub.ListOrigins, self._stub.PutOrigin
+
+        class Listing:
+            def with_call(self, request: Any, timeout: float) -> Any:
+                answer = real.with_call(request, timeout=timeout)
+                [o] = [o for o in answer[0].origins if o.name == "o-us"]
+                spec = apb.OriginSpec(
+                    name=o.name, base_url=o.base_url, region=o.region, models=o.models, capacity=8
+                )
+                put.with_call(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=timeout)
+                return answer
+
+        return Listing()
+
+
+async def test_an_origin_update_does_not_undo_a_change_made_since_it_read_the_origin() -> None:
+    """Note 28: `origin add --update` read the origin, then wrote it whole
+    with the settings it was not given as it had read them: another
+    operator's change saved between the two calls was undone."""
+    async with admin_server(MemoryStore(), Clock(), admin_token="") as stub:
+        await seed(stub)
+
+        def update(racing: bool) -> int:
+            with grpc.insecure_channel(stub.address) as channel:
+                real = admin_pb2_grpc.AdminStub(channel)
+                calls = CallDefaults(OriginRacing(real) if racing else real, timeout=5)
+                args = _parser().parse_args(["origin", "add", "o-us", "--update", "--weight", "7"])
+                try:
+                    run(args, calls)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "was changed since it was read" in (exc.details() or "")
+                    return 1
+                return 0
+
+        assert await asyncio.to_thread(update, True) == 1
+        [o] = [o for o in (await stub.ListOrigins(apb.ListRequest())).origins if o.name == "o-us"]
+        assert (o.capacity, o.weight) == (8, 100), "the update undid the change made meanwhile"
+        assert await asyncio.to_thread(update, False) == 0  # run again: saved
+        [o] = [o for o in (await stub.ListOrigins(apb.ListRequest())).origins if o.name == "o-us"]
+        assert (o.capacity, o.weight) == (8, 7)
