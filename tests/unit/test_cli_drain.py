@@ -6,6 +6,7 @@ origin its drained region keeps idle) are gathered for main to print."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -97,26 +98,33 @@ def test_an_unknown_name_goes_to_the_control_plane_to_be_refused() -> None:
 
 
 class Racing:
-    """A real Admin stub whose ListRegions answers, then another operator
-    drains region us (an incident) before pontoctl's next call."""
+    """A real Admin stub whose `listing` method answers, then another
+    operator's call (`meanwhile`, given the real stub and the listing's
+    answer) comes before pontoctl's next call."""
 
-    def __init__(self, stub: Any) -> None:
+    def __init__(self, stub: Any, listing: str, meanwhile: Callable[[Any, Any], None]) -> None:
         self._stub = stub
+        self._listing = listing
+        self._meanwhile = meanwhile
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
-
-    @property
-    def ListRegions(self) -> Any:
-        real, drain = self._stub.ListRegions, self._stub.DrainRegion
+        stub = self._stub
+        real = getattr(stub, name)
+        if name != self._listing:
+            return real
+        meanwhile = self._meanwhile
 
         class Listing:
             def with_call(self, request: Any, timeout: float) -> Any:
                 answer = real.with_call(request, timeout=timeout)
-                drain.with_call(apb.DrainRequest(name="us", drained=True), timeout=timeout)
+                meanwhile(stub, answer[0])
                 return answer
 
         return Listing()
+
+
+def drain_us(stub: Any, _: Any) -> None:
+    stub.DrainRegion.with_call(apb.DrainRequest(name="us", drained=True), timeout=5)
 
 
 async def test_an_undrain_that_changes_nothing_leaves_a_drain_made_meanwhile() -> None:
@@ -128,7 +136,8 @@ async def test_an_undrain_that_changes_nothing_leaves_a_drain_made_meanwhile() -
 
         def undrain() -> str:
             with grpc.insecure_channel(stub.address) as channel:
-                calls = CallDefaults(Racing(admin_pb2_grpc.AdminStub(channel)), timeout=5)
+                racing = Racing(admin_pb2_grpc.AdminStub(channel), "ListRegions", drain_us)
+                calls = CallDefaults(racing, timeout=5)
                 return run(_parser().parse_args(["undrain", "region", "us"]), calls)
 
         said = await asyncio.to_thread(undrain)
@@ -140,31 +149,12 @@ async def test_an_undrain_that_changes_nothing_leaves_a_drain_made_meanwhile() -
     assert drains == ["DrainRegion"]  # the other operator's; the dry run is not recorded
 
 
-class OriginRacing:
-    """A real Admin stub whose ListOrigins answers, then another operator
-    sets origin o-us's capacity before pontoctl's next call."""
-
-    def __init__(self, stub: Any) -> None:
-        self._stub = stub
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
-
-    @property
-    def ListOrigins(self) -> Any:
-        real, put = self._stub.ListOrigins, self._stub.PutOrigin
-
-        class Listing:
-            def with_call(self, request: Any, timeout: float) -> Any:
-                answer = real.with_call(request, timeout=timeout)
-                [o] = [o for o in answer[0].origins if o.name == "o-us"]
-                spec = apb.OriginSpec(
-                    name=o.name, base_url=o.base_url, region=o.region, models=o.models, capacity=8
-                )
-                put.with_call(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=timeout)
-                return answer
-
-        return Listing()
+def set_capacity(stub: Any, listed: apb.ListOriginsResponse) -> None:
+    [o] = [o for o in listed.origins if o.name == "o-us"]
+    spec = apb.OriginSpec(
+        name=o.name, base_url=o.base_url, region=o.region, models=o.models, capacity=8
+    )
+    stub.PutOrigin.with_call(apb.PutOriginRequest(origin=spec, allow_update=True), timeout=5)
 
 
 async def test_an_origin_update_does_not_undo_a_change_made_since_it_read_the_origin() -> None:
@@ -177,7 +167,9 @@ async def test_an_origin_update_does_not_undo_a_change_made_since_it_read_the_or
         def update(racing: bool) -> int:
             with grpc.insecure_channel(stub.address) as channel:
                 real = admin_pb2_grpc.AdminStub(channel)
-                calls = CallDefaults(OriginRacing(real) if racing else real, timeout=5)
+                calls = CallDefaults(
+                    Racing(real, "ListOrigins", set_capacity) if racing else real, timeout=5
+                )
                 args = _parser().parse_args(["origin", "add", "o-us", "--update", "--weight", "7"])
                 try:
                     run(args, calls)
