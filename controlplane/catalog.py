@@ -245,7 +245,9 @@ class Catalog:
             )
         unchanged = None
         if expected is not None:
-            was = replace(expected.validated(), drained=False)
+            # As read: not validated (a record stored before a rule, or by
+            # hand, is compared as it is; helper-188).
+            was = replace(expected, drained=False)
 
             def unchanged(now: Origin) -> None:
                 if replace(now, drained=False) != was:

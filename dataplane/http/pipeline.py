@@ -726,10 +726,10 @@ class Pipeline:
         trace = ex.trace
         rules = ex.tenant.streams
         continuable = ex.endpoint.name in CONTINUABLE
-        finishes = (trace is not None and trace.recording) or (
-            continuable and counts_finishes(ex.body)
+        counter = ex.counter = UsageCounter(
+            [] if trace is not None and trace.recording else None,
+            set() if continuable and counts_finishes(ex.body) else None,
         )
-        counter = ex.counter = UsageCounter([] if finishes else None)
         resume = transcript = whole = None
         if continuable and not rules.continuation:
             whole = Finished(ex, counter, self.metrics, origin.target.name)

@@ -93,8 +93,18 @@ class Continuations:
     async def __call__(self, cut: str, too_long: int = 0) -> Next | None:
         ex, m = self._ex, self._metrics
         name = self._current.target.name
-        m.stream_cut(name)
+        m.stream_cuts.labels(name).inc()
         self._current.release()  # the origin's request ends here; its slot frees
+        readable = not too_long and not self._transcript.overflow
+        state = read_state(self._transcript.events, ex.endpoint.name) if readable else None
+        # Nothing left to say: the proxy ends the stream, and the call counts
+        # as one that answered (the pipeline counts it "ok"), not also as cut.
+        if state is not None and state.done and len(state.finished) >= _choices(ex.body):
+            return self._finished(cut, state)
+        if state is not None and budget_spent(ex.body, state.tokens):
+            end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
+            return Next(end, _Ended(), _unchanged, length=True)
+        m.attempt(name, "cut_after_start").inc()
         if too_long:
             # As for a whole answer past the bound (errors.upstream_too_large):
             # another origin asked the same would make as long an event.
@@ -103,20 +113,14 @@ class Continuations:
         if self._transcript.overflow:
             self._give_up(cut, "the answer was too long to keep for a continuation")
             return None
-        state = read_state(self._transcript.events, ex.endpoint.name)
         if state is None:
             self._give_up(cut, "its events could not be read")
             return None
-        if state.done and len(state.finished) >= _choices(ex.body):
-            return self._finished(cut, state)
         if self.count >= self._limit:
             self._give_up(cut, f"it was continued {self.count} times already")
             return None
         body = continuation_body(ex.endpoint.name, ex.body, state)
         if body is None:
-            if budget_spent(ex.body, state.tokens):
-                end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
-                return Next(end, _Ended(), _unchanged, length=True)
             why = not_continued(ex.body, state) or "its request cannot be asked in parts"
             self._give_up(cut, why)
             return None
@@ -209,8 +213,8 @@ class Finished:
     It reads the last two events relayed, not a transcript: one choice's
     stream is whole when the last has its finish, or is the usage chunk
     (no choices) after the one that has. Several choices' need the finish
-    of each, which the counter collects when it is given a list
-    (`UsageCounter.finishes`; `counts_finishes`)."""
+    of each, which the counter collects when it is given a set
+    (`UsageCounter.finished`; `counts_finishes`)."""
 
     __slots__ = ("_counter", "_ex", "_metrics", "_origin")
 
@@ -227,12 +231,13 @@ class Finished:
             return None
         choices = _choices(ex.body)
         if choices > 1:
-            finished = counter.finishes is not None and len(counter.finishes) >= choices
+            finished = counter.finished is not None and len(counter.finished) >= choices
         else:
             finished = _finishes(obj) or (obj.get("choices") == [] and _finishes(_chunk_of(before)))
         if not finished:
             return None
-        self._metrics.stream_cut(self._origin)
+        # The call answered (the pipeline counts it "ok"); its stream was cut.
+        self._metrics.stream_cuts.labels(self._origin).inc()
         head = {name: obj[name] for name in _HEAD if name in obj}
         return finished_end(
             ex, self._origin, cut, head, counter.usage is not None,

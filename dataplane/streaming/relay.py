@@ -361,8 +361,10 @@ async def _relay_bytes(
                     await out.write(_ending(error_event, last))
                     break
                 # Its readers read it as the origin's last chunks (the
-                # recorder keeps a whole answer only once it has [DONE]).
-                for ev in SseParser(max_event_bytes).feed(own.data):
+                # recorder keeps a whole answer only once it has [DONE]); the
+                # origin's event it cut off is gone (`open_event` is not it).
+                parser = SseParser(max_event_bytes)
+                for ev in parser.feed(own.data):
                     for reader in readers:
                         reader.event(ev)
                 if chunks is not None:

@@ -111,20 +111,40 @@ def _has_text(event: bytes) -> bool:
     return False
 
 
+def _finished_choices(data: bytes) -> list[int]:
+    """The indexes of the choices a chunk finishes."""
+    obj = jsonio.loads_or_none(data)
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return []
+    return [
+        c["index"]
+        for c in choices
+        if isinstance(c, dict)
+        and isinstance(c.get("finish_reason"), str)
+        and isinstance(c.get("index"), int)
+    ]
+
+
 class UsageCounter:
     """Counts a relayed stream from its parsed events (one `SseParser` per relay).
 
     Cheap: only an event that mentions a non-null "usage" is parsed as JSON;
     the others are searched for a text delta. Given a `finishes` list (a
-    traced request's), each choice's finish_reason is added to it.
+    traced request's), each choice's finish_reason is added to it; given a
+    `finished` set (a request of several choices), the index of each choice
+    that finished (the events that carry a finish are parsed for it).
     """
 
-    __slots__ = ("content_events", "finishes", "usage")
+    __slots__ = ("content_events", "finished", "finishes", "usage")
 
-    def __init__(self, finishes: list[bytes] | None = None) -> None:
+    def __init__(
+        self, finishes: list[bytes] | None = None, finished: set[int] | None = None
+    ) -> None:
         self.content_events = 0
         self.usage: Usage | None = None
         self.finishes = finishes
+        self.finished = finished
 
     def event(self, ev: Event) -> None:
         data = ev.data
@@ -135,9 +155,13 @@ class UsageCounter:
                 self.usage = found
         if _has_text(data):
             self.content_events += 1
-        finishes = self.finishes
-        if finishes is not None and b'"finish_reason"' in data:
-            finishes += FINISH_REASON.findall(data)
+        finishes, finished = self.finishes, self.finished
+        if (finishes is not None or finished is not None) and b'"finish_reason"' in data:
+            reasons = FINISH_REASON.findall(data)
+            if finishes is not None:
+                finishes += reasons
+            if reasons and finished is not None:
+                finished.update(_finished_choices(data))
 
     def result(self, prompt_estimate: int) -> Usage:
         """The origin's own count if it sent one, else the estimate and the events."""

@@ -727,6 +727,12 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
     options = None if how == "usage-not-asked" else {"include_usage": True}
     chunks, raw = await p.stream(temperature=0, stream_options=options)
     assert raw.count("[DONE]") == 1 and "error" not in raw
+    # The call answered: counted once, "ok", not also cut (helper-188); its
+    # stream was cut all the same.
+    metrics = p.app[METRICS]
+    assert metrics.attempt("o0", "ok").value == 1
+    assert metrics.attempt("o0", "cut_after_start").value == 0
+    assert metrics.stream_cuts.labels("o0").value == 1
     assert text_of(chunks) == "Hi"
     assert not b.bodies
     assert all("continued" not in c.get("ponto", {}) for c in chunks)
@@ -740,7 +746,6 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
         assert chunks[-1]["ponto"] == {"usage": "estimated"}
         assert unkept.labels("incomplete").value == 1
         assert unkept.labels("continued").value == 0
-        assert p.app[METRICS].attempt("o0", "ok").value == 1
         await p.stream(temperature=0, stream_options=options)
         assert len(a.bodies) == 2  # not kept: asked of the origin again
         return
@@ -750,6 +755,30 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
     again, _ = await p.stream(temperature=0, stream_options=options)
     assert len(a.bodies) == 1  # kept whole: the cache answered
     assert text_of(again) == "Hi"
+
+
+@pytest.mark.parametrize("continuation", ["on", "off"])
+async def test_a_stream_cut_inside_its_done_is_whole_and_kept(
+    proxy: Callable[..., Awaitable[Proxy]], continuation: str
+) -> None:
+    """Helper-188: an origin that dropped in the middle of its `data: [DONE]`
+    had its answer ended whole, but, with continuation off, not kept: the
+    cut-off event was taken for an answer that ended inside an event."""
+
+    async def half_done(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "Hi") + event("first", finish="stop") + b"data: [DO")
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+    a = Origin(half_done)
+    p = await proxy([(a, True)], pb.StreamPolicy(continuation=continuation))
+    for _ in range(2):
+        chunks, raw = await p.stream(temperature=0, stream_options=None)
+        assert text_of(chunks) == "Hi" and "error" not in raw
+    assert len(a.bodies) == 1  # kept: the cache answered the second
+    assert p.app[METRICS].cache_unkept.labels("incomplete").value == 0
 
 
 async def test_a_continuation_call_that_fails_is_logged_by_its_code(
@@ -840,7 +869,8 @@ async def test_a_stream_cut_after_one_of_its_choices_is_not_whole(
 ) -> None:
     """Review of trial 45's fix: an origin that streams n=2 choices one after
     the other, cut after the first's finish, was ended as whole and cached
-    with one choice. Cut after both, it is whole."""
+    with one choice (with continuation off, helper-188: when that choice's
+    finish came twice). Cut after both, it is whole."""
 
     def choice(index: int, content: str | None, finish: str | None = None) -> bytes:
         chunk = {"id": "first", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
@@ -852,7 +882,7 @@ async def test_a_stream_cut_after_one_of_its_choices_is_not_whole(
         out = await sse(request)
         both = (await request.json()).get("user") == "both"
         await out.write(
-            choice(0, "Hi")
+            choice(0, "Hi", "stop")  # a finish with the last text, and again after it
             + choice(0, None, "stop")
             + (choice(1, "Yo") + choice(1, None, "stop") if both else b"")
         )

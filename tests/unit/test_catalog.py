@@ -8,7 +8,9 @@ from collections.abc import Awaitable, Callable
 import orjson
 import pytest
 
+from controlplane.api.admin import origin_pb
 from controlplane.catalog import ACKS, ORIGINS, PROXIES, REGIONS, Catalog
+from controlplane.cli import _as_spec
 from controlplane.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -16,7 +18,15 @@ from controlplane.errors import (
     NotFound,
     Unavailable,
 )
-from controlplane.model import DEFAULT_WEIGHT, Origin, ProxyRecord, Region, decode_origin
+from controlplane.messages import origin_of
+from controlplane.model import (
+    DEFAULT_WEIGHT,
+    Origin,
+    ProxyRecord,
+    Region,
+    decode_origin,
+    encode,
+)
 from controlplane.store.memory import MemoryStore
 
 
@@ -331,6 +341,22 @@ async def test_an_update_of_what_was_read_is_refused_once_another_changed_it(
     with pytest.raises(NotFound, match="was deleted since it was read"):
         await with_region.put_origin(origin(weight=7), allow_update=True, expected=saved)
     assert await with_region.list_origins() == []
+
+
+async def test_an_update_compares_what_it_read_as_stored(
+    with_region: Catalog, store: MemoryStore
+) -> None:
+    """Review of that fix (helper-188): what was read was validated before it
+    was compared, so a record stored before a rule (a URL with a trailing
+    slash, models out of order, an endpoint URL) never compared equal, and
+    could not be updated at all."""
+    raw = Origin("o1", "http://h:8000/v1/chat/completions/", "us-east", ("b", "a"), weight=0)
+    await store.put(ORIGINS + "o1", encode(raw))
+    [listed] = await with_region.list_origins()
+    read = origin_of(_as_spec(origin_pb(listed)))  # as pontoctl reads it, and sends it back
+    fixed = Origin("o1", "http://h:8000/v1", "us-east", ("a", "b"), weight=3)
+    saved = await with_region.put_origin(fixed, allow_update=True, expected=read)
+    assert (saved.base_url, saved.weight) == ("http://h:8000/v1", 3)
 
 
 async def test_drain_and_undrain_origin(with_region: Catalog) -> None:
