@@ -230,7 +230,7 @@ class Proxy:
             self.access_log.start()
         if self.region_link is not None:
             await self.region_link.start()
-        forwarder = Forwarder(self.metrics, settings.upstream, loads=self.loads)
+        forwarder = Forwarder(self.metrics, settings.upstream, loads=self.loads, stalls=self.stalls)
         # Built here, not in __init__: it needs the upstream pool.
         app[PIPELINE] = self.pipeline = Pipeline(
             self.holder,

@@ -52,6 +52,7 @@ from dataplane.timer import Deadlines
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
+from dataplane.upstream.stalls import Stalled, Stalls
 from dataplane.upstream.wire import (
     DEFAULT_MAX_ANSWER_BYTES,
     AnswerTooLarge,
@@ -327,6 +328,7 @@ class Forwarder:
         loads: LoadBoard | None = None,
         hedges: RetryBudget | None = None,
         commit_times: CommitTimes | None = None,
+        stalls: Stalls | None = None,
     ) -> None:
         # Counts this proxy's requests in flight per origin, for the picker.
         self.loads = loads or LoadBoard()
@@ -351,6 +353,8 @@ class Forwarder:
         # 3.11 asyncio.get_running_loop() makes a getpid system call.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lines = lines or LineBudget()
+        # Cuts a call not yet answered once its origin is marked unhealthy.
+        self.stalls = stalls or Stalls(None)
 
     async def close(self) -> None:
         """Close the idle connections to origins (calls under way end theirs)."""
@@ -849,6 +853,27 @@ class Forwarder:
         return answer
 
     async def _call(
+        self,
+        target: Target,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        attempt: int,
+        stream: bool,
+        tries: _Tries | None = None,
+    ) -> OriginAnswer:
+        """One call to `target` (`_send`), cut once the route table marks it
+        unhealthy before it has answered (dataplane.upstream.stalls)."""
+        watch = self.stalls.call(target.name)
+        if watch is None:
+            return await self._send(target, path, body, headers, attempt, stream, tries)
+        try:
+            with watch:
+                return await self._send(target, path, body, headers, attempt, stream, tries)
+        except Stalled as exc:
+            raise _Retryable("timeout", str(exc)) from exc
+
+    async def _send(
         self,
         target: Target,
         path: str,

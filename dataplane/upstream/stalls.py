@@ -11,24 +11,103 @@ instead, counted from the last chunk; the wait under way too. A stream that
 still flows is left alone, whatever the probes say; one cut so is continued
 on another origin as any stalled stream is (docs/streams.md).
 
+The same holds before an origin answers at all (trial 49: a whole answer
+waited for the read timeout, 300 s, on an origin the probes had marked
+unhealthy within 4 s; a stream's first chunk, the first-chunk timeout): a
+call not yet answered (`CallWatch`: the forwarder's, until its status and,
+for a stream, its first chunk) is cut `--unhealthy-stream-idle-timeout`
+after the table marks its origin unhealthy, and the next origin is tried,
+as after any attempt that failed before the client had a byte.
+
 Not for an origin that panic routing uses (`Routes.panic`: a model none of
 whose origins is healthy): the probes are then more likely wrong than every
 origin, and there is no healthy one to continue on.
 
-Used from the loop's thread only. Per stream: one registration and one set
-removal; per chunk: nothing (the cap lives in the stream's IdleTimeout).
+Used from the loop's thread only. Per stream and per origin call: one
+registration and one set removal; per chunk: nothing (the cap lives in the
+stream's IdleTimeout).
 """
 
 from __future__ import annotations
 
-from typing import Final
+import asyncio
+from types import TracebackType
+from typing import Final, Protocol
 
 from dataplane.routes import Routes
 from dataplane.timer import IdleTimeout
 
-__all__ = ["DEFAULT_UNHEALTHY_IDLE_S", "Stalls", "StreamWatch"]
+__all__ = ["DEFAULT_UNHEALTHY_IDLE_S", "CallWatch", "Stalled", "Stalls", "StreamWatch"]
 
 DEFAULT_UNHEALTHY_IDLE_S: Final = 5.0
+
+
+class _Watch(Protocol):
+    origin: str
+
+    def cap(self, delay: float | None) -> None: ...
+
+
+class Stalled(Exception):
+    """A call `CallWatch` cut: its origin, marked unhealthy, had not answered."""
+
+
+class CallWatch:
+    """One origin call until it has answered, as `with watch:` around it in
+    the task that makes it: cut (the block raises Stalled) `after_s` seconds
+    after the table marks its origin unhealthy, or after its start when it
+    is already. A cancellation from elsewhere goes on as CancelledError."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_stalls", "_task", "origin")
+
+    def __init__(self, stalls: Stalls, origin: str) -> None:
+        self._stalls = stalls
+        self.origin = origin
+        self._task: asyncio.Task[object] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+        self._expired = False
+
+    def __enter__(self) -> CallWatch:
+        task = self._task = asyncio.current_task()
+        assert task is not None  # entered in the task it bounds
+        self._cancelling = task.cancelling()
+        self._stalls.add(self)
+        self._stalls.bound(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stalls.forget(self)
+        self.cap(None)
+        task = self._task
+        if not self._expired or task is None:
+            return
+        # Its own cancel taken back: a block it left raises Stalled instead.
+        ours = task.uncancel() <= self._cancelling
+        if ours and exc_type is asyncio.CancelledError:
+            raise Stalled(
+                f"no answer within {self._stalls.after_s:g} s of the route table marking "
+                "it unhealthy (--unhealthy-stream-idle-timeout)"
+            ) from exc
+
+    def cap(self, delay: float | None) -> None:
+        """Cut the call `delay` seconds from now (None: not at all)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.cancel()
+        if delay is not None and not self._expired and self._task is not None:
+            self._handle = self._task.get_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._handle = None
+        self._expired = True
+        if self._task is not None:
+            self._task.cancel()
 
 
 class StreamWatch:
@@ -75,7 +154,7 @@ class Stalls:
     def __init__(self, after_s: float | None = DEFAULT_UNHEALTHY_IDLE_S) -> None:
         self.after_s = after_s
         self.unhealthy: frozenset[str] = frozenset()
-        self._streams: dict[str, set[StreamWatch]] = {}
+        self._streams: dict[str, set[_Watch]] = {}
 
     def watch(self, origin: str) -> StreamWatch | None:
         """Register a stream read from `origin`; close() the watch when it ends."""
@@ -84,6 +163,10 @@ class Stalls:
         watch = StreamWatch(self, origin)
         self.add(watch)
         return watch
+
+    def call(self, origin: str) -> CallWatch | None:
+        """A watch for a call to `origin` (`with` it around the call); None when off."""
+        return None if self.after_s is None else CallWatch(self, origin)
 
     def on_apply(self, routes: Routes, policy: object) -> None:
         """A table was installed (a TableHolder hook): cap the streams of the
@@ -96,20 +179,20 @@ class Stalls:
         self.unhealthy = unhealthy
 
     def streams(self, origin: str) -> int:
-        """Streams read from `origin` now."""
+        """Streams read from `origin` now, and calls to it not yet answered."""
         return len(self._streams.get(origin, ()))
 
-    # For StreamWatch.
+    # For the watches.
 
-    def add(self, watch: StreamWatch) -> None:
+    def add(self, watch: _Watch) -> None:
         self._streams.setdefault(watch.origin, set()).add(watch)
 
-    def forget(self, watch: StreamWatch) -> None:
+    def forget(self, watch: _Watch) -> None:
         streams = self._streams.get(watch.origin)
         if streams is not None:
             streams.discard(watch)
             if not streams:
                 del self._streams[watch.origin]
 
-    def bound(self, watch: StreamWatch) -> None:
+    def bound(self, watch: _Watch) -> None:
         watch.cap(self.after_s if watch.origin in self.unhealthy else None)

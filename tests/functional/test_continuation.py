@@ -563,6 +563,67 @@ async def test_a_stream_stalled_on_an_origin_marked_unhealthy_goes_on_without_th
     assert p.app[PIPELINE].stalls.streams("o0") == 0  # forgotten once ended
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "first-chunk"])
+async def test_a_call_unanswered_by_an_origin_marked_unhealthy_goes_to_the_next(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """Trial 49: a request whose origin hung before answering (a whole answer,
+    or a stream's first chunk) waited out the read timeout (300 s) or the
+    first-chunk timeout, though the table marked the origin unhealthy within
+    seconds. Once it does, the call is cut after
+    --unhealthy-stream-idle-timeout and the next origin answers."""
+    started = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        started.set()
+        await asyncio.sleep(30)
+        raise AssertionError("not cut")
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        return web.json_response({
+            "id": "second", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "world"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        })  # fmt: skip
+
+    a, b = Origin(hang), (await second_origin() if stream else Origin(whole))
+    p = await proxy(
+        [(a, True), (b, True)], idle="60", extra=["--unhealthy-stream-idle-timeout=0.05"]
+    )
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    with caplog.at_level(logging.WARNING):
+        async with asyncio.timeout(10):
+            asking = asyncio.ensure_future(p.client.post("/v1/chat/completions", json=request))
+            await started.wait()
+            p.mark_unhealthy("o0")
+            resp = await asking
+            assert resp.status == 200
+            said = await resp.text()
+    assert '"second"' in said and len(b.bodies) == 1  # the next origin's answer
+    metrics = p.app[METRICS]
+    assert metrics.attempt("o0", "timeout").value == 1
+    assert p.app[PIPELINE].stalls.streams("o0") == 0  # forgotten once cut
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "no answer within 0.05 s of the route table marking it unhealthy" in logged
+
+
+async def test_a_call_to_a_healthy_origin_is_not_cut(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Only the unhealthy origin's calls are cut: a slow first chunk from a
+    healthy origin, while another is marked unhealthy, is waited for."""
+    a, b = slow_first_origin(0.3), await second_origin()
+    p = await proxy(
+        [(a, True), (b, True)], idle="60", extra=["--unhealthy-stream-idle-timeout=0.05"]
+    )
+    asking = asyncio.ensure_future(p.stream())
+    await asyncio.sleep(0.01)
+    p.mark_unhealthy("o1")
+    chunks, _ = await asking
+    assert text_of(chunks) == "Hello" and not b.bodies
+
+
 async def test_without_continuation_it_ends_with_the_error_event_as_soon(
     proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,14 +4,16 @@ tells the watch of each origin a stream goes on from."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import cast
 
+import pytest
 from aiohttp import web
 
 from dataplane.routes import Routes, build_routes
 from dataplane.streaming.relay import Next, relay
 from dataplane.timer import IdleTimeout
-from dataplane.upstream.stalls import Stalls, StreamWatch
+from dataplane.upstream.stalls import Stalled, Stalls, StreamWatch
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_stream_relay import Content, Out
@@ -126,3 +128,42 @@ async def test_the_relay_attaches_its_idle_bound_and_tells_each_origin_it_goes_o
     assert end.complete and end.continued == ["the origin sent an error event"]
     assert moves.idle is not None and moves.idle.delay == 60.0
     assert moves.origins == ["o1"]
+
+
+async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then() -> None:
+    """CallWatch (trial 49): a call not yet answered is cut after_s after the
+    table marks its origin unhealthy; one that answers first is left alone,
+    a cancellation from elsewhere stays a cancellation, and each is forgotten."""
+    stalls = Stalls(0.01)
+    hung = asyncio.Event()
+
+    async def call(origin: str, answer: asyncio.Event) -> str:
+        watch = stalls.call(origin)
+        assert watch is not None
+        with watch:
+            hung.set()
+            await answer.wait()
+            return "answered"
+
+    never = asyncio.Event()
+    cut = asyncio.ensure_future(call("o0", never))
+    await hung.wait()
+    stalls.on_apply(routes("o0"), None)
+    with pytest.raises(Stalled, match=r"no answer within 0\.01 s"):
+        await cut
+    # Answered before the cut: as it came, and nothing cancels it later.
+    answered = asyncio.Event()
+    quick = asyncio.ensure_future(call("o0", answered))
+    await asyncio.sleep(0)
+    answered.set()
+    assert await quick == "answered"
+    # A cancel from elsewhere (the client left) is not a stall.
+    hung.clear()
+    stalls.on_apply(routes(), None)
+    left = asyncio.ensure_future(call("o0", never))
+    await hung.wait()
+    left.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await left
+    assert stalls.streams("o0") == 0
+    assert Stalls(None).call("o0") is None
