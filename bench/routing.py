@@ -78,8 +78,9 @@ def routing_cost(n: int) -> None:
         outliers.failure("us-east-0")
 
         def route() -> None:
-            home = locator.home(routes, "127.0.0.1", headers)
-            outliers.order(routes.candidates("llama-3-70b", home, limit=3 + outliers.ejected_now()))
+            home, point = locator.place(routes, "127.0.0.1", headers)
+            limit = 3 + outliers.ejected_now()
+            outliers.order(routes.candidates("llama-3-70b", home, limit=limit, point=point))
 
         body = orjson.dumps(BODY_FOR_PARSE)
         t_route = min(timeit.repeat(route, number=n, repeat=5)) / n

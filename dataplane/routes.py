@@ -2,9 +2,11 @@
 
 Validation happens here, once per table: a table that fails it is NACKed and
 the previous Routes keeps serving. Everything that does not depend on the
-request (drain and health filtering, region order by distance from this
-proxy's region) is precomputed, so per request only a weighted shuffle among
-equally near origins remains.
+request (drain and health filtering, region order by distance from each
+home region) is precomputed, so per request only a weighted shuffle among
+equally near origins remains. The one exception is a located client whose home
+region cannot serve it (`Routes.groups_for`): its regions are reordered from
+the client's own point, once per point and model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from ponto.v1 import routing_pb2 as pb
 
 EARTH_RADIUS_KM = 6371.0
 HOME_CACHE = 4096
+
+# A located client: (latitude, longitude) in WGS84 degrees.
+Point = tuple[float, float]
 
 
 class TableError(ValueError):
@@ -58,6 +63,10 @@ class Target:
         return found
 
 
+# Candidate origin groups in the order to try them: one group per region.
+Groups = tuple[tuple[Target, ...], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Routes:
     """Immutable routing state built from one table; shared by all requests.
@@ -66,13 +75,16 @@ class Routes:
     region is `home`: nearest usable region first, regions over their spill
     threshold after all others. Origins within a group are equally near and
     split traffic by weight.
+
+    Its caches are filled by the requests that read it, without a lock: use
+    it from one event loop.
     """
 
     version: int
     etag: str
     region: str  # the proxy's own region: home of clients that cannot be located
     models: tuple[str, ...]
-    order: dict[str, dict[str, tuple[tuple[Target, ...], ...]]]
+    order: dict[str, dict[str, Groups]]
     coords: tuple[tuple[str, float, float], ...]  # (region, lat, lon) for homing
     # The table's regions, and those whose load is over their spill threshold.
     known: frozenset[str] = frozenset()
@@ -89,10 +101,13 @@ class Routes:
     served: frozenset[tuple[str, str]] = frozenset()
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
-    _homes: dict[tuple[float, float], str] = field(default_factory=dict, compare=False)
+    _homes: dict[Point, str] = field(default_factory=dict, compare=False)
+    # The groups of (point, model) reordered from the point, for clients whose
+    # home cannot serve them (groups_for); bounded by HOME_CACHE like _homes.
+    _near: dict[tuple[Point, str], Groups] = field(default_factory=dict, compare=False)
 
     @property
-    def groups(self) -> dict[str, tuple[tuple[Target, ...], ...]]:
+    def groups(self) -> dict[str, Groups]:
         """Candidate groups as seen from the proxy's own region."""
         return self.order.get(self.region) or next(iter(self.order.values()), {})
 
@@ -112,11 +127,34 @@ class Routes:
         self._homes[point] = best
         return best
 
-    def groups_for(self, model: str, home: str | None = None) -> tuple[tuple[Target, ...], ...]:
+    def groups_for(self, model: str, home: str | None = None, point: Point | None = None) -> Groups:
         """Candidate groups for model from home (default: the proxy's region),
-        nearest usable region first; empty if no origin serves it."""
+        the client's nearest usable region first; empty if no origin serves it.
+
+        `point` is where GeoIP placed the client (None: not located; home is
+        then the proxy's region or the caller's choice). While home leads
+        its own order (it serves the model and is under its spill
+        threshold) the precomputed order is returned as is: home is the
+        client's nearest region, and that path costs one comparison more.
+        Otherwise the home order's second region is the one nearest the
+        *home*, not the client (a client in Sydney is homed in Singapore,
+        from which Dublin is nearer than Virginia; from Sydney, Virginia
+        is), so the groups are reordered from the point (`order_from`),
+        cached per point and model. The regions after a usable home keep
+        the home's order: reordering them would cost every request, for a
+        failover few have.
+        """
         per_home = self.order.get(home or self.region) or self.groups
-        return per_home.get(model, ())
+        groups = per_home.get(model, ())
+        if point is None or not groups or groups[0][0].region == home:
+            return groups
+        key = (point, model)
+        near = self._near.get(key)
+        if near is None:
+            if len(self._near) >= HOME_CACHE:
+                self._near.clear()
+            near = self._near[key] = order_from(point, groups, self.coords, self.hot)
+        return near
 
     def candidates(
         self,
@@ -125,17 +163,18 @@ class Routes:
         *,
         limit: int = 0,
         rand: Callable[[], float] = random.random,
+        point: Point | None = None,
     ) -> list[Target]:
         """Origins to try for model, in order; empty if the model is unknown here.
 
+        Groups come in `groups_for`'s order (`point`: the located client).
         Within each group the order is a weighted random permutation
         (Efraimidis-Spirakis): each origin leads with probability weight/sum.
         With a limit, stops after the group that reaches it (callers try only
         a few origins; shuffling the rest is wasted work).
         """
-        per_home = self.order.get(home or self.region) or self.groups
         out: list[Target] = []
-        for group in per_home.get(model, ()):
+        for group in self.groups_for(model, home, point):
             if limit and len(out) >= limit:
                 break
             if len(group) == 1:
@@ -143,6 +182,32 @@ class Routes:
             else:
                 out.extend(sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True))
         return out
+
+
+def order_from(
+    point: Point,
+    groups: Groups,
+    coords: Iterable[tuple[str, float, float]],
+    hot: frozenset[str],
+) -> Groups:
+    """The same groups (one region each) ordered for a client at `point`:
+    regions under their spill threshold first, each part by great-circle
+    distance from the point, ties by name; as build_routes orders them from
+    a home region.
+
+    Great circles even when the table has an RTT matrix: the matrix holds
+    times between regions, and a client whose home cannot serve it is not at
+    any region; distance from its own point is the measure that chose its
+    home, so it ranks what follows too (docs/routing.md).
+    """
+    at = {name: (lat, lon) for name, lat, lon in coords}
+
+    def key(group: tuple[Target, ...]) -> tuple[bool, float, str]:
+        region = group[0].region
+        lat, lon = at[region]
+        return (region in hot, great_circle_km(point[0], point[1], lat, lon), region)
+
+    return tuple(sorted(groups, key=key))
 
 
 def great_circle_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
@@ -229,7 +294,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         r = regions[region]
         return r.spill_threshold > 0 and r.load >= r.spill_threshold
 
-    order: dict[str, dict[str, tuple[tuple[Target, ...], ...]]] = {}
+    order: dict[str, dict[str, Groups]] = {}
     homes = list(table.regions)
     if proxy_region not in regions:  # a proxy outside every region: order by name
         homes.append(pb.Region(name=proxy_region))

@@ -70,7 +70,7 @@ from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter, format_duration
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
-from dataplane.routes import Routes, Target
+from dataplane.routes import Point, Routes, Target
 from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
@@ -479,8 +479,8 @@ class Pipeline:
         tenant's policy), then call; with `hedge`, a slow first origin gets a
         hedge (`Forwarder.forward`)."""
         forwarder = self.forwarder
-        home = self.locator.home(ex.routes, ex.remote, ex.headers)
-        candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit())
+        home, point = self.locator.place(ex.routes, ex.remote, ex.headers)
+        candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit(), point)
         if not candidates:
             ex.usage = Usage(0, 0)  # no origin was called: the estimate back
             raise ApiError(
@@ -528,8 +528,11 @@ class Pipeline:
         self.metrics.routes.labels(ex.route, ex.origin).inc()
         return answer
 
-    def place(self, ex: Exchange, home: str, limit: int) -> list[Target]:
-        """The candidates in the order to try them; sets why the first was chosen."""
+    def place(
+        self, ex: Exchange, home: str, limit: int, point: Point | None = None
+    ) -> list[Target]:
+        """The candidates in the order to try them; sets why the first was chosen.
+        `point`: where GeoIP placed the client (`Routes.groups_for`)."""
         assert ex.tenant is not None
         routes = ex.routes
         rules = ex.tenant.routing
@@ -544,7 +547,7 @@ class Pipeline:
                 user_sessions=rules.user_sessions,
                 session_header=self.session_header,
             )
-        groups = routes.groups_for(ex.model, home)
+        groups = routes.groups_for(ex.model, home, point)
         candidates, ex.route = self.picker.order(
             groups,
             mode,

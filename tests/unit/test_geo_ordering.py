@@ -21,6 +21,7 @@ MODEL = "llama-3"
 NEW_YORK = (40.71, -74.01)
 LONDON = (51.51, -0.13)
 JAKARTA = (-6.2, 106.85)
+SYDNEY = (-33.87, 151.21)  # homed in Singapore; Virginia is nearer it than Dublin
 
 
 def region(
@@ -29,6 +30,7 @@ def region(
     load: float = 0.0,
     spill_threshold: float = 0.0,
     rtt_ms: dict[str, float] | None = None,
+    drained: bool = False,
 ) -> pb.Region:
     name, lat, lon = spec
     return pb.Region(
@@ -38,6 +40,7 @@ def region(
         load=load,
         spill_threshold=spill_threshold,
         rtt_ms=rtt_ms or {},
+        drained=drained,
     )
 
 
@@ -177,6 +180,100 @@ def test_home_without_origins_for_model_still_orders_others() -> None:
     table = make_table(origins=[origin("o-us", "us-east"), origin("o-eu", "eu-west")])
     routes = build_routes(table, "us-east")
     assert names(routes.candidates(MODEL, "ap-southeast")) == ["o-eu", "o-us"]
+
+
+# ---------------------------------------------------------------- from the client's point
+
+
+def test_a_drained_home_sends_a_located_client_to_its_own_nearest_region() -> None:
+    """Trial 49: a client in Sydney, its home ap-southeast drained, went to
+    eu-west (17,223 km from Sydney, but nearer Singapore) and not us-east
+    (15,681 km)."""
+    routes = build_routes(
+        make_table(regions=[region(US), region(EU), region(AP, drained=True)]), "eu-west"
+    )
+    home = routes.home_of(*SYDNEY)
+    assert home == "ap-southeast"
+    assert regions_of(routes.candidates(MODEL, home, point=SYDNEY)) == ["us-east", "eu-west"]
+    # Without its point (not located), the home's own order stands.
+    assert regions_of(routes.candidates(MODEL, home)) == ["eu-west", "us-east"]
+
+
+def test_a_home_without_the_model_sends_the_client_to_its_nearest_that_has_it() -> None:
+    table = make_table(origins=[origin("o-us", "us-east"), origin("o-eu", "eu-west")])
+    routes = build_routes(table, "eu-west")
+    assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
+        "us-east",
+        "eu-west",
+    ]
+
+
+def test_a_hot_home_spills_to_the_clients_nearest_and_stays_last() -> None:
+    table = make_table(regions=[region(US), region(EU), region(AP, load=0.9, spill_threshold=0.8)])
+    routes = build_routes(table, "eu-west")
+    assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
+        "us-east",
+        "eu-west",
+        "ap-southeast",
+    ]
+
+
+def test_regions_over_their_threshold_stay_after_the_others_from_the_point() -> None:
+    table = make_table(
+        regions=[region(US, load=0.9, spill_threshold=0.8), region(EU), region(AP, drained=True)]
+    )
+    routes = build_routes(table, "eu-west")
+    assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
+        "eu-west",
+        "us-east",
+    ]
+
+
+def test_the_point_orders_by_distance_even_with_an_rtt_matrix() -> None:
+    """The matrix times regions from regions; a client whose home cannot
+    serve is at neither, and goes by distance from its own point."""
+    table = make_table(
+        regions=[
+            region(US, rtt_ms={"eu-west": 75.0, "ap-southeast": 215.0}),
+            region(EU, rtt_ms={"us-east": 75.0, "ap-southeast": 160.0}),
+            region(AP, rtt_ms={"us-east": 215.0, "eu-west": 160.0}, drained=True),
+        ]
+    )
+    routes = build_routes(table, "eu-west")
+    assert regions_of(routes.candidates(MODEL, "ap-southeast")) == ["eu-west", "us-east"]
+    assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
+        "us-east",
+        "eu-west",
+    ]
+
+
+def test_a_usable_home_keeps_the_precomputed_order_itself() -> None:
+    """The common path does no work for the point: the very tuple built with
+    the table is returned, and nothing is cached."""
+    routes = build_routes(make_table(), "eu-west")
+    precomputed = routes.order["ap-southeast"][MODEL]
+    assert routes.groups_for(MODEL, "ap-southeast", SYDNEY) is precomputed
+    assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
+        "ap-southeast",
+        "eu-west",
+        "us-east",
+    ]
+    assert routes._near == {}
+
+
+def test_the_order_from_a_point_is_cached_and_bounded() -> None:
+    routes = build_routes(
+        make_table(regions=[region(US), region(EU), region(AP, drained=True)]), "eu-west"
+    )
+    first = routes.groups_for(MODEL, "ap-southeast", SYDNEY)
+    assert routes.groups_for(MODEL, "ap-southeast", SYDNEY) is first
+    for i in range(HOME_CACHE + 10):
+        routes.groups_for(MODEL, "ap-southeast", (-30.0 - i * 1e-4, 150.0))
+    assert len(routes._near) <= HOME_CACHE
+    assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
+        "us-east",
+        "eu-west",
+    ]
 
 
 # ---------------------------------------------------------------- spill
