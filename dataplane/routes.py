@@ -106,6 +106,20 @@ class Routes:
     # home cannot serve them (groups_for); bounded by HOME_CACHE like _homes.
     _near: dict[tuple[Point, str], Groups] = field(default_factory=dict, compare=False)
 
+    def region_problem(self) -> str:
+        """What is wrong with the proxy's own region, as this table sees it:
+        "" when the table has it (or no region at all). A region the table
+        lacks (a typo in --region: trial 49) homes the clients it cannot
+        locate in another region's order, with nothing said otherwise."""
+        if not self.known or self.region in self.known:
+            return ""
+        stand_in = next(iter(self.order), "none")
+        return (
+            f"its region {self.region!r} (--region) is not one of the route table's "
+            f"({', '.join(sorted(self.known))}): clients it cannot locate are routed as "
+            f"from {stand_in!r}; check --region, or add the region"
+        )
+
     @property
     def groups(self) -> dict[str, Groups]:
         """Candidate groups as seen from the proxy's own region."""

@@ -122,6 +122,9 @@ class TableHolder:
                 problem,
                 tenant,
             )
+        problem = routes.region_problem()
+        if problem and (current is None or problem != current.region_problem()):
+            log.warning("this proxy: %s", problem)  # also in its ACKs (`pontoctl get proxies`)
         # When it changes, not with every table: tables come for any change
         # anywhere in the fleet, and a model stays in panic until an origin heals.
         was = current.panic if current is not None else frozenset()

@@ -449,18 +449,22 @@ class ControlPlaneClient:
         )
 
     def warnings(self) -> tuple[str, ...]:
-        """What an ACK reports of the table being served: each tenant whose JWT
-        config this proxy could not load, with why and what it costs; and
-        each part of the proxy that could not take the table (a bug)."""
-        policy = self._holder.policy
-        if policy is None:
+        """What an ACK reports of the table being served: a region of the
+        proxy's the table lacks; each tenant whose JWT config this proxy
+        could not load, with why and what it costs; and each part of the
+        proxy that could not take the table (a bug)."""
+        policy, routes = self._holder.policy, self._holder.routes
+        if policy is None or routes is None:
             return ()
-        return tuple(
+        region = routes.region_problem()
+        jwt = (
             f"{problem}; that tenant's JWTs are answered 503 auth_unavailable "
             "(its API keys still work)"
             for _, problem in sorted(policy.authenticator.problems.items())
-        ) + tuple(
+        )
+        failed = (
             f"a part of this proxy could not take the table ({failure}); it keeps its "
             "previous settings (a bug: see the proxy's log)"
             for failure in self._holder.apply_failures
         )
+        return (*((region,) if region else ()), *jwt, *failed)
