@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import sys
 from typing import TYPE_CHECKING
@@ -101,6 +102,13 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     address = f"{settings.listen_host}:{port}"
     tune_gc()
     log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
+    if public_metrics(settings) and (slot is None or slot.index == 0):
+        log.warning(
+            "/metrics is served on the public port: whoever reaches %s reads the tenants' "
+            "names and request counts; give it a private address with --metrics-listen "
+            '(the Helm chart does; docs/security.md, "Who can read /metrics")',
+            address,
+        )
     app[CLIENT].set_address(address)
     try:
         metrics_runner = await serve_metrics(app, settings)
@@ -204,6 +212,17 @@ def _handle_signals(
                 sig.name,
             )
     take_signals()
+
+
+def public_metrics(settings: Settings) -> bool:
+    """Whether /metrics is on a public port: the proxy's own, on an address
+    other hosts may reach (trial 48: any caller read every tenant's usage)."""
+    if settings.metrics_listen is not None:
+        return False
+    try:
+        return not ipaddress.ip_address(settings.listen_host).is_loopback
+    except ValueError:  # a host name: "localhost" alone is surely local
+        return settings.listen_host != "localhost"
 
 
 async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunner | None:

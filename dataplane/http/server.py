@@ -196,7 +196,8 @@ class Proxy:
         m.bind_jwks(key_sets)
         m.bind_cache(lambda: store.stats, local.reserved)
         m.bind_semantic(lambda: cache.semantic)
-        m.bind_semantic_feed(lambda: self.semantic_feed)
+        if self.semantic_feed is not None:  # its series only with --redis (trial 50)
+            m.bind_semantic_feed(lambda: self.semantic_feed)
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,
             connected=lambda: 1.0 if client.connected else 0.0,
