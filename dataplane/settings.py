@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dataplane.cache.regionurl import RegionURLError, check_url
-from dataplane.geo import TrustedProxies
+from dataplane.geo import TrustedProxies, database_problem
 from dataplane.http.cors import CorsPolicy
 from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
@@ -529,8 +529,11 @@ def parse(argv: list[str]) -> Settings:
         cors = CorsPolicy.parse(a.cors_origins)
     except ValueError as exc:
         p.error(str(exc))
-    if a.geoip_db is not None and not a.geoip_db.is_file():
-        p.error(f"--geoip-db {a.geoip_db} is not a readable file")
+    if a.geoip_db is not None:
+        if not a.geoip_db.is_file():
+            p.error(f"--geoip-db {a.geoip_db} is not a readable file")
+        if problem := database_problem(a.geoip_db):
+            p.error(f"--geoip-db: {problem}")
     try:
         credentials = ClientOptions(
             a.tls_ca,

@@ -10,6 +10,7 @@ from dataplane.geo.locate import (
     Location,
     MmdbLocator,
     Schema,
+    database_problem,
     is_locatable,
     open_locator,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "Schema",
     "TrustedProxies",
     "client_ip",
+    "database_problem",
     "is_locatable",
     "open_locator",
     "parse_node",

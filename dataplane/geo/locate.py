@@ -38,6 +38,7 @@ __all__ = [
     "Location",
     "MmdbLocator",
     "Schema",
+    "database_problem",
     "is_locatable",
     "open_locator",
 ]
@@ -345,3 +346,17 @@ def open_locator(
     if path is None or path == "":
         return None
     return MmdbLocator(path, cache_size=cache_size, mode=mode)
+
+
+def database_problem(path: str | os.PathLike[str]) -> str:
+    """Why the file at `path` cannot serve as a locator ("" if it can).
+
+    For checking a setting at start, in one line rather than a traceback from
+    every worker: the file is opened as `open_locator` opens it (its schema
+    probed too), then closed. The message names the file.
+    """
+    try:
+        MmdbLocator(path, cache_size=0).close()
+    except (OSError, maxminddb.InvalidDatabaseError, ValueError) as exc:
+        return str(exc)
+    return ""

@@ -26,6 +26,8 @@ from dataplane.settings import (
     parse,
     worker_name,
 )
+from ponto.geodb import write_city_db, write_db
+from tests.geodb import DOC_RANGES
 
 BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east"]
 
@@ -128,3 +130,26 @@ def test_a_state_dir_that_cannot_be_made_is_refused_at_start(
     # One that is a directory, or can be made under one, is taken.
     for good in (tmp_path, tmp_path / "new" / "state"):
         assert parse([*BASE, "--state-dir", str(good)]).state_dir == good
+
+
+def test_a_geoip_db_that_is_not_a_usable_database_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before (trial 189): a file there but not an .mmdb passed the check for
+    a missing file, and every worker died on it with a traceback (exit 1)."""
+    garbage = tmp_path / "garbage.mmdb"
+    garbage.write_text("not a database")
+    country = write_db(
+        tmp_path / "country.mmdb",
+        {"192.0.2.0/24": {"country": {"iso_code": "US"}}},
+        database_type="DBIP-Country-Lite",
+    )
+    for bad, problem in ((garbage, "Is this a valid MaxMind DB file?"), (country, "schema")):
+        with pytest.raises(SystemExit) as exit_:
+            parse([*BASE, "--geoip-db", str(bad)])
+        assert exit_.value.code == 2
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last.startswith("ponto-proxy: error: --geoip-db: ") and problem in last
+        assert str(bad) in last
+    good = write_city_db(tmp_path / "city.mmdb", DOC_RANGES)
+    assert parse([*BASE, "--geoip-db", str(good)]).geoip_db == good
