@@ -422,8 +422,8 @@ class Metrics:
         )
         self.table_age = Gauge(
             "ponto_route_table_age_seconds",
-            "Seconds since the control plane last sent a table (or since the saved table "
-            "was applied at start)",
+            "Seconds since the control plane last sent a table (for the saved table "
+            "loaded at start, since it was saved)",
             registry=r,
         )
         self.tenant_requests = Counter(

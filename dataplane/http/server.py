@@ -201,7 +201,7 @@ class Proxy:
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,
             connected=lambda: 1.0 if client.connected else 0.0,
-            last_heard=lambda: holder.received_at or holder.applied_at,
+            last_heard=lambda: holder.received_at,
             nacks=lambda: float(client.nacks),
             loads_age=self.loads.age,
         )

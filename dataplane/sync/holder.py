@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,8 +63,9 @@ class TableHolder:
         # Set once a first table is installed (asyncio.Event binds no loop
         # until it is awaited, so building the holder stays side-effect free).
         self._installed = asyncio.Event()
-        self.applied_at = 0.0  # time.time() of the last apply
-        self.received_at = 0.0  # time.time() the control plane last sent a table
+        # time.time() the control plane last sent a table (for one loaded from
+        # the state directory, when it was saved).
+        self.received_at = 0.0
         self._saved = state_writer(state_dir, TABLE_FILE, "route table", log)
 
     @property
@@ -101,7 +103,6 @@ class TableHolder:
         self.source = source
         self._installed.set()
         self._run_hooks(routes, policy)
-        self.applied_at = time.time()
         log.info(
             "applied route table version %d from %s: %d models, %d tenants%s",
             routes.version,
@@ -177,12 +178,15 @@ class TableHolder:
             await self._saved.flush()
 
     def load_saved(self) -> bool:
-        """Serve the table saved by an earlier run, if there is a valid one."""
+        """Serve the table saved by an earlier run, if there is a valid one;
+        `received_at` is then the time the file was written."""
         if self.state_dir is None:
             return False
         path = self.state_dir / TABLE_FILE
         try:
-            data = path.read_bytes()
+            with path.open("rb") as file:
+                data = file.read()
+                saved_at = os.fstat(file.fileno()).st_mtime
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -195,4 +199,7 @@ class TableHolder:
         except Exception as exc:  # any damage: ignore the file, wait for a push
             log.error("ignoring saved route table %s: %s", path, exc)
             return False
+        # A table is saved as it arrives, so the file's time is when the control
+        # plane sent it: its age goes on from there, not from this start.
+        self.received_at = saved_at
         return True
