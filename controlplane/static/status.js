@@ -287,11 +287,24 @@ function show(status) {
   else render(status);
 }
 
+// Why the status API refused a read: its own message (the OpenAI-style
+// {"error": {"message"}} the API answers with, e.g. "state store unavailable:
+// ...") and the status, or the status alone for a body that is not the API's
+// (a gateway's page). The status alone had hidden why (trial 189).
+async function refusal(response) {
+  const body = await response.json().catch((error) => {
+    if (error.name === "TimeoutError") throw error; // a stalled body: no answer
+    return null;
+  });
+  const message = body && body.error && body.error.message;
+  return message ? `${message} (status ${response.status})` : `status ${response.status}`;
+}
+
 async function poll() {
   clearTimeout(timer);
   try {
     const response = await fetchWithin("/api/status", { cache: "no-store" }, STATUS_WITHIN_MS);
-    if (!response.ok) throw new Error(`status ${response.status}`);
+    if (!response.ok) throw new Error(await refusal(response));
     show(await response.json());
     if (unreachable) say("", "ok");
     unreachable = false;

@@ -5,6 +5,7 @@ Chromium driven by selenium. One browser for the module."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import cast
@@ -537,6 +538,28 @@ def test_a_control_plane_that_does_not_answer_is_said_so(page: webdriver.Chrome)
             message.text == "drain us-east failed: no answer in 10 s (it may be done all the same)"
         ),
     )
+    page.refresh()  # fetch as it was: the next test's page answers again
+
+
+def test_a_status_the_api_refuses_says_the_apis_reason(page: webdriver.Chrome) -> None:
+    """Trial 189: with etcd paused the page said only "status 503", though
+    the API's answer said why."""
+    message = page.find_element(By.ID, "message")
+    why = "state store unavailable: etcd list failed: timed out"
+    body = {"error": {"message": why, "type": "server_error", "param": None, "code": "unavailable"}}
+    page.execute_script(
+        "const [body, status] = arguments;"
+        "window.fetch = async () => new Response(body, {status});"
+        "poll();",
+        json.dumps(body),
+        503,
+    )
+    wait(page, lambda _: message.text == f"Cannot read the status: {why} (status 503)")
+    # An answer that is not the API's (a gateway's page): its status alone.
+    page.execute_script(
+        "window.fetch = async () => new Response('<h1>Bad Gateway</h1>', {status: 502}); poll();"
+    )
+    wait(page, lambda _: message.text == "Cannot read the status: status 502")
     page.refresh()  # fetch as it was: the next test's page answers again
 
 
