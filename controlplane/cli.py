@@ -301,10 +301,13 @@ LIMIT_DESTS = ("rpm", "tpm", "concurrency", "tokens_per_day", "tokens_per_month"
 
 
 # What argparse takes for a negative number, not an option, as a flag's value:
-# its own ^-\d+$|^-\d*\.\d+$, and also exponents and -inf / -nan, so that
-# `--load-bound -inf` reaches the flag's type (finite_float) and its message
-# rather than "expected one argument". No pontoctl option looks like these.
-_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
+# its own ^-\d+$|^-\d*\.\d+$, and also exponents, -inf / -nan and negative
+# durations, so that `--load-bound -inf` and `key expire ID --in -5m` reach
+# the flag's type (finite_float, _duration) and its message rather than
+# "expected one argument". No pontoctl option looks like these.
+_NEGATIVE_NUMBER = re.compile(
+    r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$|^-\d+[smhd]$", re.I
+)
 
 
 class _Parser(argparse.ArgumentParser):
