@@ -1592,8 +1592,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             if not k.expires_at:
                 return f"key {k.id} of tenant {k.tenant} no longer expires"
             return f"key {k.id} of tenant {k.tenant} expires {utc(k.expires_at)}"
-        k = stub.RevokeKey(apb.KeyRequest(id=args.id))
-        return f"key {k.id} of tenant {k.tenant} revoked"
+        return _revoke(stub, args.id)
     if args.command == "limit":
         if all(getattr(args, dest) is None for dest in LIMIT_DESTS):
             raise UsageError(
@@ -1707,6 +1706,20 @@ def _drain(stub: Any, kind: str, name: str, *, drained: bool) -> str:
         return f"{kind} {name} is {state}: nothing changed"
     call(request)
     return f"{kind} {name} {'drained' if drained else 'undrained'}"
+
+
+def _revoke(stub: Any, key_id: str) -> str:
+    """Revoke key `key_id`; one already revoked is left alone and said to be,
+    as `_drain` says a region already drained is. The key is read first: the
+    control plane's revoke of a revoked key changes nothing and answers as
+    if it had (and would record a revoke in the audit log). An unknown id
+    goes on to the call, whose NOT_FOUND says so."""
+    listed = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+    current = next((k for k in listed.keys if k.id == key_id), None)
+    if current is not None and current.revoked:
+        return f"key {key_id} of tenant {current.tenant} was already revoked: nothing changed"
+    k = stub.RevokeKey(apb.KeyRequest(id=key_id))
+    return f"key {k.id} of tenant {k.tenant} revoked"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

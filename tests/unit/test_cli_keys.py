@@ -44,6 +44,10 @@ class Stub:
     def ListOrigins(self, req: apb.ListRequest) -> apb.ListOriginsResponse:
         return apb.ListOriginsResponse(origins=[pb.Origin(name="o1", models=["sim-small"])])
 
+    def RevokeKey(self, req: apb.KeyRequest) -> apb.ApiKeyInfo:
+        self.requests.append(req)
+        return apb.ApiKeyInfo(id=req.id, tenant="acme", revoked=True)
+
     def SetKeyExpiry(self, req: apb.SetKeyExpiryRequest) -> apb.ApiKeyInfo:
         self.requests.append(req)
         at = 1_900_000_000.0 + req.expires_in_s if req.expires_in_s else 0.0
@@ -133,6 +137,21 @@ def test_active_keys_are_neither_revoked_nor_expired() -> None:
     assert "aaaaaaaaaa" in listed and "cccccccccc" in listed
     assert "bbbbbbbbbb" not in listed
     assert not stub.requests[0].include_revoked
+
+
+def test_revoking_a_revoked_key_says_so_and_changes_nothing() -> None:
+    """Trial 189: it printed "revoked" again, as if this call had revoked it."""
+    stub = Stub()
+    stub.keys = (
+        apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme"),
+        apb.ApiKeyInfo(id="bbbbbbbbbb", tenant="acme", revoked=True, revoked_at=1.7e9),
+    )
+    assert pontoctl(stub, "key", "revoke", "bbbbbbbbbb") == (
+        "key bbbbbbbbbb of tenant acme was already revoked: nothing changed"
+    )
+    assert not any(isinstance(r, apb.KeyRequest) for r in stub.requests)  # no revoke sent
+    assert pontoctl(stub, "key", "revoke", "aaaaaaaaaa") == "key aaaaaaaaaa of tenant acme revoked"
+    assert apb.KeyRequest(id="aaaaaaaaaa") in stub.requests
 
 
 def test_purge_all_with_a_scope_is_refused() -> None:
