@@ -17,7 +17,13 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
 from dataplane.http.edge import EdgeProtocol
-from dataplane.http.errors import ApiError, Unauthorized, body_too_large, proxy_stopping
+from dataplane.http.errors import (
+    ApiError,
+    AuthUnavailableError,
+    Unauthorized,
+    body_too_large,
+    proxy_stopping,
+)
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
     ACCESS_LOG,
@@ -375,16 +381,17 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
     redirect is re-raised."""
     if isinstance(exc, ApiError):
         if not exc.logged:
-            message = exc.message
+            about = []
             # Whose request it was, once known (trial 30: a 429's line named
-            # neither; the access log, when on, did). An expired key is its owner's.
-            caller = exc.owner if isinstance(exc, Unauthorized) else None
+            # neither; the access log, when on, did). An expired key is its
+            # owner's; a JWT its tenant's config could not check, its tenant's.
+            caller = exc.owner if isinstance(exc, Unauthorized | AuthUnavailableError) else None
             caller = caller or _caller(request, request.get(EXCHANGE))
             if caller is not None and caller.key_id:
-                message += f" [key {caller.key_id} of tenant {caller.tenant}]"
+                about.append(f"[key {caller.key_id} of tenant {caller.tenant}]")
             if exc.note:
-                message += f" [{exc.note}]"
-            _refused(request, exc.status, exc.code, message)
+                about.append(f"[{exc.note}]")
+            _refused(request, exc.status, exc.code, exc.message, " ".join(about))
         return exc.response(), exc.code or str(exc.status)
     if isinstance(exc, web.HTTPException):
         # Router errors (unknown path, wrong method) in the same shape.
@@ -417,7 +424,9 @@ def _client(request: web.BaseRequest, trusted: TrustedProxies) -> str | None:
     return str(ip) if ip is not None else request.remote
 
 
-def _refused(request: web.Request, status: int, code: str | None, message: str) -> None:
+def _refused(
+    request: web.Request, status: int, code: str | None, message: str, about: str = ""
+) -> None:
     refusals.refused(
         status,
         code,
@@ -425,6 +434,7 @@ def _refused(request: web.Request, status: int, code: str | None, message: str) 
         request_id=request[REQUEST_ID],
         remote=request.remote,
         what=_what(request),
+        about=about,
     )
 
 

@@ -8,7 +8,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane import jsonio
-from dataplane.http.errors import ApiError, Unauthorized, model_not_found, no_route_table
+from dataplane.http.errors import (
+    ApiError,
+    AuthUnavailableError,
+    Unauthorized,
+    model_not_found,
+    no_route_table,
+)
 from dataplane.http.pipeline import authenticate_waiting, refuse_suspended, sole_authorization
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PRINCIPAL, QUOTA
 
@@ -29,8 +35,10 @@ async def _callable_models(request: web.Request) -> list[str]:
     if policy is not None:
         try:
             principal = await authenticate_waiting(policy, sole_authorization(request.headers))
-        except Unauthorized as exc:
-            if exc.owner is not None:  # an expired key: counted for its owner
+        except (Unauthorized, AuthUnavailableError) as exc:
+            # An expired key, or a JWT its tenant's config could not check:
+            # counted for its owner.
+            if exc.owner is not None:
                 request[PRINCIPAL] = exc.owner
             raise
         request[PRINCIPAL] = principal

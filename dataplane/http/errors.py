@@ -21,7 +21,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from dataplane import jsonio
-from dataplane.auth.authenticator import AuthError, AuthUnavailable
+from dataplane.auth.authenticator import AuthError, AuthUnavailable, Principal
 from dataplane.ratelimit.limiter import retry_after_header
 
 
@@ -89,20 +89,29 @@ class Unauthorized(ApiError):
         self.owner = exc.principal
 
 
-def auth_unavailable(exc: AuthUnavailable) -> ApiError:
-    """503 for a JWT of a tenant whose JWT config this proxy could not load.
-    Marked logged: the cause is logged once, when the table is applied
-    (dataplane.sync.holder), not once per request."""
-    return ApiError(
-        503,
-        exc.message,
-        type="server_error",
-        code=exc.code,
-        logged=True,
-        # As the message says, the client may retry: keys being fetched come
-        # within seconds (a config to fix, later).
-        headers={"retry-after": "5"},
-    )
+class AuthUnavailableError(ApiError):
+    """503 for a JWT of a tenant whose JWT config this proxy could not load
+    (or whose keys are still being fetched). Its cause is logged once, when
+    the table is applied (dataplane.sync.holder); the refusal itself is
+    logged as every refusal is (rate-limited), naming the tenant.
+
+    `owner`: that tenant, as the token's issuer names it (no key: the token
+    was not checked), so that the access log, the refusal log and the
+    tenant's metrics name it, as an expired key's owner; the client is told
+    nothing more. Trial 189: the refusal went unlogged, with tenant null."""
+
+    def __init__(self, exc: AuthUnavailable) -> None:
+        super().__init__(
+            503,
+            exc.message,
+            type="server_error",
+            code=exc.code,
+            # As the message says, the client may retry: keys being fetched
+            # come within seconds (a config to fix, later).
+            headers={"retry-after": "5"},
+        )
+        self.owner = Principal(exc.tenant, "", (f"t/{exc.tenant}",))
+        self.note = f"tenant {exc.tenant}"
 
 
 def several_authorizations(count: int) -> ApiError:

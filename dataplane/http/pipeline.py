@@ -44,8 +44,8 @@ from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.boundary import CLIENT_GONE, gone_reason, send_whole
 from dataplane.http.errors import (
     ApiError,
+    AuthUnavailableError,
     Unauthorized,
-    auth_unavailable,
     bad_request,
     body_too_large,
     model_not_found,
@@ -319,8 +319,10 @@ class Pipeline:
     def authenticate(self, ex: Exchange) -> None:
         try:
             ex.principal = authenticate(ex.policy, sole_authorization(ex.headers))
-        except Unauthorized as exc:
-            if exc.owner is not None:  # an expired key: its refusals are its owner's
+        except (Unauthorized, AuthUnavailableError) as exc:
+            # An expired key, or a JWT its tenant's config could not check:
+            # its refusals are its owner's.
+            if exc.owner is not None:
                 ex.principal = exc.owner
                 ex.authenticated = True
             raise
@@ -336,7 +338,9 @@ class Pipeline:
         try:
             self.authenticate(ex)
         except KeysPending as again:
-            raise auth_unavailable(AuthUnavailable(again.tenant)) from None
+            error = AuthUnavailableError(AuthUnavailable(again.tenant))
+            ex.principal, ex.authenticated = error.owner, True  # as authenticate's
+            raise error from None
 
     def standing_limits(self, principal: Principal) -> list[tuple[str, str]]:
         """The `x-ratelimit-*` headers of `principal`'s limits as they stand, for
@@ -895,7 +899,7 @@ def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:
     except AuthError as exc:
         raise Unauthorized(exc) from None
     except AuthUnavailable as exc:
-        raise auth_unavailable(exc) from None
+        raise AuthUnavailableError(exc) from None
 
 
 async def authenticate_waiting(policy: EdgePolicy, authorization: str | None) -> Principal:
@@ -908,7 +912,7 @@ async def authenticate_waiting(policy: EdgePolicy, authorization: str | None) ->
     try:
         return authenticate(policy, authorization)
     except KeysPending as again:
-        raise auth_unavailable(AuthUnavailable(again.tenant)) from None
+        raise AuthUnavailableError(AuthUnavailable(again.tenant)) from None
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

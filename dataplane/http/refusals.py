@@ -56,6 +56,7 @@ class RefusalLog:
         request_id: str = "-",
         remote: str | None = None,
         what: str = "-",
+        about: str = "",
     ) -> bool:
         """Record one refusal; True if a line was written.
 
@@ -64,18 +65,21 @@ class RefusalLog:
         part (a path, a quoted value): each is cut to 200 characters so a huge
         bad value cannot make a huge line, and its control characters are
         escaped so that it cannot end the line and forge others (trial 36).
+        `about` (whose request it was, what the client is not told) follows
+        the message, after its cut, so that a long message cannot cut it off.
         """
         skipped = self._budget.take()
         if skipped is None:
             return False
         self._log.info(
-            "refused %s %s from %s: %s %s: %s%s",
+            "refused %s %s from %s: %s %s: %s%s%s",
             request_id,
             printable(what[:200]),
             remote or "-",
             status,
             code or "-",
             printable(message[:200]),
+            f" {printable(about[:200])}" if about else "",
             f" ({skipped} more {'refusal' if skipped == 1 else 'refusals'} not logged)"
             if skipped
             else "",

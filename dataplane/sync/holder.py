@@ -114,9 +114,10 @@ class TableHolder:
             else "",
         )
         for tenant, problem in sorted(policy.authenticator.load_problems.items()):
-            # Once per table with new content, not per request: its tokens are
-            # answered 503 auth_unavailable without another line. (A JWKS
-            # URL's fetches log their own failures, dataplane.auth.remote.)
+            # Once per table with new content, not per request: each token's
+            # 503 auth_unavailable is a refusal line (ponto.refusals, rate-
+            # limited), without the cause. (A JWKS URL's fetches log their
+            # own failures, dataplane.auth.remote.)
             log.error(
                 "%s; JWTs of tenant %r are answered 503 auth_unavailable until a table "
                 "it can load is applied (its API keys still work)",

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import jwt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -554,3 +555,42 @@ async def test_an_expired_keys_refusals_name_its_owner_and_a_wrong_keys_do_not(
         if s.name.endswith("_total") and s.labels["tenant"] == "acme"
     }
     assert counted[(expired.key_id, "401")] == 1.0
+
+
+async def test_a_jwt_its_tenants_config_cannot_check_is_refused_as_that_tenants(
+    logged: Stack,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    """Trial 189: a tenant whose hs256_secret_file is missing had its callers
+    answered 503 auth_unavailable with no refusal line, and access lines
+    with tenant null, though the token's issuer names the tenant."""
+    issuer = "https://idp.badjwt.example"
+    t = table([("o1", str(logged.origins[0].make_url("/v1")))], version=3)
+    unusable = pb.JwtIssuer(
+        issuer=issuer, algorithms=["HS256"], hs256_secret_file=str(tmp_path / "missing")
+    )
+    t.tenants.append(pb.Tenant(name="badjwt", jwt=unusable))
+    t.etag = content_etag(t)
+    assert logged.app[HOLDER].apply(t, "control-plane")
+    lines(logged, capfd)
+    claims = {"iss": issuer, "sub": "u1", "exp": 4_000_000_000}
+    token = jwt.encode(claims, "a-secret-the-proxy-cannot-check-0123456789", algorithm="HS256")
+    with caplog.at_level(logging.INFO, logger="ponto.refusals"):
+        refused = await logged.post(chat("my tenant's config is broken"), key=token)
+        listed = await logged.client.get("/v1/models", headers={"authorization": f"Bearer {token}"})
+    assert refused.status == listed.status == 503
+    assert error_of(await refused.json())["code"] == "auth_unavailable"
+    assert "badjwt" not in await refused.text()  # the client is told nothing more
+    got = lines(logged, capfd)
+    assert [(line["tenant"], line["key_id"], line["error"]) for line in got] == [
+        ("badjwt", None, "auth_unavailable")
+    ] * 2
+    said = [r.getMessage() for r in caplog.records if r.name == "ponto.refusals"]
+    assert len(said) == 2
+    assert all("503 auth_unavailable" in m and m.endswith("[tenant badjwt]") for m in said)
+    counted = logged.app[METRICS].registry.get_sample_value(
+        "ponto_tenant_requests_total", {"tenant": "badjwt", "key": "-", "code": "503"}
+    )
+    assert counted == 2.0

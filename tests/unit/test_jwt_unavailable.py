@@ -17,7 +17,7 @@ import jwt
 import pytest
 from prometheus_client import generate_latest
 
-from dataplane.http.errors import ApiError
+from dataplane.http.errors import ApiError, AuthUnavailableError
 from dataplane.http.pipeline import authenticate
 from dataplane.metrics import Metrics
 from dataplane.policy import build_policy
@@ -86,8 +86,11 @@ def test_the_tenants_jwts_are_a_503_and_everything_else_works() -> None:
     assert body["error"]["code"] == "auth_unavailable"
     assert "cannot verify tokens from this issuer" in body["error"]["message"]
     assert "nonexistent" not in body["error"]["message"]
-    # Logged where the table was applied, not once per request.
-    assert refused.value.logged
+    # Its cause is logged where the table was applied; the refusal, as every
+    # refusal is (the boundary's rate-limited line), as the tenant's.
+    assert not refused.value.logged
+    assert isinstance(refused.value, AuthUnavailableError)
+    assert refused.value.owner.tenant == "badjwt"
     # Both tenants' API keys work.
     assert authenticate(policy, f"Bearer {BAD_KEY.key}").tenant == "badjwt"
     assert authenticate(policy, f"Bearer {ACME_KEY.key}").tenant == "acme"
