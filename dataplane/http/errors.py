@@ -98,7 +98,11 @@ class AuthUnavailableError(ApiError):
     `owner`: that tenant, as the token's issuer names it (no key: the token
     was not checked), so that the access log, the refusal log and the
     tenant's metrics name it, as an expired key's owner; the client is told
-    nothing more. Trial 189: the refusal went unlogged, with tenant null."""
+    nothing more. Trial 48: the refusal went unlogged, with tenant null.
+    The issuer is not checked, but only a tenant whose config cannot be used
+    (or whose keys are still being fetched, at start) has refusals of this
+    kind to be counted for it: a caller cannot add to a working tenant's
+    counts so."""
 
     def __init__(self, exc: AuthUnavailable) -> None:
         super().__init__(

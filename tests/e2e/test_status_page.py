@@ -542,7 +542,7 @@ def test_a_control_plane_that_does_not_answer_is_said_so(page: webdriver.Chrome)
 
 
 def test_a_status_the_api_refuses_says_the_apis_reason(page: webdriver.Chrome) -> None:
-    """Trial 189: with etcd paused the page said only "status 503", though
+    """Trial 49: with etcd paused the page said only "status 503", though
     the API's answer said why."""
     message = page.find_element(By.ID, "message")
     why = "state store unavailable: etcd list failed: timed out"

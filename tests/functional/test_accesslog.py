@@ -563,7 +563,7 @@ async def test_a_jwt_its_tenants_config_cannot_check_is_refused_as_that_tenants(
     caplog: pytest.LogCaptureFixture,
     tmp_path: Path,
 ) -> None:
-    """Trial 189: a tenant whose hs256_secret_file is missing had its callers
+    """Trial 48: a tenant whose hs256_secret_file is missing had its callers
     answered 503 auth_unavailable with no refusal line, and access lines
     with tenant null, though the token's issuer names the tenant."""
     issuer = "https://idp.badjwt.example"

@@ -83,7 +83,7 @@ def test_a_refusal_that_says_why_is_not_said_twice(capsys: pytest.CaptureFixture
         (["tenant", "set", "t", "--load-bound", "-nan"],
          "--load-bound: must be a finite number, not '-nan'"),
         (["region", "add", "x", "--lat", "-1e3", "--lon", "0"], "latitude -1000.0 of region"),
-        # Trial 189: as --in 0s is.
+        # Trial 48: as --in 0s is.
         (["key", "expire", "k1", "--in", "-5m"], "'-5m' is not a positive duration such as 90s"),
         (["key", "create", "--tenant", "acme", "--expires-in", "-2h"],
          "'-2h' is not a positive duration such as 90s"),

@@ -140,7 +140,7 @@ def test_active_keys_are_neither_revoked_nor_expired() -> None:
 
 
 def test_revoking_a_revoked_key_says_so_and_changes_nothing() -> None:
-    """Trial 189: it printed "revoked" again, as if this call had revoked it."""
+    """Trial 48: it printed "revoked" again, as if this call had revoked it."""
     stub = Stub()
     stub.keys = (
         apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme"),

@@ -135,7 +135,7 @@ def test_a_state_dir_that_cannot_be_made_is_refused_at_start(
 def test_a_geoip_db_that_is_not_a_usable_database_is_refused_at_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before (trial 189): a file there but not an .mmdb passed the check for
+    """Before (trial 49): a file there but not an .mmdb passed the check for
     a missing file, and every worker died on it with a traceback (exit 1)."""
     garbage = tmp_path / "garbage.mmdb"
     garbage.write_text("not a database")

@@ -87,7 +87,7 @@ def test_applied_table_is_saved_and_reloaded(tmp_path: Path) -> None:
 
 
 def test_a_saved_tables_age_goes_on_from_when_it_was_saved(tmp_path: Path) -> None:
-    """Before (trial 189): a proxy restarted without its control plane counted
+    """Before (trial 49): a proxy restarted without its control plane counted
     ponto_route_table_age_seconds from its start, as if the table were new."""
     TableHolder("us-east", tmp_path).apply(table(5), CP)
     sent = 1_700_000_000.0
