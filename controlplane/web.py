@@ -86,6 +86,8 @@ STALE_AFTER = 3 * TRAFFIC_EVERY
 # not (StatusWeb.sample_forever): twice per TRAFFIC_EVERY, so every report a
 # replica writes is read before the next replaces it.
 SAMPLE_EVERY = TRAFFIC_EVERY / 2
+# How long the page lists a proxy whose registration went (Departures).
+DEPARTED_KEEP_S = 900.0
 # The header every write must carry (see the module docstring).
 REQUEST_HEADER = "X-Ponto-Request"
 # /api/status is built at most this often; more viewers read the same answer.
@@ -208,6 +210,7 @@ class StatusWeb:
         # Per proxy connection, what it sent each region (by name: a region
         # added to the table or a proxy's first request to one is no restart).
         self._served = NamedRateMeter(window=STALE_AFTER)
+        self._departures = Departures()
         self._ids = RequestIds()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
         self._building: asyncio.Task[bytes] | None = None
@@ -369,6 +372,19 @@ class StatusWeb:
                 for r in table.regions
             ],
             "proxies": [_proxy_row(p, latest_version, now) for p in proxies],
+            # Proxies this replica saw listed that no longer are (trial 49: a
+            # region whose proxy's replica stopped read "no proxy in this
+            # region" while it served), for DEPARTED_KEEP_S.
+            "departed": [
+                {
+                    "name": p.name,
+                    "region": p.region,
+                    "address": p.address,
+                    "replica": p.control_plane_id,
+                    "left_s": max(0.0, now - left),
+                }
+                for p, left in self._departures.gone()
+            ],
             # What every Admin write warns of while it lasts (fleetwarnings).
             "fleet_warnings": list(fleet_warnings(proxies)),
             "tenants": [
@@ -417,6 +433,7 @@ class StatusWeb:
         """Feed each proxy's last report to the meters as of `now`, and sum
         their rates by region (`regions`: the table's) and tenant; meters of
         proxy connections no longer listed are forgotten."""
+        self._departures.see(proxies, now)
         self._meter.retain({_connection(p) for p in proxies})
         self._limits.retain({_connection(p) for p in proxies})
         self._served.retain({_connection(p) for p in proxies})
@@ -743,6 +760,37 @@ def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) 
         "tokens_per_day": limits.tokens_per_day if limits else 0,
         "tokens_per_month": limits.tokens_per_month if limits else 0,
     }
+
+
+class Departures:
+    """The proxies whose registration went since this replica last read them:
+    stopped, or cut off from the control plane (their replica stopped, or a
+    partition), in which case they may still serve clients from their last
+    table. Kept DEPARTED_KEEP_S, or until the name registers again (a reload's
+    successor keeps the name: no departure). What this replica saw only: one
+    started since knows of none."""
+
+    def __init__(self, keep_s: float = DEPARTED_KEEP_S) -> None:
+        self._keep_s = keep_s
+        self._listed: dict[str, ProxyRecord] = {}
+        self._gone: dict[str, tuple[ProxyRecord, float]] = {}
+
+    def see(self, proxies: list[ProxyRecord], now: float) -> None:
+        """The proxies listed at `now` (Unix time)."""
+        listed = {p.name: p for p in proxies}
+        for name, p in self._listed.items():
+            if name not in listed and name not in self._gone:
+                self._gone[name] = (p, now)
+        self._gone = {
+            name: (p, left)
+            for name, (p, left) in self._gone.items()
+            if name not in listed and now - left < self._keep_s
+        }
+        self._listed = listed
+
+    def gone(self) -> list[tuple[ProxyRecord, float]]:
+        """Each departed proxy's last record and when it was first missed, by name."""
+        return [self._gone[name] for name in sorted(self._gone)]
 
 
 def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:

@@ -154,7 +154,19 @@ function originLoad(o) {
   return parts.join(" · ");
 }
 
-function renderRegions(regions) {
+// A proxy whose registration went: stopped, or cut off from the control
+// plane, when it may still serve from its last table (trial 49: its region
+// read "no proxy in this region" while it served).
+const DEPARTED = "stopped, or cut off from the control plane: it may still serve from its last table";
+
+function departedIn(departed, region) {
+  const gone = departed.filter((p) => p.region === region);
+  return gone.length
+    ? `no proxy connected now: ${gone.map((p) => `${p.name} left ${age(p.left_s)}`).join(", ")} (${DEPARTED})`
+    : "no proxy in this region: clients arrive elsewhere";
+}
+
+function renderRegions(regions, departed) {
   const cards = regions.map((r) => {
     const origins = r.origins.map((o) => el("tr", { "data-origin": o.name },
       el("td", {}, o.name),
@@ -179,7 +191,7 @@ function renderRegions(regions) {
           ? ["arrived ", regionRate(r.requests_per_s), " req/s · ",
             regionRate(r.server_errors_per_s), " 5xx/s · ", regionRate(r.client_errors_per_s),
             ` 4xx/s at ${r.proxies} prox${r.proxies === 1 ? "y" : "ies"}`]
-          : ["no proxy in this region: clients arrive elsewhere"])),
+          : [departedIn(departed, r.name)])),
       el("p", { class: "where" },
         `load: ${r.load === null ? "n/a (no capacity set)" : percent(r.load)}`
           + ` · at ${r.latitude.toFixed(1)}°, ${r.longitude.toFixed(1)}°`),
@@ -191,7 +203,16 @@ function renderRegions(regions) {
   document.getElementById("regions").replaceChildren(...cards);
 }
 
-function renderProxies(proxies) {
+function renderProxies(proxies, departed) {
+  const left = departed.map((p) => el("tr", { "data-proxy": p.name, class: "departed" },
+    el("td", {}, p.name),
+    el("td", {}, p.region),
+    el("td", {}, p.replica),
+    el("td", {}, "-"),
+    el("td", { class: "stale" }, `left ${age(p.left_s)}`),
+    el("td", {}, p.address),
+    el("td", {}, ""),
+    el("td", { class: "problems" }, `not registered: ${DEPARTED}`)));
   const rows = proxies.map((p) => el("tr", { "data-proxy": p.name },
     el("td", {}, p.name),
     el("td", {}, p.region),
@@ -203,7 +224,7 @@ function renderProxies(proxies) {
     el("td", {}, p.address),
     el("td", {}, p.version),
     el("td", { class: "problems" }, problems(p))));
-  document.querySelector("#proxies tbody").replaceChildren(...rows);
+  document.querySelector("#proxies tbody").replaceChildren(...rows, ...left);
 }
 
 // Why a proxy is behind, or what it cannot use of the table it serves; one
@@ -258,8 +279,8 @@ function render(status) {
   }[writes] || status.writes_off;
   document.getElementById("token-forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
   renderMarkers(status.regions);
-  renderRegions(status.regions);
-  renderProxies(status.proxies);
+  renderRegions(status.regions, status.departed || []);
+  renderProxies(status.proxies, status.departed || []);
   renderFleetWarnings(status.fleet_warnings || []);
   renderLimits(status.tenants || []);
   document.body.dataset.loaded = "true";

@@ -622,3 +622,36 @@ def test_a_proxys_problems_show_on_its_row_and_under_the_header(page: webdriver.
     )
     assert cleared == ["", True]
     assert page.execute_script("return window.pwned === undefined")
+
+
+def test_a_proxy_whose_registration_went_is_shown_as_departed(page: webdriver.Chrome) -> None:
+    """Trial 49: with the demo's replica stopped, its proxy's registration
+    went and its region read "no proxy in this region: clients arrive
+    elsewhere", though the proxy served on from its last table."""
+    [region] = cast(list[dict[str, object]], FAKE_STATUS["regions"])
+    gone = {"name": "p-eu", "region": "eu-west", "address": "10.0.0.7:8080",
+            "replica": "cp-1", "left_s": 125}  # fmt: skip
+    status = {
+        **FAKE_STATUS,
+        "regions": [{**region, "name": "eu-west", "proxies": 0}],
+        "proxies": [],
+        "departed": [gone],
+    }
+    shown = page.execute_script(
+        "render(arguments[0]);"
+        "const row = document.querySelector('#proxies tbody tr.departed');"
+        "return [document.querySelector('.rates').textContent,"
+        " Array.from(row.cells).map((c) => c.textContent)];",
+        status,
+    )
+    said = "it may still serve from its last table"
+    assert shown[0].startswith("no proxy connected now: p-eu left 2 min ago (stopped, or cut off")
+    assert said in shown[0]
+    assert shown[1][:6] == ["p-eu", "eu-west", "cp-1", "-", "left 2 min ago", "10.0.0.7:8080"]
+    assert said in shown[1][7]
+    # None departed: as before.
+    none = page.execute_script(
+        "render(arguments[0]); return document.querySelector('.rates').textContent;",
+        {**status, "departed": []},
+    )
+    assert none == "no proxy in this region: clients arrive elsewhere"

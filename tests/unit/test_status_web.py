@@ -29,7 +29,7 @@ from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
-from controlplane.web import StatusWeb
+from controlplane.web import Departures, StatusWeb
 from ponto.pki import make_bundle
 from ponto.v1 import routing_pb2 as pb
 
@@ -1275,3 +1275,28 @@ async def test_a_region_added_to_the_table_leaves_the_served_rates_known(plane: 
     regions = await at(1_006.0, 160)
     assert regions["eu-west"]["served_per_s"] == 60 / 6
     assert regions["ap-south"]["served_per_s"] == 0.0
+
+
+def test_a_proxy_whose_registration_went_is_departed_for_a_while() -> None:
+    """Trial 49: a proxy whose replica stopped vanished from the page, which
+    then said its region had no proxy, though it served on. The page lists
+    it as departed from when it was first missed, until it registers again
+    or DEPARTED_KEEP_S has passed."""
+
+    def record(name: str) -> ProxyRecord:
+        return ProxyRecord(name, "eu-west", f"{name}:8080", "1.0", f"s-{name}", "r1", 900.0)
+
+    a, b = record("p-a"), record("p-b")
+    departures = Departures(keep_s=60.0)
+    departures.see([a, b], 0.0)
+    assert departures.gone() == []
+    departures.see([a], 10.0)
+    departures.see([a], 20.0)
+    assert departures.gone() == [(b, 10.0)]  # missed first at 10
+    departures.see([a, b], 30.0)  # registered again (a reload's successor keeps it)
+    assert departures.gone() == []
+    departures.see([a], 40.0)
+    departures.see([a], 99.0)
+    assert departures.gone() == [(b, 40.0)]
+    departures.see([], 100.0)  # b's 60 s are over; a goes now
+    assert departures.gone() == [(a, 100.0)]
