@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 
@@ -115,6 +115,16 @@ _PREFIX = {"region": REGIONS, "origin": ORIGINS, "tenant": TENANTS}
 
 T = TypeVar("T")
 R = TypeVar("R", Region, Origin, Tenant)
+
+
+class CreatedKey(NamedTuple):
+    """A key `create_key` stored: its record, the key itself (shown once),
+    and the store's revision it was saved at (a table of that version or
+    later holds it)."""
+
+    record: ApiKeyRecord
+    key: str
+    revision: int
 
 
 async def _guard(aw: Awaitable[T]) -> T:
@@ -600,8 +610,9 @@ class Catalog:
         expires_at: float = 0.0,
         expires_in: float = 0.0,
         models: Iterable[str] = (),
-    ) -> tuple[ApiKeyRecord, str]:
-        """Store a new key's hash and return (record, key). The key is not kept.
+    ) -> CreatedKey:
+        """Store a new key's hash and return its record, the key and the
+        revision it was saved at. The key is not kept.
 
         From `expires_at` (Unix seconds, in the future) or `expires_in` seconds
         from now (this replica's clock) on, proxies refuse the key; with
@@ -640,10 +651,10 @@ class Catalog:
                 Write(owner, current.value, if_mod_revision=current.mod_revision),
             ]
             try:
-                await _guard(self.store.commit(writes))
+                revision = await _guard(self.store.commit(writes))
             except Conflict:
                 continue  # the tenant changed (or, astronomically rarely, the id collided)
-            return record, issued.key
+            return CreatedKey(record, issued.key, revision)
         raise Unavailable(f"tenant {tenant!r} kept changing; try again")
 
     async def list_keys(

@@ -1443,6 +1443,33 @@ def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
     return [f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k]]
 
 
+# How long `key create` waits for the proxies to take the new key (trial 48:
+# a key used as soon as the command returned was refused for 0.13 s), and how
+# often it asks. A key is usable at once on the proxies that have it.
+KEY_WAIT_S = 3.0
+KEY_WAIT_EVERY_S = 0.05
+
+
+def _not_taken(
+    stub: Any,
+    revision: int,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
+    """The proxies that have not ACKed a route table of `revision` or later
+    (one that holds what was saved then) within KEY_WAIT_S; [] at once for a
+    revision of 0 (a control plane that does not say it)."""
+    if not revision:
+        return []
+    deadline = clock() + KEY_WAIT_S
+    while True:
+        listed = stub.ListProxies(apb.ListRequest()).proxies
+        behind = sorted(p.info.name for p in listed if p.acked_version < revision)
+        if not behind or clock() >= deadline:
+            return behind
+        sleep(KEY_WAIT_EVERY_S)
+
+
 # A tenant's stream idle timeout under this is noted as likely to cut streams.
 SHORT_IDLE_S = 1.0
 
@@ -1566,9 +1593,16 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     " WITHOUT A MODEL LIST: the control plane does not support one (upgrade "
                     f"it, then `pontoctl key models {resp.key.id} ...`)"
                 )
+            behind = _not_taken(stub, resp.revision)
+            taken = (
+                f"; proxies {', '.join(behind)} have not taken it yet ({KEY_WAIT_S:g} s): they "
+                "refuse it until they do (`pontoctl get proxies`)"
+                if behind
+                else ""
+            )
             # The key alone on the last line, so scripts can take `tail -n1`.
             return (
-                f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}{naming}; "
+                f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}{naming}{taken}; "
                 "it is shown only now, store it safely:\n" + str(resp.secret)
             )
         if args.action == "list":

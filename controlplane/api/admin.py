@@ -440,7 +440,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         # Shown in `pontoctl key list`'s rows: one line of text, never escapes
         # for the terminal of whoever lists the keys.
         check_note("key description", request.description)
-        record, secret = await self._catalog.create_key(
+        record, secret, revision = await self._catalog.create_key(
             request.tenant,
             description=request.description,
             limits=limits_of(request.limits),
@@ -450,7 +450,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         if record.models:
             await self._warn_key_models(record, context)
-        return apb.CreateKeyResponse(key=key_pb(record), secret=secret)
+        return apb.CreateKeyResponse(key=key_pb(record), secret=secret, revision=revision)
 
     @grpc_errors
     async def ListKeys(self, request: apb.ListKeysRequest, context: Ctx) -> apb.ListKeysResponse:

@@ -670,8 +670,13 @@ class CreateKeyResponse(_message.Message):
 
     KEY_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     secret: _builtins.str
     """The key itself. Shown once: only its hash is stored."""
+    revision: _builtins.int
+    """The state store's revision the key was saved at: a proxy that ACKed a
+    route table of this version or later has it (pontoctl waits for that).
+    """
     @_builtins.property
     def key(self) -> Global___ApiKeyInfo: ...
     def __init__(
@@ -679,10 +684,11 @@ class CreateKeyResponse(_message.Message):
         *,
         key: Global___ApiKeyInfo | None = ...,
         secret: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "revision", b"revision", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -132,6 +132,17 @@ def test_key_is_printed_once_alone_on_the_last_line_and_never_listed(
     assert post(fleet, key).status_code == 200
 
 
+def test_a_new_key_works_as_soon_as_key_create_returns(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tenant_key: str
+) -> None:
+    """Trial 48: a key used as soon as `key create` returned was refused
+    (401) for about 0.13 s, until the proxies took the table holding it.
+    The command now waits for them (at most KEY_WAIT_S)."""
+    out = ctl(fleet, capsys, "key", "create", "--tenant", "acme")
+    assert "have not taken it yet" not in out
+    assert post(fleet, out.strip().splitlines()[-1]).status_code == 200  # no converge first
+
+
 def test_an_expiring_key_is_served_until_its_expiry_then_refused_with_why(
     fleet: Fleet, capsys: pytest.CaptureFixture[str], tenant_key: str
 ) -> None:

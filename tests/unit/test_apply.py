@@ -436,7 +436,7 @@ async def test_catalog_apply_prunes_an_origin_with_its_health_and_keeps_revoked_
     catalog = Catalog(store, clock=lambda: 1000.0)
     await catalog.apply(full(), prune=False, dry_run=False)
     await catalog.put_health(OriginHealth("hosted", healthy=False, detail="down"))
-    record, _ = await catalog.create_key("plain")
+    record, _, _ = await catalog.create_key("plain")
     await catalog.revoke_key(record.id)
     smaller = full()
     smaller["origins"] = smaller["origins"][:1]

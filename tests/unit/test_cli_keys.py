@@ -10,7 +10,15 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.cli import UsageError, _parser, _rows_keys, run
+from controlplane.cli import (
+    KEY_WAIT_EVERY_S,
+    KEY_WAIT_S,
+    UsageError,
+    _not_taken,
+    _parser,
+    _rows_keys,
+    run,
+)
 from controlplane.errors import InvalidArgument
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
@@ -210,3 +218,41 @@ def test_key_list_escapes_what_a_stored_description_hides() -> None:
     out = pontoctl(stub, "key", "list")
     assert len(out.splitlines()) == 2 and "\x1b" not in out and "\u202e" not in out
     assert "line1\\nline2\\t\\x1b[31mred\\x1b[0m\\u202e" in out.splitlines()[1]
+
+
+class _Proxies:
+    """ListProxies of proxies whose acked versions move as `acks` says, one step per call."""
+
+    def __init__(self, acks: list[dict[str, int]]) -> None:
+        self._acks = acks
+        self.calls = 0
+
+    def ListProxies(self, request: apb.ListRequest) -> apb.ListProxiesResponse:
+        acks = self._acks[min(self.calls, len(self._acks) - 1)]
+        self.calls += 1
+        return apb.ListProxiesResponse(
+            proxies=[
+                apb.ProxyStatus(info=pb.ProxyInfo(name=name), acked_version=v)
+                for name, v in acks.items()
+            ]
+        )
+
+
+def test_key_create_waits_for_the_proxies_to_take_the_key() -> None:
+    """Trial 48: the key was refused for a moment after the command returned.
+    `_not_taken` asks until every proxy ACKed a table of the key's revision,
+    within KEY_WAIT_S, and names those that did not (clock injected)."""
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    catching_up = _Proxies([{"p1": 9, "p2": 9}, {"p1": 12, "p2": 9}, {"p1": 12, "p2": 13}])
+    assert _not_taken(catching_up, 12, clock=lambda: now[0], sleep=sleep) == []
+    assert catching_up.calls == 3
+    stuck = _Proxies([{"p1": 12, "p2": 9, "p0": 3}])
+    began = now[0]
+    assert _not_taken(stuck, 12, clock=lambda: now[0], sleep=sleep) == ["p0", "p2"]
+    assert KEY_WAIT_S <= now[0] - began < KEY_WAIT_S + 2 * KEY_WAIT_EVERY_S  # then gave up
+    unsaid = _Proxies([{"p1": 0}])
+    assert _not_taken(unsaid, 0) == [] and unsaid.calls == 0  # an older control plane

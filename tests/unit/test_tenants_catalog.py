@@ -439,7 +439,7 @@ async def test_jwt_issuer_unique_across_tenants_on_update(catalog: Catalog) -> N
 
 async def test_delete_tenant_refused_while_keys_are_active(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    record, _ = await catalog.create_key("acme")
+    record, _, _ = await catalog.create_key("acme")
     with pytest.raises(FailedPrecondition, match=record.id):
         await catalog.delete_tenant("acme")
     assert (await catalog.get_tenant("acme")).name == "acme"
@@ -522,8 +522,8 @@ async def test_an_expired_key_still_holds_its_tenant_and_is_called_expired(
     """Trial 30: the refusal called an expired key active. It counts (a new
     expiry revives it), and the message says which keys are expired."""
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    live, _ = await catalog.create_key("acme")
-    old, _ = await catalog.create_key("acme", expires_in=5)
+    live, _, _ = await catalog.create_key("acme")
+    old, _, _ = await catalog.create_key("acme", expires_in=5)
     clock.now += 60
     with pytest.raises(FailedPrecondition) as refused:
         await catalog.delete_tenant("acme")
@@ -590,7 +590,9 @@ async def test_create_key_returns_the_key_once_and_stores_only_its_hash(
     catalog: Catalog, store: MemoryStore, clock: Clock
 ) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    record, key = await catalog.create_key("acme", description="ci runner", limits=Limits(rpm=60))
+    record, key, _ = await catalog.create_key(
+        "acme", description="ci runner", limits=Limits(rpm=60)
+    )
     assert parse_key_id(key) == record.id
     assert record.hash == hash_key(key)
     assert record.tenant == "acme"
@@ -623,13 +625,13 @@ async def test_create_key_needs_an_existing_tenant_and_valid_input(catalog: Cata
 async def test_keys_are_unique(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
     issued = [await catalog.create_key("acme") for _ in range(5)]
-    assert len({r.id for r, _ in issued}) == 5
-    assert len({k for _, k in issued}) == 5
+    assert len({created.record.id for created in issued}) == 5
+    assert len({created.key for created in issued}) == 5
 
 
 async def test_revoke_key_sets_revoked_at_and_is_idempotent(catalog: Catalog, clock: Clock) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    record, _ = await catalog.create_key("acme")
+    record, _, _ = await catalog.create_key("acme")
     revoked = await catalog.revoke_key(record.id)
     assert revoked.revoked is True
     assert revoked.revoked_at == clock.now
@@ -656,7 +658,7 @@ async def test_revoke_and_limit_unknown_or_malformed_keys(catalog: Catalog) -> N
 
 async def test_set_key_limits(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    record, _ = await catalog.create_key("acme", limits=Limits(rpm=10))
+    record, _, _ = await catalog.create_key("acme", limits=Limits(rpm=10))
     updated = await catalog.set_key_limits(record.id, Limits(tpm=5_000, concurrency=3))
     assert updated.limits == Limits(tpm=5_000, concurrency=3)
     assert updated.hash == record.hash
@@ -673,7 +675,7 @@ async def test_set_key_limits(catalog: Catalog) -> None:
 
 async def test_keys_expire_at_a_future_time_or_never(catalog: Catalog, clock: Clock) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    record, _ = await catalog.create_key("acme", expires_at=clock.now + 3600)
+    record, _, _ = await catalog.create_key("acme", expires_at=clock.now + 3600)
     assert record.expires_at == 1_000.0 + 3600
     assert not key_expired(record.expires_at, clock.now)
     assert key_expired(record.expires_at, record.expires_at)
@@ -691,7 +693,7 @@ async def test_keys_expire_at_a_future_time_or_never(catalog: Catalog, clock: Cl
     with pytest.raises(NotFound):
         await catalog.set_key_expiry("abcdefghij", 0)
     # A duration runs from the control plane's clock, not the caller's.
-    relative, _ = await catalog.create_key("acme", expires_in=60)
+    relative, _, _ = await catalog.create_key("acme", expires_in=60)
     assert relative.expires_at == relative.created_at + 60
     moved = await catalog.set_key_expiry(record.id, expires_in=120)
     assert moved.expires_at == clock.now + 120
@@ -706,9 +708,9 @@ async def test_keys_expire_at_a_future_time_or_never(catalog: Catalog, clock: Cl
 async def test_list_keys_filters(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
     await catalog.put_tenant(Tenant("globex"), allow_update=False)
-    a1, _ = await catalog.create_key("acme")
-    g1, _ = await catalog.create_key("globex")
-    a2, _ = await catalog.create_key("acme")
+    a1, _, _ = await catalog.create_key("acme")
+    g1, _, _ = await catalog.create_key("globex")
+    a2, _, _ = await catalog.create_key("acme")
     a1 = await catalog.revoke_key(a1.id)
 
     assert [k.id for k in await catalog.list_keys()] == [a2.id, g1.id]
@@ -775,8 +777,8 @@ async def test_purge_cache_keeps_the_newest_even_with_a_clock_behind() -> None:
 async def test_snapshot_decodes_tenants_keys_and_purges(catalog: Catalog) -> None:
     acme = await catalog.put_tenant(FULL, allow_update=False)
     plain = await catalog.put_tenant(Tenant("plain"), allow_update=False)
-    record, _ = await catalog.create_key("acme", limits=Limits(rpm=7))
-    revoked, _ = await catalog.create_key("plain")
+    record, _, _ = await catalog.create_key("acme", limits=Limits(rpm=7))
+    revoked, _, _ = await catalog.create_key("plain")
     revoked = await catalog.revoke_key(revoked.id)
     purge = await catalog.purge_cache("acme")
 
@@ -921,7 +923,7 @@ def test_compile_copies_origin_credential_locations() -> None:
 
 async def test_etag_changes_when_a_key_is_revoked(catalog: Catalog) -> None:
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    record, _ = await catalog.create_key("acme")
+    record, _, _ = await catalog.create_key("acme")
     before = compile_table(await catalog.snapshot())
     assert [k.id for k in before.keys] == [record.id]
 
