@@ -1593,13 +1593,20 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     " WITHOUT A MODEL LIST: the control plane does not support one (upgrade "
                     f"it, then `pontoctl key models {resp.key.id} ...`)"
                 )
-            behind = _not_taken(stub, resp.revision)
-            taken = (
-                f"; proxies {', '.join(behind)} have not taken it yet ({KEY_WAIT_S:g} s): they "
-                "refuse it until they do (`pontoctl get proxies`)"
-                if behind
-                else ""
-            )
+            # The key is saved: nothing here may keep its secret from being
+            # printed (helper-191: a failed ListProxies, or a Ctrl-C, did).
+            try:
+                behind = _not_taken(stub, resp.revision)
+            except (grpc.RpcError, KeyboardInterrupt) as exc:
+                why = "interrupted" if isinstance(exc, KeyboardInterrupt) else _status_of(exc)
+                taken = f"; could not learn whether the proxies have it ({why})"
+            else:
+                taken = (
+                    f"; proxies {', '.join(behind)} have not taken it yet ({KEY_WAIT_S:g} s): "
+                    "they refuse it until they do (`pontoctl get proxies`)"
+                    if behind
+                    else ""
+                )
             # The key alone on the last line, so scripts can take `tail -n1`.
             return (
                 f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}{naming}{taken}; "
@@ -1894,12 +1901,17 @@ def _failure(channel: grpc.Channel) -> str:
     try:
         check(b"", timeout=1.0)
     except grpc.RpcError as exc:
-        code = getattr(exc, "code", lambda: None)()
-        details = getattr(exc, "details", lambda: "")()
-        return " ".join(str(part) for part in (getattr(code, "name", code), details) if part)
+        return _status_of(exc)
     finally:
         channel.close()
     return "it connected only after failing once"
+
+
+def _status_of(exc: grpc.RpcError) -> str:
+    """A refused call's code and details, in one line."""
+    code = getattr(exc, "code", lambda: None)()
+    details = getattr(exc, "details", lambda: "")()
+    return " ".join(str(part) for part in (getattr(code, "name", code), details) if part)
 
 
 def _refused(

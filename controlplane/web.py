@@ -372,19 +372,12 @@ class StatusWeb:
                 for r in table.regions
             ],
             "proxies": [_proxy_row(p, latest_version, now) for p in proxies],
-            # Proxies this replica saw listed that no longer are (trial 49: a
-            # region whose proxy's replica stopped read "no proxy in this
-            # region" while it served), for DEPARTED_KEEP_S.
-            "departed": [
-                {
-                    "name": p.name,
-                    "region": p.region,
-                    "address": p.address,
-                    "replica": p.control_plane_id,
-                    "left_s": max(0.0, now - left),
-                }
-                for p, left in self._departures.gone()
-            ],
+            # Proxies this replica saw listed that no longer are, whose replica
+            # is gone too (trial 49: a region whose proxy's replica stopped
+            # read "no proxy in this region" while it served).
+            "departed": departed_rows(
+                self._departures.gone(), {str(r.get("id", "")) for r in replicas}, now
+            ),
             # What every Admin write warns of while it lasts (fleetwarnings).
             "fleet_warnings": list(fleet_warnings(proxies)),
             "tenants": [
@@ -760,6 +753,26 @@ def _tenant_row(name: str, rates: list[float | None], limits: pb.Limits | None) 
         "tokens_per_day": limits.tokens_per_day if limits else 0,
         "tokens_per_month": limits.tokens_per_month if limits else 0,
     }
+
+
+def departed_rows(
+    gone: list[tuple[ProxyRecord, float]], live_replicas: set[str], now: float
+) -> list[dict[str, Any]]:
+    """The departed proxies (Departures.gone) the page lists: those whose
+    replica is gone too, which may still serve from their last table. One
+    whose replica lives ended its own stream: it stopped (a rollout replaces
+    every pod: helper-191), or it reconnects elsewhere and is listed again."""
+    return [
+        {
+            "name": p.name,
+            "region": p.region,
+            "address": p.address,
+            "replica": p.control_plane_id,
+            "left_s": max(0.0, now - left),
+        }
+        for p, left in gone
+        if p.control_plane_id not in live_replicas
+    ]
 
 
 class Departures:

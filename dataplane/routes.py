@@ -113,11 +113,12 @@ class Routes:
         locate in another region's order, with nothing said otherwise."""
         if not self.known or self.region in self.known:
             return ""
-        stand_in = next(iter(self.order), "none")
+        # build_routes orders such a proxy's regions by name (not by distance).
         return (
             f"its region {self.region!r} (--region) is not one of the route table's "
-            f"({', '.join(sorted(self.known))}): clients it cannot locate are routed as "
-            f"from {stand_in!r}; check --region, or add the region"
+            f"({', '.join(sorted(self.known))}): clients it cannot locate go to those "
+            "regions in the order of their names, not the nearest first; check --region, "
+            "or add the region"
         )
 
     @property

@@ -309,7 +309,9 @@ def parse(argv: list[str]) -> Settings:
         metavar="SECONDS",
         help="the same for a stream whose origin the route table marks unhealthy: a hung "
         "origin's streams are continued this soon after their last chunk, not after the "
-        "stream idle timeout (default %(default)s; 0: off)",
+        "stream idle timeout, and its calls not answered yet are asked of the next origin "
+        "this soon after the mark, though not before twice its usual time to answer "
+        "(default %(default)s; 0: off)",
     )
     p.add_argument(
         "--session-header",

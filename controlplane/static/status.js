@@ -154,10 +154,10 @@ function originLoad(o) {
   return parts.join(" · ");
 }
 
-// A proxy whose registration went: stopped, or cut off from the control
-// plane, when it may still serve from its last table (trial 49: its region
-// read "no proxy in this region" while it served).
-const DEPARTED = "stopped, or cut off from the control plane: it may still serve from its last table";
+// A proxy whose registration went with its control-plane replica: it may
+// still serve from its last table (trial 49: its region read "no proxy in
+// this region" while it served).
+const DEPARTED = "its control-plane replica is gone: it may still serve from its last table";
 
 function departedIn(departed, region) {
   const gone = departed.filter((p) => p.region === region);

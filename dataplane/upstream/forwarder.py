@@ -864,9 +864,14 @@ class Forwarder:
     ) -> OriginAnswer:
         """One call to `target` (`_send`), cut once the route table marks it
         unhealthy before it has answered (dataplane.upstream.stalls)."""
-        watch = self.stalls.call(target.name)
-        if watch is None:
+        stalls, loop = self.stalls, self._loop
+        task = asyncio.current_task(loop) if stalls.after_s is not None and loop else None
+        if task is None or loop is None:  # off
             return await self._send(target, path, body, headers, attempt, stream, tries)
+        # Not cut before twice the time the origin's answers usually take.
+        usual = self.commit_times.p95(target.name, stream)
+        watch = stalls.call(target.name, task, loop.time() + 2 * usual if usual else 0.0)
+        assert watch is not None  # on: after_s is set
         try:
             with watch:
                 return await self._send(target, path, body, headers, attempt, stream, tries)

@@ -54,24 +54,29 @@ class Stalled(Exception):
 
 class CallWatch:
     """One origin call until it has answered, as `with watch:` around it in
-    the task that makes it: cut (the block raises Stalled) `after_s` seconds
-    after the table marks its origin unhealthy, or after its start when it
-    is already. A cancellation from elsewhere goes on as CancelledError."""
+    `task`, the task that makes it: cut (the block raises Stalled) `after_s`
+    seconds after the table marks its origin unhealthy (after its start when
+    it is already), but not before it has run `floor` seconds: twice as long
+    as the origin's calls usually take to answer (Stalls.floor), so that
+    probes slow on a loaded origin do not cut the long answers it is still
+    giving (helper-191). A cancellation from elsewhere goes on as
+    CancelledError."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_stalls", "_task", "origin")
+    __slots__ = ("_cancelling", "_expired", "_handle", "_stalls", "_task", "not_before", "origin")
 
-    def __init__(self, stalls: Stalls, origin: str) -> None:
+    def __init__(
+        self, stalls: Stalls, origin: str, task: asyncio.Task[object], not_before: float
+    ) -> None:
         self._stalls = stalls
         self.origin = origin
-        self._task: asyncio.Task[object] | None = None
+        self._task = task
+        self.not_before = not_before  # loop time
         self._handle: asyncio.TimerHandle | None = None
         self._cancelling = 0
         self._expired = False
 
     def __enter__(self) -> CallWatch:
-        task = self._task = asyncio.current_task()
-        assert task is not None  # entered in the task it bounds
-        self._cancelling = task.cancelling()
+        self._cancelling = self._task.cancelling()
         self._stalls.add(self)
         self._stalls.bound(self)
         return self
@@ -84,11 +89,10 @@ class CallWatch:
     ) -> None:
         self._stalls.forget(self)
         self.cap(None)
-        task = self._task
-        if not self._expired or task is None:
+        if not self._expired:
             return
         # Its own cancel taken back: a block it left raises Stalled instead.
-        ours = task.uncancel() <= self._cancelling
+        ours = self._task.uncancel() <= self._cancelling
         if ours and exc_type is asyncio.CancelledError:
             raise Stalled(
                 f"no answer within {self._stalls.after_s:g} s of the route table marking "
@@ -96,18 +100,19 @@ class CallWatch:
             ) from exc
 
     def cap(self, delay: float | None) -> None:
-        """Cut the call `delay` seconds from now (None: not at all)."""
+        """Cut the call `delay` seconds from now, or at `not_before` if that
+        is later (None: not at all)."""
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.cancel()
-        if delay is not None and not self._expired and self._task is not None:
-            self._handle = self._task.get_loop().call_later(delay, self._expire)
+        if delay is not None and not self._expired:
+            loop = self._task.get_loop()
+            self._handle = loop.call_at(max(loop.time() + delay, self.not_before), self._expire)
 
     def _expire(self) -> None:
         self._handle = None
         self._expired = True
-        if self._task is not None:
-            self._task.cancel()
+        self._task.cancel()
 
 
 class StreamWatch:
@@ -164,9 +169,12 @@ class Stalls:
         self.add(watch)
         return watch
 
-    def call(self, origin: str) -> CallWatch | None:
-        """A watch for a call to `origin` (`with` it around the call); None when off."""
-        return None if self.after_s is None else CallWatch(self, origin)
+    def call(
+        self, origin: str, task: asyncio.Task[object], not_before: float = 0.0
+    ) -> CallWatch | None:
+        """A watch for a call to `origin` made in `task` (`with` it around
+        the call), not cut before loop time `not_before`; None when off."""
+        return None if self.after_s is None else CallWatch(self, origin, task, not_before)
 
     def on_apply(self, routes: Routes, policy: object) -> None:
         """A table was installed (a TableHolder hook): cap the streams of the

@@ -645,7 +645,7 @@ def test_a_proxy_whose_registration_went_is_shown_as_departed(page: webdriver.Ch
         status,
     )
     said = "it may still serve from its last table"
-    assert shown[0].startswith("no proxy connected now: p-eu left 2 min ago (stopped, or cut off")
+    assert shown[0].startswith("no proxy connected now: p-eu left 2 min ago (its control-plane")
     assert said in shown[0]
     assert shown[1][:6] == ["p-eu", "eu-west", "cp-1", "-", "left 2 min ago", "10.0.0.7:8080"]
     assert said in shown[1][7]

@@ -27,7 +27,11 @@ def test_a_region_the_table_lacks_is_logged_once_and_acked(
         link._handle("s-1", pb.RouteUpdate(table=table(4), nonce="n4"))  # another change
     [warning] = [w for w in ack.warnings if "region" in w]
     assert warning.startswith("its region 'eu-wset' (--region) is not one of the route table's")
-    assert "(eu-west)" in warning and "check --region" in warning
+    assert (
+        "(eu-west): clients it cannot locate go to those regions in the order of their names"
+        in warning
+    )
+    assert "check --region" in warning
     logged = [r.getMessage() for r in caplog.records if "--region" in r.getMessage()]
     assert logged == [f"this proxy: {warning}"]  # once, not per table
     good = link_of(TableHolder("eu-west", None))

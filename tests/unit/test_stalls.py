@@ -137,8 +137,10 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     stalls = Stalls(0.01)
     hung = asyncio.Event()
 
-    async def call(origin: str, answer: asyncio.Event) -> str:
-        watch = stalls.call(origin)
+    async def call(origin: str, answer: asyncio.Event, not_before: float = 0.0) -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        watch = stalls.call(origin, task, not_before)
         assert watch is not None
         with watch:
             hung.set()
@@ -166,4 +168,14 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     with pytest.raises(asyncio.CancelledError):
         await left
     assert stalls.streams("o0") == 0
-    assert Stalls(None).call("o0") is None
+    # Not before twice the origin's usual time to answer (helper-191: probes
+    # slow on a loaded origin cut the long answers it was giving).
+    stalls.on_apply(routes("o0"), None)
+    usual = asyncio.get_running_loop().time() + 30.0
+    slow = asyncio.Event()
+    long = asyncio.ensure_future(call("o0", slow, not_before=usual))
+    await asyncio.sleep(0.05)  # five times after_s
+    slow.set()
+    assert await long == "answered"
+    task = asyncio.current_task()
+    assert task is not None and Stalls(None).call("o0", task) is None

@@ -29,7 +29,7 @@ from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
-from controlplane.web import Departures, StatusWeb
+from controlplane.web import Departures, StatusWeb, departed_rows
 from ponto.pki import make_bundle
 from ponto.v1 import routing_pb2 as pb
 
@@ -1300,3 +1300,16 @@ def test_a_proxy_whose_registration_went_is_departed_for_a_while() -> None:
     assert departures.gone() == [(b, 40.0)]
     departures.see([], 100.0)  # b's 60 s are over; a goes now
     assert departures.gone() == [(a, 100.0)]
+
+
+def test_only_a_departed_proxy_whose_replica_is_gone_too_is_listed() -> None:
+    """Review (helper-191): every pod a rollout replaced was listed for 15
+    minutes as "may still serve". A proxy whose replica lives ended its own
+    stream; one whose replica went may still serve."""
+    cut_off = ProxyRecord("p-a", "eu-west", "p-a:8080", "1.0", "s-a", "cp-1", 900.0)
+    stopped = ProxyRecord("p-b", "eu-west", "p-b:8080", "1.0", "s-b", "cp-2", 900.0)
+    rows = departed_rows([(cut_off, 100.0), (stopped, 100.0)], {"cp-2"}, 160.0)
+    assert rows == [
+        {"name": "p-a", "region": "eu-west", "address": "p-a:8080", "replica": "cp-1",
+         "left_s": 60.0}
+    ]  # fmt: skip
