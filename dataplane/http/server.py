@@ -139,7 +139,7 @@ class Proxy:
         # group has its own link, so they share entries through Redis too.
         self.region_link: RegionLink | None = None
         # The region's semantic feed, when the proxy has a regional cache.
-        self.semantic_feed: SemanticFeed | None = None
+        self._semantic_feed: SemanticFeed | None = None
         if settings.redis_url:
             # Imported here: redis-py costs memory a proxy without it keeps.
             from dataplane.cache.regional import RegionLink  # noqa: PLC0415
@@ -196,8 +196,6 @@ class Proxy:
         m.bind_jwks(key_sets)
         m.bind_cache(lambda: store.stats, local.reserved)
         m.bind_semantic(lambda: cache.semantic)
-        if self.semantic_feed is not None:  # its series only with --redis (trial 50)
-            m.bind_semantic_feed(lambda: self.semantic_feed)
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,
             connected=lambda: 1.0 if client.connected else 0.0,
@@ -205,6 +203,18 @@ class Proxy:
             nacks=lambda: float(client.nacks),
             loads_age=self.loads.age,
         )
+
+    @property
+    def semantic_feed(self) -> SemanticFeed | None:
+        """The region's semantic feed, when the proxy has a regional cache."""
+        return self._semantic_feed
+
+    @semantic_feed.setter
+    def semantic_feed(self, feed: SemanticFeed | None) -> None:
+        # Its series come with it: none without --redis (trial 50).
+        if feed is not None and self._semantic_feed is None:
+            self.metrics.bind_semantic_feed(lambda: self._semantic_feed)
+        self._semantic_feed = feed
 
     async def stopping(self, app: web.Application) -> None:
         """The app's on_shutdown step. aiohttp's runner calls it once it has

@@ -29,6 +29,7 @@ from controlplane import cli as pontoctl
 from controlplane import settings as control_settings
 from controlplane.api.guard import peer_role
 from dataplane import settings as proxy_settings
+from ponto.geodb import write_city_db
 from ponto.pki import make_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1108,7 +1109,8 @@ def test_binaries_accept_the_rendered_flags(three: list[Doc], tmp_path: Path) ->
 
     geoip = tmp_path / "geoip" / "dbip-city-lite.mmdb"
     geoip.parent.mkdir()
-    geoip.write_bytes(b"")
+    # A real database: the proxy opens it as it parses its flags.
+    write_city_db(geoip, {"203.0.113.0/24": (-33.87, 151.21, "AU", "Sydney")})
     for region in REGIONS:
         deployment = one(three, "Deployment", f"ponto-proxy-{region}")
         proxy = proxy_settings.parse(_materialise(three, tmp_path, deployment))
