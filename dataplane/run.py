@@ -129,8 +129,10 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
         app[CLIENT].stop()  # the successor registers under the same name
         await site.stop()
         if metrics_runner is not None:
-            await metrics_runner.cleanup()  # its port too; a scrape takes milliseconds
-            metrics_runner = None
+            # Its port too (a scrape takes milliseconds), but not its private
+            # socket: siblings still read what this process counts until it
+            # ends (workers.other_processes; trial 50).
+            await metrics_runner[1].stop()
         log.info("leaving the group to a new worker; finishing the requests in flight")
         running = await _drain(
             site,
@@ -168,7 +170,9 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     app[DRAINING].active = True
     await runner.cleanup()
     if metrics_runner is not None:
-        await metrics_runner.cleanup()
+        await metrics_runner[0].cleanup()
+    if slot is not None:
+        workers.unpublish_sockets(settings)
 
 
 def _handle_signals(
@@ -225,9 +229,12 @@ def public_metrics(settings: Settings) -> bool:
         return settings.listen_host != "localhost"
 
 
-async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunner | None:
-    """Serve `app`'s /metrics on --metrics-listen (for the group, in a worker);
-    None without the flag (the public port serves it)."""
+async def serve_metrics(
+    app: web.Application, settings: Settings
+) -> tuple[web.AppRunner, web.BaseSite] | None:
+    """Serve `app`'s /metrics on --metrics-listen (for the group, in a worker):
+    its runner and the site on that port; None without the flag (the public
+    port serves it)."""
     if settings.metrics_listen is None:
         return None
     metrics_app = build_metrics_app(app)
@@ -255,7 +262,7 @@ async def serve_metrics(app: web.Application, settings: Settings) -> web.AppRunn
     assert server is not None
     bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
     log.info("metrics on http://%s/metrics", hostport(host, bound))
-    return runner
+    return runner, site
 
 
 # Young-generation collections every this many allocations (CPython's default is

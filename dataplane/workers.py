@@ -64,6 +64,7 @@ log = logging.getLogger("dataplane.workers")
 METRICS_ROUTE = "metrics"
 READY_ROUTE = "readyz"
 WORKER_LABEL = "worker"
+PID_LABEL = "pid"  # of a worker's other process (merge_expositions)
 WORKER_HEADER = "x-ponto-worker"
 # A sibling slower than this is left out of a scrape and makes /readyz fail: its
 # event loop is stuck, and so are the requests it holds.
@@ -110,7 +111,9 @@ def _families(text: str) -> list[tuple[str, list[str], list[str]]]:
     return families
 
 
-def merge_expositions(parts: Sequence[tuple[int, bytes | None]]) -> bytes:
+def merge_expositions(
+    parts: Sequence[tuple[int, bytes | None]], others: Sequence[tuple[int, int, bytes]] = ()
+) -> bytes:
     """One text exposition (format 0.0.4) of a worker group.
 
     `parts` holds each worker's index and its own exposition, or None when it did
@@ -120,17 +123,26 @@ def merge_expositions(parts: Sequence[tuple[int, bytes | None]]) -> bytes:
     series are in. Workers run the same code, so their families agree; one that
     only some workers have is kept too.
 
+    `others` holds (index, pid, exposition) of a worker's other processes (a
+    reload's old one finishing its requests, or its successor starting): their
+    samples get a `pid` label too, so that they are series of their own, each
+    counting up as a counter must (trial 50: what the old process finished
+    after its successor took over was in no scrape).
+
     Labels rather than sums: gauges such as the route table version or cache
     entries are per worker and do not add up, and `sum without (worker)` gives
     the group's counters in PromQL.
     """
     merged: dict[str, tuple[list[str], list[str]]] = {}
-    for index, text in parts:
-        if text is None:
-            continue
+    labelled: list[tuple[str, str | None, bytes]] = [
+        (str(i), None, text) for i, text in parts if text is not None
+    ]
+    labelled += [(str(i), str(pid), text) for i, pid, text in others]
+    for index, pid, text in labelled:
         for name, header, samples in _families(text.decode()):
             kept = merged.setdefault(name, (header, []))
-            kept[1].extend(with_label(s, WORKER_LABEL, str(index)) for s in samples)
+            own = samples if pid is None else [with_label(s, PID_LABEL, pid) for s in samples]
+            kept[1].extend(with_label(s, WORKER_LABEL, index) for s in own)
     out: list[str] = []
     for header, samples in merged.values():
         out.extend(header)
@@ -221,7 +233,16 @@ def group_views(
         parts: dict[int, bytes | None] = {slot.index: body}
         for index, answer in await ask_all(f"/{METRICS_ROUTE}"):
             parts[index] = answer.body if answer is not None and answer.status == 200 else None
-        merged = merge_expositions(sorted(parts.items()))
+        others = other_processes(slot.run_dir, workers, sockets)
+        answers = await asyncio.gather(
+            *(ask_sibling(path, f"/{METRICS_ROUTE}") for *_, path in others)
+        )
+        found = [
+            (index, pid, answer.body)
+            for (index, pid, _), answer in zip(others, answers, strict=True)
+            if answer is not None and answer.status == 200
+        ]
+        merged = merge_expositions(sorted(parts.items()), found)
         return web.Response(body=merged, headers={"content-type": own.headers["content-type"]})
 
     @web.middleware
@@ -273,13 +294,54 @@ async def start_sites(
 
 
 def publish_sockets(settings: Settings) -> None:
-    """Give the private sockets start_sites bound their names (see there)."""
+    """Give the private sockets start_sites bound their names (see there). The
+    names of this process's own stay (hard links): once a successor takes
+    the names over, siblings still reach this process there while it
+    finishes its requests (`other_processes`)."""
     slot = settings.worker
     assert slot is not None
     for sockets in (socket_path, metrics_socket_path):
         name = sockets(slot.run_dir, slot.index)
+        staging = _staging(name)
+        link = staging.with_name(f"{staging.name}.new")
         with contextlib.suppress(FileNotFoundError):  # no metrics app of its own
-            os.replace(_staging(name), name)
+            link.unlink(missing_ok=True)
+            os.link(staging, link)
+            os.replace(link, name)
+
+
+def unpublish_sockets(settings: Settings) -> None:
+    """Remove the names of this process's own sockets (it is ending)."""
+    slot = settings.worker
+    assert slot is not None
+    for sockets in (socket_path, metrics_socket_path):
+        _staging(sockets(slot.run_dir, slot.index)).unlink(missing_ok=True)
+
+
+def other_processes(
+    run_dir: Path, workers: int, sockets: Callable[[Path, int], Path]
+) -> list[tuple[int, int, Path]]:
+    """(index, pid, socket) of each process of the group's workers that does
+    not hold its worker's name: a reload's old one finishing its requests,
+    or a successor not yet listening everywhere. Found by the names each
+    process keeps for its own socket (`publish_sockets`); one that is not the
+    name's file (another inode) is another process's."""
+    found = []
+    for index in range(workers):
+        name = sockets(run_dir, index)
+        try:
+            holder = name.stat().st_ino
+        except FileNotFoundError:
+            holder = -1
+        prefix = f"{name.name}."
+        for path in run_dir.glob(f"{name.name}.*"):
+            pid = path.name[len(prefix) :]
+            if not pid.isdigit():
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_ino != holder:
+                    found.append((index, int(pid), path))
+    return sorted(found)
 
 
 def _staging(name: Path) -> Path:

@@ -7,6 +7,7 @@ a condition with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -332,7 +333,18 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
                 except httpx.HTTPError as exc:
                     results.append(repr(exc))
 
-    threads = [threading.Thread(target=slow), threading.Thread(target=steady)]
+    # The processes whose series scrapes show under a `pid` label (trial 50:
+    # what an old worker counted after its successor took over was in none).
+    pids_seen: set[str] = set()
+
+    def scrapes() -> None:
+        while not done.is_set():
+            with contextlib.suppress(httpx.HTTPError, AssertionError):
+                requests = scrape(group)[1].get("ponto_requests_total", {})
+                pids_seen.update(dict(labels).get("pid", "") for labels in requests)
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=f) for f in (slow, steady, scrapes)]
     for t in threads:
         t.start()
     try:
@@ -353,6 +365,8 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
         for t in threads:
             t.join(60)
     assert in_flight == [200]
+    # An old worker finishing its requests was scraped, as series of its own.
+    assert {str(pid) for pid in before.values()} & pids_seen, pids_seen
     refused = [r for r in results if r != 200]
     assert not refused, refused[:5]
     assert registered(fleet) >= {"h-w0", "h-w1"}

@@ -649,6 +649,37 @@ def test_merge_keeps_a_family_only_some_workers_have() -> None:
     promtool_accepts(merged)
 
 
+def test_a_workers_other_process_is_merged_as_series_of_its_own() -> None:
+    """Trial 50: what a reload's old process finished after its successor
+    took the worker's name over (a long stream) was in no scrape. Its
+    samples are merged too, with a `pid` label: series of their own."""
+    new = b"# HELP x_total X\n# TYPE x_total counter\nx_total 1.0\n"
+    old = new.replace(b"1.0", b"7.0")
+    merged = workers.merge_expositions([(0, new)], [(0, 4242, old)]).decode()
+    lines = merged.splitlines()
+    assert 'x_total{worker="0"} 1.0' in lines
+    assert 'x_total{worker="0",pid="4242"} 7.0' in lines
+    assert 'ponto_worker_up{worker="0"} 1.0' in lines and "4242" not in lines[-1]
+    promtool_accepts(merged)
+
+
+def test_other_processes_are_found_by_the_names_they_keep(tmp_path: Path) -> None:
+    """publish_sockets keeps each process's own name for its socket beside
+    the worker's, which the holder's process links: one of another inode is
+    another process's (a plain file stands for a socket here)."""
+    for pid in (11, 12, 13):
+        (tmp_path / f"w0.sock.{pid}").write_bytes(b"")
+    os.link(tmp_path / "w0.sock.12", tmp_path / "w0.sock")  # 12 holds worker 0's name
+    (tmp_path / "w1.sock.21").write_bytes(b"")  # worker 1: starting, no name yet
+    (tmp_path / "w0.sock.13.new").write_bytes(b"")  # a link being made: not a process
+    found = workers.other_processes(tmp_path, 2, supervisor.socket_path)
+    assert found == [
+        (0, 11, tmp_path / "w0.sock.11"),
+        (0, 13, tmp_path / "w0.sock.13"),
+        (1, 21, tmp_path / "w1.sock.21"),
+    ]
+
+
 def promtool_accepts(text: str) -> None:
     """`promtool check metrics` where it is installed (Debian's prometheus package)."""
     promtool = shutil.which("promtool")
