@@ -127,6 +127,19 @@ def metrics_socket_path(run_dir: Path, index: int) -> Path:
     return run_dir / f"w{index}.metrics.sock"
 
 
+def own_socket_path(name: Path, pid: int) -> Path:
+    """The name process `pid` keeps for its socket `name` (dataplane.workers)."""
+    return name.with_name(f"{name.name}.{pid}")
+
+
+def forget_sockets(run_dir: Path, index: int, pid: int) -> None:
+    """Remove the names process `pid` of worker `index` kept for its sockets."""
+    for name in (socket_path(run_dir, index), metrics_socket_path(run_dir, index)):
+        own = own_socket_path(name, pid)
+        for path in (own, own.with_name(f"{own.name}.new")):
+            path.unlink(missing_ok=True)
+
+
 def ready_path(run_dir: Path, index: int, start: int = 0) -> Path:
     """The ready file worker `index` writes once it listens on the shared port:
     one per process the slot starts (`start` counts them), so that a
@@ -411,9 +424,13 @@ class Supervisor:
                 proc = await asyncio.create_subprocess_exec(
                     *slot.argv(start=slot.starts), pass_fds=(slot.lifeline,)
                 )
+        exited = asyncio.create_task(proc.wait())
+        # A worker that ended without removing its own sockets' names (a
+        # crash, a kill) would leave them for every scrape to try.
+        exited.add_done_callback(lambda _: forget_sockets(slot.run_dir, slot.index, proc.pid))
         return _Process(
             proc,
-            asyncio.create_task(proc.wait()),
+            exited,
             asyncio.create_task(_listens(ready, slot.up)),
             asyncio.get_running_loop().time(),
         )

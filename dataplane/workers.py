@@ -54,6 +54,7 @@ from dataplane.http.errors import ApiError
 from dataplane.settings import Settings, WorkerSlot
 from dataplane.supervisor import (
     metrics_socket_path,
+    own_socket_path,
     reuseport_socket,
     socket_path,
 )
@@ -190,6 +191,23 @@ def _refusal(answer: SiblingAnswer) -> str:
     return f"status {answer.status}"
 
 
+def _body(answer: SiblingAnswer | None) -> bytes | None:
+    return answer.body if answer is not None and answer.status == 200 else None
+
+
+def _holds(name: Path, pid: int) -> bool:
+    """Whether process `pid` holds worker name `name` (its own name for the
+    socket is the same file), or no process does yet."""
+    try:
+        held = name.stat().st_ino
+    except FileNotFoundError:
+        return True
+    try:
+        return own_socket_path(name, pid).stat().st_ino == held
+    except FileNotFoundError:
+        return False
+
+
 def _from_sibling(request: web.Request) -> bool:
     sock = request.get_extra_info("socket")
     return sock is not None and sock.family == socket.AF_UNIX
@@ -230,18 +248,26 @@ def group_views(
         body = own.body if isinstance(own, web.Response) else None
         if own.status != 200 or not isinstance(body, bytes):
             return own
-        parts: dict[int, bytes | None] = {slot.index: body}
-        for index, answer in await ask_all(f"/{METRICS_ROUTE}"):
-            parts[index] = answer.body if answer is not None and answer.status == 200 else None
-        others = other_processes(slot.run_dir, workers, sockets)
+        # This process may not hold its worker's name (a successor took it
+        # over, or it has not published yet): its series are then under its
+        # pid, and the name's holder is asked for the worker's (helper-192).
+        me = os.getpid()
+        mine = sockets(slot.run_dir, slot.index)
+        holds = _holds(mine, me)
+        asked = siblings if holds else [*siblings, (slot.index, mine)]
+        others = [o for o in other_processes(slot.run_dir, workers, sockets) if o[1] != me]
+        route = f"/{METRICS_ROUTE}"
         answers = await asyncio.gather(
-            *(ask_sibling(path, f"/{METRICS_ROUTE}") for *_, path in others)
+            *(ask_sibling(path, route) for _, path in asked),
+            *(ask_sibling(path, route) for *_, path in others),
         )
-        found = [
-            (index, pid, answer.body)
-            for (index, pid, _), answer in zip(others, answers, strict=True)
-            if answer is not None and answer.status == 200
-        ]
+        parts: dict[int, bytes | None] = {slot.index: body} if holds else {}
+        for (index, _), answer in zip(asked, answers, strict=False):
+            parts[index] = _body(answer)
+        found = [(slot.index, me, body)] if not holds else []
+        for (index, pid, _), answer in zip(others, answers[len(asked) :], strict=True):
+            if (text := _body(answer)) is not None:
+                found.append((index, pid, text))
         merged = merge_expositions(sorted(parts.items()), found)
         return web.Response(body=merged, headers={"content-type": own.headers["content-type"]})
 
@@ -345,7 +371,7 @@ def other_processes(
 
 
 def _staging(name: Path) -> Path:
-    return name.with_name(f"{name.name}.{os.getpid()}")
+    return own_socket_path(name, os.getpid())
 
 
 def watch_lifeline(fd: int, on_orphaned: Callable[[], None]) -> None:

@@ -680,6 +680,33 @@ def test_other_processes_are_found_by_the_names_they_keep(tmp_path: Path) -> Non
     ]
 
 
+def test_a_process_knows_whether_it_holds_its_workers_name(tmp_path: Path) -> None:
+    """Review (helper-192): a process that no longer held its worker's name
+    (its successor took it over) merged its own series as the worker's and
+    again under its pid, and left its successor's out."""
+    name = supervisor.socket_path(tmp_path, 0)
+    assert workers._holds(name, 11)  # nobody has published yet
+    for pid in (11, 12):
+        supervisor.own_socket_path(name, pid).write_bytes(b"")
+    os.link(supervisor.own_socket_path(name, 12), name)
+    assert workers._holds(name, 12) and not workers._holds(name, 11)
+
+
+def test_the_supervisor_forgets_the_socket_names_of_a_worker_that_ended(tmp_path: Path) -> None:
+    """Review (helper-192): a crashed or killed worker left the names of its
+    sockets, which every scrape then tried."""
+    kept = [supervisor.own_socket_path(supervisor.socket_path(tmp_path, 0), 8)]
+    gone = [
+        supervisor.own_socket_path(supervisor.socket_path(tmp_path, 0), 7),
+        supervisor.own_socket_path(supervisor.metrics_socket_path(tmp_path, 0), 7),
+        tmp_path / "w0.sock.7.new",
+    ]
+    for path in kept + gone:
+        path.write_bytes(b"")
+    supervisor.forget_sockets(tmp_path, 0, 7)
+    assert [p.exists() for p in kept + gone] == [True, False, False, False]
+
+
 def promtool_accepts(text: str) -> None:
     """`promtool check metrics` where it is installed (Debian's prometheus package)."""
     promtool = shutil.which("promtool")
