@@ -52,7 +52,7 @@ from dataplane.timer import Deadlines
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
 from dataplane.upstream.outlier import OutlierDetector, RetryBudget
-from dataplane.upstream.stalls import Stalled, Stalls
+from dataplane.upstream.stalls import NO_WATCH, CallWatch, NoWatch, Stalled, Stalls
 from dataplane.upstream.wire import (
     DEFAULT_MAX_ANSWER_BYTES,
     AnswerTooLarge,
@@ -353,8 +353,10 @@ class Forwarder:
         # 3.11 asyncio.get_running_loop() makes a getpid system call.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lines = lines or LineBudget()
-        # Cuts a call not yet answered once its origin is marked unhealthy.
+        # Cuts a call not yet answered once its origin is marked unhealthy,
+        # not before twice the time its answers usually take.
         self.stalls = stalls or Stalls(None)
+        self.stalls.usual = self.commit_times.p95
 
     async def close(self) -> None:
         """Close the idle connections to origins (calls under way end theirs)."""
@@ -862,32 +864,8 @@ class Forwarder:
         stream: bool,
         tries: _Tries | None = None,
     ) -> OriginAnswer:
-        """One call to `target` (`_send`), cut once the route table marks it
-        unhealthy before it has answered (dataplane.upstream.stalls)."""
-        stalls, loop = self.stalls, self._loop
-        task = asyncio.current_task(loop) if stalls.after_s is not None and loop else None
-        if task is None or loop is None:  # off
-            return await self._send(target, path, body, headers, attempt, stream, tries)
-        # Not cut before twice the time the origin's answers usually take.
-        usual = self.commit_times.p95(target.name, stream)
-        watch = stalls.call(target.name, task, loop.time() + 2 * usual if usual else 0.0)
-        assert watch is not None  # on: after_s is set
-        try:
-            with watch:
-                return await self._send(target, path, body, headers, attempt, stream, tries)
-        except Stalled as exc:
-            raise _Retryable("timeout", str(exc)) from exc
-
-    async def _send(
-        self,
-        target: Target,
-        path: str,
-        body: bytes,
-        headers: CIMultiDict[str],
-        attempt: int,
-        stream: bool,
-        tries: _Tries | None = None,
-    ) -> OriginAnswer:
+        """One call to `target`, cut once the route table marks it unhealthy
+        before it has answered (dataplane.upstream.stalls: `watch`)."""
         if target.credential is not None:
             try:
                 authorization = target.credential.authorization()
@@ -898,115 +876,134 @@ class Forwarder:
             if authorization is not None:
                 headers = headers.copy()
                 headers["authorization"] = authorization
-        first_within = tries.first_within if tries is not None else None
-        bound = tries.first_bound if tries is not None else _IDLE_BOUND
-        loads = self.loads
-        loop = self._loop
-        assert loop is not None  # a forward() runs
-        sent_at = loop.time()
-        loads.started(target.name)
+        watch = self._watch(target.name, stream)
         try:
-            resp = await self._wire.post(target.url(path), body, headers, first_within)
-        except aiohttp.ConnectionTimeoutError as exc:
-            # Before TimeoutError, which it is too: no connection in time is
-            # an origin not reached, not one slow to answer (review 48).
-            loads.finished(target.name)
-            raise _Retryable("connect_error", f"connection timed out: {exc}", worked=False) from exc
-        except TimeoutError as exc:
-            loads.finished(target.name)
-            raise _Retryable("timeout", self._no_answer(first_within, bound)) from exc
-        except aiohttp.ClientError as exc:
-            loads.finished(target.name)
-            # Only a connection never made surely cost nothing: a disconnect
-            # may come after the origin began the prefill.
-            raise _Retryable(
-                "connect_error",
-                f"{type(exc).__name__}: {exc}",
-                worked=not isinstance(exc, aiohttp.ClientConnectorError),
-            ) from exc
-        except BaseException:
-            loads.finished(target.name)
-            raise
-        try:
-            if resp.status >= RETRY_STATUS_MIN:
-                raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
-            if resp.status == BUSY:
-                raise _Retryable(
-                    "http_429",
-                    "answered 429 (too busy, or the account with it is over its quota)",
-                    BUSY,
-                    resp.headers.get("retry-after", ""),
-                    worked=False,
-                )
-            if resp.status in REDIRECTS:
-                where = resp.headers.get("location", "nowhere")[:200]
-                raise _Retryable(
-                    "http_3xx",
-                    f"answered {resp.status}, a redirect to {where}: fix its base URL",
-                    resp.status,
-                    worked=False,
-                )
-            if resp.status in CREDENTIAL_REFUSED:
-                raise _Retryable(
-                    "credential_refused",
-                    f"refused the proxy's credential ({resp.status})",
-                    resp.status,
-                    worked=False,
-                )
-            content_type = resp.content_type
-            streamed = content_type == "text/event-stream"
-            body_read: bytes | None = None
-            first = b""
-            try:
-                if streamed:
-                    # Until the client has seen a byte, a failing origin can
-                    # still be replaced by the next one: wait for the first chunk.
-                    first = await resp.content.readany()
-                    if first_within is not None:
-                        # The rest of the stream: its relay times its idle gaps.
-                        resp.time_reads(self._settings.read_timeout)
-                else:
-                    body_read = await resp.read(self._settings.max_answer_bytes)
-            except TimeoutError as exc:
-                if not streamed or first_within is None:
-                    raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
-                raise _Retryable("timeout", self._no_answer(first_within, bound)) from exc
-            except aiohttp.ClientError as exc:
-                raise _Retryable("cut", f"response cut before it was complete: {exc}") from exc
-            except AnswerTooLarge as exc:
-                raise _Retryable(
-                    TOO_LARGE,
-                    f"answered {resp.status} with a body of more than {exc.limit} bytes "
-                    f"({exc.size} or more; --max-answer-bytes)",
-                    resp.status,
-                ) from exc
-            if streamed and not first:
-                raise _Retryable("cut", "stream ended before its first chunk")
-            if streamed and resp.status == 200 and _only_done(first):
-                # No event at all (trial 45: passed on as an empty answer, which
-                # the SDK reads as nothing): another origin may answer.
-                raise _Retryable("cut", "stream ended with [DONE] before any event", 200)
-            parsed: Any = jsonio.NOT_PARSED
-            if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
-                parsed = _answer_object(body_read, resp.status, content_type)
-            if resp.status < 400:
-                # Refusals come back at once and would make "slow" look fast.
-                self.commit_times.observe(target.name, stream, loop.time() - sent_at)
-            return OriginAnswer(
-                target,
-                attempt,
-                resp.status,
-                _copy(resp),
-                body_read,
-                first,
-                resp,
-                loads,
-                parsed=parsed,
-            )
-        except BaseException:
-            resp.release()
-            loads.finished(target.name)
-            raise
+            with watch:
+                first_within = tries.first_within if tries is not None else None
+                bound = tries.first_bound if tries is not None else _IDLE_BOUND
+                loads = self.loads
+                loop = self._loop
+                assert loop is not None  # a forward() runs
+                sent_at = loop.time()
+                loads.started(target.name)
+                try:
+                    resp = await self._wire.post(target.url(path), body, headers, first_within)
+                except aiohttp.ConnectionTimeoutError as exc:
+                    # Before TimeoutError, which it is too: no connection in time is
+                    # an origin not reached, not one slow to answer (review 48).
+                    loads.finished(target.name)
+                    raise _Retryable(
+                        "connect_error", f"connection timed out: {exc}", worked=False
+                    ) from exc
+                except TimeoutError as exc:
+                    loads.finished(target.name)
+                    raise _Retryable("timeout", self._no_answer(first_within, bound)) from exc
+                except aiohttp.ClientError as exc:
+                    loads.finished(target.name)
+                    # Only a connection never made surely cost nothing: a disconnect
+                    # may come after the origin began the prefill.
+                    raise _Retryable(
+                        "connect_error",
+                        f"{type(exc).__name__}: {exc}",
+                        worked=not isinstance(exc, aiohttp.ClientConnectorError),
+                    ) from exc
+                except BaseException:
+                    loads.finished(target.name)
+                    raise
+                try:
+                    if resp.status >= RETRY_STATUS_MIN:
+                        raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
+                    if resp.status == BUSY:
+                        raise _Retryable(
+                            "http_429",
+                            "answered 429 (too busy, or the account with it is over its quota)",
+                            BUSY,
+                            resp.headers.get("retry-after", ""),
+                            worked=False,
+                        )
+                    if resp.status in REDIRECTS:
+                        where = resp.headers.get("location", "nowhere")[:200]
+                        raise _Retryable(
+                            "http_3xx",
+                            f"answered {resp.status}, a redirect to {where}: fix its base URL",
+                            resp.status,
+                            worked=False,
+                        )
+                    if resp.status in CREDENTIAL_REFUSED:
+                        raise _Retryable(
+                            "credential_refused",
+                            f"refused the proxy's credential ({resp.status})",
+                            resp.status,
+                            worked=False,
+                        )
+                    content_type = resp.content_type
+                    streamed = content_type == "text/event-stream"
+                    body_read: bytes | None = None
+                    first = b""
+                    try:
+                        if streamed:
+                            # Until the client has seen a byte, a failing origin can
+                            # still be replaced by the next one: wait for the first chunk.
+                            first = await resp.content.readany()
+                            if first_within is not None:
+                                # The rest of the stream: its relay times its idle gaps.
+                                resp.time_reads(self._settings.read_timeout)
+                        else:
+                            body_read = await resp.read(self._settings.max_answer_bytes)
+                    except TimeoutError as exc:
+                        if not streamed or first_within is None:
+                            raise _Retryable(
+                                "cut", f"response cut before it was complete: {exc}"
+                            ) from exc
+                        raise _Retryable("timeout", self._no_answer(first_within, bound)) from exc
+                    except aiohttp.ClientError as exc:
+                        raise _Retryable(
+                            "cut", f"response cut before it was complete: {exc}"
+                        ) from exc
+                    except AnswerTooLarge as exc:
+                        raise _Retryable(
+                            TOO_LARGE,
+                            f"answered {resp.status} with a body of more than {exc.limit} bytes "
+                            f"({exc.size} or more; --max-answer-bytes)",
+                            resp.status,
+                        ) from exc
+                    if streamed and not first:
+                        raise _Retryable("cut", "stream ended before its first chunk")
+                    if streamed and resp.status == 200 and _only_done(first):
+                        # No event at all (trial 45: passed on as an empty answer, which
+                        # the SDK reads as nothing): another origin may answer.
+                        raise _Retryable("cut", "stream ended with [DONE] before any event", 200)
+                    parsed: Any = jsonio.NOT_PARSED
+                    if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
+                        parsed = _answer_object(body_read, resp.status, content_type)
+                    if resp.status < 400:
+                        # Refusals come back at once and would make "slow" look fast.
+                        self.commit_times.observe(target.name, stream, loop.time() - sent_at)
+                    return OriginAnswer(
+                        target,
+                        attempt,
+                        resp.status,
+                        _copy(resp),
+                        body_read,
+                        first,
+                        resp,
+                        loads,
+                        parsed=parsed,
+                    )
+                except BaseException:
+                    resp.release()
+                    loads.finished(target.name)
+                    raise
+        except Stalled as exc:
+            raise _Retryable("timeout", str(exc)) from exc
+
+    def _watch(self, origin: str, stream: bool) -> CallWatch | NoWatch:
+        """The watch of a call to `origin` made in the current task."""
+        stalls, loop = self.stalls, self._loop
+        task = asyncio.current_task(loop) if stalls.after_s is not None and loop else None
+        if task is None:
+            return NO_WATCH
+        return CallWatch(stalls, origin, task, stream)
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")

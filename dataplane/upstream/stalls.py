@@ -31,13 +31,22 @@ stream's IdleTimeout).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 from typing import Final, Protocol
 
 from dataplane.routes import Routes
 from dataplane.timer import IdleTimeout
 
-__all__ = ["DEFAULT_UNHEALTHY_IDLE_S", "CallWatch", "Stalled", "Stalls", "StreamWatch"]
+__all__ = [
+    "DEFAULT_UNHEALTHY_IDLE_S",
+    "NO_WATCH",
+    "CallWatch",
+    "NoWatch",
+    "Stalled",
+    "Stalls",
+    "StreamWatch",
+]
 
 DEFAULT_UNHEALTHY_IDLE_S: Final = 5.0
 
@@ -56,26 +65,29 @@ class CallWatch:
     """One origin call until it has answered, as `with watch:` around it in
     `task`, the task that makes it: cut (the block raises Stalled) `after_s`
     seconds after the table marks its origin unhealthy (after its start when
-    it is already), but not before it has run `floor` seconds: twice as long
-    as the origin's calls usually take to answer (Stalls.floor), so that
-    probes slow on a loaded origin do not cut the long answers it is still
-    giving (helper-191). A cancellation from elsewhere goes on as
-    CancelledError."""
+    it is already), but not before it has run twice as long as the origin's
+    calls of its kind usually take to answer (Stalls.usual), so that probes
+    slow on a loaded origin do not cut the long answers it is still giving
+    (helper-191). A cancellation from elsewhere goes on as CancelledError."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_stalls", "_task", "not_before", "origin")
+    __slots__ = (
+        "_cancelling", "_expired", "_handle", "_stalls", "_started", "_stream", "_task", "origin",
+    )  # fmt: skip
 
     def __init__(
-        self, stalls: Stalls, origin: str, task: asyncio.Task[object], not_before: float
+        self, stalls: Stalls, origin: str, task: asyncio.Task[object], stream: bool = False
     ) -> None:
         self._stalls = stalls
         self.origin = origin
         self._task = task
-        self.not_before = not_before  # loop time
+        self._stream = stream
+        self._started = 0.0  # loop time
         self._handle: asyncio.TimerHandle | None = None
         self._cancelling = 0
         self._expired = False
 
     def __enter__(self) -> CallWatch:
+        self._started = self._task.get_loop().time()
         self._cancelling = self._task.cancelling()
         self._stalls.add(self)
         self._stalls.bound(self)
@@ -88,7 +100,8 @@ class CallWatch:
         tb: TracebackType | None,
     ) -> None:
         self._stalls.forget(self)
-        self.cap(None)
+        if self._handle is not None:
+            self.cap(None)
         if not self._expired:
             return
         # Its own cancel taken back: a block it left raises Stalled instead.
@@ -100,19 +113,36 @@ class CallWatch:
             ) from exc
 
     def cap(self, delay: float | None) -> None:
-        """Cut the call `delay` seconds from now, or at `not_before` if that
-        is later (None: not at all)."""
+        """Cut the call `delay` seconds from now, or at twice its usual time
+        to answer if that is later (None: not at all)."""
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.cancel()
         if delay is not None and not self._expired:
             loop = self._task.get_loop()
-            self._handle = loop.call_at(max(loop.time() + delay, self.not_before), self._expire)
+            usual = self._stalls.usual(self.origin, self._stream) or 0.0
+            when = max(loop.time() + delay, self._started + 2 * usual)
+            self._handle = loop.call_at(when, self._expire)
 
     def _expire(self) -> None:
         self._handle = None
         self._expired = True
         self._task.cancel()
+
+
+class NoWatch:
+    """A CallWatch that watches nothing (the watch is off)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> NoWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NO_WATCH: Final = NoWatch()
 
 
 class StreamWatch:
@@ -160,6 +190,9 @@ class Stalls:
         self.after_s = after_s
         self.unhealthy: frozenset[str] = frozenset()
         self._streams: dict[str, set[_Watch]] = {}
+        # Seconds an origin's calls (streams: to their first chunk) usually
+        # take to answer, or None; the forwarder's (its CommitTimes.p95).
+        self.usual: Callable[[str, bool], float | None] = lambda origin, stream: None
 
     def watch(self, origin: str) -> StreamWatch | None:
         """Register a stream read from `origin`; close() the watch when it ends."""
@@ -170,11 +203,11 @@ class Stalls:
         return watch
 
     def call(
-        self, origin: str, task: asyncio.Task[object], not_before: float = 0.0
+        self, origin: str, task: asyncio.Task[object], stream: bool = False
     ) -> CallWatch | None:
         """A watch for a call to `origin` made in `task` (`with` it around
-        the call), not cut before loop time `not_before`; None when off."""
-        return None if self.after_s is None else CallWatch(self, origin, task, not_before)
+        the call); None when off."""
+        return None if self.after_s is None else CallWatch(self, origin, task, stream)
 
     def on_apply(self, routes: Routes, policy: object) -> None:
         """A table was installed (a TableHolder hook): cap the streams of the

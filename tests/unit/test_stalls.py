@@ -137,10 +137,10 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     stalls = Stalls(0.01)
     hung = asyncio.Event()
 
-    async def call(origin: str, answer: asyncio.Event, not_before: float = 0.0) -> str:
+    async def call(origin: str, answer: asyncio.Event, stream: bool = False) -> str:
         task = asyncio.current_task()
         assert task is not None
-        watch = stalls.call(origin, task, not_before)
+        watch = stalls.call(origin, task, stream)
         assert watch is not None
         with watch:
             hung.set()
@@ -171,9 +171,9 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     # Not before twice the origin's usual time to answer (helper-191: probes
     # slow on a loaded origin cut the long answers it was giving).
     stalls.on_apply(routes("o0"), None)
-    usual = asyncio.get_running_loop().time() + 30.0
+    stalls.usual = lambda origin, stream: 15.0 if stream else None  # its streams' first chunks
     slow = asyncio.Event()
-    long = asyncio.ensure_future(call("o0", slow, not_before=usual))
+    long = asyncio.ensure_future(call("o0", slow, stream=True))
     await asyncio.sleep(0.05)  # five times after_s
     slow.set()
     assert await long == "answered"
