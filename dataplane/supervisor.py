@@ -132,11 +132,17 @@ def own_socket_path(name: Path, pid: int) -> Path:
     return name.with_name(f"{name.name}.{pid}")
 
 
+def linking_path(own: Path) -> Path:
+    """The link a process makes of its own name `own` as it takes the
+    worker's name over (dataplane.workers.publish_sockets)."""
+    return own.with_name(f"{own.name}.new")
+
+
 def forget_sockets(run_dir: Path, index: int, pid: int) -> None:
     """Remove the names process `pid` of worker `index` kept for its sockets."""
     for name in (socket_path(run_dir, index), metrics_socket_path(run_dir, index)):
         own = own_socket_path(name, pid)
-        for path in (own, own.with_name(f"{own.name}.new")):
+        for path in (own, linking_path(own)):
             path.unlink(missing_ok=True)
 
 

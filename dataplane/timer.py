@@ -26,7 +26,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Final
 
-__all__ = ["TIMER_GRAIN", "Bound", "Deadlines", "IdleTimeout", "LazyTimer"]
+__all__ = ["TIMER_GRAIN", "Bound", "Deadlines", "IdleTimeout", "LazyTimer", "cut_by_bound"]
 
 # uvloop's clock and timers count whole milliseconds: a timer may fire up to
 # one early by loop.time(), which is then taken as on time.
@@ -95,6 +95,17 @@ def _not_before_a_grain(due: float, now: float) -> float:
     return max(due, now + TIMER_GRAIN)
 
 
+def cut_by_bound(
+    task: asyncio.Task[object], cancelling: int, exc_type: type[BaseException] | None
+) -> bool:
+    """At the end of a block whose bound cancelled `task`: take that cancel
+    back, and whether the block was left by it (and no other cancellation,
+    counted from `cancelling` at the block's start), so that it raises the
+    bound's own error instead (TimeoutError here; dataplane.upstream.stalls'
+    Stalled)."""
+    return task.uncancel() <= cancelling and exc_type is asyncio.CancelledError
+
+
 def _exit_timeout(
     task: asyncio.Task[object],
     expired: bool,
@@ -102,11 +113,9 @@ def _exit_timeout(
     exc_type: type[BaseException] | None,
     exc: BaseException | None,
 ) -> None:
-    """The end of a block bounded as by `asyncio.timeout`: when the bound
-    cancelled `task` (`expired`), its cancel is taken back, and a block left
-    by that cancellation (and no other, counted from `cancelling` at the
-    start) raises TimeoutError instead."""
-    if expired and task.uncancel() <= cancelling and exc_type is asyncio.CancelledError:
+    """The end of a block bounded as by `asyncio.timeout`: a block left by
+    the bound's cancellation (`expired`) raises TimeoutError instead."""
+    if expired and cut_by_bound(task, cancelling, exc_type):
         raise TimeoutError from exc
 
 

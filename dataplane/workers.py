@@ -53,6 +53,7 @@ from dataplane.http.edge import LISTEN_BACKLOG
 from dataplane.http.errors import ApiError
 from dataplane.settings import Settings, WorkerSlot
 from dataplane.supervisor import (
+    linking_path,
     metrics_socket_path,
     own_socket_path,
     reuseport_socket,
@@ -329,7 +330,7 @@ def publish_sockets(settings: Settings) -> None:
     for sockets in (socket_path, metrics_socket_path):
         name = sockets(slot.run_dir, slot.index)
         staging = _staging(name)
-        link = staging.with_name(f"{staging.name}.new")
+        link = linking_path(staging)
         with contextlib.suppress(FileNotFoundError):  # no metrics app of its own
             link.unlink(missing_ok=True)
             os.link(staging, link)

@@ -1001,9 +1001,8 @@ class Forwarder:
         """The watch of a call to `origin` made in the current task."""
         stalls, loop = self.stalls, self._loop
         task = asyncio.current_task(loop) if stalls.after_s is not None and loop else None
-        if task is None:
-            return NO_WATCH
-        return CallWatch(stalls, origin, task, stream)
+        watch = stalls.call(origin, task, stream) if task is not None else None
+        return watch or NO_WATCH
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")

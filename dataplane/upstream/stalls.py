@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Final, Protocol
 
 from dataplane.routes import Routes
-from dataplane.timer import IdleTimeout
+from dataplane.timer import IdleTimeout, cut_by_bound
 
 __all__ = [
     "DEFAULT_UNHEALTHY_IDLE_S",
@@ -102,11 +102,7 @@ class CallWatch:
         self._stalls.forget(self)
         if self._handle is not None:
             self.cap(None)
-        if not self._expired:
-            return
-        # Its own cancel taken back: a block it left raises Stalled instead.
-        ours = self._task.uncancel() <= self._cancelling
-        if ours and exc_type is asyncio.CancelledError:
+        if self._expired and cut_by_bound(self._task, self._cancelling, exc_type):
             raise Stalled(
                 f"no answer within {self._stalls.after_s:g} s of the route table marking "
                 "it unhealthy (--unhealthy-stream-idle-timeout)"
