@@ -339,6 +339,7 @@ class StatusWeb:
         reports too (`sample`)."""
         proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
         replicas, leader = await self._catalog.list_replicas()
+        replica_ids = {str(r.get("id", "")) for r in replicas}
         latest = self._publisher.latest
         table = latest.table if latest else pb.RouteTable()
         latest_version = latest.version if latest else 0
@@ -355,7 +356,7 @@ class StatusWeb:
         return {
             "replica": self._replica_id,
             "leader": leader,
-            "replicas": sorted(str(r.get("id", "")) for r in replicas),
+            "replicas": sorted(replica_ids),
             "latest_version": latest_version,
             "writes": self.writes,
             "writes_off": self._writes_off,
@@ -375,9 +376,7 @@ class StatusWeb:
             # Proxies this replica saw listed that no longer are, whose replica
             # is gone too (trial 49: a region whose proxy's replica stopped
             # read "no proxy in this region" while it served).
-            "departed": departed_rows(
-                self._departures.gone(), {str(r.get("id", "")) for r in replicas}, now
-            ),
+            "departed": departed_rows(self._departures.gone(), replica_ids, now),
             # What every Admin write warns of while it lasts (fleetwarnings).
             "fleet_warnings": list(fleet_warnings(proxies)),
             "tenants": [
