@@ -48,6 +48,7 @@ from controlplane.model import (
     DrainKind,
     Limits,
     Origin,
+    OriginEjected,
     OriginHealth,
     ProxyRecord,
     Purge,
@@ -1076,11 +1077,14 @@ def _with_conflicts(p: ProxyRecord, conflicts: dict[str, str]) -> ProxyRecord:
 
 
 # A proxy's last report as its replica keeps it: requests, 5xx, 4xx, heard
-# at, region -> (requests, errors) of the proxied requests each served, and
-# tenant -> (requests refused by a rate limit, requests that waited for a slot).
+# at, region -> (requests, errors) of the proxied requests each served,
+# tenant -> (requests refused by a rate limit, requests that waited for a
+# slot), and origin -> (since, ejections, last failure, failed at, until) of
+# the origins it ejected (Unix times; OriginEjected).
 Served = dict[str, tuple[int, int]]
 Limited = dict[str, tuple[int, int]]
-Traffic = tuple[int, int, int, float, Served, Limited]
+Ejections = dict[str, tuple[float, int, str, float, float]]
+Traffic = tuple[int, int, int, float, Served, Limited, Ejections]
 
 
 def _traffic_of(raw: object) -> dict[str, Traffic]:
@@ -1089,13 +1093,21 @@ def _traffic_of(raw: object) -> dict[str, Traffic]:
     out: dict[str, Traffic] = {}
     for name, entry in raw.items():
         with contextlib.suppress(ValueError, TypeError, AttributeError):
-            # A replica from before `served` wrote four values, and one from
-            # before `limited` five.
+            # A replica from before `served` wrote four values, one from
+            # before `limited` five, and one from before `ejected` six.
             requests, server, client, heard, *rest = entry
             served, limited = (_pairs(rest[i]) if len(rest) > i else {} for i in (0, 1))
+            ejected = _ejections(rest[2]) if len(rest) > 2 else {}
             counts = (int(requests), int(server), int(client), float(heard))
-            out[str(name)] = (*counts, served, limited)
+            out[str(name)] = (*counts, served, limited, ejected)
     return out
+
+
+def _ejections(raw: dict[str, list[Any]]) -> Ejections:
+    return {
+        str(origin): (float(since), int(n), str(failure), float(failed_at), float(until))
+        for origin, (since, n, failure, failed_at, until) in raw.items()
+    }
 
 
 def _pairs(raw: dict[str, list[int]]) -> dict[str, tuple[int, int]]:
@@ -1108,7 +1120,7 @@ def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> Pro
     entry = traffic.get(p.control_plane_id, {}).get(p.name)
     if entry is None:
         return p
-    requests, server, client, heard, served, limited = entry
+    requests, server, client, heard, served, limited, ejected = entry
     return replace(
         p,
         requests=requests,
@@ -1117,6 +1129,7 @@ def _with_traffic(p: ProxyRecord, traffic: dict[str, dict[str, Traffic]]) -> Pro
         heard_at=heard,
         served=tuple((region, n, e) for region, (n, e) in sorted(served.items())),
         limited=tuple((tenant, n, w) for tenant, (n, w) in sorted(limited.items())),
+        ejected=tuple(OriginEjected(origin, *e) for origin, e in sorted(ejected.items())),
     )
 
 

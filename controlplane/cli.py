@@ -52,6 +52,8 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from controlplane.apply import ApplyError, change_text, non_finite, tenant_changes
+from controlplane.ejections import FleetEjection
+from controlplane.ejections import describe as describe_ejection
 from controlplane.errors import InvalidArgument
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
@@ -106,7 +108,22 @@ def _rows_regions(resp: apb.ListRegionsResponse) -> tuple[list[str], list[list[s
 
 def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
     header = ["NAME", "REGION", "URL", "MODELS", "WEIGHT", "DRAINED", "HEALTHY", "INFLIGHT"]
-    return [*header, "CONTINUATION"], [
+    now = time.time()
+    ejected = {
+        e.origin: describe_ejection(
+            FleetEjection(
+                e.origin,
+                tuple(e.proxies),
+                e.ejected_now,
+                now - e.for_s,
+                e.last_failure,
+                now - e.failed_s,
+            ),
+            now,
+        )
+        for e in resp.ejections
+    }
+    rows = [
         [
             o.name,
             o.region,
@@ -114,12 +131,23 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             ",".join(o.models),
             str(o.weight),
             "yes" if o.drained else "no",
-            "yes" if o.healthy else f"no ({o.health_detail})",
+            _health(o, ejected.get(o.name, "")),
             f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else ""),
             "off" if o.no_continuation else "on",
         ]
         for o in resp.origins
     ]
+    return [*header, "CONTINUATION"], rows
+
+
+def _health(o: pb.Origin, ejected: str) -> str:
+    """An origin's health as the probes see it, and as the proxies' passive
+    health does when it differs (trial 49: an origin failing every request
+    passed its /health probes, and read "yes")."""
+    probes = "yes" if o.healthy else f"no ({o.health_detail})"
+    if not ejected:
+        return probes
+    return f"{probes}, but {ejected}" if o.healthy else f"{probes}; {ejected}"
 
 
 def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[str]]]:

@@ -376,6 +376,21 @@ class ProxyRecord:
     # rate limit, requests that waited for a concurrency slot).
     served: tuple[tuple[str, int, int], ...] = ()
     limited: tuple[tuple[str, int, int], ...] = ()
+    # And the origins its passive health ejected, by name.
+    ejected: tuple[OriginEjected, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OriginEjected:
+    """An origin a proxy reported it ejected since the origin last answered
+    (RouteRequest.ejected), in its replica's Unix time."""
+
+    origin: str
+    since: float  # its first ejection after its last answer
+    ejections: int
+    last_failure: str
+    failed_at: float
+    until: float  # the current ejection's end (not after failed_at: ended)
 
 
 @dataclass(frozen=True, slots=True)

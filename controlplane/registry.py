@@ -25,16 +25,17 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import orjson
 
-from controlplane.catalog import PROXIES, REPLICAS, Catalog, Limited, Served, Traffic
+from controlplane.catalog import PROXIES, REPLICAS, Catalog, Ejections, Limited, Served, Traffic
 from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord, decode_proxy
 from controlplane.quotasync import QUOTA_FORMAT
 from controlplane.store import KeyValue, LeaseExpired, StoreUnavailable
+from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -432,37 +433,53 @@ class ProxyRegistry:
         client_errors: int,
         served: Served | None = None,
         limited: Limited | None = None,
+        ejected: Sequence[pb.OriginEjected] = (),
     ) -> None:
         """Record a proxy's cumulative traffic counters (`served`: region ->
         requests, errors it served; `limited`: tenant -> requests refused by a
-        rate limit, requests that waited for a slot); written with a later
-        flush if they changed (the time heard goes along, never alone)."""
+        rate limit, requests that waited for a slot) and the origins it
+        ejected; written with a later flush if they changed (the time heard
+        goes along, never alone, and so do an ejection's times: its count
+        and last failure are what change it)."""
         record = self.sessions.get(session_id)
         if record is None:
             return
         served = served or {}
         limited = limited or {}
+        now = self._clock()
+        ejections = {
+            e.origin: (
+                now - e.for_s,
+                e.ejections,
+                e.last_failure,
+                now - e.failed_s,
+                now + e.ejected_s if e.ejected_s > 0 else now - e.failed_s,
+            )
+            for e in ejected
+        }
         last = self._traffic.get(record.name)
-        if last is None or (*last[:3], *last[4:]) != (
+        if last is None or (*last[:3], *last[4:6], _changes(last[6])) != (
             requests,
             server_errors,
             client_errors,
             served,
             limited,
+            _changes(ejections),
         ):
             self._traffic_dirty = True
         self._traffic[record.name] = (
             requests,
             server_errors,
             client_errors,
-            self._clock(),
+            now,
             served,
             limited,
+            ejections,
         )
 
     def traffic(self) -> dict[str, Traffic]:
         """This replica's proxies: name -> (requests, 5xx, 4xx, heard at,
-        served, limited)."""
+        served, limited, ejected)."""
         return {
             r.name: self._traffic[r.name] for r in self.sessions.values() if r.name in self._traffic
         }
@@ -631,3 +648,9 @@ class ProxyRegistry:
             with contextlib.suppress(StoreUnavailable):
                 await self._catalog.store.revoke_lease(self._lease)
             self._lease = 0
+
+
+def _changes(ejections: Ejections) -> dict[str, tuple[int, str]]:
+    """What makes a change of reported ejections worth a write: an origin's
+    count and last failure (their times move with every report)."""
+    return {origin: (e[1], e[2]) for origin, e in ejections.items()}

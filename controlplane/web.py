@@ -57,6 +57,8 @@ from controlplane.api.admin import drain_warned
 from controlplane.api.auditing import drain_changes, outcome_of
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
+from controlplane.ejections import describe as describe_ejection
+from controlplane.ejections import fleet_ejections
 from controlplane.errors import (
     AlreadyExists,
     ControlPlaneError,
@@ -353,6 +355,9 @@ class StatusWeb:
         for o in table.origins:
             origins.setdefault(o.region, []).append(o)
         tenant_limits = {t.name: t.limits for t in table.tenants}
+        ejected = {
+            origin: describe_ejection(e, now) for origin, e in fleet_ejections(proxies, now).items()
+        }
         return {
             "replica": self._replica_id,
             "leader": leader,
@@ -369,6 +374,7 @@ class StatusWeb:
                     rates.arrived.get(r.name),
                     rates.served.get(r.name),
                     region_proxies.get(r.name, 0),
+                    ejected,
                 )
                 for r in table.regions
             ],
@@ -638,7 +644,7 @@ def _connection(p: ProxyRecord) -> str:
     return f"{p.name}/{p.session_id}"
 
 
-def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
+def _origin_row(o: pb.Origin, load: pb.OriginLoad | None, ejected: str = "") -> dict[str, Any]:
     # The live scrape's requests when there is one: the table's figure is
     # written at most every few seconds, and one row showed both (trial 33).
     inflight = load.running + load.waiting if load else o.inflight
@@ -646,6 +652,9 @@ def _origin_row(o: pb.Origin, load: pb.OriginLoad | None) -> dict[str, Any]:
         "name": o.name,
         "healthy": o.healthy,
         "detail": o.health_detail,
+        # What the proxies' passive health says when it ejected the origin
+        # ("": none did), which probes of /health miss (trial 49).
+        "ejected": ejected,
         "drained": o.drained,
         "inflight": inflight,
         "capacity": o.capacity,
@@ -667,13 +676,16 @@ def _region_row(
     rates: list[float | None] | None,
     served: list[float | None] | None,
     proxies: int,
+    ejected: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A region as the page shows it: `requests_per_s` and its errors are of
     the requests its own proxies answered (where clients arrived; None with
     no proxy there), `served_per_s` and `served_errors_per_s` of the proxied
     requests its origins served for any proxy (the proxy's own region for
-    cache answers and refusals); each None while unknown (`_Rates`)."""
-    rows = [_origin_row(o, loads.get(o.name)) for o in origins]
+    cache answers and refusals); each None while unknown (`_Rates`).
+    `ejected`: origin -> what the proxies' passive health says of it."""
+    ejected = ejected or {}
+    rows = [_origin_row(o, loads.get(o.name), ejected.get(o.name, "")) for o in origins]
     serving = [row for row in rows if row["healthy"] and not row["drained"]]
     capacity = sum(row["capacity"] for row in serving)
     return {

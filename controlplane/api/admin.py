@@ -23,6 +23,7 @@ from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
+from controlplane.ejections import fleet_ejections
 from controlplane.errors import InvalidArgument, Unavailable
 from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
 from controlplane.messages import (
@@ -309,9 +310,26 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def ListOrigins(self, request: apb.ListRequest, context: Ctx) -> apb.ListOriginsResponse:
-        state = await self._catalog.snapshot()
+        state, proxies = await asyncio.gather(
+            self._catalog.snapshot(), self._catalog.list_proxies()
+        )
+        now = time.time()
+        known = {o.name for o in state.origins}
+        ejections = fleet_ejections(proxies, now)
         return apb.ListOriginsResponse(
-            origins=[origin_pb(o, state.health.get(o.name)) for o in state.origins]
+            origins=[origin_pb(o, state.health.get(o.name)) for o in state.origins],
+            ejections=[
+                apb.OriginEjections(
+                    origin=e.origin,
+                    proxies=e.proxies,
+                    last_failure=e.last_failure,
+                    for_s=now - e.since,
+                    ejected_now=e.ejected_now,
+                    failed_s=now - e.failed_at,
+                )
+                for e in ejections.values()
+                if e.origin in known
+            ],
         )
 
     @grpc_errors

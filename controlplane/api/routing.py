@@ -47,6 +47,14 @@ MAX_TENANTS = 256
 # characters (a proxy sends one per tenant it cannot verify JWTs of).
 MAX_WARNINGS = 16
 MAX_WARNING = 512
+# And at most this many ejected origins, each's last failure cut to
+# MAX_FAILURE characters (a proxy sends at most 64, each at most 200).
+MAX_EJECTED = 64
+MAX_FAILURE = 256
+# The longest ejection a report may state (a proxy's are at most 30 s; a
+# streak is not bounded but by the process's age: a year).
+MAX_EJECTION_S = 3600.0
+MAX_STREAK_S = 366 * 86400.0
 # Table pushes of one stream awaiting an answer, kept for push latency; a
 # proxy answers each push, so more than a few means it stopped answering.
 MAX_UNANSWERED = 16
@@ -382,6 +390,7 @@ class RoutingService:
                         for t in req.limited[:MAX_TENANTS]
                         if 0 < len(t.tenant) <= MAX_FIELD
                     },
+                    _ejected(req),
                 )
                 if req.warnings_current:
                     self._registry.warned(session_id, _warnings(req))
@@ -424,6 +433,31 @@ class RoutingService:
 def _warnings(req: pb.RouteRequest) -> tuple[str, ...]:
     """An ACK's or report's warnings, bounded in number and length."""
     return tuple(w[:MAX_WARNING] for w in req.warnings[:MAX_WARNINGS])
+
+
+def _ejected(req: pb.RouteRequest) -> list[pb.OriginEjected]:
+    """A report's ejected origins, bounded in number and length, their
+    durations in range (NaN and infinities to 0): what is stored of them must
+    read back as numbers."""
+    out = []
+    for e in req.ejected[:MAX_EJECTED]:
+        if not 0 < len(e.origin) <= MAX_FIELD:
+            continue
+        out.append(
+            pb.OriginEjected(
+                origin=e.origin,
+                for_s=_within(e.for_s, MAX_STREAK_S),
+                ejections=e.ejections,
+                last_failure=e.last_failure[:MAX_FAILURE],
+                ejected_s=_within(e.ejected_s, MAX_EJECTION_S),
+                failed_s=_within(e.failed_s, MAX_STREAK_S),
+            )
+        )
+    return out
+
+
+def _within(seconds: float, most: float) -> float:
+    return min(seconds, most) if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 def peer_host(peer: str) -> str:

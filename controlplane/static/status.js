@@ -103,7 +103,9 @@ function regionState(region) {
   // Every origin drained, or none yet: nothing to serve (review 46).
   if (!serving.length) return "idle";
   if (!healthy.length) return "down";
-  return healthy.length < serving.length ? "degraded" : "ok";
+  // One the proxies ejected passes its probes but fails their requests.
+  const clean = healthy.filter((o) => !o.ejected);
+  return clean.length < serving.length ? "degraded" : "ok";
 }
 
 function actionButton(kind, name, drained) {
@@ -140,6 +142,14 @@ function renderMarkers(regions) {
   group.replaceChildren(...markers);
 }
 
+// An origin's state: drained, unhealthy by the probes, failing (the probes
+// pass but proxies ejected it for failing their requests), or healthy.
+function originState(o) {
+  if (o.drained) return "drained";
+  if (!o.healthy) return "unhealthy";
+  return o.ejected ? "failing" : "healthy";
+}
+
 function originLoad(o) {
   const parts = [o.capacity
     ? `${o.inflight.toFixed(0)} / ${o.capacity} (${percent(o.load)})`
@@ -170,10 +180,11 @@ function renderRegions(regions, departed) {
   const cards = regions.map((r) => {
     const origins = r.origins.map((o) => el("tr", { "data-origin": o.name },
       el("td", {}, o.name),
-      el("td", {}, el("span", { class: `state ${o.drained ? "drained" : o.healthy ? "" : "unhealthy"}` },
-        o.drained ? "drained" : o.healthy ? "healthy" : "unhealthy"),
+      el("td", {}, el("span", { class: `state ${originState(o)}` }, originState(o)),
         // Why, where the operator looks (trial 27: a tooltip of the load cell only).
-        !o.healthy && o.detail ? el("span", { class: "why" }, o.detail) : null),
+        !o.healthy && o.detail ? el("span", { class: "why" }, o.detail) : null,
+        // What the proxies saw of its requests, which probes of /health miss.
+        o.ejected ? el("span", { class: "why failing" }, o.ejected) : null),
       el("td", { title: o.detail }, originLoad(o)),
       el("td", {}, actionButton("origins", o.name, o.drained))));
     // The map marker's state, in words (trial 27: "serving" with every origin down).

@@ -66,6 +66,7 @@ from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
 from dataplane.upstream.forwarder import Forwarder
 from dataplane.upstream.jwks import HttpFetch
+from dataplane.upstream.outlier import OutlierDetector
 from dataplane.upstream.stalls import Stalls
 from dataplane.upstream.wire import USER_AGENT
 from ponto.v1 import routing_pb2 as pb
@@ -164,6 +165,8 @@ class Proxy:
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
         self.stalls = stalls = Stalls(settings.unhealthy_stream_idle_timeout)
+        # Passive health, the forwarder's; what it ejected goes in reports.
+        self.outliers = outliers = OutlierDetector()
         holder.on_apply.append(stalls.on_apply)
         self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
         self.access_log = None
@@ -189,6 +192,7 @@ class Proxy:
             on_loads=self.loads.apply,
             demand=quota.demand,
             traffic=lambda: traffic_of(m.requests, m.genai_duration, m.limited),
+            ejected=outliers.ejected_report,
             report_interval=settings.report_interval,
             in_group=settings.worker is not None,
         )
@@ -241,7 +245,13 @@ class Proxy:
             self.access_log.start()
         if self.region_link is not None:
             await self.region_link.start()
-        forwarder = Forwarder(self.metrics, settings.upstream, loads=self.loads, stalls=self.stalls)
+        forwarder = Forwarder(
+            self.metrics,
+            settings.upstream,
+            loads=self.loads,
+            stalls=self.stalls,
+            outliers=self.outliers,
+        )
         # Built here, not in __init__: it needs the upstream pool.
         app[PIPELINE] = self.pipeline = Pipeline(
             self.holder,

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from dataplane.routes import TableError
 from dataplane.sync.holder import TableHolder
+from dataplane.upstream.outlier import Ejected
 from ponto import linkadvice
 from ponto.grpcconn import KEEPALIVE_OPTIONS, ClientOptions, CredentialError, aio_channel
 from ponto.v1 import routing_pb2 as pb
@@ -52,6 +53,9 @@ NOT_TRAFFIC = frozenset({"healthz", "health", "readyz", "metrics"})
 # enough for a group's worker to leave to its successor, short enough for a
 # proxy whose registration a stray retry of its own took to come back.
 SUPERSEDED_WAIT_S = 30.0
+# Ejected origins one report names: the control plane takes no more
+# (controlplane.api.routing.MAX_EJECTED).
+MAX_EJECTED_REPORTED = 64
 
 
 def traffic_of(
@@ -112,6 +116,7 @@ class ControlPlaneClient:
         on_loads: Callable[[pb.OriginLoads], object] | None = None,
         demand: Callable[[], list[pb.ScopeDemand]] | None = None,
         traffic: Callable[[], Traffic] | None = None,
+        ejected: Callable[[], Sequence[Ejected]] | None = None,
         report_interval: float = 1.0,
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
@@ -139,6 +144,7 @@ class ControlPlaneClient:
         self._on_loads = on_loads
         self._demand = demand
         self._traffic = traffic
+        self._ejected = ejected
         self._report_interval = report_interval
         self._clock = clock
         # The last failure logged of each address: a retry that fails the
@@ -395,7 +401,8 @@ class ControlPlaneClient:
 
     def report(self, session_id: str) -> pb.RouteRequest:
         """One report message: demand since the last one, cumulative traffic,
-        and the warnings (RouteRequest.warnings_current) if they are not
+        the origins passive health ejected (at most MAX_EJECTED_REPORTED), and
+        the warnings (RouteRequest.warnings_current) if they are not
         those last told on this stream: a JWKS URL's set lost or found
         between two tables (trial 26: `pontoctl get proxies` said what the
         last ACK had until the next table came)."""
@@ -416,6 +423,16 @@ class ControlPlaneClient:
                 message.served.add(region=region, requests_total=n, errors_total=errors)
             for tenant, (refused, waits) in sorted(traffic.limited.items()):
                 message.limited.add(tenant=tenant, refused_total=refused, slot_waits_total=waits)
+        if self._ejected is not None:
+            for e in self._ejected()[:MAX_EJECTED_REPORTED]:
+                message.ejected.add(
+                    origin=e.origin,
+                    for_s=e.for_s,
+                    ejections=e.ejections,
+                    last_failure=e.last_failure,
+                    ejected_s=e.ejected_s,
+                    failed_s=e.failed_s,
+                )
         return message
 
     def _handle(self, session_id: str, update: pb.RouteUpdate) -> pb.RouteRequest:

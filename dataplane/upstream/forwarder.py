@@ -806,7 +806,7 @@ class Forwarder:
             known = tries.busy_retry_s
             tries.busy_retry_s = wait if known is None else min(known, wait)
             return
-        if self.outliers.failure(target.name):
+        if self.outliers.failure(target.name, str(exc)):
             self._metrics.ejections.labels(target.name).inc()
             log.warning("origin %s ejected after repeated failures", target.name)
 
@@ -822,7 +822,7 @@ class Forwarder:
         tries.failures.append(f"{target.name}: request deadline exceeded")
         tries.worked = True
         tries.failed += 1
-        self.outliers.failure(target.name)
+        self.outliers.failure(target.name, "request deadline exceeded")
 
     async def _attempt(
         self,

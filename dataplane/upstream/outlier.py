@@ -8,7 +8,8 @@ it is tried last for as long as its Retry-After says (capped), and neither
 counts towards an ejection nor is reported as ejected (ejecting a busy origin
 would push its load onto the others). Ejected and busy origins are not
 removed from candidate lists but moved to the end, so a request still finds
-one if all are.
+one if all are. What it ejected is reported to the control plane
+(`ejected`), whose probes read only /health.
 Both classes are single-threaded (one event loop) and read time from an
 injected clock.
 """
@@ -21,6 +22,13 @@ from dataclasses import dataclass
 
 from dataplane.routes import Target
 
+# An origin is reported ejected while it is, and for this long after its last
+# failure, until it answers: one whose ejection ended but that no request
+# tried since (a failover region's origin) is not reported for ever.
+EJECTED_SHOWN_S = 60.0
+# The characters of a failure a report keeps.
+FAILURE_CHARS = 200
+
 
 @dataclass
 class _State:
@@ -28,6 +36,24 @@ class _State:
     ejections: int = 0
     until: float = 0.0  # ejected until
     busy_until: float = 0.0
+    # Ejections since the origin last answered, the first's time, and the
+    # last failure and its time: what the control plane is told.
+    streak: int = 0
+    streak_since: float = 0.0
+    last_failure: str = ""
+    failed_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ejected:
+    """An origin ejected since it last answered (RouteRequest.ejected)."""
+
+    origin: str
+    for_s: float  # since its first ejection after its last answer
+    ejections: int
+    last_failure: str
+    ejected_s: float  # left of the current ejection; 0 once it ended
+    failed_s: float  # since its last failure
 
 
 def _passed_over(state: _State | None, now: float) -> bool:
@@ -56,15 +82,23 @@ class OutlierDetector:
         state = self._states.get(origin)
         if state is not None:
             state.failures = 0
+            state.streak = 0
             if state.until <= self._clock():
                 state.ejections = max(0, state.ejections - 1)
 
-    def failure(self, origin: str) -> bool:
-        """Record a failure; return True if it ejected the origin."""
+    def failure(self, origin: str, why: str = "") -> bool:
+        """Record a failure (`why`: as the proxy logs it); return True if it
+        ejected the origin."""
         state = self._states.setdefault(origin, _State())
         state.failures += 1
         now = self._clock()
+        state.failed_at = now
+        if why:
+            state.last_failure = why[:FAILURE_CHARS]
         if state.failures >= self._consecutive and state.until <= now:
+            if not state.streak:
+                state.streak_since = now
+            state.streak += 1
             state.ejections += 1
             state.failures = 0
             state.until = now + min(self._cap, self._base * 2 ** (state.ejections - 1))
@@ -83,6 +117,23 @@ class OutlierDetector:
             return 0
         now = self._clock()
         return sum(1 for state in self._states.values() if state.until > now)
+
+    def ejected_report(self) -> list[Ejected]:
+        """The origins ejected since they last answered, each while it is
+        ejected and EJECTED_SHOWN_S after its last failure, by name."""
+        now = self._clock()
+        return [
+            Ejected(
+                origin,
+                now - state.streak_since,
+                state.streak,
+                state.last_failure,
+                max(0.0, state.until - now),
+                now - state.failed_at,
+            )
+            for origin, state in sorted(self._states.items())
+            if state.streak and (state.until > now or now - state.failed_at < EJECTED_SHOWN_S)
+        ]
 
     def passed_over(self, origin: str) -> bool:
         """Whether `order` moves the origin last now: ejected, or busy (a 429)."""

@@ -274,20 +274,71 @@ class ListOriginsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ORIGINS_FIELD_NUMBER: _builtins.int
+    EJECTIONS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def origins(self) -> _containers.RepeatedCompositeFieldContainer[_routing_pb2.Origin]: ...
+    @_builtins.property
+    def ejections(self) -> _containers.RepeatedCompositeFieldContainer[Global___OriginEjections]:
+        """The origins proxies last reported they ejected (RouteRequest.ejected),
+        each with the proxies that did: by the replicas' last traffic reports.
+        """
+
     def __init__(
         self,
         *,
         origins: _abc.Iterable[_routing_pb2.Origin] | None = ...,
+        ejections: _abc.Iterable[Global___OriginEjections] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["origins", b"origins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ejections", b"ejections", "origins", b"origins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListOriginsResponse: _TypeAlias = ListOriginsResponse  # noqa: Y015
+
+@_typing.final
+class OriginEjections(_message.Message):
+    """One origin's passive ejections across the fleet."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    PROXIES_FIELD_NUMBER: _builtins.int
+    LAST_FAILURE_FIELD_NUMBER: _builtins.int
+    FOR_S_FIELD_NUMBER: _builtins.int
+    EJECTED_NOW_FIELD_NUMBER: _builtins.int
+    FAILED_S_FIELD_NUMBER: _builtins.int
+    origin: _builtins.str
+    last_failure: _builtins.str
+    """The most recent of their last failures."""
+    for_s: _builtins.float
+    """Seconds since the longest of their ejection streaks began."""
+    ejected_now: _builtins.int
+    """Of `proxies`, those that hold it ejected now (the others try it again)."""
+    failed_s: _builtins.float
+    """Seconds since that last failure."""
+    @_builtins.property
+    def proxies(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The proxies that last reported it ejected, by name."""
+
+    def __init__(
+        self,
+        *,
+        origin: _builtins.str = ...,
+        proxies: _abc.Iterable[_builtins.str] | None = ...,
+        last_failure: _builtins.str = ...,
+        for_s: _builtins.float = ...,
+        ejected_now: _builtins.int = ...,
+        failed_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ejected_now", b"ejected_now", "failed_s", b"failed_s", "for_s", b"for_s", "last_failure", b"last_failure", "origin", b"origin", "proxies", b"proxies"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OriginEjections: _TypeAlias = OriginEjections  # noqa: Y015
 
 @_typing.final
 class ProxyStatus(_message.Message):

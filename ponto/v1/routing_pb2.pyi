@@ -1114,6 +1114,7 @@ class RouteRequest(_message.Message):
     WARNINGS_FIELD_NUMBER: _builtins.int
     WARNINGS_CURRENT_FIELD_NUMBER: _builtins.int
     HIGHEST_HELD_FIELD_NUMBER: _builtins.int
+    EJECTED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -1182,6 +1183,17 @@ class RouteRequest(_message.Message):
         JWTs are answered 503 auth_unavailable).
         """
 
+    @_builtins.property
+    def ejected(self) -> _containers.RepeatedCompositeFieldContainer[Global___OriginEjected]:
+        """Also on reports: the origins this proxy's passive health check ejected
+        (repeated failures of the requests it sent them) and has not seen answer
+        since, each while it is ejected and for a minute after its last failure;
+        the whole list every report (empty: none). The control plane's probes
+        read only /health: an origin that answers them but fails its requests is
+        shown so (`pontoctl get origins`, the status page). A proxy from before
+        it sends none.
+        """
+
     def __init__(
         self,
         *,
@@ -1200,14 +1212,56 @@ class RouteRequest(_message.Message):
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         warnings_current: _builtins.bool = ...,
         highest_held: _builtins.int = ...,
+        ejected: _abc.Iterable[Global___OriginEjected] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "error_detail", b"error_detail", "highest_held", b"highest_held", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "ejected", b"ejected", "error_detail", b"error_detail", "highest_held", b"highest_held", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RouteRequest: _TypeAlias = RouteRequest  # noqa: Y015
+
+@_typing.final
+class OriginEjected(_message.Message):
+    """An origin one proxy ejected (RouteRequest.ejected)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    FOR_S_FIELD_NUMBER: _builtins.int
+    EJECTIONS_FIELD_NUMBER: _builtins.int
+    LAST_FAILURE_FIELD_NUMBER: _builtins.int
+    EJECTED_S_FIELD_NUMBER: _builtins.int
+    FAILED_S_FIELD_NUMBER: _builtins.int
+    origin: _builtins.str
+    for_s: _builtins.float
+    """Seconds since its first ejection after its last answer."""
+    ejections: _builtins.int
+    """Ejections since its last answer."""
+    last_failure: _builtins.str
+    """Its last failure, as the proxy logs it (e.g. "HTTP 500 ...")."""
+    ejected_s: _builtins.float
+    """Seconds left of its current ejection (0: ended; it is tried again)."""
+    failed_s: _builtins.float
+    """Seconds since its last failure."""
+    def __init__(
+        self,
+        *,
+        origin: _builtins.str = ...,
+        for_s: _builtins.float = ...,
+        ejections: _builtins.int = ...,
+        last_failure: _builtins.str = ...,
+        ejected_s: _builtins.float = ...,
+        failed_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ejected_s", b"ejected_s", "ejections", b"ejections", "failed_s", b"failed_s", "for_s", b"for_s", "last_failure", b"last_failure", "origin", b"origin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OriginEjected: _TypeAlias = OriginEjected  # noqa: Y015
 
 @_typing.final
 class TenantLimited(_message.Message):

@@ -264,6 +264,70 @@ def test_a_drain_by_pontoctl_shows_on_the_page(
     assert button.get_attribute("data-action") == "undrain"
 
 
+def origin_row(browser: webdriver.Chrome, region: str, origin: str) -> str:
+    try:
+        return (
+            card(browser, region).find_element(By.CSS_SELECTOR, f'tr[data-origin="{origin}"]').text
+        )
+    except WebDriverException:  # re-rendered between the find and the read
+        return ""
+
+
+def test_an_origin_failing_its_requests_shows_so_though_its_probes_pass(
+    page: webdriver.Chrome, system: StatusFleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 49: an origin that answered its /health probes but failed every
+    request showed healthy, on the page and in `pontoctl get origins`, while
+    the proxies ejected it again and again."""
+    fleet = system.fleet
+    sim = f"http://{fleet.origins['origin-us-east'].address}/sim/config"
+    url = fleet.proxy_url("proxy-us-east") + "/chat/completions"
+
+    def ask(n: int) -> set[str]:
+        """Regions that answered n unique requests at proxy-us-east."""
+        served = set()
+        for _ in range(n):
+            body = {**BODY, "user": f"u-{time.monotonic_ns()}"}  # never a cache answer
+            r = httpx.post(url, json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            served.add(r.headers["x-ponto-region"])
+        return served
+
+    httpx.post(sim, json={"fail_rate": 1.0}, timeout=5).raise_for_status()
+    try:
+        # Each request fails at origin-us-east and goes on to another region:
+        # the third failure in a row ejects it.
+        assert "us-east" not in ask(3)
+        wait(
+            page,
+            lambda d: "ejected by proxy-us-east" in origin_row(d, "us-east", "origin-us-east"),
+            "the proxy's ejection of origin-us-east never showed",
+        )
+        row = origin_row(page, "us-east", "origin-us-east")
+        assert row.startswith("origin-us-east failing\nejected by proxy-us-east ("), row
+        assert "ago: answered 503" in row  # the simulator's injected failure
+        assert region_state(page, "us-east") == "degraded"
+        bundle = fleet.security
+        assert bundle is not None
+        address = fleet.controls["control-1"].address
+        argv = ["--control-plane", address, *bundle.admin_args(), "get", "origins"]
+        capsys.readouterr()
+        assert pontoctl(argv) == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if "origin-us-east" in x]
+        assert "yes, but ejected by proxy-us-east" in line
+    finally:
+        httpx.post(sim, json={"fail_rate": 0.0}, timeout=5).raise_for_status()
+
+    # It answers again: once a request reaches it (its ejection over), the
+    # proxy stops naming it, and the page says healthy.
+    def answered(d: webdriver.Chrome) -> bool:
+        ask(1)
+        return "ejected" not in origin_row(d, "us-east", "origin-us-east")
+
+    wait(page, answered, "origin-us-east still shown ejected after it answered")
+    assert region_state(page, "us-east") == "serving"
+
+
 def test_a_drain_clicked_with_the_token_reaches_the_proxies(
     page: webdriver.Chrome, system: StatusFleet
 ) -> None:
@@ -460,10 +524,14 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
     origin = cast(list[dict[str, object]], region["origins"])[0]
     well = {**origin, "name": "o-ok", "healthy": True, "detail": ""}
     down = {**origin, "name": "o-down", "detail": "probe timed out after 1.0s"}
+    # Its probes pass, but the proxies ejected it for failing their requests.
+    failing = {**well, "name": "o-failing", "ejected": "ejected by p-us (ejected now) for 9 s"}
     shown = {}
     for name, origins, drained in (
         ("ok", [well], False),
         ("degraded", [well, down], False),
+        ("failing", [well, failing], False),
+        ("failing alone", [failing], False),
         ("down", [down], False),
         ("idle", [{**well, "drained": True}], False),
         ("drained", [down], True),
@@ -474,17 +542,29 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
             "return [badge.textContent, badge.dataset.state,"
             " document.querySelector('#markers .marker').getAttribute('class'),"
             " Array.from(document.querySelectorAll('article.region td .why'),"
-            "  (s) => s.textContent)];",
+            "  (s) => s.textContent),"
+            " Array.from(document.querySelectorAll('article.region td > .state'),"
+            "  (s) => s.textContent),"
+            " getComputedStyle(document.querySelector('#markers circle')).fill];",
             {**FAKE_STATUS, "regions": [{**region, "origins": origins, "drained": drained}]},
         )
+    fills = {name: got.pop() for name, got in shown.items()}
+    why = ["probe timed out after 1.0s"]
+    ejected = ["ejected by p-us (ejected now) for 9 s"]
     assert shown == {
-        "ok": ["serving", "ok", "marker ok", []],
-        "degraded": ["degraded", "degraded", "marker degraded", ["probe timed out after 1.0s"]],
-        "down": ["down", "down", "marker down", ["probe timed out after 1.0s"]],
+        "ok": ["serving", "ok", "marker ok", [], ["healthy"]],
+        "degraded": ["degraded", "degraded", "marker degraded", why, ["healthy", "unhealthy"]],
+        "failing": ["degraded", "degraded", "marker degraded", ejected, ["healthy", "failing"]],
+        # Still tried (ejected origins go last, not never): not down.
+        "failing alone": ["degraded", "degraded", "marker degraded", ejected, ["failing"]],
+        "down": ["down", "down", "marker down", why, ["unhealthy"]],
         # Review 46: every origin drained, the region not: nothing serves.
-        "idle": ["no origin", "idle", "marker idle", []],
-        "drained": ["drained", "drained", "marker drained", ["probe timed out after 1.0s"]],
+        "idle": ["no origin", "idle", "marker idle", [], ["drained"]],
+        "drained": ["drained", "drained", "marker drained", why, ["unhealthy"]],
     }
+    # Trial 49: a drained region's marker and one with no origin to serve
+    # looked the same; the latter is hollow.
+    assert fills["idle"] == "rgb(255, 255, 255)" != fills["drained"]
 
 
 def test_an_unknown_region_rate_is_a_dash_with_the_reason(page: webdriver.Chrome) -> None:

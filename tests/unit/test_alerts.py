@@ -26,6 +26,7 @@ ALERTS = {
     "PontoProxyNoControlPlane",
     "PontoProxyDown",
     "PontoOriginDown",
+    "PontoOriginFailing",
     "PontoOriginLoadsStale",
     "PontoProxyLoadsStale",
     "PontoRegionDrainedTooLong",

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import pytest
 
 from dataplane.routes import Target
-from dataplane.upstream.outlier import OutlierDetector, RetryBudget
+from dataplane.upstream.outlier import (
+    EJECTED_SHOWN_S,
+    FAILURE_CHARS,
+    Ejected,
+    OutlierDetector,
+    RetryBudget,
+)
 
 
 class FakeClock:
@@ -356,3 +362,67 @@ def test_passed_over_is_what_order_moves_last() -> None:
     assert [detector.passed_over(n) for n in ("a", "b", "c")] == [True, True, False]
     clock.advance(2.0 + EPS)
     assert not any(detector.passed_over(n) for n in ("a", "b", "c"))
+
+
+# ---------------------------------------------------------------- what is reported
+
+
+def test_an_ejected_origin_is_reported_until_it_answers() -> None:
+    clock = FakeClock()
+    detector = OutlierDetector(consecutive=3, base=1.0, cap=30.0, clock=clock)
+    assert detector.ejected_report() == []
+    fail_times(detector, "a", 2)
+    assert detector.ejected_report() == []  # failing, not ejected
+    detector.failure("a", "answered 500")
+    clock.advance(0.5)
+    assert detector.ejected_report() == [Ejected("a", 0.5, 1, "answered 500", 0.5, 0.5)]
+    # Its ejection ends, it fails again: one streak, counted since its first.
+    clock.advance(1.0)
+    for why in ("answered 502", "", "timed out before the response started"):
+        detector.failure("a", why)
+    clock.advance(EPS)
+    (e,) = detector.ejected_report()
+    assert (e.for_s, e.ejections, e.last_failure) == (
+        1.5 + EPS,
+        2,
+        "timed out before the response started",
+    )
+    assert (e.ejected_s, e.failed_s) == (2.0 - EPS, EPS)
+    # Tried again after its ejection: still reported, as not ejected now.
+    clock.advance(2.0)
+    (e,) = detector.ejected_report()
+    assert e.ejected_s == 0.0 and e.ejections == 2
+    # An answer ends the streak.
+    detector.success("a")
+    assert detector.ejected_report() == []
+    # A failure that ejects nobody is not reported; one that ejects starts anew.
+    detector.failure("a", "answered 500")
+    assert detector.ejected_report() == []
+    fail_times(detector, "a", 2)
+    assert [(e.ejections, e.for_s) for e in detector.ejected_report()] == [(1, 0.0)]
+
+
+def test_an_origin_no_request_tried_since_is_reported_a_minute_after_its_last_failure() -> None:
+    """A failover region's origin, ejected while its region served: nothing
+    tries it once the home region is back, so no answer ends its streak."""
+    clock = FakeClock()
+    detector = OutlierDetector(consecutive=1, base=1.0, clock=clock)
+    detector.failure("far", "answered 500")
+    clock.advance(EJECTED_SHOWN_S - EPS)
+    assert [e.origin for e in detector.ejected_report()] == ["far"]
+    clock.advance(EPS)
+    assert detector.ejected_report() == []
+    # Tried and failing again: reported again, its streak not ended.
+    detector.failure("far")
+    assert [(e.ejections, e.for_s, e.ejected_s) for e in detector.ejected_report()] == [
+        (2, EJECTED_SHOWN_S, 2.0)
+    ]
+
+
+def test_a_busy_origin_is_not_reported_and_a_long_failure_is_cut() -> None:
+    clock = FakeClock()
+    detector = OutlierDetector(consecutive=1, clock=clock)
+    detector.busy("busy", 5.0)
+    detector.failure("long", "x" * 1000)
+    (e,) = detector.ejected_report()
+    assert e.origin == "long" and e.last_failure == "x" * FAILURE_CHARS

@@ -23,6 +23,7 @@ from controlplane.app import ControlPlane
 from controlplane.catalog import REGIONS, STATE_PREFIX, Catalog, Limited, Served, Traffic
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
+from controlplane.ejections import STALE_S
 from controlplane.errors import Unavailable
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, Tenant
@@ -237,7 +238,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
 
     async def report(at: float, eu: tuple[int, int, int], us: tuple[int, int, int]) -> None:
         plane.clock.now = at
-        traffic: dict[str, Traffic] = {"p-eu": (*eu, at, {}, {}), "p-us": (*us, at, {}, {})}
+        traffic: dict[str, Traffic] = {"p-eu": (*eu, at, {}, {}, {}), "p-us": (*us, at, {}, {}, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
 
     await report(1_000.0, (100, 1, 5), (0, 0, 0))
@@ -293,7 +294,7 @@ async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
     report = eu_west_after(plane)
 
     def p_eu(at: float, n: int) -> Traffic:
-        return (n, 0, 0, at, {"eu-west": (n, 0)}, {})
+        return (n, 0, 0, at, {"eu-west": (n, 0)}, {}, {})
 
     await report(1_000.0, {"p-eu": p_eu(1_000.0, 100)})
     # Registered but not heard from yet: it counted nothing, the rate is p-eu's.
@@ -305,11 +306,11 @@ async def test_a_region_rate_is_unknown_while_one_of_its_proxies_rates_is(
     # Its first report read: 40 requests (2 of them 4xx, none 5xx) served by
     # eu-west, when is not known. Unknown where it counted some, p-eu's
     # (known) plus 0 where it counted none.
-    p_eu2: Traffic = (40, 0, 2, 1_010.0, {"eu-west": (40, 0)}, {})
+    p_eu2: Traffic = (40, 0, 2, 1_010.0, {"eu-west": (40, 0)}, {}, {})
     eu = await report(1_010.0, {"p-eu": p_eu(1_010.0, 200), "p-eu2": p_eu2})
     assert region_rates(eu) == (None, 0.0, None, None, 0.0)
     # Its next report: both known, summed.
-    p_eu2 = (60, 0, 2, 1_015.0, {"eu-west": (60, 0)}, {})
+    p_eu2 = (60, 0, 2, 1_015.0, {"eu-west": (60, 0)}, {}, {})
     eu = await report(1_015.0, {"p-eu": p_eu(1_015.0, 250), "p-eu2": p_eu2})
     assert region_rates(eu) == (14.0, 0.0, 0.0, 14.0, 0.0)
 
@@ -329,7 +330,7 @@ async def test_a_proxy_started_within_the_window_has_rates_from_its_first_report
         "p-eu", "eu-west", "p-eu:8080", "1.0", "s-p-eu", "r1", 1_001.5, counting_from=1_000.0
     )
     await plane.catalog.register_proxy(record, plane.lease)
-    eu = await report(1_004.0, {"p-eu": (40, 0, 4, 1_004.0, {"eu-west": (40, 0)}, {})})
+    eu = await report(1_004.0, {"p-eu": (40, 0, 4, 1_004.0, {"eu-west": (40, 0)}, {}, {})})
     assert region_rates(eu) == (10.0, 0.0, 1.0, 10.0, 0.0)
     # A process that had run a while when it registered (connecting again,
     # to this replica): counted since before the window, unknown until its
@@ -339,8 +340,8 @@ async def test_a_proxy_started_within_the_window_has_rates_from_its_first_report
     )
     await plane.catalog.register_proxy(record, plane.lease)
     traffic: dict[str, Traffic] = {
-        "p-eu": (80, 0, 8, 1_008.0, {"eu-west": (80, 0)}, {}),
-        "p-eu2": (900, 0, 0, 1_008.0, {"eu-west": (900, 0)}, {}),
+        "p-eu": (80, 0, 8, 1_008.0, {"eu-west": (80, 0)}, {}, {}),
+        "p-eu2": (900, 0, 0, 1_008.0, {"eu-west": (900, 0)}, {}, {}),
     }
     assert region_rates(await report(1_008.0, traffic))[0] is None
 
@@ -354,7 +355,7 @@ async def test_regions_show_what_they_served_wherever_clients_arrived(plane: Pla
 
     async def report(at: float, requests: int, served: Served) -> dict[str, dict[str, Any]]:
         plane.clock.now = at
-        traffic: dict[str, Traffic] = {"p-us": (requests, 0, 0, at, served, {})}
+        traffic: dict[str, Traffic] = {"p-us": (requests, 0, 0, at, served, {}, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
         return {r["name"]: r for r in (await web.status(at))["regions"]}
 
@@ -890,8 +891,8 @@ async def test_tenants_show_the_limit_refusals_and_slot_waits_proxies_reported(
     async def report(at: float, eu: Limited, us: Limited) -> list[dict[str, Any]]:
         plane.clock.now = at
         traffic: dict[str, Traffic] = {
-            "p-eu": (0, 0, 0, at, {}, eu),
-            "p-us": (0, 0, 0, at, {}, us),
+            "p-eu": (0, 0, 0, at, {}, eu, {}),
+            "p-us": (0, 0, 0, at, {}, us, {}),
         }
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
         tenants: list[dict[str, Any]] = (await web.status(at))["tenants"]
@@ -961,7 +962,7 @@ async def test_a_restarted_proxy_starts_its_rates_afresh(plane: Plane) -> None:
     async def report(session: str, at: float, requests: int) -> list[Any]:
         record = ProxyRecord("p-eu", "eu-west", "p-eu:8080", "1.0", session, "r1", 900.0)
         await plane.catalog.register_proxy(record, plane.lease)
-        traffic: dict[str, Traffic] = {"p-eu": (requests, 0, 0, at, {}, {})}
+        traffic: dict[str, Traffic] = {"p-eu": (requests, 0, 0, at, {}, {}, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
         return [
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
@@ -982,11 +983,11 @@ async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
             r["requests_per_s"] for r in (await web.status(at))["regions"] if r["name"] == "eu-west"
         ]
 
-    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0, {}, {})}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (100, 0, 0, 1_000.0, {}, {}, {})}, plane.lease)
     for second in range(1_016, 1_060, 2):  # quiet: nothing written, the page polls
         assert await view(float(second)) == [0.0]
     # 90 requests, heard and written at once; nothing after.
-    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {}, {})}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (190, 0, 0, 1_060.0, {}, {}, {})}, plane.lease)
     (rate,) = await view(1_061.0)
     assert rate is not None and rate > 0
 
@@ -1004,7 +1005,9 @@ async def unviewed(plane: Plane, reports: dict[float, Limited], until: float) ->
         plane.clock.now = now
         while due and due[0][0] <= now:
             at, limited = due.pop(0)
-            await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, at, {}, limited)}, plane.lease)
+            await plane.catalog.put_traffic(
+                "r1", {"p-eu": (0, 0, 0, at, {}, limited, {})}, plane.lease
+            )
 
     async def sleep(seconds: float) -> None:
         if plane.clock.now + seconds > until:
@@ -1031,7 +1034,7 @@ async def test_a_burst_nobody_viewed_shows_when_the_page_is_opened_after_it(
 ) -> None:
     """The operator's trial: 39 refusals of acme, reported in two writes; the
     page opened 6 s after the last. Every report was a sample, viewed or not."""
-    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {})}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {}, {})}, plane.lease)
     burst: dict[float, Limited] = {1_031.0: {"acme": (20, 0)}, 1_035.0: {"acme": (39, 0)}}
     web = await unviewed(plane, burst, until=1_041.0)
     # From the quiet sample at the window's start (1_020.0) to the last report.
@@ -1042,7 +1045,7 @@ async def test_a_burst_nobody_viewed_shows_when_the_page_is_opened_after_it(
 
 
 async def test_a_page_opened_at_the_end_of_a_burst_counts_all_of_it(plane: Plane) -> None:
-    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {})}, plane.lease)
+    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {}, {})}, plane.lease)
     burst: dict[float, Limited] = {
         1_031.0: {"acme": (10, 2)},
         1_036.0: {"acme": (25, 4)},
@@ -1060,7 +1063,7 @@ async def test_a_tenant_a_known_proxy_first_reports_counts_from_zero(plane: Plan
     test_a_restarted_proxy_starts_its_rates_afresh); a tenant it first
     reports later was limited since its report before."""
     await plane.catalog.put_traffic(
-        "r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {"old": (7, 0)})}, plane.lease
+        "r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {"old": (7, 0)}, {})}, plane.lease
     )
     web = await unviewed(plane, {1_004.0: {"old": (7, 0), "new": (8, 0)}}, until=1_005.0)
     assert limits_of(await web.status(1_005.0)) == {"new": (2.0, 0.0)}
@@ -1262,7 +1265,7 @@ async def test_a_region_added_to_the_table_leaves_the_served_rates_known(plane: 
 
     async def at(t: float, n: int) -> dict[str, Any]:
         plane.clock.now = t
-        traffic: dict[str, Traffic] = {"p-eu": (n, 0, 0, t, {"eu-west": (n, 0)}, {})}
+        traffic: dict[str, Traffic] = {"p-eu": (n, 0, 0, t, {"eu-west": (n, 0)}, {}, {})}
         await plane.catalog.put_traffic("r1", traffic, plane.lease)
         return {r["name"]: r for r in (await web.status(t))["regions"]}
 
@@ -1313,3 +1316,32 @@ def test_only_a_departed_proxy_whose_replica_is_gone_too_is_listed() -> None:
         {"name": "p-a", "region": "eu-west", "address": "p-a:8080", "replica": "cp-1",
          "left_s": 60.0}
     ]  # fmt: skip
+
+
+async def test_an_origin_the_proxies_eject_shows_so_beside_its_probes(plane: Plane) -> None:
+    """Trial 49: an origin that answered /health but failed every request
+    showed healthy. The proxies' reports of their ejections show on its row:
+    by whom, since when, its last failure."""
+    web = web_of(plane)
+    now = 2_000.0
+    eu_failing = {"o-eu": (now - 40, 3, "answered 500", now - 2, now + 4)}
+    ended = {"o-eu": (now - 100, 5, "timed out before the response started", now - 10, now - 10)}
+    traffic: dict[str, Traffic] = {
+        "p-eu": (0, 0, 0, now, {}, {}, eu_failing),
+        "p-us": (0, 0, 0, now, {}, {}, ended),
+    }
+    await plane.catalog.put_traffic("r1", traffic, plane.lease)
+    regions = {r["name"]: r for r in (await web.status(now))["regions"]}
+    (eu,) = regions["eu-west"]["origins"]
+    assert eu["healthy"] is True
+    assert eu["ejected"] == (
+        "ejected by p-eu, p-us (2 proxies, 1 now) for 100 s; last failure 2 s ago: answered 500"
+    )
+    (us,) = regions["us-east"]["origins"]
+    assert us["ejected"] == ""
+    # Reports whose last failure is older than STALE_S are not shown (a
+    # replica that stopped writing its proxies' reports).
+    regions = {r["name"]: r for r in (await web.status(now + STALE_S - 5))["regions"]}
+    assert regions["eu-west"]["origins"][0]["ejected"] == (
+        "ejected by p-eu (tried again) for 2 min; last failure 87 s ago: answered 500"
+    )

@@ -11,11 +11,13 @@ import orjson
 from prometheus_client import generate_latest
 
 from controlplane.catalog import ACKS, TRAFFIC, Catalog
+from controlplane.model import OriginEjected
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
 from dataplane.metrics import MAX_LIMITED_TENANTS, Metrics
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, Traffic, traffic_of
+from dataplane.upstream.outlier import OutlierDetector
 from ponto.v1 import routing_pb2 as pb
 
 
@@ -145,7 +147,7 @@ async def test_the_registry_writes_reports_under_their_own_key_when_they_change(
     await registry.acked(record.session_id, 3, "")
     registry.reported(record.session_id, 40, 2, 5)
     registry.reported("no-such-session", 1, 1, 1)
-    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0, {}, {})}
+    assert registry.traffic() == {"p-eu": (40, 2, 5, 500.0, {}, {}, {})}
     await registry.flush(100.0)
     assert (store.puts[ACKS + "r1"], store.puts[TRAFFIC + "r1"]) == (1, 1)
     (proxy,) = await catalog.list_proxies()
@@ -200,8 +202,8 @@ async def test_counters_are_read_from_the_proxys_own_replica_only() -> None:
     registry = ProxyRegistry(catalog, "r2")
     await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
     # r1's reports still list the proxy's previous session, before it moved to r2.
-    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0, {}, {})}, lease)
-    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0, {}, {})}, lease)
+    await catalog.put_traffic("r1", {"p-eu": (999, 9, 9, 1.0, {}, {}, {})}, lease)
+    await catalog.put_traffic("r2", {"p-eu": (5, 0, 1, 2.0, {}, {}, {})}, lease)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.client_errors, proxy.heard_at) == (5, 1, 2.0)
     # A replica from before served wrote four values: nothing served is known.
@@ -213,7 +215,75 @@ async def test_counters_are_read_from_the_proxys_own_replica_only() -> None:
     await store.put(TRAFFIC + "r2", orjson.dumps({"p-eu": [6, 0, 1, 3.0, served]}), lease=lease)
     (proxy,) = await catalog.list_proxies()
     assert (proxy.served, proxy.limited) == ((("eu-west", 6, 0),), ())
+    # And one from before ejected wrote six: no origin ejected is known.
+    six = [6, 0, 1, 3.0, served, {"acme": [1, 2]}]
+    await store.put(TRAFFIC + "r2", orjson.dumps({"p-eu": six}), lease=lease)
+    (proxy,) = await catalog.list_proxies()
+    assert (proxy.limited, proxy.ejected) == ((("acme", 1, 2),), ())
     # No reports from its replica yet: the zeros.
     await store.delete(TRAFFIC + "r2")
     (proxy,) = await catalog.list_proxies()
     assert (proxy.requests, proxy.heard_at) == (0, 0.0)
+
+
+# ---------------------------------------------------------------- ejected origins
+
+
+def test_a_report_names_the_origins_passive_health_ejected() -> None:
+    """Trial 49: an origin failing every request passed its /health probes
+    and showed healthy; the proxies that eject it now say so."""
+    now = [1000.0]
+    outliers = OutlierDetector(consecutive=2, base=1.0, clock=lambda: now[0])
+    link = client(ejected=outliers.ejected_report)
+    assert list(link.report("s-1").ejected) == []
+    outliers.failure("o-us", "answered 500")
+    now[0] += 0.5
+    outliers.failure("o-us", "answered 502")
+    now[0] += 0.25
+    (e,) = link.report("s-1").ejected
+    assert (e.origin, e.ejections, e.last_failure) == ("o-us", 1, "answered 502")
+    assert (e.for_s, e.failed_s, e.ejected_s) == (0.25, 0.25, 0.75)
+
+
+async def test_the_registry_keeps_ejections_in_its_clock_and_writes_their_changes() -> None:
+    store = CountingStore()
+    catalog = Catalog(store)
+    clock = [500.0]
+    registry = ProxyRegistry(catalog, "r1", traffic_every=5.0, clock=lambda: clock[0])
+    record = await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    assert registry.streaming(record.session_id)
+    ejected = pb.OriginEjected(
+        origin="o-us",
+        for_s=40.0,
+        ejections=3,
+        last_failure="answered 500",
+        ejected_s=4.0,
+        failed_s=2.0,
+    )
+    registry.reported(record.session_id, 40, 2, 5, ejected=[ejected])
+    await registry.flush(100.0)
+    (proxy,) = await catalog.list_proxies()
+    assert proxy.ejected == (OriginEjected("o-us", 460.0, 3, "answered 500", 498.0, 504.0),)
+    # The same ejection a second later: its times moved, nothing else did, so
+    # nothing is written (the counters did not change either).
+    clock[0] = 501.0
+    later = pb.OriginEjected()
+    later.CopyFrom(ejected)
+    later.for_s, later.failed_s, later.ejected_s = 41.0, 3.0, 3.0
+    registry.reported(record.session_id, 40, 2, 5, ejected=[later])
+    await registry.flush(106.0)
+    assert store.puts[TRAFFIC + "r1"] == 1
+    # Another ejection is written, and an ended one is kept as ending at its failure.
+    clock[0] = 510.0
+    later.ejections, later.ejected_s, later.failed_s = 4, 0.0, 1.0
+    registry.reported(record.session_id, 40, 2, 5, ejected=[later])
+    await registry.flush(112.0)
+    (proxy,) = await catalog.list_proxies()
+    assert store.puts[TRAFFIC + "r1"] == 2
+    assert (proxy.ejected[0].ejections, proxy.ejected[0].until) == (4, 509.0)
+    # The origin answered: no longer named, and that is written.
+    clock[0] = 520.0
+    registry.reported(record.session_id, 40, 2, 5)
+    await registry.flush(118.0)
+    (proxy,) = await catalog.list_proxies()
+    assert proxy.ejected == ()
