@@ -29,7 +29,10 @@ Pure: no I/O, no clock.
 Unknown fields are refused with their path, so a typo never passes silently.
 An object's `drained` left out keeps the control plane's drain state (that is
 the operators' `pontoctl drain`); given, it is applied. Keys are never in the
-document: they are secrets, made with `pontoctl key create`.
+document: they are secrets, made with `pontoctl key create`. `--prune` deletes
+the objects of each kind the document lists (`origins:` given, `[]` too) that
+it leaves out; a kind it has no key for is left alone (trial 52: `get tenants
+-o yaml | apply -f - --prune` deleted every region and origin).
 
 The control plane writes a whole document in one etcd transaction, so one
 apply may change at most MAX_TXN_OPS (128, etcd's default --max-txn-ops)
@@ -235,6 +238,9 @@ class Topology:
     drain_unset: frozenset[tuple[str, str]] = frozenset()
     # (kind, name) -> the object's path in the document, for error messages.
     paths: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    # The kinds ("region", "origin", "tenant") the document has a list of,
+    # empty or not: those --prune may delete from.
+    listed: frozenset[str] = frozenset(("region", "origin", "tenant"))
 
 
 def parse(doc: Any) -> Topology:
@@ -289,7 +295,8 @@ def parse(doc: Any) -> Topology:
                 unset.add((kind, value.name))
     if errors:
         raise ApplyError(errors)
-    return Topology(tuple(regions), tuple(origins), tuple(tenants), frozenset(unset), paths)
+    listed = frozenset(kind[:-1] for kind in KINDS if kind in top.raw)
+    return Topology(tuple(regions), tuple(origins), tuple(tenants), frozenset(unset), paths, listed)
 
 
 def _region(o: _Obj) -> Region:
@@ -731,6 +738,7 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
                 new = replace(given, drained=old.drained)  # type: ignore[arg-type]
             changes.append(_compare(kind, old, new))
     deleted: dict[str, set[str]] = {"region": set(), "origin": set(), "tenant": set()}
+    unpruned: list[str] = []
     if prune:
         # Dependants first: tenants and origins, then the regions they were in.
         for kind, wanted, have in (
@@ -738,6 +746,13 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
             ("origin", topology.origins, current.origins),
             ("region", topology.regions, current.regions),
         ):
+            if kind not in topology.listed:
+                if have:
+                    unpruned.append(
+                        f"the document has no {kind}s list: --prune left the {len(have)} "
+                        f"{kind}(s) the control plane has alone (`{kind}s: []` deletes them)"
+                    )
+                continue
             keep = {v.name for v in wanted}
             for name in sorted(set(have) - keep):
                 deleted[kind].add(name)
@@ -792,4 +807,4 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
             *unserved_settings(t, origins.values(), "hedging"),
         )
     )
-    return Plan(tuple(changes), tuple(sorted(relies)), warnings)
+    return Plan(tuple(changes), tuple(sorted(relies)), (*unpruned, *warnings))

@@ -36,6 +36,7 @@ from controlplane import apply as topology
 from controlplane.budget import LEDGER_PREFIX, decode_ledger
 from controlplane.errors import (
     AlreadyExists,
+    ChangedSinceRead,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -194,9 +195,22 @@ class Catalog:
 
     # ------------------------------------------------------------ regions
 
-    async def put_region(self, region: Region, *, allow_update: bool) -> Region:
+    async def put_region(
+        self, region: Region, *, allow_update: bool, expected: Region | None = None
+    ) -> Region:
+        """Create region, or replace it when allow_update; with `expected`,
+        only a region whose settings (all but the drain flag) are still those
+        (ChangedSinceRead), as put_origin."""
         region = region.validated()
-        return await self._put("region", REGIONS, region, decode_region, allow_update)
+        unchanged = None
+        if expected is not None:
+            was = _region_settings(expected)
+
+            def unchanged(now: Region) -> None:
+                if _region_settings(now) != was:
+                    raise ChangedSinceRead(f"region {region.name!r}")
+
+        return await self._put("region", REGIONS, region, decode_region, allow_update, unchanged)
 
     async def get_region(self, name: str) -> Region:
         kv = await _guard(self.store.get(REGIONS + check_name("region", name)))
@@ -262,10 +276,7 @@ class Catalog:
 
             def unchanged(now: Origin) -> None:
                 if replace(now, drained=False) != was:
-                    raise FailedPrecondition(
-                        f"origin {origin.name!r} was changed since it was read; "
-                        "nothing was saved: run the command again"
-                    )
+                    raise ChangedSinceRead(f"origin {origin.name!r}")
 
         return await self._put("origin", ORIGINS, origin, decode_origin, allow_update, unchanged)
 
@@ -686,13 +697,23 @@ class Catalog:
         limits: Limits,
         *,
         seen: Callable[[ApiKeyRecord], None] | None = None,
+        expected: Limits | None = None,
     ) -> ApiKeyRecord:
         """Give a key new limits. A revoked key is refused (FailedPrecondition):
         it serves nothing, and the success would read as if it did. `seen` is
-        given the record as it was before (the last read, if a write raced)."""
+        given the record as it was before (the last read, if a write raced).
+        With `expected`, only a key whose limits are still those
+        (ChangedSinceRead otherwise)."""
         limits = limits.validated(f"key {key_id!r}")
+
+        def check(k: ApiKeyRecord) -> None:
+            if seen is not None:
+                seen(k)
+            if expected is not None and k.limits != expected and not k.revoked:
+                raise ChangedSinceRead(f"the limits of key {key_id!r}")
+
         return await self._change_live_key(
-            key_id, "its limits cannot change", seen=seen, limits=limits
+            key_id, "its limits cannot change", seen=check, limits=limits
         )
 
     async def set_key_models(
@@ -1014,6 +1035,12 @@ class Catalog:
             except (ValueError, TypeError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         return out
+
+
+def _region_settings(r: Region) -> Region:
+    """What a region update compares: all but the drain flag, its RTTs in
+    one order (as read back from a map, or as stored)."""
+    return replace(r, drained=False, rtt_ms=tuple(sorted(r.rtt_ms)))
 
 
 # A proxy's ACK as its replica's summary holds it: acked version, last NACK's

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import orjson
@@ -54,7 +54,7 @@ from grpc_health.v1 import health_pb2
 from controlplane.apply import ApplyError, change_text, non_finite, tenant_changes
 from controlplane.ejections import FleetEjection
 from controlplane.ejections import describe as describe_ejection
-from controlplane.errors import InvalidArgument
+from controlplane.errors import CHANGED_SINCE_READ, InvalidArgument
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
     DEFAULT_WEIGHT,
@@ -104,6 +104,32 @@ def _rows_regions(resp: apb.ListRegionsResponse) -> tuple[list[str], list[list[s
         ]
         for r in resp.regions
     ]
+
+
+# Reads and writes again this many times in all while a write is refused for
+# a change made since its read (another pontoctl at once).
+CHANGED_TRIES = 5
+
+R = TypeVar("R")
+
+
+def _read_and_write(attempt: Callable[[], R]) -> R:
+    """attempt() reads a record, then writes it with the settings given
+    changed, sending what it read as `expected`. Run again while such a write
+    is refused for a change made since its read (CHANGED_SINCE_READ), up to
+    CHANGED_TRIES times in all: each pontoctl's flags are changes to what it
+    read, so several at once all take (trial 52: two `tenant set --alias` at
+    once kept one alias, and both said "changed")."""
+    for _ in range(CHANGED_TRIES - 1):
+        try:
+            return attempt()
+        except grpc.RpcError as exc:
+            changed = exc.code() == grpc.StatusCode.FAILED_PRECONDITION and (
+                CHANGED_SINCE_READ in (exc.details() or "")
+            )
+            if not changed:
+                raise
+    return attempt()
 
 
 def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
@@ -413,21 +439,27 @@ def _parser() -> argparse.ArgumentParser:
         "name",
         help="the region's name: lowercase letters, digits and '-' (not at either end), at most 63",
     )
-    ra.add_argument("--lat", type=finite_float, required=True, help="latitude, -90..90")
-    ra.add_argument("--lon", type=finite_float, required=True, help="longitude, -180..180")
+    ra.add_argument("--lat", type=finite_float, help="latitude, -90..90 (needed to add a region)")
+    ra.add_argument(
+        "--lon", type=finite_float, help="longitude, -180..180 (needed to add a region)"
+    )
     ra.add_argument(
         "--rtt",
-        default="",
         metavar="R=MS,...",
-        help="measured round-trip ms to other regions (orders failover by RTT)",
+        help="measured round-trip ms to other regions (orders failover by RTT); with "
+        "--update it replaces the region's list ('' removes them all)",
     )
     ra.add_argument(
         "--spill-threshold",
         type=finite_float,
-        default=0.0,
-        help="load fraction (0..1) above which new requests spill to the next region (default 0.8)",
+        help="load fraction (0..1) above which new requests spill to the next region "
+        "(0: the default, 0.8)",
     )
-    ra.add_argument("--update", action="store_true", help="update the region if it exists")
+    ra.add_argument(
+        "--update",
+        action="store_true",
+        help="update the region if it exists, keeping each setting not given",
+    )
     region.add_parser("delete", help="delete a region without origins").add_argument(
         "name", help="the region's name"
     )
@@ -740,7 +772,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--prune",
         action="store_true",
-        help="also delete regions, origins and tenants the file does not list",
+        help="also delete the regions, origins and tenants the file leaves out of its lists "
+        "(a kind the file has no list of, not even [], is left alone)",
     )
 
     ex = sub.add_parser(
@@ -1394,6 +1427,61 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
     return "\n".join([head, table, tenants, "(-o json for the whole table)"])
 
 
+def _region_spec(args: argparse.Namespace, current: pb.Region | None) -> apb.RegionSpec:
+    """The region `region add` asks for: its flags, and for a region that
+    exists (`current`, with --update) its settings for the flags not given
+    (trial 52: an update reset its RTTs and spill threshold, and needed its
+    coordinates again)."""
+    if current is None:
+        missing = [flag for flag, v in (("--lat", args.lat), ("--lon", args.lon)) if v is None]
+        if missing:
+            if args.update:  # a misspelt name, most likely
+                raise UsageError(
+                    f"region {args.name} not found; adding it needs {', '.join(missing)}"
+                )
+            raise UsageError(
+                f"adding region {args.name} needs {', '.join(missing)} "
+                "(or --update, to change a region)"
+            )
+    spec = _region_as_spec(current) if current is not None else apb.RegionSpec(name=args.name)
+    if args.lat is not None:
+        spec.latitude = args.lat
+    if args.lon is not None:
+        spec.longitude = args.lon
+    if args.rtt is not None:
+        spec.rtt_ms.clear()
+        spec.rtt_ms.update(parse_rtt(args.rtt))
+    if args.spill_threshold is not None:
+        spec.spill_threshold = args.spill_threshold
+    return spec
+
+
+def _region_as_spec(r: pb.Region) -> apb.RegionSpec:
+    """A region's settings, as `region add` gives them."""
+    return apb.RegionSpec(
+        name=r.name,
+        latitude=r.latitude,
+        longitude=r.longitude,
+        rtt_ms=dict(r.rtt_ms),
+        spill_threshold=r.spill_threshold,
+    )
+
+
+def _region_changes(before: pb.Region, after: pb.Region) -> list[str]:
+    """What an update changed, as `origin add --update` says it."""
+
+    def shown(r: pb.Region) -> dict[str, str]:
+        return {
+            "lat": f"{r.latitude:g}",
+            "lon": f"{r.longitude:g}",
+            "rtt": ",".join(f"{k}={v:g}" for k, v in sorted(r.rtt_ms.items())) or "-",
+            "spill_threshold": f"{r.spill_threshold:g}" if r.spill_threshold else "default",
+        }
+
+    old, new = shown(before), shown(after)
+    return [f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k]]
+
+
 def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.OriginSpec:
     """The origin `origin add` asks for: its flags, and for an origin that
     exists (`current`, with --update) its settings for the flags not given."""
@@ -1505,35 +1593,49 @@ SHORT_IDLE_S = 1.0
 def run(args: argparse.Namespace, stub: Any) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
-        spec = apb.RegionSpec(
-            name=args.name,
-            latitude=args.lat,
-            longitude=args.lon,
-            rtt_ms=parse_rtt(args.rtt),
-            spill_threshold=args.spill_threshold,
-        )
-        region_of(spec).validated()
-        r = stub.PutRegion(apb.PutRegionRequest(region=spec, allow_update=args.update))
-        return f"region {r.name} ({r.latitude:g}, {r.longitude:g}) saved"
+
+        def put_region() -> tuple[pb.Region | None, pb.Region]:
+            current = None
+            if args.update:
+                listed = stub.ListRegions(apb.ListRequest()).regions
+                current = next((r for r in listed if r.name == args.name), None)
+            spec = _region_spec(args, current)
+            region_of(spec).validated()
+            # Saved only if no other change came since `current` was read.
+            expected = _region_as_spec(current) if current is not None else None
+            request = apb.PutRegionRequest(region=spec, allow_update=args.update, expected=expected)
+            return current, stub.PutRegion(request)
+
+        was, r = _read_and_write(put_region)
+        saved = f"region {r.name} ({r.latitude:g}, {r.longitude:g}) saved"
+        if was is None:
+            return saved
+        changed = _region_changes(was, r)
+        return f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged")
     if args.command == "region" and args.action == "delete":
         stub.DeleteRegion(apb.DeleteRequest(name=args.name))
         return f"region {args.name} deleted"
     if args.command == "origin" and args.action == "add":
-        current = None
-        if args.update:
-            listed = stub.ListOrigins(apb.ListRequest()).origins
-            current = next((o for o in listed if o.name == args.name), None)
-        ospec = _origin_spec(args, current)
-        origin_of(ospec).validated()
-        # Saved only if no other change came since `current` was read.
-        expected = _as_spec(current) if current is not None else None
-        o = stub.PutOrigin(
-            apb.PutOriginRequest(origin=ospec, allow_update=args.update, expected=expected)
-        )
+
+        def put_origin() -> tuple[pb.Origin | None, pb.Origin]:
+            current = None
+            if args.update:
+                listed = stub.ListOrigins(apb.ListRequest()).origins
+                current = next((o for o in listed if o.name == args.name), None)
+            ospec = _origin_spec(args, current)
+            origin_of(ospec).validated()
+            # Saved only if no other change came since `current` was read.
+            expected = _as_spec(current) if current is not None else None
+            request = apb.PutOriginRequest(
+                origin=ospec, allow_update=args.update, expected=expected
+            )
+            return current, stub.PutOrigin(request)
+
+        read, o = _read_and_write(put_origin)
         saved = f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
-        if current is None:
+        if read is None:
             return saved
-        changed = _origin_changes(current, o)
+        changed = _origin_changes(read, o)
         return f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged")
     if args.command == "origin" and args.action == "delete":
         stub.DeleteOrigin(apb.DeleteRequest(name=args.name))
@@ -1547,14 +1649,24 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return f"tenant {args.name} deleted"
         if not _tenant_flags_given(args):
             raise UsageError("give a setting to change (pontoctl tenant set --help)")
-        tenants = stub.ListTenants(apb.ListRequest()).tenants
-        current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
-        update = _tenant_update(args, current)
-        known = any(t.name == args.name for t in tenants)
-        if known and [f.name for f, _ in update.ListFields()] == ["name"]:
+
+        def set_tenant() -> tuple[pb.Tenant, apb.UpdateTenantRequest, pb.Tenant | None]:
+            tenants = stub.ListTenants(apb.ListRequest()).tenants
+            current = next((t for t in tenants if t.name == args.name), pb.Tenant(name=args.name))
+            update = _tenant_update(args, current)
+            known = any(t.name == args.name for t in tenants)
+            if known and [f.name for f, _ in update.ListFields()] == ["name"]:
+                return current, update, None
+            _merged(current, update).validated()
+            # Saved only if no other change came since `current` was read:
+            # `update` carries whole parts of it (every alias, every limit).
+            update.expected.CopyFrom(current)
+            return current, update, stub.UpdateTenant(update)
+
+        current, update, saved_tenant = _read_and_write(set_tenant)
+        if saved_tenant is None:
             return f"tenant {args.name} unchanged: it already has these settings"
-        _merged(current, update).validated()
-        t = stub.UpdateTenant(update)
+        t = saved_tenant
         # The whole routing policy, as `get tenants` shows it: a change of one
         # model's mode, the load bound or user sessions is seen in it too.
         # And its models, when it has a list or this set one.
@@ -1668,23 +1780,39 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 "give --rpm, --tpm, --concurrency, --tokens-per-day or --tokens-per-month "
                 "(0 removes that limit)"
             )
-        if args.key:
+
+        # Each saved only if no other change came since its limits were read.
+        def key_limits() -> tuple[pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
             listed = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
-            current = next((k.limits for k in listed.keys if k.id == args.key), pb.Limits())
+            key = next((k for k in listed.keys if k.id == args.key), None)
+            current = key.limits if key is not None else pb.Limits()
             limits = _limits_over(current, args, f"key {args.key!r}")
-            stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=args.key, limits=limits))
-            owner, scope, spent = f"key {args.key}", f"k/{args.key}", listed.spent
-        else:
+            request = apb.SetKeyLimitsRequest(id=args.key, limits=limits)
+            if key is not None:
+                request.expected.CopyFrom(current)
+            stub.SetKeyLimits(request)
+            return current, limits, listed.spent
+
+        def tenant_limits() -> tuple[pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
             tenants = stub.ListTenants(apb.ListRequest())
-            current = next(
-                (t.limits for t in tenants.tenants if t.name == args.tenant), pb.Limits()
+            tenant = next(
+                (t for t in tenants.tenants if t.name == args.tenant), pb.Tenant(name=args.tenant)
             )
+            current = tenant.limits
             limits = _limits_over(current, args, f"tenant {args.tenant!r}")
-            stub.UpdateTenant(apb.UpdateTenantRequest(name=args.tenant, limits=limits))
-            owner, scope, spent = f"tenant {args.tenant}", f"t/{args.tenant}", tenants.spent
+            request = apb.UpdateTenantRequest(name=args.tenant, limits=limits, expected=tenant)
+            stub.UpdateTenant(request)
+            return current, limits, tenants.spent
+
+        if args.key:
+            were, limits, spent = _read_and_write(key_limits)
+            owner, scope = f"key {args.key}", f"k/{args.key}"
+        else:
+            were, limits, spent = _read_and_write(tenant_limits)
+            owner, scope = f"tenant {args.tenant}", f"t/{args.tenant}"
         said = f"limits of {owner} set: {_limits_text(limits)}"
-        if current != limits:
-            said += f" (were: {_limits_text(current)})"
+        if were != limits:
+            said += f" (were: {_limits_text(were)})"
         notes = _budget_notes(limits, next((b for b in spent if b.scope == scope), None))
         return "\n".join([said, *(f"note: {n}" for n in notes)])
     if args.command == "cache":

@@ -41,6 +41,19 @@ class FailedPrecondition(ControlPlaneError):
     status = grpc.StatusCode.FAILED_PRECONDITION
 
 
+# What a write refused for a change made since its caller read the record
+# says (FAILED_PRECONDITION): pontoctl reads and writes again on it.
+CHANGED_SINCE_READ = "was changed since it was read"
+
+
+class ChangedSinceRead(FailedPrecondition):
+    """A write sent with the record as its caller read it (`expected`) found
+    the record changed: nothing was written."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} {CHANGED_SINCE_READ}; nothing was saved")
+
+
 class Unavailable(ControlPlaneError):
     status = grpc.StatusCode.UNAVAILABLE
 

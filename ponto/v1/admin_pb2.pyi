@@ -149,19 +149,28 @@ class PutRegionRequest(_message.Message):
 
     REGION_FIELD_NUMBER: _builtins.int
     ALLOW_UPDATE_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
     allow_update: _builtins.bool
     """false: fail with ALREADY_EXISTS if the region exists."""
     @_builtins.property
     def region(self) -> Global___RegionSpec: ...
+    @_builtins.property
+    def expected(self) -> Global___RegionSpec:
+        """Set (with allow_update): replace only a region whose settings (all but
+        its drain flag) are still these, as the caller read them; else
+        FAILED_PRECONDITION, as PutOriginRequest.expected.
+        """
+
     def __init__(
         self,
         *,
         region: Global___RegionSpec | None = ...,
         allow_update: _builtins.bool = ...,
+        expected: Global___RegionSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "region", b"region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_update", b"allow_update", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_update", b"allow_update", "expected", b"expected", "region", b"region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -510,6 +519,7 @@ class UpdateTenantRequest(_message.Message):
     STREAMS_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     SUSPENDED_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     clear_jwt: _builtins.bool
     """Remove the tenant's JWT issuer."""
@@ -533,6 +543,17 @@ class UpdateTenantRequest(_message.Message):
         every model).
         """
 
+    @_builtins.property
+    def expected(self) -> _routing_pb2.Tenant:
+        """Set: change only a tenant that is still as the caller read it (its
+        ListTenants entry; for the open tenant without a record, a Tenant of its
+        name alone), else FAILED_PRECONDITION ("was changed since it was read")
+        and nothing is written. pontoctl, which sends whole parts of the tenant
+        (all its aliases, all its limits) with one of them changed, reads and
+        sends again then: two `tenant set`s at once both take (trial 52: one was
+        lost, and both said "changed").
+        """
+
     def __init__(
         self,
         *,
@@ -546,10 +567,11 @@ class UpdateTenantRequest(_message.Message):
         streams: _routing_pb2.StreamPolicy | None = ...,
         models: _routing_pb2.ModelAccess | None = ...,
         suspended: _builtins.bool | None = ...,
+        expected: _routing_pb2.Tenant | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "expected", b"expected", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "clear_jwt", b"clear_jwt", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "clear_jwt", b"clear_jwt", "expected", b"expected", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__suspended: _TypeAlias = _typing.Literal["suspended"]  # noqa: Y015
     _WhichOneofArgType__suspended: _TypeAlias = _typing.Literal["_suspended", b"_suspended"]  # noqa: Y015
@@ -819,18 +841,26 @@ class SetKeyLimitsRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
+    @_builtins.property
+    def expected(self) -> _routing_pb2.Limits:
+        """Set: only a key whose limits are still these, as the caller read them;
+        else FAILED_PRECONDITION, as UpdateTenantRequest.expected.
+        """
+
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         limits: _routing_pb2.Limits | None = ...,
+        expected: _routing_pb2.Limits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "limits", b"limits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "id", b"id", "limits", b"limits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

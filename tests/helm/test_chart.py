@@ -1031,6 +1031,19 @@ def test_topology_leaves_out_empty_sections(default: list[Doc]) -> None:
     assert doc == {"regions": [{"name": "us-east", "lat": 38.9, "lon": -77.4}]}
 
 
+def test_with_prune_the_topology_lists_every_kind(helm: Path) -> None:
+    """--prune deletes only from the kinds a document lists (trial 52): with
+    topology.prune, values without origins or tenants mean none of them."""
+    docs = render(helm, "--set", "topology.prune=true")
+    doc = yaml.safe_load(one(docs, "ConfigMap", "ponto-topology")["data"]["topology.yaml"])
+    assert doc == {
+        "regions": [{"name": "us-east", "lat": 38.9, "lon": -77.4}],
+        "origins": [],
+        "tenants": [],
+    }
+    assert topology_apply.parse(doc).listed == {"region", "origin", "tenant"}
+
+
 def test_topology_job_is_a_hook_with_the_admin_credential(three: list[Doc]) -> None:
     job = one(three, "Job", "ponto-topology")
     notes = job["metadata"]["annotations"]

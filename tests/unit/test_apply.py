@@ -342,7 +342,8 @@ def test_an_update_says_each_value_old_to_new_and_a_dropped_block_removed() -> N
 
 
 def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
-    lone = parse({"origins": [{"name": "o", "region": "gone", "url": "http://h", "models": ["m"]}]})
+    lone_origin = {"name": "o", "region": "gone", "url": "http://h/v1", "models": ["m"]}
+    lone = parse({"origins": [lone_origin]})
     with pytest.raises(ApplyError) as raised:
         plan(lone, Current(), prune=False)
     assert raised.value.errors == (
@@ -352,8 +353,15 @@ def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
     have = Current(regions={"gone": Region("gone", 0, 0)})
     relied = plan(lone, have, prune=False)
     assert relied.relies_on == ("gone",)
+    # --prune deletes from the kinds the document lists: none of regions here.
+    pruned = plan(lone, have, prune=True)
+    assert pruned.relies_on == ("gone",)
+    assert pruned.warnings == (
+        "the document has no regions list: --prune left the 1 region(s) the control plane "
+        "has alone (`regions: []` deletes them)",
+    )
     with pytest.raises(ApplyError, match="region 'gone' is deleted by --prune"):
-        plan(lone, have, prune=True)
+        plan(parse({"regions": [], "origins": [lone_origin]}), have, prune=True)
     far = parse({"regions": [{"name": "a", "lat": 0, "lon": 0, "rtt_ms": {"b": 5, "gone": 9}}]})
     with pytest.raises(ApplyError) as raised:
         plan(far, have, prune=True)
@@ -365,7 +373,7 @@ def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
     with pytest.raises(
         ApplyError, match=r"tenant 'old' .* still has keys that are not revoked: k1"
     ):
-        plan(parse({}), keyed, prune=True)
+        plan(parse({"tenants": []}), keyed, prune=True)
     jwt = JwtIssuer("https://id", algorithms=("HS256",), hs256_secret_env="S")
     other = Current(tenants={"a": Tenant("a", jwt=jwt)})
     dup = parse({"tenants": [{"name": "b", "jwt": {"issuer": "https://id",
@@ -404,7 +412,7 @@ async def test_a_prune_past_one_transaction_is_refused_in_a_dry_run_too() -> Non
         await catalog.put_tenant(Tenant(f"t{i}"), allow_update=False)
     for dry_run in (True, False):
         with pytest.raises(InvalidArgument, match=r"changes 70 objects \(70 more writes:"):
-            await catalog.apply({"regions": []}, prune=True, dry_run=dry_run)
+            await catalog.apply({"tenants": []}, prune=True, dry_run=dry_run)
     assert len((await catalog.snapshot()).tenants) == 70
     # Half as many fit.
     plan = await catalog.apply({"tenants": [{"name": f"t{i}"} for i in range(35)]},
@@ -533,3 +541,31 @@ async def test_catalog_apply_retries_from_a_fresh_read_after_a_concurrent_write(
     assert acme.action == "updated" and "cache" in acme.fields  # judged against the new state
     stored = next(t for t in (await catalog.snapshot()).tenants if t.name == "acme")
     assert stored.limits.rpm == 900
+
+
+def test_prune_deletes_only_from_the_kinds_the_document_lists() -> None:
+    """Trial 52: `get tenants -o yaml | apply -f - --prune` deleted every
+    region and origin, the document having none."""
+    have = Current(
+        regions={"us": Region("us", 1, 1)},
+        origins={"o1": Origin("o1", "http://h/v1", "us", ("m",))},
+        tenants={"acme": Tenant("acme"), "beta": Tenant("beta")},
+    )
+    tenants_only = plan(parse({"tenants": [{"name": "acme"}]}), have, prune=True)
+    assert [(c.kind, c.name) for c in tenants_only.writes()] == [("tenant", "beta")]
+    assert tenants_only.warnings == (
+        "the document has no origins list: --prune left the 1 origin(s) the control plane "
+        "has alone (`origins: []` deletes them)",
+        "the document has no regions list: --prune left the 1 region(s) the control plane "
+        "has alone (`regions: []` deletes them)",
+    )
+    # An empty list is a list: all of that kind go.
+    everything = plan(parse({"regions": [], "origins": [], "tenants": []}), have, prune=True)
+    assert sorted((c.kind, c.name) for c in everything.writes()) == [
+        ("origin", "o1"),
+        ("region", "us"),
+        ("tenant", "acme"),
+        ("tenant", "beta"),
+    ]
+    # An empty document deletes nothing.
+    assert plan(parse({}), have, prune=True).writes() == ()
