@@ -1,0 +1,247 @@
+"""The chart's topology values (`topology.origins`, `tenants`, `extraRegions`) against
+`pontoctl apply -f`: the docs say a topology file pastes in unchanged, so the schema
+must take every field apply takes, and refuse what apply refuses where it can say so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controlplane import apply as topology_apply
+from tests.helm.test_chart import CHART, Doc, helm, one, refused, render, values_file
+
+__all__ = ["helm"]  # the session fixture, used here by name
+
+SCHEMA: Doc = json.loads((CHART / "values.schema.json").read_text())
+
+# Where the schema holds an origin and a tenant; the fields each block takes come
+# from apply.py itself, so a field added there and not here fails.
+ORIGIN = ("properties", "topology", "properties", "origins", "items")
+TENANT = ("properties", "topology", "properties", "tenants", "items")
+TENANT_BLOCKS = {
+    "limits": topology_apply.LIMIT_FIELDS,
+    "cache": topology_apply.CACHE_FIELDS,
+    "prompt": topology_apply.PROMPT_FIELDS,
+    "jwt": topology_apply.JWT_FIELDS,
+    "routing": topology_apply.ROUTING_FIELDS,
+    "streams": topology_apply.STREAM_FIELDS,
+}
+
+
+def _at(path: tuple[str, ...]) -> Doc:
+    node: Any = SCHEMA
+    for key in path:
+        node = node[key]
+    assert isinstance(node, dict)
+    return node
+
+
+def _fields(node: Doc) -> set[str]:
+    assert node.get("additionalProperties") is False, "an apply block refuses unknown fields"
+    return set(node["properties"])
+
+
+def test_the_schema_takes_the_fields_pontoctl_apply_takes() -> None:
+    assert _fields(_at(("definitions", "topologyRegion"))) == set(topology_apply.REGION_FIELDS)
+    assert _fields(_at(ORIGIN)) == set(topology_apply.ORIGIN_FIELDS)
+    tenant = _at(TENANT)
+    assert _fields(tenant) == set(topology_apply.TENANT_FIELDS)
+    blocks = {k for k, v in tenant["properties"].items() if v.get("type") == "object"}
+    # Every block apply reads with fields of its own is listed here (prompt.defaults
+    # and the like are maps, not blocks).
+    assert blocks == set(TENANT_BLOCKS)
+    for block, names in TENANT_BLOCKS.items():
+        assert _fields(tenant["properties"][block]) == set(names), block
+
+
+# Every field apply accepts, each with a value apply accepts.
+EVERY_FIELD: Doc = {
+    "proxy": {
+        "regions": [
+            {
+                "name": "us-east",
+                "lat": 38.9,
+                "lon": -77.4,
+                "rttMs": {"eu-west": 75},
+                "spillThreshold": 0.8,
+                "drained": False,
+            }
+        ]
+    },
+    "topology": {
+        "extraRegions": [
+            {
+                "name": "eu-west",
+                "lat": 53.3,
+                "lon": -6.3,
+                "rtt_ms": {"us-east": 75},
+                "spill_threshold": 0.9,
+                "drained": True,
+            }
+        ],
+        "origins": [
+            {
+                "name": "vllm-use1",
+                "region": "us-east",
+                "url": "http://vllm.us-east:8000/v1",
+                "models": ["llama-3-8b", "embed-small"],
+                "weight": 1000,
+                "capacity": 64,
+                "credential_env": "ORIGIN_USE1_KEY",
+                "continuation": False,
+                "drained": False,
+            },
+            {
+                "name": "vllm-euw1",
+                "region": "eu-west",
+                "url": "https://vllm.eu-west.example.com/v1",
+                "models": ["llama-3-8b"],
+                "weight": 1,
+                "credential_file": "/etc/ponto/keys/euw1",
+            },
+        ],
+        "tenants": [
+            {
+                "name": "acme",
+                "limits": {
+                    "rpm": 600,
+                    "tpm": 100000,
+                    "concurrency": 20,
+                    "tokens_per_day": 2000000,
+                    "tokens_per_month": 40000000,
+                },
+                "cache": {
+                    "mode": "semantic",
+                    "ttl_s": 3600,
+                    "semantic_threshold": 0.5,
+                    "semantic_max_error": 0.01,
+                    "cache_nondeterministic": True,
+                    "store_truncated": True,
+                },
+                "prompt": {
+                    "system_prompt": "Be brief.",
+                    "enforce_system_prompt": True,
+                    "defaults": {"temperature": 0},
+                    "max_tokens": 1024,
+                    "aliases": {"gpt-4o": "llama-3-8b"},
+                },
+                "jwt": {
+                    "issuer": "https://id.acme.example",
+                    "audiences": ["ponto"],
+                    "algorithms": ["RS256"],
+                    "jwks_url": "https://id.acme.example/jwks.json",
+                    "leeway_s": 30,
+                    "max_lifetime_s": 3600,
+                },
+                "routing": {
+                    "mode": "affinity",
+                    "models": {"embed-small": "least-loaded"},
+                    "user_sessions": True,
+                    "load_bound": 1.25,
+                },
+                "streams": {
+                    "continuation": True,
+                    "max_continuations": 2,
+                    "stream_idle_timeout_s": 30,
+                    "hedge_ms": "auto",
+                    "hedge_models": {"llama-3-8b": 500, "embed-small": "auto"},
+                },
+                "models": ["gpt-4o", "embed-small"],
+                "suspended": False,
+            },
+            {
+                "name": "globex",
+                "cache": {"mode": "exact", "semantic_threshold": 0},
+                "jwt": {
+                    "issuer": "https://id.globex.example",
+                    "algorithms": ["HS256"],
+                    "hs256_secret_env": "GLOBEX_JWT_SECRET",
+                },
+                "streams": {"hedge_ms": 250},
+                "routing": {"load_bound": 0},
+                "suspended": True,
+            },
+            {
+                "name": "initech",
+                "jwt": {
+                    "issuer": "https://id.initech.example",
+                    "algorithms": ["HS256", "ES256"],
+                    "jwks_file": "/etc/ponto/jwks/initech.json",
+                    "hs256_secret_file": "/etc/ponto/jwt/initech",
+                },
+            },
+        ],
+    },
+}
+
+
+def _used(doc: Any, path: str = "") -> set[str]:
+    """The dotted paths of the mappings' keys in doc (list items share their list's path)."""
+    if isinstance(doc, list):
+        return {p for item in doc for p in _used(item, path)}
+    if not isinstance(doc, dict):
+        return set()
+    return {f"{path}{k}" for k in doc} | {
+        p for k, v in doc.items() for p in _used(v, f"{path}{k}.")
+    }
+
+
+def test_a_topology_with_every_field_apply_takes_renders_and_parses(
+    helm: Path, tmp_path: Path
+) -> None:
+    # The values really use every field (the lists are apply's).
+    topology = EVERY_FIELD["topology"]
+    used = _used(topology["origins"]) | _used(topology["tenants"])
+    assert set(topology_apply.ORIGIN_FIELDS) | set(topology_apply.TENANT_FIELDS) <= used
+    for block, names in TENANT_BLOCKS.items():
+        assert {f"{block}.{n}" for n in names} <= used, block
+    assert set(topology_apply.REGION_FIELDS) <= _used(topology["extraRegions"])
+
+    docs = render(helm, "-f", values_file(tmp_path, EVERY_FIELD))
+    text = one(docs, "ConfigMap", "ponto-topology")["data"]["topology.yaml"]
+    desired = topology_apply.parse(yaml.safe_load(text))
+    assert [o.name for o in desired.origins] == ["vllm-use1", "vllm-euw1"]
+    assert desired.origins[0].continuation is False
+    acme = desired.tenants[0]
+    assert acme.routing.load_bound == pytest.approx(1.25)
+    assert acme.streams.hedge_auto is True
+    assert acme.models.names == ("embed-small", "gpt-4o")
+    assert desired.tenants[1].suspended is True
+
+
+def _origin(**fields: Any) -> Doc:
+    base = {"name": "o", "region": "us-east", "url": "http://o:8000/v1", "models": ["m"]}
+    return {"topology": {"origins": [{**base, **fields}]}}
+
+
+def _tenant(**fields: Any) -> Doc:
+    return {"topology": {"tenants": [{"name": "t", **fields}]}}
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        # apply reads weight 0 as "not given" and refuses it written.
+        (_origin(weight=0), "weight"),
+        (_origin(weight=1001), "weight"),
+        (_origin(credential_env="K", credential_file="/k"), "origins.0"),
+        (_tenant(cache={"semantic_threshold": 0.3}), "semantic_threshold"),
+        (_tenant(cache={"semantic_max_error": 0.5}), "semantic_max_error"),
+        (_tenant(routing={"mode": "random"}), "routing.mode"),
+        (_tenant(routing={"load_bound": 0.5}), "load_bound"),
+        (_tenant(streams={"hedge_ms": "soon"}), "hedge_ms"),
+        (_tenant(jwt={"issuer": "i", "algorithms": ["none"]}), "algorithms.0"),
+        (_tenant(models=[]), "models"),
+        ({"topology": {"tenants": [{"name": "Acme"}]}}, "tenants.0.name"),
+    ],
+)
+def test_the_schema_refuses_what_apply_refuses(
+    helm: Path, tmp_path: Path, values: Doc, where: str
+) -> None:
+    message = refused(helm, "-f", values_file(tmp_path, values))
+    assert "values don't meet the specifications of the schema" in message
+    assert where in message
