@@ -12,7 +12,18 @@ import pytest
 import yaml
 
 from controlplane import apply as topology_apply
-from tests.helm.test_chart import CHART, Doc, helm, one, refused, render, values_file
+from controlplane import cli as pontoctl
+from tests.helm.test_chart import (
+    CHART,
+    Doc,
+    container,
+    helm,
+    one,
+    pod_spec,
+    refused,
+    render,
+    values_file,
+)
 
 __all__ = ["helm"]  # the session fixture, used here by name
 
@@ -245,3 +256,42 @@ def test_the_schema_refuses_what_apply_refuses(
     message = refused(helm, "-f", values_file(tmp_path, values))
     assert "values don't meet the specifications of the schema" in message
     assert where in message
+
+
+def _fails_the_job_at_once(job: Doc, code: int) -> bool:
+    rules = job["spec"].get("podFailurePolicy", {}).get("rules", [])
+    return any(
+        r["action"] == "FailJob"
+        and r["onExitCodes"]["containerName"] == container(job)["name"]
+        and r["onExitCodes"]["operator"] == "In"
+        and code in r["onExitCodes"]["values"]
+        for r in rules
+        if "onExitCodes" in r
+    )
+
+
+def test_a_refused_topology_fails_the_job_at_once_an_absent_control_plane_is_retried(
+    helm: Path, tmp_path: Path
+) -> None:
+    job = one(render(helm, "--set", "tls.enabled=false"), "Job", "ponto-topology")
+    # podFailurePolicy is refused by the API server unless the pods never restart.
+    assert pod_spec(job)["restartPolicy"] == "Never"
+    token = tmp_path / "admin-token"
+    token.write_text("t")
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(yaml.safe_dump({"regions": [{"name": "us-east", "lat": 1, "lon": 2}]}))
+    args = [
+        a.replace("ponto-control.ponto.svc:7000", "127.0.0.1:1")
+        .replace("/etc/ponto/tokens/admin-token", str(token))
+        .replace("/etc/ponto/topology/topology.yaml", str(topology))
+        for a in container(job)["args"]
+    ]
+    # Nothing listens: the control plane is still starting, and a retry may reach it.
+    unavailable = pontoctl.main(args)
+    assert unavailable == 1
+    assert not _fails_the_job_at_once(job, unavailable)
+    # A refusal (here of the command line; INVALID_ARGUMENT exits the same) is
+    # given again on every retry.
+    refusal = pontoctl.main([*args, "--no-such-flag"])
+    assert refusal == 2
+    assert _fails_the_job_at_once(job, refusal)
