@@ -29,6 +29,20 @@ limit of a DNS label fail the render instead of being cut (a cut name can collid
 {{- $name -}}
 {{- end -}}
 
+{{/*
+A StatefulSet's name: "ponto.part", and at most 52 characters. The StatefulSet
+controller labels each pod controller-revision-hash=<name>-<hash of up to 10>, and a
+label value is at most 63 characters: with a longer name the API server refuses every
+pod, long after the render. Call with (list $ "part").
+*/}}
+{{- define "ponto.statefulSetName" -}}
+{{- $name := include "ponto.part" . -}}
+{{- if gt (len $name) 52 -}}
+{{- fail (printf "StatefulSet name %q is %d characters, above 52: Kubernetes labels its pods controller-revision-hash=<name>-<hash>, at most 63 characters, and would create none; shorten the release name or set fullnameOverride" $name (len $name)) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
 {{- define "ponto.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -226,6 +240,9 @@ its owner's to roll, as an existing Secret's is). */ -}}
 
 {{/* Checks the schema cannot express; fails the render with the reason. */}}
 {{- define "ponto.validate" -}}
+{{- /* First: a long release name fails every longer name too, and this message says
+what else goes wrong with it. */ -}}
+{{- if .Values.etcd.enabled }}{{ $_ := include "ponto.statefulSetName" (list $ "etcd") }}{{ end -}}
 {{- $regions := list -}}
 {{- range .Values.proxy.regions }}{{ $regions = append $regions .name }}{{ end -}}
 {{- range .Values.topology.extraRegions }}{{ $regions = append $regions .name }}{{ end -}}
@@ -243,6 +260,25 @@ its owner's to roll, as an existing Secret's is). */ -}}
 {{- end -}}
 {{- $proxyRegions := list -}}
 {{- range .Values.proxy.regions }}{{ $proxyRegions = append $proxyRegions .name }}{{ end -}}
+{{- /* The Services made per region, by name: each name is checked against the DNS
+label limit (the longest, "<fullname>-proxy-<region>-metrics", included), and two
+regions must not make the same one (regions "us" and "us-metrics"), which would
+render one Service over the other. */ -}}
+{{- $services := dict -}}
+{{- range $r := $proxyRegions -}}
+{{- $made := list (list (printf "proxy-%s" $r) "proxy Service") (list (printf "proxy-%s-metrics" $r) "metrics Service") -}}
+{{- if include "ponto.redis.deployed" (list $ $r) -}}
+{{- $made = append $made (list (printf "redis-%s" $r) "Redis Service") -}}
+{{- end -}}
+{{- range $made -}}
+{{- $name := include "ponto.part" (list $ (index . 0)) -}}
+{{- $what := printf "the %s of region %q" (index . 1) $r -}}
+{{- with get $services $name -}}
+{{- fail (printf "%s and %s would both be named %q: rename one of the regions" . $what $name) -}}
+{{- end -}}
+{{- $_ := set $services $name $what -}}
+{{- end -}}
+{{- end -}}
 {{- range $region, $_ := .Values.cache.redis.urls -}}
 {{- if not (has $region $proxyRegions) -}}
 {{- fail (printf "cache.redis.urls names region %q, which is not in proxy.regions" $region) -}}
