@@ -27,6 +27,9 @@ def workers(docs: list[Doc], region: str = "us-east") -> str:
         ({"proxy": {"resources": {"limits": {"cpu": "4000m"}}}}, "4"),
         ({"proxy": {"resources": {"limits": {"cpu": 2.5}}}}, "2"),
         ({"proxy": {"resources": {"limits": {"cpu": "250m"}}}}, "1"),
+        # One worker is what 0 gives under a limit below a core: accepted as given too.
+        ({"proxy": {"workers": 1, "resources": {"limits": {"cpu": "500m"}}}}, "1"),
+        ({"proxy": {"workers": 1, "resources": {"limits": {"cpu": 0.25}}}}, "1"),
         # Values merge into the defaults: null removes the default limit.
         ({"proxy": {"resources": {"limits": {"cpu": None}}}}, "1"),
     ],
@@ -58,6 +61,7 @@ def test_schema_refuses_a_wrong_worker_count(helm: Path, tmp_path: Path, bad: ob
     [
         {"proxy": {"workers": 3}},  # the default CPU limit is "2"
         {"proxy": {"workers": 2, "resources": {"limits": {"cpu": "1500m"}}}},
+        {"proxy": {"workers": 2, "resources": {"limits": {"cpu": "500m"}}}},
         {"proxy": {"regions": [{"name": "us-east", "lat": 1, "lon": 2, "workers": 3}]}},
         {
             "proxy": {

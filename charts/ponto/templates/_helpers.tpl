@@ -363,21 +363,23 @@ region.resources where), where naming the region in the message.
 {{/*
 ponto-proxy --workers: the given count, else the whole cores of the CPU limit ("2" and
 2 -> 2, "1500m" and 1.5 -> 1, at least 1), else 1. One worker per core the container
-may use: more would only share the same quota, so a count above the CPU limit fails
-the render. Call with (list workers resources where), where naming the values
-("proxy" or "region NAME") in the message.
+may use: more would only share the same quota, so a count above the whole cores of
+the CPU limit fails the render; 1 never does (a pod has one worker at least, and
+workers 0 gives 1 under the same limit). Call with (list workers resources where),
+where naming the values ("proxy" or "region NAME") in the message.
 */}}
 {{- define "ponto.proxy.workers" -}}
 {{- $workers := index . 0 | default 0 | int -}}
 {{- $cpu := dig "limits" "cpu" "" ((index . 1) | default dict) -}}
 {{- $millis := include "ponto.cpu.millis" $cpu | int -}}
-{{- if and $workers $millis (gt (mul $workers 1000) $millis) -}}
+{{- $cores := max 1 (div $millis 1000) -}}
+{{- if and $workers $millis (gt $workers $cores) -}}
 {{- fail (printf "%s: workers %d is above the CPU limit %v (resources.limits.cpu): each worker is an event loop that needs a whole core; lower workers, raise the limit, or set it to null for none" (index . 2) $workers $cpu) -}}
 {{- end -}}
 {{- if not $workers -}}
-{{- $workers = div $millis 1000 -}}
+{{- $workers = $cores -}}
 {{- end -}}
-{{- max 1 $workers -}}
+{{- $workers -}}
 {{- end -}}
 
 {{/*
