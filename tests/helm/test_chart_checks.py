@@ -65,3 +65,87 @@ def test_an_etcd_statefulset_name_its_pods_could_not_carry_is_refused(
     docs = render(helm, "--set", f"fullnameOverride={'f' * 47}", "-f", values)
     (etcd,) = objects(docs, "StatefulSet")
     assert len(etcd) == 52
+
+
+# ---------------------------------------------------------------- resources
+
+
+@pytest.mark.parametrize(
+    ("setting", "where"),
+    [
+        ("proxy.resources.limits.cpu=abc", "proxy.resources.limits.cpu"),
+        ("controlPlane.resources.requests.memory=128MB", "controlPlane.resources.requests.memory"),
+        ("etcd.resources.limits.memory=1 Gi", "etcd.resources.limits.memory"),
+        ("cache.redis.resources.requests.cpu=-1", "cache.redis.resources.requests.cpu"),
+    ],
+)
+def test_schema_refuses_what_is_no_kubernetes_quantity(
+    helm: Path, setting: str, where: str
+) -> None:
+    message = refused(helm, "--set", setting)
+    assert "values don't meet the specifications of the schema" in message
+    assert where in message
+
+
+def test_schema_refuses_a_region_s_quantity_but_takes_its_null(helm: Path, tmp_path: Path) -> None:
+    region = {"name": "us-east", "lat": 1, "lon": 2}
+    bad = {**region, "resources": {"limits": {"memory": "lots"}}}
+    message = refused(helm, "-f", values_file(tmp_path, {"proxy": {"regions": [bad]}}))
+    assert "proxy.regions.0.resources.limits.memory" in message
+    good = {**region, "resources": {"limits": {"cpu": None}, "requests": {"cpu": "150m"}}}
+    render(helm, "-f", values_file(tmp_path, {"proxy": {"regions": [good]}}))
+
+
+@pytest.mark.parametrize(
+    "quantity", ["2", "1.5", "500m", "256Mi", "1Gi", "500M", "1e3", "1E3", "250000u", ".5"]
+)
+def test_every_kubernetes_quantity_form_renders(helm: Path, quantity: str) -> None:
+    # As a request under a limit it cannot be above: the comparison reads it too.
+    render(
+        helm,
+        "--set-string",
+        f"controlPlane.resources.requests.memory={quantity}",
+        "--set-string",
+        "controlPlane.resources.limits.memory=1Ei",
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            "controlPlane.resources.requests.cpu=2",
+            "controlPlane.resources: requests.cpu 2 is above limits.cpu 1",
+        ),
+        (
+            "etcd.resources.requests.memory=2Gi",
+            "etcd.resources: requests.memory 2Gi is above limits.memory 1Gi",
+        ),
+        (
+            "cache.redis.resources.requests.memory=1Gi",
+            "cache.redis.resources: requests.memory 1Gi is above limits.memory 384Mi",
+        ),
+        (
+            "topology.job.resources.requests.cpu=1",
+            "topology.job.resources: requests.cpu 1 is above limits.cpu 500m",
+        ),
+    ],
+)
+def test_a_request_above_its_limit_is_refused_for_every_component(
+    helm: Path, setting: str, message: str
+) -> None:
+    assert message in refused(helm, "--set", setting)
+
+
+def test_resources_of_what_the_chart_does_not_run_are_not_checked(helm: Path) -> None:
+    render(
+        helm,
+        "--set",
+        "cache.redis.url=redis://r:6379/0",
+        "--set",
+        "cache.redis.resources.requests.memory=1Gi",
+        "--set",
+        "topology.apply=false",
+        "--set",
+        "topology.job.resources.requests.cpu=1",
+    )

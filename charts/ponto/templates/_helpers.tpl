@@ -284,6 +284,10 @@ render one Service over the other. */ -}}
 {{- fail (printf "cache.redis.urls names region %q, which is not in proxy.regions" $region) -}}
 {{- end -}}
 {{- end -}}
+{{- include "ponto.resources.check" (list .Values.controlPlane.resources "controlPlane") -}}
+{{- if .Values.etcd.enabled }}{{ include "ponto.resources.check" (list .Values.etcd.resources "etcd") }}{{ end -}}
+{{- range .Values.proxy.regions }}{{ if include "ponto.redis.deployed" (list $ .name) }}{{ include "ponto.resources.check" (list $.Values.cache.redis.resources "cache.redis") }}{{ end }}{{ end -}}
+{{- if .Values.topology.apply }}{{ include "ponto.resources.check" (list .Values.topology.job.resources "topology.job") }}{{ end -}}
 {{- if and .Values.geoip.enabled (not .Values.geoip.volume) -}}
 {{- fail "geoip.enabled needs geoip.volume: the volume that holds the .mmdb file" -}}
 {{- end -}}
@@ -306,18 +310,37 @@ none ("" or absent) -> 0.
 
 {{/*
 A resource quantity as a number, for comparing a request with its limit: "2",
-"1500m", 2.5, "256Mi", "1Gi", "500M", "1e3". Binary (Ki..Ei) and decimal (k..E) suffixes.
+"1500m", 2.5, "256Mi", "1Gi", "500M", "1e3". Binary (Ki..Ei) and decimal (n..E)
+suffixes: every form the schema's `quantity` pattern lets through.
 */}}
 {{- define "ponto.quantity" -}}
 {{- $q := . | toString -}}
-{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "m" 1e-3 -}}
+{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "m" 1e-3 "u" 1e-6 "n" 1e-9 -}}
 {{- $value := "" -}}
-{{- range $unit := list "Ki" "Mi" "Gi" "Ti" "Pi" "Ei" "k" "M" "G" "T" "P" "E" "m" -}}
+{{- range $unit := list "Ki" "Mi" "Gi" "Ti" "Pi" "Ei" "k" "M" "G" "T" "P" "E" "m" "u" "n" -}}
 {{- if and (not $value) (hasSuffix $unit $q) -}}
 {{- $value = mulf (trimSuffix $unit $q | float64) (get $units $unit) | toString -}}
 {{- end -}}
 {{- end -}}
 {{- $value | default ($q | float64 | toString) -}}
+{{- end -}}
+
+{{/*
+Fails the render when a request is above its limit, naming the values to change (the
+API server would refuse the workload, long after the render). The proxies' resources
+are checked after their merge, by "ponto.proxy.resources". Call with (list resources
+where), where the values' path ("controlPlane").
+*/}}
+{{- define "ponto.resources.check" -}}
+{{- $res := index . 0 | default dict -}}
+{{- $where := index . 1 -}}
+{{- $limits := get $res "limits" | default dict -}}
+{{- range $k, $request := (get $res "requests" | default dict) -}}
+{{- $limit := get $limits $k -}}
+{{- if and $request $limit (gt (include "ponto.quantity" $request | float64) (include "ponto.quantity" $limit | float64)) -}}
+{{- fail (printf "%s.resources: requests.%s %v is above limits.%s %v: lower the request or raise the limit" $where $k $request $k $limit) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
