@@ -149,3 +149,29 @@ def test_resources_of_what_the_chart_does_not_run_are_not_checked(helm: Path) ->
         "--set",
         "topology.job.resources.requests.cpu=1",
     )
+
+
+# ---------------------------------------------------------------- stopping proxies
+
+
+def test_a_grace_period_shorter_than_a_proxy_s_stop_is_refused(helm: Path, tmp_path: Path) -> None:
+    # preStop 5 + drain 10.5 + the supervisor's 75 s: 90.5 s, over the default 90.
+    values = values_file(tmp_path, {"proxy": {"drainSeconds": 10.5}})
+    message = refused(helm, "-f", values)
+    assert (
+        "proxy.terminationGracePeriodSeconds 90 is below what a stopping proxy may take" in message
+    )
+    assert "preStopSleepSeconds 5, then drainSeconds 10.5, then 75 s" in message
+    assert "raise terminationGracePeriodSeconds to 91" in message
+    longer = render(helm, "-f", values, "--set", "proxy.terminationGracePeriodSeconds=91")
+    deployment = objects(longer, "Deployment")["ponto-proxy-us-east"]
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 91
+    # Exactly enough is enough: 5 + 10 + 75.
+    render(helm, "--set", "proxy.drainSeconds=10")
+    # The preStop sleep counts as well.
+    assert "preStopSleepSeconds 20" in refused(helm, "--set", "proxy.preStopSleepSeconds=20")
+
+
+def test_a_grace_period_of_zero_is_refused(helm: Path) -> None:
+    message = refused(helm, "--set", "proxy.terminationGracePeriodSeconds=0")
+    assert "proxy.terminationGracePeriodSeconds: Must be greater than or equal to 1" in message

@@ -284,6 +284,16 @@ render one Service over the other. */ -}}
 {{- fail (printf "cache.redis.urls names region %q, which is not in proxy.regions" $region) -}}
 {{- end -}}
 {{- end -}}
+{{- /* A stopping proxy pod: the preStop sleep, then SIGTERM, after which each worker
+answers for --drain-seconds and its supervisor gives it 75 s more (up to 60 s for
+requests still running, then its clean-up; dataplane/supervisor.py SHUTDOWN_GRACE_S).
+A grace period shorter than all of it has the kubelet kill streams the proxy would
+have finished. */ -}}
+{{- $p := .Values.proxy -}}
+{{- $stop := addf ($p.preStopSleepSeconds | float64) ($p.drainSeconds | float64) 75 -}}
+{{- if lt ($p.terminationGracePeriodSeconds | float64) $stop -}}
+{{- fail (printf "proxy.terminationGracePeriodSeconds %v is below what a stopping proxy may take, %v s: preStopSleepSeconds %v, then drainSeconds %v, then 75 s (up to 60 s for requests still running, then the clean-up); past the grace period the kubelet kills the proxy and cuts its streams: raise terminationGracePeriodSeconds to %v or lower the others" $p.terminationGracePeriodSeconds $stop $p.preStopSleepSeconds $p.drainSeconds (ceil $stop)) -}}
+{{- end -}}
 {{- include "ponto.resources.check" (list .Values.controlPlane.resources "controlPlane") -}}
 {{- if .Values.etcd.enabled }}{{ include "ponto.resources.check" (list .Values.etcd.resources "etcd") }}{{ end -}}
 {{- range .Values.proxy.regions }}{{ if include "ponto.redis.deployed" (list $ .name) }}{{ include "ponto.resources.check" (list $.Values.cache.redis.resources "cache.redis") }}{{ end }}{{ end -}}
