@@ -175,3 +175,32 @@ def test_a_grace_period_shorter_than_a_proxy_s_stop_is_refused(helm: Path, tmp_p
 def test_a_grace_period_of_zero_is_refused(helm: Path) -> None:
     message = refused(helm, "--set", "proxy.terminationGracePeriodSeconds=0")
     assert "proxy.terminationGracePeriodSeconds: Must be greater than or equal to 1" in message
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_cache_redis_placement_wins_over_the_region_s(helm: Path, tmp_path: Path) -> None:
+    region = {
+        "name": "us-east",
+        "lat": 1,
+        "lon": 2,
+        "nodeSelector": {"pool": "edge", "zone": "a"},
+        "tolerations": [{"key": "edge", "operator": "Exists"}],
+    }
+    values = {
+        "proxy": {"nodeSelector": {"arch": "arm64", "pool": "general"}, "regions": [region]},
+        "cache": {
+            "redis": {
+                "nodeSelector": {"pool": "memory"},
+                "tolerations": [{"key": "memory", "operator": "Exists"}],
+            }
+        },
+    }
+    docs = render(helm, "-f", values_file(tmp_path, values))
+    spec = objects(docs, "Deployment")["ponto-redis-us-east"]["spec"]["template"]["spec"]
+    # cache.redis's key wins; the region's and proxy's others still place it.
+    assert spec["nodeSelector"] == {"pool": "memory", "zone": "a", "arch": "arm64"}
+    assert spec["tolerations"] == [{"key": "memory", "operator": "Exists"}]
+    proxy = objects(docs, "Deployment")["ponto-proxy-us-east"]["spec"]["template"]["spec"]
+    assert proxy["nodeSelector"] == {"pool": "edge", "zone": "a", "arch": "arm64"}
