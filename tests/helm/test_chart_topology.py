@@ -295,3 +295,31 @@ def test_a_refused_topology_fails_the_job_at_once_an_absent_control_plane_is_ret
     refusal = pontoctl.main([*args, "--no-such-flag"])
     assert refusal == 2
     assert _fails_the_job_at_once(job, refusal)
+
+
+def test_notes_without_the_topology_job_point_to_pontoctl(helm: Path, tmp_path: Path) -> None:
+    from tests.chartrun.__main__ import render as chartrun_render  # noqa: PLC0415
+
+    values = {
+        "topology": {
+            "apply": False,
+            "origins": [
+                {"name": "o", "region": "us-east", "url": "http://o:8000/v1", "models": ["m"]}
+            ],
+        }
+    }
+    run = chartrun_render(str(helm), [Path(values_file(tmp_path, values))], upgrade=False)
+    assert not [h for h in run.hooks if h["kind"] == "Job"]
+    notes = run.notes
+    assert "topology Job" not in notes
+    assert "job/ponto-topology" not in notes
+    assert "Drain a region through values" not in notes
+    assert "topology.apply is false: the chart applies no topology" in notes
+    assert "Drain a region with `pontoctl drain region NAME`" in notes
+    # The values' origins are not applied: the NOTES do not take them as served.
+    assert "The chart applies no origins (topology.apply is false)" in notes
+    # With the Job, as before.
+    applied = chartrun_render(str(helm), [], upgrade=False).notes
+    assert "job/ponto-topology" in applied
+    assert "the topology Job re-applies drain flags" in applied
+    assert "topology.apply is false" not in applied
