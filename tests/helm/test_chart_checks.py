@@ -4,13 +4,26 @@ refuse them with a message that does not name the value to change."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.helm.test_chart import Doc, helm, objects, refused, render, values_file
+from tests.helm.test_chart import (
+    CHART,
+    Doc,
+    helm,
+    matches,
+    objects,
+    refused,
+    render,
+    three,
+    values_file,
+)
 
-__all__ = ["helm"]  # the session fixture, used here by name
+__all__ = ["helm", "three"]  # the fixtures, used here by name
 
 
 def _regions(*names: str) -> Doc:
@@ -204,3 +217,66 @@ def test_cache_redis_placement_wins_over_the_region_s(helm: Path, tmp_path: Path
     assert spec["tolerations"] == [{"key": "memory", "operator": "Exists"}]
     proxy = objects(docs, "Deployment")["ponto-proxy-us-east"]["spec"]["template"]["spec"]
     assert proxy["nodeSelector"] == {"pool": "edge", "zone": "a", "arch": "arm64"}
+
+
+# ---------------------------------------------------------------- labels
+
+
+def _render_chart(helm: Path, chart: Path, *args: str) -> list[Doc]:
+    out = subprocess.run(
+        [str(helm), "template", "ponto", str(chart), "--namespace", "ponto", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_a_new_chart_version_rolls_neither_etcd_nor_redis(helm: Path, tmp_path: Path) -> None:
+    bumped = tmp_path / "ponto"
+    shutil.copytree(CHART, bumped)
+    meta = bumped / "Chart.yaml"
+    data = yaml.safe_load(meta.read_text())
+    meta.write_text(yaml.safe_dump({**data, "version": "9.9.9", "appVersion": "9.9.9"}))
+    # The image is pinned, as an upgrade that changes only the chart keeps it.
+    pin = ("--set", "image.tag=0.1.0")
+    before = {(d["kind"], d["metadata"]["name"]): d for d in _render_chart(helm, CHART, *pin)}
+    after = {(d["kind"], d["metadata"]["name"]): d for d in _render_chart(helm, bumped, *pin)}
+    for key in (("StatefulSet", "ponto-etcd"), ("Deployment", "ponto-redis-us-east")):
+        # The whole pod template: any change to it rolls the pods.
+        assert after[key]["spec"]["template"] == before[key]["spec"]["template"], key
+        assert after[key]["metadata"]["labels"]["helm.sh/chart"] == "ponto-9.9.9"
+    for key, doc in after.items():
+        if key[0] in ("Deployment", "StatefulSet", "Job"):
+            pod = doc["spec"]["template"]["metadata"]["labels"]
+            assert pod == before[key]["spec"]["template"]["metadata"]["labels"], key
+            assert "helm.sh/chart" not in pod and "app.kubernetes.io/version" not in pod, key
+            # What selects the pods still does (a Job selects its own).
+            if key[0] != "Job":
+                assert matches(doc["spec"]["selector"]["matchLabels"], pod), key
+
+
+def test_nothing_selects_pods_by_a_label_their_template_lacks(three: list[Doc]) -> None:
+    pods = [
+        d["spec"]["template"]["metadata"]["labels"]
+        for d in three
+        if d["kind"] in ("Deployment", "StatefulSet", "Job")
+    ]
+    selectors = []
+    for d in three:
+        spec = d.get("spec", {})
+        if d["kind"] in ("Service",):
+            selectors.append((d, spec.get("selector") or {}))
+        elif d["kind"] in ("PodDisruptionBudget", "Deployment", "StatefulSet"):
+            selectors.append((d, spec["selector"]["matchLabels"]))
+        elif d["kind"] == "NetworkPolicy":
+            selectors.append((d, spec["podSelector"]["matchLabels"]))
+            for rule in spec.get("ingress", []):
+                for peer in rule.get("from", []):
+                    selectors.append((d, peer["podSelector"]["matchLabels"]))
+    assert selectors
+    for d, selector in selectors:
+        if selector:
+            assert any(matches(selector, labels) for labels in pods), d["metadata"]["name"]
+            assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(selector)

@@ -54,6 +54,18 @@ app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/*
+A pod template's labels: the selector's and the two that never change. Not the chart's
+version nor the app's (they stay on the objects' own metadata): a pod template that
+changes rolls its pods, so each chart release would roll etcd's members and restart
+every Redis (emptying the regions' caches) for a label. Call with (list $ "component").
+*/}}
+{{- define "ponto.podLabels" -}}
+{{ include "ponto.selectorLabels" . }}
+app.kubernetes.io/part-of: ponto
+app.kubernetes.io/managed-by: {{ (index . 0).Release.Service }}
+{{- end -}}
+
 {{- define "ponto.labels" -}}
 {{- $root := index . 0 -}}
 helm.sh/chart: {{ include "ponto.chart" $root }}
