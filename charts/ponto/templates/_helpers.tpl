@@ -459,7 +459,8 @@ runbook_url: {{ printf "%s#%s" . (index $ 1 | lower) | quote }}
 {{/*
 The regional cache's store for a region's proxies (ponto-proxy --redis), by precedence:
 cache.redis.urls[region]; the urlSecret's URL ($(PONTO_REDIS_URL), which the proxy's
-env reads from the Secret); cache.redis.url; the chart's own server for the region
+env reads from the Secret and the kubelet expands into the argument: the pod spec never
+holds the password, the process's command line does); cache.redis.url; the chart's own server for the region
 when deploy is on; else "" (per-pod caches). Call with (list $ regionName).
 */}}
 {{- define "ponto.redis.url" -}}
