@@ -323,3 +323,18 @@ def test_notes_without_the_topology_job_point_to_pontoctl(helm: Path, tmp_path: 
     assert "job/ponto-topology" in applied
     assert "the topology Job re-applies drain flags" in applied
     assert "topology.apply is false" not in applied
+
+
+def test_a_region_without_proxies_takes_any_name_apply_takes(helm: Path, tmp_path: Path) -> None:
+    # 63 characters: apply's limit. proxy.regions' names stop at 40 (object names
+    # are made of them); extra regions make no object.
+    name = "r" * 63
+    values = {
+        "topology": {
+            "extraRegions": [{"name": name, "lat": 1, "lon": 2}],
+            "origins": [{"name": "o", "region": name, "url": "http://o:8000/v1", "models": ["m"]}],
+        }
+    }
+    docs = render(helm, "-f", values_file(tmp_path, values))
+    text = one(docs, "ConfigMap", "ponto-topology")["data"]["topology.yaml"]
+    assert topology_apply.parse(yaml.safe_load(text)).origins[0].region == name
