@@ -943,8 +943,20 @@ class Forwarder:
                     try:
                         if streamed:
                             # Until the client has seen a byte, a failing origin can
-                            # still be replaced by the next one: wait for the first chunk.
+                            # still be replaced by the next one: wait for the first
+                            # event of the answer, past comments (an origin's keep-
+                            # alive while it queues) and a Responses stream's preamble
+                            # (trial 51: either committed the stream, and a stall
+                            # before the first token then cut it, not failed over).
                             first = await resp.content.readany()
+                            preamble = path.endswith(RESPONSES_PATH)
+                            while first and not _begun(first, preamble):
+                                if len(first) > MAX_HELD_BEFORE_EVENT:
+                                    break  # an origin that keeps talking: it answers
+                                more = await resp.content.readany()
+                                if not more:
+                                    raise _Retryable("cut", "stream ended before any event")
+                                first += more
                             if first_within is not None:
                                 # The rest of the stream: its relay times its idle gaps.
                                 resp.time_reads(self._settings.read_timeout)
@@ -1006,6 +1018,42 @@ class Forwarder:
 
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+
+
+# What a stream may send before its first event of the answer and still be
+# replaced by another origin's: comments and preamble events are small.
+MAX_HELD_BEFORE_EVENT = 64 * 1024
+RESPONSES_PATH = "/responses"
+# A Responses stream's events before any output: the response, created, then
+# in progress (OpenAI sends both at once, before the model has run).
+_PREAMBLE_TYPE = re.compile(rb'"type"\s*:\s*"response\.(?:created|in_progress)"')
+_PREAMBLE_EVENT = (b"event: response.created", b"event: response.in_progress")
+
+
+def _begun(chunk: bytes, preamble: bool) -> bool:
+    """Whether a stream's first bytes hold an event of its answer: a data line,
+    not only comments and blank lines, and (`preamble`: a Responses stream)
+    not only its response.created and response.in_progress events. A data
+    line not yet whole counts: the answer has begun."""
+    if not preamble:
+        # Nearly every stream: its first line is its first event's.
+        if chunk.startswith(b"data:"):
+            return True
+        return any(line.startswith(b"data:") for line in chunk.splitlines())
+    if b"\r" in chunk:
+        chunk = chunk.replace(b"\r\n", b"\n")
+    for event in chunk.split(b"\n\n"):
+        lines = event.split(b"\n")
+        data = [line for line in lines if line.startswith(b"data:")]
+        if not data:
+            continue
+        named = [line.rstrip() for line in lines if line.startswith(b"event:")]
+        if named:
+            if named[-1].replace(b"event:response", b"event: response") not in _PREAMBLE_EVENT:
+                return True
+        elif not _PREAMBLE_TYPE.search(data[0], 0, 200):
+            return True
+    return False
 
 
 def _only_done(chunk: bytes) -> bool:

@@ -57,6 +57,7 @@ class Origin:
         self._handler = handler
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/v1/responses", self._handle)
         self.server = TestServer(app)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -488,6 +489,108 @@ async def test_an_origin_silent_before_its_first_chunk_is_left_after_the_idle_ti
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "sent no first chunk within 0.2 s (the stream idle timeout)" in said, said
+
+
+async def test_an_origin_that_sends_only_comments_before_its_first_event_is_left(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Trial 51: an origin that sent a comment (`: ping`, a keep-alive while
+    it queues) and then stalled had committed the stream with its first
+    bytes, and the stall cut it with an error event. Comments are not the
+    answer: the next origin is asked, and the client sees none of them."""
+
+    async def ping_then_stall(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(b": ping\n\n")
+        await asyncio.sleep(0.1)
+        await out.write(b": ping\r\n\r\n")
+        await asyncio.sleep(30)
+        return out
+
+    a, b = Origin(ping_then_stall), await second_origin()
+    p = await proxy([(a, False), (b, False)], idle="0.3")
+    chunks, raw = await p.stream()
+    assert text_of(chunks) == " world" and "ping" not in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+
+
+async def test_an_origin_that_answers_after_comments_is_relayed_whole(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    async def ping_then_answer(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(b": queued\n\n")
+        await asyncio.sleep(0.05)
+        await out.write(event("a", "", role=True) + event("a", "Hi") + event("a", finish="stop"))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    a = Origin(ping_then_answer)
+    p = await proxy([(a, False)])
+    resp = await p.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert resp.status == 200
+    raw = (await resp.read()).decode()
+    assert raw.startswith("data: ") and raw.endswith("data: [DONE]\n\n"), raw
+    assert '"content": "Hi"' in raw and ": queued" not in raw  # the relay passes no comment
+    assert len(a.bodies) == 1
+
+
+def responses_event(kind: str, **fields: Any) -> bytes:
+    data = json.dumps({"type": f"response.{kind}", **fields})
+    return f"event: response.{kind}\ndata: {data}\n\n".encode()
+
+
+async def test_a_responses_stream_stalled_after_its_preamble_is_asked_of_the_next_origin(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Trial 51: a Responses stream sends response.created (and in_progress)
+    before the model has run; a stall before its first output then ended
+    the stream with an error event, where a chat stream went to the next
+    origin."""
+
+    def preamble(ident: str) -> bytes:
+        response = {"id": ident, "object": "response", "status": "in_progress", "output": []}
+        return responses_event("created", response=response) + responses_event(
+            "in_progress", response=response
+        )
+
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(preamble("resp_a"))
+        await asyncio.sleep(30)
+        return out
+
+    async def answers(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        done = {
+            "id": "resp_b",
+            "object": "response",
+            "status": "completed",
+            "output": [],
+            "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
+        }
+        await out.write(
+            preamble("resp_b")
+            + responses_event("output_text.delta", item_id="m", output_index=0, delta="Hi")
+            + responses_event("completed", response=done)
+        )
+        await out.write_eof()
+        return out
+
+    a, b = Origin(stalls), Origin(answers)
+    p = await proxy([(a, False), (b, False)], idle="0.3")
+    resp = await p.client.post(
+        "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}
+    )
+    assert resp.status == 200
+    raw = (await resp.read()).decode()
+    assert "resp_a" not in raw and "error" not in raw, raw
+    assert '"delta": "Hi"' in raw and "response.completed" in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
 
 
 async def test_a_stream_no_origin_started_in_time_says_so(

@@ -1,0 +1,43 @@
+"""When a stream's first bytes commit it to the client (forwarder._begun):
+at its first event of the answer, not at comments nor a Responses stream's
+preamble (trial 51)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.upstream.forwarder import _begun
+
+CREATED = b'event: response.created\ndata: {"type":"response.created","response":{}}\n\n'
+IN_PROGRESS = b'event: response.in_progress\ndata: {"type": "response.in_progress"}\n\n'
+DELTA = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("chunk", "preamble", "begun"),
+    [
+        (b'data: {"id": "c"}\n\n', False, True),
+        (b'data: {"id": "c', False, True),  # a data line not yet whole: begun
+        (b": ping\n\n", False, False),
+        (b": ping\r\n\r\n: ping\n\n", False, False),
+        (b': ping\n\ndata: {"id": "c"}\n\n', False, True),
+        (b"\n", False, False),
+        (b"event: message\n", False, False),  # no data line yet
+        (CREATED, True, False),
+        (CREATED + IN_PROGRESS, True, False),
+        (CREATED.replace(b"\n", b"\r\n") + IN_PROGRESS, True, False),
+        (CREATED + IN_PROGRESS + DELTA, True, True),
+        (CREATED + b"event: response.output_item.added\ndata: {", True, True),
+        # No event lines: the data's type says it.
+        (b'data: {"type": "response.created"}\n\n', True, False),
+        (b'data: {"type":"response.output_text.delta"}\n\n', True, True),
+        (b'event:response.created\ndata: {"type":"response.created"}\n\n', True, False),
+        # A chat stream is not read for a preamble: its first data line begins it.
+        (CREATED, False, True),
+        (b": ping\n\n" + CREATED, True, False),
+    ],
+)
+def test_a_stream_has_begun_at_its_first_event_of_the_answer(
+    chunk: bytes, preamble: bool, begun: bool
+) -> None:
+    assert _begun(chunk, preamble) is begun
