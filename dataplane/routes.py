@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
-from dataplane.upstream.credentials import OriginCredentials
+from dataplane.upstream.credentials import CredentialError, OriginCredentials
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -99,6 +99,8 @@ class Routes:
     # unhealthy or not: a request served elsewhere for want of one is not a
     # failover, but where the model lives.
     served: frozenset[tuple[str, str]] = frozenset()
+    # The credentials of the origins requests may go to, by origin name.
+    credentials: tuple[OriginCredentials, ...] = ()
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
     _homes: dict[Point, str] = field(default_factory=dict, compare=False)
@@ -120,6 +122,22 @@ class Routes:
             "regions in the order of their names, not the nearest first; check --region, "
             "or add the region"
         )
+
+    def credential_problems(self) -> list[str]:
+        """Each origin requests may go to whose credential this proxy cannot
+        have now (a variable not set, a file missing), and what that costs
+        (trial 52: the only trace was a WARNING per request in the proxy's
+        log). A file is read at most once a second (OriginCredentials)."""
+        out = []
+        for credential in self.credentials:
+            try:
+                credential.authorization()
+            except CredentialError as exc:
+                out.append(
+                    f"{exc}: its requests go to other origins, and get a 502 when none "
+                    "is left; set it where this proxy runs (the value never leaves it)"
+                )
+        return out
 
     @property
     def groups(self) -> dict[str, Groups]:
@@ -285,6 +303,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
     by_model: dict[str, dict[str, list[Target]]] = {}
     all_models: set[str] = set()
     unhealthy: list[pb.Origin] = []
+    targets: list[Target] = []
     for o in table.origins:
         all_models.update(o.models)
         if o.drained or regions[o.region].drained:
@@ -292,10 +311,12 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         if not o.healthy:
             unhealthy.append(o)
             continue
-        _add_target(by_model, o, o.models)
+        targets.append(_add_target(by_model, o, o.models))
     panic = frozenset(m for o in unhealthy for m in o.models if m not in by_model)
     for o in unhealthy:
-        _add_target(by_model, o, [m for m in o.models if m in panic])
+        models = [m for m in o.models if m in panic]
+        if models:
+            targets.append(_add_target(by_model, o, models))
 
     def cost(home: pb.Region, other: str) -> float:
         if other == home.name:
@@ -341,12 +362,13 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
             o.name for o in table.origins if not o.healthy and panic.isdisjoint(o.models)
         ),
         served=frozenset((o.region, m) for o in table.origins for m in o.models),
+        credentials=tuple(t.credential for t in targets if t.credential is not None),
     )
 
 
 def _add_target(
     by_model: dict[str, dict[str, list[Target]]], o: pb.Origin, models: Iterable[str]
-) -> None:
+) -> Target:
     target = Target(
         o.name,
         o.region,
@@ -359,6 +381,7 @@ def _add_target(
     )
     for model in models:
         by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
+    return target
 
 
 def origin_seed(name: str) -> int:

@@ -467,9 +467,12 @@ class ControlPlaneClient:
 
     def warnings(self) -> tuple[str, ...]:
         """What an ACK reports of the table being served: a region of the
-        proxy's the table lacks; each tenant whose JWT config this proxy
-        could not load, with why and what it costs; and each part of the
-        proxy that could not take the table (a bug)."""
+        proxy's the table lacks; each origin whose credential this proxy
+        cannot have (Routes.credential_problems); each tenant whose JWT config
+        this proxy could not load, with why and what it costs; and each part
+        of the proxy that could not take the table (a bug). Made for every
+        report too (about once a second): a variable set or a file mounted
+        later clears its warning."""
         policy, routes = self._holder.policy, self._holder.routes
         if policy is None or routes is None:
             return ()
@@ -484,4 +487,5 @@ class ControlPlaneClient:
             "previous settings (a bug: see the proxy's log)"
             for failure in self._holder.apply_failures
         )
-        return (*((region,) if region else ()), *jwt, *failed)
+        credentials = routes.credential_problems()
+        return (*((region,) if region else ()), *credentials, *jwt, *failed)
