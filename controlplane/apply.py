@@ -26,7 +26,9 @@ Pure: no I/O, no clock.
                   hedge_ms: auto, hedge_models: {llama-3-8b: 500}}
         models: [gpt-4o, embed-small]   # the only models its callers may name
 
-Unknown fields are refused with their path, so a typo never passes silently.
+Unknown fields are refused with their path, so a typo never passes silently;
+`pontoctl apply -f` refuses a key given twice in one mapping (YAML would
+keep the last), at its line.
 An object's `drained` left out keeps the control plane's drain state (that is
 the operators' `pontoctl drain`); given, it is applied. Keys are never in the
 document: they are secrets, made with `pontoctl key create`. `--prune` deletes

@@ -1317,10 +1317,55 @@ def _load(path: str) -> Any:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path} is not UTF-8 text") from exc
+    loader = yaml.SafeLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        # Before construction, which keeps the last of a key given twice and
+        # merges `<<` keys into the mapping's own (trial 52: `{rpm: 600, rpm: 6}`
+        # was applied as rpm 6; apply promises a typo never passes silently).
+        if twice := _key_given_twice(loader, node, "", set()):
+            raise UsageError(f"{path} is not valid YAML: {twice}")
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise UsageError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from exc
+    finally:
+        loader.dispose()
+
+
+def _key_given_twice(loader: yaml.SafeLoader, node: yaml.Node, at: str, seen: set[int]) -> str:
+    """Where the first key given twice in one mapping under node (composed,
+    not yet constructed) is, with its path from the document (`tenants[0].limits.rpm`)
+    as apply's errors name it; "" if none is. Keys are compared as YAML reads
+    them (`rpm` and `"rpm"` are one key); `<<` merge keys may repeat what they merge."""
+    if id(node) in seen:  # an alias: its anchor's node was checked (or is being)
+        return ""
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if found := _key_given_twice(loader, item, f"{at}[{i}]", seen):
+                return found
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[Any, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = None
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE:
+                key = loader.construct_object(key_node)
+                if key in first:
+                    return (
+                        f"{_yaml_mark(key_node.start_mark)}: {at + '.' if at else ''}{key} "
+                        f"is given twice (first at {_yaml_mark(first[key].start_mark)}); "
+                        "a mapping's keys must differ"
+                    )
+                first[key] = key_node
+            inner = at if key is None else f"{at}.{key}" if at else str(key)
+            if found := _key_given_twice(loader, value_node, inner, seen):
+                return found
+    return ""
+
+
+_MERGE = "tag:yaml.org,2002:merge"
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

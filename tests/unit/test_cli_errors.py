@@ -9,7 +9,7 @@ import grpc
 import pytest
 import yaml
 
-from controlplane.cli import _audit_times, _refused, main, render
+from controlplane.cli import _audit_times, _load, _refused, main, render
 from ponto.devenv import free_port
 from ponto.grpcconn import ClientOptions, port_missing
 from ponto.v1 import admin_pb2 as apb
@@ -300,6 +300,51 @@ def test_a_file_that_is_not_yaml_is_one_line_at_its_line_and_column(
     argv = ["--control-plane", f"127.0.0.1:{free_port()}", "apply", "-f", str(path)]
     assert main([*argv, "--dry-run"]) == 2
     assert capsys.readouterr().err == f"error: {path} is not valid YAML: {says}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "tenants:\n - name: dupco\n   limits: {rpm: 600, rpm: 6}\n",
+            "line 3, column 23: tenants[0].limits.rpm is given twice (first at line 3, "
+            "column 13); a mapping's keys must differ",
+        ),
+        (
+            "tenants:\n - name: x1\n   name: x2\n",
+            "line 3, column 4: tenants[0].name is given twice (first at line 2, column 4); "
+            "a mapping's keys must differ",
+        ),
+        # Quoted or not, one key; in JSON (a YAML document) as well.
+        (
+            '{"regions": [], "regions": []}',
+            "line 1, column 17: regions is given twice (first at line 1, column 2); "
+            "a mapping's keys must differ",
+        ),
+        (
+            "tenants: []\n'tenants': []\n",
+            "line 2, column 1: tenants is given twice (first at line 1, column 1); "
+            "a mapping's keys must differ",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_refused_at_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, says: str
+) -> None:
+    """Trial 52: YAML kept the last (`{rpm: 600, rpm: 6}` applied rpm 6, `name`
+    twice created the second) where apply promises a typo never passes silently."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    argv = ["--control-plane", f"127.0.0.1:{free_port()}", "apply", "-f", str(path)]
+    assert main([*argv, "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: {path} is not valid YAML: {says}\n"
+
+
+def test_a_merge_key_may_repeat_what_it_merges(tmp_path: Path) -> None:
+    """`<<: *base` then a key of base's: the override YAML defines, not a key twice."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {rpm: 1, tpm: 2}\nlimits:\n  <<: *b\n  rpm: 3\n")
+    assert _load(str(path)) == {"base": {"rpm": 1, "tpm": 2}, "limits": {"rpm": 3, "tpm": 2}}
 
 
 def test_audit_times_are_rfc_3339_to_the_millisecond_in_json_and_yaml() -> None:
