@@ -29,6 +29,8 @@ Pure: no I/O, no clock.
 Unknown fields are refused with their path, so a typo never passes silently;
 `pontoctl apply -f` refuses a key given twice in one mapping (YAML would
 keep the last), at its line.
+A string given as a word YAML 1.1 reads as a boolean (an unquoted off, on,
+yes or no) is refused with the advice to quote it.
 An object's `drained` left out keeps the control plane's drain state (that is
 the operators' `pontoctl drain`); given, it is applied. Keys are never in the
 document: they are secrets, made with `pontoctl key create`. `--prune` deletes
@@ -193,7 +195,10 @@ class _Obj:
         # bool is an int in Python: a YAML `yes` must not pass as a number.
         wrong = (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds)
         if wrong:
-            self.errors.append(f"{path}: expected {_type_name(kind)}, got {_shown(value)}")
+            got = _shown(value)
+            if isinstance(value, bool) and str in kinds:
+                got = _quote_it(value)
+            self.errors.append(f"{path}: expected {_type_name(kind)}, got {got}")
             return default
         if kind != _NUMBER:
             return value
@@ -218,6 +223,19 @@ class _Obj:
         raw = self.get(key, dict, {})
         path = f"{self.path}.{key}"
         return {str(k): self._check(v, kind, f"{path}.{k}", None) for k, v in raw.items()}
+
+
+def _quote_it(value: bool) -> str:
+    """A boolean where a string belongs, and why: YAML 1.1 (PyYAML's) reads
+    an unquoted off, on, yes or no as one (trial 52: `cache: {mode: off}` was
+    told only "expected a string, got a boolean"). The word itself is lost
+    by then (the file reaches the control plane as JSON)."""
+    words = "on, yes or true" if value else "off, no or false"
+    example = "on" if value else "off"
+    return (
+        f"the boolean {str(value).lower()} (YAML reads an unquoted {words} as one: "
+        f"quote it, '{example}')"
+    )
 
 
 def _shown(value: Any) -> str:

@@ -124,6 +124,18 @@ def test_every_error_is_reported_with_its_path() -> None:
     ]
 
 
+def test_a_yaml_boolean_where_a_string_belongs_says_to_quote_it() -> None:
+    """Trial 52: `cache: {mode: off}` is the boolean false in YAML 1.1, and
+    was told only "expected a string, got a boolean"."""
+    text = "tenants:\n- name: t\n  cache: {mode: off}\n  models: [yes]\n"
+    assert errors_of(yaml.safe_load(text)) == [
+        "tenants[0].cache.mode: expected a string, got the boolean false (YAML reads an "
+        "unquoted off, no or false as one: quote it, 'off')",
+        "tenants[0].models[0]: expected a string, got the boolean true (YAML reads an "
+        "unquoted on, yes or true as one: quote it, 'on')",
+    ]
+
+
 def test_each_block_of_a_tenant_reports_its_own_value_error_in_one_pass() -> None:
     """A bad limit hid a bad cache TTL until the limit was fixed and the
     document applied again."""
