@@ -166,8 +166,9 @@ class Catalog:
                     health[h.origin] = h
                 elif kv.key.startswith(TENANTS):
                     # Validated again: a value edited by hand must not break
-                    # compiling the table for everyone.
-                    tenants.append(decode_tenant(kv.value).validated())
+                    # compiling the table for everyone. As stored: one written
+                    # before a rule was added stays (model.PromptPolicy.validated).
+                    tenants.append(decode_tenant(kv.value).validated(stored=True))
                     created[tenants[-1].name] = kv.create_revision
                 elif kv.key.startswith(KEYS):
                     key = decode_key(kv.value)

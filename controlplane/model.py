@@ -45,6 +45,11 @@ MAX_CONCURRENCY = 2**32 - 1  # a uint32 in the route table
 MAX_RATE = 10**12  # rpm and tpm
 MAX_TOKENS_CEILING = 10**7
 MAX_SYSTEM_PROMPT = 64 * 1024
+# The controls (Unicode category Cc) a system prompt may hold: it is text sent
+# as the first message of every request, where a tab or a line break is prose,
+# and any other control (a NUL, an ANSI escape, a DEL) a mistake the model
+# would get in every request (trial 52: `--system-prompt $'a\x01b'` was saved).
+PROMPT_CONTROLS = frozenset("\t\n\r")
 # Models one tenant or key may be limited to (ModelAccess).
 MAX_ACCESS_MODELS = 1000
 DEFAULT_WEIGHT = 100
@@ -496,12 +501,25 @@ class PromptPolicy:
     # (public model, origin model), sorted.
     aliases: tuple[tuple[str, str], ...] = ()
 
-    def validated(self, owner: str) -> PromptPolicy:
+    def validated(self, owner: str, *, stored: bool = False) -> PromptPolicy:
+        """This policy normalised; InvalidArgument naming owner and the field
+        otherwise. `stored`: a value read back from the store, which a rule
+        added since it was written (PROMPT_CONTROLS) does not refuse: the
+        tenant would drop out of the route table (its next write is refused)."""
         if len(self.system_prompt) > MAX_SYSTEM_PROMPT:
             raise InvalidArgument(
                 f"system prompt of {owner} is longer than {MAX_SYSTEM_PROMPT}",
                 field="system_prompt",
             )
+        if not stored:
+            for at, char in enumerate(self.system_prompt, 1):
+                if unicodedata.category(char) == "Cc" and char not in PROMPT_CONTROLS:
+                    raise InvalidArgument(
+                        f"system prompt of {owner} holds the control character {char!a} "
+                        f"(character {at}): of the controls, only tab, newline and carriage "
+                        "return may be in it",
+                        field="system_prompt",
+                    )
         for name, text in self.defaults:
             if not PARAM_RE.match(name) or name in NOT_DEFAULTABLE:
                 raise InvalidArgument(
@@ -752,11 +770,12 @@ class Tenant:
     # Its callers are refused (403 tenant_suspended); keys and settings kept.
     suspended: bool = False
 
-    def validated(self) -> Tenant:
+    def validated(self, *, stored: bool = False) -> Tenant:
         """This tenant with each block validated; the first block's
-        InvalidArgument otherwise (`problems` has one per block)."""
+        InvalidArgument otherwise (`problems` has one per block). `stored`:
+        as read back from the store (PromptPolicy.validated)."""
         check_name("tenant", self.name)
-        blocks, problems = self._blocks()
+        blocks, problems = self._blocks(stored=stored)
         if problems:
             raise problems[0]
         return replace(self, **blocks)
@@ -771,7 +790,7 @@ class Tenant:
             return [exc]
         return self._blocks()[1]
 
-    def _blocks(self) -> tuple[dict[str, Any], list[InvalidArgument]]:
+    def _blocks(self, *, stored: bool = False) -> tuple[dict[str, Any], list[InvalidArgument]]:
         owner = f"tenant {self.name!r}"
         blocks: dict[str, Any] = {"jwt": None}
         problems: list[InvalidArgument] = []
@@ -787,7 +806,10 @@ class Tenant:
             if block is None:
                 continue
             try:
-                blocks[part] = block.validated(owner)
+                if isinstance(block, PromptPolicy):
+                    blocks[part] = block.validated(owner, stored=stored)
+                else:
+                    blocks[part] = block.validated(owner)
             except InvalidArgument as exc:
                 # The block's name in the apply document, so its error names the field.
                 exc.within(part)

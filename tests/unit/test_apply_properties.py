@@ -69,7 +69,11 @@ tenant = st.fixed_dictionaries(
         "prompt": st.fixed_dictionaries(
             {},
             optional={
-                "system_prompt": st.text(max_size=20),
+                # Of the controls, only tab and line breaks (model.PROMPT_CONTROLS).
+                "system_prompt": st.text(
+                    st.characters(exclude_categories=("Cs", "Cc")) | st.sampled_from("\t\n\r"),
+                    max_size=20,
+                ),
                 "max_tokens": st.integers(0, 10**7),
                 # Documented fields take only what a request may carry;
                 # an origin's own field (top_k) any JSON scalar.

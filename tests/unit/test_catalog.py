@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from controlplane.api.admin import origin_pb
-from controlplane.catalog import ACKS, ORIGINS, PROXIES, REGIONS, Catalog
+from controlplane.catalog import ACKS, ORIGINS, PROXIES, REGIONS, TENANTS, Catalog
 from controlplane.cli import _as_spec
 from controlplane.errors import (
     AlreadyExists,
@@ -22,8 +22,10 @@ from controlplane.messages import origin_of
 from controlplane.model import (
     DEFAULT_WEIGHT,
     Origin,
+    PromptPolicy,
     ProxyRecord,
     Region,
+    Tenant,
     decode_origin,
     encode,
 )
@@ -400,6 +402,39 @@ async def test_snapshot_skips_undecodable_keys(
     assert [r.name for r in snap.regions] == ["us-east"]
     assert snap.origins == ()
     assert "broken" in caplog.text
+
+
+@pytest.mark.parametrize("char", ["\x01", "\x00", "\x1b", "\x7f", "\x85"])
+async def test_a_system_prompt_with_a_control_character_is_refused(
+    catalog: Catalog, char: str
+) -> None:
+    """Trial 52: `tenant set acme --system-prompt $'a\\x01b'` was saved, and
+    sent in every request."""
+    bad = Tenant("acme", prompt=PromptPolicy(system_prompt=f"ab{char}c"))
+    with pytest.raises(InvalidArgument) as refused:
+        await catalog.put_tenant(bad, allow_update=False)
+    assert str(refused.value) == (
+        f"system prompt of tenant 'acme' holds the control character {char!a} (character 3): "
+        "of the controls, only tab, newline and carriage return may be in it"
+    )
+    assert refused.value.field == "prompt.system_prompt"
+
+
+async def test_a_system_prompt_may_have_tabs_and_lines(catalog: Catalog) -> None:
+    text = "Be brief.\r\n\tUse lists.\nNo émoji ✓"
+    fine = Tenant("acme", prompt=PromptPolicy(system_prompt=text))
+    saved = await catalog.put_tenant(fine, allow_update=False)
+    assert saved.prompt.system_prompt == text
+
+
+async def test_a_tenant_stored_before_the_prompt_rule_stays_in_the_snapshot(
+    catalog: Catalog, store: MemoryStore
+) -> None:
+    """A stored system prompt with a control character (saved before it was
+    refused) keeps its tenant: dropped, the tenant would leave the route table."""
+    old = Tenant("acme", prompt=PromptPolicy(system_prompt="a\x01b"))
+    await store.put(TENANTS + "acme", encode(old))
+    assert [t.prompt.system_prompt for t in (await catalog.snapshot()).tenants] == ["a\x01b"]
 
 
 # ---------------------------------------------------------------- unavailable
