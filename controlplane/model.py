@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from controlplane.errors import InvalidArgument
+from dataplane.assemble import RESPONSES_TOKEN_FIELDS, TOKEN_FIELDS
 from dataplane.http.fields import check_default
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
@@ -849,8 +850,9 @@ def access_warnings(
 ) -> tuple[str, ...]:
     """A warning for each model tenant's callers (with key: that key's) may
     name that nothing answers; of a tenant, for each of its aliases it may
-    not name, and for each of its `keys` whose list names models it may not
-    (a tenant's list narrowed under its keys' own, review 45); pure.
+    not name, for each of its `keys` whose list names models it may not
+    (a tenant's list narrowed under its keys' own, review 45), and for each
+    default its max_tokens ceiling clamps (clamped_defaults); pure.
 
     Such a list is accepted (its origins may register later), but a misspelt
     name would leave a model refused unnoticed. A name answers when an
@@ -883,6 +885,8 @@ def access_warnings(
             for alias, _ in tenant.prompt.aliases
             if not tenant.models.allows(alias)
         )
+    if key is None:
+        refused.extend(clamped_defaults(tenant))
     unserved: list[str] = []
     for name in names:
         if key is not None and not tenant.models.allows(name):
@@ -896,6 +900,30 @@ def access_warnings(
                 f"of tenant {tenant.name!r}: requests for it get 404 until one does"
             )
     return (*refused, *unserved)
+
+
+def clamped_defaults(tenant: Tenant) -> tuple[str, ...]:
+    """A warning for each of tenant's token-count defaults (max_tokens,
+    max_completion_tokens, max_output_tokens) above its max_tokens ceiling;
+    pure. Such a default is accepted, but never sent as given: the proxies
+    add defaults, then clamp those fields to the ceiling (dataplane.assemble),
+    so a request without the field gets the ceiling (trial 52: `--max-tokens
+    100 --default max_tokens=5000` was saved without a word)."""
+    ceiling = tenant.prompt.max_tokens_ceiling
+    if not ceiling:
+        return ()
+    warnings = []
+    for name, text in tenant.prompt.defaults:
+        if name not in (*TOKEN_FIELDS, *RESPONSES_TOKEN_FIELDS):
+            continue
+        value = orjson.loads(text)
+        if isinstance(value, int) and not isinstance(value, bool) and value > ceiling:
+            warnings.append(
+                f"default {name} {value} of tenant {tenant.name!r} is above its max_tokens "
+                f"ceiling {ceiling}: the proxies clamp it, so requests without {name} "
+                f"get {ceiling}"
+            )
+    return tuple(warnings)
 
 
 # A tenant's per-model settings, by what they are called in its warnings:

@@ -21,6 +21,7 @@ from controlplane.distribute import Publisher
 from controlplane.model import Origin, PromptPolicy, Region, Tenant, unserved_aliases
 from controlplane.store import StoreUnavailable
 from controlplane.store.memory import MemoryStore
+from dataplane.assemble import PromptRules, assemble
 from ponto.grpcconn import WARNING_METADATA
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -200,3 +201,34 @@ async def test_a_write_stands_when_its_aliases_cannot_be_checked(
         assert [t.name for t in (await stub.ListTenants(apb.ListRequest())).tenants] == ["acme"]
     [line] = [r for r in caplog.records if "aliases were not checked" in r.getMessage()]
     assert line.exc_info is None
+
+
+async def test_a_token_default_above_the_max_tokens_ceiling_is_warned_of() -> None:
+    """Trial 52: `tenant set acme --max-tokens 100 --default max_tokens=5000`
+    was saved without a word; the proxies clamp the default to the ceiling."""
+    clamped = (
+        "default {0} 5000 of tenant 'acme' is above its max_tokens ceiling 100: the proxies "
+        "clamp it, so requests without {0} get 100"
+    )
+    defaults = {"max_tokens": "5000", "max_output_tokens": "5000", "temperature": "0"}
+    async with admin(MemoryStore()) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        capped = pb.PromptPolicy(max_tokens_ceiling=100, defaults=defaults)
+        update = apb.UpdateTenantRequest(name="acme", prompt=capped)
+        assert await warned(stub.UpdateTenant(update)) == [
+            clamped.format("max_output_tokens"),
+            clamped.format("max_tokens"),
+        ]
+        within = pb.PromptPolicy(max_tokens_ceiling=5000, defaults=defaults)
+        update = apb.UpdateTenantRequest(name="acme", prompt=within)
+        assert await warned(stub.UpdateTenant(update)) == []
+        prompt = {"max_tokens": 100, "defaults": {"max_completion_tokens": 5000}}
+        doc = {"tenants": [{"name": "acme", "prompt": prompt}]}
+        request = apb.ApplyRequest(document=orjson.dumps(doc).decode(), dry_run=True)
+        assert await warned(stub.Apply(request)) == [clamped.format("max_completion_tokens")]
+    # What the warning says the proxies do.
+    body: dict[str, Any] = {"model": "m", "messages": []}
+    assemble(
+        "chat.completions", body, PromptRules(defaults={"max_tokens": 5000}, max_tokens_ceiling=100)
+    )
+    assert body["max_tokens"] == 100
