@@ -210,9 +210,17 @@ def render(
     shown: Callable[[dict[str, Any]], dict[str, Any]] = lambda d: d,
 ) -> str:
     """message as JSON or YAML (proto field names, then `shown`), or as the
-    text rows() makes of it."""
+    text rows() makes of it. Each list of message itself is there when
+    empty (`{"keys": []}`), as a script reads it; fields within are not."""
     if output in ("json", "yaml"):
-        data = shown(as_numbers(message, MessageToDict(message, preserving_proto_field_name=True)))
+        data = MessageToDict(message, preserving_proto_field_name=True)
+        # MessageToDict leaves out empty lists: `key list -o json` printed `{}`
+        # for no keys (trial 52). Its always_print_fields_with_no_presence would
+        # also add every zero and empty string, at every level.
+        for field in message.DESCRIPTOR.fields:
+            if field.is_repeated:
+                data.setdefault(field.name, {} if _is_map(field) else [])
+        data = shown(as_numbers(message, data))
         if output == "json":
             return json.dumps(data, indent=2)
         return yaml.safe_dump(data, sort_keys=False).rstrip()
@@ -231,6 +239,11 @@ _WIDE_INTS = frozenset(
 )
 
 
+def _is_map(field: Any) -> bool:
+    """Whether field (a FieldDescriptor) is a map (a repeated field of entries)."""
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
 def as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
     """data (MessageToDict of message, proto field names) with its 64-bit
     integers as numbers. Protobuf's JSON mapping writes them as strings, for
@@ -240,7 +253,7 @@ def as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
         if field.name not in data:
             continue
         value = data[field.name]
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        if _is_map(field):
             continue  # none of the API's maps holds 64-bit integers or messages
         if field.type in _WIDE_INTS:
             data[field.name] = int(value)  # none is repeated (test_cli_json holds both)

@@ -52,6 +52,23 @@ def test_key_list_json_has_numbers_and_spent_per_key() -> None:
     assert key["spent"]["month_tokens"] == 7
 
 
+def test_an_empty_list_of_the_response_is_an_empty_list_not_left_out() -> None:
+    """Trial 52: `key list -o json` and `get audit -o json` printed `{}` with
+    nothing to list (MessageToDict leaves empty lists out), and a script's
+    `["keys"]` failed. Within the items, fields stay as they were."""
+    for output, load in (("json", json.loads), ("yaml", yaml.safe_load)):
+        assert load(_render_keys(_KeysStub(), apb.ListKeysResponse(), output)) == {
+            "keys": [],
+            "spent": [],
+        }
+        audit = load(render(apb.ListAuditResponse(), output, lambda _: ""))
+        assert audit == {"entries": []}
+        proxies = apb.ListProxiesResponse(proxies=[apb.ProxyStatus(acked_version=3)])
+        assert load(render(proxies, output, lambda _: "")) == {
+            "proxies": [{"acked_version": 3}],
+        }
+
+
 def test_repeated_and_nested_wide_integers_are_numbers() -> None:
     resp = apb.ListProxiesResponse(
         proxies=[apb.ProxyStatus(acked_version=7, replica_version=9)], current_version=9
