@@ -1270,6 +1270,16 @@ def _rows_keys(
     ]
 
 
+def _keys_shown(resp: apb.ListKeysResponse, data: dict[str, Any]) -> dict[str, Any]:
+    """data (resp as JSON) with each key's `state` (active, expired or
+    revoked) as the table's STATE column says it (trial 52: a script had to
+    compare expires_at with the clock itself), then its `spent` (_spent_per_key)."""
+    now = time.time()
+    for key, k in zip(data.get("keys", []), resp.keys, strict=True):
+        key["state"] = _key_state(k, now)
+    return _spent_per_key(data)
+
+
 def _spent_per_key(data: dict[str, Any]) -> dict[str, Any]:
     """data (a keys' list as JSON) with each budgeted key's `spent` (day,
     day_tokens, month_tokens) within it as well as in the top-level list,
@@ -1287,7 +1297,7 @@ def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     """keys as output asks; a table marks the keys of deleted tenants and the
     unserved models on keys' lists (with the note that says why)."""
     if output != "table":
-        return render(keys, output, _rows_keys, _spent_per_key)
+        return render(keys, output, _rows_keys, functools.partial(_keys_shown, keys))
     tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
     served = frozenset(m for o in stub.ListOrigins(apb.ListRequest()).origins for m in o.models)
     shown = render(keys, output, lambda r: _rows_keys(r, tenants, served))

@@ -6,11 +6,12 @@ compared "1000" with 1000, and a reader of one key missed the top-level
 from __future__ import annotations
 
 import json
+import time
 
 import yaml
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from controlplane.cli import _WIDE_INTS, _render_keys, _table_summary, render
+from controlplane.cli import _WIDE_INTS, _render_keys, _rows_keys, _table_summary, render
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -50,6 +51,25 @@ def test_key_list_json_has_numbers_and_spent_per_key() -> None:
     (key,) = json.loads(_render_keys(_KeysStub(), keys, "json"))["keys"]
     assert key["limits"] == {"tokens_per_month": 10**12}
     assert key["spent"]["month_tokens"] == 7
+
+
+def test_each_key_in_json_and_yaml_has_its_state_as_the_table_does() -> None:
+    """Trial 52: the table's STATE (active, expired, revoked) was not in
+    `key list -o json`; a script compared expires_at with its own clock."""
+    keys = apb.ListKeysResponse(
+        keys=[
+            apb.ApiKeyInfo(id="a", tenant="acme"),
+            apb.ApiKeyInfo(id="b", tenant="acme", expires_at=time.time() + 3600),
+            apb.ApiKeyInfo(id="c", tenant="acme", expires_at=time.time() - 1),
+            apb.ApiKeyInfo(id="d", tenant="acme", revoked=True, expires_at=time.time() - 1),
+        ],
+    )
+    _, rows = _rows_keys(keys)
+    in_table = [row[-1] for row in rows]
+    assert in_table == ["active", "active", "expired", "revoked"]
+    for output, load in (("json", json.loads), ("yaml", yaml.safe_load)):
+        shown = load(_render_keys(_KeysStub(), keys, output))["keys"]
+        assert [k["state"] for k in shown] == in_table
 
 
 def test_an_empty_list_of_the_response_is_an_empty_list_not_left_out() -> None:
