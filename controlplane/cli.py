@@ -1816,9 +1816,10 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                     else ""
                 )
             # The key alone on the last line, so scripts can take `tail -n1`.
-            return (
+            return OnceShown(
                 f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}{naming}{taken}; "
-                "it is shown only now, store it safely:\n" + str(resp.secret)
+                "it is shown only now, store it safely:\n" + str(resp.secret),
+                resp.key.id,
             )
         if args.action == "list":
             keys = stub.ListKeys(
@@ -2009,12 +2010,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             # a model no origin serves: on stderr, the exit code stays 0.
             for warning in stub.warnings:
                 print(f"warning: {warning}", file=sys.stderr)
-            print(shown, flush=True)
-        except BrokenPipeError:
-            # The reader left (`pontoctl get audit | head`): no traceback, and
-            # none at exit either, when Python flushes stdout again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 1
         except (UsageError, InvalidArgument) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -2025,6 +2020,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except grpc.RpcError as exc:
             return _refused(exc, address, options, cut_off)
+    return write(shown)
+
+
+class OnceShown(str):
+    """Output holding a secret the control plane gives only once (key
+    create's), and the id of its key, which `write` names if it is lost."""
+
+    key_id: str
+
+    def __new__(cls, text: str, key_id: str) -> OnceShown:
+        made = super().__new__(cls, text)
+        made.key_id = key_id
+        return made
+
+
+def write(shown: str) -> int:
+    """Print shown on stdout; the exit code: 0, or 1 when it could not be
+    written, with no traceback (and none at exit, when Python flushes stdout
+    again). A reader that left (`pontoctl get audit | head`, EPIPE) is not
+    told of; any other failure (a full disk, ENOSPC) is one line on stderr.
+    The command's change, if any, is made either way; a lost secret
+    (OnceShown) is said to be, with its key, which is of no use without it."""
+    try:
+        print(shown, flush=True)
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        why = exc.strerror or str(exc)
+        if isinstance(shown, OnceShown):
+            print(
+                f"error: key {shown.key_id} was created, but its secret could not be written "
+                f"({why}) and cannot be shown again: revoke the key (`pontoctl key revoke "
+                f"{shown.key_id}`) and create another",
+                file=sys.stderr,
+            )
+        elif not isinstance(exc, BrokenPipeError):
+            print(f"error: cannot write output: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -357,3 +359,66 @@ def test_audit_times_are_rfc_3339_to_the_millisecond_in_json_and_yaml() -> None:
         shown = render(entries, output, lambda _: "", _audit_times)
         data = json.loads(shown) if output == "json" else yaml.safe_load(shown)
         assert data["entries"][0]["time"] == "2026-12-04T11:02:08.421Z"
+
+
+# `write` in a process of its own: it replaces the process's stdout.
+_REPO = Path(__file__).resolve().parents[2]
+_WRITE = (
+    "import sys; from controlplane.cli import OnceShown, write; "
+    "sys.exit(write(OnceShown('key k1 created; store it:\\nsk-secret', 'k1') "
+    "if sys.argv[1] == 'secret' else 'x' * 100))"
+)
+
+
+@pytest.mark.parametrize(
+    ("shown", "err"),
+    [
+        ("plain", "error: cannot write output: No space left on device\n"),
+        (
+            "secret",
+            "error: key k1 was created, but its secret could not be written (No space left on "
+            "device) and cannot be shown again: revoke the key (`pontoctl key revoke k1`) and "
+            "create another\n",
+        ),
+    ],
+)
+def test_output_that_cannot_be_written_is_one_line_and_exit_code_1(shown: str, err: str) -> None:
+    """Trial 52: `pontoctl export >/dev/full` ended in a traceback."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-c", _WRITE, shown],
+            check=False,
+            cwd=_REPO,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    assert (done.returncode, done.stderr) == (1, err)
+
+
+@pytest.mark.parametrize(
+    ("shown", "err"),
+    [
+        ("plain", ""),  # the reader chose to stop (`pontoctl get audit | head`)
+        (
+            "secret",
+            "error: key k1 was created, but its secret could not be written (Broken pipe) and "
+            "cannot be shown again: revoke the key (`pontoctl key revoke k1`) and create "
+            "another\n",
+        ),
+    ],
+)
+def test_a_reader_that_left_is_exit_code_1_and_a_lost_secret_is_said(shown: str, err: str) -> None:
+    """Trial 52: `key create ... | head -0` created the key, exited 1 and said
+    nothing; its secret, shown only once, was lost."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITE, shown],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the child writes: it starts an interpreter first
+    _, stderr = proc.communicate(timeout=30)
+    assert (proc.returncode, stderr) == (1, err)
