@@ -48,11 +48,15 @@ lint: $(STAMP)
 # missing, installs it with apt as root or under CI=true (where a failure stops make);
 # elsewhere says in one line what is missing and how to install it, and goes on.
 # RUNLEVEL=1 keeps a package's own service (Prometheus's server) from being started.
+# APT_WAIT: an install waits up to 5 minutes for the dpkg lock another apt holds
+# (trial 52: `make demo` as root stopped at once with "Error 100"). apt-get update
+# has no such wait for its lists lock (apt 2.6 ignores the option there).
+APT_WAIT := -o DPkg::Lock::Timeout=300
 define apt-tool
 	@if { $(foreach c,$(1),command -v $(c) &&) true; } >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] || [ "$${CI:-}" = true ]; then \
-		RUNLEVEL=1 apt-get install -y $(2) || \
-			{ apt-get update && RUNLEVEL=1 apt-get install -y $(2); }; \
+		RUNLEVEL=1 apt-get install -y $(APT_WAIT) $(2) || \
+			{ apt-get update && RUNLEVEL=1 apt-get install -y $(APT_WAIT) $(2); }; \
 	else \
 		echo "$(firstword $(1)) not found: $(3); install it with: sudo apt-get install $(2)"; \
 	fi

@@ -3,7 +3,8 @@ installed with apt as root or under CI=true, and elsewhere named in one line
 while make goes on, so `make unit` and `make check` reach pytest without root.
 
 Runs the real make on the real Makefile with a PATH of fakes: `id` says which
-user runs it, `apt-get` records its arguments and answers as told.
+user runs it, `apt-get` records its arguments and answers as told (an install
+that fails, an update that succeeds).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from tests.helm.test_chart import ROOT
 
 MAKE = shutil.which("make")
+WAIT = "-o DPkg::Lock::Timeout=300"
 pytestmark = pytest.mark.skipif(MAKE is None, reason="no make")
 
 
@@ -37,7 +39,11 @@ def run(
     calls = tmp_path / "apt-calls"
     fakes = {
         "id": f"#!/bin/bash\necho {uid}\n",
-        "apt-get": f'#!/bin/bash\necho "apt-get $*" >> {calls}\nexit {0 if apt_ok else 100}\n',
+        # apt_ok False: every install fails (an update succeeds).
+        "apt-get": (
+            f'#!/bin/bash\necho "apt-get $*" >> {calls}\n'
+            f'[ "$1" = update ] || exit {0 if apt_ok else 100}\n'
+        ),
     }
     for name, script in fakes.items():
         (bin_dir / name).write_text(script)
@@ -85,14 +91,23 @@ def test_without_root_a_missing_tool_is_one_line_and_make_goes_on(
 def test_as_root_a_missing_tool_is_installed(tmp_path: Path) -> None:
     code, output = run(tmp_path, "promtool", uid=0, ci=False)
     assert code == 0, output
-    assert "apt-get install -y --no-install-recommends prometheus" in output
+    assert f"apt-get install -y {WAIT} --no-install-recommends prometheus" in output
 
 
 def test_under_ci_a_tool_that_cannot_be_installed_stops_make(tmp_path: Path) -> None:
     code, output = run(tmp_path, "chromium", uid=1000, ci=True, apt_ok=False)
     assert code != 0
-    assert "apt-get install -y chromium chromium-driver" in output
+    assert f"apt-get install -y {WAIT} chromium chromium-driver" in output
     assert "apt-get update" in output
+
+
+def test_each_install_waits_for_the_dpkg_lock_another_apt_holds(tmp_path: Path) -> None:
+    """Trial 52: `make demo` as root stopped with "Error 100" while another apt
+    held the dpkg lock; the second install, after an update, waits as well."""
+    code, output = run(tmp_path, "redis-server", uid=0, ci=False, apt_ok=False)
+    assert code != 0
+    installs = [line for line in output.splitlines() if line.startswith("apt-get install")]
+    assert len(installs) == 2 and all(WAIT in line for line in installs), output
 
 
 def test_a_tool_present_is_left_alone(tmp_path: Path) -> None:
