@@ -108,6 +108,9 @@ class Settings:
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
     workers: int = 1
+    # Seconds a group's worker may answer nothing on its private socket
+    # before its supervisor kills it (0: never; dataplane.supervisor.Watchdog).
+    worker_hang_timeout: float = 15.0
     # Set in a worker process only: its settings are already per worker (as_worker).
     worker: WorkerSlot | None = None
     # (host, port) serving /metrics instead of the public port; None: the public port.
@@ -424,6 +427,16 @@ def parse(argv: list[str]) -> Settings:
         "a time on SIGHUP (to read certificates, the GeoIP database and code again); 1 "
         "runs a single process (default: the cores this process may use)",
     )
+    p.add_argument(
+        "--worker-hang-timeout",
+        type=finite_float,
+        default=15.0,
+        metavar="S",
+        help="with --workers above 1: a worker that answers nothing on its private "
+        "socket for about S seconds (its event loop stuck) is killed and started again, "
+        "where the kubelet's liveness probe, answered by whichever worker takes it, "
+        "would seldom see it (0: never; default: 15)",
+    )
     # Set by the supervisor on the command lines of its workers (dataplane/workers.py).
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", type=path, help=argparse.SUPPRESS)
@@ -572,6 +585,8 @@ def parse(argv: list[str]) -> Settings:
             p.error(str(exc))
     if a.drain_seconds < 0:
         p.error("--drain-seconds must be 0 (no draining) or more")
+    if a.worker_hang_timeout and a.worker_hang_timeout < 1:
+        p.error("--worker-hang-timeout must be 0 (never) or at least 1 s")
     if not 0.5 <= a.semantic_threshold <= 1:
         p.error("--semantic-threshold must be in 0.5..1")
     if not 0 < a.access_log_sample <= 1:
@@ -656,6 +671,7 @@ def parse(argv: list[str]) -> Settings:
             max_connections_per_client=a.max_connections_per_client,
         ),
         workers=workers,
+        worker_hang_timeout=a.worker_hang_timeout,
         metrics_listen=metrics_listen,
         metrics_key_labels=key_labels,
         access_log=a.access_log == "on",

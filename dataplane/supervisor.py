@@ -65,6 +65,13 @@ REPLACE_TIMEOUT_S = 60.0
 # meanwhile (the group stopping) cuts that to --drain-seconds.
 LEAVE_DRAIN_S = 5.0
 LEAVE_TIMEOUT_S = 600.0
+# A worker whose event loop is stuck (a bug, a blocking call) answers nothing,
+# and the kernel still hands it its part of the port's connections; the
+# kubelet's /healthz lands on whichever worker the kernel picks, so it seldom
+# sees one of N stuck. Its supervisor asks each worker's private socket:
+# Watchdog.misses answers missed in a row, each waited for Watchdog.wait, and
+# the worker is killed and started again as one that died is.
+WATCH_MISSES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +86,8 @@ class Group:
     ready_file: str | None
     drain_seconds: float
     log_level: str
+    # --worker-hang-timeout (0: no watchdog).
+    hang_timeout: float = 15.0
 
     @classmethod
     def of(cls, settings: Settings) -> Group:
@@ -91,6 +100,7 @@ class Group:
             ready_file=str(settings.ready_file) if settings.ready_file else None,
             drain_seconds=settings.drain_seconds,
             log_level=settings.log_level,
+            hang_timeout=settings.worker_hang_timeout,
         )
 
     def to_json(self) -> str:
@@ -275,6 +285,50 @@ def describe_exit(code: int) -> str:
     return f"exited with {code}"
 
 
+@dataclass(frozen=True, slots=True)
+class Watchdog:
+    """How the supervisor tells a stuck worker (see WATCH_MISSES): every
+    `every` seconds it asks the worker's private socket for /healthz and waits
+    `wait` seconds for the answer's status line; `misses` waits in a row that
+    run out kill it. A socket that refuses or is not there is no miss: the
+    worker is starting, stopping, or gone, which its exit tells."""
+
+    every: float
+    wait: float
+    misses: int = WATCH_MISSES
+
+    @classmethod
+    def of(cls, hang_timeout: float) -> Watchdog | None:
+        """Killed after about `hang_timeout` s of silence (None: no watchdog)."""
+        if not hang_timeout:
+            return None
+        step = hang_timeout / WATCH_MISSES
+        return cls(every=step, wait=step)
+
+
+async def answers(path: Path, wait: float) -> bool | None:
+    """Whether the process listening on unix socket `path` sends the status
+    line of a GET /healthz within `wait` seconds: None when nothing listens
+    there (the name absent, or the connection refused), which is no hang."""
+    writer = None
+    try:
+        # The connection inside the wait too: one whose backlog is full
+        # (a worker stuck for long) waits to connect.
+        async with asyncio.timeout(wait):
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            status = await reader.readline()
+    except TimeoutError:
+        return False
+    except OSError:
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+    return status.startswith(b"HTTP/1.1 ")
+
+
 class Supervisor:
     """Runs the workers of one `ponto-proxy --workers N` until told to stop.
 
@@ -284,11 +338,16 @@ class Supervisor:
     """
 
     def __init__(
-        self, group: Group, argv: Sequence[str], policy: RestartPolicy | None = None
+        self,
+        group: Group,
+        argv: Sequence[str],
+        policy: RestartPolicy | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.group = group
         self.argv = list(argv)
         self.policy = policy or RestartPolicy()
+        self.watchdog = watchdog or Watchdog.of(group.hang_timeout)
         self.stopping = asyncio.Event()
         self.unclean = False
         self._starting = asyncio.Lock()
@@ -465,6 +524,7 @@ class Supervisor:
             if current is None:
                 return
             stop = asyncio.create_task(self.stopping.wait())
+            watch = self._watch(slot, current)
             while True:
                 replace = asyncio.create_task(slot.replace.get())
                 await asyncio.wait(
@@ -473,7 +533,11 @@ class Supervisor:
                 if not replace.done():
                     replace.cancel()
                     break
-                current = await self._replace(slot, current, replace.result())
+                replaced = await self._replace(slot, current, replace.result())
+                if replaced is not current:
+                    watch.cancel()  # the old one leaves: its stop has its own budget
+                    current, watch = replaced, self._watch(slot, replaced)
+            watch.cancel()
             stop.cancel()
             current.listening.cancel()
             if not current.exited.done():
@@ -485,6 +549,41 @@ class Supervisor:
             what = f"worker {index} (pid {current.proc.pid}) {describe_exit(code)}"
             if not await self._restart_after(slot, failures, what):
                 return
+
+    def _watch(self, slot: _Slot, process: _Process) -> asyncio.Task[None]:
+        """Kill `process` if it listens and then stops answering (Watchdog);
+        cancelled when it stops being worker `slot` (a reload replaced it, it
+        exited, or the group stops)."""
+        return asyncio.create_task(self._watching(slot, process), name=f"watch-{slot.index}")
+
+    async def _watching(self, slot: _Slot, process: _Process) -> None:
+        watchdog = self.watchdog
+        if watchdog is None:
+            return
+        await asyncio.wait([process.listening])
+        if process.listening.cancelled():
+            return
+        pid = process.proc.pid
+        own = own_socket_path(socket_path(slot.run_dir, slot.index), pid)
+        missed = 0
+        while True:
+            await asyncio.sleep(watchdog.every)
+            answered = await answers(own, watchdog.wait)
+            missed = missed + 1 if answered is False else 0
+            if missed < watchdog.misses:
+                continue
+            log.error(
+                "worker %d (pid %d) has answered nothing on its private socket for %.0f s "
+                "(%d requests for /healthz in a row): its event loop is stuck, and its "
+                "connections with it; killing it (--worker-hang-timeout)",
+                slot.index,
+                pid,
+                watchdog.misses * (watchdog.every + watchdog.wait),
+                missed,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                process.proc.kill()
+            return
 
     async def _restart_after(self, slot: _Slot, failures: int, what: str) -> bool:
         """Log `what` befell worker `slot`, the `failures`-th failure in a

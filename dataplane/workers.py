@@ -31,7 +31,9 @@ scrape answers for the group. `/readyz` on the shared port is
 ready when the answering worker is and every sibling that listens is too: the
 kernel gives each listening worker its part of the connections, so one without
 a table would refuse its part. A sibling that is not listening (dead, or starting
-again) gets no connections and does not count. `/healthz` stays per worker.
+again) gets no connections and does not count. `/healthz` stays per worker;
+the supervisor asks each worker's private socket for it, and kills (and starts
+again) one that answers nothing (dataplane.supervisor.Watchdog).
 """
 
 from __future__ import annotations

@@ -205,6 +205,25 @@ def test_a_killed_worker_is_restarted(fleet: Fleet) -> None:
     assert group.alive()
 
 
+def test_a_stuck_worker_is_killed_and_started_again(fleet: Fleet) -> None:
+    """Trial 53: a worker whose event loop is stuck (here: stopped) kept its
+    part of the port, and the kubelet's /healthz, answered by any worker,
+    seldom saw it. Its supervisor asks it directly."""
+    group = fleet.start_proxy("h", "us-east", workers=2, extra=["--worker-hang-timeout", "1.5"])
+    before = until("two workers", lambda: both_workers(group))
+    os.kill(before[1], signal.SIGSTOP)
+    try:
+        after = until("worker 1 replaced", lambda: both_workers(group, not_pid=before[1]))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before[1], signal.SIGCONT)
+    assert after[0] == before[0], "the worker that answered was left alone"
+    log = group.log_tail(200)
+    assert f"worker 1 (pid {before[1]}) has answered nothing on its private socket" in log
+    assert f"worker 1 (pid {before[1]}) was killed by SIGKILL; restarting it" in log
+    assert group.stop(signal.SIGTERM, timeout=20) == 0
+
+
 def test_sigterm_stops_the_group_cleanly(fleet: Fleet) -> None:
     group = fleet.start_proxy("q", "us-east", workers=2, extra=["--drain-seconds", "0.5"])
     until("q's workers registered", lambda: {"q-w0", "q-w1"} <= registered(fleet))

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +243,36 @@ me.with_suffix(".end").write_text(signal.Signals(got.si_signo).name)
 """
 
 
+# One that serves /healthz on its private socket (the name of its own the
+# supervisor asks), noting its start as NOTES/w{index}-{pid}.start; while
+# NOTES/hang-{pid} exists it answers nothing (its loop stuck).
+ANSWERS = """
+import os, signal, socket, sys
+from pathlib import Path
+ends = {signal.SIGTERM, signal.SIGUSR2}
+signal.pthread_sigmask(signal.SIG_BLOCK, ends)
+index, notes, ready = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+pid = os.getpid()
+(notes / f"w{index}-{pid}.start").touch()
+server = socket.socket(socket.AF_UNIX)
+server.bind(str(ready.parent / f"w{index}.sock.{pid}"))
+server.listen(64)
+server.settimeout(0.01)
+ready.write_text("listening")
+while signal.sigtimedwait(ends, 0) is None:
+    if (notes / f"hang-{pid}").exists():
+        signal.sigtimedwait(ends, 0.01)
+        continue
+    try:
+        conn, _ = server.accept()
+    except TimeoutError:
+        continue
+    conn.recv(1024)
+    conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 0\\r\\n\\r\\n")
+    conn.close()
+"""
+
+
 def fake_workers(monkeypatch: pytest.MonkeyPatch, code: str, notes: Path | None = None) -> None:
     def argv(
         _argv: object,
@@ -309,6 +339,77 @@ async def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
     )
     assert "restarting it in 0.0 s" in caplog.text
     assert "exited with 3 (2 failures in a row); giving up" in caplog.text
+
+
+QUICK = supervisor.Watchdog(every=0.05, wait=0.05, misses=3)
+
+
+async def test_a_worker_that_answers_nothing_is_killed_and_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 53: a worker whose event loop is stuck kept its part of the
+    port's connections, and the kubelet's /healthz, answered by whichever
+    worker the kernel picks, seldom saw it: the pod stayed unready (its
+    /readyz asks every sibling) for as long as the probe kept missing it."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    fake_workers(monkeypatch, ANSWERS, notes)
+    ready = tmp_path / "group.addr"
+    settings = parse(
+        [*BASE, "--workers", "2", "--listen", "127.0.0.1:0", "--ready-file", str(ready)]
+    )
+    policy = supervisor.RestartPolicy(first_delay=0.01)
+    group = supervisor.Supervisor(Group.of(settings), [], policy, QUICK)
+    run = asyncio.create_task(group.run())
+
+    async def until(what: str, done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert not run.done() and time.monotonic() < deadline, what
+            await asyncio.sleep(0.02)
+
+    def starts(index: int) -> list[str]:
+        return sorted(p.stem for p in notes.glob(f"w{index}-*.start"))
+
+    await until("the group listens", ready.exists)
+    await asyncio.sleep(0.5)  # answering: many rounds of the watchdog, no kill
+    assert (len(starts(0)), len(starts(1))) == (1, 1)
+    stuck = int(starts(0)[0].split("-")[1])
+    (notes / f"hang-{stuck}").touch()
+    await until("worker 0 started again", lambda: len(starts(0)) == 2)
+    assert len(starts(1)) == 1, "the worker that answered was left alone"
+    assert f"worker 0 (pid {stuck}) has answered nothing on its private socket" in caplog.text
+    assert "killing it (--worker-hang-timeout)" in caplog.text
+    assert f"worker 0 (pid {stuck}) was killed by SIGKILL" in caplog.text
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+
+
+async def test_a_worker_without_its_socket_is_not_taken_for_stuck(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listening at its socket's name (a worker starting, stopping,
+    or one that never made it) is no hang: its exit says what it does."""
+    group = supervisor.Supervisor(
+        Group.of(parse([*BASE, "--workers", "2", "--listen", "127.0.0.1:0"])), [], None, QUICK
+    )
+    fake_workers(monkeypatch, WAITS)
+    run = asyncio.create_task(group.run())
+    await asyncio.sleep(1.0)
+    group.stopping.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    assert "killing it" not in caplog.text
+
+
+def test_the_watchdog_follows_the_hang_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert supervisor.Watchdog.of(15.0) == supervisor.Watchdog(every=5.0, wait=5.0, misses=3)
+    assert supervisor.Watchdog.of(0.0) is None
+    assert Group.of(parse([*BASE, "--workers", "2"])).hang_timeout == 15.0
+    settings = parse([*BASE, "--workers", "2", "--worker-hang-timeout", "0"])
+    assert Group.of(settings).hang_timeout == 0.0
+    with pytest.raises(SystemExit):
+        parse([*BASE, "--worker-hang-timeout", "0.5"])
+    assert "--worker-hang-timeout must be 0 (never) or at least 1 s" in capsys.readouterr().err
 
 
 def noted(notes: Path, suffix: str) -> dict[str, str]:
