@@ -738,11 +738,15 @@ def _message(value: Any) -> None:
             raise _step(bad, ".role") from None
     else:
         rule(value)
+    # An assistant turn says something: a content, tool calls, or (OpenAI's
+    # multi-turn audio) the id of an audio answer it gave, which then holds
+    # its words (trial 51: refused, though the SDK sends such turns as given).
     if (
         role == "assistant"
         and value.get("content") is None
         and value.get("tool_calls") is None
         and value.get("function_call") is None
+        and value.get("audio") is None
     ):
         raise _missing("content")
 

@@ -91,6 +91,9 @@ GOOD = [
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
             {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
             {"role": "function", "name": "f", "content": "1"},
+            # OpenAI's multi-turn audio: the earlier audio answer by its id alone.
+            {"role": "assistant", "audio": {"id": "audio_1"}},
+            {"role": "user", "content": "again"},
         ],
         temperature=0, top_p=1, n=2, stop=["a", "b", "c", "d"], max_tokens=5,
         max_completion_tokens=5, presence_penalty=-2, frequency_penalty=2.0,
@@ -189,6 +192,8 @@ BAD = [
     (C, chat(messages=[{"role": 1, "content": "x"}]), "messages[0].role", T),
     (C, chat(messages=[USER, {"role": "user"}]), "messages[1].content", M),
     (C, chat(messages=[{"role": "assistant"}]), "messages[0].content", M),
+    (C, chat(messages=[{"role": "assistant", "audio": None}]), "messages[0].content", M),
+    (C, chat(messages=[{"role": "assistant", "audio": {}}]), "messages[0].audio.id", M),
     (C, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", T),
     (C, chat(messages=[{"role": "user", "content": []}]), "messages[0].content", "empty_array"),
     (C, chat(messages=[{"role": "user", "content": [{"text": "x"}]}]),
