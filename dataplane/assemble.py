@@ -92,8 +92,13 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
             if name not in body or body[name] is None:
                 continue
             value = body[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad_request(f"'{name}' must be a positive integer", param=name)
+            # Completions take 0 (a prompt scored with echo: fields.COMPLETIONS_MAX_TOKENS).
+            least = 0 if endpoint == "completions" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad_request(
+                    f"'{name}' must be {'a non-negative' if least == 0 else 'a positive'} integer",
+                    param=name,
+                )
             present = True
             if value > ceiling:
                 body[name] = ceiling

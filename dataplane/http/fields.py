@@ -617,6 +617,10 @@ TEMPERATURE = number(0.0, 2.0)
 TOP_P = number(0.0, 1.0)
 PENALTY = number(-2.0, 2.0)
 MAX_TOKENS = integer(1, MAX_INT)
+# Legacy completions take 0: with `echo`, the prompt alone comes back, with
+# its logprobs (how a prompt is scored); OpenAI's spec sets no minimum there
+# (trial 51: refused). Chat's and Responses' limits stay at 1 and more.
+COMPLETIONS_MAX_TOKENS = integer(0, MAX_INT)
 KEY_STRING = string(max_len=MAX_KEY_CHARS)
 SEED = integer(-_INT64, _INT64 - 1)
 STOP = either(
@@ -1050,6 +1054,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             **COMMON,
             **SAMPLING,
             "prompt": _prompt_like(non_empty=False),
+            "max_tokens": COMPLETIONS_MAX_TOKENS,
             "best_of": integer(1, 20),
             "echo": boolean,
             "logprobs": integer(0, 5),

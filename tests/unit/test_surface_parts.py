@@ -86,6 +86,18 @@ def test_the_token_ceiling_of_a_responses_request_is_max_output_tokens() -> None
         assemble(RESPONSES, {"model": "m", "input": "x", "max_output_tokens": 0}, rules)
 
 
+def test_a_completions_max_tokens_of_0_is_within_the_token_ceiling() -> None:
+    # Completions take 0 (echo scores a prompt); chat's least is still 1 (trial 51).
+    rules = PromptRules(max_tokens_ceiling=100)
+    body = {"model": "m", "prompt": "x", "echo": True, "max_tokens": 0}
+    assert assemble("completions", body, rules) is False
+    assert body["max_tokens"] == 0
+    with pytest.raises(ApiError):
+        assemble("completions", {"model": "m", "prompt": "x", "max_tokens": -1}, rules)
+    with pytest.raises(ApiError):
+        assemble("chat.completions", {"model": "m", "messages": [], "max_tokens": 0}, rules)
+
+
 # ---------------------------------------------------------------- placement
 
 
