@@ -202,6 +202,9 @@ CREDENTIAL_REFUSED = frozenset({401, 403, 407})
 # Past this an origin's error message is not passed on: a client error
 # message is a sentence or two, anything longer is a dump.
 MAX_ORIGIN_MESSAGE = 1024
+# Its type, param and code are names (a param a path in the body): past this,
+# one is dropped (the type becomes invalid_request_error).
+MAX_ORIGIN_NAME = 256
 
 
 def upstream_unavailable(message: str = UPSTREAM_UNAVAILABLE) -> ApiError:
@@ -372,9 +375,11 @@ def origin_error_body(
     """What a client gets of an origin's error answer (status 400 and up).
 
     With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
-    (`{"error": {"message": ...}}`, or vLLM's flat `{"object": "error",
-    "message": ...}`) is rebuilt from its message, type, param and code, all
-    strings or null; other members are dropped. Anything else becomes a
+    (`{"error": {"message": ...}}`, vLLM's flat `{"object": "error",
+    "message": ...}`, or TGI's `{"error": "...", "error_type": ...}`) is
+    rebuilt from its message (at most MAX_ORIGIN_MESSAGE characters), type,
+    param and code (strings of at most MAX_ORIGIN_NAME, or null); other
+    members are dropped. Anything else becomes a
     fixed error of the same status. (A 5xx or 429 never gets here: the
     forwarder tries the next origin.) `reindex` rewrites
     the passed message and param (the client's own message indexes). Pure.
@@ -402,20 +407,28 @@ def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | Non
     if not isinstance(obj, dict):
         return None
     inner = obj.get("error")
-    err = inner if isinstance(inner, dict) else obj if obj.get("object") == "error" else None
-    if err is None:
+    if isinstance(inner, dict):
+        err = inner
+    elif obj.get("object") == "error":
+        err = obj
+    elif isinstance(inner, str):
+        # TGI's shape: `{"error": "Input validation error: ...", "error_type":
+        # "validation"}` (trial 51: replaced by the fixed message).
+        err = {"message": inner, "type": obj.get("error_type")}
+    else:
         return None
     message = err.get("message")
     if not isinstance(message, str) or not message or len(message) > MAX_ORIGIN_MESSAGE:
         return None
-    kind = err.get("type")
     return {
         "message": message,
-        "type": kind if isinstance(kind, str) else "invalid_request_error",
+        "type": _str_or_none(err.get("type")) or "invalid_request_error",
         "param": _str_or_none(err.get("param")),
         "code": _str_or_none(err.get("code")),
     }
 
 
 def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+    """A string member of an origin's error, None when of another type or
+    longer than a name is (then it is no name, but a dump)."""
+    return value if isinstance(value, str) and len(value) <= MAX_ORIGIN_NAME else None

@@ -233,6 +233,20 @@ ORIGIN_ERRORS = [
         },
     ),
     (
+        "tgi error",
+        422,
+        b'{"error": "Input validation error: `inputs` tokens + `max_new_tokens` must be'
+        b' <= 4096", "error_type": "validation"}',
+        "application/json",
+        {
+            "message": "Input validation error: `inputs` tokens + `max_new_tokens` must be"
+            " <= 4096",
+            "type": "validation",
+            "param": None,
+            "code": None,
+        },
+    ),
+    (
         "text page",
         400,
         b"Bad Request: header too large at gpu-node-17.internal:8000",

@@ -192,13 +192,45 @@ def test_an_origin_error_keeps_only_its_four_fields() -> None:
     }
 
 
+def test_a_tgi_error_is_passed_with_its_error_type() -> None:
+    # TGI's shape: a string error, its kind beside it (trial 51: the fixed message).
+    body = b'{"error": "Input validation error: `max_new_tokens` must be <= 4096",'
+    body += b' "error_type": "validation"}'
+    shown = json.loads(origin_error_body(422, "application/json", body))
+    assert shown == {
+        "error": {
+            "message": "Input validation error: `max_new_tokens` must be <= 4096",
+            "type": "validation",
+            "param": None,
+            "code": None,
+        }
+    }
+    untyped = json.loads(origin_error_body(400, "application/json", b'{"error": "bad"}'))
+    assert untyped["error"]["type"] == "invalid_request_error"
+
+
+def test_an_origin_errors_names_past_their_bound_are_dropped() -> None:
+    body = jsonio.dumps(
+        {"error": {"message": "bad", "type": "t" * 257, "param": "p" * 257, "code": "c"}}
+    )
+    shown = json.loads(origin_error_body(400, "application/json", body))
+    assert shown["error"] == {
+        "message": "bad",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "c",
+    }
+
+
 @pytest.mark.parametrize(
     ("status", "content_type", "body"),
     [
         (400, "text/plain", b"Bad Request"),
         (404, "text/html", b"<h1>Not Found</h1>"),
         (400, "application/json", b"[1, 2]"),
-        (400, "application/json", b'{"error": "a string"}'),
+        (400, "application/json", b'{"error": ""}'),
+        (422, "application/json", b'{"error": "' + b"x" * 1025 + b'"}'),
+        (400, "application/json", b'{"error": 5, "error_type": "validation"}'),
         (400, "application/json", b'{"error": {"message": ""}}'),
         (413, "application/json", b"not json"),
     ],
