@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
-from aiohttp.web_urldispatcher import _default_expect_handler
+from aiohttp.web_urldispatcher import PlainResource, _default_expect_handler
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
@@ -399,7 +399,7 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
             raise exc
         error = ApiError(
             exc.status,
-            f"{_what(request)}: {exc.reason}",
+            f"{_what(request)}: {exc.reason}{_path_hint(request) if exc.status == 404 else ''}",
             code=exc.reason.lower().replace(" ", "_"),
         )
         _refused(request, error.status, error.code, error.message)
@@ -415,6 +415,25 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
     request.app.logger.exception("unhandled error on %s %s", request.method, request.path)
     error = ApiError(500, "internal error in the proxy", type="server_error", code="internal_error")
     return error.response(), "internal_error"
+
+
+def _path_hint(request: web.Request) -> str:
+    """For a 404: the proxy's path the client likely meant, when its path is
+    one of them without the /v1 prefix, with it twice, or with a trailing
+    slash (trial 51: an SDK's base_url without /v1 got a bare "Not Found");
+    else "". Only 404s pay for it."""
+    path = request.path
+    meant = path.rstrip("/")
+    if meant.startswith("/v1/v1/"):
+        meant = meant[3:]
+    elif not meant.startswith("/v1/"):
+        meant = "/v1" + meant
+    if meant == path or not any(
+        isinstance(r, PlainResource) and r.canonical == meant
+        for r in request.app.router.resources()
+    ):
+        return ""
+    return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
 
 
 def _client(request: web.BaseRequest, trusted: TrustedProxies) -> str | None:

@@ -86,6 +86,34 @@ async def test_every_answer_carries_a_request_id(
         error_of(await resp.json())
 
 
+@pytest.mark.parametrize(
+    ("path", "meant"),
+    [
+        ("/chat/completions", "/v1/chat/completions"),  # an SDK's base_url without /v1
+        ("/embeddings", "/v1/embeddings"),
+        ("/v1/chat/completions/", "/v1/chat/completions"),
+        ("/v1/v1/responses", "/v1/responses"),
+        ("/nope", None),
+        ("/v1/nope", None),
+    ],
+)
+async def test_a_404_for_an_endpoint_without_v1_says_which_path_was_meant(
+    stack: Stack, path: str, meant: str | None
+) -> None:
+    resp = await stack.client.post(path, headers=AUTH, json={"model": MODEL})
+    assert resp.status == 404
+    err = error_of(await resp.json())
+    assert err["code"] == "not_found"
+    assert err["message"].startswith(f"POST {path}: Not Found")
+    if meant is None:
+        assert "did you mean" not in err["message"]
+    else:
+        assert err["message"].endswith(
+            f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
+        )
+    assert stack.origins[0].app[SIM_STATE].stats.last_request is None  # reached no origin
+
+
 async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:
     resp = await stack.post(chat("my id"), headers={"x-request-id": "client-42_A.b"})
     assert resp.status == 200
