@@ -180,6 +180,13 @@ UPSTREAM_SLOW = "The model's servers did not start answering in time; retry shor
 # When every origin tried was reached, and they failed in different ways (one
 # answered 500, another sent nothing in time).
 UPSTREAM_UNANSWERED = "The model's servers were reached but did not answer; retry shortly."
+# When every origin tried refused the proxy's own credential (CREDENTIAL_REFUSED):
+# they did answer, and the fault is the gateway's configuration, which the
+# client cannot fix (trial 51: said "reached but did not answer").
+UPSTREAM_GATEWAY_REFUSED = (
+    "The model's servers refused this gateway's credentials: a problem of the gateway's "
+    "configuration, not of your request; contact its operator."
+)
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."
 UPSTREAM_REFUSED = "The model's servers refused the request."
@@ -209,8 +216,9 @@ MAX_ORIGIN_NAME = 256
 
 def upstream_unavailable(message: str = UPSTREAM_UNAVAILABLE) -> ApiError:
     """502: no origin committed to an answer (connect errors, 5xx, timeouts,
-    cuts). The message says what every origin tried did, when they all did
-    the same (UPSTREAM_FAILED, UPSTREAM_SLOW); the code is the same."""
+    cuts, refusals of the proxy's credential). The message says what every
+    origin tried did, when they all did the same (UPSTREAM_FAILED,
+    UPSTREAM_SLOW, UPSTREAM_GATEWAY_REFUSED); the code is the same."""
     return ApiError(
         502,
         message,

@@ -36,6 +36,7 @@ from dataplane import jsonio
 from dataplane.http.errors import (
     CREDENTIAL_REFUSED,
     UPSTREAM_FAILED,
+    UPSTREAM_GATEWAY_REFUSED,
     UPSTREAM_SLOW,
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
@@ -293,6 +294,8 @@ class _Tries:
     errored: int = 0
     timed_out: int = 0
     unreached: int = 0
+    # Of those, the ones whose origin refused the proxy's own credential.
+    refused: int = 0
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
     first_within: float | None = None
@@ -797,6 +800,8 @@ class Forwarder:
             tries.errored += 1
         elif exc.outcome == "timeout":
             tries.timed_out += 1
+        elif exc.outcome == "credential_refused":
+            tries.refused += 1
         elif not exc.worked and exc.outcome in ("connect_error", "credential_error"):
             tries.unreached += 1
         if exc.status == BUSY:
@@ -1069,8 +1074,9 @@ def _only_done(chunk: bytes) -> bool:
 def _what_failed(tries: _Tries) -> str:
     """The 502's message: "could not be reached" when some origin could not
     be (or none was tried); else what every origin tried did, when they all
-    did the same; else that they failed (review 48: a 500 and a timeout, or a
-    500 and an empty retry budget, said "could not be reached")."""
+    did the same (refused the gateway's credentials: its operator's to fix);
+    else that they failed (review 48: a 500 and a timeout, or a 500 and an
+    empty retry budget, said "could not be reached")."""
     count = tries.failed
     if tries.unreached or not count:
         return UPSTREAM_UNAVAILABLE
@@ -1078,6 +1084,8 @@ def _what_failed(tries: _Tries) -> str:
         return UPSTREAM_FAILED
     if tries.timed_out == count:
         return UPSTREAM_SLOW
+    if tries.refused == count:
+        return UPSTREAM_GATEWAY_REFUSED
     return UPSTREAM_UNANSWERED
 
 

@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestServer
 from dataplane.http.errors import (
     UPSTREAM_BUSY,
     UPSTREAM_FAILED,
+    UPSTREAM_GATEWAY_REFUSED,
     UPSTREAM_REFUSED,
     UPSTREAM_STREAM_BROKEN,
     UPSTREAM_UNAVAILABLE,
@@ -342,7 +343,10 @@ async def test_an_origin_refusing_the_proxys_credential_is_a_502_for_the_client(
             resp = await s.post(chat("credential"))
         assert resp.status == 502
         text = await resp.text()
-        assert error_of(json.loads(text))["code"] == "upstream_unavailable"
+        error = error_of(json.loads(text))
+        assert error["code"] == "upstream_unavailable"
+        # They answered: the gateway's credential is at fault, not the client's request.
+        assert error["message"] == UPSTREAM_GATEWAY_REFUSED
         assert "sk-op" not in text
         [line] = [r for r in caplog.records if "no origin could serve" in r.getMessage()]
         message = line.getMessage()

@@ -13,6 +13,7 @@ from dataplane import jsonio
 from dataplane.assemble import PromptRules, assemble, names_twice, ruled_fields
 from dataplane.http.errors import (
     UPSTREAM_FAILED,
+    UPSTREAM_GATEWAY_REFUSED,
     UPSTREAM_REFUSED,
     UPSTREAM_SLOW,
     UPSTREAM_UNANSWERED,
@@ -424,22 +425,31 @@ def test_the_fields_rules_read_are_found_named_twice() -> None:
 
 
 @pytest.mark.parametrize(
-    ("failed", "errored", "timed_out", "unreached", "message"),
+    ("failed", "errored", "timed_out", "unreached", "refused", "message"),
     [
-        (0, 0, 0, 0, UPSTREAM_UNAVAILABLE),  # no candidate tried
-        (2, 0, 0, 2, UPSTREAM_UNAVAILABLE),
-        (2, 1, 0, 1, UPSTREAM_UNAVAILABLE),  # some origin could not be reached
-        (2, 2, 0, 0, UPSTREAM_FAILED),
-        (1, 1, 0, 0, UPSTREAM_FAILED),  # then "retry budget exhausted": not an origin's
-        (2, 0, 2, 0, UPSTREAM_SLOW),
-        (2, 1, 1, 0, UPSTREAM_UNANSWERED),  # review 48: said "could not be reached"
-        (1, 0, 0, 0, UPSTREAM_UNANSWERED),  # a cut, a redirect, a refused credential
+        (0, 0, 0, 0, 0, UPSTREAM_UNAVAILABLE),  # no candidate tried
+        (2, 0, 0, 2, 0, UPSTREAM_UNAVAILABLE),
+        (2, 1, 0, 1, 0, UPSTREAM_UNAVAILABLE),  # some origin could not be reached
+        (2, 2, 0, 0, 0, UPSTREAM_FAILED),
+        (1, 1, 0, 0, 0, UPSTREAM_FAILED),  # then "retry budget exhausted": not an origin's
+        (2, 0, 2, 0, 0, UPSTREAM_SLOW),
+        (2, 1, 1, 0, 0, UPSTREAM_UNANSWERED),  # review 48: said "could not be reached"
+        (1, 0, 0, 0, 0, UPSTREAM_UNANSWERED),  # a cut, a redirect
+        (2, 0, 0, 0, 2, UPSTREAM_GATEWAY_REFUSED),  # trial 51: said "did not answer"
+        (2, 1, 0, 0, 1, UPSTREAM_UNANSWERED),  # a 500, a refused credential
     ],
 )
 def test_a_502_says_what_the_origins_tried_did(
-    failed: int, errored: int, timed_out: int, unreached: int, message: str
+    failed: int, errored: int, timed_out: int, unreached: int, refused: int, message: str
 ) -> None:
-    tries = _Tries(0.0, failed=failed, errored=errored, timed_out=timed_out, unreached=unreached)
+    tries = _Tries(
+        0.0,
+        failed=failed,
+        errored=errored,
+        timed_out=timed_out,
+        unreached=unreached,
+        refused=refused,
+    )
     tries.failures = ["o: …"] * failed + ["retry budget exhausted"]
     assert _what_failed(tries) == message
 
