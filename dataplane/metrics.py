@@ -324,7 +324,8 @@ class Metrics:
         self.upstream_attempts = Counter(
             "ponto_upstream_attempts",
             "Attempts to call an origin, by origin and outcome: ok, connect_error, timeout, "
-            "http_5xx, http_429, http_3xx (a redirect: a wrong base URL), credential_refused, "
+            "http_5xx, http_429, http_408 (the origin timed out waiting for the request), http_3xx "
+            "(a redirect: a wrong base URL), credential_refused, account_refused (402), "
             "credential_error, bad_answer (a 2xx that is not a JSON object), too_large (a whole "
             "answer past --max-answer-bytes), cut, cut_after_start, "
             "deadline, hedge_cancelled "

@@ -11,7 +11,8 @@ them at WARNING with the request id). An origin's own 4xx answer is passed
 on only when it is an OpenAI-style JSON error about the client's request,
 rebuilt from its four fields (`origin_error_body`); anything else (a text or
 HTML page, a stack trace, a word on the operator's account) becomes a fixed
-error of the same status, and a refusal of the proxy's own credential a 502.
+error of the same status, and a refusal of the proxy's own credential or
+account (401, 403, 407, 402) a 502.
 """
 
 from __future__ import annotations
@@ -180,12 +181,13 @@ UPSTREAM_SLOW = "The model's servers did not start answering in time; retry shor
 # When every origin tried was reached, and they failed in different ways (one
 # answered 500, another sent nothing in time).
 UPSTREAM_UNANSWERED = "The model's servers were reached but did not answer; retry shortly."
-# When every origin tried refused the proxy's own credential (CREDENTIAL_REFUSED):
+# When every origin tried refused the proxy's own credential (CREDENTIAL_REFUSED)
+# or its account (402, dataplane.upstream.forwarder.PAYMENT_REQUIRED):
 # they did answer, and the fault is the gateway's configuration, which the
 # client cannot fix (trial 51: said "reached but did not answer").
 UPSTREAM_GATEWAY_REFUSED = (
-    "The model's servers refused this gateway's credentials: a problem of the gateway's "
-    "configuration, not of your request; contact its operator."
+    "The model's servers refused this gateway's credentials (or its account with them): a "
+    "problem of the gateway's configuration, not of your request; contact its operator."
 )
 UPSTREAM_TIMEOUT = "The model's servers did not answer in time; retry shortly."
 UPSTREAM_STREAM_BROKEN = "The model's servers stopped answering mid-stream; retry the request."

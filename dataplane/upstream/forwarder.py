@@ -3,12 +3,13 @@
 Contract: an attempt may be retried on the next candidate only while nothing can
 have reached the client: connect error, 5xx, a refusal of the proxy's own
 credential (401, 403, 407: the client's request was fine, another origin may
-take it), timeout, or a cut before the whole body (non-streaming) or the first
-chunk (streaming) arrived. `forward` returns the committed answer without
-writing anything; the caller relays it (`dataplane.streaming.relay`) and
-releases it. What failed is logged here, in one WARNING line per request
-with its id, whether another origin then answered or none did; the client
-learns only a fixed message (dataplane.http.errors).
+take it) or account (402), timeout (the origin's own too: 408), or a cut
+before the whole body (non-streaming) or the first chunk (streaming) arrived.
+`forward` returns the committed answer without writing anything; the caller
+relays it (`dataplane.streaming.relay`) and releases it. What failed is
+logged here, in one WARNING line per request with its id, whether another
+origin then answered or none did; the client learns only a fixed message
+(dataplane.http.errors).
 
 Hedging (off unless the caller asks): when the first attempt has not committed
 after a delay, the same request goes to the next candidate as well, and the
@@ -150,6 +151,17 @@ BUSY = 429
 # the origin goes last for its wait, within the outlier detector's cap (30 s).
 BUSY_DEFAULT_S = 1.0
 BUSY_MAX_S = 60.0
+# An origin (or a proxy in front of it) that gave up waiting for the request
+# (RFC 9110: it did not receive the whole request in time): it generated
+# nothing, and another origin may well take it, as after a timeout; passed
+# on, the client got its 408 after one attempt (trial 51).
+ORIGIN_TIMED_OUT = 408
+# An origin that wants payment refuses the operator's account (its credit or
+# billing), not the client's request: the client cannot fix it, another
+# origin (another account or provider) may take it, and with none left it is
+# a 502 like a refused credential. Passed on, the SDK raised an error telling
+# the client to pay, and no other origin was tried (trial 51).
+PAYMENT_REQUIRED = 402
 # An origin that redirects a POST is misconfigured (its base URL wants https,
 # or a trailing slash): its answer is not one, and following it would resend
 # the prompt, or for 301 and 302 drop it. Refused like a 5xx, with the
@@ -294,7 +306,8 @@ class _Tries:
     errored: int = 0
     timed_out: int = 0
     unreached: int = 0
-    # Of those, the ones whose origin refused the proxy's own credential.
+    # Of those, the ones whose origin refused the proxy's own credential or
+    # account (a 402).
     refused: int = 0
     # A stream's first chunk is due within this many seconds of the call (its
     # idle timeout), else the next origin is tried; None: the read timeout.
@@ -798,9 +811,9 @@ class Forwarder:
             return  # the origin did answer: not a failure of its health
         if exc.outcome == "http_5xx":
             tries.errored += 1
-        elif exc.outcome == "timeout":
+        elif exc.outcome in ("timeout", "http_408"):
             tries.timed_out += 1
-        elif exc.outcome == "credential_refused":
+        elif exc.outcome in ("credential_refused", "account_refused"):
             tries.refused += 1
         elif not exc.worked and exc.outcome in ("connect_error", "credential_error"):
             tries.unreached += 1
@@ -924,6 +937,20 @@ class Forwarder:
                             "answered 429 (too busy, or the account with it is over its quota)",
                             BUSY,
                             resp.headers.get("retry-after", ""),
+                            worked=False,
+                        )
+                    if resp.status == ORIGIN_TIMED_OUT:
+                        raise _Retryable(
+                            "http_408",
+                            "answered 408 (it timed out waiting for the request)",
+                            resp.status,
+                            worked=False,
+                        )
+                    if resp.status == PAYMENT_REQUIRED:
+                        raise _Retryable(
+                            "account_refused",
+                            "answered 402: the operator's account with it wants payment",
+                            resp.status,
                             worked=False,
                         )
                     if resp.status in REDIRECTS:

@@ -25,6 +25,7 @@ from dataplane.http.errors import (
     UPSTREAM_FAILED,
     UPSTREAM_GATEWAY_REFUSED,
     UPSTREAM_REFUSED,
+    UPSTREAM_SLOW,
     UPSTREAM_STREAM_BROKEN,
     UPSTREAM_UNAVAILABLE,
 )
@@ -449,6 +450,52 @@ async def busy_origin(s: Stack, retry_after: str) -> str:
     s.others.append(server)
     await server.start_server()
     return str(server.make_url("/v1"))
+
+
+async def origin_answering(s: Stack, status: int, body: bytes, content_type: str) -> str:
+    """The base URL of a new origin that answers every chat request so."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answering(status, body, content_type))
+    server = TestServer(app)
+    s.others.append(server)
+    await server.start_server()
+    return str(server.make_url("/v1"))
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [(408, UPSTREAM_SLOW), (402, UPSTREAM_GATEWAY_REFUSED)],
+    ids=["timed out waiting", "payment required"],
+)
+async def test_an_origin_408_or_402_is_failed_over_and_a_502_when_none_is_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, status: int, message: str
+) -> None:
+    """Trial 51: an origin's 408 (it timed out waiting for the request) and 402
+    (the operator's account wants payment) reached the client after one
+    attempt; neither is the client's fault, and another origin may answer."""
+    body = b'{"error": {"message": "Insufficient credit on account org-operator"}}'
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    try:
+        bad = await origin_answering(s, status, body, "application/json")
+        serve(s, [("bad", bad), ("good", str(s.origins[0].make_url("/v1")))])
+        for i in range(6):  # the weighted order puts "bad" first about half the time
+            resp = await s.post(chat(f"failover {status} {i}"))
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
+        serve(s, [("bad", bad), ("worse", await origin_answering(s, status, body, "text/plain"))])
+        with caplog.at_level(logging.WARNING):
+            resp = await s.post(chat(f"nobody {status}"))
+        assert resp.status == 502
+        text = await resp.text()
+        error = error_of(json.loads(text))
+        assert (error["code"], error["message"]) == ("upstream_unavailable", message)
+        assert "org-operator" not in text
+        [line] = [
+            r.getMessage() for r in caplog.records if "no origin could serve" in r.getMessage()
+        ]
+        assert f"bad: answered {status}" in line and f"worse: answered {status}" in line
+    finally:
+        await s.close()
 
 
 def serve(s: Stack, origins: list[tuple[str, str]]) -> None:
