@@ -230,6 +230,22 @@ def upstream_unavailable(message: str = UPSTREAM_UNAVAILABLE) -> ApiError:
     )
 
 
+def upstream_error_answer(error: dict[str, str | None]) -> ApiError:
+    """502 for a request whose origins answered 2xx with an error and no
+    answer (`{"error": {...}}` without `choices`, as some hosted APIs do;
+    dataplane.upstream.forwarder), none answering otherwise: the error one of
+    them gave, as origin_error_of rebuilt it. Its status is no 4xx, since
+    nothing tells the client's fault from the origin's."""
+    return ApiError(
+        502,
+        error["message"] or UPSTREAM_FAILED,
+        type=error["type"] or "upstream_error",
+        param=error["param"],
+        code=error["code"],
+        logged=True,
+    )
+
+
 def upstream_busy(retry_after_s: float) -> ApiError:
     """429: every origin tried answered 429 (too busy, or its account over its
     quota) or failed; the client may come back after `retry_after_s` (the
@@ -416,6 +432,15 @@ def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | Non
         return None
     if not isinstance(obj, dict):
         return None
+    return origin_error_of(obj)
+
+
+def origin_error_of(
+    obj: dict[str, object], default_type: str = "invalid_request_error"
+) -> dict[str, str | None] | None:
+    """The error an origin's parsed JSON object holds, rebuilt as
+    origin_error_body does (the type `default_type` when it gives none);
+    None when it holds none that may be passed on. Pure."""
     inner = obj.get("error")
     if isinstance(inner, dict):
         err = inner
@@ -432,7 +457,7 @@ def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | Non
         return None
     return {
         "message": message,
-        "type": _str_or_none(err.get("type")) or "invalid_request_error",
+        "type": _str_or_none(err.get("type")) or default_type,
         "param": _str_or_none(err.get("param")),
         "code": _str_or_none(err.get("code")),
     }

@@ -41,7 +41,9 @@ from dataplane.http.errors import (
     UPSTREAM_SLOW,
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
+    origin_error_of,
     upstream_busy,
+    upstream_error_answer,
     upstream_timeout,
     upstream_too_large,
     upstream_unavailable,
@@ -193,6 +195,8 @@ class UpstreamSettings:
 
 # The outcome of a whole answer longer than max_answer_bytes.
 TOO_LARGE: Final = "too_large"
+# The outcome of a 2xx whole answer that is an error and no answer (_answer_object).
+ERROR_ANSWER: Final = "error_answer"
 
 
 class _Retryable(Exception):
@@ -210,12 +214,15 @@ class _Retryable(Exception):
         retry_after: str = "",
         *,
         worked: bool = True,
+        shown: dict[str, str | None] | None = None,
     ) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.status = status
         self.retry_after = retry_after  # a busy origin's Retry-After, as sent
         self.worked = worked
+        # An ERROR_ANSWER's error, as a client may see it (errors.origin_error_of).
+        self.shown = shown
 
 
 @dataclass(slots=True, eq=False)
@@ -316,6 +323,9 @@ class _Tries:
     # Some failed attempt may have cost its origin work (_Retryable.worked, or
     # past the deadline): a 502 then keeps the prompt's tokens charged.
     worked: bool = False
+    # The error of the last 2xx answer that was one (ERROR_ANSWER) and could
+    # be shown: the 502's, when no origin answered.
+    shown: dict[str, str | None] | None = None
 
 
 @dataclass(slots=True)
@@ -544,6 +554,8 @@ class Forwarder:
             error = upstream_timeout()
         elif tries.busy_retry_s is not None:
             error = upstream_busy(tries.busy_retry_s)
+        elif tries.shown is not None:
+            error = upstream_error_answer(tries.shown)
         else:
             error = upstream_unavailable(_what_failed(tries))
         error.attempts = tries.made
@@ -809,6 +821,13 @@ class Forwarder:
         if exc.outcome == TOO_LARGE:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
+        if exc.outcome == ERROR_ANSWER:
+            tries.errored += 1
+            tries.shown = exc.shown or tries.shown
+            # Not counted against the origin's health: its error may be about
+            # the request (a prompt too long), and a client must not be able
+            # to eject origins by sending such requests.
+            return
         if exc.outcome == "http_5xx":
             tries.errored += 1
         elif exc.outcome in ("timeout", "http_408"):
@@ -1205,7 +1224,24 @@ def _answer_object(body: bytes, status: int, content_type: str) -> Any:
             "a wrong base URL or port?",
             status,
         )
+    if "error" in parsed and not _ANSWER_MEMBERS.intersection(parsed) and parsed["error"]:
+        # Some hosted APIs answer a failure 200 with `{"error": {...}}`: relayed,
+        # the SDK read choices None and failed (trial 51). Another origin may
+        # answer; with none, the client gets the error (errors.upstream_error_answer).
+        raise _Retryable(
+            ERROR_ANSWER,
+            f"answered {status} with an error and no answer: {str(parsed['error'])[:200]}",
+            status,
+            shown=origin_error_of(parsed, "upstream_error"),
+        )
     return parsed
+
+
+# What holds the answer in each endpoint's successful body: chat and
+# completions' choices, embeddings' data, a Responses object's output (whose
+# `error` is a member of every one, null unless it failed: such an object is
+# an answer, which the client reads as one).
+_ANSWER_MEMBERS: Final = frozenset({"choices", "data", "output"})
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:

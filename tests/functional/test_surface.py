@@ -498,6 +498,50 @@ async def test_an_origin_408_or_402_is_failed_over_and_a_502_when_none_is_left(
         await s.close()
 
 
+async def test_a_200_that_is_an_error_is_failed_over_and_passed_on_when_none_is_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 51: an origin answering 200 `{"error": {...}}` and no choices (as
+    some hosted APIs do) was relayed as an answer, and the SDK failed on its
+    choices (None); the answer was a success to the metrics and the cache."""
+    body = (
+        b'{"error": {"message": "The upstream model is overloaded", "type": "server_error",'
+        b' "code": "overloaded", "trace": "at gpu-17"}}'
+    )
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    try:
+        bad = await origin_answering(s, 200, body, "application/json")
+        serve(s, [("bad", bad), ("good", str(s.origins[0].make_url("/v1")))])
+        for i in range(6):  # the weighted order puts "bad" first about half the time
+            resp = await s.post(chat(f"error answer {i}"))
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
+            assert (await resp.json())["choices"]
+        worse = await origin_answering(s, 200, b'{"error": "no"}', "application/json")
+        serve(s, [("bad", bad), ("worse", worse)])
+        with caplog.at_level(logging.WARNING):
+            resp = await s.post(chat("nobody answers"))
+        assert resp.status == 502
+        text = await resp.text()
+        assert error_of(json.loads(text)) in (
+            {
+                "message": "The upstream model is overloaded",
+                "type": "server_error",
+                "param": None,
+                "code": "overloaded",
+            },
+            {"message": "no", "type": "upstream_error", "param": None, "code": None},
+        )
+        assert "gpu-17" not in text
+        [line] = [
+            r.getMessage() for r in caplog.records if "no origin could serve" in r.getMessage()
+        ]
+        assert "bad: answered 200 with an error and no answer" in line
+        assert "worse: answered 200 with an error and no answer" in line
+    finally:
+        await s.close()
+
+
 def serve(s: Stack, origins: list[tuple[str, str]]) -> None:
     """A table of these origins (name, base URL) for the stack's proxy."""
     t = table(origins, version=3)

@@ -4,6 +4,7 @@ and usage counting; the error allowlist; request ids; forwarded headers."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import orjson
 import pytest
@@ -33,6 +34,8 @@ from dataplane.upstream.forwarder import (
     MAX_FORWARDED_VALUE,
     Forwarder,
     UpstreamSettings,
+    _answer_object,
+    _Retryable,
     _Tries,
     _what_failed,
     busy_wait_s,
@@ -419,6 +422,46 @@ def test_the_fields_rules_read_are_found_named_twice() -> None:
     assert names_twice(b'{"model": "a", "tools": [{"model": 1}], "model": "b"}', ("model",))
     # Non-ASCII text and HTML-safe escapes are no name's characters.
     assert not names_twice(b'{"max_tokens": 1, "x": "caf\\u00e9 \\u003cb\\u003e"}', ("max_tokens",))
+
+
+# ---------------------------------------------------------------- a 2xx that is an error
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"id": "c", "object": "chat.completion", "choices": [], "error": None},
+        {"object": "list", "data": [], "model": "m"},
+        # A Responses object always has `error`; a failed one is still an answer.
+        {"object": "response", "status": "failed", "error": {"message": "x"}, "output": []},
+        {"error": None, "choices": None},
+    ],
+)
+def test_a_2xx_answer_with_an_answer_is_no_error(body: dict[str, Any]) -> None:
+    assert _answer_object(jsonio.dumps(body), 200, "application/json") == body
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        (
+            {"error": {"message": "overloaded", "code": 529}},
+            {"message": "overloaded", "type": "upstream_error", "param": None, "code": None},
+        ),
+        (
+            {"error": "quota", "error_type": "billing"},
+            {"message": "quota", "type": "billing", "param": None, "code": None},
+        ),
+        ({"error": {"message": "x" * 5000}}, None),  # passed on as a fixed 502
+    ],
+)
+def test_a_2xx_error_with_no_answer_is_a_failed_attempt(
+    body: dict[str, Any], shown: dict[str, Any] | None
+) -> None:
+    with pytest.raises(_Retryable) as failed:
+        _answer_object(jsonio.dumps(body), 200, "application/json")
+    assert failed.value.outcome == "error_answer"
+    assert failed.value.shown == shown
 
 
 # ---------------------------------------------------------------- the 502's message
