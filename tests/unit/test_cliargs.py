@@ -72,8 +72,9 @@ CONTROL_FLAGS = _number_flags(control_settings.parse)
 
 
 def test_the_proxys_timeouts_and_rates_are_among_them() -> None:
-    assert {"--header-timeout", "--deadline", "--cache-ttl", "--drain-seconds"} <= set(PROXY_FLAGS)
-    assert len(PROXY_FLAGS) == 15
+    wanted = {"--header-timeout", "--deadline", "--cache-ttl", "--drain-seconds"}
+    assert wanted | {"--worker-hang-timeout"} <= set(PROXY_FLAGS)
+    assert len(PROXY_FLAGS) == 16
 
 
 @pytest.mark.parametrize("flag", PROXY_FLAGS)
