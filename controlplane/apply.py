@@ -71,6 +71,7 @@ from controlplane.model import (
     StreamPolicy,
     Tenant,
     access_warnings,
+    check_prompt_controls,
     unserved_aliases,
     unserved_settings,
     url_warnings,
@@ -295,9 +296,17 @@ def parse(doc: Any) -> Topology:
             # A tenant's blocks are checked apart, so each reports its error,
             # with its type errors too (trial 30: `rpm: -1` beside `tpm: 1.5`
             # was told only once the type was fixed).
-            problems = value.problems() if isinstance(value, Tenant) else []
+            # A tenant's prompt is checked for controls in plan, where what
+            # the control plane holds is known (a prompt stored before the
+            # rule is not refused when the document keeps it: review 200).
+            problems = value.problems(stored=True) if isinstance(value, Tenant) else []
             try:
-                value = value if problems or typed else value.validated()
+                if problems or typed:
+                    pass
+                elif isinstance(value, Tenant):
+                    value = value.validated(stored=True)
+                else:
+                    value = value.validated()
             except InvalidArgument as exc:
                 problems = [exc]
             # At the field the model's check names, when it names one; not
@@ -315,7 +324,9 @@ def parse(doc: Any) -> Topology:
                 unset.add((kind, value.name))
     if errors:
         raise ApplyError(errors)
-    listed = frozenset(kind[:-1] for kind in KINDS if kind in top.raw)
+    # A kind whose key holds nothing (`origins:` with every entry commented
+    # out) is not listed: --prune leaves it alone, as `[]` would not.
+    listed = frozenset(kind[:-1] for kind in KINDS if top.raw.get(kind) is not None)
     return Topology(tuple(regions), tuple(origins), tuple(tenants), frozenset(unset), paths, listed)
 
 
@@ -769,8 +780,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
             if kind not in topology.listed:
                 if have:
                     unpruned.append(
-                        f"the document has no {kind}s list: --prune left the {len(have)} "
-                        f"{kind}(s) the control plane has alone (`{kind}s: []` deletes them)"
+                        f"the document has no {kind}s list (or an empty `{kind}s:`): --prune "
+                        f"left the {len(have)} {kind}(s) the control plane has alone "
+                        f"(`{kind}s: []` deletes them)"
                     )
                 continue
             keep = {v.name for v in wanted}
@@ -794,6 +806,25 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
             region_ref(other, f"{topology.paths[('region', r.name)]}.rtt_ms.{other}")
     for o in topology.origins:
         region_ref(o.region, f"{topology.paths[('origin', o.name)]}.region")
+    # A stored origin the document leaves alone (no origins list) in a region
+    # --prune deletes would drop out of routing unseen (review 200), where
+    # DeleteRegion refuses a region with origins.
+    listed_origins = {o.name for o in topology.origins}
+    for name, o in sorted(current.origins.items()):
+        kept = name not in deleted["origin"] and name not in listed_origins
+        if kept and o.region in deleted["region"]:
+            errors.append(
+                f"region {o.region!r} is deleted by --prune, but origin {name!r}, which "
+                "the document does not list, is in it: list the origins (`origins:`, "
+                "to delete or move them), or keep the region"
+            )
+    for t in topology.tenants:
+        old = current.tenants.get(t.name)
+        if old is None or old.prompt.system_prompt != t.prompt.system_prompt:
+            try:
+                check_prompt_controls(t.prompt.system_prompt, f"tenant {t.name!r}")
+            except InvalidArgument as exc:
+                errors.append(f"{topology.paths[('tenant', t.name)]}.prompt.system_prompt: {exc}")
     for name in sorted(deleted["tenant"]):
         if current.active_keys.get(name):
             errors.append(

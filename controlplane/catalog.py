@@ -403,7 +403,11 @@ class Catalog:
         }
 
         def apply(t: Tenant) -> Tenant:
-            updated = change(t).validated()
+            changed = change(t)
+            # A prompt stored before a rule is not refused by a write that
+            # leaves it as it was (review 200: it blocked every suspension).
+            kept = changed.prompt.system_prompt == t.prompt.system_prompt
+            updated = changed.validated(stored=kept)
             if updated.jwt is not None and updated.jwt.issuer in issuers:
                 raise AlreadyExists(
                     f"JWT issuer {updated.jwt.issuer!r} already belongs to tenant "

@@ -88,6 +88,11 @@ class UsageError(Exception):
     """The command line or its file is wrong in a way argparse cannot tell (exit code 2)."""
 
 
+class KeptChanging(Exception):
+    """A record another writer changed between each of pontoctl's reads and
+    writes of it (_read_and_write), nothing saved: run it again (exit code 1)."""
+
+
 TIMEOUT = 10.0
 
 
@@ -120,7 +125,7 @@ def _read_and_write(attempt: Callable[[], R]) -> R:
     CHANGED_TRIES times in all: each pontoctl's flags are changes to what it
     read, so several at once all take (trial 52: two `tenant set --alias` at
     once kept one alias, and both said "changed")."""
-    for _ in range(CHANGED_TRIES - 1):
+    for tried in range(1, CHANGED_TRIES + 1):
         try:
             return attempt()
         except grpc.RpcError as exc:
@@ -129,7 +134,12 @@ def _read_and_write(attempt: Callable[[], R]) -> R:
             )
             if not changed:
                 raise
-    return attempt()
+            if tried == CHANGED_TRIES:
+                raise KeptChanging(
+                    f"{exc.details()} (read and written {CHANGED_TRIES} times, each time "
+                    "changed by another write meanwhile): run it again"
+                ) from exc
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
@@ -1353,6 +1363,9 @@ def _load(path: str) -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise UsageError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from exc
+    except RecursionError as exc:
+        # PyYAML's composer (and the walk above) recurse once per level.
+        raise UsageError(f"{path} nests too deep to read (hundreds of levels)") from exc
     finally:
         loader.dispose()
 
@@ -1495,22 +1508,27 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
     return "\n".join([head, table, tenants, "(-o json for the whole table)"])
 
 
+def _adding(kind: str, args: argparse.Namespace, needed: Mapping[str, object]) -> None:
+    """Refuse (UsageError) to add region or origin `args.name` without the
+    flags a new one needs (`needed`: flag -> value given, None if not)."""
+    missing = ", ".join(flag for flag, value in needed.items() if value is None)
+    if not missing:
+        return
+    if args.update:  # a misspelt name, most likely
+        raise UsageError(f"{kind} {args.name} not found; adding it needs {missing}")
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise UsageError(
+        f"adding {kind} {args.name} needs {missing} (or --update, to change {article} {kind})"
+    )
+
+
 def _region_spec(args: argparse.Namespace, current: pb.Region | None) -> apb.RegionSpec:
     """The region `region add` asks for: its flags, and for a region that
     exists (`current`, with --update) its settings for the flags not given
     (trial 52: an update reset its RTTs and spill threshold, and needed its
     coordinates again)."""
     if current is None:
-        missing = [flag for flag, v in (("--lat", args.lat), ("--lon", args.lon)) if v is None]
-        if missing:
-            if args.update:  # a misspelt name, most likely
-                raise UsageError(
-                    f"region {args.name} not found; adding it needs {', '.join(missing)}"
-                )
-            raise UsageError(
-                f"adding region {args.name} needs {', '.join(missing)} "
-                "(or --update, to change a region)"
-            )
+        _adding("region", args, {"--lat": args.lat, "--lon": args.lon})
     spec = _region_as_spec(current) if current is not None else apb.RegionSpec(name=args.name)
     if args.lat is not None:
         spec.latitude = args.lat
@@ -1554,24 +1572,9 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
     """The origin `origin add` asks for: its flags, and for an origin that
     exists (`current`, with --update) its settings for the flags not given."""
     if current is None:
-        missing = [
-            flag
-            for flag, value in (
-                ("--url", args.url),
-                ("--region", args.region),
-                ("--models", args.models),
-            )
-            if value is None
-        ]
-        if missing:
-            if args.update:  # a misspelt name, most likely
-                raise UsageError(
-                    f"origin {args.name} not found; adding it needs {', '.join(missing)}"
-                )
-            raise UsageError(
-                f"adding origin {args.name} needs {', '.join(missing)} "
-                "(or --update, to change an origin)"
-            )
+        _adding(
+            "origin", args, {"--url": args.url, "--region": args.region, "--models": args.models}
+        )
     spec = _as_spec(current) if current is not None else apb.OriginSpec(name=args.name)
     if args.url is not None:
         spec.base_url = args.url
@@ -1725,7 +1728,9 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             known = any(t.name == args.name for t in tenants)
             if known and [f.name for f, _ in update.ListFields()] == ["name"]:
                 return current, update, None
-            _merged(current, update).validated()
+            merged = _merged(current, update)
+            # As the control plane checks it: a prompt kept as stored is not refused.
+            merged.validated(stored=merged.prompt.system_prompt == current.prompt.system_prompt)
             # Saved only if no other change came since `current` was read:
             # `update` carries whole parts of it (every alias, every limit).
             update.expected.CopyFrom(current)
@@ -2013,6 +2018,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (UsageError, InvalidArgument) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except KeptChanging as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         except ValueError as exc:
             # run() only builds messages from the arguments: a ValueError is a
             # number protobuf cannot hold (a negative count, 2**32).

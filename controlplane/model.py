@@ -492,6 +492,21 @@ class Limits:
         return self
 
 
+def check_prompt_controls(text: str, owner: str) -> None:
+    """Refuse (InvalidArgument) a system prompt holding a control character
+    other than PROMPT_CONTROLS. Only of a prompt being set: one stored before
+    the rule is kept, and a write that leaves it as it is (a limit, a
+    suspension) is not refused for it (review 200)."""
+    for at, char in enumerate(text, 1):
+        if unicodedata.category(char) == "Cc" and char not in PROMPT_CONTROLS:
+            raise InvalidArgument(
+                f"system prompt of {owner} holds the control character {char!a} "
+                f"(character {at}): of the controls, only tab, newline and carriage "
+                "return may be in it",
+                field="system_prompt",
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class PromptPolicy:
     system_prompt: str = ""
@@ -513,14 +528,7 @@ class PromptPolicy:
                 field="system_prompt",
             )
         if not stored:
-            for at, char in enumerate(self.system_prompt, 1):
-                if unicodedata.category(char) == "Cc" and char not in PROMPT_CONTROLS:
-                    raise InvalidArgument(
-                        f"system prompt of {owner} holds the control character {char!a} "
-                        f"(character {at}): of the controls, only tab, newline and carriage "
-                        "return may be in it",
-                        field="system_prompt",
-                    )
+            check_prompt_controls(self.system_prompt, owner)
         for name, text in self.defaults:
             if not PARAM_RE.match(name) or name in NOT_DEFAULTABLE:
                 raise InvalidArgument(
@@ -781,15 +789,16 @@ class Tenant:
             raise problems[0]
         return replace(self, **blocks)
 
-    def problems(self) -> list[InvalidArgument]:
+    def problems(self, *, stored: bool = False) -> list[InvalidArgument]:
         """Every block's first error, or the name's alone: `pontoctl apply`
         reports them all in one pass, where a document with a bad limit and
-        a bad cache TTL took two runs to learn of both."""
+        a bad cache TTL took two runs to learn of both. `stored` as for
+        validated."""
         try:
             check_name("tenant", self.name)
         except InvalidArgument as exc:
             return [exc]
-        return self._blocks()[1]
+        return self._blocks(stored=stored)[1]
 
     def _blocks(self, *, stored: bool = False) -> tuple[dict[str, Any], list[InvalidArgument]]:
         owner = f"tenant {self.name!r}"

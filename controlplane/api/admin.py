@@ -626,10 +626,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
 
 def _as_read(stored: Tenant, expected: pb.Tenant) -> bool:
-    """Whether tenant `stored` is still as a caller read it: its ListTenants
-    entry, or (the open tenant before it has a record) its name alone.
-    Compared as listed, not validated: a record stored before a rule is
-    compared as it is (as origins are, helper-188)."""
-    if tenant_pb(stored) == expected:
+    """Whether tenant `stored` (as decoded) is still as a caller read it: its
+    ListTenants entry, which is the record in its normal form (validated as
+    stored: aliases sorted, a cache mode filled in), or its name alone when
+    ListTenants had none: the open tenant before it has a record, or a record
+    that cannot be listed (review 200: one stored out of order, by hand or
+    by another version, never compared equal, and every write was refused
+    as changed)."""
+    try:
+        listed: pb.Tenant | None = tenant_pb(stored.validated(stored=True))
+    except InvalidArgument:
+        listed = None
+    if listed is not None and listed == expected:
         return True
-    return expected == pb.Tenant(name=stored.name) and stored == Tenant(stored.name)
+    unlisted = listed is None or stored == Tenant(stored.name)
+    return unlisted and expected == pb.Tenant(name=stored.name)

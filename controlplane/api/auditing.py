@@ -206,7 +206,8 @@ def put_tenant(req: apb.PutTenantRequest, _: object) -> Description:
 
 
 def update_tenant(req: apb.UpdateTenantRequest, _: object) -> Description:
-    return f"tenant/{req.name}", fields(req)
+    # Not `expected`: the whole tenant as the caller read it (review 200).
+    return f"tenant/{req.name}", fields(req, leave=("name", "expected"))
 
 
 def named(kind: str) -> Callable[[apb.DeleteRequest, object], Description]:
@@ -256,7 +257,7 @@ def revoke_key(req: apb.KeyRequest, _: object) -> Description:
 
 
 def set_key_limits(req: apb.SetKeyLimitsRequest, _: object) -> Description:
-    return f"key/{req.id}", fields(req, leave=("id",))
+    return f"key/{req.id}", fields(req, leave=("id", "expected"))
 
 
 def set_key_models(req: apb.SetKeyModelsRequest, _: object) -> Description:

@@ -29,6 +29,7 @@ from controlplane.model import (
     Limits,
     Origin,
     OriginHealth,
+    PromptPolicy,
     Region,
     Tenant,
 )
@@ -369,8 +370,8 @@ def test_plan_checks_references_and_prune_across_the_whole_result() -> None:
     pruned = plan(lone, have, prune=True)
     assert pruned.relies_on == ("gone",)
     assert pruned.warnings == (
-        "the document has no regions list: --prune left the 1 region(s) the control plane "
-        "has alone (`regions: []` deletes them)",
+        "the document has no regions list (or an empty `regions:`): --prune left the 1 "
+        "region(s) the control plane has alone (`regions: []` deletes them)",
     )
     with pytest.raises(ApplyError, match="region 'gone' is deleted by --prune"):
         plan(parse({"regions": [], "origins": [lone_origin]}), have, prune=True)
@@ -566,10 +567,10 @@ def test_prune_deletes_only_from_the_kinds_the_document_lists() -> None:
     tenants_only = plan(parse({"tenants": [{"name": "acme"}]}), have, prune=True)
     assert [(c.kind, c.name) for c in tenants_only.writes()] == [("tenant", "beta")]
     assert tenants_only.warnings == (
-        "the document has no origins list: --prune left the 1 origin(s) the control plane "
-        "has alone (`origins: []` deletes them)",
-        "the document has no regions list: --prune left the 1 region(s) the control plane "
-        "has alone (`regions: []` deletes them)",
+        "the document has no origins list (or an empty `origins:`): --prune left the 1 "
+        "origin(s) the control plane has alone (`origins: []` deletes them)",
+        "the document has no regions list (or an empty `regions:`): --prune left the 1 "
+        "region(s) the control plane has alone (`regions: []` deletes them)",
     )
     # An empty list is a list: all of that kind go.
     everything = plan(parse({"regions": [], "origins": [], "tenants": []}), have, prune=True)
@@ -581,3 +582,62 @@ def test_prune_deletes_only_from_the_kinds_the_document_lists() -> None:
     ]
     # An empty document deletes nothing.
     assert plan(parse({}), have, prune=True).writes() == ()
+
+
+def test_prune_does_not_delete_a_region_whose_origins_it_keeps() -> None:
+    """Review 200: a document listing regions and no origins deleted a
+    region whose stored origins it kept; they dropped out of routing unseen,
+    where DeleteRegion refuses a region with origins."""
+    have = Current(
+        regions={"us": Region("us", 1, 1), "eu": Region("eu", 2, 2)},
+        origins={"o-eu": Origin("o-eu", "http://h/v1", "eu", ("m",))},
+    )
+    regions_only = parse({"regions": [{"name": "us", "lat": 1, "lon": 1}]})
+    with pytest.raises(ApplyError) as raised:
+        plan(regions_only, have, prune=True)
+    assert raised.value.errors == (
+        "region 'eu' is deleted by --prune, but origin 'o-eu', which the document does not "
+        "list, is in it: list the origins (`origins:`, to delete or move them), or keep the "
+        "region",
+    )
+    # Listed, the origin goes too (dependants first); or moved, it stays.
+    both = plan(parse({"regions": regions_only_doc(), "origins": []}), have, prune=True)
+    assert sorted((c.kind, c.name) for c in both.writes()) == [
+        ("origin", "o-eu"),
+        ("region", "eu"),
+    ]
+    moved = {"name": "o-eu", "region": "us", "url": "http://h/v1", "models": ["m"]}
+    kept = plan(parse({"regions": regions_only_doc(), "origins": [moved]}), have, prune=True)
+    assert {(c.kind, c.name, c.action) for c in kept.writes()} == {
+        ("origin", "o-eu", "updated"),
+        ("region", "eu", "deleted"),
+    }
+
+
+def regions_only_doc() -> list[dict[str, object]]:
+    return [{"name": "us", "lat": 1, "lon": 1}]
+
+
+def test_an_empty_kind_key_is_not_a_list_prune_deletes_from() -> None:
+    """Review 200: `origins:` with every entry commented out is null, which
+    --prune read as "no origins": every one deleted."""
+    have = Current(origins={"o1": Origin("o1", "http://h/v1", "us", ("m",))},
+                   regions={"us": Region("us", 1, 1)})  # fmt: skip
+    null = plan(parse(yaml.safe_load("regions: [{name: us, lat: 1, lon: 1}]\norigins:\n")),
+                have, prune=True)  # fmt: skip
+    assert null.writes() == ()
+    assert null.warnings[0].startswith("the document has no origins list (or an empty `origins:`)")
+
+
+def test_a_prompt_stored_before_the_control_rule_is_kept_by_a_document_that_keeps_it() -> None:
+    """Review 200: an export holding a tenant whose prompt predates the rule
+    on control characters was refused whole on apply; only a prompt being
+    set is checked."""
+    old = Tenant("acme", prompt=PromptPolicy(system_prompt="a\x1bb"))
+    doc = {
+        "tenants": [{"name": "acme", "prompt": {"system_prompt": "a\x1bb"}, "limits": {"rpm": 5}}]
+    }
+    (change,) = plan(parse(doc), Current(tenants={"acme": old}), prune=False).writes()
+    assert change.action == "updated"
+    with pytest.raises(ApplyError, match=r"tenants\[0\].prompt.system_prompt: system prompt of "):
+        plan(parse(doc), Current(), prune=False)  # a new tenant: the rule holds

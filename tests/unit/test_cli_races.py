@@ -13,7 +13,10 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.cli import CHANGED_TRIES, UsageError, _parser, run
+from controlplane.catalog import TENANTS
+from controlplane.cli import CHANGED_TRIES, KeptChanging, UsageError, _parser, run
+from controlplane.errors import InvalidArgument
+from controlplane.model import ModelAccess, PromptPolicy, Tenant, encode
 from controlplane.store.memory import MemoryStore
 from ponto.grpcconn import CallDefaults
 from ponto.routetable import OPEN_TENANT
@@ -115,16 +118,17 @@ async def test_a_record_that_keeps_changing_is_refused_after_a_few_tries() -> No
             request = apb.UpdateTenantRequest(name="acme", prompt=prompt)
             real.UpdateTenant.with_call(request, timeout=5)
 
-        with pytest.raises(grpc.RpcError) as caught:
+        with pytest.raises(KeptChanging) as caught:
             await asyncio.to_thread(
                 pontoctl,
                 stub.address,
                 ("ListTenants", another_alias_each_time, None),
                 *("tenant", "set", "acme", "--alias", "a2=llama"),
             )
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "tenant 'acme' was changed since it was read; nothing was saved" in (
-            caught.value.details() or ""
+        assert str(caught.value) == (
+            "tenant 'acme' was changed since it was read; nothing was saved (read and "
+            f"written {CHANGED_TRIES} times, each time changed by another write meanwhile): "
+            "run it again"
         )
         assert tries == CHANGED_TRIES
         aliases = dict((await tenant(stub, "acme")).prompt.aliases)
@@ -227,3 +231,67 @@ def test_adding_a_region_needs_its_coordinates() -> None:
     calls = CallDefaults(NoRegions(), timeout=5)
     with pytest.raises(UsageError, match="adding region x needs --lon"):
         run(_parser().parse_args(["region", "add", "x", "--lat", "1"]), calls)
+
+
+async def test_a_tenant_stored_out_of_its_normal_form_takes_a_change() -> None:
+    """Review 200: ListTenants shows a record in its normal form (models and
+    aliases sorted); one stored otherwise (by hand, by another version) never
+    compared equal to it, and every `tenant set` and `limit set` was refused
+    as changed meanwhile. One that cannot be listed at all is compared as
+    unlisted, so the write says what is wrong with it."""
+    store = MemoryStore()
+    raw = Tenant(
+        "acme",
+        prompt=PromptPolicy(aliases=(("zeta", "llama"), ("alpha", "llama"))),
+        models=ModelAccess(names=("z-model", "a-model")),
+    )
+    await store.put(TENANTS + "acme", encode(raw))
+    async with admin_server(store, Clock(), admin_token="") as stub:
+        await seed(stub)
+        said = await asyncio.to_thread(
+            pontoctl, stub.address, None, "limit", "set", "--tenant", "acme", "--rpm", "5"
+        )
+        assert said.startswith("limits of tenant acme set: rpm=5"), said
+        assert (await tenant(stub, "acme")).limits.rpm == 5
+        # The audit entry says what was asked, not the tenant as read.
+        (entry,) = [
+            e
+            for e in (await stub.ListAudit(apb.ListAuditRequest(action="UpdateTenant"))).entries
+            if e.result == "OK" or e.result == "ok"
+        ]
+        assert "expected" not in entry.detail and "name" not in entry.detail
+        # A record that cannot be listed (an alias to itself): the write says why.
+        await store.put(
+            TENANTS + "broken", encode(Tenant("broken", prompt=PromptPolicy(aliases=(("x", "x"),))))
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            await asyncio.to_thread(
+                pontoctl, stub.address, None, "limit", "set", "--tenant", "broken", "--rpm", "5"
+            )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_prompt_stored_before_the_control_rule_does_not_block_other_changes() -> None:
+    """Review 200: a tenant saved before control characters were refused in
+    prompts could no longer be suspended or limited: every write checked its
+    prompt. Only a prompt being set is checked."""
+    store = MemoryStore()
+    await store.put(
+        TENANTS + "acme", encode(Tenant("acme", prompt=PromptPolicy(system_prompt="a\x1bb")))
+    )
+    async with admin_server(store, Clock(), admin_token="") as stub:
+        await seed(stub)
+        await asyncio.to_thread(
+            pontoctl, stub.address, None, "tenant", "set", "acme", "--suspended", "on"
+        )
+        assert (await tenant(stub, "acme")).suspended
+        with pytest.raises(InvalidArgument):  # pontoctl's own check, before the call
+            await asyncio.to_thread(
+                pontoctl, stub.address, None, "tenant", "set", "acme", "--system-prompt", "c\x01d"
+            )
+        request = apb.UpdateTenantRequest(
+            name="acme", prompt=pb.PromptPolicy(system_prompt="c\x01d")
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.UpdateTenant(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
