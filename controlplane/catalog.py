@@ -73,6 +73,7 @@ from controlplane.model import (
     unserved_settings,
 )
 from controlplane.store import (
+    MAX_REQUEST_BYTES,
     MAX_TXN_OPS,
     Conflict,
     Fence,
@@ -962,8 +963,16 @@ class Catalog:
 
     async def put_traffic(self, replica: str, traffic: dict[str, Traffic], lease: int) -> None:
         """Write a replica's proxies' last traffic reports, a key of their own
-        so that the ACK summary is rewritten only when an ACK changes."""
-        await _guard(self.store.put(TRAFFIC + replica, orjson.dumps(traffic), lease=lease))
+        so that the ACK summary is rewritten only when an ACK changes. Past
+        TRAFFIC_BYTES (a wide outage: many proxies each naming many ejected
+        origins), their ejections' failures are left out, then their
+        ejections: the counts the status page's rates need are kept."""
+        value = orjson.dumps(traffic)
+        if len(value) > TRAFFIC_BYTES:
+            value = orjson.dumps(_without_failures(traffic))
+        if len(value) > TRAFFIC_BYTES:
+            value = orjson.dumps({name: (*t[:6], {}) for name, t in traffic.items()})
+        await _guard(self.store.put(TRAFFIC + replica, value, lease=lease))
 
     async def list_proxies(self, *, traffic: bool = True) -> list[ProxyRecord]:
         """Registered proxies with the ACK state their own replica last wrote,
@@ -1135,11 +1144,30 @@ def _traffic_of(raw: object) -> dict[str, Traffic]:
     return out
 
 
-def _ejections(raw: dict[str, list[Any]]) -> Ejections:
-    return {
-        str(origin): (float(since), int(n), str(failure), float(failed_at), float(until))
-        for origin, (since, n, failure, failed_at, until) in raw.items()
-    }
+def _ejections(raw: object) -> Ejections:
+    """A stored entry's ejections; one that cannot be read is left out, not
+    the entry's counts with it (review 199)."""
+    out: Ejections = {}
+    if not isinstance(raw, dict):
+        return out
+    for origin, e in raw.items():
+        with contextlib.suppress(ValueError, TypeError):
+            since, n, failure, failed_at, until, *_ = e
+            out[str(origin)] = (float(since), int(n), str(failure), float(failed_at), float(until))
+    return out
+
+
+# A replica's traffic value at most (put_traffic): well inside etcd's request.
+TRAFFIC_BYTES = MAX_REQUEST_BYTES // 2
+
+
+def _without_failures(traffic: dict[str, Traffic]) -> dict[str, Traffic]:
+    """traffic with each ejection's last failure left out (its longest part)."""
+    out = {}
+    for name, (requests, server, client, heard, served, limited, ejected) in traffic.items():
+        bare = {o: (since, n, "", at, until) for o, (since, n, _, at, until) in ejected.items()}
+        out[name] = (requests, server, client, heard, served, limited, bare)
+    return out
 
 
 def _pairs(raw: dict[str, list[int]]) -> dict[str, tuple[int, int]]:

@@ -63,6 +63,9 @@ class Target:
         return found
 
 
+# The origins a credential warning names (Routes.credential_problems).
+NAMED_ORIGINS = 5
+
 # Candidate origin groups in the order to try them: one group per region.
 Groups = tuple[tuple[Target, ...], ...]
 
@@ -128,15 +131,26 @@ class Routes:
         have now (a variable not set, a file missing), and what that costs
         (trial 52: the only trace was a WARNING per request in the proxy's
         log). A file is read at most once a second (OriginCredentials)."""
-        out = []
+        # One warning per cause, naming its origins (review 199: one unset
+        # variable of twenty origins took every slot of an ACK's warnings).
+        by_cause: dict[str, list[str]] = {}
         for credential in self.credentials:
             try:
                 credential.authorization()
             except CredentialError as exc:
-                out.append(
-                    f"{exc}: its requests go to other origins, and get a 502 when none "
-                    "is left; set it where this proxy runs (the value never leaves it)"
-                )
+                cause = str(exc).removeprefix(f"origin {exc.origin!r}: ")
+                by_cause.setdefault(cause, []).append(exc.origin)
+        out = []
+        for cause, origins in by_cause.items():
+            named = ", ".join(repr(o) for o in origins[:NAMED_ORIGINS])
+            if len(origins) > NAMED_ORIGINS:
+                named += f" and {len(origins) - NAMED_ORIGINS} more"
+            whose = "its" if len(origins) == 1 else "their"
+            out.append(
+                f"origin{'s' if len(origins) > 1 else ''} {named}: {cause}: {whose} requests "
+                "go to other origins, and get a 502 when none is left; set it where this "
+                "proxy runs (the value never leaves it)"
+            )
         return out
 
     @property

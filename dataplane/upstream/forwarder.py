@@ -859,7 +859,11 @@ class Forwarder:
         tries.failures.append(f"{target.name}: request deadline exceeded")
         tries.worked = True
         tries.failed += 1
-        self.outliers.failure(target.name, "request deadline exceeded")
+        if self.outliers.failure(target.name, "request deadline exceeded"):
+            # As _failed counts them: PontoOriginFailing reads the metric
+            # (review 199: an origin hanging to the deadline never fired it).
+            self._metrics.ejections.labels(target.name).inc()
+            log.warning("origin %s ejected after repeated failures", target.name)
 
     async def _attempt(
         self,
@@ -1000,14 +1004,12 @@ class Forwarder:
                             # (trial 51: either committed the stream, and a stall
                             # before the first token then cut it, not failed over).
                             first = await resp.content.readany()
-                            preamble = path.endswith(RESPONSES_PATH)
-                            while first and not _begun(first, preamble):
-                                if len(first) > MAX_HELD_BEFORE_EVENT:
-                                    break  # an origin that keeps talking: it answers
-                                more = await resp.content.readany()
-                                if not more:
-                                    raise _Retryable("cut", "stream ended before any event")
-                                first += more
+                            # Of an answer only: an error's body is passed on as it
+                            # comes (review 199: a 400 labelled an event stream
+                            # became a 502, and counted against its origin).
+                            answer = 200 <= resp.status < 300
+                            if first and answer and not _begun(first, path):
+                                first = await self._held(resp, first, path, sent_at, first_within)
                             if first_within is not None:
                                 # The rest of the stream: its relay times its idle gaps.
                                 resp.time_reads(self._settings.read_timeout)
@@ -1060,6 +1062,43 @@ class Forwarder:
         except Stalled as exc:
             raise _Retryable("timeout", str(exc)) from exc
 
+    async def _held(
+        self,
+        resp: OriginResponse,
+        first: bytes,
+        path: str,
+        sent_at: float,
+        first_within: float | None,
+    ) -> bytes:
+        """A stream's first bytes, read on until they hold an event of its
+        answer (_begun): what comes before it is not the answer, and the
+        origin may still be replaced. Within `first_within` seconds of the
+        call (loop time `sent_at`), as for its first byte: an origin that
+        sends comments and no event is as late as a silent one (review 199:
+        each comment started the per-read timeout again, and a pinging origin
+        was held to the request's deadline)."""
+        held = bytearray(first)
+        loop = self._loop
+        assert loop is not None  # a forward() runs
+        try:
+            async with asyncio.timeout_at(sent_at + first_within if first_within else None):
+                while not _begun(held, path):
+                    if len(held) > MAX_HELD_BEFORE_EVENT:
+                        break  # an origin that keeps talking: it answers
+                    more = await resp.content.readany()
+                    if not more:
+                        raise _Retryable("cut", "stream ended before any event of its answer")
+                    held += more
+        except TimeoutError as exc:
+            if first_within is None or loop.time() < sent_at + first_within:
+                raise  # the read's own timeout: as for the first byte
+            raise _Retryable(
+                "timeout",
+                f"sent no event of its answer within {first_within:g} s (only comments, "
+                "or a Responses stream's preamble)",
+            ) from exc
+        return bytes(held)
+
     def _watch(self, origin: str, stream: bool) -> CallWatch | NoWatch:
         """The watch of a call to `origin` made in the current task."""
         stalls, loop = self.stalls, self._loop
@@ -1075,25 +1114,29 @@ _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
 # replaced by another origin's: comments and preamble events are small.
 MAX_HELD_BEFORE_EVENT = 64 * 1024
 RESPONSES_PATH = "/responses"
+BOM = b"\xef\xbb\xbf"  # SSE lets a stream begin with one
 # A Responses stream's events before any output: the response, created, then
 # in progress (OpenAI sends both at once, before the model has run).
 _PREAMBLE_TYPE = re.compile(rb'"type"\s*:\s*"response\.(?:created|in_progress)"')
 _PREAMBLE_EVENT = (b"event: response.created", b"event: response.in_progress")
 
 
-def _begun(chunk: bytes, preamble: bool) -> bool:
+def _begun(chunk: bytes | bytearray, path: str) -> bool:
     """Whether a stream's first bytes hold an event of its answer: a data line,
-    not only comments and blank lines, and (`preamble`: a Responses stream)
-    not only its response.created and response.in_progress events. A data
-    line not yet whole counts: the answer has begun."""
-    if not preamble:
-        # Nearly every stream: its first line is its first event's.
-        if chunk.startswith(b"data:"):
-            return True
-        return any(line.startswith(b"data:") for line in chunk.splitlines())
+    not only comments and blank lines, and (a Responses stream's `path`) not
+    only its response.created and response.in_progress events. A data line
+    not yet whole counts: the answer has begun. Lines end with CRLF, LF or
+    CR alone (SSE's three), and a byte order mark may come first."""
+    responses = path.endswith(RESPONSES_PATH)
+    if not responses and chunk.startswith(b"data:"):
+        return True  # nearly every chat stream: its first line is its first event's
+    if chunk.startswith(BOM):
+        chunk = chunk[len(BOM) :]
     if b"\r" in chunk:
-        chunk = chunk.replace(b"\r\n", b"\n")
-    for event in chunk.split(b"\n\n"):
+        chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    if not responses:
+        return any(line.startswith(b"data:") for line in chunk.split(b"\n"))
+    for event in bytes(chunk).split(b"\n\n"):
         lines = event.split(b"\n")
         data = [line for line in lines if line.startswith(b"data:")]
         if not data:

@@ -514,6 +514,50 @@ async def test_an_origin_that_sends_only_comments_before_its_first_event_is_left
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
 
 
+async def test_an_origin_that_pings_past_the_first_chunk_timeout_is_left(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 199: each comment started the first chunk's timeout again (it
+    is per read), so an origin that kept pinging and sent no event was held
+    to the request's deadline. Comments do not make an answer: past the
+    first-chunk timeout, counted from the call, the next origin is asked."""
+
+    async def pings(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        for _ in range(300):
+            await out.write(b": ping\n\n")
+            await asyncio.sleep(0.05)
+        return out
+
+    a, b = Origin(pings), await second_origin()
+    p = await proxy([(a, False), (b, False)], idle="0.4")
+    with caplog.at_level(logging.WARNING):
+        chunks, raw = await p.stream()
+    assert text_of(chunks) == " world" and "ping" not in raw
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "sent no event of its answer within 0.4 s (only comments" in said, said
+
+
+async def test_an_error_labelled_an_event_stream_is_passed_on_as_it_comes(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review 199: a 400 whose body (no event) came as text/event-stream was
+    held for an event, and became a 502 counted against its origin."""
+
+    async def refuses(request: web.Request) -> web.StreamResponse:
+        body = b'{"error": {"message": "bad temperature", "type": "invalid_request_error"}}'
+        return web.Response(status=400, body=body, content_type="text/event-stream")
+
+    a, b = Origin(refuses), await second_origin()
+    p = await proxy([(a, False), (b, False)])
+    resp = await p.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert resp.status == 400
+    assert (len(a.bodies), len(b.bodies)) == (1, 0)
+
+
 async def test_an_origin_that_answers_after_comments_is_relayed_whole(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:

@@ -61,3 +61,25 @@ def test_origins_no_request_may_reach_are_not_checked(
     t.origins[0].drained = True
     t.etag = content_etag(t)
     assert build_routes(t, "eu-west").credential_problems() == []
+
+
+def test_origins_lacking_one_credential_are_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 199: twenty origins naming one unset variable made twenty
+    warnings, and the control plane keeps sixteen of a proxy's."""
+    monkeypatch.delenv(VARIABLE, raising=False)
+    t = loading_table(tmp_path)
+    template = pb.Origin()
+    template.CopyFrom(t.origins[0])
+    del t.origins[:]
+    for i in range(7):
+        o = t.origins.add()
+        o.CopyFrom(template)
+        o.name, o.credential_env = f"o{i}", VARIABLE
+    t.etag = content_etag(t)
+    (problem,) = build_routes(t, "eu-west").credential_problems()
+    assert problem.startswith(
+        f"origins 'o0', 'o1', 'o2', 'o3', 'o4' and 2 more: credential variable '{VARIABLE}' "
+        "is not set: their requests go to other origins"
+    )

@@ -35,9 +35,17 @@ DELTA = b'event: response.output_text.delta\ndata: {"type":"response.output_text
         # A chat stream is not read for a preamble: its first data line begins it.
         (CREATED, False, True),
         (b": ping\n\n" + CREATED, True, False),
+        # SSE's other line ends, and a byte order mark first (review 199).
+        ((CREATED + DELTA).replace(b"\n", b"\r"), True, True),
+        ((CREATED + IN_PROGRESS).replace(b"\n", b"\r"), True, False),
+        (b": ping\r\rdata: {", False, True),
+        (b"\xef\xbb\xbf: ping\n\ndata: {", False, True),
+        (b"\xef\xbb\xbf" + CREATED + DELTA, True, True),
     ],
 )
 def test_a_stream_has_begun_at_its_first_event_of_the_answer(
     chunk: bytes, preamble: bool, begun: bool
 ) -> None:
-    assert _begun(chunk, preamble) is begun
+    path = "/responses" if preamble else "/chat/completions"
+    assert _begun(chunk, path) is begun
+    assert _begun(bytearray(chunk), path) is begun

@@ -8,9 +8,12 @@ from collections import Counter
 from typing import Any
 
 import orjson
+import pytest
 from prometheus_client import generate_latest
 
+from controlplane import catalog as catalog_module
 from controlplane.catalog import ACKS, TRAFFIC, Catalog
+from controlplane.catalog import Traffic as StoredTraffic
 from controlplane.model import OriginEjected
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
@@ -287,3 +290,37 @@ async def test_the_registry_keeps_ejections_in_its_clock_and_writes_their_change
     await registry.flush(118.0)
     (proxy,) = await catalog.list_proxies()
     assert proxy.ejected == ()
+
+
+async def test_a_traffic_value_past_its_bound_leaves_out_failures_then_ejections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 199: in a wide outage every proxy names many ejected origins;
+    a replica's value past etcd's request size would have been refused, and
+    every proxy's counts frozen with it."""
+    store = MemoryStore()
+    catalog = Catalog(store)
+    lease = await store.grant_lease(10)
+    registry = ProxyRegistry(catalog, "r1")
+    await registry.register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    ejected = {f"o{i}": (1.0, 3, "x" * 200, 2.0, 3.0) for i in range(20)}
+    traffic: dict[str, StoredTraffic] = {"p-eu": (7, 0, 0, 5.0, {}, {}, ejected)}
+    whole = len(orjson.dumps(traffic))
+    for bound, failure, origins in ((whole, "x" * 200, 20), (whole - 1, "", 20), (100, "", 0)):
+        monkeypatch.setattr(catalog_module, "TRAFFIC_BYTES", bound)
+        await catalog.put_traffic("r1", traffic, lease)
+        (proxy,) = await catalog.list_proxies()
+        assert proxy.requests == 7 and len(proxy.ejected) == origins
+        assert all(e.last_failure == failure for e in proxy.ejected)
+
+
+async def test_an_ejection_that_cannot_be_read_is_left_out_not_its_proxys_counts() -> None:
+    store = MemoryStore()
+    catalog = Catalog(store)
+    lease = await store.grant_lease(10)
+    await ProxyRegistry(catalog, "r1").register("p-eu", "eu-west", "127.0.0.1:8080", "1.0")
+    entry = [9, 0, 0, 5.0, {}, {}, {"o-bad": [1, 2], "o-ok": [1.0, 3, "x", 2.0, 3.0, "later"]}]
+    await store.put(TRAFFIC + "r1", orjson.dumps({"p-eu": entry}), lease=lease)
+    (proxy,) = await catalog.list_proxies()
+    assert proxy.requests == 9
+    assert [e.origin for e in proxy.ejected] == ["o-ok"]  # a later field is ignored
