@@ -31,6 +31,8 @@ MAX_ENTRY_KB = 1 << 20  # --cache-max-entry-kb: 1 GB, past any cache bound given
 # the data plane does not import; a test keeps the two equal).
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
 MAX_NAME = 63
+# --worker-hang-timeout at least (0: off).
+MIN_HANG_TIMEOUT_S = 5.0
 
 
 def default_name(hostname: str) -> str:
@@ -585,8 +587,10 @@ def parse(argv: list[str]) -> Settings:
             p.error(str(exc))
     if a.drain_seconds < 0:
         p.error("--drain-seconds must be 0 (no draining) or more")
-    if a.worker_hang_timeout and a.worker_hang_timeout < 1:
-        p.error("--worker-hang-timeout must be 0 (never) or at least 1 s")
+    if a.worker_hang_timeout and a.worker_hang_timeout < MIN_HANG_TIMEOUT_S:
+        # A loaded worker may not answer for a second (a large answer parsed);
+        # killed, it would cut every stream it holds (review 201).
+        p.error(f"--worker-hang-timeout must be 0 (never) or at least {MIN_HANG_TIMEOUT_S:g} s")
     if not 0.5 <= a.semantic_threshold <= 1:
         p.error("--semantic-threshold must be in 0.5..1")
     if not 0 < a.access_log_sample <= 1:

@@ -299,10 +299,12 @@ class Watchdog:
 
     @classmethod
     def of(cls, hang_timeout: float) -> Watchdog | None:
-        """Killed after about `hang_timeout` s of silence (None: no watchdog)."""
+        """Killed after about `hang_timeout` s of silence (None: no watchdog):
+        `misses` rounds of a pause and a wait (review 201: each a third of it
+        took twice as long)."""
         if not hang_timeout:
             return None
-        step = hang_timeout / WATCH_MISSES
+        step = hang_timeout / (2 * WATCH_MISSES)
         return cls(every=step, wait=step)
 
 
@@ -312,8 +314,6 @@ async def answers(path: Path, wait: float) -> bool | None:
     there (the name absent, or the connection refused), which is no hang."""
     writer = None
     try:
-        # The connection inside the wait too: one whose backlog is full
-        # (a worker stuck for long) waits to connect.
         async with asyncio.timeout(wait):
             reader, writer = await asyncio.open_unix_connection(str(path))
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n")
@@ -321,11 +321,18 @@ async def answers(path: Path, wait: float) -> bool | None:
             status = await reader.readline()
     except TimeoutError:
         return False
-    except OSError:
+    except (FileNotFoundError, ConnectionRefusedError):
         return None
+    except OSError:
+        # A full backlog refuses a unix connection at once (EAGAIN), where a
+        # TCP one would wait: the worker has not accepted for that long
+        # (review 201: such a worker was taken for one not listening).
+        return False
     finally:
         if writer is not None:
             writer.close()
+    if not status:
+        return None  # closed without a word: stopping, not stuck
     return status.startswith(b"HTTP/1.1 ")
 
 
@@ -569,11 +576,13 @@ class Supervisor:
         while True:
             await asyncio.sleep(watchdog.every)
             answered = await answers(own, watchdog.wait)
-            missed = missed + 1 if answered is False else 0
+            if answered is None:
+                continue  # nothing listens: it starts or stops (its exit tells)
+            missed = 0 if answered else missed + 1
             if missed < watchdog.misses:
                 continue
             log.error(
-                "worker %d (pid %d) has answered nothing on its private socket for %.0f s "
+                "worker %d (pid %d) has answered nothing on its private socket for %g s "
                 "(%d requests for /healthz in a row): its event loop is stuck, and its "
                 "connections with it; killing it (--worker-hang-timeout)",
                 slot.index,

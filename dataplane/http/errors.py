@@ -18,6 +18,7 @@ account (401, 403, 407, 402) a 502.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from aiohttp import web
 
@@ -461,6 +462,46 @@ def origin_error_of(
         "param": _str_or_none(err.get("param")),
         "code": _str_or_none(err.get("code")),
     }
+
+
+# Whose fault a 2xx answer's embedded error is (error_blame), by its code,
+# status or type: an account's (the gateway's credential, its billing), an
+# origin too busy, the request's, or else the origin's.
+REQUEST_ERRORS: Final = frozenset({"invalid_request_error", "context_length_exceeded"})
+ACCOUNT_WORDS: Final = ("api_key", "auth", "permission", "billing", "quota", "credit", "payment")
+BUSY_WORDS: Final = ("rate_limit", "overloaded", "too_many_requests")
+ACCOUNT_STATUSES: Final = frozenset({401, 402, 403, 407})
+
+
+def error_blame(obj: dict[str, object]) -> str:
+    """ "request", "account", "busy" or "origin": whose fault the error an
+    origin's 2xx JSON body holds is (`{"error": {...}}` with no answer; review
+    201). Only a request's error is shown to the client: an account's says
+    things of the operator's account (its credit, its key) no client should
+    read, and the origin's are the origin's."""
+    inner = obj.get("error")
+    err = inner if isinstance(inner, dict) else obj
+    words = []
+    for key in ("type", "code", "status"):
+        value = err.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value in ACCOUNT_STATUSES:
+                return "account"
+            if value == 429:
+                return "busy"
+            if value in PASSED_ORIGIN_STATUSES:
+                return "request"
+        elif isinstance(value, str):
+            words.append(value.lower())
+    if isinstance(inner, str) and isinstance(obj.get("error_type"), str):
+        words.append(str(obj["error_type"]).lower())
+    if any(w in word for word in words for w in ACCOUNT_WORDS):
+        return "account"
+    if any(w in word for word in words for w in BUSY_WORDS):
+        return "busy"
+    if any(word in REQUEST_ERRORS or "validation" in word for word in words):
+        return "request"
+    return "origin"
 
 
 def _str_or_none(value: object) -> str | None:

@@ -742,15 +742,17 @@ def _message(value: Any) -> None:
             raise _step(bad, ".role") from None
     else:
         rule(value)
-    # An assistant turn says something: a content, tool calls, or (OpenAI's
+    # An assistant turn says something: a content, tool calls, (OpenAI's
     # multi-turn audio) the id of an audio answer it gave, which then holds
-    # its words (trial 51: refused, though the SDK sends such turns as given).
+    # its words (trial 51: refused, though the SDK sends such turns as given),
+    # or the refusal it answered with content null (review 201).
     if (
         role == "assistant"
         and value.get("content") is None
         and value.get("tool_calls") is None
         and value.get("function_call") is None
         and value.get("audio") is None
+        and value.get("refusal") is None
     ):
         raise _missing("content")
 

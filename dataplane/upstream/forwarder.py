@@ -41,6 +41,7 @@ from dataplane.http.errors import (
     UPSTREAM_SLOW,
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
+    error_blame,
     origin_error_of,
     upstream_busy,
     upstream_error_answer,
@@ -215,14 +216,17 @@ class _Retryable(Exception):
         *,
         worked: bool = True,
         shown: dict[str, str | None] | None = None,
+        blame: str = "",
     ) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.status = status
         self.retry_after = retry_after  # a busy origin's Retry-After, as sent
         self.worked = worked
-        # An ERROR_ANSWER's error, as a client may see it (errors.origin_error_of).
+        # An ERROR_ANSWER's error, as a client may see it (errors.origin_error_of),
+        # and whose fault it is (errors.error_blame).
         self.shown = shown
+        self.blame = blame
 
 
 @dataclass(slots=True, eq=False)
@@ -822,11 +826,19 @@ class Forwarder:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
         if exc.outcome == ERROR_ANSWER:
-            tries.errored += 1
             tries.shown = exc.shown or tries.shown
-            # Not counted against the origin's health: its error may be about
-            # the request (a prompt too long), and a client must not be able
-            # to eject origins by sending such requests.
+            if exc.blame in ("request", "busy"):
+                # Not against the origin's health: a client must not be able to
+                # eject origins by its requests, nor a busy origin be ejected.
+                tries.errored += 1
+                return
+            if exc.blame == "account":
+                tries.refused += 1
+            else:
+                tries.errored += 1
+            if self.outliers.failure(target.name, str(exc)):
+                self._metrics.ejections.labels(target.name).inc()
+                log.warning("origin %s ejected after repeated failures", target.name)
             return
         if exc.outcome == "http_5xx":
             tries.errored += 1
@@ -1008,8 +1020,16 @@ class Forwarder:
                             # comes (review 199: a 400 labelled an event stream
                             # became a 502, and counted against its origin).
                             answer = 200 <= resp.status < 300
+                            preamble = path.endswith(RESPONSES_PATH)
                             if first and answer and not _begun(first, path):
                                 first = await self._held(resp, first, path, sent_at, first_within)
+                            scan = len(first) if preamble else FIRST_ERROR_SCAN
+                            if answer and b'"error"' in first[:scan]:
+                                # A stream whose first event is an error, as a whole
+                                # answer can be (review 201): another origin may answer.
+                                error = _first_event_error(first, preamble)
+                                if error is not None:
+                                    raise _error_answer(error, resp.status)
                             if first_within is not None:
                                 # The rest of the stream: its relay times its idle gaps.
                                 resp.time_reads(self._settings.read_timeout)
@@ -1150,6 +1170,36 @@ def _begun(chunk: bytes | bytearray, path: str) -> bool:
     return False
 
 
+# How far into a stream's first bytes an error is looked for: its first event.
+FIRST_ERROR_SCAN = 512
+
+
+def _first_event_error(chunk: bytes, preamble: bool) -> dict[str, Any] | None:
+    """The error a stream's first event of its answer is (past a Responses
+    stream's `preamble`), as a whole body holding it would be (`{"error":
+    ...}`): a chat or completions chunk that is an error and no choice, or a
+    Responses stream's `error` event; None otherwise, and for an event not
+    yet whole."""
+    if b"\r" in chunk:
+        chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    for block in chunk.split(b"\n\n")[:-1]:  # whole events only
+        data = next((x for x in block.split(b"\n") if x.startswith(b"data:")), None)
+        if data is None:
+            continue  # comments
+        event = jsonio.loads_or_none(data[5:].strip())
+        if not isinstance(event, dict):
+            return None
+        kind = event.get("type")
+        if preamble and kind in ("response.created", "response.in_progress"):
+            continue
+        if kind == "error":
+            return {"error": event}
+        if event.get("error") and not _holds_answer(event):
+            return event
+        return None
+    return None
+
+
 def _only_done(chunk: bytes) -> bool:
     """Whether a stream's first chunk is its `data: [DONE]` and nothing else
     (blank lines and comments aside): a stream without one event."""
@@ -1267,24 +1317,44 @@ def _answer_object(body: bytes, status: int, content_type: str) -> Any:
             "a wrong base URL or port?",
             status,
         )
-    if "error" in parsed and not _ANSWER_MEMBERS.intersection(parsed) and parsed["error"]:
+    if "error" in parsed and parsed["error"] and not _holds_answer(parsed):
         # Some hosted APIs answer a failure 200 with `{"error": {...}}`: relayed,
         # the SDK read choices None and failed (trial 51). Another origin may
-        # answer; with none, the client gets the error (errors.upstream_error_answer).
-        raise _Retryable(
-            ERROR_ANSWER,
-            f"answered {status} with an error and no answer: {str(parsed['error'])[:200]}",
-            status,
-            shown=origin_error_of(parsed, "upstream_error"),
-        )
+        # answer; with none, the client gets a request's error as the origin
+        # gave it, and an account's or the origin's as a fixed message
+        # (review 201: "insufficient credit on account org-..." reached it).
+        raise _error_answer(parsed, status)
     return parsed
 
 
-# What holds the answer in each endpoint's successful body: chat and
-# completions' choices, embeddings' data, a Responses object's output (whose
-# `error` is a member of every one, null unless it failed: such an object is
-# an answer, which the client reads as one).
-_ANSWER_MEMBERS: Final = frozenset({"choices", "data", "output"})
+def _holds_answer(parsed: dict[str, Any]) -> bool:
+    """Whether a 2xx body beside its `error` holds an answer: chat and
+    completions' choices or embeddings' data, not empty (review 201: `"choices":
+    null` passed), or a Responses object (its `error` is a member of every one,
+    null unless it failed: a failed one is an answer, which the client reads
+    as one)."""
+    if "output" in parsed or parsed.get("object") == "response":
+        return True
+    return any(isinstance(parsed.get(k), list) and parsed[k] for k in ("choices", "data"))
+
+
+def _error_answer(parsed: dict[str, Any], status: int) -> _Retryable:
+    """The failed attempt of a 2xx body that is an error and no answer, as
+    whose fault it is (errors.error_blame) has it counted: an account's as a
+    refused credential (nothing generated; the origin passed over), an origin
+    too busy as a 429 (not against its health), the origin's as a 5xx, the
+    request's neither (a client must not eject origins by its requests), and
+    only the request's shown."""
+    blame = error_blame(parsed)
+    said = f"answered {status} with an error and no answer: {str(parsed['error'])[:200]}"
+    return _Retryable(
+        ERROR_ANSWER,
+        said,
+        status,
+        worked=blame == "origin",
+        shown=origin_error_of(parsed, "upstream_error") if blame == "request" else None,
+        blame=blame,
+    )
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:

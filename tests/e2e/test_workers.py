@@ -209,7 +209,7 @@ def test_a_stuck_worker_is_killed_and_started_again(fleet: Fleet) -> None:
     """Trial 53: a worker whose event loop is stuck (here: stopped) kept its
     part of the port, and the kubelet's /healthz, answered by any worker,
     seldom saw it. Its supervisor asks it directly."""
-    group = fleet.start_proxy("h", "us-east", workers=2, extra=["--worker-hang-timeout", "1.5"])
+    group = fleet.start_proxy("h", "us-east", workers=2, extra=["--worker-hang-timeout", "5"])
     before = until("two workers", lambda: both_workers(group))
     os.kill(before[1], signal.SIGSTOP)
     try:

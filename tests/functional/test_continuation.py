@@ -558,6 +558,59 @@ async def test_an_error_labelled_an_event_stream_is_passed_on_as_it_comes(
     assert (len(a.bodies), len(b.bodies)) == (1, 0)
 
 
+@pytest.mark.parametrize("continuation", [True, False])
+async def test_a_stream_whose_first_event_is_an_error_is_asked_of_the_next_origin(
+    proxy: Callable[..., Awaitable[Proxy]], continuation: bool
+) -> None:
+    """Review 201: a whole answer that is an error is a failed attempt; a
+    stream whose first event is one was relayed (without continuations, the
+    origin's error text reached the client as it came)."""
+
+    async def fails(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(
+            b'data: {"error": {"message": "engine died at gpu-17", "type": "server_error"}}\n\n'
+        )
+        await asyncio.sleep(30)
+        return out
+
+    a, b = Origin(fails), await second_origin()
+    p = await proxy([(a, continuation), (b, continuation)])
+    chunks, raw = await p.stream()
+    assert text_of(chunks) == " world" and "gpu-17" not in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+
+
+async def test_a_responses_stream_whose_first_event_is_an_error_is_asked_of_the_next_origin(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    async def fails(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(responses_event("created", response={"id": "resp_a"}))
+        await out.write(b'event: error\ndata: {"type": "error", "message": "boom at gpu-17"}\n\n')
+        await asyncio.sleep(30)
+        return out
+
+    async def answers(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        done = {"id": "resp_b", "object": "response", "status": "completed", "output": []}
+        await out.write(
+            responses_event("created", response={"id": "resp_b"})
+            + responses_event("output_text.delta", item_id="m", output_index=0, delta="Hi")
+            + responses_event("completed", response=done)
+        )
+        await out.write_eof()
+        return out
+
+    a, b = Origin(fails), Origin(answers)
+    p = await proxy([(a, False), (b, False)])
+    resp = await p.client.post(
+        "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}
+    )
+    raw = (await resp.read()).decode()
+    assert resp.status == 200 and "gpu-17" not in raw and "resp_b" in raw, raw
+
+
 async def test_an_origin_that_answers_after_comments_is_relayed_whole(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:

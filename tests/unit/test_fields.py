@@ -93,6 +93,8 @@ GOOD = [
             {"role": "function", "name": "f", "content": "1"},
             # OpenAI's multi-turn audio: the earlier audio answer by its id alone.
             {"role": "assistant", "audio": {"id": "audio_1"}},
+            # A refusal given back as the SDK returned it: content null.
+            {"role": "assistant", "content": None, "refusal": "I can't help with that."},
             {"role": "user", "content": "again"},
         ],
         temperature=0, top_p=1, n=2, stop=["a", "b", "c", "d"], max_tokens=5,

@@ -441,26 +441,55 @@ def test_a_2xx_answer_with_an_answer_is_no_error(body: dict[str, Any]) -> None:
     assert _answer_object(jsonio.dumps(body), 200, "application/json") == body
 
 
+CONTEXT = {
+    "message": "This model's maximum context length is 4096 tokens",
+    "type": "invalid_request_error",
+    "param": "messages",
+    "code": "context_length_exceeded",
+}
+
+
 @pytest.mark.parametrize(
-    ("body", "shown"),
+    ("body", "blame", "shown"),
     [
+        # The request's: shown as the origin gave it; nothing was generated.
+        ({"error": CONTEXT}, "request", CONTEXT),
+        ({"error": {"message": "bad", "code": 422}}, "request", None),  # no type: see below
+        # An account's (review 201: its text reached the client): never shown.
         (
-            {"error": {"message": "overloaded", "code": 529}},
-            {"message": "overloaded", "type": "upstream_error", "param": None, "code": None},
+            {"error": {"message": "Insufficient credit on account org-op", "code": 402}},
+            "account",
+            None,
         ),
         (
-            {"error": "quota", "error_type": "billing"},
-            {"message": "quota", "type": "billing", "param": None, "code": None},
+            {"error": {"message": "Incorrect API key sk-p***", "code": "invalid_api_key"}},
+            "account",
+            None,
         ),
-        ({"error": {"message": "x" * 5000}}, None),  # passed on as a fixed 502
+        ({"error": "quota", "error_type": "billing"}, "account", None),
+        ({"error": {"message": "slow down", "type": "rate_limit_exceeded"}}, "busy", None),
+        (
+            {"error": {"message": "overloaded", "type": "server_error", "code": "overloaded"}},
+            "busy",
+            None,
+        ),
+        # The origin's.
+        ({"error": {"message": "overloaded", "code": 529}}, "origin", None),
+        ({"error": {"message": "x" * 5000}}, "origin", None),
+        # An error beside choices that hold nothing (review 201: they passed).
+        ({"error": {"message": "boom"}, "choices": None}, "origin", None),
+        ({"error": {"message": "boom"}, "choices": []}, "origin", None),
     ],
 )
 def test_a_2xx_error_with_no_answer_is_a_failed_attempt(
-    body: dict[str, Any], shown: dict[str, Any] | None
+    body: dict[str, Any], blame: str, shown: dict[str, Any] | None
 ) -> None:
     with pytest.raises(_Retryable) as failed:
         _answer_object(jsonio.dumps(body), 200, "application/json")
     assert failed.value.outcome == "error_answer"
+    assert (failed.value.blame, failed.value.worked) == (blame, blame == "origin")
+    if blame == "request" and shown is None:
+        shown = {"message": "bad", "type": "upstream_error", "param": None, "code": None}
     assert failed.value.shown == shown
 
 
