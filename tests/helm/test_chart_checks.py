@@ -11,14 +11,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dataplane.supervisor import SHUTDOWN_GRACE_S
 from tests.helm.test_chart import (
     CHART,
+    THREE_REGIONS,
     Doc,
     helm,
     matches,
     objects,
     refused,
     render,
+    template,
     three,
     values_file,
 )
@@ -183,6 +186,22 @@ def test_a_grace_period_shorter_than_a_proxy_s_stop_is_refused(helm: Path, tmp_p
     render(helm, "--set", "proxy.drainSeconds=10")
     # The preStop sleep counts as well.
     assert "preStopSleepSeconds 20" in refused(helm, "--set", "proxy.preStopSleepSeconds=20")
+
+
+def test_the_grace_check_holds_the_supervisors_own_allowance() -> None:
+    """The chart's 75 s is the supervisor's SHUTDOWN_GRACE_S (review 202:
+    nothing tied them); a change to one must be made to the other."""
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert f"($p.drainSeconds | float64) {SHUTDOWN_GRACE_S:g}" in helpers
+
+
+def test_no_rendered_text_holds_a_printf_error(helm: Path) -> None:
+    """Review 202: PontoOriginFailing's description ended with Go's
+    `%!(EXTRA string=10m)`, a printf given one argument too many."""
+    for args in ((), ("--set", "alerts.enabled=true"), ("-f", str(THREE_REGIONS))):
+        out = template(helm, *args)
+        assert out.returncode == 0, out.stderr
+        assert "%!" not in out.stdout
 
 
 def test_a_grace_period_of_zero_is_refused(helm: Path) -> None:
