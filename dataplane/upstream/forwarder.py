@@ -1061,6 +1061,8 @@ class Forwarder:
                     parsed: Any = jsonio.NOT_PARSED
                     if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
                         parsed = _answer_object(body_read, resp.status, content_type)
+                    elif resp.status == NOT_FOUND and body_read is not None:
+                        _check_not_found(body_read, path)
                     if resp.status < 400:
                         # Refusals come back at once and would make "slow" look fast.
                         self.commit_times.observe(target.name, stream, loop.time() - sent_at)
@@ -1325,6 +1327,28 @@ def _answer_object(body: bytes, status: int, content_type: str) -> Any:
         # (review 201: "insufficient credit on account org-..." reached it).
         raise _error_answer(parsed, status)
     return parsed
+
+
+NOT_FOUND = 404
+
+
+def _check_not_found(body: bytes, path: str) -> None:
+    """Refuse (_Retryable "bad_answer") a 404 that is no OpenAI-style error:
+    the origin has no such path, not no such model (trial 52: an origin
+    added without /v1 in its URL answered every request 404 Not Found, which
+    the client got, with no other origin tried and the origin healthy). An
+    OpenAI-compatible server's 404 is an error object (a model it does not
+    serve), which is the client's to read."""
+    parsed = jsonio.loads_or_none(body) if len(body) <= PARSE_BEFORE_SENDING_MAX else None
+    if isinstance(parsed, dict) and (parsed.get("error") or parsed.get("object") == "error"):
+        return
+    raise _Retryable(
+        "bad_answer",
+        f"answered 404 to {path} with no OpenAI-style error: a wrong base URL? (OpenAI-"
+        f"compatible servers serve {path} under /v1)",
+        NOT_FOUND,
+        worked=False,
+    )
 
 
 def _holds_answer(parsed: dict[str, Any]) -> bool:

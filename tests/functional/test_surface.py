@@ -283,7 +283,8 @@ ORIGIN_ERRORS = [
         "text/plain",
         None,
     ),
-    ("html page", 404, b"<html><body>nginx 404 gpu-17</body></html>", "text/html", None),
+    # (A 404 that is no error object is a wrong base URL, failed over: see below.)
+    ("html page", 409, b"<html><body>nginx 409 gpu-17</body></html>", "text/html", None),
     ("json without error", 422, b'{"detail": "at gpu-17"}', "application/json", None),
     ("huge message", 400, b'{"error": {"message": "' + b"x" * 5000 + b'"}}', "application/json",
      None),
@@ -460,6 +461,35 @@ async def origin_answering(s: Stack, status: int, body: bytes, content_type: str
     s.others.append(server)
     await server.start_server()
     return str(server.make_url("/v1"))
+
+
+async def test_an_origin_404_that_is_no_openai_error_is_a_wrong_url_and_failed_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 52: an origin added without /v1 in its URL answered every request
+    404 Not Found (FastAPI's `{"detail": ...}`), which went to the client with
+    no other origin tried while the origin stayed healthy. An OpenAI-style
+    404 (a model the origin does not serve) is still the client's."""
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    try:
+        wrong = await origin_answering(s, 404, b'{"detail": "Not Found"}', "application/json")
+        serve(s, [("wrong", wrong), ("good", str(s.origins[0].make_url("/v1")))])
+        tried = "wrong: answered 404 to /chat/completions with no OpenAI-style error"
+        with caplog.at_level(logging.WARNING):
+            for i in range(40):  # the weighted order puts "wrong" first about half the time
+                resp = await s.post(chat(f"wrong url {i}"))
+                assert resp.status == 200
+                assert resp.headers["x-ponto-origin"] == "good"
+                if any(tried in r.getMessage() for r in caplog.records):
+                    break
+        assert any(tried in r.getMessage() for r in caplog.records)
+        model_error = b'{"error": {"message": "The model `m` does not exist.", "code": 404}}'
+        serve(s, [("strict", await origin_answering(s, 404, model_error, "application/json"))])
+        resp = await s.post(chat("no such model"))
+        assert resp.status == 404
+        assert "does not exist" in error_of(await resp.json())["message"]
+    finally:
+        await s.close()
 
 
 @pytest.mark.parametrize(
