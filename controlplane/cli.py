@@ -1564,7 +1564,11 @@ def _region_changes(before: pb.Region, after: pb.Region) -> list[str]:
             "spill_threshold": f"{r.spill_threshold:g}" if r.spill_threshold else "default",
         }
 
-    old, new = shown(before), shown(after)
+    return _changes(shown(before), shown(after))
+
+
+def _changes(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+    """`field old -> new` of each field shown differently."""
     return [f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k]]
 
 
@@ -1626,8 +1630,7 @@ def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
             "continuation": "off" if o.no_continuation else "on",
         }
 
-    old, new = shown(before), shown(after)
-    return [f"{k} {old[k]} -> {new[k]}" for k in old if old[k] != new[k]]
+    return _changes(shown(before), shown(after))
 
 
 # How long `key create` waits for the proxies to take the new key (trial 48:
