@@ -105,7 +105,9 @@ test: check
 HELM_DIR := .cache/helm
 HELM := $(HELM_DIR)/helm
 CHART := charts/ponto
-CHART_CI_VALUES := $(CHART)/ci/three-regions-values.yaml
+# Each is linted, rendered and validated on its own (besides the default values): three
+# regions with every optional part on, and a proxies-only (edge) release.
+CHART_CI_VALUES := $(CHART)/ci/three-regions-values.yaml $(CHART)/ci/edge-values.yaml
 KUBE_VERSION := 1.30.0
 
 helm: $(HELM)
@@ -114,17 +116,19 @@ $(HELM): scripts/fetch_helm.py | $(STAMP)
 	$(PY) scripts/fetch_helm.py $(HELM_DIR)
 	touch $@
 
-# The chart: strict lint, render with the default and the three-region values,
+# The chart: strict lint, render with the default values and each of $(CHART_CI_VALUES),
 # validate the manifests offline against Kubernetes $(KUBE_VERSION) (unknown fields
 # rejected). tests/helm (schema refusals, what each render contains) runs with the
 # rest of the tests in `make check`.
 helm-check: $(HELM) $(STAMP)
 	$(HELM) lint --strict $(CHART)
-	$(HELM) lint --strict $(CHART) -f $(CHART_CI_VALUES)
 	set -o pipefail; $(HELM) template ponto $(CHART) -n ponto --kube-version $(KUBE_VERSION) \
 		| $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -
-	set -o pipefail; $(HELM) template ponto $(CHART) -n ponto --kube-version $(KUBE_VERSION) \
-		-f $(CHART_CI_VALUES) | $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -
+	set -e -o pipefail; for values in $(CHART_CI_VALUES); do \
+		$(HELM) lint --strict $(CHART) -f $$values; \
+		$(HELM) template ponto $(CHART) -n ponto --kube-version $(KUBE_VERSION) -f $$values \
+			| $(BIN)/kubernetes-validate --strict --quiet -k $(KUBE_VERSION) -; \
+	done
 
 # Runs what the chart renders (three-region CI values) as local processes, each pod in
 # its own network namespace, Services on their own loopback addresses; then the

@@ -89,8 +89,71 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- printf "%s.%s.svc" (include "ponto.part" (list . "control")) .Release.Namespace -}}
 {{- end -}}
 
+{{/*
+What the proxies dial (--control-plane): the release's own control plane Service, or in
+a proxies-only release (controlPlane.enabled false) controlPlane.address, the central
+release's as this cluster reaches it.
+*/}}
 {{- define "ponto.controlPlane.address" -}}
+{{- if .Values.controlPlane.enabled -}}
 {{- printf "%s:%d" (include "ponto.controlPlane.host" .) (int .Values.controlPlane.service.port) -}}
+{{- else -}}
+{{- .Values.controlPlane.address -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the release runs etcd: it runs a control plane and etcd.enabled. */}}
+{{- define "ponto.etcd.bundled" -}}
+{{- if and .Values.controlPlane.enabled .Values.etcd.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/*
+"true" when the release applies the topology: it runs a control plane and
+topology.apply. A proxies-only release applies none: the topology is the central
+release's, and one applied from each cluster would undo the others' regions (prune)
+or fight over the same ones.
+*/}}
+{{- define "ponto.topology.applied" -}}
+{{- if and .Values.controlPlane.enabled .Values.topology.apply }}true{{ end -}}
+{{- end -}}
+
+{{/*
+A proxies-only release (controlPlane.enabled false): what it needs and what it must not
+be given. Its proxies register with another release's control plane, so their
+credentials are that release's, copied here: nothing generated in this release could
+be trusted there. Values that only the central release's topology applies (coordinates,
+RTTs, drains, origins, tenants) fail the render here rather than go unused in silence.
+*/}}
+{{- define "ponto.edge.validate" -}}
+{{- if not .Values.controlPlane.enabled -}}
+{{- $why := "controlPlane.enabled is false (a proxies-only release; docs/helm.md, \"Several clusters\")" -}}
+{{- if not .Values.controlPlane.address -}}
+{{- fail (printf "%s: set controlPlane.address, HOST:PORT of the central release's control plane as this cluster reaches it (several comma-separated); its host must be a name in that control plane's certificate (the central release's tls.extraDnsNames)" $why) -}}
+{{- end -}}
+{{- if not .Values.auth.existingSecret -}}
+{{- fail (printf "%s: set auth.existingSecret, a Secret in this namespace holding the central release's bootstrap-token (copied from its token Secret): the proxies register with the token the central control plane holds, which this release cannot generate" $why) -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecrets.proxy) -}}
+{{- fail (printf "%s: set tls.existingSecrets.proxy, a Secret in this namespace holding the central release's proxy certificate (tls.crt, tls.key and ca.crt, copied from its <fullname>-proxy-tls or tls.existingSecrets.proxy): the central control plane accepts only certificates of its own CA, and ca.crt is what verifies its server certificate; or tls.enabled false if the central release runs without TLS" $why) -}}
+{{- end -}}
+{{- $t := .Values.topology -}}
+{{- range $key := list "origins" "tenants" "extraRegions" -}}
+{{- if get $t $key -}}
+{{- fail (printf "%s: topology.%s is applied by the central release, not by a proxies-only one: move it to the central release's values" $why $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if $t.prune -}}
+{{- fail (printf "%s: topology.prune is the central release's: this release applies no topology" $why) -}}
+{{- end -}}
+{{- range .Values.proxy.regions -}}
+{{- $region := . -}}
+{{- range $key := list "lat" "lon" "rttMs" "spillThreshold" "drained" -}}
+{{- if hasKey $region $key -}}
+{{- fail (printf "%s: region %q sets %s, which only the central release's topology applies: list the region there, in topology.extraRegions (name, lat, lon, rtt_ms, spill_threshold, drained), and leave it out here" $why $region.name $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "ponto.etcd.endpoints" -}}
@@ -195,10 +258,11 @@ Result ($.pontoMaterial):
 {{- end -}}
 {{- $given := .Values.tls.existingSecrets -}}
 {{- $nGiven := len (compact (list $given.controlPlane $given.proxy $given.admin)) -}}
-{{- if and .Values.tls.enabled (ne $nGiven 0) (ne $nGiven 3) -}}
+{{- /* A proxies-only release mounts the proxy Secret alone (ponto.edge.validate requires it) and issues nothing: a CA of its own would be one the central control plane does not trust. */ -}}
+{{- if and .Values.tls.enabled .Values.controlPlane.enabled (ne $nGiven 0) (ne $nGiven 3) -}}
 {{- fail "tls.existingSecrets: give all of controlPlane, proxy and admin, or none (the chart then issues all three from one CA)" -}}
 {{- end -}}
-{{- if and .Values.tls.enabled (eq $nGiven 0) -}}
+{{- if and .Values.tls.enabled .Values.controlPlane.enabled (eq $nGiven 0) -}}
 {{- $now := now | unixEpoch | int64 -}}
 {{- $renewAt := add $now (mul .Values.tls.renewBeforeDays 86400) -}}
 {{- $caName := include "ponto.part" (list . "ca") -}}
@@ -254,7 +318,8 @@ its owner's to roll, as an existing Secret's is). */ -}}
 {{- define "ponto.validate" -}}
 {{- /* First: a long release name fails every longer name too, and this message says
 what else goes wrong with it. */ -}}
-{{- if .Values.etcd.enabled }}{{ $_ := include "ponto.statefulSetName" (list $ "etcd") }}{{ end -}}
+{{- include "ponto.edge.validate" . -}}
+{{- if include "ponto.etcd.bundled" . }}{{ $_ := include "ponto.statefulSetName" (list $ "etcd") }}{{ end -}}
 {{- $regions := list -}}
 {{- range .Values.proxy.regions }}{{ $regions = append $regions .name }}{{ end -}}
 {{- range .Values.topology.extraRegions }}{{ $regions = append $regions .name }}{{ end -}}
@@ -306,12 +371,19 @@ have finished. */ -}}
 {{- if lt ($p.terminationGracePeriodSeconds | float64) $stop -}}
 {{- fail (printf "proxy.terminationGracePeriodSeconds %v is below what a stopping proxy may take, %v s: preStopSleepSeconds %v, then drainSeconds %v, then 75 s (up to 60 s for requests still running, then the clean-up); past the grace period the kubelet kills the proxy and cuts its streams: raise terminationGracePeriodSeconds to %v or lower the others" $p.terminationGracePeriodSeconds $stop $p.preStopSleepSeconds $p.drainSeconds (ceil $stop)) -}}
 {{- end -}}
-{{- include "ponto.resources.check" (list .Values.controlPlane.resources "controlPlane") -}}
-{{- if .Values.etcd.enabled }}{{ include "ponto.resources.check" (list .Values.etcd.resources "etcd") }}{{ end -}}
+{{- if .Values.controlPlane.enabled }}{{ include "ponto.resources.check" (list .Values.controlPlane.resources "controlPlane") }}{{ end -}}
+{{- if include "ponto.etcd.bundled" . }}{{ include "ponto.resources.check" (list .Values.etcd.resources "etcd") }}{{ end -}}
 {{- range .Values.proxy.regions }}{{ if include "ponto.redis.deployed" (list $ .name) }}{{ include "ponto.resources.check" (list $.Values.cache.redis.resources "cache.redis") }}{{ end }}{{ end -}}
-{{- if .Values.topology.apply }}{{ include "ponto.resources.check" (list .Values.topology.job.resources "topology.job") }}{{ end -}}
+{{- if include "ponto.topology.applied" . }}{{ include "ponto.resources.check" (list .Values.topology.job.resources "topology.job") }}{{ end -}}
 {{- if and .Values.geoip.enabled (not .Values.geoip.volume) -}}
 {{- fail "geoip.enabled needs geoip.volume: the volume that holds the .mmdb file" -}}
+{{- end -}}
+{{- /* The proxies of other clusters check the control plane's certificate against the
+host they dial (their controlPlane.address), which is no in-cluster name: a generated
+certificate covers only the names listed. */ -}}
+{{- $given := .Values.tls.existingSecrets -}}
+{{- if and .Values.controlPlane.enabled .Values.controlPlane.externalService.enabled .Values.tls.enabled (not $given.controlPlane) (not .Values.tls.extraDnsNames) -}}
+{{- fail "controlPlane.externalService is enabled: list the DNS name the other clusters' proxies dial (their controlPlane.address) in tls.extraDnsNames, or they refuse the control plane's generated certificate" -}}
 {{- end -}}
 {{- end -}}
 
