@@ -238,6 +238,54 @@ def test_cache_redis_placement_wins_over_the_region_s(helm: Path, tmp_path: Path
     assert proxy["nodeSelector"] == {"pool": "edge", "zone": "a", "arch": "arm64"}
 
 
+def test_topology_spread_constraints_select_their_own_pods(helm: Path, tmp_path: Path) -> None:
+    """Trial 53: no value spread a component's pods across zones. One given
+    without a labelSelector selects the component's own pods (a constraint
+    with none counts no pod); a region's own list wins over proxy's."""
+    zone = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway"}  # fmt: skip
+    mine = {
+        **zone,
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": {"group": "edge"}},
+    }
+    values = {
+        "controlPlane": {"topologySpreadConstraints": [zone]},
+        "etcd": {"topologySpreadConstraints": [zone]},
+        "proxy": {
+            "topologySpreadConstraints": [zone],
+            "regions": [
+                {"name": "us-east", "lat": 1, "lon": 2},
+                {"name": "eu-west", "lat": 3, "lon": 4, "topologySpreadConstraints": [mine]},
+            ],
+        },
+    }
+    docs = render(helm, "-f", values_file(tmp_path, values))
+
+    def spread(kind: str, name: str) -> list[dict[str, object]]:
+        spec = objects(docs, kind)[name]["spec"]["template"]["spec"]
+        found: list[dict[str, object]] = spec["topologySpreadConstraints"]
+        return found
+
+    (east,) = spread("Deployment", "ponto-proxy-us-east")
+    assert east["labelSelector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "ponto",
+            "app.kubernetes.io/instance": "ponto",
+            "app.kubernetes.io/component": "proxy",
+            "ponto.io/region": "us-east",
+        }
+    }
+    assert spread("Deployment", "ponto-proxy-eu-west") == [mine]
+    (control,) = spread("Deployment", "ponto-control")
+    assert control["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "control-plane"  # type: ignore[index]
+    (members,) = spread("StatefulSet", "ponto-etcd")
+    assert members["topologyKey"] == "topology.kubernetes.io/zone"
+    # None given: none rendered.
+    spec = objects(render(helm), "Deployment")["ponto-proxy-us-east"]["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in spec
+
+
 # ---------------------------------------------------------------- labels
 
 

@@ -571,3 +571,21 @@ The ConfigMap holding the origin CA bundle (key ca.crt), "" when none is set.
 {{ .Values.originCA.configMap }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+Pod topology spread constraints as given, each with the component's own pods as its
+labelSelector when it names none (a constraint without one counts no pods at all).
+Call with (list constraints selectorYaml).
+*/}}
+{{- define "ponto.spread" -}}
+{{- $selector := index . 1 | fromYaml -}}
+{{- $out := list -}}
+{{- range index . 0 -}}
+{{- $c := deepCopy . -}}
+{{- if not (hasKey $c "labelSelector") -}}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" $selector) -}}
+{{- end -}}
+{{- $out = append $out $c -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
