@@ -347,3 +347,25 @@ def test_nothing_selects_pods_by_a_label_their_template_lacks(three: list[Doc]) 
         if selector:
             assert any(matches(selector, labels) for labels in pods), d["metadata"]["name"]
             assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(selector)
+
+
+def test_etcd_takes_its_cluster_state_and_more_flags(helm: Path) -> None:
+    """Trial 53: re-adding a member whose volume was lost needed
+    --initial-cluster-state=existing, which no value set (an upgrade reverted
+    a hand edit), and no value added etcd flags."""
+    docs = render(
+        helm,
+        "--set", "etcd.initialClusterState=existing",
+        "--set", "etcd.extraArgs[0]=--snapshot-count=50000",
+    )  # fmt: skip
+    spec = objects(docs, "StatefulSet")["ponto-etcd"]["spec"]["template"]["spec"]
+    args = spec["containers"][0]["args"]
+    assert "--initial-cluster-state=existing" in args and args[-1] == "--snapshot-count=50000"
+    assert (
+        "--initial-cluster-state=new"
+        in objects(render(helm), "StatefulSet")["ponto-etcd"]["spec"]["template"]["spec"][
+            "containers"
+        ][0]["args"]
+    )
+    assert "initialClusterState" in refused(helm, "--set", "etcd.initialClusterState=old")
+    assert "extraArgs" in refused(helm, "--set", "etcd.extraArgs[0]=snapshot-count")
