@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dataplane import settings as proxy_settings
 from dataplane.supervisor import SHUTDOWN_GRACE_S
 from tests.helm.test_chart import (
     CHART,
@@ -369,3 +370,25 @@ def test_etcd_takes_its_cluster_state_and_more_flags(helm: Path) -> None:
     )
     assert "initialClusterState" in refused(helm, "--set", "etcd.initialClusterState=old")
     assert "extraArgs" in refused(helm, "--set", "etcd.extraArgs[0]=snapshot-count")
+
+
+def test_an_ipv6_cluster_listens_on_every_ipv6_address(helm: Path) -> None:
+    """Trial 53: every server listened on 0.0.0.0, so none answered on an
+    IPv6-only cluster. The proxies and the control plane parse what they are
+    given with their own flag parsers."""
+    docs = render(helm, "--set", "listenAddress=::")
+    proxy = objects(docs, "Deployment")["ponto-proxy-us-east"]["spec"]["template"]["spec"]
+    args = proxy["containers"][0]["args"]
+    listens = [a for a in args if a.startswith(("--listen=", "--metrics-listen="))]
+    assert listens == ["--listen=[::]:8080", "--metrics-listen=[::]:9090"]
+    base = ["--control-plane", "cp:7000", "--region", "us-east", "--name", "p", "--workers", "1"]
+    settings = proxy_settings.parse([*base, *listens])
+    assert (settings.listen_host, settings.listen_port) == ("::", 8080)
+    assert settings.metrics_listen is not None and settings.metrics_listen[0] == "::"
+    control = objects(docs, "Deployment")["ponto-control"]["spec"]["template"]["spec"]
+    assert "--listen=[::]:7000" in control["containers"][0]["args"]
+    etcd = objects(docs, "StatefulSet")["ponto-etcd"]["spec"]["template"]["spec"]
+    assert "--listen-client-urls=http://[::]:2379" in etcd["containers"][0]["args"]
+    assert "listenAddress" in refused(helm, "--set", "listenAddress=127.0.0.1")
+    default = objects(render(helm), "Deployment")["ponto-proxy-us-east"]["spec"]["template"]
+    assert "--listen=0.0.0.0:8080" in default["spec"]["containers"][0]["args"]

@@ -589,3 +589,13 @@ Call with (list constraints selectorYaml).
 {{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
+
+{{/*
+HOST:PORT a server of the release listens on, every address of the pod's:
+listenAddress "0.0.0.0" (IPv4) or "::" (IPv6, and IPv4 too where the node
+maps it). Call with (list $ port).
+*/}}
+{{- define "ponto.listen" -}}
+{{- $host := (index . 0).Values.listenAddress -}}
+{{- if contains ":" $host -}}[{{ $host }}]:{{ index . 1 }}{{- else -}}{{ $host }}:{{ index . 1 }}{{- end -}}
+{{- end -}}
