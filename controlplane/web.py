@@ -43,6 +43,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ _GRPC_CODES = {
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
     409: "FAILED_PRECONDITION",
+    429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
 }
 _HEADERS = {
@@ -167,6 +169,8 @@ class Refused(Exception):
         self.status = status
         self.kind = kind
         self.code = code
+        # A 429's Retry-After, in whole seconds.
+        self.retry_after: int | None = None
 
 
 def error_body(status: int, kind: str, code: str, message: str) -> web.Response:
@@ -205,6 +209,7 @@ class StatusWeb:
         self._metrics = metrics
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
+        self._token_misses = TokenMisses()
         self._sleep = sleep  # sample_forever's, between samples
         self._meter = RateMeter(window=STALE_AFTER)
         # Per proxy connection, its tenants' limit refusals and slot waits.
@@ -300,6 +305,8 @@ class StatusWeb:
             response.headers["Allow"] = allow
         if refused.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="ponto-admin"'
+        if refused.retry_after is not None:
+            response.headers["Retry-After"] = str(refused.retry_after)
         return response
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
@@ -571,6 +578,17 @@ class StatusWeb:
                     "localhost (DNS rebinding cannot point those elsewhere)",
                 )
             return "anonymous"
+        wait = self._token_misses.wait(request.remote or "", self._clock())
+        if wait:
+            refused = Refused(
+                429,
+                "rate_limit_error",
+                "too_many_wrong_tokens",
+                f"{TOKEN_MISSES} wrong admin tokens from this address within "
+                f"{TOKEN_MISS_WINDOW_S:g} s: try again in {math.ceil(wait)} s",
+            )
+            refused.retry_after = math.ceil(wait)
+            raise refused
         sent = request.headers.getall("Authorization", [])
         if len(sent) > 1:
             # Which one counts would be each reader's guess (a proxy in front
@@ -590,8 +608,56 @@ class StatusWeb:
                 "this needs the admin token: Authorization: Bearer TOKEN",
             )
         if not token_among(given.strip(), self._tokens):
-            raise Refused(403, "permission_error", "invalid_admin_token", "wrong admin token")
+            # 401, as the Admin API's UNAUTHENTICATED: the token is not this
+            # plane's (trial 48: a 403 said it was known and not allowed).
+            self._token_misses.missed(request.remote or "", self._clock())
+            raise Refused(
+                401,
+                "authentication_error",
+                "invalid_admin_token",
+                "the admin token given is not this control plane's admin token",
+            )
         return "admin-token"
+
+
+# Wrong admin tokens one address may send in a window before its writes are
+# refused for the rest of it (429): guessing a token of the length `pontoctl`
+# makes is hopeless anyway, but nothing stopped a script from trying (trial 48).
+TOKEN_MISSES = 10
+TOKEN_MISS_WINDOW_S = 60.0
+# Addresses remembered at most: the oldest is forgotten first.
+TOKEN_MISS_ADDRESSES = 1024
+
+
+class TokenMisses:
+    """Wrong admin tokens per client address over the last
+    TOKEN_MISS_WINDOW_S (times from the caller's clock)."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, list[float]] = {}
+
+    def missed(self, address: str, now: float) -> None:
+        times = self._recent(address, now)
+        times.append(now)
+        self._times.pop(address, None)
+        self._times[address] = times  # last: the most recent address
+        while len(self._times) > TOKEN_MISS_ADDRESSES:
+            del self._times[next(iter(self._times))]
+
+    def wait(self, address: str, now: float) -> float:
+        """Seconds until `address` may send a token again (0: now)."""
+        times = self._recent(address, now)
+        if len(times) < TOKEN_MISSES:
+            return 0.0
+        return max(0.0, times[-TOKEN_MISSES] + TOKEN_MISS_WINDOW_S - now)
+
+    def _recent(self, address: str, now: float) -> list[float]:
+        times = [t for t in self._times.get(address, ()) if now - t < TOKEN_MISS_WINDOW_S]
+        if times:
+            self._times[address] = times
+        else:
+            self._times.pop(address, None)
+        return times
 
 
 def _check_same_origin(request: web.Request) -> None:

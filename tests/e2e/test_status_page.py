@@ -377,7 +377,11 @@ def test_a_drain_clicked_without_the_token_shows_an_error_and_changes_nothing(
     click_region_button(page, "ap-southeast", "drain")
     page.find_element(By.ID, "token-input").send_keys("not-the-token")
     page.find_element(By.ID, "token-submit").click()
-    wait(page, lambda d: "refused (403)" in message.text, "a wrong token was not refused")
+    wait(
+        page,
+        lambda d: "refused (401): the admin token given is not" in message.text,
+        "a wrong token was not refused",
+    )
     assert region_state(page, "ap-southeast") == "serving"
     assert not drained(system, "ap-southeast")
     # Nothing was written: the trail records every drain that reached the

@@ -30,7 +30,15 @@ from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
-from controlplane.web import Departures, StatusWeb, departed_rows
+from controlplane.web import (
+    TOKEN_MISS_ADDRESSES,
+    TOKEN_MISS_WINDOW_S,
+    TOKEN_MISSES,
+    Departures,
+    StatusWeb,
+    TokenMisses,
+    departed_rows,
+)
 from ponto.pki import make_bundle
 from ponto.v1 import routing_pb2 as pb
 
@@ -535,8 +543,7 @@ async def test_page_writes_are_counted_as_admin_calls(plane: Plane) -> None:
     # Undrains are DrainRegion calls with drained=false, as in the Admin API.
     assert calls == {
         ("DrainRegion", "OK"): 2.0,
-        ("DrainRegion", "UNAUTHENTICATED"): 1.0,
-        ("DrainRegion", "PERMISSION_DENIED"): 1.0,
+        ("DrainRegion", "UNAUTHENTICATED"): 2.0,  # none, and a wrong one (trial 48)
         ("DrainOrigin", "NOT_FOUND"): 1.0,
     }
 
@@ -555,8 +562,9 @@ def assert_error(body: dict[str, object], code: str) -> None:
         ({}, 401, "missing_admin_token"),
         ({"Authorization": "Basic abc"}, 401, "missing_admin_token"),
         ({"Authorization": "Bearer "}, 401, "missing_admin_token"),
-        ({"Authorization": "Bearer wrong"}, 403, "invalid_admin_token"),
-        ({"Authorization": f"Bearer {TOKEN}x"}, 403, "invalid_admin_token"),
+        # 401 as the Admin API's UNAUTHENTICATED (trial 48: a 403).
+        ({"Authorization": "Bearer wrong"}, 401, "invalid_admin_token"),
+        ({"Authorization": f"Bearer {TOKEN}x"}, 401, "invalid_admin_token"),
     ],
 )
 async def test_drain_without_the_right_token_changes_nothing(
@@ -651,7 +659,7 @@ async def test_writes_off_refuses_every_write_and_the_page_says_why(plane: Plane
 async def test_every_admin_token_of_a_rotation_may_drain(plane: Plane) -> None:
     web = web_of(plane, admin_token=("new-admin-token-0123", TOKEN))
     async with TestClient(TestServer(web.app())) as c:
-        for token, status in (("new-admin-token-0123", 200), (TOKEN, 200), ("other", 403)):
+        for token, status in (("new-admin-token-0123", 200), (TOKEN, 200), ("other", 401)):
             headers = {**WRITE, "Authorization": f"Bearer {token}"}
             assert (await c.post("/api/regions/us-east/drain", headers=headers)).status == status
 
@@ -1345,3 +1353,34 @@ async def test_an_origin_the_proxies_eject_shows_so_beside_its_probes(plane: Pla
     assert regions["eu-west"]["origins"][0]["ejected"] == (
         "ejected by p-eu (tried again) for 2 min; last failure 87 s ago: answered 500"
     )
+
+
+async def test_an_address_that_keeps_sending_wrong_tokens_is_held_off(plane: Plane) -> None:
+    """Trial 48: nothing kept a script from trying admin tokens one after
+    another. Past TOKEN_MISSES wrong ones in TOKEN_MISS_WINDOW_S its writes
+    are refused (429 with Retry-After) for the rest of the window, the right
+    token too; other addresses are not."""
+    web = web_of(plane)
+    async with TestClient(TestServer(web.app())) as c:
+        wrong = {**WRITE, "Authorization": "Bearer guess"}
+        for _ in range(TOKEN_MISSES):
+            assert (await c.post("/api/regions/us-east/drain", headers=wrong)).status == 401
+        plane.clock.now += 10
+        resp = await c.post("/api/regions/us-east/drain", headers=AUTH)
+        assert resp.status == 429
+        assert resp.headers["Retry-After"] == str(int(TOKEN_MISS_WINDOW_S - 10))
+        assert_error(await resp.json(), "too_many_wrong_tokens")
+        plane.clock.now += TOKEN_MISS_WINDOW_S - 10
+        assert (await c.post("/api/regions/us-east/drain", headers=AUTH)).status == 200
+
+
+def test_wrong_tokens_are_counted_per_address_and_forgotten() -> None:
+    misses = TokenMisses()
+    for i in range(TOKEN_MISSES):
+        misses.missed("10.0.0.1", float(i))
+    assert misses.wait("10.0.0.1", 9.0) == TOKEN_MISS_WINDOW_S - 9.0
+    assert misses.wait("10.0.0.2", 9.0) == 0.0
+    assert misses.wait("10.0.0.1", TOKEN_MISS_WINDOW_S) == 0.0  # the first fell out
+    for i in range(TOKEN_MISS_ADDRESSES + 5):
+        misses.missed(f"10.1.{i // 256}.{i % 256}", 100.0)
+    assert len(misses._times) == TOKEN_MISS_ADDRESSES
