@@ -327,7 +327,10 @@ class Catalog:
                 raise NotFound(f"{kind} {value.name!r} was deleted since it was read")
             if current is not None:
                 if not allow_update:
-                    raise AlreadyExists(f"{kind} {value.name!r} already exists")
+                    raise AlreadyExists(
+                        f"{kind} {value.name!r} already exists (pontoctl {kind} add --update "
+                        "changes it)"
+                    )
                 stored = decode(current.value)
                 if unchanged is not None:
                     unchanged(stored)

@@ -88,6 +88,12 @@ class UsageError(Exception):
     """The command line or its file is wrong in a way argparse cannot tell (exit code 2)."""
 
 
+class Missing(Exception):
+    """What a command names is not there (exit code 1, as the control
+    plane's NOT_FOUND), found by pontoctl itself (trial 54: exit 2, a usage
+    error's)."""
+
+
 class KeptChanging(Exception):
     """A record another writer changed between each of pontoctl's reads and
     writes of it (_read_and_write), nothing saved: run it again (exit code 1)."""
@@ -1514,8 +1520,8 @@ def _adding(kind: str, args: argparse.Namespace, needed: Mapping[str, object]) -
     missing = ", ".join(flag for flag, value in needed.items() if value is None)
     if not missing:
         return
-    if args.update:  # a misspelt name, most likely
-        raise UsageError(f"{kind} {args.name} not found; adding it needs {missing}")
+    if args.update:  # a misspelt name, most likely: exit 1, as a NOT_FOUND is
+        raise Missing(f"{kind} {args.name} not found; adding it needs {missing}")
     article = "an" if kind[0] in "aeiou" else "a"
     raise UsageError(
         f"adding {kind} {args.name} needs {missing} (or --update, to change {article} {kind})"
@@ -1677,6 +1683,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             region_of(spec).validated()
             # Saved only if no other change came since `current` was read.
             expected = _region_as_spec(current) if current is not None else None
+            if current is not None and spec == expected:
+                return current, current  # nothing to write (trial 54: audited anyway)
             request = apb.PutRegionRequest(region=spec, allow_update=args.update, expected=expected)
             return current, stub.PutRegion(request)
 
@@ -1700,6 +1708,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             origin_of(ospec).validated()
             # Saved only if no other change came since `current` was read.
             expected = _as_spec(current) if current is not None else None
+            if current is not None and ospec == expected:
+                return current, current  # nothing to write (trial 54: audited anyway)
             request = apb.PutOriginRequest(
                 origin=ospec, allow_update=args.update, expected=expected
             )
@@ -1864,6 +1874,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             key = next((k for k in listed.keys if k.id == args.key), None)
             current = key.limits if key is not None else pb.Limits()
             limits = _limits_over(current, args, f"key {args.key!r}")
+            if key is not None and limits == current:
+                return current, limits, listed.spent  # nothing to write
             request = apb.SetKeyLimitsRequest(id=args.key, limits=limits)
             if key is not None:
                 request.expected.CopyFrom(current)
@@ -1877,6 +1889,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             )
             current = tenant.limits
             limits = _limits_over(current, args, f"tenant {args.tenant!r}")
+            if limits == current and any(t.name == args.tenant for t in tenants.tenants):
+                return current, limits, tenants.spent  # nothing to write (trial 54)
             request = apb.UpdateTenantRequest(name=args.tenant, limits=limits, expected=tenant)
             stub.UpdateTenant(request)
             return current, limits, tenants.spent
@@ -1887,9 +1901,10 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         else:
             were, limits, spent = _read_and_write(tenant_limits)
             owner, scope = f"tenant {args.tenant}", f"t/{args.tenant}"
-        said = f"limits of {owner} set: {_limits_text(limits)}"
-        if were != limits:
-            said += f" (were: {_limits_text(were)})"
+        if were == limits:
+            said = f"limits of {owner} unchanged: {_limits_text(limits)}"
+        else:
+            said = f"limits of {owner} set: {_limits_text(limits)} (were: {_limits_text(were)})"
         notes = _budget_notes(limits, next((b for b in spent if b.scope == scope), None))
         return "\n".join([said, *(f"note: {n}" for n in notes)])
     if args.command == "cache":
@@ -2021,7 +2036,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (UsageError, InvalidArgument) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        except KeptChanging as exc:
+        except (KeptChanging, Missing) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         except ValueError as exc:

@@ -61,11 +61,15 @@ def fleet_ejections(proxies: Iterable[ProxyRecord], now: float) -> dict[str, Fle
 
 def describe(ejection: FleetEjection, now: float) -> str:
     """One line for operators: who ejects the origin, since when, its last
-    failure ("ejected by p-eu, p-us (2 proxies, 1 now) for 40 s; last
-    failure 2 s ago: answered 500")."""
+    failure ("ejected by p-eu, p-us (2 proxies, 1 ejecting now) for 40 s;
+    last failure 2 s ago: answered 500"). An ejection lasts seconds at first
+    (1, 2, 4 ...), and the proxy then tries the origin again: "ejection over"
+    says so, while the origin has not answered since."""
     names = ", ".join(ejection.proxies)
     n = len(ejection.proxies)
-    counted = f"{n} proxies, {ejection.ejected_now} now" if n > 1 else _now_or_not(ejection)
+    counted = (
+        f"{n} proxies, {ejection.ejected_now} ejecting now" if n > 1 else _now_or_not(ejection)
+    )
     text = f"ejected by {names} ({counted}) for {_ago(now - ejection.since)}"
     if ejection.last_failure:
         text += f"; last failure {_ago(now - ejection.failed_at)} ago: {ejection.last_failure}"
@@ -73,7 +77,7 @@ def describe(ejection: FleetEjection, now: float) -> str:
 
 
 def _now_or_not(ejection: FleetEjection) -> str:
-    return "ejected now" if ejection.ejected_now else "tried again"
+    return "ejected now" if ejection.ejected_now else "ejection over, not answered since"
 
 
 def _ago(seconds: float) -> str:

@@ -392,3 +392,17 @@ def test_an_ipv6_cluster_listens_on_every_ipv6_address(helm: Path) -> None:
     assert "listenAddress" in refused(helm, "--set", "listenAddress=127.0.0.1")
     default = objects(render(helm), "Deployment")["ponto-proxy-us-east"]["spec"]["template"]
     assert "--listen=0.0.0.0:8080" in default["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("key", ["tls", "auth", "cache", "proxy"])
+@pytest.mark.parametrize("extra", [(), ("--set", "topology.apply=false")])
+def test_a_key_with_nothing_under_it_is_said_to_be(
+    helm: Path, tmp_path: Path, key: str, extra: tuple[str, ...]
+) -> None:
+    """Trial 54: `tls:` with nothing under it (null: Helm drops the chart's
+    defaults) failed with Go's "nil pointer evaluating interface {}"."""
+    values = tmp_path / "null.yaml"
+    values.write_text(f"{key}:\n")
+    message = refused(helm, "-f", str(values), *extra)
+    assert f"values: {key} holds nothing (`{key}:` with no value under it)" in message
+    assert "nil pointer" not in message

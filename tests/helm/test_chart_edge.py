@@ -164,9 +164,30 @@ def test_without_tls_an_edge_release_needs_no_certificate(helm: Path) -> None:
     assert volume(proxy, "tokens")["secret"]["secretName"] == "central-tokens"
 
 
-def test_the_schema_refuses_an_address_without_a_port(helm: Path) -> None:
-    message = refused(helm, *MINIMAL, "--set", "controlPlane.address=ponto-cp.example")
+@pytest.mark.parametrize(
+    "address",
+    [
+        "ponto-cp.example",  # no port
+        "https://ponto-cp.example:7000",  # a URL (trial 54: rendered, and every proxy exited 2)
+        "ponto-cp.example:7000/v1",
+        "::1:7000",  # IPv6 without brackets
+    ],
+)
+def test_the_schema_refuses_what_is_no_host_port(helm: Path, address: str) -> None:
+    message = refused(helm, *MINIMAL, "--set-string", f"controlPlane.address={address}")
     assert "controlPlane.address" in message
+
+
+@pytest.mark.parametrize(
+    "address", ["cp.example:7000", "10.0.0.5:7000", "[fd00::5]:7000", "a.example:1,b.example:2"]
+)
+def test_the_schema_takes_names_and_addresses(helm: Path, address: str) -> None:
+    render(
+        helm,
+        *MINIMAL,
+        "--set-string",
+        f"controlPlane.address={address.replace(',', chr(92) + ',')}",
+    )
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from controlplane.catalog import TENANTS
-from controlplane.cli import CHANGED_TRIES, KeptChanging, UsageError, _parser, run
+from controlplane.cli import CHANGED_TRIES, KeptChanging, Missing, UsageError, _parser, run
 from controlplane.errors import InvalidArgument
 from controlplane.model import ModelAccess, PromptPolicy, Tenant, encode
 from controlplane.store.memory import MemoryStore
@@ -295,3 +295,44 @@ async def test_a_prompt_stored_before_the_control_rule_does_not_block_other_chan
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.UpdateTenant(request)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_an_update_that_changes_nothing_writes_nothing() -> None:
+    """Trial 54: `region add --update` and `origin add --update` with the
+    values they had said "unchanged" but wrote (and audited) the record; one
+    of a name that is not there exits 1, as the control plane's NOT_FOUND."""
+    async with admin_server(MemoryStore(), Clock(), admin_token="") as stub:
+        await seed(stub)
+        before = len((await stub.ListAudit(apb.ListAuditRequest())).entries)
+        said = await asyncio.to_thread(
+            pontoctl, stub.address, None, "region", "add", "us", "--update"
+        )
+        assert said == "region us (0, 0) saved; unchanged"
+        (o_us,) = [
+            o for o in (await stub.ListOrigins(apb.ListRequest())).origins if o.name == "o-us"
+        ]
+        said = await asyncio.to_thread(
+            pontoctl,
+            stub.address,
+            None,
+            "origin",
+            "add",
+            "o-us",
+            "--update",
+            "--weight",
+            str(o_us.weight),
+        )
+        assert said.endswith("; unchanged")
+        assert len((await stub.ListAudit(apb.ListAuditRequest())).entries) == before
+        with pytest.raises(Missing, match="region nowhere not found"):
+            await asyncio.to_thread(
+                pontoctl,
+                stub.address,
+                None,
+                "region",
+                "add",
+                "nowhere",
+                "--update",
+                "--spill-threshold",
+                "0.5",
+            )

@@ -192,5 +192,8 @@ def test_limit_set_says_what_it_changed_and_a_budget_that_works_otherwise_than_o
         "are refused until 00:00 UTC"
     ]
     stub.current = pb.Tenant(name="acme", limits=pb.Limits(tokens_per_day=2500))
+    sent = len(stub.updates)
     out = run(_parser().parse_args(["limit", "set", "--tenant", "acme", "--rpm", "0"]), stub)
-    assert out.splitlines()[0] == "limits of tenant acme set: tokens_per_day=2500"
+    # Nothing to change: said so, and nothing written (trial 54: a write was audited).
+    assert out.splitlines()[0] == "limits of tenant acme unchanged: tokens_per_day=2500"
+    assert len(stub.updates) == sent

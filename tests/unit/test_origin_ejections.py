@@ -51,9 +51,13 @@ def test_the_fleets_view_joins_each_origins_reports() -> None:
         "o-us": FleetEjection("o-us", ("p-a", "p-b"), 1, 900.0, "answered 500", 999.0),
     }
     assert describe(fleet["o-us"], now) == (
-        "ejected by p-a, p-b (2 proxies, 1 now) for 100 s; last failure 1 s ago: answered 500"
+        "ejected by p-a, p-b (2 proxies, 1 ejecting now) for 100 s; "
+        "last failure 1 s ago: answered 500"
     )
-    assert describe(fleet["o-eu"], now) == "ejected by p-a (tried again) for 20 s"
+    assert (
+        describe(fleet["o-eu"], now)
+        == "ejected by p-a (ejection over, not answered since) for 20 s"
+    )
     one_now = FleetEjection("o", ("p",), 1, now - 3 * 3600, "x", now - 150)
     assert describe(one_now, now) == "ejected by p (ejected now) for 3 h; last failure 2 min ago: x"
 

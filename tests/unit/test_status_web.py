@@ -1343,7 +1343,8 @@ async def test_an_origin_the_proxies_eject_shows_so_beside_its_probes(plane: Pla
     (eu,) = regions["eu-west"]["origins"]
     assert eu["healthy"] is True
     assert eu["ejected"] == (
-        "ejected by p-eu, p-us (2 proxies, 1 now) for 100 s; last failure 2 s ago: answered 500"
+        "ejected by p-eu, p-us (2 proxies, 1 ejecting now) for 100 s; "
+        "last failure 2 s ago: answered 500"
     )
     (us,) = regions["us-east"]["origins"]
     assert us["ejected"] == ""
@@ -1351,7 +1352,8 @@ async def test_an_origin_the_proxies_eject_shows_so_beside_its_probes(plane: Pla
     # replica that stopped writing its proxies' reports).
     regions = {r["name"]: r for r in (await web.status(now + STALE_S - 5))["regions"]}
     assert regions["eu-west"]["origins"][0]["ejected"] == (
-        "ejected by p-eu (tried again) for 2 min; last failure 87 s ago: answered 500"
+        "ejected by p-eu (ejection over, not answered since) for 2 min; "
+        "last failure 87 s ago: answered 500"
     )
 
 
