@@ -195,6 +195,7 @@ class StatusWeb:
         metrics: Exposition | None = None,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._catalog = catalog
@@ -209,6 +210,9 @@ class StatusWeb:
         self._metrics = metrics
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._clock = clock
+        # Times of wrong admin tokens: a step of the wall clock must not
+        # stretch or end their window.
+        self._monotonic = monotonic
         self._token_misses = TokenMisses()
         self._sleep = sleep  # sample_forever's, between samples
         self._meter = RateMeter(window=STALE_AFTER)
@@ -578,17 +582,6 @@ class StatusWeb:
                     "localhost (DNS rebinding cannot point those elsewhere)",
                 )
             return "anonymous"
-        wait = self._token_misses.wait(request.remote or "", self._clock())
-        if wait:
-            refused = Refused(
-                429,
-                "rate_limit_error",
-                "too_many_wrong_tokens",
-                f"{TOKEN_MISSES} wrong admin tokens from this address within "
-                f"{TOKEN_MISS_WINDOW_S:g} s: try again in {math.ceil(wait)} s",
-            )
-            refused.retry_after = math.ceil(wait)
-            raise refused
         sent = request.headers.getall("Authorization", [])
         if len(sent) > 1:
             # Which one counts would be each reader's guess (a proxy in front
@@ -608,9 +601,24 @@ class StatusWeb:
                 "this needs the admin token: Authorization: Bearer TOKEN",
             )
         if not token_among(given.strip(), self._tokens):
+            # Only wrong tokens are held off: the right one always passes, so
+            # that a guesser behind the same address (a port-forward, an
+            # ingress) cannot lock operators out (review 205).
+            address, now = request.remote or "", self._monotonic()
+            wait = self._token_misses.wait(address, now)
+            if wait:
+                refused = Refused(
+                    429,
+                    "rate_limit_error",
+                    "too_many_wrong_tokens",
+                    f"{TOKEN_MISSES} wrong admin tokens from this address within "
+                    f"{TOKEN_MISS_WINDOW_S:g} s: try again in {math.ceil(wait)} s",
+                )
+                refused.retry_after = math.ceil(wait)
+                raise refused
+            self._token_misses.missed(address, now)
             # 401, as the Admin API's UNAUTHENTICATED: the token is not this
             # plane's (trial 48: a 403 said it was known and not allowed).
-            self._token_misses.missed(request.remote or "", self._clock())
             raise Refused(
                 401,
                 "authentication_error",

@@ -310,27 +310,39 @@ class Watchdog:
 
 async def answers(path: Path, wait: float) -> bool | None:
     """Whether the process listening on unix socket `path` sends the status
-    line of a GET /healthz within `wait` seconds: None when nothing listens
-    there (the name absent, or the connection refused), which is no hang."""
+    line of a GET /healthz within `wait` seconds: False when it does not, or
+    when its backlog is full; None when nothing listens there (the name
+    absent, the connection refused or reset: a worker starting or stopping),
+    which is no sign of a worker stuck."""
+    # Connected by hand: a full backlog refuses a unix connection at once
+    # (EAGAIN), which asyncio's connect waits out and then reports as a lost
+    # connection, like a stopping worker's (reviews 201, 205).
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect(str(path))
+    except BlockingIOError:
+        sock.close()
+        return False  # not accepted for as long as its backlog took to fill
+    except OSError:
+        sock.close()
+        return None
     writer = None
     try:
         async with asyncio.timeout(wait):
-            reader, writer = await asyncio.open_unix_connection(str(path))
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n")
             await writer.drain()
             status = await reader.readline()
     except TimeoutError:
         return False
-    except (FileNotFoundError, ConnectionRefusedError):
-        return None
     except OSError:
-        # A full backlog refuses a unix connection at once (EAGAIN), where a
-        # TCP one would wait: the worker has not accepted for that long
-        # (review 201: such a worker was taken for one not listening).
-        return False
+        return None  # reset: it stops (or the supervisor is short of descriptors)
     finally:
         if writer is not None:
             writer.close()
+        else:
+            sock.close()
     if not status:
         return None  # closed without a word: stopping, not stuck
     return status.startswith(b"HTTP/1.1 ")
@@ -576,9 +588,9 @@ class Supervisor:
         while True:
             await asyncio.sleep(watchdog.every)
             answered = await answers(own, watchdog.wait)
-            if answered is None:
-                continue  # nothing listens: it starts or stops (its exit tells)
-            missed = 0 if answered else missed + 1
+            # None: nothing listens (it starts or stops: its exit tells), which
+            # ends a run of misses as an answer does: they count in a row.
+            missed = missed + 1 if answered is False else 0
             if missed < watchdog.misses:
                 continue
             log.error(

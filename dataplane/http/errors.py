@@ -466,42 +466,63 @@ def origin_error_of(
 
 # Whose fault a 2xx answer's embedded error is (error_blame), by its code,
 # status or type: an account's (the gateway's credential, its billing), an
-# origin too busy, the request's, or else the origin's.
-REQUEST_ERRORS: Final = frozenset({"invalid_request_error", "context_length_exceeded"})
+# origin too busy, the request's, the origin's own, or unknown.
 ACCOUNT_WORDS: Final = ("api_key", "auth", "permission", "billing", "quota", "credit", "payment")
 BUSY_WORDS: Final = ("rate_limit", "overloaded", "too_many_requests")
+REQUEST_WORDS: Final = (
+    "invalid",
+    "validation",
+    "bad_request",
+    "badrequest",
+    "not_found",
+    "notfound",
+    "too_long",
+    "context_length",
+    "unsupported",
+)
+ORIGIN_WORDS: Final = ("server_error", "internal", "engine", "unavailable", "timeout")
 ACCOUNT_STATUSES: Final = frozenset({401, 402, 403, 407})
 
 
 def error_blame(obj: dict[str, object]) -> str:
-    """ "request", "account", "busy" or "origin": whose fault the error an
-    origin's 2xx JSON body holds is (`{"error": {...}}` with no answer; review
-    201). Only a request's error is shown to the client: an account's says
-    things of the operator's account (its credit, its key) no client should
-    read, and the origin's are the origin's."""
+    """ "account", "busy", "request", "origin" or "unknown": whose fault the
+    error an origin's 2xx JSON body holds is (`{"error": {...}}` with no
+    answer; reviews 201 and 205), an account's words first (an
+    `insufficient_quota` with code 400 is the account's). Only a request's
+    error is shown to the client: an account's says things of the operator's
+    account (its credit, its key) no client should read. Only the origin's
+    own (a 5xx, an engine error) and an account's count against the origin:
+    one no rule knows is failed over, neither shown nor counted, so that a
+    client cannot eject origins with requests they answer so."""
     inner = obj.get("error")
     err = inner if isinstance(inner, dict) else obj
     words = []
+    numbers = []
     for key in ("type", "code", "status"):
         value = err.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value in ACCOUNT_STATUSES:
-                return "account"
-            if value == 429:
-                return "busy"
-            if value in PASSED_ORIGIN_STATUSES:
-                return "request"
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int):
+            numbers.append(value)
         elif isinstance(value, str):
             words.append(value.lower())
     if isinstance(inner, str) and isinstance(obj.get("error_type"), str):
         words.append(str(obj["error_type"]).lower())
-    if any(w in word for word in words for w in ACCOUNT_WORDS):
+
+    def said(these: tuple[str, ...]) -> bool:
+        return any(w in word for word in words for w in these)
+
+    if said(ACCOUNT_WORDS) or ACCOUNT_STATUSES.intersection(numbers):
         return "account"
-    if any(w in word for word in words for w in BUSY_WORDS):
+    if said(BUSY_WORDS) or 429 in numbers or 529 in numbers:
         return "busy"
-    if any(word in REQUEST_ERRORS or "validation" in word for word in words):
+    if said(REQUEST_WORDS) or PASSED_ORIGIN_STATUSES.intersection(numbers):
         return "request"
-    return "origin"
+    if said(ORIGIN_WORDS) or any(500 <= n < 600 for n in numbers):
+        return "origin"
+    return "unknown"
 
 
 def _str_or_none(value: object) -> str | None:

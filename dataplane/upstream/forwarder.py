@@ -827,9 +827,14 @@ class Forwarder:
             return  # the origin did answer: not a failure of its health
         if exc.outcome == ERROR_ANSWER:
             tries.shown = exc.shown or tries.shown
-            if exc.blame in ("request", "busy"):
+            if exc.blame == "busy":
+                # As a 429: tried last for a while, not ejected (review 205).
+                self.outliers.busy(target.name, BUSY_DEFAULT_S)
+                tries.errored += 1
+                return
+            if exc.blame in ("request", "unknown"):
                 # Not against the origin's health: a client must not be able to
-                # eject origins by its requests, nor a busy origin be ejected.
+                # eject origins by its requests.
                 tries.errored += 1
                 return
             if exc.blame == "account":
@@ -1023,8 +1028,11 @@ class Forwarder:
                             preamble = path.endswith(RESPONSES_PATH)
                             if first and answer and not _begun(first, path):
                                 first = await self._held(resp, first, path, sent_at, first_within)
-                            scan = len(first) if preamble else FIRST_ERROR_SCAN
-                            if answer and b'"error"' in first[:scan]:
+                            # From the first event: comments before it (keep-alives)
+                            # would push it past the scan (review 205).
+                            at = first.find(b"data:")
+                            scan = len(first) if preamble else at + FIRST_ERROR_SCAN
+                            if answer and at >= 0 and b'"error"' in first[at:scan]:
                                 # A stream whose first event is an error, as a whole
                                 # answer can be (review 201): another origin may answer.
                                 error = _first_event_error(first, preamble)
@@ -1182,6 +1190,8 @@ def _first_event_error(chunk: bytes, preamble: bool) -> dict[str, Any] | None:
     ...}`): a chat or completions chunk that is an error and no choice, or a
     Responses stream's `error` event; None otherwise, and for an event not
     yet whole."""
+    if chunk.startswith(BOM):
+        chunk = chunk[len(BOM) :]
     if b"\r" in chunk:
         chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     for block in chunk.split(b"\n\n")[:-1]:  # whole events only
@@ -1340,8 +1350,13 @@ def _check_not_found(body: bytes, path: str) -> None:
     OpenAI-compatible server's 404 is an error object (a model it does not
     serve), which is the client's to read."""
     parsed = jsonio.loads_or_none(body) if len(body) <= PARSE_BEFORE_SENDING_MAX else None
+    if isinstance(parsed, list) and parsed and isinstance(parsed[0], dict):
+        parsed = parsed[0]  # errors as a list (Gemini's OpenAI endpoint; review 205)
     if isinstance(parsed, dict) and (parsed.get("error") or parsed.get("object") == "error"):
         return
+    detail = parsed.get("detail") if isinstance(parsed, dict) else None
+    if isinstance(detail, str) and detail != "Not Found":
+        return  # a FastAPI server's own 404 (a model it lacks), not its router's
     raise _Retryable(
         "bad_answer",
         f"answered 404 to {path} with no OpenAI-style error: a wrong base URL? (OpenAI-"

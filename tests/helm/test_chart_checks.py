@@ -258,6 +258,8 @@ def test_topology_spread_constraints_select_their_own_pods(helm: Path, tmp_path:
             "regions": [
                 {"name": "us-east", "lat": 1, "lon": 2},
                 {"name": "eu-west", "lat": 3, "lon": 4, "topologySpreadConstraints": [mine]},
+                # An empty list of its own: none (review 205: proxy's applied).
+                {"name": "ap-south", "lat": 5, "lon": 6, "topologySpreadConstraints": []},
             ],
         },
     }
@@ -278,6 +280,8 @@ def test_topology_spread_constraints_select_their_own_pods(helm: Path, tmp_path:
         }
     }
     assert spread("Deployment", "ponto-proxy-eu-west") == [mine]
+    south = objects(docs, "Deployment")["ponto-proxy-ap-south"]["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in south
     (control,) = spread("Deployment", "ponto-control")
     assert control["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "control-plane"  # type: ignore[index]
     (members,) = spread("StatefulSet", "ponto-etcd")
@@ -394,15 +398,17 @@ def test_an_ipv6_cluster_listens_on_every_ipv6_address(helm: Path) -> None:
     assert "--listen=0.0.0.0:8080" in default["spec"]["containers"][0]["args"]
 
 
-@pytest.mark.parametrize("key", ["tls", "auth", "cache", "proxy"])
+@pytest.mark.parametrize("key", ["tls", "auth", "cache", "proxy", "alerts", "serviceMonitor"])
 @pytest.mark.parametrize("extra", [(), ("--set", "topology.apply=false")])
 def test_a_key_with_nothing_under_it_is_said_to_be(
     helm: Path, tmp_path: Path, key: str, extra: tuple[str, ...]
 ) -> None:
     """Trial 54: `tls:` with nothing under it (null: Helm drops the chart's
-    defaults) failed with Go's "nil pointer evaluating interface {}"."""
+    defaults) failed with Go's "nil pointer evaluating interface {}". The
+    schema requires every top-level map (review 205: a check in a template
+    ran only if Helm rendered it first)."""
     values = tmp_path / "null.yaml"
     values.write_text(f"{key}:\n")
     message = refused(helm, "-f", str(values), *extra)
-    assert f"values: {key} holds nothing (`{key}:` with no value under it)" in message
+    assert f"(root): {key} is required" in message
     assert "nil pointer" not in message

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.upstream.forwarder import _begun
+from dataplane.upstream.forwarder import _begun, _first_event_error
 
 CREATED = b'event: response.created\ndata: {"type":"response.created","response":{}}\n\n'
 IN_PROGRESS = b'event: response.in_progress\ndata: {"type": "response.in_progress"}\n\n'
@@ -49,3 +49,23 @@ def test_a_stream_has_begun_at_its_first_event_of_the_answer(
     path = "/responses" if preamble else "/chat/completions"
     assert _begun(chunk, path) is begun
     assert _begun(bytearray(chunk), path) is begun
+
+
+@pytest.mark.parametrize(
+    ("chunk", "preamble", "error"),
+    [
+        (b'data: {"error": {"message": "boom"}}\n\n', False, True),
+        # A chunk whose error is null, or beside choices, is an answer (review 205).
+        (b'data: {"id": "c", "choices": [{"delta": {}}], "error": null}\n\n', False, False),
+        (b'data: {"choices": [{"delta": {"content": "x"}}], "error": {"m": 1}}\n\n', False, False),
+        (b'data: {"error": {"message": "boom"}', False, False),  # not whole yet
+        (b"\xef\xbb\xbf" + b'data: {"error": {"message": "boom"}}\n\n', False, True),  # a BOM
+        (b": OPENROUTER PROCESSING\n\n" * 25 + b'data: {"error": {"m": "x"}}\n\n', False, True),
+        (CREATED + b'event: error\ndata: {"type": "error", "message": "m"}\n\n', True, True),
+        (CREATED + DELTA, True, False),
+    ],
+)
+def test_a_streams_first_event_of_its_answer_may_be_an_error(
+    chunk: bytes, preamble: bool, error: bool
+) -> None:
+    assert (_first_event_error(chunk, preamble) is not None) is error

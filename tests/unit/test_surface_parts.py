@@ -473,12 +473,33 @@ CONTEXT = {
             "busy",
             None,
         ),
-        # The origin's.
-        ({"error": {"message": "overloaded", "code": 529}}, "origin", None),
-        ({"error": {"message": "x" * 5000}}, "origin", None),
+        ({"error": {"message": "overloaded", "code": 529}}, "busy", None),  # Anthropic's
+        # An account's words first (review 205: code 400 showed its text).
+        (
+            {"error": {"message": "credit", "type": "insufficient_quota", "code": 400}},
+            "account",
+            None,
+        ),
+        # The request's, by its words or a code given as a string (review 205).
+        ({"error": {"message": "no", "type": "BadRequestError"}}, "request", None),
+        (
+            {"error": {"message": "no", "status": "INVALID_ARGUMENT", "code": "400"}},
+            "request",
+            None,
+        ),
+        # The origin's own.
+        (
+            {"error": {"message": "engine died", "type": "server_error", "code": 500}},
+            "origin",
+            None,
+        ),
+        # Unknown: failed over, neither shown nor counted against the origin
+        # (review 205: a client could eject origins with requests answered so).
+        ({"error": "prompt is too long"}, "unknown", None),
+        ({"error": {"message": "x" * 5000}}, "unknown", None),
         # An error beside choices that hold nothing (review 201: they passed).
-        ({"error": {"message": "boom"}, "choices": None}, "origin", None),
-        ({"error": {"message": "boom"}, "choices": []}, "origin", None),
+        ({"error": {"message": "boom"}, "choices": None}, "unknown", None),
+        ({"error": {"message": "boom"}, "choices": []}, "unknown", None),
     ],
 )
 def test_a_2xx_error_with_no_answer_is_a_failed_attempt(
@@ -489,7 +510,13 @@ def test_a_2xx_error_with_no_answer_is_a_failed_attempt(
     assert failed.value.outcome == "error_answer"
     assert (failed.value.blame, failed.value.worked) == (blame, blame == "origin")
     if blame == "request" and shown is None:
-        shown = {"message": "bad", "type": "upstream_error", "param": None, "code": None}
+        given = body["error"]
+        shown = {
+            "message": given["message"],
+            "type": given.get("type", "upstream_error"),
+            "param": None,
+            "code": given["code"] if isinstance(given.get("code"), str) else None,
+        }
     assert failed.value.shown == shown
 
 

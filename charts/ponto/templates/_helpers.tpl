@@ -316,14 +316,6 @@ its owner's to roll, as an existing Secret's is). */ -}}
 
 {{/* Checks the schema cannot express; fails the render with the reason. */}}
 {{- define "ponto.validate" -}}
-{{- /* Before anything reads them: a top-level key given with nothing under it (`tls:`)
-is null, which Helm takes as "drop the chart's defaults", and the templates then fail
-on a nil map with Go's words (trial 54). */ -}}
-{{- range $key := list "image" "controlPlane" "etcd" "proxy" "cache" "auth" "tls" "topology" "geoip" -}}
-{{- if not (kindIs "map" (get $.Values $key)) -}}
-{{- fail (printf "values: %s holds nothing (`%s:` with no value under it), which drops every default under it; leave the key out, or give its values" $key $key) -}}
-{{- end -}}
-{{- end -}}
 {{- /* First: a long release name fails every longer name too, and this message says
 what else goes wrong with it. */ -}}
 {{- include "ponto.edge.validate" . -}}
