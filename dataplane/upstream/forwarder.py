@@ -28,7 +28,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, overload
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -827,25 +827,19 @@ class Forwarder:
             return  # the origin did answer: not a failure of its health
         if exc.outcome == ERROR_ANSWER:
             tries.shown = exc.shown or tries.shown
-            if exc.blame == "busy":
-                # As a 429: tried last for a while, not ejected (review 205).
-                self.outliers.busy(target.name, BUSY_DEFAULT_S)
-                tries.errored += 1
-                return
-            if exc.blame in ("request", "unknown"):
-                # Not against the origin's health: a client must not be able to
-                # eject origins by its requests.
-                tries.errored += 1
-                return
             if exc.blame == "account":
                 tries.refused += 1
             else:
                 tries.errored += 1
-            if self.outliers.failure(target.name, str(exc)):
-                self._metrics.ejections.labels(target.name).inc()
-                log.warning("origin %s ejected after repeated failures", target.name)
-            return
-        if exc.outcome == "http_5xx":
+            if exc.blame == "busy":
+                # As a 429: tried last for a while, not ejected (review 205).
+                self.outliers.busy(target.name, BUSY_DEFAULT_S)
+            if exc.blame not in ("origin", "account"):
+                # Busy, the request's or unknown: not against the origin's
+                # health (a client must not be able to eject origins by its
+                # requests).
+                return
+        elif exc.outcome == "http_5xx":
             tries.errored += 1
         elif exc.outcome in ("timeout", "http_408"):
             tries.timed_out += 1
@@ -860,9 +854,15 @@ class Forwarder:
             known = tries.busy_retry_s
             tries.busy_retry_s = wait if known is None else min(known, wait)
             return
-        if self.outliers.failure(target.name, str(exc)):
-            self._metrics.ejections.labels(target.name).inc()
-            log.warning("origin %s ejected after repeated failures", target.name)
+        self._failure(target.name, str(exc))
+
+    def _failure(self, origin: str, why: str) -> None:
+        """A failure of `origin` (`why`, as logged) for its passive health; an
+        ejection it makes is counted (ponto_origin_ejections_total, which
+        PontoOriginFailing reads) and logged."""
+        if self.outliers.failure(origin, why):
+            self._metrics.ejections.labels(origin).inc()
+            log.warning("origin %s ejected after repeated failures", origin)
 
     @staticmethod
     def _no_answer(first_within: float | None, bound: str) -> str:
@@ -876,11 +876,9 @@ class Forwarder:
         tries.failures.append(f"{target.name}: request deadline exceeded")
         tries.worked = True
         tries.failed += 1
-        if self.outliers.failure(target.name, "request deadline exceeded"):
-            # As _failed counts them: PontoOriginFailing reads the metric
-            # (review 199: an origin hanging to the deadline never fired it).
-            self._metrics.ejections.labels(target.name).inc()
-            log.warning("origin %s ejected after repeated failures", target.name)
+        # Counted as _failed's are (review 199: an origin hanging to the
+        # deadline never fired PontoOriginFailing).
+        self._failure(target.name, "request deadline exceeded")
 
     async def _attempt(
         self,
@@ -1151,6 +1149,20 @@ _PREAMBLE_TYPE = re.compile(rb'"type"\s*:\s*"response\.(?:created|in_progress)"'
 _PREAMBLE_EVENT = (b"event: response.created", b"event: response.in_progress")
 
 
+@overload
+def _lf_lines(chunk: bytes) -> bytes: ...
+@overload
+def _lf_lines(chunk: bytes | bytearray) -> bytes | bytearray: ...
+def _lf_lines(chunk: bytes | bytearray) -> bytes | bytearray:
+    """A stream's first bytes with a byte order mark left out and every line
+    ending (CRLF, LF or CR alone: SSE's three) made LF."""
+    if chunk.startswith(BOM):
+        chunk = chunk[len(BOM) :]
+    if b"\r" in chunk:
+        chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return chunk
+
+
 def _begun(chunk: bytes | bytearray, path: str) -> bool:
     """Whether a stream's first bytes hold an event of its answer: a data line,
     not only comments and blank lines, and (a Responses stream's `path`) not
@@ -1160,10 +1172,7 @@ def _begun(chunk: bytes | bytearray, path: str) -> bool:
     responses = path.endswith(RESPONSES_PATH)
     if not responses and chunk.startswith(b"data:"):
         return True  # nearly every chat stream: its first line is its first event's
-    if chunk.startswith(BOM):
-        chunk = chunk[len(BOM) :]
-    if b"\r" in chunk:
-        chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    chunk = _lf_lines(chunk)
     if not responses:
         return any(line.startswith(b"data:") for line in chunk.split(b"\n"))
     for event in bytes(chunk).split(b"\n\n"):
@@ -1190,11 +1199,7 @@ def _first_event_error(chunk: bytes, preamble: bool) -> dict[str, Any] | None:
     ...}`): a chat or completions chunk that is an error and no choice, or a
     Responses stream's `error` event; None otherwise, and for an event not
     yet whole."""
-    if chunk.startswith(BOM):
-        chunk = chunk[len(BOM) :]
-    if b"\r" in chunk:
-        chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    for block in chunk.split(b"\n\n")[:-1]:  # whole events only
+    for block in _lf_lines(chunk).split(b"\n\n")[:-1]:  # whole events only
         data = next((x for x in block.split(b"\n") if x.startswith(b"data:")), None)
         if data is None:
             continue  # comments
