@@ -204,15 +204,9 @@ class Catalog:
         only a region whose settings (all but the drain flag) are still those
         (ChangedSinceRead), as put_origin."""
         region = region.validated()
-        unchanged = None
-        if expected is not None:
-            was = _region_settings(expected)
-
-            def unchanged(now: Region) -> None:
-                if _region_settings(now) != was:
-                    raise ChangedSinceRead(f"region {region.name!r}")
-
-        return await self._put("region", REGIONS, region, decode_region, allow_update, unchanged)
+        return await self._put(
+            "region", REGIONS, region, decode_region, allow_update, expected, _region_settings
+        )
 
     async def get_region(self, name: str) -> Region:
         kv = await _guard(self.store.get(REGIONS + check_name("region", name)))
@@ -270,17 +264,11 @@ class Catalog:
                 f"region {origin.region!r} of origin {origin.name!r} not found; "
                 "add the region first"
             )
-        unchanged = None
-        if expected is not None:
-            # As read: not validated (a record stored before a rule, or by
-            # hand, is compared as it is; helper-188).
-            was = replace(expected, drained=False)
-
-            def unchanged(now: Origin) -> None:
-                if replace(now, drained=False) != was:
-                    raise ChangedSinceRead(f"origin {origin.name!r}")
-
-        return await self._put("origin", ORIGINS, origin, decode_origin, allow_update, unchanged)
+        # `expected` as read: not validated (a record stored before a rule,
+        # or by hand, is compared as it is; helper-188).
+        return await self._put(
+            "origin", ORIGINS, origin, decode_origin, allow_update, expected, _origin_settings
+        )
 
     async def list_origins(self) -> list[Origin]:
         return list((await self.snapshot()).origins)
@@ -311,19 +299,22 @@ class Catalog:
         value: R,
         decode: Callable[[bytes], R],
         allow_update: bool,
-        unchanged: Callable[[R], None] | None = None,
+        expected: R | None = None,
+        settings: Callable[[R], object] = lambda value: value,
     ) -> R:
         """Create value, or replace it when allow_update; an update keeps the
         drain flag, because draining is its own operation. A replacement
         whose record moved meanwhile reads it again (create_key rewrites its
         tenant's record unchanged: nothing to refuse the replacement for).
-        `unchanged`, given the stored value, raises if it must not be
-        replaced; given, a value not stored is NotFound."""
+        With `expected` (the record as its caller read it), only a stored
+        record whose `settings` are still expected's is replaced
+        (ChangedSinceRead otherwise), and one not stored is NotFound."""
+        was = settings(expected) if expected is not None else None
         key = prefix + value.name
         for _ in range(CAS_ATTEMPTS):
             current = await _guard(self.store.get(key))
             written = value
-            if current is None and unchanged is not None:
+            if current is None and expected is not None:
                 raise NotFound(f"{kind} {value.name!r} was deleted since it was read")
             if current is not None:
                 if not allow_update:
@@ -332,8 +323,8 @@ class Catalog:
                         "changes it)"
                     )
                 stored = decode(current.value)
-                if unchanged is not None:
-                    unchanged(stored)
+                if expected is not None and settings(stored) != was:
+                    raise ChangedSinceRead(f"{kind} {value.name!r}")
                 if isinstance(value, Region | Origin):
                     written = replace(value, drained=stored.drained)
             try:
@@ -1058,6 +1049,11 @@ def _region_settings(r: Region) -> Region:
     """What a region update compares: all but the drain flag, its RTTs in
     one order (as read back from a map, or as stored)."""
     return replace(r, drained=False, rtt_ms=tuple(sorted(r.rtt_ms)))
+
+
+def _origin_settings(o: Origin) -> Origin:
+    """What an origin update compares: all but the drain flag."""
+    return replace(o, drained=False)
 
 
 # A proxy's ACK as its replica's summary holds it: acked version, last NACK's
