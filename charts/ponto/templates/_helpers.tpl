@@ -428,13 +428,27 @@ where), where the values' path ("controlPlane").
 {{- define "ponto.resources.check" -}}
 {{- $res := index . 0 | default dict -}}
 {{- $where := index . 1 -}}
-{{- $limits := get $res "limits" | default dict -}}
-{{- range $k, $request := (get $res "requests" | default dict) -}}
+{{- with include "ponto.resources.over" $res -}}
+{{- $request := index $res "requests" . -}}
+{{- $limit := index $res "limits" . -}}
+{{- fail (printf "%s.resources: requests.%s %v is above limits.%s %v: lower the request or raise the limit" $where . $request . $limit) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The first resource (by name) whose request is above its limit in resources (a dict of
+requests and limits), "" for none: each caller fails with its own advice.
+*/}}
+{{- define "ponto.resources.over" -}}
+{{- $limits := get . "limits" | default dict -}}
+{{- $over := "" -}}
+{{- range $k, $request := (get . "requests" | default dict) -}}
 {{- $limit := get $limits $k -}}
-{{- if and $request $limit (gt (include "ponto.quantity" $request | float64) (include "ponto.quantity" $limit | float64)) -}}
-{{- fail (printf "%s.resources: requests.%s %v is above limits.%s %v: lower the request or raise the limit" $where $k $request $k $limit) -}}
+{{- if and (not $over) $request $limit (gt (include "ponto.quantity" $request | float64) (include "ponto.quantity" $limit | float64)) -}}
+{{- $over = $k -}}
 {{- end -}}
 {{- end -}}
+{{- $over -}}
 {{- end -}}
 
 {{/*
@@ -464,15 +478,10 @@ region.resources where), where naming the region in the message.
 {{- $_ := set $out $part $q -}}
 {{- end -}}
 {{- end -}}
-{{- $limits := get $out "limits" | default dict -}}
-{{- range $k, $request := (get $out "requests" | default dict) -}}
-{{- $limit := "" -}}
-{{- if hasKey $limits $k -}}
-{{- $limit = index $limits $k | default "" -}}
-{{- end -}}
-{{- if and $request $limit (gt (include "ponto.quantity" $request | float64) (include "ponto.quantity" $limit | float64)) -}}
-{{- fail (printf "%s: resources.requests.%s %v is above resources.limits.%s %v (a region's resources merge key by key over proxy.resources): set the region's limits.%s (or requests.%s), or null for none" $where $k $request $k $limit $k $k) -}}
-{{- end -}}
+{{- with include "ponto.resources.over" $out -}}
+{{- $request := index $out "requests" . -}}
+{{- $limit := index $out "limits" . -}}
+{{- fail (printf "%s: resources.requests.%s %v is above resources.limits.%s %v (a region's resources merge key by key over proxy.resources): set the region's limits.%s (or requests.%s), or null for none" $where . $request . $limit . .) -}}
 {{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
