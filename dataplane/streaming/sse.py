@@ -11,8 +11,10 @@ CRLF, LF or CR (a CR at the end of one chunk and an LF at the start of the
 next are one line ending); a blank line ends an event; the `data` lines of an
 event are joined with LF; one space after the colon is dropped; lines starting
 with ':' are comments (keep-alives); `event` names the event; other fields
-(`id`, `retry`) are ignored. An event is dispatched when it has data or a
-name, so an `event: error` without data still counts.
+(`id`, `retry`) are ignored; one byte order mark at the stream's start is
+dropped (a stream's first line after it is a line like any other). An event
+is dispatched when it has data or a name, so an `event: error` without data
+still counts.
 
 Chunks may split anywhere, even inside a line ending. A line that comes in
 many chunks is kept as its pieces until it ends, so a long one costs its
@@ -23,9 +25,10 @@ parser per stream.
 
 from __future__ import annotations
 
-__all__ = ["DONE", "Event", "SseParser"]
+__all__ = ["BOM", "DONE", "Event", "SseParser"]
 
 DONE = b"[DONE]"
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: SSE lets a stream begin with one
 
 
 class Event:
@@ -68,11 +71,24 @@ class SseParser:
     nor a name) whose size passes it sets `over`: feed() returns the events
     before it, and nothing from then on."""
 
-    __slots__ = ("_cr", "_data", "_limit", "_line", "_line_size", "_name", "_size", "over")
+    __slots__ = (
+        "_cr",
+        "_data",
+        "_limit",
+        "_line",
+        "_line_size",
+        "_name",
+        "_size",
+        "_start",
+        "over",
+    )
 
     def __init__(self, limit: int = 0) -> None:
         self._limit = limit
         self.over = False
+        # The stream's first bytes, while they may still be a byte order mark
+        # (it may come split); None once past them.
+        self._start: bytes | None = b""
         # The start of a line whose ending has not arrived, in the pieces it came in.
         self._line: list[bytes] = []
         # Their bytes, counted as they come: `held` is asked after every chunk,
@@ -105,7 +121,9 @@ class SseParser:
         if (
             chunk.endswith(b"\n\n")
             and chunk.startswith(b"data: ")
-            and not (self._line or self._data or self._name or self._cr or self._size)
+            and not (
+                self._line or self._data or self._name or self._cr or self._size or self._start
+            )
             and chunk.count(b"\n") == 2
             and b"\r" not in chunk
             and not (self._limit and len(chunk) - 1 > self._limit)
@@ -113,7 +131,18 @@ class SseParser:
             # Most chunks of a stream: one whole event of one data line, with
             # nothing pending (not even a line counted in the event's size, an
             # `id:` split from its data). What the lines below make of it, in one step.
+            self._start = None
             return [Event(chunk[6:-2], b"", len(chunk) - 1)]
+        if self._start is not None:
+            chunk = self._start + chunk
+            if len(chunk) < len(BOM) and BOM.startswith(chunk):
+                self._start = chunk
+                return []
+            self._start = None
+            if chunk.startswith(BOM):
+                chunk = chunk[len(BOM) :]
+                if not chunk:
+                    return []
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":

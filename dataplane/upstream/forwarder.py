@@ -28,7 +28,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, overload
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -53,6 +53,7 @@ from dataplane.linebudget import LineBudget
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.routes import Target
+from dataplane.streaming.opening import Opening, only_done
 from dataplane.timer import Deadlines
 from dataplane.upstream.credentials import CredentialError
 from dataplane.upstream.hedge import AUTO, CommitTimes, HedgeSetting, hedge_budget
@@ -1023,17 +1024,25 @@ class Forwarder:
                             # comes (review 199: a 400 labelled an event stream
                             # became a 502, and counted against its origin).
                             answer = 200 <= resp.status < 300
-                            preamble = path.endswith(RESPONSES_PATH)
-                            if first and answer and not _begun(first, path):
-                                first = await self._held(resp, first, path, sent_at, first_within)
+                            responses = path.endswith(RESPONSES_PATH)
+                            opening: Opening | None = None
+                            if first and answer and not _whole_event_first(first, responses):
+                                opening = Opening(responses)
+                                if not opening.feed(first):
+                                    first = await self._held(
+                                        resp, opening, first, sent_at, first_within
+                                    )
                             # From the first event: comments before it (keep-alives)
                             # would push it past the scan (review 205).
                             at = first.find(b"data:")
-                            scan = len(first) if preamble else at + FIRST_ERROR_SCAN
+                            scan = len(first) if responses else at + FIRST_ERROR_SCAN
                             if answer and at >= 0 and b'"error"' in first[at:scan]:
                                 # A stream whose first event is an error, as a whole
                                 # answer can be (review 201): another origin may answer.
-                                error = _first_event_error(first, preamble)
+                                if opening is None:
+                                    opening = Opening(responses)
+                                    opening.feed(first)
+                                error = _stream_error(opening.first_answer())
                                 if error is not None:
                                     raise _error_answer(error, resp.status)
                             if first_within is not None:
@@ -1060,7 +1069,7 @@ class Forwarder:
                         ) from exc
                     if streamed and not first:
                         raise _Retryable("cut", "stream ended before its first chunk")
-                    if streamed and resp.status == 200 and _only_done(first):
+                    if streamed and resp.status == 200 and only_done(first):
                         # No event at all (trial 45: passed on as an empty answer, which
                         # the SDK reads as nothing): another origin may answer.
                         raise _Retryable("cut", "stream ended with [DONE] before any event", 200)
@@ -1093,30 +1102,30 @@ class Forwarder:
     async def _held(
         self,
         resp: OriginResponse,
+        opening: Opening,
         first: bytes,
-        path: str,
         sent_at: float,
         first_within: float | None,
     ) -> bytes:
-        """A stream's first bytes, read on until they hold an event of its
-        answer (_begun): what comes before it is not the answer, and the
-        origin may still be replaced. Within `first_within` seconds of the
-        call (loop time `sent_at`), as for its first byte: an origin that
-        sends comments and no event is as late as a silent one (review 199:
-        each comment started the per-read timeout again, and a pinging origin
-        was held to the request's deadline)."""
+        """A stream's first bytes (`first`, fed to `opening` already), read on
+        until they hold an event of its answer: what comes before it is not
+        the answer, and the origin may still be replaced. Within
+        `first_within` seconds of the call (loop time `sent_at`), as for its
+        first byte: an origin that sends comments and no event is as late as
+        a silent one (review 199: each comment started the per-read timeout
+        again, and a pinging origin was held to the request's deadline)."""
         held = bytearray(first)
         loop = self._loop
         assert loop is not None  # a forward() runs
         try:
             async with asyncio.timeout_at(sent_at + first_within if first_within else None):
-                while not _begun(held, path):
-                    if len(held) > MAX_HELD_BEFORE_EVENT:
-                        break  # an origin that keeps talking: it answers
+                while len(held) <= MAX_HELD_BEFORE_EVENT:  # past it: it answers
                     more = await resp.content.readany()
                     if not more:
                         raise _Retryable("cut", "stream ended before any event of its answer")
                     held += more
+                    if opening.feed(more):
+                        break
         except TimeoutError as exc:
             if first_within is None or loop.time() < sent_at + first_within:
                 raise  # the read's own timeout: as for the first byte
@@ -1142,89 +1151,34 @@ _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
 # replaced by another origin's: comments and preamble events are small.
 MAX_HELD_BEFORE_EVENT = 64 * 1024
 RESPONSES_PATH = "/responses"
-BOM = b"\xef\xbb\xbf"  # SSE lets a stream begin with one
-# A Responses stream's events before any output: the response, created, then
-# in progress (OpenAI sends both at once, before the model has run).
-_PREAMBLE_TYPE = re.compile(rb'"type"\s*:\s*"response\.(?:created|in_progress)"')
-_PREAMBLE_EVENT = (b"event: response.created", b"event: response.in_progress")
 
 
-@overload
-def _lf_lines(chunk: bytes) -> bytes: ...
-@overload
-def _lf_lines(chunk: bytes | bytearray) -> bytes | bytearray: ...
-def _lf_lines(chunk: bytes | bytearray) -> bytes | bytearray:
-    """A stream's first bytes with a byte order mark left out and every line
-    ending (CRLF, LF or CR alone: SSE's three) made LF."""
-    if chunk.startswith(BOM):
-        chunk = chunk[len(BOM) :]
-    if b"\r" in chunk:
-        chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    return chunk
-
-
-def _begun(chunk: bytes | bytearray, path: str) -> bool:
-    """Whether a stream's first bytes hold an event of its answer: a data line,
-    not only comments and blank lines, and (a Responses stream's `path`) not
-    only its response.created and response.in_progress events. A data line
-    not yet whole counts: the answer has begun. Lines end with CRLF, LF or
-    CR alone (SSE's three), and a byte order mark may come first."""
-    responses = path.endswith(RESPONSES_PATH)
-    if not responses and chunk.startswith(b"data:"):
-        return True  # nearly every chat stream: its first line is its first event's
-    chunk = _lf_lines(chunk)
-    if not responses:
-        return any(line.startswith(b"data:") for line in chunk.split(b"\n"))
-    for event in bytes(chunk).split(b"\n\n"):
-        lines = event.split(b"\n")
-        data = [line for line in lines if line.startswith(b"data:")]
-        if not data:
-            continue
-        named = [line.rstrip() for line in lines if line.startswith(b"event:")]
-        if named:
-            if named[-1].replace(b"event:response", b"event: response") not in _PREAMBLE_EVENT:
-                return True
-        elif not _PREAMBLE_TYPE.search(data[0], 0, 200):
-            return True
-    return False
+def _whole_event_first(chunk: bytes, responses: bool) -> bool:
+    """Whether a stream's first chunk begins with a whole event of the answer
+    (nearly every chat stream's: `data: {...}` and its blank line), known
+    without parsing it; False says only that it must be parsed (Opening)."""
+    if responses or not chunk.startswith(b"data:"):
+        return False
+    end = chunk.find(b"\n\n")
+    return end > 0 and chunk.find(b"\r", 0, end) < 0 and chunk.find(b"\ndata:", 0, end) < 0
 
 
 # How far into a stream's first bytes an error is looked for: its first event.
 FIRST_ERROR_SCAN = 512
 
 
-def _first_event_error(chunk: bytes, preamble: bool) -> dict[str, Any] | None:
-    """The error a stream's first event of its answer is (past a Responses
-    stream's `preamble`), as a whole body holding it would be (`{"error":
-    ...}`): a chat or completions chunk that is an error and no choice, or a
-    Responses stream's `error` event; None otherwise, and for an event not
-    yet whole."""
-    for block in _lf_lines(chunk).split(b"\n\n")[:-1]:  # whole events only
-        data = next((x for x in block.split(b"\n") if x.startswith(b"data:")), None)
-        if data is None:
-            continue  # comments
-        event = jsonio.loads_or_none(data[5:].strip())
-        if not isinstance(event, dict):
-            return None
-        kind = event.get("type")
-        if preamble and kind in ("response.created", "response.in_progress"):
-            continue
-        if kind == "error":
-            return {"error": event}
-        if event.get("error") and not _holds_answer(event):
-            return event
+def _stream_error(event: Any) -> dict[str, Any] | None:
+    """The error a stream's first event of its answer (`event`, its parsed
+    data: see Opening.first_answer) is, as a whole body holding it would be
+    (`{"error": ...}`): a chat or completions chunk that is an error and no
+    choice, or a Responses stream's `error` event; None otherwise."""
+    if not isinstance(event, dict):
         return None
+    if event.get("type") == "error":
+        return {"error": event}
+    if event.get("error") and not _holds_answer(event):
+        return event
     return None
-
-
-def _only_done(chunk: bytes) -> bool:
-    """Whether a stream's first chunk is its `data: [DONE]` and nothing else
-    (blank lines and comments aside): a stream without one event."""
-    if b"[DONE]" not in chunk:  # nearly every first chunk: one search
-        return False
-    lines = [line.strip() for line in chunk.splitlines()]
-    said = [line for line in lines if line and not line.startswith(b":")]
-    return said in ([b"data: [DONE]"], [b"data:[DONE]"])
 
 
 def _what_failed(tries: _Tries) -> str:

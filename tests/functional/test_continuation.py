@@ -581,6 +581,33 @@ async def test_a_stream_whose_first_event_is_an_error_is_asked_of_the_next_origi
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
 
 
+async def test_a_first_event_error_is_read_as_the_relay_reads_events(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """The first event is read by the relay's SSE parser: after a byte order
+    mark and a keep-alive, split across writes, its JSON over two data lines
+    (one value, joined with LF), it is still the error it says (it was read
+    from its first data line alone, and taken for an answer)."""
+
+    async def fails(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(b"\xef\xbb")
+        await asyncio.sleep(0.02)
+        await out.write(b'\xbf: queued\r\n\r\ndata: {"error":\r\n')
+        await asyncio.sleep(0.02)
+        await out.write(b'data: {"message": "engine died at gpu-17", "type": "server_error"}}\r\n')
+        await asyncio.sleep(0.02)
+        await out.write(b"\r\n")
+        await asyncio.sleep(30)
+        return out
+
+    a, b = Origin(fails), await second_origin()
+    p = await proxy([(a, False), (b, False)])
+    chunks, raw = await p.stream()
+    assert text_of(chunks) == " world" and "gpu-17" not in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+
+
 async def test_a_responses_stream_whose_first_event_is_an_error_is_asked_of_the_next_origin(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:

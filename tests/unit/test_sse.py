@@ -236,3 +236,25 @@ def test_an_events_size_is_its_lines_as_they_came_however_they_are_split(
             if not got:
                 most = max(most, parser.held)
         assert all(most <= event.size for event in got)
+
+
+@pytest.mark.parametrize(
+    "first", [b"data: x\n\n", b": ping\n\ndata: x\n\n", b"data:x\r\rdata: y\r\r"]
+)
+def test_a_byte_order_mark_at_the_start_is_dropped_however_it_is_split(first: bytes) -> None:
+    data = b"\xef\xbb\xbf" + first
+    want, _ = parse(first, [])
+    assert want  # the stream has events to lose
+    for cut in range(len(data) + 1):
+        for second in range(cut, len(data) + 1):
+            assert parse(data, [cut, second]) == (want, None), (cut, second)
+
+
+def test_a_byte_order_mark_past_the_start_is_a_lines_bytes() -> None:
+    # Only the stream's start may have one: a second makes the line a field
+    # of another name (WHATWG), here neither data nor event.
+    assert parse(b"\xef\xbb\xbf\xef\xbb\xbfdata: x\n\n", []) == ([], None)
+    assert parse(b"data: x\n\n\xef\xbb\xbfdata: y\n\n", [9]) == ([Event(b"x")], None)
+    # Bytes that began like one, and were not, are the line's.
+    assert parse(b"\xefdata: x\n\n", [1]) == ([], None)
+    assert parse(b"\xef", []) == ([], None)

@@ -1,11 +1,11 @@
-"""forwarder._only_done: a stream's first chunk with no event before its
+"""opening.only_done: a stream's first chunk with no event before its
 `data: [DONE]` (trial 45), and the first chunks that have one."""
 
 from __future__ import annotations
 
 import pytest
 
-from dataplane.upstream.forwarder import _only_done
+from dataplane.streaming.opening import only_done
 
 
 @pytest.mark.parametrize(
@@ -18,7 +18,7 @@ from dataplane.upstream.forwarder import _only_done
     ],
 )
 def test_a_first_chunk_of_done_alone_is_no_answer(chunk: bytes) -> None:
-    assert _only_done(chunk)
+    assert only_done(chunk)
 
 
 @pytest.mark.parametrize(
@@ -32,4 +32,16 @@ def test_a_first_chunk_of_done_alone_is_no_answer(chunk: bytes) -> None:
     ],
 )
 def test_a_first_chunk_with_an_event_or_without_done_is_an_answer(chunk: bytes) -> None:
-    assert not _only_done(chunk)
+    assert not only_done(chunk)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b"\xef\xbb\xbfdata: [DONE]\n\n",  # a byte order mark first
+        b"data: [DONE]",  # its blank line not yet come
+        b"data:  [DONE] \r\r",
+    ],
+)
+def test_done_alone_is_known_as_the_parser_reads_it(chunk: bytes) -> None:
+    assert only_done(chunk)
