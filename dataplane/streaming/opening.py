@@ -73,15 +73,16 @@ class Opening:
         if not self._responses:
             return True
         if event.name:
-            return event.name not in PREAMBLE
+            return event.name.rstrip() not in PREAMBLE
         return _PREAMBLE_TYPE.search(event.data, 0, 200) is None
 
 
 def only_done(chunk: bytes) -> bool:
-    """Whether a stream's first chunk is its `data: [DONE]` and nothing else
-    (blank lines and comments aside; its blank line may not have come): a
-    stream without one event (trial 45: passed on as an empty answer, which
-    the SDK reads as nothing)."""
+    """Whether a stream's first chunk is its `data: [DONE]` and no event of
+    the answer before it (comments, names alone and empty data aside, as
+    Opening reads them; its blank line may not have come): a stream without
+    one event (trial 45: passed on as an empty answer, which the SDK reads as
+    nothing)."""
     if b"[DONE]" not in chunk:  # nearly every first chunk: one search
         return False
     parser = SseParser()
@@ -89,4 +90,5 @@ def only_done(chunk: bytes) -> bool:
     last = parser.close()
     if last is not None:
         events.append(last)
-    return len(events) == 1 and events[0].done and not events[0].name
+    said = [event for event in events if event.data]
+    return len(said) == 1 and said[0].done and not said[0].name

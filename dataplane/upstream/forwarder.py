@@ -1032,16 +1032,19 @@ class Forwarder:
                                     first = await self._held(
                                         resp, opening, first, sent_at, first_within
                                     )
-                            # From the first event: comments before it (keep-alives)
-                            # would push it past the scan (review 205).
-                            at = first.find(b"data:")
-                            scan = len(first) if responses else at + FIRST_ERROR_SCAN
-                            if answer and at >= 0 and b'"error"' in first[at:scan]:
-                                # A stream whose first event is an error, as a whole
-                                # answer can be (review 201): another origin may answer.
-                                if opening is None:
-                                    opening = Opening(responses)
-                                    opening.feed(first)
+                            # A stream whose first event is an error, as a whole
+                            # answer can be (review 201): another origin may answer.
+                            # Read from the opening when it was parsed; else the
+                            # first chunk begins with the event (one search spares
+                            # nearly every stream the parse).
+                            if (
+                                answer
+                                and opening is None
+                                and b'"error"' in first[:FIRST_ERROR_SCAN]
+                            ):
+                                opening = Opening(responses)
+                                opening.feed(first)
+                            if opening is not None:
                                 error = _stream_error(opening.first_answer())
                                 if error is not None:
                                     raise _error_answer(error, resp.status)
@@ -1132,7 +1135,7 @@ class Forwarder:
             raise _Retryable(
                 "timeout",
                 f"sent no event of its answer within {first_within:g} s (only comments, "
-                "or a Responses stream's preamble)",
+                "a Responses stream's preamble, or an event not yet whole)",
             ) from exc
         return bytes(held)
 
@@ -1156,14 +1159,23 @@ RESPONSES_PATH = "/responses"
 def _whole_event_first(chunk: bytes, responses: bool) -> bool:
     """Whether a stream's first chunk begins with a whole event of the answer
     (nearly every chat stream's: `data: {...}` and its blank line), known
-    without parsing it; False says only that it must be parsed (Opening)."""
+    without parsing it; False says only that it must be parsed (Opening). Its
+    one data line holds something (review: `data: ` alone, a keep-alive some
+    servers send, is no answer to the parser)."""
     if responses or not chunk.startswith(b"data:"):
         return False
     end = chunk.find(b"\n\n")
-    return end > 0 and chunk.find(b"\r", 0, end) < 0 and chunk.find(b"\ndata:", 0, end) < 0
+    line = chunk.find(b"\n")  # the data line's end
+    return (
+        end > 0
+        and (line > 6 or (line == 6 and chunk[5] != 0x20))  # more than "data: "
+        and chunk.find(b"\r", 0, end) < 0
+        and chunk.find(b"\ndata", 0, end) < 0
+    )
 
 
-# How far into a stream's first bytes an error is looked for: its first event.
+# How far into a stream's first chunk, which begins with its first event
+# (_whole_event_first), an error is looked for before it is parsed.
 FIRST_ERROR_SCAN = 512
 
 

@@ -25,6 +25,7 @@ from dataplane.http.server import build_app
 from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, PIPELINE, QUOTA
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.settings import parse as parse_proxy
+from dataplane.upstream.forwarder import MAX_HELD_BEFORE_EVENT
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -579,6 +580,53 @@ async def test_a_stream_whose_first_event_is_an_error_is_asked_of_the_next_origi
     chunks, raw = await p.stream()
     assert text_of(chunks) == " world" and "gpu-17" not in raw
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
+
+
+async def test_an_origin_that_sends_half_its_first_event_and_stalls_is_left(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first event is held until whole (what it says is read: an error
+    may be): an origin that stops inside it is as late as a silent one, and
+    the next origin is asked (it committed the stream, which the stall then
+    cut)."""
+
+    async def half(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("a", "", role=True)[:30])
+        await asyncio.sleep(30)
+        return out
+
+    a, b = Origin(half), await second_origin()
+    p = await proxy([(a, False), (b, False)], idle="0.3")
+    with caplog.at_level(logging.WARNING):
+        chunks, raw = await p.stream()
+    assert text_of(chunks) == " world" and '"a"' not in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "or an event not yet whole)" in said, said
+
+
+async def test_a_first_event_past_the_hold_bound_commits_the_stream(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Past MAX_HELD_BEFORE_EVENT the origin is taken to answer: its stream
+    is relayed, and its slow first event is not timed as a first chunk."""
+    content = "x" * (MAX_HELD_BEFORE_EVENT + 1024)
+
+    async def long_first(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        whole = event("a", content, role=True)
+        await out.write(whole[:-10])
+        await asyncio.sleep(0.5)  # past the first-chunk timeout, within the idle one
+        await out.write(whole[-10:] + event("a", finish="stop") + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    a, b = Origin(long_first), await second_origin()
+    p = await proxy([(a, False), (b, False)], idle="2", extra=["--first-chunk-timeout", "0.2"])
+    chunks, _ = await p.stream()
+    assert text_of(chunks) == content
+    assert (len(a.bodies), len(b.bodies)) == (1, 0)
 
 
 async def test_a_first_event_error_is_read_as_the_relay_reads_events(

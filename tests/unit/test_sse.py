@@ -257,4 +257,3 @@ def test_a_byte_order_mark_past_the_start_is_a_lines_bytes() -> None:
     assert parse(b"data: x\n\n\xef\xbb\xbfdata: y\n\n", [9]) == ([Event(b"x")], None)
     # Bytes that began like one, and were not, are the line's.
     assert parse(b"\xefdata: x\n\n", [1]) == ([], None)
-    assert parse(b"\xef", []) == ([], None)

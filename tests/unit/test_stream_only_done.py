@@ -41,6 +41,9 @@ def test_a_first_chunk_with_an_event_or_without_done_is_an_answer(chunk: bytes) 
         b"\xef\xbb\xbfdata: [DONE]\n\n",  # a byte order mark first
         b"data: [DONE]",  # its blank line not yet come
         b"data:  [DONE] \r\r",
+        # No event of the answer before it, as a stream's opening is read (review).
+        b"event: ping\n\ndata: [DONE]\n\n",
+        b"data: \n\ndata: [DONE]\n\n",
     ],
 )
 def test_done_alone_is_known_as_the_parser_reads_it(chunk: bytes) -> None:

@@ -66,6 +66,10 @@ def fed(chunks: list[bytes], responses: bool) -> Opening:
         (b"\xef\xbb\xbf: ping\n\ndata: {}\n\n", False, True),
         (b"\xef\xbb\xbf" + CREATED + DELTA, True, True),
         (b"\xef\xbb\xbf" + CREATED + IN_PROGRESS, True, False),
+        (CREATED.replace(b"created\n", b"created \n", 1), True, False),  # a name's trailing space
+        # Keep-alives some servers send as events: no answer.
+        (b"data: \n\n", False, False),
+        (b"event: ping\n\ndata:\n\n", False, False),
     ],
 )
 def test_a_stream_has_begun_at_its_first_event_of_the_answer(
@@ -88,28 +92,33 @@ def test_feed_says_at_which_chunk_the_answer_began() -> None:
 
 
 @pytest.mark.parametrize(
-    ("chunk", "unparsed"),
+    ("chunk", "unparsed", "begun"),
     [
-        (b'data: {"id": "c", "choices": []}\n\n', True),  # nearly every chat stream's
-        (b'data:{"id": "c"}\n\ndata: {"id"', True),
-        (b'data: {"id": "c"}\nid: 4\n\n', True),
-        (b"data: [DONE]\n\n", True),
-        (b'data: {"id": "c"}\n', False),  # no blank line yet
-        (b'data: {"id": "c"}', False),
-        (b'data: {"id": "c"}\r\n\r\n', False),  # other line ends: parsed
-        (b'data: {"error":\ndata: {}}\n\n', False),  # data lines to join: parsed
-        (b': ping\n\ndata: {"id": "c"}\n\n', False),
+        (b'data: {"id": "c", "choices": []}\n\n', True, True),  # nearly every chat stream's
+        (b'data:{"id": "c"}\n\ndata: {"id"', True, True),
+        (b'data: {"id": "c"}\nid: 4\n\n', True, True),
+        (b"data: [DONE]\n\n", True, True),
+        (b"data:x\n\n", True, True),
+        (b'data: {"id": "c"}\n', False, False),  # no blank line yet
+        (b'data: {"id": "c"}', False, False),
+        (b'data: {"id": "c"}\r\n\r\n', False, True),  # other line ends: parsed
+        (b'data: {"error":\ndata: {}}\n\n', False, True),  # data lines to join: parsed
+        (b': ping\n\ndata: {"id": "c"}\n\n', False, True),
+        # Data lines with nothing in them: no answer to the parser (review).
+        (b"data: \n\n", False, False),
+        (b"data:\n\n", False, False),
+        (b"data: \nid: 1\n\n", False, False),
+        (b"data: \ndata: x\n\n", False, True),
     ],
 )
 def test_a_first_chunk_taken_as_begun_unparsed_is_one_the_parser_finds_begun(
-    chunk: bytes, unparsed: bool
+    chunk: bytes, unparsed: bool, begun: bool
 ) -> None:
     """forwarder._whole_event_first spares nearly every chat stream the
     parse; what it takes as begun must be so, and a Responses stream is
     always parsed (its preamble)."""
     assert _whole_event_first(chunk, responses=False) is unparsed
-    if unparsed:
-        assert fed([chunk], responses=False).begun
+    assert fed([chunk], responses=False).begun is begun
     assert not _whole_event_first(chunk, responses=True)
 
 
