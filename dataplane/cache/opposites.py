@@ -189,6 +189,62 @@ half halves | quarter quarters
 half halves halved | double doubled doubling
 double doubled doubling | triple tripled tripling
 greater | less smaller
+allow allowed allowing permit permitted permitting | forbid forbidden forbidding ban banned banning
+allow allowed allowing permit permitted permitting | prohibit prohibited prohibiting
+legal lawful | forbidden prohibited banned
+recommend recommended recommending advisable advised | inadvisable discourage discouraged
+mandatory compulsory obligatory required | optional voluntary
+always | never sometimes rarely seldom
+often frequently usually | rarely seldom
+ever | never
+all everyone everything everybody | none nobody nothing
+succeed succeeded success successful successfully | fail failed failing failure unsuccessful
+pass passed passing | fail failed failing
+approve approved approving | deny denied denying reject rejected rejecting
+benefit benefits upside upsides | risk risks drawback drawbacks downside downsides
+strength strengths | weakness weaknesses
+harmful | harmless beneficial
+correct correctly right | wrong wrongly incorrect incorrectly
+appropriate | inappropriate
+advisable | inadvisable
+effective | ineffective
+sufficient enough | insufficient
+secure | insecure
+visible | invisible
+active | inactive
+complete | incomplete
+accurate | inaccurate
+relevant | irrelevant
+reversible | irreversible
+responsible | irresponsible
+polite | impolite rude
+mature | immature
+moral | immoral
+old older oldest | new newer newest
+old older oldest | young younger youngest
+first | last
+past | future
+internal | external
+public | private
+input inputs | output outputs
+enter entering entered | exit exiting exited
+plus | minus
+love loving loved | hate hating hated
+rich richer richest | poor poorer poorest
+strong stronger strongest | weak weaker weakest
+happy happier | sad sadder unhappy
+man men male | woman women female
+boy boys | girl girls
+husband | wife
+north northern | south southern
+east eastern | west western
+buyer buyers | seller sellers
+lender lenders | borrower borrowers
+lend lending lent | borrow borrowing borrowed
+send sending sent | receive receiving received
+give giving gave given | take taking took taken
+win winner winners | loser losers
+cause causes | prevent prevents
 """
 
 

@@ -69,7 +69,7 @@ from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter, format_duration
-from dataplane.ratelimit.tokens import estimate_prompt_tokens
+from dataplane.ratelimit.tokens import completion_bound, estimate_prompt_tokens
 from dataplane.routes import Point, Routes, Target
 from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
@@ -389,11 +389,13 @@ class Pipeline:
         limiter = self.limiter
         scopes = ex.principal.scopes
         ex.estimate = estimate_prompt_tokens(ex.endpoint.name, ex.body)
+        # Only a budget's charge reads it: one dict lookup or two otherwise.
+        most = completion_bound(ex.endpoint.name, ex.body)
         now = time.monotonic()
-        admission = limiter.admit(scopes, ex.estimate, now)
+        admission = limiter.admit(scopes, ex.estimate, now, most=most)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):
             try:
-                admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now)
+                admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now, most)
             except asyncio.CancelledError:
                 # The client left during the wait (a 499), or the proxy
                 # stopped the request as it shut down: a wait all the same.
@@ -1014,7 +1016,11 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> bool:
 
 
 async def admit_when_slot_frees(
-    limiter: RateLimiter, scopes: Sequence[str], estimate: int, refused_at: float
+    limiter: RateLimiter,
+    scopes: Sequence[str],
+    estimate: int,
+    refused_at: float,
+    most: int | None = None,
 ) -> Admission:
     """Admit once a slot is free here (a share brought one, or a request here
     ended); refuse once a share says the wait is pointless (no spare slots in
@@ -1039,7 +1045,7 @@ async def admit_when_slot_frees(
                 break
     finally:
         limiter.wait_end(scopes)
-    return limiter.admit(scopes, estimate, time.monotonic(), again=True)
+    return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most)
 
 
 def refusal(admission: Admission) -> ApiError:

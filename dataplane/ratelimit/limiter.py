@@ -137,6 +137,11 @@ def _format_ms(ms: int) -> str:
 
 # The weight of each answer in a scope's expected completion (_Scope.completion).
 COMPLETION_WEIGHT = 0.2
+# The completion a budgeted scope expects before this process has seen one of
+# its answers (trial 56: expecting none, a first burst of 20 long answers at
+# once spent 8,120 tokens of a day's 2,000). About a long chat answer; a
+# request that states a smaller bound (`max_tokens`) is charged that.
+FIRST_COMPLETION = 256.0
 
 # How long after a scope appears on this proxy a refusal for want of any slot may
 # wait for the leader's next share instead (see RateLimiter.may_wait).
@@ -147,6 +152,7 @@ class _Scope:
     """One limited scope on this proxy: its buckets, slots and demand counters."""
 
     __slots__ = (
+        "answered",
         "attempt_tokens",
         "attempts",
         "budget",
@@ -217,8 +223,10 @@ class _Scope:
         self.month_used = 0.0
         self.budget: Budget | None = None
         # Tokens its answers came to past their estimates (the completion),
-        # an EWMA: what a budget is charged beforehand (RateLimiter.admit).
-        self.completion = 0.0
+        # an EWMA from its first answer on (FIRST_COMPLETION before): what a
+        # budget is charged beforehand (RateLimiter.admit).
+        self.completion = FIRST_COMPLETION
+        self.answered = False
         self.limits = ScopeLimits()
         self.set_limits(limits, now)
 
@@ -277,13 +285,16 @@ class _Scope:
         return bucket
 
 
-def _expected(st: _Scope, est_tokens: int) -> float:
+def _expected(st: _Scope, est_tokens: int, most: int | None) -> float:
     """The completion a budgeted scope is charged beforehand for a prompt of
-    `est_tokens`: its expected completion, capped so that prompt and
-    completion fit the smallest budget whole. A prompt that fits it, but not
-    with the completion expected, was refused as spent, and so again every
-    period, or until the completions of the others got shorter."""
-    return min(st.completion, max(0.0, st.max_budget - est_tokens))
+    `est_tokens`: its expected completion, no more than the request's bound
+    (`most`: see tokens.completion_bound; None: it states none), and capped
+    so that prompt and completion fit the smallest budget whole. A prompt
+    that fits it, but not with the completion expected, was refused as
+    spent, and so again every period, or until the completions of the
+    others got shorter."""
+    expected = st.completion if most is None or most > st.completion else float(most)
+    return min(expected, max(0.0, st.max_budget - est_tokens))
 
 
 class Admission:
@@ -387,7 +398,10 @@ class Admission:
                 st.day_used = max(0.0, st.day_used + settle)
                 st.month_used = max(0.0, st.month_used + settle)
                 if actual_tokens is not None:
-                    st.completion += COMPLETION_WEIGHT * (max(0, delta) - st.completion)
+                    if st.answered:
+                        st.completion += COMPLETION_WEIGHT * (max(0, delta) - st.completion)
+                    else:  # its first answer replaces the prior whole
+                        st.completion, st.answered = float(max(0, delta)), True
             if delta:
                 st.attempt_tokens += delta
                 tok = st.tok
@@ -767,9 +781,18 @@ class RateLimiter:
     # ------------------------------------------------------------ hot path
 
     def admit(
-        self, scopes: Sequence[str], est_tokens: int, now: float, *, again: bool = False
+        self,
+        scopes: Sequence[str],
+        est_tokens: int,
+        now: float,
+        *,
+        again: bool = False,
+        most: int | None = None,
     ) -> Admission:
         """Admit a request against every limited scope in `scopes`, or none.
+        `most`: the most its completion can come to, as it states it
+        (tokens.completion_bound; None: unbounded), which caps what a budget
+        is charged for it beforehand.
 
         All scopes are checked before any is charged, so a refusal leaves no
         trace but the demand it shows. Scopes without limits cost one dict
@@ -836,7 +859,7 @@ class RateLimiter:
                 if refused is None or w > wait:
                     refused, wait, refused_by = "tokens", w, st
             if st.budgeted:
-                short = self._over_budget(st, est_tokens + _expected(st, est_tokens), now)
+                short = self._over_budget(st, est_tokens + _expected(st, est_tokens, most), now)
                 if short is not None and (refused is None or short[1] > wait):
                     refused, wait, refused_by = short[0], short[1], st
                     exhausted = short[2]
@@ -862,7 +885,7 @@ class RateLimiter:
                 # prompts' estimates do not pass it by their completions.
                 if reserved is None:
                     reserved = [0.0] * len(found)
-                reserved[i] = expected = _expected(st, est_tokens)
+                reserved[i] = expected = _expected(st, est_tokens, most)
                 st.day_used += est_tokens + expected
                 st.month_used += est_tokens + expected
         admission = Admission(True, found, est_tokens)

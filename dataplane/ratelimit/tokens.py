@@ -158,6 +158,37 @@ def estimate_prompt_tokens(endpoint: str, body: Mapping[str, Any]) -> int:
     return _input_tokens(body.get("prompt", body.get("input")))
 
 
+# The fields that bound a completion, per endpoint (validated by the handler).
+_COMPLETION_FIELDS = {
+    "chat.completions": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
+
+
+def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
+    """The most tokens the answer's completion can come to, as the request
+    states it: 0 for embeddings (no completion); a chat's `max_completion_tokens`
+    or `max_tokens`, a completion's `max_tokens` or a Responses request's
+    `max_output_tokens`, times its choices (`n`; a completion's `best_of` when
+    larger: generated, if not returned); None when it states none (or not as
+    an integer: validation is the handler's)."""
+    if endpoint == "embeddings":
+        return 0
+    fields = _COMPLETION_FIELDS.get(endpoint)
+    if fields is None:
+        return None
+    bound = next((body[f] for f in fields if body.get(f) is not None), None)
+    if type(bound) is not int or bound < 0:
+        return None
+    choices = 1
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if type(value) is int and value > choices:
+            choices = value
+    return bound * choices
+
+
 def estimate_stream_tokens(prompt_estimate: int, streamed_chars: int) -> int:
     """Total tokens of a stream whose last chunk carried no `usage`.
 

@@ -50,7 +50,7 @@ from controlplane.store import MAX_REQUEST_BYTES, StoreUnavailable
 from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
-from dataplane.ratelimit.limiter import RateLimiter
+from dataplane.ratelimit.limiter import FIRST_COMPLETION, RateLimiter
 from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState
 from ponto.quota_types import (
     Budget,
@@ -341,19 +341,21 @@ def limiter_at_noon(limits: ScopeLimits = BUDGET) -> RateLimiter:
 
 def test_a_proxy_refuses_once_the_budget_is_spent_until_the_day_ends() -> None:
     limiter = limiter_at_noon()
-    first = limiter.admit([SCOPE], 600, 1.0)
+    first = limiter.admit([SCOPE], 600, 1.0, most=0)
     assert first.ok
     first.release(900, 2.0)  # the answer's count: the estimate was low
-    refused = limiter.admit([SCOPE], 200, 3.0)  # 900 spent of 1000
+    refused = limiter.admit([SCOPE], 200, 3.0, most=0)  # 900 spent of 1000
     assert not refused.ok and refused.limit == "tokens_per_day"
     # Nothing refills a budget: the wait is until 00:00 UTC.
     assert refused.retry_after_s == pytest.approx(12 * 3600 - 3.0)
-    # What is left still serves: 100, for the estimate and the completion
-    # expected (a fifth of the last answer's 300 past its estimate).
-    assert not limiter.admit([SCOPE], 41, 4.0).ok
-    assert limiter.admit([SCOPE], 40, 4.0).ok
+    # What is left still serves a request that fits it with the completion it
+    # states at most (`max_tokens`), where the completion expected (the first
+    # answer's 300 past its estimate) does not fit.
+    assert not limiter.admit([SCOPE], 10, 4.0).ok
+    assert not limiter.admit([SCOPE], 51, 4.0, most=50).ok
+    assert limiter.admit([SCOPE], 50, 4.0, most=50).ok
     limiter.set_day(DAY + 1, NOON + 12 * 3600, 12 * 3600)
-    assert limiter.admit([SCOPE], 200, 12 * 3600 + 1).ok  # a new day
+    assert limiter.admit([SCOPE], 200, 12 * 3600 + 1, most=0).ok  # a new day
 
 
 def test_a_budget_is_charged_the_completion_expected_and_settled_to_the_count() -> None:
@@ -377,14 +379,51 @@ def test_a_budget_is_charged_the_completion_expected_and_settled_to_the_count() 
     assert after is not None and after.day_fleet == pytest.approx(before.day_fleet - 12)
 
 
+def test_a_first_burst_is_charged_a_completion_before_any_answer_came() -> None:
+    """Trial 56: expecting no completion before this process had seen an
+    answer, 20 requests at once, each to come to 406 tokens, were admitted
+    on their prompts against a day's 2,000 (8,120 spent). Before the first
+    answer each is charged FIRST_COMPLETION, or the bound it states."""
+    limiter = limiter_at_noon(ScopeLimits(tokens_per_day=2000))
+    burst = [limiter.admit([SCOPE], 6, 1.0) for _ in range(20)]
+    admitted = [a for a in burst if a.ok]
+    assert len(admitted) == 2000 // (6 + int(FIRST_COMPLETION))
+    for a in admitted:
+        a.release(406, 2.0)
+    left = limiter.budget_left(SCOPE)
+    assert left is not None and left.day_fleet == 2000 - 406 * len(admitted)
+    # Stating a bound, a request is charged no more than it.
+    fresh = limiter_at_noon(ScopeLimits(tokens_per_day=2000))
+    stated = [fresh.admit([SCOPE], 6, 1.0, most=94) for _ in range(30)]
+    assert sum(a.ok for a in stated) == 2000 // 100
+    # An embedding has no completion: charged its prompt alone.
+    embeds = limiter_at_noon(ScopeLimits(tokens_per_day=2000))
+    assert sum(embeds.admit([SCOPE], 100, 1.0, most=0).ok for _ in range(30)) == 20
+
+
+def test_the_first_answer_sets_the_completion_expected_the_next_move_it_a_fifth() -> None:
+    limiter = limiter_at_noon(ScopeLimits(tokens_per_day=100_000))
+    limiter.admit([SCOPE], 10, 1.0).release(60, 1.0)  # 50 past its estimate
+    during = limiter.admit([SCOPE], 10, 2.0)
+    before = limiter.budget_left(SCOPE)
+    during.release(160, 2.0)  # 150 past: the expected moves a fifth of 100
+    after = limiter.budget_left(SCOPE)
+    assert before is not None and after is not None
+    assert after.day_fleet == before.day_fleet - (160 - 60)  # charged 10 + 50, settled to 160
+    third = limiter.admit([SCOPE], 10, 3.0)
+    charged = limiter.budget_left(SCOPE)
+    assert charged is not None and after.day_fleet - charged.day_fleet == pytest.approx(10 + 70)
+    third.release(None, 3.0)
+
+
 def test_the_leaders_count_covers_the_other_proxies() -> None:
     limiter = limiter_at_noon()
-    assert limiter.admit([SCOPE], 100, 1.0).ok
+    assert limiter.admit([SCOPE], 100, 1.0, most=0).ok
     # The leader counted this process's 100 and the fleet's 850 in all.
     limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 150, 4150, spent_day=100, spent_month=100)})
     assert limiter.budget_left(SCOPE) == Reckoning(150, 4150, 150, 4150, fresh=True)
-    assert limiter.admit([SCOPE], 100, 2.0).ok
-    refused = limiter.admit([SCOPE], 100, 3.0)
+    assert limiter.admit([SCOPE], 100, 2.0, most=0).ok
+    refused = limiter.admit([SCOPE], 100, 3.0, most=0)
     assert not refused.ok and refused.limit == "tokens_per_day" and refused.exhausted
 
 
@@ -402,8 +441,8 @@ def test_past_its_share_a_proxy_refuses_for_a_moment_not_for_the_day() -> None:
     limiter = limiter_at_noon()
     # 400 left in the fleet, a tenth of it here (the others were asked more).
     limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 400, 4000, share=0.1)})
-    assert limiter.admit([SCOPE], 30, 1.0).ok
-    refused = limiter.admit([SCOPE], 30, 2.0)
+    assert limiter.admit([SCOPE], 30, 1.0, most=0).ok
+    refused = limiter.admit([SCOPE], 30, 2.0, most=0)
     assert not refused.ok and refused.limit == "tokens_per_day" and not refused.exhausted
     assert refused.retry_after_s == 1.0  # the leader's next shares follow the refusals
 
@@ -413,8 +452,8 @@ def test_a_share_refusal_says_the_budget_is_not_spent() -> None:
     while the next round would admit the request."""
     limiter = limiter_at_noon()
     limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 400, 4000, share=0.1)})
-    assert limiter.admit([SCOPE], 30, 1.0).ok
-    error = refusal(limiter.admit([SCOPE], 30, 2.0))
+    assert limiter.admit([SCOPE], 30, 1.0, most=0).ok
+    error = refusal(limiter.admit([SCOPE], 30, 2.0, most=0))
     assert (error.status, error.code, error.headers) == (
         429,
         "rate_limit_exceeded",
@@ -449,7 +488,7 @@ def test_a_budget_refusal_says_whose_budget_is_spent(spent_out: str, message: st
     small = {"k/k123": ScopeLimits(tokens_per_month=100), "t/acme": ScopeLimits(tokens_per_day=100)}
     limiter.configure({"t/acme": roomy, "k/k123": roomy, spent_out: small[spent_out]}, 0.0)
     limiter.set_day(DAY, NOON, 0.0)
-    while (admitted := limiter.admit(["t/acme", "k/k123"], 30, 1.0)).ok:
+    while (admitted := limiter.admit(["t/acme", "k/k123"], 30, 1.0, most=0)).ok:
         admitted.release(30, 1.0)
     assert admitted.exhausted and admitted.refused_scope == spent_out
     assert refusal(admitted).message.startswith(message)
@@ -469,7 +508,7 @@ def test_a_prompt_past_a_whole_budget_is_a_400_not_a_wait_for_midnight(
     """Refused as spent until 00:00 UTC, it would have been refused again
     then, and every day after."""
     limiter = limiter_at_noon(limits)
-    refused = limiter.admit([SCOPE], 1200, 1.0)
+    refused = limiter.admit([SCOPE], 1200, 1.0, most=0)
     assert refused.too_large and not refused.ok
     error = refusal(refused)
     assert (error.status, error.code) == (400, "tokens_over_limit")
@@ -483,14 +522,14 @@ def test_a_share_too_small_for_any_request_takes_one_per_count() -> None:
     share, for ever). A proxy that spent nothing since the count takes one."""
     limiter = limiter_at_noon()
     limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 13, 4000, share=0.5)})
-    assert limiter.admit([SCOPE], 10, 1.0).ok
-    again = limiter.admit([SCOPE], 10, 2.0)
+    assert limiter.admit([SCOPE], 10, 1.0, most=0).ok
+    again = limiter.admit([SCOPE], 10, 2.0, most=0)
     assert not again.ok and again.exhausted  # 3 left in the fleet, by its count
 
 
 def test_an_answer_refunded_after_the_day_turned_takes_nothing_of_the_new_day() -> None:
     limiter = limiter_at_noon()
-    admitted = limiter.admit([SCOPE], 100, 1.0)
+    admitted = limiter.admit([SCOPE], 100, 1.0, most=0)
     limiter.set_day(DAY + 1, NOON + 12 * 3600, 12 * 3600)
     admitted.release(0, 12 * 3600 + 1)  # a cache hit's refund: the estimate back
     # Nothing spent today, not -100 (a negative count the leader refuses whole).
@@ -503,9 +542,9 @@ def test_the_day_turns_on_the_hot_path_too_when_no_report_comes() -> None:
     """The report task sets the day; without a stream to the control plane
     it makes no report, and a proxy kept yesterday's counts all day."""
     limiter = limiter_at_noon()
-    assert limiter.admit([SCOPE], 990, 1.0).ok
-    assert not limiter.admit([SCOPE], 20, 2.0).ok
-    assert limiter.admit([SCOPE], 20, 12 * 3600 + 1.0).ok  # past 00:00 UTC
+    assert limiter.admit([SCOPE], 990, 1.0, most=0).ok
+    assert not limiter.admit([SCOPE], 20, 2.0, most=0).ok
+    assert limiter.admit([SCOPE], 20, 12 * 3600 + 1.0, most=0).ok  # past 00:00 UTC
     report = limiter.demand(12 * 3600 + 2.0)[SCOPE]
     assert report.spent is not None and report.spent.day == DAY + 1
     assert report.spent.day_tokens == 20 and report.spent.month_tokens == 1010
@@ -514,14 +553,14 @@ def test_the_day_turns_on_the_hot_path_too_when_no_report_comes() -> None:
 def test_a_month_spent_is_refused_until_the_month_ends() -> None:
     limiter = limiter_at_noon()
     limiter.apply_budgets({SCOPE: Budget(1.0, DAY, 1000, 0)})
-    refused = limiter.admit([SCOPE], 1, 5.0)
+    refused = limiter.admit([SCOPE], 1, 5.0, most=0)
     assert not refused.ok and refused.limit == "tokens_per_month"
     assert refused.retry_after_s == pytest.approx(seconds_to_month_end(NOON) - 5.0)
 
 
 def test_the_counts_go_in_every_report_while_the_month_has_any() -> None:
     limiter = limiter_at_noon()
-    limiter.admit([SCOPE], 30, 1.0).release(40, 2.0)
+    limiter.admit([SCOPE], 30, 1.0, most=0).release(40, 2.0)
     for now in (3.0, 60.0, 600.0):  # long idle: still reported
         report = limiter.demand(now)[SCOPE]
         assert report.spent == Spent(1.0, DAY, 40, 40)
@@ -534,11 +573,11 @@ def test_a_scope_back_in_the_table_counts_under_an_epoch_of_its_own() -> None:
     report, of the same process's epoch and lower, replaced the ledger's, and
     the fleet forgot what this proxy had spent."""
     limiter = limiter_at_noon()
-    limiter.admit([SCOPE], 300, 1.0).release(300, 1.0)
+    limiter.admit([SCOPE], 300, 1.0, most=0).release(300, 1.0)
     before = limiter.demand(2.0)[SCOPE].spent
     limiter.configure({}, 3.0)
     limiter.configure({SCOPE: BUDGET}, 4.0)
-    limiter.admit([SCOPE], 20, 5.0).release(20, 5.0)
+    limiter.admit([SCOPE], 20, 5.0, most=0).release(20, 5.0)
     after = limiter.demand(6.0)[SCOPE].spent
     assert before is not None and after is not None
     assert after.epoch > before.epoch and (after.day_tokens, after.month_tokens) == (20, 20)
@@ -560,7 +599,7 @@ def test_a_scope_back_after_the_clock_stepped_back_still_counts_under_a_later_ep
         limiter.configure({}, now - 1)
         limiter.set_day(DAY, wall, now)
         limiter.configure({SCOPE: BUDGET}, now)
-        limiter.admit([SCOPE], 5, now).release(5, now)
+        limiter.admit([SCOPE], 5, now, most=0).release(5, now)
         report = limiter.demand(now + 0.5)[SCOPE].spent
         assert report is not None
         epochs.append(report.epoch)
@@ -590,7 +629,7 @@ def test_a_proxy_with_budgets_only_is_ready_without_shares_and_reports_its_day()
     state = QuotaState(limiter, clock=lambda: 1.0, wall=lambda: NOON)
     state.on_limits({SCOPE: BUDGET})
     assert state.ready
-    assert limiter.admit([SCOPE], 25, 1.0).ok
+    assert limiter.admit([SCOPE], 25, 1.0, most=0).ok
     [row] = state.demand()
     assert (row.spent_epoch, row.spent_day, row.day_tokens, row.month_tokens) == (7.0, DAY, 25, 25)
     # The leader's counts come with the shares; -1 is no such budget.
@@ -622,7 +661,7 @@ def proxy_process(
 
 def spend_until_refused(limiter: RateLimiter) -> int:
     spent = 0
-    while limiter.admit([SCOPE], 100, 1.0).ok and spent < 10_000:
+    while limiter.admit([SCOPE], 100, 1.0, most=0).ok and spent < 10_000:
         spent += 100
     return spent
 
@@ -693,11 +732,11 @@ def test_during_a_reload_the_new_process_counts_its_own(tmp_path: Path) -> None:
     it stops: had the new one gone on from the old one's counts, both would
     report under one epoch, each less than the two spent (helper-174)."""
     old, old_state = proxy_process(tmp_path, epoch=7.0)
-    old.admit([SCOPE], 300, 1.0)
+    old.admit([SCOPE], 300, 1.0, most=0)
     old_state.save_counts()
     new, new_state = proxy_process(tmp_path, epoch=9.0)
     assert new.counts() == {}  # its own, from nothing
-    new.admit([SCOPE], 100, 1.0)
+    new.admit([SCOPE], 100, 1.0, most=0)
     new_state.save_counts()  # not while the old one holds them
     stop(old_state)
     assert orjson.loads((tmp_path / COUNTS_FILE).read_bytes())["counts"] == {
@@ -714,7 +753,7 @@ def test_a_scope_the_first_table_lacks_takes_its_counts_when_it_comes(tmp_path: 
     saved_counts(tmp_path, "p1", {SCOPE: [7.0, DAY, 600, 600]})
     limiter, state = proxy_process(tmp_path, epoch=9.0, limits={"t/other": BUDGET})
     # Saved meanwhile, they are kept: a second restart before the scope comes keeps them.
-    assert limiter.admit(["t/other"], 50, 1.0).ok
+    assert limiter.admit(["t/other"], 50, 1.0, most=0).ok
     state.save_counts()
     assert orjson.loads((tmp_path / COUNTS_FILE).read_bytes())["counts"] == {
         SCOPE: [7.0, DAY, 600, 600],
@@ -752,12 +791,12 @@ def test_a_state_dir_not_made_yet_is_made_and_one_that_cannot_be_is_said_once(
     """A worker's DIR/wI is made by its first save, and the lock came first:
     no counts were saved, and each second said so."""
     limiter, state = proxy_process(tmp_path / "w0", epoch=7.0)
-    limiter.admit([SCOPE], 100, 1.0)
+    limiter.admit([SCOPE], 100, 1.0, most=0)
     stop(state)
     assert (tmp_path / "w0" / COUNTS_FILE).exists()
     (tmp_path / "file").write_bytes(b"")
     limiter, state = proxy_process(tmp_path / "file", epoch=7.0)
-    limiter.admit([SCOPE], 100, 1.0)
+    limiter.admit([SCOPE], 100, 1.0, most=0)
     for _ in range(3):
         state.save_counts()
     said = [r for r in caplog.records if "budget counts" in r.getMessage()]

@@ -161,6 +161,50 @@ def test_trial_46s_paraphrases_still_match(a: str, b: str) -> None:
     assert agree(a, b)
 
 
+# Trial 55 (MiniLM similarities): opposites outside the list were served one
+# for the other, above the 0.90 default, where paraphrases score 0.94-0.96.
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            "Is it allowed to bring water on a plane?",
+            "Is it forbidden to bring water on a plane?",
+        ),  # 0.9754
+        (
+            "Is it permitted to smoke in the hotel room?",
+            "Is it prohibited to smoke in the hotel room?",
+        ),  # 0.9875
+        (
+            "Is it recommended to run a marathon with a cold?",
+            "Is it inadvisable to run a marathon with a cold?",
+        ),  # 0.9553
+        ("Do cats always land on their feet?", "Do cats never land on their feet?"),  # 0.9795
+        ("Is a visa mandatory for France?", "Is a visa optional for France?"),
+        ("Why did my payment succeed?", "Why did my payment fail?"),
+        ("What are the benefits of fasting?", "What are the risks of fasting?"),
+        ("How do I change my first name?", "How do I change my last name?"),
+        ("Where is my private key?", "Where is my public key?"),
+        ("Have you ever been wrong?", "Have you never been wrong?"),
+    ],
+)
+def test_trial_55s_opposite_questions_do_not_match(a: str, b: str) -> None:
+    assert not agree(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # Both poles in one question, or a pole in one only: no opposite.
+        ("is it allowed or forbidden to vape indoors", "is vaping indoors forbidden or allowed"),
+        ("I forgot my old password", "I forgot my password"),
+        ("how do I change my old password to a new one", "how do I change my password"),
+        ("is it always this slow", "why is it so slow"),
+    ],
+)
+def test_trial_55s_pairs_leave_paraphrases_alone(a: str, b: str) -> None:
+    assert agree(a, b)
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [
@@ -214,7 +258,7 @@ def test_paraphrases_still_match(a: str, b: str) -> None:
 def test_sides_of_a_direction() -> None:
     # Nearest words around the markers; function words ("the", "my") are skipped
     # and a final "s" dropped.
-    assert sides([["send", "the", "money", "from", "my", "savings", "to", "the", "checking"]]) == {
+    assert sides([["move", "the", "money", "from", "my", "savings", "to", "the", "checking"]]) == {
         "d0:saving",
         "d1:checking",
     }

@@ -19,6 +19,7 @@ from dataplane.ratelimit import (
     format_duration,
 )
 from dataplane.ratelimit.limiter import DEMAND_HORIZON_S
+from dataplane.ratelimit.tokens import completion_bound
 from ponto.quota_types import NO_SHARE
 
 T, K = "t/acme", "k/key1"
@@ -613,3 +614,28 @@ def test_a_refusal_says_when_to_try_again_as_its_reset_header_does(
     )
     assert reset == said
     assert error.headers["retry-after"] == retry_after
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "bound"),
+    [
+        ("embeddings", {"input": "x"}, 0),
+        ("chat.completions", {"messages": []}, None),
+        ("chat.completions", {"max_tokens": 100}, 100),
+        ("chat.completions", {"max_completion_tokens": 80, "max_tokens": 100}, 80),
+        ("chat.completions", {"max_completion_tokens": None, "max_tokens": 100}, 100),
+        ("chat.completions", {"max_tokens": 100, "n": 3}, 300),
+        ("completions", {"max_tokens": 16, "n": 2, "best_of": 5}, 80),
+        ("completions", {"max_tokens": 0}, 0),
+        ("responses", {"max_output_tokens": 64}, 64),
+        ("responses", {"max_tokens": 64}, None),  # not a Responses field
+        ("chat.completions", {"max_tokens": "100"}, None),  # validation's to refuse
+        ("chat.completions", {"max_tokens": True}, None),
+        ("chat.completions", {"max_tokens": -1}, None),
+        ("audio", {"max_tokens": 5}, None),
+    ],
+)
+def test_a_requests_completion_bound_is_what_it_states(
+    endpoint: str, body: dict[str, object], bound: int | None
+) -> None:
+    assert completion_bound(endpoint, body) == bound
