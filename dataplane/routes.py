@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from yarl import URL
 
 from dataplane.upstream.credentials import CredentialError, OriginCredentials
+from dataplane.upstream.responseids import origin_tag
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -52,9 +53,17 @@ class Target:
     continuation: bool = field(default=True, compare=False)
     # Upstream credential the proxy injects; None: the origin needs none.
     credential: OriginCredentials | None = field(default=None, compare=False)
+    # What the Responses ids it stores carry (responseids.origin_tag of its
+    # name), made with the table; "": made when asked (`id_tag`).
+    tag: str = field(default="", compare=False)
     # Parsed once per table: building a URL from a string on every call costs
     # the upstream client more than the rest of the request line.
     urls: dict[str, URL] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def id_tag(self) -> str:
+        """Its tag in the Responses ids it stores (dataplane.upstream.responseids)."""
+        return self.tag or origin_tag(self.name)
 
     def url(self, path: str) -> URL:
         found = self.urls.get(path)
@@ -104,6 +113,10 @@ class Routes:
     served: frozenset[tuple[str, str]] = frozenset()
     # The credentials of the origins requests may go to, by origin name.
     credentials: tuple[OriginCredentials, ...] = ()
+    # The origins requests may go to, by the tag the Responses ids they store
+    # carry (dataplane.upstream.responseids): made once per table. An origin
+    # drained, removed or unhealthy (unless panic routing uses it) is not here.
+    stored_on: dict[str, Target] = field(default_factory=dict, compare=False)
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
     _homes: dict[Point, str] = field(default_factory=dict, compare=False)
@@ -157,6 +170,11 @@ class Routes:
     def groups(self) -> dict[str, Groups]:
         """Candidate groups as seen from the proxy's own region."""
         return self.order.get(self.region) or next(iter(self.order.values()), {})
+
+    def serves(self, target: Target, model: str) -> bool:
+        """Whether `target` is one of the origins requests for `model` may go
+        to now (every home's order holds the same origins)."""
+        return any(t is target for group in self.groups.get(model, ()) for t in group)
 
     def home_of(self, latitude: float, longitude: float) -> str:
         """The region nearest to a point (a handful of great circles, then cached)."""
@@ -377,6 +395,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         ),
         served=frozenset((o.region, m) for o in table.origins for m in o.models),
         credentials=tuple(t.credential for t in targets if t.credential is not None),
+        stored_on={t.tag: t for t in targets},
     )
 
 
@@ -392,6 +411,7 @@ def _add_target(
         seed=origin_seed(o.name),
         continuation=not o.no_continuation,
         credential=_credential(o),
+        tag=origin_tag(o.name),
     )
     for model in models:
         by_model.setdefault(model, {}).setdefault(o.region, []).append(target)

@@ -171,6 +171,41 @@ def model_not_found(name: str, refused_by: str = "") -> ApiError:
     return error
 
 
+def previous_response_not_found(sent: str, why: str) -> ApiError:
+    """400 for a `previous_response_id` of ours (dataplane.upstream.responseids)
+    that no origin this request may use holds for the caller: `why` says why,
+    in the client's words. No origin is called (another one lacks the state)."""
+    return ApiError(
+        400,
+        f"Previous response with id '{sent[:256]}' not found: {why}.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def response_not_found(sent: str, why: str = "") -> ApiError:
+    """404 for a stored response's route whose id is not ours, or not the
+    caller's tenant's, or whose origin serves no requests now (`why`)."""
+    return ApiError(
+        404,
+        f"No response found with id '{sent[:256]}'{f': {why}' if why else ''}.",
+        param="response_id",
+        code="not_found",
+    )
+
+
+def invalid_response_id(sent: str, max_chars: int) -> ApiError:
+    """400 for a response id in a path that no origin may be sent: too long,
+    or with characters a path segment does not carry as they are."""
+    return ApiError(
+        400,
+        f"Invalid 'response_id': '{sent[:64]}{'...' if len(sent) > 64 else ''}': an id is at "
+        f"most {max_chars} letters, digits, '_', '-', '.' or '~'.",
+        param="response_id",
+        code="invalid_value",
+    )
+
+
 # Fixed messages: what clients see of an origin failure, whatever the cause.
 UPSTREAM_UNAVAILABLE = "The model's servers could not be reached; retry shortly."
 # When every origin tried answered, with a server error (trial 31: "could not

@@ -50,6 +50,7 @@ from dataplane.http.errors import (
     body_too_large,
     model_not_found,
     no_route_table,
+    previous_response_not_found,
     several_authorizations,
     tenant_suspended,
 )
@@ -77,6 +78,14 @@ from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
+from dataplane.upstream.responseids import (
+    Rewriter,
+    decode,
+    encode,
+    ids_of,
+    response_id_in,
+    tenant_tag,
+)
 from dataplane.upstream.stalls import Stalls
 
 if TYPE_CHECKING:
@@ -158,6 +167,11 @@ class Exchange:
     continuation_prompt: int = 0
     hedge_prompt: int = 0
     continued: int = 0  # continuations of a cut stream
+    # A Responses follow-up of a response an origin stored for the caller
+    # (`Pipeline.pin`): that origin, the only one it goes to, and the
+    # previous id as the origin knows it and as the client sent it.
+    pinned: Target | None = None
+    previous: tuple[str, str] | None = None
     # What the access log and the GenAI metrics report (dataplane.http.accesslog)
     origin: str = ""  # the origin that answered, and its region
     region: str = ""
@@ -290,6 +304,8 @@ class Pipeline:
         try:
             await self.parse(request, ex)
             self.assemble(ex)
+            if ex.endpoint.name == "responses":
+                self.pin(ex)
         except ApiError:
             # Refused before admission (a bad body, an unknown model): the
             # caller's limits go with it as they stand, as OpenAI's refusals
@@ -383,6 +399,47 @@ class Pipeline:
             own = ex.tenant.streams.idle_timeout_s
             ex.idle_timeout_s = own or self.stream_idle_timeout
             ex.idle_timeout_own = bool(own)
+
+    @staticmethod
+    def pin(ex: Exchange) -> None:
+        """A Responses request whose `previous_response_id` is ours
+        (dataplane.upstream.responseids): pinned to the origin that stored it,
+        which gets the id it made. A 400 previous_response_not_found when the
+        id is another tenant's, or its origin is not one this request may use
+        now (drained, unhealthy, removed, not serving the model): no other
+        origin has the state. An id not ours goes on as it came, unpinned."""
+        sent = ex.body.get("previous_response_id")
+        if not isinstance(sent, str):
+            return
+        decoded = decode(sent)
+        if decoded is None:
+            return
+        if decoded.tenant != tenant_tag(ex.principal.tenant):
+            raise previous_response_not_found(sent, "it was not made for this caller")
+        target = ex.routes.stored_on.get(decoded.origin)
+        if target is None or not ex.routes.serves(target, ex.model):
+            raise previous_response_not_found(
+                sent,
+                f"it is stored on an origin that is not serving model '{ex.model}' now "
+                "(drained, unhealthy or removed); start the conversation again",
+            )
+        ex.body["previous_response_id"] = decoded.original
+        ex.rewritten = True
+        ex.pinned = target
+        ex.previous = (decoded.original, sent)
+
+    @staticmethod
+    def shown_ids(ex: Exchange, origin: OriginAnswer, ids: list[str]) -> Rewriter:
+        """What rewrites a Responses answer of `origin` for its client: the
+        response's own id (the first of `ids`, when the answer names one) as
+        an id of ours, and the pinned previous id as the client sent it."""
+        shown: dict[str, str] = {}
+        if ids:
+            own = ids[0]
+            shown[own] = encode(own, origin.target.id_tag, tenant_tag(ex.principal.tenant))
+        if ex.previous is not None:
+            shown[ex.previous[0]] = ex.previous[1]
+        return Rewriter(shown)
 
     async def admit(self, ex: Exchange) -> None:
         """Take the request's place under its scopes' limits, or refuse it (429/400)."""
@@ -485,8 +542,14 @@ class Pipeline:
         tenant's policy), then call; with `hedge`, a slow first origin gets a
         hedge (`Forwarder.forward`)."""
         forwarder = self.forwarder
-        home, point = self.locator.place(ex.routes, ex.remote, ex.headers)
-        candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit(), point)
+        if ex.pinned is not None:
+            # The origin that stored the previous response, alone: another
+            # lacks its state (no failover, and no hedge with one candidate).
+            candidates = ex.candidates = [ex.pinned]
+            ex.route = "pinned"
+        else:
+            home, point = self.locator.place(ex.routes, ex.remote, ex.headers)
+            candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit(), point)
         if not candidates:
             ex.usage = Usage(0, 0)  # no origin was called: the estimate back
             raise ApiError(
@@ -589,6 +652,11 @@ class Pipeline:
         # one that is no JSON object); any other is parsed here, after sending.
         parsed = origin.parsed is not jsonio.NOT_PARSED
         obj: Any = origin.parsed if parsed else None
+        shown: Rewriter | None = None
+        if ex.endpoint.name == "responses" and 200 <= origin.status < 300:
+            ids = ids_of(obj if parsed else jsonio.loads_or_none(body))
+            shown = self.shown_ids(ex, origin, ids[:1])
+            body = shown.whole(body)
         # Known before the headers (x-ponto-cache-reason of an answer not
         # kept), unless the body is too large to parse before sending.
         entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
@@ -599,6 +667,8 @@ class Pipeline:
             frames: bytes | CachedResponse | None
             if ex.endpoint.name == "responses":
                 frames = response_events(obj)
+                if frames is not None and shown is not None:
+                    frames = shown.whole(frames)
             else:
                 frames = from_completion(body, now=0.0, store_truncated=True, parsed=obj)
             if frames is not None:
@@ -753,6 +823,13 @@ class Pipeline:
                 ex.candidates,
                 rules.max_continuations,
             )
+        shown = None
+        if ex.endpoint.name == "responses" and origin.status < 300:
+            # The response's id, from its response.created (held before the
+            # relay began: Forwarder._held).
+            opening = origin.opening
+            events = (e.data for e in opening.events) if opening is not None else ()
+            shown = self.shown_ids(ex, origin, response_id_in(events)[:1]) or None
         watch = self.stalls.watch(origin.target.name)
         try:
             out, end = await reply.relay_origin(
@@ -768,6 +845,7 @@ class Pipeline:
                 max_event_bytes=self.forwarder.max_answer_bytes,
                 watch=watch,
                 whole=whole,
+                shown=shown,
             )
         except asyncio.CancelledError:
             # The client left (or the proxy stopped) during the stream: the

@@ -36,6 +36,7 @@ from dataplane.http.state import DRAINING, SERVER_NAME, stopping
 from dataplane.streaming.relay import (
     Ending,
     EventSink,
+    Readable,
     RelayEnd,
     Resume,
     Stopped,
@@ -51,6 +52,7 @@ from dataplane.streaming.splice import Transcript
 from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter, asks_usage
 from dataplane.upstream.forwarder import OriginAnswer
+from dataplane.upstream.responseids import Rewriter
 from dataplane.upstream.wire import media_type
 
 if TYPE_CHECKING:
@@ -131,9 +133,11 @@ async def relay_origin(
     max_event_bytes: int,
     watch: Watch | None = None,
     whole: Whole | None = None,
+    shown: Rewriter | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
-    `lead`, the stream of a flight's leader) published to the flight."""
+    `lead`, the stream of a flight's leader) published to the flight; with
+    `shown`, its bytes rewritten by it as they come (a Responses stream's ids)."""
     out = web.StreamResponse(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
@@ -157,9 +161,13 @@ async def relay_origin(
         readers.append(plan.recorder)
     if transcript is not None:
         readers.append(transcript)
+    first = origin.first
+    content: Readable = origin.content
+    if shown is not None:
+        first, content = shown.feed(first), Rewritten(content, shown)
     end = await relay(
-        origin.first,
-        origin.content,
+        first,
+        content,
         sink,
         readers=readers,
         chunks=plan.leader,
@@ -174,6 +182,27 @@ async def relay_origin(
     if lead is not None and lead.gone:
         end.client_gone = True
     return out, end
+
+
+class Rewritten:
+    """An origin's body (`Readable`) as `shown` rewrites it, chunk by chunk:
+    what it keeps back of a chunk comes with the next, or at the body's end.
+    Read by one relay."""
+
+    __slots__ = ("_content", "_shown")
+
+    def __init__(self, content: Readable, shown: Rewriter) -> None:
+        self._content = content
+        self._shown = shown
+
+    async def readany(self) -> bytes:
+        while True:
+            chunk = await self._content.readany()
+            if not chunk:
+                return self._shown.flush()
+            out = self._shown.feed(chunk)
+            if out:
+                return out
 
 
 class LeaderStream:

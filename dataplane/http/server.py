@@ -27,7 +27,7 @@ from dataplane.cache.step import EdgeCache, SemanticLayer
 from dataplane.cache.store import ExactStore
 from dataplane.geo import TrustedProxies, open_locator
 from dataplane.geo.home import ClientLocator
-from dataplane.http import endpoints
+from dataplane.http import endpoints, stored
 from dataplane.http.accesslog import AccessLog, Sampler
 from dataplane.http.boundary import (
     CLIENT_CLOSED,
@@ -363,6 +363,8 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
             name=endpoint.name,
             expect_handler=expect_continue,
         )
+    # A stored response's routes, each to the origin that stored it.
+    stored.add_routes(r, lambda: proxy.pipeline)
     r.add_get("/v1/models", endpoints.list_models, name="models")
     r.add_get("/v1/models/{model:.+}", endpoints.retrieve_model, name="models.retrieve")
     if settings.cors is not None:

@@ -269,6 +269,10 @@ class OriginAnswer:
     # A 2xx whole body, parsed by the forwarder; NOT_PARSED when it was not
     # (another status, a stream, or too large to parse before sending).
     parsed: Any = jsonio.NOT_PARSED
+    # A 2xx stream's opening, as held (its events up to the first of the
+    # answer: a Responses stream's response.created among them); None when
+    # its first chunk began with a whole event of the answer.
+    opening: Opening | None = None
 
     @property
     def streamed(self) -> bool:
@@ -331,6 +335,10 @@ class _Tries:
     # The error of the last 2xx answer that was one (ERROR_ANSWER) and could
     # be shown: the 502's, when no origin answered.
     shown: dict[str, str | None] | None = None
+    # The method of a call to a path made for this request (a stored
+    # response's: dataplane.http.stored), which no URL cache keeps; None:
+    # the usual POST to an endpoint's fixed path.
+    method: str | None = None
 
 
 @dataclass(slots=True)
@@ -454,6 +462,7 @@ class Forwarder:
         sent: Sent | None = None,
         first_chunk_within: float | None = None,
         tenants_own: bool = False,
+        method: str | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -489,10 +498,14 @@ class Forwarder:
         prefill need not lengthen every stream's wait between chunks; but not
         when it is shorter than a tenant's own idle timeout (`tenants_own`),
         which wins, as it does over --stream-idle-timeout (review 48).
+
+        `method`: a call to a path made for this one request (`path` with its
+        query), with that method, and no cached URL (a stored response's);
+        its time to commit is not sampled (hedges wait for inference).
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
-        tries = _Tries(loop.time() + settings.deadline - spent_s)
+        tries = _Tries(loop.time() + settings.deadline - spent_s, method=method)
         if stream and settings.first_chunk_timeout is not None:
             if tenants_own and first_chunk_within is not None:
                 first_chunk_within = max(first_chunk_within, settings.first_chunk_timeout)
@@ -944,7 +957,13 @@ class Forwarder:
                 sent_at = loop.time()
                 loads.started(target.name)
                 try:
-                    resp = await self._wire.post(target.url(path), body, headers, first_within)
+                    method = tries.method if tries is not None else None
+                    if method is None:
+                        resp = await self._wire.post(target.url(path), body, headers, first_within)
+                    else:
+                        resp = await self._wire.call(
+                            method, target.url(""), path, body, headers, first_within
+                        )
                 except aiohttp.ConnectionTimeoutError as exc:
                     # Before TimeoutError, which it is too: no connection in time is
                     # an origin not reached, not one slow to answer (review 48).
@@ -1011,6 +1030,7 @@ class Forwarder:
                     streamed = content_type == "text/event-stream"
                     body_read: bytes | None = None
                     first = b""
+                    opening: Opening | None = None
                     try:
                         if streamed:
                             # Until the client has seen a byte, a failing origin can
@@ -1024,8 +1044,7 @@ class Forwarder:
                             # comes (review 199: a 400 labelled an event stream
                             # became a 502, and counted against its origin).
                             answer = 200 <= resp.status < 300
-                            responses = path.endswith(RESPONSES_PATH)
-                            opening: Opening | None = None
+                            responses = path.startswith(RESPONSES_PATH)
                             if first and answer and not _whole_event_first(first, responses):
                                 opening = Opening(responses)
                                 if not opening.feed(first):
@@ -1081,7 +1100,7 @@ class Forwarder:
                         parsed = _answer_object(body_read, resp.status, content_type)
                     elif resp.status == NOT_FOUND and body_read is not None:
                         _check_not_found(body_read, path)
-                    if resp.status < 400:
+                    if resp.status < 400 and method is None:
                         # Refusals come back at once and would make "slow" look fast.
                         self.commit_times.observe(target.name, stream, loop.time() - sent_at)
                     return OriginAnswer(
@@ -1094,6 +1113,7 @@ class Forwarder:
                         resp,
                         loads,
                         parsed=parsed,
+                        opening=opening,
                     )
                 except BaseException:
                     resp.release()

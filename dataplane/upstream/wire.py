@@ -618,6 +618,33 @@ class OriginWire:
         the answer's head has arrived. `read_timeout` replaces the wire's for
         this call, until `OriginResponse.time_reads` changes it."""
         endpoint = self._endpoint(url)
+        return await self._send(endpoint, endpoint.line, body, headers, read_timeout)
+
+    async def call(
+        self,
+        method: str,
+        base: URL,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        read_timeout: float | None = None,
+    ) -> OriginResponse:
+        """`post`, with `method`, to `path` (its query included, already
+        encoded) under the origin's `base` URL: for a path made for one
+        request (a stored response's), which no endpoint is kept for (the
+        pool is the base's host's, as for every call to it)."""
+        endpoint = self._endpoint(base)
+        line = f"{method} {base.raw_path.rstrip('/')}{path} HTTP/1.1"
+        return await self._send(endpoint, line, body, headers, read_timeout)
+
+    async def _send(
+        self,
+        endpoint: _Endpoint,
+        line: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        read_timeout: float | None,
+    ) -> OriginResponse:
         conn = await self._take(endpoint)
         try:
             transport = conn.transport
@@ -632,7 +659,7 @@ class OriginWire:
             headers[hdrs.CONTENT_LENGTH] = str(len(body))
             for name, value in DEFAULT_HEADERS:
                 headers.setdefault(name, value)
-            transport.writelines((_serialize_headers(endpoint.line, headers), body))
+            transport.writelines((_serialize_headers(line, headers), body))
             # The read timeout runs from here: the request handed to the socket
             # (a large body may still be leaving; aiohttp's session started it
             # once the body was written).

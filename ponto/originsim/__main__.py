@@ -65,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         "0 runs every answer to its max_tokens",
     )
     parser.add_argument(
+        "--store-responses",
+        type=int,
+        default=defaults.store_responses,
+        metavar="N",
+        help="keep up to N Responses API responses (previous_response_id, GET/DELETE "
+        "/v1/responses/{id}, ...); 0 stores nothing",
+    )
+    parser.add_argument(
         "--models",
         type=_model_list,
         default=defaults.models,
@@ -237,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             stall_rate=args.stall_rate,
             stall_ms=args.stall_ms,
             cut_after_tokens=args.cut_after_tokens,
+            store_responses=args.store_responses,
         )
     except ValueError as exc:
         parser.error(str(exc))

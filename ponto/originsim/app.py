@@ -40,7 +40,17 @@ Routes:
   the messages), with OpenAI's response object, or streamed as named events
   (``response.created`` ... ``response.output_text.delta`` ...
   ``response.completed``, whose response carries ``usage``; no ``[DONE]``).
-  Nothing is stored: ``previous_response_id`` is not looked up.
+  Nothing is stored by default: ``previous_response_id`` is not looked up.
+  With ``store_responses`` N > 0, as a vLLM replica with its store on, the
+  last N responses made with ``store`` not false are kept in memory (the
+  oldest dropped first): a ``previous_response_id`` is looked up (404 as on
+  vLLM when unknown; the earlier turns then come before the new input),
+  echoed in the answer, and the stored-response routes below find them.
+* ``GET /v1/responses/{id}`` (``?stream=true`` sends its events again),
+  ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (a 400
+  for a finished response, as vLLM and OpenAI answer one not made in the
+  background) and ``GET /v1/responses/{id}/input_items`` (``limit``,
+  ``order``): a 404 for an id not stored, which is every id by default.
 * ``GET /health`` -- ``{"status": "ok"}``; follows the sticky ``mode`` (so an
   active health checker sees an origin switched to fail or drop) but not the
   random ``fail_rate`` or the ``x-sim-*`` headers.
@@ -86,6 +96,7 @@ import math
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, cast, get_args
@@ -209,6 +220,8 @@ class SimConfig:
         cut_after_tokens: Close every stream, without ``[DONE]``, right after
             its N-th content token (a stream of fewer tokens ends normally);
             0 never cuts.
+        store_responses: Responses API responses kept (the oldest dropped
+            first); 0 keeps none, and ``previous_response_id`` is not looked up.
     """
 
     name: str = "origin-sim"
@@ -229,6 +242,7 @@ class SimConfig:
     stall_rate: float = 0.0
     stall_ms: float = 0.0
     cut_after_tokens: int = 0
+    store_responses: int = 0
 
     def __post_init__(self) -> None:
         if not self.models or not all(self.models):
@@ -246,6 +260,8 @@ class SimConfig:
             raise ValueError(f"fail_rate must be within [0, 1], got {self.fail_rate!r}")
         if not 0.0 <= self.stall_rate <= 1.0:
             raise ValueError(f"stall_rate must be within [0, 1], got {self.stall_rate!r}")
+        if self.store_responses < 0:
+            raise ValueError(f"store_responses must be >= 0, got {self.store_responses!r}")
         if self.cut_after_tokens < 0:
             raise ValueError(f"cut_after_tokens must be >= 0, got {self.cut_after_tokens!r}")
         if not 400 <= self.fail_status <= 599:
@@ -483,6 +499,14 @@ class SimState:
         self._slots = FifoSlots(config.max_concurrency) if config.max_concurrency > 0 else None
         self._prefill_engine = FifoSlots(1)
         self.watch = _DisconnectWatch()
+        # Responses kept (SimConfig.store_responses), oldest first.
+        self.responses: OrderedDict[str, _Stored] = OrderedDict()
+
+    def store(self, stored: _Stored) -> None:
+        """Keep a response, dropping the oldest past ``store_responses``."""
+        self.responses[stored.ident] = stored
+        while len(self.responses) > self.config.store_responses:
+            self.responses.popitem(last=False)
 
     @contextlib.asynccontextmanager
     async def occupy(self, model: str) -> AsyncIterator[None]:
@@ -650,6 +674,10 @@ class _Job:
     block_hashes: tuple[int, ...] = ()
     # Prompt tokens found in the KV cache, once prefilled; None without a cache.
     cached_tokens: int | None = None
+    # A Responses request's previous response (its id, as the answer echoes
+    # it) and whether its response is kept (SimConfig.store_responses).
+    previous: str | None = None
+    stored: bool = False
 
     @property
     def completion_tokens(self) -> int:
@@ -913,12 +941,17 @@ def _response_turns(obj: dict[str, object]) -> list[tuple[str, str]]:
 
 
 def _parse_responses(
-    body: object, models: tuple[str, ...], block_tokens: int, natural: int = 0
+    body: object,
+    models: tuple[str, ...],
+    block_tokens: int,
+    natural: int = 0,
+    earlier: Sequence[tuple[str, str]] = (),
 ) -> _Job:
-    """Validate a Responses request; answered as the chat request it stands for."""
+    """Validate a Responses request; answered as the chat request it stands
+    for, after the `earlier` turns of its previous response, if any."""
     obj = _require_object(body)
     model = _require_model(obj, models)
-    turns = _response_turns(obj)
+    turns = [*earlier, *_response_turns(obj)]
     tokens = chat_tokens(turns)
     max_tokens: int | None = None
     value = obj.get("max_output_tokens")
@@ -1230,8 +1263,8 @@ def _response_body(job: _Job, ident: str, created: int, text: str | None) -> dic
         "model": job.model,
         "output": [] if text is None else [_output_message(ident, text)],
         "parallel_tool_calls": True,
-        "previous_response_id": None,
-        "store": False,
+        "previous_response_id": job.previous,
+        "store": job.stored,
         "temperature": 1.0,
         "text": {"format": {"type": "text"}},
         "tool_choice": "auto",
@@ -1396,14 +1429,20 @@ def _stall_ms(request: web.Request, state: SimState) -> float:
     return 0.0
 
 
-async def _generate(request: web.Request, state: SimState, job: _Job) -> web.StreamResponse:
+async def _generate(
+    request: web.Request,
+    state: SimState,
+    job: _Job,
+    answered: Callable[[str, int, list[str]], None] | None = None,
+) -> web.StreamResponse:
     """Answer ``job``: wait for a slot, prefill, then send tokens at the decode pace.
 
     Time to first token = queue wait + prefill (engine queue and uncached
     tokens) + any stall + ``ttft_ms``. Headers, which carry the cached token
     count, go out once prefill is done. The text depends on model and prompt
     only. A client that hangs up at any point aborts the request, freeing its
-    slot at once (see :class:`_DisconnectWatch`).
+    slot at once (see :class:`_DisconnectWatch`). ``answered`` is told the
+    answer's id, creation time and pieces once it is sent.
     """
     config = state.config
     cut_events = _header_int(request, "x-sim-cut-after", 0, 2**31) if job.stream else None
@@ -1440,10 +1479,14 @@ async def _generate(request: web.Request, state: SimState, job: _Job) -> web.Str
                         config.cut_after_tokens,
                         named=named,
                     )
+                    if answered is not None:
+                        answered(ident, created, pieces)
                     return resp
                 await pacer.until_last(len(pieces))
                 full = _json(_full_body(job, ident, created, pieces))
                 full.headers.update(headers)
+                if answered is not None:
+                    answered(ident, created, pieces)
                 return full
     except ConnectionError:
         # The client hung up. Returning the stream already under way (or a
@@ -1471,8 +1514,124 @@ async def _completions(request: web.Request, state: SimState, body: object) -> w
 
 async def _responses(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
     config = state.config
-    job = _parse_responses(body, config.models, _block_tokens(state), config.answer_tokens)
-    return await _generate(request, state, job)
+    if not config.store_responses:
+        job = _parse_responses(body, config.models, _block_tokens(state), config.answer_tokens)
+        return await _generate(request, state, job)
+    obj = _require_object(body)
+    previous: _Stored | None = None
+    previous_id = obj.get("previous_response_id")
+    if previous_id is not None:
+        previous = _stored(state, previous_id)
+    earlier = [] if previous is None else [*previous.turns, ("assistant", previous.text)]
+    job = _parse_responses(obj, config.models, _block_tokens(state), config.answer_tokens, earlier)
+    own = _response_turns(obj)
+    keep = obj.get("store") is not False
+    job = dataclasses.replace(
+        job, previous=None if previous is None else previous.ident, stored=keep
+    )
+
+    def answered(ident: str, created: int, pieces: list[str]) -> None:
+        if keep:
+            state.store(_Stored(ident, created, job, pieces, [*earlier, *own], own))
+
+    return await _generate(request, state, job, answered)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A response kept (SimConfig.store_responses): enough to show it again."""
+
+    ident: str
+    created: int
+    job: _Job
+    pieces: list[str]
+    turns: list[tuple[str, str]]  # every turn it answered, the earlier ones included
+    own: list[tuple[str, str]]  # the turns of its own request (its input items)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def body(self) -> dict[str, object]:
+        return _response_body(self.job, self.ident, self.created, self.text)
+
+
+def _stored(state: SimState, ident: object) -> _Stored:
+    """The kept response `ident`: 400 for an id of no response, 404 (as vLLM
+    words it) for one not kept."""
+    if not isinstance(ident, str) or not ident.startswith("resp"):
+        raise _ApiError(
+            400,
+            f"Invalid 'response_id': '{ident}'. Expected an ID that begins with 'resp'.",
+            param="response_id",
+        )
+    found = state.responses.get(ident)
+    if found is None:
+        raise _ApiError(
+            404,
+            f"Response with id '{ident}' not found.",
+            param="response_id",
+            error_type="invalid_request_error",
+        )
+    return found
+
+
+async def _retrieve(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
+    stored = _stored(state, request.match_info["response_id"])
+    if request.query.get("stream") != "true":
+        return _json(stored.body())
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    for _, event in _response_events(stored.job, stored.ident, stored.created, stored.pieces):
+        head = b"event: " + str(event["type"]).encode() + b"\n"
+        await resp.write(head + b"data: " + orjson.dumps(event) + b"\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _delete(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
+    stored = _stored(state, request.match_info["response_id"])
+    del state.responses[stored.ident]
+    return _json({"id": stored.ident, "object": "response.deleted", "deleted": True})
+
+
+async def _cancel(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
+    _stored(state, request.match_info["response_id"])
+    # Every response here is made at once (no `background`): as vLLM says.
+    raise _ApiError(400, "Cannot cancel a synchronous response.", param="response_id")
+
+
+async def _input_items(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
+    stored = _stored(state, request.match_info["response_id"])
+    items = [
+        {
+            "id": f"msg_{stored.ident.removeprefix('resp_')}_{i}",
+            "type": "message",
+            "role": role,
+            "status": "completed",
+            "content": [{"type": "input_text", "text": text}],
+        }
+        for i, (role, text) in enumerate(stored.own)
+        if role != "system"
+    ]
+    if request.query.get("order", "desc") != "asc":
+        items.reverse()
+    try:
+        limit = max(1, min(100, int(request.query.get("limit", "20"))))
+    except ValueError:
+        raise _ApiError(400, "'limit' must be an integer.", param="limit") from None
+    data = items[:limit]
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(items) > limit,
+        }
+    )
 
 
 async def _embeddings(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
@@ -1693,6 +1852,11 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post(EMBEDDINGS_PATH, _inference(EMBEDDINGS_PATH, _embeddings))
     app.router.add_post(RESPONSES_PATH, _inference(RESPONSES_PATH, _responses))
     app.router.add_get(MODELS_PATH, _inference(MODELS_PATH, _models))
+    one = RESPONSES_PATH + "/{response_id}"
+    app.router.add_get(one, _inference(one, _retrieve))
+    app.router.add_delete(one, _inference(one, _delete))
+    app.router.add_post(one + "/cancel", _inference(one + "/cancel", _cancel))
+    app.router.add_get(one + "/input_items", _inference(one + "/input_items", _input_items))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/sim/stats", _stats)

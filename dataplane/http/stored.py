@@ -1,0 +1,268 @@
+"""A stored response's routes: retrieve, delete, cancel, list its input items.
+
+    GET    /v1/responses/{id}               responses.retrieve (?stream=true streams)
+    DELETE /v1/responses/{id}               responses.delete
+    POST   /v1/responses/{id}/cancel        responses.cancel
+    GET    /v1/responses/{id}/input_items   responses.input_items
+
+Each goes to the one origin that stored the response, which its id names
+(dataplane.upstream.responseids): another replica has no such response. The
+caller is authenticated and refused as for a chat call (401, 403 for a
+suspended tenant), and counted as one request, with no tokens, against its
+limits (a refusal is the usual 429). An id that is not ours, or not the
+caller's tenant's, is a 404 `not_found`; one no path may carry a 400; neither
+reaches an origin; an origin that serves no requests now (drained, unhealthy,
+removed) is a 404 too, as its responses are gone for the client. The call has
+the origin's credential and the proxy's timeouts, and its answer is relayed as
+any origin's: a 2xx with the response's ids shown as the client knows them, an
+error through the allowlist (dataplane.http.errors.origin_error_body), a 5xx
+or no answer as the fixed 502 (no other origin is tried).
+
+No Exchange: these calls are no inference (no GenAI metrics, no cache, no
+placement); the error boundary counts and logs them under their route's name,
+for the caller noted in PRINCIPAL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
+
+from dataplane.http.errors import (
+    ApiError,
+    AuthUnavailableError,
+    Unauthorized,
+    invalid_response_id,
+    no_route_table,
+    origin_error_body,
+    response_not_found,
+    responses_broken_event,
+)
+from dataplane.http.pipeline import (
+    authenticate_waiting,
+    refusal,
+    refuse_suspended,
+    sole_authorization,
+)
+from dataplane.http.reply import Rewritten
+from dataplane.http.state import DRAINING, PRINCIPAL, REQUEST_ID, SERVER_NAME
+from dataplane.streaming.relay import next_sequence_number, relay
+from dataplane.streaming.sse import Event
+from dataplane.upstream.forwarder import OriginAnswer
+from dataplane.upstream.responseids import (
+    MAX_ID_CHARS,
+    Decoded,
+    Rewriter,
+    decode,
+    encode,
+    ids_of,
+    response_id_in,
+    safe_id,
+    tenant_tag,
+)
+from dataplane.upstream.wire import media_type
+
+if TYPE_CHECKING:
+    from dataplane.http.pipeline import Pipeline
+    from dataplane.routes import Target
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    name: str  # the route's name: the metrics' and access log's endpoint label
+    method: str
+    suffix: str  # after the id, in the client's path and the origin's
+
+
+ACTIONS: Final = (
+    Action("responses.retrieve", "GET", ""),
+    Action("responses.delete", "DELETE", ""),
+    Action("responses.cancel", "POST", "/cancel"),
+    Action("responses.input_items", "GET", "/input_items"),
+)
+
+
+def add_routes(router: web.UrlDispatcher, pipeline: Callable[[], Pipeline | None]) -> None:
+    """The four routes, on `router`; `pipeline` gives the app's (built by its
+    start step, before it serves)."""
+    for action in ACTIONS:
+        router.add_route(
+            action.method,
+            "/v1/responses/{response_id}" + action.suffix,
+            handler(action, pipeline),
+            name=action.name,
+        )
+
+
+def handler(action: Action, pipeline: Callable[[], Pipeline | None]) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        p = pipeline()
+        assert p is not None
+        return await answer(p, action, request)
+
+    handle.__name__ = f"handle_{action.name.replace('.', '_')}"
+    return handle
+
+
+async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> web.StreamResponse:
+    """One call of `action`, answered (see the module's docstring)."""
+    holder = pipeline.holder
+    if not await holder.wait_first():
+        raise no_route_table()
+    routes, policy = holder.routes, holder.policy
+    if routes is None or policy is None:
+        raise no_route_table()
+    try:
+        principal = await authenticate_waiting(policy, sole_authorization(request.headers))
+    except (Unauthorized, AuthUnavailableError) as exc:
+        if exc.owner is not None:  # an expired key: counted for its owner
+            request[PRINCIPAL] = exc.owner
+        raise
+    request[PRINCIPAL] = principal
+    refuse_suspended(policy, principal)
+    sent = request.match_info["response_id"]
+    if not safe_id(sent):
+        raise invalid_response_id(sent, MAX_ID_CHARS)
+    tenant = tenant_tag(principal.tenant)
+    decoded = decode(sent)
+    if decoded is None or decoded.tenant != tenant:
+        raise response_not_found(sent)
+    target = routes.stored_on.get(decoded.origin)
+    if target is None:
+        raise response_not_found(sent, "it was stored on an origin that is not serving now")
+    limiter = pipeline.limiter
+    scopes = principal.scopes
+    admission = limiter.admit(scopes, 0, time.monotonic())
+    limits = limiter.headers(scopes, time.monotonic(), None if admission.ok else admission)
+    if not admission.ok:
+        pipeline.metrics.limit_refusal(principal.tenant, admission.limit or "requests")
+        error = refusal(admission)
+        error.headers.update(limits)
+        raise error
+    try:
+        return await _call(pipeline, action, request, decoded, sent, target, limits)
+    finally:
+        # No tokens: the estimate (0) stands, and the completions expected
+        # are not taught a zero (Admission.release).
+        admission.release(None, time.monotonic())
+
+
+async def _call(
+    pipeline: Pipeline,
+    action: Action,
+    request: web.Request,
+    decoded: Decoded,
+    sent: str,
+    target: Target,
+    limits: list[tuple[str, str]],
+) -> web.StreamResponse:
+    forwarder = pipeline.forwarder
+    stream = action.name == "responses.retrieve" and request.query.get("stream") == "true"
+    path = f"/responses/{decoded.original}{action.suffix}"
+    query = request.rel_url.raw_query_string
+    if query:
+        path += "?" + query
+    headers = forwarder.request_headers(request.headers, request[REQUEST_ID])
+    headers.popall("content-type", None)  # no body
+    idle = pipeline.stream_idle_timeout if stream else None
+    try:
+        origin = await forwarder.forward(
+            path,
+            b"",
+            headers,
+            [target],
+            stream=stream,
+            first_chunk_within=idle,
+            method=action.method,
+        )
+    except ApiError as exc:
+        exc.headers.update(limits)
+        raise
+    try:
+        tags = (target.id_tag, decoded.tenant)
+        if origin.streamed and origin.status < 300:
+            opening = origin.opening
+            events = (e.data for e in opening.events) if opening is not None else ()
+            shown = _shown(decoded, sent, tags, response_id_in(events))
+            return await _relay(pipeline, request, origin, shown, limits, idle)
+        body = origin.body if origin.body is not None else origin.first
+        out_headers = _headers(origin, limits, error=origin.status >= 400)
+        if origin.status >= 400:
+            body = origin_error_body(origin.status, media_type(origin.headers), body)
+            # The origin's message names its own id: the client's is shown.
+            body = body.replace(decoded.original.encode(), sent.encode())
+            return web.Response(
+                status=origin.status,
+                body=body,
+                content_type="application/json",
+                headers=out_headers,
+            )
+        body = _shown(decoded, sent, tags, ids_of(origin.parsed)).whole(body)
+        return web.Response(status=origin.status, body=body, headers=out_headers)
+    finally:
+        origin.release()
+
+
+def _shown(decoded: Decoded, sent: str, tags: tuple[str, str], ids: list[str]) -> Rewriter:
+    """The ids a stored response's answer shows: its own as the client sent
+    it, and every other response id it names (its previous one) as an id of
+    the same origin and tenant."""
+    shown = {i: encode(i, *tags) for i in ids}
+    shown[decoded.original] = sent
+    return Rewriter(shown)
+
+
+def _headers(
+    origin: OriginAnswer, limits: list[tuple[str, str]], *, error: bool
+) -> CIMultiDict[str]:
+    """As reply's for a proxied answer: the origin's (none on an error), then
+    where it came from (not on an error), the attempts and the caller's limits."""
+    headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
+    if not error:
+        headers["x-ponto-origin"] = origin.target.name
+        headers["x-ponto-region"] = origin.target.region
+    headers["x-ponto-attempts"] = str(origin.attempt)
+    for name, value in limits:
+        headers[name] = value
+    return headers
+
+
+async def _relay(
+    pipeline: Pipeline,
+    request: web.Request,
+    origin: OriginAnswer,
+    shown: Rewriter,
+    limits: list[tuple[str, str]],
+    idle: float | None,
+) -> web.StreamResponse:
+    """A stored response streamed again (`?stream=true`), relayed as a
+    Responses stream is: cut, it ends with a numbered error event."""
+    out = web.StreamResponse(status=origin.status, headers=_headers(origin, limits, error=False))
+    out.headers["cache-control"] = "no-cache"
+    out.headers[hdrs.SERVER] = SERVER_NAME
+    out.headers["x-request-id"] = request[REQUEST_ID]
+    if request.app[DRAINING].active:
+        out.force_close()
+    await out.prepare(request)
+    end = await relay(
+        shown.feed(origin.first),
+        Rewritten(origin.content, shown),
+        out,
+        error_event=_broken,
+        idle_timeout=idle,
+        max_event_bytes=pipeline.forwarder.max_answer_bytes,
+    )
+    if end.complete:
+        origin.ended()
+    return out
+
+
+def _broken(last: Event | None, too_long: int) -> bytes:
+    return responses_broken_event(next_sequence_number(last), too_long)
