@@ -404,7 +404,8 @@ class Metrics:
         self.routes = Counter(
             "ponto_route_decisions",
             "Why each answered request's origin was chosen: affinity, prefix, load, "
-            "weighted, spill, failover, remote or hedge; by the origin that answered",
+            "weighted, spill, failover, remote, hedge or pinned (a Responses follow-up, to "
+            "the origin that stored its previous response); by the origin that answered",
             ["reason", "origin"],
             registry=r,
         )

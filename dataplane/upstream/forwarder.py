@@ -1098,7 +1098,9 @@ class Forwarder:
                     parsed: Any = jsonio.NOT_PARSED
                     if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
                         parsed = _answer_object(body_read, resp.status, content_type)
-                    elif resp.status == NOT_FOUND and body_read is not None:
+                    elif resp.status == NOT_FOUND and body_read is not None and method is None:
+                        # (A stored response's path is no endpoint's: an origin
+                        # without it, or without the response, answers for it.)
                         _check_not_found(body_read, path)
                     if resp.status < 400 and method is None:
                         # Refusals come back at once and would make "slow" look fast.

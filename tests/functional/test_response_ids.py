@@ -266,7 +266,7 @@ async def test_an_id_not_the_proxys_goes_on_unpinned(stack: Stack) -> None:
     # A stored response's route needs an id of the proxy's: no origin is asked.
     with pytest.raises(openai.NotFoundError) as retrieve:
         await client.responses.retrieve("resp_made_elsewhere")
-    assert retrieve.value.code == "not_found"
+    assert retrieve.value.code == "not_found" and retrieve.value.param == "response_id"
     assert stack.origin_requests() == 1
 
 
@@ -355,5 +355,36 @@ async def test_a_whole_answer_turned_into_a_stream_shows_the_proxys_id(
         )
         body: dict[str, Any] = await plain.json()
         assert body["id"] == shown
+    finally:
+        await s.close()
+
+
+async def test_an_origin_without_the_stored_routes_answers_404_and_stays_healthy(
+    tmp_path: Path,
+) -> None:
+    async def whole(request: web.Request) -> web.Response:
+        return web.json_response({**WHOLE, "id": "resp_only_made"})
+
+    from tests.functional.test_pipeline import stack_on  # noqa: PLC0415
+
+    # aiohttp's own 404 for GET /v1/responses/...: no OpenAI-style error.
+    s = await stack_on(tmp_path, whole, path="/v1/responses")
+    auth = {"authorization": f"Bearer {KEY.key}"}
+    try:
+        made = await s.client.post(
+            "/v1/responses", json={"model": MODEL, "input": "x"}, headers=auth
+        )
+        shown = (await made.json())["id"]
+        for _ in range(6):  # past the outlier detector's failures in a row
+            resp = await s.client.get(f"/v1/responses/{shown}", headers=auth)
+            assert resp.status == 404
+            assert (await resp.json())["error"]["code"] == "upstream_error"
+        registry = s.app[METRICS].registry
+        ejections = registry.get_sample_value("ponto_origin_ejections_total", {"origin": "custom"})
+        assert not ejections
+        failed = registry.get_sample_value(
+            "ponto_upstream_attempts_total", {"origin": "custom", "outcome": "bad_answer"}
+        )
+        assert not failed
     finally:
         await s.close()
