@@ -43,8 +43,11 @@ def with_other_tenant(t: pb.RouteTable) -> pb.RouteTable:
     return t
 
 
-def origins_table(s: Stack, *, drained: str = "", removed: str = "", version: int) -> None:
-    """The three origins again, one of them drained or removed."""
+def origins_table(
+    s: Stack, *, drained: str = "", removed: str = "", version: int, suspended: bool = False
+) -> None:
+    """The three origins again, one of them drained or removed; `suspended`:
+    tenant acme too."""
     served = [
         (name, str(o.make_url("/v1")))
         for name, o in zip(NAMES, s.origins, strict=True)
@@ -53,6 +56,7 @@ def origins_table(s: Stack, *, drained: str = "", removed: str = "", version: in
     t = table(served, version=version)
     for o in t.origins:
         o.drained = o.name == drained
+    t.tenants[0].suspended = suspended
     s.app[HOLDER].apply(with_other_tenant(t), "control-plane")
 
 
@@ -232,7 +236,10 @@ async def test_an_origin_not_serving_now_is_a_400_and_no_origin_is_reached(
     client = sdk(stack)
     first = await client.responses.create(model=MODEL, input="before the drain")
     home = storing_origin(stack, first.id)
-    origins_table(stack, version=4, **{how: home})
+    if how == "drained":
+        origins_table(stack, version=4, drained=home)
+    else:
+        origins_table(stack, version=4, removed=home)
     before = stack.origin_requests()
     with caplog.at_level(logging.INFO), pytest.raises(openai.BadRequestError) as follow:
         await client.responses.create(model=MODEL, input="after it", previous_response_id=first.id)
@@ -289,6 +296,16 @@ async def test_a_bad_id_reaches_no_origin(stack: Stack, path: str, status: int, 
     assert stack.origin_requests() == 0
     unauthenticated = await stack.client.request(method, path)
     assert unauthenticated.status == 401
+
+
+async def test_a_suspended_tenant_is_refused_the_stored_routes(stack: Stack) -> None:
+    first = await sdk(stack).responses.create(model=MODEL, input="before")
+    origins_table(stack, version=4, suspended=True)
+    before = stack.origin_requests()
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        await sdk(stack).responses.retrieve(first.id)
+    assert refused.value.code == "tenant_suspended"
+    assert stack.origin_requests() == before
 
 
 async def test_a_stored_route_is_a_request_under_the_keys_limit(stack: Stack) -> None:
