@@ -285,6 +285,14 @@ class _Scope:
         return bucket
 
 
+def _repaid_at(bucket: TokenBucket | None, now: float, wall: float) -> float:
+    """The wall time `bucket` is out of debt at its refill (0: not in debt),
+    to a tenth of a second."""
+    if bucket is None or bucket.rate <= 0 or bucket.refill(now) >= 0:
+        return 0.0
+    return round(wall - bucket.level / bucket.rate, 1)
+
+
 def _expected(st: _Scope, est_tokens: int, most: int | None) -> float:
     """The completion a budgeted scope is charged beforehand for a prompt of
     `est_tokens`: its expected completion, no more than the request's bound
@@ -436,6 +444,9 @@ class RateLimiter:
         self._last_epoch = epoch
         # The counts of the process before this one not taken yet (resume).
         self._resumed: dict[str, Spent] = {}
+        # Until when (wall time) its buckets owed, per scope, requests and
+        # tokens: not owed yet here (owe).
+        self._owed: dict[str, tuple[float, float]] = {}
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
         self._day = 0
@@ -496,6 +507,7 @@ class RateLimiter:
             shares.pop(name, None)
             self._budgets.pop(name, None)
         self._scopes = scopes
+        self._take_owed(now)
 
     def _next_epoch(self, now: float) -> float:
         """An epoch for a scope's count starting now: the wall time, or past
@@ -524,6 +536,7 @@ class RateLimiter:
                 or st.fleet_debt_s != share.fleet_debt_s
             ):
                 st.set_share(share, now)
+        self._take_owed(now)
 
     def apply_budgets(self, budgets: Mapping[str, Budget]) -> None:
         """Take the leader's counts of the budgeted scopes (all of them: a
@@ -565,6 +578,63 @@ class RateLimiter:
             st = self._scopes.get(name)
             if st is not None:
                 self._resume_scope(st)
+
+    def debts(self, now: float) -> dict[str, tuple[float, float]]:
+        """Until when (wall time, as set_day last gave it) each scope's
+        buckets here are in debt, requests and tokens (0: not in debt), of
+        the scopes in debt: what the process after this one owes (`owe`).
+        A time, not an amount: it changes only when a bucket is charged or
+        repaid, not as it refills, and holds when the next process's share
+        (and refill) differs."""
+        wall = now + self._wall_offset
+        out: dict[str, tuple[float, float]] = {}
+        for name, st in self._scopes.items():
+            until = (_repaid_at(st.req, now, wall), _repaid_at(st.tok, now, wall))
+            if until[0] or until[1]:
+                out[name] = until
+        for name, until in self._owed.items():  # not owed here yet: passed on
+            out.setdefault(name, until)
+        return out
+
+    def owe(self, debts: Mapping[str, tuple[float, float]], now: float) -> None:
+        """Take on the debts the process before this one left (`debts`), so
+        that a restart does not forgive them (trial 56: a key 2.5 minutes in
+        debt was admitted at once by the restarted proxy, and, its debt no
+        longer reported, by the others). Each bucket starts owing until the
+        same wall time, as the table and a share with a refill bring it, or
+        at once if it is there. Call after set_day, before the first
+        configure: QuotaState.load_saved."""
+        self._owed = {
+            name: (float(r), float(t))
+            for name, (r, t) in debts.items()
+            if math.isfinite(r) and math.isfinite(t)
+        }
+        self._take_owed(now)
+
+    def _take_owed(self, now: float) -> None:
+        """The owed debts of the scopes whose buckets refill now, taken on
+        (each once); past ones dropped."""
+        if not self._owed:
+            return
+        wall = now + self._wall_offset
+        for name, (req_until, tok_until) in list(self._owed.items()):
+            if req_until <= wall and tok_until <= wall:
+                del self._owed[name]
+                continue
+            st = self._scopes.get(name)
+            if st is None:
+                continue
+            waiting = False
+            for bucket, until in ((st.req, req_until), (st.tok, tok_until)):
+                if until <= wall or bucket is None:
+                    continue
+                if bucket.rate <= 0:
+                    waiting = True  # no share yet: owed once it has one
+                    continue
+                bucket.refill(now)
+                bucket.level = min(bucket.level, -(until - wall) * bucket.rate)
+            if not waiting:
+                del self._owed[name]
 
     def _resume_scope(self, st: _Scope) -> None:
         """`st` goes on from its resumed counts, if it has some of this month

@@ -218,16 +218,19 @@ class QuotaState:
         if self._counts_saved is None or not self._hold_lock():
             return
         counts = self._limiter.counts()
-        body = orjson.dumps(
-            {
-                "proxy": self._proxy,
-                "counts": {
-                    scope: [s.epoch, s.day, s.day_tokens, s.month_tokens]
-                    for scope, s in sorted(counts.items())
-                },
-            }
-        )
-        if body != self._counts_written and (counts or self._counts_written):
+        debts = self._limiter.debts(self._clock())
+        saved: dict[str, object] = {
+            "proxy": self._proxy,
+            "counts": {
+                scope: [s.epoch, s.day, s.day_tokens, s.month_tokens]
+                for scope, s in sorted(counts.items())
+            },
+        }
+        if debts:
+            # Until when (wall time) its buckets owe, requests and tokens.
+            saved["debts"] = {scope: list(until) for scope, until in sorted(debts.items())}
+        body = orjson.dumps(saved)
+        if body != self._counts_written and (counts or debts or self._counts_written):
             self._counts_written = body
             self._counts_saved.save(body)
 
@@ -261,11 +264,12 @@ class QuotaState:
         self._lock = fd
         return True
 
-    def _saved_counts(self) -> dict[str, Spent]:
+    def _saved_counts(self) -> tuple[dict[str, Spent], dict[str, tuple[float, float]]]:
         """The budget counts the process before this one saved, if it was
-        this proxy and they are of today or yesterday (UTC); none if they are
-        damaged (said once: this process counts from nothing, as one did
-        before they were saved)."""
+        this proxy and they are of today or yesterday (UTC), and its buckets'
+        debts (until when, wall time, each scope's requests and tokens are
+        owed: RateLimiter.debts); none if they are damaged (said once: this
+        process counts from nothing, as one did before they were saved)."""
         assert self._state_dir is not None
         path = self._state_dir / COUNTS_FILE
         try:
@@ -274,20 +278,24 @@ class QuotaState:
                 str(scope): Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3]))
                 for scope, v in raw["counts"].items()
             }
+            debts = {
+                str(scope): (float(v[0]), float(v[1])) for scope, v in raw.get("debts", {}).items()
+            }
             proxy = raw["proxy"]
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except Exception as exc:  # any damage: count from nothing
             log.error("ignoring saved budget counts %s: %s", path, exc)
-            return {}
+            return {}, {}
         if proxy != self._proxy:
             log.info("budget counts in %s are proxy %s's, not taken", path, proxy)
-            return {}
+            return {}, {}
         wall = self._wall()
         # Older, the leader may have folded that process (two silent days),
         # and after a week forgotten it: counted again, it would count twice.
         since = utc_day(wall - 86400)
-        return {scope: s for scope, s in saved.items() if s.day >= since}
+        owed = {scope: until for scope, until in debts.items() if max(until) > wall}
+        return {scope: s for scope, s in saved.items() if s.day >= since}, owed
 
     def close(self) -> None:
         """Let the process after this one take the counts (as it stops, once
@@ -309,19 +317,29 @@ class QuotaState:
         and the budget counts it left (taken with the first limits)."""
         if self._state_dir is None:
             return
-        if self._hold_lock():
-            saved = self._saved_counts()
-            if saved:
-                # Taken as the tables bring their scopes (RateLimiter.resume).
-                self._limiter.resume(saved)
-                log.info(
-                    "going on from the budget counts the proxy's last process saved (%s)",
-                    ", ".join(sorted(saved)),
-                )
-        elif not self._lock_failed:
+        holds = self._hold_lock()
+        # Read too while another process holds them (a reload): what it owes.
+        saved, owed = self._saved_counts() if holds or not self._lock_failed else ({}, {})
+        if holds and saved:
+            # Taken as the tables bring their scopes (RateLimiter.resume).
+            self._limiter.resume(saved)
+            log.info(
+                "going on from the budget counts the proxy's last process saved (%s)",
+                ", ".join(sorted(saved)),
+            )
+        elif not holds and not self._lock_failed:
             log.info(
                 "another process of this proxy holds its budget counts (a reload): "
                 "this one counts its own from nothing"
+            )
+        if owed:
+            # A restart does not forgive what its buckets owed; nor a reload,
+            # whose old process, still running, owes it too: owed twice for
+            # the moment both run, which admits less, never more.
+            self._limiter.owe(owed, self._clock())
+            log.info(
+                "owing what the proxy's last process owed to the limits of %s",
+                ", ".join(sorted(owed)),
             )
         path = self._state_dir / QUOTA_FILE
         try:

@@ -50,6 +50,7 @@ from controlplane.store import MAX_REQUEST_BYTES, StoreUnavailable
 from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
+from dataplane.ratelimit import Share
 from dataplane.ratelimit.limiter import FIRST_COMPLETION, RateLimiter
 from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState
 from ponto.quota_types import (
@@ -1631,3 +1632,105 @@ async def test_a_new_term_says_again_that_the_ledgers_are_not_written(
         await eventually(lambda: said(1, 3), "said in the first term, and three rounds")
     async with running(rebalancer.run()):
         await eventually(lambda: said(2, 6), "said again in the second, and three rounds")
+
+
+class Clocks:
+    """A proxy process's monotonic clock and the wall's, moved by hand."""
+
+    def __init__(self, wall: float) -> None:
+        self.now = 0.0
+        self.wall = wall
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.wall += seconds
+
+
+TPM = {SCOPE: ScopeLimits(tpm=600)}  # 10 tokens a second with the whole share
+
+
+def tpm_process(
+    state_dir: Path, clocks: Clocks, *, share_first: bool = True
+) -> tuple[RateLimiter, QuotaState]:
+    limiter = RateLimiter(epoch=clocks.wall)
+    state = QuotaState(
+        limiter, state_dir, clock=lambda: clocks.now, wall=lambda: clocks.wall, proxy="p1"
+    )
+    state.load_saved()
+    if share_first:
+        state.on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+    state.on_limits(TPM)
+    return limiter, state
+
+
+@pytest.mark.parametrize("share_first", [True, False], ids=["share-first", "table-first"])
+def test_a_restarted_proxy_owes_what_its_last_process_owed(
+    tmp_path: Path, share_first: bool
+) -> None:
+    """Trial 56: a proxy restarted with its key 2.5 minutes in debt admitted
+    at once (its buckets start at 0 at boot), and, reporting no debt, let
+    the other proxies admit too. Its debt is saved with its counts, as the
+    wall time it is repaid, and the next process owes it until then."""
+    clocks = Clocks(NOON)
+    first, state = tpm_process(tmp_path, clocks)
+    clocks.advance(60.0)  # the boot's empty bucket full
+    admitted = first.admit([SCOPE], 100, clocks.now)
+    assert admitted.ok
+    admitted.release(3100, clocks.now)  # 3,000 past the estimate: 250 s in debt
+    stop(state)
+    saved = orjson.loads((tmp_path / COUNTS_FILE).read_bytes())
+    assert saved["debts"] == {SCOPE: [0.0, NOON + 60 + 250]}
+    clocks = Clocks(NOON + 120)  # restarted a minute later: 190 s still owed
+    second, state = tpm_process(tmp_path, clocks, share_first=share_first)
+    if not share_first:  # no share, no refill: owed once the share comes
+        assert not second.admit([SCOPE], 1, clocks.now).ok
+        state.on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+    clocks.advance(10.0)
+    refused = second.admit([SCOPE], 1, clocks.now)
+    assert not refused.ok and refused.limit == "tokens"
+    assert refused.retry_after_s == pytest.approx(180.1, abs=0.2)
+    clocks.advance(181.0)
+    assert second.admit([SCOPE], 1, clocks.now).ok
+    # Its reports say the debt (the leader's fleet debt holds the others).
+    stop(state)
+
+
+def test_a_debt_repaid_before_the_restart_is_not_owed(tmp_path: Path) -> None:
+    clocks = Clocks(NOON)
+    first, state = tpm_process(tmp_path, clocks)
+    clocks.advance(60.0)
+    first.admit([SCOPE], 100, clocks.now).release(700, clocks.now)  # 60 s in debt
+    stop(state)
+    clocks = Clocks(NOON + 60 + 61)
+    second, state = tpm_process(tmp_path, clocks)
+    clocks.advance(1.0)
+    assert second.admit([SCOPE], 5, clocks.now).ok  # the boot's empty bucket, refilling
+    stop(state)
+
+
+def test_a_debt_is_saved_as_when_it_is_repaid_which_refill_does_not_move() -> None:
+    limiter = RateLimiter(epoch=1.0)
+    limiter.set_day(DAY, NOON, 0.0)
+    limiter.apply_shares({SCOPE: Share(1.0, 0)}, 0.0)
+    limiter.configure(TPM, 0.0)
+    limiter.admit([SCOPE], 0, 60.0)  # refilled: full
+    limiter.admit([SCOPE], 100, 60.0).release(700, 60.0)
+    # 100 past a full bucket, refilled at 10 a second: repaid 10 s on.
+    assert limiter.debts(60.0) == {SCOPE: (0.0, NOON + 70)}
+    assert limiter.debts(65.0) == {SCOPE: (0.0, NOON + 70)}
+    assert limiter.debts(70.0) == {}
+
+
+def test_a_reloads_new_process_owes_what_the_old_one_owed(tmp_path: Path) -> None:
+    """The old process holds the counts until it stops (its new one counts
+    its own), but what its buckets owe is owed by the new one too."""
+    clocks = Clocks(NOON)
+    old, old_state = tpm_process(tmp_path, clocks)
+    clocks.advance(60.0)
+    old.admit([SCOPE], 100, clocks.now).release(3100, clocks.now)
+    old_state.save_counts()  # as each second: the old process still runs
+    new, new_state = tpm_process(tmp_path, Clocks(clocks.wall))
+    assert new.counts() == {}
+    assert new.debts(0.0) == {SCOPE: (0.0, NOON + 60 + 250)}
+    stop(old_state)
+    stop(new_state)
