@@ -496,16 +496,17 @@ class Metrics:
         )
         self.region_errors = Counter(
             "ponto_cache_region_errors",
-            "Regional cache (Redis) calls that failed, timed out or gave an answer that did "
-            "not parse (op decode), by operation",
+            "Regional cache (Redis) calls that failed, timed out, were refused or gave an "
+            "answer that did not parse (op decode), by operation",
             ["op"],
             registry=r,
         )
         self.region_requests = Counter(
             "ponto_cache_region_requests",
             "Regional cache (Redis) calls by operation and result: ok, error, timeout, "
-            "skipped (not tried: the circuit breaker is open) or dropped (a background write "
-            "not made: too many in flight)",
+            "refused (an error reply from a Redis that is up, e.g. full under noeviction: "
+            "a miss or a write dropped), skipped (not tried: the circuit breaker is open) or "
+            "dropped (a background write not made: too many in flight)",
             ["op", "result"],
             registry=r,
         )

@@ -11,8 +11,9 @@ import socket
 import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from dataplane.cache.regionurl import RegionURLError, check_url
+from dataplane.cache.regionurl import RegionURLError, check_url, read_password
 from dataplane.geo import TrustedProxies, database_problem
 from dataplane.http.cors import CorsPolicy
 from dataplane.http.edge import EdgeLimits
@@ -133,6 +134,9 @@ class Settings:
     # Deadline of each call to it; past it the call is a miss (see
     # dataplane.cache.regional for why 50 ms).
     redis_deadline_s: float = 0.05
+    # Its password, read from --redis-password-file at start ("" for none, or
+    # the one in the URL); out of repr, so it is in no log or traceback.
+    redis_password: str = field(default="", repr=False)
 
 
 def _unwritable(folder: Path) -> str:
@@ -388,7 +392,15 @@ def parse(argv: list[str]) -> Settings:
         metavar="URL",
         help="the region's shared cache, redis://HOST:PORT/DB (Redis or Valkey), the same "
         "for every proxy of the region; unreachable at start is not an error (local cache "
-        "only until it answers). Default: none",
+        "only until it answers). A password in the URL is seen by `ps`: give it in "
+        "--redis-password-file instead. Default: none",
+    )
+    p.add_argument(
+        "--redis-password-file",
+        type=path,
+        metavar="FILE",
+        help="a file holding the --redis password (its one line; a trailing newline is "
+        "ignored), read at start; the URL must then hold none. Default: none",
     )
     p.add_argument(
         "--redis-deadline-ms",
@@ -402,14 +414,15 @@ def parse(argv: list[str]) -> Settings:
         "--cache-ttl",
         type=finite_float,
         default=3600.0,
-        help="seconds a cached answer may serve, for tenants that set no TTL",
+        help="seconds a cached answer may serve, for tenants that set no TTL "
+        "(default: %(default)g)",
     )
     p.add_argument(
         "--semantic-threshold",
         type=finite_float,
         default=DEFAULT_SEMANTIC_THRESHOLD,
         help="cosine similarity a semantic hit needs, for tenants that set none "
-        "(chosen from bench/cache_eval.py; see docs/semantic-cache.md)",
+        "(default: %(default)g, chosen from bench/cache_eval.py; see docs/semantic-cache.md)",
     )
     p.add_argument(
         "--drain-seconds",
@@ -585,6 +598,20 @@ def parse(argv: list[str]) -> Settings:
             check_url(a.redis)
         except RegionURLError as exc:
             p.error(str(exc))
+    redis_password = ""
+    if a.redis_password_file is not None:
+        if not a.redis:
+            p.error("--redis-password-file needs --redis")
+        if urlsplit(a.redis).password is not None:
+            p.error(
+                "--redis-password-file and a password in the --redis URL: give one of them "
+                "(the file keeps it out of `ps`)"
+            )
+        try:
+            redis_password = read_password(a.redis_password_file)
+        except ValueError as exc:
+            # One line: the arguments parsed, the file they name is at fault.
+            p.exit(2, f"{p.prog}: error: {exc}\n")
     if a.drain_seconds < 0:
         p.error("--drain-seconds must be 0 (no draining) or more")
     if a.worker_hang_timeout and a.worker_hang_timeout < MIN_HANG_TIMEOUT_S:
@@ -683,5 +710,6 @@ def parse(argv: list[str]) -> Settings:
         access_log_probes=a.access_log_probes == "on",
         redis_url=a.redis,
         redis_deadline_s=a.redis_deadline_ms / 1000,
+        redis_password=redis_password,
     )
     return settings if slot is None else as_worker(settings, slot)

@@ -16,12 +16,23 @@ later requests from paying the same wait. Writes run in the background after
 the client has its answer (dataplane.cache.regionstore), so their deadline
 only bounds how long a write's task lives.
 
+Not every failure is an outage (dataplane.cache.regionfaults): a Redis that
+answers a command with an error (full under `noeviction`, a read-only replica)
+is up, and reads go on; that call is a miss or a dropped write, counted as
+`refused` and logged in one WARNING per REFUSED_WARNING_EVERY_S. A setup
+mistake (a wrong password, an unknown DB, an ACL refusal) makes Redis as
+unusable as an outage, but is logged as an ERROR naming the fix, once per
+MISTAKE_ERROR_EVERY_S while it lasts; the link goes on probing, so a Redis
+fixed live is used again without a restart.
+
 Lifecycle (as the app's other resources): construction has no side effects;
 `start()` checks the connection once (an unreachable Redis is not an error: the
-proxy starts degraded, logs one WARNING, and catches up when Redis answers);
-`close()` releases the connections. One per proxy worker, used from its event
-loop; not thread-safe. With `--workers N`, each worker has its own link, so
-the workers of one process also share their entries through Redis.
+proxy starts degraded, logs one WARNING, and catches up when Redis answers) and
+reads Redis's maxmemory-policy (again whenever Redis answers after an outage),
+warning once when it is `noeviction`; `close()` releases the connections.
+One per proxy worker, used from its event loop; not thread-safe. With
+`--workers N`, each worker has its own link, so the workers of one process
+also share their entries through Redis.
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from dataplane.cache.breaker import Admit, Breaker
+from dataplane.cache.regionfaults import Mistake, mistake_of, policy_warning, refusal_of
 from dataplane.cache.regionurl import check_url
 from dataplane.metrics import Metrics
+from ponto.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +73,14 @@ START_PING_S = 1.0
 # when it has been idle this long, and probes as soon as the breaker allows.
 IDLE_PING_S = 5.0
 WATCH_TICK_S = 0.25
+# A refusal (Redis full, say) can come with every write, a setup mistake with
+# every probe (up to one in 5 s): one line per kind this often says it
+# without flooding the log, and the lines not written are counted in the next.
+REFUSED_WARNING_EVERY_S = 60.0
+MISTAKE_ERROR_EVERY_S = 60.0
+# How long reading Redis's memory settings may take (at start, and when Redis
+# answers again): nothing waits on it but the warning.
+CONFIG_READ_S = 1.0
 
 
 class RegionLink:
@@ -85,8 +106,11 @@ class RegionLink:
         breaker: Breaker | None = None,
         watch_tick_s: float | None = WATCH_TICK_S,
         idle_ping_s: float = IDLE_PING_S,
+        password: str | None = None,
     ) -> None:
         self.url = check_url(url)
+        # From --redis-password-file: never in the URL, so never in a log line.
+        self._password = password
         self._metrics = metrics
         self._deadline = deadline_s
         self._deadlines = dict(deadlines or {})
@@ -102,6 +126,16 @@ class RegionLink:
         self._watch: asyncio.Task[None] | None = None
         self._watch_tick = watch_tick_s  # None: no watcher (tests that count calls)
         self._idle_ping = idle_ping_s
+        # Refusals by kind (regionfaults.Refusal.kind), setup mistakes by kind.
+        self._refused_logs: dict[str, Throttled] = {}
+        self._mistake_logs: dict[str, Throttled] = {}
+        # The setup mistake of the last failure, None when it was none.
+        self._mistake: Mistake | None = None
+        # Redis's maxmemory-policy as last read (None: not read, or refused),
+        # and the one last warned about.
+        self.policy: str | None = None
+        self._policy_warned = ""
+        self._config_task: asyncio.Task[None] | None = None
 
     @property
     def client(self) -> Redis:
@@ -122,6 +156,7 @@ class RegionLink:
                 socket_timeout=max(self._deadline, *self._deadlines.values(), 1.0),
                 retry=Retry(NoBackoff(), 1),
                 health_check_interval=0,
+                **({"password": self._password} if self._password else {}),
                 # No CLIENT SETINFO on connect: two round trips fewer, which
                 # matters when a burst opens many connections at once.
                 driver_info=None,
@@ -157,13 +192,16 @@ class RegionLink:
         # and nothing waits on it: a request's 50 ms deadline would call a
         # Redis that is merely slow to accept, or a busy start, unreachable.
         if await self.call("ping", lambda r: r.ping(), deadline_s=START_PING_S) is None:
-            log.warning(
-                "regional cache %s unreachable at start (%s): local cache only until it answers",
-                _safe(self.url),
-                self._last_error,
-            )
+            if self._mistake is None:  # a mistake was logged as one, by _failed
+                log.warning(
+                    "regional cache %s unreachable at start (%s): local cache only until it "
+                    "answers",
+                    _safe(self.url),
+                    self._last_error,
+                )
             return
         self._warned = False
+        await self.read_policy()
         # Opening a connection costs a few milliseconds of this loop's time: a
         # burst that found the pool cold would open dozens at once and overrun
         # its deadlines. Open some now, with time to spare.
@@ -181,12 +219,43 @@ class RegionLink:
             if (self._breaker.closed and idle) or self._breaker.probe_due:
                 await self.call("ping", lambda r: r.ping())
 
+    async def read_policy(self) -> None:
+        """Read Redis's maxmemory-policy (`CONFIG GET`), and warn once when it
+        is `noeviction`: a full Redis then refuses every write. Not through
+        `call`: a managed Redis may refuse CONFIG (renamed, or denied by its
+        ACL), which is neither an outage nor a mistake, and is only a DEBUG
+        line here. Never raises but the caller's cancellation."""
+        try:
+            async with asyncio.timeout(CONFIG_READ_S):
+                got = await self.client.config_get("maxmemory*")
+            policy = str(got["maxmemory-policy"])
+            maxmemory = int(str(got.get("maxmemory") or 0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("regional cache %s: no maxmemory-policy read (%r)", _safe(self.url), exc)
+            return
+        self.policy = policy
+        warning = policy_warning(policy, maxmemory)
+        if warning is None:
+            self._policy_warned = ""
+        elif self._policy_warned != warning:
+            self._policy_warned = warning
+            log.warning("regional cache %s: %s", _safe(self.url), warning)
+
+    def _read_policy_later(self) -> None:
+        if self._closed or (self._config_task is not None and not self._config_task.done()):
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to read for
+            self._config_task = asyncio.get_running_loop().create_task(self.read_policy())
+
     async def close(self) -> None:
         self._closed = True
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._config_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._client is not None:
             await self._client.aclose()
 
@@ -209,20 +278,70 @@ class RegionLink:
             self._failed(op, admit, "timeout", "no answer within the deadline")
             return None
         except Exception as exc:  # any failure of an optional tier is a miss
-            self._failed(op, admit, "error", f"{type(exc).__name__}: {exc}")
+            refusal = refusal_of(exc, self.policy)
+            if refusal is None:
+                self._failed(op, admit, "error", f"{type(exc).__name__}: {exc}", mistake_of(exc))
+                return None
+            # Redis is up and said no to this one command: a miss (or a
+            # write dropped), reads go on; the breaker hears that Redis answers.
+            self.count(op, "refused")
+            self.error(op)
+            self._answered(admit)
+            said = self._refused_logs.setdefault(
+                refusal.kind, Throttled(log, every_s=REFUSED_WARNING_EVERY_S, clock=self._clock)
+            )
+            said.log(
+                logging.WARNING,
+                "regional cache %s refused %s (%s: %s)%s; such calls are misses or dropped "
+                "writes, reads go on",
+                _safe(self.url),
+                op,
+                type(exc).__name__,
+                exc,
+                f": {refusal.advice}" if refusal.advice else "",
+            )
             return None
         self.count(op, "ok")
-        self._last_ok = self._clock()
-        if self._breaker.success(admit):
-            self._warned = False
-            log.info("regional cache %s answers again: region-wide hits resume", _safe(self.url))
+        self._answered(admit)
         return result
 
-    def _failed(self, op: str, admit: Admit, result: str, why: str) -> None:
+    def _answered(self, admit: Admit) -> None:
+        """Redis answered a call (with a result or an error reply)."""
+        self._last_ok = self._clock()
+        self._mistake = None
+        if self._breaker.success(admit):
+            self._warned = False
+            self._mistake_logs.clear()  # a mistake made again is said again at once
+            log.info("regional cache %s answers again: region-wide hits resume", _safe(self.url))
+            self._read_policy_later()
+
+    def _failed(
+        self, op: str, admit: Admit, result: str, why: str, mistake: Mistake | None = None
+    ) -> None:
         self.count(op, result)
         self.error(op)
         self._last_error = f"{op} {why}"
-        if self._breaker.failure(admit) and not self._warned:
+        self._mistake = mistake
+        opened = self._breaker.failure(admit)
+        if mistake is not None:
+            # Not an outage: waiting does not end it. Said as what to fix, at
+            # start and then once a while as long as it lasts (the breaker
+            # goes on probing, so a Redis fixed live is used again).
+            self._warned = True
+            said = self._mistake_logs.setdefault(
+                mistake.kind, Throttled(log, every_s=MISTAKE_ERROR_EVERY_S, clock=self._clock)
+            )
+            said.log(
+                logging.ERROR,
+                "regional cache %s misconfigured: %s (%s); %s. Local cache only until it "
+                "answers; retrying",
+                _safe(self.url),
+                mistake.what,
+                self._last_error,
+                mistake.fix,
+            )
+            return
+        if opened and not self._warned:
             self._warned = True
             log.warning(
                 "regional cache %s degraded (%s): local cache only, retrying in %.2gs",

@@ -4,6 +4,7 @@ garbage collector to walk)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import urlsplit
 
 SCHEMES = ("redis", "rediss", "unix")
@@ -33,3 +34,25 @@ def check_url(url: str) -> str:
     if not parts.hostname or (db and not db.isdigit()) or port == 0:
         raise RegionURLError(expected)
     return url
+
+
+def read_password(path: Path) -> str:
+    """The Redis password in the file at `path` (--redis-password-file): its
+    content less trailing line breaks, kept otherwise as it is (a password may
+    hold spaces or a `#`). ValueError (one line, never the content) when the
+    file cannot be read, is not UTF-8, is empty or holds more than one line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--redis-password-file {path}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--redis-password-file {path} is not UTF-8 text") from None
+    password = text.rstrip("\r\n")
+    if not password:
+        raise ValueError(f"--redis-password-file {path} is empty")
+    if "\n" in password or "\r" in password:
+        raise ValueError(
+            f"--redis-password-file {path} holds more than one line: "
+            "it must hold the password alone"
+        )
+    return password

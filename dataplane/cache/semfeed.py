@@ -516,11 +516,12 @@ def _messages(reply: Any) -> list[tuple[bytes, Any]]:
     return out
 
 
-def build_tail_client(url: str) -> Redis:
+def build_tail_client(url: str, password: str | None = None) -> Redis:
     """A client for the tail's blocking reads: one connection, a socket timeout
-    past BLOCK_MS, binary replies."""
+    past BLOCK_MS, binary replies; `password` from --redis-password-file."""
     return Redis.from_url(
         url,
+        password=password or None,
         socket_timeout=BLOCK_MS / 1000 + 3.0,
         socket_connect_timeout=2.0,
         max_connections=1,

@@ -147,7 +147,10 @@ class Proxy:
             from dataplane.cache.regionside import RedisSide  # noqa: PLC0415
 
             self.region_link = RegionLink(
-                settings.redis_url, m, deadline_s=settings.redis_deadline_s
+                settings.redis_url,
+                m,
+                deadline_s=settings.redis_deadline_s,
+                password=settings.redis_password or None,
             )
             side = RedisSide(self.region_link)
             self.store = RegionalStore(local, side, name=settings.name, clock=time.time)
@@ -490,7 +493,7 @@ def build_semantic_feed(
     most = int(settings.cache_max_bytes * SEMANTIC_SHARE) // (4 * MINILM_DIM + ENTRY_BYTES)
     return SemanticFeed(
         link,
-        build_tail_client(redis_url),
+        build_tail_client(redis_url, settings.redis_password or None),
         region=settings.region,
         proxy=settings.name,
         embedder=MINILM_ID,
