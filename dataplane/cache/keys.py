@@ -56,8 +56,10 @@ EMBEDDINGS = "embeddings"
 
 # Body parameters that never change the content of the answer. Everything else
 # is part of the key. `stream`/`stream_options` only change the framing (a
-# streamed entry can answer a non-streamed request and the reverse); the rest
-# are billing, abuse-monitoring or provider-side storage hints.
+# streamed entry can answer a non-streamed request and the reverse), but for
+# vLLM's `stream_options.continuous_usage_stats`, which is keyed
+# (`_continuous_usage`); the rest are billing, abuse-monitoring or
+# provider-side storage hints.
 NON_AFFECTING = frozenset(
     {
         "model",  # replaced by the aliased model passed to canonical_request
@@ -208,6 +210,9 @@ def canonical_request(
     params: dict[str, Any] = {}
     for name in sorted(body):
         value = body[name]
+        if name == "stream_options" and (usage_in_chunks := _continuous_usage(value)):
+            params[name] = usage_in_chunks
+            continue
         if name in NON_AFFECTING or value is None or _is_default(name, value):
             continue
         if name == "messages" and endpoint == CHAT:
@@ -226,6 +231,25 @@ def canonical_request(
         lowered = {k.lower(): v for k, v in headers.items()}
         doc["headers"] = {k: lowered[k] for k in sorted(lowered)}
     return jsonio.dumps({k: doc[k] for k in sorted(doc)})
+
+
+def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:
+    """The part of `stream_options` that changes what is answered: vLLM's
+    `continuous_usage_stats` (usage in every chunk), when it is not off.
+
+    Keyed apart rather than bypassed: a stream recorded with usage in every
+    chunk is replayed with its chunks as they came, so it answers a request
+    that asks for it in full, and one that does not ask for it would get
+    usage it never asked for (and a stream recorded without it, replayed to
+    one that asks, would lack the per-chunk usage). Apart, each kind is cached
+    and served its own, at no cost to the common request, whose key is
+    unchanged (no KEY_VERSION bump: no key of a request without it moves)."""
+    if not isinstance(stream_options, Mapping):
+        return None
+    value = stream_options.get("continuous_usage_stats")
+    if value is None or value is False:
+        return None
+    return {"continuous_usage_stats": _canon(value)}
 
 
 # Parameters whose value, when it is this one, is what leaving them out means

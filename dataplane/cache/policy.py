@@ -74,6 +74,14 @@ class RequestCacheControl:
     no_store: bool = False
     # max-age=N: only entries at most N seconds old may answer (0 == no-cache).
     max_age: int | None = None
+    # min-fresh=N: only entries that stay fresh N more seconds may answer.
+    min_fresh: int | None = None
+    # only-if-cached: answer from the cache or not at all (504, RFC 9111
+    # 5.2.1.7): no origin is called, nor is an identical request in flight
+    # waited for.
+    only_if_cached: bool = False
+    # max-stale is not honoured: an entry past its TTL is gone from every
+    # tier (nothing stale is kept), so there is never a stale one to serve.
 
     @classmethod
     def parse(cls, header: str | None) -> RequestCacheControl:
@@ -82,27 +90,45 @@ class RequestCacheControl:
         Directive names are case-insensitive; unknown directives, stray commas
         and malformed values are ignored (a malformed max-age is ignored rather
         than treated as 0, as RFC 9111 suggests for caches that cannot parse it:
-        we only ever lose a hit by being stricter elsewhere).
+        we only ever lose a hit by being stricter elsewhere). A directive given
+        twice keeps its strictest value.
         """
         if not header:
             return _NONE
-        no_cache = no_store = False
+        no_cache = no_store = only_if_cached = False
         max_age: int | None = None
+        min_fresh: int | None = None
         for name, value in _directives(header):
             if name == "no-cache":
                 no_cache = True
             elif name == "no-store":
                 no_store = True
+            elif name == "only-if-cached":
+                only_if_cached = True
             elif name == "max-age" and value is not None and value.isdigit():
                 age = int(value)
                 max_age = age if max_age is None else min(max_age, age)
-        if not (no_cache or no_store or max_age is not None):
+            elif name == "min-fresh" and value is not None and value.isdigit():
+                fresh = int(value)
+                min_fresh = fresh if min_fresh is None else max(min_fresh, fresh)
+        if not (no_cache or no_store or only_if_cached or max_age is not None or min_fresh):
             return _NONE
-        return cls(no_cache=no_cache or max_age == 0, no_store=no_store, max_age=max_age)
+        return cls(
+            no_cache=no_cache or max_age == 0,
+            no_store=no_store,
+            max_age=max_age,
+            min_fresh=min_fresh or None,
+            only_if_cached=only_if_cached,
+        )
 
     def accepts_age(self, age_s: float) -> bool:
-        """Whether an entry this old may answer the request."""
+        """Whether an entry this old may answer the request (max-age)."""
         return self.max_age is None or age_s <= self.max_age
+
+    def accepts(self, age_s: float, fresh_s: float) -> bool:
+        """Whether an entry this old, with `fresh_s` seconds left before it
+        expires, may answer the request (max-age and min-fresh)."""
+        return self.accepts_age(age_s) and (self.min_fresh is None or fresh_s >= self.min_fresh)
 
 
 _NONE = RequestCacheControl()

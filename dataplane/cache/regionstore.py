@@ -257,7 +257,7 @@ class RegionalStore:
         entry = await self.local.get(key)
         if entry is not None:
             self._count(True)
-            return Found(entry, "local")
+            return Found(entry, "local", self.local.fresh_for(key))
         epoch = self._epochs.epoch(tenant, model)
         raw = await self.side.get(ENTRY_PREFIX + _region_key(epoch, key, tenant, model))
         if raw is UNANSWERED:
@@ -269,7 +269,9 @@ class RegionalStore:
             raw = None
         entry = await self._adopt(raw, key, tenant, model)
         self._count(entry is not None)
-        return Found(entry, "region") if entry is not None else None
+        # The local copy was given the time the entry has left (unless the
+        # local tier refused it: then the step reckons from the tenant's TTL).
+        return Found(entry, "region", self.local.fresh_for(key)) if entry is not None else None
 
     async def put(
         self, key: str, entry: CachedResponse, *, tenant: str, model: str, ttl_s: float

@@ -92,6 +92,9 @@ NO_DIRECTIVES = RequestCacheControl()
 # origin; an entry without the usage the request asks for.
 VERIFY = "verify"
 NO_USAGE = "no-usage"
+# A request with `Cache-Control: only-if-cached` that no entry answers: 504,
+# no origin called (RFC 9111 5.2.1.7).
+ONLY_IF_CACHED = "only-if-cached"
 # An answer not kept, as x-ponto-cache-reason says it: the header's tokens are
 # hyphenated (dataplane.cache.policy.Reason), ponto_cache_unkept_total's
 # reasons are not, and too-large is taken (a request too large to key).
@@ -197,6 +200,9 @@ class CachePlan:
     # is or is not known: a whole answer's is known before its headers go out
     # (x-ponto-cache-reason), a stream's at its end (the access log).
     unkept: str = ""
+    # The request said `Cache-Control: only-if-cached` and nothing in the
+    # cache answers it: the pipeline answers 504 and calls no origin.
+    not_cached: bool = False
 
     @property
     def said_reason(self) -> str:
@@ -334,7 +340,7 @@ class EdgeCache:
                 decision = Decision(False, False, Reason.UNKEYABLE)
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
-            return CachePlan("bypass", reason=decision.reason.value)
+            return CachePlan("bypass", reason=decision.reason.value, not_cached=cc.only_if_cached)
         include_usage = asks_usage(req.body)
         wants_usage = _wants_usage(include_usage, req.stream)
         context = text = ""
@@ -350,7 +356,7 @@ class EdgeCache:
         miss = ""
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
-            if isinstance(hit, Found) and cc.accepts_age(self._clock() - hit.entry.created_at):
+            if isinstance(hit, Found) and self._accepts(cc, hit, policy.ttl_s):
                 if hit.entry.answers(include_usage=wants_usage):
                     return self._hit(hit, "exact", include_usage)
                 # The request's own entry, refreshed by this miss: no neighbour
@@ -371,6 +377,8 @@ class EdgeCache:
                         pass  # the region could not say: a miss, the pointer stays
                     elif near is None or not cc.accepts_age(self._clock() - near.entry.created_at):
                         self.semantic.remove(found.key)  # its answer is gone
+                    elif not self._accepts(cc, near, policy.ttl_s):
+                        pass  # not fresh enough for this request: sound for others
                     elif found.action is Action.HIT:
                         if near.entry.answers(include_usage=wants_usage):
                             plan = self._hit(near, "semantic", include_usage)
@@ -379,6 +387,8 @@ class EdgeCache:
                         miss = NO_USAGE  # the pointer stays: its entry is sound
                     elif found.action in (Action.VERIFY, Action.OBSERVE):
                         neighbour = (found, near.entry)
+            if cc.only_if_cached:
+                return self._not_cached()
             # Joining is synchronous: of identical requests that reach it while
             # a flight is open, one leads and the rest follow (see Coalescer).
             # One whose lookup above suspended (Redis, the semantic index) and
@@ -388,7 +398,21 @@ class EdgeCache:
             if isinstance(flight, Follower):
                 return _following(flight, key, include_usage, context, text, neighbour)
             return await self._lead(req, key, flight, include_usage, context, text, neighbour, miss)
+        if cc.only_if_cached:  # no-cache (or max-age=0) with only-if-cached
+            return self._not_cached()
         return self._fill(req, key, None, context, text, include_usage, neighbour, miss)
+
+    def _accepts(self, cc: RequestCacheControl, found: Found, ttl_s: float) -> bool:
+        """Whether the request's max-age and min-fresh let `found` answer it.
+        Its time left is its store's reckoning, else (a region entry the
+        local tier did not take) the tenant's TTL less its age."""
+        age = self._clock() - found.entry.created_at
+        fresh = found.fresh_s if found.fresh_s is not None else ttl_s - age
+        return cc.accepts(age, fresh)
+
+    def _not_cached(self) -> CachePlan:
+        self._count("miss", ONLY_IF_CACHED)
+        return CachePlan("miss", reason=ONLY_IF_CACHED, not_cached=True)
 
     async def _lead(
         self,

@@ -69,6 +69,9 @@ Tier = Literal["local", "region"]
 class Found:
     entry: CachedResponse
     tier: Tier
+    # Seconds the entry has left before it expires, as its store reckons them
+    # (a request's `Cache-Control: min-fresh`); None when the store cannot say.
+    fresh_s: float | None = None
 
 
 class Unanswered(enum.Enum):
@@ -214,7 +217,12 @@ class ExactStore:
 
     async def lookup(self, key: str, *, tenant: str, model: str) -> Found | None:
         entry = await self.get(key)
-        return Found(entry, "local") if entry is not None else None
+        return Found(entry, "local", self.fresh_for(key)) if entry is not None else None
+
+    def fresh_for(self, key: str) -> float | None:
+        """Seconds the entry under key has left; None when there is none."""
+        slot = self._entries.get(key)
+        return None if slot is None else slot.expires_at - self._clock()
 
     async def put(
         self, key: str, entry: CachedResponse, *, tenant: str, model: str, ttl_s: float

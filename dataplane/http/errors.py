@@ -313,6 +313,22 @@ def upstream_too_large(limit: int) -> ApiError:
     )
 
 
+def not_cached(bypass: str = "") -> ApiError:
+    """504: the request said `Cache-Control: only-if-cached` and no entry
+    answers it (RFC 9111 5.2.1.7); no origin was called. `bypass` is why the
+    cache could not serve it at all (dataplane.cache.policy.Reason), if so."""
+    why = f" (the cache does not serve this request: {bypass})" if bypass else ""
+    error = ApiError(
+        504,
+        f"no cached answer for this request, and Cache-Control: only-if-cached forbids "
+        f"asking an origin{why}",
+        type="invalid_request_error",
+        code="not_cached",
+    )
+    error.spent = False
+    return error
+
+
 def upstream_timeout() -> ApiError:
     """504: the request's deadline passed before any origin committed."""
     return ApiError(

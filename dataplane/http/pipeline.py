@@ -50,6 +50,7 @@ from dataplane.http.errors import (
     body_too_large,
     model_not_found,
     no_route_table,
+    not_cached,
     previous_response_not_found,
     several_authorizations,
     tenant_suspended,
@@ -485,6 +486,9 @@ class Pipeline:
         else:
             with ex.trace.cache_step(ex):
                 plan = ex.cache = await self.cache.plan(creq)
+        if plan.not_cached:
+            ex.usage = Usage(0, 0)  # no origin was asked: the estimate back
+            raise not_cached(plan.reason if plan.outcome == "bypass" else "")
         try:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back

@@ -471,6 +471,22 @@ def test_stream_flag_does_not_change_the_key() -> None:
     assert key(chat(stream=True, stream_options={"include_usage": True})) == key(chat(stream=False))
 
 
+def test_usage_in_every_chunk_keys_a_stream_apart() -> None:
+    """vLLM's stream_options.continuous_usage_stats puts usage in every chunk:
+    a replay of a stream recorded without it would lack them, and the
+    reverse would give a client usage it did not ask for."""
+    asks = {"include_usage": True, "continuous_usage_stats": True}
+    plain = key(chat(stream=True, stream_options={"include_usage": True}))
+    continuous = key(chat(stream=True, stream_options=asks))
+    assert continuous != plain
+    assert continuous == key(chat(stream=True, stream_options={**asks, "include_usage": True}))
+    # Off, or null, is as leaving it out: the common key does not move.
+    for off in (False, None):
+        options = {"include_usage": True, "continuous_usage_stats": off}
+        assert key(chat(stream=True, stream_options=options)) == plain
+    assert key(chat(stream=True, stream_options="not an object")) == plain
+
+
 # ---------------------------------------------------------------------------
 # Any output-affecting change, another key
 

@@ -1,0 +1,84 @@
+"""The client's Cache-Control on the wire (tests/functional/test_pipeline.py's
+stack): `only-if-cached` on a miss is a 504 in OpenAI's error shape that
+reaches no origin; `min-fresh` refuses an entry about to expire; a stream that
+asks for usage in every chunk (vLLM's continuous_usage_stats) is keyed apart."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ponto.originsim.app import SimConfig
+from tests.functional.test_pipeline import KEY, Stack, chat, read_sse, start_stack
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=4, seed=1)])
+    yield s
+    await s.close()
+
+
+async def post(stack: Stack, body: dict[str, Any], cache_control: str = "") -> Any:
+    headers = {"authorization": f"Bearer {KEY.key}"}
+    if cache_control:
+        headers["cache-control"] = cache_control
+    return await stack.client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+async def test_only_if_cached_on_a_miss_is_a_504_that_reaches_no_origin(stack: Stack) -> None:
+    resp = await post(stack, chat("what is two and two"), "only-if-cached")
+    assert resp.status == 504
+    assert resp.headers["x-ponto-cache"] == "miss"
+    assert resp.headers["x-ponto-cache-reason"] == "only-if-cached"
+    error = (await resp.json())["error"]
+    assert error["code"] == "not_cached"
+    assert error["type"] == "invalid_request_error"
+    assert "only-if-cached" in error["message"]
+    assert stack.origin_requests() == 0
+    # Once cached, the same header is a hit.
+    assert (await post(stack, chat("what is two and two"))).status == 200
+    hit = await post(stack, chat("what is two and two"), "only-if-cached")
+    assert (hit.status, hit.headers["x-ponto-cache"]) == (200, "hit")
+    assert stack.origin_requests() == 1
+
+
+async def test_only_if_cached_with_a_bypass_says_why(stack: Stack) -> None:
+    resp = await post(stack, chat("a sample", temperature=0.7), "only-if-cached")
+    assert resp.status == 504
+    assert resp.headers["x-ponto-cache"] == "bypass"
+    assert resp.headers["x-ponto-cache-reason"] == "nondeterministic"
+    assert "nondeterministic" in (await resp.json())["error"]["message"]
+    assert stack.origin_requests() == 0
+
+
+async def test_min_fresh_past_the_ttl_is_a_miss(stack: Stack) -> None:
+    assert (await post(stack, chat("what is three and three"))).status == 200
+    # The default TTL is an hour: an entry cannot stay fresh two more.
+    late = await post(stack, chat("what is three and three"), "min-fresh=7200")
+    assert late.headers["x-ponto-cache"] == "miss"
+    fresh = await post(stack, chat("what is three and three"), "min-fresh=60")
+    assert fresh.headers["x-ponto-cache"] == "hit"
+    assert stack.origin_requests() == 2
+
+
+async def test_a_stream_asking_usage_in_every_chunk_is_not_a_plain_streams_replay(
+    stack: Stack,
+) -> None:
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    plain = await post(stack, chat("count to four", **usage))
+    await read_sse(plain)
+    continuous = {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    resp = await post(stack, chat("count to four", **continuous))
+    await read_sse(resp)
+    assert resp.headers["x-ponto-cache"] == "miss"
+    again = await post(stack, chat("count to four", **continuous))
+    await read_sse(again)
+    assert again.headers["x-ponto-cache"] == "hit"
+    assert stack.origin_requests() == 2
