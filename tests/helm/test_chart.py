@@ -822,6 +822,68 @@ def test_a_url_with_a_password_comes_from_a_secret(helm: Path) -> None:
     }
 
 
+def test_a_password_secret_is_a_file_the_proxy_reads(helm: Path, tmp_path: Path) -> None:
+    """cache.redis.passwordSecret: the password mounted from its Secret and
+    given as --redis-password-file, out of the pod spec and the command line."""
+    values = values_file(
+        tmp_path,
+        {
+            "cache": {
+                "redis": {
+                    "url": "redis://proxy@cache.example.net:6379/0",
+                    "passwordSecret": {"name": "ponto-redis", "key": "pw"},
+                }
+            }
+        },
+    )
+    docs = render(helm, "-f", values)
+    deployment = one(docs, "Deployment", "ponto-proxy-us-east")
+    c = container(deployment)
+    assert flags(c)["--redis-password-file"] == "/etc/ponto/redis/password"
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["redis-password"] == {
+        "name": "redis-password",
+        "mountPath": "/etc/ponto/redis",
+        "readOnly": True,
+    }
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    assert volumes["redis-password"]["secret"] == {
+        "secretName": "ponto-redis",
+        "defaultMode": 0o440,
+        "items": [{"key": "pw", "path": "password"}],
+    }
+    # The proxy takes the rendered flags with the file in place.
+    (tmp_path / "etc" / "ponto" / "redis").mkdir(parents=True)
+    (tmp_path / "etc" / "ponto" / "redis" / "password").write_text("s3cret\n")
+    args = _materialise(docs, tmp_path, deployment)
+    args = [a for a in args if not a.startswith("--geoip-db")]
+    proxy = proxy_settings.parse(args)
+    assert proxy.redis_password == "s3cret"
+    assert proxy.redis_url == "redis://proxy@cache.example.net:6379/0"
+
+
+def test_no_password_file_without_a_password_secret(helm: Path) -> None:
+    c = container(one(render(helm), "Deployment", "ponto-proxy-us-east"))
+    assert "--redis-password-file" not in flags(c)
+    assert "redis-password" not in {m["name"] for m in c["volumeMounts"]}
+
+
+def test_a_password_secret_for_the_chart_s_own_redis_is_refused(helm: Path) -> None:
+    message = refused(helm, "--set", "cache.redis.passwordSecret.name=ponto-redis")
+    assert "uses the chart's own Redis" in message
+
+
+def test_a_password_secret_and_a_password_in_the_url_are_refused(helm: Path) -> None:
+    message = refused(
+        helm,
+        "--set",
+        "cache.redis.url=redis://:pw@cache.example.net:6379/0",
+        "--set",
+        "cache.redis.passwordSecret.name=ponto-redis",
+    )
+    assert "holds a password too" in message
+
+
 def test_a_url_for_a_region_without_proxies_is_refused(helm: Path, tmp_path: Path) -> None:
     values = values_file(tmp_path, {"cache": {"redis": {"urls": {"mars": "redis://r:6379/0"}}}})
     assert 'cache.redis.urls names region "mars"' in refused(helm, "-f", values)

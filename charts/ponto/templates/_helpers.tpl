@@ -361,6 +361,21 @@ render one Service over the other. */ -}}
 {{- fail (printf "cache.redis.urls names region %q, which is not in proxy.regions" $region) -}}
 {{- end -}}
 {{- end -}}
+{{- /* A password file goes with an external store whose URL holds none: the
+chart's own servers run without a password, and a password in the URL too is
+refused by the proxy (two passwords). */ -}}
+{{- if .Values.cache.redis.passwordSecret.name -}}
+{{- range $r := $proxyRegions -}}
+{{- if include "ponto.redis.deployed" (list $ $r) -}}
+{{- fail (printf "cache.redis.passwordSecret is set, but region %q uses the chart's own Redis (cache.redis.deploy), which runs without a password: give that region an external store (cache.redis.url or urls) or unset passwordSecret" $r) -}}
+{{- end -}}
+{{- end -}}
+{{- range $url := prepend (values (.Values.cache.redis.urls | default dict)) (.Values.cache.redis.url | default "") -}}
+{{- if regexMatch "^[a-z]+://[^/@]*:[^/@]*@" $url -}}
+{{- fail "cache.redis.passwordSecret is set, and a cache.redis URL holds a password too: take it out of the URL (the proxy refuses two)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- /* A stopping proxy pod: the preStop sleep, then SIGTERM, after which each worker
 answers for --drain-seconds and its supervisor gives it 75 s more (up to 60 s for
 requests still running, then its clean-up; dataplane/supervisor.py SHUTDOWN_GRACE_S).
