@@ -71,7 +71,11 @@ from dataplane.placement.keys import SESSION_HEADER, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter, format_duration
-from dataplane.ratelimit.tokens import completion_bound, estimate_prompt_tokens
+from dataplane.ratelimit.tokens import (
+    completion_bound,
+    continues_stored,
+    estimate_prompt_tokens,
+)
 from dataplane.routes import Point, Routes, Target
 from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
@@ -447,8 +451,12 @@ class Pipeline:
         limiter = self.limiter
         scopes = ex.principal.scopes
         ex.estimate = estimate_prompt_tokens(ex.endpoint.name, ex.body)
-        # Only a budget's charge reads it: one dict lookup or two otherwise.
-        most = completion_bound(ex.endpoint.name, ex.body)
+        # Only a budget's charge reads it. Not of a request whose prompt the
+        # estimate cannot see whole (a Responses turn on stored state): the
+        # completion expected also stands for that prompt (review).
+        most = None
+        if limiter.budgeted and not continues_stored(ex.endpoint.name, ex.body):
+            most = completion_bound(ex.endpoint.name, ex.body)
         now = time.monotonic()
         admission = limiter.admit(scopes, ex.estimate, now, most=most)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):

@@ -140,8 +140,16 @@ COMPLETION_WEIGHT = 0.2
 # The completion a budgeted scope expects before this process has seen one of
 # its answers (trial 56: expecting none, a first burst of 20 long answers at
 # once spent 8,120 tokens of a day's 2,000). About a long chat answer; a
-# request that states a smaller bound (`max_tokens`) is charged that.
+# request that states a smaller bound (`max_tokens`) is charged that. It
+# counts as one answer: the first answers move the expectation by their mean
+# with it (1/2, 1/3, ...), then by COMPLETION_WEIGHT (review: one short first
+# answer replacing it made the next burst's expectation nothing again).
 FIRST_COMPLETION = 256.0
+# The furthest ahead a saved debt is taken (RateLimiter.owe): a wall clock
+# stepped back between two processes would make the next one owe the step
+# (review: a day back refused a key for a day). The leader counts no more of
+# a proxy's debt than an hour of the limit either.
+MAX_OWED_S = 3600.0
 
 # How long after a scope appears on this proxy a refusal for want of any slot may
 # wait for the leader's next share instead (see RateLimiter.may_wait).
@@ -152,7 +160,7 @@ class _Scope:
     """One limited scope on this proxy: its buckets, slots and demand counters."""
 
     __slots__ = (
-        "answered",
+        "answers",
         "attempt_tokens",
         "attempts",
         "budget",
@@ -226,7 +234,7 @@ class _Scope:
         # an EWMA from its first answer on (FIRST_COMPLETION before): what a
         # budget is charged beforehand (RateLimiter.admit).
         self.completion = FIRST_COMPLETION
-        self.answered = False
+        self.answers = 0  # those it learned from
         self.limits = ScopeLimits()
         self.set_limits(limits, now)
 
@@ -324,6 +332,7 @@ class Admission:
     """
 
     __slots__ = (
+        "_most",
         "_open",
         "_reserved",
         "_scopes",
@@ -363,6 +372,7 @@ class Admission:
         # estimate for the completion to come (RateLimiter.admit); None: no
         # budgeted scope.
         self._reserved: list[float] | None = None
+        self._most: int | None = None  # the completion's bound it stated
 
     @property
     def refused_scope(self) -> str:
@@ -405,11 +415,13 @@ class Admission:
                 # turned and refunded after it gives back nothing of the new.
                 st.day_used = max(0.0, st.day_used + settle)
                 st.month_used = max(0.0, st.month_used + settle)
-                if actual_tokens is not None:
-                    if st.answered:
-                        st.completion += COMPLETION_WEIGHT * (max(0, delta) - st.completion)
-                    else:  # its first answer replaces the prior whole
-                        st.completion, st.answered = float(max(0, delta)), True
+                if actual_tokens and (self._most is None or self._most >= st.completion):
+                    # Learned of answers an origin made (not a hit, nor one
+                    # given back: 0) and not cut short by a bound below what
+                    # is expected (a `max_tokens: 1` says nothing of the rest).
+                    st.answers += 1
+                    weight = max(COMPLETION_WEIGHT, 1.0 / (st.answers + 1))
+                    st.completion += weight * (max(0, delta) - st.completion)
             if delta:
                 st.attempt_tokens += delta
                 tok = st.tok
@@ -447,6 +459,7 @@ class RateLimiter:
         # Until when (wall time) its buckets owed, per scope, requests and
         # tokens: not owed yet here (owe).
         self._owed: dict[str, tuple[float, float]] = {}
+        self._any_budget = False
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
         self._day = 0
@@ -507,6 +520,7 @@ class RateLimiter:
             shares.pop(name, None)
             self._budgets.pop(name, None)
         self._scopes = scopes
+        self._any_budget = any(st.limits.budgeted for st in scopes.values())
         self._take_owed(now)
 
     def _next_epoch(self, now: float) -> float:
@@ -579,13 +593,21 @@ class RateLimiter:
             if st is not None:
                 self._resume_scope(st)
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether any scope here has a budget: only then does an admission
+        read the completion's bound (`admit`'s `most`)."""
+        return self._any_budget
+
     def debts(self, now: float) -> dict[str, tuple[float, float]]:
         """Until when (wall time, as set_day last gave it) each scope's
         buckets here are in debt, requests and tokens (0: not in debt), of
         the scopes in debt: what the process after this one owes (`owe`).
         A time, not an amount: it changes only when a bucket is charged or
         repaid, not as it refills, and holds when the next process's share
-        (and refill) differs."""
+        (and refill) differs from this one's (once owed there, a debt is an
+        amount again: a share that shrinks later lengthens it, as it does
+        any bucket's)."""
         wall = now + self._wall_offset
         out: dict[str, tuple[float, float]] = {}
         for name, st in self._scopes.items():
@@ -604,11 +626,14 @@ class RateLimiter:
         same wall time, as the table and a share with a refill bring it, or
         at once if it is there. Call after set_day, before the first
         configure: QuotaState.load_saved."""
-        self._owed = {
-            name: (float(r), float(t))
-            for name, (r, t) in debts.items()
-            if math.isfinite(r) and math.isfinite(t)
-        }
+        wall = now + self._wall_offset
+        latest = wall + MAX_OWED_S
+        for name, (r, t) in debts.items():
+            if not (math.isfinite(r) and math.isfinite(t)):
+                continue
+            # Taken again (a reload's old process saved more since): the later.
+            was = self._owed.get(name, (0.0, 0.0))
+            self._owed[name] = (max(was[0], min(r, latest)), max(was[1], min(t, latest)))
         self._take_owed(now)
 
     def _take_owed(self, now: float) -> None:
@@ -626,10 +651,12 @@ class RateLimiter:
                 continue
             waiting = False
             for bucket, until in ((st.req, req_until), (st.tok, tok_until)):
-                if until <= wall or bucket is None:
+                if until <= wall:
                     continue
-                if bucket.rate <= 0:
-                    waiting = True  # no share yet: owed once it has one
+                if bucket is None or bucket.rate <= 0:
+                    # No limit of that kind yet (an older table) or no share:
+                    # owed once it has them, until the time passes.
+                    waiting = True
                     continue
                 bucket.refill(now)
                 bucket.level = min(bucket.level, -(until - wall) * bucket.rate)
@@ -960,6 +987,7 @@ class RateLimiter:
                 st.month_used += est_tokens + expected
         admission = Admission(True, found, est_tokens)
         admission._reserved = reserved
+        admission._most = most
         return admission
 
     def _over_budget(

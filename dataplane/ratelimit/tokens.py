@@ -189,6 +189,15 @@ def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
     return bound * choices
 
 
+def continues_stored(endpoint: str, body: Mapping[str, Any]) -> bool:
+    """Whether a request's prompt includes what the origin stored (a
+    Responses turn after `previous_response_id`, of a `conversation`, or of a
+    stored `prompt`), which no estimate of its body sees."""
+    return endpoint == "responses" and any(
+        body.get(name) is not None for name in ("previous_response_id", "conversation", "prompt")
+    )
+
+
 def estimate_stream_tokens(prompt_estimate: int, streamed_chars: int) -> int:
     """Total tokens of a stream whose last chunk carried no `usage`.
 

@@ -83,6 +83,9 @@ class QuotaState:
         # and whether taking it failed otherwise than as held (said once).
         self._lock: int | None = None
         self._lock_failed = False
+        # Started beside a reload's old process: read its debts again once
+        # this one holds the lock (_hold_lock).
+        self._owes_on_lock = False
 
     @property
     def ready(self) -> bool:
@@ -262,6 +265,12 @@ class QuotaState:
                 )
             return False
         self._lock = fd
+        if self._owes_on_lock:
+            # A reload's old process has stopped and saved last: what it owed
+            # past what this one took at its start (its streams settled as
+            # it drained) is owed here too, before this one's saves replace it.
+            self._owes_on_lock = False
+            self._owe(self._saved_counts()[1])
         return True
 
     def _saved_counts(self) -> tuple[dict[str, Spent], dict[str, tuple[float, float]]]:
@@ -278,9 +287,6 @@ class QuotaState:
                 str(scope): Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3]))
                 for scope, v in raw["counts"].items()
             }
-            debts = {
-                str(scope): (float(v[0]), float(v[1])) for scope, v in raw.get("debts", {}).items()
-            }
             proxy = raw["proxy"]
         except FileNotFoundError:
             return {}, {}
@@ -290,12 +296,27 @@ class QuotaState:
         if proxy != self._proxy:
             log.info("budget counts in %s are proxy %s's, not taken", path, proxy)
             return {}, {}
+        try:
+            debts = {
+                str(scope): (float(v[0]), float(v[1])) for scope, v in raw.get("debts", {}).items()
+            }
+        except Exception as exc:  # damaged debts: the counts still stand
+            log.error("ignoring saved debts in %s: %s", path, exc)
+            debts = {}
         wall = self._wall()
         # Older, the leader may have folded that process (two silent days),
         # and after a week forgotten it: counted again, it would count twice.
         since = utc_day(wall - 86400)
         owed = {scope: until for scope, until in debts.items() if max(until) > wall}
         return {scope: s for scope, s in saved.items() if s.day >= since}, owed
+
+    def _owe(self, owed: dict[str, tuple[float, float]]) -> None:
+        if owed:
+            self._limiter.owe(owed, self._clock())
+            log.info(
+                "owing what the proxy's last process owed to the limits of %s",
+                ", ".join(sorted(owed)),
+            )
 
     def close(self) -> None:
         """Let the process after this one take the counts (as it stops, once
@@ -328,19 +349,15 @@ class QuotaState:
                 ", ".join(sorted(saved)),
             )
         elif not holds and not self._lock_failed:
+            self._owes_on_lock = True
             log.info(
                 "another process of this proxy holds its budget counts (a reload): "
                 "this one counts its own from nothing"
             )
-        if owed:
-            # A restart does not forgive what its buckets owed; nor a reload,
-            # whose old process, still running, owes it too: owed twice for
-            # the moment both run, which admits less, never more.
-            self._limiter.owe(owed, self._clock())
-            log.info(
-                "owing what the proxy's last process owed to the limits of %s",
-                ", ".join(sorted(owed)),
-            )
+        # A restart does not forgive what its buckets owed; nor a reload,
+        # whose old process, still running, owes it too: owed twice for the
+        # moment both run, which admits less, never more.
+        self._owe(owed)
         path = self._state_dir / QUOTA_FILE
         try:
             quota = pb.QuotaShares.FromString(path.read_bytes())

@@ -19,7 +19,7 @@ from dataplane.ratelimit import (
     format_duration,
 )
 from dataplane.ratelimit.limiter import DEMAND_HORIZON_S
-from dataplane.ratelimit.tokens import completion_bound
+from dataplane.ratelimit.tokens import completion_bound, continues_stored
 from ponto.quota_types import NO_SHARE
 
 T, K = "t/acme", "k/key1"
@@ -639,3 +639,20 @@ def test_a_requests_completion_bound_is_what_it_states(
     endpoint: str, body: dict[str, object], bound: int | None
 ) -> None:
     assert completion_bound(endpoint, body) == bound
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "stored"),
+    [
+        ("responses", {"input": "hi"}, False),
+        ("responses", {"input": "hi", "previous_response_id": "resp_1"}, True),
+        ("responses", {"input": "hi", "conversation": "conv_1"}, True),
+        ("responses", {"prompt": {"id": "pmpt_1"}}, True),
+        ("responses", {"input": "hi", "previous_response_id": None}, False),
+        ("chat.completions", {"messages": [], "prompt": "x"}, False),
+    ],
+)
+def test_a_turn_on_stored_state_is_one_whose_prompt_no_estimate_sees(
+    endpoint: str, body: dict[str, object], stored: bool
+) -> None:
+    assert continues_stored(endpoint, body) is stored
