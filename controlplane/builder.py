@@ -44,6 +44,11 @@ class TableBuilder:
     async def build_once(self) -> bool:
         """Read, compile, publish; return whether a new snapshot was published."""
         state = await self._catalog.snapshot()
+        if not state.response_id_keys:
+            # The first table of a fleet (or of one older than the keys): the
+            # key is made once, and read back as every replica reads it.
+            await self._catalog.ensure_response_id_key()
+            state = await self._catalog.snapshot()
         self.builds += 1
         snap = self._publisher.publish(compile_table(state))
         if snap is not None:

@@ -7,6 +7,9 @@ Layout in the store (one JSON object per key):
   /ponto/state/tenants/NAME     Tenant       limits, prompt and cache policy
   /ponto/state/keys/ID          ApiKeyRecord the key's hash, never the key
   /ponto/state/purges/ID        Purge        cache purges, the newest MAX_PURGES kept
+  /ponto/state/secrets/response-ids  {"keys": [hex, ...]}: the Responses ids'
+                                MAC keys (RouteTable.response_id_keys), the
+                                first signs; made once (ensure_response_id_key)
   /ponto/proxies/NAME           ProxyRecord  under a replica's lease; not compiled
   /ponto/replicas/ID            control-plane replicas, under their own leases
   /ponto/acks/ID                a replica's proxies' ACKed versions, one key per replica
@@ -24,6 +27,7 @@ import contextlib
 import logging
 import math
 import re
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -60,6 +64,7 @@ from controlplane.model import (
     check_model_names,
     check_name,
     decode_health,
+    decode_id_keys,
     decode_key,
     decode_origin,
     decode_proxy,
@@ -100,6 +105,11 @@ HEALTH = STATE_PREFIX + "health/"
 TENANTS = STATE_PREFIX + "tenants/"
 KEYS = STATE_PREFIX + "keys/"
 PURGES = STATE_PREFIX + "purges/"
+# The fleet's Responses id keys (dataplane/upstream/responseids.py): one value,
+# made by the first replica that builds a table without them, and read with
+# the rest of the state, so every replica compiles the same keys.
+RESPONSE_ID_KEYS = STATE_PREFIX + "secrets/response-ids"
+RESPONSE_ID_KEY_BYTES = 32
 MAX_PURGES = 64
 PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
@@ -156,6 +166,7 @@ class Catalog:
         keys: list[ApiKeyRecord] = []
         purges: list[Purge] = []
         created: dict[str, int] = {}
+        id_keys: tuple[bytes, ...] = ()
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
@@ -177,6 +188,8 @@ class Catalog:
                     keys.append(key)
                 elif kv.key.startswith(PURGES):
                     purges.append(decode_purge(kv.value, kv.mod_revision))
+                elif kv.key == RESPONSE_ID_KEYS:
+                    id_keys = decode_id_keys(kv.value)
             except (ValueError, TypeError, KeyError, InvalidArgument) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         purges.sort(key=lambda p: p.revision)
@@ -189,7 +202,20 @@ class Catalog:
             tuple(keys),
             tuple(purges),
             created,
+            id_keys,
         )
+
+    async def ensure_response_id_key(self) -> None:
+        """Make the fleet's Responses id key unless one is stored: created
+        only if absent, so replicas that race all end with the one that won
+        (a Conflict is that). Called by the table builder when a snapshot
+        has none; the write wakes every replica's builder."""
+        value = orjson.dumps({"keys": [secrets.token_bytes(RESPONSE_ID_KEY_BYTES).hex()]})
+        try:
+            await _guard(self.store.put(RESPONSE_ID_KEYS, value, if_absent=True))
+        except Conflict:
+            return
+        log.info("made the fleet's Responses id key (%s)", RESPONSE_ID_KEYS)
 
     async def put_health(self, health: OriginHealth, *, fence: Fence | None = None) -> None:
         """Leader-only write; with a fence it raises Conflict once leadership is lost."""

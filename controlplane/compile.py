@@ -101,6 +101,7 @@ def compile_table(state: State) -> pb.RouteTable:
         if (rev := state.created.get(t.name, 0))
     )
     table.purges.extend(sorted(purges, key=lambda p: p.revision))
+    table.response_id_keys.extend(state.response_id_keys)
     table.etag = content_etag(table)
     return table
 

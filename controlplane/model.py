@@ -424,6 +424,9 @@ class State:
     # Each tenant's record's create revision: the table carries it as a purge
     # of the tenant (compile.py), never trimmed with the purges.
     created: dict[str, int] = field(default_factory=dict)
+    # The Responses ids' MAC keys, the signing one first (catalog.RESPONSE_ID_KEYS);
+    # () until a replica made them.
+    response_id_keys: tuple[bytes, ...] = ()
 
 
 def encode(value: Any) -> bytes:
@@ -1214,6 +1217,20 @@ def decode_key(raw: bytes) -> ApiKeyRecord:
     fields["limits"] = _limits(fields.get("limits"))
     fields["models"] = tuple(str(m) for m in fields.get("models", ()))
     return ApiKeyRecord(**fields)
+
+
+def decode_id_keys(raw: bytes) -> tuple[bytes, ...]:
+    """The Responses id keys as stored: {"keys": [hex, ...]}, the signing
+    one first, each of at least 16 bytes (a proxy refuses a table with a
+    shorter one). An operator rotates by putting a new key first and keeping
+    the old one after it while its ids should last."""
+    data = orjson.loads(raw)
+    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
+        raise ValueError('the response id keys are not {"keys": [hex, ...]}')
+    keys = tuple(bytes.fromhex(k) for k in data["keys"])
+    if not keys or any(len(k) < 16 for k in keys):
+        raise ValueError("a response id key is shorter than 16 bytes, or there is none")
+    return keys
 
 
 def decode_purge(raw: bytes, revision: int) -> Purge:

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from yarl import URL
 
 from dataplane.upstream.credentials import CredentialError, OriginCredentials
-from dataplane.upstream.responseids import origin_tag
+from dataplane.upstream.responseids import MIN_KEY_BYTES, IdKeys, origin_tag
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -117,6 +117,10 @@ class Routes:
     # carry (dataplane.upstream.responseids): made once per table. An origin
     # drained, removed or unhealthy (unless panic routing uses it) is not here.
     stored_on: dict[str, Target] = field(default_factory=dict, compare=False)
+    # The keys of the Responses ids' MAC (RouteTable.response_id_keys); None
+    # for a table without them (an older control plane's): no id is
+    # rewritten, no follow-up pinned, no stored response's route served.
+    id_keys: IdKeys | None = field(default=None, compare=False)
     # Located points repeat (a GeoIP database has one point per city), so the
     # home of each point is computed once per table. Bounded by HOME_CACHE.
     _homes: dict[Point, str] = field(default_factory=dict, compare=False)
@@ -311,6 +315,9 @@ def validate(table: pb.RouteTable) -> None:
             raise TableError(f"origin {o.name!r} lists a model twice")
         if o.weight < 1:
             raise TableError(f"origin {o.name!r} has weight {o.weight}")
+    for key in table.response_id_keys:
+        if len(key) < MIN_KEY_BYTES:
+            raise TableError(f"a response id key is shorter than {MIN_KEY_BYTES} bytes")
 
 
 def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
@@ -396,6 +403,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         served=frozenset((o.region, m) for o in table.origins for m in o.models),
         credentials=tuple(t.credential for t in targets if t.credential is not None),
         stored_on={t.tag: t for t in targets},
+        id_keys=IdKeys(table.response_id_keys) if table.response_id_keys else None,
     )
 
 

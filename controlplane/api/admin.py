@@ -610,7 +610,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: apb.ListRequest, context: Ctx
     ) -> apb.GetRouteTableResponse:
         latest = self._publisher.latest
-        return apb.GetRouteTableResponse(table=latest.table if latest else None)
+        if latest is None:
+            return apb.GetRouteTableResponse()
+        # The Responses id keys are the fleet's secret, for proxies only: an
+        # operator's view shows them as their count of empty values.
+        table = pb.RouteTable()
+        table.CopyFrom(latest.table)
+        del table.response_id_keys[:]
+        table.response_id_keys.extend(b"" for _ in latest.table.response_id_keys)
+        return apb.GetRouteTableResponse(table=table)
 
     @grpc_errors
     async def ListAudit(self, request: apb.ListAuditRequest, context: Ctx) -> apb.ListAuditResponse:

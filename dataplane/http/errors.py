@@ -200,7 +200,7 @@ def invalid_response_id(sent: str, max_chars: int) -> ApiError:
     return ApiError(
         400,
         f"Invalid 'response_id': '{sent[:64]}{'...' if len(sent) > 64 else ''}': an id is at "
-        f"most {max_chars} letters, digits, '_', '-', '.' or '~'.",
+        f"most {max_chars} letters, digits, '_' or '-'.",
         param="response_id",
         code="invalid_value",
     )

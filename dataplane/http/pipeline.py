@@ -83,14 +83,7 @@ from dataplane.streaming.usage import Usage, UsageCounter, usage_of
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
-from dataplane.upstream.responseids import (
-    Rewriter,
-    decode,
-    encode,
-    ids_of,
-    response_id_in,
-    tenant_tag,
-)
+from dataplane.upstream.responseids import Rewriter, StreamIds, ids_of, rewrite_words
 from dataplane.upstream.stalls import Stalls
 
 if TYPE_CHECKING:
@@ -407,20 +400,32 @@ class Pipeline:
 
     @staticmethod
     def pin(ex: Exchange) -> None:
-        """A Responses request whose `previous_response_id` is ours
-        (dataplane.upstream.responseids): pinned to the origin that stored it,
-        which gets the id it made. A 400 previous_response_not_found when the
-        id is another tenant's, or its origin is not one this request may use
-        now (drained, unhealthy, removed, not serving the model): no other
-        origin has the state. An id not ours goes on as it came, unpinned."""
+        """A Responses request with a `previous_response_id`: pinned to the
+        origin that stored it, which gets the id it made, when the id is one
+        this gateway made for the caller's tenant (dataplane.upstream.
+        responseids). Any other id (another tenant's, forged, made before ids
+        were signed, or never through this gateway: an origin's own id, which
+        an id of ours shows as its prefix) is a 400 previous_response_not_found
+        with no origin called, as is an id whose origin is not one this
+        request may use now (drained, unhealthy, removed, not serving the
+        model): no other origin has the state. Under a table without id keys
+        (an older control plane's) nothing is pinned: the id goes on as it
+        came, as before the ids were the proxy's."""
         sent = ex.body.get("previous_response_id")
-        if not isinstance(sent, str):
+        if sent is None:
             return
-        decoded = decode(sent)
+        keys = ex.routes.id_keys
+        if keys is None:
+            return
+        decoded = keys.verified(sent, ex.principal.tenant) if isinstance(sent, str) else None
         if decoded is None:
-            return
-        if decoded.tenant != tenant_tag(ex.principal.tenant):
-            raise previous_response_not_found(sent, "it was not made for this caller")
+            # The same words for an id of another tenant as for one that was
+            # never made: the answer tells no one whose an id is.
+            raise previous_response_not_found(
+                sent if isinstance(sent, str) else "",
+                "ids must be ones this gateway returned to you (an id made before its "
+                "responses ids were signed, or by an origin directly, cannot be continued)",
+            )
         target = ex.routes.stored_on.get(decoded.origin)
         if target is None or not ex.routes.serves(target, ex.model):
             raise previous_response_not_found(
@@ -436,12 +441,13 @@ class Pipeline:
     @staticmethod
     def shown_ids(ex: Exchange, origin: OriginAnswer, ids: list[str]) -> Rewriter:
         """What rewrites a Responses answer of `origin` for its client: the
-        response's own id (the first of `ids`, when the answer names one) as
-        an id of ours, and the pinned previous id as the client sent it."""
+        response's own id (the first of `ids`, when the answer names one and
+        the table has id keys) as an id of ours, and the pinned previous id
+        as the client sent it."""
         shown: dict[str, str] = {}
-        if ids:
-            own = ids[0]
-            shown[own] = encode(own, origin.target.id_tag, tenant_tag(ex.principal.tenant))
+        keys = ex.routes.id_keys
+        if ids and keys is not None and keys.encodable(own := ids[0]):
+            shown[own] = keys.encode(own, origin.target.id_tag, ex.principal.tenant)
         if ex.previous is not None:
             shown[ex.previous[0]] = ex.previous[1]
         return Rewriter(shown)
@@ -669,6 +675,10 @@ class Pipeline:
             ids = ids_of(obj if parsed else jsonio.loads_or_none(body))
             shown = self.shown_ids(ex, origin, ids[:1])
             body = shown.whole(body)
+        elif ex.previous is not None and origin.status >= 400:
+            # The origin's error names the previous id as it knows it (vLLM:
+            # "Response with id 'resp_...' not found"): the client's is shown.
+            body = rewrite_words(body, dict((ex.previous,)))
         # Known before the headers (x-ponto-cache-reason of an answer not
         # kept), unless the body is too large to parse before sending.
         entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
@@ -836,12 +846,14 @@ class Pipeline:
                 rules.max_continuations,
             )
         shown = None
-        if ex.endpoint.name == "responses" and origin.status < 300:
-            # The response's id, from its response.created (held before the
-            # relay began: Forwarder._held).
-            opening = origin.opening
-            events = (e.data for e in opening.events) if opening is not None else ()
-            shown = self.shown_ids(ex, origin, response_id_in(events)[:1]) or None
+        if ex.endpoint.name == "responses" and origin.status < 300 and ex.routes.id_keys:
+            # The response's id, from its response.created, however long
+            # (it echoes the request's instructions and tools): its bytes
+            # are held until it is whole, up to the bound of an event.
+            shown = StreamIds(
+                lambda ids: self.shown_ids(ex, origin, ids[:1]),
+                self.forwarder.max_answer_bytes,
+            )
         watch = self.stalls.watch(origin.target.name)
         try:
             out, end = await reply.relay_origin(

@@ -52,7 +52,7 @@ from dataplane.streaming.splice import Transcript
 from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter, asks_usage
 from dataplane.upstream.forwarder import OriginAnswer
-from dataplane.upstream.responseids import Rewriter
+from dataplane.upstream.responseids import Rewriter, StreamIds
 from dataplane.upstream.wire import media_type
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ async def relay_origin(
     max_event_bytes: int,
     watch: Watch | None = None,
     whole: Whole | None = None,
-    shown: Rewriter | None = None,
+    shown: Rewriter | StreamIds | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
     `lead`, the stream of a flight's leader) published to the flight; with
@@ -191,7 +191,7 @@ class Rewritten:
 
     __slots__ = ("_content", "_shown")
 
-    def __init__(self, content: Readable, shown: Rewriter) -> None:
+    def __init__(self, content: Readable, shown: Rewriter | StreamIds) -> None:
         self._content = content
         self._shown = shown
 

@@ -375,10 +375,18 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
         # routes take), and its answers marked readable by the pages of the
         # origins listed (dataplane/http/cors.py).
         app.on_response_prepare.append(settings.cors.on_prepare)
+        # A path may have a resource per method (GET and DELETE of a stored
+        # response are two, so that each route keeps its own name, the
+        # metrics' endpoint label): its preflight names the methods of all.
+        by_path: dict[str, list[web.Resource]] = {}
         for resource in list(r.resources()):
             if isinstance(resource, web.Resource) and resource.canonical.startswith(API_PREFIX):
-                methods = ", ".join(sorted({route.method for route in resource} - {"HEAD"}))
-                resource.add_route("OPTIONS", preflight_handler(settings.cors, methods))
+                by_path.setdefault(resource.canonical, []).append(resource)
+        for resources in by_path.values():
+            methods = ", ".join(
+                sorted({route.method for res in resources for route in res} - {"HEAD"})
+            )
+            resources[0].add_route("OPTIONS", preflight_handler(settings.cors, methods))
     r.add_get("/healthz", endpoints.healthz, name="healthz")
     r.add_get("/health", endpoints.healthz, name="health")
     r.add_get("/readyz", endpoints.readyz, name="readyz")

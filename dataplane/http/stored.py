@@ -9,10 +9,13 @@ Each goes to the one origin that stored the response, which its id names
 (dataplane.upstream.responseids): another replica has no such response. The
 caller is authenticated and refused as for a chat call (401, 403 for a
 suspended tenant), and counted as one request, with no tokens, against its
-limits (a refusal is the usual 429). An id that is not ours, or not the
-caller's tenant's, is a 404 `not_found`; one no path may carry a 400; neither
-reaches an origin; an origin that serves no requests now (drained, unhealthy,
-removed) is a 404 too, as its responses are gone for the client. The call has
+limits (a refusal is the usual 429). An id that is not one this gateway made
+for the caller's tenant is a 404 `not_found`, in the same words whoever's it
+is; one no path may carry (any character but letters, digits, '_' and '-')
+a 400; neither reaches an origin; so is every id under a table without id
+keys (an older control plane's: no id can be checked); an origin that serves
+no requests now (drained, unhealthy, removed) is a 404 too, as its responses
+are gone for the client. The call has
 the origin's credential and the proxy's timeouts, and its answer is relayed as
 any origin's: a 2xx with the response's ids shown as the client knows them, an
 error through the allowlist (dataplane.http.errors.origin_error_body), a 5xx
@@ -57,13 +60,12 @@ from dataplane.upstream.forwarder import OriginAnswer
 from dataplane.upstream.responseids import (
     MAX_ID_CHARS,
     Decoded,
+    IdKeys,
     Rewriter,
-    decode,
-    encode,
+    StreamIds,
     ids_of,
-    response_id_in,
+    rewrite_words,
     safe_id,
-    tenant_tag,
 )
 from dataplane.upstream.wire import media_type
 
@@ -130,9 +132,9 @@ async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> we
     sent = request.match_info["response_id"]
     if not safe_id(sent):
         raise invalid_response_id(sent, MAX_ID_CHARS)
-    tenant = tenant_tag(principal.tenant)
-    decoded = decode(sent)
-    if decoded is None or decoded.tenant != tenant:
+    keys = routes.id_keys
+    decoded = keys.verified(sent, principal.tenant) if keys is not None else None
+    if keys is None or decoded is None:
         raise response_not_found(sent)
     target = routes.stored_on.get(decoded.origin)
     if target is None:
@@ -147,7 +149,9 @@ async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> we
         error.headers.update(limits)
         raise error
     try:
-        return await _call(pipeline, action, request, decoded, sent, target, limits)
+        return await _call(
+            pipeline, action, request, (keys, principal.tenant), decoded, sent, target, limits
+        )
     finally:
         # No tokens: the estimate (0) stands, and the completions expected
         # are not taught a zero (Admission.release).
@@ -158,11 +162,14 @@ async def _call(
     pipeline: Pipeline,
     action: Action,
     request: web.Request,
+    signer: tuple[IdKeys, str],
     decoded: Decoded,
     sent: str,
     target: Target,
     limits: list[tuple[str, str]],
 ) -> web.StreamResponse:
+    """`signer`: the table's keys and the caller's tenant, which the ids the
+    answer names are shown for."""
     forwarder = pipeline.forwarder
     stream = action.name == "responses.retrieve" and request.query.get("stream") == "true"
     path = f"/responses/{decoded.original}{action.suffix}"
@@ -186,35 +193,39 @@ async def _call(
         exc.headers.update(limits)
         raise
     try:
-        tags = (target.id_tag, decoded.tenant)
+        tag = target.id_tag
         if origin.streamed and origin.status < 300:
-            opening = origin.opening
-            events = (e.data for e in opening.events) if opening is not None else ()
-            shown = _shown(decoded, sent, tags, response_id_in(events))
-            return await _relay(pipeline, request, origin, shown, limits, idle)
+            learned = StreamIds(
+                lambda ids: _shown(decoded, sent, signer, tag, ids),
+                forwarder.max_answer_bytes,
+            )
+            return await _relay(pipeline, request, origin, learned, limits, idle)
         body = origin.body if origin.body is not None else origin.first
         out_headers = _headers(origin, limits, error=origin.status >= 400)
         if origin.status >= 400:
             body = origin_error_body(origin.status, media_type(origin.headers), body)
             # The origin's message names its own id: the client's is shown.
-            body = body.replace(decoded.original.encode(), sent.encode())
+            body = rewrite_words(body, {decoded.original: sent})
             return web.Response(
                 status=origin.status,
                 body=body,
                 content_type="application/json",
                 headers=out_headers,
             )
-        body = _shown(decoded, sent, tags, ids_of(origin.parsed)).whole(body)
+        body = _shown(decoded, sent, signer, tag, ids_of(origin.parsed)).whole(body)
         return web.Response(status=origin.status, body=body, headers=out_headers)
     finally:
         origin.release()
 
 
-def _shown(decoded: Decoded, sent: str, tags: tuple[str, str], ids: list[str]) -> Rewriter:
+def _shown(
+    decoded: Decoded, sent: str, signer: tuple[IdKeys, str], tag: str, ids: list[str]
+) -> Rewriter:
     """The ids a stored response's answer shows: its own as the client sent
     it, and every other response id it names (its previous one) as an id of
     the same origin and tenant."""
-    shown = {i: encode(i, *tags) for i in ids}
+    keys, tenant = signer
+    shown = {i: keys.encode(i, tag, tenant) for i in ids if keys.encodable(i)}
     shown[decoded.original] = sent
     return Rewriter(shown)
 
@@ -238,7 +249,7 @@ async def _relay(
     pipeline: Pipeline,
     request: web.Request,
     origin: OriginAnswer,
-    shown: Rewriter,
+    shown: StreamIds,
     limits: list[tuple[str, str]],
     idle: float | None,
 ) -> web.StreamResponse:

@@ -124,6 +124,14 @@ class TableHolder:
                 problem,
                 tenant,
             )
+        if routes.id_keys is None and (current is None or current.id_keys is not None):
+            # When it changes: every table of an older control plane lacks them.
+            log.warning(
+                "the route table carries no response id keys (a control plane older than "
+                "them): Responses ids are shown as their origins made them, follow-ups "
+                "(previous_response_id) are not pinned to the origin that stored them, "
+                "and GET/DELETE /v1/responses/{id} are answered 404"
+            )
         problem = routes.region_problem()
         if problem and (current is None or problem != current.region_problem()):
             log.warning("this proxy: %s", problem)  # also in its ACKs (`pontoctl get proxies`)

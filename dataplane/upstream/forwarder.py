@@ -269,10 +269,6 @@ class OriginAnswer:
     # A 2xx whole body, parsed by the forwarder; NOT_PARSED when it was not
     # (another status, a stream, or too large to parse before sending).
     parsed: Any = jsonio.NOT_PARSED
-    # A 2xx stream's opening, as held (its events up to the first of the
-    # answer: a Responses stream's response.created among them); None when
-    # its first chunk began with a whole event of the answer.
-    opening: Opening | None = None
 
     @property
     def streamed(self) -> bool:
@@ -1115,7 +1111,6 @@ class Forwarder:
                         resp,
                         loads,
                         parsed=parsed,
-                        opening=opening,
                     )
                 except BaseException:
                     resp.release()

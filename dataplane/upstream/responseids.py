@@ -1,4 +1,5 @@
-"""Pure: Responses API ids that name the origin (and tenant) that stored them.
+"""Pure: Responses API ids that name the origin that stored them, and are
+bound to the tenant they were made for.
 
 OpenAI's Responses API is stateful: an origin stores each response it makes
 (`store` defaults to true), and a follow-up (`previous_response_id`), a
@@ -9,76 +10,96 @@ an id that says it, as LiteLLM does.
 
 The contract:
 
-- **Encoding.** The client sees `original + SEPARATOR + origin tag + tenant
-  tag`: the origin's id first (the id still starts with `resp_`), then
+- **Encoding.** The client sees `original + SEPARATOR + origin tag + MAC`:
+  the origin's id first (the id still starts with `resp_`), then
   ORIGIN_TAG_HEX hex digits of the SHA-256 of the origin's name (`origin_tag`:
-  stable across proxies and restarts, and no name, so no topology is told),
-  then TENANT_TAG_HEX of the tenant's (`tenant_tag`). Only characters safe in
-  a URL path segment are added; an id that `safe_id` refuses is never sent
-  on in a path.
-- **Decoding** splits from the right, by fixed lengths, so an original id
-  may hold anything, the separator included. An id without a valid suffix is
-  "not ours" (`decode` gives None): passed on as it came, and unpinned.
-- **The tags are a routing aid, not a secret.** They are unkeyed hashes:
-  they keep one tenant from using another's id by mistake (the tenant tag of
-  an id must be the caller's), but a caller who knows another tenant's
-  original id and the origin's tag could write an id that passes. What an
-  origin stores is as safe as its own ids are hard to guess.
+  stable across proxies and restarts, a routing aid that tells no name), then
+  MAC_HEX hex digits of an HMAC-SHA-256, under the fleet's key (`IdKeys`),
+  of the original, the origin tag and the tenant's name. The original is
+  visible: what keeps it from being used by anyone else is that the proxy
+  takes no id it did not make (`IdKeys.verified`, and the pipeline refuses a
+  `previous_response_id` that is not one), and no one without the key can
+  make one for another tenant, or for an original of their choosing.
+- **Ids.** Only ids of `[A-Za-z0-9_-]` (OpenAI's and vLLM's are `resp_` and
+  hex) are encoded, and only such are decoded (`decode`, `safe_id`): an
+  original is a plain path segment, never `.` or `..`. An origin's id of
+  other characters, or longer than MAX_ORIGINAL_CHARS, is shown as it came,
+  and cannot be continued through the proxy.
+- **Decoding** splits from the right, by fixed lengths, so an original may
+  hold the separator. An id without a valid suffix, or whose MAC no key of
+  the table gives for the caller's tenant, is "not ours".
+- **Keys** come with the route table (RouteTable.response_id_keys): the
+  first makes ids, each one verifies them, so a key is rotated by listing a
+  new one first and the old one after it until the ids it made may go.
 - **Rewriting answers** (`Rewriter`) replaces the quoted original ids, as
   JSON strings (`"resp_..."`), by the encoded ones, in a whole body or in a
   stream split anywhere: the bytes out are the same whatever the split. A
   chunk that ends with a proper prefix of a quoted id keeps that tail back
   until the next chunk; one that ends with a blank line (an event's end) is
-  never held.
+  never held. A stream's own id is learned from its first events
+  (`StreamIds`), however long they are, up to a bound.
 
-Pure and synchronous; a Rewriter belongs to one answer (one task).
+Pure and synchronous; a Rewriter or StreamIds belongs to one answer (one task).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from dataplane import jsonio
+from dataplane.streaming.sse import SseParser
 
 __all__ = [
+    "MAC_HEX",
     "MAX_ID_CHARS",
+    "MAX_ORIGINAL_CHARS",
+    "MIN_KEY_BYTES",
     "ORIGIN_TAG_HEX",
     "SEPARATOR",
-    "TENANT_TAG_HEX",
     "Decoded",
+    "IdKeys",
     "Rewriter",
+    "StreamIds",
     "decode",
-    "encode",
     "ids_of",
     "origin_tag",
     "response_id_in",
+    "rewrite_words",
     "safe_id",
-    "tenant_tag",
 ]
 
 SEPARATOR: Final = "_ponto"
 ORIGIN_TAG_HEX: Final = 16
-TENANT_TAG_HEX: Final = 8
-_SUFFIX: Final = len(SEPARATOR) + ORIGIN_TAG_HEX + TENANT_TAG_HEX
+# 96 bits: a guess is checked by a proxy, one request each, under the
+# caller's limits.
+MAC_HEX: Final = 24
+_SUFFIX: Final = len(SEPARATOR) + ORIGIN_TAG_HEX + MAC_HEX
 # The longest id a path may carry; OpenAI's and vLLM's are some 40 characters,
-# encoded some 70.
+# encoded some 85.
 MAX_ID_CHARS: Final = 256
-# Unreserved characters of a URL (RFC 3986): a path segment as they are.
-_SAFE: Final = re.compile(r"[A-Za-z0-9._~-]+")
+MAX_ORIGINAL_CHARS: Final = MAX_ID_CHARS - _SUFFIX
+# A key shorter than this is refused with its table (dataplane.routes.validate).
+MIN_KEY_BYTES: Final = 16
+# What an id may hold: a path segment as it is (unreserved URL characters,
+# RFC 3986, but '.' and '~': no id may be a dot segment).
+_ID: Final = re.compile(r"[A-Za-z0-9_-]+")
+_ID_BYTE: Final = rb"[A-Za-z0-9_-]"
 _HEX: Final = re.compile(r"[0-9a-f]+")
 
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
-    """An id of ours: the origin's own id, and the tags of its origin and tenant."""
+    """An id in our shape: the origin's own id, its origin's tag and its MAC
+    (not checked: `IdKeys.verified`)."""
 
     original: str
     origin: str
-    tenant: str
+    mac: str
 
 
 def origin_tag(name: str) -> str:
@@ -86,31 +107,66 @@ def origin_tag(name: str) -> str:
     return hashlib.sha256(b"ponto-origin\0" + name.encode()).hexdigest()[:ORIGIN_TAG_HEX]
 
 
-def tenant_tag(tenant: str) -> str:
-    """The tag of tenant `tenant`: equal in every proxy."""
-    return hashlib.sha256(b"ponto-tenant\0" + tenant.encode()).hexdigest()[:TENANT_TAG_HEX]
-
-
-def encode(original: str, origin: str, tenant: str) -> str:
-    """The id the client sees for `original`, stored on the origin tagged
-    `origin` (origin_tag) for the tenant tagged `tenant` (tenant_tag)."""
-    return f"{original}{SEPARATOR}{origin}{tenant}"
-
-
 def decode(sent: str) -> Decoded | None:
-    """The parts of an id of ours; None for any other (not ours)."""
-    if len(sent) <= _SUFFIX:
+    """The parts of an id in our shape; None for any other."""
+    if len(sent) <= _SUFFIX or len(sent) > MAX_ID_CHARS:
         return None
-    tags = sent[-(ORIGIN_TAG_HEX + TENANT_TAG_HEX) :]
+    tags = sent[-(ORIGIN_TAG_HEX + MAC_HEX) :]
     if sent[-_SUFFIX : -len(tags)] != SEPARATOR or not _HEX.fullmatch(tags):
         return None
-    return Decoded(sent[:-_SUFFIX], tags[:ORIGIN_TAG_HEX], tags[ORIGIN_TAG_HEX:])
+    original = sent[:-_SUFFIX]
+    if not _ID.fullmatch(original):
+        return None
+    return Decoded(original, tags[:ORIGIN_TAG_HEX], tags[ORIGIN_TAG_HEX:])
 
 
 def safe_id(sent: str) -> bool:
-    """Whether `sent` may go into a request path as it is: unreserved URL
-    characters only, and at most MAX_ID_CHARS of them."""
-    return len(sent) <= MAX_ID_CHARS and _SAFE.fullmatch(sent) is not None
+    """Whether `sent` may go into a request path as it is: letters, digits,
+    '_' and '-' only, and at most MAX_ID_CHARS of them."""
+    return len(sent) <= MAX_ID_CHARS and _ID.fullmatch(sent) is not None
+
+
+class IdKeys:
+    """The fleet's keys of the ids' MAC, as a route table carries them: the
+    first signs, any verifies. Immutable; shared by every request of a table."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: Iterable[bytes]) -> None:
+        self._keys = tuple(keys)
+        if not self._keys:
+            raise ValueError("no key")
+
+    def _mac(self, key: bytes, original: str, origin: str, tenant: str) -> str:
+        # The original and the origin tag hold no NUL: the message is unambiguous.
+        message = b"ponto-response-id\0%s\0%s\0%s" % (
+            original.encode(),
+            origin.encode(),
+            tenant.encode(),
+        )
+        return hmac.new(key, message, hashlib.sha256).hexdigest()[:MAC_HEX]
+
+    def encodable(self, original: str) -> bool:
+        """Whether an origin's id may be encoded (see the module's "Ids")."""
+        return len(original) <= MAX_ORIGINAL_CHARS and _ID.fullmatch(original) is not None
+
+    def encode(self, original: str, origin: str, tenant: str) -> str:
+        """The id the client of tenant `tenant` sees for `original`, stored on
+        the origin tagged `origin` (origin_tag). `original` must be encodable."""
+        mac = self._mac(self._keys[0], original, origin, tenant)
+        return f"{original}{SEPARATOR}{origin}{mac}"
+
+    def verified(self, sent: str, tenant: str) -> Decoded | None:
+        """`sent`'s parts when it is an id made (under any key) for tenant
+        `tenant`; None for any other id."""
+        decoded = decode(sent)
+        if decoded is None:
+            return None
+        for key in self._keys:
+            mac = self._mac(key, decoded.original, decoded.origin, tenant)
+            if hmac.compare_digest(mac, decoded.mac):
+                return decoded
+        return None
 
 
 def ids_of(obj: Any) -> list[str]:
@@ -134,6 +190,18 @@ def response_id_in(events: Iterable[bytes]) -> list[str]:
             if found:
                 return found
     return []
+
+
+def rewrite_words(data: bytes, ids: Mapping[str, str]) -> bytes:
+    """`data` with each id of `ids` replaced where it stands alone (no id
+    character either side): in an error's message, where an origin quotes
+    an id as it likes (`'resp_x'`). Ids of other characters are left out."""
+    usable = {k.encode(): v.encode() for k, v in ids.items() if k != v and _ID.fullmatch(k)}
+    if not usable:
+        return data
+    alternatives = b"|".join(re.escape(k) for k in sorted(usable, key=len, reverse=True))
+    pattern = re.compile(b"(?<!" + _ID_BYTE + b")(?:" + alternatives + b")(?!" + _ID_BYTE + b")")
+    return pattern.sub(lambda m: usable[m.group()], data)
 
 
 class Rewriter:
@@ -207,3 +275,58 @@ class Rewriter:
                 return quote
             quote = data.find(b'"', quote + 1)
         return end
+
+
+class StreamIds:
+    """A Responses stream's Rewriter, made (`make`) from the ids of its first
+    event that names a response (its response.created), as `feed`/`flush`
+    of a Rewriter.
+
+    Until that event has come whole, the stream's bytes are held: they are
+    its preamble, not answer text. `make([])` is used instead once an event
+    with data that names no response comes first (an origin that sends no
+    response.created), once `limit` bytes are held, or at the stream's end,
+    and the bytes held go on through it. Belongs to one stream (one task).
+    """
+
+    __slots__ = ("_held", "_limit", "_make", "_parser", "_size", "rewriter")
+
+    def __init__(self, make: Callable[[list[str]], Rewriter], limit: int) -> None:
+        self._make = make
+        self._limit = limit
+        self._parser = SseParser(limit)
+        self._held: list[bytes] = []
+        self._size = 0
+        self.rewriter: Rewriter | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """As Rewriter.feed; nothing while the id is still to come."""
+        if self.rewriter is not None:
+            return self.rewriter.feed(chunk)
+        self._held.append(chunk)
+        self._size += len(chunk)
+        ids: list[str] | None = None
+        for event in self._parser.feed(chunk):
+            if not event.data:
+                continue
+            found = response_id_in((event.data,))
+            if found or b'"response"' not in event.data:
+                ids = found
+                break
+        if ids is None and (self._parser.over or self._size > self._limit):
+            ids = []
+        if ids is None:
+            return b""
+        return self._release(ids)
+
+    def flush(self) -> bytes:
+        """As Rewriter.flush: the stream's end."""
+        out = self._release([]) if self.rewriter is None else b""
+        assert self.rewriter is not None
+        return out + self.rewriter.flush()
+
+    def _release(self, ids: list[str]) -> bytes:
+        rewriter = self.rewriter = self._make(ids)
+        held, self._held = b"".join(self._held), []
+        self._parser = SseParser()  # no longer read
+        return rewriter.feed(held)

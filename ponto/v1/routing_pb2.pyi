@@ -816,6 +816,7 @@ class RouteTable(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     PURGES_FIELD_NUMBER: _builtins.int
     AUTH_REQUIRED_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_KEYS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """etcd revision the table was compiled from; increases with every change."""
     etag: _builtins.str
@@ -840,6 +841,17 @@ class RouteTable(_message.Message):
     def purges(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachePurge]:
         """Recent purges, oldest first."""
 
+    @_builtins.property
+    def response_id_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Keys of the MAC that a Responses id carries (dataplane/upstream/
+        responseids.py): the first makes new ids, every one is accepted when an
+        id comes back (a key rotated out stays listed second for as long as its
+        ids should last). Random, made once for the fleet by the first control
+        plane replica that builds a table (etcd /ponto/state/secrets/response-
+        ids); clients never see them. Empty from a control plane older than
+        them: the proxy then pins no Responses follow-up (docs/routing.md).
+        """
+
     def __init__(
         self,
         *,
@@ -851,10 +863,11 @@ class RouteTable(_message.Message):
         keys: _abc.Iterable[Global___ApiKey] | None = ...,
         purges: _abc.Iterable[Global___CachePurge] | None = ...,
         auth_required: _builtins.bool = ...,
+        response_id_keys: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "response_id_keys", b"response_id_keys", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

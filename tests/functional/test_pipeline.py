@@ -47,6 +47,10 @@ def chat(text: str, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
 
 
+# The fleet's key of the Responses ids (RouteTable.response_id_keys).
+ID_KEY = b"functional-tests-response-id-key"
+
+
 def table(
     origins: list[tuple[str, str]], *, version: int = 2, limited: bool = True
 ) -> pb.RouteTable:
@@ -72,6 +76,7 @@ def table(
             ),
         ][: 2 if limited else 1],
         auth_required=True,
+        response_id_keys=[ID_KEY],
     )
     t.etag = content_etag(t)
     return t

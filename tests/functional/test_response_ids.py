@@ -5,13 +5,16 @@ SDK over loopback.
 
 A follow-up (`previous_response_id`) goes to the origin that stored the
 response, and only there; so do the stored-response routes (retrieve,
-delete, cancel, input items). Another tenant's id, or one whose origin is
-not serving now, reaches no origin; an id that is not the proxy's goes on
-as it came.
+delete, cancel, input items). Another tenant's id, one forged from the
+caller's own ids, one the gateway did not make (an origin's own id, which an
+id of ours shows as its prefix), or one whose origin is not serving now,
+reaches no origin.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -29,7 +32,15 @@ from ponto.apikeys import issue_key
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import KEY, LIMITED_KEY, MODEL, Stack, start_stack, table
+from tests.functional.test_pipeline import (
+    KEY,
+    LIMITED_KEY,
+    MODEL,
+    Stack,
+    stack_on,
+    start_stack,
+    table,
+)
 
 OTHER_KEY = issue_key()  # of tenant "other"
 NAMES = ("o1", "o2", "o3")
@@ -44,10 +55,18 @@ def with_other_tenant(t: pb.RouteTable) -> pb.RouteTable:
 
 
 def origins_table(
-    s: Stack, *, drained: str = "", removed: str = "", version: int, suspended: bool = False
+    s: Stack,
+    *,
+    drained: str = "",
+    removed: str = "",
+    version: int,
+    suspended: bool = False,
+    unserved: str = "",
+    keys: bool = True,
 ) -> None:
-    """The three origins again, one of them drained or removed; `suspended`:
-    tenant acme too."""
+    """The three origins again, one of them drained or removed, or
+    (`unserved`) serving another model than MODEL; `suspended`: tenant acme
+    too; without `keys`, the table of a control plane older than the id keys."""
     served = [
         (name, str(o.make_url("/v1")))
         for name, o in zip(NAMES, s.origins, strict=True)
@@ -56,7 +75,11 @@ def origins_table(
     t = table(served, version=version)
     for o in t.origins:
         o.drained = o.name == drained
+        if o.name == unserved:
+            o.models[:] = ["sim-other"]
     t.tenants[0].suspended = suspended
+    if not keys:
+        del t.response_id_keys[:]
     s.app[HOLDER].apply(with_other_tenant(t), "control-plane")
 
 
@@ -220,6 +243,10 @@ async def test_another_tenant_cannot_use_an_id(stack: Stack) -> None:
         await other.responses.create(model=MODEL, input="x", previous_response_id=first.id)
     assert follow.value.code == "previous_response_not_found"
     assert follow.value.param == "previous_response_id"
+    # The words of an id never made: nothing tells whose an id is.
+    with pytest.raises(openai.BadRequestError) as never:
+        await other.responses.create(model=MODEL, input="x", previous_response_id="resp_never_made")
+    assert follow.value.message.replace(first.id, "resp_never_made") == never.value.message
     with pytest.raises(openai.NotFoundError) as retrieve:
         await other.responses.retrieve(first.id)
     assert retrieve.value.code == "not_found"
@@ -254,27 +281,159 @@ async def test_an_origin_not_serving_now_is_a_400_and_no_origin_is_reached(
     assert stack.origin_requests() == before
 
 
-async def test_an_id_not_the_proxys_goes_on_unpinned(stack: Stack) -> None:
-    client = sdk(stack)
-    with pytest.raises(openai.NotFoundError) as follow:
-        await client.responses.create(
-            model=MODEL, input="x", previous_response_id="resp_made_elsewhere"
-        )
-    # The origin's own 404 (vLLM's words), for the id as it was sent.
-    assert "Response with id 'resp_made_elsewhere' not found" in follow.value.message
-    sent = [
-        o.app[SIM_STATE].stats.last_request
-        for o in stack.origins
-        if o.app[SIM_STATE].stats.requests
-    ]
-    assert len(sent) == 1 and sent[0] is not None
-    body = sent[0]["body"]
-    assert isinstance(body, dict) and body["previous_response_id"] == "resp_made_elsewhere"
+def original_of(shown: str) -> str:
+    decoded = decode(shown)
+    assert decoded is not None
+    return decoded.original
+
+
+async def test_an_id_the_gateway_did_not_make_is_refused_and_reaches_no_origin(
+    stack: Stack,
+) -> None:
+    first = await sdk(stack).responses.create(model=MODEL, input="mine only")
+    before = stack.origin_requests()
+    # An origin's own id, as every id of ours shows it (its prefix): the
+    # review's tenant B continued A's conversation with it whenever placement
+    # landed on the storing origin. Refused for its own tenant too.
+    for key, sent in (
+        (OTHER_KEY.key, original_of(first.id)),
+        (KEY.key, original_of(first.id)),
+        (KEY.key, "resp_made_elsewhere"),
+    ):
+        with pytest.raises(openai.BadRequestError) as follow:
+            await sdk(stack, key).responses.create(
+                model=MODEL, input="x", previous_response_id=sent
+            )
+        error = follow.value
+        assert (error.code, error.param) == ("previous_response_not_found", "previous_response_id")
+        assert f"Previous response with id '{sent}' not found" in error.message
+        assert "this gateway" in error.message
     # A stored response's route needs an id of the proxy's: no origin is asked.
     with pytest.raises(openai.NotFoundError) as retrieve:
-        await client.responses.retrieve("resp_made_elsewhere")
+        await sdk(stack).responses.retrieve(original_of(first.id))
     assert retrieve.value.code == "not_found" and retrieve.value.param == "response_id"
-    assert stack.origin_requests() == 1
+    assert stack.origin_requests() == before
+
+
+async def test_another_tenant_cannot_forge_an_id_from_one_of_its_own(stack: Stack) -> None:
+    first = await sdk(stack).responses.create(model=MODEL, input="mine only")
+    home = storing_origin(stack, first.id)
+    other = sdk(stack, OTHER_KEY.key)
+    # The other tenant's own id of the same origin: with unkeyed tags its
+    # suffix made any original good for that tenant.
+    for turn in range(60):
+        own = await other.responses.create(model=MODEL, input=f"my own, number {turn}")
+        if storing_origin(stack, own.id) == home:
+            break
+    else:
+        pytest.fail("the other tenant's answers never landed on the storing origin")
+    forged = original_of(first.id) + own.id[len(original_of(own.id)) :]
+    assert forged != first.id
+    before = stack.origin_requests()
+    with pytest.raises(openai.BadRequestError) as follow:
+        await other.responses.create(model=MODEL, input="x", previous_response_id=forged)
+    assert follow.value.code == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(forged)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.delete(forged)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.input_items.list(forged)
+    assert stack.origin_requests() == before
+    assert original_of(first.id) in stack.origins[NAMES.index(home)].app[SIM_STATE].responses
+
+
+@pytest.mark.parametrize("dots", [".", ".."])
+async def test_a_dot_segment_id_reaches_no_origin(stack: Stack, dots: str) -> None:
+    first = await sdk(stack).responses.create(model=MODEL, input="x")
+    sent = dots + first.id[len(original_of(first.id)) :]
+    auth = {"authorization": f"Bearer {KEY.key}"}
+    before = stack.origin_requests()
+    for method, path in (
+        ("POST", f"/v1/responses/{sent}/cancel"),
+        ("GET", f"/v1/responses/{sent}"),
+        ("DELETE", f"/v1/responses/{sent}"),
+        ("GET", f"/v1/responses/{sent}/input_items"),
+    ):
+        resp = await stack.client.request(method, path, headers=auth)
+        assert resp.status == 400, (method, path)
+        error = (await resp.json())["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "response_id")
+    with pytest.raises(openai.BadRequestError) as follow:
+        await sdk(stack).responses.create(model=MODEL, input="x", previous_response_id=sent)
+    assert follow.value.code == "previous_response_not_found"
+    assert stack.origin_requests() == before
+
+
+@pytest.mark.parametrize("how", ["500", "refused"])
+async def test_a_pinned_follow_up_whose_origin_fails_is_a_5xx_and_no_other_origin_is_called(
+    stack: Stack, how: str
+) -> None:
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="before it fails")
+    home = storing_origin(stack, first.id)
+    server = stack.origins[NAMES.index(home)]
+    if how == "500":
+        state = server.app[SIM_STATE]
+        state.config = dataclasses.replace(state.config, mode="fail", fail_status=500)
+    else:
+        await server.close()  # connection refused
+    before = requests_by_origin(stack)
+    with pytest.raises(openai.APIStatusError) as follow:
+        await client.responses.create(model=MODEL, input="after", previous_response_id=first.id)
+    assert 500 <= follow.value.status_code < 600
+    after = requests_by_origin(stack)
+    assert {n: c for n, c in after.items() if n != home} == {
+        n: c for n, c in before.items() if n != home
+    }
+    if how == "500":
+        assert after[home]["/v1/responses"] > before[home]["/v1/responses"]
+
+
+async def test_a_follow_up_for_a_model_its_origin_does_not_serve_is_a_400(stack: Stack) -> None:
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="x")
+    home = storing_origin(stack, first.id)
+    origins_table(stack, version=4, unserved=home)
+    before = stack.origin_requests()
+    with pytest.raises(openai.BadRequestError) as follow:
+        await client.responses.create(model=MODEL, input="y", previous_response_id=first.id)
+    assert follow.value.code == "previous_response_not_found"
+    assert f"not serving model '{MODEL}'" in follow.value.message
+    assert stack.origin_requests() == before
+
+
+async def test_a_follow_ups_error_names_the_id_the_client_sent(stack: Stack) -> None:
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="x")
+    await client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as follow:
+        await client.responses.create(model=MODEL, input="y", previous_response_id=first.id)
+    assert f"Response with id '{first.id}' not found." in follow.value.message
+    assert f"'{original_of(first.id)}'" not in follow.value.message
+
+
+async def test_a_table_without_id_keys_pins_nothing_and_says_so_once(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = await sdk(stack).responses.create(model=MODEL, input="x")
+    with caplog.at_level(logging.WARNING):
+        origins_table(stack, version=4, keys=False)
+        origins_table(stack, version=5, keys=False, drained="o1")
+    said = [r for r in caplog.records if "no response id keys" in r.getMessage()]
+    assert len(said) == 1
+    client = sdk(stack)
+    made = await client.responses.create(model=MODEL, input="x")
+    assert decode(made.id) is None  # the origin's id, as it made it
+    # An id goes on as it came, to whichever origin placement picks.
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.create(
+            model=MODEL, input="y", previous_response_id="resp_made_elsewhere"
+        )
+    before = stack.origin_requests()
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(first.id)  # no id can be checked
+    assert stack.origin_requests() == before
 
 
 @pytest.mark.parametrize(
@@ -283,6 +442,8 @@ async def test_an_id_not_the_proxys_goes_on_unpinned(stack: Stack) -> None:
         ("/v1/responses/" + "r" * 300, 400, "invalid_value"),
         ("/v1/responses/resp%20x", 400, "invalid_value"),
         ("/v1/responses/resp%22x/cancel", 400, "invalid_value"),
+        ("/v1/responses/resp.x", 400, "invalid_value"),
+        ("/v1/responses/resp~x/cancel", 400, "invalid_value"),
         ("/v1/responses/resp_x_ponto" + "0" * 24 + "/input_items", 404, "not_found"),
     ],
 )
@@ -344,8 +505,6 @@ async def test_a_whole_answer_turned_into_a_stream_shows_the_proxys_id(
     async def whole(request: web.Request) -> web.Response:
         return web.json_response(WHOLE)  # the stream asked for, ignored
 
-    from tests.functional.test_pipeline import stack_on  # noqa: PLC0415
-
     s = await stack_on(tmp_path, whole, path="/v1/responses")
     try:
         resp = await s.client.post(
@@ -382,8 +541,6 @@ async def test_an_origin_without_the_stored_routes_answers_404_and_stays_healthy
     async def whole(request: web.Request) -> web.Response:
         return web.json_response({**WHOLE, "id": "resp_only_made"})
 
-    from tests.functional.test_pipeline import stack_on  # noqa: PLC0415
-
     # aiohttp's own 404 for GET /v1/responses/...: no OpenAI-style error.
     s = await stack_on(tmp_path, whole, path="/v1/responses")
     auth = {"authorization": f"Bearer {KEY.key}"}
@@ -403,5 +560,70 @@ async def test_an_origin_without_the_stored_routes_answers_404_and_stays_healthy
             "ponto_upstream_attempts_total", {"origin": "custom", "outcome": "bad_answer"}
         )
         assert not failed
+    finally:
+        await s.close()
+
+
+async def test_a_response_created_longer_than_the_held_opening_is_rewritten(
+    tmp_path: Path,
+) -> None:
+    # response.created echoes the request's instructions: 100 KB of them,
+    # past the 64 KiB the forwarder holds of a stream's opening, in 30 KB writes.
+    instructions = "i" * 100_000
+    events = [
+        {
+            "type": "response.created",
+            "sequence_number": 0,
+            "response": {
+                **WHOLE,
+                "status": "in_progress",
+                "output": [],
+                "instructions": instructions,
+            },
+        },
+        {
+            "type": "response.output_text.delta",
+            "sequence_number": 1,
+            "item_id": "msg_1",
+            "output_index": 0,
+            "content_index": 0,
+            "delta": "id resp_whole1",
+        },
+        {
+            "type": "response.completed",
+            "sequence_number": 2,
+            "response": {**WHOLE, "instructions": instructions},
+        },
+    ]
+    data = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+
+    async def streamed(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        for at in range(0, len(data), 30_000):
+            await out.write(data[at : at + 30_000])
+            await asyncio.sleep(0.01)
+        await out.write_eof()
+        return out
+
+    s = await stack_on(tmp_path, streamed, path="/v1/responses")
+    try:
+        resp = await s.client.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "x", "stream": True, "instructions": instructions},
+            headers={"authorization": f"Bearer {KEY.key}"},
+        )
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+        datas = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+        assert [d["type"] for d in datas] == [e["type"] for e in events]
+        ids = {d["response"]["id"] for d in datas if "response" in d}
+        assert len(ids) == 1
+        (shown,) = ids
+        decoded = decode(shown)
+        assert decoded is not None and decoded.original == "resp_whole1"
+        assert decoded.origin == origin_tag("custom")
+        assert datas[1]["delta"] == "id resp_whole1"
+        assert datas[0]["response"]["instructions"] == instructions
     finally:
         await s.close()

@@ -8,16 +8,21 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any, cast
 
+import orjson
 import pytest
 
+from controlplane.api.admin import AdminService
+from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
-from controlplane.catalog import Catalog
+from controlplane.catalog import RESPONSE_ID_KEY_BYTES, RESPONSE_ID_KEYS, Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.model import Origin, Region, State
 from controlplane.store.memory import MemoryStore
 from ponto.routetable import content_etag
+from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
 US = Region("us-east", 39.0, -77.0)
@@ -382,3 +387,50 @@ async def test_builder_keeps_last_snapshot_when_store_unavailable() -> None:
         recovered = await asyncio.wait_for(pub.next_after(first), 2.0)
         assert recovered.table.origins[0].drained is True
         await wait_until(lambda: builder.store_ok, 1.0, "store_ok after recovery")
+
+
+async def test_the_first_build_makes_the_fleets_response_id_key_once() -> None:
+    store, _catalog, pub, builder = await seeded_builder()
+    assert await builder.build_once() is True
+    assert pub.latest is not None
+    (key,) = pub.latest.table.response_id_keys
+    assert len(key) == RESPONSE_ID_KEY_BYTES
+    made = await store.get(RESPONSE_ID_KEYS)
+    assert made is not None
+    assert await builder.build_once() is False  # kept, not made again
+    assert list(pub.latest.table.response_id_keys) == [key]
+    again = await store.get(RESPONSE_ID_KEYS)
+    assert again is not None and again.mod_revision == made.mod_revision
+
+
+async def test_a_rotated_key_comes_first_and_the_old_one_after_it() -> None:
+    store, _catalog, pub, builder = await seeded_builder()
+    new, old = b"n" * 32, b"o" * 32
+    await store.put(RESPONSE_ID_KEYS, orjson.dumps({"keys": [new.hex(), old.hex()]}))
+    await builder.build_once()
+    assert pub.latest is not None
+    assert list(pub.latest.table.response_id_keys) == [new, old]
+
+
+@pytest.mark.parametrize(
+    "value", [b"not json", b'{"keys": []}', b'{"keys": ["00"]}', b'{"keys": "ab"}', b"[]"]
+)
+async def test_unusable_stored_keys_are_logged_and_left_out(
+    value: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, _catalog, pub, builder = await seeded_builder()
+    await store.put(RESPONSE_ID_KEYS, value)
+    await builder.build_once()  # still builds: proxies then pin nothing
+    assert pub.latest is not None and not pub.latest.table.response_id_keys
+    assert any(RESPONSE_ID_KEYS in r.getMessage() for r in caplog.records)
+    assert await store.get(RESPONSE_ID_KEYS) is not None  # never overwritten
+
+
+async def test_an_operators_view_of_the_table_shows_the_id_keys_blank() -> None:
+    store, catalog, pub, builder = await seeded_builder()
+    await builder.build_once()
+    service = AdminService(catalog, pub, AuditLog(store, replica="cp-a"), token_required=False)
+    shown = await service.GetRouteTable(apb.ListRequest(), cast(Any, None))
+    assert list(shown.table.response_id_keys) == [b""]
+    assert pub.latest is not None and len(pub.latest.table.response_id_keys[0]) == 32
+    assert shown.table.etag == pub.latest.table.etag

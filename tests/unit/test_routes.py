@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dataplane.routes import Routes, TableError, Target, build_routes, great_circle_km, validate
 from dataplane.sync.holder import TableHolder
+from dataplane.upstream.responseids import IdKeys
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -142,6 +143,10 @@ def _lat_nan(t: pb.RouteTable) -> None:
     t.regions[0].latitude = math.nan
 
 
+def _short_id_key(t: pb.RouteTable) -> None:
+    t.response_id_keys.extend([b"k" * 32, b"k" * 15])
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -159,6 +164,7 @@ def _lat_nan(t: pb.RouteTable) -> None:
         (_lat_low, "out of range"),
         (_lon_out, "out of range"),
         (_lat_nan, "out of range"),
+        (_short_id_key, "response id key"),
     ],
     ids=lambda v: v.__name__.strip("_") if callable(v) else None,
 )
@@ -508,3 +514,15 @@ def test_candidates_contain_each_eligible_origin_once(
             assert blocks[0] == home
         served = any(model in o.models for o in table.origins)
         assert (model in routes.groups) == served
+
+
+def test_the_response_id_keys_come_with_the_table() -> None:
+    assert build_routes(make_table(), "us-east").id_keys is None  # an older control plane's
+    table = make_table()
+    table.response_id_keys.extend([b"n" * 32, b"o" * 32])
+    table.etag = content_etag(table)
+    keys = build_routes(table, "us-east").id_keys
+    assert keys is not None
+    made = keys.encode("resp_1", "0" * 16, "acme")
+    assert IdKeys([b"n" * 32]).verified(made, "acme") is not None  # the first signs
+    assert keys.verified(IdKeys([b"o" * 32]).encode("resp_1", "0" * 16, "acme"), "acme")
