@@ -16,6 +16,19 @@ A registration whose proxy opens no route stream within STREAM_GRACE seconds
 is removed: a proxy that died between Register and RouteStream would otherwise
 stay listed, and counted in every proxy's fleet size (so in its share of each
 global limit), until the replica itself goes.
+
+The keys this replica writes under its lease (its own, /ponto/replicas/ID,
+and its proxies') are written again whenever a lease is granted after the
+first, whoever asked for it, and retried with a bounded backoff until they
+are all written under the live lease; every SELF_CHECK_EVERY seconds the
+replica also reads them back and writes again any that is missing. A lease
+granted by another caller (the ACK flush) while a rewrite had failed had
+kept the new lease with no rewrite at all: the replica and its proxies were
+gone from the fleet view, and from the leader's rate-limit shares, until the
+replica restarted (trial: an etcd stall). Its own key is written again at
+every keepalive beat with the time it was (`renewed_at`, `renew_every`): a
+reader tells a replica that stopped renewing (hung, killed) from a live one
+before its lease runs out (replica_silence).
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from controlplane.catalog import PROXIES, REPLICAS, Catalog, Ejections, Limited,
 from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord, decode_proxy
 from controlplane.quotasync import QUOTA_FORMAT
-from controlplane.store import KeyValue, LeaseExpired, StoreUnavailable
+from controlplane.store import KeyValue, LeaseExpired, StoreError, StoreUnavailable
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -54,6 +67,27 @@ SUPERSEDED_READ_EVERY = 0.5
 # missed (one made while its stream was being re-created after etcd restarted)
 # would otherwise leave a superseded stream open until the next change.
 SUPERSEDED_RESCAN_EVERY = 30.0
+# How often a replica reads back its own key and its proxies' keys, to write
+# again any that is not in the store under its lease (a read of every
+# registration: as rare as the rescan above).
+SELF_CHECK_EVERY = 30.0
+# A failed re-registration is tried again after this, doubled per failure up
+# to REWRITE_RETRY_MAX (and never later than the keepalive's beat).
+REWRITE_RETRY_MIN = 0.2
+REWRITE_RETRY_MAX = 5.0
+
+
+def replica_silence(replica: dict[str, object], now: float) -> float | None:
+    """How long a replica (its /ponto/replicas/ key, decoded) has not renewed
+    its lease at `now` (Unix time) when that is longer than it should be: two
+    of its beats and a second for a slow write; None while it renews, or for
+    a replica from before `renewed_at`. By the writer's clock against the
+    reader's: a skew between the replicas' clocks adds to it."""
+    renewed, every = replica.get("renewed_at"), replica.get("renew_every")
+    if not isinstance(renewed, int | float) or not isinstance(every, int | float):
+        return None
+    silent = now - float(renewed)
+    return silent if silent > 2 * float(every) + 1.0 else None
 
 
 def conflict_of(refused: ProxyRecord, holder_address: str, holder_host: str) -> str:
@@ -103,6 +137,7 @@ class ProxyRegistry:
         traffic_every: float = TRAFFIC_EVERY,
         stream_grace: float = STREAM_GRACE,
         clock: Callable[[], float] = time.time,
+        self_check_every: float = SELF_CHECK_EVERY,
     ) -> None:
         self._catalog = catalog
         # The version this replica serves now, written with its ACK summary.
@@ -145,6 +180,13 @@ class ProxyRegistry:
         # The lease's keepalive or rewrite failed, and has not worked since.
         self._store_failing = False
         self._stream_grace = stream_grace
+        # Set when a lease is granted after the first (its keys went with the
+        # lost one) or a self-check missed a key; cleared only once every
+        # key is written under the live lease.
+        self._rewrite_due = False
+        self._granted = False
+        self._retry_in = REWRITE_RETRY_MIN
+        self._self_check_every = self_check_every
 
     async def _ensure_lease(self) -> int:
         async with self._lease_lock:
@@ -154,6 +196,12 @@ class ProxyRegistry:
                 except StoreUnavailable as exc:
                     raise Unavailable(f"state store unavailable: {exc}") from exc
                 log.info("replica lease %x granted (ttl %ds)", self._lease, self._ttl)
+                if self._granted:
+                    # Whoever asked (a flush, a Register), the keys of the
+                    # lost lease are to be written under this one.
+                    self._rewrite_due = True
+                    self._lease_suspect.set()
+                self._granted = True
             return self._lease
 
     async def announce(self, address: str) -> None:
@@ -173,10 +221,18 @@ class ProxyRegistry:
             log.warning("replica not announced yet (retried with the lease): %s", exc)
 
     async def _put_announcement(self, lease: int) -> None:
+        """Write this replica's key (if announced) with the time it renewed its lease."""
         if self._announcement is not None:
+            value = orjson.loads(self._announcement)
+            value["renewed_at"] = self._clock()
+            value["renew_every"] = self._beat()
             await self._catalog.store.put(
-                REPLICAS + self.replica_id, self._announcement, lease=lease
+                REPLICAS + self.replica_id, orjson.dumps(value), lease=lease
             )
+
+    def _beat(self) -> float:
+        """Seconds between two renewals of the lease."""
+        return max(self._ttl / 3, 0.2)
 
     async def lease(self) -> int:
         """The replica's lease, granted on first use; keys under it die with the replica."""
@@ -582,32 +638,91 @@ class ProxyRegistry:
             log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
 
     async def keepalive(self) -> None:
-        """Refresh the lease until cancelled; re-grant and rewrite records if it was lost."""
+        """Refresh the lease and rewrite this replica's key (its heartbeat)
+        every beat until cancelled; re-grant the lease if it was lost, and
+        write its keys again until they are all under the live lease
+        (retried after REWRITE_RETRY_MIN to REWRITE_RETRY_MAX seconds); read
+        them back every self_check_every seconds (self_check)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while True:
+            wait = min(self._retry_in, self._beat()) if self._rewrite_due else self._beat()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_suspect.wait(), max(self._ttl / 3, 0.2))
+                await asyncio.wait_for(self._lease_suspect.wait(), wait)
             self._lease_suspect.clear()
-            if not self._lease:
+            if self._lease:
+                try:
+                    await self._catalog.store.refresh_lease(self._lease)
+                    if self._store_failing and not self._rewrite_due:
+                        self._store_failing = False
+                        log.info("lease keepalive works again")
+                except LeaseExpired:
+                    log.warning(
+                        "replica lease %x expired; re-registering %d proxies",
+                        self._lease,
+                        len(self.sessions),
+                    )
+                    self._lease = 0
+                    self._rewrite_due = True
+                except StoreUnavailable as exc:
+                    self._say_store_failing("lease keepalive failed: %s", exc)
+                    continue
+            if not self._lease or self._rewrite_due:
                 if self.sessions or self._announcement is not None:
                     await self._rewrite()
                 continue
             try:
-                await self._catalog.store.refresh_lease(self._lease)
-                if self._store_failing:
-                    self._store_failing = False
-                    log.info("lease keepalive works again")
-            except LeaseExpired:
-                log.warning(
-                    "replica lease %x expired; re-registering %d proxies",
-                    self._lease,
-                    len(self.sessions),
-                )
-                self._lease = 0
-                await self._rewrite()
-            except StoreUnavailable as exc:
-                self._say_store_failing("lease keepalive failed: %s", exc)
+                await self._put_announcement(self._lease)  # renewed_at
+            except (LeaseExpired, StoreUnavailable) as exc:
+                log.debug("replica key not renewed: %s", exc)
+                continue
+            if loop.time() - checked >= self._self_check_every:
+                checked = loop.time()
+                await self.self_check()
+
+    async def self_check(self) -> bool:
+        """Read this replica's key and its proxies' keys back; if one is not
+        in the store under the live lease, say which once and have the
+        keepalive write them again at once. False if they were not read (the
+        store unavailable) or a rewrite is due anyway."""
+        lease = self._lease
+        if not lease or self._rewrite_due:
+            return False
+        try:
+            own = await self._catalog.store.get(REPLICAS + self.replica_id)
+            listing = await self._catalog.store.list(PROXIES)
+        except (StoreUnavailable, LeaseExpired) as exc:
+            log.debug("self-check not made: %s", exc)
+            return False
+        keys = {kv.key[len(PROXIES) :]: kv for kv in listing.items}
+        missing = []
+        if self._announcement is not None and (own is None or own.lease != lease):
+            missing.append(f"replica {self.replica_id}")
+        for session_id, record in list(self.sessions.items()):
+            if self._written.get(session_id, 0) > listing.revision:
+                continue  # written after the read
+            kv = keys.get(record.name)
+            if kv is not None and kv.lease == lease:
+                continue
+            holder = None if kv is None else record_of(kv)
+            if holder is not None and holder.session_id != session_id:
+                continue  # another session's: drop_superseded's to judge
+            missing.append(f"proxy {record.name}")
+        if lease != self._lease or self._rewrite_due:
+            return False  # the lease changed during the read
+        if missing:
+            log.warning(
+                "%s not in the state store under this replica's lease %x; writing them again",
+                ", ".join(missing),
+                lease,
+            )
+            self._rewrite_due = True
+            self._lease_suspect.set()
+        return True
 
     async def _rewrite(self) -> None:
+        """Write this replica's key and every session's under the lease
+        (granted if there is none); on failure, try again later."""
         try:
             lease = await self._ensure_lease()
             await self._put_announcement(lease)
@@ -627,16 +742,43 @@ class ProxyRegistry:
                     # one's stream ends ABORTED.
                     log.info("proxy %s registered again elsewhere meanwhile", record.name)
                     self._forget(record.session_id)
-            self._acks_dirty = True
-            self._traffic_dirty = True
-            if self._store_failing:
-                self._store_failing = False
-                log.info("lease granted again; %d proxies registered again", len(self.sessions))
-        except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
-            self._say_store_failing("re-registration failed, will retry: %s", exc)
+        except LeaseExpired as exc:
+            self._rewrite_failed(exc)
             self._lease = 0
+            return
+        except (Unavailable, StoreUnavailable) as exc:
+            # The lease stays: the keepalive's refresh says if it went too.
+            self._rewrite_failed(exc)
+            return
+        except Exception as exc:
+            # Not a store failure (a bug, a key that does not decode): the
+            # keys must still be written, so it is tried again as well.
+            self._rewrite_failed(exc)
+            return
+        if lease != self._lease:
+            return  # lost during the writes: the next lease's rewrite is due
+        self._rewrite_due = False
+        self._retry_in = REWRITE_RETRY_MIN
+        self._acks_dirty = True
+        self._traffic_dirty = True
+        self._store_failing = False
+        log.info(
+            "replica %s and its %d proxies registered again under lease %x",
+            self.replica_id,
+            len(self.sessions),
+            lease,
+        )
 
-    def _say_store_failing(self, message: str, exc: Exception) -> None:
+    def _rewrite_failed(self, exc: Exception) -> None:
+        self._rewrite_due = True
+        self._say_store_failing(
+            f"re-registration failed, retried every {REWRITE_RETRY_MAX:g} s at most "
+            "until it works: %s",
+            exc if isinstance(exc, StoreError | Unavailable) else repr(exc),
+        )
+        self._retry_in = min(self._retry_in * 2, REWRITE_RETRY_MAX)
+
+    def _say_store_failing(self, message: str, exc: object) -> None:
         """The lease's failures, at WARNING the first time, then at DEBUG
         until it works again (trial 18: one every 3.3 s for as long as etcd
         was away)."""
