@@ -45,6 +45,7 @@ import ipaddress
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
 from ponto.grpcconn import accepted_tokens, token_among
+from ponto.logs import Throttled
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,12 @@ DEPARTED_KEEP_S = 900.0
 REQUEST_HEADER = "X-Ponto-Request"
 # /api/status is built at most this often; more viewers read the same answer.
 STATUS_TTL = 0.5
+# A failure of the store (an answer 503) is logged at most once per this many
+# seconds for each method, route and message; the next line says how many
+# were not (each viewer's poll of the page had logged one).
+UNAVAILABLE_LOG_EVERY_S = 30.0
+# Kinds of such lines tracked at once (a route's name is in its path).
+MAX_UNAVAILABLE_LINES = 64
 # The port's own limits: an admin page has a few viewers and scripts.
 LIMITS = EdgeLimits(
     header_timeout=10.0,
@@ -223,6 +231,7 @@ class StatusWeb:
         self._served = NamedRateMeter(window=STALE_AFTER)
         self._departures = Departures()
         self._ids = RequestIds()
+        self._unavailable: OrderedDict[tuple[str, str, str], Throttled] = OrderedDict()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
         self._building: asyncio.Task[bytes] | None = None
 
@@ -283,7 +292,7 @@ class StatusWeb:
         except ControlPlaneError as exc:
             status, kind, code = _ERRORS.get(type(exc), (500, "server_error", "internal_error"))
             if status >= 500:
-                log.warning("%s %s: %s", request.method, request.path, exc)
+                self._say_failed(request, str(exc))
                 return error_body(status, kind, code, str(exc))
             refused = Refused(status, kind, code, str(exc))
         except web.HTTPException as exc:
@@ -312,6 +321,20 @@ class StatusWeb:
         if refused.retry_after is not None:
             response.headers["Retry-After"] = str(refused.retry_after)
         return response
+
+    def _say_failed(self, request: web.Request, message: str) -> None:
+        """Log a failure of the control plane's own (the store away) at
+        WARNING, throttled per method, route and message."""
+        route = request.match_info.route.resource
+        path = route.canonical if route is not None else request.path[:100]
+        key = (request.method, path, message)
+        line = self._unavailable.pop(key, None) or Throttled(
+            log, every_s=UNAVAILABLE_LOG_EVERY_S, clock=self._monotonic
+        )
+        self._unavailable[key] = line
+        while len(self._unavailable) > MAX_UNAVAILABLE_LINES:
+            self._unavailable.popitem(last=False)
+        line.log(logging.WARNING, "%s %s: %s", request.method, request.path[:100], message)
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC / "index.html", headers=_HEADERS)

@@ -34,6 +34,7 @@ from controlplane.web import (
     TOKEN_MISS_ADDRESSES,
     TOKEN_MISS_WINDOW_S,
     TOKEN_MISSES,
+    UNAVAILABLE_LOG_EVERY_S,
     Departures,
     StatusWeb,
     TokenMisses,
@@ -735,7 +736,7 @@ async def test_a_store_outage_is_a_503_and_a_bug_a_500_both_in_json(
     assert_error(body, "internal_error")
     assert "a bug" not in str(body)
     # The outage a WARNING line, the bug an ERROR with its traceback.
-    logged = [(r.levelno, r.exc_info is not None) for r in caplog.records]
+    logged = [(r.levelno, bool(r.exc_info)) for r in caplog.records]
     assert [entry for entry in logged if entry[0] >= logging.WARNING] == [
         (logging.WARNING, False),
         (logging.ERROR, True),
@@ -1388,3 +1389,29 @@ def test_wrong_tokens_are_counted_per_address_and_forgotten() -> None:
     for i in range(TOKEN_MISS_ADDRESSES + 5):
         misses.missed(f"10.1.{i // 256}.{i % 256}", 100.0)
     assert len(misses._times) == TOKEN_MISS_ADDRESSES
+
+
+async def test_a_store_outage_is_logged_once_per_interval_however_often_the_page_polls(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial: each poll of the page during a store outage logged a WARNING,
+    one per poll per viewer. One line per UNAVAILABLE_LOG_EVERY_S, the next
+    saying how many were not logged."""
+
+    async def away() -> None:
+        raise Unavailable("state store unavailable: etcd is away")
+
+    monkeypatch.setattr(plane.catalog, "list_proxies", away)
+    ticks = Clock(0.0)
+    caplog.set_level(logging.WARNING, "controlplane.web")
+    async with TestClient(TestServer(web_of(plane, monotonic=ticks).app())) as client:
+        for _ in range(5):
+            assert (await client.get("/api/status")).status == 503
+            ticks.now += 1.0
+        ticks.now = UNAVAILABLE_LOG_EVERY_S + 0.5
+        assert (await client.get("/api/status")).status == 503
+    lines = [r.getMessage() for r in caplog.records if r.name == "controlplane.web"]
+    assert lines == [
+        "GET /api/status: state store unavailable: etcd is away",
+        "GET /api/status: state store unavailable: etcd is away (4 more not logged)",
+    ]
