@@ -100,8 +100,13 @@ def traffic_of(
 class ControlPlaneClient:
     """Registers this proxy and applies pushed tables until cancelled.
 
-    Tries the control plane addresses in turn with jittered exponential
-    backoff, so losing one replica moves the proxy to another.
+    Starts on a random control plane address and, when a session ends or
+    fails, takes another one at random (never the one that just failed,
+    unless it is the only one), with jittered exponential backoff: losing a
+    replica spreads its proxies over the others rather than moving them all
+    to the next one in the list (a rolling restart had ended with every
+    proxy on one replica). `rng` is the random source of both, and of the
+    jitter (a seeded one in tests).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class ControlPlaneClient:
         in_group: bool = False,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("no control plane address")
@@ -136,6 +142,7 @@ class ControlPlaneClient:
         # A worker of a --workers group (see _taken).
         self._in_group = in_group
         self._sleep = sleep
+        self._random = rng or random.Random()  # noqa: S311 - spreading load, not secrets
         self._task: asyncio.Task[None] | None = None
         self._credentials = credentials or ClientOptions()
         self._on_quota = on_quota
@@ -183,10 +190,10 @@ class ControlPlaneClient:
         self._task = asyncio.current_task()
         await self.address_known.wait()
         backoff = self._backoff_min
-        attempt = random.randrange(len(self._addresses))  # noqa: S311 - spreading load
+        index = self._random.randrange(len(self._addresses))
         while True:
-            address = self._addresses[attempt % len(self._addresses)]
-            attempt += 1
+            address = self._addresses[index]
+            index = self._other_than(index)
             got_table = False
             wait = 0.0
             try:
@@ -224,12 +231,20 @@ class ControlPlaneClient:
                 # A fleet whose streams end together (its replica stopping,
                 # the certificate its proxies share expiring) comes back over
                 # a spread, not in one instant (review 41).
-                spread = random.uniform(0.0, 5 * self._backoff_min)  # noqa: S311
+                spread = self._random.uniform(0.0, 5 * self._backoff_min)
             else:
                 # Full jitter keeps a fleet from reconnecting in lockstep.
-                spread = random.uniform(self._backoff_min, backoff)  # noqa: S311
+                spread = self._random.uniform(self._backoff_min, backoff)
             await self._sleep(wait or spread)
             backoff = min(backoff * 2, self._backoff_max)
+
+    def _other_than(self, index: int) -> int:
+        """A random address's index other than `index` (itself if it is the only one)."""
+        count = len(self._addresses)
+        if count == 1:
+            return index
+        other = self._random.randrange(count - 1)
+        return other if other < index else other + 1
 
     def _renewed(self, exc: grpc.aio.AioRpcError) -> bool:
         """Whether the control plane ended the stream as the certificate it was
