@@ -126,6 +126,7 @@ class ControlPlane:
             settings.replica_id,
             lease_ttl=settings.lease_ttl,
             current_version=self._current_version,
+            current_etag=lambda: self.publisher.latest.etag if self.publisher.latest else "",
         )
         self.quotas = QuotaHub(
             store, settings.replica_id, self.registry.lease, settings.quota_interval

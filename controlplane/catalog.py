@@ -967,6 +967,7 @@ class Catalog:
         lease: int,
         *,
         version: int = 0,
+        etag: str = "",
         warnings: dict[str, list[str]] | None = None,
     ) -> None:
         """Write a replica's ACK summary with the version it serves now, and
@@ -977,6 +978,8 @@ class Catalog:
         MAX_SUMMARY_WARNINGS of them: the summary stays far below etcd's
         request size whatever the fleet's size."""
         payload: dict[str, object] = {"replica_version": version, "acks": acks}
+        if etag:  # of the table of `version` (a replica from before it writes none)
+            payload["replica_etag"] = etag
         if warnings:
             payload["warnings"] = _shared_warnings(warnings)
         await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
@@ -1032,15 +1035,17 @@ class Catalog:
                     out[kv.key[len(CONFLICTS) :]] = str(note["address"])
         return out
 
-    async def _acks_by_replica(self) -> dict[str, tuple[int, dict[str, _Ack]]]:
-        by_replica: dict[str, tuple[int, dict[str, _Ack]]] = {}
+    async def _acks_by_replica(self) -> dict[str, _Summary]:
+        by_replica: dict[str, _Summary] = {}
         for kv in (await _guard(self.store.list(ACKS))).items:
             replica = kv.key[len(ACKS) :]
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 raw = orjson.loads(kv.value)
                 warned: dict[str, object] = {}
+                etag = ""
                 if isinstance(raw, dict) and isinstance(raw.get("acks"), dict):
                     version, entries = int(raw.get("replica_version", 0)), raw["acks"]
+                    etag = str(raw.get("replica_etag", ""))
                     if isinstance(raw.get("warnings"), dict):
                         warned = raw["warnings"]
                 else:  # the summary of a replica from before replica_version
@@ -1050,7 +1055,7 @@ class Catalog:
                     str(n): (int(v), str(e), by_proxy.get(str(n), ()))
                     for n, (v, e) in entries.items()
                 }
-                by_replica[replica] = (version, acks)
+                by_replica[replica] = (version, acks, etag)
         return by_replica
 
     async def _traffic_reports(self) -> dict[str, dict[str, Traffic]]:
@@ -1085,6 +1090,9 @@ def _origin_settings(o: Origin) -> Origin:
 # A proxy's ACK as its replica's summary holds it: acked version, last NACK's
 # error, the warnings it last reported (with an ACK or a report).
 _Ack = tuple[int, str, tuple[str, ...]]
+# A replica's ACK summary: the version it serves, its proxies' ACKs, the
+# etag of the table it serves ("": a replica from before it wrote one).
+_Summary = tuple[int, dict[str, _Ack], str]
 
 
 # Distinct proxy warnings an ACK summary keeps (each at most MAX_WARNING
@@ -1123,18 +1131,23 @@ def _warnings_by_proxy(raw: object) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _with_acks(p: ProxyRecord, by_replica: dict[str, tuple[int, dict[str, _Ack]]]) -> ProxyRecord:
+def _with_acks(p: ProxyRecord, by_replica: dict[str, _Summary]) -> ProxyRecord:
     own = by_replica.get(p.control_plane_id)
     if own is not None and p.name in own[1]:
         acked, error, warnings = own[1][p.name]
         return replace(
-            p, acked_version=acked, last_error=error, warnings=warnings, replica_version=own[0]
+            p,
+            acked_version=acked,
+            last_error=error,
+            warnings=warnings,
+            replica_version=own[0],
+            replica_etag=own[2],
         )
-    for _replica, (_version, acks) in sorted(by_replica.items()):
+    for _replica, (_version, acks, _etag) in sorted(by_replica.items()):
         if p.name in acks:
             acked, error, warnings = acks[p.name]
             p = replace(p, acked_version=acked, last_error=error, warnings=warnings)
-    return replace(p, replica_version=own[0]) if own is not None else p
+    return replace(p, replica_version=own[0], replica_etag=own[2]) if own is not None else p
 
 
 def _with_conflicts(p: ProxyRecord, conflicts: dict[str, str]) -> ProxyRecord:

@@ -202,6 +202,9 @@ def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[s
         state = "current" if p.acked_version == current else "behind"
         if p.last_error:
             state = f"nack: {p.last_error[:60]}"
+        if p.unknown:
+            # Its replica's word may be stale (it hangs, or died): not current.
+            state = f"unknown: {p.unknown}"
         if p.warnings:  # of the table it serves (JSON and YAML output have them whole)
             more = f" (+{len(p.warnings) - 1} more)" if len(p.warnings) > 1 else ""
             state += f"; warning: {p.warnings[0][:80]}{more}"

@@ -367,6 +367,9 @@ class ProxyRecord:
     warnings: tuple[str, ...] = ()
     # The latest version of its replica (from that replica's ACK summary).
     replica_version: int = 0
+    # The etag (a hash of the content) of that table ("": not known), which
+    # any replica gives the same content: tells a replica behind another.
+    replica_etag: str = ""
     # The address of another process refused this name lately, started
     # before this one: two proxies given one --name, the other serving its
     # last table unseen ("": none).

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import orjson
@@ -77,7 +77,7 @@ REWRITE_RETRY_MIN = 0.2
 REWRITE_RETRY_MAX = 5.0
 
 
-def replica_silence(replica: dict[str, object], now: float) -> float | None:
+def replica_silence(replica: Mapping[str, object], now: float) -> float | None:
     """How long a replica (its /ponto/replicas/ key, decoded) has not renewed
     its lease at `now` (Unix time) when that is longer than it should be: two
     of its beats and a second for a slow write; None while it renews, or for
@@ -134,6 +134,7 @@ class ProxyRegistry:
         *,
         lease_ttl: int = 10,
         current_version: Callable[[], int] = lambda: 0,
+        current_etag: Callable[[], str] = lambda: "",
         traffic_every: float = TRAFFIC_EVERY,
         stream_grace: float = STREAM_GRACE,
         clock: Callable[[], float] = time.time,
@@ -142,6 +143,11 @@ class ProxyRegistry:
         self._catalog = catalog
         # The version this replica serves now, written with its ACK summary.
         self._current_version = current_version
+        self._current_etag = current_etag
+        # (version, etag) of the last ACK summary written: one is written when
+        # they change too, so readers see soon which table this replica
+        # serves (a proxy of a replica behind is not shown current).
+        self._summary_of: tuple[int, str] = (0, "")
         self.replica_id = replica_id
         self._ttl = lease_ttl
         self._lease = 0
@@ -561,16 +567,19 @@ class ProxyRegistry:
         Registrations still without a route stream stream_grace s after the
         first flush that saw them are removed first."""
         await self._drop_unstreamed(now)
+        serving = (self._current_version(), self._current_etag())
         try:
-            if self._acks_dirty:
+            if self._acks_dirty or (self.sessions and serving != self._summary_of):
                 self._acks_dirty = False
                 await self._catalog.put_acks(
                     self.replica_id,
                     self.acks(),
                     await self._ensure_lease(),
-                    version=self._current_version(),
+                    version=serving[0],
+                    etag=serving[1],
                     warnings=self.ack_warnings(),
                 )
+                self._summary_of = serving
             if self._traffic_dirty and now - self._traffic_written >= self._traffic_every:
                 self._traffic_dirty = False
                 self._traffic_written = now

@@ -69,6 +69,7 @@ from controlplane.errors import (
     NotFound,
     Unavailable,
 )
+from controlplane.fleetstate import unknown_why
 from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
 from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
@@ -376,7 +377,9 @@ class StatusWeb:
         proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
         replicas, leader = await self._catalog.list_replicas()
         replica_ids = {str(r.get("id", "")) for r in replicas}
+        by_id = {str(r.get("id", "")): r for r in replicas}
         latest = self._publisher.latest
+        latest_age = self._monotonic() - latest.published_at if latest else 0.0
         table = latest.table if latest else pb.RouteTable()
         latest_version = latest.version if latest else 0
         scraped = self._loads()
@@ -412,7 +415,10 @@ class StatusWeb:
                 )
                 for r in table.regions
             ],
-            "proxies": [_proxy_row(p, latest_version, now) for p in proxies],
+            "proxies": [
+                _proxy_row(p, latest_version, now, unknown_why(p, by_id, latest, latest_age, now))
+                for p in proxies
+            ],
             # Proxies this replica saw listed that no longer are, whose replica
             # is gone too (trial 49: a region whose proxy's replica stopped
             # read "no proxy in this region" while it served).
@@ -914,7 +920,9 @@ class Departures:
         return [self._gone[name] for name in sorted(self._gone)]
 
 
-def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
+def _proxy_row(p: ProxyRecord, latest: int, now: float, unknown: str = "") -> dict[str, Any]:
+    """A proxy's row; `unknown`: why its table state is not known
+    (fleetstate.unknown_why), when it is not latest whatever it ACKed."""
     heard = p.heard_at or p.connected_at
     # Versions are each replica's own etcd revision: a proxy is compared with
     # the table of the replica it is connected to, this one's until known.
@@ -927,7 +935,8 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float) -> dict[str, Any]:
         "replica": p.control_plane_id,
         "acked_version": p.acked_version,
         "current_version": current,
-        "latest": bool(current) and p.acked_version >= current,
+        "latest": bool(current) and p.acked_version >= current and not unknown,
+        "unknown": unknown,
         "last_error": p.last_error,
         # What it reported it cannot use of the table it serves (a tenant's JWT
         # config, say), beside a refusal of the last one (last_error).

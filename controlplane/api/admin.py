@@ -25,6 +25,7 @@ from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.ejections import fleet_ejections
 from controlplane.errors import ChangedSinceRead, InvalidArgument, Unavailable
+from controlplane.fleetstate import unknown_why
 from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
 from controlplane.messages import (
     cache_of,
@@ -212,7 +213,7 @@ def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
     )
 
 
-def proxy_pb(p: ProxyRecord) -> apb.ProxyStatus:
+def proxy_pb(p: ProxyRecord, unknown: str = "") -> apb.ProxyStatus:
     return apb.ProxyStatus(
         info=pb.ProxyInfo(name=p.name, region=p.region, address=p.address, version=p.version),
         session_id=p.session_id,
@@ -222,6 +223,7 @@ def proxy_pb(p: ProxyRecord) -> apb.ProxyStatus:
         control_plane_id=p.control_plane_id,
         connected_at=p.connected_at,
         replica_version=p.replica_version,
+        unknown=unknown,
     )
 
 
@@ -548,10 +550,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def ListProxies(self, request: apb.ListRequest, context: Ctx) -> apb.ListProxiesResponse:
-        proxies = await self._catalog.list_proxies()
+        (proxies, (replicas, _)) = await asyncio.gather(
+            self._catalog.list_proxies(), self._catalog.list_replicas()
+        )
+        by_id = {str(r.get("id", "")): r for r in replicas}
         latest = self._publisher.latest
+        age = time.monotonic() - latest.published_at if latest else 0.0
+        now = time.time()
         return apb.ListProxiesResponse(
-            proxies=[proxy_pb(p) for p in sorted(proxies, key=lambda p: p.name)],
+            proxies=[
+                proxy_pb(p, unknown_why(p, by_id, latest, age, now))
+                for p in sorted(proxies, key=lambda p: p.name)
+            ],
             current_version=latest.version if latest else 0,
         )
 

@@ -228,8 +228,12 @@ function renderProxies(proxies, departed) {
     el("td", {}, p.name),
     el("td", {}, p.region),
     el("td", {}, p.replica),
-    el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
-      p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${p.current_version}`),
+    p.unknown
+      // Its replica's word may be stale (it hangs, or died): not shown current.
+      ? el("td", { class: "behind", "data-acked": p.acked_version, title: p.unknown },
+        `${p.acked_version}? unknown: ${p.unknown}`)
+      : el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
+        p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${p.current_version}`),
     el("td", p.stale ? { class: "stale", title: "no traffic since: a quiet proxy reports nothing" } : {},
       age(p.age_s)),
     el("td", {}, p.address),

@@ -361,6 +361,7 @@ class ProxyStatus(_message.Message):
     CONNECTED_AT_FIELD_NUMBER: _builtins.int
     REPLICA_VERSION_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
+    UNKNOWN_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     acked_version: _builtins.int
     """Version of the last table the proxy ACKed (0: none yet)."""
@@ -374,6 +375,12 @@ class ProxyStatus(_message.Message):
     known). Replicas number the same content by the etcd revision each read it
     at, so a proxy is current when acked_version equals this, not the answering
     replica's current_version.
+    """
+    unknown: _builtins.str
+    """Why the proxy's table state is not known, for operators ("": it is): its
+    replica has stopped renewing its lease (hung, killed), or has not taken the table the answering replica serves within the push
+    time. Its acked_version and replica_version are then that replica's last
+    word, which may be stale: the proxy is not shown current.
     """
     @_builtins.property
     def info(self) -> _routing_pb2.ProxyInfo: ...
@@ -395,10 +402,11 @@ class ProxyStatus(_message.Message):
         connected_at: _builtins.float = ...,
         replica_version: _builtins.int = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
+        unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_version", b"acked_version", "connected_at", b"connected_at", "control_plane_id", b"control_plane_id", "info", b"info", "last_error", b"last_error", "replica_version", b"replica_version", "session_id", b"session_id", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_version", b"acked_version", "connected_at", b"connected_at", "control_plane_id", b"control_plane_id", "info", b"info", "last_error", b"last_error", "replica_version", b"replica_version", "session_id", b"session_id", "unknown", b"unknown", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,58 @@
+"""Whether what the store says of a proxy's table can be believed (pure).
+
+A proxy's ACK reaches the store through its replica's ACK summary, compared
+with that replica's own latest table (versions are each replica's etcd
+revision). A replica that hangs (SIGSTOP, a stalled VM) or was killed keeps
+its keys until its lease ends, so its proxies read `current` at the table
+they had, for seconds, while the fleet moved on (trial: a drain through
+another replica). Such a proxy is shown with why its state is not known
+instead: the status page's `latest` is false and `pontoctl get proxies`
+says `unknown: ...`, so "every row current" still means the fleet converged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from controlplane.distribute import Snapshot
+from controlplane.model import ProxyRecord
+from controlplane.registry import replica_silence
+
+# How long another replica may take to serve the table this one published:
+# its watch, debounce, compile, push, its proxies' ACKs and its summary's
+# flush, each well under a second.
+TABLE_GRACE_S = 5.0
+
+
+def unknown_why(
+    p: ProxyRecord,
+    replicas: Mapping[str, Mapping[str, object]],
+    latest: Snapshot | None,
+    latest_age_s: float,
+    now: float,
+) -> str:
+    """Why proxy `p`'s table state is not known ("": it is), at `now` (Unix
+    time): its replica (in `replicas`, id -> its decoded key) has not
+    renewed its lease for longer than it should (replica_silence), or still
+    serves a table whose content differs from and is older than `latest`,
+    this replica's, published `latest_age_s` seconds ago, past
+    TABLE_GRACE_S."""
+    replica_id = p.control_plane_id
+    # A replica not listed is not judged by it: its proxies' keys are under
+    # its lease, so one whose lease ended has none listed either.
+    replica = replicas.get(replica_id)
+    silent = None if replica is None else replica_silence(replica, now)
+    if silent is not None:
+        return f"its replica {replica_id} has not renewed for {silent:.0f} s"
+    if (
+        latest is not None
+        and p.replica_etag
+        and p.replica_etag != latest.etag
+        and p.replica_version < latest.version
+        and latest_age_s > TABLE_GRACE_S
+    ):
+        return (
+            f"its replica {replica_id} has not taken the latest table "
+            f"(published {latest_age_s:.0f} s ago)"
+        )
+    return ""
