@@ -127,6 +127,7 @@ class ControlPlane:
             lease_ttl=settings.lease_ttl,
             current_version=self._current_version,
             current_etag=lambda: self.publisher.latest.etag if self.publisher.latest else "",
+            store_epoch=lambda: rebased.base,
         )
         self.quotas = QuotaHub(
             store, settings.replica_id, self.registry.lease, settings.quota_interval
@@ -138,7 +139,7 @@ class ControlPlane:
             self.quotas,
             self.loads,
             metrics=self.metrics,
-            ahead=rebased.ensure_above,
+            ahead=self._ahead,
         )
         self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
         self.rebalancer = Rebalancer(
@@ -202,6 +203,16 @@ class ControlPlane:
         )
         self.web_runner: web.AppRunner | None = None
         self.http_port = 0
+
+    async def _ahead(self, revision: int) -> bool:
+        """A proxy holds `revision`, above this replica's latest table: if
+        etcd went back, number above it, and publish the state again under
+        the new numbers even where its content is the same."""
+        raised = await self.store.ensure_above(revision)
+        if raised:
+            self.publisher.renumbered(revision)
+            self.builder.wake()
+        return raised
 
     def _current_version(self) -> int:
         latest = self.publisher.latest

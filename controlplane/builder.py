@@ -41,6 +41,10 @@ class TableBuilder:
         self.store_ok = False
         self.builds = 0
 
+    def wake(self) -> None:
+        """Build again soon (debounced), as a change of the state does."""
+        self._dirty.set()
+
     async def build_once(self) -> bool:
         """Read, compile, publish; return whether a new snapshot was published."""
         state = await self._catalog.snapshot()

@@ -48,14 +48,23 @@ class Publisher:
         self._latest: Snapshot | None = None
         self._changed = asyncio.Event()
         self._pushes = itertools.count(1)
+        # Tables up to this version were numbered below what proxies hold
+        # (etcd went back; renumbered): one of the same content is published
+        # again, with its new number.
+        self._renumbered_upto = 0
 
     @property
     def latest(self) -> Snapshot | None:
         return self._latest
 
     def publish(self, table: pb.RouteTable) -> Snapshot | None:
-        """Publish table unless its content equals the latest; return the new snapshot."""
-        if self._latest is not None and self._latest.etag == table.etag:
+        """Publish table unless its content equals the latest (and that one
+        was not numbered before a renumbering); return the new snapshot."""
+        if (
+            self._latest is not None
+            and self._latest.etag == table.etag
+            and self._latest.version > self._renumbered_upto
+        ):
             return None
         nonce = f"{self._replica_id}-{next(self._pushes)}"
         payload = pb.RouteUpdate(table=table, nonce=nonce).SerializeToString()
@@ -63,6 +72,17 @@ class Publisher:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return self._latest
+
+    def renumbered(self, upto: int) -> None:
+        """Versions up to `upto` were handed out before the store's numbering
+        was raised above them (RebasedStore.ensure_above): the next table is
+        published even if its content equals the latest's. A 3-member etcd
+        restored under a running replica (docs/operations.md) had it compile
+        the snapshot's state before it noticed the revision going back; the
+        proxy refused that table as older, and the same content, numbered
+        again after the raise, was never published: the proxy kept the
+        table of before the restore."""
+        self._renumbered_upto = max(self._renumbered_upto, upto)
 
     async def next_after(self, sent: Snapshot | None) -> Snapshot:
         """Return the latest snapshot once it differs from `sent`."""

@@ -47,7 +47,7 @@ from controlplane.catalog import PROXIES, REPLICAS, Catalog, Ejections, Limited,
 from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord, decode_proxy
 from controlplane.quotasync import QUOTA_FORMAT
-from controlplane.store import KeyValue, LeaseExpired, StoreError, StoreUnavailable
+from controlplane.store import KeyValue, LeaseExpired, Listing, StoreError, StoreUnavailable
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ class ProxyRegistry:
         stream_grace: float = STREAM_GRACE,
         clock: Callable[[], float] = time.time,
         self_check_every: float = SELF_CHECK_EVERY,
+        store_epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self._catalog = catalog
         # The version this replica serves now, written with its ACK summary.
@@ -191,8 +192,14 @@ class ProxyRegistry:
         # key is written under the live lease.
         self._rewrite_due = False
         self._granted = False
+        self._announced = False  # its key written once (announce, or a rewrite)
         self._retry_in = REWRITE_RETRY_MIN
         self._self_check_every = self_check_every
+        # Changes when etcd's revision went back (RebasedStore.base): restored
+        # from a snapshot, which may hold this replica's lease but not every
+        # key written under it since; nothing else tells (a watch whose last
+        # event is older than the snapshot sees no regression).
+        self._store_epoch = store_epoch
 
     async def _ensure_lease(self) -> int:
         async with self._lease_lock:
@@ -223,6 +230,7 @@ class ProxyRegistry:
         )
         try:
             await self._put_announcement(await self._ensure_lease())
+            self._announced = True
         except (Unavailable, LeaseExpired, StoreUnavailable) as exc:
             log.warning("replica not announced yet (retried with the lease): %s", exc)
 
@@ -378,15 +386,19 @@ class ProxyRegistry:
 
     async def drop_superseded(self) -> bool:
         """Read the registrations and drop this replica's sessions whose name
-        holds another session written after theirs. False, keeping
-        everything, if the store is unavailable."""
+        holds another session written after theirs; a session whose key is
+        not there under the live lease (etcd restored from a snapshot taken
+        before it registered, say) is written again (self_check). False,
+        keeping everything, if the store is unavailable."""
         if not self.sessions:
             return True
+        lease, before = self._lease, dict(self._written)
         try:
-            keys = await self._catalog.proxy_keys()
-        except Unavailable as exc:
+            listing = await self._catalog.store.list(PROXIES)
+        except (StoreUnavailable, LeaseExpired) as exc:
             log.debug("registrations not read: %s", exc)
             return False
+        keys = {kv.key[len(PROXIES) :]: kv for kv in listing.items}
         for session_id, record in list(self.sessions.items()):
             kv = keys.get(record.name)
             # A key absent was removed or went with a lost lease (keepalive
@@ -421,6 +433,8 @@ class ProxyRegistry:
                     record, holder.address, holder.host, "superseded while it streams"
                 )
             self._forget(session_id)
+        if lease:
+            self._write_missing(self._missing(listing, lease, before), lease)
         return True
 
     def streaming_now(self, session_id: str) -> bool:
@@ -651,9 +665,11 @@ class ProxyRegistry:
         every beat until cancelled; re-grant the lease if it was lost, and
         write its keys again until they are all under the live lease
         (retried after REWRITE_RETRY_MIN to REWRITE_RETRY_MAX seconds); read
-        them back every self_check_every seconds (self_check)."""
+        them back every self_check_every seconds, once the store answers
+        again after failing, and once its revision went back (self_check)."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
+        epoch = self._store_epoch()
         while True:
             wait = min(self._retry_in, self._beat()) if self._rewrite_due else self._beat()
             with contextlib.suppress(TimeoutError):
@@ -665,6 +681,9 @@ class ProxyRegistry:
                     if self._store_failing and not self._rewrite_due:
                         self._store_failing = False
                         log.info("lease keepalive works again")
+                        # etcd may come back restored from a snapshot that
+                        # has the lease but not every key: read them now.
+                        checked = float("-inf")
                 except LeaseExpired:
                     log.warning(
                         "replica lease %x expired; re-registering %d proxies",
@@ -685,6 +704,9 @@ class ProxyRegistry:
             except (LeaseExpired, StoreUnavailable) as exc:
                 log.debug("replica key not renewed: %s", exc)
                 continue
+            if epoch != self._store_epoch():
+                epoch = self._store_epoch()
+                checked = float("-inf")  # etcd went back: read the keys now
             if loop.time() - checked >= self._self_check_every:
                 checked = loop.time()
                 await self.self_check()
@@ -694,7 +716,7 @@ class ProxyRegistry:
         in the store under the live lease, say which once and have the
         keepalive write them again at once. False if they were not read (the
         store unavailable) or a rewrite is due anyway."""
-        lease = self._lease
+        lease, before = self._lease, dict(self._written)
         if not lease or self._rewrite_due:
             return False
         try:
@@ -703,31 +725,47 @@ class ProxyRegistry:
         except (StoreUnavailable, LeaseExpired) as exc:
             log.debug("self-check not made: %s", exc)
             return False
-        keys = {kv.key[len(PROXIES) :]: kv for kv in listing.items}
         missing = []
         if self._announcement is not None and (own is None or own.lease != lease):
             missing.append(f"replica {self.replica_id}")
+        missing += self._missing(listing, lease, before)
+        if lease != self._lease or self._rewrite_due:
+            return False  # the lease changed during the read
+        self._write_missing(missing, lease)
+        return True
+
+    def _missing(self, listing: Listing, lease: int, before: dict[str, int]) -> list[str]:
+        """This replica's proxies whose key `listing` (of PROXIES) does not
+        hold under `lease`, but for those written since `before` (what
+        _written was as the read began: not by revision, which goes back
+        with a restored etcd) and those whose name another session holds
+        (drop_superseded's to judge)."""
+        keys = {kv.key[len(PROXIES) :]: kv for kv in listing.items}
+        missing = []
         for session_id, record in list(self.sessions.items()):
-            if self._written.get(session_id, 0) > listing.revision:
-                continue  # written after the read
+            if session_id not in before or before[session_id] != self._written.get(session_id):
+                continue  # written during the read
             kv = keys.get(record.name)
             if kv is not None and kv.lease == lease:
                 continue
             holder = None if kv is None else record_of(kv)
             if holder is not None and holder.session_id != session_id:
-                continue  # another session's: drop_superseded's to judge
+                continue
             missing.append(f"proxy {record.name}")
-        if lease != self._lease or self._rewrite_due:
-            return False  # the lease changed during the read
-        if missing:
-            log.warning(
-                "%s not in the state store under this replica's lease %x; writing them again",
-                ", ".join(missing),
-                lease,
-            )
-            self._rewrite_due = True
-            self._lease_suspect.set()
-        return True
+        return missing
+
+    def _write_missing(self, missing: list[str], lease: int) -> None:
+        """Say what is missing from under `lease`, still the live one, and
+        have the keepalive write this replica's keys again at once."""
+        if not missing or lease != self._lease or self._rewrite_due:
+            return
+        log.warning(
+            "%s not in the state store under this replica's lease %x; writing them again",
+            ", ".join(missing),
+            lease,
+        )
+        self._rewrite_due = True
+        self._lease_suspect.set()
 
     async def _rewrite(self) -> None:
         """Write this replica's key and every session's under the lease
@@ -771,6 +809,10 @@ class ProxyRegistry:
         self._acks_dirty = True
         self._traffic_dirty = True
         self._store_failing = False
+        if self._announcement is not None and not self._announced:
+            self._announced = True  # its first announcement, after a failed one
+            log.info("replica %s announced under lease %x", self.replica_id, lease)
+            return
         log.info(
             "replica %s and its %d proxies registered again under lease %x",
             self.replica_id,

@@ -139,3 +139,41 @@ async def test_the_replica_key_says_when_it_was_renewed() -> None:
     assert replica_silence(value, 1006.9) is None  # two beats and a second
     assert replica_silence(value, 1007.5) == pytest.approx(7.5)
     assert replica_silence({"id": "cp0"}, 5000.0) is None  # a replica from before
+
+
+async def test_keys_are_read_back_at_once_when_the_store_went_back() -> None:
+    """etcd restored from a snapshot that holds the replica's lease but not
+    a proxy registered since: nothing else tells (docs/operations.md); a
+    change of the store's numbering (RebasedStore.base) has the replica read
+    its keys back at once rather than at its next self-check."""
+    epoch = [0]
+    store = StallingStore()
+    registry = ProxyRegistry(
+        Catalog(store), "cp1", lease_ttl=1, self_check_every=3600.0, store_epoch=lambda: epoch[0]
+    )
+    await registry.announce("127.0.0.1:7000")
+    record = await registry.register("eu-1", "eu-west", "127.0.0.1:1", "1")
+    registry.streaming(record.session_id)
+    keeping = asyncio.create_task(registry.keepalive())
+    await asyncio.sleep(0)  # it runs, and reads the store's numbering
+    try:
+        await store.delete(PROXIES + "eu-1")  # not in the snapshot
+        epoch[0] = 1013  # the store's numbering raised; no self-check due
+        async with asyncio.timeout(10):
+            while not await under_lease(store, registry, ["eu-1"]):
+                await asyncio.sleep(0.02)
+    finally:
+        keeping.cancel()
+
+
+async def test_a_first_announcement_made_by_the_keepalive_is_said_as_such(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "controlplane.registry")
+    store = StallingStore()
+    store.fail = 1  # etcd not ready as the replica starts
+    registry = ProxyRegistry(Catalog(store), "cp1", lease_ttl=1)
+    await registry.announce("127.0.0.1:7000")
+    await registry._rewrite()
+    said = [r.getMessage() for r in caplog.records if "cp1" in r.getMessage()]
+    assert said[-1] == f"replica cp1 announced under lease {registry._lease:x}"
