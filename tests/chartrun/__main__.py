@@ -885,6 +885,7 @@ class Run:
                 p["info"]["name"]: (
                     int(p.get("acked_version") or 0),
                     int(p.get("replica_version") or 0),
+                    str(p.get("unknown") or ""),  # its replica's word not believed
                 )
                 for p in out.get("proxies", [])
             }
@@ -897,13 +898,16 @@ class Run:
             behind = [
                 n
                 for n in pods
-                if n not in proxies or not proxies[n][1] or proxies[n][0] != proxies[n][1]
+                if n not in proxies
+                or not proxies[n][1]
+                or proxies[n][0] != proxies[n][1]
+                or proxies[n][2]
             ]
             if not behind:
                 return
             if time.monotonic() > end:
                 raise ClusterError(
-                    "proxies behind their replicas (acked, replica's version): "
+                    "proxies behind their replicas (acked, replica's version, unknown): "
                     + ", ".join(f"{n} {proxies.get(n)}" for n in sorted(behind))
                 )
             await asyncio.sleep(0.5)
