@@ -22,6 +22,15 @@ class StoreUnavailable(StoreError):
     """The store cannot be reached now; the caller may retry later."""
 
 
+class OutcomeUnknown(StoreUnavailable):
+    """A write was sent, but its answer did not come in time (or its
+    connection broke before it came): it may have been applied, or may yet
+    be (a member stalled with the request in its socket applies it when it
+    runs again). Not to be reported as refused, nor sent again blindly: read
+    the key first. A StoreUnavailable, so that loops which retry on their
+    next round (and re-read first) treat it as a failure too."""
+
+
 class Conflict(StoreError):
     """A conditional write found the key in another state than required."""
 
@@ -95,7 +104,9 @@ class StateStore(Protocol):
     """Key-value state with revisions, conditional writes, leases and watches.
 
     Implementations must be safe to call from many tasks on one event loop.
-    Every method may raise StoreUnavailable.
+    Every method may raise StoreUnavailable; a write (put, delete,
+    delete_range, commit) raises OutcomeUnknown, a StoreUnavailable, when it
+    may have been applied all the same.
     """
 
     async def get(self, key: str) -> KeyValue | None: ...

@@ -5,6 +5,18 @@ seconds instead of hanging admin calls. Watches resume from their last revision
 after an etcd restart (etcd3aio reconnects); after compaction the consumer
 re-lists, which the revision-only watch contract already requires.
 
+A member that hangs (stopped, or its disk stalled) still accepts connections,
+so gRPC's round robin kept sending it every third call, each of which then
+used up its whole timeout (trial: one SIGSTOPped member of three failed a
+third of all calls for as long as it was stopped). So each member has its own
+channel, and calls go to one of them, as etcd's own client pins an endpoint:
+a call that times out or cannot connect there moves the store to the member
+that failed longest ago (one that never failed first). A read, or a lease
+call, gets a third of the call's timeout per attempt, and the rest of it for
+attempts on the next members; a write gets one attempt unless it was not
+sent at all (no connection), since a write that may have reached a member
+can still be applied when that member runs again: it raises OutcomeUnknown.
+
 Endpoints may name hosts or be IPv6 literals (etcd3aio alone takes IPv4
 literals only); see grpc_target for how they become one gRPC target, and
 EtcdTls for TLS.
@@ -17,6 +29,8 @@ import builtins
 import contextlib
 import ipaddress
 import logging
+import math
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -26,6 +40,7 @@ from typing import Any, TypeVar
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, SortOrder, prefix_range_end
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest
+from etcd3aio.connections import ConnectionManager
 
 from controlplane.store.base import (
     MAX_TXN_OPS,
@@ -34,6 +49,7 @@ from controlplane.store.base import (
     KeyValue,
     LeaseExpired,
     Listing,
+    OutcomeUnknown,
     StoreUnavailable,
     Write,
     txn_size,
@@ -52,6 +68,25 @@ REGRESSION_TOLD_S = 60.0
 # two leases (trial 43: 7-10 s to stop). An etcd that answers does in
 # milliseconds.
 REVOKE_AWAY_S = 0.5
+# A read's attempt on one member gets this share of the call's timeout; the
+# rest is for the next members. etcd answers a read in milliseconds, or in
+# about an election timeout (1 s by default) while it elects a leader.
+ATTEMPT_SHARE = 1 / 3
+# A member that answers no keepalive ping within this is taken as gone: its
+# connection closes and the watches on it are made again elsewhere
+# (etcd3aio's 5 s held a watch on a hung member that long after the ping).
+KEEPALIVE_TIMEOUT_MS = 2000
+# gRPC's words for a call that never left this process (no connection to
+# the member, a name that did not resolve): a write failed so is retried on
+# the next member, as it cannot have been applied.
+_UNSENT = (
+    "failed to connect to all addresses",
+    "connections to all backends failing",
+    "DNS resolution failed",
+)
+# A move to a member that failed less than this long ago is logged at DEBUG:
+# with all of etcd away, calls go round the members and each move would warn.
+MOVE_TOLD_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +207,16 @@ def grpc_target(
     )
 
 
+def member_targets(target: str) -> tuple[str, ...]:
+    """One gRPC target per member of a target that lists addresses (`ipv4:`,
+    `ipv6:`), each of one address; any other target (a `dns:` name, which
+    gRPC resolves and balances itself) as the only one. Pure."""
+    scheme, _, addresses = target.partition(":")
+    if scheme not in ("ipv4", "ipv6"):
+        return (target,)
+    return tuple(f"{scheme}:{address}" for address in addresses.split(","))
+
+
 def tls_server_name(endpoints: Sequence[str]) -> str:
     """The name etcd's certificates are checked against: the first endpoint's host.
 
@@ -243,9 +288,11 @@ class EtcdStore:
         self._timeout = timeout
         self._tls = tls
         self._watch_failed = watch_failed
+        self._attempt = timeout * ATTEMPT_SHARE
         self._names = names_to_resolve(self._endpoints)
-        self._target = grpc_target(self._endpoints)
-        self._client = self._new_client(self._target)
+        self._target = self._full(grpc_target(self._endpoints))
+        self._members = self._new_members(self._target)
+        self._pin = 0  # the member calls go to (see the module docstring)
         self._connected = False
         self._reresolved_at = 0.0
         self._reresolving: asyncio.Task[None] | None = None
@@ -254,16 +301,34 @@ class EtcdStore:
 
     @property
     def target(self) -> str:
-        """The gRPC target in use (names resolved by connect(), for logs and tests)."""
-        return str(self._client._manager.target)
+        """The gRPC target of all members (names resolved by connect(), for logs and tests)."""
+        return self._target
 
-    def _new_client(self, target: str | None) -> Etcd3Client:
+    @property
+    def pinned(self) -> str:
+        """The gRPC target of the member calls go to now (for logs and tests)."""
+        return self._members[self._pin].target
+
+    @property
+    def _client(self) -> Etcd3Client:
+        return self._members[self._pin].client
+
+    def _full(self, target: str | None) -> str:
+        """target, or etcd3aio's own for the endpoints when it is None."""
+        return target if target is not None else ConnectionManager(self._endpoints).target
+
+    def _new_members(self, target: str) -> builtins.list[_Member]:
+        members = [_Member(t, self._new_client(t)) for t in member_targets(target)]
+        # Each replica starts at a member of its own, not all at the first.
+        self._pin = random.randrange(len(members))  # noqa: S311 - spread, not secrecy
+        return members
+
+    def _new_client(self, target: str) -> Etcd3Client:
         tls = self._tls
         client = Etcd3Client(
             self._endpoints,
-            # Retries with backoff ride out a reconnect (about 1.5 s in all),
-            # all within the per-call timeout.
-            rpc_max_attempts=6,
+            # One attempt: _call makes the others, on the next member.
+            rpc_max_attempts=1,
             watch_reconnect_backoff_seconds=0.1,
             watch_max_reconnect_backoff_seconds=1.0,
             tls_server_name=tls_server_name(self._endpoints) if tls else None,
@@ -271,11 +336,15 @@ class EtcdStore:
             cert_chain=tls.cert_chain if tls else None,
             cert_key=tls.cert_key if tls else None,
         )
-        if target is not None:
-            client._manager.target = target
+        client._manager.target = target
         # gRPC's default reconnect backoff grows to minutes; an etcd that comes
         # back must be used again within about a second.
-        client._manager.grpc_options += [
+        client._manager.grpc_options = [
+            option
+            for option in client._manager.grpc_options
+            if option[0] != "grpc.keepalive_timeout_ms"
+        ] + [
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
@@ -283,7 +352,7 @@ class EtcdStore:
         return client
 
     async def connect(self) -> None:
-        """Open the channel; connecting is lazy in gRPC, so this never blocks on etcd.
+        """Open the channels; connecting is lazy in gRPC, so this never blocks on etcd.
 
         With several host names it looks them up first (the system resolver,
         so it waits for DNS, not for etcd).
@@ -291,10 +360,13 @@ class EtcdStore:
         if self._connected:
             return
         if self._names:
-            self._target = grpc_target(self._endpoints, await resolve_names(self._names))
-            self._client = self._new_client(self._target)
+            self._target = self._full(
+                grpc_target(self._endpoints, await resolve_names(self._names))
+            )
+            self._members = self._new_members(self._target)
             self._reresolved_at = asyncio.get_running_loop().time()
-        await self._client.connect()
+        for member in self._members:
+            await member.client.connect()
         self._connected = True
         tls = self._tls
         log.info(
@@ -318,44 +390,99 @@ class EtcdStore:
 
     async def _reresolve(self) -> None:
         try:
-            target = grpc_target(self._endpoints, await resolve_names(self._names))
+            target = self._full(grpc_target(self._endpoints, await resolve_names(self._names)))
             if target == self._target or not self._connected:
                 return
-            client = self._new_client(target)
-            await client.connect()
-            # Calls look the client up each time, so new calls take the new
-            # channel at once; calls and watches on the old one fail when it
-            # closes (CANCELLED, or UsageError) and are retried by their callers.
-            old, self._client, self._target = self._client, client, target
+            members = self._new_members(target)
+            for member in members:
+                await member.client.connect()
+            # Calls look the member up each time, so new calls take the new
+            # channels at once; calls and watches on the old ones fail when
+            # they close (CANCELLED, or UsageError) and are retried.
+            old, self._members, self._target = self._members, members, target
             log.warning("etcd endpoints re-resolved; now at %s", target)
-            await old.close()
+            for member in old:
+                await member.client.close()
         except Exception:  # a failed look-up must not end the store; the next failure retries
             log.exception("re-resolving etcd endpoints failed")
         finally:
             self._reresolving = None
 
-    async def _call(self, what: str, aw: Awaitable[T]) -> T:
-        try:
-            answer = await aw
-        except (EtcdError, TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            self._answering = False
-            self._failed()
-            raise StoreUnavailable(f"etcd {what} failed: {_why(exc)}") from exc
-        self._answering = True
-        return answer
+    def _member_failed(self, member: _Member, why: str) -> None:
+        """member timed out or could not be reached: if calls go to it, they
+        go to the member that failed longest ago from now on (the next one
+        on a tie), and the watches on it are made again there."""
+        now = asyncio.get_running_loop().time()
+        member.failed_at = now
+        members = self._members
+        if members[self._pin] is not member or len(members) < 2:
+            return
+        n = len(members)
+        pin = min(((self._pin + k) % n for k in range(1, n)), key=lambda i: members[i].failed_at)
+        self._pin = pin
+        told = now - members[pin].failed_at >= MOVE_TOLD_S
+        (log.warning if told else log.debug)(
+            "etcd member %s failed (%s); calls go to %s now",
+            member.target,
+            why,
+            members[pin].target,
+        )
+        for call in builtins.list(member.watches):
+            call.cancel()
+
+    async def _call(
+        self,
+        what: str,
+        op: Callable[[_Member, float], Awaitable[T]],
+        *,
+        write: bool = False,
+        within: float | None = None,
+    ) -> T:
+        """op(member, attempt's timeout) on the member calls go to, retried on
+        the next members within the call's timeout (see the module docstring).
+        Raises StoreUnavailable, or OutcomeUnknown for a write that was sent."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self._timeout if within is None else within)
+        pause = 0.05
+        tries = 0
+        while True:
+            member = self._members[self._pin]
+            left = deadline - loop.time()
+            budget = left if write else min(left, self._attempt)
+            started = loop.time()
+            tries += 1
+            try:
+                async with asyncio.timeout(budget):
+                    answer = await op(member, budget)
+            except (EtcdError, TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                self._answering = False
+                self._failed()
+                code = _code(exc)
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise StoreUnavailable(f"etcd {what} failed: {_why(exc)}") from exc
+                self._member_failed(member, _why(exc))
+                if write and not _unsent(exc):
+                    raise OutcomeUnknown(
+                        f"etcd {what} got no answer: {_why(exc)}; it may have been applied"
+                    ) from exc
+                if loop.time() - started < pause:  # refused at once: not in a tight loop
+                    await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+                    pause = min(pause * 2, 0.5)
+                if deadline - loop.time() < 0.01:
+                    tried = f" ({tries} tries)" if tries > 1 else ""
+                    raise StoreUnavailable(f"etcd {what} failed: {_why(exc)}{tried}") from exc
+                continue
+            self._answering = True
+            return answer
 
     @property
     def _kv(self) -> Any:
-        assert self._client.kv is not None, "EtcdStore.connect() not called"
-        return self._client.kv
-
-    @property
-    def _lease(self) -> Any:
-        assert self._client.lease is not None, "EtcdStore.connect() not called"
-        return self._client.lease
+        """The KV service of the member calls go to: for building a
+        transaction's operations, which needs no channel."""
+        return self._members[self._pin].kv
 
     async def get(self, key: str) -> KeyValue | None:
-        resp = await self._call("get", self._kv.get(key, timeout=self._timeout))
+        resp = await self._call("get", lambda m, t: m.kv.get(key, timeout=t))
         if not resp.kvs:
             return None
         kv = resp.kvs[0]
@@ -364,7 +491,7 @@ class EtcdStore:
     async def list(self, prefix: str) -> Listing:
         resp = await self._call(
             "list",
-            self._kv.get(prefix, range_end=prefix_range_end(prefix), timeout=self._timeout),
+            lambda m, t: m.kv.get(prefix, range_end=prefix_range_end(prefix), timeout=t),
         )
         items = tuple(
             KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.lease, kv.create_revision)
@@ -378,8 +505,8 @@ class EtcdStore:
         # it would read the whole range first.
         resp = await self._call(
             "scan",
-            self._kv.get(
-                start, range_end=end, limit=limit, sort_order=SortOrder.NONE, timeout=self._timeout
+            lambda m, t: m.kv.get(
+                start, range_end=end, limit=limit, sort_order=SortOrder.NONE, timeout=t
             ),
         )
         items = tuple(
@@ -390,13 +517,15 @@ class EtcdStore:
 
     async def count(self, start: str, end: str) -> int:
         resp = await self._call(
-            "count", self._kv.get(start, range_end=end, count_only=True, timeout=self._timeout)
+            "count", lambda m, t: m.kv.get(start, range_end=end, count_only=True, timeout=t)
         )
         return int(resp.count)
 
     async def delete_range(self, start: str, end: str) -> int:
         resp = await self._call(
-            "delete range", self._kv.delete(start, range_end=end, timeout=self._timeout)
+            "delete range",
+            lambda m, t: m.kv.delete(start, range_end=end, timeout=t),
+            write=True,
         )
         return int(resp.deleted)
 
@@ -434,11 +563,13 @@ class EtcdStore:
         try:
             if not compares:
                 resp = await self._call(
-                    "put", self._kv.put(key, value, lease=lease, timeout=self._timeout)
+                    "put", lambda m, t: m.kv.put(key, value, lease=lease, timeout=t), write=True
                 )
                 return int(resp.header.revision)
             op = self._kv.txn_op_put(key, value, lease=lease)
-            txn = await self._call("txn", self._kv.txn(compares, [op], timeout=self._timeout))
+            txn = await self._call(
+                "txn", lambda m, t: m.kv.txn(compares, [op], timeout=t), write=True
+            )
         except StoreUnavailable as exc:
             if "lease not found" in str(exc):
                 raise LeaseExpired(f"lease {lease:x} not found") from exc
@@ -450,10 +581,10 @@ class EtcdStore:
     async def delete(self, key: str, *, if_mod_revision: int | None = None) -> bool:
         compares = self._compares(key, False, if_mod_revision)
         if not compares:
-            resp = await self._call("delete", self._kv.delete(key, timeout=self._timeout))
+            resp = await self._call("delete", lambda m, t: m.kv.delete(key, timeout=t), write=True)
             return bool(resp.deleted)
         op = self._kv.txn_op_delete(key)
-        txn = await self._call("txn", self._kv.txn(compares, [op], timeout=self._timeout))
+        txn = await self._call("txn", lambda m, t: m.kv.txn(compares, [op], timeout=t), write=True)
         if not txn.succeeded:
             raise Conflict(f"condition on {key} failed")
         return bool(txn.responses[0].response_delete_range.deleted)
@@ -473,18 +604,20 @@ class EtcdStore:
             kv.txn_op_delete(w.key) if w.value is None else kv.txn_op_put(w.key, w.value)
             for w in writes
         ]
-        txn = await self._call("txn", kv.txn(compares, ops, timeout=self._timeout))
+        txn = await self._call("txn", lambda m, t: m.kv.txn(compares, ops, timeout=t), write=True)
         if not txn.succeeded:
             raise Conflict("a condition of the transaction failed")
         return int(txn.header.revision)
 
     async def grant_lease(self, ttl: int) -> int:
-        resp = await self._call("lease grant", self._lease.grant(ttl, timeout=self._timeout))
+        # Granted twice when an attempt's answer is lost: the first lease ends
+        # with its TTL, nothing put with it.
+        resp = await self._call("lease grant", lambda m, t: m.lease.grant(ttl, timeout=t))
         return int(resp.ID)
 
     async def refresh_lease(self, lease_id: int) -> int:
-        async def once() -> int:
-            stream = self._lease.keep_alive(lease_id)
+        async def once(member: _Member) -> int:
+            stream = member.lease.keep_alive(lease_id)
             try:
                 async for resp in stream:
                     return int(resp.TTL)
@@ -492,7 +625,7 @@ class EtcdStore:
             finally:
                 stream.cancel()
 
-        ttl = await self._call("lease keepalive", asyncio.wait_for(once(), self._timeout))
+        ttl = await self._call("lease keepalive", lambda m, _: once(m))
         if ttl <= 0:
             raise LeaseExpired(f"lease {lease_id:x} expired")
         return ttl
@@ -502,7 +635,9 @@ class EtcdStore:
         and while etcd's last call failed this tries for REVOKE_AWAY_S only."""
         timeout = self._timeout if self._answering else min(self._timeout, REVOKE_AWAY_S)
         with contextlib.suppress(StoreUnavailable):
-            await self._call("lease revoke", self._lease.revoke(lease_id, timeout=timeout))
+            await self._call(
+                "lease revoke", lambda m, t: m.lease.revoke(lease_id, timeout=t), within=timeout
+            )
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         """Its own stream, re-created after a failure (etcd restarted, or
@@ -516,12 +651,14 @@ class EtcdStore:
         while True:
             if not self._connected:
                 return  # the store was closed (review 38: it failed on, every 0.5 s)
-            # The client of now: a failure may have looked etcd's names up again.
-            watching = self._client.watch
-            assert watching is not None, "EtcdStore.connect() not called"
+            # The member of now: a failure may have moved calls to another, or
+            # looked etcd's names up again.
+            member = self._members[self._pin]
+            watching = member.watch
             call: Any = None
             try:
                 call = watching._stub.Watch(metadata=watching._metadata or None)
+                member.watches.add(call)
                 create = WatchCreateRequest(
                     key=prefix.encode(),
                     range_end=prefix_range_end(prefix),
@@ -571,10 +708,11 @@ class EtcdStore:
                     raise
                 # Not this task's cancellation: gRPC's of the call, whose
                 # channel closed under it (the names of etcd looked up again,
-                # see _reresolve). Review 37: it ended every watch for good.
+                # see _reresolve), or the store's, as calls left its member
+                # (_member_failed). Review 37: it ended every watch for good.
                 self._watch_failed()
                 failing = True
-                log.warning("etcd watch on %s: its channel was replaced; watching anew", prefix)
+                log.warning("etcd watch on %s: its member was left; watching anew", prefix)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, _WatchEnded) as exc:
                 self._watch_failed()
                 self._failed()
@@ -585,6 +723,7 @@ class EtcdStore:
                 await asyncio.sleep(0.5)
             finally:
                 if call is not None:
+                    member.watches.discard(call)
                     call.cancel()
 
     async def _regressed(self, prefix: str, seen: int, now: int) -> None:
@@ -614,19 +753,80 @@ class EtcdStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reresolving
         if self._connected:
-            await self._client.close()
+            for member in self._members:
+                await member.client.close()
             self._connected = False
+
+
+@dataclass(eq=False)
+class _Member:
+    """One etcd member's channel (target: one address, or a `dns:` name),
+    when a call on it last timed out or could not connect (loop time), and
+    the watch calls on it, which are cancelled when calls leave it."""
+
+    target: str
+    client: Etcd3Client
+    failed_at: float = -math.inf
+    watches: set[Any] = field(default_factory=set)
+
+    @property
+    def kv(self) -> Any:
+        assert self.client.kv is not None, "EtcdStore.connect() not called"
+        return self.client.kv
+
+    @property
+    def lease(self) -> Any:
+        assert self.client.lease is not None, "EtcdStore.connect() not called"
+        return self.client.lease
+
+    @property
+    def watch(self) -> Any:
+        assert self.client.watch is not None, "EtcdStore.connect() not called"
+        return self.client.watch
 
 
 class _WatchEnded(Exception):
     """etcd ended a watch's stream, or cancelled the watch."""
 
 
+def _rpc_error(exc: BaseException) -> grpc.aio.AioRpcError | None:
+    """The gRPC error of exc: itself, or what etcd3aio raised it from."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc
+    if isinstance(exc.__cause__, grpc.aio.AioRpcError):
+        return exc.__cause__
+    return None
+
+
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    """exc's gRPC status: a timeout is DEADLINE_EXCEEDED, a closed channel
+    (UsageError) UNAVAILABLE, as either is for another member to answer."""
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, grpc.aio.UsageError):
+        return grpc.StatusCode.UNAVAILABLE
+    rpc = _rpc_error(exc)
+    return rpc.code() if rpc is not None else None
+
+
+def _unsent(exc: BaseException) -> bool:
+    """Whether a failed call never left this process (see _UNSENT), or was
+    refused by a closed channel (UsageError): no member can apply it."""
+    if isinstance(exc, grpc.aio.UsageError):
+        return True
+    rpc = _rpc_error(exc)
+    if rpc is None or rpc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = rpc.details() or ""
+    return any(words in details for words in _UNSENT)
+
+
 def _why(exc: BaseException) -> str:
     """An etcd call's failure in one line: gRPC's own str() is a multi-line
     dump with its debug string."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name} ({exc.details()})"
+    rpc = _rpc_error(exc)
+    if rpc is not None:
+        return f"{rpc.code().name} ({rpc.details()})"
     if isinstance(exc, TimeoutError):
         return "timed out"
     return str(exc) or type(exc).__name__

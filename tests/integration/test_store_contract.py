@@ -647,10 +647,12 @@ async def test_a_watch_goes_on_when_its_channel_is_replaced(
     try:
         await wait_created(caplog, P + "c/")
         # As EtcdStore._reresolve does with the new addresses.
-        new = etcd_store._new_client(etcd_store._target)
-        await new.connect()
-        old, etcd_store._client = etcd_store._client, new
-        await old.close()
+        old = etcd_store._members
+        etcd_store._members = etcd_store._new_members(etcd_store._target)
+        for member in etcd_store._members:
+            await member.client.connect()
+        for member in old:
+            await member.client.close()
         written = await etcd_store.put(P + "c/after", b"1")
         assert await watcher.next(10.0) >= written
         await wait_created(caplog, P + "c/", times=2)
