@@ -462,9 +462,7 @@ class EtcdStore:
                     raise StoreUnavailable(f"etcd {what} failed: {_why(exc)}") from exc
                 self._member_failed(member, _why(exc))
                 if write and not _unsent(exc):
-                    raise OutcomeUnknown(
-                        f"etcd {what} got no answer: {_why(exc)}; it may have been applied"
-                    ) from exc
+                    raise OutcomeUnknown(f"etcd {what} got no answer: {_why(exc)}") from exc
                 if loop.time() - started < pause:  # refused at once: not in a tight loop
                     await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
                     pause = min(pause * 2, 0.5)
