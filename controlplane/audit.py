@@ -75,7 +75,8 @@ class AuditEntry:
     time: Unix seconds. actor: the client certificate's identity, "admin-token"
     or "anonymous". source: the caller's address ("ipv4:10.0.0.5:51234",
     "http:10.0.0.5"). result: "ok", or the gRPC status code the call was
-    refused with, its message in message. replica: the control-plane replica
+    refused with, or OUTCOME_UNKNOWN (the state store did not confirm the
+    write: it may have been made), its message in message. replica: the control-plane replica
     that served the call.
     """
 

@@ -44,6 +44,7 @@ from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    OutcomeUnknown,
     Superseded,
     Unavailable,
 )
@@ -87,6 +88,9 @@ from controlplane.store import (
     StoreUnavailable,
     Write,
     txn_size,
+)
+from controlplane.store import (
+    OutcomeUnknown as StoreOutcomeUnknown,
 )
 from ponto.apikeys import issue_key, key_expired
 from ponto.quota_types import utc_day
@@ -143,6 +147,8 @@ class CreatedKey(NamedTuple):
 async def _guard(aw: Awaitable[T]) -> T:
     try:
         return await aw
+    except StoreOutcomeUnknown as exc:
+        raise OutcomeUnknown(str(exc)) from exc
     except StoreUnavailable as exc:
         raise Unavailable(f"state store unavailable: {exc}") from exc
 

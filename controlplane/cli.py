@@ -54,7 +54,12 @@ from grpc_health.v1 import health_pb2
 from controlplane.apply import ApplyError, change_text, non_finite, tenant_changes
 from controlplane.ejections import FleetEjection
 from controlplane.ejections import describe as describe_ejection
-from controlplane.errors import CHANGED_SINCE_READ, InvalidArgument
+from controlplane.errors import (
+    CHANGED_SINCE_READ,
+    CHECK_FIRST,
+    MAY_HAVE_BEEN_MADE,
+    InvalidArgument,
+)
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
     DEFAULT_WEIGHT,
@@ -2048,8 +2053,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: a value is out of range: {exc}", file=sys.stderr)
             return 2
         except grpc.RpcError as exc:
-            return _refused(exc, address, options, cut_off)
+            return _refused(exc, address, options, cut_off, check=_check_with(args))
     return write(shown)
+
+
+def _check_with(args: argparse.Namespace) -> str | None:
+    """The command that shows what `args`' command changes, to run before
+    running it again when its outcome is unknown; None for a command that
+    changes nothing."""
+    command, action = args.command, getattr(args, "action", "")
+    if command in ("get", "export") or (command, action) == ("key", "list"):
+        return None
+    if command in ("drain", "undrain"):
+        return f"pontoctl get {args.kind}s"
+    if command in ("region", "origin", "tenant"):
+        return f"pontoctl get {command}s"
+    if command == "key" or (command == "limit" and args.key):
+        return "pontoctl get keys"
+    if command == "limit":
+        return "pontoctl get tenants"
+    if command == "apply":
+        return "pontoctl export"
+    return ""  # a purge: purging again does no harm
 
 
 class OnceShown(str):
@@ -2200,10 +2225,19 @@ def _status_of(exc: grpc.RpcError) -> str:
 
 
 def _refused(
-    exc: grpc.RpcError, address: str, options: conn.ClientOptions, cut_off: Sequence[str] = ()
+    exc: grpc.RpcError,
+    address: str,
+    options: conn.ClientOptions,
+    cut_off: Sequence[str] = (),
+    *,
+    check: str | None = None,
 ) -> int:
     """Print the control plane's refusal on one line; return the exit code.
-    `cut_off`: the replicas passed over as unable to reach their state store."""
+    `cut_off`: the replicas passed over as unable to reach their state store.
+    `check`: what shows the command's change (_check_with), None for a
+    command that changes nothing: a change with no answer may have been made,
+    and is said to be, with what to run before running it again (the call is
+    never sent again by pontoctl, to this replica or another)."""
     code: grpc.StatusCode | None = getattr(exc, "code", lambda: None)()
     detail: str = getattr(exc, "details", lambda: "")() or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -2225,8 +2259,18 @@ def _refused(
             detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
     elif code == grpc.StatusCode.PERMISSION_DENIED and "Admin API" not in detail:
         detail += "; this credential may not use the Admin API"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and MAY_HAVE_BEEN_MADE in detail:
+        # The control plane's: its state store did not confirm the write.
+        if check:
+            detail = detail.replace("`pontoctl get`", f"`{check}`")
+        elif check == "":
+            detail = detail.replace(CHECK_FIRST, "running it again does no harm")
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         detail = f"control plane at {address} did not answer within {TIMEOUT:g} s"
+        if check:
+            detail += f": {MAY_HAVE_BEEN_MADE}; check with `{check}` before running it again"
+        elif check == "":
+            detail += f": {MAY_HAVE_BEEN_MADE}; running it again does no harm"
     name = code.name if code is not None else "UNKNOWN"
     print(f"error: {detail} [{name}]", file=sys.stderr)
     return 1

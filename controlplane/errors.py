@@ -58,6 +58,26 @@ class Unavailable(ControlPlaneError):
     status = grpc.StatusCode.UNAVAILABLE
 
 
+# What a change whose write got no answer from the state store says (pontoctl
+# finds it in DEADLINE_EXCEEDED's details, and names the `get` to run).
+MAY_HAVE_BEEN_MADE = "the change may have been made"
+CHECK_FIRST = "check with `pontoctl get` before running it again"
+
+
+class OutcomeUnknown(ControlPlaneError):
+    """A change was sent to the state store, but its answer did not come: it
+    may have been made, or may be made later (a stalled etcd member applies
+    it when it runs again). DEADLINE_EXCEEDED, not UNAVAILABLE, which tells
+    a client that nothing was done and the call may simply be sent again."""
+
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, why: str) -> None:
+        super().__init__(
+            f"state store did not confirm the change ({why}): {MAY_HAVE_BEEN_MADE}; {CHECK_FIRST}"
+        )
+
+
 class Superseded(ControlPlaneError):
     """A proxy's name is registered by a process started after this one's
     (at `holder_address`, registered from `holder_host`)."""

@@ -67,6 +67,7 @@ from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    OutcomeUnknown,
     Unavailable,
 )
 from controlplane.fleetstate import unknown_why
@@ -122,6 +123,8 @@ _ERRORS: dict[type[ControlPlaneError], tuple[int, str, str]] = {
     AlreadyExists: (409, "invalid_request_error", "already_exists"),
     FailedPrecondition: (409, "invalid_request_error", "failed_precondition"),
     Unavailable: (503, "server_error", "unavailable"),
+    # The change may have been made: not a 503, which says it was not.
+    OutcomeUnknown: (504, "server_error", "outcome_unknown"),
 }
 _HTTP_CODES = {
     404: ("invalid_request_error", "not_found"),
@@ -137,6 +140,7 @@ _GRPC_CODES = {
     409: "FAILED_PRECONDITION",
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
 }
 _HEADERS = {
     "Cache-Control": "no-store",

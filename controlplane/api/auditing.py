@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 
 from controlplane.apply import change_text
 from controlplane.audit import MAX_DETAIL_KEYS, AuditLog
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, OutcomeUnknown
 from controlplane.model import redact_url
 from ponto import roles
 from ponto.times import utc
@@ -83,10 +83,19 @@ def actor_of(auth_context: Mapping[str, Iterable[bytes]], *, token_required: boo
     return "admin-token" if token_required else "anonymous"
 
 
+# The audit result of a change whose write the state store did not confirm:
+# not refused (a status code), as it may have been made (SRE trial: an
+# undrain recorded as UNAVAILABLE took effect when etcd ran again).
+OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"
+
+
 def outcome_of(exc: BaseException) -> tuple[str, str]:
     """The audit result and message of an admin change that raised `exc`: the
-    gRPC status of a refusal, CANCELLED for a caller gone (the change may have
-    been made), INTERNAL for a bug (its text stays in the log)."""
+    gRPC status of a refusal, OUTCOME_UNKNOWN for a write the state store did
+    not confirm, CANCELLED for a caller gone (the change may have been made),
+    INTERNAL for a bug (its text stays in the log)."""
+    if isinstance(exc, OutcomeUnknown):
+        return OUTCOME_UNKNOWN, str(exc)
     if isinstance(exc, ControlPlaneError):
         return exc.status.name, str(exc)
     if isinstance(exc, asyncio.CancelledError):
