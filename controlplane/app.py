@@ -184,6 +184,7 @@ class ControlPlane:
             acked_versions=lambda: [r.acked_version for r in self.registry.sessions.values()],
             is_leader=lambda: self.leadership.is_leader,
             load_ages=self.scraper.ages,
+            leader_terms=lambda: self.leadership.terms,
         )
         # Health alone, in plaintext, for kubelet probes (--health-listen).
         self.health_server: grpc.aio.Server | None = None

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dataplane.metrics import Counter, Histogram
@@ -78,7 +78,7 @@ class _Reading(Collector):
         self._read = read
         registry.register(self)
 
-    def _empty(self) -> GaugeMetricFamily:
+    def _empty(self) -> GaugeMetricFamily | CounterMetricFamily:
         return GaugeMetricFamily(self._name, self._doc, labels=self._labelnames)
 
     def describe(self) -> Iterator[Metric]:
@@ -89,6 +89,13 @@ class _Reading(Collector):
         for labels, value in self._read():
             family.add_metric(list(labels), value)
         yield family
+
+
+class _Count(_Reading):
+    """A counter family (NAME_total) whose series `read()` returns at each scrape."""
+
+    def _empty(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
 
 
 class ControlMetrics:
@@ -103,6 +110,7 @@ class ControlMetrics:
         self._table: Callable[[], pb.RouteTable | None] = lambda: None
         self._acked: Callable[[], Iterable[int]] = tuple
         self._leader: Callable[[], bool] = lambda: False
+        self._terms: Callable[[], int] = lambda: 0
         self._load_ages: Callable[[], Mapping[str, float]] = dict
         info = ((replica, software_version()), 1.0)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -181,6 +189,16 @@ class ControlMetrics:
             lambda: [((), 1.0 if self._leader() else 0.0)],
             r,
         )
+        # The gauge above misses terms shorter than a scrape interval, and its
+        # "no leader for 2m" alert is reset by each (SRE trial: 5 s terms on
+        # one replica after another with an etcd member stalled).
+        _Count(
+            "ponto_control_leader_terms",
+            "Terms this replica has begun as the leader",
+            (),
+            lambda: [((), float(self._terms()))],
+            r,
+        )
         _Reading(
             "ponto_control_origin_healthy",
             "1 if the origin passes its health probes, as in the latest table",
@@ -225,13 +243,16 @@ class ControlMetrics:
         acked_versions: Callable[[], Iterable[int]],
         is_leader: Callable[[], bool],
         load_ages: Callable[[], Mapping[str, float]] = dict,
+        leader_terms: Callable[[], int] = lambda: 0,
     ) -> None:
         """Where scrape-time state is read: the latest published table, the
-        versions last ACKed by the proxies connected here, the election, the
-        age of each origin's load figures (LoadScraper.ages)."""
+        versions last ACKed by the proxies connected here, the election (and
+        how many terms it has begun), the age of each origin's load figures
+        (LoadScraper.ages)."""
         self._table = table
         self._acked = acked_versions
         self._leader = is_leader
+        self._terms = leader_terms
         self._load_ages = load_ages
 
     # ------------------------------------------------------------ events

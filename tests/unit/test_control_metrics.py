@@ -49,6 +49,7 @@ CONTRACT = {
     "ponto_control_etcd_request_duration_seconds": ("histogram", {"op"}),
     "ponto_control_etcd_errors": ("counter", {"op"}),
     "ponto_control_leader": ("gauge", set()),
+    "ponto_control_leader_terms": ("counter", set()),
     "ponto_control_probes": ("counter", {"origin", "region", "result"}),
     "ponto_control_origin_healthy": ("gauge", {"origin", "region"}),
     "ponto_control_origin_drained": ("gauge", {"origin", "region"}),
@@ -161,6 +162,7 @@ def test_table_state_proxies_and_leader_are_read_at_scrape_time() -> None:
         table=lambda: table[-1] if table else None,
         acked_versions=lambda: acked,
         is_leader=lambda: leader[0],
+        leader_terms=lambda: 3,
     )
     state = State(
         10,
@@ -177,6 +179,7 @@ def test_table_state_proxies_and_leader_are_read_at_scrape_time() -> None:
     got = samples(metrics)
     assert got[("ponto_control_table_version", frozenset())] == 10
     assert got[("ponto_control_leader", frozenset())] == 1
+    assert got[("ponto_control_leader_terms_total", frozenset())] == 3
     assert got[("ponto_control_proxies", frozenset({("state", "latest")}))] == 2
     assert got[("ponto_control_proxies", frozenset({("state", "behind")}))] == 2
     assert got[("ponto_control_region_drained", frozenset({("region", "us")}))] == 1
