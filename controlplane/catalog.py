@@ -148,6 +148,9 @@ async def _guard(aw: Awaitable[T]) -> T:
     try:
         return await aw
     except StoreOutcomeUnknown as exc:
+        # Said here, once: the caller is told, but a change that may be
+        # applied later is the operator's to know of from the log too.
+        log.warning("a change may have been made though etcd did not confirm it: %s", exc)
         raise OutcomeUnknown(str(exc)) from exc
     except StoreUnavailable as exc:
         raise Unavailable(f"state store unavailable: {exc}") from exc

@@ -67,7 +67,7 @@ class Unconfirmed(MemoryStore):
 
 
 async def test_an_undrain_not_confirmed_is_said_to_be_unknown_sent_once_and_audited(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     store = Unconfirmed()
     await store.put(REGIONS + "us-east", encode(Region("us-east", 0.0, 0.0, drained=True)))
@@ -89,6 +89,11 @@ async def test_an_undrain_not_confirmed_is_said_to_be_unknown_sent_once_and_audi
         entries = (await stub.ListAudit(apb.ListAuditRequest(action="UndrainRegion"))).entries
     [entry] = entries
     assert (entry.target, entry.result) == ("region/us-east", "OUTCOME_UNKNOWN")
+    # Logged once, in one line (the audit entry's own write, lost too, is the
+    # audit log's to say).
+    [logged] = [r for r in caplog.records if r.name == "controlplane.catalog"]
+    assert "may have been made" in logged.getMessage()
+    assert logged.levelname == "WARNING" and logged.exc_info is None
     assert "may have been made" in entry.message
 
 
