@@ -291,8 +291,9 @@ class EtcdStore:
         self._attempt = timeout * ATTEMPT_SHARE
         self._names = names_to_resolve(self._endpoints)
         self._target = self._full(grpc_target(self._endpoints))
-        self._members = self._new_members(self._target)
+        self._members: builtins.list[_Member] = []
         self._pin = 0  # the member calls go to (see the module docstring)
+        self._use(self._new_members(self._target))
         self._connected = False
         self._reresolved_at = 0.0
         self._reresolving: asyncio.Task[None] | None = None
@@ -318,10 +319,13 @@ class EtcdStore:
         return target if target is not None else ConnectionManager(self._endpoints).target
 
     def _new_members(self, target: str) -> builtins.list[_Member]:
-        members = [_Member(t, self._new_client(t)) for t in member_targets(target)]
-        # Each replica starts at a member of its own, not all at the first.
+        return [_Member(t, self._new_client(t)) for t in member_targets(target)]
+
+    def _use(self, members: builtins.list[_Member]) -> None:
+        """Call members from now on, starting at a random one: each replica at
+        a member of its own, not all at the first."""
+        self._members = members
         self._pin = random.randrange(len(members))  # noqa: S311 - spread, not secrecy
-        return members
 
     def _new_client(self, target: str) -> Etcd3Client:
         tls = self._tls
@@ -363,7 +367,7 @@ class EtcdStore:
             self._target = self._full(
                 grpc_target(self._endpoints, await resolve_names(self._names))
             )
-            self._members = self._new_members(self._target)
+            self._use(self._new_members(self._target))
             self._reresolved_at = asyncio.get_running_loop().time()
         for member in self._members:
             await member.client.connect()
@@ -399,7 +403,9 @@ class EtcdStore:
             # Calls look the member up each time, so new calls take the new
             # channels at once; calls and watches on the old ones fail when
             # they close (CANCELLED, or UsageError) and are retried.
-            old, self._members, self._target = self._members, members, target
+            old = self._members
+            self._use(members)
+            self._target = target
             log.warning("etcd endpoints re-resolved; now at %s", target)
             for member in old:
                 await member.client.close()

@@ -215,3 +215,9 @@ async def test_with_every_member_away_a_call_is_unavailable_within_its_timeout()
     assert not isinstance(refused.value, OutcomeUnknown)  # it reached no member
     assert loop.time() - started < 0.6 + 0.5  # generous: the call's timeout
     assert all(f.calls >= 1 for f in fakes)
+
+
+def test_replicas_start_at_members_of_their_own() -> None:
+    """Not all at the first member: each replica's store starts at a random one."""
+    endpoints = [f"127.0.0.1:{2379 + i}" for i in range(3)]
+    assert len({EtcdStore(endpoints).pinned for _ in range(30)}) > 1
