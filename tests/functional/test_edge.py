@@ -126,7 +126,10 @@ async def closed(reader: Any) -> bool:
 
 
 def refusal_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # grpc's aio poller, left on the loop by another test of the process,
+    # may log a callback's EAGAIN under load: no record of the proxy's.
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not [r for r in errors if "PollerCompletionQueue" not in r.getMessage()]
     records = [r for r in caplog.records if r.name == REFUSALS]
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in records)
     return records
