@@ -64,11 +64,14 @@ MAY_HAVE_BEEN_MADE = "the change may have been made"
 CHECK_FIRST = "check with `pontoctl get` before running it again"
 
 
-class OutcomeUnknown(ControlPlaneError):
+class OutcomeUnknown(Unavailable):
     """A change was sent to the state store, but its answer did not come: it
     may have been made, or may be made later (a stalled etcd member applies
     it when it runs again). DEADLINE_EXCEEDED, not UNAVAILABLE, which tells
-    a client that nothing was done and the call may simply be sent again."""
+    a client that nothing was done and the call may simply be sent again.
+    An Unavailable all the same to the control plane's own loops (an ACK
+    flush, a probe round), which write again or wait out the store as for
+    any failure (review: one ended the ACK flush task for good)."""
 
     status = grpc.StatusCode.DEADLINE_EXCEEDED
 

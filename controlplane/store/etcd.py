@@ -454,7 +454,11 @@ class EtcdStore:
         while True:
             member = self._members[self._pin]
             left = deadline - loop.time()
-            budget = left if write else min(left, self._attempt)
+            # A read's try is cut short only while another member is left to
+            # try: one member (one name) or the last gets what is left (review:
+            # a read that needed half the timeout could never succeed).
+            last = tries >= len(self._members) - 1
+            budget = left if write or last else min(left, self._attempt)
             started = loop.time()
             tries += 1
             try:

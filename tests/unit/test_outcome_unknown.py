@@ -21,10 +21,13 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.catalog import REGIONS
+from controlplane.catalog import ACKS, REGIONS, Catalog
 from controlplane.cli import _refused
 from controlplane.cli import main as pontoctl
+from controlplane.errors import OutcomeUnknown as CatalogOutcomeUnknown
+from controlplane.errors import Unavailable
 from controlplane.model import Region, encode
+from controlplane.registry import ProxyRegistry
 from controlplane.store import Fence, OutcomeUnknown, StoreUnavailable, Write
 from controlplane.store.etcd import ATTEMPT_SHARE, EtcdStore
 from controlplane.store.memory import MemoryStore
@@ -221,3 +224,37 @@ def test_replicas_start_at_members_of_their_own() -> None:
     """Not all at the first member: each replica's store starts at a random one."""
     endpoints = [f"127.0.0.1:{2379 + i}" for i in range(3)]
     assert len({EtcdStore(endpoints).pinned for _ in range(30)}) > 1
+
+
+async def test_a_read_on_one_member_or_the_last_gets_what_is_left_of_the_timeout() -> None:
+    """Review: a read was cut to a third of its timeout on every try, so one
+    that needed half of it (a large listing on a loaded etcd, a leader being
+    elected) could never succeed, with one member (one name) least of all."""
+    store, (only,) = fake_store(n=1)
+    await store.get("/k")
+    assert only.timeouts == [pytest.approx(0.6, abs=0.05)]
+    store, (first, second, third) = fake_store()
+    first.hung = second.hung = True
+    await store.get("/k")
+    assert first.timeouts == [pytest.approx(0.2, abs=0.05)]
+    assert second.timeouts == [pytest.approx(0.2, abs=0.05)]
+    assert third.timeouts == [pytest.approx(0.2, abs=0.08)]  # the rest: about a third
+
+
+async def test_a_write_not_confirmed_does_not_end_the_ack_flush() -> None:
+    """Review: OutcomeUnknown was no Unavailable, so the ACK flush (and a
+    probe round, a stream's key removal) let it out and its task ended for
+    good: the replica wrote no ACK summary again."""
+    store = Unconfirmed()
+    registry = ProxyRegistry(Catalog(store), "cp1", lease_ttl=5)
+    await registry.announce("127.0.0.1:7000")
+    record = await registry.register("eu-1", "eu-west", "127.0.0.1:1", "1")
+    registry.streaming(record.session_id)
+    store.lose = True
+    await registry.flush(0.0)  # not confirmed: written (Unconfirmed applies it), due again
+    store.lose = False
+    await store.delete(ACKS + "cp1")  # as if it had not been applied
+    await registry.flush(1.0)
+    summary = await store.get(ACKS + "cp1")
+    assert summary is not None and b"eu-1" in summary.value
+    assert issubclass(CatalogOutcomeUnknown, Unavailable)
