@@ -505,9 +505,19 @@ class Metrics:
             "ponto_cache_region_requests",
             "Regional cache (Redis) calls by operation and result: ok, error, timeout, "
             "refused (an error reply from a Redis that is up, e.g. full under noeviction: "
-            "a miss or a write dropped), skipped (not tried: the circuit breaker is open) or "
+            "a miss or a write dropped), skipped (not tried: the circuit breaker is open, or a "
+            "write held back after Redis refused writes: see "
+            "ponto_cache_region_writes_skipped_total) or "
             "dropped (a background write not made: too many in flight)",
             ["op", "result"],
+            registry=r,
+        )
+        self.region_writes_skipped = Counter(
+            "ponto_cache_region_writes_skipped",
+            "Regional cache (Redis) writes not tried because Redis refused writes lately "
+            "(reason full: maxmemory reached; read-only: a replica): held back a few seconds "
+            "at a time, then one write tries again. By operation (set, lock, sem_publish)",
+            ["op", "reason"],
             registry=r,
         )
         self.cache_entries = Gauge("ponto_cache_entries", "Entries in the exact cache", registry=r)

@@ -17,13 +17,19 @@ the client has its answer (dataplane.cache.regionstore), so their deadline
 only bounds how long a write's task lives.
 
 Not every failure is an outage (dataplane.cache.regionfaults): a Redis that
-answers a command with an error (full under `noeviction`, a read-only replica)
-is up, and reads go on; that call is a miss or a dropped write, counted as
-`refused` and logged in one WARNING per REFUSED_WARNING_EVERY_S. A setup
-mistake (a wrong password, an unknown DB, an ACL refusal) makes Redis as
-unusable as an outage, but is logged as an ERROR naming the fix, once per
-MISTAKE_ERROR_EVERY_S while it lasts; the link goes on probing, so a Redis
-fixed live is used again without a restart.
+answers a command with an error (full under `noeviction`, a read-only replica,
+an ACL that refuses that command) is up, and reads go on; that call is a miss
+or a dropped write, counted as `refused` and logged in one WARNING per
+REFUSED_WARNING_EVERY_S. After a full or read-only refusal, writes are held
+back for WRITE_BACKOFF_S, then one tries again. A setup mistake (a wrong
+password or an ACL refusal of the PING, an unknown DB, a Redis Cluster node)
+makes Redis as unusable as an outage, but is logged as an ERROR naming the
+fix, once per MISTAKE_ERROR_EVERY_S per mistake while it lasts or comes back
+(the throttle outlives the breaker closing: a Redis that serves the PING and
+refuses the next call must not be one ERROR per flap); the link goes on
+probing, so a Redis fixed live is used again without a restart. The probe is
+always a PING (`call`), so the breaker closes only on an answer that says
+Redis serves this proxy.
 
 Lifecycle (as the app's other resources): construction has no side effects;
 `start()` checks the connection once (an unreachable Redis is not an error: the
@@ -42,14 +48,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 from dataplane.cache.breaker import Admit, Breaker
-from dataplane.cache.regionfaults import Mistake, mistake_of, policy_warning, refusal_of
+from dataplane.cache.regionfaults import (
+    MISTAKE_CLUSTER,
+    PROBE_OP,
+    WRITE_REFUSALS,
+    ClusterNode,
+    Mistake,
+    Refusal,
+    fault_of,
+    policy_warning,
+)
 from dataplane.cache.regionurl import check_url
 from dataplane.metrics import Metrics
 from ponto.logs import Throttled
@@ -78,6 +95,12 @@ WATCH_TICK_S = 0.25
 # without flooding the log, and the lines not written are counted in the next.
 REFUSED_WARNING_EVERY_S = 60.0
 MISTAKE_ERROR_EVERY_S = 60.0
+# After Redis refused a write as full or read-only, writes (the ops in
+# WRITE_OPS) are held back this long, then one goes through to see whether
+# Redis takes writes again. A refused SET still costs Redis reading the whole
+# entry (up to --cache-max-entry-kb) and the proxy a connection; reads go on.
+WRITE_BACKOFF_S = 5.0
+WRITE_OPS = frozenset({"set", "lock", "sem_publish"})
 # How long reading Redis's memory settings may take (at start, and when Redis
 # answers again): nothing waits on it but the warning.
 CONFIG_READ_S = 1.0
@@ -136,6 +159,16 @@ class RegionLink:
         self.policy: str | None = None
         self._policy_warned = ""
         self._config_task: asyncio.Task[None] | None = None
+        # The write back-off (WRITE_BACKOFF_S): the refusal kind that started
+        # it ("" while writes go), when the next write may try, and whether
+        # that one is in flight.
+        self._writes_refused = ""
+        self._writes_retry_at = 0.0
+        self._write_probe = False
+        # Whether the last failure was an error reply (not a lost connection).
+        self._last_reply = False
+        # A cluster's reply (MOVED, ...) was seen: the probe checks for one.
+        self._cluster_seen = False
 
     @property
     def client(self) -> Redis:
@@ -169,6 +202,28 @@ class RegionLink:
         """False while the breaker is open (Redis is being skipped)."""
         return self._breaker.closed and not self._closed
 
+    @property
+    def writable(self) -> bool:
+        """`available`, and writes are not held back (WRITE_BACKOFF_S), or the
+        one write that tries again may go now."""
+        return self.available and not self._writes_held()
+
+    def _writes_held(self) -> bool:
+        return bool(self._writes_refused) and (
+            self._write_probe or self._clock() < self._writes_retry_at
+        )
+
+    def hold_write(self, op: str) -> bool:
+        """Whether a write `op` is to be held back now (Redis refused writes
+        lately: WRITE_BACKOFF_S); counted when it is, in
+        ponto_cache_region_writes_skipped_total{op, reason} and as `skipped`.
+        For writers that would queue work for `call` (the semantic feed)."""
+        if not self._writes_held():
+            return False
+        self._metrics.region_writes_skipped.labels(op, self._writes_refused).inc()
+        self.count(op, "skipped")
+        return True
+
     def deadline(self, op: str) -> float:
         return self._deadlines.get(op, self._deadline)
 
@@ -191,12 +246,12 @@ class RegionLink:
         # The first call opens the first connection (a TLS handshake, say),
         # and nothing waits on it: a request's 50 ms deadline would call a
         # Redis that is merely slow to accept, or a busy start, unreachable.
-        if await self.call("ping", lambda r: r.ping(), deadline_s=START_PING_S) is None:
+        if await self.call(PROBE_OP, self._ping, deadline_s=START_PING_S) is None:
             if self._mistake is None:  # a mistake was logged as one, by _failed
                 log.warning(
-                    "regional cache %s unreachable at start (%s): local cache only until it "
-                    "answers",
+                    "regional cache %s %s at start (%s): local cache only until it answers",
                     _safe(self.url),
+                    "not serving" if self._last_reply else "unreachable",
                     self._last_error,
                 )
             return
@@ -206,10 +261,7 @@ class RegionLink:
         # burst that found the pool cold would open dozens at once and overrun
         # its deadlines. Open some now, with time to spare.
         await asyncio.gather(
-            *(
-                self.call("ping", lambda r: r.ping(), deadline_s=1.0)
-                for _ in range(WARM_CONNECTIONS)
-            )
+            *(self.call(PROBE_OP, self._ping, deadline_s=1.0) for _ in range(WARM_CONNECTIONS))
         )
 
     async def _watching(self, tick: float) -> None:
@@ -217,7 +269,7 @@ class RegionLink:
             await asyncio.sleep(tick)
             idle = self._clock() - self._last_ok >= self._idle_ping
             if (self._breaker.closed and idle) or self._breaker.probe_due:
-                await self.call("ping", lambda r: r.ping())
+                await self.call(PROBE_OP, self._ping)
 
     async def read_policy(self) -> None:
         """Read Redis's maxmemory-policy (`CONFIG GET`), and warn once when it
@@ -262,13 +314,51 @@ class RegionLink:
     async def call(
         self, op: str, fn: Callable[[Redis], Awaitable[T]], *, deadline_s: float | None = None
     ) -> T | None:
-        """fn(client) within the deadline (the op's, or `deadline_s`); see the class."""
-        admit = self._breaker.allow() if not self._closed else None
-        if admit is None:
+        """fn(client) within the deadline (the op's, or `deadline_s`); see the class.
+
+        While the breaker is open, the one call it lets through as its probe
+        runs a PING first (PROBE_OP), and `fn` only once that answered: the
+        probe says whether Redis serves this proxy, which a command that Redis
+        refuses alone (an ACL without scripting, a full Redis) does not. A
+        write (WRITE_OPS) is skipped while writes are held back."""
+        if self._closed:
             self.count(op, "skipped")
             return None
+        tries_writes = False
+        if op in WRITE_OPS and self._writes_refused:
+            if self.hold_write(op):
+                return None
+            tries_writes = self._write_probe = True
         try:
-            async with asyncio.timeout(deadline_s if deadline_s is not None else self.deadline(op)):
+            got = await self._call(op, fn, deadline_s)
+        finally:
+            if tries_writes:
+                self._write_probe = False
+        return None if got is _FAILED else got
+
+    async def _call(
+        self, op: str, fn: Callable[[Redis], Awaitable[Any]], deadline_s: float | None
+    ) -> Any:
+        admit = self._breaker.allow()
+        if admit is None:
+            self.count(op, "skipped")
+            return _FAILED
+        when = asyncio.get_running_loop().time() + (
+            deadline_s if deadline_s is not None else self.deadline(op)
+        )
+        if admit is Admit.PROBE and op != PROBE_OP:
+            if await self._attempt(PROBE_OP, self._ping, admit, when) is _FAILED:
+                self.count(op, "skipped")
+                return _FAILED
+            admit = Admit.CLOSED  # the PING closed the breaker
+        return await self._attempt(op, fn, admit, when)
+
+    async def _attempt(
+        self, op: str, fn: Callable[[Redis], Awaitable[Any]], admit: Admit, when: float
+    ) -> Any:
+        """One call to Redis, its outcome reported; _FAILED when it gave nothing."""
+        try:
+            async with asyncio.timeout_at(when):
                 result = await fn(self.client)
         except asyncio.CancelledError:
             # The caller's cancellation (a timeout's is turned into TimeoutError).
@@ -276,34 +366,81 @@ class RegionLink:
             raise
         except TimeoutError:
             self._failed(op, admit, "timeout", "no answer within the deadline")
-            return None
+            return _FAILED
         except Exception as exc:  # any failure of an optional tier is a miss
-            refusal = refusal_of(exc, self.policy)
-            if refusal is None:
-                self._failed(op, admit, "error", f"{type(exc).__name__}: {exc}", mistake_of(exc))
-                return None
-            # Redis is up and said no to this one command: a miss (or a
-            # write dropped), reads go on; the breaker hears that Redis answers.
-            self.count(op, "refused")
-            self.error(op)
-            self._answered(admit)
-            said = self._refused_logs.setdefault(
-                refusal.kind, Throttled(log, every_s=REFUSED_WARNING_EVERY_S, clock=self._clock)
-            )
-            said.log(
-                logging.WARNING,
-                "regional cache %s refused %s (%s: %s)%s; such calls are misses or dropped "
-                "writes, reads go on",
-                _safe(self.url),
-                op,
-                type(exc).__name__,
-                exc,
-                f": {refusal.advice}" if refusal.advice else "",
-            )
-            return None
+            fault = fault_of(exc, op, self.policy)
+            # An error reply to the probe is never a healthy answer.
+            if not isinstance(fault, Refusal) or op == PROBE_OP:
+                self._last_reply = isinstance(exc, (ResponseError, ClusterNode))
+                if fault is MISTAKE_CLUSTER:
+                    self._cluster_seen = True
+                why = f"{type(exc).__name__}: {exc}"
+                self._failed(op, admit, "error", why, fault if isinstance(fault, Mistake) else None)
+                return _FAILED
+            await self._refused(op, admit, exc, fault, when)
+            return _FAILED
         self.count(op, "ok")
         self._answered(admit)
+        if op in WRITE_OPS and self._writes_refused:
+            self._writes_refused = ""  # Redis takes writes again
         return result
+
+    async def _ping(self, r: Redis) -> bool:
+        """The probe: PING, and once a cluster's reply was seen, whether the
+        server is still a Redis Cluster node (a PING alone would say it serves,
+        and the next key's MOVED would open the breaker again)."""
+        answered = bool(await r.ping())
+        if self._cluster_seen:
+            info = await r.info("cluster")
+            if int(info.get("cluster_enabled", 0)):
+                raise ClusterNode("INFO cluster says cluster_enabled:1")
+            self._cluster_seen = False
+        return answered
+
+    async def _refused(
+        self, op: str, admit: Admit, exc: Exception, refusal: Refusal, when: float
+    ) -> None:
+        """Redis is up and said no to this one command: a miss (or a write
+        dropped). Reads go on; after a full or read-only refusal writes are
+        held back (WRITE_BACKOFF_S)."""
+        self.count(op, "refused")
+        self.error(op)
+        if refusal.serving:
+            self._answered(admit)
+        if refusal.kind in WRITE_REFUSALS:
+            if refusal.kind == "full" and self._writes_refused != "full":
+                # The first of a run: the policy may have changed since it was
+                # read (CONFIG SET at runtime), and the advice depends on it.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(when):
+                        await self.read_policy()
+                again = fault_of(exc, op, self.policy)
+                refusal = again if isinstance(again, Refusal) else refusal
+            self._writes_refused = refusal.kind
+            self._writes_retry_at = self._clock() + WRITE_BACKOFF_S
+            then = (
+                f"writes (lock, set, semantic feed) held back {WRITE_BACKOFF_S:g}s at a time, "
+                "then one tries again; reads go on"
+            )
+        elif refusal.kind == "auth":
+            then = "such calls are misses or dropped writes; pooled connections go on"
+        else:
+            then = "such calls are misses or dropped writes, reads go on"
+        # One line per kind; an ACL's per command, as each needs its own grant.
+        key = f"acl {op}" if refusal.kind == "acl" else refusal.kind
+        said = self._refused_logs.setdefault(
+            key, Throttled(log, every_s=REFUSED_WARNING_EVERY_S, clock=self._clock)
+        )
+        said.log(
+            logging.WARNING,
+            "regional cache %s refused %s (%s: %s)%s; %s",
+            _safe(self.url),
+            op,
+            type(exc).__name__,
+            exc,
+            f": {refusal.advice}" if refusal.advice else "",
+            then,
+        )
 
     def _answered(self, admit: Admit) -> None:
         """Redis answered a call (with a result or an error reply)."""
@@ -311,7 +448,9 @@ class RegionLink:
         self._mistake = None
         if self._breaker.success(admit):
             self._warned = False
-            self._mistake_logs.clear()  # a mistake made again is said again at once
+            # The mistakes' throttles stay: a mistake that comes back (a Redis
+            # that serves the PING and refuses the next call) is said once per
+            # MISTAKE_ERROR_EVERY_S, not once per flap.
             log.info("regional cache %s answers again: region-wide hits resume", _safe(self.url))
             self._read_policy_later()
 
@@ -351,8 +490,21 @@ class RegionLink:
             )
 
 
+_FAILED: Any = object()  # what _attempt returns for a call that gave nothing
+
+
 def _safe(url: str) -> str:
-    """The URL without a password, for logs."""
+    """The URL without a password (in its user part or a `password=` query
+    option, which redis-py reads as one), for logs."""
     scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, q, query = rest.partition("?")
     _, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
+    if q:
+        options = [
+            (k, "***" if k.lower() == "password" else v)
+            for k, v in parse_qsl(query, keep_blank_values=True)
+        ]
+        query = urlencode(options, safe="*")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}{q}{query}"

@@ -132,6 +132,8 @@ class RegionLinkLike(Protocol):
     @property
     def available(self) -> bool: ...
 
+    def hold_write(self, op: str) -> bool: ...
+
     async def call(
         self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
     ) -> _T | None: ...
@@ -261,7 +263,8 @@ class FeedStats:
     """Counters since start (monotonic; read them for metrics)."""
 
     published: int = 0
-    dropped: int = 0  # not published: queue full, link down or the XADD failed
+    dropped: int = 0  # not published: queue full, link down, writes held back or the XADD failed
+    held: int = 0  # of those dropped, held back: Redis refused writes lately
     applied: int = 0  # added to the index
     own: int = 0  # messages this feed published, skipped
     foreign: int = 0  # another embedder's, skipped
@@ -375,6 +378,12 @@ class SemanticFeed:
         """Queue one entry for the stream; never waits (the index's on_insert)."""
         if self._wake is None or not self._link.available or len(self._queue) >= MAX_QUEUED:
             self.stats.dropped += 1
+            return
+        if self._link.hold_write("sem_publish"):
+            # Redis refused writes lately (full, read-only): nothing is queued
+            # until the link lets one write try again.
+            self.stats.dropped += 1
+            self.stats.held += 1
             return
         rev = max((r for r, _, _ in self._purges()), default=0)
         self._queue.append(

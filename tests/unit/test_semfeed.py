@@ -155,6 +155,9 @@ class _Clock:
 class _NoLink:
     available = False
 
+    def hold_write(self, op: str) -> bool:
+        return False
+
     async def call(self, op: str, fn: object, *, deadline_s: float | None = None) -> None:
         return None
 
@@ -202,6 +205,9 @@ class _FailsOnceLink:
 
     def __init__(self) -> None:
         self.calls = 0
+
+    def hold_write(self, op: str) -> bool:
+        return False
 
     async def call(
         self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
