@@ -11,9 +11,8 @@ import socket
 import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from dataplane.cache.regionurl import RegionURLError, check_url, read_password
+from dataplane.cache.regionurl import RegionURLError, check_url, read_password, url_password
 from dataplane.geo import TrustedProxies, database_problem
 from dataplane.http.cors import CorsPolicy
 from dataplane.http.edge import EdgeLimits
@@ -602,13 +601,14 @@ def parse(argv: list[str]) -> Settings:
     if a.redis_password_file is not None:
         if not a.redis:
             p.error("--redis-password-file needs --redis")
-        if urlsplit(a.redis).password is not None:
+        if url_password(a.redis) is not None:
             p.error(
                 "--redis-password-file and a password in the --redis URL: give one of them "
                 "(the file keeps it out of `ps`)"
             )
         try:
-            redis_password = read_password(a.redis_password_file)
+            # A group's workers read it again: their supervisor warned already.
+            redis_password = read_password(a.redis_password_file, warn=a.worker_index is None)
         except ValueError as exc:
             # One line: the arguments parsed, the file they name is at fault.
             p.exit(2, f"{p.prog}: error: {exc}\n")

@@ -49,7 +49,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -67,7 +66,7 @@ from dataplane.cache.regionfaults import (
     fault_of,
     policy_warning,
 )
-from dataplane.cache.regionurl import check_url
+from dataplane.cache.regionurl import check_url, redact
 from dataplane.metrics import Metrics
 from ponto.logs import Throttled
 
@@ -250,7 +249,7 @@ class RegionLink:
             if self._mistake is None:  # a mistake was logged as one, by _failed
                 log.warning(
                     "regional cache %s %s at start (%s): local cache only until it answers",
-                    _safe(self.url),
+                    redact(self.url),
                     "not serving" if self._last_reply else "unreachable",
                     self._last_error,
                 )
@@ -285,7 +284,7 @@ class RegionLink:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.debug("regional cache %s: no maxmemory-policy read (%r)", _safe(self.url), exc)
+            log.debug("regional cache %s: no maxmemory-policy read (%r)", redact(self.url), exc)
             return
         self.policy = policy
         warning = policy_warning(policy, maxmemory)
@@ -293,7 +292,7 @@ class RegionLink:
             self._policy_warned = ""
         elif self._policy_warned != warning:
             self._policy_warned = warning
-            log.warning("regional cache %s: %s", _safe(self.url), warning)
+            log.warning("regional cache %s: %s", redact(self.url), warning)
 
     def _read_policy_later(self) -> None:
         if self._closed or (self._config_task is not None and not self._config_task.done()):
@@ -434,7 +433,7 @@ class RegionLink:
         said.log(
             logging.WARNING,
             "regional cache %s refused %s (%s: %s)%s; %s",
-            _safe(self.url),
+            redact(self.url),
             op,
             type(exc).__name__,
             exc,
@@ -451,7 +450,7 @@ class RegionLink:
             # The mistakes' throttles stay: a mistake that comes back (a Redis
             # that serves the PING and refuses the next call) is said once per
             # MISTAKE_ERROR_EVERY_S, not once per flap.
-            log.info("regional cache %s answers again: region-wide hits resume", _safe(self.url))
+            log.info("regional cache %s answers again: region-wide hits resume", redact(self.url))
             self._read_policy_later()
 
     def _failed(
@@ -474,7 +473,7 @@ class RegionLink:
                 logging.ERROR,
                 "regional cache %s misconfigured: %s (%s); %s. Local cache only until it "
                 "answers; retrying",
-                _safe(self.url),
+                redact(self.url),
                 mistake.what,
                 self._last_error,
                 mistake.fix,
@@ -484,27 +483,10 @@ class RegionLink:
             self._warned = True
             log.warning(
                 "regional cache %s degraded (%s): local cache only, retrying in %.2gs",
-                _safe(self.url),
+                redact(self.url),
                 self._last_error,
                 self._breaker.delay_s,
             )
 
 
 _FAILED: Any = object()  # what _attempt returns for a call that gave nothing
-
-
-def _safe(url: str) -> str:
-    """The URL without a password (in its user part or a `password=` query
-    option, which redis-py reads as one), for logs."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest, q, query = rest.partition("?")
-    _, at, host = rest.rpartition("@")
-    if q:
-        options = [
-            (k, "***" if k.lower() == "password" else v)
-            for k, v in parse_qsl(query, keep_blank_values=True)
-        ]
-        query = urlencode(options, safe="*")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}{q}{query}"

@@ -873,11 +873,20 @@ def test_a_password_secret_for_the_chart_s_own_redis_is_refused(helm: Path) -> N
     assert "uses the chart's own Redis" in message
 
 
-def test_a_password_secret_and_a_password_in_the_url_are_refused(helm: Path) -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pw@cache.example.net:6379/0",
+        # redis-py reads a password= option too (and it would win over the file's).
+        "redis://cache.example.net:6379/0?password=pw",
+        "redis://cache.example.net:6379/0?db=0&Password=pw",
+    ],
+)
+def test_a_password_secret_and_a_password_in_the_url_are_refused(helm: Path, url: str) -> None:
     message = refused(
         helm,
         "--set",
-        "cache.redis.url=redis://:pw@cache.example.net:6379/0",
+        f"cache.redis.url={url}",
         "--set",
         "cache.redis.passwordSecret.name=ponto-redis",
     )

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from dataplane.cache.regional import RegionLink
+from dataplane.cache.regionurl import _readers, redact, url_password
+from dataplane.metrics import Metrics
 from dataplane.settings import parse
 
 BASE = ["--region", "r", "--redis", "redis://10.0.0.7:6379/0"]
@@ -115,3 +118,91 @@ def _parser(build: Callable[[list[str]], object]) -> argparse.ArgumentParser:
             build([])
     [parser] = built
     return parser
+
+
+def test_a_password_option_in_the_url_and_a_file_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """redis-py reads `?password=` too, and it would override the file's."""
+    secret = tmp_path / "pw"
+    secret.write_text("pw")
+    argv = ["--region", "r", "--redis", "redis://h:6379/0?password=urlpw"]
+    line = error_of(capsys, [*argv, f"--redis-password-file={secret}"])
+    assert "give one of them" in line and "urlpw" not in line
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://h:6379/0?password=s3cret", "redis://h:6379/0?password=***"),
+        (
+            "rediss://u:s3cret@h:6379/0?socket_timeout=1&Password=s3cret",
+            "rediss://***@h:6379/0?socket_timeout=1&Password=***",
+        ),
+        ("unix:///run/redis.sock?db=1&password=s3cret", "unix:///run/redis.sock?db=1&password=***"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_a_url_s_password_is_never_shown(url: str, shown: str) -> None:
+    assert redact(url) == shown
+    assert url_password(url) == ("s3cret" if "s3cret" in url else None)
+
+
+def test_a_bad_url_s_error_does_not_show_its_password(capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_of(capsys, ["--region", "r", "--redis", "http://h:1/0?password=s3cret"])
+    assert "s3cret" not in line and "password=***" in line
+
+
+async def test_the_link_logs_its_url_without_the_password_option(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ponto.devenv import free_port  # noqa: PLC0415
+
+    link = RegionLink(
+        f"redis://127.0.0.1:{free_port()}/0?password=s3cret", Metrics(), watch_tick_s=None
+    )
+    await link.start()
+    await link.close()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "unreachable at start" in warning
+    assert "s3cret" not in warning and "password=***" in warning
+
+
+def test_a_byte_order_mark_is_not_part_of_the_password(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_bytes("\ufeffs3cret\r\n".encode())
+    secret.chmod(0o600)
+    assert parse([*BASE, f"--redis-password-file={secret}"]).redis_password == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("mode", "who"), [(0o640, "group"), (0o604, "others"), (0o644, "group and others")]
+)
+def test_a_file_others_may_read_is_used_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, who: str
+) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    secret.chmod(mode)
+    assert parse([*BASE, f"--redis-password-file={secret}"]).redis_password == "s3cret"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"may be read by {who} (mode {mode:o}): chmod 600 it" in warning
+    assert "s3cret" not in warning
+
+
+def test_a_file_only_its_owner_reads_says_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    parse([*BASE, f"--redis-password-file={secret}"])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_file_another_user_owns_may_be_read_by_its_group() -> None:
+    """A Kubernetes Secret mounted 0440 for the pod's fsGroup (the chart's):
+    the group is how the proxy reads it, not a leak."""
+    assert _readers(0o100440, owned=False) == ""
+    assert _readers(0o100444, owned=False) == "others"
+    assert _readers(0o100440, owned=True) == "group"

@@ -371,7 +371,8 @@ refused by the proxy (two passwords). */ -}}
 {{- end -}}
 {{- end -}}
 {{- range $url := prepend (values (.Values.cache.redis.urls | default dict)) (.Values.cache.redis.url | default "") -}}
-{{- if regexMatch "^[a-z]+://[^/@]*:[^/@]*@" $url -}}
+{{- /* In the user part, or as a password= option, which the proxy's client reads too. */ -}}
+{{- if or (regexMatch "^[a-z]+://[^/@]*:[^/@]*@" $url) (regexMatch "(?i)[?&]password=[^&]" $url) -}}
 {{- fail "cache.redis.passwordSecret is set, and a cache.redis URL holds a password too: take it out of the URL (the proxy refuses two)" -}}
 {{- end -}}
 {{- end -}}
