@@ -314,6 +314,16 @@ class Metrics:
             ["endpoint", "code"],
             registry=r,
         )
+        # Apart, for ponto_requests_total has only the status: an alert on
+        # its 5xx subtracts these (charts/ponto/templates/prometheusrule.yaml).
+        self.not_cached = Counter(
+            "ponto_requests_not_cached",
+            "Requests answered 504 not_cached (Cache-Control: only-if-cached and no entry "
+            'answers it), by endpoint: in ponto_requests_total{code="504"} too, but the '
+            "client's doing, not a server error",
+            ["endpoint"],
+            registry=r,
+        )
         self.duration = Histogram(
             "ponto_request_duration_seconds",
             "Time from request received to response complete",

@@ -18,6 +18,7 @@ from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
 from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import (
+    NOT_SERVER_ERRORS,
     ApiError,
     AuthUnavailableError,
     Unauthorized,
@@ -269,6 +270,8 @@ def _record(
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
     m.requests.labels(endpoint, str(status)).inc()
+    if error in NOT_SERVER_ERRORS:
+        m.not_cached.labels(endpoint).inc()
     finished = time.perf_counter()
     m.duration.labels(endpoint).observe(finished - started)
     if ex is not None:

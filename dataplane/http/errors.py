@@ -313,10 +313,23 @@ def upstream_too_large(limit: int) -> ApiError:
     )
 
 
+# Error codes answered with a 5xx status that are no failure of the proxy's
+# or an origin's: not counted as server errors (the control plane's reports,
+# ponto_requests_total's alert and dashboards, a trace's status).
+NOT_SERVER_ERRORS = frozenset({"not_cached"})
+
+
 def not_cached(bypass: str = "") -> ApiError:
     """504: the request said `Cache-Control: only-if-cached` and no entry
     answers it (RFC 9111 5.2.1.7); no origin was called. `bypass` is why the
-    cache could not serve it at all (dataplane.cache.policy.Reason), if so."""
+    cache could not serve it at all (dataplane.cache.policy.Reason), if so.
+
+    RFC 9111 makes it a 504, but the client's own directive is its cause and
+    asking again gives the same answer until an entry is stored: its type is
+    invalid_request_error (as OpenAI's for a request it will not serve as
+    made), it says `x-should-retry: false` (OpenAI's SDKs retry a 5xx twice
+    otherwise, each try spending a rate-limit request) and it is not a server
+    error (NOT_SERVER_ERRORS)."""
     why = f" (the cache does not serve this request: {bypass})" if bypass else ""
     error = ApiError(
         504,
@@ -324,6 +337,7 @@ def not_cached(bypass: str = "") -> ApiError:
         f"asking an origin{why}",
         type="invalid_request_error",
         code="not_cached",
+        headers={"x-should-retry": "false"},
     )
     error.spent = False
     return error

@@ -62,13 +62,16 @@ def traffic_of(
     requests: Collector,
     operations: Collector | None = None,
     limited: Mapping[str, Sequence[int]] | None = None,
+    not_cached: Collector | None = None,
 ) -> Traffic:
     """Totals of a counter of answered requests labelled with `endpoint` and
     `code` (the proxy's ponto_requests), probes and scrapes (NOT_TRAFFIC) left
     out, and of a histogram of proxied operations labelled with `ponto_region`
     and `error_type` (gen_ai_client_operation_duration_seconds) by region; read
     once a report, so a scan of their series is cheap. `limited`: tenant ->
-    (refused, slot waits), the proxy's Metrics.limited, copied."""
+    (refused, slot waits), the proxy's Metrics.limited, copied. `not_cached`:
+    a counter by `endpoint` of 5xx answers that are the client's doing (the
+    proxy's ponto_requests_not_cached), reported as client errors."""
     total = server = client = 0
     for family in requests.collect():
         for sample in family.samples:
@@ -83,6 +86,13 @@ def traffic_of(
                 server += count
             elif code.startswith("4"):
                 client += count
+    for family in not_cached.collect() if not_cached is not None else ():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and (
+                sample.labels.get("endpoint", "") not in NOT_TRAFFIC
+            ):
+                server -= int(sample.value)
+                client += int(sample.value)
     served: dict[str, tuple[int, int]] = {}
     for family in operations.collect() if operations is not None else ():
         for sample in family.samples:

@@ -50,6 +50,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from yarl import URL
 
 from dataplane import jsonio
+from dataplane.http.errors import NOT_SERVER_ERRORS
 from dataplane.metrics import EMBEDDINGS, GENAI_OPERATIONS, GENAI_PROVIDER
 from dataplane.streaming.usage import usage_of
 from dataplane.telemetry.config import TraceConfig, drops_roots
@@ -352,9 +353,10 @@ class RequestTrace:
                 attrs["ponto.attempts"] = ex.attempts
                 self._exchange_attributes(ex, attrs)
             root.set_attributes(attrs)
-            # A server span's 4xx is the client's error, not ours; a cut
-            # stream is ours, whatever its status said.
-            if status >= 500 or error == "stream_cut":
+            # A server span's 4xx is the client's error, not ours, and so is
+            # a 504 not_cached (NOT_SERVER_ERRORS); a cut stream is ours,
+            # whatever its status said.
+            if (status >= 500 and error not in NOT_SERVER_ERRORS) or error == "stream_cut":
                 root.set_status(Status(StatusCode.ERROR, error))
         root.end()
 

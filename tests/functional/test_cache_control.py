@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from dataplane.http.state import METRICS
+from dataplane.sync.link import traffic_of
 from ponto.originsim.app import SimConfig
 from tests.functional.test_pipeline import KEY, Stack, chat, read_sse, start_stack
 
@@ -38,7 +40,25 @@ async def test_only_if_cached_on_a_miss_is_a_504_that_reaches_no_origin(stack: S
     assert error["code"] == "not_cached"
     assert error["type"] == "invalid_request_error"
     assert "only-if-cached" in error["message"]
+    # OpenAI's SDKs retry a 5xx (twice) unless told not to.
+    assert resp.headers["x-should-retry"] == "false"
     assert stack.origin_requests() == 0
+    # Counted as what it is (a 504), but reported as the client's error.
+    m = stack.app[METRICS]
+    assert (
+        m.registry.get_sample_value(
+            "ponto_requests_total", {"endpoint": "chat.completions", "code": "504"}
+        )
+        == 1
+    )
+    assert (
+        m.registry.get_sample_value(
+            "ponto_requests_not_cached_total", {"endpoint": "chat.completions"}
+        )
+        == 1
+    )
+    traffic = traffic_of(m.requests, m.genai_duration, m.limited, m.not_cached)
+    assert (traffic.server_errors, traffic.client_errors) == (0, 1)
     # Once cached, the same header is a hit.
     assert (await post(stack, chat("what is two and two"))).status == 200
     hit = await post(stack, chat("what is two and two"), "only-if-cached")

@@ -659,3 +659,15 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_an_only_if_cached_miss_is_not_a_server_error(
+    stack: Stack, exporter: InMemorySpanExporter
+) -> None:
+    """A 504 not_cached is the client's directive answered: no ERROR status."""
+    headers = {"authorization": f"Bearer {KEY.key}", "cache-control": "only-if-cached"}
+    resp = await stack.client.post("/v1/chat/completions", json=chat("hi"), headers=headers)
+    assert resp.status == 504
+    tree = last_tree(exporter)
+    assert tree.attrs["error.type"] == "not_cached"
+    assert tree.root.status.status_code is StatusCode.UNSET
