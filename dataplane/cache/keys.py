@@ -243,8 +243,13 @@ def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:
     usage it never asked for (and a stream recorded without it, replayed to
     one that asks, would lack the per-chunk usage). Apart, each kind is cached
     and served its own, at no cost to the common request, whose key is
-    unchanged (no KEY_VERSION bump: no key of a request without it moves)."""
-    if not isinstance(stream_options, Mapping):
+    unchanged (no KEY_VERSION bump: no key of a request without it moves).
+
+    Only with `include_usage: true`: vLLM sends usage (in every chunk or at
+    the end) only then, so a request with continuous_usage_stats alone is
+    answered as one without it, and keyed with it. Keyed on the flag alone,
+    it was given the per-chunk usage of an entry recorded with both."""
+    if not isinstance(stream_options, Mapping) or stream_options.get("include_usage") is not True:
         return None
     value = stream_options.get("continuous_usage_stats")
     if value is None or value is False:

@@ -5,6 +5,7 @@ asks for usage in every chunk (vLLM's continuous_usage_stats) is keyed apart."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -101,4 +102,25 @@ async def test_a_stream_asking_usage_in_every_chunk_is_not_a_plain_streams_repla
     again = await post(stack, chat("count to four", **continuous))
     await read_sse(again)
     assert again.headers["x-ponto-cache"] == "hit"
+    assert stack.origin_requests() == 2
+
+
+async def test_usage_in_every_chunk_without_include_usage_is_not_given_the_recorded_usage(
+    stack: Stack,
+) -> None:
+    """An entry recorded with include_usage and continuous_usage_stats has
+    usage in every chunk: a request that asks continuous_usage_stats without
+    include_usage (no usage at all, as vLLM answers it) is not its replay."""
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    recorded = await post(stack, chat("count to five", stream=True, stream_options=both))
+    await read_sse(recorded)
+    alone = {"include_usage": False, "continuous_usage_stats": True}
+    resp = await post(stack, chat("count to five", stream=True, stream_options=alone))
+    events = await read_sse(resp)
+    assert resp.headers["x-ponto-cache"] == "miss"
+    assert not [e for e in events if e != "[DONE]" and json.loads(e).get("usage")]
+    # It is keyed as a stream without stream_options, which it answers.
+    plain = await post(stack, chat("count to five", stream=True))
+    await read_sse(plain)
+    assert plain.headers["x-ponto-cache"] == "hit"
     assert stack.origin_requests() == 2

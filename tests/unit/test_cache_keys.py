@@ -487,6 +487,21 @@ def test_usage_in_every_chunk_keys_a_stream_apart() -> None:
     assert key(chat(stream=True, stream_options="not an object")) == plain
 
 
+def test_usage_in_every_chunk_without_include_usage_is_no_usage_at_all() -> None:
+    """vLLM sends usage only with include_usage: continuous_usage_stats alone
+    is a stream without usage, which must not replay an entry recorded with
+    both (its chunks carry usage)."""
+    both = key(
+        chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    )
+    bare = key(chat(stream=True))
+    for alone in (
+        {"continuous_usage_stats": True},
+        {"include_usage": False, "continuous_usage_stats": True},
+    ):
+        assert key(chat(stream=True, stream_options=alone)) == bare != both
+
+
 # ---------------------------------------------------------------------------
 # Any output-affecting change, another key
 
