@@ -262,3 +262,40 @@ async def test_close_logs_a_task_that_failed_and_returns(
     assert "semantic-feed-send" in record.getMessage()
     assert record.exc_info is not None
     assert record.exc_info[0] is RuntimeError
+
+
+class _HeldLink:
+    """A link whose Redis refused writes lately: hold_write says so until `held` is False."""
+
+    available = True
+
+    def __init__(self) -> None:
+        self.held = True
+        self.calls = 0
+
+    def hold_write(self, op: str) -> bool:
+        assert op == "sem_publish"
+        return self.held
+
+    async def call(
+        self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
+    ) -> _T | None:
+        self.calls += 1
+        return cast("_T", ["1-0"])
+
+
+async def test_publish_queues_nothing_while_the_link_holds_writes_back() -> None:
+    """Redis full or read-only: the feed sends no XADD batch the link would
+    only drop, and counts what it did not queue."""
+    link = _HeldLink()
+    feed = SemanticFeed(link, Redis(), region="r", proxy="p", embedder="e", maxlen=10)
+    feed.start()
+    for _ in range(3):
+        feed.publish(inserted())
+    await asyncio.sleep(0)
+    assert (feed.stats.dropped, feed.stats.held, link.calls) == (3, 3, 0)
+    link.held = False  # the link lets a write try again
+    feed.publish(inserted())
+    await _until(lambda: feed.stats.published == 1)
+    await feed.close()
+    assert link.calls == 1
