@@ -43,6 +43,9 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 @contextlib.asynccontextmanager
 async def linked(url: str, clock: Clock, **kw: object) -> AsyncIterator[tuple[RegionLink, Metrics]]:
     metrics = Metrics()
+    # A deadline no busy test machine misses: these tests are about replies,
+    # and a timeout would open the breaker.
+    kw.setdefault("deadline_s", 1.0)
     link = RegionLink(url, metrics, clock=clock, watch_tick_s=None, **kw)  # type: ignore[arg-type]
     await link.start()
     try:
