@@ -515,11 +515,13 @@ class Forwarder:
             tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
         outliers = self.outliers
-        ordered = attempt_order(
-            outliers.order(candidates),
-            settings.max_attempts,
-            outliers.passed_over,
-            hedged=hedge is not None,
+        ordered = list(
+            attempt_order(
+                outliers.order(candidates),
+                settings.max_attempts,
+                outliers.passed_over,
+                hedged=hedge is not None,
+            )
         )
         answer = None
         try:
@@ -592,7 +594,7 @@ class Forwarder:
 
     async def _failover(
         self,
-        ordered: Sequence[Target],
+        ordered: list[Target],
         path: str,
         body: bytes,
         headers: CIMultiDict[str],
@@ -609,7 +611,17 @@ class Forwarder:
         task = asyncio.current_task(loop)
         assert task is not None  # a coroutine runs in a task
         failures = tries.failures
-        for attempt, target in enumerate(ordered[tries.made :], start=tries.made + 1):
+        attempt = tries.made
+        while attempt < len(ordered):
+            attempt += 1
+            if attempt > 1 and ordered[attempt - 1].name in self.stalls.unhealthy:
+                # The candidates were ordered by the table the request began
+                # with: one the table marks unhealthy since is tried after the
+                # rest (trial 59: a retry waited out a second origin marked
+                # unhealthy seconds before, where another region was healthy).
+                # In place: forward() names the target of tries.made from it.
+                _healthy_first(ordered, attempt - 1, self.stalls.unhealthy)
+            target = ordered[attempt - 1]
             remaining = tries.deadline - loop.time()
             if remaining <= 0:
                 failures.append("request deadline exceeded")
@@ -1226,6 +1238,16 @@ def _what_failed(tries: _Tries) -> str:
     if tries.refused == count:
         return UPSTREAM_GATEWAY_REFUSED
     return UPSTREAM_UNANSWERED
+
+
+def _healthy_first(ordered: list[Target], start: int, unhealthy: frozenset[str]) -> None:
+    """Puts `ordered`'s candidates from `start` on that are not `unhealthy`
+    before those that are, each group in its order, in place."""
+    rest = ordered[start:]
+    ordered[start:] = [
+        *(t for t in rest if t.name not in unhealthy),
+        *(t for t in rest if t.name in unhealthy),
+    ]
 
 
 def attempt_order(

@@ -883,6 +883,47 @@ async def test_a_call_unanswered_by_an_origin_marked_unhealthy_goes_to_the_next(
     assert "no answer within 0.05 s of the route table marking it unhealthy" in logged
 
 
+async def test_a_retry_passes_over_an_origin_the_table_marked_unhealthy_since(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 59: the candidates were fixed by the table the request began
+    with, so its retry waited out a second origin the table had marked
+    unhealthy meanwhile (12 s, two cut calls) where another region answered
+    at once. An origin marked unhealthy since is tried after the others."""
+    started = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        started.set()
+        await asyncio.sleep(30)
+        raise AssertionError("not cut")
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        return web.json_response({
+            "id": "third", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "world"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        })  # fmt: skip
+
+    a, b, c = Origin(hang), Origin(hang), Origin(whole)
+    p = await proxy(
+        [(a, True), (b, True), (c, True)],
+        idle="60",
+        extra=["--unhealthy-stream-idle-timeout=0.05"],
+    )
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with asyncio.timeout(10):
+        asking = asyncio.ensure_future(p.client.post("/v1/chat/completions", json=request))
+        await started.wait()
+        p.mark_unhealthy("o0")
+        p.mark_unhealthy("o1")  # the next candidate, before the first is cut
+        resp = await asking
+        assert resp.status == 200
+        said = await resp.text()
+    assert '"third"' in said
+    assert (len(a.bodies), len(b.bodies), len(c.bodies)) == (1, 0, 1)
+
+
 async def test_a_call_to_a_healthy_origin_is_not_cut(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:
