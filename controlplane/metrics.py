@@ -11,6 +11,9 @@ Two kinds of series:
   table, the proxies connected here, the election), so nothing has to keep a
   gauge in step. Until `bind` is called these read as an empty replica.
 
+Besides, prometheus_client's process and platform collectors: process_* (the
+replica's CPU, memory, open files, start time) and python_info.
+
 The names and labels are a contract with the chart's dashboards and alerts;
 `names()` lists them.
 """
@@ -21,7 +24,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -115,6 +124,8 @@ class ControlMetrics:
         info = ((replica, software_version()), 1.0)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.pushes = Counter(
             "ponto_control_pushes",
             "Route tables written to proxy streams (sent), and the proxies' answers: "

@@ -11,12 +11,20 @@ scrape time too, and typed as counters (`ReadCounter`).
 
 The GenAI metrics follow OpenTelemetry's GenAI semantic conventions
 (`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`,
-`gen_ai.client.operation.time_to_first_chunk`, with the bucket boundaries they
-advise), spelled as Prometheus names, with Ponto's labels beside theirs:
+`gen_ai.client.operation.time_to_first_chunk`,
+`gen_ai.client.operation.time_per_output_chunk`, with the bucket boundaries they
+advise, extended upwards for long answers), spelled as Prometheus names, with
+Ponto's labels beside theirs:
 `ponto_region` (the region of the origin that answered; the proxy's own for
 cache answers and refusals) and `ponto_cache` (hit, miss, bypass, or "" when no
 cache step ran). Each request records them once, when it is settled
 (`Metrics.operation`).
+
+The registry also holds prometheus_client's process and platform collectors
+(process_*: CPU, memory, open files, start time of this process; python_info).
+In a `--workers` group each worker is its own process: the group's /metrics
+gives each worker's with its `worker` label (dataplane.workers); the
+supervisor, which serves no traffic, is in no scrape.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -44,17 +52,34 @@ if TYPE_CHECKING:
 
 CellT = TypeVar("CellT", "CounterCell", "HistogramCell")
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# The boundaries OpenTelemetry's GenAI metrics conventions advise.
+# Up to 10 minutes: a long stream or a reasoning model's answer takes minutes,
+# and past the top bucket a quantile says only "more than that".
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+)  # fmt: skip
+# The boundaries OpenTelemetry's GenAI metrics conventions advise, doubled on
+# past their 81.92 s to cover 10 minutes, as LATENCY_BUCKETS does.
 GENAI_DURATION_BUCKETS = (
     0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+    163.84, 327.68, 655.36,
 )  # fmt: skip
 GENAI_TOKEN_BUCKETS = (
     1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
 )  # fmt: skip
+# The conventions' boundaries, then up to 2 minutes: a reasoning model may
+# think for a minute before its first chunk (of output, not of thought).
 GENAI_FIRST_CHUNK_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    15.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+# gen_ai.client.operation.time_per_output_chunk: the conventions' boundaries
+# (those of time_per_output_token), with 1 and 5 ms below them for fast models.
+GENAI_CHUNK_GAP_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+# An origin attempt's time from sent to committed (a stream's first chunk, or
+# a whole answer's body): whole answers of long generations take minutes.
+COMMIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # gen_ai.operation.name of each proxied endpoint (OpenTelemetry's well-known
 # values); the Responses API generates as chat does.
 GENAI_OPERATIONS = {
@@ -287,6 +312,44 @@ class ReadCounter(Collector):
         yield CounterMetricFamily(self._name, self._doc, value=self.read())
 
 
+class InFlight(Collector):
+    """ponto_requests_in_flight and ponto_streams_open, read at scrape time
+    from the requests the error boundary holds (`requests`, by id(): it adds
+    each as it arrives and removes it once answered and recorded; the proxy's
+    probes and scrapes are left out). `is_stream` says whether a request's
+    stream has begun (its head and first chunk went out) and not ended."""
+
+    def __init__(self, *, registry: CollectorRegistry) -> None:
+        # By id(): an aiohttp request is a mapping, not hashable.
+        self.requests: dict[int, Any] = {}
+        self.is_stream: Callable[[Any], bool] = lambda request: False
+        registry.register(self)
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "ponto_requests_in_flight",
+                "Requests this proxy has received and not answered yet (its own probes "
+                "and scrapes left out)",
+            ),
+            GaugeMetricFamily(
+                "ponto_streams_open",
+                "Of ponto_requests_in_flight, streams under way (begun, not ended)",
+            ),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        requests, streams = self._families()
+        live = list(self.requests.values())
+        requests.add_metric([], float(len(live)))
+        streams.add_metric([], float(sum(1 for r in live if self.is_stream(r))))
+        yield requests
+        yield streams
+
+
 def _le(bound: float) -> str:
     # As prometheus_client spells bucket bounds: 0.001 -> "0.001", 1 -> "1.0".
     spelled: str = floatToGoString(bound)  # type: ignore[no-untyped-call]
@@ -308,6 +371,11 @@ class Metrics:
         by_key = ["key"] if key_labels else []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_* (this process's CPU, memory, open files, start time) and
+        # python_info: a worker of a group is a process of its own (module docstring).
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.in_flight = InFlight(registry=r)
         self.requests = Counter(
             "ponto_requests",
             "Requests answered, by endpoint and status code",
@@ -348,8 +416,18 @@ class Metrics:
         )
         self.ejections = Counter(
             "ponto_origin_ejections",
-            "Times an origin was ejected by passive health checking",
+            "Times an origin was ejected by passive health checking (each origin the "
+            "route table names is exported from 0, so increase() sees its first one)",
             ["origin"],
+            registry=r,
+        )
+        self.commit_time = Histogram(
+            "ponto_upstream_time_to_commit_seconds",
+            "Origin attempts from the request sent to the answer committed to (a stream's "
+            "first chunk, or a whole answer's body), by origin and kind (stream, whole); "
+            "successful answers only (below 400: refusals come back at once)",
+            ["origin", "kind"],
+            buckets=COMMIT_BUCKETS,
             registry=r,
         )
         self.hedges = Counter(
@@ -585,6 +663,23 @@ class Metrics:
             buckets=GENAI_FIRST_CHUNK_BUCKETS,
             registry=r,
         )
+        self.genai_chunk_gap = Histogram(
+            "gen_ai_client_operation_time_per_output_chunk_seconds",
+            "Per stream an origin answered in full, the mean time between the output "
+            "chunks after the first (OpenTelemetry "
+            "gen_ai.client.operation.time_per_output_chunk): from the first chunk sent "
+            "to the stream's end, over its text chunks less one; streams of fewer than "
+            "two text chunks are left out",
+            [
+                "gen_ai_operation_name",
+                "gen_ai_provider_name",
+                "gen_ai_request_model",
+                "ponto_region",
+                "ponto_cache",
+            ],
+            buckets=GENAI_CHUNK_GAP_BUCKETS,
+            registry=r,
+        )
         self.info = Gauge(
             "ponto_proxy_info",
             "1, labelled with the proxy's name, region and software version",
@@ -664,9 +759,12 @@ class Metrics:
         duration_s: float,
         first_chunk_s: float | None,
         usage: Usage | None,
+        chunk_gap_s: float | None = None,
     ) -> None:
         """Record one settled request in the GenAI metrics: its duration, the time
-        to its first streamed chunk (streams only), and the input and output
+        to its first streamed chunk (streams only), the mean time between its
+        output chunks after the first (`chunk_gap_s`: once per stream, not per
+        chunk; None when there is none to give), and the input and output
         tokens an origin reported or the proxy counted (`usage`; None for answers
         no origin produced, such as cache hits and refusals). Embeddings have
         input tokens only (the conventions' gen_ai.client.token.usage)."""
@@ -677,6 +775,10 @@ class Metrics:
         if first_chunk_s is not None:
             self.genai_first_chunk.labels(operation, provider, model, region, cache).observe(
                 first_chunk_s
+            )
+        if chunk_gap_s is not None:
+            self.genai_chunk_gap.labels(operation, provider, model, region, cache).observe(
+                chunk_gap_s
             )
         if usage is not None:
             cells = self._tokens_of.get((operation, model, region))
@@ -691,6 +793,31 @@ class Metrics:
             cells[0].observe(usage.prompt_tokens)
             if cells[1] is not None:
                 cells[1].observe(usage.completion_tokens)
+
+    def origins_named(self, origins: Iterable[str]) -> None:
+        """The origins a table names (each apply): their ejection counters
+        are exported from 0, so that increase() in PontoOriginFailing sees the
+        first ejection (a series born at 1 has no increase). Origins a later
+        table drops keep their series, as their other per-origin series do
+        (ponto_upstream_attempts_total, ...): a series that vanished and came
+        back would read as a counter reset."""
+        for origin in origins:
+            self.ejections.labels(origin)
+
+    def bind_tracing(self, failed_exports: Callable[[], float], spans: Callable[[], float]) -> None:
+        """Export the tracing exporters' failed batches and the spans they lost
+        (dataplane.telemetry.tracing.ExportStats), for a proxy that traces."""
+        ReadCounter(
+            "ponto_trace_export_failures",
+            "Span batches a tracing exporter failed to export (collector down or refusing, "
+            "after the exporter's own retries)",
+            registry=self.registry,
+        ).read = failed_exports
+        ReadCounter(
+            "ponto_trace_spans_dropped",
+            "Spans lost in failed exports (ponto_trace_export_failures_total's batches)",
+            registry=self.registry,
+        ).read = spans
 
     def set_info(self, proxy: str, region: str, version: str) -> None:
         """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""

@@ -111,6 +111,8 @@ class Routes:
     # unhealthy or not: a request served elsewhere for want of one is not a
     # failover, but where the model lives.
     served: frozenset[tuple[str, str]] = frozenset()
+    # Every origin the table names, drained or not (Metrics.origins_named).
+    origins: frozenset[str] = frozenset()
     # The credentials of the origins requests may go to, by origin name.
     credentials: tuple[OriginCredentials, ...] = ()
     # The origins requests may go to, by the tag the Responses ids they store
@@ -401,6 +403,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
             o.name for o in table.origins if not o.healthy and panic.isdisjoint(o.models)
         ),
         served=frozenset((o.region, m) for o in table.origins for m in o.models),
+        origins=frozenset(o.name for o in table.origins),
         credentials=tuple(t.credential for t in targets if t.credential is not None),
         stored_on={t.tag: t for t in targets},
         id_keys=IdKeys(table.response_id_keys) if table.response_id_keys else None,

@@ -101,6 +101,11 @@ class AccessRecord:
     input_tokens: int | None
     output_tokens: int | None
     cached_tokens: int | None  # of input_tokens, those the origin's prefix cache held
+    # With tracing on, the request span's ids (hex, as in `traceparent`), to find
+    # its trace; for a request no span was made for (the sampler drops every
+    # root), the trace id its origin calls carried. None with tracing off.
+    trace_id: str | None = None
+    span_id: str | None = None
 
     def line(self) -> bytes:
         return jsonio.dumps(self) + b"\n"
@@ -151,6 +156,11 @@ def record(
     plan = ex.cache
     usage = ex.usage
     first = ex.first_chunk_at
+    trace_id = span_id = None
+    if ex.trace is not None:
+        trace_id, span_id = ex.trace.ids()
+    elif ex.traceparent is not None:  # version-traceid-spanid-flags
+        trace_id = ex.traceparent[3:35]
     return AccessRecord(
         ts=rfc3339(ended),
         request_id=request_id,
@@ -178,6 +188,8 @@ def record(
         input_tokens=usage.prompt_tokens if usage is not None else None,
         output_tokens=usage.completion_tokens if usage is not None else None,
         cached_tokens=usage.cached_tokens if usage is not None else None,
+        trace_id=trace_id,
+        span_id=span_id,
     )
 
 

@@ -53,6 +53,46 @@ SEND_TIMEOUT = "send_timeout"  # of a 499 the edge cut: its client stopped readi
 
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """`_boundary`, with the request held in ponto_requests_in_flight
+    (Metrics.in_flight) while it runs, unless it is one of the proxy's own
+    probes or scrapes (accesslog.PROBES), which would count themselves."""
+    if (request.match_info.route.name or "other") in accesslog.PROBES:
+        return await _boundary(request, handler)
+    in_flight = request.app[METRICS].in_flight.requests
+    key = id(request)
+    in_flight[key] = request
+    try:
+        return await _boundary(request, handler)
+    finally:
+        del in_flight[key]
+
+
+def stream_open(request: web.BaseRequest) -> bool:
+    """Whether `request` (one in flight) is a stream whose first chunk went out:
+    ponto_streams_open (Metrics.in_flight.is_stream)."""
+    ex = request.get(EXCHANGE)
+    return ex is not None and ex.stream and ex.first_chunk_at is not None
+
+
+def chunk_gap(ex: Exchange, finished: float, error: str) -> float | None:
+    """The mean time between a stream's output chunks after the first
+    (gen_ai.client.operation.time_per_output_chunk), computed once per stream
+    from what the relay counted anyway: from its first chunk sent to its end
+    (`finished`), over its text chunks less one. Streams an origin answered
+    whole only (no error, not a cache hit's replay, which goes out at once);
+    None for others and for those of fewer than two text chunks. The span
+    includes the stream's tail after its last text chunk (usage chunk,
+    [DONE]), which comes at once."""
+    counter, first = ex.counter, ex.first_chunk_at
+    if error or not ex.stream or not ex.origin or counter is None or first is None:
+        return None
+    chunks = counter.content_events
+    if chunks < 2:
+        return None
+    return max(0.0, finished - first) / (chunks - 1)
+
+
+async def _boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The error boundary: every failure becomes an OpenAI-style error, and every
     answer is counted and carries `x-request-id`.
 
@@ -284,6 +324,7 @@ def _record(
             finished - started,
             ex.first_chunk_at - started if ex.stream and ex.first_chunk_at is not None else None,
             ex.usage if ex.origin else None,
+            chunk_gap(ex, finished, error),
         )
     access = app.get(ACCESS_LOG)
     if access is not None and access.sampled(error, endpoint):

@@ -37,6 +37,7 @@ from dataplane.http.boundary import (
     expect_continue,
     record_unparsed,
     returned_status,
+    stream_open,
 )
 from dataplane.http.cors import API_PREFIX, preflight_handler
 from dataplane.http.errors import ApiError
@@ -165,6 +166,7 @@ class Proxy:
             forward_headers=settings.upstream.forward_headers,
             region_wait_s=settings.upstream.deadline,
         )
+        holder.on_apply.append(lambda routes, policy: m.origins_named(routes.origins))
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
         self.stalls = stalls = Stalls(settings.unhealthy_stream_idle_timeout)
@@ -199,6 +201,9 @@ class Proxy:
             report_interval=settings.report_interval,
             in_group=settings.worker is not None,
         )
+        m.in_flight.is_stream = stream_open
+        if tracer is not None:
+            m.bind_tracing(tracer.exports.failed_batches, tracer.exports.dropped_spans)
         m.bind_auth(lambda: holder.policy.authenticator.problems if holder.policy else {})
         m.bind_jwks(key_sets)
         m.bind_cache(lambda: store.stats, local.reserved)

@@ -21,11 +21,14 @@ request the sampler dropped, which makes no spans, the request's).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from types import TracebackType
@@ -35,7 +38,12 @@ from multidict import CIMultiDict
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.trace import (
     INVALID_SPAN,
     NonRecordingSpan,
@@ -61,7 +69,17 @@ if TYPE_CHECKING:
     from dataplane.routes import Target
     from dataplane.upstream.forwarder import OriginAnswer
 
-__all__ = ["AttemptSpan", "RequestTrace", "RequestTracer", "Tracing", "resource", "start"]
+__all__ = [
+    "AttemptSpan",
+    "CountingExporter",
+    "ExportLogThrottle",
+    "ExportStats",
+    "RequestTrace",
+    "RequestTracer",
+    "Tracing",
+    "resource",
+    "start",
+]
 
 DEFAULT_SERVICE_NAME = "ponto-proxy"
 SCOPE = "ponto.dataplane"
@@ -87,13 +105,126 @@ _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 # Likewise its first "id" member: an answer's (or chunk's) own id comes first.
 _ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 _PROPAGATOR = TraceContextTextMapPropagator()
+# The loggers the SDK's export path writes to: its batch processor's and the
+# OTLP exporters'. With the collector down they write a line per retry and per
+# failed batch (trial: 12 lines in 45 s), each their own: ExportLogThrottle.
+EXPORT_LOGGERS = (
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.trace.export",
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http._internal",
+)
+EXPORT_LOG_EVERY_S = 60.0
+
+
+class ExportStats:
+    """Failed span exports, counted by CountingExporter in the exporters'
+    thread and read at scrape time on the loop (ponto_trace_export_failures_total,
+    ponto_trace_spans_dropped_total). The exporters (one thread each) add
+    under `lock`; a scrape reads an int, which is atomic."""
+
+    __slots__ = ("batches", "lock", "spans")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.spans = 0
+        self.lock = threading.Lock()
+
+    def failed_batches(self) -> float:
+        return float(self.batches)
+
+    def dropped_spans(self) -> float:
+        return float(self.spans)
+
+
+class CountingExporter(SpanExporter):
+    """`inner`, with the batches it fails to export (a FAILURE result, or an
+    exception, which the batch processor would log and forget) and their
+    spans counted in `stats`. The SDK's own counts of dropped spans are
+    metrics of an OpenTelemetry meter, which a proxy does not run; spans the
+    batch processor drops from a full queue are not counted here (it only
+    logs them, throttled by ExportLogThrottle)."""
+
+    def __init__(self, inner: SpanExporter, stats: ExportStats) -> None:
+        self.inner = inner
+        self._stats = stats
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:
+            self._failed(len(spans))
+            raise
+        if result is not SpanExportResult.SUCCESS:
+            self._failed(len(spans))
+        return result
+
+    def _failed(self, spans: int) -> None:
+        stats = self._stats
+        with stats.lock:
+            stats.batches += 1
+            stats.spans += spans
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class ExportLogThrottle(logging.Filter):
+    """A filter for the SDK's export loggers (EXPORT_LOGGERS, all of them
+    sharing one): at most one line per `every_s` among them, the next line
+    written saying how many were not (as ponto.logs.Throttled does for
+    Ponto's own lines). Thread-safe: the exporters log from their threads,
+    shutdown from the loop's. Lines at ERROR count the same: a collector that
+    stays down has nothing new to say; ponto_trace_export_failures_total counts."""
+
+    def __init__(
+        self, every_s: float = EXPORT_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self._every = every_s
+        self._clock = clock
+        self._last = -math.inf
+        self._lock = threading.Lock()
+        self.unlogged = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            now = self._clock()
+            if now - self._last < self._every:
+                self.unlogged += 1
+                return False
+            self._last = now
+            unlogged, self.unlogged = self.unlogged, 0
+        if unlogged:
+            record.msg = f"{record.msg} ({unlogged} more tracing export lines not logged)"
+        return True
+
+    def attach(self, names: Sequence[str] = EXPORT_LOGGERS) -> Callable[[], None]:
+        """Filter the loggers `names`; returns what takes the filter off them."""
+        loggers = [logging.getLogger(name) for name in names]
+        for logger in loggers:
+            logger.addFilter(self)
+
+        def detach() -> None:
+            for logger in loggers:
+                logger.removeFilter(self)
+
+        return detach
 
 
 def start(config: TraceConfig, *, proxy: str, region: str, version: str) -> Tracing:
     """A provider exporting through a BatchSpanProcessor to the exporters
     `config` names; the SDK reads the OTEL_* variables for the rest (endpoint,
-    headers, sampler, batch sizes, resource). Call `Tracing.shutdown` at stop."""
+    headers, sampler, batch sizes, resource). Each exporter's failures are
+    counted (CountingExporter) and the export path's log lines throttled
+    (ExportLogThrottle). Call `Tracing.shutdown` at stop."""
     processors: list[SpanProcessor] = []
+    stats = ExportStats()
     for name in config.exporters:
         exporter: SpanExporter
         if name == "console":
@@ -113,8 +244,11 @@ def start(config: TraceConfig, *, proxy: str, region: str, version: str) -> Trac
             )
 
             exporter = HttpExporter()
-        processors.append(BatchSpanProcessor(exporter))
-    return Tracing(resource(proxy=proxy, region=region, version=version), processors, region)
+        processors.append(BatchSpanProcessor(CountingExporter(exporter, stats)))
+    tracing = Tracing(resource(proxy=proxy, region=region, version=version), processors, region)
+    tracing.tracer.exports = stats
+    tracing.quiet_exports = ExportLogThrottle().attach()
+    return tracing
 
 
 def resource(*, proxy: str, region: str, version: str) -> Resource:
@@ -148,10 +282,15 @@ class Tracing:
         self.tracer = RequestTracer(
             self.provider.get_tracer(SCOPE), region, drops_roots=drops_roots(os.environ)
         )
+        # Takes `start`'s log throttle off the SDK's loggers at shutdown.
+        self.quiet_exports: Callable[[], None] = lambda: None
 
     def shutdown(self) -> None:
         """Export what is buffered, then stop the exporters. Blocks (network)."""
-        self.provider.shutdown()
+        try:
+            self.provider.shutdown()
+        finally:
+            self.quiet_exports()
 
 
 class RequestTracer:
@@ -162,6 +301,8 @@ class RequestTracer:
         self.region = region  # the proxy's own
         # The sampler drops every request without a parent (see unsampled_root).
         self.drops_roots = drops_roots
+        # The exporters' failures (set by `start`; none counted without it).
+        self.exports = ExportStats()
 
     def unsampled_root(self, headers: Mapping[str, str]) -> str | None:
         """The `traceparent` for the origin calls of a request the sampler is
@@ -234,6 +375,13 @@ class RequestTrace:
     @property
     def name(self) -> str:
         return f"{self.op} {self.model}" if self.model else self.op
+
+    def ids(self) -> tuple[str, str]:
+        """The request span's trace id and span id, in hex as `traceparent`
+        spells them (the access log's trace_id and span_id). A request the
+        sampler dropped has them too: its origin calls carried them."""
+        ctx = self.root.get_span_context()
+        return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
 
     def step(self, name: str) -> Step:
         """An INTERNAL child span around a pipeline step (a context manager)."""

@@ -1112,7 +1112,11 @@ class Forwarder:
                         _check_not_found(body_read, path)
                     if resp.status < 400 and method is None:
                         # Refusals come back at once and would make "slow" look fast.
-                        self.commit_times.observe(target.name, stream, loop.time() - sent_at)
+                        took = loop.time() - sent_at
+                        self.commit_times.observe(target.name, stream, took)
+                        self._metrics.commit_time.labels(
+                            target.name, "stream" if stream else "whole"
+                        ).observe(took)
                     return OriginAnswer(
                         target,
                         attempt,

@@ -42,7 +42,7 @@ FIELDS = {
     "ts", "request_id", "method", "path", "endpoint", "client", "tenant", "key_id", "model",
     "region", "origin", "attempts", "route", "hedged", "cache", "cache_reason", "cache_kind",
     "cache_tier", "status", "error", "stream", "ttft_ms", "duration_ms", "input_tokens",
-    "output_tokens", "cached_tokens",
+    "output_tokens", "cached_tokens", "trace_id", "span_id",
 }  # fmt: skip
 
 
@@ -118,6 +118,27 @@ def test_a_streamed_origin_answer_has_every_field() -> None:
     assert (line["ttft_ms"], line["duration_ms"]) == (125.0, 500.0)
     assert (line["input_tokens"], line["output_tokens"], line["cached_tokens"]) == (7, 3, 4)
     assert line["error"] is None
+
+
+def test_lines_carry_the_trace_ids_when_tracing_is_on_and_null_otherwise() -> None:
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+
+    from dataplane.telemetry.tracing import RequestTracer  # noqa: PLC0415
+
+    assert (build(exchange())["trace_id"], build(exchange())["span_id"]) == (None, None)
+    assert build(None)["trace_id"] is None
+    tracer = RequestTracer(TracerProvider().get_tracer("t"), "eu")
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    trace = tracer.begin("chat.completions", "POST", "/v1/chat/completions",
+                         {"traceparent": parent}, "rid")  # fmt: skip
+    line = build(exchange(trace=trace))
+    assert line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert line["span_id"] == format(trace.root.get_span_context().span_id, "016x")
+    assert len(line["span_id"]) == 16 and line["span_id"] != "b7ad6b7169203331"
+    # No span made (the sampler drops every root): the id the origin calls carry.
+    unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    line = build(exchange(traceparent=unsampled))
+    assert (line["trace_id"], line["span_id"]) == ("4bf92f3577b34da6a3ce929d0e0e4736", None)
 
 
 def test_a_bypass_says_why_and_a_hit_how_it_was_found() -> None:

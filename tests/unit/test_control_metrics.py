@@ -58,6 +58,14 @@ CONTRACT = {
     "ponto_control_admin_calls": ("counter", {"method", "code"}),
     "ponto_control_routing_refusals": ("counter", {"method", "code"}),
     "ponto_control_info": ("gauge", {"replica", "version"}),
+    # prometheus_client's process and platform collectors
+    "process_virtual_memory_bytes": ("gauge", set()),
+    "process_resident_memory_bytes": ("gauge", set()),
+    "process_start_time_seconds": ("gauge", set()),
+    "process_cpu_seconds": ("counter", set()),
+    "process_open_fds": ("gauge", set()),
+    "process_max_fds": ("gauge", set()),
+    "python_info": ("gauge", {"implementation", "major", "minor", "patchlevel", "version"}),
 }
 
 ADMIN_TOKEN = "admin-token-0123456789"

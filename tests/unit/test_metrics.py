@@ -7,7 +7,14 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dataplane.metrics import LATENCY_BUCKETS, Counter, Histogram, Metrics
+from dataplane.metrics import (
+    GENAI_DURATION_BUCKETS,
+    GENAI_FIRST_CHUNK_BUCKETS,
+    LATENCY_BUCKETS,
+    Counter,
+    Histogram,
+    Metrics,
+)
 from dataplane.streaming.usage import Usage
 
 
@@ -88,3 +95,85 @@ def test_the_regional_cache_is_up_or_degraded_only_when_there_is_one() -> None:
     assert "ponto_cache_region_up 1.0" in generate_latest(m.registry).decode()
     up[0] = False
     assert "ponto_cache_region_up 0.0" in generate_latest(m.registry).decode()
+
+
+def test_the_process_metrics_of_this_process_are_exported() -> None:
+    get = Metrics().registry.get_sample_value
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ):
+        value = get(name)
+        assert value is not None and value > 0, name
+    assert "python_info{" in generate_latest(Metrics().registry).decode()
+
+
+def test_requests_in_flight_and_open_streams_are_read_at_scrape_time() -> None:
+    m = Metrics()
+    get = m.registry.get_sample_value
+    assert (get("ponto_requests_in_flight"), get("ponto_streams_open")) == (0, 0)
+    streaming = {"a"}
+    m.in_flight.is_stream = lambda request: request in streaming
+    m.in_flight.requests.update({1: "a", 2: "b", 3: "c"})
+    assert (get("ponto_requests_in_flight"), get("ponto_streams_open")) == (3, 1)
+    del m.in_flight.requests[1]
+    assert (get("ponto_requests_in_flight"), get("ponto_streams_open")) == (2, 0)
+
+
+def test_the_latency_histograms_reach_long_streams() -> None:
+    assert LATENCY_BUCKETS[-1] >= 600
+    assert GENAI_DURATION_BUCKETS[-1] >= 600
+    assert GENAI_FIRST_CHUNK_BUCKETS[-1] >= 60
+    for bounds in (LATENCY_BUCKETS, GENAI_DURATION_BUCKETS, GENAI_FIRST_CHUNK_BUCKETS):
+        assert list(bounds) == sorted(set(bounds)) and len(bounds) <= 20
+    m = Metrics()
+    m.duration.labels("chat.completions").observe(400.0)
+    m.operation("chat", "m", "", "eu", "", 400.0, 45.0, None)
+    get = m.registry.get_sample_value
+    assert get("ponto_request_duration_seconds_bucket",
+               {"endpoint": "chat.completions", "le": "600.0"}) == 1  # fmt: skip
+    labels = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+              "gen_ai_request_model": "m", "ponto_region": "eu", "ponto_cache": ""}  # fmt: skip
+    assert get("gen_ai_client_operation_duration_seconds_bucket",
+               {**labels, "error_type": "", "le": "655.36"}) == 1  # fmt: skip
+    assert get("gen_ai_client_operation_time_to_first_chunk_seconds_bucket",
+               {**labels, "le": "60.0"}) == 1  # fmt: skip
+
+
+def test_the_time_per_output_chunk_is_one_observation_per_stream() -> None:
+    m = Metrics()
+    labels = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+              "gen_ai_request_model": "m", "ponto_region": "eu", "ponto_cache": "miss"}  # fmt: skip
+    m.operation("chat", "m", "", "eu", "miss", 2.0, 0.5, None, 0.03)
+    m.operation("chat", "m", "", "eu", "miss", 2.0, 0.5, None)  # none to give
+    get = m.registry.get_sample_value
+    name = "gen_ai_client_operation_time_per_output_chunk_seconds"
+    assert get(f"{name}_count", labels) == 1
+    assert get(f"{name}_sum", labels) == 0.03
+    assert get(f"{name}_bucket", {**labels, "le": "0.025"}) == 0
+    assert get(f"{name}_bucket", {**labels, "le": "0.05"}) == 1
+
+
+def test_an_origin_the_table_names_has_its_ejections_at_zero() -> None:
+    m = Metrics()
+    get = m.registry.get_sample_value
+    assert get("ponto_origin_ejections_total", {"origin": "o1"}) is None
+    m.origins_named(["o1", "o2"])
+    assert get("ponto_origin_ejections_total", {"origin": "o1"}) == 0
+    assert get("ponto_origin_ejections_total", {"origin": "o2"}) == 0
+    m.ejections.labels("o1").inc()
+    m.origins_named(["o1"])  # again, or without o2: counts stay
+    assert get("ponto_origin_ejections_total", {"origin": "o1"}) == 1
+    assert get("ponto_origin_ejections_total", {"origin": "o2"}) == 0
+
+
+def test_the_tracing_exports_are_counted_once_bound() -> None:
+    m = Metrics()
+    assert m.registry.get_sample_value("ponto_trace_export_failures_total") is None
+    failed = [0.0, 0.0]
+    m.bind_tracing(lambda: failed[0], lambda: failed[1])
+    failed[:] = [2.0, 37.0]
+    assert m.registry.get_sample_value("ponto_trace_export_failures_total") == 2
+    assert m.registry.get_sample_value("ponto_trace_spans_dropped_total") == 37

@@ -3,20 +3,39 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Sequence
 
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
 
 from dataplane.telemetry.config import TraceConfig
-from dataplane.telemetry.tracing import Tracing, _answer_id_and_finishes, resource, start
+from dataplane.telemetry.tracing import (
+    EXPORT_LOGGERS,
+    CountingExporter,
+    ExportLogThrottle,
+    ExportStats,
+    Tracing,
+    _answer_id_and_finishes,
+    resource,
+    start,
+)
 
 
 def exporters(tracing: Tracing) -> list[type]:
     processors = tracing.provider._active_span_processor._span_processors
     assert all(isinstance(p, BatchSpanProcessor) for p in processors)
-    return [type(p._batch_processor._exporter) for p in processors]  # type: ignore[attr-defined]
+    counted = [p._batch_processor._exporter for p in processors]  # type: ignore[attr-defined]
+    assert all(isinstance(e, CountingExporter) for e in counted)
+    return [type(e.inner) for e in counted]
 
 
 @pytest.mark.parametrize(
@@ -100,3 +119,84 @@ def test_a_whole_answers_id_and_finish_reasons_are_its_own(
     body: bytes, expected: tuple[str, tuple[bytes, ...]]
 ) -> None:
     assert _answer_id_and_finishes(body) == expected
+
+
+class Collector(SpanExporter):
+    """An exporter whose collector is up or down, as the test says."""
+
+    def __init__(self) -> None:
+        self.result = SpanExportResult.SUCCESS
+        self.raises = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.raises:
+            raise ConnectionError("collector gone")
+        return self.result
+
+
+def test_failed_exports_and_their_spans_are_counted() -> None:
+    inner, stats = Collector(), ExportStats()
+    exporter = CountingExporter(inner, stats)
+    spans: list[ReadableSpan] = [ReadableSpan(name=f"s{i}") for i in range(3)]
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    assert (stats.failed_batches(), stats.dropped_spans()) == (0, 0)
+    inner.result = SpanExportResult.FAILURE
+    assert exporter.export(spans) is SpanExportResult.FAILURE
+    inner.raises = True
+    with pytest.raises(ConnectionError):
+        exporter.export(spans[:1])
+    assert (stats.failed_batches(), stats.dropped_spans()) == (2, 4)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_exporters_log_lines_are_throttled_to_one_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    throttle = ExportLogThrottle(every_s=60.0, clock=clock)
+    detach = throttle.attach()
+    grpc = logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter")
+    batch = logging.getLogger("opentelemetry.sdk._shared_internal")
+    try:
+        with caplog.at_level(logging.WARNING):
+            # A collector down: a retry line every few seconds, then the failure.
+            # (Each its own text: the SDK drops a repeated one within 20 s itself.)
+            for i in range(12):
+                grpc.warning(f"Transient error UNAVAILABLE, retry {i}")
+                clock.now += 4
+            batch.error("Failed to export span batch")
+            shown = [r.getMessage() for r in caplog.records]
+            assert shown == ["Transient error UNAVAILABLE, retry 0"]
+            clock.now += 60
+            grpc.error("Failed to export traces to %s", "collector:4317")
+            shown = [r.getMessage() for r in caplog.records]
+            assert shown[1] == (
+                "Failed to export traces to collector:4317 "
+                "(12 more tracing export lines not logged)"
+            )
+    finally:
+        detach()
+    assert all(throttle not in logging.getLogger(n).filters for n in EXPORT_LOGGERS)
+
+
+def test_start_counts_and_throttles_until_shutdown() -> None:
+    tracing = start(TraceConfig(("console",), "grpc"), proxy="p1", region="eu", version="1")
+    try:
+        assert any(
+            isinstance(f, ExportLogThrottle) for f in logging.getLogger(EXPORT_LOGGERS[0]).filters
+        )
+        counted = tracing.provider._active_span_processor._span_processors[0]
+        exporter = counted._batch_processor._exporter  # type: ignore[attr-defined]
+        assert exporter._stats is tracing.tracer.exports
+    finally:
+        tracing.shutdown()
+    assert not any(
+        isinstance(f, ExportLogThrottle) for f in logging.getLogger(EXPORT_LOGGERS[0]).filters
+    )
