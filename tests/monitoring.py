@@ -72,7 +72,13 @@ def exported_names() -> set[str]:
     from controlplane import metrics as control  # noqa: PLC0415
     from dataplane import metrics as proxy  # noqa: PLC0415
 
-    return sample_names(proxy.Metrics().registry) | sample_names(control.ControlMetrics().registry)
+    # Families a proxy registers once it has what they are about: a regional
+    # cache (--redis), JWKS URLs, tracing.
+    metrics = proxy.Metrics()
+    metrics.bind_region(lambda: True)
+    metrics.bind_jwks(())
+    metrics.bind_tracing(float, float)
+    return sample_names(metrics.registry) | sample_names(control.ControlMetrics().registry)
 
 
 _KEYWORDS = frozenset(

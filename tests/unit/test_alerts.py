@@ -36,6 +36,10 @@ ALERTS = {
     "PontoCacheBypassSurge",
     "PontoControlPlaneNoLeader",
     "PontoEtcdErrors",
+    "PontoHighErrorRatioFast",
+    "PontoRegionCacheDown",
+    "PontoJwksStale",
+    "PontoAccessLogDropping",
 }
 
 
@@ -159,3 +163,25 @@ def test_rule_carries_the_selector_labels_and_is_off_by_default() -> None:
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     assert rule["metadata"]["namespace"] == "ponto"
     assert not [d for d in render() if d["kind"] == "PrometheusRule"]
+
+
+def test_the_regional_cache_alert_comes_with_a_regional_cache_only() -> None:
+    # Without --redis no proxy exports ponto_cache_region_up: nothing to watch.
+    assert "PontoRegionCacheDown" not in alert_rules(rule_spec("--set", "cache.redis.deploy=false"))
+    external = rule_spec("--set", "cache.redis.deploy=false",
+                         "--set", "cache.redis.url=redis://valkey.cache.svc:6379/0")  # fmt: skip
+    assert "PontoRegionCacheDown" in alert_rules(external)
+
+
+def test_the_fast_burn_is_tuned_apart_from_the_slow_one() -> None:
+    spec = rule_spec(
+        "--set-json", "alerts.errorRatioFast.threshold=0.3",
+        "--set", "alerts.errorRatioFast.window=2m",
+        "--set", "alerts.jwksStale.afterSeconds=3600",
+    )  # fmt: skip
+    rules = alert_rules(spec)
+    fast, slow = rules["PontoHighErrorRatioFast"], rules["PontoHighErrorRatio"]
+    assert ") > 0.3\n" in fast["expr"] and "[2m]" in fast["expr"]
+    assert ") > 0.05\n" in slow["expr"] and "[5m]" in slow["expr"]
+    assert fast["for"] == "2m" and fast["labels"]["severity"] == "critical"
+    assert "> 3600\n" in rules["PontoJwksStale"]["expr"]

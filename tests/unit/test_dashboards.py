@@ -37,6 +37,8 @@ MUST_READ = {
         "ponto_requests_total",
         "gen_ai_client_operation_time_to_first_chunk_seconds_bucket",
         "gen_ai_client_operation_duration_seconds_bucket",
+        "gen_ai_client_operation_time_per_output_chunk_seconds_bucket",
+        "ponto_upstream_time_to_commit_seconds_bucket",
         "gen_ai_client_token_usage_sum",
         "ponto_route_decisions_total",
         "ponto_upstream_attempts_total",
@@ -204,6 +206,19 @@ def test_error_and_refusal_panels_read_0_not_no_data_before_the_first() -> None:
         and not re.search(r"\bor (vector\(0\)|0 \*)", expr)
     ]
     assert not blank, blank
+
+
+def test_duration_quantiles_are_of_answered_requests_only() -> None:
+    # Refusals (401, 404, 429) come back in a millisecond: in a duration quantile
+    # they would pass for fast answers (SRE trial).
+    quantiles = [
+        (f"{name}: {where}", expr)
+        for name, board in BOARDS.items()
+        for where, expr in queries(board).items()
+        if "histogram_quantile" in expr and "operation_duration_seconds_bucket" in expr
+    ]
+    assert quantiles
+    assert [where for where, expr in quantiles if 'error_type=""' not in expr] == []
 
 
 def test_proxies_are_counted_by_pod_not_by_worker() -> None:

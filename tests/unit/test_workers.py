@@ -752,6 +752,9 @@ def test_merge_keeps_each_family_together_with_every_workers_series() -> None:
     assert sorted(s.labels["worker"] for s in counts) == ["0", "1"]
     up = {s.labels["worker"]: s.value for s in families["ponto_worker_up"].samples}
     assert up == {"0": 1.0, "1": 1.0, "2": 0.0}
+    # Each worker is a process: its process_* series are its own, by worker.
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds", "python_info"):
+        assert sorted(s.labels["worker"] for s in families[name].samples) == ["0", "1"], name
     # One HELP and TYPE per family: the text format forbids a family in two groups.
     helps = [line for line in merged.splitlines() if line.startswith("# HELP ")]
     assert len(helps) == len(set(helps))
