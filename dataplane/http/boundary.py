@@ -56,13 +56,14 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     """`_boundary`, with the request held in ponto_requests_in_flight
     (Metrics.in_flight) while it runs, unless it is one of the proxy's own
     probes or scrapes (accesslog.PROBES), which would count themselves."""
-    if (request.match_info.route.name or "other") in accesslog.PROBES:
-        return await _boundary(request, handler)
+    endpoint = request.match_info.route.name or "other"
+    if endpoint in accesslog.PROBES:
+        return await _boundary(request, handler, endpoint)
     in_flight = request.app[METRICS].in_flight.requests
     key = id(request)
     in_flight[key] = request
     try:
-        return await _boundary(request, handler)
+        return await _boundary(request, handler, endpoint)
     finally:
         del in_flight[key]
 
@@ -92,7 +93,7 @@ def chunk_gap(ex: Exchange, finished: float, error: str) -> float | None:
     return max(0.0, finished - first) / (chunks - 1)
 
 
-async def _boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def _boundary(request: web.Request, handler: Handler, endpoint: str) -> web.StreamResponse:
     """The error boundary: every failure becomes an OpenAI-style error, and every
     answer is counted and carries `x-request-id`.
 
@@ -117,7 +118,6 @@ async def _boundary(request: web.Request, handler: Handler) -> web.StreamRespons
     app = request.app
     draining = app[DRAINING]
     request_id = request[REQUEST_ID] = app[REQUEST_IDS].of(request.headers.get("x-request-id"))
-    endpoint = request.match_info.route.name or "other"
     if draining.active:
         # Any answer, streams included (they are prepared inside the handler),
         # says `Connection: close`: the client opens its next request elsewhere.
