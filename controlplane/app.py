@@ -129,6 +129,7 @@ class ControlPlane:
             current_etag=lambda: self.publisher.latest.etag if self.publisher.latest else "",
             store_epoch=lambda: rebased.base,
         )
+        rebased.on_rebase(self._renumbered)
         self.quotas = QuotaHub(
             store, settings.replica_id, self.registry.lease, settings.quota_interval
         )
@@ -207,13 +208,19 @@ class ControlPlane:
 
     async def _ahead(self, revision: int) -> bool:
         """A proxy holds `revision`, above this replica's latest table: if
-        etcd went back, number above it, and publish the state again under
-        the new numbers even where its content is the same."""
-        raised = await self.store.ensure_above(revision)
-        if raised:
-            self.publisher.renumbered(revision)
-            self.builder.wake()
-        return raised
+        etcd went back, number above it (the state is published again by
+        _renumbered)."""
+        return await self.store.ensure_above(revision)
+
+    def _renumbered(self, upto: int) -> None:
+        """The store's numbering base changed (RebasedStore.on_rebase), by
+        whichever path: publish the state again under the new numbers even
+        where its content is the same. Only when this replica's own
+        ensure_above raised it had been done: a raise seen first by another
+        watch of this replica, or in a listing holding another replica's,
+        left proxies on the table of before an etcd restore."""
+        self.publisher.renumbered(upto)
+        self.builder.wake()
 
     def _current_version(self) -> int:
         latest = self.publisher.latest

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from controlplane.store.base import (
     Conflict,
@@ -73,6 +73,15 @@ class RebasedStore:
         # (highest handed out before, base from then on) of each change of
         # base, oldest first: a revision is mapped back with its own base.
         self._eras: list[tuple[int, int]] = []
+        self._on_rebase: list[Callable[[int], None]] = []
+
+    def on_rebase(self, callback: Callable[[int], None]) -> None:
+        """Call `callback(upto)` whenever the base this replica numbers by
+        changes, whichever path changed it (ensure_above, a watch that saw
+        the revision go back, a listing holding another replica's raise):
+        revisions up to `upto` were handed out under the base before. Called
+        synchronously from within the store's call; it must not block."""
+        self._on_rebase.append(callback)
 
     @property
     def base(self) -> int:
@@ -123,6 +132,8 @@ class RebasedStore:
         if base != self._base:
             self._eras.append((self.highest, self._base))
             self._base = base
+            for callback in self._on_rebase:
+                callback(self.highest)
 
     async def ensure_above(self, revision: int) -> bool:
         """Make every revision handed out from now on above `revision` and
