@@ -20,8 +20,10 @@ global limit), until the replica itself goes.
 The keys this replica writes under its lease (its own, /ponto/replicas/ID,
 and its proxies') are written again whenever a lease is granted after the
 first, whoever asked for it, and retried with a bounded backoff until they
-are all written under the live lease; every SELF_CHECK_EVERY seconds the
-replica also reads them back and writes again any that is missing. A lease
+are all written under the live lease (REWRITE_CONCURRENCY at once, in a
+task of its own: the lease is renewed meanwhile); every SELF_CHECK_EVERY
+seconds the replica also reads them back and writes again those missing
+(only those, while the lease is the same). A lease
 granted by another caller (the ACK flush) while a rewrite had failed had
 kept the new lease with no rewrite at all: the replica and its proxies were
 gone from the fleet view, and from the leader's rate-limit shares, until the
@@ -75,6 +77,9 @@ SELF_CHECK_EVERY = 30.0
 # to REWRITE_RETRY_MAX (and never later than the keepalive's beat).
 REWRITE_RETRY_MIN = 0.2
 REWRITE_RETRY_MAX = 5.0
+# Keys a rewrite writes at once: 400 proxies, each a read and a conditional
+# write, one after the other at 5 ms a call took 4 s, past a 3 s lease.
+REWRITE_CONCURRENCY = 16
 
 
 def replica_silence(replica: Mapping[str, object], now: float) -> float | None:
@@ -191,6 +196,10 @@ class ProxyRegistry:
         # lost one) or a self-check missed a key; cleared only once every
         # key is written under the live lease.
         self._rewrite_due = False
+        # The sessions whose keys a due rewrite writes, when only they were
+        # found missing under the live lease; None: every session's (a lease
+        # granted after the first holds none of them).
+        self._rewrite_only: set[str] | None = None
         self._granted = False
         self._announced = False  # its key written once (announce, or a rewrite)
         self._retry_in = REWRITE_RETRY_MIN
@@ -213,6 +222,7 @@ class ProxyRegistry:
                     # Whoever asked (a flush, a Register), the keys of the
                     # lost lease are to be written under this one.
                     self._rewrite_due = True
+                    self._rewrite_only = None
                     self._lease_suspect.set()
                 self._granted = True
             return self._lease
@@ -666,50 +676,70 @@ class ProxyRegistry:
         write its keys again until they are all under the live lease
         (retried after REWRITE_RETRY_MIN to REWRITE_RETRY_MAX seconds); read
         them back every self_check_every seconds, once the store answers
-        again after failing, and once its revision went back (self_check)."""
+        again after failing, and once its revision went back (self_check).
+
+        A rewrite runs as a task of its own: the lease is renewed, and the
+        replica's key with it, every beat however long the rewrite takes (400
+        keys written one after the other in line with the renewals had the
+        lease expire, granted again, and expire again, over and over)."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
         epoch = self._store_epoch()
-        while True:
-            wait = min(self._retry_in, self._beat()) if self._rewrite_due else self._beat()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_suspect.wait(), wait)
-            self._lease_suspect.clear()
-            if self._lease:
-                try:
-                    await self._catalog.store.refresh_lease(self._lease)
-                    if self._store_failing and not self._rewrite_due:
-                        self._store_failing = False
-                        log.info("lease keepalive works again")
-                        # etcd may come back restored from a snapshot that
-                        # has the lease but not every key: read them now.
-                        checked = float("-inf")
-                except LeaseExpired:
-                    log.warning(
-                        "replica lease %x expired; re-registering %d proxies",
-                        self._lease,
-                        len(self.sessions),
-                    )
-                    self._lease = 0
-                    self._rewrite_due = True
-                except StoreUnavailable as exc:
-                    self._say_store_failing("lease keepalive failed: %s", exc)
+        rewriting: asyncio.Task[None] | None = None
+        try:
+            while True:
+                busy = rewriting is not None and not rewriting.done()
+                due = self._rewrite_due and not busy
+                wait = min(self._retry_in, self._beat()) if due else self._beat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._lease_suspect.wait(), wait)
+                self._lease_suspect.clear()
+                if self._lease:
+                    try:
+                        await self._catalog.store.refresh_lease(self._lease)
+                        if self._store_failing and not self._rewrite_due:
+                            self._store_failing = False
+                            log.info("lease keepalive works again")
+                            # etcd may come back restored from a snapshot that
+                            # has the lease but not every key: read them now.
+                            checked = float("-inf")
+                    except LeaseExpired:
+                        log.warning(
+                            "replica lease %x expired; re-registering %d proxies",
+                            self._lease,
+                            len(self.sessions),
+                        )
+                        self._lease = 0
+                        self._rewrite_due = True
+                        self._rewrite_only = None
+                    except StoreUnavailable as exc:
+                        self._say_store_failing("lease keepalive failed: %s", exc)
+                        continue
+                if not self._lease or self._rewrite_due:
+                    if rewriting is not None and not rewriting.done():
+                        if self._lease:  # a long rewrite: its heartbeat goes on
+                            with contextlib.suppress(LeaseExpired, StoreUnavailable):
+                                await self._put_announcement(self._lease)  # renewed_at
+                    elif self.sessions or self._announcement is not None:
+                        # It writes the replica's key first.
+                        rewriting = asyncio.create_task(self._rewrite(), name="registry-rewrite")
                     continue
-            if not self._lease or self._rewrite_due:
-                if self.sessions or self._announcement is not None:
-                    await self._rewrite()
-                continue
-            try:
-                await self._put_announcement(self._lease)  # renewed_at
-            except (LeaseExpired, StoreUnavailable) as exc:
-                log.debug("replica key not renewed: %s", exc)
-                continue
-            if epoch != self._store_epoch():
-                epoch = self._store_epoch()
-                checked = float("-inf")  # etcd went back: read the keys now
-            if loop.time() - checked >= self._self_check_every:
-                checked = loop.time()
-                await self.self_check()
+                try:
+                    await self._put_announcement(self._lease)  # renewed_at
+                except (LeaseExpired, StoreUnavailable) as exc:
+                    log.debug("replica key not renewed: %s", exc)
+                    continue
+                if epoch != self._store_epoch():
+                    epoch = self._store_epoch()
+                    checked = float("-inf")  # etcd went back: read the keys now
+                if loop.time() - checked >= self._self_check_every:
+                    checked = loop.time()
+                    await self.self_check()
+        finally:
+            if rewriting is not None:
+                rewriting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rewriting
 
     async def self_check(self) -> bool:
         """Read this replica's key and its proxies' keys back; if one is not
@@ -725,23 +755,21 @@ class ProxyRegistry:
         except (StoreUnavailable, LeaseExpired) as exc:
             log.debug("self-check not made: %s", exc)
             return False
-        missing = []
-        if self._announcement is not None and (own is None or own.lease != lease):
-            missing.append(f"replica {self.replica_id}")
-        missing += self._missing(listing, lease, before)
+        missing = self._missing(listing, lease, before)
         if lease != self._lease or self._rewrite_due:
             return False  # the lease changed during the read
-        self._write_missing(missing, lease)
+        own_missing = self._announcement is not None and (own is None or own.lease != lease)
+        self._write_missing(missing, lease, own_missing=own_missing)
         return True
 
-    def _missing(self, listing: Listing, lease: int, before: dict[str, int]) -> list[str]:
+    def _missing(self, listing: Listing, lease: int, before: dict[str, int]) -> dict[str, str]:
         """This replica's proxies whose key `listing` (of PROXIES) does not
         hold under `lease`, but for those written since `before` (what
         _written was as the read began: not by revision, which goes back
         with a restored etcd) and those whose name another session holds
-        (drop_superseded's to judge)."""
+        (drop_superseded's to judge): session id -> proxy name."""
         keys = {kv.key[len(PROXIES) :]: kv for kv in listing.items}
-        missing = []
+        missing = {}
         for session_id, record in list(self.sessions.items()):
             if session_id not in before or before[session_id] != self._written.get(session_id):
                 continue  # written during the read
@@ -751,47 +779,55 @@ class ProxyRegistry:
             holder = None if kv is None else record_of(kv)
             if holder is not None and holder.session_id != session_id:
                 continue
-            missing.append(f"proxy {record.name}")
+            missing[session_id] = record.name
         return missing
 
-    def _write_missing(self, missing: list[str], lease: int) -> None:
-        """Say what is missing from under `lease`, still the live one, and
-        have the keepalive write this replica's keys again at once."""
-        if not missing or lease != self._lease or self._rewrite_due:
+    def _write_missing(
+        self, missing: Mapping[str, str], lease: int, *, own_missing: bool = False
+    ) -> None:
+        """Say what is missing from under `lease`, still the live one
+        (`missing`: session id -> proxy name; `own_missing`: this replica's
+        key), and have the keepalive write those keys again at once: only
+        those, the others being there under the same lease."""
+        if not (missing or own_missing) or lease != self._lease or self._rewrite_due:
             return
+        said = [f"replica {self.replica_id}"] if own_missing else []
+        said += [f"proxy {name}" for name in missing.values()]
         log.warning(
             "%s not in the state store under this replica's lease %x; writing them again",
-            ", ".join(missing),
+            ", ".join(said),
             lease,
         )
         self._rewrite_due = True
+        self._rewrite_only = set(missing)
         self._lease_suspect.set()
 
     async def _rewrite(self) -> None:
         """Write this replica's key and every session's under the lease
-        (granted if there is none); on failure, try again later."""
+        (granted if there is none), or only the sessions found missing
+        under the live lease (_rewrite_only), REWRITE_CONCURRENCY keys at
+        once; on failure, try again later. Run by the keepalive as a task of
+        its own, one at a time."""
+        lease = 0
         try:
             lease = await self._ensure_lease()
+            only = self._rewrite_only  # read after a grant, which resets it
             await self._put_announcement(lease)
-            for record in list(self.sessions.values()):
-                written = await self._catalog.restore_proxy(record, lease)
-                if record.session_id not in self.sessions:
-                    # Its stream ended (or a registration superseded it)
-                    # during the write, whose key its removal did not find.
-                    if written:
-                        await self._remove_key(record.name, record.session_id)
-                    continue
-                if written:
-                    self._written[record.session_id] = written
-                else:
-                    # Its name registered anew (elsewhere) while the lease
-                    # was lost: that session is the proxy's now, and this
-                    # one's stream ends ABORTED.
-                    log.info("proxy %s registered again elsewhere meanwhile", record.name)
-                    self._forget(record.session_id)
+            records = [r for sid, r in list(self.sessions.items()) if only is None or sid in only]
+            gate = asyncio.Semaphore(REWRITE_CONCURRENCY)
+
+            async def one(record: ProxyRecord) -> None:
+                async with gate:
+                    if lease == self._lease:  # else lost: the next lease's rewrite is due
+                        await self._restore(record, lease)
+
+            for outcome in await asyncio.gather(*(one(r) for r in records), return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except LeaseExpired as exc:
             self._rewrite_failed(exc)
-            self._lease = 0
+            if self._lease == lease:  # not one granted since (by a flush)
+                self._lease = 0
             return
         except (Unavailable, StoreUnavailable) as exc:
             # The lease stays: the keepalive's refresh says if it went too.
@@ -805,6 +841,7 @@ class ProxyRegistry:
         if lease != self._lease:
             return  # lost during the writes: the next lease's rewrite is due
         self._rewrite_due = False
+        self._rewrite_only = None
         self._retry_in = REWRITE_RETRY_MIN
         self._acks_dirty = True
         self._traffic_dirty = True
@@ -813,12 +850,38 @@ class ProxyRegistry:
             self._announced = True  # its first announcement, after a failed one
             log.info("replica %s announced under lease %x", self.replica_id, lease)
             return
+        if only is not None:
+            log.info(
+                "replica %s wrote %d missing proxy keys again under lease %x",
+                self.replica_id,
+                len(records),
+                lease,
+            )
+            return
         log.info(
             "replica %s and its %d proxies registered again under lease %x",
             self.replica_id,
             len(self.sessions),
             lease,
         )
+
+    async def _restore(self, record: ProxyRecord, lease: int) -> None:
+        """Write `record`'s key again under `lease` (a rewrite's, one key)."""
+        written = await self._catalog.restore_proxy(record, lease)
+        if record.session_id not in self.sessions:
+            # Its stream ended (or a registration superseded it) during the
+            # write, whose key its removal did not find.
+            if written:
+                await self._remove_key(record.name, record.session_id)
+            return
+        if written:
+            self._written[record.session_id] = written
+        else:
+            # Its name registered anew (elsewhere) while the lease was lost:
+            # that session is the proxy's now, and this one's stream ends
+            # ABORTED.
+            log.info("proxy %s registered again elsewhere meanwhile", record.name)
+            self._forget(record.session_id)
 
     def _rewrite_failed(self, exc: Exception) -> None:
         self._rewrite_due = True
