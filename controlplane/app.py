@@ -22,9 +22,10 @@ from controlplane.api.metered import AdminCalls
 from controlplane.api.routing import RoutingService
 from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
-from controlplane.catalog import Catalog
+from controlplane.catalog import REPLICAS, Catalog
 from controlplane.distribute import Publisher
 from controlplane.election import Leadership
+from controlplane.errors import Unavailable
 from controlplane.health import Prober
 from controlplane.loadsync import LoadHub, LoadScraper
 from controlplane.metrics import ControlMetrics
@@ -33,7 +34,7 @@ from controlplane.quotasync import QuotaHub, Rebalancer
 from controlplane.readiness import ReplicaHealth
 from controlplane.registry import ProxyRegistry
 from controlplane.settings import Settings
-from controlplane.store import StateStore
+from controlplane.store import StateStore, StoreError
 from controlplane.store.instrumented import InstrumentedStore
 from controlplane.store.rebased import RebasedStore
 from controlplane.web import StatusWeb
@@ -222,6 +223,33 @@ class ControlPlane:
         self.publisher.renumbered(upto)
         self.builder.wake()
 
+    async def _follow_replicas(self) -> None:
+        """Read the replicas' keys at each change of them (and every beat of
+        the lease anyway: a change the watch missed while it re-created its
+        stream), so that this replica sees each one's renewals as they
+        happen (controlplane.beats), not only when someone asks."""
+        changed = asyncio.Event()
+        every = max(self.settings.lease_ttl / 3, 0.2)
+
+        async def follow() -> None:
+            async for _ in self.store.watch(REPLICAS, 0):
+                changed.set()
+
+        follower = asyncio.create_task(follow(), name="replica-keys-watch")
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), every)
+                changed.clear()
+                try:
+                    await self.catalog.list_replicas()
+                except Unavailable as exc:
+                    log.debug("replica keys not read: %s", exc)
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StoreError):
+                await follower
+
     def _current_version(self) -> int:
         latest = self.publisher.latest
         return latest.version if latest else 0
@@ -281,6 +309,7 @@ class ControlPlane:
             asyncio.create_task(self.quotas.watch(), name="quota-shares"),
             asyncio.create_task(self.loads.watch(), name="origin-loads"),
             asyncio.create_task(self.status.run(), name="health-status"),
+            asyncio.create_task(self._follow_replicas(), name="replica-heartbeats"),
         ]
         if self.settings.http_listen:
             # The page's rates are measured whether or not anyone views it.

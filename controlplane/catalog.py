@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 import orjson
 
 from controlplane import apply as topology
+from controlplane.beats import ReplicaBeats
 from controlplane.budget import LEDGER_PREFIX, decode_ledger
 from controlplane.errors import (
     AlreadyExists,
@@ -159,9 +160,16 @@ async def _guard(aw: Awaitable[T]) -> T:
 class Catalog:
     """The control plane's view of desired state. Safe for concurrent use."""
 
-    def __init__(self, store: StateStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self._clock = clock
+        # When each replica's key was last seen to change (list_replicas).
+        self.replica_beats = ReplicaBeats(monotonic)
 
     # ------------------------------------------------------------ snapshot
 
@@ -948,6 +956,9 @@ class Catalog:
     async def list_replicas(self) -> tuple[list[dict[str, object]], str]:
         """Live replicas and the leader's id ("" during an election)."""
         listing = await _guard(self.store.list(REPLICAS))
+        self.replica_beats.observe(
+            {kv.key[len(REPLICAS) :]: kv.mod_revision for kv in listing.items}
+        )
         replicas = []
         for kv in listing.items:
             with contextlib.suppress(ValueError, TypeError):

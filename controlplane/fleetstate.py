@@ -29,11 +29,12 @@ def unknown_why(
     replicas: Mapping[str, Mapping[str, object]],
     latest: Snapshot | None,
     latest_age_s: float,
-    now: float,
+    silences: Mapping[str, float],
 ) -> str:
-    """Why proxy `p`'s table state is not known ("": it is), at `now` (Unix
-    time): its replica (in `replicas`, id -> its decoded key) has not
-    renewed its lease for longer than it should (replica_silence), or still
+    """Why proxy `p`'s table state is not known ("": it is): its replica (in
+    `replicas`, id -> its decoded key) has not renewed its lease for longer
+    than it should (replica_silence, by `silences`: id -> seconds since the
+    reader saw its key change, ReplicaBeats.silences), or still
     serves a table whose content differs from and is older than `latest`,
     this replica's, published `latest_age_s` seconds ago, past
     TABLE_GRACE_S."""
@@ -41,7 +42,8 @@ def unknown_why(
     # A replica not listed is not judged by it: its proxies' keys are under
     # its lease, so one whose lease ended has none listed either.
     replica = replicas.get(replica_id)
-    silent = None if replica is None else replica_silence(replica, now)
+    seen = silences.get(replica_id)
+    silent = None if replica is None or seen is None else replica_silence(replica, seen)
     if silent is not None:
         return f"its replica {replica_id} has not renewed for {silent:.0f} s"
     if (

@@ -28,9 +28,10 @@ granted by another caller (the ACK flush) while a rewrite had failed had
 kept the new lease with no rewrite at all: the replica and its proxies were
 gone from the fleet view, and from the leader's rate-limit shares, until the
 replica restarted (trial: an etcd stall). Its own key is written again at
-every keepalive beat with the time it was (`renewed_at`, `renew_every`): a
-reader tells a replica that stopped renewing (hung, killed) from a live one
-before its lease runs out (replica_silence).
+every keepalive beat (`renewed_at`, `renew_every`, `lease_ttl`): a reader,
+by when it saw the key change on its own clock (controlplane.beats), tells
+a replica that stopped renewing (hung, killed) from a live one before its
+lease runs out (replica_silence).
 """
 
 from __future__ import annotations
@@ -82,17 +83,35 @@ REWRITE_RETRY_MAX = 5.0
 REWRITE_CONCURRENCY = 16
 
 
-def replica_silence(replica: Mapping[str, object], now: float) -> float | None:
-    """How long a replica (its /ponto/replicas/ key, decoded) has not renewed
-    its lease at `now` (Unix time) when that is longer than it should be: two
-    of its beats and a second for a slow write; None while it renews, or for
-    a replica from before `renewed_at`. By the writer's clock against the
-    reader's: a skew between the replicas' clocks adds to it."""
-    renewed, every = replica.get("renewed_at"), replica.get("renew_every")
-    if not isinstance(renewed, int | float) or not isinstance(every, int | float):
+def silent_after(replica: Mapping[str, object]) -> float | None:
+    """After how long without a renewal seen a replica (its /ponto/replicas/
+    key, decoded) is judged hung; None for a replica from before
+    `renew_every`, which is never judged.
+
+    The rule: two of its beats and half a beat more, and never less than
+    half its lease's TTL (with beats of TTL/3, as this registry's: 5/6 of
+    the TTL). Two beats let one renewal fail (or time out short of a beat)
+    and the next work; the half beat is for the writes' latency. Always
+    below the TTL, so a replica that stops renewing is flagged for the last
+    sixth of its lease before its keys go with it. (Two beats and a second
+    flagged a healthy replica after one failed renewal and a slow write, and
+    with a TTL of 3 s or less never flagged one before its lease ended.)"""
+    every = replica.get("renew_every")
+    if not isinstance(every, int | float) or isinstance(every, bool) or every <= 0:
         return None
-    silent = now - float(renewed)
-    return silent if silent > 2 * float(every) + 1.0 else None
+    ttl = replica.get("lease_ttl")
+    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl <= 0:
+        ttl = 3 * float(every)  # a replica from before lease_ttl: beats of TTL/3
+    return max(2 * float(every), float(ttl) / 2) + float(every) / 2
+
+
+def replica_silence(replica: Mapping[str, object], silent: float) -> float | None:
+    """`silent` (seconds without a renewal of `replica`'s key seen by the
+    reader, on its own monotonic clock: controlplane.beats) when it is
+    longer than silent_after allows; None while it renews, or for a replica
+    from before `renew_every`."""
+    after = silent_after(replica)
+    return silent if after is not None and silent > after else None
 
 
 def conflict_of(refused: ProxyRecord, holder_address: str, holder_host: str) -> str:
@@ -248,8 +267,11 @@ class ProxyRegistry:
         """Write this replica's key (if announced) with the time it renewed its lease."""
         if self._announcement is not None:
             value = orjson.loads(self._announcement)
+            # For people (its clock's); readers judge by when they saw the
+            # key change (controlplane.beats), by renew_every and lease_ttl.
             value["renewed_at"] = self._clock()
             value["renew_every"] = self._beat()
+            value["lease_ttl"] = self._ttl
             await self._catalog.store.put(
                 REPLICAS + self.replica_id, orjson.dumps(value), lease=lease
             )

@@ -382,6 +382,7 @@ class StatusWeb:
         replicas, leader = await self._catalog.list_replicas()
         replica_ids = {str(r.get("id", "")) for r in replicas}
         by_id = {str(r.get("id", "")): r for r in replicas}
+        silences = self._catalog.replica_beats.silences()
         latest = self._publisher.latest
         latest_age = self._monotonic() - latest.published_at if latest else 0.0
         table = latest.table if latest else pb.RouteTable()
@@ -420,7 +421,9 @@ class StatusWeb:
                 for r in table.regions
             ],
             "proxies": [
-                _proxy_row(p, latest_version, now, unknown_why(p, by_id, latest, latest_age, now))
+                _proxy_row(
+                    p, latest_version, now, unknown_why(p, by_id, latest, latest_age, silences)
+                )
                 for p in proxies
             ],
             # Proxies this replica saw listed that no longer are, whose replica

@@ -556,10 +556,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         by_id = {str(r.get("id", "")): r for r in replicas}
         latest = self._publisher.latest
         age = time.monotonic() - latest.published_at if latest else 0.0
-        now = time.time()
+        silences = self._catalog.replica_beats.silences()
         return apb.ListProxiesResponse(
             proxies=[
-                proxy_pb(p, unknown_why(p, by_id, latest, age, now))
+                proxy_pb(p, unknown_why(p, by_id, latest, age, silences))
                 for p in sorted(proxies, key=lambda p: p.name)
             ],
             current_version=latest.version if latest else 0,

@@ -1,12 +1,17 @@
 """A proxy whose replica hangs or died, or has not taken the table another
 replica serves, is not shown current (trial: both proxies on cp3, `kill
 -STOP cp3`, a drain through cp1; `pontoctl get proxies` said `current` and
-/api/status `latest: true` at the old table for seconds)."""
+/api/status `latest: true` at the old table for seconds). The reader judges
+a replica's silence by when it saw its key change, on its own monotonic
+clock, whatever the writer's wall clock says (a review: a writer's clock
+behind by 4 s had its proxies unknown for good; ahead hid a hung one)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+import pytest
 
 from controlplane.api.admin import AdminService
 from controlplane.audit import AuditLog
@@ -15,7 +20,7 @@ from controlplane.cli import _rows_proxies
 from controlplane.distribute import Publisher
 from controlplane.fleetstate import TABLE_GRACE_S, unknown_why
 from controlplane.model import ProxyRecord
-from controlplane.registry import ProxyRegistry
+from controlplane.registry import ProxyRegistry, replica_silence, silent_after
 from controlplane.store.memory import MemoryStore
 from controlplane.web import StatusWeb
 from ponto.v1 import admin_pb2 as apb
@@ -27,19 +32,25 @@ def table(version: int, etag: str) -> pb.RouteTable:
 
 
 class Fleet:
-    """cp1 answers; cp3 holds both proxies, which ACKed its table 10 (e1)."""
+    """cp1 answers (reading with `catalog`, on its monotonic clock `mono`);
+    cp3 holds both proxies, which ACKed its table 10 (e1); its wall clock is
+    `cp3_skew_s` off cp1's."""
 
-    def __init__(self, *, cp3_silent_s: float, published_s_ago: float) -> None:
+    def __init__(
+        self, *, cp3_silent_s: float, published_s_ago: float, cp3_skew_s: float = 0.0
+    ) -> None:
         self.store = MemoryStore()
-        self.catalog = Catalog(self.store)
+        self.mono = 1000.0
+        self.catalog = Catalog(self.store, monotonic=lambda: self.mono)
         self.cp3_table = table(10, "e1")
+        self.cp3_silent_s = cp3_silent_s
         self.cp3 = ProxyRegistry(
-            self.catalog,
+            Catalog(self.store),
             "cp3",
-            lease_ttl=9,  # a beat of 3 s: silent past 7 s
+            lease_ttl=9,  # a beat of 3 s: silent past 7.5 s
             current_version=lambda: self.cp3_table.version,
             current_etag=lambda: self.cp3_table.etag,
-            clock=lambda: time.time() - cp3_silent_s,
+            clock=lambda: time.time() + cp3_skew_s,
         )
         self.cp1 = Publisher("cp1", clock=lambda: time.monotonic() - published_s_ago)
 
@@ -51,6 +62,14 @@ class Fleet:
             await self.cp3.acked(record.session_id, 10, "")
         await self.cp3.flush(0.0)
         self.cp1.publish(table(12, "e2"))  # the drain, through cp1
+        await self.catalog.list_replicas()  # cp1 sees cp3's last renewal
+        self.mono += self.cp3_silent_s
+
+    async def beat(self, after_s: float) -> None:
+        """cp3 renews `after_s` seconds (cp1's clock) after its last renewal."""
+        self.mono += after_s
+        await self.cp3._put_announcement(self.cp3._lease)
+        await self.catalog.list_replicas()
 
     async def cli_states(self) -> dict[str, str]:
         service = AdminService(
@@ -111,4 +130,45 @@ async def test_a_replica_summary_follows_its_table_without_an_ack() -> None:
 def test_unknown_why_reads_a_replica_from_before_the_heartbeat_as_live() -> None:
     p = ProxyRecord("eu-1", "eu-west", "a", "1", "s", "cp0", 0.0, replica_version=3)
     latest = Publisher("cp1", clock=lambda: 0.0).publish(table(9, "e9"))
-    assert unknown_why(p, {"cp0": {"id": "cp0"}}, latest, 60.0, time.time()) == ""
+    assert unknown_why(p, {"cp0": {"id": "cp0"}}, latest, 60.0, {"cp0": 600.0}) == ""
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, -5.0, 0.0, 5.0, 3600.0])
+async def test_a_replica_is_judged_by_the_readers_clock_whatever_its_own(skew_s: float) -> None:
+    renewing = Fleet(cp3_silent_s=0.0, published_s_ago=1.0, cp3_skew_s=skew_s)
+    await renewing.start()
+    for _ in range(5):  # renews every beat: never unknown
+        await renewing.beat(3.0)
+        assert set((await renewing.cli_states()).values()) == {"current"}
+    hung = Fleet(cp3_silent_s=8.0, published_s_ago=1.0, cp3_skew_s=skew_s)
+    await hung.start()
+    why = "its replica cp3 has not renewed for 8 s"
+    assert set((await hung.cli_states()).values()) == {f"unknown: {why}"}
+    await hung.beat(0.0)  # it renews again
+    assert set((await hung.cli_states()).values()) == {"current"}
+
+
+async def test_one_failed_renewal_and_a_slow_write_leave_a_replica_believed() -> None:
+    fleet = Fleet(cp3_silent_s=0.0, published_s_ago=1.0)
+    await fleet.start()
+    await fleet.beat(2 * 3.0 + 1.2)  # a renewal lost, the next 1.2 s late
+    assert set((await fleet.cli_states()).values()) == {"current"}
+    fleet.mono += 2 * 3.0 + 1.2
+    assert set((await fleet.cli_states()).values()) == {"current"}
+
+
+def test_the_hung_threshold_is_tied_to_the_lease_ttl() -> None:
+    # Beats of TTL/3: two beats and half of one, 5/6 of the TTL.
+    for ttl in (2, 3, 9, 10, 30):
+        every = max(ttl / 3, 0.2)
+        key = {"id": "cp", "renew_every": every, "lease_ttl": ttl}
+        after = silent_after(key)
+        assert after is not None and after == pytest.approx(2.5 * every)
+        assert 2 * every < after < ttl  # one renewal may fail; flagged before the lease ends
+        assert replica_silence(key, after - 0.01) is None
+        assert replica_silence(key, after + 0.01) == pytest.approx(after + 0.01)
+    # Never below half the TTL, whatever the beat.
+    assert silent_after({"renew_every": 0.5, "lease_ttl": 10}) == pytest.approx(5.25)
+    # A key from before lease_ttl: beats of TTL/3; from before renew_every: not judged.
+    assert silent_after({"renew_every": 3.0}) == pytest.approx(7.5)
+    assert silent_after({"id": "cp0"}) is None

@@ -135,9 +135,9 @@ async def test_the_replica_key_says_when_it_was_renewed() -> None:
     kv = await store.get(REPLICAS + "cp1")
     assert kv is not None
     value = orjson.loads(kv.value)
-    assert (value["renewed_at"], value["renew_every"]) == (1000.0, 3.0)
-    assert replica_silence(value, 1006.9) is None  # two beats and a second
-    assert replica_silence(value, 1007.5) == pytest.approx(7.5)
+    assert (value["renewed_at"], value["renew_every"], value["lease_ttl"]) == (1000.0, 3.0, 9)
+    assert replica_silence(value, 7.4) is None  # two beats and half of one
+    assert replica_silence(value, 7.6) == pytest.approx(7.6)
     assert replica_silence({"id": "cp0"}, 5000.0) is None  # a replica from before
 
 
