@@ -72,6 +72,7 @@ from controlplane.model import (
     Tenant,
     access_warnings,
     check_prompt_controls,
+    rtt_warnings,
     unserved_aliases,
     unserved_settings,
     url_warnings,
@@ -858,4 +859,9 @@ def plan(topology: Topology, current: Current, *, prune: bool) -> Plan:
             *unserved_settings(t, origins.values(), "hedging"),
         )
     )
+    if any(c.kind == "region" and c.action != "unchanged" for c in changes):
+        # Of the regions the apply leaves, as every region write warns.
+        regions = {n: r for n, r in current.regions.items() if n not in deleted["region"]}
+        regions.update((r.name, r) for r in topology.regions)
+        warnings += rtt_warnings({n: [o for o, _ in r.rtt_ms] for n, r in regions.items()})
     return Plan(tuple(changes), tuple(sorted(relies)), (*unpruned, *warnings))

@@ -75,6 +75,7 @@ from controlplane.model import (
     decode_tenant,
     drain_warnings,
     encode,
+    rtt_warnings,
     unserved_aliases,
     unserved_purge,
     unserved_settings,
@@ -291,6 +292,11 @@ class Catalog:
         origin name (kind), in the state stored now."""
         state = await self.snapshot()
         return drain_warnings(kind, name, drained, state.regions, state.origins)
+
+    async def rtt_warnings(self) -> tuple[str, ...]:
+        """model.rtt_warnings of the regions stored now."""
+        regions = (await self.snapshot()).regions
+        return rtt_warnings({r.name: [other for other, _ in r.rtt_ms] for r in regions})
 
     # ------------------------------------------------------------ origins
 

@@ -12,8 +12,9 @@ Warnings the control plane sends with a successful reply
 (an alias to a model no origin serves, a routing policy or hedge delay for
 such a model, a drain that leaves a model no origin, an undrained origin its
 drained region keeps from traffic, an undrained region whose origins are all
-drained, a purge of a model no origin serves) are `warning: ...` lines on
-stderr; the exit code stays 0.
+drained, a purge of a model no origin serves, a region write that leaves the
+RTT matrix naming a region that does not exist or not complete) are
+`warning: ...` lines on stderr; the exit code stays 0.
 
 Values are checked here with the model's own `validated()` before a call, and
 again by the control plane, which checks every client's writes the same way.
@@ -52,6 +53,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from controlplane.apply import ApplyError, change_text, non_finite, tenant_changes
+from controlplane.compile import DEFAULT_SPILL_THRESHOLD
 from controlplane.ejections import FleetEjection
 from controlplane.ejections import describe as describe_ejection
 from controlplane.errors import (
@@ -75,6 +77,7 @@ from controlplane.model import (
     check_model_names,
     check_note,
     is_hidden,
+    rtt_warnings,
 )
 from controlplane.readiness import STORE
 from ponto import grpcconn as conn
@@ -107,19 +110,71 @@ class KeptChanging(Exception):
 TIMEOUT = 10.0
 
 
-def _rows_regions(resp: apb.ListRegionsResponse) -> tuple[list[str], list[list[str]]]:
-    return ["NAME", "LAT", "LON", "DRAINED", "SPILL", "RTT"], [
-        [
-            r.name,
-            f"{r.latitude:g}",
-            f"{r.longitude:g}",
-            "yes" if r.drained else "no",
-            # 0 is the proxies' default (0.8), said as such: as TTL in `get tenants`.
-            f"{r.spill_threshold:g}" if r.spill_threshold else "default",
-            ",".join(f"{k}={v:g}" for k, v in sorted(r.rtt_ms.items())) or "-",
-        ]
-        for r in resp.regions
-    ]
+def _spill(r: pb.Region) -> str:
+    """A region's spill threshold in force: 0 is the proxies' default, said
+    with its value (a user trial: "default" alone hid the number)."""
+    if r.spill_threshold:
+        return f"{r.spill_threshold:g}"
+    return f"{DEFAULT_SPILL_THRESHOLD:g} (default)"
+
+
+def _serving(region: pb.Region, origins: Sequence[pb.Origin]) -> list[pb.Origin]:
+    """The origins of region that take its traffic: undrained, in an
+    undrained region, healthy as the probes see them."""
+    if region.drained:
+        return []
+    return [o for o in origins if o.region == region.name and not o.drained and o.healthy]
+
+
+def _rows_regions(
+    resp: apb.ListRegionsResponse, origins: Sequence[pb.Origin] = ()
+) -> tuple[list[str], list[list[str]]]:
+    """`get regions`' table; SERVING is of `origins` (a ListOrigins read)."""
+    header = ["NAME", "LAT", "LON", "DRAINED", "SPILL", "SERVING", "RTT"]
+    rows = []
+    for r in resp.regions:
+        own = sum(o.region == r.name for o in origins)
+        rows.append(
+            [
+                r.name,
+                f"{r.latitude:g}",
+                f"{r.longitude:g}",
+                "yes" if r.drained else "no",
+                _spill(r),
+                f"{len(_serving(r, origins))}/{own}",
+                _rtt_text(r),
+            ]
+        )
+    return header, rows
+
+
+def _rtt_text(r: pb.Region) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in sorted(r.rtt_ms.items())) or "-"
+
+
+def _region_notes(regions: Sequence[pb.Region], origins: Sequence[pb.Origin]) -> list[str]:
+    """The notes below `get regions`' table: an undrained region with origins
+    none of which serves (drained, or unhealthy as the probes see them), and
+    what the Admin API's region writes warn of the RTT matrix
+    (model.rtt_warnings)."""
+    notes = []
+    for r in regions:
+        own = [o for o in origins if o.region == r.name]
+        if r.drained or not own or _serving(r, own):
+            continue
+        drained = [o.name for o in own if o.drained]
+        unhealthy = [o.name for o in own if not o.drained and not o.healthy]
+        why = "; ".join(
+            f"{label}: {', '.join(names)}"
+            for label, names in (("drained", drained), ("unhealthy", unhealthy))
+            if names
+        )
+        notes.append(
+            f"note: region {r.name} has no origin serving ({why}): its proxies send "
+            "requests to other regions' origins"
+        )
+    rtts = rtt_warnings({r.name: list(r.rtt_ms) for r in regions})
+    return notes + [f"note: {w}" for w in rtts]
 
 
 # Reads and writes again this many times in all while a write is refused for
@@ -483,7 +538,8 @@ def _parser() -> argparse.ArgumentParser:
     ra.add_argument(
         "--rtt",
         metavar="R=MS,...",
-        help="measured round-trip ms to other regions (orders failover by RTT); with "
+        help="measured round-trip ms to other regions (orders failover by RTT once every "
+        "region has them; gaps and unknown regions are warned of); with "
         "--update it replaces the region's list ('' removes them all)",
     )
     ra.add_argument(
@@ -1574,8 +1630,8 @@ def _region_changes(before: pb.Region, after: pb.Region) -> list[str]:
         return {
             "lat": f"{r.latitude:g}",
             "lon": f"{r.longitude:g}",
-            "rtt": ",".join(f"{k}={v:g}" for k, v in sorted(r.rtt_ms.items())) or "-",
-            "spill_threshold": f"{r.spill_threshold:g}" if r.spill_threshold else "default",
+            "rtt": _rtt_text(r),
+            "spill_threshold": _spill(r),
         }
 
     return _changes(shown(before), shown(after))
@@ -1960,7 +2016,11 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             # The apply file's representation, so the output is valid `apply -f` input.
             return _dump({args.kind: _export(stub)[args.kind]}, args.output)
         if args.kind == "regions":
-            return render(stub.ListRegions(req), args.output, _rows_regions)
+            regions = stub.ListRegions(req)
+            # One more read, of what `get origins` shows, for SERVING.
+            origins = stub.ListOrigins(req).origins
+            shown = render(regions, args.output, lambda r: _rows_regions(r, origins))
+            return "\n".join([shown, *_region_notes(regions.regions, origins)])
         if args.kind == "origins":
             return render(stub.ListOrigins(req), args.output, _rows_origins)
         if args.kind == "tenants":

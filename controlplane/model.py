@@ -11,7 +11,7 @@ import ipaddress
 import math
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -1106,6 +1106,58 @@ def drain_warnings(
     if kind == "origin":
         return unrouted_by_region(name, regions, origins)
     return unrouted_by_origins(name, regions, origins)
+
+
+def rtt_warnings(rtts: Mapping[str, Collection[str]]) -> tuple[str, ...]:
+    """What the RTT matrix of the fleet's regions (region name -> the regions
+    its RTTs name; every region, drained or not) warns of. Pure; every region
+    write (PutRegion, DeleteRegion, DrainRegion, an apply that changes
+    regions) answers with it, and `pontoctl get regions` notes it.
+
+    - RTTs naming a region that does not exist (a misspelling, a region not
+      added yet, or one deleted since): proxies ignore such entries. A
+      warning, not a refusal, unlike an origin's region or an apply's RTT
+      peer: a single region write cannot add the peer it names in the same
+      write (RTTs go both ways, so one of the two regions always comes
+      first), and deleting a region leaves the entries naming it.
+    - Some regions with RTTs but not all: proxies order regions by
+      great-circle distance, for the whole fleet, until every region has
+      RTTs (dataplane/routes.py build_routes), so the RTTs given do nothing.
+    - Every region with RTTs, some without one to another region: from such
+      a region, proxies order the regions it has no RTT to after all the
+      others.
+
+    No region with RTTs at all is no mistake (distance is the default), nor
+    is a fleet of one region.
+    """
+    names = set(rtts)
+    out = [
+        f"region {name}'s RTTs name regions that do not exist: {_some(unknown)} "
+        "(misspelt, or not added yet): proxies ignore those entries"
+        for name, peers in sorted(rtts.items())
+        if (unknown := sorted(set(peers) - names))
+    ]
+    if len(names) < 2:
+        return tuple(out)
+    without = sorted(name for name, peers in rtts.items() if not peers)
+    if without and len(without) < len(names):
+        out.append(
+            f"RTT ordering is off: proxies order every region by great-circle distance until "
+            f"every region has RTTs; none on region(s) {_some(without)}"
+        )
+    elif not without:
+        gaps = [
+            f"{name} to {_some(missing)}"
+            for name, peers in sorted(rtts.items())
+            if (missing := sorted(names - set(peers) - {name}))
+        ]
+        if gaps:
+            out.append(
+                "the RTT matrix is incomplete, so RTT ordering is partial: from a region, "
+                "proxies order the regions it has no RTT to after all the others; no RTT from "
+                + "; ".join(gaps)
+            )
+    return tuple(out)
 
 
 def unserved_purge(

@@ -264,6 +264,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         saved = await self._catalog.put_region(
             region, allow_update=request.allow_update, expected=expected
         )
+        await self._warn_rtts(context, f"region {saved.name} saved")
         return region_pb(saved)
 
     @grpc_errors
@@ -271,6 +272,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @fleet_warned
     async def DeleteRegion(self, request: apb.DeleteRequest, context: Ctx) -> apb.DeleteResponse:
         await self._catalog.delete_region(request.name)
+        await self._warn_rtts(context, f"region {request.name} deleted")
         return apb.DeleteResponse()
 
     @grpc_errors
@@ -290,6 +292,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             self._catalog, "region", region.name, request.drained, changed
         )
         warn(context, warnings)
+        done = "drained" if request.drained else "undrained"
+        await self._warn_rtts(context, f"region {region.name} {done}")
         return region_pb(region)
 
     @grpc_errors
@@ -431,6 +435,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 tenant, aliases=aliases, routing=routing, hedging=hedging, models=models
             ),
             f"tenant {tenant.name} saved; its per-model settings and aliases were not checked",
+        )
+
+    async def _warn_rtts(self, context: Ctx, done: str) -> None:
+        """Send what the RTT matrix warns of (model.rtt_warnings) with a
+        region write's reply: while it is incomplete, whatever the write
+        changed, since until then the RTTs given order nothing."""
+        await self._warn(
+            context, self._catalog.rtt_warnings(), f"{done}; the RTT matrix was not checked"
         )
 
     @staticmethod
