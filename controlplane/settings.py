@@ -40,14 +40,17 @@ class Settings:
     http_writes: bool = True  # drain and undrain from the page
 
 
-def parse(argv: list[str]) -> Settings:
+def parser() -> argparse.ArgumentParser:
+    """ponto-control's command line. Each flag with a default says it in
+    --help, as ponto-proxy's do (`%(default)s`); one whose default is "" or
+    unset says what that means instead, where it is not plain."""
     p = argparse.ArgumentParser(prog="ponto-control", description="Ponto control plane")
     p.add_argument(
         "--etcd",
         default="http://127.0.0.1:2379",
         help="etcd endpoints, comma-separated (http://host:port or https://host:port; "
         "host may be an IP address, IPv6 in brackets as in http://[fd00::1]:2379, or a DNS "
-        "name, best one name that resolves to every member)",
+        "name, best one name that resolves to every member; default: %(default)s)",
     )
     p.add_argument(
         "--etcd-ca",
@@ -63,25 +66,25 @@ def parse(argv: list[str]) -> Settings:
         "--listen",
         type=listen_address,
         default="127.0.0.1:7070",
-        help="gRPC listen HOST:PORT (port 0: any)",
+        help="gRPC listen HOST:PORT (port 0: any; default: %(default)s)",
     )
     p.add_argument(
         "--id",
         dest="replica_id",
         default=f"{socket.gethostname()}-{os.getpid()}",
-        help="replica id shown to operators",
+        help="replica id shown to operators (default: this host's name and the process id)",
     )
     p.add_argument(
         "--debounce-quiet-ms",
         type=int,
         default=50,
-        help="push after this long without further changes",
+        help="push after this long without further changes (default: %(default)s)",
     )
     p.add_argument(
         "--debounce-max-ms",
         type=int,
         default=500,
-        help="push at the latest this long after the first change",
+        help="push at the latest this long after the first change (default: %(default)s)",
     )
     p.add_argument(
         "--lease-ttl",
@@ -89,18 +92,31 @@ def parse(argv: list[str]) -> Settings:
         default=10,
         help="seconds before a dead replica's proxy registrations vanish; keep it above 7 "
         "(a hung replica's proxies leave it within 7 s, and until they do, their "
-        "registrations should stand)",
+        "registrations should stand; default: %(default)s)",
     )
     p.add_argument(
-        "--leader-ttl", type=int, default=5, help="seconds before a dead leader is replaced"
+        "--leader-ttl",
+        type=int,
+        default=5,
+        help="seconds before a dead leader is replaced (default: %(default)s)",
     )
-    p.add_argument("--probe-interval-ms", type=int, default=1000, help="origin probe period")
-    p.add_argument("--probe-timeout-ms", type=int, default=1000, help="origin probe timeout")
+    p.add_argument(
+        "--probe-interval-ms",
+        type=int,
+        default=1000,
+        help="origin probe period in ms (default: %(default)s)",
+    )
+    p.add_argument(
+        "--probe-timeout-ms",
+        type=int,
+        default=1000,
+        help="origin probe timeout in ms (default: %(default)s)",
+    )
     p.add_argument(
         "--probe-path",
         default="/health",
         help="health path, resolved against each origin's scheme://host:port "
-        "(e.g. /health for vLLM, /v1/models)",
+        "(e.g. /health for vLLM, /v1/models; default: %(default)s)",
     )
     p.add_argument(
         "--origin-ca",
@@ -112,29 +128,42 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument(
         "--metrics-path",
         default="/metrics",
-        help="Prometheus path with vLLM load gauges ('' to skip)",
+        help="Prometheus path with vLLM load gauges ('' to skip; default: %(default)s)",
     )
     p.add_argument(
         "--load-interval-ms",
         type=int,
         default=500,
         help="how often the leader scrapes every origin's vLLM load gauges from "
-        "--metrics-path and pushes them to the proxies (no route table is rebuilt)",
+        "--metrics-path and pushes them to the proxies (no route table is rebuilt; "
+        "default: %(default)s)",
     )
     p.add_argument(
         "--load-refresh-ms",
         type=int,
         default=2000,
         help="write origin loads at least this often even when they did not change, "
-        "so proxies can tell figures that are current from figures no leader updates",
+        "so proxies can tell figures that are current from figures no leader updates"
+        " (default: %(default)s)",
     )
-    p.add_argument("--rise", type=int, default=2, help="successes before an origin is healthy")
-    p.add_argument("--fall", type=int, default=2, help="failures before an origin is unhealthy")
+    p.add_argument(
+        "--rise",
+        type=int,
+        default=2,
+        help="successes before an origin is healthy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--fall",
+        type=int,
+        default=2,
+        help="failures before an origin is unhealthy (default: %(default)s)",
+    )
     p.add_argument(
         "--quota-interval-ms",
         type=int,
         default=1000,
-        help="how often the leader rebalances rate-limit shares from proxies' demand",
+        help="how often the leader rebalances rate-limit shares from proxies' demand"
+        " (default: %(default)s)",
     )
     p.add_argument(
         "--health-listen",
@@ -174,16 +203,26 @@ def parse(argv: list[str]) -> Settings:
         "--audit-retention-days",
         type=finite_float,
         default=audit.RETENTION_DAYS,
-        help="the leader removes audit entries older than this",
+        help="the leader removes audit entries older than this (default: %(default)s)",
     )
     p.add_argument(
         "--audit-max-entries",
         type=int,
         default=audit.MAX_ENTRIES,
-        help="the leader removes the oldest audit entries beyond this many",
+        help="the leader removes the oldest audit entries beyond this many (default: %(default)s)",
     )
     p.add_argument("--ready-file", type=path, help="write the bound HOST:PORT here when serving")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (default: %(default)s)",
+    )
+    return p
+
+
+def parse(argv: list[str]) -> Settings:
+    p = parser()
     a = p.parse_args(argv)
     if a.debounce_quiet_ms < 0 or a.debounce_max_ms < a.debounce_quiet_ms:
         p.error("need 0 <= --debounce-quiet-ms <= --debounce-max-ms")
