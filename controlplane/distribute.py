@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ponto.v1 import routing_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +63,18 @@ class Publisher:
     def publish(self, table: pb.RouteTable) -> Snapshot | None:
         """Publish table unless its content equals the latest (and that one
         was not numbered before a renumbering); return the new snapshot."""
+        latest = self._latest
+        if latest is not None and table.version < latest.version:
+            # Numbered before the store's numbering was raised past a restore
+            # (the replica compiled the snapshot's state before it saw etcd's
+            # revision go back): every proxy would refuse it as older, an
+            # ERROR each; the build after the raise publishes it renumbered.
+            log.debug("not publishing version %d below %d", table.version, latest.version)
+            return None
         if (
-            self._latest is not None
-            and self._latest.etag == table.etag
-            and self._latest.version > self._renumbered_upto
+            latest is not None
+            and latest.etag == table.etag
+            and latest.version > self._renumbered_upto
         ):
             return None
         nonce = f"{self._replica_id}-{next(self._pushes)}"

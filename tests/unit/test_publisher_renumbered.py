@@ -19,3 +19,17 @@ def test_the_same_content_is_published_again_after_a_renumbering() -> None:
     assert again is not None and again.version == 1012
     # Numbered above the renumbering: the usual rule again.
     assert publisher.publish(pb.RouteTable(version=1013, etag="kept")) is None
+
+
+def test_a_table_numbered_below_the_latest_is_not_published() -> None:
+    """Compiled from a restored etcd before the replica saw its revision go
+    back, a table came out numbered below the one the proxies held: each
+    refused it (an ERROR, a NACK) until the table after the raise came."""
+    publisher = Publisher("cp-1", clock=lambda: 0.0)
+    assert publisher.publish(pb.RouteTable(version=50, etag="before")) is not None
+    assert publisher.publish(pb.RouteTable(version=7, etag="snapshot")) is None
+    latest = publisher.latest
+    assert latest is not None and latest.version == 50
+    publisher.renumbered(50)
+    again = publisher.publish(pb.RouteTable(version=1008, etag="snapshot"))
+    assert again is not None and again.version == 1008
