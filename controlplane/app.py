@@ -238,8 +238,12 @@ class ControlPlane:
         follower = asyncio.create_task(follow(), name="replica-keys-watch")
         try:
             while True:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for lets a
+                # cancellation go when the event is set at the same moment, and
+                # stop() then waited for this loop for good (a flaky e2e hang).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), every)
+                    async with asyncio.timeout(every):
+                        await changed.wait()
                 changed.clear()
                 try:
                     await self.catalog.list_replicas()

@@ -114,7 +114,9 @@ class TableBuilder:
             if remaining <= 0:
                 return
             try:
-                await asyncio.wait_for(self._dirty.wait(), min(self._quiet, remaining))
+                # Not wait_for, which in 3.11 may let a cancellation go.
+                async with asyncio.timeout(min(self._quiet, remaining)):
+                    await self._dirty.wait()
             except TimeoutError:
                 return
 

@@ -713,8 +713,11 @@ class ProxyRegistry:
                 busy = rewriting is not None and not rewriting.done()
                 due = self._rewrite_due and not busy
                 wait = min(self._retry_in, self._beat()) if due else self._beat()
+                # Not wait_for: 3.11's lets a cancellation go with the event
+                # set at once (stop() then waited for this loop for good).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._lease_suspect.wait(), wait)
+                    async with asyncio.timeout(wait):
+                        await self._lease_suspect.wait()
                 self._lease_suspect.clear()
                 if self._lease:
                     try:

@@ -129,8 +129,11 @@ def retry_after(failures: int, *, have_set: bool = True) -> float:
 
 async def sleep_or_wake(delay: float, wake: asyncio.Event) -> None:
     """Sleep `delay` seconds, or less if `wake` is set meanwhile."""
+    # Not wait_for, which in Python 3.11 may let a cancellation go when
+    # `wake` is set at the same moment (the caller's loop then never ends).
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(wake.wait(), delay)
+        async with asyncio.timeout(delay):
+            await wake.wait()
 
 
 class RemoteKeys:
