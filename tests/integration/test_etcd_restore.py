@@ -269,6 +269,25 @@ def start_member(member: Member, members: list[Member], workdir: Path) -> None:
     member.managed = spawn(member.name, argv, workdir)
 
 
+async def healthy(endpoints: str, within: float = 30.0) -> None:
+    """Until every member of `endpoints` answers `etcdctl endpoint health`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        done = subprocess.run(
+            [tool("etcdctl"), "--endpoints", endpoints, "endpoint", "health"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if done.returncode == 0:
+            return
+        if loop.time() > deadline:
+            pytest.fail(f"etcd not healthy within {within:g} s: {done.stderr.strip()}")
+        await asyncio.sleep(0.2)
+
+
 def etcd_tool(*argv: str) -> str:
     done = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
     return done.stdout
@@ -295,6 +314,10 @@ async def test_a_three_member_cluster_restored_by_the_runbook_serves_the_snapsho
             assert member.managed is not None
             wait_for_port("127.0.0.1", member.client_port, 20.0, member.managed.proc)
         endpoints = ",".join(m.url for m in members)
+        # A listening member is not yet one of a cluster with a leader: the
+        # replica started before the first election (a clean-clone run) found
+        # each member timing out at once. Healthy first, as an SRE checks.
+        await healthy(endpoints)
         port = free_port()
         argv = ["--etcd", endpoints, "--listen", f"127.0.0.1:{port}", "--id", "cp-1"]
         settings = parse([*argv, "--probe-interval-ms", "60000", "--lease-ttl", "3"])
