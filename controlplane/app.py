@@ -121,6 +121,7 @@ class ControlPlane:
             self.publisher,
             quiet=settings.debounce_quiet,
             max_delay=settings.debounce_max,
+            behind=self._ahead,
         )
         self.registry = ProxyRegistry(
             self.catalog,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from controlplane.catalog import STATE_PREFIX, Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
+from controlplane.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,24 @@ class TableBuilder:
         quiet: float = 0.05,
         max_delay: float = 0.5,
         retry_max: float = 2.0,
+        behind: Callable[[int], Awaitable[bool]] | None = None,
     ) -> None:
+        """`behind(version)` is told when the state read is numbered below
+        `version`, the table this replica published last: the store's
+        revision went back (etcd restored, or its data lost) and was not
+        renumbered yet. It renumbers above `version` (RebasedStore's
+        ensure_above), which wakes this builder again."""
         self._catalog = catalog
         self._publisher = publisher
         self._quiet = quiet
         self._max_delay = max_delay
         self._retry_max = retry_max
+        self._behind = behind
         self._dirty = asyncio.Event()
+        # The revision the last build read the state at: the watch starts
+        # there (see _watch), set once a build has read.
+        self._read_at = 0
+        self._read = asyncio.Event()
         self.store_ok = False
         self.builds = 0
 
@@ -53,7 +65,27 @@ class TableBuilder:
             # key is made once, and read back as every replica reads it.
             await self._catalog.ensure_response_id_key()
             state = await self._catalog.snapshot()
+        self._read_at = state.revision
+        self._read.set()
         self.builds += 1
+        latest = self._publisher.latest
+        if latest is not None and state.revision < latest.version and self._behind is not None:
+            # Every proxy would refuse it as older, and the publisher drops
+            # it; nothing else numbers the state above it again when the
+            # replica's watches did not see etcd go back (a restore a few
+            # writes old) or their raise failed (review of 21fde0b: the
+            # operator's changes after a restore never reached a proxy).
+            log.warning(
+                "the state read is numbered %d, below the table published last (%d): "
+                "etcd went back; numbering above it",
+                state.revision,
+                latest.version,
+            )
+            try:
+                await self._behind(latest.version)
+            except StoreUnavailable as exc:
+                raise Unavailable(f"state store unavailable: {exc}") from exc
+            return False
         snap = self._publisher.publish(compile_table(state))
         if snap is not None:
             log.info("route table version %d (etag %s…) published", snap.version, snap.etag[:12])
@@ -121,7 +153,15 @@ class TableBuilder:
                 return
 
     async def _watch(self) -> None:
-        revision = 0
+        # From the revision the first build read, not "from now": a watch
+        # made after that read (etcd not yet serving, as a replica started
+        # with its members waits for their first election) would miss what
+        # was written between, and nothing else rebuilds the table (a clean
+        # -clone run: a proxy kept a table without the origin configured
+        # meanwhile). etcd replays what came after; what was compacted
+        # away is a re-read (the store's watch says so).
+        await self._read.wait()
+        revision = self._read_at
         while True:
             try:
                 stream: AsyncIterator[int] = self._catalog.store.watch(STATE_PREFIX, revision)

@@ -24,6 +24,7 @@ from controlplane.store.memory import MemoryStore
 from ponto.routetable import content_etag
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
+from tests.latestores import LateWatches
 
 US = Region("us-east", 39.0, -77.0)
 EU = Region("eu-west", 53.0, -6.0)
@@ -261,7 +262,7 @@ async def wait_until(check: Callable[[], bool], timeout: float, what: str) -> No
         await asyncio.sleep(0.005)
 
 
-async def seeded_builder(**settings: float) -> tuple[MemoryStore, Catalog, Publisher, TableBuilder]:
+async def seeded_builder(**settings: Any) -> tuple[MemoryStore, Catalog, Publisher, TableBuilder]:
     """A builder over a seeded in-memory store; settings go to TableBuilder."""
     store = MemoryStore()
     catalog = Catalog(store)
@@ -278,6 +279,25 @@ async def test_build_once_publishes_store_state() -> None:
     assert [o.name for o in pub.latest.table.origins] == ["o1"]
     assert await builder.build_once() is False  # nothing changed
     assert builder.builds == 2
+
+
+async def test_a_change_written_before_the_builders_watch_is_made_reaches_the_table() -> None:
+    """etcd not serving yet (a replica started with its members): the first
+    build read, a change was written, and only then was the watch made. It
+    starts at the revision the build read, so the change is replayed; one
+    made "from now" missed it and the proxies kept the first table."""
+    store = LateWatches()
+    catalog = Catalog(store)
+    await seed(catalog)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub, quiet=0.01, max_delay=0.05)
+    async with running(builder):
+        first = await asyncio.wait_for(pub.next_after(None), 1.0)
+        assert first.table.origins[0].drained is False
+        await catalog.set_origin_drained("o1", True)
+        store.serving.set()
+        second = await asyncio.wait_for(pub.next_after(first), 1.0)
+        assert second.table.origins[0].drained is True
 
 
 async def test_builder_publishes_initial_table_and_changes() -> None:

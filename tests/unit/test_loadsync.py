@@ -25,6 +25,7 @@ from controlplane.settings import parse
 from controlplane.store import Conflict, Fence
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
+from tests.latestores import FirstReadFails
 
 WAIT = 5.0
 MODELS = ("m",)
@@ -349,3 +350,21 @@ def test_load_flags() -> None:
     for argv in (["--load-interval-ms", "10"], ["--load-refresh-ms", "100"]):
         with pytest.raises(SystemExit):
             parse(argv)
+
+
+async def test_loads_written_while_the_first_read_failed_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first read failed (etcd not serving yet) and the leader wrote the
+    loads before the watch was made: read again, not watched "from now"
+    (which missed them until the next write)."""
+    monkeypatch.setattr("controlplane.loadsync.UNREAD_RETRY_S", 0.001)
+    store = FirstReadFails()
+    hub = LoadHub(store)
+    async with running(hub.watch()):
+        await asyncio.wait_for(store.failed.wait(), WAIT)
+        written = await store.put(
+            LOAD_KEY, encode_loads({"a": Figures(1, 0, UNKNOWN, UNKNOWN)}, 1.0)
+        )
+        generation, _ = await asyncio.wait_for(hub.next_after(0), WAIT)
+    assert generation == written

@@ -37,6 +37,7 @@ from controlplane.store import Conflict, Fence, KeyValue
 from controlplane.store.memory import MemoryStore
 from ponto.quota_types import ScopeLimits, Share
 from ponto.v1 import routing_pb2 as pb
+from tests.latestores import FirstReadFails
 
 WAIT = 5.0  # generous bound for conditions that hold within a few loop turns
 
@@ -364,6 +365,21 @@ async def test_watch_loads_existing_shares_at_start() -> None:
     assert quota.generation == revision
     assert quota.default_fraction == 0.5
     assert share_map(quota) == {"t/acme": (0.5, 2)}
+
+
+async def test_shares_written_while_the_first_read_failed_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first read failed (etcd not serving yet) and the leader wrote
+    shares before the watch was made: read again, not watched "from now"."""
+    monkeypatch.setattr("controlplane.quotasync.UNREAD_RETRY_S", 0.001)
+    store = FirstReadFails()
+    hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
+    async with running(hub.watch()):
+        await asyncio.wait_for(store.failed.wait(), WAIT)
+        revision = await put_shares(store, {"p1": {"t/acme": Share(0.5, 2)}}, 0.5)
+        generation, _, _ = await asyncio.wait_for(hub.next_for("p1", 0), WAIT)
+    assert generation == revision
 
 
 async def test_next_for_wakes_only_when_this_proxys_shares_change() -> None:
