@@ -8,7 +8,7 @@ change what proxies see (a proxy registering, say) is not pushed.
 from __future__ import annotations
 
 from controlplane.model import Limits, State, Tenant
-from ponto.routetable import content_etag
+from ponto.routetable import OPEN_TENANT, content_etag
 from ponto.v1 import routing_pb2 as pb
 
 DEFAULT_SPILL_THRESHOLD = 0.8
@@ -91,14 +91,17 @@ def compile_table(state: State) -> pb.RouteTable:
     # MAX_PURGES (review of trial 46). A proxy runs each purge once and the
     # regions' epochs only grow, so a birth purges once; at the upgrade that
     # brought births, the tenants made since the last purge that covered them
-    # lost their cached answers once.
+    # lost their cached answers once. Not the built-in tenant's: requests
+    # without a key were its own before it had a record, and its first
+    # `tenant set default` purged every cached answer of an open fleet, in
+    # each proxy and the regions' Redis (trial 61).
     purges = [
         pb.CachePurge(revision=p.revision, tenant=p.tenant, model=p.model) for p in state.purges
     ]
     purges.extend(
         pb.CachePurge(revision=rev, tenant=t.name, birth=True)
         for t in state.tenants
-        if (rev := state.created.get(t.name, 0))
+        if (rev := state.created.get(t.name, 0)) and t.name != OPEN_TENANT
     )
     table.purges.extend(sorted(purges, key=lambda p: p.revision))
     table.response_id_keys.extend(state.response_id_keys)

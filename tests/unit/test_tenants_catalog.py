@@ -38,6 +38,7 @@ from controlplane.store.memory import MemoryStore
 from dataplane.cache.regionstore import PurgeEpochs
 from dataplane.policy import build_policy
 from ponto.apikeys import hash_key, key_expired, parse_key_id, secret_of
+from ponto.routetable import OPEN_TENANT
 from ponto.v1 import routing_pb2 as pb
 
 
@@ -971,3 +972,15 @@ async def test_a_tenant_replaced_while_a_key_is_created_is_replaced(
     assert await catalog.put_tenant(wanted, allow_update=True) == wanted
     assert (await catalog.get_tenant("acme")).limits.rpm == 900
     assert [k.id for k in await catalog.list_keys("acme")] == created
+
+
+async def test_the_built_in_tenants_first_record_is_no_birth(catalog: Catalog) -> None:
+    """Trial 61: `pontoctl tenant set default ...` gave the built-in tenant
+    a record, and its birth purged every answer an open fleet had cached (in
+    each proxy and the regions' Redis). Requests without a key were its own
+    before: its record starts no new epoch. Other tenants' still do."""
+    await catalog.put_tenant(Tenant(OPEN_TENANT), allow_update=True)
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    table = compile_table(await catalog.snapshot())
+    assert {t.name for t in table.tenants} == {OPEN_TENANT, "acme"}
+    assert [p.tenant for p in table.purges if p.birth] == ["acme"]
