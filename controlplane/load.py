@@ -52,6 +52,8 @@ _WANTED = frozenset(
     {RUNNING, WAITING, KV_USAGE, KV_USAGE_LEGACY, HIT_RATE_LEGACY}
     | {name for pair in PREFIX_COUNTERS for name in pair}
 )
+# Ratios, where a negative value means "not measured" (see parse_vllm).
+_RATIOS = frozenset({KV_USAGE, KV_USAGE_LEGACY, HIT_RATE_LEGACY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +88,11 @@ class Figures:
 def parse_vllm(text: str) -> Sample:
     """Read vLLM's load figures from a Prometheus text page.
 
-    Malformed lines, NaN and infinite values are skipped; label values may hold
-    spaces and braces; a trailing timestamp is ignored. Never raises.
+    Malformed lines, NaN and infinite values are skipped, and so are negative
+    counts (requests, prefix-cache tokens): a replica that reported waiting
+    -5 was believed, and its load, taken with the proxies' own by `max`,
+    could cancel theirs (trial 60). Label values may hold spaces and
+    braces; a trailing timestamp is ignored. Never raises.
     """
     values: dict[str, list[float]] = {}
     for line in text.split("\n"):
@@ -113,7 +118,7 @@ def parse_vllm(text: str) -> Sample:
             value = float(rest[0])
         except ValueError:
             continue
-        if math.isfinite(value):
+        if math.isfinite(value) and (value >= 0 or name in _RATIOS):
             values.setdefault(name, []).append(value)
 
     def total(name: str) -> float | None:

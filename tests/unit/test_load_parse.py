@@ -106,6 +106,24 @@ def test_v0_page_reads_the_legacy_names() -> None:
     assert prefix_hit_rate(sample, None) == 0.25
 
 
+def test_negative_counts_are_not_measurements() -> None:
+    """Trial 60: a replica reporting waiting -5 was believed (load -1.25 on
+    the status page); with several proxies it could cancel their load."""
+    text = (
+        f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 2\n'
+        f'vllm:num_requests_running{{engine="1",model_name="{MODEL}"}} -3\n'
+        f'vllm:num_requests_waiting{{model_name="{MODEL}"}} -5\n'
+        f'vllm:prefix_cache_hits_total{{model_name="{MODEL}"}} -1\n'
+        f'vllm:prefix_cache_queries_total{{model_name="{MODEL}"}} 10\n'
+        f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.5\n'
+    )
+    sample = parse_vllm(text)
+    assert sample.running == 2.0
+    assert sample.waiting is None
+    assert sample.prefix_hits is None  # so the pair is not read
+    assert sample.kv_cache_usage == 0.5
+
+
 def test_the_v1_kv_gauge_wins_over_the_legacy_one() -> None:
     text = (
         f'vllm:gpu_cache_usage_perc{{model_name="{MODEL}"}} 0.9\n'
