@@ -188,6 +188,7 @@ class ControlPlane:
             is_leader=lambda: self.leadership.is_leader,
             load_ages=self.scraper.ages,
             leader_terms=lambda: self.leadership.terms,
+            loads=lambda: self.loads.loads,
         )
         # Health alone, in plaintext, for kubelet probes (--health-listen).
         self.health_server: grpc.aio.Server | None = None

@@ -20,6 +20,7 @@ The names and labels are a contract with the chart's dashboards and alerts;
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -121,6 +122,7 @@ class ControlMetrics:
         self._leader: Callable[[], bool] = lambda: False
         self._terms: Callable[[], int] = lambda: 0
         self._load_ages: Callable[[], Mapping[str, float]] = dict
+        self._loads: Callable[[], pb.OriginLoads | None] = lambda: None
         info = ((replica, software_version()), 1.0)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -232,6 +234,42 @@ class ControlMetrics:
             self._origin_load_ages,
             r,
         )
+        # What placement reads (docs/routing.md), as the leader scraped it:
+        # trial 60 found these on the status page only.
+        for name, doc, field, ratio in (
+            (
+                "ponto_control_origin_requests_running",
+                "requests running",
+                "running",
+                False,
+            ),
+            (
+                "ponto_control_origin_requests_waiting",
+                "requests waiting",
+                "waiting",
+                False,
+            ),
+            (
+                "ponto_control_origin_kv_cache_usage_ratio",
+                "share of its KV cache in use (0 to 1)",
+                "kv_cache_usage",
+                True,
+            ),
+            (
+                "ponto_control_origin_prefix_cache_hit_ratio",
+                "prefix-cache hits over queries, in tokens, between its last two scrapes",
+                "prefix_hit_rate",
+                True,
+            ),
+        ):
+            _Reading(
+                name,
+                f"Leader only: the origin's {doc}, from its metrics page's last scrape "
+                "(a figure it does not report is left out)",
+                ("origin", "region"),
+                functools.partial(self._origin_figures, field, ratio),
+                r,
+            )
         _Reading(
             "ponto_control_region_drained",
             "1 if the region is drained, as in the latest table",
@@ -255,16 +293,18 @@ class ControlMetrics:
         is_leader: Callable[[], bool],
         load_ages: Callable[[], Mapping[str, float]] = dict,
         leader_terms: Callable[[], int] = lambda: 0,
+        loads: Callable[[], pb.OriginLoads | None] = lambda: None,
     ) -> None:
         """Where scrape-time state is read: the latest published table, the
         versions last ACKed by the proxies connected here, the election (and
         how many terms it has begun), the age of each origin's load figures
-        (LoadScraper.ages)."""
+        (LoadScraper.ages), the origins' loads last scraped (LoadHub.loads)."""
         self._table = table
         self._acked = acked_versions
         self._leader = is_leader
         self._terms = leader_terms
         self._load_ages = load_ages
+        self._loads = loads
 
     # ------------------------------------------------------------ events
 
@@ -324,6 +364,20 @@ class ControlMetrics:
             return []  # a replica that no longer leads keeps its last figures
         ages = self._load_ages()
         return [((o.name, o.region), ages[o.name]) for o in table.origins if o.name in ages]
+
+    def _origin_figures(self, field: str, ratio: bool) -> Series:
+        """One figure of each origin's last scraped load; a ratio of -1 is
+        one the origin does not report."""
+        table, loads = self._table(), self._loads()
+        if table is None or loads is None or not self._leader():
+            return []
+        regions = {o.name: o.region for o in table.origins}
+        out = []
+        for load in loads.loads:
+            value = float(getattr(load, field))
+            if load.origin in regions and not (ratio and value < 0):
+                out.append(((load.origin, regions[load.origin]), value))
+        return out
 
     def _regions(self) -> Series:
         table = self._table()

@@ -55,6 +55,10 @@ CONTRACT = {
     "ponto_control_origin_drained": ("gauge", {"origin", "region"}),
     "ponto_control_region_drained": ("gauge", {"region"}),
     "ponto_control_origin_load_age_seconds": ("gauge", {"origin", "region"}),
+    "ponto_control_origin_requests_running": ("gauge", {"origin", "region"}),
+    "ponto_control_origin_requests_waiting": ("gauge", {"origin", "region"}),
+    "ponto_control_origin_kv_cache_usage_ratio": ("gauge", {"origin", "region"}),
+    "ponto_control_origin_prefix_cache_hit_ratio": ("gauge", {"origin", "region"}),
     "ponto_control_admin_calls": ("counter", {"method", "code"}),
     "ponto_control_routing_refusals": ("counter", {"method", "code"}),
     "ponto_control_info": ("gauge", {"replica", "version"}),
@@ -121,6 +125,9 @@ def test_every_contract_metric_is_exported_with_its_type_and_labels() -> None:
         ),
         acked_versions=lambda: [7],
         is_leader=lambda: True,
+        loads=lambda: pb.OriginLoads(
+            loads=[pb.OriginLoad(origin="o1", running=1, kv_cache_usage=0.5, prefix_hit_rate=0.2)]
+        ),
     )
     body, _ = metrics.render()
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
@@ -135,6 +142,48 @@ def test_every_contract_metric_is_exported_with_its_type_and_labels() -> None:
     assert metrics.names() == sorted(
         name + ("_total" if kind == "counter" else "") for name, (kind, _) in CONTRACT.items()
     )
+
+
+def test_the_leader_exports_each_origins_scraped_load() -> None:
+    """Trial 60: what placement reads was on the status page only. Figures
+    an origin does not report (-1) and origins not in the table are left
+    out; a replica that does not lead exports none."""
+    metrics = ControlMetrics(replica="cp-1")
+    leading = [True]
+    origins = (
+        Origin("o1", "http://o/v1", "eu", ("m",)),
+        Origin("o2", "http://p/v1", "us", ("m",)),
+    )
+    metrics.bind(
+        table=lambda: compile_table(
+            State(7, (Region("eu", 1.0, 2.0), Region("us", 3.0, 4.0)), origins)
+        ),
+        acked_versions=list,
+        is_leader=lambda: leading[0],
+        loads=lambda: pb.OriginLoads(
+            loads=[
+                pb.OriginLoad(
+                    origin="o1", running=3, waiting=2, kv_cache_usage=0.75, prefix_hit_rate=-1
+                ),
+                pb.OriginLoad(
+                    origin="o2", running=0, waiting=0, kv_cache_usage=-1, prefix_hit_rate=0.25
+                ),
+                pb.OriginLoad(origin="gone", running=9),
+            ]
+        ),
+    )
+    eu, us = {"origin": "o1", "region": "eu"}, {"origin": "o2", "region": "us"}
+    assert value(metrics, "ponto_control_origin_requests_running", **eu) == 3.0
+    assert value(metrics, "ponto_control_origin_requests_waiting", **eu) == 2.0
+    assert value(metrics, "ponto_control_origin_kv_cache_usage_ratio", **eu) == 0.75
+    assert value(metrics, "ponto_control_origin_prefix_cache_hit_ratio", **eu) is None
+    assert value(metrics, "ponto_control_origin_requests_running", **us) == 0.0
+    assert value(metrics, "ponto_control_origin_kv_cache_usage_ratio", **us) is None
+    assert value(metrics, "ponto_control_origin_prefix_cache_hit_ratio", **us) == 0.25
+    running = [k for k in samples(metrics) if k[0] == "ponto_control_origin_requests_running"]
+    assert len(running) == 2  # not the origin the table no longer has
+    leading[0] = False
+    assert value(metrics, "ponto_control_origin_requests_running", **eu) is None
 
 
 def test_an_unbound_replica_reads_as_empty() -> None:
