@@ -88,6 +88,10 @@ class AccessRecord:
     origin: str | None
     attempts: int  # origin calls made (failover, hedge and continuations included)
     route: str | None  # why that origin (x-ponto-route)
+    # What affinity placed it by: the key's source and its hash in hex
+    # ("conversation:1f0c93a2"), so that requests sharing a key can be told
+    # (trial 60: different conversations that start alike share one)
+    placement: str | None
     hedged: bool
     cache: str | None  # hit, miss, bypass; None when no cache step ran
     cache_reason: str | None  # why a bypass, or a miss: verify, no-usage, truncated...
@@ -150,7 +154,7 @@ def record(
     if ex is None:
         return AccessRecord(
             rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
-            key_id, None, region, None, 0, None, False, None, None, None, None, status,
+            key_id, None, region, None, 0, None, None, False, None, None, None, None, status,
             error or None, False, None, round((finished - started) * ms, 3), None, None, None,
         )  # fmt: skip
     plan = ex.cache
@@ -175,6 +179,7 @@ def record(
         origin=ex.origin or None,
         attempts=ex.attempts,
         route=ex.route or None,
+        placement=f"{k.source}:{k.value:08x}" if (k := ex.placement) is not None else None,
         hedged=ex.hedged,
         cache=plan.outcome if plan is not None else None,
         cache_reason=(plan.said_reason or None) if plan is not None else None,

@@ -67,7 +67,7 @@ from dataplane.http.fields import (
 from dataplane.http.resume import CONTINUABLE, Continuations, Finished, counts_finishes
 from dataplane.http.state import REQUEST_ID, SERVER_NAME, stopping
 from dataplane.metrics import Metrics
-from dataplane.placement.keys import SESSION_HEADER, placement_key
+from dataplane.placement.keys import SESSION_HEADER, Key, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter, format_duration
@@ -159,6 +159,9 @@ class Exchange:
     # route: why the first candidate was chosen, then (once an origin has
     # answered) why that origin answers
     route: str = ""
+    # The key affinity placed it by (the access log's `placement`); None
+    # with another mode, or nothing to stick to.
+    placement: Key | None = None
     candidates: list[Target] = field(default_factory=list)
     # Prompt tokens of origin calls beyond the one answering: continuations
     # (counted in a summed usage when the stream has one) and hedges (never).
@@ -634,6 +637,7 @@ class Pipeline:
                 user_sessions=rules.user_sessions,
                 session_header=self.session_header,
             )
+            ex.placement = key
         groups = routes.groups_for(ex.model, home, point)
         candidates, ex.route = self.picker.order(
             groups,

@@ -129,6 +129,21 @@ async def test_a_miss_then_a_hit_each_get_one_line(
     assert hit["output_tokens"] == 0  # no origin spent any
 
 
+async def test_a_line_says_what_affinity_placed_the_request_by(
+    logged: Stack, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 60: conversations that started alike shared one placement key
+    and one replica, and nothing said so. The line names the key's source
+    and hash: alike for two conversations with one start, apart for a
+    session id."""
+    for headers in ({}, {}, {"x-session-id": "s-1"}):
+        answer = await logged.post(chat("Hello", temperature=0.7), headers=headers)
+        await answer.read()
+    first, second, session = (line["placement"] for line in lines(logged, capfd))
+    assert first.startswith("conversation:") and first == second
+    assert session.startswith("header:") and session != first
+
+
 async def test_a_stream_line_has_its_time_to_first_chunk(
     logged: Stack, capfd: pytest.CaptureFixture[str]
 ) -> None:
