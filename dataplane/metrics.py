@@ -596,7 +596,8 @@ class Metrics:
             "a miss or a write dropped), skipped (not tried: the circuit breaker is open, or a "
             "write held back after Redis refused writes: see "
             "ponto_cache_region_writes_skipped_total) or "
-            "dropped (a background write not made: too many in flight)",
+            "dropped (a background write not made: too many in flight). Op sem_publish "
+            "counts semantic-feed entries, not XADD batches, in every result",
             ["op", "result"],
             registry=r,
         )
@@ -604,7 +605,8 @@ class Metrics:
             "ponto_cache_region_writes_skipped",
             "Regional cache (Redis) writes not tried because Redis refused writes lately "
             "(reason full: maxmemory reached; read-only: a replica): held back a few seconds "
-            "at a time, then one write tries again. By operation (set, lock, sem_publish)",
+            "at a time, then one write tries again. By operation (set, lock, sem_publish: "
+            "entries); lock refreshes and purge claims are never held back",
             ["op", "reason"],
             registry=r,
         )

@@ -60,6 +60,7 @@ from dataplane.cache.regionfaults import (
     MISTAKE_CLUSTER,
     PROBE_OP,
     WRITE_REFUSALS,
+    BadSetup,
     ClusterNode,
     Mistake,
     Refusal,
@@ -99,6 +100,9 @@ MISTAKE_ERROR_EVERY_S = 60.0
 # Redis takes writes again. A refused SET still costs Redis reading the whole
 # entry (up to --cache-max-entry-kb) and the proxy a connection; reads go on.
 WRITE_BACKOFF_S = 5.0
+# Only writes that take memory: a flight lock's refresh ("lock_refresh", a
+# PEXPIRE) and a purge's claim ("purge_claim", whose UNLINKs free memory) are
+# not held back.
 WRITE_OPS = frozenset({"set", "lock", "sem_publish"})
 # How long reading Redis's memory settings may take (at start, and when Redis
 # answers again): nothing waits on it but the warning.
@@ -158,6 +162,8 @@ class RegionLink:
         self.policy: str | None = None
         self._policy_warned = ""
         self._config_task: asyncio.Task[None] | None = None
+        # The first full refusal's policy read and line (_policy_then_say).
+        self._refusal_task: asyncio.Task[None] | None = None
         # The write back-off (WRITE_BACKOFF_S): the refusal kind that started
         # it ("" while writes go), when the next write may try, and whether
         # that one is in flight.
@@ -173,13 +179,25 @@ class RegionLink:
     def client(self) -> Redis:
         """The redis.asyncio client (created on first use; no I/O until a command)."""
         if self._client is None:
-            # One immediate retry inside redis-py: a pooled connection that
-            # died with a restarted Redis fails once, and must not open the
-            # breaker for a server that answers. The breaker decides the rest,
-            # and the call's deadline bounds both tries.
-            # A blocking pool: a call that finds every connection busy waits
-            # for one (within its deadline) instead of failing at once, as
-            # redis-py's default pool does past 100 connections.
+            pool = self._pool()
+            self._client = Redis.from_pool(pool)
+        return self._client
+
+    def _pool(self) -> BlockingConnectionPool:
+        """The connection pool for the URL, one connection object made (not
+        connected) to see that redis-py can make them: BadSetup if not. redis-py
+        raises a misspelled URL option (`?socket_timout=1`) as a TypeError at
+        every connect, which was taken for an outage and retried without an
+        ERROR naming it (review finding 4); check_url refuses such a URL at
+        start, and this catches what it cannot see."""
+        # One immediate retry inside redis-py: a pooled connection that
+        # died with a restarted Redis fails once, and must not open the
+        # breaker for a server that answers. The breaker decides the rest,
+        # and the call's deadline bounds both tries.
+        # A blocking pool: a call that finds every connection busy waits
+        # for one (within its deadline) instead of failing at once, as
+        # redis-py's default pool does past 100 connections.
+        try:
             pool = BlockingConnectionPool.from_url(
                 self.url,
                 max_connections=MAX_CONNECTIONS,
@@ -193,8 +211,10 @@ class RegionLink:
                 # matters when a burst opens many connections at once.
                 driver_info=None,
             )
-            self._client = Redis.from_pool(pool)
-        return self._client
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise BadSetup(f"{type(exc).__name__}: {exc}") from None
+        return pool
 
     @property
     def available(self) -> bool:
@@ -212,28 +232,29 @@ class RegionLink:
             self._write_probe or self._clock() < self._writes_retry_at
         )
 
-    def hold_write(self, op: str) -> bool:
+    def hold_write(self, op: str, n: int = 1) -> bool:
         """Whether a write `op` is to be held back now (Redis refused writes
         lately: WRITE_BACKOFF_S); counted when it is, in
         ponto_cache_region_writes_skipped_total{op, reason} and as `skipped`.
-        For writers that would queue work for `call` (the semantic feed)."""
+        For writers that would queue work for `call` (the semantic feed); `n`
+        is how many items the write holds, as for `call`."""
         if not self._writes_held():
             return False
-        self._metrics.region_writes_skipped.labels(op, self._writes_refused).inc()
-        self.count(op, "skipped")
+        self._metrics.region_writes_skipped.labels(op, self._writes_refused).inc(n)
+        self.count(op, "skipped", n)
         return True
 
     def deadline(self, op: str) -> float:
         return self._deadlines.get(op, self._deadline)
 
-    def count(self, op: str, result: str) -> None:
+    def count(self, op: str, result: str, n: int = 1) -> None:
         """Count an outcome decided outside call(), e.g. a write dropped."""
-        self._metrics.region_requests.labels(op, result).inc()
+        self._metrics.region_requests.labels(op, result).inc(n)
 
-    def error(self, op: str) -> None:
+    def error(self, op: str, n: int = 1) -> None:
         """Count a failure found by the caller, e.g. a value that does not decode
         (op "decode"); it does not open the breaker: Redis itself answered."""
-        self._metrics.region_errors.labels(op).inc()
+        self._metrics.region_errors.labels(op).inc(n)
 
     async def start(self) -> None:
         """Check the connection once (an unreachable Redis leaves the link
@@ -302,7 +323,7 @@ class RegionLink:
 
     async def close(self) -> None:
         self._closed = True
-        for task in (self._watch, self._config_task):
+        for task in (self._watch, self._config_task, self._refusal_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -311,7 +332,12 @@ class RegionLink:
             await self._client.aclose()
 
     async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[T]], *, deadline_s: float | None = None
+        self,
+        op: str,
+        fn: Callable[[Redis], Awaitable[T]],
+        *,
+        deadline_s: float | None = None,
+        n: int = 1,
     ) -> T | None:
         """fn(client) within the deadline (the op's, or `deadline_s`); see the class.
 
@@ -319,41 +345,51 @@ class RegionLink:
         runs a PING first (PROBE_OP), and `fn` only once that answered: the
         probe says whether Redis serves this proxy, which a command that Redis
         refuses alone (an ACL without scripting, a full Redis) does not. A
-        write (WRITE_OPS) is skipped while writes are held back."""
+        write (WRITE_OPS) is skipped while writes are held back.
+
+        `n` is how many items the call carries (the semantic feed's XADD batch
+        carries one per entry): each outcome counts `n` in the metrics, so that
+        one op counts one unit whether a call is made or held back (review
+        finding 5: a held entry counted one, a batch sent one)."""
         if self._closed:
-            self.count(op, "skipped")
+            self.count(op, "skipped", n)
             return None
         tries_writes = False
         if op in WRITE_OPS and self._writes_refused:
-            if self.hold_write(op):
+            if self.hold_write(op, n):
                 return None
             tries_writes = self._write_probe = True
         try:
-            got = await self._call(op, fn, deadline_s)
+            got = await self._call(op, fn, deadline_s, n)
         finally:
             if tries_writes:
                 self._write_probe = False
         return None if got is _FAILED else got
 
     async def _call(
-        self, op: str, fn: Callable[[Redis], Awaitable[Any]], deadline_s: float | None
+        self, op: str, fn: Callable[[Redis], Awaitable[Any]], deadline_s: float | None, n: int
     ) -> Any:
         admit = self._breaker.allow()
         if admit is None:
-            self.count(op, "skipped")
+            self.count(op, "skipped", n)
             return _FAILED
         when = asyncio.get_running_loop().time() + (
             deadline_s if deadline_s is not None else self.deadline(op)
         )
         if admit is Admit.PROBE and op != PROBE_OP:
             if await self._attempt(PROBE_OP, self._ping, admit, when) is _FAILED:
-                self.count(op, "skipped")
+                self.count(op, "skipped", n)
                 return _FAILED
             admit = Admit.CLOSED  # the PING closed the breaker
-        return await self._attempt(op, fn, admit, when)
+        return await self._attempt(op, fn, admit, when, n)
 
     async def _attempt(
-        self, op: str, fn: Callable[[Redis], Awaitable[Any]], admit: Admit, when: float
+        self,
+        op: str,
+        fn: Callable[[Redis], Awaitable[Any]],
+        admit: Admit,
+        when: float,
+        n: int = 1,
     ) -> Any:
         """One call to Redis, its outcome reported; _FAILED when it gave nothing."""
         try:
@@ -364,7 +400,7 @@ class RegionLink:
             self._breaker.abandon(admit)
             raise
         except TimeoutError:
-            self._failed(op, admit, "timeout", "no answer within the deadline")
+            self._failed(op, admit, "timeout", "no answer within the deadline", n=n)
             return _FAILED
         except Exception as exc:  # any failure of an optional tier is a miss
             fault = fault_of(exc, op, self.policy)
@@ -374,11 +410,12 @@ class RegionLink:
                 if fault is MISTAKE_CLUSTER:
                     self._cluster_seen = True
                 why = f"{type(exc).__name__}: {exc}"
-                self._failed(op, admit, "error", why, fault if isinstance(fault, Mistake) else None)
+                mistake = fault if isinstance(fault, Mistake) else None
+                self._failed(op, admit, "error", why, mistake, n=n)
                 return _FAILED
-            await self._refused(op, admit, exc, fault, when)
+            self._refused(op, admit, exc, fault, n)
             return _FAILED
-        self.count(op, "ok")
+        self.count(op, "ok", n)
         self._answered(admit)
         if op in WRITE_OPS and self._writes_refused:
             self._writes_refused = ""  # Redis takes writes again
@@ -396,27 +433,58 @@ class RegionLink:
             self._cluster_seen = False
         return answered
 
-    async def _refused(
-        self, op: str, admit: Admit, exc: Exception, refusal: Refusal, when: float
-    ) -> None:
+    def _refused(self, op: str, admit: Admit, exc: Exception, refusal: Refusal, n: int) -> None:
         """Redis is up and said no to this one command: a miss (or a write
         dropped). Reads go on; after a full or read-only refusal writes are
         held back (WRITE_BACKOFF_S)."""
-        self.count(op, "refused")
-        self.error(op)
+        self.count(op, "refused", n)
+        self.error(op, n)
         if refusal.serving:
             self._answered(admit)
+        first_full = refusal.kind == "full" and self._writes_refused != "full"
         if refusal.kind in WRITE_REFUSALS:
-            if refusal.kind == "full" and self._writes_refused != "full":
-                # The first of a run: the policy may have changed since it was
-                # read (CONFIG SET at runtime), and the advice depends on it.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(when):
-                        await self.read_policy()
-                again = fault_of(exc, op, self.policy)
-                refusal = again if isinstance(again, Refusal) else refusal
+            # Set before anything is awaited: the writes in flight that Redis
+            # refuses at the same time find the run started (review finding 3:
+            # each read the policy, and a lock claim waited for it).
             self._writes_refused = refusal.kind
             self._writes_retry_at = self._clock() + WRITE_BACKOFF_S
+        if first_full:
+            # The first of a run: the policy may have changed since it was read
+            # (CONFIG SET at runtime), and the advice depends on it. Read once,
+            # in the background; the line is written once it is read.
+            self._refusal_task = asyncio.get_running_loop().create_task(
+                self._policy_then_say(op, exc)
+            )
+            return
+        if (
+            refusal.kind == "full"
+            and self._refusal_task is not None
+            and not self._refusal_task.done()
+        ):
+            # Refused while that read runs: counted in its line.
+            self._refusal_log(refusal, op).unlogged += 1
+            return
+        self._say_refused(op, exc, refusal)
+
+    async def _policy_then_say(self, op: str, exc: Exception) -> None:
+        """Read the policy, then log the refusal `exc` of `op` with the advice
+        that policy calls for. The first full refusal's, in the background."""
+        await self.read_policy()
+        refusal = fault_of(exc, op, self.policy)
+        if isinstance(refusal, Refusal):
+            self._say_refused(op, exc, refusal)
+
+    def _refusal_log(self, refusal: Refusal, op: str) -> Throttled:
+        """The throttle of one kind of refusal line; an ACL's per command, as
+        each needs its own grant."""
+        key = f"acl {op}" if refusal.kind == "acl" else refusal.kind
+        return self._refused_logs.setdefault(
+            key, Throttled(log, every_s=REFUSED_WARNING_EVERY_S, clock=self._clock)
+        )
+
+    def _say_refused(self, op: str, exc: Exception, refusal: Refusal) -> None:
+        """The throttled WARNING of a refusal: why, and what to change."""
+        if refusal.kind in WRITE_REFUSALS:
             then = (
                 f"writes (lock, set, semantic feed) held back {WRITE_BACKOFF_S:g}s at a time, "
                 "then one tries again; reads go on"
@@ -425,12 +493,7 @@ class RegionLink:
             then = "such calls are misses or dropped writes; pooled connections go on"
         else:
             then = "such calls are misses or dropped writes, reads go on"
-        # One line per kind; an ACL's per command, as each needs its own grant.
-        key = f"acl {op}" if refusal.kind == "acl" else refusal.kind
-        said = self._refused_logs.setdefault(
-            key, Throttled(log, every_s=REFUSED_WARNING_EVERY_S, clock=self._clock)
-        )
-        said.log(
+        self._refusal_log(refusal, op).log(
             logging.WARNING,
             "regional cache %s refused %s (%s: %s)%s; %s",
             redact(self.url),
@@ -454,10 +517,17 @@ class RegionLink:
             self._read_policy_later()
 
     def _failed(
-        self, op: str, admit: Admit, result: str, why: str, mistake: Mistake | None = None
+        self,
+        op: str,
+        admit: Admit,
+        result: str,
+        why: str,
+        mistake: Mistake | None = None,
+        *,
+        n: int = 1,
     ) -> None:
-        self.count(op, result)
-        self.error(op)
+        self.count(op, result, n)
+        self.error(op, n)
         self._last_error = f"{op} {why}"
         self._mistake = mistake
         opened = self._breaker.failure(admit)

@@ -9,7 +9,8 @@ Three kinds of failure, handled apart by dataplane.cache.regional.RegionLink:
   circuit breaker opens and the proxy serves from its own cache until Redis
   answers again;
 - a setup mistake (a wrong or missing password, a DB index Redis does not
-  have, an ACL that refuses the proxy's user, a Redis Cluster node): Redis
+  have, an ACL that refuses the proxy's user, a Redis Cluster node, a --redis
+  URL option redis-py cannot connect with: BadSetup): Redis
   answers but will not serve this proxy. As unusable as an outage (the
   breaker opens and keeps probing, for the operator may fix Redis without
   restarting the proxies), but logged as an ERROR that names the mistake and
@@ -90,6 +91,11 @@ MISTAKE_CLUSTER = Mistake(
     "Redis Cluster is not supported (the server answered MOVED, ASK or CROSSSLOT)",
     "give a standalone Redis (or a proxy in front of the cluster) in --redis",
 )
+MISTAKE_OPTION = Mistake(
+    "option",
+    "the --redis URL's query options do not make a connection",
+    "give only options redis-py takes, with values of their type (e.g. socket_timeout=0.5)",
+)
 NOEVICTION_ADVICE = "maxmemory reached with noeviction: set maxmemory-policy allkeys-lru"
 FULL_ADVICE = (
     "maxmemory reached and nothing could be evicted: set maxmemory-policy allkeys-lru "
@@ -100,6 +106,13 @@ FULL_ADVICE = (
 class ClusterNode(Exception):
     """Raised by the link's probe when the server says it is a Redis Cluster
     node (a setup mistake: MISTAKE_CLUSTER)."""
+
+
+class BadSetup(Exception):
+    """Raised by the link when redis-py cannot make a connection from its
+    URL and settings (a TypeError or ValueError building one: an option it
+    does not take, or a value not of its type): a setup mistake
+    (MISTAKE_OPTION), not an outage. Its text names the option, never a value."""
 
 
 def _code(exc: BaseException) -> str:
@@ -120,6 +133,8 @@ def is_outage(exc: BaseException) -> bool:
 def mistake_of(exc: BaseException) -> Mistake | None:
     """The setup mistake `exc` reports, or None (an outage, or a refusal).
     See `fault_of` for when a password or ACL refusal is not one."""
+    if isinstance(exc, BadSetup):
+        return MISTAKE_OPTION
     if isinstance(exc, (rex.AuthenticationError, rex.AuthorizationError)):
         return MISTAKE_AUTH
     if isinstance(exc, rex.NoPermissionError):

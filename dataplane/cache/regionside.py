@@ -51,9 +51,12 @@ class RegionSide(Protocol):
         """Drop keys (best effort)."""
         ...
 
-    async def set_nx(self, key: str, value: str, ttl_ms: int) -> bool | None:
+    async def set_nx(self, key: str, value: str, ttl_ms: int, *, op: str = "lock") -> bool | None:
         """Set key to value for ttl_ms unless it exists: True when set, False
-        when it exists, None when the side cannot answer."""
+        when it exists, None when the side cannot answer. `op` names the call
+        in metrics: "lock" (a flight lock, a write held back while Redis refuses
+        writes) or "purge_claim" (a purge's cleanup, which frees memory: never
+        held back)."""
         ...
 
     async def release(self, key: str, value: str) -> None:
@@ -62,7 +65,8 @@ class RegionSide(Protocol):
 
     async def refresh(self, key: str, value: str, ttl_ms: int) -> bool:
         """Give key ttl_ms more if it still holds value; False when it does not
-        (or the side cannot answer)."""
+        (or the side cannot answer). Op "lock_refresh": never held back with
+        the writes."""
         ...
 
     async def get_and_exists(self, key: str, other: str) -> tuple[bytes | None, bool] | None:
@@ -105,14 +109,20 @@ class RedisSide:
         if keys:
             await self.link.call("delete", lambda r: r.unlink(*keys))
 
-    async def set_nx(self, key: str, value: str, ttl_ms: int) -> bool | None:
-        return await self.link.call("lock", lambda r: _set_nx(r, key, value, ttl_ms))
+    async def set_nx(self, key: str, value: str, ttl_ms: int, *, op: str = "lock") -> bool | None:
+        return await self.link.call(op, lambda r: _set_nx(r, key, value, ttl_ms))
 
     async def release(self, key: str, value: str) -> None:
         await self.link.call("unlock", lambda r: _eval(r, _RELEASE, key, value))
 
     async def refresh(self, key: str, value: str, ttl_ms: int) -> bool:
-        done = await self.link.call("lock", lambda r: _eval(r, _REFRESH, key, value, str(ttl_ms)))
+        # Its own op, not "lock": a PEXPIRE takes no memory, and held back with
+        # the writes it made the refresher give up a lock it still held, so a
+        # long generation's followers on other proxies called the origin too
+        # (review finding 2).
+        done = await self.link.call(
+            "lock_refresh", lambda r: _eval(r, _REFRESH, key, value, str(ttl_ms))
+        )
         return bool(done)
 
     async def get_and_exists(self, key: str, other: str) -> tuple[bytes | None, bool] | None:
@@ -189,7 +199,7 @@ class MemorySide:
             for key in keys:
                 self._data.pop(key, None)
 
-    async def set_nx(self, key: str, value: str, ttl_ms: int) -> bool | None:
+    async def set_nx(self, key: str, value: str, ttl_ms: int, *, op: str = "lock") -> bool | None:
         if not self.up:
             return None
         if self._live(key) is not None:

@@ -305,7 +305,9 @@ class RegionalStore:
         scope = (_escaped(tenant), _escaped(model))
         claim = PURGING_PREFIX + ":".join(name or "*" for name in scope)
         token = f"{self.name}:{next(self._tokens)}"
-        won = await self.side.set_nx(claim, token, PURGE_CLAIM_TTL_MS)
+        # Not op "lock": held back with the writes while Redis was full, the
+        # claim skipped the UNLINKs that would free its memory (review finding 2).
+        won = await self.side.set_nx(claim, token, PURGE_CLAIM_TTL_MS, op="purge_claim")
         if won:
             try:
                 await self._unlink_matching(*scope)

@@ -4,11 +4,13 @@ garbage collector to walk)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import stat
 from pathlib import Path
-from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
+from urllib.parse import SplitResult, parse_qs, parse_qsl, urlencode, urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -21,24 +23,107 @@ class RegionURLError(ValueError):
 
 def check_url(url: str) -> str:
     """The URL as given when it names a Redis server as redis-py reads one
-    (redis://HOST:PORT/DB, rediss://..., unix:///PATH); RegionURLError (one
-    line) if not."""
-    expected = f"--redis {redact(url)!r}: expected redis://HOST:PORT/DB (or rediss://, unix://)"
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # raises ValueError when not a number in range
-    except ValueError as exc:
-        raise RegionURLError(f"{expected}: {exc}") from None
+    (redis://HOST:PORT/DB, rediss://..., unix:///PATH) and its query options
+    are ones redis-py's connections take; RegionURLError (one line, the URL
+    redacted) if not. The message never holds the URL parser's own text: it
+    quotes the part it could not read, which is a password holding a `/`
+    (base64 does) or a `?` (review finding 1)."""
+    problem = _problem(url)
+    if problem is not None:
+        raise RegionURLError(f"--redis {redact(url)!r}: {problem}")
+    return url
+
+
+def _problem(url: str) -> str | None:
+    """What is wrong with `url` as a --redis value, None when nothing."""
+    parts = _split(url)
+    if parts is None:
+        return f"{EXPECTED}; {ENCODE}"
     if parts.scheme not in SCHEMES:
-        raise RegionURLError(expected)
+        return EXPECTED
     if parts.scheme == "unix":
         if not parts.path:
-            raise RegionURLError(expected)
-        return url
-    db = parts.path.lstrip("/")
-    if not parts.hostname or (db and not db.isdigit()) or port == 0:
-        raise RegionURLError(expected)
-    return url
+            return EXPECTED
+    else:
+        db = parts.path.lstrip("/")
+        if not parts.hostname or (db and not db.isdigit()) or parts.port == 0:
+            return f"{EXPECTED}{'; ' + ENCODE if '@' in parts.netloc else ''}"
+    return _option_problem(parts.scheme, parts.query)
+
+
+EXPECTED = "expected redis://HOST:PORT/DB (or rediss://, unix://)"
+ENCODE = (
+    "a password holding /, ?, #, @ or % must be percent-encoded (%2F, %3F, %23, %40, %25), "
+    "or given in --redis-password-file"
+)
+# A query option's name as redis-py takes them (socket_timeout, ssl_ca_certs).
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _split(url: str) -> SplitResult | None:
+    """urlsplit(url) when it splits cleanly, else None: the parser refused it
+    (a port that is not a number), or a `@` or `#` is left past the host (a
+    password holding `/`, `?` or `#` that was not percent-encoded ends the
+    host early; a Redis URL has no fragment), or a query option is not a name.
+    Only a URL that splits cleanly is shown, redacted (see `redact`)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError when not a number in range
+    except ValueError:
+        return None
+    if parts.fragment or "#" in url or "@" in parts.path:
+        return None
+    names = [name for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    if not all(_NAME.fullmatch(name) for name in names):
+        return None
+    return parts
+
+
+def _option_problem(scheme: str, query: str) -> str | None:
+    """Why the URL's query options would fail every connection, None when
+    they would not. redis-py passes an option it does not know to the
+    connection's constructor, which then raises TypeError at every connect
+    (review finding 4: `?socket_timout=1` looked like an outage, retried for
+    good); it checks the values of some options (`socket_timeout=abc`)."""
+    if not query:
+        return None
+    # Imported here: only a proxy with --redis gets this far (module docstring).
+    from redis.asyncio.connection import parse_url  # noqa: PLC0415
+
+    names = {name for name, _ in parse_qsl(query, keep_blank_values=True)}
+    unknown = sorted(names - _option_names(scheme))
+    if unknown:
+        return (
+            f"unknown query option{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(unknown)} (redis-py takes lower-case ones, e.g. socket_timeout, "
+            "ssl_ca_certs, password)"
+        )
+    try:
+        parse_url(f"redis://h?{query}")
+    except ValueError as exc:  # redis-py's text names the option, not its value
+        return str(exc)
+    return None
+
+
+def _option_names(scheme: str) -> frozenset[str]:
+    """The query options redis-py takes in a URL of `scheme`: its pool's and
+    its connection class's keyword arguments, read from their signatures (so
+    they follow the installed redis-py)."""
+    from redis.asyncio import connection as rc  # noqa: PLC0415
+
+    cls: type = {"unix": rc.UnixDomainSocketConnection, "rediss": rc.SSLConnection}.get(
+        scheme, rc.Connection
+    )
+    names: set[str] = set()
+    for owner in (*cls.__mro__, *rc.BlockingConnectionPool.__mro__):
+        init = vars(owner).get("__init__")
+        if init is None or owner is object:
+            continue
+        for param in inspect.signature(init).parameters.values():
+            if param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD):
+                names.add(param.name)
+    names.discard("self")
+    return frozenset(names)
 
 
 def url_password(url: str) -> str | None:
@@ -60,19 +145,24 @@ def url_password(url: str) -> str | None:
 
 def redact(url: str) -> str:
     """The URL without a password (in its user part or a `password=` query
-    option), for logs and error messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest, q, query = rest.partition("?")
-    _, at, host = rest.rpartition("@")
-    if q:
+    option), for logs and error messages. The user part is everything up to
+    the last `@` of the host part, and a URL that does not split cleanly
+    (`_split`) is shown as its scheme and `…` alone: a password holding a `?`,
+    `#` or `/` that was not percent-encoded was shown whole when the URL was
+    cut at its first `?` before its `@` was looked for (review finding 1)."""
+    parts = _split(url)
+    if parts is None:
+        scheme, sep, _ = url.partition("://")
+        return f"{scheme}://…" if sep and _NAME.fullmatch(scheme) else "…"
+    _, at, host = parts.netloc.rpartition("@")
+    query = ""
+    if parts.query:
         options = [
             (k, "***" if k.lower() == "password" else v)
-            for k, v in parse_qsl(query, keep_blank_values=True)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
         ]
-        query = urlencode(options, safe="*/:")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}{q}{query}"
+        query = "?" + urlencode(options, safe="*/:")
+    return f"{parts.scheme}://{'***@' if at else ''}{host}{parts.path}{query}"
 
 
 def read_password(path: Path, *, warn: bool = True) -> str:

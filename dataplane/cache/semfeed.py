@@ -132,10 +132,15 @@ class RegionLinkLike(Protocol):
     @property
     def available(self) -> bool: ...
 
-    def hold_write(self, op: str) -> bool: ...
+    def hold_write(self, op: str, n: int = 1) -> bool: ...
 
     async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
+        self,
+        op: str,
+        fn: Callable[[Redis], Awaitable[_T]],
+        *,
+        deadline_s: float | None = None,
+        n: int = 1,
     ) -> _T | None: ...
 
 
@@ -400,8 +405,9 @@ class SemanticFeed:
                 n = min(PUBLISH_BATCH, len(self._queue))
                 batch = [self._queue.popleft() for _ in range(n)]
                 try:
+                    # n: the op counts entries, as publish's held ones do.
                     sent = await self._link.call(
-                        "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S
+                        "sem_publish", self._xadd(batch), deadline_s=PUBLISH_DEADLINE_S, n=n
                     )
                 except Exception:  # the link never raises: a bug, which must not end the task
                     self._bug("publishing a batch")

@@ -21,6 +21,7 @@ from dataplane.cache.regional import (
     WRITE_BACKOFF_S,
     RegionLink,
 )
+from dataplane.cache.regionside import RedisSide
 from dataplane.metrics import Metrics
 from ponto.devenv import Redis, free_port
 
@@ -193,6 +194,8 @@ async def test_the_advice_follows_a_policy_switched_at_runtime(
             await r.config_set("maxmemory-policy", "noeviction")
             await fill(r)
         assert await link.call("set", lambda c: c.set("ponto:k", b"v" * 10_000)) is None
+        assert link._refusal_task is not None
+        await link._refusal_task  # read in the background, then said
         assert policy(link) == "noeviction"
     [refused] = [w for w in lines(caplog, "WARNING") if "refused set" in w]
     assert NOEVICTION in refused
@@ -486,3 +489,79 @@ async def test_a_mistake_that_comes_back_is_not_said_again_within_its_interval(
             assert await ping(link) is None
             assert not up(link)
     assert len(lines(caplog, "ERROR")) == 1
+
+
+async def full_link_setup(server: Redis) -> None:
+    async with admin(server) as r:
+        await r.config_set("maxmemory", 1_500_000)
+        await r.config_set("maxmemory-policy", "noeviction")
+        await fill(r)
+
+
+async def test_lock_refreshes_and_purge_claims_are_not_held_back(own_redis: Redis) -> None:
+    """A PEXPIRE takes no memory, and a purge's claim leads to UNLINKs that
+    free it: held back with the writes (review finding 2), a refresh said
+    the lock was lost (its followers on other proxies called the origin
+    too) and a purge freed nothing."""
+    clock = Clock()
+    async with admin(own_redis) as r:
+        await r.set("ponto:lock:flight", "me", px=60_000)
+    await full_link_setup(own_redis)
+    async with linked(own_redis.url, clock) as (link, metrics):
+        side = RedisSide(link)
+        assert await link.call("set", lambda c: c.set("ponto:k", b"v" * 10_000)) is None
+        assert not writable(link)
+        assert await side.refresh("ponto:lock:flight", "me", 60_000) is True
+        await side.set_nx("ponto:purging:*:*", "me", 60_000, op="purge_claim")
+        assert await side.set_nx("ponto:lock:other", "me", 5_000) is None  # a lock: held
+        calls = "ponto_cache_region_requests_total"
+        assert sample(metrics, calls, op="lock_refresh", result="ok") == 1
+        assert sample(metrics, calls, op="purge_claim", result="skipped") == 0
+        assert sample(metrics, SKIPPED, op="lock", reason="full") == 1
+
+
+async def test_simultaneous_full_refusals_read_the_policy_once(own_redis: Redis) -> None:
+    """Every write in flight when Redis fills up is refused at once; each
+    read the policy (CONFIG GET) before the refused state was set, and a
+    lock claim waited for it (review finding 3)."""
+    clock = Clock()
+    await full_link_setup(own_redis)
+    async with linked(own_redis.url, clock) as (link, metrics):
+
+        async def config_gets() -> int:
+            async with admin(own_redis) as r:
+                stats = await r.info("commandstats")
+            return int(stats.get("cmdstat_config|get", {}).get("calls", 0))
+
+        before = await config_gets()
+
+        def write(i: int) -> Callable[[RedisClient], Awaitable[Any]]:
+            return lambda c: c.set(f"ponto:k{i}", b"v" * 10_000)
+
+        got = await asyncio.gather(*(link.call("set", write(i)) for i in range(20)))
+        assert got == [None] * 20
+        task = getattr(link, "_refusal_task", None)
+        if task is not None:
+            await task
+        calls = "ponto_cache_region_requests_total"
+        assert sample(metrics, calls, op="set", result="refused") == 20
+        assert await config_gets() - before == 1
+
+
+async def test_the_semantic_feed_s_op_counts_entries_whether_sent_or_held(
+    own_redis: Redis,
+) -> None:
+    """A held entry counted one, a sent batch one whatever its size (review
+    finding 5): op sem_publish counts entries in every outcome."""
+    clock = Clock()
+    async with linked(own_redis.url, clock) as (link, metrics):
+        xadd = lambda c: c.xadd("ponto:sem:test", {"f": "v"})  # noqa: E731
+        assert await link.call("sem_publish", xadd, n=3) is not None
+        await full_link_setup(own_redis)
+        assert await link.call("set", lambda c: c.set("ponto:k", b"v" * 10_000)) is None
+        assert link.hold_write("sem_publish", 2)
+        assert await link.call("sem_publish", xadd, n=4) is None
+        calls = "ponto_cache_region_requests_total"
+        assert sample(metrics, calls, op="sem_publish", result="ok") == 3
+        assert sample(metrics, calls, op="sem_publish", result="skipped") == 6
+        assert sample(metrics, SKIPPED, op="sem_publish", reason="full") == 6

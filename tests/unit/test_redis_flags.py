@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.cache.regional import RegionLink
-from dataplane.cache.regionurl import _readers, redact, url_password
+from dataplane.cache.regionurl import RegionURLError, _readers, check_url, redact, url_password
 from dataplane.metrics import Metrics
 from dataplane.settings import parse
 
@@ -206,3 +206,82 @@ def test_a_file_another_user_owns_may_be_read_by_its_group() -> None:
     assert _readers(0o100440, owned=False) == ""
     assert _readers(0o100444, owned=False) == "others"
     assert _readers(0o100440, owned=True) == "group"
+
+
+# Passwords that were not percent-encoded: base64 holds `/`, and a `?` or `#`
+# cut the URL before its `@` (review finding 1: the parser's text quoted
+# "Zm9vYmFy", and redact showed the rest of "s3cr?et" whole).
+UNENCODED = [
+    ("redis://:Zm9vYmFy/YmF6cXV4@redis:6379/0", ("Zm9vYmFy", "YmF6cXV4")),
+    ("redis://:s3cr?et@redis:6379/0", ("s3cr", "et@")),
+    ("redis://:ab#cd@redis:6379/0", ("ab#", "cd@")),
+]
+
+
+@pytest.mark.parametrize(("url", "parts"), UNENCODED)
+def test_a_password_that_was_not_percent_encoded_is_never_shown(
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    url: str,
+    parts: tuple[str, ...],
+) -> None:
+    with pytest.raises(RegionURLError) as raised:
+        check_url(url)
+    line = error_of(capsys, ["--region", "r", "--redis", url])
+    for shown in (str(raised.value), line, redact(url), *(r.getMessage() for r in caplog.records)):
+        assert not any(part in shown for part in parts), shown
+    assert "'redis://…'" in line and "percent-encoded" in line
+    assert "--redis-password-file" in line
+
+
+def test_a_percent_encoded_password_is_taken_and_redacted() -> None:
+    url = "redis://:Zm9vYmFy%2FYmF6cXV4@redis:6379/0"
+    assert check_url(url) == url
+    assert redact(url) == "redis://***@redis:6379/0"
+    assert url_password(url) == "Zm9vYmFy%2FYmF6cXV4"  # redis-py unquotes it
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("?socket_timout=1", "unknown query option socket_timout"),
+        ("?Password=s3cret", "unknown query option Password"),
+        ("?socket_timeout=abc", "Invalid value for 'socket_timeout'"),
+    ],
+)
+def test_a_query_option_redis_py_does_not_take_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], query: str, named: str
+) -> None:
+    """redis-py raises them at every connect (a TypeError), which the link
+    took for an outage (review finding 4): refused at start, named."""
+    line = error_of(capsys, ["--region", "r", "--redis", f"redis://h:6379/0{query}"])
+    assert named in line and "s3cret" not in line
+
+
+def test_redis_py_s_own_options_are_taken() -> None:
+    for url in (
+        "redis://h:6379/0?socket_timeout=0.5&health_check_interval=10&client_name=p",
+        "rediss://h:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=false",
+        "unix:///run/redis.sock?db=1&password=s3cret",
+    ):
+        assert check_url(url) == url
+
+
+async def test_an_option_redis_py_cannot_connect_with_is_an_error_not_an_outage(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past check_url (here bypassed), the link names the option in its
+    setup mistake's ERROR instead of calling Redis unreachable."""
+    from dataplane.cache import regional  # noqa: PLC0415
+    from ponto.devenv import free_port  # noqa: PLC0415
+
+    monkeypatch.setattr(regional, "check_url", lambda url: url)
+    link = RegionLink(
+        f"redis://127.0.0.1:{free_port()}/0?socket_timout=1", Metrics(), watch_tick_s=None
+    )
+    await link.start()
+    await link.close()
+    assert not link.available
+    [error] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "misconfigured" in error and "socket_timout" in error
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

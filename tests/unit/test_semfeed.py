@@ -155,10 +155,12 @@ class _Clock:
 class _NoLink:
     available = False
 
-    def hold_write(self, op: str) -> bool:
+    def hold_write(self, op: str, n: int = 1) -> bool:
         return False
 
-    async def call(self, op: str, fn: object, *, deadline_s: float | None = None) -> None:
+    async def call(
+        self, op: str, fn: object, *, deadline_s: float | None = None, n: int = 1
+    ) -> None:
         return None
 
 
@@ -206,11 +208,16 @@ class _FailsOnceLink:
     def __init__(self) -> None:
         self.calls = 0
 
-    def hold_write(self, op: str) -> bool:
+    def hold_write(self, op: str, n: int = 1) -> bool:
         return False
 
     async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
+        self,
+        op: str,
+        fn: Callable[[Redis], Awaitable[_T]],
+        *,
+        deadline_s: float | None = None,
+        n: int = 1,
     ) -> _T | None:
         self.calls += 1
         if self.calls == 1:
@@ -272,15 +279,22 @@ class _HeldLink:
     def __init__(self) -> None:
         self.held = True
         self.calls = 0
+        self.sizes: list[int] = []  # each call's n
 
-    def hold_write(self, op: str) -> bool:
+    def hold_write(self, op: str, n: int = 1) -> bool:
         assert op == "sem_publish"
         return self.held
 
     async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[_T]], *, deadline_s: float | None = None
+        self,
+        op: str,
+        fn: Callable[[Redis], Awaitable[_T]],
+        *,
+        deadline_s: float | None = None,
+        n: int = 1,
     ) -> _T | None:
         self.calls += 1
+        self.sizes.append(n)
         return cast("_T", ["1-0"])
 
 
@@ -296,6 +310,9 @@ async def test_publish_queues_nothing_while_the_link_holds_writes_back() -> None
     assert (feed.stats.dropped, feed.stats.held, link.calls) == (3, 3, 0)
     link.held = False  # the link lets a write try again
     feed.publish(inserted())
-    await _until(lambda: feed.stats.published == 1)
+    feed.publish(inserted())
+    await _until(lambda: feed.stats.published == 2)
     await feed.close()
+    # The batch is counted by its entries (n), as the held ones were one each.
+    assert link.sizes == [2]
     assert link.calls == 1
