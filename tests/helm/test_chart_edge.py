@@ -238,6 +238,7 @@ def test_edge_alerts_read_no_control_plane_series(edge: list[Doc], helm: Path) -
         "PontoCacheBypassSurge",
         "PontoHighErrorRatioFast",
         "PontoRegionCacheDown",
+        "PontoRegionCacheRefusingWrites",
         "PontoJwksStale",
         "PontoAccessLogDropping",
     }

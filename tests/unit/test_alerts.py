@@ -38,6 +38,7 @@ ALERTS = {
     "PontoEtcdErrors",
     "PontoHighErrorRatioFast",
     "PontoRegionCacheDown",
+    "PontoRegionCacheRefusingWrites",
     "PontoJwksStale",
     "PontoAccessLogDropping",
 }
@@ -167,10 +168,12 @@ def test_rule_carries_the_selector_labels_and_is_off_by_default() -> None:
 
 def test_the_regional_cache_alert_comes_with_a_regional_cache_only() -> None:
     # Without --redis no proxy exports ponto_cache_region_up: nothing to watch.
-    assert "PontoRegionCacheDown" not in alert_rules(rule_spec("--set", "cache.redis.deploy=false"))
+    none = alert_rules(rule_spec("--set", "cache.redis.deploy=false"))
+    assert "PontoRegionCacheDown" not in none and "PontoRegionCacheRefusingWrites" not in none
     external = rule_spec("--set", "cache.redis.deploy=false",
                          "--set", "cache.redis.url=redis://valkey.cache.svc:6379/0")  # fmt: skip
     assert "PontoRegionCacheDown" in alert_rules(external)
+    assert "PontoRegionCacheRefusingWrites" in alert_rules(external)
 
 
 def test_the_fast_burn_is_tuned_apart_from_the_slow_one() -> None:
