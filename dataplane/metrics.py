@@ -388,7 +388,8 @@ class Metrics:
             "ponto_requests_not_cached",
             "Requests answered 504 not_cached (Cache-Control: only-if-cached and no entry "
             'answers it), by endpoint: in ponto_requests_total{code="504"} too, but the '
-            "client's doing, not a server error",
+            "client's doing, not a server error (each proxied endpoint is exported from 0, "
+            "so rate() sees its first one)",
             ["endpoint"],
             registry=r,
         )
@@ -805,6 +806,15 @@ class Metrics:
         back would read as a counter reset."""
         for origin in origins:
             self.ejections.labels(origin)
+
+    def endpoints_proxied(self, endpoints: Iterable[str]) -> None:
+        """The proxied endpoints (at startup): their ponto_requests_not_cached
+        counters are exported from 0. Born at 1, a series has no rate() for
+        its first answer while ponto_requests_total{code="504"}, older, counts
+        it: the alerts that take the one from the other saw each pod's first
+        not_cached answer as a server error (review finding)."""
+        for endpoint in endpoints:
+            self.not_cached.labels(endpoint)
 
     def bind_tracing(self, failed_exports: Callable[[], float], spans: Callable[[], float]) -> None:
         """Export the tracing exporters' failed batches and the spans they lost

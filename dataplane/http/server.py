@@ -166,6 +166,7 @@ class Proxy:
             forward_headers=settings.upstream.forward_headers,
             region_wait_s=settings.upstream.deadline,
         )
+        m.endpoints_proxied(ENDPOINTS)
         holder.on_apply.append(lambda routes, policy: m.origins_named(routes.origins))
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))

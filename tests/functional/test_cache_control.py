@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.state import METRICS
 from dataplane.sync.link import traffic_of
 from ponto.originsim.app import SimConfig
@@ -30,6 +31,15 @@ async def post(stack: Stack, body: dict[str, Any], cache_control: str = "") -> A
     if cache_control:
         headers["cache-control"] = cache_control
     return await stack.client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+async def test_every_proxied_endpoint_counts_not_cached_answers_from_zero(stack: Stack) -> None:
+    # So that rate() sees the first one, as it sees its 504 (the alerts take
+    # the one from the other).
+    get = stack.app[METRICS].registry.get_sample_value
+    name = "ponto_requests_not_cached_total"
+    counts = {endpoint: get(name, {"endpoint": endpoint}) for endpoint in ENDPOINTS}
+    assert counts == dict.fromkeys(ENDPOINTS, 0.0)
 
 
 async def test_only_if_cached_on_a_miss_is_a_504_that_reaches_no_origin(stack: Stack) -> None:

@@ -169,6 +169,17 @@ def test_an_origin_the_table_names_has_its_ejections_at_zero() -> None:
     assert get("ponto_origin_ejections_total", {"origin": "o2"}) == 0
 
 
+def test_the_proxied_endpoints_have_their_not_cached_answers_at_zero() -> None:
+    # Born at 1, the series had no rate() for a pod's first not_cached answer,
+    # which its 504 series counted: the error-ratio alerts took it for a 5xx.
+    m = Metrics()
+    get = m.registry.get_sample_value
+    assert get("ponto_requests_not_cached_total", {"endpoint": "embeddings"}) is None
+    m.endpoints_proxied(["chat.completions", "embeddings"])
+    assert get("ponto_requests_not_cached_total", {"endpoint": "chat.completions"}) == 0
+    assert get("ponto_requests_not_cached_total", {"endpoint": "embeddings"}) == 0
+
+
 def test_the_tracing_exports_are_counted_once_bound() -> None:
     m = Metrics()
     assert m.registry.get_sample_value("ponto_trace_export_failures_total") is None
