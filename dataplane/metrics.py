@@ -242,9 +242,11 @@ class TenantsUnavailable(Collector):
 
 class JwksSets(Collector):
     """The JWKS URLs this proxy fetches (dataplane.auth.remote), per `url`:
-    ponto_jwks_fetches_total and ponto_jwks_fetch_errors_total, and, once a
-    fetch has brought a set, ponto_jwks_keys (its signing keys) and
-    ponto_jwks_age_seconds (since the last good fetch: it grows while the
+    ponto_jwks_fetches_total and ponto_jwks_fetch_errors_total,
+    ponto_jwks_set_held (1 while a set is in use, 0 while there is none: not
+    fetched yet, or every fetch failed and no earlier run's set was kept),
+    and, once a fetch has brought a set, ponto_jwks_keys (its signing keys)
+    and ponto_jwks_age_seconds (since the last good fetch: it grows while the
     fetches fail and the last good set is used)."""
 
     def __init__(
@@ -263,7 +265,13 @@ class JwksSets(Collector):
 
     def _families(
         self,
-    ) -> tuple[CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    ) -> tuple[
+        CounterMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+    ]:
         return (
             CounterMetricFamily(
                 "ponto_jwks_fetches", "Fetches of a JWKS URL, good or not", labels=["url"]
@@ -271,6 +279,17 @@ class JwksSets(Collector):
             CounterMetricFamily(
                 "ponto_jwks_fetch_errors",
                 "Fetches of a JWKS URL that brought no usable key set",
+                labels=["url"],
+            ),
+            # Apart from the age, which a URL with no set has none of: a proxy
+            # started while its identity provider was down refused every JWT
+            # and exported no age, so PontoJwksStale stayed silent (review
+            # finding); an age from the process's start would start again at
+            # each restart of the pods, and the alert resolve with it.
+            GaugeMetricFamily(
+                "ponto_jwks_set_held",
+                "1 while the JWKS URL has a key set in use, 0 while it has none (no "
+                "fetch has brought one and no earlier run's was kept: its JWTs are refused)",
                 labels=["url"],
             ),
             GaugeMetricFamily(
@@ -284,11 +303,12 @@ class JwksSets(Collector):
         )
 
     def collect(self) -> Iterator[Metric]:
-        fetches, errors, keys, age = families = self._families()
+        fetches, errors, held, keys, age = families = self._families()
         now = self._clock()
         for remote in sorted(self._sets(), key=lambda r: r.url):
             fetches.add_metric([remote.url], remote.fetches_total)
             errors.add_metric([remote.url], remote.errors_total)
+            held.add_metric([remote.url], 0.0 if remote.keys is None else 1.0)
             if remote.keys is not None:
                 keys.add_metric([remote.url], len(remote.keys))
                 age.add_metric([remote.url], max(0.0, now - remote.fetched_at))

@@ -188,6 +188,7 @@ async def test_a_provider_that_goes_down_costs_nothing_while_its_set_is_kept(
     assert f'ponto_jwks_fetches_total{{url="{url}"}} 2.0' in metrics
     assert f'ponto_jwks_fetch_errors_total{{url="{url}"}} 1.0' in metrics
     assert f'ponto_jwks_keys{{url="{url}"}} 1.0' in metrics
+    assert f'ponto_jwks_set_held{{url="{url}"}} 1.0' in metrics
     assert f'ponto_jwks_age_seconds{{url="{url}"}}' in metrics
     assert "ponto_jwt_config_unavailable{" not in metrics
 
@@ -204,6 +205,9 @@ async def test_without_a_set_the_issuers_tokens_are_a_503_and_reach_no_origin(
     assert world.stack.origin_requests() == 0
     metrics = (await (await world.stack.client.get("/metrics")).read()).decode()
     assert 'ponto_jwt_config_unavailable{tenant="acme"} 1.0' in metrics
+    # What PontoJwksStale reads: the URL has no age, having no set.
+    assert f'ponto_jwks_set_held{{url="{world.jwks_url}"}} 0.0' in metrics
+    assert "ponto_jwks_age_seconds{" not in metrics
     policy = world.stack.app[HOLDER].policy
     assert policy is not None
     problems = dict(policy.authenticator.problems)

@@ -7,12 +7,14 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from dataplane.auth.remote import RemoteKeys
 from dataplane.metrics import (
     GENAI_DURATION_BUCKETS,
     GENAI_FIRST_CHUNK_BUCKETS,
     LATENCY_BUCKETS,
     Counter,
     Histogram,
+    JwksSets,
     Metrics,
 )
 from dataplane.streaming.usage import Usage
@@ -178,6 +180,26 @@ def test_the_proxied_endpoints_have_their_not_cached_answers_at_zero() -> None:
     m.endpoints_proxied(["chat.completions", "embeddings"])
     assert get("ponto_requests_not_cached_total", {"endpoint": "chat.completions"}) == 0
     assert get("ponto_requests_not_cached_total", {"endpoint": "embeddings"}) == 0
+
+
+def test_a_jwks_url_without_a_set_says_so() -> None:
+    # It has no age: PontoJwksStale, which read only the age, stayed silent
+    # while every JWT of a proxy started with its identity provider down was
+    # refused (review finding).
+    never, fetched = (
+        RemoteKeys("https://idp-a.example/jwks"),
+        RemoteKeys("https://idp-b.example/jwks"),
+    )
+    never.fetches_total = never.errors_total = 40
+    fetched.keys, fetched.fetched_at, fetched.fetches_total = (), 1000.0, 1
+    m = Metrics()
+    JwksSets(lambda: (never, fetched), lambda: 1060.0, registry=m.registry)
+    get = m.registry.get_sample_value
+    assert get("ponto_jwks_set_held", {"url": never.url}) == 0
+    assert get("ponto_jwks_age_seconds", {"url": never.url}) is None
+    assert get("ponto_jwks_fetch_errors_total", {"url": never.url}) == 40
+    assert get("ponto_jwks_set_held", {"url": fetched.url}) == 1
+    assert get("ponto_jwks_age_seconds", {"url": fetched.url}) == 60
 
 
 def test_the_tracing_exports_are_counted_once_bound() -> None:
