@@ -77,7 +77,8 @@ def stream_open(request: web.BaseRequest) -> bool:
 
 def chunk_gap(ex: Exchange, finished: float, error: str) -> float | None:
     """The mean time between a stream's output chunks after the first
-    (gen_ai.client.operation.time_per_output_chunk), computed once per stream
+    (ponto_stream_mean_chunk_interval_seconds; not the per-chunk gaps of
+    gen_ai.client.operation.time_per_output_chunk), computed once per stream
     from what the relay counted anyway: from its first chunk sent to its end
     (`finished`), over its text chunks less one. Streams an origin answered
     whole only (no error, not a cache hit's replay, which goes out at once);

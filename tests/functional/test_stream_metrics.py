@@ -64,7 +64,7 @@ async def test_a_stream_is_in_flight_while_it_runs_and_timed_once_it_ends(
         "ponto_region": "r1",
         "ponto_cache": "miss",
     }
-    name_gap = "gen_ai_client_operation_time_per_output_chunk_seconds"
+    name_gap = "ponto_stream_mean_chunk_interval_seconds"
     assert edge.sample(f"{name_gap}_count", gap) == 1  # once per stream, not per chunk
     mean = edge.sample(f"{name_gap}_sum", gap)
     duration = edge.sample(

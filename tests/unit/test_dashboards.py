@@ -37,7 +37,7 @@ MUST_READ = {
         "ponto_requests_total",
         "gen_ai_client_operation_time_to_first_chunk_seconds_bucket",
         "gen_ai_client_operation_duration_seconds_bucket",
-        "gen_ai_client_operation_time_per_output_chunk_seconds_bucket",
+        "ponto_stream_mean_chunk_interval_seconds_bucket",
         "ponto_upstream_time_to_commit_seconds_bucket",
         "gen_ai_client_token_usage_sum",
         "ponto_route_decisions_total",
