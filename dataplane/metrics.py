@@ -335,6 +335,35 @@ class ReadCounter(Collector):
         yield CounterMetricFamily(self._name, self._doc, value=self.read())
 
 
+class ReadCounters(Collector):
+    """A counter with one label whose values are read at scrape time, by
+    label value, from counts kept elsewhere that only grow (`read`)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        label: str,
+        read: Callable[[], Mapping[str, float]],
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._doc = documentation
+        self._label = label
+        self._read = read
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc, labels=[self._label])
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, count in sorted(self._read().items()):
+            family.add_metric([value], count)
+        yield family
+
+
 class InFlight(Collector):
     """ponto_requests_in_flight and ponto_streams_open, read at scrape time
     from the requests the error boundary holds (`requests`, by id(): it adds
@@ -844,20 +873,27 @@ class Metrics:
         for endpoint in endpoints:
             self.not_cached.labels(endpoint)
 
-    def bind_tracing(self, failed_exports: Callable[[], float], spans: Callable[[], float]) -> None:
-        """Export the tracing exporters' failed batches and the spans they lost
-        (dataplane.telemetry.tracing.ExportStats), for a proxy that traces."""
+    def bind_tracing(
+        self, failed_exports: Callable[[], float], spans: Callable[[], Mapping[str, float]]
+    ) -> None:
+        """Export the tracing exporters' failed batches and the spans lost, by
+        reason (dataplane.telemetry.tracing.ExportStats), for a proxy that
+        traces. `spans` gives every reason each time, 0 or not."""
         ReadCounter(
             "ponto_trace_export_failures",
             "Span batches a tracing exporter failed to export (collector down or refusing, "
             "after the exporter's own retries)",
             registry=self.registry,
         ).read = failed_exports
-        ReadCounter(
+        ReadCounters(
             "ponto_trace_spans_dropped",
-            "Spans lost in failed exports (ponto_trace_export_failures_total's batches)",
+            "Spans lost on their way to the collector, by reason: queue_full (dropped "
+            "by the batch processor, its queue full: spans end faster than they are "
+            "exported), export_failed (in ponto_trace_export_failures_total's batches)",
+            "reason",
+            spans,
             registry=self.registry,
-        ).read = spans
+        )
 
     def set_info(self, proxy: str, region: str, version: str) -> None:
         """ponto_proxy_info{proxy, region, version} = 1 (one series: the last set)."""

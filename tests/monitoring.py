@@ -77,7 +77,7 @@ def exported_names() -> set[str]:
     metrics = proxy.Metrics()
     metrics.bind_region(lambda: True)
     metrics.bind_jwks(())
-    metrics.bind_tracing(float, float)
+    metrics.bind_tracing(float, dict)
     return sample_names(metrics.registry) | sample_names(control.ControlMetrics().registry)
 
 

@@ -210,8 +210,12 @@ def test_a_jwks_url_without_a_set_says_so() -> None:
 def test_the_tracing_exports_are_counted_once_bound() -> None:
     m = Metrics()
     assert m.registry.get_sample_value("ponto_trace_export_failures_total") is None
-    failed = [0.0, 0.0]
-    m.bind_tracing(lambda: failed[0], lambda: failed[1])
-    failed[:] = [2.0, 37.0]
-    assert m.registry.get_sample_value("ponto_trace_export_failures_total") == 2
-    assert m.registry.get_sample_value("ponto_trace_spans_dropped_total") == 37
+    failed = [0.0, 0.0, 0.0]
+    m.bind_tracing(lambda: failed[0], lambda: {"queue_full": failed[1], "export_failed": failed[2]})
+    failed[:] = [2.0, 500.0, 37.0]
+    get = m.registry.get_sample_value
+    assert get("ponto_trace_export_failures_total") == 2
+    # Spans dropped from a full queue, the most common loss under load, were
+    # not counted (review finding).
+    assert get("ponto_trace_spans_dropped_total", {"reason": "queue_full"}) == 500
+    assert get("ponto_trace_spans_dropped_total", {"reason": "export_failed"}) == 37
