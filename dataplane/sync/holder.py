@@ -171,10 +171,11 @@ class TableHolder:
         """Wait up to `within` seconds (FIRST_TABLE_WAIT_S) for a first table;
         True once one is installed."""
         if self.routes is None:
+            # Not wait_for, which in Python 3.11 may let a cancellation go
+            # when the table is installed at the same moment (bbc53c3).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._installed.wait(), FIRST_TABLE_WAIT_S if within is None else within
-                )
+                async with asyncio.timeout(FIRST_TABLE_WAIT_S if within is None else within):
+                    await self._installed.wait()
         return self.routes is not None
 
     def _save(self, table: pb.RouteTable) -> None:
