@@ -719,9 +719,9 @@ class ProxyRegistry:
                     async with asyncio.timeout(wait):
                         await self._lease_suspect.wait()
                 self._lease_suspect.clear()
-                if self._lease:
+                if lease := self._lease:
                     try:
-                        await self._catalog.store.refresh_lease(self._lease)
+                        await self._catalog.store.refresh_lease(lease)
                         if self._store_failing and not self._rewrite_due:
                             self._store_failing = False
                             log.info("lease keepalive works again")
@@ -729,14 +729,7 @@ class ProxyRegistry:
                             # has the lease but not every key: read them now.
                             checked = float("-inf")
                     except LeaseExpired:
-                        log.warning(
-                            "replica lease %x expired; re-registering %d proxies",
-                            self._lease,
-                            len(self.sessions),
-                        )
-                        self._lease = 0
-                        self._rewrite_due = True
-                        self._rewrite_only = None
+                        self._lease_expired(lease)
                     except StoreUnavailable as exc:
                         self._say_store_failing("lease keepalive failed: %s", exc)
                         continue
@@ -765,6 +758,25 @@ class ProxyRegistry:
                 rewriting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await rewriting
+
+    def _lease_expired(self, lease: int) -> None:
+        """The keepalive's refresh of `lease` found it gone: drop it and have
+        every key written again under the next, unless the replica holds
+        another already. The rewrite task may have dropped `lease` during the
+        refresh and a flush or a Register been granted the next one since,
+        which holds the keys' rewrite due (a review: zeroed here too, that
+        live lease was said to have expired, left to run out, and a third
+        granted, every key written again, a Register's under the dropped one
+        lost when it ran out)."""
+        if lease != self._lease:
+            log.debug("replica lease %x expired, dropped already", lease)
+            return
+        log.warning(
+            "replica lease %x expired; re-registering %d proxies", lease, len(self.sessions)
+        )
+        self._lease = 0
+        self._rewrite_due = True
+        self._rewrite_only = None
 
     async def self_check(self) -> bool:
         """Read this replica's key and its proxies' keys back; if one is not
