@@ -217,8 +217,18 @@ class ProxyRegistry:
         self._rewrite_due = False
         # The sessions whose keys a due rewrite writes, when only they were
         # found missing under the live lease; None: every session's (a lease
-        # granted after the first holds none of them).
+        # granted after the first holds none of them). A rewrite takes them
+        # as it starts: those found missing while it runs are written by the
+        # next (_ask_rewrite).
         self._rewrite_only: set[str] | None = None
+        # Counts the asks for a rewrite (_ask_rewrite); a rewrite clears
+        # _rewrite_due only if none came since it took what to write, and
+        # set by each: a failed rewrite's back-off ends at a new ask.
+        self._rewrite_asked = 0
+        self._rewrite_took = 0
+        self._asked = asyncio.Event()
+        # The sessions whose keys the rewrite under way has still to write.
+        self._rewrite_taken: set[str] = set()
         self._granted = False
         self._announced = False  # its key written once (announce, or a rewrite)
         self._retry_in = REWRITE_RETRY_MIN
@@ -240,8 +250,7 @@ class ProxyRegistry:
                 if self._granted:
                     # Whoever asked (a flush, a Register), the keys of the
                     # lost lease are to be written under this one.
-                    self._rewrite_due = True
-                    self._rewrite_only = None
+                    self._ask_rewrite(None)
                     self._lease_suspect.set()
                 self._granted = True
             return self._lease
@@ -740,7 +749,9 @@ class ProxyRegistry:
                                 await self._put_announcement(self._lease)  # renewed_at
                     elif self.sessions or self._announcement is not None:
                         # It writes the replica's key first.
-                        rewriting = asyncio.create_task(self._rewrite(), name="registry-rewrite")
+                        rewriting = asyncio.create_task(
+                            self._rewrite_then_back_off(), name="registry-rewrite"
+                        )
                     continue
                 try:
                     await self._put_announcement(self._lease)  # renewed_at
@@ -775,8 +786,7 @@ class ProxyRegistry:
             "replica lease %x expired; re-registering %d proxies", lease, len(self.sessions)
         )
         self._lease = 0
-        self._rewrite_due = True
-        self._rewrite_only = None
+        self._ask_rewrite(None)
 
     async def self_check(self) -> bool:
         """Read this replica's key and its proxies' keys back; if one is not
@@ -825,8 +835,13 @@ class ProxyRegistry:
         """Say what is missing from under `lease`, still the live one
         (`missing`: session id -> proxy name; `own_missing`: this replica's
         key), and have the keepalive write those keys again at once: only
-        those, the others being there under the same lease."""
-        if not (missing or own_missing) or lease != self._lease or self._rewrite_due:
+        those, the others being there under the same lease. Those a rewrite
+        due or under way is to write anyway are left to it; the others are
+        added to what is due (a key found missing while a rewrite of others
+        ran had been forgotten until the next self-check)."""
+        missing = {sid: name for sid, name in missing.items() if not self._to_rewrite(sid)}
+        own_missing = own_missing and not self._rewrite_due  # a rewrite writes it first
+        if not (missing or own_missing) or lease != self._lease:
             return
         said = [f"replica {self.replica_id}"] if own_missing else []
         said += [f"proxy {name}" for name in missing.values()]
@@ -835,72 +850,143 @@ class ProxyRegistry:
             ", ".join(said),
             lease,
         )
-        self._rewrite_due = True
-        self._rewrite_only = set(missing)
+        self._ask_rewrite(set(missing))
         self._lease_suspect.set()
 
-    async def _rewrite(self) -> None:
+    def _to_rewrite(self, session_id: str) -> bool:
+        """Whether a rewrite due, or the one under way, is to write
+        `session_id`'s key (not yet written by the one under way)."""
+        if session_id in self._rewrite_taken:
+            return True
+        return self._rewrite_due and (
+            self._rewrite_only is None or session_id in self._rewrite_only
+        )
+
+    def _ask_rewrite(self, only: set[str] | None) -> None:
+        """Have a rewrite write this replica's key and those of sessions
+        `only` (None: every session's) again, with whatever is due already;
+        a rewrite under way leaves them due when it ends (they may come
+        after its writes)."""
+        if only is None or (self._rewrite_due and self._rewrite_only is None):
+            self._rewrite_only = None
+        elif self._rewrite_due and self._rewrite_only is not None:
+            self._rewrite_only |= only
+        else:
+            self._rewrite_only = set(only)
+        self._rewrite_due = True
+        self._rewrite_asked += 1
+        self._asked.set()
+
+    async def _rewrite_then_back_off(self) -> None:
+        """The keepalive's rewrite task: _rewrite, and after a failure its
+        back-off (REWRITE_RETRY_MIN, doubled per failure up to
+        REWRITE_RETRY_MAX, never past a beat; cut short by a new ask); then
+        wake the keepalive if a rewrite is still due, which starts it. (A
+        failed rewrite had been tried again at the keepalive's next beat
+        only, whatever the back-off said.)"""
+        delay = min(self._retry_in, self._beat())
+        if not await self._rewrite() and self._rewrite_asked == self._rewrite_took:
+            self._asked.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._asked.wait()
+        if self._rewrite_due:
+            self._lease_suspect.set()
+
+    async def _rewrite(self) -> bool:
         """Write this replica's key and every session's under the lease
         (granted if there is none), or only the sessions found missing
         under the live lease (_rewrite_only), REWRITE_CONCURRENCY keys at
-        once; on failure, try again later. Run by the keepalive as a task of
-        its own, one at a time."""
+        once; on failure, have it tried again later (False). Run by the
+        keepalive as a task of its own, one at a time. A rewrite asked for
+        while it ran is left due (_ask_rewrite)."""
         lease = 0
+        only: set[str] | None = set()  # nothing taken yet: nothing to give back
+        self._rewrite_took = self._rewrite_asked  # a failed grant backs off too
         try:
             lease = await self._ensure_lease()
-            only = self._rewrite_only  # read after a grant, which resets it
+            # Taken after a grant, which asks for every key.
+            only, self._rewrite_only = self._rewrite_only, set()
+            self._rewrite_took = self._rewrite_asked
             await self._put_announcement(lease)
             records = [r for sid, r in list(self.sessions.items()) if only is None or sid in only]
-            gate = asyncio.Semaphore(REWRITE_CONCURRENCY)
-
-            async def one(record: ProxyRecord) -> None:
-                async with gate:
-                    if lease == self._lease:  # else lost: the next lease's rewrite is due
-                        await self._restore(record, lease)
-
-            for outcome in await asyncio.gather(*(one(r) for r in records), return_exceptions=True):
-                if isinstance(outcome, BaseException):
-                    raise outcome
+            await self._restore_all(records, lease)
         except LeaseExpired as exc:
-            self._rewrite_failed(exc)
+            self._rewrite_failed(exc, only)
             if self._lease == lease:  # not one granted since (by a flush)
                 self._lease = 0
-            return
+            return False
         except (Unavailable, StoreUnavailable) as exc:
             # The lease stays: the keepalive's refresh says if it went too.
-            self._rewrite_failed(exc)
-            return
+            self._rewrite_failed(exc, only)
+            return False
         except Exception as exc:
             # Not a store failure (a bug, a key that does not decode): the
             # keys must still be written, so it is tried again as well.
-            self._rewrite_failed(exc)
-            return
+            self._rewrite_failed(exc, only)
+            return False
         if lease != self._lease:
-            return  # lost during the writes: the next lease's rewrite is due
-        self._rewrite_due = False
-        self._rewrite_only = None
+            return True  # lost during the writes: the next lease's rewrite is due
+        if self._rewrite_asked == self._rewrite_took:
+            self._rewrite_due = False
+            self._rewrite_only = None
         self._retry_in = REWRITE_RETRY_MIN
         self._acks_dirty = True
         self._traffic_dirty = True
         self._store_failing = False
+        self._say_rewritten(lease, only, len(records))
+        return True
+
+    def _say_rewritten(self, lease: int, only: set[str] | None, written: int) -> None:
+        """Log a rewrite done under `lease`: of `written` sessions' keys,
+        `only` those when not None."""
         if self._announcement is not None and not self._announced:
             self._announced = True  # its first announcement, after a failed one
             log.info("replica %s announced under lease %x", self.replica_id, lease)
-            return
-        if only is not None:
+        elif only is not None and not written:
+            # Its own key only: "0 missing proxy keys" had been said.
+            log.info("replica %s wrote its key again under lease %x", self.replica_id, lease)
+        elif only is not None:
             log.info(
                 "replica %s wrote %d missing proxy keys again under lease %x",
                 self.replica_id,
-                len(records),
+                written,
                 lease,
             )
-            return
-        log.info(
-            "replica %s and its %d proxies registered again under lease %x",
-            self.replica_id,
-            len(self.sessions),
-            lease,
-        )
+        else:
+            log.info(
+                "replica %s and its %d proxies registered again under lease %x",
+                self.replica_id,
+                len(self.sessions),
+                lease,
+            )
+
+    async def _restore_all(self, records: list[ProxyRecord], lease: int) -> None:
+        """Write `records`' keys again under `lease`, REWRITE_CONCURRENCY at
+        once; the first failure is raised once the writes under way are done,
+        and none is started after it (with the lease lost, every key still
+        queued had been written under it, each a LeaseExpired)."""
+        gate = asyncio.Semaphore(REWRITE_CONCURRENCY)
+        failed: list[Exception] = []
+        self._rewrite_taken = {r.session_id for r in records}
+
+        async def one(record: ProxyRecord) -> None:
+            async with gate:
+                if failed or lease != self._lease:  # else the next lease's rewrite is due
+                    return
+                try:
+                    await self._restore(record, lease)
+                except Exception as exc:
+                    failed.append(exc)
+                finally:
+                    self._rewrite_taken.discard(record.session_id)
+
+        try:
+            await asyncio.gather(*(one(r) for r in records))
+        finally:
+            self._rewrite_taken = set()
+        if failed:
+            raise failed[0]
 
     async def _restore(self, record: ProxyRecord, lease: int) -> None:
         """Write `record`'s key again under `lease` (a rewrite's, one key)."""
@@ -920,8 +1006,14 @@ class ProxyRegistry:
             log.info("proxy %s registered again elsewhere meanwhile", record.name)
             self._forget(record.session_id)
 
-    def _rewrite_failed(self, exc: Exception) -> None:
+    def _rewrite_failed(self, exc: Exception, only: set[str] | None) -> None:
+        """A rewrite of sessions `only` (None: every one's) failed: due again,
+        with whatever was asked for meanwhile."""
         self._rewrite_due = True
+        if only is None or self._rewrite_only is None:
+            self._rewrite_only = None
+        else:
+            self._rewrite_only |= only
         self._say_store_failing(
             f"re-registration failed, retried every {REWRITE_RETRY_MAX:g} s at most "
             "until it works: %s",

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+import controlplane.registry as registry_module
 from controlplane.catalog import PROXIES, REPLICAS, Catalog
-from controlplane.registry import ProxyRegistry
+from controlplane.registry import REWRITE_CONCURRENCY, ProxyRegistry
+from controlplane.store import StoreUnavailable
 from controlplane.store.memory import MemoryStore
 
 
@@ -47,7 +49,7 @@ class GatedStore(MemoryStore):
         return await super().grant_lease(ttl)
 
 
-async def fleet_of(store: GatedStore, names: list[str]) -> tuple[ProxyRegistry, list[str]]:
+async def fleet_of(store: MemoryStore, names: list[str]) -> tuple[ProxyRegistry, list[str]]:
     registry = ProxyRegistry(Catalog(store), "cp1", lease_ttl=3, self_check_every=3600.0)
     await registry.announce("127.0.0.1:7000")
     sessions = []
@@ -101,3 +103,123 @@ async def test_a_lease_granted_during_the_refresh_of_a_lost_one_is_kept(
     assert store.grants == 2  # the first, and the flush's
     said = [r.getMessage() for r in caplog.records if "expired" in r.getMessage()]
     assert said == [f"replica lease {first:x} expired, dropped already"]
+
+
+async def test_a_key_found_missing_while_a_rewrite_of_others_runs_is_written_too(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "controlplane.registry")
+    store = GatedStore()
+    registry, _ = await fleet_of(store, ["a", "b"])
+    lease = registry._lease
+    await MemoryStore.delete(store, PROXIES + "a")
+    assert await registry.self_check()  # a found missing: its rewrite due
+    store.hold_puts = True
+    keeping = asyncio.create_task(registry.keepalive())
+    try:
+        async with asyncio.timeout(10):
+            await store.put_entered.wait()  # the rewrite of a writes
+            await MemoryStore.delete(store, PROXIES + "b")  # b lost meanwhile
+            assert await registry.drop_superseded()  # b found missing; a is being written
+            store.hold_puts = False
+            store.put_gate.set()
+            while registry._rewrite_due:
+                await asyncio.sleep(0.01)
+            assert await under(store, lease, ["a", "b"])
+    finally:
+        keeping.cancel()
+        await asyncio.gather(keeping, return_exceptions=True)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [
+        f"proxy {name} not in the state store under this replica's lease {lease:x}; "
+        "writing them again"
+        for name in ("a", "b")
+    ]
+
+
+class LosingStore(MemoryStore):
+    """Drops the lease at the first proxy write (`lose`); notes the proxy
+    keys written, each write letting the others run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lose = False
+        self.proxies_written: set[str] = set()
+
+    async def put(self, key: str, value: bytes, **kwargs: Any) -> int:
+        if key.startswith(PROXIES):
+            self.proxies_written.add(key)
+            if self.lose:
+                self.lose = False
+                await self.revoke_lease(kwargs["lease"])
+            await asyncio.sleep(0)  # as a write over the network would
+        return await super().put(key, value, **kwargs)
+
+
+async def test_a_rewrite_that_finds_the_lease_lost_starts_no_more_writes() -> None:
+    store = LosingStore()
+    names = [f"p-{i:02d}" for i in range(3 * REWRITE_CONCURRENCY)]
+    registry, _ = await fleet_of(store, names)
+    store.proxies_written.clear()
+    registry._rewrite_due = True  # every key (a lease granted after the first)
+    store.lose = True
+    await registry._rewrite()
+    assert registry._lease == 0
+    assert registry._rewrite_due and registry._rewrite_only is None
+    # The writes under way when the lease went; none queued after them.
+    assert len(store.proxies_written) <= REWRITE_CONCURRENCY
+
+
+async def test_a_failed_rewrite_is_tried_again_after_its_back_off_not_a_beat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry_module, "REWRITE_RETRY_MIN", 0.01)
+    store = FailingStore()
+    registry = ProxyRegistry(Catalog(store), "cp1", lease_ttl=60)  # a beat of 20 s
+    await registry.announce("127.0.0.1:7000")
+    record = await registry.register("p1", "eu-west", "10.0.0.1:1", "1")
+    registry.streaming(record.session_id)
+    first = registry._lease
+    await MemoryStore.revoke_lease(store, first)
+    store.fail = 3
+    keeping = asyncio.create_task(registry.keepalive())
+    try:
+        # Tried again after 0.01, 0.02 and 0.04 s; the keepalive's next beat
+        # would be 20 s away (it was then that a failed rewrite was retried).
+        async with asyncio.timeout(10):
+            registry._lease_suspect.set()
+            while registry._lease in (0, first) or registry._rewrite_due:
+                await asyncio.sleep(0.01)
+    finally:
+        keeping.cancel()
+        await asyncio.gather(keeping, return_exceptions=True)
+    assert store.fail == 0
+    assert await under(store, registry._lease, ["p1"])
+
+
+class FailingStore(GatedStore):
+    """Its next `fail` writes of a replica's key time out."""
+
+    fail = 0
+
+    async def put(self, key: str, value: bytes, **kwargs: Any) -> int:
+        if self.fail and key.startswith(REPLICAS):
+            self.fail -= 1
+            raise StoreUnavailable("etcdserver: request timed out")
+        return await super().put(key, value, **kwargs)
+
+
+async def test_a_rewrite_of_the_replica_key_alone_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "controlplane.registry")
+    store = GatedStore()
+    registry, _ = await fleet_of(store, ["p1"])
+    lease = registry._lease
+    await MemoryStore.delete(store, REPLICAS + "cp1")
+    assert await registry.self_check()
+    assert registry._rewrite_only == set()
+    await registry._rewrite()
+    assert await under(store, lease, ["p1"])
+    said = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert said[-1] == f"replica cp1 wrote its key again under lease {lease:x}"
