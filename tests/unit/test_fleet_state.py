@@ -151,7 +151,12 @@ async def test_a_replica_is_judged_by_the_readers_clock_whatever_its_own(skew_s:
 async def test_one_failed_renewal_and_a_slow_write_leave_a_replica_believed() -> None:
     fleet = Fleet(cp3_silent_s=0.0, published_s_ago=1.0)
     await fleet.start()
-    await fleet.beat(2 * 3.0 + 1.2)  # a renewal lost, the next 1.2 s late
+    # A renewal lost, the next 1.2 s late: read just before it lands, 7.2 s
+    # without one (silent past 7.5 s). A read right after a beat sees no
+    # silence at all, and had made this assertion one that could not fail.
+    fleet.mono += 2 * 3.0 + 1.2
+    assert set((await fleet.cli_states()).values()) == {"current"}
+    await fleet.beat(0.0)  # the late renewal
     assert set((await fleet.cli_states()).values()) == {"current"}
     fleet.mono += 2 * 3.0 + 1.2
     assert set((await fleet.cli_states()).values()) == {"current"}
