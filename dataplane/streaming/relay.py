@@ -165,7 +165,9 @@ class RelayEnd:
     """How a relay ended."""
 
     # The client got the whole answer: up to its last event (the origin's
-    # body may not have ended yet), or the origin's whole stream.
+    # body may not have ended yet), or the end the proxy wrote in its place
+    # (`ended`, or `Next.whole`). A body that ended before that event did not
+    # end the answer, however cleanly (ENDED_EARLY): that is a cut.
     complete: bool = False
     # Why the origin's stream stopped early, if it did ("" otherwise); with
     # continuations, the last cut that was not continued.
@@ -204,7 +206,8 @@ async def relay(
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
     A cut (read error, timeout, no chunk for `idle_timeout` seconds, an
-    event longer than `max_event_bytes`, which would all be held) writes
+    event longer than `max_event_bytes`, which would all be held, or the
+    body's end before the answer's last event, clean or not) writes
     `error_event` (or what it makes of the last event relayed) and returns
     with `cut` set, unless `resume` gives a stream to go on with. A
     cancellation (the client vanished with the server's handler cancellation
@@ -219,9 +222,10 @@ async def relay(
     marks unhealthy is cut sooner.
 
     Without `resume`, `whole` is asked at a cut by the origin (a read error,
-    the idle timeout) whether the answer was whole but its last chunks, and
-    what it gives ends the stream in their place (`ended` when it adds a
-    chunk of its own); with `resume`, the hook does that (dataplane.http.resume).
+    the idle timeout, its body's end) whether the answer was whole but its
+    last chunks, and what it gives ends the stream in their place (`ended`
+    when it adds a chunk of its own); with `resume`, the hook does that
+    (dataplane.http.resume).
 
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
@@ -350,39 +354,48 @@ async def _relay_bytes(
             try:
                 chunk = await _read(content, idle)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # A connection that drops after the last event ended a whole answer.
-                if ends_answer(written):
-                    end.complete = True
-                    break
                 cut = _why(exc, idle)
-                own = whole_hook(cut, before, last) if whole_hook is not None else None
-                if own is None:
-                    end.cut = cut
-                    await out.write(_ending(error_event, last))
-                    break
-                # Its readers read it as the origin's last chunks (the
-                # recorder keeps a whole answer only once it has [DONE]); the
-                # origin's event it cut off is gone (`open_event` is not it).
-                parser = SseParser(max_event_bytes)
-                for ev in parser.feed(own.data):
-                    for reader in readers:
-                        reader.event(ev)
-                if chunks is not None:
-                    chunks.chunk(own.data)
-                answered = True
-                await out.write(own.data)
-                end.complete = True
-                if not own.whole:
-                    end.ended = cut
-                break
-            if not chunk:
-                if held_size:  # a last event without its blank line: as it came
-                    data = b"".join(held)
+            else:
+                if chunk:
+                    continue
+                data = b"".join(held)
+                if ends_answer(data):  # its last event without its blank line: as it came
                     if chunks is not None:
                         chunks.chunk(data)
+                    answered = True
                     await out.write(data)
+                    end.complete = True
+                    break
+                # A body that ends, however cleanly, before the answer's last
+                # event is a cut as a dropped connection is (a new user's
+                # trial: a chat stream that ended after two deltas, with no
+                # finish and no [DONE], was logged a whole 200, and the
+                # client had half an answer and no error).
+                cut = ENDED_INSIDE_EVENT if data.strip(b"\r\n") else ENDED_EARLY
+            # A stream that stops after the last event ended a whole answer.
+            if ends_answer(written):
                 end.complete = True
                 break
+            own = whole_hook(cut, before, last) if whole_hook is not None else None
+            if own is None:
+                end.cut = cut
+                await out.write(_ending(error_event, last))
+                break
+            # Its readers read it as the origin's last chunks (the
+            # recorder keeps a whole answer only once it has [DONE]); the
+            # origin's event it cut off is gone (`open_event` is not it).
+            parser = SseParser(max_event_bytes)
+            for ev in parser.feed(own.data):
+                for reader in readers:
+                    reader.event(ev)
+            if chunks is not None:
+                chunks.chunk(own.data)
+            answered = True
+            await out.write(own.data)
+            end.complete = True
+            if not own.whole:
+                end.ended = cut
+            break
         eof = True
         await out.write_eof()
     except ConnectionResetError:
@@ -465,10 +478,8 @@ async def _relay_events(
                 else:
                     if chunk:
                         continue
-                    if parser.close() is None:
-                        end.complete = True
-                        break
-                    cut = "the stream ended inside an event"
+                    # Not the answer's end, which `done` is: see _relay_bytes.
+                    cut = ENDED_EARLY if parser.close() is None else ENDED_INSIDE_EVENT
             if done:  # a connection that drops after the last event ended a whole answer
                 end.complete = True
                 break
@@ -540,6 +551,13 @@ def _client_left(end: RelayEnd) -> None:
     if not end.complete:
         end.client_gone = True
 
+
+# Why a stream whose body ended before the answer's last event stopped: its
+# last event (chat's and completions' `data: [DONE]`, a Responses stream's
+# response.completed, .failed or .incomplete) is what says an answer is
+# whole; a body's end is only the connection's (a chunked body's last chunk).
+ENDED_EARLY: Final = "the origin's body ended before the answer's last event"
+ENDED_INSIDE_EVENT: Final = "the origin's body ended inside an event"
 
 # The events that end a Responses stream, which has no `data: [DONE]`.
 RESPONSES_ENDS: Final = frozenset(

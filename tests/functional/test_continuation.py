@@ -58,6 +58,7 @@ class Origin:
         self._handler = handler
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/responses", self._handle)
         self.server = TestServer(app)
 
@@ -1073,9 +1074,91 @@ async def test_a_first_chunk_past_its_own_bound_is_asked_of_the_next_origin(
 
 
 @pytest.mark.parametrize("continuation", ["on", "off"])
+async def test_a_stream_whose_body_ends_cleanly_half_way_is_a_cut(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture, continuation: str
+) -> None:
+    """A new user's trial: two deltas, no finish, no [DONE], then the body's
+    last chunk. The client had 'half way' and no error; the access log said
+    200, the attempt counted "ok" and no cut. Now it is the cut a dropped
+    connection is: continued, or ended with the error event, counted and
+    logged once, and not kept."""
+
+    async def half_way(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "half", role=True) + event("first", " way"))
+        await out.write_eof()  # the chunked body's last chunk: a clean end
+        return out
+
+    a, b = Origin(half_way), await second_origin()
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation=continuation))
+    with caplog.at_level(logging.INFO):
+        chunks, raw = await p.stream(temperature=0)
+    metrics = p.app[METRICS]
+    assert metrics.stream_cuts.labels("o0").value == 1
+    assert metrics.attempt("o0", "ok").value == 0
+    said = [r.getMessage() for r in caplog.records if "o0" in r.getMessage()]
+    cuts = [m for m in said if "the origin's body ended before the answer's last event" in m]
+    assert len(cuts) == 1, said
+    if continuation == "on":
+        assert text_of(chunks) == "half way world" and "error" not in raw
+        assert len(b.bodies) == 1
+        assert b.bodies[0]["messages"][-1] == {"role": "assistant", "content": "half way"}
+        assert "continued on o1" in cuts[0]
+        return
+    assert text_of(chunks[:-1]) == "half way"
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    assert not b.bodies
+    assert "not continued: the tenant turned continuation off" in cuts[0]
+    assert operations(p) == {("stream_cut", "r0"): 1.0}
+    await p.stream(temperature=0)
+    assert len(a.bodies) == 2  # not kept: asked of the origin again
+
+
+@pytest.mark.parametrize("continuation", ["on", "off"])
+async def test_a_completions_stream_whose_body_ends_before_done_is_cut_or_ended(
+    proxy: Callable[..., Awaitable[Proxy]], continuation: str
+) -> None:
+    """Completions streams share the chat relay and its ends: half an answer
+    whose body ends cleanly is cut (no other origin here: the error event),
+    a whole one without its [DONE] is ended with it, and kept."""
+
+    def text(piece: str, finish: str | None = None) -> bytes:
+        chunk = {"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+                 "choices": [{"index": 0, "text": piece, "finish_reason": finish}]}  # fmt: skip
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    async def ends_early(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        whole = (await request.json())["prompt"] == "whole"
+        await out.write(text("half") + text(" way") + (text("", "stop") if whole else b""))
+        await out.write_eof()
+        return out
+
+    a = Origin(ends_early)
+    p = await proxy([(a, True)], pb.StreamPolicy(continuation=continuation))
+
+    async def ask(prompt: str) -> list[dict[str, Any]]:
+        body = {"model": MODEL, "prompt": prompt, "stream": True, "temperature": 0}
+        resp = await p.client.post("/v1/completions", json=body)
+        frames = [f for f in (await resp.read()).decode().split("\n\n") if f]
+        assert frames[-1] == "data: [DONE]"
+        return [json.loads(f[6:]) for f in frames[:-1]]
+
+    half = await ask("half")
+    assert half[-1]["error"]["code"] == "upstream_stream_broken"
+    whole = await ask("whole")
+    assert "".join(c["choices"][0]["text"] for c in whole) == "half way"
+    assert whole[-1]["choices"][0]["finish_reason"] == "stop"
+    await ask("whole")
+    assert len(a.bodies) == 2  # the whole one was kept: the cache answered
+    assert p.app[METRICS].stream_cuts.labels("o0").value == 2
+
+
+@pytest.mark.parametrize("end", ["dropped", "ended"])
+@pytest.mark.parametrize("continuation", ["on", "off"])
 @pytest.mark.parametrize("how", ["usage-sent", "usage-missing", "usage-not-asked"])
 async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked(
-    proxy: Callable[..., Awaitable[Proxy]], how: str, continuation: str
+    proxy: Callable[..., Awaitable[Proxy]], how: str, continuation: str, end: str
 ) -> None:
     """Trial 45: an origin that dropped after the finish chunk, before its
     usage chunk and [DONE], left the SDK's `usage` None, and was counted as a
@@ -1084,7 +1167,8 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
     for usage and none came (not kept: not the origin's answer), else with
     [DONE] alone, and then the answer is the origin's, whole, and kept.
     With continuation off too (note 28's left item: the error event came
-    after the whole answer)."""
+    after the whole answer). A body that ends cleanly there, with its last
+    chunk, is ended the same (a new user's trial: the client had no [DONE])."""
     usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
 
     async def finish_then_drop(request: web.Request) -> web.StreamResponse:
@@ -1095,6 +1179,9 @@ async def test_a_stream_cut_after_its_finish_is_ended_with_what_the_client_asked
             + event("first", finish="stop")
             + (event("first", usage=usage) if how == "usage-sent" else b"")
         )
+        if end == "ended":
+            await out.write_eof()  # no [DONE], and the chunked terminator
+            return out
         assert request.transport is not None
         request.transport.close()  # no [DONE], no chunked terminator
         return out

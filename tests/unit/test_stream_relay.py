@@ -17,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane.streaming.relay import (
+    ENDED_EARLY,
+    ENDED_INSIDE_EVENT,
     Next,
+    OwnEnd,
     RelayEnd,
     Resume,
     _why,
@@ -224,12 +227,15 @@ RESPONSES_STREAM = (
 ERROR_EVENT = b"event: error\ndata: {}\n\n"
 
 
-async def relay_dropped(*after_first: bytes, continuable: bool) -> tuple[Out, RelayEnd]:
-    """A Responses stream whose connection drops after `after_first`."""
+async def relay_dropped(
+    *after_first: bytes, continuable: bool, clean: bool = False
+) -> tuple[Out, RelayEnd]:
+    """A Responses stream whose connection drops after `after_first` (or,
+    `clean`, whose body ends there)."""
     out = Out()
     end = await relay(
         RESPONSES_STREAM[0],
-        Dropping(*after_first),
+        (Content if clean else Dropping)(*after_first),
         cast(web.StreamResponse, out),
         readers=[Reader()],
         error_event=ERROR_EVENT,
@@ -239,22 +245,98 @@ async def relay_dropped(*after_first: bytes, continuable: bool) -> tuple[Out, Re
     return out, end
 
 
+@pytest.mark.parametrize("clean", [False, True], ids=["dropped", "ended"])
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
 @pytest.mark.parametrize("last", ["completed", "failed", "incomplete"])
 async def test_a_responses_stream_dropped_after_its_last_event_is_whole(
-    continuable: bool, last: str
+    continuable: bool, last: str, clean: bool
 ) -> None:
     final = b'event: response.%s\ndata: {"type":"response.%s"}\n\n' % (last.encode(), last.encode())
-    out, end = await relay_dropped(RESPONSES_STREAM[1], final, continuable=continuable)
+    out, end = await relay_dropped(RESPONSES_STREAM[1], final, continuable=continuable, clean=clean)
     assert end.complete and not end.cut
     assert b"event: error" not in b"".join(out.written)
 
 
+@pytest.mark.parametrize("clean", [False, True], ids=["dropped", "ended"])
 @pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
-async def test_a_responses_stream_dropped_before_its_last_event_is_cut(continuable: bool) -> None:
-    out, end = await relay_dropped(RESPONSES_STREAM[1], continuable=continuable)
+async def test_a_responses_stream_dropped_before_its_last_event_is_cut(
+    continuable: bool, clean: bool
+) -> None:
+    """A body that ends cleanly before response.completed is cut as one
+    that drops is (a new user's trial: it was taken for a whole answer)."""
+    out, end = await relay_dropped(RESPONSES_STREAM[1], continuable=continuable, clean=clean)
     assert end.cut and not end.complete
     assert b"".join(out.written).endswith(ERROR_EVENT)
+
+
+HALF_WAY = (
+    b'data: {"choices":[{"index":0,"delta":{"content":"half"},"finish_reason":null}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":" way"},"finish_reason":null}]}\n\n',
+)
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+@pytest.mark.parametrize(
+    ("tail", "why"),
+    [(b"", ENDED_EARLY), (b'data: {"choi', ENDED_INSIDE_EVENT)],
+    ids=["after-an-event", "inside-one"],
+)
+async def test_a_chat_stream_whose_body_ends_before_done_is_cut(
+    continuable: bool, tail: bytes, why: str
+) -> None:
+    """A new user's trial: two deltas, then the body's clean end (no finish,
+    no [DONE]) was a complete answer: the client had half of it, no error."""
+    out = Out()
+    cuts: list[str] = []
+
+    async def resume(cut: str, too_long: int) -> Next | None:
+        cuts.append(cut)
+        return None
+
+    end = await relay(
+        HALF_WAY[0],
+        Content(HALF_WAY[1], tail),
+        cast(web.StreamResponse, out),
+        error_event=ERROR_EVENT,
+        idle_timeout=60.0,
+        resume=resume if continuable else None,
+    )
+    assert end.cut == why and not end.complete
+    assert cuts == ([why] if continuable else [])
+    written = b"".join(out.written)
+    assert written == b"".join(HALF_WAY) + ERROR_EVENT  # never the half event
+    assert out.ended
+
+
+async def test_a_body_ended_after_the_answer_but_its_done_is_ended_by_the_whole_hook() -> None:
+    """Its finish came, then the body's clean end: the `whole` hook's end
+    ([DONE]) follows, as after a dropped connection."""
+    out = Out()
+    asked: list[tuple[str, Event | None]] = []
+
+    def whole(cut: str, before: Event | None, last: Event | None) -> OwnEnd | None:
+        asked.append((cut, last))
+        return OwnEnd(b"data: [DONE]\n\n", whole=True)
+
+    finish = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    end = await relay(
+        HALF_WAY[0],
+        Content(finish),
+        cast(web.StreamResponse, out),
+        error_event=ERROR_EVENT,
+        whole=whole,
+    )
+    assert end.complete and not end.cut and not end.ended
+    assert asked == [(ENDED_EARLY, Event(finish[6:-2]))]
+    assert b"".join(out.written) == HALF_WAY[0] + finish + b"data: [DONE]\n\n"
+
+
+async def test_a_last_done_without_its_blank_line_ends_the_answer() -> None:
+    out = Out()
+    end = await relay(HALF_WAY[0], Content(b"data: [DONE]"), cast(web.StreamResponse, out))
+    assert end.complete and not end.cut
+    assert end.open_event is not None and end.open_event.done
+    assert b"".join(out.written) == HALF_WAY[0] + b"data: [DONE]"
 
 
 NUMBERED = (
@@ -464,7 +546,8 @@ async def test_the_byte_relay_writes_each_event_as_soon_as_it_is_whole(
 ) -> None:
     """Split anywhere, a stream is written unchanged, and after each chunk
     read the client has every byte up to the last blank line read so far
-    (held bytes are joined once, not on every chunk)."""
+    (held bytes are joined once, not on every chunk); at the body's end,
+    without the answer's ([DONE]), a cut after the last whole event."""
     stream = b"".join(b"data: " + text + sep for text, sep in lines)
     chunks, at = [], 0
     for size in sizes:
@@ -496,8 +579,14 @@ async def test_the_byte_relay_writes_each_event_as_soon_as_it_is_whole(
         readers=[reader],
         max_event_bytes=BOUND,
     )
-    assert end.complete
-    assert b"".join(out.written) == stream
+    whole_to = max(_boundaries(stream), default=0)
+    inside = stream[whole_to:].strip(b"\r\n")
+    assert end.cut == (ENDED_INSIDE_EVENT if inside else ENDED_EARLY) and not end.complete
+    written = b"".join(out.written)
+    # A CRLF's LF that came alone in the last read is held with the rest.
+    assert written == stream[:whole_to] or (
+        written == stream[: whole_to - 1] and stream[whole_to - 2 : whole_to] == b"\r\n"
+    )
     whole = SseParser()
     assert reader.events == whole.feed(stream)
 
