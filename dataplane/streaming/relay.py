@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -202,6 +203,7 @@ async def relay(
     stopped: Stopped | None = None,
     watch: Watch | None = None,
     whole: Whole | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
@@ -230,7 +232,9 @@ async def relay(
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
     event before the continuation's), and an origin's in-band error event
-    counts as a cut; without it, the origin's bytes go through unchanged.
+    counts as a cut; the origin's comments become a KEEP_ALIVE of the
+    relay's own, at most every KEEP_ALIVE_EVERY_S of `clock`. Without it,
+    the origin's bytes go through unchanged.
     """
     # One timer for the whole stream, not one per chunk (dataplane.timer).
     idle = IdleTimeout(idle_timeout) if idle_timeout is not None else None
@@ -252,6 +256,7 @@ async def relay(
                 max_event_bytes,
                 stopped,
                 watch,
+                clock,
             )
         return await _relay_bytes(
             first, content, out, readers, chunks, error_event, idle, max_event_bytes, stopped, whole
@@ -421,6 +426,7 @@ async def _relay_events(
     max_event_bytes: int,
     stopped: Stopped | None,
     watch: Watch | None,
+    clock: Callable[[], float],
 ) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser(max_event_bytes)
@@ -429,6 +435,7 @@ async def _relay_events(
     done = False  # the client has the stream's last event: nothing after it matters
     chunk = first
     eof = False  # the stream's end is being written: nothing more may be
+    quiet_until = float("-inf")  # no keep-alive is written before (`clock`)
     try:
         while True:
             cut = ""
@@ -463,6 +470,18 @@ async def _relay_events(
                 if chunks is not None:
                     chunks.chunk(framed)
                 await out.write(framed)
+            elif not cut and _comments(chunk) and (now := clock()) >= quiet_until:
+                # A read that completed no event, only the origin's comments
+                # (`: keep-alive`, `: ping`): the parser drops them, and the
+                # client, whose load balancer or browser may close a stream
+                # idle for long, would hear nothing while the origin pings (a
+                # new user's trial: 6 s of silence through the proxy, 1 s
+                # direct). One comment of its own, at most every
+                # KEEP_ALIVE_EVERY_S; looked for only in reads without an event.
+                quiet_until = now + KEEP_ALIVE_EVERY_S
+                if chunks is not None:
+                    chunks.chunk(KEEP_ALIVE)
+                await out.write(KEEP_ALIVE)
             if done and not cut:  # the client has the whole answer: see _relay_bytes
                 end.complete = True
                 break
@@ -677,6 +696,21 @@ def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
         detail = getattr(exc.__cause__, "message", "")
         return f"the origin's body could not be read ({head}{f': {detail}' if detail else ''})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# What the events relay writes for an origin's comments, and how often at
+# most (`clock`): often enough for idle timeouts counted in seconds (a load
+# balancer's, a browser's), rarely enough that an origin pinging in a tight
+# loop costs few writes.
+KEEP_ALIVE: Final = b": keep-alive\n\n"
+KEEP_ALIVE_EVERY_S: Final = 0.5
+
+
+def _comments(chunk: bytes) -> bool:
+    """Whether `chunk` may hold a comment line (one starting with ':'); a
+    chunk that starts inside a line may be taken for one, which costs a
+    keep-alive at most."""
+    return chunk[:1] == b":" or b"\n:" in chunk or b"\r:" in chunk
 
 
 def _frame(ev: Event) -> bytes:

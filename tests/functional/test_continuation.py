@@ -1368,3 +1368,42 @@ async def test_a_stream_cut_after_one_of_its_choices_is_not_whole(
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     await p.stream(n=2, temperature=0, stream_options=None, user="both")
     assert len(a.bodies) == 3  # kept: the cache answered
+
+
+@pytest.mark.parametrize(
+    ("continuation", "ping"), [("on", b": keep-alive\n\n"), ("off", b": ping\n\n")]
+)
+async def test_an_origins_comments_keep_the_clients_stream_alive(
+    proxy: Callable[..., Awaitable[Proxy]], continuation: str, ping: bytes
+) -> None:
+    """A new user's trial: an origin that pinged (`: ping`) every second
+    while its model thought was heard as silence through the proxy with
+    continuation on (its relay re-frames events, and dropped comments),
+    which a load balancer's idle timeout closes. Once the stream has begun,
+    the client gets a comment while the origin pings: the relay's own with
+    continuation on, the origin's as it came without."""
+    read, release = asyncio.Event(), asyncio.Event()
+
+    async def pings(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "Hi", role=True))
+        await read.wait()  # a read of its own: one with an event needs no keep-alive
+        await out.write(b": ping\n\n")
+        await release.wait()
+        await out.write(event("first", finish="stop") + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    p = await proxy([(Origin(pings), True)], pb.StreamPolicy(continuation=continuation), idle="30")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    resp = await p.client.post("/v1/chat/completions", json=body)
+    got = b""
+    async with asyncio.timeout(10):  # a bound on a broken test, not a timing
+        for wanted, then in ((b'"Hi"', read), (ping, release)):
+            while wanted not in got:
+                chunk = await resp.content.readany()
+                assert chunk, got
+                got += chunk
+            then.set()
+    got += await resp.read()
+    assert got.endswith(b"data: [DONE]\n\n") and got.count(ping) == 1

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from dataplane.streaming.relay import (
     ENDED_EARLY,
     ENDED_INSIDE_EVENT,
+    KEEP_ALIVE,
     Next,
     OwnEnd,
     RelayEnd,
@@ -918,3 +919,35 @@ async def test_a_body_cut_short_is_said_without_aiohttps_parser_code() -> None:
     assert said.startswith("the origin's body could not be read (Response payload is not completed")
     assert "Not enough data" in said and "400" not in said and "<" not in said
     assert _why(aiohttp.ClientPayloadError(), None) == "the origin's body could not be read (cut)"
+
+
+@pytest.mark.parametrize("advance", [0.0, 0.6], ids=["within-the-interval", "past-it"])
+async def test_the_event_relay_writes_a_keep_alive_for_the_origins_comments(
+    advance: float,
+) -> None:
+    """A new user's trial: the origin's `: keep-alive` comments were dropped
+    with continuation on, and the client heard nothing while the origin
+    pinged. One comment of the relay's own for a read without an event, at
+    most every KEEP_ALIVE_EVERY_S; none for a read that had one."""
+    now = [100.0]
+
+    def clock() -> float:
+        now[0] += advance
+        return now[0]
+
+    out = Out()
+    end = await relay(
+        HALF_WAY[0],
+        Content(
+            b": keep-alive\n\n",
+            b":ping\r\n\r\n",
+            b"\n: ping\n\n" + HALF_WAY[1],
+            b"data: [DONE]\n\n",
+        ),
+        cast(web.StreamResponse, out),
+        resume=no_resume,
+        clock=clock,
+    )
+    assert end.complete
+    pings = [KEEP_ALIVE] * (2 if advance else 1)
+    assert out.written == [HALF_WAY[0], *pings, HALF_WAY[1], b"data: [DONE]\n\n"]
