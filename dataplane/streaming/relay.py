@@ -1,9 +1,35 @@
 """Relaying an origin's stream to the client, and who reads it on the way.
 
-The relay writes the origin's bytes unchanged. When anyone reads the stream
-(usage counting, the cache's recorder), one `SseParser` turns the bytes into
-events once and each reader gets them; a flight's leader gets the raw chunks
-for its followers. A relay whose stream nobody reads parses nothing.
+Two relays, by whether the stream may be continued on another origin
+(`resume`: a chat or completions stream whose tenant has continuation on,
+the default):
+
+- Without it (continuation off, a Responses stream, a stored response
+  streamed again), the origin's bytes go to the client unchanged: its line
+  endings, `id:` and `retry:` lines, comments and blank lines as they came.
+  Only where they are cut differs: each write ends at an event's blank line
+  (the bytes after it are held until the next one ends), so a cut never
+  leaves the client half an event; the stream ends with the answer's last
+  event (below); and the proxy adds its own ends (the error event, or what
+  `whole` gives). (A Responses stream's ids may be rewritten before
+  the relay: dataplane.upstream.responseids.)
+- With it, the client is sent the origin's events re-framed, not its
+  bytes: each whole event as `event: NAME` (if named) and one `data: ` line
+  per data line, LF line endings and a blank line (a CRLF or CR becomes LF,
+  `data:x` becomes `data: x`, a byte order mark goes); `id:`, `retry:` and
+  other fields are dropped (OpenAI-style streams carry none that a client
+  reads); comments are dropped, and a read of the origin's with comments and
+  no event is answered with a KEEP_ALIVE of the relay's own, at most every
+  KEEP_ALIVE_EVERY_S; an in-band error event is a cut, never relayed; and a
+  continuation's events are rewritten to look like the first origin's
+  (dataplane.streaming.splice). Nearly every event (one `data: ` line, LF)
+  comes out as it came in.
+
+When anyone reads the stream (usage counting, the cache's recorder), one
+`SseParser` turns the bytes into events once and each reader gets them; a
+flight's leader gets the chunks written to its client for its followers.
+Both relays parse every chunk: the bound on an event (`max_event_bytes`) and
+the ending made of the last event relayed need it.
 
 The client's stream ends with the answer's last event (chat's and
 completions' `data: [DONE]`, a Responses stream's response.completed, .failed
@@ -14,7 +40,8 @@ has had the whole answer. The caller then lets the origin's connection wait
 for that end (`OriginAnswer.ended`).
 
 Contract: once the client has a byte the response is committed; a failure of
-the origin (a cut, a stall past the idle timeout, an in-band error event) is
+the origin (a cut, a body that ends before the answer's last event, a stall
+past the idle timeout, an in-band error event with `resume`) is
 continued on another origin when the caller gives a `resume` hook that finds
 one (dataplane.streaming.splice), and otherwise ends the client's stream with
 the caller's `error_event` (a well-formed SSE error event, and `data: [DONE]`

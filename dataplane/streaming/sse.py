@@ -3,8 +3,11 @@
 Every reader of an origin's stream goes through it: usage counting
 (`dataplane.streaming.usage`), recording for the cache
 (`dataplane.cache.entry.StreamRecorder`) and the relay that feeds both. The
-relay itself forwards the origin's bytes unchanged; events are parsed only
-when someone reads them.
+relay forwards the origin's bytes unchanged when the stream may not be
+continued, and then parses events only when someone reads them; one that may
+be continued writes the events this parser gives, re-framed
+(dataplane.streaming.relay), so what it drops (comments, `id`, `retry`)
+does not reach the client.
 
 The rules are the WHATWG ones that matter for completions: a line ends with
 CRLF, LF or CR (a CR at the end of one chunk and an LF at the start of the
