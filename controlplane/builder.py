@@ -75,16 +75,22 @@ class TableBuilder:
             # replica's watches did not see etcd go back (a restore a few
             # writes old) or their raise failed (review of 21fde0b: the
             # operator's changes after a restore never reached a proxy).
-            log.warning(
-                "the state read is numbered %d, below the table published last (%d): "
-                "etcd went back; numbering above it",
-                state.revision,
-                latest.version,
+            below = (
+                f"the state read is numbered {state.revision}, below the table "
+                f"published last ({latest.version}): etcd went back"
             )
             try:
-                await self._behind(latest.version)
+                raised = await self._behind(latest.version)
             except StoreUnavailable as exc:
-                raise Unavailable(f"state store unavailable: {exc}") from exc
+                raise Unavailable(f"{below}; not numbered above it yet: {exc}") from exc
+            if not raised:
+                # etcd passed the old numbers meanwhile, or the raise was
+                # refused: built again after the back-off, which reads anew
+                # (review: nothing woke the builder, and the change waited
+                # for the next write of the state).
+                raise Unavailable(f"{below}; not numbered above it yet")
+            # The raise wakes this builder (ControlPlane._renumbered).
+            log.warning("%s; numbered above it now", below)
             return False
         snap = self._publisher.publish(compile_table(state))
         if snap is not None:
@@ -136,6 +142,12 @@ class TableBuilder:
                 log.exception("cannot compile the route table, serving the last one")
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._retry_max)
+                if not self._read.is_set():
+                    # No watch is made before a build has read the state
+                    # (_watch), so no change would wake this builder (review:
+                    # a hand-edited key that failed the first read stopped
+                    # it for good): built again after the back-off.
+                    self._dirty.set()
 
     async def _debounce(self) -> None:
         loop = asyncio.get_running_loop()

@@ -208,7 +208,9 @@ class Catalog:
                     purges.append(decode_purge(kv.value, kv.mod_revision))
                 elif kv.key == RESPONSE_ID_KEYS:
                     id_keys = decode_id_keys(kv.value)
-            except (ValueError, TypeError, KeyError, InvalidArgument) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError, InvalidArgument) as exc:
+                # AttributeError: a field of the wrong JSON type met a method
+                # (a tenant's "prompt": [1]; review: it stopped the builder).
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         purges.sort(key=lambda p: p.revision)
         return State(

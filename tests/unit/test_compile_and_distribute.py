@@ -16,9 +16,10 @@ import pytest
 from controlplane.api.admin import AdminService
 from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
-from controlplane.catalog import RESPONSE_ID_KEY_BYTES, RESPONSE_ID_KEYS, Catalog
+from controlplane.catalog import RESPONSE_ID_KEY_BYTES, RESPONSE_ID_KEYS, TENANTS, Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher, Snapshot
+from controlplane.errors import Unavailable
 from controlplane.model import Origin, Region, State
 from controlplane.store.memory import MemoryStore
 from ponto.routetable import content_etag
@@ -298,6 +299,62 @@ async def test_a_change_written_before_the_builders_watch_is_made_reaches_the_ta
         store.serving.set()
         second = await asyncio.wait_for(pub.next_after(first), 1.0)
         assert second.table.origins[0].drained is True
+
+
+async def test_a_state_read_below_the_table_published_is_retried_until_renumbered() -> None:
+    """Review of 4262eac: when the raise did not happen (etcd passed the old
+    numbers meanwhile, or it was refused), nothing woke the builder and the
+    change waited for the next write of the state. The build fails as a
+    store failure does (retried after the back-off); once raised, it asks
+    for no more."""
+    _store, catalog, pub, _ = await seeded_builder()
+    pub.publish(pb.RouteTable(version=1000))  # the tables proxies hold
+    asked: list[int] = []
+    raised = [False]
+
+    async def behind(version: int) -> bool:
+        asked.append(version)
+        return raised[0]
+
+    builder = TableBuilder(catalog, pub, behind=behind)
+    with pytest.raises(Unavailable, match="below the table published last"):
+        await builder.build_once()
+    raised[0] = True
+    assert await builder.build_once() is False  # the raise wakes it (ControlPlane)
+    assert asked == [1000, 1000]
+    latest = pub.latest
+    assert latest is not None and latest.version == 1000
+
+
+async def test_a_first_build_that_fails_is_made_again() -> None:
+    """Review of 4262eac: the watch waits for a build to have read, so a
+    first build that failed on something other than the store (a state that
+    did not decode) was never made again, whatever changed."""
+    _store, catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05)
+    real = catalog.snapshot
+    calls = [0]
+
+    async def snapshot() -> State:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a bug met on the first read")
+        return await real()
+
+    catalog.snapshot = snapshot  # type: ignore[method-assign]
+    async with running(builder):
+        first = await asyncio.wait_for(pub.next_after(None), 2.0)
+    assert [o.name for o in first.table.origins] == ["o1"]
+
+
+async def test_a_tenant_of_the_wrong_shape_is_skipped_not_fatal() -> None:
+    """Review of 4262eac: a hand-edited tenant whose prompt is a list raised
+    AttributeError out of the snapshot (not one of the decode errors it
+    skips), and with it every build."""
+    store, _catalog, pub, builder = await seeded_builder()
+    await store.put(TENANTS + "odd", orjson.dumps({"name": "odd", "prompt": [1]}))
+    assert await builder.build_once() is True
+    latest = pub.latest
+    assert latest is not None and "odd" not in {t.name for t in latest.table.tenants}
 
 
 async def test_builder_publishes_initial_table_and_changes() -> None:
