@@ -45,7 +45,7 @@ def _problem(url: str) -> str | None:
         if not parts.path:
             return EXPECTED
     else:
-        db = parts.path.lstrip("/")
+        db = parts.path.strip("/")  # redis-py takes /0/ as /0
         if not parts.hostname or (db and not db.isdigit()) or parts.port == 0:
             return f"{EXPECTED}{'; ' + ENCODE if '@' in parts.netloc else ''}"
     return _option_problem(parts.scheme, parts.query)
@@ -53,8 +53,28 @@ def _problem(url: str) -> str | None:
 
 EXPECTED = "expected redis://HOST:PORT/DB (or rediss://, unix://)"
 ENCODE = (
-    "a password holding /, ?, #, @ or % must be percent-encoded (%2F, %3F, %23, %40, %25), "
-    "or given in --redis-password-file"
+    "a password holding /, ?, #, @, & or % must be percent-encoded (%2F, %3F, %23, %40, %26, "
+    "%25), or given in --redis-password-file"
+)
+# Options the proxy sets itself, from its deadlines and pool sizes: in the
+# URL they would win (redis-py lets the URL's options override the keyword
+# arguments), and `decode_responses` would turn the cache's bytes into str
+# (review of 7042a7c).
+PROXY_SET: frozenset[str] = frozenset(
+    {
+        "decode_responses",
+        "driver_info",
+        "encoding",
+        "encoding_errors",
+        "health_check_interval",
+        "max_connections",
+        "retry",
+        "retry_on_error",
+        "retry_on_timeout",
+        "socket_connect_timeout",
+        "socket_timeout",
+        "timeout",
+    }
 )
 # A query option's name as redis-py takes them (socket_timeout, ssl_ca_certs).
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -90,13 +110,27 @@ def _option_problem(scheme: str, query: str) -> str | None:
     # Imported here: only a proxy with --redis gets this far (module docstring).
     from redis.asyncio.connection import parse_url  # noqa: PLC0415
 
-    names = {name for name, _ in parse_qsl(query, keep_blank_values=True)}
-    unknown = sorted(names - _option_names(scheme))
+    pairs = parse_qsl(query, keep_blank_values=True)
+    # What follows a password option may be the rest of a password holding
+    # `&` that was not percent-encoded: never named (review: "unknown query
+    # option Xyz9" showed part of ?password=Abc&Xyz9).
+    cut = next((i for i, (name, _) in enumerate(pairs) if name.lower() == "password"), len(pairs))
+    taken = _option_names(scheme)
+    if any(name not in taken for name, _ in pairs[cut + 1 :]):
+        return f"an unknown query option follows password=; {ENCODE}"
+    unknown = sorted({name for name, _ in pairs[: cut + 1]} - taken)  # its name may show
     if unknown:
         return (
             f"unknown query option{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(unknown)} (redis-py takes lower-case ones, e.g. socket_timeout, "
-            "ssl_ca_certs, password)"
+            f"{', '.join(unknown)} (redis-py takes lower-case ones, e.g. ssl_ca_certs, "
+            "client_name, password)"
+        )
+    set_here = sorted({name for name, _ in pairs} & PROXY_SET)
+    if set_here:
+        return (
+            f"query option{'s' if len(set_here) > 1 else ''} {', '.join(set_here)} "
+            "set by the proxy itself (from its deadlines and pool): leave "
+            f"{'them' if len(set_here) > 1 else 'it'} out"
         )
     try:
         parse_url(f"redis://h?{query}")
@@ -157,11 +191,15 @@ def redact(url: str) -> str:
     _, at, host = parts.netloc.rpartition("@")
     query = ""
     if parts.query:
-        options = [
-            (k, "***" if k.lower() == "password" else v)
-            for k, v in parse_qsl(parts.query, keep_blank_values=True)
-        ]
-        query = "?" + urlencode(options, safe="*/:")
+        options = parse_qsl(parts.query, keep_blank_values=True)
+        cut = next((i for i, (k, _) in enumerate(options) if k.lower() == "password"), -1)
+        more = ""
+        if cut >= 0:
+            # What follows may be the password's rest, cut at an `&` that was
+            # not percent-encoded: hidden with it (review of 7042a7c).
+            more = "&…" if cut + 1 < len(options) else ""
+            options = [*options[:cut], (options[cut][0], "***")]
+        query = "?" + urlencode(options, safe="*/:") + more
     return f"{parts.scheme}://{'***@' if at else ''}{host}{parts.path}{query}"
 
 

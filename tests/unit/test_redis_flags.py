@@ -246,7 +246,7 @@ def test_a_percent_encoded_password_is_taken_and_redacted() -> None:
     [
         ("?socket_timout=1", "unknown query option socket_timout"),
         ("?Password=s3cret", "unknown query option Password"),
-        ("?socket_timeout=abc", "Invalid value for 'socket_timeout'"),
+        ("?db=abc", "Invalid value for 'db'"),
     ],
 )
 def test_a_query_option_redis_py_does_not_take_is_a_usage_error(
@@ -260,11 +260,35 @@ def test_a_query_option_redis_py_does_not_take_is_a_usage_error(
 
 def test_redis_py_s_own_options_are_taken() -> None:
     for url in (
-        "redis://h:6379/0?socket_timeout=0.5&health_check_interval=10&client_name=p",
+        "redis://h:6379/0?client_name=p&protocol=3",
         "rediss://h:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=false",
         "unix:///run/redis.sock?db=1&password=s3cret",
+        "redis://h/0/",  # redis-py reads it as /0
     ):
         assert check_url(url) == url
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["decode_responses=true", "max_connections=2", "health_check_interval=5", "socket_timeout=1"],
+)
+def test_an_option_the_proxy_sets_itself_is_refused(option: str) -> None:
+    """Review of 7042a7c: redis-py lets the URL's options win over the
+    proxy's own (its deadlines, its pool), and decode_responses would have
+    the cache's bytes read as str."""
+    with pytest.raises(RegionURLError, match="set by the proxy itself"):
+        check_url(f"redis://h:6379/0?{option}")
+
+
+def test_what_follows_a_password_option_is_never_shown() -> None:
+    """Review of 7042a7c: a password holding an `&` that was not
+    percent-encoded (?password=Abc&Xyz9) was named in part in the start
+    error ("unknown query option Xyz9") and in redact (password=***&Xyz9=)."""
+    url = "redis://h:6379/0?client_name=p&password=Abc&Xyz9"
+    with pytest.raises(RegionURLError) as refused:
+        check_url(url)
+    assert "Xyz9" not in str(refused.value) and "%26" in str(refused.value)
+    assert redact(url) == "redis://h:6379/0?client_name=p&password=***&…"
 
 
 async def test_an_option_redis_py_cannot_connect_with_is_an_error_not_an_outage(
