@@ -88,9 +88,9 @@ class AccessRecord:
     origin: str | None
     attempts: int  # origin calls made (failover, hedge and continuations included)
     route: str | None  # why that origin (x-ponto-route)
-    # What affinity placed it by: the key's source and its hash in hex
-    # ("conversation:1f0c93a2"), so that requests sharing a key can be told
-    # (trial 60: different conversations that start alike share one)
+    # What affinity placed it by: the key's source and a MAC of its hash
+    # ("conversation:1f0c93a2", see _placement), so that requests sharing a
+    # key can be told (trial 60: conversations that start alike share one)
     placement: str | None
     hedged: bool
     cache: str | None  # hit, miss, bypass; None when no cache step ran
@@ -179,7 +179,7 @@ def record(
         origin=ex.origin or None,
         attempts=ex.attempts,
         route=ex.route or None,
-        placement=f"{k.source}:{k.value:08x}" if (k := ex.placement) is not None else None,
+        placement=_placement(ex),
         hedged=ex.hedged,
         cache=plan.outcome if plan is not None else None,
         cache_reason=(plan.said_reason or None) if plan is not None else None,
@@ -196,6 +196,18 @@ def record(
         trace_id=trace_id,
         span_id=span_id,
     )
+
+
+def _placement(ex: Exchange) -> str | None:
+    """What affinity placed the request by: the key's source, and the fleet's
+    MAC of its hash (IdKeys.tag) when the table has the fleet's key. Not the
+    hash itself: a CRC-32 of a `user` field or a session id gave the id back
+    to a search of candidates (review of 8a4c023)."""
+    key = ex.placement
+    if key is None:
+        return None
+    keys = ex.routes.id_keys
+    return f"{key.source}:{keys.tag(b'placement', key.value)}" if keys is not None else key.source
 
 
 def _asked_model(body: dict[str, Any]) -> str | None:

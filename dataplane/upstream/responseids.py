@@ -146,6 +146,14 @@ class IdKeys:
         )
         return hmac.new(key, message, hashlib.sha256).hexdigest()[:MAC_HEX]
 
+    def tag(self, purpose: bytes, value: int) -> str:
+        """8 hex digits of the fleet's MAC of `value` for `purpose`: the same
+        on every proxy, and not reversible without the key (the access log's
+        placement: a CRC-32 of a `user` field or session id in a log line
+        gave the id back to a search of candidates)."""
+        message = b"ponto-%s\0%d" % (purpose, value)
+        return hmac.new(self._keys[0], message, hashlib.sha256).hexdigest()[:8]
+
     def encodable(self, original: str) -> bool:
         """Whether an origin's id may be encoded (see the module's "Ids")."""
         return len(original) <= MAX_ORIGINAL_CHARS and _ID.fullmatch(original) is not None

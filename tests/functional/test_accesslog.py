@@ -18,11 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.http.accesslog import Sampler
 from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS
+from dataplane.placement.keys import placement_key
+from dataplane.upstream.responseids import IdKeys
 from ponto.apikeys import issue_key
 from ponto.originsim.app import SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import (
+    ID_KEY,
     KEY,
     LIMITED_KEY,
     Stack,
@@ -142,6 +145,11 @@ async def test_a_line_says_what_affinity_placed_the_request_by(
     first, second, session = (line["placement"] for line in lines(logged, capfd))
     assert first.startswith("conversation:") and first == second
     assert session.startswith("header:") and session != first
+    # A MAC under the fleet's key, not the key's CRC-32, which a search of
+    # candidate session ids or `user` values reverses (review of 8a4c023).
+    crc = placement_key("chat.completions", {}, {"x-session-id": "s-1"}, "acme")
+    assert crc is not None and session != f"header:{crc.value:08x}"
+    assert session == f"header:{IdKeys([ID_KEY]).tag(b'placement', crc.value)}"
 
 
 async def test_a_stream_line_has_its_time_to_first_chunk(
