@@ -212,10 +212,15 @@ class _QueueDrops:
     def register_queue_size(self, get_queue_size: Callable[[], int]) -> None:
         self._inner.register_queue_size(get_queue_size)
 
+    def __getattr__(self, name: str) -> Any:
+        # Whatever else a later SDK asks of its metrics goes to them as it
+        # did: this runs where spans end, on requests' paths (review).
+        return getattr(self._inner, name)
+
     def drop_items(self, count: int, error_type: str = "queue_full") -> None:
         # The other reason the SDK gives, "already_shutdown", is the proxy's
         # own stop: spans ended after the provider's shutdown.
-        if error_type == "queue_full":
+        if error_type == "queue_full" and isinstance(count, int):
             with self._stats.lock:
                 self._stats.queue_full += count
         self._inner.drop_items(count, error_type)
