@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from hashlib import blake2b
 from typing import Final
 
 __all__ = ["MAX_CLIENT_ID", "RequestIds", "accepted_client_id"]
@@ -31,25 +32,33 @@ def accepted_client_id(value: str | None) -> str | None:
 
 
 class RequestIds:
-    """New ids: 32 hex digits, unique across processes and restarts.
+    """New ids: 32 hex digits, unique across processes and restarts, that
+    say nothing of the proxy's traffic.
 
-    A random 64-bit prefix per instance, then a counter: no system call per
-    request (os.urandom would make one), and two proxies, workers or restarts
-    share a prefix with probability 2**-64. One instance per app: a module
-    global would be copied into every worker started from this process.
+    A random 64-bit prefix per instance, then a keyed hash (BLAKE2b, a key of
+    the instance's) of a counter: no system call per request (os.urandom
+    would make one), two proxies, workers or restarts share a prefix with
+    probability 2**-64, and an instance's ids collide with probability
+    n**2 / 2**65 after n of them. The counter itself was the id's tail: any
+    client, a key or none, read how many requests of every tenant a proxy
+    had answered between two of its own (trial 62). One instance per app: a
+    module global would be copied into every worker started from this
+    process.
     """
 
-    __slots__ = ("_count", "_prefix")
+    __slots__ = ("_count", "_key", "_prefix")
 
     def __init__(self) -> None:
         self._prefix = os.urandom(8).hex()
+        self._key = os.urandom(16)
         self._count = itertools.count(1)
 
     def next(self) -> str:
-        return f"{self._prefix}{next(self._count):016x}"
+        tail = blake2b(next(self._count).to_bytes(8, "little"), key=self._key, digest_size=8)
+        return self._prefix + tail.hexdigest()
 
     def of(self, client_id: str | None) -> str:
         """The id of a request that came with `client_id` (the header's value)."""
         if client_id is None:  # most requests: no call to check it
-            return f"{self._prefix}{next(self._count):016x}"
+            return self.next()
         return accepted_client_id(client_id) or self.next()

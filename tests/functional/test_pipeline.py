@@ -10,6 +10,7 @@ that reached an origin, or a hit that did, fails here.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -917,6 +918,17 @@ def test_request_ids_are_32_hex_digits_and_do_not_repeat() -> None:
     ids = [first.next() for _ in range(1000)] + [second.next() for _ in range(1000)]
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     assert len(set(ids)) == len(ids)
+
+
+def test_request_ids_do_not_count_the_proxys_traffic() -> None:
+    """Trial 62: an id's tail was a counter, so any client, with a key or
+    none, read how many requests of every tenant a proxy had answered
+    between two of its own. Consecutive ids now differ unpredictably."""
+    ids = RequestIds()
+    tails = [int(ids.next()[16:], 16) for _ in range(200)]
+    steps = {b - a for a, b in itertools.pairwise(tails)}
+    assert len(steps) == len(tails) - 1  # no constant step, no counter
+    assert sorted(tails) != tails
 
 
 # ---------------------------------------------------------------- bounded cost
