@@ -29,6 +29,7 @@ from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.placement.picker import DEFAULT_LOAD_BOUND, MODES, RoutingRules
 from dataplane.routes import TableError
 from dataplane.upstream.hedge import AUTO, HedgeSetting
+from dataplane.upstream.responseids import owner
 from ponto.quota_types import ScopeLimits, key_scope, scope_limits, tenant_scope
 from ponto.routetable import OPEN_TENANT
 from ponto.v1 import routing_pb2 as pb
@@ -84,6 +85,17 @@ class TenantRules:
     streams: StreamRules = field(default_factory=StreamRules)
     # The models its callers may name, as they send them; None: every model.
     models: frozenset[str] | None = None
+    # Who its Responses ids are signed for (responseids.owner: its name and
+    # its record's birth).
+    id_owner: str = field(default="", compare=False)
+
+    def signs_for(self, tenant: str) -> tuple[str, str | None]:
+        """The owner and legacy owner (IdKeys.verified) of tenant `tenant`'s
+        ids, these being its rules (or the default's, which stand for a
+        tenant without rules of its own)."""
+        if self.name != tenant or not self.id_owner:
+            return tenant, None
+        return self.id_owner, (tenant if self.id_owner != tenant else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +195,7 @@ def build_policy(
     tenants: dict[str, TenantRules] = {}
     limits: dict[str, ScopeLimits] = {}
     jwts: list[JwtConfig] = []
+    births = {p.tenant: p.revision for p in table.purges if p.birth}
     for t in table.tenants:
         if t.name in tenants:
             raise TableError(f"tenant {t.name!r} is listed twice")
@@ -197,6 +210,7 @@ def build_policy(
             _routing(t.routing, t.name),
             _streams(t.streams, t.name),
             frozenset(t.models.names) or None,
+            owner(t.name, births.get(t.name, 0)),
         )
         lim = scope_limits(t.limits)
         if not lim.unlimited:

@@ -420,7 +420,9 @@ class Pipeline:
         keys = ex.routes.id_keys
         if keys is None:
             return
-        decoded = keys.verified(sent, ex.principal.tenant) if isinstance(sent, str) else None
+        assert ex.tenant is not None  # assembled
+        signed_for, legacy = ex.tenant.signs_for(ex.principal.tenant)
+        decoded = keys.verified(sent, signed_for, legacy) if isinstance(sent, str) else None
         if decoded is None:
             # The same words for an id of another tenant as for one that was
             # never made: the answer tells no one whose an id is.
@@ -450,7 +452,9 @@ class Pipeline:
         shown: dict[str, str] = {}
         keys = ex.routes.id_keys
         if ids and keys is not None and keys.encodable(own := ids[0]):
-            shown[own] = keys.encode(own, origin.target.id_tag, ex.principal.tenant)
+            tenant = ex.principal.tenant
+            signed_for = ex.tenant.signs_for(tenant)[0] if ex.tenant is not None else tenant
+            shown[own] = keys.encode(own, origin.target.id_tag, signed_for)
         if ex.previous is not None:
             shown[ex.previous[0]] = ex.previous[1]
         return Rewriter(shown)

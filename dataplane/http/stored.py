@@ -133,7 +133,8 @@ async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> we
     if not safe_id(sent):
         raise invalid_response_id(sent, MAX_ID_CHARS)
     keys = routes.id_keys
-    decoded = keys.verified(sent, principal.tenant) if keys is not None else None
+    signed_for, legacy = policy.tenant(principal.tenant).signs_for(principal.tenant)
+    decoded = keys.verified(sent, signed_for, legacy) if keys is not None else None
     if keys is None or decoded is None:
         raise response_not_found(sent)
     target = routes.stored_on.get(decoded.origin)
@@ -150,7 +151,7 @@ async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> we
         raise error
     try:
         return await _call(
-            pipeline, action, request, (keys, principal.tenant), decoded, sent, target, limits
+            pipeline, action, request, (keys, signed_for), decoded, sent, target, limits
         )
     finally:
         # No tokens: the estimate (0) stands, and the completions expected

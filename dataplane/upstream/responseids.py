@@ -15,7 +15,9 @@ The contract:
   ORIGIN_TAG_HEX hex digits of the SHA-256 of the origin's name (`origin_tag`:
   stable across proxies and restarts, a routing aid that tells no name), then
   MAC_HEX hex digits of an HMAC-SHA-256, under the fleet's key (`IdKeys`),
-  of the original, the origin tag and the tenant's name. The original is
+  of the original, the origin tag and the tenant (`owner`: its name and its
+  record's create revision; an id made for the name alone, before, is still
+  verified for it). The original is
   visible: what keeps it from being used by anyone else is that the proxy
   takes no id it did not make (`IdKeys.verified`, and the pipeline refuses a
   `previous_response_id` that is not one), and no one without the key can
@@ -164,17 +166,29 @@ class IdKeys:
         mac = self._mac(self._keys[0], original, origin, tenant)
         return f"{original}{SEPARATOR}{origin}{mac}"
 
-    def verified(self, sent: str, tenant: str) -> Decoded | None:
-        """`sent`'s parts when it is an id made (under any key) for tenant
-        `tenant`; None for any other id."""
+    def verified(self, sent: str, tenant: str, legacy: str | None = None) -> Decoded | None:
+        """`sent`'s parts when it is an id made (under any key) for `tenant`
+        (an owner: see `owner`), or for `legacy` when given (the tenant's name
+        alone, which ids made before owners were signed for); None for any
+        other id."""
         decoded = decode(sent)
         if decoded is None:
             return None
-        for key in self._keys:
-            mac = self._mac(key, decoded.original, decoded.origin, tenant)
-            if hmac.compare_digest(mac, decoded.mac):
-                return decoded
+        for owner in (tenant,) if legacy is None else (tenant, legacy):
+            for key in self._keys:
+                mac = self._mac(key, decoded.original, decoded.origin, owner)
+                if hmac.compare_digest(mac, decoded.mac):
+                    return decoded
         return None
+
+
+def owner(tenant: str, birth: int) -> str:
+    """Who a response id is signed for: tenant `tenant` of the record created
+    at revision `birth` (0: no record, the built-in tenant's). A tenant made
+    again under a deleted one's name is another owner, as it is another
+    tenant to the caches (trial 62: the new one read and continued the old
+    one's stored responses). No NUL is in a tenant's name."""
+    return f"{tenant}\0{birth}" if birth else tenant
 
 
 def ids_of(obj: Any) -> list[str]:

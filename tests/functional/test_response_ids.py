@@ -27,12 +27,13 @@ from aiohttp import web
 from openai.types.responses import ResponseCompletedEvent
 
 from dataplane.http.state import HOLDER, METRICS
-from dataplane.upstream.responseids import decode, origin_tag
+from dataplane.upstream.responseids import IdKeys, decode, origin_tag
 from ponto.apikeys import issue_key
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import (
+    ID_KEY,
     KEY,
     LIMITED_KEY,
     MODEL,
@@ -254,6 +255,52 @@ async def test_another_tenant_cannot_use_an_id(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         await other.responses.delete(first.id)
     assert stack.origin_requests() == before
+
+
+def other_born(s: Stack, birth: int, key: Any, version: int) -> None:
+    """Tenant "other", its record created at revision `birth`, with `key`."""
+    served = [(name, str(o.make_url("/v1"))) for name, o in zip(NAMES, s.origins, strict=True)]
+    t = table(served, version=version)
+    t.tenants.add(name="other")
+    t.keys.add(id=key.key_id, hash=key.key_hash, tenant="other")
+    t.purges.add(revision=birth, tenant="other", birth=True)
+    t.etag = content_etag(t)
+    s.app[HOLDER].apply(t, "control-plane")
+
+
+async def test_a_tenant_made_again_under_a_deleted_ones_name_cannot_use_its_ids(
+    stack: Stack,
+) -> None:
+    """Trial 62: a tenant deleted and made again under its name read the
+    stored responses of the first (input items, follow-ups), where the
+    caches start it from nothing. Ids are signed for the tenant's record
+    (its birth); the record's own ids still work."""
+    other_born(stack, 10, OTHER_KEY, version=4)
+    first = await sdk(stack, OTHER_KEY.key).responses.create(model=MODEL, input="payroll 42")
+    assert (await sdk(stack, OTHER_KEY.key).responses.retrieve(first.id)).id == first.id
+    again = issue_key()
+    other_born(stack, 20, again, version=5)  # deleted, made again
+    before = stack.origin_requests()
+    newcomer = sdk(stack, again.key)
+    with pytest.raises(openai.NotFoundError):
+        await newcomer.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as follow:
+        await newcomer.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert follow.value.code == "previous_response_not_found"
+    assert stack.origin_requests() == before
+
+
+async def test_an_id_signed_for_the_tenants_name_alone_still_works(stack: Stack) -> None:
+    """Ids made by proxies from before ids were signed for a tenant's record
+    (for its name alone) go on working for that name."""
+    other_born(stack, 10, OTHER_KEY, version=4)
+    client = sdk(stack, OTHER_KEY.key)
+    made = await client.responses.create(model=MODEL, input="made before the upgrade")
+    decoded = decode(made.id)
+    assert decoded is not None
+    legacy = IdKeys([ID_KEY]).encode(decoded.original, decoded.origin, "other")
+    assert legacy != made.id
+    assert (await client.responses.retrieve(legacy)).id == legacy
 
 
 @pytest.mark.parametrize("how", ["drained", "removed"])
