@@ -37,7 +37,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
-from dataplane.cache.textform import fold_line, nfkc, nfkc_outside_quotes, strip_line_end
+from dataplane.cache.textform import (
+    ASCII_OPENING_QUOTES,
+    OPENING_QUOTES,
+    fold_line,
+    nfkc,
+    nfkc_outside_quotes,
+    strip_line_end,
+)
 
 # Bumped whenever the canonical form changes, so entries written under the old
 # rules (in the region's Redis, shared with proxies of other versions) can never
@@ -104,15 +111,33 @@ class UncacheableRequest(ValueError):
 # script) is told in C at a few nanoseconds a character and does not count.
 NORMALISE_BUDGET: Final = 131_072
 
+# Characters of a request's chat texts that may open a quoted span
+# (textform.OPENING_QUOTES), at most, to key it. Each span is a step in
+# Python of every pass that keeps quotes as written (the key, the semantic
+# layer's text and namespace), at about 0.7 us: 8 MB of `" "` held a proxy's
+# loop for 3.1 s for every tenant, in ASCII that NORMALISE_BUDGET does not
+# count (a multi-tenant trial). Within it, a pass costs some 6 ms (ASCII
+# quotes, two to a span) to 25 ms (“…”, one to a span, in the key's two
+# passes) at most; a prompt that quotes a few words a sentence, or a 10 KB
+# JSON document, is far below it. Each text is counted in C (str.count).
+QUOTE_BUDGET: Final = 16_384
+
+# Bodies this small hold too few characters of either kind to be costly:
+# chat text is at most one character a byte of the JSON.
+COSTLY_ABOVE: Final = min(NORMALISE_BUDGET, QUOTE_BUDGET)
+
 
 def costly_to_normalise(body: Mapping[str, Any]) -> bool:
-    """Whether the texts of `body`'s chat messages that NFKC would change
-    hold more than NORMALISE_BUDGET characters: such a request bypasses the
-    cache (`too-large`) rather than be keyed. Never raises."""
+    """Whether the texts of `body`'s chat messages are too costly to key:
+    more than NORMALISE_BUDGET characters of them that NFKC would change, or
+    more than QUOTE_BUDGET that may open a quote. Such a request bypasses
+    the cache (`too-large`) rather than be keyed. Never raises; its own work
+    is a few scans in C of each text."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return False
     left = NORMALISE_BUDGET
+    quotes = QUOTE_BUDGET
     for message in messages:
         if not isinstance(message, Mapping) or message.get("role") in _EXACT_CONTENT_ROLES:
             continue
@@ -121,10 +146,14 @@ def costly_to_normalise(body: Mapping[str, Any]) -> bool:
         if isinstance(content, list):
             texts = [t for t in map(_text_of_part, content) if t is not None]
         for text in texts:
-            if not text.isascii() and not unicodedata.is_normalized("NFKC", text):
-                left -= len(text)
-                if left < 0:
-                    return True
+            if text.isascii():
+                quotes -= sum(map(text.count, ASCII_OPENING_QUOTES))
+            else:
+                quotes -= sum(map(text.count, OPENING_QUOTES))
+                if not unicodedata.is_normalized("NFKC", text):
+                    left -= len(text)
+            if left < 0 or quotes < 0:
+                return True
     return False
 
 

@@ -36,7 +36,7 @@ from dataplane.auth.authenticator import (
     Principal,
 )
 from dataplane.cache.entry import CachedResponse, from_completion
-from dataplane.cache.keys import NORMALISE_BUDGET, costly_to_normalise
+from dataplane.cache.keys import COSTLY_ABOVE, costly_to_normalise
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
@@ -134,7 +134,8 @@ class Exchange:
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     # Few enough JSON values (fields.MAX_KEYED_VALUES), and little enough text
-    # to normalise (cache.keys.NORMALISE_BUDGET), to cache-key.
+    # to normalise and few enough quotes in it (cache.keys.costly_to_normalise),
+    # to cache-key.
     keyable: bool = True
     # assemble
     tenant: TenantRules | None = None
@@ -372,7 +373,7 @@ class Pipeline:
         ex.stream = validate(ex.endpoint, ex.body)
         # Chat text is at most one character a byte: a small body is never costly.
         ex.keyable = not too_many_values(ex.raw) and not (
-            len(ex.raw) > NORMALISE_BUDGET and costly_to_normalise(ex.body)
+            len(ex.raw) > COSTLY_ABOVE and costly_to_normalise(ex.body)
         )
 
     def assemble(self, ex: Exchange) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from dataplane import jsonio
 from dataplane.cache import textform
-from dataplane.cache.keys import NORMALISE_BUDGET
+from dataplane.cache.keys import NORMALISE_BUDGET, QUOTE_BUDGET
 from dataplane.http.errors import ApiError
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.requestid import RequestIds
@@ -981,6 +982,35 @@ async def test_text_too_costly_to_normalise_is_answered_but_not_cached(
             resp = await stack.post(chat(text))
             assert resp.headers["x-ponto-cache"] == cache
     assert stack.origin_requests() == 4
+
+
+async def test_text_of_too_many_quotes_is_answered_but_not_cached(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multi-tenant trial: 8 MB of `" "`, ASCII that no NFKC budget
+    counts, held a proxy's loop for 3.1 s for every tenant, each quoted span
+    a step in Python of the key. Past QUOTE_BUDGET quote characters the
+    request is answered and not keyed; a long prompt that quotes less is
+    keyed as before."""
+    walked: list[str] = []
+    real = textform.between
+
+    def counting(kept: re.Pattern[str], text: str, change: Callable[[str], str]) -> str:
+        walked.append(text[:20])
+        return real(kept, text, change)
+
+    monkeypatch.setattr(textform, "between", counting)
+    for text in ('" "' * (QUOTE_BUDGET // 2 + 1), ' "a" "b' * (QUOTE_BUDGET // 3 + 1)):
+        resp = await stack.post(chat(text))
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-ponto-cache"] == "bypass"
+        assert resp.headers["x-ponto-cache-reason"] == "too-large"
+    assert walked == [] and stack.origin_requests() == 2
+    quoting = ' What is "carpe diem" in `French`?' * (QUOTE_BUDGET // 8)
+    for cache in ("miss", "hit"):
+        resp = await stack.post(chat(quoting))
+        assert resp.headers["x-ponto-cache"] == cache
+    assert stack.origin_requests() == 3
 
 
 async def test_a_body_of_too_many_arrays_is_a_400_before_its_parse(stack: Stack) -> None:

@@ -7,6 +7,7 @@ import itertools
 import random
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from dataplane.cache import textform
 from dataplane.cache.entities import entities_match
 from dataplane.cache.keys import (
     CHAT,
@@ -21,15 +23,17 @@ from dataplane.cache.keys import (
     EMBEDDINGS,
     MAX_DEPTH,
     NON_AFFECTING,
+    QUOTE_BUDGET,
     UncacheableRequest,
     cache_key,
     canonical_request,
     context_hash,
+    costly_to_normalise,
     last_user_text,
     normalise_text,
 )
 from dataplane.cache.step import CacheRequest
-from dataplane.cache.textform import QUOTED, SCRIPTS
+from dataplane.cache.textform import OPENING_QUOTES, QUOTED, SCRIPTS
 from tests.cachesteps import settle_whole
 from tests.unit.test_cache_tenancy import ANSWER, BODY, semantic_edge
 
@@ -886,3 +890,106 @@ def test_forwarded_headers_are_part_of_the_key() -> None:
     assert a == cache_key(CHAT, body, tenant="t", model="m", headers={"x-b": "1", "x-variant": "a"})
     assert a != cache_key(CHAT, body, tenant="t", model="m", headers={"x-variant": "b", "x-b": "1"})
     assert a != plain
+
+
+# ---------------------------------------------------------------------------
+# The cost of keying quoted text
+
+
+def _chat_body(*texts: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": t} for t in texts]}
+
+
+# Texts of more quote characters than QUOTE_BUDGET, each span a step in
+# Python of every pass that keeps quotes (a multi-tenant trial: 8 MB of
+# `" "` held a proxy for 3.1 s).
+_N = QUOTE_BUDGET
+TOO_MANY_QUOTES = {
+    "spaced": '" ' * (_N + 1),
+    "open words": ' "a" "b' * (_N // 3 + 1),
+    "empty": '""' * (_N // 2 + 1),
+    "backticks": "`a` " * (_N // 2 + 1),
+    "single": "'a' " * (_N // 2 + 1),
+    "unbalanced": 'a"' * (_N + 1),
+    "curly": "\u201ca\u201d " * (_N + 1),
+    "mixed": "\u201ea\u201c \u00aba\u00bb \u300ca\u300d \u300ea\u300f \u2018a\u2019 "
+    * (_N // 5 + 1),
+}
+
+
+@pytest.mark.parametrize("text", TOO_MANY_QUOTES.values(), ids=TOO_MANY_QUOTES.keys())
+def test_text_of_too_many_quotes_is_too_costly_to_key(text: str) -> None:
+    assert costly_to_normalise(_chat_body(text))
+    # As many in many messages, each under the budget, and in text parts.
+    half = len(text) // 2
+    assert costly_to_normalise(_chat_body(text[:half], text[half:]))
+    parts = [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]
+    assert costly_to_normalise({"messages": [{"role": "user", "content": parts}]})
+
+
+def test_a_tool_result_s_quotes_do_not_count() -> None:
+    # Tool output is keyed byte for byte: no pass walks its quotes.
+    body = _chat_body("look it up")
+    body["messages"].append({"role": "tool", "content": '"x" ' * QUOTE_BUDGET})
+    assert not costly_to_normalise(body)
+
+
+def _spans_walked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of quoted spans each pass over a text walks in Python."""
+    walked: list[int] = []
+    real = textform.between
+
+    def counting(kept: re.Pattern[str], text: str, change: Callable[[str], str]) -> str:
+        calls = 0
+
+        def counted(part: str) -> str:
+            nonlocal calls
+            calls += 1
+            return change(part)
+
+        try:
+            return real(kept, text, counted)
+        finally:
+            walked.append(calls - 1)
+
+    monkeypatch.setattr(textform, "between", counting)
+    return walked
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '"a" ' * (QUOTE_BUDGET // 2),
+        "`a` " * (QUOTE_BUDGET // 2),
+        " \u201ca\u201d" * QUOTE_BUDGET,
+        " \u00aba\u00bb" * QUOTE_BUDGET,
+    ],
+    ids=["straight", "backticks", "curly", "guillemets"],
+)
+def test_text_within_the_quote_budget_is_walked_within_it(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What is not too costly costs at most QUOTE_BUDGET spans a pass."""
+    body = _chat_body(text)
+    assert not costly_to_normalise(body)
+    walked = _spans_walked(monkeypatch)
+    cache_key(CHAT, body, tenant="t", model="m")
+    context_hash(body["messages"])
+    last_user_text(body["messages"])
+    assert walked and max(walked) <= QUOTE_BUDGET
+
+
+def test_prompts_that_quote_are_not_too_costly() -> None:
+    quoting = 'What does "carpe diem" mean, and isn\'t `x` a "variable"? ' * 200
+    document = orjson.dumps([{"id": i, "name": f"item {i}"} for i in range(300)]).decode()
+    code = "print('hello', \"world\")\n" * 1_000
+    for texts in ([quoting], [f"Summarise this JSON: {document}"], [code, quoting]):
+        body = _chat_body(*texts)
+        assert not costly_to_normalise(body)
+        assert len(cache_key(CHAT, body, tenant="t", model="m")) == 64
+
+
+@given(st.text(alphabet=["a", " ", "\n", "\u2019", "\u201d", *OPENING_QUOTES, "\u00bb"]))
+def test_every_quoted_span_opens_with_an_opening_quote(text: str) -> None:
+    # The budget counts OPENING_QUOTES: each span QUOTED finds must start with one.
+    assert all(m.group()[0] in OPENING_QUOTES for m in QUOTED.finditer(text))
