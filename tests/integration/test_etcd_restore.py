@@ -369,10 +369,10 @@ async def test_a_three_member_cluster_restored_by_the_runbook_serves_the_snapsho
             for member in members:
                 assert member.managed is not None
                 wait_for_port("127.0.0.1", member.client_port, 20.0, member.managed.proc)
-            health = etcd_tool(
-                tool("etcdctl"), "--endpoints", members[0].url, "endpoint", "health", "--cluster"
-            )
-            assert health.count("is healthy") == 3, health
+            # Listening is not serving: a member still joining answers
+            # unhealthy for a moment (a clean-clone run found 2 of 3). The
+            # runbook's SRE waits for all three, as this does.
+            await healthy(endpoints)
             # The snapshot's state, served to the proxy; the replica and its
             # proxy registered again under a lease that lives.
             # A table compiled before the replica saw etcd go back may be
