@@ -462,6 +462,9 @@ class Metrics:
             "answer past --max-answer-bytes), cut, cut_after_start, "
             "deadline, hedge_cancelled "
             "(sent, then cancelled because the other copy of a hedged request answered), "
+            "origin_busy (never sent: no connection to the origin came free within "
+            "--origin-queue-timeout), tenant_share (never sent: the tenant had its share of "
+            "the connections, --max-origin-connections-per-tenant), "
             "or cancelled (the client left or the proxy stopped during the call: before the "
             "answer was relayed, or during a stream)",
             ["origin", "outcome"],

@@ -20,7 +20,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.stalls import DEFAULT_UNHEALTHY_IDLE_S
-from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
+from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QUEUE_TIMEOUT
 from ponto.cliargs import finite_float, listen_address, path
 from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
 from ponto.originca import origin_ca_flag
@@ -266,6 +266,32 @@ def parse(argv: list[str]) -> Settings:
         type=finite_float,
         default=2.0,
         help="seconds to connect to an origin before trying the next (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-origin-connections",
+        type=int,
+        default=LIMIT_PER_HOST,
+        metavar="N",
+        help="connections to one origin, per process; past them a call waits for one to "
+        "come free (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-origin-connections-per-tenant",
+        type=int,
+        default=0,
+        metavar="N",
+        help="calls of one tenant under way to one origin, per process: past them its "
+        "next call is asked of the next origin, or answered 503 origin_busy, so one "
+        "tenant cannot hold every connection (default 0: half of --max-origin-connections)",
+    )
+    p.add_argument(
+        "--origin-queue-timeout",
+        type=finite_float,
+        default=QUEUE_TIMEOUT,
+        metavar="SECONDS",
+        help="a call that waits this long for a connection to an origin at "
+        "--max-origin-connections is asked of the next origin, or answered 503 "
+        "origin_busy (default %(default)s)",
     )
     p.add_argument(
         "--origin-ca",
@@ -526,6 +552,7 @@ def parse(argv: list[str]) -> Settings:
         ("--keepalive-timeout", a.keepalive_timeout),
         ("--send-timeout", a.send_timeout),
         ("--connect-timeout", a.connect_timeout),
+        ("--origin-queue-timeout", a.origin_queue_timeout),
         ("--read-timeout", a.read_timeout),
         ("--deadline", a.deadline),
     ):
@@ -537,6 +564,10 @@ def parse(argv: list[str]) -> Settings:
         )
     if 0 < a.max_connections < a.max_connections_per_client:
         p.error("--max-connections-per-client must not exceed --max-connections")
+    if a.max_origin_connections < 1:
+        p.error("--max-origin-connections must be at least 1")
+    if a.max_origin_connections_per_tenant < 0:
+        p.error("--max-origin-connections-per-tenant must be 0 (half) or more")
     forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
     if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
         p.error("--forward-headers must not name authorization, host, content-length or cookie")
@@ -675,6 +706,9 @@ def parse(argv: list[str]) -> Settings:
             origin_ssl=origin_ssl,
             max_answer_bytes=a.max_answer_bytes,
             first_chunk_timeout=a.first_chunk_timeout,
+            max_origin_connections=a.max_origin_connections,
+            max_origin_connections_per_tenant=a.max_origin_connections_per_tenant,
+            origin_queue_timeout=a.origin_queue_timeout,
         ),
         ready_file=a.ready_file,
         log_level=a.log_level,

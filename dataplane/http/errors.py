@@ -297,6 +297,32 @@ def upstream_busy(retry_after_s: float) -> ApiError:
     )
 
 
+# The connections this proxy may hold to the origins of a model were all in
+# use (--max-origin-connections), or the caller's tenant held its share of
+# them (--max-origin-connections-per-tenant): nothing was sent.
+ORIGIN_BUSY = (
+    "This gateway's connections to the model's servers that your requests may use are all "
+    "in use; retry shortly."
+)
+# The wait ORIGIN_BUSY asks for: a connection comes free as any answer ends.
+ORIGIN_BUSY_RETRY_S = 1.0
+
+
+def origin_busy() -> ApiError:
+    """503: no origin tried had a connection for the request (its pool at
+    --max-origin-connections past --origin-queue-timeout, or the tenant's
+    share of it taken); no origin was sent it. The client may come back
+    after ORIGIN_BUSY_RETRY_S."""
+    return ApiError(
+        503,
+        ORIGIN_BUSY,
+        type="server_error",
+        code="origin_busy",
+        headers={"retry-after": retry_after_header(ORIGIN_BUSY_RETRY_S)},
+        logged=True,
+    )
+
+
 def upstream_too_large(limit: int) -> ApiError:
     """502: the origin's whole answer was longer than the proxy holds
     (--max-answer-bytes, `limit`); no other origin was tried after it (a hedge

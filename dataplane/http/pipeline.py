@@ -601,6 +601,7 @@ class Pipeline:
                 sent=sent,
                 first_chunk_within=ex.idle_timeout_s,
                 tenants_own=ex.idle_timeout_own,
+                tenant=ex.principal.tenant,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

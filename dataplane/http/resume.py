@@ -141,6 +141,7 @@ class Continuations:
                 sent=sent,
                 first_chunk_within=ex.idle_timeout_s,
                 tenants_own=ex.idle_timeout_own,
+                tenant=ex.principal.tenant,
             )
         except asyncio.CancelledError:
             # Its client left while the continuation was being sent: the call

@@ -189,6 +189,7 @@ async def _call(
             stream=stream,
             first_chunk_within=idle,
             method=action.method,
+            tenant=signer[1],
         )
     except ApiError as exc:
         exc.headers.update(limits)

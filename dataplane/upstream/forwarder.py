@@ -42,6 +42,7 @@ from dataplane.http.errors import (
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
     error_blame,
+    origin_busy,
     origin_error_of,
     upstream_busy,
     upstream_error_answer,
@@ -61,7 +62,10 @@ from dataplane.upstream.outlier import OutlierDetector, RetryBudget
 from dataplane.upstream.stalls import NO_WATCH, CallWatch, NoWatch, Stalled, Stalls
 from dataplane.upstream.wire import (
     DEFAULT_MAX_ANSWER_BYTES,
+    LIMIT_PER_HOST,
+    QUEUE_TIMEOUT,
     AnswerTooLarge,
+    OriginFull,
     OriginResponse,
     OriginWire,
 )
@@ -193,12 +197,31 @@ class UpstreamSettings:
     # Longest wait for a stream's first chunk (--first-chunk-timeout); None:
     # the stream's idle timeout, as the caller passes it.
     first_chunk_timeout: float | None = None
+    # Connections to one origin (--max-origin-connections), one tenant's
+    # calls under way to it (--max-origin-connections-per-tenant; 0: half of
+    # the connections), and the longest wait for a connection at the cap
+    # (--origin-queue-timeout): OriginWire's limit_per_host, share_limit and
+    # queue_timeout.
+    max_origin_connections: int = LIMIT_PER_HOST
+    max_origin_connections_per_tenant: int = 0
+    origin_queue_timeout: float = QUEUE_TIMEOUT
+
+    @property
+    def tenant_share(self) -> int:
+        """One tenant's calls under way to one origin at most: the setting, or
+        half of the connections (at least 1), so that one tenant's streams
+        leave the other half to the rest."""
+        return self.max_origin_connections_per_tenant or max(1, self.max_origin_connections // 2)
 
 
 # The outcome of a whole answer longer than max_answer_bytes.
 TOO_LARGE: Final = "too_large"
 # The outcome of a 2xx whole answer that is an error and no answer (_answer_object).
 ERROR_ANSWER: Final = "error_answer"
+# The outcomes of a call that got no connection (wire.OriginFull), by its `why`:
+# none came free within --origin-queue-timeout, or the tenant held its share.
+# Never sent: the next origin is tried, and neither counts against the origin.
+FULL_OUTCOMES: Final = {"queue": "origin_busy", "share": "tenant_share"}
 
 
 class _Retryable(Exception):
@@ -335,6 +358,13 @@ class _Tries:
     # response's: dataplane.http.stored), which no URL cache keeps; None:
     # the usual POST to an endpoint's fixed path.
     method: str | None = None
+    # Whose calls these are: the share of origins' connections they count in.
+    tenant: str = ""
+    # Attempts that got no connection (FULL_OUTCOMES): when every failed
+    # attempt did, the client is told to come back (errors.origin_busy).
+    full: int = 0
+    # The last failed attempt was one of those: never sent.
+    unsent: bool = False
 
 
 @dataclass(slots=True)
@@ -381,6 +411,9 @@ class Forwarder:
         self._wire = wire or OriginWire(
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
+            limit_per_host=settings.max_origin_connections,
+            share_limit=settings.tenant_share,
+            queue_timeout=settings.origin_queue_timeout,
             ssl_context=settings.origin_ssl,
         )
         self._deadlines: Deadlines | None = None  # made on the loop of the first call
@@ -459,6 +492,7 @@ class Forwarder:
         first_chunk_within: float | None = None,
         tenants_own: bool = False,
         method: str | None = None,
+        tenant: str = "",
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -498,10 +532,16 @@ class Forwarder:
         `method`: a call to a path made for this one request (`path` with its
         query), with that method, and no cached URL (a stored response's);
         its time to commit is not sampled (hedges wait for inference).
+
+        `tenant`: whose request it is. Its calls to one origin count in the
+        tenant's share of this proxy's connections to it; a call past that
+        share, or one that found no connection free within the queue timeout
+        (OriginWire), is sent nowhere and the next candidate is tried; when
+        no candidate had a connection, ApiError 503 origin_busy.
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
-        tries = _Tries(loop.time() + settings.deadline - spent_s, method=method)
+        tries = _Tries(loop.time() + settings.deadline - spent_s, method=method, tenant=tenant)
         if stream and settings.first_chunk_timeout is not None:
             if tenants_own and first_chunk_within is not None:
                 first_chunk_within = max(first_chunk_within, settings.first_chunk_timeout)
@@ -570,6 +610,8 @@ class Forwarder:
             error = upstream_timeout()
         elif tries.busy_retry_s is not None:
             error = upstream_busy(tries.busy_retry_s)
+        elif tries.full and tries.full == tries.failed:
+            error = origin_busy()
         elif tries.shown is not None:
             error = upstream_error_answer(tries.shown)
         else:
@@ -626,7 +668,10 @@ class Forwarder:
             if remaining <= 0:
                 failures.append("request deadline exceeded")
                 break
-            if attempt > 1 and not self.budget.try_retry():
+            # A call never sent (no connection for it) is no retry the budget
+            # guards origins from: else one tenant past its share would spend
+            # the tokens other tenants' failovers need.
+            if attempt > 1 and not tries.unsent and not self.budget.try_retry():
                 failures.append("retry budget exhausted")
                 self._metrics.retries_refused.inc()
                 break
@@ -844,6 +889,15 @@ class Forwarder:
         tries.failures.append(f"{target.name}: {exc}")
         tries.worked |= exc.worked
         tries.failed += 1
+        tries.unsent = exc.outcome in FULL_OUTCOMES.values()
+        if tries.unsent:
+            tries.full += 1
+            if exc.outcome == FULL_OUTCOMES["queue"]:
+                # Every connection in use: the next requests try it last for a
+                # while, as after a 429. Not a tenant's share, which is the
+                # tenant's alone.
+                self.outliers.busy(target.name, BUSY_DEFAULT_S)
+            return  # busy, not failing: never against its health
         if exc.outcome == TOO_LARGE:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
@@ -966,12 +1020,21 @@ class Forwarder:
                 loads.started(target.name)
                 try:
                     method = tries.method if tries is not None else None
+                    tenant = tries.tenant if tries is not None else ""
+                    wire = self._wire
                     if method is None:
-                        resp = await self._wire.post(target.url(path), body, headers, first_within)
-                    else:
-                        resp = await self._wire.call(
-                            method, target.url(""), path, body, headers, first_within
+                        resp = await wire.post(
+                            target.url(path), body, headers, first_within, tenant
                         )
+                    else:
+                        resp = await wire.call(
+                            method, target.url(""), path, body, headers, first_within, tenant
+                        )
+                except OriginFull as exc:
+                    # Before ClientError, which it is too: sent nowhere, and
+                    # the origin is busy, not failing (wire.OriginFull).
+                    loads.finished(target.name)
+                    raise _Retryable(FULL_OUTCOMES[exc.why], str(exc), worked=False) from exc
                 except aiohttp.ConnectionTimeoutError as exc:
                     # Before TimeoutError, which it is too: no connection in time is
                     # an origin not reached, not one slow to answer (review 48).
@@ -1233,7 +1296,7 @@ def _what_failed(tries: _Tries) -> str:
     else that they failed (review 48: a 500 and a timeout, or a 500 and an
     empty retry budget, said "could not be reached")."""
     count = tries.failed
-    if tries.unreached or not count:
+    if tries.unreached or tries.full or not count:
         return UPSTREAM_UNAVAILABLE
     if tries.errored == count:
         return UPSTREAM_FAILED

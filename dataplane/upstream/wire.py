@@ -16,9 +16,14 @@ weight and does the rest:
   connector pools nothing: its connections are handed to the wire at once;
 - **the pool** is the wire's (`_Pool`, one per host, port and scheme): idle
   connections, the most recently used reused first, at most `limit_per_host`
-  open (a call past it waits, untimed: a busy origin is not a failing one; the
-  calls waiting are served first come, first served, each handed the next
-  connection freed), an idle one closed after `keepalive_timeout`;
+  open (a call past it waits: a busy origin is not a failing one; the calls
+  waiting are served first come, first served, each handed the next
+  connection freed), an idle one closed after `keepalive_timeout`. The wait
+  is bounded (`queue_timeout`), and one caller's share (a tenant's, say) of
+  the calls to one pool is bounded (`share_limit`): past either the call
+  fails with `OriginFull`, reaching no origin. A trial found why: one tenant's
+  1,024 streams held every connection, and another tenant's call waited
+  behind them, untimed, past its client's timeout;
 - **the request head** is aiohttp's own serialisation (`_serialize_headers`,
   which refuses CR and LF in names and values), written with the body in one
   `writelines`;
@@ -83,6 +88,7 @@ __all__ = [
     "USER_AGENT",
     "AnswerTooLarge",
     "OriginConnection",
+    "OriginFull",
     "OriginResponse",
     "OriginWire",
     "media_type",
@@ -117,6 +123,11 @@ DEFAULT_MAX_ANSWER_BYTES: Final = 64 << 20
 # Per origin at most this many connections: past that, bursts wait for a free
 # keep-alive connection instead of opening (and tearing down) new ones.
 LIMIT_PER_HOST: Final = 1024
+# The longest a call waits for a connection of a pool at its cap before it
+# fails (OriginFull), to be tried on the next origin: a stream holds its
+# connection for minutes, so a wait behind streams may not end in any time a
+# client waits (--origin-queue-timeout).
+QUEUE_TIMEOUT: Final = 5.0
 KEEPALIVE_TIMEOUT: Final = 30.0
 # How long a connection whose answer the caller has whole waits for the end of
 # its body (OriginResponse.release): an origin writes it at once.
@@ -376,7 +387,7 @@ class _Pool:
     of all that are open or opening, with the calls waiting for one at the cap.
     Once `closed` (its wire closed), a connection its call ends is closed."""
 
-    __slots__ = ("closed", "idle", "lingering", "open", "waiters")
+    __slots__ = ("closed", "idle", "lingering", "open", "shares", "waiters")
 
     def __init__(self) -> None:
         self.closed = False
@@ -388,6 +399,19 @@ class _Pool:
         # one is freed (or a free place, None, to open one), so a call arriving
         # meanwhile cannot take it first. Only calls still waiting are here.
         self.waiters: deque[asyncio.Future[OriginConnection | None]] = deque()
+        # Each tenant's calls under way (waiting, opening, or holding a
+        # connection until their answer is released); a tenant with none has
+        # no entry.
+        self.shares: dict[str, int] = {}
+
+    def leave(self, tenant: str) -> None:
+        """A call of `tenant` counted in `shares` has ended."""
+        shares = self.shares
+        left = shares[tenant] - 1
+        if left:
+            shares[tenant] = left
+        else:
+            del shares[tenant]
 
     def lost(self, conn: OriginConnection) -> None:
         """`conn` is closed: its place is free."""
@@ -453,7 +477,7 @@ class OriginResponse:
     idempotent.
     """
 
-    __slots__ = ("_conn", "content", "headers", "status")
+    __slots__ = ("_conn", "_pool", "_tenant", "content", "headers", "status")
 
     def __init__(
         self,
@@ -461,11 +485,17 @@ class OriginResponse:
         headers: CIMultiDictProxy[str],
         content: StreamReader,
         conn: OriginConnection,
+        pool: _Pool | None = None,
+        tenant: str = "",
     ) -> None:
+        """`pool`: the pool whose `shares` count this call of `tenant` until
+        it is released or closed (None: counted nowhere)."""
         self.status = status
         self.headers = headers
         self.content = content
         self._conn: OriginConnection | None = conn
+        self._pool = pool
+        self._tenant = tenant
 
     @property
     def content_type(self) -> str:
@@ -508,6 +538,7 @@ class OriginResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._leave()
         if self.content.is_eof():
             conn.rest()
         elif ended:
@@ -518,7 +549,24 @@ class OriginResponse:
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
+            self._leave()
             conn.close()
+
+    def _leave(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.leave(self._tenant)
+
+
+class OriginFull(aiohttp.ClientConnectionError):
+    """A call that got no connection to an origin and was never sent: the
+    pool was at its cap for `queue_timeout` seconds (`why` "queue"), or the
+    call's tenant had its share of the pool's calls under way already (`why`
+    "share"). The origin is busy, not failing."""
+
+    def __init__(self, host: str, why: str, detail: str) -> None:
+        super().__init__(f"{host}: {detail}")
+        self.why = why
 
 
 class AnswerTooLarge(Exception):
@@ -568,23 +616,32 @@ class OriginWire:
         connect_timeout: float | None,
         read_timeout: float | None,
         limit_per_host: int = LIMIT_PER_HOST,
+        share_limit: int = 0,
+        queue_timeout: float | None = QUEUE_TIMEOUT,
         keepalive_timeout: float = KEEPALIVE_TIMEOUT,
         ttl_dns_cache: int = DNS_CACHE_TTL,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         """`ssl_context` verifies https origins (None: aiohttp's default, the
-        system's trust store)."""
+        system's trust store). `share_limit`: the most calls of one tenant
+        under way to one pool, waiting for a connection or holding one (0:
+        no bound; past `limit_per_host` calls wait, in turn);
+        `queue_timeout`: the longest a call waits for a connection of a pool
+        at its cap (None: untimed)."""
         self._ssl_context = ssl_context
         self._timeout = aiohttp.ClientTimeout(
             # The socket's connect only: a call that waits for a free connection
-            # of a busy origin (at limit_per_host) waits in its turn, under the
-            # request's deadline; timing it out would count a saturated origin
-            # as failing and eject it.
+            # of a busy origin (at limit_per_host) waits in its turn, up to
+            # queue_timeout, and then fails as OriginFull, which no caller
+            # counts against the origin (a connect timeout would count a
+            # saturated origin as failing and eject it).
             total=None,
             sock_connect=connect_timeout,
         )
         self._read_timeout = read_timeout
         self._limit = limit_per_host
+        self._share_limit = share_limit or None
+        self._queue_timeout = queue_timeout
         self._keepalive = keepalive_timeout
         self._ttl_dns_cache = ttl_dns_cache
         self._endpoints: dict[URL, _Endpoint] = {}
@@ -611,14 +668,18 @@ class OriginWire:
         body: bytes,
         headers: CIMultiDict[str],
         read_timeout: float | None = None,
+        tenant: str = "",
     ) -> OriginResponse:
         """Send `body` to `url` with `headers`, to which Host, Content-Length
         and the DEFAULT_HEADERS it lacks are added (set again on every call, so
         one dict serves a request's attempts on several origins); return once
         the answer's head has arrived. `read_timeout` replaces the wire's for
-        this call, until `OriginResponse.time_reads` changes it."""
+        this call, until `OriginResponse.time_reads` changes it. The call is
+        counted in `tenant`'s share of the pool until its answer is released
+        or closed; OriginFull, sending nothing, when the share is taken or no
+        connection came free within the queue timeout."""
         endpoint = self._endpoint(url)
-        return await self._send(endpoint, endpoint.line, body, headers, read_timeout)
+        return await self._send(endpoint, endpoint.line, body, headers, read_timeout, tenant)
 
     async def call(
         self,
@@ -628,6 +689,7 @@ class OriginWire:
         body: bytes,
         headers: CIMultiDict[str],
         read_timeout: float | None = None,
+        tenant: str = "",
     ) -> OriginResponse:
         """`post`, with `method`, to `path` (its query included, already
         encoded) under the origin's `base` URL: for a path made for one
@@ -635,7 +697,7 @@ class OriginWire:
         pool is the base's host's, as for every call to it)."""
         endpoint = self._endpoint(base)
         line = f"{method} {base.raw_path.rstrip('/')}{path} HTTP/1.1"
-        return await self._send(endpoint, line, body, headers, read_timeout)
+        return await self._send(endpoint, line, body, headers, read_timeout, tenant)
 
     async def _send(
         self,
@@ -644,8 +706,25 @@ class OriginWire:
         body: bytes,
         headers: CIMultiDict[str],
         read_timeout: float | None,
+        tenant: str,
     ) -> OriginResponse:
-        conn = await self._take(endpoint)
+        pool = endpoint.pool
+        # The common path's whole cost of the shares: a lookup and a store.
+        calls = pool.shares.get(tenant, 0)
+        share = self._share_limit
+        if share is not None and calls >= share:
+            raise OriginFull(
+                endpoint.host,
+                "share",
+                f"its tenant has {calls} calls under way to this origin, its share of "
+                f"this proxy's connections to it (--max-origin-connections-per-tenant)",
+            )
+        pool.shares[tenant] = calls + 1
+        try:
+            conn = await self._take(endpoint)
+        except BaseException:
+            pool.leave(tenant)
+            raise
         try:
             transport = conn.transport
             if transport is None:
@@ -665,14 +744,16 @@ class OriginWire:
             # once the body was written).
             conn.start_timeout()
             message, payload = await head
-            return OriginResponse(message.code, message.headers, payload, conn)
         except BaseException:
+            pool.leave(tenant)
             conn.close()
             raise
+        return OriginResponse(message.code, message.headers, payload, conn, pool, tenant)
 
     async def _take(self, endpoint: _Endpoint) -> OriginConnection:
         """An idle connection of the endpoint's pool, or a new one while the
-        pool is under its cap; past it, the first one freed, in turn."""
+        pool is under its cap; past it, the first one freed, in turn, if one
+        is within the queue timeout (else OriginFull)."""
         pool = endpoint.pool
         if self._closed:
             raise aiohttp.ClientConnectionError("the origin wire is closed")
@@ -686,22 +767,33 @@ class OriginWire:
             if pool.open < self._limit:
                 return await self._open(pool, endpoint)
         first = False  # a call that waited already and must wait again keeps its turn
+        loop = asyncio.get_running_loop()
+        # One bound for the whole wait, however often the call waits again.
+        until = None if self._queue_timeout is None else loop.time() + self._queue_timeout
         while True:
-            waiter: asyncio.Future[OriginConnection | None]
-            waiter = asyncio.get_running_loop().create_future()
+            waiter: asyncio.Future[OriginConnection | None] = loop.create_future()
             if first:
                 pool.waiters.appendleft(waiter)
             else:
                 pool.waiters.append(waiter)
+            bound = asyncio.timeout_at(until)
             try:
-                handed = await waiter
-            except BaseException:
+                async with bound:
+                    handed = await waiter
+            except BaseException as exc:
                 if waiter.done() and not waiter.cancelled():  # handed over, then cancelled
                     self._pass_on(pool, waiter.result())
                 else:
                     with contextlib.suppress(ValueError):
                         pool.waiters.remove(waiter)
                     self._serve(pool)  # what it kept others from is theirs now
+                if isinstance(exc, TimeoutError) and bound.expired():
+                    raise OriginFull(
+                        endpoint.host,
+                        "queue",
+                        f"no connection to it came free within {self._queue_timeout:g} s "
+                        f"(all {self._limit} in use; --origin-queue-timeout)",
+                    ) from None
                 raise
             first = True
             if pool.closed:  # the wire closed meanwhile

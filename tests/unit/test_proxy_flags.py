@@ -153,3 +153,33 @@ def test_a_geoip_db_that_is_not_a_usable_database_is_refused_at_start(
         assert str(bad) in last
     good = write_city_db(tmp_path / "city.mmdb", DOC_RANGES)
     assert parse([*BASE, "--geoip-db", str(good)]).geoip_db == good
+
+
+def test_a_tenants_share_of_origin_connections_is_half_of_them_unless_set(
+    tmp_path: Path,
+) -> None:
+    base = [*BASE, "--state-dir", str(tmp_path)]
+    upstream = parse(base).upstream
+    assert (upstream.max_origin_connections, upstream.tenant_share) == (1024, 512)
+    assert upstream.origin_queue_timeout == 5.0
+    upstream = parse([*base, "--max-origin-connections=1"]).upstream
+    assert upstream.tenant_share == 1  # never none
+    set_ = parse([*base, "--max-origin-connections-per-tenant=1024"]).upstream
+    assert set_.tenant_share == 1024  # one tenant may use every connection
+
+
+@pytest.mark.parametrize(
+    ("flag", "problem"),
+    [
+        ("--max-origin-connections=0", "--max-origin-connections must be at least 1"),
+        ("--max-origin-connections-per-tenant=-1", "must be 0 (half) or more"),
+        ("--origin-queue-timeout=0", "--origin-queue-timeout must be positive"),
+    ],
+)
+def test_origin_connection_bounds_out_of_range_are_refused_at_start(
+    flag: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse([*BASE, "--state-dir", str(tmp_path), flag])
+    assert exit_.value.code == 2
+    assert problem in capsys.readouterr().err

@@ -15,6 +15,7 @@ import contextlib
 import gzip
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from dataplane.upstream.wire import (
     DEFAULT_HEADERS,
     USER_AGENT,
     OriginConnection,
+    OriginFull,
     OriginWire,
     _Endpoint,
 )
@@ -684,6 +686,88 @@ async def test_a_call_waiting_for_a_connection_when_the_wire_closes_fails(
         async with asyncio.timeout(BOUND):
             await waiting
     resp.close()
+
+
+# A stream's head: the call that gets it holds its connection until released.
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+async def test_a_tenant_past_its_share_is_refused_and_another_is_served(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    # The trial: one tenant's streams held every connection to the origin,
+    # and another tenant's call waited behind them, untimed.
+    origin.answer = answering(STREAM_HEAD)
+    wire = wires(limit_per_host=4, share_limit=2)
+    held = [await wire.post(origin.url(), b"{}", no_headers(), tenant="beta") for _ in range(2)]
+    with pytest.raises(OriginFull, match="share") as refused:
+        await wire.post(origin.url(), b"{}", no_headers(), tenant="beta")
+    assert refused.value.why == "share"
+    assert len(origin.requests) == 2  # the refused call sent nothing
+    alpha = await wire.post(origin.url(), b"{}", no_headers(), tenant="alpha")
+    [pool] = wire._pools.values()
+    assert pool.shares == {"beta": 2, "alpha": 1}
+    held[0].release()  # a stream's end frees a place in its tenant's share
+    alpha.close()
+    assert pool.shares == {"beta": 1}
+    again = await wire.post(origin.url(), b"{}", no_headers(), tenant="beta")
+    for resp in (held[1], again):
+        resp.close()
+        resp.close()  # once only
+    assert pool.shares == {}
+
+
+async def test_a_call_that_fails_leaves_its_tenants_share(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    origin.answer = hanging_up
+    wire = wires(share_limit=1)
+    for _ in range(2):
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await wire.post(origin.url(), b"{}", no_headers(), tenant="beta")
+    [pool] = wire._pools.values()
+    assert pool.shares == {}
+
+
+async def test_a_call_with_no_connection_within_the_queue_timeout_fails_and_leaves_the_queue(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    wire = wires(limit_per_host=1, queue_timeout=SHORT)
+    held = await wire.post(origin.url(), b"{}", no_headers(), tenant="beta")
+    with pytest.raises(OriginFull, match="--origin-queue-timeout") as refused:
+        async with asyncio.timeout(BOUND):
+            await wire.post(origin.url(), b"{}", no_headers(), tenant="alpha")
+    assert refused.value.why == "queue"
+    assert len(origin.requests) == 1
+    [pool] = wire._pools.values()
+    assert not pool.waiters and pool.shares == {"beta": 1}
+    assert await held.read() == b"{}"
+    assert await exchange(wire, origin) == b"{}"  # the freed connection, taken at once
+    assert origin.connections == 1
+
+
+async def test_a_connection_handed_as_the_queue_timeout_passes_is_passed_on(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    # The waiting call is handed the connection and times out before it runs:
+    # the connection goes to the next call, not lost with it.
+    wire = wires(limit_per_host=1, queue_timeout=SHORT)
+    held = await wire.post(origin.url(), b"{}", no_headers())
+    waiting = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    [pool] = wire._pools.values()
+    while not pool.waiters:
+        await asyncio.sleep(0)
+    assert held.content.is_eof()  # released, its connection goes to `waiting`
+    time.sleep(2 * SHORT)  # the loop blocked: the waiter's timer is due when it runs
+    # In the loop's next turn, before the timer (due timers run after what was ready).
+    asyncio.get_running_loop().call_soon(held.release)
+    with pytest.raises(OriginFull):
+        async with asyncio.timeout(BOUND):
+            await waiting
+    assert await exchange(wire, origin) == b"{}"
+    assert origin.connections == 1
 
 
 @pytest.fixture
