@@ -280,9 +280,10 @@ def parse(argv: list[str]) -> Settings:
         type=int,
         default=0,
         metavar="N",
-        help="calls of one tenant under way to one origin, per process: past them its "
-        "next call is asked of the next origin, or answered 503 origin_busy, so one "
-        "tenant cannot hold every connection (default 0: half of --max-origin-connections)",
+        help="calls of one tenant under way to one origin, per process, while another "
+        "tenant has calls to it: past them its next call is asked of the next origin, or "
+        "answered 503 origin_busy, so one tenant cannot hold every connection "
+        "(default 0: half of --max-origin-connections)",
     )
     p.add_argument(
         "--origin-queue-timeout",

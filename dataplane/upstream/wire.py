@@ -20,7 +20,8 @@ weight and does the rest:
   waiting are served first come, first served, each handed the next
   connection freed), an idle one closed after `keepalive_timeout`. The wait
   is bounded (`queue_timeout`), and one caller's share (a tenant's, say) of
-  the calls to one pool is bounded (`share_limit`): past either the call
+  the calls to one pool is bounded (`share_limit`) while another caller has
+  calls to it: past either the call
   fails with `OriginFull`, reaching no origin. A trial found why: one tenant's
   1,024 streams held every connection, and another tenant's call waited
   behind them, untimed, past its client's timeout;
@@ -624,8 +625,9 @@ class OriginWire:
     ) -> None:
         """`ssl_context` verifies https origins (None: aiohttp's default, the
         system's trust store). `share_limit`: the most calls of one tenant
-        under way to one pool, waiting for a connection or holding one (0:
-        no bound; past `limit_per_host` calls wait, in turn);
+        under way to one pool, waiting for a connection or holding one,
+        while another tenant has calls to it (0: no bound; past
+        `limit_per_host` calls wait, in turn);
         `queue_timeout`: the longest a call waits for a connection of a pool
         at its cap (None: untimed)."""
         self._ssl_context = ssl_context
@@ -710,16 +712,19 @@ class OriginWire:
     ) -> OriginResponse:
         pool = endpoint.pool
         # The common path's whole cost of the shares: a lookup and a store.
-        calls = pool.shares.get(tenant, 0)
+        shares = pool.shares
+        calls = shares.get(tenant, 0)
         share = self._share_limit
-        if share is not None and calls >= share:
+        # Only while another tenant has calls to it: alone (an open fleet's
+        # `default`, a deployment of one tenant) a tenant may use them all.
+        if share is not None and calls >= share and len(shares) > 1:
             raise OriginFull(
                 endpoint.host,
                 "share",
                 f"its tenant has {calls} calls under way to this origin, its share of "
                 f"this proxy's connections to it (--max-origin-connections-per-tenant)",
             )
-        pool.shares[tenant] = calls + 1
+        shares[tenant] = calls + 1
         try:
             conn = await self._take(endpoint)
         except BaseException:

@@ -105,15 +105,16 @@ class Shared:
         labels = {"origin": "held", "outcome": outcome}
         return registry.get_sample_value("ponto_upstream_attempts_total", labels) or 0.0
 
-    async def hold(self, n: int) -> list[Any]:
+    async def hold(self, n: int, before: int = 0) -> list[Any]:
         """`n` streams of beta, each with its first chunk relayed (so holding
-        its connection until `origin.done`)."""
+        its connection until `origin.done`), after `before` streams already
+        held."""
         held = []
         for i in range(n):
             resp = await self.stack.post(chat(f"beta stream {i}", stream=True), key=BETA.key)
             assert resp.status == 200
             held.append(resp)
-        assert self.origin.streams == n
+        assert self.origin.streams == before + n
         return held
 
 
@@ -162,17 +163,21 @@ async def test_a_tenant_past_its_share_is_refused_while_another_is_served(
     by_share: Shared, caplog: pytest.LogCaptureFixture
 ) -> None:
     s = by_share
-    held = await s.hold(2)
+    alpha = await s.stack.post(chat("alpha streams", stream=True), key=ALPHA.key)
+    assert alpha.status == 200  # alpha has a call to the origin under way
+    held = await s.hold(2, before=1)
     caplog.set_level(logging.INFO)
-    # Beta's third stream, past its share: refused at once, sent nowhere.
+    # Beta's third stream, past its share while alpha has calls: refused at
+    # once, sent nowhere.
     third = await s.stack.post(chat("beta stream 2", stream=True), key=BETA.key)
     busy(await third.json(), third)
-    assert s.origin.streams == 2
-    # Alpha, with nothing under way, is served beside beta's streams.
+    assert s.origin.streams == 3
+    # Alpha, within its share, is served beside beta's streams.
     resp = await s.stack.post(chat("alpha asks"), key=ALPHA.key)
     assert resp.status == 200
     assert (await resp.json())["choices"][0]["message"]["content"] == "hi"
     assert s.origin.whole == 1
+    held.append(alpha)
     assert s.attempts("tenant_share") == 1
     # One line for the refused request, naming why, with no traceback; none
     # counts against the origin's health.
@@ -190,6 +195,18 @@ async def test_a_tenant_past_its_share_is_refused_while_another_is_served(
     again = await s.stack.post(chat("beta stream 3", stream=True), key=BETA.key)
     assert again.status == 200
     assert (await read_sse(again))[-1] == "[DONE]"
+
+
+async def test_a_tenant_alone_on_an_origin_may_use_every_connection(by_share: Shared) -> None:
+    """The share binds only while another tenant has calls to the origin: an
+    open fleet's `default`, or a deployment of one tenant, keeps the whole
+    pool."""
+    s = by_share
+    held = await s.hold(4)  # four connections, beta's share two
+    assert s.attempts("tenant_share") == 0
+    s.origin.done.set()
+    for resp in held:
+        assert (await read_sse(resp))[-1] == "[DONE]"
 
 
 async def test_a_call_with_no_connection_within_the_queue_timeout_is_a_503(
