@@ -36,7 +36,9 @@ their own), drops the chunks every follower already has, and fails any follower
 that lags further behind than the bound: the leader never waits for followers.
 
 The relay (dataplane.streaming.relay) hands the leader every chunk it passes
-to the leader's client.
+to the leader's client. Once followed, the leader's client does not pace the
+relay either: its writes are queued, up to the same bound, past which it is
+cut as a lagging follower is (dataplane.http.reply.LeaderStream).
 
 Everything runs on one event loop; nothing here is thread-safe. The leader never
 blocks; followers wait on an asyncio.Event that is set and replaced at each
@@ -91,6 +93,7 @@ class _Flight:
         "key",
         "lagged",
         "on_deserted",
+        "on_joined",
         "positions",
     )
 
@@ -113,6 +116,7 @@ class _Flight:
         # Followers that joined and have not left yet (iterating or not).
         self.followers = 0
         self.on_deserted: Callable[[], None] | None = None
+        self.on_joined: Callable[[], None] | None = None
 
     def wake(self) -> None:
         # Waiters hold the old event; the next to wait makes a fresh one.
@@ -152,7 +156,10 @@ class Coalescer:
             return Leader(self, flight)
         self._followers += 1
         flight.followers += 1
-        return Follower(flight, next(self._ids))
+        follower = Follower(flight, next(self._ids))
+        if flight.on_joined is not None:
+            flight.on_joined()
+        return follower
 
     @property
     def stats(self) -> CoalescerStats:
@@ -222,6 +229,12 @@ class Leader:
         """Whether a follower is there (joined, and has not left)."""
         return self._flight.followers > 0
 
+    @property
+    def max_buffer_bytes(self) -> int:
+        """The flight's bound, which its leader's own client is held to once
+        followed (dataplane.http.reply.LeaderStream), as its followers are."""
+        return self._coalescer.max_buffer_bytes
+
     def when_deserted(self, callback: Callable[[], None]) -> None:
         """Call `callback` (once, synchronously, from the leaving follower's
         `leave`) when the last follower leaves before the outcome; at once
@@ -234,6 +247,11 @@ class Leader:
             callback()
             return
         flight.on_deserted = callback
+
+    def when_joined(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (synchronously, from `Coalescer.join`) each time a
+        follower joins, after it has. Replaces an earlier callback."""
+        self._flight.on_joined = callback
 
     def chunk(self, data: bytes) -> None:
         """Publish bytes exactly as relayed to the leader's own client. Never blocks."""

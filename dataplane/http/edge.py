@@ -19,6 +19,8 @@ subclassed at these points:
   reading is kept, as under nginx's send_timeout): the connection is aborted
   and the request's handler cancelled, as when a client leaves
   (`send_stalled` says why). Nothing is armed for a write that does not wait.
+  `release_drain` ends such a wait early, its bytes kept (a flight's leader
+  once a follower joins: dataplane.http.reply.LeaderStream).
 - `connection_made`: connections are capped, in total and per client address.
   At a cap, the connection that has waited longest for a request (idle or
   with an unfinished head) is closed to make room; only when every
@@ -328,6 +330,19 @@ class EdgeProtocol(web_protocol.RequestHandler):
             await super()._drain_helper()
         finally:
             timer.cancel()
+
+    def release_drain(self) -> None:
+        """End the wait of a write waiting for the client to take what was
+        sent (its bytes stay in the transport's buffer); the next write that
+        finds the transport paused waits as before. For a flight's leader
+        whose relay must stop waiting for its client once followed
+        (dataplane.http.reply.LeaderStream)."""
+        # As aiohttp's resume_writing wakes it, but writing stays paused:
+        # the transport resumes it once its buffer drains.
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            self._drain_waiter = None
+            waiter.set_result(None)
 
     def _send_stalled(self) -> None:
         # Aborting (no lingering close with the unsent bytes) runs

@@ -17,6 +17,7 @@ credential costs the proxy no more than its headers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ from dataplane.ratelimit.tokens import (
     estimate_prompt_tokens,
 )
 from dataplane.routes import Point, Routes, Target
+from dataplane.streaming.relay import STOPPED_WRITE_S
 from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import Usage, UsageCounter, usage_of
@@ -741,6 +743,12 @@ class Pipeline:
         counted until then), and settled by the task at its end, with every
         token the origin spent. Without followers the task is cancelled at
         once: an origin generating for nobody stops.
+
+        Once followed, the relay does not wait for the client either
+        (reply.LeaderStream queues its writes): the request ends once its
+        client has taken the queue, after the relay's end. A client further
+        behind than the flight's bound is cut (`_let_go`): it ends as a
+        lagging follower's does, the flight's task going on, detached.
         """
         assert plan.leader is not None
         task: asyncio.Task[web.StreamResponse]
@@ -751,31 +759,82 @@ class Pipeline:
         lead = reply.LeaderStream(plan.leader, stop)
         task = asyncio.get_running_loop().create_task(self._led(request, ex, origin, plan, lead))
         try:
-            return await asyncio.shield(task)
+            return await self._lead(request, ex, task, lead)
+        finally:
+            lead.close()  # whatever is left queued for a client this request no longer has
+
+    async def _lead(
+        self,
+        request: web.Request,
+        ex: Exchange,
+        task: asyncio.Task[web.StreamResponse],
+        lead: reply.LeaderStream,
+    ) -> web.StreamResponse:
+        try:
+            # Not `shield`: a client cut for falling behind its flight
+            # (`lagged`) ends its request while the flight goes on.
+            await asyncio.wait((task, lead.let_go), return_when=asyncio.FIRST_COMPLETED)
+            if lead.lagged:
+                await asyncio.wait((lead.let_go,))  # its ending written, or it left
+                return await self._let_go(ex, task, lead)
+            out = task.result()
+            # Once followed, the relay only queued the client's last writes.
+            await lead.drained()
+            if lead.failed:
+                raise ConnectionResetError("the client left during its stream")
+            return out
         except asyncio.CancelledError:
             current = asyncio.current_task()
             cancelled = current is not None and current.cancelling() > 0
-            if task.done() and not task.cancelled():
-                # The relay ended (at the stream's end, or at its client's
-                # leaving, which a write saw first) before this cancellation
-                # came: answered as if the cancellation had come after.
-                if current is not None and cancelled:
-                    current.uncancel()
-                return task.result()
             if not cancelled:
                 # Not this request but the task was stopped: its client had
                 # gone (a failed write), then its last follower.
                 raise ConnectionResetError("the client left during its stream") from None
+            if task.done() and not task.cancelled() and lead.delivered:
+                # The relay ended (at the stream's end, or at its client's
+                # leaving, which a write saw first), and the client was
+                # handed all of it, before this cancellation came: answered
+                # as if the cancellation had come after.
+                if current is not None:
+                    current.uncancel()
+                if lead.lagged:
+                    return await self._let_go(ex, task, lead)
+                return task.result()
             # A stopping server cancels every request, followers too: the
             # relay is not left running for them, and its client, still
-            # there, is sent the stream's ending (reply.relay_origin).
+            # there, is sent the stream's ending (reply.relay_origin), after
+            # what was queued for it, within STOPPED_WRITE_S.
             if not task.done() and not stopping(request) and self._detach(ex, task, lead):
                 raise
             task.cancel()
             # Its clean-up (the flight told, the origin's connection closed)
             # before this request settles.
             await asyncio.wait((task,))
+            if not task.cancelled():
+                task.exception()  # retrieved: this request's cancellation is what it reports
+            if stopping(request) and not lead.gone:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STOPPED_WRITE_S):
+                        await lead.drained()
             raise
+
+    async def _let_go(
+        self, ex: Exchange, task: asyncio.Task[web.StreamResponse], lead: reply.LeaderStream
+    ) -> web.StreamResponse:
+        """The request of a leader whose client fell further behind its
+        flight than the flight's bound, and was cut (reply.LeaderStream): it
+        ends as a lagging follower's does, its stream cut, while the flight's
+        task goes on for the followers (detached, as when a client leaves)."""
+        if not task.done() and not self._detach(ex, task, lead):
+            task.cancel()  # its followers left too: see `stop`
+            await asyncio.wait((task,))
+        if task.done() and not task.cancelled():
+            task.result()  # a failure of the relay's is still reported
+        if lead.failed:  # it left before it took its ending
+            raise ConnectionResetError("the client left during its stream")
+        ex.stream_error = "stream_cut"
+        assert lead.out is not None
+        return lead.out
 
     async def _led(
         self,

@@ -15,6 +15,7 @@ request id the client can quote. A success names them (`x-ponto-origin`,
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from multidict import CIMultiDict
 from dataplane.assemble import client_indexes
 from dataplane.cache.coalesce import FlightFailed, Follower, Leader
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
+from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import (
     origin_error_body,
     responses_broken_event,
@@ -152,6 +154,9 @@ async def relay_origin(
             if not lead.gone:
                 await _prepare_stream(out, request, ex)
                 lead.out = out
+                protocol = request.protocol
+                if isinstance(protocol, EdgeProtocol):
+                    lead.release = protocol.release_drain
         except ConnectionResetError:
             if not lead.detach():
                 raise
@@ -179,7 +184,7 @@ async def relay_origin(
         watch=watch,
         whole=whole,
     )
-    if lead is not None and lead.gone:
+    if lead is not None and lead.gone and not lead.lagged:
         end.client_gone = True
     return out, end
 
@@ -207,7 +212,27 @@ class Rewritten:
 
 class LeaderStream:
     """The client stream of a flight's leader, as its relay writes it. Used by
-    that relay only (one task, the flight's: dataplane.http.pipeline.Pipeline.lead).
+    that relay (one task, the flight's: dataplane.http.pipeline.Pipeline.lead)
+    and by the request that awaits it (`drained`, `let_go`, `close`).
+
+    While the flight has no follower, a write is the client's own: the relay
+    waits for it, so a slow client slows its origin's read, as any relay's
+    does, at no cost of its own. Once followed, a write is queued and the
+    relay goes on at once: a writer task of this stream's takes the queue to
+    the client, so that the followers, who read the flight's buffer, are
+    paced by the origin and not by the leader's client (a trial: a leader
+    whose client did not read held a fast follower for the whole
+    --send-timeout, one that read at 8 KB/s paced its followers to that).
+    The queue is bounded by the flight's (`Leader.max_buffer_bytes`): a
+    client further behind is cut as a lagging follower is (`lagged`): what
+    was queued is dropped, it is written `ending` (an error event) and its
+    stream's end, and nothing more of the flight's; the flight goes on for
+    its followers. A follower that joins while the relay waits for the
+    client to take a write of its own ends that wait (`release`). Should the
+    last follower leave while the queue is not empty, each write waits for
+    the queue to be written again. The client's writes are bounded by the
+    edge's send timeout, as any client's (dataplane.http.edge): a cut then
+    ends that request alone.
 
     Once the client has gone (a write found it gone, or `detach`: its handler
     was cancelled) nothing more is written to it. While the flight has
@@ -219,9 +244,28 @@ class LeaderStream:
     origin generating for nobody stops at once, not at its next chunk.
     """
 
-    __slots__ = ("_leader", "ended", "gone", "out", "stop")
+    __slots__ = (
+        "_direct",
+        "_end",
+        "_ending",
+        "_leader",
+        "_pending",
+        "_pending_bytes",
+        "_writer",
+        "_writing",
+        "ended",
+        "failed",
+        "gone",
+        "lagged",
+        "let_go",
+        "out",
+        "release",
+        "stop",
+    )
 
-    def __init__(self, leader: Leader, stop: Callable[[], None]) -> None:
+    def __init__(
+        self, leader: Leader, stop: Callable[[], None], *, ending: bytes | None = None
+    ) -> None:
         self._leader = leader
         self.stop = stop
         self.out: web.StreamResponse | None = None  # set once prepared
@@ -229,11 +273,35 @@ class LeaderStream:
         # The relay wrote the stream's end: what follows (the cache storing
         # the answer) is not stopped by the last follower leaving.
         self.ended = False
+        # What is queued for the client once followed, and the writer taking
+        # it there (one at a time, started when there is something to write).
+        self._pending: deque[bytes] = deque()
+        self._pending_bytes = 0
+        self._writer: asyncio.Task[None] | None = None
+        self._writing = False  # the writer waits for the client to take data
+        self._end = False  # the stream's end is queued, after the data
+        self._ending = stream_broken_event() if ending is None else ending
+        # A write of data (not the stream's end) found the client gone.
+        self.failed = False
+        # The client fell further behind than the flight's bound: cut.
+        self.lagged = False
+        # Done once a lagged client has had its ending (or was found gone).
+        self.let_go: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A write to the client is under way from the relay itself (not
+        # followed), and what ends its wait for the client to take it (the
+        # edge's: EdgeProtocol.release_drain), called when a follower joins.
+        self._direct = False
+        self.release: Callable[[], None] | None = None
+        leader.when_joined(self._joined)
 
     def detach(self) -> bool:
         """The client has gone: write nothing more to it. Whether the relay
         goes on (the flight has followers)."""
         self.gone = True
+        self.close()
+        return self._for_followers_left()
+
+    def _for_followers_left(self) -> bool:
         if not self._leader.followed:
             return False
         self._leader.when_deserted(self._deserted)
@@ -243,33 +311,169 @@ class LeaderStream:
         if not self.ended:
             self.stop()
 
+    def _joined(self) -> None:
+        # A follower joined while the relay waited for a slow client to take
+        # a write of its own: that wait ends (its bytes stay buffered for the
+        # client), and the writes after it are queued. Else the follower,
+        # which reads the flight's buffer, would wait as long (a review: a
+        # client that took nothing held a follower that joined then for the
+        # whole --send-timeout).
+        if self._direct and self.release is not None:
+            self.release()
+
     async def write(self, data: bytes) -> None:
         if self.gone:
             self._for_followers()
         elif self.out is not None:
-            try:
-                await self.out.write(data)
-            except ConnectionResetError:
-                if not self.detach():
-                    raise
+            if self._writer is None and not self._leader.followed:
+                self._direct = True
+                try:
+                    await self.out.write(data)
+                except ConnectionResetError:
+                    if not self.detach():
+                        raise
+                finally:
+                    self._direct = False
+                return
+            self._queue(data)
+            if not self._leader.followed:
+                await self._caught_up()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.gone:
             self._for_followers()
         elif self.out is not None:
-            try:
-                await self.out.write_eof(data)
-            except ConnectionResetError:
-                # Only the stream's end was left to write: the relay tells
-                # whether the client had the whole answer (relay._client_left);
-                # the followers' streams end with the flight, not here.
-                self.ended = True
-                raise
+            if self._writer is None and not self._leader.followed:
+                self._direct = True
+                try:
+                    await self.out.write_eof(data)
+                except ConnectionResetError:
+                    # Only the stream's end was left to write: the relay tells
+                    # whether the client had the whole answer (relay._client_left);
+                    # the followers' streams end with the flight, not here.
+                    self.ended = True
+                    raise
+                finally:
+                    self._direct = False
+            else:
+                if data:
+                    self._queue(data)
+                self._end = True
+                self._wake()
+                if not self._leader.followed:
+                    self.ended = True
+                    await self._caught_up()
         self.ended = True
 
     def _for_followers(self) -> None:
         if not self._leader.followed:
             raise ConnectionResetError("the client left, and no follower is left")
+
+    # ------------------------------------------------------------ the queue
+
+    @property
+    def queued_bytes(self) -> int:
+        """The bytes queued for the client, not yet handed to its connection:
+        never more than the flight's bound."""
+        return self._pending_bytes
+
+    @property
+    def delivered(self) -> bool:
+        """Whether the client was handed every byte written to this stream
+        (its end aside, which a client that closes at [DONE] may not take)."""
+        return not (self._pending or self._writing or self.failed)
+
+    def _queue(self, data: bytes) -> None:
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        # Not followed, the writes wait for the queue (`_caught_up`): the
+        # bound is the flight's, for a client that would hold its followers.
+        if self._pending_bytes > self._leader.max_buffer_bytes and self._leader.followed:
+            self._cut()
+        self._wake()
+
+    def _cut(self) -> None:
+        """The client is further behind the flight than its bound: cut as a
+        lagging follower is (reply.follow): its ending in place of the queue,
+        then nothing more of the flight's."""
+        self._pending.clear()
+        self._pending.append(self._ending)
+        self._pending_bytes = len(self._ending)
+        self._end = True
+        self.gone = self.lagged = True
+        self._for_followers_left()
+
+    def _wake(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_pending())
+
+    async def _write_pending(self) -> None:
+        """The writer: the queue, then the stream's end once queued."""
+        out = self.out
+        assert out is not None
+        pending = self._pending
+        try:
+            while pending:
+                data = pending.popleft()
+                self._pending_bytes -= len(data)
+                self._writing = True
+                await out.write(data)
+                self._writing = False
+            if self._end:
+                self._end = False
+                await out.write_eof()
+        except ConnectionError:
+            if self._writing:
+                self.failed = True
+                self._lost()
+            else:
+                # Only the stream's end was left to write: a client that
+                # closes at [DONE] (the openai SDK does) had the whole answer,
+                # as for the direct write's (relay._client_left).
+                self._drop()
+        except BaseException:
+            self._lost()
+            raise
+        finally:
+            self._writing = False
+            if self.lagged and not self.let_go.done():
+                self.let_go.set_result(None)
+
+    def _drop(self) -> None:
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._end = False
+
+    def _lost(self) -> None:
+        """The client was found gone: as `detach`, from the writer."""
+        self._drop()
+        if not self.gone:
+            self.gone = True
+            self._for_followers_left()
+
+    async def _caught_up(self) -> None:
+        """Wait for the queue to be written (a write once the last follower
+        left: the client paces the relay again); ConnectionResetError if
+        the client was found gone meanwhile and nobody follows."""
+        await self.drained()
+        if self.gone:
+            self._for_followers()
+
+    async def drained(self) -> None:
+        """Return once the queue is written, or the client found gone
+        (`failed`). Cancelling the caller does not stop the writer."""
+        writer = self._writer
+        while writer is not None and not writer.done():
+            await asyncio.wait((writer,))
+            writer = self._writer
+
+    def close(self) -> None:
+        """Write nothing more: what is queued is dropped, a write under way
+        cancelled. For the request's end (its client gone, the proxy stopping)."""
+        writer = self._writer
+        self._drop()
+        if writer is not None and not writer.done() and writer is not asyncio.current_task():
+            writer.cancel()
 
 
 def replay(ex: Exchange, entry: CachedResponse, similarity: float | None) -> web.Response:

@@ -367,7 +367,9 @@ async def _relay_bytes(
                     if chunks is not None:
                         chunks.chunk(data)
                     # write() waits for the client's socket to drain: backpressure
-                    # reaches the origin through the unread upstream socket.
+                    # reaches the origin through the unread upstream socket (but
+                    # for a followed flight's leader, whose writes are queued,
+                    # up to a bound: dataplane.http.reply.LeaderStream).
                     # Known before the write: a stop that lands while the
                     # client takes the last event adds no ending after it.
                     answered = whole_events_end_answer(data)

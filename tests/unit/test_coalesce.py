@@ -360,3 +360,14 @@ def test_followers_know_whether_their_leader_left(error: BaseException | None, l
     assert follower.leader_left is left
     # The key is free again: the first to join once more leads a new flight.
     assert isinstance(co.join("k"), Leader)
+
+
+def test_the_leader_is_told_of_each_follower_that_joins() -> None:
+    co = Coalescer()
+    leader = co.join("k")
+    assert isinstance(leader, Leader)
+    joined: list[bool] = []
+    leader.when_joined(lambda: joined.append(leader.followed))
+    co.join("k")
+    co.join("k")
+    assert joined == [True, True]  # after each had joined
