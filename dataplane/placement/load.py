@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 
+from dataplane.placement.speed import SpeedBoard
 from ponto.v1 import routing_pb2 as pb
 
 # The leader pushes at least every 2 s (--load-refresh-ms) while it scrapes.
@@ -27,8 +28,13 @@ STALE_AFTER_S = 10.0
 class LoadBoard:
     """Per-origin load estimates for the scorer; one per proxy process."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, speeds: SpeedBoard | None = None
+    ) -> None:
         self._clock = clock
+        # How slow each origin serves now: fed by the forwarder beside the
+        # counts, read by the picker with them.
+        self.speeds = speeds if speeds is not None else SpeedBoard()
         # The pushed figures as they came (kv_cache_usage and
         # prefix_hit_rate are -1 when unknown).
         self._scraped: dict[str, pb.OriginLoad] = {}

@@ -22,8 +22,13 @@ The reason returned names what decided the first origin: `affinity` or
 `weighted`. The caller adds `spill` and `failover` (dataplane.http.pipeline),
 which depend on the region and on the attempts.
 
-Loads come from a LoadBoard (dataplane.placement.load). Pure apart from
-reading it and the injected random source.
+Loads come from a LoadBoard (dataplane.placement.load). An origin its
+SpeedBoard (dataplane.placement.speed) finds markedly slower than its group
+counts as loaded by `(load + 1) * slowness - 1` in the affinity and
+least-loaded modes: the requests' worth of time it holds, counting the one
+being placed (a replica 25x slower, idle, counts as 24 requests: past any
+capacity the trial used; one as fast as its peers, as its count). Pure
+apart from reading the boards and the injected random source.
 """
 
 from __future__ import annotations
@@ -148,11 +153,17 @@ class Picker:
             return [group[0]], key.kind
         order = ranked(group, key.value)
         load = self.loads.load
+        slow = self.loads.speeds.slowness(group)  # None: as fast as each other
         first = order[0]
         first_load = load(first.name)
+        if slow is not None:
+            first_load = _slowed(first_load, slow.get(first.name, 1.0))
         if first_load < (first.capacity or UNKNOWN_CAPACITY):
             return order, key.kind  # the common case: its replica has room
-        loads = {t.name: load(t.name) for t in group}
+        if slow is None:
+            loads = {t.name: load(t.name) for t in group}
+        else:
+            loads = {t.name: _slowed(load(t.name), slow.get(t.name, 1.0)) for t in group}
         total = 1.0 + sum(loads.values())
         weights = sum(t.weight for t in group)
         for i, target in enumerate(order):
@@ -183,7 +194,13 @@ class Picker:
         if len(group) == 1:
             return [group[0]]
         load, rand = self.loads.load, self._rand
-        return sorted(group, key=lambda t: ((load(t.name) + 1.0) / t.weight, rand()))
+        slow = self.loads.speeds.slowness(group)
+        if slow is None:
+            return sorted(group, key=lambda t: ((load(t.name) + 1.0) / t.weight, rand()))
+        get = slow.get
+        return sorted(
+            group, key=lambda t: ((load(t.name) + 1.0) * get(t.name, 1.0) / t.weight, rand())
+        )
 
     def _weighted(self, group: tuple[Target, ...]) -> list[Target]:
         if len(group) == 1:
@@ -191,6 +208,13 @@ class Picker:
         rand = self._rand
         # Efraimidis-Spirakis: each origin leads with probability weight/sum.
         return sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True)
+
+
+def _slowed(load: float, slowness: float) -> float:
+    """The load of an origin `slowness` times slower than its group's typical
+    one, in requests of the typical one: what it holds and the request being
+    placed, less that request; `load` itself at a slowness of 1."""
+    return (load + 1.0) * slowness - 1.0
 
 
 def _over(load: float, target: Target, total: float, weights: int, bound: float) -> bool:

@@ -53,6 +53,7 @@ from dataplane.http.errors import (
 from dataplane.linebudget import LineBudget
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
+from dataplane.placement.speed import output_tokens
 from dataplane.routes import Target
 from dataplane.streaming.opening import Opening, only_done
 from dataplane.timer import Deadlines
@@ -874,7 +875,10 @@ class Forwarder:
                 # A lower bound of its time to commit: without it the window
                 # would lose exactly the slow tail that hedges cut off, and its
                 # p95 (the "auto" delay) would creep down.
-                self.commit_times.observe(target.name, stream, loop.time() - sent_at)
+                took = loop.time() - sent_at
+                self.commit_times.observe(target.name, stream, took)
+                if stream:  # a stream's first event, as the forwarder's samples (speed.py)
+                    self.loads.speeds.observe(target.name, True, took)
         return extra
 
     def _won(self, answer: OriginAnswer) -> None:
@@ -1180,6 +1184,18 @@ class Forwarder:
                         self._metrics.commit_time.labels(
                             target.name, "stream" if stream else "whole"
                         ).observe(took)
+                        if 200 <= resp.status < 300 and (
+                            streamed or parsed is not jsonio.NOT_PARSED
+                        ):
+                            # Its speed, for placement (dataplane.placement.speed);
+                            # a body too large to parse has no token count to
+                            # divide by, and is no sample.
+                            loads.speeds.observe(
+                                target.name,
+                                streamed,
+                                took,
+                                0 if streamed else output_tokens(parsed),
+                            )
                     return OriginAnswer(
                         target,
                         attempt,

@@ -1,0 +1,159 @@
+"""How slow each origin is serving now, as this proxy sees it: what makes
+the picker count a replica markedly slower than its peers as fuller than
+its request count.
+
+A replica's load is counted in requests (dataplane.placement.load), and a
+key leaves its replica only once that count reaches its capacity. A trial
+found that blind to speed: a replica 25x slower than its three peers kept
+28 % of the requests at concurrency 2 (each 5 s where the others took
+0.3 s), and one busy prefilling three 20k-token prompts kept taking short
+requests (one waited 11.55 s with the other replicas idle).
+
+What is measured, from this proxy's own calls that committed with a 2xx (a
+failed, refused or cut call is no sample; a cached answer calls nothing):
+
+* a whole answer: seconds from send to its end, per output token plus
+  FIXED_TOKENS (a token-equivalent of the fixed cost, so that a one-token
+  answer and a 500-token one of a healthy replica cost about the same);
+* a stream: seconds to its first event (queue, prefill and first token),
+  and the time a hedge let pass before it cancelled a stream not yet
+  begun (a lower bound: without it the slowest calls would never count).
+
+Time in a replica's queue is in both, which is what the long prompts cost
+the requests behind them. A stream's decoding after its first event is
+not measured (no work per chunk): a replica slow only in decoding, serving
+streams only, is not noticed.
+
+Each origin keeps an exponentially weighted mean per kind (whole, stream).
+A sample counts ALPHA, more after a gap (1 - exp(-gap / DECAY_S)), and at
+most CLIP times the mean (or the floor): one slow outlier (a prompt not
+in the cache) does not mark a healthy replica, two or three in a row do. A
+replica's slowness in a group is its mean over the group's typical one (the
+lower median of the origins with samples of that kind, and at least
+TYPICAL_FLOOR_S), the larger of its two kinds; below SLOW_RATIO it is 1
+(evenly fast replicas are placed exactly as before, and so is one whose
+queue adds tens of milliseconds). It decays toward 1 with the time since the origin's last sample
+(exp(-age / DECAY_S)): a replica that lost its keys, and so its samples, is
+tried again, and if still slow its next answer marks it again.
+
+Single event loop; no locks. `observe` is a few float operations per
+answer; `slowness` two comparisons per request, the group's factors being
+computed again at most every REFRESH_S, by the first request after a sample.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from dataplane.routes import Target
+
+ALPHA: Final = 0.25
+CLIP: Final = 8.0
+DECAY_S: Final = 10.0
+SLOW_RATIO: Final = 4.0
+FIXED_TOKENS: Final = 16
+# A group's typical time is taken as at least this, to a stream's first
+# event (and a whole answer's as this per FIXED_TOKENS): a replica is slow
+# only by a margin that costs more than the prefill its keys pay when they
+# move. A quick bench run with none (and a ratio of 3) found hot prefixes
+# on a busy, healthy replica marked by 20 ms of queue over 6 ms and spread,
+# their p90 TTFT 107 ms where it had been 30.
+TYPICAL_FLOOR_S: Final = 0.1
+_FLOORS: Final = {True: TYPICAL_FLOOR_S, False: TYPICAL_FLOOR_S / FIXED_TOKENS}
+REFRESH_S: Final = 0.5
+# Below this gap since the last sample, 1 - exp(-gap / DECAY_S) < ALPHA: no
+# exp to compute for the samples of a replica with traffic.
+_ALPHA_GAP_S: Final = -DECAY_S * math.log(1.0 - ALPHA)
+# Groups whose factors are kept (a table's groups; more when tables change).
+MAX_GROUPS: Final = 256
+
+
+class SpeedBoard:
+    """Per-origin speed estimates for the picker; one per proxy process,
+    fed by the forwarder (`observe`), read by the picker (`slowness`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # replaceable: tests move time on
+        # (origin, stream) -> [mean seconds per unit, time of its last sample]
+        self._cost: dict[tuple[str, bool], list[float]] = {}
+        # Bumped by the first sample at least REFRESH_S after the last bump:
+        # factors computed under an older one are computed again.
+        self.generation = 0
+        self._refresh_at = 0.0
+        # id(group) -> (the group, the generation, its slow origins' factors or None)
+        self._groups: dict[int, tuple[tuple[Target, ...], int, dict[str, float] | None]] = {}
+        # The last group asked about and its answer: most proxies serve one
+        # model in one region, and this spares them the dict lookup.
+        self._last: tuple[tuple[Target, ...], int, dict[str, float] | None] = ((), -1, None)
+
+    def observe(self, origin: str, stream: bool, seconds: float, tokens: int = 0) -> None:
+        """One call to origin committed with a 2xx after `seconds`: a stream's
+        first event (`stream`), or a whole answer of `tokens` output tokens."""
+        now = self.clock()
+        sample = seconds if stream else seconds / (tokens + FIXED_TOKENS)
+        if now >= self._refresh_at:
+            self._refresh_at = now + REFRESH_S
+            self.generation += 1
+        key = (origin, stream)
+        held = self._cost.get(key)
+        if held is None:
+            self._cost[key] = [sample, now]
+            return
+        mean, gap = held[0], now - held[1]
+        weight = ALPHA if gap < _ALPHA_GAP_S else 1.0 - math.exp(-gap / DECAY_S)
+        clip = CLIP * (mean if mean > _FLOORS[stream] else _FLOORS[stream])
+        held[0] = mean + ((sample if sample < clip else clip) - mean) * weight
+        held[1] = now
+
+    def slowness(self, group: tuple[Target, ...]) -> dict[str, float] | None:
+        """The origins of `group` markedly slower than its typical one, each
+        with its factor (>= SLOW_RATIO); None when there is none (the common
+        case). Computed again only after a sample bumped `generation`
+        (every REFRESH_S at most while answers come): no clock is read per
+        request, and a board that gets no answers keeps its last factors (a
+        slow replica with no traffic decays once its peers answer)."""
+        last = self._last
+        if last[0] is group and last[1] == self.generation:
+            return last[2]
+        cached = self._groups.get(id(group))
+        if cached is None or cached[0] is not group or cached[1] != self.generation:
+            cached = (group, self.generation, self._factors(group, self.clock()))
+            if len(self._groups) >= MAX_GROUPS:
+                self._groups.clear()
+            self._groups[id(group)] = cached
+        self._last = cached
+        return cached[2]
+
+    def _factors(self, group: tuple[Target, ...], now: float) -> dict[str, float] | None:
+        if len(group) < 2:
+            return None  # no peer to be slower than, nor to move to
+        out: dict[str, float] | None = None
+        for stream in (False, True):
+            held = [(t.name, c) for t in group if (c := self._cost.get((t.name, stream)))]
+            if len(held) < 2:
+                continue  # one origin's speed says nothing of its peers'
+            means = sorted(c[0] for _, c in held)
+            typical = max(means[(len(means) - 1) // 2], _FLOORS[stream])
+            for name, (mean, at) in held:
+                ratio = 1.0 + (mean / typical - 1.0) * math.exp((at - now) / DECAY_S)
+                if ratio >= SLOW_RATIO:
+                    if out is None:
+                        out = {}
+                    out[name] = max(ratio, out.get(name, 1.0))
+        return out
+
+
+def output_tokens(parsed: Any) -> int:
+    """The output tokens a parsed whole answer reports (chat and completions'
+    `completion_tokens`, Responses' `output_tokens`); 0 when it reports none
+    (embeddings, or no usage)."""
+    if isinstance(parsed, dict):
+        usage = parsed.get("usage")
+        if isinstance(usage, dict):
+            count = usage.get("completion_tokens") or usage.get("output_tokens")
+            if isinstance(count, int) and count > 0:
+                return count
+    return 0

@@ -1,0 +1,86 @@
+"""A replica that serves markedly slower than its peers loses its sessions to
+their next rank, and gets them back once it is fast again: the proxy before
+three origin simulators, one slowed through its /sim/config.
+
+A trial found a replica 25x slower keeping 28 % of the requests (a key left
+it only once its request count reached its capacity). The speed board's
+clock is moved on rather than slept through (dataplane.placement.speed)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+from dataplane.http.state import PIPELINE
+from dataplane.placement.speed import DECAY_S
+from ponto.originsim.app import SimConfig
+from tests.functional.test_pipeline import MODEL, Stack, start_stack
+
+SESSIONS = 60
+
+
+def turn(session: int, n: int) -> dict[str, object]:
+    # A body of its own per turn: no answer comes from the cache.
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"session {session}, turn {n}"}],
+    }
+
+
+async def ask(stack: Stack, session: int, n: int) -> tuple[str, str]:
+    resp = await stack.post(turn(session, n), headers={"x-session-id": f"s{session}"})
+    assert resp.status == 200
+    await resp.read()
+    return resp.headers["x-ponto-origin"], resp.headers["x-ponto-route"]
+
+
+async def set_speed(stack: Stack, index: int, tokens_per_s: float) -> None:
+    url = stack.origins[index].make_url("/sim/config")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, json={"tokens_per_s": tokens_per_s}) as resp,
+    ):
+        assert resp.status == 200
+
+
+async def test_a_slowed_replica_loses_its_sessions_and_regains_them(tmp_path: Path) -> None:
+    configs = [
+        SimConfig(name=f"o{i}", tokens_per_s=2000.0, answer_tokens=10, ttft_ms=5.0)
+        for i in (1, 2, 3)
+    ]
+    stack = await start_stack(tmp_path, configs)
+    try:
+        speeds = stack.app[PIPELINE].picker.loads.speeds
+        moved = [0.0]
+        speeds.clock = lambda: time.monotonic() + moved[0]
+        # Healthy and evenly fast: every session on its first rank.
+        home = {}
+        for s in range(SESSIONS):
+            home[s], route = await ask(stack, s, 1)
+            assert route == "affinity"
+        on_o2 = [s for s in range(SESSIONS) if home[s] == "o2"]
+        assert len(on_o2) >= 12
+
+        # o2 answers 400x slower (10 tokens in 2 s): after a few of its
+        # answers its sessions go to their next rank.
+        await set_speed(stack, 1, 5.0)
+        second = [await ask(stack, s, 2) for s in on_o2]
+        by = Counter(origin for origin, _ in second)
+        assert by["o2"] <= 4, by
+        assert all(route == "load" for origin, route in second if origin != "o2")
+        # The other sessions did not move.
+        others = [s for s in range(SESSIONS) if s not in on_o2][:12]
+        assert [(await ask(stack, s, 2))[0] for s in others] == [home[s] for s in others]
+
+        # Fast again; a while later (no samples of it meanwhile) it is tried
+        # again, answers as fast as its peers and keeps its sessions.
+        await set_speed(stack, 1, 2000.0)
+        moved[0] += 3 * DECAY_S
+        await ask(stack, others[0], 3)  # its peers answer meanwhile
+        third = [await ask(stack, s, 3) for s in on_o2]
+        assert all(origin == "o2" and route == "affinity" for origin, route in third), third
+    finally:
+        await stack.close()

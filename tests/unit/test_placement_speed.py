@@ -1,0 +1,278 @@
+"""Placement that notices a slow replica: the speed board's estimates, and
+the picker counting a markedly slower replica as fuller than its requests.
+
+A trial found a replica 25x slower than its peers keeping 28 % of the
+requests (a key left it only once its request count reached its capacity),
+and one busy prefilling long prompts taking short requests that then waited
+11.55 s beside idle replicas. Time is an injected clock throughout."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from dataplane.placement.keys import Key
+from dataplane.placement.load import LoadBoard
+from dataplane.placement.picker import AFFINITY, LEAST_LOADED, Picker, ranked
+from dataplane.placement.speed import (
+    DECAY_S,
+    REFRESH_S,
+    SLOW_RATIO,
+    SpeedBoard,
+    output_tokens,
+)
+from dataplane.routes import Target, origin_seed
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def target(name: str, capacity: int = 4) -> Target:
+    return Target(name, "r1", f"http://{name}/v1", 100, capacity=capacity, seed=origin_seed(name))
+
+
+GROUP = (target("a"), target("b"), target("c"))
+
+# A 25-token answer: 0.3 s on a healthy replica, 5 s on one at 5 tokens/s.
+FAST_S, SLOW_S, TOKENS = 0.3, 5.0, 25
+
+
+def peers_answer(speeds: SpeedBoard, clock: Clock, after_s: float) -> None:
+    """`after_s` seconds pass, and then a fast peer answers (the board's
+    factors are computed again after a sample, not by the clock alone)."""
+    clock.now += after_s
+    speeds.observe("a", False, FAST_S, TOKENS)
+
+
+def board_with(times: dict[str, float], *, rounds: int = 4) -> tuple[SpeedBoard, Clock]:
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    for _ in range(rounds):
+        for name, seconds in times.items():
+            speeds.observe(name, False, seconds, TOKENS)
+        clock.now += 1.0
+    clock.now += REFRESH_S  # no cached factors from before
+    return speeds, clock
+
+
+# ---------------------------------------------------------------- the estimator
+
+
+def test_a_replica_25x_slower_than_its_peers_is_marked_and_evenly_fast_ones_are_not() -> None:
+    speeds, _ = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    slow = speeds.slowness(GROUP)
+    assert slow is not None and set(slow) == {"b"}
+    assert 12 < slow["b"] < 5 / 0.3  # 5 / 0.3, decayed a little since the last sample
+    even, _ = board_with({"a": 0.3, "b": 0.4, "c": 0.25})
+    assert even.slowness(GROUP) is None
+
+
+def test_a_queue_of_tens_of_milliseconds_over_a_fast_group_marks_nothing() -> None:
+    # Hot prefixes on a busy, healthy replica: streams' first events in 40 ms
+    # where its peers take 6 ms. Moving its keys would cost more (a prefill).
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    for _ in range(8):
+        for name, seconds in (("a", 0.006), ("b", 0.04), ("c", 0.006)):
+            speeds.observe(name, True, seconds)
+        clock.now += 1.0
+    assert speeds.slowness(GROUP) is None
+    for _ in range(8):  # seconds, not milliseconds, behind: it is marked
+        speeds.observe("b", True, 0.6)
+        clock.now += 1.0
+    assert speeds.slowness(GROUP) is not None
+
+
+def test_no_data_one_origin_with_data_and_one_replica_groups_mark_nothing() -> None:
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    assert speeds.slowness(GROUP) is None  # the very first requests
+    speeds.observe("b", False, SLOW_S, TOKENS)
+    clock.now += REFRESH_S
+    assert speeds.slowness(GROUP) is None  # slower than whom?
+    speeds.observe("a", False, FAST_S, TOKENS)
+    clock.now += REFRESH_S
+    assert speeds.slowness((GROUP[1],)) is None  # nowhere else to go
+    assert speeds.slowness(GROUP) is not None
+
+
+def test_whole_answers_count_per_output_token_so_answer_length_does_not_mark() -> None:
+    # The same replica speed (0.05 s to the first token, 200 tokens/s): one
+    # replica answers in one token, its peers in 500.
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    for _ in range(6):
+        speeds.observe("a", False, 0.05 + 1 / 200, 1)
+        speeds.observe("b", False, 0.05 + 500 / 200, 500)
+        speeds.observe("c", False, 0.05 + 500 / 200, 500)
+        clock.now += 1.0
+    assert speeds.slowness(GROUP) is None
+
+
+def test_one_outlier_does_not_mark_a_healthy_replica_and_a_run_of_them_does() -> None:
+    speeds, clock = board_with({"a": FAST_S, "b": FAST_S, "c": FAST_S})
+    speeds.observe("b", False, 10 * FAST_S, TOKENS)  # a prompt not in its cache
+    clock.now += REFRESH_S
+    assert speeds.slowness(GROUP) is None
+    for _ in range(3):
+        speeds.observe("b", False, 10 * FAST_S, TOKENS)
+    clock.now += REFRESH_S
+    slow = speeds.slowness(GROUP)
+    assert slow is not None and set(slow) == {"b"}
+
+
+def test_streams_are_timed_to_their_first_event_apart_from_whole_answers() -> None:
+    # A replica queueing behind long prefills: its streams' first events come
+    # late, while its whole answers (none lately) say nothing against it.
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    for _ in range(4):
+        for name in ("a", "b", "c"):
+            speeds.observe(name, False, FAST_S, TOKENS)
+            speeds.observe(name, True, 11.5 if name == "c" else 0.1)
+        clock.now += 1.0
+    slow = speeds.slowness(GROUP)
+    assert slow is not None and set(slow) == {"c"} and slow["c"] > 50
+
+
+def test_slowness_decays_with_no_samples_and_a_slow_answer_marks_it_again() -> None:
+    speeds, clock = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    first = speeds.slowness(GROUP)
+    assert first is not None
+    # Its keys gone, it has no samples: it is tried again after a while.
+    clock.now += DECAY_S
+    assert speeds.slowness(GROUP) == first  # until an answer comes
+    peers_answer(speeds, clock, 0.0)
+    later = speeds.slowness(GROUP)
+    assert later is not None and later["b"] < first["b"] / 2
+    peers_answer(speeds, clock, 2 * DECAY_S)
+    assert speeds.slowness(GROUP) is None
+    # Still slow: its next answer marks it at once.
+    clock.now += REFRESH_S
+    speeds.observe("b", False, SLOW_S, TOKENS)
+    again = speeds.slowness(GROUP)
+    assert again is not None and again["b"] > 10
+
+
+def test_a_recovered_replica_is_unmarked_by_its_own_answers() -> None:
+    speeds, clock = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    clock.now += 2 * DECAY_S  # tried again after its keys left
+    for _ in range(3):
+        speeds.observe("b", False, FAST_S, TOKENS)
+        clock.now += 1.0
+    peers_answer(speeds, clock, REFRESH_S)
+    assert speeds.slowness(GROUP) is None
+
+
+def test_factors_are_computed_again_after_a_sample_past_the_refresh_interval() -> None:
+    speeds, clock = board_with({"a": FAST_S, "b": FAST_S, "c": FAST_S})
+    assert speeds.slowness(GROUP) is None
+    clock.now += REFRESH_S
+    speeds.observe("b", False, SLOW_S, TOKENS)  # computed again at the next request
+    assert speeds.slowness(GROUP) is None  # one slow answer: not yet marked
+    for _ in range(3):
+        speeds.observe("b", False, SLOW_S, TOKENS)
+    assert speeds.slowness(GROUP) is None  # as computed a moment ago
+    clock.now += REFRESH_S
+    assert speeds.slowness(GROUP) is None  # the clock alone computes nothing
+    speeds.observe("a", False, FAST_S, TOKENS)
+    slow = speeds.slowness(GROUP)
+    assert slow is not None and set(slow) == {"b"}
+
+
+def test_output_tokens_reads_chat_and_responses_usage() -> None:
+    assert output_tokens({"usage": {"completion_tokens": 7}}) == 7
+    assert output_tokens({"usage": {"output_tokens": 9}}) == 9
+    assert output_tokens({"usage": {"prompt_tokens": 3}}) == 0  # embeddings
+    assert output_tokens({"data": []}) == 0
+    assert output_tokens(None) == 0
+
+
+# ---------------------------------------------------------------- the picker
+
+
+def keys_ranking_first(name: str, count: int) -> list[Key]:
+    found = [k for k in range(10_000) if ranked(GROUP, k)[0].name == name]
+    return [Key(k, "affinity", "header") for k in found[:count]]
+
+
+def picker_over(speeds: SpeedBoard) -> tuple[Picker, LoadBoard]:
+    loads = LoadBoard(speeds=speeds)
+    return Picker(loads), loads
+
+
+def test_an_idle_slow_replica_loses_its_keys_to_their_next_rank() -> None:
+    speeds, _ = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    picker, _ = picker_over(speeds)
+    for key in keys_ranking_first("b", 20):
+        order, why = picker.order([GROUP], AFFINITY, key)
+        # Where the load bound would move it, on every proxy alike.
+        assert order[0] is ranked(GROUP, key.value)[1]
+        assert why == "load"
+        assert GROUP[1] in order  # still a failover candidate
+
+
+def test_evenly_fast_replicas_keep_every_key_on_its_first_rank() -> None:
+    speeds, _ = board_with({"a": 0.3, "b": 0.5, "c": 0.25})
+    picker, loads = picker_over(speeds)
+    for name in ("a", "b", "c"):
+        for _ in range(3):  # busy, under capacity
+            loads.started(name)
+    for k in range(300):
+        key = Key(k, "affinity", "header")
+        assert picker.order([GROUP], AFFINITY, key) == (ranked(GROUP, k), "affinity")
+
+
+def test_a_mildly_slow_replica_keeps_its_keys_while_idle_and_sheds_them_when_busy() -> None:
+    speeds, _ = board_with({"a": FAST_S, "b": 1.3 * SLOW_RATIO * FAST_S, "c": FAST_S})
+    slow = speeds.slowness(GROUP)
+    assert slow is not None and SLOW_RATIO < slow["b"] < 5
+    picker, loads = picker_over(speeds)
+    key = keys_ranking_first("b", 1)[0]
+    assert picker.order([GROUP], AFFINITY, key)[0][0].name == "b"  # (0+1)*4.6-1 < 4
+    loads.started("b")
+    assert picker.order([GROUP], AFFINITY, key)[0][0].name != "b"  # (1+1)*4.6-1 >= 4
+
+
+def test_the_slow_replica_gets_its_keys_back_once_it_is_fast_again() -> None:
+    speeds, clock = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    picker, _ = picker_over(speeds)
+    keys = keys_ranking_first("b", 10)
+    assert all(picker.order([GROUP], AFFINITY, k)[0][0].name != "b" for k in keys)
+    peers_answer(speeds, clock, 2 * DECAY_S)  # no samples of it: tried again
+    assert all(picker.order([GROUP], AFFINITY, k)[0][0].name == "b" for k in keys)
+    for _ in range(3):  # and it answers as fast as its peers
+        speeds.observe("b", False, FAST_S, TOKENS)
+        clock.now += 1.0
+    peers_answer(speeds, clock, REFRESH_S)
+    assert all(
+        picker.order([GROUP], AFFINITY, k) == (ranked(GROUP, k.value), "affinity") for k in keys
+    )
+
+
+def test_least_loaded_puts_the_slow_replica_last_at_equal_counts() -> None:
+    speeds, _ = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    picker, _ = picker_over(speeds)
+    firsts = Counter(picker.order([GROUP], LEAST_LOADED, None)[0][0].name for _ in range(100))
+    assert firsts["b"] == 0 and firsts["a"] and firsts["c"]
+    assert picker.order([GROUP], LEAST_LOADED, None)[0][-1].name == "b"
+
+
+@pytest.mark.parametrize("mode", [AFFINITY, LEAST_LOADED])
+def test_busy_fast_replicas_take_the_slow_ones_requests(mode: str) -> None:
+    # 6 requests in flight on each fast replica (past their capacity) wait
+    # less than one on a replica 14x slower.
+    speeds, _ = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    picker, loads = picker_over(speeds)
+    for name in ("a", "c"):
+        for _ in range(6):
+            loads.started(name)
+    key = keys_ranking_first("b", 1)[0] if mode == AFFINITY else None
+    order, why = picker.order([GROUP], mode, key)
+    assert order[0].name != "b" and why == "load"
