@@ -108,6 +108,13 @@ class SpeedBoard:
         held[0] = mean + ((sample if sample < clip else clip) - mean) * weight
         held[1] = now
 
+    def mean(self, origin: str, stream: bool) -> float | None:
+        """Origin's mean of the kind (seconds to a stream's first event, or a
+        whole answer's seconds per output token plus FIXED_TOKENS); None
+        before its first sample."""
+        held = self._cost.get((origin, stream))
+        return held[0] if held is not None else None
+
     def slowness(self, group: tuple[Target, ...]) -> dict[str, float] | None:
         """The origins of `group` markedly slower than its typical one, each
         with its factor (>= SLOW_RATIO); None when there is none (the common

@@ -84,3 +84,32 @@ async def test_a_slowed_replica_loses_its_sessions_and_regains_them(tmp_path: Pa
         assert all(origin == "o2" and route == "affinity" for origin, route in third), third
     finally:
         await stack.close()
+
+
+async def test_only_answers_that_committed_are_speed_samples(tmp_path: Path) -> None:
+    # A failed call ends at once: as a sample it would make its origin look
+    # fast. Whole answers are timed per output token, streams to their first
+    # event.
+    configs = [
+        SimConfig(name="bad", mode="fail", fail_status=503),
+        SimConfig(name="good", tokens_per_s=50.0, answer_tokens=4),
+    ]
+    stack = await start_stack(tmp_path, configs)
+    try:
+        speeds = stack.app[PIPELINE].picker.loads.speeds
+        answered = [await ask(stack, s, 1) for s in range(6)]
+        assert {origin for origin, _ in answered} == {"good"}
+        # "bad" ranked first for some of them, which failed over.
+        assert "failover" in {route for _, route in answered}
+        assert speeds.mean("bad", False) is None
+        whole = speeds.mean("good", False)
+        # 3 tokens after the first at 50 a second, 0.06 s or more (well under
+        # 0.5 s), over 4 + 16: what a sample is per output token.
+        assert whole is not None and 0.06 / 20 <= whole < 0.5 / 20
+        assert speeds.mean("good", True) is None
+        resp = await stack.post({**turn(99, 1), "stream": True})
+        assert resp.status == 200
+        await resp.read()
+        assert speeds.mean("good", True) is not None
+    finally:
+        await stack.close()
