@@ -427,8 +427,14 @@ def start_demo_fleet(
             origin = f"origin-{region.name}"
             # Answers end by themselves after 24 tokens, as a model's do, so a
             # request with a larger max_tokens gets a whole answer the cache keeps.
+            # Responses are stored, as on a vLLM replica with its store on,
+            # so a follow-up (previous_response_id) has its earlier turns.
             fleet.start_origin(
-                origin, region.name, ttft_ms=40, tokens_per_s=200, extra=["--answer-tokens", "24"]
+                origin,
+                region.name,
+                ttft_ms=40,
+                tokens_per_s=200,
+                extra=["--answer-tokens", "24", "--store-responses", "1000"],
             )
             fleet.add_origin(origin, region.name, fleet.origin_url(origin))
         version = fleet.table_version(origins=len(DEMO_REGIONS))

@@ -40,11 +40,12 @@ Routes:
   the messages), with OpenAI's response object, or streamed as named events
   (``response.created`` ... ``response.output_text.delta`` ...
   ``response.completed``, whose response carries ``usage``; no ``[DONE]``).
-  Nothing is stored by default: ``previous_response_id`` is not looked up.
-  With ``store_responses`` N > 0, as a vLLM replica with its store on, the
-  last N responses made with ``store`` not false are kept in memory (the
-  oldest dropped first): a ``previous_response_id`` is looked up (404 as on
-  vLLM when unknown; the earlier turns then come before the new input),
+  Nothing is stored by default: a ``previous_response_id`` is a 404, as on
+  vLLM for an id it does not hold. With ``store_responses`` N > 0, as a vLLM
+  replica with its store on, the last N responses made with ``store`` not
+  false are kept in memory (the oldest dropped first): a
+  ``previous_response_id`` is looked up (404 as on vLLM when unknown; the
+  earlier turns then come before the new input),
   echoed in the answer, and the stored-response routes below find them.
 * ``GET /v1/responses/{id}`` (``?stream=true`` sends its events again),
   ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (a 400
@@ -1515,6 +1516,11 @@ async def _completions(request: web.Request, state: SimState, body: object) -> w
 async def _responses(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
     config = state.config
     if not config.store_responses:
+        if isinstance(body, dict) and body.get("previous_response_id") is not None:
+            # Nothing is kept, so no previous response is found: a 404 as on
+            # vLLM, not an answer without the earlier turns (a new user's
+            # trial: the follow-up's 200 had silently lost them).
+            _stored(state, body["previous_response_id"])
         job = _parse_responses(body, config.models, _block_tokens(state), config.answer_tokens)
         return await _generate(request, state, job)
     obj = _require_object(body)

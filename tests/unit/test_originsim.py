@@ -627,3 +627,18 @@ async def test_a_bad_responses_request_is_400(client: SimClient, body: object) -
     resp = await client.post(RESPONSES, json=body)
     assert resp.status == 400
     assert (await resp.json())["error"]["message"]
+
+
+async def test_a_follow_up_without_a_store_is_a_404_as_on_vllm(client: SimClient) -> None:
+    """A new user's trial: the demo's simulators kept nothing, and a
+    follow-up's 200 had silently lost its earlier turns. Without a store no
+    previous response is found, as vLLM answers for an id it does not hold."""
+    first = await client.post(RESPONSES, json={"model": "sim-small", "input": "My name is Ana."})
+    assert first.status == 200
+    previous = (await first.json())["id"]
+    follow = await client.post(
+        RESPONSES,
+        json={"model": "sim-small", "input": "What is my name?", "previous_response_id": previous},
+    )
+    assert follow.status == 404
+    assert previous in (await follow.json())["error"]["message"]
