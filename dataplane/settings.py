@@ -281,9 +281,10 @@ def parse(argv: list[str]) -> Settings:
         default=0,
         metavar="N",
         help="calls of one tenant under way to one origin, per process, while another "
-        "tenant has calls to it: past them its next call is asked of the next origin, or "
-        "answered 503 origin_busy, so one tenant cannot hold every connection "
-        "(default 0: half of --max-origin-connections)",
+        "tenant has calls to it (alone, all but an eighth of the connections): past them "
+        "its next call is asked of the next origin, or answered 503 origin_busy, so one "
+        "tenant cannot hold every connection (default 0: half of --max-origin-connections; "
+        "set it to --max-origin-connections for one tenant to use them all)",
     )
     p.add_argument(
         "--origin-queue-timeout",

@@ -151,7 +151,15 @@ async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> we
         raise error
     try:
         return await _call(
-            pipeline, action, request, (keys, signed_for), decoded, sent, target, limits
+            pipeline,
+            action,
+            request,
+            principal.tenant,
+            (keys, signed_for),
+            decoded,
+            sent,
+            target,
+            limits,
         )
     finally:
         # No tokens: the estimate (0) stands, and the completions expected
@@ -163,14 +171,16 @@ async def _call(
     pipeline: Pipeline,
     action: Action,
     request: web.Request,
+    tenant: str,
     signer: tuple[IdKeys, str],
     decoded: Decoded,
     sent: str,
     target: Target,
     limits: list[tuple[str, str]],
 ) -> web.StreamResponse:
-    """`signer`: the table's keys and the caller's tenant, which the ids the
-    answer names are shown for."""
+    """`tenant`: the caller's, whose share of the origin's connections the
+    call takes; `signer`: the table's keys and the owner (the tenant's
+    record) the ids the answer names are shown for."""
     forwarder = pipeline.forwarder
     stream = action.name == "responses.retrieve" and request.query.get("stream") == "true"
     path = f"/responses/{decoded.original}{action.suffix}"
@@ -189,7 +199,7 @@ async def _call(
             stream=stream,
             first_chunk_within=idle,
             method=action.method,
-            tenant=signer[1],
+            tenant=tenant,
         )
     except ApiError as exc:
         exc.headers.update(limits)

@@ -21,7 +21,8 @@ weight and does the rest:
   connection freed), an idle one closed after `keepalive_timeout`. The wait
   is bounded (`queue_timeout`), and one caller's share (a tenant's, say) of
   the calls to one pool is bounded (`share_limit`) while another caller has
-  calls to it: past either the call
+  calls to it, and a caller alone keeps an eighth of the pool free for the
+  others: past any of these the call
   fails with `OriginFull`, reaching no origin. A trial found why: one tenant's
   1,024 streams held every connection, and another tenant's call waited
   behind them, untimed, past its client's timeout;
@@ -643,6 +644,17 @@ class OriginWire:
         self._read_timeout = read_timeout
         self._limit = limit_per_host
         self._share_limit = share_limit or None
+        # A tenant alone on a pool takes all but a reserve (an eighth) for
+        # the tenants that come after it: a share binds only once another
+        # tenant has calls, and one that comes after the first took every
+        # connection would wait for one to be freed, past its queue timeout,
+        # behind streams of minutes (a review of the shares: the trial's own
+        # order). A share of the whole pool or more keeps no reserve.
+        self._alone_limit = (
+            None
+            if self._share_limit is None or self._share_limit >= limit_per_host
+            else max(self._share_limit, limit_per_host - max(1, limit_per_host // 8))
+        )
         self._queue_timeout = queue_timeout
         self._keepalive = keepalive_timeout
         self._ttl_dns_cache = ttl_dns_cache
@@ -715,15 +727,24 @@ class OriginWire:
         shares = pool.shares
         calls = shares.get(tenant, 0)
         share = self._share_limit
-        # Only while another tenant has calls to it: alone (an open fleet's
-        # `default`, a deployment of one tenant) a tenant may use them all.
-        if share is not None and calls >= share and len(shares) > 1:
-            raise OriginFull(
-                endpoint.host,
-                "share",
-                f"its tenant has {calls} calls under way to this origin, its share of "
-                f"this proxy's connections to it (--max-origin-connections-per-tenant)",
-            )
+        # The share binds while another tenant has calls to it; alone (an
+        # open fleet's `default`, a deployment of one tenant) a tenant may
+        # use all but the reserve (_alone_limit).
+        if share is not None and calls >= share:
+            alone = len(shares) == 1
+            reserve_from = self._alone_limit
+            if not alone or (reserve_from is not None and calls >= reserve_from):
+                raise OriginFull(
+                    endpoint.host,
+                    "share",
+                    f"its tenant has {calls} calls under way to this origin, "
+                    + (
+                        "all of this proxy's connections to it but those kept for other tenants"
+                        if alone
+                        else "its share of this proxy's connections to it"
+                    )
+                    + " (--max-origin-connections-per-tenant)",
+                )
         shares[tenant] = calls + 1
         try:
             conn = await self._take(endpoint)

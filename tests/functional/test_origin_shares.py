@@ -197,13 +197,18 @@ async def test_a_tenant_past_its_share_is_refused_while_another_is_served(
     assert (await read_sse(again))[-1] == "[DONE]"
 
 
-async def test_a_tenant_alone_on_an_origin_may_use_every_connection(by_share: Shared) -> None:
+async def test_a_tenant_alone_on_an_origin_may_use_all_but_a_reserve(by_share: Shared) -> None:
     """The share binds only while another tenant has calls to the origin: an
-    open fleet's `default`, or a deployment of one tenant, keeps the whole
-    pool."""
+    open fleet's `default`, or a deployment of one tenant, takes all of the
+    pool but an eighth (at least one connection), which a tenant coming
+    after it finds free."""
     s = by_share
-    held = await s.hold(4)  # four connections, beta's share two
+    held = await s.hold(3)  # four connections, beta's share two, one kept
     assert s.attempts("tenant_share") == 0
+    fourth = await s.stack.post(chat("beta stream 3", stream=True), key=BETA.key)
+    busy(await fourth.json(), fourth)
+    late = await s.stack.post(chat("alpha asks"), key=ALPHA.key)
+    assert late.status == 200
     s.origin.done.set()
     for resp in held:
         assert (await read_sse(resp))[-1] == "[DONE]"

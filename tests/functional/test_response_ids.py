@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 from openai.types.responses import ResponseCompletedEvent
 
-from dataplane.http.state import HOLDER, METRICS
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from dataplane.upstream.responseids import IdKeys, decode, origin_tag
 from ponto.apikeys import issue_key
 from ponto.originsim.app import SIM_STATE, SimConfig
@@ -674,3 +674,26 @@ async def test_a_response_created_longer_than_the_held_opening_is_rewritten(
         assert datas[0]["response"]["instructions"] == instructions
     finally:
         await s.close()
+
+
+async def test_a_stored_route_takes_the_callers_tenants_share(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of f0455bc: the stored-response routes passed the ids' owner
+    ("acme\\0<birth>") as the tenant whose share of the origin's connections
+    the call takes, a second share to the tenant, and one that made its own
+    share bind against itself."""
+    other_born(stack, 10, OTHER_KEY, version=4)
+    client = sdk(stack, OTHER_KEY.key)
+    made = await client.responses.create(model=MODEL, input="kept")
+    forwarder = stack.app[PIPELINE].forwarder
+    real = forwarder.forward
+    tenants: list[str] = []
+
+    async def forward(*args: Any, **kw: Any) -> Any:
+        tenants.append(kw["tenant"])
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(forwarder, "forward", forward)
+    await client.responses.retrieve(made.id)
+    assert tenants == ["other"]

@@ -714,13 +714,32 @@ async def test_a_tenant_past_its_share_is_refused_and_another_is_served(
     alpha.close()
     second.close()
     assert pool.shares == {"beta": 1}
-    # Alone on the origin, beta may go past its share.
+    # Alone on the origin, beta may go past its share, to all but the
+    # reserve kept for the tenants that come after it (an eighth, at least 1).
     more = [await wire.post(origin.url(), b"{}", no_headers(), tenant="beta") for _ in range(2)]
     assert pool.shares == {"beta": 3}
-    for resp in (held[1], *more):
+    with pytest.raises(OriginFull, match="kept for other tenants"):
+        await wire.post(origin.url(), b"{}", no_headers(), tenant="beta")
+    # So a tenant that comes after it finds a connection at once (a review:
+    # it waited behind beta's streams, past its queue timeout).
+    late = await wire.post(origin.url(), b"{}", no_headers(), tenant="alpha")
+    assert pool.shares == {"beta": 3, "alpha": 1}
+    for resp in (held[1], *more, late):
         resp.close()
         resp.close()  # once only
     assert pool.shares == {}
+
+
+async def test_a_share_of_the_whole_pool_keeps_no_reserve(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    origin.answer = answering(STREAM_HEAD)
+    wire = wires(limit_per_host=4, share_limit=4)
+    held = [await wire.post(origin.url(), b"{}", no_headers(), tenant="beta") for _ in range(4)]
+    [pool] = wire._pools.values()
+    assert pool.shares == {"beta": 4}
+    for resp in held:
+        resp.close()
 
 
 async def test_a_call_that_fails_leaves_its_tenants_share(
