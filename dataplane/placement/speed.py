@@ -14,10 +14,13 @@ failed, refused or cut call is no sample; a cached answer calls nothing):
 
 * a whole answer: seconds from send to its end, per output token plus
   FIXED_TOKENS (a token-equivalent of the fixed cost, so that a one-token
-  answer and a 500-token one of a healthy replica cost about the same);
+  answer and a 500-token one of a healthy replica cost about the same) plus
+  the prompt's (PROMPT_BYTES_PER_TOKEN); one that reports no output tokens
+  is no sample;
 * a stream: seconds to its first event (queue, prefill and first token),
-  and the time a hedge let pass before it cancelled a stream not yet
-  begun (a lower bound: without it the slowest calls would never count).
+  per PROMPT_BYTES_PER_UNIT of its request, and the time a hedge let pass
+  before it cancelled a stream not yet begun (a lower bound: without it the
+  slowest calls would never count).
 
 Time in a replica's queue is in both, which is what the long prompts cost
 the requests behind them. A stream's decoding after its first event is
@@ -53,8 +56,20 @@ from dataplane.routes import Target
 ALPHA: Final = 0.25
 CLIP: Final = 8.0
 DECAY_S: Final = 10.0
-SLOW_RATIO: Final = 4.0
+# A review found healthy replicas at 5-6x their peers from what they were
+# given rather than how fast they were (long answers beside short ones,
+# embeddings beside chat, the long prompts of their sessions); the trial's
+# slow replica was 25x.
+SLOW_RATIO: Final = 8.0
 FIXED_TOKENS: Final = 16
+# A request body of this many bytes counts as one more unit of a stream's
+# time to its first event (prefill grows with the prompt: about 4k tokens a
+# unit), and as one more output token of a whole answer per PROMPT_BYTES_PER_TOKEN
+# (a prompt token costs a small share of an output token): a replica whose
+# sessions hold long prompts is not slower for it (review: a replica holding
+# the 20k-token sessions was marked at 6x).
+PROMPT_BYTES_PER_UNIT: Final = 16_384
+PROMPT_BYTES_PER_TOKEN: Final = 256
 # A group's typical time is taken as at least this, to a stream's first
 # event (and a whole answer's as this per FIXED_TOKENS): a replica is slow
 # only by a margin that costs more than the prefill its keys pay when they
@@ -89,18 +104,31 @@ class SpeedBoard:
         # model in one region, and this spares them the dict lookup.
         self._last: tuple[tuple[Target, ...], int, dict[str, float] | None] = ((), -1, None)
 
-    def observe(self, origin: str, stream: bool, seconds: float, tokens: int = 0) -> None:
-        """One call to origin committed with a 2xx after `seconds`: a stream's
-        first event (`stream`), or a whole answer of `tokens` output tokens."""
+    def observe(
+        self, origin: str, stream: bool, seconds: float, tokens: int = 0, body_bytes: int = 0
+    ) -> None:
+        """One call to origin, of a request body of `body_bytes`, committed
+        with a 2xx after `seconds`: a stream's first event (`stream`), or a
+        whole answer of `tokens` output tokens. A whole answer that reports
+        none (embeddings, no `usage`) is no sample: its time per token is
+        not one (review: an origin without usage read as 32x its peers)."""
+        if stream:
+            sample = seconds / (1.0 + body_bytes / PROMPT_BYTES_PER_UNIT)
+        elif tokens:
+            sample = seconds / (tokens + FIXED_TOKENS + body_bytes / PROMPT_BYTES_PER_TOKEN)
+        else:
+            return
         now = self.clock()
-        sample = seconds if stream else seconds / (tokens + FIXED_TOKENS)
         if now >= self._refresh_at:
             self._refresh_at = now + REFRESH_S
             self.generation += 1
         key = (origin, stream)
         held = self._cost.get(key)
         if held is None:
-            self._cost[key] = [sample, now]
+            # Clipped as any sample is (to CLIP times the floor here): one
+            # cold first answer must not mark a replica for its decay.
+            clip = CLIP * _FLOORS[stream]
+            self._cost[key] = [sample if sample < clip else clip, now]
             return
         mean, gap = held[0], now - held[1]
         weight = ALPHA if gap < _ALPHA_GAP_S else 1.0 - math.exp(-gap / DECAY_S)

@@ -787,7 +787,9 @@ class Forwarder:
                 metrics.attempt(target.name, "cancelled").inc()
             raise
         finally:
-            extra = await self._end_others(targets, first, winner, answer, stream, sent_at, trace)
+            extra = await self._end_others(
+                targets, first, winner, answer, stream, sent_at, trace, len(body)
+            )
         if answer is None:
             return None
         answer.extra_calls = extra
@@ -825,6 +827,7 @@ class Forwarder:
         stream: bool,
         sent_at: float,
         trace: RequestTrace | None,
+        body_bytes: int,
     ) -> int:
         """End every attempt of a race but the winner; return how many were sent
         and then cancelled (or released) because the winner answered first.
@@ -878,7 +881,7 @@ class Forwarder:
                 took = loop.time() - sent_at
                 self.commit_times.observe(target.name, stream, took)
                 if stream:  # a stream's first event, as the forwarder's samples (speed.py)
-                    self.loads.speeds.observe(target.name, True, took)
+                    self.loads.speeds.observe(target.name, True, took, body_bytes=body_bytes)
         return extra
 
     def _won(self, answer: OriginAnswer) -> None:
@@ -1195,6 +1198,7 @@ class Forwarder:
                                 streamed,
                                 took,
                                 0 if streamed else output_tokens(parsed),
+                                len(body),
                             )
                     return OriginAnswer(
                         target,
