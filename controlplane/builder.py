@@ -60,10 +60,14 @@ class TableBuilder:
     async def build_once(self) -> bool:
         """Read, compile, publish; return whether a new snapshot was published."""
         state = await self._catalog.snapshot()
-        if not state.response_id_keys:
-            # The first table of a fleet (or of one older than the keys): the
-            # key is made once, and read back as every replica reads it.
-            await self._catalog.ensure_response_id_key()
+        if not state.response_id_keys or not state.response_id_owners_from:
+            # The first table of a fleet (or of one older than the keys, or
+            # than ids signed for tenants' records): each is made once, and
+            # read back as every replica reads it.
+            if not state.response_id_keys:
+                await self._catalog.ensure_response_id_key()
+            if not state.response_id_owners_from:
+                await self._catalog.ensure_response_id_owners()
             state = await self._catalog.snapshot()
         self._read_at = state.revision
         self._read.set()

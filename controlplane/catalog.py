@@ -115,6 +115,10 @@ PURGES = STATE_PREFIX + "purges/"
 # made by the first replica that builds a table without them, and read with
 # the rest of the state, so every replica compiles the same keys.
 RESPONSE_ID_KEYS = STATE_PREFIX + "secrets/response-ids"
+# Made once, empty: its create revision is where Responses ids began to be
+# signed for a tenant's record rather than its name (RouteTable.
+# response_id_owners_from).
+RESPONSE_ID_OWNERS = STATE_PREFIX + "secrets/response-id-owners"
 RESPONSE_ID_KEY_BYTES = 32
 MAX_PURGES = 64
 PROXIES = ROOT + "proxies/"
@@ -185,6 +189,7 @@ class Catalog:
         purges: list[Purge] = []
         created: dict[str, int] = {}
         id_keys: tuple[bytes, ...] = ()
+        owners_from = 0
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
@@ -208,6 +213,8 @@ class Catalog:
                     purges.append(decode_purge(kv.value, kv.mod_revision))
                 elif kv.key == RESPONSE_ID_KEYS:
                     id_keys = decode_id_keys(kv.value)
+                elif kv.key == RESPONSE_ID_OWNERS:
+                    owners_from = kv.create_revision
             except (ValueError, TypeError, KeyError, AttributeError, InvalidArgument) as exc:
                 # AttributeError: a field of the wrong JSON type met a method
                 # (a tenant's "prompt": [1]; review: it stopped the builder).
@@ -223,6 +230,7 @@ class Catalog:
             tuple(purges),
             created,
             id_keys,
+            owners_from,
         )
 
     async def ensure_response_id_key(self) -> None:
@@ -236,6 +244,15 @@ class Catalog:
         except Conflict:
             return
         log.info("made the fleet's Responses id key (%s)", RESPONSE_ID_KEYS)
+
+    async def ensure_response_id_owners(self) -> None:
+        """Mark, once, the revision from which Responses ids are signed for a
+        tenant's record (RESPONSE_ID_OWNERS, created only if absent)."""
+        try:
+            await _guard(self.store.put(RESPONSE_ID_OWNERS, b"", if_absent=True))
+        except Conflict:
+            return
+        log.info("marked where Responses ids began to be signed for tenants' records")
 
     async def put_health(self, health: OriginHealth, *, fence: Fence | None = None) -> None:
         """Leader-only write; with a fence it raises Conflict once leadership is lost."""

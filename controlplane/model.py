@@ -430,6 +430,9 @@ class State:
     # The Responses ids' MAC keys, the signing one first (catalog.RESPONSE_ID_KEYS);
     # () until a replica made them.
     response_id_keys: tuple[bytes, ...] = ()
+    # The create revision of catalog.RESPONSE_ID_OWNERS (RouteTable.
+    # response_id_owners_from); 0 until a replica made it.
+    response_id_owners_from: int = 0
 
 
 def encode(value: Any) -> bytes:

@@ -86,8 +86,11 @@ class TenantRules:
     # The models its callers may name, as they send them; None: every model.
     models: frozenset[str] | None = None
     # Who its Responses ids are signed for (responseids.owner: its name and
-    # its record's birth).
+    # its record's birth), and whether ids signed for its name alone are
+    # its own too: its record was born before ids were signed for records
+    # (RouteTable.response_id_owners_from), so they were made for it.
     id_owner: str = field(default="", compare=False)
+    id_legacy: bool = field(default=True, compare=False)
 
     def signs_for(self, tenant: str) -> tuple[str, str | None]:
         """The owner and legacy owner (IdKeys.verified) of tenant `tenant`'s
@@ -95,7 +98,8 @@ class TenantRules:
         tenant without rules of its own)."""
         if self.name != tenant or not self.id_owner:
             return tenant, None
-        return self.id_owner, (tenant if self.id_owner != tenant else None)
+        legacy = self.id_legacy and self.id_owner != tenant
+        return self.id_owner, (tenant if legacy else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +200,7 @@ def build_policy(
     limits: dict[str, ScopeLimits] = {}
     jwts: list[JwtConfig] = []
     births = {p.tenant: p.revision for p in table.purges if p.birth}
+    owners_from = table.response_id_owners_from
     for t in table.tenants:
         if t.name in tenants:
             raise TableError(f"tenant {t.name!r} is listed twice")
@@ -211,6 +216,7 @@ def build_policy(
             _streams(t.streams, t.name),
             frozenset(t.models.names) or None,
             owner(t.name, births.get(t.name, 0)),
+            not owners_from or births.get(t.name, 0) < owners_from,
         )
         lim = scope_limits(t.limits)
         if not lim.unlimited:

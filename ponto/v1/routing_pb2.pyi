@@ -817,6 +817,7 @@ class RouteTable(_message.Message):
     PURGES_FIELD_NUMBER: _builtins.int
     AUTH_REQUIRED_FIELD_NUMBER: _builtins.int
     RESPONSE_ID_KEYS_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_OWNERS_FROM_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """etcd revision the table was compiled from; increases with every change."""
     etag: _builtins.str
@@ -826,6 +827,14 @@ class RouteTable(_message.Message):
     auth_required: _builtins.bool
     """True once the fleet has had any API key or JWT issuer, revoked ones
     included: revoking the last key must not reopen the proxies.
+    """
+    response_id_owners_from: _builtins.int
+    """The revision from which Responses ids are signed for a tenant's record
+    (its name and birth) rather than its name alone: an id signed for the
+    name is taken only for a record born before it, so a tenant made again
+    under a deleted one's name cannot use the first one's ids (etcd
+    /ponto/state/secrets/response-id-owners, its create revision). 0 from a
+    control plane older than it: such ids are taken for the name.
     """
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Region]: ...
@@ -864,10 +873,11 @@ class RouteTable(_message.Message):
         purges: _abc.Iterable[Global___CachePurge] | None = ...,
         auth_required: _builtins.bool = ...,
         response_id_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        response_id_owners_from: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "response_id_keys", b"response_id_keys", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "response_id_keys", b"response_id_keys", "response_id_owners_from", b"response_id_owners_from", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -257,10 +257,12 @@ async def test_another_tenant_cannot_use_an_id(stack: Stack) -> None:
     assert stack.origin_requests() == before
 
 
-def other_born(s: Stack, birth: int, key: Any, version: int) -> None:
-    """Tenant "other", its record created at revision `birth`, with `key`."""
+def other_born(s: Stack, birth: int, key: Any, version: int, owners_from: int = 0) -> None:
+    """Tenant "other", its record created at revision `birth`, with `key`;
+    ids signed for records from revision `owners_from` (0: not said)."""
     served = [(name, str(o.make_url("/v1"))) for name, o in zip(NAMES, s.origins, strict=True)]
     t = table(served, version=version)
+    t.response_id_owners_from = owners_from
     t.tenants.add(name="other")
     t.keys.add(id=key.key_id, hash=key.key_hash, tenant="other")
     t.purges.add(revision=birth, tenant="other", birth=True)
@@ -290,10 +292,14 @@ async def test_a_tenant_made_again_under_a_deleted_ones_name_cannot_use_its_ids(
     assert stack.origin_requests() == before
 
 
-async def test_an_id_signed_for_the_tenants_name_alone_still_works(stack: Stack) -> None:
+@pytest.mark.parametrize("owners_from", [0, 15])
+async def test_an_id_signed_for_the_tenants_name_alone_still_works(
+    stack: Stack, owners_from: int
+) -> None:
     """Ids made by proxies from before ids were signed for a tenant's record
-    (for its name alone) go on working for that name."""
-    other_born(stack, 10, OTHER_KEY, version=4)
+    (for its name alone) go on working for that name's record born before
+    then (or when the table does not say when: an older control plane)."""
+    other_born(stack, 10, OTHER_KEY, version=4, owners_from=owners_from)
     client = sdk(stack, OTHER_KEY.key)
     made = await client.responses.create(model=MODEL, input="made before the upgrade")
     decoded = decode(made.id)
@@ -301,6 +307,27 @@ async def test_an_id_signed_for_the_tenants_name_alone_still_works(stack: Stack)
     legacy = IdKeys([ID_KEY]).encode(decoded.original, decoded.origin, "other")
     assert legacy != made.id
     assert (await client.responses.retrieve(legacy)).id == legacy
+
+
+async def test_a_record_born_after_ids_were_signed_for_records_takes_no_name_only_id(
+    stack: Stack,
+) -> None:
+    """Review of f0455bc: ids signed for the name alone were taken by every
+    later record of the name, so the hole stayed open for every id made
+    before the upgrade. A record born after the revision from which ids are
+    signed for records (the table's response_id_owners_from) had none made
+    for it."""
+    other_born(stack, 10, OTHER_KEY, version=4, owners_from=15)
+    made = await sdk(stack, OTHER_KEY.key).responses.create(model=MODEL, input="old tenant")
+    decoded = decode(made.id)
+    assert decoded is not None
+    legacy = IdKeys([ID_KEY]).encode(decoded.original, decoded.origin, "other")
+    again = issue_key()
+    other_born(stack, 20, again, version=5, owners_from=15)  # deleted, made again
+    newcomer = sdk(stack, again.key)
+    for sent in (legacy, made.id):
+        with pytest.raises(openai.NotFoundError):
+            await newcomer.responses.retrieve(sent)
 
 
 @pytest.mark.parametrize("how", ["drained", "removed"])

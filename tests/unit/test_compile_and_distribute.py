@@ -16,7 +16,13 @@ import pytest
 from controlplane.api.admin import AdminService
 from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
-from controlplane.catalog import RESPONSE_ID_KEY_BYTES, RESPONSE_ID_KEYS, TENANTS, Catalog
+from controlplane.catalog import (
+    RESPONSE_ID_KEY_BYTES,
+    RESPONSE_ID_KEYS,
+    RESPONSE_ID_OWNERS,
+    TENANTS,
+    Catalog,
+)
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import Unavailable
@@ -511,3 +517,21 @@ async def test_an_operators_view_of_the_table_shows_the_id_keys_blank() -> None:
     assert list(shown.table.response_id_keys) == [b""]
     assert pub.latest is not None and len(pub.latest.table.response_id_keys[0]) == 32
     assert shown.table.etag == pub.latest.table.etag
+
+
+async def test_the_first_table_marks_where_ids_began_to_be_signed_for_records() -> None:
+    """Review of f0455bc: ids signed for a tenant's name alone are taken only
+    for a record born before the fleet began to sign for records; the first
+    table built marks that revision once (RESPONSE_ID_OWNERS, its create
+    revision), and every table carries it."""
+    store, catalog, pub, builder = await seeded_builder()
+    assert await builder.build_once() is True
+    kv = await store.get(RESPONSE_ID_OWNERS)
+    assert kv is not None
+    latest = pub.latest
+    assert latest is not None
+    assert latest.table.response_id_owners_from == kv.create_revision > 0
+    await catalog.put_region(Region("eu", 1.0, 2.0), allow_update=False)
+    assert await builder.build_once() is True
+    latest = pub.latest
+    assert latest is not None and latest.table.response_id_owners_from == kv.create_revision
