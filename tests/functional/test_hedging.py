@@ -632,7 +632,7 @@ async def test_a_loser_that_committed_as_well_is_released(rigs: RigMaker) -> Non
     await asyncio.wait([first, hedge])
     answer = first.result()
     extra = await rig.forwarder._end_others(
-        {first: a, hedge: b}, first, first, answer, False, 0.0, None
+        {first: a, hedge: b}, first, first, answer, False, 0.0, None, 0
     )
     assert extra == 1
     assert responses["b"].released and not responses["a"].released
@@ -671,7 +671,7 @@ async def test_a_client_leaving_while_the_losing_copy_ends_counts_both_calls_can
     await asyncio.sleep(0)
     end_others: Any = rig.forwarder._end_others  # given stand-ins for the attempts
     end = asyncio.create_task(
-        end_others({loser: first, winner: hedge}, loser, winner, await winner, False, 0.0, None)
+        end_others({loser: first, winner: hedge}, loser, winner, await winner, False, 0.0, None, 0)
     )
     await asyncio.sleep(0.05)  # waiting for the loser to end
     end.cancel()
