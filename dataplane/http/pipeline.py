@@ -246,6 +246,27 @@ SLOT_WAIT_S = 4.0
 _SLOT_POLL_S = 0.05
 
 
+def _relayed_or_let_go(
+    task: asyncio.Task[web.StreamResponse], lead: reply.LeaderStream
+) -> asyncio.Future[None]:
+    """Done once the flight's task ends or its leader's client is let go
+    (`lagged`): a client cut for falling behind its flight ends its request
+    while the flight goes on. As `shield`'s, cancelling what it returns
+    cancels neither."""
+    # Not asyncio.wait((task, lead.let_go)), which every leader's request
+    # paid for, followed or not: 2.4 us more than `shield` (review r4); two
+    # callbacks cost what shield's do.
+    woken: asyncio.Future[None] = task.get_loop().create_future()
+
+    def wake(_: object) -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    task.add_done_callback(wake)
+    lead.let_go.add_done_callback(wake)
+    return woken
+
+
 class Pipeline:
     """The steps, bound to the proxy's parts. One per app."""
 
@@ -771,9 +792,7 @@ class Pipeline:
         lead: reply.LeaderStream,
     ) -> web.StreamResponse:
         try:
-            # Not `shield`: a client cut for falling behind its flight
-            # (`lagged`) ends its request while the flight goes on.
-            await asyncio.wait((task, lead.let_go), return_when=asyncio.FIRST_COMPLETED)
+            await _relayed_or_let_go(task, lead)
             if lead.lagged:
                 await asyncio.wait((lead.let_go,))  # its ending written, or it left
                 return await self._let_go(ex, task, lead)

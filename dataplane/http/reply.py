@@ -218,21 +218,22 @@ class LeaderStream:
     While the flight has no follower, a write is the client's own: the relay
     waits for it, so a slow client slows its origin's read, as any relay's
     does, at no cost of its own. Once followed, a write is queued and the
-    relay goes on at once: a writer task of this stream's takes the queue to
-    the client, so that the followers, who read the flight's buffer, are
-    paced by the origin and not by the leader's client (a trial: a leader
-    whose client did not read held a fast follower for the whole
-    --send-timeout, one that read at 8 KB/s paced its followers to that).
-    The queue is bounded by the flight's (`Leader.max_buffer_bytes`): a
-    client further behind is cut as a lagging follower is (`lagged`): what
-    was queued is dropped, it is written `ending` (an error event) and its
-    stream's end, and nothing more of the flight's; the flight goes on for
-    its followers. A follower that joins while the relay waits for the
-    client to take a write of its own ends that wait (`release`). Should the
-    last follower leave while the queue is not empty, each write waits for
-    the queue to be written again. The client's writes are bounded by the
-    edge's send timeout, as any client's (dataplane.http.edge): a cut then
-    ends that request alone.
+    relay goes on at once: one writer task of this stream's, parked on an
+    event while the queue is empty, takes the queue to the client, so that
+    the followers, who read the flight's buffer, are paced by the origin and
+    not by the leader's client (a trial: a leader whose client did not read
+    held a fast follower for the whole --send-timeout, one that read at
+    8 KB/s paced its followers to that). The queue is bounded by the
+    flight's (`Leader.max_buffer_bytes`): a client further behind is cut as
+    a lagging follower is (`lagged`): what was queued is dropped, it is
+    written `ending` (an error event) and its stream's end, and nothing more
+    of the flight's; the flight goes on for its followers. A follower that
+    joins while the relay waits for the client (a write of its own, through
+    `release`, or the queue, below) ends that wait. Should the last follower
+    leave while the queue is not empty, each write waits for the queue to be
+    written again; once it is, writes are the relay's own again. The
+    client's writes are bounded by the edge's send timeout, as any client's
+    (dataplane.http.edge): a cut then ends that request alone.
 
     Once the client has gone (a write found it gone, or `detach`: its handler
     was cancelled) nothing more is written to it. While the flight has
@@ -245,12 +246,15 @@ class LeaderStream:
     """
 
     __slots__ = (
+        "_active",
         "_direct",
         "_end",
         "_ending",
         "_leader",
+        "_more",
         "_pending",
         "_pending_bytes",
+        "_progress",
         "_writer",
         "_writing",
         "ended",
@@ -274,12 +278,23 @@ class LeaderStream:
         # the answer) is not stopped by the last follower leaving.
         self.ended = False
         # What is queued for the client once followed, and the writer taking
-        # it there (one at a time, started when there is something to write).
+        # it there: one task, started at the first queued write, parked on
+        # `_more` while the queue is empty (review r4: a task per write, and
+        # once unfollowed a task and an asyncio.wait per write, 13.9 us a
+        # chunk to the stream's end; unfollowed and written, the relay's
+        # writes are its own again, at a lone leader's cost).
         self._pending: deque[bytes] = deque()
         self._pending_bytes = 0
         self._writer: asyncio.Task[None] | None = None
+        self._more: asyncio.Future[None] | None = None  # the parked writer's
+        # The writer has work in hand (the queue, the stream's end): writes
+        # are queued behind it, never written past it.
+        self._active = False
         self._writing = False  # the writer waits for the client to take data
         self._end = False  # the stream's end is queued, after the data
+        # Set at the writer's progress (idle, ended) and at a join: what
+        # `drained` and `_caught_up` wait on (made by the first to wait).
+        self._progress: asyncio.Event | None = None
         self._ending = stream_broken_event() if ending is None else ending
         # A write of data (not the stream's end) found the client gone.
         self.failed = False
@@ -313,19 +328,22 @@ class LeaderStream:
 
     def _joined(self) -> None:
         # A follower joined while the relay waited for a slow client to take
-        # a write of its own: that wait ends (its bytes stay buffered for the
+        # a write of its own, or (its followers gone) for the queue to be
+        # written: that wait ends (the bytes stay buffered or queued for the
         # client), and the writes after it are queued. Else the follower,
         # which reads the flight's buffer, would wait as long (a review: a
         # client that took nothing held a follower that joined then for the
-        # whole --send-timeout).
+        # whole --send-timeout; review r4: the same after earlier followers
+        # had left, the relay waiting for the queue).
         if self._direct and self.release is not None:
             self.release()
+        self._progressed()
 
     async def write(self, data: bytes) -> None:
         if self.gone:
             self._for_followers()
         elif self.out is not None:
-            if self._writer is None and not self._leader.followed:
+            if not self._active and not self._leader.followed:
                 self._direct = True
                 try:
                     await self.out.write(data)
@@ -343,7 +361,8 @@ class LeaderStream:
         if self.gone:
             self._for_followers()
         elif self.out is not None:
-            if self._writer is None and not self._leader.followed:
+            if not self._active and not self._leader.followed:
+                self._retire()
                 self._direct = True
                 try:
                     await self.out.write_eof(data)
@@ -404,40 +423,101 @@ class LeaderStream:
         self._for_followers_left()
 
     def _wake(self) -> None:
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.get_running_loop().create_task(self._write_pending())
+        """Give the writer the queue: wake it where it is parked, or start it."""
+        if self._active:
+            return  # it takes what was queued before it parks
+        self._active = True
+        more = self._more
+        if more is not None:
+            self._more = None
+            more.set_result(None)
+            return
+        writer = self._writer
+        if writer is None or writer.done():
+            writer = self._writer = asyncio.get_running_loop().create_task(self._write_pending())
+            writer.add_done_callback(self._writer_ended)
 
     async def _write_pending(self) -> None:
-        """The writer: the queue, then the stream's end once queued."""
+        """The writer: the queue, then the stream's end once queued. Parked
+        while the queue is empty and followed; ends once it is empty and
+        unfollowed (the relay's writes are its own again), at the stream's
+        end, or at the client's leaving."""
         out = self.out
         assert out is not None
         pending = self._pending
+        loop = asyncio.get_running_loop()
         try:
-            while pending:
-                data = pending.popleft()
-                self._pending_bytes -= len(data)
-                self._writing = True
-                await out.write(data)
-                self._writing = False
-            if self._end:
-                self._end = False
-                await out.write_eof()
-        except ConnectionError:
-            if self._writing:
-                self.failed = True
-                self._lost()
-            else:
-                # Only the stream's end was left to write: a client that
-                # closes at [DONE] (the openai SDK does) had the whole answer,
-                # as for the direct write's (relay._client_left).
-                self._drop()
-        except BaseException:
-            self._lost()
-            raise
+            while True:
+                try:
+                    while pending:
+                        data = pending.popleft()
+                        self._pending_bytes -= len(data)
+                        self._writing = True
+                        await out.write(data)
+                        self._writing = False
+                    if self._end:
+                        self._end = False
+                        await out.write_eof()
+                        return
+                except ConnectionError:
+                    self._write_failed()
+                    return
+                except BaseException:
+                    self._lost()
+                    raise
+                finally:
+                    self._writing = False
+                if not self._leader.followed:
+                    return
+                self._active = False
+                self._progressed()
+                more = self._more = loop.create_future()
+                await more  # `_wake`
         finally:
-            self._writing = False
-            if self.lagged and not self.let_go.done():
-                self.let_go.set_result(None)
+            # Here, not in `_writer_ended`: a write queued between the
+            # writer's end and that callback would find it still active, and
+            # be left in the queue with nobody to write it.
+            self._more = None
+            self._active = False
+            self._progressed()
+
+    def _write_failed(self) -> None:
+        if self._writing:
+            self.failed = True
+            self._lost()
+        else:
+            # Only the stream's end was left to write: a client that closes
+            # at [DONE] (the openai SDK does) had the whole answer, as for
+            # the direct write's (relay._client_left).
+            self._drop()
+
+    def _writer_ended(self, writer: asyncio.Task[None]) -> None:
+        # A writer cancelled before its first step (`close` at once) ran
+        # none of its code, its `finally` neither.
+        if writer is self._writer and self._active:
+            self._active = False
+            self._progressed()
+        if self.lagged and not self.let_go.done():
+            self.let_go.set_result(None)
+
+    def _retire(self) -> None:
+        """End a writer parked since the last follower left: the relay
+        writes the stream's end itself, and nothing is left to wake it for."""
+        writer = self._writer
+        if writer is not None and not writer.done():
+            writer.cancel()
+
+    def _progressed(self) -> None:
+        # Waiters hold the old event; the next to wait makes a fresh one.
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
+
+    async def _progress_made(self) -> None:
+        progress = self._progress
+        if progress is None:
+            progress = self._progress = asyncio.Event()
+        await progress.wait()
 
     def _drop(self) -> None:
         self._pending.clear()
@@ -453,19 +533,20 @@ class LeaderStream:
 
     async def _caught_up(self) -> None:
         """Wait for the queue to be written (a write once the last follower
-        left: the client paces the relay again); ConnectionResetError if
-        the client was found gone meanwhile and nobody follows."""
-        await self.drained()
+        left: the client paces the relay again) or for a follower to join
+        (the relay goes on: review r4); ConnectionResetError if the client
+        was found gone meanwhile and nobody follows."""
+        while self._active and not self._leader.followed:
+            await self._progress_made()
         if self.gone:
             self._for_followers()
 
     async def drained(self) -> None:
-        """Return once the queue is written, or the client found gone
-        (`failed`). Cancelling the caller does not stop the writer."""
-        writer = self._writer
-        while writer is not None and not writer.done():
-            await asyncio.wait((writer,))
-            writer = self._writer
+        """Return once the queue is written (the writer idle or ended), or
+        the client found gone (`failed`). Cancelling the caller does not
+        stop the writer."""
+        while self._active:
+            await self._progress_made()
 
     def close(self) -> None:
         """Write nothing more: what is queued is dropped, a write under way

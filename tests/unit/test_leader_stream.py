@@ -234,3 +234,108 @@ async def test_a_follower_joining_while_the_relay_waits_for_its_client_ends_that
     assert end.complete
     leader.finish(None)
     assert [c async for c in follower] == CHUNKS
+
+
+async def test_a_follower_joining_while_the_relay_waits_for_the_queue_ends_that_wait() -> None:
+    # Review r4: its followers gone, the relay waited for the queue to be
+    # written; a follower joining then was held by the leader's client (for
+    # the whole --send-timeout, one that takes nothing). The join ends it.
+    co = Coalescer()
+    leader = co.join("k")
+    assert isinstance(leader, Leader)
+    first = co.join("k")
+    assert isinstance(first, Follower)
+    client, stops = Stalled(), list[str]()
+    lead = stream_of(leader, client, stops)
+    at_once(lead.write(CHUNKS[0]))  # followed: queued, the writer waits for the client
+    first.leave()
+    write = asyncio.ensure_future(lead.write(CHUNKS[1]))
+    await asyncio.sleep(0)
+    assert not write.done()  # unfollowed: waits for the queue
+    second = co.join("k")
+    assert isinstance(second, Follower)
+    async with asyncio.timeout(10):  # else it waits for the client for ever
+        await write
+    at_once(lead.write(CHUNKS[2]))  # followed again: queued
+    assert client.written == []
+    client.take()
+    await lead.drained()
+    assert client.written == CHUNKS[:3]
+    second.leave()
+
+
+class Tasks:
+    """Counts the tasks the loop makes (a task factory) while in use."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def __enter__(self) -> Tasks:
+        loop = asyncio.get_running_loop()
+
+        def factory(
+            loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+        ) -> asyncio.Task[Any]:
+            self.made += 1
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        loop.set_task_factory(factory)  # type: ignore[arg-type]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        asyncio.get_running_loop().set_task_factory(None)
+
+
+class Fast:
+    """Takes every write at once, noting which task wrote it."""
+
+    def __init__(self) -> None:
+        self.by: list[asyncio.Task[Any] | None] = []
+
+    async def write(self, data: bytes) -> None:
+        self.by.append(asyncio.current_task())
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self.write(data)
+
+
+async def test_a_followed_stream_has_one_writer_for_all_its_writes() -> None:
+    # Review r4: a task per write (or burst) cost 3.3 us a chunk; one writer,
+    # parked between writes, takes them all.
+    leader, [follower] = flight(1)
+    client = Fast()
+    lead = LeaderStream(leader, lambda: None)
+    lead.out = client  # type: ignore[assignment]
+    with Tasks() as tasks:
+        for data in CHUNKS:
+            at_once(lead.write(data))
+            await asyncio.sleep(0)  # as the relay's read of the origin yields
+        await lead.write_eof()
+        await lead.drained()
+    assert tasks.made == 1
+    assert len(client.by) == len(CHUNKS) + 1
+    assert len(set(client.by)) == 1 and client.by[0] is not asyncio.current_task()
+    follower.leave()
+
+
+async def test_once_unfollowed_and_written_the_relay_writes_its_client_itself() -> None:
+    # Review r4: once its followers had left, each write went through a new
+    # writer task and an asyncio.wait (13.9 us a chunk) to the stream's end.
+    leader, [follower] = flight(1)
+    client = Fast()
+    lead = LeaderStream(leader, lambda: None)
+    lead.out = client  # type: ignore[assignment]
+    at_once(lead.write(CHUNKS[0]))  # queued, for the writer
+    await lead.drained()
+    follower.leave()
+    relay_task = asyncio.current_task()
+    with Tasks() as tasks:
+        for data in CHUNKS[1:]:
+            await lead.write(data)
+            await asyncio.sleep(0)
+        await lead.write_eof()
+    assert tasks.made == 0
+    assert client.by[0] is not relay_task  # the writer's
+    assert client.by[1:] == [relay_task] * len(CHUNKS)  # the relay's own, its end too
+    assert lead.delivered
+    lead.close()
