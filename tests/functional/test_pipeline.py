@@ -1000,7 +1000,7 @@ async def test_text_of_too_many_quotes_is_answered_but_not_cached(
         return real(kept, text, change)
 
     monkeypatch.setattr(textform, "between", counting)
-    for text in ('" "' * (QUOTE_BUDGET // 2 + 1), ' "a" "b' * (QUOTE_BUDGET // 3 + 1)):
+    for text in ('" "' * (QUOTE_BUDGET + 2), ' "a" "b' * (2 * QUOTE_BUDGET // 3 + 2)):
         resp = await stack.post(chat(text))
         assert resp.status == 200, await resp.text()
         assert resp.headers["x-ponto-cache"] == "bypass"

@@ -900,17 +900,18 @@ def _chat_body(*texts: str) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": t} for t in texts]}
 
 
-# Texts of more quote characters than QUOTE_BUDGET, each span a step in
-# Python of every pass that keeps quotes (a multi-tenant trial: 8 MB of
-# `" "` held a proxy for 3.1 s).
+# Texts of more quoted spans than QUOTE_BUDGET (an ASCII quote counts a
+# half: two make a span), each span a step in Python of every pass that
+# keeps quotes (a multi-tenant trial: 8 MB of `" "` held a proxy for 3.1 s).
 _N = QUOTE_BUDGET
+_A = 2 * QUOTE_BUDGET  # ASCII quote characters
 TOO_MANY_QUOTES = {
-    "spaced": '" ' * (_N + 1),
-    "open words": ' "a" "b' * (_N // 3 + 1),
-    "empty": '""' * (_N // 2 + 1),
-    "backticks": "`a` " * (_N // 2 + 1),
-    "single": "'a' " * (_N // 2 + 1),
-    "unbalanced": 'a"' * (_N + 1),
+    "spaced": '" ' * (_A + 2),
+    "open words": ' "a" "b' * (_A // 3 + 2),
+    "empty": '""' * (_A // 2 + 2),
+    "backticks": "`a` " * (_A // 2 + 2),
+    "single": "'a' " * (_A // 2 + 2),
+    "unbalanced": 'a"' * (_A + 2),
     "curly": "\u201ca\u201d " * (_N + 1),
     "mixed": "\u201ea\u201c \u00aba\u00bb \u300ca\u300d \u300ea\u300f \u2018a\u2019 "
     * (_N // 5 + 1),
@@ -983,7 +984,18 @@ def test_prompts_that_quote_are_not_too_costly() -> None:
     quoting = 'What does "carpe diem" mean, and isn\'t `x` a "variable"? ' * 200
     document = orjson.dumps([{"id": i, "name": f"item {i}"} for i in range(300)]).decode()
     code = "print('hello', \"world\")\n" * 1_000
-    for texts in ([quoting], [f"Summarise this JSON: {document}"], [code, quoting]):
+    # A review: 76 KB of JSON (a fifth of it `"`) and 65 KB of SQL values
+    # were refused the cache when each ASCII quote counted one.
+    large = orjson.dumps([{"id": i, "name": f"item {i}", "ok": True} for i in range(2_500)])
+    sql = "INSERT INTO t VALUES " + ", ".join(f"({i}, 'name {i}')" for i in range(4_000))
+    assert len(large) > 60_000 and len(sql) > 60_000
+    for texts in (
+        [quoting],
+        [f"Summarise this JSON: {document}"],
+        [code, quoting],
+        [f"Check this JSON: {large.decode()}"],
+        [f"Explain: {sql}"],
+    ):
         body = _chat_body(*texts)
         assert not costly_to_normalise(body)
         assert len(cache_key(CHAT, body, tenant="t", model="m")) == 64
