@@ -1005,3 +1005,27 @@ def test_prompts_that_quote_are_not_too_costly() -> None:
 def test_every_quoted_span_opens_with_an_opening_quote(text: str) -> None:
     # The budget counts OPENING_QUOTES: each span QUOTED finds must start with one.
     assert all(m.group()[0] in OPENING_QUOTES for m in QUOTED.finditer(text))
+
+
+@given(
+    st.text(
+        alphabet=st.sampled_from(
+            ["a", "b", " ", "\t", "\n", "\r", "\u00a0", "\u2003", "\u3000", "\x0b", "é", "\x1c"]
+        ),
+        max_size=40,
+    )
+)
+def test_a_line_already_folded_is_returned_as_it_is_and_only_then(text: str) -> None:
+    """fold_line's fast path (one line of single spaces once trimmed) gives
+    what collapse-and-trim gives, for every whitespace character."""
+    assert textform.fold_line(text) == " ".join(text.split())
+
+
+def test_a_long_folded_prompt_is_keyed_without_splitting_it() -> None:
+    """A 2 MB prompt of single-spaced words: its key had split and joined
+    every word (75 ms on the event loop); one already folded is the text
+    itself (the same object: nothing was made of it)."""
+    text = "Alice Bob " * 200_000 + "end"
+    assert textform.fold_line(text) is text
+    spaced = "Alice  Bob " * 3
+    assert textform.fold_line(spaced) == "Alice Bob Alice Bob Alice Bob"
