@@ -40,7 +40,33 @@ def setup_logging(level: str, tag: str = "") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-class Throttled:
+class Every:
+    """The rate of a throttled line: `due()` admits at most one line per
+    `every_s`, counts the ones it refuses in `unlogged`, and hands that count
+    back (reset) with the next it admits, for the line to say. Not
+    thread-safe (its owner guards it); the clock is injected."""
+
+    __slots__ = ("_clock", "_every", "_last", "unlogged")
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every = every_s
+        self._clock = clock
+        self._last = -float("inf")
+        self.unlogged = 0  # lines not written since the last one
+
+    def due(self) -> int | None:
+        """The lines refused since the last one admitted, if a line is
+        admitted now; None (and one more refused) if not."""
+        now = self._clock()
+        if now - self._last < self._every:
+            self.unlogged += 1
+            return None
+        self._last = now
+        unlogged, self.unlogged = self.unlogged, 0
+        return unlogged
+
+
+class Throttled(Every):
     """One kind of log line, written at most once per `every_s`; the ones not
     written are counted, and the next line written says how many.
 
@@ -51,7 +77,7 @@ class Throttled:
     injected.
     """
 
-    __slots__ = ("_clock", "_every", "_last", "_log", "unlogged")
+    __slots__ = ("_log",)
 
     def __init__(
         self,
@@ -60,21 +86,15 @@ class Throttled:
         every_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(every_s, clock)
         self._log = logger
-        self._every = every_s
-        self._clock = clock
-        self._last = -float("inf")
-        self.unlogged = 0  # lines not written since the last one
 
     def log(self, level: int, msg: str, *args: object, exc_info: bool = False) -> bool:
         """Write `msg % args` at `level` (with the traceback being handled when
         `exc_info`) unless a line was written less than `every_s` ago; True if written."""
-        now = self._clock()
-        if now - self._last < self._every:
-            self.unlogged += 1
+        unlogged = self.due()
+        if unlogged is None:
             return False
-        self._last = now
-        unlogged, self.unlogged = self.unlogged, 0
         if unlogged:
             msg, args = f"{msg} (%d more not logged)", (*args, unlogged)
         self._log.log(level, msg, *args, exc_info=exc_info)

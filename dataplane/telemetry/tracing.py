@@ -62,6 +62,7 @@ from dataplane.http.errors import NOT_SERVER_ERRORS
 from dataplane.metrics import EMBEDDINGS, GENAI_OPERATIONS, GENAI_PROVIDER
 from dataplane.streaming.usage import usage_of
 from dataplane.telemetry.config import TraceConfig, drops_roots
+from ponto.logs import Every
 
 if TYPE_CHECKING:
     from dataplane.cache.entry import CachedResponse
@@ -232,29 +233,29 @@ class _QueueDrops:
 class ExportLogThrottle(logging.Filter):
     """A filter for the SDK's export loggers (EXPORT_LOGGERS, all of them
     sharing one): at most one line per `every_s` among them, the next line
-    written saying how many were not (as ponto.logs.Throttled does for
-    Ponto's own lines). Thread-safe: the exporters log from their threads,
-    shutdown from the loop's. Lines at ERROR count the same: a collector that
-    stays down has nothing new to say; ponto_trace_export_failures_total counts."""
+    written saying how many were not: the rate of ponto.logs.Throttled
+    (ponto.logs.Every), for lines the SDK writes. Thread-safe: the
+    exporters log from their threads, shutdown from the loop's. Lines at
+    ERROR count the same: a collector that stays down has nothing new to
+    say; ponto_trace_export_failures_total counts."""
 
     def __init__(
         self, every_s: float = EXPORT_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
         super().__init__()
-        self._every = every_s
-        self._clock = clock
-        self._last = -math.inf
+        self._every = Every(every_s, clock)
         self._lock = threading.Lock()
-        self.unlogged = 0
+
+    @property
+    def unlogged(self) -> int:
+        """Lines not written since the last one."""
+        return self._every.unlogged
 
     def filter(self, record: logging.LogRecord) -> bool:
         with self._lock:
-            now = self._clock()
-            if now - self._last < self._every:
-                self.unlogged += 1
-                return False
-            self._last = now
-            unlogged, self.unlogged = self.unlogged, 0
+            unlogged = self._every.due()
+        if unlogged is None:
+            return False
         if unlogged:
             record.msg = f"{record.msg} ({unlogged} more tracing export lines not logged)"
         return True
