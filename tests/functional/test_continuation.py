@@ -67,6 +67,31 @@ class Origin:
         return await self._handler(request)
 
 
+def hangs(started: asyncio.Event) -> Handler:
+    """An origin that sets `started` and answers nothing until it is cut."""
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        started.set()
+        await asyncio.sleep(30)
+        raise AssertionError("not cut")
+
+    return hang
+
+
+def whole_chat(ident: str) -> Handler:
+    """An origin answering a whole chat completion of id `ident`, "world"."""
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        return web.json_response({
+            "id": ident, "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "world"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        })  # fmt: skip
+
+    return whole
+
+
 async def sse(request: web.Request) -> web.StreamResponse:
     out = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await out.prepare(request)
@@ -849,19 +874,7 @@ async def test_a_call_unanswered_by_an_origin_marked_unhealthy_goes_to_the_next(
     seconds. Once it does, the call is cut after
     --unhealthy-stream-idle-timeout and the next origin answers."""
     started = asyncio.Event()
-
-    async def hang(request: web.Request) -> web.StreamResponse:
-        started.set()
-        await asyncio.sleep(30)
-        raise AssertionError("not cut")
-
-    async def whole(request: web.Request) -> web.StreamResponse:
-        return web.json_response({
-            "id": "second", "object": "chat.completion", "created": 1, "model": MODEL,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "world"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        })  # fmt: skip
+    hang, whole = hangs(started), whole_chat("second")
 
     a, b = Origin(hang), (await second_origin() if stream else Origin(whole))
     p = await proxy(
@@ -892,19 +905,7 @@ async def test_a_retry_passes_over_an_origin_the_table_marked_unhealthy_since(
     unhealthy meanwhile (12 s, two cut calls) where another region answered
     at once. An origin marked unhealthy since is tried after the others."""
     started = asyncio.Event()
-
-    async def hang(request: web.Request) -> web.StreamResponse:
-        started.set()
-        await asyncio.sleep(30)
-        raise AssertionError("not cut")
-
-    async def whole(request: web.Request) -> web.StreamResponse:
-        return web.json_response({
-            "id": "third", "object": "chat.completion", "created": 1, "model": MODEL,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "world"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        })  # fmt: skip
+    hang, whole = hangs(started), whole_chat("third")
 
     a, b, c = Origin(hang), Origin(hang), Origin(whole)
     p = await proxy(
