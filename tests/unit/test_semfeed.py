@@ -200,13 +200,15 @@ def test_publish_before_start_or_without_a_link_drops_and_counts() -> None:
     assert feed.stats.published == 0
 
 
-class _FailsOnceLink:
-    """A link whose first call raises (a bug: the real one never does)."""
+class _Link:
+    """A link up, whose calls answer as XADD does (ids; the feed only tells
+    them from None), counted with each call's n."""
 
     available = True
 
     def __init__(self) -> None:
         self.calls = 0
+        self.sizes: list[int] = []  # each call's n
 
     def hold_write(self, op: str, n: int = 1) -> bool:
         return False
@@ -220,9 +222,25 @@ class _FailsOnceLink:
         n: int = 1,
     ) -> _T | None:
         self.calls += 1
-        if self.calls == 1:
+        self.sizes.append(n)
+        return cast("_T", ["1-0"])
+
+
+class _FailsOnceLink(_Link):
+    """A link whose first call raises (a bug: the real one never does)."""
+
+    async def call(
+        self,
+        op: str,
+        fn: Callable[[Redis], Awaitable[_T]],
+        *,
+        deadline_s: float | None = None,
+        n: int = 1,
+    ) -> _T | None:
+        if self.calls == 0:
+            self.calls += 1
             raise RuntimeError("a bug in the link")
-        return cast("_T", ["1-0"])  # XADD's ids; the feed only tells them from None
+        return await super().call(op, fn, deadline_s=deadline_s, n=n)
 
 
 async def _until(check: Callable[[], bool]) -> None:
@@ -271,31 +289,16 @@ async def test_close_logs_a_task_that_failed_and_returns(
     assert record.exc_info[0] is RuntimeError
 
 
-class _HeldLink:
+class _HeldLink(_Link):
     """A link whose Redis refused writes lately: hold_write says so until `held` is False."""
 
-    available = True
-
     def __init__(self) -> None:
+        super().__init__()
         self.held = True
-        self.calls = 0
-        self.sizes: list[int] = []  # each call's n
 
     def hold_write(self, op: str, n: int = 1) -> bool:
         assert op == "sem_publish"
         return self.held
-
-    async def call(
-        self,
-        op: str,
-        fn: Callable[[Redis], Awaitable[_T]],
-        *,
-        deadline_s: float | None = None,
-        n: int = 1,
-    ) -> _T | None:
-        self.calls += 1
-        self.sizes.append(n)
-        return cast("_T", ["1-0"])
 
 
 async def test_publish_queues_nothing_while_the_link_holds_writes_back() -> None:
