@@ -40,13 +40,12 @@ from controlplane.health import ProbeSettings, root_of
 from controlplane.load import Figures, Sample, decode_loads, encode_loads, figures, parse_vllm
 from controlplane.rounds import Defects
 from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
+from controlplane.store.base import follow
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 LOAD_KEY = "/ponto/load"
-# A first read that failed is made again this often before the key is watched.
-UNREAD_RETRY_S = 0.5
 
 # url -> the page's text, or None when it cannot be had in time.
 Fetch = Callable[[str], Awaitable[str | None]]
@@ -203,16 +202,7 @@ class LoadHub:
 
     async def watch(self) -> None:
         """Follow the load key; wake the streams on every change."""
-        revision = await self._load()
-        while not revision:
-            # Unread (the store away): a watch "from now" would miss what is
-            # written before it is made, so the read is made again first.
-            await asyncio.sleep(UNREAD_RETRY_S)
-            revision = await self._load()
-        # From the revision read, so a write between the read and the watch
-        # is not missed.
-        async for _ in self._store.watch(LOAD_KEY, revision):
-            await self._load()
+        await follow(self._store, LOAD_KEY, self._load)
 
     async def _load(self) -> int:
         """Read the key; return the store revision read at (0 if unread)."""

@@ -60,6 +60,7 @@ from controlplane.store import (
     Write,
     request_bytes,
 )
+from controlplane.store.base import follow
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -79,8 +80,6 @@ log = logging.getLogger(__name__)
 QUOTA_PREFIX = "/ponto/quota/"
 DEMAND_PREFIX = QUOTA_PREFIX + "demand/"
 SHARES_KEY = QUOTA_PREFIX + "shares"
-# A first read that failed is made again this often before the key is watched.
-UNREAD_RETRY_S = 0.5
 
 # What a replica reads of the shares key, in its announcement (/ponto/replicas/):
 # 2, the fleet's row carries an idle proxy's share and idle proxies have no row
@@ -483,16 +482,7 @@ class QuotaHub:
 
     async def watch(self) -> None:
         """Follow the leader's shares key; wake the streams on every change."""
-        revision = await self._load()
-        while not revision:
-            # Unread (the store away): a watch "from now" would miss what is
-            # written before it is made, so the read is made again first.
-            await asyncio.sleep(UNREAD_RETRY_S)
-            revision = await self._load()
-        # From the revision read, so a write between the read and the watch
-        # is not missed.
-        async for _ in self._store.watch(SHARES_KEY, revision):
-            await self._load()
+        await follow(self._store, SHARES_KEY, self._load)
 
     async def _load(self) -> int:
         """Read the shares; return the store revision read at (0 if unread)."""

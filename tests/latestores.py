@@ -37,3 +37,8 @@ class FirstReadFails(MemoryStore):
             self.failed.set()
             raise StoreUnavailable("etcd is not serving yet")
         return await super().list(prefix)
+
+
+class NotServingYet(LateWatches, FirstReadFails):
+    """Both: the first read fails, and watches are made once `serving` is
+    set (etcd before its first election)."""

@@ -9,7 +9,8 @@ strictly across the whole store, as in etcd.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,3 +183,22 @@ class StateStore(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+# A first read that failed is made again this often before the key is
+# watched (follow).
+UNREAD_RETRY_S = 0.5
+
+
+async def follow(store: StateStore, key: str, load: Callable[[], Awaitable[int]]) -> None:
+    """Run `load` (which reads `key` and returns the store revision it read
+    at, 0 when it could not read) until it reads, then again at each change
+    of the key, until cancelled. The watch starts at the revision read: one
+    "from now", made after a read that failed (the store away), would miss
+    what was written before it was made (a replica started with its etcd)."""
+    revision = await load()
+    while not revision:
+        await asyncio.sleep(UNREAD_RETRY_S)
+        revision = await load()
+    async for _ in store.watch(key, revision):
+        await load()

@@ -25,7 +25,7 @@ from controlplane.settings import parse
 from controlplane.store import Conflict, Fence
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
-from tests.latestores import FirstReadFails
+from tests.latestores import NotServingYet
 
 WAIT = 5.0
 MODELS = ("m",)
@@ -358,13 +358,14 @@ async def test_loads_written_while_the_first_read_failed_are_read(
     """The first read failed (etcd not serving yet) and the leader wrote the
     loads before the watch was made: read again, not watched "from now"
     (which missed them until the next write)."""
-    monkeypatch.setattr("controlplane.loadsync.UNREAD_RETRY_S", 0.001)
-    store = FirstReadFails()
+    monkeypatch.setattr("controlplane.store.base.UNREAD_RETRY_S", 0.001)
+    store = NotServingYet()
     hub = LoadHub(store)
     async with running(hub.watch()):
         await asyncio.wait_for(store.failed.wait(), WAIT)
         written = await store.put(
             LOAD_KEY, encode_loads({"a": Figures(1, 0, UNKNOWN, UNKNOWN)}, 1.0)
         )
+        store.serving.set()  # a watch made now would start after the write
         generation, _ = await asyncio.wait_for(hub.next_after(0), WAIT)
     assert generation == written

@@ -37,7 +37,7 @@ from controlplane.store import Conflict, Fence, KeyValue
 from controlplane.store.memory import MemoryStore
 from ponto.quota_types import ScopeLimits, Share
 from ponto.v1 import routing_pb2 as pb
-from tests.latestores import FirstReadFails
+from tests.latestores import NotServingYet
 
 WAIT = 5.0  # generous bound for conditions that hold within a few loop turns
 
@@ -372,12 +372,13 @@ async def test_shares_written_while_the_first_read_failed_are_read(
 ) -> None:
     """The first read failed (etcd not serving yet) and the leader wrote
     shares before the watch was made: read again, not watched "from now"."""
-    monkeypatch.setattr("controlplane.quotasync.UNREAD_RETRY_S", 0.001)
-    store = FirstReadFails()
+    monkeypatch.setattr("controlplane.store.base.UNREAD_RETRY_S", 0.001)
+    store = NotServingYet()
     hub = QuotaHub(store, "cp-a", constant_lease(0), interval=1.0)
     async with running(hub.watch()):
         await asyncio.wait_for(store.failed.wait(), WAIT)
         revision = await put_shares(store, {"p1": {"t/acme": Share(0.5, 2)}}, 0.5)
+        store.serving.set()  # a watch made now would start after the write
         generation, _, _ = await asyncio.wait_for(hub.next_for("p1", 0), WAIT)
     assert generation == revision
 
