@@ -480,8 +480,34 @@ class EtcdStore:
                     tried = f" ({tries} tries)" if tries > 1 else ""
                     raise StoreUnavailable(f"etcd {what} failed: {_why(exc)}{tried}") from exc
                 continue
+            except asyncio.CancelledError:
+                if not self._replaced(member):
+                    raise
+                # gRPC cancels the calls in flight on a channel it closes,
+                # and _reresolve closed member's: that is not this task's
+                # cancellation (review 222: callers got a bare
+                # CancelledError, which ends a task as if it had been
+                # stopped). A read goes on on the new members; a write may
+                # have reached etcd.
+                if write:
+                    raise OutcomeUnknown(
+                        f"etcd {what}: its channel was replaced under it (endpoints re-resolved)"
+                    ) from None
+                tries = 0
+                continue
             self._answering = True
             return answer
+
+    def _replaced(self, member: _Member) -> bool:
+        """True when a CancelledError out of a call on member came from its
+        channel closed by _reresolve, not from this task being cancelled."""
+        task = asyncio.current_task()
+        return (
+            self._connected
+            and member not in self._members
+            and task is not None
+            and not task.cancelling()
+        )
 
     @property
     def _kv(self) -> Any:

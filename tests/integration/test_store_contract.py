@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ from controlplane.store import (
     Conflict,
     Fence,
     LeaseExpired,
+    OutcomeUnknown,
     StateStore,
     StoreError,
     StoreUnavailable,
@@ -646,18 +649,48 @@ async def test_a_watch_goes_on_when_its_channel_is_replaced(
     watcher = Watcher(etcd_store, P + "c/", 0)
     try:
         await wait_created(caplog, P + "c/")
-        # As EtcdStore._reresolve does with the new addresses.
-        old = etcd_store._members
-        etcd_store._members = etcd_store._new_members(etcd_store._target)
-        for member in etcd_store._members:
-            await member.client.connect()
-        for member in old:
-            await member.client.close()
+        await replace_channels(etcd_store)
         written = await etcd_store.put(P + "c/after", b"1")
         assert await watcher.next(10.0) >= written
         await wait_created(caplog, P + "c/", times=2)
     finally:
         await watcher.close()
+
+
+async def replace_channels(store: EtcdStore) -> None:
+    """What EtcdStore._reresolve does with new addresses: new channels, then
+    the old ones closed."""
+    old = store._members
+    store._members = store._new_members(store._target)
+    for member in store._members:
+        await member.client.connect()
+    for member in old:
+        await member.client.close()
+
+
+async def test_calls_in_flight_when_their_channel_is_replaced(
+    etcd_endpoint: EtcdEndpoint, etcd_store: EtcdStore
+) -> None:
+    """Review 222: a call in flight when the store looked etcd's names up
+    again and closed its old channel ended with a bare CancelledError, which
+    its caller takes for its own cancellation. A read is made again on the
+    new channel; a write, which may have reached etcd, is OutcomeUnknown."""
+    assert etcd_endpoint.local is not None
+    written = await etcd_store.put(P + "inflight/r", b"1")
+    pid = etcd_endpoint.local.managed.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # the calls below wait for an answer
+    try:
+        read = asyncio.create_task(etcd_store.get(P + "inflight/r"))
+        write = asyncio.create_task(etcd_store.put(P + "inflight/w", b"2"))
+        for _ in range(20):  # both calls handed to gRPC
+            await asyncio.sleep(0)
+        await replace_channels(etcd_store)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(OutcomeUnknown, match="channel was replaced"):
+        await write
+    got = await read
+    assert got is not None and (got.value, got.mod_revision) == (b"1", written)
 
 
 async def test_a_watch_ends_when_its_store_is_closed(
