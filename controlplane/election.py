@@ -16,7 +16,14 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from controlplane.catalog import LEADER_KEY
-from controlplane.store import Conflict, Fence, LeaseExpired, StateStore, StoreUnavailable
+from controlplane.store import (
+    Conflict,
+    Fence,
+    LeaseExpired,
+    OutcomeUnknown,
+    StateStore,
+    StoreUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +101,22 @@ class Leadership:
         return cancelled, failed is not None
 
     async def _campaign(self) -> tuple[int, int]:
+        unknown = 0  # the lease of a leader-key write that got no answer
         while True:
             try:
                 current = await self._store.get(LEADER_KEY)
+                if unknown:
+                    lease, unknown = unknown, 0
+                    if current is not None and current.lease == lease:
+                        # The write was applied: this replica leads, on the
+                        # lease it granted (review 222: it took the key for
+                        # another's, and nobody led until the lease's TTL
+                        # ended). Renewed first: its TTL has run since the
+                        # grant, and _hold counts from now.
+                        await self._store.refresh_lease(lease)
+                        return lease, current.mod_revision
+                    # Not applied: the lease holds nothing; not left to its TTL.
+                    await self._store.revoke_lease(lease)
                 if current is not None and (
                     current.mod_revision == self._stale or self._predecessors(current.value)
                 ):
@@ -122,6 +142,9 @@ class Leadership:
                         return lease, revision
                     except Conflict:
                         await self._store.revoke_lease(lease)
+                    except OutcomeUnknown:
+                        unknown = lease  # the next look at the key says which
+                        raise
             except (StoreUnavailable, LeaseExpired) as exc:
                 log.debug("campaign: %s", exc)
             await asyncio.sleep(min(1.0, self._ttl / 5))

@@ -14,7 +14,15 @@ from controlplane.catalog import LEADER_KEY
 from controlplane.compile import DEFAULT_SPILL_THRESHOLD, compile_table
 from controlplane.election import Leadership
 from controlplane.model import Origin, OriginHealth, Region, State
-from controlplane.store import Fence, KeyValue, Listing, StateStore, StoreUnavailable, Write
+from controlplane.store import (
+    Fence,
+    KeyValue,
+    Listing,
+    OutcomeUnknown,
+    StateStore,
+    StoreUnavailable,
+    Write,
+)
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import routing_pb2 as pb
 
@@ -542,6 +550,78 @@ async def test_a_replica_restarted_under_its_id_takes_its_predecessors_lead_at_o
         current = await store.get(LEADER_KEY)
         assert current is not None and current.lease != lease
         assert restarted.terms == 1
+    finally:
+        await stop(task)
+
+
+class AnswerLost(Partitioned):
+    """A view whose next leader-key write gets OutcomeUnknown: applied
+    (etcd applied it; the answer was lost on the way) or not."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        super().__init__(inner)
+        self.lose_next: bool | None = None  # None: answer; else whether it is applied
+        self.lost: list[int] = []  # the leases of the writes that got no answer
+        self.revoked: list[int] = []
+
+    async def put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        lease: int = 0,
+        if_absent: bool = False,
+        if_mod_revision: int | None = None,
+        fence: Fence | None = None,
+    ) -> int:
+        applied, self.lose_next = self.lose_next, None
+        if applied is None or key != LEADER_KEY:
+            self.lose_next = applied
+            return await super().put(
+                key,
+                value,
+                lease=lease,
+                if_absent=if_absent,
+                if_mod_revision=if_mod_revision,
+                fence=fence,
+            )
+        if applied:
+            await super().put(key, value, lease=lease, if_absent=if_absent)
+        self.lost.append(lease)
+        raise OutcomeUnknown("etcd put got no answer")
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        self.revoked.append(lease_id)
+        await super().revoke_lease(lease_id)
+
+
+@pytest.mark.parametrize("applied", [True, False])
+async def test_a_campaign_write_of_unknown_outcome_is_settled_by_the_next_look(
+    applied: bool,
+) -> None:
+    """Review 222: a replica that had led before and whose leader-key write
+    was applied but got no answer took the key for another replica's, and
+    nobody led until its lease's TTL ended (the store's clock stands still
+    here: forever). It leads on that lease. A write that was not applied
+    has its lease revoked, not left to hold nothing until its TTL."""
+    store = MemoryStore(clock=lambda: 0.0)
+    view = AnswerLost(store)
+    journal = Journal()
+    replica = Leadership(view, "a", ttl=TTL)
+    task = asyncio.create_task(replica.run(journal.lead_for("a")))
+    try:
+        await wait_until(lambda: replica.is_leader, MARGIN)
+        view.cut = True  # the term ends; its key stays (its lease not revoked)
+        await wait_until(lambda: not replica.is_leader, TTL + MARGIN)
+        view.lose_next = applied
+        view.cut = False
+        await wait_until(lambda: replica.terms == 2, TTL + MARGIN)
+        [lost] = view.lost
+        current = await store.get(LEADER_KEY)
+        assert current is not None and replica.fence is not None
+        assert (current.value, current.mod_revision) == (b"a", replica.fence.mod_revision)
+        assert (current.lease == lost) is applied
+        assert (lost in view.revoked) is not applied
     finally:
         await stop(task)
 
