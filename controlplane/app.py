@@ -189,6 +189,7 @@ class ControlPlane:
             load_ages=self.scraper.ages,
             leader_terms=lambda: self.leadership.terms,
             loads=lambda: self.loads.loads,
+            budgets=self.rebalancer.budget_use,
         )
         # Health alone, in plaintext, for kubelet probes (--health-listen).
         self.health_server: grpc.aio.Server | None = None

@@ -123,6 +123,7 @@ class ControlMetrics:
         self._terms: Callable[[], int] = lambda: 0
         self._load_ages: Callable[[], Mapping[str, float]] = dict
         self._loads: Callable[[], pb.OriginLoads | None] = lambda: None
+        self._budgets: Callable[[], Iterable[tuple[str, str, float, int]]] = tuple
         info = ((replica, software_version()), 1.0)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -270,6 +271,23 @@ class ControlMetrics:
                 functools.partial(self._origin_figures, field, ratio),
                 r,
             )
+        # Trial 56: a budget's use was in `pontoctl get tenants` and `key
+        # list` only, with nothing to alert on before requests are refused.
+        _Reading(
+            "ponto_control_budget_spent_tokens",
+            "Leader only: tokens the fleet spent of a budgeted scope (t/<tenant> or "
+            "k/<key id>) in the UTC day or month (period), as the leader last counted",
+            ("scope", "period"),
+            lambda: self._budget_figures(spent=True),
+            r,
+        )
+        _Reading(
+            "ponto_control_budget_tokens",
+            "Leader only: a budgeted scope's token budget for the UTC day or month (period)",
+            ("scope", "period"),
+            lambda: self._budget_figures(spent=False),
+            r,
+        )
         _Reading(
             "ponto_control_region_drained",
             "1 if the region is drained, as in the latest table",
@@ -294,17 +312,20 @@ class ControlMetrics:
         load_ages: Callable[[], Mapping[str, float]] = dict,
         leader_terms: Callable[[], int] = lambda: 0,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
+        budgets: Callable[[], Iterable[tuple[str, str, float, int]]] = tuple,
     ) -> None:
         """Where scrape-time state is read: the latest published table, the
         versions last ACKed by the proxies connected here, the election (and
         how many terms it has begun), the age of each origin's load figures
-        (LoadScraper.ages), the origins' loads last scraped (LoadHub.loads)."""
+        (LoadScraper.ages), the origins' loads last scraped (LoadHub.loads), the
+        budgets' use (Rebalancer.budget_use)."""
         self._table = table
         self._acked = acked_versions
         self._leader = is_leader
         self._terms = leader_terms
         self._load_ages = load_ages
         self._loads = loads
+        self._budgets = budgets
 
     # ------------------------------------------------------------ events
 
@@ -378,6 +399,14 @@ class ControlMetrics:
             if load.origin in regions and not (ratio and value < 0):
                 out.append(((load.origin, regions[load.origin]), value))
         return out
+
+    def _budget_figures(self, *, spent: bool) -> Series:
+        if not self._leader():
+            return []  # the rebalancer's counts are a term's
+        return [
+            ((scope, period), used if spent else float(budget))
+            for scope, period, used, budget in self._budgets()
+        ]
 
     def _regions(self) -> Series:
         table = self._table()

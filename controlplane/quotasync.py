@@ -737,8 +737,10 @@ class Rebalancer:
         self._ledgers_failing = False
         # Scopes whose ledger is too large to keep (logged once each).
         self._oversize: set[str] = set()
-        # Each budgeted scope's Budget of an idle proxy, of the last round.
+        # Each budgeted scope's Budget of an idle proxy, and its limits, of
+        # the last round.
         self._idle: dict[str, Budget] = {}
+        self._budgeted: dict[str, ScopeLimits] = {}
         self._previous: Shares = {}
         self._default = 0.0
         # The shares key as written, and as JSON (the same, uncompressed).
@@ -771,7 +773,29 @@ class Rebalancer:
             await self._flush(term)
             raise
 
+    def budget_use(self) -> list[tuple[str, str, float, int]]:
+        """(scope, "day" or "month", tokens the fleet spent, the budget) of
+        each budget of the last round, as this term counted them: for the
+        leader's metrics (spent in the UTC day and month of the leader's
+        clock; 0 for one with no count yet). Empty before a term's first
+        round."""
+        today = utc_day(self._wall())
+        out: list[tuple[str, str, float, int]] = []
+        for scope, lim in sorted(self._budgeted.items()):
+            ledger = self._ledgers.get(scope)
+            day = month = 0.0
+            if ledger is not None and ledger.day // 100 == today // 100:
+                day, month = ledger.used()
+                if ledger.day != today:
+                    day = 0.0
+            if lim.tokens_per_day:
+                out.append((scope, "day", day, lim.tokens_per_day))
+            if lim.tokens_per_month:
+                out.append((scope, "month", month, lim.tokens_per_month))
+        return out
+
     def _reset_ledgers(self) -> None:
+        self._budgeted = {}
         self._ledgers, self._ledgers_written = {}, {}
         self._ledger_rounds, self._ledger_counts = {}, {}
         self._oversize = set()
@@ -832,6 +856,7 @@ class Rebalancer:
         today = utc_day(self._wall())
         out: Budgets = {p: {} for p in proxies}
         self._idle = {}
+        self._budgeted = {scope: lim for scope, lim in limits.items() if lim.budgeted}
         counted: dict[str, tuple[float, float]] = {}
         writes: list[Write] = []
         for scope, lim in limits.items():

@@ -258,6 +258,7 @@ def test_edge_alerts_read_no_control_plane_series(edge: list[Doc], helm: Path) -
         "PontoRegionDrainedTooLong",
         "PontoControlPlaneNoLeader",
         "PontoEtcdErrors",
+        "PontoBudgetNearlySpent",
     }
 
 

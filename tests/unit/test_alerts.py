@@ -36,6 +36,7 @@ ALERTS = {
     "PontoCacheBypassSurge",
     "PontoControlPlaneNoLeader",
     "PontoEtcdErrors",
+    "PontoBudgetNearlySpent",
     "PontoHighErrorRatioFast",
     "PontoRegionCacheDown",
     "PontoRegionCacheRefusingWrites",

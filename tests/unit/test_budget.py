@@ -988,6 +988,37 @@ async def test_the_leader_counts_the_fleet_keeps_the_count_and_pushes_whats_left
     assert await stored() == (901, 901)
 
 
+async def test_the_leader_says_what_each_budget_has_spent_for_its_metrics() -> None:
+    """Trial 56: a budget's use was in `pontoctl get tenants` only, with
+    nothing to alert on. The leader's rounds say it per budget and period: in
+    the leader's UTC day and month (a ledger of yesterday has spent nothing
+    today), and nothing of a scope no longer budgeted."""
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1", "p2")
+    await report(fleet, "p1", 300)
+    await report(fleet, "p2", 450, epoch=2.0)
+    now = [float(NOON)]
+    rebalancer = Rebalancer(
+        fleet.store, fleet.catalog, fleet.publisher, lambda: fleet.fence, 0.001, lambda: now[0]
+    )
+    await rebalancer.read_ledgers()
+    assert rebalancer.budget_use() == []  # before the term's first round
+    await rebalancer.round()
+    assert rebalancer.budget_use() == [
+        (SCOPE, "day", 750, 1000),
+        (SCOPE, "month", 750, 5000),
+    ]
+    now[0] += 86_400  # the next day, before any round of it
+    assert rebalancer.budget_use() == [(SCOPE, "day", 0, 1000), (SCOPE, "month", 750, 5000)]
+    now[0] += 31 * 86_400  # the next month
+    assert rebalancer.budget_use() == [(SCOPE, "day", 0, 1000), (SCOPE, "month", 0, 5000)]
+    now[0] = float(NOON)
+    fleet.publisher.publish(compile_table(State(11, tenants=(Tenant("acme"),))))
+    await rebalancer.round()
+    assert rebalancer.budget_use() == []
+
+
 async def test_a_ledger_of_a_scope_no_longer_budgeted_goes_once_its_month_is_over() -> None:
     fleet = Fleet(budget_table())
     await fleet.lead()

@@ -30,7 +30,7 @@ from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.health import Prober, ProbeSettings
 from controlplane.metrics import ControlMetrics
-from controlplane.model import Origin, OriginHealth, Region, State
+from controlplane.model import Limits, Origin, OriginHealth, Region, State, Tenant
 from controlplane.registry import ProxyRegistry
 from controlplane.settings import parse
 from controlplane.store import Conflict, Fence, StoreUnavailable
@@ -59,6 +59,8 @@ CONTRACT = {
     "ponto_control_origin_requests_waiting": ("gauge", {"origin", "region"}),
     "ponto_control_origin_kv_cache_usage_ratio": ("gauge", {"origin", "region"}),
     "ponto_control_origin_prefix_cache_hit_ratio": ("gauge", {"origin", "region"}),
+    "ponto_control_budget_spent_tokens": ("gauge", {"scope", "period"}),
+    "ponto_control_budget_tokens": ("gauge", {"scope", "period"}),
     "ponto_control_admin_calls": ("counter", {"method", "code"}),
     "ponto_control_routing_refusals": ("counter", {"method", "code"}),
     "ponto_control_info": ("gauge", {"replica", "version"}),
@@ -128,6 +130,7 @@ def test_every_contract_metric_is_exported_with_its_type_and_labels() -> None:
         loads=lambda: pb.OriginLoads(
             loads=[pb.OriginLoad(origin="o1", running=1, kv_cache_usage=0.5, prefix_hit_rate=0.2)]
         ),
+        budgets=lambda: [("t/acme", "day", 10.0, 1000)],
     )
     body, _ = metrics.render()
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
@@ -184,6 +187,34 @@ def test_the_leader_exports_each_origins_scraped_load() -> None:
     assert len(running) == 2  # not the origin the table no longer has
     leading[0] = False
     assert value(metrics, "ponto_control_origin_requests_running", **eu) is None
+
+
+def test_the_leader_exports_each_budgets_use() -> None:
+    """Trial 56: nothing to alert on before a budget's requests were
+    refused. A replica that does not lead exports none (its counts were a
+    term's)."""
+    metrics = ControlMetrics(replica="cp-1")
+    leading = [True]
+    metrics.bind(
+        table=lambda: None,
+        acked_versions=list,
+        is_leader=lambda: leading[0],
+        budgets=lambda: [
+            ("t/acme", "day", 750.0, 1000),
+            ("t/acme", "month", 4900.0, 5000),
+            ("k/abc", "month", 0.0, 20),
+        ],
+    )
+    day = {"scope": "t/acme", "period": "day"}
+    month = {"scope": "t/acme", "period": "month"}
+    assert value(metrics, "ponto_control_budget_spent_tokens", **day) == 750.0
+    assert value(metrics, "ponto_control_budget_tokens", **day) == 1000.0
+    assert value(metrics, "ponto_control_budget_spent_tokens", **month) == 4900.0
+    key = {"scope": "k/abc", "period": "month"}
+    assert value(metrics, "ponto_control_budget_tokens", **key) == 20.0
+    assert value(metrics, "ponto_control_budget_spent_tokens", **key) == 0.0
+    leading[0] = False
+    assert not any(name.startswith("ponto_control_budget") for name, _ in samples(metrics))
 
 
 def test_an_unbound_replica_reads_as_empty() -> None:
@@ -640,6 +671,8 @@ async def test_a_replica_wires_its_store_tables_and_election_into_its_metrics() 
 
     await plane.catalog.put_region(Region("eu", 53.0, -6.0), allow_update=False)
     await plane.catalog.set_region_drained("eu", True)
+    budgeted = Tenant("acme", limits=Limits(tokens_per_month=5000))
+    await plane.catalog.put_tenant(budgeted, allow_update=False)
     assert await plane.builder.build_once()
     got = samples(metrics)
     assert got[("ponto_control_region_drained", frozenset({("region", "eu")}))] == 1
@@ -662,6 +695,10 @@ async def test_a_replica_wires_its_store_tables_and_election_into_its_metrics() 
     try:
         await until(lambda: plane.leadership.is_leader, "elected")
         assert value(metrics, "ponto_control_leader") == 1
+        await plane.rebalancer.round()
+        month = {"scope": "t/acme", "period": "month"}
+        assert value(metrics, "ponto_control_budget_tokens", **month) == 5000
+        assert value(metrics, "ponto_control_budget_spent_tokens", **month) == 0
     finally:
         election.cancel()
         with contextlib.suppress(asyncio.CancelledError):
