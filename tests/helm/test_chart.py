@@ -1266,3 +1266,33 @@ def test_cors_origins_become_the_proxies_flag(helm: Path, default: list[Doc]) ->
         assert "corsOrigins" in refused(helm, "--set-json", f"proxy.corsOrigins={bad}")
     star = render(helm, "--set-json", 'proxy.corsOrigins=["*"]')
     assert flags(container(one(star, "Deployment", "ponto-proxy-us-east")))["--cors-origins"] == "*"
+
+
+def test_origin_connection_limits_become_the_proxies_flags_only_when_set(
+    helm: Path, default: list[Doc], tmp_path: Path
+) -> None:
+    named = ("--max-origin-connections", "--max-origin-connections-per-tenant")
+    unset = flags(container(one(default, "Deployment", "ponto-proxy-us-east")))
+    assert not {*named, "--origin-queue-timeout"} & set(unset)
+    docs = render(
+        helm,
+        "--set-json",
+        'proxy.originConnections={"max":2048,"perTenant":2048,"queueTimeoutSeconds":2.5}',
+    )
+    deployment = one(docs, "Deployment", "ponto-proxy-us-east")
+    f = flags(container(deployment))
+    assert [f[n] for n in (*named, "--origin-queue-timeout")] == ["2048", "2048", "2.5"]
+    # The proxy's own parser takes them as given.
+    upstream = proxy_settings.parse(_materialise(docs, tmp_path, deployment)).upstream
+    assert upstream.max_origin_connections == 2048
+    assert upstream.max_origin_connections_per_tenant == 2048
+    assert upstream.origin_queue_timeout == 2.5
+    # One alone renders only its own flag; a large count stays an integer.
+    alone = render(
+        helm, "-f", values_file(tmp_path, {"proxy": {"originConnections": {"max": 30000000}}})
+    )
+    f = flags(container(one(alone, "Deployment", "ponto-proxy-us-east")))
+    assert f["--max-origin-connections"] == "30000000"
+    assert not {"--max-origin-connections-per-tenant", "--origin-queue-timeout"} & set(f)
+    for bad in ('{"max":-1}', '{"perTenant":1.5}', '{"queueTimeout":5}'):
+        assert "originConnections" in refused(helm, "--set-json", f"proxy.originConnections={bad}")
