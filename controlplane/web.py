@@ -792,7 +792,9 @@ def _region_row(
     the requests its own proxies answered (where clients arrived; None with
     no proxy there), `served_per_s` and `served_errors_per_s` of the proxied
     requests its origins served for any proxy (the proxy's own region for
-    cache answers and refusals); each None while unknown (`_Rates`).
+    cache answers; none for requests the proxy refused itself, which count
+    only where they arrived: dataplane.http.boundary.refused_here); each
+    None while unknown (`_Rates`).
     `ejected`: origin -> what the proxies' passive health says of it."""
     ejected = ejected or {}
     rows = [_origin_row(o, loads.get(o.name), ejected.get(o.name, "")) for o in origins]

@@ -540,6 +540,11 @@ class Metrics:
         # series. Tenant -> [refused, slot waits] since it was last limited
         # first; the MAX_LIMITED_TENANTS limited last (see _limited).
         self.limited: dict[str, list[int]] = {}
+        # Region -> the settled requests of genai_duration that the proxy
+        # refused itself, before calling any origin (`operation`'s `refused`),
+        # for the report to take out of what the region served: its errors
+        # are what its origins failed, not the clients' bad requests.
+        self.refused: dict[str, int] = {}
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
             "Requests whose client went away before the response ended",
@@ -823,6 +828,8 @@ class Metrics:
         first_chunk_s: float | None,
         usage: Usage | None,
         chunk_gap_s: float | None = None,
+        *,
+        refused: bool = False,
     ) -> None:
         """Record one settled request in the GenAI metrics: its duration, the time
         to its first streamed chunk (streams only), the mean time between its
@@ -830,7 +837,11 @@ class Metrics:
         chunk; None when there is none to give), and the input and output
         tokens an origin reported or the proxy counted (`usage`; None for answers
         no origin produced, such as cache hits and refusals). Embeddings have
-        input tokens only (the conventions' gen_ai.client.token.usage)."""
+        input tokens only (the conventions' gen_ai.client.token.usage).
+        `refused`: the proxy refused it itself, no origin called (counted in
+        `self.refused` too, by region)."""
+        if refused:
+            self.refused[region] = self.refused.get(region, 0) + 1
         provider = GENAI_PROVIDER
         self.genai_duration.labels(operation, provider, model, error_type, region, cache).observe(
             duration_s

@@ -194,7 +194,8 @@ function renderRegions(regions, departed) {
         el("span", { class: `state ${state}`, "data-state": state }, STATE_TEXT[state]),
         actionButton("regions", r.name, r.drained)),
       el("p", { class: "served", title: "requests this region served, wherever clients arrived "
-        + "(its origins; cache answers and refusals count where the proxy is)" },
+        + "(its origins; cache answers count where the proxy is; requests the proxy "
+        + "refused itself are no region's errors: they are the 4xx of where they arrived)" },
         "served ", regionRate(r.served_per_s), " req/s · ", regionRate(r.served_errors_per_s),
         " errors/s"),
       el("p", { class: "rates", title: "requests that arrived at this region's proxies" },

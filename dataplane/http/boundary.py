@@ -287,6 +287,16 @@ def cancel_reason(request: web.Request) -> str:
     return "cancelled" if request.app[DRAINING].active else CLIENT_GONE
 
 
+def refused_here(ex: Exchange, status: int, error: str) -> bool:
+    """The proxy refused the request itself, calling no origin, for the
+    client's own doing: a 4xx (bad input, authentication, a rate limit, a
+    model not served, a client that left before any call) or a 5xx that is
+    the client's (NOT_SERVER_ERRORS: only-if-cached with no entry). Its
+    region's origins failed nothing, so the status page leaves it out of
+    what the region served (`Metrics.refused`)."""
+    return ex.attempts == 0 and (400 <= status < 500 or error in NOT_SERVER_ERRORS)
+
+
 def _record(
     app: web.Application,
     request: web.BaseRequest,
@@ -326,6 +336,7 @@ def _record(
             ex.first_chunk_at - started if ex.stream and ex.first_chunk_at is not None else None,
             ex.usage if ex.origin else None,
             chunk_gap(ex, finished, error),
+            refused=refused_here(ex, status, error),
         )
     access = app.get(ACCESS_LOG)
     if access is not None and access.sampled(error, endpoint):

@@ -197,7 +197,9 @@ class Proxy:
             on_lost=quota.on_link_lost,
             on_loads=self.loads.apply,
             demand=quota.demand,
-            traffic=lambda: traffic_of(m.requests, m.genai_duration, m.limited, m.not_cached),
+            traffic=lambda: traffic_of(
+                m.requests, m.genai_duration, m.limited, m.not_cached, m.refused
+            ),
             ejected=outliers.ejected_report,
             report_interval=settings.report_interval,
             in_group=settings.worker is not None,

@@ -63,6 +63,7 @@ def traffic_of(
     operations: Collector | None = None,
     limited: Mapping[str, Sequence[int]] | None = None,
     not_cached: Collector | None = None,
+    refused: Mapping[str, int] | None = None,
 ) -> Traffic:
     """Totals of a counter of answered requests labelled with `endpoint` and
     `code` (the proxy's ponto_requests), probes and scrapes (NOT_TRAFFIC) left
@@ -71,7 +72,11 @@ def traffic_of(
     once a report, so a scan of their series is cheap. `limited`: tenant ->
     (refused, slot waits), the proxy's Metrics.limited, copied. `not_cached`:
     a counter by `endpoint` of 5xx answers that are the client's doing (the
-    proxy's ponto_requests_not_cached), reported as client errors."""
+    proxy's ponto_requests_not_cached), reported as client errors. `refused`:
+    region -> operations of the histogram the proxy refused itself before
+    calling any origin (Metrics.refused), left out of what the region served:
+    its errors are what its origins failed, not its clients' bad requests
+    (those stay in `client_errors`, where they arrived)."""
     total = server = client = 0
     for family in requests.collect():
         for sample in family.samples:
@@ -103,6 +108,10 @@ def traffic_of(
             failed = count if sample.labels.get("error_type", "") else 0
             n, errors = served.get(region, (0, 0))
             served[region] = (n + count, errors + failed)
+    for region, n in (refused or {}).items():
+        if region in served:  # each refused one is a failed operation there
+            total, errors = served[region]
+            served[region] = (total - n, errors - n)
     tenants = {tenant: (int(n[0]), int(n[1])) for tenant, n in (limited or {}).items()}
     return Traffic(total, server, client, served, tenants)
 

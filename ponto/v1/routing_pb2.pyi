@@ -1187,7 +1187,9 @@ class RouteRequest(_message.Message):
     def served(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedTotal]:
         """Also on reports, cumulative: the proxied requests answered, by the region
         that served them (the answering origin's; the proxy's own for cache
-        answers and refusals), so the status page shows which region served whom.
+        answers), so the status page shows which region served whom. Requests
+        the proxy refused itself, calling no origin (4xx, only-if-cached with no
+        entry), are in no region's: a region's errors are what its origins failed.
         """
 
     @_builtins.property

@@ -53,23 +53,29 @@ def test_probes_and_scrapes_are_not_traffic() -> None:
 
 def test_served_counts_are_by_the_region_that_answered() -> None:
     m = Metrics()
-    for region, error_type, n in (
-        ("ap-southeast", "", 3),
-        ("eu-west", "", 2),
-        ("eu-west", "502", 1),
-        ("us-east", "429", 4),  # refused at the proxy, in its own region
+    for region, error_type, n, refused in (
+        ("ap-southeast", "", 3, False),
+        ("eu-west", "", 2, False),
+        ("eu-west", "502", 1, False),
+        ("us-east", "", 1, False),  # a cache answer, in the proxy's region
+        ("us-east", "429", 2, False),  # an origin's own 429
+        # Refused at the proxy, in its own region, no origin called: its
+        # clients' doing, not its origins' failures.
+        ("us-east", "429", 4, True),
+        ("us-east", "invalid_request", 3, True),
     ):
         for _ in range(n):
-            m.operation("chat", "m", error_type, region, "", 0.1, None, None)
+            m.operation("chat", "m", error_type, region, "", 0.1, None, None, refused=refused)
     m.requests.labels("chat", "200").inc(10)
-    traffic = traffic_of(m.requests, m.genai_duration)
-    assert traffic.served == {"ap-southeast": (3, 0), "eu-west": (3, 1), "us-east": (4, 4)}
+    assert m.refused == {"us-east": 7}
+    traffic = traffic_of(m.requests, m.genai_duration, refused=m.refused)
+    assert traffic.served == {"ap-southeast": (3, 0), "eu-west": (3, 1), "us-east": (3, 2)}
     assert traffic.requests == 10
     report = client(traffic=lambda: traffic).report("s-1")
     assert [(s.region, s.requests_total, s.errors_total) for s in report.served] == [
         ("ap-southeast", 3, 0),
         ("eu-west", 3, 1),
-        ("us-east", 4, 4),
+        ("us-east", 3, 2),
     ]
 
 
