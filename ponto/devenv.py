@@ -114,6 +114,7 @@ class Managed:
     address: str = ""
     argv: list[str] = field(default_factory=list)
     _log: IO[bytes] | None = field(default=None, repr=False)
+    _sent: int | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -126,12 +127,19 @@ class Managed:
         """None while it runs, else its exit status (-N: killed by signal N)."""
         return self.proc.poll()
 
+    def sent_signal(self) -> int | None:
+        """The last signal `stop` sent it; None if it sent none (a death to
+        report as someone else's doing)."""
+        return self._sent
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
+            self._sent = sig
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self._sent = signal.SIGKILL
                 self.proc.kill()
                 self.proc.wait(timeout)
         if self._log is not None:

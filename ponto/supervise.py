@@ -25,6 +25,10 @@ class Process(Protocol):
         """None while it runs; once it has ended, its exit status (-N: killed by signal N)."""
         ...
 
+    def sent_signal(self) -> int | None:
+        """The signal its owner sent it to stop it, if any (None: not stopped by us)."""
+        ...
+
 
 Launcher = Callable[[], Process]
 """Start the child again, as it was (address, arguments, state); return once it
@@ -47,14 +51,33 @@ class Backoff:
         return min(delay * 2, self.limit)
 
 
-def describe_exit(status: int) -> str:
-    """`exited with code 3`, `killed by SIGKILL`: an exit status in a user's words."""
-    if status >= 0:
-        return f"exited with code {status}"
+def describe_exit(status: int, sent: int | None = None) -> str:
+    """`exited with code 3`, `killed by SIGKILL`: an exit status in a user's
+    words, and whether the demo itself sent the signal (`sent`).
+
+    The demo's children serve until a SIGTERM or SIGINT, on which ponto's
+    own and redis-server shut down and exit 0 (etcd dies by the signal
+    again, which the status says): a code 0 the demo did not cause is one
+    of those signals from someone else (trial: a user's
+    `kill PID` read "exited with code 0", as if the child had ended by
+    itself). Which of the two is not known: the exit status does not say."""
+    if sent is not None:
+        by = f"stopped by the demo ({_signal_name(sent)})"
+        if status in (0, -sent):
+            return by
+        return f"{by}; {describe_exit(status)}"
+    if status < 0:
+        return f"killed by {_signal_name(-status)}"
+    if status == 0:
+        return "stopped by SIGTERM or SIGINT, not from the demo (exit code 0)"
+    return f"exited with code {status}"
+
+
+def _signal_name(signum: int) -> str:
     try:
-        return f"killed by {signal.Signals(-status).name}"
+        return signal.Signals(signum).name
     except ValueError:
-        return f"killed by signal {-status}"
+        return f"signal {signum}"
 
 
 def _first_line(exc: Exception) -> str:
@@ -112,10 +135,11 @@ class Supervisor:
         now = self._clock()
         if now - child.started_at >= self._backoff.stable_after:
             child.delay = self._backoff.first
+        sent = child.process.sent_signal()
         child.process = None
         child.restart_at = now + child.delay
         self._report(
-            f"{child.name} (pid {child.pid}) {describe_exit(status)}; "
+            f"{child.name} (pid {child.pid}) {describe_exit(status, sent)}; "
             f"restarting it in {child.delay:g} s"
         )
         child.delay = self._backoff.after(child.delay)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,13 @@ class FakeProcess:
     def __init__(self) -> None:
         self.pid = next(_pids)
         self.status: int | None = None
+        self.sent: int | None = None
 
     def returncode(self) -> int | None:
         return self.status
+
+    def sent_signal(self) -> int | None:
+        return self.sent
 
 
 class Clock:
@@ -163,17 +169,60 @@ def test_children_are_independent() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "words"),
+    ("status", "sent", "words"),
     [
-        (0, "exited with code 0"),
-        (3, "exited with code 3"),
-        (-9, "killed by SIGKILL"),
-        (-15, "killed by SIGTERM"),
-        (-200, "killed by signal 200"),
+        # The demo's children exit 0 only on a SIGTERM or SIGINT they handled.
+        (0, None, "stopped by SIGTERM or SIGINT, not from the demo (exit code 0)"),
+        (3, None, "exited with code 3"),
+        (-9, None, "killed by SIGKILL"),
+        (-15, None, "killed by SIGTERM"),
+        (-200, None, "killed by signal 200"),
+        (0, signal.SIGTERM, "stopped by the demo (SIGTERM)"),
+        (-15, signal.SIGTERM, "stopped by the demo (SIGTERM)"),
+        (-9, signal.SIGKILL, "stopped by the demo (SIGKILL)"),
+        (1, signal.SIGTERM, "stopped by the demo (SIGTERM); exited with code 1"),
     ],
 )
-def test_exit_statuses_in_words(status: int, words: str) -> None:
-    assert describe_exit(status) == words
+def test_exit_statuses_in_words(status: int, sent: int | None, words: str) -> None:
+    assert describe_exit(status, sent) == words
+
+
+HANDLES_SIGTERM = (
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "pathlib.Path(sys.argv[1]).write_text('ready')\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_child_stopped_by_a_signal_it_handled_is_not_said_to_have_exited(
+    tmp_path: Path,
+) -> None:
+    # Trial: a user's `kill PID` of an origin (which exits 0 on SIGTERM, as
+    # every child of the demo) read "exited with code 0".
+    ready = tmp_path / "ready"
+    argv = [sys.executable, "-c", HANDLES_SIGTERM, str(ready)]
+    child = devenv.spawn("origin-us-east", argv, tmp_path, ready_file=ready)
+    lines: list[str] = []
+    supervisor = Supervisor(Clock(), lines.append)
+    supervisor.watch("origin-us-east", child, lambda: child)
+    try:
+        os.kill(child.pid, signal.SIGTERM)  # as the user does, not through the demo
+        child.proc.wait(10)
+        supervisor.poll()
+    finally:
+        child.stop()
+    assert child.returncode() == 0
+    assert lines == [
+        f"origin-us-east (pid {child.pid}) stopped by SIGTERM or SIGINT, "
+        "not from the demo (exit code 0); restarting it in 0.5 s"
+    ]
+    # One the demo stops says so.
+    ready.unlink()
+    again = devenv.spawn("origin-us-east", argv, tmp_path, ready_file=ready)
+    assert again.stop() == 0
+    assert again.sent_signal() == signal.SIGTERM
+    assert describe_exit(0, again.sent_signal()) == "stopped by the demo (SIGTERM)"
 
 
 def test_children_stop_stops_a_child_whose_handle_was_lost(tmp_path: Path) -> None:
