@@ -1278,8 +1278,17 @@ def _rows_tenants(
     ]
 
 
+# The longest CHANGES cell of `get audit`'s table; -o yaml has them whole.
+AUDIT_CHANGES_CHARS = 100
+
+
 def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]]:
-    return ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT"], [
+    """The trail's table. CHANGES is what a call replaced, as its entry's
+    `changes` says (`limits.rpm 600 -> 900`: UpdateTenant, SetKeyLimits,
+    SetKeyModels, drains; trial: a `limit set` read "UpdateTenant, ok" and
+    nothing of which limit), last, as it is the widest; empty for calls
+    that write no such line."""
+    return ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT", "CHANGES"], [
         [
             utc(e.time),
             e.actor,
@@ -1288,9 +1297,14 @@ def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]
             e.source,
             # Refusals of Apply list one error a line: the table shows the start.
             e.result if not e.message else f"{e.result}: {' '.join(e.message.split())[:60]}",
+            _cut(e.detail.get("changes", ""), AUDIT_CHANGES_CHARS),
         ]
         for e in resp.entries
     ]
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 def _audit_times(data: dict[str, Any]) -> dict[str, Any]:

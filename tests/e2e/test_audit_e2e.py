@@ -107,10 +107,11 @@ def test_admin_actions_are_recorded_with_actor_source_and_result(fleet: Fleet) -
 
     table = ok(fleet, "get", "audit", "--action", "DrainRegion", "--since", "1h")
     header, *rows = table.strip().splitlines()
-    assert header.split() == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT"]
+    assert header.split() == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT", "CHANGES"]
     assert len(rows) == 1
-    when, actor, action, target, _source, result = rows[0].split()
+    when, actor, action, target, _source, result, *changes = rows[0].split()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", when)
     assert (actor, action, target, result) == ("alice", "DrainRegion", "region/eu-west", "ok")
+    assert changes == ["drained", "false", "->", "true"]
     newest = json.loads(ok(fleet, "get", "audit", "--limit", "1", "-o", "json"))["entries"]
     assert [e["action"] for e in newest] == ["RevokeKey"]

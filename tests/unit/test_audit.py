@@ -22,7 +22,7 @@ from controlplane.api.guard import TokenGuard
 from controlplane.app import ControlPlane
 from controlplane.audit import PREFIX, AuditLog
 from controlplane.catalog import TENANTS, Catalog
-from controlplane.cli import _rows_audit
+from controlplane.cli import AUDIT_CHANGES_CHARS, _rows_audit
 from controlplane.cli import main as pontoctl
 from controlplane.distribute import Publisher
 from controlplane.model import Limits, PromptPolicy, Tenant, encode
@@ -561,6 +561,27 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
     assert all("SECRET3" not in str(e) for e in entries)
 
 
+async def test_the_table_says_which_limit_a_limit_set_changed(
+    store: MemoryStore, clock: Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial: `pontoctl get audit` showed a `limit set` as UpdateTenant, ok,
+    and nothing of which limit went from what to what (only -o yaml had it)."""
+    clock.step = 0.001
+    async with admin_server(store, clock, admin_token="") as stub:
+        tenant = pb.Tenant(name="acme", limits=pb.Limits(rpm=600))
+        await stub.PutTenant(apb.PutTenantRequest(tenant=tenant))
+        cli = ["--control-plane", stub.address]
+        for argv in (
+            ["limit", "set", "--tenant", "acme", "--rpm", "900", "--concurrency", "5"],
+            ["get", "audit"],
+        ):
+            assert await asyncio.to_thread(pontoctl, [*cli, *argv]) == 0
+    header, newest, *_ = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert header.split()[-1] == "CHANGES"
+    assert [newest.split()[i] for i in (2, 3, 5)] == ["UpdateTenant", "tenant/acme", "ok"]
+    assert newest.endswith("  limits.rpm 600 -> 900; limits.concurrency unset -> 5")
+
+
 def test_table_rows_show_iso_utc_times_and_refusals() -> None:
     resp = apb.ListAuditResponse(
         entries=[
@@ -576,7 +597,7 @@ def test_table_rows_show_iso_utc_times_and_refusals() -> None:
         ]
     )
     header, (row,) = _rows_audit(resp)
-    assert header == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT"]
+    assert header == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT", "CHANGES"]
     assert row == [
         "2027-01-15T08:00:00Z",
         "admin-token",
@@ -584,7 +605,13 @@ def test_table_rows_show_iso_utc_times_and_refusals() -> None:
         "topology",
         "ipv4:127.0.0.1:5",
         "INVALID_ARGUMENT: line one line two",
+        "",
     ]
+    # A long one is cut, marked; -o yaml has it whole.
+    changes = "; ".join(f"limits.rpm {n} -> {n + 1}" for n in range(20))
+    resp.entries[0].detail["changes"] = changes
+    _, (row,) = _rows_audit(resp)
+    assert len(row[-1]) == AUDIT_CHANGES_CHARS and row[-1] == changes[:99] + "…"
 
 
 # ---------------------------------------------------------------- the replica
