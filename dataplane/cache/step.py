@@ -99,6 +99,14 @@ ONLY_IF_CACHED = "only-if-cached"
 # hyphenated (dataplane.cache.policy.Reason), ponto_cache_unkept_total's
 # reasons are not, and too-large is taken (a request too large to key).
 UNKEPT_SAID: Final = {TOO_LARGE: "answer-too-large"}
+# Why a stream's answer was not kept that its repeat will meet again (the
+# same request gives the same answer: a cacheable one is deterministic), as
+# remembered by key for the repeat's headers (`CachePlan.foreseen`); a cut
+# or a splice (incomplete, continued) is the call's accident, not the key's.
+FORESEEN: Final = frozenset({TOO_LARGE, TRUNCATED})
+# Keys of streams not kept for those reasons, per process: a dict of this
+# many keys (some 100 bytes each), the oldest forgotten first.
+MAX_FORESEEN_KEYS: Final = 4096
 
 
 class SemanticLayer(Protocol):
@@ -203,12 +211,23 @@ class CachePlan:
     # The request said `Cache-Control: only-if-cached` and nothing in the
     # cache answers it: the pipeline answers 504 and calls no origin.
     not_cached: bool = False
+    # A stream's miss: why the last answer of its key was not kept on this
+    # proxy process (FORESEEN), for the headers that go out before this
+    # answer's end; "" when none was refused, or not for those reasons.
+    foreseen: str = ""
 
     @property
     def said_reason(self) -> str:
-        """x-ponto-cache-reason and the access log's cache_reason: why a
-        bypass, or a miss, or why the miss's answer is not kept ("")."""
+        """The access log's cache_reason: why a bypass, or a miss, or why the
+        miss's answer is not kept ("")."""
         return self.reason or UNKEPT_SAID.get(self.unkept, self.unkept)
+
+    @property
+    def header_reason(self) -> str:
+        """x-ponto-cache-reason: `said_reason`, else (a stream's headers go
+        out before its answer is known) why its key's last answer was not
+        kept (trial: a repeat of a stream too large to keep was a plain miss)."""
+        return self.said_reason or UNKEPT_SAID.get(self.foreseen, self.foreseen)
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished;
@@ -260,6 +279,9 @@ class EdgeCache:
         self._background: set[asyncio.Task[None]] = set()
         # Keys being indexed: False once evicted meanwhile (see _index).
         self._indexing: dict[str, bool] = {}
+        # Key -> why its stream was last not kept (FORESEEN), in the order
+        # remembered; at most MAX_FORESEEN_KEYS (see settle_stream).
+        self._foreseen: dict[str, str] = {}
 
     # ------------------------------------------------------------ control
 
@@ -515,12 +537,14 @@ class EdgeCache:
         self._count("miss", reason or "exact")
         policy = req.tenant.cache
         recorder = None
+        foreseen = ""
         if req.stream:
             recorder = StreamRecorder(
                 store_truncated=policy.store_truncated,
                 max_bytes=policy.max_entry_bytes,
                 usage_asked=include_usage,
             )
+            foreseen = self._foreseen.get(key, "")
         return CachePlan(
             "miss",
             reason=reason,
@@ -532,6 +556,7 @@ class EdgeCache:
             text=text,
             neighbour=neighbour,
             purge_mark=self._purged_to,
+            foreseen=foreseen,
         )
 
     def whole_entry(
@@ -597,6 +622,7 @@ class EdgeCache:
                 else:
                     plan.unkept = unkept_reason(recorder.reason, too_large=recorder.too_large)
                 self._metrics.cache_unkept.labels(plan.unkept).inc()
+            self._foresee(plan.key, plan.unkept, kept=entry is not None)
         await self._keep(req, plan, entry)
         if plan.leader is not None:
             if end.complete:
@@ -605,6 +631,19 @@ class EdgeCache:
                 plan.leader.finish(None, RuntimeError("the origin's stream did not end properly"))
         if plan.region_lock is not None:
             plan.region_lock.release()
+
+    def _foresee(self, key: str, unkept: str, *, kept: bool) -> None:
+        """Remember why `key`'s stream was not kept, for its repeat's headers
+        (FORESEEN reasons only); forget it once one is kept. A cut stream
+        (neither) changes nothing: what its whole answer would be is unknown."""
+        foreseen = self._foreseen
+        if unkept in FORESEEN:
+            foreseen.pop(key, None)  # now the newest
+            if len(foreseen) >= MAX_FORESEEN_KEYS:
+                del foreseen[next(iter(foreseen))]
+            foreseen[key] = unkept
+        elif kept:
+            foreseen.pop(key, None)
 
     async def _keep(self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None) -> None:
         if entry is None:

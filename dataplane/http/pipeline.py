@@ -212,10 +212,11 @@ class Exchange:
     def cache_headers(self, outcome: str) -> list[tuple[str, str]]:
         """`x-ponto-cache`, and the reason of a bypass or of a miss (a
         verification, an entry without the usage asked for, an answer not
-        kept), or the tier of a hit."""
+        kept, or for a stream one its key's last answer was not: its own is
+        not known yet), or the tier of a hit."""
         plan = self.cache
-        if outcome != "hit" and plan is not None and (plan.reason or plan.unkept):
-            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, plan.said_reason)]
+        if outcome != "hit" and plan is not None and (reason := plan.header_reason):
+            return [(CACHE_HEADER, outcome), (CACHE_REASON_HEADER, reason)]
         if outcome == "hit" and plan is not None and plan.tier:
             # Age: how long ago the answer was made, as any HTTP cache says.
             return [

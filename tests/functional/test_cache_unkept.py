@@ -5,6 +5,7 @@ stream over 1 MiB, some 4,700 tokens, was a miss every time, with no sign)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,14 @@ from ponto.originsim.app import SimConfig
 from tests.functional.test_pipeline import Stack, chat, start_stack
 
 ANSWER = SimConfig(name="o1", answer_tokens=60, seed=1)
+# A short, complete chat stream, as an origin writes it.
+SMALL_STREAM = [
+    b'data: {"id": "c", "object": "chat.completion.chunk", "model": "sim-small", "choices": '
+    b'[{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}\n\n',
+    b'data: {"id": "c", "object": "chat.completion.chunk", "model": "sim-small", "choices": '
+    b'[{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
 
 
 def unkept(stack: Stack, reason: str) -> float:
@@ -76,7 +85,11 @@ async def test_a_truncated_answer_is_counted_as_such_and_a_whole_one_says_so(
     s = await start_stack(tmp_path, [ANSWER], ["--access-log=on"])
     try:
         assert await twice_said(s, max_tokens=5) == [("miss", "truncated")] * 2
-        assert await twice_said(s, max_tokens=5, stream=True) == [("miss", None)] * 2
+        # The repeat's headers say why the last one was not kept.
+        assert await twice_said(s, max_tokens=5, stream=True) == [
+            ("miss", None),
+            ("miss", "truncated"),
+        ]
         assert unkept(s, "truncated") == 4
         assert unkept(s, "too_large") == 0
         # A kept answer's miss says nothing.
@@ -84,6 +97,48 @@ async def test_a_truncated_answer_is_counted_as_such_and_a_whole_one_says_so(
         s.app[ACCESS_LOG].flush()
         logged = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
         assert [line["cache_reason"] for line in logged] == [*["truncated"] * 4, None, None]
+    finally:
+        await s.close()
+
+
+async def test_a_stream_over_the_bound_says_so_where_it_can_and_its_repeat_says_why(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trial: a repeat of a stream too large to cache was a plain miss, with
+    no reason header. The first one's headers went out before its end: its
+    metric and access-log line say it; the repeat's headers say what the
+    proxy learnt of the first, and its own line what it found itself."""
+    s = await start_stack(tmp_path, [ANSWER], ["--cache-max-entry-kb=2", "--access-log=on"])
+    try:
+        assert await twice_said(s, stream=True) == [
+            ("miss", None),
+            ("miss", "answer-too-large"),
+        ]
+        assert unkept(s, "too_large") == 2
+        s.app[ACCESS_LOG].flush()
+        logged = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+        assert [line["cache_reason"] for line in logged] == ["answer-too-large"] * 2
+        # Once the bound lets one be kept (the tenant's own, here), it is
+        # forgotten: its repeat is a hit, and a miss after a purge says nothing.
+        policy = s.app[HOLDER].policy
+        assert policy is not None
+        cache = s.app[PIPELINE].cache
+        tenant = policy.tenant("acme")
+        roomy = replace(tenant, cache=replace(tenant.cache, max_entry_bytes=64 << 10))
+        req = CacheRequest(
+            "chat.completions", chat("tell me a long story", stream=True), roomy, stream=True
+        )
+        plan = await cache.plan(req)
+        assert plan.header_reason == "answer-too-large"
+        assert plan.recorder is not None
+        for chunk in SMALL_STREAM:
+            plan.recorder.feed(chunk)
+        await cache.settle_stream(req, plan, 200, RelayEnd(complete=True))
+        assert plan.unkept == ""
+        await cache.purge(None, None)
+        again = await cache.plan(req)
+        assert (again.outcome, again.header_reason) == ("miss", "")
+        again.abandon()
     finally:
         await s.close()
 
