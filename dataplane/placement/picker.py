@@ -24,8 +24,9 @@ which depend on the region and on the attempts.
 
 Loads come from a LoadBoard (dataplane.placement.load). An origin its
 SpeedBoard (dataplane.placement.speed) finds markedly slower than its group
-counts as loaded by `(load + 1) * slowness - 1` in the affinity and
-least-loaded modes: the requests' worth of time it holds, counting the one
+(by its answers, or by the streams it has not yet begun to answer) counts
+as loaded by `(load + 1) * slowness - 1` in the affinity and least-loaded
+modes: the requests' worth of time it holds, counting the one
 being placed (a replica 25x slower, idle, counts as 24 requests: past any
 capacity the trial used; one as fast as its peers, as its count). Pure
 apart from reading the boards and the injected random source.
@@ -153,17 +154,15 @@ class Picker:
             return [group[0]], key.kind
         order = ranked(group, key.value)
         load = self.loads.load
-        slow = self.loads.speeds.slowness(group)  # None: as fast as each other
+        factor = self.loads.speeds.factor  # 1.0: as fast as its group's typical
         first = order[0]
         first_load = load(first.name)
-        if slow is not None:
-            first_load = _slowed(first_load, slow.get(first.name, 1.0))
+        slowness = factor(group, first.name)
+        if slowness != 1.0:
+            first_load = _slowed(first_load, slowness)
         if first_load < (first.capacity or UNKNOWN_CAPACITY):
             return order, key.kind  # the common case: its replica has room
-        if slow is None:
-            loads = {t.name: load(t.name) for t in group}
-        else:
-            loads = {t.name: _slowed(load(t.name), slow.get(t.name, 1.0)) for t in group}
+        loads = {t.name: _slowed(load(t.name), factor(group, t.name)) for t in group}
         total = 1.0 + sum(loads.values())
         weights = sum(t.weight for t in group)
         for i, target in enumerate(order):
@@ -193,13 +192,10 @@ class Picker:
     def _least_loaded(self, group: tuple[Target, ...]) -> list[Target]:
         if len(group) == 1:
             return [group[0]]
-        load, rand = self.loads.load, self._rand
-        slow = self.loads.speeds.slowness(group)
-        if slow is None:
-            return sorted(group, key=lambda t: ((load(t.name) + 1.0) / t.weight, rand()))
-        get = slow.get
+        load, rand, factor = self.loads.load, self._rand, self.loads.speeds.factor
         return sorted(
-            group, key=lambda t: ((load(t.name) + 1.0) * get(t.name, 1.0) / t.weight, rand())
+            group,
+            key=lambda t: ((load(t.name) + 1.0) * factor(group, t.name) / t.weight, rand()),
         )
 
     def _weighted(self, group: tuple[Target, ...]) -> list[Target]:

@@ -39,9 +39,25 @@ queue adds tens of milliseconds). It decays toward 1 with the time since the ori
 (exp(-age / DECAY_S)): a replica that lost its keys, and so its samples, is
 tried again, and if still slow its next answer marks it again.
 
+A sample comes only when a call commits, so what a replica is doing now
+would count only once its calls answer (the trial's prefilling replica
+marked nothing before its first long prompt ended). So the board also
+keeps the streams this proxy has sent and that have not had their first
+event (`began` .. `answered`): their age is a lower bound on their time to
+it, per unit of their request as a sample would be, and it does not grow
+with long answers (a call stops counting at its first event). A replica
+whose worst such wait is already SLOW_RATIO times its group's typical
+stream (the same typical as above, from one origin's samples on) is as
+slow as that wait says, at once, and no longer once those calls answer
+(`factor`). Whole answers are not kept: their wait includes the decoding
+of the whole answer, which grows with its length.
+
 Single event loop; no locks. `observe` is a few float operations per
-answer; `slowness` two comparisons per request, the group's factors being
-computed again at most every REFRESH_S, by the first request after a sample.
+answer, `began` and `answered` a dict operation or two per stream call;
+`factor` two comparisons per request, plus a clock read and one
+comparison when the origin has streams waiting (more only past the
+mark), the group's factors being computed again at most every REFRESH_S,
+by the first request after a sample.
 """
 
 from __future__ import annotations
@@ -85,6 +101,11 @@ _ALPHA_GAP_S: Final = -DECAY_S * math.log(1.0 - ALPHA)
 # Groups whose factors are kept (a table's groups; more when tables change).
 MAX_GROUPS: Final = 256
 
+# A group's cached answer: the group, the generation it was computed under,
+# its slow origins' factors (None: none), its typical stream time to a
+# first event per PROMPT_BYTES_PER_UNIT (None: no origin of it has one).
+_Entry = tuple[tuple[Target, ...], int, dict[str, float] | None, float | None]
+
 
 class SpeedBoard:
     """Per-origin speed estimates for the picker; one per proxy process,
@@ -98,11 +119,15 @@ class SpeedBoard:
         # factors computed under an older one are computed again.
         self.generation = 0
         self._refresh_at = 0.0
-        # id(group) -> (the group, the generation, its slow origins' factors or None)
-        self._groups: dict[int, tuple[tuple[Target, ...], int, dict[str, float] | None]] = {}
+        self._groups: dict[int, _Entry] = {}  # by id(group)
         # The last group asked about and its answer: most proxies serve one
         # model in one region, and this spares them the dict lookup.
-        self._last: tuple[tuple[Target, ...], int, dict[str, float] | None] = ((), -1, None)
+        self._last: _Entry = ((), -1, None, None)
+        # origin -> {call: (time sent, units of its request)} for its streams
+        # with no first event yet, in the order sent (so the first is the
+        # oldest); an origin with none has no entry.
+        self._waiting: dict[str, dict[int, tuple[float, float]]] = {}
+        self._calls = 0
 
     def observe(
         self, origin: str, stream: bool, seconds: float, tokens: int = 0, body_bytes: int = 0
@@ -136,6 +161,31 @@ class SpeedBoard:
         held[0] = mean + ((sample if sample < clip else clip) - mean) * weight
         held[1] = now
 
+    def began(self, origin: str, body_bytes: int) -> int:
+        """A stream call to origin, of a request body of `body_bytes`, was
+        sent; the number to give `answered` once it has its first event or
+        has ended without one. Called by the forwarder, which owns the call."""
+        self._calls += 1
+        call = self._calls
+        calls = self._waiting.get(origin)
+        if calls is None:
+            self._waiting[origin] = calls = {}
+        calls[call] = (self.clock(), 1.0 + body_bytes / PROMPT_BYTES_PER_UNIT)
+        return call
+
+    def answered(self, origin: str, call: int) -> None:
+        """The call `began` numbered has its first event, or ended without
+        one (failed, cut, cancelled): it no longer counts as waiting."""
+        calls = self._waiting.get(origin)
+        if calls is not None:
+            calls.pop(call, None)
+            if not calls:
+                del self._waiting[origin]
+
+    def waiting(self, origin: str) -> int:
+        """This proxy's stream calls to origin with no first event yet."""
+        return len(self._waiting.get(origin, ()))
+
     def mean(self, origin: str, stream: bool) -> float | None:
         """Origin's mean of the kind (seconds to a stream's first event, or a
         whole answer's seconds per output token plus FIXED_TOKENS); None
@@ -149,36 +199,83 @@ class SpeedBoard:
         case). Computed again only after a sample bumped `generation`
         (every REFRESH_S at most while answers come): no clock is read per
         request, and a board that gets no answers keeps its last factors (a
-        slow replica with no traffic decays once its peers answer)."""
+        slow replica with no traffic decays once its peers answer). Of
+        completed calls only: `factor` adds the calls still waiting."""
+        return self._entry(group)[2]
+
+    def factor(self, group: tuple[Target, ...], origin: str) -> float:
+        """How many times slower than `group`'s typical origin `origin`
+        serves now: the larger of its factor in `slowness` and the worst
+        wait of its streams with no first event yet, per unit of their
+        request, over the group's typical stream, when that is SLOW_RATIO
+        or more; else 1. Called by the picker per origin it weighs."""
+        entry = self._last
+        if entry[0] is not group or entry[1] != self.generation:
+            entry = self._entry(group)
+        slow = entry[2]
+        factor = 1.0 if slow is None else slow.get(origin, 1.0)
+        calls = self._waiting.get(origin)
+        typical = entry[3]
+        if calls is None or typical is None:
+            return factor
+        limit = SLOW_RATIO * typical
+        now = self.clock()
+        # A call's wait per unit is at most its age (a request is a unit or
+        # more), and the calls are in the order sent: below the limit at the
+        # oldest, the common case, none is past it.
+        if now - next(iter(calls.values()))[0] < limit:
+            return factor
+        worst = 0.0
+        for sent, units in calls.values():
+            age = now - sent
+            if age <= worst:
+                break  # neither it nor any call sent later waited longer per unit
+            worst = max(worst, age / units)
+        if worst < limit:
+            return factor
+        return max(factor, worst / typical)
+
+    def _entry(self, group: tuple[Target, ...]) -> _Entry:
         last = self._last
         if last[0] is group and last[1] == self.generation:
-            return last[2]
+            return last
         cached = self._groups.get(id(group))
         if cached is None or cached[0] is not group or cached[1] != self.generation:
-            cached = (group, self.generation, self._factors(group, self.clock()))
+            cached = (group, self.generation, *self._factors(group, self.clock()))
             if len(self._groups) >= MAX_GROUPS:
                 self._groups.clear()
             self._groups[id(group)] = cached
         self._last = cached
-        return cached[2]
+        return cached
 
-    def _factors(self, group: tuple[Target, ...], now: float) -> dict[str, float] | None:
+    def _factors(
+        self, group: tuple[Target, ...], now: float
+    ) -> tuple[dict[str, float] | None, float | None]:
+        """The slow origins' factors (None: none) and the typical stream
+        time per unit (None: no origin of the group has a stream sample)."""
         if len(group) < 2:
-            return None  # no peer to be slower than, nor to move to
+            return None, None  # no peer to be slower than, nor to move to
         out: dict[str, float] | None = None
+        waited: float | None = None
         for stream in (False, True):
             held = [(t.name, c) for t in group if (c := self._cost.get((t.name, stream)))]
-            if len(held) < 2:
-                continue  # one origin's speed says nothing of its peers'
+            if not held:
+                continue
             means = sorted(c[0] for _, c in held)
             typical = max(means[(len(means) - 1) // 2], _FLOORS[stream])
+            if stream:
+                # One origin's own samples are a measure for a wait: a call
+                # far past what that origin itself takes is stuck.
+                waited = typical
+            if len(held) < 2:
+                continue  # one origin's speed says nothing of its peers'
             for name, (mean, at) in held:
                 ratio = 1.0 + (mean / typical - 1.0) * math.exp((at - now) / DECAY_S)
                 if ratio >= SLOW_RATIO:
                     if out is None:
                         out = {}
                     out[name] = max(ratio, out.get(name, 1.0))
-        return out
+        return out, waited
 
 
 def output_tokens(parsed: Any) -> int:

@@ -1016,6 +1016,11 @@ class Forwarder:
                 headers = headers.copy()
                 headers["authorization"] = authorization
         watch = self._watch(target.name, stream)
+        method = tries.method if tries is not None else None
+        speeds = self.loads.speeds
+        # Until its first event, a stream's wait shows in placement
+        # (SpeedBoard.factor): the speed samples come only once calls answer.
+        waiting = speeds.began(target.name, len(body)) if stream and method is None else 0
         try:
             with watch:
                 first_within = tries.first_within if tries is not None else None
@@ -1026,7 +1031,6 @@ class Forwarder:
                 sent_at = loop.time()
                 loads.started(target.name)
                 try:
-                    method = tries.method if tries is not None else None
                     tenant = tries.tenant if tries is not None else ""
                     wire = self._wire
                     if method is None:
@@ -1217,6 +1221,9 @@ class Forwarder:
                     raise
         except Stalled as exc:
             raise _Retryable("timeout", str(exc)) from exc
+        finally:
+            if waiting:
+                speeds.answered(target.name, waiting)
 
     async def _held(
         self,

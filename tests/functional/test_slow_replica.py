@@ -8,6 +8,7 @@ clock is moved on rather than slept through (dataplane.placement.speed)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from pathlib import Path
@@ -112,5 +113,66 @@ async def test_only_answers_that_committed_are_speed_samples(tmp_path: Path) -> 
         assert resp.status == 200
         await resp.read()
         assert speeds.mean("good", True) is not None
+    finally:
+        await stack.close()
+
+
+async def stream(stack: Stack, session: int, text: str) -> tuple[str, str]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "stream": True,
+        "max_tokens": 2,
+    }
+    resp = await stack.post(body, headers={"x-session-id": f"s{session}"})
+    assert resp.status == 200
+    await resp.read()
+    return resp.headers["x-ponto-origin"], resp.headers["x-ponto-route"]
+
+
+async def test_a_replica_prefilling_long_prompts_loses_short_sessions_before_any_answers(
+    tmp_path: Path,
+) -> None:
+    """The trial: four replicas of capacity 4, one prefilling three 20k-token
+    prompts in turn; the short requests its keys ranked it first for went to
+    it (3 in flight is under its capacity, and none of its calls had answered
+    to time it), one waiting 11.55 s beside idle replicas. The long prompts'
+    wait for their first event, 10 s on the board's clock (about 1 s per 16 KB of
+    their request, 10x the floor of the group's typical), now sends those
+    short sessions to their next rank while the long ones are still waiting;
+    once those answer, the sessions come back. The long prompts take a
+    second each of real prefill: long enough for the short ones to be placed
+    before they answer."""
+    configs = [
+        SimConfig(name=f"o{i}", answer_tokens=2, prefill_tokens_per_s=20_000.0) for i in range(4)
+    ]
+    stack = await start_stack(tmp_path, configs)
+    try:
+        loads = stack.app[PIPELINE].picker.loads
+        moved = [0.0]
+        loads.speeds.clock = lambda: time.monotonic() + moved[0]
+        # Short streams, each session on its first rank: the group's typical
+        # time to a first event, and where each session lives.
+        home = {s: await stream(stack, s, f"hello from session {s}") for s in range(32)}
+        assert {route for _, route in home.values()} == {"affinity"}
+        on_o0 = [s for s, (origin, _) in home.items() if origin == "o0"]
+        assert len(on_o0) >= 5, home
+
+        long_prompt = " ".join(f"w{i}" for i in range(20_000))
+        longs = [asyncio.create_task(stream(stack, s, f"{s} {long_prompt}")) for s in on_o0[:3]]
+        for _ in range(500):  # until the three are sent (loopback: milliseconds)
+            if loads.outstanding("o0") == 3:
+                break
+            await asyncio.sleep(0.005)
+        assert loads.outstanding("o0") == 3
+        moved[0] += 10.0
+
+        short = [await stream(stack, s, f"short again {s}") for s in on_o0[3:]]
+        assert all(origin != "o0" and route == "load" for origin, route in short), short
+        assert not any(task.done() for task in longs)  # placed while o0 still prefilled
+
+        assert [origin for origin, _ in await asyncio.gather(*longs)] == ["o0"] * 3
+        back = [await stream(stack, s, f"short once more {s}") for s in on_o0[3:]]
+        assert back == [("o0", "affinity")] * len(back)
     finally:
         await stack.close()

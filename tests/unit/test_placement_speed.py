@@ -309,3 +309,116 @@ def test_what_a_replica_is_given_does_not_mark_it() -> None:
     cold.observe("c", True, 30.0)  # one cold first answer
     clock.now += REFRESH_S
     assert cold.slowness(GROUP) is None
+
+
+# ------------------------------------------------- streams not yet begun
+
+# A short prompt's stream: its first event in 50 ms on every replica (the
+# group's typical is then the floor, 0.1 s a unit: marked past 0.8 s).
+SHORT_BYTES, LONG_BYTES = 1_000, 80_000  # about 250 and 20k tokens
+
+
+def streams_answered() -> tuple[SpeedBoard, Clock]:
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    for _ in range(4):
+        for name in ("a", "b", "c"):
+            speeds.observe(name, True, 0.05, body_bytes=SHORT_BYTES)
+        clock.now += 1.0
+    clock.now += REFRESH_S
+    return speeds, clock
+
+
+def test_a_stream_waiting_far_past_its_groups_typical_marks_its_replica_until_it_answers() -> None:
+    speeds, clock = streams_answered()
+    call = speeds.began("b", SHORT_BYTES)
+    assert speeds.waiting("b") == 1
+    clock.now += 0.5  # 10x its group's 50 ms, but under the floor's mark
+    assert speeds.factor(GROUP, "b") == 1.0
+    clock.now += 1.5  # 2 s: 20x the floor
+    assert speeds.factor(GROUP, "b") == pytest.approx(2.0 / 1.06 / 0.1, rel=0.01)
+    assert speeds.factor(GROUP, "a") == speeds.factor(GROUP, "c") == 1.0
+    assert speeds.slowness(GROUP) is None  # no answer says so: the wait alone
+    speeds.answered("b", call)
+    assert speeds.waiting("b") == 0
+    assert speeds.factor(GROUP, "b") == 1.0  # at once, with no sample
+
+
+def test_a_huge_prompt_is_judged_per_unit_of_its_request_and_a_short_one_behind_it_is_not() -> None:
+    # One 20k-token prompt's own prefill (3.5 s, as the trial's first) is
+    # under the mark per 16 KB; a short stream sent just after it, waiting
+    # behind it, is past it, though the long one is the oldest call.
+    speeds, clock = streams_answered()
+    speeds.began("b", LONG_BYTES)
+    clock.now += 0.1
+    short = speeds.began("b", SHORT_BYTES)
+    clock.now += 3.4
+    assert speeds.factor(GROUP, "b") == pytest.approx(3.4 / 1.06 / 0.1, rel=0.01)
+    speeds.answered("b", short)
+    assert speeds.factor(GROUP, "b") == 1.0  # the long one alone, 3.5 s in
+    clock.now += 1.5  # 5 s in: past the mark now
+    assert speeds.factor(GROUP, "b") == pytest.approx(5.0 / (1 + LONG_BYTES / 16_384) / 0.1)
+
+
+def test_a_wait_is_measured_against_the_groups_own_typical_stream() -> None:
+    # A group whose streams begin in 0.5 s (a large model) is not slow at a
+    # 2 s wait; a group with no stream answered yet judges no wait; a group
+    # where one origin has answered judges by that origin.
+    clock = Clock()
+    speeds = SpeedBoard(clock)
+    speeds.began("b", SHORT_BYTES)
+    clock.now += 30.0
+    assert speeds.factor(GROUP, "b") == 1.0  # no stream has answered: no typical
+    speeds.observe("a", True, 0.02)
+    assert speeds.factor(GROUP, "b") == pytest.approx(30.0 / 1.06 / 0.1, rel=0.01)
+    assert speeds.factor((GROUP[1],), "b") == 1.0  # nowhere else to go
+    slow_model = SpeedBoard(clock)
+    for name in ("a", "b", "c"):
+        slow_model.observe(name, True, 0.5)
+    slow_model.began("b", 0)
+    clock.now += 2.0
+    assert slow_model.factor(GROUP, "b") == 1.0
+    clock.now += 3.0  # 5 s: 10x
+    assert slow_model.factor(GROUP, "b") == pytest.approx(10.0)
+
+
+def test_the_larger_of_the_answers_and_the_waits_counts() -> None:
+    speeds, clock = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    for name in ("a", "b", "c"):
+        speeds.observe(name, True, 0.05)
+    clock.now += REFRESH_S
+    slow = speeds.slowness(GROUP)
+    assert slow is not None
+    marked = speeds.factor(GROUP, "b")
+    assert marked == slow["b"]
+    speeds.began("b", 0)
+    clock.now += 1.0  # 10x the floor: less than its answers say
+    assert speeds.factor(GROUP, "b") == marked
+    clock.now += 99.0  # (its answers' mark is as computed at the last sample)
+    assert speeds.factor(GROUP, "b") == pytest.approx(100.0 / 0.1)
+
+
+def test_three_long_prompts_waiting_move_the_short_keys_of_their_replica_at_once() -> None:
+    """The trial: one replica prefilling three 20k-token prompts (3 in
+    flight, under its capacity of 4) took the short requests its keys ranked
+    it first for, and one waited 11.55 s beside idle replicas: nothing had
+    answered to mark it. Once its calls have waited past the mark, its keys
+    go to their next rank, the same on every proxy; when they answer, back."""
+    speeds, clock = streams_answered()
+    picker, loads = picker_over(speeds)
+    calls = []
+    for _ in range(3):
+        loads.started("b")
+        calls.append(speeds.began("b", LONG_BYTES))
+    keys = keys_ranking_first("b", 10)
+    assert all(
+        picker.order([GROUP], AFFINITY, k) == (ranked(GROUP, k.value), "affinity") for k in keys
+    )
+    clock.now += 6.0  # 6 s of prefill and queue, 1 s a 16 KB unit
+    for key in keys:
+        order, why = picker.order([GROUP], AFFINITY, key)
+        assert order[0] is ranked(GROUP, key.value)[1] and why == "load"
+    assert picker.order([GROUP], LEAST_LOADED, None)[0][-1].name == "b"
+    for call in calls:
+        speeds.answered("b", call)
+    assert all(picker.order([GROUP], AFFINITY, k)[0][0].name == "b" for k in keys)
