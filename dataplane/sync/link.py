@@ -110,8 +110,8 @@ def traffic_of(
             served[region] = (n + count, errors + failed)
     for region, n in (refused or {}).items():
         if region in served:  # each refused one is a failed operation there
-            total, errors = served[region]
-            served[region] = (total - n, errors - n)
+            count, errors = served[region]
+            served[region] = (count - n, errors - n)
     tenants = {tenant: (int(n[0]), int(n[1])) for tenant, n in (limited or {}).items()}
     return Traffic(total, server, client, served, tenants)
 

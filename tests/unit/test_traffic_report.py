@@ -66,11 +66,14 @@ def test_served_counts_are_by_the_region_that_answered() -> None:
     ):
         for _ in range(n):
             m.operation("chat", "m", error_type, region, "", 0.1, None, None, refused=refused)
-    m.requests.labels("chat", "200").inc(10)
+    m.requests.labels("chat", "200").inc(16)
+    m.requests.labels("models", "200").inc(5)  # answered, and in no region's operations
     assert m.refused == {"us-east": 7}
     traffic = traffic_of(m.requests, m.genai_duration, refused=m.refused)
     assert traffic.served == {"ap-southeast": (3, 0), "eu-west": (3, 1), "us-east": (3, 2)}
-    assert traffic.requests == 10
+    # Every request that arrived (review: the refusals' loop overwrote the
+    # total with a region's count, which the status page took for a reset).
+    assert traffic.requests == 21
     report = client(traffic=lambda: traffic).report("s-1")
     assert [(s.region, s.requests_total, s.errors_total) for s in report.served] == [
         ("ap-southeast", 3, 0),
