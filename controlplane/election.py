@@ -106,7 +106,9 @@ class Leadership:
             try:
                 current = await self._store.get(LEADER_KEY)
                 if unknown:
-                    lease, unknown = unknown, 0
+                    # Forgotten only once settled: a failed renewal or
+                    # revocation here is tried again by the next look.
+                    lease = unknown
                     if current is not None and current.lease == lease:
                         # The write was applied: this replica leads, on the
                         # lease it granted (review 222: it took the key for
@@ -117,6 +119,7 @@ class Leadership:
                         return lease, current.mod_revision
                     # Not applied: the lease holds nothing; not left to its TTL.
                     await self._store.revoke_lease(lease)
+                    unknown = 0
                 if current is not None and (
                     current.mod_revision == self._stale or self._predecessors(current.value)
                 ):

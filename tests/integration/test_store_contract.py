@@ -675,7 +675,8 @@ async def test_calls_in_flight_when_their_channel_is_replaced(
     again and closed its old channel ended with a bare CancelledError, which
     its caller takes for its own cancellation. A read is made again on the
     new channel; a write, which may have reached etcd, is OutcomeUnknown."""
-    assert etcd_endpoint.local is not None
+    if etcd_endpoint.local is None:
+        pytest.skip("stalls the etcd process: a local one only, not a container's")
     written = await etcd_store.put(P + "inflight/r", b"1")
     pid = etcd_endpoint.local.managed.proc.pid
     os.kill(pid, signal.SIGSTOP)  # the calls below wait for an answer

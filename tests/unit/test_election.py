@@ -563,6 +563,7 @@ class AnswerLost(Partitioned):
         self.lose_next: bool | None = None  # None: answer; else whether it is applied
         self.lost: list[int] = []  # the leases of the writes that got no answer
         self.revoked: list[int] = []
+        self.refresh_fails = 0  # renewals to fail (the store away again)
 
     async def put(
         self,
@@ -590,20 +591,28 @@ class AnswerLost(Partitioned):
         self.lost.append(lease)
         raise OutcomeUnknown("etcd put got no answer")
 
+    async def refresh_lease(self, lease_id: int) -> int:
+        if self.refresh_fails:
+            self.refresh_fails -= 1
+            raise StoreUnavailable("etcd lease keepalive failed")
+        return await super().refresh_lease(lease_id)
+
     async def revoke_lease(self, lease_id: int) -> None:
         self.revoked.append(lease_id)
         await super().revoke_lease(lease_id)
 
 
-@pytest.mark.parametrize("applied", [True, False])
+@pytest.mark.parametrize(("applied", "refresh_fails"), [(True, 0), (False, 0), (True, 1)])
 async def test_a_campaign_write_of_unknown_outcome_is_settled_by_the_next_look(
-    applied: bool,
+    applied: bool, refresh_fails: int
 ) -> None:
     """Review 222: a replica that had led before and whose leader-key write
     was applied but got no answer took the key for another replica's, and
     nobody led until its lease's TTL ended (the store's clock stands still
-    here: forever). It leads on that lease. A write that was not applied
-    has its lease revoked, not left to hold nothing until its TTL."""
+    here: forever). It leads on that lease, also when its first renewal of
+    it fails (a review of the fix: the write was forgotten before it was
+    settled). A write that was not applied has its lease revoked, not left
+    to hold nothing until its TTL."""
     store = MemoryStore(clock=lambda: 0.0)
     view = AnswerLost(store)
     journal = Journal()
@@ -614,6 +623,7 @@ async def test_a_campaign_write_of_unknown_outcome_is_settled_by_the_next_look(
         view.cut = True  # the term ends; its key stays (its lease not revoked)
         await wait_until(lambda: not replica.is_leader, TTL + MARGIN)
         view.lose_next = applied
+        view.refresh_fails = refresh_fails
         view.cut = False
         await wait_until(lambda: replica.terms == 2, TTL + MARGIN)
         [lost] = view.lost
