@@ -704,7 +704,7 @@ _ROLES: dict[str, Check] = {
             **_MESSAGE_FIELDS,
             "refusal": string(),
             "audio": obj({"id": string()}, required=("id",)),
-            "tool_calls": array(TOOL_CALL, expected=OBJECTS),
+            "tool_calls": array(TOOL_CALL, expected=OBJECTS, non_empty=True),
             "function_call": FUNCTION_CALL,
         }
     ),
@@ -757,6 +757,102 @@ def _message(value: Any) -> None:
         raise _missing("content")
 
 
+def _messages(value: Any) -> None:
+    """`messages`: each turn by its role's rules (_message) and, in the same
+    pass, the tool conversation as OpenAI holds it (vLLM passes such turns to
+    its chat template, which makes of them what it will): a `tool` turn
+    answers a call of the assistant turn before it (only tool turns between
+    them), and that turn's calls are all answered before any other turn.
+    A conversation may end with calls not all answered: what an origin makes
+    of that (vLLM's `continue_final_message`) is its own to say. The legacy
+    `function_call` and `function` turns are not paired (OpenAI never did)."""
+    if not isinstance(value, list):
+        raise _wrong_type(OBJECTS, value)
+    if not value:
+        raise _empty("array")
+    # The ids of the open assistant turn's calls (at index `opened`), each with
+    # whether it was answered, in its order; None when no turn with calls is
+    # open. A plain turn (_message's own shortcut, here spared its call) costs
+    # what it cost before the tool conversation was checked.
+    calls: dict[str, bool] | None = None
+    opened = 0
+    for i, turn in enumerate(value):
+        if (
+            type(turn) is dict
+            and type(role := turn.get("role")) is str
+            and role in _PLAIN_TURNS
+            and len(turn) == 2
+            and type(turn.get("content")) is str
+        ):
+            if calls is not None:
+                _close(calls, opened)
+                calls = None
+            continue
+        try:
+            _message(turn)
+        except Invalid as bad:
+            raise _step(bad, f"[{i}]") from None
+        if role == "tool":
+            if calls is None:
+                raise _not_a_response(i)
+            call_id = turn["tool_call_id"]
+            if call_id not in calls:
+                raise _not_a_call_of(i, call_id)
+            calls[call_id] = True
+            continue
+        if calls is not None:
+            _close(calls, opened)
+            calls = None
+        if role == "assistant":
+            made = turn.get("tool_calls")
+            if made:  # a list of calls, each with a string id (_message)
+                calls = dict.fromkeys((call["id"] for call in made), False)
+                opened = i
+
+
+def _close(calls: dict[str, bool], opened: int) -> None:
+    """A turn other than a tool's follows the calls of turn `opened`."""
+    unanswered = [call_id for call_id, answered in calls.items() if not answered]
+    if unanswered:
+        raise _calls_unanswered(opened, unanswered)
+
+
+# OpenAI's words and params (`messages.[N]`, with its dot) for a tool
+# conversation out of order; its code is null.
+def _not_a_response(i: int) -> Invalid:
+    return Invalid(
+        lambda param: bad_request(
+            "Invalid parameter: messages with role 'tool' must be a response to a preceeding "
+            "message with 'tool_calls'.",
+            param=f"{param}.[{i}].role",
+        )
+    )
+
+
+def _not_a_call_of(i: int, call_id: str) -> Invalid:
+    shown = call_id[:64]
+    return Invalid(
+        lambda param: bad_request(
+            f"Invalid parameter: 'tool_call_id' of '{shown}' not found in 'tool_calls' of "
+            "previous message.",
+            param=f"{param}.[{i}].tool_call_id",
+        )
+    )
+
+
+def _calls_unanswered(i: int, call_ids: list[str]) -> Invalid:
+    shown = ", ".join(call_id[:64] for call_id in call_ids[:8])
+    more = f" (and {len(call_ids) - 8} more)" if len(call_ids) > 8 else ""
+    return Invalid(
+        lambda param: bad_request(
+            "An assistant message with 'tool_calls' must be followed by tool messages "
+            "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+            f"response messages: {shown}{more}",
+            param=f"{param}.[{i}].role",
+        )
+    )
+
+
 FUNCTION = obj(
     {"name": NAME, "description": string(), "parameters": SCHEMA, "strict": boolean},
     required=("name",),
@@ -772,6 +868,7 @@ CHAT_TOOLS = array(
     ),
     expected=OBJECTS,
     max_len=MAX_TOOLS,
+    non_empty=True,  # as OpenAI; leave `tools` out for none
 )
 _NAMED = obj({"name": string()}, required=("name",))
 CHAT_TOOL_CHOICE = either(
@@ -1016,7 +1113,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         {
             **COMMON,
             **SAMPLING,
-            "messages": array(_message, expected=OBJECTS, non_empty=True),
+            "messages": _messages,
             "max_completion_tokens": MAX_TOKENS,
             "logprobs": boolean,
             "top_logprobs": integer(0, 20),

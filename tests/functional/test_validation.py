@@ -10,6 +10,7 @@ documented field, and each of them with one field made wrong.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,40 @@ async def test_deep_json_is_a_400_in_any_field(proxy: Proxy, depth: int) -> None
         assert "levels deep" in err["message"]
 
 
+async def test_a_tool_conversation_out_of_order_is_refused_once_and_reaches_no_origin(
+    proxy: Proxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 64: these reached the origin, which (OpenAI) answers 400 at once.
+    The client's own index, whatever the tenant's system prompt adds."""
+    caplog.set_level(logging.INFO)
+    calls = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+    user = {"role": "user", "content": "weather?"}
+    for messages, param in (
+        ([user, {"role": "tool", "tool_call_id": "call_x", "content": "sun"}], "messages.[1].role"),
+        ([user, calls, user], "messages.[1].role"),
+        ([user, calls, {"role": "tool", "tool_call_id": "call_y", "content": "sun"}],
+         "messages.[2].tool_call_id"),
+    ):  # fmt: skip
+        caplog.clear()
+        raw = orjson.dumps({"model": MODEL, "messages": messages})
+        err = await refused(proxy, "/v1/chat/completions", raw, PROMPTED.key)
+        assert (err["param"], err["type"], err["code"]) == (param, "invalid_request_error", None)
+        said = [r for r in caplog.records if r.name == "ponto.refusals"]
+        assert len(said) == 1 and said[0].levelno == logging.INFO and said[0].exc_info is None
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    answered = [user, calls, {"role": "tool", "tool_call_id": "call_x", "content": "sun"}]
+    resp = await proxy.post(
+        "/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": answered})
+    )
+    assert resp.status == 200, await resp.text()
+
+
 # ---------------------------------------------------------------- generated requests
 
 text = st.text(max_size=12)
@@ -307,18 +342,30 @@ tool_call = st.builds(
     text,
     tool_names,
 )
-message = st.one_of(
-    st.builds(
-        lambda role, c: {"role": role, "content": c},
-        st.sampled_from(["system", "developer", "user", "assistant"]),
-        content,
-    ),
-    st.builds(
-        lambda calls: {"role": "assistant", "content": None, "tool_calls": calls},
-        st.lists(tool_call, min_size=1, max_size=2),
-    ),
-    st.builds(lambda i, c: {"role": "tool", "tool_call_id": i, "content": c}, text, text),
+plain_turn = st.builds(
+    lambda role, c: {"role": role, "content": c},
+    st.sampled_from(["system", "developer", "user", "assistant"]),
+    content,
 )
+
+
+def answered(calls: list[dict[str, Any]]) -> st.SearchStrategy[list[dict[str, Any]]]:
+    """An assistant turn making `calls`, then a tool turn answering each, in any order."""
+    return st.permutations(calls).map(
+        lambda order: [
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": "done"} for c in order),
+        ]
+    )
+
+
+# A conversation: plain turns, and tool calls each followed by their answers.
+conversation = st.lists(
+    plain_turn.map(lambda turn: [turn])
+    | st.lists(tool_call, min_size=1, max_size=2).flatmap(answered),
+    min_size=1,
+    max_size=3,
+).map(lambda rounds: [turn for turns in rounds for turn in turns])
 tool = st.builds(
     lambda name, extra: {"type": "function", "function": {"name": name, **extra}},
     tool_names,
@@ -369,7 +416,7 @@ OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
 def valid_chat(draw: st.DrawFn) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL,
-        "messages": draw(st.lists(message, min_size=1, max_size=4)),
+        "messages": draw(conversation),
     }
     body.update(draw(st.fixed_dictionaries({}, optional=OPTIONAL)))
     if body.get("stream") and draw(st.booleans()):
@@ -408,6 +455,28 @@ def in_last_message(name: str, value: Any) -> Mutation:
     return mutate
 
 
+def answering_no_call(body: dict[str, Any]) -> str:
+    """A tool turn at the end answering a call no turn made (generated ids are
+    shorter): out of place after any but a tool or calling turn."""
+    last = body["messages"][-1]
+    i = len(body["messages"])
+    body["messages"].append({"role": "tool", "tool_call_id": "call_never_made", "content": "x"})
+    if last["role"] == "tool" or last.get("tool_calls"):
+        return f"messages.[{i}].tool_call_id"
+    return f"messages.[{i}].role"
+
+
+def interrupting_calls(body: dict[str, Any]) -> str:
+    """A user turn between calls and their answers."""
+    i = len(body["messages"])
+    body["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "never mind"},
+    ]  # fmt: skip
+    return f"messages.[{i}].role"
+
+
 MUTATIONS = [
     setting("model", 5),
     setting("model", ""),
@@ -438,6 +507,7 @@ MUTATIONS = [
         [{"type": "function", "function": {"name": "not allowed"}}],
         "tools[0].function.name",
     ),
+    setting("tools", []),
     setting("tool_choice", "sometimes"),
     setting("parallel_tool_calls", 1),
     setting("response_format", {"type": "yaml"}, "response_format.type"),
@@ -451,6 +521,8 @@ MUTATIONS = [
     in_last_message("role", "wizard"),
     in_last_message("content", 5),
     in_last_message("name", 5),
+    answering_no_call,
+    interrupting_calls,
 ]
 
 

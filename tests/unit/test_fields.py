@@ -229,6 +229,10 @@ BAD = [
      "messages[0].tool_calls[0].function.arguments", T),
     (C, chat(messages=[{"role": "assistant", "tool_calls": [{"type": "magic", "id": "1"}]}]),
      "messages[0].tool_calls[0].type", V),
+    (C, chat(messages=[{"role": "assistant", "tool_calls": []}]),
+     "messages[0].tool_calls", "empty_array"),
+    (C, chat(tools=[]), "tools", "empty_array"),
+    (C, chat(tools=[], tool_choice="auto"), "tools", "empty_array"),
     # sampling and limits
     (C, chat(temperature="hot"), "temperature", T),
     (C, chat(temperature=True), "temperature", T),
@@ -756,3 +760,100 @@ def test_the_turns_accepted_without_their_rules_are_ones_their_rules_accept() ->
 def test_turns_not_plain_are_still_checked(turn: dict[str, object]) -> None:
     with pytest.raises(ApiError):
         check_fields("chat.completions", {"model": "m", "messages": [turn]}, stream=False)
+
+
+# ---------------------------------------------------------------- tool conversations
+# Held as OpenAI holds them (trial 64: they reached the origin for its 400).
+
+ASKED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+    {"id": "call_b", "type": "custom", "custom": {"name": "g", "input": "x"}},
+]}  # fmt: skip
+ASKED_AGAIN = {"role": "assistant", "content": "and", "tool_calls": [
+    {"id": "call_c", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+]}  # fmt: skip
+SAID = {"role": "assistant", "content": "done"}
+
+
+def answer(call_id: str) -> dict[str, str]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "1"}
+
+
+NOT_A_RESPONSE = (
+    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
+    "with 'tool_calls'."
+)
+
+
+def unanswered(ids: str) -> str:
+    return (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to "
+        f"each 'tool_call_id'. The following tool_call_ids did not have response messages: {ids}"
+    )
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [USER, ASKED, answer("call_b"), answer("call_a"), SAID, USER],  # answered in any order
+        [USER, ASKED, answer("call_a"), answer("call_b"), ASKED_AGAIN, answer("call_c")],
+        [USER, ASKED, answer("call_a"), answer("call_a"), answer("call_b")],  # twice: passes
+        # The conversation may end before every call is answered: the origin's to judge.
+        [USER, ASKED],
+        [USER, ASKED, answer("call_b")],
+        # The legacy function call and its answer are not paired.
+        [USER, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+         {"role": "function", "name": "f", "content": "1"}, USER],
+        [{"role": "function", "name": "f", "content": "1"}, USER],
+        [USER, {"role": "assistant", "content": "x", "tool_calls": None}, USER],
+    ],
+)  # fmt: skip
+def test_tool_conversations_in_order_pass(messages: list[dict[str, Any]]) -> None:
+    check_fields(C, chat(messages=messages, tools=[TOOL]), False)
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "message"),
+    [
+        ([answer("call_a")], "messages.[0].role", NOT_A_RESPONSE),
+        ([USER, answer("call_a")], "messages.[1].role", NOT_A_RESPONSE),
+        ([USER, SAID, answer("call_a")], "messages.[2].role", NOT_A_RESPONSE),
+        # Another turn between the calls and the answer.
+        ([USER, ASKED, answer("call_a"), answer("call_b"), USER, answer("call_a")],
+         "messages.[5].role", NOT_A_RESPONSE),
+        ([USER, ASKED, answer("call_c")], "messages.[2].tool_call_id",
+         "Invalid parameter: 'tool_call_id' of 'call_c' not found in 'tool_calls' of previous "
+         "message."),
+        # A call of an earlier turn than the one just before.
+        ([USER, ASKED, answer("call_a"), answer("call_b"), ASKED_AGAIN, answer("call_a")],
+         "messages.[5].tool_call_id",
+         "Invalid parameter: 'tool_call_id' of 'call_a' not found in 'tool_calls' of previous "
+         "message."),
+        ([USER, ASKED, USER], "messages.[1].role", unanswered("call_a, call_b")),
+        ([USER, ASKED, answer("call_b"), SAID], "messages.[1].role", unanswered("call_a")),
+        ([USER, ASKED, answer("call_a"), ASKED_AGAIN], "messages.[1].role", unanswered("call_b")),
+        ([USER, ASKED, {"role": "function", "name": "f", "content": "1"}], "messages.[1].role",
+         unanswered("call_a, call_b")),
+    ],
+)  # fmt: skip
+def test_tool_conversations_out_of_order_are_refused_in_openai_words(
+    messages: list[dict[str, Any]], param: str, message: str
+) -> None:
+    err = refusal(C, chat(messages=messages, tools=[TOOL]))
+    assert (err.param, err.code, err.message) == (param, None, message)
+
+
+def test_a_wrong_turn_before_a_tool_conversation_out_of_order_is_named_first() -> None:
+    err = refusal(C, chat(messages=[{"role": "user", "content": 5}, answer("call_a")]))
+    assert err.param == "messages[0].content"
+    err = refusal(C, chat(messages=[answer("call_a"), {"role": "user", "content": 5}]))
+    assert err.param == "messages.[0].role"
+
+
+def test_many_unanswered_calls_are_listed_in_part() -> None:
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": ""}}
+             for i in range(10)]  # fmt: skip
+    turn = {"role": "assistant", "tool_calls": calls}
+    err = refusal(C, chat(messages=[USER, turn, answer("call_3"), USER]))
+    shown = "call_0, call_1, call_2, call_4, call_5, call_6, call_7, call_8 (and 1 more)"
+    assert err.message == unanswered(shown)
