@@ -266,6 +266,36 @@ def upstream_unavailable(message: str = UPSTREAM_UNAVAILABLE) -> ApiError:
     )
 
 
+# A Responses follow-up's previous response lives on the one origin that
+# stored it (dataplane.http.pipeline.Pipeline.pin): when that origin cannot be
+# reached, no other can answer, and "retry shortly" alone would have a client
+# retry for ever an origin that is gone (trial 64).
+PINNED_UNREACHABLE = (
+    "The earlier response this request continues ('previous_response_id') is stored on one "
+    "origin, which cannot be reached now: retrying helps only if that origin comes back. To go "
+    "on without it, send the conversation again in 'input' without 'previous_response_id'; "
+    "any other origin can answer that."
+)
+
+
+def pinned_origin_failed(error: ApiError, route_header: str) -> ApiError:
+    """`error`, an origin failure of a Responses follow-up that went only to
+    the origin storing its previous response (Pipeline.forward), told so:
+    `route_header: pinned`, and, when that origin could not be reached (an
+    `upstream_unavailable` saying UPSTREAM_UNAVAILABLE), PINNED_UNREACHABLE
+    naming `previous_response_id`. Its status stays: a 502, since the
+    request's one origin failed (503 here says no origin was called, or all
+    are busy), and its code, which alerts on origin failures count. Other
+    failures (a 500 answered, a timeout, busy) keep their own message, which
+    says what that origin did. Changes and returns `error`."""
+    error.headers[route_header] = "pinned"
+    if error.code == "upstream_unavailable" and error.message == UPSTREAM_UNAVAILABLE:
+        error.message = PINNED_UNREACHABLE
+        error.args = (PINNED_UNREACHABLE,)
+        error.param = "previous_response_id"
+    return error
+
+
 def upstream_error_answer(error: dict[str, str | None]) -> ApiError:
     """502 for a request whose origins answered 2xx with an error and no
     answer (`{"error": {...}}` without `choices`, as some hosted APIs do;

@@ -52,6 +52,7 @@ from dataplane.http.errors import (
     model_not_found,
     no_route_table,
     not_cached,
+    pinned_origin_failed,
     previous_response_not_found,
     several_authorizations,
     tenant_suspended,
@@ -631,6 +632,8 @@ class Pipeline:
             ex.attempts = exc.attempts
             if not exc.spent:
                 ex.usage = Usage(0, 0)
+            if ex.pinned is not None:
+                pinned_origin_failed(exc, ROUTE_HEADER)
             raise
         except asyncio.CancelledError:
             # Its client left (a 499) after calls were sent: they are in its record.

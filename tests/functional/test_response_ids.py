@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 from openai.types.responses import ResponseCompletedEvent
 
+from dataplane.http.errors import PINNED_UNREACHABLE, UPSTREAM_FAILED
 from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from dataplane.upstream.responseids import IdKeys, decode, origin_tag
 from ponto.apikeys import issue_key
@@ -456,12 +457,49 @@ async def test_a_pinned_follow_up_whose_origin_fails_is_a_5xx_and_no_other_origi
     with pytest.raises(openai.APIStatusError) as follow:
         await client.responses.create(model=MODEL, input="after", previous_response_id=first.id)
     assert 500 <= follow.value.status_code < 600
+    # Said to be the pinned origin's failure (trial 64: a bare "retry shortly").
+    assert follow.value.response.headers["x-ponto-route"] == "pinned"
     after = requests_by_origin(stack)
     assert {n: c for n, c in after.items() if n != home} == {
         n: c for n, c in before.items() if n != home
     }
     if how == "500":
         assert after[home]["/v1/responses"] > before[home]["/v1/responses"]
+        assert follow.value.body == {  # it was reached: said as it is
+            "message": UPSTREAM_FAILED, "type": "upstream_error", "param": None,
+            "code": "upstream_unavailable",
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_pinned_follow_up_whose_origin_is_down_says_where_its_response_lives(
+    stack: Stack, stream: bool
+) -> None:
+    """Trial 64: "could not be reached; retry shortly", which never helps if
+    the origin is gone for good, and nothing said the previous response lives
+    on that one origin, nor that the conversation sent again goes elsewhere."""
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="before it stops")
+    home = storing_origin(stack, first.id)
+    await stack.origins[NAMES.index(home)].close()
+    with pytest.raises(openai.APIStatusError) as follow:
+        await client.responses.create(
+            model=MODEL, input="after", previous_response_id=first.id, stream=stream
+        )
+    error = follow.value
+    assert error.status_code == 502
+    assert error.response.headers["x-ponto-route"] == "pinned"
+    body = error.response.json()["error"]
+    assert body == {
+        "message": PINNED_UNREACHABLE,
+        "type": "upstream_error",
+        "param": "previous_response_id",
+        "code": "upstream_unavailable",
+    }
+    assert "stored on one origin" in body["message"]
+    # As it says: the conversation sent again without the id is answered elsewhere.
+    again = await client.responses.create(model=MODEL, input="before it stops\nafter")
+    assert storing_origin(stack, again.id) != home
 
 
 async def test_a_follow_up_for_a_model_its_origin_does_not_serve_is_a_400(stack: Stack) -> None:
