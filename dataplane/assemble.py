@@ -183,12 +183,15 @@ def _instruct(body: dict[str, Any], rules: PromptRules) -> None:
         )
 
 
-_LIST_INDEX = re.compile(r"\b(messages|input)\[(\d+)\]")
+# OpenAI writes some params with a dot before the index (`messages.[2].role`,
+# its tool-conversation errors): kept as the origin wrote it.
+_LIST_INDEX = re.compile(r"\b(messages|input)(\.?)\[(\d+)\]")
 
 
 def client_indexes(text: str, sent: Mapping[str, Any], assembled: Mapping[str, Any]) -> str:
     """`text` (an origin's error message or param) with each `messages[k]` or
-    `input[k]` of the assembled body rewritten to the index the client sent.
+    `input[k]` (or `messages.[k]`, as OpenAI writes some) of the assembled body
+    rewritten to the index the client sent.
 
     An origin counts the messages it received, which the tenant's system prompt
     shifted (or, enforced, thinned); a client must read its own index. The
@@ -197,14 +200,14 @@ def client_indexes(text: str, sent: Mapping[str, Any], assembled: Mapping[str, A
     """
 
     def client(match: re.Match[str]) -> str:
-        name, k = match[1], int(match[2])
+        name, dot, k = match[1], match[2], int(match[3])
         ours, theirs = assembled.get(name), sent.get(name)
         if not isinstance(ours, list) or not isinstance(theirs, list) or k >= len(ours):
             return match[0]
         item = ours[k]
         for j, original in enumerate(theirs):
             if original is item:
-                return f"{name}[{j}]"
-        return f"{name}[system prompt added by the gateway]"
+                return f"{name}{dot}[{j}]"
+        return f"{name}{dot}[system prompt added by the gateway]"
 
     return _LIST_INDEX.sub(client, text)

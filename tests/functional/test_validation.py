@@ -117,7 +117,8 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
         seen.append((request.path, raw))
         refuse = (json.loads(raw).get("metadata") or {}).get("refuse_message")
         if refuse is not None:  # an origin refusing one message, by its own count
-            param = f"messages[{refuse}].content"
+            dotted = refuse.startswith(".")  # OpenAI's form of some params: messages.[2]
+            param = f"messages{'.' if dotted else ''}[{refuse.lstrip('.')}].content"
             err = {"message": f"'{param}' is too long", "type": "BadRequestError", "param": param}
             return web.json_response({"error": err}, status=400)
         if json.loads(raw).get("stream"):
@@ -181,11 +182,12 @@ async def test_errors_name_the_clients_message_index_whatever_the_tenants_system
         (PROMPTED, 2, "1"),  # the tenant's system prompt came first
         (PROMPTED, 0, "system prompt added by the gateway"),
         (ENFORCED, 1, "1"),  # the client's own system message was replaced
+        (PROMPTED, ".2", ".1"),  # OpenAI's dotted form, kept
     ],
-    ids=["plain", "prepended", "the-gateways-own", "enforced"],
+    ids=["plain", "prepended", "the-gateways-own", "enforced", "dotted"],
 )
 async def test_an_origins_error_names_the_clients_message_index(
-    proxy: Proxy, key: Any, origin_index: int, client_index: str
+    proxy: Proxy, key: Any, origin_index: int | str, client_index: str
 ) -> None:
     body = {
         "model": MODEL,
@@ -199,8 +201,9 @@ async def test_an_origins_error_names_the_clients_message_index(
     resp = await proxy.post("/v1/chat/completions", orjson.dumps(body), key.key)
     assert resp.status == 400
     err = error_of(await resp.json())
-    assert err["param"] == f"messages[{client_index}].content"
-    assert err["message"] == f"'messages[{client_index}].content' is too long"
+    dot = "." if client_index.startswith(".") else ""
+    param = f"messages{dot}[{client_index.lstrip('.')}].content"
+    assert (err["param"], err["message"]) == (param, f"'{param}' is too long")
 
 
 @pytest.mark.parametrize("first_name", [b"max_tokens", b"max\\u005ftokens"])
