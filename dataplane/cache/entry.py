@@ -44,6 +44,18 @@ NATURAL_FINISH = frozenset({"stop", "tool_calls", "function_call", "eos_token", 
 REPLAY_PIECE_CHARS = 16
 
 
+# How the deltas of a streamed tool call merge, by the member that says what
+# the call does (named by its `type`): that member's name comes whole (some
+# origins repeat it in every delta) and one text of it comes in pieces, which
+# are concatenated: a function's arguments, a custom tool's input. The call's
+# id and type, and any other member, come whole. A stream that sends a member
+# these rules do not know in more than one delta of a call (an unknown type's
+# text in pieces, say) is not kept: joining or replacing its values would be a
+# guess, and a wrong guess would be served as the origin's answer.
+_TOOL_PIECES: Final = {"function": "arguments", "custom": "input"}
+_TOOL_WHOLE = frozenset({"index", "id", "type"})
+
+
 class ResponseKind(enum.StrEnum):
     CHAT = "chat"  # chat.completion / chat.completion.chunk
     TEXT = "text"  # text_completion (legacy completions)
@@ -209,9 +221,10 @@ class StreamRecorder:
     `finish` gives None when the stream is not a complete, natural answer: no
     [DONE], an error event or error object, a chunk that is not a JSON object with
     choices, a choice with no finish_reason, a finish_reason that is not natural
-    (`length` is kept only with store_truncated), or more than max_bytes recorded
-    (recording stops there, so a huge answer costs no memory). `reason` then
-    says why.
+    (`length` is kept only with store_truncated), a tool call whose deltas
+    `to_completion` could not merge faithfully (see `_TOOL_PIECES`), or more
+    than max_bytes recorded (recording stops there, so a huge answer costs no
+    memory). `reason` then says why.
     """
 
     def __init__(
@@ -230,6 +243,9 @@ class StreamRecorder:
         self._usage_only: set[int] = set()
         self._size = ENTRY_OVERHEAD
         self._finish: dict[int, Any] = {}
+        # The members of each tool call (by choice and call index) that have no
+        # merge rule of their own (`_TOOL_PIECES`) and came in a delta already.
+        self._whole_members: dict[tuple[int, int], set[str]] = {}
         self._kind: ResponseKind | None = None
         self._model = ""
         self._done = False
@@ -279,6 +295,35 @@ class StreamRecorder:
             usage_only=frozenset(self._usage_only),
             usage_missing=not (self._usage_asked or self._usage_seen),
         )
+
+    def _unmergeable(self, choice: int, calls: Any) -> str | None:
+        """Why these tool-call deltas of a choice cannot be merged faithfully
+        with the earlier ones (see `_TOOL_PIECES`), or None."""
+        if not isinstance(calls, list):
+            return None
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
+                continue  # `to_completion` leaves it out too
+            for name, value in call.items():
+                if value is None or name in _TOOL_WHOLE:
+                    continue
+                piece = _TOOL_PIECES.get(name)
+                if piece is None or not isinstance(value, dict):
+                    members = [name]
+                else:
+                    members = [
+                        f"{name}.{m}"
+                        for m, v in value.items()
+                        if v is not None and m not in ("name", piece)
+                    ]
+                if not members:
+                    continue
+                seen = self._whole_members.setdefault((choice, call.get("index", 0)), set())
+                for member in members:
+                    if member in seen:
+                        return f"a tool call whose {member} comes in pieces"
+                    seen.add(member)
+        return None
 
     def _fail(self, reason: str) -> None:
         self.reason = reason
@@ -337,6 +382,11 @@ class StreamRecorder:
                 self._finish[index] = reason
             else:
                 self._finish.setdefault(index, None)
+            d = c.get("delta")
+            calls = d.get("tool_calls") if type(d) is dict else None
+            if calls and (why := self._unmergeable(index, calls)) is not None:
+                self._fail(why)
+                return
         if b"\n" in payload:
             # Replays frame each payload as one data line.
             payload = jsonio.dumps(obj)
@@ -562,10 +612,11 @@ def to_completion(entry: CachedResponse) -> bytes:
 
     A stored body is returned as is. A stored stream is assembled: per choice
     index, string deltas concatenated (content, refusal, reasoning, ...), list
-    deltas extended, tool calls gathered by index with their argument strings
-    concatenated, the last finish_reason, logprobs lists concatenated; usage from
-    the usage chunk if any; id, created, model and system_fingerprint from the
-    first chunk."""
+    deltas extended, tool calls gathered by index (`_TOOL_PIECES`: a
+    function's arguments and a custom tool's input concatenated, the rest
+    taken whole), the last finish_reason, logprobs lists concatenated; usage
+    from the usage chunk if any; id, created, model and system_fingerprint
+    from the first chunk."""
     if entry.body is not None:
         return entry.body
     assert entry.chunks is not None
@@ -647,6 +698,8 @@ class _Choice:
                 self.others[name] = value
 
     def _add_tool_call(self, call: Any) -> None:
+        """Merge one delta of a tool call by the rules of `_TOOL_PIECES`; the
+        recorder has refused a stream whose calls these rules cannot merge."""
         if not isinstance(call, dict):
             return
         index = call.get("index", 0)
@@ -654,17 +707,18 @@ class _Choice:
             return
         slot = self.tools.get(index)
         if slot is None:
-            slot = self.tools[index] = {
-                "id": "",
-                "type": "function",
-                "function": {"name": "", "arguments": ""},
-            }
-        for name in ("id", "type"):
-            if call.get(name) is not None:
-                slot[name] = call[name]
-        function = call.get("function")
-        if isinstance(function, dict):
-            _extend_call(slot["function"], function)
+            slot = self.tools[index] = {"id": ""}
+        for name, value in call.items():
+            if name == "index" or value is None:
+                continue
+            piece = _TOOL_PIECES.get(name)
+            if piece is not None and isinstance(value, dict):
+                part = slot.get(name)
+                if not isinstance(part, dict):
+                    part = slot[name] = {"name": "", piece: ""}
+                _extend_call(part, value, piece)
+            else:
+                slot[name] = value
 
     def _merge_logprobs(self, lp: dict[str, Any]) -> None:
         if self.logprobs is None:
@@ -696,7 +750,7 @@ class _Choice:
         if self.function_call is not None:
             message["function_call"] = self.function_call
         if self.tools:
-            message["tool_calls"] = [self.tools[i] for i in sorted(self.tools)]
+            message["tool_calls"] = [_tool_call(self.tools[i]) for i in sorted(self.tools)]
         return {
             "index": index,
             "message": message,
@@ -705,16 +759,37 @@ class _Choice:
         }
 
 
-def _extend_call(call: dict[str, Any], part: dict[str, Any]) -> None:
-    """Tool and function calls stream their name once and their arguments in pieces.
-    A name is taken whole (some origins repeat it in every delta), arguments are
-    concatenated."""
-    name = part.get("name")
-    if isinstance(name, str) and name:
-        call["name"] = name
-    arguments = part.get("arguments")
-    if isinstance(arguments, str):
-        call["arguments"] += arguments
+def _extend_call(call: dict[str, Any], part: dict[str, Any], piece: str = "arguments") -> None:
+    """Merge a delta's `part` of a call (`function`, `custom`, a legacy
+    `function_call`) into `call`: its name taken whole (some origins repeat it
+    in every delta), its `piece` member (arguments, input) concatenated, any
+    other member taken whole."""
+    for name, value in part.items():
+        if name == piece and isinstance(value, str):
+            have = call.get(piece)
+            call[piece] = (have if isinstance(have, str) else "") + value
+        elif name == "name":
+            if isinstance(value, str) and value:
+                call["name"] = value
+        elif value is not None:
+            call[name] = value
+
+
+def _tool_call(slot: dict[str, Any]) -> dict[str, Any]:
+    """A tool call gathered from its deltas, in the order OpenAI gives its
+    members (id, type, then the rest). A call whose deltas never said its type
+    takes the one its members show (`function` when none does, as before
+    custom tools existed); a call of a known type gets its member even when no
+    delta carried one, so that its shape stays valid."""
+    kind = slot.get("type")
+    if kind is None:
+        kind = next((name for name in _TOOL_PIECES if name in slot), "function")
+    call: dict[str, Any] = {"id": slot.get("id", ""), "type": kind}
+    piece = _TOOL_PIECES.get(kind) if isinstance(kind, str) else None
+    if piece is not None and not isinstance(slot.get(kind), dict):
+        call[kind] = {"name": "", piece: ""}
+    call.update((name, value) for name, value in slot.items() if name not in call)
+    return call
 
 
 # finish_refusal's reason for an answer cut by its max_tokens.

@@ -8,11 +8,12 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
+import orjson
 import pytest
 import redis
 
 from dataplane.assemble import NO_RULES
-from dataplane.cache.entry import CachedResponse, ResponseKind
+from dataplane.cache.entry import CachedResponse, ResponseKind, to_completion
 from dataplane.cache.keys import CHAT
 from dataplane.cache.policy import TenantCachePolicy
 from dataplane.cache.regional import RegionLink
@@ -24,6 +25,7 @@ from dataplane.metrics import Metrics
 from dataplane.policy import EdgePolicy, TenantRules
 from ponto.devenv import Redis, free_port
 from tests.cachesteps import settle_whole
+from tests.unit.test_cache_entry import CUSTOM_CALL, custom_tool_stream, recorded, sse
 from tests.unit.test_cache_store import FakeClock, StoreFactory, entry
 from tests.unit.test_cache_store import TestContract as _Contract
 from tests.unit.test_cache_tenancy import ANSWER, BODY, NOW
@@ -146,6 +148,22 @@ async def test_a_put_on_one_proxy_is_a_region_hit_on_another(region: Region) -> 
     assert isinstance(again, Found) and again.tier == "local"  # copied into b's LRU
     c = region.proxy("c")
     assert await c.lookup("k", tenant="other", model="m") is None  # another tenant's space
+
+
+async def test_a_custom_tool_call_stream_from_the_region_is_whole_once_assembled(
+    region: Region,
+) -> None:
+    # Trial 64: a streamed custom tool call, stored, was served to a
+    # non-streamed repeat as a nameless `function` call. The region tier
+    # carries the chunks through its codec and assembles them the same way.
+    a, b = region.proxy("a"), region.proxy("b")
+    e = recorded(sse(custom_tool_stream()))
+    assert await a.put("k", e, tenant="t", model="m", ttl_s=60)
+    await a.flush()
+    found = await b.lookup("k", **S)
+    assert isinstance(found, Found) and found.tier == "region"
+    body = orjson.loads(to_completion(found.entry))
+    assert body["choices"][0]["message"]["tool_calls"] == [CUSTOM_CALL]
 
 
 async def test_ttl_is_kept_in_redis_and_in_the_copy(region: Region, raw: redis.Redis) -> None:

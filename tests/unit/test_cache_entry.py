@@ -612,3 +612,99 @@ def test_cutting_usage_null_changes_nothing_else(
         assert replayed == payload or orjson.loads(replayed) == {
             k: v for k, v in obj.items() if k != "usage"
         }
+
+
+def custom_tool_stream() -> list[dict[str, Any]]:
+    """A custom tool's call as OpenAI streams it (trial 64): the input in pieces."""
+
+    def call(**fields: Any) -> dict[str, Any]:
+        return chunk([delta({"tool_calls": [{"index": 0, **fields}]})])
+
+    return [
+        chunk([delta({"role": "assistant", "content": None})]),
+        call(id="call_cust1", type="custom", custom={"name": "run_sql", "input": ""}),
+        call(custom={"input": "SELECT "}),
+        call(custom={"input": "* FROM "}),
+        call(custom={"input": "users"}),
+        chunk([delta({}, finish="tool_calls")]),
+    ]
+
+
+CUSTOM_CALL = {
+    "id": "call_cust1",
+    "type": "custom",
+    "custom": {"name": "run_sql", "input": "SELECT * FROM users"},
+}
+
+
+def test_a_custom_tool_call_is_assembled_from_its_pieces() -> None:
+    # Trial 64: the assembled body held a `function` call with no name and no
+    # input, served to every non-streamed repeat.
+    entry = recorded(sse(custom_tool_stream()))
+    body = orjson.loads(to_completion(entry))
+    assert body["choices"][0]["message"]["tool_calls"] == [CUSTOM_CALL]
+    assert body["choices"][0]["message"]["content"] is None
+    completion = ChatCompletion.model_validate(body)
+    (call,) = completion.choices[0].message.tool_calls or []
+    assert call.type == "custom" and call.custom.input == "SELECT * FROM users"
+
+
+def test_function_and_custom_calls_of_one_answer_are_assembled_apart() -> None:
+    stream = tool_stream()
+    stream[3:3] = [
+        chunk([delta({"tool_calls": [{"index": 2, "id": "c", "type": "custom",
+                                      "custom": {"name": "sql", "input": "SELECT"}}]})]),
+        chunk([delta({"tool_calls": [{"index": 2, "custom": {"name": "sql", "input": " 1"}}]})]),
+    ]  # fmt: skip
+    calls = orjson.loads(to_completion(recorded(sse(stream))))["choices"][0]["message"][
+        "tool_calls"
+    ]
+    assert [c["type"] for c in calls] == ["function", "function", "custom"]
+    assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert calls[2] == {"id": "c", "type": "custom", "custom": {"name": "sql", "input": "SELECT 1"}}
+
+
+def test_a_call_of_an_unknown_type_keeps_its_members_rather_than_a_function() -> None:
+    stream = [
+        chunk([delta({"role": "assistant", "content": None})]),
+        chunk([delta({"tool_calls": [{"index": 0, "id": "x1", "type": "mcp"}]})]),
+        chunk([delta({"tool_calls": [{"index": 0, "mcp": {"server": "s", "tool": "t"}}]})]),
+        chunk([delta({}, finish="tool_calls")]),
+    ]
+    calls = orjson.loads(to_completion(recorded(sse(stream))))["choices"][0]["message"][
+        "tool_calls"
+    ]
+    assert calls == [{"id": "x1", "type": "mcp", "mcp": {"server": "s", "tool": "t"}}]
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [{"mcp": {"input": "a"}}, {"mcp": {"input": "b"}}],  # an unknown type in pieces
+        [{"function": {"arguments": "{", "extra": "x"}}, {"function": {"extra": "y"}}],
+    ],
+)
+def test_a_tool_call_that_cannot_be_merged_faithfully_is_not_kept(
+    pieces: list[dict[str, Any]],
+) -> None:
+    stream = [
+        chunk([delta({"role": "assistant", "content": None})]),
+        *(chunk([delta({"tool_calls": [{"index": 0, "id": "x1", **p}]})]) for p in pieces),
+        chunk([delta({}, finish="tool_calls")]),
+    ]
+    recorder = StreamRecorder()
+    recorder.feed(sse(stream))
+    assert recorder.finish(now=NOW) is None
+    assert recorder.reason is not None and "pieces" in recorder.reason
+
+
+def test_a_completion_with_a_custom_tool_call_replays_it_and_back() -> None:
+    body = chat_body(None, finish="tool_calls", tool_calls=[CUSTOM_CALL])
+    entry = from_completion(orjson.dumps(body), now=NOW)
+    assert entry is not None
+    frames = to_sse_chunks(entry, include_usage=True)
+    # Not validated by the SDK's chunk model: it knows only function calls in deltas.
+    deltas = [c["delta"] for p in payloads_of(frames) for c in orjson.loads(p)["choices"]]
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert calls == [{"index": 0, **CUSTOM_CALL}]
+    assert orjson.loads(to_completion(recorded(b"".join(frames)))) == body
