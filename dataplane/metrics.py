@@ -613,7 +613,7 @@ class Metrics:
         self.cache_requests = Counter(
             "ponto_cache_requests",
             "Cache outcomes: result hit|miss|bypass; kind exact|semantic|coalesced, or the "
-            "reason of a bypass, or of a miss (verify, no-usage)",
+            "reason of a bypass, or of a miss (verify, no-usage, tools)",
             ["result", "kind"],
             registry=r,
         )

@@ -417,6 +417,31 @@ def _chunk_kind(obj: dict[str, Any]) -> ResponseKind | None:
     return None
 
 
+_CALL_KEYS = (b'"tool_calls"', b'"function_call"')
+
+
+def holds_tool_calls(entry: CachedResponse) -> bool:
+    """Whether `entry`'s answer calls a tool or a (legacy) function: a chat
+    answer with a non-empty `tool_calls`, or a `function_call`, in a choice's
+    message (a stored body) or delta (a stored stream). Pure. Costs a
+    substring search per payload, and a parse of those that name either key
+    or hold an escape (a key may be spelt with one)."""
+    if entry.kind is not ResponseKind.CHAT:
+        return False
+    whole = entry.body is not None
+    payloads = (entry.body,) if entry.body is not None else entry.chunks or ()
+    for payload in payloads:
+        if b"\\u" not in payload and not any(k in payload for k in _CALL_KEYS):
+            continue
+        obj = jsonio.loads_or_none(payload)
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        for c in choices if isinstance(choices, list) else ():
+            part = c.get("message" if whole else "delta") if isinstance(c, dict) else None
+            if isinstance(part, dict) and (part.get("tool_calls") or part.get("function_call")):
+                return True
+    return False
+
+
 # ---------------------------------------------------------------------------
 # Replays
 

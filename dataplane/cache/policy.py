@@ -172,6 +172,11 @@ class Reason(enum.StrEnum):
     # Too many JSON values, or too much text NFKC changes, to key at a bounded cost.
     TOO_LARGE = "too-large"
     UNKEYABLE = "unkeyable"  # a value with no canonical form (NaN, a huge integer)
+    # Semantic tenants: a request that offers tools (or legacy functions) is
+    # looked up and stored exactly only; a miss says so. Its answer may be an
+    # action (a tool call), and a near question's action is a wrong one:
+    # "cancel my latest order" is not "cancel my oldest order" (trial 64).
+    TOOLS = "tools"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +211,7 @@ def decide(
     body: Mapping[str, Any],
     cache_control: RequestCacheControl,
 ) -> Decision:
-    """What the cache may do for one request. Pure; cheap (reads two fields)."""
+    """What the cache may do for one request. Pure; cheap (reads a few fields)."""
     if policy.mode is CacheMode.OFF:
         return Decision(False, False, Reason.DISABLED)
     if endpoint not in CACHEABLE_ENDPOINTS:
@@ -217,5 +222,14 @@ def decide(
         return Decision(False, False, Reason.NONDETERMINISTIC)
     if cache_control.no_cache:
         return Decision(False, True, Reason.NO_CACHE)
-    semantic = policy.mode is CacheMode.SEMANTIC and endpoint == CHAT
-    return Decision(True, True, Reason.CACHEABLE, semantic=semantic)
+    if policy.mode is not CacheMode.SEMANTIC or endpoint != CHAT:
+        return Decision(True, True, Reason.CACHEABLE)
+    if offers_tools(body):
+        return Decision(True, True, Reason.TOOLS)
+    return Decision(True, True, Reason.CACHEABLE, semantic=True)
+
+
+def offers_tools(body: Mapping[str, Any]) -> bool:
+    """Whether a chat request lets the model call something: a non-empty
+    `tools`, or legacy `functions`. An empty list offers nothing."""
+    return bool(body.get("tools")) or bool(body.get("functions"))

@@ -4,6 +4,8 @@
       bypass -> origin, `x-ponto-cache: bypass`
       lookup -> exact entry (local, then region)? -> replay, `hit`
              -> semantic neighbour?     -> replay, `hit` + similarity
+                (not for a request that offers tools, whose miss says `tools`,
+                nor from a neighbour whose answer calls one: policy.Reason.TOOLS)
                 (error-bounded tenants: or `miss` with reason `verify`, a would-be
                 hit checked against the origin's answer; or a near miss whose
                 origin answer is compared with the neighbour's, to learn from)
@@ -61,6 +63,7 @@ from dataplane.cache.entry import (
     StreamRecorder,
     body_unkept_reason,
     from_completion,
+    holds_tool_calls,
     to_completion,
     unkept_reason,
 )
@@ -220,6 +223,10 @@ class CachePlan:
     def said_reason(self) -> str:
         """The access log's cache_reason: why a bypass, or a miss, or why the
         miss's answer is not kept ("")."""
+        if self.unkept and self.reason == Reason.TOOLS:
+            # An answer not kept misses every repeat, exact ones too: that
+            # says more than "matched exactly only".
+            return UNKEPT_SAID.get(self.unkept, self.unkept)
         return self.reason or UNKEPT_SAID.get(self.unkept, self.unkept)
 
     @property
@@ -227,7 +234,11 @@ class CachePlan:
         """x-ponto-cache-reason: `said_reason`, else (a stream's headers go
         out before its answer is known) why its key's last answer was not
         kept (trial: a repeat of a stream too large to keep was a plain miss)."""
-        return self.said_reason or UNKEPT_SAID.get(self.foreseen, self.foreseen)
+        said = self.said_reason
+        if self.foreseen and (not said or (self.reason == Reason.TOOLS and not self.unkept)):
+            # As for an answer not kept: the repeats of this key miss too.
+            return UNKEPT_SAID.get(self.foreseen, self.foreseen)
+        return said
 
     def abandon(self, error: BaseException | None = None) -> None:
         """Report a failure to the flight this request leads, unless it finished;
@@ -374,8 +385,9 @@ class EdgeCache:
                 context = self._context(req)
         tenant = req.tenant.name
         neighbour: tuple[SemanticHit, CachedResponse] | None = None
-        # Why this request misses, when an entry was there but could not answer.
-        miss = ""
+        # Why this request misses, when an entry was there but could not
+        # answer, or when a semantic tenant's request was matched exactly only.
+        miss = decision.reason.value if decision.reason is Reason.TOOLS else ""
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
             if isinstance(hit, Found) and self._accepts(cc, hit, policy.ttl_s):
@@ -401,6 +413,12 @@ class EdgeCache:
                         self.semantic.remove(found.key)  # its answer is gone
                     elif not self._accepts(cc, near, policy.ttl_s):
                         pass  # not fresh enough for this request: sound for others
+                    elif holds_tool_calls(near.entry):
+                        # An action is no answer to a near question. Such
+                        # answers are not indexed (`_keep`), but an older
+                        # proxy of the region may have (the feed replays
+                        # its entries), or the key's answer was replaced.
+                        self.semantic.remove(found.key)
                     elif found.action is Action.HIT:
                         if near.entry.answers(include_usage=wants_usage):
                             plan = self._hit(near, "semantic", include_usage)
@@ -660,7 +678,10 @@ class EdgeCache:
         if plan.neighbour is not None and semantic is not None:
             near, cached_entry = plan.neighbour
             self._after(self._check(semantic, near, cached_entry, entry))
-        if stored and plan.text and semantic is not None:
+        if stored and plan.text and semantic is not None and not holds_tool_calls(entry):
+            # Not an answer that calls a tool (a request without tools may
+            # get one, from tools the origin adds): an action answers its own
+            # question only, exactly (policy.Reason.TOOLS).
             # Indexing embeds the text (milliseconds on the embedder's thread,
             # more behind a queue): not in the request, which would hold its
             # concurrency slot and its coalesced followers after its client

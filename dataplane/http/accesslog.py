@@ -94,7 +94,7 @@ class AccessRecord:
     placement: str | None
     hedged: bool
     cache: str | None  # hit, miss, bypass; None when no cache step ran
-    cache_reason: str | None  # why a bypass, or a miss: verify, no-usage, truncated...
+    cache_reason: str | None  # why a bypass, or a miss: verify, no-usage, tools, truncated...
     cache_kind: str | None  # how a hit was found: exact, semantic, coalesced
     cache_tier: str | None  # where a hit came from: local, region
     status: int

@@ -19,6 +19,7 @@ from dataplane.cache.entry import (
     ResponseKind,
     StreamRecorder,
     from_completion,
+    holds_tool_calls,
     split_text,
     to_completion,
     to_sse_chunks,
@@ -708,3 +709,20 @@ def test_a_completion_with_a_custom_tool_call_replays_it_and_back() -> None:
     calls = [call for d in deltas for call in d.get("tool_calls", [])]
     assert calls == [{"index": 0, **CUSTOM_CALL}]
     assert orjson.loads(to_completion(recorded(b"".join(frames)))) == body
+
+
+def test_holds_tool_calls_of_bodies_and_streams() -> None:
+    def whole(body: dict[str, Any]) -> CachedResponse:
+        entry = from_completion(orjson.dumps(body), now=NOW)
+        assert entry is not None
+        return entry
+
+    legacy = chat_body(None, finish="function_call", function_call={"name": "f", "arguments": "{}"})
+    assert holds_tool_calls(whole(chat_body(None, finish="tool_calls", tool_calls=[CUSTOM_CALL])))
+    assert holds_tool_calls(whole(legacy))
+    assert holds_tool_calls(recorded(sse(custom_tool_stream())))
+    assert holds_tool_calls(recorded(sse(tool_stream())))
+    # An empty list or a null (vLLM sends `"tool_calls": []`), and the words in content.
+    assert not holds_tool_calls(whole(chat_body("ok", tool_calls=[], function_call=None)))
+    assert not holds_tool_calls(whole(chat_body('say "tool_calls": [1]')))
+    assert not holds_tool_calls(recorded(sse(chat_stream(['"tool_calls"', "x"]))))

@@ -115,6 +115,27 @@ def test_semantic_lookup_only_for_chat_in_semantic_mode() -> None:
 
 
 @pytest.mark.parametrize(
+    "offer",
+    [
+        {"tools": [{"type": "function", "function": {"name": "cancel_order"}}]},
+        {"tools": [{"type": "custom", "custom": {"name": "run_sql"}}]},
+        {"functions": [{"name": "cancel_order"}]},
+    ],
+)
+def test_a_request_offering_tools_is_matched_exactly_only(offer: dict[str, Any]) -> None:
+    # Trial 64: "Cancel my oldest order" was served the tool call of "Cancel
+    # my latest order" (0.926): for an agent, a side-effecting action.
+    semantic = TenantCachePolicy(mode=CacheMode.SEMANTIC)
+    body = {**GREEDY, **offer}
+    assert decide(semantic, CHAT, body, NONE) == Decision(True, True, Reason.TOOLS)
+    # Exact tenants are told nothing new: nothing semantic was left out.
+    assert decide(DEFAULT, CHAT, body, NONE) == Decision(True, True, Reason.CACHEABLE)
+    # An empty list offers nothing to call.
+    empty = {**GREEDY, "tools": [], "functions": []}
+    assert decide(semantic, CHAT, empty, NONE).semantic
+
+
+@pytest.mark.parametrize(
     "kwargs",
     [
         {"ttl_s": 0},
