@@ -1286,18 +1286,19 @@ def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]
     """The trail's table. CHANGES is what a call replaced, as its entry's
     `changes` says (`limits.rpm 600 -> 900`: UpdateTenant, SetKeyLimits,
     SetKeyModels, drains; trial: a `limit set` read "UpdateTenant, ok" and
-    nothing of which limit), last, as it is the widest; empty for calls
-    that write no such line."""
-    return ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT", "CHANGES"], [
+    nothing of which limit); empty for calls that write no such line.
+    Before RESULT, whose refusals' messages are long: after them, every
+    row's CHANGES began past the screen's edge (review)."""
+    return ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "CHANGES", "RESULT"], [
         [
             utc(e.time),
             e.actor,
             e.action,
             e.target,
             e.source,
+            _cut(e.detail.get("changes", ""), AUDIT_CHANGES_CHARS),
             # Refusals of Apply list one error a line: the table shows the start.
             e.result if not e.message else f"{e.result}: {' '.join(e.message.split())[:60]}",
-            _cut(e.detail.get("changes", ""), AUDIT_CHANGES_CHARS),
         ]
         for e in resp.entries
     ]

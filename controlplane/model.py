@@ -24,6 +24,22 @@ from dataplane.http.fields import check_default
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}\Z")
+# What MODEL_RE takes, said with every refusal of a model name (trial 66: a
+# llama.cpp server's default id, its model file's path, was refused without it).
+MODEL_RULE = "use 1-255 letters, digits and . _ : / @ + -, starting with a letter or digit"
+
+
+def model_invalid(refusal: str, model: str) -> str:
+    """`refusal` of `model` with the rule; a path also gets how to name it."""
+    hint = (
+        " (a file path, as llama.cpp's server names its model by default: start it with "
+        "--alias NAME and list that name)"
+        if model.startswith(("/", "."))
+        else ""
+    )
+    return f"{refusal}: {MODEL_RULE}{hint}"
+
+
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 CACHE_MODES = ("off", "exact", "semantic")
@@ -305,7 +321,10 @@ class Origin:
         for model in self.models:
             if not MODEL_RE.match(model):
                 raise InvalidArgument(
-                    f"model name {model!r} of origin {self.name!r} is invalid", field="models"
+                    model_invalid(
+                        f"model name {model!r} of origin {self.name!r} is invalid", model
+                    ),
+                    field="models",
                 )
         if len(set(self.models)) != len(self.models):
             raise InvalidArgument(f"origin {self.name!r} lists a model twice", field="models")
@@ -564,7 +583,9 @@ class PromptPolicy:
             for model in (public, target):
                 if not MODEL_RE.match(model):
                     raise InvalidArgument(
-                        f"{owner}: model name {model!r} in aliases is invalid",
+                        model_invalid(
+                            f"{owner}: model name {model!r} in aliases is invalid", model
+                        ),
                         field=f"aliases.{public}",
                     )
             if public == target:
@@ -636,7 +657,8 @@ class RoutingPolicy:
         for model, _ in self.models:
             if not MODEL_RE.match(model):
                 raise InvalidArgument(
-                    f"{owner}: model name {model!r} in routing is invalid", field=f"models.{model}"
+                    model_invalid(f"{owner}: model name {model!r} in routing is invalid", model),
+                    field=f"models.{model}",
                 )
         b = self.load_bound
         if not math.isfinite(b) or not (b == 0 or 1 <= b <= 100):
@@ -688,7 +710,9 @@ class StreamPolicy:
         for model, _ in self.hedge_models:
             if not MODEL_RE.match(model):
                 raise InvalidArgument(
-                    f"{owner}: model name {model!r} in hedge_models is invalid",
+                    model_invalid(
+                        f"{owner}: model name {model!r} in hedge_models is invalid", model
+                    ),
                     field=f"hedge_models.{model}",
                 )
         return replace(self, hedge_models=tuple(sorted(dict(self.hedge_models).items())))
@@ -700,7 +724,7 @@ def check_model_names(names: Iterable[str], owner: str) -> tuple[str, ...]:
     unique = sorted(set(names))
     for name in unique:
         if not MODEL_RE.match(name):
-            raise InvalidArgument(f"{owner}: model name {name!r} is invalid")
+            raise InvalidArgument(model_invalid(f"{owner}: model name {name!r} is invalid", name))
     if len(unique) > MAX_ACCESS_MODELS:
         raise InvalidArgument(f"{owner}: {len(unique)} models, more than {MAX_ACCESS_MODELS}")
     return tuple(unique)

@@ -107,9 +107,9 @@ def test_admin_actions_are_recorded_with_actor_source_and_result(fleet: Fleet) -
 
     table = ok(fleet, "get", "audit", "--action", "DrainRegion", "--since", "1h")
     header, *rows = table.strip().splitlines()
-    assert header.split() == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "RESULT", "CHANGES"]
+    assert header.split() == ["TIME", "ACTOR", "ACTION", "TARGET", "SOURCE", "CHANGES", "RESULT"]
     assert len(rows) == 1
-    when, actor, action, target, _source, result, *changes = rows[0].split()
+    when, actor, action, target, _source, *changes, result = rows[0].split()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", when)
     assert (actor, action, target, result) == ("alice", "DrainRegion", "region/eu-west", "ok")
     assert changes == ["drained", "false", "->", "true"]

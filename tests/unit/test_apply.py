@@ -206,6 +206,12 @@ def test_a_value_the_model_refuses_is_reported_at_its_field(doc: Any, message: s
                        "capacity": -1}]}, "capacity -1 of origin 'o' is not in 0..1000000"),
         ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
                        "weight": 5000}]}, "weight 5000 of origin 'o' is not in 1..1000"),
+        # Trial 66: llama.cpp names its model by its file's path; the rule and the way out.
+        ({"origins": [{"name": "o", "region": "r", "url": "http://h",
+                       "models": ["/models/q.gguf"]}]},
+         "model name '/models/q.gguf' of origin 'o' is invalid: use 1-255 letters, digits and "
+         ". _ : / @ + -, starting with a letter or digit (a file path, as llama.cpp's server "
+         "names its model by default: start it with --alias NAME and list that name)"),
         # Trial 19: a written 0 was saved as the default, 100.
         ({"origins": [{"name": "o", "region": "r", "url": "http://h", "models": ["m"],
                        "weight": 0}]}, "origins[0].weight: 0 is not in 1..1000 (leave it out"),
