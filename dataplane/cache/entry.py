@@ -26,6 +26,7 @@ from typing import Any, Final
 
 from dataplane import jsonio
 from dataplane.streaming.sse import Event, SseParser
+from dataplane.streaming.usage import without_usage_null
 
 # Approximate memory of the Python objects around the payload bytes, so the
 # store's byte bound tracks memory rather than only payload length.
@@ -469,54 +470,6 @@ def split_text(text: str, target: int = REPLAY_PIECE_CHARS) -> list[str]:
 
 
 _USAGE_KEY = b'"usage"'
-_LAST_USAGE_NULL = b',"usage":null}'
-_NULL_VALUE = re.compile(rb"\s*:\s*null\s*")
-_COMMA_AFTER = re.compile(rb",\s*")
-_COMMA_BEFORE = re.compile(rb",\s*$")
-
-
-def _without_usage_null(payload: bytes) -> bytes:
-    """`payload` (a stored chunk: one JSON object) without its top-level
-    `"usage": null` member, byte for byte otherwise; unchanged when it has
-    none, or when `"usage"` appears in it more than once (a usage key nested
-    in a choice too: rare, and left whole rather than parsed further).
-
-    Exact: the parsed object has the member at the top, and the payload holds
-    `"usage"` once, so that is its key, unless the key is spelt with escapes
-    (`"\\u0075sage"`): then the cut is checked to leave the object without it.
-    Costs a substring search per chunk, and a parse for the chunks that have
-    the key elsewhere than last (OpenAI's, followed by `obfuscation`)."""
-    at = payload.find(_USAGE_KEY)
-    if at < 0 or payload.find(_USAGE_KEY, at + 1) >= 0:
-        return payload
-    if payload.endswith(_LAST_USAGE_NULL):
-        # Last before the closing brace, after a comma (vLLM's place for it):
-        # the top's member, whatever came before.
-        return payload[: -len(_LAST_USAGE_NULL)] + b"}"
-    obj = jsonio.loads(payload)
-    if not isinstance(obj, dict) or "usage" not in obj or obj["usage"] is not None:
-        return payload
-    value = _NULL_VALUE.match(payload, at + len(_USAGE_KEY))
-    if value is None:  # the one "usage" is not the top's key (spelt with escapes)
-        return payload
-    start, end = at, value.end()
-    if (comma := _COMMA_AFTER.match(payload, end)) is not None:
-        end = comma.end()
-    elif (before := _COMMA_BEFORE.search(payload, 0, start)) is not None:
-        start = before.start()
-    cut = payload[:start] + payload[end:]
-    if b"\\u" in payload and not _is_cut_of_usage(cut, obj):
-        return payload  # the one "usage" was not the top's: its key is spelt with escapes
-    return cut
-
-
-def _is_cut_of_usage(cut: bytes, obj: dict[str, Any]) -> bool:
-    """Whether `cut` is `obj` without its top-level usage member."""
-    try:
-        rest = jsonio.loads(cut)
-    except jsonio.JSONDecodeError:  # the "usage" cut ended a longer key (`"a \\"usage"`)
-        return False
-    return bool(rest == {k: v for k, v in obj.items() if k != "usage"})
 
 
 def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
@@ -525,7 +478,7 @@ def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
     usage-only chunks are sent only when asked for, because clients that did not
     ask often read `choices[0]` of every chunk, and so is the `"usage": null`
     that a stream recorded with usage has on its other chunks (OpenAI sends no
-    usage member to a client that did not ask; see `_without_usage_null`).
+    usage member to a client that did not ask; see `without_usage_null`).
 
     A stored stream replays its own chunks. A stored body becomes, per choice, a
     role chunk, the content in several pieces (in one piece with its logprobs
@@ -536,7 +489,7 @@ def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
         chunks: Iterable[bytes] = entry.chunks
         if not include_usage:
             chunks = [
-                _without_usage_null(c) if _USAGE_KEY in c else c
+                without_usage_null(c) if _USAGE_KEY in c else c
                 for i, c in enumerate(entry.chunks)
                 if i not in entry.usage_only
             ]

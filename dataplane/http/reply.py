@@ -42,6 +42,7 @@ from dataplane.streaming.relay import (
     RelayEnd,
     Resume,
     Stopped,
+    Trim,
     Watch,
     Whole,
     Writable,
@@ -136,10 +137,14 @@ async def relay_origin(
     watch: Watch | None = None,
     whole: Whole | None = None,
     shown: Rewriter | StreamIds | None = None,
+    trim: Trim | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
     `lead`, the stream of a flight's leader) published to the flight; with
-    `shown`, its bytes rewritten by it as they come (a Responses stream's ids)."""
+    `shown`, its bytes rewritten by it as they come (a Responses stream's ids);
+    with `trim`, its events as it shows them to the client and the flight
+    (the usage the proxy asked for on the client's behalf left out), counted
+    and recorded as they came."""
     out = web.StreamResponse(
         status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
     )
@@ -183,6 +188,7 @@ async def relay_origin(
         stopped=_stopped_ending(request, ex),
         watch=watch,
         whole=whole,
+        trim=trim,
     )
     if lead is not None and lead.gone and not lead.lagged:
         end.client_gone = True

@@ -79,6 +79,7 @@ __all__ = [
     "RelayEnd",
     "Resume",
     "Stopped",
+    "Trim",
     "Watch",
     "Whole",
     "Writable",
@@ -147,6 +148,15 @@ class Whole(Protocol):
         client got `last` (and `before` it), the last whole events relayed:
         the proxy's end of an answer the origin had sent whole, or None
         (the stream was cut: the error event ends it)."""
+        ...
+
+
+class Trim(Protocol):
+    def __call__(self, data: bytes) -> bytes | None:
+        """What the client is shown of an event's `data` (its readers, and
+        the ending hooks, have the event as it came): `data` itself
+        (nearly always), other bytes, or None for nothing of the event
+        (dataplane.streaming.usage.for_unasked)."""
         ...
 
 
@@ -230,6 +240,7 @@ async def relay(
     stopped: Stopped | None = None,
     watch: Watch | None = None,
     whole: Whole | None = None,
+    trim: Trim | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
@@ -255,6 +266,12 @@ async def relay(
     last chunks, and what it gives ends the stream in their place (`ended`
     when it adds a chunk of its own); with `resume`, the hook does that
     (dataplane.http.resume).
+
+    With `trim`, each event reaches the client as it says (a flight's
+    followers too); the readers still get it as it came. Without `resume`
+    the event's bytes are cut out of the origin's, or its data replaced
+    where it stands (found as one run of bytes: an event of several data
+    lines, which no chunk with a usage is, goes as it came).
 
     With `resume`, the client is sent whole events only, re-framed as
     `data:` lines (a stream broken inside an event must not leave half an
@@ -283,10 +300,21 @@ async def relay(
                 max_event_bytes,
                 stopped,
                 watch,
+                trim,
                 clock,
             )
         return await _relay_bytes(
-            first, content, out, readers, chunks, error_event, idle, max_event_bytes, stopped, whole
+            first,
+            content,
+            out,
+            readers,
+            chunks,
+            error_event,
+            idle,
+            max_event_bytes,
+            stopped,
+            whole,
+            trim,
         )
     finally:
         if idle is not None:
@@ -304,6 +332,7 @@ async def _relay_bytes(
     max_event_bytes: int,
     stopped: Stopped | None,
     whole_hook: Whole | None,
+    trim: Trim | None,
 ) -> RelayEnd:
     end = RelayEnd()
     # Its readers' events, the last one for an ending made from it, and the
@@ -326,12 +355,16 @@ async def _relay_bytes(
     written = b""
     eof = False  # the stream's end is being written: nothing more may be
     answered = False  # the client is being written the answer's last event
+    # What `trim` changes of the events not written yet: (data, shown).
+    trimmed: list[tuple[bytes, bytes | None]] = []
     try:
         while True:
             for ev in parser.feed(chunk):
                 for reader in readers:
                     reader.event(ev)
                 before, last = last, ev
+                if trim is not None and (shown := trim(ev.data)) is not ev.data:
+                    trimmed.append((ev.data, shown))
             if not held_size:
                 whole = chunk
             elif _boundary(tail + chunk):
@@ -357,30 +390,39 @@ async def _relay_bytes(
                         # A block these bytes end is past the bound: the
                         # whole events before it go, none of it.
                         long = _long_block(data, max_event_bytes)
-                        if long:
+                        before_long = data[:long]
+                        if trimmed:  # every event parsed ends before it
+                            before_long = _trimmed(before_long, trimmed)
+                        if before_long:
                             if chunks is not None:
-                                chunks.chunk(data[:long])
-                            await out.write(data[:long])
+                                chunks.chunk(before_long)
+                            await out.write(before_long)
                         end.cut = _too_long(max_event_bytes)
                         await out.write(_ending(error_event, last, max_event_bytes))
                         break
-                    if chunks is not None:
-                        chunks.chunk(data)
-                    # write() waits for the client's socket to drain: backpressure
-                    # reaches the origin through the unread upstream socket (but
-                    # for a followed flight's leader, whose writes are queued,
-                    # up to a bound: dataplane.http.reply.LeaderStream).
-                    # Known before the write: a stop that lands while the
-                    # client takes the last event adds no ending after it.
-                    answered = whole_events_end_answer(data)
-                    await out.write(data)
-                    written = data
-                    if answered:
-                        # The client has the whole answer, and may close at once
-                        # (the openai SDK does at [DONE]): its stream ends now, not
-                        # at the origin's last chunk, which may come just after.
-                        end.complete = True
-                        break
+                    if trimmed:
+                        # Every event parsed so far ends within `data`; nothing
+                        # is left of one that held only the usage chunk.
+                        data = _trimmed(data, trimmed)
+                        trimmed = []
+                    if data:
+                        if chunks is not None:
+                            chunks.chunk(data)
+                        # write() waits for the client's socket to drain: backpressure
+                        # reaches the origin through the unread upstream socket (but
+                        # for a followed flight's leader, whose writes are queued,
+                        # up to a bound: dataplane.http.reply.LeaderStream).
+                        # Known before the write: a stop that lands while the
+                        # client takes the last event adds no ending after it.
+                        answered = whole_events_end_answer(data)
+                        await out.write(data)
+                        written = data
+                        if answered:
+                            # The client has the whole answer, and may close at once
+                            # (the openai SDK does at [DONE]): its stream ends now, not
+                            # at the origin's last chunk, which may come just after.
+                            end.complete = True
+                            break
             if parser.over or parser.held > max_event_bytes:
                 end.cut = _too_long(max_event_bytes)
                 await out.write(_ending(error_event, last, max_event_bytes))
@@ -455,6 +497,7 @@ async def _relay_events(
     max_event_bytes: int,
     stopped: Stopped | None,
     watch: Watch | None,
+    trim: Trim | None,
     clock: Callable[[], float],
 ) -> RelayEnd:
     end = RelayEnd()
@@ -490,10 +533,14 @@ async def _relay_events(
                     ev = Event(data, ev.name)
                 for reader in readers:
                     reader.event(ev)
-                frames.append(_frame(ev))
                 last = ev
                 if ev.done or ev.name in RESPONSES_ENDS:
                     done = True
+                if trim is not None and (shown := trim(ev.data)) is not ev.data:
+                    if shown is None:
+                        continue
+                    ev = Event(shown, ev.name)
+                frames.append(_frame(ev))
             if frames:
                 framed = b"".join(frames)
                 if chunks is not None:
@@ -680,6 +727,38 @@ def _boundary(data: bytes) -> int:
 # A blank line: two line endings in a row (CRLF, CR or LF each; a CRLF is
 # one, never a CR then an LF).
 _BLANK = re.compile(rb"(?>\r\n|\r|\n)(?>\r\n|\r|\n)")
+
+
+def _trimmed(data: bytes, trimmed: list[tuple[bytes, bytes | None]]) -> bytes:
+    """Whole events `data` as the client is shown them: each event's data
+    (`trimmed`, in order) replaced where it stands, or its block (from the
+    end of the block before it to its blank line's end) cut out when the
+    client is shown nothing of it. An event's data not found as one run of
+    bytes (several data lines) is left as it came. Runs for the few events
+    a `Trim` changes (a stream's usage chunk), never for the others. A CRLF
+    stream read in two between the CR and the LF that end a block cut out
+    leaves that LF to the next write: an empty line, which SSE ignores."""
+    at = 0
+    for old, new in trimmed:
+        start = data.find(old, at)
+        if start < 0:
+            continue
+        end = start + len(old)
+        if new is not None:
+            data = data[:start] + new + data[end:]
+            at = start + len(new)
+            continue
+        blank = _BLANK.search(data, end)
+        end = blank.end() if blank is not None else len(data)
+        block = _boundary(data[:start])
+        # Line endings at the block's start stay: the end of the block
+        # before it, split from it across reads (its CRLF's LF), or blank lines.
+        while data[block : block + 1] in (b"\r", b"\n"):
+            block += 1
+        start = block
+        data = data[:start] + data[end:]
+        at = start
+    return data
 
 
 def _long_block(data: bytes, limit: int) -> int:

@@ -1,10 +1,16 @@
 """Token counts of an answer, for rate-limit settlement and accounting.
 
-Non-streaming answers carry `usage`. A stream carries it only in a final chunk
-when the client asked for `stream_options.include_usage`; otherwise the count
-is the number of events that carried generated text (origins such as vLLM
-send one token per event), which is what "the streamed count" means in
-docs/rate-limits.md.
+Non-streaming answers carry `usage`. A chat or completions stream carries it
+only in a final chunk when its request asked for
+`stream_options.include_usage`. The proxy asks for it on behalf of a client
+that did not (`--origin-stream-usage always`, the default: `with_usage_asked`)
+and keeps that chunk from the client (`for_unasked`), so that every stream's
+count is the origin's own. A stream that still has none (an origin that sends
+no usage, `--origin-stream-usage client`, a stream cut before its usage chunk)
+is counted by the events that carried generated text, which is what "the
+streamed count" means in docs/rate-limits.md: exact for origins that send one
+token per event, short for those that send several (vLLM with
+`--stream-interval` or speculative decoding, some hosted APIs).
 
 Responses answers name their counts `input_tokens` and `output_tokens`; a
 Responses stream always ends with a `response.completed` event whose
@@ -15,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from dataplane import jsonio
 from dataplane.streaming.sse import Event
@@ -26,6 +32,64 @@ def asks_usage(body: dict[str, Any]) -> bool:
     (`stream_options.include_usage: true`)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
+
+
+# What a body without `stream_options` gets after its opening brace.
+_ASK_USAGE: Final = b'"stream_options":{"include_usage":true},'
+
+
+def with_usage_asked(body: dict[str, Any], raw: bytes | None) -> bytes:
+    """The bytes of a streamed request `body` for its origin, asking for the
+    usage chunk its client did not ask for (the caller knows it did not:
+    `asks_usage`). `raw`: `body` as the client sent it, None when the
+    proxy changed it (then it is encoded anew, as it would have been).
+
+    The client's other `stream_options` are kept, but vLLM's
+    `continuous_usage_stats`, which has no effect without `include_usage`
+    and with it would put a usage in every chunk, which the client would
+    then get. A body without `stream_options` (nearly every one) costs a
+    copy of its bytes with the member inserted after its opening brace (the
+    body is a JSON object with members: it names a model); only one that has
+    them is encoded again."""
+    options = body.get("stream_options")
+    if raw is not None and "stream_options" not in body:
+        at = raw.find(b"{") + 1
+        return raw[:at] + _ASK_USAGE + raw[at:]
+    asked = (
+        {k: v for k, v in options.items() if k != "continuous_usage_stats"}
+        if isinstance(options, dict)
+        else {}
+    )
+    asked["include_usage"] = True
+    return jsonio.dumps({**body, "stream_options": asked})
+
+
+def for_unasked(data: bytes) -> bytes | None:
+    """What a client that did not ask for usage is shown of an event's `data`
+    from an origin that was asked for it on its behalf (`with_usage_asked`):
+    nothing of the usage chunk (None: a chunk with a usage and no choices),
+    and the other chunks without the `"usage": null` that OpenAI (and the
+    origin simulator) put in every chunk of such a stream, byte for byte
+    otherwise: the stream the client would have had from the origin.
+
+    Dropping the nulls is not needed by the SDKs (their chunk types allow a
+    null usage), but what the client gets must not depend on whether the
+    proxy asked: a cache replay drops them too (dataplane.cache.entry.
+    to_sse_chunks). vLLM sends no such nulls, and nearly every chunk costs a
+    substring search; an OpenAI-style chunk a second one, or a parse when its
+    usage is not its last member. A usage on a chunk that has choices (an
+    origin that puts it on the finishing chunk) is left: the client gets a
+    member it did not ask for, which its SDK reads as it would from OpenAI.
+    Read by the relay after the counter and the cache's recorder, which see
+    the chunk as the origin sent it."""
+    if _USAGE_KEY not in data:
+        return data
+    if b'"usage":null' in data or b'"usage": null' in data:
+        return without_usage_null(data)
+    obj = jsonio.loads_or_none(data)
+    if isinstance(obj, dict) and obj.get("usage") is not None and not obj.get("choices"):
+        return None
+    return data
 
 
 @dataclass(slots=True)
@@ -168,3 +232,54 @@ class UsageCounter:
         if self.usage is not None:
             return self.usage
         return Usage(prompt_estimate, self.content_events)
+
+
+_USAGE_KEY = b'"usage"'
+_LAST_USAGE_NULL = b',"usage":null}'
+_NULL_VALUE = re.compile(rb"\s*:\s*null\s*")
+_COMMA_AFTER = re.compile(rb",\s*")
+_COMMA_BEFORE = re.compile(rb",\s*$")
+
+
+def without_usage_null(payload: bytes) -> bytes:
+    """`payload` (a stored chunk: one JSON object) without its top-level
+    `"usage": null` member, byte for byte otherwise; unchanged when it has
+    none, or when `"usage"` appears in it more than once (a usage key nested
+    in a choice too: rare, and left whole rather than parsed further).
+
+    Exact: the parsed object has the member at the top, and the payload holds
+    `"usage"` once, so that is its key, unless the key is spelt with escapes
+    (`"\\u0075sage"`): then the cut is checked to leave the object without it.
+    Costs a substring search per chunk, and a parse for the chunks that have
+    the key elsewhere than last (OpenAI's, followed by `obfuscation`)."""
+    at = payload.find(_USAGE_KEY)
+    if at < 0 or payload.find(_USAGE_KEY, at + 1) >= 0:
+        return payload
+    if payload.endswith(_LAST_USAGE_NULL):
+        # Last before the closing brace, after a comma (vLLM's place for it):
+        # the top's member, whatever came before.
+        return payload[: -len(_LAST_USAGE_NULL)] + b"}"
+    obj = jsonio.loads(payload)
+    if not isinstance(obj, dict) or "usage" not in obj or obj["usage"] is not None:
+        return payload
+    value = _NULL_VALUE.match(payload, at + len(_USAGE_KEY))
+    if value is None:  # the one "usage" is not the top's key (spelt with escapes)
+        return payload
+    start, end = at, value.end()
+    if (comma := _COMMA_AFTER.match(payload, end)) is not None:
+        end = comma.end()
+    elif (before := _COMMA_BEFORE.search(payload, 0, start)) is not None:
+        start = before.start()
+    cut = payload[:start] + payload[end:]
+    if b"\\u" in payload and not _is_cut_of_usage(cut, obj):
+        return payload  # the one "usage" was not the top's: its key is spelt with escapes
+    return cut
+
+
+def _is_cut_of_usage(cut: bytes, obj: dict[str, Any]) -> bool:
+    """Whether `cut` is `obj` without its top-level usage member."""
+    try:
+        rest = jsonio.loads(cut)
+    except jsonio.JSONDecodeError:  # the "usage" cut ended a longer key (`"a \\"usage"`)
+        return False
+    return bool(rest == {k: v for k, v in obj.items() if k != "usage"})

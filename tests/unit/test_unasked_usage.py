@@ -1,0 +1,143 @@
+"""The usage the proxy asks origins for on behalf of clients that did not
+(dataplane.streaming.usage: with_usage_asked, for_unasked) and the relays'
+`trim`, which keeps it from them (dataplane.streaming.relay)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+
+from dataplane.streaming.relay import relay
+from dataplane.streaming.sse import SseParser
+from dataplane.streaming.usage import UsageCounter, for_unasked, with_usage_asked
+from tests.unit.test_stream_relay import Content
+
+
+def test_a_body_without_stream_options_gets_them_after_its_brace() -> None:
+    raw = b' {"model": "m", "stream": true}'
+    sent = with_usage_asked(json.loads(raw), raw)
+    assert sent == b' {"stream_options":{"include_usage":true},"model": "m", "stream": true}'
+    assert json.loads(sent)["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    ("options", "asked"),
+    [
+        (None, {"include_usage": True}),
+        ({"include_usage": False}, {"include_usage": True}),
+        ({"include_obfuscation": True}, {"include_obfuscation": True, "include_usage": True}),
+        # Without include_usage it did nothing; with it, a usage in every chunk.
+        ({"continuous_usage_stats": True}, {"include_usage": True}),
+    ],
+)
+def test_a_body_with_stream_options_keeps_the_clients_others(
+    options: Any, asked: dict[str, Any]
+) -> None:
+    body = {"model": "m", "stream": True, "stream_options": options}
+    raw = json.dumps(body).encode()
+    for given in (raw, None):  # as sent, or rewritten by the proxy
+        sent = json.loads(with_usage_asked(body, given))
+        assert sent == {**body, "stream_options": asked}
+    assert body["stream_options"] == options  # the client's body is left as it was
+
+
+def test_a_rewritten_body_is_encoded_with_its_changes() -> None:
+    body = {"model": "alias-resolved", "stream": True}
+    sent = with_usage_asked(body, None)
+    assert json.loads(sent) == {**body, "stream_options": {"include_usage": True}}
+
+
+def chunk(**fields: Any) -> bytes:
+    return json.dumps({"id": "c", "object": "chat.completion.chunk", **fields}).encode()
+
+
+CHOICE = [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]
+USAGE = {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+
+
+def test_for_unasked() -> None:
+    plain = chunk(choices=CHOICE)
+    assert for_unasked(plain) is plain
+    assert for_unasked(chunk(choices=[], usage=USAGE)) is None
+    assert for_unasked(json.dumps({"usage": USAGE}).encode()) is None  # choices left out
+    # OpenAI's mark on every other chunk goes, byte for byte otherwise.
+    assert for_unasked(chunk(choices=CHOICE, usage=None)) == plain
+    compact = b'{"id":"c","choices":[],"usage":null}'
+    assert for_unasked(compact) == b'{"id":"c","choices":[]}'
+    # A usage on a chunk with choices is left (see for_unasked).
+    finishing = chunk(choices=CHOICE, usage=USAGE)
+    assert for_unasked(finishing) is finishing
+
+
+class Out:
+    """The client's stream: what was written to it."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.written.append(data)
+
+
+def splits(data: bytes, cuts: int) -> list[list[bytes]]:
+    """`data` cut at every `cuts` points (every one of them for short data)."""
+    out = []
+    for points in itertools.combinations(range(1, len(data)), cuts):
+        edges = [0, *points, len(data)]
+        out.append([data[a:b] for a, b in itertools.pairwise(edges)])
+    return out
+
+
+def frame(data: bytes, end: bytes = b"\n") -> bytes:
+    return b"data: " + data + end + end
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n"])
+@pytest.mark.parametrize("resume", [False, True], ids=["bytes", "events"])
+async def test_the_relays_keep_the_usage_from_the_client_and_count_by_it(
+    end: bytes, resume: bool
+) -> None:
+    first = chunk(choices=CHOICE, usage=None)
+    usage = chunk(choices=[], usage=USAGE)
+    stream = b"".join(
+        [
+            frame(first, end),
+            b": keep-alive" + end + end,
+            frame(usage, end),
+            frame(b"[DONE]", end),
+        ]
+    )
+    if resume:  # re-framed: LF, no comment (a read of only it is a keep-alive of the relay's)
+        expected = frame(chunk(choices=CHOICE)) + frame(b"[DONE]")
+    else:  # the origin's bytes, but the usage chunk and the null
+        expected = stream.replace(frame(usage, end), b"").replace(b', "usage": null', b"")
+
+    async def never(cut: str, too_long: int) -> None:
+        raise AssertionError(cut)
+
+    # Every way the stream may come in two or three reads: the usage chunk
+    # alone in one, split across two, or with its neighbours.
+    for chunks in [[stream], *splits(stream, 1), *splits(stream, 2)[::97]]:
+        out, counter = Out(), UsageCounter()
+        end_ = await relay(
+            chunks[0],
+            Content(*chunks[1:]),
+            out,
+            readers=[counter],
+            trim=for_unasked,
+            resume=never if resume else None,
+        )
+        assert end_.complete, chunks
+        written = b"".join(out.written)
+        assert SseParser().feed(written) == SseParser().feed(expected), chunks
+        if not resume and end == b"\n":
+            # Byte for byte. (A CRLF stream split between the CR and the LF
+            # of the usage chunk's blank line gets an empty line more.)
+            assert written == expected, chunks
+        assert counter.result(0).completion_tokens == 7  # the origin's count
