@@ -106,6 +106,10 @@ class Settings:
     # The same for a stream whose origin the table marks unhealthy (None: the
     # same as others'; dataplane/upstream/stalls.py).
     unhealthy_stream_idle_timeout: float | None = DEFAULT_UNHEALTHY_IDLE_S
+    # Ask origins for every chat and completions stream's usage chunk (and
+    # keep it from clients that did not ask), so that streams are counted by
+    # the origin's usage; False: only when the client asks (--origin-stream-usage).
+    origin_stream_usage: bool = True
     # Read deadlines and connection caps of the HTTP listener (dataplane/http/edge.py).
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     # Processes serving the port; above 1 a supervisor runs them (dataplane/workers.py).
@@ -348,6 +352,17 @@ def parse(argv: list[str]) -> Settings:
         "stream idle timeout, and its calls not answered yet are asked of the next origin "
         "this soon after the mark, though not before twice its usual time to answer "
         "(default %(default)s; 0: off)",
+    )
+    p.add_argument(
+        "--origin-stream-usage",
+        choices=["always", "client"],
+        default="always",
+        help="always: ask the origin for the usage chunk of every chat and completions "
+        "stream (stream_options.include_usage), so that limits, budgets and metrics count "
+        "the origin's tokens; a client that did not ask is not sent it. client: only when "
+        "the client asks, for origins that refuse stream_options (streams without usage "
+        "are then counted by the events that carried text, short for origins that send "
+        "several tokens an event). Default: %(default)s",
     )
     p.add_argument(
         "--session-header",
@@ -729,6 +744,7 @@ def parse(argv: list[str]) -> Settings:
         session_header=session_header,
         stream_idle_timeout=a.stream_idle_timeout,
         unhealthy_stream_idle_timeout=a.unhealthy_stream_idle_timeout or None,
+        origin_stream_usage=a.origin_stream_usage == "always",
         edge=EdgeLimits(
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,

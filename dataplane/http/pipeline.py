@@ -82,7 +82,14 @@ from dataplane.routes import Point, Routes, Target
 from dataplane.streaming.relay import STOPPED_WRITE_S
 from dataplane.streaming.responses_events import response_events
 from dataplane.streaming.splice import Transcript
-from dataplane.streaming.usage import Usage, UsageCounter, usage_of
+from dataplane.streaming.usage import (
+    Usage,
+    UsageCounter,
+    asks_usage,
+    for_unasked,
+    usage_of,
+    with_usage_asked,
+)
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
@@ -144,6 +151,10 @@ class Exchange:
     tenant: TenantRules | None = None
     model: str = ""
     rewritten: bool = False  # assembly changed the body: `raw` no longer matches it
+    # A stream whose origin is asked for the usage chunk its client did not
+    # ask for (--origin-stream-usage always): counted by the origin's usage,
+    # which its client is not shown (dataplane.streaming.usage).
+    usage_added: bool = False
     # A stream's idle timeout (the tenant's, else the proxy's): the longest
     # gap between chunks, the first included; None for no stream, or none set.
     idle_timeout_s: float | None = None
@@ -287,6 +298,7 @@ class Pipeline:
         stream_idle_timeout: float | None = None,
         stalls: Stalls | None = None,
         tracer: RequestTracer | None = None,
+        origin_stream_usage: bool = True,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -298,6 +310,9 @@ class Pipeline:
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
         self.stream_idle_timeout = stream_idle_timeout
+        # Ask the origin for every chat and completions stream's usage
+        # (--origin-stream-usage always), not only for those whose client asks.
+        self.origin_stream_usage = origin_stream_usage
         # Streams stalled on an origin the table marks unhealthy end sooner.
         self.stalls = stalls or Stalls(None)
         self.tracer = tracer
@@ -426,6 +441,12 @@ class Pipeline:
             own = ex.tenant.streams.idle_timeout_s
             ex.idle_timeout_s = own or self.stream_idle_timeout
             ex.idle_timeout_own = bool(own)
+            # Responses streams always end with their usage.
+            ex.usage_added = (
+                self.origin_stream_usage
+                and ex.endpoint.name in CONTINUABLE
+                and not asks_usage(ex.body)
+            )
 
     @staticmethod
     def pin(ex: Exchange) -> None:
@@ -610,7 +631,10 @@ class Pipeline:
                 code="no_healthy_origin",
                 headers={"retry-after": "5"},
             )
-        body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
+        if ex.usage_added:
+            body = with_usage_asked(ex.body, None if ex.rewritten else ex.raw)
+        else:
+            body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
         headers = forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
         sent = Sent()
         try:
@@ -962,6 +986,7 @@ class Pipeline:
                 watch=watch,
                 whole=whole,
                 shown=shown,
+                trim=for_unasked if ex.usage_added else None,
             )
         except asyncio.CancelledError:
             # The client left (or the proxy stopped) during the stream: the

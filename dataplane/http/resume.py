@@ -39,7 +39,7 @@ from dataplane.streaming.splice import (
     read_state,
 )
 from dataplane.streaming.sse import Event
-from dataplane.streaming.usage import UsageCounter, asks_usage
+from dataplane.streaming.usage import UsageCounter, asks_usage, with_usage_asked
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 
 if TYPE_CHECKING:
@@ -128,12 +128,15 @@ class Continuations:
         if not candidates:
             self._give_up(cut, "no other origin accepts continuations")
             return None
+        # Asked for its usage as the first call was: the client is shown none
+        # of it either way (the relay's trim), and the summed usage counts.
+        payload = with_usage_asked(body, None) if ex.usage_added else jsonio.dumps(body)
         headers = self._forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
         sent = Sent()
         try:
             answer = await self._forwarder.forward(
                 ex.endpoint.upstream_path,
-                jsonio.dumps(body),
+                payload,
                 headers,
                 candidates,
                 stream=True,

@@ -277,6 +277,7 @@ class Proxy:
             stream_idle_timeout=settings.stream_idle_timeout,
             stalls=self.stalls,
             tracer=self.tracer,
+            origin_stream_usage=settings.origin_stream_usage,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),

@@ -186,12 +186,22 @@ async def test_a_bypass_says_why_in_headers_and_line_streamed_or_not(
 
 
 async def test_a_miss_for_want_of_usage_says_why_in_its_line(
-    logged: Stack, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    await (await logged.post(chat("usage later", stream=True))).read()
-    asks = chat("usage later", stream=True, stream_options={"include_usage": True})
-    await (await logged.post(asks)).read()
-    reasons = [(line["cache"], line["cache_reason"]) for line in lines(logged, capfd)]
+    # Only with the origin asked for usage when its client asks: by default
+    # every stream is recorded with it.
+    logged = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=6, seed=1)],
+        ["--access-log=on", "--origin-stream-usage=client"],
+    )
+    try:
+        await (await logged.post(chat("usage later", stream=True))).read()
+        asks = chat("usage later", stream=True, stream_options={"include_usage": True})
+        await (await logged.post(asks)).read()
+        reasons = [(line["cache"], line["cache_reason"]) for line in lines(logged, capfd)]
+    finally:
+        await logged.close()
     assert reasons == [("miss", None), ("miss", "no-usage")]
 
 

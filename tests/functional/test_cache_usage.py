@@ -3,8 +3,10 @@ cache too, and one that did not ask gets none (tests/functional/test_pipeline.py
 stack, the origin simulator, which sends usage only when asked, as OpenAI).
 
 The cache key leaves stream_options out, so one entry serves both kinds of
-client: a stream recorded without usage cannot answer a client that asks, and is
-replaced by the answer recorded for it.
+client. By default the proxy asks the origin for every stream's usage
+(--origin-stream-usage always), so every stream is recorded with it; with
+`client`, a stream recorded without usage cannot answer a client that asks, and
+is replaced by the answer recorded for it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,19 @@ USAGE = {"stream": True, "stream_options": {"include_usage": True}}
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    """Origins asked for usage only when the client asks: streams recorded without it."""
+    s = await start_stack(
+        tmp_path,
+        [SimConfig(name="o1", answer_tokens=6, seed=1)],
+        ["--origin-stream-usage=client"],
+    )
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def asking(tmp_path: Path) -> AsyncIterator[Stack]:
+    """Every stream's usage asked of the origin (the default)."""
     s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)])
     yield s
     await s.close()
@@ -83,6 +98,29 @@ async def test_a_stream_cached_without_usage_is_refreshed_for_a_client_that_asks
         "ponto_cache_requests_total", {"result": "miss", "kind": "no-usage"}
     )
     assert requests == 1
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+async def test_a_stream_of_a_client_that_did_not_ask_is_recorded_with_the_origins_usage(
+    asking: Stack, endpoint: str
+) -> None:
+    """The simulator, as OpenAI, marks every chunk of a stream asked for
+    usage with `"usage": null`: the client that did not ask sees none of it,
+    nor the usage chunk, as from the cache; the entry answers every client."""
+    plain = await post(asking, endpoint, request(endpoint, "count to three", stream=True))
+    assert plain.headers["x-ponto-cache"] == "miss"
+    assert all("usage" not in c and c["choices"] for c in await chunks_of(plain))
+
+    asks = await post(asking, endpoint, request(endpoint, "count to three", **USAGE))
+    assert asks.headers["x-ponto-cache"] == "hit"
+    assert usage_of(await chunks_of(asks))["completion_tokens"] == 6
+    whole = await post(asking, endpoint, request(endpoint, "count to three"))
+    assert whole.headers["x-ponto-cache"] == "hit"
+    assert (await whole.json())["usage"]["completion_tokens"] == 6
+    plain_again = await post(asking, endpoint, request(endpoint, "count to three", stream=True))
+    assert plain_again.headers["x-ponto-cache"] == "hit"
+    assert await plain_again.read() == await plain.read()
+    assert asking.origin_requests() == 1
 
 
 @pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])

@@ -369,8 +369,10 @@ async def test_without_a_usage_chunk_the_continuation_prompt_is_still_charged(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:
     a, b = await first_origin("cut"), await second_origin()
-    p = await proxy([(a, True), (b, True)])
+    # Origins asked for usage only when the client asks: none is sent here.
+    p = await proxy([(a, True), (b, True)], extra=["--origin-stream-usage=client"])
     chunks, _ = await p.stream(stream_options=None)
+    assert b.bodies[0]["stream_options"] is None  # as the client sent it
     assert text_of(chunks) == "Hello world"
     assert all(c.get("usage") is None for c in chunks)
     estimate = estimate_prompt_tokens("chat.completions", a.bodies[0])
@@ -379,6 +381,24 @@ async def test_without_a_usage_chunk_the_continuation_prompt_is_still_charged(
     # two tokens already sent; completion: the events that carried text.
     assert metrics.tenant_tokens.labels("default", "-", "prompt").value == 2 * estimate + 2
     assert metrics.tenant_tokens.labels("default", "-", "completion").value == 4
+
+
+async def test_a_continued_stream_is_counted_by_the_usage_its_client_did_not_ask_for(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """--origin-stream-usage always (the default): the continuation is asked
+    for its usage too, which the proxy sums with the first call's prompt
+    and counts; the client, which did not ask, is shown none of it."""
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, True)])
+    chunks, raw = await p.stream(stream_options=None)
+    assert text_of(chunks) == "Hello world"
+    assert '"usage"' not in raw
+    assert a.bodies[0]["stream_options"] == b.bodies[0]["stream_options"] == {"include_usage": True}
+    metrics = p.app[METRICS]
+    # As the summed usage a client that asked gets (see the first test).
+    assert metrics.tenant_tokens.labels("default", "-", "prompt").value == 12 + 10
+    assert metrics.tenant_tokens.labels("default", "-", "completion").value == 2 + 2
 
 
 @pytest.mark.parametrize("usage", [True, False], ids=["include-usage", "no-usage"])

@@ -24,11 +24,11 @@ def sample(stack: Stack, name: str, **labels: str) -> float:
     return stack.app[METRICS].registry.get_sample_value(name, labels) or 0.0
 
 
-async def proxy(tmp_path: Path, name: str, url: str) -> Stack:
+async def proxy(tmp_path: Path, name: str, url: str, *flags: str) -> Stack:
     state = tmp_path / name
     state.mkdir()
     config = SimConfig(name=f"origin-{name}", answer_tokens=6, seed=1)
-    return await start_stack(state, [config], [f"--redis={url}"])
+    return await start_stack(state, [config], [f"--redis={url}", *flags])
 
 
 @pytest.fixture
@@ -221,21 +221,38 @@ async def test_redis_killed_under_load_fails_no_request(
     assert sum(sample(s, "ponto_cache_hits_total", tier="region") for s in pair) >= 1
 
 
+@pytest.mark.parametrize("usage", ["always", "client"])
 async def test_a_shared_stream_without_usage_is_no_hit_for_a_client_that_asks(
-    pair: tuple[Stack, Stack],
+    tmp_path: Path, own_redis: Redis, usage: str
 ) -> None:
-    a, b = pair
-    await (await a.post(chat("stream it", stream=True))).read()
-    region = a.app[PIPELINE].cache.region
-    assert region is not None
-    await region.flush()  # a's write to Redis runs after its answer
-    asks = await b.post(chat("stream it", stream=True, stream_options={"include_usage": True}))
-    assert (asks.headers["x-ponto-cache"], asks.headers["x-ponto-cache-reason"]) == (
-        "miss",
-        "no-usage",
-    )
-    assert b'"usage":{' in await asks.read()
-    assert b.origin_requests() == 1
+    """With --origin-stream-usage client, a stream whose client did not ask
+    is recorded without usage; by default the proxy asked its origin for it,
+    and the entry answers a client that asks on another proxy."""
+    flag = f"--origin-stream-usage={usage}"
+    a = await proxy(tmp_path, "a", own_redis.url, flag)
+    b = await proxy(tmp_path, "b", own_redis.url, flag)
+    try:
+        await (await a.post(chat("stream it", stream=True))).read()
+        region = a.app[PIPELINE].cache.region
+        assert region is not None
+        await region.flush()  # a's write to Redis runs after its answer
+        asks = await b.post(chat("stream it", stream=True, stream_options={"include_usage": True}))
+        if usage == "client":
+            assert (asks.headers["x-ponto-cache"], asks.headers["x-ponto-cache-reason"]) == (
+                "miss",
+                "no-usage",
+            )
+            assert b.origin_requests() == 1
+        else:
+            assert (asks.headers["x-ponto-cache"], asks.headers["x-ponto-cache-tier"]) == (
+                "hit",
+                "region",
+            )
+            assert b.origin_requests() == 0
+        assert b'"usage":{' in await asks.read()
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_a_whole_answer_does_not_wait_for_another_proxys_stream_without_usage(

@@ -59,9 +59,14 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 
 async def traced_stack(
-    tmp_path: Path, exporter: InMemorySpanExporter, configs: list[SimConfig] | None = None
+    tmp_path: Path,
+    exporter: InMemorySpanExporter,
+    configs: list[SimConfig] | None = None,
+    extra: list[str] | None = None,
 ) -> Stack:
-    stack = await start_stack(tmp_path, configs or [SimConfig(name="o1", answer_tokens=6, seed=1)])
+    stack = await start_stack(
+        tmp_path, configs or [SimConfig(name="o1", answer_tokens=6, seed=1)], extra
+    )
     stack.app[PIPELINE].tracer = tracing(exporter).tracer
     return stack
 
@@ -212,19 +217,30 @@ async def test_a_cache_hit_names_the_tokens_read_from_the_cache_and_calls_no_ori
     assert tree.attempts == []
 
 
+@pytest.mark.parametrize("usage", ["always", "client"])
 async def test_a_streamed_hit_without_usage_reports_the_estimated_prompt_read_from_the_cache(
-    stack: Stack, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: InMemorySpanExporter, usage: str
 ) -> None:
-    # Recorded without stream_options.include_usage: the cached stream states
-    # no usage, so the span carries the admission estimate, marked as one.
-    await read_sse(await stack.post(chat("stream twice", stream=True)))
-    resp = await stack.post(chat("stream twice", stream=True))
-    assert resp.headers["x-ponto-cache"] == "hit"
-    await read_sse(resp)
+    # Recorded without stream_options.include_usage: with the origin asked
+    # only when its client asks, the cached stream states no usage, so the
+    # span carries the admission estimate, marked as one. By default the
+    # origin was asked: the span has its counts.
+    stack = await traced_stack(tmp_path, exporter, extra=[f"--origin-stream-usage={usage}"])
+    try:
+        await read_sse(await stack.post(chat("stream twice", stream=True)))
+        resp = await stack.post(chat("stream twice", stream=True))
+        assert resp.headers["x-ponto-cache"] == "hit"
+        await read_sse(resp)
+    finally:
+        await stack.close()
     a = last_tree(exporter).attrs
     assert a["gen_ai.usage.cache_read.input_tokens"] == a["gen_ai.usage.input_tokens"] > 0
-    assert a["ponto.usage.estimated"] is True
-    assert "gen_ai.usage.output_tokens" not in a
+    if usage == "client":
+        assert a["ponto.usage.estimated"] is True
+        assert "gen_ai.usage.output_tokens" not in a
+    else:
+        assert "ponto.usage.estimated" not in a
+        assert a["gen_ai.usage.output_tokens"] == 6
 
 
 async def test_a_bypass_says_why(stack: Stack, exporter: InMemorySpanExporter) -> None:

@@ -554,6 +554,16 @@ async def test_valid_requests_reach_the_origin_unchanged(
     resp = await proxy.post("/v1/chat/completions", raw)
     await resp.read()
     assert resp.status == 200, await resp.text()
+    options = body.get("stream_options")
+    if body.get("stream") is True and not (options or {}).get("include_usage"):
+        # The usage its client did not ask for is asked of the origin
+        # (--origin-stream-usage always): after the opening brace, or in
+        # the client's stream_options, which are encoded again.
+        asked = {"stream_options": {"include_usage": True}}
+        if options is None:
+            raw = b"{" + orjson.dumps(asked)[1:-1] + b"," + raw[1:]
+        else:
+            raw = orjson.dumps({**body, **asked})
     assert proxy.seen[before:] == [("/v1/chat/completions", raw)]
 
 
