@@ -30,7 +30,12 @@ def compile_table(state: State) -> pb.RouteTable:
         health = state.health.get(origin.name)
         healthy = health.healthy if health else True
         load = health.inflight if health else 0.0
-        if healthy and not origin.drained and origin.capacity:
+        unmeasured = health.inflight_unknown if health else False
+        # An origin whose load is not read counts for neither the region's
+        # load nor its capacity: its 0 would hold the region back from
+        # spilling however full it is (trial 66: a llama.cpp origin with 8
+        # in flight read 0/4); its peers' load stands for the region's.
+        if healthy and not origin.drained and origin.capacity and not unmeasured:
             # A replica counts for its own capacity at most: one with a queue
             # (trial 33: 16 requests on a replica of 4) leaves its neighbours'
             # slots free, and spilling the whole region abroad for it would
@@ -53,6 +58,8 @@ def compile_table(state: State) -> pb.RouteTable:
                 credential_env=origin.credential_env,
                 credential_file=origin.credential_file,
                 no_continuation=not origin.continuation,
+                server_kind=health.server_kind if health else "",
+                inflight_unknown=unmeasured,
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):

@@ -2,7 +2,8 @@
 
 Each origin is probed every interval at its probe path (resolved against the
 origin's scheme://host:port, so vLLM's /health works) and its Prometheus
-metrics are read for vLLM's load gauges. Health changes after `rise`
+metrics are read for its server's kind and load (controlplane.load: vLLM,
+SGLang, llama.cpp, TGI). Health changes after `rise`
 consecutive successes or `fall` consecutive failures. Results are written to
 the store only when they change what proxies would do (health, or load by a
 tenth of capacity), so probing does not churn route tables. The fresh
@@ -26,7 +27,7 @@ import aiohttp
 
 from controlplane.catalog import Catalog
 from controlplane.errors import Unavailable
-from controlplane.load import parse_vllm
+from controlplane.load import Sample, parse_page
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth
 from controlplane.rounds import Defects
@@ -74,14 +75,29 @@ class _Track:
 
 
 def parse_load(text: str) -> float | None:
-    """Sum of vLLM's running and waiting gauges over all label sets; None if absent.
+    """Running plus waiting requests over all label sets, of whichever server
+    the page is of; None if it says neither (controlplane.load.parse_page)."""
+    return _inflight(parse_page(text))
 
-    The one vLLM page reader (controlplane.load.parse_vllm) reads them.
-    """
-    sample = parse_vllm(text)
+
+def _inflight(sample: Sample) -> float | None:
     if not sample.has_requests:
         return None
     return (sample.running or 0.0) + (sample.waiting or 0.0)
+
+
+def _load_fields(page: str | None, written: OriginHealth | None) -> tuple[float, str, bool]:
+    """(inflight, server_kind, inflight_unknown) of a metrics page as read
+    (see Prober._probe): those last written while it is untold."""
+    if page is None:
+        if written is None:
+            return 0.0, "", True
+        return written.inflight, written.server_kind, written.inflight_unknown
+    if not page:
+        return 0.0, "", True
+    sample = parse_page(page)
+    load = _inflight(sample)
+    return load or 0.0, sample.kind, load is None
 
 
 def root_of(base_url: str) -> str:
@@ -138,11 +154,14 @@ def worth_writing(
     seconds ago by this process; infinite when another wrote it): a first
     result, a flip of health, a new reason while unhealthy, or (with a stated
     capacity) a move of load by a tenth of it, at most every
-    LOAD_WRITE_INTERVAL_S."""
+    LOAD_WRITE_INTERVAL_S; while healthy, a new server kind, or load figures
+    that come or go."""
     if old is None or old.healthy != new.healthy:
         return True
     if not new.healthy:
         return old.detail != new.detail
+    if old.server_kind != new.server_kind or old.inflight_unknown != new.inflight_unknown:
+        return True  # what the operator reads of the origin's load changed
     if capacity:
         # A change of a tenth of capacity, not a crossing of a rounding edge:
         # jitter around an edge would otherwise push a table every probe.
@@ -203,7 +222,11 @@ class Prober:
     async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> None:
         track = self._tracks[origin.name]
         root = root_of(origin.base_url)
-        ok, detail, load = False, "", None
+        ok, detail = False, ""
+        # The metrics page as read: None while untold (not asked, or no
+        # answer in time: the last figures stand); a refusal (404, or
+        # llama.cpp's 501 without --metrics) reads as an empty page.
+        page: str | None = "" if not self._settings.metrics_path else None
         try:
             async with session.get(root + self._settings.path) as resp:
                 ok = resp.status < 400
@@ -212,8 +235,7 @@ class Prober:
             if ok and self._settings.metrics_path:
                 try:
                     async with session.get(root + self._settings.metrics_path) as resp:
-                        if resp.status == 200:
-                            load = parse_load(await resp.text())
+                        page = await resp.text() if resp.status == 200 else ""
                 except (aiohttp.ClientError, TimeoutError):
                     pass  # no metrics is not a health failure
         except TimeoutError:
@@ -222,12 +244,15 @@ class Prober:
             detail = f"probe failed: {type(exc).__name__}"
         self._metrics.probed(origin.name, origin.region, ok=ok)
         judge(track, ok, detail, self._settings)
+        inflight, kind, unknown = _load_fields(page, track.written)
         new = OriginHealth(
             origin=origin.name,
             healthy=track.healthy,
-            inflight=load if load is not None else (track.written.inflight if track.written else 0),
+            inflight=inflight,
             detail=track.detail,
             checked_at=time.time(),
+            server_kind=kind,
+            inflight_unknown=unknown,
         )
         now = asyncio.get_running_loop().time()
         since = now - track.written_at

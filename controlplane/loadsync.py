@@ -37,7 +37,7 @@ import aiohttp
 
 from controlplane.distribute import Publisher
 from controlplane.health import ProbeSettings, root_of
-from controlplane.load import Figures, Sample, decode_loads, encode_loads, figures, parse_vllm
+from controlplane.load import Figures, Sample, decode_loads, encode_loads, figures, parse_page
 from controlplane.rounds import Defects
 from controlplane.store import Conflict, Fence, StateStore, StoreUnavailable
 from controlplane.store.base import follow
@@ -158,7 +158,7 @@ class LoadScraper:
         for (name, _), page in zip(wanted, pages, strict=True):
             if page is None:
                 continue
-            sample = parse_vllm(page)
+            sample = parse_page(page)
             if not sample.has_requests:
                 continue
             loads[name] = figures(sample, self._previous.get(name))

@@ -427,9 +427,15 @@ class OriginHealth:
 
     origin: str
     healthy: bool
-    inflight: float = 0.0  # running + waiting requests (vLLM metrics)
+    inflight: float = 0.0  # running + waiting requests (controlplane.load)
     detail: str = ""
     checked_at: float = 0.0
+    # The server its metrics page shows (controlplane.load.KINDS); "" until
+    # a page was read.
+    server_kind: str = ""
+    # No load figures were read: `inflight` is 0 but not measured. False in
+    # a record written before the field (whose inflight was as measured).
+    inflight_unknown: bool = False
 
 
 @dataclass(frozen=True, slots=True)

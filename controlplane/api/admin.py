@@ -26,7 +26,7 @@ from controlplane.distribute import Publisher
 from controlplane.ejections import fleet_ejections
 from controlplane.errors import ChangedSinceRead, InvalidArgument, Unavailable
 from controlplane.fleetstate import unknown_why
-from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
+from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
 from controlplane.messages import (
     cache_of,
     jwt_of,
@@ -141,14 +141,18 @@ async def drain_warned(
 
 
 async def _fleet_warnings(catalog: Catalog) -> Sequence[str]:
-    return fleet_warnings(await catalog.list_proxies(traffic=False))
+    return (
+        *fleet_warnings(await catalog.list_proxies(traffic=False)),
+        *origin_warnings(await catalog.continuing_kinds()),
+    )
 
 
 def fleet_warned(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     """Add to a write's warnings (after its own, in the same trailing
     metadata) those of controlplane.fleetwarnings: proxies refusing the route
-    table, which the write will not reach either, and what proxies cannot use
-    of it. Read after the write succeeded, `checked`."""
+    table, which the write will not reach either, what proxies cannot use
+    of it, and origins with continuation on that cannot continue. Read after
+    the write succeeded, `checked`."""
 
     @functools.wraps(fn)
     async def call(self: AdminService, request: Any, context: Ctx) -> R:
@@ -196,6 +200,8 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         credential_env=o.credential_env,
         credential_file=o.credential_file,
         no_continuation=not o.continuation,
+        server_kind=health.server_kind if health else "",
+        inflight_unknown=health.inflight_unknown if health else False,
     )
 
 

@@ -217,6 +217,8 @@ class Origin(_message.Message):
     CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
     CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
     NO_CONTINUATION_FIELD_NUMBER: _builtins.int
+    SERVER_KIND_FIELD_NUMBER: _builtins.int
+    INFLIGHT_UNKNOWN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -242,6 +244,18 @@ class Origin(_message.Message):
     for completions). Negative so that a table without the field (an older
     control plane's, a saved one) keeps the default: continuations on.
     """
+    server_kind: _builtins.str
+    """The inference server its metrics page shows ("vllm", "sglang",
+    "llamacpp", "tgi"; "unknown": a page without any server's load figures
+    Ponto reads), as the probes last read it; "" until a page was read (none
+    is, without a metrics path or when the page is refused).
+    """
+    inflight_unknown: _builtins.bool
+    """No load figures were read from the origin (see server_kind): `inflight`
+    is 0 but not measured, and the origin's region cannot tell when to spill
+    for it. Negative so that a table without the field keeps the meaning
+    it had: measured.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -260,10 +274,12 @@ class Origin(_message.Message):
         credential_env: _builtins.str = ...,
         credential_file: _builtins.str = ...,
         no_continuation: _builtins.bool = ...,
+        server_kind: _builtins.str = ...,
+        inflight_unknown: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

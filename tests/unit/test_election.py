@@ -479,6 +479,25 @@ def test_a_replica_counts_for_its_capacity_at_most() -> None:
     assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(1.0)
 
 
+def test_a_replica_whose_load_is_not_read_is_not_the_regions_capacity() -> None:
+    """Trial 66: a replica whose metrics page gave no load figures counted as
+    idle, holding its region back from spilling however busy it was."""
+    state = State(
+        3,
+        (EU,),
+        (origin("a", capacity=4), origin("b", capacity=4)),
+        {
+            "a": OriginHealth("a", True, 4, server_kind="vllm"),
+            "b": OriginHealth("b", True, 0, server_kind="unknown", inflight_unknown=True),
+        },
+    )
+    table = compile_table(state)
+    assert compiled_region(table, "eu-west").load == pytest.approx(1.0)  # a's 4 of its 4
+    b = next(o for o in table.origins if o.name == "b")
+    assert (b.server_kind, b.inflight_unknown) == ("unknown", True)
+    assert next(o for o in table.origins if o.name == "a").server_kind == "vllm"
+
+
 def test_a_drained_replica_is_not_the_regions_capacity() -> None:
     drained = replace(origin("a"), drained=True)
     state = State(

@@ -276,6 +276,24 @@ def test_tiny_load_jitter_is_not_written() -> None:
     assert worth_writing(health(True, 6), health(True, 16), 100, LATER)
 
 
+def test_a_new_server_kind_or_load_figures_coming_or_going_are_written() -> None:
+    # Even within the interval, and without capacity: they change what
+    # `get origins` and the status page say of the origin's load.
+    vllm = OriginHealth("o1", healthy=True, inflight=3, server_kind="vllm")
+    unread = OriginHealth("o1", healthy=True, server_kind="unknown", inflight_unknown=True)
+    assert worth_writing(vllm, unread, 0, 0.1)
+    assert worth_writing(unread, vllm, 0, 0.1)
+    assert worth_writing(vllm, OriginHealth("o1", healthy=True, inflight=3, server_kind="tgi"), 0)
+    assert not worth_writing(vllm, vllm, 0, 0.1)
+
+
+def test_parse_load_reads_every_servers_requests() -> None:
+    llamacpp = "llamacpp:requests_processing 3\nllamacpp:requests_deferred 5\n"
+    assert parse_load(llamacpp) == 8.0
+    assert parse_load('sglang:num_running_reqs{model_name="m"} 2.0\n') == 2.0
+    assert parse_load("tgi_queue_size 1\ntgi_batch_current_size 4\n") == 5.0
+
+
 # ---------------------------------------------------------------- Prober, real servers
 
 
@@ -421,7 +439,7 @@ async def test_prober_hysteresis_with_default_rise_fall(
     assert "500" in two.detail
 
 
-async def test_prober_without_metrics_keeps_zero_load(session: aiohttp.ClientSession) -> None:
+async def test_prober_without_metrics_has_an_unknown_load(session: aiohttp.ClientSession) -> None:
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -441,6 +459,48 @@ async def test_prober_without_metrics_keeps_zero_load(session: aiohttp.ClientSes
     assert h is not None
     assert h.healthy  # missing metrics is not a health failure
     assert h.inflight == 0.0
+    assert h.inflight_unknown  # ... but that 0 is not measured
+    assert h.server_kind == ""
+
+
+LLAMACPP_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 33065
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 3
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 5
+"""
+
+
+async def test_prober_reads_a_llamacpp_origins_load_and_kind(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    """Trial 66: a llama.cpp origin with 8 in flight (3 processing, 5
+    deferred) read 0: only vllm: names were read."""
+    origin, _ = fake_origin
+    origin.metrics = LLAMACPP_METRICS
+    catalog, prober = await one_origin(fake_origin)
+    await probe(prober, session)
+    h = await stored(catalog, "o1")
+    assert h is not None
+    assert (h.inflight, h.server_kind, h.inflight_unknown) == (8.0, "llamacpp", False)
+
+
+async def test_prober_says_when_a_page_has_no_load_figures(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    origin, _ = fake_origin
+    catalog, prober = await one_origin(fake_origin)
+    await probe(prober, session)
+    origin.metrics = "# TYPE process_open_fds gauge\nprocess_open_fds 12\n"
+    await probe(prober, session)  # within the load interval: written at once
+    h = await stored(catalog, "o1")
+    assert h is not None
+    assert (h.inflight, h.server_kind, h.inflight_unknown) == (0.0, "unknown", True)
 
 
 async def test_prober_writes_nothing_when_not_allowed(

@@ -1,4 +1,5 @@
-"""controlplane.load: vLLM's metrics page -> load figures, prefix-cache deltas, encoding."""
+"""controlplane.load: a server's metrics page -> kind, load figures, prefix-cache deltas,
+encoding (vLLM, SGLang, llama.cpp server, TGI)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import time
 import pytest
 
 from controlplane.load import (
+    LLAMACPP,
+    SGLANG,
+    TGI,
     UNKNOWN,
+    UNKNOWN_KIND,
+    VLLM,
     Figures,
     Sample,
+    continuation_warning,
     decode_loads,
     encode_loads,
     figures,
-    parse_vllm,
+    parse_page,
     prefix_hit_rate,
 )
 
@@ -84,11 +91,11 @@ vllm:gpu_prefix_cache_hit_rate{{model_name="{MODEL}"}} 0.25
 """
 
 
-# ---------------------------------------------------------------- parse_vllm
+# ---------------------------------------------------------------- parse_page
 
 
 def test_v1_page_sums_requests_and_takes_the_fullest_engines_kv_cache() -> None:
-    sample = parse_vllm(v1_page())
+    sample = parse_page(v1_page())
     assert sample.running == 5.0
     assert sample.waiting == 4.0
     assert sample.kv_cache_usage == 0.42
@@ -98,11 +105,11 @@ def test_v1_page_sums_requests_and_takes_the_fullest_engines_kv_cache() -> None:
 
 
 def test_v0_page_reads_the_legacy_names() -> None:
-    sample = parse_vllm(V0_PAGE)
+    sample = parse_page(V0_PAGE)
     assert (sample.running, sample.waiting) == (2.0, 5.0)  # swapped is not counted
     assert sample.kv_cache_usage == 0.875  # gpu_, not cpu_cache_usage_perc
     assert sample.prefix_hit_rate_gauge == 0.25
-    assert sample.prefix_family == -1
+    assert sample.prefix_family is None
     assert prefix_hit_rate(sample, None) == 0.25
 
 
@@ -117,7 +124,7 @@ def test_negative_counts_are_not_measurements() -> None:
         f'vllm:prefix_cache_queries_total{{model_name="{MODEL}"}} 10\n'
         f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.5\n'
     )
-    sample = parse_vllm(text)
+    sample = parse_page(text)
     assert sample.running == 2.0
     assert sample.waiting is None
     assert sample.prefix_hits is None  # so the pair is not read
@@ -130,7 +137,7 @@ def test_the_v1_kv_gauge_wins_over_the_legacy_one() -> None:
         f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.3\n'
         "vllm:num_requests_running 0\n"
     )
-    assert parse_vllm(text).kv_cache_usage == 0.3
+    assert parse_page(text).kv_cache_usage == 0.3
 
 
 @pytest.mark.parametrize(
@@ -149,7 +156,7 @@ def test_every_prefix_counter_naming_is_read(hits: str, queries: str) -> None:
         f'{queries}{{engine="0",model_name="{MODEL}"}} 100\n'
         f'{queries}{{engine="1",model_name="{MODEL}"}} 60\n'
     )
-    sample = parse_vllm(text)
+    sample = parse_page(text)
     assert (sample.prefix_hits, sample.prefix_queries) == (40.0, 160.0)
 
 
@@ -159,14 +166,14 @@ def test_created_series_are_not_counters() -> None:
         "vllm:prefix_cache_queries_created 1.7e9\n"
         "vllm:num_requests_running 1\n"
     )
-    sample = parse_vllm(text)
-    assert sample.prefix_hits is None and sample.prefix_family == -1
+    sample = parse_page(text)
+    assert sample.prefix_hits is None and sample.prefix_family is None
 
 
 def test_counters_of_one_family_only() -> None:
     # Hits of one naming and queries of another are not a pair.
     text = "vllm:prefix_cache_hits_total 5\nvllm:gpu_prefix_cache_queries_total 10\n"
-    sample = parse_vllm(text)
+    sample = parse_page(text)
     assert sample.prefix_hits is None and sample.prefix_queries is None
 
 
@@ -181,7 +188,7 @@ def test_nan_inf_and_malformed_values_are_skipped() -> None:
         "vllm:num_requests_waiting\n"
         'vllm:num_requests_waiting{model_name="unterminated 3\n'
     )
-    sample = parse_vllm(text)
+    sample = parse_page(text)
     assert sample.running == 2.0
     assert sample.waiting is None
     assert sample.kv_cache_usage is None
@@ -193,7 +200,7 @@ def test_label_values_with_spaces_and_braces_and_a_timestamp() -> None:
         'vllm:num_requests_running{model_name="my model } v2",engine="0"} 6 1712345678000\n'
         "vllm:num_requests_waiting 1.5 1712345678000\n"
     )
-    sample = parse_vllm(text)
+    sample = parse_page(text)
     assert (sample.running, sample.waiting) == (6.0, 1.5)
 
 
@@ -204,13 +211,13 @@ def test_negative_ratios_are_unknown() -> None:
         f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} -1\n'
         "vllm:num_requests_running 0\n"
     )
-    sample = parse_vllm(text)
+    sample = parse_page(text)
     assert sample.kv_cache_usage is None
     assert sample.prefix_hit_rate_gauge is None
 
 
 def test_ratios_are_clamped_to_one() -> None:
-    sample = parse_vllm('vllm:kv_cache_usage_perc{model_name="m"} 1.0000001\n')
+    sample = parse_page('vllm:kv_cache_usage_perc{model_name="m"} 1.0000001\n')
     assert sample.kv_cache_usage == 1.0
 
 
@@ -228,17 +235,17 @@ def test_ratios_are_clamped_to_one() -> None:
     ids=["empty", "help-and-type-only", "no-request-gauges", "html", "not-vllm"],
 )
 def test_pages_without_request_gauges_are_no_load(text: str) -> None:
-    assert not parse_vllm(text).has_requests
+    assert not parse_page(text).has_requests
 
 
 def test_zero_requests_are_a_load() -> None:
-    sample = parse_vllm('vllm:num_requests_waiting{model_name="m"} 0.0\n')
+    sample = parse_page('vllm:num_requests_waiting{model_name="m"} 0.0\n')
     assert sample.has_requests
     assert figures(sample, None) == Figures(0.0, 0.0, UNKNOWN, UNKNOWN)
 
 
 def test_crlf_line_ends() -> None:
-    sample = parse_vllm("vllm:num_requests_running 2\r\nvllm:num_requests_waiting 1\r\n")
+    sample = parse_page("vllm:num_requests_running 2\r\nvllm:num_requests_waiting 1\r\n")
     assert (sample.running, sample.waiting) == (2.0, 1.0)
 
 
@@ -247,18 +254,206 @@ def test_a_large_page_parses_quickly() -> None:
     # are split. A bound that catches a quadratic slip, not a benchmark.
     page = v1_page() * 200  # ~8,000 lines, ~1 MB
     started = time.perf_counter()
-    sample = parse_vllm(page)
+    sample = parse_page(page)
     elapsed = time.perf_counter() - started
     assert sample.running == 5.0 * 200
     assert elapsed < 1.0, elapsed
+
+
+# ---------------------------------------------------------------- other servers
+
+
+def sglang_page(
+    running: tuple[float, float] = (3.0, 1.0),
+    queued: tuple[float, float] = (5.0, 2.0),
+    usage: tuple[str, str] = ("0.28", "0.61"),
+    cached: float = 3000.0,
+    prompt: float = 10000.0,
+    hit_rate: str = "0.0075",
+) -> str:
+    """An SGLang page of two data-parallel ranks, as prometheus_client writes
+    it (names from sglang/srt/metrics/collector.py)."""
+    lines = []
+    for rank in range(2):
+        labels = f'model_name="{MODEL}",engine_type="unified",dp_rank="{rank}"'
+        lines += [
+            "# HELP sglang:num_running_reqs The number of running requests.",
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{{{labels}}} {running[rank]}",
+            "# HELP sglang:num_used_tokens The number of used tokens.",
+            "# TYPE sglang:num_used_tokens gauge",
+            f"sglang:num_used_tokens{{{labels}}} 45210.0",
+            "# HELP sglang:token_usage The token usage.",
+            "# TYPE sglang:token_usage gauge",
+            f"sglang:token_usage{{{labels}}} {usage[rank]}",
+            "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs{{{labels}}} {queued[rank]}",
+            "# HELP sglang:cache_hit_rate The prefix cache hit rate.",
+            "# TYPE sglang:cache_hit_rate gauge",
+            f"sglang:cache_hit_rate{{{labels}}} {hit_rate}",
+        ]
+    labels = f'model_name="{MODEL}"'
+    lines += [
+        "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
+        "# TYPE sglang:prompt_tokens_total counter",
+        f"sglang:prompt_tokens_total{{{labels}}} {prompt}",
+        f"sglang:prompt_tokens_created{{{labels}}} 1.7123456789e+09",
+        "# HELP sglang:cached_tokens_total Number of cached prompt tokens by source.",
+        "# TYPE sglang:cached_tokens_total counter",
+        f'sglang:cached_tokens_total{{{labels},cache_source="device"}} {cached * 0.75}',
+        f'sglang:cached_tokens_total{{{labels},cache_source="host"}} {cached * 0.25}',
+        "# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.",
+        "# TYPE sglang:time_to_first_token_seconds histogram",
+        f'sglang:time_to_first_token_seconds_bucket{{le="0.1",{labels}}} 3.0',
+        f'sglang:time_to_first_token_seconds_bucket{{le="+Inf",{labels}}} 9.0',
+        f"sglang:time_to_first_token_seconds_count{{{labels}}} 9.0",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def llamacpp_page(processing: int = 3, deferred: int = 5, kv: str | None = None) -> str:
+    """llama.cpp server's /metrics (with --metrics) as its server writes it:
+    each metric unlabelled, "llamacpp:" before every name. `kv`: builds before
+    the unified KV cache also wrote kv_cache_usage_ratio."""
+    metrics = [
+        ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", "33065"),
+        ("prompt_seconds_total", "counter", "Prompt process time", "235.743"),
+        ("tokens_predicted_total", "counter", "Number of generation tokens processed.", "7801"),
+        ("n_decode_total", "counter", "Total number of llama_decode() calls", "7811"),
+        ("n_busy_slots_per_decode", "counter", "Average number of busy slots", "2.91"),
+        ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.", "140.2"),
+        ("predicted_tokens_seconds", "gauge", "Average generation throughput.", "38.1"),
+        *([("kv_cache_usage_ratio", "gauge", "KV-cache usage.", kv)] if kv is not None else []),
+        ("requests_processing", "gauge", "Number of requests processing.", str(processing)),
+        ("requests_deferred", "gauge", "Number of requests deferred.", str(deferred)),
+    ]
+    lines = []
+    for name, kind, help_text, value in metrics:
+        lines += [
+            f"# HELP llamacpp:{name} {help_text}",
+            f"# TYPE llamacpp:{name} {kind}",
+            f"llamacpp:{name} {value}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def tgi_page(batch: int | None = 4, queue: int | None = 6) -> str:
+    """TGI's /metrics as its router's exporter (metrics-exporter-prometheus)
+    writes it; a gauge appears once TGI first set it."""
+    lines = [
+        "# TYPE tgi_request_count counter",
+        "tgi_request_count 42",
+        "# TYPE tgi_request_success counter",
+        "tgi_request_success 31",
+    ]
+    if queue is not None:
+        lines += ["# TYPE tgi_queue_size gauge", f"tgi_queue_size {queue}"]
+    if batch is not None:
+        lines += [
+            "# TYPE tgi_batch_current_size gauge",
+            f"tgi_batch_current_size {batch}",
+            "# TYPE tgi_batch_current_max_tokens gauge",
+            "tgi_batch_current_max_tokens 8192",
+        ]
+    lines += [
+        "# TYPE tgi_request_duration histogram",
+        'tgi_request_duration_bucket{le="0.5"} 12',
+        'tgi_request_duration_bucket{le="+Inf"} 31',
+        "tgi_request_duration_sum 48.2",
+        "tgi_request_duration_count 31",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def test_every_servers_page_says_its_kind() -> None:
+    assert parse_page(v1_page()).kind == VLLM
+    assert parse_page(V0_PAGE).kind == VLLM
+    assert parse_page(sglang_page()).kind == SGLANG
+    assert parse_page(llamacpp_page()).kind == LLAMACPP
+    assert parse_page(tgi_page()).kind == TGI
+    for other in ("", "process_open_fds 12\n", "<html>Not Found</html>", "# only comments\n"):
+        assert parse_page(other).kind == UNKNOWN_KIND
+
+
+def test_llamacpp_processing_runs_and_deferred_waits() -> None:
+    # Trial 66: 8 requests in flight at a llama.cpp origin of capacity 4 read
+    # 0/4, its page being read for vllm: names alone.
+    sample = parse_page(llamacpp_page(processing=3, deferred=5))
+    assert sample.has_requests
+    assert figures(sample, None) == Figures(3.0, 5.0, UNKNOWN, UNKNOWN)
+    # Older builds say their KV-cache usage too.
+    assert parse_page(llamacpp_page(kv="0.63")).kv_cache_usage == 0.63
+
+
+def test_sglang_sums_ranks_takes_the_fullest_and_reads_the_cached_token_counters() -> None:
+    sample = parse_page(sglang_page())
+    assert (sample.running, sample.waiting) == (4.0, 7.0)
+    assert sample.kv_cache_usage == 0.61  # the fuller rank's token usage
+    # cached over prompt tokens, summed over cache sources, between scrapes
+    before = parse_page(sglang_page(cached=3000.0, prompt=10000.0))
+    now = parse_page(sglang_page(cached=3600.0, prompt=11000.0))
+    assert prefix_hit_rate(now, before) == pytest.approx(0.6)
+
+
+def test_sglang_without_the_counters_has_its_hit_rate_gauge() -> None:
+    page = "\n".join(line for line in sglang_page().split("\n") if "cached_tokens" not in line)
+    assert prefix_hit_rate(parse_page(page), None) == pytest.approx(0.0075)
+
+
+def test_counters_of_another_server_are_no_base_for_a_delta() -> None:
+    # An origin replaced by another server under the same name: its vLLM
+    # counters and SGLang's count different things.
+    before = parse_page(v1_page(hits=(1000.0, 0.0), queries=(4000.0, 0.0)))
+    assert prefix_hit_rate(parse_page(sglang_page()), before) == UNKNOWN
+
+
+def test_tgi_batch_runs_and_queue_waits_without_kv_or_prefix_figures() -> None:
+    sample = parse_page(tgi_page(batch=4, queue=6))
+    assert figures(sample, None) == Figures(4.0, 6.0, UNKNOWN, UNKNOWN)
+
+
+def test_a_tgi_page_without_its_gauges_has_queued_nothing_yet() -> None:
+    # TGI creates a gauge when it first sets it: none yet is none queued.
+    sample = parse_page(tgi_page(batch=None, queue=None))
+    assert sample.has_requests
+    assert (sample.running, sample.waiting) == (0.0, 0.0)
+    assert parse_page(tgi_page(batch=None, queue=3)).running is None
+    assert parse_page(tgi_page(batch=None, queue=3)).waiting == 3.0
+
+
+def test_a_sglang_page_without_request_gauges_is_no_load() -> None:
+    # Unlike TGI, SGLang's absent gauges are not known to mean zero.
+    page = "\n".join(line for line in sglang_page().split("\n") if "_reqs" not in line)
+    sample = parse_page(page)
+    assert sample.kind == SGLANG and not sample.has_requests
+
+
+def test_only_the_pages_own_servers_lines_are_read() -> None:
+    # A vLLM page that happens to carry another exporter's llamacpp: line
+    # (a sidecar's) is read as vLLM only.
+    page = v1_page() + "llamacpp:requests_deferred 50\n"
+    sample = parse_page(page)
+    assert sample.kind == VLLM and sample.waiting == 4.0
+
+
+def test_continuation_warning_names_the_fix_for_servers_that_cannot_continue() -> None:
+    for kind in (TGI, LLAMACPP):
+        warning = continuation_warning("gpu-1", kind)
+        assert "garbled" in warning
+        assert "pontoctl origin add gpu-1 --update --continuation off" in warning
+    for kind in (VLLM, SGLANG, UNKNOWN_KIND, ""):
+        assert continuation_warning("gpu-1", kind) == ""
 
 
 # ---------------------------------------------------------------- prefix hit rate
 
 
 def test_hit_rate_is_the_delta_between_scrapes() -> None:
-    before = parse_vllm(v1_page(hits=(1000.0, 0.0), queries=(4000.0, 0.0)))
-    now = parse_vllm(v1_page(hits=(1300.0, 100.0), queries=(4500.0, 300.0)))
+    before = parse_page(v1_page(hits=(1000.0, 0.0), queries=(4000.0, 0.0)))
+    now = parse_page(v1_page(hits=(1300.0, 100.0), queries=(4500.0, 300.0)))
     assert prefix_hit_rate(now, before) == pytest.approx(400 / 800)
 
 
@@ -266,17 +461,17 @@ def test_hit_rate_is_the_delta_between_scrapes() -> None:
     ("before", "why"),
     [
         (None, "first scrape"),
-        (parse_vllm(v1_page(hits=(1024.0, 0.0), queries=(4096.0, 0.0))), "no queries since"),
-        (parse_vllm(v1_page(hits=(5000.0, 0.0), queries=(9000.0, 0.0))), "counters reset"),
-        (parse_vllm(V0_PAGE), "previous page had no counters"),
+        (parse_page(v1_page(hits=(1024.0, 0.0), queries=(4096.0, 0.0))), "no queries since"),
+        (parse_page(v1_page(hits=(5000.0, 0.0), queries=(9000.0, 0.0))), "counters reset"),
+        (parse_page(V0_PAGE), "previous page had no counters"),
     ],
 )
 def test_hit_rate_unknown(before: Sample | None, why: str) -> None:
-    assert prefix_hit_rate(parse_vllm(v1_page()), before) == UNKNOWN, why
+    assert prefix_hit_rate(parse_page(v1_page()), before) == UNKNOWN, why
 
 
 def test_hit_rate_without_counters_or_gauge_is_unknown() -> None:
-    sample = parse_vllm("vllm:num_requests_running 1\n")
+    sample = parse_page("vllm:num_requests_running 1\n")
     assert prefix_hit_rate(sample, sample) == UNKNOWN
 
 
@@ -284,11 +479,11 @@ def test_hit_rate_without_counters_or_gauge_is_unknown() -> None:
 
 
 def test_figures_round_ratios_to_hundredths() -> None:
-    before = parse_vllm(v1_page(hits=(0.0, 0.0), queries=(0.0, 0.0)))
-    now = parse_vllm(v1_page(kv=("0.41234", "0.1"), hits=(1.0, 0.0), queries=(3.0, 0.0)))
+    before = parse_page(v1_page(hits=(0.0, 0.0), queries=(0.0, 0.0)))
+    now = parse_page(v1_page(kv=("0.41234", "0.1"), hits=(1.0, 0.0), queries=(3.0, 0.0)))
     assert figures(now, before) == Figures(5.0, 4.0, 0.41, 0.33)
     # A token more in the KV cache is no news.
-    nudged = parse_vllm(v1_page(kv=("0.41301", "0.1"), hits=(1.0, 0.0), queries=(3.0, 0.0)))
+    nudged = parse_page(v1_page(kv=("0.41301", "0.1"), hits=(1.0, 0.0), queries=(3.0, 0.0)))
     assert figures(nudged, before) == figures(now, before)
 
 
@@ -321,7 +516,7 @@ def test_undecodable_values_raise(raw: bytes) -> None:
 
 
 def test_nan_never_reaches_the_encoding() -> None:
-    sample = parse_vllm("vllm:num_requests_running NaN\nvllm:num_requests_waiting 2\n")
+    sample = parse_page("vllm:num_requests_running NaN\nvllm:num_requests_waiting 2\n")
     f = figures(sample, None)
     assert not any(math.isnan(v) for v in (f.running, f.waiting))
     assert decode_loads(encode_loads({"a": f}, 1.0), 1).loads[0].waiting == 2.0

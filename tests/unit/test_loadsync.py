@@ -123,6 +123,22 @@ async def test_round_writes_the_scraped_origins_and_the_scrape_time() -> None:
     }
 
 
+async def test_the_live_loads_of_servers_other_than_vllm_are_pushed_too() -> None:
+    """Trial 66: a llama.cpp origin's 3 processing and 5 deferred read as no
+    load at all; so would SGLang's and TGI's."""
+    leader = Leader()
+    await leader.lead()
+    leader.pages.by_origin = {
+        "a": "llamacpp:requests_processing 3\nllamacpp:requests_deferred 5\n",
+        "b": 'sglang:num_running_reqs{model_name="m"} 2.0\n'
+        'sglang:num_queue_reqs{model_name="m"} 1.0\n'
+        'sglang:token_usage{model_name="m"} 0.3\n',
+    }
+    await leader.scraper.round(leader.pages)
+    body, _ = await leader.written()
+    assert body["origins"] == {"a": [3.0, 5.0, UNKNOWN, UNKNOWN], "b": [2.0, 1.0, 0.3, UNKNOWN]}
+
+
 async def test_failed_scrapes_and_pages_without_gauges_are_left_out() -> None:
     leader = Leader()
     await leader.lead()
